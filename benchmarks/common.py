@@ -1,0 +1,64 @@
+"""Shared benchmark plumbing: the environment header, median timing, aligned tables, JSON."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Sequence
+
+
+def environment(seed: int, warmup: int, repeats: int, **extra) -> dict:
+    """What every benchmark prints first: device, versions, seed, warm-up and repeat counts."""
+    import torch
+    env = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else
+                  f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "seed": seed, "warmup": warmup, "repeats": repeats,
+    }
+    env.update(extra)
+    return env
+
+
+def print_environment(env: dict) -> None:
+    print("# " + "  ".join(f"{key}={value}" for key, value in env.items()), flush=True)
+
+
+def median_seconds(fn: Callable[[], None], warmup: int, repeats: int,
+                   sync: Callable[[], None] = lambda: None) -> float:
+    """Median wall time of ``repeats`` calls of ``fn`` after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    """One aligned line per row; floats get 3 significant decimals."""
+    def cell(value):
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+    widths = [max(len(col), *(len(cell(row.get(col, ""))) for row in rows)) for col in columns]
+    lines = [" | ".join(col.rjust(w) for col, w in zip(columns, widths))]
+    lines.append("-+-".join("-" * w for w in widths))
+    for row in rows:
+        lines.append(" | ".join(cell(row.get(col, "")).rjust(w) for col, w in zip(columns, widths)))
+    return "\n".join(lines)
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as out:
+        json.dump(payload, out, indent=2)
+    print(f"# wrote {path}")

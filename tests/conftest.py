@@ -1,0 +1,28 @@
+"""Shared test set-up: GPU tests skip cleanly without CUDA; hypothesis profiles.
+
+Profiles: ``ci`` (default, a few hundred examples per state machine, fits CI's budget) and
+``long`` (for local soak runs: ``HYPOTHESIS_PROFILE=long pytest``).
+"""
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", deadline=None, max_examples=5000,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _cuda_skip_reason():
+    from vmem.cuda import cuda_unavailable_reason
+    return cuda_unavailable_reason()
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = None
+    for item in items:
+        if "gpu" in item.keywords:
+            reason = reason or _cuda_skip_reason() or ""
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=f"GPU test: {reason}"))

@@ -1,0 +1,119 @@
+"""Host driver: reservations cost no memory, unmapped memory faults, cycles leak nothing."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import vmem
+
+GiB = 2**30
+
+
+def range_rss_bytes(address):
+    """Resident bytes of the /proc/self/smaps entries that lie inside a range from ``address``."""
+    rss_kib, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                inside = start >= address and start < address + 64 * GiB
+            elif inside and fields[0] == "Rss:":
+                rss_kib += int(fields[1])
+    return rss_kib * 1024
+
+
+def process_rss_bytes():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_64_gib_reservation_costs_no_memory_until_mapped():
+    driver = vmem.open_driver("host")
+    page_bytes = 2 * 2**20
+    rss_before = process_rss_bytes()
+    with vmem.PagePool(driver, 4, page_bytes) as pool, vmem.VirtualRange(pool, 64 * GiB) as rng:
+        assert rng.size_bytes == 64 * GiB  # more than this 24 GiB machine has
+        assert range_rss_bytes(rng.address) == 0
+        assert process_rss_bytes() - rss_before < 64 * 2**20
+        pages = pool.allocate(4)
+        for i, page in enumerate(pages):  # scattered across the 64 GiB
+            rng.map(i * (rng.num_pages // 4), page)
+            rng.tensor(i * (rng.num_pages // 4) * page_bytes, page_bytes).fill_(1)
+        # exactly the four touched pages are resident inside the range
+        assert range_rss_bytes(rng.address) == 4 * page_bytes
+        for i in range(4):
+            rng.unmap(i * (rng.num_pages // 4))
+        assert range_rss_bytes(rng.address) == 0
+
+
+def count_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def count_mappings():
+    with open("/proc/self/maps") as maps:
+        return sum(1 for _ in maps)
+
+
+def test_10000_map_unmap_cycles_leave_no_fds_or_mappings():
+    driver = vmem.open_driver("host")
+    page_bytes = 64 * 2**10
+    fds_before, maps_before = count_fds(), count_mappings()
+    with vmem.PagePool(driver, 8, page_bytes) as pool, vmem.VirtualRange(pool, 32 * page_bytes) as rng:
+        pages = pool.allocate(8)
+        for cycle in range(10_000):
+            index, page = (cycle * 7) % 32, pages[cycle % 8]
+            rng.map(index, page)
+            rng.unmap(index)
+        assert rng.num_mapped_pages == 0 and pool.mapped_pages == 0
+        for page in pages:
+            pool.release(page)
+    assert count_fds() == fds_before
+    assert count_mappings() == maps_before
+
+
+def test_pools_and_ranges_created_and_closed_leave_nothing_behind():
+    driver = vmem.open_driver("host")
+    fds_before, maps_before = count_fds(), count_mappings()
+    for _ in range(200):
+        with vmem.PagePool(driver, 2, 4096) as pool, vmem.VirtualRange(pool, 8192) as rng:
+            rng.map(1, pool.allocate(1)[0])
+    assert count_fds() == fds_before
+    assert count_mappings() == maps_before
+
+
+FAULT_SCRIPT = textwrap.dedent("""
+    import torch, vmem
+    driver = vmem.open_driver("host")
+    pool = vmem.PagePool(driver, 1, 4096)
+    rng = vmem.VirtualRange(pool, 2 * 4096)
+    rng.map(0, pool.allocate(1)[0])
+    rng.tensor(0, 4096).fill_(1)
+    print("mapped page read ok", flush=True)
+    {action}
+    print("UNREACHABLE", flush=True)
+""")
+
+
+def run_fault_script(action):
+    code = FAULT_SCRIPT.format(action=action)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def test_reading_an_unmapped_page_faults_instead_of_reading_zeros():
+    result = run_fault_script("print(rng.tensor(4096, 4096).sum())")
+    assert "mapped page read ok" in result.stdout
+    assert "UNREACHABLE" not in result.stdout
+    assert result.returncode == -11  # SIGSEGV: the page is really PROT_NONE
+
+
+def test_reading_an_unmapped_again_page_faults():
+    result = run_fault_script("rng.unmap(0); print(rng.tensor(0, 4096).sum())")
+    assert result.returncode == -11 and "UNREACHABLE" not in result.stdout

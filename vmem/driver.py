@@ -1,0 +1,103 @@
+"""The driver interface: the few virtual-memory primitives both backends provide.
+
+A driver is stateless bookkeeping-wise: it hands out raw addresses and physical-page handles
+and never remembers what is mapped where (``PagePool`` and ``VirtualRange`` do). Addresses are
+ints; sizes and offsets are bytes and must be multiples of ``granularity_bytes``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+from .errors import AlignmentError, VMemConfigError
+
+__all__ = ["Driver", "open_driver", "available_drivers"]
+
+
+class Driver(ABC):
+    """Reserve address ranges, create physical pages, map and unmap them, view bytes as tensors.
+
+    Guarantees: ``reserve`` costs no physical memory; touching an unmapped reserved address
+    faults (never reads zeros); one physical page may be mapped at many addresses at once and
+    every mapping shows the same bytes.
+    """
+
+    name: str = "abstract"
+
+    @property
+    @abstractmethod
+    def granularity_bytes(self) -> int:
+        """Smallest page size (and alignment) this driver maps."""
+
+    @property
+    @abstractmethod
+    def device(self) -> str:
+        """The torch device string tensors from ``tensor`` live on ("cpu", "cuda:0")."""
+
+    @abstractmethod
+    def reserve(self, size_bytes: int) -> int:
+        """Reserve ``size_bytes`` of address space (no memory behind it); returns the address."""
+
+    @abstractmethod
+    def free_reservation(self, address: int, size_bytes: int) -> None:
+        """Give back a reservation; nothing may be mapped in it any more."""
+
+    @abstractmethod
+    def create_pages(self, num_pages: int, page_bytes: int) -> Sequence[Any]:
+        """Create ``num_pages`` physical pages up front; returns one opaque handle per page."""
+
+    @abstractmethod
+    def release_pages(self, handles: Sequence[Any]) -> None:
+        """Destroy pages made by one ``create_pages`` call (none may still be mapped)."""
+
+    @abstractmethod
+    def map(self, address: int, handle: Any, page_bytes: int) -> None:
+        """Map the physical page ``handle`` read/write at ``address``."""
+
+    @abstractmethod
+    def unmap(self, address: int, page_bytes: int) -> None:
+        """Unmap ``page_bytes`` at ``address``; the addresses stay reserved and fault again."""
+
+    @abstractmethod
+    def tensor(self, address: int, num_bytes: int):
+        """A zero-copy uint8 torch tensor over ``num_bytes`` at ``address``."""
+
+    def copy(self, dst_address: int, src_address: int, num_bytes: int) -> None:
+        """Copy bytes between two mapped regions (used for copy-on-write)."""
+        self.tensor(dst_address, num_bytes).copy_(self.tensor(src_address, num_bytes))
+
+    def close(self) -> None:
+        """Release driver-wide resources (ranges and pools are closed by their owners)."""
+
+    def check_page_bytes(self, page_bytes: int) -> None:
+        """Raise AlignmentError unless ``page_bytes`` is a positive multiple of the granularity."""
+        gran = self.granularity_bytes
+        if not isinstance(page_bytes, int) or page_bytes <= 0 or page_bytes % gran:
+            raise AlignmentError(
+                f"page size {page_bytes!r} bytes is not a positive multiple of the "
+                f"{self.name} driver's granularity of {gran} bytes")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(device={self.device!r}, granularity_bytes={self.granularity_bytes})"
+
+
+def open_driver(kind: str = "auto", device_index: int | None = None) -> Driver:
+    """Open a driver: ``"host"`` (Linux mmap/memfd), ``"cuda"`` (CUDA VMM through cuda-python),
+    or ``"auto"`` (cuda when a GPU and cuda-python are present, else host)."""
+    if kind == "host":
+        from .host import HostDriver
+        return HostDriver()
+    if kind == "cuda":
+        from .cuda import CudaDriver
+        return CudaDriver(device_index)
+    if kind == "auto":
+        from .cuda import cuda_unavailable_reason
+        return open_driver("host" if cuda_unavailable_reason() else "cuda", device_index)
+    raise VMemConfigError(f"unknown driver {kind!r}; choose one of 'auto', 'host', 'cuda'")
+
+
+def available_drivers() -> dict[str, str | None]:
+    """Driver name -> None when it can be opened here, else the reason it cannot."""
+    from .cuda import cuda_unavailable_reason
+    from .host import host_unavailable_reason
+    return {"host": host_unavailable_reason(), "cuda": cuda_unavailable_reason()}

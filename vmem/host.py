@@ -1,0 +1,132 @@
+"""HostDriver: real virtual memory on Linux through ctypes on libc.
+
+    reserve        mmap(NULL, size, PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)
+    create pages   one memfd per create_pages call, sized and fallocated up front;
+                   page i is the byte range [i * page_bytes, (i + 1) * page_bytes) of it
+    map            mmap(addr, page, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, memfd, offset)
+    unmap          mmap(addr, page, PROT_NONE, MAP_FIXED|MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)
+    free range     munmap(addr, size)
+
+Unmapping replaces the page with a fresh PROT_NONE reservation rather than calling munmap, so the
+address range stays ours (no other allocation can land in the hole) and touching it faults.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+from dataclasses import dataclass
+from typing import Sequence
+
+from .driver import Driver
+from .errors import DriverCallError, DriverUnavailableError
+
+# Linux values, identical on x86_64 and aarch64.
+PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
+MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def host_unavailable_reason() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return f"the host driver needs Linux (mmap/memfd), this is {sys.platform}"
+    if not hasattr(os, "memfd_create"):
+        return "this Python has no os.memfd_create"
+    return None
+
+
+def _load_libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.restype = ctypes.c_int
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+@dataclass(frozen=True)
+class HostPage:
+    """A physical page: a page-sized byte range of a memfd."""
+    fd: int
+    offset_bytes: int
+
+
+class HostDriver(Driver):
+    """Virtual memory of this process, backed by memfd pools. Tensors live on the CPU."""
+
+    name = "host"
+
+    def __init__(self) -> None:
+        reason = host_unavailable_reason()
+        if reason:
+            raise DriverUnavailableError(reason)
+        self._libc = _load_libc()
+        self._page_size = os.sysconf("SC_PAGE_SIZE")
+
+    @property
+    def granularity_bytes(self) -> int:
+        return self._page_size
+
+    @property
+    def device(self) -> str:
+        return "cpu"
+
+    def _mmap(self, call: str, address: int | None, size: int, prot: int, flags: int,
+              fd: int = -1, offset: int = 0) -> int:
+        result = self._libc.mmap(address, size, prot, flags, fd, offset)
+        if result in (None, MAP_FAILED):
+            errno = ctypes.get_errno()
+            raise DriverCallError(f"{call}: mmap({size} bytes) failed: "
+                                  f"{os.strerror(errno)} (errno {errno})")
+        if address is not None and result != address:  # MAP_FIXED guarantees this
+            raise DriverCallError(f"{call}: mmap placed {result:#x}, asked for {address:#x}")
+        return result
+
+    def reserve(self, size_bytes: int) -> int:
+        self.check_page_bytes(size_bytes)
+        return self._mmap("reserve", None, size_bytes, PROT_NONE,
+                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
+
+    def free_reservation(self, address: int, size_bytes: int) -> None:
+        if self._libc.munmap(address, size_bytes) != 0:
+            errno = ctypes.get_errno()
+            raise DriverCallError(f"free_reservation: munmap failed: {os.strerror(errno)}")
+
+    def create_pages(self, num_pages: int, page_bytes: int) -> Sequence[HostPage]:
+        self.check_page_bytes(page_bytes)
+        fd = os.memfd_create("vmemkv-pages", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, num_pages * page_bytes)
+            # Commit the whole budget now (shmem blocks), as cuMemCreate would: mapping
+            # latency then never includes page creation, and an over-budget pool fails here.
+            if num_pages:
+                os.posix_fallocate(fd, 0, num_pages * page_bytes)
+        except OSError as error:
+            os.close(fd)
+            raise DriverCallError(f"create_pages: could not back {num_pages} pages of "
+                                  f"{page_bytes} bytes: {error}") from None
+        return [HostPage(fd, i * page_bytes) for i in range(num_pages)]
+
+    def release_pages(self, handles: Sequence[HostPage]) -> None:
+        for fd in {page.fd for page in handles}:
+            os.close(fd)
+
+    def map(self, address: int, handle: HostPage, page_bytes: int) -> None:
+        self._mmap("map", address, page_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                   handle.fd, handle.offset_bytes)
+
+    def unmap(self, address: int, page_bytes: int) -> None:
+        self._mmap("unmap", address, page_bytes, PROT_NONE,
+                   MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
+
+    def tensor(self, address: int, num_bytes: int):
+        import torch
+        if num_bytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        buffer = (ctypes.c_char * num_bytes).from_address(address)
+        import warnings
+        with warnings.catch_warnings():  # frombuffer warns on buffers it cannot resize: fine
+            warnings.simplefilter("ignore")
+            return torch.frombuffer(buffer, dtype=torch.uint8)
