@@ -13,6 +13,14 @@ settings.register_profile("long", deadline=None, max_examples=5000,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Test tensors are tiny: one intra-op thread avoids OpenMP spin-waits that make each small op
+# cost milliseconds on a loaded 2-core machine (CI's size). Benchmarks are not affected.
+try:
+    import torch
+    torch.set_num_threads(1)
+except ImportError:  # the scheduler tests need no torch
+    pass
+
 
 def _cuda_skip_reason():
     from vmem.cuda import cuda_unavailable_reason

@@ -1,0 +1,73 @@
+"""Simulator speed: wall time of one 2,000-request standard-workload simulation per policy.
+
+    .venv/bin/python benchmarks/simulate.py [--repeats 3] [--cache-gb 60 20] [--json out.json]
+
+Fixed seed, one warm-up run, median of ``--repeats``. One aligned line per configuration: wall
+seconds, steps, and microseconds per scheduled sequence-step (the simulator's unit of work:
+one decode or prefill chunk of one sequence), then the same as one JSON object. The target is
+< 2 s per policy (issue 3).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from scheduler.scheduler import SchedulerConfig  # noqa: E402
+from scheduler.simulator import SimConfig, simulate  # noqa: E402
+from scheduler.workload import WorkloadSpec, generate  # noqa: E402
+
+CONFIGS = [("reserve-max", "per-layer"), ("reserve-oracle", "per-layer"), ("paged", "per-layer"),
+           ("vmem", "per-layer"), ("vmem", "interleaved")]
+
+
+def bench(entries, policy: str, layout: str, cache_gb: float, repeats: int) -> dict:
+    config = SimConfig(policy=policy, layout=layout, cache_bytes=int(cache_gb * 1e9),
+                       scheduler=SchedulerConfig(watermark=0.05))
+    simulate(entries, config)                              # warm-up
+    walls, result = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = simulate(entries, config)
+        walls.append(time.perf_counter() - t0)
+    wall = statistics.median(walls)
+    seq_steps = result.mean_batch * result.num_steps
+    return {"policy": policy, "layout": layout, "cache_gb": cache_gb, "wall_s": wall,
+            "wall_min_s": min(walls), "steps": result.num_steps,
+            "us_per_seq_step": wall / seq_steps * 1e6,
+            "output_tokens_per_s_simulated": result.output_tokens_per_s}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cache-gb", type=float, nargs="+", default=[60.0, 20.0])
+    ap.add_argument("--json", metavar="FILE", help="also write the JSON here")
+    args = ap.parse_args()
+    entries = generate(WorkloadSpec())
+    print(f"standard workload, 2,000 requests; python {platform.python_version()} on "
+          f"{platform.machine()}, {os.cpu_count()} CPUs; median of {args.repeats}")
+    print(f"{'policy':<26}{'cache GB':>9}{'wall s':>9}{'steps':>8}{'us/seq-step':>13}{'< 2 s':>7}")
+    rows = []
+    for gb in args.cache_gb:
+        for policy, layout in CONFIGS:
+            r = bench(entries, policy, layout, gb, args.repeats)
+            rows.append(r)
+            name = policy if policy != "vmem" else f"vmem {layout}"
+            print(f"{name:<26}{gb:>9g}{r['wall_s']:>9.3f}{r['steps']:>8}"
+                  f"{r['us_per_seq_step']:>13.2f}{'yes' if r['wall_s'] < 2 else 'NO':>7}", flush=True)
+    out = {"benchmark": "simulate", "python": platform.python_version(), "rows": rows}
+    print(json.dumps(out))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""What a KV cache hands an attention backend for one layer, and the backend interface.
+
+Query packing (both layouts). ``q`` is ``[total_query_tokens, num_heads, head_dim]``; request i
+owns rows ``q_start[i] : q_start[i] + query_lens[i]``, which are its positions
+``context_lens[i] - query_lens[i] ... context_lens[i] - 1``. Each query sees the whole cached
+prefix and, causally, the queries before it (bottom-right aligned causal mask):
+
+    keys  0 ............ ctx-q  ...... ctx-1
+    query ctx-q           x
+    query ctx-q+1         x  x
+    query ctx-1           x  x  ....... x        (decode: q == 1, one row that sees all keys)
+
+Memory-safety contract: a backend reads ``k_cache[slot, :context_len]`` (vmem) or the first
+``ceil(context_len / block_size)`` block-table entries (paged) and nothing else. Memory past
+``context_len`` may be unmapped (reading it faults) and other slots may hold stale data.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import ClassVar, NamedTuple, Optional, Union
+
+import torch
+
+from .errors import AttentionShapeError, UnsupportedError
+
+SUPPORTED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
+class BatchLens(NamedTuple):
+    """Host-side (Python int) copies of the per-request metadata, read once per step.
+
+    The cache may build one and share it across layers so a GPU step syncs once, not per layer.
+    """
+    context_lens: tuple[int, ...]   # tokens cached per request, this step's included
+    query_lens: tuple[int, ...]     # new query tokens per request
+    q_starts: tuple[int, ...]       # first row of each request in packed q
+
+    @classmethod
+    def from_tensors(cls, context_lens: torch.Tensor, query_lens: torch.Tensor) -> "BatchLens":
+        ctx = tuple(int(x) for x in context_lens.tolist())
+        ql = tuple(int(x) for x in query_lens.tolist())
+        starts = tuple(int(s) for s in _exclusive_cumsum(ql))
+        return cls(ctx, ql, starts)
+
+    @property
+    def total_query_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every request has exactly one query token."""
+        return all(n == 1 for n in self.query_lens)
+
+
+def _exclusive_cumsum(xs: tuple[int, ...]) -> list[int]:
+    out, acc = [], 0
+    for x in xs:
+        out.append(acc)
+        acc += x
+    return out
+
+
+@dataclass(frozen=True)
+class VMemLayerView:
+    """One layer of a vmem cache: each request's K/V are contiguous rows of one batch slot.
+
+    k_cache, v_cache: ``[max_batch, max_context, kv_heads, head_dim]``, last dim contiguous,
+        possibly strided (interleaved layout: ``k_all[:, :, layer]``). Never read whole.
+    slots: int64 ``[batch]``, the batch row each request owns.
+    context_lens, query_lens: ``[batch]`` ints, see the module docstring.
+    host_lens: optional precomputed :class:`BatchLens`; computed on first use when absent.
+    """
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots: torch.Tensor
+    context_lens: torch.Tensor
+    query_lens: torch.Tensor
+    host_lens: Optional[BatchLens] = field(default=None, compare=False)
+    layout: ClassVar[str] = "vmem"
+
+    @cached_property
+    def lens(self) -> BatchLens:
+        return self.host_lens or BatchLens.from_tensors(self.context_lens, self.query_lens)
+
+    @cached_property
+    def host_slots(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.slots.tolist())
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k_cache.shape[2]
+
+    @property
+    def max_context(self) -> int:
+        return self.k_cache.shape[1]
+
+    def validate(self, q: torch.Tensor) -> None:
+        """Raise :class:`AttentionShapeError` unless q, caches and metadata fit together."""
+        _check_cache_pair(self.k_cache, self.v_cache, "k_cache", "v_cache")
+        _check_query(q, self.k_cache, self.lens, self.slots.shape, "slots")
+        max_batch, max_ctx = self.k_cache.shape[:2]
+        bad = [s for s in self.host_slots if not 0 <= s < max_batch]
+        if bad or len(set(self.host_slots)) != len(self.host_slots):
+            raise AttentionShapeError(
+                f"slots {list(self.host_slots)} must be distinct and in [0, {max_batch}) "
+                f"for k_cache of shape {tuple(self.k_cache.shape)}")
+        if max(self.lens.context_lens, default=0) > max_ctx:
+            raise AttentionShapeError(
+                f"context_lens {list(self.lens.context_lens)} exceed max_context {max_ctx} "
+                f"of k_cache {tuple(self.k_cache.shape)}")
+
+
+@dataclass(frozen=True)
+class PagedLayerView:
+    """One layer of a paged cache: K/V live in fixed-size blocks named by a block table.
+
+    k_pool, v_pool: ``[num_blocks, block_size, kv_heads, head_dim]``.
+    block_tables: int32 ``[batch, max_blocks_per_seq]``; only the first
+        ``ceil(context_len / block_size)`` entries of a row are meaningful (the rest: anything).
+    context_lens, query_lens, host_lens: as in :class:`VMemLayerView`.
+    """
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_lens: torch.Tensor
+    host_lens: Optional[BatchLens] = field(default=None, compare=False)
+    layout: ClassVar[str] = "paged"
+
+    @cached_property
+    def lens(self) -> BatchLens:
+        return self.host_lens or BatchLens.from_tensors(self.context_lens, self.query_lens)
+
+    @property
+    def block_size(self) -> int:
+        return self.k_pool.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k_pool.shape[2]
+
+    def num_blocks_of(self, i: int) -> int:
+        """Block-table entries request i actually uses: ceil(context_len / block_size)."""
+        return math.ceil(self.lens.context_lens[i] / self.block_size)
+
+    def validate(self, q: torch.Tensor) -> None:
+        """Raise :class:`AttentionShapeError` unless q, pools and block tables fit together."""
+        _check_cache_pair(self.k_pool, self.v_pool, "k_pool", "v_pool")
+        _check_query(q, self.k_pool, self.lens, self.block_tables.shape[:1], "block_tables")
+        bt = self.block_tables
+        if bt.dim() != 2:
+            raise AttentionShapeError(f"block_tables must be [batch, max_blocks], got {tuple(bt.shape)}")
+        need = max((self.num_blocks_of(i) for i in range(len(self.lens.context_lens))), default=0)
+        if need > bt.shape[1]:
+            raise AttentionShapeError(
+                f"context_lens {list(self.lens.context_lens)} need {need} blocks of "
+                f"{self.block_size} tokens but block_tables is {tuple(bt.shape)}")
+        if bt.device.type == "cpu":  # range check is free on the host; on GPU it would sync
+            used = [bt[i, :self.num_blocks_of(i)] for i in range(bt.shape[0])]
+            ids = torch.cat(used) if used else bt.new_zeros(0)
+            if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.k_pool.shape[0]):
+                raise AttentionShapeError(
+                    f"block ids must be in [0, {self.k_pool.shape[0]}) for k_pool "
+                    f"{tuple(self.k_pool.shape)}; got range [{int(ids.min())}, {int(ids.max())}]")
+
+
+LayerView = Union[VMemLayerView, PagedLayerView]
+
+
+def _check_cache_pair(k: torch.Tensor, v: torch.Tensor, kn: str, vn: str) -> None:
+    if k.dim() != 4 or k.shape != v.shape:
+        raise AttentionShapeError(f"{kn} {tuple(k.shape)} and {vn} {tuple(v.shape)} must be "
+                                  f"equal 4-d shapes")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise AttentionShapeError(f"{kn}/{vn} need a contiguous last dim; strides "
+                                  f"{k.stride()} / {v.stride()}")
+
+
+def _check_query(q: torch.Tensor, k: torch.Tensor, lens: BatchLens, batch_shape, what: str) -> None:
+    if q.dim() != 3:
+        raise AttentionShapeError(f"q must be [tokens, heads, head_dim], got {tuple(q.shape)}")
+    kv_heads, head_dim = k.shape[2], k.shape[3]
+    if q.shape[2] != head_dim or q.shape[1] % kv_heads:
+        raise AttentionShapeError(
+            f"q {tuple(q.shape)} does not fit cache {tuple(k.shape)}: head_dim must match and "
+            f"num_heads must be a multiple of kv_heads={kv_heads}")
+    n = len(lens.context_lens)
+    if len(lens.query_lens) != n or tuple(batch_shape) != (n,):
+        raise AttentionShapeError(f"context_lens ({n}), query_lens ({len(lens.query_lens)}) and "
+                                  f"{what} {tuple(batch_shape)} must have one entry per request")
+    if lens.total_query_tokens != q.shape[0]:
+        raise AttentionShapeError(f"q {tuple(q.shape)} has {q.shape[0]} tokens but query_lens "
+                                  f"{list(lens.query_lens)} sum to {lens.total_query_tokens}")
+    if any(not 0 < ql <= c for ql, c in zip(lens.query_lens, lens.context_lens)):
+        raise AttentionShapeError(f"need 0 < query_len <= context_len per request; got query_lens "
+                                  f"{list(lens.query_lens)}, context_lens {list(lens.context_lens)}")
+    if q.dtype != k.dtype or q.device != k.device:
+        raise AttentionShapeError(f"q ({q.dtype}, {q.device}) and cache ({k.dtype}, {k.device}) "
+                                  f"must share dtype and device")
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run in this process, and if not, why."""
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+class AttentionBackend(ABC):
+    """An attention implementation over one layer's KV cache.
+
+    Guarantees of every backend: ``forward`` returns a tensor shaped and typed like ``q``;
+    it reads only each request's live tokens (see the module docstring); it never writes the
+    cache. Subclasses declare what they support in the class attributes below.
+    """
+    name: ClassVar[str]
+    devices: ClassVar[frozenset[str]]
+    layouts: ClassVar[frozenset[str]]
+    dtypes: ClassVar[frozenset[torch.dtype]] = SUPPORTED_DTYPES
+
+    @classmethod
+    def available(cls) -> Availability:
+        """Whether this backend can run here; subclasses add package / device checks."""
+        return Availability(True)
+
+    def supports(self, layout: str, device: str) -> bool:
+        return layout in self.layouts and device in self.devices
+
+    def forward(self, q: torch.Tensor, view: LayerView, scale: Optional[float] = None) -> torch.Tensor:
+        """Attention of packed ``q`` ``[tokens, heads, head_dim]`` over ``view``; same shape as q.
+
+        ``scale`` defaults to ``1 / sqrt(head_dim)``.
+        """
+        self._check_supported(q, view)
+        view.validate(q)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        if view.layout == "vmem":
+            return self._forward_vmem(q, view, scale)
+        return self._forward_paged(q, view, scale)
+
+    def _check_supported(self, q: torch.Tensor, view: LayerView) -> None:
+        dev = q.device.type
+        if not self.supports(view.layout, dev):
+            raise UnsupportedError(
+                f"backend {self.name!r} supports layouts {sorted(self.layouts)} on devices "
+                f"{sorted(self.devices)}; got layout {view.layout!r} on {dev!r}")
+        if q.dtype not in self.dtypes:
+            raise UnsupportedError(f"backend {self.name!r} supports dtypes "
+                                   f"{sorted(str(d) for d in self.dtypes)}; got {q.dtype}")
+
+    @abstractmethod
+    def _forward_vmem(self, q: torch.Tensor, view: VMemLayerView, scale: float) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _forward_paged(self, q: torch.Tensor, view: PagedLayerView, scale: float) -> torch.Tensor: ...

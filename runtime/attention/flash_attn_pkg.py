@@ -1,0 +1,73 @@
+"""``flash-attn``: the flash-attn package's ``flash_attn_with_kvcache`` (CUDA, fp16/bf16).
+
+The keys/values are already in the cache, so ``k``/``v`` are not passed and
+``cache_seqlens = context_len`` (this step's tokens included); FA2 then attends over
+``cache[:cache_seqlens]`` with a bottom-right causal mask, which is exactly our semantics.
+
+* vmem: ``k_cache`` is the (possibly strided) ``[max_batch, max_ctx, Hkv, D]`` view and
+  ``cache_batch_idx = slot``; flash-attn only makes the last dim contiguous, so no copy.
+* paged: the pool with ``block_table``; FA2 needs block_size % 256 == 0 (typed error otherwise).
+
+``flash_attn_with_kvcache`` takes q as ``[batch, seqlen_q, H, D]``, one seqlen_q for all, so
+requests are grouped by query length: all decodes go in one call, prefills by equal length.
+"""
+from __future__ import annotations
+
+import importlib.util
+from collections import defaultdict
+
+import torch
+
+from .base import AttentionBackend, Availability, PagedLayerView, VMemLayerView
+from .errors import UnsupportedError
+from .flash import FA2_PAGED_BLOCK_MULTIPLE
+
+
+class FlashAttnBackend(AttentionBackend):
+    """flash-attn's kvcache kernel; imported lazily, unavailable (with the reason) if absent."""
+    name = "flash-attn"
+    devices = frozenset({"cuda"})
+    layouts = frozenset({"vmem", "paged"})
+    dtypes = frozenset({torch.float16, torch.bfloat16})
+
+    @classmethod
+    def available(cls) -> Availability:
+        if importlib.util.find_spec("flash_attn") is None:
+            return Availability(False, "the flash-attn package is not installed (pip install flash-attn)")
+        if not torch.cuda.is_available():
+            return Availability(False, "CUDA is not available (flash-attn runs on NVIDIA GPUs only)")
+        try:
+            from flash_attn import flash_attn_with_kvcache  # noqa: F401
+        except Exception as e:  # a broken build (ABI mismatch with torch) raises ImportError/OSError
+            return Availability(False, f"flash_attn failed to import: {e}")
+        return Availability(True)
+
+    def _forward_vmem(self, q, view: VMemLayerView, scale):
+        slots = view.slots.to(device=q.device, dtype=torch.int32)
+        return self._grouped(q, view, scale, view.k_cache, view.v_cache,
+                             lambda idx: {"cache_batch_idx": slots[idx]})
+
+    def _forward_paged(self, q, view: PagedLayerView, scale):
+        if view.block_size % FA2_PAGED_BLOCK_MULTIPLE:
+            raise UnsupportedError(
+                f"flash-attn paged KV needs block_size to be a multiple of "
+                f"{FA2_PAGED_BLOCK_MULTIPLE}, got {view.block_size}; use 'flash' or 'sdpa'")
+        table = view.block_tables.to(device=q.device, dtype=torch.int32)
+        return self._grouped(q, view, scale, view.k_pool, view.v_pool,
+                             lambda idx: {"block_table": table[idx]})
+
+    def _grouped(self, q, view, scale, k_cache, v_cache, cache_args):
+        from flash_attn import flash_attn_with_kvcache
+        lens, out = view.lens, torch.empty_like(q)
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, n in enumerate(lens.query_lens):
+            groups[n].append(i)
+        ctx = torch.tensor(lens.context_lens, dtype=torch.int32, device=q.device)
+        for n, members in groups.items():
+            rows = torch.tensor([lens.q_starts[i] + t for i in members for t in range(n)], device=q.device)
+            idx = torch.tensor(members, device=q.device)
+            qg = q.index_select(0, rows).view(len(members), n, *q.shape[1:])   # (Bg, n, H, D)
+            og = flash_attn_with_kvcache(qg, k_cache, v_cache, cache_seqlens=ctx[idx],
+                                         softmax_scale=scale, causal=True, **cache_args(idx))
+            out[rows] = og.reshape(-1, *q.shape[1:])
+        return out

@@ -1,0 +1,79 @@
+"""Attention backends by name, imported lazily: naming a backend never imports another one's deps.
+
+    get_backend("sdpa").forward(q, view)          # raises a typed error if it cannot run
+    fastest_backend("vmem", "cuda")               # what benchmarks use
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+from .base import AttentionBackend, Availability
+from .errors import BackendUnavailableError, UnknownBackendError, UnsupportedError
+
+# name -> (module, class); the module is imported on first use only.
+_BACKENDS: dict[str, tuple[str, str]] = {
+    "reference": ("runtime.attention.reference", "ReferenceBackend"),
+    "sdpa": ("runtime.attention.sdpa", "SdpaBackend"),
+    "flash": ("runtime.attention.flash", "FlashBackend"),
+    "flash-attn": ("runtime.attention.flash_attn_pkg", "FlashAttnBackend"),
+}
+
+
+def backend_names() -> list[str]:
+    return list(_BACKENDS)
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    """The backend class registered under ``name`` (imports its module; not its optional deps)."""
+    if name not in _BACKENDS:
+        raise UnknownBackendError(name, backend_names())
+    module, cls = _BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)
+
+
+def availability(name: str) -> Availability:
+    return backend_class(name).available()
+
+
+def get_backend(name: str, **options) -> AttentionBackend:
+    """A ready backend instance; raises :class:`BackendUnavailableError` saying why if it can't run."""
+    cls = backend_class(name)
+    avail = cls.available()
+    if not avail:
+        raise BackendUnavailableError(name, avail.reason)
+    return cls(**options)
+
+
+def describe_backends() -> list[dict]:
+    """One row per backend: name, devices, layouts, available, reason (for `vmemkv info`)."""
+    rows = []
+    for name in backend_names():
+        cls, avail = backend_class(name), availability(name)
+        rows.append({"name": name, "devices": sorted(cls.devices), "layouts": sorted(cls.layouts),
+                     "available": avail.ok, "reason": avail.reason})
+    return rows
+
+
+# Preference order per (layout, device); the first available one wins. flash-attn needs paged
+# blocks that are multiples of 256 tokens, so it is skipped for paged with smaller blocks.
+_PREFERENCE = {
+    ("vmem", "cuda"): ["flash-attn", "flash", "sdpa"],
+    ("paged", "cuda"): ["flash-attn", "flash", "sdpa"],
+    ("vmem", "cpu"): ["sdpa"],
+    ("paged", "cpu"): ["sdpa"],
+}
+
+
+def fastest_backend(layout: str, device: str, block_size: Optional[int] = None) -> str:
+    """Name of the fastest available backend for ``layout`` on ``device`` ("cpu" or "cuda")."""
+    device = device.split(":")[0]
+    if (layout, device) not in _PREFERENCE:
+        raise UnsupportedError(f"no attention backend for layout {layout!r} on device {device!r}; "
+                               f"layouts: vmem, paged; devices: cpu, cuda")
+    for name in _PREFERENCE[(layout, device)]:
+        if name == "flash-attn" and layout == "paged" and block_size is not None and block_size % 256:
+            continue
+        if availability(name):
+            return name
+    raise BackendUnavailableError(_PREFERENCE[(layout, device)][-1], availability("sdpa").reason)

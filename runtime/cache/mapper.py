@@ -1,0 +1,108 @@
+"""BackgroundMapper: apply a plan's memory ops on a thread, one op group (layer) at a time.
+
+    step thread:   submit(ops) ---- write(l=0) [wait g0] --- compute --- write(l=1) [wait g1] ...
+    mapper thread:      apply g0 | apply g1 | apply g2 | ...
+
+Within a group, ops run in plan order; groups touch disjoint memory (different layers), so the
+plan's overall effect is the same as applying it inline. A new plan waits for the previous one
+to finish (plans are ordered). The mapper never maps twice and never leaves a mapping half done:
+each op is applied by exactly one thread, the mapper, in order. On an error the failure is
+stored and re-raised (as MapperError) in the step thread at the next wait.
+"""
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from typing import Callable, Sequence
+
+from ..errors import MapperError
+
+
+class BackgroundMapper:
+    """``apply(ops, group)`` runs on one daemon thread for groups 0..num_groups-1 of each plan."""
+
+    def __init__(self, apply: Callable[[Sequence, int], None], num_groups: int) -> None:
+        self._apply = apply
+        self._num_groups = num_groups
+        self._cond = threading.Condition()
+        self._pending: list | None = None     # the plan being applied (or queued)
+        self._groups_done = num_groups         # groups of the current plan already applied
+        self._error: BaseException | None = None
+        self._stop = False
+        self.wait_seconds = 0.0                # step thread blocked on the mapper
+        self.busy_seconds = 0.0                # mapper thread applying ops
+        self._thread = threading.Thread(target=self._run, name="vmemkv-mapper", daemon=True)
+        self._thread.start()
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def submit(self, ops: Sequence) -> None:
+        """Queue a plan; returns as soon as the previous plan has been fully applied."""
+        self.wait_all()
+        with self._cond:
+            self._raise_if_failed()
+            self._pending = list(ops)
+            self._groups_done = 0
+            self._cond.notify_all()
+
+    def wait_group(self, group: int) -> None:
+        """Block until group ``group`` of the current plan is applied."""
+        self._wait(lambda: self._groups_done > group)
+
+    def wait_all(self) -> None:
+        self._wait(lambda: self._groups_done >= self._num_groups)
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        with self._cond:
+            if not ready() and self._error is None:
+                start = time.perf_counter()
+                self._cond.wait_for(lambda: ready() or self._error is not None or self._stop)
+                self.wait_seconds += time.perf_counter() - start
+            self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self._groups_done = self._num_groups  # the failed plan is abandoned
+            raise MapperError(f"background mapping failed: {error}") from error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or self._groups_done < self._num_groups)
+                if self._stop and self._groups_done >= self._num_groups:
+                    return
+                ops, group = self._pending, self._groups_done
+            start = time.perf_counter()
+            try:
+                self._apply(ops, group)
+            except BaseException as error:  # handed to the step thread
+                with self._cond:
+                    self._error = error
+                    self._groups_done = self._num_groups
+                    self._cond.notify_all()
+                continue
+            finally:
+                self.busy_seconds += time.perf_counter() - start
+            with self._cond:
+                self._groups_done = group + 1
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Finish the plan in flight, then stop the thread. Idempotent."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+
+def _close_at_exit(ref) -> None:
+    mapper = ref()
+    if mapper is not None:
+        mapper.close()

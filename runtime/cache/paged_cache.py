@@ -1,0 +1,96 @@
+"""PagedKVCache: K/V in fixed-size blocks of a preallocated pool, named by per-request tables.
+
+    pools  [layers, 2 (K,V), num_blocks, block_size, kv_heads, head_dim]   one tensor
+    token t of a request lives at block_table[t // block_size], offset t % block_size
+
+The block tables come from the ``paged`` memory manager at every step; the cache keeps none.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from runtime.attention.base import PagedLayerView
+from scheduler.managers.base import CopyBlock, SwapIn, SwapOut
+
+from ..config import CacheConfig
+from ..errors import CacheConfigError, CacheStateError
+from .base import KVCache, StepBatch
+
+
+class PagedKVCache(KVCache):
+    """Executes a ``paged`` memory manager's plans on a block pool."""
+
+    layout = "paged"
+
+    def __init__(self, config: CacheConfig, manager) -> None:
+        super().__init__(config, manager)
+        if getattr(manager, "name", None) != "paged":
+            raise CacheConfigError(f"PagedKVCache needs a 'paged' memory manager, got "
+                                   f"{getattr(manager, 'name', manager)!r}")
+        self.block_size = manager.block_size
+        self.num_blocks = manager.num_blocks
+        c = config
+        self.pools = torch.zeros((c.num_layers, 2, self.num_blocks, self.block_size,
+                                  c.num_kv_heads, c.head_dim), dtype=c.dtype, device=c.torch_device)
+        self.map_seconds = 0.0
+
+    def execute(self, ops: Sequence) -> None:
+        for op, buffer in self._bind_swaps(ops):
+            if isinstance(op, CopyBlock):
+                self.pools[:, :, op.dst_block].copy_(self.pools[:, :, op.src_block])
+            elif isinstance(op, SwapOut):
+                self._tokens_of(op.blocks, op.num_tokens, out=buffer)
+            elif isinstance(op, SwapIn):
+                self._store_tokens(op.blocks, buffer)
+            else:
+                raise CacheStateError(f"PagedKVCache cannot execute {op!r}")
+
+    def _flat_index(self, blocks: Sequence[int], num_tokens: int) -> torch.Tensor:
+        """Flat token index into a [num_blocks * block_size] view for tokens 0..num_tokens-1."""
+        positions = torch.arange(num_tokens, device=self.pools.device)
+        table = torch.tensor(list(blocks), dtype=torch.int64, device=self.pools.device)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def _flat_pools(self) -> torch.Tensor:
+        c = self.config
+        # (layers, 2, num_blocks * block_size, kv_heads, head_dim)
+        return self.pools.view(c.num_layers, 2, self.num_blocks * self.block_size, c.num_kv_heads, c.head_dim)
+
+    def _tokens_of(self, blocks, num_tokens: int, out: torch.Tensor) -> None:
+        out.copy_(self._flat_pools()[:, :, self._flat_index(blocks, num_tokens)])
+
+    def _store_tokens(self, blocks, tokens: torch.Tensor) -> None:
+        index = self._flat_index(blocks, tokens.shape[2])
+        self._flat_pools().index_copy_(2, index, tokens.to(self.pools.device))
+
+    # -- steps --
+    def _index_step(self, step: StepBatch) -> None:
+        tables = [self.manager.block_table(seq_id) for seq_id in step.seq_ids]
+        width = max(len(t) for t in tables)
+        device = self.config.torch_device
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        self._block_tables = torch.tensor(padded, dtype=torch.int32, device=device)
+        blocks = self._block_tables.long()[step.token_seq_index, step.positions // self.block_size]
+        self._flat_write = blocks * self.block_size + step.positions % self.block_size
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._check_layer(layer)
+        flat = self._flat_pools()
+        flat[layer, 0].index_copy_(0, self._flat_write, k)
+        flat[layer, 1].index_copy_(0, self._flat_write, v)
+
+    def layer_view(self, layer: int) -> PagedLayerView:
+        self._check_layer(layer)
+        step = self._step
+        return PagedLayerView(self.pools[layer, 0], self.pools[layer, 1], self._block_tables,
+                              step.context_lens, step.query_lens, host_lens=step.lens)
+
+    def read(self, seq_id: int, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        held = self.manager.num_tokens(seq_id)
+        if num_tokens > held:
+            raise CacheStateError(f"sequence {seq_id} holds {held} tokens, asked to read {num_tokens}")
+        index = self._flat_index(self.manager.block_table(seq_id), num_tokens)
+        flat = self._flat_pools()
+        return flat[layer, 0, index].clone(), flat[layer, 1, index].clone()

@@ -1,0 +1,76 @@
+"""CacheConfig: the shape of a KV cache, validated up front.
+
+    per token and layer: K and V each kv_heads * head_dim elements of dtype
+    capacity:            max_batch requests of at most max_context tokens each (vmem slots)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.presets import ModelSpec
+
+from .errors import CacheConfigError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+          "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise CacheConfigError(f"CacheConfig.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """What a cache stores. Every field is checked in ``__post_init__``."""
+
+    num_layers: int            # transformer blocks, each with its own K and V
+    num_kv_heads: int          # KV heads (query heads are a multiple of this under GQA)
+    head_dim: int              # elements per head
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"        # "cpu" or "cuda[:i]"; the vmem driver follows it
+    max_batch: int = 8         # concurrent requests (vmem: slots, batch rows)
+    max_context: int = 2048    # tokens per request, prompt and output together
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        limits = {"num_layers": 1024, "num_kv_heads": 1024, "head_dim": 1024,
+                  "max_batch": 1 << 16, "max_context": 1 << 24}
+        for name, upper in limits.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= upper:
+                raise CacheConfigError(f"CacheConfig.{name} must be an int in [1, {upper}], "
+                                       f"got {value!r}")
+        device = torch.device(self.device)
+        if device.type not in ("cpu", "cuda"):
+            raise CacheConfigError(f"CacheConfig.device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise CacheConfigError(f"CacheConfig.device is {self.device!r} but no CUDA GPU is visible")
+
+    @property
+    def element_bytes(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        """Bytes of one layer's K (or V) for one token."""
+        return self.num_kv_heads * self.head_dim * self.element_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V over all layers for one token."""
+        return 2 * self.num_layers * self.layer_bytes_per_token
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def model_spec(self, name: str = "runtime", weight_bytes: int = 0) -> ModelSpec:
+        """The scheduler's view of this cache's shape (for building a memory manager)."""
+        return ModelSpec(name, self.num_layers, self.num_kv_heads, self.head_dim,
+                         self.element_bytes, weight_bytes=weight_bytes)

@@ -1,0 +1,54 @@
+"""A roofline cost model of one scheduler step, in seconds.
+
+    memory time  = (weight bytes + KV bytes read * kernel slowdown) / bandwidth
+    compute time = 2 * params * new tokens / (MFU * peak FLOP/s)     (only when prefill_mfu is set)
+    step time    = max(memory time, compute time) + mapped pages * map latency
+
+KV bytes read = (tokens in context, summed over every scheduled sequence) * bytes per token: a
+decode reads its whole cache, a prefill chunk its cached prefix plus its new tokens. With
+``prefill_mfu`` unset (the default) prefill tokens cost only this bandwidth term, which is the
+decode roofline the project's standard experiment uses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .errors import ConfigError
+from .managers.base import MapPage
+from .presets import DeviceSpec, ModelSpec
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds per step for a model on a device; validated on construction."""
+    model: ModelSpec
+    device: DeviceSpec
+    prefill_mfu: Optional[float] = None   # fraction of peak FLOP/s reached by prefill; None = off
+    map_latency_s: float = 0.0            # seconds per physical page mapped (vmem MapPage ops)
+    pages_per_map_op: int = 1             # physical pages behind one MapPage (2*layers per-layer)
+    kv_slowdown: float = 1.0              # multiplier on KV read time (paged-kernel overhead)
+
+    def __post_init__(self) -> None:
+        if self.prefill_mfu is not None and not 0 < self.prefill_mfu <= 1:
+            raise ConfigError(f"prefill_mfu must be in (0, 1], got {self.prefill_mfu!r}")
+        if not self.map_latency_s >= 0:
+            raise ConfigError(f"map_latency_s must be >= 0 seconds, got {self.map_latency_s!r}")
+        if not isinstance(self.pages_per_map_op, int) or self.pages_per_map_op < 1:
+            raise ConfigError(f"pages_per_map_op must be an int >= 1, got {self.pages_per_map_op!r}")
+        if not self.kv_slowdown >= 1.0:
+            raise ConfigError(f"kv_slowdown must be >= 1.0, got {self.kv_slowdown!r}")
+
+    def step_seconds(self, context_tokens: int, new_tokens: int, mapped_pages: int = 0) -> float:
+        """Time of one step that reads ``context_tokens`` of KV (summed over sequences), computes
+        ``new_tokens`` tokens and maps ``mapped_pages`` physical pages first."""
+        bw = self.device.memory_bandwidth_bytes_per_s
+        t = (self.model.weight_bytes + context_tokens * self.model.bytes_per_token * self.kv_slowdown) / bw
+        if self.prefill_mfu is not None:
+            t = max(t, 2.0 * self.model.params * new_tokens / (self.prefill_mfu * self.device.peak_flops_per_s))
+        return t + mapped_pages * self.map_latency_s
+
+
+def count_map_ops(ops: list) -> int:
+    """MapPage ops in a step's op list (each maps ``pages_per_map_op`` physical pages)."""
+    return sum(1 for op in ops if type(op) is MapPage) if ops else 0

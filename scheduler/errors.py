@@ -1,0 +1,37 @@
+"""Typed errors of the scheduler package.
+
+Every error a user can trigger (a bad config value, a request that can never fit, an unknown
+sequence id, freeing twice) is one of these, with a message that names the value and the limit.
+Operations that raise leave all state exactly as it was.
+"""
+
+
+class SchedulerError(Exception):
+    """Base class of every error raised by ``scheduler``."""
+
+
+class ConfigError(SchedulerError, ValueError):
+    """A configuration value is out of its allowed range (message names field, value, range)."""
+
+
+class RequestTooLargeError(SchedulerError, ValueError):
+    """A request can never fit: longer than the maximum length or the whole cache."""
+
+
+class UnknownSequenceError(SchedulerError, KeyError):
+    """A sequence id the manager or scheduler does not hold (never added, or already freed)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateSequenceError(SchedulerError, ValueError):
+    """A sequence id that is already held was allocated or submitted again."""
+
+
+class OutOfCapacityError(SchedulerError, MemoryError):
+    """An allocation was asked for without room; ``can_*`` should have been asked first."""
+
+
+class SwapSpaceExhaustedError(SchedulerError, MemoryError):
+    """Swapping out would exceed the host swap space."""

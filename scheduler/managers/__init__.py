@@ -1,0 +1,60 @@
+"""Memory managers: the ONE place where KV allocation is decided (pure bookkeeping, no torch).
+
+    make_manager("paged", get_model("llama-3-8b"), cache_bytes=20 * 10**9,
+                 max_seq_len_tokens=4096, block_size_tokens=16)
+
+| policy          | unit held             | sharing                         | ops emitted            |
+|-----------------|-----------------------|---------------------------------|------------------------|
+| reserve-max     | max_seq_len tokens    | none                            | SwapOut/SwapIn         |
+| reserve-oracle  | final length tokens   | none                            | SwapOut/SwapIn         |
+| paged           | blocks of block_size  | fork + prefix (chain hash), CoW | CopyBlock, swaps       |
+| vmem            | page groups in slots  | fork + prefix (chain hash), CoW | Map/Unmap/CopyPage,... |
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..errors import ConfigError
+from ..presets import ModelSpec
+from .base import (CopyBlock, CopyPage, MapPage, MemoryManager, MemoryOp, MemoryStats, SwapIn,
+                   SwapOut, UnmapPage)
+from .common import check_int
+from .paged import PagedManager
+from .reserve import ReserveManager
+from .vmem import LAYOUTS, VmemManager
+
+POLICIES = ("reserve-max", "reserve-oracle", "paged", "vmem")
+
+
+def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_tokens: int, *,
+                 block_size_tokens: int = 16, page_bytes: int = 2 * 2**20,
+                 layout: str = "per-layer", max_slots: Optional[int] = None,
+                 swap_bytes: int = 0) -> MemoryManager:
+    """A manager for ``policy`` over ``cache_bytes`` of KV cache (bytes), sequences of at most
+    ``max_seq_len_tokens``. ``block_size_tokens`` is used by paged only; ``page_bytes``,
+    ``layout`` and ``max_slots`` by vmem only; ``swap_bytes`` is host swap space (all).
+    Raises ConfigError naming the field, the value and the allowed range."""
+    if policy not in POLICIES:
+        raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+    check_int("cache_bytes", cache_bytes, 1)
+    check_int("max_seq_len_tokens", max_seq_len_tokens, 1)
+    check_int("block_size_tokens", block_size_tokens, 1)
+    check_int("page_bytes", page_bytes, 1)
+    check_int("swap_bytes", swap_bytes, 0)
+    if max_slots is not None:
+        check_int("max_slots", max_slots, 1)
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if policy in ("reserve-max", "reserve-oracle"):
+        return ReserveManager(model, cache_bytes, max_seq_len_tokens,
+                              oracle=policy == "reserve-oracle", swap_bytes=swap_bytes)
+    if policy == "paged":
+        return PagedManager(model, cache_bytes, max_seq_len_tokens,
+                            block_size_tokens=block_size_tokens, swap_bytes=swap_bytes)
+    return VmemManager(model, cache_bytes, max_seq_len_tokens, page_bytes=page_bytes,
+                       layout=layout, max_slots=max_slots, swap_bytes=swap_bytes)
+
+
+__all__ = ["POLICIES", "make_manager", "MemoryManager", "MemoryStats", "MemoryOp", "MapPage",
+           "UnmapPage", "CopyPage", "CopyBlock", "SwapOut", "SwapIn", "ReserveManager",
+           "PagedManager", "VmemManager"]

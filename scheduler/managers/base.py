@@ -1,0 +1,200 @@
+"""The memory-manager interface and the memory operations a manager plans.
+
+A manager is the ONE place where KV allocation is decided. It is pure bookkeeping over ints: it
+never touches memory. Every change it makes to what is mapped, copied or swapped is appended to
+its pending op list, in execution order, and drained with ``take_ops()`` by whoever executes
+it (the runtime cache on real memory, or the simulator, which only counts).
+
+Sequences are identified by caller-chosen ints (``seq_id``). Operations come in pairs that ask
+before they commit (``can_allocate``/``allocate``, ``can_append``/``append``, ...); a commit
+without room raises ``OutOfCapacityError`` and leaves state unchanged.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+
+# ---- memory operations -------------------------------------------------------------------
+# vmem mode. A "page group" is every physical page that backs one page-sized run of tokens of
+# one slot across all layers' K and V: 2 * num_layers pages in the per-layer layout, 2 pages in
+# the interleaved layout. Group g is a fixed set of physical pages; the manager hands out groups.
+
+@dataclass(frozen=True)
+class MapPage:
+    """Map page group ``group`` under ``slot`` at page index ``page_index`` (tokens
+    [page_index * tokens_per_page, (page_index + 1) * tokens_per_page) of that slot)."""
+    slot: int
+    page_index: int
+    group: int
+
+
+@dataclass(frozen=True)
+class UnmapPage:
+    """Unmap whatever is mapped under ``slot`` at ``page_index`` (it is ``group``)."""
+    slot: int
+    page_index: int
+    group: int
+
+
+@dataclass(frozen=True)
+class CopyPage:
+    """Copy the bytes of a whole mapped page from one (slot, page_index) to another; both are
+    mapped when this op runs. Used for copy-on-write of a shared partial page."""
+    src_slot: int
+    src_page_index: int
+    dst_slot: int
+    dst_page_index: int
+
+
+# paged mode. Blocks live in a preallocated pool; allocating one needs no op, the block table
+# is read with ``block_table(seq_id)``.
+
+@dataclass(frozen=True)
+class CopyBlock:
+    """Copy block ``src_block`` into block ``dst_block`` (copy-on-write of a partial block)."""
+    src_block: int
+    dst_block: int
+
+
+# both modes
+
+@dataclass(frozen=True)
+class SwapOut:
+    """Copy the first ``num_tokens`` cached tokens of ``seq_id`` to host swap space. Emitted
+    before the ops that release the sequence's device memory. The op names where the tokens
+    are (``slot`` in vmem mode, ``blocks`` in paged mode), because by the time the runtime
+    executes it the manager no longer holds that memory for the sequence."""
+    seq_id: int
+    num_tokens: int
+    slot: Optional[int] = None
+    blocks: tuple = ()
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    """Copy ``num_tokens`` tokens of ``seq_id`` back from host swap space into its (newly
+    allocated) device memory -- ``slot`` in vmem mode, ``blocks`` in paged mode -- then drop
+    the host copy. Emitted after the ops that allocate."""
+    seq_id: int
+    num_tokens: int
+    slot: Optional[int] = None
+    blocks: tuple = ()
+
+
+MemoryOp = Union[MapPage, UnmapPage, CopyPage, CopyBlock, SwapOut, SwapIn]
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """A snapshot of a manager's accounting, in tokens (bytes = tokens * bytes_per_token)."""
+    total_tokens: int        # capacity of the whole cache
+    allocated_tokens: int    # capacity held for sequences (incl. deferred / cached pages)
+    live_tokens: int         # tokens actually cached, summed over sequences (shared counted once)
+    free_tokens: int         # capacity available to new allocations
+    end_waste_tokens: int    # held by live sequences but past their last token
+    bytes_per_token: int
+
+    @property
+    def allocated_bytes(self) -> int:
+        return self.allocated_tokens * self.bytes_per_token
+
+    @property
+    def utilization(self) -> float:
+        """live / allocated; 1.0 when nothing is allocated."""
+        return self.live_tokens / self.allocated_tokens if self.allocated_tokens else 1.0
+
+    @property
+    def usage_fraction(self) -> float:
+        """What vLLM calls kv_cache_usage_perc (as a fraction): 1 - free / total."""
+        return 1.0 - self.free_tokens / self.total_tokens if self.total_tokens else 0.0
+
+
+class MemoryManager(ABC):
+    """Decides every KV allocation for a set of sequences.
+
+    Guarantees, for every implementation:
+    - ``check_integrity()`` holds after every public call (free + held == total, reference
+      counts equal the number of holders);
+    - a call that raises leaves every counter, table and the pending op list unchanged;
+    - ``take_ops()`` returns every op since the last call, in the order they must execute.
+    """
+
+    name: str = "abstract"
+
+    # -- admission and growth --
+    @abstractmethod
+    def can_allocate(self, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
+                     namespace: Optional[str] = None, reserve_tokens: int = 0,
+                     final_tokens: Optional[int] = None) -> bool:
+        """Whether ``allocate`` of ``num_tokens`` would succeed while leaving at least
+        ``reserve_tokens`` of capacity free (the scheduler's admission watermark).
+        ``final_tokens`` is the sequence's final length: reserve-oracle needs it (and raises
+        ConfigError without it), the other managers ignore it."""
+
+    @abstractmethod
+    def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
+                 namespace: Optional[str] = None, final_tokens: Optional[int] = None) -> int:
+        """Hold room for a new sequence's first ``num_tokens`` tokens. ``token_ids`` and
+        ``namespace`` enable prefix sharing; ``final_tokens`` is the sequence's final length
+        (only reserve-oracle uses it). Returns how many leading tokens are already cached
+        (a prefix-sharing hit: their K/V need not be computed)."""
+
+    @abstractmethod
+    def can_append(self, seq_id: int, num_tokens: int = 1) -> bool:
+        """Whether ``append(seq_id, num_tokens)`` would succeed."""
+
+    @abstractmethod
+    def append(self, seq_id: int, num_tokens: int = 1,
+               token_ids: Optional[Sequence[int]] = None) -> None:
+        """Grow a sequence by ``num_tokens`` (copy-on-write of a shared partial page/block
+        happens here)."""
+
+    @abstractmethod
+    def can_fork(self, parent_id: int) -> bool:
+        """Whether ``fork(parent_id, ...)`` would succeed."""
+
+    @abstractmethod
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Make ``child_id`` a copy of ``parent_id`` sharing all of its memory."""
+
+    @abstractmethod
+    def free(self, seq_id: int) -> None:
+        """Release a sequence (finished, or preempted for recompute)."""
+
+    # -- swap --
+    @abstractmethod
+    def swap_out(self, seq_id: int) -> int:
+        """Emit SwapOut then release the sequence's device memory; returns tokens swapped.
+        The sequence stays known to the manager as swapped."""
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        """Whether ``swap_out(seq_id)`` would succeed (the sequence is resident and its tokens
+        fit in the free host swap space). Default: False (a manager without swap)."""
+        return False
+
+    @abstractmethod
+    def can_swap_in(self, seq_id: int) -> bool:
+        """Whether ``swap_in(seq_id)`` would succeed."""
+
+    @abstractmethod
+    def swap_in(self, seq_id: int) -> None:
+        """Re-allocate a swapped sequence and emit SwapIn."""
+
+    # -- queries --
+    @abstractmethod
+    def num_tokens(self, seq_id: int) -> int:
+        """Live tokens of a sequence."""
+
+    @abstractmethod
+    def stats(self) -> MemoryStats:
+        """Accounting snapshot."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Assert internal invariants (AssertionError on a bug)."""
+
+    @abstractmethod
+    def take_ops(self) -> list:
+        """Drain and return the pending memory ops, in execution order."""

@@ -1,0 +1,173 @@
+"""What every manager shares: sequence lookup, the pending op list, swap-space accounting.
+
+A concrete manager supplies four hooks over device memory:
+  ``_release(seq)``          give back everything a resident sequence holds (as free does);
+  ``_fresh_units(n)``        how many free units placing n tokens privately would take, or None
+                             when it can never be placed now (e.g. no free slot);
+  ``_available_units()``     units a new allocation may take (free + reclaimable);
+  ``_place_private(id, seq)`` hold private (unshared) memory for ``seq.num_tokens`` tokens.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ..errors import (ConfigError, DuplicateSequenceError, RequestTooLargeError,
+                      SwapSpaceExhaustedError, UnknownSequenceError)
+from ..presets import ModelSpec
+from .base import MemoryManager, SwapIn, SwapOut
+from .prefix import SeqState
+
+
+def check_int(field: str, value, low: int, high: Optional[int] = None) -> int:
+    """``value`` as an int in [low, high], else ConfigError naming field, value and range."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
+            high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(f"{field} must be an int {allowed}, got {value!r}")
+    return value
+
+
+class ManagerCore(MemoryManager):
+    """Sequence table, op list, swap space and the checks every manager makes the same way."""
+
+    def __init__(self, model: ModelSpec, max_seq_len_tokens: int, swap_bytes: int) -> None:
+        self.model = model
+        self.bytes_per_token = model.bytes_per_token
+        self.max_seq_len = check_int("max_seq_len_tokens", max_seq_len_tokens, 1)
+        self.swap_bytes = check_int("swap_bytes", swap_bytes, 0)
+        self._seqs: dict = {}           # seq_id -> SeqState, resident on the device
+        self._swapped: dict = {}        # seq_id -> SeqState, in host swap space
+        self._swap_used_tokens = 0
+        self._ops: list = []
+        self.prefix_queries = 0         # tokens offered for prefix matching (allocate)
+        self.prefix_hits = 0            # of those, tokens found cached
+
+    # -- lookups and argument checks --
+    def _seq(self, seq_id: int) -> SeqState:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            if seq_id in self._swapped:
+                raise UnknownSequenceError(f"sequence {seq_id} is swapped out, not resident")
+            raise UnknownSequenceError(f"unknown sequence {seq_id} (never allocated, or freed)")
+        return seq
+
+    def _check_new(self, seq_id: int) -> None:
+        if seq_id in self._seqs or seq_id in self._swapped:
+            raise DuplicateSequenceError(f"sequence {seq_id} is already held")
+
+    def _check_length(self, num_tokens: int, what: str = "num_tokens") -> None:
+        check_int(what, num_tokens, 0)
+        if num_tokens > self.max_sequence_tokens:
+            raise RequestTooLargeError(
+                f"{what}={num_tokens} exceeds the longest sequence this cache can hold, "
+                f"{self.max_sequence_tokens} tokens (max_seq_len {self.max_seq_len}, "
+                f"cache {self.stats().total_tokens})")
+
+    @staticmethod
+    def _new_seq(num_tokens: int, token_ids: Optional[Sequence[int]],
+                 namespace: Optional[str]) -> SeqState:
+        return SeqState(num_tokens, None if token_ids is None else list(token_ids), namespace)
+
+    @staticmethod
+    def _check_append_ids(num_tokens: int, token_ids: Optional[Sequence[int]]) -> None:
+        check_int("num_tokens", num_tokens, 0)
+        if token_ids is not None and len(token_ids) != num_tokens:
+            raise ConfigError(f"token_ids has {len(token_ids)} ids for num_tokens={num_tokens}")
+
+    # -- ops --
+    def take_ops(self) -> list:
+        ops, self._ops = self._ops, []
+        return ops
+
+    # -- release --
+    def free(self, seq_id: int) -> None:
+        """Release a resident sequence, or drop a swapped one's host copy."""
+        if seq_id in self._swapped:
+            self._swap_used_tokens -= self._swapped.pop(seq_id).num_tokens
+            return
+        seq = self._seq(seq_id)
+        self._release(seq)
+        del self._seqs[seq_id]
+
+    def num_tokens(self, seq_id: int) -> int:
+        seq = self._seqs.get(seq_id) or self._swapped.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError(f"unknown sequence {seq_id} (never allocated, or freed)")
+        return seq.num_tokens
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return seq_id in self._swapped
+
+    # -- swap --
+    @property
+    def swap_free_bytes(self) -> int:
+        return self.swap_bytes - self._swap_used_tokens * self.bytes_per_token
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        seq = self._seqs.get(seq_id)
+        return seq is not None and seq.num_tokens * self.bytes_per_token <= self.swap_free_bytes
+
+    def swap_out(self, seq_id: int) -> int:
+        seq = self._seq(seq_id)
+        need = seq.num_tokens * self.bytes_per_token
+        if need > self.swap_free_bytes:
+            raise SwapSpaceExhaustedError(
+                f"swapping out sequence {seq_id} needs {need} bytes of swap space, "
+                f"{self.swap_free_bytes} of {self.swap_bytes} free")
+        self._ops.append(SwapOut(seq_id, seq.num_tokens, **self._swap_location(seq)))
+        self._release(seq)
+        del self._seqs[seq_id]
+        seq.units = []
+        self._swapped[seq_id] = seq
+        self._swap_used_tokens += seq.num_tokens
+        return seq.num_tokens
+
+    def can_swap_in(self, seq_id: int) -> bool:
+        seq = self._swapped.get(seq_id)
+        if seq is None:
+            return False
+        need = self._fresh_units(seq)
+        return need is not None and need <= self._available_units()
+
+    def swap_in(self, seq_id: int) -> None:
+        seq = self._swapped.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError(f"sequence {seq_id} is not swapped out")
+        if not self.can_swap_in(seq_id):
+            self._raise_no_room(f"swapping in sequence {seq_id} ({seq.num_tokens} tokens)")
+        del self._swapped[seq_id]
+        self._swap_used_tokens -= seq.num_tokens
+        self._place_private(seq_id, seq)
+        self._seqs[seq_id] = seq
+        self._ops.append(SwapIn(seq_id, seq.num_tokens, **self._swap_location(seq)))
+
+    def _swap_integrity(self) -> None:
+        assert not (self._seqs.keys() & self._swapped.keys())
+        assert self._swap_used_tokens == sum(s.num_tokens for s in self._swapped.values())
+        assert 0 <= self._swap_used_tokens * self.bytes_per_token <= self.swap_bytes
+
+    # -- hooks --
+    def _swap_location(self, seq: SeqState) -> dict:
+        """Where a sequence's tokens are, for SwapOut/SwapIn ops (vmem: slot; paged: blocks)."""
+        return {}
+
+    def _release(self, seq: SeqState) -> None:
+        raise NotImplementedError
+
+    def _fresh_units(self, seq: SeqState) -> Optional[int]:
+        raise NotImplementedError
+
+    def _available_units(self) -> int:
+        raise NotImplementedError
+
+    def _place_private(self, seq_id: int, seq: SeqState) -> None:
+        raise NotImplementedError
+
+    def _raise_no_room(self, what: str) -> None:
+        raise NotImplementedError
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence this manager could ever hold (max length, capped by the cache);
+        the scheduler rejects longer requests at submission."""
+        raise NotImplementedError

@@ -1,0 +1,293 @@
+"""Paged manager (the PagedAttention / vLLM approach): fixed blocks of ``block_size`` tokens from
+a pool, a block table per sequence, reference counts, copy-on-write and prefix caching.
+
+Every block is in exactly one of three states:
+
+    free     ref 0, no hash         in ``_free`` (a stack)
+    cached   ref 0, hashed content  in ``_cached`` (LRU order; evicted only when _free is empty)
+    held     ref >= 1               in the block tables of ``ref`` resident sequences
+
+Cached blocks count as FREE capacity (as vLLM's kv_cache_usage does): taking one just drops its
+hash. A full block is registered in the prefix index as soon as its token ids are known (at
+allocate for the prompt: its K/V are written in the step that follows, before anyone reads).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError
+from ..presets import ModelSpec
+from .base import CopyBlock, MemoryStats
+from .common import ManagerCore, check_int
+from .prefix import PrefixIndex, SeqState, prefix_hashes
+
+
+class PagedManager(ManagerCore):
+    """Block-table manager. ``prefix_queries``/``prefix_hits`` count TOKENS (as vLLM's
+    prefix-cache metrics do): tokens offered to ``allocate`` with ``token_ids``, and of those the
+    tokens served from cached blocks."""
+
+    name = "paged"
+
+    def __init__(self, model: ModelSpec, cache_bytes: int, max_seq_len_tokens: int, *,
+                 block_size_tokens: int = 16, swap_bytes: int = 0) -> None:
+        super().__init__(model, max_seq_len_tokens, swap_bytes)
+        self.block_size = bs = check_int("block_size_tokens", block_size_tokens, 1)
+        self.num_blocks = check_int("cache_bytes", cache_bytes, 1) // (bs * self.bytes_per_token)
+        if self.num_blocks < 1:
+            raise ConfigError(f"cache_bytes={cache_bytes} holds no block of {bs} tokens; needs "
+                              f">= {bs * self.bytes_per_token}")
+        self._ref = [0] * self.num_blocks
+        self._fill = [0] * self.num_blocks            # tokens written in each block
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._cached: OrderedDict = OrderedDict()     # block -> None, least recently freed first
+        self.prefix = PrefixIndex()
+        self._live = 0        # tokens in held blocks (a shared block counted once)
+        self._cap_sum = 0     # sum over resident sequences of len(blocks) * block_size
+        self._tok_sum = 0     # sum over resident sequences of num_tokens
+        self._memo = (None, None, None, None)         # last (token_ids, n, namespace, hashes)
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        return min(self.max_seq_len, self.num_blocks * self.block_size)
+
+    def block_table(self, seq_id: int) -> list:
+        """Block ids of a resident sequence, in token order (block k holds tokens
+        [k*block_size, (k+1)*block_size))."""
+        return list(self._seq(seq_id).units)
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
+
+    # -- block pool --
+    def _available_units(self) -> int:
+        return len(self._free) + len(self._cached)
+
+    def _take_block(self) -> int:
+        """A block for new content: a free one, else evict the least recently used cached one."""
+        if self._free:
+            b = self._free.pop()
+        else:
+            b, _ = self._cached.popitem(last=False)
+            self.prefix.drop(b)
+        self._ref[b] = 1
+        self._fill[b] = 0
+        return b
+
+    def _hold(self, b: int) -> None:
+        """One more holder of an existing (hit or shared) block."""
+        if self._ref[b] == 0:
+            del self._cached[b]
+            self._live += self._fill[b]
+        self._ref[b] += 1
+
+    def _unhold(self, b: int) -> None:
+        self._ref[b] -= 1
+        if self._ref[b] == 0:
+            self._live -= self._fill[b]
+            if b in self.prefix.hash_of:
+                self._cached[b] = None
+            else:
+                self._free.append(b)
+
+    def _register_full(self, seq: SeqState) -> None:
+        for k, h in seq.new_full_hashes(self.block_size):
+            self.prefix.register(seq.units[k], h)
+
+    # -- admission --
+    def _hits(self, num_tokens: int, token_ids, namespace) -> list:
+        if token_ids is None:
+            return []
+        memo = self._memo
+        if memo[0] is token_ids and memo[1] == num_tokens and memo[2] == namespace:
+            hashes = memo[3]
+        else:
+            hashes = prefix_hashes(token_ids, self.block_size, num_tokens, namespace)
+            self._memo = (token_ids, num_tokens, namespace, hashes)
+        return self.prefix.match(hashes)
+
+    def _need(self, num_tokens: int, hits: list) -> int:
+        """Blocks a new sequence takes from the free + cached pool."""
+        revived = sum(1 for b in hits if self._ref[b] == 0)
+        return -(-num_tokens // self.block_size) - len(hits) + revived
+
+    def can_allocate(self, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
+                     namespace: Optional[str] = None, reserve_tokens: int = 0,
+                     final_tokens: Optional[int] = None) -> bool:
+        if num_tokens > self.max_sequence_tokens:
+            return False
+        spare = self._available_units() - self._need(num_tokens, self._hits(num_tokens, token_ids, namespace))
+        return spare >= 0 and spare * self.block_size >= reserve_tokens
+
+    def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
+                 namespace: Optional[str] = None, final_tokens: Optional[int] = None) -> int:
+        self._check_new(seq_id)
+        self._check_length(num_tokens)
+        hits = self._hits(num_tokens, token_ids, namespace)
+        need = self._need(num_tokens, hits)
+        if need > self._available_units():
+            raise OutOfCapacityError(f"sequence {seq_id} needs {need} blocks of "
+                                     f"{self.block_size} tokens, {self._available_units()} free")
+        seq = self._new_seq(num_tokens, token_ids, namespace)
+        for b in hits:
+            self._hold(b)
+        seq.units = list(hits)
+        for _ in range(-(-num_tokens // self.block_size) - len(hits)):
+            seq.units.append(self._take_block())
+        self._fill_blocks(seq, len(hits) * self.block_size, num_tokens)
+        self._cap_sum += len(seq.units) * self.block_size
+        self._tok_sum += num_tokens
+        self._seqs[seq_id] = seq
+        self._register_full(seq)   # hit blocks keep their hash; the chain is recomputed
+        if token_ids is not None:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += len(hits) * self.block_size
+        return len(hits) * self.block_size
+
+    def _fill_blocks(self, seq: SeqState, start: int, end: int) -> None:
+        """Account tokens [start, end) as written into ``seq``'s blocks (all private)."""
+        bs, pos = self.block_size, start
+        while pos < end:
+            k = pos // bs
+            stop = min(end, (k + 1) * bs)
+            self._fill[seq.units[k]] += stop - pos
+            pos = stop
+        self._live += end - start
+
+    # -- growth --
+    def _growth(self, seq: SeqState, num_tokens: int) -> int:
+        """Blocks ``append(num_tokens)`` would take: new blocks plus one if it must
+        copy-on-write a shared partial last block."""
+        bs, n = self.block_size, seq.num_tokens
+        need = -(-(n + num_tokens) // bs) - len(seq.units)
+        if n % bs and num_tokens and self._ref[seq.units[-1]] > 1:
+            need += 1
+        return need
+
+    def can_append(self, seq_id: int, num_tokens: int = 1) -> bool:
+        seq = self._seq(seq_id)
+        new = seq.num_tokens + num_tokens
+        if (seq.units and new <= len(seq.units) * self.block_size and new <= self.max_seq_len
+                and self._ref[seq.units[-1]] == 1):
+            return True      # hot path: room in a private last block
+        return new <= self.max_seq_len and self._growth(seq, num_tokens) <= self._available_units()
+
+    def append(self, seq_id: int, num_tokens: int = 1,
+               token_ids: Optional[Sequence[int]] = None) -> None:
+        seq = self._seq(seq_id)
+        old = seq.num_tokens
+        new = old + num_tokens
+        if (new <= len(seq.units) * self.block_size and new <= self.max_seq_len and num_tokens > 0
+                and seq.ids is None and token_ids is None and self._ref[seq.units[-1]] == 1):
+            # hot path: room in a private last block, no ids to hash: counters only
+            self._fill[seq.units[-1]] += num_tokens
+            self._live += num_tokens
+            self._tok_sum += num_tokens
+            seq.num_tokens = new
+            return
+        self._append_slow(seq_id, seq, num_tokens, token_ids)
+
+    def _append_slow(self, seq_id: int, seq: SeqState, num_tokens: int, token_ids) -> None:
+        self._check_append_ids(num_tokens, token_ids)
+        old, bs = seq.num_tokens, self.block_size
+        if old + num_tokens > self.max_seq_len:
+            raise RequestTooLargeError(f"sequence {seq_id} would grow to {old + num_tokens} "
+                                       f"tokens, over max_seq_len {self.max_seq_len}")
+        need = self._growth(seq, num_tokens)
+        if need > self._available_units():
+            raise OutOfCapacityError(f"appending {num_tokens} tokens to sequence {seq_id} needs "
+                                     f"{need} blocks, {self._available_units()} free")
+        if num_tokens == 0:
+            return
+        if old % bs and self._ref[seq.units[-1]] > 1:     # copy-on-write, the writer moves
+            src = seq.units[-1]
+            dst = self._take_block()
+            self._fill[dst] = self._fill[src]
+            self._live += self._fill[src]
+            self._unhold(src)
+            seq.units[-1] = dst
+            self._ops.append(CopyBlock(src, dst))
+        before = len(seq.units)
+        for _ in range(-(-(old + num_tokens) // bs) - before):
+            seq.units.append(self._take_block())
+        self._cap_sum += (len(seq.units) - before) * bs
+        end = old + num_tokens
+        self._fill_blocks(seq, old, end)
+        self._tok_sum += num_tokens
+        seq.num_tokens = end
+        seq.note_ids(old, token_ids)
+        if end // bs > old // bs:
+            self._register_full(seq)
+
+    # -- fork and release --
+    def can_fork(self, parent_id: int) -> bool:
+        self._seq(parent_id)
+        return True
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        parent = self._seq(parent_id)
+        self._check_new(child_id)
+        child = parent.copy()
+        for b in child.units:
+            self._hold(b)
+        self._seqs[child_id] = child
+        self._cap_sum += len(child.units) * self.block_size
+        self._tok_sum += child.num_tokens
+
+    def _swap_location(self, seq: SeqState) -> dict:
+        return {"blocks": tuple(seq.units)}
+
+    def _release(self, seq: SeqState) -> None:
+        for b in reversed(seq.units):   # tail blocks first in LRU: evicted before the prefix
+            self._unhold(b)
+        self._cap_sum -= len(seq.units) * self.block_size
+        self._tok_sum -= seq.num_tokens
+        seq.units = []
+
+    # -- swap hooks --
+    def _fresh_units(self, seq: SeqState) -> Optional[int]:
+        return -(-seq.num_tokens // self.block_size)
+
+    def _place_private(self, seq_id: int, seq: SeqState) -> None:
+        n = seq.num_tokens
+        seq.units = [self._take_block() for _ in range(-(-n // self.block_size))]
+        self._fill_blocks(seq, 0, n)
+        self._cap_sum += len(seq.units) * self.block_size
+        self._tok_sum += n
+        for k, h in enumerate(seq.hashes):   # content is back: make it findable again
+            if k < len(seq.units):
+                self.prefix.register(seq.units[k], h)
+
+    def _raise_no_room(self, what: str) -> None:
+        raise OutOfCapacityError(f"{what}: {self._available_units()} blocks of "
+                                 f"{self.block_size} tokens free")
+
+    # -- queries --
+    def stats(self) -> MemoryStats:
+        free = self._available_units() * self.block_size
+        total = self.num_blocks * self.block_size
+        return MemoryStats(total_tokens=total, allocated_tokens=total - free,
+                           live_tokens=self._live, free_tokens=free,
+                           end_waste_tokens=self._cap_sum - self._tok_sum,
+                           bytes_per_token=self.bytes_per_token)
+
+    def check_integrity(self) -> None:
+        bs, refs = self.block_size, [0] * self.num_blocks
+        for seq in self._seqs.values():
+            assert len(seq.units) == -(-seq.num_tokens // bs), "block table length"
+            for k, b in enumerate(seq.units):
+                refs[b] += 1
+                assert self._fill[b] == min(bs, seq.num_tokens - k * bs), ("fill", b)
+        assert refs == self._ref, "reference counts"
+        free, cached = set(self._free), set(self._cached)
+        assert len(free) == len(self._free) and not free & cached
+        assert all(refs[b] == 0 and b not in self.prefix.hash_of for b in free)
+        assert all(refs[b] == 0 and b in self.prefix.hash_of for b in cached)
+        held = sum(1 for r in refs if r)
+        assert held + len(free) + len(cached) == self.num_blocks, "free + held == total"
+        assert self._live == sum(self._fill[b] for b in range(self.num_blocks) if refs[b])
+        assert self._cap_sum == sum(len(s.units) * bs for s in self._seqs.values())
+        assert self._tok_sum == sum(s.num_tokens for s in self._seqs.values())
+        self.prefix.check()
+        self._swap_integrity()

@@ -1,0 +1,408 @@
+"""vmem manager (the vAttention approach): each sequence owns one slot (a batch row of
+``max_seq_len`` tokens, contiguous in virtual memory) and physical page groups are mapped under
+it on demand.
+
+    slot s:  | page 0 | page 1 | page 2 | ... | page pages_per_slot-1 |
+               tokens [pi*tpp, (pi+1)*tpp) live under page index pi
+               each mapped page index is backed by one page GROUP g (2*L pages per-layer,
+               2 pages interleaved); the same g may be mapped under several slots (fork,
+               shared prefix) but always at the page index whose content it holds.
+
+A group is in one of three states:
+    free         refs 0, mapped nowhere                 in ``_free``
+    reclaimable  refs 0, still mapped (freed slot, or   in ``_reclaimable`` (LRU): counts as
+                 past a live sequence's length)         ALLOCATED in stats, AVAILABLE to admit
+    used         refs >= 1 (live sequences using it)
+
+Deferred reclamation: ``free`` unmaps nothing; a later sequence placed on the slot writes into
+the pages still mapped there without any op, and groups are unmapped (UnmapPage) only when the
+free list is empty and a group must be taken from a reclaimable one. Only refs-0 groups are ever
+reclaimed, so no live sequence loses a page it reads.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError
+from ..presets import ModelSpec
+from .base import CopyPage, MapPage, MemoryStats, UnmapPage
+from .common import ManagerCore, check_int
+from .prefix import PrefixIndex, SeqState, prefix_hashes
+from .slots import FreeSlots
+
+LAYOUTS = ("per-layer", "interleaved")
+
+
+def page_geometry(model: ModelSpec, page_bytes: int, layout: str) -> tuple:
+    """(tokens_per_page, pages_per_group) of a layout, or ConfigError."""
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    check_int("page_bytes", page_bytes, 1)
+    per_token = model.layer_bytes_per_token * (1 if layout == "per-layer" else model.num_layers)
+    if page_bytes < per_token:
+        raise ConfigError(f"page_bytes={page_bytes} holds no token in the {layout} layout "
+                          f"({per_token} bytes per token per page); needs >= {per_token}")
+    return page_bytes // per_token, (2 * model.num_layers if layout == "per-layer" else 2)
+
+
+class VmemManager(ManagerCore):
+    """Slot + page-group manager. ``prefix_queries``/``prefix_hits`` count TOKENS."""
+
+    name = "vmem"
+
+    def __init__(self, model: ModelSpec, cache_bytes: int, max_seq_len_tokens: int, *,
+                 page_bytes: int = 2 * 2**20, layout: str = "per-layer",
+                 max_slots: Optional[int] = None, swap_bytes: int = 0) -> None:
+        super().__init__(model, max_seq_len_tokens, swap_bytes)
+        self.layout, self.page_bytes = layout, page_bytes
+        self.tokens_per_page, self.pages_per_group = page_geometry(model, page_bytes, layout)
+        tpp = self.tokens_per_page
+        if self.max_seq_len % tpp:
+            low, high = self.max_seq_len // tpp * tpp, -(-self.max_seq_len // tpp) * tpp
+            near = f"{low} or {high}" if low else f"{high}"
+            raise ConfigError(f"max_seq_len_tokens={self.max_seq_len} is not a multiple of "
+                              f"tokens_per_page={tpp} ({layout}, page_bytes={page_bytes}); "
+                              f"nearest valid: {near}")
+        group_bytes = page_bytes * self.pages_per_group
+        self.num_groups = check_int("cache_bytes", cache_bytes, 1) // group_bytes
+        if self.num_groups < 1:
+            raise ConfigError(f"cache_bytes={cache_bytes} holds no page group of {group_bytes} "
+                              f"bytes; needs >= {group_bytes}")
+        # Every running sequence holds >= 1 group, so more slots than groups could never all
+        # be used at once; virtual address space is cheap, so default to exactly that many.
+        self.num_slots = check_int("max_slots", max_slots if max_slots is not None else self.num_groups, 1)
+        self.pages_per_slot = self.max_seq_len // tpp
+        self._refs = [0] * self.num_groups
+        self._fill = [0] * self.num_groups                   # tokens written in each group
+        self._maps = [set() for _ in range(self.num_groups)]  # group -> {(slot, page_index)}
+        self._free = list(range(self.num_groups - 1, -1, -1))
+        self._reclaimable: OrderedDict = OrderedDict()       # group -> None, LRU first
+        self._pages = [dict() for _ in range(self.num_slots)]  # slot -> {page_index: group}
+        self._owner: list = [None] * self.num_slots           # slot -> seq_id or None
+        self._free_slots = FreeSlots(self.num_slots, self.pages_per_slot)
+        self.prefix = PrefixIndex()
+        self._live = self._cap_sum = self._tok_sum = 0
+        self._memo = (None, None, None, None)
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        return min(self.max_seq_len, self.num_groups * self.tokens_per_page)
+
+    # -- queries the runtime needs --
+    def slot_of(self, seq_id: int) -> int:
+        return self._seq(seq_id).slot
+
+    def mapped_pages(self, slot: int) -> dict:
+        """{page_index: group} currently mapped under ``slot`` (live or deferred)."""
+        return dict(self._pages[slot])
+
+    def ref_count(self, group: int) -> int:
+        return self._refs[group]
+
+    @property
+    def reclaimable_tokens(self) -> int:
+        """Capacity held only by deferred pages (refs 0, still mapped): counted in
+        ``stats().allocated_tokens`` but available to ``can_allocate``."""
+        return len(self._reclaimable) * self.tokens_per_page
+
+    # -- mapping primitives (the only places that emit Map/Unmap) --
+    def _map(self, slot: int, pi: int, g: int) -> None:
+        self._pages[slot][pi] = g
+        self._maps[g].add((slot, pi))
+        self._ops.append(MapPage(slot, pi, g))
+
+    def _unmap(self, slot: int, pi: int) -> None:
+        pages = self._pages[slot]
+        g = pages.pop(pi)
+        self._maps[g].discard((slot, pi))
+        self._ops.append(UnmapPage(slot, pi, g))
+        self._free_slots.recount(slot, len(pages))
+        if self._refs[g] == 0 and not self._maps[g]:
+            del self._reclaimable[g]
+            self.prefix.drop(g)
+            self._free.append(g)
+
+    def _take_group(self) -> int:
+        """A group for new content: a free one, else reclaim the least recently used
+        refs-0 group, unmapping it everywhere it is still mapped."""
+        if self._free:
+            g = self._free.pop()
+        else:
+            g, _ = self._reclaimable.popitem(last=False)
+            self.prefix.drop(g)
+            for slot, pi in sorted(self._maps[g]):
+                del self._pages[slot][pi]
+                self._ops.append(UnmapPage(slot, pi, g))
+                self._free_slots.recount(slot, len(self._pages[slot]))
+            self._maps[g].clear()
+        self._refs[g], self._fill[g] = 1, 0
+        return g
+
+    def _hold(self, g: int) -> None:
+        if self._refs[g] == 0:
+            del self._reclaimable[g]
+            self._live += self._fill[g]
+        self._refs[g] += 1
+
+    def _unhold(self, g: int) -> None:
+        self._refs[g] -= 1
+        if self._refs[g] == 0:
+            self._live -= self._fill[g]
+            self._reclaimable[g] = None    # still mapped where it was used
+
+    def _grow_page(self, slot: int, pi: int) -> int:
+        """Back page ``pi`` of ``slot`` with a private group for new content: the group
+        already mapped there if nobody uses it (no op), else a fresh one."""
+        g = self._pages[slot].get(pi)
+        if g is not None and self._refs[g] == 0:
+            del self._reclaimable[g]
+            self.prefix.drop(g)
+            self._refs[g], self._fill[g] = 1, 0
+            return g
+        if g is not None:
+            self._unmap(slot, pi)          # used by a live sequence elsewhere: not ours to write
+        g = self._take_group()
+        self._map(slot, pi, g)
+        return g
+
+    def _available_units(self) -> int:
+        return len(self._free) + len(self._reclaimable)
+
+    # -- placement --
+    def _occupy(self, seq_id: int, seq: SeqState) -> int:
+        slot = self._free_slots.pick()
+        self._free_slots.remove(slot)
+        self._owner[slot] = seq_id
+        seq.slot = slot
+        return slot
+
+    def _place(self, seq_id: int, seq: SeqState, hits: list) -> None:
+        """Put ``seq`` on the free slot with the most mapped pages: shared ``hits`` first (they
+        hold refs before any reclaim can run), then private pages for the rest."""
+        slot = self._occupy(seq_id, seq)
+        pages = self._pages[slot]
+        for pi, g in enumerate(hits):
+            self._hold(g)
+            if pages.get(pi) != g:
+                if pi in pages:
+                    self._unmap(slot, pi)
+                self._map(slot, pi, g)
+        n, tpp = seq.num_tokens, self.tokens_per_page
+        seq.units = list(hits) + [self._grow_page(slot, pi)
+                                  for pi in range(len(hits), -(-n // tpp))]
+        for pi in range(len(hits), len(seq.units)):
+            self._fill[seq.units[pi]] = min(tpp, n - pi * tpp)
+        self._live += n - len(hits) * tpp
+        self._cap_sum += len(seq.units) * tpp
+        self._tok_sum += n
+        self._seqs[seq_id] = seq
+
+    def _hits(self, num_tokens: int, token_ids, namespace) -> list:
+        if token_ids is None:
+            return []
+        memo = self._memo
+        if memo[0] is token_ids and memo[1] == num_tokens and memo[2] == namespace:
+            hashes = memo[3]
+        else:
+            hashes = prefix_hashes(token_ids, self.tokens_per_page, num_tokens, namespace)
+            self._memo = (token_ids, num_tokens, namespace, hashes)
+        return self.prefix.match(hashes)
+
+    def _need(self, num_tokens: int, hits: list) -> int:
+        """Groups a new sequence takes from the free + reclaimable pool."""
+        revived = sum(1 for g in hits if self._refs[g] == 0)
+        return -(-num_tokens // self.tokens_per_page) - len(hits) + revived
+
+    def can_allocate(self, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
+                     namespace: Optional[str] = None, reserve_tokens: int = 0,
+                     final_tokens: Optional[int] = None) -> bool:
+        if num_tokens > self.max_sequence_tokens or not self._free_slots:
+            return False
+        spare = self._available_units() - self._need(num_tokens, self._hits(num_tokens, token_ids, namespace))
+        return spare >= 0 and spare * self.tokens_per_page >= reserve_tokens
+
+    def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
+                 namespace: Optional[str] = None, final_tokens: Optional[int] = None) -> int:
+        self._check_new(seq_id)
+        self._check_length(num_tokens)
+        if not self._free_slots:
+            raise OutOfCapacityError(f"sequence {seq_id}: all {self.num_slots} slots are in use")
+        hits = self._hits(num_tokens, token_ids, namespace)
+        need = self._need(num_tokens, hits)
+        if need > self._available_units():
+            self._raise_no_room(f"sequence {seq_id} needs {need} page groups")
+        seq = self._new_seq(num_tokens, token_ids, namespace)
+        self._place(seq_id, seq, hits)
+        self._register_full(seq)
+        if token_ids is not None:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += len(hits) * self.tokens_per_page
+        return len(hits) * self.tokens_per_page
+
+    def _register_full(self, seq: SeqState) -> None:
+        for k, h in seq.new_full_hashes(self.tokens_per_page):
+            self.prefix.register(seq.units[k], h)
+
+    # -- growth --
+    def _growth(self, seq: SeqState, num_tokens: int) -> int:
+        """Groups ``append(num_tokens)`` takes: new pages, plus one to copy-on-write a shared
+        partial last page."""
+        n, tpp = seq.num_tokens, self.tokens_per_page
+        need = -(-(n + num_tokens) // tpp) - len(seq.units)
+        if n % tpp and num_tokens and self._refs[seq.units[-1]] > 1:
+            need += 1
+        return need
+
+    def can_append(self, seq_id: int, num_tokens: int = 1) -> bool:
+        seq = self._seq(seq_id)
+        new = seq.num_tokens + num_tokens
+        if seq.units and new <= len(seq.units) * self.tokens_per_page and self._refs[seq.units[-1]] == 1:
+            return True      # hot path: room in a private last page
+        return new <= self.max_seq_len and self._growth(seq, num_tokens) <= self._available_units()
+
+    def append(self, seq_id: int, num_tokens: int = 1,
+               token_ids: Optional[Sequence[int]] = None) -> None:
+        seq = self._seq(seq_id)
+        new = seq.num_tokens + num_tokens
+        if (new <= len(seq.units) * self.tokens_per_page and num_tokens > 0 and seq.ids is None
+                and token_ids is None and self._refs[seq.units[-1]] == 1):
+            # hot path: room in a private last page, no ids to hash: counters only
+            self._fill[seq.units[-1]] += num_tokens
+            self._live += num_tokens
+            self._tok_sum += num_tokens
+            seq.num_tokens = new
+            return
+        self._append_slow(seq_id, seq, num_tokens, token_ids)
+
+    def _append_slow(self, seq_id: int, seq: SeqState, num_tokens: int, token_ids) -> None:
+        self._check_append_ids(num_tokens, token_ids)
+        old, tpp, slot = seq.num_tokens, self.tokens_per_page, seq.slot
+        if old + num_tokens > self.max_seq_len:
+            raise RequestTooLargeError(f"sequence {seq_id} would grow to {old + num_tokens} "
+                                       f"tokens, over max_seq_len {self.max_seq_len}")
+        need = self._growth(seq, num_tokens)
+        if need > self._available_units():
+            self._raise_no_room(f"appending {num_tokens} tokens to sequence {seq_id} needs "
+                                f"{need} page groups")
+        if num_tokens == 0:
+            return
+        if old % tpp and self._refs[seq.units[-1]] > 1:
+            self._copy_on_write(seq, len(seq.units) - 1)
+        before = len(seq.units)
+        for pi in range(before, -(-(old + num_tokens) // tpp)):
+            seq.units.append(self._grow_page(slot, pi))
+        self._cap_sum += (len(seq.units) - before) * tpp
+        pos, end = old, old + num_tokens
+        while pos < end:
+            pi = pos // tpp
+            stop = min(end, (pi + 1) * tpp)
+            self._fill[seq.units[pi]] += stop - pos
+            pos = stop
+        self._live += num_tokens
+        self._tok_sum += num_tokens
+        seq.num_tokens = end
+        seq.note_ids(old, token_ids)
+        if end // tpp > old // tpp:
+            self._register_full(seq)
+
+    def _copy_on_write(self, seq: SeqState, pi: int) -> None:
+        """The writer of a shared partial page moves to a new group holding a copy."""
+        slot, old = seq.slot, seq.units[pi]
+        new = self._take_group()                  # old has refs >= 2: never reclaimed here
+        self._unhold(old)
+        self._unmap(slot, pi)
+        self._map(slot, pi, new)
+        src_slot, src_pi = min(self._maps[old])   # same physical group wherever it is mapped
+        self._ops.append(CopyPage(src_slot, src_pi, slot, pi))
+        self._fill[new] = self._fill[old]
+        self._live += self._fill[old]
+        seq.units[pi] = new
+
+    # -- fork and release --
+    def can_fork(self, parent_id: int) -> bool:
+        self._seq(parent_id)
+        return len(self._free_slots) > 0
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        parent = self._seq(parent_id)
+        self._check_new(child_id)
+        if not self._free_slots:
+            self._raise_no_room(f"forking sequence {parent_id}: all {self.num_slots} slots in use")
+        child = parent.copy()
+        slot = self._occupy(child_id, child)
+        pages = self._pages[slot]
+        for pi, g in enumerate(child.units):
+            self._hold(g)
+            if pages.get(pi) != g:
+                if pi in pages:
+                    self._unmap(slot, pi)
+                self._map(slot, pi, g)
+        self._cap_sum += len(child.units) * self.tokens_per_page
+        self._tok_sum += child.num_tokens
+        self._seqs[child_id] = child
+
+    def _swap_location(self, seq: SeqState) -> dict:
+        return {"slot": seq.slot}
+
+    def _release(self, seq: SeqState) -> None:
+        for g in reversed(seq.units):   # tail pages enter the LRU first: reclaimed first
+            self._unhold(g)
+        self._cap_sum -= len(seq.units) * self.tokens_per_page
+        self._tok_sum -= seq.num_tokens
+        self._owner[seq.slot] = None
+        self._free_slots.add(seq.slot, len(self._pages[seq.slot]))
+        seq.units, seq.slot = [], -1
+
+    # -- swap hooks --
+    def _fresh_units(self, seq: SeqState) -> Optional[int]:
+        if not self._free_slots:
+            return None
+        return -(-seq.num_tokens // self.tokens_per_page)
+
+    def _place_private(self, seq_id: int, seq: SeqState) -> None:
+        self._place(seq_id, seq, [])
+        for k, h in enumerate(seq.hashes):   # content is back: make it findable again
+            self.prefix.register(seq.units[k], h)
+
+    def _raise_no_room(self, what: str) -> None:
+        raise OutOfCapacityError(f"{what}: {len(self._free)} free + {len(self._reclaimable)} "
+                                 f"reclaimable page groups, {len(self._free_slots)} free slots")
+
+    # -- queries --
+    def stats(self) -> MemoryStats:
+        free = len(self._free) * self.tokens_per_page
+        total = self.num_groups * self.tokens_per_page
+        return MemoryStats(total_tokens=total, allocated_tokens=total - free,
+                           live_tokens=self._live, free_tokens=free,
+                           end_waste_tokens=self._cap_sum - self._tok_sum,
+                           bytes_per_token=self.bytes_per_token)
+
+    def check_integrity(self) -> None:
+        tpp, refs = self.tokens_per_page, [0] * self.num_groups
+        for seq_id, seq in self._seqs.items():
+            assert self._owner[seq.slot] == seq_id and seq.slot not in self._free_slots
+            assert len(seq.units) == -(-seq.num_tokens // tpp), "page count"
+            for pi, g in enumerate(seq.units):
+                refs[g] += 1
+                assert self._pages[seq.slot].get(pi) == g, ("unmapped page in use", seq_id, pi)
+                assert self._fill[g] == min(tpp, seq.num_tokens - pi * tpp), ("fill", g)
+        assert refs == self._refs, "reference counts"
+        maps = [set() for _ in range(self.num_groups)]
+        for slot, pages in enumerate(self._pages):
+            for pi, g in pages.items():
+                maps[g].add((slot, pi))
+            free = self._owner[slot] is None
+            assert free == (slot in self._free_slots)
+        assert maps == self._maps, "mapping index"
+        assert all(c == len(self._pages[s]) for s, c in self._free_slots.items())
+        assert len(set(self._free)) == len(self._free)
+        assert all(refs[g] == 0 and not maps[g] and g not in self.prefix.hash_of for g in self._free)
+        assert set(self._reclaimable) == {g for g in range(self.num_groups) if not refs[g] and maps[g]}
+        held = sum(1 for g in range(self.num_groups) if refs[g] or maps[g])
+        assert held + len(self._free) == self.num_groups, "free + held == total"
+        assert self._live == sum(self._fill[g] for g in range(self.num_groups) if refs[g])
+        assert self._cap_sum == sum(len(s.units) * tpp for s in self._seqs.values())
+        assert self._tok_sum == sum(s.num_tokens for s in self._seqs.values())
+        self.prefix.check()
+        self._swap_integrity()

@@ -1,0 +1,86 @@
+"""Model and device presets: the numbers the cost model and the managers derive everything from.
+
+Bytes per token counts K and V over all layers: 2 * layers * kv_heads * head_dim * dtype_bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a model's KV cache and the size of its weights."""
+
+    name: str
+    num_layers: int          # transformer blocks, each with its own K and V
+    num_kv_heads: int        # KV heads (GQA: fewer than query heads)
+    head_dim: int            # elements per head
+    dtype_bytes: int         # 2 for fp16/bf16, 4 for fp32
+    weight_bytes: int        # bytes read per decode step for the weights
+    num_params: int = 0      # parameters, for compute-bound prefill costing (0: derive from weights)
+
+    def __post_init__(self) -> None:
+        for field in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"ModelSpec.{field} must be a positive int, got {value!r}")
+        if self.weight_bytes < 0:
+            raise ConfigError(f"ModelSpec.weight_bytes must be >= 0, got {self.weight_bytes!r}")
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        """Bytes of ONE layer's K (or V) for one token."""
+        return self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V over all layers for one token."""
+        return 2 * self.num_layers * self.layer_bytes_per_token
+
+    @property
+    def params(self) -> int:
+        return self.num_params or self.weight_bytes // self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Roofline numbers of an accelerator."""
+
+    name: str
+    memory_bandwidth_bytes_per_s: float
+    peak_flops_per_s: float   # dense fp16/bf16 tensor-core peak
+    memory_bytes: int
+
+
+MODELS: dict[str, ModelSpec] = {
+    # 32 layers * 8 KV heads * 128 dims * 2 bytes * 2 (K,V) = 131,072 B = 128 KiB per token
+    "llama-3-8b": ModelSpec("llama-3-8b", 32, 8, 128, 2, weight_bytes=16_060_000_000,
+                            num_params=8_030_000_000),
+    # OPT-13B: 40 layers, 40 heads (MHA) * 128 dims * 2 bytes * 2 = 819,200 B = 800 KiB per token
+    "opt-13b": ModelSpec("opt-13b", 40, 40, 128, 2, weight_bytes=25_700_000_000,
+                         num_params=12_850_000_000),
+    # the engine tests' random-weight model: 4 layers, 2 KV heads, 64 dims, fp32
+    "tiny": ModelSpec("tiny", 4, 2, 64, 4, weight_bytes=4 * 8_000_000, num_params=8_000_000),
+}
+
+DEVICES: dict[str, DeviceSpec] = {
+    "h100": DeviceSpec("h100", 3.35e12, 989e12, 80 * 2**30),
+    "h200": DeviceSpec("h200", 4.8e12, 989e12, 141 * 10**9),
+    "a100-80gb": DeviceSpec("a100-80gb", 2.0e12, 312e12, 80 * 2**30),
+}
+
+
+def get_model(name: str) -> ModelSpec:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ConfigError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}") from None
+
+
+def get_device(name: str) -> DeviceSpec:
+    try:
+        return DEVICES[name]
+    except KeyError:
+        raise ConfigError(f"unknown device {name!r}; known: {', '.join(sorted(DEVICES))}") from None

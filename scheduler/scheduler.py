@@ -1,0 +1,409 @@
+"""Iteration-level, first-come-first-served scheduling over one memory manager.
+
+One step:
+
+    plan = scheduler.schedule()     # decide who computes which tokens; manager plans memory
+    executor runs plan.ops in order, then the model on plan.seqs
+    scheduler.update(sampled, now)  # append sampled tokens, finish, fork n > 1 children
+
+Order of work inside ``schedule()``:
+  1. running decodes, oldest admission first; each grows by one token. When one cannot grow, the
+     most recently admitted running sequence is preempted (recompute or swap), possibly itself.
+  2. running prefills (chunked: whatever token budget is left).
+  3. swapped sequences come back (FCFS) before any new admission.
+  4. waiting sequences are admitted FCFS while the whole sequence fits and the watermark stays
+     free; the first that does not fit blocks the ones behind it (no overtaking).
+No admission or swap-in happens in a step that preempted. Nothing is ever dropped: a request
+that could never fit is rejected by ``add_request``, everything else eventually finishes.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Dict, List, NamedTuple, Optional, Tuple
+
+from .errors import (ConfigError, DuplicateSequenceError, OutOfCapacityError, SchedulerError,
+                     RequestTooLargeError, SwapSpaceExhaustedError, UnknownSequenceError)
+from .managers.base import MemoryManager
+from .metrics import SchedulerMetrics
+from .request import Request, Sequence, SeqState
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling limits; validated on construction."""
+    max_running: int = 1024              # sequences in a step (vLLM max_num_seqs)
+    max_tokens_per_step: int = 8192      # new tokens in a step (vLLM max_num_batched_tokens)
+    watermark: float = 0.0               # fraction of total capacity admission keeps free
+    preemption: str = "recompute"        # "recompute" (free, re-prefill) or "swap" (to host)
+    enable_prefix_sharing: bool = False  # pass token ids to the manager to share prefixes
+    check_every_step: bool = False       # manager.check_integrity() after every update (tests)
+    max_seq_len: Optional[int] = None    # tokens; None = the manager's max_seq_len
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_running, int) or self.max_running < 1:
+            raise ConfigError(f"max_running must be an int >= 1, got {self.max_running!r}")
+        if not isinstance(self.max_tokens_per_step, int) or self.max_tokens_per_step < self.max_running:
+            raise ConfigError(f"max_tokens_per_step must be an int >= max_running "
+                              f"({self.max_running}) so every decode fits a step, "
+                              f"got {self.max_tokens_per_step!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError(f"watermark must be a fraction in [0, 1), got {self.watermark!r}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ConfigError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, "
+                              f"got {self.preemption!r}")
+
+
+class ScheduledSeq(NamedTuple):
+    """One sequence's work in a step. Positions are token indices in the sequence."""
+    seq_id: int
+    num_computed_tokens: int      # tokens already cached = position of the first new token
+    num_new_tokens: int           # tokens to compute this step
+    new_token_ids: Optional[Tuple[int, ...]]  # their ids, when known (None: prompt ids unknown)
+    sample: bool                  # this step yields a sampled token (decode or last prefill chunk)
+    fork_ids: Tuple[int, ...] = ()  # n > 1: also sample one token for each of these children
+
+
+@dataclass
+class StepPlan:
+    """Everything the executor needs for one step. Execute ``ops`` in order BEFORE the model."""
+    seqs: List[ScheduledSeq]
+    ops: list                                              # manager.take_ops()
+    preempted: List[int] = field(default_factory=list)     # preempted this step (both modes)
+    swapped_out: List[int] = field(default_factory=list)   # of which swapped to host
+    finished: List[int] = field(default_factory=list)      # finished by the previous update
+    num_new_tokens: int = 0        # sum of num_new_tokens
+    num_context_tokens: int = 0    # sum of num_computed_tokens + num_new_tokens (KV read)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs and not self.ops
+
+
+class Scheduler:
+    """FCFS iteration-level scheduler. Owns every Sequence; the manager owns the memory."""
+
+    def __init__(self, manager: MemoryManager, config: SchedulerConfig = SchedulerConfig()):
+        self.manager = manager
+        self.config = config
+        self.max_seq_len = config.max_seq_len or getattr(manager, "max_seq_len", None)
+        total = manager.stats().total_tokens
+        self.total_tokens = total
+        # the longest sequence the manager could ever hold (a reservation may need more than
+        # the tokens it caches); a request longer than this is rejected at submission
+        self.max_fit_tokens = getattr(manager, "max_sequence_tokens", total)
+        self.watermark_tokens = int(config.watermark * total)
+        self.metrics = SchedulerMetrics()
+        self.waiting: deque = deque()   # FCFS; preempted sequences go back to the front
+        self.running: List[Sequence] = []  # in admission order
+        self.swapped: deque = deque()
+        self.seqs: Dict[int, Sequence] = {}   # every sequence ever submitted, by seq_id
+        self._next_seq_id = 0
+        self._admit_counter = 0
+        # the last plan, for update(): decodes (one token, always sampling) and the rest
+        self._decoded: List[Sequence] = []
+        self._scheduled: List[Tuple[Sequence, int, bool]] = []
+        self._finished_ids: List[int] = []
+        self._step = 0
+        self._unfinished_samples: Dict[int, int] = {}   # request_id -> sequences not finished
+        self._can_swap_out = getattr(manager, "can_swap_out", None)
+
+    # ---- submission ----------------------------------------------------------------------
+    def add_request(self, request: Request) -> List[int]:
+        """Queue a request; returns the seq ids of its n samples (the first prefills the prompt,
+        the rest are forked from it). Raises RequestTooLargeError when it could never fit."""
+        final = request.max_total_len
+        if self.max_seq_len is not None and final > self.max_seq_len:
+            raise RequestTooLargeError(
+                f"request {request.request_id}: prompt {request.prompt_len} + max_tokens "
+                f"{request.max_tokens} = {final} tokens exceeds max_seq_len {self.max_seq_len}")
+        if final > self.max_fit_tokens:
+            raise RequestTooLargeError(
+                f"request {request.request_id}: {final} tokens can never fit; the cache holds "
+                f"{self.max_fit_tokens} tokens of one sequence at most")
+        if request.request_id in self._unfinished_samples:
+            raise DuplicateSequenceError(f"request {request.request_id} is already queued")
+        ids = list(range(self._next_seq_id, self._next_seq_id + request.n))
+        self._next_seq_id += request.n
+        self._unfinished_samples[request.request_id] = request.n
+        seq = Sequence(ids[0], request)
+        seq.pending_forks = tuple(ids[1:])
+        self.seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+        return ids
+
+    # ---- queries -------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped or self._decoded
+                    or self._scheduled)
+
+    def state_of(self, seq_id: int) -> SeqState:
+        try:
+            return self.seqs[seq_id].state
+        except KeyError:
+            raise UnknownSequenceError(f"unknown sequence id {seq_id}") from None
+
+    def gauges(self) -> Dict[str, float]:
+        """vLLM-named live gauges and counters."""
+        st = self.manager.stats()
+        return {
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": len(self.waiting),
+            "num_requests_swapped": len(self.swapped),
+            "kv_cache_usage_perc": st.usage_fraction,
+            "num_preemptions": self.metrics.num_preemptions,
+            "prefix_cache_queries": getattr(self.manager, "prefix_queries", 0),
+            "prefix_cache_hits": getattr(self.manager, "prefix_hits", 0),
+        }
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Plan one step. Must be followed by ``update`` before the next ``schedule``."""
+        if self._decoded or self._scheduled:
+            raise SchedulerError("schedule() called twice without update() in between")
+        self._step += 1
+        plan = StepPlan([], [], finished=self._finished_ids)
+        self._finished_ids = []
+        budget = self._schedule_decodes(plan, self.config.max_tokens_per_step)
+        if not plan.preempted:
+            budget = self._swap_in(plan, budget)
+        if not plan.preempted and not self.swapped:
+            self._admit(plan, budget)
+        plan.ops = self.manager.take_ops()
+        if not plan.seqs and not self.running and not self.swapped and self.waiting:
+            head = self.waiting[0]
+            raise RequestTooLargeError(
+                f"sequence {head.seq_id} ({head.length} tokens) cannot be admitted to an empty "
+                f"cache of {self.total_tokens} tokens under policy {self.manager.name!r}")
+        return plan
+
+    def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:
+        # The hot path of every step (one pass over ``running``), inlined on purpose: a decode
+        # appends one token to the manager and emits one ScheduledSeq. The general path
+        # (_grow / _emit) handles preemption and prefill chunks. Iterating a list while
+        # _grow pops from its tail is safe: the iterator stops at the new end.
+        running, prefills = self.running, []
+        append, out, decoded = self.manager.append, plan.seqs, self._decoded
+        share = self.config.enable_prefix_sharing
+        new_entry = tuple.__new__
+        ctx = 0
+        for seq in running:
+            c = seq.num_computed
+            if seq.length - c != 1 or not seq.output or seq.prefix_wait:
+                prefills.append(seq)
+                continue
+            ids = (seq.output[-1],)
+            if seq.held <= c:
+                try:
+                    append(seq.seq_id, 1, ids if share else None)
+                    seq.held = c + 1
+                except OutOfCapacityError:
+                    if not self._grow(seq, 1, plan):
+                        break          # it preempted itself: it was the last one running
+            out.append(new_entry(ScheduledSeq, (seq.seq_id, c, 1, ids, True, ())))
+            decoded.append(seq)
+            ctx += c
+        n = len(out)
+        plan.num_new_tokens += n
+        plan.num_context_tokens += ctx + n
+        budget -= n
+        for seq in prefills:
+            budget = self._schedule_prefill(plan, seq, budget, may_preempt=False)
+        return budget
+
+    def _schedule_prefill(self, plan: StepPlan, seq: Sequence, budget: int,
+                          may_preempt: bool) -> int:
+        new = min(seq.length - seq.num_computed, budget)
+        if new <= 0 or seq.state is not SeqState.RUNNING:
+            return budget
+        if seq.prefix_wait:
+            if self._earlier_prefill_in_flight(seq):
+                return budget
+            seq.prefix_wait = False
+        if not self._grow(seq, new, plan, may_preempt):
+            return budget
+        self._emit(plan, seq, new)
+        return budget - new
+
+    def _grow(self, seq: Sequence, new: int, plan: StepPlan, may_preempt: bool = True) -> bool:
+        """Make the manager hold room for ``new`` tokens after ``seq.num_computed``, preempting
+        from the tail of ``running`` while it does not fit. False when ``seq`` got no room."""
+        need = seq.num_computed + new - seq.held
+        if need <= 0:
+            return True
+        ids = seq.new_token_ids(seq.held, seq.held + need) if self.config.enable_prefix_sharing else None
+        while True:
+            try:
+                self.manager.append(seq.seq_id, need, ids)
+                seq.held += need
+                return True
+            except OutOfCapacityError:
+                if not may_preempt:
+                    return False
+                victim = self.running[-1]
+                self._preempt(victim, plan)
+                if victim is seq:
+                    return False
+
+    def _emit(self, plan: StepPlan, seq: Sequence, new: int) -> None:
+        c = seq.num_computed
+        sample = c + new == seq.length
+        forks = seq.pending_forks if sample else ()
+        plan.seqs.append(ScheduledSeq(seq.seq_id, c, new, seq.new_token_ids(c, c + new), sample, forks))
+        plan.num_new_tokens += new
+        plan.num_context_tokens += c + new
+        self._scheduled.append((seq, new, sample))
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Take the most recently admitted running sequence off the device."""
+        self.running.pop()
+        self.metrics.num_preemptions += 1
+        plan.preempted.append(seq.seq_id)
+        if self.config.preemption == "swap" and self._try_swap_out(seq):
+            seq.state = SeqState.SWAPPED
+            seq.held = 0
+            self.swapped.appendleft(seq)
+            plan.swapped_out.append(seq.seq_id)
+            self.metrics.num_swap_preemptions += 1
+            return
+        self.manager.free(seq.seq_id)
+        self.metrics.recomputed_tokens += seq.num_computed
+        seq.num_computed = seq.held = 0
+        seq.state = SeqState.WAITING
+        self.waiting.appendleft(seq)
+
+    def _try_swap_out(self, seq: Sequence) -> bool:
+        if self._can_swap_out is not None and not self._can_swap_out(seq.seq_id):
+            return False
+        try:
+            self.manager.swap_out(seq.seq_id)
+        except SwapSpaceExhaustedError:
+            return False
+        return True
+
+    def _swap_in(self, plan: StepPlan, budget: int) -> int:
+        while self.swapped and len(self.running) < self.config.max_running and budget > 0:
+            seq = self.swapped[0]
+            if not self.manager.can_swap_in(seq.seq_id):
+                break
+            self.manager.swap_in(seq.seq_id)
+            self.swapped.popleft()
+            seq.held = self.manager.num_tokens(seq.seq_id)
+            self._make_running(seq)
+            budget = self._schedule_prefill(plan, seq, budget, may_preempt=False)
+        return budget
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        mgr, cfg = self.manager, self.config
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_running:
+            seq = self.waiting[0]
+            req = seq.request
+            ids = seq.token_ids() if cfg.enable_prefix_sharing else None
+            reserve = self.watermark_tokens if self.running else 0   # never block an idle cache
+            if not mgr.can_allocate(seq.length, ids, req.namespace, reserve,
+                                    final_tokens=req.max_total_len):
+                break
+            hit = mgr.allocate(seq.seq_id, seq.length, ids, req.namespace,
+                               final_tokens=req.max_total_len)
+            self.waiting.popleft()
+            seq.held = seq.length
+            seq.num_computed = min(hit, seq.length - 1)   # the last token is always computed
+            self._make_running(seq)
+            # A hit may name blocks/pages an earlier sequence registered at its allocate but
+            # computes in a chunk of this or a later step: wait until no earlier prefill is in
+            # flight, so the hit tokens are really cached before anything reads them.
+            seq.prefix_wait = hit > 0
+            budget = self._schedule_prefill(plan, seq, budget, may_preempt=False)
+
+    def _earlier_prefill_in_flight(self, seq: Sequence) -> bool:
+        return any(s.in_prefill for s in self.running
+                   if s.admit_order < seq.admit_order)
+
+    def _make_running(self, seq: Sequence) -> None:
+        seq.state = SeqState.RUNNING
+        seq.admit_order = self._admit_counter
+        self._admit_counter += 1
+        self.running.append(seq)
+
+    # ---- after the model ran -------------------------------------------------------------
+    def update(self, sampled: Dict[int, int], now: Optional[float] = None) -> List[int]:
+        """Record the step: every scheduled sequence has its new tokens cached; those that
+        sampled get ``sampled[seq_id]`` appended. Finishes sequences on max_tokens or a stop
+        token and forks n > 1 children. ``now`` (seconds) timestamps TTFT and inter-token
+        latency (default: the step count). Returns the seq ids finished by this update."""
+        now = float(self._step) if now is None else now
+        finished: List[Sequence] = []
+        for seq, new, sample in self._scheduled:     # prefill chunks (few)
+            seq.num_computed += new
+            if sample:
+                self._on_sample(seq, sampled, now, finished)
+        itl = self.metrics.itl_s
+        for seq in self._decoded:                     # the hot path, inlined _on_sample
+            seq.num_computed += 1
+            tok = sampled[seq.seq_id]
+            out = seq.output
+            out.append(tok)
+            seq.length += 1
+            itl.append(now - seq.last_token_s)        # a decode always follows a sample
+            seq.last_token_s = now
+            if len(out) >= seq.max_tokens or (seq.stop_ids and tok in seq.stop_ids):
+                finished.append(seq)
+        self.metrics.generated_tokens += len(sampled)
+        self._scheduled, self._decoded = [], []
+        if finished:
+            self._finish(finished)
+        if self.config.check_every_step or not (self.running or self.swapped):
+            self.manager.check_integrity()
+        return self._finished_ids
+
+    def _on_sample(self, seq: Sequence, sampled: Dict[int, int], now: float,
+                   finished: List[Sequence]) -> None:
+        tok = sampled[seq.seq_id]
+        seq.output.append(tok)
+        seq.length += 1
+        if seq.last_token_s is None:
+            self.metrics.ttft_s.append(now - seq.arrival_s)
+        else:
+            self.metrics.itl_s.append(now - seq.last_token_s)
+        seq.last_token_s = now
+        if seq.pending_forks:
+            self._fork_children(seq, sampled, tok, now)
+        if len(seq.output) >= seq.max_tokens or tok in seq.stop_ids:
+            finished.append(seq)
+
+    def _fork_children(self, parent: Sequence, sampled: Dict[int, int], parent_tok: int,
+                       now: float) -> None:
+        """Children share the prompt's memory; one that does not fit waits to recompute."""
+        for child_id in parent.pending_forks:
+            tok = sampled.get(child_id, parent_tok)
+            child = Sequence(child_id, parent.request, [tok])
+            child.last_token_s = now
+            self.seqs[child_id] = child
+            fits = len(self.running) < self.config.max_running and self.manager.can_fork(parent.seq_id)
+            if fits:
+                self.manager.fork(parent.seq_id, child_id)
+                child.num_computed, child.held = parent.num_computed, parent.held
+                self._make_running(child)
+            else:
+                self.waiting.appendleft(child)
+            if child.max_tokens <= 1 or tok in child.stop_ids:
+                self._finish([child])
+        parent.pending_forks = ()
+
+    def _finish(self, seqs: List[Sequence]) -> None:
+        for seq in seqs:
+            if seq.state is SeqState.RUNNING:
+                self.manager.free(seq.seq_id)
+            elif seq.state is SeqState.WAITING:
+                self.waiting.remove(seq)
+            seq.state = SeqState.FINISHED
+            seq.held = 0
+            self._finished_ids.append(seq.seq_id)
+            rid = seq.request.request_id
+            self._unfinished_samples[rid] -= 1
+            if not self._unfinished_samples[rid]:
+                del self._unfinished_samples[rid]
+                self.metrics.num_finished_requests += 1
+        self.running = [s for s in self.running if s.state is SeqState.RUNNING]

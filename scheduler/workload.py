@@ -1,0 +1,141 @@
+"""Workloads: request lengths and arrival times, generated from a seed or read from a trace.
+
+A workload is a list of ``TraceEntry`` (prompt tokens, output tokens, arrival second). Lengths
+are log-normal, parameterised the way papers quote them: prompts by median and 95th percentile,
+outputs by mean and 95th percentile. Arrivals are all at time 0 (an offline batch) or Poisson at
+a given rate (requests per second). Generation uses ``random.Random(seed)`` only, so a seed names
+one workload on every machine.
+
+Traces are JSONL, one object per line: ``{"prompt_len": 584, "output_len": 374, "arrival_s": 0.0}``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from typing import Iterable, List, Tuple
+
+from .errors import ConfigError
+
+Z95 = 1.6448536269514722  # standard normal 95th percentile
+
+
+@dataclass(frozen=True)
+class TraceEntry:
+    """One request of a workload, in tokens and seconds."""
+    prompt_len: int     # tokens in the prompt, >= 1
+    output_len: int     # tokens to generate, >= 1
+    arrival_s: float    # seconds after the start of the run, >= 0
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + self.output_len
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A synthetic workload; defaults are the project's standard workload (docs/simulation.md)."""
+    num_requests: int = 2000
+    prompt_median: float = 584.0   # tokens; log-normal median of prompt length
+    prompt_p95: float = 2155.0     # tokens; 95th percentile of prompt length
+    output_mean: float = 374.0     # tokens; log-normal mean of output length
+    output_p95: float = 1118.0     # tokens; 95th percentile of output length
+    max_total_len: int = 4096      # prompt + output clipped to this (the model's max length)
+    arrival_rate: float = 0.0      # requests per second (Poisson); 0 = all arrive at time 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_requests, int) or self.num_requests < 1:
+            raise ConfigError(f"WorkloadSpec.num_requests must be an int >= 1, got {self.num_requests!r}")
+        if not isinstance(self.max_total_len, int) or self.max_total_len < 2:
+            raise ConfigError(f"WorkloadSpec.max_total_len must be an int >= 2, got {self.max_total_len!r}")
+        if not self.arrival_rate >= 0:
+            raise ConfigError(f"WorkloadSpec.arrival_rate must be >= 0 requests/s, got {self.arrival_rate!r}")
+        lognormal_from_median_p95(self.prompt_median, self.prompt_p95, "prompt")
+        lognormal_from_mean_p95(self.output_mean, self.output_p95, "output")
+
+
+def lognormal_from_median_p95(median: float, p95: float, what: str = "length") -> Tuple[float, float]:
+    """(mu, sigma) of the log-normal with this median and 95th percentile (p95 > median > 0)."""
+    if not (median > 0 and p95 > median):
+        raise ConfigError(f"{what} needs 0 < median < p95, got median={median!r}, p95={p95!r}")
+    mu = math.log(median)
+    return mu, (math.log(p95) - mu) / Z95
+
+
+def lognormal_from_mean_p95(mean: float, p95: float, what: str = "length") -> Tuple[float, float]:
+    """(mu, sigma) of the log-normal with this mean and 95th percentile.
+
+    mu + sigma^2/2 = ln(mean) and mu + z*sigma = ln(p95) give sigma^2 - 2z*sigma + 2(ln p95 - ln mean)
+    = 0. Of the two roots we take the smaller, z - sqrt(z^2 - 2d): the larger one is > z and puts
+    the median orders of magnitude below the mean. A real root needs p95 / mean <= e^(z^2/2) ~ 3.87.
+    """
+    if not (mean > 0 and p95 > mean):
+        raise ConfigError(f"{what} needs 0 < mean < p95, got mean={mean!r}, p95={p95!r}")
+    d = math.log(p95) - math.log(mean)
+    disc = Z95 * Z95 - 2.0 * d
+    if disc < 0:
+        raise ConfigError(f"{what}: no log-normal has mean={mean!r} and p95={p95!r} "
+                          f"(p95/mean must be <= {math.exp(Z95 * Z95 / 2):.2f})")
+    sigma = Z95 - math.sqrt(disc)
+    return math.log(mean) - sigma * sigma / 2.0, sigma
+
+
+def generate(spec: WorkloadSpec) -> List[TraceEntry]:
+    """``spec.num_requests`` entries; prompt + output never exceed ``spec.max_total_len``.
+
+    Clipping: the prompt is cut to leave room for at least one output token, then the output is
+    cut to what remains. Arrivals are sorted (Poisson inter-arrival gaps are exponential)."""
+    rng = random.Random(spec.seed)
+    p_mu, p_sigma = lognormal_from_median_p95(spec.prompt_median, spec.prompt_p95, "prompt")
+    o_mu, o_sigma = lognormal_from_mean_p95(spec.output_mean, spec.output_p95, "output")
+    entries, t = [], 0.0
+    for _ in range(spec.num_requests):
+        prompt = min(max(1, round(rng.lognormvariate(p_mu, p_sigma))), spec.max_total_len - 1)
+        output = min(max(1, round(rng.lognormvariate(o_mu, o_sigma))), spec.max_total_len - prompt)
+        if spec.arrival_rate > 0:
+            t += rng.expovariate(spec.arrival_rate)
+        entries.append(TraceEntry(prompt, output, t))
+    return entries
+
+
+def write_trace(path: str, entries: Iterable[TraceEntry]) -> None:
+    """Write ``entries`` as JSONL (one object per line)."""
+    with open(path, "w", encoding="utf-8") as f:
+        for e in entries:
+            f.write(json.dumps({"prompt_len": e.prompt_len, "output_len": e.output_len,
+                                "arrival_s": e.arrival_s}) + "\n")
+
+
+def read_trace(path: str) -> List[TraceEntry]:
+    """Read a JSONL trace. Blank lines are skipped; any bad line raises ConfigError naming the
+    file and line number. Entries are returned sorted by arrival (stable)."""
+    entries = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                entries.append(_parse_line(line, f"{path} line {lineno}"))
+    if not entries:
+        raise ConfigError(f"trace {path} has no requests")
+    entries.sort(key=lambda e: e.arrival_s)
+    return entries
+
+
+def _parse_line(line: str, where: str) -> TraceEntry:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{where}: not JSON ({error.msg})") from None
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: expected an object, got {type(obj).__name__}")
+    values = []
+    for key, minimum in (("prompt_len", 1), ("output_len", 1)):
+        v = obj.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+            raise ConfigError(f"{where}: {key} must be an int >= {minimum}, got {v!r}")
+        values.append(v)
+    arrival = obj.get("arrival_s", 0.0)
+    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:
+        raise ConfigError(f"{where}: arrival_s must be a finite number >= 0, got {arrival!r}")
+    return TraceEntry(values[0], values[1], float(arrival))

@@ -1,0 +1,83 @@
+"""Registry and typed errors: names resolve lazily, failures say what is wrong."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.attention import (AttentionError, AttentionShapeError, BackendUnavailableError,
+                               UnknownBackendError, UnsupportedError, VMemLayerView,
+                               backend_names, describe_backends, fastest_backend, get_backend)
+from tests.runtime.test_attention_backends import SPECS, make_case, paged_view, vmem_view
+
+
+def test_unknown_backend_lists_known_names():
+    with pytest.raises(UnknownBackendError) as e:
+        get_backend("flashy")
+    for name in ("reference", "sdpa", "flash", "flash-attn"):
+        assert name in str(e.value)
+    assert isinstance(e.value, AttentionError)
+
+
+def test_every_backend_declares_devices_layouts_and_availability():
+    rows = {r["name"]: r for r in describe_backends()}
+    assert set(rows) == set(backend_names())
+    for r in rows.values():
+        assert set(r["devices"]) <= {"cpu", "cuda"} and set(r["layouts"]) <= {"vmem", "paged"}
+        assert r["available"] or r["reason"], "an unavailable backend must say why"
+    assert rows["sdpa"]["available"] and rows["reference"]["available"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_cuda_backends_unavailable_on_cpu_say_why():
+    for name in ("flash", "flash-attn"):
+        with pytest.raises(BackendUnavailableError) as e:
+            get_backend(name)
+        assert name in str(e.value) and len(e.value.reason) > 10
+
+
+def test_fastest_backend_is_available_and_supports_the_layout():
+    for layout in ("vmem", "paged"):
+        name = fastest_backend(layout, "cpu")
+        assert name == "sdpa"
+        assert get_backend(name).supports(layout, "cpu")
+    with pytest.raises(UnsupportedError):
+        fastest_backend("ring", "cpu")
+
+
+def test_wrong_device_for_backend_is_a_typed_error():
+    from runtime.attention.flash import FlashBackend
+    case = make_case(SPECS["decode"], dtype=torch.float16)
+    with pytest.raises(UnsupportedError, match="cuda"):
+        FlashBackend().forward(case.q, vmem_view(case))
+
+
+def test_shape_mismatches_name_the_shapes():
+    sdpa = get_backend("sdpa")
+    case = make_case(SPECS["mixed"])
+    view = vmem_view(case)
+    with pytest.raises(AttentionShapeError, match=r"\(18, 4, 16\)"):
+        sdpa.forward(case.q[:18], view)                          # query_lens don't sum to 18
+    with pytest.raises(AttentionShapeError, match="multiple of kv_heads"):
+        sdpa.forward(case.q[:, :3], view)                        # 3 heads over 2 KV heads
+    with pytest.raises(AttentionShapeError, match="head_dim"):
+        sdpa.forward(case.q[..., :8], view)
+    with pytest.raises(AttentionShapeError, match="dtype"):
+        sdpa.forward(case.q.half(), view)                        # cache is fp32
+    with pytest.raises(UnsupportedError, match="dtypes"):
+        sdpa.forward(case.q.double(), view)
+
+
+def test_bad_metadata_is_rejected_before_any_read():
+    sdpa = get_backend("sdpa")
+    case = make_case(SPECS["decode"])
+    v = vmem_view(case)
+    too_long = VMemLayerView(v.k_cache, v.v_cache, v.slots, v.context_lens + 100, v.query_lens)
+    with pytest.raises(AttentionShapeError, match="max_context"):
+        sdpa.forward(case.q, too_long)
+    dup = VMemLayerView(v.k_cache, v.v_cache, torch.zeros_like(v.slots), v.context_lens, v.query_lens)
+    with pytest.raises(AttentionShapeError, match="distinct"):
+        sdpa.forward(case.q, dup)
+    p = paged_view(case)
+    p.block_tables[0, 0] = 10_000
+    with pytest.raises(AttentionShapeError, match="block ids"):
+        sdpa.forward(case.q, p)

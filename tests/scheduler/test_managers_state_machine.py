@@ -1,0 +1,252 @@
+"""Every manager against a shadow model (hypothesis state machines).
+
+After every step: ``check_integrity()``; stats recomputed from public queries (end waste, live,
+allocated, free + allocated == total); for paged and vmem, the emitted ops replayed on a model of
+physical memory, every live sequence read back token by token, no write into a shared unit, and
+(vmem) the replayed address space equal to ``mapped_pages``. Every refused call (``can_*`` False)
+must raise a typed error and leave the manager exactly as it was.
+"""
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from scheduler.errors import (OutOfCapacityError, RequestTooLargeError, SwapSpaceExhaustedError)
+from scheduler.managers import PagedManager, ReserveManager, VmemManager
+from scheduler.presets import ModelSpec
+
+from .shadow import PagedMemory, ShadowSeq, VmemMemory
+
+ONE_LAYER = ModelSpec("t1", 1, 1, 1, 1, weight_bytes=0)   # 1 byte per layer-token, 2 per token
+TWO_LAYER = ModelSpec("t2", 2, 1, 1, 1, weight_bytes=0)   # interleaved page: 2 bytes per token
+BASES = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1] * 2, [2, 0] * 16]   # shared prefixes
+TOKEN = st.integers(0, 3)
+PICK = st.integers(0, 10**6)
+
+
+def fingerprint(m):
+    """Everything observable, for 'a refused call changed nothing'."""
+    seqs = sorted((sid, m.num_tokens(sid)) for sid in list(m._seqs) + list(m._swapped))
+    fp = [m.stats(), seqs, m.prefix_queries, m.prefix_hits, list(m._ops), m._swap_used_tokens]
+    if isinstance(m, PagedManager):
+        fp += [[m.block_table(s) for s in sorted(m._seqs)], list(m._ref), list(m._free),
+               list(m._cached), dict(m.prefix.unit_of)]
+    if isinstance(m, VmemManager):
+        fp += [[m.mapped_pages(s) for s in range(m.num_slots)], list(m._refs),
+               [m.slot_of(s) for s in sorted(m._seqs)], list(m._free), list(m._reclaimable),
+               dict(m.prefix.unit_of)]
+    return fp
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    unit = 1            # tokens per block / page (1 for reserve)
+
+    def __init__(self):
+        super().__init__()
+        self.m, self.mem = None, None
+        self.live, self.swapped = {}, {}
+        self.next_id = 0
+
+    # -- helpers --
+    def pick(self, pool, i):
+        return sorted(pool)[i % len(pool)]
+
+    def refused(self, errors, call, *args, **kw):
+        before = fingerprint(self.m)
+        with pytest.raises(errors):
+            call(*args, **kw)
+        assert fingerprint(self.m) == before, "a refused call changed state"
+
+    def replay(self, writes=()):
+        ops = self.m.take_ops()
+        if self.mem is not None:
+            self.mem.replay(ops, self.live, writes)
+        else:
+            assert all(type(op).__name__ in ("SwapOut", "SwapIn") for op in ops), ops
+
+    # -- rules --
+    @rule(base=st.integers(0, len(BASES) - 1), plen=st.integers(0, 12),
+          tail=st.lists(TOKEN, max_size=2), ahead=st.lists(TOKEN, max_size=4),
+          ns=st.sampled_from([None, None, "a"]), pass_ids=st.sampled_from([True, True, False]),
+          extra=st.integers(0, 8))
+    def allocate(self, base, plen, tail, ahead, ns, pass_ids, extra):
+        ids = BASES[base][:plen] + tail
+        n, sid = len(ids), self.next_id
+        token_ids = ids + ahead if pass_ids else None
+        final = min(n + extra, self.m.max_seq_len)
+        if n > self.m.max_sequence_tokens:
+            self.refused(RequestTooLargeError, self.m.allocate, sid, n, token_ids, ns, final)
+            return
+        if not self.m.can_allocate(n, token_ids, ns, final_tokens=final):
+            self.refused(OutOfCapacityError, self.m.allocate, sid, n, token_ids, ns, final)
+            return
+        self.next_id += 1
+        q0, h0 = self.m.prefix_queries, self.m.prefix_hits
+        hit = self.m.allocate(sid, n, token_ids, ns, final_tokens=final)
+        assert hit % self.unit == 0 and 0 <= hit <= max(n - 1, 0)
+        assert (self.m.prefix_queries - q0, self.m.prefix_hits - h0) == ((n, hit) if pass_ids else (0, 0))
+        s = ShadowSeq(ids + ahead, ns)
+        s.num_tokens = n
+        s.reserved = final if self.m.name == "reserve-oracle" else self.m.max_seq_len
+        self.live[sid] = s
+        self.replay([(sid, hit, n)])
+
+    @precondition(lambda self: self.live)
+    @rule(i=PICK, k=st.integers(0, 3), fresh=st.lists(TOKEN, min_size=3, max_size=3),
+          pass_ids=st.booleans())
+    def append(self, i, k, fresh, pass_ids):
+        sid = self.pick(self.live, i)
+        s = self.live[sid]
+        n = s.num_tokens
+        if len(s.ids) < n + k:
+            s.extend_ids(fresh[:n + k - len(s.ids)])
+        token_ids = s.ids[n:n + k] if pass_ids else None
+        if not self.m.can_append(sid, k):
+            errors = RequestTooLargeError if n + k > self.m.max_seq_len else OutOfCapacityError
+            self.refused(errors, self.m.append, sid, k, token_ids)
+            return
+        self.m.append(sid, k, token_ids)
+        s.num_tokens += k
+        self.replay([(sid, n, n + k)])
+
+    @precondition(lambda self: self.live)
+    @rule(i=PICK)
+    def fork(self, i):
+        parent, child = self.pick(self.live, i), self.next_id
+        if not self.m.can_fork(parent):
+            self.refused(OutOfCapacityError, self.m.fork, parent, child)
+            return
+        self.next_id += 1
+        self.m.fork(parent, child)
+        self.live[child] = self.live[parent].copy()
+        self.replay()
+
+    @precondition(lambda self: self.live)
+    @rule(i=PICK, writer_is_child=st.booleans(), fresh=st.lists(TOKEN, min_size=3, max_size=3))
+    def fork_then_write(self, i, writer_is_child, fresh):
+        """The copy-on-write path: fork, then one of the two sharers writes."""
+        parent, child = self.pick(self.live, i), self.next_id
+        self.fork(i)
+        if child in self.live:
+            writer = child if writer_is_child else parent
+            self.append(sorted(self.live).index(writer), 1, fresh, True)
+
+    @precondition(lambda self: self.live or self.swapped)
+    @rule(i=PICK)
+    def free(self, i):
+        sid = self.pick(list(self.live) + list(self.swapped), i)
+        self.m.free(sid)
+        self.live.pop(sid, None)
+        if self.swapped.pop(sid, None) is not None and self.mem is not None:
+            self.mem.host.pop(sid)
+        self.replay()
+
+    @precondition(lambda self: self.live)
+    @rule(i=PICK)
+    def swap_out(self, i):
+        sid = self.pick(self.live, i)
+        if not self.m.can_swap_out(sid):
+            self.refused(SwapSpaceExhaustedError, self.m.swap_out, sid)
+            return
+        if self.mem is not None:
+            self.mem.capture(sid)
+        assert self.m.swap_out(sid) == self.live[sid].num_tokens
+        self.swapped[sid] = self.live.pop(sid)
+        self.replay()
+
+    @precondition(lambda self: self.swapped)
+    @rule(i=PICK)
+    def swap_in(self, i):
+        sid = self.pick(self.swapped, i)
+        if not self.m.can_swap_in(sid):
+            self.refused(OutOfCapacityError, self.m.swap_in, sid)
+            return
+        self.m.swap_in(sid)
+        self.live[sid] = self.swapped.pop(sid)
+        self.replay()
+
+    # -- invariants --
+    @invariant()
+    def integrity_and_stats(self):
+        if self.m is None:
+            return
+        m, st_ = self.m, self.m.stats()
+        m.check_integrity()
+        assert st_.free_tokens + st_.allocated_tokens == st_.total_tokens
+        for sid, s in list(self.live.items()) + list(self.swapped.items()):
+            assert m.num_tokens(sid) == s.num_tokens
+        u = self.unit
+        if isinstance(m, ReserveManager):
+            held = sum(s.reserved for s in self.live.values())
+            assert st_.allocated_tokens == held
+            assert st_.live_tokens == sum(s.num_tokens for s in self.live.values())
+            assert st_.end_waste_tokens == held - st_.live_tokens
+            return
+        waste = sum(-(-s.num_tokens // u) * u - s.num_tokens for s in self.live.values())
+        assert st_.end_waste_tokens == waste
+        fill = {}
+        for sid, s in self.live.items():
+            for k, unit in enumerate(self.tables(sid)):
+                fill[unit] = min(u, s.num_tokens - k * u)
+        assert st_.live_tokens == sum(fill.values())
+        self.mem.check_reads(self.live)
+
+
+class ReserveMachine(ManagerMachine):
+    @initialize(oracle=st.booleans(), max_len=st.integers(8, 32), slots=st.integers(1, 4),
+                swap=st.integers(0, 64))
+    def setup(self, oracle, max_len, slots, swap):
+        self.m = ReserveManager(ONE_LAYER, 2 * max_len * slots + 2, max_len, oracle=oracle,
+                                swap_bytes=2 * swap)
+
+
+class PagedMachine(ManagerMachine):
+    @initialize(bs=st.sampled_from([1, 2, 4, 8]), blocks=st.integers(1, 24),
+                max_len=st.integers(4, 40), swap=st.integers(0, 64))
+    def setup(self, bs, blocks, max_len, swap):
+        self.unit = bs
+        self.m = PagedManager(ONE_LAYER, 2 * bs * blocks, max_len, block_size_tokens=bs,
+                              swap_bytes=2 * swap)
+        self.mem = PagedMemory(self.m)
+
+    def tables(self, sid):
+        return self.m.block_table(sid)
+
+    @invariant()
+    def allocated_is_held_blocks(self):
+        if self.m is not None:
+            held = self.mem.allocated_blocks(self.live)
+            assert self.m.stats().allocated_tokens == len(held) * self.unit
+
+
+class VmemMachine(ManagerMachine):
+    @initialize(interleaved=st.booleans(), tpp=st.sampled_from([1, 2, 4]),
+                pages=st.integers(1, 8), groups=st.integers(1, 20),
+                slots=st.sampled_from([None, 1, 3, 6, 8]), swap=st.integers(0, 64))
+    def setup(self, interleaved, tpp, pages, groups, slots, swap):
+        model, page_bytes = (TWO_LAYER, 2 * tpp) if interleaved else (ONE_LAYER, tpp)
+        layout = "interleaved" if interleaved else "per-layer"
+        self.unit = tpp
+        self.m = VmemManager(model, groups * 2 * page_bytes, pages * tpp, page_bytes=page_bytes,
+                             layout=layout, max_slots=slots, swap_bytes=2 * swap)
+        assert (self.m.tokens_per_page, self.m.num_groups) == (tpp, groups)
+        self.mem = VmemMemory(self.m)
+
+    def tables(self, sid):
+        pages = self.m.mapped_pages(self.m.slot_of(sid))
+        return [pages[pi] for pi in range(-(-self.live[sid].num_tokens // self.unit))]
+
+    @invariant()
+    def address_space_matches_and_allocated_is_mapped(self):
+        if self.m is not None:
+            self.mem.check_mapped()
+            groups = set(self.mem.aspace.values())
+            assert self.m.stats().allocated_tokens == len(groups) * self.unit
+
+
+_SETTINGS = settings(max_examples=200, stateful_step_count=40, deadline=None)
+TestReserveMatchesShadow = ReserveMachine.TestCase
+TestReserveMatchesShadow.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestPagedMatchesShadowAndReadsBack = PagedMachine.TestCase
+TestPagedMatchesShadowAndReadsBack.settings = _SETTINGS
+TestVmemMatchesShadowAndReadsBack = VmemMachine.TestCase
+TestVmemMatchesShadowAndReadsBack.settings = _SETTINGS

@@ -1,0 +1,108 @@
+"""Simulator results are plausible on the standard workload (docs/simulation.md)."""
+import pytest
+
+from scheduler.errors import ConfigError
+from scheduler.scheduler import SchedulerConfig
+from scheduler.simulator import SimConfig, simulate
+from scheduler.workload import WorkloadSpec, generate
+
+STANDARD = generate(WorkloadSpec())        # 2,000 requests at time 0, seed 0
+SMALL = generate(WorkloadSpec(num_requests=200, seed=3))
+WM5 = SchedulerConfig(watermark=0.05)
+
+
+def run(entries, **kw):
+    kw.setdefault("scheduler", WM5)
+    return simulate(entries, SimConfig(**kw))
+
+
+@pytest.fixture(scope="module")
+def at_20gb():
+    out = {p: run(STANDARD, policy=p, cache_bytes=20 * 10**9)
+           for p in ("reserve-max", "reserve-oracle", "paged")}
+    out["vmem-interleaved"] = run(STANDARD, policy="vmem", layout="interleaved", cache_bytes=20 * 10**9)
+    return out
+
+
+def test_every_output_token_is_generated(at_20gb):
+    want = sum(e.output_len for e in STANDARD)
+    assert all(r.output_tokens == want and r.num_requests == 2000 for r in at_20gb.values())
+
+
+def test_utilisation_orders_reserve_max_below_oracle_below_paged(at_20gb):
+    u = {k: r.kv_utilization for k, r in at_20gb.items()}
+    assert u["reserve-max"] < u["reserve-oracle"] < u["paged"]
+    assert u["paged"] > 0.95          # 16-token blocks waste 7.5 tokens per sequence
+
+
+def test_finer_allocation_gives_bigger_batches_and_more_throughput(at_20gb):
+    r = at_20gb
+    assert r["reserve-max"].mean_batch < r["reserve-oracle"].mean_batch < r["paged"].mean_batch
+    assert r["reserve-max"].output_tokens_per_s < r["paged"].output_tokens_per_s
+    assert r["vmem-interleaved"].output_tokens_per_s > r["reserve-oracle"].output_tokens_per_s
+
+
+def test_paged_end_waste_is_about_half_a_block(at_20gb):
+    assert at_20gb["paged"].mean_end_waste_tokens == pytest.approx(7.5, abs=1.0)
+
+
+@pytest.mark.parametrize("policy", ["paged", "reserve-oracle"])
+def test_more_memory_never_lowers_throughput(policy):
+    tps = [run(STANDARD, policy=policy, cache_bytes=gb * 10**9).output_tokens_per_s
+           for gb in (20, 40, 60)]
+    assert tps == sorted(tps)
+
+
+def test_simulation_is_deterministic():
+    a, b = run(SMALL, cache_bytes=2 * 10**9).to_dict(), run(SMALL, cache_bytes=2 * 10**9).to_dict()
+    a.pop("wall_seconds"), b.pop("wall_seconds")
+    assert a == b
+
+
+def test_zero_watermark_on_a_small_cache_preempts_and_recomputes():
+    r = run(SMALL, cache_bytes=2 * 10**9, scheduler=SchedulerConfig(watermark=0.0))
+    assert r.num_preemptions > 0 and r.recomputed_tokens > 0
+    assert r.output_tokens == sum(e.output_len for e in SMALL)
+
+
+def test_swap_preemption_recomputes_nothing_when_swap_space_suffices():
+    r = run(SMALL, cache_bytes=2 * 10**9, swap_bytes=10 * 10**9,
+            scheduler=SchedulerConfig(watermark=0.0, preemption="swap"))
+    assert r.num_preemptions == r.num_swap_preemptions > 0 and r.recomputed_tokens == 0
+
+
+def test_poisson_arrivals_idle_until_the_next_request():
+    entries = generate(WorkloadSpec(num_requests=50, arrival_rate=0.5, seed=1))
+    r = run(entries)
+    assert r.simulated_seconds > entries[-1].arrival_s
+    assert r.latency["ttft_p50_s"] > 0 and r.num_preemptions == 0
+
+
+def test_map_latency_makes_vmem_slower_and_counts_map_ops():
+    fast = run(SMALL, policy="vmem", layout="interleaved")
+    slow = run(SMALL, policy="vmem", layout="interleaved", map_latency_s=20e-6)
+    assert slow.mapped_page_ops == fast.mapped_page_ops > 0
+    assert slow.simulated_seconds > fast.simulated_seconds
+
+
+def test_paged_slowdown_applies_only_to_paged():
+    assert run(SMALL, paged_slowdown=1.3).simulated_seconds > run(SMALL).simulated_seconds
+    assert (run(SMALL, policy="reserve-oracle", paged_slowdown=1.3).simulated_seconds
+            == run(SMALL, policy="reserve-oracle").simulated_seconds)
+
+
+def test_result_has_the_documented_keys():
+    d = run(SMALL).to_dict()
+    for key in ("mean_batch", "kv_utilization", "output_tokens_per_s", "num_preemptions",
+                "recomputed_tokens", "mean_end_waste_tokens", "simulated_seconds",
+                "wall_seconds", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
+        assert key in d
+
+
+@pytest.mark.parametrize("kwargs,field", [(dict(policy="lru"), "policy"),
+                                          (dict(layout="diagonal"), "layout"),
+                                          (dict(cache_bytes=0), "cache_bytes"),
+                                          (dict(model="gpt-5"), "model")])
+def test_bad_sim_config_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        SimConfig(**kwargs)
