@@ -19,68 +19,14 @@ that could never fit is rejected by ``add_request``, everything else eventually 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-from .errors import (ConfigError, DuplicateSequenceError, OutOfCapacityError, SchedulerError,
+from .errors import (DuplicateSequenceError, OutOfCapacityError, SchedulerError,
                      RequestTooLargeError, SwapSpaceExhaustedError, UnknownSequenceError)
 from .managers.base import MemoryManager
 from .metrics import SchedulerMetrics
+from .plan import PREEMPTION_MODES, ScheduledSeq, SchedulerConfig, StepPlan  # noqa: F401 (re-exported)
 from .request import Request, Sequence, SeqState
-
-PREEMPTION_MODES = ("recompute", "swap")
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Scheduling limits; validated on construction."""
-    max_running: int = 1024              # sequences in a step (vLLM max_num_seqs)
-    max_tokens_per_step: int = 8192      # new tokens in a step (vLLM max_num_batched_tokens)
-    watermark: float = 0.0               # fraction of total capacity admission keeps free
-    preemption: str = "recompute"        # "recompute" (free, re-prefill) or "swap" (to host)
-    enable_prefix_sharing: bool = False  # pass token ids to the manager to share prefixes
-    check_every_step: bool = False       # manager.check_integrity() after every update (tests)
-    max_seq_len: Optional[int] = None    # tokens; None = the manager's max_seq_len
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_running, int) or self.max_running < 1:
-            raise ConfigError(f"max_running must be an int >= 1, got {self.max_running!r}")
-        if not isinstance(self.max_tokens_per_step, int) or self.max_tokens_per_step < self.max_running:
-            raise ConfigError(f"max_tokens_per_step must be an int >= max_running "
-                              f"({self.max_running}) so every decode fits a step, "
-                              f"got {self.max_tokens_per_step!r}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise ConfigError(f"watermark must be a fraction in [0, 1), got {self.watermark!r}")
-        if self.preemption not in PREEMPTION_MODES:
-            raise ConfigError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, "
-                              f"got {self.preemption!r}")
-
-
-class ScheduledSeq(NamedTuple):
-    """One sequence's work in a step. Positions are token indices in the sequence."""
-    seq_id: int
-    num_computed_tokens: int      # tokens already cached = position of the first new token
-    num_new_tokens: int           # tokens to compute this step
-    new_token_ids: Optional[Tuple[int, ...]]  # their ids, when known (None: prompt ids unknown)
-    sample: bool                  # this step yields a sampled token (decode or last prefill chunk)
-    fork_ids: Tuple[int, ...] = ()  # n > 1: also sample one token for each of these children
-
-
-@dataclass
-class StepPlan:
-    """Everything the executor needs for one step. Execute ``ops`` in order BEFORE the model."""
-    seqs: List[ScheduledSeq]
-    ops: list                                              # manager.take_ops()
-    preempted: List[int] = field(default_factory=list)     # preempted this step (both modes)
-    swapped_out: List[int] = field(default_factory=list)   # of which swapped to host
-    finished: List[int] = field(default_factory=list)      # finished by the previous update
-    num_new_tokens: int = 0        # sum of num_new_tokens
-    num_context_tokens: int = 0    # sum of num_computed_tokens + num_new_tokens (KV read)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs and not self.ops
-
 
 class Scheduler:
     """FCFS iteration-level scheduler. Owns every Sequence; the manager owns the memory."""
@@ -268,7 +214,7 @@ class Scheduler:
             plan.swapped_out.append(seq.seq_id)
             self.metrics.num_swap_preemptions += 1
             return
-        self.manager.free(seq.seq_id)
+        self.manager.free(seq.seq_id, computed_tokens=seq.num_computed)
         self.metrics.recomputed_tokens += seq.num_computed
         seq.num_computed = seq.held = 0
         seq.state = SeqState.WAITING

@@ -160,8 +160,10 @@ class MemoryManager(ABC):
         """Make ``child_id`` a copy of ``parent_id`` sharing all of its memory."""
 
     @abstractmethod
-    def free(self, seq_id: int) -> None:
-        """Release a sequence (finished, or preempted for recompute)."""
+    def free(self, seq_id: int, computed_tokens: Optional[int] = None) -> None:
+        """Release a sequence (finished, or preempted for recompute). ``computed_tokens``: how
+        many of its tokens have K/V written, when fewer than it holds; the rest must never be
+        shared through the prefix cache."""
 
     # -- swap --
     @abstractmethod

@@ -80,12 +80,17 @@ class ManagerCore(MemoryManager):
         return ops
 
     # -- release --
-    def free(self, seq_id: int) -> None:
-        """Release a resident sequence, or drop a swapped one's host copy."""
+    def free(self, seq_id: int, computed_tokens: Optional[int] = None) -> None:
+        """Release a resident sequence, or drop a swapped one's host copy. ``computed_tokens``
+        (when the caller knows fewer tokens were computed than held, e.g. a prefill preempted
+        part-way) withdraws the sequence's uncomputed units from prefix sharing, so no later
+        request can hit memory whose K/V was never written."""
         if seq_id in self._swapped:
             self._swap_used_tokens -= self._swapped.pop(seq_id).num_tokens
             return
         seq = self._seq(seq_id)
+        if computed_tokens is not None and computed_tokens < seq.num_tokens:
+            self._forget_uncomputed(seq, computed_tokens)
         self._release(seq)
         del self._seqs[seq_id]
 
@@ -147,6 +152,17 @@ class ManagerCore(MemoryManager):
         assert 0 <= self._swap_used_tokens * self.bytes_per_token <= self.swap_bytes
 
     # -- hooks --
+    def _forget_uncomputed(self, seq: SeqState, computed_tokens: int) -> None:
+        """Drop prefix registrations of units holding tokens at or past ``computed_tokens``."""
+        prefix = getattr(self, "prefix", None)
+        if prefix is None:
+            return
+        unit_tokens = getattr(self, "block_size", None) or self.tokens_per_page
+        first = computed_tokens // unit_tokens
+        for k in range(first, min(len(seq.units), len(seq.hashes))):
+            if prefix.hash_of.get(seq.units[k]) == seq.hashes[k]:
+                prefix.drop(seq.units[k])
+
     def _swap_location(self, seq: SeqState) -> dict:
         """Where a sequence's tokens are, for SwapOut/SwapIn ops (vmem: slot; paged: blocks)."""
         return {}

@@ -206,3 +206,19 @@ def test_append_hot_path_is_fast(policy):
     per_call = (time.perf_counter() - t0) / 100_000
     m.check_integrity()
     assert per_call < 5e-6, f"{policy}: {per_call * 1e6:.2f} us per can_append + append"
+
+
+@pytest.mark.parametrize("policy", ["paged", "vmem"])
+def test_prefill_preempted_part_way_never_shares_its_uncomputed_units(policy):
+    """A prompt whose prefill was cut short by preemption must not serve prefix hits for
+    the units it never computed, while the units it did compute stay shareable."""
+    m = make_manager(policy, TINY, 2 * 64, 16, block_size_tokens=4, page_bytes=4)
+    unit = 4 if policy == "paged" else m.tokens_per_page
+    prompt = list(range(3 * unit + 1))
+    m.allocate(0, len(prompt), token_ids=prompt)
+    m.free(0, computed_tokens=unit)               # only the first unit was computed
+    hit = m.allocate(1, len(prompt), token_ids=prompt)
+    assert hit == unit
+    m.free(1)                                     # fully computed: everything stays findable
+    assert m.allocate(2, len(prompt), token_ids=prompt) == 3 * unit
+    m.check_integrity()
