@@ -1,0 +1,324 @@
+"""VMemCache: a transformers ``Cache`` on the vmem layout, for plain ``model.generate``.
+
+    cache = VMemCache.from_model_config(model.config, max_batch=4, max_context=512)
+    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=20)
+
+One static batch: batch row b owns vmem slot b, and every row has the same length (HF pads on the
+left and masks the pads). Per layer (per-layer layout; interleaved is the same, strided):
+
+    k_cache  (max_batch, capacity, kv_heads, head_dim)    one virtual tensor, pages mapped on demand
+             rows 0..B-1 hold this batch; tokens [0, L) of each row are written
+    update   k_new (B, kv_heads, q, head_dim) -> k_cache[:B, L:L+q]              in place
+    returns  k_cache[:B, :L+q].transpose(1, 2) -> (B, kv_heads, L+q, head_dim)  a view, no copy
+
+The memory manager owns the truth about what is allocated: the first layer of a forward that
+writes past what it holds grows every row through ``manager.append`` and the cache executes the
+map ops it plans (physical pages mapped through the real driver) before writing. ``reset()``
+frees the rows; their pages stay mapped (the manager's deferred reclamation), so the next
+``generate`` reuses them without mapping anything.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..cache import VMemKVCache, default_page_bytes, make_cache
+from ..config import CacheConfig, parse_dtype
+from ..errors import CacheConfigError, CacheStateError
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class BatchTooLargeError(CacheStateError):
+    """A batch has more rows than the cache's ``max_batch`` slots."""
+
+
+class ContextOverflowError(CacheStateError):
+    """A sequence would grow past the cache's ``max_context`` tokens."""
+
+
+class CacheCapacityError(CacheStateError, MemoryError):
+    """The physical page budget (``cache_bytes``) cannot hold the batch at the asked length."""
+
+
+@dataclass(frozen=True)
+class VMemCacheStats:
+    """Memory of a VMemCache. Pages are the driver's physical pages (all layers' K and V)."""
+    batch: int             # rows in use
+    seq_len: int           # tokens per row (layer 0)
+    mapped_pages: int      # pages mapped in the virtual range (incl. pages kept after reset)
+    page_bytes: int
+    live_bytes: int        # K/V bytes of the tokens cached: batch * seq_len * bytes_per_token
+    reserved_bytes: int    # size of the virtual range: max_batch * capacity * bytes_per_token
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self.mapped_pages * self.page_bytes
+
+
+def cache_config_from_model(config, max_batch: int, max_context: int, dtype=None,
+                            device: str = "cpu") -> CacheConfig:
+    """The CacheConfig of an HF model config (its decoder's text config for multimodal ones)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    kinds = set(getattr(text, "layer_types", None) or ("full_attention",))
+    if not kinds <= set(ATTENTION_LAYER_TYPES):
+        raise CacheConfigError(f"VMemCache holds {ATTENTION_LAYER_TYPES} layers; this model also has "
+                               f"{sorted(kinds - set(ATTENTION_LAYER_TYPES))}")
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    dtype = parse_dtype(dtype if dtype is not None else (getattr(text, "dtype", None) or torch.float32))
+    return CacheConfig(text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads,
+                       head_dim, dtype, str(device), max_batch, max_context)
+
+
+class VMemLayer(CacheLayerMixin):
+    """Layer ``index`` of a VMemCache, as HF's mask and generate code query it. Holds no state:
+    everything lives in the owning cache (so reset/crop/reorder are done once, cache-wide)."""
+
+    is_compileable = False   # growth maps pages from Python between ops
+    is_croppable = True
+    is_sliding = False       # every token is kept; HF's sliding-window mask hides old ones
+
+    def __init__(self, owner: "VMemCache", index: int) -> None:
+        super().__init__()
+        self.owner, self.index = owner, index
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.owner.update(key_states, value_states, self.index)
+
+    def get_seq_length(self) -> int:
+        return self.owner._written[self.index]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0   # (kv_length, kv_offset)
+
+    def get_max_length(self) -> int:
+        return self.owner.max_context
+
+    def reset(self) -> None:
+        """Cache-wide: see VMemCache.reset."""
+
+    def reorder_cache(self, beam_idx) -> None:
+        """Cache-wide: see VMemCache.reorder_cache."""
+
+
+class VMemCache(Cache):
+    """A transformers Cache whose K/V live in a VMemKVCache (see the module docstring).
+
+    Guarantees: returned K/V are views of the virtual tensors (no copy); physical pages are
+    mapped only when a row grows into them; an update that raises (BatchTooLargeError,
+    ContextOverflowError, CacheCapacityError, CacheStateError) changes nothing. Inference only:
+    writes are not recorded by autograd. Call ``reset()`` before reusing the cache for new prompts
+    (as with HF's StaticCache; without it ``generate`` continues the cached sequences).
+    """
+
+    def __init__(self, config: CacheConfig, layout: str = "per-layer",
+                 page_bytes: Optional[int] = None, cache_bytes: Optional[int] = None) -> None:
+        page_bytes = page_bytes or default_page_bytes(config, layout)
+        per_token = config.layer_bytes_per_token * (1 if layout == "per-layer" else config.num_layers)
+        tpp = max(1, page_bytes // per_token)
+        capacity = -(-config.max_context // tpp) * tpp   # whole pages per slot; limit stays max_context
+        self.kv: VMemKVCache = make_cache(dataclasses.replace(config, max_context=capacity), "vmem",
+                                          layout=layout, page_bytes=page_bytes, cache_bytes=cache_bytes)
+        super().__init__(layers=[VMemLayer(self, i) for i in range(config.num_layers)])
+        self.config = config
+        self.manager = self.kv.manager
+        self._rows: list[int] = []                  # seq id of batch row b (its slot is b)
+        self._written = [0] * config.num_layers     # tokens per row written in each layer
+        self._next_id = 0
+        self._closed = False
+
+    @classmethod
+    def from_model_config(cls, config, max_batch: int, max_context: int, dtype=None,
+                          device: str = "cpu", layout: str = "per-layer",
+                          page_bytes: Optional[int] = None,
+                          cache_bytes: Optional[int] = None) -> "VMemCache":
+        """A cache for an HF model config. ``dtype`` defaults to the config's (else float32) and
+        must match the model's; ``page_bytes``/``cache_bytes`` as in ``runtime.cache.make_cache``
+        (default budget: every slot at full length)."""
+        return cls(cache_config_from_model(config, max_batch, max_context, dtype, device),
+                   layout=layout, page_bytes=page_bytes, cache_bytes=cache_bytes)
+
+    # -- what HF asks --
+    @property
+    def max_batch(self) -> int:
+        return self.config.max_batch
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_context
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.config.max_context
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._rows) if self._rows else -1
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``key_states``/``value_states`` (B, kv_heads, q, head_dim) after the cached tokens
+        of ``layer_idx``; return all of them as (B, kv_heads, L, head_dim) views of the cache."""
+        self._check_open()
+        self._check_states(key_states, value_states)
+        batch, _, new, _ = key_states.shape
+        start = self._written[layer_idx]
+        end = start + new
+        if end > self._held() or not self._rows:
+            self._grow(batch, end)
+        elif batch != len(self._rows):
+            self._raise_batch_changed(batch)
+        k_cache, v_cache = self.kv._k[layer_idx], self.kv._v[layer_idx]   # (max_batch, C, H, D)
+        with torch.no_grad():
+            k_cache[:batch, start:end].copy_(key_states.transpose(1, 2))
+            v_cache[:batch, start:end].copy_(value_states.transpose(1, 2))
+        self._written[layer_idx] = end
+        layer = self.layers[layer_idx]
+        layer.keys = k_cache[:batch, :end].transpose(1, 2)
+        layer.values = v_cache[:batch, :end].transpose(1, 2)
+        return layer.keys, layer.values
+
+    def _check_states(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        c = self.config
+        want = (c.num_kv_heads, c.head_dim)
+        for name, t in (("key", k), ("value", v)):
+            if t.dim() != 4 or (t.shape[1], t.shape[3]) != want:
+                raise CacheStateError(f"{name} states must be (batch, {want[0]}, tokens, {want[1]}), "
+                                      f"got {tuple(t.shape)}")
+            if t.dtype != c.dtype or t.device != c.torch_device:
+                raise CacheStateError(f"{name} states are {t.dtype} on {t.device}; this cache holds "
+                                      f"{c.dtype} on {c.torch_device} (build it with the model's "
+                                      f"dtype and device)")
+        if k.shape[0] != v.shape[0] or k.shape[2] != v.shape[2]:
+            raise CacheStateError(f"key {tuple(k.shape)} and value {tuple(v.shape)} states differ")
+
+    # -- growth through the manager --
+    def _held(self) -> int:
+        """Tokens the manager holds for every row (rows share one length)."""
+        return self.manager.num_tokens(self._rows[0]) if self._rows else 0
+
+    def _grow(self, batch: int, end: int) -> None:
+        """Make the manager hold ``end`` tokens in each of ``batch`` rows; map the planned pages.
+        Every check runs before anything is committed."""
+        if self._rows and batch != len(self._rows):
+            self._raise_batch_changed(batch)
+        if batch > self.max_batch:
+            raise BatchTooLargeError(f"batch of {batch} rows exceeds this cache's max_batch="
+                                     f"{self.max_batch}")
+        if end > self.max_context:
+            raise ContextOverflowError(f"sequence length {end} exceeds this cache's max_context="
+                                       f"{self.max_context} (batch of {batch} rows)")
+        held = self._held()
+        tpp = self.kv.tokens_per_page
+        need = batch * (-(-end // tpp) - -(-held // tpp))            # page groups
+        free = (self.manager.stats().free_tokens + self.manager.reclaimable_tokens) // tpp
+        if need > free:
+            raise CacheCapacityError(f"growing {batch} rows to {end} tokens needs {need} page groups "
+                                     f"of {tpp} tokens; the cache_bytes budget has {free} left")
+        if not self._rows:
+            self._claim_rows(batch)
+        if end > held:
+            for seq_id in self._rows:
+                self.manager.append(seq_id, end - held)
+        self.kv.execute(self.manager.take_ops())
+
+    def _claim_rows(self, batch: int) -> None:
+        """Hold slots 0..batch-1, one empty sequence each (so ``k_cache[:batch]`` is the batch).
+
+        The manager places a sequence on the free slot with the most pages still mapped, which
+        after earlier batches need not be the lowest; slots past the batch that it offers are
+        held by empty placeholders (no pages) until the batch's slots are found, then freed.
+        """
+        by_slot, spare = {}, []
+        while len(by_slot) < batch:
+            seq_id, self._next_id = self._next_id, self._next_id + 1
+            self.manager.allocate(seq_id, 0)
+            slot = self.manager.slot_of(seq_id)
+            if slot < batch:
+                by_slot[slot] = seq_id
+            else:
+                spare.append(seq_id)
+        for seq_id in spare:
+            self.manager.free(seq_id)
+        self._rows = [by_slot[b] for b in range(batch)]
+
+    def _raise_batch_changed(self, batch: int) -> None:
+        raise CacheStateError(f"batch of {batch} rows, but this cache holds a batch of "
+                              f"{len(self._rows)}; call reset() before a new batch")
+
+    # -- HF hooks --
+    def reset(self) -> None:
+        """Drop every row (ready for a new batch). Pages stay mapped for the next batch to reuse."""
+        self._check_open()
+        for seq_id in self._rows:
+            self.manager.free(seq_id)
+        self.kv.execute(self.manager.take_ops())
+        self._rows = []
+        self._written = [0] * self.config.num_layers
+        for layer in self.layers:
+            layer.keys = layer.values = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row b takes the tokens of row ``beam_idx[b]`` (in place, every layer)."""
+        self._check_open()
+        index = beam_idx.to(self.config.torch_device)
+        for layer, length in enumerate(self._written):
+            for cache in (self.kv._k[layer], self.kv._v[layer]):
+                rows = cache[:len(self._rows), :length]
+                rows.copy_(rows.index_select(0, index))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens of every row (their pages stay held)."""
+        if tokens_to_remove > 0:
+            raise CacheStateError(f"crop takes a negative count of tokens to remove, "
+                                  f"got {tokens_to_remove}")
+        self._written = [max(0, n + tokens_to_remove) for n in self._written]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise CacheStateError("VMemCache holds one static batch; it cannot be expanded in place")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise CacheStateError("VMemCache holds one static batch; it cannot select rows in place")
+
+    # -- memory report and lifecycle --
+    def stats(self) -> VMemCacheStats:
+        c, tokens = self.config, self._written[0]
+        return VMemCacheStats(batch=len(self._rows), seq_len=tokens,
+                              mapped_pages=self.kv.range.num_mapped_pages,
+                              page_bytes=self.kv.page_bytes,
+                              live_bytes=len(self._rows) * tokens * c.bytes_per_token,
+                              reserved_bytes=self.kv.range.size_bytes)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CacheStateError("VMemCache used after close()")
+
+    def close(self) -> None:
+        """Unmap everything and release the pages; the cache cannot be used afterwards. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            for layer in self.layers:
+                layer.keys = layer.values = None
+            self.kv.close()
+
+    def __enter__(self) -> "VMemCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        s = self.stats() if not self._closed else None
+        state = "closed" if s is None else (f"batch={s.batch}, seq_len={s.seq_len}, "
+                                            f"mapped_pages={s.mapped_pages}")
+        return (f"VMemCache({self.kv.memory_layout}, max_batch={self.max_batch}, "
+                f"max_context={self.max_context}, {state})")
