@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 SUBCOMMANDS = {
     "info": "runtime.info",
     "simulate": "scheduler.cli",
+    "generate": "runtime.generate_cli",
 }
 
 

@@ -1,0 +1,162 @@
+"""Engine throughput on the CPU: our engine on vmem and on paged vs transformers' continuous
+batching (``model.generate_batch``, its paged cache), on the same requests; and the share of
+step time spent mapping pages, with and without the background mapper.
+
+    python -m benchmarks.engine [--quick] [--out bench_out/engine.json]
+
+Set-up: a random-weight Llama-style model (runtime.models "small-llama": 4 layers, hidden 256,
+8 query / 2 KV heads, fp32), 64 requests with prompts of mixed lengths (uniform, fixed seed) and
+the same number of new tokens each (generate_batch takes one max_new_tokens), greedy, EOS
+ignored. Each configuration: one warm-up run on a few requests, then ``repeats`` timed runs of
+all requests; the figure is the median. tokens/s = output tokens / wall time of the whole batch
+(prefill included). ``agree`` is the share of requests whose tokens equal vmem's. Systems
+run round-robin, one repeat each in turn, so background load on the machine hits all alike;
+one torch thread by default (tiny matmuls; steadier on a shared machine).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import statistics
+import time
+
+from benchmarks.common import environment, format_table, print_environment, write_json
+
+KiB, MiB = 2**10, 2**20
+MODEL = "small-llama"
+SEED = 0
+
+
+def workload(quick: bool) -> dict:
+    rng = random.Random(SEED)
+    n, low, high, new = (64, 8, 64, 8) if quick else (64, 16, 256, 64)
+    prompts = [[rng.randrange(1024) for _ in range(rng.randint(low, high))] for _ in range(n)]
+    return {"prompts": prompts, "new_tokens": new, "max_batch": 64, "max_context": 512}
+
+
+def _model():
+    from runtime.models import build_model
+    model = build_model(MODEL, seed=SEED)
+    model.generation_config.eos_token_id = None    # same work for every system: no early EOS
+    return model
+
+
+class EngineSystem:
+    """Our engine on one cache configuration; ``once()`` generates the whole workload."""
+
+    def __init__(self, name: str, options: dict, work: dict) -> None:
+        from runtime.engine import Engine, SamplingParams
+        self.name, self.work, self.runs = name, work, []
+        self.params = SamplingParams(max_new_tokens=work["new_tokens"], ignore_eos=True)
+        self.engine = Engine(_model(), max_batch=work["max_batch"], max_context=work["max_context"],
+                             **options)
+        self.engine.generate(work["prompts"][:8], self.params)         # warm-up
+
+    def once(self) -> None:
+        outs = self.engine.generate(self.work["prompts"], self.params)
+        self.runs.append(self.engine.last_stats)
+        self.tokens = [o.outputs[0].token_ids for o in outs]
+
+    def row(self) -> dict:
+        best = sorted(self.runs, key=lambda s: s.wall_s)[len(self.runs) // 2]   # the median run
+        self.engine.close()
+        return {"system": self.name, "tok_s": best.tokens_per_s, "wall_s": best.wall_s,
+                "steps": best.steps, "kv_MiB": best.cache_bytes / MiB, "kv_peak": best.kv_usage_peak,
+                "map_ms": best.mapping_s * 1e3, "map_share": best.mapping_share,
+                "attention": best.attention, "tok_s_runs": [s.tokens_per_s for s in self.runs]}
+
+
+class TransformersSystem:
+    """transformers' continuous batching: ``model.generate_batch`` with its paged cache."""
+
+    name = "transformers generate_batch"
+
+    def __init__(self, work: dict) -> None:
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+        self.work, self.times, self.model = work, [], _model()
+        self.config = GenerationConfig(max_new_tokens=work["new_tokens"], do_sample=False,
+                                       eos_token_id=None)
+        # sized like our engine: the same KV bytes (in its 256-token pages), step token budget
+        # and batch; by default it sizes its cache from free memory (GBs to allocate per call)
+        kv_tokens = 64 * MiB // (2 * 4 * 2 * 32 * 4)     # layers x (K,V) x kv_heads x dim x fp32
+        self.cb = ContinuousBatchingConfig(num_blocks=kv_tokens // 256, max_batch_tokens=2048,
+                                           max_requests_per_batch=work["max_batch"])
+        self.model.generate_batch(work["prompts"][:8], generation_config=self.config,
+                                  continuous_batching_config=self.cb)             # warm-up
+
+    def once(self) -> None:
+        start = time.perf_counter()
+        result = self.model.generate_batch(self.work["prompts"], generation_config=self.config,
+                                           continuous_batching_config=self.cb)
+        self.times.append(time.perf_counter() - start)
+        self.tokens = [result[f"req_{i}"].generated_tokens for i in range(len(self.work["prompts"]))]
+
+    def row(self) -> dict:
+        wall = statistics.median(self.times)
+        total = sum(len(t) for t in self.tokens)
+        return {"system": self.name, "tok_s": total / wall, "wall_s": wall,
+                "attention": self.model.config._attn_implementation,
+                "tok_s_runs": [total / t for t in self.times]}
+
+
+def configurations(quick: bool) -> list[tuple[str, dict]]:
+    return [
+        ("vmem per-layer", dict(cache="vmem", layout="per-layer")),
+        ("vmem interleaved", dict(cache="vmem", layout="interleaved")),
+        ("paged bs16", dict(cache="paged", block_size=16)),
+        # 16 KiB pages (64 tokens): many map ops, to show what mapping costs and what the
+        # background mapper hides
+        ("vmem 16KiB pages", dict(cache="vmem", page_bytes=16 * KiB)),
+        ("vmem 16KiB pages +bg mapper", dict(cache="vmem", page_bytes=16 * KiB, background_mapper=True)),
+    ]
+
+
+def run(quick: bool = False, out: str | None = None, threads: int = 1) -> dict:
+    """Run every configuration, print the table, return (and optionally write) the results."""
+    import torch
+    torch.set_num_threads(threads)
+    warmup, repeats = 1, (1 if quick else 3)
+    work = workload(quick)
+    env = environment(SEED, warmup, repeats, model=MODEL, requests=len(work["prompts"]),
+                      prompt_tokens=sum(map(len, work["prompts"])), new_tokens=work["new_tokens"],
+                      threads=torch.get_num_threads())
+    print_environment(env)
+    systems = [EngineSystem(name, options, work) for name, options in configurations(quick)]
+    systems.append(TransformersSystem(work))
+    for _ in range(repeats):       # round-robin: background load hits every system alike
+        for system in systems:
+            system.once()
+    rows = [system.row() for system in systems]
+    for system, row in zip(systems, rows):
+        row["agree"] = sum(a == b for a, b in zip(system.tokens, systems[0].tokens)) / len(system.tokens)
+    row = rows[-1]
+    base = row["tok_s"]
+    for r in rows:
+        r["vs_hf"] = r["tok_s"] / base
+    print(format_table(rows, ["system", "tok_s", "vs_hf", "wall_s", "steps", "kv_MiB", "kv_peak",
+                              "map_ms", "map_share", "agree", "attention"]))
+    by = {r["system"]: r for r in rows}
+    summary = {"engine_vs_transformers": by["vmem per-layer"]["tok_s"] / base,
+               "vmem_vs_paged": by["vmem per-layer"]["tok_s"] / by["paged bs16"]["tok_s"]}
+    print("# " + "  ".join(f"{k}={v:.2f}x" for k, v in summary.items()))
+    payload = {"environment": env, "rows": rows, "summary": summary}
+    write_json(out, payload)
+    return payload
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="8 new tokens, short prompts, 1 repeat")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args(argv)
+    run(quick=args.quick, out=args.out, threads=args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,312 @@
+"""Engine: continuous batching of a torch causal LM over the scheduler and one of our caches.
+
+    engine = Engine(model, cache="vmem", max_batch=16, max_context=1024)
+    outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=32))
+    for ev in engine.stream(prompts, params): print(ev.request_id, ev.token_id)
+
+One step:  plan = scheduler.schedule() -> runner.execute(plan) (ops, then the model on the
+packed new tokens) -> sampler -> scheduler.update(sampled, now). Nothing is lost: a request
+either is rejected by ``add_request`` (RequestRejectedError, before it holds anything) or runs
+until it finishes; preempted sequences come back (recompute or swap) by the scheduler's rules.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
+
+import torch
+
+from runtime.attention import fastest_backend, get_backend
+from runtime.cache import default_page_bytes, make_cache
+from runtime.config import CacheConfig
+from scheduler.errors import RequestTooLargeError
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler, SchedulerConfig
+
+from .config import EngineConfig
+from .errors import EngineConfigError, RequestRejectedError
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
+from .sampling import SampleSlot, Sampler, SamplingParams, make_generator
+
+Prompt = Union[Sequence[int], str]
+OnToken = Callable[[TokenEvent], None]
+
+
+@dataclass
+class _Sample:
+    """Engine-side state of one sequence (one sample of a request)."""
+    request: "_Request"
+    index: int
+    slot: SampleSlot
+
+
+@dataclass
+class _Request:
+    output: RequestOutput
+    params: SamplingParams
+    on_token: Optional[OnToken]
+    remaining: int
+
+
+class Engine:
+    """Runs ``model`` (an HF causal LM, e.g. LlamaForCausalLM, Qwen2ForCausalLM) with the
+    scheduler on a vmem or paged cache. See EngineConfig for every option; keyword arguments
+    override fields of ``config``. ``tokenizer`` (optional) enables text prompts and outputs."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer=None, config: Optional[EngineConfig] = None,
+                 **options) -> None:
+        try:
+            self.config = cfg = replace(config or EngineConfig(), **options)
+        except TypeError as error:
+            raise EngineConfigError(f"unknown engine option: {error}") from None
+        self.model, self.tokenizer = model, tokenizer
+        param = next(model.parameters())
+        self.device, self.vocab_size = param.device, model.config.get_text_config().vocab_size
+        self.cache_config = self._cache_config(model, cfg, param)
+        self.cache = make_cache(self.cache_config, cfg.cache, cache_bytes=cfg.cache_bytes,
+                                layout=cfg.layout, page_bytes=cfg.page_bytes,
+                                block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,
+                                background_mapper=cfg.background_mapper and cfg.cache == "vmem")
+        self.attention = cfg.attention or fastest_backend(cfg.cache, self.device.type, cfg.block_size)
+        self.runner = ModelRunner(model, self.cache, get_backend(self.attention))
+        self.scheduler = Scheduler(self.cache.manager, SchedulerConfig(
+            max_running=cfg.max_batch, max_tokens_per_step=cfg.max_tokens_per_step,
+            watermark=cfg.watermark, preemption=cfg.preemption,
+            enable_prefix_sharing=cfg.prefix_sharing, check_every_step=cfg.check_integrity))
+        self.sampler = Sampler()
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self._rng = random.Random(cfg.seed)
+        self._samples: Dict[int, _Sample] = {}       # seq_id -> sample state (unfinished)
+        self._requests: Dict[int, _Request] = {}     # request_id -> state, until collected
+        self._next_request = 0
+        self._t0 = time.perf_counter()
+        self._steps, self._step_s, self._kv_usage = 0, 0.0, []
+        self._prompt_tokens = 0
+
+    @staticmethod
+    def _cache_config(model, cfg: EngineConfig, param: torch.Tensor) -> CacheConfig:
+        mc = model.config.get_text_config()
+        heads = mc.num_attention_heads
+        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
+        shape = dict(num_layers=mc.num_hidden_layers, head_dim=head_dim, dtype=param.dtype,
+                     num_kv_heads=getattr(mc, "num_key_value_heads", None) or heads,
+                     device=str(param.device), max_batch=cfg.max_batch)
+        context = cfg.max_context
+        if cfg.cache == "vmem":   # a slot is whole pages: round max_context up to a page multiple
+            probe = CacheConfig(**shape, max_context=context)
+            per_token = probe.layer_bytes_per_token * (1 if cfg.layout == "per-layer" else probe.num_layers)
+            per_page = max(1, (cfg.page_bytes or default_page_bytes(probe, cfg.layout)) // per_token)
+            context = -(-context // per_page) * per_page
+        return CacheConfig(**shape, max_context=context)
+
+    # ---- submission ----------------------------------------------------------------------
+    def add_request(self, prompt: Prompt, sampling: Optional[SamplingParams] = None,
+                    on_token: Optional[OnToken] = None, index: int = 0) -> int:
+        """Queue one prompt (token ids, or text with a tokenizer); returns its request id.
+        Raises RequestRejectedError (nothing queued) when it is invalid or could never fit."""
+        params = sampling or SamplingParams()
+        ids, text = self._encode(prompt, index)
+        stops = params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
+        rid = self._next_request
+        request = Request(rid, len(ids), params.max_new_tokens, prompt_token_ids=ids,
+                          stop_token_ids=stops, arrival_s=self._now(), n=params.n)
+        try:
+            seq_ids = self.scheduler.add_request(request)
+        except RequestTooLargeError as error:
+            raise RequestRejectedError(f"prompt {index} rejected: {error}", index) from None
+        self._next_request += 1
+        self._prompt_tokens += len(ids)
+        out = RequestOutput(rid, ids, [CompletionOutput(i, []) for i in range(params.n)], text)
+        state = _Request(out, params, on_token, params.n)
+        self._requests[rid] = state
+        seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
+        for i, seq_id in enumerate(seq_ids):
+            gen = None if params.greedy else make_generator(seed, i, self.device)
+            self._samples[seq_id] = _Sample(state, i, SampleSlot(0, params, gen))
+        return rid
+
+    def _encode(self, prompt: Prompt, index: int):
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejectedError(f"prompt {index} is text but the engine has no "
+                                           f"tokenizer; pass token ids or a tokenizer", index)
+            ids = tuple(self.tokenizer(prompt)["input_ids"])
+            text = prompt
+        else:
+            ids, text = tuple(int(t) for t in prompt), None
+        if not ids:
+            raise RequestRejectedError(f"prompt {index} is empty", index)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejectedError(f"prompt {index} has token ids {bad[:5]} outside the "
+                                       f"vocabulary [0, {self.vocab_size})", index)
+        return ids, text
+
+    def check_admissible(self, prompts: Sequence[Prompt], sampling) -> None:
+        """Raise RequestRejectedError for the first prompt that ``add_request`` would reject."""
+        limit = min(x for x in (self.scheduler.max_seq_len, self.scheduler.max_fit_tokens) if x)
+        for i, (prompt, params) in enumerate(zip(prompts, self._per_prompt(prompts, sampling))):
+            ids, _ = self._encode(prompt, i)
+            if len(ids) + params.max_new_tokens > limit:
+                raise RequestRejectedError(
+                    f"prompt {i} rejected: {len(ids)} prompt + {params.max_new_tokens} new tokens "
+                    f"exceed the {limit} tokens one sequence can hold in this cache", i)
+
+    # ---- running -------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> List[TokenEvent]:
+        """Run one scheduler step; returns the tokens it produced, in plan order."""
+        start = time.perf_counter()
+        plan = self.scheduler.schedule()
+        logits, rows = self.runner.execute(plan)
+        sampled: Dict[int, int] = {}
+        if logits is not None:
+            slots, order = [], []
+            for row, i in enumerate(rows):
+                s = plan.seqs[i]
+                for seq_id in (s.seq_id,) + s.fork_ids:
+                    slot = self._samples[seq_id].slot
+                    slot.row = row
+                    slots.append(slot)
+                    order.append(seq_id)
+            sampled = dict(zip(order, self.sampler.sample(logits, slots)))
+        finished = set(self.scheduler.update(sampled, now=self._now()))
+        events = self._emit(sampled, finished)
+        self._steps += 1
+        self._kv_usage.append(self.cache.manager.stats().usage_fraction)
+        self._step_s += time.perf_counter() - start
+        return events
+
+    def _emit(self, sampled: Dict[int, int], finished: set) -> List[TokenEvent]:
+        events = []
+        for seq_id, token in sampled.items():
+            sample = self._samples[seq_id]
+            req = sample.request
+            completion = req.output.outputs[sample.index]
+            completion.token_ids.append(token)
+            reason = None
+            if seq_id in finished:
+                reason = "stop" if token in self.scheduler.seqs[seq_id].stop_ids else "length"
+                completion.finish_reason = reason
+                if self.tokenizer is not None:
+                    completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+                req.remaining -= 1
+                del self._samples[seq_id]
+            event = TokenEvent(req.output.request_id, sample.index, token, reason is not None, reason)
+            events.append(event)
+            if req.on_token is not None:
+                req.on_token(event)
+        return events
+
+    def run_until_done(self, on_step: Optional[Callable[[List[TokenEvent]], None]] = None) -> None:
+        while self.scheduler.has_unfinished():
+            events = self.step()
+            if on_step is not None:
+                on_step(events)
+
+    def output(self, request_id: int, pop: bool = False) -> RequestOutput:
+        """The (possibly partial) output of a request; ``pop`` forgets a finished one."""
+        state = self._requests[request_id]
+        if pop and not state.remaining:
+            del self._requests[request_id]
+        return state.output
+
+    # ---- batch API -----------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Prompt],
+                 sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 on_token: Optional[OnToken] = None) -> List[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order. All prompts are checked first:
+        if any would be rejected, RequestRejectedError is raised and nothing runs. Statistics
+        of the call: ``engine.last_stats``."""
+        mark = self._mark()
+        ids = self._submit_all(prompts, sampling, on_token)
+        self.run_until_done()
+        self.last_stats = self.stats(since=mark)
+        return [self.output(rid, pop=True) for rid in ids]
+
+    def stream(self, prompts: Sequence[Prompt],
+               sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None
+               ) -> Iterator[TokenEvent]:
+        """Yield tokens as they are produced (all requests interleaved, step by step)."""
+        mark = self._mark()
+        ids = self._submit_all(prompts, sampling, None)
+        while self.scheduler.has_unfinished():
+            yield from self.step()
+        self.last_stats = self.stats(since=mark)
+        self.last_outputs = [self.output(rid, pop=True) for rid in ids]
+
+    def _submit_all(self, prompts, sampling, on_token) -> List[int]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise EngineConfigError("prompts must be a list of prompts (token-id lists or strings)")
+        params = self._per_prompt(prompts, sampling)
+        self.check_admissible(prompts, params)
+        return [self.add_request(p, s, on_token, index=i) for i, (p, s) in enumerate(zip(prompts, params))]
+
+    @staticmethod
+    def _per_prompt(prompts, sampling) -> List[SamplingParams]:
+        if sampling is None or isinstance(sampling, SamplingParams):
+            return [sampling or SamplingParams()] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise EngineConfigError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+        return list(sampling)
+
+    # ---- metrics -------------------------------------------------------------------------
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _mark(self) -> dict:
+        m = self.scheduler.metrics
+        return dict(t=time.perf_counter(), steps=self._steps, step_s=self._step_s,
+                    map_s=self._mapping_s(), stall_s=self._stall_s(), kv=len(self._kv_usage),
+                    pre=m.num_preemptions, swap=m.num_swap_preemptions, rec=m.recomputed_tokens,
+                    ttft=len(m.ttft_s), itl=len(m.itl_s), gen=m.generated_tokens,
+                    done=m.num_finished_requests, prompt=self._prompt_tokens)
+
+    def _mapping_s(self) -> float:
+        return getattr(self.cache, "mapping_seconds", 0.0)
+
+    def _stall_s(self) -> float:
+        return getattr(self.cache, "map_seconds", 0.0) + getattr(self.cache, "mapper_wait_seconds", 0.0)
+
+    def stats(self, since: Optional[dict] = None) -> EngineStats:
+        """Statistics since ``since`` (a mark taken by generate/stream), or since creation."""
+        b = since or dict(t=self._t0, steps=0, step_s=0.0, map_s=0.0, stall_s=0.0, kv=0, pre=0,
+                          swap=0, rec=0, ttft=0, itl=0, gen=0, done=0, prompt=0)
+        m, usage = self.scheduler.metrics, self._kv_usage[b["kv"]:]
+        return EngineStats(
+            cache=self.config.cache if self.config.cache == "paged" else f"vmem/{self.config.layout}",
+            attention=self.attention, requests=m.num_finished_requests - b["done"],
+            prompt_tokens=self._prompt_tokens - b["prompt"], output_tokens=m.generated_tokens - b["gen"],
+            steps=self._steps - b["steps"], wall_s=time.perf_counter() - b["t"],
+            step_s=self._step_s - b["step_s"], mapping_s=self._mapping_s() - b["map_s"],
+            map_stall_s=self._stall_s() - b["stall_s"],
+            num_preemptions=m.num_preemptions - b["pre"], num_swap_preemptions=m.num_swap_preemptions - b["swap"],
+            recomputed_tokens=m.recomputed_tokens - b["rec"],
+            kv_usage_mean=sum(usage) / len(usage) if usage else 0.0, kv_usage_peak=max(usage, default=0.0),
+            cache_bytes=self.cache.manager.stats().total_tokens * self.cache_config.bytes_per_token,
+            ttft_s=m.ttft_s[b["ttft"]:], itl_s=m.itl_s[b["itl"]:])
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Release the cache (unmaps and frees every page). Idempotent."""
+        self.cache.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _eos_ids(model, tokenizer) -> tuple:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

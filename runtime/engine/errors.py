@@ -1,0 +1,19 @@
+"""Typed errors of the engine: everything a user can trigger is a ValueError subclass."""
+from ..errors import RuntimeKVError
+
+
+class EngineError(RuntimeKVError):
+    """Base class of the engine's errors."""
+
+
+class EngineConfigError(EngineError, ValueError):
+    """An engine setting is out of range (the message names the field, the value and the range)."""
+
+
+class RequestRejectedError(EngineError, ValueError):
+    """A request was refused at submission (it could never fit, or its prompt is invalid); it
+    holds no memory and nothing of it runs. ``index`` is its position in the submitted batch."""
+
+    def __init__(self, message: str, index: int = 0) -> None:
+        super().__init__(message)
+        self.index = index

@@ -1,0 +1,62 @@
+"""ModelRunner: one scheduler step's packed batch through an HF causal LM on one of our caches.
+
+    plan.seqs  s0: prefill 5 tokens | s1: decode 1 | s2: prefill chunk 3 (no sample)
+    input_ids  [t t t t t | t | t t t]                      (1, T=9)
+    positions  [0 1 2 3 4 | 17 | 8 9 10]                    each token's index in its sequence
+    keep       [4, 5]                                       rows whose logits are sampled
+
+Everything per step is built once (ids, positions, keep rows); the per-layer work is the HF
+layer itself plus one cache write and one backend call (runtime.hf.attention).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from runtime.hf.attention import STEP_KWARG, StepContext, use_vmemkv_attention
+
+from .errors import EngineConfigError
+
+
+class ModelRunner:
+    """Executes plans: memory ops on the cache, then the model on the plan's new tokens."""
+
+    def __init__(self, model: torch.nn.Module, cache, backend) -> None:
+        use_vmemkv_attention(model)
+        self.model = model.eval()
+        self.cache = cache
+        self.backend = backend
+        self.device = next(model.parameters()).device
+        self._ctx = StepContext(cache, backend)
+
+    def execute(self, plan) -> Tuple[Optional[torch.Tensor], List[int]]:
+        """Run ``plan``; returns logits ``[rows, vocab]`` of the sampling sequences (in plan
+        order) and, for each, its index in ``plan.seqs``. (None, []) when nothing sampled."""
+        self.cache.execute(plan.ops)
+        if not plan.seqs:
+            return None, []
+        step = self.cache.begin_step([(s.seq_id, s.num_computed_tokens, s.num_new_tokens)
+                                      for s in plan.seqs])
+        ids: List[int] = []
+        keep: List[int] = []
+        sampling: List[int] = []
+        for i, s in enumerate(plan.seqs):
+            if s.new_token_ids is None:
+                raise EngineConfigError(f"sequence {s.seq_id}: the engine needs prompt token ids")
+            ids.extend(s.new_token_ids)
+            if s.sample:
+                keep.append(len(ids) - 1)
+                sampling.append(i)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device).unsqueeze(0)  # (1, T)
+        positions = step.positions.to(self.device).unsqueeze(0)                            # (1, T)
+        if not keep:   # only non-final prefill chunks: K/V are written, nothing is sampled
+            keep_rows = torch.tensor([len(ids) - 1], device=self.device)
+        else:
+            keep_rows = torch.tensor(keep, device=self.device)
+        with torch.inference_mode():
+            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                             logits_to_keep=keep_rows, **{STEP_KWARG: self._ctx})
+        if not keep:
+            return None, []
+        return out.logits[0], sampling                     # (rows, vocab)

@@ -1,0 +1,95 @@
+"""What the engine hands back: streamed token events, finished request outputs, run statistics."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional, Tuple
+
+from scheduler.metrics import latency_summary
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One sampled token of sample ``index`` of request ``request_id``, as soon as it exists."""
+    request_id: int
+    index: int                         # which of the request's n samples
+    token_id: int
+    finished: bool                     # this was the sample's last token
+    finish_reason: Optional[str] = None  # "stop" (a stop token) or "length" (max_new_tokens)
+
+
+@dataclass
+class CompletionOutput:
+    """One sample's generated tokens (the stop token, when one ended it, is included)."""
+    index: int
+    token_ids: List[int]
+    finish_reason: Optional[str] = None
+    text: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's prompt and its ``n`` samples, in sample order."""
+    request_id: int
+    prompt_token_ids: Tuple[int, ...]
+    outputs: List[CompletionOutput]
+    prompt: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Figures of one ``generate`` (or any window of steps). Seconds, tokens, bytes as named."""
+    cache: str
+    attention: str
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    steps: int
+    wall_s: float
+    step_s: float                 # time inside step(): ops + model + sampling + bookkeeping
+    mapping_s: float              # time applying vmem page ops (inline or on the mapper thread)
+    map_stall_s: float            # of step time, blocked on mapping (inline mapping, or waiting
+                                  # for the background mapper)
+    num_preemptions: int
+    num_swap_preemptions: int
+    recomputed_tokens: int
+    kv_usage_mean: float          # fraction of the cache's tokens live, mean over steps
+    kv_usage_peak: float
+    cache_bytes: int
+    ttft_s: List[float] = field(default_factory=list, repr=False)
+    itl_s: List[float] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s > 0 else math.nan
+
+    @property
+    def mapping_share(self) -> float:
+        """Share of step time spent blocked on page mapping."""
+        return self.map_stall_s / self.step_s if self.step_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k not in ("ttft_s", "itl_s")}
+        out["tokens_per_s"] = self.tokens_per_s
+        out["mapping_share"] = self.mapping_share
+        out.update(latency_summary("ttft", self.ttft_s))
+        out.update(latency_summary("itl", self.itl_s))
+        return out
+
+    def summary(self) -> str:
+        d = self.as_dict()
+        return (f"{self.requests} requests, {self.output_tokens} output tokens in {self.wall_s:.2f} s "
+                f"= {self.tokens_per_s:.1f} tok/s ({self.steps} steps) | TTFT p50 "
+                f"{d['ttft_p50_s'] * 1e3:.1f} ms, ITL p50 {d['itl_p50_s'] * 1e3:.2f} ms | "
+                f"KV {self.cache} {self.cache_bytes / 2**20:.1f} MiB, usage mean "
+                f"{self.kv_usage_mean:.0%} peak {self.kv_usage_peak:.0%} | preemptions "
+                f"{self.num_preemptions} ({self.num_swap_preemptions} swap) | mapping "
+                f"{self.mapping_share:.1%} of step time | attention {self.attention}")

@@ -1,0 +1,91 @@
+"""SamplingParams (what a request asks for) and the Sampler (logits -> token ids).
+
+Reproducibility: every sequence owns a ``torch.Generator``. With ``seed`` set, sample i of a
+request draws from ``seed`` mixed with i, so results do not depend on what else is in the
+batch, on preemption, or on the cache layout. Greedy rows skip the generator entirely.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .errors import EngineConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to decode one request. ``temperature == 0`` is greedy (top_k / top_p unused)."""
+    max_new_tokens: int = 16          # output tokens at most, per sample
+    temperature: float = 0.0          # 0: greedy (argmax); > 0: softmax(logits / temperature)
+    top_k: int = 0                    # keep the k most likely tokens; 0: all
+    top_p: float = 1.0                # keep the smallest set with probability >= top_p; 1: all
+    seed: Optional[int] = None        # per-request seed; None: drawn from the engine's seed
+    stop_token_ids: Tuple[int, ...] = ()  # finish when one is sampled (it is kept in the output)
+    ignore_eos: bool = False          # False: the model's EOS id(s) are added to stop_token_ids
+    n: int = 1                        # samples of the prompt; children fork the prompt's cache
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        _check(self.max_new_tokens, "max_new_tokens", isinstance(self.max_new_tokens, int)
+               and self.max_new_tokens >= 1, "an int >= 1")
+        _check(self.temperature, "temperature", self.temperature >= 0, ">= 0")
+        _check(self.top_k, "top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0")
+        _check(self.top_p, "top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]")
+        _check(self.n, "n", isinstance(self.n, int) and self.n >= 1, "an int >= 1")
+        _check(self.seed, "seed", self.seed is None or isinstance(self.seed, int), "an int or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check(value, name: str, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise EngineConfigError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+
+
+def make_generator(seed: int, sample_index: int, device: torch.device) -> torch.Generator:
+    """The generator of sample ``sample_index`` of a request seeded with ``seed``."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + sample_index) % (2**63))
+    return gen
+
+
+@dataclass
+class SampleSlot:
+    """One token to draw: from logits row ``row``, for a sequence with these params."""
+    row: int
+    params: SamplingParams
+    generator: Optional[torch.Generator] = field(default=None)
+
+
+class Sampler:
+    """Turns a step's logits ``[rows, vocab]`` into one token per SampleSlot."""
+
+    def sample(self, logits: torch.Tensor, slots: Sequence[SampleSlot]) -> List[int]:
+        if all(s.params.greedy for s in slots):
+            rows = [s.row for s in slots]
+            picked = logits.argmax(dim=-1)                      # (rows,)
+            if rows != list(range(logits.shape[0])):
+                picked = picked[torch.tensor(rows, device=logits.device)]
+            return picked.tolist()
+        return [self._one(logits[s.row], s) for s in slots]
+
+    @staticmethod
+    def _one(row: torch.Tensor, slot: SampleSlot) -> int:
+        p = slot.params
+        if p.greedy:
+            return int(row.argmax())
+        scores = row.float() / p.temperature                     # (vocab,)
+        if p.top_k and p.top_k < scores.shape[0]:
+            kth = torch.topk(scores, p.top_k).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_scores, order = torch.sort(scores, descending=True)
+            cum = sorted_scores.softmax(-1).cumsum(-1)
+            drop = cum - sorted_scores.softmax(-1) >= p.top_p    # keep the first token always
+            scores = scores.scatter(0, order[drop], float("-inf"))
+        probs = scores.softmax(-1)
+        return int(torch.multinomial(probs, 1, generator=slot.generator))

@@ -1,0 +1,91 @@
+"""The ``"vmemkv"`` attention function for transformers' ``AttentionInterface``.
+
+One packed step, driven by the engine's ModelRunner (HF model code runs unmodified):
+
+    model(input_ids [1, T], position_ids [1, T], use_cache=False,
+          vmemkv_step=StepContext(cache, backend))
+      each attention layer: q/k/v projections and RoPE (HF code), then
+      vmemkv_attention(module, query [1, H, T, D], key [1, Hkv, T, D], value, mask=None, ...)
+          cache.write(layer, k [T, Hkv, D], v)           # the new tokens' K/V, already RoPE'd
+          out = backend.forward(q [T, H, D], cache.layer_view(layer), scaling)
+          return out [1, T, H, D], None                   # HF reshapes to [1, T, H*D] for o_proj
+
+The T tokens are several sequences packed back to back (prefill chunks and decodes mixed); the
+cache's ``begin_step`` says which token is whose and where it goes. No HF mask is built: this
+name is not in transformers' mask registry, so ``create_causal_mask`` returns None; causality and
+sequence boundaries are the backend's job. ``vmemkv_step`` reaches us through the ``**kwargs``
+HF forwards from ``model(...)`` down to every attention call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from ..errors import RuntimeKVError
+
+ATTN_IMPLEMENTATION = "vmemkv"
+STEP_KWARG = "vmemkv_step"
+
+
+class UnsupportedModelError(RuntimeKVError, ValueError):
+    """The model needs an attention feature the vmemkv path does not implement (softcapping,
+    a sliding window shorter than the context, a non-causal layer, a batch dimension > 1)."""
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the attention function needs for one step: the cache (``begin_step`` already called)
+    and the attention backend that reads it."""
+    cache: Any      # runtime.cache.KVCache
+    backend: Any    # runtime.attention.AttentionBackend
+
+
+def vmemkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                     scaling: Optional[float] = None, dropout: float = 0.0,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """Write this step's K/V of layer ``module.layer_idx`` into the cache, attend over it.
+
+    query ``[1, H, T, D]``, key/value ``[1, Hkv, T, D]`` -> ``([1, T, H, D], None)``.
+    """
+    ctx: Optional[StepContext] = kwargs.get(STEP_KWARG)
+    if ctx is None:
+        raise UnsupportedModelError(
+            f"attn_implementation {ATTN_IMPLEMENTATION!r} needs {STEP_KWARG}=StepContext(...) in "
+            f"the model call; run the model through runtime.engine (or pass it yourself)")
+    _check_supported(module, query, ctx, kwargs)
+    layer = module.layer_idx
+    ctx.cache.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))  # (T, Hkv, D)
+    q = query[0].transpose(0, 1)                                              # (T, H, D)
+    out = ctx.backend.forward(q, ctx.cache.layer_view(layer), scaling)        # (T, H, D)
+    return out.unsqueeze(0), None
+
+
+def _check_supported(module, query: torch.Tensor, ctx: StepContext, kwargs: dict) -> None:
+    if query.shape[0] != 1:
+        raise UnsupportedModelError(f"vmemkv attention runs packed batches [1, tokens, ...]; "
+                                    f"got a batch of {query.shape[0]}")
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedModelError("vmemkv attention does not implement attention softcapping")
+    window = kwargs.get("sliding_window")
+    if window is not None and window < ctx.cache.config.max_context:
+        raise UnsupportedModelError(
+            f"layer {module.layer_idx} uses a sliding window of {window} tokens, shorter than the "
+            f"cache's max_context {ctx.cache.config.max_context}; sliding windows are not supported")
+    if not getattr(module, "is_causal", True):
+        raise UnsupportedModelError(f"layer {module.layer_idx} is not causal")
+
+
+def register_attention() -> str:
+    """Register ``vmemkv_attention`` under ``"vmemkv"`` (idempotent); returns the name."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(ATTN_IMPLEMENTATION, vmemkv_attention)
+    return ATTN_IMPLEMENTATION
+
+
+def use_vmemkv_attention(model) -> None:
+    """Switch an HF model (every submodule) to the vmemkv attention function."""
+    register_attention()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)

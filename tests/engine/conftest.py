@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random-weight models (built once) and transformers' own greedy outputs."""
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from runtime.models import build_model  # noqa: E402
+
+FAMILIES = ("tiny-llama", "tiny-qwen2")
+VOCAB = 256
+
+
+@functools.lru_cache(maxsize=None)
+def model(name: str = "tiny-llama"):
+    """The model engines run (an Engine switches it to the vmemkv attention function)."""
+    return build_model(name, seed=0)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_model(name: str):
+    """Same weights (same seed), left on transformers' default attention for the reference."""
+    return build_model(name, seed=0)
+
+
+def prompts(count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(low, high))] for _ in range(count)]
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_greedy(name: str, prompt: tuple, max_new_tokens: int, ignore_eos: bool) -> tuple:
+    m = reference_model(name)
+    saved = m.generation_config.eos_token_id
+    if ignore_eos:   # None in a passed config means "the model's default", so clear the default
+        m.generation_config.eos_token_id = None
+    try:
+        with torch.inference_mode():
+            out = m.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False)
+    finally:
+        m.generation_config.eos_token_id = saved
+    return tuple(out[0, len(prompt):].tolist())
+
+
+def hf_greedy(name: str, batch: list[list[int]], max_new_tokens: int,
+              ignore_eos: bool = False) -> list[list[int]]:
+    """transformers' generate (default cache, one prompt at a time: no padding) per prompt."""
+    return [list(_hf_greedy(name, tuple(p), max_new_tokens, ignore_eos)) for p in batch]
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
