@@ -27,8 +27,8 @@ class EngineConfig:
     preemption: str = "recompute"        # when a running sequence cannot grow: recompute | swap
     swap_bytes: int = 0                  # host swap space for preemption="swap"
     watermark: float = 0.0               # fraction of the cache admission keeps free
-    prefix_sharing: bool = False         # share cached prompt prefixes across requests (see
-                                         # docs: off by default until the managers mark computed)
+    prefix_sharing: bool = False         # share cached prompt prefixes across requests (opt-in:
+                                         # hashing every prompt costs time when nothing repeats)
     background_mapper: bool = False      # vmem: map pages on a thread, overlapping compute
     seed: int = 0                        # seeds the generators of requests without a seed
     check_integrity: bool = False        # run the manager's integrity check after every step

@@ -70,3 +70,18 @@ def test_request_that_can_never_fit_is_rejected_before_anything_runs():
         assert not engine.has_unfinished()
         out = engine.generate([fine], SamplingParams(max_new_tokens=4))   # still usable
         assert len(out[0].outputs[0].token_ids) <= 4
+
+
+@pytest.mark.parametrize("cache", ["vmem-per-layer", "paged"])
+def test_prefix_sharing_under_preemption_and_chunked_prefill_stays_exact(cache):
+    """Prefix sharing, chunked prefill and preemption together stay token-exact. (The unit
+    test of the managers' withdrawal of uncomputed blocks is in tests/scheduler.)"""
+    base = prompts(1, 40, 40, seed=8)[0]
+    batch = [base[: 8 + 4 * i] + p for i, p in enumerate(prompts(8, 1, 12, seed=9))]
+    with Engine(model(), max_batch=4, max_context=64, prefix_sharing=True, check_integrity=True,
+                max_tokens_per_step=8, **TIGHT[cache]) as engine:
+        out = engine.generate(batch, SamplingParams(max_new_tokens=16, ignore_eos=True))
+        gauges = engine.scheduler.gauges()
+        assert engine.last_stats.num_preemptions > 0
+    assert gauges["prefix_cache_hits"] > 0
+    assert tokens(out) == hf_greedy("tiny-llama", batch, 16, ignore_eos=True)
