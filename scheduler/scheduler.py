@@ -45,7 +45,7 @@ class Scheduler:
         self.waiting: deque = deque()   # FCFS; preempted sequences go back to the front
         self.running: List[Sequence] = []  # in admission order
         self.swapped: deque = deque()
-        self.seqs: Dict[int, Sequence] = {}   # every sequence ever submitted, by seq_id
+        self.seqs: Dict[int, Sequence] = {}   # submitted and not yet forgotten, by seq_id
         self._next_seq_id = 0
         self._admit_counter = 0
         # the last plan, for update(): decodes (one token, always sampling) and the rest
@@ -90,6 +90,17 @@ class Scheduler:
             return self.seqs[seq_id].state
         except KeyError:
             raise UnknownSequenceError(f"unknown sequence id {seq_id}") from None
+
+    def forget(self, seq_id: int) -> None:
+        """Drop a finished sequence's record (its outputs were collected); a long-running
+        server calls this so ``seqs`` holds only live sequences."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError(f"unknown sequence id {seq_id}")
+        if seq.state is not SeqState.FINISHED:
+            raise SchedulerError(f"sequence {seq_id} is {seq.state.name.lower()}, not finished; "
+                                 f"only finished sequences can be forgotten")
+        del self.seqs[seq_id]
 
     def gauges(self) -> Dict[str, float]:
         """vLLM-named live gauges and counters."""

@@ -192,6 +192,7 @@ class Engine:
             reason = None
             if seq_id in finished:
                 reason = "stop" if token in self.scheduler.seqs[seq_id].stop_ids else "length"
+                self.scheduler.forget(seq_id)
                 completion.finish_reason = reason
                 if self.tokenizer is not None:
                     completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)

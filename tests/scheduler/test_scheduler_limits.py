@@ -274,3 +274,23 @@ def test_schedule_twice_without_update_is_an_error():
 def test_bad_scheduler_config_names_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         SchedulerConfig(**kwargs)
+
+
+def test_forget_drops_only_finished_sequences():
+    from scheduler.errors import SchedulerError, UnknownSequenceError
+    from scheduler.managers import make_manager
+    from scheduler.presets import get_model
+    from scheduler.request import Request
+    from scheduler.scheduler import Scheduler
+    manager = make_manager("paged", get_model("tiny"), 1 << 20, 64, block_size_tokens=4)
+    scheduler = Scheduler(manager)
+    (seq_id,) = scheduler.add_request(Request(request_id=0, prompt_len=3, max_tokens=1))
+    with pytest.raises(SchedulerError, match="not finished"):
+        scheduler.forget(seq_id)
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        scheduler.update({s.seq_id: 1 for s in plan.seqs if s.sample})
+    scheduler.forget(seq_id)
+    assert seq_id not in scheduler.seqs
+    with pytest.raises(UnknownSequenceError):
+        scheduler.forget(seq_id)
