@@ -46,8 +46,11 @@ class CacheConfig:
             if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= upper:
                 raise CacheConfigError(f"CacheConfig.{name} must be an int in [1, {upper}], "
                                        f"got {value!r}")
-        device = torch.device(self.device)
-        if device.type not in ("cpu", "cuda"):
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            device = None
+        if device is None or device.type not in ("cpu", "cuda"):
             raise CacheConfigError(f"CacheConfig.device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise CacheConfigError(f"CacheConfig.device is {self.device!r} but no CUDA GPU is visible")

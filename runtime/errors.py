@@ -16,3 +16,29 @@ class CacheStateError(RuntimeKVError, ValueError):
 
 class MapperError(RuntimeKVError, RuntimeError):
     """The background mapper failed; the original error is chained."""
+
+
+class PlanExecutionError(RuntimeKVError, RuntimeError):
+    """Executing a memory plan failed part-way (a driver call, a copy, an out-of-memory).
+
+    Raised only after the cache has undone the part of the plan it had applied: its mappings,
+    page contents and swap space are as they were before ``execute``. ``rolled_back`` is False
+    in the one case where undoing itself failed; the cache is then unusable (close it).
+    ``op_index`` is the index in the plan of the op that failed (None if not known). The
+    original error is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, op_index=None, rolled_back: bool = True) -> None:
+        super().__init__(message)
+        self.op_index = op_index
+        self.rolled_back = rolled_back
+
+
+class MapperPlanError(MapperError, PlanExecutionError):
+    """A plan applied by the background mapper failed and was undone (both a MapperError and a
+    PlanExecutionError, so callers of either keep working)."""
+
+
+class CacheTooLargeError(CacheConfigError):
+    """A cache asks for more memory than the device has; raised before anything is allocated,
+    the message gives both sizes in bytes."""

@@ -8,6 +8,9 @@ A step, from the runtime's side:
         cache.write(layer, k_new, v_new)            # packed [new_tokens, kv_heads, head_dim]
         out = backend.forward(q, cache.layer_view(layer))
 
+To make "mutate the manager, execute its ops" all-or-nothing (a failed map or an OOM rolls both
+the cache and the manager back), run it as ``run_plan(manager, cache, mutate)`` (below).
+
 The manager owns all allocation state; a cache keeps only what it needs to execute it (the
 driver's mappings, its tensors, the host copies of swapped sequences).
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
@@ -23,7 +26,100 @@ from runtime.attention.base import BatchLens, LayerView
 from scheduler.managers.base import SwapIn, SwapOut
 
 from ..config import CacheConfig
-from ..errors import CacheStateError
+from ..errors import CacheStateError, CacheTooLargeError, PlanExecutionError
+
+T = TypeVar("T")
+
+
+class PlanJournal:
+    """Undo actions for the part of one plan applied so far, run newest first on failure.
+
+    Every primitive a cache applies (map, unmap, a copy that overwrites bytes) records its
+    inverse right after it succeeds, so undoing in reverse order walks memory back through the
+    exact states it went through; the swap space is restored from the copy taken when the plan
+    was bound.
+    """
+
+    def __init__(self, swapped_before: dict) -> None:
+        self.swapped_before = swapped_before
+        self.op_index: Optional[int] = None    # index in the plan of the op being applied
+        self._undo: list = []
+
+    def add(self, undo: Callable[[], None]) -> None:
+        self._undo.append(undo)
+
+    def __len__(self) -> int:
+        return len(self._undo)
+
+    def undo(self) -> Optional[BaseException]:
+        """Run every undo action, newest first; returns the first error an action raised (the
+        remaining actions still run), None when memory is fully back."""
+        first = None
+        while self._undo:
+            try:
+                self._undo.pop()()
+            except BaseException as error:  # keep undoing what can be undone
+                first = first or error
+        return first
+
+
+def device_memory_bytes(device: torch.device) -> Optional[int]:
+    """Total memory of ``device`` in bytes (host: MemTotal of /proc/meminfo; CUDA: the GPU's
+    total), None when it cannot be read."""
+    try:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[1])
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return None
+
+
+def check_fits_device(what: str, num_bytes: int, device: torch.device) -> None:
+    """Raise CacheTooLargeError, before anything is allocated, when ``num_bytes`` exceeds the
+    device's total memory (a pool that could never be built, or would swap the host to death)."""
+    total = device_memory_bytes(device)
+    if total is not None and num_bytes > total:
+        where = "host MemTotal" if device.type == "cpu" else f"{device} total memory"
+        raise CacheTooLargeError(f"{what} needs {num_bytes} bytes ({num_bytes / 2**30:.2f} GiB) "
+                                 f"but the {where} is {total} bytes ({total / 2**30:.2f} GiB); "
+                                 f"lower cache_bytes")
+
+
+def run_plan(manager, cache: "KVCache", mutate: Callable[[], T]) -> T:
+    """Run "mutate the manager, take its ops, execute them" as one unit: all of it or none.
+
+    ``mutate()`` makes manager calls (allocate, append, fork, free, swap_out, swap_in, ...; a
+    scheduler's ``schedule()`` if the caller can undo the scheduler's own queues) and returns
+    anything. Contract:
+    - on success the ops are fully applied (with a background mapper this WAITS for the whole
+      plan, giving up the mapper's overlap for this step) and the manager's changes committed;
+      returns ``mutate()``'s result;
+    - if ``mutate`` raises, or ``cache.execute`` fails part-way (a driver call, an OOM), the
+      cache has undone what it applied, the manager is rolled back to its state before
+      ``mutate`` (tables, counters, pending ops), and the error propagates: a scheduler error
+      from ``mutate`` as is, a failed plan as ``PlanExecutionError`` (``MapperPlanError`` with
+      a background mapper). No page is leaked, no sequence lost, every sequence's cached
+      contents are as before, and the same step may simply be retried;
+    - the manager must have no open transaction (they do not nest) and no ops pending from
+      before (they would be executed, or restored as pending on failure);
+    - if undoing memory itself failed (``PlanExecutionError.rolled_back`` is False) the cache
+      refuses further use; close it. State OUTSIDE the manager and cache (request queues,
+      sampled tokens) is the caller's to undo.
+    """
+    manager.begin()
+    try:
+        result = mutate()
+        cache.execute(manager.take_ops())
+        cache.wait_for_plan()
+    except BaseException:
+        manager.rollback()
+        raise
+    manager.commit()
+    return result
 
 
 @dataclass(frozen=True)
@@ -78,11 +174,32 @@ class KVCache(ABC):
         self.manager = manager
         self._step: StepBatch | None = None
         self._swapped: dict[int, torch.Tensor] = {}   # seq_id -> [layers, 2, tokens, kv_heads, head_dim]
+        self._broken: Optional[str] = None            # why the cache is unusable (failed undo)
 
     # -- plans --
     @abstractmethod
     def execute(self, ops: Sequence) -> None:
-        """Carry out the manager's memory ops, in order."""
+        """Carry out the manager's memory ops, in order. All or nothing: if an op fails, what
+        the plan had applied is undone and PlanExecutionError is raised (see ``run_plan``)."""
+
+    def wait_for_plan(self) -> None:
+        """Block until the last executed plan is fully applied; raise its error if it failed.
+        (Plans run inline unless a cache has a background mapper.)"""
+
+    def _fail_plan(self, journal: PlanJournal, error: BaseException) -> PlanExecutionError:
+        """Undo a partly applied plan and build the error to raise (chained by the caller)."""
+        undo_error = journal.undo()
+        self._swapped = journal.swapped_before
+        where = f"op {journal.op_index}" if journal.op_index is not None else "binding"
+        if undo_error is not None:
+            self._broken = f"undoing a failed plan failed: {undo_error}"
+            return PlanExecutionError(
+                f"plan failed at {where} ({type(error).__name__}: {error}) and could not be "
+                f"undone ({type(undo_error).__name__}: {undo_error}); close this cache",
+                op_index=journal.op_index, rolled_back=False)
+        return PlanExecutionError(f"plan failed at {where} and was undone: "
+                                  f"{type(error).__name__}: {error}",
+                                  op_index=journal.op_index, rolled_back=True)
 
     # -- steps --
     def begin_step(self, seqs: Sequence[tuple[int, int, int]]) -> StepBatch:
@@ -124,7 +241,24 @@ class KVCache(ABC):
         SwapOut gets a fresh buffer (registered as the sequence's swapped copy); SwapIn gets
         the sequence's current copy (and drops it from the swap space). Binding up front keeps
         a plan that swaps a sequence in and out again correct when it is applied layer by layer.
+        All or nothing: on an error (a bad op, no memory for a buffer) the swap space is as
+        before. ``self._swapped_before`` keeps the swap space as it was, for undoing the plan.
         """
+        before = dict(self._swapped)
+        try:
+            bound = self._bind_swaps_in_order(ops)
+        except BaseException:
+            self._swapped = before
+            raise
+        # A swapped sequence that the manager freed (dropped its host copy) emits no op: drop
+        # its buffer once the plan is bound, or host memory would leak one buffer per such
+        # sequence. (The manager's tables already include this plan.)
+        for seq_id in [s for s in self._swapped if not self.manager.is_swapped(s)]:
+            del self._swapped[seq_id]
+        self._swapped_before = before
+        return bound
+
+    def _bind_swaps_in_order(self, ops: Sequence) -> list:
         bound = []
         for op in ops:
             buffer = None
@@ -143,11 +277,23 @@ class KVCache(ABC):
             bound.append((op, buffer))
         return bound
 
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise CacheStateError(f"cache unusable: {self._broken}")
+
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.config.num_layers:
             raise CacheStateError(f"layer {layer} outside 0..{self.config.num_layers - 1}")
         if self._step is None:
             raise CacheStateError("no step begun: call begin_step(...) first")
+
+    def check_integrity(self) -> None:
+        """Assert that memory matches the manager's tables (AssertionError on a bug). Layouts
+        add their own checks; this one checks the manager and the swap space."""
+        self.manager.check_integrity()
+        for seq_id, buffer in self._swapped.items():
+            assert self.manager.is_swapped(seq_id), f"swap space holds unknown sequence {seq_id}"
+            assert buffer.shape[2] == self.manager.num_tokens(seq_id), f"swap size of {seq_id}"
 
     def close(self) -> None:
         """Release memory; the cache cannot be used afterwards."""

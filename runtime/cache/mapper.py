@@ -7,7 +7,13 @@ Within a group, ops run in plan order; groups touch disjoint memory (different l
 plan's overall effect is the same as applying it inline. A new plan waits for the previous one
 to finish (plans are ordered). The mapper never maps twice and never leaves a mapping half done:
 each op is applied by exactly one thread, the mapper, in order. On an error the failure is
-stored and re-raised (as MapperError) in the step thread at the next wait.
+stored and re-raised (as MapperError) in the step thread at the next wait; when the apply
+function has already undone the failed plan (it raised PlanExecutionError, as VMemKVCache's
+does) the error is a MapperPlanError, which is both.
+
+Shutdown: ``close()`` finishes the plan in flight and joins the thread; mappers still open at
+interpreter exit are closed by one atexit hook (the thread is also a daemon, so a mapper whose
+owner died in an exception never keeps the process alive).
 """
 from __future__ import annotations
 
@@ -17,7 +23,9 @@ import time
 import weakref
 from typing import Callable, Sequence
 
-from ..errors import MapperError
+from ..errors import MapperError, MapperPlanError, PlanExecutionError
+
+_LIVE: "weakref.WeakSet[BackgroundMapper]" = weakref.WeakSet()
 
 
 class BackgroundMapper:
@@ -35,14 +43,15 @@ class BackgroundMapper:
         self.busy_seconds = 0.0                # mapper thread applying ops
         self._thread = threading.Thread(target=self._run, name="vmemkv-mapper", daemon=True)
         self._thread.start()
-        atexit.register(_close_at_exit, weakref.ref(self))
+        _LIVE.add(self)
 
     def submit(self, ops: Sequence) -> None:
-        """Queue a plan; returns as soon as the previous plan has been fully applied."""
+        """Queue a plan (handed to ``apply`` as is, so the caller must not change it); returns
+        as soon as the previous plan has been fully applied."""
         self.wait_all()
         with self._cond:
             self._raise_if_failed()
-            self._pending = list(ops)
+            self._pending = ops
             self._groups_done = 0
             self._cond.notify_all()
 
@@ -65,6 +74,10 @@ class BackgroundMapper:
         if self._error is not None:
             error, self._error = self._error, None
             self._groups_done = self._num_groups  # the failed plan is abandoned
+            if isinstance(error, PlanExecutionError):
+                raise MapperPlanError(f"background mapping failed: {error}",
+                                      op_index=error.op_index,
+                                      rolled_back=error.rolled_back) from error
             raise MapperError(f"background mapping failed: {error}") from error
 
     def _run(self) -> None:
@@ -96,13 +109,14 @@ class BackgroundMapper:
             self._cond.notify_all()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
+        _LIVE.discard(self)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
 
-def _close_at_exit(ref) -> None:
-    mapper = ref()
-    if mapper is not None:
+@atexit.register
+def _close_at_exit() -> None:
+    for mapper in list(_LIVE):
         mapper.close()

@@ -16,7 +16,7 @@ from scheduler.managers.base import CopyBlock, SwapIn, SwapOut
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError
-from .base import KVCache, StepBatch
+from .base import KVCache, PlanJournal, StepBatch, check_fits_device
 
 
 class PagedKVCache(KVCache):
@@ -32,20 +32,49 @@ class PagedKVCache(KVCache):
         self.block_size = manager.block_size
         self.num_blocks = manager.num_blocks
         c = config
+        check_fits_device(f"PagedKVCache pool of {self.num_blocks} blocks of {self.block_size} tokens",
+                          self.num_blocks * self.block_size * c.bytes_per_token, c.torch_device)
         self.pools = torch.zeros((c.num_layers, 2, self.num_blocks, self.block_size,
                                   c.num_kv_heads, c.head_dim), dtype=c.dtype, device=c.torch_device)
         self.map_seconds = 0.0
 
     def execute(self, ops: Sequence) -> None:
-        for op, buffer in self._bind_swaps(ops):
-            if isinstance(op, CopyBlock):
-                self.pools[:, :, op.dst_block].copy_(self.pools[:, :, op.src_block])
-            elif isinstance(op, SwapOut):
-                self._tokens_of(op.blocks, op.num_tokens, out=buffer)
-            elif isinstance(op, SwapIn):
-                self._store_tokens(op.blocks, buffer)
-            else:
-                raise CacheStateError(f"PagedKVCache cannot execute {op!r}")
+        """Apply the plan, all or nothing: on a failure (an OOM in a copy, say) the blocks it
+        overwrote get their bytes back, the swap space is as before, and PlanExecutionError is
+        raised."""
+        self._check_usable()
+        for index, op in enumerate(ops):    # refuse a plan we cannot run before touching memory
+            if not isinstance(op, (CopyBlock, SwapOut, SwapIn)):
+                raise CacheStateError(f"PagedKVCache cannot execute op {index} of the plan: {op!r}")
+        bound = self._bind_swaps(ops)
+        if not bound:
+            return
+        journal = PlanJournal(self._swapped_before)
+        try:
+            for index, (op, buffer) in enumerate(bound):
+                journal.op_index = index
+                self._apply(op, buffer, journal)
+        except Exception as error:
+            raise self._fail_plan(journal, error) from error
+        except BaseException:
+            self._fail_plan(journal, RuntimeError("interrupted"))
+            raise
+
+    def _apply(self, op, buffer, journal: PlanJournal) -> None:
+        if isinstance(op, CopyBlock):
+            self._save_blocks(journal, [op.dst_block])
+            self.pools[:, :, op.dst_block].copy_(self.pools[:, :, op.src_block])
+        elif isinstance(op, SwapOut):
+            self._tokens_of(op.blocks, op.num_tokens, out=buffer)
+        elif isinstance(op, SwapIn):
+            self._save_blocks(journal, op.blocks)
+            self._store_tokens(op.blocks, buffer)
+
+    def _save_blocks(self, journal: PlanJournal, blocks: Sequence[int]) -> None:
+        """Keep the bytes of blocks about to be overwritten; undo writes them back."""
+        index = torch.tensor(list(blocks), dtype=torch.int64, device=self.pools.device)
+        saved = self.pools.index_select(2, index)
+        journal.add(lambda: self.pools.index_copy_(2, index, saved))
 
     def _flat_index(self, blocks: Sequence[int], num_tokens: int) -> torch.Tensor:
         """Flat token index into a [num_blocks * block_size] view for tokens 0..num_tokens-1."""

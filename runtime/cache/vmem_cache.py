@@ -25,10 +25,11 @@ from scheduler.managers.base import CopyPage, MapPage, SwapIn, SwapOut, UnmapPag
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError
-from .base import KVCache, StepBatch
+from .base import KVCache, PlanJournal, StepBatch, check_fits_device
 from .mapper import BackgroundMapper
 
 LAYOUTS = ("per-layer", "interleaved")
+_OPS = (MapPage, UnmapPage, CopyPage, SwapOut, SwapIn)
 
 
 class VMemKVCache(KVCache):
@@ -44,16 +45,31 @@ class VMemKVCache(KVCache):
     def __init__(self, config: CacheConfig, manager, driver: Optional[vmem.Driver] = None,
                  background_mapper: bool = False) -> None:
         super().__init__(config, manager)
-        self.memory_layout = manager.layout
         self._check_manager(config, manager)
-        self.driver = driver or vmem.open_driver("cuda" if config.torch_device.type == "cuda" else "host")
+        self.memory_layout = manager.layout
         self.page_bytes = manager.page_bytes
         self.tokens_per_page = manager.tokens_per_page
         self.pages_per_slot = config.max_context // self.tokens_per_page
         self.pages_per_group = manager.pages_per_group
-        self.pool = vmem.PagePool(self.driver, manager.num_groups * self.pages_per_group, self.page_bytes)
+        check_fits_device(f"VMemKVCache pool of {manager.num_groups * self.pages_per_group} pages "
+                          f"of {self.page_bytes} bytes",
+                          manager.num_groups * self.pages_per_group * self.page_bytes,
+                          config.torch_device)
+        self._closed = True      # until fully built: close() releases only what exists
+        self.pool = self.range = self._mapper = None
+        self._own_driver = driver is None
+        self.driver = driver or vmem.open_driver("cuda" if config.torch_device.type == "cuda" else "host")
+        try:
+            self._build(config, background_mapper)
+        except BaseException:
+            self._release()      # nothing stays allocated after a failed build (e.g. an OOM)
+            raise
+        self._closed = False
+
+    def _build(self, c: CacheConfig, background_mapper: bool) -> None:
+        self.pool = vmem.PagePool(self.driver, self.manager.num_groups * self.pages_per_group,
+                                  self.page_bytes)
         self._pool_pages = self.pool.allocate(self.pool.total_pages)  # fixed: group g -> members
-        c = config
         shape = ((c.num_layers, 2, c.max_batch, c.max_context, c.num_kv_heads, c.head_dim)
                  if self.memory_layout == "per-layer" else
                  (2, c.max_batch, c.max_context, c.num_layers, c.num_kv_heads, c.head_dim))
@@ -67,9 +83,8 @@ class VMemKVCache(KVCache):
             self._k = [whole[0, :, :, layer] for layer in range(c.num_layers)]
             self._v = [whole[1, :, :, layer] for layer in range(c.num_layers)]
         self.map_seconds = 0.0
-        self._mapper = BackgroundMapper(self._apply_layer_group, self._num_op_groups) \
+        self._mapper = BackgroundMapper(self._apply_logged, self._num_op_groups) \
             if background_mapper else None
-        self._closed = False
 
     @staticmethod
     def _check_manager(config: CacheConfig, manager) -> None:
@@ -98,17 +113,43 @@ class VMemKVCache(KVCache):
         return self.config.num_layers if self.memory_layout == "per-layer" else 1
 
     def execute(self, ops: Sequence) -> None:
+        """Apply the plan, all or nothing: if an op fails, what was applied is undone (in
+        reverse) and PlanExecutionError raised; with a background mapper the same happens on
+        the mapper thread and the error (MapperPlanError) surfaces at the next wait."""
         self._check_open()
-        if not ops:
-            return
-        bound = self._bind_swaps(ops)
+        for index, op in enumerate(ops):   # refuse a plan we cannot run before touching memory
+            if not isinstance(op, _OPS):
+                raise CacheStateError(f"VMemKVCache cannot execute op {index} of the plan: {op!r}")
         if self._mapper is not None:
-            self._mapper.submit(bound)
+            self._mapper.wait_all()        # the previous plan is done (or its error raised)
+        bound = self._bind_swaps(ops)
+        if not bound:
+            return
+        plan = (bound, PlanJournal(self._swapped_before))
+        if self._mapper is not None:
+            self._mapper.submit(plan)
             return
         start = time.perf_counter()
-        for group in range(self._num_op_groups):
-            self._apply_layer_group(bound, group)
-        self.map_seconds += time.perf_counter() - start
+        try:
+            for group in range(self._num_op_groups):
+                self._apply_logged(plan, group)
+        finally:
+            self.map_seconds += time.perf_counter() - start
+
+    def wait_for_plan(self) -> None:
+        self.wait_for_mapper()
+
+    def _apply_logged(self, plan: tuple, group: int) -> None:
+        """Apply op group ``group`` of a bound plan; on failure undo the WHOLE plan so far
+        (earlier groups included) and raise PlanExecutionError."""
+        bound, journal = plan
+        try:
+            self._apply_layer_group(bound, group, journal)
+        except Exception as error:
+            raise self._fail_plan(journal, error) from error
+        except BaseException:     # KeyboardInterrupt and friends: undo, then let it go on
+            self._fail_plan(journal, RuntimeError("interrupted"))
+            raise
 
     def _members(self, group: int) -> Sequence[int]:
         """Member indices j of a page group touched by op group ``group`` (see module doc)."""
@@ -118,30 +159,50 @@ class VMemKVCache(KVCache):
         # per-layer: member j = layer * 2 + kv; interleaved: member j = kv
         return (member * self.config.max_batch + slot) * self.pages_per_slot + page_index
 
-    def _apply_layer_group(self, bound: Sequence, group: int) -> None:
-        """Apply the part of a plan (ops paired with swap buffers) that touches op group ``group``."""
-        for op, buffer in bound:
+    def _apply_layer_group(self, bound: Sequence, group: int,
+                           journal: Optional[PlanJournal] = None) -> None:
+        """Apply the part of a plan (ops paired with swap buffers) that touches op group
+        ``group``, recording the inverse of every primitive in ``journal``."""
+        journal = journal if journal is not None else PlanJournal({})
+        rng = self.range
+        for index, (op, buffer) in enumerate(bound):
+            journal.op_index = index
             if isinstance(op, MapPage):
                 base = op.group * self.pages_per_group
                 for j in self._members(group):
-                    self.range.map(self._page_index(j, op.slot, op.page_index), self._pool_pages[base + j])
+                    page_index = self._page_index(j, op.slot, op.page_index)
+                    rng.map(page_index, self._pool_pages[base + j])
+                    journal.add(lambda pi=page_index: rng.unmap(pi))
             elif isinstance(op, UnmapPage):
                 for j in self._members(group):
-                    self.range.unmap(self._page_index(j, op.slot, op.page_index))
+                    page_index = self._page_index(j, op.slot, op.page_index)
+                    page_id = rng.unmap(page_index)
+                    journal.add(lambda pi=page_index, pid=page_id: rng.map(pi, pid))
             elif isinstance(op, CopyPage):
                 for j in self._members(group):
-                    self.range.copy_page(self._page_index(j, op.dst_slot, op.dst_page_index),
-                                         self._page_index(j, op.src_slot, op.src_page_index))
+                    dst = self._page_index(j, op.dst_slot, op.dst_page_index)
+                    self._save_bytes(journal, dst * self.page_bytes, self.page_bytes)
+                    rng.copy_page(dst, self._page_index(j, op.src_slot, op.src_page_index))
             elif isinstance(op, SwapOut):
                 for layer in self._layers_of(group):  # buffer: (layers, 2, tokens, heads, dim)
                     buffer[layer, 0].copy_(self._k[layer][op.slot, :op.num_tokens])
                     buffer[layer, 1].copy_(self._v[layer][op.slot, :op.num_tokens])
             elif isinstance(op, SwapIn):
                 for layer in self._layers_of(group):
+                    for cache in (self._k[layer], self._v[layer]):
+                        target = cache[op.slot, :op.num_tokens]
+                        saved = target.clone()
+                        journal.add(lambda t=target, s=saved: t.copy_(s))
                     self._k[layer][op.slot, :op.num_tokens].copy_(buffer[layer, 0])
                     self._v[layer][op.slot, :op.num_tokens].copy_(buffer[layer, 1])
             else:
                 raise CacheStateError(f"VMemKVCache cannot execute {op!r}")
+
+    def _save_bytes(self, journal: PlanJournal, offset: int, num_bytes: int) -> None:
+        """Keep a copy of bytes about to be overwritten; undo writes them back."""
+        view = self.range.tensor(offset, num_bytes)
+        saved = view.clone()
+        journal.add(lambda: self.range.tensor(offset, num_bytes).copy_(saved))
 
     def _layers_of(self, group: int) -> range:
         return range(group, group + 1) if self.memory_layout == "per-layer" else range(self.config.num_layers)
@@ -196,20 +257,44 @@ class VMemKVCache(KVCache):
         slot = self.manager.slot_of(seq_id)
         return (self._k[layer][slot, :num_tokens].clone(), self._v[layer][slot, :num_tokens].clone())
 
+    def check_integrity(self) -> None:
+        """Every page group the manager has mapped under a slot is mapped, member by member,
+        at the right page indices of the range, and nothing else is mapped (so no mapping is
+        half done and none is leaked); pool counts are consistent."""
+        super().check_integrity()
+        self.wait_for_mapper()
+        expected = {}
+        for slot in range(self.config.max_batch):
+            for pi, g in self.manager.mapped_pages(slot).items():
+                for j in range(self.pages_per_group):
+                    expected[self._page_index(j, slot, pi)] = self._pool_pages[g * self.pages_per_group + j]
+        assert self.range.mapped_pages() == expected, "range mappings differ from the manager's tables"
+        self.pool.check_integrity()
+
     # -- lifecycle --
     def _check_open(self) -> None:
         if self._closed:
             raise CacheStateError("VMemKVCache used after close()")
+        self._check_usable()
 
     def close(self) -> None:
         """Stop the mapper, unmap everything, release the pool. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        self._release()
+
+    def _release(self) -> None:
+        """Release whatever exists, in dependency order: mapper, range, pool, own driver."""
         if self._mapper is not None:
             self._mapper.close()
         self._k = self._v = []
-        self.range.close()
-        for page in self._pool_pages:
-            self.pool.release(page)
-        self.pool.close()
+        if self.range is not None:
+            self.range.close()
+        if self.pool is not None:
+            for page in getattr(self, "_pool_pages", ()):
+                self.pool.release(page)
+            self._pool_pages = []
+            self.pool.close()
+        if self._own_driver:
+            self.driver.close()

@@ -9,13 +9,68 @@ A concrete manager supplies four hooks over device memory:
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional, Sequence
 
-from ..errors import (ConfigError, DuplicateSequenceError, RequestTooLargeError,
+from ..errors import (ConfigError, SchedulerError, DuplicateSequenceError, RequestTooLargeError,
                       SwapSpaceExhaustedError, UnknownSequenceError)
 from ..presets import ModelSpec
 from .base import MemoryManager, SwapIn, SwapOut
 from .prefix import SeqState
+
+
+class TransactionStateError(SchedulerError, RuntimeError):
+    """``begin`` inside an open transaction, or ``commit``/``rollback`` without one."""
+
+
+_IMMUTABLE = {int, float, str, bool, type(None), tuple, frozenset, bytes}
+
+
+def _immutable(kind: type) -> bool:
+    """Scalars, tuples and frozen dataclasses (the memory ops) are shared, never copied."""
+    if kind in _IMMUTABLE:
+        return True
+    params = getattr(kind, "__dataclass_params__", None)
+    if params is not None and params.frozen:
+        _IMMUTABLE.add(kind)
+        return True
+    return False
+
+
+def _clone(value):
+    """A copy of a manager field deep enough that later mutations of the manager cannot reach
+    it: containers are copied (at C speed when their elements are immutable), SeqState and
+    helper objects (PrefixIndex, FreeSlots) field by field. Manager containers are homogeneous,
+    so the first element says what the rest are."""
+    kind = type(value)
+    if _immutable(kind):
+        return value
+    if kind is list:
+        if not value or _immutable(type(value[0])):
+            return value.copy()
+        first = type(value[0])
+        if first is set:                      # e.g. group -> {(slot, page_index)}
+            return list(map(set.copy, value))
+        if first is dict:                     # e.g. slot -> {page_index: group}
+            sample = next((d for d in value if d), None)
+            if sample is None or _immutable(type(next(iter(sample.values())))):
+                return list(map(dict.copy, value))
+        return [_clone(x) for x in value]
+    if kind is dict or kind is OrderedDict:
+        if value and not _immutable(type(next(iter(value.values())))):
+            return kind((k, _clone(v)) for k, v in value.items())
+        return value.copy()
+    if kind is set:
+        return value.copy()      # sets hold ints or tuples of ints
+    if kind is SeqState:
+        # ids and hashes only ever grow in place (extend/append) or are rebound: share them,
+        # and begin() records their lengths so rollback() can cut them back
+        c = SeqState(value.num_tokens, value.ids, value.namespace)
+        c.units, c.hashes, c.reserved, c.slot = value.units.copy(), value.hashes, value.reserved, value.slot
+        return c
+    clone = object.__new__(kind)
+    clone.__dict__.update({k: _clone(v) for k, v in value.__dict__.items()})
+    return clone
 
 
 def check_int(field: str, value, low: int, high: Optional[int] = None) -> int:
@@ -41,6 +96,49 @@ class ManagerCore(MemoryManager):
         self._ops: list = []
         self.prefix_queries = 0         # tokens offered for prefix matching (allocate)
         self.prefix_hits = 0            # of those, tokens found cached
+        self._txn = None                # snapshot taken by begin(), None outside a transaction
+
+    # Indexes a manager can recompute from its other fields: not copied by begin(), rebuilt by
+    # rollback() (cheaper per step when rollbacks are rare).
+    _TXN_DERIVED: tuple = ()
+
+    def _rebuild_derived(self) -> None:
+        """Recompute the fields named in ``_TXN_DERIVED`` after a rollback."""
+
+    # -- transactions (additive: nothing on the hot path; cost is paid only by begin) --
+    def begin(self) -> None:
+        """Open a transaction: every later change (tables, counters, pending ops) can be undone
+        with ``rollback`` until ``commit``. Costs one copy of the manager's mutable state, O(units
+        + sequences) at C speed; calls between begin and commit run exactly as without it.
+        Raises TransactionStateError if a transaction is already open (they do not nest)."""
+        if self._txn is not None:
+            raise TransactionStateError("begin() inside an open transaction; commit or roll back first")
+        skip = ("model", "_txn") + self._TXN_DERIVED
+        self._txn = {k: _clone(v) for k, v in self.__dict__.items() if k not in skip}
+        self._txn["_txn_lengths"] = [(lst, len(lst)) for seqs in (self._seqs, self._swapped)
+                                     for seq in seqs.values()
+                                     for lst in (seq.ids, seq.hashes) if lst is not None]
+
+    def commit(self) -> None:
+        """Keep every change since ``begin`` and close the transaction."""
+        if self._txn is None:
+            raise TransactionStateError("commit() without begin()")
+        self._txn = None
+
+    def rollback(self) -> None:
+        """Restore the state (and pending op list) exactly as it was at ``begin``; close the
+        transaction. Objects the manager held are replaced by their snapshots."""
+        if self._txn is None:
+            raise TransactionStateError("rollback() without begin()")
+        state, self._txn = self._txn, None
+        for lst, length in state.pop("_txn_lengths"):
+            del lst[length:]
+        self.__dict__.update(state)
+        self._rebuild_derived()
+
+    @property
+    def in_transaction(self) -> bool:
+        return self._txn is not None
 
     # -- lookups and argument checks --
     def _seq(self, seq_id: int) -> SeqState:

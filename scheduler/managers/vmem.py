@@ -89,6 +89,16 @@ class VmemManager(ManagerCore):
     def max_sequence_tokens(self) -> int:
         return min(self.max_seq_len, self.num_groups * self.tokens_per_page)
 
+    # transactions: the group -> mappings index is derived from the slot tables
+    _TXN_DERIVED = ("_maps",)
+
+    def _rebuild_derived(self) -> None:
+        maps = [set() for _ in range(self.num_groups)]
+        for slot, pages in enumerate(self._pages):
+            for pi, g in pages.items():
+                maps[g].add((slot, pi))
+        self._maps = maps
+
     # -- queries the runtime needs --
     def slot_of(self, seq_id: int) -> int:
         return self._seq(seq_id).slot

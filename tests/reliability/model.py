@@ -1,0 +1,213 @@
+"""A cache, its manager and a shadow copy of every sequence's true K/V, driven one step at a time.
+
+Each step is one manager action (admit, grow, fork, preempt, swap in, free) run through
+``run_plan`` (mutate manager, execute ops, commit or roll back), then the step's new tokens are
+written into every layer. ``check()`` asserts the manager's and the cache's integrity and that
+every resident sequence's cached K/V, and every swapped sequence's host copy, equal the truth.
+
+K/V of token t is a function of the token prefix [0..t] (as in a real model), so sequences that
+share a prefix legitimately share pages and a stale or wrongly shared page is a content mismatch.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from runtime.cache import make_cache
+from runtime.cache.base import run_plan
+from runtime.config import CacheConfig
+from scheduler.managers.prefix import SeqState
+from vmem.faults import FaultInjectingDriver
+from vmem.host import HostDriver
+
+KiB = 2**10
+VOCAB = 7          # small: prompts that share prefixes are common
+
+
+def small_config(max_batch: int = 4, max_context: int = 64) -> CacheConfig:
+    # per layer and token 2 heads * 16 dims * 4 B = 128 B: a 4 KiB page holds 32 tokens
+    # per-layer, 16 interleaved (2 layers)
+    return CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, max_batch=max_batch,
+                       max_context=max_context)
+
+
+LAYOUTS = {
+    "vmem-per-layer": ("vmem", dict(layout="per-layer", page_bytes=4 * KiB)),
+    "vmem-interleaved": ("vmem", dict(layout="interleaved", page_bytes=4 * KiB)),
+    "vmem-per-layer-mapper": ("vmem", dict(layout="per-layer", page_bytes=4 * KiB,
+                                           background_mapper=True)),
+    "vmem-interleaved-mapper": ("vmem", dict(layout="interleaved", page_bytes=4 * KiB,
+                                             background_mapper=True)),
+    "paged": ("paged", dict(block_size=8)),
+}
+
+
+def canon(value):
+    """A plain, comparable copy of manager state (SeqState and helper objects by field; the
+    order of OrderedDicts, i.e. LRU order, is kept)."""
+    if isinstance(value, SeqState):
+        return tuple(canon(getattr(value, name)) for name in SeqState.__slots__)
+    if isinstance(value, OrderedDict):
+        return ("lru", [(k, canon(v)) for k, v in value.items()])
+    if isinstance(value, dict):
+        return {k: canon(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [canon(v) for v in value]
+    if isinstance(value, set):
+        return set(value)
+    if hasattr(value, "__dict__"):
+        return canon(vars(value))
+    return value
+
+
+class CacheModel:
+    """One cache + manager + truth. ``layout`` is a key of LAYOUTS."""
+
+    def __init__(self, layout: str, *, config: CacheConfig | None = None,
+                 cache_fraction: float = 2.5, swap_seqs: float = 2.0, delay=None) -> None:
+        kind, options = LAYOUTS[layout]
+        self.config = c = config or small_config()
+        self.driver = FaultInjectingDriver(HostDriver(), delay=delay) if kind == "vmem" else None
+        extra = {"driver": self.driver} if kind == "vmem" else {}
+        self.cache = make_cache(c, kind, cache_bytes=int(cache_fraction * c.max_context * c.bytes_per_token),
+                                swap_bytes=int(swap_seqs * c.max_context * c.bytes_per_token),
+                                **options, **extra)
+        self.manager = self.cache.manager
+        gen = torch.Generator().manual_seed(0)
+        self.table = torch.randn((VOCAB, c.num_layers, 2, c.num_kv_heads, c.head_dim), generator=gen)
+        self.bucket = torch.randn((101, c.num_layers, 2, 1, 1), generator=gen)
+        self.tokens: dict[int, list[int]] = {}     # resident -> token ids
+        self.swapped: dict[int, list[int]] = {}    # swapped out -> token ids
+        self.next_id = 0
+        self.events: dict[str, int] = {}
+
+    # -- truth --
+    def truth(self, tokens: list[int]) -> torch.Tensor:
+        """(tokens, layers, 2, kv_heads, head_dim)."""
+        hashes, h = [], 17
+        for token in tokens:
+            h = (h * 1_000_003 + token) % 101
+            hashes.append(h)
+        return (self.table[torch.tensor(tokens)] + self.bucket[torch.tensor(hashes)]).to(self.config.dtype)
+
+    def count(self, event: str) -> None:
+        self.events[event] = self.events.get(event, 0) + 1
+
+    # -- actions: each returns a mutate() for run_plan, which returns the writes to do --
+    def admit(self, prompt: list[int]):
+        def mutate():
+            if not prompt or not self.manager.can_allocate(len(prompt), prompt):
+                return None
+            seq_id = self.next_id
+            hit = self.manager.allocate(seq_id, len(prompt), token_ids=prompt)
+            return ("admit", seq_id, list(prompt), [(seq_id, hit, len(prompt) - hit)])
+        return mutate
+
+    def grow(self, seq_id: int, new_ids: list[int]):
+        def mutate():
+            if len(self.tokens[seq_id]) + len(new_ids) > self.config.max_context:
+                return None
+            if not self.manager.can_append(seq_id, len(new_ids)):
+                return None
+            old = len(self.tokens[seq_id])
+            self.manager.append(seq_id, len(new_ids), token_ids=new_ids)
+            return ("grow", seq_id, new_ids, [(seq_id, old, len(new_ids))])
+        return mutate
+
+    def fork(self, parent: int):
+        def mutate():
+            if not self.manager.can_fork(parent):
+                return None
+            self.manager.fork(parent, self.next_id)
+            return ("fork", parent, None, [])
+        return mutate
+
+    def preempt(self, seq_id: int, swap: bool):
+        def mutate():
+            if swap and self.manager.can_swap_out(seq_id):
+                self.manager.swap_out(seq_id)
+                return ("swap_out", seq_id, None, [])
+            self.manager.free(seq_id)
+            return ("free", seq_id, None, [])
+        return mutate
+
+    def swap_in(self, seq_id: int):
+        def mutate():
+            if not self.manager.can_swap_in(seq_id):
+                return None
+            self.manager.swap_in(seq_id)
+            return ("swap_in", seq_id, None, [])
+        return mutate
+
+    def free(self, seq_id: int):
+        def mutate():
+            self.manager.free(seq_id)
+            return ("free", seq_id, None, [])
+        return mutate
+
+    # -- one step --
+    def step(self, mutate) -> None:
+        """Run one action as a plan, update the shadow, write the new tokens."""
+        outcome = run_plan(self.manager, self.cache, mutate)
+        if outcome is None:
+            return
+        kind, seq_id, ids, writes = outcome
+        self.count(kind)
+        if kind == "admit":
+            self.tokens[seq_id] = ids
+            self.next_id += 1
+        elif kind == "grow":
+            self.tokens[seq_id] = self.tokens[seq_id] + ids
+        elif kind == "fork":
+            self.tokens[self.next_id] = list(self.tokens[seq_id])
+            self.next_id += 1
+        elif kind == "swap_out":
+            self.swapped[seq_id] = self.tokens.pop(seq_id)
+        elif kind == "swap_in":
+            self.tokens[seq_id] = self.swapped.pop(seq_id)
+        elif kind == "free":
+            self.tokens.pop(seq_id, None)
+            self.swapped.pop(seq_id, None)
+        writes = [w for w in writes if w[2] > 0]
+        if writes:
+            self.write(writes)
+
+    def write(self, writes: list[tuple[int, int, int]]) -> None:
+        self.cache.begin_step(writes)
+        kv = torch.cat([self.truth(self.tokens[s])[c:c + n] for s, c, n in writes])  # (T, L, 2, H, D)
+        for layer in range(self.config.num_layers):
+            self.cache.write(layer, kv[:, layer, 0].contiguous(), kv[:, layer, 1].contiguous())
+
+    # -- checks --
+    def check(self) -> None:
+        self.cache.check_integrity()
+        assert set(self.tokens) == set(self.manager._seqs), "resident sequences"
+        assert set(self.swapped) == set(self.manager._swapped), "swapped sequences"
+        for seq_id, tokens in self.tokens.items():
+            assert self.manager.num_tokens(seq_id) == len(tokens)
+            truth = self.truth(tokens)
+            for layer in range(self.config.num_layers):
+                k, v = self.cache.read(seq_id, layer, len(tokens))
+                assert torch.equal(k, truth[:, layer, 0]), f"seq {seq_id} layer {layer} K differs"
+                assert torch.equal(v, truth[:, layer, 1]), f"seq {seq_id} layer {layer} V differs"
+        for seq_id, tokens in self.swapped.items():
+            buffer = self.cache._swapped[seq_id]          # (layers, 2, tokens, heads, dim)
+            assert torch.equal(buffer, self.truth(tokens).permute(1, 2, 0, 3, 4)), f"swapped {seq_id}"
+
+    def snapshot(self) -> dict:
+        """Everything a failed plan must leave unchanged: manager tables and counters, what is
+        mapped where, pool counts, swap space, and (via check) contents."""
+        self.cache.wait_for_plan()
+        state = {"manager": canon({k: v for k, v in vars(self.manager).items() if k != "model"}),
+                 "swapped": sorted(self.cache._swapped)}
+        cache = self.cache
+        if hasattr(cache, "range"):
+            state["mapped"] = cache.range.mapped_pages()
+            state["pool_free"] = cache.pool.free_pages
+            state["map_counts"] = [cache.pool.mapping_count(p) for p in range(cache.pool.total_pages)]
+            state["driver_mapped"] = self.driver.mapped_addresses
+        return state
+
+    def close(self) -> None:
+        self.cache.close()
