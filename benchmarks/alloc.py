@@ -1,4 +1,5 @@
-"""Map and unmap latency per page, per driver and page size (µs per page, median of repeats).
+"""Map and unmap latency per page, per driver and page size (µs per page, median of repeats),
+and the time a decode loop waits for the page mapper with and without overlap.
 
     python -m benchmarks.alloc [--quick] [--out bench_out/alloc.json]
 
@@ -7,6 +8,16 @@ unmaps them; the figure is the median over repeats of (total time / pages). Page
 pool created up front, so the timing never includes page creation -- exactly the cost a cache
 pays when a request grows. The host pool is fallocated up front, so first-touch cost is not
 included either (the page cache already holds the pages).
+
+Mapper overlap (``mapper_loop``): a real ``VMemKVCache`` (per-layer layout) runs a synthetic
+decode loop. Requests start at staggered lengths, so every step one of them crosses a page
+boundary and the manager plans a MapPage (2 x layers pages); each step then writes every
+layer's new K/V and does that layer's compute (SDPA over the cache plus an MLP-sized matmul).
+Inline (``background_mapper=False``) the step waits for all of its mapping; with the background
+mapper, layer l's pages are mapped while layers < l compute, and the step waits only when a
+layer's pages are not ready yet. Reported: mapping time (spent applying the plans) and
+wait time (the step thread blocked on them), in ms, each the median over repeats; hidden_pct
+is the share of the mapping the step did not wait for.
 """
 from __future__ import annotations
 
@@ -54,11 +65,124 @@ def human_bytes(num_bytes: int) -> str:
     return f"{num_bytes // MiB} MiB" if num_bytes >= MiB else f"{num_bytes // KiB} KiB"
 
 
-def run(quick: bool = False, out: str | None = None, pages: int | None = None) -> dict:
+# Mapper loop shape: seconds on a 2-core CPU. fp32, 8 KV heads x 128: 4 KiB per token and layer,
+# so a 64 KiB host page holds 16 tokens and batch 16 decodes cross one page boundary per step.
+MAPPER = dict(layers=8, kv_heads=8, head_dim=128, heads=32, batch=16, hidden=1024,
+              page_bytes=64 * KiB, start_tokens=64)
+
+
+def _mapper_shape(quick: bool, device: str) -> dict:
+    shape = dict(MAPPER, steps=12 if quick else 128)
+    if device == "cuda":  # the VMM granularity; fp16 (the flash backends' dtype): 1,024 tokens a page
+        shape.update(page_bytes=2 * MiB, start_tokens=1024, dtype="float16")
+    return shape
+
+
+def mapper_loop(background: bool, shape: dict, device: str, seed: int = 0) -> dict:
+    """One synthetic decode run; returns its mapping, wait and loop times (ms).
+
+    Request i starts at start_tokens + i * g tokens and every step grows each request by
+    g = tokens_per_page / batch tokens (g = 1, plain decode, with the CPU shape), so exactly
+    one request crosses a page boundary per step and the step maps 2 x layers pages.
+    """
+    import torch
+
+    from runtime.attention import fastest_backend, get_backend
+    from runtime.cache import make_cache
+    from runtime.config import CacheConfig
+    s = shape
+    dtype = getattr(torch, s.get("dtype", "float32"))
+    tpp = s["page_bytes"] // (s["kv_heads"] * s["head_dim"] * torch.empty(0, dtype=dtype).element_size())
+    grow, batch = max(1, tpp // s["batch"]), s["batch"]
+    max_ctx = -(-(s["start_tokens"] + tpp + grow * s["steps"]) // tpp) * tpp
+    config = CacheConfig(s["layers"], s["kv_heads"], s["head_dim"], dtype, device, batch, max_ctx)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    new = dict(generator=gen, device=device, dtype=dtype)
+    weight = torch.randn(s["hidden"], s["hidden"], **new) / s["hidden"] ** 0.5
+    act = torch.randn(batch * grow, s["hidden"], **new)
+    backend = get_backend(fastest_backend("vmem", device))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    with make_cache(config, "vmem", page_bytes=s["page_bytes"], background_mapper=background) as cache:
+        mgr = cache.manager
+        lengths = [s["start_tokens"] + i * grow for i in range(batch)]   # staggered
+        for seq, n in enumerate(lengths):
+            mgr.allocate(seq, n)
+        cache.execute(mgr.take_ops())
+        cache.wait_for_mapper()
+        base_map, base_wait = cache.mapping_seconds, cache.mapper_wait_seconds
+        mapped_pages, start = 0, time.perf_counter()
+        for _ in range(s["steps"]):
+            for seq in range(batch):
+                mgr.append(seq, grow)
+            ops = mgr.take_ops()
+            mapped_pages += sum(type(op).__name__ == "MapPage" for op in ops) * mgr.pages_per_group
+            cache.execute(ops)
+            cache.begin_step([(seq, lengths[seq], grow) for seq in range(batch)])
+            kv = torch.randn(batch * grow, s["kv_heads"], s["head_dim"], **new)
+            q = torch.randn(batch * grow, s["heads"], s["head_dim"], **new)
+            for layer in range(s["layers"]):
+                cache.write(layer, kv, kv)
+                backend.forward(q, cache.layer_view(layer))
+                act = torch.tanh(act @ weight)                      # (B * g, hidden): the layer's MLP
+            sync()
+            lengths = [n + grow for n in lengths]
+        cache.wait_for_mapper()
+        loop = time.perf_counter() - start
+        mapping = cache.mapping_seconds - base_map
+        # inline, the step thread itself applies every op: all mapping time is waiting
+        wait = cache.mapper_wait_seconds - base_wait if background else mapping
+    return {"mode": "background" if background else "inline", "steps": s["steps"],
+            "tokens_per_step": grow, "pages_mapped": mapped_pages, "mapping_ms": mapping * 1e3,
+            "wait_ms": wait * 1e3, "loop_ms": loop * 1e3}
+
+
+def mapper_overlap(quick: bool, device: str, repeats: int, progress=None) -> list[dict]:
+    """Median over ``repeats`` of inline and background runs (alternating); one row per mode."""
+    import statistics
+    import torch
+    shape = _mapper_shape(quick, device)
+    runs = {False: [], True: []}
+    # One intra-op thread: on a small CPU the compute must leave a core to the mapper thread
+    # (as a GPU leaves the host CPU free), and on a shared host OpenMP spin-waits otherwise
+    # turn each small op into a scheduler time slice.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(repeats):
+            for background in (False, True):
+                runs[background].append(mapper_loop(background, shape, device))
+    finally:
+        torch.set_num_threads(threads)
+    rows = []
+    for background, samples in runs.items():
+        row = dict(samples[0])
+        for key in ("mapping_ms", "wait_ms", "loop_ms"):
+            row[key] = statistics.median(r[key] for r in samples)
+        row["hidden_pct"] = 100 * (1 - row["wait_ms"] / row["mapping_ms"]) if row["mapping_ms"] else 0.0
+        row["layers"], row["batch"], row["page_size"] = shape["layers"], shape["batch"], human_bytes(shape["page_bytes"])
+        rows.append(row)
+        if progress:
+            progress(f"alloc mapper {row['mode']}")
+    return rows
+
+
+def num_configs(quick: bool) -> int:
+    """Progress units of ``run``: one per page-size table, one per mapper mode."""
+    return 1 + 2
+
+
+def run(quick: bool = False, out: str | None = None, pages: int | None = None,
+        device: str | None = None, progress=None) -> dict:
+    import torch
+
     import vmem
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     warmup, repeats = (1, 5) if quick else (3, 21)
+    mapper_repeats = 3 if quick else 5
     num_pages = pages or (64 if quick else 256)
-    env = environment(seed=0, warmup=warmup, repeats=repeats, pages_per_repeat=num_pages)
+    from benchmarks.suite import versions
+    env = environment(seed=0, warmup=warmup, repeats=repeats, pages_per_repeat=num_pages,
+                      mapper_repeats=mapper_repeats, **versions(device))
     print_environment(env)
     rows = []
     drivers = vmem.available_drivers()
@@ -71,7 +195,13 @@ def run(quick: bool = False, out: str | None = None, pages: int | None = None) -
         for page_bytes in sizes:
             rows.append(measure(driver, page_bytes, num_pages, warmup, repeats))
     print(format_table(rows, ["driver", "page_size", "pages", "map_us", "unmap_us", "map_unmap_us"]))
-    payload = {"benchmark": "alloc", "environment": env, "results": rows}
+    if progress:
+        progress("alloc map/unmap")
+    mapper = mapper_overlap(quick, device, mapper_repeats, progress)
+    print(f"# mapper overlap on {device}: vmem per-layer cache, {mapper[0]['layers']} layers, batch "
+          f"{mapper[0]['batch']}, {mapper[0]['page_size']} pages, 1 torch thread; median of {mapper_repeats}")
+    print(format_table(mapper, ["mode", "steps", "pages_mapped", "mapping_ms", "wait_ms", "hidden_pct", "loop_ms"]))
+    payload = {"benchmark": "alloc", "environment": env, "results": rows, "mapper": mapper}
     write_json(out, payload)
     return payload
 
@@ -80,9 +210,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (seconds, not minutes)")
     parser.add_argument("--pages", type=int, default=None, help="pages mapped per repeat")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    run(args.quick, args.out, args.pages)
+    run(args.quick, args.out, args.pages, args.device)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Attention time on the vmem and paged layouts, each with the fastest backend for the device.
+"""Attention time on the real vmem and paged caches, each with the fastest backend for the device.
 
     python benchmarks/attention.py                 # CPU: scaled-down defaults, < 3 min
     python benchmarks/attention.py --quick         # smoke run, seconds
@@ -10,15 +10,17 @@ GB/s counts the K/V bytes attention must read (every live token's K and V once);
 gather shows up as lower GB/s for the same bytes. "% copy" divides that by the bandwidth of a
 large same-device tensor copy, counted as bytes read + bytes written per second.
 
-Storage: for now the vmem tensors are plain ``torch.empty`` and the paged block tables a random
-permutation of the pool; the real caches will replace both.
+Storage: the real caches (``runtime.cache.make_cache``), one layer each. Both are filled the way
+a running batch fills them: every request grows by one block's worth of tokens in turn, so the
+paged block tables interleave requests (a real pool's order), and the vmem manager maps pages
+under each request's slot. The same K/V go into both; the two outputs are checked against each
+other before anything is timed. Each timed call is ``backend.forward(q, cache.layer_view(0))``.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
-import platform
 import statistics
 import sys
 import time
@@ -27,7 +29,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from runtime.attention import PagedLayerView, VMemLayerView, fastest_backend, get_backend  # noqa: E402
+from benchmarks.common import environment, print_environment  # noqa: E402
+from runtime.attention import fastest_backend, get_backend  # noqa: E402
+from runtime.cache import default_page_bytes, make_cache  # noqa: E402
+from runtime.config import CacheConfig  # noqa: E402
 
 # CPU: 8k contexts at batch 32 alone would take minutes on a small host; 4k is the top here.
 CPU_DEFAULTS = dict(batches=[1, 8, 32], contexts=[512, 2048, 4096], heads=32, kv_heads=8,
@@ -36,6 +41,8 @@ QUICK = dict(batches=[1, 8], contexts=[512, 2048], heads=32, kv_heads=8, head_di
              prefill_len=16, repeats=3)
 CUDA_DEFAULTS = dict(batches=[1, 8, 32], contexts=[512, 2048, 8192], heads=32, kv_heads=8,
                      head_dim=128, prefill_len=0, repeats=20)   # prefill_len 0: whole prompt
+PHASES = ("decode", "prefill")
+TARGET = dict(phase="decode", batch=8, ctx=2048, speedup=1.5)  # issue 4, CPU fp32
 
 
 def timer(device: torch.device):
@@ -48,10 +55,6 @@ def timer(device: torch.device):
         t0 = time.perf_counter(); fn()
         return time.perf_counter() - t0
     return run
-
-
-def median_time(fn, device, warmup: int, repeats: int) -> float:
-    return median_times([fn], device, warmup, repeats)[0]
 
 
 def median_times(fns, device, warmup: int, repeats: int) -> list[float]:
@@ -71,46 +74,90 @@ def copy_bandwidth(device, dtype, nbytes: int) -> float:
     """Bytes/s of a large same-device copy, counting the read and the write."""
     src = torch.ones(nbytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype, device=device)
     dst = torch.empty_like(src)
-    t = median_time(lambda: dst.copy_(src), device, warmup=2, repeats=5)
+    (t,) = median_times([lambda: dst.copy_(src)], device, warmup=2, repeats=5)
     return 2 * nbytes / t
 
 
-def build_views(batch, ctx, qlen, args, device, dtype, gen):
-    """vmem: [batch, ctx, Hkv, D] with shuffled slots; paged: shuffled pool + block tables."""
-    hkv, d, bs = args.kv_heads, args.head_dim, args.block_size
-    k = torch.empty(batch, ctx, hkv, d, dtype=dtype, device=device).normal_(generator=gen)
-    v = torch.empty_like(k).normal_(generator=gen)
-    ctx_lens = torch.full((batch,), ctx, device=device)
-    q_lens = torch.full((batch,), qlen, device=device)
-    slots = torch.randperm(batch, generator=gen, device=device)
-    vmem = VMemLayerView(k, v, slots, ctx_lens, q_lens)
-    nb = math.ceil(ctx / bs)
-    pk = torch.empty(batch * nb, bs, hkv, d, dtype=dtype, device=device).normal_(generator=gen)
-    pv = torch.empty_like(pk).normal_(generator=gen)
-    table = torch.randperm(batch * nb, generator=gen, device=device).view(batch, nb).to(torch.int32)
-    paged = PagedLayerView(pk, pv, table, ctx_lens, q_lens)
-    return vmem, paged
+def cache_config(batch: int, ctx: int, args, device, dtype) -> CacheConfig:
+    """One layer, ``batch`` slots; max_context is ctx rounded up to whole vmem pages."""
+    probe = CacheConfig(1, args.kv_heads, args.head_dim, dtype, str(device), batch, ctx)
+    tokens_per_page = default_page_bytes(probe, "per-layer") // probe.layer_bytes_per_token
+    max_ctx = math.ceil(ctx / tokens_per_page) * tokens_per_page
+    return CacheConfig(1, args.kv_heads, args.head_dim, dtype, str(device), batch, max_ctx)
 
 
-def run_configs(views, phase, batch, ctx, qlen, q, args, device, copy_bw) -> list[dict]:
-    """Time each (layout, view) with the fastest backend for it, alternating the layouts."""
-    names = [fastest_backend(layout, device.type, block_size=args.block_size) for layout, _ in views]
-    calls = []
-    for name, (_, view) in zip(names, views):
-        backend = get_backend(name)
-        backend.forward(q, view)   # first call: lazy imports, one-time warnings
+def fill(cache, batch: int, ctx: int, chunk: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Grow requests 0..batch-1 to ``ctx`` tokens, ``chunk`` at a time in turn, then write K/V.
+
+    k, v: (batch * ctx, kv_heads, head_dim), request-major (request i owns rows i*ctx ...).
+    """
+    manager = cache.manager
+    for seq in range(batch):
+        manager.allocate(seq, min(chunk, ctx))
+    for start in range(chunk, ctx, chunk):
+        for seq in range(batch):
+            manager.append(seq, min(chunk, ctx - start))
+    cache.execute(manager.take_ops())
+    cache.begin_step([(seq, 0, ctx) for seq in range(batch)])
+    cache.write(0, k, v)
+
+
+def build_caches(batch, ctx, args, device, dtype, gen):
+    """(vmem cache, paged cache), both holding the same random K/V for ``batch`` x ``ctx`` tokens."""
+    config = cache_config(batch, ctx, args, device, dtype)
+    shape = (batch * ctx, args.kv_heads, args.head_dim)
+    k = torch.randn(shape, generator=gen, dtype=dtype, device=device)
+    v = torch.randn(shape, generator=gen, dtype=dtype, device=device)
+    caches = (make_cache(config, "vmem", layout=args.vmem_layout),
+              make_cache(config, "paged", block_size=args.block_size))
+    for cache in caches:
+        fill(cache, batch, ctx, args.block_size, k, v)
+    return caches
+
+
+def run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw) -> list[dict]:
+    """Check vmem against paged, then time each with its fastest backend, alternating."""
+    calls, names, outs = [], [], []
+    for cache in caches:
+        cache.begin_step([(seq, ctx - qlen, qlen) for seq in range(batch)])
+        name = fastest_backend(cache.layout, device.type, block_size=args.block_size)
+        backend, view = get_backend(name), cache.layer_view(0)
+        outs.append(backend.forward(q, view))   # first call: lazy imports, one-time warnings
+        names.append(name)
         calls.append(lambda b=backend, v=view: b.forward(q, v))
+    tol = 1e-4 if q.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
     times = median_times(calls, device, args.warmup, args.repeats)
     kv_bytes = 2 * batch * ctx * args.kv_heads * args.head_dim * q.element_size()
-    return [{"layout": layout, "phase": phase, "backend": name, "batch": batch, "ctx": ctx,
+    return [{"layout": cache.layout, "phase": phase, "backend": name, "batch": batch, "ctx": ctx,
              "query_len": qlen, "ms": t * 1e3, "kv_gb_per_s": kv_bytes / t / 1e9,
-             "pct_copy": 100 * kv_bytes / t / copy_bw}
-            for (layout, _), name, t in zip(views, names, times)]
+             "pct_copy": 100 * kv_bytes / t / copy_bw, "checked": True}
+            for cache, name, t in zip(caches, names, times)]
 
 
 def fmt(r) -> str:
     return (f"{r['layout']:<6}| {r['phase']:<8}| {r['backend']:<10}| {r['batch']:>5} | {r['ctx']:>6} | "
             f"{r['query_len']:>5} | {r['ms']:>9.3f} | {r['kv_gb_per_s']:>7.2f} | {r['pct_copy']:>6.1f}%")
+
+
+def speedups(rows: list[dict]) -> list[dict]:
+    """paged ms / vmem ms per (phase, batch, ctx): > 1 means vmem is faster."""
+    by_key = {(r["phase"], r["batch"], r["ctx"], r["layout"]): r["ms"] for r in rows}
+    return [{"phase": p, "batch": b, "ctx": c, "paged_over_vmem": by_key[(p, b, c, "paged")] / ms}
+            for (p, b, c, layout), ms in by_key.items()
+            if layout == "vmem" and (p, b, c, "paged") in by_key]
+
+
+def target_check(ratios: list[dict], device, dtype) -> dict:
+    """Issue 4's CPU target: decode, batch 8, ctx 2k, fp32 -- vmem >= 1.5x paged, never slower."""
+    hit = [r for r in ratios if (r["phase"], r["batch"], r["ctx"]) ==
+           (TARGET["phase"], TARGET["batch"], TARGET["ctx"])]
+    worst = min((r["paged_over_vmem"] for r in ratios), default=None)
+    out = {"applies": device.type == "cpu" and dtype == torch.float32,
+           "decode_b8_ctx2048_speedup": hit[0]["paged_over_vmem"] if hit else None,
+           "required_speedup": TARGET["speedup"], "min_speedup_anywhere": worst}
+    out["met"] = bool(hit) and hit[0]["paged_over_vmem"] >= TARGET["speedup"]
+    return out
 
 
 def parse_args(argv=None):
@@ -124,6 +171,7 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=int)
     p.add_argument("--prefill-len", type=int, help="new tokens per request in prefill; 0 = whole ctx")
     p.add_argument("--block-size", type=int, default=16, help="paged block size in tokens")
+    p.add_argument("--vmem-layout", default="per-layer", choices=("per-layer", "interleaved"))
     p.add_argument("--repeats", type=int)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -137,37 +185,74 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def num_configs(args) -> int:
+    """Progress units of a run: one per (batch, ctx, phase)."""
+    return len(args.batches) * len(args.contexts) * len(PHASES)
+
+
+def measure(args, progress=None) -> dict:
+    """Run every configuration of ``args``; print the header and one line per layout; return JSON."""
     device = torch.device(args.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     copy_bw = copy_bandwidth(device, dtype, 1 << (30 if device.type == "cuda" else 28))
-    print(f"# device {device} ({platform.processor() or platform.machine()}), torch {torch.__version__}, "
-          f"{dtype}, threads {torch.get_num_threads()}, heads {args.heads}/{args.kv_heads}x{args.head_dim}, "
-          f"block {args.block_size}; copy bandwidth {copy_bw / 1e9:.1f} GB/s (read+write)")
+    backends = {layout: fastest_backend(layout, device.type, block_size=args.block_size)
+                for layout in ("vmem", "paged")}
+    from benchmarks.suite import versions
+    env = environment(args.seed, args.warmup, args.repeats, **versions(device.type), dtype=str(dtype),
+                      threads=torch.get_num_threads(), heads=f"{args.heads}/{args.kv_heads}x{args.head_dim}",
+                      block_size=args.block_size, vmem_layout=args.vmem_layout,
+                      backends=",".join(f"{k}:{v}" for k, v in backends.items()),
+                      copy_gb_per_s=round(copy_bw / 1e9, 2))
+    print_environment(env)
     print("layout| phase   | backend   | batch |    ctx |     q |        ms |    GB/s | % copy")
     rows = []
     for batch in args.batches:
         for ctx in args.contexts:
-            for phase in ("decode", "prefill"):
+            caches = build_caches(batch, ctx, args, device, dtype, gen)
+            for phase in PHASES:
                 qlen = 1 if phase == "decode" else min(ctx, args.prefill_len or ctx)
-                vmem, paged = build_views(batch, ctx, qlen, args, device, dtype, gen)
                 q = torch.randn(batch * qlen, args.heads, args.head_dim, dtype=dtype, device=device,
                                 generator=gen)
-                for row in run_configs([("vmem", vmem), ("paged", paged)], phase, batch, ctx, qlen,
-                                       q, args, device, copy_bw):
+                for row in run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw):
                     rows.append(row)
                     print(fmt(row), flush=True)
                 print(f"{'':6}  paged/vmem time ratio {rows[-1]['ms'] / rows[-2]['ms']:.2f}x", flush=True)
-                del vmem, paged, q
+                if progress:
+                    progress(f"attention {phase} b{batch} ctx{ctx}")
+            for cache in caches:
+                cache.close()
+    ratios = speedups(rows)
+    target = target_check(ratios, device, dtype)
+    if target["applies"] and target["decode_b8_ctx2048_speedup"] is not None:
+        print(f"# target: decode b8 ctx2k vmem {target['decode_b8_ctx2048_speedup']:.2f}x paged "
+              f"(need >= {TARGET['speedup']}): {'met' if target['met'] else 'NOT met'}; "
+              f"slowest ratio anywhere {target['min_speedup_anywhere']:.2f}x")
+    return {"benchmark": "attention", "environment": env, "copy_gb_per_s": copy_bw / 1e9,
+            "results": rows, "speedups": ratios, "target": target}
+
+
+def run(quick: bool = False, out: str | None = None, device: str | None = None,
+        progress=None, argv: list[str] | None = None) -> dict:
+    """The suite's entry point: same as the CLI with ``--quick``/``--device``/``--out``."""
+    argv = list(argv or []) + (["--quick"] if quick else []) + (["--device", device] if device else [])
+    args = parse_args(argv)
+    payload = measure(args, progress)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(payload, indent=1))
+    return payload
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    payload = measure(args)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"device": str(device), "torch": torch.__version__, "dtype": str(dtype),
-                "copy_gb_per_s": copy_bw / 1e9, "args": {k: str(v) for k, v in vars(args).items()}}
-        args.out.write_text(json.dumps({"meta": meta, "results": rows}, indent=1))
+        args.out.write_text(json.dumps(payload, indent=1))
+        print(f"# wrote {args.out}")
     return 0
 
 

@@ -1,36 +1,88 @@
 #!/usr/bin/env bash
-# The one script for a CUDA machine: GPU tests, then the quick benchmarks on the GPU.
+# The one script for a CUDA machine: the GPU tests, then the quick benchmark suite on the GPU.
 #
-#   bash benchmarks/gpu_check.sh [OUT_DIR]        (or OUT_DIR=... / $OUT, default gpu_out/)
+#   bash benchmarks/gpu_check.sh [OUT_DIR]        (or OUT_DIR=... / $OUT; default gpu_out/)
 #
-# It installs nothing: it runs from the working tree (PYTHONPATH) with the machine's own python3,
-# torch and cuda-bindings. Dry run on a CPU machine: DRY_RUN=1 bash benchmarks/gpu_check.sh
-# runs every step with the CPU-only parts (GPU tests then skip cleanly).
+# Steps (each logged to OUT_DIR/<step>.log, exit codes and times in OUT_DIR/summary.txt):
+#   env        python, torch, CUDA runtime and driver, nvidia-smi
+#   info       vmemkv info --json (drivers with granularity, attention backends)
+#   gpu_tests  pytest -m gpu: CUDA driver semantics (tests/vmem) and attention correctness of
+#              every backend on both layouts (tests/runtime); JUnit XML in OUT_DIR
+#   bench      vmemkv bench --quick --device cuda: JSON, log and PNGs in OUT_DIR/bench/
+# Budget: under 6 minutes on an H200 (each step has a timeout; see *_TIMEOUT below).
+#
+# It installs nothing: it runs from the working tree (PYTHONPATH) with the machine's own
+# python3, torch, cuda-bindings and pytest. EXTRA_PYTHONPATH is appended after the tree (for
+# carried pure-Python test deps). Dry run on a CPU machine:
+#   DRY_RUN=1 bash benchmarks/gpu_check.sh /tmp/x
+# runs every step on the CPU: the GPU tests run and must all skip cleanly, the suite runs with
+# --device cpu. Nothing calls CUDA.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT_DIR:-${OUT:-gpu_out}}}"
 PYTHON="${PYTHON:-python3}"
+TEST_TIMEOUT="${TEST_TIMEOUT:-180}"     # seconds
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-150}"   # seconds
+DEVICE=cuda
+[ -n "${DRY_RUN:-}" ] && DEVICE=cpu
 mkdir -p "$OUT_DIR"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}"
+export PYTHONUNBUFFERED=1
 status=0
+START=$SECONDS
+: > "$OUT_DIR/summary.txt"
 
-step() {  # step NAME COMMAND...: run, tee to OUT_DIR/NAME.log, remember failures
-    local name=$1; shift
+step() {  # step NAME TIMEOUT COMMAND...: run, tee to OUT_DIR/NAME.log, remember failures
+    local name=$1 limit=$2; shift 2
     echo "== $name: $*" | tee "$OUT_DIR/$name.log"
     local start=$SECONDS
-    "$@" 2>&1 | tee -a "$OUT_DIR/$name.log"
+    timeout "$limit" "$@" 2>&1 | tee -a "$OUT_DIR/$name.log"
     local rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 124 ] && echo "== $name: timed out after $limit s" | tee -a "$OUT_DIR/$name.log"
     echo "== $name: exit $rc in $((SECONDS - start)) s" | tee -a "$OUT_DIR/$name.log"
+    printf '%-22s exit %3d  %4d s\n' "$name" "$rc" "$((SECONDS - start))" >> "$OUT_DIR/summary.txt"
     [ "$rc" -eq 0 ] || status=1
 }
 
-step env "$PYTHON" -c "import torch, sys; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available() and torch.cuda.get_device_name())"
-if [ -z "${DRY_RUN:-}" ]; then
-    step gpu_tests "$PYTHON" -m pytest -q -m gpu tests -p no:cacheprovider
-else
-    step gpu_tests "$PYTHON" -m pytest -q -m gpu tests -p no:cacheprovider --co
+step env 60 "$PYTHON" - <<'EOF'
+import platform, subprocess, sys
+import torch
+print("python", sys.version.split()[0], platform.machine(), "kernel", platform.release())
+print("torch", torch.__version__, "cuda runtime", torch.version.cuda,
+      "gpu", torch.cuda.is_available() and torch.cuda.get_device_name())
+try:
+    from cuda.bindings import driver as cu
+    err, v = cu.cuDriverGetVersion()
+    print("cuda driver", f"{v // 1000}.{v % 1000 // 10}" if int(err) == 0 else err)
+except Exception as e:
+    print("cuda-bindings:", type(e).__name__, e)
+for mod in ("pytest", "hypothesis", "matplotlib", "tqdm", "flash_attn", "transformers"):
+    try:
+        m = __import__(mod); print(mod, getattr(m, "__version__", "?"))
+    except Exception as e:
+        print(mod, "not importable:", type(e).__name__)
+try:
+    print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,mig.mode.current",
+                          "--format=csv"], capture_output=True, text=True, timeout=20).stdout)
+except Exception as e:
+    print("nvidia-smi:", type(e).__name__)
+EOF
+step info 60 "$PYTHON" -m runtime.cli info --json
+step gpu_tests "$TEST_TIMEOUT" "$PYTHON" -m pytest -q -m gpu tests -p no:cacheprovider \
+    --junitxml "$OUT_DIR/gpu_tests.xml" -rs
+if [ -n "${DRY_RUN:-}" ]; then   # on the CPU every GPU test must skip, none may run or fail
+    step gpu_tests_all_skipped 30 "$PYTHON" - "$OUT_DIR/gpu_tests.xml" <<'EOF'
+import sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suite = root if root.tag == "testsuite" else root.find("testsuite")
+n, skipped = int(suite.get("tests")), int(suite.get("skipped"))
+print(f"{n} GPU tests collected, {skipped} skipped")
+sys.exit(0 if n and n == skipped else 1)
+EOF
 fi
-step info "$PYTHON" -m runtime.cli info --json
-step alloc "$PYTHON" -m benchmarks.alloc --quick --out "$OUT_DIR/alloc.json"
-echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED); logs in $OUT_DIR"
+step bench "$BENCH_TIMEOUT" "$PYTHON" -m runtime.cli bench --quick --device "$DEVICE" \
+    --out "$OUT_DIR/bench" --no-progress
+echo "total $((SECONDS - START)) s (budget 360 s on an H200)" | tee -a "$OUT_DIR/summary.txt"
+echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED)${DRY_RUN:+ (dry run on the CPU)}; logs in $OUT_DIR"
+cat "$OUT_DIR/summary.txt"
 exit $status

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 SUBCOMMANDS = {
     "info": "runtime.info",
     "simulate": "scheduler.cli",
+    "bench": "runtime.bench",
     "generate": "runtime.generate_cli",
 }
 

@@ -1,0 +1,77 @@
+"""``vmemkv bench``: the head-to-head suite -- VMM or paged, and at what cost.
+
+Runs benchmarks/suite.py on the default device (CUDA when present, else the CPU): allocation,
+attention, memory, engine. Writes every figure to DIR/bench.json, what each section printed to
+DIR/bench.log and PNG plots to DIR; prints an aligned summary table at the end. The benchmarks
+live in the source checkout's ``benchmarks/`` folder (they are not part of the installed
+packages), so this command runs from a clone, editable install or not.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from pathlib import Path
+
+
+def _import_suite():
+    """benchmarks.suite from the checkout this runtime package lives in."""
+    root = str(Path(__file__).resolve().parents[1])
+    if not os.path.isfile(os.path.join(root, "benchmarks", "suite.py")):
+        from runtime.cli import UsageError
+        raise UsageError(f"vmemkv bench needs the source checkout's benchmarks/ folder; "
+                         f"none next to {root}/runtime (run it from a clone: pip install -e .)")
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module("benchmarks.suite")
+
+
+SECTIONS = ("alloc", "attention", "memory", "engine")
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="run the vmem-vs-paged benchmark suite (JSON, plots, summary table)",
+        description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="the short suite (under a minute on a 2-core CPU)")
+    parser.add_argument("--out", default="bench_out", metavar="DIR",
+                        help="output folder for bench.json, bench.log and the PNGs (default: bench_out/)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="default: cuda when a GPU is visible, else cpu")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=None, metavar="SECTION",
+                        help=f"run only these sections ({', '.join(SECTIONS)})")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch CPU threads for the whole suite (default: torch's choice; "
+                             "1 gives steady CPU timings on a small, shared machine)")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            from runtime.cli import UsageError
+            raise UsageError("--device cuda but torch sees no CUDA GPU")
+    if args.threads is not None:
+        if args.threads < 1:
+            from runtime.cli import UsageError
+            raise UsageError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+        torch.set_num_threads(args.threads)
+    suite = _import_suite()
+    sections = tuple(s for s in SECTIONS if s in (args.only or SECTIONS))
+    payload = suite.run_suite(quick=args.quick, out_dir=args.out, device=args.device,
+                              sections=sections, plots=not args.no_plots,
+                              progress=not args.no_progress)
+    print(f"\n# vmemkv bench{' --quick' if args.quick else ''}: {payload['environment']['device']}, "
+          f"torch {payload['environment']['torch']}, {payload['wall_s']:.1f} s")
+    print(suite.format_summary(payload["summary"]))
+    print(f"# wrote {payload['json']}" + "".join(f"\n# wrote {p}" for p in payload["plots"]))
+    failed = [s for s in sections if "error" in payload.get(s, {})]
+    if failed:
+        sys.stderr.write(f"vmemkv bench: sections failed: {', '.join(failed)} (see {args.out}/bench.log)\n")
+        return 1
+    return 0
