@@ -32,13 +32,16 @@ class EngineConfig:
     background_mapper: bool = False      # vmem: map pages on a thread, overlapping compute
     seed: int = 0                        # seeds the generators of requests without a seed
     check_integrity: bool = False        # run the manager's integrity check after every step
+    max_plan_retries: int = 3            # a failed memory plan is retried this many times in a
+                                         # row before generate() raises PlanExecutionError
 
     def __post_init__(self) -> None:
         self._one_of("cache", CACHES)
         self._one_of("layout", LAYOUTS)
         self._one_of("preemption", PREEMPTION)
         for name, low in (("block_size", 1), ("max_batch", 1), ("max_context", 2),
-                          ("max_tokens_per_step", 1), ("swap_bytes", 0), ("seed", 0)):
+                          ("max_tokens_per_step", 1), ("swap_bytes", 0), ("seed", 0),
+                          ("max_plan_retries", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise EngineConfigError(f"EngineConfig.{name} must be an int >= {low}, got {value!r}")

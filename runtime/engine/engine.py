@@ -21,6 +21,7 @@ import torch
 from runtime.attention import fastest_backend, get_backend
 from runtime.cache import default_page_bytes, make_cache
 from runtime.config import CacheConfig
+from runtime.errors import PlanExecutionError
 from scheduler.errors import RequestTooLargeError
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -57,7 +58,7 @@ class Engine:
     override fields of ``config``. ``tokenizer`` (optional) enables text prompts and outputs."""
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: Optional[EngineConfig] = None,
-                 **options) -> None:
+                 driver=None, **options) -> None:
         try:
             self.config = cfg = replace(config or EngineConfig(), **options)
         except TypeError as error:
@@ -69,7 +70,8 @@ class Engine:
         self.cache = make_cache(self.cache_config, cfg.cache, cache_bytes=cfg.cache_bytes,
                                 layout=cfg.layout, page_bytes=cfg.page_bytes,
                                 block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,
-                                background_mapper=cfg.background_mapper and cfg.cache == "vmem")
+                                background_mapper=cfg.background_mapper and cfg.cache == "vmem",
+                                driver=driver)
         self.attention = cfg.attention or fastest_backend(cfg.cache, self.device.type, cfg.block_size)
         self.runner = ModelRunner(model, self.cache, get_backend(self.attention))
         self.scheduler = Scheduler(self.cache.manager, SchedulerConfig(
@@ -85,6 +87,8 @@ class Engine:
         self._t0 = time.perf_counter()
         self._steps, self._step_s, self._kv_usage = 0, 0.0, []
         self._prompt_tokens = 0
+        self._failed_plan = None                     # a plan whose memory ops failed: retried
+        self.plan_failures = 0                       # failed plan executions, all time
 
     @staticmethod
     def _cache_config(model, cfg: EngineConfig, param: torch.Tensor) -> CacheConfig:
@@ -157,13 +161,24 @@ class Engine:
 
     # ---- running -------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._failed_plan is not None or self.scheduler.has_unfinished()
 
     def step(self) -> List[TokenEvent]:
-        """Run one scheduler step; returns the tokens it produced, in plan order."""
+        """Run one scheduler step; returns the tokens it produced, in plan order.
+
+        If the step's memory plan fails (a driver call, an out-of-memory), the cache has undone
+        it and PlanExecutionError is raised with every request intact; the next ``step()``
+        retries that same plan before scheduling anything new. (Until then the manager's
+        tables already include the plan and the cache's memory does not.)"""
         start = time.perf_counter()
-        plan = self.scheduler.schedule()
-        logits, rows = self.runner.execute(plan)
+        plan, self._failed_plan = self._failed_plan or self.scheduler.schedule(), None
+        try:
+            logits, rows = self.runner.execute(plan)
+        except PlanExecutionError as error:
+            self.plan_failures += 1
+            if error.rolled_back:
+                self._failed_plan = plan
+            raise
         sampled: Dict[int, int] = {}
         if logits is not None:
             slots, order = [], []
@@ -205,8 +220,19 @@ class Engine:
         return events
 
     def run_until_done(self, on_step: Optional[Callable[[List[TokenEvent]], None]] = None) -> None:
-        while self.scheduler.has_unfinished():
-            events = self.step()
+        """Step until every request is finished. A failed memory plan is retried up to
+        ``config.max_plan_retries`` times in a row before its PlanExecutionError reaches the
+        caller (the engine stays usable: calling this again resumes)."""
+        failures = 0
+        while self.has_unfinished():
+            try:
+                events = self.step()
+            except PlanExecutionError:
+                failures += 1
+                if failures > self.config.max_plan_retries or self._failed_plan is None:
+                    raise
+                continue
+            failures = 0
             if on_step is not None:
                 on_step(events)
 
@@ -236,7 +262,7 @@ class Engine:
         """Yield tokens as they are produced (all requests interleaved, step by step)."""
         mark = self._mark()
         ids = self._submit_all(prompts, sampling, None)
-        while self.scheduler.has_unfinished():
+        while self.has_unfinished():
             yield from self.step()
         self.last_stats = self.stats(since=mark)
         self.last_outputs = [self.output(rid, pop=True) for rid in ids]
