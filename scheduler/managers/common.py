@@ -251,15 +251,7 @@ class ManagerCore(MemoryManager):
 
     # -- hooks --
     def _forget_uncomputed(self, seq: SeqState, computed_tokens: int) -> None:
-        """Drop prefix registrations of units holding tokens at or past ``computed_tokens``."""
-        prefix = getattr(self, "prefix", None)
-        if prefix is None:
-            return
-        unit_tokens = getattr(self, "block_size", None) or self.tokens_per_page
-        first = computed_tokens // unit_tokens
-        for k in range(first, min(len(seq.units), len(seq.hashes))):
-            if prefix.hash_of.get(seq.units[k]) == seq.hashes[k]:
-                prefix.drop(seq.units[k])
+        """Withdraw units past ``computed_tokens`` from prefix sharing (managers that share)."""
 
     def _swap_location(self, seq: SeqState) -> dict:
         """Where a sequence's tokens are, for SwapOut/SwapIn ops (vmem: slot; paged: blocks)."""

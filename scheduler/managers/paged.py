@@ -19,11 +19,12 @@ from typing import Optional, Sequence
 from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError
 from ..presets import ModelSpec
 from .base import CopyBlock, MemoryStats
-from .common import ManagerCore, check_int
-from .prefix import PrefixIndex, SeqState, prefix_hashes
+from .common import check_int
+from .prefix import SeqState
+from .units import UnitManager
 
 
-class PagedManager(ManagerCore):
+class PagedManager(UnitManager):
     """Block-table manager. ``prefix_queries``/``prefix_hits`` count TOKENS (as vLLM's
     prefix-cache metrics do): tokens offered to ``allocate`` with ``token_ids``, and of those the
     tokens served from cached blocks."""
@@ -38,15 +39,11 @@ class PagedManager(ManagerCore):
         if self.num_blocks < 1:
             raise ConfigError(f"cache_bytes={cache_bytes} holds no block of {bs} tokens; needs "
                               f">= {bs * self.bytes_per_token}")
-        self._ref = [0] * self.num_blocks
-        self._fill = [0] * self.num_blocks            # tokens written in each block
+        self._init_units(self.num_blocks, bs)
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._cached: OrderedDict = OrderedDict()     # block -> None, least recently freed first
-        self.prefix = PrefixIndex()
-        self._live = 0        # tokens in held blocks (a shared block counted once)
-        self._cap_sum = 0     # sum over resident sequences of len(blocks) * block_size
-        self._tok_sum = 0     # sum over resident sequences of num_tokens
-        self._memo = (None, None, None, None)         # last (token_ids, n, namespace, hashes)
+        # _live: tokens in held blocks (a shared block counted once); _cap_sum / _tok_sum:
+        # over resident sequences, len(blocks) * block_size and num_tokens
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -57,10 +54,6 @@ class PagedManager(ManagerCore):
         [k*block_size, (k+1)*block_size))."""
         return list(self._seq(seq_id).units)
 
-    def ref_count(self, block: int) -> int:
-        return self._ref[block]
-
-    # -- block pool --
     def _available_units(self) -> int:
         return len(self._free) + len(self._cached)
 
@@ -71,54 +64,25 @@ class PagedManager(ManagerCore):
         else:
             b, _ = self._cached.popitem(last=False)
             self.prefix.drop(b)
-        self._ref[b] = 1
+        self._refs[b] = 1
         self._fill[b] = 0
         return b
 
     def _hold(self, b: int) -> None:
         """One more holder of an existing (hit or shared) block."""
-        if self._ref[b] == 0:
+        if self._refs[b] == 0:
             del self._cached[b]
             self._live += self._fill[b]
-        self._ref[b] += 1
+        self._refs[b] += 1
 
     def _unhold(self, b: int) -> None:
-        self._ref[b] -= 1
-        if self._ref[b] == 0:
+        self._refs[b] -= 1
+        if self._refs[b] == 0:
             self._live -= self._fill[b]
             if b in self.prefix.hash_of:
                 self._cached[b] = None
             else:
                 self._free.append(b)
-
-    def _register_full(self, seq: SeqState) -> None:
-        for k, h in seq.new_full_hashes(self.block_size):
-            self.prefix.register(seq.units[k], h)
-
-    # -- admission --
-    def _hits(self, num_tokens: int, token_ids, namespace) -> list:
-        if token_ids is None:
-            return []
-        memo = self._memo
-        if memo[0] is token_ids and memo[1] == num_tokens and memo[2] == namespace:
-            hashes = memo[3]
-        else:
-            hashes = prefix_hashes(token_ids, self.block_size, num_tokens, namespace)
-            self._memo = (token_ids, num_tokens, namespace, hashes)
-        return self.prefix.match(hashes)
-
-    def _need(self, num_tokens: int, hits: list) -> int:
-        """Blocks a new sequence takes from the free + cached pool."""
-        revived = sum(1 for b in hits if self._ref[b] == 0)
-        return -(-num_tokens // self.block_size) - len(hits) + revived
-
-    def can_allocate(self, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
-                     namespace: Optional[str] = None, reserve_tokens: int = 0,
-                     final_tokens: Optional[int] = None) -> bool:
-        if num_tokens > self.max_sequence_tokens:
-            return False
-        spare = self._available_units() - self._need(num_tokens, self._hits(num_tokens, token_ids, namespace))
-        return spare >= 0 and spare * self.block_size >= reserve_tokens
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                  namespace: Optional[str] = None, final_tokens: Optional[int] = None) -> int:
@@ -140,10 +104,7 @@ class PagedManager(ManagerCore):
         self._tok_sum += num_tokens
         self._seqs[seq_id] = seq
         self._register_full(seq)   # hit blocks keep their hash; the chain is recomputed
-        if token_ids is not None:
-            self.prefix_queries += num_tokens
-            self.prefix_hits += len(hits) * self.block_size
-        return len(hits) * self.block_size
+        return self._count_prefix(token_ids, num_tokens, hits)
 
     def _fill_blocks(self, seq: SeqState, start: int, end: int) -> None:
         """Account tokens [start, end) as written into ``seq``'s blocks (all private)."""
@@ -156,20 +117,11 @@ class PagedManager(ManagerCore):
         self._live += end - start
 
     # -- growth --
-    def _growth(self, seq: SeqState, num_tokens: int) -> int:
-        """Blocks ``append(num_tokens)`` would take: new blocks plus one if it must
-        copy-on-write a shared partial last block."""
-        bs, n = self.block_size, seq.num_tokens
-        need = -(-(n + num_tokens) // bs) - len(seq.units)
-        if n % bs and num_tokens and self._ref[seq.units[-1]] > 1:
-            need += 1
-        return need
-
     def can_append(self, seq_id: int, num_tokens: int = 1) -> bool:
         seq = self._seq(seq_id)
         new = seq.num_tokens + num_tokens
         if (seq.units and new <= len(seq.units) * self.block_size and new <= self.max_seq_len
-                and self._ref[seq.units[-1]] == 1):
+                and self._refs[seq.units[-1]] == 1):
             return True      # hot path: room in a private last block
         return new <= self.max_seq_len and self._growth(seq, num_tokens) <= self._available_units()
 
@@ -179,7 +131,7 @@ class PagedManager(ManagerCore):
         old = seq.num_tokens
         new = old + num_tokens
         if (new <= len(seq.units) * self.block_size and new <= self.max_seq_len and num_tokens > 0
-                and seq.ids is None and token_ids is None and self._ref[seq.units[-1]] == 1):
+                and seq.ids is None and token_ids is None and self._refs[seq.units[-1]] == 1):
             # hot path: room in a private last block, no ids to hash: counters only
             self._fill[seq.units[-1]] += num_tokens
             self._live += num_tokens
@@ -200,7 +152,7 @@ class PagedManager(ManagerCore):
                                      f"{need} blocks, {self._available_units()} free")
         if num_tokens == 0:
             return
-        if old % bs and self._ref[seq.units[-1]] > 1:     # copy-on-write, the writer moves
+        if old % bs and self._refs[seq.units[-1]] > 1:     # copy-on-write, the writer moves
             src = seq.units[-1]
             dst = self._take_block()
             self._fill[dst] = self._fill[src]
@@ -279,7 +231,7 @@ class PagedManager(ManagerCore):
             for k, b in enumerate(seq.units):
                 refs[b] += 1
                 assert self._fill[b] == min(bs, seq.num_tokens - k * bs), ("fill", b)
-        assert refs == self._ref, "reference counts"
+        assert refs == self._refs, "reference counts"
         free, cached = set(self._free), set(self._cached)
         assert len(free) == len(self._free) and not free & cached
         assert all(refs[b] == 0 and b not in self.prefix.hash_of for b in free)

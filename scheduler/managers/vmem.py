@@ -27,9 +27,10 @@ from typing import Optional, Sequence
 from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError
 from ..presets import ModelSpec
 from .base import CopyPage, MapPage, MemoryStats, UnmapPage
-from .common import ManagerCore, check_int
-from .prefix import PrefixIndex, SeqState, prefix_hashes
+from .common import check_int
+from .prefix import SeqState
 from .slots import FreeSlots
+from .units import UnitManager
 
 LAYOUTS = ("per-layer", "interleaved")
 
@@ -46,7 +47,7 @@ def page_geometry(model: ModelSpec, page_bytes: int, layout: str) -> tuple:
     return page_bytes // per_token, (2 * model.num_layers if layout == "per-layer" else 2)
 
 
-class VmemManager(ManagerCore):
+class VmemManager(UnitManager):
     """Slot + page-group manager. ``prefix_queries``/``prefix_hits`` count TOKENS."""
 
     name = "vmem"
@@ -73,17 +74,13 @@ class VmemManager(ManagerCore):
         # be used at once; virtual address space is cheap, so default to exactly that many.
         self.num_slots = check_int("max_slots", max_slots if max_slots is not None else self.num_groups, 1)
         self.pages_per_slot = self.max_seq_len // tpp
-        self._refs = [0] * self.num_groups
-        self._fill = [0] * self.num_groups                   # tokens written in each group
+        self._init_units(self.num_groups, tpp)
         self._maps = [set() for _ in range(self.num_groups)]  # group -> {(slot, page_index)}
         self._free = list(range(self.num_groups - 1, -1, -1))
         self._reclaimable: OrderedDict = OrderedDict()       # group -> None, LRU first
         self._pages = [dict() for _ in range(self.num_slots)]  # slot -> {page_index: group}
         self._owner: list = [None] * self.num_slots           # slot -> seq_id or None
         self._free_slots = FreeSlots(self.num_slots, self.pages_per_slot)
-        self.prefix = PrefixIndex()
-        self._live = self._cap_sum = self._tok_sum = 0
-        self._memo = (None, None, None, None)
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -106,9 +103,6 @@ class VmemManager(ManagerCore):
     def mapped_pages(self, slot: int) -> dict:
         """{page_index: group} currently mapped under ``slot`` (live or deferred)."""
         return dict(self._pages[slot])
-
-    def ref_count(self, group: int) -> int:
-        return self._refs[group]
 
     @property
     def reclaimable_tokens(self) -> int:
@@ -208,29 +202,8 @@ class VmemManager(ManagerCore):
         self._tok_sum += n
         self._seqs[seq_id] = seq
 
-    def _hits(self, num_tokens: int, token_ids, namespace) -> list:
-        if token_ids is None:
-            return []
-        memo = self._memo
-        if memo[0] is token_ids and memo[1] == num_tokens and memo[2] == namespace:
-            hashes = memo[3]
-        else:
-            hashes = prefix_hashes(token_ids, self.tokens_per_page, num_tokens, namespace)
-            self._memo = (token_ids, num_tokens, namespace, hashes)
-        return self.prefix.match(hashes)
-
-    def _need(self, num_tokens: int, hits: list) -> int:
-        """Groups a new sequence takes from the free + reclaimable pool."""
-        revived = sum(1 for g in hits if self._refs[g] == 0)
-        return -(-num_tokens // self.tokens_per_page) - len(hits) + revived
-
-    def can_allocate(self, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
-                     namespace: Optional[str] = None, reserve_tokens: int = 0,
-                     final_tokens: Optional[int] = None) -> bool:
-        if num_tokens > self.max_sequence_tokens or not self._free_slots:
-            return False
-        spare = self._available_units() - self._need(num_tokens, self._hits(num_tokens, token_ids, namespace))
-        return spare >= 0 and spare * self.tokens_per_page >= reserve_tokens
+    def _can_place(self) -> bool:
+        return bool(self._free_slots)
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                  namespace: Optional[str] = None, final_tokens: Optional[int] = None) -> int:
@@ -245,25 +218,9 @@ class VmemManager(ManagerCore):
         seq = self._new_seq(num_tokens, token_ids, namespace)
         self._place(seq_id, seq, hits)
         self._register_full(seq)
-        if token_ids is not None:
-            self.prefix_queries += num_tokens
-            self.prefix_hits += len(hits) * self.tokens_per_page
-        return len(hits) * self.tokens_per_page
-
-    def _register_full(self, seq: SeqState) -> None:
-        for k, h in seq.new_full_hashes(self.tokens_per_page):
-            self.prefix.register(seq.units[k], h)
+        return self._count_prefix(token_ids, num_tokens, hits)
 
     # -- growth --
-    def _growth(self, seq: SeqState, num_tokens: int) -> int:
-        """Groups ``append(num_tokens)`` takes: new pages, plus one to copy-on-write a shared
-        partial last page."""
-        n, tpp = seq.num_tokens, self.tokens_per_page
-        need = -(-(n + num_tokens) // tpp) - len(seq.units)
-        if n % tpp and num_tokens and self._refs[seq.units[-1]] > 1:
-            need += 1
-        return need
-
     def can_append(self, seq_id: int, num_tokens: int = 1) -> bool:
         seq = self._seq(seq_id)
         new = seq.num_tokens + num_tokens

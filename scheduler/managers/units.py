@@ -1,0 +1,88 @@
+"""UnitManager: what the paged and vmem managers share -- fixed-size, shareable units of tokens.
+
+A unit is a paged block or a vmem page group: ``unit_tokens`` tokens, a reference count, and,
+once full and computed, a chain hash under which later sequences can find and share it.
+Subclasses say how units are taken, held and released; this class owns the arithmetic of how
+many units a request needs, prefix matching and its counters, and copy-on-write accounting.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from .common import ManagerCore
+from .prefix import PrefixIndex, SeqState, prefix_hashes
+
+
+class UnitManager(ManagerCore):
+    """Base of managers whose memory is ``num_units`` units of ``unit_tokens`` tokens.
+    ``prefix_queries``/``prefix_hits`` count TOKENS, as vLLM's prefix-cache metrics do."""
+
+    def _init_units(self, num_units: int, unit_tokens: int) -> None:
+        self.unit_tokens = unit_tokens
+        self._refs = [0] * num_units                 # holders of each unit
+        self._fill = [0] * num_units                 # tokens written in each unit
+        self.prefix = PrefixIndex()
+        self._live = self._cap_sum = self._tok_sum = 0
+        self._memo = (None, None, None, None)        # last (token_ids, n, namespace, hashes)
+
+    def ref_count(self, unit: int) -> int:
+        return self._refs[unit]
+
+    # -- admission --
+    def _can_place(self) -> bool:
+        """Room for one more sequence besides units (vmem: a free slot)."""
+        return True
+
+    def _hits(self, num_tokens: int, token_ids, namespace) -> list:
+        """Units already holding this prompt's leading full units (by chain hash)."""
+        if token_ids is None:
+            return []
+        memo = self._memo   # can_allocate then allocate hash the same prompt: do it once
+        if memo[0] is token_ids and memo[1] == num_tokens and memo[2] == namespace:
+            hashes = memo[3]
+        else:
+            hashes = prefix_hashes(token_ids, self.unit_tokens, num_tokens, namespace)
+            self._memo = (token_ids, num_tokens, namespace, hashes)
+        return self.prefix.match(hashes)
+
+    def _need(self, num_tokens: int, hits: list) -> int:
+        """Units a new sequence takes from the free + reclaimable pool (a hit unit nobody holds
+        any more is revived from that pool, so it still counts)."""
+        revived = sum(1 for u in hits if self._refs[u] == 0)
+        return -(-num_tokens // self.unit_tokens) - len(hits) + revived
+
+    def can_allocate(self, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
+                     namespace: Optional[str] = None, reserve_tokens: int = 0,
+                     final_tokens: Optional[int] = None) -> bool:
+        if num_tokens > self.max_sequence_tokens or not self._can_place():
+            return False
+        spare = self._available_units() - self._need(num_tokens, self._hits(num_tokens, token_ids, namespace))
+        return spare >= 0 and spare * self.unit_tokens >= reserve_tokens
+
+    def _count_prefix(self, token_ids, num_tokens: int, hits: list) -> int:
+        """Record a prefix query; returns the hit tokens."""
+        hit_tokens = len(hits) * self.unit_tokens
+        if token_ids is not None:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += hit_tokens
+        return hit_tokens
+
+    def _register_full(self, seq: SeqState) -> None:
+        for k, h in seq.new_full_hashes(self.unit_tokens):
+            self.prefix.register(seq.units[k], h)
+
+    def _forget_uncomputed(self, seq: SeqState, computed_tokens: int) -> None:
+        """Drop prefix registrations of units holding tokens at or past ``computed_tokens``."""
+        for k in range(computed_tokens // self.unit_tokens, min(len(seq.units), len(seq.hashes))):
+            if self.prefix.hash_of.get(seq.units[k]) == seq.hashes[k]:
+                self.prefix.drop(seq.units[k])
+
+    # -- growth --
+    def _growth(self, seq: SeqState, num_tokens: int) -> int:
+        """Units ``append(num_tokens)`` takes: new units, plus one to copy-on-write a shared
+        partial last unit."""
+        n, ut = seq.num_tokens, self.unit_tokens
+        need = -(-(n + num_tokens) // ut) - len(seq.units)
+        if n % ut and num_tokens and self._refs[seq.units[-1]] > 1:
+            need += 1
+        return need
