@@ -242,6 +242,13 @@ class VMemKVCache(KVCache):
         self._k[layer].index_put_(index, k)
         self._v[layer].index_put_(index, v)
 
+    def layer_tensors(self, layer: int) -> tuple:
+        """The whole K and V virtual tensors of ``layer``, each ``(max_batch, max_context,
+        kv_heads, head_dim)`` (strided in the interleaved layout). Zero-copy views over the
+        range: only rows and tokens the manager has mapped may be touched."""
+        self._check_open()
+        return self._k[layer], self._v[layer]
+
     def layer_view(self, layer: int) -> VMemLayerView:
         self._ready(layer)
         step = self._step

@@ -177,7 +177,7 @@ class VMemCache(Cache):
             self._grow(batch, end)
         elif batch != len(self._rows):
             self._raise_batch_changed(batch)
-        k_cache, v_cache = self.kv._k[layer_idx], self.kv._v[layer_idx]   # (max_batch, C, H, D)
+        k_cache, v_cache = self.kv.layer_tensors(layer_idx)   # (max_batch, C, H, D)
         with torch.no_grad():
             k_cache[:batch, start:end].copy_(key_states.transpose(1, 2))
             v_cache[:batch, start:end].copy_(value_states.transpose(1, 2))
@@ -272,7 +272,7 @@ class VMemCache(Cache):
         self._check_open()
         index = beam_idx.to(self.config.torch_device)
         for layer, length in enumerate(self._written):
-            for cache in (self.kv._k[layer], self.kv._v[layer]):
+            for cache in self.kv.layer_tensors(layer):
                 rows = cache[:len(self._rows), :length]
                 rows.copy_(rows.index_select(0, index))
 
