@@ -17,6 +17,9 @@
 #   DRY_RUN=1 bash benchmarks/gpu_check.sh /tmp/x
 # runs every step on the CPU: the GPU tests run and must all skip cleanly, the suite runs with
 # --device cpu. Nothing calls CUDA.
+#
+# Through the device tool (which returns at most 8 files from $OUT), write elsewhere and pack:
+#   bash benchmarks/gpu_check.sh /tmp/gc; rc=$?; tar czf "$OUT/gpu_check.tgz" -C /tmp gc; exit $rc
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT_DIR:-${OUT:-gpu_out}}}"
