@@ -68,8 +68,15 @@ def load_model(name_or_path: str, seed: int = 0, dtype: Optional[torch.dtype] = 
         raise ModelLoadError(f"--model {name_or_path!r} is neither a built-in model "
                              f"({', '.join(TINY_CONFIGS)}) nor a local checkpoint directory")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype or "auto",
-                                                 local_files_only=True)
+    from transformers.utils import logging as hf_logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()   # its "Loading weights" bar would ignore --no-progress
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype or "auto",
+                                                     local_files_only=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
     except (OSError, ValueError, TypeError):
