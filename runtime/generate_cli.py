@@ -26,7 +26,10 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="tiny-llama",
                    help="a built-in random-weight model (tiny-llama, tiny-qwen2, small-llama) "
                         "or a local checkpoint directory")
-    p.add_argument("--prompts", default="-", help="prompt file, one per line ('-': stdin)")
+    p.add_argument("--prompts", default="-", help="prompt file, one per line ('-': stdin); a line "
+                   "of space-separated integers is token ids, any other line is text")
+    p.add_argument("--text", action="store_true",
+                   help="read every line as text, even one made only of digits (needs a tokenizer)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="model dtype (default: float32 for built-ins, the checkpoint's otherwise)")
@@ -57,8 +60,11 @@ def register(subparsers) -> None:
     c.add_argument("--background-mapper", action="store_true")
 
 
-def read_prompts(path: str, has_tokenizer: bool) -> List[Union[List[int], str]]:
-    """Non-empty lines of ``path`` (or stdin): token-id lists, or text with a tokenizer."""
+def read_prompts(path: str, has_tokenizer: bool, text_only: bool = False) -> List[Union[List[int], str]]:
+    """Non-empty lines of ``path`` (or stdin): token-id lists, or text with a tokenizer
+    (every line is text when ``text_only``)."""
+    if text_only and not has_tokenizer:
+        raise GenerateUsageError("--text needs a model with a tokenizer; this one has none")
     try:
         text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
     except OSError as error:
@@ -69,7 +75,7 @@ def read_prompts(path: str, has_tokenizer: bool) -> List[Union[List[int], str]]:
         if not line:
             continue
         parts = line.split()
-        if all(p.isdigit() for p in parts):
+        if not text_only and all(p.isdigit() for p in parts):
             prompts.append([int(p) for p in parts])
         elif has_tokenizer:
             prompts.append(line)
@@ -89,7 +95,7 @@ def run(args) -> int:
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tokenizer = load_model(args.model, seed=args.seed, dtype=dtype, device=args.device)
-    prompts = read_prompts(args.prompts, tokenizer is not None)
+    prompts = read_prompts(args.prompts, tokenizer is not None, args.text)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, n=args.n, seed=None,
                             stop_token_ids=tuple(args.stop), ignore_eos=args.ignore_eos)
@@ -113,7 +119,8 @@ def run(args) -> int:
 
 def _print_output(out, as_json: bool) -> None:
     if as_json:
-        print(json.dumps({"request_id": out.request_id, "prompt_token_ids": list(out.prompt_token_ids),
+        print(json.dumps({"request_id": out.request_id, "prompt": out.prompt,
+                          "prompt_token_ids": list(out.prompt_token_ids),
                           "outputs": [{"index": o.index, "token_ids": o.token_ids, "text": o.text,
                                        "finish_reason": o.finish_reason} for o in out.outputs]}))
         return

@@ -208,6 +208,7 @@ def test_cli_text_prompts_from_stdin_json(cache, checkpoint, expected, tokenizer
     assert len(records) == len(TEXTS)
     for text, record, exp in zip(TEXTS, records, expected):
         assert record["prompt_token_ids"] == tokenizer(text)["input_ids"]
+        assert record["prompt"] == text
         [sample] = record["outputs"]
         assert sample["token_ids"] == exp.outputs[0].token_ids
         assert sample["text"] == exp.outputs[0].text
@@ -250,3 +251,14 @@ def test_text_encoding_outside_model_vocab_is_rejected():
         with pytest.raises(RequestRejectedError, match="outside the vocabulary"):
             engine.generate(["the wide fox"], SamplingParams(max_new_tokens=4))
         assert not engine.has_unfinished()
+
+
+def test_cli_text_flag_reads_a_digits_only_line_as_text(checkpoint, tokenizer, monkeypatch, capsys):
+    """Without --text a line of integers is token ids; with it, every line is text."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("7 11\n"))
+    assert cli(checkpoint, "--json") == 0
+    assert json.loads(capsys.readouterr().out)["prompt_token_ids"] == [7, 11]
+    monkeypatch.setattr("sys.stdin", io.StringIO("7 11\n"))
+    assert cli(checkpoint, "--json", "--text") == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["prompt"] == "7 11" and record["prompt_token_ids"] == tokenizer("7 11")["input_ids"]
