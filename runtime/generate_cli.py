@@ -87,12 +87,25 @@ def read_prompts(path: str, has_tokenizer: bool, text_only: bool = False) -> Lis
     return prompts
 
 
+def _check_device(device: str) -> None:
+    import torch
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise GenerateUsageError(f"--device must be 'cpu' or 'cuda[:i]', got {device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise GenerateUsageError(f"--device {device!r} asked for, but no CUDA GPU is visible to torch")
+
+
 def run(args) -> int:
     import torch
 
     from runtime.engine import Engine, SamplingParams
     from runtime.models import load_model
 
+    _check_device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tokenizer = load_model(args.model, seed=args.seed, dtype=dtype, device=args.device)
     prompts = read_prompts(args.prompts, tokenizer is not None, args.text)

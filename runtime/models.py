@@ -74,6 +74,10 @@ def load_model(name_or_path: str, seed: int = 0, dtype: Optional[torch.dtype] = 
     try:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype or "auto",
                                                      local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelLoadError(f"--model {name_or_path!r} is a directory but not a loadable causal-LM "
+                             f"checkpoint: {first}") from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()

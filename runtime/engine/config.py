@@ -47,13 +47,14 @@ class EngineConfig:
                 raise EngineConfigError(f"EngineConfig.{name} must be an int >= {low}, got {value!r}")
         for name in ("page_bytes", "cache_bytes"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise EngineConfigError(f"EngineConfig.{name} must be an int >= 1 or None, got {value!r}")
         if self.max_tokens_per_step < self.max_batch:
             raise EngineConfigError(f"EngineConfig.max_tokens_per_step must be >= max_batch "
                                     f"({self.max_batch}) so every decode fits a step, got "
                                     f"{self.max_tokens_per_step}")
-        if not 0.0 <= self.watermark < 1.0:
+        if (not isinstance(self.watermark, (int, float)) or isinstance(self.watermark, bool)
+                or not 0.0 <= self.watermark < 1.0):
             raise EngineConfigError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
         if self.preemption == "swap" and self.swap_bytes == 0:
             raise EngineConfigError("EngineConfig.swap_bytes must be > 0 when preemption='swap'")

@@ -22,6 +22,7 @@ from runtime.attention import fastest_backend, get_backend
 from runtime.cache import default_page_bytes, make_cache
 from runtime.config import CacheConfig
 from runtime.errors import PlanExecutionError
+from runtime.hf.attention import check_model_supported
 from scheduler.errors import RequestTooLargeError
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -67,19 +68,29 @@ class Engine:
         param = next(model.parameters())
         self.device, self.vocab_size = param.device, model.config.get_text_config().vocab_size
         self.cache_config = self._cache_config(model, cfg, param)
+        check_model_supported(model, self.cache_config.max_context)   # before anything is built
+        self.attention = cfg.attention or fastest_backend(cfg.cache, self.device.type, cfg.block_size)
+        backend = get_backend(self.attention)
         self.cache = make_cache(self.cache_config, cfg.cache, cache_bytes=cfg.cache_bytes,
                                 layout=cfg.layout, page_bytes=cfg.page_bytes,
                                 block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,
                                 background_mapper=cfg.background_mapper and cfg.cache == "vmem",
                                 driver=driver)
-        self.attention = cfg.attention or fastest_backend(cfg.cache, self.device.type, cfg.block_size)
-        self.runner = ModelRunner(model, self.cache, get_backend(self.attention))
+        try:
+            self._build_rest(model, backend)
+        except BaseException:
+            self.cache.close()   # a failed construction leaves no memory behind
+            raise
+
+    def _build_rest(self, model: torch.nn.Module, backend) -> None:
+        cfg = self.config
+        self.runner = ModelRunner(model, self.cache, backend)
         self.scheduler = Scheduler(self.cache.manager, SchedulerConfig(
             max_running=cfg.max_batch, max_tokens_per_step=cfg.max_tokens_per_step,
             watermark=cfg.watermark, preemption=cfg.preemption,
             enable_prefix_sharing=cfg.prefix_sharing, check_every_step=cfg.check_integrity))
         self.sampler = Sampler()
-        self.eos_ids = _eos_ids(model, tokenizer)
+        self.eos_ids = _eos_ids(model, self.tokenizer)
         self._rng = random.Random(cfg.seed)
         self._samples: Dict[int, _Sample] = {}       # seq_id -> sample state (unfinished)
         self._requests: Dict[int, _Request] = {}     # request_id -> state, until collected
@@ -140,7 +151,15 @@ class Engine:
             ids = tuple(self.tokenizer(prompt)["input_ids"])
             text = prompt
         else:
-            ids, text = tuple(int(t) for t in prompt), None
+            try:
+                tokens = list(prompt)
+            except TypeError:
+                tokens = None
+            if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool)
+                                          for t in tokens):
+                raise RequestRejectedError(f"prompt {index} must be text or a sequence of int "
+                                           f"token ids, got {str(prompt)[:60]!r}", index)
+            ids, text = tuple(tokens), None
         if not ids:
             raise RequestRejectedError(f"prompt {index} is empty", index)
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

@@ -27,18 +27,31 @@ class SamplingParams:
     n: int = 1                        # samples of the prompt; children fork the prompt's cache
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        _check(self.max_new_tokens, "max_new_tokens", isinstance(self.max_new_tokens, int)
+        stops = self.stop_token_ids
+        _check(stops, "stop_token_ids", isinstance(stops, (tuple, list)) and all(_is_int(t) for t in stops),
+               "a sequence of int token ids")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        _check(self.max_new_tokens, "max_new_tokens", _is_int(self.max_new_tokens)
                and self.max_new_tokens >= 1, "an int >= 1")
-        _check(self.temperature, "temperature", self.temperature >= 0, ">= 0")
-        _check(self.top_k, "top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an int >= 0")
-        _check(self.top_p, "top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]")
-        _check(self.n, "n", isinstance(self.n, int) and self.n >= 1, "an int >= 1")
-        _check(self.seed, "seed", self.seed is None or isinstance(self.seed, int), "an int or None")
+        _check(self.temperature, "temperature", _is_number(self.temperature)
+               and self.temperature >= 0, "a number >= 0")
+        _check(self.top_k, "top_k", _is_int(self.top_k) and self.top_k >= 0, "an int >= 0")
+        _check(self.top_p, "top_p", _is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
+               "a number in (0, 1]")
+        _check(self.n, "n", _is_int(self.n) and self.n >= 1, "an int >= 1")
+        _check(self.seed, "seed", self.seed is None or _is_int(self.seed), "an int or None")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _check(value, name: str, ok: bool, allowed: str) -> None:

@@ -78,6 +78,23 @@ def _check_supported(module, query: torch.Tensor, ctx: StepContext, kwargs: dict
         raise UnsupportedModelError(f"layer {module.layer_idx} is not causal")
 
 
+def check_model_supported(model, max_context: int) -> None:
+    """Refuse, before anything runs, a model whose attention this function cannot compute:
+    sliding windows shorter than ``max_context`` and logit softcapping (from its config)."""
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    sliding = ("sliding_attention" in layer_types if layer_types
+               else getattr(config, "use_sliding_window", True))
+    if window is not None and sliding and window < max_context:
+        raise UnsupportedModelError(
+            f"the model uses a sliding window of {window} tokens, shorter than the cache's "
+            f"max_context {max_context}; sliding windows are not supported")
+    if getattr(config, "attn_logit_softcapping", None):
+        raise UnsupportedModelError("vmemkv attention does not implement attention softcapping "
+                                    f"(attn_logit_softcapping={config.attn_logit_softcapping})")
+
+
 def register_attention() -> str:
     """Register ``vmemkv_attention`` under ``"vmemkv"`` (idempotent); returns the name."""
     from transformers import AttentionInterface
