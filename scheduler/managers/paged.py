@@ -4,7 +4,7 @@ a pool, a block table per sequence, reference counts, copy-on-write and prefix c
 Every block is in exactly one of three states:
 
     free     ref 0, no hash         in ``_free`` (a stack)
-    cached   ref 0, hashed content  in ``_cached`` (LRU order; evicted only when _free is empty)
+    cached   ref 0, hashed content  in ``_reclaimable`` (LRU order; evicted only when _free is empty)
     held     ref >= 1               in the block tables of ``ref`` resident sequences
 
 Cached blocks count as FREE capacity (as vLLM's kv_cache_usage does): taking one just drops its
@@ -41,7 +41,7 @@ class PagedManager(UnitManager):
                               f">= {bs * self.bytes_per_token}")
         self._init_units(self.num_blocks, bs)
         self._free = list(range(self.num_blocks - 1, -1, -1))
-        self._cached: OrderedDict = OrderedDict()     # block -> None, least recently freed first
+        self._reclaimable: OrderedDict = OrderedDict()  # cached block -> None, LRU first
         # _live: tokens in held blocks (a shared block counted once); _cap_sum / _tok_sum:
         # over resident sequences, len(blocks) * block_size and num_tokens
 
@@ -55,32 +55,25 @@ class PagedManager(UnitManager):
         return list(self._seq(seq_id).units)
 
     def _available_units(self) -> int:
-        return len(self._free) + len(self._cached)
+        return len(self._free) + len(self._reclaimable)
 
     def _take_block(self) -> int:
         """A block for new content: a free one, else evict the least recently used cached one."""
         if self._free:
             b = self._free.pop()
         else:
-            b, _ = self._cached.popitem(last=False)
+            b, _ = self._reclaimable.popitem(last=False)
             self.prefix.drop(b)
         self._refs[b] = 1
         self._fill[b] = 0
         return b
-
-    def _hold(self, b: int) -> None:
-        """One more holder of an existing (hit or shared) block."""
-        if self._refs[b] == 0:
-            del self._cached[b]
-            self._live += self._fill[b]
-        self._refs[b] += 1
 
     def _unhold(self, b: int) -> None:
         self._refs[b] -= 1
         if self._refs[b] == 0:
             self._live -= self._fill[b]
             if b in self.prefix.hash_of:
-                self._cached[b] = None
+                self._reclaimable[b] = None
             else:
                 self._free.append(b)
 
@@ -232,7 +225,7 @@ class PagedManager(UnitManager):
                 refs[b] += 1
                 assert self._fill[b] == min(bs, seq.num_tokens - k * bs), ("fill", b)
         assert refs == self._refs, "reference counts"
-        free, cached = set(self._free), set(self._cached)
+        free, cached = set(self._free), set(self._reclaimable)
         assert len(free) == len(self._free) and not free & cached
         assert all(refs[b] == 0 and b not in self.prefix.hash_of for b in free)
         assert all(refs[b] == 0 and b in self.prefix.hash_of for b in cached)

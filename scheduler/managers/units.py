@@ -28,6 +28,14 @@ class UnitManager(ManagerCore):
     def ref_count(self, unit: int) -> int:
         return self._refs[unit]
 
+    def _hold(self, unit: int) -> None:
+        """One more holder of an existing (hit or shared) unit; an unheld one comes back from
+        ``_reclaimable`` (units nobody holds but whose content is kept: cached or still mapped)."""
+        if self._refs[unit] == 0:
+            del self._reclaimable[unit]
+            self._live += self._fill[unit]
+        self._refs[unit] += 1
+
     # -- admission --
     def _can_place(self) -> bool:
         """Room for one more sequence besides units (vmem: a free slot)."""

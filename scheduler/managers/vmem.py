@@ -143,12 +143,6 @@ class VmemManager(UnitManager):
         self._refs[g], self._fill[g] = 1, 0
         return g
 
-    def _hold(self, g: int) -> None:
-        if self._refs[g] == 0:
-            del self._reclaimable[g]
-            self._live += self._fill[g]
-        self._refs[g] += 1
-
     def _unhold(self, g: int) -> None:
         self._refs[g] -= 1
         if self._refs[g] == 0:

@@ -29,7 +29,7 @@ def fingerprint(m):
     fp = [m.stats(), seqs, m.prefix_queries, m.prefix_hits, list(m._ops), m._swap_used_tokens]
     if isinstance(m, PagedManager):
         fp += [[m.block_table(s) for s in sorted(m._seqs)], list(m._refs), list(m._free),
-               list(m._cached), dict(m.prefix.unit_of)]
+               list(m._reclaimable), dict(m.prefix.unit_of)]
     if isinstance(m, VmemManager):
         fp += [[m.mapped_pages(s) for s in range(m.num_slots)], list(m._refs),
                [m.slot_of(s) for s in sorted(m._seqs)], list(m._free), list(m._reclaimable),
