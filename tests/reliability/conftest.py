@@ -1,0 +1,16 @@
+"""Fixtures and helpers shared by the bad-input tests."""
+import pytest
+
+from runtime.models import build_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    """tiny-llama with seeded random weights (2 layers, 2 KV heads of 16 dims, fp32)."""
+    return build_model("tiny-llama")
+
+
+def assert_words(error, words):
+    """Every word (a value, a limit, a field name) appears in the error's message."""
+    for word in words:
+        assert word in str(error), (word, str(error))
