@@ -243,9 +243,9 @@ class VmemMachine(ManagerMachine):
             assert self.m.stats().allocated_tokens == len(groups) * self.unit
 
 
-_SETTINGS = settings(max_examples=200, stateful_step_count=40, deadline=None)
+_SETTINGS = settings(max_examples=300, stateful_step_count=40, deadline=None)
 TestReserveMatchesShadow = ReserveMachine.TestCase
-TestReserveMatchesShadow.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+TestReserveMatchesShadow.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 TestPagedMatchesShadowAndReadsBack = PagedMachine.TestCase
 TestPagedMatchesShadowAndReadsBack.settings = _SETTINGS
 TestVmemMatchesShadowAndReadsBack = VmemMachine.TestCase
