@@ -86,6 +86,24 @@ class UnitManager(ManagerCore):
                 self.prefix.drop(seq.units[k])
 
     # -- growth --
+    def append(self, seq_id: int, num_tokens: int = 1,
+               token_ids: Optional[Sequence[int]] = None) -> None:
+        seq = self._seq(seq_id)
+        new = seq.num_tokens + num_tokens
+        if (new <= len(seq.units) * self.unit_tokens and new <= self.max_seq_len and num_tokens > 0
+                and seq.ids is None and token_ids is None and self._refs[seq.units[-1]] == 1):
+            # hot path: room in a private last unit, no ids to hash: counters only
+            self._fill[seq.units[-1]] += num_tokens
+            self._live += num_tokens
+            self._tok_sum += num_tokens
+            seq.num_tokens = new
+            return
+        self._append_slow(seq_id, seq, num_tokens, token_ids)
+
+    def _append_slow(self, seq_id: int, seq: SeqState, num_tokens: int, token_ids) -> None:
+        """Growth that takes units, copies on write or registers hashes (subclasses)."""
+        raise NotImplementedError
+
     def _growth(self, seq: SeqState, num_tokens: int) -> int:
         """Units ``append(num_tokens)`` takes: new units, plus one to copy-on-write a shared
         partial last unit."""

@@ -222,20 +222,6 @@ class VmemManager(UnitManager):
             return True      # hot path: room in a private last page
         return new <= self.max_seq_len and self._growth(seq, num_tokens) <= self._available_units()
 
-    def append(self, seq_id: int, num_tokens: int = 1,
-               token_ids: Optional[Sequence[int]] = None) -> None:
-        seq = self._seq(seq_id)
-        new = seq.num_tokens + num_tokens
-        if (new <= len(seq.units) * self.tokens_per_page and num_tokens > 0 and seq.ids is None
-                and token_ids is None and self._refs[seq.units[-1]] == 1):
-            # hot path: room in a private last page, no ids to hash: counters only
-            self._fill[seq.units[-1]] += num_tokens
-            self._live += num_tokens
-            self._tok_sum += num_tokens
-            seq.num_tokens = new
-            return
-        self._append_slow(seq_id, seq, num_tokens, token_ids)
-
     def _append_slow(self, seq_id: int, seq: SeqState, num_tokens: int, token_ids) -> None:
         self._check_append_ids(num_tokens, token_ids)
         old, tpp, slot = seq.num_tokens, self.tokens_per_page, seq.slot

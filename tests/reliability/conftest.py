@@ -14,3 +14,12 @@ def assert_words(error, words):
     """Every word (a value, a limit, a field name) appears in the error's message."""
     for word in words:
         assert word in str(error), (word, str(error))
+
+
+def mem_total() -> int:
+    """This machine's memory in bytes (/proc/meminfo MemTotal)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no MemTotal")

@@ -31,6 +31,8 @@ from vmem.host import HostDriver
 
 from .model import canon, small_config
 
+from .conftest import mem_total
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 MODEL = small_config().model_spec()
 
@@ -313,14 +315,6 @@ def test_cli_error_is_one_line_exit_2(argv, capsys):
 
 
 # ---- resource bounds ---------------------------------------------------------------------
-def mem_total() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no MemTotal")
-
-
 @pytest.mark.parametrize("kind", ["vmem", "paged"])
 def test_a_cache_larger_than_the_host_is_refused_up_front(kind):
     # huge pages / blocks keep the manager's tables small for a many-GiB cache

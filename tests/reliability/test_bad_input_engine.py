@@ -17,7 +17,7 @@ from runtime.errors import CacheTooLargeError, RuntimeKVError
 from runtime.attention.errors import UnknownBackendError
 from scheduler.errors import ConfigError
 
-from .conftest import assert_words
+from .conftest import assert_words, mem_total
 
 BYTES_PER_TOKEN = 512          # tiny-llama: 2 layers x K,V x 2 kv heads x 16 x fp32
 
@@ -91,14 +91,6 @@ def test_sampling_params_error(fields, words):
 
 
 # ---- Engine construction -----------------------------------------------------------------
-def mem_total() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no MemTotal")
-
-
 ENGINE_BUILD_CASES = [
     ("unknown-option", dict(bogus=1), EngineConfigError, ["unknown engine option", "'bogus'"]),
     ("bad-field-as-option", dict(max_batch=0), EngineConfigError, ["EngineConfig.max_batch", "got 0"]),

@@ -6,7 +6,6 @@ counters and contents (read through every mapping) alike. Invalid operations are
 each must raise its typed error and change nothing.
 """
 import pytest
-import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
