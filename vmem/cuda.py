@@ -6,19 +6,22 @@
     map            cuMemMap + cuMemSetAccess(read/write for this device)
     unmap          cuMemUnmap
     release        cuMemRelease / cuMemAddressFree
-    tensor         __cuda_array_interface__, zero copy
+    tensor         a DLPack capsule naming cuda:<index> (vmem/dlpack.py), zero copy
 
-It runs in the primary context PyTorch created on the device, so tensors made by PyTorch and
-addresses mapped here are interchangeable. cuda-python is imported lazily: importing ``vmem``
+It runs in the primary context PyTorch created on the device (retained at open, made current
+on whichever thread calls, released at close), so tensors made by PyTorch and addresses mapped
+here are interchangeable. cuda-python is imported lazily: importing ``vmem``
 never needs it. Any CUresult other than CUDA_SUCCESS becomes a DriverCallError naming the call
 and the CUDA error name (e.g. CUDA_ERROR_OUT_OF_MEMORY).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, Sequence
 
+from .dlpack import DLPACK_CUDA, tensor_at
 from .driver import Driver
-from .errors import DriverCallError, DriverUnavailableError
+from .errors import ClosedError, DriverCallError, DriverUnavailableError
 
 
 def _import_bindings():
@@ -44,16 +47,6 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
-class _CudaArrayView:
-    """The minimum an object needs for torch.as_tensor to wrap device memory without a copy."""
-
-    def __init__(self, address: int, num_bytes: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (num_bytes,), "typestr": "|u1", "data": (address, False),
-            "version": 3, "strides": None,
-        }
-
-
 class CudaDriver(Driver):
     """CUDA VMM on one device. Tensors live on ``cuda:<index>``."""
 
@@ -64,23 +57,40 @@ class CudaDriver(Driver):
         if reason:
             raise DriverUnavailableError(f"CUDA driver unavailable: {reason}")
         import torch
-        self._cu = _import_bindings()
-        self._index = torch.cuda.current_device() if device_index is None else device_index
-        with torch.cuda.device(self._index):
-            torch.empty(1, device=f"cuda:{self._index}")  # make PyTorch create its context
-        self._check("cuInit", self._cu.cuInit(0))
-        cu = self._cu
+        index = torch.cuda.current_device() if device_index is None else device_index
+        with torch.cuda.device(index):
+            torch.empty(1, device=f"cuda:{index}")  # make PyTorch create its context
+        self._bind(_import_bindings(), index)
+        self._open_device()
+
+    def _bind(self, cu: Any, index: int) -> None:
+        """Keep the bindings module and build the allocation and access descriptors for
+        device ``index`` (pinned device memory, read/write for this device). No driver call."""
+        self._cu, self._index = cu, index
         self._prop = cu.CUmemAllocationProp()
         self._prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         self._prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        self._prop.location.id = self._index
+        self._prop.location.id = index
         self._access = cu.CUmemAccessDesc()
         self._access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        self._access.location.id = self._index
+        self._access.location.id = index
         self._access.flags = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._granularity = int(self._check("cuMemGetAllocationGranularity",
-            cu.cuMemGetAllocationGranularity(
-                self._prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
+
+    def _open_device(self) -> None:
+        """cuInit; retain the device's primary context (the one PyTorch runs in); read the
+        granularity."""
+        cu = self._cu
+        self._check("cuInit", cu.cuInit(0))
+        self._cu_device = self._check("cuDeviceGet", cu.cuDeviceGet(self._index))
+        self._context = self._check("cuDevicePrimaryCtxRetain",
+                                    cu.cuDevicePrimaryCtxRetain(self._cu_device))
+        with self._with_context():
+            self._granularity = self._query_granularity()
+
+    def _query_granularity(self) -> int:
+        cu = self._cu
+        return int(self._check("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity(
+            self._prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM)))
 
     def _check(self, call: str, result: Any) -> Any:
         """Unpack a cuda-python (CUresult, values...) tuple, raising on any error."""
@@ -88,14 +98,27 @@ class CudaDriver(Driver):
             result = (result,)
         status, values = result[0], result[1:]
         if status != self._cu.CUresult.CUDA_SUCCESS:
-            _, name = self._cu.cuGetErrorName(status)
-            name = name.decode() if isinstance(name, bytes) else str(name)
+            name = getattr(status, "name", None) or f"CUresult {status!r}"
             raise DriverCallError(f"{call} failed with {name} ({int(status)})")
         return values[0] if len(values) == 1 else (values or None)
 
+    @contextmanager
     def _with_context(self):
-        import torch
-        return torch.cuda.device(self._index)
+        """Make the primary context current on the calling thread first. A thread PyTorch has
+        not used (the background mapper's) has no current context, and the driver API acts on
+        the calling thread's context."""
+        if self._context is None:
+            raise ClosedError("this CudaDriver is closed")
+        current = self._check("cuCtxGetCurrent", self._cu.cuCtxGetCurrent())
+        if current is None or int(current) != int(self._context):
+            self._check("cuCtxSetCurrent", self._cu.cuCtxSetCurrent(self._context))
+        yield
+
+    def close(self) -> None:
+        """Release our reference to the primary context (PyTorch keeps its own)."""
+        if getattr(self, "_context", None) is not None:
+            self._context = None
+            self._check("cuDevicePrimaryCtxRelease", self._cu.cuDevicePrimaryCtxRelease(self._cu_device))
 
     @property
     def granularity_bytes(self) -> int:
@@ -152,4 +175,4 @@ class CudaDriver(Driver):
         import torch
         if num_bytes == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.device)
-        return torch.as_tensor(_CudaArrayView(address, num_bytes), device=self.device)
+        return tensor_at(address, num_bytes, DLPACK_CUDA, self._index)

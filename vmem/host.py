@@ -6,6 +6,7 @@
     map            mmap(addr, page, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, memfd, offset)
     unmap          mmap(addr, page, PROT_NONE, MAP_FIXED|MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)
     free range     munmap(addr, size)
+    tensor         a DLPack capsule naming the CPU (vmem/dlpack.py), zero copy
 
 Unmapping replaces the page with a fresh PROT_NONE reservation rather than calling munmap, so the
 address range stays ours (no other allocation can land in the hole) and touching it faults.
@@ -19,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
+from .dlpack import DLPACK_CPU, tensor_at
 from .driver import Driver
 from .errors import DriverCallError, DriverUnavailableError
 
@@ -122,11 +124,7 @@ class HostDriver(Driver):
                    MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
 
     def tensor(self, address: int, num_bytes: int):
-        import torch
         if num_bytes == 0:
+            import torch
             return torch.empty(0, dtype=torch.uint8)
-        buffer = (ctypes.c_char * num_bytes).from_address(address)
-        import warnings
-        with warnings.catch_warnings():  # frombuffer warns on buffers it cannot resize: fine
-            warnings.simplefilter("ignore")
-            return torch.frombuffer(buffer, dtype=torch.uint8)
+        return tensor_at(address, num_bytes, DLPACK_CPU)

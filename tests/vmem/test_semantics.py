@@ -89,3 +89,22 @@ def test_copy_page_copies_bytes(driver, page_bytes):
         rng.tensor(0, page_bytes).fill_(7)
         rng.copy_page(1, 0)
         assert bool((rng.tensor(page_bytes, page_bytes).cpu() == 7).all())
+
+
+def test_tensor_made_over_an_unmapped_reservation_sees_pages_mapped_later(driver, page_bytes):
+    """Caches make their tensors before mapping anything: that must work on every driver, and
+    the tensor must see whatever is mapped under it afterwards (it holds only an address)."""
+    with vmem.PagePool(driver, 2, page_bytes) as pool, vmem.VirtualRange(pool, 4 * page_bytes) as rng:
+        whole = rng.tensor(0, 4 * page_bytes, torch.int32)      # nothing mapped yet
+        assert whole.device.type == driver.device.split(":")[0] and whole.data_ptr() == rng.address
+        first, second = pool.allocate(2)
+        rng.map(3, first)
+        rng.map(1, second)
+        per_page = page_bytes // 4
+        whole[3 * per_page:].fill_(7)
+        whole[per_page:2 * per_page].copy_(torch.arange(per_page, dtype=torch.int32, device=whole.device))
+        assert bool((rng.tensor(3 * page_bytes, page_bytes, torch.int32).cpu() == 7).all())
+        assert torch.equal(rng.tensor(page_bytes, page_bytes, torch.int32).cpu(),
+                           torch.arange(per_page, dtype=torch.int32))
+        rng.unmap(1)
+        rng.unmap(3)

@@ -1,0 +1,180 @@
+"""CudaDriver against the real cuda-python bindings, on a machine without a GPU.
+
+Every call CudaDriver makes goes through the installed ``cuda.bindings.driver``: its argument
+parsing (types, counts, struct and enum names) runs for real, then the call stops where it would
+load libcuda, which is not here. A thin stand-in answers for the driver library only, so the
+lifecycle and the error paths (a failed cuMemSetAccess unmaps, a failed cuMemCreate releases what
+it made) are checked call by call. With a GPU present the ``gpu`` tests do the real thing and
+this module skips.
+"""
+import threading
+
+import pytest
+import torch
+
+cu = pytest.importorskip("cuda.bindings.driver", reason="cuda-python is not installed")
+
+from vmem.cuda import CudaDriver  # noqa: E402
+from vmem.errors import DriverCallError  # noqa: E402
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="a GPU is present: the gpu tests make these calls for real")
+GRANULARITY = 2 * 2**20
+BASE_ADDRESS = 0x7F00_0000_0000
+PRIMARY_CONTEXT = 0xC0FFEE
+
+
+class LibcudaStandIn:
+    """Passes each call to the real bindings; when they reach for libcuda (RuntimeError: the
+    library is not on this machine) it records the call and answers as the driver would.
+    ``fail`` maps a call name to the CUresult to answer on its ``fail_at``-th use (from 1).
+    Each thread starts with no current context, as with the real driver."""
+
+    def __init__(self, fail: dict | None = None):
+        self.calls: list[str] = []
+        self.fail = fail or {}
+        self.next_address, self.next_handle = BASE_ADDRESS, 1
+        self.thread = threading.local()
+
+    def __getattr__(self, name):
+        real = getattr(cu, name)
+        if not name.startswith("cu") or not callable(real):
+            return real                          # types and enums come from the real module
+
+        def call(*args):
+            try:
+                real(*args)
+            except (TypeError, ValueError, OverflowError, AttributeError):
+                raise                            # the bindings refused our arguments
+            except RuntimeError:
+                pass                             # parsed; stopped at loading libcuda
+            else:
+                pytest.fail(f"{name} reached a real CUDA driver; this test must not run there")
+            self.calls.append(name)
+            status, fail_at = self.fail.get(name, (None, 0))
+            if status is not None and self.calls.count(name) == fail_at:
+                return (status,)
+            return (cu.CUresult.CUDA_SUCCESS, *self._answer(name, args))
+        return call
+
+    def _answer(self, name, args):
+        if name == "cuDeviceGet":
+            return (cu.CUdevice(args[0]),)
+        if name == "cuDevicePrimaryCtxRetain":
+            return (cu.CUcontext(PRIMARY_CONTEXT),)
+        if name == "cuCtxGetCurrent":
+            return (getattr(self.thread, "context", cu.CUcontext(0)),)
+        if name == "cuCtxSetCurrent":
+            self.thread.context = args[0]
+        if name == "cuMemGetAllocationGranularity":
+            return (GRANULARITY,)
+        if name == "cuMemAddressReserve":
+            address, self.next_address = self.next_address, self.next_address + args[0]
+            return (cu.CUdeviceptr(address),)
+        if name == "cuMemCreate":
+            self.next_handle += 1
+            return (cu.CUmemGenericAllocationHandle(self.next_handle),)
+        return ()
+
+
+def bound_driver(stand_in: LibcudaStandIn) -> CudaDriver:
+    driver = CudaDriver.__new__(CudaDriver)      # skip torch.cuda's checks, which need a GPU
+    driver._bind(stand_in, 0)
+    driver._open_device()
+    return driver
+
+
+def driver_calls(stand_in: LibcudaStandIn) -> list[str]:
+    """The calls after opening, without the cheap per-call cuCtxGetCurrent."""
+    return [c for c in stand_in.calls[6:] if c != "cuCtxGetCurrent"]
+
+
+def test_descriptors_use_the_real_struct_and_enum_names():
+    driver = bound_driver(LibcudaStandIn())
+    assert driver._prop.type == cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    assert driver._prop.location.type == cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    assert driver._access.flags == cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    assert driver.granularity_bytes == GRANULARITY and driver.device == "cuda:0"
+
+
+def test_whole_lifecycle_passes_the_bindings_argument_checks():
+    stand_in = LibcudaStandIn()
+    driver = bound_driver(stand_in)
+    address = driver.reserve(4 * GRANULARITY)
+    assert address == BASE_ADDRESS and isinstance(address, int)
+    handles = driver.create_pages(2, GRANULARITY)
+    driver.map(address, handles[0], GRANULARITY)
+    driver.map(address + 3 * GRANULARITY, handles[1], GRANULARITY)
+    driver.unmap(address, GRANULARITY)
+    driver.unmap(address + 3 * GRANULARITY, GRANULARITY)
+    driver.release_pages(handles)
+    driver.free_reservation(address, 4 * GRANULARITY)
+    driver.close()
+    assert stand_in.calls[:6] == ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
+                                  "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemGetAllocationGranularity"]
+    assert driver_calls(stand_in) == [
+        "cuMemAddressReserve", "cuMemCreate", "cuMemCreate",
+        "cuMemMap", "cuMemSetAccess", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemUnmap",
+        "cuMemRelease", "cuMemRelease", "cuMemAddressFree", "cuDevicePrimaryCtxRelease"]
+
+
+def test_another_thread_gets_the_primary_context_before_its_first_call():
+    """The background mapper maps from its own thread, which starts with no current context."""
+    stand_in = LibcudaStandIn()
+    driver = bound_driver(stand_in)
+    address = driver.reserve(2 * GRANULARITY)
+    (handle,) = driver.create_pages(1, GRANULARITY)
+    errors = []
+
+    def mapper_thread():
+        try:
+            driver.map(address, handle, GRANULARITY)
+            driver.unmap(address, GRANULARITY)
+        except BaseException as error:  # pragma: no cover - reported below
+            errors.append(error)
+    thread = threading.Thread(target=mapper_thread)
+    thread.start()
+    thread.join()
+    assert not errors
+    assert driver_calls(stand_in) == ["cuMemAddressReserve", "cuMemCreate", "cuCtxSetCurrent",
+                                      "cuMemMap", "cuMemSetAccess", "cuMemUnmap"]
+    assert int(stand_in.thread.context) == PRIMARY_CONTEXT     # this thread's is unchanged
+
+
+def test_a_closed_driver_refuses_calls():
+    from vmem.errors import ClosedError
+    driver = bound_driver(LibcudaStandIn())
+    driver.close()
+    driver.close()                                   # twice is fine
+    with pytest.raises(ClosedError, match="closed"):
+        driver.reserve(GRANULARITY)
+
+
+def test_a_failed_set_access_unmaps_again_and_names_the_error():
+    stand_in = LibcudaStandIn(fail={"cuMemSetAccess": (cu.CUresult.CUDA_ERROR_INVALID_VALUE, 1)})
+    driver = bound_driver(stand_in)
+    address = driver.reserve(GRANULARITY)
+    (handle,) = driver.create_pages(1, GRANULARITY)
+    with pytest.raises(DriverCallError, match=r"cuMemSetAccess failed with CUDA_ERROR_INVALID_VALUE \(1\)"):
+        driver.map(address, handle, GRANULARITY)
+    assert driver_calls(stand_in)[-3:] == ["cuMemMap", "cuMemSetAccess", "cuMemUnmap"]
+
+
+def test_running_out_part_way_through_create_pages_releases_what_was_made():
+    stand_in = LibcudaStandIn(fail={"cuMemCreate": (cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY, 3)})
+    driver = bound_driver(stand_in)
+    with pytest.raises(DriverCallError, match="cuMemCreate failed with CUDA_ERROR_OUT_OF_MEMORY"):
+        driver.create_pages(5, GRANULARITY)
+    assert driver_calls(stand_in) == ["cuMemCreate"] * 3 + ["cuMemRelease"] * 2
+
+
+def test_page_sizes_off_the_granularity_are_refused_before_any_call():
+    stand_in = LibcudaStandIn()
+    driver = bound_driver(stand_in)
+    from vmem.errors import AlignmentError
+    for bad in (GRANULARITY // 2, 3 * GRANULARITY // 2, 0):
+        with pytest.raises(AlignmentError, match=str(GRANULARITY)):
+            driver.create_pages(1, bad)
+        with pytest.raises(AlignmentError):
+            driver.reserve(bad)
+    assert driver_calls(stand_in) == []
