@@ -10,6 +10,8 @@
 #              every backend on both layouts (tests/runtime); JUnit XML in OUT_DIR
 #   bench      vmemkv bench --quick --device cuda: JSON, log and PNGs in OUT_DIR/bench/
 # Budget: under 6 minutes on an H200 (each step has a timeout; see *_TIMEOUT below).
+# To rerun only part after a failure (GPU time is scarce): GPU_TESTS=tests/vmem (pytest paths,
+# default tests), BENCH_ONLY="alloc attention" (sections for --only, default all).
 #
 # It installs nothing: it runs from the working tree (PYTHONPATH) with the machine's own
 # python3, torch, cuda-bindings and pytest. EXTRA_PYTHONPATH is appended after the tree (for
@@ -71,7 +73,8 @@ except Exception as e:
     print("nvidia-smi:", type(e).__name__)
 EOF
 step info 60 "$PYTHON" -m runtime.cli info --json
-step gpu_tests "$TEST_TIMEOUT" "$PYTHON" -m pytest -q -m gpu tests -p no:cacheprovider \
+# shellcheck disable=SC2086  # GPU_TESTS and BENCH_ONLY are word lists
+step gpu_tests "$TEST_TIMEOUT" "$PYTHON" -m pytest -q -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider \
     --junitxml "$OUT_DIR/gpu_tests.xml" -rs
 if [ -n "${DRY_RUN:-}" ]; then   # on the CPU every GPU test must skip, none may run or fail
     step gpu_tests_all_skipped 30 "$PYTHON" - "$OUT_DIR/gpu_tests.xml" <<'EOF'
@@ -84,7 +87,7 @@ sys.exit(0 if n and n == skipped else 1)
 EOF
 fi
 step bench "$BENCH_TIMEOUT" "$PYTHON" -m runtime.cli bench --quick --device "$DEVICE" \
-    --out "$OUT_DIR/bench" --no-progress
+    --out "$OUT_DIR/bench" --no-progress ${BENCH_ONLY:+--only $BENCH_ONLY}
 echo "total $((SECONDS - START)) s (budget 360 s on an H200)" | tee -a "$OUT_DIR/summary.txt"
 echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED)${DRY_RUN:+ (dry run on the CPU)}; logs in $OUT_DIR"
 cat "$OUT_DIR/summary.txt"

@@ -58,7 +58,9 @@ class VMemKVCache(KVCache):
         self._closed = True      # until fully built: close() releases only what exists
         self.pool = self.range = self._mapper = None
         self._own_driver = driver is None
-        self.driver = driver or vmem.open_driver("cuda" if config.torch_device.type == "cuda" else "host")
+        device = config.torch_device
+        self.driver = driver or (vmem.open_driver("cuda", device.index) if device.type == "cuda"
+                                 else vmem.open_driver("host"))
         try:
             self._build(config, background_mapper)
         except BaseException:
