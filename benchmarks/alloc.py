@@ -181,7 +181,7 @@ def run(quick: bool = False, out: str | None = None, pages: int | None = None,
     mapper_repeats = 3 if quick else 5
     num_pages = pages or (64 if quick else 256)
     from benchmarks.suite import versions
-    env = environment(seed=0, warmup=warmup, repeats=repeats, pages_per_repeat=num_pages,
+    env = environment(seed=0, warmup=warmup, repeats=repeats, device=device, pages_per_repeat=num_pages,
                       mapper_repeats=mapper_repeats, **versions(device))
     print_environment(env)
     rows = []

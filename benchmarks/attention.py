@@ -201,7 +201,8 @@ def measure(args, progress=None) -> dict:
     backends = {layout: fastest_backend(layout, device.type, block_size=args.block_size)
                 for layout in ("vmem", "paged")}
     from benchmarks.suite import versions
-    env = environment(args.seed, args.warmup, args.repeats, **versions(device.type), dtype=str(dtype),
+    env = environment(args.seed, args.warmup, args.repeats, device=str(device), **versions(device.type),
+                      dtype=str(dtype),
                       threads=torch.get_num_threads(), heads=f"{args.heads}/{args.kv_heads}x{args.head_dim}",
                       block_size=args.block_size, vmem_layout=args.vmem_layout,
                       backends=",".join(f"{k}:{v}" for k, v in backends.items()),

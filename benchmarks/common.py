@@ -9,12 +9,13 @@ import time
 from typing import Callable, Sequence
 
 
-def environment(seed: int, warmup: int, repeats: int, **extra) -> dict:
-    """What every benchmark prints first: device, versions, seed, warm-up and repeat counts."""
+def environment(seed: int, warmup: int, repeats: int, device: str = "cpu", **extra) -> dict:
+    """What every benchmark prints first: the device it ran on, versions, seed, warm-up and
+    repeat counts. ``device`` is a torch device string ("cpu", "cuda", "cuda:1")."""
     import torch
     env = {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else
-                  f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "device": torch.cuda.get_device_name(torch.device(device)) if str(device).startswith("cuda")
+                  else f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),

@@ -1,11 +1,11 @@
-"""Engine throughput on the CPU: our engine on vmem and on paged vs transformers' continuous
-batching (``model.generate_batch``, its paged cache), on the same requests; and the share of
-step time spent mapping pages, with and without the background mapper.
+"""Engine throughput: our engine on vmem and on paged vs transformers' continuous batching
+(``model.generate_batch``, its paged cache), on the same requests; and the share of step time
+spent mapping pages, with and without the background mapper.
 
-    python -m benchmarks.engine [--quick] [--out bench_out/engine.json]
+    python -m benchmarks.engine [--quick] [--device cpu|cuda] [--out bench_out/engine.json]
 
 Set-up: a random-weight Llama-style model (runtime.models "small-llama": 4 layers, hidden 256,
-8 query / 2 KV heads, fp32), 64 requests with prompts of mixed lengths (uniform, fixed seed) and
+8 query / 2 KV heads; fp32 on the CPU, fp16 on CUDA, where the flash backends want it), 64 requests with prompts of mixed lengths (uniform, fixed seed) and
 the same number of new tokens each (generate_batch takes one max_new_tokens), greedy, EOS
 ignored. Each configuration: one warm-up run on a few requests, then ``repeats`` timed runs of
 all requests; the figure is the median. tokens/s = output tokens / wall time of the whole batch
@@ -35,9 +35,14 @@ def workload(quick: bool) -> dict:
     return {"prompts": prompts, "new_tokens": new, "max_batch": 64, "max_context": 512}
 
 
-def _model():
+def _dtype(device: str):
+    import torch
+    return torch.float16 if device.startswith("cuda") else torch.float32
+
+
+def _model(device: str):
     from runtime.models import build_model
-    model = build_model(MODEL, seed=SEED)
+    model = build_model(MODEL, seed=SEED, dtype=_dtype(device), device=device)
     model.generation_config.eos_token_id = None    # same work for every system: no early EOS
     return model
 
@@ -45,11 +50,11 @@ def _model():
 class EngineSystem:
     """Our engine on one cache configuration; ``once()`` generates the whole workload."""
 
-    def __init__(self, name: str, options: dict, work: dict) -> None:
+    def __init__(self, name: str, options: dict, work: dict, device: str) -> None:
         from runtime.engine import Engine, SamplingParams
         self.name, self.work, self.runs = name, work, []
         self.params = SamplingParams(max_new_tokens=work["new_tokens"], ignore_eos=True)
-        self.engine = Engine(_model(), max_batch=work["max_batch"], max_context=work["max_context"],
+        self.engine = Engine(_model(device), max_batch=work["max_batch"], max_context=work["max_context"],
                              **options)
         self.engine.generate(work["prompts"][:8], self.params)         # warm-up
 
@@ -72,17 +77,18 @@ class TransformersSystem:
 
     name = "transformers generate_batch"
 
-    def __init__(self, work: dict) -> None:
+    def __init__(self, work: dict, device: str) -> None:
         from transformers import ContinuousBatchingConfig, GenerationConfig
         from transformers.utils import logging as hf_logging
         hf_logging.set_verbosity_error()
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
-        self.work, self.times, self.model = work, [], _model()
+        self.work, self.times, self.model = work, [], _model(device)
         self.config = GenerationConfig(max_new_tokens=work["new_tokens"], do_sample=False,
                                        eos_token_id=None)
         # sized like our engine: the same KV bytes (in its 256-token pages), step token budget
         # and batch; by default it sizes its cache from free memory (GBs to allocate per call)
-        kv_tokens = 64 * MiB // (2 * 4 * 2 * 32 * 4)     # layers x (K,V) x kv_heads x dim x fp32
+        element_bytes = _dtype(device).itemsize
+        kv_tokens = 64 * MiB // (2 * 4 * 2 * 32 * element_bytes)   # (K,V) x layers x kv_heads x dim
         self.cb = ContinuousBatchingConfig(num_blocks=kv_tokens // 256, max_batch_tokens=2048,
                                            max_requests_per_batch=work["max_batch"])
         self.model.generate_batch(work["prompts"][:8], generation_config=self.config,
@@ -103,11 +109,15 @@ class TransformersSystem:
                 "tok_s_runs": [total / t for t in self.times]}
 
 
-def configurations(quick: bool) -> list[tuple[str, dict]]:
-    return [
+def configurations(quick: bool, device: str = "cpu") -> list[tuple[str, dict]]:
+    common = [
         ("vmem per-layer", dict(cache="vmem", layout="per-layer")),
         ("vmem interleaved", dict(cache="vmem", layout="interleaved")),
         ("paged bs16", dict(cache="paged", block_size=16)),
+    ]
+    if device.startswith("cuda"):   # 2 MiB is the smallest CUDA page: mapping is rare already
+        return common + [("vmem per-layer +bg mapper", dict(cache="vmem", background_mapper=True))]
+    return common + [
         # 16 KiB pages (64 tokens): many map ops, to show what mapping costs and what the
         # background mapper hides
         ("vmem 16KiB pages", dict(cache="vmem", page_bytes=16 * KiB)),
@@ -115,18 +125,20 @@ def configurations(quick: bool) -> list[tuple[str, dict]]:
     ]
 
 
-def run(quick: bool = False, out: str | None = None, threads: int = 1) -> dict:
+def run(quick: bool = False, out: str | None = None, threads: int = 1, device: str = "cpu") -> dict:
     """Run every configuration, print the table, return (and optionally write) the results."""
     import torch
     torch.set_num_threads(threads)
     warmup, repeats = 1, (1 if quick else 3)
     work = workload(quick)
-    env = environment(SEED, warmup, repeats, model=MODEL, requests=len(work["prompts"]),
+    env = environment(SEED, warmup, repeats, device=device, model=MODEL, dtype=str(_dtype(device)),
+                      requests=len(work["prompts"]),
                       prompt_tokens=sum(map(len, work["prompts"])), new_tokens=work["new_tokens"],
                       threads=torch.get_num_threads())
     print_environment(env)
-    systems = [EngineSystem(name, options, work) for name, options in configurations(quick)]
-    systems.append(TransformersSystem(work))
+    systems = [EngineSystem(name, options, work, device)
+               for name, options in configurations(quick, device)]
+    systems.append(TransformersSystem(work, device))
     for _ in range(repeats):       # round-robin: background load hits every system alike
         for system in systems:
             system.once()
@@ -153,8 +165,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="8 new tokens, short prompts, 1 repeat")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     args = parser.parse_args(argv)
-    run(quick=args.quick, out=args.out, threads=args.threads)
+    run(quick=args.quick, out=args.out, threads=args.threads, device=args.device)
     return 0
 
 

@@ -119,7 +119,7 @@ def load_engine() -> tuple[Optional[Callable], Optional[str]]:
         return None, f"benchmarks.engine is not importable ({type(error).__name__}: {error})"
     run = getattr(module, "run", None)
     if not callable(run):
-        return None, "benchmarks.engine has no run(quick, out) function"
+        return None, "benchmarks.engine has no run(quick, out, device) function"
     return run, None
 
 
@@ -129,7 +129,7 @@ def _call(section: str, quick: bool, device: str, progress: Progress) -> dict:
         if run is None:
             print(f"# engine section skipped: {why}")
             return {"skipped": why}
-        return run(quick=quick, out=None)
+        return run(quick=quick, out=None, device=device)
     module = importlib.import_module(f"benchmarks.{section}")
     return module.run(quick=quick, out=None, device=device, progress=progress.tick)
 
@@ -167,7 +167,7 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
     total = sum(_units(s, quick, device) for s in sections)
     bar = Progress(total, enabled=progress)
     start = time.perf_counter()
-    env = environment(seed=0, warmup=None, repeats=None, **versions(device), quick=quick)
+    env = environment(seed=0, warmup=None, repeats=None, device=device, **versions(device), quick=quick)
     env["warmup"] = env["repeats"] = "per section (see each section's environment)"
     payload = {"benchmark": "vmemkv bench", "environment": env, "sections": list(sections)}
     with open(os.path.join(out_dir, "bench.log"), "w") as log:

@@ -33,7 +33,7 @@ def tiny(monkeypatch):
     monkeypatch.setattr(memory, "VMEM_PAGES", {"per-layer": (64 * 2**10,), "interleaved": (2 * 2**20,)})
 
 
-def fake_engine(quick=False, out=None):
+def fake_engine(quick=False, out=None, device="cpu"):
     print("# fake engine")
     return {"environment": {}, "rows": [{"system": "vmem per-layer", "tok_s": 12.5, "map_share": 0.01},
                                         {"system": "transformers generate_batch", "tok_s": 10.0}]}
