@@ -9,9 +9,12 @@
 #   gpu_tests  pytest -m gpu: CUDA driver semantics (tests/vmem) and attention correctness of
 #              every backend on both layouts (tests/runtime); JUnit XML in OUT_DIR
 #   bench      vmemkv bench --quick --device cuda: JSON, log and PNGs in OUT_DIR/bench/
+#   attention  benchmarks/attention.py --device cuda: issue 4's grid (batch 1/8/32, context
+#              512/2k/8k, decode and prefill, vmem and paged, fp16); OUT_DIR/attention.json
 # Budget: under 6 minutes on an H200 (each step has a timeout; see *_TIMEOUT below).
 # To rerun only part after a failure (GPU time is scarce): GPU_TESTS=tests/vmem (pytest paths,
-# default tests), BENCH_ONLY="alloc attention" (sections for --only, default all).
+# default tests), BENCH_ONLY="alloc attention" (sections for --only, default all),
+# SKIP_ATTENTION=1 (leave out the full attention grid).
 #
 # It installs nothing: it runs from the working tree (PYTHONPATH) with the machine's own
 # python3, torch, cuda-bindings and pytest. EXTRA_PYTHONPATH is appended after the tree (for
@@ -28,8 +31,10 @@ OUT_DIR="${1:-${OUT_DIR:-${OUT:-gpu_out}}}"
 PYTHON="${PYTHON:-python3}"
 TEST_TIMEOUT="${TEST_TIMEOUT:-180}"     # seconds
 BENCH_TIMEOUT="${BENCH_TIMEOUT:-150}"   # seconds
+ATTENTION_TIMEOUT="${ATTENTION_TIMEOUT:-120}"
 DEVICE=cuda
-[ -n "${DRY_RUN:-}" ] && DEVICE=cpu
+ATTENTION_ARGS=(--device cuda)
+if [ -n "${DRY_RUN:-}" ]; then DEVICE=cpu; ATTENTION_ARGS=(--device cpu --quick); fi
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -88,6 +93,8 @@ EOF
 fi
 step bench "$BENCH_TIMEOUT" "$PYTHON" -m runtime.cli bench --quick --device "$DEVICE" \
     --out "$OUT_DIR/bench" --no-progress ${BENCH_ONLY:+--only $BENCH_ONLY}
+[ -z "${SKIP_ATTENTION:-}" ] && step attention "$ATTENTION_TIMEOUT" "$PYTHON" -m benchmarks.attention \
+    "${ATTENTION_ARGS[@]}" --out "$OUT_DIR/attention.json"
 echo "total $((SECONDS - START)) s (budget 360 s on an H200)" | tee -a "$OUT_DIR/summary.txt"
 echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED)${DRY_RUN:+ (dry run on the CPU)}; logs in $OUT_DIR"
 cat "$OUT_DIR/summary.txt"

@@ -31,7 +31,8 @@ def test_dry_run_passes_every_step(dry_run):
     assert "gpu_check: OK (dry run on the CPU)" in proc.stdout
     steps = {line.split()[0]: int(line.split()[2])
              for line in (out / "summary.txt").read_text().splitlines() if " exit " in line}
-    assert steps == {"env": 0, "info": 0, "gpu_tests": 0, "gpu_tests_all_skipped": 0, "bench": 0}
+    assert steps == {"env": 0, "info": 0, "gpu_tests": 0, "gpu_tests_all_skipped": 0, "bench": 0,
+                     "attention": 0}
 
 
 def test_every_gpu_test_is_collected_and_skips_cleanly(dry_run):
@@ -48,7 +49,9 @@ def test_the_suite_writes_its_json_and_plots(dry_run):
     payload = json.loads((out / "bench" / "bench.json").read_text())
     assert payload["environment"]["device"] and set(payload["sections"]) >= {"alloc", "attention", "memory"}
     assert sorted(p.name for p in (out / "bench").glob("*.png"))
-    for log in ("env", "info", "gpu_tests", "bench"):
+    attention = json.loads((out / "attention.json").read_text())
+    assert {r["layout"] for r in attention["results"]} == {"vmem", "paged"}
+    for log in ("env", "info", "gpu_tests", "bench", "attention"):
         assert (out / f"{log}.log").stat().st_size > 0
     info = (out / "info.log").read_text()
     assert '"host"' in info and '"cuda"' in info   # both drivers reported, with reasons
