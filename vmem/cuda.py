@@ -4,7 +4,9 @@
     reserve        cuMemAddressReserve
     create pages   cuMemCreate, pinned device memory, all of them up front
     map            cuMemMap + cuMemSetAccess(read/write for this device)
-    unmap          cuMemUnmap
+    unmap          cuCtxSynchronize + cuMemUnmap: kernels already queued may still read the
+                   page, and cuMemUnmap does not wait for them (PyTorch's expandable segments
+                   synchronise before unmapping for the same reason)
     release        cuMemRelease / cuMemAddressFree
     tensor         a DLPack capsule naming cuda:<index> (vmem/dlpack.py), zero copy
 
@@ -169,6 +171,7 @@ class CudaDriver(Driver):
 
     def unmap(self, address: int, page_bytes: int) -> None:
         with self._with_context():
+            self._check("cuCtxSynchronize", self._cu.cuCtxSynchronize())
             self._check("cuMemUnmap", self._cu.cuMemUnmap(address, page_bytes))
 
     def tensor(self, address: int, num_bytes: int):

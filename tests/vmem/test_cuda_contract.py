@@ -114,7 +114,8 @@ def test_whole_lifecycle_passes_the_bindings_argument_checks():
                                   "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemGetAllocationGranularity"]
     assert driver_calls(stand_in) == [
         "cuMemAddressReserve", "cuMemCreate", "cuMemCreate",
-        "cuMemMap", "cuMemSetAccess", "cuMemMap", "cuMemSetAccess", "cuMemUnmap", "cuMemUnmap",
+        "cuMemMap", "cuMemSetAccess", "cuMemMap", "cuMemSetAccess",
+        "cuCtxSynchronize", "cuMemUnmap", "cuCtxSynchronize", "cuMemUnmap",   # queued kernels first
         "cuMemRelease", "cuMemRelease", "cuMemAddressFree", "cuDevicePrimaryCtxRelease"]
 
 
@@ -137,7 +138,7 @@ def test_another_thread_gets_the_primary_context_before_its_first_call():
     thread.join()
     assert not errors
     assert driver_calls(stand_in) == ["cuMemAddressReserve", "cuMemCreate", "cuCtxSetCurrent",
-                                      "cuMemMap", "cuMemSetAccess", "cuMemUnmap"]
+                                      "cuMemMap", "cuMemSetAccess", "cuCtxSynchronize", "cuMemUnmap"]
     assert int(stand_in.thread.context) == PRIMARY_CONTEXT     # this thread's is unchanged
 
 
