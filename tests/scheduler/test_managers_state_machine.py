@@ -243,9 +243,11 @@ class VmemMachine(ManagerMachine):
             assert self.m.stats().allocated_tokens == len(groups) * self.unit
 
 
-_SETTINGS = settings(max_examples=300, stateful_step_count=40, deadline=None)
+# 300 examples in CI; more under HYPOTHESIS_PROFILE=long (tests/conftest.py)
+_SETTINGS = settings(max_examples=max(300, settings.default.max_examples), stateful_step_count=40,
+                     deadline=None)
 TestReserveMatchesShadow = ReserveMachine.TestCase
-TestReserveMatchesShadow.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+TestReserveMatchesShadow.settings = _SETTINGS
 TestPagedMatchesShadowAndReadsBack = PagedMachine.TestCase
 TestPagedMatchesShadowAndReadsBack.settings = _SETTINGS
 TestVmemMatchesShadowAndReadsBack = VmemMachine.TestCase

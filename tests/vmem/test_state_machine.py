@@ -146,5 +146,6 @@ class VMemMachine(RuleBasedStateMachine):
         self.pool.close()
 
 
-VMemMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=30, deadline=None)
+VMemMachine.TestCase.settings = settings(max_examples=max(300, settings.default.max_examples),
+                                         stateful_step_count=30, deadline=None)  # long profile: more
 TestVMemAgainstShadow = VMemMachine.TestCase
