@@ -6,8 +6,9 @@
 # Steps (each logged to OUT_DIR/<step>.log, exit codes and times in OUT_DIR/summary.txt):
 #   env        python, torch, CUDA runtime and driver, nvidia-smi
 #   info       vmemkv info --json (drivers with granularity, attention backends)
-#   gpu_tests  pytest -m gpu: CUDA driver semantics (tests/vmem) and attention correctness of
-#              every backend on both layouts (tests/runtime); JUnit XML in OUT_DIR
+#   gpu_tests  pytest -m gpu: CUDA driver semantics (tests/vmem), attention correctness of
+#              every backend on both layouts, random mixes through real CUDA caches against a
+#              shadow copy (tests/runtime); JUnit XML in OUT_DIR
 #   bench      vmemkv bench --quick --device cuda: JSON, log and PNGs in OUT_DIR/bench/
 #   attention  benchmarks/attention.py --device cuda: issue 4's grid (batch 1/8/32, context
 #              512/2k/8k, decode and prefill, vmem and paged, fp16); OUT_DIR/attention.json
@@ -29,7 +30,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT_DIR:-${OUT:-gpu_out}}}"
 PYTHON="${PYTHON:-python3}"
-TEST_TIMEOUT="${TEST_TIMEOUT:-180}"     # seconds
+TEST_TIMEOUT="${TEST_TIMEOUT:-240}"     # seconds
 BENCH_TIMEOUT="${BENCH_TIMEOUT:-150}"   # seconds
 ATTENTION_TIMEOUT="${ATTENTION_TIMEOUT:-120}"
 DEVICE=cuda

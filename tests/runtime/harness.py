@@ -3,7 +3,8 @@ sequence's true keys and values.
 
 K/V of token t of a sequence are a deterministic function of the sequence's token prefix
 [0..t] (as in a real model), so sequences that share a prefix legitimately share cache memory,
-and a wrongly shared or stale page shows up as a content mismatch.
+and a wrongly shared or stale page shows up as a content mismatch. Everything lives on the
+cache's device (the CPU, or CUDA in the GPU tests); the random draws are the same on both.
 """
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ class ShadowRun:
         self.rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)
         c = config
+        self.device = c.torch_device
         # per token id: (layers, 2, kv_heads, head_dim); per prefix hash bucket: an offset
-        self.table = torch.randn((VOCAB, c.num_layers, 2, c.num_kv_heads, c.head_dim), generator=gen)
-        self.bucket = torch.randn((997, c.num_layers, 2, 1, 1), generator=gen)
+        self.table = torch.randn((VOCAB, c.num_layers, 2, c.num_kv_heads, c.head_dim),
+                                 generator=gen).to(self.device)
+        self.bucket = torch.randn((997, c.num_layers, 2, 1, 1), generator=gen).to(self.device)
         self.tokens: dict[int, list[int]] = {}          # running sequences -> token ids
         self.swapped: dict[int, list[int]] = {}          # swapped out -> token ids
         self.next_id = 0
@@ -49,8 +52,8 @@ class ShadowRun:
         for token in tokens:
             h = (h * 1_000_003 + token) % 997
             hashes.append(h)
-        ids = torch.tensor(tokens)
-        return (self.table[ids] + self.bucket[torch.tensor(hashes)]).to(self.config.dtype)
+        ids = torch.tensor(tokens, device=self.device)
+        return (self.table[ids] + self.bucket[torch.tensor(hashes, device=self.device)]).to(self.config.dtype)
 
     # -- random actions --
     def new_sequence(self) -> None:
@@ -146,13 +149,13 @@ class ShadowRun:
         new_kv = torch.cat([truths[s][c:c + n] for s, c, n in self.pending])  # (T, L, 2, H, D)
         c = self.config
         total = new_kv.shape[0]
-        q = torch.randn((total, self.num_heads, c.head_dim), dtype=torch.float32).to(c.dtype)
+        q = torch.randn((total, self.num_heads, c.head_dim), dtype=torch.float32).to(self.device, c.dtype)
         for layer in range(c.num_layers):
             self.cache.write(layer, new_kv[:, layer, 0].contiguous(), new_kv[:, layer, 1].contiguous())
             view = self.cache.layer_view(layer)
-            expected = torch.cat([
-                dense_attention(q[start:start + n], truths[s][:, layer, 0], truths[s][:, layer, 1],
-                                c.head_dim ** -0.5)
+            expected = torch.cat([   # in fp32 from the (possibly half) true K/V
+                dense_attention(q[start:start + n].float(), truths[s][:, layer, 0].float(),
+                                truths[s][:, layer, 1].float(), c.head_dim ** -0.5)
                 for (s, _, n), start in zip(self.pending, step.lens.q_starts)])
             for backend in self.backends:
                 got = backend.forward(q, view)

@@ -1,6 +1,7 @@
 """Random mixes of prefill, decode, fork, shared prefixes, preemption and swap through real
 caches: after every step each sequence's cache contents equal the shadow copy, and every CPU
-backend's attention equals dense attention over the true K/V.
+backend's attention equals dense attention over the true K/V. At the end of the file the same
+mixes run on CUDA caches with every CUDA backend (GPU tests, run by benchmarks/gpu_check.sh).
 
 On the host driver the memory past each request's mapped pages is really PROT_NONE, so a
 backend that read past a request's length would kill the test process with SIGSEGV; and freed
@@ -73,3 +74,56 @@ def test_every_event_kind_happens_across_seeds(cache_kind, options):
         run.cache.close()
     for key in ("fork", "prefix_hit_tokens", "preempt_recompute", "swap_out", "swap_in", "free"):
         assert totals[key] > 0, f"no {key} in {totals}"
+
+
+# ---- the same random mixes on CUDA (benchmarks/gpu_check.sh runs these) -----------------------
+# Real caches on the CUDA driver (2 MiB pages), fp16, every CUDA backend that can run the case.
+# Heads are Llama-sized so that pages hold few enough tokens to be crossed: per layer and token
+# 8 heads x 128 dims x 2 B = 2 KiB, so a per-layer page holds 1,024 tokens and an interleaved
+# one (both layers) 512.
+MiB = 2**20
+GPU = [pytest.mark.gpu]
+LARGE_CASES = [
+    pytest.param("vmem", dict(layout="per-layer", page_bytes=2 * MiB), 2048, id="vmem-per-layer"),
+    pytest.param("vmem", dict(layout="interleaved", page_bytes=2 * MiB), 1536, id="vmem-interleaved"),
+    pytest.param("vmem", dict(layout="per-layer", page_bytes=2 * MiB, background_mapper=True), 2048,
+                 id="vmem-per-layer-mapper"),
+    pytest.param("paged", dict(block_size=16), 1536, id="paged-16"),
+    pytest.param("paged", dict(block_size=256), 1536, id="paged-256"),
+]
+
+
+def large_mix(device: str, cache_kind: str, options: dict, max_context: int, steps: int,
+              backends=None) -> tuple[ShadowRun, dict]:
+    """Random mix on Llama-sized heads in fp16; ``backends`` default: every available backend
+    that runs on ``device`` for this layout (flash-attn's paged path only with 256-token blocks)."""
+    from runtime.attention import availability, backend_class
+    cfg = CacheConfig(num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.float16,
+                      device=device, max_batch=4, max_context=max_context)
+    if backends is None:
+        layout = "paged" if cache_kind == "paged" else "vmem"
+        backends = [name for name in ("reference", "sdpa", "flash", "flash-attn")
+                    if availability(name) and device.split(":")[0] in backend_class(name).devices
+                    and layout in backend_class(name).layouts
+                    and not (name == "flash-attn" and layout == "paged" and options["block_size"] % 256)]
+    # room for 1.5 full-length sequences: sequences crossing a page make others preempt or swap
+    run = ShadowRun(cfg, cache_kind, 11, backends=backends, num_heads=32,
+                    cache_bytes=int(1.5 * max_context * cfg.bytes_per_token),
+                    swap_bytes=max_context * cfg.bytes_per_token * 2, **options)
+    return run, run.run(steps)
+
+
+@pytest.mark.parametrize("cache_kind,options,max_context", LARGE_CASES)
+@pytest.mark.gpu
+def test_random_mix_on_cuda_matches_shadow_and_dense_attention(cache_kind, options, max_context):
+    run, events = large_mix("cuda", cache_kind, options, max_context, steps=120)
+    try:
+        # seed 11 gives the same draws and decisions on any device (checked on the host driver
+        # with the same 2 MiB pages): forks, recompute and swap preemptions, swap-ins, frees
+        assert run.checked_attention > 0 and events["decode"] > 200
+        for kind in ("fork", "preempt_recompute", "swap_out", "swap_in", "free"):
+            assert events[kind] > 0, f"no {kind} in {events}"
+        names = {type(b).name for b in run.backends}
+        assert {"sdpa", "flash"} <= names, names       # the flash backend really ran
+    finally:
+        run.cache.close()
