@@ -10,7 +10,10 @@ vmem
         cu_seq_k[i] = slot_i * max_ctx   (requests sorted by slot, so it is monotone)
         seqused_k[i] = context_len_i     (the kernel reads keys [cu_seq_k[i], +seqused_k[i]))
 
-    Otherwise it falls back to the per-request path, with a one-time warning saying why.
+    Without that argument (torch 2.10, 2.11) the same packed call goes straight to the kernel
+    varlen_attn wraps, ``torch.ops.aten._flash_attention_forward``, whose schema has carried
+    ``seqused_k`` since torch 2.5 (FA2 handles GQA natively there). Only when neither has it
+    does it fall back to the per-request path. Either way it says once, as a warning, why.
 paged
   * ``varlen_attn(..., block_table=, seqused_k=)`` when torch has it and the block size is a
     multiple of 256 (FA2's paged-KV constraint); else gather + per-request SDPA-flash.
@@ -64,6 +67,17 @@ class VarlenCaps:
 
     def gqa_ok(self, heads: int, kv_heads: int) -> bool:
         return heads == kv_heads or "enable_gqa" in self.params
+
+
+@lru_cache(maxsize=1)
+def aten_flash_args() -> frozenset[str]:
+    """Argument names of ``torch.ops.aten._flash_attention_forward`` (empty if this torch has
+    no such op). Read from the operator schema, so no CUDA is needed to ask."""
+    try:
+        schema = torch.ops.aten._flash_attention_forward.default._schema
+    except (AttributeError, RuntimeError):
+        return frozenset()
+    return frozenset(argument.name for argument in schema.arguments)
 
 
 @lru_cache(maxsize=1)
@@ -138,12 +152,24 @@ class FlashBackend(AttentionBackend):
     # ---- vmem ---------------------------------------------------------------------------
     def _forward_vmem(self, q, view: VMemLayerView, scale):
         if view.lens.is_decode and len(view.lens.query_lens) > 1:
-            reason = self._varlen_decode_blocker(q, view)
-            if not reason:
-                return self._varlen_decode(q, view, scale)
-            warn_once(f"flash: batched decode falls back to one SDPA-flash call per request: {reason}")
+            why_not_varlen = self._varlen_decode_blocker(q, view)
+            if not why_not_varlen:
+                return self._packed_decode(q, view, scale, self._varlen_kernel)
+            why_not_aten = self._aten_decode_blocker(view)
+            if not why_not_aten:
+                warn_once("flash: batched decode calls aten._flash_attention_forward(seqused_k=) "
+                          f"directly, as varlen_attn cannot: {why_not_varlen}")
+                return self._packed_decode(q, view, scale, self._aten_kernel)
+            warn_once("flash: batched decode falls back to one SDPA-flash call per request: "
+                      f"{why_not_varlen}; {why_not_aten}")
         with _flash_ctx():
             return per_request(q, view, scale, causal_bias=True)
+
+    @staticmethod
+    def _packing_blocker(view: VMemLayerView) -> str:
+        if _packed_view(view.k_cache) is None or _packed_view(view.v_cache) is None:
+            return f"cache strides {view.k_cache.stride()} do not flatten to packed sequences"
+        return ""
 
     def _varlen_decode_blocker(self, q, view: VMemLayerView) -> str:
         caps = varlen_caps()
@@ -154,12 +180,21 @@ class FlashBackend(AttentionBackend):
                     f"PyTorch main in March 2026, pytorch#175897; first documented in 2.12)")
         if not caps.gqa_ok(q.shape[1], view.kv_heads):
             return f"torch {torch.__version__} varlen_attn has no enable_gqa for {q.shape[1]}/{view.kv_heads} heads"
-        if _packed_view(view.k_cache) is None or _packed_view(view.v_cache) is None:
-            return f"cache strides {view.k_cache.stride()} do not flatten to packed sequences"
-        return ""
+        return self._packing_blocker(view)
 
-    def _varlen_decode(self, q, view: VMemLayerView, scale):
-        # Sort by slot so cu_seq_k is monotone; q rows follow, outputs are put back in order.
+    def _aten_decode_blocker(self, view: VMemLayerView) -> str:
+        if "seqused_k" not in aten_flash_args():
+            return (f"torch {torch.__version__} has no aten._flash_attention_forward with "
+                    f"seqused_k (it has had one since 2.5)")
+        return self._packing_blocker(view)
+
+    def _packed_decode(self, q, view: VMemLayerView, scale, kernel):
+        """One kernel call for the whole decode batch over the cache viewed as packed sequences.
+
+        Requests are sorted by slot so ``cu_seq_k`` is monotone; q rows follow the sort and the
+        outputs are put back in the caller's order. ``kernel(q, k, v, cu_q, cu_k, max_k, scale,
+        seqused_k)`` returns ``[requests, heads, head_dim]``.
+        """
         dev, mc = q.device, view.max_context
         order = sorted(range(len(view.host_slots)), key=view.host_slots.__getitem__)
         slots = [view.host_slots[i] for i in order]
@@ -168,12 +203,22 @@ class FlashBackend(AttentionBackend):
         cu_q = torch.arange(len(order) + 1, dtype=torch.int32, device=dev)
         used = torch.tensor(ctx, dtype=torch.int32, device=dev)
         idx = torch.tensor(order, device=dev)
-        out_sorted = call_varlen(varlen_caps(), q.index_select(0, idx), _packed_view(view.k_cache),
-                                 _packed_view(view.v_cache), cu_q, cu_k, 1, max(ctx), scale,
-                                 causal=False, gqa=q.shape[1] != view.kv_heads, seqused_k=used)
+        out_sorted = kernel(q.index_select(0, idx), _packed_view(view.k_cache), _packed_view(view.v_cache),
+                            cu_q, cu_k, max(ctx), scale, used)
         out = torch.empty_like(q)
         out[idx] = out_sorted
         return out
+
+    @staticmethod
+    def _varlen_kernel(q, k, v, cu_q, cu_k, max_k, scale, used):
+        return call_varlen(varlen_caps(), q, k, v, cu_q, cu_k, 1, max_k, scale, causal=False,
+                           gqa=q.shape[1] != k.shape[1], seqused_k=used)
+
+    @staticmethod
+    def _aten_kernel(q, k, v, cu_q, cu_k, max_k, scale, used):
+        # positional: dropout_p 0, not causal (one query row per request), no debug mask
+        return torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_q, cu_k, 1, max_k, 0.0, False, False, scale=scale, seqused_k=used)[0]
 
     # ---- paged --------------------------------------------------------------------------
     def _forward_paged(self, q, view: PagedLayerView, scale):
