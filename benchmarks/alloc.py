@@ -100,7 +100,7 @@ def mapper_loop(background: bool, shape: dict, device: str, seed: int = 0) -> di
     new = dict(generator=gen, device=device, dtype=dtype)
     weight = torch.randn(s["hidden"], s["hidden"], **new) / s["hidden"] ** 0.5
     act = torch.randn(batch * grow, s["hidden"], **new)
-    backend = get_backend(fastest_backend("vmem", device))
+    backend = get_backend(fastest_backend("vmem", device, dtype=dtype))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     with make_cache(config, "vmem", page_bytes=s["page_bytes"], background_mapper=background) as cache:
         mgr = cache.manager

@@ -120,7 +120,7 @@ def run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw) -> li
     calls, names, outs = [], [], []
     for cache in caches:
         cache.begin_step([(seq, ctx - qlen, qlen) for seq in range(batch)])
-        name = fastest_backend(cache.layout, device.type, block_size=args.block_size)
+        name = fastest_backend(cache.layout, device.type, block_size=args.block_size, dtype=q.dtype)
         backend, view = get_backend(name), cache.layer_view(0)
         outs.append(backend.forward(q, view))   # first call: lazy imports, one-time warnings
         names.append(name)
@@ -198,7 +198,7 @@ def measure(args, progress=None) -> dict:
         torch.set_num_threads(args.threads)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     copy_bw = copy_bandwidth(device, dtype, 1 << (30 if device.type == "cuda" else 28))
-    backends = {layout: fastest_backend(layout, device.type, block_size=args.block_size)
+    backends = {layout: fastest_backend(layout, device.type, block_size=args.block_size, dtype=dtype)
                 for layout in ("vmem", "paged")}
     from benchmarks.suite import versions
     env = environment(args.seed, args.warmup, args.repeats, device=str(device), **versions(device.type),

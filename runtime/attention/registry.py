@@ -65,14 +65,19 @@ _PREFERENCE = {
 }
 
 
-def fastest_backend(layout: str, device: str, block_size: Optional[int] = None) -> str:
-    """Name of the fastest available backend for ``layout`` on ``device`` ("cpu" or "cuda")."""
+def fastest_backend(layout: str, device: str, block_size: Optional[int] = None,
+                    dtype=None) -> str:
+    """Name of the fastest available backend for ``layout`` on ``device`` ("cpu" or "cuda")
+    that takes ``dtype`` (a torch dtype; None: any). FlashAttention-2 has no fp32 kernel, so
+    an fp32 model on CUDA gets ``sdpa``."""
     device = device.split(":")[0]
     if (layout, device) not in _PREFERENCE:
         raise UnsupportedError(f"no attention backend for layout {layout!r} on device {device!r}; "
                                f"layouts: vmem, paged; devices: cpu, cuda")
     for name in _PREFERENCE[(layout, device)]:
         if name == "flash-attn" and layout == "paged" and block_size is not None and block_size % 256:
+            continue
+        if dtype is not None and dtype not in backend_class(name).dtypes:
             continue
         if availability(name):
             return name

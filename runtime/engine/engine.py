@@ -69,7 +69,8 @@ class Engine:
         self.device, self.vocab_size = param.device, model.config.get_text_config().vocab_size
         self.cache_config = self._cache_config(model, cfg, param)
         check_model_supported(model, self.cache_config.max_context)   # before anything is built
-        self.attention = cfg.attention or fastest_backend(cfg.cache, self.device.type, cfg.block_size)
+        self.attention = cfg.attention or fastest_backend(cfg.cache, self.device.type, cfg.block_size,
+                                                          dtype=self.cache_config.dtype)
         backend = get_backend(self.attention)
         self.cache = make_cache(self.cache_config, cfg.cache, cache_bytes=cfg.cache_bytes,
                                 layout=cfg.layout, page_bytes=cfg.page_bytes,

@@ -81,3 +81,14 @@ def test_bad_metadata_is_rejected_before_any_read():
     p.block_tables[0, 0] = 10_000
     with pytest.raises(AttentionShapeError, match="block ids"):
         sdpa.forward(case.q, p)
+
+
+def test_fastest_backend_skips_backends_without_the_dtype(monkeypatch):
+    """As on a CUDA machine with both flash backends: fp32 has no FA2 kernel, so sdpa."""
+    from runtime.attention import registry
+    from runtime.attention.base import Availability
+    monkeypatch.setattr(registry, "availability", lambda name: Availability(True))
+    assert fastest_backend("vmem", "cuda", dtype=torch.float32) == "sdpa"
+    assert fastest_backend("vmem", "cuda", dtype=torch.float16) == "flash-attn"
+    assert fastest_backend("paged", "cuda", block_size=16, dtype=torch.bfloat16) == "flash"
+    assert fastest_backend("paged", "cuda", block_size=256) == "flash-attn"
