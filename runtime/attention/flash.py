@@ -16,12 +16,17 @@ vmem
     does it fall back to the per-request path. Either way it says once, as a warning, why.
 paged
   * ``varlen_attn(..., block_table=, seqused_k=)`` when torch has it and the block size is a
-    multiple of 256 (FA2's paged-KV constraint); else gather + per-request SDPA-flash.
+    multiple of 256 (FA2's paged-KV constraint); else
+  * batched decode: one gather of every request's used blocks (request after request) and
+    the same one-call kernel as vmem decode, ``cu_seq_k`` at each request's first gathered
+    block, ``seqused_k`` = its context length;
+  * prefill / mixed batches: gather + SDPA-flash per request.
 
 torch versions (see docs/attention.md): varlen_attn first shipped in 2.10 (causal via
 ``is_causal``, later ``window_size=(-1, 0)``); ``seqused_k``, ``block_table``, ``enable_gqa``
 and ``num_splits`` landed on main in March 2026 (pytorch#175897, #175924) and are in the 2.12
-docs, so torch 2.11 takes the fallbacks. Detection is by signature, never by version number.
+docs, so torch 2.11 takes the aten operator for decode and gathers for paged. Detection is by
+signature and operator schema, never by version number.
 """
 from __future__ import annotations
 
@@ -152,41 +157,42 @@ class FlashBackend(AttentionBackend):
     # ---- vmem ---------------------------------------------------------------------------
     def _forward_vmem(self, q, view: VMemLayerView, scale):
         if view.lens.is_decode and len(view.lens.query_lens) > 1:
-            why_not_varlen = self._varlen_decode_blocker(q, view)
-            if not why_not_varlen:
-                return self._packed_decode(q, view, scale, self._varlen_kernel)
-            why_not_aten = self._aten_decode_blocker(view)
-            if not why_not_aten:
-                warn_once("flash: batched decode calls aten._flash_attention_forward(seqused_k=) "
-                          f"directly, as varlen_attn cannot: {why_not_varlen}")
-                return self._packed_decode(q, view, scale, self._aten_kernel)
-            warn_once("flash: batched decode falls back to one SDPA-flash call per request: "
-                      f"{why_not_varlen}; {why_not_aten}")
+            kernel, why_not = self._batched_decode_kernel(q, view.kv_heads)
+            why_not = why_not if kernel is None else self._packing_blocker(view)
+            if not why_not:
+                return self._packed_decode(q, view, scale, kernel)
+            warn_once(f"flash: batched decode falls back to one SDPA-flash call per request: {why_not}")
         with _flash_ctx():
             return per_request(q, view, scale, causal_bias=True)
+
+    def _batched_decode_kernel(self, q, kv_heads: int):
+        """(kernel, "") for a one-call batched decode with per-sequence K lengths, or
+        (None, why not). ``varlen_attn(seqused_k=)`` first; else the operator it wraps,
+        ``aten._flash_attention_forward(seqused_k=)``, saying once that it goes there."""
+        caps = varlen_caps()
+        if caps.fn is None:
+            why_not_varlen = caps.why_missing
+        elif not caps.seqused_k:
+            why_not_varlen = (f"torch {torch.__version__} varlen_attn has no seqused_k argument "
+                              f"(added to PyTorch main in March 2026, pytorch#175897; first "
+                              f"documented in 2.12)")
+        elif not caps.gqa_ok(q.shape[1], kv_heads):
+            why_not_varlen = (f"torch {torch.__version__} varlen_attn has no enable_gqa for "
+                              f"{q.shape[1]}/{kv_heads} heads")
+        else:
+            return self._varlen_kernel, ""
+        if "seqused_k" not in aten_flash_args():
+            return None, (f"{why_not_varlen}; torch {torch.__version__} has no "
+                          f"aten._flash_attention_forward with seqused_k (it has had one since 2.5)")
+        warn_once("flash: batched decode calls aten._flash_attention_forward(seqused_k=) "
+                  f"directly, as varlen_attn cannot: {why_not_varlen}")
+        return self._aten_kernel, ""
 
     @staticmethod
     def _packing_blocker(view: VMemLayerView) -> str:
         if _packed_view(view.k_cache) is None or _packed_view(view.v_cache) is None:
             return f"cache strides {view.k_cache.stride()} do not flatten to packed sequences"
         return ""
-
-    def _varlen_decode_blocker(self, q, view: VMemLayerView) -> str:
-        caps = varlen_caps()
-        if caps.fn is None:
-            return caps.why_missing
-        if not caps.seqused_k:
-            return (f"torch {torch.__version__} varlen_attn has no seqused_k argument (added to "
-                    f"PyTorch main in March 2026, pytorch#175897; first documented in 2.12)")
-        if not caps.gqa_ok(q.shape[1], view.kv_heads):
-            return f"torch {torch.__version__} varlen_attn has no enable_gqa for {q.shape[1]}/{view.kv_heads} heads"
-        return self._packing_blocker(view)
-
-    def _aten_decode_blocker(self, view: VMemLayerView) -> str:
-        if "seqused_k" not in aten_flash_args():
-            return (f"torch {torch.__version__} has no aten._flash_attention_forward with "
-                    f"seqused_k (it has had one since 2.5)")
-        return self._packing_blocker(view)
 
     def _packed_decode(self, q, view: VMemLayerView, scale, kernel):
         """One kernel call for the whole decode batch over the cache viewed as packed sequences.
@@ -227,10 +233,35 @@ class FlashBackend(AttentionBackend):
             raise UnsupportedError(f"flash paged_mode='block_table' is not possible: {reason}")
         if self.paged_mode != "gather" and not reason:
             return self._varlen_paged(q, view, scale)
+        if view.lens.is_decode and len(view.lens.query_lens) > 1:
+            kernel, why_not = self._batched_decode_kernel(q, view.kv_heads)
+            if kernel is not None:
+                if self.paged_mode == "auto":
+                    warn_once(f"flash: paged decode gathers the batch's blocks in one copy and "
+                              f"makes one kernel call: {reason}")
+                return self._gathered_decode(q, view, scale, kernel)
+            reason = f"{reason}; {why_not}"
         if self.paged_mode == "auto":
             warn_once(f"flash: paged attention gathers blocks per request: {reason}")
         with _flash_ctx():
             return per_request(q, view, scale, causal_bias=True)
+
+    def _gathered_decode(self, q, view: PagedLayerView, scale, kernel):
+        """Gather every request's used blocks with one index_select per pool (request after
+        request), then one kernel call: request i's keys start at its first gathered block and
+        ``seqused_k[i]`` = its context length (the tail of its last block is never read)."""
+        dev, ctx = q.device, list(view.lens.context_lens)
+        blocks = [view.num_blocks_of(i) for i in range(len(ctx))]
+        used_columns = torch.arange(view.block_tables.shape[1], device=dev).unsqueeze(0) < \
+            torch.tensor(blocks, device=dev).unsqueeze(1)
+        ids = view.block_tables[used_columns].to(torch.long)          # row-major: in request order
+        _, bs, hkv, d = view.k_pool.shape
+        k = view.k_pool.index_select(0, ids).view(-1, hkv, d)
+        v = view.v_pool.index_select(0, ids).view(-1, hkv, d)
+        cu_k = torch.tensor([0] + _cumsum(b * bs for b in blocks), dtype=torch.int32, device=dev)
+        cu_q = torch.arange(len(ctx) + 1, dtype=torch.int32, device=dev)
+        used = torch.tensor(ctx, dtype=torch.int32, device=dev)
+        return kernel(q, k, v, cu_q, cu_k, max(ctx), scale, used)
 
     def _block_table_blocker(self, q, view: PagedLayerView) -> str:
         caps = varlen_caps()

@@ -1,5 +1,6 @@
-"""The ``flash`` backend's batched vmem decode, on the CPU: which kernel it picks, and the
-packed-sequence arguments it builds for it.
+"""The ``flash`` backend's batched decode on both layouts, on the CPU: which kernel it picks, and
+the packed-sequence arguments it builds for it (vmem: the cache itself, sorted by slot; paged:
+one gather of the batch's blocks).
 
 FA2 itself runs only on CUDA (tests/runtime/test_attention_backends.py covers it on a GPU).
 Here a CPU stand-in with the kernel's documented varlen semantics -- sequence i's keys are
@@ -16,7 +17,7 @@ from runtime.attention import flash
 from runtime.attention.flash import FlashBackend, VarlenCaps
 from runtime.attention.reference import dense_attention
 
-from .test_attention_backends import SPECS, make_case, truth, vmem_view
+from .test_attention_backends import SPECS, make_case, paged_view, truth, vmem_view
 
 
 class KernelCalls:
@@ -114,3 +115,32 @@ def test_this_torch_reports_the_aten_kernel_arguments():
     """The schema is readable without CUDA; torch >= 2.5 has seqused_k on the op."""
     args = flash.aten_flash_args()
     assert {"query", "key", "value", "cum_seq_q", "cum_seq_k", "seqused_k", "scale"} <= args
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
+def test_paged_decode_gathers_once_and_hands_the_kernel_each_requests_keys(block_size, heads, kv_heads):
+    case = make_case([(9, 1), (40, 1), (1, 1), (33, 1), (17, 1)], heads=heads, kv_heads=kv_heads,
+                     head_dim=16, seed=4)
+    kernel = KernelCalls()
+    view = paged_view(case, block_size=block_size)
+    out = FlashBackend()._gathered_decode(case.q, view, 1 / math.sqrt(16), kernel)
+    assert kernel.calls == 1 and not torch.isnan(out).any()
+    torch.testing.assert_close(out, truth(case), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # which path: asserted above
+@pytest.mark.parametrize("mode", ["auto", "gather"])
+def test_paged_decode_without_a_block_table_takes_the_one_call_gather(monkeypatch, fresh_warnings, mode):
+    monkeypatch.setattr(flash, "varlen_caps", lambda: VarlenCaps(None, frozenset(), "no varlen here"))
+    monkeypatch.setattr(flash, "aten_flash_args", lambda: frozenset({"seqused_k"}))
+    kernel = KernelCalls()
+    monkeypatch.setattr(FlashBackend, "_aten_kernel", staticmethod(kernel))
+    case = make_case(SPECS["decode"], seed=2)
+    out = FlashBackend(paged_mode=mode)._forward_paged(case.q, paged_view(case), 1 / math.sqrt(16))
+    assert kernel.calls == 1
+    torch.testing.assert_close(out, truth(case), atol=1e-5, rtol=1e-5)
+    prefill = make_case(SPECS["prefill_after_prefix"], seed=2)        # prefill: per request
+    out = FlashBackend(paged_mode=mode)._forward_paged(prefill.q, paged_view(prefill), 1 / math.sqrt(16))
+    assert kernel.calls == 1
+    torch.testing.assert_close(out, truth(prefill), atol=1e-5, rtol=1e-5)
