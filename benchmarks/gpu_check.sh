@@ -8,7 +8,8 @@
 #   info       vmemkv info --json (drivers with granularity, attention backends)
 #   gpu_tests  pytest -m gpu: CUDA driver semantics (tests/vmem), attention correctness of
 #              every backend on both layouts, random mixes through real CUDA caches against a
-#              shadow copy (tests/runtime); JUnit XML in OUT_DIR
+#              shadow copy (tests/runtime), the engine on CUDA against transformers
+#              (tests/engine); JUnit XML in OUT_DIR
 #   bench      vmemkv bench --quick --device cuda: JSON, log and PNGs in OUT_DIR/bench/
 #   attention  benchmarks/attention.py --device cuda: issue 4's grid (batch 1/8/32, context
 #              512/2k/8k, decode and prefill, vmem and paged, fp16); OUT_DIR/attention.json

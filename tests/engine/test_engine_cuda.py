@@ -1,0 +1,55 @@
+"""The engine on a GPU (GPU tests, run by benchmarks/gpu_check.sh): real CUDA caches (2 MiB VMM
+pages or a device block pool) under an unmodified HF model.
+
+fp32: the fastest backend for fp32 is sdpa (FlashAttention-2 has no fp32 kernel), and greedy
+output must equal transformers' own generate on the same GPU. fp16: the flash backend (one
+kernel call per layer for batched decode) against the sdpa backend on the same fp16 model; half
+precision can flip a near-tie, so most, not all, requests must agree -- a wrong slot, length or
+block would make them disagree everywhere.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime.engine import Engine, SamplingParams
+from runtime.models import build_model
+
+from .conftest import prompts, tokens
+from .test_engine_greedy import CACHES
+
+pytestmark = pytest.mark.gpu
+
+
+def hf_greedy_on(model, batch, max_new_tokens):
+    out = []
+    with torch.inference_mode():
+        for prompt in batch:
+            ids = torch.tensor([prompt], device=model.device)
+            out.append(model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, len(prompt):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+def test_fp32_greedy_on_cuda_is_identical_to_transformers_on_cuda(cache):
+    batch = prompts(5, 1, 40, seed=1)
+    reference = build_model("tiny-llama", seed=0, device="cuda")
+    reference.generation_config.eos_token_id = None
+    with Engine(build_model("tiny-llama", seed=0, device="cuda"), max_batch=4, max_context=128,
+                check_integrity=True, **CACHES[cache]) as engine:
+        assert engine.attention == "sdpa" and str(engine.cache.config.torch_device).startswith("cuda")
+        out = engine.generate(batch, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert tokens(out) == hf_greedy_on(reference, batch, 10)
+
+
+@pytest.mark.parametrize("cache", ["vmem", "paged"])
+def test_fp16_flash_engine_agrees_with_sdpa_engine(cache):
+    batch = prompts(8, 4, 60, seed=5)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    runs = {}
+    for attention in ("flash", "sdpa"):
+        model = build_model("small-llama", seed=0, dtype=torch.float16, device="cuda")
+        with Engine(model, max_batch=8, max_context=256, cache=cache, attention=attention) as engine:
+            runs[attention] = tokens(engine.generate(batch, params))
+    agree = sum(a == b for a, b in zip(runs["flash"], runs["sdpa"]))
+    assert agree >= 6, f"flash and sdpa agree on {agree} of 8 requests"
