@@ -1,32 +1,35 @@
 """``flash``: PyTorch's built-in FlashAttention-2 kernels, CUDA only, fp16/bf16, unmodified.
 
+One FA2 varlen call per layer for the whole batch (decode, prefill chunks or a mix), with
+per-sequence K lengths (``seqused_k``) and FA2's causal mask, which is bottom-right aligned
+(PyTorch's SDPA refuses non-square causal on its flash path for exactly that reason):
+
 vmem
-  * prefill / mixed batches: SDPA forced to the flash kernel on each request's
-    ``k_cache[slot, :ctx]`` view in place, bottom-right causal via ``causal_lower_right``.
-  * batched decode: ONE ``varlen_attn`` call over the whole cache viewed as packed sequences,
-    one per slot, when the installed torch's varlen_attn has ``seqused_k``::
+    the cache itself, viewed as packed sequences, one per slot::
 
         k_cache [max_batch, max_ctx, Hkv, D]  --as_strided-->  [max_batch*max_ctx, Hkv, D]
         cu_seq_k[i] = slot_i * max_ctx   (requests sorted by slot, so it is monotone)
         seqused_k[i] = context_len_i     (the kernel reads keys [cu_seq_k[i], +seqused_k[i]))
+        cu_seq_q: the requests' query rows, in the same slot order
 
-    Without that argument (torch 2.10, 2.11) the same packed call goes straight to the kernel
-    varlen_attn wraps, ``torch.ops.aten._flash_attention_forward``, whose schema has carried
-    ``seqused_k`` since torch 2.5 (FA2 handles GQA natively there). Only when neither has it
-    does it fall back to the per-request path. Either way it says once, as a warning, why.
 paged
-  * ``varlen_attn(..., block_table=, seqused_k=)`` when torch has it and the block size is a
-    multiple of 256 (FA2's paged-KV constraint); else
-  * batched decode: one gather of every request's used blocks (request after request) and
-    the same one-call kernel as vmem decode, ``cu_seq_k`` at each request's first gathered
-    block, ``seqused_k`` = its context length;
-  * prefill / mixed batches: gather + SDPA-flash per request.
+    ``varlen_attn(..., block_table=, seqused_k=)`` when torch has it and the block size is a
+    multiple of 256 (FA2's paged-KV constraint); else one gather of every request's used
+    blocks (request after request, one index_select per pool) and the same one-call kernel,
+    ``cu_seq_k`` at each request's first gathered block, ``seqused_k`` = its context length.
+
+The kernel: ``varlen_attn(seqused_k=)`` where torch has that argument (2.12+); else the operator
+varlen_attn wraps, ``torch.ops.aten._flash_attention_forward``, whose schema has carried
+``seqused_k`` since torch 2.5 (FA2 handles GQA natively there). Without either (torch < 2.5) it
+falls back to SDPA forced to the flash kernel per request (vmem: ``k_cache[slot, :ctx]`` in
+place; paged: a gather per request), bottom-right causal via ``causal_lower_right``. Each
+choice other than varlen_attn is said once, as a warning.
 
 torch versions (see docs/attention.md): varlen_attn first shipped in 2.10 (causal via
 ``is_causal``, later ``window_size=(-1, 0)``); ``seqused_k``, ``block_table``, ``enable_gqa``
 and ``num_splits`` landed on main in March 2026 (pytorch#175897, #175924) and are in the 2.12
-docs, so torch 2.11 takes the aten operator for decode and gathers for paged. Detection is by
-signature and operator schema, never by version number.
+docs, so torch 2.11 takes the aten operator. Detection is by signature and operator schema,
+never by version number.
 """
 from __future__ import annotations
 
@@ -156,19 +159,19 @@ class FlashBackend(AttentionBackend):
 
     # ---- vmem ---------------------------------------------------------------------------
     def _forward_vmem(self, q, view: VMemLayerView, scale):
-        if view.lens.is_decode and len(view.lens.query_lens) > 1:
-            kernel, why_not = self._batched_decode_kernel(q, view.kv_heads)
-            why_not = why_not if kernel is None else self._packing_blocker(view)
-            if not why_not:
-                return self._packed_decode(q, view, scale, kernel)
-            warn_once(f"flash: batched decode falls back to one SDPA-flash call per request: {why_not}")
+        kernel, why_not = self._one_call_kernel(q, view.kv_heads)
+        why_not = why_not if kernel is None else self._packing_blocker(view)
+        if not why_not:
+            return self._packed_call(q, view, scale, kernel)
+        warn_once(f"flash: vmem attention falls back to one SDPA-flash call per request: {why_not}")
         with _flash_ctx():
             return per_request(q, view, scale, causal_bias=True)
 
-    def _batched_decode_kernel(self, q, kv_heads: int):
-        """(kernel, "") for a one-call batched decode with per-sequence K lengths, or
-        (None, why not). ``varlen_attn(seqused_k=)`` first; else the operator it wraps,
-        ``aten._flash_attention_forward(seqused_k=)``, saying once that it goes there."""
+    def _one_call_kernel(self, q, kv_heads: int):
+        """(kernel, "") for attention over the whole batch in one FA2 varlen call with
+        per-sequence K lengths, or (None, why not). ``varlen_attn(seqused_k=)`` first; else the
+        operator it wraps, ``aten._flash_attention_forward(seqused_k=)``, saying once that it
+        goes there. ``kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, seqused_k, causal)``."""
         caps = varlen_caps()
         if caps.fn is None:
             why_not_varlen = caps.why_missing
@@ -184,8 +187,8 @@ class FlashBackend(AttentionBackend):
         if "seqused_k" not in aten_flash_args():
             return None, (f"{why_not_varlen}; torch {torch.__version__} has no "
                           f"aten._flash_attention_forward with seqused_k (it has had one since 2.5)")
-        warn_once("flash: batched decode calls aten._flash_attention_forward(seqused_k=) "
-                  f"directly, as varlen_attn cannot: {why_not_varlen}")
+        warn_once("flash: attention calls aten._flash_attention_forward(seqused_k=) directly, "
+                  f"as varlen_attn cannot: {why_not_varlen}")
         return self._aten_kernel, ""
 
     @staticmethod
@@ -194,37 +197,43 @@ class FlashBackend(AttentionBackend):
             return f"cache strides {view.k_cache.stride()} do not flatten to packed sequences"
         return ""
 
-    def _packed_decode(self, q, view: VMemLayerView, scale, kernel):
-        """One kernel call for the whole decode batch over the cache viewed as packed sequences.
+    def _packed_call(self, q, view: VMemLayerView, scale, kernel):
+        """The whole batch (decode, prefill or mixed) in one kernel call over the cache viewed
+        as packed sequences, one per slot.
 
-        Requests are sorted by slot so ``cu_seq_k`` is monotone; q rows follow the sort and the
-        outputs are put back in the caller's order. ``kernel(q, k, v, cu_q, cu_k, max_k, scale,
-        seqused_k)`` returns ``[requests, heads, head_dim]``.
+        Requests are sorted by slot so ``cu_seq_k`` is monotone; their query rows follow the
+        sort and the outputs are put back in the caller's order. Causal masking is FA2's,
+        bottom-right aligned to ``seqused_k`` (a decode batch needs none).
         """
-        dev, mc = q.device, view.max_context
+        dev, mc, lens = q.device, view.max_context, view.lens
         order = sorted(range(len(view.host_slots)), key=view.host_slots.__getitem__)
         slots = [view.host_slots[i] for i in order]
-        ctx = [view.lens.context_lens[i] for i in order]
+        ctx = [lens.context_lens[i] for i in order]
+        qlen = [lens.query_lens[i] for i in order]
         cu_k = torch.tensor([s * mc for s in slots] + [(slots[-1] + 1) * mc], dtype=torch.int32, device=dev)
-        cu_q = torch.arange(len(order) + 1, dtype=torch.int32, device=dev)
+        cu_q = torch.tensor([0] + _cumsum(qlen), dtype=torch.int32, device=dev)
         used = torch.tensor(ctx, dtype=torch.int32, device=dev)
-        idx = torch.tensor(order, device=dev)
-        out_sorted = kernel(q.index_select(0, idx), _packed_view(view.k_cache), _packed_view(view.v_cache),
-                            cu_q, cu_k, max(ctx), scale, used)
+        kp, vp = _packed_view(view.k_cache), _packed_view(view.v_cache)
+        causal = not lens.is_decode
+        if order == sorted(order):                    # already in slot order: no shuffle
+            return kernel(q, kp, vp, cu_q, cu_k, max(qlen), max(ctx), scale, used, causal)
+        rows = torch.tensor([r for i in order for r in range(lens.q_starts[i], lens.q_starts[i] + lens.query_lens[i])],
+                            device=dev)
         out = torch.empty_like(q)
-        out[idx] = out_sorted
+        out[rows] = kernel(q.index_select(0, rows), kp, vp, cu_q, cu_k, max(qlen), max(ctx), scale,
+                           used, causal)
         return out
 
     @staticmethod
-    def _varlen_kernel(q, k, v, cu_q, cu_k, max_k, scale, used):
-        return call_varlen(varlen_caps(), q, k, v, cu_q, cu_k, 1, max_k, scale, causal=False,
+    def _varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, used, causal):
+        return call_varlen(varlen_caps(), q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=causal,
                            gqa=q.shape[1] != k.shape[1], seqused_k=used)
 
     @staticmethod
-    def _aten_kernel(q, k, v, cu_q, cu_k, max_k, scale, used):
-        # positional: dropout_p 0, not causal (one query row per request), no debug mask
+    def _aten_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, used, causal):
+        # positional: dropout_p 0, is_causal (FA2: bottom-right), no debug mask
         return torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, 1, max_k, 0.0, False, False, scale=scale, seqused_k=used)[0]
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=used)[0]
 
     # ---- paged --------------------------------------------------------------------------
     def _forward_paged(self, q, view: PagedLayerView, scale):
@@ -233,24 +242,23 @@ class FlashBackend(AttentionBackend):
             raise UnsupportedError(f"flash paged_mode='block_table' is not possible: {reason}")
         if self.paged_mode != "gather" and not reason:
             return self._varlen_paged(q, view, scale)
-        if view.lens.is_decode and len(view.lens.query_lens) > 1:
-            kernel, why_not = self._batched_decode_kernel(q, view.kv_heads)
-            if kernel is not None:
-                if self.paged_mode == "auto":
-                    warn_once(f"flash: paged decode gathers the batch's blocks in one copy and "
-                              f"makes one kernel call: {reason}")
-                return self._gathered_decode(q, view, scale, kernel)
-            reason = f"{reason}; {why_not}"
+        kernel, why_not = self._one_call_kernel(q, view.kv_heads)
+        if kernel is not None:
+            if self.paged_mode == "auto":
+                warn_once(f"flash: paged attention gathers the batch's blocks in one copy and "
+                          f"makes one kernel call: {reason}")
+            return self._gathered_call(q, view, scale, kernel)
         if self.paged_mode == "auto":
-            warn_once(f"flash: paged attention gathers blocks per request: {reason}")
+            warn_once(f"flash: paged attention gathers blocks per request: {reason}; {why_not}")
         with _flash_ctx():
             return per_request(q, view, scale, causal_bias=True)
 
-    def _gathered_decode(self, q, view: PagedLayerView, scale, kernel):
+    def _gathered_call(self, q, view: PagedLayerView, scale, kernel):
         """Gather every request's used blocks with one index_select per pool (request after
         request), then one kernel call: request i's keys start at its first gathered block and
         ``seqused_k[i]`` = its context length (the tail of its last block is never read)."""
-        dev, ctx = q.device, list(view.lens.context_lens)
+        dev, lens = q.device, view.lens
+        ctx = list(lens.context_lens)
         blocks = [view.num_blocks_of(i) for i in range(len(ctx))]
         used_columns = torch.arange(view.block_tables.shape[1], device=dev).unsqueeze(0) < \
             torch.tensor(blocks, device=dev).unsqueeze(1)
@@ -259,9 +267,10 @@ class FlashBackend(AttentionBackend):
         k = view.k_pool.index_select(0, ids).view(-1, hkv, d)
         v = view.v_pool.index_select(0, ids).view(-1, hkv, d)
         cu_k = torch.tensor([0] + _cumsum(b * bs for b in blocks), dtype=torch.int32, device=dev)
-        cu_q = torch.arange(len(ctx) + 1, dtype=torch.int32, device=dev)
+        cu_q = torch.tensor(list(lens.q_starts) + [lens.total_query_tokens], dtype=torch.int32, device=dev)
         used = torch.tensor(ctx, dtype=torch.int32, device=dev)
-        return kernel(q, k, v, cu_q, cu_k, max(ctx), scale, used)
+        return kernel(q, k, v, cu_q, cu_k, max(lens.query_lens), max(ctx), scale, used,
+                      not lens.is_decode)
 
     def _block_table_blocker(self, q, view: PagedLayerView) -> str:
         caps = varlen_caps()
