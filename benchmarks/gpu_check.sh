@@ -97,6 +97,35 @@ step bench "$BENCH_TIMEOUT" "$PYTHON" -m runtime.cli bench --quick --device "$DE
     --out "$OUT_DIR/bench" --no-progress ${BENCH_ONLY:+--only $BENCH_ONLY}
 [ -z "${SKIP_ATTENTION:-}" ] && step attention "$ATTENTION_TIMEOUT" "$PYTHON" -m benchmarks.attention \
     "${ATTENTION_ARGS[@]}" --out "$OUT_DIR/attention.json"
+# Digest for whoever reads the run: test counts, the attention ratios, which flash path ran.
+"$PYTHON" - "$OUT_DIR" >> "$OUT_DIR/summary.txt" 2>&1 <<'EOF'
+import json, pathlib, re, sys, xml.etree.ElementTree as ET
+out = pathlib.Path(sys.argv[1])
+try:
+    root = ET.parse(out / "gpu_tests.xml").getroot()
+    s = root if root.tag == "testsuite" else root.find("testsuite")
+    n, f, e, k = (int(s.get(a, 0)) for a in ("tests", "failures", "errors", "skipped"))
+    print(f"gpu tests: {n - f - e - k} passed, {f} failed, {e} errors, {k} skipped")
+    for case in root.iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            print("  FAILED", case.get("classname"), case.get("name"))
+except (OSError, ET.ParseError) as error:
+    print("gpu tests: no JUnit XML:", error)
+try:
+    att = json.loads((out / "attention.json").read_text())
+    print("attention backends:", att["environment"].get("backends"), " dtype:", att["environment"].get("dtype"))
+    for r in att["speedups"]:
+        print(f"  {r['phase']:7s} b{r['batch']:<3d} ctx{r['ctx']:<5d} paged/vmem {r['paged_over_vmem']:.2f}x")
+except (OSError, KeyError, ValueError) as error:
+    print("attention: no results:", error)
+said = set()
+for log in sorted(out.glob("*.log")) + sorted(out.glob("bench/*.log")):
+    for line in log.read_text(errors="replace").splitlines():
+        m = re.search(r"flash: .{0,160}", line)
+        if m and m.group(0) not in said:
+            said.add(m.group(0))
+            print("  said:", m.group(0))
+EOF
 echo "total $((SECONDS - START)) s (budget 360 s on an H200)" | tee -a "$OUT_DIR/summary.txt"
 echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED)${DRY_RUN:+ (dry run on the CPU)}; logs in $OUT_DIR"
 cat "$OUT_DIR/summary.txt"
