@@ -216,3 +216,19 @@ def test_a_non_numeric_token_is_rejected_as_a_request(model):
     with Engine(model, cache="paged", block_size=8, max_batch=2, max_context=64) as eng:
         with pytest.raises(RequestRejectedError, match="prompt 0"):
             eng.add_request(["a", 2])
+
+
+def test_backend_that_cannot_run_the_model_is_refused_before_any_memory(model, monkeypatch):
+    """As on a GPU machine where flash is available: it runs on CUDA only, and has no fp32
+    kernel. Both are refused at construction with the values named, not at the first step."""
+    from runtime.attention import UnsupportedError
+    from runtime.attention.base import Availability
+    from runtime.attention.flash import FlashBackend
+    monkeypatch.setattr(FlashBackend, "available", classmethod(lambda cls: Availability(True)))
+    with pytest.raises(UnsupportedError) as info:
+        Engine(model, attention="flash")
+    assert_words(info.value, ["'flash'", "['cuda']", "'cpu'"])
+    monkeypatch.setattr(FlashBackend, "devices", frozenset({"cpu", "cuda"}))
+    with pytest.raises(UnsupportedError) as info:
+        Engine(model, attention="flash")
+    assert_words(info.value, ["'flash'", "torch.float16", "the model is torch.float32"])
