@@ -49,11 +49,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except UsageError as error:
         sys.stderr.write(f"vmemkv {args.command}: error: {error}\n")
         return 2
-    except (ValueError, KeyError, OSError, MemoryError) as error:
-        # Typed library errors (ConfigError, RequestTooLargeError, VMemError, ...) derive from
-        # these; they are the user's to fix, so one line and no traceback.
+    except Exception as error:  # noqa: BLE001 -- re-raised below unless it is the user's to fix
+        if not _users_to_fix(error):
+            raise
         sys.stderr.write(f"vmemkv {args.command}: error: {type(error).__name__}: {error}\n")
         return 2
+
+
+def _users_to_fix(error: Exception) -> bool:
+    """Typed library errors a user fixes by changing the command (ConfigError,
+    RequestTooLargeError, a backend or driver that cannot run here, ...): one line, no
+    traceback. Their modules are loaded if they were raised, so the check imports nothing."""
+    if isinstance(error, (ValueError, KeyError, OSError, MemoryError)):
+        return True
+    bases = [getattr(sys.modules.get(module), name, None) for module, name in
+             (("runtime.attention.errors", "AttentionError"), ("vmem.errors", "VMemError"))]
+    return any(base is not None and isinstance(error, base) for base in bases)
 
 
 if __name__ == "__main__":
