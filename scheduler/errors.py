@@ -35,3 +35,7 @@ class OutOfCapacityError(SchedulerError, MemoryError):
 
 class SwapSpaceExhaustedError(SchedulerError, MemoryError):
     """Swapping out would exceed the host swap space."""
+
+
+class SlotError(SchedulerError, ValueError):
+    """An explicit vmem slot is outside the manager's slots or already holds a sequence."""

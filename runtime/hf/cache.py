@@ -232,24 +232,12 @@ class VMemCache(Cache):
         self.kv.execute(self.manager.take_ops())
 
     def _claim_rows(self, batch: int) -> None:
-        """Hold slots 0..batch-1, one empty sequence each (so ``k_cache[:batch]`` is the batch).
-
-        The manager places a sequence on the free slot with the most pages still mapped, which
-        after earlier batches need not be the lowest; slots past the batch that it offers are
-        held by empty placeholders (no pages) until the batch's slots are found, then freed.
-        """
-        by_slot, spare = {}, []
-        while len(by_slot) < batch:
-            seq_id, self._next_id = self._next_id, self._next_id + 1
-            self.manager.allocate(seq_id, 0)
-            slot = self.manager.slot_of(seq_id)
-            if slot < batch:
-                by_slot[slot] = seq_id
-            else:
-                spare.append(seq_id)
-        for seq_id in spare:
-            self.manager.free(seq_id)
-        self._rows = [by_slot[b] for b in range(batch)]
+        """Hold slots 0..batch-1, one empty sequence each, row b on slot b (so
+        ``k_cache[:batch]`` is the batch). Pages an earlier batch left mapped there are reused."""
+        first, self._next_id = self._next_id, self._next_id + batch
+        for row in range(batch):
+            self.manager.allocate(first + row, 0, slot=row)
+        self._rows = list(range(first, first + batch))
 
     def _raise_batch_changed(self, batch: int) -> None:
         raise CacheStateError(f"batch of {batch} rows, but this cache holds a batch of "

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Optional, Sequence
 
-from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError
+from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError, SlotError
 from ..presets import ModelSpec
 from .base import CopyPage, MapPage, MemoryStats, UnmapPage
 from .common import check_int
@@ -168,17 +168,17 @@ class VmemManager(UnitManager):
         return len(self._free) + len(self._reclaimable)
 
     # -- placement --
-    def _occupy(self, seq_id: int, seq: SeqState) -> int:
-        slot = self._free_slots.pick()
+    def _occupy(self, seq_id: int, seq: SeqState, slot: Optional[int] = None) -> int:
+        slot = self._free_slots.pick() if slot is None else slot
         self._free_slots.remove(slot)
         self._owner[slot] = seq_id
         seq.slot = slot
         return slot
 
-    def _place(self, seq_id: int, seq: SeqState, hits: list) -> None:
-        """Put ``seq`` on the free slot with the most mapped pages: shared ``hits`` first (they
-        hold refs before any reclaim can run), then private pages for the rest."""
-        slot = self._occupy(seq_id, seq)
+    def _place(self, seq_id: int, seq: SeqState, hits: list, slot: Optional[int] = None) -> None:
+        """Put ``seq`` on ``slot``, by default the free slot with the most mapped pages: shared
+        ``hits`` first (they hold refs before any reclaim can run), then private pages."""
+        slot = self._occupy(seq_id, seq, slot)
         pages = self._pages[slot]
         for pi, g in enumerate(hits):
             self._hold(g)
@@ -200,19 +200,31 @@ class VmemManager(UnitManager):
         return bool(self._free_slots)
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
-                 namespace: Optional[str] = None, final_tokens: Optional[int] = None) -> int:
+                 namespace: Optional[str] = None, final_tokens: Optional[int] = None,
+                 slot: Optional[int] = None) -> int:
+        """As :meth:`MemoryManager.allocate`; ``slot`` places the sequence on that free slot
+        (e.g. batch row b on slot b) instead of the one with the most pages still mapped."""
         self._check_new(seq_id)
         self._check_length(num_tokens)
-        if not self._free_slots:
+        if slot is not None:
+            self._check_slot_free(seq_id, slot)
+        elif not self._free_slots:
             raise OutOfCapacityError(f"sequence {seq_id}: all {self.num_slots} slots are in use")
         hits = self._hits(num_tokens, token_ids, namespace)
         need = self._need(num_tokens, hits)
         if need > self._available_units():
             self._raise_no_room(f"sequence {seq_id} needs {need} page groups")
         seq = self._new_seq(num_tokens, token_ids, namespace)
-        self._place(seq_id, seq, hits)
+        self._place(seq_id, seq, hits, slot)
         self._register_full(seq)
         return self._count_prefix(token_ids, num_tokens, hits)
+
+    def _check_slot_free(self, seq_id: int, slot) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+            raise SlotError(f"sequence {seq_id}: slot {slot!r} is outside this manager's slots "
+                            f"0..{self.num_slots - 1}")
+        if slot not in self._free_slots:
+            raise SlotError(f"sequence {seq_id}: slot {slot} holds sequence {self._owner[slot]}")
 
     # -- growth --
     def can_append(self, seq_id: int, num_tokens: int = 1) -> bool:

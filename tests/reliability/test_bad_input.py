@@ -18,7 +18,7 @@ from runtime.cli import main
 from runtime.config import CacheConfig
 from runtime.errors import CacheConfigError, CacheStateError, CacheTooLargeError
 from scheduler.cost import CostModel
-from scheduler.errors import (ConfigError, DuplicateSequenceError, OutOfCapacityError,
+from scheduler.errors import (ConfigError, DuplicateSequenceError, OutOfCapacityError, SlotError,
                               RequestTooLargeError, SwapSpaceExhaustedError, UnknownSequenceError)
 from scheduler.managers import make_manager
 from scheduler.managers.common import TransactionStateError
@@ -146,6 +146,10 @@ MANAGER_CASES = [
     ("ids-mismatch", paged_manager, lambda m: m.append(1, 2, token_ids=[1]), ConfigError,
      ["1 ids", "num_tokens=2"]),
     ("commit-without-begin", paged_manager, lambda m: m.commit(), TransactionStateError, ["without begin"]),
+    ("slot-outside", vmem_manager, lambda m: m.allocate(2, 1, slot=2), SlotError,
+     ["sequence 2", "slot 2", "0..1"]),
+    ("slot-taken", vmem_manager, lambda m: m.allocate(2, 1, slot=m.slot_of(1)), SlotError,
+     ["sequence 2", "holds sequence 1"]),
 ]
 
 

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from scheduler.errors import (OutOfCapacityError, RequestTooLargeError, SwapSpaceExhaustedError)
+from scheduler.errors import (OutOfCapacityError, RequestTooLargeError, SlotError,
+                              SwapSpaceExhaustedError)
 from scheduler.managers import PagedManager, ReserveManager, VmemManager
 from scheduler.presets import ModelSpec
 
@@ -230,6 +231,26 @@ class VmemMachine(ManagerMachine):
                              layout=layout, max_slots=slots, swap_bytes=2 * swap)
         assert (self.m.tokens_per_page, self.m.num_groups) == (tpp, groups)
         self.mem = VmemMemory(self.m)
+
+    @rule(slot=st.integers(-1, 8), n=st.integers(0, 6), ids=st.lists(TOKEN, min_size=6, max_size=6))
+    def allocate_on_a_chosen_slot(self, slot, n, ids):
+        sid = self.next_id
+        if n > self.m.max_sequence_tokens:     # the request's size is checked first
+            self.refused(RequestTooLargeError, self.m.allocate, sid, n, slot=slot)
+            return
+        if not 0 <= slot < self.m.num_slots or slot in {self.m.slot_of(s) for s in self.live}:
+            self.refused(SlotError, self.m.allocate, sid, n, slot=slot)
+            return
+        if not self.m.can_allocate(n):
+            self.refused(OutOfCapacityError, self.m.allocate, sid, n, slot=slot)
+            return
+        self.next_id += 1
+        assert self.m.allocate(sid, n, slot=slot) == 0 and self.m.slot_of(sid) == slot
+        s = ShadowSeq(ids[:n], None)      # token ids not passed: no prefix registration
+        s.num_tokens = n
+        s.reserved = self.m.max_seq_len
+        self.live[sid] = s
+        self.replay([(sid, 0, n)])
 
     def tables(self, sid):
         pages = self.m.mapped_pages(self.m.slot_of(sid))
