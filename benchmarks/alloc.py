@@ -131,7 +131,7 @@ def mapper_loop(background: bool, shape: dict, device: str, seed: int = 0) -> di
         mapping = cache.mapping_seconds - base_map
         # inline, the step thread itself applies every op: all mapping time is waiting
         wait = cache.mapper_wait_seconds - base_wait if background else mapping
-    return {"mode": "background" if background else "inline", "steps": s["steps"],
+    return {"mode": "background" if background else "inline", "attention": backend.name, "steps": s["steps"],
             "tokens_per_step": grow, "pages_mapped": mapped_pages, "mapping_ms": mapping * 1e3,
             "wait_ms": wait * 1e3, "loop_ms": loop * 1e3}
 
@@ -199,7 +199,8 @@ def run(quick: bool = False, out: str | None = None, pages: int | None = None,
         progress("alloc map/unmap")
     mapper = mapper_overlap(quick, device, mapper_repeats, progress)
     print(f"# mapper overlap on {device}: vmem per-layer cache, {mapper[0]['layers']} layers, batch "
-          f"{mapper[0]['batch']}, {mapper[0]['page_size']} pages, 1 torch thread; median of {mapper_repeats}")
+          f"{mapper[0]['batch']}, {mapper[0]['page_size']} pages, attention {mapper[0]['attention']}, "
+          f"1 torch thread; median of {mapper_repeats}")
     print(format_table(mapper, ["mode", "steps", "pages_mapped", "mapping_ms", "wait_ms", "hidden_pct", "loop_ms"]))
     payload = {"benchmark": "alloc", "environment": env, "results": rows, "mapper": mapper}
     write_json(out, payload)

@@ -40,6 +40,14 @@ def _dtype(device: str):
     return torch.float16 if device.startswith("cuda") else torch.float32
 
 
+def _backends(device: str) -> str:
+    """The attention backend the engine picks for each layout here (as in its rows)."""
+    from runtime.attention import fastest_backend
+    dev = device.split(":")[0]
+    return ",".join(f"{layout}:{fastest_backend(layout, dev, 16, dtype=_dtype(device))}"
+                    for layout in ("vmem", "paged"))
+
+
 def _model(device: str):
     from runtime.models import build_model
     model = build_model(MODEL, seed=SEED, dtype=_dtype(device), device=device)
@@ -134,7 +142,7 @@ def run(quick: bool = False, out: str | None = None, threads: int = 1, device: s
     env = environment(SEED, warmup, repeats, device=device, model=MODEL, dtype=str(_dtype(device)),
                       requests=len(work["prompts"]),
                       prompt_tokens=sum(map(len, work["prompts"])), new_tokens=work["new_tokens"],
-                      threads=torch.get_num_threads())
+                      threads=torch.get_num_threads(), backends=_backends(device))
     print_environment(env)
     systems = [EngineSystem(name, options, work, device)
                for name, options in configurations(quick, device)]

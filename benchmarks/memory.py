@@ -79,7 +79,8 @@ def run(quick: bool = False, out: str | None = None, device: str | None = None,
     entries = generate(WorkloadSpec())[:num_requests]
     env = environment(seed=0, warmup=0, repeats=repeats, workload="standard log-normal",
                       requests=num_requests, cache_gb=cache_gb, model="llama-3-8b",
-                      sim_device="h100", watermark=WATERMARK)
+                      sim_device="h100", watermark=WATERMARK,
+                      backends="none (simulated allocation; no attention runs)")
     print_environment(env)
     rows = []
     for cfg in configs(quick):
