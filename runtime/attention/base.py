@@ -63,8 +63,19 @@ def _exclusive_cumsum(xs: tuple[int, ...]) -> list[int]:
     return out
 
 
+class _HostLens:
+    """``lens``: the host copy of a view's per-request metadata, read from the device once."""
+    host_lens: Optional[BatchLens]
+    context_lens: torch.Tensor
+    query_lens: torch.Tensor
+
+    @cached_property
+    def lens(self) -> BatchLens:
+        return self.host_lens or BatchLens.from_tensors(self.context_lens, self.query_lens)
+
+
 @dataclass(frozen=True)
-class VMemLayerView:
+class VMemLayerView(_HostLens):
     """One layer of a vmem cache: each request's K/V are contiguous rows of one batch slot.
 
     k_cache, v_cache: ``[max_batch, max_context, kv_heads, head_dim]``, last dim contiguous,
@@ -80,10 +91,6 @@ class VMemLayerView:
     query_lens: torch.Tensor
     host_lens: Optional[BatchLens] = field(default=None, compare=False)
     layout: ClassVar[str] = "vmem"
-
-    @cached_property
-    def lens(self) -> BatchLens:
-        return self.host_lens or BatchLens.from_tensors(self.context_lens, self.query_lens)
 
     @cached_property
     def host_slots(self) -> tuple[int, ...]:
@@ -114,7 +121,7 @@ class VMemLayerView:
 
 
 @dataclass(frozen=True)
-class PagedLayerView:
+class PagedLayerView(_HostLens):
     """One layer of a paged cache: K/V live in fixed-size blocks named by a block table.
 
     k_pool, v_pool: ``[num_blocks, block_size, kv_heads, head_dim]``.
@@ -129,10 +136,6 @@ class PagedLayerView:
     query_lens: torch.Tensor
     host_lens: Optional[BatchLens] = field(default=None, compare=False)
     layout: ClassVar[str] = "paged"
-
-    @cached_property
-    def lens(self) -> BatchLens:
-        return self.host_lens or BatchLens.from_tensors(self.context_lens, self.query_lens)
 
     @property
     def block_size(self) -> int:
@@ -244,15 +247,19 @@ class AttentionBackend(ABC):
             return self._forward_vmem(q, view, scale)
         return self._forward_paged(q, view, scale)
 
-    def _check_supported(self, q: torch.Tensor, view: LayerView) -> None:
-        dev = q.device.type
-        if not self.supports(view.layout, dev):
+    def check_runs(self, layout: str, device: str, dtype: torch.dtype, what: str = "q") -> None:
+        """Raise :class:`UnsupportedError` unless this backend runs ``layout`` on ``device``
+        (a device type) in ``dtype``; ``what`` names whose dtype it is in the message."""
+        if not self.supports(layout, device):
             raise UnsupportedError(
-                f"backend {self.name!r} supports layouts {sorted(self.layouts)} on devices "
-                f"{sorted(self.devices)}; got layout {view.layout!r} on {dev!r}")
-        if q.dtype not in self.dtypes:
-            raise UnsupportedError(f"backend {self.name!r} supports dtypes "
-                                   f"{sorted(str(d) for d in self.dtypes)}; got {q.dtype}")
+                f"attention backend {self.name!r} runs layouts {sorted(self.layouts)} on devices "
+                f"{sorted(self.devices)}; got layout {layout!r} on {device!r}")
+        if dtype not in self.dtypes:
+            raise UnsupportedError(f"attention backend {self.name!r} takes dtypes "
+                                   f"{sorted(str(d) for d in self.dtypes)}; {what} is {dtype}")
+
+    def _check_supported(self, q: torch.Tensor, view: LayerView) -> None:
+        self.check_runs(view.layout, q.device.type, q.dtype)
 
     @abstractmethod
     def _forward_vmem(self, q: torch.Tensor, view: VMemLayerView, scale: float) -> torch.Tensor: ...

@@ -38,6 +38,7 @@ import logging
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 from typing import Callable, Optional
 
 import torch
@@ -211,7 +212,7 @@ class FlashBackend(AttentionBackend):
         ctx = [lens.context_lens[i] for i in order]
         qlen = [lens.query_lens[i] for i in order]
         cu_k = torch.tensor([s * mc for s in slots] + [(slots[-1] + 1) * mc], dtype=torch.int32, device=dev)
-        cu_q = torch.tensor([0] + _cumsum(qlen), dtype=torch.int32, device=dev)
+        cu_q = torch.tensor(list(accumulate(qlen, initial=0)), dtype=torch.int32, device=dev)
         used = torch.tensor(ctx, dtype=torch.int32, device=dev)
         kp, vp = _packed_view(view.k_cache), _packed_view(view.v_cache)
         causal = not lens.is_decode
@@ -266,7 +267,7 @@ class FlashBackend(AttentionBackend):
         _, bs, hkv, d = view.k_pool.shape
         k = view.k_pool.index_select(0, ids).view(-1, hkv, d)
         v = view.v_pool.index_select(0, ids).view(-1, hkv, d)
-        cu_k = torch.tensor([0] + _cumsum(b * bs for b in blocks), dtype=torch.int32, device=dev)
+        cu_k = torch.tensor(list(accumulate((b * bs for b in blocks), initial=0)), dtype=torch.int32, device=dev)
         cu_q = torch.tensor(list(lens.q_starts) + [lens.total_query_tokens], dtype=torch.int32, device=dev)
         used = torch.tensor(ctx, dtype=torch.int32, device=dev)
         return kernel(q, k, v, cu_q, cu_k, max(lens.query_lens), max(ctx), scale, used,
@@ -288,17 +289,9 @@ class FlashBackend(AttentionBackend):
     def _varlen_paged(self, q, view: PagedLayerView, scale):
         dev, lens = q.device, view.lens
         cu_q = torch.tensor(list(lens.q_starts) + [lens.total_query_tokens], dtype=torch.int32, device=dev)
-        cu_k = torch.tensor([0] + _cumsum(lens.context_lens), dtype=torch.int32, device=dev)
+        cu_k = torch.tensor(list(accumulate(lens.context_lens, initial=0)), dtype=torch.int32, device=dev)
         used = torch.tensor(lens.context_lens, dtype=torch.int32, device=dev)
         return call_varlen(varlen_caps(), q, view.k_pool, view.v_pool, cu_q, cu_k,
                            max(lens.query_lens), max(lens.context_lens), scale, causal=True,
                            gqa=q.shape[1] != view.kv_heads, seqused_k=used,
                            block_table=view.block_tables.to(torch.int32))
-
-
-def _cumsum(xs) -> list[int]:
-    out, acc = [], 0
-    for x in xs:
-        acc += x
-        out.append(acc)
-    return out

@@ -18,7 +18,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
-from runtime.attention import UnsupportedError, fastest_backend, get_backend
+from runtime.attention import fastest_backend, get_backend
 from runtime.cache import default_page_bytes, make_cache
 from runtime.config import CacheConfig
 from runtime.errors import PlanExecutionError
@@ -72,7 +72,8 @@ class Engine:
         self.attention = cfg.attention or fastest_backend(cfg.cache, self.device.type, cfg.block_size,
                                                           dtype=self.cache_config.dtype)
         backend = get_backend(self.attention)
-        _check_backend_fits(backend, cfg.cache, self.device.type, self.cache_config.dtype)
+        # refuse, before any memory is built, a backend that cannot run this model's attention
+        backend.check_runs(cfg.cache, self.device.type, self.cache_config.dtype, what="the model")
         self.cache = make_cache(self.cache_config, cfg.cache, cache_bytes=cfg.cache_bytes,
                                 layout=cfg.layout, page_bytes=cfg.page_bytes,
                                 block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,
@@ -358,16 +359,3 @@ def _eos_ids(model, tokenizer) -> tuple:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-
-
-def _check_backend_fits(backend, layout: str, device: str, dtype: torch.dtype) -> None:
-    """Refuse, before any memory is built, a backend that cannot run this model's attention
-    (e.g. ``attention="flash"`` with an fp32 model: FlashAttention-2 has no fp32 kernel)."""
-    if not backend.supports(layout, device):
-        raise UnsupportedError(f"attention backend {backend.name!r} runs layouts "
-                               f"{sorted(backend.layouts)} on devices {sorted(backend.devices)}; "
-                               f"this engine has layout {layout!r} on {device!r}")
-    if dtype not in backend.dtypes:
-        raise UnsupportedError(f"attention backend {backend.name!r} takes dtypes "
-                               f"{sorted(str(d) for d in backend.dtypes)}; the model is {dtype} "
-                               f"(load it in float16 or bfloat16, or leave attention unset)")
