@@ -1,7 +1,7 @@
 """Map and unmap latency per page, per driver and page size (µs per page, median of repeats),
 and the time a decode loop waits for the page mapper with and without overlap.
 
-    python -m benchmarks.alloc [--quick] [--out bench_out/alloc.json]
+    python -m vmemkv.benchmarks.alloc [--quick] [--out bench_out/alloc.json]
 
 Each repeat maps ``--pages`` pool pages at consecutive indices of a fresh-looking range, then
 unmaps them; the figure is the median over repeats of (total time / pages). Pages come from a
@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from benchmarks.common import environment, format_table, median_seconds, print_environment, write_json
+from vmemkv.benchmarks.common import environment, format_table, median_seconds, print_environment, write_json
 
 KiB, MiB = 2**10, 2**20
 HOST_PAGE_SIZES = (4 * KiB, 64 * KiB, 2 * MiB)
@@ -32,7 +32,7 @@ CUDA_PAGE_SIZES = (2 * MiB,)
 
 
 def measure(driver, page_bytes: int, num_pages: int, warmup: int, repeats: int) -> dict:
-    import vmem
+    from vmemkv import vmem
     timings = {"map": [], "unmap": []}
     with vmem.PagePool(driver, num_pages, page_bytes) as pool, \
             vmem.VirtualRange(pool, num_pages * page_bytes) as rng:
@@ -87,9 +87,9 @@ def mapper_loop(background: bool, shape: dict, device: str, seed: int = 0) -> di
     """
     import torch
 
-    from runtime.attention import fastest_backend, get_backend
-    from runtime.cache import make_cache
-    from runtime.config import CacheConfig
+    from vmemkv.runtime.attention import fastest_backend, get_backend
+    from vmemkv.runtime.cache import make_cache
+    from vmemkv.runtime.config import CacheConfig
     s = shape
     dtype = getattr(torch, s.get("dtype", "float32"))
     tpp = s["page_bytes"] // (s["kv_heads"] * s["head_dim"] * torch.empty(0, dtype=dtype).element_size())
@@ -175,12 +175,12 @@ def run(quick: bool = False, out: str | None = None, pages: int | None = None,
         device: str | None = None, progress=None) -> dict:
     import torch
 
-    import vmem
+    from vmemkv import vmem
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     warmup, repeats = (1, 5) if quick else (3, 21)
     mapper_repeats = 3 if quick else 5
     num_pages = pages or (64 if quick else 256)
-    from benchmarks.suite import versions
+    from vmemkv.benchmarks.suite import versions
     env = environment(seed=0, warmup=warmup, repeats=repeats, device=device, pages_per_repeat=num_pages,
                       mapper_repeats=mapper_repeats, **versions(device))
     print_environment(env)

@@ -28,11 +28,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import environment, print_environment  # noqa: E402
-from runtime.attention import fastest_backend, get_backend  # noqa: E402
-from runtime.cache import default_page_bytes, make_cache  # noqa: E402
-from runtime.config import CacheConfig  # noqa: E402
+from vmemkv.benchmarks.common import environment, print_environment
+from vmemkv.runtime.attention import fastest_backend, get_backend
+from vmemkv.runtime.cache import default_page_bytes, make_cache
+from vmemkv.runtime.config import CacheConfig
 
 # CPU: 8k contexts at batch 32 alone would take minutes on a small host; 4k is the top here.
 CPU_DEFAULTS = dict(batches=[1, 8, 32], contexts=[512, 2048, 4096], heads=32, kv_heads=8,
@@ -200,7 +199,7 @@ def measure(args, progress=None) -> dict:
     copy_bw = copy_bandwidth(device, dtype, 1 << (30 if device.type == "cuda" else 28))
     backends = {layout: fastest_backend(layout, device.type, block_size=args.block_size, dtype=dtype)
                 for layout in ("vmem", "paged")}
-    from benchmarks.suite import versions
+    from vmemkv.benchmarks.suite import versions
     env = environment(args.seed, args.warmup, args.repeats, device=str(device), **versions(device.type),
                       dtype=str(dtype),
                       threads=torch.get_num_threads(), heads=f"{args.heads}/{args.kv_heads}x{args.head_dim}",

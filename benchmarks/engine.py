@@ -2,7 +2,7 @@
 (``model.generate_batch``, its paged cache), on the same requests; and the share of step time
 spent mapping pages, with and without the background mapper.
 
-    python -m benchmarks.engine [--quick] [--device cpu|cuda] [--out bench_out/engine.json]
+    python -m vmemkv.benchmarks.engine [--quick] [--device cpu|cuda] [--out bench_out/engine.json]
 
 Set-up: a random-weight Llama-style model (runtime.models "small-llama": 4 layers, hidden 256,
 8 query / 2 KV heads; fp32 on the CPU, fp16 on CUDA, where the flash backends want it), 64 requests with prompts of mixed lengths (uniform, fixed seed) and
@@ -21,7 +21,7 @@ import random
 import statistics
 import time
 
-from benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
 
 KiB, MiB = 2**10, 2**20
 MODEL = "small-llama"
@@ -42,14 +42,14 @@ def _dtype(device: str):
 
 def _backends(device: str) -> str:
     """The attention backend the engine picks for each layout here (as in its rows)."""
-    from runtime.attention import fastest_backend
+    from vmemkv.runtime.attention import fastest_backend
     dev = device.split(":")[0]
     return ",".join(f"{layout}:{fastest_backend(layout, dev, 16, dtype=_dtype(device))}"
                     for layout in ("vmem", "paged"))
 
 
 def _model(device: str):
-    from runtime.models import build_model
+    from vmemkv.runtime.models import build_model
     model = build_model(MODEL, seed=SEED, dtype=_dtype(device), device=device)
     model.generation_config.eos_token_id = None    # same work for every system: no early EOS
     return model
@@ -59,7 +59,7 @@ class EngineSystem:
     """Our engine on one cache configuration; ``once()`` generates the whole workload."""
 
     def __init__(self, name: str, options: dict, work: dict, device: str) -> None:
-        from runtime.engine import Engine, SamplingParams
+        from vmemkv.runtime.engine import Engine, SamplingParams
         self.name, self.work, self.runs = name, work, []
         self.params = SamplingParams(max_new_tokens=work["new_tokens"], ignore_eos=True)
         self.engine = Engine(_model(device), max_batch=work["max_batch"], max_context=work["max_context"],

@@ -79,7 +79,7 @@ try:
 except Exception as e:
     print("nvidia-smi:", type(e).__name__)
 EOF
-step info 60 "$PYTHON" -m runtime.cli info --json
+step info 60 "$PYTHON" -m vmemkv.cli info --json
 # shellcheck disable=SC2086  # GPU_TESTS and BENCH_ONLY are word lists
 step gpu_tests "$TEST_TIMEOUT" "$PYTHON" -m pytest -q -m gpu ${GPU_TESTS:-tests} -p no:cacheprovider \
     --junitxml "$OUT_DIR/gpu_tests.xml" -rs
@@ -93,9 +93,9 @@ print(f"{n} GPU tests collected, {skipped} skipped")
 sys.exit(0 if n and n == skipped else 1)
 EOF
 fi
-step bench "$BENCH_TIMEOUT" "$PYTHON" -m runtime.cli bench --quick --device "$DEVICE" \
+step bench "$BENCH_TIMEOUT" "$PYTHON" -m vmemkv.cli bench --quick --device "$DEVICE" \
     --out "$OUT_DIR/bench" --no-progress ${BENCH_ONLY:+--only $BENCH_ONLY}
-[ -z "${SKIP_ATTENTION:-}" ] && step attention "$ATTENTION_TIMEOUT" "$PYTHON" -m benchmarks.attention \
+[ -z "${SKIP_ATTENTION:-}" ] && step attention "$ATTENTION_TIMEOUT" "$PYTHON" -m vmemkv.benchmarks.attention \
     "${ATTENTION_ARGS[@]}" --out "$OUT_DIR/attention.json"
 # Digest for whoever reads the run: test counts, the attention ratios, which flash path ran.
 "$PYTHON" - "$OUT_DIR" >> "$OUT_DIR/summary.txt" 2>&1 <<'EOF'

@@ -1,6 +1,6 @@
 """KV memory utilisation and end waste against paged block size and vmem page size x layout.
 
-    python -m benchmarks.memory [--quick] [--cache-gb 20] [--out bench_out/memory.json]
+    python -m vmemkv.benchmarks.memory [--quick] [--cache-gb 20] [--out bench_out/memory.json]
 
 Runs the standard log-normal workload (docs/simulation.md: seed 0, prompts median 584 / p95
 2,155, outputs mean 374 / p95 1,118, Llama-3-8B on an H100) through the simulator -- the real
@@ -23,7 +23,7 @@ import argparse
 import statistics
 import time
 
-from benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
 
 KiB, MiB = 2**10, 2**20
 PAGED_BLOCKS = (16, 32, 128, 512, 1024)
@@ -50,8 +50,8 @@ def _label(cfg: dict) -> str:
 
 def simulate_one(entries, cfg: dict, cache_gb: float, repeats: int) -> dict:
     """Simulate ``entries`` under ``cfg``; the figures are deterministic, wall time is a median."""
-    from scheduler.scheduler import SchedulerConfig
-    from scheduler.simulator import SimConfig, simulate
+    from vmemkv.scheduler.scheduler import SchedulerConfig
+    from vmemkv.scheduler.simulator import SimConfig, simulate
     options = {k: v for k, v in cfg.items() if k != "policy"}
     config = SimConfig(policy=cfg["policy"], cache_bytes=int(cache_gb * 1e9),
                        scheduler=SchedulerConfig(watermark=WATERMARK), **options)
@@ -73,7 +73,7 @@ def run(quick: bool = False, out: str | None = None, device: str | None = None,
         progress=None, cache_gb: float = 20.0, requests: int | None = None) -> dict:
     """``device`` is accepted for the suite's sake: this section is pure Python on the CPU.
     ``requests``: simulate only the workload's first N requests (default: by ``quick``)."""
-    from scheduler.workload import WorkloadSpec, generate
+    from vmemkv.scheduler.workload import WorkloadSpec, generate
     num_requests = requests or (QUICK_REQUESTS if quick else FULL_REQUESTS)
     repeats = 1   # the figures are deterministic (fixed seed); only sim_wall_s varies
     entries = generate(WorkloadSpec())[:num_requests]

@@ -1,6 +1,6 @@
 """PNG plots of a ``vmemkv bench`` run (matplotlib, Agg backend, no display needed).
 
-    python -m benchmarks.plots bench_out/bench.json [--out bench_out]
+    python -m vmemkv.benchmarks.plots bench_out/bench.json [--out bench_out]
 
 - ``attention_latency.png``: attention ms against context, one panel per phase (decode,
   prefill); a colour per batch size, solid = vmem, dashed = paged; log-log.

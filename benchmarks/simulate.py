@@ -17,11 +17,9 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from scheduler.scheduler import SchedulerConfig  # noqa: E402
-from scheduler.simulator import SimConfig, simulate  # noqa: E402
-from scheduler.workload import WorkloadSpec, generate  # noqa: E402
+from vmemkv.scheduler.scheduler import SchedulerConfig
+from vmemkv.scheduler.simulator import SimConfig, simulate
+from vmemkv.scheduler.workload import WorkloadSpec, generate
 
 CONFIGS = [("reserve-max", "per-layer"), ("reserve-oracle", "per-layer"), ("paged", "per-layer"),
            ("vmem", "per-layer"), ("vmem", "interleaved")]

@@ -100,13 +100,13 @@ class Progress:
 def _units(section: str, quick: bool, device: str) -> int:
     """Progress units a section will tick (estimates for modules that tick per configuration)."""
     if section == "attention":
-        from benchmarks import attention
+        from vmemkv.benchmarks import attention
         return attention.num_configs(attention.parse_args((["--quick"] if quick else []) + ["--device", device]))
     if section == "memory":
-        from benchmarks import memory
+        from vmemkv.benchmarks import memory
         return len(memory.configs(quick))
     if section == "alloc":
-        from benchmarks import alloc
+        from vmemkv.benchmarks import alloc
         return alloc.num_configs(quick)
     return 1
 
@@ -114,12 +114,12 @@ def _units(section: str, quick: bool, device: str) -> int:
 def load_engine() -> tuple[Optional[Callable], Optional[str]]:
     """(benchmarks.engine.run, None) when importable and exposing run, else (None, why not)."""
     try:
-        module = importlib.import_module("benchmarks.engine")
+        module = importlib.import_module("vmemkv.benchmarks.engine")
     except Exception as error:  # noqa: BLE001 -- any import failure is a reason to skip
-        return None, f"benchmarks.engine is not importable ({type(error).__name__}: {error})"
+        return None, f"vmemkv.benchmarks.engine is not importable ({type(error).__name__}: {error})"
     run = getattr(module, "run", None)
     if not callable(run):
-        return None, "benchmarks.engine has no run(quick, out, device) function"
+        return None, "vmemkv.benchmarks.engine has no run(quick, out, device) function"
     return run, None
 
 
@@ -130,7 +130,7 @@ def _call(section: str, quick: bool, device: str, progress: Progress) -> dict:
             print(f"# engine section skipped: {why}")
             return {"skipped": why}
         return run(quick=quick, out=None, device=device)
-    module = importlib.import_module(f"benchmarks.{section}")
+    module = importlib.import_module(f"vmemkv.benchmarks.{section}")
     return module.run(quick=quick, out=None, device=device, progress=progress.tick)
 
 
@@ -161,7 +161,7 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
               sections=SECTIONS, plots: bool = True, progress: bool = True) -> dict:
     """Run ``sections``; write ``out_dir``/bench.json, bench.log and PNGs; return the payload."""
     import torch
-    from benchmarks.common import environment
+    from vmemkv.benchmarks.common import environment
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     os.makedirs(out_dir, exist_ok=True)
     total = sum(_units(s, quick, device) for s in sections)
@@ -186,7 +186,7 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
 
 def _plots(payload: dict, out_dir: str) -> list[str]:
     try:
-        from benchmarks import plots
+        from vmemkv.benchmarks import plots
         return plots.write_all(payload, out_dir)
     except ImportError as error:
         print(f"# plots skipped: {error}")

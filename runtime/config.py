@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.presets import ModelSpec
+from vmemkv.scheduler.presets import ModelSpec
 
 from .errors import CacheConfigError
 

@@ -13,7 +13,7 @@ import json
 import sys
 from typing import List, Union
 
-from scheduler.progress import Progress
+from vmemkv.scheduler.progress import Progress
 
 
 class GenerateUsageError(ValueError):
@@ -102,8 +102,8 @@ def _check_device(device: str) -> None:
 def run(args) -> int:
     import torch
 
-    from runtime.engine import Engine, SamplingParams
-    from runtime.models import load_model
+    from vmemkv.runtime.engine import Engine, SamplingParams
+    from vmemkv.runtime.models import load_model
 
     _check_device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else None

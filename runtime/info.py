@@ -10,7 +10,7 @@ def collect() -> dict:
     """Device, drivers (with granularity or the reason they cannot run) and attention backends."""
     import torch
 
-    import vmem
+    from vmemkv import vmem
     info = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -33,7 +33,7 @@ def collect() -> dict:
 
 
 def _backend_status() -> dict:
-    from runtime.attention import describe_backends
+    from vmemkv.runtime.attention import describe_backends
     return {row.pop("name"): row for row in describe_backends()}
 
 

@@ -23,7 +23,7 @@ except ImportError:  # the scheduler tests need no torch
 
 
 def _cuda_skip_reason():
-    from vmem.cuda import cuda_unavailable_reason
+    from vmemkv.vmem.cuda import cuda_unavailable_reason
     return cuda_unavailable_reason()
 
 

@@ -12,7 +12,7 @@ import shlex
 
 import pytest
 
-from runtime.cli import SUBCOMMANDS, build_parser, main
+from vmemkv.cli import SUBCOMMANDS, build_parser, main
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RUN_DOCS = ["README.md", "docs/usage.md"]

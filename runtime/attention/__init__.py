@@ -1,6 +1,6 @@
 """Attention backends over both KV-cache layouts, chosen by name through a lazy registry.
 
-    from runtime.attention import get_backend, VMemLayerView
+    from vmemkv.runtime.attention import get_backend, VMemLayerView
     out = get_backend("sdpa").forward(q, VMemLayerView(k, v, slots, context_lens, query_lens))
 
 Backends: ``reference`` (dense fp32, tests), ``sdpa`` (CPU/CUDA), ``flash`` (CUDA, PyTorch's

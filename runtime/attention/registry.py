@@ -13,10 +13,10 @@ from .errors import BackendUnavailableError, UnknownBackendError, UnsupportedErr
 
 # name -> (module, class); the module is imported on first use only.
 _BACKENDS: dict[str, tuple[str, str]] = {
-    "reference": ("runtime.attention.reference", "ReferenceBackend"),
-    "sdpa": ("runtime.attention.sdpa", "SdpaBackend"),
-    "flash": ("runtime.attention.flash", "FlashBackend"),
-    "flash-attn": ("runtime.attention.flash_attn_pkg", "FlashAttnBackend"),
+    "reference": ("vmemkv.runtime.attention.reference", "ReferenceBackend"),
+    "sdpa": ("vmemkv.runtime.attention.sdpa", "SdpaBackend"),
+    "flash": ("vmemkv.runtime.attention.flash", "FlashBackend"),
+    "flash-attn": ("vmemkv.runtime.attention.flash_attn_pkg", "FlashAttnBackend"),
 }
 
 

@@ -22,8 +22,8 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
-from runtime.attention.base import BatchLens, LayerView
-from scheduler.managers.base import SwapIn, SwapOut
+from vmemkv.runtime.attention.base import BatchLens, LayerView
+from vmemkv.scheduler.managers.base import SwapIn, SwapOut
 
 from ..config import CacheConfig
 from ..errors import CacheStateError, CacheTooLargeError, PlanExecutionError

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-import vmem
-from scheduler.managers import make_manager
+from vmemkv import vmem
+from vmemkv.scheduler.managers import make_manager
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError

@@ -11,8 +11,8 @@ from typing import Sequence
 
 import torch
 
-from runtime.attention.base import PagedLayerView
-from scheduler.managers.base import CopyBlock, SwapIn, SwapOut
+from vmemkv.runtime.attention.base import PagedLayerView
+from vmemkv.scheduler.managers.base import CopyBlock, SwapIn, SwapOut
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError

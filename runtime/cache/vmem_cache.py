@@ -19,9 +19,9 @@ from typing import Optional, Sequence
 
 import torch
 
-import vmem
-from runtime.attention.base import VMemLayerView
-from scheduler.managers.base import CopyPage, MapPage, SwapIn, SwapOut, UnmapPage
+from vmemkv import vmem
+from vmemkv.runtime.attention.base import VMemLayerView
+from vmemkv.scheduler.managers.base import CopyPage, MapPage, SwapIn, SwapOut, UnmapPage
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError

@@ -1,6 +1,6 @@
 """The continuous-batching engine: an HF causal LM, the scheduler, and a vmem or paged cache.
 
-    from runtime.engine import Engine, SamplingParams
+    from vmemkv.runtime.engine import Engine, SamplingParams
     engine = Engine(model, cache="vmem", layout="per-layer", max_batch=16)
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=32))
 

@@ -18,14 +18,14 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
 
-from runtime.attention import fastest_backend, get_backend
-from runtime.cache import default_page_bytes, make_cache
-from runtime.config import CacheConfig
-from runtime.errors import PlanExecutionError
-from runtime.hf.attention import check_model_supported
-from scheduler.errors import RequestTooLargeError
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from vmemkv.runtime.attention import fastest_backend, get_backend
+from vmemkv.runtime.cache import default_page_bytes, make_cache
+from vmemkv.runtime.config import CacheConfig
+from vmemkv.runtime.errors import PlanExecutionError
+from vmemkv.runtime.hf.attention import check_model_supported
+from vmemkv.scheduler.errors import RequestTooLargeError
+from vmemkv.scheduler.request import Request
+from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from .config import EngineConfig
 from .errors import EngineConfigError, RequestRejectedError

@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from runtime.hf.attention import STEP_KWARG, StepContext, use_vmemkv_attention
+from vmemkv.runtime.hf.attention import STEP_KWARG, StepContext, use_vmemkv_attention
 
 from .errors import EngineConfigError
 

@@ -5,7 +5,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Tuple
 
-from scheduler.metrics import latency_summary
+from vmemkv.scheduler.metrics import latency_summary
 
 
 @dataclass(frozen=True)

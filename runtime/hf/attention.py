@@ -54,7 +54,7 @@ def vmemkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if ctx is None:
         raise UnsupportedModelError(
             f"attn_implementation {ATTN_IMPLEMENTATION!r} needs {STEP_KWARG}=StepContext(...) in "
-            f"the model call; run the model through runtime.engine (or pass it yourself)")
+            f"the model call; run the model through vmemkv.runtime.engine (or pass it yourself)")
     _check_supported(module, query, ctx, kwargs)
     layer = module.layer_idx
     ctx.cache.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))  # (T, Hkv, D)

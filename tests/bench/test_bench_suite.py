@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from benchmarks import alloc, attention, memory, plots, suite
-from runtime import cli
+from vmemkv.benchmarks import alloc, attention, memory, plots, suite
+from vmemkv import cli
 
 TINY_ATTENTION = dict(batches=[1, 2], contexts=[32, 64], heads=4, kv_heads=2, head_dim=16,
                       prefill_len=8, repeats=1)
@@ -121,12 +121,12 @@ def test_bench_quick_writes_one_json_with_every_section_plots_and_a_summary(tiny
 
 
 def test_engine_section_is_skipped_with_the_reason_when_not_importable(tmp_path, monkeypatch):
-    monkeypatch.setattr(suite, "load_engine", lambda: (None, "benchmarks.engine is not importable (test)"))
+    monkeypatch.setattr(suite, "load_engine", lambda: (None, "vmemkv.benchmarks.engine is not importable (test)"))
     payload = suite.run_suite(quick=True, out_dir=str(tmp_path), device="cpu", sections=("engine",),
                               plots=False, progress=False)
-    assert payload["engine"]["skipped"] == "benchmarks.engine is not importable (test)"
+    assert payload["engine"]["skipped"] == "vmemkv.benchmarks.engine is not importable (test)"
     assert payload["summary"] == [{"section": "engine", "what": "not run",
-                                   "note": "benchmarks.engine is not importable (test)"}]
+                                   "note": "vmemkv.benchmarks.engine is not importable (test)"}]
     assert "engine section skipped" in (tmp_path / "bench.log").read_text()
 
 
@@ -143,7 +143,7 @@ def test_a_failing_section_is_recorded_and_the_command_exits_1(tmp_path, monkeyp
 def test_load_engine_reports_missing_run(monkeypatch):
     import sys
     import types
-    monkeypatch.setitem(sys.modules, "benchmarks.engine", types.ModuleType("benchmarks.engine"))
+    monkeypatch.setitem(sys.modules, "vmemkv.benchmarks.engine", types.ModuleType("vmemkv.benchmarks.engine"))
     run, why = suite.load_engine()
     assert run is None and "no run(" in why
 

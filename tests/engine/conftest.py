@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from runtime.models import build_model  # noqa: E402
+from vmemkv.runtime.models import build_model  # noqa: E402
 
 FAMILIES = ("tiny-llama", "tiny-qwen2")
 VOCAB = 256

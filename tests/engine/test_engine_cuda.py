@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engine import Engine, SamplingParams
-from runtime.models import build_model
+from vmemkv.runtime.engine import Engine, SamplingParams
+from vmemkv.runtime.models import build_model
 
 from .conftest import prompts, tokens
 from .test_engine_greedy import CACHES

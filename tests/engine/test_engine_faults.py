@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-import vmem
-from runtime.engine import Engine, SamplingParams
-from runtime.errors import PlanExecutionError
-from vmem.faults import FaultInjectingDriver
+from vmemkv import vmem
+from vmemkv.runtime.engine import Engine, SamplingParams
+from vmemkv.runtime.errors import PlanExecutionError
+from vmemkv.vmem.faults import FaultInjectingDriver
 
 from .conftest import hf_greedy, model, prompts, tokens
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine import Engine, RequestRejectedError, SamplingParams
+from vmemkv.runtime.engine import Engine, RequestRejectedError, SamplingParams
 
 from .conftest import FAMILIES, hf_greedy, model, prompts, tokens
 

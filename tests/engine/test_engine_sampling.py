@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine import Engine, SamplingParams
+from vmemkv.runtime.engine import Engine, SamplingParams
 
 from .conftest import hf_greedy, model, prompts
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runtime.cli import main
+from vmemkv.cli import main
 
 from .conftest import hf_greedy, prompts
 

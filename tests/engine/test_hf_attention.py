@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.engine import Engine, EngineConfigError, SamplingParams
-from runtime.hf.attention import ATTN_IMPLEMENTATION, UnsupportedModelError, register_attention
-from runtime.models import build_model
+from vmemkv.runtime.engine import Engine, EngineConfigError, SamplingParams
+from vmemkv.runtime.hf.attention import ATTN_IMPLEMENTATION, UnsupportedModelError, register_attention
+from vmemkv.runtime.models import build_model
 
 
 def test_registered_under_its_name():

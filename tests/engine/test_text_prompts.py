@@ -19,9 +19,9 @@ pytest.importorskip("transformers")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from runtime.cli import main  # noqa: E402
-from runtime.engine import Engine, RequestRejectedError, SamplingParams  # noqa: E402
-from runtime.models import build_model, load_model  # noqa: E402
+from vmemkv.cli import main  # noqa: E402
+from vmemkv.runtime.engine import Engine, RequestRejectedError, SamplingParams  # noqa: E402
+from vmemkv.runtime.models import build_model, load_model  # noqa: E402
 
 from .conftest import VOCAB  # noqa: E402
 

@@ -8,9 +8,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from runtime.errors import CacheStateError  # noqa: E402
-from runtime.hf import VMemCache  # noqa: E402
-from runtime.hf.cache import (BatchTooLargeError, CacheCapacityError,  # noqa: E402
+from vmemkv.runtime.errors import CacheStateError  # noqa: E402
+from vmemkv.runtime.hf import VMemCache  # noqa: E402
+from vmemkv.runtime.hf.cache import (BatchTooLargeError, CacheCapacityError,  # noqa: E402
                               ContextOverflowError)
 
 PAGE, TOKENS_PER_PAGE, LAYERS = 4096, 32, 2

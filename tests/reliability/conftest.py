@@ -1,7 +1,7 @@
 """Fixtures and helpers shared by the bad-input tests."""
 import pytest
 
-from runtime.models import build_model
+from vmemkv.runtime.models import build_model
 
 
 @pytest.fixture(scope="module")

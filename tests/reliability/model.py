@@ -14,12 +14,12 @@ from collections import OrderedDict
 
 import torch
 
-from runtime.cache import make_cache
-from runtime.cache.base import run_plan
-from runtime.config import CacheConfig
-from scheduler.managers.prefix import SeqState
-from vmem.faults import FaultInjectingDriver
-from vmem.host import HostDriver
+from vmemkv.runtime.cache import make_cache
+from vmemkv.runtime.cache.base import run_plan
+from vmemkv.runtime.config import CacheConfig
+from vmemkv.scheduler.managers.prefix import SeqState
+from vmemkv.vmem.faults import FaultInjectingDriver
+from vmemkv.vmem.host import HostDriver
 
 KiB = 2**10
 VOCAB = 7          # small: prompts that share prefixes are common

@@ -9,25 +9,25 @@ import os
 import pytest
 import torch
 
-import vmem
-from runtime.attention import get_backend
-from runtime.attention.errors import UnknownBackendError, UnsupportedError
-from runtime.attention.registry import fastest_backend
-from runtime.cache import make_cache
-from runtime.cli import main
-from runtime.config import CacheConfig
-from runtime.errors import CacheConfigError, CacheStateError, CacheTooLargeError
-from scheduler.cost import CostModel
-from scheduler.errors import (ConfigError, DuplicateSequenceError, OutOfCapacityError, SlotError,
+from vmemkv import vmem
+from vmemkv.runtime.attention import get_backend
+from vmemkv.runtime.attention.errors import UnknownBackendError, UnsupportedError
+from vmemkv.runtime.attention.registry import fastest_backend
+from vmemkv.runtime.cache import make_cache
+from vmemkv.cli import main
+from vmemkv.runtime.config import CacheConfig
+from vmemkv.runtime.errors import CacheConfigError, CacheStateError, CacheTooLargeError
+from vmemkv.scheduler.cost import CostModel
+from vmemkv.scheduler.errors import (ConfigError, DuplicateSequenceError, OutOfCapacityError, SlotError,
                               RequestTooLargeError, SwapSpaceExhaustedError, UnknownSequenceError)
-from scheduler.managers import make_manager
-from scheduler.managers.common import TransactionStateError
-from scheduler.presets import get_device, get_model
-from scheduler.request import Request
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.workload import WorkloadSpec
-from vmem.faults import FaultInjectingDriver
-from vmem.host import HostDriver
+from vmemkv.scheduler.managers import make_manager
+from vmemkv.scheduler.managers.common import TransactionStateError
+from vmemkv.scheduler.presets import get_device, get_model
+from vmemkv.scheduler.request import Request
+from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
+from vmemkv.scheduler.workload import WorkloadSpec
+from vmemkv.vmem.faults import FaultInjectingDriver
+from vmemkv.vmem.host import HostDriver
 
 from .model import canon, small_config
 
@@ -104,7 +104,7 @@ def test_vmem_closed_error():
 
 
 def test_cuda_driver_unavailable_names_the_reason():
-    from vmem.cuda import cuda_unavailable_reason
+    from vmemkv.vmem.cuda import cuda_unavailable_reason
     reason = cuda_unavailable_reason()
     if reason is None:
         pytest.skip("CUDA is available here")
@@ -246,7 +246,7 @@ def test_make_cache_errors():
         make_cache(config, "flat")
     with pytest.raises(ConfigError, match="layout"):
         make_cache(config, "vmem", layout="diagonal")
-    from runtime.cache import VMemKVCache
+    from vmemkv.runtime.cache import VMemKVCache
     mgr = make_manager("vmem", MODEL, 10**6, 64, page_bytes=4096, max_slots=3)
     with pytest.raises(CacheConfigError, match="3 slots but CacheConfig.max_batch is 4"):
         VMemKVCache(config, mgr)

@@ -4,7 +4,7 @@ status 2, exactly one line on stderr, no traceback."""
 import pytest
 import torch
 
-from runtime.cli import main
+from vmemkv.cli import main
 
 
 

@@ -11,11 +11,11 @@ import os
 
 import pytest
 
-from runtime.engine import Engine, EngineConfig, SamplingParams
-from runtime.engine.errors import EngineConfigError, EngineError, RequestRejectedError
-from runtime.errors import CacheTooLargeError, RuntimeKVError
-from runtime.attention.errors import UnknownBackendError
-from scheduler.errors import ConfigError
+from vmemkv.runtime.engine import Engine, EngineConfig, SamplingParams
+from vmemkv.runtime.engine.errors import EngineConfigError, EngineError, RequestRejectedError
+from vmemkv.runtime.errors import CacheTooLargeError, RuntimeKVError
+from vmemkv.runtime.attention.errors import UnknownBackendError
+from vmemkv.scheduler.errors import ConfigError
 
 from .conftest import assert_words, mem_total
 
@@ -221,9 +221,9 @@ def test_a_non_numeric_token_is_rejected_as_a_request(model):
 def test_backend_that_cannot_run_the_model_is_refused_before_any_memory(model, monkeypatch):
     """As on a GPU machine where flash is available: it runs on CUDA only, and has no fp32
     kernel. Both are refused at construction with the values named, not at the first step."""
-    from runtime.attention import UnsupportedError
-    from runtime.attention.base import Availability
-    from runtime.attention.flash import FlashBackend
+    from vmemkv.runtime.attention import UnsupportedError
+    from vmemkv.runtime.attention.base import Availability
+    from vmemkv.runtime.attention.flash import FlashBackend
     monkeypatch.setattr(FlashBackend, "available", classmethod(lambda cls: Availability(True)))
     with pytest.raises(UnsupportedError) as info:
         Engine(model, attention="flash")

@@ -6,12 +6,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runtime.engine import Engine, SamplingParams
-from runtime.errors import CacheConfigError, CacheStateError, RuntimeKVError
-from runtime.hf.attention import StepContext, UnsupportedModelError, vmemkv_attention
-from runtime.hf.cache import (BatchTooLargeError, CacheCapacityError, ContextOverflowError,
+from vmemkv.runtime.engine import Engine, SamplingParams
+from vmemkv.runtime.errors import CacheConfigError, CacheStateError, RuntimeKVError
+from vmemkv.runtime.hf.attention import StepContext, UnsupportedModelError, vmemkv_attention
+from vmemkv.runtime.hf.cache import (BatchTooLargeError, CacheCapacityError, ContextOverflowError,
                               VMemCache, cache_config_from_model)
-from runtime.models import ModelLoadError, build_model, load_model, model_config
+from vmemkv.runtime.models import ModelLoadError, build_model, load_model, model_config
 
 
 from .conftest import assert_words
@@ -133,7 +133,7 @@ def attention_call(batch=1, ctx=True, module=None, **kwargs):
 
 
 UNSUPPORTED_CASES = [
-    ("no-step-context", dict(ctx=False), ["vmemkv_step=StepContext", "runtime.engine"]),
+    ("no-step-context", dict(ctx=False), ["vmemkv_step=StepContext", "vmemkv.runtime.engine"]),
     ("batched", dict(batch=2), ["packed batches [1, tokens, ...]", "batch of 2"]),
     ("softcap", dict(softcap=30.0), ["softcapping"]),
     ("sliding-window", dict(sliding_window=16), ["layer 1", "sliding window of 16", "max_context 64"]),

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from runtime.errors import PlanExecutionError
+from vmemkv.runtime.errors import PlanExecutionError
 
 from .model import VOCAB, CacheModel
 

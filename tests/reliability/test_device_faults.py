@@ -7,12 +7,12 @@ cuMemCreate fails once the GPU is nearly full) leaves the device's free memory w
 import pytest
 import torch
 
-from runtime.cache import make_cache
-from runtime.cache.base import run_plan
-from runtime.config import CacheConfig
-from runtime.errors import PlanExecutionError
-from vmem import DriverCallError, open_driver
-from vmem.faults import FaultInjectingDriver
+from vmemkv.runtime.cache import make_cache
+from vmemkv.runtime.cache.base import run_plan
+from vmemkv.runtime.config import CacheConfig
+from vmemkv.runtime.errors import PlanExecutionError
+from vmemkv.vmem import DriverCallError, open_driver
+from vmemkv.vmem.faults import FaultInjectingDriver
 
 from .model import canon
 

@@ -9,15 +9,15 @@ import os
 
 import pytest
 
-from runtime.cache import make_cache
-from runtime.cache.base import run_plan
-from runtime.errors import MapperPlanError, PlanExecutionError
-from scheduler.errors import OutOfCapacityError
-from scheduler.managers import make_manager
-from scheduler.managers.common import TransactionStateError
-from vmem import DriverCallError
-from vmem.faults import FaultInjectingDriver
-from vmem.host import HostDriver
+from vmemkv.runtime.cache import make_cache
+from vmemkv.runtime.cache.base import run_plan
+from vmemkv.runtime.errors import MapperPlanError, PlanExecutionError
+from vmemkv.scheduler.errors import OutOfCapacityError
+from vmemkv.scheduler.managers import make_manager
+from vmemkv.scheduler.managers.common import TransactionStateError
+from vmemkv.vmem import DriverCallError
+from vmemkv.vmem.faults import FaultInjectingDriver
+from vmemkv.vmem.host import HostDriver
 
 from .model import CacheModel, canon, small_config
 

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from runtime.cache import make_cache
-from vmem.faults import FaultInjectingDriver
-from vmem.host import HostDriver
+from vmemkv.runtime.cache import make_cache
+from vmemkv.vmem.faults import FaultInjectingDriver
+from vmemkv.vmem.host import HostDriver
 
 from .model import small_config
 

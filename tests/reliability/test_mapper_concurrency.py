@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from runtime.config import CacheConfig
-from vmem.faults import FaultInjectingDriver
-from vmem.host import HostDriver
+from vmemkv.runtime.config import CacheConfig
+from vmemkv.vmem.faults import FaultInjectingDriver
+from vmemkv.vmem.host import HostDriver
 
 from ..runtime.harness import ShadowRun
 from .model import KiB
@@ -120,7 +120,7 @@ def test_exception_in_the_step_thread_then_close_is_clean():
 
 
 def test_a_fault_on_the_mapper_thread_is_undone_and_reported_at_the_next_wait():
-    from runtime.errors import MapperError, PlanExecutionError
+    from vmemkv.runtime.errors import MapperError, PlanExecutionError
     run, driver = jittery_run(9)
     for _ in range(5):
         run.step()
@@ -149,10 +149,10 @@ def test_a_fault_on_the_mapper_thread_is_undone_and_reported_at_the_next_wait():
 SCRIPT = textwrap.dedent("""
     import random, sys, time
     sys.path.insert(0, {root!r})
-    from runtime.cache import make_cache
-    from runtime.config import CacheConfig
-    from vmem.faults import FaultInjectingDriver
-    from vmem.host import HostDriver
+    from vmemkv.runtime.cache import make_cache
+    from vmemkv.runtime.config import CacheConfig
+    from vmemkv.vmem.faults import FaultInjectingDriver
+    from vmemkv.vmem.host import HostDriver
     config = CacheConfig(num_layers=4, num_kv_heads=2, head_dim=16, max_batch=4, max_context=64)
     driver = FaultInjectingDriver(HostDriver(), delay=lambda kind: time.sleep(0.002))
     cache = make_cache(config, "vmem", page_bytes=4096, background_mapper=True, driver=driver)

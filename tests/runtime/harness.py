@@ -12,10 +12,10 @@ import random
 
 import torch
 
-from runtime.attention import get_backend
-from runtime.attention.reference import dense_attention
-from runtime.cache import make_cache
-from runtime.config import CacheConfig
+from vmemkv.runtime.attention import get_backend
+from vmemkv.runtime.attention.reference import dense_attention
+from vmemkv.runtime.cache import make_cache
+from vmemkv.runtime.config import CacheConfig
 
 VOCAB = 50
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from runtime.attention import PagedLayerView, VMemLayerView, get_backend
-from runtime.attention.reference import dense_attention
+from vmemkv.runtime.attention import PagedLayerView, VMemLayerView, get_backend
+from vmemkv.runtime.attention.reference import dense_attention
 
 CPU_BACKENDS = ["reference", "sdpa"]
 CUDA_BACKENDS = ["reference", "sdpa", "flash", "flash-attn"]
@@ -113,7 +113,7 @@ def _dtype_for(device, backend):
 
 
 def _skip_unavailable(backend, layout=None, block_size=None):
-    from runtime.attention import availability
+    from vmemkv.runtime.attention import availability
     a = availability(backend)
     if not a:
         pytest.skip(a.reason)

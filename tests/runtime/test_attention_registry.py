@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.attention import (AttentionError, AttentionShapeError, BackendUnavailableError,
+from vmemkv.runtime.attention import (AttentionError, AttentionShapeError, BackendUnavailableError,
                                UnknownBackendError, UnsupportedError, VMemLayerView,
                                backend_names, describe_backends, fastest_backend, get_backend)
 from tests.runtime.test_attention_backends import SPECS, make_case, paged_view, vmem_view
@@ -45,7 +45,7 @@ def test_fastest_backend_is_available_and_supports_the_layout():
 
 
 def test_wrong_device_for_backend_is_a_typed_error():
-    from runtime.attention.flash import FlashBackend
+    from vmemkv.runtime.attention.flash import FlashBackend
     case = make_case(SPECS["decode"], dtype=torch.float16)
     with pytest.raises(UnsupportedError, match="cuda"):
         FlashBackend().forward(case.q, vmem_view(case))
@@ -85,8 +85,8 @@ def test_bad_metadata_is_rejected_before_any_read():
 
 def test_fastest_backend_skips_backends_without_the_dtype(monkeypatch):
     """As on a CUDA machine with both flash backends: fp32 has no FA2 kernel, so sdpa."""
-    from runtime.attention import registry
-    from runtime.attention.base import Availability
+    from vmemkv.runtime.attention import registry
+    from vmemkv.runtime.attention.base import Availability
     monkeypatch.setattr(registry, "availability", lambda name: Availability(True))
     assert fastest_backend("vmem", "cuda", dtype=torch.float32) == "sdpa"
     assert fastest_backend("vmem", "cuda", dtype=torch.float16) == "flash-attn"

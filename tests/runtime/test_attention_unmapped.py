@@ -19,8 +19,8 @@ import pytest
 
 CHILD = textwrap.dedent("""
     import ctypes, mmap, math, torch
-    from runtime.attention import PagedLayerView, VMemLayerView, get_backend
-    from runtime.attention.reference import dense_attention
+    from vmemkv.runtime.attention import PagedLayerView, VMemLayerView, get_backend
+    from vmemkv.runtime.attention.reference import dense_attention
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     PAGE = mmap.PAGESIZE

@@ -11,7 +11,7 @@ mapped memory would see another request's data and fail the comparison.
 import pytest
 import torch
 
-from runtime.config import CacheConfig
+from vmemkv.runtime.config import CacheConfig
 
 from .harness import ShadowRun
 
@@ -97,7 +97,7 @@ def large_mix(device: str, cache_kind: str, options: dict, max_context: int, ste
               backends=None) -> tuple[ShadowRun, dict]:
     """Random mix on Llama-sized heads in fp16; ``backends`` default: every available backend
     that runs on ``device`` for this layout (flash-attn's paged path only with 256-token blocks)."""
-    from runtime.attention import availability, backend_class
+    from vmemkv.runtime.attention import availability, backend_class
     cfg = CacheConfig(num_layers=2, num_kv_heads=8, head_dim=128, dtype=torch.float16,
                       device=device, max_batch=4, max_context=max_context)
     if backends is None:

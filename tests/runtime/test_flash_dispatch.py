@@ -14,9 +14,9 @@ import math
 import pytest
 import torch
 
-from runtime.attention import flash
-from runtime.attention.flash import FlashBackend, VarlenCaps
-from runtime.attention.reference import dense_attention
+from vmemkv.runtime.attention import flash
+from vmemkv.runtime.attention.flash import FlashBackend, VarlenCaps
+from vmemkv.runtime.attention.reference import dense_attention
 
 from .test_attention_backends import SPECS, make_case, paged_view, truth, vmem_view
 

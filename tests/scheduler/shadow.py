@@ -7,7 +7,7 @@ contents), write new tokens where the runtime would, and read every live sequenc
 """
 from __future__ import annotations
 
-from scheduler.managers import CopyBlock, CopyPage, MapPage, SwapIn, SwapOut, UnmapPage
+from vmemkv.scheduler.managers import CopyBlock, CopyPage, MapPage, SwapIn, SwapOut, UnmapPage
 
 
 class ShadowSeq:

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from runtime.cli import main
-from scheduler.cli import parse_bytes
+from vmemkv.cli import main
+from vmemkv.scheduler.cli import parse_bytes
 
 FAST = ["simulate", "--requests", "40", "--cache-gb", "4", "--no-progress"]
 
@@ -71,7 +71,7 @@ def test_page_size_accepts_bytes_and_binary_suffixes(text, value):
 
 def test_progress_bar_draws_on_its_stream_and_clears_itself():
     import io
-    from scheduler.progress import Progress
+    from vmemkv.scheduler.progress import Progress
     stream = io.StringIO()
     with Progress(10, "sim", enabled=True, stream=stream) as bar:
         bar._tqdm = None            # exercise our own bar even where tqdm is installed
@@ -81,7 +81,7 @@ def test_progress_bar_draws_on_its_stream_and_clears_itself():
 
 def test_progress_bar_is_silent_when_disabled():
     import io
-    from scheduler.progress import Progress
+    from vmemkv.scheduler.progress import Progress
     stream = io.StringIO()
     with Progress(10, "sim", enabled=False, stream=stream) as bar:
         bar.update(5)

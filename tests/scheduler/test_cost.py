@@ -1,10 +1,10 @@
 """The roofline cost model on hand-computed examples."""
 import pytest
 
-from scheduler.cost import CostModel, count_map_ops
-from scheduler.errors import ConfigError
-from scheduler.managers.base import CopyBlock, MapPage
-from scheduler.presets import get_device, get_model
+from vmemkv.scheduler.cost import CostModel, count_map_ops
+from vmemkv.scheduler.errors import ConfigError
+from vmemkv.scheduler.managers.base import CopyBlock, MapPage
+from vmemkv.scheduler.presets import get_device, get_model
 
 LLAMA, H100 = get_model("llama-3-8b"), get_device("h100")
 

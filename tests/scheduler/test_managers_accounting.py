@@ -3,10 +3,10 @@ import time
 
 import pytest
 
-from scheduler.errors import ConfigError
-from scheduler.managers import (POLICIES, CopyBlock, CopyPage, MapPage, PagedManager, SwapIn,
+from vmemkv.scheduler.errors import ConfigError
+from vmemkv.scheduler.managers import (POLICIES, CopyBlock, CopyPage, MapPage, PagedManager, SwapIn,
                                 SwapOut, UnmapPage, VmemManager, make_manager)
-from scheduler.presets import ModelSpec, get_model
+from vmemkv.scheduler.presets import ModelSpec, get_model
 
 LLAMA = get_model("llama-3-8b")
 TINY = ModelSpec("t1", 1, 1, 1, 1, weight_bytes=0)       # 1 byte per layer-token

@@ -2,10 +2,10 @@
 leaves the manager exactly as it was."""
 import pytest
 
-from scheduler.errors import (ConfigError, DuplicateSequenceError, OutOfCapacityError,
+from vmemkv.scheduler.errors import (ConfigError, DuplicateSequenceError, OutOfCapacityError,
                               RequestTooLargeError, SwapSpaceExhaustedError, UnknownSequenceError)
-from scheduler.managers import POLICIES, make_manager
-from scheduler.presets import ModelSpec
+from vmemkv.scheduler.managers import POLICIES, make_manager
+from vmemkv.scheduler.presets import ModelSpec
 
 from .test_managers_state_machine import fingerprint
 

@@ -10,10 +10,10 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from scheduler.errors import (OutOfCapacityError, RequestTooLargeError, SlotError,
+from vmemkv.scheduler.errors import (OutOfCapacityError, RequestTooLargeError, SlotError,
                               SwapSpaceExhaustedError)
-from scheduler.managers import PagedManager, ReserveManager, VmemManager
-from scheduler.presets import ModelSpec
+from vmemkv.scheduler.managers import PagedManager, ReserveManager, VmemManager
+from vmemkv.scheduler.presets import ModelSpec
 
 from .shadow import PagedMemory, ShadowSeq, VmemMemory
 

@@ -2,11 +2,11 @@
 order, swap priority, forks, prefix sharing, finishing, metrics."""
 import pytest
 
-from scheduler.errors import ConfigError, RequestTooLargeError, SchedulerError
-from scheduler.managers import MapPage, make_manager
-from scheduler.presets import get_model
-from scheduler.request import Request, SeqState
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from vmemkv.scheduler.errors import ConfigError, RequestTooLargeError, SchedulerError
+from vmemkv.scheduler.managers import MapPage, make_manager
+from vmemkv.scheduler.presets import get_model
+from vmemkv.scheduler.request import Request, SeqState
+from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
 TINY = get_model("tiny")
 MAX_LEN = 64
@@ -277,11 +277,11 @@ def test_bad_scheduler_config_names_the_field(kwargs, field):
 
 
 def test_forget_drops_only_finished_sequences():
-    from scheduler.errors import SchedulerError, UnknownSequenceError
-    from scheduler.managers import make_manager
-    from scheduler.presets import get_model
-    from scheduler.request import Request
-    from scheduler.scheduler import Scheduler
+    from vmemkv.scheduler.errors import SchedulerError, UnknownSequenceError
+    from vmemkv.scheduler.managers import make_manager
+    from vmemkv.scheduler.presets import get_model
+    from vmemkv.scheduler.request import Request
+    from vmemkv.scheduler.scheduler import Scheduler
     manager = make_manager("paged", get_model("tiny"), 1 << 20, 64, block_size_tokens=4)
     scheduler = Scheduler(manager)
     (seq_id,) = scheduler.add_request(Request(request_id=0, prompt_len=3, max_tokens=1))

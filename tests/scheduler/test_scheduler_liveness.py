@@ -6,10 +6,10 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from scheduler.managers import make_manager
-from scheduler.presets import get_model
-from scheduler.request import Request, SeqState
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from vmemkv.scheduler.managers import make_manager
+from vmemkv.scheduler.presets import get_model
+from vmemkv.scheduler.request import Request, SeqState
+from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
 TINY = get_model("tiny")       # 4,096 bytes per token
 MAX_LEN = 64                   # tokens; vmem pages of 4 KiB hold 8 (per-layer) / 2 (interleaved)

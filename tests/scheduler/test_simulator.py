@@ -1,10 +1,10 @@
 """Simulator results are plausible on the standard workload (docs/simulation.md)."""
 import pytest
 
-from scheduler.errors import ConfigError
-from scheduler.scheduler import SchedulerConfig
-from scheduler.simulator import SimConfig, simulate
-from scheduler.workload import WorkloadSpec, generate
+from vmemkv.scheduler.errors import ConfigError
+from vmemkv.scheduler.scheduler import SchedulerConfig
+from vmemkv.scheduler.simulator import SimConfig, simulate
+from vmemkv.scheduler.workload import WorkloadSpec, generate
 
 STANDARD = generate(WorkloadSpec())        # 2,000 requests at time 0, seed 0
 SMALL = generate(WorkloadSpec(num_requests=200, seed=3))

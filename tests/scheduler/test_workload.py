@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from scheduler.errors import ConfigError
-from scheduler.metrics import percentile
-from scheduler.workload import (TraceEntry, WorkloadSpec, generate, lognormal_from_mean_p95,
+from vmemkv.scheduler.errors import ConfigError
+from vmemkv.scheduler.metrics import percentile
+from vmemkv.scheduler.workload import (TraceEntry, WorkloadSpec, generate, lognormal_from_mean_p95,
                                 lognormal_from_median_p95, read_trace, write_trace)
 
 UNCLIPPED = dict(num_requests=20_000, max_total_len=10**9, seed=7)

@@ -1,7 +1,6 @@
 import pytest
 
-import vmem
-
+from vmemkv import vmem
 DRIVERS = ["host", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 

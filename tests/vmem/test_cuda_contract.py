@@ -14,8 +14,8 @@ import torch
 
 cu = pytest.importorskip("cuda.bindings.driver", reason="cuda-python is not installed")
 
-from vmem.cuda import CudaDriver  # noqa: E402
-from vmem.errors import DriverCallError  # noqa: E402
+from vmemkv.vmem.cuda import CudaDriver  # noqa: E402
+from vmemkv.vmem.errors import DriverCallError  # noqa: E402
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="a GPU is present: the gpu tests make these calls for real")
@@ -143,7 +143,7 @@ def test_another_thread_gets_the_primary_context_before_its_first_call():
 
 
 def test_a_closed_driver_refuses_calls():
-    from vmem.errors import ClosedError
+    from vmemkv.vmem.errors import ClosedError
     driver = bound_driver(LibcudaStandIn())
     driver.close()
     driver.close()                                   # twice is fine
@@ -172,7 +172,7 @@ def test_running_out_part_way_through_create_pages_releases_what_was_made():
 def test_page_sizes_off_the_granularity_are_refused_before_any_call():
     stand_in = LibcudaStandIn()
     driver = bound_driver(stand_in)
-    from vmem.errors import AlignmentError
+    from vmemkv.vmem.errors import AlignmentError
     for bad in (GRANULARITY // 2, 3 * GRANULARITY // 2, 0):
         with pytest.raises(AlignmentError, match=str(GRANULARITY)):
             driver.create_pages(1, bad)

@@ -1,4 +1,4 @@
-"""vmem.dlpack: zero-copy tensors over raw addresses, and the capsule memory they borrow.
+"""vmemkv.vmem.dlpack: zero-copy tensors over raw addresses, and the capsule memory they borrow.
 
 The accounting tests read glibc's ``mallinfo2`` (bytes in use by malloc): a capsule block that
 torch never frees, or one freed twice, shows up there (or crashes the process).
@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from vmem.dlpack import DLPACK_CPU, DLPACK_CUDA, managed_block_bytes, tensor_at
+from vmemkv.vmem.dlpack import DLPACK_CPU, DLPACK_CUDA, managed_block_bytes, tensor_at
 
 
 class _MallInfo2(ctypes.Structure):

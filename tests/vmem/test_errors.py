@@ -2,9 +2,7 @@
 import pytest
 import torch
 
-import vmem
-
-
+from vmemkv import vmem
 def snapshot(pool, *ranges):
     return (pool.free_pages, pool.mapped_pages,
             [pool.mapping_count(p) for p in range(pool.total_pages)],
@@ -120,7 +118,7 @@ def test_unknown_driver_name():
 
 
 def test_cuda_requested_without_gpu_says_why():
-    from vmem.cuda import cuda_unavailable_reason
+    from vmemkv.vmem.cuda import cuda_unavailable_reason
     reason = cuda_unavailable_reason()
     if reason is None:
         pytest.skip("a GPU and cuda-python are present here")

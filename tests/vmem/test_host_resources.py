@@ -5,8 +5,7 @@ import sys
 import textwrap
 
 
-import vmem
-
+from vmemkv import vmem
 GiB = 2**30
 
 

@@ -2,9 +2,7 @@
 import pytest
 import torch
 
-import vmem
-
-
+from vmemkv import vmem
 def test_shared_page_shows_same_bytes_in_one_range(driver, page_bytes):
     with vmem.PagePool(driver, 2, page_bytes) as pool, vmem.VirtualRange(pool, 4 * page_bytes) as rng:
         (page,) = pool.allocate(1)

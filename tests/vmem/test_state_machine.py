@@ -10,8 +10,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import vmem
-
+from vmemkv import vmem
 PAGE_BYTES = 4096
 NUM_POOL_PAGES = 6
 RANGE_PAGES = 5

@@ -1,30 +1,16 @@
 """``vmemkv bench``: the head-to-head suite -- VMM or paged, and at what cost.
 
-Runs benchmarks/suite.py on the default device (CUDA when present, else the CPU): allocation,
-attention, memory, engine. Writes every figure to DIR/bench.json, what each section printed to
-DIR/bench.log and PNG plots to DIR; prints an aligned summary table at the end. The benchmarks
-live in the source checkout's ``benchmarks/`` folder (they are not part of the installed
-packages), so this command runs from a clone, editable install or not.
+Runs vmemkv.benchmarks.suite on the default device (CUDA when present, else the CPU):
+allocation, attention, memory, engine. Writes every figure to DIR/bench.json, what each section
+printed to DIR/bench.log and PNG plots to DIR; prints an aligned summary table at the end. The
+command line sits above the layers, so importing the benchmarks here is no upward import.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
 import sys
-from pathlib import Path
 
-
-def _import_suite():
-    """benchmarks.suite from the checkout this runtime package lives in."""
-    root = str(Path(__file__).resolve().parents[1])
-    if not os.path.isfile(os.path.join(root, "benchmarks", "suite.py")):
-        from runtime.cli import UsageError
-        raise UsageError(f"vmemkv bench needs the source checkout's benchmarks/ folder; "
-                         f"none next to {root}/runtime (run it from a clone: pip install -e .)")
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    return importlib.import_module("benchmarks.suite")
+from vmemkv.cli import UsageError
 
 
 SECTIONS = ("alloc", "attention", "memory", "engine")
@@ -53,15 +39,13 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():
-            from runtime.cli import UsageError
             raise UsageError("--device cuda but torch sees no CUDA GPU")
     if args.threads is not None:
         if args.threads < 1:
-            from runtime.cli import UsageError
             raise UsageError(f"--threads must be >= 1, got {args.threads}")
         import torch
         torch.set_num_threads(args.threads)
-    suite = _import_suite()
+    from vmemkv.benchmarks import suite
     sections = tuple(s for s in SECTIONS if s in (args.only or SECTIONS))
     payload = suite.run_suite(quick=args.quick, out_dir=args.out, device=args.device,
                               sections=sections, plots=not args.no_plots,

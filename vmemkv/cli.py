@@ -12,10 +12,10 @@ from typing import Optional, Sequence
 
 # subcommand -> module with register(subparsers) and run(args) -> int
 SUBCOMMANDS = {
-    "info": "runtime.info",
-    "simulate": "scheduler.cli",
-    "bench": "runtime.bench",
-    "generate": "runtime.generate_cli",
+    "info": "vmemkv.runtime.info",
+    "simulate": "vmemkv.scheduler.cli",
+    "bench": "vmemkv.bench",
+    "generate": "vmemkv.runtime.generate_cli",
 }
 
 
@@ -63,7 +63,7 @@ def _users_to_fix(error: Exception) -> bool:
     if isinstance(error, (ValueError, KeyError, OSError, MemoryError)):
         return True
     bases = [getattr(sys.modules.get(module), name, None) for module, name in
-             (("runtime.attention.errors", "AttentionError"), ("vmem.errors", "VMemError"))]
+             (("vmemkv.runtime.attention.errors", "AttentionError"), ("vmemkv.vmem.errors", "VMemError"))]
     return any(base is not None and isinstance(error, base) for base in bases)
 
 

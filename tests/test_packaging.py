@@ -1,0 +1,106 @@
+"""One import namespace: the folders vmem/, scheduler/, runtime/ and benchmarks/ install as
+vmemkv.vmem, vmemkv.scheduler, vmemkv.runtime and vmemkv.benchmarks, never as generic names."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GENERIC = ("vmem", "scheduler", "runtime", "benchmarks")
+
+
+def run_python(code: str, cwd: Path, pythonpath: str = "") -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter of this venv, away from the checkout (so the repo root
+    is not on sys.path, as for a user who installed vmemkv)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", GENERIC)
+def test_generic_top_level_names_are_not_importable_after_install(name, tmp_path):
+    result = run_python(f"import {name}", tmp_path)
+    assert result.returncode != 0 and "ModuleNotFoundError" in result.stderr, result.stderr
+
+
+def test_a_foreign_scheduler_distribution_changes_nothing_of_ours(tmp_path):
+    """A stand-in package named ``scheduler`` (with a ``managers`` submodule) beside vmemkv:
+    ``import scheduler`` gets it, and vmemkv still runs on its own scheduler."""
+    foreign = tmp_path / "site" / "scheduler"
+    (foreign / "managers").mkdir(parents=True)
+    (foreign / "__init__.py").write_text("FOREIGN = True\n")
+    (foreign / "managers" / "__init__.py").write_text("def make_manager(*a, **k):\n    raise RuntimeError('foreign')\n")
+    code = (
+        "import scheduler, scheduler.managers\n"
+        "assert scheduler.FOREIGN\n"
+        "import vmemkv\n"
+        "from vmemkv.scheduler.managers import make_manager\n"
+        "from vmemkv.scheduler.simulator import SimConfig, simulate\n"
+        "from vmemkv.scheduler.workload import WorkloadSpec, generate\n"
+        "assert make_manager.__module__ == 'vmemkv.scheduler.managers', make_manager.__module__\n"
+        "result = simulate(generate(WorkloadSpec(num_requests=20)), SimConfig(policy='paged'))\n"
+        "assert result.num_requests == 20 and result.output_tokens > 0, result\n"
+        "print(vmemkv.__version__)\n")
+    result = run_python(code, tmp_path, pythonpath=str(tmp_path / "site"))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == vmemkv_version()
+
+
+def vmemkv_version() -> str:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def test_the_top_level_package_exports_the_public_names_and_the_version():
+    import vmemkv
+    assert vmemkv.__version__ == vmemkv_version()
+    for name in vmemkv._EXPORTS:
+        assert getattr(vmemkv, name).__name__ == name
+    with pytest.raises(AttributeError, match="no attribute 'nonsense'"):
+        vmemkv.nonsense
+
+
+def test_every_package_folder_is_installed_under_vmemkv():
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = {folder: package for package, folder in setuptools["package-dir"].items()}
+    on_disk = set()
+    for top in ("vmemkv", *GENERIC):
+        for init in (ROOT / top).rglob("__init__.py"):
+            folder = init.parent.relative_to(ROOT).parts
+            on_disk.add(".".join([mapped[folder[0]], *folder[1:]]))
+    assert on_disk == set(setuptools["packages"])
+
+
+def python_sources():
+    for top in ("vmemkv", *GENERIC, "tests"):
+        yield from (ROOT / top).rglob("*.py")
+
+
+def test_no_module_imports_a_generic_top_level_name():
+    offenders = []
+    for path in python_sources():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names
+                          if n and n.split(".")[0] in GENERIC]
+    assert not offenders, offenders
+
+
+def test_no_layer_imports_the_command_line_or_the_benchmarks():
+    """The command line sits on top: vmem, scheduler and runtime never import vmemkv.cli,
+    vmemkv.bench or vmemkv.benchmarks."""
+    upward = ("vmemkv.cli", "vmemkv.bench", "vmemkv.benchmarks")
+    offenders = []
+    for top in ("vmem", "scheduler", "runtime"):
+        for path in (ROOT / top).rglob("*.py"):
+            text = path.read_text()
+            offenders += [f"{path.relative_to(ROOT)}: {u}" for u in upward if u in text]
+    assert not offenders, offenders
