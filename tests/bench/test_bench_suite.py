@@ -52,7 +52,8 @@ def test_attention_rows_cover_both_layouts_and_phases_checked_against_each_other
                                                          for p in ("decode", "prefill")}
     for r in rows:
         assert r["checked"] and r["backend"] == "sdpa"
-        assert finite_numbers(r, ["ms", "kv_gb_per_s", "pct_copy"])
+        assert finite_numbers(r, ["ms", "ms_min", "ms_max", "kv_gb_per_s", "pct_copy"])
+        assert r["ms_min"] <= r["ms"] <= r["ms_max"]
     assert len(payload["speedups"]) == 8
     assert {"applies", "met", "decode_b8_ctx2048_speedup"} <= payload["target"].keys()
     json.dumps(payload)
@@ -109,7 +110,8 @@ def test_bench_quick_writes_one_json_with_every_section_plots_and_a_summary(tiny
     assert payload["engine"]["rows"][0]["tok_s"] == 12.5
     assert {row["section"] for row in payload["summary"]} == set(suite.SECTIONS)
     engine_rows = [row for row in payload["summary"] if row["section"] == "engine"]
-    assert [(r.get("vmem"), r.get("paged")) for r in engine_rows] == [(12.5, None), (None, 10.0)]
+    assert [(r.get("vmem"), r.get("paged"), r.get("transformers")) for r in engine_rows] == [
+        (12.5, None, None), (None, None, 10.0)]   # transformers' engine is not our paged layout
     names = sorted(os.path.basename(p) for p in payload["plots"])
     assert names == ["attention_latency.png", "mapper_overlap.png", "memory_utilisation.png"]
     for name in names:
@@ -177,6 +179,37 @@ def test_bench_help_is_registered(capsys):
     assert "--quick" in capsys.readouterr().out
 
 
-def test_bad_thread_count_is_a_one_line_usage_error(capsys):
-    assert cli.main(["bench", "--threads", "0", "--only", "memory"]) == 2
-    assert capsys.readouterr().err.strip() == "vmemkv bench: error: --threads must be >= 1, got 0"
+def test_bad_thread_count_is_a_one_line_usage_error_naming_the_limit(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--threads", "0", "--only", "memory"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vmemkv bench: error: argument --threads: must be in [1, {os.cpu_count()}], got 0 "
+        f"(this machine has {os.cpu_count()} CPUs)")
+
+
+def test_summary_reports_the_spread_of_repeats_beside_each_median():
+    payload = {"attention": {"results": [
+        {"phase": "decode", "batch": 1, "ctx": 8, "layout": layout, "ms": ms, "ms_min": ms - 1,
+         "ms_max": ms + 1, "pct_copy": 50.0} for layout, ms in (("vmem", 2.0), ("paged", 4.0))]},
+        "engine": {"rows": [{"system": "vmem per-layer", "tok_s": 12.0, "tok_s_runs": [11.0, 12.0, 15.0]}]}}
+    rows = suite.summary_rows(payload, ("attention", "engine"))
+    assert [r["min-max"] for r in rows] == ["1.000-3.000 / 3.000-5.000", "11.000-15.000"]
+    assert "min-max" in suite.format_summary(rows).splitlines()[0]
+
+
+def test_a_busy_machine_is_warned_about_in_the_summary_and_the_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(suite, "load_engine", lambda: (fake_engine, None))
+    monkeypatch.setattr(suite.os, "getloadavg", lambda: (10.0 * os.cpu_count(), 0.0, 0.0))
+    assert cli.main(["bench", "--only", "engine", "--out", str(tmp_path), "--no-progress"]) == 0
+    (warning,) = json.loads((tmp_path / "bench.json").read_text())["warnings"]
+    assert f"> {os.cpu_count()} cores" in warning and "unreliable" in warning
+    assert f"# WARNING: {warning}" in capsys.readouterr().out
+
+
+def test_an_idle_machine_gets_no_warning(tmp_path, monkeypatch):
+    monkeypatch.setattr(suite, "load_engine", lambda: (fake_engine, None))
+    monkeypatch.setattr(suite.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    payload = suite.run_suite(out_dir=str(tmp_path), device="cpu", sections=("engine",),
+                              plots=False, progress=False)
+    assert payload["warnings"] == [] and payload["interrupted"] is False
