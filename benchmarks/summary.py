@@ -90,7 +90,7 @@ def _engine_summary(data: dict) -> list[dict]:
         note += [f"{r['vs_hf']:.2f}x transformers"] if isinstance(r.get("vs_hf"), float) else []
         runs = r.get("tok_s_runs") or []
         rows.append({"what": f"engine {label}", engine_column(label): float(value),
-                     "unit": "tok/s", "min-max": _spread((min(runs), max(runs))) if runs else "",
+                     "unit": "tok/s", "min-max": _spread((min(runs), max(runs))) if len(runs) > 1 else "",
                      "note": "; ".join(note)})
     return rows or [{"what": "engine", "note": "no tokens/s figures; see bench.json"}]
 

@@ -116,7 +116,7 @@ def check_deployment(args) -> None:
             f"--cache-gb {(gpu.memory_bytes - model.weight_bytes) / 1e9:.1f} fits")
     if args.preemption == "swap" and args.swap_gb <= 0:
         raise ConfigError("--preemption swap needs host swap space: give --swap-gb > 0")
-    if args.block_size > args.max_len:
+    if args.policy == "paged" and args.block_size > args.max_len:
         raise ConfigError(f"--block-size {args.block_size} tokens is longer than --max-len "
                           f"{args.max_len}: a block holds at most one sequence's tokens")
 
@@ -163,8 +163,8 @@ def _simulate(entries, config: SimConfig, args):
 
 
 def run(args) -> int:
+    config = _config(args)          # field checks first: they name the flag the user gave
     check_deployment(args)
-    config = _config(args)
     entries = _entries(args)
     if args.write_trace:
         write_trace(args.write_trace, entries)

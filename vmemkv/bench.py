@@ -26,6 +26,9 @@ def register(subparsers) -> None:
                     "example:\n  vmemkv bench --quick --out bench_out")
     parser.add_argument("--quick", action="store_true",
                         help="the short suite (under a minute on a 2-core CPU)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="toy sizes that only check the plumbing (JSON, log, plots, summary) "
+                             "in seconds; the figures mean nothing; implies --quick")
     parser.add_argument("--out", default="bench_out", metavar="DIR",
                         help="output folder for bench.json, bench.log and the PNGs")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
@@ -48,12 +51,15 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
-    from vmemkv.benchmarks import suite
+    from vmemkv.benchmarks import smoke, suite
+    if args.smoke:
+        smoke.apply()
     sections = tuple(s for s in SECTIONS if s in (args.only or SECTIONS))
-    payload = suite.run_suite(quick=args.quick, out_dir=args.out, device=args.device,
+    payload = suite.run_suite(quick=args.quick or args.smoke, out_dir=args.out, device=args.device,
                               sections=sections, plots=not args.no_plots,
                               progress=not args.no_progress)
-    print(f"\n# vmemkv bench{' --quick' if args.quick else ''}: {payload['environment']['device']}, "
+    size = " --smoke (toy sizes: the figures mean nothing)" if args.smoke else " --quick" if args.quick else ""
+    print(f"\n# vmemkv bench{size}: {payload['environment']['device']}, "
           f"torch {payload['environment']['torch']}, {payload['wall_s']:.1f} s")
     print(suite.format_summary(payload["summary"]))
     for warning in payload["warnings"]:

@@ -11,26 +11,17 @@ import os
 
 import pytest
 
-from vmemkv.benchmarks import alloc, attention, memory, plots, suite
+from vmemkv.benchmarks import alloc, attention, memory, plots, smoke, suite
 from vmemkv import cli
 
-TINY_ATTENTION = dict(batches=[1, 2], contexts=[32, 64], heads=4, kv_heads=2, head_dim=16,
-                      prefill_len=8, repeats=1)
-TINY_MAPPER = dict(layers=2, kv_heads=8, head_dim=128, heads=16, batch=4, hidden=32,
-                   page_bytes=64 * 2**10, start_tokens=16, steps=6)
 ENV_KEYS = {"device", "torch", "seed", "warmup", "repeats"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture
 def tiny(monkeypatch):
-    """Shrink every section's --quick configuration to a toy size."""
-    for key, value in TINY_ATTENTION.items():
-        monkeypatch.setitem(attention.QUICK, key, value)
-    monkeypatch.setattr(alloc, "_mapper_shape", lambda quick, device: dict(TINY_MAPPER))
-    monkeypatch.setattr(memory, "QUICK_REQUESTS", 40)
-    monkeypatch.setattr(memory, "PAGED_BLOCKS", (16, 128))
-    monkeypatch.setattr(memory, "VMEM_PAGES", {"per-layer": (64 * 2**10,), "interleaved": (2 * 2**20,)})
+    """Shrink every section's --quick configuration to a toy size (benchmarks/smoke.py)."""
+    smoke.apply(monkeypatch.setattr)
 
 
 def fake_engine(quick=False, out=None, device="cpu"):
