@@ -2,7 +2,7 @@
 (every section runs; bench.json, bench.log, the plots and the summary appear) in seconds.
 
 The figures of a smoke run mean nothing: heads of 16 dims, contexts of 64 tokens, 40 simulated
-requests, 8 engine requests of 2 new tokens. The dry run of benchmarks/gpu_check.sh and the tests
+requests, 8 engine requests of 2 new tokens on our two layouts and transformers'. The dry run of benchmarks/gpu_check.sh and the tests
 of the suite use it; a real measurement never does.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ MAPPER = dict(layers=2, kv_heads=8, head_dim=128, heads=16, batch=4, hidden=32,
 MEMORY_REQUESTS, MEMORY_PAGED_BLOCKS = 40, (16, 128)
 MEMORY_VMEM_PAGES = {"per-layer": (64 * 2**10,), "interleaved": (2 * 2**20,)}
 ENGINE_WORKLOAD = (8, 4, 16, 2)     # requests, shortest and longest prompt, new tokens
+ENGINE_SYSTEMS = ("vmem per-layer", "paged bs16")   # (and transformers'): the two the summary compares
 
 
 def apply(set_attribute: Callable = setattr) -> None:
@@ -28,3 +29,6 @@ def apply(set_attribute: Callable = setattr) -> None:
     set_attribute(memory, "PAGED_BLOCKS", MEMORY_PAGED_BLOCKS)
     set_attribute(memory, "VMEM_PAGES", dict(MEMORY_VMEM_PAGES))
     set_attribute(engine, "QUICK_WORKLOAD", ENGINE_WORKLOAD)
+    full = engine.configurations
+    set_attribute(engine, "configurations", lambda quick, device="cpu": [
+        (name, options) for name, options in full(quick, device) if name in ENGINE_SYSTEMS])
