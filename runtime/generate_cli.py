@@ -155,14 +155,7 @@ def run(args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, n=args.n, seed=None,
                             stop_token_ids=tuple(args.stop), ignore_eos=args.ignore_eos)
-    engine = Engine(model, tokenizer, cache=args.cache, layout=args.layout,
-                    page_bytes=args.page_bytes, block_size=args.block_size,
-                    max_batch=args.max_batch, max_context=args.max_context,
-                    cache_bytes=args.cache_bytes, attention=args.attention,
-                    preemption=args.preemption, swap_bytes=args.swap_bytes,
-                    watermark=args.watermark, prefix_sharing=args.prefix_sharing,
-                    background_mapper=args.background_mapper, seed=args.seed)
-    with engine:
+    with _engine(Engine, model, tokenizer, args) as engine:
         outputs = _generate(engine, prompts, params, args)
     for out in outputs:
         _print_output(out, args.json, args.n > 1)
@@ -171,6 +164,17 @@ def run(args) -> int:
         print(json.dumps({"stats": _finite(stats.as_dict())}))
     sys.stderr.write(f"vmemkv generate: {stats.summary()}\n")
     return 0
+
+
+def _engine(engine_class, model, tokenizer, args):
+    """The engine the cache and scheduling flags describe."""
+    return engine_class(model, tokenizer, cache=args.cache, layout=args.layout,
+                        page_bytes=args.page_bytes, block_size=args.block_size,
+                        max_batch=args.max_batch, max_context=args.max_context,
+                        cache_bytes=args.cache_bytes, attention=args.attention,
+                        preemption=args.preemption, swap_bytes=args.swap_bytes,
+                        watermark=args.watermark, prefix_sharing=args.prefix_sharing,
+                        background_mapper=args.background_mapper, seed=args.seed)
 
 
 def _generate(engine, prompts, params, args):
