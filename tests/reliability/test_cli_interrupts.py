@@ -20,14 +20,18 @@ from vmemkv.scheduler import cliargs
 MARKER = "vmemkv: holding at "
 
 
-def interrupt_at(hold: str, argv: list, cwd, stdin: str = ""):
-    """Run ``vmemkv ARGV``, wait for the hold marker on stderr, send SIGINT; (rc, out, err
-    after the marker)."""
+def start(hold: str, argv: list, cwd, stdin: str = "") -> subprocess.Popen:
+    """``vmemkv ARGV`` in a subprocess that will wait at the hold point ``hold``."""
     env = dict(os.environ, VMEMKV_TEST_HOLD=hold, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "vmemkv.cli", *argv], cwd=cwd, env=env, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdin.write(stdin)
     proc.stdin.close()
+    return proc
+
+
+def interrupt(proc: subprocess.Popen):
+    """Wait for the hold marker on stderr, send SIGINT; (rc, stdout, stderr after the marker)."""
     before = []
     for line in proc.stderr:            # blocks until the hold point is reached (or EOF)
         if line.startswith(MARKER):
@@ -35,10 +39,25 @@ def interrupt_at(hold: str, argv: list, cwd, stdin: str = ""):
         before.append(line)
     else:
         proc.kill()
-        pytest.fail(f"never reached the hold point {hold!r}: {''.join(before)[-2000:]}")
+        return None, "", f"never reached the hold point: {''.join(before)[-2000:]}"
     proc.send_signal(signal.SIGINT)
     out, err = proc.stdout.read(), proc.stderr.read()
     return proc.wait(timeout=120), out, err
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """The three subcommands started together (they spend most of their time importing torch),
+    each interrupted at its hold point: {command: (rc, stdout, stderr, cwd)}."""
+    cwd = tmp_path_factory.mktemp("interrupts")
+    procs = {
+        "bench": start("bench:engine", ["bench", "--quick", "--only", "memory", "engine", "--out", "b",
+                                        "--no-plots", "--no-progress"], cwd),
+        "simulate": start("simulate", ["simulate", "--requests", "300", "--no-progress"], cwd),
+        "generate": start("generate", ["generate", "--max-new-tokens", "3", "--no-progress"], cwd,
+                          stdin="1 2 3\n4 5 6 7\n"),
+    }
+    return {name: (*interrupt(proc), cwd) for name, proc in procs.items()}
 
 
 def assert_one_line(err: str, command: str) -> str:
@@ -47,28 +66,26 @@ def assert_one_line(err: str, command: str) -> str:
     return err
 
 
-def test_interrupted_bench_writes_the_json_and_log_of_the_sections_that_finished(tmp_path):
-    rc, out, err = interrupt_at("bench:engine", ["bench", "--quick", "--only", "memory", "engine",
-                                                 "--out", "b", "--no-plots", "--no-progress"], tmp_path)
-    assert rc == INTERRUPTED_EXIT
+def test_interrupted_bench_writes_the_json_and_log_of_the_sections_that_finished(interrupted):
+    rc, out, err, cwd = interrupted["bench"]
+    assert rc == INTERRUPTED_EXIT, err
     assert "sections that finished: memory" in assert_one_line(err, "bench")
-    payload = json.loads((tmp_path / "b" / "bench.json").read_text())
+    payload = json.loads((cwd / "b" / "bench.json").read_text())
     assert payload["interrupted"] is True and payload["memory"]["results"]
     assert "engine" not in payload
     assert {row["section"] for row in payload["summary"]} == {"memory"}
-    assert "== memory" in (tmp_path / "b" / "bench.log").read_text()
+    assert "== memory" in (cwd / "b" / "bench.log").read_text()
 
 
-def test_interrupted_simulate_says_how_far_it_got_and_prints_no_result(tmp_path):
-    rc, out, err = interrupt_at("simulate", ["simulate", "--requests", "300", "--no-progress"], tmp_path)
-    assert rc == INTERRUPTED_EXIT and out == ""
+def test_interrupted_simulate_says_how_far_it_got_and_prints_no_result(interrupted):
+    rc, out, err, _ = interrupted["simulate"]
+    assert rc == INTERRUPTED_EXIT and out == "", err
     assert "of 300 requests had finished; no result written" in assert_one_line(err, "simulate")
 
 
-def test_interrupted_generate_prints_the_samples_that_finished(tmp_path):
-    rc, out, err = interrupt_at("generate", ["generate", "--max-new-tokens", "3", "--no-progress"],
-                                tmp_path, stdin="1 2 3\n4 5 6 7\n")
-    assert rc == INTERRUPTED_EXIT
+def test_interrupted_generate_prints_the_samples_that_finished(interrupted):
+    rc, out, err, _ = interrupted["generate"]
+    assert rc == INTERRUPTED_EXIT, err
     assert "printed the 1 of 2 samples that had finished" in assert_one_line(err, "generate")
     (line,) = out.splitlines()
     assert line.startswith("[prompt ") and len(line.split("] ")[1].split()) == 3
