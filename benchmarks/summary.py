@@ -39,9 +39,11 @@ def _spread(*ranges) -> str:
 
 def _alloc_summary(data: dict) -> list[dict]:
     rows = [{"what": f"{r['driver']} map+unmap {r['page_size']}", "vmem": r["map_unmap_us"],
-             "unit": "µs/page"} for r in data.get("results", [])]
+             "unit": "µs/page", "min-max": _spread((r.get("map_unmap_us_min"), r.get("map_unmap_us_max")))}
+            for r in data.get("results", [])]
     for r in data.get("mapper", []):
         rows.append({"what": f"mapper wait, {r['mode']}", "vmem": r["wait_ms"], "unit": "ms",
+                     "min-max": _spread((r.get("wait_ms_min"), r.get("wait_ms_max"))),
                      "note": f"of {r['mapping_ms']:.1f} ms mapping, {r['steps']} steps"})
     return rows
 

@@ -72,10 +72,13 @@ def test_alloc_reports_map_latency_and_mapper_wait_for_both_modes(tiny):
     payload = alloc.run(quick=True, pages=4, device="cpu")
     assert ENV_KEYS <= payload["environment"].keys()
     assert {r["page_size"] for r in payload["results"]} == {"4 KiB", "64 KiB", "2 MiB"}
+    for r in payload["results"]:          # the spread of the repeats brackets the median
+        assert r["map_unmap_us_min"] <= r["map_unmap_us"] <= r["map_unmap_us_max"]
     modes = {r["mode"]: r for r in payload["mapper"]}
     assert set(modes) == {"inline", "background"}
     for r in modes.values():
         assert r["pages_mapped"] > 0 and finite_numbers(r, ["mapping_ms", "wait_ms", "loop_ms"])
+        assert r["wait_ms_min"] <= r["wait_ms"] <= r["wait_ms_max"]
     assert modes["inline"]["wait_ms"] == modes["inline"]["mapping_ms"]   # inline: all mapping waits
 
 
