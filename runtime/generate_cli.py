@@ -73,18 +73,18 @@ def _cache_flags(c) -> None:
     c.add_argument("--cache", choices=["vmem", "paged"], default="vmem", help="KV cache layout")
     c.add_argument("--layout", choices=["per-layer", "interleaved"], default="per-layer",
                    help="vmem: one page per layer, or all layers in one page")
-    c.add_argument("--page-bytes", type=parse_bytes, default=None,
+    c.add_argument("--page-bytes", type=parse_bytes, default=None, metavar="SIZE",
                    help="vmem page size: 64KiB, 2MiB, 65536, ... (default: the driver's choice)")
     c.add_argument("--block-size", type=int, default=16,
                    help="paged: tokens per block, at most --max-context")
     c.add_argument("--max-batch", type=int, default=8, help="sequences at once")
     c.add_argument("--max-context", type=int, default=1024, help="tokens per sequence")
-    c.add_argument("--cache-bytes", type=parse_bytes, default=None,
+    c.add_argument("--cache-bytes", type=parse_bytes, default=None, metavar="SIZE",
                    help="KV cache budget: 512MiB, 2GiB, ... (default: max-batch x max-context)")
     c.add_argument("--attention", default=None, help="backend name (default: the fastest here)")
     c.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
                    help="what a preempted sequence loses (swap needs --swap-bytes)")
-    c.add_argument("--swap-bytes", type=parse_bytes, default=0,
+    c.add_argument("--swap-bytes", type=parse_bytes, default=0, metavar="SIZE",
                    help="host swap space: 256MiB, 1GiB, ... (default: 0, none)")
     c.add_argument("--watermark", type=bounded(float), default=0.0,
                    help="fraction of the cache admission keeps free, in [0, 1)")
