@@ -2,8 +2,8 @@
 (every section runs; bench.json, bench.log, the plots and the summary appear) in seconds.
 
 The figures of a smoke run mean nothing: heads of 16 dims, contexts of 64 tokens, 40 simulated
-requests, 8 engine requests of 2 new tokens on our two layouts and transformers'. The dry run of benchmarks/gpu_check.sh and the tests
-of the suite use it; a real measurement never does.
+requests, 8 engine requests of 2 new tokens on our two layouts and transformers'. The dry run of
+benchmarks/gpu_check.sh and the tests of the suite use it; a real measurement never does.
 """
 from __future__ import annotations
 

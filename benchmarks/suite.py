@@ -192,7 +192,8 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
     return payload
 
 
-def _run_sections(payload: dict, sections, quick: bool, device: str, bar: Progress, out_dir: str) -> None:
+def _run_sections(payload: dict, sections, quick: bool, device: str, bar: Progress,
+                  out_dir: str) -> None:
     """Each section in turn, its output appended (and flushed) to bench.log as it finishes."""
     with open(os.path.join(out_dir, "bench.log"), "w") as log:
         for section in sections:

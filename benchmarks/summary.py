@@ -114,7 +114,8 @@ def busy_warning(load_1min: float, cores: Optional[int] = None) -> Optional[str]
 def format_summary(rows: list[dict]) -> str:
     """Aligned table: numbers right-aligned (3 decimals), text left-aligned; columns no row
     fills are left out."""
-    columns = [c for c in SUMMARY_COLUMNS if c in ("section", "what") or any(r.get(c) not in (None, "") for r in rows)]
+    columns = [c for c in SUMMARY_COLUMNS
+               if c in ("section", "what") or any(r.get(c) not in (None, "") for r in rows)]
 
     def cell(value):
         return f"{value:.3f}" if isinstance(value, float) else str(value)

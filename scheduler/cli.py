@@ -98,7 +98,8 @@ def _deployment_flags(m) -> None:
     m.add_argument("--block-size", type=POSITIVE_INT, default=16,
                    help="tokens per block (paged), at most --max-len")
     m.add_argument("--page-bytes", "--page-size", dest="page_size", type=parse_bytes, metavar="SIZE",
-                   default=2 * 2**20, help="bytes per physical page (vmem): 2MiB, 64KiB, 65536, ... (default: 2MiB)")
+                   default=2 * 2**20,
+                   help="bytes per physical page (vmem): 2MiB, 64KiB, 65536, ... (default: 2MiB)")
     m.add_argument("--layout", choices=LAYOUTS, default="per-layer",
                    help="vmem: one page per layer (per-layer) or all layers in one (interleaved)")
 

@@ -58,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
     payload = suite.run_suite(quick=args.quick or args.smoke, out_dir=args.out, device=args.device,
                               sections=sections, plots=not args.no_plots,
                               progress=not args.no_progress)
-    size = " --smoke (toy sizes: the figures mean nothing)" if args.smoke else " --quick" if args.quick else ""
+    size = (" --smoke (toy sizes: the figures mean nothing)" if args.smoke
+            else " --quick" if args.quick else "")
     print(f"\n# vmemkv bench{size}: {payload['environment']['device']}, "
           f"torch {payload['environment']['torch']}, {payload['wall_s']:.1f} s")
     print(suite.format_summary(payload["summary"]))
