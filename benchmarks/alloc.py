@@ -56,9 +56,11 @@ def measure(driver, page_bytes: int, num_pages: int, warmup: int, repeats: int) 
     import statistics
     map_us = statistics.median(timings["map"]) * 1e6
     unmap_us = statistics.median(timings["unmap"]) * 1e6
+    cycles_us = [(m + u) * 1e6 for m, u in zip(timings["map"], timings["unmap"])]
     return {"driver": driver.name, "page_size": human_bytes(page_bytes), "page_bytes": page_bytes,
             "pages": num_pages, "map_us": map_us, "unmap_us": unmap_us,
-            "map_unmap_us": map_us + unmap_us}
+            "map_unmap_us": map_us + unmap_us, "map_unmap_us_min": min(cycles_us),
+            "map_unmap_us_max": max(cycles_us)}
 
 
 def human_bytes(num_bytes: int) -> str:
@@ -158,6 +160,7 @@ def mapper_overlap(quick: bool, device: str, repeats: int, progress=None) -> lis
         row = dict(samples[0])
         for key in ("mapping_ms", "wait_ms", "loop_ms"):
             row[key] = statistics.median(r[key] for r in samples)
+        row["wait_ms_min"], row["wait_ms_max"] = (f(r["wait_ms"] for r in samples) for f in (min, max))
         row["hidden_pct"] = 100 * (1 - row["wait_ms"] / row["mapping_ms"]) if row["mapping_ms"] else 0.0
         row["layers"], row["batch"], row["page_size"] = shape["layers"], shape["batch"], human_bytes(shape["page_bytes"])
         rows.append(row)

@@ -58,6 +58,11 @@ def timer(device: torch.device):
 
 def median_times(fns, device, warmup: int, repeats: int) -> list[float]:
     """Median seconds of each fn; the fns alternate so a noisy neighbour hits them alike."""
+    return [statistics.median(s) for s in sample_times(fns, device, warmup, repeats)]
+
+
+def sample_times(fns, device, warmup: int, repeats: int) -> list[list[float]]:
+    """Every timed call's seconds, per fn (``repeats`` each, after ``warmup``), alternating."""
     run = timer(device)
     for _ in range(warmup):
         for fn in fns:
@@ -66,7 +71,7 @@ def median_times(fns, device, warmup: int, repeats: int) -> list[float]:
     for _ in range(repeats):
         for fn, out in zip(fns, samples):
             out.append(run(fn))
-    return [statistics.median(s) for s in samples]
+    return samples
 
 
 def copy_bandwidth(device, dtype, nbytes: int) -> float:
@@ -126,12 +131,16 @@ def run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw) -> li
         calls.append(lambda b=backend, v=view: b.forward(q, v))
     tol = 1e-4 if q.dtype == torch.float32 else 2e-2
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
-    times = median_times(calls, device, args.warmup, args.repeats)
+    samples = sample_times(calls, device, args.warmup, args.repeats)
     kv_bytes = 2 * batch * ctx * args.kv_heads * args.head_dim * q.element_size()
-    return [{"layout": cache.layout, "phase": phase, "backend": name, "batch": batch, "ctx": ctx,
-             "query_len": qlen, "ms": t * 1e3, "kv_gb_per_s": kv_bytes / t / 1e9,
-             "pct_copy": 100 * kv_bytes / t / copy_bw, "checked": True}
-            for cache, name, t in zip(caches, names, times)]
+    rows = []
+    for cache, name, times in zip(caches, names, samples):
+        t = statistics.median(times)
+        rows.append({"layout": cache.layout, "phase": phase, "backend": name, "batch": batch,
+                     "ctx": ctx, "query_len": qlen, "ms": t * 1e3, "ms_min": min(times) * 1e3,
+                     "ms_max": max(times) * 1e3, "kv_gb_per_s": kv_bytes / t / 1e9,
+                     "pct_copy": 100 * kv_bytes / t / copy_bw, "checked": True})
+    return rows
 
 
 def fmt(r) -> str:

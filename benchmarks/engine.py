@@ -28,9 +28,13 @@ MODEL = "small-llama"
 SEED = 0
 
 
+# (requests, shortest prompt, longest prompt, new tokens), in requests and tokens
+QUICK_WORKLOAD, FULL_WORKLOAD = (64, 8, 64, 8), (64, 16, 256, 64)
+
+
 def workload(quick: bool) -> dict:
     rng = random.Random(SEED)
-    n, low, high, new = (64, 8, 64, 8) if quick else (64, 16, 256, 64)
+    n, low, high, new = QUICK_WORKLOAD if quick else FULL_WORKLOAD
     prompts = [[rng.randrange(1024) for _ in range(rng.randint(low, high))] for _ in range(n)]
     return {"prompts": prompts, "new_tokens": new, "max_batch": 64, "max_context": 512}
 

@@ -18,25 +18,33 @@
 # default tests), BENCH_ONLY="alloc attention" (sections for --only, default all),
 # SKIP_ATTENTION=1 (leave out the full attention grid).
 #
-# It installs nothing: it runs from the working tree (PYTHONPATH) with the machine's own
-# python3, torch, cuda-bindings and pytest. EXTRA_PYTHONPATH is appended after the tree (for
+# It installs nothing: it runs from the working tree (PYTHONPATH) with the checkout's
+# ./.venv/bin/python when there is one, else the machine's python3 (PYTHON=... overrides), and
+# that Python's torch, cuda-bindings and pytest. EXTRA_PYTHONPATH is appended after the tree (for
 # carried pure-Python test deps). Dry run on a CPU machine:
 #   DRY_RUN=1 bash benchmarks/gpu_check.sh /tmp/x
-# runs every step on the CPU: the GPU tests run and must all skip cleanly, the suite runs with
-# --device cpu. Nothing calls CUDA.
+# runs every step on the CPU, at toy sizes (it checks the plumbing, not performance): the GPU
+# tests are collected and must all skip cleanly, the suite runs as `bench --smoke --device cpu`,
+# the attention grid at toy head sizes. Nothing calls CUDA.
 #
 # Through the device tool (which returns at most 8 files from $OUT), write elsewhere and pack:
 #   bash benchmarks/gpu_check.sh /tmp/gc; rc=$?; tar czf "$OUT/gpu_check.tgz" -C /tmp gc; exit $rc
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT_DIR:-${OUT:-gpu_out}}}"
-PYTHON="${PYTHON:-python3}"
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
 TEST_TIMEOUT="${TEST_TIMEOUT:-240}"     # seconds
 BENCH_TIMEOUT="${BENCH_TIMEOUT:-150}"   # seconds
 ATTENTION_TIMEOUT="${ATTENTION_TIMEOUT:-120}"
-DEVICE=cuda
+BENCH_ARGS=(--quick --device cuda)
 ATTENTION_ARGS=(--device cuda)
-if [ -n "${DRY_RUN:-}" ]; then DEVICE=cpu; ATTENTION_ARGS=(--device cpu --quick); fi
+if [ -n "${DRY_RUN:-}" ]; then   # toy sizes: every step and output file, in seconds
+    BENCH_ARGS=(--smoke --device cpu)
+    ATTENTION_ARGS=(--device cpu --quick --batches 1 2 --contexts 32 64 --heads 4 --kv-heads 2
+                    --head-dim 16 --prefill-len 8 --repeats 1)
+fi
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}"
 export PYTHONUNBUFFERED=1
@@ -93,7 +101,7 @@ print(f"{n} GPU tests collected, {skipped} skipped")
 sys.exit(0 if n and n == skipped else 1)
 EOF
 fi
-step bench "$BENCH_TIMEOUT" "$PYTHON" -m vmemkv.cli bench --quick --device "$DEVICE" \
+step bench "$BENCH_TIMEOUT" "$PYTHON" -m vmemkv.cli bench "${BENCH_ARGS[@]}" \
     --out "$OUT_DIR/bench" --no-progress ${BENCH_ONLY:+--only $BENCH_ONLY}
 [ -z "${SKIP_ATTENTION:-}" ] && step attention "$ATTENTION_TIMEOUT" "$PYTHON" -m vmemkv.benchmarks.attention \
     "${ATTENTION_ARGS[@]}" --out "$OUT_DIR/attention.json"
@@ -127,6 +135,6 @@ for log in sorted(out.glob("*.log")) + sorted(out.glob("bench/*.log")):
             print("  said:", m.group(0))
 EOF
 echo "total $((SECONDS - START)) s (budget 360 s on an H200)" | tee -a "$OUT_DIR/summary.txt"
-echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED)${DRY_RUN:+ (dry run on the CPU)}; logs in $OUT_DIR"
+echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED)${DRY_RUN:+ (dry run on the CPU)}; python $PYTHON; logs in $OUT_DIR"
 cat "$OUT_DIR/summary.txt"
 exit $status

@@ -29,6 +29,9 @@ import time
 import traceback
 from typing import Callable, Optional
 
+from vmemkv.benchmarks.summary import busy_warning, format_summary, summary_rows  # noqa: F401 (re-export)
+from vmemkv.scheduler.cliargs import hold_point
+
 SECTIONS = ("alloc", "attention", "memory", "engine")
 
 
@@ -159,29 +162,56 @@ def run_section(section: str, quick: bool, device: str, progress: Progress, log)
 
 def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[str] = None,
               sections=SECTIONS, plots: bool = True, progress: bool = True) -> dict:
-    """Run ``sections``; write ``out_dir``/bench.json, bench.log and PNGs; return the payload."""
+    """Run ``sections``; write ``out_dir``/bench.json, bench.log and PNGs; return the payload.
+    Ctrl-C (KeyboardInterrupt) stops it between or inside sections: bench.json and bench.log
+    then hold the sections that finished (``payload["interrupted"]`` is true), no plots are
+    drawn, and the interrupt goes on up with a note naming what was written."""
     import torch
     from vmemkv.benchmarks.common import environment
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     os.makedirs(out_dir, exist_ok=True)
-    total = sum(_units(s, quick, device) for s in sections)
-    bar = Progress(total, enabled=progress)
+    bar = Progress(sum(_units(s, quick, device) for s in sections), enabled=progress)
     start = time.perf_counter()
     env = environment(seed=0, warmup=None, repeats=None, device=device, **versions(device), quick=quick)
     env["warmup"] = env["repeats"] = "per section (see each section's environment)"
-    payload = {"benchmark": "vmemkv bench", "environment": env, "sections": list(sections)}
+    payload = {"benchmark": "vmemkv bench", "environment": env, "sections": list(sections),
+               "interrupted": False}
+    try:
+        _run_sections(payload, sections, quick, device, bar, out_dir)
+    except KeyboardInterrupt:
+        payload["interrupted"] = True
+    finally:
+        bar.close()
+    payload["wall_s"] = time.perf_counter() - start
+    payload["plots"] = _plots(payload, out_dir) if plots and not payload["interrupted"] else []
+    _finish(payload, sections, out_dir)
+    if payload["interrupted"]:
+        done = [s for s in sections if s in payload]
+        raise KeyboardInterrupt(f"wrote {payload['json']} and bench.log with the sections that "
+                                f"finished: {', '.join(done) or 'none'}")
+    return payload
+
+
+def _run_sections(payload: dict, sections, quick: bool, device: str, bar: Progress,
+                  out_dir: str) -> None:
+    """Each section in turn, its output appended (and flushed) to bench.log as it finishes."""
     with open(os.path.join(out_dir, "bench.log"), "w") as log:
         for section in sections:
+            hold_point(f"bench:{section}")
             payload[section] = run_section(section, quick, device, bar, log)
-    bar.close()
-    payload["wall_s"] = time.perf_counter() - start
-    payload["plots"] = _plots(payload, out_dir) if plots else []
-    payload["summary"] = summary_rows(payload)
+            log.flush()
+
+
+def _finish(payload: dict, sections, out_dir: str) -> None:
+    """The summary rows, the busy-machine warning (load at the end vs the core count) and
+    bench.json; sets ``payload["json"]``."""
+    payload["summary"] = summary_rows(payload, sections)
+    load = max(payload["environment"].get("load_1min", 0.0), os.getloadavg()[0])
+    payload["warnings"] = [w for w in (busy_warning(load),) if w]
     path = os.path.join(out_dir, "bench.json")
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=str)
     payload["json"] = path
-    return payload
 
 
 def _plots(payload: dict, out_dir: str) -> list[str]:
@@ -191,88 +221,3 @@ def _plots(payload: dict, out_dir: str) -> list[str]:
     except ImportError as error:
         print(f"# plots skipped: {error}")
         return []
-
-
-# -- the summary table --
-def summary_rows(payload: dict) -> list[dict]:
-    """One row per headline figure: section | what | vmem | paged | unit | note."""
-    rows = []
-    for section in SECTIONS:
-        data = payload.get(section)
-        if data is None:
-            continue
-        if "error" in data or "skipped" in data:
-            rows.append({"section": section, "what": "not run", "note": data.get("error") or data["skipped"]})
-            continue
-        rows.extend(dict(section=section, **r) for r in _SUMMARISERS[section](data))
-    return rows
-
-
-def _alloc_summary(data: dict) -> list[dict]:
-    rows = [{"what": f"{r['driver']} map+unmap {r['page_size']}", "vmem": r["map_unmap_us"],
-             "unit": "µs/page"} for r in data.get("results", [])]
-    for r in data.get("mapper", []):
-        rows.append({"what": f"mapper wait, {r['mode']}", "vmem": r["wait_ms"], "unit": "ms",
-                     "note": f"of {r['mapping_ms']:.1f} ms mapping, {r['steps']} steps"})
-    return rows
-
-
-def _attention_summary(data: dict) -> list[dict]:
-    by_key = {(r["phase"], r["batch"], r["ctx"], r["layout"]): r for r in data["results"]}
-    rows = []
-    for (phase, batch, ctx, layout), r in by_key.items():
-        paged = by_key.get((phase, batch, ctx, "paged"))
-        if layout != "vmem" or paged is None:
-            continue
-        rows.append({"what": f"{phase} b{batch} ctx{ctx}", "vmem": r["ms"], "paged": paged["ms"],
-                     "unit": "ms", "note": f"paged/vmem {paged['ms'] / r['ms']:.2f}x; "
-                     f"{r['pct_copy']:.0f}% vs {paged['pct_copy']:.0f}% of copy bw"})
-    return rows
-
-
-def _memory_summary(data: dict) -> list[dict]:
-    rows = []
-    for r in data["results"]:
-        column = "paged" if r["policy"] == "paged" else "vmem"
-        rows.append({"what": f"held util {r['label']} ({r['tokens_per_unit']} tok)", column:
-                     100 * r["held_utilization"], "unit": "%",
-                     "note": f"end waste {r['mean_end_waste_tokens']:.1f} tok/seq"})
-    return rows
-
-
-def _engine_summary(data: dict) -> list[dict]:
-    """tokens/s per system; vmem systems in the vmem column, paged ones (ours, transformers') in paged."""
-    rows = []
-    for r in data.get("rows") or data.get("results") or []:
-        label = str(r.get("system") or r.get("engine") or r.get("name") or "engine")
-        value = r.get("tok_s", r.get("tokens_per_s"))
-        if value is None:
-            continue
-        note = [f"{k} {r[k]:.1%}" for k in ("map_share",) if isinstance(r.get(k), float)]
-        note += [f"{r['vs_hf']:.2f}x transformers"] if isinstance(r.get("vs_hf"), float) else []
-        column = "vmem" if "vmem" in label else "paged"
-        rows.append({"what": f"engine {label}", column: float(value), "unit": "tok/s",
-                     "note": "; ".join(note)})
-    return rows or [{"what": "engine", "note": "no tokens/s figures; see bench.json"}]
-
-
-_SUMMARISERS = {"alloc": _alloc_summary, "attention": _attention_summary,
-                "memory": _memory_summary, "engine": _engine_summary}
-
-
-SUMMARY_COLUMNS = ("section", "what", "vmem", "paged", "unit", "note")
-
-
-def format_summary(rows: list[dict]) -> str:
-    """Aligned table: numbers right-aligned (3 decimals), text left-aligned."""
-    def cell(value):
-        return f"{value:.3f}" if isinstance(value, float) else str(value)
-    numeric = {"vmem", "paged"}
-    widths = [max(len(c), *(len(cell(r.get(c, ""))) for r in rows)) for c in SUMMARY_COLUMNS]
-
-    def line(values):
-        return " | ".join(v.rjust(w) if c in numeric else v.ljust(w)
-                          for c, v, w in zip(SUMMARY_COLUMNS, values, widths)).rstrip()
-    out = [line(SUMMARY_COLUMNS), "-+-".join("-" * w for w in widths)]
-    out.extend(line([cell(r.get(c, "")) for c in SUMMARY_COLUMNS]) for r in rows)
-    return "\n".join(out)

@@ -4,15 +4,21 @@
     echo "1 2 3 4" | vmemkv generate --model tiny-llama --cache paged --block-size 16
 
 One prompt per non-empty line: space-separated token ids, or text when the checkpoint has a
-tokenizer. Completions go to stdout, one line per sample, in prompt order (``--json``: one JSON
-object per request); the progress bar and the summary (throughput, memory) go to stderr.
+tokenizer. Completions go to stdout, one line per sample, in prompt order, each line starting
+``[prompt P sample S]`` when ``--n`` > 1 (``--json``: one JSON object per request, then one
+``{"stats": ...}`` object: tok/s, TTFT, ITL, preemptions, memory); the progress bar and the
+summary go to stderr. Ctrl-C prints the samples that had finished, releases the cache and exits
+with status 130.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import sys
 from typing import List, Union
 
+from vmemkv.scheduler.cliargs import bounded, hold_point, parse_bytes, thread_count
 from vmemkv.scheduler.progress import Progress
 
 
@@ -22,7 +28,8 @@ class GenerateUsageError(ValueError):
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate with the engine on a vmem or paged cache",
-                              description=__doc__.splitlines()[0])
+                              description="Run the engine on prompts from a file or stdin and print the "
+                                          "completions.\n\n" + _EXAMPLES)
     p.add_argument("--model", default="tiny-llama",
                    help="a built-in random-weight model (tiny-llama, tiny-qwen2, small-llama) "
                         "or a local checkpoint directory")
@@ -30,34 +37,60 @@ def register(subparsers) -> None:
                    "of space-separated integers is token ids, any other line is text")
     p.add_argument("--text", action="store_true",
                    help="read every line as text, even one made only of digits (needs a tokenizer)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:i")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="model dtype (default: float32 for built-ins, the checkpoint's otherwise)")
+    p.add_argument("--threads", type=thread_count, default=None, metavar="N",
+                   help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="weights of built-ins, and sampling")
-    p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
-    p.add_argument("--no-progress", action="store_true")
-    s = p.add_argument_group("sampling")
-    s.add_argument("--max-new-tokens", type=int, default=16)
-    s.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--n", type=int, default=1, help="samples per prompt (forked)")
-    s.add_argument("--stop", type=int, nargs="*", default=[], help="stop token ids")
-    s.add_argument("--ignore-eos", action="store_true")
-    c = p.add_argument_group("cache and scheduling")
-    c.add_argument("--cache", choices=["vmem", "paged"], default="vmem")
-    c.add_argument("--layout", choices=["per-layer", "interleaved"], default="per-layer")
-    c.add_argument("--page-bytes", type=int, default=None)
-    c.add_argument("--block-size", type=int, default=16, help="paged: tokens per block")
-    c.add_argument("--max-batch", type=int, default=8)
-    c.add_argument("--max-context", type=int, default=1024)
-    c.add_argument("--cache-bytes", type=int, default=None)
-    c.add_argument("--attention", default=None, help="backend name (default: the fastest)")
-    c.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
-    c.add_argument("--swap-bytes", type=int, default=0)
-    c.add_argument("--watermark", type=float, default=0.0)
-    c.add_argument("--prefix-sharing", action="store_true")
-    c.add_argument("--background-mapper", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object per request on stdout, "
+                   "then one {\"stats\": ...} object with the run's figures")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _sampling_flags(p.add_argument_group("sampling"))
+    _cache_flags(p.add_argument_group("cache and scheduling"))
+
+
+_EXAMPLES = """\
+examples:
+  vmemkv generate --model tiny-llama --prompts prompts.txt --cache vmem --max-new-tokens 32
+  echo "1 2 3 4" | vmemkv generate --cache paged --block-size 16 --json"""
+
+
+def _sampling_flags(s) -> None:
+    s.add_argument("--max-new-tokens", type=int, default=16, help="tokens per sample")
+    s.add_argument("--temperature", type=bounded(float, 0), default=0.0,
+                   help="softmax temperature, finite and >= 0 (0: greedy)")
+    s.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
+    s.add_argument("--top-p", type=bounded(float), default=1.0,
+                   help="nucleus sampling: keep the smallest set with this probability, in (0, 1]")
+    s.add_argument("--n", type=int, default=1, help="samples per prompt (forked; each labelled)")
+    s.add_argument("--stop", type=bounded(int, 0), nargs="*", default=[], metavar="TOKEN_ID",
+                   help="token ids (>= 0) that end a sample")
+    s.add_argument("--ignore-eos", action="store_true", help="keep going past the EOS token")
+
+
+def _cache_flags(c) -> None:
+    c.add_argument("--cache", choices=["vmem", "paged"], default="vmem", help="KV cache layout")
+    c.add_argument("--layout", choices=["per-layer", "interleaved"], default="per-layer",
+                   help="vmem: one page per layer, or all layers in one page")
+    c.add_argument("--page-bytes", type=parse_bytes, default=None, metavar="SIZE",
+                   help="vmem page size: 64KiB, 2MiB, 65536, ... (default: the driver's choice)")
+    c.add_argument("--block-size", type=int, default=16,
+                   help="paged: tokens per block, at most --max-context")
+    c.add_argument("--max-batch", type=int, default=8, help="sequences at once")
+    c.add_argument("--max-context", type=int, default=1024, help="tokens per sequence")
+    c.add_argument("--cache-bytes", type=parse_bytes, default=None, metavar="SIZE",
+                   help="KV cache budget: 512MiB, 2GiB, ... (default: max-batch x max-context)")
+    c.add_argument("--attention", default=None, help="backend name (default: the fastest here)")
+    c.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
+                   help="what a preempted sequence loses (swap needs --swap-bytes)")
+    c.add_argument("--swap-bytes", type=parse_bytes, default=0, metavar="SIZE",
+                   help="host swap space: 256MiB, 1GiB, ... (default: 0, none)")
+    c.add_argument("--watermark", type=bounded(float), default=0.0,
+                   help="fraction of the cache admission keeps free, in [0, 1)")
+    c.add_argument("--prefix-sharing", action="store_true", help="share cached prompt prefixes")
+    c.add_argument("--background-mapper", action="store_true",
+                   help="vmem: map pages on a thread, ahead of the step that needs them")
 
 
 def read_prompts(path: str, has_tokenizer: bool, text_only: bool = False) -> List[Union[List[int], str]]:
@@ -99,6 +132,13 @@ def _check_device(device: str) -> None:
         raise GenerateUsageError(f"--device {device!r} asked for, but no CUDA GPU is visible to torch")
 
 
+def _check_flags(args) -> None:
+    if args.cache == "paged" and args.block_size > args.max_context:
+        raise GenerateUsageError(f"--block-size {args.block_size} tokens is longer than "
+                                 f"--max-context {args.max_context}: a block holds at most one "
+                                 f"sequence's tokens")
+
+
 def run(args) -> int:
     import torch
 
@@ -106,31 +146,75 @@ def run(args) -> int:
     from vmemkv.runtime.models import load_model
 
     _check_device(args.device)
+    _check_flags(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tokenizer = load_model(args.model, seed=args.seed, dtype=dtype, device=args.device)
     prompts = read_prompts(args.prompts, tokenizer is not None, args.text)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, n=args.n, seed=None,
                             stop_token_ids=tuple(args.stop), ignore_eos=args.ignore_eos)
-    engine = Engine(model, tokenizer, cache=args.cache, layout=args.layout,
-                    page_bytes=args.page_bytes, block_size=args.block_size,
-                    max_batch=args.max_batch, max_context=args.max_context,
-                    cache_bytes=args.cache_bytes, attention=args.attention,
-                    preemption=args.preemption, swap_bytes=args.swap_bytes,
-                    watermark=args.watermark, prefix_sharing=args.prefix_sharing,
-                    background_mapper=args.background_mapper, seed=args.seed)
-    with engine, Progress(len(prompts) * args.n, desc="samples",
-                          enabled=False if args.no_progress else None) as bar:
-        outputs = engine.generate(prompts, params,
-                                  on_token=lambda ev: bar.update(1) if ev.finished else None)
+    with _engine(Engine, model, tokenizer, args) as engine:
+        outputs = _generate(engine, prompts, params, args)
     for out in outputs:
-        _print_output(out, args.json)
+        _print_output(out, args.json, args.n > 1)
     stats = engine.last_stats
+    if args.json:
+        print(json.dumps({"stats": _finite(stats.as_dict())}))
     sys.stderr.write(f"vmemkv generate: {stats.summary()}\n")
     return 0
 
 
-def _print_output(out, as_json: bool) -> None:
+def _engine(engine_class, model, tokenizer, args):
+    """The engine the cache and scheduling flags describe."""
+    return engine_class(model, tokenizer, cache=args.cache, layout=args.layout,
+                        page_bytes=args.page_bytes, block_size=args.block_size,
+                        max_batch=args.max_batch, max_context=args.max_context,
+                        cache_bytes=args.cache_bytes, attention=args.attention,
+                        preemption=args.preemption, swap_bytes=args.swap_bytes,
+                        watermark=args.watermark, prefix_sharing=args.prefix_sharing,
+                        background_mapper=args.background_mapper, seed=args.seed)
+
+
+def _generate(engine, prompts, params, args):
+    """engine.generate with the progress bar. On Ctrl-C the samples that had finished are
+    printed (labelled), the caller's ``with engine`` releases the cache, and the interrupt goes
+    on up with a note of how many finished."""
+    finished = []                       # (request_id, sample index), in the order they ended
+
+    def on_token(event) -> None:
+        if event.finished:
+            finished.append((event.request_id, event.index))
+            bar.update(1)
+            hold_point("generate")
+
+    with Progress(len(prompts) * args.n, desc="samples",
+                  enabled=False if args.no_progress else None) as bar:
+        try:
+            return engine.generate(prompts, params, on_token=on_token)
+        except KeyboardInterrupt:
+            _print_finished(engine, finished, args.json)
+            raise KeyboardInterrupt(f"printed the {len(finished)} of {len(prompts) * args.n} "
+                                    f"samples that had finished; the cache is released") from None
+
+
+def _print_finished(engine, finished, as_json: bool) -> None:
+    """Print the ``finished`` (request_id, index) samples, labelled, in request order."""
+    for request_id in sorted({rid for rid, _ in finished}):
+        out = engine.output(request_id)
+        done = [o for o in out.outputs if (request_id, o.index) in finished]
+        _print_output(dataclasses.replace(out, outputs=done), as_json, labelled=True)
+
+
+def _finite(stats: dict) -> dict:
+    """JSON has no NaN or infinity: such figures (no samples to measure) become null."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in stats.items()}
+
+
+def _print_output(out, as_json: bool, labelled: bool = False) -> None:
+    """One JSON object per request, or one line per sample; ``labelled`` lines start with
+    ``[prompt P sample S]`` (P counts from 0 in file order)."""
     if as_json:
         print(json.dumps({"request_id": out.request_id, "prompt": out.prompt,
                           "prompt_token_ids": list(out.prompt_token_ids),
@@ -138,4 +222,5 @@ def _print_output(out, as_json: bool) -> None:
                                        "finish_reason": o.finish_reason} for o in out.outputs]}))
         return
     for o in out.outputs:
-        print(o.text if o.text is not None else " ".join(map(str, o.token_ids)))
+        text = o.text if o.text is not None else " ".join(map(str, o.token_ids))
+        print(f"[prompt {out.request_id} sample {o.index}] {text}" if labelled else text)

@@ -38,7 +38,10 @@ def _backend_status() -> dict:
 
 
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("info", help="print the device, vmem drivers and attention backends")
+    parser = subparsers.add_parser("info", help="print the device, vmem drivers and attention backends",
+                                   description="Print what this machine offers: the device, the "
+                                               "vmem drivers (with their page granularity, or why "
+                                               "they cannot run) and the attention backends.")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
 
 

@@ -2,15 +2,17 @@
 
 Defaults are the project's standard workload (docs/simulation.md): 2,000 requests at time 0,
 prompts log-normal (median 584, p95 2,155), outputs log-normal (mean 374, p95 1,118), at most
-4,096 tokens, Llama-3-8B on one H100, 60 GB of cache.
+4,096 tokens, Llama-3-8B on one H100, 60 GB of cache. The deployment flags are named for what
+they are here (``--model-preset``, ``--gpu``): ``--model`` and ``--device`` mean a real model
+and cpu/cuda in the other subcommands, so simulate refuses them with the new name.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
+from .cliargs import bounded, hold_point, parse_bytes
 from .errors import ConfigError
 from .presets import DEVICES, MODELS
 from .progress import Progress
@@ -18,66 +20,106 @@ from .scheduler import PREEMPTION_MODES, SchedulerConfig
 from .simulator import LAYOUTS, POLICIES, SimConfig, simulate
 from .workload import WorkloadSpec, generate, read_trace, write_trace
 
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6,
-          "gb": 10**9}
+__all__ = ["parse_bytes", "register", "run", "format_table"]
+
+POSITIVE_INT, TOKENS = bounded(int, 1), bounded(float, 0, low_open=True)
+GB, FRACTION = bounded(float, 0), bounded(float, 0, 1)
 
 
-def parse_bytes(text: str) -> int:
-    """'2097152', '2MiB', '64 KiB', '1GB' -> bytes (argparse type; one-line error)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = m and m.group(2).lower()
-    if not m or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"bad size {text!r}: want bytes, or a number with KiB, MiB, GiB, KB, MB or GB")
-    value = float(m.group(1)) * _UNITS[unit]
-    if value < 1 or value != int(value):
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: must be a whole number of bytes >= 1")
-    return int(value)
+class _Renamed(argparse.Action):
+    """A flag that means something else in the other subcommands: refused with its new name."""
+
+    def __init__(self, option_strings, dest, new: str = "", why: str = "", **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+        self.new, self.why = new, why
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} is {self.new} in simulate ({self.why})")
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="simulate a workload under a KV memory policy",
                               description="Run a workload through a KV memory policy on the "
                                           "roofline cost model; defaults: the standard workload.")
-    w = p.add_argument_group("workload (ignored with --trace)")
-    w.add_argument("--requests", type=int, default=2000, help="number of requests")
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--prompt-median", type=float, default=584.0, help="tokens")
-    w.add_argument("--prompt-p95", type=float, default=2155.0, help="tokens")
-    w.add_argument("--output-mean", type=float, default=374.0, help="tokens")
-    w.add_argument("--output-p95", type=float, default=1118.0, help="tokens")
-    w.add_argument("--max-len", type=int, default=4096,
-                   help="max tokens per sequence (prompt + output clipped to it)")
-    w.add_argument("--arrival-rate", type=float, default=0.0,
-                   help="Poisson arrivals, requests/s (0: all at time 0)")
-    w.add_argument("--trace", metavar="FILE", help="JSONL trace (prompt_len, output_len, arrival_s)")
-    w.add_argument("--write-trace", metavar="FILE", help="also write the workload as a JSONL trace")
-    m = p.add_argument_group("deployment")
-    m.add_argument("--model", choices=sorted(MODELS), default="llama-3-8b")
-    m.add_argument("--device", choices=sorted(DEVICES), default="h100")
-    m.add_argument("--cache-gb", type=float, default=60.0, help="KV cache size, GB (10^9 bytes)")
-    m.add_argument("--policy", choices=POLICIES, default="paged")
-    m.add_argument("--block-size", type=int, default=16, help="tokens per block (paged)")
-    m.add_argument("--page-size", type=parse_bytes, default=2 * 2**20,
-                   help="bytes per physical page (vmem), e.g. 2MiB, 64KiB (default 2MiB)")
-    m.add_argument("--layout", choices=LAYOUTS, default="per-layer")
+    _workload_flags(p.add_argument_group("workload (ignored with --trace)"))
+    _deployment_flags(p.add_argument_group("deployment"))
     s = p.add_argument_group("scheduler")
-    s.add_argument("--watermark", type=float, default=0.01,
-                   help="fraction of the cache admission keeps free (default 0.01)")
-    s.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute")
-    s.add_argument("--swap-gb", type=float, default=0.0, help="host swap space, GB")
-    s.add_argument("--max-running", type=int, default=1024, help="sequences per step")
-    s.add_argument("--max-tokens-per-step", type=int, default=8192, help="new tokens per step")
+    s.add_argument("--watermark", type=FRACTION, default=0.01,
+                   help="fraction of the cache admission keeps free, in [0, 1)")
+    s.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute",
+                   help="what a preempted sequence loses: recompute its tokens, or swap them "
+                        "to host memory (needs --swap-gb > 0)")
+    s.add_argument("--swap-gb", type=GB, default=0.0, help="host swap space, GB (10^9 bytes)")
+    s.add_argument("--max-running", type=POSITIVE_INT, default=1024, help="sequences per step")
+    s.add_argument("--max-tokens-per-step", type=POSITIVE_INT, default=8192,
+                   help="new tokens per step")
     c = p.add_argument_group("cost model")
-    c.add_argument("--prefill-mfu", type=float, default=None,
-                   help="cost prefill as compute-bound at this MFU (default: bandwidth only)")
-    c.add_argument("--map-latency-us", type=float, default=0.0,
+    c.add_argument("--prefill-mfu", type=bounded(float, 0, 1, low_open=True), default=None,
+                   help="cost prefill as compute-bound at this model-FLOPs utilisation, in "
+                        "(0, 1] (default: bandwidth only)")
+    c.add_argument("--map-latency-us", type=bounded(float, 0), default=0.0,
                    help="microseconds per physical page mapped (vmem)")
-    c.add_argument("--paged-slowdown", type=float, default=1.0,
-                   help="KV read-time multiplier for paged kernels")
+    c.add_argument("--paged-slowdown", type=bounded(float, 0, low_open=True), default=1.0,
+                   help="KV read-time multiplier for paged kernels (1: as fast as vmem)")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object on stdout")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _workload_flags(w) -> None:
+    w.add_argument("--requests", type=POSITIVE_INT, default=2000, help="number of requests")
+    w.add_argument("--seed", type=int, default=0, help="workload random seed")
+    w.add_argument("--prompt-median", type=TOKENS, default=584.0, help="prompt length median, tokens")
+    w.add_argument("--prompt-p95", type=TOKENS, default=2155.0, help="prompt length p95, tokens")
+    w.add_argument("--output-mean", type=TOKENS, default=374.0, help="output length mean, tokens")
+    w.add_argument("--output-p95", type=TOKENS, default=1118.0, help="output length p95, tokens")
+    w.add_argument("--max-len", type=POSITIVE_INT, default=4096,
+                   help="max tokens per sequence (prompt + output clipped to it)")
+    w.add_argument("--arrival-rate", type=bounded(float, 0), default=0.0,
+                   help="Poisson arrivals, requests/s (0: all at time 0)")
+    w.add_argument("--trace", metavar="FILE",
+                   help="JSONL trace (prompt_len, output_len, arrival_s) (default: generate one)")
+    w.add_argument("--write-trace", metavar="FILE",
+                   help="also write the workload as a JSONL trace (default: don't)")
+
+
+def _deployment_flags(m) -> None:
+    m.add_argument("--model-preset", choices=sorted(MODELS), default="llama-3-8b",
+                   help="the model's shapes and weight bytes for the cost model")
+    m.add_argument("--gpu", choices=sorted(DEVICES), default="h100",
+                   help="the GPU's bandwidth, FLOP/s and memory for the cost model")
+    m.add_argument("--model", action=_Renamed, new="--model-preset",
+                   why="elsewhere --model names a built-in model or a checkpoint")
+    m.add_argument("--device", action=_Renamed, new="--gpu",
+                   why="elsewhere --device is cpu or cuda")
+    m.add_argument("--cache-gb", type=bounded(float, 0, low_open=True), default=60.0,
+                   help="KV cache size, GB (10^9 bytes); with the weights, at most the GPU's memory")
+    m.add_argument("--policy", choices=POLICIES, default="paged", help="KV memory policy")
+    m.add_argument("--block-size", type=POSITIVE_INT, default=16,
+                   help="tokens per block (paged), at most --max-len")
+    m.add_argument("--page-bytes", "--page-size", dest="page_size", type=parse_bytes, metavar="SIZE",
+                   default=2 * 2**20,
+                   help="bytes per physical page (vmem): 2MiB, 64KiB, 65536, ... (default: 2MiB)")
+    m.add_argument("--layout", choices=LAYOUTS, default="per-layer",
+                   help="vmem: one page per layer (per-layer) or all layers in one (interleaved)")
+
+
+def check_deployment(args) -> None:
+    """Refuse what the cost model would accept silently but no machine could run: a cache that
+    with the weights exceeds the GPU's memory, swap preemption without swap space, a block
+    longer than any sequence. ConfigError names the flags, values and limits."""
+    gpu, model = DEVICES[args.gpu], MODELS[args.model_preset]
+    cache_bytes = args.cache_gb * 1e9
+    if cache_bytes + model.weight_bytes > gpu.memory_bytes:
+        raise ConfigError(
+            f"--cache-gb {args.cache_gb:g} plus {model.name}'s {model.weight_bytes / 1e9:.1f} GB of "
+            f"weights exceeds {gpu.name}'s {gpu.memory_bytes / 1e9:.1f} GB of memory; at most "
+            f"--cache-gb {(gpu.memory_bytes - model.weight_bytes) / 1e9:.1f} fits")
+    if args.preemption == "swap" and args.swap_gb <= 0:
+        raise ConfigError("--preemption swap needs host swap space: give --swap-gb > 0")
+    if args.policy == "paged" and args.block_size > args.max_len:
+        raise ConfigError(f"--block-size {args.block_size} tokens is longer than --max-len "
+                          f"{args.max_len}: a block holds at most one sequence's tokens")
 
 
 def _entries(args):
@@ -94,7 +136,7 @@ def _config(args) -> SimConfig:
     sched = SchedulerConfig(max_running=args.max_running,
                             max_tokens_per_step=args.max_tokens_per_step,
                             watermark=args.watermark, preemption=args.preemption)
-    return SimConfig(policy=args.policy, model=args.model, device=args.device,
+    return SimConfig(policy=args.policy, model=args.model_preset, device=args.gpu,
                      cache_bytes=int(args.cache_gb * 1e9), max_seq_len=args.max_len,
                      block_size=args.block_size, page_bytes=args.page_size, layout=args.layout,
                      swap_bytes=int(args.swap_gb * 1e9), scheduler=sched,
@@ -102,20 +144,35 @@ def _config(args) -> SimConfig:
                      paged_slowdown=args.paged_slowdown)
 
 
+def _simulate(entries, config: SimConfig, args):
+    """The simulation with its progress bar; Ctrl-C ends it with a note of how far it got
+    (nothing is half-written: the result is printed only when every request has finished)."""
+    enabled = None if not args.no_progress and len(entries) >= 200 else False
+    finished = [0]
+
+    def on_finished(n: int) -> None:
+        finished[0] += n
+        bar.update(n)
+        hold_point("simulate")
+
+    with Progress(len(entries), f"simulate {args.policy}", enabled=enabled) as bar:
+        try:
+            return simulate(entries, config, on_finished=on_finished)
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(f"{finished[0]:,} of {len(entries):,} requests had finished; "
+                                    f"no result written") from None
+
+
 def run(args) -> int:
-    if args.cache_gb <= 0 or args.swap_gb < 0:
-        raise ConfigError(f"--cache-gb must be > 0 and --swap-gb >= 0, "
-                          f"got {args.cache_gb} and {args.swap_gb}")
-    config = _config(args)
+    config = _config(args)          # field checks first: they name the flag the user gave
+    check_deployment(args)
     entries = _entries(args)
     if args.write_trace:
         write_trace(args.write_trace, entries)
-    enabled = None if not args.no_progress and len(entries) >= 200 else False
-    with Progress(len(entries), f"simulate {args.policy}", enabled=enabled) as bar:
-        result = simulate(entries, config, on_finished=bar.update)
+    result = _simulate(entries, config, args)
     out = result.to_dict()
     out["config"] = {k: getattr(args, k) for k in (
-        "model", "device", "cache_gb", "policy", "block_size", "page_size", "layout",
+        "model_preset", "gpu", "cache_gb", "policy", "block_size", "page_size", "layout",
         "watermark", "preemption", "swap_gb", "max_running", "max_tokens_per_step", "seed",
         "trace")}
     if args.json:
@@ -147,7 +204,7 @@ _ROWS = [
 
 def format_table(d: dict) -> str:
     c = d["config"]
-    lines = [f"vmemkv simulate: {d['policy']}, {c['model']} on {c['device']}, "
+    lines = [f"vmemkv simulate: {d['policy']}, {c['model_preset']} on {c['gpu']}, "
              f"{c['cache_gb']:g} GB cache, {d['num_requests']:,} requests"]
     for label, key, fmt in _ROWS:
         if key is not None:

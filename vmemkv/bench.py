@@ -2,8 +2,10 @@
 
 Runs vmemkv.benchmarks.suite on the default device (CUDA when present, else the CPU):
 allocation, attention, memory, engine. Writes every figure to DIR/bench.json, what each section
-printed to DIR/bench.log and PNG plots to DIR; prints an aligned summary table at the end. The
-command line sits above the layers, so importing the benchmarks here is no upward import.
+printed to DIR/bench.log and PNG plots to DIR; prints an aligned summary table at the end (with
+a warning when the machine was busy). Ctrl-C writes bench.json and bench.log with the sections
+that finished and exits 130. The command line sits above the layers, so importing the
+benchmarks here is no upward import.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import argparse
 import sys
 
 from vmemkv.cli import UsageError
-
+from vmemkv.scheduler.cliargs import thread_count
 
 SECTIONS = ("alloc", "attention", "memory", "engine")
 
@@ -19,18 +21,24 @@ SECTIONS = ("alloc", "attention", "memory", "engine")
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "bench", help="run the vmem-vs-paged benchmark suite (JSON, plots, summary table)",
-        description=__doc__.splitlines()[0])
+        description="Run the vmem-vs-paged benchmark suite: allocation, attention, memory and "
+                    "engine sections, a summary table, bench.json, bench.log and PNG plots.\n\n"
+                    "example:\n  vmemkv bench --quick --out bench_out")
     parser.add_argument("--quick", action="store_true",
                         help="the short suite (under a minute on a 2-core CPU)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="toy sizes that only check the plumbing (JSON, log, plots, summary) "
+                             "in seconds; the figures mean nothing; implies --quick")
     parser.add_argument("--out", default="bench_out", metavar="DIR",
-                        help="output folder for bench.json, bench.log and the PNGs (default: bench_out/)")
+                        help="output folder for bench.json, bench.log and the PNGs")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="default: cuda when a GPU is visible, else cpu")
+                        help="torch device (default: cuda when a GPU is visible, else cpu)")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=None, metavar="SECTION",
-                        help=f"run only these sections ({', '.join(SECTIONS)})")
-    parser.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="torch CPU threads for the whole suite (default: torch's choice; "
-                             "1 gives steady CPU timings on a small, shared machine)")
+                        help=f"run only these sections ({', '.join(SECTIONS)}) (default: all)")
+    parser.add_argument("--threads", type=thread_count, default=None, metavar="N",
+                        help="torch CPU threads for the whole suite, 1 to this machine's CPU count "
+                             "(default: torch's choice; 1 gives steady CPU timings on a small, "
+                             "shared machine)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -41,18 +49,22 @@ def run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise UsageError("--device cuda but torch sees no CUDA GPU")
     if args.threads is not None:
-        if args.threads < 1:
-            raise UsageError(f"--threads must be >= 1, got {args.threads}")
         import torch
         torch.set_num_threads(args.threads)
-    from vmemkv.benchmarks import suite
+    from vmemkv.benchmarks import smoke, suite
+    if args.smoke:
+        smoke.apply()
     sections = tuple(s for s in SECTIONS if s in (args.only or SECTIONS))
-    payload = suite.run_suite(quick=args.quick, out_dir=args.out, device=args.device,
+    payload = suite.run_suite(quick=args.quick or args.smoke, out_dir=args.out, device=args.device,
                               sections=sections, plots=not args.no_plots,
                               progress=not args.no_progress)
-    print(f"\n# vmemkv bench{' --quick' if args.quick else ''}: {payload['environment']['device']}, "
+    size = (" --smoke (toy sizes: the figures mean nothing)" if args.smoke
+            else " --quick" if args.quick else "")
+    print(f"\n# vmemkv bench{size}: {payload['environment']['device']}, "
           f"torch {payload['environment']['torch']}, {payload['wall_s']:.1f} s")
     print(suite.format_summary(payload["summary"]))
+    for warning in payload["warnings"]:
+        print(f"# WARNING: {warning}")
     print(f"# wrote {payload['json']}" + "".join(f"\n# wrote {p}" for p in payload["plots"]))
     failed = [s for s in sections if "error" in payload.get(s, {})]
     if failed:

@@ -1,7 +1,10 @@
-"""The ``vmemkv`` command line: one subcommand per job, each registered by the module that owns it.
+"""vmemkv: virtual-memory KV caches for LLM inference, beside a PagedAttention layout.
 
+The ``vmemkv`` command line: one subcommand per job, each registered by the module that owns it.
 Errors a user can make (a bad flag value, a missing file) exit with status 2 and one line on
-stderr, never a traceback. Heavy imports (torch) happen inside the subcommand that needs them.
+stderr, never a traceback; Ctrl-C exits with status 130 and one line, after the subcommand has
+released its memory and written what finished. Heavy imports (torch) happen inside the
+subcommand that needs them.
 """
 from __future__ import annotations
 
@@ -9,6 +12,8 @@ import argparse
 import importlib
 import sys
 from typing import Optional, Sequence
+
+from vmemkv import __version__
 
 # subcommand -> module with register(subparsers) and run(args) -> int
 SUBCOMMANDS = {
@@ -18,13 +23,50 @@ SUBCOMMANDS = {
     "generate": "vmemkv.runtime.generate_cli",
 }
 
+DESCRIPTION = """\
+Virtual-memory KV caches for LLM inference, beside a PagedAttention layout: run the engine,
+benchmark the two layouts head to head, or study a memory policy in the simulator.
+"""
+
+EPILOG = """\
+examples (with the project's virtual environment active):
+  vmemkv info                                   what this machine offers
+  vmemkv bench --quick                          VMM against paged, summary + bench_out/
+  echo "1 2 3 4" | vmemkv generate --model tiny-llama --max-new-tokens 8
+  vmemkv simulate --requests 500 --cache-gb 20 --policy vmem --gpu h100
+
+'vmemkv COMMAND --help' lists a command's flags with their units and defaults.
+"""
+
+INTERRUPTED_EXIT = 130   # 128 + SIGINT, what a shell reports for Ctrl-C
+
 
 class UsageError(Exception):
     """A user error on the command line; reported as one line, exit status 2."""
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every flag's help line ends with its default, unless the line already states it
+    (flags whose default is "decided at run time" say what decides it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or any(action.default is d for d in (None, False, argparse.SUPPRESS)) \
+                or not action.option_strings:
+            return text
+        default = action.default
+        if isinstance(default, (list, tuple)):
+            default = " ".join(map(str, default)) or "none"
+        return f"{text} (default: {default})"
+
+
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line on stderr and exits 2."""
+    """argparse that reports a bad flag as one line on stderr and exits 2, and shows every
+    flag's default in ``--help``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # noqa: D401 (argparse API)
         sys.stderr.write(f"{self.prog}: error: {message}\n")
@@ -32,8 +74,9 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineArgumentParser(prog="vmemkv", description=__doc__.splitlines()[0])
-    subparsers = parser.add_subparsers(dest="command", required=True,
+    parser = OneLineArgumentParser(prog="vmemkv", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"vmemkv {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                        parser_class=OneLineArgumentParser)
     for name, module_name in SUBCOMMANDS.items():
         importlib.import_module(module_name).register(subparsers)
@@ -46,6 +89,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     module = importlib.import_module(SUBCOMMANDS[args.command])
     try:
         return int(module.run(args) or 0)
+    except KeyboardInterrupt as interrupt:   # the subcommand has cleaned up; its note says what it wrote
+        note = f"; {interrupt}" if str(interrupt) else ""
+        sys.stderr.write(f"vmemkv {args.command}: interrupted{note}\n")
+        return INTERRUPTED_EXIT
     except UsageError as error:
         sys.stderr.write(f"vmemkv {args.command}: error: {error}\n")
         return 2

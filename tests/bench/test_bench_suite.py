@@ -11,26 +11,17 @@ import os
 
 import pytest
 
-from vmemkv.benchmarks import alloc, attention, memory, plots, suite
+from vmemkv.benchmarks import alloc, attention, memory, plots, smoke, suite
 from vmemkv import cli
 
-TINY_ATTENTION = dict(batches=[1, 2], contexts=[32, 64], heads=4, kv_heads=2, head_dim=16,
-                      prefill_len=8, repeats=1)
-TINY_MAPPER = dict(layers=2, kv_heads=8, head_dim=128, heads=16, batch=4, hidden=32,
-                   page_bytes=64 * 2**10, start_tokens=16, steps=6)
 ENV_KEYS = {"device", "torch", "seed", "warmup", "repeats"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture
 def tiny(monkeypatch):
-    """Shrink every section's --quick configuration to a toy size."""
-    for key, value in TINY_ATTENTION.items():
-        monkeypatch.setitem(attention.QUICK, key, value)
-    monkeypatch.setattr(alloc, "_mapper_shape", lambda quick, device: dict(TINY_MAPPER))
-    monkeypatch.setattr(memory, "QUICK_REQUESTS", 40)
-    monkeypatch.setattr(memory, "PAGED_BLOCKS", (16, 128))
-    monkeypatch.setattr(memory, "VMEM_PAGES", {"per-layer": (64 * 2**10,), "interleaved": (2 * 2**20,)})
+    """Shrink every section's --quick configuration to a toy size (benchmarks/smoke.py)."""
+    smoke.apply(monkeypatch.setattr)
 
 
 def fake_engine(quick=False, out=None, device="cpu"):
@@ -52,7 +43,8 @@ def test_attention_rows_cover_both_layouts_and_phases_checked_against_each_other
                                                          for p in ("decode", "prefill")}
     for r in rows:
         assert r["checked"] and r["backend"] == "sdpa"
-        assert finite_numbers(r, ["ms", "kv_gb_per_s", "pct_copy"])
+        assert finite_numbers(r, ["ms", "ms_min", "ms_max", "kv_gb_per_s", "pct_copy"])
+        assert r["ms_min"] <= r["ms"] <= r["ms_max"]
     assert len(payload["speedups"]) == 8
     assert {"applies", "met", "decode_b8_ctx2048_speedup"} <= payload["target"].keys()
     json.dumps(payload)
@@ -80,10 +72,13 @@ def test_alloc_reports_map_latency_and_mapper_wait_for_both_modes(tiny):
     payload = alloc.run(quick=True, pages=4, device="cpu")
     assert ENV_KEYS <= payload["environment"].keys()
     assert {r["page_size"] for r in payload["results"]} == {"4 KiB", "64 KiB", "2 MiB"}
+    for r in payload["results"]:          # the spread of the repeats brackets the median
+        assert r["map_unmap_us_min"] <= r["map_unmap_us"] <= r["map_unmap_us_max"]
     modes = {r["mode"]: r for r in payload["mapper"]}
     assert set(modes) == {"inline", "background"}
     for r in modes.values():
         assert r["pages_mapped"] > 0 and finite_numbers(r, ["mapping_ms", "wait_ms", "loop_ms"])
+        assert r["wait_ms_min"] <= r["wait_ms"] <= r["wait_ms_max"]
     assert modes["inline"]["wait_ms"] == modes["inline"]["mapping_ms"]   # inline: all mapping waits
 
 
@@ -109,7 +104,8 @@ def test_bench_quick_writes_one_json_with_every_section_plots_and_a_summary(tiny
     assert payload["engine"]["rows"][0]["tok_s"] == 12.5
     assert {row["section"] for row in payload["summary"]} == set(suite.SECTIONS)
     engine_rows = [row for row in payload["summary"] if row["section"] == "engine"]
-    assert [(r.get("vmem"), r.get("paged")) for r in engine_rows] == [(12.5, None), (None, 10.0)]
+    assert [(r.get("vmem"), r.get("paged"), r.get("transformers")) for r in engine_rows] == [
+        (12.5, None, None), (None, None, 10.0)]   # transformers' engine is not our paged layout
     names = sorted(os.path.basename(p) for p in payload["plots"])
     assert names == ["attention_latency.png", "mapper_overlap.png", "memory_utilisation.png"]
     for name in names:
@@ -177,6 +173,37 @@ def test_bench_help_is_registered(capsys):
     assert "--quick" in capsys.readouterr().out
 
 
-def test_bad_thread_count_is_a_one_line_usage_error(capsys):
-    assert cli.main(["bench", "--threads", "0", "--only", "memory"]) == 2
-    assert capsys.readouterr().err.strip() == "vmemkv bench: error: --threads must be >= 1, got 0"
+def test_bad_thread_count_is_a_one_line_usage_error_naming_the_limit(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--threads", "0", "--only", "memory"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vmemkv bench: error: argument --threads: must be in [1, {os.cpu_count()}], got 0 "
+        f"(this machine has {os.cpu_count()} CPUs)")
+
+
+def test_summary_reports_the_spread_of_repeats_beside_each_median():
+    payload = {"attention": {"results": [
+        {"phase": "decode", "batch": 1, "ctx": 8, "layout": layout, "ms": ms, "ms_min": ms - 1,
+         "ms_max": ms + 1, "pct_copy": 50.0} for layout, ms in (("vmem", 2.0), ("paged", 4.0))]},
+        "engine": {"rows": [{"system": "vmem per-layer", "tok_s": 12.0, "tok_s_runs": [11.0, 12.0, 15.0]}]}}
+    rows = suite.summary_rows(payload, ("attention", "engine"))
+    assert [r["min-max"] for r in rows] == ["1.000-3.000 / 3.000-5.000", "11.000-15.000"]
+    assert "min-max" in suite.format_summary(rows).splitlines()[0]
+
+
+def test_a_busy_machine_is_warned_about_in_the_summary_and_the_json(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(suite, "load_engine", lambda: (fake_engine, None))
+    monkeypatch.setattr(suite.os, "getloadavg", lambda: (10.0 * os.cpu_count(), 0.0, 0.0))
+    assert cli.main(["bench", "--only", "engine", "--out", str(tmp_path), "--no-progress"]) == 0
+    (warning,) = json.loads((tmp_path / "bench.json").read_text())["warnings"]
+    assert f"> {os.cpu_count()} cores" in warning and "unreliable" in warning
+    assert f"# WARNING: {warning}" in capsys.readouterr().out
+
+
+def test_an_idle_machine_gets_no_warning(tmp_path, monkeypatch):
+    monkeypatch.setattr(suite, "load_engine", lambda: (fake_engine, None))
+    monkeypatch.setattr(suite.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    payload = suite.run_suite(out_dir=str(tmp_path), device="cpu", sections=("engine",),
+                              plots=False, progress=False)
+    assert payload["warnings"] == [] and payload["interrupted"] is False

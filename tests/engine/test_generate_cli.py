@@ -24,15 +24,53 @@ def test_generate_from_file_prints_transformers_greedy_tokens(tmp_path, capsys):
     assert "tok/s" in err and "MiB" in err
 
 
-def test_generate_from_stdin_json_with_forks(monkeypatch, capsys):
+def _json_with_forks(monkeypatch, capsys) -> dict:
+    """Two prompts, n=2, --json: checks the per-request records, returns the stats object."""
     monkeypatch.setattr("sys.stdin", io.StringIO("1 2 3\n4 5 6 7\n"))
     rc = main(["generate", "--model", "tiny-qwen2", "--max-new-tokens", "4", "--n", "2",
                "--layout", "interleaved", "--json", "--no-progress"])
     out, _ = capsys.readouterr()
     assert rc == 0
-    records = [json.loads(line) for line in out.splitlines()]
+    *records, stats = [json.loads(line) for line in out.splitlines()]
     assert [r["prompt_token_ids"] for r in records] == [[1, 2, 3], [4, 5, 6, 7]]
     assert all(len(r["outputs"]) == 2 for r in records)
+    assert [o["index"] for r in records for o in r["outputs"]] == [0, 1, 0, 1]
+    return stats["stats"]
+
+
+def test_generate_from_stdin_json_with_forks(monkeypatch, capsys):
+    _json_with_forks(monkeypatch, capsys)
+
+
+def test_json_ends_with_the_runs_stats(monkeypatch, capsys):
+    stats = _json_with_forks(monkeypatch, capsys)
+    assert stats["output_tokens"] == 2 * 2 * 4 and stats["requests"] == 2
+    for key in ("tokens_per_s", "ttft_p50_s", "itl_p50_s", "num_preemptions", "cache_bytes"):
+        assert isinstance(stats[key], (int, float)), key
+    assert stats["tokens_per_s"] > 0 and stats["num_preemptions"] == 0
+
+
+def test_each_of_n_samples_is_labelled_with_its_prompt_and_index(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("1 2 3\n4 5 6 7\n"))
+    assert main(["generate", "--max-new-tokens", "3", "--n", "2", "--temperature", "1",
+                 "--no-progress"]) == 0
+    labels = [line.split("]")[0] + "]" for line in capsys.readouterr().out.splitlines()]
+    assert labels == ["[prompt 0 sample 0]", "[prompt 0 sample 1]", "[prompt 1 sample 0]",
+                      "[prompt 1 sample 1]"]
+
+
+def test_sizes_take_units_and_threads_apply(monkeypatch, capsys):
+    import torch
+    monkeypatch.setattr("sys.stdin", io.StringIO("1 2 3\n"))
+    threads = torch.get_num_threads()
+    try:
+        assert main(["generate", "--page-bytes", "64KiB", "--cache-bytes", "4MiB", "--threads", "1",
+                     "--max-new-tokens", "2", "--json", "--no-progress"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    stats = json.loads(capsys.readouterr().out.splitlines()[-1])["stats"]
+    assert stats["cache_bytes"] <= 4 * 2**20 and stats["output_tokens"] == 2
 
 
 @pytest.mark.parametrize("argv, stdin", [

@@ -204,8 +204,8 @@ def test_cli_text_prompts_from_stdin_json(cache, checkpoint, expected, tokenizer
     rc = cli(checkpoint, "--prompts", "-", "--json", "--cache", cache, "--block-size", "4")
     out, _ = capsys.readouterr()
     assert rc == 0
-    records = [json.loads(line) for line in out.splitlines()]
-    assert len(records) == len(TEXTS)
+    *records, stats = [json.loads(line) for line in out.splitlines()]   # --json ends with the stats
+    assert len(records) == len(TEXTS) and stats["stats"]["requests"] == len(TEXTS)
     for text, record, exp in zip(TEXTS, records, expected):
         assert record["prompt_token_ids"] == tokenizer(text)["input_ids"]
         assert record["prompt"] == text
@@ -257,8 +257,8 @@ def test_cli_text_flag_reads_a_digits_only_line_as_text(checkpoint, tokenizer, m
     """Without --text a line of integers is token ids; with it, every line is text."""
     monkeypatch.setattr("sys.stdin", io.StringIO("7 11\n"))
     assert cli(checkpoint, "--json") == 0
-    assert json.loads(capsys.readouterr().out)["prompt_token_ids"] == [7, 11]
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["prompt_token_ids"] == [7, 11]
     monkeypatch.setattr("sys.stdin", io.StringIO("7 11\n"))
     assert cli(checkpoint, "--json", "--text") == 0
-    record = json.loads(capsys.readouterr().out)
+    record = json.loads(capsys.readouterr().out.splitlines()[0])
     assert record["prompt"] == "7 11" and record["prompt_token_ids"] == tokenizer("7 11")["input_ids"]

@@ -7,8 +7,6 @@ import torch
 from vmemkv.cli import main
 
 
-
-
 # ---- CLI: generate and bench -------------------------------------------------------------
 def run_cli(argv, capsys):
     try:
@@ -42,7 +40,15 @@ GENERATE_CLI_CASES = [
     ("max-new-tokens", ["--prompts", "{good}", "--max-new-tokens", "0"], ["max_new_tokens", ">= 1", "0"]),
     ("max-new-tokens-not-int", ["--prompts", "{good}", "--max-new-tokens", "abc"],
      ["--max-new-tokens", "invalid int value: 'abc'"]),
-    ("temperature", ["--prompts", "{good}", "--temperature", "-1"], ["temperature", ">= 0", "-1.0"]),
+    ("temperature", ["--prompts", "{good}", "--temperature", "-1"], ["--temperature", ">= 0", "-1"]),
+    ("temperature-inf", ["--prompts", "{good}", "--temperature", "inf"], ["--temperature", "finite", "'inf'"]),
+    ("temperature-nan", ["--prompts", "{good}", "--temperature", "nan"], ["--temperature", "finite", "'nan'"]),
+    ("stop-negative", ["--prompts", "{good}", "--stop", "-1"], ["--stop", ">= 0", "got -1"]),
+    ("threads-too-many", ["--prompts", "{good}", "--threads", "100000"],
+     ["--threads", "got 100000", "CPUs"]),
+    ("block-size-above-context", ["--prompts", "{good}", "--cache", "paged", "--block-size", "100000"],
+     ["--block-size 100000", "--max-context 1024"]),
+    ("page-bytes-bad-size", ["--prompts", "{good}", "--page-bytes", "64XB"], ["--page-bytes", "bad size '64XB'"]),
     ("top-k", ["--prompts", "{good}", "--top-k", "-1"], ["top_k", ">= 0", "-1"]),
     ("top-p", ["--prompts", "{good}", "--top-p", "0"], ["top_p", "(0, 1]", "0.0"]),
     ("n", ["--prompts", "{good}", "--n", "0"], ["SamplingParams.n", ">= 1", "0"]),
@@ -70,9 +76,10 @@ GENERATE_CLI_CASES = [
 BENCH_CLI_CASES = [
     ("only-unknown-section", ["--only", "bogus"], ["--only", "invalid choice: 'bogus'", "alloc"]),
     ("only-nothing", ["--only"], ["--only", "expected at least one argument"]),
-    ("threads-zero", ["--threads", "0"], ["--threads must be >= 1", "got 0"]),
-    ("threads-negative", ["--threads", "-2"], ["--threads must be >= 1", "got -2"]),
-    ("threads-not-int", ["--threads", "x"], ["--threads", "invalid int value: 'x'"]),
+    ("threads-zero", ["--threads", "0"], ["--threads", "must be in [1, ", "got 0"]),
+    ("threads-negative", ["--threads", "-2"], ["--threads", "must be in [1, ", "got -2"]),
+    ("threads-too-many", ["--threads", "100000"], ["--threads", "got 100000", "CPUs"]),
+    ("threads-not-int", ["--threads", "x"], ["--threads", "want an integer, got 'x'"]),
     ("device-choice", ["--device", "tpu"], ["--device", "invalid choice: 'tpu'"]),
 ]
 

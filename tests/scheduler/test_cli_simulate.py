@@ -55,6 +55,39 @@ def test_bad_flag_value_exits_2_with_one_line(capsys, argv):
     assert err.count("\n") == 1 and "Traceback" not in err and "error" in err
 
 
+@pytest.mark.parametrize("argv,words", [
+    (["--cache-gb", "inf"], ["--cache-gb", "finite", "'inf'"]),
+    (["--cache-gb", "nan"], ["--cache-gb", "finite", "'nan'"]),
+    (["--swap-gb", "nan"], ["--swap-gb", "finite", "'nan'"]),
+    (["--cache-gb", "0"], ["--cache-gb", "> 0", "got 0"]),
+    (["--cache-gb", "1000"], ["--cache-gb 1000", "llama-3-8b", "16.1 GB of weights",
+                              "h100's 85.9 GB", "at most --cache-gb 69.8"]),
+    (["--gpu", "h200", "--model-preset", "opt-13b", "--cache-gb", "120"], ["opt-13b", "h200's 141.0 GB"]),
+    (["--preemption", "swap"], ["--preemption swap", "--swap-gb > 0"]),
+    (["--block-size", "100000"], ["--block-size 100000", "--max-len 4096"]),
+    (["--device", "h100"], ["--device is --gpu in simulate", "cpu or cuda"]),
+    (["--model", "llama-3-8b"], ["--model is --model-preset in simulate", "checkpoint"]),
+    (["--watermark", "nan"], ["--watermark", "finite"]),
+])
+def test_refused_value_is_one_line_naming_the_flag_and_the_limit(capsys, argv, words):
+    try:
+        code = main(["simulate", "--requests", "5", "--no-progress"] + argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("vmemkv simulate: error: "), err
+    for word in words:
+        assert word in err, (word, err)
+
+
+def test_deployment_flags_name_the_preset_and_the_gpu(capsys):
+    assert main(FAST + ["--model-preset", "tiny", "--gpu", "h200", "--page-bytes", "64KiB",
+                        "--policy", "vmem", "--json"]) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert (config["model_preset"], config["gpu"], config["page_size"]) == ("tiny", "h200", 64 * 2**10)
+
+
 def test_bad_trace_line_names_the_line(tmp_path, capsys):
     trace = tmp_path / "bad.jsonl"
     trace.write_text('{"prompt_len": 5, "output_len": 5}\n{"prompt_len": -5, "output_len": 5}\n')

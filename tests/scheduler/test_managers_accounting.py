@@ -1,5 +1,6 @@
 """Accounting and planned ops of each manager on small hand-checked examples."""
-import time
+import cProfile
+import pstats
 
 import pytest
 
@@ -192,20 +193,31 @@ def test_swap_out_then_in_emits_swap_ops_around_release_and_reallocation(policy)
     m.check_integrity()
 
 
-@pytest.mark.parametrize("policy", POLICIES)
-def test_append_hot_path_is_fast(policy):
-    """The simulator asks can_append/append of every running sequence every step."""
+def _calls_per_append(policy: str, num_seqs: int, steps: int = 100) -> float:
+    """Python function calls (cProfile's count, builtins included) per can_append + append,
+    with ``num_seqs`` sequences each growing by ``steps`` tokens from 100."""
     m = make_manager(policy, LLAMA, 200 * 10**9, 4096, max_slots=400)
-    for sid in range(200):
+    for sid in range(num_seqs):
         m.allocate(sid, 100, final_tokens=4096)
-    t0 = time.perf_counter()
-    for _ in range(500):
-        for sid in range(200):
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        for sid in range(num_seqs):
             if m.can_append(sid):
                 m.append(sid)
-    per_call = (time.perf_counter() - t0) / 100_000
+    profile.disable()
     m.check_integrity()
-    assert per_call < 5e-6, f"{policy}: {per_call * 1e6:.2f} us per can_append + append"
+    return pstats.Stats(profile).total_calls / (steps * num_seqs)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_append_hot_path_costs_a_few_calls_whatever_the_batch(policy):
+    """The simulator asks can_append/append of every running sequence every step: each pair
+    must cost a small, fixed number of calls, not a scan of the batch. Counted, not timed
+    (a time per call fails on a busy machine; the timing lives in benchmarks/simulate.py)."""
+    small, large = _calls_per_append(policy, 20), _calls_per_append(policy, 300)
+    assert large <= 30, f"{policy}: {large:.1f} calls per can_append + append"
+    assert large <= 1.05 * small, f"{policy}: {small:.1f} calls per pair at 20 sequences, {large:.1f} at 300"
 
 
 @pytest.mark.parametrize("policy", ["paged", "vmem"])

@@ -1,0 +1,129 @@
+"""The summary table of ``vmemkv bench``: one row per headline figure, from the suite's payload.
+
+Columns: section | what | vmem | paged | transformers | unit | min-max | note. ``vmem`` and
+``paged`` are our two layouts; ``transformers`` is a figure of transformers' own engine
+(``generate_batch``, its paged cache), never one of ours. Each number is the median of its
+repeats; ``min-max`` gives the spread of those repeats (per column, ``/``-separated) where the
+section recorded them. ``busy_warning`` says when the machine was too loaded for the ratios to
+be trusted.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+SUMMARY_COLUMNS = ("section", "what", "vmem", "paged", "transformers", "unit", "min-max", "note")
+NUMERIC = ("vmem", "paged", "transformers")
+TRANSFORMERS_LABEL = "transformers generate_batch"
+
+
+def summary_rows(payload: dict, sections) -> list[dict]:
+    """One row per headline figure of each section in ``sections`` present in ``payload``."""
+    rows = []
+    for section in sections:
+        data = payload.get(section)
+        if data is None:
+            continue
+        if "error" in data or "skipped" in data:
+            rows.append({"section": section, "what": "not run", "note": data.get("error") or data["skipped"]})
+            continue
+        rows.extend(dict(section=section, **r) for r in _SUMMARISERS[section](data))
+    return rows
+
+
+def _spread(*ranges) -> str:
+    """'lo-hi' per (lo, hi) pair, '/'-joined; empty when none was recorded."""
+    parts = [f"{lo:.3f}-{hi:.3f}" for lo, hi in ranges if lo is not None and hi is not None]
+    return " / ".join(parts)
+
+
+def _alloc_summary(data: dict) -> list[dict]:
+    rows = [{"what": f"{r['driver']} map+unmap {r['page_size']}", "vmem": r["map_unmap_us"],
+             "unit": "µs/page", "min-max": _spread((r.get("map_unmap_us_min"), r.get("map_unmap_us_max")))}
+            for r in data.get("results", [])]
+    for r in data.get("mapper", []):
+        rows.append({"what": f"mapper wait, {r['mode']}", "vmem": r["wait_ms"], "unit": "ms",
+                     "min-max": _spread((r.get("wait_ms_min"), r.get("wait_ms_max"))),
+                     "note": f"of {r['mapping_ms']:.1f} ms mapping, {r['steps']} steps"})
+    return rows
+
+
+def _attention_summary(data: dict) -> list[dict]:
+    by_key = {(r["phase"], r["batch"], r["ctx"], r["layout"]): r for r in data["results"]}
+    rows = []
+    for (phase, batch, ctx, layout), r in by_key.items():
+        paged = by_key.get((phase, batch, ctx, "paged"))
+        if layout != "vmem" or paged is None:
+            continue
+        rows.append({"what": f"{phase} b{batch} ctx{ctx}", "vmem": r["ms"], "paged": paged["ms"],
+                     "unit": "ms", "min-max": _spread((r.get("ms_min"), r.get("ms_max")),
+                                                      (paged.get("ms_min"), paged.get("ms_max"))),
+                     "note": f"paged/vmem {paged['ms'] / r['ms']:.2f}x; "
+                     f"{r['pct_copy']:.0f}% vs {paged['pct_copy']:.0f}% of copy bw"})
+    return rows
+
+
+def _memory_summary(data: dict) -> list[dict]:
+    rows = []
+    for r in data["results"]:
+        column = "paged" if r["policy"] == "paged" else "vmem"
+        rows.append({"what": f"held util {r['label']} ({r['tokens_per_unit']} tok)", column:
+                     100 * r["held_utilization"], "unit": "%",
+                     "note": f"end waste {r['mean_end_waste_tokens']:.1f} tok/seq"})
+    return rows
+
+
+def engine_column(label: str) -> str:
+    """Which column a system's tokens/s go in: transformers' own engine has its own."""
+    if label.startswith("transformers"):
+        return "transformers"
+    return "vmem" if "vmem" in label else "paged"
+
+
+def _engine_summary(data: dict) -> list[dict]:
+    """tokens/s per system, in the column of its cache (transformers' engine in its own)."""
+    rows = []
+    for r in data.get("rows") or data.get("results") or []:
+        label = str(r.get("system") or r.get("engine") or r.get("name") or "engine")
+        value = r.get("tok_s", r.get("tokens_per_s"))
+        if value is None:
+            continue
+        note = [f"{k} {r[k]:.1%}" for k in ("map_share",) if isinstance(r.get(k), float)]
+        note += [f"{r['vs_hf']:.2f}x transformers"] if isinstance(r.get("vs_hf"), float) else []
+        runs = r.get("tok_s_runs") or []
+        rows.append({"what": f"engine {label}", engine_column(label): float(value),
+                     "unit": "tok/s", "min-max": _spread((min(runs), max(runs))) if len(runs) > 1 else "",
+                     "note": "; ".join(note)})
+    return rows or [{"what": "engine", "note": "no tokens/s figures; see bench.json"}]
+
+
+_SUMMARISERS = {"alloc": _alloc_summary, "attention": _attention_summary,
+                "memory": _memory_summary, "engine": _engine_summary}
+
+
+def busy_warning(load_1min: float, cores: Optional[int] = None) -> Optional[str]:
+    """A warning when the 1-minute load average was above the core count (timings then
+    shared the CPU with other work, and ratios between systems are unreliable); else None."""
+    cores = cores or os.cpu_count() or 1
+    if load_1min <= cores:
+        return None
+    return (f"the machine was busy (1-min load average {load_1min:.2f} > {cores} cores): "
+            f"timings shared the CPU, ratios are unreliable; rerun on an idle machine")
+
+
+def format_summary(rows: list[dict]) -> str:
+    """Aligned table: numbers right-aligned (3 decimals), text left-aligned; columns no row
+    fills are left out."""
+    columns = [c for c in SUMMARY_COLUMNS
+               if c in ("section", "what") or any(r.get(c) not in (None, "") for r in rows)]
+
+    def cell(value):
+        return f"{value:.3f}" if isinstance(value, float) else str(value)
+    widths = [max(len(c), *(len(cell(r.get(c, ""))) for r in rows)) for c in columns]
+
+    def line(values):
+        return " | ".join(v.rjust(w) if c in NUMERIC else v.ljust(w)
+                          for c, v, w in zip(columns, values, widths)).rstrip()
+    out = [line(columns), "-+-".join("-" * w for w in widths)]
+    out.extend(line([cell(r.get(c, "")) for c in columns]) for r in rows)
+    return "\n".join(out)

@@ -1,0 +1,94 @@
+"""What every ``vmemkv`` subcommand shares: argparse value types and the interrupt test hook.
+
+One parser per kind of value, so a flag means the same thing and takes the same syntax in every
+subcommand: sizes (``parse_bytes``: ``65536``, ``64KiB``, ``2 MiB``, ``1GB``), bounded numbers
+(``bounded``: finite, inside a named range) and thread counts (``thread_count``). Each raises
+argparse.ArgumentTypeError, so a bad value is one line naming the flag, the value and the limit.
+Pure Python (the subcommands of every layer import it; it imports none of them).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+import time
+from typing import Callable, Optional, Union
+
+Number = Union[int, float]
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """'2097152', '2MiB', '64 KiB', '1GB' -> bytes, a whole number >= 1 (argparse type)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m and m.group(2).lower()
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"bad size {text!r}: want bytes, or a number with KiB, MiB, GiB, TiB, KB, MB, GB or TB")
+    value = float(m.group(1)) * _UNITS[unit]
+    if value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: must be a whole number of bytes >= 1")
+    return int(value)
+
+
+def bounded(kind: type, low: Optional[Number] = None, high: Optional[Number] = None,
+            low_open: bool = False) -> Callable[[str], Number]:
+    """An argparse type: ``kind`` (int or float) parsed from the text, finite (no inf or nan),
+    at least ``low`` (above it when ``low_open``) and at most ``high``."""
+    name = "an integer" if kind is int else "a number"
+
+    def parse(text: str) -> Number:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"want {name}, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"want a finite number, got {text!r}")
+        too_low = low is not None and (value <= low if low_open else value < low)
+        if too_low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {_range(low, high, low_open)}, got {text}")
+        return value
+    parse.__name__ = kind.__name__      # argparse names the type in its own messages
+    return parse
+
+
+def _range(low, high, low_open: bool) -> str:
+    if high is None:
+        return f"{'>' if low_open else '>='} {low}"
+    if low is None:
+        return f"<= {high}"
+    return f"in {'(' if low_open else '['}{low}, {high}]"
+
+
+def max_threads() -> int:
+    """The most torch CPU threads a flag accepts: this machine's CPU count."""
+    return os.cpu_count() or 1
+
+
+def thread_count(text: str) -> int:
+    """An argparse type for ``--threads``: 1 to this machine's CPU count (more only oversubscribes
+    the cores, and torch crashes on very large values)."""
+    try:
+        return bounded(int, 1, max_threads())(text)
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"{error} (this machine has {max_threads()} CPUs)") from None
+
+
+HOLD_ENV = "VMEMKV_TEST_HOLD"
+
+
+def hold_point(name: str, timeout_s: float = 120.0) -> None:
+    """Test hook for interrupts: when the environment variable VMEMKV_TEST_HOLD equals ``name``,
+    say so on stderr and wait (up to ``timeout_s``) for a signal, so a test can send SIGINT at a
+    known point instead of guessing with sleeps. A no-op otherwise."""
+    if os.environ.get(HOLD_ENV) != name:
+        return
+    sys.stderr.write(f"vmemkv: holding at {name} (test hook)\n")
+    sys.stderr.flush()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
