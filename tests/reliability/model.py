@@ -17,7 +17,7 @@ import torch
 from vmemkv.runtime.cache import make_cache
 from vmemkv.runtime.cache.base import run_plan
 from vmemkv.runtime.config import CacheConfig
-from vmemkv.scheduler.managers.prefix import SeqState
+from vmemkv.scheduler.managers.prefix import HeldSeq
 from vmemkv.vmem.faults import FaultInjectingDriver
 from vmemkv.vmem.host import HostDriver
 
@@ -44,10 +44,10 @@ LAYOUTS = {
 
 
 def canon(value):
-    """A plain, comparable copy of manager state (SeqState and helper objects by field; the
+    """A plain, comparable copy of manager state (HeldSeq and helper objects by field; the
     order of OrderedDicts, i.e. LRU order, is kept)."""
-    if isinstance(value, SeqState):
-        return tuple(canon(getattr(value, name)) for name in SeqState.__slots__)
+    if isinstance(value, HeldSeq):
+        return tuple(canon(getattr(value, name)) for name in HeldSeq.__slots__)
     if isinstance(value, OrderedDict):
         return ("lru", [(k, canon(v)) for k, v in value.items()])
     if isinstance(value, dict):

@@ -4,8 +4,12 @@ After every step: ``check_integrity()``; stats recomputed from public queries (e
 allocated, free + allocated == total); for paged and vmem, the emitted ops replayed on a model of
 physical memory, every live sequence read back token by token, no write into a shared unit, and
 (vmem) the replayed address space equal to ``mapped_pages``. Every refused call (``can_*`` False)
-must raise a typed error and leave the manager exactly as it was.
+must raise a typed error and leave the manager exactly as it was. Transactions: ``begin`` at any
+point, any calls, then ``rollback`` must give back exactly the state at ``begin`` (every field,
+the shadow's reads, and the same results for every later call); ``commit`` keeps the changes.
 """
+import copy
+
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -15,7 +19,7 @@ from vmemkv.scheduler.errors import (OutOfCapacityError, RequestTooLargeError, S
 from vmemkv.scheduler.managers import PagedManager, ReserveManager, VmemManager
 from vmemkv.scheduler.presets import ModelSpec
 
-from .shadow import PagedMemory, ShadowSeq, VmemMemory
+from .shadow import PagedMemory, ShadowSeq, VmemMemory, dump
 
 ONE_LAYER = ModelSpec("t1", 1, 1, 1, 1, weight_bytes=0)   # 1 byte per layer-token, 2 per token
 TWO_LAYER = ModelSpec("t2", 2, 1, 1, 1, weight_bytes=0)   # interleaved page: 2 bytes per token
@@ -25,17 +29,8 @@ PICK = st.integers(0, 10**6)
 
 
 def fingerprint(m):
-    """Everything observable, for 'a refused call changed nothing'."""
-    seqs = sorted((sid, m.num_tokens(sid)) for sid in list(m._seqs) + list(m._swapped))
-    fp = [m.stats(), seqs, m.prefix_queries, m.prefix_hits, list(m._ops), m._swap_used_tokens]
-    if isinstance(m, PagedManager):
-        fp += [[m.block_table(s) for s in sorted(m._seqs)], list(m._refs), list(m._free),
-               list(m._reclaimable), dict(m.prefix.unit_of)]
-    if isinstance(m, VmemManager):
-        fp += [[m.mapped_pages(s) for s in range(m.num_slots)], list(m._refs),
-               [m.slot_of(s) for s in sorted(m._seqs)], list(m._free), list(m._reclaimable),
-               dict(m.prefix.unit_of)]
-    return fp
+    """Everything observable and every field, for 'a refused call changed nothing'."""
+    return [m.stats(), dump(m)]
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -46,6 +41,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m, self.mem = None, None
         self.live, self.swapped = {}, {}
         self.next_id = 0
+        self.txn = None     # (state dump, shadow) at begin, while a transaction is open
 
     # -- helpers --
     def pick(self, pool, i):
@@ -164,6 +160,33 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.swap_in(sid)
         self.live[sid] = self.swapped.pop(sid)
         self.replay()
+
+    @precondition(lambda self: self.m is not None and self.txn is None)
+    @rule()
+    def begin(self):
+        assert not self.m.in_transaction
+        self.m.begin()
+        mem = None if self.mem is None else self.mem.save()
+        self.txn = (dump(self.m), copy.deepcopy((self.live, self.swapped)), mem)
+
+    @precondition(lambda self: self.txn is not None)
+    @rule()
+    def commit(self):
+        self.m.commit()
+        self.txn = None
+
+    @precondition(lambda self: self.txn is not None)
+    @rule()
+    def rollback(self):
+        """Undo every call since begin; sequence ids stay unique (next_id is not reused)."""
+        state, shadow, mem = self.txn
+        self.m.rollback()
+        self.txn = None
+        assert not self.m.in_transaction
+        assert dump(self.m) == state, "rollback did not restore the state at begin"
+        self.live, self.swapped = shadow
+        if self.mem is not None:
+            self.mem.load(mem)
 
     # -- invariants --
     @invariant()
