@@ -1,14 +1,10 @@
-"""What every manager shares: sequence lookup, the pending op list, swap-space accounting.
-
-A concrete manager supplies four hooks over device memory:
-  ``_release(seq)``          give back everything a resident sequence holds (as free does);
-  ``_fresh_units(n)``        how many free units placing n tokens privately would take, or None
-                             when it can never be placed now (e.g. no free slot);
-  ``_available_units()``     units a new allocation may take (free + reclaimable);
-  ``_place_private(id, seq)`` hold private (unshared) memory for ``seq.num_tokens`` tokens.
+"""What every manager shares: sequence lookup, the pending op list, swap-space accounting and
+transactions (one explicit snapshot per class, see ``begin``). A concrete manager supplies the
+abstract hooks at the end over its device memory (release, place, count free units).
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Optional, Sequence
 
 from ..errors import (ConfigError, DuplicateSequenceError, RequestTooLargeError,
@@ -45,9 +41,11 @@ class ManagerCore(MemoryManager):
         self.prefix_hits = 0            # of those, tokens found cached
         self._txn = None                # snapshot taken by begin(), None outside a transaction
 
-    # Fields set at construction and never changed: not snapshotted (subclasses extend this;
-    # a test checks every other field is named by ``_snapshot``).
+    # Fields set at construction and never changed, and indexes recomputed from the other
+    # fields by ``_rebuild_derived`` after a rollback: neither is snapshotted. Subclasses extend
+    # both; a test checks that every other field is named by ``_snapshot``.
     _FIXED_FIELDS = frozenset({"model", "bytes_per_token", "max_seq_len", "swap_bytes", "_txn"})
+    _DERIVED_FIELDS: frozenset = frozenset()
 
     # -- transactions: one explicit snapshot at begin, put back by rollback --
     def begin(self) -> None:
@@ -77,6 +75,7 @@ class ManagerCore(MemoryManager):
             seq.restore(saved)
         for name, value in fields.items():
             setattr(self, name, value)
+        self._rebuild_derived()
 
     @property
     def in_transaction(self) -> bool:
@@ -89,6 +88,10 @@ class ManagerCore(MemoryManager):
         return {"_seqs": dict(self._seqs), "_swapped": dict(self._swapped),
                 "_swap_used_tokens": self._swap_used_tokens, "_ops": list(self._ops),
                 "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits}
+
+    def _rebuild_derived(self) -> None:
+        """Recompute the ``_DERIVED_FIELDS`` from the restored fields (rollback only: an index
+        that is large to copy and rarely needed back is cheaper to rebuild)."""
 
     # -- lookups and argument checks --
     def _seq(self, seq_id: int) -> HeldSeq:
@@ -211,23 +214,22 @@ class ManagerCore(MemoryManager):
         """Where a sequence's tokens are, for SwapOut/SwapIn ops (vmem: slot; paged: blocks)."""
         return {}
 
+    @abstractmethod
     def _release(self, seq: HeldSeq) -> None:
-        raise NotImplementedError
+        """Give back everything resident ``seq`` holds (its record stays for the caller)."""
 
+    @abstractmethod
     def _fresh_units(self, seq: HeldSeq) -> Optional[int]:
-        raise NotImplementedError
+        """Free units placing ``seq`` privately would take; None when it cannot be placed now."""
 
+    @abstractmethod
     def _available_units(self) -> int:
-        raise NotImplementedError
+        """Units a new allocation may take (free + reclaimable)."""
 
+    @abstractmethod
     def _place_private(self, seq_id: int, seq: HeldSeq) -> None:
-        raise NotImplementedError
+        """Hold private memory for ``seq.num_tokens`` tokens (swap-in); room was checked."""
 
+    @abstractmethod
     def _raise_no_room(self, what: str) -> None:
-        raise NotImplementedError
-
-    @property
-    def max_sequence_tokens(self) -> int:
-        """The longest sequence this manager could ever hold (max length, capped by the cache);
-        the scheduler rejects longer requests at submission."""
-        raise NotImplementedError
+        """Raise OutOfCapacityError for ``what``, naming what is free."""

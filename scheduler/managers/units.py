@@ -8,6 +8,7 @@ many units a request needs, prefix matching and its counters, and copy-on-write 
 """
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections import OrderedDict
 from typing import Optional, Sequence
 
@@ -119,9 +120,9 @@ class UnitManager(ManagerCore):
             return
         self._append_slow(seq_id, seq, num_tokens, token_ids)
 
+    @abstractmethod
     def _append_slow(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
-        """Growth that takes units, copies on write or registers prefix keys (subclasses)."""
-        raise NotImplementedError
+        """Growth that takes units, copies on write or registers prefix keys."""
 
     def _growth(self, seq: HeldSeq, num_tokens: int) -> int:
         """Units ``append(num_tokens)`` takes: new units, plus one to copy-on-write a shared

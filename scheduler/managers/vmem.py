@@ -83,15 +83,27 @@ class VmemManager(UnitManager):
     def max_sequence_tokens(self) -> int:
         return min(self.max_seq_len, self.num_groups * self.tokens_per_page)
 
+    @property
+    def pages_per_map_op(self) -> int:
+        return self.pages_per_group
+
     _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {
         "layout", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
         "pages_per_slot"}
 
+    _DERIVED_FIELDS = frozenset({"_maps"})   # group -> mappings: the inverse of _pages
+
     def _snapshot(self) -> dict:
         state = super()._snapshot()
-        state.update(_maps=list(map(set.copy, self._maps)), _pages=list(map(dict.copy, self._pages)),
-                     _owner=list(self._owner), _free_slots=self._free_slots.copy())
+        state.update(_pages=list(map(dict.copy, self._pages)), _owner=list(self._owner),
+                     _free_slots=self._free_slots.copy())
         return state
+
+    def _rebuild_derived(self) -> None:
+        self._maps = [set() for _ in range(self.num_groups)]
+        for slot, pages in enumerate(self._pages):
+            for pi, g in pages.items():
+                self._maps[g].add((slot, pi))
 
     # -- queries the runtime needs --
     def slot_of(self, seq_id: int) -> int:
