@@ -27,8 +27,17 @@ def token_bytes(ids: Sequence[int]) -> bytes:
     """The ids as int64 bytes (what is hashed and verified); ConfigError for a non-int64 id."""
     try:
         return array("q", ids).tobytes()
-    except (OverflowError, TypeError) as e:
-        raise ConfigError(f"token ids must be ints in [-2**63, 2**63), got one that is not ({e})") from None
+    except (OverflowError, TypeError):
+        bad = next((t for t in ids if not _is_int64(t)), None)
+        raise ConfigError(f"token id {bad!r} is not an int in [-2**63, 2**63)") from None
+
+
+def _is_int64(token) -> bool:
+    try:
+        array("q", [token])
+    except (OverflowError, TypeError):
+        return False
+    return True
 
 
 def unit_digest(parent: bytes, unit_tokens: bytes) -> bytes:
@@ -122,7 +131,8 @@ class PrefixIndex:
                 return
             parent = reg.serial
         self.serials += 1
-        self.by_digest[key.digest] = self.by_unit[unit] = CachedUnit(unit, key, self.serials, parent)
+        reg = CachedUnit(unit, key, self.serials, parent)
+        self.by_digest[key.digest] = self.by_unit[unit] = reg
 
     def key_of(self, unit: int) -> Optional[UnitKey]:
         reg = self.by_unit.get(unit)
@@ -159,7 +169,8 @@ class HeldSeq:
 
     def copy(self) -> "HeldSeq":
         c = HeldSeq(self.num_tokens, None if self.ids is None else list(self.ids), self.namespace)
-        c.units, c.keys, c.reserved, c.slot = list(self.units), list(self.keys), self.reserved, self.slot
+        c.units, c.keys = list(self.units), list(self.keys)
+        c.reserved, c.slot = self.reserved, self.slot
         return c
 
     def snapshot(self) -> tuple:

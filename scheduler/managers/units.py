@@ -28,7 +28,7 @@ class UnitManager(ManagerCore):
         self._live = self._cap_sum = self._tok_sum = 0
         self._memo = (None, b"", [])                 # last (namespace, token bytes, their keys)
         self._free = list(range(num_units - 1, -1, -1))   # unheld, unregistered/unmapped units
-        self._reclaimable: OrderedDict = OrderedDict()    # unheld units whose content is kept, LRU first
+        self._reclaimable: OrderedDict = OrderedDict()    # unheld units with kept content, LRU first
         # _live: tokens in held units (a shared unit counted once); _cap_sum / _tok_sum: over
         # resident sequences, len(units) * unit_tokens and num_tokens
 

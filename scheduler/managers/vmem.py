@@ -365,7 +365,8 @@ class VmemManager(UnitManager):
         assert maps == self._maps, "mapping index"
         assert all(c == len(self._pages[s]) for s, c in self._free_slots.items())
         assert len(set(self._free)) == len(self._free)
-        assert all(refs[g] == 0 and not maps[g] and g not in self.prefix.by_unit for g in self._free)
+        assert all(refs[g] == 0 and not maps[g] and g not in self.prefix.by_unit
+                   for g in self._free)
         assert set(self._reclaimable) == {g for g in range(self.num_groups) if not refs[g] and maps[g]}
         held = sum(1 for g in range(self.num_groups) if refs[g] or maps[g])
         assert held + len(self._free) == self.num_groups, "free + held == total"

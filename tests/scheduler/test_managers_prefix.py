@@ -53,7 +53,8 @@ def test_prompts_whose_digests_collide_never_share_memory(kind, collide, monkeyp
 
 
 @pytest.mark.parametrize("kind", ["paged", "vmem"])
-def test_equal_unit_after_a_different_prefix_is_not_a_hit_even_when_digests_collide(kind, monkeypatch):
+def test_equal_unit_after_a_different_prefix_is_not_a_hit_even_when_digests_collide(kind,
+                                                                                   monkeypatch):
     """Unit 1 of C has the same tokens as unit 1 of B, but it was computed after another unit
     0: with digests that depend on the position only, only the registration chain tells."""
     monkeypatch.setattr(prefix, "unit_digest", COLLIDING["digest of the position only"])
@@ -106,13 +107,13 @@ def test_unit_digests_are_sha256_chained_on_the_parent_and_seeded_by_the_namespa
 def test_token_id_outside_int64_is_a_config_error_that_changes_nothing(kind):
     m = manager(kind)
     before = m.stats()
-    with pytest.raises(ConfigError, match="int64|2\\*\\*63"):
+    with pytest.raises(ConfigError, match=f"token id {2**70} is not an int in"):
         m.allocate(0, 6, [1, 2**70, 3, 4, 5, 6])
-    with pytest.raises(ConfigError, match="int64|2\\*\\*63"):
+    with pytest.raises(ConfigError, match=r"token id .* is not an int in \[-2\*\*63"):
         m.allocate(0, 8, [1, 2, 3, 4, 5, 6, 7, -2**64])       # past the shareable units, too
     assert m.stats() == before and m.prefix_queries == 0
     m.allocate(0, 3, [1, 2, 3])
-    with pytest.raises(ConfigError, match="int64|2\\*\\*63"):
+    with pytest.raises(ConfigError, match=r"token id .* is not an int in \[-2\*\*63"):
         m.append(0, 1, [2**63])
     assert m.num_tokens(0) == 3
     m.check_integrity()
