@@ -117,8 +117,6 @@ class ManagerCore(MemoryManager):
     @staticmethod
     def _new_seq(num_tokens: int, token_ids: Optional[Sequence[int]],
                  namespace: Optional[str]) -> HeldSeq:
-        if token_ids is not None:
-            token_bytes(token_ids)          # ConfigError now, before anything changes
         return HeldSeq(num_tokens, None if token_ids is None else list(token_ids), namespace)
 
     @staticmethod

@@ -93,7 +93,7 @@ class PagedManager(UnitManager):
         self._cap_sum += len(seq.units) * self.block_size
         self._tok_sum += num_tokens
         self._seqs[seq_id] = seq
-        self._register_full(seq)   # hit blocks keep their registration
+        self._register_prompt(seq, hits)
         return self._count_prefix(token_ids, num_tokens, hits)
 
     def _fill_blocks(self, seq: HeldSeq, start: int, end: int) -> None:

@@ -60,23 +60,12 @@ class UnitKey(NamedTuple):
 
 def unit_keys(data: bytes, unit_tokens: int, parent: bytes) -> list:
     """Keys of the full units in ``data`` (token bytes), chained on ``parent``."""
-    width, keys = unit_tokens * TOKEN_BYTES, []
+    width, keys, new_key = unit_tokens * TOKEN_BYTES, [], tuple.__new__   # (hot: no __new__ call)
     for start in range(0, len(data) - width + 1, width):
         chunk = data[start:start + width]
         parent = unit_digest(parent, chunk)
-        keys.append(UnitKey(parent, chunk))
+        keys.append(new_key(UnitKey, (parent, chunk)))
     return keys
-
-
-def shareable_bytes(token_ids: Sequence[int], unit_tokens: int, num_tokens: int) -> bytes:
-    """Token bytes of the full units a new sequence of ``num_tokens`` may take from the cache.
-
-    Only units inside the first ``num_tokens - 1`` tokens are eligible, so a hit never covers
-    the last token: the caller always computes at least one token (whose logits it needs) and
-    never writes into a shared unit.
-    """
-    limit = min(num_tokens - 1, len(token_ids)) // unit_tokens
-    return token_bytes(token_ids[:max(limit, 0) * unit_tokens])
 
 
 class CachedUnit(NamedTuple):
@@ -131,7 +120,7 @@ class PrefixIndex:
                 return
             parent = reg.serial
         self.serials += 1
-        reg = CachedUnit(unit, key, self.serials, parent)
+        reg = tuple.__new__(CachedUnit, (unit, key, self.serials, parent))   # hot: no __new__ call
         self.by_digest[key.digest] = self.by_unit[unit] = reg
 
     def key_of(self, unit: int) -> Optional[UnitKey]:

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from typing import Optional, Sequence
 
 from .common import ManagerCore
-from .prefix import HeldSeq, PrefixIndex, namespace_root, shareable_bytes, unit_keys
+from .prefix import HeldSeq, PrefixIndex, namespace_root, token_bytes, unit_keys
 
 
 class UnitManager(ManagerCore):
@@ -26,7 +26,7 @@ class UnitManager(ManagerCore):
         self._fill = [0] * num_units                 # tokens written in each unit
         self.prefix = PrefixIndex()
         self._live = self._cap_sum = self._tok_sum = 0
-        self._memo = (None, b"", [])                 # last (namespace, token bytes, their keys)
+        self._memo = (None, None, [])                # last (namespace, token ids, their keys)
         self._free = list(range(num_units - 1, -1, -1))   # unheld, unregistered/unmapped units
         self._reclaimable: OrderedDict = OrderedDict()    # unheld units with kept content, LRU first
         # _live: tokens in held units (a shared unit counted once); _cap_sum / _tok_sum: over
@@ -59,15 +59,25 @@ class UnitManager(ManagerCore):
         return True
 
     def _hits(self, num_tokens: int, token_ids, namespace) -> list:
-        """Units already holding this prompt's leading full units (verified, see prefix.py)."""
+        """Units already holding this prompt's leading full units (verified, see prefix.py).
+        Only units inside the first ``num_tokens - 1`` tokens are eligible, so a hit never
+        covers the last token: the caller always computes at least one token (whose logits it
+        needs) and never writes into a shared unit."""
         if token_ids is None:
             return []
-        data = shareable_bytes(token_ids, self.unit_tokens, num_tokens)
-        memo = self._memo   # can_allocate then allocate key the same prompt: hash it once
-        if memo[0] != namespace or memo[1] != data:   # keyed on content, never on identity
-            memo = self._memo = (namespace, data,
-                                 unit_keys(data, self.unit_tokens, namespace_root(namespace)))
-        return self.prefix.match(memo[2])
+        limit = min(num_tokens - 1, len(token_ids)) // self.unit_tokens
+        return self.prefix.match(self._prompt_keys(token_ids, namespace)[:max(limit, 0)])
+
+    def _prompt_keys(self, token_ids, namespace) -> list:
+        """Keys of every full unit of ``token_ids`` (ConfigError for an id outside int64).
+        can_allocate then allocate key the same prompt, so the last one is memoised, keyed on
+        its content and namespace (never on the list's identity)."""
+        ids = list(token_ids)
+        memo = self._memo
+        if memo[0] != namespace or memo[1] != ids:
+            keys = unit_keys(token_bytes(ids), self.unit_tokens, namespace_root(namespace))
+            memo = self._memo = (namespace, ids, keys)
+        return memo[2]
 
     def _need(self, num_tokens: int, hits: list) -> int:
         """Units a new sequence takes from the free + reclaimable pool (a hit unit nobody holds
@@ -90,6 +100,16 @@ class UnitManager(ManagerCore):
             self.prefix_queries += num_tokens
             self.prefix_hits += hit_tokens
         return hit_tokens
+
+    def _register_prompt(self, seq: HeldSeq, hits: list) -> None:
+        """At allocate: key the new sequence's full units (the keys ``_hits`` just computed)
+        and register those past the hits."""
+        if seq.ids is not None:
+            full = min(seq.num_tokens, len(seq.ids)) // self.unit_tokens
+            seq.keys = self._prompt_keys(seq.ids, seq.namespace)[:full]
+            for k in range(len(hits), full):
+                self._register_unit(seq, k, seq.keys[k])
+        self._register_full(seq)    # no new unit: forgets the ids if a full unit has none
 
     def _register_full(self, seq: HeldSeq) -> None:
         for k, key in seq.new_full_keys(self.unit_tokens):

@@ -225,7 +225,7 @@ class VmemManager(UnitManager):
             self._raise_no_room(f"sequence {seq_id} needs {need} page groups")
         seq = self._new_seq(num_tokens, token_ids, namespace)
         self._place(seq_id, seq, hits, slot)
-        self._register_full(seq)
+        self._register_prompt(seq, hits)
         return self._count_prefix(token_ids, num_tokens, hits)
 
     def _check_slot_free(self, seq_id: int, slot) -> None:
