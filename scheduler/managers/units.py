@@ -12,6 +12,7 @@ from abc import abstractmethod
 from collections import OrderedDict
 from typing import Optional, Sequence
 
+from ..errors import ConfigError
 from .common import ManagerCore
 from .prefix import HeldSeq, PrefixIndex, namespace_root, token_bytes, unit_keys
 
@@ -69,9 +70,12 @@ class UnitManager(ManagerCore):
         return self.prefix.match(self._prompt_keys(token_ids, namespace)[:max(limit, 0)])
 
     def _prompt_keys(self, token_ids, namespace) -> list:
-        """Keys of every full unit of ``token_ids`` (ConfigError for an id outside int64).
+        """Keys of every full unit of ``token_ids`` (ConfigError for an id outside int64 or a
+        namespace that is not a str).
         can_allocate then allocate key the same prompt, so the last one is memoised, keyed on
         its content and namespace (never on the list's identity)."""
+        if namespace is not None and not isinstance(namespace, str):
+            raise ConfigError(f"namespace must be a str or None, got {namespace!r}")
         ids = list(token_ids)
         memo = self._memo
         if memo[0] != namespace or memo[1] != ids:

@@ -133,3 +133,11 @@ def test_unit_whose_parent_was_overwritten_is_not_a_hit_even_when_digests_collid
     admit(m, 2, [1] * UNIT + [5])                           # A: a new unit 0 takes the digest
     assert admit(m, 3, [1] * UNIT + [2] * UNIT + [5]) == UNIT   # B: A's unit 0, not C's unit 1
     m.check_integrity()
+
+
+@pytest.mark.parametrize("kind", ["paged", "vmem"])
+def test_namespace_that_is_not_a_str_is_a_config_error_that_changes_nothing(kind):
+    m = manager(kind)
+    with pytest.raises(ConfigError, match="namespace must be a str or None, got 7"):
+        m.allocate(0, 6, [1, 2, 3, 4, 5, 6], namespace=7)
+    assert m.stats().live_tokens == 0 and m.prefix_queries == 0
