@@ -9,6 +9,7 @@ point, any calls, then ``rollback`` must give back exactly the state at ``begin`
 the shadow's reads, and the same results for every later call); ``commit`` keeps the changes.
 """
 import copy
+import hashlib
 
 import pytest
 from hypothesis import settings, strategies as st
@@ -16,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from vmemkv.scheduler.errors import (OutOfCapacityError, RequestTooLargeError, SlotError,
                               SwapSpaceExhaustedError)
-from vmemkv.scheduler.managers import PagedManager, ReserveManager, VmemManager
+from vmemkv.scheduler.managers import PagedManager, ReserveManager, VmemManager, prefix
 from vmemkv.scheduler.presets import ModelSpec
 
 from .shadow import PagedMemory, ShadowSeq, VmemMemory, dump
@@ -287,6 +288,33 @@ class VmemMachine(ManagerMachine):
             assert self.m.stats().allocated_tokens == len(groups) * self.unit
 
 
+def position_only_digest(parent, tokens):
+    """A digest that ignores the tokens: every unit at the same position collides."""
+    return hashlib.sha256(parent).digest()
+
+
+class CollidingDigests:
+    """Mixed into a machine: every prefix digest collides by position, so only the index's
+    verification (token ids and registration chain) keeps sharing exact; the shadow's reads
+    catch any unit shared by mistake."""
+
+    def __init__(self):
+        super().__init__()
+        self._real_digest = prefix.unit_digest
+        prefix.unit_digest = position_only_digest
+
+    def teardown(self):
+        prefix.unit_digest = self._real_digest
+
+
+class CollidingPagedMachine(CollidingDigests, PagedMachine):
+    pass
+
+
+class CollidingVmemMachine(CollidingDigests, VmemMachine):
+    pass
+
+
 # 300 examples in CI; more under HYPOTHESIS_PROFILE=long (tests/conftest.py)
 _SETTINGS = settings(max_examples=max(300, settings.default.max_examples), stateful_step_count=40,
                      deadline=None)
@@ -296,3 +324,7 @@ TestPagedMatchesShadowAndReadsBack = PagedMachine.TestCase
 TestPagedMatchesShadowAndReadsBack.settings = _SETTINGS
 TestVmemMatchesShadowAndReadsBack = VmemMachine.TestCase
 TestVmemMatchesShadowAndReadsBack.settings = _SETTINGS
+TestPagedWithCollidingDigestsReadsBack = CollidingPagedMachine.TestCase
+TestPagedWithCollidingDigestsReadsBack.settings = _SETTINGS
+TestVmemWithCollidingDigestsReadsBack = CollidingVmemMachine.TestCase
+TestVmemWithCollidingDigestsReadsBack.settings = _SETTINGS
