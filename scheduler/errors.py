@@ -39,3 +39,7 @@ class SwapSpaceExhaustedError(SchedulerError, MemoryError):
 
 class SlotError(SchedulerError, ValueError):
     """An explicit vmem slot is outside the manager's slots or already holds a sequence."""
+
+
+class TransactionStateError(SchedulerError, RuntimeError):
+    """A manager's ``begin`` inside an open transaction, or ``commit``/``rollback`` without one."""

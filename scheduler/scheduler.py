@@ -34,12 +34,12 @@ class Scheduler:
     def __init__(self, manager: MemoryManager, config: SchedulerConfig = SchedulerConfig()):
         self.manager = manager
         self.config = config
-        self.max_seq_len = config.max_seq_len or getattr(manager, "max_seq_len", None)
+        self.max_seq_len = config.max_seq_len or manager.max_seq_len
         total = manager.stats().total_tokens
         self.total_tokens = total
         # the longest sequence the manager could ever hold (a reservation may need more than
         # the tokens it caches); a request longer than this is rejected at submission
-        self.max_fit_tokens = getattr(manager, "max_sequence_tokens", total)
+        self.max_fit_tokens = manager.max_sequence_tokens
         self.watermark_tokens = int(config.watermark * total)
         self.metrics = SchedulerMetrics()
         self.waiting: deque = deque()   # FCFS; preempted sequences go back to the front
@@ -54,7 +54,6 @@ class Scheduler:
         self._finished_ids: List[int] = []
         self._step = 0
         self._unfinished_samples: Dict[int, int] = {}   # request_id -> sequences not finished
-        self._can_swap_out = getattr(manager, "can_swap_out", None)
 
     # ---- submission ----------------------------------------------------------------------
     def add_request(self, request: Request) -> List[int]:
@@ -111,8 +110,8 @@ class Scheduler:
             "num_requests_swapped": len(self.swapped),
             "kv_cache_usage_perc": st.usage_fraction,
             "num_preemptions": self.metrics.num_preemptions,
-            "prefix_cache_queries": getattr(self.manager, "prefix_queries", 0),
-            "prefix_cache_hits": getattr(self.manager, "prefix_hits", 0),
+            "prefix_cache_queries": self.manager.prefix_queries,
+            "prefix_cache_hits": self.manager.prefix_hits,
         }
 
     # ---- one step ------------------------------------------------------------------------
@@ -232,7 +231,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _try_swap_out(self, seq: Sequence) -> bool:
-        if self._can_swap_out is not None and not self._can_swap_out(seq.seq_id):
+        if not self.manager.can_swap_out(seq.seq_id):
             return False
         try:
             self.manager.swap_out(seq.seq_id)

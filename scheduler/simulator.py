@@ -59,7 +59,7 @@ class SimConfig:
                             max_slots=None, swap_bytes=int(self.swap_bytes))
 
     def make_cost(self, pages_per_map_op: int = 1) -> CostModel:
-        """The cost model; ``pages_per_map_op`` is the vmem manager's ``pages_per_group``."""
+        """The cost model; ``pages_per_map_op`` is the manager's (vmem: pages per group)."""
         model = get_model(self.model)
         return CostModel(model, get_device(self.device), prefill_mfu=self.prefill_mfu,
                          map_latency_s=self.map_latency_s, pages_per_map_op=pages_per_map_op,
@@ -162,7 +162,7 @@ class Simulator:
         latency = latency_summary("ttft", m.ttft_s)
         latency.update(latency_summary("itl", m.itl_s))
         return SimResult(
-            policy=getattr(self.manager, "name", type(self.manager).__name__), num_requests=n,
+            policy=self.manager.name, num_requests=n,
             num_steps=steps, output_tokens=m.generated_tokens, simulated_seconds=sim_s,
             wall_seconds=wall_s,
             output_tokens_per_s=m.generated_tokens / sim_s if sim_s else 0.0,
@@ -171,8 +171,8 @@ class Simulator:
             kv_cache_usage_perc=usage_sum / div, mean_end_waste_tokens=waste_sum / div,
             num_preemptions=m.num_preemptions, num_swap_preemptions=m.num_swap_preemptions,
             recomputed_tokens=m.recomputed_tokens,
-            prefix_cache_queries=getattr(self.manager, "prefix_queries", 0),
-            prefix_cache_hits=getattr(self.manager, "prefix_hits", 0),
+            prefix_cache_queries=self.manager.prefix_queries,
+            prefix_cache_hits=self.manager.prefix_hits,
             mapped_page_ops=maps, latency=latency)
 
 
@@ -180,5 +180,5 @@ def simulate(entries: Sequence[TraceEntry], config: SimConfig = SimConfig(),
              on_finished: Optional[Callable[[int], None]] = None) -> SimResult:
     """Build the manager and cost model ``config`` names and simulate ``entries``."""
     manager = config.make_manager()
-    cost = config.make_cost(getattr(manager, "pages_per_group", 1))
+    cost = config.make_cost(manager.pages_per_map_op)
     return Simulator(manager, cost, config.scheduler).run(entries, on_finished)

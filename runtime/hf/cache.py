@@ -208,7 +208,8 @@ class VMemCache(Cache):
 
     def _grow(self, batch: int, end: int) -> None:
         """Make the manager hold ``end`` tokens in each of ``batch`` rows; map the planned pages.
-        Every check runs before anything is committed."""
+        All or nothing: the checks run first, and a page map that fails (PlanExecutionError)
+        leaves manager, rows and memory as before, so the next call grows again."""
         if self._rows and batch != len(self._rows):
             self._raise_batch_changed(batch)
         if batch > self.max_batch:
@@ -224,12 +225,24 @@ class VMemCache(Cache):
         if need > free:
             raise CacheCapacityError(f"growing {batch} rows to {end} tokens needs {need} page groups "
                                      f"of {tpp} tokens; the cache_bytes budget has {free} left")
-        if not self._rows:
-            self._claim_rows(batch)
-        if end > held:
-            for seq_id in self._rows:
-                self.manager.append(seq_id, end - held)
-        self.kv.execute(self.manager.take_ops())
+        self._grow_rows(batch, end, held)
+
+    def _grow_rows(self, batch: int, end: int, held: int) -> None:
+        """Claim the rows if needed, grow each from ``held`` to ``end`` tokens, map the pages."""
+        rows, next_id = self._rows, self._next_id
+        self.manager.begin()   # a failed map undoes its pages; this undoes the manager's tables
+        try:
+            if not self._rows:
+                self._claim_rows(batch)
+            if end > held:
+                for seq_id in self._rows:
+                    self.manager.append(seq_id, end - held)
+            self.kv.execute(self.manager.take_ops())
+        except BaseException:
+            self.manager.rollback()
+            self._rows, self._next_id = rows, next_id
+            raise
+        self.manager.commit()
 
     def _claim_rows(self, batch: int) -> None:
         """Hold slots 0..batch-1, one empty sequence each, row b on slot b (so

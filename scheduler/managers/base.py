@@ -90,9 +90,11 @@ MemoryOp = Union[MapPage, UnmapPage, CopyPage, CopyBlock, SwapOut, SwapIn]
 class MemoryStats:
     """A snapshot of a manager's accounting, in tokens (bytes = tokens * bytes_per_token)."""
     total_tokens: int        # capacity of the whole cache
-    allocated_tokens: int    # capacity held for sequences (incl. deferred / cached pages)
+    allocated_tokens: int    # total - free: held by sequences, plus (vmem) pages still mapped
+                             # under freed slots (reclaimable)
     live_tokens: int         # tokens actually cached, summed over sequences (shared counted once)
-    free_tokens: int         # capacity available to new allocations
+    free_tokens: int         # paged: free + cached blocks (as vLLM counts them); vmem: unmapped
+                             # page groups only (admission may also reclaim reclaimable ones)
     end_waste_tokens: int    # held by live sequences but past their last token
     bytes_per_token: int
 
@@ -112,16 +114,35 @@ class MemoryStats:
 
 
 class MemoryManager(ABC):
-    """Decides every KV allocation for a set of sequences.
+    """Decides every KV allocation for a set of sequences. This class is the whole interface
+    callers (scheduler, simulator, engine) may use; layout-specific queries (``block_table``,
+    ``slot_of``) belong to the paged and vmem managers and are used only by their caches.
 
     Guarantees, for every implementation:
     - ``check_integrity()`` holds after every public call (free + held == total, reference
       counts equal the number of holders);
     - a call that raises leaves every counter, table and the pending op list unchanged;
-    - ``take_ops()`` returns every op since the last call, in the order they must execute.
+    - ``take_ops()`` returns every op since the last call, in the order they must execute;
+    - ``rollback()`` puts back exactly the state at ``begin()`` (tables, counters, sequence
+      records, pending ops), whatever ran in between.
     """
 
-    name: str = "abstract"
+    name: str = "abstract"   # the policy, as make_manager names it ("paged", "vmem", ...)
+    max_seq_len: int         # tokens one sequence may reach (prompt + output), as configured
+    prefix_queries: int = 0  # tokens offered to allocate with token ids (0: no prefix sharing)
+    prefix_hits: int = 0     # of those, tokens found cached
+
+    @property
+    @abstractmethod
+    def max_sequence_tokens(self) -> int:
+        """The longest sequence this manager could ever hold (``max_seq_len`` capped by the
+        cache); the scheduler rejects longer requests at submission."""
+
+    @property
+    def pages_per_map_op(self) -> int:
+        """Physical pages one MapPage op maps (the cost model charges map latency per page).
+        1 unless the manager maps page groups (vmem: its pages_per_group)."""
+        return 1
 
     # -- admission and growth --
     @abstractmethod
@@ -171,10 +192,10 @@ class MemoryManager(ABC):
         """Emit SwapOut then release the sequence's device memory; returns tokens swapped.
         The sequence stays known to the manager as swapped."""
 
+    @abstractmethod
     def can_swap_out(self, seq_id: int) -> bool:
         """Whether ``swap_out(seq_id)`` would succeed (the sequence is resident and its tokens
-        fit in the free host swap space). Default: False (a manager without swap)."""
-        return False
+        fit in the free host swap space; False for an unknown one)."""
 
     @abstractmethod
     def can_swap_in(self, seq_id: int) -> bool:
@@ -184,10 +205,32 @@ class MemoryManager(ABC):
     def swap_in(self, seq_id: int) -> None:
         """Re-allocate a swapped sequence and emit SwapIn."""
 
+    # -- transactions (the one failure mechanism: a failed step is undone exactly) --
+    @abstractmethod
+    def begin(self) -> None:
+        """Open a transaction (TransactionStateError if one is open: they do not nest)."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Keep every change since ``begin`` (TransactionStateError without one)."""
+
+    @abstractmethod
+    def rollback(self) -> None:
+        """Undo every change since ``begin`` (TransactionStateError without one)."""
+
+    @property
+    @abstractmethod
+    def in_transaction(self) -> bool:
+        """Whether ``begin`` was called without a ``commit``/``rollback`` since."""
+
     # -- queries --
     @abstractmethod
     def num_tokens(self, seq_id: int) -> int:
-        """Live tokens of a sequence."""
+        """Live tokens of a resident or swapped sequence (UnknownSequenceError otherwise)."""
+
+    @abstractmethod
+    def is_swapped(self, seq_id: int) -> bool:
+        """Whether the sequence is held in host swap space (not resident)."""
 
     @abstractmethod
     def stats(self) -> MemoryStats:

@@ -1,76 +1,19 @@
-"""What every manager shares: sequence lookup, the pending op list, swap-space accounting.
-
-A concrete manager supplies four hooks over device memory:
-  ``_release(seq)``          give back everything a resident sequence holds (as free does);
-  ``_fresh_units(n)``        how many free units placing n tokens privately would take, or None
-                             when it can never be placed now (e.g. no free slot);
-  ``_available_units()``     units a new allocation may take (free + reclaimable);
-  ``_place_private(id, seq)`` hold private (unshared) memory for ``seq.num_tokens`` tokens.
+"""What every manager shares: sequence lookup, the pending op list, swap-space accounting and
+transactions (one explicit snapshot per class, see ``begin``). A concrete manager supplies the
+abstract hooks at the end over its device memory (release, place, count free units).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from abc import abstractmethod
 from typing import Optional, Sequence
 
-from ..errors import (ConfigError, SchedulerError, DuplicateSequenceError, RequestTooLargeError,
-                      SwapSpaceExhaustedError, UnknownSequenceError)
+from ..errors import (ConfigError, DuplicateSequenceError, RequestTooLargeError,
+                      SwapSpaceExhaustedError, TransactionStateError, UnknownSequenceError)
 from ..presets import ModelSpec
 from .base import MemoryManager, SwapIn, SwapOut
-from .prefix import SeqState
+from .prefix import HeldSeq, token_bytes
 
-
-class TransactionStateError(SchedulerError, RuntimeError):
-    """``begin`` inside an open transaction, or ``commit``/``rollback`` without one."""
-
-
-_IMMUTABLE = {int, float, str, bool, type(None), tuple, frozenset, bytes}
-
-
-def _immutable(kind: type) -> bool:
-    """Scalars, tuples and frozen dataclasses (the memory ops) are shared, never copied."""
-    if kind in _IMMUTABLE:
-        return True
-    params = getattr(kind, "__dataclass_params__", None)
-    if params is not None and params.frozen:
-        _IMMUTABLE.add(kind)
-        return True
-    return False
-
-
-def _clone(value):
-    """A copy of a manager field deep enough that later mutations of the manager cannot reach
-    it: containers are copied (at C speed when their elements are immutable), SeqState and
-    helper objects (PrefixIndex, FreeSlots) field by field. Manager containers are homogeneous,
-    so the first element says what the rest are."""
-    kind = type(value)
-    if _immutable(kind):
-        return value
-    if kind is list:
-        if not value or _immutable(type(value[0])):
-            return value.copy()
-        first = type(value[0])
-        if first is set:                      # e.g. group -> {(slot, page_index)}
-            return list(map(set.copy, value))
-        if first is dict:                     # e.g. slot -> {page_index: group}
-            sample = next((d for d in value if d), None)
-            if sample is None or _immutable(type(next(iter(sample.values())))):
-                return list(map(dict.copy, value))
-        return [_clone(x) for x in value]
-    if kind is dict or kind is OrderedDict:
-        if value and not _immutable(type(next(iter(value.values())))):
-            return kind((k, _clone(v)) for k, v in value.items())
-        return value.copy()
-    if kind is set:
-        return value.copy()      # sets hold ints or tuples of ints
-    if kind is SeqState:
-        # ids and hashes only ever grow in place (extend/append) or are rebound: share them,
-        # and begin() records their lengths so rollback() can cut them back
-        c = SeqState(value.num_tokens, value.ids, value.namespace)
-        c.units, c.hashes, c.reserved, c.slot = value.units.copy(), value.hashes, value.reserved, value.slot
-        return c
-    clone = object.__new__(kind)
-    clone.__dict__.update({k: _clone(v) for k, v in value.__dict__.items()})
-    return clone
+__all__ = ["ManagerCore", "TransactionStateError", "check_int"]
 
 
 def check_int(field: str, value, low: int, high: Optional[int] = None) -> int:
@@ -90,34 +33,31 @@ class ManagerCore(MemoryManager):
         self.bytes_per_token = model.bytes_per_token
         self.max_seq_len = check_int("max_seq_len_tokens", max_seq_len_tokens, 1)
         self.swap_bytes = check_int("swap_bytes", swap_bytes, 0)
-        self._seqs: dict = {}           # seq_id -> SeqState, resident on the device
-        self._swapped: dict = {}        # seq_id -> SeqState, in host swap space
+        self._seqs: dict = {}           # seq_id -> HeldSeq, resident on the device
+        self._swapped: dict = {}        # seq_id -> HeldSeq, in host swap space
         self._swap_used_tokens = 0
         self._ops: list = []
         self.prefix_queries = 0         # tokens offered for prefix matching (allocate)
         self.prefix_hits = 0            # of those, tokens found cached
         self._txn = None                # snapshot taken by begin(), None outside a transaction
 
-    # Indexes a manager can recompute from its other fields: not copied by begin(), rebuilt by
-    # rollback() (cheaper per step when rollbacks are rare).
-    _TXN_DERIVED: tuple = ()
+    # Fields set at construction and never changed, and indexes recomputed from the other
+    # fields by ``_rebuild_derived`` after a rollback: neither is snapshotted. Subclasses extend
+    # both; a test checks that every other field is named by ``_snapshot``.
+    _FIXED_FIELDS = frozenset({"model", "bytes_per_token", "max_seq_len", "swap_bytes", "_txn"})
+    _DERIVED_FIELDS: frozenset = frozenset()
 
-    def _rebuild_derived(self) -> None:
-        """Recompute the fields named in ``_TXN_DERIVED`` after a rollback."""
-
-    # -- transactions (additive: nothing on the hot path; cost is paid only by begin) --
+    # -- transactions: one explicit snapshot at begin, put back by rollback --
     def begin(self) -> None:
-        """Open a transaction: every later change (tables, counters, pending ops) can be undone
-        with ``rollback`` until ``commit``. Costs one copy of the manager's mutable state, O(units
-        + sequences) at C speed; calls between begin and commit run exactly as without it.
-        Raises TransactionStateError if a transaction is already open (they do not nest)."""
+        """Open a transaction: every later change (tables, counters, sequence records, pending
+        ops) is undone by ``rollback`` until ``commit``. Costs one snapshot, O(units + sequences)
+        list copies at C speed; the calls in between run exactly as without it. Raises
+        TransactionStateError if a transaction is already open (they do not nest)."""
         if self._txn is not None:
             raise TransactionStateError("begin() inside an open transaction; commit or roll back first")
-        skip = ("model", "_txn") + self._TXN_DERIVED
-        self._txn = {k: _clone(v) for k, v in self.__dict__.items() if k not in skip}
-        self._txn["_txn_lengths"] = [(lst, len(lst)) for seqs in (self._seqs, self._swapped)
-                                     for seq in seqs.values()
-                                     for lst in (seq.ids, seq.hashes) if lst is not None]
+        records = [(seq, seq.snapshot()) for held in (self._seqs, self._swapped)
+                   for seq in held.values()]
+        self._txn = (self._snapshot(), records)
 
     def commit(self) -> None:
         """Keep every change since ``begin`` and close the transaction."""
@@ -126,22 +66,35 @@ class ManagerCore(MemoryManager):
         self._txn = None
 
     def rollback(self) -> None:
-        """Restore the state (and pending op list) exactly as it was at ``begin``; close the
-        transaction. Objects the manager held are replaced by their snapshots."""
+        """Restore every field, sequence record and the pending op list exactly as they were at
+        ``begin``; close the transaction."""
         if self._txn is None:
             raise TransactionStateError("rollback() without begin()")
-        state, self._txn = self._txn, None
-        for lst, length in state.pop("_txn_lengths"):
-            del lst[length:]
-        self.__dict__.update(state)
+        (fields, records), self._txn = self._txn, None
+        for seq, saved in records:
+            seq.restore(saved)
+        for name, value in fields.items():
+            setattr(self, name, value)
         self._rebuild_derived()
 
     @property
     def in_transaction(self) -> bool:
         return self._txn is not None
 
+    def _snapshot(self) -> dict:
+        """Every mutable field by name, each copied deep enough that no later call can reach
+        the copy (records held in ``_seqs``/``_swapped`` are snapshotted by HeldSeq.snapshot).
+        Subclasses add their fields."""
+        return {"_seqs": dict(self._seqs), "_swapped": dict(self._swapped),
+                "_swap_used_tokens": self._swap_used_tokens, "_ops": list(self._ops),
+                "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits}
+
+    def _rebuild_derived(self) -> None:
+        """Recompute the ``_DERIVED_FIELDS`` from the restored fields (rollback only: an index
+        that is large to copy and rarely needed back is cheaper to rebuild)."""
+
     # -- lookups and argument checks --
-    def _seq(self, seq_id: int) -> SeqState:
+    def _seq(self, seq_id: int) -> HeldSeq:
         seq = self._seqs.get(seq_id)
         if seq is None:
             if seq_id in self._swapped:
@@ -163,14 +116,16 @@ class ManagerCore(MemoryManager):
 
     @staticmethod
     def _new_seq(num_tokens: int, token_ids: Optional[Sequence[int]],
-                 namespace: Optional[str]) -> SeqState:
-        return SeqState(num_tokens, None if token_ids is None else list(token_ids), namespace)
+                 namespace: Optional[str]) -> HeldSeq:
+        return HeldSeq(num_tokens, None if token_ids is None else list(token_ids), namespace)
 
     @staticmethod
     def _check_append_ids(num_tokens: int, token_ids: Optional[Sequence[int]]) -> None:
         check_int("num_tokens", num_tokens, 0)
         if token_ids is not None and len(token_ids) != num_tokens:
             raise ConfigError(f"token_ids has {len(token_ids)} ids for num_tokens={num_tokens}")
+        if token_ids is not None:
+            token_bytes(token_ids)
 
     # -- ops --
     def take_ops(self) -> list:
@@ -250,30 +205,29 @@ class ManagerCore(MemoryManager):
         assert 0 <= self._swap_used_tokens * self.bytes_per_token <= self.swap_bytes
 
     # -- hooks --
-    def _forget_uncomputed(self, seq: SeqState, computed_tokens: int) -> None:
+    def _forget_uncomputed(self, seq: HeldSeq, computed_tokens: int) -> None:
         """Withdraw units past ``computed_tokens`` from prefix sharing (managers that share)."""
 
-    def _swap_location(self, seq: SeqState) -> dict:
+    def _swap_location(self, seq: HeldSeq) -> dict:
         """Where a sequence's tokens are, for SwapOut/SwapIn ops (vmem: slot; paged: blocks)."""
         return {}
 
-    def _release(self, seq: SeqState) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _release(self, seq: HeldSeq) -> None:
+        """Give back everything resident ``seq`` holds (its record stays for the caller)."""
 
-    def _fresh_units(self, seq: SeqState) -> Optional[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def _fresh_units(self, seq: HeldSeq) -> Optional[int]:
+        """Free units placing ``seq`` privately would take; None when it cannot be placed now."""
 
+    @abstractmethod
     def _available_units(self) -> int:
-        raise NotImplementedError
+        """Units a new allocation may take (free + reclaimable)."""
 
-    def _place_private(self, seq_id: int, seq: SeqState) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _place_private(self, seq_id: int, seq: HeldSeq) -> None:
+        """Hold private memory for ``seq.num_tokens`` tokens (swap-in); room was checked."""
 
+    @abstractmethod
     def _raise_no_room(self, what: str) -> None:
-        raise NotImplementedError
-
-    @property
-    def max_sequence_tokens(self) -> int:
-        """The longest sequence this manager could ever hold (max length, capped by the cache);
-        the scheduler rejects longer requests at submission."""
-        raise NotImplementedError
+        """Raise OutOfCapacityError for ``what``, naming what is free."""

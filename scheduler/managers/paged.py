@@ -3,24 +3,23 @@ a pool, a block table per sequence, reference counts, copy-on-write and prefix c
 
 Every block is in exactly one of three states:
 
-    free     ref 0, no hash         in ``_free`` (a stack)
-    cached   ref 0, hashed content  in ``_reclaimable`` (LRU order; evicted only when _free is empty)
-    held     ref >= 1               in the block tables of ``ref`` resident sequences
+    free     ref 0, unregistered      in ``_free`` (a stack)
+    cached   ref 0, registered content in ``_reclaimable`` (LRU; evicted only when _free is empty)
+    held     ref >= 1                  in the block tables of ``ref`` resident sequences
 
 Cached blocks count as FREE capacity (as vLLM's kv_cache_usage does): taking one just drops its
-hash. A full block is registered in the prefix index as soon as its token ids are known (at
-allocate for the prompt: its K/V are written in the step that follows, before anyone reads).
+registration. A full block is registered in the prefix index as soon as its token ids are known
+(at allocate for the prompt: its K/V are written in the step that follows, before anyone reads).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Optional, Sequence
 
 from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError
 from ..presets import ModelSpec
 from .base import CopyBlock, MemoryStats
 from .common import check_int
-from .prefix import SeqState
+from .prefix import HeldSeq
 from .units import UnitManager
 
 
@@ -40,10 +39,8 @@ class PagedManager(UnitManager):
             raise ConfigError(f"cache_bytes={cache_bytes} holds no block of {bs} tokens; needs "
                               f">= {bs * self.bytes_per_token}")
         self._init_units(self.num_blocks, bs)
-        self._free = list(range(self.num_blocks - 1, -1, -1))
-        self._reclaimable: OrderedDict = OrderedDict()  # cached block -> None, LRU first
-        # _live: tokens in held blocks (a shared block counted once); _cap_sum / _tok_sum:
-        # over resident sequences, len(blocks) * block_size and num_tokens
+
+    _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {"block_size", "num_blocks"}
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -72,7 +69,7 @@ class PagedManager(UnitManager):
         self._refs[b] -= 1
         if self._refs[b] == 0:
             self._live -= self._fill[b]
-            if b in self.prefix.hash_of:
+            if b in self.prefix.by_unit:
                 self._reclaimable[b] = None
             else:
                 self._free.append(b)
@@ -96,10 +93,10 @@ class PagedManager(UnitManager):
         self._cap_sum += len(seq.units) * self.block_size
         self._tok_sum += num_tokens
         self._seqs[seq_id] = seq
-        self._register_full(seq)   # hit blocks keep their hash; the chain is recomputed
+        self._register_prompt(seq, hits)
         return self._count_prefix(token_ids, num_tokens, hits)
 
-    def _fill_blocks(self, seq: SeqState, start: int, end: int) -> None:
+    def _fill_blocks(self, seq: HeldSeq, start: int, end: int) -> None:
         """Account tokens [start, end) as written into ``seq``'s blocks (all private)."""
         bs, pos = self.block_size, start
         while pos < end:
@@ -118,7 +115,7 @@ class PagedManager(UnitManager):
             return True      # hot path: room in a private last block
         return new <= self.max_seq_len and self._growth(seq, num_tokens) <= self._available_units()
 
-    def _append_slow(self, seq_id: int, seq: SeqState, num_tokens: int, token_ids) -> None:
+    def _append_slow(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
         self._check_append_ids(num_tokens, token_ids)
         old, bs = seq.num_tokens, self.block_size
         if old + num_tokens > self.max_seq_len:
@@ -165,10 +162,10 @@ class PagedManager(UnitManager):
         self._cap_sum += len(child.units) * self.block_size
         self._tok_sum += child.num_tokens
 
-    def _swap_location(self, seq: SeqState) -> dict:
+    def _swap_location(self, seq: HeldSeq) -> dict:
         return {"blocks": tuple(seq.units)}
 
-    def _release(self, seq: SeqState) -> None:
+    def _release(self, seq: HeldSeq) -> None:
         for b in reversed(seq.units):   # tail blocks first in LRU: evicted before the prefix
             self._unhold(b)
         self._cap_sum -= len(seq.units) * self.block_size
@@ -176,18 +173,17 @@ class PagedManager(UnitManager):
         seq.units = []
 
     # -- swap hooks --
-    def _fresh_units(self, seq: SeqState) -> Optional[int]:
+    def _fresh_units(self, seq: HeldSeq) -> Optional[int]:
         return -(-seq.num_tokens // self.block_size)
 
-    def _place_private(self, seq_id: int, seq: SeqState) -> None:
+    def _place_private(self, seq_id: int, seq: HeldSeq) -> None:
         n = seq.num_tokens
         seq.units = [self._take_block() for _ in range(-(-n // self.block_size))]
         self._fill_blocks(seq, 0, n)
         self._cap_sum += len(seq.units) * self.block_size
         self._tok_sum += n
-        for k, h in enumerate(seq.hashes):   # content is back: make it findable again
-            if k < len(seq.units):
-                self.prefix.register(seq.units[k], h)
+        for k, key in enumerate(seq.keys):   # content is back: make it findable again
+            self._register_unit(seq, k, key)
 
     def _raise_no_room(self, what: str) -> None:
         raise OutOfCapacityError(f"{what}: {self._available_units()} blocks of "
@@ -212,8 +208,8 @@ class PagedManager(UnitManager):
         assert refs == self._refs, "reference counts"
         free, cached = set(self._free), set(self._reclaimable)
         assert len(free) == len(self._free) and not free & cached
-        assert all(refs[b] == 0 and b not in self.prefix.hash_of for b in free)
-        assert all(refs[b] == 0 and b in self.prefix.hash_of for b in cached)
+        assert all(refs[b] == 0 and b not in self.prefix.by_unit for b in free)
+        assert all(refs[b] == 0 and b in self.prefix.by_unit for b in cached)
         held = sum(1 for r in refs if r)
         assert held + len(free) + len(cached) == self.num_blocks, "free + held == total"
         assert self._live == sum(self._fill[b] for b in range(self.num_blocks) if refs[b])

@@ -1,102 +1,185 @@
-"""Prefix sharing by chain hash, shared by the paged and vmem managers.
+"""Prefix sharing by verified chain digests, and the per-sequence record (shared by all managers).
 
 A *unit* is a paged block or a vmem page group; ``unit_tokens`` is how many tokens it holds.
-Only FULL units are hashed. The hash of unit k chains the hash of unit k-1, so equal hashes mean
-equal whole prefixes, not just equal blocks; the namespace (an adapter id, say) is part of every
-hash, so units computed under different weights never match:
+Only FULL units are shared. Unit k of a sequence is keyed by a digest chained on unit k-1's and
+seeded by the namespace (an adapter id, say), so equal digests name equal whole prefixes and
+units computed under different weights never match:
 
-    h0 = H(None, ids[0:U],  ns)   h1 = H(h0, ids[U:2U], ns)   h2 = H(h1, ids[2U:3U], ns) ...
+    root = H(b"vmemkv-prefix" | ns)    d0 = H(root | ids[0:U])    d1 = H(d0 | ids[U:2U])  ...
 
-H is Python's tuple hash (64-bit, process-local), as vLLM's builtin-hash option.
+H is SHA-256 (hashlib) over the ids as int64 bytes. A digest is only a lookup key: the index
+keeps every cached unit's token ids and the registration it was chained on, and a match checks
+both, so a digest that collides (crafted, or a test that forces one) is a miss, never a hit.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import hashlib
+from array import array
+from functools import lru_cache
+from typing import NamedTuple, Optional, Sequence
+
+from ..errors import ConfigError
+
+TOKEN_BYTES = 8   # each token id is hashed and stored as one int64
 
 
-def unit_hash(prev: Optional[int], tokens: Sequence[int], namespace: Optional[str]) -> int:
-    """Chain hash of one full unit: its predecessor's hash, its token ids and the namespace."""
-    return hash((prev, tuple(tokens), namespace))
+def token_bytes(ids: Sequence[int]) -> bytes:
+    """The ids as int64 bytes (what is hashed and verified); ConfigError for a non-int64 id."""
+    try:
+        return array("q", ids).tobytes()
+    except (OverflowError, TypeError):
+        bad = next((t for t in ids if not _is_int64(t)), None)
+        raise ConfigError(f"token id {bad!r} is not an int in [-2**63, 2**63)") from None
 
 
-def prefix_hashes(token_ids: Sequence[int], unit_tokens: int, num_tokens: int,
-                  namespace: Optional[str]) -> list:
-    """Chain hashes of the full units a new sequence of ``num_tokens`` may take from the cache.
+def _is_int64(token) -> bool:
+    try:
+        array("q", [token])
+    except (OverflowError, TypeError):
+        return False
+    return True
 
-    Only units inside the first ``num_tokens - 1`` tokens are eligible, so a hit never covers
-    the last token: the caller always computes at least one token (whose logits it needs) and
-    never writes into a shared unit.
-    """
-    limit = min(num_tokens - 1, len(token_ids)) // unit_tokens
-    hashes, prev = [], None
-    for k in range(limit):
-        prev = unit_hash(prev, token_ids[k * unit_tokens:(k + 1) * unit_tokens], namespace)
-        hashes.append(prev)
-    return hashes
+
+def unit_digest(parent: bytes, unit_tokens: bytes) -> bytes:
+    """Chain digest of one full unit: its parent's digest (or the namespace root) and its ids."""
+    return hashlib.sha256(parent + unit_tokens).digest()
+
+
+@lru_cache(maxsize=256)
+def namespace_root(namespace: Optional[str]) -> bytes:
+    """The seed of every chain in ``namespace`` (None and "" are different namespaces)."""
+    tag = b"\0" if namespace is None else b"\1" + namespace.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(b"vmemkv-prefix" + tag).digest()
+
+
+class UnitKey(NamedTuple):
+    """What one full unit holds: its chain digest and its token ids (int64 bytes)."""
+    digest: bytes
+    tokens: bytes
+
+
+def unit_keys(data: bytes, unit_tokens: int, parent: bytes) -> list:
+    """Keys of the full units in ``data`` (token bytes), chained on ``parent``."""
+    width, keys, new_key = unit_tokens * TOKEN_BYTES, [], tuple.__new__   # (hot: no __new__ call)
+    for start in range(0, len(data) - width + 1, width):
+        chunk = data[start:start + width]
+        parent = unit_digest(parent, chunk)
+        keys.append(new_key(UnitKey, (parent, chunk)))
+    return keys
+
+
+class CachedUnit(NamedTuple):
+    """One registration: ``unit`` holds ``key``'s tokens, computed after the content of
+    registration ``parent_serial`` (None: the first unit of a sequence)."""
+    unit: int
+    key: UnitKey
+    serial: int
+    parent_serial: Optional[int]
 
 
 class PrefixIndex:
-    """hash <-> unit maps of the units whose content is known (full and never written since).
+    """The units whose content is known (full, and not written since), by digest and by unit.
 
-    Guarantees: a unit has at most one hash and a hash names at most one unit; ``drop`` of a
-    unit without a hash is a no-op (so callers may drop on every reuse).
+    Guarantees: a unit has at most one registration and a digest names at most one unit;
+    ``match`` returns only units whose token ids AND whole chain of registrations equal the
+    query's; ``drop`` of an unregistered unit is a no-op (callers may drop on every reuse).
+    Registrations are immutable, so ``copy`` copies two dicts.
     """
 
     def __init__(self) -> None:
-        self.unit_of: dict = {}   # hash -> unit
-        self.hash_of: dict = {}   # unit -> hash
+        self.by_digest: dict = {}   # digest -> CachedUnit
+        self.by_unit: dict = {}     # unit -> CachedUnit
+        self.serials = 0            # registrations ever made (each gets a new serial)
 
-    def match(self, hashes: Sequence[int]) -> list:
-        """Units of the longest cached prefix of ``hashes``."""
-        units = []
-        for h in hashes:
-            u = self.unit_of.get(h)
-            if u is None:
+    def copy(self) -> "PrefixIndex":
+        c = PrefixIndex()
+        c.by_digest, c.by_unit, c.serials = dict(self.by_digest), dict(self.by_unit), self.serials
+        return c
+
+    def match(self, keys: Sequence[UnitKey]) -> list:
+        """Units of the longest verified cached prefix of ``keys``."""
+        units, parent = [], None
+        for key in keys:
+            reg = self.by_digest.get(key.digest)
+            if reg is None or reg.key.tokens != key.tokens or reg.parent_serial != parent:
                 break
-            units.append(u)
+            units.append(reg.unit)
+            parent = reg.serial
         return units
 
-    def register(self, unit: int, h: int) -> None:
-        """Name ``unit`` by ``h`` unless another unit already holds that content."""
-        if h not in self.unit_of and unit not in self.hash_of:
-            self.unit_of[h] = unit
-            self.hash_of[unit] = h
+    def register(self, unit: int, key: UnitKey, parent_unit: Optional[int]) -> None:
+        """Name ``unit`` by ``key``, chained on ``parent_unit``'s registration (None for a first
+        unit). No-op when another unit holds that digest, ``unit`` is already named, or the
+        parent is not registered (the chain could not be verified)."""
+        if key.digest in self.by_digest or unit in self.by_unit:
+            return
+        parent = None
+        if parent_unit is not None:
+            reg = self.by_unit.get(parent_unit)
+            if reg is None:
+                return
+            parent = reg.serial
+        self.serials += 1
+        reg = tuple.__new__(CachedUnit, (unit, key, self.serials, parent))   # hot: no __new__ call
+        self.by_digest[key.digest] = self.by_unit[unit] = reg
+
+    def key_of(self, unit: int) -> Optional[UnitKey]:
+        reg = self.by_unit.get(unit)
+        return None if reg is None else reg.key
 
     def drop(self, unit: int) -> None:
         """Forget ``unit``'s content (it is about to be overwritten)."""
-        h = self.hash_of.pop(unit, None)
-        if h is not None:
-            del self.unit_of[h]
+        reg = self.by_unit.pop(unit, None)
+        if reg is not None:
+            del self.by_digest[reg.key.digest]
 
     def check(self) -> None:
-        assert len(self.unit_of) == len(self.hash_of)
-        for h, u in self.unit_of.items():
-            assert self.hash_of[u] == h, (h, u)
+        assert len(self.by_digest) == len(self.by_unit)
+        for digest, reg in self.by_digest.items():
+            assert reg.key.digest == digest and self.by_unit[reg.unit] is reg, (digest, reg.unit)
 
 
-class SeqState:
-    """One sequence's bookkeeping, shared by all managers (mutable, slotted: no per-step
-    allocation). ``units`` is the block table (paged) or page-index -> group list (vmem)."""
+class HeldSeq:
+    """A manager's record of one sequence it holds (mutable, slotted: no per-step allocation).
+    ``units`` is the block table (paged) or page-index -> group list (vmem). ``ids`` and
+    ``keys`` only grow in place (extend/append) or are rebound, never edited: ``snapshot``
+    relies on that."""
 
-    __slots__ = ("num_tokens", "units", "ids", "namespace", "hashes", "reserved", "slot")
+    __slots__ = ("num_tokens", "units", "ids", "namespace", "keys", "reserved", "slot")
 
     def __init__(self, num_tokens: int, ids: Optional[list], namespace: Optional[str]) -> None:
         self.num_tokens = num_tokens   # live tokens
         self.units: list = []          # block ids / group ids, index = unit index
         self.ids = ids                 # known token ids (may run ahead of num_tokens); None: unknown
         self.namespace = namespace
-        self.hashes: list = []         # chain hashes of units 0..len-1 (all full)
+        self.keys: list = []           # UnitKeys of units 0..len-1 (all full)
         self.reserved = 0              # reserve managers: tokens held
         self.slot = -1                 # vmem: batch row
 
-    def copy(self) -> "SeqState":
-        c = SeqState(self.num_tokens, None if self.ids is None else list(self.ids), self.namespace)
-        c.units, c.hashes, c.reserved, c.slot = list(self.units), list(self.hashes), self.reserved, self.slot
+    def copy(self) -> "HeldSeq":
+        c = HeldSeq(self.num_tokens, None if self.ids is None else list(self.ids), self.namespace)
+        c.units, c.keys = list(self.units), list(self.keys)
+        c.reserved, c.slot = self.reserved, self.slot
         return c
+
+    def snapshot(self) -> tuple:
+        """Everything ``restore`` needs to undo later calls: O(len(units)), ids and keys by
+        length (they only grow in place)."""
+        ids = self.ids
+        return (self.num_tokens, list(self.units), ids, 0 if ids is None else len(ids),
+                self.keys, len(self.keys), self.reserved, self.slot)
+
+    def restore(self, saved: tuple) -> None:
+        """Put back the state ``snapshot`` returned (the record may have changed since)."""
+        self.num_tokens, self.units, self.ids, num_ids, self.keys, num_keys, self.reserved, \
+            self.slot = saved
+        if self.ids is not None:
+            del self.ids[num_ids:]
+        del self.keys[num_keys:]
 
     def note_ids(self, old_tokens: int, token_ids: Optional[Sequence[int]]) -> None:
         """Record the ids of tokens appended after ``old_tokens``; forget all ids once a gap
-        appears (later units then can never be hashed)."""
+        appears (later units then can never be shared)."""
         ids = self.ids
         if ids is None:
             return
@@ -105,19 +188,16 @@ class SeqState:
         elif len(ids) < self.num_tokens:
             self.ids = None
 
-    def new_full_hashes(self, unit_tokens: int) -> list:
-        """Hash every unit that became full since the last call: [(unit_index, hash)]."""
-        out = []
-        ids, hashes = self.ids, self.hashes
+    def new_full_keys(self, unit_tokens: int) -> list:
+        """Key every unit that became full since the last call: [(unit_index, UnitKey)]."""
+        ids, keys = self.ids, self.keys
         if ids is None:
-            return out
-        k = len(hashes)
-        while (k + 1) * unit_tokens <= self.num_tokens and (k + 1) * unit_tokens <= len(ids):
-            h = unit_hash(hashes[-1] if hashes else None, ids[k * unit_tokens:(k + 1) * unit_tokens],
-                          self.namespace)
-            hashes.append(h)
-            out.append((k, h))
-            k += 1
-        if (k + 1) * unit_tokens <= self.num_tokens:   # a full unit whose ids are unknown
+            return []
+        k = len(keys)
+        full = min(self.num_tokens, len(ids)) // unit_tokens
+        parent = keys[-1].digest if keys else namespace_root(self.namespace)
+        new = unit_keys(token_bytes(ids[k * unit_tokens:full * unit_tokens]), unit_tokens, parent)
+        keys.extend(new)
+        if (full + 1) * unit_tokens <= self.num_tokens:   # a full unit whose ids are unknown
             self.ids = None
-        return out
+        return list(enumerate(new, k))

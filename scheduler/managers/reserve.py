@@ -13,7 +13,7 @@ from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError
 from ..presets import ModelSpec
 from .base import MemoryStats
 from .common import ManagerCore, check_int
-from .prefix import SeqState
+from .prefix import HeldSeq
 
 
 class ReserveManager(ManagerCore):
@@ -34,6 +34,13 @@ class ReserveManager(ManagerCore):
                 f"cache_bytes >= {self.max_seq_len * self.bytes_per_token}")
         self._held = 0      # tokens reserved by resident sequences
         self._live = 0      # tokens cached by resident sequences
+
+    _FIXED_FIELDS = ManagerCore._FIXED_FIELDS | {"oracle", "name", "total_tokens"}
+
+    def _snapshot(self) -> dict:
+        state = super()._snapshot()
+        state.update(_held=self._held, _live=self._live)
+        return state
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -69,7 +76,7 @@ class ReserveManager(ManagerCore):
         if need > self.total_tokens - self._held:
             raise OutOfCapacityError(f"sequence {seq_id} needs {need} tokens reserved, "
                                      f"{self.total_tokens - self._held} free")
-        seq = SeqState(num_tokens, None, namespace)
+        seq = HeldSeq(num_tokens, None, namespace)
         seq.reserved = need
         self._seqs[seq_id] = seq
         self._held += need
@@ -112,17 +119,17 @@ class ReserveManager(ManagerCore):
         self._live += child.num_tokens
 
     # -- hooks --
-    def _release(self, seq: SeqState) -> None:
+    def _release(self, seq: HeldSeq) -> None:
         self._held -= seq.reserved
         self._live -= seq.num_tokens
 
-    def _fresh_units(self, seq: SeqState) -> Optional[int]:
+    def _fresh_units(self, seq: HeldSeq) -> Optional[int]:
         return seq.reserved
 
     def _available_units(self) -> int:
         return self.total_tokens - self._held
 
-    def _place_private(self, seq_id: int, seq: SeqState) -> None:
+    def _place_private(self, seq_id: int, seq: HeldSeq) -> None:
         self._held += seq.reserved
         self._live += seq.num_tokens
 

@@ -16,6 +16,11 @@ class FreeSlots:
         self._buckets[0] = dict.fromkeys(range(num_slots))
         self._count = {s: 0 for s in range(num_slots)}                # free slot -> its count
 
+    def copy(self) -> "FreeSlots":
+        c = FreeSlots(0, len(self._buckets) - 1)
+        c._buckets, c._count = list(map(dict.copy, self._buckets)), dict(self._count)
+        return c
+
     def __len__(self) -> int:
         return len(self._count)
 

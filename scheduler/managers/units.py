@@ -1,16 +1,20 @@
 """UnitManager: what the paged and vmem managers share -- fixed-size, shareable units of tokens.
 
 A unit is a paged block or a vmem page group: ``unit_tokens`` tokens, a reference count, and,
-once full and computed, a chain hash under which later sequences can find and share it.
+once full and computed, a verified chain digest under which later sequences can find and share
+it (prefix.py).
 Subclasses say how units are taken, held and released; this class owns the arithmetic of how
 many units a request needs, prefix matching and its counters, and copy-on-write accounting.
 """
 from __future__ import annotations
 
+from abc import abstractmethod
+from collections import OrderedDict
 from typing import Optional, Sequence
 
+from ..errors import ConfigError
 from .common import ManagerCore
-from .prefix import PrefixIndex, SeqState, prefix_hashes
+from .prefix import HeldSeq, PrefixIndex, namespace_root, token_bytes, unit_keys
 
 
 class UnitManager(ManagerCore):
@@ -23,7 +27,21 @@ class UnitManager(ManagerCore):
         self._fill = [0] * num_units                 # tokens written in each unit
         self.prefix = PrefixIndex()
         self._live = self._cap_sum = self._tok_sum = 0
-        self._memo = (None, None, None, None)        # last (token_ids, n, namespace, hashes)
+        self._memo = (None, None, [])                # last (namespace, token ids, their keys)
+        self._free = list(range(num_units - 1, -1, -1))   # unheld, unregistered/unmapped units
+        self._reclaimable: OrderedDict = OrderedDict()    # unheld units with kept content, LRU first
+        # _live: tokens in held units (a shared unit counted once); _cap_sum / _tok_sum: over
+        # resident sequences, len(units) * unit_tokens and num_tokens
+
+    _FIXED_FIELDS = ManagerCore._FIXED_FIELDS | {"unit_tokens"}
+
+    def _snapshot(self) -> dict:
+        state = super()._snapshot()
+        state.update(_refs=list(self._refs), _fill=list(self._fill), prefix=self.prefix.copy(),
+                     _live=self._live, _cap_sum=self._cap_sum, _tok_sum=self._tok_sum,
+                     _memo=self._memo, _free=list(self._free),
+                     _reclaimable=OrderedDict(self._reclaimable))
+        return state
 
     def ref_count(self, unit: int) -> int:
         return self._refs[unit]
@@ -42,16 +60,28 @@ class UnitManager(ManagerCore):
         return True
 
     def _hits(self, num_tokens: int, token_ids, namespace) -> list:
-        """Units already holding this prompt's leading full units (by chain hash)."""
+        """Units already holding this prompt's leading full units (verified, see prefix.py).
+        Only units inside the first ``num_tokens - 1`` tokens are eligible, so a hit never
+        covers the last token: the caller always computes at least one token (whose logits it
+        needs) and never writes into a shared unit."""
         if token_ids is None:
             return []
-        memo = self._memo   # can_allocate then allocate hash the same prompt: do it once
-        if memo[0] is token_ids and memo[1] == num_tokens and memo[2] == namespace:
-            hashes = memo[3]
-        else:
-            hashes = prefix_hashes(token_ids, self.unit_tokens, num_tokens, namespace)
-            self._memo = (token_ids, num_tokens, namespace, hashes)
-        return self.prefix.match(hashes)
+        limit = min(num_tokens - 1, len(token_ids)) // self.unit_tokens
+        return self.prefix.match(self._prompt_keys(token_ids, namespace)[:max(limit, 0)])
+
+    def _prompt_keys(self, token_ids, namespace) -> list:
+        """Keys of every full unit of ``token_ids`` (ConfigError for an id outside int64 or a
+        namespace that is not a str).
+        can_allocate then allocate key the same prompt, so the last one is memoised, keyed on
+        its content and namespace (never on the list's identity)."""
+        if namespace is not None and not isinstance(namespace, str):
+            raise ConfigError(f"namespace must be a str or None, got {namespace!r}")
+        ids = list(token_ids)
+        memo = self._memo
+        if memo[0] != namespace or memo[1] != ids:
+            keys = unit_keys(token_bytes(ids), self.unit_tokens, namespace_root(namespace))
+            memo = self._memo = (namespace, ids, keys)
+        return memo[2]
 
     def _need(self, num_tokens: int, hits: list) -> int:
         """Units a new sequence takes from the free + reclaimable pool (a hit unit nobody holds
@@ -75,14 +105,28 @@ class UnitManager(ManagerCore):
             self.prefix_hits += hit_tokens
         return hit_tokens
 
-    def _register_full(self, seq: SeqState) -> None:
-        for k, h in seq.new_full_hashes(self.unit_tokens):
-            self.prefix.register(seq.units[k], h)
+    def _register_prompt(self, seq: HeldSeq, hits: list) -> None:
+        """At allocate: key the new sequence's full units (the keys ``_hits`` just computed)
+        and register those past the hits."""
+        if seq.ids is not None:
+            full = min(seq.num_tokens, len(seq.ids)) // self.unit_tokens
+            seq.keys = self._prompt_keys(seq.ids, seq.namespace)[:full]
+            for k in range(len(hits), full):
+                self._register_unit(seq, k, seq.keys[k])
+        self._register_full(seq)    # no new unit: forgets the ids if a full unit has none
 
-    def _forget_uncomputed(self, seq: SeqState, computed_tokens: int) -> None:
+    def _register_full(self, seq: HeldSeq) -> None:
+        for k, key in seq.new_full_keys(self.unit_tokens):
+            self._register_unit(seq, k, key)
+
+    def _register_unit(self, seq: HeldSeq, k: int, key) -> None:
+        """Name unit ``k`` of ``seq`` by ``key``, chained on the sequence's unit k-1."""
+        self.prefix.register(seq.units[k], key, seq.units[k - 1] if k else None)
+
+    def _forget_uncomputed(self, seq: HeldSeq, computed_tokens: int) -> None:
         """Drop prefix registrations of units holding tokens at or past ``computed_tokens``."""
-        for k in range(computed_tokens // self.unit_tokens, min(len(seq.units), len(seq.hashes))):
-            if self.prefix.hash_of.get(seq.units[k]) == seq.hashes[k]:
+        for k in range(computed_tokens // self.unit_tokens, min(len(seq.units), len(seq.keys))):
+            if self.prefix.key_of(seq.units[k]) == seq.keys[k]:
                 self.prefix.drop(seq.units[k])
 
     # -- growth --
@@ -100,11 +144,11 @@ class UnitManager(ManagerCore):
             return
         self._append_slow(seq_id, seq, num_tokens, token_ids)
 
-    def _append_slow(self, seq_id: int, seq: SeqState, num_tokens: int, token_ids) -> None:
-        """Growth that takes units, copies on write or registers hashes (subclasses)."""
-        raise NotImplementedError
+    @abstractmethod
+    def _append_slow(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
+        """Growth that takes units, copies on write or registers prefix keys."""
 
-    def _growth(self, seq: SeqState, num_tokens: int) -> int:
+    def _growth(self, seq: HeldSeq, num_tokens: int) -> int:
         """Units ``append(num_tokens)`` takes: new units, plus one to copy-on-write a shared
         partial last unit."""
         n, ut = seq.num_tokens, self.unit_tokens

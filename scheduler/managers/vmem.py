@@ -21,14 +21,13 @@ reclaimed, so no live sequence loses a page it reads.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Optional, Sequence
 
 from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError, SlotError
 from ..presets import ModelSpec
 from .base import CopyPage, MapPage, MemoryStats, UnmapPage
 from .common import check_int
-from .prefix import SeqState
+from .prefix import HeldSeq
 from .slots import FreeSlots
 from .units import UnitManager
 
@@ -76,8 +75,6 @@ class VmemManager(UnitManager):
         self.pages_per_slot = self.max_seq_len // tpp
         self._init_units(self.num_groups, tpp)
         self._maps = [set() for _ in range(self.num_groups)]  # group -> {(slot, page_index)}
-        self._free = list(range(self.num_groups - 1, -1, -1))
-        self._reclaimable: OrderedDict = OrderedDict()       # group -> None, LRU first
         self._pages = [dict() for _ in range(self.num_slots)]  # slot -> {page_index: group}
         self._owner: list = [None] * self.num_slots           # slot -> seq_id or None
         self._free_slots = FreeSlots(self.num_slots, self.pages_per_slot)
@@ -86,15 +83,27 @@ class VmemManager(UnitManager):
     def max_sequence_tokens(self) -> int:
         return min(self.max_seq_len, self.num_groups * self.tokens_per_page)
 
-    # transactions: the group -> mappings index is derived from the slot tables
-    _TXN_DERIVED = ("_maps",)
+    @property
+    def pages_per_map_op(self) -> int:
+        return self.pages_per_group
+
+    _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {
+        "layout", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
+        "pages_per_slot"}
+
+    _DERIVED_FIELDS = frozenset({"_maps"})   # group -> mappings: the inverse of _pages
+
+    def _snapshot(self) -> dict:
+        state = super()._snapshot()
+        state.update(_pages=list(map(dict.copy, self._pages)), _owner=list(self._owner),
+                     _free_slots=self._free_slots.copy())
+        return state
 
     def _rebuild_derived(self) -> None:
-        maps = [set() for _ in range(self.num_groups)]
+        self._maps = [set() for _ in range(self.num_groups)]
         for slot, pages in enumerate(self._pages):
             for pi, g in pages.items():
-                maps[g].add((slot, pi))
-        self._maps = maps
+                self._maps[g].add((slot, pi))
 
     # -- queries the runtime needs --
     def slot_of(self, seq_id: int) -> int:
@@ -168,14 +177,14 @@ class VmemManager(UnitManager):
         return len(self._free) + len(self._reclaimable)
 
     # -- placement --
-    def _occupy(self, seq_id: int, seq: SeqState, slot: Optional[int] = None) -> int:
+    def _occupy(self, seq_id: int, seq: HeldSeq, slot: Optional[int] = None) -> int:
         slot = self._free_slots.pick() if slot is None else slot
         self._free_slots.remove(slot)
         self._owner[slot] = seq_id
         seq.slot = slot
         return slot
 
-    def _place(self, seq_id: int, seq: SeqState, hits: list, slot: Optional[int] = None) -> None:
+    def _place(self, seq_id: int, seq: HeldSeq, hits: list, slot: Optional[int] = None) -> None:
         """Put ``seq`` on ``slot``, by default the free slot with the most mapped pages: shared
         ``hits`` first (they hold refs before any reclaim can run), then private pages."""
         slot = self._occupy(seq_id, seq, slot)
@@ -216,7 +225,7 @@ class VmemManager(UnitManager):
             self._raise_no_room(f"sequence {seq_id} needs {need} page groups")
         seq = self._new_seq(num_tokens, token_ids, namespace)
         self._place(seq_id, seq, hits, slot)
-        self._register_full(seq)
+        self._register_prompt(seq, hits)
         return self._count_prefix(token_ids, num_tokens, hits)
 
     def _check_slot_free(self, seq_id: int, slot) -> None:
@@ -234,7 +243,7 @@ class VmemManager(UnitManager):
             return True      # hot path: room in a private last page
         return new <= self.max_seq_len and self._growth(seq, num_tokens) <= self._available_units()
 
-    def _append_slow(self, seq_id: int, seq: SeqState, num_tokens: int, token_ids) -> None:
+    def _append_slow(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
         self._check_append_ids(num_tokens, token_ids)
         old, tpp, slot = seq.num_tokens, self.tokens_per_page, seq.slot
         if old + num_tokens > self.max_seq_len:
@@ -265,7 +274,7 @@ class VmemManager(UnitManager):
         if end // tpp > old // tpp:
             self._register_full(seq)
 
-    def _copy_on_write(self, seq: SeqState, pi: int) -> None:
+    def _copy_on_write(self, seq: HeldSeq, pi: int) -> None:
         """The writer of a shared partial page moves to a new group holding a copy."""
         slot, old = seq.slot, seq.units[pi]
         new = self._take_group()                  # old has refs >= 2: never reclaimed here
@@ -301,10 +310,10 @@ class VmemManager(UnitManager):
         self._tok_sum += child.num_tokens
         self._seqs[child_id] = child
 
-    def _swap_location(self, seq: SeqState) -> dict:
+    def _swap_location(self, seq: HeldSeq) -> dict:
         return {"slot": seq.slot}
 
-    def _release(self, seq: SeqState) -> None:
+    def _release(self, seq: HeldSeq) -> None:
         for g in reversed(seq.units):   # tail pages enter the LRU first: reclaimed first
             self._unhold(g)
         self._cap_sum -= len(seq.units) * self.tokens_per_page
@@ -314,15 +323,15 @@ class VmemManager(UnitManager):
         seq.units, seq.slot = [], -1
 
     # -- swap hooks --
-    def _fresh_units(self, seq: SeqState) -> Optional[int]:
+    def _fresh_units(self, seq: HeldSeq) -> Optional[int]:
         if not self._free_slots:
             return None
         return -(-seq.num_tokens // self.tokens_per_page)
 
-    def _place_private(self, seq_id: int, seq: SeqState) -> None:
+    def _place_private(self, seq_id: int, seq: HeldSeq) -> None:
         self._place(seq_id, seq, [])
-        for k, h in enumerate(seq.hashes):   # content is back: make it findable again
-            self.prefix.register(seq.units[k], h)
+        for k, key in enumerate(seq.keys):   # content is back: make it findable again
+            self._register_unit(seq, k, key)
 
     def _raise_no_room(self, what: str) -> None:
         raise OutOfCapacityError(f"{what}: {len(self._free)} free + {len(self._reclaimable)} "
@@ -356,7 +365,8 @@ class VmemManager(UnitManager):
         assert maps == self._maps, "mapping index"
         assert all(c == len(self._pages[s]) for s, c in self._free_slots.items())
         assert len(set(self._free)) == len(self._free)
-        assert all(refs[g] == 0 and not maps[g] and g not in self.prefix.hash_of for g in self._free)
+        assert all(refs[g] == 0 and not maps[g] and g not in self.prefix.by_unit
+                   for g in self._free)
         assert set(self._reclaimable) == {g for g in range(self.num_groups) if not refs[g] and maps[g]}
         held = sum(1 for g in range(self.num_groups) if refs[g] or maps[g])
         assert held + len(self._free) == self.num_groups, "free + held == total"

@@ -205,3 +205,48 @@ def test_misuse_is_typed(llama):
         with pytest.raises(CacheStateError, match="float32"):
             greedy(llama, ids, mask, new=2, cache=half)
         assert half.stats().mapped_pages == 0
+
+
+GROW_FAULT = r"""
+import torch
+from vmemkv import vmem
+from vmemkv.runtime.config import CacheConfig
+from vmemkv.runtime.errors import PlanExecutionError
+from vmemkv.runtime.hf import VMemCache
+from vmemkv.vmem.faults import FaultInjectingDriver
+from vmemkv.vmem.host import HostDriver
+
+driver = FaultInjectingDriver(HostDriver())
+vmem.open_driver = lambda *args, **kwargs: driver          # the cache builds on the faulty driver
+config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, max_batch=2, max_context=64)
+cache = VMemCache(config, page_bytes=4096)                 # 32 tokens per page
+k = torch.randn(2, 2, 40, 16)                              # two rows of 40 tokens: two pages each
+v = torch.randn(2, 2, 40, 16)
+before = (cache.manager.stats(), cache.stats(), driver.mapped_addresses)
+driver.fail_at("map", 3)                                   # a map part-way through the growth
+try:
+    cache.update(k, v, 0)
+    raise SystemExit("the failed map did not raise")
+except PlanExecutionError:
+    pass
+assert (cache.manager.stats(), cache.stats(), driver.mapped_addresses) == before, "state changed"
+cache.manager.check_integrity()
+keys, values = cache.update(k, v, 0)                       # the next call grows again and works
+assert torch.equal(keys, k) and torch.equal(values, v)
+keys, values = cache.update(k, v, 1)
+assert torch.equal(keys, k) and torch.equal(values, v)
+cache.kv.check_integrity()
+cache.close()
+print("ok")
+"""
+
+
+def test_failed_map_while_growing_raises_changes_nothing_and_the_next_update_works():
+    """A page map that fails during growth used to leave the manager grown: the retry skipped
+    growing and wrote into unmapped memory (SIGSEGV). Run in a subprocess so a crash is a
+    failure of this test, not of the whole run."""
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-c", GROW_FAULT], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr[-2000:])

@@ -10,16 +10,15 @@ share a prefix legitimately share pages and a stale or wrongly shared page is a 
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
 from vmemkv.runtime.cache import make_cache
 from vmemkv.runtime.cache.base import run_plan
 from vmemkv.runtime.config import CacheConfig
-from vmemkv.scheduler.managers.prefix import SeqState
 from vmemkv.vmem.faults import FaultInjectingDriver
 from vmemkv.vmem.host import HostDriver
+
+from ..scheduler.shadow import dump as canon  # noqa: F401 (a plain copy of manager state)
 
 KiB = 2**10
 VOCAB = 7          # small: prompts that share prefixes are common
@@ -41,24 +40,6 @@ LAYOUTS = {
                                              background_mapper=True)),
     "paged": ("paged", dict(block_size=8)),
 }
-
-
-def canon(value):
-    """A plain, comparable copy of manager state (SeqState and helper objects by field; the
-    order of OrderedDicts, i.e. LRU order, is kept)."""
-    if isinstance(value, SeqState):
-        return tuple(canon(getattr(value, name)) for name in SeqState.__slots__)
-    if isinstance(value, OrderedDict):
-        return ("lru", [(k, canon(v)) for k, v in value.items()])
-    if isinstance(value, dict):
-        return {k: canon(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [canon(v) for v in value]
-    if isinstance(value, set):
-        return set(value)
-    if hasattr(value, "__dict__"):
-        return canon(vars(value))
-    return value
 
 
 class CacheModel:

@@ -7,7 +7,28 @@ contents), write new tokens where the runtime would, and read every live sequenc
 """
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
+
 from vmemkv.scheduler.managers import CopyBlock, CopyPage, MapPage, SwapIn, SwapOut, UnmapPage
+
+
+def dump(value):
+    """A plain, comparable copy of a manager's whole state (every field but the open
+    transaction; records and helper objects field by field; LRU order kept)."""
+    if hasattr(value, "__slots__") and not isinstance(value, tuple):
+        return (type(value).__name__, [dump(getattr(value, n)) for n in value.__slots__])
+    if isinstance(value, OrderedDict):
+        return ("lru", [(k, dump(v)) for k, v in value.items()])
+    if isinstance(value, dict):
+        return {k: dump(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [dump(v) for v in value]
+    if isinstance(value, set):
+        return set(value)
+    if hasattr(value, "__dict__") and not hasattr(value, "__dataclass_fields__"):
+        return {k: dump(v) for k, v in vars(value).items() if k not in ("_txn", "model")}
+    return value
 
 
 class ShadowSeq:
@@ -36,6 +57,14 @@ class ShadowSeq:
 
 class _Memory:
     """Common replay: swap copies and the write/read checks."""
+
+    def save(self):
+        """The shadow memory's contents, for ``load`` after a manager rollback (the runtime
+        cache undoes a failed plan the same way)."""
+        return copy.deepcopy({k: v for k, v in vars(self).items() if k != "m"})
+
+    def load(self, saved):
+        vars(self).update(copy.deepcopy(saved))
 
     def __init__(self, manager):
         self.m = manager

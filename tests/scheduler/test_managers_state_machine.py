@@ -4,18 +4,23 @@ After every step: ``check_integrity()``; stats recomputed from public queries (e
 allocated, free + allocated == total); for paged and vmem, the emitted ops replayed on a model of
 physical memory, every live sequence read back token by token, no write into a shared unit, and
 (vmem) the replayed address space equal to ``mapped_pages``. Every refused call (``can_*`` False)
-must raise a typed error and leave the manager exactly as it was.
+must raise a typed error and leave the manager exactly as it was. Transactions: ``begin`` at any
+point, any calls, then ``rollback`` must give back exactly the state at ``begin`` (every field,
+the shadow's reads, and the same results for every later call); ``commit`` keeps the changes.
 """
+import copy
+import hashlib
+
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from vmemkv.scheduler.errors import (OutOfCapacityError, RequestTooLargeError, SlotError,
                               SwapSpaceExhaustedError)
-from vmemkv.scheduler.managers import PagedManager, ReserveManager, VmemManager
+from vmemkv.scheduler.managers import PagedManager, ReserveManager, VmemManager, prefix
 from vmemkv.scheduler.presets import ModelSpec
 
-from .shadow import PagedMemory, ShadowSeq, VmemMemory
+from .shadow import PagedMemory, ShadowSeq, VmemMemory, dump
 
 ONE_LAYER = ModelSpec("t1", 1, 1, 1, 1, weight_bytes=0)   # 1 byte per layer-token, 2 per token
 TWO_LAYER = ModelSpec("t2", 2, 1, 1, 1, weight_bytes=0)   # interleaved page: 2 bytes per token
@@ -25,17 +30,8 @@ PICK = st.integers(0, 10**6)
 
 
 def fingerprint(m):
-    """Everything observable, for 'a refused call changed nothing'."""
-    seqs = sorted((sid, m.num_tokens(sid)) for sid in list(m._seqs) + list(m._swapped))
-    fp = [m.stats(), seqs, m.prefix_queries, m.prefix_hits, list(m._ops), m._swap_used_tokens]
-    if isinstance(m, PagedManager):
-        fp += [[m.block_table(s) for s in sorted(m._seqs)], list(m._refs), list(m._free),
-               list(m._reclaimable), dict(m.prefix.unit_of)]
-    if isinstance(m, VmemManager):
-        fp += [[m.mapped_pages(s) for s in range(m.num_slots)], list(m._refs),
-               [m.slot_of(s) for s in sorted(m._seqs)], list(m._free), list(m._reclaimable),
-               dict(m.prefix.unit_of)]
-    return fp
+    """Everything observable and every field, for 'a refused call changed nothing'."""
+    return [m.stats(), dump(m)]
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -46,6 +42,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m, self.mem = None, None
         self.live, self.swapped = {}, {}
         self.next_id = 0
+        self.txn = None     # (state dump, shadow) at begin, while a transaction is open
 
     # -- helpers --
     def pick(self, pool, i):
@@ -165,6 +162,33 @@ class ManagerMachine(RuleBasedStateMachine):
         self.live[sid] = self.swapped.pop(sid)
         self.replay()
 
+    @precondition(lambda self: self.m is not None and self.txn is None)
+    @rule()
+    def begin(self):
+        assert not self.m.in_transaction
+        self.m.begin()
+        mem = None if self.mem is None else self.mem.save()
+        self.txn = (dump(self.m), copy.deepcopy((self.live, self.swapped)), mem)
+
+    @precondition(lambda self: self.txn is not None)
+    @rule()
+    def commit(self):
+        self.m.commit()
+        self.txn = None
+
+    @precondition(lambda self: self.txn is not None)
+    @rule()
+    def rollback(self):
+        """Undo every call since begin; sequence ids stay unique (next_id is not reused)."""
+        state, shadow, mem = self.txn
+        self.m.rollback()
+        self.txn = None
+        assert not self.m.in_transaction
+        assert dump(self.m) == state, "rollback did not restore the state at begin"
+        self.live, self.swapped = shadow
+        if self.mem is not None:
+            self.mem.load(mem)
+
     # -- invariants --
     @invariant()
     def integrity_and_stats(self):
@@ -264,6 +288,33 @@ class VmemMachine(ManagerMachine):
             assert self.m.stats().allocated_tokens == len(groups) * self.unit
 
 
+def position_only_digest(parent, tokens):
+    """A digest that ignores the tokens: every unit at the same position collides."""
+    return hashlib.sha256(parent).digest()
+
+
+class CollidingDigests:
+    """Mixed into a machine: every prefix digest collides by position, so only the index's
+    verification (token ids and registration chain) keeps sharing exact; the shadow's reads
+    catch any unit shared by mistake."""
+
+    def __init__(self):
+        super().__init__()
+        self._real_digest = prefix.unit_digest
+        prefix.unit_digest = position_only_digest
+
+    def teardown(self):
+        prefix.unit_digest = self._real_digest
+
+
+class CollidingPagedMachine(CollidingDigests, PagedMachine):
+    pass
+
+
+class CollidingVmemMachine(CollidingDigests, VmemMachine):
+    pass
+
+
 # 300 examples in CI; more under HYPOTHESIS_PROFILE=long (tests/conftest.py)
 _SETTINGS = settings(max_examples=max(300, settings.default.max_examples), stateful_step_count=40,
                      deadline=None)
@@ -273,3 +324,7 @@ TestPagedMatchesShadowAndReadsBack = PagedMachine.TestCase
 TestPagedMatchesShadowAndReadsBack.settings = _SETTINGS
 TestVmemMatchesShadowAndReadsBack = VmemMachine.TestCase
 TestVmemMatchesShadowAndReadsBack.settings = _SETTINGS
+TestPagedWithCollidingDigestsReadsBack = CollidingPagedMachine.TestCase
+TestPagedWithCollidingDigestsReadsBack.settings = _SETTINGS
+TestVmemWithCollidingDigestsReadsBack = CollidingVmemMachine.TestCase
+TestVmemWithCollidingDigestsReadsBack.settings = _SETTINGS
