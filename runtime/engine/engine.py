@@ -19,19 +19,20 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 import torch
 
 from vmemkv.runtime.attention import fastest_backend, get_backend
-from vmemkv.runtime.cache import default_page_bytes, make_cache
+from vmemkv.runtime.cache import make_cache
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.errors import PlanExecutionError
-from vmemkv.runtime.hf.attention import check_model_supported
+from vmemkv.runtime.hf.support import check_model_supported
 from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.request import Request
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
-from .config import EngineConfig
+from .config import EngineConfig, cache_budget_bytes, check_engine_arguments, page_rounded_context
 from .errors import EngineConfigError, RequestRejectedError
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
 from .sampling import SampleSlot, Sampler, SamplingParams, make_generator
+from .self_check import self_check
 
 Prompt = Union[Sequence[int], str]
 OnToken = Callable[[TokenEvent], None]
@@ -60,6 +61,7 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: Optional[EngineConfig] = None,
                  driver=None, **options) -> None:
+        check_engine_arguments(model, config)
         try:
             self.config = cfg = replace(config or EngineConfig(), **options)
         except TypeError as error:
@@ -68,13 +70,21 @@ class Engine:
         param = next(model.parameters())
         self.device, self.vocab_size = param.device, model.config.get_text_config().vocab_size
         self.cache_config = self._cache_config(model, cfg, param)
-        check_model_supported(model, self.cache_config.max_context)   # before anything is built
+        check_model_supported(model, cfg.max_context)   # before anything is built
         self.attention = cfg.attention or fastest_backend(cfg.cache, self.device.type, cfg.block_size,
                                                           dtype=self.cache_config.dtype)
         backend = get_backend(self.attention)
         # refuse, before any memory is built, a backend that cannot run this model's attention
         backend.check_runs(cfg.cache, self.device.type, self.cache_config.dtype, what="the model")
-        self.cache = make_cache(self.cache_config, cfg.cache, cache_bytes=cfg.cache_bytes,
+        cache_bytes = cache_budget_bytes(cfg, self.cache_config)   # fits available memory
+        self._model_attn = model.config._attn_implementation   # restored by close()
+        try:
+            if cfg.self_check:
+                self_check(model, self.cache_config, cfg, backend, self._model_attn)
+        except BaseException:
+            model.set_attn_implementation(self._model_attn)
+            raise
+        self.cache = make_cache(self.cache_config, cfg.cache, cache_bytes=cache_bytes,
                                 layout=cfg.layout, page_bytes=cfg.page_bytes,
                                 block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,
                                 background_mapper=cfg.background_mapper and cfg.cache == "vmem",
@@ -83,6 +93,7 @@ class Engine:
             self._build_rest(model, backend)
         except BaseException:
             self.cache.close()   # a failed construction leaves no memory behind
+            model.set_attn_implementation(self._model_attn)
             raise
 
     def _build_rest(self, model: torch.nn.Module, backend) -> None:
@@ -90,7 +101,7 @@ class Engine:
         self.runner = ModelRunner(model, self.cache, backend)
         self.scheduler = Scheduler(self.cache.manager, SchedulerConfig(
             max_running=cfg.max_batch, max_tokens_per_step=cfg.max_tokens_per_step,
-            watermark=cfg.watermark, preemption=cfg.preemption,
+            watermark=cfg.watermark, preemption=cfg.preemption, max_seq_len=cfg.max_context,
             enable_prefix_sharing=cfg.prefix_sharing, check_every_step=cfg.check_integrity))
         self.sampler = Sampler()
         self.eos_ids = _eos_ids(model, self.tokenizer)
@@ -112,13 +123,9 @@ class Engine:
         shape = dict(num_layers=mc.num_hidden_layers, head_dim=head_dim, dtype=param.dtype,
                      num_kv_heads=getattr(mc, "num_key_value_heads", None) or heads,
                      device=str(param.device), max_batch=cfg.max_batch)
-        context = cfg.max_context
-        if cfg.cache == "vmem":   # a slot is whole pages: round max_context up to a page multiple
-            probe = CacheConfig(**shape, max_context=context)
-            per_token = probe.layer_bytes_per_token * (1 if cfg.layout == "per-layer" else probe.num_layers)
-            per_page = max(1, (cfg.page_bytes or default_page_bytes(probe, cfg.layout)) // per_token)
-            context = -(-context // per_page) * per_page
-        return CacheConfig(**shape, max_context=context)
+        # a vmem slot is whole pages: the cache is built rounded up, admission uses max_context
+        probe = CacheConfig(**shape, max_context=cfg.max_context)
+        return CacheConfig(**shape, max_context=page_rounded_context(probe, cfg, cfg.max_context))
 
     # ---- submission ----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling: Optional[SamplingParams] = None,
@@ -342,8 +349,11 @@ class Engine:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:
-        """Release the cache (unmaps and frees every page). Idempotent."""
+        """Release the cache (unmaps and frees every page) and switch the model back to the
+        attention implementation it had before this engine. Idempotent."""
         self.cache.close()
+        if self.model.config._attn_implementation == "vmemkv":
+            self.model.set_attn_implementation(self._model_attn)
 
     def __enter__(self) -> "Engine":
         return self

@@ -30,8 +30,9 @@ STEP_KWARG = "vmemkv_step"
 
 
 class UnsupportedModelError(RuntimeKVError, ValueError):
-    """The model needs an attention feature the vmemkv path does not implement (softcapping,
-    a sliding window shorter than the context, a non-causal layer, a batch dimension > 1)."""
+    """The model needs a feature the vmemkv path does not implement (softcapping, sinks, ALiBi,
+    a sliding window shorter than the context, linear-attention layers, a non-causal layer, no
+    AttentionInterface), or failed the engine's self-check; raised before anything is built."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,9 @@ def _check_supported(module, query: torch.Tensor, ctx: StepContext, kwargs: dict
                                     f"got a batch of {query.shape[0]}")
     if kwargs.get("softcap") is not None:
         raise UnsupportedModelError("vmemkv attention does not implement attention softcapping")
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedModelError(f"layer {module.layer_idx} passes attention sinks (s_aux); "
+                                    f"vmemkv attention does not implement them")
     window = kwargs.get("sliding_window")
     if window is not None and window < ctx.cache.config.max_context:
         raise UnsupportedModelError(
@@ -76,23 +80,6 @@ def _check_supported(module, query: torch.Tensor, ctx: StepContext, kwargs: dict
             f"cache's max_context {ctx.cache.config.max_context}; sliding windows are not supported")
     if not getattr(module, "is_causal", True):
         raise UnsupportedModelError(f"layer {module.layer_idx} is not causal")
-
-
-def check_model_supported(model, max_context: int) -> None:
-    """Refuse, before anything runs, a model whose attention this function cannot compute:
-    sliding windows shorter than ``max_context`` and logit softcapping (from its config)."""
-    config = model.config.get_text_config()
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or ()
-    sliding = ("sliding_attention" in layer_types if layer_types
-               else getattr(config, "use_sliding_window", True))
-    if window is not None and sliding and window < max_context:
-        raise UnsupportedModelError(
-            f"the model uses a sliding window of {window} tokens, shorter than the cache's "
-            f"max_context {max_context}; sliding windows are not supported")
-    if getattr(config, "attn_logit_softcapping", None):
-        raise UnsupportedModelError("vmemkv attention does not implement attention softcapping "
-                                    f"(attn_logit_softcapping={config.attn_logit_softcapping})")
 
 
 def register_attention() -> str:

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from vmemkv.runtime.engine import Engine, EngineConfigError, SamplingParams
-from vmemkv.runtime.hf.attention import ATTN_IMPLEMENTATION, UnsupportedModelError, register_attention
+from vmemkv.runtime.hf.attention import (ATTN_IMPLEMENTATION, UnsupportedModelError, register_attention,
+                                         use_vmemkv_attention)
 from vmemkv.runtime.models import build_model
 
 
@@ -17,10 +18,37 @@ def test_registered_under_its_name():
 
 def test_model_call_without_a_step_context_is_a_typed_error():
     model = build_model("tiny-llama")
-    Engine(model, max_batch=2, max_context=64).close()       # switches the model to vmemkv
+    use_vmemkv_attention(model)
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION
     with pytest.raises(UnsupportedModelError):
         model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
+
+
+@pytest.mark.parametrize("cache", ["vmem", "paged"])
+def test_engine_close_restores_the_models_attention_implementation(cache):
+    model = build_model("tiny-llama")
+    before = model.config._attn_implementation
+    ids = torch.tensor([[5, 17, 33, 9]])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    engine = Engine(model, cache=cache, max_batch=2, max_context=64)
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION     # ours while open
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+    engine.close()
+    assert model.config._attn_implementation == before
+    with torch.no_grad():                                               # plain calls work again
+        assert torch.equal(model(input_ids=ids).logits, expected)
+
+
+def test_failed_engine_construction_restores_the_models_attention_implementation():
+    model = build_model("tiny-llama")
+    before = model.config._attn_implementation
+    with pytest.raises(EngineConfigError):
+        Engine(model, max_batch=2, max_context=64, cache_bytes=1, memory_utilization=0.5)
+    from vmemkv.runtime.engine.errors import RequestRejectedError  # noqa: F401
+    with pytest.raises(Exception):
+        Engine(model, max_batch=2, max_context=64, page_bytes=3)
+    assert model.config._attn_implementation == before
 
 
 def test_bad_engine_options_are_typed_errors():
