@@ -30,15 +30,16 @@ def text_config(config):
 
 
 def kv_heads_of(config) -> int:
-    """KV heads per layer as the model computes them (not only ``num_key_value_heads``):
-    Falcon names them ``num_kv_heads`` and, in its old decoder, ``multi_query`` means one;
-    GPTBigCode's ``multi_query`` means one."""
+    """KV heads per layer as the model caches them (not only ``num_key_value_heads``):
+    Falcon's new decoder expands its ``num_kv_heads`` to every head before caching, its old
+    one caches one head under ``multi_query`` (else ``num_kv_heads``); GPTBigCode's
+    ``multi_query`` means one."""
     text = text_config(config)
     heads = text.num_attention_heads
     if getattr(text, "model_type", None) == "falcon":
         if getattr(text, "new_decoder_architecture", False):
-            return text.num_kv_heads
-        return 1 if getattr(text, "multi_query", False) else heads
+            return heads
+        return 1 if getattr(text, "multi_query", False) else (text.num_kv_heads or heads)
     if getattr(text, "model_type", None) == "gpt_bigcode":
         return 1 if getattr(text, "multi_query", True) else heads
     return getattr(text, "num_key_value_heads", None) or heads
