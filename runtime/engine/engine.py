@@ -167,8 +167,9 @@ class Engine:
                 tokens = None
             if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool)
                                           for t in tokens):
+                hint = "; pass prompt.tolist()" if isinstance(prompt, torch.Tensor) else ""
                 raise RequestRejectedError(f"prompt {index} must be text or a sequence of int "
-                                           f"token ids, got {str(prompt)[:60]!r}", index)
+                                           f"token ids, got {str(prompt)[:60]!r}{hint}", index)
             ids, text = tuple(tokens), None
         if not ids:
             raise RequestRejectedError(f"prompt {index} is empty", index)
@@ -297,6 +298,10 @@ class Engine:
         self.last_outputs = [self.output(rid, pop=True) for rid in ids]
 
     def _submit_all(self, prompts, sampling, on_token) -> List[int]:
+        if isinstance(prompts, torch.Tensor):
+            raise EngineConfigError(f"prompts must be a list of prompts (token-id lists or strings), "
+                                    f"got a tensor of shape {tuple(prompts.shape)}; pass "
+                                    f"prompts.tolist()")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise EngineConfigError("prompts must be a list of prompts (token-id lists or strings)")
         params = self._per_prompt(prompts, sampling)
@@ -307,6 +312,11 @@ class Engine:
     def _per_prompt(prompts, sampling) -> List[SamplingParams]:
         if sampling is None or isinstance(sampling, SamplingParams):
             return [sampling or SamplingParams()] * len(prompts)
+        if not isinstance(sampling, (list, tuple)) or not all(
+                isinstance(p, SamplingParams) for p in sampling):
+            raise EngineConfigError(f"sampling must be a SamplingParams or a list of them (one per "
+                                    f"prompt), got {type(sampling).__name__} {str(sampling)[:40]!r}; "
+                                    f"greedy decoding is SamplingParams(temperature=0), the default")
         if len(sampling) != len(prompts):
             raise EngineConfigError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
         return list(sampling)

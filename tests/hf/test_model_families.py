@@ -44,3 +44,20 @@ def test_family_runs_exactly_or_is_refused_as_documented(family):
     assert not got_engine.startswith("WRONG") and not got_cache.startswith("WRONG"), (got_engine, got_cache)
     assert matches(engine, got_engine), f"Engine: docs say {engine!r}, got {got_engine!r}"
     assert matches(cache, got_cache), f"VMemCache: docs say {cache!r}, got {got_cache!r}"
+
+
+def test_the_self_check_is_what_refuses_an_architecture_no_named_check_knows():
+    """DiffLlama passes every named check; only the self-check sees that its differential
+    attention is not ours. Skipping the check (documented as unsafe) gives wrong tokens."""
+    from vmemkv.runtime.engine import Engine, SamplingParams
+    from vmemkv.runtime.hf.attention import UnsupportedModelError
+    from .families import PROMPT, _reference, build
+    import torch
+    model = build("diffllama")
+    ids = torch.tensor([PROMPT])
+    expected = _reference(model, ids, torch.ones_like(ids))
+    with pytest.raises(UnsupportedModelError, match="self-check"):
+        Engine(model, max_batch=1, max_context=64)
+    with Engine(model, max_batch=1, max_context=64, self_check=False) as engine:
+        out = engine.generate([PROMPT], SamplingParams(max_new_tokens=len(expected), ignore_eos=True))
+    assert out[0].outputs[0].token_ids != expected

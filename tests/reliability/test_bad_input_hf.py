@@ -51,6 +51,10 @@ EMPTY_CACHE_CASES = [
      ["torch.float64", "holds torch.float32"]),
     ("key-value-differ", lambda c: c.update(kv(1, 4)[0], kv(1, 5)[1], 0), CacheStateError,
      ["(1, 2, 4, 16)", "(1, 2, 5, 16)", "differ"]),
+    ("negative-layer", lambda c: c.update(*kv(1, 4), -1), CacheStateError,
+     ["layer_idx", "[0, 2)", "got -1"]),
+    ("layer-past-the-end", lambda c: c.update(*kv(1, 4), 2), CacheStateError,
+     ["layer_idx", "[0, 2)", "got 2"]),
 ]
 
 HELD_CACHE_CASES = [   # a batch of 2 rows holding 10 tokens each
