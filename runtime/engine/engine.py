@@ -78,12 +78,8 @@ class Engine:
         backend.check_runs(cfg.cache, self.device.type, self.cache_config.dtype, what="the model")
         cache_bytes = cache_budget_bytes(cfg, self.cache_config)   # fits available memory
         self._model_attn = model.config._attn_implementation   # restored by close()
-        try:
-            if cfg.self_check:
-                self_check(model, self.cache_config, cfg, backend, self._model_attn)
-        except BaseException:
-            model.set_attn_implementation(self._model_attn)
-            raise
+        if cfg.self_check:   # the model is back on its own attention afterwards, pass or fail
+            self_check(model, self.cache_config, cfg, backend, self._model_attn)
         self.cache = make_cache(self.cache_config, cfg.cache, cache_bytes=cache_bytes,
                                 layout=cfg.layout, page_bytes=cfg.page_bytes,
                                 block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,

@@ -34,12 +34,15 @@ HALF_RTOL = 3e-2                                     # fp16 / bf16
 
 def self_check(model, cache_config, cfg, backend, original_attn: str) -> None:
     """Refuse ``model`` (UnsupportedModelError) unless our path reproduces its own logits on a
-    short prompt. Leaves the model on the vmemkv attention function; builds and frees its own
+    short prompt. Leaves the model on ``original_attn``, pass or fail; builds and frees its own
     small cache (the engine's is not touched)."""
     vocab = model.config.get_text_config().vocab_size
     prompt = [(7 * i + 3) % vocab for i in range(PROMPT_TOKENS)]
-    ours, tokens = _our_logits(model, cache_config, cfg, backend, prompt)
-    ref = _reference_logits(model, prompt + tokens[:-1], original_attn)[-len(ours):]
+    try:
+        ours, tokens = _our_logits(model, cache_config, cfg, backend, prompt)
+        ref = _reference_logits(model, prompt + tokens[:-1], original_attn)[-len(ours):]
+    finally:
+        model.set_attn_implementation(original_attn)
     ours = torch.stack(ours).to(ref.device)
     scale = ref.abs().max().item() or 1.0
     err = (ours - ref).abs().max().item()
@@ -89,13 +92,10 @@ def _run(model, cache, backend, prompt: List[int]):
 
 
 def _reference_logits(model, ids: List[int], original_attn: str) -> torch.Tensor:
-    """Logits ``[len(ids), vocab]`` of one forward with the model's own attention."""
-    own = original_attn if original_attn != ATTN_IMPLEMENTATION else "sdpa"
-    model.set_attn_implementation(own)
-    try:
-        device = next(model.parameters()).device
-        with torch.inference_mode():
-            out = model(input_ids=torch.tensor([ids], device=device), use_cache=False)
-        return out.logits[0].float()
-    finally:
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    """Logits ``[len(ids), vocab]`` of one forward with the model's own attention (sdpa when
+    another engine has already switched it to ours)."""
+    model.set_attn_implementation(original_attn if original_attn != ATTN_IMPLEMENTATION else "sdpa")
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids], device=device), use_cache=False)
+    return out.logits[0].float()

@@ -45,8 +45,8 @@ def test_failed_engine_construction_restores_the_models_attention_implementation
     before = model.config._attn_implementation
     with pytest.raises(EngineConfigError):
         Engine(model, max_batch=2, max_context=64, cache_bytes=1, memory_utilization=0.5)
-    from vmemkv.runtime.engine.errors import RequestRejectedError  # noqa: F401
-    with pytest.raises(Exception):
+    from vmemkv.scheduler.errors import ConfigError
+    with pytest.raises(ConfigError):
         Engine(model, max_batch=2, max_context=64, page_bytes=3)
     assert model.config._attn_implementation == before
 
@@ -59,3 +59,13 @@ def test_bad_engine_options_are_typed_errors():
         Engine(model, no_such_option=1)
     with pytest.raises(EngineConfigError):
         SamplingParams(top_p=0.0)
+
+
+def test_a_model_refused_by_the_self_check_is_left_on_its_own_attention(monkeypatch):
+    from vmemkv.runtime.engine import self_check as check
+    model = build_model("tiny-llama")
+    before = model.config._attn_implementation
+    monkeypatch.setattr(check, "RTOL", {torch.float32: -1.0})      # nothing can pass
+    with pytest.raises(UnsupportedModelError, match="self-check"):
+        Engine(model, max_batch=2, max_context=64)
+    assert model.config._attn_implementation == before

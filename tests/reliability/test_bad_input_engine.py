@@ -200,6 +200,14 @@ GENERATE_CASES = [
     ("a-string", ("hello", None), EngineConfigError, ["list of prompts"]),
     ("params-count", ([[1], [2]], [SamplingParams()] * 3), EngineConfigError,
      ["got 3 SamplingParams for 2 prompts"]),
+    ("tensor-prompts", (torch.tensor([[1, 2, 3]]),), EngineConfigError,
+     ["list of prompts", "tensor of shape (1, 3)", "prompts.tolist()"]),
+    ("tensor-prompt", ([torch.tensor([1, 2, 3])],), RequestRejectedError,
+     ["prompt 0", "sequence of int token ids", "prompt.tolist()"]),
+    ("sampling-string", ([[1, 2, 3]], "greedy"), EngineConfigError,
+     ["SamplingParams or a list of them", "str 'greedy'", "SamplingParams(temperature=0)"]),
+    ("sampling-list-of-strings", ([[1, 2, 3]], ["greedy"]), EngineConfigError,
+     ["SamplingParams or a list of them", "list"]),
 ]
 
 
@@ -250,27 +258,6 @@ def test_wrong_engine_arguments_are_typed_errors_naming_the_value(model, build, 
     with pytest.raises(EngineConfigError) as info:
         build(model)
     assert_words(info.value, words)
-
-
-CALL_ARGUMENT_CASES = [
-    ("tensor-prompts", (torch.tensor([[1, 2, 3]]),), EngineConfigError,
-     ["list of prompts", "tensor of shape (1, 3)", "prompts.tolist()"]),
-    ("tensor-prompt", ([torch.tensor([1, 2, 3])],), RequestRejectedError,
-     ["prompt 0", "sequence of int token ids", "prompt.tolist()"]),
-    ("sampling-string", ([[1, 2, 3]], "greedy"), EngineConfigError,
-     ["SamplingParams or a list of them", "str 'greedy'", "SamplingParams(temperature=0)"]),
-    ("sampling-list-of-strings", ([[1, 2, 3]], ["greedy"]), EngineConfigError,
-     ["SamplingParams or a list of them", "list"]),
-]
-
-
-@pytest.mark.parametrize("args,error,words", [pytest.param(*c[1:], id=c[0]) for c in CALL_ARGUMENT_CASES])
-def test_wrong_generate_arguments_are_typed_errors_naming_the_value(engine, args, error, words):
-    before = engine_state(engine)
-    with pytest.raises(error) as info:
-        engine.generate(*args)
-    assert_words(info.value, words)
-    assert engine_state(engine) == before
 
 
 # ---- the user's max_context is the limit (issue 11 §2) ------------------------------------
