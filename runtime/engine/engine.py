@@ -22,6 +22,7 @@ from vmemkv.runtime.attention import fastest_backend, get_backend
 from vmemkv.runtime.cache import make_cache
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.errors import PlanExecutionError
+from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
 from vmemkv.runtime.hf.support import check_model_supported
 from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.request import Request
@@ -78,6 +79,7 @@ class Engine:
         backend.check_runs(cfg.cache, self.device.type, self.cache_config.dtype, what="the model")
         cache_bytes = cache_budget_bytes(cfg, self.cache_config)   # fits available memory
         self._model_attn = model.config._attn_implementation   # restored by close()
+        self._holds_attention = False
         if cfg.self_check:   # the model is back on its own attention afterwards, pass or fail
             self_check(model, self.cache_config, cfg, backend, self._model_attn)
         self.cache = make_cache(self.cache_config, cfg.cache, cache_bytes=cache_bytes,
@@ -91,6 +93,8 @@ class Engine:
             self.cache.close()   # a failed construction leaves no memory behind
             model.set_attn_implementation(self._model_attn)
             raise
+        hold_vmemkv_attention(model, self._model_attn)
+        self._holds_attention = True
 
     def _build_rest(self, model: torch.nn.Module, backend) -> None:
         cfg = self.config
@@ -358,8 +362,9 @@ class Engine:
         """Release the cache (unmaps and frees every page) and switch the model back to the
         attention implementation it had before this engine. Idempotent."""
         self.cache.close()
-        if self.model.config._attn_implementation == "vmemkv":
-            self.model.set_attn_implementation(self._model_attn)
+        if self._holds_attention:   # the last engine on this model restores its attention
+            self._holds_attention = False
+            release_vmemkv_attention(self.model)
 
     def __enter__(self) -> "Engine":
         return self

@@ -18,6 +18,7 @@ HF forwards from ``model(...)`` down to every attention call.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -93,3 +94,25 @@ def use_vmemkv_attention(model) -> None:
     """Switch an HF model (every submodule) to the vmemkv attention function."""
     register_attention()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+# model -> [engines holding it on our attention, the implementation it had before the first]
+_HOLDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def hold_vmemkv_attention(model, own: str) -> None:
+    """Count one more engine running ``model`` on our attention; ``own`` (its implementation
+    before any engine) is what the last ``release_vmemkv_attention`` restores."""
+    _HOLDERS.setdefault(model, [0, own])[0] += 1
+
+
+def release_vmemkv_attention(model) -> None:
+    """One engine fewer; the last one switches the model back to its own implementation (so a
+    second engine on the same model keeps running on ours until it closes too)."""
+    entry = _HOLDERS.get(model)
+    if entry is None:
+        return
+    entry[0] -= 1
+    if entry[0] == 0:
+        del _HOLDERS[model]
+        model.set_attn_implementation(entry[1])

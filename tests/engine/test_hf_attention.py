@@ -69,3 +69,20 @@ def test_a_model_refused_by_the_self_check_is_left_on_its_own_attention(monkeypa
     with pytest.raises(UnsupportedModelError, match="self-check"):
         Engine(model, max_batch=2, max_context=64)
     assert model.config._attn_implementation == before
+
+
+def test_closing_one_of_two_engines_on_a_model_leaves_the_other_exact():
+    """The second engine must keep running on our attention: were the model switched back
+    under it, its steps would attend to their own tokens only, silently."""
+    model = build_model("tiny-llama")
+    before = model.config._attn_implementation
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    first = Engine(model, max_batch=2, max_context=64)
+    expected = first.generate([[5, 17, 33, 9]], params)[0].outputs[0].token_ids
+    second = Engine(model, cache="paged", max_batch=2, max_context=64)
+    first.close()
+    first.close()                                                # idempotent: counted once
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert second.generate([[5, 17, 33, 9]], params)[0].outputs[0].token_ids == expected
+    second.close()
+    assert model.config._attn_implementation == before

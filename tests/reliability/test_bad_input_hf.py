@@ -140,6 +140,7 @@ UNSUPPORTED_CASES = [
     ("no-step-context", dict(ctx=False), ["vmemkv_step=StepContext", "vmemkv.runtime.engine"]),
     ("batched", dict(batch=2), ["packed batches [1, tokens, ...]", "batch of 2"]),
     ("softcap", dict(softcap=30.0), ["softcapping"]),
+    ("sinks", dict(s_aux=torch.zeros(4)), ["layer 1", "attention sinks (s_aux)"]),
     ("sliding-window", dict(sliding_window=16), ["layer 1", "sliding window of 16", "max_context 64"]),
     ("not-causal", dict(module=SimpleNamespace(layer_idx=1, is_causal=False)), ["layer 1", "not causal"]),
 ]
