@@ -23,7 +23,7 @@ from vmemkv.runtime.cache import make_cache
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
-from vmemkv.runtime.hf.support import check_model_supported
+from vmemkv.runtime.hf.support import check_model_supported, kv_shape_of
 from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.request import Request
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -118,11 +118,8 @@ class Engine:
     @staticmethod
     def _cache_config(model, cfg: EngineConfig, param: torch.Tensor) -> CacheConfig:
         mc = model.config.get_text_config()
-        heads = mc.num_attention_heads
-        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
-        shape = dict(num_layers=mc.num_hidden_layers, head_dim=head_dim, dtype=param.dtype,
-                     num_kv_heads=getattr(mc, "num_key_value_heads", None) or heads,
-                     device=str(param.device), max_batch=cfg.max_batch)
+        shape = dict(**kv_shape_of(mc), dtype=param.dtype, device=str(param.device),
+                     max_batch=cfg.max_batch)
         # a vmem slot is whole pages: the cache is built rounded up, admission uses max_context
         probe = CacheConfig(**shape, max_context=cfg.max_context)
         return CacheConfig(**shape, max_context=page_rounded_context(probe, cfg, cfg.max_context))

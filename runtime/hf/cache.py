@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..cache import VMemKVCache, default_page_bytes, make_cache
 from ..config import CacheConfig, parse_dtype
 from ..errors import CacheConfigError, CacheStateError
-from .support import check_cache_layers, kv_heads_of, text_config
+from .support import check_cache_layers, kv_shape_of, text_config
 
 
 class BatchTooLargeError(CacheStateError):
@@ -67,11 +67,9 @@ def cache_config_from_model(config, max_batch: int, max_context: int, dtype=None
     """The CacheConfig of an HF model config (its decoder's text config for multimodal ones)."""
     text = text_config(config)
     check_cache_layers(text, "VMemCache", CacheConfigError)
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     dtype = parse_dtype(dtype if dtype is not None else (getattr(text, "dtype", None) or torch.float32))
-    return CacheConfig(text.num_hidden_layers, kv_heads_of(text), head_dim, dtype, str(device),
-                       max_batch, max_context)
+    return CacheConfig(**kv_shape_of(text), dtype=dtype, device=str(device), max_batch=max_batch,
+                       max_context=max_context)
 
 
 class VMemLayer(CacheLayerMixin):

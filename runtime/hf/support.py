@@ -45,6 +45,14 @@ def kv_heads_of(config) -> int:
     return getattr(text, "num_key_value_heads", None) or heads
 
 
+def kv_shape_of(config) -> dict:
+    """``num_layers``, ``num_kv_heads``, ``head_dim`` of a model's KV cache, from its config
+    (the one place both the engine and VMemCache read them)."""
+    text = text_config(config)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return dict(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads_of(text), head_dim=head_dim)
+
+
 def check_cache_layers(config, who: str, error: type = UnsupportedModelError) -> None:
     """Refuse a model with layers whose state is not K/V per token (linear attention,
     recurrent or state-space layers, chunked or indexed attention): a KV cache cannot hold it."""
