@@ -75,10 +75,12 @@ def _check_supported(module, query: torch.Tensor, ctx: StepContext, kwargs: dict
         raise UnsupportedModelError(f"layer {module.layer_idx} passes attention sinks (s_aux); "
                                     f"vmemkv attention does not implement them")
     window = kwargs.get("sliding_window")
-    if window is not None and window < ctx.cache.config.max_context:
-        raise UnsupportedModelError(
-            f"layer {module.layer_idx} uses a sliding window of {window} tokens, shorter than the "
-            f"cache's max_context {ctx.cache.config.max_context}; sliding windows are not supported")
+    if window is not None:   # exact while no sequence is longer than the window
+        longest = max(ctx.cache.layer_view(module.layer_idx).lens.context_lens, default=0)
+        if window < longest:
+            raise UnsupportedModelError(
+                f"layer {module.layer_idx} uses a sliding window of {window} tokens but this step "
+                f"attends over {longest} tokens; sliding windows are not supported past their length")
     if not getattr(module, "is_causal", True):
         raise UnsupportedModelError(f"layer {module.layer_idx} is not causal")
 

@@ -42,6 +42,7 @@ FAMILIES: Dict[str, Tuple[str, dict]] = {
     "olmo2": ("olmo2", BASE),
     "cohere": ("cohere", BASE),
     "cohere2 (window 8)": ("cohere2", dict(BASE, sliding_window=8)),
+    "cohere2 (window 100)": ("cohere2", dict(BASE, sliding_window=100)),   # > max_context 64
     "granite": ("granite", BASE),
     "glm": ("glm", BASE),
     "smollm3": ("smollm3", BASE),

@@ -125,6 +125,9 @@ class RecordingCache:
     def write(self, *args):
         self.writes.append(args)
 
+    def layer_view(self, layer):   # one sequence of max_context tokens this step
+        return SimpleNamespace(lens=SimpleNamespace(context_lens=(self.config.max_context,)))
+
 
 def attention_call(batch=1, ctx=True, module=None, **kwargs):
     cache = RecordingCache()
@@ -141,7 +144,7 @@ UNSUPPORTED_CASES = [
     ("batched", dict(batch=2), ["packed batches [1, tokens, ...]", "batch of 2"]),
     ("softcap", dict(softcap=30.0), ["softcapping"]),
     ("sinks", dict(s_aux=torch.zeros(4)), ["layer 1", "attention sinks (s_aux)"]),
-    ("sliding-window", dict(sliding_window=16), ["layer 1", "sliding window of 16", "max_context 64"]),
+    ("sliding-window", dict(sliding_window=16), ["layer 1", "sliding window of 16", "attends over 64 tokens"]),
     ("not-causal", dict(module=SimpleNamespace(layer_idx=1, is_causal=False)), ["layer 1", "not causal"]),
 ]
 
