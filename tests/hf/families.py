@@ -141,7 +141,7 @@ def outcome(family: str) -> Tuple[str, str, str]:
         engine_result = str(error)
     try:
         with VMemCache.from_model_config(model.config, max_batch=1, max_context=64) as cache:
-            got = _reference(model, ids, mask, past_key_values=cache)
+            got = _reference(model, ids, mask, cache=cache)
         cache_result = EXACT if got == expected else f"WRONG {got} != {expected}"
     except RuntimeKVError as error:
         cache_result = str(error)

@@ -41,13 +41,13 @@ def test_closed_cache_refuses_stats_and_generate_with_a_typed_error():
     model = build_model("tiny-llama")
     cache = VMemCache.from_model_config(model.config, max_batch=1, max_context=64)
     ids = torch.tensor([[1, 2, 3]])
-    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+    model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
                    max_new_tokens=2, do_sample=False)
     cache.close()
     with pytest.raises(CacheStateError, match=r"after close\(\)"):
         cache.stats()
     with pytest.raises(CacheStateError, match=r"after close\(\)") as info:
-        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
                        max_new_tokens=2, do_sample=False)
     # refused at the cache's first query, not after HF has started computing layers
     assert "get_seq_length" in "".join(str(frame) for frame in info.traceback[-2:])
