@@ -69,3 +69,18 @@ def test_falcon_kv_heads_are_read_as_the_model_caches_them(fields, kv_heads):
 def test_gpt_bigcode_multi_query_caches_one_kv_head():
     config = transformers.GPTBigCodeConfig(n_embd=64, n_layer=2, n_head=4, multi_query=True)
     assert cache_config_from_model(config, 1, 64).num_kv_heads == 1
+
+
+def test_growth_past_available_memory_is_refused_and_commits_nothing(monkeypatch):
+    from vmemkv import vmem
+    from vmemkv.runtime.errors import PlanExecutionError
+    from vmemkv.vmem.host import HostDriver
+    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, max_batch=1, max_context=64)
+    with VMemCache(config) as cache:
+        monkeypatch.setattr(HostDriver, "available_bytes", lambda self: 100)   # checked per growth
+        k = torch.zeros(1, 2, 3, 16)
+        with pytest.raises(PlanExecutionError) as info:
+            cache.update(k, k, 0)
+        assert isinstance(info.value.__cause__, vmem.InsufficientMemoryError)
+        assert "100 bytes" in str(info.value) and "available" in str(info.value)
+        assert cache.stats().committed_bytes == 0 and cache.stats().mapped_pages == 0
