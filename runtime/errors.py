@@ -39,6 +39,7 @@ class MapperPlanError(MapperError, PlanExecutionError):
     PlanExecutionError, so callers of either keep working)."""
 
 
-class CacheTooLargeError(CacheConfigError):
-    """A cache asks for more memory than the device has; raised before anything is allocated,
-    the message gives both sizes in bytes."""
+class CacheTooLargeError(CacheConfigError, MemoryError):
+    """A cache asks for more memory than the device has (total), or than it has available now
+    (host MemAvailable, CUDA free memory); raised before anything is allocated, the message
+    gives both sizes in bytes."""

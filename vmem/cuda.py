@@ -130,6 +130,11 @@ class CudaDriver(Driver):
     def device(self) -> str:
         return f"cuda:{self._index}"
 
+    def available_bytes(self) -> int | None:
+        with self._with_context():
+            free, _total = self._check("cuMemGetInfo", self._cu.cuMemGetInfo())
+        return int(free)
+
     def reserve(self, size_bytes: int) -> int:
         self.check_page_bytes(size_bytes)
         with self._with_context():

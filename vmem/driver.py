@@ -66,6 +66,11 @@ class Driver(ABC):
         """Copy bytes between two mapped regions (used for copy-on-write)."""
         self.tensor(dst_address, num_bytes).copy_(self.tensor(src_address, num_bytes))
 
+    def available_bytes(self) -> int | None:
+        """Bytes of physical memory that pages could be created in now (host: MemAvailable;
+        CUDA: the device's free memory), None when unknown. Pools check it before creating."""
+        return None
+
     def close(self) -> None:
         """Release driver-wide resources (ranges and pools are closed by their owners)."""
 

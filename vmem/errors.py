@@ -29,6 +29,11 @@ class PoolExhaustedError(VMemError, MemoryError):
     """The physical page pool has fewer free pages than were asked for."""
 
 
+class InsufficientMemoryError(VMemError, MemoryError):
+    """Creating pages would need more physical memory than the device has available now; raised
+    before any page is created (the message gives both sizes in bytes)."""
+
+
 class PageStateError(VMemError, ValueError):
     """A physical page is used in a state that forbids it: releasing one that is still mapped
     or already free, or mapping one that was never allocated from its pool."""

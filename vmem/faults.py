@@ -87,6 +87,9 @@ class FaultInjectingDriver(Driver):
     def device(self) -> str:
         return self.inner.device
 
+    def available_bytes(self) -> Optional[int]:
+        return self.inner.available_bytes()
+
     def reserve(self, size_bytes: int) -> int:
         self._enter("reserve")
         return self.inner.reserve(size_bytes)

@@ -38,6 +38,18 @@ def host_unavailable_reason() -> str | None:
     return None
 
 
+def meminfo_bytes(field: str) -> int | None:
+    """A field of /proc/meminfo in bytes ("MemAvailable", "MemTotal"), None when unreadable."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
 def _load_libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
@@ -74,6 +86,9 @@ class HostDriver(Driver):
     @property
     def device(self) -> str:
         return "cpu"
+
+    def available_bytes(self) -> int | None:
+        return meminfo_bytes("MemAvailable")
 
     def _mmap(self, call: str, address: int | None, size: int, prot: int, flags: int,
               fd: int = -1, offset: int = 0) -> int:

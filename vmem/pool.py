@@ -1,41 +1,79 @@
-"""PagePool: a fixed budget of physical pages, all created up front, handed out by id.
+"""PagePool: a budget of physical pages, handed out by id, created up front or on demand.
 
-Every page is created when the pool is built (one ``create_pages`` call), so mapping never pays
-for page creation and running out is a pool event, never a driver one. Pages are named by ids
-0..total_pages-1. The pool counts, per page, how many addresses it is mapped at; ranges update
-that count, and a page still mapped somewhere cannot be released.
+Eager (the default): every page is created when the pool is built (one ``create_pages`` call),
+so mapping never pays for page creation and running out is a pool event, never a driver one.
+On demand (``grow=True``): ids exist from the start, but a page's physical memory is created
+the first time it is mapped, in chunks (a quarter of what exists, at least 16 pages) so driver
+calls stay few; what is created stays until ``close``. Either way every creation is first
+checked against the device's available memory (``InsufficientMemoryError``, nothing created).
+
+Pages are named by ids 0..total_pages-1. The pool counts, per page, how many addresses it is
+mapped at; ranges update that count, and a page still mapped somewhere cannot be released.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Union
 
 from .driver import Driver
-from .errors import ClosedError, PageStateError, PoolExhaustedError, VMemConfigError
+from .errors import (ClosedError, InsufficientMemoryError, PageStateError, PoolExhaustedError,
+                     VMemConfigError)
+
+MIN_GROWTH_PAGES = 16
 
 
 class PagePool:
     """``total_pages`` physical pages of ``page_bytes`` each on ``driver``.
 
-    Invariants (``check_integrity``): free + allocated == total; a free page has no mappings.
+    Invariants (``check_integrity``): free + allocated == total; a free page has no mappings;
+    committed (created) pages <= total.
     """
 
-    def __init__(self, driver: Driver, num_pages: int, page_bytes: int) -> None:
-        if not isinstance(num_pages, int) or num_pages < 1:
+    def __init__(self, driver: Driver, num_pages: int, page_bytes: int, grow: bool = False) -> None:
+        if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 1:
             raise VMemConfigError(f"a page pool needs num_pages >= 1, got {num_pages!r}")
         driver.check_page_bytes(page_bytes)
         self.driver = driver
         self.page_bytes = page_bytes
-        self._handles: list[Any] = list(driver.create_pages(num_pages, page_bytes))
+        self.grow = grow
+        self._batches: list[list[Any]] = []             # one per create_pages call (release unit)
+        self._stock: list[Any] = []                     # created, not yet bound to an id
+        if grow:
+            self._handles: list[Any] = [None] * num_pages   # page id -> handle (None: not created)
+        else:                                           # checked and created before any list
+            self._create(num_pages)
+            self._handles, self._stock = list(self._batches[0]), []
         # LIFO free list: the most recently released page is reused first (warm in caches/TLB).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._is_free = [True] * num_pages
         self._map_counts = [0] * num_pages
         self._closed = False
 
+    def _create(self, num_pages: int) -> None:
+        """Create ``num_pages`` pages into the stock, after checking available memory."""
+        need = num_pages * self.page_bytes
+        available = self.driver.available_bytes()
+        if available is not None and need > available:
+            raise InsufficientMemoryError(
+                f"creating {num_pages} pages of {self.page_bytes} bytes needs {need} bytes "
+                f"({need / 2**30:.2f} GiB) but the {self.driver.name} driver reports only "
+                f"{available} bytes ({available / 2**30:.2f} GiB) available; ask for fewer pages")
+        batch = list(self.driver.create_pages(num_pages, self.page_bytes))
+        self._batches.append(batch)
+        self._stock.extend(reversed(batch))
+
     # -- counters --
     @property
     def total_pages(self) -> int:
         return len(self._handles)
+
+    @property
+    def committed_pages(self) -> int:
+        """Pages whose physical memory exists (all of them unless ``grow``)."""
+        return sum(len(batch) for batch in self._batches)
+
+    @property
+    def committed_bytes(self) -> int:
+        return self.committed_pages * self.page_bytes
 
     @property
     def free_pages(self) -> int:
@@ -62,6 +100,8 @@ class PagePool:
     def allocate(self, num_pages: int = 1) -> list[int]:
         """Take ``num_pages`` free pages (all or none)."""
         self._check_open()
+        if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 0:
+            raise VMemConfigError(f"allocate takes a page count >= 0, got {num_pages!r}")
         if num_pages > len(self._free):
             raise PoolExhaustedError(f"page pool exhausted: asked for {num_pages} pages, "
                                      f"{len(self._free)} of {self.total_pages} free")
@@ -70,17 +110,26 @@ class PagePool:
             self._is_free[page_id] = False
         return taken
 
-    def release(self, page_id: int) -> None:
-        """Return a page to the free list; it must be allocated and mapped nowhere."""
+    def release(self, pages: Union[int, Iterable[int]]) -> None:
+        """Return one page id, or every id of a list (what ``allocate`` returns), to the free
+        list; each must be allocated and mapped nowhere. All or none: every id is checked first."""
         self._check_open()
+        ids = [pages] if isinstance(pages, int) else list(pages)
+        if len(set(ids)) != len(ids):
+            raise PageStateError(f"page ids {ids[:8]} name a page twice")
+        for page_id in ids:
+            self._check_releasable(page_id)
+        for page_id in ids:
+            self._is_free[page_id] = True
+            self._free.append(page_id)
+
+    def _check_releasable(self, page_id: int) -> None:
         self._check_id(page_id)
         if self._is_free[page_id]:
             raise PageStateError(f"page {page_id} is already free (released twice?)")
         if self._map_counts[page_id]:
             raise PageStateError(f"page {page_id} is still mapped at "
                                  f"{self._map_counts[page_id]} address(es); unmap it first")
-        self._is_free[page_id] = True
-        self._free.append(page_id)
 
     # -- used by VirtualRange --
     def _handle_for_mapping(self, page_id: int) -> Any:
@@ -88,6 +137,11 @@ class PagePool:
         self._check_id(page_id)
         if self._is_free[page_id]:
             raise PageStateError(f"page {page_id} is free; allocate it from the pool before mapping")
+        if self._handles[page_id] is None:     # on demand: create (a chunk) on first mapping
+            if not self._stock:
+                left = self.total_pages - self.committed_pages
+                self._create(min(left, max(MIN_GROWTH_PAGES, self.committed_pages // 4)))
+            self._handles[page_id] = self._stock.pop()
         return self._handles[page_id]
 
     def _count_mapping(self, page_id: int, delta: int) -> None:
@@ -100,6 +154,9 @@ class PagePool:
         for page_id in self._free:
             assert self._map_counts[page_id] == 0, f"free page {page_id} is mapped"
         assert all(count >= 0 for count in self._map_counts), "negative mapping count"
+        bound = sum(1 for handle in self._handles if handle is not None)
+        assert bound + len(self._stock) == self.committed_pages <= self.total_pages, \
+            "created pages disagree with bound + stock"
 
     def close(self) -> None:
         """Destroy every page. Refused while any page is still mapped (close ranges first)."""
@@ -108,7 +165,8 @@ class PagePool:
         if any(self._map_counts):
             raise PageStateError(f"cannot close the pool: {self.mapped_pages} page(s) are still "
                                  f"mapped; close the ranges that map them first")
-        self.driver.release_pages(self._handles)
+        for batch in self._batches:
+            self.driver.release_pages(batch)
         self._closed = True
 
     @property
@@ -131,4 +189,5 @@ class PagePool:
 
     def __repr__(self) -> str:
         return (f"PagePool(page_bytes={self.page_bytes}, total={self.total_pages}, "
-                f"free={self.free_pages}, mapped={self.mapped_pages})")
+                f"committed={self.committed_pages}, free={self.free_pages}, "
+                f"mapped={self.mapped_pages})")

@@ -26,7 +26,8 @@ from vmemkv.runtime.attention.base import BatchLens, LayerView
 from vmemkv.scheduler.managers.base import SwapIn, SwapOut
 
 from ..config import CacheConfig
-from ..errors import CacheStateError, CacheTooLargeError, PlanExecutionError
+from ..errors import CacheStateError, PlanExecutionError
+from ..memory import check_fits_device, device_memory_bytes  # noqa: F401  (moved; re-exported)
 
 T = TypeVar("T")
 
@@ -61,32 +62,6 @@ class PlanJournal:
             except BaseException as error:  # keep undoing what can be undone
                 first = first or error
         return first
-
-
-def device_memory_bytes(device: torch.device) -> Optional[int]:
-    """Total memory of ``device`` in bytes (host: MemTotal of /proc/meminfo; CUDA: the GPU's
-    total), None when it cannot be read."""
-    try:
-        if device.type == "cuda":
-            return int(torch.cuda.mem_get_info(device)[1])
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, RuntimeError, ValueError):
-        return None
-    return None
-
-
-def check_fits_device(what: str, num_bytes: int, device: torch.device) -> None:
-    """Raise CacheTooLargeError, before anything is allocated, when ``num_bytes`` exceeds the
-    device's total memory (a pool that could never be built, or would swap the host to death)."""
-    total = device_memory_bytes(device)
-    if total is not None and num_bytes > total:
-        where = "host MemTotal" if device.type == "cpu" else f"{device} total memory"
-        raise CacheTooLargeError(f"{what} needs {num_bytes} bytes ({num_bytes / 2**30:.2f} GiB) "
-                                 f"but the {where} is {total} bytes ({total / 2**30:.2f} GiB); "
-                                 f"lower cache_bytes")
 
 
 def run_plan(manager, cache: "KVCache", mutate: Callable[[], T]) -> T:

@@ -30,11 +30,13 @@ def default_page_bytes(config: CacheConfig, layout: str) -> int:
 def make_cache(config: CacheConfig, cache: str = "vmem", *, cache_bytes: Optional[int] = None,
                layout: str = "per-layer", page_bytes: Optional[int] = None,
                block_size: int = 16, swap_bytes: int = 0, background_mapper: bool = False,
-               driver: Optional[vmem.Driver] = None) -> KVCache:
+               driver: Optional[vmem.Driver] = None, grow_pages: bool = False) -> KVCache:
     """Build the manager (scheduler.managers) and its cache for ``config``.
 
     cache_bytes: device memory for K/V (default: room for every slot at full length).
     vmem: ``layout`` per-layer | interleaved, ``page_bytes`` (default: see default_page_bytes).
+    vmem ``grow_pages``: create physical pages on first mapping, up to ``cache_bytes``
+    (vmem.PagePool(grow=True)); default: all created up front.
     paged: ``block_size`` tokens per block.
     """
     if cache_bytes is None:
@@ -44,7 +46,8 @@ def make_cache(config: CacheConfig, cache: str = "vmem", *, cache_bytes: Optiona
         page_bytes = page_bytes or default_page_bytes(config, layout)
         manager = make_manager("vmem", model, cache_bytes, config.max_context, page_bytes=page_bytes,
                                layout=layout, max_slots=config.max_batch, swap_bytes=swap_bytes)
-        return VMemKVCache(config, manager, driver=driver, background_mapper=background_mapper)
+        return VMemKVCache(config, manager, driver=driver, background_mapper=background_mapper,
+                           grow_pages=grow_pages)
     if cache == "paged":
         manager = make_manager("paged", model, cache_bytes, config.max_context,
                                block_size_tokens=block_size, swap_bytes=swap_bytes)

@@ -43,7 +43,7 @@ class VMemKVCache(KVCache):
     layout = "vmem"
 
     def __init__(self, config: CacheConfig, manager, driver: Optional[vmem.Driver] = None,
-                 background_mapper: bool = False) -> None:
+                 background_mapper: bool = False, grow_pages: bool = False) -> None:
         super().__init__(config, manager)
         self._check_manager(config, manager)
         self.memory_layout = manager.layout
@@ -54,7 +54,8 @@ class VMemKVCache(KVCache):
         check_fits_device(f"VMemKVCache pool of {manager.num_groups * self.pages_per_group} pages "
                           f"of {self.page_bytes} bytes",
                           manager.num_groups * self.pages_per_group * self.page_bytes,
-                          config.torch_device)
+                          config.torch_device, committed=not grow_pages)
+        self._grow_pages = grow_pages   # pages created on first mapping (vmem.PagePool(grow=True))
         self._closed = True      # until fully built: close() releases only what exists
         self.pool = self.range = self._mapper = None
         self._own_driver = driver is None
@@ -70,7 +71,7 @@ class VMemKVCache(KVCache):
 
     def _build(self, c: CacheConfig, background_mapper: bool) -> None:
         self.pool = vmem.PagePool(self.driver, self.manager.num_groups * self.pages_per_group,
-                                  self.page_bytes)
+                                  self.page_bytes, grow=self._grow_pages)
         self._pool_pages = self.pool.allocate(self.pool.total_pages)  # fixed: group g -> members
         shape = ((c.num_layers, 2, c.max_batch, c.max_context, c.num_kv_heads, c.head_dim)
                  if self.memory_layout == "per-layer" else

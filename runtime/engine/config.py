@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from vmemkv.runtime.cache.factory import default_page_bytes
+from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device
+
 from .errors import EngineConfigError
 
 CACHES = ("vmem", "paged")
@@ -22,6 +25,9 @@ class EngineConfig:
     max_context: int = 1024              # tokens per sequence, prompt + output (vmem: rounded
                                          # up to whole pages)
     cache_bytes: Optional[int] = None    # device bytes for K/V; None: max_batch full sequences
+    memory_utilization: Optional[float] = None  # or: this fraction of the device's AVAILABLE
+                                         # memory (host MemAvailable, CUDA free) goes to K/V, in
+                                         # (0, 1]; exclusive with cache_bytes
     max_tokens_per_step: int = 2048      # new tokens per step (prefill chunking budget)
     attention: Optional[str] = None      # backend name; None: fastest for the layout and device
     preemption: str = "recompute"        # when a running sequence cannot grow: recompute | swap
@@ -34,6 +40,9 @@ class EngineConfig:
     check_integrity: bool = False        # run the manager's integrity check after every step
     max_plan_retries: int = 3            # a failed memory plan is retried this many times in a
                                          # row before generate() raises PlanExecutionError
+    self_check: bool = True              # at construction, check a short prompt's logits on our
+                                         # attention against the model's own; False is UNSAFE (an
+                                         # unverified architecture may give wrong tokens silently)
 
     def __post_init__(self) -> None:
         self._one_of("cache", CACHES)
@@ -56,10 +65,71 @@ class EngineConfig:
         if (not isinstance(self.watermark, (int, float)) or isinstance(self.watermark, bool)
                 or not 0.0 <= self.watermark < 1.0):
             raise EngineConfigError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
+        self._check_memory_utilization()
+        if not isinstance(self.self_check, bool):
+            raise EngineConfigError(f"EngineConfig.self_check must be True or False, got "
+                                    f"{self.self_check!r}")
         if self.preemption == "swap" and self.swap_bytes == 0:
             raise EngineConfigError("EngineConfig.swap_bytes must be > 0 when preemption='swap'")
+
+    def _check_memory_utilization(self) -> None:
+        value = self.memory_utilization
+        if value is None:
+            return
+        if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                or not 0.0 < value <= 1.0):   # also refuses nan
+            raise EngineConfigError(f"EngineConfig.memory_utilization must be a fraction in "
+                                    f"(0, 1] or None, got {value!r}")
+        if self.cache_bytes is not None:
+            raise EngineConfigError(f"EngineConfig.cache_bytes ({self.cache_bytes}) and "
+                                    f"memory_utilization ({value}) are exclusive; give one")
 
     def _one_of(self, name: str, allowed: tuple) -> None:
         if getattr(self, name) not in allowed:
             raise EngineConfigError(f"EngineConfig.{name} must be one of {', '.join(allowed)}, "
                                     f"got {getattr(self, name)!r}")
+
+
+def cache_budget_bytes(cfg: EngineConfig, cache_config) -> int:
+    """The K/V budget of an engine in bytes: ``cache_bytes``, else ``memory_utilization`` of the
+    device's available memory, else room for every slot at full length. Checked against the
+    device's total and available memory (CacheTooLargeError) before anything is built."""
+    device = cache_config.torch_device
+    if cfg.memory_utilization is not None:
+        return bytes_from_fraction(cfg.memory_utilization, device)
+    budget = cfg.cache_bytes
+    what = f"the engine's KV cache (cache_bytes={budget})"
+    if budget is None:
+        budget = cache_config.max_batch * cache_config.max_context * cache_config.bytes_per_token
+        what = (f"the engine's KV cache ({cache_config.max_batch} slots of "
+                f"{cache_config.max_context} tokens; cache_bytes=None)")
+    check_fits_device(what, budget, device)
+    return budget
+
+
+def page_rounded_context(cache_config, cfg, tokens: int) -> int:
+    """Smallest context >= ``tokens`` a cache of ``cfg`` can be built with (vmem: whole pages
+    per slot; paged: any). The engine still admits only the user's ``max_context``."""
+    if cfg.cache != "vmem":
+        return tokens
+    per_token = cache_config.layer_bytes_per_token * (
+        1 if cfg.layout == "per-layer" else cache_config.num_layers)
+    per_page = max(1, (cfg.page_bytes or default_page_bytes(cache_config, cfg.layout)) // per_token)
+    return -(-tokens // per_page) * per_page
+
+
+def check_engine_arguments(model, config) -> None:
+    """Typed errors for the wrong things passed to Engine(model, config=...)."""
+    import torch
+    if not isinstance(model, torch.nn.Module):
+        hint = (f"; build it first, e.g. vmemkv.runtime.models.build_model({model!r})"
+                if isinstance(model, str) else "")
+        raise EngineConfigError(f"Engine needs a torch causal-LM module (e.g. LlamaForCausalLM) as "
+                                f"its model, got {type(model).__name__} {str(model)[:60]!r}{hint}")
+    if not hasattr(getattr(model, "config", None), "get_text_config"):
+        raise EngineConfigError(f"Engine needs a transformers causal LM (a module with a "
+                                f".config); got {type(model).__name__}")
+    if config is not None and not isinstance(config, EngineConfig):
+        raise EngineConfigError(f"Engine config must be an EngineConfig, got "
+                                f"{type(config).__name__} {str(config)[:60]}; pass options as "
+                                f"keywords (Engine(model, **options)) or EngineConfig(**options)")

@@ -19,19 +19,21 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 import torch
 
 from vmemkv.runtime.attention import fastest_backend, get_backend
-from vmemkv.runtime.cache import default_page_bytes, make_cache
+from vmemkv.runtime.cache import make_cache
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.errors import PlanExecutionError
-from vmemkv.runtime.hf.attention import check_model_supported
+from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
+from vmemkv.runtime.hf.support import check_model_supported, kv_shape_of
 from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.request import Request
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
-from .config import EngineConfig
+from .config import EngineConfig, cache_budget_bytes, check_engine_arguments, page_rounded_context
 from .errors import EngineConfigError, RequestRejectedError
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
 from .sampling import SampleSlot, Sampler, SamplingParams, make_generator
+from .self_check import self_check
 
 Prompt = Union[Sequence[int], str]
 OnToken = Callable[[TokenEvent], None]
@@ -60,6 +62,7 @@ class Engine:
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: Optional[EngineConfig] = None,
                  driver=None, **options) -> None:
+        check_engine_arguments(model, config)
         try:
             self.config = cfg = replace(config or EngineConfig(), **options)
         except TypeError as error:
@@ -68,13 +71,18 @@ class Engine:
         param = next(model.parameters())
         self.device, self.vocab_size = param.device, model.config.get_text_config().vocab_size
         self.cache_config = self._cache_config(model, cfg, param)
-        check_model_supported(model, self.cache_config.max_context)   # before anything is built
+        check_model_supported(model, cfg.max_context)   # before anything is built
         self.attention = cfg.attention or fastest_backend(cfg.cache, self.device.type, cfg.block_size,
                                                           dtype=self.cache_config.dtype)
         backend = get_backend(self.attention)
         # refuse, before any memory is built, a backend that cannot run this model's attention
         backend.check_runs(cfg.cache, self.device.type, self.cache_config.dtype, what="the model")
-        self.cache = make_cache(self.cache_config, cfg.cache, cache_bytes=cfg.cache_bytes,
+        cache_bytes = cache_budget_bytes(cfg, self.cache_config)   # fits available memory
+        self._model_attn = model.config._attn_implementation   # restored by close()
+        self._holds_attention = False
+        if cfg.self_check:   # the model is back on its own attention afterwards, pass or fail
+            self_check(model, self.cache_config, cfg, backend, self._model_attn)
+        self.cache = make_cache(self.cache_config, cfg.cache, cache_bytes=cache_bytes,
                                 layout=cfg.layout, page_bytes=cfg.page_bytes,
                                 block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,
                                 background_mapper=cfg.background_mapper and cfg.cache == "vmem",
@@ -83,14 +91,17 @@ class Engine:
             self._build_rest(model, backend)
         except BaseException:
             self.cache.close()   # a failed construction leaves no memory behind
+            model.set_attn_implementation(self._model_attn)
             raise
+        hold_vmemkv_attention(model, self._model_attn)
+        self._holds_attention = True
 
     def _build_rest(self, model: torch.nn.Module, backend) -> None:
         cfg = self.config
         self.runner = ModelRunner(model, self.cache, backend)
         self.scheduler = Scheduler(self.cache.manager, SchedulerConfig(
             max_running=cfg.max_batch, max_tokens_per_step=cfg.max_tokens_per_step,
-            watermark=cfg.watermark, preemption=cfg.preemption,
+            watermark=cfg.watermark, preemption=cfg.preemption, max_seq_len=cfg.max_context,
             enable_prefix_sharing=cfg.prefix_sharing, check_every_step=cfg.check_integrity))
         self.sampler = Sampler()
         self.eos_ids = _eos_ids(model, self.tokenizer)
@@ -107,18 +118,11 @@ class Engine:
     @staticmethod
     def _cache_config(model, cfg: EngineConfig, param: torch.Tensor) -> CacheConfig:
         mc = model.config.get_text_config()
-        heads = mc.num_attention_heads
-        head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // heads
-        shape = dict(num_layers=mc.num_hidden_layers, head_dim=head_dim, dtype=param.dtype,
-                     num_kv_heads=getattr(mc, "num_key_value_heads", None) or heads,
-                     device=str(param.device), max_batch=cfg.max_batch)
-        context = cfg.max_context
-        if cfg.cache == "vmem":   # a slot is whole pages: round max_context up to a page multiple
-            probe = CacheConfig(**shape, max_context=context)
-            per_token = probe.layer_bytes_per_token * (1 if cfg.layout == "per-layer" else probe.num_layers)
-            per_page = max(1, (cfg.page_bytes or default_page_bytes(probe, cfg.layout)) // per_token)
-            context = -(-context // per_page) * per_page
-        return CacheConfig(**shape, max_context=context)
+        shape = dict(**kv_shape_of(mc), dtype=param.dtype, device=str(param.device),
+                     max_batch=cfg.max_batch)
+        # a vmem slot is whole pages: the cache is built rounded up, admission uses max_context
+        probe = CacheConfig(**shape, max_context=cfg.max_context)
+        return CacheConfig(**shape, max_context=page_rounded_context(probe, cfg, cfg.max_context))
 
     # ---- submission ----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling: Optional[SamplingParams] = None,
@@ -160,8 +164,9 @@ class Engine:
                 tokens = None
             if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool)
                                           for t in tokens):
+                hint = "; pass prompt.tolist()" if isinstance(prompt, torch.Tensor) else ""
                 raise RequestRejectedError(f"prompt {index} must be text or a sequence of int "
-                                           f"token ids, got {str(prompt)[:60]!r}", index)
+                                           f"token ids, got {str(prompt)[:60]!r}{hint}", index)
             ids, text = tuple(tokens), None
         if not ids:
             raise RequestRejectedError(f"prompt {index} is empty", index)
@@ -290,6 +295,10 @@ class Engine:
         self.last_outputs = [self.output(rid, pop=True) for rid in ids]
 
     def _submit_all(self, prompts, sampling, on_token) -> List[int]:
+        if isinstance(prompts, torch.Tensor):
+            raise EngineConfigError(f"prompts must be a list of prompts (token-id lists or strings), "
+                                    f"got a tensor of shape {tuple(prompts.shape)}; pass "
+                                    f"prompts.tolist()")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise EngineConfigError("prompts must be a list of prompts (token-id lists or strings)")
         params = self._per_prompt(prompts, sampling)
@@ -300,6 +309,11 @@ class Engine:
     def _per_prompt(prompts, sampling) -> List[SamplingParams]:
         if sampling is None or isinstance(sampling, SamplingParams):
             return [sampling or SamplingParams()] * len(prompts)
+        if not isinstance(sampling, (list, tuple)) or not all(
+                isinstance(p, SamplingParams) for p in sampling):
+            raise EngineConfigError(f"sampling must be a SamplingParams or a list of them (one per "
+                                    f"prompt), got {type(sampling).__name__} {str(sampling)[:40]!r}; "
+                                    f"greedy decoding is SamplingParams(temperature=0), the default")
         if len(sampling) != len(prompts):
             raise EngineConfigError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
         return list(sampling)
@@ -342,8 +356,12 @@ class Engine:
 
     # ---- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:
-        """Release the cache (unmaps and frees every page). Idempotent."""
+        """Release the cache (unmaps and frees every page) and switch the model back to the
+        attention implementation it had before this engine. Idempotent."""
         self.cache.close()
+        if self._holds_attention:   # the last engine on this model restores its attention
+            self._holds_attention = False
+            release_vmemkv_attention(self.model)
 
     def __enter__(self) -> "Engine":
         return self

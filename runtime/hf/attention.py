@@ -18,6 +18,7 @@ HF forwards from ``model(...)`` down to every attention call.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,8 +31,9 @@ STEP_KWARG = "vmemkv_step"
 
 
 class UnsupportedModelError(RuntimeKVError, ValueError):
-    """The model needs an attention feature the vmemkv path does not implement (softcapping,
-    a sliding window shorter than the context, a non-causal layer, a batch dimension > 1)."""
+    """The model needs a feature the vmemkv path does not implement (softcapping, sinks, ALiBi,
+    a sliding window shorter than the context, linear-attention layers, a non-causal layer, no
+    AttentionInterface), or failed the engine's self-check; raised before anything is built."""
 
 
 @dataclass(frozen=True)
@@ -69,30 +71,18 @@ def _check_supported(module, query: torch.Tensor, ctx: StepContext, kwargs: dict
                                     f"got a batch of {query.shape[0]}")
     if kwargs.get("softcap") is not None:
         raise UnsupportedModelError("vmemkv attention does not implement attention softcapping")
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedModelError(f"layer {module.layer_idx} passes attention sinks (s_aux); "
+                                    f"vmemkv attention does not implement them")
     window = kwargs.get("sliding_window")
-    if window is not None and window < ctx.cache.config.max_context:
-        raise UnsupportedModelError(
-            f"layer {module.layer_idx} uses a sliding window of {window} tokens, shorter than the "
-            f"cache's max_context {ctx.cache.config.max_context}; sliding windows are not supported")
+    if window is not None:   # exact while no sequence is longer than the window
+        longest = max(ctx.cache.layer_view(module.layer_idx).lens.context_lens, default=0)
+        if window < longest:
+            raise UnsupportedModelError(
+                f"layer {module.layer_idx} uses a sliding window of {window} tokens but this step "
+                f"attends over {longest} tokens; sliding windows are not supported past their length")
     if not getattr(module, "is_causal", True):
         raise UnsupportedModelError(f"layer {module.layer_idx} is not causal")
-
-
-def check_model_supported(model, max_context: int) -> None:
-    """Refuse, before anything runs, a model whose attention this function cannot compute:
-    sliding windows shorter than ``max_context`` and logit softcapping (from its config)."""
-    config = model.config.get_text_config()
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or ()
-    sliding = ("sliding_attention" in layer_types if layer_types
-               else getattr(config, "use_sliding_window", True))
-    if window is not None and sliding and window < max_context:
-        raise UnsupportedModelError(
-            f"the model uses a sliding window of {window} tokens, shorter than the cache's "
-            f"max_context {max_context}; sliding windows are not supported")
-    if getattr(config, "attn_logit_softcapping", None):
-        raise UnsupportedModelError("vmemkv attention does not implement attention softcapping "
-                                    f"(attn_logit_softcapping={config.attn_logit_softcapping})")
 
 
 def register_attention() -> str:
@@ -106,3 +96,25 @@ def use_vmemkv_attention(model) -> None:
     """Switch an HF model (every submodule) to the vmemkv attention function."""
     register_attention()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+# model -> [engines holding it on our attention, the implementation it had before the first]
+_HOLDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def hold_vmemkv_attention(model, own: str) -> None:
+    """Count one more engine running ``model`` on our attention; ``own`` (its implementation
+    before any engine) is what the last ``release_vmemkv_attention`` restores."""
+    _HOLDERS.setdefault(model, [0, own])[0] += 1
+
+
+def release_vmemkv_attention(model) -> None:
+    """One engine fewer; the last one switches the model back to its own implementation (so a
+    second engine on the same model keeps running on ours until it closes too)."""
+    entry = _HOLDERS.get(model)
+    if entry is None:
+        return
+    entry[0] -= 1
+    if entry[0] == 0:
+        del _HOLDERS[model]
+        model.set_attn_implementation(entry[1])

@@ -29,8 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..cache import VMemKVCache, default_page_bytes, make_cache
 from ..config import CacheConfig, parse_dtype
 from ..errors import CacheConfigError, CacheStateError
-
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+from .support import check_cache_layers, kv_shape_of, text_config
 
 
 class BatchTooLargeError(CacheStateError):
@@ -54,6 +53,9 @@ class VMemCacheStats:
     page_bytes: int
     live_bytes: int        # K/V bytes of the tokens cached: batch * seq_len * bytes_per_token
     reserved_bytes: int    # size of the virtual range: max_batch * capacity * bytes_per_token
+    committed_bytes: int   # physical memory created so far (pages are created on first mapping,
+                           # up to cache_bytes, and kept until close)
+    budget_bytes: int      # cache_bytes: the most committed_bytes can reach
 
     @property
     def mapped_bytes(self) -> int:
@@ -63,16 +65,11 @@ class VMemCacheStats:
 def cache_config_from_model(config, max_batch: int, max_context: int, dtype=None,
                             device: str = "cpu") -> CacheConfig:
     """The CacheConfig of an HF model config (its decoder's text config for multimodal ones)."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    kinds = set(getattr(text, "layer_types", None) or ("full_attention",))
-    if not kinds <= set(ATTENTION_LAYER_TYPES):
-        raise CacheConfigError(f"VMemCache holds {ATTENTION_LAYER_TYPES} layers; this model also has "
-                               f"{sorted(kinds - set(ATTENTION_LAYER_TYPES))}")
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    text = text_config(config)
+    check_cache_layers(text, "VMemCache", CacheConfigError)
     dtype = parse_dtype(dtype if dtype is not None else (getattr(text, "dtype", None) or torch.float32))
-    return CacheConfig(text.num_hidden_layers, getattr(text, "num_key_value_heads", None) or heads,
-                       head_dim, dtype, str(device), max_batch, max_context)
+    return CacheConfig(**kv_shape_of(text), dtype=dtype, device=str(device), max_batch=max_batch,
+                       max_context=max_context)
 
 
 class VMemLayer(CacheLayerMixin):
@@ -95,6 +92,7 @@ class VMemLayer(CacheLayerMixin):
         return self.owner.update(key_states, value_states, self.index)
 
     def get_seq_length(self) -> int:
+        self.owner._check_open()   # generate asks this first: a closed cache fails here, typed
         return self.owner._written[self.index]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -127,7 +125,8 @@ class VMemCache(Cache):
         tpp = max(1, page_bytes // per_token)
         capacity = -(-config.max_context // tpp) * tpp   # whole pages per slot; limit stays max_context
         self.kv: VMemKVCache = make_cache(dataclasses.replace(config, max_context=capacity), "vmem",
-                                          layout=layout, page_bytes=page_bytes, cache_bytes=cache_bytes)
+                                          layout=layout, page_bytes=page_bytes, cache_bytes=cache_bytes,
+                                          grow_pages=True)
         super().__init__(layers=[VMemLayer(self, i) for i in range(config.num_layers)])
         self.config = config
         self.manager = self.kv.manager
@@ -169,6 +168,7 @@ class VMemCache(Cache):
         """Write ``key_states``/``value_states`` (B, kv_heads, q, head_dim) after the cached tokens
         of ``layer_idx``; return all of them as (B, kv_heads, L, head_dim) views of the cache."""
         self._check_open()
+        self._check_layer(layer_idx)
         self._check_states(key_states, value_states)
         batch, _, new, _ = key_states.shape
         start = self._written[layer_idx]
@@ -187,13 +187,26 @@ class VMemCache(Cache):
         layer.values = v_cache[:batch, :end].transpose(1, 2)
         return layer.keys, layer.values
 
+    def _check_layer(self, layer_idx) -> None:
+        layers = self.config.num_layers
+        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or not 0 <= layer_idx < layers:
+            raise CacheStateError(f"layer_idx must be an int in [0, {layers}) for this "
+                                  f"{layers}-layer cache, got {layer_idx!r}")
+
     def _check_states(self, k: torch.Tensor, v: torch.Tensor) -> None:
         c = self.config
         want = (c.num_kv_heads, c.head_dim)
         for name, t in (("key", k), ("value", v)):
-            if t.dim() != 4 or (t.shape[1], t.shape[3]) != want:
+            if t.dim() != 4:
                 raise CacheStateError(f"{name} states must be (batch, {want[0]}, tokens, {want[1]}), "
                                       f"got {tuple(t.shape)}")
+            if (t.shape[1], t.shape[3]) != want:
+                raise CacheStateError(
+                    f"the model writes {name} states {tuple(t.shape)} of {t.shape[1]} KV heads x "
+                    f"{t.shape[3]} dims, but this cache holds (batch, {want[0]}, tokens, {want[1]}), "
+                    f"built from the model config "
+                    f"(num_kv_heads={want[0]}, head_dim={want[1]}): the config does not describe "
+                    f"this model's attention; build the cache from the model's own config")
             if t.dtype != c.dtype or t.device != c.torch_device:
                 raise CacheStateError(f"{name} states are {t.dtype} on {t.device}; this cache holds "
                                       f"{c.dtype} on {c.torch_device} (build it with the model's "
@@ -292,12 +305,16 @@ class VMemCache(Cache):
 
     # -- memory report and lifecycle --
     def stats(self) -> VMemCacheStats:
+        """Memory now. Raises CacheStateError after ``close()`` (nothing is held any more)."""
+        self._check_open()
         c, tokens = self.config, self._written[0]
         return VMemCacheStats(batch=len(self._rows), seq_len=tokens,
                               mapped_pages=self.kv.range.num_mapped_pages,
                               page_bytes=self.kv.page_bytes,
                               live_bytes=len(self._rows) * tokens * c.bytes_per_token,
-                              reserved_bytes=self.kv.range.size_bytes)
+                              reserved_bytes=self.kv.range.size_bytes,
+                              committed_bytes=self.kv.pool.committed_bytes,
+                              budget_bytes=self.kv.pool.total_pages * self.kv.page_bytes)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -10,6 +10,7 @@ import gc
 import os
 
 import pytest
+import torch
 
 from vmemkv.runtime.engine import Engine, EngineConfig, SamplingParams
 from vmemkv.runtime.engine.errors import EngineConfigError, EngineError, RequestRejectedError
@@ -199,6 +200,14 @@ GENERATE_CASES = [
     ("a-string", ("hello", None), EngineConfigError, ["list of prompts"]),
     ("params-count", ([[1], [2]], [SamplingParams()] * 3), EngineConfigError,
      ["got 3 SamplingParams for 2 prompts"]),
+    ("tensor-prompts", (torch.tensor([[1, 2, 3]]),), EngineConfigError,
+     ["list of prompts", "tensor of shape (1, 3)", "prompts.tolist()"]),
+    ("tensor-prompt", ([torch.tensor([1, 2, 3])],), RequestRejectedError,
+     ["prompt 0", "sequence of int token ids", "prompt.tolist()"]),
+    ("sampling-string", ([[1, 2, 3]], "greedy"), EngineConfigError,
+     ["SamplingParams or a list of them", "str 'greedy'", "SamplingParams(temperature=0)"]),
+    ("sampling-list-of-strings", ([[1, 2, 3]], ["greedy"]), EngineConfigError,
+     ["SamplingParams or a list of them", "list"]),
 ]
 
 
@@ -232,3 +241,109 @@ def test_backend_that_cannot_run_the_model_is_refused_before_any_memory(model, m
     with pytest.raises(UnsupportedError) as info:
         Engine(model, attention="flash")
     assert_words(info.value, ["'flash'", "torch.float16", "the model is torch.float32"])
+
+
+# ---- what is passed to Engine(...) and generate(...) (issue 11 §4) ------------------------
+CONSTRUCTOR_ARGUMENT_CASES = [
+    ("model-none", lambda m: Engine(None), ["torch causal-LM module", "NoneType", "'None'"]),
+    ("model-name", lambda m: Engine("tiny-llama"),
+     ["torch causal-LM module", "'tiny-llama'", "build_model('tiny-llama')"]),
+    ("config-dict", lambda m: Engine(m, config={"max_batch": 2}),
+     ["must be an EngineConfig", "dict", "'max_batch': 2", "Engine(model, **options)"]),
+]
+
+
+@pytest.mark.parametrize("build,words", [pytest.param(*c[1:], id=c[0]) for c in CONSTRUCTOR_ARGUMENT_CASES])
+def test_wrong_engine_arguments_are_typed_errors_naming_the_value(model, build, words):
+    with pytest.raises(EngineConfigError) as info:
+        build(model)
+    assert_words(info.value, words)
+
+
+# ---- the user's max_context is the limit (issue 11 §2) ------------------------------------
+@pytest.mark.parametrize("cache", ["vmem", "paged"])
+def test_max_context_is_the_users_value_not_the_page_rounded_one(model, cache):
+    # default host pages hold 512 tokens of tiny-llama's per-layer K: vmem slots are 512 long
+    with Engine(model, cache=cache, max_batch=2, max_context=64) as eng:
+        before = engine_state(eng)
+        with pytest.raises(RequestRejectedError) as info:
+            eng.generate([[1] * 200], SamplingParams(max_new_tokens=1))
+        assert_words(info.value, ["200 prompt + 1 new tokens", "64 tokens"])
+        assert "512" not in str(info.value)
+        with pytest.raises(RequestRejectedError) as info:
+            eng.add_request([1] * 60, SamplingParams(max_new_tokens=5))
+        assert_words(info.value, ["65 tokens", "max_seq_len 64"])
+        assert engine_state(eng) == before
+        out = eng.generate([[1] * 60], SamplingParams(max_new_tokens=4, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4            # exactly 64 tokens fits
+
+
+# ---- memory sizing against what is available (issue 11 §2) -------------------------------
+def test_a_budget_far_above_the_host_is_refused_with_the_numbers_before_any_page(model):
+    from vmemkv.vmem.faults import FaultInjectingDriver
+    from vmemkv.vmem.host import HostDriver
+    driver = FaultInjectingDriver(HostDriver())
+    with pytest.raises(CacheTooLargeError) as info:
+        Engine(model, cache_bytes=10**15, driver=driver)
+    assert isinstance(info.value, MemoryError) and str(info.value)
+    assert_words(info.value, ["cache_bytes=1000000000000000", "1000000000000000 bytes",
+                              "MemTotal", str(mem_total())])
+    assert driver.calls["create_pages"] == 0 and driver.calls["reserve"] == 0
+
+
+@pytest.fixture
+def available_40k(monkeypatch):
+    """Pretend the host has 40,000 bytes available (its total is untouched)."""
+    from vmemkv.runtime import memory
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 40_000)
+
+
+@pytest.mark.parametrize("cache", ["vmem", "paged"])
+def test_a_budget_above_available_memory_is_refused_though_below_total(model, available_40k, cache):
+    # 2 slots x 64 tokens x 512 bytes = 65536 bytes: below MemTotal, above "available"
+    with pytest.raises(CacheTooLargeError) as info:
+        Engine(model, cache=cache, max_batch=2, max_context=64, page_bytes=4096)
+    assert_words(info.value, ["65536 bytes", "MemAvailable", "40000 bytes", "cache_bytes"])
+
+
+@pytest.mark.parametrize("cache", ["vmem", "paged"])
+def test_memory_utilization_sizes_the_cache_from_available_memory(model, monkeypatch, cache):
+    from vmemkv.runtime import memory
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 1 << 20)
+    with Engine(model, cache=cache, max_batch=2, max_context=64, page_bytes=4096,
+                block_size=8, memory_utilization=0.25) as eng:
+        budget = eng.stats().cache_bytes
+        assert (1 << 18) - 16 * 1024 < budget <= 1 << 18      # a quarter, whole groups / blocks
+        eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+
+
+MEMORY_UTILIZATION_CASES = [
+    ("zero", dict(memory_utilization=0.0), ["memory_utilization", "(0, 1]", "0.0"]),
+    ("above-one", dict(memory_utilization=1.5), ["memory_utilization", "(0, 1]", "1.5"]),
+    ("nan", dict(memory_utilization=float("nan")), ["memory_utilization", "nan"]),
+    ("bool", dict(memory_utilization=True), ["memory_utilization", "True"]),
+    ("with-cache-bytes", dict(memory_utilization=0.5, cache_bytes=1 << 20),
+     ["cache_bytes (1048576)", "memory_utilization (0.5)", "exclusive"]),
+    ("self-check-not-bool", dict(self_check="no"), ["EngineConfig.self_check", "'no'"]),
+]
+
+
+@pytest.mark.parametrize("fields,words", [pytest.param(*c[1:], id=c[0]) for c in MEMORY_UTILIZATION_CASES])
+def test_memory_utilization_and_self_check_are_validated(fields, words):
+    with pytest.raises(EngineConfigError) as info:
+        EngineConfig(**fields)
+    assert_words(info.value, words)
+
+
+def test_generate_cli_refuses_a_cache_far_above_the_host(tmp_path, capsys):
+    from vmemkv.cli import main
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("1 2 3\n")
+    try:
+        code = main(["generate", "--prompts", str(prompts), "--cache-bytes", "100000000000000"])
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert_words(err, ["CacheTooLargeError", "100000000000000 bytes", "MemTotal"])

@@ -51,6 +51,10 @@ EMPTY_CACHE_CASES = [
      ["torch.float64", "holds torch.float32"]),
     ("key-value-differ", lambda c: c.update(kv(1, 4)[0], kv(1, 5)[1], 0), CacheStateError,
      ["(1, 2, 4, 16)", "(1, 2, 5, 16)", "differ"]),
+    ("negative-layer", lambda c: c.update(*kv(1, 4), -1), CacheStateError,
+     ["layer_idx", "[0, 2)", "got -1"]),
+    ("layer-past-the-end", lambda c: c.update(*kv(1, 4), 2), CacheStateError,
+     ["layer_idx", "[0, 2)", "got 2"]),
 ]
 
 HELD_CACHE_CASES = [   # a batch of 2 rows holding 10 tokens each
@@ -121,6 +125,9 @@ class RecordingCache:
     def write(self, *args):
         self.writes.append(args)
 
+    def layer_view(self, layer):   # one sequence of max_context tokens this step
+        return SimpleNamespace(lens=SimpleNamespace(context_lens=(self.config.max_context,)))
+
 
 def attention_call(batch=1, ctx=True, module=None, **kwargs):
     cache = RecordingCache()
@@ -136,7 +143,8 @@ UNSUPPORTED_CASES = [
     ("no-step-context", dict(ctx=False), ["vmemkv_step=StepContext", "vmemkv.runtime.engine"]),
     ("batched", dict(batch=2), ["packed batches [1, tokens, ...]", "batch of 2"]),
     ("softcap", dict(softcap=30.0), ["softcapping"]),
-    ("sliding-window", dict(sliding_window=16), ["layer 1", "sliding window of 16", "max_context 64"]),
+    ("sinks", dict(s_aux=torch.zeros(4)), ["layer 1", "attention sinks (s_aux)"]),
+    ("sliding-window", dict(sliding_window=16), ["layer 1", "sliding window of 16", "attends over 64 tokens"]),
     ("not-causal", dict(module=SimpleNamespace(layer_idx=1, is_causal=False)), ["layer 1", "not causal"]),
 ]
 

@@ -1,0 +1,101 @@
+"""The engine's construction-time self-check: a short prompt through our attention vs the model's.
+
+    ours       prefill 6 tokens, then 2 greedy decode steps, on a throwaway cache of the
+               engine's kind (vmem or paged) and backend, through ModelRunner
+    reference  one forward of prompt + the tokens we chose, with the model's own attention
+               (its attn_implementation before the engine; sdpa if it is already ours)
+    compare    logits at the 3 sampled positions: max |ours - ref| <= rtol * max |ref|
+
+The decode steps are what catch a model whose attention never reaches our function (each step
+would attend only to its own token); the prefill alone would look right. A mismatch, or an
+error raised inside the model on our path, refuses the model (UnsupportedModelError) before the
+engine's cache is built. Cost: 4 model forwards of at most 8 tokens (docs/models.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List
+
+import torch
+
+from vmemkv.runtime.cache import make_cache
+from vmemkv.runtime.errors import RuntimeKVError
+from vmemkv.runtime.hf.attention import ATTN_IMPLEMENTATION, UnsupportedModelError
+from vmemkv.scheduler.request import Request
+from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
+
+from .config import page_rounded_context
+from .model_runner import ModelRunner
+
+PROMPT_TOKENS, DECODE_TOKENS = 6, 2
+RTOL = {torch.float32: 1e-3, torch.float64: 1e-6}   # of the largest reference logit
+HALF_RTOL = 3e-2                                     # fp16 / bf16
+
+
+def self_check(model, cache_config, cfg, backend, original_attn: str) -> None:
+    """Refuse ``model`` (UnsupportedModelError) unless our path reproduces its own logits on a
+    short prompt. Leaves the model on ``original_attn``, pass or fail; builds and frees its own
+    small cache (the engine's is not touched)."""
+    vocab = model.config.get_text_config().vocab_size
+    prompt = [(7 * i + 3) % vocab for i in range(PROMPT_TOKENS)]
+    try:
+        ours, tokens = _our_logits(model, cache_config, cfg, backend, prompt)
+        ref = _reference_logits(model, prompt + tokens[:-1], original_attn)[-len(ours):]
+    finally:
+        model.set_attn_implementation(original_attn)
+    ours = torch.stack(ours).to(ref.device)
+    scale = ref.abs().max().item() or 1.0
+    err = (ours - ref).abs().max().item()
+    rtol = RTOL.get(cache_config.dtype, HALF_RTOL)
+    if not err <= rtol * scale:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} failed the engine's self-check: its logits on vmemkv "
+            f"attention differ from its own attention by {err:.3g} (allowed {rtol * scale:.3g}); "
+            f"its attention computes something vmemkv does not (self_check=False skips this "
+            f"check and is unsafe)")
+
+
+def _our_logits(model, cache_config, cfg, backend, prompt: List[int]):
+    """Greedy logits of the prompt's last token and DECODE_TOKENS decode steps, on our path."""
+    length = PROMPT_TOKENS + DECODE_TOKENS + 1
+    if cfg.cache == "paged":   # whole blocks, so the default budget holds the sequence
+        length = -(-length // cfg.block_size) * cfg.block_size
+    small = dataclasses.replace(cache_config, max_batch=1, max_context=page_rounded_context(cache_config, cfg, length))
+    cache = make_cache(small, cfg.cache, layout=cfg.layout, page_bytes=cfg.page_bytes,
+                       block_size=cfg.block_size)   # a bad option raises here, unwrapped
+    try:
+        return _run(model, cache, backend, prompt)
+    finally:
+        cache.close()
+
+
+def _run(model, cache, backend, prompt: List[int]):
+    try:
+        runner = ModelRunner(model, cache, backend)
+        scheduler = Scheduler(cache.manager, SchedulerConfig(max_running=1, max_tokens_per_step=64))
+        scheduler.add_request(Request(0, len(prompt), DECODE_TOKENS + 1, prompt_token_ids=prompt))
+        logits, tokens = [], []
+        while scheduler.has_unfinished():
+            plan = scheduler.schedule()
+            out, rows = runner.execute(plan)
+            sampled = {}
+            if out is not None:
+                logits.append(out[0].float())
+                tokens.append(int(out[0].argmax()))
+                sampled[plan.seqs[rows[0]].seq_id] = tokens[-1]
+            scheduler.update(sampled, now=0.0)
+        return logits, tokens
+    except (RuntimeKVError, RuntimeError, TypeError, ValueError) as error:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} failed the engine's self-check: running it on vmemkv "
+            f"attention raised {type(error).__name__}: {str(error)[:200]}") from error
+
+
+def _reference_logits(model, ids: List[int], original_attn: str) -> torch.Tensor:
+    """Logits ``[len(ids), vocab]`` of one forward with the model's own attention (sdpa when
+    another engine has already switched it to ours)."""
+    model.set_attn_implementation(original_attn if original_attn != ATTN_IMPLEMENTATION else "sdpa")
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids], device=device), use_cache=False)
+    return out.logits[0].float()

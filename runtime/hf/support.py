@@ -1,0 +1,109 @@
+"""Which HF models the vmemkv paths can compute exactly, decided before anything is built.
+
+Two paths, two sets of needs:
+
+    Engine     our attention function replaces the model's (runtime.hf.attention): the model
+               must route attention through transformers' AttentionInterface, and every layer
+               must be plain causal softmax attention over all cached tokens (no sinks, no
+               ALiBi bias, no softcap, no window or chunk shorter than the context, no
+               recurrent/linear-attention state).
+    VMemCache  the model's own attention reads K/V from our cache: every layer must keep
+               K/V in the cache (no recurrent/linear-attention state); KV heads must be
+               readable from the config.
+
+Each check raises ``UnsupportedModelError`` naming the feature; an architecture that passes
+them but still computes something else is caught by the engine's self-check
+(runtime.engine.self_check). docs/models.md lists the families tried.
+"""
+from __future__ import annotations
+
+from .attention import UnsupportedModelError
+
+KV_LAYER_TYPES = ("full_attention", "sliding_attention")   # layer types that keep K/V per token
+
+
+def text_config(config):
+    """The decoder's text config of an HF config (itself for plain causal LMs)."""
+    if hasattr(config, "get_text_config"):
+        return config.get_text_config(decoder=True)
+    return config
+
+
+def kv_heads_of(config) -> int:
+    """KV heads per layer as the model caches them (not only ``num_key_value_heads``):
+    Falcon's new decoder expands its ``num_kv_heads`` to every head before caching, its old
+    one caches one head under ``multi_query`` (else ``num_kv_heads``); GPTBigCode's
+    ``multi_query`` means one."""
+    text = text_config(config)
+    heads = text.num_attention_heads
+    if getattr(text, "model_type", None) == "falcon":
+        if getattr(text, "new_decoder_architecture", False):
+            return heads
+        return 1 if getattr(text, "multi_query", False) else (text.num_kv_heads or heads)
+    if getattr(text, "model_type", None) == "gpt_bigcode":
+        return 1 if getattr(text, "multi_query", True) else heads
+    return getattr(text, "num_key_value_heads", None) or heads
+
+
+def kv_shape_of(config) -> dict:
+    """``num_layers``, ``num_kv_heads``, ``head_dim`` of a model's KV cache, from its config
+    (the one place both the engine and VMemCache read them)."""
+    text = text_config(config)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return dict(num_layers=text.num_hidden_layers, num_kv_heads=kv_heads_of(text), head_dim=head_dim)
+
+
+def check_cache_layers(config, who: str, error: type = UnsupportedModelError) -> None:
+    """Refuse a model with layers whose state is not K/V per token (linear attention,
+    recurrent or state-space layers, chunked or indexed attention): a KV cache cannot hold it."""
+    text = text_config(config)
+    kinds = set(getattr(text, "layer_types", None) or ("full_attention",))
+    other = sorted(kinds - set(KV_LAYER_TYPES))
+    if other:
+        raise error(
+            f"{who} runs layers of type {list(KV_LAYER_TYPES)}; this model "
+            f"({getattr(text, 'model_type', '?')}) also has {other} layers, whose state a KV "
+            f"cache does not hold")
+
+
+def check_model_supported(model, max_context: int) -> None:
+    """Refuse, before anything runs, a model whose attention the Engine cannot compute exactly.
+    ``max_context`` is the user's limit (quoted in the sliding-window message)."""
+    config = text_config(model.config)
+    check_cache_layers(config, "the Engine")
+    name = type(model).__name__
+    if getattr(model, "_supports_attention_backend", True) is False:
+        raise UnsupportedModelError(
+            f"{name} does not route attention through transformers' AttentionInterface "
+            f"(_supports_attention_backend=False), so the Engine cannot run its attention; "
+            f"docs/models.md lists the families that run (model.generate with a VMemCache runs some)")
+    _check_bias_features(model, config)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    sliding = ("sliding_attention" in layer_types if layer_types
+               else getattr(config, "use_sliding_window", True))
+    if window is not None and sliding and window < max_context:
+        raise UnsupportedModelError(
+            f"the model uses a sliding window of {window} tokens, shorter than the engine's "
+            f"max_context {max_context}; sliding windows are not supported (lower max_context "
+            f"to {window} or less)")
+
+
+def _check_bias_features(model, config) -> None:
+    """Features that add to or reshape the softmax, which our backends do not compute."""
+    if getattr(config, "attn_logit_softcapping", None):
+        raise UnsupportedModelError("vmemkv attention does not implement attention softcapping "
+                                    f"(attn_logit_softcapping={config.attn_logit_softcapping})")
+    attn_config = getattr(config, "attn_config", None)
+    if getattr(config, "alibi", False) or getattr(attn_config, "alibi", False) \
+            or getattr(config, "position_embedding_type", None) == "alibi":
+        raise UnsupportedModelError("vmemkv attention does not implement ALiBi position biases "
+                                    f"({getattr(config, 'model_type', '?')} config)")
+    if getattr(config, "attention_chunk_size", None):
+        raise UnsupportedModelError(f"vmemkv attention does not implement chunked attention "
+                                    f"(attention_chunk_size={config.attention_chunk_size})")
+    for module_name, module in model.named_modules():
+        if getattr(module, "sinks", None) is not None:
+            raise UnsupportedModelError(
+                f"vmemkv attention does not implement attention sinks ({module_name}.sinks of "
+                f"{type(model).__name__}): the sinks would be dropped from the softmax")

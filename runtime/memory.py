@@ -1,0 +1,82 @@
+"""How much memory a device has and has free, and the checks every cache runs before committing.
+
+    total      host: MemTotal of /proc/meminfo      CUDA: the GPU's total memory
+    available  host: MemAvailable (what can be committed without swapping or the OOM killer)
+               CUDA: free memory (torch.cuda.mem_get_info)
+
+A request above *total* could never be built; one above *available* would push the machine
+into swap or the OOM killer. Both are refused with ``CacheTooLargeError`` (a MemoryError and a
+CacheConfigError) before anything is allocated, the message giving both sizes in bytes.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from vmemkv.vmem.host import meminfo_bytes
+
+from .errors import CacheConfigError, CacheTooLargeError
+
+
+def device_memory_bytes(device: torch.device) -> Optional[int]:
+    """Total memory of ``device`` in bytes, None when it cannot be read."""
+    return _memory_bytes(device, total=True)
+
+
+def available_memory_bytes(device: torch.device) -> Optional[int]:
+    """Memory of ``device`` that can be committed now, in bytes, None when it cannot be read."""
+    return _memory_bytes(device, total=False)
+
+
+def _memory_bytes(device: torch.device, total: bool) -> Optional[int]:
+    device = torch.device(device)
+    if device.type == "cuda":
+        try:
+            free, whole = torch.cuda.mem_get_info(device)
+        except (RuntimeError, ValueError, AssertionError):
+            return None
+        return int(whole if total else free)
+    return meminfo_bytes("MemTotal" if total else "MemAvailable")
+
+
+def _where(device: torch.device, total: bool) -> str:
+    if device.type == "cpu":
+        return "host MemTotal" if total else "host MemAvailable"
+    return f"{device} total memory" if total else f"{device} free memory"
+
+
+def check_fits_device(what: str, num_bytes: int, device: torch.device,
+                      committed: bool = True) -> None:
+    """Raise CacheTooLargeError, before anything is allocated, when ``num_bytes`` exceeds the
+    device's total memory, or (``committed``: the bytes are committed now, not on demand) its
+    available memory."""
+    device = torch.device(device)
+    checks = ((True, device_memory_bytes(device)),) + (
+        ((False, available_memory_bytes(device)),) if committed else ())
+    for total, limit in checks:
+        if limit is not None and num_bytes > limit:
+            raise CacheTooLargeError(
+                f"{what} needs {num_bytes} bytes ({num_bytes / 2**30:.2f} GiB) but the "
+                f"{_where(device, total)} is {limit} bytes ({limit / 2**30:.2f} GiB); "
+                f"lower cache_bytes (or use memory_utilization)")
+
+
+def check_fraction(name: str, value) -> None:
+    """Raise CacheConfigError unless ``value`` is a number in (0, 1]."""
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value)
+            or not 0.0 < value <= 1.0):
+        raise CacheConfigError(f"{name} must be a fraction in (0, 1], got {value!r}")
+
+
+def bytes_from_fraction(fraction: float, device: torch.device) -> int:
+    """``fraction`` of the device's available memory, in bytes (vLLM's gpu_memory_utilization,
+    but of what is free now, on the host as on a GPU)."""
+    check_fraction("memory_utilization", fraction)
+    device = torch.device(device)
+    available = available_memory_bytes(device)
+    if available is None:
+        raise CacheConfigError(f"memory_utilization needs the available memory of {device}, "
+                               f"which cannot be read here; pass cache_bytes instead")
+    return int(available * fraction)

@@ -1,0 +1,86 @@
+"""VMemCache commits physical memory only as rows grow (pages created on first mapping, up to
+its budget), reports it in ``stats()``, reads each family's KV-head count from its config, and
+refuses use after ``close()`` with a typed error (stats included, and before HF code runs)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from vmemkv.runtime.config import CacheConfig  # noqa: E402
+from vmemkv.runtime.errors import CacheStateError  # noqa: E402
+from vmemkv.runtime.hf import VMemCache  # noqa: E402
+from vmemkv.runtime.hf.cache import cache_config_from_model  # noqa: E402
+from vmemkv.runtime.models import build_model  # noqa: E402
+
+# Llama-3-8B's cache shapes: 32 layers, 8 KV heads of 128 dims, fp16 (2 KiB / token / layer)
+LLAMA3_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16)
+
+
+def test_an_empty_cache_commits_nothing_and_grows_with_its_rows():
+    config = CacheConfig(**LLAMA3_8B, max_batch=2, max_context=4096)
+    with VMemCache(config) as cache:
+        s = cache.stats()
+        assert s.committed_bytes == 0 and s.mapped_pages == 0
+        assert s.budget_bytes == 2 * 4096 * 32 * 2 * 8 * 128 * 2           # 1 GiB, none of it held
+        k = torch.zeros(2, 8, 1, 128, dtype=torch.float16)
+        for layer in range(32):
+            cache.update(k, k, layer)
+        s = cache.stats()
+        assert s.mapped_bytes > 0
+        assert s.mapped_bytes <= s.committed_bytes <= 1.25 * s.mapped_bytes + 16 * s.page_bytes
+        assert s.committed_bytes < s.budget_bytes / 50
+        cache.reset()                                   # pages stay mapped and are reused
+        for layer in range(32):
+            cache.update(k, k, layer)
+        assert cache.stats().committed_bytes == s.committed_bytes
+
+
+def test_closed_cache_refuses_stats_and_generate_with_a_typed_error():
+    model = build_model("tiny-llama")
+    cache = VMemCache.from_model_config(model.config, max_batch=1, max_context=64)
+    ids = torch.tensor([[1, 2, 3]])
+    model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                   max_new_tokens=2, do_sample=False)
+    cache.close()
+    with pytest.raises(CacheStateError, match=r"after close\(\)"):
+        cache.stats()
+    with pytest.raises(CacheStateError, match=r"after close\(\)") as info:
+        model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                       max_new_tokens=2, do_sample=False)
+    # refused at the cache's first query, not after HF has started computing layers
+    assert "get_seq_length" in "".join(str(frame) for frame in info.traceback[-2:])
+    assert "closed" in repr(cache)
+
+
+@pytest.mark.parametrize("fields,kv_heads", [
+    (dict(multi_query=True), 1),                                       # Falcon-7B style
+    (dict(multi_query=False), 4),
+    (dict(multi_query=False, num_kv_heads=2), 2),
+    (dict(new_decoder_architecture=True, num_kv_heads=2), 4),          # caches K/V expanded
+], ids=["multi-query", "multi-head", "grouped", "new-decoder"])
+def test_falcon_kv_heads_are_read_as_the_model_caches_them(fields, kv_heads):
+    config = transformers.FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, **fields)
+    assert cache_config_from_model(config, 1, 64).num_kv_heads == kv_heads
+
+
+def test_gpt_bigcode_multi_query_caches_one_kv_head():
+    config = transformers.GPTBigCodeConfig(n_embd=64, n_layer=2, n_head=4, multi_query=True)
+    assert cache_config_from_model(config, 1, 64).num_kv_heads == 1
+
+
+def test_growth_past_available_memory_is_refused_and_commits_nothing(monkeypatch):
+    from vmemkv import vmem
+    from vmemkv.runtime.errors import PlanExecutionError
+    from vmemkv.vmem.host import HostDriver
+    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, max_batch=1, max_context=64)
+    with VMemCache(config) as cache:
+        monkeypatch.setattr(HostDriver, "available_bytes", lambda self: 100)   # checked per growth
+        k = torch.zeros(1, 2, 3, 16)
+        with pytest.raises(PlanExecutionError) as info:
+            cache.update(k, k, 0)
+        assert isinstance(info.value.__cause__, vmem.InsufficientMemoryError)
+        assert "100 bytes" in str(info.value) and "available" in str(info.value)
+        assert cache.stats().committed_bytes == 0 and cache.stats().mapped_pages == 0

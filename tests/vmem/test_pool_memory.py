@@ -1,0 +1,111 @@
+"""PagePool against the device's memory: refused before any page when the budget exceeds what is
+available, pages created on first mapping with ``grow=True`` (never more than the budget, every
+growth checked), and ``release`` taking what ``allocate`` returns (all or none)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vmemkv import vmem
+from vmemkv.vmem.faults import FaultInjectingDriver
+from vmemkv.vmem.host import HostDriver
+
+MiB = 1 << 20
+
+
+class LowMemoryDriver(FaultInjectingDriver):
+    """A real driver that reports ``available`` bytes (the machine is untouched)."""
+
+    def __init__(self, inner, available: int) -> None:
+        super().__init__(inner)
+        self.available = available
+
+    def available_bytes(self):
+        return self.available
+
+
+@pytest.mark.parametrize("grow", [False, True], ids=["eager", "on-demand"])
+def test_a_pool_above_available_memory_is_refused_before_any_page(grow):
+    driver = FaultInjectingDriver(HostDriver())
+    if grow:   # on demand, the refusal comes at the first growth past what is available
+        driver = LowMemoryDriver(HostDriver(), available=3 * 2 * MiB)
+    with pytest.raises(vmem.InsufficientMemoryError) as info:
+        pool = vmem.PagePool(driver, 10**7, 2 * MiB, grow=grow)
+        rng = vmem.VirtualRange(pool, 2 * MiB)
+        rng.map(0, pool.allocate(1)[0])
+    assert isinstance(info.value, MemoryError)
+    message = str(info.value)
+    if grow:
+        assert "16 pages of 2097152 bytes" in message and "6291456 bytes" in message
+    else:
+        assert "10000000 pages of 2097152 bytes" in message and str(10**7 * 2 * MiB) in message
+    assert "available" in message
+    assert driver.calls["create_pages"] == 0
+    if grow:
+        assert pool.committed_pages == 0 and not rng.mapped_pages()
+        rng.close()
+        pool.release(0)
+        pool.close()
+
+
+def test_an_on_demand_pool_commits_nothing_until_a_page_is_mapped():
+    driver = FaultInjectingDriver(HostDriver())
+    page = driver.granularity_bytes
+    with vmem.PagePool(driver, 1000, page, grow=True) as pool:
+        ids = pool.allocate(1000)
+        assert pool.committed_bytes == 0 and driver.calls["create_pages"] == 0
+        rng = vmem.VirtualRange(pool, 2 * page)
+        rng.map(0, ids[500])
+        assert pool.committed_pages == 16 and driver.calls["create_pages"] == 1
+        rng.close()
+        pool.release(ids)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 199), st.integers(0, 7)), min_size=1, max_size=60))
+def test_on_demand_pages_keep_their_bytes_and_never_exceed_the_budget(mappings):
+    """Shadow: the bytes last written through a page id, wherever it was mapped."""
+    driver = HostDriver()
+    page = driver.granularity_bytes
+    pool = vmem.PagePool(driver, 200, page, grow=True)
+    ids = pool.allocate(200)
+    rng = vmem.VirtualRange(pool, 8 * page)
+    shadow, ever = {}, set()
+    for value, (page_id, index) in enumerate(mappings):
+        if rng.page_at(index) is not None:
+            rng.unmap(index)
+        rng.map(index, ids[page_id])
+        ever.add(page_id)
+        view = rng.tensor(index * page, page, torch.uint8)
+        if page_id in shadow:
+            assert int(view[0]) == shadow[page_id]        # same physical page as before
+        view[0] = shadow[page_id] = value % 256
+        # created only on first mapping, in chunks of max(16, committed / 4), up to the budget
+        assert len(ever) <= pool.committed_pages <= min(200, len(ever) + max(16, len(ever) // 3))
+        pool.check_integrity()
+    rng.close()
+    pool.release(ids)
+    pool.close()
+
+
+def test_release_takes_what_allocate_returns_all_or_none():
+    driver = HostDriver()
+    page = driver.granularity_bytes
+    with vmem.PagePool(driver, 4, page) as pool:
+        pool.release(pool.allocate(3))
+        assert pool.free_pages == 4
+        pages = pool.allocate(2)
+        rng = vmem.VirtualRange(pool, page)
+        rng.map(0, pages[1])
+        with pytest.raises(vmem.PageStateError, match=f"page {pages[1]} is still mapped"):
+            pool.release(pages)
+        assert pool.free_pages == 2                     # nothing released
+        with pytest.raises(vmem.PageStateError, match="twice"):
+            pool.release([pages[0], pages[0]])
+        assert pool.free_pages == 2
+        rng.close()
+        pool.release(pages)
+        assert pool.free_pages == 4
+        pool.check_integrity()
