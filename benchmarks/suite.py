@@ -218,11 +218,11 @@ def _alloc_summary(data: dict) -> list[dict]:
 
 
 def _attention_summary(data: dict) -> list[dict]:
-    by_key = {(r["phase"], r["batch"], r["ctx"], r["layout"]): r for r in data["results"]}
+    by_key = {(r["phase"], r["batch"], r["ctx"], r["cache"]): r for r in data["results"]}
     rows = []
-    for (phase, batch, ctx, layout), r in by_key.items():
+    for (phase, batch, ctx, kind), r in by_key.items():
         paged = by_key.get((phase, batch, ctx, "paged"))
-        if layout != "vmem" or paged is None:
+        if kind != "vmem" or paged is None:
             continue
         rows.append({"what": f"{phase} b{batch} ctx{ctx}", "vmem": r["ms"], "paged": paged["ms"],
                      "unit": "ms", "note": f"paged/vmem {paged['ms'] / r['ms']:.2f}x; "

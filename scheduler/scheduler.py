@@ -27,13 +27,18 @@ from .managers.base import MemoryManager
 from .metrics import SchedulerMetrics
 from .plan import PREEMPTION_MODES, ScheduledSeq, SchedulerConfig, StepPlan  # noqa: F401 (re-exported)
 from .request import Request, Sequence, SeqState
+from .tables import TableTracker
 
 class Scheduler:
     """FCFS iteration-level scheduler. Owns every Sequence; the manager owns the memory."""
 
-    def __init__(self, manager: MemoryManager, config: SchedulerConfig = SchedulerConfig()):
+    def __init__(self, manager: MemoryManager, config: SchedulerConfig = SchedulerConfig(),
+                 tables: Optional[TableTracker] = None):
+        """``tables``: fills each plan's table edits for a real cache (None: the simulator's
+        plans carry none)."""
         self.manager = manager
         self.config = config
+        self.tables = tables
         self.max_seq_len = config.max_seq_len or getattr(manager, "max_seq_len", None)
         total = manager.stats().total_tokens
         self.total_tokens = total
@@ -134,6 +139,8 @@ class Scheduler:
             raise RequestTooLargeError(
                 f"sequence {head.seq_id} ({head.length} tokens) cannot be admitted to an empty "
                 f"cache of {self.total_tokens} tokens under policy {self.manager.name!r}")
+        if self.tables is not None:
+            self.tables.fill(plan, self.manager)
         return plan
 
     def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:

@@ -19,8 +19,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 import torch
 
 from vmemkv.runtime.attention import fastest_backend, get_backend
-from vmemkv.runtime.cache import default_page_bytes, make_cache
 from vmemkv.runtime.config import CacheConfig
+from vmemkv.runtime.kv import make_kv, vmem_geometry
 from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.hf.attention import check_model_supported
 from vmemkv.scheduler.errors import RequestTooLargeError
@@ -74,11 +74,12 @@ class Engine:
         backend = get_backend(self.attention)
         # refuse, before any memory is built, a backend that cannot run this model's attention
         backend.check_runs(cfg.cache, self.device.type, self.cache_config.dtype, what="the model")
-        self.cache = make_cache(self.cache_config, cfg.cache, cache_bytes=cfg.cache_bytes,
-                                layout=cfg.layout, page_bytes=cfg.page_bytes,
-                                block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,
-                                background_mapper=cfg.background_mapper and cfg.cache == "vmem",
-                                driver=driver)
+        self.kv = make_kv(self.cache_config, cfg.cache, cache_bytes=cfg.cache_bytes,
+                          layout=cfg.layout, page_bytes=cfg.page_bytes,
+                          block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,
+                          background_mapper=cfg.background_mapper and cfg.cache == "vmem",
+                          driver=driver)
+        self.cache = self.kv       # the cache (self.kv.cache) with its manager, for callers
         try:
             self._build_rest(model, backend)
         except BaseException:
@@ -87,11 +88,12 @@ class Engine:
 
     def _build_rest(self, model: torch.nn.Module, backend) -> None:
         cfg = self.config
-        self.runner = ModelRunner(model, self.cache, backend)
-        self.scheduler = Scheduler(self.cache.manager, SchedulerConfig(
+        self.runner = ModelRunner(model, self.kv.cache, backend)   # executes plans only
+        self.scheduler = Scheduler(self.kv.manager, SchedulerConfig(
             max_running=cfg.max_batch, max_tokens_per_step=cfg.max_tokens_per_step,
             watermark=cfg.watermark, preemption=cfg.preemption,
-            enable_prefix_sharing=cfg.prefix_sharing, check_every_step=cfg.check_integrity))
+            enable_prefix_sharing=cfg.prefix_sharing, check_every_step=cfg.check_integrity),
+            tables=self.kv.tables)
         self.sampler = Sampler()
         self.eos_ids = _eos_ids(model, self.tokenizer)
         self._rng = random.Random(cfg.seed)
@@ -115,9 +117,7 @@ class Engine:
         context = cfg.max_context
         if cfg.cache == "vmem":   # a slot is whole pages: round max_context up to a page multiple
             probe = CacheConfig(**shape, max_context=context)
-            per_token = probe.layer_bytes_per_token * (1 if cfg.layout == "per-layer" else probe.num_layers)
-            per_page = max(1, (cfg.page_bytes or default_page_bytes(probe, cfg.layout)) // per_token)
-            context = -(-context // per_page) * per_page
+            context = vmem_geometry(probe, cfg.layout, cfg.page_bytes).round_up_tokens(context)
         return CacheConfig(**shape, max_context=context)
 
     # ---- submission ----------------------------------------------------------------------
@@ -215,7 +215,7 @@ class Engine:
         finished = set(self.scheduler.update(sampled, now=self._now()))
         events = self._emit(sampled, finished)
         self._steps += 1
-        self._kv_usage.append(self.cache.manager.stats().usage_fraction)
+        self._kv_usage.append(self.kv.manager.stats().usage_fraction)
         self._step_s += time.perf_counter() - start
         return events
 
@@ -337,7 +337,7 @@ class Engine:
             num_preemptions=m.num_preemptions - b["pre"], num_swap_preemptions=m.num_swap_preemptions - b["swap"],
             recomputed_tokens=m.recomputed_tokens - b["rec"],
             kv_usage_mean=sum(usage) / len(usage) if usage else 0.0, kv_usage_peak=max(usage, default=0.0),
-            cache_bytes=self.cache.manager.stats().total_tokens * self.cache_config.bytes_per_token,
+            cache_bytes=self.kv.manager.stats().total_tokens * self.cache_config.bytes_per_token,
             ttft_s=m.ttft_s[b["ttft"]:], itl_s=m.itl_s[b["itl"]:])
 
     # ---- lifecycle -----------------------------------------------------------------------

@@ -14,8 +14,8 @@ from collections import OrderedDict
 
 import torch
 
-from vmemkv.runtime.cache import make_cache
-from vmemkv.runtime.cache.base import run_plan
+from vmemkv.runtime.kv import make_kv
+from vmemkv.runtime.transaction import run_plan
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.scheduler.managers.prefix import SeqState
 from vmemkv.vmem.faults import FaultInjectingDriver
@@ -70,7 +70,7 @@ class CacheModel:
         self.config = c = config or small_config()
         self.driver = FaultInjectingDriver(HostDriver(), delay=delay) if kind == "vmem" else None
         extra = {"driver": self.driver} if kind == "vmem" else {}
-        self.cache = make_cache(c, kind, cache_bytes=int(cache_fraction * c.max_context * c.bytes_per_token),
+        self.cache = make_kv(c, kind, cache_bytes=int(cache_fraction * c.max_context * c.bytes_per_token),
                                 swap_bytes=int(swap_seqs * c.max_context * c.bytes_per_token),
                                 **options, **extra)
         self.manager = self.cache.manager

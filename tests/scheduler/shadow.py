@@ -8,6 +8,7 @@ contents), write new tokens where the runtime would, and read every live sequenc
 from __future__ import annotations
 
 from vmemkv.scheduler.managers import CopyBlock, CopyPage, MapPage, SwapIn, SwapOut, UnmapPage
+from vmemkv.scheduler.managers.base import DropSwapped
 
 
 class ShadowSeq:
@@ -46,6 +47,8 @@ class _Memory:
         for op in ops:
             if isinstance(op, SwapOut):
                 self.host[op.seq_id] = self.read(op.seq_id, op.num_tokens, before=True)
+            elif isinstance(op, DropSwapped):     # freed while swapped: its copy goes
+                del self.host[op.seq_id]
             elif isinstance(op, SwapIn):
                 data = self.host.pop(op.seq_id)
                 assert len(data) == op.num_tokens
