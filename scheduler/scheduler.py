@@ -3,7 +3,7 @@
 One step:
 
     plan = scheduler.schedule()     # decide who computes which tokens; manager plans memory
-    executor runs plan.ops in order, then the model on plan.seqs
+    executor runs plan.ops in order, applies plan.tables, then the model on plan.seqs
     scheduler.update(sampled, now)  # append sampled tokens, finish, fork n > 1 children
 
 Order of work inside ``schedule()``:

@@ -4,10 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from vmemkv.scheduler.geometry import LAYOUTS  # noqa: F401 (re-exported)
+
 from .errors import EngineConfigError
 
 CACHES = ("vmem", "paged")
-LAYOUTS = ("per-layer", "interleaved")
 PREEMPTION = ("recompute", "swap")
 
 

@@ -16,16 +16,11 @@ from vmemkv.scheduler.geometry import PageGeometry  # noqa: E402
 from vmemkv.scheduler.plan import CopyBlock, CopyPage, SwapIn, SwapOut  # noqa: E402
 
 from tests.engine.conftest import model, prompts  # noqa: E402
+from tests.engine.test_engine_pressure import TIGHT  # noqa: E402
 
 KiB = 1024
-# tiny-llama: 2 layers x 2 kv heads x 16 dims fp32 = 128 B per token, layer and K (or V)
-CACHES = {
-    "vmem-per-layer": dict(cache="vmem", layout="per-layer", page_bytes=4 * KiB,   # 32 tok/page
-                           cache_bytes=128 * KiB),                               # 8 groups
-    "vmem-interleaved": dict(cache="vmem", layout="interleaved", page_bytes=4 * KiB,  # 16 tok/page
-                             cache_bytes=48 * KiB),                                   # 6 groups
-    "paged": dict(cache="paged", block_size=4, cache_bytes=48 * KiB),             # 24 blocks
-}
+# the pressure tests' tight caches; vmem per-layer gets 8 groups so that forks copy on write
+CACHES = {**TIGHT, "vmem-per-layer": dict(TIGHT["vmem-per-layer"], cache_bytes=128 * KiB)}
 SWAP_BYTES = 12 * KiB     # room for a few swapped sequences; the rest are recomputed
 
 

@@ -54,3 +54,34 @@ def test_step_metadata_is_built_once_per_step_and_read_back_never_per_layer(cach
     assert from_device.calls == 0                        # lens come from the host copy
     assert tolist.calls <= steps["n"]                    # the sampled tokens only: slots and
                                                          # tables come from the host copy
+
+
+def _filled_views(kind: str):
+    from vmemkv.runtime.config import CacheConfig
+    from vmemkv.runtime.kv import make_kv
+    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, max_batch=4, max_context=64)
+    kv = make_kv(config, kind, page_bytes=4096) if kind == "vmem" else make_kv(config, kind, block_size=4)
+    for seq, n in ((0, 9), (1, 3), (2, 14)):
+        kv.manager.allocate(seq, n)
+    kv.manager.free(1)                                 # slot / blocks reused out of order
+    kv.manager.allocate(3, 6)
+    kv.execute(kv.manager.take_ops())
+    kv.begin_step([(2, 10, 4), (0, 0, 9), (3, 5, 1)])
+    return kv, [kv.layer_view(layer) for layer in range(config.num_layers)]
+
+
+@pytest.mark.parametrize("kind", ["vmem", "paged"])
+def test_flash_metadata_from_the_step_equals_metadata_read_from_the_device(kind):
+    import dataclasses
+    from vmemkv.runtime.attention import flash
+    kv, views = _filled_views(kind)
+    with kv:
+        assert views[0].meta is views[1].meta              # one StepMeta for every layer
+        by_hand = dataclasses.replace(views[0], meta=None)  # reads slots / tables from tensors
+        build = flash._packed_metadata if kind == "vmem" else flash._gather_metadata
+        ours, theirs = build(views[0], torch.device("cpu")), build(by_hand, torch.device("cpu"))
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs):
+            assert (a is None and b is None) or (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b)
+        if kind == "paged":
+            assert flash._used_block_ids(views[0]) == flash._used_block_ids(by_hand)
