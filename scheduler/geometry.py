@@ -25,6 +25,9 @@ class PageLayout(str, Enum):
     PER_LAYER = "per-layer"
     INTERLEAVED = "interleaved"
 
+    def __str__(self) -> str:       # "per-layer" in messages and f-strings, on every Python
+        return self.value
+
     @classmethod
     def parse(cls, value) -> "PageLayout":
         """``value`` (a PageLayout or its name) as a PageLayout, else ConfigError naming it."""

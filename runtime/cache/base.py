@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -27,39 +27,7 @@ from vmemkv.scheduler.plan import DropSwapped, DropTable, SwapIn, SwapOut
 
 from ..config import CacheConfig
 from ..errors import CacheStateError, CacheTooLargeError, PlanExecutionError
-
-
-class PlanJournal:
-    """Undo actions for the part of one plan applied so far, run newest first on failure.
-
-    Every primitive a cache applies (map, unmap, a copy that overwrites bytes) records its
-    inverse right after it succeeds, so undoing in reverse order walks memory back through the
-    exact states it went through; the swap space is restored from the copy taken when the plan
-    was bound.
-    """
-
-    def __init__(self, swapped_before: dict) -> None:
-        self.swapped_before = swapped_before
-        self.replica_undo: list = []           # undo of the cache's replica, run on failure
-        self.op_index: Optional[int] = None    # index in the plan of the op being applied
-        self._undo: list = []
-
-    def add(self, undo: Callable[[], None]) -> None:
-        self._undo.append(undo)
-
-    def __len__(self) -> int:
-        return len(self._undo)
-
-    def undo(self) -> Optional[BaseException]:
-        """Run every undo action, newest first; returns the first error an action raised (the
-        remaining actions still run), None when memory is fully back."""
-        first = None
-        while self._undo:
-            try:
-                self._undo.pop()()
-            except BaseException as error:  # keep undoing what can be undone
-                first = first or error
-        return first
+from .journal import PlanJournal
 
 
 def device_memory_bytes(device: torch.device) -> Optional[int]:
@@ -214,9 +182,8 @@ class KVCache(ABC):
                     f"gave it memory for {held}; grow it with the manager (allocate/append) "
                     f"and execute that plan first")
         step = StepBatch.build(seqs, self.config.torch_device)
-        self._step, self._views = None, []
-        self._views = self._build_step_views(step)
-        self._step = step
+        views = self._build_step_views(step)   # raises before changing anything
+        self._step, self._views = step, views
         return step
 
     @abstractmethod
@@ -225,7 +192,8 @@ class KVCache(ABC):
 
     @abstractmethod
     def _build_step_views(self, step: StepBatch) -> list:
-        """The ONE per-step builder: write indices and a view per layer, sharing metadata."""
+        """The ONE per-step builder: write indices and a view per layer, sharing metadata.
+        Every check runs before the cache's step state is replaced."""
 
     @abstractmethod
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

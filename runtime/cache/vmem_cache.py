@@ -27,7 +27,8 @@ from vmemkv.scheduler.plan import CopyPage, DropSwapped, MapPage, SetSlot, SwapI
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError
-from .base import KVCache, PlanJournal, StepBatch, check_fits_device
+from .base import KVCache, StepBatch, check_fits_device
+from .journal import PlanJournal
 from .mapper import BackgroundMapper
 
 _OPS = (MapPage, UnmapPage, CopyPage, SwapOut, SwapIn, DropSwapped)

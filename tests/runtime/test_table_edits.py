@@ -102,3 +102,30 @@ def test_growth_inside_a_block_sends_nothing_and_growth_past_it_sends_the_tail_o
     manager.append(0, 2)                            # 9 tokens: a third block
     assert tracker.edits(manager, [0]) == [EditBlocks(0, 2, (manager.block_table(0)[2],))]
     cache.close()
+
+
+def test_bad_table_edits_raise_and_change_nothing():
+    import pytest
+    from vmemkv.runtime.errors import CacheStateError
+    from vmemkv.scheduler.plan import DropTable
+    cases = {
+        "paged": [([EditBlocks(0, 3, ())], ["keeps 3 blocks of sequence 0", "has 2"]),
+                  ([EditBlocks(0, 2, (999,))], ["blocks [999]", "outside"]),
+                  ([SetSlot(0, 1)], ["cannot apply table edit 0"])],
+        "vmem": [([SetSlot(0, 4)], ["slot 4", "outside 0..3"]),
+                 ([DropTable(0), EditBlocks(0, 0, (1,))], ["cannot apply table edit 1"])],
+    }
+    for kind, bad in cases.items():
+        manager, cache = build(kind)
+        with cache:
+            manager.allocate(0, 5)
+            cache.execute(manager.take_ops())
+            cache.apply_tables(tracker_for(kind).edits(manager, [0]))
+            before = cache.placement(0)
+            for edits, words in bad:
+                with pytest.raises(CacheStateError) as info:
+                    cache.apply_tables(edits)
+                assert all(w in str(info.value) for w in words), str(info.value)
+                assert cache.placement(0) == before and cache.placed_seq_ids == [0]
+            with pytest.raises(CacheStateError, match="sequence 7 has no placement"):
+                cache.begin_step([(7, 0, 1)])
