@@ -19,9 +19,11 @@ from tests.engine.conftest import model, prompts  # noqa: E402
 from tests.engine.test_engine_pressure import TIGHT  # noqa: E402
 
 KiB = 1024
-# the pressure tests' tight caches; vmem per-layer gets 8 groups so that forks copy on write
-CACHES = {**TIGHT, "vmem-per-layer": dict(TIGHT["vmem-per-layer"], cache_bytes=128 * KiB)}
-SWAP_BYTES = 12 * KiB     # room for a few swapped sequences; the rest are recomputed
+# the pressure tests' caches, sized so that one run preempts (recompute and swap), hits shared
+# prefixes and copies forked pages on write: 8 groups of 32 / 10 of 16 tokens, 40 blocks of 4
+CACHES = {name: dict(TIGHT[name], cache_bytes=size * KiB)
+          for name, size in (("vmem-per-layer", 128), ("vmem-interleaved", 80), ("paged", 80))}
+SWAP_BYTES = 64 * KiB     # room for two swapped sequences; further preemptions recompute
 
 
 class PlanOnlyUnpickler(pickle.Unpickler):
@@ -40,8 +42,8 @@ def roundtrip(plan):
 
 def workload():
     """Shared prefixes (prefix hits), greedy and sampled requests, n = 2 forks."""
-    base = prompts(3, 10, 22, seed=11)
-    batch = base + [p[:9] + q for p, q in zip(base, prompts(3, 3, 9, seed=12))]
+    base = prompts(3, 34, 44, seed=11)       # followers share 33 tokens: a whole vmem page
+    batch = base + [p[:33] + q for p, q in zip(base, prompts(3, 3, 9, seed=12))]
     params = [SamplingParams(max_new_tokens=20, ignore_eos=True, n=2 if i % 2 else 1,
                              temperature=0.0 if i % 3 else 0.8, seed=i) for i in range(len(batch))]
     return batch, params
@@ -50,7 +52,7 @@ def workload():
 def run(cache: str, preemption: str, execute_wrapper=None, **extra):
     options = dict(CACHES[cache], preemption=preemption, prefix_sharing=True,
                    swap_bytes=SWAP_BYTES if preemption == "swap" else 0, **extra)
-    engine = Engine(model(), max_batch=9, max_context=64, check_integrity=True, seed=3, **options)
+    engine = Engine(model(), max_batch=9, max_context=128, check_integrity=True, seed=3, **options)
     if execute_wrapper is not None:
         execute_wrapper(engine)
     batch, params = workload()
@@ -66,9 +68,17 @@ def pickle_every_plan(engine):
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @pytest.mark.parametrize("cache", list(CACHES))
 def test_engine_tokens_identical_when_every_plan_is_pickled(cache, preemption):
-    plain, expected = run(cache, preemption)
-    stats = plain.last_stats
+    plans = []
+
+    def keep_plans(engine):
+        execute = engine.runner.execute
+        engine.runner.execute = lambda plan: plans.append(plan) or execute(plan)
+
+    plain, expected = run(cache, preemption, keep_plans)
+    stats, prefix_hits = plain.last_stats, plain.kv.manager.prefix_hits
     plain.close()
+    assert prefix_hits > 0, "the workload was meant to share prefixes"
+    assert any(s.fork_ids for plan in plans for s in plan.seqs), "and to fork n > 1 samples"
     pickled, got = run(cache, preemption, pickle_every_plan)
     pickled.close()
     assert stats.num_preemptions > 0, "the cache was meant to be too small"
@@ -139,7 +149,7 @@ def assert_same(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("cache", list(CACHES))
 def test_cache_that_never_saw_a_manager_replays_recorded_plans_into_the_same_memory(cache):
     plans, writes, snapshots = [], [], []
-    engine = Engine(model(), max_batch=9, max_context=64, preemption="swap", prefix_sharing=True,
+    engine = Engine(model(), max_batch=9, max_context=128, preemption="swap", prefix_sharing=True,
                     swap_bytes=SWAP_BYTES, seed=3, **CACHES[cache])
     record(engine, plans, writes)
     original_execute = engine.runner.execute
