@@ -90,7 +90,7 @@ def mapper_loop(background: bool, shape: dict, device: str, seed: int = 0) -> di
     import torch
 
     from vmemkv.runtime.attention import fastest_backend, get_backend
-    from vmemkv.runtime.cache import make_cache
+    from vmemkv.runtime.kv import make_kv
     from vmemkv.runtime.config import CacheConfig
     s = shape
     dtype = getattr(torch, s.get("dtype", "float32"))
@@ -104,8 +104,9 @@ def mapper_loop(background: bool, shape: dict, device: str, seed: int = 0) -> di
     act = torch.randn(batch * grow, s["hidden"], **new)
     backend = get_backend(fastest_backend("vmem", device, dtype=dtype))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    with make_cache(config, "vmem", page_bytes=s["page_bytes"], background_mapper=background) as cache:
-        mgr = cache.manager
+    pair = make_kv(config, "vmem", page_bytes=s["page_bytes"], background_mapper=background)
+    with pair.cache as cache:
+        mgr = pair.manager
         lengths = [s["start_tokens"] + i * grow for i in range(batch)]   # staggered
         for seq, n in enumerate(lengths):
             mgr.allocate(seq, n)
@@ -119,6 +120,7 @@ def mapper_loop(background: bool, shape: dict, device: str, seed: int = 0) -> di
             ops = mgr.take_ops()
             mapped_pages += sum(type(op).__name__ == "MapPage" for op in ops) * mgr.pages_per_group
             cache.execute(ops)
+            pair.sync_tables(range(batch))
             cache.begin_step([(seq, lengths[seq], grow) for seq in range(batch)])
             kv = torch.randn(batch * grow, s["kv_heads"], s["head_dim"], **new)
             q = torch.randn(batch * grow, s["heads"], s["head_dim"], **new)

@@ -5,12 +5,12 @@
     python benchmarks/attention.py --device cuda   # fp16, full prefill, Llama-3-8B heads
     python benchmarks/attention.py --out results/attention.json
 
-One line per configuration: layout | phase | backend | batch | ctx | q | ms | GB/s | % copy.
+One line per configuration: cache | phase | backend | batch | ctx | q | ms | GB/s | % copy.
 GB/s counts the K/V bytes attention must read (every live token's K and V once); a paged
 gather shows up as lower GB/s for the same bytes. "% copy" divides that by the bandwidth of a
 large same-device tensor copy, counted as bytes read + bytes written per second.
 
-Storage: the real caches (``runtime.cache.make_cache``), one layer each. Both are filled the way
+Storage: the real caches (``runtime.kv.make_kv``), one layer each. Both are filled the way
 a running batch fills them: every request grows by one block's worth of tokens in turn, so the
 paged block tables interleave requests (a real pool's order), and the vmem manager maps pages
 under each request's slot. The same K/V go into both; the two outputs are checked against each
@@ -30,7 +30,7 @@ import torch
 
 from vmemkv.benchmarks.common import environment, print_environment
 from vmemkv.runtime.attention import fastest_backend, get_backend
-from vmemkv.runtime.cache import default_page_bytes, make_cache
+from vmemkv.runtime.kv import make_kv, vmem_geometry
 from vmemkv.runtime.config import CacheConfig
 
 # CPU: 8k contexts at batch 32 alone would take minutes on a small host; 4k is the top here.
@@ -85,25 +85,26 @@ def copy_bandwidth(device, dtype, nbytes: int) -> float:
 def cache_config(batch: int, ctx: int, args, device, dtype) -> CacheConfig:
     """One layer, ``batch`` slots; max_context is ctx rounded up to whole vmem pages."""
     probe = CacheConfig(1, args.kv_heads, args.head_dim, dtype, str(device), batch, ctx)
-    tokens_per_page = default_page_bytes(probe, "per-layer") // probe.layer_bytes_per_token
-    max_ctx = math.ceil(ctx / tokens_per_page) * tokens_per_page
+    max_ctx = vmem_geometry(probe, "per-layer").round_up_tokens(ctx)
     return CacheConfig(1, args.kv_heads, args.head_dim, dtype, str(device), batch, max_ctx)
 
 
-def fill(cache, batch: int, ctx: int, chunk: int, k: torch.Tensor, v: torch.Tensor) -> None:
+def fill(kv, batch: int, ctx: int, chunk: int, k: torch.Tensor, v: torch.Tensor):
     """Grow requests 0..batch-1 to ``ctx`` tokens, ``chunk`` at a time in turn, then write K/V.
 
     k, v: (batch * ctx, kv_heads, head_dim), request-major (request i owns rows i*ctx ...).
     """
-    manager = cache.manager
+    manager, cache = kv.manager, kv.cache
     for seq in range(batch):
         manager.allocate(seq, min(chunk, ctx))
     for start in range(chunk, ctx, chunk):
         for seq in range(batch):
             manager.append(seq, min(chunk, ctx - start))
     cache.execute(manager.take_ops())
+    kv.sync_tables(range(batch))
     cache.begin_step([(seq, 0, ctx) for seq in range(batch)])
     cache.write(0, k, v)
+    return kv
 
 
 def build_caches(batch, ctx, args, device, dtype, gen):
@@ -112,11 +113,9 @@ def build_caches(batch, ctx, args, device, dtype, gen):
     shape = (batch * ctx, args.kv_heads, args.head_dim)
     k = torch.randn(shape, generator=gen, dtype=dtype, device=device)
     v = torch.randn(shape, generator=gen, dtype=dtype, device=device)
-    caches = (make_cache(config, "vmem", layout=args.vmem_layout),
-              make_cache(config, "paged", block_size=args.block_size))
-    for cache in caches:
-        fill(cache, batch, ctx, args.block_size, k, v)
-    return caches
+    pairs = (make_kv(config, "vmem", layout=args.vmem_layout),
+             make_kv(config, "paged", block_size=args.block_size))
+    return tuple(fill(kv, batch, ctx, args.block_size, k, v) for kv in pairs)
 
 
 def run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw) -> list[dict]:
@@ -124,7 +123,7 @@ def run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw) -> li
     calls, names, outs = [], [], []
     for cache in caches:
         cache.begin_step([(seq, ctx - qlen, qlen) for seq in range(batch)])
-        name = fastest_backend(cache.layout, device.type, block_size=args.block_size, dtype=q.dtype)
+        name = fastest_backend(cache.kind, device.type, block_size=args.block_size, dtype=q.dtype)
         backend, view = get_backend(name), cache.layer_view(0)
         outs.append(backend.forward(q, view))   # first call: lazy imports, one-time warnings
         names.append(name)
@@ -136,7 +135,7 @@ def run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw) -> li
     rows = []
     for cache, name, times in zip(caches, names, samples):
         t = statistics.median(times)
-        rows.append({"layout": cache.layout, "phase": phase, "backend": name, "batch": batch,
+        rows.append({"cache": cache.kind, "phase": phase, "backend": name, "batch": batch,
                      "ctx": ctx, "query_len": qlen, "ms": t * 1e3, "ms_min": min(times) * 1e3,
                      "ms_max": max(times) * 1e3, "kv_gb_per_s": kv_bytes / t / 1e9,
                      "pct_copy": 100 * kv_bytes / t / copy_bw, "checked": True})
@@ -144,16 +143,16 @@ def run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw) -> li
 
 
 def fmt(r) -> str:
-    return (f"{r['layout']:<6}| {r['phase']:<8}| {r['backend']:<10}| {r['batch']:>5} | {r['ctx']:>6} | "
+    return (f"{r['cache']:<6}| {r['phase']:<8}| {r['backend']:<10}| {r['batch']:>5} | {r['ctx']:>6} | "
             f"{r['query_len']:>5} | {r['ms']:>9.3f} | {r['kv_gb_per_s']:>7.2f} | {r['pct_copy']:>6.1f}%")
 
 
 def speedups(rows: list[dict]) -> list[dict]:
     """paged ms / vmem ms per (phase, batch, ctx): > 1 means vmem is faster."""
-    by_key = {(r["phase"], r["batch"], r["ctx"], r["layout"]): r["ms"] for r in rows}
+    by_key = {(r["phase"], r["batch"], r["ctx"], r["cache"]): r["ms"] for r in rows}
     return [{"phase": p, "batch": b, "ctx": c, "paged_over_vmem": by_key[(p, b, c, "paged")] / ms}
-            for (p, b, c, layout), ms in by_key.items()
-            if layout == "vmem" and (p, b, c, "paged") in by_key]
+            for (p, b, c, kind), ms in by_key.items()
+            if kind == "vmem" and (p, b, c, "paged") in by_key]
 
 
 def target_check(ratios: list[dict], device, dtype) -> dict:
@@ -199,15 +198,15 @@ def num_configs(args) -> int:
 
 
 def measure(args, progress=None) -> dict:
-    """Run every configuration of ``args``; print the header and one line per layout; return JSON."""
+    """Run every configuration of ``args``; print the header and one line per cache kind; return JSON."""
     device = torch.device(args.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     copy_bw = copy_bandwidth(device, dtype, 1 << (30 if device.type == "cuda" else 28))
-    backends = {layout: fastest_backend(layout, device.type, block_size=args.block_size, dtype=dtype)
-                for layout in ("vmem", "paged")}
+    backends = {kind: fastest_backend(kind, device.type, block_size=args.block_size, dtype=dtype)
+                for kind in ("vmem", "paged")}
     from vmemkv.benchmarks.suite import versions
     env = environment(args.seed, args.warmup, args.repeats, device=str(device), **versions(device.type),
                       dtype=str(dtype),
@@ -216,7 +215,7 @@ def measure(args, progress=None) -> dict:
                       backends=",".join(f"{k}:{v}" for k, v in backends.items()),
                       copy_gb_per_s=round(copy_bw / 1e9, 2))
     print_environment(env)
-    print("layout| phase   | backend   | batch |    ctx |     q |        ms |    GB/s | % copy")
+    print("cache | phase   | backend   | batch |    ctx |     q |        ms |    GB/s | % copy")
     rows = []
     for batch in args.batches:
         for ctx in args.contexts:

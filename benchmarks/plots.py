@@ -36,11 +36,11 @@ def attention_latency(attention: dict, path: str) -> str | None:
     fig, axes = plt.subplots(1, len(phases), figsize=(5.5 * len(phases), 4.2), squeeze=False)
     for ax, phase in zip(axes[0], phases):
         for colour, batch in zip(COLOURS, batches):
-            for layout, style in (("vmem", "-"), ("paged", "--")):
+            for kind, style in (("vmem", "-"), ("paged", "--")):
                 pts = sorted((r["ctx"], r["ms"]) for r in rows
-                             if (r["phase"], r["batch"], r["layout"]) == (phase, batch, layout))
+                             if (r["phase"], r["batch"], r["cache"]) == (phase, batch, kind))
                 if pts:
-                    ax.plot(*zip(*pts), style, marker="o", color=colour, label=f"{layout} b{batch}")
+                    ax.plot(*zip(*pts), style, marker="o", color=colour, label=f"{kind} b{batch}")
         ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="attention time (ms)",
                title=f"{phase} ({_qlen(rows, phase)} query tokens per request)")
         ax.grid(True, which="both", alpha=0.3)

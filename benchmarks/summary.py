@@ -49,7 +49,7 @@ def _alloc_summary(data: dict) -> list[dict]:
 
 
 def _attention_summary(data: dict) -> list[dict]:
-    by_key = {(r["phase"], r["batch"], r["ctx"], r["layout"]): r for r in data["results"]}
+    by_key = {(r["phase"], r["batch"], r["ctx"], r["cache"]): r for r in data["results"]}
     rows = []
     for (phase, batch, ctx, layout), r in by_key.items():
         paged = by_key.get((phase, batch, ctx, "paged"))

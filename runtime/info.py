@@ -61,5 +61,5 @@ def run(args: argparse.Namespace) -> int:
     for name, entry in info["attention_backends"].items():
         state = "importable" if entry["available"] else f"unavailable: {entry['reason']}"
         print(f"attention {name:<12} {state}  devices={','.join(entry['devices'])} "
-              f"layouts={','.join(entry['layouts'])}")
+              f"kinds={','.join(entry['kinds'])}")
     return 0

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 from .errors import ConfigError
+from .managers.base import (CopyBlock, CopyPage, DropSwapped, MapPage, MemoryOp,  # noqa: F401
+                            SwapIn, SwapOut, UnmapPage)  # the ops a plan carries, re-exported
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -44,9 +46,39 @@ class ScheduledSeq(NamedTuple):
     fork_ids: Tuple[int, ...] = ()  # n > 1: also sample one token for each of these children
 
 
+# ---- table edits: where each sequence's tokens live, as changes to the executor's replica ----
+# An executor keeps a replica of the tables plans told it (vmem: seq -> slot; paged: seq ->
+# block table) and applies these edits, in order, after the plan's memory ops and before its
+# sequences run. An edit is sent only when the placement changed since the last one sent.
+
+class SetSlot(NamedTuple):
+    """vmem: sequence ``seq_id`` lives on slot ``slot`` from now on."""
+    seq_id: int
+    slot: int
+
+
+class EditBlocks(NamedTuple):
+    """paged: the block table of ``seq_id`` becomes ``table[:keep] + append``."""
+    seq_id: int
+    keep: int
+    append: Tuple[int, ...]
+
+
+class DropTable(NamedTuple):
+    """Forget the placement of ``seq_id`` (finished, preempted or swapped out)."""
+    seq_id: int
+
+
+TableEdit = Union[SetSlot, EditBlocks, DropTable]
+
+
 @dataclass
 class StepPlan:
-    """Everything the executor needs for one step. Execute ``ops`` in order BEFORE the model."""
+    """Everything the executor needs for one step; plain data, picklable, no live objects.
+
+    Execute ``ops`` in order, then apply ``tables`` to the executor's replica, then run
+    ``seqs``. ``tables`` is filled only when the scheduler has a table tracker (a real cache
+    needs it; the simulator does not)."""
     seqs: List[ScheduledSeq]
     ops: list                                              # manager.take_ops()
     preempted: List[int] = field(default_factory=list)     # preempted this step (both modes)
@@ -54,7 +86,8 @@ class StepPlan:
     finished: List[int] = field(default_factory=list)      # finished by the previous update
     num_new_tokens: int = 0        # sum of num_new_tokens
     num_context_tokens: int = 0    # sum of num_computed_tokens + num_new_tokens (KV read)
+    tables: List[TableEdit] = field(default_factory=list)  # replica edits, see SetSlot/EditBlocks
 
     @property
     def is_empty(self) -> bool:
-        return not self.seqs and not self.ops
+        return not self.seqs and not self.ops and not self.tables

@@ -3,7 +3,7 @@
 One step:
 
     plan = scheduler.schedule()     # decide who computes which tokens; manager plans memory
-    executor runs plan.ops in order, then the model on plan.seqs
+    executor runs plan.ops in order, applies plan.tables, then the model on plan.seqs
     scheduler.update(sampled, now)  # append sampled tokens, finish, fork n > 1 children
 
 Order of work inside ``schedule()``:
@@ -27,13 +27,18 @@ from .managers.base import MemoryManager
 from .metrics import SchedulerMetrics
 from .plan import PREEMPTION_MODES, ScheduledSeq, SchedulerConfig, StepPlan  # noqa: F401 (re-exported)
 from .request import Request, Sequence, SeqState
+from .tables import TableTracker
 
 class Scheduler:
     """FCFS iteration-level scheduler. Owns every Sequence; the manager owns the memory."""
 
-    def __init__(self, manager: MemoryManager, config: SchedulerConfig = SchedulerConfig()):
+    def __init__(self, manager: MemoryManager, config: SchedulerConfig = SchedulerConfig(),
+                 tables: Optional[TableTracker] = None):
+        """``tables``: fills each plan's table edits for a real cache (None: the simulator's
+        plans carry none)."""
         self.manager = manager
         self.config = config
+        self.tables = tables
         self.max_seq_len = config.max_seq_len or manager.max_seq_len
         total = manager.stats().total_tokens
         self.total_tokens = total
@@ -133,6 +138,8 @@ class Scheduler:
             raise RequestTooLargeError(
                 f"sequence {head.seq_id} ({head.length} tokens) cannot be admitted to an empty "
                 f"cache of {self.total_tokens} tokens under policy {self.manager.name!r}")
+        if self.tables is not None:
+            self.tables.fill(plan, self.manager)
         return plan
 
     def _schedule_decodes(self, plan: StepPlan, budget: int) -> int:

@@ -13,6 +13,7 @@ from typing import Callable, Dict, Optional, Sequence
 from .cost import CostModel, count_map_ops
 from .errors import ConfigError, SchedulerError
 from .managers.base import MemoryManager
+from .geometry import LAYOUTS
 from .metrics import latency_summary
 from .presets import get_device, get_model
 from .request import Request
@@ -20,7 +21,6 @@ from .scheduler import Scheduler, SchedulerConfig
 from .workload import TraceEntry
 
 POLICIES = ("reserve-max", "reserve-oracle", "paged", "vmem")
-LAYOUTS = ("per-layer", "interleaved")
 DUMMY_TOKEN = 1   # the simulator's sampled token; never a stop token
 
 

@@ -25,7 +25,7 @@ _EXPORTS = {
     "VMemCache": "vmemkv.runtime.hf.cache",
     "build_model": "vmemkv.runtime.models",
     "load_model": "vmemkv.runtime.models",
-    "make_cache": "vmemkv.runtime.cache.factory",
+    "make_kv": "vmemkv.runtime.kv",
     "CacheConfig": "vmemkv.runtime.config",
     "open_driver": "vmemkv.vmem",
     "PagePool": "vmemkv.vmem",

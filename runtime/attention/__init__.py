@@ -1,4 +1,4 @@
-"""Attention backends over both KV-cache layouts, chosen by name through a lazy registry.
+"""Attention backends over both KV-cache kinds (vmem, paged), chosen by name through a lazy registry.
 
     from vmemkv.runtime.attention import get_backend, VMemLayerView
     out = get_backend("sdpa").forward(q, VMemLayerView(k, v, slots, context_lens, query_lens))
@@ -6,14 +6,16 @@
 Backends: ``reference`` (dense fp32, tests), ``sdpa`` (CPU/CUDA), ``flash`` (CUDA, PyTorch's
 FlashAttention-2), ``flash-attn`` (CUDA, the flash-attn package). See docs/attention.md.
 """
-from .base import AttentionBackend, Availability, BatchLens, LayerView, PagedLayerView, VMemLayerView
+from .base import (AttentionBackend, Availability, BatchLens, LayerView, PagedLayerView, StepMeta,
+                   VMemLayerView)
 from .errors import (AttentionError, AttentionShapeError, BackendUnavailableError,
                      UnknownBackendError, UnsupportedError)
 from .registry import (availability, backend_class, backend_names, describe_backends,
                        fastest_backend, get_backend)
 
 __all__ = [
-    "AttentionBackend", "Availability", "BatchLens", "LayerView", "PagedLayerView", "VMemLayerView",
+    "AttentionBackend", "Availability", "BatchLens", "LayerView", "PagedLayerView", "StepMeta",
+    "VMemLayerView",
     "AttentionError", "AttentionShapeError", "BackendUnavailableError", "UnknownBackendError",
     "UnsupportedError", "availability", "backend_class", "backend_names", "describe_backends",
     "fastest_backend", "get_backend",

@@ -1,6 +1,6 @@
 """What a KV cache hands an attention backend for one layer, and the backend interface.
 
-Query packing (both layouts). ``q`` is ``[total_query_tokens, num_heads, head_dim]``; request i
+Query packing (both cache kinds). ``q`` is ``[total_query_tokens, num_heads, head_dim]``; request i
 owns rows ``q_start[i] : q_start[i] + query_lens[i]``, which are its positions
 ``context_lens[i] - query_lens[i] ... context_lens[i] - 1``. Each query sees the whole cached
 prefix and, causally, the queries before it (bottom-right aligned causal mask):
@@ -63,38 +63,83 @@ def _exclusive_cumsum(xs: tuple[int, ...]) -> list[int]:
     return out
 
 
-class _HostLens:
-    """``lens``: the host copy of a view's per-request metadata, read from the device once."""
-    host_lens: Optional[BatchLens]
+class StepMeta:
+    """One step's metadata, shared by the views of every layer: host copies of the lens (and
+    of the slots or block tables), and a memo of what backends derive from them (device
+    tensors, a validation). Built once per step by the cache, so the first layer pays for it
+    and the others reuse it: a GPU step copies metadata to the device once, not per layer."""
+
+    def __init__(self, lens: BatchLens, host_slots: Optional[tuple] = None,
+                 host_tables: Optional[tuple] = None) -> None:
+        self.lens = lens
+        self.host_slots = host_slots       # vmem: slot per request
+        self.host_tables = host_tables     # paged: block ids per request (used entries)
+        self._memo: dict = {}
+
+    def memo(self, key, build):
+        """``build()`` the first time ``key`` is asked for in this step, the stored value after."""
+        try:
+            return self._memo[key]
+        except KeyError:
+            value = self._memo[key] = build()
+            return value
+
+
+class _StepData:
+    """``lens`` and ``memo`` of a view: from its StepMeta when the cache gave one, else read
+    from the device tensors once per view (a view built by hand)."""
+    meta: Optional[StepMeta]
     context_lens: torch.Tensor
     query_lens: torch.Tensor
 
     @cached_property
     def lens(self) -> BatchLens:
-        return self.host_lens or BatchLens.from_tensors(self.context_lens, self.query_lens)
+        if self.meta is not None:
+            return self.meta.lens
+        return BatchLens.from_tensors(self.context_lens, self.query_lens)
+
+    @cached_property
+    def _own_meta(self) -> StepMeta:
+        return self.meta if self.meta is not None else StepMeta(self.lens)
+
+    def memo(self, key, build):
+        """Per-step memo (per view when the view has no StepMeta)."""
+        return self._own_meta.memo(key, build)
+
+    def validate(self, q: torch.Tensor) -> None:
+        """Raise :class:`AttentionShapeError` unless q, caches and metadata fit together; each
+        distinct shape is checked once per step."""
+        k = self._cache_tensor()
+        key = ("validated", tuple(q.shape), q.dtype, q.device, tuple(k.shape), k.stride(), k.dtype)
+        self.memo(key, lambda: self._validate(q) or True)
 
 
 @dataclass(frozen=True)
-class VMemLayerView(_HostLens):
+class VMemLayerView(_StepData):
     """One layer of a vmem cache: each request's K/V are contiguous rows of one batch slot.
 
     k_cache, v_cache: ``[max_batch, max_context, kv_heads, head_dim]``, last dim contiguous,
         possibly strided (interleaved layout: ``k_all[:, :, layer]``). Never read whole.
     slots: int64 ``[batch]``, the batch row each request owns.
     context_lens, query_lens: ``[batch]`` ints, see the module docstring.
-    host_lens: optional precomputed :class:`BatchLens`; computed on first use when absent.
+    meta: the step's :class:`StepMeta` (the cache passes one); absent, read from the tensors.
     """
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     slots: torch.Tensor
     context_lens: torch.Tensor
     query_lens: torch.Tensor
-    host_lens: Optional[BatchLens] = field(default=None, compare=False)
-    layout: ClassVar[str] = "vmem"
+    meta: Optional[StepMeta] = field(default=None, compare=False)
+    kind: ClassVar[str] = "vmem"
 
     @cached_property
     def host_slots(self) -> tuple[int, ...]:
+        if self.meta is not None and self.meta.host_slots is not None:
+            return self.meta.host_slots
         return tuple(int(s) for s in self.slots.tolist())
+
+    def _cache_tensor(self) -> torch.Tensor:
+        return self.k_cache
 
     @property
     def kv_heads(self) -> int:
@@ -104,8 +149,7 @@ class VMemLayerView(_HostLens):
     def max_context(self) -> int:
         return self.k_cache.shape[1]
 
-    def validate(self, q: torch.Tensor) -> None:
-        """Raise :class:`AttentionShapeError` unless q, caches and metadata fit together."""
+    def _validate(self, q: torch.Tensor) -> None:
         _check_cache_pair(self.k_cache, self.v_cache, "k_cache", "v_cache")
         _check_query(q, self.k_cache, self.lens, self.slots.shape, "slots")
         max_batch, max_ctx = self.k_cache.shape[:2]
@@ -121,21 +165,24 @@ class VMemLayerView(_HostLens):
 
 
 @dataclass(frozen=True)
-class PagedLayerView(_HostLens):
+class PagedLayerView(_StepData):
     """One layer of a paged cache: K/V live in fixed-size blocks named by a block table.
 
     k_pool, v_pool: ``[num_blocks, block_size, kv_heads, head_dim]``.
     block_tables: int32 ``[batch, max_blocks_per_seq]``; only the first
         ``ceil(context_len / block_size)`` entries of a row are meaningful (the rest: anything).
-    context_lens, query_lens, host_lens: as in :class:`VMemLayerView`.
+    context_lens, query_lens, meta: as in :class:`VMemLayerView`.
     """
     k_pool: torch.Tensor
     v_pool: torch.Tensor
     block_tables: torch.Tensor
     context_lens: torch.Tensor
     query_lens: torch.Tensor
-    host_lens: Optional[BatchLens] = field(default=None, compare=False)
-    layout: ClassVar[str] = "paged"
+    meta: Optional[StepMeta] = field(default=None, compare=False)
+    kind: ClassVar[str] = "paged"
+
+    def _cache_tensor(self) -> torch.Tensor:
+        return self.k_pool
 
     @property
     def block_size(self) -> int:
@@ -149,8 +196,7 @@ class PagedLayerView(_HostLens):
         """Block-table entries request i actually uses: ceil(context_len / block_size)."""
         return math.ceil(self.lens.context_lens[i] / self.block_size)
 
-    def validate(self, q: torch.Tensor) -> None:
-        """Raise :class:`AttentionShapeError` unless q, pools and block tables fit together."""
+    def _validate(self, q: torch.Tensor) -> None:
         _check_cache_pair(self.k_pool, self.v_pool, "k_pool", "v_pool")
         _check_query(q, self.k_pool, self.lens, self.block_tables.shape[:1], "block_tables")
         bt = self.block_tables
@@ -224,7 +270,7 @@ class AttentionBackend(ABC):
     """
     name: ClassVar[str]
     devices: ClassVar[frozenset[str]]
-    layouts: ClassVar[frozenset[str]]
+    kinds: ClassVar[frozenset[str]]          # cache kinds: "vmem", "paged"
     dtypes: ClassVar[frozenset[torch.dtype]] = SUPPORTED_DTYPES
 
     @classmethod
@@ -232,8 +278,9 @@ class AttentionBackend(ABC):
         """Whether this backend can run here; subclasses add package / device checks."""
         return Availability(True)
 
-    def supports(self, layout: str, device: str) -> bool:
-        return layout in self.layouts and device in self.devices
+    def supports(self, kind: str, device: str) -> bool:
+        """Whether this backend reads a ``kind`` cache ("vmem" or "paged") on ``device``."""
+        return kind in self.kinds and device in self.devices
 
     def forward(self, q: torch.Tensor, view: LayerView, scale: Optional[float] = None) -> torch.Tensor:
         """Attention of packed ``q`` ``[tokens, heads, head_dim]`` over ``view``; same shape as q.
@@ -243,23 +290,23 @@ class AttentionBackend(ABC):
         self._check_supported(q, view)
         view.validate(q)
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        if view.layout == "vmem":
+        if view.kind == "vmem":
             return self._forward_vmem(q, view, scale)
         return self._forward_paged(q, view, scale)
 
-    def check_runs(self, layout: str, device: str, dtype: torch.dtype, what: str = "q") -> None:
-        """Raise :class:`UnsupportedError` unless this backend runs ``layout`` on ``device``
-        (a device type) in ``dtype``; ``what`` names whose dtype it is in the message."""
-        if not self.supports(layout, device):
+    def check_runs(self, kind: str, device: str, dtype: torch.dtype, what: str = "q") -> None:
+        """Raise :class:`UnsupportedError` unless this backend reads a ``kind`` cache on
+        ``device`` (a device type) in ``dtype``; ``what`` names whose dtype it is."""
+        if not self.supports(kind, device):
             raise UnsupportedError(
-                f"attention backend {self.name!r} runs layouts {sorted(self.layouts)} on devices "
-                f"{sorted(self.devices)}; got layout {layout!r} on {device!r}")
+                f"attention backend {self.name!r} runs cache kinds {sorted(self.kinds)} on "
+                f"devices {sorted(self.devices)}; got cache kind {kind!r} on {device!r}")
         if dtype not in self.dtypes:
             raise UnsupportedError(f"attention backend {self.name!r} takes dtypes "
                                    f"{sorted(str(d) for d in self.dtypes)}; {what} is {dtype}")
 
     def _check_supported(self, q: torch.Tensor, view: LayerView) -> None:
-        self.check_runs(view.layout, q.device.type, q.dtype)
+        self.check_runs(view.kind, q.device.type, q.dtype)
 
     @abstractmethod
     def _forward_vmem(self, q: torch.Tensor, view: VMemLayerView, scale: float) -> torch.Tensor: ...

@@ -3,7 +3,7 @@
     AttentionError
      ├── UnknownBackendError      name not in the registry (message lists the known names)
      ├── BackendUnavailableError  registered, but cannot run here (message says why)
-     ├── UnsupportedError         backend cannot run this layout / device / dtype / config
+     ├── UnsupportedError         backend cannot run this cache kind / device / dtype / config
      └── AttentionShapeError      tensors disagree (message names the shapes)
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ class BackendUnavailableError(AttentionError):
 
 
 class UnsupportedError(AttentionError, ValueError):
-    """The backend does not support this layout, device, dtype or configuration."""
+    """The backend does not support this cache kind, device, dtype or configuration."""
 
 
 class AttentionShapeError(AttentionError, ValueError):

@@ -139,7 +139,7 @@ class FlashBackend(AttentionBackend):
     """
     name = "flash"
     devices = frozenset({"cuda"})
-    layouts = frozenset({"vmem", "paged"})
+    kinds = frozenset({"vmem", "paged"})
     dtypes = frozenset({torch.float16, torch.bfloat16})
 
     def __init__(self, paged_mode: str = "auto") -> None:
@@ -206,22 +206,14 @@ class FlashBackend(AttentionBackend):
         sort and the outputs are put back in the caller's order. Causal masking is FA2's,
         bottom-right aligned to ``seqused_k`` (a decode batch needs none).
         """
-        dev, mc, lens = q.device, view.max_context, view.lens
-        order = sorted(range(len(view.host_slots)), key=view.host_slots.__getitem__)
-        slots = [view.host_slots[i] for i in order]
-        ctx = [lens.context_lens[i] for i in order]
-        qlen = [lens.query_lens[i] for i in order]
-        cu_k = torch.tensor([s * mc for s in slots] + [(slots[-1] + 1) * mc], dtype=torch.int32, device=dev)
-        cu_q = torch.tensor(list(accumulate(qlen, initial=0)), dtype=torch.int32, device=dev)
-        used = torch.tensor(ctx, dtype=torch.int32, device=dev)
         kp, vp = _packed_view(view.k_cache), _packed_view(view.v_cache)
-        causal = not lens.is_decode
-        if order == sorted(order):                    # already in slot order: no shuffle
-            return kernel(q, kp, vp, cu_q, cu_k, max(qlen), max(ctx), scale, used, causal)
-        rows = torch.tensor([r for i in order for r in range(lens.q_starts[i], lens.q_starts[i] + lens.query_lens[i])],
-                            device=dev)
+        cu_q, cu_k, used, rows, max_q, max_k = view.memo(("flash.packed", q.device),
+                                                        lambda: _packed_metadata(view, q.device))
+        causal = not view.lens.is_decode
+        if rows is None:                              # already in slot order: no shuffle
+            return kernel(q, kp, vp, cu_q, cu_k, max_q, max_k, scale, used, causal)
         out = torch.empty_like(q)
-        out[rows] = kernel(q.index_select(0, rows), kp, vp, cu_q, cu_k, max(qlen), max(ctx), scale,
+        out[rows] = kernel(q.index_select(0, rows), kp, vp, cu_q, cu_k, max_q, max_k, scale,
                            used, causal)
         return out
 
@@ -258,20 +250,14 @@ class FlashBackend(AttentionBackend):
         """Gather every request's used blocks with one index_select per pool (request after
         request), then one kernel call: request i's keys start at its first gathered block and
         ``seqused_k[i]`` = its context length (the tail of its last block is never read)."""
-        dev, lens = q.device, view.lens
-        ctx = list(lens.context_lens)
-        blocks = [view.num_blocks_of(i) for i in range(len(ctx))]
-        used_columns = torch.arange(view.block_tables.shape[1], device=dev).unsqueeze(0) < \
-            torch.tensor(blocks, device=dev).unsqueeze(1)
-        ids = view.block_tables[used_columns].to(torch.long)          # row-major: in request order
+        ids, cu_q, cu_k, used = view.memo(("flash.gather", q.device),
+                                          lambda: _gather_metadata(view, q.device))
         _, bs, hkv, d = view.k_pool.shape
         k = view.k_pool.index_select(0, ids).view(-1, hkv, d)
         v = view.v_pool.index_select(0, ids).view(-1, hkv, d)
-        cu_k = torch.tensor(list(accumulate((b * bs for b in blocks), initial=0)), dtype=torch.int32, device=dev)
-        cu_q = torch.tensor(list(lens.q_starts) + [lens.total_query_tokens], dtype=torch.int32, device=dev)
-        used = torch.tensor(ctx, dtype=torch.int32, device=dev)
-        return kernel(q, k, v, cu_q, cu_k, max(lens.query_lens), max(ctx), scale, used,
-                      not lens.is_decode)
+        lens = view.lens
+        return kernel(q, k, v, cu_q, cu_k, max(lens.query_lens), max(lens.context_lens), scale,
+                      used, not lens.is_decode)
 
     def _block_table_blocker(self, q, view: PagedLayerView) -> str:
         caps = varlen_caps()
@@ -287,11 +273,60 @@ class FlashBackend(AttentionBackend):
         return ""
 
     def _varlen_paged(self, q, view: PagedLayerView, scale):
-        dev, lens = q.device, view.lens
-        cu_q = torch.tensor(list(lens.q_starts) + [lens.total_query_tokens], dtype=torch.int32, device=dev)
-        cu_k = torch.tensor(list(accumulate(lens.context_lens, initial=0)), dtype=torch.int32, device=dev)
-        used = torch.tensor(lens.context_lens, dtype=torch.int32, device=dev)
+        lens = view.lens
+        cu_q, cu_k, used, table = view.memo(("flash.varlen_paged", q.device),
+                                            lambda: _varlen_paged_metadata(view, q.device))
         return call_varlen(varlen_caps(), q, view.k_pool, view.v_pool, cu_q, cu_k,
                            max(lens.query_lens), max(lens.context_lens), scale, causal=True,
-                           gqa=q.shape[1] != view.kv_heads, seqused_k=used,
-                           block_table=view.block_tables.to(torch.int32))
+                           gqa=q.shape[1] != view.kv_heads, seqused_k=used, block_table=table)
+
+
+# ---- per-step metadata: built at the first layer of a step, reused by the others ----------
+def _int32(values, dev) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int32, device=dev)
+
+
+def _packed_metadata(view: VMemLayerView, dev) -> tuple:
+    """(cu_q, cu_k, seqused_k, rows or None, max_q, max_k) of the packed vmem call: requests in
+    slot order (so cu_k is monotone); ``rows`` permutes q into that order (None: no need)."""
+    mc, lens, host_slots = view.max_context, view.lens, view.host_slots
+    order = sorted(range(len(host_slots)), key=host_slots.__getitem__)
+    slots = [host_slots[i] for i in order]
+    ctx = [lens.context_lens[i] for i in order]
+    qlen = [lens.query_lens[i] for i in order]
+    cu_k = _int32([s * mc for s in slots] + [(slots[-1] + 1) * mc], dev)
+    cu_q = _int32(accumulate(qlen, initial=0), dev)
+    rows = None
+    if order != sorted(order):
+        rows = torch.tensor([r for i in order for r in range(lens.q_starts[i],
+                                                             lens.q_starts[i] + lens.query_lens[i])],
+                            device=dev)
+    return cu_q, cu_k, _int32(ctx, dev), rows, max(qlen), max(ctx)
+
+
+def _used_block_ids(view: PagedLayerView) -> list:
+    """Every request's used block ids, request after request, from the host copy of the tables
+    when the cache gave one (no device read), else read once from the device."""
+    meta = view.meta
+    if meta is not None and meta.host_tables is not None:
+        return [b for table in meta.host_tables for b in table]
+    tables = view.block_tables.tolist()
+    return [b for i, row in enumerate(tables) for b in row[:view.num_blocks_of(i)]]
+
+
+def _gather_metadata(view: PagedLayerView, dev) -> tuple:
+    """(ids, cu_q, cu_k, seqused_k) of the gathered paged call: request i's keys start at its
+    first gathered block and ``seqused_k[i]`` = its context length."""
+    lens, bs = view.lens, view.block_size
+    blocks = [view.num_blocks_of(i) for i in range(len(lens.context_lens))]
+    ids = torch.tensor(_used_block_ids(view), dtype=torch.long, device=dev)
+    cu_k = _int32(accumulate((b * bs for b in blocks), initial=0), dev)
+    cu_q = _int32(list(lens.q_starts) + [lens.total_query_tokens], dev)
+    return ids, cu_q, cu_k, _int32(lens.context_lens, dev)
+
+
+def _varlen_paged_metadata(view: PagedLayerView, dev) -> tuple:
+    lens = view.lens
+    cu_q = _int32(list(lens.q_starts) + [lens.total_query_tokens], dev)
+    cu_k = _int32(accumulate(lens.context_lens, initial=0), dev)
+    return cu_q, cu_k, _int32(lens.context_lens, dev), view.block_tables.to(torch.int32)

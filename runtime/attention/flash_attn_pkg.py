@@ -27,7 +27,7 @@ class FlashAttnBackend(AttentionBackend):
     """flash-attn's kvcache kernel; imported lazily, unavailable (with the reason) if absent."""
     name = "flash-attn"
     devices = frozenset({"cuda"})
-    layouts = frozenset({"vmem", "paged"})
+    kinds = frozenset({"vmem", "paged"})
     dtypes = frozenset({torch.float16, torch.bfloat16})
 
     @classmethod
@@ -43,7 +43,8 @@ class FlashAttnBackend(AttentionBackend):
         return Availability(True)
 
     def _forward_vmem(self, q, view: VMemLayerView, scale):
-        slots = view.slots.to(device=q.device, dtype=torch.int32)
+        slots = view.memo(("flash-attn.slots", q.device),
+                          lambda: view.slots.to(device=q.device, dtype=torch.int32))
         return self._grouped(q, view, scale, view.k_cache, view.v_cache,
                              lambda idx: {"cache_batch_idx": slots[idx]})
 
@@ -52,22 +53,30 @@ class FlashAttnBackend(AttentionBackend):
             raise UnsupportedError(
                 f"flash-attn paged KV needs block_size to be a multiple of "
                 f"{FA2_PAGED_BLOCK_MULTIPLE}, got {view.block_size}; use 'flash' or 'sdpa'")
-        table = view.block_tables.to(device=q.device, dtype=torch.int32)
+        table = view.memo(("flash-attn.table", q.device),
+                          lambda: view.block_tables.to(device=q.device, dtype=torch.int32))
         return self._grouped(q, view, scale, view.k_pool, view.v_pool,
                              lambda idx: {"block_table": table[idx]})
 
     def _grouped(self, q, view, scale, k_cache, v_cache, cache_args):
         from flash_attn import flash_attn_with_kvcache
-        lens, out = view.lens, torch.empty_like(q)
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, n in enumerate(lens.query_lens):
-            groups[n].append(i)
-        ctx = torch.tensor(lens.context_lens, dtype=torch.int32, device=q.device)
-        for n, members in groups.items():
-            rows = torch.tensor([lens.q_starts[i] + t for i in members for t in range(n)], device=q.device)
-            idx = torch.tensor(members, device=q.device)
-            qg = q.index_select(0, rows).view(len(members), n, *q.shape[1:])   # (Bg, n, H, D)
+        out = torch.empty_like(q)
+        ctx, groups = view.memo(("flash-attn.groups", q.device), lambda: _groups(view, q.device))
+        for n, rows, idx in groups:
+            qg = q.index_select(0, rows).view(len(idx), n, *q.shape[1:])   # (Bg, n, H, D)
             og = flash_attn_with_kvcache(qg, k_cache, v_cache, cache_seqlens=ctx[idx],
                                          softmax_scale=scale, causal=True, **cache_args(idx))
             out[rows] = og.reshape(-1, *q.shape[1:])
         return out
+
+
+def _groups(view, dev) -> tuple:
+    """Per step, once: (context lens, [(query_len, q rows, request indices)]) on ``dev``."""
+    lens = view.lens
+    members: dict[int, list[int]] = defaultdict(list)
+    for i, n in enumerate(lens.query_lens):
+        members[n].append(i)
+    ctx = torch.tensor(lens.context_lens, dtype=torch.int32, device=dev)
+    groups = [(n, torch.tensor([lens.q_starts[i] + t for i in idx for t in range(n)], device=dev),
+               torch.tensor(idx, device=dev)) for n, idx in members.items()]
+    return ctx, groups

@@ -88,7 +88,7 @@ def _causal_bias(t: int, s: int):
 
 def per_request(q: torch.Tensor, view, scale: float, causal_bias: bool = False) -> torch.Tensor:
     """Loop over requests: slice (vmem, zero copy) or gather (paged), then :func:`attend_one`."""
-    kv_of = vmem_kv if view.layout == "vmem" else paged_kv
+    kv_of = vmem_kv if view.kind == "vmem" else paged_kv
     out = torch.empty_like(q)
     for i, start, n in request_rows(view):
         k, v = kv_of(view, i)

@@ -28,7 +28,7 @@ class ReferenceBackend(AttentionBackend):
     """Dense fp32 math; slow and simple on purpose. Every other backend is checked against it."""
     name = "reference"
     devices = frozenset({"cpu", "cuda"})
-    layouts = frozenset({"vmem", "paged"})
+    kinds = frozenset({"vmem", "paged"})
 
     def _forward_vmem(self, q, view: VMemLayerView, scale):
         out = torch.empty_like(q)

@@ -1,7 +1,7 @@
 """Attention backends by name, imported lazily: naming a backend never imports another one's deps.
 
     get_backend("sdpa").forward(q, view)          # raises a typed error if it cannot run
-    fastest_backend("vmem", "cuda")               # what benchmarks use
+    fastest_backend("vmem", "cuda")               # by cache kind and device: what benchmarks use
 """
 from __future__ import annotations
 
@@ -46,16 +46,16 @@ def get_backend(name: str, **options) -> AttentionBackend:
 
 
 def describe_backends() -> list[dict]:
-    """One row per backend: name, devices, layouts, available, reason (for `vmemkv info`)."""
+    """One row per backend: name, devices, cache kinds, available, reason (for `vmemkv info`)."""
     rows = []
     for name in backend_names():
         cls, avail = backend_class(name), availability(name)
-        rows.append({"name": name, "devices": sorted(cls.devices), "layouts": sorted(cls.layouts),
+        rows.append({"name": name, "devices": sorted(cls.devices), "kinds": sorted(cls.kinds),
                      "available": avail.ok, "reason": avail.reason})
     return rows
 
 
-# Preference order per (layout, device); the first available one wins. flash-attn needs paged
+# Preference order per (kind, device); the first available one wins. flash-attn needs paged
 # blocks that are multiples of 256 tokens, so it is skipped for paged with smaller blocks.
 _PREFERENCE = {
     ("vmem", "cuda"): ["flash-attn", "flash", "sdpa"],
@@ -65,20 +65,20 @@ _PREFERENCE = {
 }
 
 
-def fastest_backend(layout: str, device: str, block_size: Optional[int] = None,
+def fastest_backend(kind: str, device: str, block_size: Optional[int] = None,
                     dtype=None) -> str:
-    """Name of the fastest available backend for ``layout`` on ``device`` ("cpu" or "cuda")
+    """Name of the fastest available backend for a ``kind`` cache ("vmem" or "paged") on ``device`` ("cpu" or "cuda")
     that takes ``dtype`` (a torch dtype; None: any). FlashAttention-2 has no fp32 kernel, so
     an fp32 model on CUDA gets ``sdpa``."""
     device = device.split(":")[0]
-    if (layout, device) not in _PREFERENCE:
-        raise UnsupportedError(f"no attention backend for layout {layout!r} on device {device!r}; "
-                               f"layouts: vmem, paged; devices: cpu, cuda")
-    for name in _PREFERENCE[(layout, device)]:
-        if name == "flash-attn" and layout == "paged" and block_size is not None and block_size % 256:
+    if (kind, device) not in _PREFERENCE:
+        raise UnsupportedError(f"no attention backend for cache kind {kind!r} on device {device!r}; "
+                               f"kinds: vmem, paged; devices: cpu, cuda")
+    for name in _PREFERENCE[(kind, device)]:
+        if name == "flash-attn" and kind == "paged" and block_size is not None and block_size % 256:
             continue
         if dtype is not None and dtype not in backend_class(name).dtypes:
             continue
         if availability(name):
             return name
-    raise BackendUnavailableError(_PREFERENCE[(layout, device)][-1], availability("sdpa").reason)
+    raise BackendUnavailableError(_PREFERENCE[(kind, device)][-1], availability("sdpa").reason)

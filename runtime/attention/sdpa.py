@@ -19,7 +19,7 @@ class SdpaBackend(AttentionBackend):
     """PyTorch SDPA on CPU and CUDA; torch picks the kernel (flash / mem-efficient / math)."""
     name = "sdpa"
     devices = frozenset({"cpu", "cuda"})
-    layouts = frozenset({"vmem", "paged"})
+    kinds = frozenset({"vmem", "paged"})
 
     def _forward_vmem(self, q, view, scale):
         return per_request(q, view, scale, causal_bias=q.is_cuda)

@@ -3,7 +3,8 @@
     pools  [layers, 2 (K,V), num_blocks, block_size, kv_heads, head_dim]   one tensor
     token t of a request lives at block_table[t // block_size], offset t % block_size
 
-The block tables come from the ``paged`` memory manager at every step; the cache keeps none.
+The block tables are the cache's replica of what plans told it (EditBlocks: keep a prefix,
+append blocks); it never asks a manager.
 """
 from __future__ import annotations
 
@@ -11,26 +12,27 @@ from typing import Sequence
 
 import torch
 
-from vmemkv.runtime.attention.base import PagedLayerView
-from vmemkv.scheduler.managers.base import CopyBlock, SwapIn, SwapOut
+from vmemkv.runtime.attention.base import PagedLayerView, StepMeta
+from vmemkv.scheduler.plan import CopyBlock, DropSwapped, EditBlocks, SwapIn, SwapOut
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError
-from .base import KVCache, PlanJournal, StepBatch, check_fits_device
+from .base import KVCache, StepBatch, check_fits_device
+from .journal import PlanJournal
 
 
 class PagedKVCache(KVCache):
-    """Executes a ``paged`` memory manager's plans on a block pool."""
+    """Executes paged plans on a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
 
-    layout = "paged"
+    kind = "paged"
 
-    def __init__(self, config: CacheConfig, manager) -> None:
-        super().__init__(config, manager)
-        if getattr(manager, "name", None) != "paged":
-            raise CacheConfigError(f"PagedKVCache needs a 'paged' memory manager, got "
-                                   f"{getattr(manager, 'name', manager)!r}")
-        self.block_size = manager.block_size
-        self.num_blocks = manager.num_blocks
+    def __init__(self, config: CacheConfig, block_size: int, num_blocks: int) -> None:
+        super().__init__(config)
+        for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise CacheConfigError(f"PagedKVCache {name} must be an int >= 1, got {value!r}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
         c = config
         check_fits_device(f"PagedKVCache pool of {self.num_blocks} blocks of {self.block_size} tokens",
                           self.num_blocks * self.block_size * c.bytes_per_token, c.torch_device)
@@ -44,7 +46,7 @@ class PagedKVCache(KVCache):
         raised."""
         self._check_usable()
         for index, op in enumerate(ops):    # refuse a plan we cannot run before touching memory
-            if not isinstance(op, (CopyBlock, SwapOut, SwapIn)):
+            if not isinstance(op, (CopyBlock, SwapOut, SwapIn, DropSwapped)):
                 raise CacheStateError(f"PagedKVCache cannot execute op {index} of the plan: {op!r}")
         bound = self._bind_swaps(ops)
         if not bound:
@@ -95,14 +97,40 @@ class PagedKVCache(KVCache):
         self._flat_pools().index_copy_(2, index, tokens.to(self.pools.device))
 
     # -- steps --
-    def _index_step(self, step: StepBatch) -> None:
-        tables = [self.manager.block_table(seq_id) for seq_id in step.seq_ids]
+    def _placed(self, edit, old, index: int) -> list:
+        if not isinstance(edit, EditBlocks):
+            raise CacheStateError(f"PagedKVCache cannot apply table edit {index}: {edit!r}")
+        old = old or []
+        if not 0 <= edit.keep <= len(old):
+            raise CacheStateError(f"table edit {index} keeps {edit.keep} blocks of sequence "
+                                  f"{edit.seq_id}, which has {len(old)}")
+        bad = [b for b in edit.append if not 0 <= b < self.num_blocks]
+        if bad:
+            raise CacheStateError(f"table edit {index} names blocks {bad} outside "
+                                  f"0..{self.num_blocks - 1}")
+        return old[:edit.keep] + list(edit.append)
+
+    def block_table(self, seq_id: int) -> list:
+        """The block table the plans gave ``seq_id``."""
+        return list(self.placement(seq_id))
+
+    def _held_tokens(self, seq_id: int) -> int:
+        return len(self.placement(seq_id)) * self.block_size
+
+    def _build_step_views(self, step: StepBatch) -> list:
+        tables = [self.placement(seq_id) for seq_id in step.seq_ids]
         width = max(len(t) for t in tables)
         device = self.config.torch_device
         padded = [t + [0] * (width - len(t)) for t in tables]
         self._block_tables = torch.tensor(padded, dtype=torch.int32, device=device)
         blocks = self._block_tables.long()[step.token_seq_index, step.positions // self.block_size]
         self._flat_write = blocks * self.block_size + step.positions % self.block_size
+        bs = self.block_size
+        used = tuple(tuple(t[:-(-ctx // bs)]) for t, ctx in zip(tables, step.lens.context_lens))
+        meta = StepMeta(step.lens, host_tables=used)
+        return [PagedLayerView(self.pools[layer, 0], self.pools[layer, 1], self._block_tables,
+                               step.context_lens, step.query_lens, meta=meta)
+                for layer in range(self.config.num_layers)]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._check_layer(layer)
@@ -112,14 +140,10 @@ class PagedKVCache(KVCache):
 
     def layer_view(self, layer: int) -> PagedLayerView:
         self._check_layer(layer)
-        step = self._step
-        return PagedLayerView(self.pools[layer, 0], self.pools[layer, 1], self._block_tables,
-                              step.context_lens, step.query_lens, host_lens=step.lens)
+        return self._views[layer]
 
     def read(self, seq_id: int, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        held = self.manager.num_tokens(seq_id)
-        if num_tokens > held:
-            raise CacheStateError(f"sequence {seq_id} holds {held} tokens, asked to read {num_tokens}")
-        index = self._flat_index(self.manager.block_table(seq_id), num_tokens)
+        self._check_read(seq_id, num_tokens)
+        index = self._flat_index(self.placement(seq_id), num_tokens)
         flat = self._flat_pools()
         return flat[layer, 0, index].clone(), flat[layer, 1, index].clone()

@@ -4,13 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from vmemkv.runtime.cache.factory import default_page_bytes
+from vmemkv.runtime.kv import vmem_geometry
 from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device
+from vmemkv.scheduler.geometry import LAYOUTS  # noqa: F401 (re-exported)
 
 from .errors import EngineConfigError
 
 CACHES = ("vmem", "paged")
-LAYOUTS = ("per-layer", "interleaved")
 PREEMPTION = ("recompute", "swap")
 
 
@@ -112,10 +112,7 @@ def page_rounded_context(cache_config, cfg, tokens: int) -> int:
     per slot; paged: any). The engine still admits only the user's ``max_context``."""
     if cfg.cache != "vmem":
         return tokens
-    per_token = cache_config.layer_bytes_per_token * (
-        1 if cfg.layout == "per-layer" else cache_config.num_layers)
-    per_page = max(1, (cfg.page_bytes or default_page_bytes(cache_config, cfg.layout)) // per_token)
-    return -(-tokens // per_page) * per_page
+    return vmem_geometry(cache_config, cfg.layout, cfg.page_bytes).round_up_tokens(tokens)
 
 
 def check_engine_arguments(model, config) -> None:

@@ -19,8 +19,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 import torch
 
 from vmemkv.runtime.attention import fastest_backend, get_backend
-from vmemkv.runtime.cache import make_cache
 from vmemkv.runtime.config import CacheConfig
+from vmemkv.runtime.kv import make_kv
 from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
 from vmemkv.runtime.hf.support import check_model_supported, kv_shape_of
@@ -82,11 +82,12 @@ class Engine:
         self._holds_attention = False
         if cfg.self_check:   # the model is back on its own attention afterwards, pass or fail
             self_check(model, self.cache_config, cfg, backend, self._model_attn)
-        self.cache = make_cache(self.cache_config, cfg.cache, cache_bytes=cache_bytes,
-                                layout=cfg.layout, page_bytes=cfg.page_bytes,
-                                block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,
-                                background_mapper=cfg.background_mapper and cfg.cache == "vmem",
-                                driver=driver)
+        self.kv = make_kv(self.cache_config, cfg.cache, cache_bytes=cache_bytes,
+                          layout=cfg.layout, page_bytes=cfg.page_bytes,
+                          block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,
+                          background_mapper=cfg.background_mapper and cfg.cache == "vmem",
+                          driver=driver)
+        self.cache = self.kv       # the cache (self.kv.cache) with its manager, for callers
         try:
             self._build_rest(model, backend)
         except BaseException:
@@ -98,11 +99,12 @@ class Engine:
 
     def _build_rest(self, model: torch.nn.Module, backend) -> None:
         cfg = self.config
-        self.runner = ModelRunner(model, self.cache, backend)
-        self.scheduler = Scheduler(self.cache.manager, SchedulerConfig(
+        self.runner = ModelRunner(model, self.kv.cache, backend)   # executes plans only
+        self.scheduler = Scheduler(self.kv.manager, SchedulerConfig(
             max_running=cfg.max_batch, max_tokens_per_step=cfg.max_tokens_per_step,
             watermark=cfg.watermark, preemption=cfg.preemption, max_seq_len=cfg.max_context,
-            enable_prefix_sharing=cfg.prefix_sharing, check_every_step=cfg.check_integrity))
+            enable_prefix_sharing=cfg.prefix_sharing, check_every_step=cfg.check_integrity),
+            tables=self.kv.tables)
         self.sampler = Sampler()
         self.eos_ids = _eos_ids(model, self.tokenizer)
         self._rng = random.Random(cfg.seed)
@@ -220,7 +222,7 @@ class Engine:
         finished = set(self.scheduler.update(sampled, now=self._now()))
         events = self._emit(sampled, finished)
         self._steps += 1
-        self._kv_usage.append(self.cache.manager.stats().usage_fraction)
+        self._kv_usage.append(self.kv.manager.stats().usage_fraction)
         self._step_s += time.perf_counter() - start
         return events
 
@@ -351,7 +353,7 @@ class Engine:
             num_preemptions=m.num_preemptions - b["pre"], num_swap_preemptions=m.num_swap_preemptions - b["swap"],
             recomputed_tokens=m.recomputed_tokens - b["rec"],
             kv_usage_mean=sum(usage) / len(usage) if usage else 0.0, kv_usage_peak=max(usage, default=0.0),
-            cache_bytes=self.cache.manager.stats().total_tokens * self.cache_config.bytes_per_token,
+            cache_bytes=self.kv.manager.stats().total_tokens * self.cache_config.bytes_per_token,
             ttft_s=m.ttft_s[b["ttft"]:], itl_s=m.itl_s[b["itl"]:])
 
     # ---- lifecycle -----------------------------------------------------------------------

@@ -20,7 +20,8 @@ from .errors import EngineConfigError
 
 
 class ModelRunner:
-    """Executes plans: memory ops on the cache, then the model on the plan's new tokens."""
+    """Executes plans: memory ops and table edits on the cache, then the model on the plan's
+    new tokens. Reads nothing but the plan (no manager, no scheduler)."""
 
     def __init__(self, model: torch.nn.Module, cache, backend) -> None:
         use_vmemkv_attention(model)
@@ -31,9 +32,12 @@ class ModelRunner:
         self._ctx = StepContext(cache, backend)
 
     def execute(self, plan) -> Tuple[Optional[torch.Tensor], List[int]]:
-        """Run ``plan``; returns logits ``[rows, vocab]`` of the sampling sequences (in plan
-        order) and, for each, its index in ``plan.seqs``. (None, []) when nothing sampled."""
+        """Run ``plan`` (plain data: it may have crossed a process boundary): its memory ops,
+        its table edits, then the model. Returns logits ``[rows, vocab]`` of the sampling
+        sequences (in plan order) and, for each, its index in ``plan.seqs``. (None, []) when
+        nothing sampled."""
         self.cache.execute(plan.ops)
+        self.cache.apply_tables(plan.tables)
         if not plan.seqs:
             return None, []
         step = self.cache.begin_step([(s.seq_id, s.num_computed_tokens, s.num_new_tokens)

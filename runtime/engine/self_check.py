@@ -18,7 +18,7 @@ from typing import List
 
 import torch
 
-from vmemkv.runtime.cache import make_cache
+from vmemkv.runtime.kv import make_kv
 from vmemkv.runtime.errors import RuntimeKVError
 from vmemkv.runtime.hf.attention import ATTN_IMPLEMENTATION, UnsupportedModelError
 from vmemkv.scheduler.request import Request
@@ -61,18 +61,19 @@ def _our_logits(model, cache_config, cfg, backend, prompt: List[int]):
     if cfg.cache == "paged":   # whole blocks, so the default budget holds the sequence
         length = -(-length // cfg.block_size) * cfg.block_size
     small = dataclasses.replace(cache_config, max_batch=1, max_context=page_rounded_context(cache_config, cfg, length))
-    cache = make_cache(small, cfg.cache, layout=cfg.layout, page_bytes=cfg.page_bytes,
-                       block_size=cfg.block_size)   # a bad option raises here, unwrapped
+    kv = make_kv(small, cfg.cache, layout=cfg.layout, page_bytes=cfg.page_bytes,
+                 block_size=cfg.block_size)   # a bad option raises here, unwrapped
     try:
-        return _run(model, cache, backend, prompt)
+        return _run(model, kv, backend, prompt)
     finally:
-        cache.close()
+        kv.close()
 
 
-def _run(model, cache, backend, prompt: List[int]):
+def _run(model, kv, backend, prompt: List[int]):
     try:
-        runner = ModelRunner(model, cache, backend)
-        scheduler = Scheduler(cache.manager, SchedulerConfig(max_running=1, max_tokens_per_step=64))
+        runner = ModelRunner(model, kv.cache, backend)
+        scheduler = Scheduler(kv.manager, SchedulerConfig(max_running=1, max_tokens_per_step=64),
+                              tables=kv.tables)
         scheduler.add_request(Request(0, len(prompt), DECODE_TOKENS + 1, prompt_token_ids=prompt))
         logits, tokens = [], []
         while scheduler.has_unfinished():

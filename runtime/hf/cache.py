@@ -11,9 +11,10 @@ left and masks the pads). Per layer (per-layer layout; interleaved is the same, 
     update   k_new (B, kv_heads, q, head_dim) -> k_cache[:B, L:L+q]              in place
     returns  k_cache[:B, :L+q].transpose(1, 2) -> (B, kv_heads, L+q, head_dim)  a view, no copy
 
-The memory manager owns the truth about what is allocated: the first layer of a forward that
-writes past what it holds grows every row through ``manager.append`` and the cache executes the
-map ops it plans (physical pages mapped through the real driver) before writing. ``reset()``
+The VMemCache owns a memory manager, which owns the truth about what is allocated, and the
+VMemKVCache that executes its plans: the first layer of a forward that writes past what it holds
+grows every row through ``manager.append`` and hands the executor the plan (map ops, physical
+pages mapped through the real driver, and the rows' slots) before writing. ``reset()``
 frees the rows; their pages stay mapped (the manager's deferred reclamation), so the next
 ``generate`` reuses them without mapping anything.
 """
@@ -26,9 +27,9 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..cache import VMemKVCache, default_page_bytes, make_cache
 from ..config import CacheConfig, parse_dtype
 from ..errors import CacheConfigError, CacheStateError
+from ..kv import KV, make_kv, vmem_geometry
 from .support import check_cache_layers, kv_shape_of, text_config
 
 
@@ -120,16 +121,14 @@ class VMemCache(Cache):
 
     def __init__(self, config: CacheConfig, layout: str = "per-layer",
                  page_bytes: Optional[int] = None, cache_bytes: Optional[int] = None) -> None:
-        page_bytes = page_bytes or default_page_bytes(config, layout)
-        per_token = config.layer_bytes_per_token * (1 if layout == "per-layer" else config.num_layers)
-        tpp = max(1, page_bytes // per_token)
-        capacity = -(-config.max_context // tpp) * tpp   # whole pages per slot; limit stays max_context
-        self.kv: VMemKVCache = make_cache(dataclasses.replace(config, max_context=capacity), "vmem",
-                                          layout=layout, page_bytes=page_bytes, cache_bytes=cache_bytes,
-                                          grow_pages=True)
+        geometry = vmem_geometry(config, layout, page_bytes)
+        capacity = geometry.round_up_tokens(config.max_context)  # whole pages; limit stays max_context
+        self.kv: KV = make_kv(dataclasses.replace(config, max_context=capacity), "vmem",
+                              layout=layout, page_bytes=geometry.page_bytes, cache_bytes=cache_bytes,
+                              grow_pages=True)
+        self.manager = self.kv.manager     # this cache plans; self.kv.cache (VMemKVCache) executes
         super().__init__(layers=[VMemLayer(self, i) for i in range(config.num_layers)])
         self.config = config
-        self.manager = self.kv.manager
         self._rows: list[int] = []                  # seq id of batch row b (its slot is b)
         self._written = [0] * config.num_layers     # tokens per row written in each layer
         self._next_id = 0
@@ -141,7 +140,7 @@ class VMemCache(Cache):
                           page_bytes: Optional[int] = None,
                           cache_bytes: Optional[int] = None) -> "VMemCache":
         """A cache for an HF model config. ``dtype`` defaults to the config's (else float32) and
-        must match the model's; ``page_bytes``/``cache_bytes`` as in ``runtime.cache.make_cache``
+        must match the model's; ``page_bytes``/``cache_bytes`` as in ``runtime.kv.make_kv``
         (default budget: every slot at full length)."""
         return cls(cache_config_from_model(config, max_batch, max_context, dtype, device),
                    layout=layout, page_bytes=page_bytes, cache_bytes=cache_bytes)
@@ -250,12 +249,18 @@ class VMemCache(Cache):
             if end > held:
                 for seq_id in self._rows:
                     self.manager.append(seq_id, end - held)
-            self.kv.execute(self.manager.take_ops())
+            self._execute_plan()
         except BaseException:
             self.manager.rollback()
+            self.kv.tables.resend()   # the edits of the failed plan never reached the executor
             self._rows, self._next_id = rows, next_id
             raise
         self.manager.commit()
+
+    def _execute_plan(self, dropped=()) -> None:
+        """Hand the executor this cache's plan: the manager's ops, then the rows' slots."""
+        self.kv.execute(self.manager.take_ops())
+        self.kv.sync_tables(self._rows, dropped)
 
     def _claim_rows(self, batch: int) -> None:
         """Hold slots 0..batch-1, one empty sequence each, row b on slot b (so
@@ -275,8 +280,8 @@ class VMemCache(Cache):
         self._check_open()
         for seq_id in self._rows:
             self.manager.free(seq_id)
-        self.kv.execute(self.manager.take_ops())
-        self._rows = []
+        rows, self._rows = self._rows, []
+        self._execute_plan(dropped=rows)
         self._written = [0] * self.config.num_layers
         for layer in self.layers:
             layer.keys = layer.values = None

@@ -83,7 +83,13 @@ class SwapIn:
     blocks: tuple = ()
 
 
-MemoryOp = Union[MapPage, UnmapPage, CopyPage, CopyBlock, SwapOut, SwapIn]
+@dataclass(frozen=True)
+class DropSwapped:
+    """Forget the host copy of ``seq_id``: it was freed while swapped out (nothing to copy)."""
+    seq_id: int
+
+
+MemoryOp = Union[MapPage, UnmapPage, CopyPage, CopyBlock, SwapOut, SwapIn, DropSwapped]
 
 
 @dataclass(frozen=True)

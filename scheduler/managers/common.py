@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 from ..errors import (ConfigError, DuplicateSequenceError, RequestTooLargeError,
                       SwapSpaceExhaustedError, TransactionStateError, UnknownSequenceError)
 from ..presets import ModelSpec
-from .base import MemoryManager, SwapIn, SwapOut
+from .base import DropSwapped, MemoryManager, SwapIn, SwapOut
 from .prefix import HeldSeq, token_bytes
 
 __all__ = ["ManagerCore", "TransactionStateError", "check_int"]
@@ -140,6 +140,7 @@ class ManagerCore(MemoryManager):
         request can hit memory whose K/V was never written."""
         if seq_id in self._swapped:
             self._swap_used_tokens -= self._swapped.pop(seq_id).num_tokens
+            self._ops.append(DropSwapped(seq_id))
             return
         seq = self._seq(seq_id)
         if computed_tokens is not None and computed_tokens < seq.num_tokens:

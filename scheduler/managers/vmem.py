@@ -24,27 +24,13 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError, SlotError
+from ..geometry import LAYOUTS, PageGeometry  # noqa: F401 (LAYOUTS re-exported)
 from ..presets import ModelSpec
 from .base import CopyPage, MapPage, MemoryStats, UnmapPage
 from .common import check_int
 from .prefix import HeldSeq
 from .slots import FreeSlots
 from .units import UnitManager
-
-LAYOUTS = ("per-layer", "interleaved")
-
-
-def page_geometry(model: ModelSpec, page_bytes: int, layout: str) -> tuple:
-    """(tokens_per_page, pages_per_group) of a layout, or ConfigError."""
-    if layout not in LAYOUTS:
-        raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
-    check_int("page_bytes", page_bytes, 1)
-    per_token = model.layer_bytes_per_token * (1 if layout == "per-layer" else model.num_layers)
-    if page_bytes < per_token:
-        raise ConfigError(f"page_bytes={page_bytes} holds no token in the {layout} layout "
-                          f"({per_token} bytes per token per page); needs >= {per_token}")
-    return page_bytes // per_token, (2 * model.num_layers if layout == "per-layer" else 2)
-
 
 class VmemManager(UnitManager):
     """Slot + page-group manager. ``prefix_queries``/``prefix_hits`` count TOKENS."""
@@ -55,8 +41,11 @@ class VmemManager(UnitManager):
                  page_bytes: int = 2 * 2**20, layout: str = "per-layer",
                  max_slots: Optional[int] = None, swap_bytes: int = 0) -> None:
         super().__init__(model, max_seq_len_tokens, swap_bytes)
-        self.layout, self.page_bytes = layout, page_bytes
-        self.tokens_per_page, self.pages_per_group = page_geometry(model, page_bytes, layout)
+        check_int("page_bytes", page_bytes, 1)
+        self.geometry = PageGeometry.of(model, page_bytes, layout)
+        self.layout, self.page_bytes = self.geometry.layout.value, page_bytes
+        self.tokens_per_page = self.geometry.tokens_per_page
+        self.pages_per_group = self.geometry.pages_per_group
         tpp = self.tokens_per_page
         if self.max_seq_len % tpp:
             low, high = self.max_seq_len // tpp * tpp, -(-self.max_seq_len // tpp) * tpp

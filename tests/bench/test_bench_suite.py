@@ -39,7 +39,7 @@ def test_attention_rows_cover_both_layouts_and_phases_checked_against_each_other
     assert ENV_KEYS <= payload["environment"].keys() and "backends" in payload["environment"]
     rows = payload["results"]
     assert len(rows) == 2 * 2 * 2 * 2   # batches x contexts x phases x layouts
-    assert {(r["layout"], r["phase"]) for r in rows} == {(l, p) for l in ("vmem", "paged")
+    assert {(r["cache"], r["phase"]) for r in rows} == {(l, p) for l in ("vmem", "paged")
                                                          for p in ("decode", "prefill")}
     for r in rows:
         assert r["checked"] and r["backend"] == "sdpa"

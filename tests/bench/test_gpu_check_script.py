@@ -71,7 +71,7 @@ def test_the_suite_writes_its_json_and_plots(dry_runs):
     assert payload["environment"]["device"] and set(payload["sections"]) >= {"alloc", "attention", "memory"}
     assert sorted(p.name for p in (out / "bench").glob("*.png"))
     attention = json.loads((out / "attention.json").read_text())
-    assert {r["layout"] for r in attention["results"]} == {"vmem", "paged"}
+    assert {r["cache"] for r in attention["results"]} == {"vmem", "paged"}
     for log in ("env", "info", "gpu_tests", "bench", "attention"):
         assert (out / f"{log}.log").stat().st_size > 0
     info = (out / "info.log").read_text()

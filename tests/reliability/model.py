@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from vmemkv.runtime.cache import make_cache
-from vmemkv.runtime.cache.base import run_plan
+from vmemkv.runtime.kv import make_kv
+from vmemkv.runtime.transaction import run_plan
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.vmem.faults import FaultInjectingDriver
 from vmemkv.vmem.host import HostDriver
@@ -51,7 +51,7 @@ class CacheModel:
         self.config = c = config or small_config()
         self.driver = FaultInjectingDriver(HostDriver(), delay=delay) if kind == "vmem" else None
         extra = {"driver": self.driver} if kind == "vmem" else {}
-        self.cache = make_cache(c, kind, cache_bytes=int(cache_fraction * c.max_context * c.bytes_per_token),
+        self.cache = make_kv(c, kind, cache_bytes=int(cache_fraction * c.max_context * c.bytes_per_token),
                                 swap_bytes=int(swap_seqs * c.max_context * c.bytes_per_token),
                                 **options, **extra)
         self.manager = self.cache.manager

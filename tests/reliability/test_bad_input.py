@@ -13,7 +13,7 @@ from vmemkv import vmem
 from vmemkv.runtime.attention import get_backend
 from vmemkv.runtime.attention.errors import UnknownBackendError, UnsupportedError
 from vmemkv.runtime.attention.registry import fastest_backend
-from vmemkv.runtime.cache import make_cache
+from vmemkv.runtime.kv import make_kv
 from vmemkv.cli import main
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.errors import CacheConfigError, CacheStateError, CacheTooLargeError
@@ -243,21 +243,21 @@ def test_cache_config_error(fields, words):
 def test_make_cache_errors():
     config = small_config()
     with pytest.raises(CacheConfigError, match="'vmem' or 'paged', got 'flat'"):
-        make_cache(config, "flat")
+        make_kv(config, "flat")
     with pytest.raises(ConfigError, match="layout"):
-        make_cache(config, "vmem", layout="diagonal")
-    from vmemkv.runtime.cache import VMemKVCache
+        make_kv(config, "vmem", layout="diagonal")
+    from vmemkv.runtime.kv import cache_for
     mgr = make_manager("vmem", MODEL, 10**6, 64, page_bytes=4096, max_slots=3)
     with pytest.raises(CacheConfigError, match="3 slots but CacheConfig.max_batch is 4"):
-        VMemKVCache(config, mgr)
-    with pytest.raises(CacheConfigError, match="needs a 'vmem' memory manager, got 'paged'"):
-        VMemKVCache(config, make_manager("paged", MODEL, 10**6, 64))
+        cache_for(mgr, config)
+    with pytest.raises(CacheConfigError, match="needs a 'vmem' or 'paged' memory manager, got 'reserve-max'"):
+        cache_for(make_manager("reserve-max", MODEL, 10**6, 64), config)
 
 
 @pytest.mark.parametrize("kind", ["vmem", "paged"])
 def test_cache_state_errors_change_nothing(kind):
     config = small_config()
-    cache = make_cache(config, kind, page_bytes=4096) if kind == "vmem" else make_cache(config, kind)
+    cache = make_kv(config, kind, page_bytes=4096) if kind == "vmem" else make_kv(config, kind)
     mgr = cache.manager
     mgr.allocate(1, 10)
     cache.execute(mgr.take_ops())
@@ -328,9 +328,9 @@ def test_a_cache_larger_than_the_host_is_refused_up_front(kind):
     before = open("/proc/self/maps").read().count("\n"), len(os.listdir("/proc/self/fd"))
     with pytest.raises(CacheTooLargeError) as info:
         if kind == "vmem":
-            make_cache(config, "vmem", cache_bytes=too_big, page_bytes=1 << 26, driver=driver)
+            make_kv(config, "vmem", cache_bytes=too_big, page_bytes=1 << 26, driver=driver)
         else:
-            make_cache(config, "paged", cache_bytes=too_big, block_size=1 << 16)
+            make_kv(config, "paged", cache_bytes=too_big, block_size=1 << 16)
     message = str(info.value)
     assert str(mem_total()) in message and "MemTotal" in message and "bytes" in message
     assert driver.calls["create_pages"] == 0 and driver.calls["reserve"] == 0   # nothing tried

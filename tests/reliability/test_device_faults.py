@@ -7,8 +7,8 @@ cuMemCreate fails once the GPU is nearly full) leaves the device's free memory w
 import pytest
 import torch
 
-from vmemkv.runtime.cache import make_cache
-from vmemkv.runtime.cache.base import run_plan
+from vmemkv.runtime.kv import make_kv
+from vmemkv.runtime.transaction import run_plan
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.vmem import DriverCallError, open_driver
@@ -28,7 +28,7 @@ def build(kind: str):
     else:                # 4 KiB pages: 2 heads * 16 * fp32 = 128 B/token -> 32 tokens
         config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, max_batch=4, max_context=64)
         page_bytes, length = 4096, 47
-    cache = make_cache(config, "vmem", page_bytes=page_bytes, driver=driver,
+    cache = make_kv(config, "vmem", page_bytes=page_bytes, driver=driver,
                        cache_bytes=3 * config.max_context * config.bytes_per_token)
     return cache, driver, config, length
 
@@ -88,7 +88,7 @@ def test_real_cuda_out_of_memory_at_pool_build_leaves_nothing_allocated():
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         with pytest.raises(DriverCallError):           # cuMemCreate runs out part-way
-            make_cache(config, "vmem", page_bytes=2 * 2**20, cache_bytes=4 * 2**30)
+            make_kv(config, "vmem", page_bytes=2 * 2**20, cache_bytes=4 * 2**30)
         torch.cuda.synchronize()
         assert torch.cuda.mem_get_info()[0] == free_before
     finally:

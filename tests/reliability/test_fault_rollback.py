@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from vmemkv.runtime.cache import make_cache
-from vmemkv.runtime.cache.base import run_plan
+from vmemkv.runtime.kv import make_kv
+from vmemkv.runtime.transaction import run_plan
 from vmemkv.runtime.errors import MapperPlanError, PlanExecutionError
 from vmemkv.scheduler.errors import OutOfCapacityError
 from vmemkv.scheduler.managers import make_manager
@@ -104,7 +104,8 @@ def test_failure_after_each_op_of_a_plan_is_undone(layout, monkeypatch):
     k = 0
     while True:
         calls = {"n": 0}
-        original = getattr(type(m.cache), apply_name)
+        executor = type(m.cache.cache)     # the KVCache behind the manager + cache pair
+        original = getattr(executor, apply_name)
 
         if layout == "paged":
             def failing(self, op, buffer, journal, _k=k):
@@ -118,7 +119,7 @@ def test_failure_after_each_op_of_a_plan_is_undone(layout, monkeypatch):
                 if _k + 1 < len(bound):
                     raise MemoryError(f"injected OOM after op {_k}")
                 original(self, bound[_k + 1:], group, journal)
-        monkeypatch.setattr(type(m.cache), apply_name, failing)
+        monkeypatch.setattr(executor, apply_name, failing)
         try:
             ops = run_plan(m.manager, m.cache, big_step(m))
         except PlanExecutionError as error:
@@ -206,14 +207,14 @@ def _proc_counts():
 def test_out_of_memory_while_building_the_pool_leaves_nothing_allocated(fail, mapper):
     config = small_config()
     driver = FaultInjectingDriver(HostDriver())
-    make_cache(config, "vmem", page_bytes=4096, driver=driver).close()   # warm caches, imports
+    make_kv(config, "vmem", page_bytes=4096, driver=driver).close()   # warm caches, imports
     start = _proc_counts()
     driver.fail_at(fail, 0, out_of_memory=True)
     with pytest.raises(DriverCallError, match="out of memory"):
-        make_cache(config, "vmem", page_bytes=4096, driver=driver, background_mapper=mapper)
+        make_kv(config, "vmem", page_bytes=4096, driver=driver, background_mapper=mapper)
     assert _proc_counts() == start
     assert driver.mapped_addresses == 0
-    cache = make_cache(config, "vmem", page_bytes=4096, driver=driver)  # the next try works
+    cache = make_kv(config, "vmem", page_bytes=4096, driver=driver)  # the next try works
     cache.close()
     assert _proc_counts() == start
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from vmemkv.runtime.cache import make_cache
+from vmemkv.runtime.kv import make_kv
 from vmemkv.vmem.faults import FaultInjectingDriver
 from vmemkv.vmem.host import HostDriver
 
@@ -69,7 +69,7 @@ def test_100k_lifecycles_leak_nothing():
     gc.collect()
     start_process = proc_counts()
     driver = FaultInjectingDriver(HostDriver())    # no faults: counts calls, catches double maps
-    cache = make_cache(config, "vmem", page_bytes=4096, layout="per-layer", driver=driver,
+    cache = make_kv(config, "vmem", page_bytes=4096, layout="per-layer", driver=driver,
                        cache_bytes=3 * 32 * config.bytes_per_token,  # 3 page groups
                        swap_bytes=64 * config.bytes_per_token)
     # warm up until the pool is full of deferred pages: from then on every state is reached

@@ -149,13 +149,13 @@ def test_a_fault_on_the_mapper_thread_is_undone_and_reported_at_the_next_wait():
 SCRIPT = textwrap.dedent("""
     import random, sys, time
     sys.path.insert(0, {root!r})
-    from vmemkv.runtime.cache import make_cache
+    from vmemkv.runtime.kv import make_kv
     from vmemkv.runtime.config import CacheConfig
     from vmemkv.vmem.faults import FaultInjectingDriver
     from vmemkv.vmem.host import HostDriver
     config = CacheConfig(num_layers=4, num_kv_heads=2, head_dim=16, max_batch=4, max_context=64)
     driver = FaultInjectingDriver(HostDriver(), delay=lambda kind: time.sleep(0.002))
-    cache = make_cache(config, "vmem", page_bytes=4096, background_mapper=True, driver=driver)
+    cache = make_kv(config, "vmem", page_bytes=4096, background_mapper=True, driver=driver)
     mgr = cache.manager
     for seq_id in range(3):
         mgr.allocate(seq_id, 60)

@@ -14,7 +14,7 @@ import torch
 
 from vmemkv.runtime.attention import get_backend
 from vmemkv.runtime.attention.reference import dense_attention
-from vmemkv.runtime.cache import make_cache
+from vmemkv.runtime.kv import make_kv
 from vmemkv.runtime.config import CacheConfig
 
 VOCAB = 50
@@ -26,7 +26,7 @@ class ShadowRun:
     def __init__(self, config: CacheConfig, cache_kind: str, seed: int, backends=("sdpa",),
                  num_heads: int = 4, **cache_options) -> None:
         self.config = config
-        self.cache = make_cache(config, cache_kind, **cache_options)
+        self.cache = make_kv(config, cache_kind, **cache_options)
         self.manager = self.cache.manager
         self.rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)

@@ -22,7 +22,7 @@ def test_every_backend_declares_devices_layouts_and_availability():
     rows = {r["name"]: r for r in describe_backends()}
     assert set(rows) == set(backend_names())
     for r in rows.values():
-        assert set(r["devices"]) <= {"cpu", "cuda"} and set(r["layouts"]) <= {"vmem", "paged"}
+        assert set(r["devices"]) <= {"cpu", "cuda"} and set(r["kinds"]) <= {"vmem", "paged"}
         assert r["available"] or r["reason"], "an unavailable backend must say why"
     assert rows["sdpa"]["available"] and rows["reference"]["available"]
 

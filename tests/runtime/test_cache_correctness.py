@@ -104,7 +104,7 @@ def large_mix(device: str, cache_kind: str, options: dict, max_context: int, ste
         layout = "paged" if cache_kind == "paged" else "vmem"
         backends = [name for name in ("reference", "sdpa", "flash", "flash-attn")
                     if availability(name) and device.split(":")[0] in backend_class(name).devices
-                    and layout in backend_class(name).layouts
+                    and layout in backend_class(name).kinds
                     and not (name == "flash-attn" and layout == "paged" and options["block_size"] % 256)]
     # room for 1.5 full-length sequences: sequences crossing a page make others preempt or swap
     run = ShadowRun(cfg, cache_kind, 11, backends=backends, num_heads=32,

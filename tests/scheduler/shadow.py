@@ -11,6 +11,7 @@ import copy
 from collections import OrderedDict
 
 from vmemkv.scheduler.managers import CopyBlock, CopyPage, MapPage, SwapIn, SwapOut, UnmapPage
+from vmemkv.scheduler.managers.base import DropSwapped
 
 
 def dump(value):
@@ -75,6 +76,8 @@ class _Memory:
         for op in ops:
             if isinstance(op, SwapOut):
                 self.host[op.seq_id] = self.read(op.seq_id, op.num_tokens, before=True)
+            elif isinstance(op, DropSwapped):     # freed while swapped: its copy goes
+                del self.host[op.seq_id]
             elif isinstance(op, SwapIn):
                 data = self.host.pop(op.seq_id)
                 assert len(data) == op.num_tokens

@@ -59,7 +59,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.mem is not None:
             self.mem.replay(ops, self.live, writes)
         else:
-            assert all(type(op).__name__ in ("SwapOut", "SwapIn") for op in ops), ops
+            assert all(type(op).__name__ in ("SwapOut", "SwapIn", "DropSwapped") for op in ops), ops
 
     # -- rules --
     @rule(base=st.integers(0, len(BASES) - 1), plen=st.integers(0, 12),
@@ -134,9 +134,8 @@ class ManagerMachine(RuleBasedStateMachine):
         sid = self.pick(list(self.live) + list(self.swapped), i)
         self.m.free(sid)
         self.live.pop(sid, None)
-        if self.swapped.pop(sid, None) is not None and self.mem is not None:
-            self.mem.host.pop(sid)
-        self.replay()
+        self.swapped.pop(sid, None)
+        self.replay()          # a swapped one's DropSwapped op drops its host copy
 
     @precondition(lambda self: self.live)
     @rule(i=PICK)

@@ -1,0 +1,82 @@
+"""VMemOps: how a bound vmem plan's ops become driver calls and copies, each inverse journaled.
+
+Page index arithmetic (see vmem_cache's module docstring): member j of a page group under
+(slot, page_index) lives at range page ``(j * max_batch + slot) * pages_per_slot + page_index``,
+where j = layer * 2 + kv (per-layer) or j = kv (interleaved).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from vmemkv.scheduler.plan import CopyPage, MapPage, SwapIn, SwapOut, UnmapPage
+
+from ..errors import CacheStateError
+from .journal import PlanJournal
+
+
+class VMemOps:
+    """Mixed into VMemKVCache: the replica update at bind time and the op application."""
+
+    def _note_mappings(self, bound: Sequence, journal: PlanJournal) -> None:
+        """Update the replica of what is mapped where, as of the end of the plan (in the step
+        thread, so writes are checked against it before the mapper is done); undone with the
+        plan if it fails."""
+        for op, _ in bound:
+            if isinstance(op, (MapPage, UnmapPage)):
+                pages = self._slot_pages[op.slot]
+                old = pages.get(op.page_index)
+                if isinstance(op, MapPage):
+                    pages[op.page_index] = op.group
+                else:
+                    pages.pop(op.page_index, None)
+                journal.replica_undo.append(lambda p=pages, i=op.page_index, o=old:
+                                            p.pop(i, None) if o is None else p.__setitem__(i, o))
+
+    def _page_index(self, member: int, slot: int, page_index: int) -> int:
+        # per-layer: member j = layer * 2 + kv; interleaved: member j = kv
+        return (member * self.config.max_batch + slot) * self.pages_per_slot + page_index
+
+    def _apply_layer_group(self, bound: Sequence, group: int,
+                           journal: Optional[PlanJournal] = None) -> None:
+        """Apply the part of a plan (ops paired with swap buffers) that touches op group
+        ``group``, recording the inverse of every primitive in ``journal``."""
+        journal = journal if journal is not None else PlanJournal({})
+        rng = self.range
+        for index, (op, buffer) in enumerate(bound):
+            journal.op_index = index
+            if isinstance(op, MapPage):
+                base = op.group * self.pages_per_group
+                for j in self.geometry.members_of(group):
+                    page_index = self._page_index(j, op.slot, op.page_index)
+                    rng.map(page_index, self._pool_pages[base + j])
+                    journal.add(lambda pi=page_index: rng.unmap(pi))
+            elif isinstance(op, UnmapPage):
+                for j in self.geometry.members_of(group):
+                    page_index = self._page_index(j, op.slot, op.page_index)
+                    page_id = rng.unmap(page_index)
+                    journal.add(lambda pi=page_index, pid=page_id: rng.map(pi, pid))
+            elif isinstance(op, CopyPage):
+                for j in self.geometry.members_of(group):
+                    dst = self._page_index(j, op.dst_slot, op.dst_page_index)
+                    self._save_bytes(journal, dst * self.page_bytes, self.page_bytes)
+                    rng.copy_page(dst, self._page_index(j, op.src_slot, op.src_page_index))
+            elif isinstance(op, SwapOut):
+                for layer in self.geometry.layers_of(group):  # buffer: (layers, 2, tokens, heads, dim)
+                    buffer[layer, 0].copy_(self._k[layer][op.slot, :op.num_tokens])
+                    buffer[layer, 1].copy_(self._v[layer][op.slot, :op.num_tokens])
+            elif isinstance(op, SwapIn):
+                for layer in self.geometry.layers_of(group):
+                    for cache in (self._k[layer], self._v[layer]):
+                        target = cache[op.slot, :op.num_tokens]
+                        saved = target.clone()
+                        journal.add(lambda t=target, s=saved: t.copy_(s))
+                    self._k[layer][op.slot, :op.num_tokens].copy_(buffer[layer, 0])
+                    self._v[layer][op.slot, :op.num_tokens].copy_(buffer[layer, 1])
+            else:
+                raise CacheStateError(f"VMemKVCache cannot execute {op!r}")
+
+    def _save_bytes(self, journal: PlanJournal, offset: int, num_bytes: int) -> None:
+        """Keep a copy of bytes about to be overwritten; undo writes them back."""
+        view = self.range.tensor(offset, num_bytes)
+        saved = view.clone()
+        journal.add(lambda: self.range.tensor(offset, num_bytes).copy_(saved))

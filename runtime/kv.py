@@ -1,0 +1,181 @@
+"""A memory manager and the cache that executes its plans, built to fit each other.
+
+    kv = make_kv(CacheConfig(...), "vmem", layout="per-layer")
+    kv.manager.allocate(0, 10); kv.cache.execute(kv.manager.take_ops()); kv.sync_tables([0])
+    check_matches(kv.manager, kv.cache)      # memory and replica equal the manager's tables
+
+The cache never sees the manager: it is built from the CacheConfig and the pool sizes the
+manager derived, and learns everything else from plans. ``check_matches`` is the one place
+where the two are compared (tests, and the engine's integrity checks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from vmemkv import vmem
+from vmemkv.scheduler.geometry import PageGeometry, default_page_bytes as _default_page_bytes
+from vmemkv.scheduler.managers import make_manager
+from vmemkv.scheduler.plan import SwapOut
+from vmemkv.scheduler.tables import TableTracker, tracker_for
+
+from .cache import KVCache, PagedKVCache, VMemKVCache
+from .config import CacheConfig
+from .errors import CacheConfigError, CacheStateError
+
+CACHE_KINDS = ("vmem", "paged")
+
+
+def default_page_bytes(config: CacheConfig, layout: str) -> int:
+    """2 MiB on CUDA; on the host the smallest multiple of 64 KiB holding whole tokens."""
+    return _default_page_bytes(layout, config.num_layers, config.layer_bytes_per_token,
+                               on_cuda=config.torch_device.type == "cuda")
+
+
+def vmem_geometry(config: CacheConfig, layout: str = "per-layer",
+                  page_bytes: Optional[int] = None) -> PageGeometry:
+    """The page geometry of a vmem cache of ``config`` (default page size: see above)."""
+    return PageGeometry.of(config, page_bytes or default_page_bytes(config, layout), layout)
+
+
+@dataclass
+class KV:
+    """A manager, the cache executing its plans, and the tracker that writes its table edits,
+    driven as one (the way tests, benchmarks and the engine's owner use them).
+
+    ``execute``/``begin_step``/``read`` send the cache the placements of the sequences they
+    name before touching memory, as a plan would; ``check_integrity`` is ``check_matches``.
+    Any other attribute is the cache's (``range``, ``pool``, ``layer_view``, ...).
+    """
+    manager: object
+    cache: KVCache
+    tables: TableTracker
+
+    def sync_tables(self, seq_ids: Iterable[int], dropped: Iterable[int] = ()) -> list:
+        """Send the cache the placements of ``seq_ids`` (resident) and drop ``dropped``, as a
+        plan would; returns the edits sent."""
+        edits = self.tables.edits(self.manager, seq_ids, dropped)
+        self.cache.apply_tables(edits)
+        return edits
+
+    def execute(self, ops) -> None:
+        """The cache executes ``ops``; placements of swapped-out sequences are dropped."""
+        self.cache.execute(ops)
+        gone = [op.seq_id for op in ops if isinstance(op, SwapOut)]
+        if gone:
+            self.sync_tables((), dropped=gone)
+
+    def begin_step(self, seqs):
+        """As the cache's, after checking every write against the tokens the manager holds."""
+        for seq_id, computed, new in seqs:
+            held = self.manager.num_tokens(seq_id)
+            if computed + new > held:
+                raise CacheStateError(
+                    f"sequence {seq_id}: writing tokens up to {computed + new} but the manager "
+                    f"holds {held}; grow it with the manager (allocate/append) first")
+        self.sync_tables([s[0] for s in seqs])
+        return self.cache.begin_step(seqs)
+
+    def read(self, seq_id: int, layer: int, num_tokens: int):
+        held = self.manager.num_tokens(seq_id)
+        if num_tokens > held:
+            raise CacheStateError(f"sequence {seq_id} holds {held} tokens, asked to read {num_tokens}")
+        self.sync_tables([seq_id])
+        return self.cache.read(seq_id, layer, num_tokens)
+
+    def check_integrity(self) -> None:
+        check_matches(self.manager, self.cache)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("manager", "cache", "tables"):
+            raise AttributeError(name)
+        return getattr(self.cache, name)
+
+    def close(self) -> None:
+        self.cache.close()
+
+    def __enter__(self) -> "KV":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[int] = None,
+            layout: str = "per-layer", page_bytes: Optional[int] = None,
+            block_size: int = 16, swap_bytes: int = 0, background_mapper: bool = False,
+            driver: Optional[vmem.Driver] = None, grow_pages: bool = False) -> KV:
+    """Build the manager (scheduler.managers) and a cache of ``kind`` for ``config``.
+
+    cache_bytes: device memory for K/V (default: room for every slot at full length).
+    vmem: ``layout`` per-layer | interleaved, ``page_bytes`` (default: see default_page_bytes);
+    ``grow_pages``: create physical pages on first mapping, up to ``cache_bytes``
+    (vmem.PagePool(grow=True)); default: all created up front.
+    paged: ``block_size`` tokens per block.
+    """
+    if kind not in CACHE_KINDS:
+        raise CacheConfigError(f"cache must be 'vmem' or 'paged', got {kind!r}")
+    if cache_bytes is None:
+        cache_bytes = config.max_batch * config.max_context * config.bytes_per_token
+    model = config.model_spec()
+    if kind == "vmem":
+        page_bytes = page_bytes or default_page_bytes(config, layout)
+        manager = make_manager("vmem", model, cache_bytes, config.max_context, page_bytes=page_bytes,
+                               layout=layout, max_slots=config.max_batch, swap_bytes=swap_bytes)
+    else:
+        manager = make_manager("paged", model, cache_bytes, config.max_context,
+                               block_size_tokens=block_size, swap_bytes=swap_bytes)
+    cache = cache_for(manager, config, driver=driver, background_mapper=background_mapper,
+                      grow_pages=grow_pages)
+    return KV(manager, cache, tracker_for(kind))
+
+
+def cache_for(manager, config: CacheConfig, *, driver: Optional[vmem.Driver] = None,
+              background_mapper: bool = False, grow_pages: bool = False) -> KVCache:
+    """The cache that executes ``manager``'s plans (vmem or paged), sized from it; raises
+    CacheConfigError when the manager does not fit ``config``. The cache keeps no reference
+    to the manager."""
+    name = getattr(manager, "name", manager)
+    if name == "paged":
+        return PagedKVCache(config, manager.block_size, manager.num_blocks)
+    if name != "vmem":
+        raise CacheConfigError(f"a cache needs a 'vmem' or 'paged' memory manager, got {name!r}")
+    if manager.num_slots != config.max_batch:
+        raise CacheConfigError(f"manager has {manager.num_slots} slots but CacheConfig.max_batch "
+                               f"is {config.max_batch}; build the manager with max_slots=max_batch")
+    if manager.pages_per_slot * manager.tokens_per_page != config.max_context:
+        raise CacheConfigError(
+            f"manager slots hold {manager.pages_per_slot * manager.tokens_per_page} tokens but "
+            f"CacheConfig.max_context is {config.max_context}")
+    return VMemKVCache(config, manager.geometry, manager.num_groups, driver=driver,
+                       background_mapper=background_mapper, grow_pages=grow_pages)
+
+
+def check_matches(manager, cache: KVCache) -> None:
+    """Assert (AssertionError on a bug) that both are consistent and that the cache's memory and
+    replica equal the manager's tables: mapped pages per slot (vmem), the placement of every
+    placed sequence the manager still holds, and the swap space."""
+    manager.check_integrity()
+    cache.check_integrity()
+    for seq_id in cache.placed_seq_ids:
+        if manager.is_swapped(seq_id) or not _resident(manager, seq_id):
+            continue   # finished or preempted since the last plan: its drop is in the next one
+        truth = manager.slot_of(seq_id) if cache.kind == "vmem" else manager.block_table(seq_id)
+        assert cache.placement(seq_id) == truth, f"placement of sequence {seq_id}"
+    if cache.kind == "vmem":
+        for slot in range(cache.config.max_batch):
+            assert cache.mapped_pages(slot) == manager.mapped_pages(slot), f"pages of slot {slot}"
+    swapped = cache.swapped_tokens()
+    for seq_id, tokens in swapped.items():
+        assert manager.is_swapped(seq_id), f"swap space holds unknown sequence {seq_id}"
+        assert tokens == manager.num_tokens(seq_id), f"swap size of {seq_id}"
+    used_bytes = manager.swap_bytes - manager.swap_free_bytes
+    assert sum(swapped.values()) * manager.bytes_per_token == used_bytes, "swap space accounting"
+
+
+def _resident(manager, seq_id: int) -> bool:
+    try:
+        manager.num_tokens(seq_id)
+    except Exception:
+        return False
+    return True

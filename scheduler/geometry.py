@@ -1,0 +1,132 @@
+"""The vmem page geometry, owned in one place: the page layout and everything derived from it.
+
+A vmem *page group* backs one page-sized run of tokens of one slot across every layer's K and V:
+
+    per-layer    a page holds one layer's K (or V):    tokens_per_page = page_bytes / layer_bytes
+                 group = 2 * num_layers pages, member j = (layer j // 2, kv j % 2)
+    interleaved  a page holds all layers' K (or V):    tokens_per_page = page_bytes / (L * layer_bytes)
+                 group = 2 pages, member j = kv j
+
+where layer_bytes = kv_heads * head_dim * dtype bytes, one layer's K of one token. Managers, the
+simulator, caches and the engine all read these numbers from a :class:`PageGeometry`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from .errors import ConfigError
+
+KiB, MiB = 2**10, 2**20
+
+
+class PageLayout(str, Enum):
+    """How a vmem page is filled (a ``str``: ``PageLayout.PER_LAYER == "per-layer"``)."""
+    PER_LAYER = "per-layer"
+    INTERLEAVED = "interleaved"
+
+    def __str__(self) -> str:       # "per-layer" in messages and f-strings, on every Python
+        return self.value
+
+    @classmethod
+    def parse(cls, value) -> "PageLayout":
+        """``value`` (a PageLayout or its name) as a PageLayout, else ConfigError naming it."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {value!r}") from None
+
+
+LAYOUTS = tuple(layout.value for layout in PageLayout)
+
+
+def _per_token_bytes(layout: PageLayout, num_layers: int, layer_bytes_per_token: int) -> int:
+    return layer_bytes_per_token * (1 if layout is PageLayout.PER_LAYER else num_layers)
+
+
+def default_page_bytes(layout, num_layers: int, layer_bytes_per_token: int, on_cuda: bool) -> int:
+    """2 MiB on CUDA (the VMM granularity); on the host the smallest multiple of 64 KiB that
+    holds whole tokens of the layout, so small CPU models still get many tokens per page."""
+    if on_cuda:
+        return 2 * MiB
+    per_token = _per_token_bytes(PageLayout.parse(layout), num_layers, layer_bytes_per_token)
+    page = 64 * KiB
+    while page % per_token:
+        page += 64 * KiB
+    return page
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """Page size and layout of one vmem cache; validated on construction (ConfigError)."""
+    layout: PageLayout
+    page_bytes: int
+    num_layers: int
+    layer_bytes_per_token: int     # one layer's K (or V) of one token
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", PageLayout.parse(self.layout))
+        for name in ("page_bytes", "num_layers", "layer_bytes_per_token"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
+        if self.page_bytes < self.token_bytes:
+            raise ConfigError(f"page_bytes={self.page_bytes} holds no token in the "
+                              f"{self.layout.value} layout ({self.token_bytes} bytes per token "
+                              f"per page); needs >= {self.token_bytes}")
+
+    @classmethod
+    def of(cls, shape, page_bytes: int, layout) -> "PageGeometry":
+        """The geometry of ``shape`` (anything with ``num_layers`` and ``layer_bytes_per_token``:
+        a ModelSpec or a runtime CacheConfig)."""
+        return cls(PageLayout.parse(layout), page_bytes, shape.num_layers, shape.layer_bytes_per_token)
+
+    @property
+    def per_layer(self) -> bool:
+        return self.layout is PageLayout.PER_LAYER
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes one token takes in one page."""
+        return _per_token_bytes(self.layout, self.num_layers, self.layer_bytes_per_token)
+
+    @property
+    def tokens_per_page(self) -> int:
+        return self.page_bytes // self.token_bytes
+
+    @property
+    def pages_per_group(self) -> int:
+        """Physical pages behind one page group (one MapPage)."""
+        return 2 * self.num_layers if self.per_layer else 2
+
+    @property
+    def group_bytes(self) -> int:
+        return self.page_bytes * self.pages_per_group
+
+    @property
+    def exact(self) -> bool:
+        """Whether a page holds whole tokens only (what a real cache needs)."""
+        return self.tokens_per_page * self.token_bytes == self.page_bytes
+
+    def round_up_tokens(self, tokens: int) -> int:
+        """``tokens`` rounded up to whole pages."""
+        return -(-tokens // self.tokens_per_page) * self.tokens_per_page
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages (of one slot) that hold ``tokens`` tokens."""
+        return -(-tokens // self.tokens_per_page)
+
+    # -- op groups: the independent parts a plan is applied in (one per layer, or one) --
+    @property
+    def num_op_groups(self) -> int:
+        return self.num_layers if self.per_layer else 1
+
+    def members_of(self, op_group: int) -> tuple:
+        """Member indices j of a page group that op group ``op_group`` touches."""
+        return (2 * op_group, 2 * op_group + 1) if self.per_layer else (0, 1)
+
+    def layers_of(self, op_group: int) -> range:
+        return range(op_group, op_group + 1) if self.per_layer else range(self.num_layers)
+
+    def op_group_of_layer(self, layer: int) -> int:
+        return layer if self.per_layer else 0

@@ -1,0 +1,93 @@
+"""Table trackers: the planner's record of where it told the executor each sequence lives.
+
+A real cache executes plans without ever asking the manager, so every placement change must
+travel in the plan. A tracker compares the manager's current placement of each scheduled
+sequence with the last one it sent and emits only the difference:
+
+    vmem    SetSlot(seq, slot)                      when the slot is new or changed
+    paged   EditBlocks(seq, keep, append)           table := table[:keep] + append
+    both    DropTable(seq)                          finished or preempted: forget it
+
+A decode that stays inside its last block/page emits nothing. If a plan is dropped without
+being executed, call ``resend()``: the next plans then carry full placements again.
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Optional
+
+from .errors import ConfigError
+from .plan import DropTable, EditBlocks, SetSlot, StepPlan, TableEdit
+
+
+class TableTracker:
+    """Base: the sent record and the edit list; subclasses say how a placement is read."""
+
+    def __init__(self) -> None:
+        self._sent: dict = {}     # seq_id -> the placement last sent
+
+    def edits(self, manager, seq_ids: Iterable[int], dropped: Iterable[int] = ()) -> List[TableEdit]:
+        """Edits that bring an executor's replica up to date for ``seq_ids`` (resident in
+        ``manager``), after forgetting ``dropped``. Drops come first."""
+        out: List[TableEdit] = []
+        sent = self._sent
+        for seq_id in dropped:
+            if sent.pop(seq_id, None) is not None:
+                out.append(DropTable(seq_id))
+        for seq_id in seq_ids:
+            edit = self._edit(manager, seq_id)
+            if edit is not None:
+                out.append(edit)
+        return out
+
+    def fill(self, plan: StepPlan, manager) -> None:
+        """Set ``plan.tables`` for the plan's sequences, dropping finished and preempted ones."""
+        plan.tables = self.edits(manager, [s.seq_id for s in plan.seqs],
+                                 plan.finished + plan.preempted)
+
+    def resend(self) -> None:
+        """Forget what was sent (a plan was dropped unexecuted): the next edits are full."""
+        self._sent.clear()
+
+    def _edit(self, manager, seq_id: int) -> Optional[TableEdit]:
+        raise NotImplementedError
+
+
+class SlotTables(TableTracker):
+    """vmem: a sequence's placement is its slot."""
+
+    def _edit(self, manager, seq_id: int) -> Optional[SetSlot]:
+        slot = manager.slot_of(seq_id)
+        if self._sent.get(seq_id) == slot:
+            return None
+        self._sent[seq_id] = slot
+        return SetSlot(seq_id, slot)
+
+
+class BlockTables(TableTracker):
+    """paged: a sequence's placement is its block table; only the changed tail is sent."""
+
+    def _edit(self, manager, seq_id: int) -> Optional[EditBlocks]:
+        table = manager.block_table(seq_id)
+        old = self._sent.get(seq_id)
+        keep = 0
+        if old is not None:
+            n = len(old)
+            if table[:n] == old:             # growth: append only (the common case)
+                if len(table) == n:
+                    return None
+                keep = n
+            else:                            # copy-on-write replaced a block: longest prefix
+                limit = min(n, len(table))
+                while keep < limit and table[keep] == old[keep]:
+                    keep += 1
+        self._sent[seq_id] = table
+        return EditBlocks(seq_id, keep, tuple(table[keep:]))
+
+
+def tracker_for(cache_kind: str) -> TableTracker:
+    """The tracker a ``"vmem"`` or ``"paged"`` executor needs."""
+    if cache_kind == "vmem":
+        return SlotTables()
+    if cache_kind == "paged":
+        return BlockTables()
+    raise ConfigError(f"cache kind must be 'vmem' or 'paged', got {cache_kind!r}")
