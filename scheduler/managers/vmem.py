@@ -77,7 +77,7 @@ class VmemManager(UnitManager):
         return self.pages_per_group
 
     _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {
-        "layout", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
+        "geometry", "layout", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
         "pages_per_slot"}
 
     _DERIVED_FIELDS = frozenset({"_maps"})   # group -> mappings: the inverse of _pages

@@ -184,8 +184,8 @@ def test_bad_thread_count_is_a_one_line_usage_error_naming_the_limit(capsys):
 
 def test_summary_reports_the_spread_of_repeats_beside_each_median():
     payload = {"attention": {"results": [
-        {"phase": "decode", "batch": 1, "ctx": 8, "layout": layout, "ms": ms, "ms_min": ms - 1,
-         "ms_max": ms + 1, "pct_copy": 50.0} for layout, ms in (("vmem", 2.0), ("paged", 4.0))]},
+        {"phase": "decode", "batch": 1, "ctx": 8, "cache": kind, "ms": ms, "ms_min": ms - 1,
+         "ms_max": ms + 1, "pct_copy": 50.0} for kind, ms in (("vmem", 2.0), ("paged", 4.0))]},
         "engine": {"rows": [{"system": "vmem per-layer", "tok_s": 12.0, "tok_s_runs": [11.0, 12.0, 15.0]}]}}
     rows = suite.summary_rows(payload, ("attention", "engine"))
     assert [r["min-max"] for r in rows] == ["1.000-3.000 / 3.000-5.000", "11.000-15.000"]
