@@ -39,3 +39,7 @@ class SwapSpaceExhaustedError(SchedulerError, MemoryError):
 
 class SlotError(SchedulerError, ValueError):
     """An explicit vmem slot is outside the manager's slots or already holds a sequence."""
+
+
+class UnknownRequestError(UnknownSequenceError):
+    """A request id with no unfinished sequence: never submitted, or already ended."""

@@ -27,6 +27,7 @@ from .managers.base import MemoryManager
 from .metrics import SchedulerMetrics
 from .plan import PREEMPTION_MODES, ScheduledSeq, SchedulerConfig, StepPlan  # noqa: F401 (re-exported)
 from .request import Request, Sequence, SeqState
+from .lifecycle import Savepoint, end_request
 
 class Scheduler:
     """FCFS iteration-level scheduler. Owns every Sequence; the manager owns the memory."""
@@ -55,6 +56,7 @@ class Scheduler:
         self._step = 0
         self._unfinished_samples: Dict[int, int] = {}   # request_id -> sequences not finished
         self._can_swap_out = getattr(manager, "can_swap_out", None)
+        self._savepoint: Optional[Savepoint] = None   # open transaction (begin), else None
 
     # ---- submission ----------------------------------------------------------------------
     def add_request(self, request: Request) -> List[int]:
@@ -97,10 +99,20 @@ class Scheduler:
         seq = self.seqs.get(seq_id)
         if seq is None:
             raise UnknownSequenceError(f"unknown sequence id {seq_id}")
-        if seq.state is not SeqState.FINISHED:
-            raise SchedulerError(f"sequence {seq_id} is {seq.state.name.lower()}, not finished; "
-                                 f"only finished sequences can be forgotten")
+        if not seq.state.is_ended:
+            raise SchedulerError(f"sequence {seq_id} is {seq.state.value}, not ended; only "
+                                 f"finished, aborted or failed sequences can be forgotten")
         del self.seqs[seq_id]
+
+    # ---- ending a request early -------------------------------------------------------
+    def abort_request(self, request_id: int, status: SeqState = SeqState.ABORTED) -> List[int]:
+        """End every unended sequence of a request, wherever it is (waiting, running, swapped),
+        with ``status`` (ABORTED or FAILED); its memory and swap space are released now. A
+        sequence that hit a prefix this request registered but had not computed yet goes back
+        to waiting and recomputes it. Returns the seq ids ended (``plan.finished`` of the next
+        step lists them too). Raises UnknownRequestError (nothing changed) for a request with
+        no unended sequence."""
+        return end_request(self, request_id, status)
 
     def gauges(self) -> Dict[str, float]:
         """vLLM-named live gauges and counters."""
@@ -114,6 +126,35 @@ class Scheduler:
             "prefix_cache_queries": getattr(self.manager, "prefix_queries", 0),
             "prefix_cache_hits": getattr(self.manager, "prefix_hits", 0),
         }
+
+    # ---- transactions --------------------------------------------------------------------
+    def begin(self) -> None:
+        """Open a transaction over the scheduler's own state (queues, sequence states,
+        counters): ``rollback`` puts all of it back as it is now, ``commit`` keeps the changes.
+        The manager has its own ``begin``; a step opens both. Costs one copy of the queues."""
+        if self._savepoint is not None:
+            raise SchedulerError("begin() inside an open transaction; commit or roll back first")
+        self._savepoint = Savepoint(self)
+
+    def commit(self) -> None:
+        """Keep every change since ``begin``."""
+        self._close_transaction()
+
+    def rollback(self) -> None:
+        """Undo every change since ``begin`` (a plan scheduled since then is forgotten: the
+        next ``schedule()`` plans afresh)."""
+        self._close_transaction().restore(self)
+
+    def _close_transaction(self) -> Savepoint:
+        savepoint, self._savepoint = self._savepoint, None
+        if savepoint is None:
+            raise SchedulerError("commit() or rollback() without begin()")
+        return savepoint
+
+    def discard_step(self) -> None:
+        """Forget the last plan without recording progress (its tokens were not computed): the
+        memory it planned stays held and the next ``schedule()`` computes those tokens again."""
+        self._scheduled, self._decoded = [], []
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -218,7 +259,10 @@ class Scheduler:
         self.running.pop()
         self.metrics.num_preemptions += 1
         plan.preempted.append(seq.seq_id)
-        if self.config.preemption == "swap" and self._try_swap_out(seq):
+        # a swap keeps prefix registrations; units registered but not yet computed must be
+        # withdrawn, which only the recompute path (free with computed_tokens) does
+        uncomputed = self.config.enable_prefix_sharing and seq.held > seq.num_computed
+        if self.config.preemption == "swap" and not uncomputed and self._try_swap_out(seq):
             seq.state = SeqState.SWAPPED
             seq.held = 0
             self.swapped.appendleft(seq)

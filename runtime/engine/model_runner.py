@@ -29,11 +29,14 @@ class ModelRunner:
         self.backend = backend
         self.device = next(model.parameters()).device
         self._ctx = StepContext(cache, backend)
+        self.ops_applied = False   # the last execute() got past its memory ops (engine rollback)
 
     def execute(self, plan) -> Tuple[Optional[torch.Tensor], List[int]]:
         """Run ``plan``; returns logits ``[rows, vocab]`` of the sampling sequences (in plan
         order) and, for each, its index in ``plan.seqs``. (None, []) when nothing sampled."""
+        self.ops_applied = False
         self.cache.execute(plan.ops)
+        self.ops_applied = True
         if not plan.seqs:
             return None, []
         step = self.cache.begin_step([(s.seq_id, s.num_computed_tokens, s.num_new_tokens)
