@@ -30,6 +30,20 @@ class SchedulerMetrics:
         self.itl_s: List[float] = []    # per token after a sequence's first: gap to previous
 
 
+def gauges(scheduler) -> Dict[str, float]:
+    """``Scheduler.gauges()``: vLLM-named live gauges and counters of a scheduler."""
+    mgr = scheduler.manager
+    return {
+        "num_requests_running": len(scheduler.running),
+        "num_requests_waiting": len(scheduler.waiting),
+        "num_requests_swapped": len(scheduler.swapped),
+        "kv_cache_usage_perc": mgr.stats().usage_fraction,
+        "num_preemptions": scheduler.metrics.num_preemptions,
+        "prefix_cache_queries": getattr(mgr, "prefix_queries", 0),
+        "prefix_cache_hits": getattr(mgr, "prefix_hits", 0),
+    }
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100) by linear interpolation; NaN for no values."""
     return _sorted_percentile(sorted(values), q)

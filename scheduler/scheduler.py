@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 from .errors import (DuplicateSequenceError, OutOfCapacityError, SchedulerError,
                      RequestTooLargeError, SwapSpaceExhaustedError, UnknownSequenceError)
 from .managers.base import MemoryManager
-from .metrics import SchedulerMetrics
+from .metrics import SchedulerMetrics, gauges
 from .plan import PREEMPTION_MODES, ScheduledSeq, SchedulerConfig, StepPlan  # noqa: F401 (re-exported)
 from .request import Request, Sequence, SeqState
 from .lifecycle import Savepoint, end_request
@@ -106,26 +106,15 @@ class Scheduler:
 
     # ---- ending a request early -------------------------------------------------------
     def abort_request(self, request_id: int, status: SeqState = SeqState.ABORTED) -> List[int]:
-        """End every unended sequence of a request, wherever it is (waiting, running, swapped),
-        with ``status`` (ABORTED or FAILED); its memory and swap space are released now. A
-        sequence that hit a prefix this request registered but had not computed yet goes back
-        to waiting and recomputes it. Returns the seq ids ended (``plan.finished`` of the next
-        step lists them too). Raises UnknownRequestError (nothing changed) for a request with
-        no unended sequence."""
+        """End a request's unended sequences (waiting, running, swapped) ``status`` (ABORTED or
+        FAILED), releasing memory and swap space now; sequences that hit a prefix it registered
+        but never computed recompute it. Returns the seq ids ended (also in the next
+        ``plan.finished``); UnknownRequestError (nothing changed) if none is unended."""
         return end_request(self, request_id, status)
 
     def gauges(self) -> Dict[str, float]:
         """vLLM-named live gauges and counters."""
-        st = self.manager.stats()
-        return {
-            "num_requests_running": len(self.running),
-            "num_requests_waiting": len(self.waiting),
-            "num_requests_swapped": len(self.swapped),
-            "kv_cache_usage_perc": st.usage_fraction,
-            "num_preemptions": self.metrics.num_preemptions,
-            "prefix_cache_queries": getattr(self.manager, "prefix_queries", 0),
-            "prefix_cache_hits": getattr(self.manager, "prefix_hits", 0),
-        }
+        return gauges(self)
 
     # ---- transactions --------------------------------------------------------------------
     def begin(self) -> None:

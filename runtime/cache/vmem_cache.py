@@ -26,7 +26,7 @@ from vmemkv.scheduler.managers.base import CopyPage, MapPage, SwapIn, SwapOut, U
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError
 from .base import KVCache, PlanJournal, StepBatch, check_fits_device
-from .mapper import BackgroundMapper
+from .mapper import BackgroundMapper, DeferredUndo
 
 LAYOUTS = ("per-layer", "interleaved")
 _OPS = (MapPage, UnmapPage, CopyPage, SwapOut, SwapIn)
@@ -148,6 +148,8 @@ class VMemKVCache(KVCache):
         try:
             self._apply_layer_group(bound, group, journal)
         except Exception as error:
+            if self._mapper is not None and self._mapper.on_thread():
+                raise DeferredUndo(lambda e=error: self._fail_plan(journal, e), error) from error
             raise self._fail_plan(journal, error) from error
         except BaseException:     # KeyboardInterrupt and friends: undo, then let it go on
             self._fail_plan(journal, RuntimeError("interrupted"))

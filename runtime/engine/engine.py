@@ -211,8 +211,7 @@ class Engine(RequestLifecycle):
         except BaseException:
             self._keep_applied_memory()
             raise
-        self.cache.manager.commit()
-        self.scheduler.commit()
+        self._commit()
         self._strikes.clear()
         finished = set(self.scheduler.update(sampled, now=self._now()))
         events = self._emit(sampled, finished)
@@ -221,16 +220,6 @@ class Engine(RequestLifecycle):
         self._step_s += time.perf_counter() - start
         self._notify(events)
         return events
-
-    def _schedule(self):
-        """Open the step's transaction and plan it; a scheduler error rolls both back."""
-        self.scheduler.begin()
-        self.cache.manager.begin()
-        try:
-            return self.scheduler.schedule()
-        except BaseException:
-            self._rollback()
-            raise
 
     def _sample(self, plan, logits, rows) -> Dict[int, int]:
         if logits is None:

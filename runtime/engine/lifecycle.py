@@ -49,9 +49,26 @@ class RequestLifecycle:
     cache, runner, config, _requests, _samples, _strikes): rolling a step back, blaming and
     failing a request, ``abort`` and ``status``."""
 
+    def _begin(self) -> None:
+        self.scheduler.begin()
+        self.cache.manager.begin()
+
+    def _commit(self) -> None:
+        self.cache.manager.commit()
+        self.scheduler.commit()
+
     def _rollback(self) -> None:
         self.cache.manager.rollback()
         self.scheduler.rollback()
+
+    def _schedule(self):
+        """Open the step's transaction and plan it; a scheduler error rolls both back."""
+        self._begin()
+        try:
+            return self.scheduler.schedule()
+        except BaseException:
+            self._rollback()
+            raise
 
     def _plan_failed(self, plan, error: PlanExecutionError) -> bool:
         """Roll the step back; True when the failure ended a request (the step then returns)."""
@@ -83,8 +100,7 @@ class RequestLifecycle:
         if not self.runner.ops_applied:
             self._rollback()
             return
-        self.cache.manager.commit()
-        self.scheduler.commit()
+        self._commit()
         self.scheduler.discard_step()
 
     # ---- ending requests early -----------------------------------------------------------
@@ -143,13 +159,11 @@ class RequestLifecycle:
 
     @contextmanager
     def _transaction(self):
-        self.scheduler.begin()
-        self.cache.manager.begin()
+        self._begin()
         try:
             yield
         except BaseException:
             self._rollback()
             raise
-        self.cache.manager.commit()
-        self.scheduler.commit()
+        self._commit()
 
