@@ -43,3 +43,5 @@ class SlotError(SchedulerError, ValueError):
 
 class TransactionStateError(SchedulerError, RuntimeError):
     """A manager's ``begin`` inside an open transaction, or ``commit``/``rollback`` without one."""
+class UnknownRequestError(UnknownSequenceError):
+    """A request id with no unfinished sequence: never submitted, or already ended."""

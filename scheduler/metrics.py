@@ -15,16 +15,33 @@ class SchedulerMetrics:
     """Counters and latency samples of one scheduler's lifetime."""
 
     __slots__ = ("num_preemptions", "num_swap_preemptions", "recomputed_tokens",
-                 "num_finished_requests", "generated_tokens", "ttft_s", "itl_s")
+                 "num_finished_requests", "num_aborted_requests", "num_failed_requests",
+                 "generated_tokens", "ttft_s", "itl_s")
 
     def __init__(self) -> None:
         self.num_preemptions = 0        # recompute + swap
         self.num_swap_preemptions = 0   # of which swap
         self.recomputed_tokens = 0      # cached tokens thrown away by recompute preemption
         self.num_finished_requests = 0
+        self.num_aborted_requests = 0   # ended by abort_request(..., ABORTED)
+        self.num_failed_requests = 0    # ended by abort_request(..., FAILED)
         self.generated_tokens = 0       # sampled tokens, all sequences
         self.ttft_s: List[float] = []   # per request: first token time - arrival
         self.itl_s: List[float] = []    # per token after a sequence's first: gap to previous
+
+
+def gauges(scheduler) -> Dict[str, float]:
+    """``Scheduler.gauges()``: vLLM-named live gauges and counters of a scheduler."""
+    mgr = scheduler.manager
+    return {
+        "num_requests_running": len(scheduler.running),
+        "num_requests_waiting": len(scheduler.waiting),
+        "num_requests_swapped": len(scheduler.swapped),
+        "kv_cache_usage_perc": mgr.stats().usage_fraction,
+        "num_preemptions": scheduler.metrics.num_preemptions,
+        "prefix_cache_queries": mgr.prefix_queries,
+        "prefix_cache_hits": mgr.prefix_hits,
+    }
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -26,6 +26,16 @@ class SeqState(enum.Enum):
     RUNNING = "running"     # holds memory for at least num_computed tokens
     SWAPPED = "swapped"     # its cache is in host swap space; holds no device memory
     FINISHED = "finished"   # max tokens or a stop token reached; memory released
+    ABORTED = "aborted"     # ended by Scheduler.abort_request (Engine.abort); memory released
+    FAILED = "failed"       # ended because its memory plans kept failing; memory released
+
+    @property
+    def is_ended(self) -> bool:
+        """Finished, aborted or failed: the sequence holds nothing and never runs again."""
+        return self in _ENDED
+
+
+_ENDED = frozenset((SeqState.FINISHED, SeqState.ABORTED, SeqState.FAILED))
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,13 @@ class Sequence:
         self.max_tokens = request.max_tokens         # copied from the request: the hot path
         self.stop_ids = request.stop_token_ids
         self.prefix_wait = False   # holds a prefix hit that an earlier prefill may still compute
+
+    def save(self) -> tuple:
+        """The fields ``Scheduler.schedule()`` may change, for ``restore`` (its rollback)."""
+        return (self.state, self.held, self.num_computed, self.admit_order, self.prefix_wait)
+
+    def restore(self, saved: tuple) -> None:
+        (self.state, self.held, self.num_computed, self.admit_order, self.prefix_wait) = saved
 
     def token_ids(self) -> Optional[List[int]]:
         """All token ids (prompt + output) when the prompt's ids are known, else None."""

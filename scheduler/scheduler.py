@@ -24,9 +24,10 @@ from typing import Dict, List, Optional, Tuple
 from .errors import (DuplicateSequenceError, OutOfCapacityError, SchedulerError,
                      RequestTooLargeError, SwapSpaceExhaustedError, UnknownSequenceError)
 from .managers.base import MemoryManager
-from .metrics import SchedulerMetrics
+from .metrics import SchedulerMetrics, gauges
 from .plan import PREEMPTION_MODES, ScheduledSeq, SchedulerConfig, StepPlan  # noqa: F401 (re-exported)
 from .request import Request, Sequence, SeqState
+from .lifecycle import Savepoint, end_request
 from .tables import TableTracker
 
 class Scheduler:
@@ -59,6 +60,7 @@ class Scheduler:
         self._finished_ids: List[int] = []
         self._step = 0
         self._unfinished_samples: Dict[int, int] = {}   # request_id -> sequences not finished
+        self._savepoint: Optional[Savepoint] = None   # open transaction (begin), else None
 
     # ---- submission ----------------------------------------------------------------------
     def add_request(self, request: Request) -> List[int]:
@@ -101,23 +103,53 @@ class Scheduler:
         seq = self.seqs.get(seq_id)
         if seq is None:
             raise UnknownSequenceError(f"unknown sequence id {seq_id}")
-        if seq.state is not SeqState.FINISHED:
-            raise SchedulerError(f"sequence {seq_id} is {seq.state.name.lower()}, not finished; "
-                                 f"only finished sequences can be forgotten")
+        if not seq.state.is_ended:
+            raise SchedulerError(f"sequence {seq_id} is {seq.state.value}, not ended; only "
+                                 f"finished, aborted or failed sequences can be forgotten")
         del self.seqs[seq_id]
+
+    # ---- ending a request early -------------------------------------------------------
+    def abort_request(self, request_id: int, status: SeqState = SeqState.ABORTED) -> List[int]:
+        """End a request's unended sequences (waiting, running, swapped) ``status`` (ABORTED or
+        FAILED), releasing memory and swap space now; sequences that hit a prefix it registered
+        but never computed recompute it. Returns the seq ids ended (also in the next
+        ``plan.finished``); UnknownRequestError (nothing changed) if none is unended."""
+        return end_request(self, request_id, status)
 
     def gauges(self) -> Dict[str, float]:
         """vLLM-named live gauges and counters."""
-        st = self.manager.stats()
-        return {
-            "num_requests_running": len(self.running),
-            "num_requests_waiting": len(self.waiting),
-            "num_requests_swapped": len(self.swapped),
-            "kv_cache_usage_perc": st.usage_fraction,
-            "num_preemptions": self.metrics.num_preemptions,
-            "prefix_cache_queries": self.manager.prefix_queries,
-            "prefix_cache_hits": self.manager.prefix_hits,
-        }
+        return gauges(self)
+
+    # ---- transactions --------------------------------------------------------------------
+    def begin(self) -> None:
+        """Open a transaction over the scheduler's own state (queues, sequence states,
+        counters): ``rollback`` puts all of it back as it is now, ``commit`` keeps the changes.
+        The manager has its own ``begin``; a step opens both. Costs one copy of the queues."""
+        if self._savepoint is not None:
+            raise SchedulerError("begin() inside an open transaction; commit or roll back first")
+        self._savepoint = Savepoint(self)
+
+    def commit(self) -> None:
+        """Keep every change since ``begin``."""
+        self._close_transaction()
+
+    def rollback(self) -> None:
+        """Undo every change since ``begin`` (a plan scheduled since then is forgotten: the
+        next ``schedule()`` plans afresh; the table edits it carried are sent again in full)."""
+        self._close_transaction().restore(self)
+        if self.tables is not None:
+            self.tables.resend()
+
+    def _close_transaction(self) -> Savepoint:
+        savepoint, self._savepoint = self._savepoint, None
+        if savepoint is None:
+            raise SchedulerError("commit() or rollback() without begin()")
+        return savepoint
+
+    def discard_step(self) -> None:
+        """Forget the last plan without recording progress (its tokens were not computed): the
+        memory it planned stays held and the next ``schedule()`` computes those tokens again."""
+        self._scheduled, self._decoded = [], []
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -224,7 +256,10 @@ class Scheduler:
         self.running.pop()
         self.metrics.num_preemptions += 1
         plan.preempted.append(seq.seq_id)
-        if self.config.preemption == "swap" and self._try_swap_out(seq):
+        # a swap keeps prefix registrations; units registered but not yet computed must be
+        # withdrawn, which only the recompute path (free with computed_tokens) does
+        uncomputed = self.config.enable_prefix_sharing and seq.held > seq.num_computed
+        if self.config.preemption == "swap" and not uncomputed and self._try_swap_out(seq):
             seq.state = SeqState.SWAPPED
             seq.held = 0
             self.swapped.appendleft(seq)

@@ -28,6 +28,17 @@ from ..errors import MapperError, MapperPlanError, PlanExecutionError
 _LIVE: "weakref.WeakSet[BackgroundMapper]" = weakref.WeakSet()
 
 
+class DeferredUndo(Exception):
+    """Raised by an apply function on the mapper thread: the plan failed and ``undo()`` (which
+    returns the PlanExecutionError to raise) must run on the STEP thread, at its next wait. The
+    step thread may be writing into pages of groups already applied; undoing them from the
+    mapper thread would unmap memory under it (a segmentation fault on the host driver)."""
+
+    def __init__(self, undo: Callable[[], BaseException], cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.undo, self.cause = undo, cause
+
+
 class BackgroundMapper:
     """``apply(ops, group)`` runs on one daemon thread for groups 0..num_groups-1 of each plan."""
 
@@ -74,6 +85,9 @@ class BackgroundMapper:
         if self._error is not None:
             error, self._error = self._error, None
             self._groups_done = self._num_groups  # the failed plan is abandoned
+            if isinstance(error, DeferredUndo):   # undo here, where no write can race it
+                cause, error = error.cause, error.undo()
+                error.__cause__ = cause
             if isinstance(error, PlanExecutionError):
                 raise MapperPlanError(f"background mapping failed: {error}",
                                       op_index=error.op_index,
@@ -110,6 +124,10 @@ class BackgroundMapper:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join()
         _LIVE.discard(self)
+
+    def on_thread(self) -> bool:
+        """Whether the caller runs on the mapper thread."""
+        return threading.current_thread() is self._thread
 
     @property
     def alive(self) -> bool:

@@ -29,7 +29,7 @@ from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError
 from .base import KVCache, StepBatch, check_fits_device
 from .journal import PlanJournal
-from .mapper import BackgroundMapper
+from .mapper import BackgroundMapper, DeferredUndo
 from .vmem_ops import VMemOps
 
 _OPS = (MapPage, UnmapPage, CopyPage, SwapOut, SwapIn, DropSwapped)
@@ -167,6 +167,8 @@ class VMemKVCache(VMemOps, KVCache):
         try:
             self._apply_layer_group(bound, group, journal)
         except Exception as error:
+            if self._mapper is not None and self._mapper.on_thread():
+                raise DeferredUndo(lambda e=error: self._fail_plan(journal, e), error) from error
             raise self._fail_plan(journal, error) from error
         except BaseException:     # KeyboardInterrupt and friends: undo, then let it go on
             self._fail_plan(journal, RuntimeError("interrupted"))

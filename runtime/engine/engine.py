@@ -4,10 +4,12 @@
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=32))
     for ev in engine.stream(prompts, params): print(ev.request_id, ev.token_id)
 
-One step:  plan = scheduler.schedule() -> runner.execute(plan) (ops, then the model on the
-packed new tokens) -> sampler -> scheduler.update(sampled, now). Nothing is lost: a request
-either is rejected by ``add_request`` (RequestRejectedError, before it holds anything) or runs
-until it finishes; preempted sequences come back (recompute or swap) by the scheduler's rules.
+One step, a transaction over scheduler + manager + cache:  begin both -> plan =
+scheduler.schedule() -> runner.execute(plan) (ops, then the model on the packed new tokens) ->
+sampler -> commit both -> scheduler.update(sampled, now). A failed plan rolls both back (the
+cache has undone its memory). Nothing is lost: a request is rejected by ``add_request``
+(RequestRejectedError, before it holds anything) or ends "finished", "aborted" (``abort``) or
+"failed" (its plans kept failing); preempted sequences come back by the scheduler's rules.
 """
 from __future__ import annotations
 
@@ -25,14 +27,15 @@ from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
 from vmemkv.runtime.hf.support import check_model_supported, kv_shape_of
 from vmemkv.scheduler.errors import RequestTooLargeError
-from vmemkv.scheduler.request import Request
+from vmemkv.scheduler.request import Request, SeqState
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from .config import EngineConfig, cache_budget_bytes, check_engine_arguments, page_rounded_context
 from .errors import EngineConfigError, RequestRejectedError
+from .lifecycle import RequestLifecycle
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
-from .sampling import SampleSlot, Sampler, SamplingParams, make_generator
+from .sampling import SampleState, Sampler, SamplingParams, make_generator
 from .self_check import self_check
 
 Prompt = Union[Sequence[int], str]
@@ -44,7 +47,7 @@ class _Sample:
     """Engine-side state of one sequence (one sample of a request)."""
     request: "_Request"
     index: int
-    slot: SampleSlot
+    sampling: SampleState
 
 
 @dataclass
@@ -52,10 +55,11 @@ class _Request:
     output: RequestOutput
     params: SamplingParams
     on_token: Optional[OnToken]
-    remaining: int
+    remaining: int                     # samples not yet ended
+    seq_ids: tuple = ()
 
 
-class Engine:
+class Engine(RequestLifecycle):
     """Runs ``model`` (an HF causal LM, e.g. LlamaForCausalLM, Qwen2ForCausalLM) with the
     scheduler on a vmem or paged cache. See EngineConfig for every option; keyword arguments
     override fields of ``config``. ``tokenizer`` (optional) enables text prompts and outputs."""
@@ -114,7 +118,7 @@ class Engine:
         self._t0 = time.perf_counter()
         self._steps, self._step_s, self._kv_usage = 0, 0.0, []
         self._prompt_tokens = 0
-        self._failed_plan = None                     # a plan whose memory ops failed: retried
+        self._strikes: Dict[int, int] = {}          # request_id -> failed steps in a row
         self.plan_failures = 0                       # failed plan executions, all time
 
     @staticmethod
@@ -144,12 +148,12 @@ class Engine:
         self._next_request += 1
         self._prompt_tokens += len(ids)
         out = RequestOutput(rid, ids, [CompletionOutput(i, []) for i in range(params.n)], text)
-        state = _Request(out, params, on_token, params.n)
+        state = _Request(out, params, on_token, params.n, tuple(seq_ids))
         self._requests[rid] = state
         seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
         for i, seq_id in enumerate(seq_ids):
             gen = None if params.greedy else make_generator(seed, i, self.device)
-            self._samples[seq_id] = _Sample(state, i, SampleSlot(0, params, gen))
+            self._samples[seq_id] = _Sample(state, i, SampleState(0, params, gen))
         return rid
 
     def _encode(self, prompt: Prompt, index: int):
@@ -190,41 +194,52 @@ class Engine:
 
     # ---- running -------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self._failed_plan is not None or self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished()
 
     def step(self) -> List[TokenEvent]:
-        """Run one scheduler step; returns the tokens it produced, in plan order.
+        """Run one scheduler step as a transaction; returns the tokens it produced, in plan order.
 
         If the step's memory plan fails (a driver call, an out-of-memory), the cache has undone
-        it and PlanExecutionError is raised with every request intact; the next ``step()``
-        retries that same plan before scheduling anything new. (Until then the manager's
-        tables already include the plan and the cache's memory does not.)"""
+        it and the scheduler and manager are rolled back: queues, tables and memory are exactly
+        as before the step, and the next ``step()`` schedules afresh. The failure is blamed on
+        the request its failed op was planned for (``lifecycle``); the ``max_plan_retries + 1``-th
+        failed step in a row blamed on one request ends that request "failed" (memory released,
+        ``RequestOutput.error`` set) and returns normally. Otherwise PlanExecutionError is raised
+        with every request intact."""
         start = time.perf_counter()
-        plan, self._failed_plan = self._failed_plan or self.scheduler.schedule(), None
+        plan = self._schedule()
         try:
             logits, rows = self.runner.execute(plan)
+            sampled = self._sample(plan, logits, rows)
         except PlanExecutionError as error:
-            self.plan_failures += 1
-            if error.rolled_back:
-                self._failed_plan = plan
+            if self._plan_failed(plan, error):
+                return []
             raise
-        sampled: Dict[int, int] = {}
-        if logits is not None:
-            slots, order = [], []
-            for row, i in enumerate(rows):
-                s = plan.seqs[i]
-                for seq_id in (s.seq_id,) + s.fork_ids:
-                    slot = self._samples[seq_id].slot
-                    slot.row = row
-                    slots.append(slot)
-                    order.append(seq_id)
-            sampled = dict(zip(order, self.sampler.sample(logits, slots)))
+        except BaseException:
+            self._keep_applied_memory()
+            raise
+        self._commit()
+        self._strikes.clear()
         finished = set(self.scheduler.update(sampled, now=self._now()))
         events = self._emit(sampled, finished)
         self._steps += 1
         self._kv_usage.append(self.kv.manager.stats().usage_fraction)
         self._step_s += time.perf_counter() - start
+        self._notify(events)
         return events
+
+    def _sample(self, plan, logits, rows) -> Dict[int, int]:
+        if logits is None:
+            return {}
+        samples, order = [], []
+        for row, i in enumerate(rows):
+            s = plan.seqs[i]
+            for seq_id in (s.seq_id,) + s.fork_ids:
+                sample = self._samples[seq_id].sampling
+                sample.logits_row = row
+                samples.append(sample)
+                order.append(seq_id)
+        return dict(zip(order, self.sampler.sample(logits, samples)))
 
     def _emit(self, sampled: Dict[int, int], finished: set) -> List[TokenEvent]:
         events = []
@@ -237,37 +252,50 @@ class Engine:
             if seq_id in finished:
                 reason = "stop" if token in self.scheduler.seqs[seq_id].stop_ids else "length"
                 self.scheduler.forget(seq_id)
-                completion.finish_reason = reason
-                if self.tokenizer is not None:
-                    completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-                req.remaining -= 1
-                del self._samples[seq_id]
-            event = TokenEvent(req.output.request_id, sample.index, token, reason is not None, reason)
-            events.append(event)
-            if req.on_token is not None:
-                req.on_token(event)
+                self._end_sample(seq_id, completion, reason)
+                if not req.remaining:
+                    req.output.status = "finished"
+            events.append(TokenEvent(req.output.request_id, sample.index, token, reason is not None, reason))
         return events
 
-    def run_until_done(self, on_step: Optional[Callable[[List[TokenEvent]], None]] = None) -> None:
-        """Step until every request is finished. A failed memory plan is retried up to
-        ``config.max_plan_retries`` times in a row before its PlanExecutionError reaches the
-        caller (the engine stays usable: calling this again resumes)."""
+    def _end_sample(self, seq_id: int, completion: CompletionOutput, reason: str) -> None:
+        completion.finish_reason = reason
+        if self.tokenizer is not None:
+            completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        self._samples.pop(seq_id).request.remaining -= 1
+
+    def _notify(self, events: List[TokenEvent]) -> None:
+        """Callbacks run after the step's bookkeeping, so they may call ``abort``."""
+        for event in events:
+            req = self._requests.get(event.request_id)
+            if req is not None and req.on_token is not None:
+                req.on_token(event)
+
+    def _step_with_retries(self) -> List[TokenEvent]:
+        """``step()``, retried while its plan fails, at most ``max_plan_retries`` times in a row."""
         failures = 0
-        while self.has_unfinished():
+        while True:
             try:
-                events = self.step()
-            except PlanExecutionError:
+                return self.step()
+            except PlanExecutionError as error:
                 failures += 1
-                if failures > self.config.max_plan_retries or self._failed_plan is None:
+                if failures > self.config.max_plan_retries or not error.rolled_back:
                     raise
-                continue
-            failures = 0
+
+    def run_until_done(self, on_step: Optional[Callable[[List[TokenEvent]], None]] = None) -> None:
+        """Step until every request has ended. A failed memory plan is retried up to
+        ``config.max_plan_retries`` times in a row before its PlanExecutionError reaches the
+        caller (the engine stays usable: calling this again resumes); a request that keeps
+        failing ends "failed" and the others go on."""
+        while self.has_unfinished():
+            events = self._step_with_retries()
             if on_step is not None:
                 on_step(events)
 
     def output(self, request_id: int, pop: bool = False) -> RequestOutput:
-        """The (possibly partial) output of a request; ``pop`` forgets a finished one."""
-        state = self._requests[request_id]
+        """The (possibly partial) output of a request; ``pop`` forgets an ended one.
+        UnknownRequestError for an id the engine does not know."""
+        state = self._request(request_id)
         if pop and not state.remaining:
             del self._requests[request_id]
         return state.output
@@ -292,7 +320,7 @@ class Engine:
         mark = self._mark()
         ids = self._submit_all(prompts, sampling, None)
         while self.has_unfinished():
-            yield from self.step()
+            yield from self._step_with_retries()
         self.last_stats = self.stats(since=mark)
         self.last_outputs = [self.output(rid, pop=True) for rid in ids]
 

@@ -17,3 +17,16 @@ class RequestRejectedError(EngineError, ValueError):
     def __init__(self, message: str, index: int = 0) -> None:
         super().__init__(message)
         self.index = index
+
+
+class UnknownRequestError(EngineError, KeyError):
+    """A request id the engine does not know: never returned by ``add_request``, or its output
+    was already collected with ``output(..., pop=True)``. Nothing changes."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class RequestEndedError(EngineError, ValueError):
+    """``abort`` of a request that has already ended (finished, aborted or failed); the message
+    names the id and its status. Nothing changes."""

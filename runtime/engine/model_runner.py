@@ -30,14 +30,17 @@ class ModelRunner:
         self.backend = backend
         self.device = next(model.parameters()).device
         self._ctx = StepContext(cache, backend)
+        self.ops_applied = False   # the last execute() got past its memory ops (engine rollback)
 
     def execute(self, plan) -> Tuple[Optional[torch.Tensor], List[int]]:
         """Run ``plan`` (plain data: it may have crossed a process boundary): its memory ops,
         its table edits, then the model. Returns logits ``[rows, vocab]`` of the sampling
         sequences (in plan order) and, for each, its index in ``plan.seqs``. (None, []) when
         nothing sampled."""
+        self.ops_applied = False
         self.cache.execute(plan.ops)
         self.cache.apply_tables(plan.tables)
+        self.ops_applied = True
         if not plan.seqs:
             return None, []
         step = self.cache.begin_step([(s.seq_id, s.num_computed_tokens, s.num_new_tokens)

@@ -17,10 +17,15 @@ class TokenEvent:
     finished: bool                     # this was the sample's last token
     finish_reason: Optional[str] = None  # "stop" (a stop token) or "length" (max_new_tokens)
 
+# How a request ends (RequestOutput.status); "unfinished" until then.
+ENDED_STATUSES = ("finished", "aborted", "failed")
+
 
 @dataclass
 class CompletionOutput:
-    """One sample's generated tokens (the stop token, when one ended it, is included)."""
+    """One sample's generated tokens (the stop token, when one ended it, is included).
+    ``finish_reason``: "stop", "length", or "abort" / "error" when its request was aborted /
+    failed before the sample finished."""
     index: int
     token_ids: List[int]
     finish_reason: Optional[str] = None
@@ -31,13 +36,24 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request failed: the exception's type name and message (the engine went on)."""
+    type: str
+    message: str
+
+
 @dataclass
 class RequestOutput:
-    """A request's prompt and its ``n`` samples, in sample order."""
+    """A request's prompt and its ``n`` samples, in sample order. ``status`` is "unfinished"
+    until the request ends "finished", "aborted" (``Engine.abort``) or "failed" (its memory
+    plans kept failing: ``error`` says why; its memory was released, other requests went on)."""
     request_id: int
     prompt_token_ids: Tuple[int, ...]
     outputs: List[CompletionOutput]
     prompt: Optional[str] = None
+    status: str = "unfinished"
+    error: Optional[RequestError] = None
 
     @property
     def finished(self) -> bool:

@@ -67,28 +67,29 @@ def make_generator(seed: int, sample_index: int, device: torch.device) -> torch.
 
 
 @dataclass
-class SampleSlot:
-    """One token to draw: from logits row ``row``, for a sequence with these params."""
-    row: int
+class SampleState:
+    """One sequence's sampling state: its params, its generator, and which row of this step's
+    logits it draws from (``logits_row``, set every step). ("Slot" is a vmem batch row.)"""
+    logits_row: int
     params: SamplingParams
     generator: Optional[torch.Generator] = field(default=None)
 
 
 class Sampler:
-    """Turns a step's logits ``[rows, vocab]`` into one token per SampleSlot."""
+    """Turns a step's logits ``[rows, vocab]`` into one token per SampleState."""
 
-    def sample(self, logits: torch.Tensor, slots: Sequence[SampleSlot]) -> List[int]:
-        if all(s.params.greedy for s in slots):
-            rows = [s.row for s in slots]
+    def sample(self, logits: torch.Tensor, samples: Sequence[SampleState]) -> List[int]:
+        if all(s.params.greedy for s in samples):
+            rows = [s.logits_row for s in samples]
             picked = logits.argmax(dim=-1)                      # (rows,)
             if rows != list(range(logits.shape[0])):
                 picked = picked[torch.tensor(rows, device=logits.device)]
             return picked.tolist()
-        return [self._one(logits[s.row], s) for s in slots]
+        return [self._one(logits[s.logits_row], s) for s in samples]
 
     @staticmethod
-    def _one(row: torch.Tensor, slot: SampleSlot) -> int:
-        p = slot.params
+    def _one(row: torch.Tensor, sample: SampleState) -> int:
+        p = sample.params
         if p.greedy:
             return int(row.argmax())
         scores = row.float() / p.temperature                     # (vocab,)
@@ -101,4 +102,4 @@ class Sampler:
             drop = cum - sorted_scores.softmax(-1) >= p.top_p    # keep the first token always
             scores = scores.scatter(0, order[drop], float("-inf"))
         probs = scores.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=slot.generator))
+        return int(torch.multinomial(probs, 1, generator=sample.generator))

@@ -54,3 +54,24 @@ def hf_greedy(name: str, batch: list[list[int]], max_new_tokens: int,
 
 def tokens(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
+
+
+def engine_state(engine) -> tuple:
+    """Everything a rolled-back step must leave as it was, read through public accessors:
+    the scheduler's queues, sequences and counters, the manager's accounting and tables, and
+    memory (mappings, pool, swap space, every running sequence's cached K/V)."""
+    sched, cache = engine.scheduler, engine.cache
+    mgr, m = cache.manager, sched.metrics
+    queues = tuple(tuple(s.seq_id for s in q) for q in (sched.waiting, sched.running, sched.swapped))
+    seqs = {i: (s.state, s.num_computed, s.held, s.admit_order, s.prefix_wait, tuple(s.output))
+            for i, s in sched.seqs.items()}
+    counters = (m.num_preemptions, m.num_swap_preemptions, m.recomputed_tokens,
+                m.generated_tokens, sched.has_unfinished(), mgr.prefix_queries, mgr.prefix_hits)
+    running = [s.seq_id for s in sched.running]
+    tables = ({i: mgr.num_tokens(i) for i in running},
+              [mgr.mapped_pages(slot) for slot in range(mgr.num_slots)]
+              if hasattr(mgr, "mapped_pages") else [mgr.block_table(i) for i in running])
+    kv = {(i, layer): tuple(t.numpy().tobytes() for t in cache.read(i, layer, sched.seqs[i].num_computed))
+          for i in running for layer in range(cache.config.num_layers)}
+    memory = (cache.range.mapped_pages() if hasattr(cache, "range") else None, cache.swapped_bytes)
+    return queues, seqs, counters, mgr.stats(), tables, memory, kv

@@ -3,7 +3,8 @@ vmem manager and cache, executing every plan, leave the process's mappings, file
 and the cache's pages exactly where they started.
 
 Tiny requests and a tiny pool, so pages are reclaimed and remapped all the time (about one
-map/unmap pair per lifecycle); no attention runs, only manager + cache.execute.
+map/unmap pair per lifecycle); no attention runs, only manager + cache.execute. And a few
+hundred engine requests, a third aborted at random points, leave nothing held either.
 """
 import gc
 import os
@@ -107,3 +108,44 @@ def test_100k_lifecycles_leak_nothing():
     assert proc_counts() == start_process, (start_process, proc_counts())
     print(f"{LIFECYCLES} lifecycles in {elapsed:.1f} s ({elapsed / LIFECYCLES * 1e6:.0f} us each), "
           f"{driver.calls['map']} maps, {driver.calls['unmap']} unmaps")
+
+
+ENGINE_REQUESTS = int(os.environ.get("VMEMKV_SOAK_ENGINE_REQUESTS", 300))
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+def test_engine_requests_aborted_at_random_points_leak_nothing(preemption):
+    """Requests through a real engine on a tight cache, a third of them aborted at a random
+    step (waiting, running, preempted or swapped): afterwards the manager holds nothing, the
+    swap space is empty, the pages mapped are only deferred ones, and the process's file
+    descriptors are where they started."""
+    from vmemkv.runtime.engine import Engine, SamplingParams
+    from vmemkv.runtime.models import build_model
+
+    rng = random.Random(1)
+    gc.collect()
+    fds_before = proc_counts()[1]
+    with Engine(build_model("tiny-llama"), cache="vmem", page_bytes=4096, max_batch=4,
+                max_context=64, cache_bytes=5 * 16 * 1024, preemption=preemption,
+                swap_bytes=1 << 20, prefix_sharing=True) as engine:
+        live, statuses = [], set()
+        for _ in range(ENGINE_REQUESTS):
+            prompt = [rng.randrange(3) for _ in range(rng.randint(1, 40))]
+            live.append(engine.add_request(prompt, SamplingParams(max_new_tokens=rng.randint(1, 20),
+                                                                  ignore_eos=True)))
+            if rng.random() < 0.5:
+                engine.step()
+            alive = [rid for rid in live if engine.status(rid) in ("waiting", "running", "swapped")]
+            if alive and rng.random() < 0.33:
+                rid = rng.choice(alive)
+                statuses.add(engine.status(rid))
+                engine.abort(rid)
+        engine.run_until_done()
+        assert {engine.output(rid, pop=True).status for rid in live} == {"finished", "aborted"}
+        mgr = engine.cache.manager
+        assert mgr.stats().live_tokens == 0 and engine.cache.swapped_bytes == 0
+        assert mgr.stats().free_tokens + mgr.reclaimable_tokens == mgr.stats().total_tokens
+        engine.cache.check_integrity()
+        assert {"waiting", "running"} <= statuses
+    gc.collect()
+    assert proc_counts()[1] == fds_before

@@ -276,7 +276,7 @@ def test_bad_scheduler_config_names_the_field(kwargs, field):
         SchedulerConfig(**kwargs)
 
 
-def test_forget_drops_only_finished_sequences():
+def test_forget_drops_only_ended_sequences():
     from vmemkv.scheduler.errors import SchedulerError, UnknownSequenceError
     from vmemkv.scheduler.managers import make_manager
     from vmemkv.scheduler.presets import get_model
@@ -285,7 +285,7 @@ def test_forget_drops_only_finished_sequences():
     manager = make_manager("paged", get_model("tiny"), 1 << 20, 64, block_size_tokens=4)
     scheduler = Scheduler(manager)
     (seq_id,) = scheduler.add_request(Request(request_id=0, prompt_len=3, max_tokens=1))
-    with pytest.raises(SchedulerError, match="not finished"):
+    with pytest.raises(SchedulerError, match="waiting, not ended"):
         scheduler.forget(seq_id)
     while scheduler.has_unfinished():
         plan = scheduler.schedule()

@@ -1,0 +1,100 @@
+"""What happens when a step or a request does not complete: the scheduler's side of a step
+transaction (an explicit copy of what ``schedule()`` changes) and ending a request early.
+
+    scheduler.begin(); manager.begin()
+    plan = scheduler.schedule(); executor runs plan      # fails: PlanExecutionError (undone)
+    scheduler.rollback(); manager.rollback()              # queues, tables, memory as before
+
+Each field is copied by name, with the copy its type needs (queues by their members, each
+sequence by ``Sequence.save``); nothing is inferred from a value's shape, so a field added to
+``Scheduler`` or ``Sequence`` that ``schedule()`` changes must be added here (the rollback tests
+compare every field of both).
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import List
+
+from .errors import SchedulerError, UnknownRequestError
+from .request import Sequence, SeqState
+
+
+class Savepoint:
+    """What ``Scheduler.schedule()`` or ``abort_request`` may change, as it was at
+    ``Scheduler.begin()``. (``update`` runs after a step commits; it is not covered.)"""
+
+    __slots__ = ("waiting", "running", "swapped", "sequences", "finished_ids", "unfinished",
+                 "step", "admit_counter", "metrics")
+
+    def __init__(self, scheduler) -> None:
+        s, m = scheduler, scheduler.metrics
+        self.waiting, self.running, self.swapped = list(s.waiting), list(s.running), list(s.swapped)
+        self.sequences = [(seq, seq.save()) for queue in (s.waiting, s.running, s.swapped)
+                          for seq in queue]
+        self.finished_ids = list(s._finished_ids)
+        self.unfinished = dict(s._unfinished_samples)
+        self.step, self.admit_counter = s._step, s._admit_counter
+        self.metrics = (m.num_preemptions, m.num_swap_preemptions, m.recomputed_tokens,
+                        m.num_aborted_requests, m.num_failed_requests)
+
+    def restore(self, scheduler) -> None:
+        """Put ``scheduler`` back exactly as it was when this savepoint was taken."""
+        s, m = scheduler, scheduler.metrics
+        s.waiting, s.running, s.swapped = deque(self.waiting), list(self.running), deque(self.swapped)
+        for seq, saved in self.sequences:
+            seq.restore(saved)
+        s._finished_ids = list(self.finished_ids)
+        s._unfinished_samples = dict(self.unfinished)
+        s._step, s._admit_counter = self.step, self.admit_counter
+        (m.num_preemptions, m.num_swap_preemptions, m.recomputed_tokens,
+         m.num_aborted_requests, m.num_failed_requests) = self.metrics
+        s._decoded, s._scheduled = [], []
+
+
+def end_request(scheduler, request_id: int, status: SeqState) -> List[int]:
+    """``Scheduler.abort_request``: end a request's unended sequences with ``status``."""
+    s = scheduler
+    if status not in (SeqState.ABORTED, SeqState.FAILED):
+        raise SchedulerError(f"abort_request status must be ABORTED or FAILED, got {status}")
+    if request_id not in s._unfinished_samples:
+        raise UnknownRequestError(f"request {request_id} has no unfinished sequence "
+                                  f"(never submitted, or already ended)")
+    seqs = [q for q in s.seqs.values() if q.request.request_id == request_id and not q.state.is_ended]
+    # running sequences holding registered units whose K/V they have not written yet
+    uncomputed = [q for q in seqs if q.state is SeqState.RUNNING and q.held > q.num_computed]
+    for seq in seqs:
+        _release(s, seq, status)
+    del s._unfinished_samples[request_id]
+    if status is SeqState.ABORTED:
+        s.metrics.num_aborted_requests += 1
+    else:
+        s.metrics.num_failed_requests += 1
+    if uncomputed and s.config.enable_prefix_sharing:
+        _requeue_prefix_waiters(s, min(q.admit_order for q in uncomputed))
+    return [q.seq_id for q in seqs]
+
+
+def _release(s, seq: Sequence, status: SeqState) -> None:
+    if seq.state is SeqState.RUNNING:
+        s.manager.free(seq.seq_id, computed_tokens=seq.num_computed)
+        s.running.remove(seq)
+    elif seq.state is SeqState.SWAPPED:
+        s.manager.free(seq.seq_id)          # drops its host copy
+        s.swapped.remove(seq)
+    else:
+        s.waiting.remove(seq)
+    seq.state, seq.held = status, 0
+    s._finished_ids.append(seq.seq_id)
+
+
+def _requeue_prefix_waiters(s, admit_order: int) -> None:
+    """Sequences admitted after ``admit_order`` that still wait for a prefix hit to be computed
+    may have hit units an ended sequence will never write: free them (nothing has read their hit
+    tokens yet) and queue them, oldest first, at the head of ``waiting`` to compute everything."""
+    waiters = [q for q in s.running if q.prefix_wait and q.admit_order > admit_order]
+    for seq in reversed(waiters):
+        s.manager.free(seq.seq_id, computed_tokens=seq.num_computed)
+        s.running.remove(seq)
+        seq.num_computed = seq.held = 0
+        seq.state, seq.prefix_wait = SeqState.WAITING, False
+        s.waiting.appendleft(seq)
