@@ -11,7 +11,7 @@ included either (the page cache already holds the pages).
 
 Mapper overlap (``mapper_loop``): a real ``VMemKVCache`` (per-layer layout) runs a synthetic
 decode loop. Requests start at staggered lengths, so every step one of them crosses a page
-boundary and the manager plans a MapPage (2 x layers pages); each step then writes every
+boundary and the manager plans a MapGroup (2 x layers pages); each step then writes every
 layer's new K/V and does that layer's compute (SDPA over the cache plus an MLP-sized matmul).
 Inline (``background_mapper=False``) the step waits for all of its mapping; with the background
 mapper, layer l's pages are mapped while layers < l compute, and the step waits only when a
@@ -112,13 +112,13 @@ def mapper_loop(background: bool, shape: dict, device: str, seed: int = 0) -> di
             mgr.allocate(seq, n)
         cache.execute(mgr.take_ops())
         cache.wait_for_mapper()
-        base_map, base_wait = cache.mapping_seconds, cache.mapper_wait_seconds
+        base_map, base_wait = cache.mapping_s, cache.mapper_wait_s
         mapped_pages, start = 0, time.perf_counter()
         for _ in range(s["steps"]):
             for seq in range(batch):
                 mgr.append(seq, grow)
             ops = mgr.take_ops()
-            mapped_pages += sum(type(op).__name__ == "MapPage" for op in ops) * mgr.pages_per_group
+            mapped_pages += sum(type(op).__name__ == "MapGroup" for op in ops) * mgr.pages_per_group
             cache.execute(ops)
             pair.sync_tables(range(batch))
             cache.begin_step([(seq, lengths[seq], grow) for seq in range(batch)])
@@ -132,9 +132,9 @@ def mapper_loop(background: bool, shape: dict, device: str, seed: int = 0) -> di
             lengths = [n + grow for n in lengths]
         cache.wait_for_mapper()
         loop = time.perf_counter() - start
-        mapping = cache.mapping_seconds - base_map
+        mapping = cache.mapping_s - base_map
         # inline, the step thread itself applies every op: all mapping time is waiting
-        wait = cache.mapper_wait_seconds - base_wait if background else mapping
+        wait = cache.mapper_wait_s - base_wait if background else mapping
     return {"mode": "background" if background else "inline", "attention": backend.name, "steps": s["steps"],
             "tokens_per_step": grow, "pages_mapped": mapped_pages, "mapping_ms": mapping * 1e3,
             "wait_ms": wait * 1e3, "loop_ms": loop * 1e3}

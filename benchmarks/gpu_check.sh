@@ -18,7 +18,8 @@
 # default tests), BENCH_ONLY="alloc attention" (sections for --only, default all),
 # SKIP_ATTENTION=1 (leave out the full attention grid).
 #
-# It installs nothing: it runs from the working tree (PYTHONPATH) with the checkout's
+# It installs nothing: it runs from the working tree (PYTHONPATH on a folder of symlinks that
+# lays the tree out as installed: vmemkv/{vmem,scheduler,runtime,benchmarks}) with the checkout's
 # ./.venv/bin/python when there is one, else the machine's python3 (PYTHON=... overrides), and
 # that Python's torch, cuda-bindings and pytest. EXTRA_PYTHONPATH is appended after the tree (for
 # carried pure-Python test deps). Dry run on a CPU machine:
@@ -46,7 +47,14 @@ if [ -n "${DRY_RUN:-}" ]; then   # toy sizes: every step and output file, in sec
                     --head-dim 16 --prefill-len 8 --repeats 1)
 fi
 mkdir -p "$OUT_DIR"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}"
+# The layers import as vmemkv.vmem, vmemkv.scheduler, ... (setuptools package-dir). Without an
+# install, mirror that layout with symlinks so every import resolves to this working tree.
+NS_ROOT=$(mktemp -d)
+trap 'rm -rf "$NS_ROOT"' EXIT
+mkdir "$NS_ROOT/vmemkv"
+for f in vmemkv/*.py; do ln -s "$PWD/$f" "$NS_ROOT/vmemkv/"; done
+for d in vmem scheduler runtime benchmarks; do ln -s "$PWD/$d" "$NS_ROOT/vmemkv/$d"; done
+export PYTHONPATH="$NS_ROOT:$PWD${PYTHONPATH:+:$PYTHONPATH}${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 status=0
 START=$SECONDS

@@ -86,3 +86,14 @@ def load_model(name_or_path: str, seed: int = 0, dtype: Optional[torch.dtype] = 
     except (OSError, ValueError, TypeError):
         tokenizer = None
     return model.to(device).eval(), tokenizer
+
+
+def eos_token_ids(model, tokenizer=None) -> tuple:
+    """The model's end-of-sequence token ids (its generation config, else the tokenizer's)."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+

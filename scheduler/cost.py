@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .errors import ConfigError
-from .managers.base import MapPage
+from .managers.base import MapGroup
 from .presets import DeviceSpec, ModelSpec
 
 
@@ -25,8 +25,8 @@ class CostModel:
     model: ModelSpec
     device: DeviceSpec
     prefill_mfu: Optional[float] = None   # fraction of peak FLOP/s reached by prefill; None = off
-    map_latency_s: float = 0.0            # seconds per physical page mapped (vmem MapPage ops)
-    pages_per_map_op: int = 1             # physical pages behind one MapPage (2*layers per-layer)
+    map_latency_s: float = 0.0            # seconds per physical page mapped (vmem MapGroup ops)
+    pages_per_map_op: int = 1             # physical pages behind one MapGroup (2*layers per-layer)
     kv_slowdown: float = 1.0              # multiplier on KV read time (paged-kernel overhead)
 
     def __post_init__(self) -> None:
@@ -50,5 +50,5 @@ class CostModel:
 
 
 def count_map_ops(ops: list) -> int:
-    """MapPage ops in a step's op list (each maps ``pages_per_map_op`` physical pages)."""
-    return sum(1 for op in ops if type(op) is MapPage) if ops else 0
+    """MapGroup ops in a step's op list (each maps ``pages_per_map_op`` physical pages)."""
+    return sum(1 for op in ops if type(op) is MapGroup) if ops else 0

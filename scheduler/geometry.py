@@ -96,7 +96,7 @@ class PageGeometry:
 
     @property
     def pages_per_group(self) -> int:
-        """Physical pages behind one page group (one MapPage)."""
+        """Physical pages behind one page group (one MapGroup)."""
         return 2 * self.num_layers if self.per_layer else 2
 
     @property

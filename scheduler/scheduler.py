@@ -27,10 +27,10 @@ from .managers.base import MemoryManager
 from .metrics import SchedulerMetrics, gauges
 from .plan import PREEMPTION_MODES, ScheduledSeq, SchedulerConfig, StepPlan  # noqa: F401 (re-exported)
 from .request import Request, Sequence, SeqState
-from .lifecycle import Savepoint, end_request
+from .lifecycle import Savepoint, StepTransactions, end_request
 from .tables import TableTracker
 
-class Scheduler:
+class Scheduler(StepTransactions):
     """FCFS iteration-level scheduler. Owns every Sequence; the manager owns the memory."""
 
     def __init__(self, manager: MemoryManager, config: SchedulerConfig = SchedulerConfig(),
@@ -119,37 +119,6 @@ class Scheduler:
     def gauges(self) -> Dict[str, float]:
         """vLLM-named live gauges and counters."""
         return gauges(self)
-
-    # ---- transactions --------------------------------------------------------------------
-    def begin(self) -> None:
-        """Open a transaction over the scheduler's own state (queues, sequence states,
-        counters): ``rollback`` puts all of it back as it is now, ``commit`` keeps the changes.
-        The manager has its own ``begin``; a step opens both. Costs one copy of the queues."""
-        if self._savepoint is not None:
-            raise SchedulerError("begin() inside an open transaction; commit or roll back first")
-        self._savepoint = Savepoint(self)
-
-    def commit(self) -> None:
-        """Keep every change since ``begin``."""
-        self._close_transaction()
-
-    def rollback(self) -> None:
-        """Undo every change since ``begin`` (a plan scheduled since then is forgotten: the
-        next ``schedule()`` plans afresh; the table edits it carried are sent again in full)."""
-        self._close_transaction().restore(self)
-        if self.tables is not None:
-            self.tables.resend()
-
-    def _close_transaction(self) -> Savepoint:
-        savepoint, self._savepoint = self._savepoint, None
-        if savepoint is None:
-            raise SchedulerError("commit() or rollback() without begin()")
-        return savepoint
-
-    def discard_step(self) -> None:
-        """Forget the last plan without recording progress (its tokens were not computed): the
-        memory it planned stays held and the next ``schedule()`` computes those tokens again."""
-        self._scheduled, self._decoded = [], []
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:

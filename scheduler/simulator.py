@@ -87,7 +87,7 @@ class SimResult:
     recomputed_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    mapped_page_ops: int           # MapPage ops executed (vmem)
+    mapped_page_ops: int           # MapGroup ops executed (vmem)
     latency: Dict[str, float] = field(default_factory=dict)   # ttft_* and itl_* seconds
 
     def to_dict(self) -> dict:

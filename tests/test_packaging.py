@@ -104,3 +104,30 @@ def test_no_layer_imports_the_command_line_or_the_benchmarks():
             text = path.read_text()
             offenders += [f"{path.relative_to(ROOT)}: {u}" for u in upward if u in text]
     assert not offenders, offenders
+
+
+def architecture_modules() -> set:
+    """Every module docs/ARCHITECTURE.md gives a job: the backticked paths in the first cell of
+    each table row; a bare file name is in the folder of the path before it in that cell."""
+    named = set()
+    for line in (ROOT / "docs" / "ARCHITECTURE.md").read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        folder = ""
+        for token in line.split("|")[1].split("`")[1::2]:
+            if "/" in token:
+                folder = token.rsplit("/", 1)[0]
+                named.add(token)
+            else:
+                named.add(f"{folder}/{token}")
+    return named
+
+
+def test_architecture_gives_every_module_a_job():
+    modules = {str(p.relative_to(ROOT)) for top in ("vmemkv", *GENERIC)
+               for p in (ROOT / top).rglob("*") if p.suffix in (".py", ".sh")
+               and p.name != "__init__.py" or p.relative_to(ROOT).as_posix() in (
+                   "vmemkv/__init__.py", "scheduler/managers/__init__.py")}
+    named = architecture_modules()
+    assert modules - named == set(), "modules without a job in docs/ARCHITECTURE.md"
+    assert named - modules == set(), "docs/ARCHITECTURE.md names modules that do not exist"

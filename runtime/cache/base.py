@@ -93,6 +93,18 @@ class KVCache(ABC):
         """Carry out a plan's memory ops, in order. All or nothing: if an op fails, what the
         plan had applied is undone and PlanExecutionError is raised."""
 
+    @property
+    def mapping_s(self) -> float:
+        """Seconds spent applying vmem page ops so far, inline or on a mapper thread (0 for a
+        cache without page mapping)."""
+        return 0.0
+
+    @property
+    def mapping_stall_s(self) -> float:
+        """Of that, the seconds the step thread was blocked: applying ops inline, or waiting
+        for the mapper thread. ``mapping_s - mapping_stall_s`` is the overlap a mapper won."""
+        return 0.0
+
     def wait_for_plan(self) -> None:
         """Block until the last executed plan is fully applied; raise its error if it failed.
         (Plans run inline unless a cache has a background mapper.)"""

@@ -21,7 +21,7 @@ import atexit
 import threading
 import time
 import weakref
-from typing import Callable, Sequence
+from typing import Callable
 
 from ..errors import MapperError, MapperPlanError, PlanExecutionError
 
@@ -40,9 +40,11 @@ class DeferredUndo(Exception):
 
 
 class BackgroundMapper:
-    """``apply(ops, group)`` runs on one daemon thread for groups 0..num_groups-1 of each plan."""
+    """``apply(plan, group)`` runs on one daemon thread for groups 0..num_groups-1 of each
+    submitted plan. ``plan`` is whatever the owner submitted, handed over untouched
+    (VMemKVCache submits its bound ops with their undo journal)."""
 
-    def __init__(self, apply: Callable[[Sequence, int], None], num_groups: int) -> None:
+    def __init__(self, apply: Callable[[object, int], None], num_groups: int) -> None:
         self._apply = apply
         self._num_groups = num_groups
         self._cond = threading.Condition()
@@ -50,19 +52,19 @@ class BackgroundMapper:
         self._groups_done = num_groups         # groups of the current plan already applied
         self._error: BaseException | None = None
         self._stop = False
-        self.wait_seconds = 0.0                # step thread blocked on the mapper
-        self.busy_seconds = 0.0                # mapper thread applying ops
+        self.wait_s = 0.0                # step thread blocked on the mapper
+        self.busy_s = 0.0                # mapper thread applying ops
         self._thread = threading.Thread(target=self._run, name="vmemkv-mapper", daemon=True)
         self._thread.start()
         _LIVE.add(self)
 
-    def submit(self, ops: Sequence) -> None:
+    def submit(self, plan) -> None:
         """Queue a plan (handed to ``apply`` as is, so the caller must not change it); returns
         as soon as the previous plan has been fully applied."""
         self.wait_all()
         with self._cond:
             self._raise_if_failed()
-            self._pending = ops
+            self._pending = plan
             self._groups_done = 0
             self._cond.notify_all()
 
@@ -78,7 +80,7 @@ class BackgroundMapper:
             if not ready() and self._error is None:
                 start = time.perf_counter()
                 self._cond.wait_for(lambda: ready() or self._error is not None or self._stop)
-                self.wait_seconds += time.perf_counter() - start
+                self.wait_s += time.perf_counter() - start
             self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
@@ -111,7 +113,7 @@ class BackgroundMapper:
                     self._cond.notify_all()
                 continue
             finally:
-                self.busy_seconds += time.perf_counter() - start
+                self.busy_s += time.perf_counter() - start
             with self._cond:
                 self._groups_done = group + 1
                 self._cond.notify_all()

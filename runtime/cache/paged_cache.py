@@ -38,7 +38,6 @@ class PagedKVCache(KVCache):
                           self.num_blocks * self.block_size * c.bytes_per_token, c.torch_device)
         self.pools = torch.zeros((c.num_layers, 2, self.num_blocks, self.block_size,
                                   c.num_kv_heads, c.head_dim), dtype=c.dtype, device=c.torch_device)
-        self.map_seconds = 0.0
 
     def execute(self, ops: Sequence) -> None:
         """Apply the plan, all or nothing: on a failure (an OOM in a copy, say) the blocks it

@@ -23,7 +23,7 @@ import torch
 from vmemkv import vmem
 from vmemkv.runtime.attention.base import StepMeta, VMemLayerView
 from vmemkv.scheduler.geometry import PageGeometry
-from vmemkv.scheduler.plan import CopyPage, DropSwapped, MapPage, SetSlot, SwapIn, SwapOut, UnmapPage
+from vmemkv.scheduler.plan import CopyGroup, DropSwapped, MapGroup, SetSlot, SwapIn, SwapOut, UnmapGroup
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError
@@ -32,7 +32,7 @@ from .journal import PlanJournal
 from .mapper import BackgroundMapper, DeferredUndo
 from .vmem_ops import VMemOps
 
-_OPS = (MapPage, UnmapPage, CopyPage, SwapOut, SwapIn, DropSwapped)
+_OPS = (MapGroup, UnmapGroup, CopyGroup, SwapOut, SwapIn, DropSwapped)
 
 
 class VMemKVCache(VMemOps, KVCache):
@@ -41,7 +41,7 @@ class VMemKVCache(VMemOps, KVCache):
 
     ``background_mapper=True`` runs each plan's ops on a thread, layer by layer, so layer l's
     pages are mapped while layers < l compute (per-layer layout); ``write``/``layer_view`` wait
-    only for their own layer. ``mapper_wait_seconds`` is the time steps spent waiting for it.
+    only for their own layer. ``mapper_wait_s`` is the time steps spent waiting for it.
     """
 
     kind = "vmem"
@@ -94,7 +94,7 @@ class VMemKVCache(VMemOps, KVCache):
         else:  # k[:, :, layer]: strided, last dim contiguous
             self._k = [whole[0, :, :, layer] for layer in range(c.num_layers)]
             self._v = [whole[1, :, :, layer] for layer in range(c.num_layers)]
-        self.map_seconds = 0.0
+        self._inline_mapping_s = 0.0   # plans applied on the step thread
         self._mapper = BackgroundMapper(self._apply_logged, self.geometry.num_op_groups) \
             if background_mapper else None
 
@@ -132,7 +132,7 @@ class VMemKVCache(VMemOps, KVCache):
         if self._mapper is not None:
             self._mapper.wait_all()        # the previous plan is done (or its error raised)
         for index, op in enumerate(ops):
-            slots = (op.src_slot, op.dst_slot) if isinstance(op, CopyPage) else \
+            slots = (op.src_slot, op.dst_slot) if isinstance(op, CopyGroup) else \
                 (getattr(op, "slot", 0),)
             if any(not 0 <= s < self.config.max_batch for s in slots):
                 raise CacheStateError(f"op {index} of the plan names slot(s) {slots} outside "
@@ -151,7 +151,7 @@ class VMemKVCache(VMemOps, KVCache):
             for group in range(self.geometry.num_op_groups):
                 self._apply_logged(plan, group)
         finally:
-            self.map_seconds += time.perf_counter() - start
+            self._inline_mapping_s += time.perf_counter() - start
 
     def wait_for_plan(self) -> None:
         self.wait_for_mapper()
@@ -180,14 +180,17 @@ class VMemKVCache(VMemOps, KVCache):
             self._mapper.wait_all()
 
     @property
-    def mapper_wait_seconds(self) -> float:
-        """Time spent by steps waiting for the background mapper (0 without one)."""
-        return self._mapper.wait_seconds if self._mapper is not None else 0.0
+    def mapper_wait_s(self) -> float:
+        """Seconds steps spent waiting for the background mapper (0 without one)."""
+        return self._mapper.wait_s if self._mapper is not None else 0.0
 
     @property
-    def mapping_seconds(self) -> float:
-        """Time spent applying plans, inline or on the mapper thread."""
-        return self.map_seconds + (self._mapper.busy_seconds if self._mapper is not None else 0.0)
+    def mapping_s(self) -> float:
+        return self._inline_mapping_s + (self._mapper.busy_s if self._mapper is not None else 0.0)
+
+    @property
+    def mapping_stall_s(self) -> float:
+        return self._inline_mapping_s + self.mapper_wait_s
 
     # -- steps --
     def _placed(self, edit, old, index: int) -> int:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from vmemkv.scheduler.plan import CopyPage, MapPage, SwapIn, SwapOut, UnmapPage
+from vmemkv.scheduler.plan import CopyGroup, MapGroup, SwapIn, SwapOut, UnmapGroup
 
 from ..errors import CacheStateError
 from .journal import PlanJournal
@@ -22,10 +22,10 @@ class VMemOps:
         thread, so writes are checked against it before the mapper is done); undone with the
         plan if it fails."""
         for op, _ in bound:
-            if isinstance(op, (MapPage, UnmapPage)):
+            if isinstance(op, (MapGroup, UnmapGroup)):
                 pages = self._slot_pages[op.slot]
                 old = pages.get(op.page_index)
-                if isinstance(op, MapPage):
+                if isinstance(op, MapGroup):
                     pages[op.page_index] = op.group
                 else:
                     pages.pop(op.page_index, None)
@@ -44,18 +44,18 @@ class VMemOps:
         rng = self.range
         for index, (op, buffer) in enumerate(bound):
             journal.op_index = index
-            if isinstance(op, MapPage):
+            if isinstance(op, MapGroup):
                 base = op.group * self.pages_per_group
                 for j in self.geometry.members_of(group):
                     page_index = self._page_index(j, op.slot, op.page_index)
                     rng.map(page_index, self._pool_pages[base + j])
                     journal.add(lambda pi=page_index: rng.unmap(pi))
-            elif isinstance(op, UnmapPage):
+            elif isinstance(op, UnmapGroup):
                 for j in self.geometry.members_of(group):
                     page_index = self._page_index(j, op.slot, op.page_index)
                     page_id = rng.unmap(page_index)
                     journal.add(lambda pi=page_index, pid=page_id: rng.map(pi, pid))
-            elif isinstance(op, CopyPage):
+            elif isinstance(op, CopyGroup):
                 for j in self.geometry.members_of(group):
                     dst = self._page_index(j, op.dst_slot, op.dst_page_index)
                     self._save_bytes(journal, dst * self.page_bytes, self.page_bytes)

@@ -23,6 +23,7 @@ import torch
 from vmemkv.runtime.attention import fastest_backend, get_backend
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.kv import make_kv
+from vmemkv.runtime.models import eos_token_ids
 from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
 from vmemkv.runtime.hf.support import check_model_supported, kv_shape_of
@@ -35,7 +36,7 @@ from .errors import EngineConfigError, RequestRejectedError
 from .lifecycle import RequestLifecycle
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
-from .sampling import SampleState, Sampler, SamplingParams, make_generator
+from .sampling import SampleState, Sampler, SamplingParams, make_generator, per_prompt
 from .self_check import self_check
 
 Prompt = Union[Sequence[int], str]
@@ -110,7 +111,7 @@ class Engine(RequestLifecycle):
             enable_prefix_sharing=cfg.prefix_sharing, check_every_step=cfg.check_integrity),
             tables=self.kv.tables)
         self.sampler = Sampler()
-        self.eos_ids = _eos_ids(model, self.tokenizer)
+        self.eos_ids = eos_token_ids(model, self.tokenizer)
         self._rng = random.Random(cfg.seed)
         self._samples: Dict[int, _Sample] = {}       # seq_id -> sample state (unfinished)
         self._requests: Dict[int, _Request] = {}     # request_id -> state, until collected
@@ -185,7 +186,7 @@ class Engine(RequestLifecycle):
     def check_admissible(self, prompts: Sequence[Prompt], sampling) -> None:
         """Raise RequestRejectedError for the first prompt that ``add_request`` would reject."""
         limit = min(x for x in (self.scheduler.max_seq_len, self.scheduler.max_fit_tokens) if x)
-        for i, (prompt, params) in enumerate(zip(prompts, self._per_prompt(prompts, sampling))):
+        for i, (prompt, params) in enumerate(zip(prompts, per_prompt(prompts, sampling))):
             ids, _ = self._encode(prompt, i)
             if len(ids) + params.max_new_tokens > limit:
                 raise RequestRejectedError(
@@ -331,22 +332,9 @@ class Engine(RequestLifecycle):
                                     f"prompts.tolist()")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise EngineConfigError("prompts must be a list of prompts (token-id lists or strings)")
-        params = self._per_prompt(prompts, sampling)
+        params = per_prompt(prompts, sampling)
         self.check_admissible(prompts, params)
         return [self.add_request(p, s, on_token, index=i) for i, (p, s) in enumerate(zip(prompts, params))]
-
-    @staticmethod
-    def _per_prompt(prompts, sampling) -> List[SamplingParams]:
-        if sampling is None or isinstance(sampling, SamplingParams):
-            return [sampling or SamplingParams()] * len(prompts)
-        if not isinstance(sampling, (list, tuple)) or not all(
-                isinstance(p, SamplingParams) for p in sampling):
-            raise EngineConfigError(f"sampling must be a SamplingParams or a list of them (one per "
-                                    f"prompt), got {type(sampling).__name__} {str(sampling)[:40]!r}; "
-                                    f"greedy decoding is SamplingParams(temperature=0), the default")
-        if len(sampling) != len(prompts):
-            raise EngineConfigError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
-        return list(sampling)
 
     # ---- metrics -------------------------------------------------------------------------
     def _now(self) -> float:
@@ -355,20 +343,15 @@ class Engine(RequestLifecycle):
     def _mark(self) -> dict:
         m = self.scheduler.metrics
         return dict(t=time.perf_counter(), steps=self._steps, step_s=self._step_s,
-                    map_s=self._mapping_s(), stall_s=self._stall_s(), kv=len(self._kv_usage),
+                    mapping_s=self.kv.cache.mapping_s, mapping_stall_s=self.kv.cache.mapping_stall_s,
+                    kv=len(self._kv_usage),
                     pre=m.num_preemptions, swap=m.num_swap_preemptions, rec=m.recomputed_tokens,
                     ttft=len(m.ttft_s), itl=len(m.itl_s), gen=m.generated_tokens,
                     done=m.num_finished_requests, prompt=self._prompt_tokens)
 
-    def _mapping_s(self) -> float:
-        return getattr(self.cache, "mapping_seconds", 0.0)
-
-    def _stall_s(self) -> float:
-        return getattr(self.cache, "map_seconds", 0.0) + getattr(self.cache, "mapper_wait_seconds", 0.0)
-
     def stats(self, since: Optional[dict] = None) -> EngineStats:
         """Statistics since ``since`` (a mark taken by generate/stream), or since creation."""
-        b = since or dict(t=self._t0, steps=0, step_s=0.0, map_s=0.0, stall_s=0.0, kv=0, pre=0,
+        b = since or dict(t=self._t0, steps=0, step_s=0.0, mapping_s=0.0, mapping_stall_s=0.0, kv=0, pre=0,
                           swap=0, rec=0, ttft=0, itl=0, gen=0, done=0, prompt=0)
         m, usage = self.scheduler.metrics, self._kv_usage[b["kv"]:]
         return EngineStats(
@@ -376,8 +359,8 @@ class Engine(RequestLifecycle):
             attention=self.attention, requests=m.num_finished_requests - b["done"],
             prompt_tokens=self._prompt_tokens - b["prompt"], output_tokens=m.generated_tokens - b["gen"],
             steps=self._steps - b["steps"], wall_s=time.perf_counter() - b["t"],
-            step_s=self._step_s - b["step_s"], mapping_s=self._mapping_s() - b["map_s"],
-            map_stall_s=self._stall_s() - b["stall_s"],
+            step_s=self._step_s - b["step_s"], mapping_s=self.kv.cache.mapping_s - b["mapping_s"],
+            mapping_stall_s=self.kv.cache.mapping_stall_s - b["mapping_stall_s"],
             num_preemptions=m.num_preemptions - b["pre"], num_swap_preemptions=m.num_swap_preemptions - b["swap"],
             recomputed_tokens=m.recomputed_tokens - b["rec"],
             kv_usage_mean=sum(usage) / len(usage) if usage else 0.0, kv_usage_peak=max(usage, default=0.0),
@@ -399,11 +382,3 @@ class Engine(RequestLifecycle):
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _eos_ids(model, tokenizer) -> tuple:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

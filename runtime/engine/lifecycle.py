@@ -7,9 +7,9 @@ the manager's tables of the step being undone (read before the rollback) name th
 that memory was planned for:
 
     SwapOut / SwapIn      -> op.seq_id
-    MapPage / CopyPage    -> the running sequence on op.slot / op.dst_slot          (vmem)
+    MapGroup / CopyGroup    -> the running sequence on op.slot / op.dst_slot          (vmem)
     CopyBlock             -> the running sequence whose block table holds dst_block (paged)
-    UnmapPage, no index   -> nobody: reclaiming serves whoever maps next; bounded retries
+    UnmapGroup, no index   -> nobody: reclaiming serves whoever maps next; bounded retries
 
 After ``max_plan_retries + 1`` failed steps in a row blamed on one request, the engine ends it
 "failed" and goes on.
@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from typing import Iterable, Optional, Set
 
 from vmemkv.runtime.errors import PlanExecutionError
-from vmemkv.scheduler.managers.base import CopyBlock, CopyPage, MapPage, SwapIn, SwapOut
+from vmemkv.scheduler.managers.base import CopyBlock, CopyGroup, MapGroup, SwapIn, SwapOut
 from vmemkv.scheduler.request import SeqState
 
 from .errors import RequestEndedError, UnknownRequestError
@@ -36,8 +36,8 @@ def culprit_seq_ids(ops: list, op_index: Optional[int], manager, running: Iterab
     op = ops[op_index]
     if isinstance(op, (SwapOut, SwapIn)):
         return {op.seq_id}
-    if isinstance(op, (MapPage, CopyPage)):
-        slot = op.slot if isinstance(op, MapPage) else op.dst_slot
+    if isinstance(op, (MapGroup, CopyGroup)):
+        slot = op.slot if isinstance(op, MapGroup) else op.dst_slot
         return {s for s in running if manager.slot_of(s) == slot}
     if isinstance(op, CopyBlock):
         return {s for s in running if op.dst_block in manager.block_table(s)}

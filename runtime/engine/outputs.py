@@ -72,12 +72,12 @@ class EngineStats:
     wall_s: float
     step_s: float                 # time inside step(): ops + model + sampling + bookkeeping
     mapping_s: float              # time applying vmem page ops (inline or on the mapper thread)
-    map_stall_s: float            # of step time, blocked on mapping (inline mapping, or waiting
+    mapping_stall_s: float            # of step time, blocked on mapping (inline mapping, or waiting
                                   # for the background mapper)
     num_preemptions: int
     num_swap_preemptions: int
     recomputed_tokens: int
-    kv_usage_mean: float          # fraction of the cache's tokens live, mean over steps
+    kv_usage_mean: float          # kv_cache_usage_perc as a fraction (1 - free / total), mean over steps
     kv_usage_peak: float
     cache_bytes: int
     ttft_s: List[float] = field(default_factory=list, repr=False)
@@ -90,7 +90,7 @@ class EngineStats:
     @property
     def mapping_share(self) -> float:
         """Share of step time spent blocked on page mapping."""
-        return self.map_stall_s / self.step_s if self.step_s > 0 else 0.0
+        return self.mapping_stall_s / self.step_s if self.step_s > 0 else 0.0
 
     def as_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k not in ("ttft_s", "itl_s")}

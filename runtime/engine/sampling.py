@@ -103,3 +103,17 @@ class Sampler:
             scores = scores.scatter(0, order[drop], float("-inf"))
         probs = scores.softmax(-1)
         return int(torch.multinomial(probs, 1, generator=sample.generator))
+
+
+def per_prompt(prompts, sampling) -> List[SamplingParams]:
+    """One SamplingParams per prompt: ``sampling`` as given, or None (the defaults), or a list."""
+    if sampling is None or isinstance(sampling, SamplingParams):
+        return [sampling or SamplingParams()] * len(prompts)
+    if not isinstance(sampling, (list, tuple)) or not all(
+            isinstance(p, SamplingParams) for p in sampling):
+        raise EngineConfigError(f"sampling must be a SamplingParams or a list of them (one per "
+                                f"prompt), got {type(sampling).__name__} {str(sampling)[:40]!r}; "
+                                f"greedy decoding is SamplingParams(temperature=0), the default")
+    if len(sampling) != len(prompts):
+        raise EngineConfigError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+    return list(sampling)

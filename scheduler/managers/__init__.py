@@ -8,7 +8,7 @@
 | reserve-max     | max_seq_len tokens    | none                            | SwapOut/SwapIn         |
 | reserve-oracle  | final length tokens   | none                            | SwapOut/SwapIn         |
 | paged           | blocks of block_size  | fork + prefix (chain hash), CoW | CopyBlock, swaps       |
-| vmem            | page groups in slots  | fork + prefix (chain hash), CoW | Map/Unmap/CopyPage,... |
+| vmem            | page groups in slots  | fork + prefix (chain hash), CoW | Map/Unmap/CopyGroup,... |
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..presets import ModelSpec
-from .base import (CopyBlock, CopyPage, MapPage, MemoryManager, MemoryOp, MemoryStats, SwapIn,
-                   SwapOut, UnmapPage)
+from .base import (CopyBlock, CopyGroup, MapGroup, MemoryManager, MemoryOp, MemoryStats, SwapIn,
+                   SwapOut, UnmapGroup)
 from .common import check_int
 from .paged import PagedManager
 from .reserve import ReserveManager
@@ -55,6 +55,6 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
                        layout=layout, max_slots=max_slots, swap_bytes=swap_bytes)
 
 
-__all__ = ["POLICIES", "make_manager", "MemoryManager", "MemoryStats", "MemoryOp", "MapPage",
-           "UnmapPage", "CopyPage", "CopyBlock", "SwapOut", "SwapIn", "ReserveManager",
+__all__ = ["POLICIES", "make_manager", "MemoryManager", "MemoryStats", "MemoryOp", "MapGroup",
+           "UnmapGroup", "CopyGroup", "CopyBlock", "SwapOut", "SwapIn", "ReserveManager",
            "PagedManager", "VmemManager"]

@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Union
 # the interleaved layout. Group g is a fixed set of physical pages; the manager hands out groups.
 
 @dataclass(frozen=True)
-class MapPage:
+class MapGroup:
     """Map page group ``group`` under ``slot`` at page index ``page_index`` (tokens
     [page_index * tokens_per_page, (page_index + 1) * tokens_per_page) of that slot)."""
     slot: int
@@ -31,7 +31,7 @@ class MapPage:
 
 
 @dataclass(frozen=True)
-class UnmapPage:
+class UnmapGroup:
     """Unmap whatever is mapped under ``slot`` at ``page_index`` (it is ``group``)."""
     slot: int
     page_index: int
@@ -39,9 +39,10 @@ class UnmapPage:
 
 
 @dataclass(frozen=True)
-class CopyPage:
-    """Copy the bytes of a whole mapped page from one (slot, page_index) to another; both are
-    mapped when this op runs. Used for copy-on-write of a shared partial page."""
+class CopyGroup:
+    """Copy the bytes of the page group mapped at one (slot, page_index) into the group mapped
+    at another (every member page); both are mapped when this op runs. Used for copy-on-write
+    of a shared partial page group."""
     src_slot: int
     src_page_index: int
     dst_slot: int
@@ -89,7 +90,7 @@ class DropSwapped:
     seq_id: int
 
 
-MemoryOp = Union[MapPage, UnmapPage, CopyPage, CopyBlock, SwapOut, SwapIn, DropSwapped]
+MemoryOp = Union[MapGroup, UnmapGroup, CopyGroup, CopyBlock, SwapOut, SwapIn, DropSwapped]
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class MemoryManager(ABC):
 
     @property
     def pages_per_map_op(self) -> int:
-        """Physical pages one MapPage op maps (the cost model charges map latency per page).
+        """Physical pages one MapGroup op maps (the cost model charges map latency per page).
         1 unless the manager maps page groups (vmem: its pages_per_group)."""
         return 1
 

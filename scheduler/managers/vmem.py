@@ -15,7 +15,7 @@ A group is in one of three states:
     used         refs >= 1 (live sequences using it)
 
 Deferred reclamation: ``free`` unmaps nothing; a later sequence placed on the slot writes into
-the pages still mapped there without any op, and groups are unmapped (UnmapPage) only when the
+the pages still mapped there without any op, and groups are unmapped (UnmapGroup) only when the
 free list is empty and a group must be taken from a reclaimable one. Only refs-0 groups are ever
 reclaimed, so no live sequence loses a page it reads.
 """
@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError, SlotError
 from ..geometry import LAYOUTS, PageGeometry  # noqa: F401 (LAYOUTS re-exported)
 from ..presets import ModelSpec
-from .base import CopyPage, MapPage, MemoryStats, UnmapPage
+from .base import CopyGroup, MapGroup, MemoryStats, UnmapGroup
 from .common import check_int
 from .prefix import HeldSeq
 from .slots import FreeSlots
@@ -112,13 +112,13 @@ class VmemManager(UnitManager):
     def _map(self, slot: int, pi: int, g: int) -> None:
         self._pages[slot][pi] = g
         self._maps[g].add((slot, pi))
-        self._ops.append(MapPage(slot, pi, g))
+        self._ops.append(MapGroup(slot, pi, g))
 
     def _unmap(self, slot: int, pi: int) -> None:
         pages = self._pages[slot]
         g = pages.pop(pi)
         self._maps[g].discard((slot, pi))
-        self._ops.append(UnmapPage(slot, pi, g))
+        self._ops.append(UnmapGroup(slot, pi, g))
         self._free_slots.recount(slot, len(pages))
         if self._refs[g] == 0 and not self._maps[g]:
             del self._reclaimable[g]
@@ -135,7 +135,7 @@ class VmemManager(UnitManager):
             self.prefix.drop(g)
             for slot, pi in sorted(self._maps[g]):
                 del self._pages[slot][pi]
-                self._ops.append(UnmapPage(slot, pi, g))
+                self._ops.append(UnmapGroup(slot, pi, g))
                 self._free_slots.recount(slot, len(self._pages[slot]))
             self._maps[g].clear()
         self._refs[g], self._fill[g] = 1, 0
@@ -271,7 +271,7 @@ class VmemManager(UnitManager):
         self._unmap(slot, pi)
         self._map(slot, pi, new)
         src_slot, src_pi = min(self._maps[old])   # same physical group wherever it is mapped
-        self._ops.append(CopyPage(src_slot, src_pi, slot, pi))
+        self._ops.append(CopyGroup(src_slot, src_pi, slot, pi))
         self._fill[new] = self._fill[old]
         self._live += self._fill[old]
         seq.units[pi] = new

@@ -22,7 +22,7 @@ from vmemkv.vmem.host import HostDriver
 from .model import CacheModel, canon, small_config
 
 VMEM = ["vmem-per-layer", "vmem-interleaved", "vmem-per-layer-mapper", "vmem-interleaved-mapper"]
-EVERY_OP = {"UnmapPage", "MapPage", "CopyPage", "SwapOut", "SwapIn"}
+EVERY_OP = {"UnmapGroup", "MapGroup", "CopyGroup", "SwapOut", "SwapIn"}
 
 
 def scenario(layout: str) -> CacheModel:

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from vmemkv.runtime.cache import PagedKVCache, VMemKVCache  # noqa: E402
 from vmemkv.runtime.engine import Engine, SamplingParams  # noqa: E402
 from vmemkv.scheduler.geometry import PageGeometry  # noqa: E402
-from vmemkv.scheduler.plan import CopyBlock, CopyPage, SwapIn, SwapOut  # noqa: E402
+from vmemkv.scheduler.plan import CopyBlock, CopyGroup, SwapIn, SwapOut  # noqa: E402
 
 from tests.engine.conftest import model, prompts  # noqa: E402
 from tests.engine.test_engine_pressure import TIGHT  # noqa: E402
@@ -168,7 +168,7 @@ def test_cache_that_never_saw_a_manager_replays_recorded_plans_into_the_same_mem
     ops = [op for blob in plans for op in pickle.loads(blob).ops]
     kinds = {type(op) for op in ops}
     assert {SwapOut, SwapIn} <= kinds, "the run was meant to swap"
-    assert CopyPage in kinds or CopyBlock in kinds, "the run was meant to copy on write"
+    assert CopyGroup in kinds or CopyBlock in kinds, "the run was meant to copy on write"
     assert any(pickle.loads(b).preempted for b in plans)
     assert any(s.fork_ids for b in plans for s in pickle.loads(b).seqs), "forks n > 1"
     with replica:

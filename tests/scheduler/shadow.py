@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 
-from vmemkv.scheduler.managers import CopyBlock, CopyPage, MapPage, SwapIn, SwapOut, UnmapPage
+from vmemkv.scheduler.managers import CopyBlock, CopyGroup, MapGroup, SwapIn, SwapOut, UnmapGroup
 from vmemkv.scheduler.managers.base import DropSwapped
 
 
@@ -134,12 +134,12 @@ class VmemMemory(_Memory):
         self.slots[seq_id] = self.m.slot_of(seq_id)
 
     def apply(self, op):
-        if isinstance(op, MapPage):
+        if isinstance(op, MapGroup):
             assert (op.slot, op.page_index) not in self.aspace, f"map over a mapped page {op}"
             self.aspace[(op.slot, op.page_index)] = op.group
-        elif isinstance(op, UnmapPage):
+        elif isinstance(op, UnmapGroup):
             assert self.aspace.pop((op.slot, op.page_index), None) == op.group, op
-        elif isinstance(op, CopyPage):
+        elif isinstance(op, CopyGroup):
             src = self.aspace[(op.src_slot, op.src_page_index)]
             dst = self.aspace[(op.dst_slot, op.dst_page_index)]
             assert src != dst and self.m.ref_count(dst) == 1, op

@@ -3,7 +3,7 @@ import pytest
 
 from vmemkv.scheduler.cost import CostModel, count_map_ops
 from vmemkv.scheduler.errors import ConfigError
-from vmemkv.scheduler.managers.base import CopyBlock, MapPage
+from vmemkv.scheduler.managers.base import CopyBlock, MapGroup
 from vmemkv.scheduler.presets import get_device, get_model
 
 LLAMA, H100 = get_model("llama-3-8b"), get_device("h100")
@@ -38,7 +38,7 @@ def test_map_latency_and_paged_slowdown():
 
 
 def test_count_map_ops_counts_only_map_page():
-    ops = [MapPage(0, 0, 1), CopyBlock(1, 2), MapPage(0, 1, 2)]
+    ops = [MapGroup(0, 0, 1), CopyBlock(1, 2), MapGroup(0, 1, 2)]
     assert count_map_ops(ops) == 2 and count_map_ops([]) == 0
 
 

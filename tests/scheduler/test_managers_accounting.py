@@ -5,8 +5,8 @@ import pstats
 import pytest
 
 from vmemkv.scheduler.errors import ConfigError
-from vmemkv.scheduler.managers import (POLICIES, CopyBlock, CopyPage, MapPage, PagedManager, SwapIn,
-                                SwapOut, UnmapPage, VmemManager, make_manager)
+from vmemkv.scheduler.managers import (POLICIES, CopyBlock, CopyGroup, MapGroup, PagedManager, SwapIn,
+                                SwapOut, UnmapGroup, VmemManager, make_manager)
 from vmemkv.scheduler.presets import ModelSpec, get_model
 
 LLAMA = get_model("llama-3-8b")
@@ -80,11 +80,11 @@ def _vmem(groups=4, pages=4, tpp=2, slots=None):
 def test_vmem_growth_maps_one_group_per_page():
     m = _vmem()
     m.allocate(0, 3)
-    assert m.take_ops() == [MapPage(0, 0, 0), MapPage(0, 1, 1)]
+    assert m.take_ops() == [MapGroup(0, 0, 0), MapGroup(0, 1, 1)]
     m.append(0)                       # fills page 1: no op
     assert m.take_ops() == []
     m.append(0)
-    assert m.take_ops() == [MapPage(0, 2, 2)]
+    assert m.take_ops() == [MapGroup(0, 2, 2)]
     assert m.mapped_pages(0) == {0: 0, 1: 1, 2: 2}
 
 
@@ -111,8 +111,8 @@ def test_vmem_reclaims_on_demand_only_groups_no_live_sequence_uses():
     m.allocate(2, 2)                  # slot 1 (3 mapped pages): reuses page 0, no op
     m.allocate(3, 4)                  # slot 2: needs 2 groups, both reclaimed from slot 1
     ops = m.take_ops()
-    assert [type(o) for o in ops] == [UnmapPage, MapPage, UnmapPage, MapPage]
-    assert all(o.slot == 1 and o.page_index >= 1 for o in ops if isinstance(o, UnmapPage))
+    assert [type(o) for o in ops] == [UnmapGroup, MapGroup, UnmapGroup, MapGroup]
+    assert all(o.slot == 1 and o.page_index >= 1 for o in ops if isinstance(o, UnmapGroup))
     assert not m.can_append(0, 1)     # all 4 groups are used now
     m.check_integrity()
 
@@ -122,9 +122,9 @@ def test_vmem_fork_shares_groups_and_writer_copies_partial_page():
     m.allocate(0, 3)
     m.take_ops()
     m.fork(0, 1)
-    assert m.take_ops() == [MapPage(1, 0, 0), MapPage(1, 1, 1)]
+    assert m.take_ops() == [MapGroup(1, 0, 0), MapGroup(1, 1, 1)]
     m.append(1)                       # the child writes into the shared partial page 1
-    assert m.take_ops() == [UnmapPage(1, 1, 1), MapPage(1, 1, 2), CopyPage(0, 1, 1, 1)]
+    assert m.take_ops() == [UnmapGroup(1, 1, 1), MapGroup(1, 1, 2), CopyGroup(0, 1, 1, 1)]
     m.append(0)                       # the parent's page 1 is private again: no op
     assert m.take_ops() == [] and m.ref_count(0) == 2 and m.ref_count(1) == 1
 
@@ -138,7 +138,7 @@ def test_vmem_prefix_hit_maps_the_cached_group_under_the_new_slot():
     m.take_ops()
     assert m.allocate(2, 5, token_ids=prompt) == 4     # lands on slot 1, shares two pages
     ops = m.take_ops()
-    assert ops[:4] == [UnmapPage(1, 0, 3), MapPage(1, 0, 0), UnmapPage(1, 1, 4), MapPage(1, 1, 1)]
+    assert ops[:4] == [UnmapGroup(1, 0, 3), MapGroup(1, 0, 0), UnmapGroup(1, 1, 4), MapGroup(1, 1, 1)]
     assert (m.prefix_queries, m.prefix_hits) == (14, 4)
     assert m.allocate(3, 5, token_ids=prompt, namespace="lora-1") == 0   # other weights
     m.check_integrity()
