@@ -79,8 +79,14 @@ def _cache_flags(c) -> None:
                    help="paged: tokens per block, at most --max-context")
     c.add_argument("--max-batch", type=int, default=8, help="sequences at once")
     c.add_argument("--max-context", type=int, default=1024, help="tokens per sequence")
-    c.add_argument("--cache-bytes", type=parse_bytes, default=None, metavar="SIZE",
-                   help="KV cache budget: 512MiB, 2GiB, ... (default: max-batch x max-context)")
+    budget = c.add_mutually_exclusive_group()
+    budget.add_argument("--cache-bytes", type=parse_bytes, default=None, metavar="SIZE",
+                        help="KV cache budget: 512MiB, 2GiB, ... (default: max-batch x max-context)")
+    budget.add_argument("--memory-utilization", type=bounded(float, 0, 1, low_open=True),
+                        default=None, metavar="FRACTION",
+                        help="KV cache budget as this fraction of the device's available memory, "
+                             "in (0, 1], like vLLM's gpu_memory_utilization, on CPU or GPU "
+                             "(default: unset; --cache-bytes decides)")
     c.add_argument("--attention", default=None, help="backend name (default: the fastest here)")
     c.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
                    help="what a preempted sequence loses (swap needs --swap-bytes)")
@@ -172,6 +178,7 @@ def _engine(engine_class, model, tokenizer, args):
                         page_bytes=args.page_bytes, block_size=args.block_size,
                         max_batch=args.max_batch, max_context=args.max_context,
                         cache_bytes=args.cache_bytes, attention=args.attention,
+                        memory_utilization=args.memory_utilization,
                         preemption=args.preemption, swap_bytes=args.swap_bytes,
                         watermark=args.watermark, prefix_sharing=args.prefix_sharing,
                         background_mapper=args.background_mapper, seed=args.seed)

@@ -90,3 +90,23 @@ def test_user_errors_exit_2_with_one_line(argv, stdin, monkeypatch, capsys):
     _, err = capsys.readouterr()
     assert rc == 2
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_memory_utilization_sizes_the_cache_from_available_memory(monkeypatch, capsys):
+    from vmemkv.runtime.memory import available_memory_bytes
+    monkeypatch.setattr("sys.stdin", io.StringIO("1 2 3\n"))
+    assert main(["generate", "--memory-utilization", "0.001", "--max-new-tokens", "2", "--json",
+                 "--no-progress"]) == 0
+    stats = json.loads(capsys.readouterr().out.splitlines()[-1])["stats"]
+    budget = 0.001 * available_memory_bytes(__import__("torch").device("cpu"))
+    assert 0.5 * budget <= stats["cache_bytes"] <= 1.1 * budget and stats["output_tokens"] == 2
+
+
+@pytest.mark.parametrize("argv", [
+    ["--memory-utilization", "0"], ["--memory-utilization", "1.5"], ["--memory-utilization", "nan"],
+    ["--memory-utilization", "0.5", "--cache-bytes", "1MiB"]])
+def test_memory_utilization_out_of_range_or_beside_cache_bytes_is_one_line(argv, monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("1 2\n"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", *argv])
+    assert exit_.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
