@@ -149,10 +149,7 @@ def _profile_one(cache: str, dry_run: bool) -> dict:
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     with Engine(model, max_batch=4, max_context=64, cache=cache, attention=attention) as engine:
         engine.generate(prompts, params)                     # warm up (kernels, allocator)
-        layers, steps = engine.cache_config.num_layers, {"n": 0}
-        execute = engine.runner.execute
-        engine.runner.execute = lambda plan: (steps.__setitem__("n", steps["n"] + bool(plan.seqs)),
-                                              execute(plan))[1]
+        layers = engine.cache_config.num_layers
         activities = [ProfilerActivity.CPU] + ([] if dry_run else [ProfilerActivity.CUDA])
         with warnings.catch_warnings(record=True) as caught, torch_profile(activities=activities) as prof:
             warnings.simplefilter("always")
@@ -163,6 +160,7 @@ def _profile_one(cache: str, dry_run: bool) -> dict:
             finally:
                 if not dry_run:
                     torch.cuda.set_sync_debug_mode(0)
+        steps = {"n": engine.last_stats.steps}
     names = [e.name for e in prof.events()]
     flash = sum("flash" in n.lower() and "kernel" in n.lower() and "combine" not in n.lower()
                 for n in names)                      # split-KV's combine kernel is not a call

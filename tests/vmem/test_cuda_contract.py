@@ -244,3 +244,18 @@ def test_the_unmap_credit_is_per_thread_and_gone_in_a_rollback():
     driver.unmap(address + 2 * GRANULARITY, GRANULARITY)   # the rollback spent the credit
     assert driver_calls(stand_in)[start:] == ["cuCtxSetCurrent", "cuCtxSynchronize", "cuMemUnmap"] + [
         "cuCtxSynchronize", "cuMemUnmap"] * 2
+
+
+def test_auto_falls_back_to_host_on_a_gpu_without_virtual_memory_management(monkeypatch):
+    from vmemkv.vmem import cuda as cuda_module, open_driver
+    from vmemkv.vmem.errors import DriverUnavailableError
+
+    def refuse(device_index=None):
+        raise DriverUnavailableError("CUDA driver unavailable: device 0 does not support VMM")
+    monkeypatch.setattr(cuda_module, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(cuda_module, "CudaDriver", refuse)
+    driver = open_driver("auto")
+    assert driver.name == "host"
+    driver.close()
+    with pytest.raises(DriverUnavailableError, match="does not support VMM"):
+        open_driver("cuda")
