@@ -7,7 +7,8 @@ spent mapping pages, with and without the background mapper.
 Set-up: a random-weight Llama-style model (runtime.models "small-llama": 4 layers, hidden 256,
 8 query / 2 KV heads; fp32 on the CPU, fp16 on CUDA, where the flash backends want it), 64 requests with prompts of mixed lengths (uniform, fixed seed) and
 the same number of new tokens each (generate_batch takes one max_new_tokens), greedy, EOS
-ignored. Each configuration: one warm-up run on a few requests, then ``repeats`` timed runs of
+ignored. Every system gets the same KV bytes (``kv_budget_bytes``: what the largest
+configuration needs for max_batch full sequences; recorded as kv_MiB_every_system). Each configuration: one warm-up run on a few requests, then ``repeats`` timed runs of
 all requests; the figure is the median. tokens/s = output tokens / wall time of the whole batch
 (prefill included). ``agree`` is the share of requests whose tokens equal vmem's. Systems
 run round-robin, one repeat each in turn, so background load on the machine hits all alike;
@@ -59,6 +60,23 @@ def _model(device: str):
     return model
 
 
+def kv_budget_bytes(model, work: dict, configs: list[tuple[str, dict]]) -> int:
+    """One KV budget for every system: the most any configuration needs to hold ``max_batch``
+    full sequences (a vmem slot is whole pages: 2 MiB CUDA pages round small-llama's 512-token
+    context up to 16,384 tokens, ~1 GiB, against paged's ~32 MiB). Every engine and
+    transformers get exactly these bytes, so no system is measured with more memory."""
+    from vmemkv.runtime.engine.config import EngineConfig
+    from vmemkv.runtime.engine.engine import Engine
+    param = next(model.parameters())
+    needs = []
+    for _, options in configs:
+        cfg = EngineConfig(max_batch=work["max_batch"], max_context=work["max_context"],
+                           **{k: v for k, v in options.items() if k != "background_mapper"})
+        cc = Engine._cache_config(model, cfg, param)
+        needs.append(cc.max_batch * cc.max_context * cc.bytes_per_token)
+    return max(needs)
+
+
 class EngineSystem:
     """Our engine on one cache configuration; ``once()`` generates the whole workload."""
 
@@ -67,7 +85,7 @@ class EngineSystem:
         self.name, self.work, self.runs = name, work, []
         self.params = SamplingParams(max_new_tokens=work["new_tokens"], ignore_eos=True)
         self.engine = Engine(_model(device), max_batch=work["max_batch"], max_context=work["max_context"],
-                             **options)
+                             cache_bytes=work["kv_bytes"], **options)
         self.engine.generate(work["prompts"][:8], self.params)         # warm-up
 
     def once(self) -> None:
@@ -82,6 +100,14 @@ class EngineSystem:
                 "steps": best.steps, "kv_MiB": best.cache_bytes / MiB, "kv_peak": best.kv_usage_peak,
                 "map_ms": best.mapping_s * 1e3, "map_share": best.mapping_share,
                 "attention": best.attention, "tok_s_runs": [s.tokens_per_s for s in self.runs]}
+
+
+def hf_num_blocks(model, kv_bytes: int, block_tokens: int = 256) -> int:
+    """transformers' cache blocks (``block_tokens`` each) that fit in ``kv_bytes``."""
+    mc = model.config.get_text_config()
+    head_dim = getattr(mc, "head_dim", None) or mc.hidden_size // mc.num_attention_heads
+    bytes_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * head_dim * model.dtype.itemsize
+    return kv_bytes // (block_tokens * bytes_per_token)
 
 
 class TransformersSystem:
@@ -99,9 +125,8 @@ class TransformersSystem:
                                        eos_token_id=None)
         # sized like our engine: the same KV bytes (in its 256-token pages), step token budget
         # and batch; by default it sizes its cache from free memory (GBs to allocate per call)
-        element_bytes = _dtype(device).itemsize
-        kv_tokens = 64 * MiB // (2 * 4 * 2 * 32 * element_bytes)   # (K,V) x layers x kv_heads x dim
-        self.cb = ContinuousBatchingConfig(num_blocks=kv_tokens // 256, max_batch_tokens=2048,
+        self.cb = ContinuousBatchingConfig(num_blocks=hf_num_blocks(self.model, work["kv_bytes"]),
+                                           max_batch_tokens=2048,
                                            max_requests_per_batch=work["max_batch"])
         self.model.generate_batch(work["prompts"][:8], generation_config=self.config,
                                   continuous_batching_config=self.cb)             # warm-up
@@ -143,13 +168,16 @@ def run(quick: bool = False, out: str | None = None, threads: int = 1, device: s
     torch.set_num_threads(threads)
     warmup, repeats = 1, (1 if quick else 3)
     work = workload(quick)
+    configs = configurations(quick, device)
+    work["kv_bytes"] = kv_budget_bytes(_model(device), work, configs)
     env = environment(SEED, warmup, repeats, device=device, model=MODEL, dtype=str(_dtype(device)),
                       requests=len(work["prompts"]),
                       prompt_tokens=sum(map(len, work["prompts"])), new_tokens=work["new_tokens"],
-                      threads=torch.get_num_threads(), backends=_backends(device))
+                      threads=torch.get_num_threads(), backends=_backends(device),
+                      kv_MiB_every_system=work["kv_bytes"] / MiB)
     print_environment(env)
     systems = [EngineSystem(name, options, work, device)
-               for name, options in configurations(quick, device)]
+               for name, options in configs]
     systems.append(TransformersSystem(work, device))
     for _ in range(repeats):       # round-robin: background load hits every system alike
         for system in systems:

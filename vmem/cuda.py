@@ -6,18 +6,23 @@
     map            cuMemMap + cuMemSetAccess(read/write for this device)
     unmap          cuCtxSynchronize + cuMemUnmap: kernels already queued may still read the
                    page, and cuMemUnmap does not wait for them (PyTorch's expandable segments
-                   synchronise before unmapping for the same reason)
+                   synchronise before unmapping for the same reason). A plan synchronises once
+                   (``prepare_unmap(n)``) and its next n unmaps on that thread skip their own
+                   cuCtxSynchronize, so queued work is waited for once per plan, not per page
     release        cuMemRelease / cuMemAddressFree
     tensor         a DLPack capsule naming cuda:<index> (vmem/dlpack.py), zero copy
 
 It runs in the primary context PyTorch created on the device (retained at open, made current
-on whichever thread calls, released at close), so tensors made by PyTorch and addresses mapped
+on whichever thread calls and the thread's previous context restored after, released at close;
+a device without virtual memory management is refused at open), so tensors made by PyTorch and addresses mapped
 here are interchangeable. cuda-python is imported lazily: importing ``vmem``
 never needs it. Any CUresult other than CUDA_SUCCESS becomes a DriverCallError naming the call
 and the CUDA error name (e.g. CUDA_ERROR_OUT_OF_MEMORY).
 """
 from __future__ import annotations
 
+import sys
+import threading
 from contextlib import contextmanager
 from typing import Any, Sequence
 
@@ -84,10 +89,21 @@ class CudaDriver(Driver):
         cu = self._cu
         self._check("cuInit", cu.cuInit(0))
         self._cu_device = self._check("cuDeviceGet", cu.cuDeviceGet(self._index))
+        self._check_vmm_supported()
         self._context = self._check("cuDevicePrimaryCtxRetain",
                                     cu.cuDevicePrimaryCtxRetain(self._cu_device))
         with self._with_context():
             self._granularity = self._query_granularity()
+
+    def _check_vmm_supported(self) -> None:
+        """DriverUnavailableError unless the device supports cuMemCreate/cuMemMap (some vGPU and
+        older devices do not; the driver would fail later, on the first page)."""
+        cu = self._cu
+        attribute = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+        if not self._check("cuDeviceGetAttribute", cu.cuDeviceGetAttribute(attribute, self._cu_device)):
+            raise DriverUnavailableError(
+                f"CUDA driver unavailable: device {self._index} does not support virtual memory "
+                f"management (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0)")
 
     def _query_granularity(self) -> int:
         cu = self._cu
@@ -108,13 +124,20 @@ class CudaDriver(Driver):
     def _with_context(self):
         """Make the primary context current on the calling thread first. A thread PyTorch has
         not used (the background mapper's) has no current context, and the driver API acts on
-        the calling thread's context."""
+        the calling thread's context. A thread that had another context current (another
+        device's) gets it back afterwards, so torch's current device is never changed; a thread
+        with none keeps ours (no second switch per call on the mapper thread)."""
         if self._context is None:
             raise ClosedError("this CudaDriver is closed")
         current = self._check("cuCtxGetCurrent", self._cu.cuCtxGetCurrent())
-        if current is None or int(current) != int(self._context):
+        switched = current is None or int(current) != int(self._context)
+        if switched:
             self._check("cuCtxSetCurrent", self._cu.cuCtxSetCurrent(self._context))
-        yield
+        try:
+            yield
+        finally:
+            if switched and current is not None and int(current) != 0:
+                self._check("cuCtxSetCurrent", self._cu.cuCtxSetCurrent(current))
 
     def close(self) -> None:
         """Release our reference to the primary context (PyTorch keeps its own)."""
@@ -174,9 +197,31 @@ class CudaDriver(Driver):
                 self._cu.cuMemUnmap(address, page_bytes)  # never leave a mapping half done
                 raise
 
+    def prepare_unmap(self, num_unmaps: int) -> None:
+        """Wait for every kernel queued so far (one cuCtxSynchronize, only when
+        ``num_unmaps > 0``); the next ``num_unmaps`` unmaps on this thread then skip their own.
+        Replaces any earlier credit on this thread."""
+        self._unmap_credit().left = 0
+        if num_unmaps > 0:
+            with self._with_context():
+                self._check("cuCtxSynchronize", self._cu.cuCtxSynchronize())
+            self._unmap_credit().left = num_unmaps
+
+    def _unmap_credit(self):
+        if "_credits" not in self.__dict__:
+            self._credits = threading.local()
+        return self._credits
+
     def unmap(self, address: int, page_bytes: int) -> None:
+        credit = self._unmap_credit()
+        left = getattr(credit, "left", 0)
+        # an unmap while an exception is handled is a rollback: it may undo pages kernels
+        # queued after prepare_unmap already use, so it synchronises, and the credit is gone
+        synced = left > 0 and sys.exc_info()[0] is None
+        credit.left = left - 1 if synced else 0
         with self._with_context():
-            self._check("cuCtxSynchronize", self._cu.cuCtxSynchronize())
+            if not synced:
+                self._check("cuCtxSynchronize", self._cu.cuCtxSynchronize())
             self._check("cuMemUnmap", self._cu.cuMemUnmap(address, page_bytes))
 
     def tensor(self, address: int, num_bytes: int):

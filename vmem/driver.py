@@ -9,7 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Sequence
 
-from .errors import AlignmentError, VMemConfigError
+from .errors import AlignmentError, DriverUnavailableError, VMemConfigError
 
 __all__ = ["Driver", "open_driver", "available_drivers"]
 
@@ -58,6 +58,12 @@ class Driver(ABC):
     def unmap(self, address: int, page_bytes: int) -> None:
         """Unmap ``page_bytes`` at ``address``; the addresses stay reserved and fault again."""
 
+    def prepare_unmap(self, num_unmaps: int) -> None:
+        """Called once per plan (per op group) before its ``num_unmaps`` unmaps on this thread:
+        a driver whose unmap must wait for queued device work (CUDA) waits here once instead of
+        per page. The caller guarantees no work queued after this call reads those pages.
+        Default: nothing (the host driver's unmap never waits)."""
+
     @abstractmethod
     def tensor(self, address: int, num_bytes: int):
         """A zero-copy uint8 torch tensor over ``num_bytes`` at ``address``."""
@@ -88,7 +94,8 @@ class Driver(ABC):
 
 def open_driver(kind: str = "auto", device_index: int | None = None) -> Driver:
     """Open a driver: ``"host"`` (Linux mmap/memfd), ``"cuda"`` (CUDA VMM through cuda-python),
-    or ``"auto"`` (cuda when a GPU and cuda-python are present, else host)."""
+    or ``"auto"`` (cuda when a GPU and cuda-python are present and the device supports virtual
+    memory management, else host)."""
     if kind == "host":
         from .host import HostDriver
         return HostDriver()
@@ -97,7 +104,12 @@ def open_driver(kind: str = "auto", device_index: int | None = None) -> Driver:
         return CudaDriver(device_index)
     if kind == "auto":
         from .cuda import cuda_unavailable_reason
-        return open_driver("host" if cuda_unavailable_reason() else "cuda", device_index)
+        if cuda_unavailable_reason() is None:
+            try:
+                return open_driver("cuda", device_index)
+            except DriverUnavailableError:   # a GPU without VMM support
+                pass
+        return open_driver("host")
     raise VMemConfigError(f"unknown driver {kind!r}; choose one of 'auto', 'host', 'cuda'")
 
 

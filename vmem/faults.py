@@ -134,6 +134,9 @@ class FaultInjectingDriver(Driver):
     def tensor(self, address: int, num_bytes: int):
         return self.inner.tensor(address, num_bytes)
 
+    def prepare_unmap(self, num_unmaps: int) -> None:
+        self.inner.prepare_unmap(num_unmaps)
+
     def copy(self, dst_address: int, src_address: int, num_bytes: int) -> None:
         self._enter("copy")
         self.inner.copy(dst_address, src_address, num_bytes)

@@ -205,11 +205,31 @@ class KVCache(ABC):
         return sum(t.numel() * t.element_size() for t in self._swapped.values())
 
     def swap_buffer(self, seq_id: int) -> torch.Tensor:
-        """The host copy of swapped-out ``seq_id``: ``[layers, 2, tokens, kv_heads, head_dim]``."""
+        """The host copy of swapped-out ``seq_id``: ``[layers, 2, tokens, kv_heads, head_dim]``,
+        complete when returned (it waits for the queued device-to-host copies)."""
         try:
-            return self._swapped[seq_id]
+            buffer = self._swapped[seq_id]
         except KeyError:
             raise CacheStateError(f"sequence {seq_id} has no swapped-out data") from None
+        self._wait_for_swaps()
+        return buffer
+
+    @property
+    def swaps_are_async(self) -> bool:
+        """True on CUDA: swap copies to and from pinned host buffers are queued on the current
+        stream (non_blocking) instead of draining it. They stay ordered with every kernel and
+        copy on that stream, so a swap-in after a swap-out reads the finished bytes, and
+        torch's pinned allocator keeps a dropped buffer alive until its copy has run; only a
+        host read (``swap_buffer``) waits."""
+        return self.config.torch_device.type == "cuda"
+
+    def _swap_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One swap copy (either direction), queued in plan order; see ``swaps_are_async``."""
+        dst.copy_(src, non_blocking=self.swaps_are_async)
+
+    def _wait_for_swaps(self) -> None:
+        if self.swaps_are_async:
+            torch.cuda.current_stream(self.config.torch_device).synchronize()
 
     def swapped_tokens(self) -> dict[int, int]:
         """{seq_id: tokens} of every host copy the swap space holds."""

@@ -89,11 +89,12 @@ class PagedKVCache(KVCache):
         return self.pools.view(c.num_layers, 2, self.num_blocks * self.block_size, c.num_kv_heads, c.head_dim)
 
     def _tokens_of(self, blocks, num_tokens: int, out: torch.Tensor) -> None:
-        out.copy_(self._flat_pools()[:, :, self._flat_index(blocks, num_tokens)])
+        self._swap_copy(out, self._flat_pools()[:, :, self._flat_index(blocks, num_tokens)])
 
     def _store_tokens(self, blocks, tokens: torch.Tensor) -> None:
         index = self._flat_index(blocks, tokens.shape[2])
-        self._flat_pools().index_copy_(2, index, tokens.to(self.pools.device))
+        self._flat_pools().index_copy_(2, index, tokens.to(self.pools.device,
+                                                          non_blocking=self.swaps_are_async))
 
     # -- steps --
     def _placed(self, edit, old, index: int) -> list:

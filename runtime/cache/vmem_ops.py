@@ -42,6 +42,7 @@ class VMemOps:
         ``group``, recording the inverse of every primitive in ``journal``."""
         journal = journal if journal is not None else PlanJournal({})
         rng = self.range
+        self.driver.prepare_unmap(sum(len(self.geometry.members_of(group)) for op, _ in bound if isinstance(op, UnmapGroup)))
         for index, (op, buffer) in enumerate(bound):
             journal.op_index = index
             if isinstance(op, MapGroup):

@@ -1,23 +1,23 @@
 """benchmarks/gpu_check.sh, dry run on the CPU: every step but the CUDA calls, at toy sizes.
 
-GPU time is scarce, so the script must work the first time it meets a GPU. Two dry runs check
-its plumbing (not performance), side by side:
-- the whole script (environment, info, the GPU test selection, `bench --smoke`, the attention
-  grid at toy head sizes): every step exits 0, every GPU test is collected and skips cleanly,
-  and every output file the GPU run will be judged by appears, with the digest;
+GPU time is scarce, so the script must work the first time it meets a GPU, and must never
+report OK for a run that tested nothing. Three dry runs check its plumbing side by side:
+- the whole script (env, smoke, info, three GPU-test groups, the gate, profile, `bench --smoke`,
+  the attention grid at toy sizes): every step exits 0, every GPU test is collected and skips
+  cleanly, at most 8 plain files land in the output folder, the step timeouts sum under 420 s;
 - a partial rerun (GPU_TESTS, BENCH_ONLY, SKIP_ATTENTION) whose bench is held by the
-  VMEMKV_TEST_HOLD hook (so it can never finish) until BENCH_TIMEOUT: the timeout is reported
-  and fails the run, the
-  selections reach their steps, and the checkout's venv Python is found without PYTHON.
+  VMEMKV_TEST_HOLD hook until BENCH_TIMEOUT: the timeout is reported and fails the run;
+- REQUIRE_GPU=1: the GPU tests skip as they must on a CPU, and the gate makes that FAILED.
 """
 import json
 import os
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
+from vmemkv.benchmarks.gpu_check import gate_problems, read_results
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "benchmarks" / "gpu_check.sh")
@@ -25,22 +25,23 @@ VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
 
 
 def _start(out: Path, **extra) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VMEMKV_TEST_HOLD")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHON", "VMEMKV_TEST_HOLD", "REQUIRE_GPU", "GPU_TESTS")}
     return subprocess.Popen(["bash", SCRIPT, str(out)], env=dict(env, DRY_RUN="1", **extra),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")
 def dry_runs(tmp_path_factory):
-    """(whole run, partial run): each (returncode, stdout, out dir); the two run concurrently."""
-    whole, partial = tmp_path_factory.mktemp("gpu_check"), tmp_path_factory.mktemp("gpu_check_partial")
+    """{"whole", "partial", "require_gpu"}: each (returncode, stdout, out dir), run concurrently."""
+    outs = {name: tmp_path_factory.mktemp(f"gpu_check_{name}") for name in ("whole", "partial", "require_gpu")}
     partial_python = {} if VENV_PYTHON.exists() else {"PYTHON": sys.executable}
-    procs = [_start(whole, PYTHON=sys.executable),
-             _start(partial, GPU_TESTS="tests/vmem/test_errors.py", BENCH_ONLY="memory",
-                    SKIP_ATTENTION="1", BENCH_TIMEOUT="5", VMEMKV_TEST_HOLD="bench:memory",
-                    **partial_python)]
-    results = [(p.wait(timeout=600), p.stdout.read()) for p in procs]
-    return (*results[0], whole), (*results[1], partial)
+    quick = dict(GPU_TESTS="tests/vmem/test_errors.py", BENCH_ONLY="memory", SKIP_ATTENTION="1")
+    procs = {"whole": _start(outs["whole"], PYTHON=sys.executable),
+             "partial": _start(outs["partial"], BENCH_TIMEOUT="5", VMEMKV_TEST_HOLD="bench:memory",
+                               **quick, **partial_python),
+             "require_gpu": _start(outs["require_gpu"], REQUIRE_GPU="1", PYTHON=sys.executable, **quick)}
+    return {name: (p.wait(timeout=600), p.stdout.read(), outs[name]) for name, p in procs.items()}
 
 
 def _steps(out: Path) -> dict:
@@ -49,59 +50,98 @@ def _steps(out: Path) -> dict:
 
 
 def test_dry_run_passes_every_step(dry_runs):
-    (rc, stdout, out), _ = dry_runs
+    rc, stdout, out = dry_runs["whole"]
     assert rc == 0, stdout[-6000:]
     assert "gpu_check: OK (dry run on the CPU)" in stdout
-    assert _steps(out) == {"env": 0, "info": 0, "gpu_tests": 0, "gpu_tests_all_skipped": 0,
-                           "bench": 0, "attention": 0}
+    assert _steps(out) == {"env": 0, "smoke": 0, "info": 0, "gpu_vmem": 0, "gpu_runtime": 0,
+                           "gpu_rest": 0, "gpu_gate": 0, "profile": 0, "bench": 0, "attention": 0}
+
+
+def test_outputs_are_at_most_eight_plain_files_straight_in_the_folder(dry_runs):
+    _, _, out = dry_runs["whole"]
+    files = sorted(p.name for p in out.iterdir())
+    assert all((out / f).is_file() for f in files) and len(files) <= 8
+    assert set(files) == {"summary.txt", "steps.log", "gpu_tests.jsonl", "smoke.json",
+                          "profile.json", "bench.json", "attention.json", "artifacts.tgz"}
+
+
+def test_step_timeouts_sum_under_420_seconds(dry_runs):
+    _, _, out = dry_runs["whole"]
+    budget = [line for line in (out / "summary.txt").read_text().splitlines() if line.startswith("budget ")]
+    assert budget and int(budget[0].split()[1]) < 420
 
 
 def test_every_gpu_test_is_collected_and_skips_cleanly(dry_runs):
-    (_, _, out), _ = dry_runs
-    root = ET.parse(out / "gpu_tests.xml").getroot()
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    collected, skipped = int(suite.get("tests")), int(suite.get("skipped"))
-    assert collected == skipped and collected >= 100   # driver, cache and backend GPU tests
-    assert int(suite.get("failures")) == 0 and int(suite.get("errors")) == 0
+    _, _, out = dry_runs["whole"]
+    results = read_results(out)
+    assert len(results) >= 100                          # driver, cache and backend GPU tests
+    assert {outcome for outcome, _ in results.values()} == {"skipped"}
+    assert gate_problems(results, "skip") == []
+
+
+def test_the_smoke_and_profile_steps_write_their_verdicts(dry_runs):
+    _, _, out = dry_runs["whole"]
+    smoke = json.loads((out / "smoke.json").read_text())
+    assert smoke["dry_run"] and set(smoke["verdicts"]) >= {"versions", "map_from_thread",
+                                                           "unmap_after_kernel_per_plan"}
+    assert all(smoke["verdicts"].values())
+    versions = smoke["checks"]["versions"]
+    assert {"torch", "cuda.bindings", "transformers"} <= set(versions)
+    profile = json.loads((out / "profile.json").read_text())
+    assert set(profile["checks"]) == {"vmem", "paged"}
+    assert all(c["steps"] > 0 and c["layers"] > 1 for c in profile["checks"].values())
 
 
 def test_the_suite_writes_its_json_and_plots(dry_runs):
-    (_, _, out), _ = dry_runs
-    payload = json.loads((out / "bench" / "bench.json").read_text())
+    _, _, out = dry_runs["whole"]
+    payload = json.loads((out / "bench.json").read_text())
     assert payload["environment"]["device"] and set(payload["sections"]) >= {"alloc", "attention", "memory"}
-    assert sorted(p.name for p in (out / "bench").glob("*.png"))
+    listing = subprocess.run(["tar", "tzf", str(out / "artifacts.tgz")], capture_output=True,
+                             text=True, check=True).stdout.split()
+    assert any(name.endswith(".png") for name in listing)
+    assert {f"artifacts/{g}.xml" for g in ("gpu_vmem", "gpu_runtime", "gpu_rest")} <= set(listing)
     attention = json.loads((out / "attention.json").read_text())
     assert {r["cache"] for r in attention["results"]} == {"vmem", "paged"}
-    for log in ("env", "info", "gpu_tests", "bench", "attention"):
-        assert (out / f"{log}.log").stat().st_size > 0
-    info = (out / "info.log").read_text()
-    assert '"host"' in info and '"cuda"' in info   # both drivers reported, with reasons
+    steps_log = (out / "steps.log").read_text()
+    assert '"host"' in steps_log and '"cuda"' in steps_log   # both drivers reported, with reasons
 
 
-def test_the_digest_summarises_tests_and_attention(dry_runs):
-    (_, _, out), _ = dry_runs
+def test_the_digest_lists_counts_skip_reasons_and_versions(dry_runs):
+    _, _, out = dry_runs["whole"]
     digest = (out / "summary.txt").read_text()
-    assert "gpu tests: 0 passed, 0 failed, 0 errors," in digest
+    assert "gpu tests: 0 passed, 0 failed, 0 error," in digest
+    assert "skipped x" in digest and "no CUDA" in digest
+    assert "bench sections:" in digest and "errors: none" in digest
     assert "attention backends:" in digest and "paged/vmem" in digest and "total " in digest
+    assert "torch " in digest and "cuda.bindings " in digest and "transformers " in digest
+
+
+def test_gpu_tests_that_skipped_for_a_missing_gpu_make_the_run_fail(dry_runs):
+    rc, stdout, out = dry_runs["require_gpu"]
+    assert rc == 1 and "gpu_check: FAILED (dry run on the CPU)" in stdout
+    assert _steps(out)["gpu_gate"] == 1 and _steps(out)["gpu_tests"] == 0
+    log = (out / "steps.log").read_text()
+    assert "GATE: no GPU test passed" in log and "GATE: skipped for a missing GPU or binding" in log
 
 
 def test_a_step_past_its_timeout_is_reported_and_fails_the_run(dry_runs):
-    _, (rc, stdout, out) = dry_runs
+    rc, stdout, out = dry_runs["partial"]
     assert rc == 1 and "gpu_check: FAILED (dry run on the CPU)" in stdout
     assert _steps(out)["bench"] == 124
-    bench_log = (out / "bench.log").read_text()
-    assert "== bench: timed out after 5 s" in bench_log   # held (never finishes) or still starting
+    assert "== bench: timed out after 5 s" in (out / "steps.log").read_text()
 
 
 def test_partial_rerun_selections_reach_their_steps(dry_runs):
-    _, (_, stdout, out) = dry_runs
-    assert "attention" not in _steps(out)                                  # SKIP_ATTENTION
-    assert "--only memory" in (out / "bench.log").read_text().splitlines()[0]   # BENCH_ONLY
-    cases = list(ET.parse(out / "gpu_tests.xml").getroot().iter("testcase"))  # GPU_TESTS
-    assert cases and {c.get("classname") for c in cases} == {"tests.vmem.test_errors"}
+    _, _, out = dry_runs["partial"]
+    steps = _steps(out)
+    assert "attention" not in steps and "gpu_tests" in steps and "gpu_vmem" not in steps
+    bench_line = next(l for l in (out / "steps.log").read_text().splitlines() if l.startswith("== bench:"))
+    assert "--only memory" in bench_line                                    # BENCH_ONLY
+    tests = read_results(out)
+    assert tests and {t.split("::")[0] for t in tests} == {"tests/vmem/test_errors.py"}
 
 
 def test_the_checkouts_venv_python_is_found_without_PYTHON(dry_runs):
-    _, (_, stdout, _) = dry_runs
+    _, stdout, _ = dry_runs["partial"]
     expected = ".venv/bin/python" if VENV_PYTHON.exists() else sys.executable
     assert f"python {expected};" in stdout

@@ -2,7 +2,8 @@
 pages or a device block pool) under an unmodified HF model.
 
 fp32: the fastest backend for fp32 is sdpa (FlashAttention-2 has no fp32 kernel), and greedy
-output must equal transformers' own generate on the same GPU. fp16: the flash backend (one
+output must equal transformers' own generate on the same GPU up to a near-tie (a different
+kernel tiling may flip an argmax whose top-two logits are within 1e-3: tests/engine/near_tie.py). fp16: the flash backend (one
 kernel call per layer for batched decode) against the sdpa backend on the same fp16 model; half
 precision can flip a near-tie, so most, not all, requests must agree -- a wrong slot, length or
 block would make them disagree everywhere.
@@ -16,18 +17,10 @@ from vmemkv.runtime.engine import Engine, SamplingParams
 from vmemkv.runtime.models import build_model
 
 from .conftest import prompts, tokens
+from .near_tie import hf_greedy_with_margins, near_tie_mismatches
 from .test_engine_greedy import CACHES
 
 pytestmark = pytest.mark.gpu
-
-
-def hf_greedy_on(model, batch, max_new_tokens):
-    out = []
-    with torch.inference_mode():
-        for prompt in batch:
-            ids = torch.tensor([prompt], device=model.device)
-            out.append(model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0, len(prompt):].tolist())
-    return out
 
 
 @pytest.mark.parametrize("cache", list(CACHES))
@@ -39,7 +32,8 @@ def test_fp32_greedy_on_cuda_is_identical_to_transformers_on_cuda(cache):
                 check_integrity=True, **CACHES[cache]) as engine:
         assert engine.attention == "sdpa" and str(engine.cache.config.torch_device).startswith("cuda")
         out = engine.generate(batch, SamplingParams(max_new_tokens=10, ignore_eos=True))
-    assert tokens(out) == hf_greedy_on(reference, batch, 10)
+    reference_tokens, margins = hf_greedy_with_margins(reference, batch, 10)
+    assert near_tie_mismatches(tokens(out), reference_tokens, margins) == []
 
 
 @pytest.mark.parametrize("cache", ["vmem", "paged"])

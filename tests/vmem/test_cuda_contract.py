@@ -30,7 +30,8 @@ class LibcudaStandIn:
     ``fail`` maps a call name to the CUresult to answer on its ``fail_at``-th use (from 1).
     Each thread starts with no current context, as with the real driver."""
 
-    def __init__(self, fail: dict | None = None):
+    def __init__(self, fail: dict | None = None, vmm_supported: int = 1):
+        self.vmm_supported = vmm_supported
         self.calls: list[str] = []
         self.fail = fail or {}
         self.next_address, self.next_handle = BASE_ADDRESS, 1
@@ -68,6 +69,8 @@ class LibcudaStandIn:
             self.thread.context = args[0]
         if name == "cuMemGetAllocationGranularity":
             return (GRANULARITY,)
+        if name == "cuDeviceGetAttribute":
+            return (self.vmm_supported,)
         if name == "cuMemAddressReserve":
             address, self.next_address = self.next_address, self.next_address + args[0]
             return (cu.CUdeviceptr(address),)
@@ -86,7 +89,7 @@ def bound_driver(stand_in: LibcudaStandIn) -> CudaDriver:
 
 def driver_calls(stand_in: LibcudaStandIn) -> list[str]:
     """The calls after opening, without the cheap per-call cuCtxGetCurrent."""
-    return [c for c in stand_in.calls[6:] if c != "cuCtxGetCurrent"]
+    return [c for c in stand_in.calls[7:] if c != "cuCtxGetCurrent"]
 
 
 def test_descriptors_use_the_real_struct_and_enum_names():
@@ -110,7 +113,8 @@ def test_whole_lifecycle_passes_the_bindings_argument_checks():
     driver.release_pages(handles)
     driver.free_reservation(address, 4 * GRANULARITY)
     driver.close()
-    assert stand_in.calls[:6] == ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
+    assert stand_in.calls[:7] == ["cuInit", "cuDeviceGet", "cuDeviceGetAttribute",
+                                  "cuDevicePrimaryCtxRetain",
                                   "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemGetAllocationGranularity"]
     assert driver_calls(stand_in) == [
         "cuMemAddressReserve", "cuMemCreate", "cuMemCreate",
@@ -179,3 +183,79 @@ def test_page_sizes_off_the_granularity_are_refused_before_any_call():
         with pytest.raises(AlignmentError):
             driver.reserve(bad)
     assert driver_calls(stand_in) == []
+
+
+def test_a_device_without_virtual_memory_management_is_refused_at_open():
+    from vmemkv.vmem.errors import DriverUnavailableError
+    stand_in = LibcudaStandIn(vmm_supported=0)
+    with pytest.raises(DriverUnavailableError, match="VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0"):
+        bound_driver(stand_in)
+    assert "cuDevicePrimaryCtxRetain" not in stand_in.calls      # nothing retained to leak
+
+
+def test_a_thread_with_another_context_current_gets_it_back_after_each_call():
+    """torch's current device is the current context's: a call must not leave ours current."""
+    stand_in = LibcudaStandIn()
+    driver = bound_driver(stand_in)
+    other = cu.CUcontext(0xBEEF)
+    stand_in.thread.context = other
+    address = driver.reserve(GRANULARITY)
+    assert int(stand_in.thread.context) == 0xBEEF
+    assert driver_calls(stand_in) == ["cuCtxSetCurrent", "cuMemAddressReserve", "cuCtxSetCurrent"]
+    assert address == BASE_ADDRESS
+
+
+def _mapped_pages(driver, num_pages):
+    address = driver.reserve(num_pages * GRANULARITY)
+    handles = driver.create_pages(num_pages, GRANULARITY)
+    for i, handle in enumerate(handles):
+        driver.map(address + i * GRANULARITY, handle, GRANULARITY)
+    return address
+
+
+def test_a_plan_synchronises_once_for_all_its_unmaps_then_each_unmap_again():
+    stand_in = LibcudaStandIn()
+    driver = bound_driver(stand_in)
+    address = _mapped_pages(driver, 4)
+    start = len(driver_calls(stand_in))
+    driver.prepare_unmap(3)
+    for i in range(3):
+        driver.unmap(address + i * GRANULARITY, GRANULARITY)
+    driver.unmap(address + 3 * GRANULARITY, GRANULARITY)   # past the credit: synchronises
+    assert driver_calls(stand_in)[start:] == ["cuCtxSynchronize"] + ["cuMemUnmap"] * 3 + [
+        "cuCtxSynchronize", "cuMemUnmap"]
+    driver.prepare_unmap(0)                                # a plan without unmaps: no wait
+    assert driver_calls(stand_in)[-1] == "cuMemUnmap"
+
+
+def test_the_unmap_credit_is_per_thread_and_gone_in_a_rollback():
+    stand_in = LibcudaStandIn()
+    driver = bound_driver(stand_in)
+    address = _mapped_pages(driver, 3)
+    driver.prepare_unmap(3)
+    start = len(driver_calls(stand_in))
+    thread = threading.Thread(target=driver.unmap, args=(address, GRANULARITY))
+    thread.start()
+    thread.join()
+    try:
+        raise RuntimeError("a plan failed")
+    except RuntimeError:                                   # undo runs while handling it
+        driver.unmap(address + GRANULARITY, GRANULARITY)
+    driver.unmap(address + 2 * GRANULARITY, GRANULARITY)   # the rollback spent the credit
+    assert driver_calls(stand_in)[start:] == ["cuCtxSetCurrent", "cuCtxSynchronize", "cuMemUnmap"] + [
+        "cuCtxSynchronize", "cuMemUnmap"] * 2
+
+
+def test_auto_falls_back_to_host_on_a_gpu_without_virtual_memory_management(monkeypatch):
+    from vmemkv.vmem import cuda as cuda_module, open_driver
+    from vmemkv.vmem.errors import DriverUnavailableError
+
+    def refuse(device_index=None):
+        raise DriverUnavailableError("CUDA driver unavailable: device 0 does not support VMM")
+    monkeypatch.setattr(cuda_module, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(cuda_module, "CudaDriver", refuse)
+    driver = open_driver("auto")
+    assert driver.name == "host"
+    driver.close()
+    with pytest.raises(DriverUnavailableError, match="does not support VMM"):
+        open_driver("cuda")
