@@ -1,17 +1,22 @@
 """The vmem page geometry, owned in one place: the page layout and everything derived from it.
 
-A vmem *page group* backs one page-sized run of tokens of one slot across every layer's K and V:
+A vmem *page group* backs one run of ``tokens_per_page`` tokens of one slot across every layer's
+K and V. Each member of the group spans ``pages_per_member`` = k consecutive pages, the fewest
+whose bytes hold whole tokens (k = 1 whenever a page holds whole tokens; 2 MiB pages and a
+token of 1280 bytes give k = 5), so a token may straddle two pages but never two groups:
 
-    per-layer    a page holds one layer's K (or V):    tokens_per_page = page_bytes / layer_bytes
-                 group = 2 * num_layers pages, member j = (layer j // 2, kv j % 2)
-    interleaved  a page holds all layers' K (or V):    tokens_per_page = page_bytes / (L * layer_bytes)
-                 group = 2 pages, member j = kv j
+    per-layer    a page holds one layer's K (or V):  tokens_per_page = k * page_bytes / layer_bytes
+                 group = 2 * num_layers * k pages, member j = (layer j // 2, kv j % 2)
+    interleaved  a page holds all layers' K (or V):  tokens_per_page = k * page_bytes / (L * layer_bytes)
+                 group = 2 * k pages, member j = kv j
 
-where layer_bytes = kv_heads * head_dim * dtype bytes, one layer's K of one token. Managers, the
+where layer_bytes = kv_heads * head_dim * dtype bytes, one layer's K of one token, and
+``tokens_per_page`` counts tokens per page group (of one member's k pages). Managers, the
 simulator, caches and the engine all read these numbers from a :class:`PageGeometry`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -91,13 +96,26 @@ class PageGeometry:
         return _per_token_bytes(self.layout, self.num_layers, self.layer_bytes_per_token)
 
     @property
+    def num_members(self) -> int:
+        """Members of a page group: one per (layer, K/V) per-layer, one per K/V interleaved."""
+        return 2 * self.num_layers if self.per_layer else 2
+
+    @property
+    def pages_per_member(self) -> int:
+        """Consecutive pages one member of a page group spans: the fewest whose bytes hold
+        whole tokens (1 when a page does)."""
+        return self.token_bytes // math.gcd(self.token_bytes, self.page_bytes)
+
+    @property
     def tokens_per_page(self) -> int:
-        return self.page_bytes // self.token_bytes
+        """Tokens one page group holds (in each member's ``pages_per_member`` pages); a whole
+        number for every page size."""
+        return self.pages_per_member * self.page_bytes // self.token_bytes
 
     @property
     def pages_per_group(self) -> int:
         """Physical pages behind one page group (one MapGroup)."""
-        return 2 * self.num_layers if self.per_layer else 2
+        return self.num_members * self.pages_per_member
 
     @property
     def group_bytes(self) -> int:
@@ -105,8 +123,8 @@ class PageGeometry:
 
     @property
     def exact(self) -> bool:
-        """Whether a page holds whole tokens only (what a real cache needs)."""
-        return self.tokens_per_page * self.token_bytes == self.page_bytes
+        """Whether one page holds whole tokens only (else members span several pages)."""
+        return self.pages_per_member == 1
 
     def round_up_tokens(self, tokens: int) -> int:
         """``tokens`` rounded up to whole pages."""

@@ -3,13 +3,15 @@
 One VirtualRange holds the whole cache. Page layouts (B = slots, C = max_context tokens):
 
     per-layer   [layers, 2 (K,V), B, C, kv_heads, head_dim]   a page holds one layer's K (or V)
-                page index of (layer, kv, slot, i) = ((layer * 2 + kv) * B + slot) * P + i
+                first page of (layer, kv, slot, i) = (((layer * 2 + kv) * B + slot) * P + i) * k
     interleaved [2 (K,V), B, C, layers, kv_heads, head_dim]   a page holds all layers' K (or V)
-                page index of (kv, slot, i)        = (kv * B + slot) * P + i
+                first page of (kv, slot, i)        = ((kv * B + slot) * P + i) * k
 
-where P = C / tokens_per_page pages per slot. Page group g (the manager's unit) is the fixed
-set of pool pages [g * pages_per_group, (g + 1) * pages_per_group): member j backs
-(layer j // 2, kv j % 2) in per-layer, (kv j) in interleaved (see scheduler.geometry). The cache
+where P = C / tokens_per_page page groups per slot and k = pages_per_member consecutive pages
+per member (1 when a page holds whole tokens; else a token may straddle two pages). Page group
+g (the manager's unit) is the fixed set of pool pages [g * pages_per_group, (g + 1) *
+pages_per_group): member j, k pages, backs (layer j // 2, kv j % 2) in per-layer, (kv j) in
+interleaved (see scheduler.geometry). The cache
 keeps a replica of what plans mapped (slot -> {page index: group}) and where they placed each
 sequence (seq -> slot); it never asks a manager.
 """
@@ -110,10 +112,6 @@ class VMemKVCache(VMemOps, KVCache):
                 f"geometry is for {geometry.num_layers} layers of {geometry.layer_bytes_per_token} "
                 f"bytes per token; CacheConfig has {config.num_layers} of "
                 f"{config.layer_bytes_per_token}")
-        if not geometry.exact:
-            raise CacheConfigError(
-                f"page of {geometry.page_bytes} bytes holds {geometry.page_bytes / geometry.token_bytes:g} "
-                f"tokens of this cache's {geometry.layout.value} layout; it must hold whole tokens")
         if config.max_context % geometry.tokens_per_page:
             raise CacheConfigError(
                 f"CacheConfig.max_context {config.max_context} is not a whole number of pages of "
@@ -257,8 +255,9 @@ class VMemKVCache(VMemOps, KVCache):
         expected = {}
         for slot, pages in enumerate(self._slot_pages):
             for pi, g in pages.items():
-                for j in range(self.pages_per_group):
-                    expected[self._page_index(j, slot, pi)] = self._pool_pages[g * self.pages_per_group + j]
+                for j in range(self.geometry.num_members):
+                    for page_index, pool_page in self._member_pages(j, slot, pi, g):
+                        expected[page_index] = self._pool_pages[pool_page]
         assert self.range.mapped_pages() == expected, "range mappings differ from the plans' mappings"
         self.pool.check_integrity()
 

@@ -1,8 +1,10 @@
 """VMemOps: how a bound vmem plan's ops become driver calls and copies, each inverse journaled.
 
 Page index arithmetic (see vmem_cache's module docstring): member j of a page group under
-(slot, page_index) lives at range page ``(j * max_batch + slot) * pages_per_slot + page_index``,
-where j = layer * 2 + kv (per-layer) or j = kv (interleaved).
+(slot, page_index) spans the k = ``pages_per_member`` range pages from
+``((j * max_batch + slot) * pages_per_slot + page_index) * k``, backed by pool pages
+``group * pages_per_group + j * k ...``, where j = layer * 2 + kv (per-layer) or j = kv
+(interleaved).
 """
 from __future__ import annotations
 
@@ -32,9 +34,13 @@ class VMemOps:
                 journal.replica_undo.append(lambda p=pages, i=op.page_index, o=old:
                                             p.pop(i, None) if o is None else p.__setitem__(i, o))
 
-    def _page_index(self, member: int, slot: int, page_index: int) -> int:
-        # per-layer: member j = layer * 2 + kv; interleaved: member j = kv
-        return (member * self.config.max_batch + slot) * self.pages_per_slot + page_index
+    def _member_pages(self, member: int, slot: int, page_index: int, group: int = 0) -> list:
+        """[(range page, pool page)] backing ``member`` of ``group`` mapped under (slot,
+        page_index); per-layer: member j = layer * 2 + kv; interleaved: member j = kv."""
+        k = self.geometry.pages_per_member
+        first = ((member * self.config.max_batch + slot) * self.pages_per_slot + page_index) * k
+        base = group * self.pages_per_group + member * k
+        return [(first + i, base + i) for i in range(k)]
 
     def _apply_layer_group(self, bound: Sequence, group: int,
                            journal: Optional[PlanJournal] = None) -> None:
@@ -46,21 +52,23 @@ class VMemOps:
         for index, (op, buffer) in enumerate(bound):
             journal.op_index = index
             if isinstance(op, MapGroup):
-                base = op.group * self.pages_per_group
                 for j in self.geometry.members_of(group):
-                    page_index = self._page_index(j, op.slot, op.page_index)
-                    rng.map(page_index, self._pool_pages[base + j])
-                    journal.add(lambda pi=page_index: rng.unmap(pi))
+                    pages = self._member_pages(j, op.slot, op.page_index, op.group)
+                    for page_index, pool_page in pages:
+                        rng.map(page_index, self._pool_pages[pool_page])
+                        journal.add(lambda pi=page_index: rng.unmap(pi))
             elif isinstance(op, UnmapGroup):
                 for j in self.geometry.members_of(group):
-                    page_index = self._page_index(j, op.slot, op.page_index)
-                    page_id = rng.unmap(page_index)
-                    journal.add(lambda pi=page_index, pid=page_id: rng.map(pi, pid))
+                    for page_index, _ in self._member_pages(j, op.slot, op.page_index):
+                        page_id = rng.unmap(page_index)
+                        journal.add(lambda pi=page_index, pid=page_id: rng.map(pi, pid))
             elif isinstance(op, CopyGroup):
                 for j in self.geometry.members_of(group):
-                    dst = self._page_index(j, op.dst_slot, op.dst_page_index)
-                    self._save_bytes(journal, dst * self.page_bytes, self.page_bytes)
-                    rng.copy_page(dst, self._page_index(j, op.src_slot, op.src_page_index))
+                    dst_pages = self._member_pages(j, op.dst_slot, op.dst_page_index)
+                    src_pages = self._member_pages(j, op.src_slot, op.src_page_index)
+                    for (dst, _), (src_page, _) in zip(dst_pages, src_pages):
+                        self._save_bytes(journal, dst * self.page_bytes, self.page_bytes)
+                        rng.copy_page(dst, src_page)
             elif isinstance(op, SwapOut):
                 for layer in self.geometry.layers_of(group):  # buffer: (layers, 2, tokens, heads, dim)
                     buffer[layer, 0].copy_(self._k[layer][op.slot, :op.num_tokens])

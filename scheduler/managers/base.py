@@ -17,9 +17,10 @@ from typing import Optional, Sequence, Union
 
 
 # ---- memory operations -------------------------------------------------------------------
-# vmem mode. A "page group" is every physical page that backs one page-sized run of tokens of
-# one slot across all layers' K and V: 2 * num_layers pages in the per-layer layout, 2 pages in
-# the interleaved layout. Group g is a fixed set of physical pages; the manager hands out groups.
+# vmem mode. A "page group" is every physical page that backs one run of tokens_per_page tokens
+# of one slot across all layers' K and V: 2 * num_layers members in the per-layer layout, 2 in
+# the interleaved layout, each member k >= 1 pages (the fewest holding whole tokens; see
+# scheduler.geometry). Group g is a fixed set of physical pages; the manager hands out groups.
 
 @dataclass(frozen=True)
 class MapGroup:

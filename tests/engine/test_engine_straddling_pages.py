@@ -1,0 +1,86 @@
+"""Models whose bytes per token do not divide the page (issue 17 item 1) run on the host driver
+forced to 4 KiB or 64 KiB pages, as they would on CUDA's 2 MiB pages: greedy output through
+``Engine`` (prefix sharing and forks on) and through ``VMemCache`` equals transformers' own
+generate. (4 KiB keeps page groups small enough for a prompt to fill, so prefixes are hit.)"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from vmemkv.runtime.engine import Engine, SamplingParams  # noqa: E402
+from vmemkv.runtime.hf import VMemCache  # noqa: E402
+
+from .conftest import prompts, tokens  # noqa: E402
+
+KiB = 2**10
+SMALL_PAGE, PAGE = 4 * KiB, 64 * KiB
+# name -> (LlamaConfig fields, layout, pages per page-group member); fp32 bytes per token per page
+SHAPES = {
+    "head_dim-80": (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=80), "per-layer", 5),
+    "head_dim-96": (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=96), "per-layer", 3),
+    "3-kv-heads": (dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
+                        head_dim=16), "per-layer", 3),
+    "interleaved-28-layers": (dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   num_hidden_layers=28), "interleaved", 7),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _model(name: str):
+    fields = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    fields.update(SHAPES[name][0])
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+
+
+def _reference(name: str, batch, new_tokens: int) -> list:
+    """transformers' generate with its default cache, one prompt at a time, EOS ignored."""
+    model, out = _model(name), []
+    with torch.inference_mode():
+        for prompt in batch:
+            ids = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                                 min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+            out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_engine_greedy_on_straddling_pages_equals_transformers_with_prefix_sharing(name):
+    _, layout, pages_per_member = SHAPES[name]
+    base = prompts(1, 70, 70, seed=4)[0]
+    batch = [base, base + [7, 8, 9], base[:20] + [1, 2, 3], prompts(1, 5, 30, seed=5)[0]]
+    expected = _reference(name, batch, 6)
+    model = _model(name)
+    with Engine(model, max_batch=4, max_context=128, layout=layout, page_bytes=SMALL_PAGE,
+                prefix_sharing=True, check_integrity=True) as engine:
+        assert engine.cache.geometry.pages_per_member == pages_per_member
+        out = engine.generate(batch, SamplingParams(max_new_tokens=6, ignore_eos=True))
+        assert engine.scheduler.gauges()["prefix_cache_hits"] > 0
+        forked = engine.generate([batch[1]], SamplingParams(max_new_tokens=6, n=2, ignore_eos=True))
+    assert tokens(out) == expected
+    assert [o.token_ids for o in forked[0].outputs] == [expected[1]] * 2
+
+
+@pytest.mark.parametrize("name", ["head_dim-80", "interleaved-28-layers"])
+def test_vmem_cache_greedy_on_straddling_pages_equals_default_cache(name):
+    _, layout, pages_per_member = SHAPES[name]
+    model = _model(name)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 256, (3, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0                       # left padding
+    with torch.inference_mode():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
+                              do_sample=False, pad_token_id=0)
+        with VMemCache.from_model_config(model.config, max_batch=3, max_context=64, layout=layout,
+                                         page_bytes=PAGE) as cache:
+            assert cache.kv.geometry.pages_per_member == pages_per_member
+            got = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
+                                 do_sample=False, pad_token_id=0, cache=cache)
+            cache.manager.check_integrity()
+    assert torch.equal(got, want)
