@@ -48,7 +48,10 @@ class VMemOps:
         ``group``, recording the inverse of every primitive in ``journal``."""
         journal = journal if journal is not None else PlanJournal({})
         rng = self.range
-        self.driver.prepare_unmap(sum(len(self.geometry.members_of(group)) for op, _ in bound if isinstance(op, UnmapGroup)))
+        # one device synchronise for every page this group unmaps, not one per page
+        unmaps = sum(isinstance(op, UnmapGroup) for op, _ in bound)
+        self.driver.prepare_unmap(unmaps * len(self.geometry.members_of(group))
+                                  * self.geometry.pages_per_member)
         for index, (op, buffer) in enumerate(bound):
             journal.op_index = index
             if isinstance(op, MapGroup):
@@ -71,16 +74,16 @@ class VMemOps:
                         rng.copy_page(dst, src_page)
             elif isinstance(op, SwapOut):
                 for layer in self.geometry.layers_of(group):  # buffer: (layers, 2, tokens, heads, dim)
-                    buffer[layer, 0].copy_(self._k[layer][op.slot, :op.num_tokens])
-                    buffer[layer, 1].copy_(self._v[layer][op.slot, :op.num_tokens])
+                    self._swap_copy(buffer[layer, 0], self._k[layer][op.slot, :op.num_tokens])
+                    self._swap_copy(buffer[layer, 1], self._v[layer][op.slot, :op.num_tokens])
             elif isinstance(op, SwapIn):
                 for layer in self.geometry.layers_of(group):
                     for cache in (self._k[layer], self._v[layer]):
                         target = cache[op.slot, :op.num_tokens]
                         saved = target.clone()
                         journal.add(lambda t=target, s=saved: t.copy_(s))
-                    self._k[layer][op.slot, :op.num_tokens].copy_(buffer[layer, 0])
-                    self._v[layer][op.slot, :op.num_tokens].copy_(buffer[layer, 1])
+                    self._swap_copy(self._k[layer][op.slot, :op.num_tokens], buffer[layer, 0])
+                    self._swap_copy(self._v[layer][op.slot, :op.num_tokens], buffer[layer, 1])
             else:
                 raise CacheStateError(f"VMemKVCache cannot execute {op!r}")
 

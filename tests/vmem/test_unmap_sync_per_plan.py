@@ -43,17 +43,22 @@ def announced_groups(events):
     return [tuple(g) for g in groups]
 
 
+@pytest.mark.parametrize("head_dim, context, short", [
+    (16, 64, 32),      # 128-byte tokens: 32 per 4 KiB page
+    (20, 256, 128),    # 160-byte tokens straddle pages: each group member spans 5 pages
+])
 @pytest.mark.parametrize("layout", ["per_layer", "interleaved"])
-def test_each_op_group_announces_exactly_the_unmaps_it_makes(layout):
-    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, max_batch=4, max_context=64)
+def test_each_op_group_announces_exactly_the_unmaps_it_makes(layout, head_dim, context, short):
+    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=head_dim, max_batch=4,
+                         max_context=context)
     driver = RecordingDriver(open_driver("host"))
     cache = make_kv(config, "vmem", page_bytes=4096, driver=driver, layout=layout.replace("_", "-"),
                     cache_bytes=3 * config.max_context * config.bytes_per_token)
     mgr = cache.manager
-    run_plan(mgr, cache, lambda: [mgr.allocate(s, 32) for s in range(3)] + [mgr.allocate(3, 64)])
+    run_plan(mgr, cache, lambda: [mgr.allocate(s, short) for s in range(3)] + [mgr.allocate(3, context)])
     run_plan(mgr, cache, lambda: [mgr.free(s) for s in range(3)])     # pages stay mapped
     driver.events.clear()
-    run_plan(mgr, cache, lambda: (mgr.allocate(4, 64), mgr.allocate(5, 64)))  # reclaims one
+    run_plan(mgr, cache, lambda: (mgr.allocate(4, context), mgr.allocate(5, context)))  # reclaims
     groups = announced_groups(driver.events)
     unmaps = driver.events.count("unmap")
     assert unmaps > 0 and all(n == made for n, made in groups)
