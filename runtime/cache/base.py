@@ -27,7 +27,6 @@ from vmemkv.scheduler.plan import DropSwapped, DropTable, SwapIn, SwapOut
 
 from ..config import CacheConfig
 from ..errors import CacheStateError, PlanExecutionError
-from ..memory import check_fits_device, device_memory_bytes  # noqa: F401  (moved; re-exported)
 from .journal import PlanJournal
 
 

@@ -17,7 +17,8 @@ from vmemkv.scheduler.plan import CopyBlock, DropSwapped, EditBlocks, SwapIn, Sw
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError
-from .base import KVCache, StepBatch, check_fits_device
+from ..memory import check_fits_device
+from .base import KVCache, StepBatch
 from .journal import PlanJournal
 
 

@@ -29,7 +29,8 @@ from vmemkv.scheduler.plan import CopyGroup, DropSwapped, MapGroup, SetSlot, Swa
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError
-from .base import KVCache, StepBatch, check_fits_device
+from ..memory import check_fits_device
+from .base import KVCache, StepBatch
 from .journal import PlanJournal
 from .mapper import BackgroundMapper, DeferredUndo
 from .vmem_ops import VMemOps
