@@ -9,7 +9,6 @@ hundred engine requests, a third aborted at random points, leave nothing held ei
 import gc
 import os
 import random
-import time
 
 import pytest
 
