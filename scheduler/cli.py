@@ -18,7 +18,8 @@ from .presets import DEVICES, MODELS
 from .progress import Progress
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
 from .simulator import LAYOUTS, POLICIES, SimConfig, simulate
-from .workload import WorkloadSpec, generate, read_trace, write_trace
+from .traces import fit_to_length, load_trace, trace_names
+from .workload import WorkloadSpec, generate, write_trace
 
 __all__ = ["parse_bytes", "register", "run", "format_table"]
 
@@ -74,11 +75,18 @@ def _workload_flags(w) -> None:
     w.add_argument("--output-mean", type=TOKENS, default=374.0, help="output length mean, tokens")
     w.add_argument("--output-p95", type=TOKENS, default=1118.0, help="output length p95, tokens")
     w.add_argument("--max-len", type=POSITIVE_INT, default=4096,
-                   help="max tokens per sequence (prompt + output clipped to it)")
+                   help="max tokens per sequence (prompt + output clipped to it; longer trace "
+                        "requests are scaled down to it, prompt and output in proportion)")
     w.add_argument("--arrival-rate", type=bounded(float, 0), default=0.0,
                    help="Poisson arrivals, requests/s (0: all at time 0)")
-    w.add_argument("--trace", metavar="FILE",
-                   help="JSONL trace (prompt_len, output_len, arrival_s) (default: generate one)")
+    w.add_argument("--trace", metavar="NAME|FILE",
+                   help=f"a bundled trace ({', '.join(trace_names())}) or a trace file "
+                        f"(.csv Azure, .jsonl Mooncake or prompt_len/output_len/arrival_s, .gz) "
+                        f"replayed with its arrival times (default: generate a workload)")
+    w.add_argument("--rate-scale", type=bounded(float, 0, low_open=True), default=1.0,
+                   help="with --trace: replay X times as fast (arrival times divided by X)")
+    w.add_argument("--max-requests", type=POSITIVE_INT, default=None,
+                   help="with --trace: keep the first N requests by arrival (default: all)")
     w.add_argument("--write-trace", metavar="FILE",
                    help="also write the workload as a JSONL trace (default: don't)")
 
@@ -124,7 +132,16 @@ def check_deployment(args) -> None:
 
 def _entries(args):
     if args.trace:
-        return read_trace(args.trace)
+        entries = load_trace(args.trace, rate_scale=args.rate_scale, max_requests=args.max_requests)
+        entries, scaled = fit_to_length(entries, args.max_len)
+        if scaled:
+            sys.stderr.write(f"vmemkv simulate: {scaled:,} of {len(entries):,} trace requests were "
+                             f"longer than --max-len {args.max_len} tokens and were scaled down "
+                             f"to it\n")
+        return entries
+    if args.rate_scale != 1.0 or args.max_requests is not None:
+        raise ConfigError("--rate-scale and --max-requests apply to --trace; for a generated "
+                          "workload use --arrival-rate and --requests")
     spec = WorkloadSpec(num_requests=args.requests, prompt_median=args.prompt_median,
                         prompt_p95=args.prompt_p95, output_mean=args.output_mean,
                         output_p95=args.output_p95, max_total_len=args.max_len,

@@ -6,7 +6,9 @@ outputs by mean and 95th percentile. Arrivals are all at time 0 (an offline batc
 a given rate (requests per second). Generation uses ``random.Random(seed)`` only, so a seed names
 one workload on every machine.
 
-Traces are JSONL, one object per line: ``{"prompt_len": 584, "output_len": 374, "arrival_s": 0.0}``.
+Traces are JSONL, one object per line: ``{"prompt_len": 584, "output_len": 374, "arrival_s": 0.0}``
+(plus ``"hash_ids"`` when the entry has them). ``scheduler/traces.py`` reads the bundled real
+traces (Azure, Mooncake) by name and every supported file format by path.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class TraceEntry:
     prompt_len: int     # tokens in the prompt, >= 1
     output_len: int     # tokens to generate, >= 1
     arrival_s: float    # seconds after the start of the run, >= 0
+    hash_ids: Tuple[int, ...] = ()   # Mooncake traces: ids of the prompt's 512-token blocks
 
     @property
     def total_len(self) -> int:
@@ -104,29 +107,14 @@ def write_trace(path: str, entries: Iterable[TraceEntry]) -> None:
     """Write ``entries`` as JSONL (one object per line)."""
     with open(path, "w", encoding="utf-8") as f:
         for e in entries:
-            f.write(json.dumps({"prompt_len": e.prompt_len, "output_len": e.output_len,
-                                "arrival_s": e.arrival_s}) + "\n")
+            obj = {"prompt_len": e.prompt_len, "output_len": e.output_len, "arrival_s": e.arrival_s}
+            if e.hash_ids:
+                obj["hash_ids"] = list(e.hash_ids)
+            f.write(json.dumps(obj) + "\n")
 
 
-def read_trace(path: str) -> List[TraceEntry]:
-    """Read a JSONL trace. Blank lines are skipped; any bad line raises ConfigError naming the
-    file and line number. Entries are returned sorted by arrival (stable)."""
-    entries = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip():
-                entries.append(_parse_line(line, f"{path} line {lineno}"))
-    if not entries:
-        raise ConfigError(f"trace {path} has no requests")
-    entries.sort(key=lambda e: e.arrival_s)
-    return entries
-
-
-def _parse_line(line: str, where: str) -> TraceEntry:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{where}: not JSON ({error.msg})") from None
+def parse_trace_object(obj, where: str) -> TraceEntry:
+    """One decoded line of the project's JSONL format; ``ConfigError`` naming ``where`` if bad."""
     if not isinstance(obj, dict):
         raise ConfigError(f"{where}: expected an object, got {type(obj).__name__}")
     values = []
@@ -138,4 +126,8 @@ def _parse_line(line: str, where: str) -> TraceEntry:
     arrival = obj.get("arrival_s", 0.0)
     if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:
         raise ConfigError(f"{where}: arrival_s must be a finite number >= 0, got {arrival!r}")
-    return TraceEntry(values[0], values[1], float(arrival))
+    hash_ids = obj.get("hash_ids", [])
+    if not isinstance(hash_ids, list) or not all(
+            isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids):
+        raise ConfigError(f"{where}: hash_ids must be a list of ints >= 0, got {hash_ids!r}")
+    return TraceEntry(values[0], values[1], float(arrival), tuple(hash_ids))

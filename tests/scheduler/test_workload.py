@@ -7,7 +7,8 @@ import pytest
 from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.metrics import percentile
 from vmemkv.scheduler.workload import (TraceEntry, WorkloadSpec, generate, lognormal_from_mean_p95,
-                                lognormal_from_median_p95, read_trace, write_trace)
+                                lognormal_from_median_p95, write_trace)
+from vmemkv.scheduler.traces import load_trace
 
 UNCLIPPED = dict(num_requests=20_000, max_total_len=10**9, seed=7)
 
@@ -68,13 +69,13 @@ def test_trace_round_trip(tmp_path):
     entries = generate(WorkloadSpec(num_requests=200, arrival_rate=5.0, seed=11))
     path = tmp_path / "trace.jsonl"
     write_trace(str(path), entries)
-    assert read_trace(str(path)) == entries
+    assert load_trace(str(path)) == entries
 
 
 def test_trace_skips_blank_lines_and_defaults_arrival(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text('{"prompt_len": 3, "output_len": 4}\n\n{"prompt_len": 1, "output_len": 1, "arrival_s": 0.5}\n')
-    assert read_trace(str(path)) == [TraceEntry(3, 4, 0.0), TraceEntry(1, 1, 0.5)]
+    assert load_trace(str(path)) == [TraceEntry(3, 4, 0.0), TraceEntry(1, 1, 0.5)]
 
 
 @pytest.mark.parametrize("bad", [
@@ -91,11 +92,11 @@ def test_bad_trace_line_is_a_config_error_naming_the_line(tmp_path, bad):
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"prompt_len": 2, "output_len": 2}) + "\n" + bad + "\n")
     with pytest.raises(ConfigError, match="line 2"):
-        read_trace(str(path))
+        load_trace(str(path))
 
 
 def test_empty_trace_is_a_config_error(tmp_path):
     path = tmp_path / "t.jsonl"
     path.write_text("\n")
     with pytest.raises(ConfigError, match="no requests"):
-        read_trace(str(path))
+        load_trace(str(path))

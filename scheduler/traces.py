@@ -1,0 +1,242 @@
+"""Real request traces, bundled with the package and replayed by name, and any trace file by path.
+
+Bundled (``scheduler/data/traces/``, gzip; licences and attribution in its README.md):
+
+    azure-conv              Azure LLM inference 2023, conversation service  CC-BY 4.0    19,366 rows
+    azure-code              Azure LLM inference 2023, code service          CC-BY 4.0     8,819 rows
+    mooncake-conversation   Mooncake (Kimi), conversation trace             Apache-2.0   12,031 rows
+    mooncake-synthetic      Mooncake, synthetic trace                       Apache-2.0    3,993 rows
+
+Every loader returns ``TraceEntry`` objects sorted by arrival (stable), arrivals in seconds
+(Azure's wall-clock stamps become seconds after its first request). Mooncake entries keep their ``hash_ids``: ids of 512-token prompt
+blocks, equal ids meaning equal blocks (``prompt_token_ids`` makes tokens up from them, so equal
+ids give equal tokens and prefix caching sees the trace's real sharing). A path is read by its
+format: ``.csv`` (Azure columns), JSONL with Mooncake keys, or the project's own JSONL
+(``prompt_len``, ``output_len``, ``arrival_s``, optional ``hash_ids``); ``.gz`` is decompressed.
+"""
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+import math
+import random
+from dataclasses import dataclass, replace
+from datetime import datetime
+from importlib import resources
+from typing import Dict, Iterator, List, Optional, Tuple
+
+from .errors import ConfigError
+from .workload import TraceEntry, parse_trace_object
+
+MOONCAKE_BLOCK_TOKENS = 512   # tokens per Mooncake hash block
+
+
+@dataclass(frozen=True)
+class BundledTrace:
+    """One trace shipped with the package."""
+    name: str
+    file: str          # under scheduler/data/traces/
+    source: str
+    license: str
+    rows: int          # requests in the file
+
+
+BUNDLED: Dict[str, BundledTrace] = {t.name: t for t in (
+    BundledTrace("azure-conv", "azure_llm_2023_conv.csv.gz",
+                 "Azure LLM inference trace 2023, conversation (Patel et al., Splitwise, ISCA 2024)",
+                 "CC-BY 4.0", 19366),
+    BundledTrace("azure-code", "azure_llm_2023_code.csv.gz",
+                 "Azure LLM inference trace 2023, code (Patel et al., Splitwise, ISCA 2024)",
+                 "CC-BY 4.0", 8819),
+    BundledTrace("mooncake-conversation", "mooncake_conversation.jsonl.gz",
+                 "Mooncake conversation trace (Qin et al., FAST 2025)", "Apache-2.0", 12031),
+    BundledTrace("mooncake-synthetic", "mooncake_synthetic.jsonl.gz",
+                 "Mooncake synthetic trace (Qin et al., FAST 2025)", "Apache-2.0", 3993),
+)}
+
+
+def trace_names() -> Tuple[str, ...]:
+    """Names of the bundled traces, for ``--trace NAME``."""
+    return tuple(BUNDLED)
+
+
+def load_trace(name_or_path: str, *, rate_scale: float = 1.0,
+               max_requests: Optional[int] = None) -> List[TraceEntry]:
+    """The trace named (bundled) or at a path, sorted by arrival.
+
+    ``rate_scale`` X divides every arrival time by X (X = 2 replays twice as fast); ``max_requests``
+    keeps the first N by arrival. Bad values raise ``ConfigError`` naming the value and the limit;
+    a bad file raises ``ConfigError`` naming the file and line."""
+    if isinstance(rate_scale, bool) or not (isinstance(rate_scale, (int, float))
+                                            and 0 < rate_scale < math.inf):
+        raise ConfigError(f"rate_scale must be a finite number > 0, got {rate_scale!r}")
+    if max_requests is not None and (isinstance(max_requests, bool)
+                                     or not isinstance(max_requests, int) or max_requests < 1):
+        raise ConfigError(f"max_requests must be an int >= 1, got {max_requests!r}")
+    if name_or_path in BUNDLED:
+        entries = _read_bundled(BUNDLED[name_or_path])
+    else:
+        entries = _read_path(name_or_path)
+    if max_requests is not None:
+        entries = entries[:max_requests]
+    if rate_scale != 1.0:
+        entries = [replace(e, arrival_s=e.arrival_s / rate_scale) for e in entries]
+    return entries
+
+
+def _read_bundled(trace: BundledTrace) -> List[TraceEntry]:
+    data = resources.files(__package__).joinpath("data", "traces", trace.file).read_bytes()
+    text = gzip.decompress(data).decode("utf-8")
+    return _parse(text, trace.file.removesuffix(".gz"), trace.name)
+
+
+def _read_path(path: str) -> List[TraceEntry]:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"trace {path!r} is neither a bundled trace ({', '.join(BUNDLED)}) "
+                          f"nor an existing file") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read trace {path!r}: {error.strerror}") from None
+    if path.endswith(".gz"):
+        try:
+            data = gzip.decompress(data)
+        except OSError as error:
+            raise ConfigError(f"trace {path}: not gzip ({error})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"trace {path}: not UTF-8 text") from None
+    name = path[:-3] if path.endswith(".gz") else path
+    return _parse(text, name, path)
+
+
+def _parse(text: str, file_name: str, where: str) -> List[TraceEntry]:
+    """Entries sorted by arrival (stable). Azure stamps are wall-clock times: they become
+    seconds after the trace's first request; JSONL arrivals are kept as written."""
+    azure = file_name.endswith(".csv")
+    entries = list(_azure_rows(text, where) if azure else _jsonl_rows(text, where))
+    if not entries:
+        raise ConfigError(f"trace {where} has no requests")
+    if azure:
+        first = min(e.arrival_s for e in entries)
+        entries = [replace(e, arrival_s=e.arrival_s - first) for e in entries]
+    entries.sort(key=lambda e: e.arrival_s)
+    return entries
+
+
+def _azure_rows(text: str, where: str) -> Iterator[TraceEntry]:
+    reader = csv.reader(io.StringIO(text))
+    header = [h.strip() for h in next(reader, [])]
+    if header != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
+        raise ConfigError(f"{where}: expected the Azure columns TIMESTAMP,ContextTokens,"
+                          f"GeneratedTokens, got {','.join(header)!r}")
+    for lineno, row in enumerate(reader, 2):
+        if not row:
+            continue
+        at = f"{where} line {lineno}"
+        if len(row) != 3:
+            raise ConfigError(f"{at}: expected 3 columns, got {len(row)}")
+        prompt, output = (_positive_int(v, name, at) for v, name in
+                          ((row[1], "ContextTokens"), (row[2], "GeneratedTokens")))
+        yield TraceEntry(prompt, output, _azure_seconds(row[0], at))
+
+
+def _azure_seconds(stamp: str, where: str) -> float:
+    """Seconds since the epoch of an Azure stamp (``2023-11-16 18:15:46.6805900``, 7 digits)."""
+    day, _, frac = stamp.strip().partition(".")
+    try:
+        whole = datetime.strptime(day, "%Y-%m-%d %H:%M:%S")
+        fraction = float("0." + frac) if frac else 0.0
+    except ValueError:
+        raise ConfigError(f"{where}: TIMESTAMP {stamp!r} is not 'YYYY-MM-DD HH:MM:SS.fffffff'") from None
+    return (whole - datetime(1970, 1, 1)).total_seconds() + fraction
+
+
+def _positive_int(text: str, name: str, where: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"{where}: {name} must be an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise ConfigError(f"{where}: {name} must be an int >= 1, got {value}")
+    return value
+
+
+def _jsonl_rows(text: str, where: str) -> Iterator[TraceEntry]:
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        at = f"{where} line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{at}: not JSON ({error.msg})") from None
+        if isinstance(obj, dict) and "input_length" in obj:
+            yield _mooncake_entry(obj, at)
+        else:
+            yield parse_trace_object(obj, at)
+
+
+def _mooncake_entry(obj: dict, where: str) -> TraceEntry:
+    values = []
+    for key in ("input_length", "output_length"):
+        v = obj.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{where}: {key} must be an int >= 1, got {v!r}")
+        values.append(v)
+    stamp = obj.get("timestamp", 0)
+    if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or not 0 <= stamp < math.inf:
+        raise ConfigError(f"{where}: timestamp must be a finite number of ms >= 0, got {stamp!r}")
+    hash_ids = obj.get("hash_ids", [])
+    blocks = -(-values[0] // MOONCAKE_BLOCK_TOKENS)
+    if (not isinstance(hash_ids, list) or len(hash_ids) != blocks
+            or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids)):
+        raise ConfigError(f"{where}: hash_ids must list {blocks} ints >= 0 (one per "
+                          f"{MOONCAKE_BLOCK_TOKENS}-token block of input_length {values[0]})")
+    return TraceEntry(values[0], values[1], stamp / 1000.0, tuple(hash_ids))
+
+
+def prompt_token_ids(entry: TraceEntry, vocab_size: int, *, seed: int = 0,
+                     block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Tuple[int, ...]:
+    """Made-up prompt tokens for ``entry``: block i of the prompt is a function of
+    ``(seed, hash_ids[i])`` only, so equal hash ids give equal tokens (a request's last,
+    partial block is the leading part of its id's block). Token ids are in ``[1, vocab_size)``.
+    An entry without hash ids (Azure, generated workloads) raises ``ConfigError``."""
+    if not isinstance(vocab_size, int) or vocab_size < 2:
+        raise ConfigError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
+    if not entry.hash_ids:
+        raise ConfigError("prompt_token_ids needs an entry with hash_ids (a Mooncake trace)")
+    tokens: List[int] = []
+    for i, hash_id in enumerate(entry.hash_ids):
+        take = min(block_tokens, entry.prompt_len - i * block_tokens)
+        tokens.extend(_block_tokens(seed, hash_id, vocab_size, block_tokens)[:take])
+    return tuple(tokens)
+
+
+def _block_tokens(seed: int, hash_id: int, vocab_size: int, block_tokens: int) -> List[int]:
+    rng = random.Random(f"vmemkv-trace-block:{seed}:{hash_id}")
+    return [rng.randrange(1, vocab_size) for _ in range(block_tokens)]
+
+
+def fit_to_length(entries: List[TraceEntry], max_total_len: int) -> Tuple[List[TraceEntry], int]:
+    """``entries`` with every request longer than ``max_total_len`` tokens (prompt + output)
+    scaled down to it, prompt and output in proportion (each at least 1 token; hash ids cut to
+    the blocks the shorter prompt still has), and how many were scaled. Shorter ones are kept."""
+    if isinstance(max_total_len, bool) or not isinstance(max_total_len, int) or max_total_len < 2:
+        raise ConfigError(f"max_total_len must be an int >= 2, got {max_total_len!r}")
+    out, scaled = [], 0
+    for e in entries:
+        if e.total_len <= max_total_len:
+            out.append(e)
+            continue
+        factor = max_total_len / e.total_len
+        prompt = min(max(1, round(e.prompt_len * factor)), max_total_len - 1)
+        output = max(1, min(round(e.output_len * factor), max_total_len - prompt))
+        blocks = -(-prompt // MOONCAKE_BLOCK_TOKENS)
+        out.append(replace(e, prompt_len=prompt, output_len=output, hash_ids=e.hash_ids[:blocks]))
+        scaled += 1
+    return out, scaled
