@@ -46,10 +46,11 @@ def gauges(scheduler) -> Dict[str, float]:
 
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100) by linear interpolation; NaN for no values."""
-    return _sorted_percentile(sorted(values), q)
+    return sorted_percentile(sorted(values), q)
 
 
-def _sorted_percentile(xs: Sequence[float], q: float) -> float:
+def sorted_percentile(xs: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) of already sorted ``xs``, interpolated as numpy does by default."""
     if not xs:
         return math.nan
     k = (len(xs) - 1) * q / 100.0
@@ -63,5 +64,5 @@ def latency_summary(name: str, values: Sequence[float]) -> Dict[str, float]:
     xs = sorted(values)
     out = {f"{name}_mean_s": sum(xs) / len(xs) if xs else math.nan}
     for q in (50, 90, 99):
-        out[f"{name}_p{q}_s"] = _sorted_percentile(xs, q)
+        out[f"{name}_p{q}_s"] = sorted_percentile(xs, q)
     return out

@@ -1,0 +1,128 @@
+"""The serving report: what ``vllm bench serve`` reports, with its names, from per-request times.
+
+One implementation for the simulator (simulated seconds), the engine (``vmemkv bench``, wall
+seconds) and ``vmemkv bench serve`` (client-side wall seconds), so their figures compare.
+
+Definitions (vLLM's ``benchmark_serving``; goodput as DistServe defines it):
+
+- ``request_throughput``: completed requests / duration (requests/s); ``output_throughput``:
+  output tokens / duration; ``total_token_throughput``: (prompt + output tokens) / duration.
+- TTFT: first token time - arrival. E2EL: last token time - arrival. TPOT, per request with
+  more than one output token: (E2EL - TTFT) / (output tokens - 1). ITL: every gap between two
+  consecutive tokens of one request, pooled over requests.
+- For each of ttft, tpot, itl, e2el: ``mean_<m>_ms``, ``median_<m>_ms``, ``std_<m>_ms`` and
+  ``p<q>_<m>_ms`` for each percentile asked (default 90 and 99); NaN when there are no samples.
+- ``request_goodput``: requests/s meeting every target given (ms), e.g. ``{"ttft": 2000,
+  "tpot": 200}``; a request's TPOT is 0 when it has one output token (as in vLLM).
+- ``duration`` defaults to the last finish time minus the first arrival.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Dict, Iterable, Mapping, Optional, Sequence, Tuple
+
+from .errors import ConfigError
+from .metrics import sorted_percentile
+
+METRICS = ("ttft", "tpot", "itl", "e2el")
+DEFAULT_PERCENTILES = (90.0, 99.0)
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One finished request's times (seconds, any one clock) and token counts."""
+    arrival_s: float
+    token_times_s: Tuple[float, ...]   # when each output token was produced, in order
+    prompt_tokens: int
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.token_times_s)
+
+    @property
+    def ttft_s(self) -> float:
+        return self.token_times_s[0] - self.arrival_s
+
+    @property
+    def e2el_s(self) -> float:
+        return self.token_times_s[-1] - self.arrival_s
+
+    @property
+    def tpot_s(self) -> Optional[float]:
+        """Mean time per output token after the first; None with one output token."""
+        n = len(self.token_times_s)
+        return (self.token_times_s[-1] - self.token_times_s[0]) / (n - 1) if n > 1 else None
+
+    def itl_s(self) -> Iterable[float]:
+        times = self.token_times_s
+        return (b - a for a, b in zip(times, times[1:]))
+
+
+def parse_goodput(specs: Sequence[str]) -> Dict[str, float]:
+    """``["ttft:2000", "tpot:200"]`` (the ``--goodput`` flag) as ``{"ttft": 2000.0, ...}`` in ms;
+    ``ConfigError`` naming the bad item and the metrics allowed."""
+    out: Dict[str, float] = {}
+    for spec in specs:
+        name, sep, value = spec.partition(":")
+        if not sep or name not in ("ttft", "tpot", "e2el"):
+            raise ConfigError(f"goodput target {spec!r} must be METRIC:MS with METRIC one of "
+                              f"ttft, tpot, e2el")
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = math.nan
+        if not 0 < ms < math.inf:
+            raise ConfigError(f"goodput target {spec!r}: milliseconds must be a finite number > 0")
+        out[name] = ms
+    return out
+
+
+def serving_report(timings: Sequence[RequestTiming], *, duration_s: Optional[float] = None,
+                   goodput_ms: Optional[Mapping[str, float]] = None,
+                   percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> Dict[str, float]:
+    """vLLM-named figures of ``timings`` (requests without an output token are not completed)."""
+    _check_percentiles(percentiles)
+    done = [t for t in timings if t.token_times_s]
+    if duration_s is None:
+        duration_s = (max(t.token_times_s[-1] for t in done) - min(t.arrival_s for t in done)
+                      if done else 0.0)
+    if not duration_s >= 0:
+        raise ConfigError(f"duration_s must be >= 0, got {duration_s!r}")
+    per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: math.nan)
+    prompt = sum(t.prompt_tokens for t in done)
+    output = sum(t.output_tokens for t in done)
+    out: Dict[str, float] = {
+        "completed": len(done), "total_input_tokens": prompt, "total_output_tokens": output,
+        "duration": duration_s, "request_throughput": per_s(len(done)),
+        "output_throughput": per_s(output), "total_token_throughput": per_s(prompt + output)}
+    samples = {"ttft": [t.ttft_s for t in done], "e2el": [t.e2el_s for t in done],
+               "tpot": [t.tpot_s for t in done if t.tpot_s is not None],
+               "itl": [gap for t in done for gap in t.itl_s()]}
+    for name in METRICS:
+        out.update(_summary_ms(name, samples[name], percentiles))
+    if goodput_ms:
+        out["request_goodput"] = per_s(sum(_meets(t, goodput_ms) for t in done))
+    return out
+
+
+def _meets(t: RequestTiming, targets_ms: Mapping[str, float]) -> bool:
+    values = {"ttft": t.ttft_s, "e2el": t.e2el_s, "tpot": t.tpot_s or 0.0}
+    return all(values[name] * 1e3 <= limit for name, limit in targets_ms.items())
+
+
+def _summary_ms(name: str, values_s: Sequence[float], percentiles: Sequence[float]) -> Dict[str, float]:
+    xs = sorted(v * 1e3 for v in values_s)
+    out = {f"mean_{name}_ms": statistics.fmean(xs) if xs else math.nan,
+           f"median_{name}_ms": statistics.median(xs) if xs else math.nan,
+           f"std_{name}_ms": statistics.pstdev(xs) if xs else math.nan}
+    for q in percentiles:
+        out[f"p{q:g}_{name}_ms"] = sorted_percentile(xs, q)
+    return out
+
+
+def _check_percentiles(percentiles: Sequence[float]) -> None:
+    for q in percentiles:
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 100:
+            raise ConfigError(f"percentiles must be numbers in [0, 100], got {q!r}")
