@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
 def format_report(payload: dict, percentiles) -> str:
     """vllm bench serve's summary: the totals, then one row per latency metric (ms)."""
     r = payload["report"]
-    head = (f"# bench serve {payload['label'] or ''} {payload['model']} @ {payload['url']}, "
+    label = f"{payload['label']}: " if payload["label"] else ""
+    head = (f"# bench serve {label}{payload['model']} @ {payload['url']}, "
             f"{payload['load']}: {r['completed']} completed, {r['failed']} failed in "
             f"{r['duration']:.2f} s\n# request_throughput {r['request_throughput']:.2f} req/s | "
             f"output_throughput {r['output_throughput']:.1f} tok/s | total_token_throughput "
