@@ -123,3 +123,23 @@ def test_a_failing_step_is_500_without_traceback_and_the_server_stays_up(monkeyp
         monkeypatch.setattr(engine, "step", step)
         assert httpx.get(server.url + "/health").status_code == 200
         assert httpx.post(server.url + "/v1/completions", json=OK).status_code == 200
+
+
+def test_serving_without_the_extra_names_it(monkeypatch):
+    from vmemkv.runtime.serve import ServeConfigError
+    from vmemkv.runtime.serve.server import require_serve_extra
+    monkeypatch.setitem(__import__("sys").modules, "uvicorn", None)   # import uvicorn fails
+    with pytest.raises(ServeConfigError, match=r"pip install 'vmemkv\[serve\]'"):
+        require_serve_extra()
+
+
+@pytest.mark.parametrize("max_queue", [0, True, 1.5])
+def test_a_bad_max_queue_is_refused_naming_it(max_queue):
+    from vmemkv.runtime.engine import Engine
+    from vmemkv.runtime.serve import Server, ServeConfigError
+
+    from .conftest import model
+    with Engine(model(), **VMEM) as engine:
+        with pytest.raises(ServeConfigError, match=f"max_queue must be an int >= 1, got {max_queue!r}"):
+            Server(engine, "tiny-llama", port=0, max_queue=max_queue)
+        assert engine.has_unfinished() is False
