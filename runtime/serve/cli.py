@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 
 from vmemkv.runtime import generate_cli
-from vmemkv.scheduler.cliargs import bounded, thread_count
+from vmemkv.scheduler.cliargs import bounded
 
 _EXAMPLES = """\
 examples:
@@ -27,9 +27,7 @@ def register(subparsers) -> None:
                               description="Serve the engine over an OpenAI-compatible HTTP API "
                                           "(/v1/completions, /v1/models, /health, /metrics); "
                                           "needs the 'serve' extra.\n\n" + _EXAMPLES)
-    p.add_argument("--model", default="tiny-llama",
-                   help="a built-in random-weight model (tiny-llama, tiny-qwen2, small-llama) "
-                        "or a local checkpoint directory")
+    generate_cli._model_flags(p)
     p.add_argument("--served-model-name", default=None, metavar="NAME",
                    help="the model id clients send and /v1/models lists (default: --model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -39,12 +37,6 @@ def register(subparsers) -> None:
                    help="requests in flight at most (queued + running); past it: 503 + Retry-After")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
                    default="info", help="uvicorn's log level")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:i")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="model dtype (default: float32 for built-ins, the checkpoint's otherwise)")
-    p.add_argument("--threads", type=thread_count, default=None, metavar="N",
-                   help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)")
-    p.add_argument("--seed", type=int, default=0, help="weights of built-ins, and sampling")
     generate_cli._cache_flags(p.add_argument_group("cache and scheduling"))
 
 
@@ -67,7 +59,7 @@ def run(args) -> int:
     with generate_cli._engine(Engine, model, tokenizer, args) as engine:
         server = Server(engine, name, host=args.host, port=args.port, max_queue=args.max_queue,
                         log_level=args.log_level)
-        sys.stderr.write(f"vmemkv serve: {name} on a {engine.config.cache} cache, "
-                         f"http://{args.host}:{args.port} (Ctrl-C stops)\n")
+        sys.stderr.write(f"vmemkv serve: {name} on a {engine.config.cache} cache, attention "
+                         f"{engine.attention}, http://{args.host}:{args.port} (Ctrl-C stops)\n")
         server.run()   # Ctrl-C: uvicorn shuts down, then re-raises KeyboardInterrupt here
     return 0
