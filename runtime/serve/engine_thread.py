@@ -27,7 +27,7 @@ from vmemkv.runtime.engine.errors import RequestEndedError
 from vmemkv.runtime.engine.outputs import TokenEvent
 from vmemkv.runtime.engine.sampling import SamplingParams
 
-from .errors import ServerOverloadedError
+from .errors import ApiError, ServerOverloadedError
 from .metrics import ServeMetrics
 
 log = logging.getLogger("vmemkv.serve")
@@ -100,7 +100,10 @@ class EngineThread:
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink,
                arrival_s: float) -> Future:
         """Queue a request; the future gets its engine request id, or the RequestRejectedError
-        the engine raised (nothing queued). ServerOverloadedError at once when full."""
+        the engine raised (nothing queued). ServerOverloadedError at once when full; ApiError
+        503 once the thread has stopped."""
+        if self._stopping or (self._thread.ident is not None and not self._thread.is_alive()):
+            raise ApiError(503, "the engine is not running (the server is stopping)")
         with self._lock:
             if self._pending >= self.max_pending_requests:
                 raise ServerOverloadedError(self.max_pending_requests)
