@@ -8,7 +8,6 @@ the simulator and ``vmemkv bench``): a table, DIR/serve.json and DIR/serve.png.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import os
 import sys
@@ -64,6 +63,8 @@ def _rate(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    import asyncio
+
     from vmemkv.runtime.serve import bench_client as client
     from vmemkv.runtime.serve.server import require_serve_extra
     require_serve_extra()
