@@ -106,8 +106,8 @@ class Completion:
             delta, ids = choice.add(item.event.token_id, item.event.finish_reason)
             if ids:
                 yield item.event.index, delta, ids, choice.finish_reason
-            if all(c.finished for c in self.choices):
-                self.close()   # every choice ended (stop strings may end them before the engine)
+            if all(c.finished for c in self.choices) and any(c.cut for c in self.choices):
+                self.close()   # stop strings ended it before the engine did: free it now
                 return
 
     def close(self) -> None:

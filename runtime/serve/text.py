@@ -20,6 +20,7 @@ class ChoiceText:
         self.token_ids: List[int] = []
         self.text = ""            # what the client has been sent
         self.finish_reason: Optional[str] = None
+        self.cut = False          # a stop string ended it (the engine may still be generating)
         self._hold_chars = max((len(s) for s in self.stop), default=1) - 1
 
     @property
@@ -35,7 +36,7 @@ class ChoiceText:
         full = self._decode()
         cut = self._stop_at(full)
         if cut is not None:
-            full, finish_reason = full[:cut], "stop"
+            full, finish_reason, self.cut = full[:cut], "stop", True
         shown = len(full) if finish_reason else max(len(self.text), len(full) - self._hold_chars)
         delta = full[len(self.text):shown]
         self.text += delta
