@@ -30,19 +30,11 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate with the engine on a vmem or paged cache",
                               description="Run the engine on prompts from a file or stdin and print the "
                                           "completions.\n\n" + _EXAMPLES)
-    p.add_argument("--model", default="tiny-llama",
-                   help="a built-in random-weight model (tiny-llama, tiny-qwen2, small-llama) "
-                        "or a local checkpoint directory")
+    _model_flags(p)
     p.add_argument("--prompts", default="-", help="prompt file, one per line ('-': stdin); a line "
                    "of space-separated integers is token ids, any other line is text")
     p.add_argument("--text", action="store_true",
                    help="read every line as text, even one made only of digits (needs a tokenizer)")
-    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:i")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="model dtype (default: float32 for built-ins, the checkpoint's otherwise)")
-    p.add_argument("--threads", type=thread_count, default=None, metavar="N",
-                   help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)")
-    p.add_argument("--seed", type=int, default=0, help="weights of built-ins, and sampling")
     p.add_argument("--json", action="store_true", help="one JSON object per request on stdout, "
                    "then one {\"stats\": ...} object with the run's figures")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -54,6 +46,19 @@ _EXAMPLES = """\
 examples:
   vmemkv generate --model tiny-llama --prompts prompts.txt --cache vmem --max-new-tokens 32
   echo "1 2 3 4" | vmemkv generate --cache paged --block-size 16 --json"""
+
+
+def _model_flags(p) -> None:
+    """The model and where it runs (``vmemkv generate`` and ``vmemkv serve``)."""
+    p.add_argument("--model", default="tiny-llama",
+                   help="a built-in random-weight model (tiny-llama, tiny-qwen2, small-llama) "
+                        "or a local checkpoint directory")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:i")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="model dtype (default: float32 for built-ins, the checkpoint's otherwise)")
+    p.add_argument("--threads", type=thread_count, default=None, metavar="N",
+                   help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0, help="weights of built-ins, and sampling")
 
 
 def _sampling_flags(s) -> None:

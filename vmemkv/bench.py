@@ -41,9 +41,17 @@ def register(subparsers) -> None:
                              "shared machine)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    from vmemkv.benchmarks import serve   # ``vmemkv bench serve``: load an HTTP server
+    serve.register(parser.add_subparsers(dest="bench_command", metavar="serve", required=False,
+                                         parser_class=type(parser),
+                                         help="serve: load an OpenAI-compatible server "
+                                              "(default: the suite)"))
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_command", None) == "serve":
+        from vmemkv.benchmarks import serve
+        return serve.run(args)
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():

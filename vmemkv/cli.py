@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "simulate": "vmemkv.scheduler.cli",
     "bench": "vmemkv.bench",
     "generate": "vmemkv.runtime.generate_cli",
+    "serve": "vmemkv.runtime.serve.cli",
 }
 
 DESCRIPTION = """\
@@ -34,6 +35,7 @@ examples (with the project's virtual environment active):
   vmemkv bench --quick                          VMM against paged, summary + bench_out/
   echo "1 2 3 4" | vmemkv generate --model tiny-llama --max-new-tokens 8
   vmemkv simulate --requests 500 --cache-gb 20 --policy vmem --gpu h100
+  vmemkv serve --model tiny-llama --port 8000   an OpenAI-compatible server ('serve' extra)
 
 'vmemkv COMMAND --help' lists a command's flags with their units and defaults.
 """

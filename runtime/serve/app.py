@@ -1,0 +1,145 @@
+"""The OpenAI-compatible HTTP API (FastAPI) over an EngineThread.
+
+    POST /v1/completions   text or token-id prompt; max_tokens, temperature, top_p, top_k, n,
+                           stop, stop_token_ids, seed, ignore_eos, stream (server-sent events)
+    GET  /v1/models        the one served model
+    GET  /health           200 while the engine thread runs, else 503
+    GET  /metrics          Prometheus text, vLLM's names under "vmemkv:"
+
+Every error is OpenAI's JSON shape (``errors.ApiError``): 400 naming the field, 404/405 for a
+wrong path or method, 503 with Retry-After when the queue is full, 500 with no traceback (the
+traceback goes to the server log). A client that disconnects aborts its request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from . import protocol
+from .completions import Completion, ServedModel, prompt_token_ids
+from .engine_thread import EngineThread
+from .errors import ApiError, internal_error
+from .metrics import CONTENT_TYPE, ServeMetrics
+
+log = logging.getLogger("vmemkv.serve")
+
+
+def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel) -> FastAPI:
+    """The app; the caller starts and stops ``server`` (``serve.run_server`` does both)."""
+    app = FastAPI(title="vmemkv", docs_url=None, redoc_url=None, openapi_url=None)
+    _error_handlers(app)
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not server.alive:
+            return _error(ApiError(503, "the engine thread is not running"))
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{
+            "id": served.name, "object": "model", "created": created, "owned_by": "vmemkv",
+            "max_model_len": served.max_sequence_tokens}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        try:
+            return await _complete(request, server, served)
+        except ApiError as error:
+            return _error(error)
+        except Exception:   # noqa: BLE001 -- a 500 shows no traceback; the log has it
+            log.exception("POST /v1/completions failed")
+            return _error(internal_error())
+
+    return app
+
+
+async def _complete(request: Request, server: EngineThread, served: ServedModel) -> Response:
+    arrival_s = time.perf_counter()
+    req = protocol.parse_completion_request(await request.body())
+    ids = prompt_token_ids(req, served)
+    completion = Completion(server, req, ids, served, arrival_s)   # 503 when full
+    try:
+        await completion.started()
+    except asyncio.CancelledError:
+        completion.close()
+        raise
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_stream(completion, served.name, include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return await _collect(request, completion, served.name)
+
+
+async def _stream(completion: Completion, model: str, include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks, one per token; ``[DONE]`` last. A disconnect cancels this generator, which
+    aborts the request."""
+    try:
+        async for index, text, ids, reason in completion.events():
+            yield protocol.sse(protocol.completion(
+                completion.id, model, [protocol.choice(index, text, ids, reason)], None))
+        if include_usage:
+            yield protocol.sse(protocol.completion(completion.id, model, [], protocol.usage(
+                completion.prompt_tokens, completion.completion_tokens)))
+    except ApiError as error:   # the status line is gone: the error travels as an event
+        yield protocol.sse(error.body())
+    finally:
+        completion.close()
+    yield protocol.sse("[DONE]")
+
+
+async def _collect(request: Request, completion: Completion, model: str) -> Response:
+    """Wait for every choice; a client that disconnects first aborts the request."""
+    async def drain() -> None:
+        async for _ in completion.events():
+            pass
+
+    work = asyncio.ensure_future(drain())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():   # the client left (or the server is shutting down)
+            work.cancel()
+            completion.close()
+    if not work.done():
+        return Response(status_code=499)   # nobody reads it; nginx's "client closed request"
+    work.result()   # raises the ApiError of a failed request
+    choices = [protocol.choice(i, c.text, c.token_ids, c.finish_reason)
+               for i, c in enumerate(completion.choices)]
+    return JSONResponse(protocol.completion(completion.id, model, choices, protocol.usage(
+        completion.prompt_tokens, completion.completion_tokens)))
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _error(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return _error(ApiError(exc.status_code, message, headers=dict(exc.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return _error(internal_error())

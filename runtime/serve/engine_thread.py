@@ -1,0 +1,211 @@
+"""The engine on its own thread: HTTP handling never blocks a step, a step never blocks accepting.
+
+    HTTP (asyncio)                      engine thread (the only one that touches the Engine)
+    submit(ids, params, sink) ──deque──> add_request        ─┐
+    abort(request_id)         ──deque──> abort (memory back) │ between steps
+                                         step() ─ TokenEvents ┘
+    sink(Token | Ended)       <─ call ── on_token / request end
+
+Back-pressure: at most ``max_pending_requests`` requests are in flight (queued, waiting or
+running); ``submit`` past that raises ServerOverloadedError (503 + Retry-After) at once, so the
+backlog is bounded. Every accepted request ends exactly once with ``Ended``: "finished",
+"aborted" (``abort``, e.g. on a client disconnect: its pages, blocks and swap space are released
+before the next step) or "failed" (its plans kept failing, or a step raised: the engine aborts
+every live request, logs the error and goes on).
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+from vmemkv.runtime.engine.errors import RequestEndedError
+from vmemkv.runtime.engine.outputs import TokenEvent
+from vmemkv.runtime.engine.sampling import SamplingParams
+
+from .errors import ApiError, ServerOverloadedError
+from .metrics import ServeMetrics
+
+log = logging.getLogger("vmemkv.serve")
+
+
+@dataclass(frozen=True)
+class Token:
+    """A streamed token and when the engine thread produced it (``time.perf_counter`` s)."""
+    event: TokenEvent
+    time_s: float
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The request ended: "finished", "aborted" or "failed" (``error`` says why, for the log)."""
+    status: str
+    error: Optional[str] = None
+
+
+Sink = Callable[[object], None]   # receives Token and, last, Ended; called on the engine thread
+
+
+@dataclass
+class _Live:
+    sink: Sink
+    arrival_s: float
+    prompt_tokens: int
+    samples_left: int
+    token_times_s: Dict[int, List[float]] = field(default_factory=dict)   # sample -> times
+
+
+class EngineThread:
+    """Runs ``engine`` on a daemon thread; ``submit`` and ``abort`` may be called from any thread."""
+
+    def __init__(self, engine, metrics: ServeMetrics, max_pending_requests: int = 256,
+                 idle_wait_s: float = 0.5) -> None:
+        self.engine, self.metrics = engine, metrics
+        self.max_pending_requests = max_pending_requests
+        self._idle_wait_s = idle_wait_s
+        self._commands: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._pending = 0                     # accepted and not yet ended (guarded by _lock)
+        self._live: Dict[int, _Live] = {}     # engine thread only
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="vmemkv-engine", daemon=True)
+
+    # ---- any thread ------------------------------------------------------------------------
+    @property
+    def pending_requests(self) -> int:
+        """Requests accepted by ``submit`` that have not ended yet."""
+        with self._lock:
+            return self._pending
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._refresh_gauges()
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Abort every live request (each gets Ended("aborted")) and join the thread."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink,
+               arrival_s: float) -> Future:
+        """Queue a request; the future gets its engine request id, or the RequestRejectedError
+        the engine raised (nothing queued). ServerOverloadedError at once when full; ApiError
+        503 once the thread has stopped."""
+        if self._stopping or (self._thread.ident is not None and not self._thread.is_alive()):
+            raise ApiError(503, "the engine is not running (the server is stopping)")
+        with self._lock:
+            if self._pending >= self.max_pending_requests:
+                raise ServerOverloadedError(self.max_pending_requests)
+            self._pending += 1
+        future: Future = Future()
+        self._commands.append(("add", (tuple(prompt_ids), params, sink, arrival_s), future))
+        self._wake.set()
+        return future
+
+    def abort(self, request_id: int) -> None:
+        """Abort a live request before the next step (no-op when it has already ended)."""
+        self._commands.append(("abort", request_id, None))
+        self._wake.set()
+
+    # ---- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            self._drain_commands()
+            if self.engine.has_unfinished():
+                self._step()
+            else:
+                self._wake.wait(self._idle_wait_s)
+        self._drain_commands()
+        for request_id in list(self._live):
+            self._abort(request_id, "aborted")
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            kind, payload, future = self._commands.popleft()
+            if kind == "add":
+                self._add(payload, future)
+            else:
+                self._abort(payload, "aborted")
+        self._refresh_gauges()
+
+    def _add(self, payload, future: Future) -> None:
+        prompt_ids, params, sink, arrival_s = payload
+        try:
+            request_id = self.engine.add_request(list(prompt_ids), params, on_token=self._on_token)
+        except Exception as error:   # noqa: BLE001 -- handed to the submitter, who answers it
+            self._ended_unqueued()
+            future.set_exception(error)
+            return
+        self._live[request_id] = _Live(sink, arrival_s, len(prompt_ids), params.n)
+        future.set_result(request_id)
+
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+        except Exception as error:   # noqa: BLE001 -- the server stays up; the log keeps it
+            log.exception("an engine step failed; aborting the %d live requests", len(self._live))
+            for request_id in list(self._live):
+                self._abort(request_id, "failed", f"{type(error).__name__}: {error}")
+        self._end_failed()
+        self._refresh_gauges()
+
+    def _on_token(self, event: TokenEvent) -> None:
+        live = self._live.get(event.request_id)
+        if live is None:
+            return
+        now = time.perf_counter()
+        live.token_times_s.setdefault(event.index, []).append(now)
+        _deliver(live.sink, Token(event, now))
+        if event.finished:
+            live.samples_left -= 1
+            if not live.samples_left:
+                self._end(event.request_id, "finished")
+
+    def _abort(self, request_id: int, status: str, error: Optional[str] = None) -> None:
+        if request_id not in self._live:
+            return
+        try:
+            self.engine.abort(request_id)
+        except RequestEndedError:   # it ended in the step that just ran
+            pass
+        self._end(request_id, status, error)
+
+    def _end_failed(self) -> None:
+        """Requests the engine ended "failed" (their plans kept failing) end here too."""
+        for request_id in list(self._live):
+            out = self.engine.output(request_id)
+            if out.status == "failed":
+                self._end(request_id, "failed", out.error.message if out.error else None)
+
+    def _end(self, request_id: int, status: str, error: Optional[str] = None) -> None:
+        live = self._live.pop(request_id)
+        self.engine.output(request_id, pop=True)
+        self.metrics.observe_request(live.arrival_s, live.token_times_s, live.prompt_tokens, status)
+        self._ended_unqueued()
+        _deliver(live.sink, Ended(status, error))
+
+    def _ended_unqueued(self) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _refresh_gauges(self) -> None:
+        self.metrics.set_gauges(self.engine.scheduler.gauges())
+
+
+def _deliver(sink: Sink, item) -> None:
+    try:
+        sink(item)
+    except Exception:   # noqa: BLE001 -- a gone client (closed loop) must not stop the engine
+        log.debug("dropped an event for a request whose client is gone", exc_info=True)

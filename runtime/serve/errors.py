@@ -1,0 +1,47 @@
+"""Typed errors of the server: each HTTP error a client can get, in OpenAI's JSON shape."""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from ..errors import RuntimeKVError
+
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
+               500: "internal_server_error", 503: "server_overloaded"}
+
+
+class ServeError(RuntimeKVError):
+    """Base class of the server's errors."""
+
+
+class ServeConfigError(ServeError, ValueError):
+    """A ``vmemkv serve`` / ``vmemkv bench serve`` setting is wrong (a missing extra, a bad
+    value); the message names it."""
+
+
+class ApiError(ServeError):
+    """An HTTP error answered as ``{"error": {"message", "type", "param", "code"}}``.
+    ``param`` names the request field at fault (None when it is the whole request)."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 headers: Optional[Dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"),
+                          "param": self.param, "code": None}}
+
+
+class ServerOverloadedError(ApiError):
+    """503: the bounded queue is full; the client should retry after ``retry_after_s``."""
+
+    def __init__(self, live_requests: int, retry_after_s: int = 1) -> None:
+        super().__init__(503, f"the server is at its limit of {live_requests} requests in flight "
+                              f"(--max-queue); retry after {retry_after_s} s",
+                         headers={"Retry-After": str(retry_after_s)})
+
+
+def internal_error() -> ApiError:
+    """What a client sees of an unexpected failure: no traceback, no internals."""
+    return ApiError(500, "internal server error; the server log has the details")

@@ -1,0 +1,103 @@
+"""An Engine served over HTTP: the engine thread, the app and uvicorn, started and stopped together.
+
+    with Server(engine, "tiny-llama", port=0).start() as server:   # uvicorn on a thread
+        print(server.url)                                           # http://127.0.0.1:PORT
+    Server(engine, "tiny-llama", port=8000).run()                   # blocking, for the CLI
+
+Stopping (``stop``, leaving the ``with``, Ctrl-C on ``run``) closes the listening socket, aborts
+the requests still live (their memory is released) and joins the engine thread; the engine
+itself stays open for its owner to close.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+from .errors import ServeConfigError
+
+
+def require_serve_extra() -> None:
+    """ServeConfigError naming the extra when FastAPI or uvicorn is missing."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as error:
+        raise ServeConfigError(f"serving needs the 'serve' extra (FastAPI, uvicorn): pip install "
+                               f"'vmemkv[serve]' ({error})") from None
+
+
+class Server:
+    """``engine`` behind the OpenAI-compatible API on ``host:port`` (port 0: a free one)."""
+
+    def __init__(self, engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
+                 max_queue: int = 256, log_level: str = "warning") -> None:
+        require_serve_extra()
+        import uvicorn
+
+        from .app import create_app
+        from .completions import ServedModel
+        from .engine_thread import EngineThread
+        from .metrics import ServeMetrics
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
+            raise ServeConfigError(f"max_queue must be an int >= 1, got {max_queue!r}")
+        self.metrics = ServeMetrics(model_name)
+        self.engine_thread = EngineThread(engine, self.metrics, max_pending_requests=max_queue)
+        app = create_app(self.engine_thread, self.metrics, ServedModel.of(engine, model_name))
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        self._uvicorn = uvicorn.Server(config)
+        self._thread: Optional[threading.Thread] = None
+        self.host = host
+
+    @property
+    def port(self) -> int:
+        """The port listened on (the one picked, for port 0); only once started."""
+        return self._uvicorn.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def run(self) -> None:
+        """Serve until Ctrl-C (or ``stop`` from another thread), then stop everything."""
+        self.engine_thread.start()
+        try:
+            self._serve()
+        finally:
+            self.engine_thread.stop()
+
+    def _serve(self) -> None:
+        try:
+            self._uvicorn.run()
+        except SystemExit:   # uvicorn exits when it cannot bind; the log above says why
+            raise ServeConfigError(f"could not listen on {self.host}:{self._uvicorn.config.port} "
+                                   f"(taken, or not an address of this machine)") from None
+
+    def start(self, timeout_s: float = 30.0) -> "Server":
+        """Serve on a background thread; returns once the socket listens."""
+        self.engine_thread.start()
+        self._thread = threading.Thread(target=self._serve, name="vmemkv-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise ServeConfigError(f"the server did not start on {self.host} within "
+                                       f"{timeout_s} s (is the port taken?)")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        """Close the socket, abort live requests, join both threads. Idempotent."""
+        self._uvicorn.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10.0)
+            self._thread = None
+        self.engine_thread.stop()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

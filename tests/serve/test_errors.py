@@ -1,0 +1,145 @@
+"""Every error the server answers is OpenAI's JSON shape with the right status: 400 naming the
+field for each bad request, 404/405 for a wrong path or method, 503 with Retry-After when the
+queue is full, 500 with no traceback when a step fails; the server stays up and nothing is held
+afterwards."""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+
+from .conftest import VMEM, assert_memory_at_baseline, serving, wait_until_idle
+
+OK = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
+
+# (case id, request body as sent, param the error names, words the message holds)
+BAD_REQUESTS = [
+    ("malformed-json", '{"prompt": [1, 2', None, "not valid JSON"),
+    ("not-an-object", "[1, 2, 3]", None, "must be a JSON object"),
+    ("unknown-field", {**OK, "logprobs": 3}, "logprobs", "unknown field 'logprobs'"),
+    ("missing-prompt", {"max_tokens": 4}, "prompt", "prompt"),
+    ("empty-prompt", {**OK, "prompt": []}, "prompt", "at least 1"),
+    ("prompt-of-floats", {**OK, "prompt": [1.5, 2]}, "prompt", "prompt"),
+    ("text-prompt-without-tokenizer", {**OK, "prompt": "hello"}, "prompt", "no tokenizer"),
+    ("token-outside-vocab", {**OK, "prompt": [1, 999]}, "prompt", "outside the vocabulary [0, 256)"),
+    ("prompt-longer-than-context", {**OK, "prompt": [1] * 70}, "prompt", "context is 64 tokens"),
+    ("max-tokens-past-context", {**OK, "max_tokens": 62}, "max_tokens", "context is 64 tokens"),
+    ("max-tokens-zero", {**OK, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ("max-tokens-string", {**OK, "max_tokens": "4"}, "max_tokens", "valid integer"),
+    ("temperature-negative", {**OK, "temperature": -0.5}, "temperature", "greater than or equal to 0"),
+    ("temperature-nan", '{"prompt": [1], "temperature": NaN}', "temperature", "finite number"),
+    ("temperature-string", {**OK, "temperature": "hot"}, "temperature", "valid number"),
+    ("top-p-zero", {**OK, "top_p": 0}, "top_p", "greater than 0"),
+    ("top-p-above-one", {**OK, "top_p": 1.5}, "top_p", "less than or equal to 1"),
+    ("top-k-below-minus-one", {**OK, "top_k": -2}, "top_k", "greater than or equal to -1"),
+    ("n-zero", {**OK, "n": 0}, "n", "greater than or equal to 1"),
+    ("n-above-max-batch", {**OK, "n": 9}, "n", "at most 8"),
+    ("seed-float", {**OK, "seed": 1.5}, "seed", "valid integer"),
+    ("stream-not-bool", {**OK, "stream": "yes"}, "stream", "valid boolean"),
+    ("stop-without-tokenizer", {**OK, "stop": "x"}, "stop", "need a tokenizer"),
+    ("too-many-stops", {**OK, "stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+    ("stop-token-ids-strings", {**OK, "stop_token_ids": ["1"]}, "stop_token_ids", "valid integer"),
+    ("other-model", {**OK, "model": "gpt-4"}, "model", "not served here"),
+]
+
+
+@pytest.fixture(scope="module")
+def served():
+    with serving(VMEM) as pair:
+        yield pair
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert "Traceback" not in response.text
+    return body["error"]
+
+
+@pytest.mark.parametrize("case,body,param,words", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request_is_400_naming_the_field(served, case, body, param, words):
+    server, engine = served
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(server.url + "/v1/completions", content=content,
+                          headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert words in error["message"], error["message"]
+    assert server.engine_thread.pending_requests == 0
+    assert_memory_at_baseline(engine)
+    assert httpx.post(server.url + "/v1/completions", json=OK).status_code == 200
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/v1/chat", 404), ("GET", "/v1/completions", 405)])
+def test_wrong_path_or_method_is_openai_shaped(served, method, path, status):
+    response = httpx.request(method, served[0].url + path)
+    assert response.status_code == status and error_of(response)["param"] is None
+
+
+def test_full_queue_is_503_with_retry_after(monkeypatch):
+    gate = threading.Event()
+    with serving(VMEM, max_queue=1) as (server, engine):
+        step = engine.step
+        monkeypatch.setattr(engine, "step", lambda: gate.wait(30) and step())   # hold step 1
+        first = {}
+        worker = threading.Thread(target=lambda: first.update(
+            r=httpx.post(server.url + "/v1/completions", json=OK, timeout=60)))
+        worker.start()
+        while server.engine_thread.pending_requests < 1:   # the first is in flight
+            worker.join(0.01)
+        second = httpx.post(server.url + "/v1/completions", json=OK)
+        assert second.status_code == 503 and second.headers["Retry-After"] == "1"
+        assert error_of(second)["type"] == "server_overloaded"
+        assert "limit of 1 requests" in error_of(second)["message"]
+        gate.set()
+        worker.join(60)
+        assert first["r"].status_code == 200
+        assert len(first["r"].json()["choices"][0]["token_ids"]) == 4
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_failing_step_is_500_without_traceback_and_the_server_stays_up(monkeypatch, stream):
+    with serving(VMEM) as (server, engine):
+        step = engine.step
+
+        def broken():
+            raise RuntimeError("secret internals at 0xdeadbeef")
+        monkeypatch.setattr(engine, "step", broken)
+        response = httpx.post(server.url + "/v1/completions", json={**OK, "stream": stream})
+        if stream:   # the status line was sent: the error is the last event before [DONE]
+            events = [line for line in response.text.splitlines() if line.startswith("data:")]
+            assert events[-1] == "data: [DONE]"
+            error = json.loads(events[-2][5:])["error"]
+        else:
+            assert response.status_code == 500
+            error = error_of(response)
+        assert error["type"] == "internal_server_error" and "secret" not in response.text
+        assert "Traceback" not in response.text and "server log" in error["message"]
+        wait_until_idle(server)
+        assert_memory_at_baseline(engine)
+        monkeypatch.setattr(engine, "step", step)
+        assert httpx.get(server.url + "/health").status_code == 200
+        assert httpx.post(server.url + "/v1/completions", json=OK).status_code == 200
+
+
+def test_serving_without_the_extra_names_it(monkeypatch):
+    from vmemkv.runtime.serve import ServeConfigError
+    from vmemkv.runtime.serve.server import require_serve_extra
+    monkeypatch.setitem(__import__("sys").modules, "uvicorn", None)   # import uvicorn fails
+    with pytest.raises(ServeConfigError, match=r"pip install 'vmemkv\[serve\]'"):
+        require_serve_extra()
+
+
+@pytest.mark.parametrize("max_queue", [0, True, 1.5])
+def test_a_bad_max_queue_is_refused_naming_it(max_queue):
+    from vmemkv.runtime.engine import Engine
+    from vmemkv.runtime.serve import Server, ServeConfigError
+
+    from .conftest import model
+    with Engine(model(), **VMEM) as engine:
+        with pytest.raises(ServeConfigError, match=f"max_queue must be an int >= 1, got {max_queue!r}"):
+            Server(engine, "tiny-llama", port=0, max_queue=max_queue)
+        assert engine.has_unfinished() is False

@@ -1,0 +1,70 @@
+"""GET /metrics: Prometheus text with vLLM's names under "vmemkv:", counters that count what
+was served, histograms that are cumulative and count every finished request."""
+from __future__ import annotations
+
+import re
+
+import httpx
+
+from vmemkv.runtime.serve.metrics import Histogram
+
+from .conftest import PAGED, prompts, serving, wait_until_idle
+
+SAMPLE = re.compile(r'^(vmemkv:\w+)\{model_name="tiny-llama"(?:,le="([^"]+)")?\} (\S+)$')
+VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+              "num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+              "time_to_first_token_seconds", "time_per_output_token_seconds",
+              "e2e_request_latency_seconds", "prompt_tokens_total", "generation_tokens_total",
+              "request_success_total")
+
+
+def parse(text: str) -> dict:
+    """{name: value} and {histogram_bucket: [(le, count), ...]}; every line is a comment,
+    a TYPE/HELP line or a sample."""
+    values, buckets = {}, {}
+    for line in text.splitlines():
+        if line.startswith("# "):
+            assert re.match(r"# (HELP|TYPE) vmemkv:\w+ ", line), line
+            continue
+        name, le, value = SAMPLE.match(line).groups()
+        if le is None:
+            values[name] = float(value)
+        else:
+            buckets.setdefault(name, []).append((float(le), float(value)))
+    return values, buckets
+
+
+def test_metrics_count_what_was_served_with_vllm_names():
+    batch = prompts(5, 3, 10, seed=2)
+    with serving(dict(PAGED, prefix_sharing=True)) as (server, _):
+        for p in batch:
+            body = {"prompt": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+        wait_until_idle(server)
+        response = httpx.get(server.url + "/metrics")
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    values, buckets = parse(response.text)
+    for name in VLLM_NAMES:
+        assert any(key.startswith(f"vmemkv:{name}") for key in list(values) + list(buckets)), name
+    assert values["vmemkv:request_success_total"] == 5
+    assert values["vmemkv:prompt_tokens_total"] == sum(map(len, batch))
+    assert values["vmemkv:generation_tokens_total"] == 20
+    assert values["vmemkv:prefix_cache_queries_total"] >= sum(map(len, batch))
+    assert values["vmemkv:num_requests_running"] == values["vmemkv:num_requests_waiting"] == 0
+    for name, per_request in (("time_to_first_token_seconds", 5), ("e2e_request_latency_seconds", 5),
+                              ("time_per_output_token_seconds", 5)):
+        counts = [n for _, n in buckets[f"vmemkv:{name}_bucket"]]
+        assert counts == sorted(counts) and counts[-1] == per_request   # cumulative, +Inf last
+        assert values[f"vmemkv:{name}_count"] == per_request and values[f"vmemkv:{name}_sum"] > 0
+
+
+def test_histogram_buckets_are_cumulative_upper_bounds():
+    h = Histogram("x_seconds", "x", (0.1, 1.0))
+    for value in (0.05, 0.1, 0.5, 3.0):
+        h.observe(value)
+    lines = h.render('model_name="m"')
+    assert lines[2:] == ['vmemkv:x_seconds_bucket{model_name="m",le="0.1"} 2',
+                         'vmemkv:x_seconds_bucket{model_name="m",le="1.0"} 3',
+                         'vmemkv:x_seconds_bucket{model_name="m",le="+Inf"} 4',
+                         'vmemkv:x_seconds_sum{model_name="m"} 3.65',
+                         'vmemkv:x_seconds_count{model_name="m"} 4']
