@@ -2,9 +2,12 @@
 a rank that dies or hangs. Each TP engine spawns a process (a few seconds), so these are few."""
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -85,6 +88,16 @@ def test_shards_split_heads_and_replicate_kv_heads_past_their_count():
         attn[1].k_proj.weight, original_k[:16]) and torch.equal(attn[2].k_proj.weight, original_k[16:])
     assert [s.model.layers[0].mlp.gate_proj.weight.shape[0] for s in shards] == [32] * 4
     assert m.model.layers[0].self_attn.q_proj.weight.shape[0] == 64     # the model is untouched
+
+
+def test_ranks_started_by_torchrun_give_the_same_tokens(tmp_path):
+    out = tmp_path / "tokens.json"
+    script = os.path.join(os.path.dirname(__file__), "torchrun_ranks.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", script, str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(out.read_text()) == hf_greedy("tiny-llama", [[1, 2, 3, 4], [9, 8, 7]], 8)
 
 
 def test_a_plan_failing_on_one_rank_is_undone_on_every_rank_and_output_stays_exact():
