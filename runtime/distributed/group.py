@@ -23,6 +23,7 @@ import torch.distributed as dist
 from vmemkv.runtime.engine.errors import TensorParallelError
 
 IDLE = datetime.timedelta(days=7)   # the group's own timeout: a follower waiting for a plan
+INLINE_BYTES = 64 * 1024            # a plan pickle up to this size crosses in one broadcast
 
 
 def free_port() -> int:
@@ -66,18 +67,31 @@ class RankGroup:
 
     def broadcast(self, obj: Any = None, *, idle: bool = False) -> Any:
         """Rank 0 sends ``obj`` (pickled); every other rank returns it. ``idle``: a follower
-        waiting for work, which may wait as long as rank 0 lives."""
+        waiting for work, which may wait as long as rank 0 lives. One collective when the
+        pickle fits ``INLINE_BYTES`` (a decode plan of hundreds of sequences does), two otherwise."""
         timeout = None if idle else self.step_timeout_s
-        size = torch.zeros(1, dtype=torch.int64)
-        payload = None
+        frame = torch.zeros(INLINE_BYTES + 8, dtype=torch.uint8)
+        data = b""
         if self.rank == 0:
-            payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-            size[0] = payload.numel()
-        self._wait(dist.broadcast(size, 0, async_op=True), "plan broadcast (size)", timeout)
-        if self.rank != 0:
-            payload = torch.empty(int(size.item()), dtype=torch.uint8)
-        self._wait(dist.broadcast(payload, 0, async_op=True), "plan broadcast", self.step_timeout_s)
-        return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
+            data = pickle.dumps(obj)
+            frame[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+            head = data[:INLINE_BYTES]
+            if head:
+                frame[8:8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        self._wait(dist.broadcast(frame, 0, async_op=True), "plan broadcast", timeout)
+        if self.rank == 0:
+            rest = torch.frombuffer(bytearray(data[INLINE_BYTES:]), dtype=torch.uint8) \
+                if len(data) > INLINE_BYTES else None
+        else:
+            size = int.from_bytes(frame[:8].numpy().tobytes(), "little")
+            rest = torch.empty(size - INLINE_BYTES, dtype=torch.uint8) if size > INLINE_BYTES else None
+        if rest is not None:
+            self._wait(dist.broadcast(rest, 0, async_op=True), "plan broadcast (rest)",
+                       self.step_timeout_s)
+        if self.rank == 0:
+            return obj
+        body = frame[8:8 + min(size, INLINE_BYTES)].numpy().tobytes()
+        return pickle.loads(body + (rest.numpy().tobytes() if rest is not None else b""))
 
 
 def init_group(rank: int, world: int, *, init_method: Optional[str] = None,
