@@ -37,16 +37,21 @@ def run(family, n, **options):
                 engine.kv.manager.stats().total_tokens * engine.cache_config.bytes_per_token)
 
 
-@pytest.mark.parametrize("family, cache", [("tiny-llama", "vmem"), ("tiny-qwen2", "paged")])
-def test_tp2_tokens_equal_tp1_and_transformers_with_preemption_forks_and_prefixes(family, cache):
+@pytest.mark.parametrize("family, cache, preemption", [("tiny-llama", "vmem", "swap"),
+                                                       ("tiny-qwen2", "paged", "recompute")])
+def test_tp2_tokens_equal_tp1_and_transformers_with_preemption_forks_and_prefixes(
+        family, cache, preemption):
     # tight caches (bytes per rank): the 12 sequences cannot all run, so some are preempted
     small = (dict(cache=cache, block_size=4, cache_bytes=24576) if cache == "paged"
              else dict(cache=cache, page_bytes=4096, cache_bytes=65536))
+    small.update(preemption=preemption, swap_bytes=1 << 20 if preemption == "swap" else 0)
     one, stats1, bytes1 = run(family, 1, **small)
     two, stats2, bytes2 = run(family, 2, **dict(small, cache_bytes=small["cache_bytes"] // 2))
     expected = hf_greedy(family, workload(), 12)
     assert one == two == [[e, e] for e in expected]
     assert stats2.num_preemptions > 0 and stats1.num_preemptions > 0   # the cache was tight
+    if preemption == "swap":
+        assert stats2.num_swap_preemptions > 0
     assert bytes2 * 2 == bytes1                                        # each rank: half the KV
 
 
