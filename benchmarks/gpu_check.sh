@@ -27,6 +27,9 @@
 #                (one on vmem) and host syncs per step (torch.cuda.set_sync_debug_mode)
 #   bench 75     vmemkv bench --quick --device cuda
 #   attention 50 benchmarks/attention.py --device cuda (issue 4's grid, fp16)
+#   tp 10        benchmarks/tp.py --device cuda: TP=1 vs TP=2, only with two or more GPUs
+#                (skipped with a line saying so otherwise; this version refuses CUDA TP, so on
+#                such a machine the step FAILS until NCCL ranks are implemented)
 # To rerun only part after a failure (GPU time is scarce): GPU_TESTS=tests/vmem (pytest paths,
 # one process instead of the three groups), BENCH_ONLY="alloc attention" (sections for --only),
 # SKIP_ATTENTION=1. REQUIRE_GPU=1 applies the GPU gate even in a dry run (it must FAIL there).
@@ -117,6 +120,13 @@ step bench "$BENCH_TIMEOUT" "$PYTHON" -m vmemkv.cli bench "${BENCH_ARGS[@]}" \
 cp "$WORK/artifacts/bench/bench.json" "$OUT_DIR/bench.json" 2>/dev/null
 [ -z "${SKIP_ATTENTION:-}" ] && step attention "$ATTENTION_TIMEOUT" "$PYTHON" -m vmemkv.benchmarks.attention \
     "${ATTENTION_ARGS[@]}" --out "$OUT_DIR/attention.json"
+GPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+if [ "${GPUS:-0}" -ge 2 ] && [ -z "${DRY_RUN:-}" ]; then
+    step tp 10 "$PYTHON" -m vmemkv.benchmarks.tp --quick --device cuda --out "$OUT_DIR/tp.json"
+else
+    echo "== tp: skipped: ${GPUS:-0} CUDA device(s) visible; the TP=2 step needs two or more" \
+        | tee -a "$OUT_DIR/steps.log"
+fi
 tar czf "$OUT_DIR/artifacts.tgz" -C "$WORK" artifacts 2>/dev/null
 { echo "budget $budget s of step timeouts (must stay under 420)"
   "$PYTHON" -m vmemkv.benchmarks.gpu_check env 2>&1

@@ -10,6 +10,7 @@ Sections, in order, each a module with ``run(quick, out=None, ...) -> dict``:
 | attention | benchmarks/attention.py| decode/prefill ms, GB/s, % of copy bandwidth, vmem vs paged |
 | memory    | benchmarks/memory.py   | utilisation and end waste vs block/page size and layout    |
 | engine    | benchmarks/engine.py   | tokens/s of both layouts (and transformers' CB if present) |
+| tp        | benchmarks/tp.py       | TP=1 vs TP=N tokens/s, communication share (only with ``--tp N``) |
 
 Output in DIR: ``bench.json`` (every figure, one file), ``bench.log`` (what each section
 printed), PNG plots (benchmarks/plots.py). A progress bar runs on stderr while it works; an
@@ -126,7 +127,10 @@ def load_engine() -> tuple[Optional[Callable], Optional[str]]:
     return run, None
 
 
-def _call(section: str, quick: bool, device: str, progress: Progress) -> dict:
+def _call(section: str, quick: bool, device: str, progress: Progress, tp_size: int = 2) -> dict:
+    if section == "tp":
+        from vmemkv.benchmarks import tp
+        return tp.run(quick=quick, out=None, world=tp_size)
     if section == "engine":
         run, why = load_engine()
         if run is None:
@@ -137,14 +141,15 @@ def _call(section: str, quick: bool, device: str, progress: Progress) -> dict:
     return module.run(quick=quick, out=None, device=device, progress=progress.tick)
 
 
-def run_section(section: str, quick: bool, device: str, progress: Progress, log) -> dict:
+def run_section(section: str, quick: bool, device: str, progress: Progress, log,
+                tp_size: int = 2) -> dict:
     """Run one section with its stdout captured (then shown above the bar and logged)."""
     import torch
     buffer, start = io.StringIO(), time.perf_counter()
     before, threads = progress.count, torch.get_num_threads()
     try:
         with contextlib.redirect_stdout(buffer):
-            payload = _call(section, quick, device, progress)
+            payload = _call(section, quick, device, progress, tp_size)
     except Exception as error:  # noqa: BLE001 -- a failed section must not lose the others
         buffer.write(traceback.format_exc())
         payload = {"error": f"{type(error).__name__}: {error}"}
@@ -161,8 +166,9 @@ def run_section(section: str, quick: bool, device: str, progress: Progress, log)
 
 
 def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[str] = None,
-              sections=SECTIONS, plots: bool = True, progress: bool = True) -> dict:
-    """Run ``sections``; write ``out_dir``/bench.json, bench.log and PNGs; return the payload.
+              sections=SECTIONS, plots: bool = True, progress: bool = True,
+              tp_size: int = 2) -> dict:
+    """Run ``sections`` (``tp_size``: the ranks of the "tp" section); write ``out_dir``/bench.json, bench.log and PNGs; return the payload.
     Ctrl-C (KeyboardInterrupt) stops it between or inside sections: bench.json and bench.log
     then hold the sections that finished (``payload["interrupted"]`` is true), no plots are
     drawn, and the interrupt goes on up with a note naming what was written."""
@@ -177,7 +183,7 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
     payload = {"benchmark": "vmemkv bench", "environment": env, "sections": list(sections),
                "interrupted": False}
     try:
-        _run_sections(payload, sections, quick, device, bar, out_dir)
+        _run_sections(payload, sections, quick, device, bar, out_dir, tp_size)
     except KeyboardInterrupt:
         payload["interrupted"] = True
     finally:
@@ -193,12 +199,12 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
 
 
 def _run_sections(payload: dict, sections, quick: bool, device: str, bar: Progress,
-                  out_dir: str) -> None:
+                  out_dir: str, tp_size: int = 2) -> None:
     """Each section in turn, its output appended (and flushed) to bench.log as it finishes."""
     with open(os.path.join(out_dir, "bench.log"), "w") as log:
         for section in sections:
             hold_point(f"bench:{section}")
-            payload[section] = run_section(section, quick, device, bar, log)
+            payload[section] = run_section(section, quick, device, bar, log, tp_size)
             log.flush()
 
 

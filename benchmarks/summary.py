@@ -97,8 +97,15 @@ def _engine_summary(data: dict) -> list[dict]:
     return rows or [{"what": "engine", "note": "no tokens/s figures; see bench.json"}]
 
 
+def _tp_summary(data: dict) -> list[dict]:
+    """tokens/s at TP=1 and TP=N (vmem per-layer), with the communication share of each step."""
+    return [{"what": f"engine {r['system']}", "vmem": float(r["tok_s"]), "unit": "tok/s",
+             "note": f"comm {r['comm_share']:.1%} of step" if r.get("comm_share") else ""}
+            for r in data.get("rows", [])] or [{"what": "tp", "note": "no rows; see bench.json"}]
+
+
 _SUMMARISERS = {"alloc": _alloc_summary, "attention": _attention_summary,
-                "memory": _memory_summary, "engine": _engine_summary}
+                "memory": _memory_summary, "engine": _engine_summary, "tp": _tp_summary}
 
 
 def busy_warning(load_1min: float, cores: Optional[int] = None) -> Optional[str]:

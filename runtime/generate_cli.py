@@ -102,6 +102,9 @@ def _cache_flags(c) -> None:
     c.add_argument("--prefix-sharing", action="store_true", help="share cached prompt prefixes")
     c.add_argument("--background-mapper", action="store_true",
                    help="vmem: map pages on a thread, ahead of the step that needs them")
+    c.add_argument("--tp", dest="tensor_parallel_size", type=bounded(int, 1), default=1, metavar="N",
+                   help="tensor-parallel ranks (processes on this machine, gloo; CPU only); "
+                        "--cache-bytes is then per rank")
 
 
 def read_prompts(path: str, has_tokenizer: bool, text_only: bool = False) -> List[Union[List[int], str]]:
@@ -186,7 +189,8 @@ def _engine(engine_class, model, tokenizer, args):
                         memory_utilization=args.memory_utilization,
                         preemption=args.preemption, swap_bytes=args.swap_bytes,
                         watermark=args.watermark, prefix_sharing=args.prefix_sharing,
-                        background_mapper=args.background_mapper, seed=args.seed)
+                        background_mapper=args.background_mapper, seed=args.seed,
+                        tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _generate(engine, prompts, params, args):

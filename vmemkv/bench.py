@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from vmemkv.cli import UsageError
-from vmemkv.scheduler.cliargs import thread_count
+from vmemkv.scheduler.cliargs import bounded, thread_count
 
 SECTIONS = ("alloc", "attention", "memory", "engine")
 
@@ -39,6 +39,9 @@ def register(subparsers) -> None:
                         help="torch CPU threads for the whole suite, 1 to this machine's CPU count "
                              "(default: torch's choice; 1 gives steady CPU timings on a small, "
                              "shared machine)")
+    parser.add_argument("--tp", type=bounded(int, 2), default=None, metavar="N",
+                        help="also run the tensor-parallel section: TP=1 against TP=N engine "
+                             "tokens/s on the CPU (N >= 2 ranks, gloo) (default: not run)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     from vmemkv.benchmarks import serve   # ``vmemkv bench serve``: load an HTTP server
@@ -63,9 +66,13 @@ def run(args: argparse.Namespace) -> int:
     if args.smoke:
         smoke.apply()
     sections = tuple(s for s in SECTIONS if s in (args.only or SECTIONS))
+    if args.tp is not None:
+        if args.device == "cuda":
+            raise UsageError("--tp runs on the CPU (gloo) in this version; drop --device cuda")
+        sections += ("tp",)
     payload = suite.run_suite(quick=args.quick or args.smoke, out_dir=args.out, device=args.device,
                               sections=sections, plots=not args.no_plots,
-                              progress=not args.no_progress)
+                              progress=not args.no_progress, tp_size=args.tp or 2)
     size = (" --smoke (toy sizes: the figures mean nothing)" if args.smoke
             else " --quick" if args.quick else "")
     print(f"\n# vmemkv bench{size}: {payload['environment']['device']}, "

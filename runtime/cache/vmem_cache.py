@@ -136,6 +136,7 @@ class VMemKVCache(VMemOps, KVCache):
             if any(not 0 <= s < self.config.max_batch for s in slots):
                 raise CacheStateError(f"op {index} of the plan names slot(s) {slots} outside "
                                       f"0..{self.config.max_batch - 1}: {op!r}")
+        self._retain(None)
         bound = self._bind_swaps(ops)
         if not bound:
             return
@@ -151,6 +152,7 @@ class VMemKVCache(VMemOps, KVCache):
                 self._apply_logged(plan, group)
         finally:
             self._inline_mapping_s += time.perf_counter() - start
+        self._retain(journal)
 
     def wait_for_plan(self) -> None:
         self.wait_for_mapper()

@@ -43,6 +43,10 @@ class EngineConfig:
     self_check: bool = True              # at construction, check a short prompt's logits on our
                                          # attention against the model's own; False is UNSAFE (an
                                          # unverified architecture may give wrong tokens silently)
+    tensor_parallel_size: int = 1        # ranks (processes) sharing the model by heads; >1: gloo, CPU
+    tp_launch: str = "spawn"             # "spawn": the engine starts ranks 1..N-1; "env": torchrun did
+    tp_timeout_s: float = 60.0           # a step's collectives wait at most this for a rank
+    # (cache_bytes / memory_utilization are PER RANK with tensor parallelism)
 
     def __post_init__(self) -> None:
         self._one_of("cache", CACHES)
@@ -50,7 +54,7 @@ class EngineConfig:
         self._one_of("preemption", PREEMPTION)
         for name, low in (("block_size", 1), ("max_batch", 1), ("max_context", 2),
                           ("max_tokens_per_step", 1), ("swap_bytes", 0), ("seed", 0),
-                          ("max_plan_retries", 0)):
+                          ("max_plan_retries", 0), ("tensor_parallel_size", 1)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise EngineConfigError(f"EngineConfig.{name} must be an int >= {low}, got {value!r}")
@@ -71,6 +75,18 @@ class EngineConfig:
                                     f"{self.self_check!r}")
         if self.preemption == "swap" and self.swap_bytes == 0:
             raise EngineConfigError("EngineConfig.swap_bytes must be > 0 when preemption='swap'")
+        self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        self._one_of("tp_launch", ("spawn", "env"))
+        timeout = self.tp_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e6:
+            raise EngineConfigError(f"EngineConfig.tp_timeout_s must be seconds in (0, 1e6), got "
+                                    f"{timeout!r}")
+        if self.tensor_parallel_size > 1 and self.background_mapper:
+            raise EngineConfigError("EngineConfig.background_mapper is not supported with "
+                                    f"tensor_parallel_size {self.tensor_parallel_size} (every rank "
+                                    f"applies each plan inline so that all or none do)")
 
     def _check_memory_utilization(self) -> None:
         value = self.memory_utilization

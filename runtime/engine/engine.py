@@ -32,7 +32,8 @@ from vmemkv.scheduler.request import Request, SeqState
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from .config import EngineConfig, cache_budget_bytes, check_engine_arguments, page_rounded_context
-from .errors import EngineConfigError, RequestRejectedError
+from .tensor_parallel import check_tensor_parallel_engine, kv_heads_per_rank, start_tensor_parallel
+from .errors import EngineConfigError, RequestRejectedError, TensorParallelError
 from .lifecycle import RequestLifecycle
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
@@ -75,8 +76,11 @@ class Engine(RequestLifecycle):
         self.model, self.tokenizer = model, tokenizer
         param = next(model.parameters())
         self.device, self.vocab_size = param.device, model.config.get_text_config().vocab_size
-        self.cache_config = self._cache_config(model, cfg, param)
         check_model_supported(model, cfg.max_context)   # before anything is built
+        check_tensor_parallel_engine(model, cfg, param.device)
+        full_config = self._cache_config(model, cfg, param)
+        self.cache_config = (full_config if cfg.tensor_parallel_size == 1 else self._cache_config(
+            model, cfg, param, kv_heads_per_rank(model.config, cfg.tensor_parallel_size)))
         self.attention = cfg.attention or fastest_backend(cfg.cache, self.device.type, cfg.block_size,
                                                           dtype=self.cache_config.dtype)
         backend = get_backend(self.attention)
@@ -86,25 +90,36 @@ class Engine(RequestLifecycle):
         self._model_attn = model.config._attn_implementation   # restored by close()
         self._holds_attention = False
         if cfg.self_check:   # the model is back on its own attention afterwards, pass or fail
-            self_check(model, self.cache_config, cfg, backend, self._model_attn)
-        self.kv = make_kv(self.cache_config, cfg.cache, cache_bytes=cache_bytes,
-                          layout=cfg.layout, page_bytes=cfg.page_bytes,
+            self_check(model, full_config, cfg, backend, self._model_attn)
+        kv_options = dict(cache_bytes=cache_bytes, layout=cfg.layout, page_bytes=cfg.page_bytes,
                           block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,
-                          background_mapper=cfg.background_mapper and cfg.cache == "vmem",
-                          driver=driver)
+                          background_mapper=cfg.background_mapper and cfg.cache == "vmem")
+        self.tp = None
+        if cfg.tensor_parallel_size > 1:   # every rank builds its shard and cache; rank 0 is here
+            self.tp = start_tensor_parallel(model, cfg, self.cache_config, kv_options,
+                                            self.attention, driver)
+            self.kv = self.tp.kv
+        else:
+            self.kv = make_kv(self.cache_config, cfg.cache, driver=driver, **kv_options)
         self.cache = self.kv       # the cache (self.kv.cache) with its manager, for callers
         try:
             self._build_rest(model, backend)
         except BaseException:
-            self.cache.close()   # a failed construction leaves no memory behind
+            self._close_memory()   # a failed construction leaves no memory behind
             model.set_attn_implementation(self._model_attn)
             raise
-        hold_vmemkv_attention(model, self._model_attn)
-        self._holds_attention = True
+        if self.tp is None:        # with TP the ranks run shard copies; the model is untouched
+            hold_vmemkv_attention(model, self._model_attn)
+            self._holds_attention = True
 
     def _build_rest(self, model: torch.nn.Module, backend) -> None:
         cfg = self.config
-        self.runner = ModelRunner(model, self.kv.cache, backend)   # executes plans only
+        if self.tp is not None:
+            self.runner = self.tp.executor.runner                  # rank 0's shard
+            self._execute = self.tp.execute                          # the plan on every rank
+        else:
+            self.runner = ModelRunner(model, self.kv.cache, backend)   # executes plans only
+            self._execute = self.runner.execute
         self.scheduler = Scheduler(self.kv.manager, SchedulerConfig(
             max_running=cfg.max_batch, max_tokens_per_step=cfg.max_tokens_per_step,
             watermark=cfg.watermark, preemption=cfg.preemption, max_seq_len=cfg.max_context,
@@ -123,10 +138,14 @@ class Engine(RequestLifecycle):
         self.plan_failures = 0                       # failed plan executions, all time
 
     @staticmethod
-    def _cache_config(model, cfg: EngineConfig, param: torch.Tensor) -> CacheConfig:
+    def _cache_config(model, cfg: EngineConfig, param: torch.Tensor,
+                      kv_heads: Optional[int] = None) -> CacheConfig:
+        """The cache's shape; ``kv_heads``: one tensor-parallel rank's share of the KV heads."""
         mc = model.config.get_text_config()
         shape = dict(**kv_shape_of(mc), dtype=param.dtype, device=str(param.device),
                      max_batch=cfg.max_batch)
+        if kv_heads is not None:
+            shape["num_kv_heads"] = kv_heads
         # a vmem slot is whole pages: the cache is built rounded up, admission uses max_context
         probe = CacheConfig(**shape, max_context=cfg.max_context)
         return CacheConfig(**shape, max_context=page_rounded_context(probe, cfg, cfg.max_context))
@@ -210,11 +229,14 @@ class Engine(RequestLifecycle):
         start = time.perf_counter()
         plan = self._schedule()
         try:
-            logits, rows = self.runner.execute(plan)
+            logits, rows = self._execute(plan)
             sampled = self._sample(plan, logits, rows)
         except PlanExecutionError as error:
             if self._plan_failed(plan, error):
                 return []
+            raise
+        except TensorParallelError:
+            self.close()   # a rank died or hung: every rank's memory and process go now
             raise
         except BaseException:
             self._keep_applied_memory()
@@ -370,11 +392,23 @@ class Engine(RequestLifecycle):
     # ---- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:
         """Release the cache (unmaps and frees every page) and switch the model back to the
-        attention implementation it had before this engine. Idempotent."""
-        self.cache.close()
+        attention implementation it had before this engine. With tensor parallelism, also
+        stops every rank (each frees its cache). Idempotent."""
+        self._close_memory()
         if self._holds_attention:   # the last engine on this model restores its attention
             self._holds_attention = False
             release_vmemkv_attention(self.model)
+
+    def _close_memory(self) -> None:
+        if self.tp is not None:
+            self.tp.close()      # stops ranks 1..N-1, then frees rank 0's cache
+        else:
+            self.cache.close()
+
+    @property
+    def tp_comm_s(self) -> float:
+        """Seconds rank 0 spent in tensor-parallel collectives so far (0 without TP)."""
+        return self.tp.comm_s if self.tp is not None else 0.0
 
     def __enter__(self) -> "Engine":
         return self

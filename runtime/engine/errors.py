@@ -30,3 +30,13 @@ class UnknownRequestError(EngineError, KeyError):
 class RequestEndedError(EngineError, ValueError):
     """``abort`` of a request that has already ended (finished, aborted or failed); the message
     names the id and its status. Nothing changes."""
+
+class TensorParallelConfigError(EngineConfigError):
+    """A ``tensor_parallel_size`` (or the model it would shard) that cannot run exactly: 0, more
+    than the attention heads, not dividing the heads or the MLP width, a model whose layers we
+    cannot shard. Raised before any process starts or any memory is built."""
+
+
+class TensorParallelError(EngineError, RuntimeError):
+    """A rank died, hung past ``tp_timeout_s`` or failed; raised on every surviving process. The
+    engine is closed: every rank's memory is released and no worker process is left."""

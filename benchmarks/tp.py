@@ -1,0 +1,111 @@
+"""Tensor parallelism on this CPU: TP=1 against TP=2 engine throughput on the same requests, and
+the share of rank 0's step time spent in collectives (plan broadcast, agreement, activation sums).
+
+    python -m vmemkv.benchmarks.tp [--quick] [--out bench_out/tp.json]
+
+Same cores for both: TP=1 runs with ``cores`` torch threads (and, as a second row, one), TP=2
+with ``cores / 2`` per rank.
+Model "small-llama" (8 query / 2 KV heads: one KV head per rank at TP=2), fp32, greedy, EOS
+ignored; each configuration is built once, warmed up on a few requests, then timed ``repeats``
+times round-robin; the figure is the median. ``agree``: requests whose tokens equal TP=1's.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+
+MODEL, SEED = "small-llama", 0
+QUICK, FULL = (16, 8, 64, 8), (32, 16, 256, 32)   # requests, shortest, longest prompt, new tokens
+
+
+def _prompts(quick: bool):
+    n, low, high, new = QUICK if quick else FULL
+    rng = random.Random(SEED)
+    return [[rng.randrange(1, 1024) for _ in range(rng.randint(low, high))] for _ in range(n)], new
+
+
+class _Config:
+    def __init__(self, tp: int, threads: int, model, prompts, new: int) -> None:
+        import torch
+        from vmemkv.runtime.engine import Engine, SamplingParams
+        torch.set_num_threads(threads)
+        self.name, self.threads, self.prompts = f"TP={tp} x{threads} thr", threads, prompts
+        self.params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+        self.engine = Engine(model, max_batch=16, max_context=512, tensor_parallel_size=tp,
+                             self_check=False)
+        self.engine.generate(prompts[:4], self.params)            # warm-up
+        self.walls, self.comm, self.steps, self.tokens = [], [], [], None
+
+    def once(self) -> None:
+        import torch
+        torch.set_num_threads(self.threads)
+        comm0, t0 = self.engine.tp_comm_s, time.perf_counter()
+        out = self.engine.generate(self.prompts, self.params)
+        self.walls.append(time.perf_counter() - t0)
+        self.comm.append(self.engine.tp_comm_s - comm0)
+        self.steps.append(self.engine.last_stats.step_s)
+        self.tokens = [o.outputs[0].token_ids for o in out]
+
+    def row(self) -> dict:
+        wall = statistics.median(self.walls)
+        output = sum(len(t) for t in self.tokens)
+        comm_share = statistics.median(c / s for c, s in zip(self.comm, self.steps))
+        return {"system": self.name, "tok_s": output / wall, "wall_s": wall,
+                "comm_share": comm_share, "threads_per_rank": self.threads,
+                "kv_MiB_per_rank": self.engine.stats().cache_bytes / 2**20}
+
+
+def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int = 2,
+        device: str = "cpu") -> dict:
+    """TP=1 (cores threads, then one) and TP=``world`` (cores / world threads per rank)."""
+    from vmemkv.runtime.models import build_model
+    repeats = 1 if quick else 3
+    prompts, new = _prompts(quick)
+    model = build_model(MODEL, seed=SEED, device=device)
+    env = environment(SEED, 1, repeats, model=MODEL, requests=len(prompts), new_tokens=new,
+                      cores=cores, load_1min=os.getloadavg()[0])
+    print_environment(env)
+    configs = [_Config(1, cores, model, prompts, new), _Config(1, 1, model, prompts, new),
+               _Config(world, max(1, cores // world), model, prompts, new)]
+    try:
+        for _ in range(repeats):
+            for c in configs:
+                c.once()
+        rows = [c.row() for c in configs]
+        for c, r in zip(configs, rows):
+            r["agree"] = sum(a == b for a, b in zip(c.tokens, configs[0].tokens)) / len(c.tokens)
+    finally:
+        for c in configs:
+            c.engine.close()
+    print(format_table(rows, ["system", "tok_s", "wall_s", "comm_share", "threads_per_rank",
+                              "kv_MiB_per_rank", "agree"]))
+    summary = {"tp_vs_tp1": rows[2]["tok_s"] / rows[0]["tok_s"],
+               "tp_vs_tp1_one_thread": rows[2]["tok_s"] / rows[1]["tok_s"],
+               "tp_comm_share": rows[2]["comm_share"], "tp_size": world}
+    print(f"# TP={world} vs TP=1: {summary['tp_vs_tp1']:.2f}x (vs TP=1 on one thread: "
+          f"{summary['tp_vs_tp1_one_thread']:.2f}x); communication {summary['tp_comm_share']:.1%} "
+          f"of TP={world}'s step time")
+    payload = {"environment": env, "rows": rows, "summary": summary}
+    write_json(out, payload)
+    return payload
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="16 short requests, 8 tokens, 1 repeat")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--cores", type=int, default=2, help="cores shared by all ranks")
+    parser.add_argument("--tp", type=int, default=2, help="ranks of the tensor-parallel row")
+    parser.add_argument("--device", default="cpu", help="cpu (cuda: refused in this version)")
+    args = parser.parse_args(argv)
+    run(quick=args.quick, out=args.out, cores=args.cores, world=args.tp, device=args.device)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

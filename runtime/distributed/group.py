@@ -1,0 +1,173 @@
+"""The tensor-parallel process group: start ranks, move plans, sum activations, all with bounded
+waits, and tear everything down.
+
+Transport is torch.distributed (``gloo`` on CPU, ``nccl`` on CUDA for the activation sums; plans
+always go over gloo as pickled bytes). Every collective a step makes waits at most
+``step_timeout_s``; a rank that died closes its sockets, so its peers fail at once rather than at
+the timeout. A follower waiting for the next plan waits as long as rank 0 is alive (an idle engine
+is not a fault).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import threading
+import time
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from vmemkv.runtime.engine.errors import TensorParallelError
+
+IDLE = datetime.timedelta(days=7)   # the group's own timeout: a follower waiting for a plan
+INLINE_BYTES = 64 * 1024            # a plan pickle up to this size crosses in one broadcast
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RankGroup:
+    """One process's side of the group: ``rank`` of ``world``, collectives bounded by
+    ``step_timeout_s`` (TensorParallelError naming the collective when one fails or times out)."""
+
+    def __init__(self, rank: int, world: int, step_timeout_s: float) -> None:
+        self.rank, self.world, self.step_timeout_s = rank, world, step_timeout_s
+        self.comm_s = 0.0    # seconds spent in collectives (plans + activation sums)
+
+    def _wait(self, work, what: str, timeout_s: Optional[float]) -> None:
+        start = time.perf_counter()
+        try:
+            if timeout_s is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=timeout_s))
+        except Exception as error:
+            raise TensorParallelError(
+                f"rank {self.rank}: {what} failed or waited past {timeout_s or IDLE.days * 86400} s "
+                f"(a rank died or hung): {type(error).__name__}: {str(error)[:200]}") from error
+        finally:
+            self.comm_s += time.perf_counter() - start
+
+    def all_reduce_(self, tensor: torch.Tensor, what: str = "activation all_reduce") -> None:
+        """Sum ``tensor`` over ranks in place."""
+        self._wait(dist.all_reduce(tensor, async_op=True), what, self.step_timeout_s)
+
+    def agree(self, ok: bool) -> bool:
+        """True when every rank passed ``ok=True``."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        self._wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True), "agreement",
+                   self.step_timeout_s)
+        return bool(flag.item())
+
+    def broadcast(self, obj: Any = None, *, idle: bool = False) -> Any:
+        """Rank 0 sends ``obj`` (pickled); every other rank returns it. ``idle``: a follower
+        waiting for work, which may wait as long as rank 0 lives. One collective when the
+        pickle fits ``INLINE_BYTES`` (a decode plan of hundreds of sequences does), two otherwise."""
+        timeout = None if idle else self.step_timeout_s
+        frame = torch.zeros(INLINE_BYTES + 8, dtype=torch.uint8)
+        data = b""
+        if self.rank == 0:
+            data = pickle.dumps(obj)
+            frame[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+            head = data[:INLINE_BYTES]
+            if head:
+                frame[8:8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        self._wait(dist.broadcast(frame, 0, async_op=True), "plan broadcast", timeout)
+        if self.rank == 0:
+            rest = torch.frombuffer(bytearray(data[INLINE_BYTES:]), dtype=torch.uint8) \
+                if len(data) > INLINE_BYTES else None
+        else:
+            size = int.from_bytes(frame[:8].numpy().tobytes(), "little")
+            rest = torch.empty(size - INLINE_BYTES, dtype=torch.uint8) if size > INLINE_BYTES else None
+        if rest is not None:
+            self._wait(dist.broadcast(rest, 0, async_op=True), "plan broadcast (rest)",
+                       self.step_timeout_s)
+        if self.rank == 0:
+            return obj
+        body = frame[8:8 + min(size, INLINE_BYTES)].numpy().tobytes()
+        return pickle.loads(body + (rest.numpy().tobytes() if rest is not None else b""))
+
+
+def init_group(rank: int, world: int, *, init_method: Optional[str] = None,
+               store=None) -> None:
+    """Join the default gloo group (``env://`` when neither is given, as torchrun sets it up)."""
+    kw = {"store": store} if store is not None else {"init_method": init_method or "env://"}
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=IDLE, **kw)
+
+
+def leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
+    """In a spawned rank: exit at once if rank 0's process is gone (never an orphan)."""
+    def loop() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(3)
+            time.sleep(interval_s)
+    threading.Thread(target=loop, name="vmemkv-tp-parent-watch", daemon=True).start()
+
+
+class SpawnedRanks:
+    """Ranks 1..world-1 as child processes of rank 0 on this machine (``spawn``), their start
+    and their end. ``target(rank, world, host, port, parent_pid, payload)`` runs in each."""
+
+    def __init__(self, world: int, target: Callable, payload: Any, start_timeout_s: float) -> None:
+        self.world, self.port = world, free_port()
+        self.store = dist.TCPStore("127.0.0.1", self.port, world, is_master=True,
+                                   wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=start_timeout_s))
+        ctx = torch.multiprocessing.get_context("spawn")
+        self.procs: List = [ctx.Process(target=target, name=f"vmemkv-tp-rank{r}", daemon=True,
+                                        args=(r, world, "127.0.0.1", self.port, os.getpid(), payload))
+                            for r in range(1, world)]
+        for p in self.procs:
+            p.start()
+
+    def wait_for(self, key: str, timeout_s: float) -> None:
+        """Block until every spawned rank set ``key`` in the store; TensorParallelError naming the
+        rank when one died first, reported an error, or ``timeout_s`` passed."""
+        deadline = time.monotonic() + timeout_s
+        pending = set(range(1, self.world))
+        while pending:
+            for r in sorted(pending):
+                if self.store.check([f"error{r}"]):
+                    raise TensorParallelError(f"rank {r} failed: {self.store.get(f'error{r}').decode()}")
+                if self.store.check([f"{key}{r}"]):
+                    pending.discard(r)
+                elif not self.procs[r - 1].is_alive():
+                    raise TensorParallelError(
+                        f"rank {r} exited with code {self.procs[r - 1].exitcode} before '{key}' "
+                        f"(its output says why; a script that starts a tensor-parallel engine "
+                        f"must guard it with `if __name__ == '__main__':`, as multiprocessing's "
+                        f"spawn re-imports the main module)")
+            if pending and time.monotonic() > deadline:
+                raise TensorParallelError(f"rank(s) {sorted(pending)} did not reach '{key}' within "
+                                          f"{timeout_s:g} s")
+            time.sleep(0.02)
+
+    def error_of(self, rank: int) -> Optional[str]:
+        try:
+            if self.store.check([f"error{rank}"]):
+                return self.store.get(f"error{rank}").decode()
+        except Exception:   # the store may be gone with rank 0's group
+            return None
+        return None
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Join every rank; terminate, then kill, any still alive after ``grace_s``."""
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5.0)

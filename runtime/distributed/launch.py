@@ -1,0 +1,104 @@
+"""Rank 0's side of tensor parallelism: start the other ranks, execute plans with them, close.
+
+    tp = TensorParallel(model, payload, world, launch="spawn")   # ranks 1..N-1 as child processes
+    logits, rows = tp.execute(plan)                               # the same plan on every rank
+    tp.close()                                                    # stop ranks, free every cache
+
+``driver`` is rank 0's vmem driver (the other ranks open their default one).
+``launch="env"``: the ranks were started by torchrun (or any ``env://`` launcher) and ranks
+1..N-1 run ``vmemkv.runtime.distributed.follow(model)``.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch.distributed as dist
+
+from vmemkv.runtime.engine.errors import TensorParallelConfigError, TensorParallelError
+from .group import RankGroup, SpawnedRanks, init_group, leave_group
+from .worker import TPPayload, agree_started, build_rank, spawned_rank_main
+
+LAUNCHES = ("spawn", "env")
+
+
+class TensorParallel:
+    """Ranks 1..N-1 and rank 0's own shard; ``kv`` is rank 0's manager and cache (the scheduler
+    plans on it), ``execute`` runs a plan on every rank."""
+
+    def __init__(self, model, payload: TPPayload, world: int, launch: str = "spawn",
+                 driver=None) -> None:
+        if launch not in LAUNCHES:
+            raise TensorParallelConfigError(f"tp_launch must be one of {', '.join(LAUNCHES)}, "
+                                            f"got {launch!r}")
+        if launch == "spawn" and dist.is_initialized():
+            raise TensorParallelConfigError(
+                "this process already belongs to a torch.distributed group (torchrun?): use "
+                "tp_launch='env' and run vmemkv.runtime.distributed.follow(model) on ranks 1..N-1")
+        self.world, self.spawned, self.kv, self._open = world, None, None, False
+        self.group = RankGroup(0, world, payload.step_timeout_s)
+        try:
+            self._join(model, payload, launch)
+            self._build(model, payload, driver)
+        except BaseException:
+            self.close()
+            raise
+
+    def _join(self, model, payload: TPPayload, launch: str) -> None:
+        if launch == "spawn":
+            self.spawned = SpawnedRanks(self.world, spawned_rank_main, replace(payload, model=model),
+                                        payload.start_timeout_s)
+            self.spawned.wait_for("joined", payload.start_timeout_s)
+            init_group(0, self.world, store=dist.PrefixStore("pg", self.spawned.store))
+        else:
+            init_group(0, self.world)
+            if dist.get_world_size() != self.world:
+                raise TensorParallelConfigError(
+                    f"tensor_parallel_size {self.world} differs from the launcher's WORLD_SIZE "
+                    f"{dist.get_world_size()}")
+            self.group.broadcast(replace(payload, model=None))
+        self._open = True
+
+    def _build(self, model, payload: TPPayload, driver) -> None:
+        try:
+            self.kv, self.executor, self.shard = build_rank(payload, self.group, model, driver)
+        except BaseException:
+            agree_started(self.group, False, payload.start_timeout_s)
+            raise
+        if not agree_started(self.group, True, payload.start_timeout_s):
+            failed = [f"rank {r}: {self.spawned.error_of(r)}" for r in range(1, self.world)
+                      if self.spawned is not None and self.spawned.error_of(r)]
+            raise TensorParallelError("a rank failed to build its shard: "
+                                      + ("; ".join(failed) or "see that rank's output"))
+
+    @property
+    def rank_pids(self) -> list:
+        """Process ids of the ranks this engine spawned (empty with ``launch="env"``)."""
+        return [p.pid for p in self.spawned.procs] if self.spawned is not None else []
+
+    @property
+    def comm_s(self) -> float:
+        """Seconds rank 0 spent in collectives (plan broadcasts, agreements, activation sums)."""
+        return self.group.comm_s
+
+    def execute(self, plan):
+        """Send ``plan`` to every rank and run it here; returns ``ModelRunner.execute``'s result.
+        PlanExecutionError (rolled back on every rank) or TensorParallelError (a rank died or
+        hung: the caller must close)."""
+        self.group.broadcast(plan)
+        return self.executor.execute(plan)
+
+    def close(self) -> None:
+        """Stop every rank (a final broadcast when they are reachable; kill otherwise), leave the
+        group, free rank 0's cache. Idempotent; never raises for a dead rank."""
+        if self._open:
+            self._open = False
+            try:
+                self.group.broadcast(None)
+            except TensorParallelError:
+                pass
+        if self.spawned is not None:
+            self.spawned.stop()
+            self.spawned = None
+        leave_group()
+        if self.kv is not None:
+            self.kv.close()

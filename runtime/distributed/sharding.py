@@ -1,0 +1,151 @@
+"""Megatron-style sharding of an HF decoder by attention heads and MLP columns.
+
+Per decoder layer, for ``world`` ranks (rank r):
+
+    q_proj, k_proj, v_proj   column-parallel: rank r keeps its heads' output rows (and biases)
+    o_proj                   row-parallel: rank r keeps its heads' input columns; outputs are
+                             summed over ranks (all_reduce), the bias added once after the sum
+    gate_proj, up_proj       column-parallel: intermediate columns [r*I/N, (r+1)*I/N)
+    down_proj                row-parallel (all_reduce)
+    embeddings, norms, lm_head   replicated (every rank computes the full logits)
+
+KV heads: with ``kv_heads % world == 0`` rank r keeps ``kv_heads / world`` of them; with fewer KV
+heads than ranks (``world % kv_heads == 0``) each KV head is replicated on ``world / kv_heads``
+ranks (as vLLM does), rank r keeping KV head ``r // (world / kv_heads)``. Query heads are always
+split evenly, so every rank keeps the model's grouped-query ratio or a divisor of it.
+
+These are our own wrappers: transformers' ``tp_plan`` shards through DTensor at
+``from_pretrained`` time and does not apply to a model a user already built (docs/usage.md).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from vmemkv.runtime.engine.errors import TensorParallelConfigError
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _text(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def kv_heads_per_rank(config, world: int) -> int:
+    """KV heads each rank's cache holds (``kv_heads / world``, or 1 when KV heads are replicated)."""
+    text = _text(config)
+    kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return max(1, kv // world)
+
+
+def check_tensor_parallel(model, world) -> None:
+    """Refuse, before any process starts, a ``world`` this model cannot be sharded into exactly,
+    naming the value and the limit (TensorParallelConfigError)."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise TensorParallelConfigError(f"tensor_parallel_size must be an int >= 1, got {world!r}")
+    if world == 1:
+        return
+    text = _text(model.config)
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    width = getattr(text, "intermediate_size", None)
+    if world > heads:
+        raise TensorParallelConfigError(f"tensor_parallel_size {world} exceeds the model's "
+                                        f"{heads} attention heads")
+    if heads % world:
+        raise TensorParallelConfigError(f"tensor_parallel_size {world} does not divide the "
+                                        f"model's {heads} attention heads")
+    if kv % world and world % kv:
+        raise TensorParallelConfigError(
+            f"tensor_parallel_size {world} neither divides the model's {kv} KV heads nor is a "
+            f"multiple of them (needed to split or replicate KV heads exactly)")
+    if width is None or width % world:
+        raise TensorParallelConfigError(f"tensor_parallel_size {world} does not divide the "
+                                        f"model's MLP width (intermediate_size={width})")
+    for index, layer in enumerate(_decoder_layers(model)):
+        missing = [n for n in ATTENTION_PROJECTIONS if not isinstance(
+            getattr(layer.self_attn, n, None), torch.nn.Linear)]
+        missing += [n for n in MLP_PROJECTIONS if not isinstance(
+            getattr(getattr(layer, "mlp", None), n, None), torch.nn.Linear)]
+        if missing:
+            raise TensorParallelConfigError(
+                f"{getattr(text, 'model_type', type(model).__name__)} layer {index} has no "
+                f"{', '.join(missing)} Linear; tensor parallelism shards Llama-style decoders "
+                f"(q/k/v/o_proj, gate/up/down_proj) only")
+
+
+def _decoder_layers(model):
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise TensorParallelConfigError(f"{type(model).__name__} has no .model.layers; tensor "
+                                        f"parallelism shards Llama-style decoders only")
+    return layers
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``x @ W[:, cols].T`` summed over ranks by ``all_reduce``, then the bias (added once)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                 all_reduce: Callable[[torch.Tensor], None]) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+        self._all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        self._all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+def _column(linear: torch.nn.Linear, rows: slice) -> torch.nn.Linear:
+    out = torch.nn.Linear(linear.in_features, rows.stop - rows.start, bias=linear.bias is not None,
+                          device="meta")
+    out.weight = torch.nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        out.bias = torch.nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=False)
+    return out
+
+
+def _row(linear: torch.nn.Linear, cols: slice, all_reduce) -> RowParallelLinear:
+    bias = None if linear.bias is None else linear.bias.detach().clone()
+    return RowParallelLinear(linear.weight.detach()[:, cols].contiguous(), bias, all_reduce)
+
+
+def shard_model(model, rank: int, world: int, all_reduce: Callable[[torch.Tensor], None],
+                copy_first: bool = True):
+    """Rank ``rank``'s shard of ``model`` (see the module docstring). ``copy_first`` leaves the
+    given model untouched: the shard is a copy whose replicated parameters are the original's
+    (shared, not copied) and whose sharded projections hold only this rank's slices."""
+    check_tensor_parallel(model, world)
+    if copy_first:
+        memo = {id(p): p for p in model.parameters()}
+        model = copy.deepcopy(model, memo)
+    text = _text(model.config)
+    heads = text.num_attention_heads
+    kv = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    q = _span(rank, heads // world, head_dim)
+    kv_rank = rank // (world // kv) if world > kv else rank
+    kv_span = _span(kv_rank, max(1, kv // world), head_dim)
+    width = text.intermediate_size // world
+    mlp = slice(rank * width, (rank + 1) * width)
+    for layer in _decoder_layers(model):
+        attn = layer.self_attn
+        attn.q_proj = _column(attn.q_proj, q)
+        attn.k_proj, attn.v_proj = _column(attn.k_proj, kv_span), _column(attn.v_proj, kv_span)
+        attn.o_proj = _row(attn.o_proj, q, all_reduce)
+        attn.num_key_value_groups = (heads // world) // max(1, kv // world)
+        layer.mlp.gate_proj = _column(layer.mlp.gate_proj, mlp)
+        layer.mlp.up_proj = _column(layer.mlp.up_proj, mlp)
+        layer.mlp.down_proj = _row(layer.mlp.down_proj, mlp, all_reduce)
+    return model
+
+
+def _span(index: int, heads: int, head_dim: int) -> slice:
+    return slice(index * heads * head_dim, (index + 1) * heads * head_dim)

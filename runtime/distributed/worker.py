@@ -1,0 +1,185 @@
+"""One rank's executor, and the loop a follower rank (1..N-1) runs.
+
+Every rank holds its shard of the model and a cache with its share of the KV heads, built from
+the same ``TPPayload``, so the same plan means the same memory ops on every rank. A step:
+
+    plan = broadcast(plan)                      rank 0 sends the scheduler's plan
+    cache.execute(plan.ops)                     every rank, journaled
+    agree(ok)                                   all ranks or none: a rank whose ops succeeded
+                                                undoes them when another failed (rolled back)
+    model(plan's tokens)                        two activation all_reduces per layer
+    rank 0 samples (followers' logits are unused), so ranks never disagree on tokens
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from vmemkv.runtime.errors import PlanExecutionError
+
+from vmemkv.runtime.engine.errors import TensorParallelError
+from .group import RankGroup, init_group, leave_group, watch_parent
+from .sharding import shard_model
+
+NO_FAILURE = 2**31 - 1
+
+
+@dataclass
+class TPPayload:
+    """What every rank needs to build its cache and runner (picklable)."""
+    cache_config: Any                 # runtime.config.CacheConfig, this rank's share of KV heads
+    kind: str                         # "vmem" or "paged"
+    kv_options: dict                  # make_kv keywords (cache_bytes, layout, page_bytes, ...)
+    attention: str                    # backend name
+    step_timeout_s: float
+    start_timeout_s: float
+    threads: int = 0                  # torch threads per rank (0: leave torch's default)
+    model: Any = None                 # a module (shared memory) or a picklable loader; None in env mode
+    extra: dict = field(default_factory=dict)
+
+
+def load_model(model_or_loader):
+    """The module itself, or what a loader (a picklable callable) returns."""
+    if isinstance(model_or_loader, torch.nn.Module):
+        return model_or_loader
+    return model_or_loader()
+
+
+class RankExecutor:
+    """Executes plans on this rank's cache and model shard, in step with the other ranks."""
+
+    def __init__(self, group: RankGroup, runner) -> None:
+        self.group, self.runner = group, runner
+        runner.cache.retain_last_plan = True
+
+    def execute(self, plan):
+        """``ModelRunner.execute`` across ranks: memory ops on every rank or on none."""
+        cache = self.runner.cache
+        failed_at, error = NO_FAILURE, None
+        try:
+            cache.execute(plan.ops)
+        except PlanExecutionError as e:
+            error = e
+            failed_at = e.op_index if e.op_index is not None else len(plan.ops)
+            if not e.rolled_back:
+                raise TensorParallelError(f"rank {self.group.rank}: {e}") from e
+        first_failure = self._min_over_ranks(failed_at)
+        if first_failure != NO_FAILURE:
+            if error is None:
+                cache.undo_last_plan()
+                error = PlanExecutionError(
+                    f"plan failed at op {first_failure} on another rank; undone on rank "
+                    f"{self.group.rank}", op_index=first_failure, rolled_back=True)
+            raise error
+        cache.forget_last_plan()
+        return self.runner.execute(replace(plan, ops=[]))
+
+    def _min_over_ranks(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        self.group._wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True),
+                         "plan agreement", self.group.step_timeout_s)
+        return int(t.item())
+
+
+def build_rank(payload: TPPayload, group: RankGroup, model, driver=None):
+    """This rank's (kv, executor, shard): its model shard (projections sliced, activations summed
+    over ``group``) and a cache built exactly as every other rank builds its own (``driver``:
+    this rank's vmem driver; None opens the default one)."""
+    from vmemkv.runtime.attention import get_backend
+    from vmemkv.runtime.engine.model_runner import ModelRunner
+    from vmemkv.runtime.kv import make_kv
+    shard = shard_model(model, group.rank, group.world, group.all_reduce_,
+                        copy_first=group.rank == 0)
+    kv = make_kv(payload.cache_config, payload.kind, driver=driver, **payload.kv_options)
+    try:
+        runner = ModelRunner(shard, kv.cache, get_backend(payload.attention))
+        return kv, RankExecutor(group, runner), shard
+    except BaseException:
+        kv.close()
+        raise
+
+
+def serve_plans(group: RankGroup, executor: RankExecutor) -> None:
+    """A follower's loop: execute every plan rank 0 broadcasts until it sends None (close)."""
+    while True:
+        plan = group.broadcast(idle=True)
+        if plan is None:
+            return
+        try:
+            executor.execute(plan)
+        except PlanExecutionError:
+            continue       # rolled back on every rank; rank 0's engine decides what follows
+
+
+def _follow(group: RankGroup, payload: TPPayload, model, on_error=None) -> None:
+    kv = None
+    try:
+        if payload.threads:
+            torch.set_num_threads(payload.threads)
+        kv, executor, _ = build_rank(payload, group, model)
+    except BaseException as error:
+        if on_error is not None:
+            on_error(error)
+        agree_started(group, False, payload.start_timeout_s)
+        raise
+    try:
+        if not agree_started(group, True, payload.start_timeout_s):
+            return      # another rank failed to build: rank 0 closes the group
+        serve_plans(group, executor)
+    finally:
+        kv.close()
+
+
+def agree_started(group: RankGroup, ok: bool, timeout_s: float) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    group._wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True), "start agreement",
+                timeout_s)
+    return bool(flag.item())
+
+
+def spawned_rank_main(rank: int, world: int, host: str, port: int, parent_pid: int,
+                      payload: TPPayload) -> None:
+    """Entry point of a rank rank 0 spawned: join, build, follow; errors go to the store."""
+    watch_parent(parent_pid)
+    store = dist.TCPStore(host, port, world, is_master=False,
+                          timeout=datetime.timedelta(seconds=payload.start_timeout_s))
+
+    def report(error: BaseException) -> None:
+        store.set(f"error{rank}", f"{type(error).__name__}: {error}"[:2000])
+
+    try:
+        store.set(f"joined{rank}", "1")
+        init_group(rank, world, store=dist.PrefixStore("pg", store))
+        group = RankGroup(rank, world, payload.step_timeout_s)
+        _follow(group, payload, load_model(payload.model), on_error=report)
+    except BaseException as error:
+        try:
+            report(error)
+        except Exception:
+            pass
+        os._exit(1)
+    finally:
+        leave_group()
+
+
+def follow(model_or_loader, *, step_timeout_s: float = 60.0, start_timeout_s: float = 300.0) -> None:
+    """Run rank ``RANK`` (1..WORLD_SIZE-1) of an engine whose rank 0 runs
+    ``Engine(..., tensor_parallel_size=WORLD_SIZE, tp_launch="env")``, for processes started by
+    torchrun (or any launcher that sets the ``env://`` variables). Returns when rank 0's engine
+    closes; raises TensorParallelError when a rank dies or hangs."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank == 0:
+        raise TensorParallelError("follow() runs ranks 1..N-1; rank 0 builds the Engine")
+    init_group(rank, world)
+    try:
+        group = RankGroup(rank, world, step_timeout_s)
+        payload: TPPayload = group.broadcast(idle=True)
+        _follow(group, replace(payload, step_timeout_s=step_timeout_s,
+                               start_timeout_s=start_timeout_s), load_model(model_or_loader))
+    finally:
+        leave_group()

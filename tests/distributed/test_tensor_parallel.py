@@ -1,0 +1,155 @@
+"""Tensor parallelism on the CPU (gloo): exact tokens, half the KV bytes per rank, refusals, and
+a rank that dies or hangs. Each TP engine spawns a process (a few seconds), so these are few."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vmemkv.runtime.distributed import TensorParallelConfigError, TensorParallelError, shard_model
+from vmemkv.runtime.engine import Engine, EngineConfigError, SamplingParams
+from vmemkv.runtime.errors import CacheStateError
+
+from vmemkv import vmem
+from vmemkv.vmem.faults import FaultInjectingDriver
+
+from ..engine.conftest import hf_greedy, model, tokens
+
+SHARED = [5, 9, 17, 33, 65, 129, 3, 4] * 3           # a shared 24-token prefix
+
+
+def workload():
+    return [SHARED + [i + 1, 2 * i + 7] for i in range(4)] + [[11, 12, 13], SHARED[:10] + [99]]
+
+
+def run(family, n, **options):
+    """Greedy tokens (2 samples per prompt), the per-rank cache bytes and the stats."""
+    with Engine(model(family), max_batch=4, max_context=1024, prefix_sharing=True,
+                tensor_parallel_size=n, **options) as engine:
+        out = engine.generate(workload(), SamplingParams(max_new_tokens=12, n=2))
+        return ([[c.token_ids for c in o.outputs] for o in out], engine.stats(),
+                engine.kv.manager.stats().total_tokens * engine.cache_config.bytes_per_token)
+
+
+@pytest.mark.parametrize("family, cache, preemption", [("tiny-llama", "vmem", "swap"),
+                                                       ("tiny-qwen2", "paged", "recompute")])
+def test_tp2_tokens_equal_tp1_and_transformers_with_preemption_forks_and_prefixes(
+        family, cache, preemption):
+    # tight caches (bytes per rank): the 12 sequences cannot all run, so some are preempted
+    small = (dict(cache=cache, block_size=4, cache_bytes=24576) if cache == "paged"
+             else dict(cache=cache, page_bytes=4096, cache_bytes=65536))
+    small.update(preemption=preemption, swap_bytes=1 << 20 if preemption == "swap" else 0)
+    one, stats1, bytes1 = run(family, 1, **small)
+    two, stats2, bytes2 = run(family, 2, **dict(small, cache_bytes=small["cache_bytes"] // 2))
+    expected = hf_greedy(family, workload(), 12)
+    assert one == two == [[e, e] for e in expected]
+    assert stats2.num_preemptions > 0 and stats1.num_preemptions > 0   # the cache was tight
+    if preemption == "swap":
+        assert stats2.num_swap_preemptions > 0
+    assert bytes2 * 2 == bytes1                                        # each rank: half the KV
+
+
+def test_default_sized_rank_cache_holds_half_the_kv_bytes():
+    with Engine(model(), max_batch=2, max_context=1024, self_check=False) as one:
+        full = one.stats().cache_bytes
+    with Engine(model(), max_batch=2, max_context=1024, self_check=False,
+                tensor_parallel_size=2) as two:
+        assert two.stats().cache_bytes * 2 == full
+        assert two.cache_config.num_kv_heads == 1
+
+
+@pytest.mark.parametrize("size, match", [
+    (0, "tensor_parallel_size must be an int >= 1, got 0"),
+    (3, "tensor_parallel_size 3 does not divide the model's 4 attention heads"),
+    (8, "tensor_parallel_size 8 exceeds the model's 4 attention heads"),
+])
+def test_bad_sizes_are_refused_before_any_process_starts(size, match):
+    before = multiprocessing.active_children()
+    with pytest.raises((TensorParallelConfigError, EngineConfigError), match=match):
+        Engine(model(), max_batch=2, max_context=64, tensor_parallel_size=size)
+    assert multiprocessing.active_children() == before
+
+
+def test_background_mapper_with_tp_is_refused():
+    with pytest.raises(EngineConfigError, match="background_mapper is not supported"):
+        Engine(model(), max_batch=2, max_context=64, tensor_parallel_size=2, background_mapper=True)
+
+
+def test_shards_split_heads_and_replicate_kv_heads_past_their_count():
+    m = model()   # 4 heads, 2 KV heads, head_dim 16, MLP width 128
+    shards = [shard_model(m, r, 4, lambda t: None) for r in range(4)]
+    attn = [s.model.layers[0].self_attn for s in shards]
+    assert [a.q_proj.weight.shape[0] for a in attn] == [16] * 4
+    assert [a.k_proj.weight.shape[0] for a in attn] == [16] * 4         # one KV head each
+    original_k = m.model.layers[0].self_attn.k_proj.weight
+    assert torch.equal(attn[0].k_proj.weight, original_k[:16]) and torch.equal(
+        attn[1].k_proj.weight, original_k[:16]) and torch.equal(attn[2].k_proj.weight, original_k[16:])
+    assert [s.model.layers[0].mlp.gate_proj.weight.shape[0] for s in shards] == [32] * 4
+    assert m.model.layers[0].self_attn.q_proj.weight.shape[0] == 64     # the model is untouched
+
+
+def test_ranks_started_by_torchrun_give_the_same_tokens(tmp_path):
+    out = tmp_path / "tokens.json"
+    script = os.path.join(os.path.dirname(__file__), "torchrun_ranks.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", script, str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(out.read_text()) == hf_greedy("tiny-llama", [[1, 2, 3, 4], [9, 8, 7]], 8)
+
+
+def test_a_plan_failing_on_one_rank_is_undone_on_every_rank_and_output_stays_exact():
+    driver = FaultInjectingDriver(vmem.open_driver("host"))
+    batch = [[3, 1, 4, 1, 5, 9, 2, 6] * 3, [2, 7, 1, 8]]
+    with Engine(model(), driver=driver, cache="vmem", page_bytes=4096, max_batch=2,
+                max_context=128, tensor_parallel_size=2, self_check=False,
+                check_integrity=True) as engine:
+        driver.fail_at("map", 3)       # rank 0 fails a map; rank 1 applied the plan, undoes it
+        out = engine.generate(batch, SamplingParams(max_new_tokens=12))
+        assert driver.faults_raised["map"] == 1 and engine.plan_failures == 1
+    assert tokens(out) == hf_greedy("tiny-llama", batch, 12)
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its zombie entry (reaped by its parent later)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "State:\tZ" in f.read()
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("fault", ["kill", "hang"])
+def test_a_rank_that_dies_or_hangs_raises_and_leaves_no_process_or_memory(fault):
+    engine = Engine(model(), max_batch=2, max_context=128, tensor_parallel_size=2, self_check=False,
+                    tp_timeout_s=3.0)
+    pids = engine.tp.rank_pids
+    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=50))
+    engine.step()
+    os.kill(pids[0], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    with pytest.raises(TensorParallelError, match="rank 0: .* failed or waited past"):
+        for _ in range(50):
+            engine.step()
+    assert all(_gone(p) for p in pids) and not multiprocessing.active_children()
+    with pytest.raises(CacheStateError, match="after close"):
+        engine.kv.cache.execute([])      # rank 0's memory is released too
+    engine.close()   # idempotent after the fault
+
+
+def test_plans_larger_than_one_frame_cross_intact():
+    # the first step prefills every prompt: its plan carries 35,200 token ids, more than the
+    # 64 KiB the first broadcast frame holds, so the rest goes in a second broadcast
+    import pickle
+    from vmemkv.runtime.distributed.group import INLINE_BYTES
+    big = [[(i * 7 + j) % 250 + 1 for j in range(2200)] for i in range(16)]
+    assert len(pickle.dumps(big)) > INLINE_BYTES
+    with Engine(model(), max_batch=16, max_context=2240, tensor_parallel_size=2, self_check=False,
+                max_tokens_per_step=36000) as engine:
+        out = engine.generate(big, SamplingParams(max_new_tokens=2))
+    assert tokens(out) == hf_greedy("tiny-llama", big, 2)
