@@ -114,12 +114,9 @@ class Engine(RequestLifecycle):
 
     def _build_rest(self, model: torch.nn.Module, backend) -> None:
         cfg = self.config
-        if self.tp is not None:
-            self.runner = self.tp.executor.runner                  # rank 0's shard
-            self._execute = self.tp.execute                          # the plan on every rank
-        else:
-            self.runner = ModelRunner(model, self.kv.cache, backend)   # executes plans only
-            self._execute = self.runner.execute
+        # executes plans only; with TP, rank 0's shard (self.tp runs the plan on every rank)
+        self.runner = (self.tp.executor.runner if self.tp is not None
+                       else ModelRunner(model, self.kv.cache, backend))
         self.scheduler = Scheduler(self.kv.manager, SchedulerConfig(
             max_running=cfg.max_batch, max_tokens_per_step=cfg.max_tokens_per_step,
             watermark=cfg.watermark, preemption=cfg.preemption, max_seq_len=cfg.max_context,
@@ -250,6 +247,9 @@ class Engine(RequestLifecycle):
         self._step_s += time.perf_counter() - start
         self._notify(events)
         return events
+
+    def _execute(self, plan):
+        return self.tp.execute(plan) if self.tp is not None else self.runner.execute(plan)
 
     def _sample(self, plan, logits, rows) -> Dict[int, int]:
         if logits is None:
