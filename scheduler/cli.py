@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from . import cli_capacity
 from .cli_table import aggregate, format_table, parse_seeds
 from .cliargs import bounded, hold_point, parse_bytes
 from .errors import ConfigError
@@ -75,6 +76,7 @@ def register(subparsers) -> None:
                    help="microseconds per physical page mapped (vmem)")
     c.add_argument("--paged-slowdown", type=bounded(float, 0, low_open=True), default=1.0,
                    help="KV read-time multiplier for paged kernels (1: as fast as vmem)")
+    cli_capacity.add_flags(p.add_argument_group("capacity search"))
     o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="+", metavar="METRIC:MS", default=None,
                    help="latency targets for request_goodput, e.g. ttft:2000 tpot:200 "
@@ -156,7 +158,7 @@ def _entries(args, seed: int):
     if args.trace:
         entries = load_trace(args.trace, rate_scale=args.rate_scale, max_requests=args.max_requests)
         entries, scaled = fit_to_length(entries, args.max_len)
-        if scaled:
+        if scaled and not args.find_max_rate:     # once, not once per probe
             sys.stderr.write(f"vmemkv simulate: {scaled:,} of {len(entries):,} trace requests were "
                              f"longer than --max-len {args.max_len} tokens and were scaled down "
                              f"to it\n")
@@ -206,6 +208,8 @@ def run(args) -> int:
     config = _config(args)          # field checks first: they name the flag the user gave
     check_deployment(args)
     goodput = parse_goodput(args.goodput) if args.goodput else None
+    if args.find_max_rate:
+        return cli_capacity.run(args, config, lambda a: _entries(a, a.seed))
     seeds = args.seeds or [args.seed]
     if args.seeds and args.trace:
         raise ConfigError("--seeds draws generated workloads; a --trace replays one fixed workload")
