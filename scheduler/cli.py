@@ -80,7 +80,7 @@ def register(subparsers) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="+", metavar="METRIC:MS", default=None,
                    help="latency targets for request_goodput, e.g. ttft:2000 tpot:200 "
-                        "(DistServe's goodput: requests/s meeting every target)")
+                        "(DistServe's goodput: requests/s meeting every target; default: none)")
     o.add_argument("--json", action="store_true", help="one JSON object on stdout")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -89,7 +89,8 @@ def _workload_flags(w) -> None:
     w.add_argument("--requests", type=POSITIVE_INT, default=2000, help="number of requests")
     w.add_argument("--seed", type=int, default=0, help="workload random seed")
     w.add_argument("--seeds", type=parse_seeds, metavar="0-4", default=None,
-                   help="run once per seed (FIRST-LAST or a comma list) and report mean ± std")
+                   help="run once per seed (FIRST-LAST or a comma list) and report mean ± std "
+                        "(default: one run with --seed)")
     w.add_argument("--workload-rng", choices=WORKLOAD_RNGS, default="numpy",
                    help="numpy: the documented draw (default); python: the draw before issue 13")
     w.add_argument("--prompt-median", type=TOKENS, default=584.0, help="prompt length median, tokens")

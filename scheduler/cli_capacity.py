@@ -24,7 +24,8 @@ def add_flags(group) -> None:
                        help="search the highest load meeting --slo (trace: --rate-scale; "
                             "generated: --arrival-rate)")
     group.add_argument("--slo", type=_slo, default=None, metavar="TARGETS",
-                       help="latency targets in ms, e.g. ttft_p90=2000,tpot_p99=200")
+                       help="latency targets in ms, e.g. ttft_p90=2000,tpot_p99=200 (default: none; "
+                            "--find-max-rate needs it)")
     group.add_argument("--search-tolerance", type=bounded(float, 0, 1, low_open=True),
                        default=0.02, help="stop when the bracket is this close (relative)")
     group.add_argument("--max-probes", type=bounded(int, 2), default=24,
