@@ -19,6 +19,7 @@ from vmemkv import __version__
 SUBCOMMANDS = {
     "info": "vmemkv.runtime.info",
     "simulate": "vmemkv.scheduler.cli",
+    "sweep": "vmemkv.scheduler.cli_sweep",
     "bench": "vmemkv.bench",
     "generate": "vmemkv.runtime.generate_cli",
 }
