@@ -74,6 +74,9 @@ def register(subparsers) -> None:
                         "(0, 1] (default: bandwidth only)")
     c.add_argument("--map-latency-us", type=bounded(float, 0), default=0.0,
                    help="microseconds per physical page mapped (vmem)")
+    c.add_argument("--profile", metavar="FILE", default=None,
+                   help="a device profile from vmemkv calibrate in place of the roofline (its "
+                        "model replaces --model-preset; default: the roofline)")
     c.add_argument("--paged-slowdown", type=bounded(float, 0, low_open=True), default=1.0,
                    help="KV read-time multiplier for paged kernels (1: as fast as vmem)")
     cli_capacity.add_flags(p.add_argument_group("capacity search"))
@@ -143,7 +146,7 @@ def check_deployment(args) -> None:
     longer than any sequence. ConfigError names the flags, values and limits."""
     gpu, model = DEVICES[args.gpu], MODELS[args.model_preset]
     cache_bytes = args.cache_gb * 1e9
-    if cache_bytes + model.weight_bytes > gpu.memory_bytes:
+    if args.profile is None and cache_bytes + model.weight_bytes > gpu.memory_bytes:
         raise ConfigError(
             f"--cache-gb {args.cache_gb:g} plus {model.name}'s {model.weight_bytes / 1e9:.1f} GB of "
             f"weights exceeds {gpu.name}'s {gpu.memory_bytes / 1e9:.1f} GB of memory; at most "
@@ -183,7 +186,8 @@ def _config(args) -> SimConfig:
                      block_size=args.block_size, page_bytes=args.page_size, layout=args.layout,
                      swap_bytes=int(args.swap_gb * 1e9), scheduler=sched,
                      prefill_mfu=args.prefill_mfu, map_latency_s=args.map_latency_us * 1e-6,
-                     paged_slowdown=args.paged_slowdown, watermark_scope=args.watermark_scope)
+                     paged_slowdown=args.paged_slowdown, watermark_scope=args.watermark_scope,
+                     profile=args.profile)
 
 
 def _simulate(entries, config: SimConfig, args):
@@ -233,7 +237,7 @@ def _echo(args) -> dict:
     return {k: getattr(args, k) for k in (
         "model_preset", "gpu", "cache_gb", "policy", "block_size", "page_size", "layout",
         "watermark", "watermark_scope", "preemption", "swap_gb", "max_running",
-        "max_tokens_per_step", "seed", "workload_rng", "trace", "goodput")}
+        "max_tokens_per_step", "seed", "workload_rng", "trace", "goodput", "profile")}
 
 
 def _print(runs: list, seeds: list, args) -> None:

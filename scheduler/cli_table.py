@@ -77,7 +77,9 @@ def format_table(d: dict, std: Dict[str, float] = None, seeds: Sequence[int] = (
     """The run ``d`` (or the mean of several, with their ``std``) as an aligned table."""
     std, c = std or {}, d["config"]
     over = f", mean ± std over seeds {seeds[0]}..{seeds[-1]}" if len(seeds) > 1 else ""
-    lines = [f"vmemkv simulate: {d['policy']}, {c['model_preset']} on {c['gpu']}, "
+    where = (f"profile {c['profile']}" if c.get("profile")
+             else f"{c['model_preset']} on {c['gpu']}")
+    lines = [f"vmemkv simulate: {d['policy']}, {where}, "
              f"{c['cache_gb']:g} GB cache, {d['num_requests']:,.0f} requests{over}",
              f"  {'':<28} {'whole run':>20} {'steady state':>20}"]
     for label, key, second, fmt in _ROWS:

@@ -18,7 +18,8 @@ from .errors import ConfigError, SchedulerError
 from .managers.base import MemoryManager
 from .geometry import LAYOUTS
 from .policies import check_policy, is_custom, load_policy_class
-from .presets import get_device, get_model
+from .presets import ModelSpec, get_device, get_model
+from .profile_cost import ProfileCost, load_profile, profile_cost, profile_model
 from .report import RequestTiming, serving_report
 from .request import Request
 from .scheduler import Scheduler, SchedulerConfig
@@ -50,9 +51,13 @@ class SimConfig:
     # memory (paged, vmem); a reserve policy holds the final length from admission, so a
     # watermark there only idles memory. "all": every policy keeps it free.
     watermark_scope: str = "growing"
+    profile: Optional[str] = None         # a device profile (vmemkv calibrate) in place of the
+                                          # roofline; its model replaces ``model``
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
+        if self.profile is not None:
+            load_profile(self.profile)
         if self.watermark_scope not in WATERMARK_SCOPES:
             raise ConfigError(f"watermark_scope must be one of {', '.join(WATERMARK_SCOPES)}, "
                               f"got {self.watermark_scope!r}")
@@ -63,14 +68,19 @@ class SimConfig:
         get_model(self.model)
         get_device(self.device)
 
+    @property
+    def model_spec(self) -> ModelSpec:
+        """The model memory is sized for: the profile's when there is one, else ``model``'s."""
+        return profile_model(load_profile(self.profile)) if self.profile else get_model(self.model)
+
     def make_manager(self) -> MemoryManager:
         from .managers import make_manager
         options = dict(block_size_tokens=self.block_size, page_bytes=self.page_bytes,
                        layout=self.layout, swap_bytes=int(self.swap_bytes))
         if is_custom(self.policy):
-            return load_policy_class(self.policy)(get_model(self.model), int(self.cache_bytes),
+            return load_policy_class(self.policy)(self.model_spec, int(self.cache_bytes),
                                                   self.max_seq_len, **options)
-        return make_manager(self.policy, get_model(self.model), int(self.cache_bytes),
+        return make_manager(self.policy, self.model_spec, int(self.cache_bytes),
                             self.max_seq_len, max_slots=None, **options)
 
     def scheduler_for(self, manager: MemoryManager) -> SchedulerConfig:
@@ -79,8 +89,11 @@ class SimConfig:
             return replace(self.scheduler, watermark=0.0)
         return self.scheduler
 
-    def make_cost(self, pages_per_map_op: int = 1) -> CostModel:
-        """The cost model; ``pages_per_map_op`` is the manager's (vmem: pages per group)."""
+    def make_cost(self, pages_per_map_op: int = 1):
+        """The cost model (CostModel, or ProfileCost with ``profile``); ``pages_per_map_op`` is
+        the manager's (vmem: pages per group)."""
+        if self.profile:
+            return profile_cost(load_profile(self.profile), self.map_latency_s, pages_per_map_op)
         model = get_model(self.model)
         return CostModel(model, get_device(self.device), prefill_mfu=self.prefill_mfu,
                          map_latency_s=self.map_latency_s, pages_per_map_op=pages_per_map_op,
@@ -167,7 +180,7 @@ def _step_figures(stats, running: int) -> tuple:
 class Simulator:
     """Runs a workload through ``Scheduler(manager, config)`` with ``cost`` as the clock."""
 
-    def __init__(self, manager: MemoryManager, cost: CostModel,
+    def __init__(self, manager: MemoryManager, cost: "CostModel | ProfileCost",
                  config: SchedulerConfig = SchedulerConfig()):
         self.manager, self.cost, self.config = manager, cost, config
 
@@ -215,7 +228,7 @@ class Simulator:
         plan = sched.schedule()
         mapped = count_map_ops(plan.ops)
         seconds = self.cost.step_seconds(plan.num_context_tokens, plan.num_new_tokens,
-                                         mapped * self.cost.pages_per_map_op)
+                                         mapped * self.cost.pages_per_map_op, len(plan.seqs))
         end = now + seconds
         sampled = {}
         for s in plan.seqs:

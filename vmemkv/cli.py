@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "info": "vmemkv.runtime.info",
     "simulate": "vmemkv.scheduler.cli",
     "sweep": "vmemkv.scheduler.cli_sweep",
+    "calibrate": "vmemkv.runtime.calibrate",
     "bench": "vmemkv.bench",
     "generate": "vmemkv.runtime.generate_cli",
 }
