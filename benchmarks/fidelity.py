@@ -109,6 +109,7 @@ def main(argv=None) -> int:
         from vmemkv.cli import main as vmemkv
         profile = os.path.join(tempfile.mkdtemp(prefix="vmemkv-fidelity-"), "profile.json")
         vmemkv(["calibrate", "--model", MODEL, "--threads", str(args.threads), "--out", profile,
+                "--max-batch", str(MAX_BATCH), "--max-context", str(args.max_context),
                 *args.calibrate_args.split()])
     out = measure(args, profile)
     print(f"{'figure':<20}{'engine':>12}{'simulator':>12}{'error':>9}{'goal':>7}")

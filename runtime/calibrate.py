@@ -4,7 +4,7 @@ For each (batch, context) point: ``batch`` prompts of ``context`` tokens go thro
 and every step is timed (wall seconds around ``Engine.step``) with the plan's new and context
 token counts (read from the scheduler's own plan: the step's work exactly). Prefill steps give
 many new tokens, decode steps ``batch`` new tokens over ~``batch * context`` context tokens.
-A least-squares fit of seconds = base + s * sequences + a * new + b * context over every timed
+A median regression of seconds = base + s * sequences + a * new + b * context over every timed
 step (after a warm-up generate) gives the coefficients of
 ``vmemkv.scheduler.profile_cost``; the profile records the points and the fit's error.
 
@@ -60,19 +60,19 @@ def time_steps(engine, prompts: List[List[int]], new_tokens: int) -> List[Dict]:
     return points
 
 
-def fit(points: Sequence[Dict], iterations: int = 30) -> Dict[str, float]:
+def fit(points: Sequence[Dict], iterations: int = 50) -> Dict[str, float]:
     """Coefficients (clipped at 0) of seconds against sequences, new and context tokens that
-    minimise the summed RELATIVE absolute error (iteratively reweighted least squares): a
-    decode step's few ms count as much as a prefill's hundreds, and the steps a busy machine
-    slowed down pull the fit less than they would a least-squares one."""
+    minimise the summed ABSOLUTE error: a median regression (iteratively reweighted least
+    squares). On a shared machine a step is sometimes descheduled and takes several times its
+    cost; such steps move a least-squares fit, and a relative-error fit chases the fastest
+    steps, but a median fit follows the typical step, which is what a replay sees."""
     import numpy as np
     x = np.array([[1.0, p["batch"], p["new_tokens"], p["context_tokens"]] for p in points])
     y = np.array([p["seconds"] for p in points])
-    scale = 1.0 / y                      # rows in units of their own step time
+    weight = np.ones_like(y)
     for _ in range(iterations):
-        coef, *_ = np.linalg.lstsq(x * scale[:, None], y * scale, rcond=None)
-        rel = np.abs(x @ coef - y) / y
-        scale = 1.0 / (y * np.sqrt(np.maximum(rel, 1e-4)))
+        coef, *_ = np.linalg.lstsq(x * weight[:, None], y * weight, rcond=None)
+        weight = 1.0 / np.sqrt(np.maximum(np.abs(x @ coef - y), 1e-6))
     return dict(zip(COEFFICIENTS, (max(0.0, float(c)) for c in coef)))
 
 
@@ -87,9 +87,19 @@ def fit_error(points: Sequence[Dict], coeffs: Dict[str, float]) -> Dict[str, flo
 
 def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 16),
               contexts: Sequence[int] = (16, 64, 256), decode_steps: int = 8, threads: int = 1,
-              engine_options: Dict = None, seed: int = 0, repeats: int = 2) -> Dict:
+              engine_options: Dict = None, seed: int = 0, repeats: int = 2,
+              max_batch: int = 16, max_context: int = 512) -> Dict:
     """The device profile (a dict, ``profile_cost``'s format) for this machine; every point
-    is run ``repeats`` times (a shared machine's noise averages out in the fit)."""
+    is run ``repeats`` times (a shared machine's noise averages out in the fit). The engine is
+    built with ``max_batch`` and ``max_context`` as the engine the profile stands for: a vmem
+    step's attention may read the whole slot, so its cost depends on them, not only on the
+    tokens cached."""
+    if max(contexts) + decode_steps > max_context or max(batches) > max_batch:
+        from vmemkv.runtime.engine.errors import EngineConfigError
+        raise EngineConfigError(
+            f"calibration points need batch <= max_batch ({max_batch}) and context + "
+            f"decode steps <= max_context ({max_context}); got batch {max(batches)}, "
+            f"{max(contexts)} + {decode_steps} tokens")
     import random
 
     import torch
@@ -99,9 +109,8 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
     model = build_model(model_name, seed=seed)
     vocab = model.config.vocab_size
     rng = random.Random(seed)
-    max_context = max(contexts) + decode_steps + 1
     points = []
-    with Engine(model, max_batch=max(batches), max_context=max_context,
+    with Engine(model, max_batch=max_batch, max_context=max_context,
                 **(engine_options or {})) as engine:
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))       # warm-up
         for _ in range(repeats):
@@ -112,7 +121,8 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
         engine_figures = {"cache": engine.config.cache, "layout": engine.config.layout,
                           "page_bytes": (engine.kv.manager.page_bytes
                                          if engine.config.cache == "vmem" else None),
-                          "max_tokens_per_step": engine.config.max_tokens_per_step}
+                          "max_tokens_per_step": engine.config.max_tokens_per_step,
+                          "max_batch": max_batch, "max_context": max_context}
     coeffs = fit(points)
     return {"format": PROFILE_FORMAT, "version": 1, "model": model_entry(model, model_name),
             "device": f"cpu: {platform.processor() or platform.machine()}, {threads} threads",
@@ -137,6 +147,10 @@ def register(subparsers) -> None:
     p.add_argument("--decode-steps", type=bounded(int, 1), default=8,
                    help="tokens generated per sequence per point")
     p.add_argument("--repeats", type=bounded(int, 1), default=2, help="runs of every point")
+    p.add_argument("--max-batch", type=bounded(int, 1), default=16,
+                   help="the engine's max batch (as in the engine the profile stands for)")
+    p.add_argument("--max-context", type=bounded(int, 2), default=512,
+                   help="the engine's max context, tokens (vmem attention may read whole slots)")
     p.add_argument("--threads", type=thread_count, default=1, help="torch CPU threads")
     p.add_argument("--out", default="profile.json", metavar="FILE",
                    help="where to write the device profile (JSON)")
@@ -144,7 +158,8 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     profile = calibrate(args.model, args.batches, args.contexts, args.decode_steps, args.threads,
-                        repeats=args.repeats)
+                        repeats=args.repeats, max_batch=args.max_batch,
+                        max_context=args.max_context)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(profile, f, indent=1)
     c, e = profile["coefficients"], profile["fit"]

@@ -39,3 +39,10 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
                                     cache_bytes=2 * 10**6, max_seq_len=64))
     assert r.output_tokens == sum(e.output_len for e in entries)
     assert json.loads(out.read_text())["format"] == "vmemkv-device-profile"
+
+
+def test_calibration_points_outside_the_engine_are_refused():
+    from vmemkv.runtime.calibrate import calibrate
+    from vmemkv.runtime.engine.errors import EngineConfigError
+    with pytest.raises(EngineConfigError, match="max_context"):
+        calibrate("tiny-llama", batches=(1,), contexts=(600,), decode_steps=8, max_context=512)

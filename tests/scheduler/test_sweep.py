@@ -114,3 +114,11 @@ def test_ray_cluster_runs_the_same_rows_as_the_pool():
     for row in rows + local:
         row.pop("wall_seconds")
     assert rows == local
+
+
+def test_ray_path_without_ray_names_the_extra(monkeypatch):
+    import sys
+    from vmemkv.scheduler.sweep import run_ray
+    monkeypatch.setitem(sys.modules, "ray", None)       # import ray -> ImportError
+    with pytest.raises(ConfigError, match=r"vmemkv\[ray\]"):
+        run_ray([], "auto")
