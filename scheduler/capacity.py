@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from .errors import ConfigError
-from .report import METRICS
+from .report import METRICS, target_ms
 from .simulator import SimConfig, simulate
 from .workload import TraceEntry
 
@@ -41,13 +41,7 @@ def parse_slo(text: str) -> Dict[str, float]:
             raise ConfigError(f"SLO target {item!r} must be METRIC_STAT=MS with METRIC one of "
                               f"{', '.join(METRICS)} and STAT mean, median or p0..p100 "
                               f"(e.g. ttft_p90=2000)")
-        try:
-            ms = float(value)
-        except ValueError:
-            ms = math.nan
-        if not 0 < ms < math.inf:
-            raise ConfigError(f"SLO target {item!r}: milliseconds must be a finite number > 0")
-        out[name.strip()] = ms
+        out[name.strip()] = target_ms(value, f"SLO target {item!r}")
     if not out:
         raise ConfigError(f"SLO {text!r} names no target; e.g. ttft_p90=2000,tpot_p99=200")
     return out

@@ -70,14 +70,19 @@ def parse_goodput(specs: Sequence[str]) -> Dict[str, float]:
         if not sep or name not in ("ttft", "tpot", "e2el"):
             raise ConfigError(f"goodput target {spec!r} must be METRIC:MS with METRIC one of "
                               f"ttft, tpot, e2el")
-        try:
-            ms = float(value)
-        except ValueError:
-            ms = math.nan
-        if not 0 < ms < math.inf:
-            raise ConfigError(f"goodput target {spec!r}: milliseconds must be a finite number > 0")
-        out[name] = ms
+        out[name] = target_ms(value, f"goodput target {spec!r}")
     return out
+
+
+def target_ms(text: str, what: str) -> float:
+    """A latency target's milliseconds: a finite number > 0, else ConfigError naming ``what``."""
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = math.nan
+    if not 0 < ms < math.inf:
+        raise ConfigError(f"{what}: milliseconds must be a finite number > 0")
+    return ms
 
 
 def serving_report(timings: Sequence[RequestTiming], *, duration_s: Optional[float] = None,
