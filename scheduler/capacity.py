@@ -91,10 +91,6 @@ def find_max_load(make_entries: Callable[[float], Sequence[TraceEntry]], config:
                   max_probes: int = 24, on_probe: Optional[Callable[[Probe], None]] = None
                   ) -> CapacityResult:
     """Search the load (module docstring); ``on_probe`` sees every probe as it finishes."""
-    if not (start > 0 and math.isfinite(start)):
-        raise ConfigError(f"the search's start load must be a finite number > 0, got {start!r}")
-    if not 0 < rel_tol < 1:
-        raise ConfigError(f"rel_tol must be in (0, 1), got {rel_tol!r}")
     result = CapacityResult(None, dict(slo))
     qs = percentiles_of(slo)
 
@@ -106,12 +102,31 @@ def find_max_load(make_entries: Callable[[float], Sequence[TraceEntry]], config:
             on_probe(result.probes[-1])
         return meets
 
-    lo, hi = _bracket(probe, start, max_probes)
-    while lo is not None and hi is not None and hi / lo > 1 + rel_tol and len(result.probes) < max_probes:
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if probe(mid) else (lo, mid)
+    lo, hi = search_max_load(probe, start, rel_tol, max_probes)
     result.max_load, result.bounded = lo, hi is not None
     return result
+
+
+def search_max_load(meets: Callable[[float], bool], start: float, rel_tol: float,
+                    max_probes: int) -> Tuple[Optional[float], Optional[float]]:
+    """(lo, hi) of the search over a ``meets(load)`` that holds below some load and fails above
+    it: lo the highest load seen to meet it (None: none did), hi the lowest seen to fail (None:
+    none did); hi / lo <= 1 + ``rel_tol`` unless ``max_probes`` calls of ``meets`` ran out."""
+    if not (start > 0 and math.isfinite(start)):
+        raise ConfigError(f"the search's start load must be a finite number > 0, got {start!r}")
+    if not 0 < rel_tol < 1:
+        raise ConfigError(f"rel_tol must be in (0, 1), got {rel_tol!r}")
+    calls = [0]
+
+    def probe(load: float) -> bool:
+        calls[0] += 1
+        return meets(load)
+
+    lo, hi = _bracket(probe, start, max_probes)
+    while lo is not None and hi is not None and hi / lo > 1 + rel_tol and calls[0] < max_probes:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if probe(mid) else (lo, mid)
+    return lo, hi
 
 
 def _bracket(probe: Callable[[float], bool], start: float, max_probes: int):

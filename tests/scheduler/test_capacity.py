@@ -57,3 +57,30 @@ def test_find_max_rate_cli_writes_every_probe_as_json(capsys):
 def test_find_max_rate_without_slo_is_refused(capsys):
     assert main(["simulate", "--requests", "10", "--find-max-rate", "--no-progress"]) == 2
     assert "--slo" in capsys.readouterr().err
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from vmemkv.scheduler.capacity import search_max_load  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(threshold=st.floats(0.05, 500.0), start=st.floats(0.5, 50.0), tol=st.floats(0.005, 0.5))
+def test_search_brackets_any_threshold_within_the_tolerance(threshold, start, tol):
+    """Against a shadow SLO (met iff load <= threshold) the answer is a met load within the
+    tolerance of the first failing one, and the threshold lies between them."""
+    seen = []
+
+    def meets(load):
+        seen.append(load)
+        return load <= threshold
+
+    lo, hi = search_max_load(meets, start, tol, max_probes=64)
+    assert lo is not None and hi is not None
+    assert lo <= threshold < hi and hi / lo <= 1 + tol
+    assert len(seen) <= 64 and lo == max(x for x in seen if x <= threshold)
+
+
+def test_search_that_runs_out_of_probes_reports_an_open_bracket():
+    lo, hi = search_max_load(lambda load: True, 1.0, 0.02, max_probes=6)
+    assert hi is None and lo == 4.0     # 1, 2, 4: max_probes // 2 bracket steps
