@@ -99,7 +99,8 @@ class EngineSystem:
         return {"system": self.name, "tok_s": best.tokens_per_s, "wall_s": best.wall_s,
                 "steps": best.steps, "kv_MiB": best.cache_bytes / MiB, "kv_peak": best.kv_usage_peak,
                 "map_ms": best.mapping_s * 1e3, "map_share": best.mapping_share,
-                "attention": best.attention, "tok_s_runs": [s.tokens_per_s for s in self.runs]}
+                "attention": best.attention, "tok_s_runs": [s.tokens_per_s for s in self.runs],
+                "serving": best.serving}   # scheduler/report.py's figures, wall seconds
 
 
 def hf_num_blocks(model, kv_bytes: int, block_tokens: int = 256) -> int:

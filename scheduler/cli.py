@@ -12,14 +12,17 @@ import argparse
 import json
 import sys
 
+from . import cli_capacity
+from .cli_table import aggregate, format_table, parse_seeds
 from .cliargs import bounded, hold_point, parse_bytes
 from .errors import ConfigError
 from .presets import DEVICES, MODELS
 from .progress import Progress
+from .report import parse_goodput
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
-from .simulator import LAYOUTS, POLICIES, SimConfig, simulate
+from .simulator import LAYOUTS, POLICIES, WATERMARK_SCOPES, SimConfig, simulate
 from .traces import fit_to_length, load_trace, trace_names
-from .workload import WorkloadSpec, generate, write_trace
+from .workload import WORKLOAD_RNGS, WorkloadSpec, generate, write_trace
 
 __all__ = ["parse_bytes", "register", "run", "format_table"]
 
@@ -38,6 +41,14 @@ class _Renamed(argparse.Action):
         parser.error(f"{option_string} is {self.new} in simulate ({self.why})")
 
 
+def policy_name(text: str) -> str:
+    """argparse type of ``--policy``: a built-in policy or a custom ``module:Class``."""
+    if text in POLICIES or ":" in text:
+        return text
+    raise argparse.ArgumentTypeError(f"want one of {', '.join(POLICIES)} or module:Class "
+                                     f"(a MemoryManager subclass), got {text!r}")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="simulate a workload under a KV memory policy",
                               description="Run a workload through a KV memory policy on the "
@@ -47,6 +58,9 @@ def register(subparsers) -> None:
     s = p.add_argument_group("scheduler")
     s.add_argument("--watermark", type=FRACTION, default=0.01,
                    help="fraction of the cache admission keeps free, in [0, 1)")
+    s.add_argument("--watermark-scope", choices=WATERMARK_SCOPES, default="growing",
+                   help="policies the watermark applies to: growing (paged, vmem: their "
+                        "sequences grow into free memory; default) or all (reserve too)")
     s.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute",
                    help="what a preempted sequence loses: recompute its tokens, or swap them "
                         "to host memory (needs --swap-gb > 0)")
@@ -60,9 +74,16 @@ def register(subparsers) -> None:
                         "(0, 1] (default: bandwidth only)")
     c.add_argument("--map-latency-us", type=bounded(float, 0), default=0.0,
                    help="microseconds per physical page mapped (vmem)")
+    c.add_argument("--profile", metavar="FILE", default=None,
+                   help="a device profile from vmemkv calibrate in place of the roofline (its "
+                        "model replaces --model-preset; default: the roofline)")
     c.add_argument("--paged-slowdown", type=bounded(float, 0, low_open=True), default=1.0,
                    help="KV read-time multiplier for paged kernels (1: as fast as vmem)")
+    cli_capacity.add_flags(p.add_argument_group("capacity search"))
     o = p.add_argument_group("output")
+    o.add_argument("--goodput", nargs="+", metavar="METRIC:MS", default=None,
+                   help="latency targets for request_goodput, e.g. ttft:2000 tpot:200 "
+                        "(DistServe's goodput: requests/s meeting every target; default: none)")
     o.add_argument("--json", action="store_true", help="one JSON object on stdout")
     o.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -70,6 +91,11 @@ def register(subparsers) -> None:
 def _workload_flags(w) -> None:
     w.add_argument("--requests", type=POSITIVE_INT, default=2000, help="number of requests")
     w.add_argument("--seed", type=int, default=0, help="workload random seed")
+    w.add_argument("--seeds", type=parse_seeds, metavar="0-4", default=None,
+                   help="run once per seed (FIRST-LAST or a comma list) and report mean ± std "
+                        "(default: one run with --seed)")
+    w.add_argument("--workload-rng", choices=WORKLOAD_RNGS, default="numpy",
+                   help="numpy: the documented draw (default); python: the draw before issue 13")
     w.add_argument("--prompt-median", type=TOKENS, default=584.0, help="prompt length median, tokens")
     w.add_argument("--prompt-p95", type=TOKENS, default=2155.0, help="prompt length p95, tokens")
     w.add_argument("--output-mean", type=TOKENS, default=374.0, help="output length mean, tokens")
@@ -102,7 +128,9 @@ def _deployment_flags(m) -> None:
                    why="elsewhere --device is cpu or cuda")
     m.add_argument("--cache-gb", type=bounded(float, 0, low_open=True), default=60.0,
                    help="KV cache size, GB (10^9 bytes); with the weights, at most the GPU's memory")
-    m.add_argument("--policy", choices=POLICIES, default="paged", help="KV memory policy")
+    m.add_argument("--policy", type=policy_name, default="paged",
+                   help=f"KV memory policy: {', '.join(POLICIES)}, or module:Class / "
+                        f"file.py:Class for your own manager (docs/simulation.md)")
     m.add_argument("--block-size", type=POSITIVE_INT, default=16,
                    help="tokens per block (paged), at most --max-len")
     m.add_argument("--page-bytes", "--page-size", dest="page_size", type=parse_bytes, metavar="SIZE",
@@ -118,7 +146,7 @@ def check_deployment(args) -> None:
     longer than any sequence. ConfigError names the flags, values and limits."""
     gpu, model = DEVICES[args.gpu], MODELS[args.model_preset]
     cache_bytes = args.cache_gb * 1e9
-    if cache_bytes + model.weight_bytes > gpu.memory_bytes:
+    if args.profile is None and cache_bytes + model.weight_bytes > gpu.memory_bytes:
         raise ConfigError(
             f"--cache-gb {args.cache_gb:g} plus {model.name}'s {model.weight_bytes / 1e9:.1f} GB of "
             f"weights exceeds {gpu.name}'s {gpu.memory_bytes / 1e9:.1f} GB of memory; at most "
@@ -130,11 +158,11 @@ def check_deployment(args) -> None:
                           f"{args.max_len}: a block holds at most one sequence's tokens")
 
 
-def _entries(args):
+def _entries(args, seed: int):
     if args.trace:
         entries = load_trace(args.trace, rate_scale=args.rate_scale, max_requests=args.max_requests)
         entries, scaled = fit_to_length(entries, args.max_len)
-        if scaled:
+        if scaled and not args.find_max_rate:     # once, not once per probe
             sys.stderr.write(f"vmemkv simulate: {scaled:,} of {len(entries):,} trace requests were "
                              f"longer than --max-len {args.max_len} tokens and were scaled down "
                              f"to it\n")
@@ -145,7 +173,7 @@ def _entries(args):
     spec = WorkloadSpec(num_requests=args.requests, prompt_median=args.prompt_median,
                         prompt_p95=args.prompt_p95, output_mean=args.output_mean,
                         output_p95=args.output_p95, max_total_len=args.max_len,
-                        arrival_rate=args.arrival_rate, seed=args.seed)
+                        arrival_rate=args.arrival_rate, seed=seed, rng=args.workload_rng)
     return generate(spec)
 
 
@@ -158,7 +186,8 @@ def _config(args) -> SimConfig:
                      block_size=args.block_size, page_bytes=args.page_size, layout=args.layout,
                      swap_bytes=int(args.swap_gb * 1e9), scheduler=sched,
                      prefill_mfu=args.prefill_mfu, map_latency_s=args.map_latency_us * 1e-6,
-                     paged_slowdown=args.paged_slowdown)
+                     paged_slowdown=args.paged_slowdown, watermark_scope=args.watermark_scope,
+                     profile=args.profile)
 
 
 def _simulate(entries, config: SimConfig, args):
@@ -183,54 +212,40 @@ def _simulate(entries, config: SimConfig, args):
 def run(args) -> int:
     config = _config(args)          # field checks first: they name the flag the user gave
     check_deployment(args)
-    entries = _entries(args)
-    if args.write_trace:
-        write_trace(args.write_trace, entries)
-    result = _simulate(entries, config, args)
-    out = result.to_dict()
-    out["config"] = {k: getattr(args, k) for k in (
-        "model_preset", "gpu", "cache_gb", "policy", "block_size", "page_size", "layout",
-        "watermark", "preemption", "swap_gb", "max_running", "max_tokens_per_step", "seed",
-        "trace")}
-    if args.json:
-        sys.stdout.write(json.dumps(out) + "\n")
-    else:
-        sys.stdout.write(format_table(out))
+    goodput = parse_goodput(args.goodput) if args.goodput else None
+    if args.find_max_rate:
+        return cli_capacity.run(args, config, lambda a: _entries(a, a.seed))
+    seeds = args.seeds or [args.seed]
+    if args.seeds and args.trace:
+        raise ConfigError("--seeds draws generated workloads; a --trace replays one fixed workload")
+    runs = []
+    for seed in seeds:
+        entries = _entries(args, seed)
+        if args.write_trace and seed == seeds[0]:
+            write_trace(args.write_trace, entries)
+        result = _simulate(entries, config, args)
+        out = result.to_dict()
+        if goodput:
+            out.update(result.report(goodput))
+        out["config"] = _echo(args)
+        runs.append(out)
+    _print(runs, seeds, args)
     return 0
 
 
-_ROWS = [
-    ("output tokens/s", "output_tokens_per_s", "{:,.1f}"),
-    ("mean batch (seqs/step)", "mean_batch", "{:,.1f}"),
-    ("kv utilisation (live/alloc)", "kv_utilization", "{:.1%}"),
-    ("held utilisation", "held_utilization", "{:.1%}"),
-    ("kv cache usage", "kv_cache_usage_perc", "{:.1%}"),
-    ("mean end waste (tok/seq)", "mean_end_waste_tokens", "{:,.1f}"),
-    ("preemptions", "num_preemptions", "{:,}"),
-    ("  of which swapped", "num_swap_preemptions", "{:,}"),
-    ("recomputed tokens", "recomputed_tokens", "{:,}"),
-    ("prefix cache hits/queries", None, None),
-    ("output tokens", "output_tokens", "{:,}"),
-    ("steps", "num_steps", "{:,}"),
-    ("simulated seconds", "simulated_seconds", "{:,.2f}"),
-    ("TTFT p50 / p99 (s)", None, None),
-    ("ITL p50 / p99 (ms)", None, None),
-    ("wall seconds", "wall_seconds", "{:.3f}"),
-]
+def _echo(args) -> dict:
+    return {k: getattr(args, k) for k in (
+        "model_preset", "gpu", "cache_gb", "policy", "block_size", "page_size", "layout",
+        "watermark", "watermark_scope", "preemption", "swap_gb", "max_running",
+        "max_tokens_per_step", "seed", "workload_rng", "trace", "goodput", "profile")}
 
 
-def format_table(d: dict) -> str:
-    c = d["config"]
-    lines = [f"vmemkv simulate: {d['policy']}, {c['model_preset']} on {c['gpu']}, "
-             f"{c['cache_gb']:g} GB cache, {d['num_requests']:,} requests"]
-    for label, key, fmt in _ROWS:
-        if key is not None:
-            value = fmt.format(d[key])
-        elif label.startswith("prefix"):
-            value = f"{d['prefix_cache_hits']:,} / {d['prefix_cache_queries']:,}"
-        elif label.startswith("TTFT"):
-            value = f"{d['ttft_p50_s']:.2f} / {d['ttft_p99_s']:.2f}"
-        else:
-            value = f"{d['itl_p50_s'] * 1e3:.2f} / {d['itl_p99_s'] * 1e3:.2f}"
-        lines.append(f"  {label:<28} {value:>16}")
-    return "\n".join(lines) + "\n"
+def _print(runs: list, seeds: list, args) -> None:
+    if len(runs) == 1:
+        text = json.dumps(runs[0]) if args.json else format_table(runs[0])
+    else:
+        stats = aggregate(runs)
+        summary = dict(stats["mean"], policy=runs[0]["policy"], config=runs[0]["config"])
+        text = (json.dumps({"seeds": seeds, **stats, "runs": runs}) if args.json
+                else format_table(summary, stats["std"], seeds))
+    sys.stdout.write(text.rstrip("\n") + "\n")

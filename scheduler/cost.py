@@ -39,9 +39,11 @@ class CostModel:
         if not self.kv_slowdown >= 1.0:
             raise ConfigError(f"kv_slowdown must be >= 1.0, got {self.kv_slowdown!r}")
 
-    def step_seconds(self, context_tokens: int, new_tokens: int, mapped_pages: int = 0) -> float:
+    def step_seconds(self, context_tokens: int, new_tokens: int, mapped_pages: int = 0,
+                     num_seqs: int = 0) -> float:
         """Time of one step that reads ``context_tokens`` of KV (summed over sequences), computes
-        ``new_tokens`` tokens and maps ``mapped_pages`` physical pages first."""
+        ``new_tokens`` tokens and maps ``mapped_pages`` physical pages first. ``num_seqs`` (the
+        step's sequences) does not enter the roofline; a measured profile charges it."""
         bw = self.device.memory_bandwidth_bytes_per_s
         t = (self.model.weight_bytes + context_tokens * self.model.bytes_per_token * self.kv_slowdown) / bw
         if self.prefill_mfu is not None:

@@ -2,25 +2,32 @@
 
 Each step: submit requests that have arrived, ``schedule()``, charge the step's cost model time,
 sample a dummy token for every sampling sequence, ``update()``, and record the manager's
-accounting. Nothing is approximated on the scheduling side; only the model's run time is.
+accounting and every request's token times. Nothing is approximated on the scheduling side;
+only the model's run time is. Step means come twice: over the whole run, and over the
+steady-state steps (those after which requests were still waiting: the queue, not the drain
+tail, sets the batch). Latencies come from ``report.serving_report`` (vllm bench serve's names).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, Optional, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from .cost import CostModel, count_map_ops
 from .errors import ConfigError, SchedulerError
 from .managers.base import MemoryManager
 from .geometry import LAYOUTS
-from .metrics import latency_summary
-from .presets import get_device, get_model
+from .policies import check_policy, is_custom, load_policy_class
+from .presets import ModelSpec, get_device, get_model
+from .profile_cost import ProfileCost, load_profile, profile_cost, profile_model
+from .report import RequestTiming, serving_report
 from .request import Request
 from .scheduler import Scheduler, SchedulerConfig
 from .workload import TraceEntry
 
 POLICIES = ("reserve-max", "reserve-oracle", "paged", "vmem")
+WATERMARK_SCOPES = ("growing", "all")
+REPORT_PERCENTILES = (50.0, 90.0, 99.0)
 DUMMY_TOKEN = 1   # the simulator's sampled token; never a stop token
 
 
@@ -40,10 +47,20 @@ class SimConfig:
     prefill_mfu: Optional[float] = None   # None: prefill costs only KV bandwidth
     map_latency_s: float = 0.0            # seconds per physical page mapped (vmem)
     paged_slowdown: float = 1.0           # KV read-time multiplier for the paged policy
+    # "growing": the admission watermark applies only to policies whose sequences grow into free
+    # memory (paged, vmem); a reserve policy holds the final length from admission, so a
+    # watermark there only idles memory. "all": every policy keeps it free.
+    watermark_scope: str = "growing"
+    profile: Optional[str] = None         # a device profile (vmemkv calibrate) in place of the
+                                          # roofline; its model replaces ``model``
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        check_policy(self.policy)
+        if self.profile is not None:
+            load_profile(self.profile)
+        if self.watermark_scope not in WATERMARK_SCOPES:
+            raise ConfigError(f"watermark_scope must be one of {', '.join(WATERMARK_SCOPES)}, "
+                              f"got {self.watermark_scope!r}")
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if not self.cache_bytes > 0:
@@ -51,15 +68,32 @@ class SimConfig:
         get_model(self.model)
         get_device(self.device)
 
+    @property
+    def model_spec(self) -> ModelSpec:
+        """The model memory is sized for: the profile's when there is one, else ``model``'s."""
+        return profile_model(load_profile(self.profile)) if self.profile else get_model(self.model)
+
     def make_manager(self) -> MemoryManager:
         from .managers import make_manager
-        return make_manager(self.policy, get_model(self.model), int(self.cache_bytes),
-                            self.max_seq_len, block_size_tokens=self.block_size,
-                            page_bytes=self.page_bytes, layout=self.layout,
-                            max_slots=None, swap_bytes=int(self.swap_bytes))
+        options = dict(block_size_tokens=self.block_size, page_bytes=self.page_bytes,
+                       layout=self.layout, swap_bytes=int(self.swap_bytes))
+        if is_custom(self.policy):
+            return load_policy_class(self.policy)(self.model_spec, int(self.cache_bytes),
+                                                  self.max_seq_len, **options)
+        return make_manager(self.policy, self.model_spec, int(self.cache_bytes),
+                            self.max_seq_len, max_slots=None, **options)
 
-    def make_cost(self, pages_per_map_op: int = 1) -> CostModel:
-        """The cost model; ``pages_per_map_op`` is the manager's (vmem: pages per group)."""
+    def scheduler_for(self, manager: MemoryManager) -> SchedulerConfig:
+        """The scheduler config with ``watermark_scope`` applied to ``manager``'s policy."""
+        if self.watermark_scope == "growing" and manager.holds_final_length:
+            return replace(self.scheduler, watermark=0.0)
+        return self.scheduler
+
+    def make_cost(self, pages_per_map_op: int = 1):
+        """The cost model (CostModel, or ProfileCost with ``profile``); ``pages_per_map_op`` is
+        the manager's (vmem: pages per group)."""
+        if self.profile:
+            return profile_cost(load_profile(self.profile), self.map_latency_s, pages_per_map_op)
         model = get_model(self.model)
         return CostModel(model, get_device(self.device), prefill_mfu=self.prefill_mfu,
                          map_latency_s=self.map_latency_s, pages_per_map_op=pages_per_map_op,
@@ -88,18 +122,65 @@ class SimResult:
     prefix_cache_queries: int
     prefix_cache_hits: int
     mapped_page_ops: int           # MapGroup ops executed (vmem)
-    latency: Dict[str, float] = field(default_factory=dict)   # ttft_* and itl_* seconds
+    steady: Dict[str, float] = field(default_factory=dict)    # steady_* (module docstring)
+    serving: Dict[str, float] = field(default_factory=dict)   # report.serving_report, ms
+    timings: List[RequestTiming] = field(default_factory=list, repr=False)
+
+    def report(self, goodput_ms: Optional[Mapping[str, float]] = None,
+               percentiles: Sequence[float] = REPORT_PERCENTILES) -> Dict[str, float]:
+        """The serving report of this run's requests (simulated seconds), with goodput."""
+        return serving_report(self.timings, goodput_ms=goodput_ms, percentiles=percentiles)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(d.pop("latency"))
+        """Every scalar field, then the steady-state and serving figures, flat (no timings)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)
+             if f.name not in ("steady", "serving", "timings")}
+        d.update(self.steady)
+        d.update(self.serving)
         return d
+
+
+class _StepSums:
+    """Sums over steps of the per-step figures SimResult reports as means."""
+
+    __slots__ = ("steps", "batch", "util", "held", "usage", "waste", "seconds", "tokens")
+
+    def __init__(self) -> None:
+        self.steps = self.batch = self.tokens = 0
+        self.util = self.held = self.usage = self.waste = self.seconds = 0.0
+
+    def add(self, batch: int, figures: tuple, seconds: float, tokens: int) -> None:
+        util, held, usage, waste = figures
+        self.steps += 1
+        self.batch += batch
+        self.util += util
+        self.held += held
+        self.usage += usage
+        self.waste += waste
+        self.seconds += seconds
+        self.tokens += tokens
+
+    def means(self) -> Dict[str, float]:
+        div = max(self.steps, 1)
+        return {"mean_batch": self.batch / div, "kv_utilization": self.util / div,
+                "held_utilization": self.held / div, "kv_cache_usage_perc": self.usage / div,
+                "mean_end_waste_tokens": self.waste / div,
+                "output_tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0}
+
+
+def _step_figures(stats, running: int) -> tuple:
+    """(utilisation, held utilisation, usage, end waste per running sequence) of one step."""
+    held = stats.live_tokens + stats.end_waste_tokens
+    return (stats.live_tokens / stats.allocated_tokens if stats.allocated_tokens else 1.0,
+            stats.live_tokens / held if held else 1.0,
+            1.0 - stats.free_tokens / stats.total_tokens,
+            stats.end_waste_tokens / running if running else 0.0)
 
 
 class Simulator:
     """Runs a workload through ``Scheduler(manager, config)`` with ``cost`` as the clock."""
 
-    def __init__(self, manager: MemoryManager, cost: CostModel,
+    def __init__(self, manager: MemoryManager, cost: "CostModel | ProfileCost",
                  config: SchedulerConfig = SchedulerConfig()):
         self.manager, self.cost, self.config = manager, cost, config
 
@@ -110,75 +191,76 @@ class Simulator:
         wall0 = time.perf_counter()
         sched = Scheduler(self.manager, self.config)
         entries = sorted(entries, key=lambda e: e.arrival_s)
-        mgr, cost = self.manager, self.cost
-        step_seconds, per_op = cost.step_seconds, cost.pages_per_map_op
-        n, nxt, now = len(entries), 0, 0.0
-        steps = batch_sum = maps = 0
-        util_sum = held_sum = usage_sum = waste_sum = 0.0
-        done_reported = 0
+        whole, steady = _StepSums(), _StepSums()
+        token_times: Dict[int, List[float]] = {}       # seq_id -> its request's token times
+        n, nxt, now, maps, done_reported = len(entries), 0, 0.0, 0, 0
         while True:
             while nxt < n and entries[nxt].arrival_s <= now:
                 e = entries[nxt]
-                sched.add_request(Request(nxt, e.prompt_len, e.output_len, arrival_s=e.arrival_s))
+                ids = sched.add_request(Request(nxt, e.prompt_len, e.output_len, arrival_s=e.arrival_s))
+                token_times[ids[0]] = []
                 nxt += 1
             if not sched.has_unfinished():
                 if nxt == n:
                     break
                 now = entries[nxt].arrival_s
                 continue
-            plan = sched.schedule()
-            seqs = plan.seqs
-            mapped = count_map_ops(plan.ops)
+            seconds, mapped, batch, tokens = self._step(sched, now, token_times)
+            now += seconds
             maps += mapped
-            now += step_seconds(plan.num_context_tokens, plan.num_new_tokens,
-                                mapped * per_op)
-            sampled = {s.seq_id: DUMMY_TOKEN for s in seqs if s.sample}
-            for s in seqs:
-                if s.fork_ids:
-                    sampled.update(dict.fromkeys(s.fork_ids, DUMMY_TOKEN))
-            sched.update(sampled, now)
-            st = mgr.stats()
-            steps += 1
-            batch_sum += len(seqs)
-            util_sum += st.live_tokens / st.allocated_tokens if st.allocated_tokens else 1.0
-            usage_sum += 1.0 - st.free_tokens / st.total_tokens
-            held = st.live_tokens + st.end_waste_tokens
-            held_sum += st.live_tokens / held if held else 1.0
-            if sched.running:
-                waste_sum += st.end_waste_tokens / len(sched.running)
+            figures = _step_figures(self.manager.stats(), len(sched.running))
+            whole.add(batch, figures, seconds, tokens)
+            if sched.waiting:
+                steady.add(batch, figures, seconds, tokens)
             if on_finished is not None and sched.metrics.num_finished_requests != done_reported:
                 on_finished(sched.metrics.num_finished_requests - done_reported)
                 done_reported = sched.metrics.num_finished_requests
         if sched.metrics.num_finished_requests != n:
             raise SchedulerError(f"simulation ended with {n - sched.metrics.num_finished_requests} "
                                  f"of {n} requests unfinished")
-        return self._result(sched, n, steps, now, time.perf_counter() - wall0, batch_sum,
-                            (util_sum, held_sum, usage_sum, waste_sum), maps)
+        timings = [RequestTiming(e.arrival_s, tuple(times), e.prompt_len)
+                   for e, times in zip(entries, token_times.values())]
+        return self._result(sched, timings, (whole, steady), now, time.perf_counter() - wall0, maps)
 
-    def _result(self, sched: Scheduler, n: int, steps: int, sim_s: float, wall_s: float,
-                batch_sum: int, sums: tuple, maps: int) -> SimResult:
-        m, div = sched.metrics, max(steps, 1)
-        util_sum, held_sum, usage_sum, waste_sum = sums
-        latency = latency_summary("ttft", m.ttft_s)
-        latency.update(latency_summary("itl", m.itl_s))
+    def _step(self, sched: Scheduler, now: float, token_times: Dict[int, List[float]]) -> tuple:
+        """One scheduled step ending at ``now`` + its cost: (seconds, MapGroup ops, sequences
+        computed, tokens sampled); each sampled token's time goes to its request's list."""
+        plan = sched.schedule()
+        mapped = count_map_ops(plan.ops)
+        seconds = self.cost.step_seconds(plan.num_context_tokens, plan.num_new_tokens,
+                                         mapped * self.cost.pages_per_map_op, len(plan.seqs))
+        end = now + seconds
+        sampled = {}
+        for s in plan.seqs:
+            if s.sample:
+                sampled[s.seq_id] = DUMMY_TOKEN
+                token_times[s.seq_id].append(end)
+                if s.fork_ids:                      # n > 1 (never built by run(): n = 1)
+                    sampled.update(dict.fromkeys(s.fork_ids, DUMMY_TOKEN))
+        sched.update(sampled, end)
+        return seconds, mapped, len(plan.seqs), len(sampled)
+
+    def _result(self, sched: Scheduler, timings: List[RequestTiming], sums: tuple,
+                sim_s: float, wall_s: float, maps: int) -> SimResult:
+        m, (whole, steady) = sched.metrics, sums
+        steady_means = {f"steady_{k}": v for k, v in steady.means().items()}
+        steady_means.update(steady_steps=steady.steps, steady_seconds=steady.seconds)
         return SimResult(
-            policy=self.manager.name, num_requests=n,
-            num_steps=steps, output_tokens=m.generated_tokens, simulated_seconds=sim_s,
-            wall_seconds=wall_s,
-            output_tokens_per_s=m.generated_tokens / sim_s if sim_s else 0.0,
-            mean_batch=batch_sum / div, kv_utilization=util_sum / div,
-            held_utilization=held_sum / div,
-            kv_cache_usage_perc=usage_sum / div, mean_end_waste_tokens=waste_sum / div,
+            policy=self.manager.name, num_requests=len(timings), num_steps=whole.steps,
+            output_tokens=m.generated_tokens, simulated_seconds=sim_s, wall_seconds=wall_s,
+            **whole.means(),
             num_preemptions=m.num_preemptions, num_swap_preemptions=m.num_swap_preemptions,
             recomputed_tokens=m.recomputed_tokens,
             prefix_cache_queries=self.manager.prefix_queries,
-            prefix_cache_hits=self.manager.prefix_hits,
-            mapped_page_ops=maps, latency=latency)
+            prefix_cache_hits=self.manager.prefix_hits, mapped_page_ops=maps,
+            steady=steady_means, serving=serving_report(timings, percentiles=REPORT_PERCENTILES),
+            timings=timings)
 
 
 def simulate(entries: Sequence[TraceEntry], config: SimConfig = SimConfig(),
              on_finished: Optional[Callable[[int], None]] = None) -> SimResult:
-    """Build the manager and cost model ``config`` names and simulate ``entries``."""
+    """Build the manager and cost model ``config`` names and simulate ``entries`` (the
+    scheduler config with ``config.watermark_scope`` applied)."""
     manager = config.make_manager()
     cost = config.make_cost(manager.pages_per_map_op)
-    return Simulator(manager, cost, config.scheduler).run(entries, on_finished)
+    return Simulator(manager, cost, config.scheduler_for(manager)).run(entries, on_finished)

@@ -28,7 +28,7 @@ from importlib import resources
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from .errors import ConfigError
-from .workload import TraceEntry, parse_trace_object
+from .workload import TraceEntry, parse_trace_object, scale_to_length
 
 MOONCAKE_BLOCK_TOKENS = 512   # tokens per Mooncake hash block
 
@@ -233,9 +233,7 @@ def fit_to_length(entries: List[TraceEntry], max_total_len: int) -> Tuple[List[T
         if e.total_len <= max_total_len:
             out.append(e)
             continue
-        factor = max_total_len / e.total_len
-        prompt = min(max(1, round(e.prompt_len * factor)), max_total_len - 1)
-        output = max(1, min(round(e.output_len * factor), max_total_len - prompt))
+        prompt, output = scale_to_length(e.prompt_len, e.output_len, max_total_len)
         blocks = -(-prompt // MOONCAKE_BLOCK_TOKENS)
         out.append(replace(e, prompt_len=prompt, output_len=output, hash_ids=e.hash_ids[:blocks]))
         scaled += 1

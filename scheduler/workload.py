@@ -3,8 +3,15 @@
 A workload is a list of ``TraceEntry`` (prompt tokens, output tokens, arrival second). Lengths
 are log-normal, parameterised the way papers quote them: prompts by median and 95th percentile,
 outputs by mean and 95th percentile. Arrivals are all at time 0 (an offline batch) or Poisson at
-a given rate (requests per second). Generation uses ``random.Random(seed)`` only, so a seed names
-one workload on every machine.
+a given rate (requests per second). A seed names one workload on every machine:
+
+- ``rng="numpy"`` (the default, the standard workload's recipe in docs/simulation.md):
+  ``numpy.random.default_rng(seed)``; all prompt lengths in one ``lognormal`` call, then all
+  output lengths, then (Poisson) all inter-arrival gaps; lengths rounded to the nearest integer,
+  at least 1; a request longer than ``max_total_len`` is scaled down to it, prompt and output in
+  proportion (``scale_to_length``).
+- ``rng="python"`` (the draw before issue 13): ``random.Random(seed)``, prompt then output per
+  request, the prompt cut to leave one output token and the output cut to what remains.
 
 Traces are JSONL, one object per line: ``{"prompt_len": 584, "output_len": 374, "arrival_s": 0.0}``
 (plus ``"hash_ids"`` when the entry has them). ``scheduler/traces.py`` reads the bundled real
@@ -20,6 +27,7 @@ from typing import Iterable, List, Tuple
 
 from .errors import ConfigError
 
+WORKLOAD_RNGS = ("numpy", "python")
 Z95 = 1.6448536269514722  # standard normal 95th percentile
 
 
@@ -47,6 +55,7 @@ class WorkloadSpec:
     max_total_len: int = 4096      # prompt + output clipped to this (the model's max length)
     arrival_rate: float = 0.0      # requests per second (Poisson); 0 = all arrive at time 0
     seed: int = 0
+    rng: str = "numpy"             # "numpy" (the documented recipe) or "python" (the old draw)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_requests, int) or self.num_requests < 1:
@@ -55,6 +64,9 @@ class WorkloadSpec:
             raise ConfigError(f"WorkloadSpec.max_total_len must be an int >= 2, got {self.max_total_len!r}")
         if not self.arrival_rate >= 0:
             raise ConfigError(f"WorkloadSpec.arrival_rate must be >= 0 requests/s, got {self.arrival_rate!r}")
+        if self.rng not in WORKLOAD_RNGS:
+            raise ConfigError(f"WorkloadSpec.rng must be one of {', '.join(WORKLOAD_RNGS)}, "
+                              f"got {self.rng!r}")
         lognormal_from_median_p95(self.prompt_median, self.prompt_p95, "prompt")
         lognormal_from_mean_p95(self.output_mean, self.output_p95, "output")
 
@@ -86,21 +98,48 @@ def lognormal_from_mean_p95(mean: float, p95: float, what: str = "length") -> Tu
 
 
 def generate(spec: WorkloadSpec) -> List[TraceEntry]:
-    """``spec.num_requests`` entries; prompt + output never exceed ``spec.max_total_len``.
-
-    Clipping: the prompt is cut to leave room for at least one output token, then the output is
-    cut to what remains. Arrivals are sorted (Poisson inter-arrival gaps are exponential)."""
-    rng = random.Random(spec.seed)
+    """``spec.num_requests`` entries, arrivals sorted; prompt + output never exceed
+    ``spec.max_total_len`` and both are >= 1. ``spec.rng`` picks the draw (module docstring)."""
     p_mu, p_sigma = lognormal_from_median_p95(spec.prompt_median, spec.prompt_p95, "prompt")
     o_mu, o_sigma = lognormal_from_mean_p95(spec.output_mean, spec.output_p95, "output")
+    if spec.rng == "python":
+        return _generate_python(spec, (p_mu, p_sigma), (o_mu, o_sigma))
+    import numpy as np
+    rng = np.random.default_rng(spec.seed)
+    n = spec.num_requests
+    prompts = np.maximum(1, np.rint(rng.lognormal(p_mu, p_sigma, n))).astype(np.int64)
+    outputs = np.maximum(1, np.rint(rng.lognormal(o_mu, o_sigma, n))).astype(np.int64)
+    arrivals = (np.cumsum(rng.exponential(1.0 / spec.arrival_rate, n)) if spec.arrival_rate > 0
+                else np.zeros(n))
+    entries = []
+    for p, o, t in zip(prompts.tolist(), outputs.tolist(), arrivals.tolist()):
+        p, o = scale_to_length(p, o, spec.max_total_len)
+        entries.append(TraceEntry(p, o, t))
+    return entries
+
+
+def _generate_python(spec: WorkloadSpec, prompt_params, output_params) -> List[TraceEntry]:
+    """The draw before issue 13 (``rng="python"``): per request prompt, output, gap; clipped."""
+    rng = random.Random(spec.seed)
     entries, t = [], 0.0
     for _ in range(spec.num_requests):
-        prompt = min(max(1, round(rng.lognormvariate(p_mu, p_sigma))), spec.max_total_len - 1)
-        output = min(max(1, round(rng.lognormvariate(o_mu, o_sigma))), spec.max_total_len - prompt)
+        prompt = min(max(1, round(rng.lognormvariate(*prompt_params))), spec.max_total_len - 1)
+        output = min(max(1, round(rng.lognormvariate(*output_params))), spec.max_total_len - prompt)
         if spec.arrival_rate > 0:
             t += rng.expovariate(spec.arrival_rate)
         entries.append(TraceEntry(prompt, output, t))
     return entries
+
+
+def scale_to_length(prompt_len: int, output_len: int, max_total_len: int) -> Tuple[int, int]:
+    """(prompt, output) unchanged when their sum fits ``max_total_len`` (>= 2), else both
+    scaled by ``max_total_len / sum`` and rounded, each >= 1, the sum <= ``max_total_len``."""
+    total = prompt_len + output_len
+    if total <= max_total_len:
+        return prompt_len, output_len
+    factor = max_total_len / total
+    prompt = min(max(1, round(prompt_len * factor)), max_total_len - 1)
+    return prompt, max(1, min(round(output_len * factor), max_total_len - prompt))
 
 
 def write_trace(path: str, entries: Iterable[TraceEntry]) -> None:

@@ -19,6 +19,8 @@ from vmemkv import __version__
 SUBCOMMANDS = {
     "info": "vmemkv.runtime.info",
     "simulate": "vmemkv.scheduler.cli",
+    "sweep": "vmemkv.scheduler.cli_sweep",
+    "calibrate": "vmemkv.runtime.calibrate",
     "bench": "vmemkv.bench",
     "generate": "vmemkv.runtime.generate_cli",
     "serve": "vmemkv.runtime.serve.cli",

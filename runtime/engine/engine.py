@@ -28,6 +28,7 @@ from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
 from vmemkv.runtime.hf.support import check_model_supported, kv_shape_of
 from vmemkv.scheduler.errors import RequestTooLargeError
+from vmemkv.scheduler.report import serving_report
 from vmemkv.scheduler.request import Request, SeqState
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -36,7 +37,7 @@ from .tensor_parallel import check_tensor_parallel_engine, kv_heads_per_rank, st
 from .errors import EngineConfigError, RequestRejectedError, TensorParallelError
 from .lifecycle import RequestLifecycle
 from .model_runner import ModelRunner
-from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
+from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent, request_timings
 from .sampling import SampleState, Sampler, SamplingParams, make_generator, per_prompt
 from .self_check import self_check
 
@@ -155,16 +156,17 @@ class Engine(RequestLifecycle):
         params = sampling or SamplingParams()
         ids, text = self._encode(prompt, index)
         stops = params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
-        rid = self._next_request
+        rid, arrival_s = self._next_request, self._now()
         request = Request(rid, len(ids), params.max_new_tokens, prompt_token_ids=ids,
-                          stop_token_ids=stops, arrival_s=self._now(), n=params.n)
+                          stop_token_ids=stops, arrival_s=arrival_s, n=params.n)
         try:
             seq_ids = self.scheduler.add_request(request)
         except RequestTooLargeError as error:
             raise RequestRejectedError(f"prompt {index} rejected: {error}", index) from None
         self._next_request += 1
         self._prompt_tokens += len(ids)
-        out = RequestOutput(rid, ids, [CompletionOutput(i, []) for i in range(params.n)], text)
+        out = RequestOutput(rid, ids, [CompletionOutput(i, []) for i in range(params.n)], text,
+                            arrival_s=arrival_s)
         state = _Request(out, params, on_token, params.n, tuple(seq_ids))
         self._requests[rid] = state
         seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
@@ -240,8 +242,9 @@ class Engine(RequestLifecycle):
             raise
         self._commit()
         self._strikes.clear()
-        finished = set(self.scheduler.update(sampled, now=self._now()))
-        events = self._emit(sampled, finished)
+        now = self._now()
+        finished = set(self.scheduler.update(sampled, now=now))
+        events = self._emit(sampled, finished, now)
         self._steps += 1
         self._kv_usage.append(self.kv.manager.stats().usage_fraction)
         self._step_s += time.perf_counter() - start
@@ -264,13 +267,14 @@ class Engine(RequestLifecycle):
                 order.append(seq_id)
         return dict(zip(order, self.sampler.sample(logits, samples)))
 
-    def _emit(self, sampled: Dict[int, int], finished: set) -> List[TokenEvent]:
+    def _emit(self, sampled: Dict[int, int], finished: set, now: float) -> List[TokenEvent]:
         events = []
         for seq_id, token in sampled.items():
             sample = self._samples[seq_id]
             req = sample.request
             completion = req.output.outputs[sample.index]
             completion.token_ids.append(token)
+            completion.token_times_s.append(now)
             reason = None
             if seq_id in finished:
                 reason = "stop" if token in self.scheduler.seqs[seq_id].stop_ids else "length"
@@ -333,8 +337,9 @@ class Engine(RequestLifecycle):
         mark = self._mark()
         ids = self._submit_all(prompts, sampling, on_token)
         self.run_until_done()
-        self.last_stats = self.stats(since=mark)
-        return [self.output(rid, pop=True) for rid in ids]
+        outputs = [self.output(rid, pop=True) for rid in ids]
+        self.last_stats = self.stats(since=mark, outputs=outputs)
+        return outputs
 
     def stream(self, prompts: Sequence[Prompt],
                sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None
@@ -344,8 +349,8 @@ class Engine(RequestLifecycle):
         ids = self._submit_all(prompts, sampling, None)
         while self.has_unfinished():
             yield from self._step_with_retries()
-        self.last_stats = self.stats(since=mark)
         self.last_outputs = [self.output(rid, pop=True) for rid in ids]
+        self.last_stats = self.stats(since=mark, outputs=self.last_outputs)
 
     def _submit_all(self, prompts, sampling, on_token) -> List[int]:
         if isinstance(prompts, torch.Tensor):
@@ -371,8 +376,10 @@ class Engine(RequestLifecycle):
                     ttft=len(m.ttft_s), itl=len(m.itl_s), gen=m.generated_tokens,
                     done=m.num_finished_requests, prompt=self._prompt_tokens)
 
-    def stats(self, since: Optional[dict] = None) -> EngineStats:
-        """Statistics since ``since`` (a mark taken by generate/stream), or since creation."""
+    def stats(self, since: Optional[dict] = None,
+              outputs: Sequence[RequestOutput] = ()) -> EngineStats:
+        """Statistics since ``since`` (a mark taken by generate/stream), or since creation;
+        ``serving`` is the serving report of ``outputs`` (wall seconds; empty without them)."""
         b = since or dict(t=self._t0, steps=0, step_s=0.0, mapping_s=0.0, mapping_stall_s=0.0, kv=0, pre=0,
                           swap=0, rec=0, ttft=0, itl=0, gen=0, done=0, prompt=0)
         m, usage = self.scheduler.metrics, self._kv_usage[b["kv"]:]
@@ -387,7 +394,8 @@ class Engine(RequestLifecycle):
             recomputed_tokens=m.recomputed_tokens - b["rec"],
             kv_usage_mean=sum(usage) / len(usage) if usage else 0.0, kv_usage_peak=max(usage, default=0.0),
             cache_bytes=self.kv.manager.stats().total_tokens * self.cache_config.bytes_per_token,
-            ttft_s=m.ttft_s[b["ttft"]:], itl_s=m.itl_s[b["itl"]:])
+            ttft_s=m.ttft_s[b["ttft"]:], itl_s=m.itl_s[b["itl"]:],
+            serving=serving_report(request_timings(outputs)) if outputs else {})
 
     # ---- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:

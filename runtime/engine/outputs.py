@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from vmemkv.scheduler.metrics import latency_summary
+from vmemkv.scheduler.report import RequestTiming
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,8 @@ class CompletionOutput:
     token_ids: List[int]
     finish_reason: Optional[str] = None
     text: Optional[str] = None
+    token_times_s: List[float] = field(default_factory=list)  # when each token was sampled:
+                                                              # engine-clock wall seconds
 
     @property
     def finished(self) -> bool:
@@ -54,10 +57,18 @@ class RequestOutput:
     prompt: Optional[str] = None
     status: str = "unfinished"
     error: Optional[RequestError] = None
+    arrival_s: float = 0.0             # when it was submitted, the engine clock (seconds)
 
     @property
     def finished(self) -> bool:
         return all(o.finished for o in self.outputs)
+
+
+def request_timings(outputs: Sequence[RequestOutput]) -> List[RequestTiming]:
+    """One ``RequestTiming`` per sample of ``outputs`` (for ``report.serving_report``): its
+    request's arrival, its token times, the prompt length. Samples without a token are skipped."""
+    return [RequestTiming(out.arrival_s, tuple(c.token_times_s), len(out.prompt_token_ids))
+            for out in outputs for c in out.outputs if c.token_times_s]
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,7 @@ class EngineStats:
     cache_bytes: int
     ttft_s: List[float] = field(default_factory=list, repr=False)
     itl_s: List[float] = field(default_factory=list, repr=False)
+    serving: Dict[str, float] = field(default_factory=dict, repr=False)  # serving_report (ms)
 
     @property
     def tokens_per_s(self) -> float:
@@ -93,11 +105,12 @@ class EngineStats:
         return self.mapping_stall_s / self.step_s if self.step_s > 0 else 0.0
 
     def as_dict(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k not in ("ttft_s", "itl_s")}
+        out = {k: v for k, v in asdict(self).items() if k not in ("ttft_s", "itl_s", "serving")}
         out["tokens_per_s"] = self.tokens_per_s
         out["mapping_share"] = self.mapping_share
         out.update(latency_summary("ttft", self.ttft_s))
         out.update(latency_summary("itl", self.itl_s))
+        out.update(self.serving)
         return out
 
     def summary(self) -> str:

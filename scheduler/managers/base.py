@@ -139,6 +139,8 @@ class MemoryManager(ABC):
     max_seq_len: int         # tokens one sequence may reach (prompt + output), as configured
     prefix_queries: int = 0  # tokens offered to allocate with token ids (0: no prefix sharing)
     prefix_hits: int = 0     # of those, tokens found cached
+    holds_final_length: bool = False  # True: a sequence holds its final length from admission,
+                                      # so it never grows into free memory (reserve policies)
 
     @property
     @abstractmethod

@@ -21,6 +21,8 @@ class ReserveManager(ManagerCore):
     sequence from admission to free. Append beyond the reservation is refused. Capacity in
     tokens: ``cache_bytes // model.bytes_per_token``."""
 
+    holds_final_length = True
+
     def __init__(self, model: ModelSpec, cache_bytes: int, max_seq_len_tokens: int, *,
                  oracle: bool = False, swap_bytes: int = 0) -> None:
         super().__init__(model, max_seq_len_tokens, swap_bytes)

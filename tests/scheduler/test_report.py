@@ -69,3 +69,14 @@ def test_parse_goodput_reads_the_flag_and_refuses_bad_items():
 def test_bad_options_are_config_errors(kwargs):
     with pytest.raises(ConfigError):
         serving_report([A], **kwargs)
+
+
+def test_mean_median_and_std_match_numpy_on_many_samples():
+    rng = np.random.default_rng(5)
+    gaps = rng.exponential(0.01, 20_001)
+    times = tuple(np.cumsum(gaps))
+    r = serving_report([RequestTiming(0.0, times, 10)])
+    itl_ms = np.diff(times) * 1e3
+    assert r["mean_itl_ms"] == pytest.approx(itl_ms.mean())
+    assert r["median_itl_ms"] == pytest.approx(np.median(itl_ms))
+    assert r["std_itl_ms"] == pytest.approx(itl_ms.std())

@@ -75,7 +75,7 @@ def test_poisson_arrivals_idle_until_the_next_request():
     entries = generate(WorkloadSpec(num_requests=50, arrival_rate=0.5, seed=1))
     r = run(entries)
     assert r.simulated_seconds > entries[-1].arrival_s
-    assert r.latency["ttft_p50_s"] > 0 and r.num_preemptions == 0
+    assert r.serving["median_ttft_ms"] > 0 and r.num_preemptions == 0
 
 
 def test_map_latency_makes_vmem_slower_and_counts_map_ops():
@@ -95,7 +95,8 @@ def test_result_has_the_documented_keys():
     d = run(SMALL).to_dict()
     for key in ("mean_batch", "kv_utilization", "output_tokens_per_s", "num_preemptions",
                 "recomputed_tokens", "mean_end_waste_tokens", "simulated_seconds",
-                "wall_seconds", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s"):
+                "wall_seconds", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
+                "steady_output_tokens_per_s", "steady_mean_batch"):
         assert key in d
 
 

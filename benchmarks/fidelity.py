@@ -1,0 +1,127 @@
+"""Simulator fidelity: one trace through the real engine and through the simulator with a
+device profile calibrated on this machine; the simulator's prediction error.
+
+    .venv/bin/python benchmarks/fidelity.py [--trace azure-conv] [--requests 64]
+        [--rate-scale 1] [--length-scale 0.25] [--profile profile.json] [--json out.json]
+
+The trace's first ``--requests`` requests, lengths times ``--length-scale`` and fitted to the
+engine's ``--max-context`` (the small model's scale), are replayed with their arrival times
+(times ``1 / --rate-scale``) on ``small-llama`` (vmem cache, 1 thread): a request is submitted
+when the wall clock passes its arrival, the engine steps while anything is unfinished. The
+simulator runs the same entries with the profile (``vmemkv calibrate``; made first when no
+``--profile`` is given), the engine's cache size, page size, batch and token limits. Both
+reports come from ``scheduler/report.py``; the error is (simulated - measured) / measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+from vmemkv.scheduler.report import serving_report
+from vmemkv.scheduler.scheduler import SchedulerConfig
+from vmemkv.scheduler.simulator import SimConfig, simulate
+from vmemkv.scheduler.traces import fit_to_length, load_trace
+
+FIGURES = ("output_throughput", "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")
+GOALS = {"output_throughput": 0.10, "median_ttft_ms": 0.15, "p90_ttft_ms": 0.15,
+         "median_tpot_ms": 0.15}
+MODEL, MAX_BATCH, SEED = "small-llama", 16, 0
+
+
+def workload(args) -> list:
+    """The trace's first requests at the small model's scale."""
+    entries = load_trace(args.trace, rate_scale=args.rate_scale, max_requests=args.requests)
+    scaled = [replace(e, prompt_len=max(1, round(e.prompt_len * args.length_scale)),
+                      output_len=max(1, round(e.output_len * args.length_scale)), hash_ids=())
+              for e in entries]
+    return fit_to_length(scaled, args.max_context)[0]
+
+
+def replay_engine(engine, entries, vocab: int) -> list:
+    """Submit each entry when the wall clock passes its arrival; step until all finish."""
+    from vmemkv.runtime.engine import SamplingParams
+    from vmemkv.runtime.engine.outputs import request_timings
+    rng, rids, i, t0 = random.Random(SEED), [], 0, time.perf_counter()
+    while i < len(entries) or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while i < len(entries) and entries[i].arrival_s <= now:
+            e = entries[i]
+            prompt = [rng.randrange(vocab) for _ in range(e.prompt_len)]
+            rids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=e.output_len,
+                                                                  ignore_eos=True)))
+            i += 1
+        if engine.has_unfinished():
+            engine.step()
+        elif i < len(entries):
+            time.sleep(max(0.0, min(entries[i].arrival_s - now, 0.05)))
+    return request_timings([engine.output(rid, pop=True) for rid in rids])
+
+
+def measure(args, profile_path: str) -> dict:
+    import torch
+    from vmemkv.runtime.engine import Engine, SamplingParams
+    from vmemkv.runtime.models import build_model
+    torch.set_num_threads(args.threads)
+    entries = workload(args)
+    model = build_model(MODEL, seed=SEED)
+    with Engine(model, max_batch=MAX_BATCH, max_context=args.max_context) as engine:
+        engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))      # warm-up
+        measured = serving_report(replay_engine(engine, entries, model.config.vocab_size))
+        mgr, cfg = engine.kv.manager, engine.config
+        config = SimConfig(policy="vmem", profile=profile_path, max_seq_len=cfg.max_context,
+                           cache_bytes=mgr.stats().total_tokens * mgr.bytes_per_token,
+                           page_bytes=mgr.page_bytes, layout=cfg.layout,
+                           scheduler=SchedulerConfig(max_running=cfg.max_batch,
+                                                     max_tokens_per_step=cfg.max_tokens_per_step,
+                                                     watermark=cfg.watermark))
+    simulated = simulate(entries, config).report()
+    errors = {k: (simulated[k] - measured[k]) / measured[k] for k in FIGURES}
+    return {"requests": len(entries), "trace": args.trace, "rate_scale": args.rate_scale,
+            "length_scale": args.length_scale, "measured": {k: measured[k] for k in FIGURES},
+            "simulated": {k: simulated[k] for k in FIGURES}, "rel_error": errors,
+            "within_goal": {k: abs(errors[k]) <= GOALS[k] for k in FIGURES}}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default="azure-conv")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--rate-scale", type=float, default=1.0)
+    ap.add_argument("--length-scale", type=float, default=0.25)
+    ap.add_argument("--max-context", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--profile", default=None, help="a device profile (default: calibrate now)")
+    ap.add_argument("--calibrate-args", default="", help="extra calibrate flags, e.g. '--repeats 3'")
+    ap.add_argument("--json", metavar="FILE", help="also write the result here")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    profile = args.profile
+    if profile is None:
+        from vmemkv.cli import main as vmemkv
+        profile = os.path.join(tempfile.mkdtemp(prefix="vmemkv-fidelity-"), "profile.json")
+        vmemkv(["calibrate", "--model", MODEL, "--threads", str(args.threads), "--out", profile,
+                "--max-batch", str(MAX_BATCH), "--max-context", str(args.max_context),
+                *args.calibrate_args.split()])
+    out = measure(args, profile)
+    print(f"{'figure':<20}{'engine':>12}{'simulator':>12}{'error':>9}{'goal':>7}")
+    for k in FIGURES:
+        print(f"{k:<20}{out['measured'][k]:>12.2f}{out['simulated'][k]:>12.2f}"
+              f"{out['rel_error'][k]:>+9.1%}{GOALS[k]:>6.0%}{'' if out['within_goal'][k] else ' !'}")
+    print(json.dumps(out))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

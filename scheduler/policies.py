@@ -1,0 +1,77 @@
+"""Memory policies by name: the four built in, or a manager class from the user's own code.
+
+A custom policy is named ``module:Class`` (``mymodule:MyManager``, a dotted module importable
+from the current directory or ``sys.path``) or ``path/to/file.py:Class``. The class must subclass
+``vmemkv.scheduler.managers.base.MemoryManager`` (every abstract method, the guarantees in its
+docstring) and is built as
+
+    Class(model, cache_bytes, max_seq_len_tokens, block_size_tokens=..., page_bytes=...,
+          layout=..., swap_bytes=...)
+
+(``model`` a ``ModelSpec``, sizes in bytes and tokens; take ``**options`` to ignore the keywords
+it does not use). Set ``holds_final_length = True`` on it when a sequence holds its final length
+from admission (then the default watermark scope exempts it, as it does the reserve policies).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from typing import Type
+
+from .errors import ConfigError
+from .managers import POLICIES
+from .managers.base import MemoryManager
+
+
+def is_custom(policy: str) -> bool:
+    """Whether ``policy`` names a user class (``module:Class``) rather than a built-in."""
+    return ":" in policy
+
+
+def check_policy(policy: str) -> None:
+    """ConfigError unless ``policy`` is a built-in name or a loadable ``module:Class``."""
+    if is_custom(policy):
+        load_policy_class(policy)
+    elif policy not in POLICIES:
+        raise ConfigError(f"policy must be one of {', '.join(POLICIES)} or module:Class, "
+                          f"got {policy!r}")
+
+
+def load_policy_class(spec: str) -> Type[MemoryManager]:
+    """The ``MemoryManager`` subclass ``spec`` (``module:Class`` or ``file.py:Class``) names;
+    ConfigError naming the module or class when it cannot be imported or is not a manager."""
+    module_name, _, class_name = spec.rpartition(":")
+    if not module_name or not class_name:
+        raise ConfigError(f"custom policy {spec!r} must be module:Class or file.py:Class")
+    module = _import(module_name, spec)
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, MemoryManager)):
+        raise ConfigError(f"custom policy {spec!r}: {module_name} has no MemoryManager subclass "
+                          f"named {class_name!r}")
+    return cls
+
+
+def _import(module_name: str, spec: str):
+    try:
+        if module_name.endswith(".py"):
+            return _import_file(module_name)
+        if os.getcwd() not in sys.path:       # console scripts do not put the cwd on sys.path
+            sys.path.append(os.getcwd())
+        return importlib.import_module(module_name)
+    except (ImportError, OSError) as error:
+        raise ConfigError(f"custom policy {spec!r}: cannot import {module_name}: {error}") from None
+
+
+def _import_file(path: str):
+    name = "vmemkv_user_policy_" + os.path.splitext(os.path.basename(path))[0]
+    if name in sys.modules:
+        return sys.modules[name]
+    loader_spec = importlib.util.spec_from_file_location(name, path)
+    if loader_spec is None or not os.path.isfile(path):
+        raise ImportError(f"no file {path}")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[name] = module
+    loader_spec.loader.exec_module(module)
+    return module

@@ -1,0 +1,90 @@
+"""A measured cost model: step seconds fitted to the real engine's steps on one machine.
+
+``vmemkv calibrate`` times the engine's steps and fits
+
+    step seconds = base_s + per_seq_s * sequences + per_new_token_s * new tokens
+                   + per_context_token_s * context tokens + mapped pages * map latency
+
+(context tokens: KV read, summed over the step's sequences, as in the roofline) by least squares,
+and writes a device profile, JSON:
+
+    {"format": "vmemkv-device-profile", "version": 1,
+     "model": {"name": "small-llama", "num_layers": 4, "num_kv_heads": 2, "head_dim": 32,
+               "dtype_bytes": 4, "weight_bytes": 6291456},
+     "device": "cpu: <processor>, 1 threads",
+     "coefficients": {"base_s": ..., "per_seq_s": ..., "per_new_token_s": ...,
+                      "per_context_token_s": ...},
+     "points": [{"batch": 4, "context_tokens": 1030, "new_tokens": 4, "seconds": ...}, ...],
+     "fit": {"median_rel_error": ..., "max_rel_error": ...}}
+
+``vmemkv simulate --profile FILE`` (``SimConfig.profile``) uses it in place of the roofline;
+the profile's model is the model the simulation's managers size memory for.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Dict
+
+from .errors import ConfigError
+from .presets import ModelSpec
+
+PROFILE_FORMAT = "vmemkv-device-profile"
+COEFFICIENTS = ("base_s", "per_seq_s", "per_new_token_s", "per_context_token_s")
+
+
+@dataclass(frozen=True)
+class ProfileCost:
+    """The fitted step cost; the same ``step_seconds`` / ``pages_per_map_op`` as CostModel."""
+    base_s: float
+    per_seq_s: float
+    per_new_token_s: float
+    per_context_token_s: float
+    map_latency_s: float = 0.0
+    pages_per_map_op: int = 1
+
+    def __post_init__(self) -> None:
+        for name in COEFFICIENTS + ("map_latency_s",):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ConfigError(f"profile coefficient {name} must be a number >= 0, got {value!r}")
+
+    def step_seconds(self, context_tokens: int, new_tokens: int, mapped_pages: int = 0,
+                     num_seqs: int = 0) -> float:
+        """Seconds of a step of ``num_seqs`` sequences reading ``context_tokens`` of KV and
+        computing ``new_tokens``, after mapping ``mapped_pages`` pages."""
+        return (self.base_s + self.per_seq_s * num_seqs + self.per_new_token_s * new_tokens
+                + self.per_context_token_s * context_tokens + mapped_pages * self.map_latency_s)
+
+
+def load_profile(path: str) -> Dict:
+    """The profile at ``path``, checked; ConfigError naming the file and what is wrong."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            profile = json.load(f)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"device profile {path}: {error}") from None
+    if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
+        raise ConfigError(f"device profile {path}: not a {PROFILE_FORMAT} file (write one with "
+                          f"vmemkv calibrate)")
+    coeffs = profile.get("coefficients")
+    if not isinstance(coeffs, dict) or set(COEFFICIENTS) - set(coeffs):
+        raise ConfigError(f"device profile {path}: coefficients must have {', '.join(COEFFICIENTS)}")
+    ProfileCost(*(coeffs[k] for k in COEFFICIENTS))
+    profile_model(profile, path)
+    return profile
+
+
+def profile_model(profile: Dict, path: str = "profile") -> ModelSpec:
+    """The ModelSpec the profile was measured on."""
+    try:
+        return ModelSpec(**profile["model"])
+    except (KeyError, TypeError) as error:
+        raise ConfigError(f"device profile {path}: bad model entry: {error}") from None
+
+
+def profile_cost(profile: Dict, map_latency_s: float = 0.0, pages_per_map_op: int = 1) -> ProfileCost:
+    """The ProfileCost of a loaded profile."""
+    coeffs = profile["coefficients"]
+    return ProfileCost(*(float(coeffs[k]) for k in COEFFICIENTS), map_latency_s=map_latency_s,
+                       pages_per_map_op=pages_per_map_op)

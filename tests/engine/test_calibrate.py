@@ -1,0 +1,48 @@
+"""`vmemkv calibrate` on a toy model and a handful of points (figures mean nothing here)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vmemkv.cli import main
+from vmemkv.runtime.calibrate import fit
+from vmemkv.scheduler.profile_cost import load_profile
+from vmemkv.scheduler.simulator import SimConfig, simulate
+from vmemkv.scheduler.workload import WorkloadSpec, generate
+
+
+def test_fit_recovers_the_coefficients_of_exact_data():
+    truth = dict(base_s=0.002, per_seq_s=3e-5, per_new_token_s=2e-4, per_context_token_s=1e-6)
+    points = [dict(batch=b, new_tokens=n, context_tokens=c,
+                   seconds=truth["base_s"] + truth["per_seq_s"] * b + truth["per_new_token_s"] * n
+                   + truth["per_context_token_s"] * c)
+              for b, n, c in [(1, 1, 10), (4, 4, 400), (16, 16, 4000), (1, 64, 64), (4, 256, 256),
+                              (8, 8, 900), (2, 100, 300)]]
+    got = fit(points)
+    for key, value in truth.items():
+        assert got[key] == pytest.approx(value, rel=1e-3), key
+
+
+def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
+    out = tmp_path / "profile.json"
+    assert main(["calibrate", "--model", "tiny-llama", "--batches", "1", "2", "--contexts", "8",
+                 "16", "--decode-steps", "2", "--repeats", "1", "--out", str(out)]) == 0
+    assert "# wrote" in capsys.readouterr().out
+    profile = load_profile(str(out))
+    assert profile["model"]["num_layers"] == 2 and profile["model"]["dtype_bytes"] == 4
+    # each point: one prefill step and (decode_steps - 1) decodes, at least
+    assert len(profile["points"]) >= 4 * 2
+    assert all(p["seconds"] > 0 and p["new_tokens"] >= p["batch"] for p in profile["points"])
+    entries = generate(WorkloadSpec(num_requests=10, max_total_len=64, seed=2))
+    r = simulate(entries, SimConfig(policy="vmem", profile=str(out), page_bytes=4096,
+                                    cache_bytes=2 * 10**6, max_seq_len=64))
+    assert r.output_tokens == sum(e.output_len for e in entries)
+    assert json.loads(out.read_text())["format"] == "vmemkv-device-profile"
+
+
+def test_calibration_points_outside_the_engine_are_refused():
+    from vmemkv.runtime.calibrate import calibrate
+    from vmemkv.runtime.engine.errors import EngineConfigError
+    with pytest.raises(EngineConfigError, match="max_context"):
+        calibrate("tiny-llama", batches=(1,), contexts=(600,), decode_steps=8, max_context=512)

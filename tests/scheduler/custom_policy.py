@@ -1,0 +1,16 @@
+"""A policy written outside the package, as a user would: paged with 64-token blocks whatever
+block size the caller asks for. Loaded by tests as ``path/custom_policy.py:CoarseBlocks``."""
+from vmemkv.scheduler.managers import PagedManager
+
+
+class CoarseBlocks(PagedManager):
+    """Paged allocation in 64-token blocks (ignores ``block_size_tokens``)."""
+
+    def __init__(self, model, cache_bytes, max_seq_len_tokens, **options):
+        super().__init__(model, cache_bytes, max_seq_len_tokens, block_size_tokens=64,
+                         swap_bytes=options.get("swap_bytes", 0))
+        self.name = "coarse-blocks"
+
+
+class NotAManager:
+    """Refused: not a MemoryManager subclass."""

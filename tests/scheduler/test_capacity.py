@@ -1,0 +1,86 @@
+"""Capacity search: SLO parsing, the bracket-and-bisect search, and the CLI."""
+import json
+
+import pytest
+
+from vmemkv.cli import main
+from vmemkv.scheduler.capacity import find_max_load, parse_slo, percentiles_of, report_key
+from vmemkv.scheduler.errors import ConfigError
+from vmemkv.scheduler.simulator import SimConfig
+from vmemkv.scheduler.workload import WorkloadSpec, generate
+
+CONFIG = SimConfig(cache_bytes=2 * 10**9)
+SLO = {"ttft_p90": 500.0}
+
+
+def poisson(rate: float):
+    return generate(WorkloadSpec(num_requests=150, arrival_rate=rate, seed=1))
+
+
+def test_slo_text_parses_to_milliseconds_per_target():
+    assert parse_slo("ttft_p90=2000,tpot_p99=200") == {"ttft_p90": 2000.0, "tpot_p99": 200.0}
+    assert report_key("ttft_p90") == "p90_ttft_ms" and report_key("e2el_median") == "median_e2el_ms"
+    assert percentiles_of({"itl_p99.9": 5.0}) == (50.0, 90.0, 99.0, 99.9)
+
+
+@pytest.mark.parametrize("text", ["ttft=2000", "ttft_p90:2000", "latency_p90=1", "ttft_p90=-1",
+                                  "ttft_p101=5", ""])
+def test_bad_slo_is_a_config_error_naming_the_item(text):
+    with pytest.raises(ConfigError, match="SLO"):
+        parse_slo(text)
+
+
+def test_search_brackets_the_capacity_within_the_tolerance():
+    result = find_max_load(poisson, CONFIG, SLO, start=2.0, rel_tol=0.05)
+    assert result.bounded and result.best.meets
+    failing = [p.load for p in result.probes if not p.meets]
+    assert min(failing) / result.max_load <= 1.05
+    assert all(p.meets for p in result.probes if p.load <= result.max_load)
+
+
+def test_search_reports_no_load_when_even_the_lowest_probe_fails():
+    result = find_max_load(poisson, CONFIG, {"ttft_p90": 1e-6}, start=1.0, max_probes=4)
+    assert result.max_load is None and not any(p.meets for p in result.probes)
+    assert len(result.probes) <= 4
+
+
+def test_find_max_rate_cli_writes_every_probe_as_json(capsys):
+    argv = ["simulate", "--requests", "100", "--cache-gb", "2", "--no-progress", "--json",
+            "--find-max-rate", "--slo", "ttft_p90=500", "--arrival-rate", "2", "--max-probes", "8"]
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["searched"] == "arrival_rate" and 1 <= len(d["probes"]) <= 8
+    best = [p for p in d["probes"] if p["load"] == d["max_load"]][0]
+    assert best["meets"] and best["p90_ttft_ms"] <= 500
+
+
+def test_find_max_rate_without_slo_is_refused(capsys):
+    assert main(["simulate", "--requests", "10", "--find-max-rate", "--no-progress"]) == 2
+    assert "--slo" in capsys.readouterr().err
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from vmemkv.scheduler.capacity import search_max_load  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(threshold=st.floats(0.05, 500.0), start=st.floats(0.5, 50.0), tol=st.floats(0.005, 0.5))
+def test_search_brackets_any_threshold_within_the_tolerance(threshold, start, tol):
+    """Against a shadow SLO (met iff load <= threshold) the answer is a met load within the
+    tolerance of the first failing one, and the threshold lies between them."""
+    seen = []
+
+    def meets(load):
+        seen.append(load)
+        return load <= threshold
+
+    lo, hi = search_max_load(meets, start, tol, max_probes=64)
+    assert lo is not None and hi is not None
+    assert lo <= threshold < hi and hi / lo <= 1 + tol
+    assert len(seen) <= 64 and lo == max(x for x in seen if x <= threshold)
+
+
+def test_search_that_runs_out_of_probes_reports_an_open_bracket():
+    lo, hi = search_max_load(lambda load: True, 1.0, 0.02, max_probes=6)
+    assert hi is None and lo == 4.0     # 1, 2, 4: max_probes // 2 bracket steps
