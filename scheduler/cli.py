@@ -14,6 +14,7 @@ import sys
 
 from .cliargs import bounded, hold_point, parse_bytes
 from .errors import ConfigError
+from .managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from .presets import DEVICES, MODELS
 from .progress import Progress
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
@@ -110,6 +111,10 @@ def _deployment_flags(m) -> None:
                    help="bytes per physical page (vmem): 2MiB, 64KiB, 65536, ... (default: 2MiB)")
     m.add_argument("--layout", choices=LAYOUTS, default="per-layer",
                    help="vmem: one page per layer (per-layer) or all layers in one (interleaved)")
+    m.add_argument("--prefix-eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,
+                   help="paged, vmem: keep computed prompt prefixes after their requests end "
+                        "and evict them lru (vLLM's order) or hits (often-shared ones last); "
+                        "off keeps none (prefixes are shared when a trace has hash ids)")
 
 
 def check_deployment(args) -> None:
@@ -157,6 +162,7 @@ def _config(args) -> SimConfig:
                      cache_bytes=int(args.cache_gb * 1e9), max_seq_len=args.max_len,
                      block_size=args.block_size, page_bytes=args.page_size, layout=args.layout,
                      swap_bytes=int(args.swap_gb * 1e9), scheduler=sched,
+                     prefix_eviction=args.prefix_eviction,
                      prefill_mfu=args.prefill_mfu, map_latency_s=args.map_latency_us * 1e-6,
                      paged_slowdown=args.paged_slowdown)
 
@@ -191,7 +197,7 @@ def run(args) -> int:
     out["config"] = {k: getattr(args, k) for k in (
         "model_preset", "gpu", "cache_gb", "policy", "block_size", "page_size", "layout",
         "watermark", "preemption", "swap_gb", "max_running", "max_tokens_per_step", "seed",
-        "trace")}
+        "trace", "prefix_eviction")}
     if args.json:
         sys.stdout.write(json.dumps(out) + "\n")
     else:

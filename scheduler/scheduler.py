@@ -47,6 +47,8 @@ class Scheduler(StepTransactions):
         # the tokens it caches); a request longer than this is rejected at submission
         self.max_fit_tokens = manager.max_sequence_tokens
         self.watermark_tokens = int(config.watermark * total)
+        # tell the manager what is computed whenever a shareable unit may have filled
+        self._publish_stride = manager.prefix_unit_tokens if config.enable_prefix_sharing else 0
         self.metrics = SchedulerMetrics()
         self.waiting: deque = deque()   # FCFS; preempted sequences go back to the front
         self.running: List[Sequence] = []  # in admission order
@@ -269,19 +271,17 @@ class Scheduler(StepTransactions):
             req = seq.request
             ids = seq.token_ids() if cfg.enable_prefix_sharing else None
             reserve = self.watermark_tokens if self.running else 0   # never block an idle cache
-            if not mgr.can_allocate(seq.length, ids, req.namespace, reserve,
+            if not mgr.can_allocate(seq.length, ids, req.prefix_scope, reserve,
                                     final_tokens=req.max_total_len):
                 break
-            hit = mgr.allocate(seq.seq_id, seq.length, ids, req.namespace,
+            hit = mgr.allocate(seq.seq_id, seq.length, ids, req.prefix_scope,
                                final_tokens=req.max_total_len)
             self.waiting.popleft()
             seq.held = seq.length
             seq.num_computed = min(hit, seq.length - 1)   # the last token is always computed
             self._make_running(seq)
-            # A hit may name blocks/pages an earlier sequence registered at its allocate but
-            # computes in a chunk of this or a later step: wait until no earlier prefill is in
-            # flight, so the hit tokens are really cached before anything reads them.
-            seq.prefix_wait = hit > 0
+            # a hit names only units whose K/V are written (managers publish on compute, told
+            # by update), so the sequence reads them at once
             budget = self._schedule_prefill(plan, seq, budget, may_preempt=False)
 
     def _earlier_prefill_in_flight(self, seq: Sequence) -> bool:
@@ -302,13 +302,18 @@ class Scheduler(StepTransactions):
         latency (default: the step count). Returns the seq ids finished by this update."""
         now = float(self._step) if now is None else now
         finished: List[Sequence] = []
+        stride, computed = self._publish_stride, self.manager.mark_computed
         for seq, new, sample in self._scheduled:     # prefill chunks (few)
             seq.num_computed += new
+            if stride:
+                computed(seq.seq_id, seq.num_computed)   # publish on compute
             if sample:
                 self._on_sample(seq, sampled, now, finished)
         itl = self.metrics.itl_s
         for seq in self._decoded:                     # the hot path, inlined _on_sample
             seq.num_computed += 1
+            if stride and not seq.num_computed % stride:
+                computed(seq.seq_id, seq.num_computed)   # a unit just became full and computed
             tok = sampled[seq.seq_id]
             out = seq.output
             out.append(tok)

@@ -7,21 +7,24 @@ accounting. Nothing is approximated on the scheduling side; only the model's run
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Dict, Optional, Sequence
 
 from .cost import CostModel, count_map_ops
 from .errors import ConfigError, SchedulerError
 from .managers.base import MemoryManager
+from .managers.eviction import DEFAULT_EVICTION, make_eviction
 from .geometry import LAYOUTS
 from .metrics import latency_summary
 from .presets import get_device, get_model
 from .request import Request
 from .scheduler import Scheduler, SchedulerConfig
+from .traces import prompt_token_ids
 from .workload import TraceEntry
 
 POLICIES = ("reserve-max", "reserve-oracle", "paged", "vmem")
 DUMMY_TOKEN = 1   # the simulator's sampled token; never a stop token
+TRACE_VOCAB_SIZE = 32000   # made-up prompt tokens from trace hash ids are in [1, this)
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class SimConfig:
     page_bytes: int = 2 * 2**20           # bytes per physical page (vmem)
     layout: str = "per-layer"             # vmem page layout
     swap_bytes: int = 0                   # host swap space, bytes
+    prefix_eviction: str = DEFAULT_EVICTION   # prefix cache retention: off | lru | hits
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     prefill_mfu: Optional[float] = None   # None: prefill costs only KV bandwidth
     map_latency_s: float = 0.0            # seconds per physical page mapped (vmem)
@@ -50,13 +54,15 @@ class SimConfig:
             raise ConfigError(f"cache_bytes must be > 0, got {self.cache_bytes!r}")
         get_model(self.model)
         get_device(self.device)
+        make_eviction(self.prefix_eviction)
 
     def make_manager(self) -> MemoryManager:
         from .managers import make_manager
         return make_manager(self.policy, get_model(self.model), int(self.cache_bytes),
                             self.max_seq_len, block_size_tokens=self.block_size,
                             page_bytes=self.page_bytes, layout=self.layout,
-                            max_slots=None, swap_bytes=int(self.swap_bytes))
+                            max_slots=None, swap_bytes=int(self.swap_bytes),
+                            prefix_eviction=self.prefix_eviction)
 
     def make_cost(self, pages_per_map_op: int = 1) -> CostModel:
         """The cost model; ``pages_per_map_op`` is the manager's (vmem: pages per group)."""
@@ -108,8 +114,9 @@ class Simulator:
         """Simulate ``entries`` to completion. ``on_finished(n)`` is called with the number of
         requests finished since the last call (for a progress bar). Every request finishes."""
         wall0 = time.perf_counter()
-        sched = Scheduler(self.manager, self.config)
         entries = sorted(entries, key=lambda e: e.arrival_s)
+        sched = Scheduler(self.manager, _sharing_config(self.config, entries))
+        make_request = _request_maker()
         mgr, cost = self.manager, self.cost
         step_seconds, per_op = cost.step_seconds, cost.pages_per_map_op
         n, nxt, now = len(entries), 0, 0.0
@@ -119,7 +126,7 @@ class Simulator:
         while True:
             while nxt < n and entries[nxt].arrival_s <= now:
                 e = entries[nxt]
-                sched.add_request(Request(nxt, e.prompt_len, e.output_len, arrival_s=e.arrival_s))
+                sched.add_request(make_request(nxt, e))
                 nxt += 1
             if not sched.has_unfinished():
                 if nxt == n:
@@ -174,6 +181,30 @@ class Simulator:
             prefix_cache_queries=self.manager.prefix_queries,
             prefix_cache_hits=self.manager.prefix_hits,
             mapped_page_ops=maps, latency=latency)
+
+
+def _sharing_config(config: SchedulerConfig, entries: Sequence[TraceEntry]) -> SchedulerConfig:
+    """Prefix sharing on when the trace names its prompt blocks (Mooncake hash ids)."""
+    if any(e.hash_ids for e in entries):
+        return replace(config, enable_prefix_sharing=True)
+    return config
+
+
+def _request_maker() -> Callable[[int, TraceEntry], Request]:
+    """Requests from trace entries; an entry with hash ids carries prompt token ids made up
+    from them (equal ids, equal tokens: the trace's real sharing), memoised per prompt."""
+    memo: Dict[tuple, tuple] = {}
+
+    def make(request_id: int, e: TraceEntry) -> Request:
+        ids = None
+        if e.hash_ids:
+            key = (e.hash_ids, e.prompt_len)
+            ids = memo.get(key)
+            if ids is None:
+                ids = memo[key] = prompt_token_ids(e, TRACE_VOCAB_SIZE)
+        return Request(request_id, e.prompt_len, e.output_len, prompt_token_ids=ids,
+                       arrival_s=e.arrival_s)
+    return make
 
 
 def simulate(entries: Sequence[TraceEntry], config: SimConfig = SimConfig(),
