@@ -93,7 +93,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request", "output", "length", "num_computed", "held", "state",
                  "admit_order", "pending_forks", "last_token_s", "arrival_s", "max_tokens",
-                 "stop_ids", "prefix_wait")
+                 "stop_ids")
 
     def __init__(self, seq_id: int, request: Request, output: Optional[List[int]] = None):
         self.seq_id = seq_id
@@ -109,14 +109,13 @@ class Sequence:
         self.arrival_s = request.arrival_s
         self.max_tokens = request.max_tokens         # copied from the request: the hot path
         self.stop_ids = request.stop_token_ids
-        self.prefix_wait = False   # holds a prefix hit that an earlier prefill may still compute
 
     def save(self) -> tuple:
         """The fields ``Scheduler.schedule()`` may change, for ``restore`` (its rollback)."""
-        return (self.state, self.held, self.num_computed, self.admit_order, self.prefix_wait)
+        return (self.state, self.held, self.num_computed, self.admit_order)
 
     def restore(self, saved: tuple) -> None:
-        (self.state, self.held, self.num_computed, self.admit_order, self.prefix_wait) = saved
+        (self.state, self.held, self.num_computed, self.admit_order) = saved
 
     def token_ids(self) -> Optional[List[int]]:
         """All token ids (prompt + output) when the prompt's ids are known, else None."""

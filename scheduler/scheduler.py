@@ -113,9 +113,9 @@ class Scheduler(StepTransactions):
     # ---- ending a request early -------------------------------------------------------
     def abort_request(self, request_id: int, status: SeqState = SeqState.ABORTED) -> List[int]:
         """End a request's unended sequences (waiting, running, swapped) ``status`` (ABORTED or
-        FAILED), releasing memory and swap space now; sequences that hit a prefix it registered
-        but never computed recompute it. Returns the seq ids ended (also in the next
-        ``plan.finished``); UnknownRequestError (nothing changed) if none is unended."""
+        FAILED), releasing memory and swap space now (units others hit stay theirs: a hit only
+        names computed units). Returns the seq ids ended (also in the next ``plan.finished``);
+        UnknownRequestError (nothing changed) if none is unended."""
         return end_request(self, request_id, status)
 
     def gauges(self) -> Dict[str, float]:
@@ -157,7 +157,7 @@ class Scheduler(StepTransactions):
         ctx = 0
         for seq in running:
             c = seq.num_computed
-            if seq.length - c != 1 or not seq.output or seq.prefix_wait:
+            if seq.length - c != 1 or not seq.output:
                 prefills.append(seq)
                 continue
             ids = (seq.output[-1],)
@@ -184,10 +184,6 @@ class Scheduler(StepTransactions):
         new = min(seq.length - seq.num_computed, budget)
         if new <= 0 or seq.state is not SeqState.RUNNING:
             return budget
-        if seq.prefix_wait:
-            if self._earlier_prefill_in_flight(seq):
-                return budget
-            seq.prefix_wait = False
         if not self._grow(seq, new, plan, may_preempt):
             return budget
         self._emit(plan, seq, new)
@@ -227,8 +223,8 @@ class Scheduler(StepTransactions):
         self.running.pop()
         self.metrics.num_preemptions += 1
         plan.preempted.append(seq.seq_id)
-        # a swap keeps prefix registrations; units registered but not yet computed must be
-        # withdrawn, which only the recompute path (free with computed_tokens) does
+        # a sequence part-way through its prefill is recomputed, not swapped: free tells the
+        # manager how far it got, so only computed units are published
         uncomputed = self.config.enable_prefix_sharing and seq.held > seq.num_computed
         if self.config.preemption == "swap" and not uncomputed and self._try_swap_out(seq):
             seq.state = SeqState.SWAPPED
@@ -283,10 +279,6 @@ class Scheduler(StepTransactions):
             # a hit names only units whose K/V are written (managers publish on compute, told
             # by update), so the sequence reads them at once
             budget = self._schedule_prefill(plan, seq, budget, may_preempt=False)
-
-    def _earlier_prefill_in_flight(self, seq: Sequence) -> bool:
-        return any(s.in_prefill for s in self.running
-                   if s.admit_order < seq.admit_order)
 
     def _make_running(self, seq: Sequence) -> None:
         seq.state = SeqState.RUNNING
