@@ -175,8 +175,7 @@ class PagedManager(UnitManager):
         self._fill_blocks(seq, 0, n)
         self._cap_sum += len(seq.units) * self.block_size
         self._tok_sum += n
-        published, seq.published = seq.published, 0   # content is back: findable again
-        self._publish(seq, published * self.block_size)
+        self._republish(seq)
 
     def _raise_no_room(self, what: str) -> None:
         raise OutOfCapacityError(f"{what}: {self._available_units()} blocks of "

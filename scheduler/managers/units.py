@@ -109,6 +109,11 @@ class UnitManager(ManagerCore):
         them become findable by later prefix queries (nothing is published before)."""
         self._publish(self._seq(seq_id), num_tokens)
 
+    def _republish(self, seq: HeldSeq) -> None:
+        """A swapped-in sequence's content is back in new units: findable again."""
+        published, seq.published = seq.published, 0
+        self._publish(seq, published * self.unit_tokens)
+
     def _publish(self, seq: HeldSeq, computed_tokens: int) -> None:
         upto = min(computed_tokens // self.unit_tokens, len(seq.keys), len(seq.units))
         for k in range(seq.published, upto):

@@ -8,24 +8,20 @@ it on demand.
                2 pages interleaved); the same g may be mapped under several slots (fork,
                shared prefix) but always at the page index whose content it holds.
 
-A group is in one of four states:
-    free         refs 0, mapped nowhere, no content     in ``_free``
-    reclaimable  refs 0, still mapped (freed slot, or   in ``_reclaimable`` (LRU): counts as
-                 past a live sequence's length), no     ALLOCATED in stats, AVAILABLE to admit
-                 content kept
-    cached       refs 0, registered (full, computed)    in ``_cache`` (the eviction policy):
-                 content, mapped or not                 ALLOCATED in stats, AVAILABLE to admit
+A group is in one of four states (reclaimable and cached ones count as ALLOCATED in stats and
+AVAILABLE to admit):
+    free         refs 0, mapped nowhere, no content kept           in ``_free``
+    reclaimable  refs 0, still mapped (freed slot, or past a live   in ``_reclaimable`` (LRU)
+                 sequence's length), no content kept
+    cached       refs 0, registered (full, computed), mapped or not in ``_cache`` (the policy)
     used         refs >= 1 (live sequences using it)
 
 Deferred reclamation: ``free`` unmaps nothing; a later sequence placed on the slot writes into
 the pages still mapped there without any op, and groups are unmapped (UnmapGroup) only when the
 free list is empty and a group must be taken from a reclaimable one, then from the cache. Only
-refs-0 groups are ever reclaimed, so no live sequence loses a page it reads.
-
-Retention (publish on compute, see units.py): a prefix hit maps the cached group itself under
-the new slot at the page index whose content it holds (MapGroup, the same physical pages at a
-second address, no copy); a new sequence whose first hit is still mapped under a free slot is
-placed on that slot, so the next turn of a conversation maps nothing it already had.
+refs-0 groups are ever reclaimed, so no live sequence loses a page it reads. Retention
+(units.py): a hit maps the cached group itself at its page index under the new slot (no copy);
+a sequence whose first hit is still mapped under a free slot is placed on that slot.
 """
 from __future__ import annotations
 
@@ -164,8 +160,8 @@ class VmemManager(UnitManager):
     def _unheld(self, g: int) -> None:
         if self._maps[g]:
             self._reclaimable[g] = None    # still mapped where it was used
-        else:
-            self._free.append(g)
+            return
+        self._free.append(g)
 
     def _revive(self, g: int) -> None:
         if g in self._reclaimable:
@@ -211,13 +207,7 @@ class VmemManager(UnitManager):
         free slot with the most mapped pages: shared ``hits`` first (they hold refs before any
         reclaim can run), then private pages."""
         slot = self._occupy(seq_id, seq, self._hit_slot(hits) if slot is None else slot)
-        pages = self._pages[slot]
-        for pi, g in enumerate(hits):
-            self._hold(g)
-            if pages.get(pi) != g:
-                if pi in pages:
-                    self._unmap(slot, pi)
-                self._map(slot, pi, g)
+        self._share_into(slot, hits)
         n, tpp = seq.num_tokens, self.tokens_per_page
         seq.units = list(hits) + [self._grow_page(slot, pi)
                                   for pi in range(len(hits), -(-n // tpp))]
@@ -227,6 +217,17 @@ class VmemManager(UnitManager):
         self._cap_sum += len(seq.units) * tpp
         self._tok_sum += n
         self._seqs[seq_id] = seq
+
+    def _share_into(self, slot: int, groups: list) -> None:
+        """Hold ``groups`` (page index -> group) and map each under ``slot`` where it is not
+        mapped already (the same physical pages at a second address: no copy)."""
+        pages = self._pages[slot]
+        for pi, g in enumerate(groups):
+            self._hold(g)
+            if pages.get(pi) != g:
+                if pi in pages:
+                    self._unmap(slot, pi)
+                self._map(slot, pi, g)
 
     def _can_place(self) -> bool:
         return bool(self._free_slots)
@@ -321,14 +322,7 @@ class VmemManager(UnitManager):
         if not self._free_slots:
             self._raise_no_room(f"forking sequence {parent_id}: all {self.num_slots} slots in use")
         child = parent.copy()
-        slot = self._occupy(child_id, child)
-        pages = self._pages[slot]
-        for pi, g in enumerate(child.units):
-            self._hold(g)
-            if pages.get(pi) != g:
-                if pi in pages:
-                    self._unmap(slot, pi)
-                self._map(slot, pi, g)
+        self._share_into(self._occupy(child_id, child), child.units)
         self._cap_sum += len(child.units) * self.tokens_per_page
         self._tok_sum += child.num_tokens
         self._seqs[child_id] = child
@@ -353,8 +347,7 @@ class VmemManager(UnitManager):
 
     def _place_private(self, seq_id: int, seq: HeldSeq) -> None:
         self._place(seq_id, seq, [])
-        published, seq.published = seq.published, 0   # content is back: findable again
-        self._publish(seq, published * self.tokens_per_page)
+        self._republish(seq)
 
     def _raise_no_room(self, what: str) -> None:
         raise OutOfCapacityError(f"{what}: {len(self._free)} free + {len(self._reclaimable)} "
