@@ -170,3 +170,15 @@ def test_unknown_eviction_policy_is_a_config_error_naming_the_choices(policy):
         make_manager(policy, ONE_LAYER, 2 * UNIT * 8, 8 * UNIT, block_size_tokens=UNIT,
                      page_bytes=UNIT, prefix_eviction="fifo")
     assert set(EVICTION_POLICIES) == {"off", "lru", "hits"}
+
+
+@KINDS
+def test_a_sequence_computed_beside_an_equal_one_still_publishes_the_units_after_it(kind):
+    """A and B share P and compute it in the same step: A's copy is published first, B's is a
+    duplicate. B's own third unit must still be findable, chained behind A's copy of P."""
+    m = manager(kind)
+    run(m, 0, P + [9], computed=False)
+    run(m, 1, P + [1, 1, 1, 1] + [9], computed=False)
+    m.mark_computed(0, 9)
+    m.mark_computed(1, 13)
+    assert run(m, 2, P + [1, 1, 1, 1] + [5]) == 3 * UNIT
