@@ -9,6 +9,9 @@
 | reserve-oracle  | final length tokens   | none                            | SwapOut/SwapIn         |
 | paged           | blocks of block_size  | fork + prefix (chain hash), CoW | CopyBlock, swaps       |
 | vmem            | page groups in slots  | fork + prefix (chain hash), CoW | Map/Unmap/CopyGroup,... |
+
+paged and vmem keep computed prefixes after their requests end (``prefix_eviction``: off, lru,
+hits; eviction.py) and publish a unit only once the scheduler says it is computed.
 """
 from __future__ import annotations
 
