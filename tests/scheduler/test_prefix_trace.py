@@ -71,3 +71,16 @@ def test_theoretical_maximum_counts_only_earlier_prefixes():
     c = TraceEntry(700, 1, 2.0, (0, 1))                # a's first 512 + 188 of block 1
     d = TraceEntry(600, 1, 3.0, (0, 5))                # block 0 only
     assert theoretical_hit_tokens([a, b, c, d], 16) == 1024 + 699 // 16 * 16 + 512
+
+
+def test_simulate_cli_prefix_eviction_flag_reaches_the_managers(capsys):
+    import json
+    from vmemkv.cli import main
+    hits = {}
+    for eviction in ("off", "lru"):
+        assert main(["simulate", "--trace", "mooncake-conversation", "--max-requests", "150",
+                     "--prefix-eviction", eviction, "--json", "--no-progress"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["config"]["prefix_eviction"] == eviction
+        hits[eviction] = out["prefix_cache_hits"]
+    assert 0 < hits["off"] < hits["lru"]
