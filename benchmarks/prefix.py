@@ -86,12 +86,14 @@ def measure(cache: str, eviction: str, work: dict, device: str, warmup: int,
             "hit_rate": hits / queries if queries else 0.0, "computed": computed}
 
 
-def run(quick: bool, device: str, warmup: int, repeats: int) -> list:
+def run(quick: bool, device: str, warmup: int, repeats: int, policies=None) -> list:
+    """Rows for retention ``off`` and each of ``policies`` (default: every eviction policy)."""
     from vmemkv.scheduler.managers import EVICTION_POLICIES
     work = workload(quick)
+    wanted = ["off"] + [p for p in (policies or EVICTION_POLICIES) if p != "off"]
     rows = []
     for cache in ("vmem", "paged"):
-        group = [measure(cache, e, work, device, warmup, repeats) for e in EVICTION_POLICIES]
+        group = [measure(cache, e, work, device, warmup, repeats) for e in wanted]
         base = next(r for r in group if r["eviction"] == "off")
         for r in group:
             r["speedup"] = base["seconds"] / r["seconds"]

@@ -39,8 +39,27 @@ def register(subparsers) -> None:
                         help="torch CPU threads for the whole suite, 1 to this machine's CPU count "
                              "(default: torch's choice; 1 gives steady CPU timings on a small, "
                              "shared machine)")
+    parser.add_argument("--prefix-eviction", choices=("lru", "hits"), default=None,
+                        help="also time prefix retention end to end (benchmarks/prefix.py, "
+                             "short): multi-turn chats with this policy against retention off "
+                             "on vmem and paged; prints the speed-up, writes DIR/prefix.json "
+                             "(default: not run)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _prefix(args: argparse.Namespace, device_name: str) -> None:
+    """benchmarks/prefix.py's short workload: ``off`` against the chosen policy (the device
+    the suite picked: cuda when visible, else cpu)."""
+    import os
+    import torch
+    from vmemkv.benchmarks import prefix
+    from vmemkv.benchmarks.common import format_table, write_json
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rows = prefix.run(quick=True, device=device, warmup=1, repeats=1,
+                      policies=[args.prefix_eviction])
+    print(format_table(rows, prefix.COLUMNS))
+    write_json(os.path.join(args.out, "prefix.json"), {"device": device_name, "rows": rows})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     for warning in payload["warnings"]:
         print(f"# WARNING: {warning}")
     print(f"# wrote {payload['json']}" + "".join(f"\n# wrote {p}" for p in payload["plots"]))
+    if args.prefix_eviction:
+        _prefix(args, payload["environment"]["device"])
     failed = [s for s in sections if "error" in payload.get(s, {})]
     if failed:
         sys.stderr.write(f"vmemkv bench: sections failed: {', '.join(failed)} (see {args.out}/bench.log)\n")
