@@ -19,6 +19,7 @@ import sys
 from typing import List, Union
 
 from vmemkv.scheduler.cliargs import bounded, hold_point, parse_bytes, thread_count
+from vmemkv.scheduler.managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from vmemkv.scheduler.progress import Progress
 
 
@@ -100,6 +101,9 @@ def _cache_flags(c) -> None:
     c.add_argument("--watermark", type=bounded(float), default=0.0,
                    help="fraction of the cache admission keeps free, in [0, 1)")
     c.add_argument("--prefix-sharing", action="store_true", help="share cached prompt prefixes")
+    c.add_argument("--prefix-eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,
+                   help="with --prefix-sharing: keep computed prefixes after their requests end, "
+                        "evicting lru (vLLM's order) or hits (often-shared ones last); off: none")
     c.add_argument("--background-mapper", action="store_true",
                    help="vmem: map pages on a thread, ahead of the step that needs them")
     c.add_argument("--tp", dest="tensor_parallel_size", type=bounded(int, 1), default=1, metavar="N",
@@ -190,6 +194,7 @@ def _engine(engine_class, model, tokenizer, args):
                         preemption=args.preemption, swap_bytes=args.swap_bytes,
                         watermark=args.watermark, prefix_sharing=args.prefix_sharing,
                         background_mapper=args.background_mapper, seed=args.seed,
+                        prefix_eviction=args.prefix_eviction,
                         tensor_parallel_size=args.tensor_parallel_size)
 
 

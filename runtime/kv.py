@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 
 from vmemkv import vmem
 from vmemkv.scheduler.geometry import PageGeometry, default_page_bytes as _default_page_bytes
-from vmemkv.scheduler.managers import make_manager
+from vmemkv.scheduler.managers import DEFAULT_EVICTION, make_manager
 from vmemkv.scheduler.plan import SwapOut
 from vmemkv.scheduler.tables import TableTracker, tracker_for
 
@@ -104,14 +104,16 @@ class KV:
 def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[int] = None,
             layout: str = "per-layer", page_bytes: Optional[int] = None,
             block_size: int = 16, swap_bytes: int = 0, background_mapper: bool = False,
-            driver: Optional[vmem.Driver] = None, grow_pages: bool = False) -> KV:
+            driver: Optional[vmem.Driver] = None, grow_pages: bool = False,
+            prefix_eviction: str = DEFAULT_EVICTION) -> KV:
     """Build the manager (scheduler.managers) and a cache of ``kind`` for ``config``.
 
     cache_bytes: device memory for K/V (default: room for every slot at full length).
     vmem: ``layout`` per-layer | interleaved, ``page_bytes`` (default: see default_page_bytes);
     ``grow_pages``: create physical pages on first mapping, up to ``cache_bytes``
     (vmem.PagePool(grow=True)); default: all created up front.
-    paged: ``block_size`` tokens per block.
+    paged: ``block_size`` tokens per block. ``prefix_eviction``: the managers' retention of
+    computed prefixes (scheduler.managers.eviction).
     """
     if kind not in CACHE_KINDS:
         raise CacheConfigError(f"cache must be 'vmem' or 'paged', got {kind!r}")
@@ -121,10 +123,12 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
     if kind == "vmem":
         page_bytes = page_bytes or default_page_bytes(config, layout)
         manager = make_manager("vmem", model, cache_bytes, config.max_context, page_bytes=page_bytes,
-                               layout=layout, max_slots=config.max_batch, swap_bytes=swap_bytes)
+                               layout=layout, max_slots=config.max_batch, swap_bytes=swap_bytes,
+                               prefix_eviction=prefix_eviction)
     else:
         manager = make_manager("paged", model, cache_bytes, config.max_context,
-                               block_size_tokens=block_size, swap_bytes=swap_bytes)
+                               block_size_tokens=block_size, swap_bytes=swap_bytes,
+                               prefix_eviction=prefix_eviction)
     cache = cache_for(manager, config, driver=driver, background_mapper=background_mapper,
                       grow_pages=grow_pages)
     return KV(manager, cache, tracker_for(kind))

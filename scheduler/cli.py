@@ -16,6 +16,7 @@ from . import cli_capacity
 from .cli_table import aggregate, format_table, parse_seeds
 from .cliargs import bounded, hold_point, parse_bytes
 from .errors import ConfigError
+from .managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from .presets import DEVICES, MODELS
 from .progress import Progress
 from .report import parse_goodput
@@ -138,6 +139,10 @@ def _deployment_flags(m) -> None:
                    help="bytes per physical page (vmem): 2MiB, 64KiB, 65536, ... (default: 2MiB)")
     m.add_argument("--layout", choices=LAYOUTS, default="per-layer",
                    help="vmem: one page per layer (per-layer) or all layers in one (interleaved)")
+    m.add_argument("--prefix-eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,
+                   help="paged, vmem: keep computed prompt prefixes after their requests end "
+                        "and evict them lru (vLLM's order) or hits (often-shared ones last); "
+                        "off keeps none (prefixes are shared when a trace has hash ids)")
 
 
 def check_deployment(args) -> None:
@@ -185,6 +190,7 @@ def _config(args) -> SimConfig:
                      cache_bytes=int(args.cache_gb * 1e9), max_seq_len=args.max_len,
                      block_size=args.block_size, page_bytes=args.page_size, layout=args.layout,
                      swap_bytes=int(args.swap_gb * 1e9), scheduler=sched,
+                     prefix_eviction=args.prefix_eviction,
                      prefill_mfu=args.prefill_mfu, map_latency_s=args.map_latency_us * 1e-6,
                      paged_slowdown=args.paged_slowdown, watermark_scope=args.watermark_scope,
                      profile=args.profile)
@@ -237,7 +243,8 @@ def _echo(args) -> dict:
     return {k: getattr(args, k) for k in (
         "model_preset", "gpu", "cache_gb", "policy", "block_size", "page_size", "layout",
         "watermark", "watermark_scope", "preemption", "swap_gb", "max_running",
-        "max_tokens_per_step", "seed", "workload_rng", "trace", "goodput", "profile")}
+        "max_tokens_per_step", "seed", "workload_rng", "trace", "goodput", "profile",
+        "prefix_eviction")}
 
 
 def _print(runs: list, seeds: list, args) -> None:

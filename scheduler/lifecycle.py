@@ -60,8 +60,6 @@ def end_request(scheduler, request_id: int, status: SeqState) -> List[int]:
         raise UnknownRequestError(f"request {request_id} has no unfinished sequence "
                                   f"(never submitted, or already ended)")
     seqs = [q for q in s.seqs.values() if q.request.request_id == request_id and not q.state.is_ended]
-    # running sequences holding registered units whose K/V they have not written yet
-    uncomputed = [q for q in seqs if q.state is SeqState.RUNNING and q.held > q.num_computed]
     for seq in seqs:
         _release(s, seq, status)
     del s._unfinished_samples[request_id]
@@ -69,8 +67,6 @@ def end_request(scheduler, request_id: int, status: SeqState) -> List[int]:
         s.metrics.num_aborted_requests += 1
     else:
         s.metrics.num_failed_requests += 1
-    if uncomputed and s.config.enable_prefix_sharing:
-        _requeue_prefix_waiters(s, min(q.admit_order for q in uncomputed))
     return [q.seq_id for q in seqs]
 
 
@@ -85,19 +81,6 @@ def _release(s, seq: Sequence, status: SeqState) -> None:
         s.waiting.remove(seq)
     seq.state, seq.held = status, 0
     s._finished_ids.append(seq.seq_id)
-
-
-def _requeue_prefix_waiters(s, admit_order: int) -> None:
-    """Sequences admitted after ``admit_order`` that still wait for a prefix hit to be computed
-    may have hit units an ended sequence will never write: free them (nothing has read their hit
-    tokens yet) and queue them, oldest first, at the head of ``waiting`` to compute everything."""
-    waiters = [q for q in s.running if q.prefix_wait and q.admit_order > admit_order]
-    for seq in reversed(waiters):
-        s.manager.free(seq.seq_id, computed_tokens=seq.num_computed)
-        s.running.remove(seq)
-        seq.num_computed = seq.held = 0
-        seq.state, seq.prefix_wait = SeqState.WAITING, False
-        s.waiting.appendleft(seq)
 
 
 class StepTransactions:

@@ -37,11 +37,18 @@ def gauges(scheduler) -> Dict[str, float]:
         "num_requests_running": len(scheduler.running),
         "num_requests_waiting": len(scheduler.waiting),
         "num_requests_swapped": len(scheduler.swapped),
-        "kv_cache_usage_perc": mgr.stats().usage_fraction,
+        "kv_cache_usage_perc": mgr.kv_cache_usage(),     # cached-but-free units count as free
         "num_preemptions": scheduler.metrics.num_preemptions,
-        "prefix_cache_queries": mgr.prefix_queries,
-        "prefix_cache_hits": mgr.prefix_hits,
+        "prefix_cache_queries": mgr.prefix_queries,      # tokens
+        "prefix_cache_hits": mgr.prefix_hits,            # tokens
+        "prefix_cache_hit_rate": prefix_hit_rate(mgr.prefix_hits, mgr.prefix_queries),
+        "prefix_cache_cached_tokens": mgr.cached_tokens,  # held only by the prefix cache
     }
+
+
+def prefix_hit_rate(hits: int, queries: int) -> float:
+    """Hit tokens over queried tokens (vLLM's prefix cache hit rate); 0.0 before any query."""
+    return hits / queries if queries else 0.0
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from .errors import ConfigError
+from .managers.prefix import SALT_MARK, prefix_scope
 
 
 class SeqState(enum.Enum):
@@ -49,6 +50,8 @@ class Request:
     arrival_s: float = 0.0                           # when it becomes schedulable
     n: int = 1                                       # independent samples (parallel sampling)
     namespace: Optional[str] = None                  # prefixes only shared within a namespace
+    cache_salt: Optional[str] = None                 # vLLM's name: prefixes only shared by
+                                                     # requests with the same salt (isolation)
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_len, int) or self.prompt_len < 1:
@@ -65,6 +68,19 @@ class Request:
                 raise ConfigError(f"Request.prompt_token_ids has {len(self.prompt_token_ids)} ids "
                                   f"but prompt_len is {self.prompt_len}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("namespace", "cache_salt"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"Request.{name} must be a str or None, got {value!r}")
+        if self.namespace is not None and self.namespace.startswith(SALT_MARK):
+            raise ConfigError(f"Request.namespace may not start with {SALT_MARK!r} (reserved "
+                              f"for cache salts), got {self.namespace!r}")
+
+    @property
+    def prefix_scope(self) -> Optional[str]:
+        """What the managers key this request's prefixes by: its namespace and cache salt
+        (both enter the SHA-256 chain's root, so different salts never share)."""
+        return prefix_scope(self.namespace, self.cache_salt)
 
     @property
     def max_total_len(self) -> int:
@@ -77,7 +93,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request", "output", "length", "num_computed", "held", "state",
                  "admit_order", "pending_forks", "last_token_s", "arrival_s", "max_tokens",
-                 "stop_ids", "prefix_wait")
+                 "stop_ids")
 
     def __init__(self, seq_id: int, request: Request, output: Optional[List[int]] = None):
         self.seq_id = seq_id
@@ -93,14 +109,13 @@ class Sequence:
         self.arrival_s = request.arrival_s
         self.max_tokens = request.max_tokens         # copied from the request: the hot path
         self.stop_ids = request.stop_token_ids
-        self.prefix_wait = False   # holds a prefix hit that an earlier prefill may still compute
 
     def save(self) -> tuple:
         """The fields ``Scheduler.schedule()`` may change, for ``restore`` (its rollback)."""
-        return (self.state, self.held, self.num_computed, self.admit_order, self.prefix_wait)
+        return (self.state, self.held, self.num_computed, self.admit_order)
 
     def restore(self, saved: tuple) -> None:
-        (self.state, self.held, self.num_computed, self.admit_order, self.prefix_wait) = saved
+        (self.state, self.held, self.num_computed, self.admit_order) = saved
 
     def token_ids(self) -> Optional[List[int]]:
         """All token ids (prompt + output) when the prompt's ids are known, else None."""

@@ -47,6 +47,8 @@ class Scheduler(StepTransactions):
         # the tokens it caches); a request longer than this is rejected at submission
         self.max_fit_tokens = manager.max_sequence_tokens
         self.watermark_tokens = int(config.watermark * total)
+        # tell the manager what is computed whenever a shareable unit may have filled
+        self._publish_stride = manager.prefix_unit_tokens if config.enable_prefix_sharing else 0
         self.metrics = SchedulerMetrics()
         self.waiting: deque = deque()   # FCFS; preempted sequences go back to the front
         self.running: List[Sequence] = []  # in admission order
@@ -111,9 +113,9 @@ class Scheduler(StepTransactions):
     # ---- ending a request early -------------------------------------------------------
     def abort_request(self, request_id: int, status: SeqState = SeqState.ABORTED) -> List[int]:
         """End a request's unended sequences (waiting, running, swapped) ``status`` (ABORTED or
-        FAILED), releasing memory and swap space now; sequences that hit a prefix it registered
-        but never computed recompute it. Returns the seq ids ended (also in the next
-        ``plan.finished``); UnknownRequestError (nothing changed) if none is unended."""
+        FAILED), releasing memory and swap space now (units others hit stay theirs: a hit only
+        names computed units). Returns the seq ids ended (also in the next ``plan.finished``);
+        UnknownRequestError (nothing changed) if none is unended."""
         return end_request(self, request_id, status)
 
     def gauges(self) -> Dict[str, float]:
@@ -155,7 +157,7 @@ class Scheduler(StepTransactions):
         ctx = 0
         for seq in running:
             c = seq.num_computed
-            if seq.length - c != 1 or not seq.output or seq.prefix_wait:
+            if seq.length - c != 1 or not seq.output:
                 prefills.append(seq)
                 continue
             ids = (seq.output[-1],)
@@ -182,10 +184,6 @@ class Scheduler(StepTransactions):
         new = min(seq.length - seq.num_computed, budget)
         if new <= 0 or seq.state is not SeqState.RUNNING:
             return budget
-        if seq.prefix_wait:
-            if self._earlier_prefill_in_flight(seq):
-                return budget
-            seq.prefix_wait = False
         if not self._grow(seq, new, plan, may_preempt):
             return budget
         self._emit(plan, seq, new)
@@ -225,8 +223,8 @@ class Scheduler(StepTransactions):
         self.running.pop()
         self.metrics.num_preemptions += 1
         plan.preempted.append(seq.seq_id)
-        # a swap keeps prefix registrations; units registered but not yet computed must be
-        # withdrawn, which only the recompute path (free with computed_tokens) does
+        # a sequence part-way through its prefill is recomputed, not swapped: free tells the
+        # manager how far it got, so only computed units are published
         uncomputed = self.config.enable_prefix_sharing and seq.held > seq.num_computed
         if self.config.preemption == "swap" and not uncomputed and self._try_swap_out(seq):
             seq.state = SeqState.SWAPPED
@@ -269,24 +267,18 @@ class Scheduler(StepTransactions):
             req = seq.request
             ids = seq.token_ids() if cfg.enable_prefix_sharing else None
             reserve = self.watermark_tokens if self.running else 0   # never block an idle cache
-            if not mgr.can_allocate(seq.length, ids, req.namespace, reserve,
+            if not mgr.can_allocate(seq.length, ids, req.prefix_scope, reserve,
                                     final_tokens=req.max_total_len):
                 break
-            hit = mgr.allocate(seq.seq_id, seq.length, ids, req.namespace,
+            hit = mgr.allocate(seq.seq_id, seq.length, ids, req.prefix_scope,
                                final_tokens=req.max_total_len)
             self.waiting.popleft()
             seq.held = seq.length
             seq.num_computed = min(hit, seq.length - 1)   # the last token is always computed
             self._make_running(seq)
-            # A hit may name blocks/pages an earlier sequence registered at its allocate but
-            # computes in a chunk of this or a later step: wait until no earlier prefill is in
-            # flight, so the hit tokens are really cached before anything reads them.
-            seq.prefix_wait = hit > 0
+            # a hit names only units whose K/V are written (managers publish on compute, told
+            # by update), so the sequence reads them at once
             budget = self._schedule_prefill(plan, seq, budget, may_preempt=False)
-
-    def _earlier_prefill_in_flight(self, seq: Sequence) -> bool:
-        return any(s.in_prefill for s in self.running
-                   if s.admit_order < seq.admit_order)
 
     def _make_running(self, seq: Sequence) -> None:
         seq.state = SeqState.RUNNING
@@ -302,13 +294,18 @@ class Scheduler(StepTransactions):
         latency (default: the step count). Returns the seq ids finished by this update."""
         now = float(self._step) if now is None else now
         finished: List[Sequence] = []
+        stride, computed = self._publish_stride, self.manager.mark_computed
         for seq, new, sample in self._scheduled:     # prefill chunks (few)
             seq.num_computed += new
+            if stride:
+                computed(seq.seq_id, seq.num_computed)   # publish on compute
             if sample:
                 self._on_sample(seq, sampled, now, finished)
         itl = self.metrics.itl_s
         for seq in self._decoded:                     # the hot path, inlined _on_sample
             seq.num_computed += 1
+            if stride and not seq.num_computed % stride:
+                computed(seq.seq_id, seq.num_computed)   # a unit just became full and computed
             tok = sampled[seq.seq_id]
             out = seq.output
             out.append(tok)

@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 from .cost import CostModel, count_map_ops
 from .errors import ConfigError, SchedulerError
 from .managers.base import MemoryManager
+from .managers.eviction import DEFAULT_EVICTION, make_eviction
 from .geometry import LAYOUTS
 from .policies import check_policy, is_custom, load_policy_class
 from .presets import ModelSpec, get_device, get_model
@@ -23,12 +24,14 @@ from .profile_cost import ProfileCost, load_profile, profile_cost, profile_model
 from .report import RequestTiming, serving_report
 from .request import Request
 from .scheduler import Scheduler, SchedulerConfig
+from .traces import prompt_token_ids
 from .workload import TraceEntry
 
 POLICIES = ("reserve-max", "reserve-oracle", "paged", "vmem")
 WATERMARK_SCOPES = ("growing", "all")
 REPORT_PERCENTILES = (50.0, 90.0, 99.0)
 DUMMY_TOKEN = 1   # the simulator's sampled token; never a stop token
+TRACE_VOCAB_SIZE = 32000   # made-up prompt tokens from trace hash ids are in [1, this)
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class SimConfig:
     page_bytes: int = 2 * 2**20           # bytes per physical page (vmem)
     layout: str = "per-layer"             # vmem page layout
     swap_bytes: int = 0                   # host swap space, bytes
+    prefix_eviction: str = DEFAULT_EVICTION   # prefix cache retention: off | lru | hits
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     prefill_mfu: Optional[float] = None   # None: prefill costs only KV bandwidth
     map_latency_s: float = 0.0            # seconds per physical page mapped (vmem)
@@ -67,6 +71,7 @@ class SimConfig:
             raise ConfigError(f"cache_bytes must be > 0, got {self.cache_bytes!r}")
         get_model(self.model)
         get_device(self.device)
+        make_eviction(self.prefix_eviction)
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -81,7 +86,8 @@ class SimConfig:
             return load_policy_class(self.policy)(self.model_spec, int(self.cache_bytes),
                                                   self.max_seq_len, **options)
         return make_manager(self.policy, self.model_spec, int(self.cache_bytes),
-                            self.max_seq_len, max_slots=None, **options)
+                            self.max_seq_len, max_slots=None,
+                            prefix_eviction=self.prefix_eviction, **options)
 
     def scheduler_for(self, manager: MemoryManager) -> SchedulerConfig:
         """The scheduler config with ``watermark_scope`` applied to ``manager``'s policy."""
@@ -189,15 +195,16 @@ class Simulator:
         """Simulate ``entries`` to completion. ``on_finished(n)`` is called with the number of
         requests finished since the last call (for a progress bar). Every request finishes."""
         wall0 = time.perf_counter()
-        sched = Scheduler(self.manager, self.config)
         entries = sorted(entries, key=lambda e: e.arrival_s)
+        sched = Scheduler(self.manager, _sharing_config(self.config, entries))
+        make_request = _request_maker()
         whole, steady = _StepSums(), _StepSums()
         token_times: Dict[int, List[float]] = {}       # seq_id -> its request's token times
         n, nxt, now, maps, done_reported = len(entries), 0, 0.0, 0, 0
         while True:
             while nxt < n and entries[nxt].arrival_s <= now:
                 e = entries[nxt]
-                ids = sched.add_request(Request(nxt, e.prompt_len, e.output_len, arrival_s=e.arrival_s))
+                ids = sched.add_request(make_request(nxt, e))
                 token_times[ids[0]] = []
                 nxt += 1
             if not sched.has_unfinished():
@@ -255,6 +262,30 @@ class Simulator:
             prefix_cache_hits=self.manager.prefix_hits, mapped_page_ops=maps,
             steady=steady_means, serving=serving_report(timings, percentiles=REPORT_PERCENTILES),
             timings=timings)
+
+
+def _sharing_config(config: SchedulerConfig, entries: Sequence[TraceEntry]) -> SchedulerConfig:
+    """Prefix sharing on when the trace names its prompt blocks (Mooncake hash ids)."""
+    if any(e.hash_ids for e in entries):
+        return replace(config, enable_prefix_sharing=True)
+    return config
+
+
+def _request_maker() -> Callable[[int, TraceEntry], Request]:
+    """Requests from trace entries; an entry with hash ids carries prompt token ids made up
+    from them (equal ids, equal tokens: the trace's real sharing), memoised per prompt."""
+    memo: Dict[tuple, tuple] = {}
+
+    def make(request_id: int, e: TraceEntry) -> Request:
+        ids = None
+        if e.hash_ids:
+            key = (e.hash_ids, e.prompt_len)
+            ids = memo.get(key)
+            if ids is None:
+                ids = memo[key] = prompt_token_ids(e, TRACE_VOCAB_SIZE)
+        return Request(request_id, e.prompt_len, e.output_len, prompt_token_ids=ids,
+                       arrival_s=e.arrival_s)
+    return make
 
 
 def simulate(entries: Sequence[TraceEntry], config: SimConfig = SimConfig(),

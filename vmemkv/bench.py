@@ -42,6 +42,11 @@ def register(subparsers) -> None:
     parser.add_argument("--tp", type=bounded(int, 2), default=None, metavar="N",
                         help="also run the tensor-parallel section: TP=1 against TP=N engine "
                              "tokens/s on the CPU (N >= 2 ranks, gloo) (default: not run)")
+    parser.add_argument("--prefix-eviction", choices=("lru", "hits"), default=None,
+                        help="also time prefix retention end to end (benchmarks/prefix.py, "
+                             "short): multi-turn chats with this policy against retention off "
+                             "on vmem and paged; prints the speed-up, writes DIR/prefix.json "
+                             "(default: not run)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     from vmemkv.benchmarks import serve   # ``vmemkv bench serve``: load an HTTP server
@@ -49,6 +54,20 @@ def register(subparsers) -> None:
                                          parser_class=type(parser),
                                          help="serve: load an OpenAI-compatible server "
                                               "(default: the suite)"))
+
+
+def _prefix(args: argparse.Namespace, device_name: str) -> None:
+    """benchmarks/prefix.py's short workload: ``off`` against the chosen policy (the device
+    the suite picked: cuda when visible, else cpu)."""
+    import os
+    import torch
+    from vmemkv.benchmarks import prefix
+    from vmemkv.benchmarks.common import format_table, write_json
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rows = prefix.run(quick=True, device=device, warmup=1, repeats=1,
+                      policies=[args.prefix_eviction])
+    print(format_table(rows, prefix.COLUMNS))
+    write_json(os.path.join(args.out, "prefix.json"), {"device": device_name, "rows": rows})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     for warning in payload["warnings"]:
         print(f"# WARNING: {warning}")
     print(f"# wrote {payload['json']}" + "".join(f"\n# wrote {p}" for p in payload["plots"]))
+    if args.prefix_eviction:
+        _prefix(args, payload["environment"]["device"])
     failed = [s for s in sections if "error" in payload.get(s, {})]
     if failed:
         sys.stderr.write(f"vmemkv bench: sections failed: {', '.join(failed)} (see {args.out}/bench.log)\n")

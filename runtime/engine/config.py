@@ -7,6 +7,7 @@ from typing import Optional
 from vmemkv.runtime.kv import vmem_geometry
 from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device
 from vmemkv.scheduler.geometry import LAYOUTS  # noqa: F401 (re-exported)
+from vmemkv.scheduler.managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 
 from .errors import EngineConfigError
 
@@ -35,6 +36,9 @@ class EngineConfig:
     watermark: float = 0.0               # fraction of the cache admission keeps free
     prefix_sharing: bool = False         # share cached prompt prefixes across requests (opt-in:
                                          # hashing every prompt costs time when nothing repeats)
+    prefix_eviction: str = DEFAULT_EVICTION   # with prefix_sharing: keep computed prefixes after
+                                         # their requests end, evicting lru (vLLM's order) or
+                                         # hits (often-shared last); "off" keeps none
     background_mapper: bool = False      # vmem: map pages on a thread, overlapping compute
     seed: int = 0                        # seeds the generators of requests without a seed
     check_integrity: bool = False        # run the manager's integrity check after every step
@@ -52,6 +56,7 @@ class EngineConfig:
         self._one_of("cache", CACHES)
         self._one_of("layout", LAYOUTS)
         self._one_of("preemption", PREEMPTION)
+        self._one_of("prefix_eviction", EVICTION_POLICIES)
         for name, low in (("block_size", 1), ("max_batch", 1), ("max_context", 2),
                           ("max_tokens_per_step", 1), ("swap_bytes", 0), ("seed", 0),
                           ("max_plan_retries", 0), ("tensor_parallel_size", 1)):

@@ -94,7 +94,8 @@ class Engine(RequestLifecycle):
             self_check(model, full_config, cfg, backend, self._model_attn)
         kv_options = dict(cache_bytes=cache_bytes, layout=cfg.layout, page_bytes=cfg.page_bytes,
                           block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,
-                          background_mapper=cfg.background_mapper and cfg.cache == "vmem")
+                          background_mapper=cfg.background_mapper and cfg.cache == "vmem",
+                          prefix_eviction=cfg.prefix_eviction)
         self.tp = None
         if cfg.tensor_parallel_size > 1:   # every rank builds its shard and cache; rank 0 is here
             self.tp = start_tensor_parallel(model, cfg, self.cache_config, kv_options,
@@ -132,6 +133,7 @@ class Engine(RequestLifecycle):
         self._t0 = time.perf_counter()
         self._steps, self._step_s, self._kv_usage = 0, 0.0, []
         self._prompt_tokens = 0
+        self._computed_tokens = 0                    # tokens whose K/V steps computed
         self._strikes: Dict[int, int] = {}          # request_id -> failed steps in a row
         self.plan_failures = 0                       # failed plan executions, all time
 
@@ -158,7 +160,8 @@ class Engine(RequestLifecycle):
         stops = params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
         rid, arrival_s = self._next_request, self._now()
         request = Request(rid, len(ids), params.max_new_tokens, prompt_token_ids=ids,
-                          stop_token_ids=stops, arrival_s=arrival_s, n=params.n)
+                          stop_token_ids=stops, arrival_s=arrival_s, n=params.n,
+                          cache_salt=params.cache_salt)
         try:
             seq_ids = self.scheduler.add_request(request)
         except RequestTooLargeError as error:
@@ -241,12 +244,13 @@ class Engine(RequestLifecycle):
             self._keep_applied_memory()
             raise
         self._commit()
+        self._computed_tokens += plan.num_new_tokens
         self._strikes.clear()
         now = self._now()
         finished = set(self.scheduler.update(sampled, now=now))
         events = self._emit(sampled, finished, now)
         self._steps += 1
-        self._kv_usage.append(self.kv.manager.stats().usage_fraction)
+        self._kv_usage.append(self.kv.manager.kv_cache_usage())   # cached units count as free
         self._step_s += time.perf_counter() - start
         self._notify(events)
         return events
@@ -374,14 +378,17 @@ class Engine(RequestLifecycle):
                     kv=len(self._kv_usage),
                     pre=m.num_preemptions, swap=m.num_swap_preemptions, rec=m.recomputed_tokens,
                     ttft=len(m.ttft_s), itl=len(m.itl_s), gen=m.generated_tokens,
-                    done=m.num_finished_requests, prompt=self._prompt_tokens)
+                    done=m.num_finished_requests, prompt=self._prompt_tokens,
+                    computed=self._computed_tokens, pq=self.kv.manager.prefix_queries,
+                    ph=self.kv.manager.prefix_hits)
 
     def stats(self, since: Optional[dict] = None,
               outputs: Sequence[RequestOutput] = ()) -> EngineStats:
         """Statistics since ``since`` (a mark taken by generate/stream), or since creation;
         ``serving`` is the serving report of ``outputs`` (wall seconds; empty without them)."""
         b = since or dict(t=self._t0, steps=0, step_s=0.0, mapping_s=0.0, mapping_stall_s=0.0, kv=0, pre=0,
-                          swap=0, rec=0, ttft=0, itl=0, gen=0, done=0, prompt=0)
+                          swap=0, rec=0, ttft=0, itl=0, gen=0, done=0, prompt=0, computed=0,
+                          pq=0, ph=0)
         m, usage = self.scheduler.metrics, self._kv_usage[b["kv"]:]
         return EngineStats(
             cache=self.config.cache if self.config.cache == "paged" else f"vmem/{self.config.layout}",
@@ -394,6 +401,9 @@ class Engine(RequestLifecycle):
             recomputed_tokens=m.recomputed_tokens - b["rec"],
             kv_usage_mean=sum(usage) / len(usage) if usage else 0.0, kv_usage_peak=max(usage, default=0.0),
             cache_bytes=self.kv.manager.stats().total_tokens * self.cache_config.bytes_per_token,
+            computed_tokens=self._computed_tokens - b["computed"],
+            prefix_cache_queries=self.kv.manager.prefix_queries - b["pq"],
+            prefix_cache_hits=self.kv.manager.prefix_hits - b["ph"],
             ttft_s=m.ttft_s[b["ttft"]:], itl_s=m.itl_s[b["itl"]:],
             serving=serving_report(request_timings(outputs)) if outputs else {})
 

@@ -91,6 +91,10 @@ class EngineStats:
     kv_usage_mean: float          # kv_cache_usage_perc as a fraction (1 - free / total), mean over steps
     kv_usage_peak: float
     cache_bytes: int
+    computed_tokens: int = 0          # tokens steps computed (prefill + decode); a prefix hit's
+                                      # tokens are not among them
+    prefix_cache_queries: int = 0     # prompt tokens offered to the prefix cache
+    prefix_cache_hits: int = 0        # of those, served from cached K/V
     ttft_s: List[float] = field(default_factory=list, repr=False)
     itl_s: List[float] = field(default_factory=list, repr=False)
     serving: Dict[str, float] = field(default_factory=dict, repr=False)  # serving_report (ms)

@@ -25,6 +25,8 @@ class SamplingParams:
     stop_token_ids: Tuple[int, ...] = ()  # finish when one is sampled (it is kept in the output)
     ignore_eos: bool = False          # False: the model's EOS id(s) are added to stop_token_ids
     n: int = 1                        # samples of the prompt; children fork the prompt's cache
+    cache_salt: Optional[str] = None  # vLLM's name: the prefix cache is shared only between
+                                      # requests with the same salt (None: the shared default)
 
     def __post_init__(self) -> None:
         stops = self.stop_token_ids
@@ -40,6 +42,8 @@ class SamplingParams:
                "a number in (0, 1]")
         _check(self.n, "n", _is_int(self.n) and self.n >= 1, "an int >= 1")
         _check(self.seed, "seed", self.seed is None or _is_int(self.seed), "an int or None")
+        _check(self.cache_salt, "cache_salt", self.cache_salt is None
+               or isinstance(self.cache_salt, str), "a str or None")
 
     @property
     def greedy(self) -> bool:

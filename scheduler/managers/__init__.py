@@ -9,6 +9,9 @@
 | reserve-oracle  | final length tokens   | none                            | SwapOut/SwapIn         |
 | paged           | blocks of block_size  | fork + prefix (chain hash), CoW | CopyBlock, swaps       |
 | vmem            | page groups in slots  | fork + prefix (chain hash), CoW | Map/Unmap/CopyGroup,... |
+
+paged and vmem keep computed prefixes after their requests end (``prefix_eviction``: off, lru,
+hits; eviction.py) and publish a unit only once the scheduler says it is computed.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from ..presets import ModelSpec
 from .base import (CopyBlock, CopyGroup, MapGroup, MemoryManager, MemoryOp, MemoryStats, SwapIn,
                    SwapOut, UnmapGroup)
 from .common import check_int
+from .eviction import DEFAULT_EVICTION, EVICTION_POLICIES, make_eviction
 from .paged import PagedManager
 from .reserve import ReserveManager
 from .vmem import LAYOUTS, VmemManager
@@ -29,10 +33,12 @@ POLICIES = ("reserve-max", "reserve-oracle", "paged", "vmem")
 def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_tokens: int, *,
                  block_size_tokens: int = 16, page_bytes: int = 2 * 2**20,
                  layout: str = "per-layer", max_slots: Optional[int] = None,
-                 swap_bytes: int = 0) -> MemoryManager:
+                 swap_bytes: int = 0, prefix_eviction: str = DEFAULT_EVICTION) -> MemoryManager:
     """A manager for ``policy`` over ``cache_bytes`` of KV cache (bytes), sequences of at most
     ``max_seq_len_tokens``. ``block_size_tokens`` is used by paged only; ``page_bytes``,
-    ``layout`` and ``max_slots`` by vmem only; ``swap_bytes`` is host swap space (all).
+    ``layout`` and ``max_slots`` by vmem only; ``swap_bytes`` is host swap space (all);
+    ``prefix_eviction`` (paged, vmem; one of EVICTION_POLICIES) keeps computed prefixes after
+    their requests end and says which goes first ("off": none are kept).
     Raises ConfigError naming the field, the value and the allowed range."""
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -43,6 +49,7 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
     check_int("swap_bytes", swap_bytes, 0)
     if max_slots is not None:
         check_int("max_slots", max_slots, 1)
+    make_eviction(prefix_eviction)       # ConfigError for an unknown name, before anything
     if layout not in LAYOUTS:
         raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if policy in ("reserve-max", "reserve-oracle"):
@@ -50,11 +57,13 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
                               oracle=policy == "reserve-oracle", swap_bytes=swap_bytes)
     if policy == "paged":
         return PagedManager(model, cache_bytes, max_seq_len_tokens,
-                            block_size_tokens=block_size_tokens, swap_bytes=swap_bytes)
+                            block_size_tokens=block_size_tokens, swap_bytes=swap_bytes,
+                            prefix_eviction=prefix_eviction)
     return VmemManager(model, cache_bytes, max_seq_len_tokens, page_bytes=page_bytes,
-                       layout=layout, max_slots=max_slots, swap_bytes=swap_bytes)
+                       layout=layout, max_slots=max_slots, swap_bytes=swap_bytes,
+                       prefix_eviction=prefix_eviction)
 
 
-__all__ = ["POLICIES", "make_manager", "MemoryManager", "MemoryStats", "MemoryOp", "MapGroup",
+__all__ = ["POLICIES", "EVICTION_POLICIES", "DEFAULT_EVICTION", "make_manager", "MemoryManager", "MemoryStats", "MemoryOp", "MapGroup",
            "UnmapGroup", "CopyGroup", "CopyBlock", "SwapOut", "SwapIn", "ReserveManager",
            "PagedManager", "VmemManager"]

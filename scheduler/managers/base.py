@@ -141,6 +141,8 @@ class MemoryManager(ABC):
     prefix_hits: int = 0     # of those, tokens found cached
     holds_final_length: bool = False  # True: a sequence holds its final length from admission,
                                       # so it never grows into free memory (reserve policies)
+    prefix_eviction: str = "off"   # what happens to computed units nobody holds (eviction.py)
+    prefix_unit_tokens: int = 0    # tokens per shareable unit (0: shares nothing)
 
     @property
     @abstractmethod
@@ -195,6 +197,27 @@ class MemoryManager(ABC):
         """Release a sequence (finished, or preempted for recompute). ``computed_tokens``: how
         many of its tokens have K/V written, when fewer than it holds; the rest must never be
         shared through the prefix cache."""
+
+    def mark_computed(self, seq_id: int, num_tokens: int) -> None:
+        """The first ``num_tokens`` tokens of resident ``seq_id`` have their K/V written (the
+        scheduler says so after each step): only now may its full units serve prefix hits
+        ("publish on compute"). ``free`` publishes what it is told was computed. No-op for
+        managers that share nothing."""
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens held only by the prefix cache: computed, findable, held by no sequence; they
+        count as free for ``kv_cache_usage`` and are evicted when memory is needed."""
+        return 0
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached-but-free unit; returns how many (0: nothing is retained)."""
+        return 0
+
+    def kv_cache_usage(self) -> float:
+        """vLLM's kv_cache_usage_perc as a fraction: held memory over the cache, cached-but-free
+        units counted as free."""
+        return self.stats().usage_fraction
 
     # -- swap --
     @abstractmethod

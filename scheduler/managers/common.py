@@ -136,15 +136,14 @@ class ManagerCore(MemoryManager):
     def free(self, seq_id: int, computed_tokens: Optional[int] = None) -> None:
         """Release a resident sequence, or drop a swapped one's host copy. ``computed_tokens``
         (when the caller knows fewer tokens were computed than held, e.g. a prefill preempted
-        part-way) withdraws the sequence's uncomputed units from prefix sharing, so no later
-        request can hit memory whose K/V was never written."""
+        part-way; None: all of them) bounds what is published for later prefix hits, so no
+        later request can hit memory whose K/V was never written."""
         if seq_id in self._swapped:
             self._swap_used_tokens -= self._swapped.pop(seq_id).num_tokens
             self._ops.append(DropSwapped(seq_id))
             return
         seq = self._seq(seq_id)
-        if computed_tokens is not None and computed_tokens < seq.num_tokens:
-            self._forget_uncomputed(seq, computed_tokens)
+        self._publish_at_free(seq, computed_tokens)
         self._release(seq)
         del self._seqs[seq_id]
 
@@ -206,8 +205,9 @@ class ManagerCore(MemoryManager):
         assert 0 <= self._swap_used_tokens * self.bytes_per_token <= self.swap_bytes
 
     # -- hooks --
-    def _forget_uncomputed(self, seq: HeldSeq, computed_tokens: int) -> None:
-        """Withdraw units past ``computed_tokens`` from prefix sharing (managers that share)."""
+    def _publish_at_free(self, seq: HeldSeq, computed_tokens: Optional[int]) -> None:
+        """Publish ``seq``'s computed full units before they are released (managers that share;
+        ``computed_tokens`` None: all it holds)."""
 
     def _swap_location(self, seq: HeldSeq) -> dict:
         """Where a sequence's tokens are, for SwapOut/SwapIn ops (vmem: slot; paged: blocks)."""

@@ -4,12 +4,13 @@ a pool, a block table per sequence, reference counts, copy-on-write and prefix c
 Every block is in exactly one of three states:
 
     free     ref 0, unregistered      in ``_free`` (a stack)
-    cached   ref 0, registered content in ``_reclaimable`` (LRU; evicted only when _free is empty)
+    cached   ref 0, registered content in ``_cache`` (the eviction policy, ``prefix_eviction``;
+                                       evicted only when _free is empty)
     held     ref >= 1                  in the block tables of ``ref`` resident sequences
 
 Cached blocks count as FREE capacity (as vLLM's kv_cache_usage does): taking one just drops its
-registration. A full block is registered in the prefix index as soon as its token ids are known
-(at allocate for the prompt: its K/V are written in the step that follows, before anyone reads).
+registration. A full block is registered in the prefix index only once its K/V are computed
+(``mark_computed``, or ``free``: publish on compute), so a hit never reads unwritten memory.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError
 from ..presets import ModelSpec
 from .base import CopyBlock, MemoryStats
 from .common import check_int
+from .eviction import DEFAULT_EVICTION
 from .prefix import HeldSeq
 from .units import UnitManager
 
@@ -31,14 +33,15 @@ class PagedManager(UnitManager):
     name = "paged"
 
     def __init__(self, model: ModelSpec, cache_bytes: int, max_seq_len_tokens: int, *,
-                 block_size_tokens: int = 16, swap_bytes: int = 0) -> None:
+                 block_size_tokens: int = 16, swap_bytes: int = 0,
+                 prefix_eviction: str = DEFAULT_EVICTION) -> None:
         super().__init__(model, max_seq_len_tokens, swap_bytes)
         self.block_size = bs = check_int("block_size_tokens", block_size_tokens, 1)
         self.num_blocks = check_int("cache_bytes", cache_bytes, 1) // (bs * self.bytes_per_token)
         if self.num_blocks < 1:
             raise ConfigError(f"cache_bytes={cache_bytes} holds no block of {bs} tokens; needs "
                               f">= {bs * self.bytes_per_token}")
-        self._init_units(self.num_blocks, bs)
+        self._init_units(self.num_blocks, bs, prefix_eviction)
 
     _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {"block_size", "num_blocks"}
 
@@ -52,27 +55,17 @@ class PagedManager(UnitManager):
         return list(self._seq(seq_id).units)
 
     def _available_units(self) -> int:
-        return len(self._free) + len(self._reclaimable)
+        return len(self._free) + len(self._cache)
 
     def _take_block(self) -> int:
-        """A block for new content: a free one, else evict the least recently used cached one."""
-        if self._free:
-            b = self._free.pop()
-        else:
-            b, _ = self._reclaimable.popitem(last=False)
-            self.prefix.drop(b)
+        """A block for new content: a free one, else the cached one the eviction policy names."""
+        b = self._free.pop() if self._free else self._evict()
         self._refs[b] = 1
         self._fill[b] = 0
         return b
 
-    def _unhold(self, b: int) -> None:
-        self._refs[b] -= 1
-        if self._refs[b] == 0:
-            self._live -= self._fill[b]
-            if b in self.prefix.by_unit:
-                self._reclaimable[b] = None
-            else:
-                self._free.append(b)
+    def _unheld(self, b: int) -> None:
+        self._free.append(b)
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                  namespace: Optional[str] = None, final_tokens: Optional[int] = None) -> int:
@@ -145,7 +138,7 @@ class PagedManager(UnitManager):
         seq.num_tokens = end
         seq.note_ids(old, token_ids)
         if end // bs > old // bs:
-            self._register_full(seq)
+            seq.new_full_keys(bs)
 
     # -- fork and release --
     def can_fork(self, parent_id: int) -> bool:
@@ -182,8 +175,7 @@ class PagedManager(UnitManager):
         self._fill_blocks(seq, 0, n)
         self._cap_sum += len(seq.units) * self.block_size
         self._tok_sum += n
-        for k, key in enumerate(seq.keys):   # content is back: make it findable again
-            self._register_unit(seq, k, key)
+        self._republish(seq)
 
     def _raise_no_room(self, what: str) -> None:
         raise OutOfCapacityError(f"{what}: {self._available_units()} blocks of "
@@ -206,12 +198,14 @@ class PagedManager(UnitManager):
                 refs[b] += 1
                 assert self._fill[b] == min(bs, seq.num_tokens - k * bs), ("fill", b)
         assert refs == self._refs, "reference counts"
-        free, cached = set(self._free), set(self._reclaimable)
+        free, cached = set(self._free), set(self._cache)
         assert len(free) == len(self._free) and not free & cached
         assert all(refs[b] == 0 and b not in self.prefix.by_unit for b in free)
         assert all(refs[b] == 0 and b in self.prefix.by_unit for b in cached)
         held = sum(1 for r in refs if r)
         assert held + len(free) + len(cached) == self.num_blocks, "free + held == total"
+        assert len(cached) == len(self._cache)
+        assert all(refs[b] or b in cached for b in self.prefix.by_unit), "registered: held or cached"
         assert self._live == sum(self._fill[b] for b in range(self.num_blocks) if refs[b])
         assert self._cap_sum == sum(len(s.units) * bs for s in self._seqs.values())
         assert self._tok_sum == sum(s.num_tokens for s in self._seqs.values())

@@ -14,6 +14,7 @@ both, so a digest that collides (crafted, or a test that forces one) is a miss, 
 from __future__ import annotations
 
 import hashlib
+import json
 from array import array
 from functools import lru_cache
 from typing import NamedTuple, Optional, Sequence
@@ -43,6 +44,18 @@ def _is_int64(token) -> bool:
 def unit_digest(parent: bytes, unit_tokens: bytes) -> bytes:
     """Chain digest of one full unit: its parent's digest (or the namespace root) and its ids."""
     return hashlib.sha256(parent + unit_tokens).digest()
+
+
+SALT_MARK = "\x1f"   # starts a scope that carries a cache salt; Request refuses it in a namespace
+
+
+def prefix_scope(namespace: Optional[str], cache_salt: Optional[str]) -> Optional[str]:
+    """The one string the managers key prefixes by: ``namespace`` alone without a salt, else a
+    string no namespace can equal (namespaces may not start with SALT_MARK) naming both, so the
+    salt enters every chain digest through ``namespace_root``."""
+    if cache_salt is None:
+        return namespace
+    return SALT_MARK + json.dumps([namespace, cache_salt])
 
 
 @lru_cache(maxsize=256)
@@ -145,7 +158,8 @@ class HeldSeq:
     ``keys`` only grow in place (extend/append) or are rebound, never edited: ``snapshot``
     relies on that."""
 
-    __slots__ = ("num_tokens", "units", "ids", "namespace", "keys", "reserved", "slot")
+    __slots__ = ("num_tokens", "units", "ids", "namespace", "keys", "reserved", "slot",
+                 "published", "prompt_units")
 
     def __init__(self, num_tokens: int, ids: Optional[list], namespace: Optional[str]) -> None:
         self.num_tokens = num_tokens   # live tokens
@@ -155,11 +169,14 @@ class HeldSeq:
         self.keys: list = []           # UnitKeys of units 0..len-1 (all full)
         self.reserved = 0              # reserve managers: tokens held
         self.slot = -1                 # vmem: batch row
+        self.published = 0             # leading units offered to the prefix index (computed)
+        self.prompt_units = 0          # full units it was allocated with (set once, never undone)
 
     def copy(self) -> "HeldSeq":
         c = HeldSeq(self.num_tokens, None if self.ids is None else list(self.ids), self.namespace)
         c.units, c.keys = list(self.units), list(self.keys)
-        c.reserved, c.slot = self.reserved, self.slot
+        c.reserved, c.slot, c.published = self.reserved, self.slot, self.published
+        c.prompt_units = self.prompt_units
         return c
 
     def snapshot(self) -> tuple:
@@ -167,12 +184,12 @@ class HeldSeq:
         length (they only grow in place)."""
         ids = self.ids
         return (self.num_tokens, list(self.units), ids, 0 if ids is None else len(ids),
-                self.keys, len(self.keys), self.reserved, self.slot)
+                self.keys, len(self.keys), self.reserved, self.slot, self.published)
 
     def restore(self, saved: tuple) -> None:
         """Put back the state ``snapshot`` returned (the record may have changed since)."""
         self.num_tokens, self.units, self.ids, num_ids, self.keys, num_keys, self.reserved, \
-            self.slot = saved
+            self.slot, self.published = saved
         if self.ids is not None:
             del self.ids[num_ids:]
         del self.keys[num_keys:]

@@ -9,11 +9,11 @@ many units a request needs, prefix matching and its counters, and copy-on-write 
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections import OrderedDict
 from typing import Optional, Sequence
 
 from ..errors import ConfigError
 from .common import ManagerCore
+from .eviction import make_eviction
 from .prefix import HeldSeq, PrefixIndex, namespace_root, token_bytes, unit_keys
 
 
@@ -21,38 +21,106 @@ class UnitManager(ManagerCore):
     """Base of managers whose memory is ``num_units`` units of ``unit_tokens`` tokens.
     ``prefix_queries``/``prefix_hits`` count TOKENS, as vLLM's prefix-cache metrics do."""
 
-    def _init_units(self, num_units: int, unit_tokens: int) -> None:
-        self.unit_tokens = unit_tokens
+    def _init_units(self, num_units: int, unit_tokens: int, eviction: str) -> None:
+        self.unit_tokens = self.prefix_unit_tokens = unit_tokens
+        self.prefix_eviction = eviction
         self._refs = [0] * num_units                 # holders of each unit
         self._fill = [0] * num_units                 # tokens written in each unit
         self.prefix = PrefixIndex()
         self._live = self._cap_sum = self._tok_sum = 0
         self._memo = (None, None, [])                # last (namespace, token ids, their keys)
-        self._free = list(range(num_units - 1, -1, -1))   # unheld, unregistered/unmapped units
-        self._reclaimable: OrderedDict = OrderedDict()    # unheld units with kept content, LRU first
+        self._free = list(range(num_units - 1, -1, -1))   # unheld units with nothing kept
+        self._cache = make_eviction(eviction)        # cached: unheld, registered (computed) units
         # _live: tokens in held units (a shared unit counted once); _cap_sum / _tok_sum: over
         # resident sequences, len(units) * unit_tokens and num_tokens
 
-    _FIXED_FIELDS = ManagerCore._FIXED_FIELDS | {"unit_tokens"}
+    _FIXED_FIELDS = ManagerCore._FIXED_FIELDS | {"unit_tokens", "prefix_unit_tokens",
+                                                 "prefix_eviction"}
 
     def _snapshot(self) -> dict:
         state = super()._snapshot()
         state.update(_refs=list(self._refs), _fill=list(self._fill), prefix=self.prefix.copy(),
                      _live=self._live, _cap_sum=self._cap_sum, _tok_sum=self._tok_sum,
-                     _memo=self._memo, _free=list(self._free),
-                     _reclaimable=OrderedDict(self._reclaimable))
+                     _memo=self._memo, _free=list(self._free), _cache=self._cache.copy())
         return state
 
     def ref_count(self, unit: int) -> int:
         return self._refs[unit]
 
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens in cached units: computed, findable by a prefix hit, held by nobody (memory
+        that admission may take back by evicting them)."""
+        return len(self._cache) * self.unit_tokens
+
+    def cached_units(self) -> list:
+        """The cached units, first to be evicted first."""
+        return list(self._cache)
+
     def _hold(self, unit: int) -> None:
-        """One more holder of an existing (hit or shared) unit; an unheld one comes back from
-        ``_reclaimable`` (units nobody holds but whose content is kept: cached or still mapped)."""
+        """One more holder of an existing (hit or shared) unit; an unheld one leaves the cache
+        (or, vmem, the groups still mapped under a freed slot)."""
         if self._refs[unit] == 0:
-            del self._reclaimable[unit]
+            self._revive(unit)
             self._live += self._fill[unit]
         self._refs[unit] += 1
+
+    def _revive(self, unit: int) -> None:
+        """``unit`` nobody held is held again: take it out of the cache."""
+        self._cache.remove(unit)
+
+    def _unhold(self, unit: int) -> None:
+        """One holder fewer; the last one leaves the unit cached (registered, retention on) or
+        gives it up (``_drop_content``)."""
+        self._refs[unit] -= 1
+        if self._refs[unit] == 0:
+            self._live -= self._fill[unit]
+            if unit in self.prefix.by_unit and self._cache.retains:
+                self._cache.add(unit)
+            else:
+                self.prefix.drop(unit)
+                self._cache.forget(unit)
+                self._unheld(unit)
+
+    @abstractmethod
+    def _unheld(self, unit: int) -> None:
+        """``unit`` (refs 0, no content kept) goes where the layout keeps such units."""
+
+    def _evict(self) -> int:
+        """Drop the content of the cached unit the policy names; returns it (refs 0)."""
+        unit = self._cache.pop()
+        self.prefix.drop(unit)
+        return unit
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every cached unit (vLLM's reset_prefix_cache); held units keep their content
+        and registrations. Returns the units evicted. With nothing held, memory is then back
+        at its baseline (nothing cached; vmem: only still-mapped groups besides free ones)."""
+        evicted = len(self._cache)
+        for _ in range(evicted):
+            unit = self._evict()
+            self._cache.forget(unit)
+            self._unheld(unit)
+        return evicted
+
+    # -- publish on compute --
+    def mark_computed(self, seq_id: int, num_tokens: int) -> None:
+        """The first ``num_tokens`` tokens of ``seq_id`` have K/V written: its full units among
+        them become findable by later prefix queries (nothing is published before)."""
+        self._publish(self._seq(seq_id), num_tokens)
+
+    def _republish(self, seq: HeldSeq) -> None:
+        """A swapped-in sequence's content is back in new units: findable again."""
+        published, seq.published = seq.published, 0
+        self._publish(seq, published * self.unit_tokens)
+
+    def _publish(self, seq: HeldSeq, computed_tokens: int) -> None:
+        upto = min(computed_tokens // self.unit_tokens, len(seq.keys), len(seq.units))
+        for k in range(seq.published, upto):
+            self._register_unit(seq, k, seq.keys[k])
+            if k >= seq.prompt_units:
+                self._cache.note_generated(seq.units[k])
+        seq.published = max(seq.published, upto)
 
     # -- admission --
     def _can_place(self) -> bool:
@@ -68,6 +136,10 @@ class UnitManager(ManagerCore):
             return []
         limit = min(num_tokens - 1, len(token_ids)) // self.unit_tokens
         return self.prefix.match(self._prompt_keys(token_ids, namespace)[:max(limit, 0)])
+
+    def _note_hits(self, hits: list) -> None:
+        for unit in hits:
+            self._cache.note_hit(unit)
 
     def _prompt_keys(self, token_ids, namespace) -> list:
         """Keys of every full unit of ``token_ids`` (ConfigError for an id outside int64 or a
@@ -106,28 +178,30 @@ class UnitManager(ManagerCore):
         return hit_tokens
 
     def _register_prompt(self, seq: HeldSeq, hits: list) -> None:
-        """At allocate: key the new sequence's full units (the keys ``_hits`` just computed)
-        and register those past the hits."""
+        """At allocate: key the new sequence's full units (the keys ``_hits`` just computed);
+        the hits are published already, the rest wait for ``mark_computed``."""
         if seq.ids is not None:
             full = min(seq.num_tokens, len(seq.ids)) // self.unit_tokens
             seq.keys = self._prompt_keys(seq.ids, seq.namespace)[:full]
-            for k in range(len(hits), full):
-                self._register_unit(seq, k, seq.keys[k])
-        self._register_full(seq)    # no new unit: forgets the ids if a full unit has none
-
-    def _register_full(self, seq: HeldSeq) -> None:
-        for k, key in seq.new_full_keys(self.unit_tokens):
-            self._register_unit(seq, k, key)
+        seq.published, seq.prompt_units = len(hits), len(seq.keys)
+        seq.new_full_keys(self.unit_tokens)   # no new unit: forgets the ids if a full unit has none
+        self._note_hits(hits)
 
     def _register_unit(self, seq: HeldSeq, k: int, key) -> None:
-        """Name unit ``k`` of ``seq`` by ``key``, chained on the sequence's unit k-1."""
-        self.prefix.register(seq.units[k], key, seq.units[k - 1] if k else None)
+        """Name unit ``k`` of ``seq`` by ``key``, chained on the sequence's unit k-1, or, when
+        another unit holds that content (computed by two sequences at once), on that one: the
+        rest of the sequence stays findable behind the first copy."""
+        parent = seq.units[k - 1] if k else None
+        if k and parent not in self.prefix.by_unit:
+            chain = self.prefix.match(seq.keys[:k])     # rare: a duplicate unit k-1
+            if len(chain) < k:
+                return
+            parent = chain[-1]
+        self.prefix.register(seq.units[k], key, parent)
 
-    def _forget_uncomputed(self, seq: HeldSeq, computed_tokens: int) -> None:
-        """Drop prefix registrations of units holding tokens at or past ``computed_tokens``."""
-        for k in range(computed_tokens // self.unit_tokens, min(len(seq.units), len(seq.keys))):
-            if self.prefix.key_of(seq.units[k]) == seq.keys[k]:
-                self.prefix.drop(seq.units[k])
+    def _publish_at_free(self, seq: HeldSeq, computed_tokens) -> None:
+        """At free: publish what was computed (``computed_tokens``; None: everything held)."""
+        self._publish(seq, seq.num_tokens if computed_tokens is None else computed_tokens)
 
     # -- growth --
     def append(self, seq_id: int, num_tokens: int = 1,

@@ -8,19 +8,24 @@ it on demand.
                2 pages interleaved); the same g may be mapped under several slots (fork,
                shared prefix) but always at the page index whose content it holds.
 
-A group is in one of three states:
-    free         refs 0, mapped nowhere                 in ``_free``
-    reclaimable  refs 0, still mapped (freed slot, or   in ``_reclaimable`` (LRU): counts as
-                 past a live sequence's length)         ALLOCATED in stats, AVAILABLE to admit
+A group is in one of four states (reclaimable and cached ones count as ALLOCATED in stats and
+AVAILABLE to admit):
+    free         refs 0, mapped nowhere, no content kept           in ``_free``
+    reclaimable  refs 0, still mapped (freed slot, or past a live   in ``_reclaimable`` (LRU)
+                 sequence's length), no content kept
+    cached       refs 0, registered (full, computed), mapped or not in ``_cache`` (the policy)
     used         refs >= 1 (live sequences using it)
 
 Deferred reclamation: ``free`` unmaps nothing; a later sequence placed on the slot writes into
 the pages still mapped there without any op, and groups are unmapped (UnmapGroup) only when the
-free list is empty and a group must be taken from a reclaimable one. Only refs-0 groups are ever
-reclaimed, so no live sequence loses a page it reads.
+free list is empty and a group must be taken from a reclaimable one, then from the cache. Only
+refs-0 groups are ever reclaimed, so no live sequence loses a page it reads. Retention
+(units.py): a hit maps the cached group itself at its page index under the new slot (no copy);
+a sequence whose first hit is still mapped under a free slot is placed on that slot.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Optional, Sequence
 
 from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError, SlotError
@@ -28,6 +33,7 @@ from ..geometry import LAYOUTS, PageGeometry  # noqa: F401 (LAYOUTS re-exported)
 from ..presets import ModelSpec
 from .base import CopyGroup, MapGroup, MemoryStats, UnmapGroup
 from .common import check_int
+from .eviction import DEFAULT_EVICTION
 from .prefix import HeldSeq
 from .slots import FreeSlots
 from .units import UnitManager
@@ -39,7 +45,8 @@ class VmemManager(UnitManager):
 
     def __init__(self, model: ModelSpec, cache_bytes: int, max_seq_len_tokens: int, *,
                  page_bytes: int = 2 * 2**20, layout: str = "per-layer",
-                 max_slots: Optional[int] = None, swap_bytes: int = 0) -> None:
+                 max_slots: Optional[int] = None, swap_bytes: int = 0,
+                 prefix_eviction: str = DEFAULT_EVICTION) -> None:
         super().__init__(model, max_seq_len_tokens, swap_bytes)
         check_int("page_bytes", page_bytes, 1)
         self.geometry = PageGeometry.of(model, page_bytes, layout)
@@ -62,7 +69,8 @@ class VmemManager(UnitManager):
         # be used at once; virtual address space is cheap, so default to exactly that many.
         self.num_slots = check_int("max_slots", max_slots if max_slots is not None else self.num_groups, 1)
         self.pages_per_slot = self.max_seq_len // tpp
-        self._init_units(self.num_groups, tpp)
+        self._init_units(self.num_groups, tpp, prefix_eviction)
+        self._reclaimable: OrderedDict = OrderedDict()   # refs 0, mapped, no content: LRU first
         self._maps = [set() for _ in range(self.num_groups)]  # group -> {(slot, page_index)}
         self._pages = [dict() for _ in range(self.num_slots)]  # slot -> {page_index: group}
         self._owner: list = [None] * self.num_slots           # slot -> seq_id or None
@@ -85,7 +93,8 @@ class VmemManager(UnitManager):
     def _snapshot(self) -> dict:
         state = super()._snapshot()
         state.update(_pages=list(map(dict.copy, self._pages)), _owner=list(self._owner),
-                     _free_slots=self._free_slots.copy())
+                     _free_slots=self._free_slots.copy(),
+                     _reclaimable=OrderedDict(self._reclaimable))
         return state
 
     def _rebuild_derived(self) -> None:
@@ -104,9 +113,15 @@ class VmemManager(UnitManager):
 
     @property
     def reclaimable_tokens(self) -> int:
-        """Capacity held only by deferred pages (refs 0, still mapped): counted in
+        """Capacity held only by unused groups (refs 0: still mapped, or cached): counted in
         ``stats().allocated_tokens`` but available to ``can_allocate``."""
-        return len(self._reclaimable) * self.tokens_per_page
+        return (len(self._reclaimable) + len(self._cache)) * self.tokens_per_page
+
+    def kv_cache_usage(self) -> float:
+        """vLLM's kv_cache_usage_perc (a fraction): cached and still-mapped unused groups count
+        as free, as vLLM counts its cached blocks."""
+        unused = len(self._free) + len(self._reclaimable) + len(self._cache)
+        return (self.num_groups - unused) / self.num_groups
 
     # -- mapping primitives (the only places that emit Map/Unmap) --
     def _map(self, slot: int, pi: int, g: int) -> None:
@@ -120,19 +135,20 @@ class VmemManager(UnitManager):
         self._maps[g].discard((slot, pi))
         self._ops.append(UnmapGroup(slot, pi, g))
         self._free_slots.recount(slot, len(pages))
-        if self._refs[g] == 0 and not self._maps[g]:
+        if g in self._reclaimable and not self._maps[g]:
             del self._reclaimable[g]
-            self.prefix.drop(g)
-            self._free.append(g)
+            self._free.append(g)          # (a cached group stays cached, mapped nowhere)
 
     def _take_group(self) -> int:
-        """A group for new content: a free one, else reclaim the least recently used
-        refs-0 group, unmapping it everywhere it is still mapped."""
+        """A group for new content: a free one, else the least recently used reclaimable one,
+        else the cached one the eviction policy names; unmapped everywhere it is still mapped."""
         if self._free:
             g = self._free.pop()
         else:
-            g, _ = self._reclaimable.popitem(last=False)
-            self.prefix.drop(g)
+            if self._reclaimable:
+                g, _ = self._reclaimable.popitem(last=False)
+            else:
+                g = self._evict()
             for slot, pi in sorted(self._maps[g]):
                 del self._pages[slot][pi]
                 self._ops.append(UnmapGroup(slot, pi, g))
@@ -141,29 +157,35 @@ class VmemManager(UnitManager):
         self._refs[g], self._fill[g] = 1, 0
         return g
 
-    def _unhold(self, g: int) -> None:
-        self._refs[g] -= 1
-        if self._refs[g] == 0:
-            self._live -= self._fill[g]
+    def _unheld(self, g: int) -> None:
+        if self._maps[g]:
             self._reclaimable[g] = None    # still mapped where it was used
+            return
+        self._free.append(g)
+
+    def _revive(self, g: int) -> None:
+        if g in self._reclaimable:
+            del self._reclaimable[g]
+        else:
+            self._cache.remove(g)
 
     def _grow_page(self, slot: int, pi: int) -> int:
         """Back page ``pi`` of ``slot`` with a private group for new content: the group
-        already mapped there if nobody uses it (no op), else a fresh one."""
+        already mapped there if nobody uses it and it holds nothing cached (no op), else a
+        fresh one (a cached group stays cached for later hits)."""
         g = self._pages[slot].get(pi)
-        if g is not None and self._refs[g] == 0:
+        if g is not None and g in self._reclaimable:
             del self._reclaimable[g]
-            self.prefix.drop(g)
             self._refs[g], self._fill[g] = 1, 0
             return g
         if g is not None:
-            self._unmap(slot, pi)          # used by a live sequence elsewhere: not ours to write
+            self._unmap(slot, pi)          # used elsewhere, or cached: not ours to write
         g = self._take_group()
         self._map(slot, pi, g)
         return g
 
     def _available_units(self) -> int:
-        return len(self._free) + len(self._reclaimable)
+        return len(self._free) + len(self._reclaimable) + len(self._cache)
 
     # -- placement --
     def _occupy(self, seq_id: int, seq: HeldSeq, slot: Optional[int] = None) -> int:
@@ -173,17 +195,19 @@ class VmemManager(UnitManager):
         seq.slot = slot
         return slot
 
+    def _hit_slot(self, hits: list) -> Optional[int]:
+        """A free slot where the first hit is still mapped at page 0 (the lowest), else None."""
+        if not hits:
+            return None
+        slots = [s for s, pi in self._maps[hits[0]] if pi == 0 and s in self._free_slots]
+        return min(slots) if slots else None
+
     def _place(self, seq_id: int, seq: HeldSeq, hits: list, slot: Optional[int] = None) -> None:
-        """Put ``seq`` on ``slot``, by default the free slot with the most mapped pages: shared
-        ``hits`` first (they hold refs before any reclaim can run), then private pages."""
-        slot = self._occupy(seq_id, seq, slot)
-        pages = self._pages[slot]
-        for pi, g in enumerate(hits):
-            self._hold(g)
-            if pages.get(pi) != g:
-                if pi in pages:
-                    self._unmap(slot, pi)
-                self._map(slot, pi, g)
+        """Put ``seq`` on ``slot``, by default a free slot already mapping its hits, else the
+        free slot with the most mapped pages: shared ``hits`` first (they hold refs before any
+        reclaim can run), then private pages."""
+        slot = self._occupy(seq_id, seq, self._hit_slot(hits) if slot is None else slot)
+        self._share_into(slot, hits)
         n, tpp = seq.num_tokens, self.tokens_per_page
         seq.units = list(hits) + [self._grow_page(slot, pi)
                                   for pi in range(len(hits), -(-n // tpp))]
@@ -193,6 +217,17 @@ class VmemManager(UnitManager):
         self._cap_sum += len(seq.units) * tpp
         self._tok_sum += n
         self._seqs[seq_id] = seq
+
+    def _share_into(self, slot: int, groups: list) -> None:
+        """Hold ``groups`` (page index -> group) and map each under ``slot`` where it is not
+        mapped already (the same physical pages at a second address: no copy)."""
+        pages = self._pages[slot]
+        for pi, g in enumerate(groups):
+            self._hold(g)
+            if pages.get(pi) != g:
+                if pi in pages:
+                    self._unmap(slot, pi)
+                self._map(slot, pi, g)
 
     def _can_place(self) -> bool:
         return bool(self._free_slots)
@@ -261,7 +296,7 @@ class VmemManager(UnitManager):
         seq.num_tokens = end
         seq.note_ids(old, token_ids)
         if end // tpp > old // tpp:
-            self._register_full(seq)
+            seq.new_full_keys(tpp)
 
     def _copy_on_write(self, seq: HeldSeq, pi: int) -> None:
         """The writer of a shared partial page moves to a new group holding a copy."""
@@ -287,14 +322,7 @@ class VmemManager(UnitManager):
         if not self._free_slots:
             self._raise_no_room(f"forking sequence {parent_id}: all {self.num_slots} slots in use")
         child = parent.copy()
-        slot = self._occupy(child_id, child)
-        pages = self._pages[slot]
-        for pi, g in enumerate(child.units):
-            self._hold(g)
-            if pages.get(pi) != g:
-                if pi in pages:
-                    self._unmap(slot, pi)
-                self._map(slot, pi, g)
+        self._share_into(self._occupy(child_id, child), child.units)
         self._cap_sum += len(child.units) * self.tokens_per_page
         self._tok_sum += child.num_tokens
         self._seqs[child_id] = child
@@ -319,12 +347,12 @@ class VmemManager(UnitManager):
 
     def _place_private(self, seq_id: int, seq: HeldSeq) -> None:
         self._place(seq_id, seq, [])
-        for k, key in enumerate(seq.keys):   # content is back: make it findable again
-            self._register_unit(seq, k, key)
+        self._republish(seq)
 
     def _raise_no_room(self, what: str) -> None:
         raise OutOfCapacityError(f"{what}: {len(self._free)} free + {len(self._reclaimable)} "
-                                 f"reclaimable page groups, {len(self._free_slots)} free slots")
+                                 f"reclaimable + {len(self._cache)} cached page groups, "
+                                 f"{len(self._free_slots)} free slots")
 
     # -- queries --
     def stats(self) -> MemoryStats:
@@ -354,11 +382,16 @@ class VmemManager(UnitManager):
         assert maps == self._maps, "mapping index"
         assert all(c == len(self._pages[s]) for s, c in self._free_slots.items())
         assert len(set(self._free)) == len(self._free)
-        assert all(refs[g] == 0 and not maps[g] and g not in self.prefix.by_unit
-                   for g in self._free)
-        assert set(self._reclaimable) == {g for g in range(self.num_groups) if not refs[g] and maps[g]}
-        held = sum(1 for g in range(self.num_groups) if refs[g] or maps[g])
-        assert held + len(self._free) == self.num_groups, "free + held == total"
+        registered = self.prefix.by_unit
+        assert all(refs[g] == 0 and not maps[g] and g not in registered for g in self._free)
+        assert set(self._reclaimable) == {g for g in range(self.num_groups)
+                                          if not refs[g] and maps[g] and g not in registered}
+        cached = set(self._cache)
+        assert len(cached) == len(self._cache)
+        assert cached == {g for g in registered if not refs[g]}, "cached: registered, unheld"
+        held = sum(1 for g in range(self.num_groups) if refs[g])
+        assert held + len(self._free) + len(self._reclaimable) + len(cached) == self.num_groups, \
+            "free + reclaimable + cached + held == total"
         assert self._live == sum(self._fill[g] for g in range(self.num_groups) if refs[g])
         assert self._cap_sum == sum(len(s.units) * tpp for s in self._seqs.values())
         assert self._tok_sum == sum(s.num_tokens for s in self._seqs.values())

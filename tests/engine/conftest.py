@@ -63,7 +63,7 @@ def engine_state(engine) -> tuple:
     sched, cache = engine.scheduler, engine.cache
     mgr, m = cache.manager, sched.metrics
     queues = tuple(tuple(s.seq_id for s in q) for q in (sched.waiting, sched.running, sched.swapped))
-    seqs = {i: (s.state, s.num_computed, s.held, s.admit_order, s.prefix_wait, tuple(s.output))
+    seqs = {i: (s.state, s.num_computed, s.held, s.admit_order, tuple(s.output))
             for i, s in sched.seqs.items()}
     counters = (m.num_preemptions, m.num_swap_preemptions, m.recomputed_tokens,
                 m.generated_tokens, sched.has_unfinished(), mgr.prefix_queries, mgr.prefix_hits)

@@ -124,10 +124,10 @@ def test_abort_from_a_token_callback_stops_that_request_at_once():
     assert len(out[0].outputs[0].token_ids) == 3
 
 
-def test_abort_a_request_whose_uncomputed_prefix_another_sequence_hit():
-    """E prefills in chunks; A (E's prefix + its own) and B (A's prompt + more) are admitted in
-    E's last chunk step and both wait on prefix hits: B's hit covers A's own units, which A has
-    not computed. Aborting A must not leave B reading K/V nobody will write."""
+def test_abort_a_request_whose_prefix_another_sequence_hit():
+    """E prefills in chunks; A (E's prefix + its own) and B (A's prompt + more) are admitted
+    while E computes. Publish on compute: their hits name only units already computed, so
+    aborting A (whose units B may share) leaves B reading only written K/V."""
     e = prompts(1, 100, 100, seed=6)[0]
     a = e[:64] + prompts(1, 64, 64, seed=7)[0]
     b = a[:128] + prompts(1, 10, 10, seed=8)[0]
@@ -135,10 +135,8 @@ def test_abort_a_request_whose_uncomputed_prefix_another_sequence_hit():
     options = dict(VMEM, max_context=192, max_tokens_per_step=40, prefix_sharing=True)
     with Engine(model(), **options) as engine:
         ids = [engine.add_request(p, GREEDY) for p in batch]
-        for _ in range(3):
+        for _ in range(4):
             engine.step()
-        waiting = {s.request.request_id: s.prefix_wait for s in engine.scheduler.running}
-        assert waiting == {ids[0]: False, ids[1]: True, ids[2]: True}, waiting
-        assert engine.cache.manager.prefix_hits >= 64 + 128
         engine.abort(ids[1])
         finish_and_check(engine, ids, batch, aborted=1)
+        assert engine.cache.manager.prefix_hits >= 64

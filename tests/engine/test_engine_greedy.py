@@ -44,11 +44,13 @@ def test_greedy_identical_with_background_mapper():
 
 @pytest.mark.parametrize("cache", ["vmem", "paged"])
 def test_prefix_sharing_on_identical_prompts_match_transformers(cache):
-    # simple cases only: identical prompts and a shared 32-token prefix (whole pages / blocks)
+    # simple cases only: identical prompts and a shared 32-token prefix (whole pages / blocks);
+    # a 32-token step budget admits one prompt per step, so later ones hit what earlier computed
     base = prompts(1, 32, 32, seed=4)[0]
     batch = [base, base + [7, 8, 9], base, base[:16] + [1, 2, 3]]
     with Engine(model(), max_batch=4, max_context=128, cache=cache, block_size=4,
-                page_bytes=4096, prefix_sharing=True, check_integrity=True) as engine:
+                max_tokens_per_step=32, page_bytes=4096, prefix_sharing=True,
+                check_integrity=True) as engine:
         out = engine.generate(batch, SamplingParams(max_new_tokens=6))
         assert engine.scheduler.gauges()["prefix_cache_hits"] > 0
     assert tokens(out) == hf_greedy("tiny-llama", batch, 6)

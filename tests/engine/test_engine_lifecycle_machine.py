@@ -122,9 +122,11 @@ class EngineLifecycle(RuleBasedStateMachine):
             assert stats.free_tokens == stats.total_tokens
         else:   # deferred pages stay mapped (reclaimable) by design; nothing else does
             assert stats.free_tokens + mgr.reclaimable_tokens == stats.total_tokens
-            # a shared (prefix) group may stay mapped under several slots
+            # a shared (prefix) group may stay mapped under several slots; a cached one may be
+            # mapped nowhere (it keeps its content for a later hit)
             mapped = [g for slot in range(mgr.num_slots) for g in mgr.mapped_pages(slot).values()]
-            assert len(set(mapped)) * mgr.tokens_per_page == mgr.reclaimable_tokens
+            unused = set(mapped) | set(mgr.cached_units())
+            assert len(unused) * mgr.tokens_per_page == mgr.reclaimable_tokens
             assert cache.range.num_mapped_pages == len(mapped) * mgr.pages_per_group
         cache.check_integrity()
         for rid, prompt in self.prompts.items():

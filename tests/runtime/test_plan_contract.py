@@ -24,6 +24,7 @@ KiB = 1024
 CACHES = {name: dict(TIGHT[name], cache_bytes=size * KiB)
           for name, size in (("vmem-per-layer", 128), ("vmem-interleaved", 80), ("paged", 80))}
 SWAP_BYTES = 64 * KiB     # room for two swapped sequences; further preemptions recompute
+STEP_TOKENS = 40          # admits the bases before their followers, which then hit them
 
 
 class PlanOnlyUnpickler(pickle.Unpickler):
@@ -52,7 +53,8 @@ def workload():
 def run(cache: str, preemption: str, execute_wrapper=None, **extra):
     options = dict(CACHES[cache], preemption=preemption, prefix_sharing=True,
                    swap_bytes=SWAP_BYTES if preemption == "swap" else 0, **extra)
-    engine = Engine(model(), max_batch=9, max_context=128, check_integrity=True, seed=3, **options)
+    engine = Engine(model(), max_batch=9, max_context=128, check_integrity=True, seed=3,
+                    max_tokens_per_step=STEP_TOKENS, **options)
     if execute_wrapper is not None:
         execute_wrapper(engine)
     batch, params = workload()
@@ -150,7 +152,7 @@ def assert_same(a: dict, b: dict) -> None:
 def test_cache_that_never_saw_a_manager_replays_recorded_plans_into_the_same_memory(cache):
     plans, writes, snapshots = [], [], []
     engine = Engine(model(), max_batch=9, max_context=128, preemption="swap", prefix_sharing=True,
-                    swap_bytes=SWAP_BYTES, seed=3, **CACHES[cache])
+                    swap_bytes=SWAP_BYTES, seed=3, max_tokens_per_step=STEP_TOKENS, **CACHES[cache])
     record(engine, plans, writes)
     original_execute = engine.runner.execute
 

@@ -133,14 +133,17 @@ def test_vmem_prefix_hit_maps_the_cached_group_under_the_new_slot():
     m = _vmem(groups=8, slots=3)
     prompt = [5, 6, 7, 8, 9]
     m.allocate(0, 5, token_ids=prompt)          # pages 0,1 full and hashed
-    m.allocate(1, 4, token_ids=[1, 2, 3, 4])    # slot 1, other content
+    assert m.allocate(1, 5, token_ids=prompt) == 0     # not computed yet: nothing published
+    m.mark_computed(0, 5)                       # publish on compute
+    m.allocate(2, 4, token_ids=[1, 2, 3, 4])    # slot 2, other content (published at free)
     m.free(1)
+    m.free(2)
     m.take_ops()
-    assert m.allocate(2, 5, token_ids=prompt) == 4     # lands on slot 1, shares two pages
+    assert m.allocate(3, 5, token_ids=prompt) == 4     # slot 1 (most pages), shares two pages
     ops = m.take_ops()
     assert ops[:4] == [UnmapGroup(1, 0, 3), MapGroup(1, 0, 0), UnmapGroup(1, 1, 4), MapGroup(1, 1, 1)]
-    assert (m.prefix_queries, m.prefix_hits) == (14, 4)
-    assert m.allocate(3, 5, token_ids=prompt, namespace="lora-1") == 0   # other weights
+    assert (m.prefix_queries, m.prefix_hits) == (19, 4)
+    assert m.allocate(4, 5, token_ids=prompt, namespace="lora-1") == 0   # other weights
     m.check_integrity()
 
 

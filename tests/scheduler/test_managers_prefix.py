@@ -31,8 +31,11 @@ def shared_units(m, a, b):
 
 
 def admit(m, seq_id, ids, namespace=None):
+    """Allocate and compute the prompt (publish on compute: only then can later ones hit it)."""
     assert m.can_allocate(len(ids), ids, namespace)
-    return m.allocate(seq_id, len(ids), ids, namespace)
+    hit = m.allocate(seq_id, len(ids), ids, namespace)
+    m.mark_computed(seq_id, len(ids))
+    return hit
 
 
 COLLIDING = {
@@ -120,19 +123,21 @@ def test_token_id_outside_int64_is_a_config_error_that_changes_nothing(kind):
 
 
 def test_unit_whose_parent_was_overwritten_is_not_a_hit_even_when_digests_collide(monkeypatch):
-    """vmem reuses a freed slot's still-mapped page 0 (dropping its registration) while page 1
-    stays cached. A later, different unit 0 then takes the same (position-only) digest: unit 1
-    must not be found behind it, because it was computed after the overwritten content."""
+    """C's unit 0 is dropped (overwritten) while its unit 1 stays registered. A later, different
+    unit 0 then takes the same (position-only) digest: unit 1 must not be found behind it,
+    because it was computed after the overwritten content."""
     monkeypatch.setattr(prefix, "unit_digest", COLLIDING["digest of the position only"])
-    m = manager("vmem")
-    admit(m, 0, [9] * UNIT + [2] * UNIT + [5])              # C: units 0 and 1 registered
-    slot = m.slot_of(0)
-    m.free(0)                                               # its pages stay mapped, cached
-    admit(m, 1, [7, 7])                                     # X reuses C's page 0 on that slot
-    assert m.slot_of(1) == slot
-    admit(m, 2, [1] * UNIT + [5])                           # A: a new unit 0 takes the digest
-    assert admit(m, 3, [1] * UNIT + [2] * UNIT + [5]) == UNIT   # B: A's unit 0, not C's unit 1
-    m.check_integrity()
+    keys = lambda ids: prefix.unit_keys(prefix.token_bytes(ids), UNIT, prefix.namespace_root(None))
+    index = prefix.PrefixIndex()
+    c0, c1 = keys([9] * UNIT + [2] * UNIT)
+    index.register(0, c0, None)
+    index.register(1, c1, 0)                  # C: units 0 and 1
+    index.drop(0)                             # unit 0 is overwritten; unit 1 stays
+    a0, b1 = keys([1] * UNIT + [2] * UNIT)
+    assert b1 == c1                           # equal digest and tokens: only the chain differs
+    index.register(2, a0, None)               # A: a new unit 0 takes the digest
+    assert index.match([a0, b1]) == [2]       # B finds A's unit 0, not C's unit 1 behind it
+    index.check()
 
 
 @pytest.mark.parametrize("kind", ["paged", "vmem"])

@@ -17,7 +17,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from vmemkv.scheduler.errors import (OutOfCapacityError, RequestTooLargeError, SlotError,
                               SwapSpaceExhaustedError)
-from vmemkv.scheduler.managers import PagedManager, ReserveManager, VmemManager, prefix
+from vmemkv.scheduler.managers import (EVICTION_POLICIES, PagedManager, ReserveManager,
+                                       VmemManager, prefix)
 from vmemkv.scheduler.presets import ModelSpec
 
 from .shadow import PagedMemory, ShadowSeq, VmemMemory, dump
@@ -27,6 +28,7 @@ TWO_LAYER = ModelSpec("t2", 2, 1, 1, 1, weight_bytes=0)   # interleaved page: 2 
 BASES = [[1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1] * 2, [2, 0] * 16]   # shared prefixes
 TOKEN = st.integers(0, 3)
 PICK = st.integers(0, 10**6)
+EVICTION = st.sampled_from(EVICTION_POLICIES)
 
 
 def fingerprint(m):
@@ -105,6 +107,14 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.append(sid, k, token_ids)
         s.num_tokens += k
         self.replay([(sid, n, n + k)])
+
+    @precondition(lambda self: self.live)
+    @rule(i=PICK, k=st.integers(0, 40))
+    def mark_computed(self, i, k):
+        """A step computed some of a sequence's tokens: its full units among them publish."""
+        sid = self.pick(self.live, i)
+        self.m.mark_computed(sid, min(k, self.live[sid].num_tokens))
+        self.replay()
 
     @precondition(lambda self: self.live)
     @rule(i=PICK)
@@ -225,11 +235,11 @@ class ReserveMachine(ManagerMachine):
 
 class PagedMachine(ManagerMachine):
     @initialize(bs=st.sampled_from([1, 2, 4, 8]), blocks=st.integers(1, 24),
-                max_len=st.integers(4, 40), swap=st.integers(0, 64))
-    def setup(self, bs, blocks, max_len, swap):
+                max_len=st.integers(4, 40), swap=st.integers(0, 64), evict=EVICTION)
+    def setup(self, bs, blocks, max_len, swap, evict):
         self.unit = bs
         self.m = PagedManager(ONE_LAYER, 2 * bs * blocks, max_len, block_size_tokens=bs,
-                              swap_bytes=2 * swap)
+                              swap_bytes=2 * swap, prefix_eviction=evict)
         self.mem = PagedMemory(self.m)
 
     def tables(self, sid):
@@ -245,13 +255,15 @@ class PagedMachine(ManagerMachine):
 class VmemMachine(ManagerMachine):
     @initialize(interleaved=st.booleans(), tpp=st.sampled_from([1, 2, 4]),
                 pages=st.integers(1, 8), groups=st.integers(1, 20),
-                slots=st.sampled_from([None, 1, 3, 6, 8]), swap=st.integers(0, 64))
-    def setup(self, interleaved, tpp, pages, groups, slots, swap):
+                slots=st.sampled_from([None, 1, 3, 6, 8]), swap=st.integers(0, 64),
+                evict=EVICTION)
+    def setup(self, interleaved, tpp, pages, groups, slots, swap, evict):
         model, page_bytes = (TWO_LAYER, 2 * tpp) if interleaved else (ONE_LAYER, tpp)
         layout = "interleaved" if interleaved else "per-layer"
         self.unit = tpp
         self.m = VmemManager(model, groups * 2 * page_bytes, pages * tpp, page_bytes=page_bytes,
-                             layout=layout, max_slots=slots, swap_bytes=2 * swap)
+                             layout=layout, max_slots=slots, swap_bytes=2 * swap,
+                             prefix_eviction=evict)
         assert (self.m.tokens_per_page, self.m.num_groups) == (tpp, groups)
         self.mem = VmemMemory(self.m)
 
@@ -283,7 +295,7 @@ class VmemMachine(ManagerMachine):
     def address_space_matches_and_allocated_is_mapped(self):
         if self.m is not None:
             self.mem.check_mapped()
-            groups = set(self.mem.aspace.values())
+            groups = set(self.mem.aspace.values()) | set(self.m.cached_units())
             assert self.m.stats().allocated_tokens == len(groups) * self.unit
 
 

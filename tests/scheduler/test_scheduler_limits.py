@@ -196,22 +196,21 @@ def test_prefix_sharing_skips_cached_tokens_within_a_namespace():
     assert sched.gauges()["prefix_cache_hits"] >= 32
 
 
-def test_prefix_hit_is_not_read_before_its_owner_has_computed_it():
-    # A registers its full blocks at admission and computes them in step 0; B, admitted in the
-    # same step with the same prompt, hits those blocks and must wait until A's prefill is done.
-    sched = make(enable_prefix_sharing=True, max_tokens_per_step=40)
+def test_prefix_hit_is_not_granted_before_its_owner_has_computed_it():
+    # Publish on compute: B, admitted in the step where A computes its prompt, finds nothing
+    # cached and computes everything; C, admitted after A's prefill step, hits A's blocks.
+    sched = make(enable_prefix_sharing=True, max_tokens_per_step=80)
     prompt = list(range(1, 33))
     sched.add_request(Request(0, 32, 3, prompt_token_ids=prompt))
     sched.add_request(Request(1, 34, 3, prompt_token_ids=prompt + [5, 6]))
-    a_done_step = b_first_step = None
-    for k, plan in enumerate(drain(sched)):
-        for s in plan.seqs:
-            if s.seq_id == 0 and s.sample and a_done_step is None:
-                a_done_step = k
-            if s.seq_id == 1 and b_first_step is None:
-                b_first_step = k
-                assert s.num_computed_tokens == 32
-    assert b_first_step > a_done_step
+    plan = step(sched)
+    assert {s.seq_id: s.num_computed_tokens for s in plan.seqs} == {0: 0, 1: 0}
+    assert sched.gauges()["prefix_cache_hits"] == 0
+    sched.add_request(Request(2, 34, 3, prompt_token_ids=prompt + [7, 8]))
+    plan = step(sched)
+    assert {s.seq_id: s.num_computed_tokens for s in plan.seqs}[2] == 32
+    assert sched.gauges()["prefix_cache_hits"] == 32
+    drain(sched)
 
 
 def test_stop_token_and_max_tokens_finish_a_sequence():

@@ -17,7 +17,7 @@ def scheduler_state(sched) -> tuple:
     """Everything observable of a scheduler and its manager through public accessors."""
     m = sched.metrics
     queues = tuple(tuple(s.seq_id for s in q) for q in (sched.waiting, sched.running, sched.swapped))
-    seqs = {i: (s.state, s.num_computed, s.held, s.admit_order, s.prefix_wait, tuple(s.output))
+    seqs = {i: (s.state, s.num_computed, s.held, s.admit_order, tuple(s.output))
             for i, s in sched.seqs.items()}
     counters = (m.num_preemptions, m.num_swap_preemptions, m.recomputed_tokens, m.generated_tokens,
                 m.num_finished_requests, m.num_aborted_requests, sched.has_unfinished())

@@ -1,0 +1,170 @@
+"""Eviction policies of the prefix cache: which cached unit (a full, computed paged block or vmem
+page group that nobody holds any more) is overwritten when memory is needed.
+
+A policy only orders units; the manager owns their state. The manager calls
+
+    add(unit)      the unit's last holder let go and its content stays findable (it is cached)
+    remove(unit)   the unit is held again (a prefix hit) or its content is dropped
+    pop()          memory is needed: the unit to evict (the manager then drops its content)
+
+Guarantees of every policy: ``pop`` returns a unit that was added and not removed since (never a
+held one); ``len`` counts exactly those units; iteration and ``pop`` are deterministic (ties go
+to the unit added first); ``copy`` is independent of the original (transactions snapshot it).
+
+    off    no retention: the managers drop a unit's content when its last holder lets go
+    lru    vLLM's free queue: least recently released first; a finished request releases its
+           units last-first, so its tail is evicted before its prefix
+    hits   greedy-dual by reuse (this project's): each unit's priority is the eviction clock at
+           its release plus its value: the prefix hits it has served, +1 if it holds prompt
+           tokens (generated tokens come back only if a client resends them verbatim, which
+           chat templates and traces rarely do). The lowest goes first and the clock rises to
+           it, so an often-shared prefix (a system prompt, an early conversation turn)
+           outlives a cold tail released after it, while nothing stays forever (the clock
+           catches up with units that stop being hit)
+"""
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from typing import Dict, Iterator, List, Tuple
+
+from ..errors import ConfigError
+
+EVICTION_POLICIES = ("off", "lru", "hits")
+DEFAULT_EVICTION = "lru"
+
+
+class EvictionPolicy:
+    """Base: least recently added first (``lru``)."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict = OrderedDict()   # unit -> None, oldest release first
+
+    @property
+    def retains(self) -> bool:
+        """Whether released units stay cached (False only for ``off``)."""
+        return True
+
+    def add(self, unit: int) -> None:
+        self._order[unit] = None
+
+    def remove(self, unit: int) -> None:
+        del self._order[unit]
+
+    def note_hit(self, unit: int) -> None:
+        """``unit`` (cached or held) served a prefix hit."""
+
+    def note_generated(self, unit: int) -> None:
+        """``unit`` holds generated tokens (appended after allocation), not a prompt's."""
+
+    def forget(self, unit: int) -> None:
+        """``unit``'s content was dropped (whatever the policy learnt about it starts again)."""
+
+    def pop(self) -> int:
+        unit, _ = self._order.popitem(last=False)
+        return unit
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, unit: int) -> bool:
+        return unit in self._order
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._order)
+
+    def copy(self) -> "EvictionPolicy":
+        c = type(self).__new__(type(self))
+        c._order = OrderedDict(self._order)
+        return c
+
+
+class NoRetention(EvictionPolicy):
+    """``off``: the managers never add a unit (they drop its content at release instead)."""
+
+    name = "off"
+
+    @property
+    def retains(self) -> bool:
+        return False
+
+    def add(self, unit: int) -> None:
+        raise AssertionError("off retains nothing: the manager must drop the unit instead")
+
+
+class HitsPolicy(EvictionPolicy):
+    """``hits``: greedy-dual over prefix hits (see the module docstring). O(log n) per call
+    (a heap with lazy deletion); the hit counts of a unit reset when its content is dropped."""
+
+    name = "hits"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._heap: List[Tuple[float, int, int]] = []   # (priority, serial, unit)
+        self._entry: Dict[int, int] = {}                # cached unit -> serial of its live entry
+        self._hits: Dict[int, int] = {}                 # unit -> hits served since its content
+        self._generated: set = set()                    # units holding generated tokens
+        self._clock = 0.0
+        self._serial = 0
+
+    def add(self, unit: int) -> None:
+        if len(self._heap) > 2 * len(self._entry) + 64:     # drop stale entries now and then
+            self._heap = [e for e in self._heap if self._entry.get(e[2]) == e[1]]
+            heapq.heapify(self._heap)
+        self._serial += 1
+        self._entry[unit] = self._serial
+        value = self._hits.get(unit, 0) + (unit not in self._generated)
+        heapq.heappush(self._heap, (self._clock + value, self._serial, unit))
+
+    def remove(self, unit: int) -> None:
+        del self._entry[unit]            # its heap entry is now stale (skipped by pop)
+
+    def note_hit(self, unit: int) -> None:
+        self._hits[unit] = self._hits.get(unit, 0) + 1
+
+    def note_generated(self, unit: int) -> None:
+        self._generated.add(unit)
+
+    def pop(self) -> int:
+        while True:
+            priority, serial, unit = heapq.heappop(self._heap)
+            if self._entry.get(unit) == serial:
+                break
+        del self._entry[unit]
+        self.forget(unit)
+        self._clock = priority
+        return unit
+
+    def forget(self, unit: int) -> None:
+        self._hits.pop(unit, None)
+        self._generated.discard(unit)
+
+    def __len__(self) -> int:
+        return len(self._entry)
+
+    def __contains__(self, unit: int) -> bool:
+        return unit in self._entry
+
+    def __iter__(self) -> Iterator[int]:
+        live = sorted((p, s, u) for p, s, u in self._heap if self._entry.get(u) == s)
+        return iter([u for _, _, u in live])
+
+    def copy(self) -> "HitsPolicy":
+        c = HitsPolicy.__new__(HitsPolicy)
+        c._heap, c._entry, c._hits = list(self._heap), dict(self._entry), dict(self._hits)
+        c._generated = set(self._generated)
+        c._clock, c._serial = self._clock, self._serial
+        return c
+
+
+_POLICIES = {"off": NoRetention, "lru": EvictionPolicy, "hits": HitsPolicy}
+
+
+def make_eviction(name: str) -> EvictionPolicy:
+    """The policy called ``name`` (one of ``EVICTION_POLICIES``), else ConfigError."""
+    if name not in _POLICIES:
+        raise ConfigError(f"prefix_eviction must be one of {', '.join(EVICTION_POLICIES)}, "
+                          f"got {name!r}")
+    return _POLICIES[name]()
