@@ -10,13 +10,19 @@ prefix and, causally, the queries before it (bottom-right aligned causal mask):
     query ctx-q+1         x  x
     query ctx-1           x  x  ....... x        (decode: q == 1, one row that sees all keys)
 
+Key start (``BatchLens.kv_starts``, default 0 for every request): request i's queries see only
+keys ``kv_starts[i] : context_len`` (a sliding window's per-sequence start); backends that
+cannot honour a non-zero start refuse it (``supports_kv_starts``).
+
 Memory-safety contract: a backend reads ``k_cache[slot, :context_len]`` (vmem) or the first
 ``ceil(context_len / block_size)`` block-table entries (paged) and nothing else. Memory past
-``context_len`` may be unmapped (reading it faults) and other slots may hold stale data.
+``context_len`` may be unmapped (reading it faults) and other slots may hold stale data. Keys
+before ``kv_starts[i]`` are never read in a way their contents could change the result.
 """
 from __future__ import annotations
 
 import math
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -37,13 +43,15 @@ class BatchLens(NamedTuple):
     context_lens: tuple[int, ...]   # tokens cached per request, this step's included
     query_lens: tuple[int, ...]     # new query tokens per request
     q_starts: tuple[int, ...]       # first row of each request in packed q
+    kv_starts: tuple[int, ...] = ()  # first key each request sees; () means 0 for every one
 
     @classmethod
-    def from_tensors(cls, context_lens: torch.Tensor, query_lens: torch.Tensor) -> "BatchLens":
+    def from_tensors(cls, context_lens: torch.Tensor, query_lens: torch.Tensor,
+                     kv_starts=()) -> "BatchLens":
         ctx = tuple(int(x) for x in context_lens.tolist())
         ql = tuple(int(x) for x in query_lens.tolist())
         starts = tuple(int(s) for s in _exclusive_cumsum(ql))
-        return cls(ctx, ql, starts)
+        return cls(ctx, ql, starts, tuple(int(s) for s in kv_starts))
 
     @property
     def total_query_tokens(self) -> int:
@@ -53,6 +61,16 @@ class BatchLens(NamedTuple):
     def is_decode(self) -> bool:
         """True when every request has exactly one query token."""
         return all(n == 1 for n in self.query_lens)
+
+    @property
+    def key_starts(self) -> tuple[int, ...]:
+        """``kv_starts`` with the default filled in: one int per request."""
+        return self.kv_starts or (0,) * len(self.context_lens)
+
+    @property
+    def has_kv_starts(self) -> bool:
+        """True when some request starts its keys after position 0."""
+        return any(self.kv_starts)
 
 
 def _exclusive_cumsum(xs: tuple[int, ...]) -> list[int]:
@@ -246,9 +264,27 @@ def _check_query(q: torch.Tensor, k: torch.Tensor, lens: BatchLens, batch_shape,
     if any(not 0 < ql <= c for ql, c in zip(lens.query_lens, lens.context_lens)):
         raise AttentionShapeError(f"need 0 < query_len <= context_len per request; got query_lens "
                                   f"{list(lens.query_lens)}, context_lens {list(lens.context_lens)}")
+    _check_kv_starts(lens)
     if q.dtype != k.dtype or q.device != k.device:
         raise AttentionShapeError(f"q ({q.dtype}, {q.device}) and cache ({k.dtype}, {k.device}) "
                                   f"must share dtype and device")
+
+
+def _check_kv_starts(lens: BatchLens) -> None:
+    """Every query row must see at least its own key: 0 <= kv_start <= context_len - query_len."""
+    if not lens.kv_starts:
+        return
+    n = len(lens.context_lens)
+    if len(lens.kv_starts) != n:
+        raise AttentionShapeError(f"kv_starts {list(lens.kv_starts)} must have one entry per "
+                                  f"request ({n})")
+    bad = [i for i, (s, c, ql) in enumerate(zip(lens.kv_starts, lens.context_lens, lens.query_lens))
+           if not 0 <= s <= c - ql]
+    if bad:
+        i = bad[0]
+        raise AttentionShapeError(
+            f"kv_starts[{i}] = {lens.kv_starts[i]} must be in [0, context_len - query_len = "
+            f"{lens.context_lens[i] - lens.query_lens[i]}] so every query sees its own key")
 
 
 @dataclass(frozen=True)
@@ -272,6 +308,9 @@ class AttentionBackend(ABC):
     devices: ClassVar[frozenset[str]]
     kinds: ClassVar[frozenset[str]]          # cache kinds: "vmem", "paged"
     dtypes: ClassVar[frozenset[torch.dtype]] = SUPPORTED_DTYPES
+    supports_kv_starts: ClassVar[bool] = False   # honours BatchLens.kv_starts > 0
+    forward_s: float = 0.0   # host seconds spent in forward() by this instance (engine stats);
+                             # on CUDA that is launch time, kernels run asynchronously
 
     @classmethod
     def available(cls) -> Availability:
@@ -285,14 +324,21 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, view: LayerView, scale: Optional[float] = None) -> torch.Tensor:
         """Attention of packed ``q`` ``[tokens, heads, head_dim]`` over ``view``; same shape as q.
 
-        ``scale`` defaults to ``1 / sqrt(head_dim)``.
+        ``scale`` defaults to ``1 / sqrt(head_dim)``. Adds its host time to ``forward_s``.
         """
+        start = time.perf_counter()
         self._check_supported(q, view)
         view.validate(q)
+        if view.lens.has_kv_starts and not self.supports_kv_starts:
+            raise UnsupportedError(f"attention backend {self.name!r} does not implement kv_starts "
+                                   f"(a per-sequence first key); got {list(view.lens.kv_starts)}")
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         if view.kind == "vmem":
-            return self._forward_vmem(q, view, scale)
-        return self._forward_paged(q, view, scale)
+            out = self._forward_vmem(q, view, scale)
+        else:
+            out = self._forward_paged(q, view, scale)
+        self.forward_s += time.perf_counter() - start
+        return out
 
     def check_runs(self, kind: str, device: str, dtype: torch.dtype, what: str = "q") -> None:
         """Raise :class:`UnsupportedError` unless this backend reads a ``kind`` cache on
