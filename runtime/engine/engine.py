@@ -118,6 +118,7 @@ class Engine(RequestLifecycle):
         self._next_request = 0
         self._t0 = time.perf_counter()
         self._steps, self._step_s, self._kv_usage = 0, 0.0, []
+        self._phase_s = {"schedule": 0.0, "sample": 0.0}   # + runner.phase_s: EngineStats' split
         self._prompt_tokens = 0
         self._strikes: Dict[int, int] = {}          # request_id -> failed steps in a row
         self.plan_failures = 0                       # failed plan executions, all time
@@ -209,11 +210,15 @@ class Engine(RequestLifecycle):
         with every request intact."""
         start = time.perf_counter()
         plan = self._schedule()
+        self._phase_s["schedule"] += time.perf_counter() - start
         try:
             logits, rows = self.runner.execute(plan)
+            sample_start = time.perf_counter()
             sampled = self._sample(plan, logits, rows)
+            self._phase_s["sample"] += time.perf_counter() - sample_start
         except PlanExecutionError as error:
             if self._plan_failed(plan, error):
+                self._step_s += time.perf_counter() - start   # its phases were counted too
                 return []
             raise
         except BaseException:
@@ -347,13 +352,17 @@ class Engine(RequestLifecycle):
                     kv=len(self._kv_usage),
                     pre=m.num_preemptions, swap=m.num_swap_preemptions, rec=m.recomputed_tokens,
                     ttft=len(m.ttft_s), itl=len(m.itl_s), gen=m.generated_tokens,
-                    done=m.num_finished_requests, prompt=self._prompt_tokens)
+                    done=m.num_finished_requests, prompt=self._prompt_tokens, phases=self._phases())
+
+    def _phases(self) -> dict:
+        return {**self._phase_s, **self.runner.phase_s}
 
     def stats(self, since: Optional[dict] = None) -> EngineStats:
         """Statistics since ``since`` (a mark taken by generate/stream), or since creation."""
         b = since or dict(t=self._t0, steps=0, step_s=0.0, mapping_s=0.0, mapping_stall_s=0.0, kv=0, pre=0,
-                          swap=0, rec=0, ttft=0, itl=0, gen=0, done=0, prompt=0)
+                          swap=0, rec=0, ttft=0, itl=0, gen=0, done=0, prompt=0, phases={})
         m, usage = self.scheduler.metrics, self._kv_usage[b["kv"]:]
+        phases = {f"{k}_s": v - b["phases"].get(k, 0.0) for k, v in self._phases().items()}
         return EngineStats(
             cache=self.config.cache if self.config.cache == "paged" else f"vmem/{self.config.layout}",
             attention=self.attention, requests=m.num_finished_requests - b["done"],
@@ -365,7 +374,7 @@ class Engine(RequestLifecycle):
             recomputed_tokens=m.recomputed_tokens - b["rec"],
             kv_usage_mean=sum(usage) / len(usage) if usage else 0.0, kv_usage_peak=max(usage, default=0.0),
             cache_bytes=self.kv.manager.stats().total_tokens * self.cache_config.bytes_per_token,
-            ttft_s=m.ttft_s[b["ttft"]:], itl_s=m.itl_s[b["itl"]:])
+            ttft_s=m.ttft_s[b["ttft"]:], itl_s=m.itl_s[b["itl"]:], **phases)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:
