@@ -22,6 +22,7 @@ everything through the kernel (exact either way).
 from __future__ import annotations
 
 import ctypes
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -99,11 +100,16 @@ class _Meta:
         self.qstart = torch.tensor(lens.q_starts, dtype=torch.int64)
         self.kvstart = torch.tensor(lens.key_starts, dtype=torch.int64)
         if view.kind == "vmem":
-            self.slots, self.tables, self.width, self.block_size = (
+            self.slots, self.tables, width, block_size = (
                 torch.tensor(view.host_slots, dtype=torch.int64), None, 0, 0)
         else:
             self.slots, self.tables = None, view.block_tables.to(torch.int64).contiguous()
-            self.width, self.block_size = self.tables.shape[1], view.block_size
+            width, block_size = self.tables.shape[1], view.block_size
+        # the kernel's per-step arguments as ctypes values, once per step (the tensors above
+        # keep the memory alive)
+        self.args = (_ptr(self.slots), _ptr(self.tables), width, block_size, _ptr(self.ctx),
+                     _ptr(self.qlen), _ptr(self.qstart), _ptr(self.kvstart), _ptr(self.items),
+                     self.items.shape[0])
 
 
 def _work_items(lens, skip: set, kv_heads: int, group: int) -> list:
@@ -131,17 +137,20 @@ def _ptr(t: Optional[torch.Tensor]):
     return None if t is None else ctypes.c_void_p(t.data_ptr())
 
 
+@lru_cache(maxsize=64)
+def _strides(stride: tuple) -> tuple:
+    """(tensor, pointer) of a cache's first three element strides; one per distinct layout."""
+    t = torch.tensor(stride[:3], dtype=torch.int64)
+    return t, _ptr(t)
+
+
 def _call(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: _Meta,
           scale: float) -> None:
     """One kernel call; q fp32 contiguous [T, H, D], out fp32 [T, H, D] (written in place)."""
-    ks = torch.tensor(k.stride()[:3], dtype=torch.int64)
-    vs = torch.tensor(v.stride()[:3], dtype=torch.int64)
     _, _, kv_heads, head_dim = k.shape
     rc = native.kernel()(
-        _ptr(q), _ptr(out), _ptr(k), _ptr(v), DTYPE_CODES[k.dtype], _ptr(ks), _ptr(vs),
-        _ptr(meta.slots), _ptr(meta.tables), meta.width, meta.block_size,
-        _ptr(meta.ctx), _ptr(meta.qlen), _ptr(meta.qstart), _ptr(meta.kvstart),
-        _ptr(meta.items), meta.items.shape[0], q.shape[1], kv_heads, head_dim, scale,
+        _ptr(q), _ptr(out), _ptr(k), _ptr(v), DTYPE_CODES[k.dtype], _strides(k.stride())[1],
+        _strides(v.stride())[1], *meta.args, q.shape[1], kv_heads, head_dim, scale,
         torch.get_num_threads())
     if rc:
         raise MemoryError("cpu-varlen: the kernel could not allocate its scratch memory")
