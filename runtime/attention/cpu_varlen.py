@@ -69,8 +69,7 @@ class CpuVarlenBackend(AttentionBackend):
         if heads // kv_heads > MAX_ROWS:
             raise UnsupportedError(f"cpu-varlen takes at most {MAX_ROWS} query heads per KV head; "
                                    f"got {heads}/{kv_heads}")
-        key = ("cpu-varlen", view.lens.kv_starts, heads, kv_heads, self.sdpa_above_tokens,
-               torch.get_num_threads())
+        key = ("cpu-varlen", view.lens.kv_starts, heads, kv_heads, self.sdpa_above_tokens)
         meta = view.memo(key, lambda: _step_metadata(view, kv_heads, heads // kv_heads,
                                                      self.sdpa_above_tokens))
         out = torch.empty(q.shape, dtype=torch.float32)
@@ -115,12 +114,10 @@ class _Meta:
 def _work_items(lens, skip: set, kv_heads: int, group: int) -> list:
     """(request, p0, np, h0, nh) per kernel work item, longest key range first (so dynamic
     scheduling ends on short items). An item takes as many KV heads as fit in MAX_ROWS query
-    rows (whole token rows are then read sequentially, not one head's slice of each), fewer
-    when there would be too few items to keep every thread busy, and as many query positions
-    as still fit."""
-    rows = sum(n for i, n in enumerate(lens.query_lens) if i not in skip)
-    wanted = 2 * torch.get_num_threads()
-    heads = min(kv_heads, max(1, MAX_ROWS // group), max(1, kv_heads * rows // wanted))
+    rows, all of them for the usual GQA shapes, so it reads whole token rows ``[Hkv, D]``
+    sequentially (splitting heads across items to feed more threads made each item read part
+    of every token row: measured 2-10x slower), and as many query positions as still fit."""
+    heads = min(kv_heads, max(1, MAX_ROWS // group))
     per_item = max(1, MAX_ROWS // (group * heads))       # query positions per item
     items = [(i, p0, min(per_item, n - p0), h, min(heads, kv_heads - h))
              for i, n in enumerate(lens.query_lens) if i not in skip
