@@ -30,6 +30,7 @@ from typing import ClassVar, NamedTuple, Optional, Union
 
 import torch
 
+from .checks import check_cache_pair, check_query
 from .errors import AttentionShapeError, UnsupportedError
 
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -168,8 +169,8 @@ class VMemLayerView(_StepData):
         return self.k_cache.shape[1]
 
     def _validate(self, q: torch.Tensor) -> None:
-        _check_cache_pair(self.k_cache, self.v_cache, "k_cache", "v_cache")
-        _check_query(q, self.k_cache, self.lens, self.slots.shape, "slots")
+        check_cache_pair(self.k_cache, self.v_cache, "k_cache", "v_cache")
+        check_query(q, self.k_cache, self.lens, self.slots.shape, "slots")
         max_batch, max_ctx = self.k_cache.shape[:2]
         bad = [s for s in self.host_slots if not 0 <= s < max_batch]
         if bad or len(set(self.host_slots)) != len(self.host_slots):
@@ -215,8 +216,8 @@ class PagedLayerView(_StepData):
         return math.ceil(self.lens.context_lens[i] / self.block_size)
 
     def _validate(self, q: torch.Tensor) -> None:
-        _check_cache_pair(self.k_pool, self.v_pool, "k_pool", "v_pool")
-        _check_query(q, self.k_pool, self.lens, self.block_tables.shape[:1], "block_tables")
+        check_cache_pair(self.k_pool, self.v_pool, "k_pool", "v_pool")
+        check_query(q, self.k_pool, self.lens, self.block_tables.shape[:1], "block_tables")
         bt = self.block_tables
         if bt.dim() != 2:
             raise AttentionShapeError(f"block_tables must be [batch, max_blocks], got {tuple(bt.shape)}")
@@ -235,56 +236,6 @@ class PagedLayerView(_StepData):
 
 
 LayerView = Union[VMemLayerView, PagedLayerView]
-
-
-def _check_cache_pair(k: torch.Tensor, v: torch.Tensor, kn: str, vn: str) -> None:
-    if k.dim() != 4 or k.shape != v.shape:
-        raise AttentionShapeError(f"{kn} {tuple(k.shape)} and {vn} {tuple(v.shape)} must be "
-                                  f"equal 4-d shapes")
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise AttentionShapeError(f"{kn}/{vn} need a contiguous last dim; strides "
-                                  f"{k.stride()} / {v.stride()}")
-
-
-def _check_query(q: torch.Tensor, k: torch.Tensor, lens: BatchLens, batch_shape, what: str) -> None:
-    if q.dim() != 3:
-        raise AttentionShapeError(f"q must be [tokens, heads, head_dim], got {tuple(q.shape)}")
-    kv_heads, head_dim = k.shape[2], k.shape[3]
-    if q.shape[2] != head_dim or q.shape[1] % kv_heads:
-        raise AttentionShapeError(
-            f"q {tuple(q.shape)} does not fit cache {tuple(k.shape)}: head_dim must match and "
-            f"num_heads must be a multiple of kv_heads={kv_heads}")
-    n = len(lens.context_lens)
-    if len(lens.query_lens) != n or tuple(batch_shape) != (n,):
-        raise AttentionShapeError(f"context_lens ({n}), query_lens ({len(lens.query_lens)}) and "
-                                  f"{what} {tuple(batch_shape)} must have one entry per request")
-    if lens.total_query_tokens != q.shape[0]:
-        raise AttentionShapeError(f"q {tuple(q.shape)} has {q.shape[0]} tokens but query_lens "
-                                  f"{list(lens.query_lens)} sum to {lens.total_query_tokens}")
-    if any(not 0 < ql <= c for ql, c in zip(lens.query_lens, lens.context_lens)):
-        raise AttentionShapeError(f"need 0 < query_len <= context_len per request; got query_lens "
-                                  f"{list(lens.query_lens)}, context_lens {list(lens.context_lens)}")
-    _check_kv_starts(lens)
-    if q.dtype != k.dtype or q.device != k.device:
-        raise AttentionShapeError(f"q ({q.dtype}, {q.device}) and cache ({k.dtype}, {k.device}) "
-                                  f"must share dtype and device")
-
-
-def _check_kv_starts(lens: BatchLens) -> None:
-    """Every query row must see at least its own key: 0 <= kv_start <= context_len - query_len."""
-    if not lens.kv_starts:
-        return
-    n = len(lens.context_lens)
-    if len(lens.kv_starts) != n:
-        raise AttentionShapeError(f"kv_starts {list(lens.kv_starts)} must have one entry per "
-                                  f"request ({n})")
-    bad = [i for i, (s, c, ql) in enumerate(zip(lens.kv_starts, lens.context_lens, lens.query_lens))
-           if not 0 <= s <= c - ql]
-    if bad:
-        i = bad[0]
-        raise AttentionShapeError(
-            f"kv_starts[{i}] = {lens.kv_starts[i]} must be in [0, context_len - query_len = "
-            f"{lens.context_lens[i] - lens.query_lens[i]}] so every query sees its own key")
 
 
 @dataclass(frozen=True)
