@@ -6,6 +6,9 @@
     python benchmarks/attention.py --out results/attention.json
 
 One line per configuration: cache | phase | backend | batch | ctx | q | ms | GB/s | % copy.
+``--baselines`` (CPU default: ``sdpa``, the per-request path) times more backends on the same
+views, alternating with the fastest; they go to ``baselines`` in the JSON, with their time over
+the fastest backend's in ``baseline_ratios``.
 GB/s counts the K/V bytes attention must read (every live token's K and V once); a paged
 gather shows up as lower GB/s for the same bytes. "% copy" divides that by the bandwidth of a
 large same-device tensor copy, counted as bytes read + bytes written per second.
@@ -119,27 +122,45 @@ def build_caches(batch, ctx, args, device, dtype, gen):
 
 
 def run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw) -> list[dict]:
-    """Check vmem against paged, then time each with its fastest backend, alternating."""
-    calls, names, outs = [], [], []
+    """Check every output against the first (vmem, fastest backend), then time them all,
+    alternating: per cache its fastest backend, then each baseline. Rows in that order, each
+    with ``baseline`` saying which it is."""
+    calls, labels, outs = [], [], []
     for cache in caches:
         cache.begin_step([(seq, ctx - qlen, qlen) for seq in range(batch)])
-        name = fastest_backend(cache.kind, device.type, block_size=args.block_size, dtype=q.dtype)
-        backend, view = get_backend(name), cache.layer_view(0)
-        outs.append(backend.forward(q, view))   # first call: lazy imports, one-time warnings
-        names.append(name)
-        calls.append(lambda b=backend, v=view: b.forward(q, v))
+        view = cache.layer_view(0)
+        fastest = fastest_backend(cache.kind, device.type, block_size=args.block_size, dtype=q.dtype)
+        for name in [fastest] + [b for b in args.baselines if b != fastest]:
+            backend = get_backend(name)
+            outs.append(backend.forward(q, view))   # first call: lazy imports, one-time warnings
+            labels.append((cache.kind, name, name != fastest))
+            calls.append(lambda b=backend, v=view: b.forward(q, v))
     tol = 1e-4 if q.dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=tol, rtol=tol)
+    for out in outs[1:]:
+        torch.testing.assert_close(outs[0].float(), out.float(), atol=tol, rtol=tol)
     samples = sample_times(calls, device, args.warmup, args.repeats)
     kv_bytes = 2 * batch * ctx * args.kv_heads * args.head_dim * q.element_size()
     rows = []
-    for cache, name, times in zip(caches, names, samples):
+    for (kind, name, baseline), times in zip(labels, samples):
         t = statistics.median(times)
-        rows.append({"cache": cache.kind, "phase": phase, "backend": name, "batch": batch,
+        rows.append({"cache": kind, "phase": phase, "backend": name, "batch": batch,
                      "ctx": ctx, "query_len": qlen, "ms": t * 1e3, "ms_min": min(times) * 1e3,
                      "ms_max": max(times) * 1e3, "kv_gb_per_s": kv_bytes / t / 1e9,
-                     "pct_copy": 100 * kv_bytes / t / copy_bw, "checked": True})
+                     "pct_copy": 100 * kv_bytes / t / copy_bw, "checked": True,
+                     "baseline": baseline})
     return rows
+
+
+def baseline_ratios(rows: list[dict], baselines: list[dict]) -> list[dict]:
+    """Baseline ms / fastest ms per (cache, phase, batch, ctx, baseline): > 1, the fastest wins."""
+    fastest = {(r["cache"], r["phase"], r["batch"], r["ctx"]): r for r in rows}
+    out = []
+    for b in baselines:
+        r = fastest[(b["cache"], b["phase"], b["batch"], b["ctx"])]
+        out.append({"cache": b["cache"], "phase": b["phase"], "batch": b["batch"], "ctx": b["ctx"],
+                    "baseline": b["backend"], "backend": r["backend"],
+                    "baseline_over_backend": b["ms"] / r["ms"]})
+    return out
 
 
 def fmt(r) -> str:
@@ -179,6 +200,8 @@ def parse_args(argv=None):
     p.add_argument("--prefill-len", type=int, help="new tokens per request in prefill; 0 = whole ctx")
     p.add_argument("--block-size", type=int, default=16, help="paged block size in tokens")
     p.add_argument("--vmem-layout", default="per-layer", choices=("per-layer", "interleaved"))
+    p.add_argument("--baselines", nargs="*", help="more backends to time on the same views "
+                   "(default on the CPU: sdpa, except with --quick; none on CUDA)")
     p.add_argument("--repeats", type=int)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -186,6 +209,8 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, help="write results as JSON here")
     args = p.parse_args(argv)
     defaults = QUICK if args.quick else CUDA_DEFAULTS if args.device.startswith("cuda") else CPU_DEFAULTS
+    if args.baselines is None:
+        args.baselines = [] if args.quick or args.device.startswith("cuda") else ["sdpa"]
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -216,7 +241,7 @@ def measure(args, progress=None) -> dict:
                       copy_gb_per_s=round(copy_bw / 1e9, 2))
     print_environment(env)
     print("cache | phase   | backend   | batch |    ctx |     q |        ms |    GB/s | % copy")
-    rows = []
+    rows, baselines = [], []
     for batch in args.batches:
         for ctx in args.contexts:
             caches = build_caches(batch, ctx, args, device, dtype, gen)
@@ -224,10 +249,14 @@ def measure(args, progress=None) -> dict:
                 qlen = 1 if phase == "decode" else min(ctx, args.prefill_len or ctx)
                 q = torch.randn(batch * qlen, args.heads, args.head_dim, dtype=dtype, device=device,
                                 generator=gen)
-                for row in run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw):
-                    rows.append(row)
+                now = run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw)
+                for row in now:
+                    (baselines if row["baseline"] else rows).append(row)
                     print(fmt(row), flush=True)
-                print(f"{'':6}  paged/vmem time ratio {rows[-1]['ms'] / rows[-2]['ms']:.2f}x", flush=True)
+                print(f"{'':6}  paged/vmem time ratio {rows[-1]['ms'] / rows[-2]['ms']:.2f}x"
+                      + "".join(f"; {r['backend']}/{rows[-2 + (r['cache'] == 'paged')]['backend']}"
+                                f" {r['cache']} {r['ms'] / rows[-2 + (r['cache'] == 'paged')]['ms']:.2f}x"
+                                for r in now if r["baseline"]), flush=True)
                 if progress:
                     progress(f"attention {phase} b{batch} ctx{ctx}")
             for cache in caches:
@@ -239,7 +268,8 @@ def measure(args, progress=None) -> dict:
               f"(need >= {TARGET['speedup']}): {'met' if target['met'] else 'NOT met'}; "
               f"slowest ratio anywhere {target['min_speedup_anywhere']:.2f}x")
     return {"benchmark": "attention", "environment": env, "copy_gb_per_s": copy_bw / 1e9,
-            "results": rows, "speedups": ratios, "target": target}
+            "results": rows, "speedups": ratios, "target": target, "baselines": baselines,
+            "baseline_ratios": baseline_ratios(rows, baselines)}
 
 
 def run(quick: bool = False, out: str | None = None, device: str | None = None,

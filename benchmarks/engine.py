@@ -13,6 +13,14 @@ all requests; the figure is the median. tokens/s = output tokens / wall time of 
 (prefill included). ``agree`` is the share of requests whose tokens equal vmem's. Systems
 run round-robin, one repeat each in turn, so background load on the machine hits all alike;
 one torch thread by default (tiny matmuls; steadier on a shared machine).
+
+Each engine row also splits its step time (EngineStats): schedule, plan (memory ops), meta
+(begin_step and input tensors), model (the forward minus attention), attn (the backend) and
+sample, as shares of step time, and ``overhead`` = the share outside model and attention. The
+full run adds the per-request ``sdpa`` rows (the CPU path before ``cpu-varlen``), a "model
+forward only" row (the limit: the model's own forward, its own attention, on the same packed
+batches the vmem engine ran, step by step, nothing else) and ``long_prompts``: 8 requests with
+3-4k-token prompts, decode inter-token latency (p50) on vmem and on paged.
 """
 from __future__ import annotations
 
@@ -86,9 +94,18 @@ class EngineSystem:
         self.params = SamplingParams(max_new_tokens=work["new_tokens"], ignore_eos=True)
         self.engine = Engine(_model(device), max_batch=work["max_batch"], max_context=work["max_context"],
                              cache_bytes=work["kv_bytes"], **options)
-        self.engine.generate(work["prompts"][:8], self.params)         # warm-up
+        self.engine.generate(work.get("warmup") or work["prompts"][:8], self.params)   # warm-up
+        self.batches: list[tuple[int, int]] = []    # (tokens, sampled rows) per step, last run
+        execute = self.engine.runner.execute
+
+        def recording(plan):
+            self.batches.append((sum(s.num_new_tokens for s in plan.seqs),
+                                 sum(1 for s in plan.seqs if s.sample)))
+            return execute(plan)
+        self.engine.runner.execute = recording
 
     def once(self) -> None:
+        self.batches.clear()
         outs = self.engine.generate(self.work["prompts"], self.params)
         self.runs.append(self.engine.last_stats)
         self.tokens = [o.outputs[0].token_ids for o in outs]
@@ -96,11 +113,50 @@ class EngineSystem:
     def row(self) -> dict:
         best = sorted(self.runs, key=lambda s: s.wall_s)[len(self.runs) // 2]   # the median run
         self.engine.close()
+        split = {SPLIT_COLUMNS.get(k, k): v for k, v in best.step_split().items()}
         return {"system": self.name, "tok_s": best.tokens_per_s, "wall_s": best.wall_s,
                 "steps": best.steps, "kv_MiB": best.cache_bytes / MiB, "kv_peak": best.kv_usage_peak,
                 "map_ms": best.mapping_s * 1e3, "map_share": best.mapping_share,
                 "attention": best.attention, "tok_s_runs": [s.tokens_per_s for s in self.runs],
-                "serving": best.serving}   # scheduler/report.py's figures, wall seconds
+                "serving": best.serving,   # scheduler/report.py's figures, wall seconds
+                **split, "overhead": best.overhead_share, "itl_p50_ms": _p50(best.itl_s) * 1e3}
+
+
+SPLIT_COLUMNS = {"metadata": "meta", "attention": "attn"}   # short table headers
+
+
+def _p50(xs) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+class ForwardLimit:
+    """The limit: the model's own forward (its own attention implementation) on the packed
+    batches a vmem engine run executed, step by step: [1, tokens] ids, the sampled rows' logits,
+    no cache, no scheduling, no sampling. tokens/s = the run's output tokens / that time."""
+
+    name = "model forward only (packed batch)"
+
+    def __init__(self, batches, output_tokens: int, device: str) -> None:
+        import torch
+        self.torch, self.batches, self.output_tokens = torch, list(batches), output_tokens
+        self.model, self.device, self.times = _model(device), device, []
+        gen = torch.Generator().manual_seed(SEED)
+        self.ids = [torch.randint(0, 1024, (1, t), generator=gen).to(device) for t, _ in self.batches]
+        self.once()                                                   # warm-up
+        self.times.clear()
+
+    def once(self) -> None:
+        start = time.perf_counter()
+        with self.torch.inference_mode():
+            for ids, (_, rows) in zip(self.ids, self.batches):
+                self.model(input_ids=ids, use_cache=False, logits_to_keep=max(rows, 1))
+        self.times.append(time.perf_counter() - start)
+
+    def row(self) -> dict:
+        wall = statistics.median(self.times)
+        return {"system": self.name, "tok_s": self.output_tokens / wall, "wall_s": wall,
+                "steps": len(self.batches), "attention": self.model.config._attn_implementation,
+                "tok_s_runs": [self.output_tokens / t for t in self.times]}
 
 
 def hf_num_blocks(model, kv_bytes: int, block_tokens: int = 256) -> int:
@@ -155,12 +211,65 @@ def configurations(quick: bool, device: str = "cpu") -> list[tuple[str, dict]]:
     ]
     if device.startswith("cuda"):   # 2 MiB is the smallest CUDA page: mapping is rare already
         return common + [("vmem per-layer +bg mapper", dict(cache="vmem", background_mapper=True))]
+    if not quick:   # the per-request path, to show what one call per layer for the batch buys
+        common += [("vmem per-layer sdpa", dict(cache="vmem", layout="per-layer", attention="sdpa")),
+                   ("paged bs16 sdpa", dict(cache="paged", block_size=16, attention="sdpa"))]
     return common + [
         # 16 KiB pages (64 tokens): many map ops, to show what mapping costs and what the
         # background mapper hides
         ("vmem 16KiB pages", dict(cache="vmem", page_bytes=16 * KiB)),
         ("vmem 16KiB pages +bg mapper", dict(cache="vmem", page_bytes=16 * KiB, background_mapper=True)),
     ]
+
+
+TABLE = ["system", "tok_s", "vs_hf", "wall_s", "steps", "kv_MiB", "map_share", "agree",
+         "schedule", "plan", "meta", "model", "attn", "sample", "other", "overhead", "attention"]
+
+
+def measure_systems(work: dict, configs, device: str, repeats: int, limit: bool) -> list[dict]:
+    """Rows of every engine configuration, the forward-only limit (``limit``) and transformers
+    (last), the systems taking turns; ``agree`` = share of requests with vmem's tokens."""
+    systems = [EngineSystem(name, options, work, device) for name, options in configs]
+    hf = TransformersSystem(work, device)
+    for _ in range(repeats):       # round-robin: background load hits every system alike
+        for system in systems + [hf]:
+            system.once()
+    rows = [system.row() for system in systems + [hf]]
+    for system, row in zip(systems + [hf], rows):
+        row["agree"] = sum(a == b for a, b in zip(system.tokens, systems[0].tokens)) / len(system.tokens)
+    if limit:   # after the others: it replays the packed batches of the vmem run
+        forward = ForwardLimit(systems[0].batches, systems[0].runs[-1].output_tokens, device)
+        for _ in range(repeats):
+            forward.once()
+        rows.insert(-1, forward.row())
+    for r in rows:
+        r["vs_hf"] = r["tok_s"] / rows[-1]["tok_s"]
+    return rows
+
+
+def long_prompts(device: str, repeats: int) -> dict:
+    """8 requests with 3-4k-token prompts: decode inter-token latency (p50) on vmem and paged,
+    with the fastest backend and with per-request sdpa; paged ITL / vmem ITL per backend."""
+    rng = random.Random(SEED)
+    work = {"prompts": [[rng.randrange(1024) for _ in range(rng.randint(3000, 3968))] for _ in range(8)],
+            "new_tokens": 32, "max_batch": 8, "max_context": 4096, "warmup": [[1, 2, 3]] * 8}
+    configs = [(f"{cache} {attn}", dict(cache=cache, attention=attn, block_size=16))
+               for attn in ("cpu-varlen", "sdpa") for cache in ("vmem", "paged")
+               if attn == "sdpa" or not device.startswith("cuda")]
+    work["kv_bytes"] = kv_budget_bytes(_model(device), work, configs)
+    systems = [EngineSystem(name, options, work, device) for name, options in configs]
+    for _ in range(repeats):
+        for system in systems:
+            system.once()
+    rows = [{k: r[k] for k in ("system", "itl_p50_ms", "tok_s", "wall_s", "attn", "overhead")}
+            for r in (s.row() for s in systems)]
+    by = {r["system"]: r["itl_p50_ms"] for r in rows}
+    ratios = {attn: by[f"paged {attn}"] / by[f"vmem {attn}"] for attn in ("cpu-varlen", "sdpa")
+              if f"vmem {attn}" in by}
+    print(format_table(rows, list(rows[0])))
+    print("# long prompts, paged ITL / vmem ITL: " + "  ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+    return {"prompt_tokens": [len(p) for p in work["prompts"]], "new_tokens": work["new_tokens"],
+            "rows": rows, "paged_over_vmem_itl": ratios}
 
 
 def run(quick: bool = False, out: str | None = None, threads: int = 1, device: str = "cpu") -> dict:
@@ -177,26 +286,20 @@ def run(quick: bool = False, out: str | None = None, threads: int = 1, device: s
                       threads=torch.get_num_threads(), backends=_backends(device),
                       kv_MiB_every_system=work["kv_bytes"] / MiB)
     print_environment(env)
-    systems = [EngineSystem(name, options, work, device)
-               for name, options in configs]
-    systems.append(TransformersSystem(work, device))
-    for _ in range(repeats):       # round-robin: background load hits every system alike
-        for system in systems:
-            system.once()
-    rows = [system.row() for system in systems]
-    for system, row in zip(systems, rows):
-        row["agree"] = sum(a == b for a, b in zip(system.tokens, systems[0].tokens)) / len(system.tokens)
-    row = rows[-1]
-    base = row["tok_s"]
-    for r in rows:
-        r["vs_hf"] = r["tok_s"] / base
-    print(format_table(rows, ["system", "tok_s", "vs_hf", "wall_s", "steps", "kv_MiB", "kv_peak",
-                              "map_ms", "map_share", "agree", "attention"]))
+    rows = measure_systems(work, configs, device, repeats, limit=not quick)
+    print(format_table(rows, TABLE))
     by = {r["system"]: r for r in rows}
-    summary = {"engine_vs_transformers": by["vmem per-layer"]["tok_s"] / base,
-               "vmem_vs_paged": by["vmem per-layer"]["tok_s"] / by["paged bs16"]["tok_s"]}
-    print("# " + "  ".join(f"{k}={v:.2f}x" for k, v in summary.items()))
+    vmem = by["vmem per-layer"]
+    summary = {"engine_vs_transformers": vmem["tok_s"] / rows[-1]["tok_s"],
+               "vmem_vs_paged": vmem["tok_s"] / by["paged bs16"]["tok_s"]}
+    if ForwardLimit.name in by:
+        summary["engine_vs_forward_limit"] = vmem["tok_s"] / by[ForwardLimit.name]["tok_s"]
+    if "overhead" in vmem:
+        summary["vmem_overhead_share"] = vmem["overhead"]   # outside model + attention
+    print("# " + "  ".join(f"{k}={v:.3f}" for k, v in summary.items()))
     payload = {"environment": env, "rows": rows, "summary": summary}
+    if not quick:
+        payload["long_prompts"] = long_prompts(device, repeats=2)
     write_json(out, payload)
     return payload
 

@@ -74,10 +74,11 @@ def _memory_summary(data: dict) -> list[dict]:
 
 
 def engine_column(label: str) -> str:
-    """Which column a system's tokens/s go in: transformers' own engine has its own."""
+    """Which column a system's tokens/s go in: transformers' own engine has its own; the
+    forward-only limit replays the vmem run's batches, so it goes with vmem."""
     if label.startswith("transformers"):
         return "transformers"
-    return "vmem" if "vmem" in label else "paged"
+    return "vmem" if "vmem" in label or label.startswith("model forward") else "paged"
 
 
 def _engine_summary(data: dict) -> list[dict]:
@@ -88,12 +89,15 @@ def _engine_summary(data: dict) -> list[dict]:
         value = r.get("tok_s", r.get("tokens_per_s"))
         if value is None:
             continue
-        note = [f"{k} {r[k]:.1%}" for k in ("map_share",) if isinstance(r.get(k), float)]
+        note = [f"{k} {r[k]:.1%}" for k in ("map_share", "attn", "overhead")
+                if isinstance(r.get(k), float)]
         note += [f"{r['vs_hf']:.2f}x transformers"] if isinstance(r.get("vs_hf"), float) else []
+        note += ["the limit: the model's forward alone"] if label.startswith("model forward") else []
         runs = r.get("tok_s_runs") or []
         rows.append({"what": f"engine {label}", engine_column(label): float(value),
                      "unit": "tok/s", "min-max": _spread((min(runs), max(runs))) if len(runs) > 1 else "",
                      "note": "; ".join(note)})
+    rows += _long_prompt_summary(data.get("long_prompts") or {})
     return rows or [{"what": "engine", "note": "no tokens/s figures; see bench.json"}]
 
 
@@ -102,6 +106,15 @@ def _tp_summary(data: dict) -> list[dict]:
     return [{"what": f"engine {r['system']}", "vmem": float(r["tok_s"]), "unit": "tok/s",
              "note": f"comm {r['comm_share']:.1%} of step" if r.get("comm_share") else ""}
             for r in data.get("rows", [])] or [{"what": "tp", "note": "no rows; see bench.json"}]
+
+
+def _long_prompt_summary(data: dict) -> list[dict]:
+    """Decode ITL p50 at 3-4k-token prompts, vmem and paged side by side, per backend."""
+    by = {r["system"]: r["itl_p50_ms"] for r in data.get("rows", [])}
+    return [{"what": f"ITL p50, 3-4k prompts, {attn}", "vmem": by[f"vmem {attn}"],
+             "paged": by[f"paged {attn}"], "unit": "ms", "note": f"paged/vmem {ratio:.2f}x"}
+            for attn, ratio in data.get("paged_over_vmem_itl", {}).items()
+            if f"vmem {attn}" in by and f"paged {attn}" in by]
 
 
 _SUMMARISERS = {"alloc": _alloc_summary, "attention": _attention_summary,

@@ -10,13 +10,19 @@ prefix and, causally, the queries before it (bottom-right aligned causal mask):
     query ctx-q+1         x  x
     query ctx-1           x  x  ....... x        (decode: q == 1, one row that sees all keys)
 
+Key start (``BatchLens.kv_starts``, default 0 for every request): request i's queries see only
+keys ``kv_starts[i] : context_len`` (a sliding window's per-sequence start); backends that
+cannot honour a non-zero start refuse it (``supports_kv_starts``).
+
 Memory-safety contract: a backend reads ``k_cache[slot, :context_len]`` (vmem) or the first
 ``ceil(context_len / block_size)`` block-table entries (paged) and nothing else. Memory past
-``context_len`` may be unmapped (reading it faults) and other slots may hold stale data.
+``context_len`` may be unmapped (reading it faults) and other slots may hold stale data. Keys
+before ``kv_starts[i]`` are never read in a way their contents could change the result.
 """
 from __future__ import annotations
 
 import math
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -24,6 +30,7 @@ from typing import ClassVar, NamedTuple, Optional, Union
 
 import torch
 
+from .checks import check_cache_pair, check_query
 from .errors import AttentionShapeError, UnsupportedError
 
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -37,13 +44,15 @@ class BatchLens(NamedTuple):
     context_lens: tuple[int, ...]   # tokens cached per request, this step's included
     query_lens: tuple[int, ...]     # new query tokens per request
     q_starts: tuple[int, ...]       # first row of each request in packed q
+    kv_starts: tuple[int, ...] = ()  # first key each request sees; () means 0 for every one
 
     @classmethod
-    def from_tensors(cls, context_lens: torch.Tensor, query_lens: torch.Tensor) -> "BatchLens":
+    def from_tensors(cls, context_lens: torch.Tensor, query_lens: torch.Tensor,
+                     kv_starts=()) -> "BatchLens":
         ctx = tuple(int(x) for x in context_lens.tolist())
         ql = tuple(int(x) for x in query_lens.tolist())
         starts = tuple(int(s) for s in _exclusive_cumsum(ql))
-        return cls(ctx, ql, starts)
+        return cls(ctx, ql, starts, tuple(int(s) for s in kv_starts))
 
     @property
     def total_query_tokens(self) -> int:
@@ -53,6 +62,16 @@ class BatchLens(NamedTuple):
     def is_decode(self) -> bool:
         """True when every request has exactly one query token."""
         return all(n == 1 for n in self.query_lens)
+
+    @property
+    def key_starts(self) -> tuple[int, ...]:
+        """``kv_starts`` with the default filled in: one int per request."""
+        return self.kv_starts or (0,) * len(self.context_lens)
+
+    @property
+    def has_kv_starts(self) -> bool:
+        """True when some request starts its keys after position 0."""
+        return any(self.kv_starts)
 
 
 def _exclusive_cumsum(xs: tuple[int, ...]) -> list[int]:
@@ -150,8 +169,8 @@ class VMemLayerView(_StepData):
         return self.k_cache.shape[1]
 
     def _validate(self, q: torch.Tensor) -> None:
-        _check_cache_pair(self.k_cache, self.v_cache, "k_cache", "v_cache")
-        _check_query(q, self.k_cache, self.lens, self.slots.shape, "slots")
+        check_cache_pair(self.k_cache, self.v_cache, "k_cache", "v_cache")
+        check_query(q, self.k_cache, self.lens, self.slots.shape, "slots")
         max_batch, max_ctx = self.k_cache.shape[:2]
         bad = [s for s in self.host_slots if not 0 <= s < max_batch]
         if bad or len(set(self.host_slots)) != len(self.host_slots):
@@ -197,8 +216,8 @@ class PagedLayerView(_StepData):
         return math.ceil(self.lens.context_lens[i] / self.block_size)
 
     def _validate(self, q: torch.Tensor) -> None:
-        _check_cache_pair(self.k_pool, self.v_pool, "k_pool", "v_pool")
-        _check_query(q, self.k_pool, self.lens, self.block_tables.shape[:1], "block_tables")
+        check_cache_pair(self.k_pool, self.v_pool, "k_pool", "v_pool")
+        check_query(q, self.k_pool, self.lens, self.block_tables.shape[:1], "block_tables")
         bt = self.block_tables
         if bt.dim() != 2:
             raise AttentionShapeError(f"block_tables must be [batch, max_blocks], got {tuple(bt.shape)}")
@@ -217,38 +236,6 @@ class PagedLayerView(_StepData):
 
 
 LayerView = Union[VMemLayerView, PagedLayerView]
-
-
-def _check_cache_pair(k: torch.Tensor, v: torch.Tensor, kn: str, vn: str) -> None:
-    if k.dim() != 4 or k.shape != v.shape:
-        raise AttentionShapeError(f"{kn} {tuple(k.shape)} and {vn} {tuple(v.shape)} must be "
-                                  f"equal 4-d shapes")
-    if k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise AttentionShapeError(f"{kn}/{vn} need a contiguous last dim; strides "
-                                  f"{k.stride()} / {v.stride()}")
-
-
-def _check_query(q: torch.Tensor, k: torch.Tensor, lens: BatchLens, batch_shape, what: str) -> None:
-    if q.dim() != 3:
-        raise AttentionShapeError(f"q must be [tokens, heads, head_dim], got {tuple(q.shape)}")
-    kv_heads, head_dim = k.shape[2], k.shape[3]
-    if q.shape[2] != head_dim or q.shape[1] % kv_heads:
-        raise AttentionShapeError(
-            f"q {tuple(q.shape)} does not fit cache {tuple(k.shape)}: head_dim must match and "
-            f"num_heads must be a multiple of kv_heads={kv_heads}")
-    n = len(lens.context_lens)
-    if len(lens.query_lens) != n or tuple(batch_shape) != (n,):
-        raise AttentionShapeError(f"context_lens ({n}), query_lens ({len(lens.query_lens)}) and "
-                                  f"{what} {tuple(batch_shape)} must have one entry per request")
-    if lens.total_query_tokens != q.shape[0]:
-        raise AttentionShapeError(f"q {tuple(q.shape)} has {q.shape[0]} tokens but query_lens "
-                                  f"{list(lens.query_lens)} sum to {lens.total_query_tokens}")
-    if any(not 0 < ql <= c for ql, c in zip(lens.query_lens, lens.context_lens)):
-        raise AttentionShapeError(f"need 0 < query_len <= context_len per request; got query_lens "
-                                  f"{list(lens.query_lens)}, context_lens {list(lens.context_lens)}")
-    if q.dtype != k.dtype or q.device != k.device:
-        raise AttentionShapeError(f"q ({q.dtype}, {q.device}) and cache ({k.dtype}, {k.device}) "
-                                  f"must share dtype and device")
 
 
 @dataclass(frozen=True)
@@ -272,6 +259,9 @@ class AttentionBackend(ABC):
     devices: ClassVar[frozenset[str]]
     kinds: ClassVar[frozenset[str]]          # cache kinds: "vmem", "paged"
     dtypes: ClassVar[frozenset[torch.dtype]] = SUPPORTED_DTYPES
+    supports_kv_starts: ClassVar[bool] = False   # honours BatchLens.kv_starts > 0
+    forward_s: float = 0.0   # host seconds spent in forward() by this instance (engine stats);
+                             # on CUDA that is launch time, kernels run asynchronously
 
     @classmethod
     def available(cls) -> Availability:
@@ -285,14 +275,21 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, view: LayerView, scale: Optional[float] = None) -> torch.Tensor:
         """Attention of packed ``q`` ``[tokens, heads, head_dim]`` over ``view``; same shape as q.
 
-        ``scale`` defaults to ``1 / sqrt(head_dim)``.
+        ``scale`` defaults to ``1 / sqrt(head_dim)``. Adds its host time to ``forward_s``.
         """
+        start = time.perf_counter()
         self._check_supported(q, view)
         view.validate(q)
+        if view.lens.has_kv_starts and not self.supports_kv_starts:
+            raise UnsupportedError(f"attention backend {self.name!r} does not implement kv_starts "
+                                   f"(a per-sequence first key); got {list(view.lens.kv_starts)}")
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         if view.kind == "vmem":
-            return self._forward_vmem(q, view, scale)
-        return self._forward_paged(q, view, scale)
+            out = self._forward_vmem(q, view, scale)
+        else:
+            out = self._forward_paged(q, view, scale)
+        self.forward_s += time.perf_counter() - start
+        return out
 
     def check_runs(self, kind: str, device: str, dtype: torch.dtype, what: str = "q") -> None:
         """Raise :class:`UnsupportedError` unless this backend reads a ``kind`` cache on

@@ -19,22 +19,23 @@ SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
 
 
 def vmem_kv(view: VMemLayerView, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request i's keys and values as zero-copy views ``[ctx, kv_heads, head_dim]``."""
-    slot, ctx = view.host_slots[i], view.lens.context_lens[i]
-    return view.k_cache[slot, :ctx], view.v_cache[slot, :ctx]
+    """Request i's keys and values ``[kv_start, ctx)`` as zero-copy views ``[keys, kv_heads, head_dim]``."""
+    slot, ctx, start = view.host_slots[i], view.lens.context_lens[i], view.lens.key_starts[i]
+    return view.k_cache[slot, start:ctx], view.v_cache[slot, start:ctx]
 
 
 def paged_kv(view: PagedLayerView, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request i's keys and values gathered from its blocks: ``[ctx, kv_heads, head_dim]`` copies.
+    """Request i's keys and values ``[kv_start, ctx)`` gathered from its blocks (copies).
 
     Only the ``ceil(ctx / block_size)`` used block-table entries are read; the tail of the last
-    block (past ctx) is copied but sliced off before anyone looks at it.
+    block (past ctx) and the keys before kv_start are copied but sliced off before anyone
+    looks at them.
     """
-    ctx, nb = view.lens.context_lens[i], view.num_blocks_of(i)
+    ctx, nb, start = view.lens.context_lens[i], view.num_blocks_of(i), view.lens.key_starts[i]
     ids = view.block_tables[i, :nb].to(torch.long)
     _, bs, hkv, d = view.k_pool.shape
-    k = view.k_pool.index_select(0, ids).view(nb * bs, hkv, d)[:ctx]   # (ctx, Hkv, D)
-    v = view.v_pool.index_select(0, ids).view(nb * bs, hkv, d)[:ctx]
+    k = view.k_pool.index_select(0, ids).view(nb * bs, hkv, d)[start:ctx]   # (keys, Hkv, D)
+    v = view.v_pool.index_select(0, ids).view(nb * bs, hkv, d)[start:ctx]
     return k, v
 
 

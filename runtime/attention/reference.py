@@ -29,12 +29,14 @@ class ReferenceBackend(AttentionBackend):
     name = "reference"
     devices = frozenset({"cpu", "cuda"})
     kinds = frozenset({"vmem", "paged"})
+    supports_kv_starts = True   # keys kv_start .. ctx - 1 only: the earlier ones are never read
 
     def _forward_vmem(self, q, view: VMemLayerView, scale):
         out = torch.empty_like(q)
         for i, slot in enumerate(view.host_slots):
             ctx, n, start = view.lens.context_lens[i], view.lens.query_lens[i], view.lens.q_starts[i]
-            k, v = view.k_cache[slot, :ctx], view.v_cache[slot, :ctx]
+            first = view.lens.key_starts[i]
+            k, v = view.k_cache[slot, first:ctx], view.v_cache[slot, first:ctx]
             out[start:start + n] = dense_attention(q[start:start + n], k, v, scale)
         return out
 
@@ -43,7 +45,7 @@ class ReferenceBackend(AttentionBackend):
         bs = view.block_size
         for i in range(len(view.lens.context_lens)):
             ctx, n, start = view.lens.context_lens[i], view.lens.query_lens[i], view.lens.q_starts[i]
-            pos = torch.arange(ctx, device=q.device)
+            pos = torch.arange(view.lens.key_starts[i], ctx, device=q.device)
             blocks = view.block_tables[i].to(torch.long)[pos // bs]     # one entry per token
             k, v = view.k_pool[blocks, pos % bs], view.v_pool[blocks, pos % bs]
             out[start:start + n] = dense_attention(q[start:start + n], k, v, scale)

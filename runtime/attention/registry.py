@@ -15,6 +15,7 @@ from .errors import BackendUnavailableError, UnknownBackendError, UnsupportedErr
 _BACKENDS: dict[str, tuple[str, str]] = {
     "reference": ("vmemkv.runtime.attention.reference", "ReferenceBackend"),
     "sdpa": ("vmemkv.runtime.attention.sdpa", "SdpaBackend"),
+    "cpu-varlen": ("vmemkv.runtime.attention.cpu_varlen", "CpuVarlenBackend"),
     "flash": ("vmemkv.runtime.attention.flash", "FlashBackend"),
     "flash-attn": ("vmemkv.runtime.attention.flash_attn_pkg", "FlashAttnBackend"),
 }
@@ -60,8 +61,8 @@ def describe_backends() -> list[dict]:
 _PREFERENCE = {
     ("vmem", "cuda"): ["flash-attn", "flash", "sdpa"],
     ("paged", "cuda"): ["flash-attn", "flash", "sdpa"],
-    ("vmem", "cpu"): ["sdpa"],
-    ("paged", "cpu"): ["sdpa"],
+    ("vmem", "cpu"): ["cpu-varlen", "sdpa"],     # cpu-varlen needs a C compiler (built once)
+    ("paged", "cpu"): ["cpu-varlen", "sdpa"],
 }
 
 

@@ -20,6 +20,7 @@ class SdpaBackend(AttentionBackend):
     name = "sdpa"
     devices = frozenset({"cpu", "cuda"})
     kinds = frozenset({"vmem", "paged"})
+    supports_kv_starts = True
 
     def _forward_vmem(self, q, view, scale):
         return per_request(q, view, scale, causal_bias=q.is_cuda)

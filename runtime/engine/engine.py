@@ -132,6 +132,7 @@ class Engine(RequestLifecycle):
         self._next_request = 0
         self._t0 = time.perf_counter()
         self._steps, self._step_s, self._kv_usage = 0, 0.0, []
+        self._phase_s = {"schedule": 0.0, "sample": 0.0}   # + runner.phase_s: EngineStats' split
         self._prompt_tokens = 0
         self._computed_tokens = 0                    # tokens whose K/V steps computed
         self._strikes: Dict[int, int] = {}          # request_id -> failed steps in a row
@@ -230,11 +231,15 @@ class Engine(RequestLifecycle):
         with every request intact."""
         start = time.perf_counter()
         plan = self._schedule()
+        self._phase_s["schedule"] += time.perf_counter() - start
         try:
             logits, rows = self._execute(plan)
+            sample_start = time.perf_counter()
             sampled = self._sample(plan, logits, rows)
+            self._phase_s["sample"] += time.perf_counter() - sample_start
         except PlanExecutionError as error:
             if self._plan_failed(plan, error):
+                self._step_s += time.perf_counter() - start   # its phases were counted too
                 return []
             raise
         except TensorParallelError:
@@ -380,7 +385,10 @@ class Engine(RequestLifecycle):
                     ttft=len(m.ttft_s), itl=len(m.itl_s), gen=m.generated_tokens,
                     done=m.num_finished_requests, prompt=self._prompt_tokens,
                     computed=self._computed_tokens, pq=self.kv.manager.prefix_queries,
-                    ph=self.kv.manager.prefix_hits)
+                    ph=self.kv.manager.prefix_hits, phases=self._phases())
+
+    def _phases(self) -> dict:
+        return {**self._phase_s, **self.runner.phase_s}
 
     def stats(self, since: Optional[dict] = None,
               outputs: Sequence[RequestOutput] = ()) -> EngineStats:
@@ -388,8 +396,9 @@ class Engine(RequestLifecycle):
         ``serving`` is the serving report of ``outputs`` (wall seconds; empty without them)."""
         b = since or dict(t=self._t0, steps=0, step_s=0.0, mapping_s=0.0, mapping_stall_s=0.0, kv=0, pre=0,
                           swap=0, rec=0, ttft=0, itl=0, gen=0, done=0, prompt=0, computed=0,
-                          pq=0, ph=0)
+                          pq=0, ph=0, phases={})
         m, usage = self.scheduler.metrics, self._kv_usage[b["kv"]:]
+        phases = {f"{k}_s": v - b["phases"].get(k, 0.0) for k, v in self._phases().items()}
         return EngineStats(
             cache=self.config.cache if self.config.cache == "paged" else f"vmem/{self.config.layout}",
             attention=self.attention, requests=m.num_finished_requests - b["done"],
@@ -405,7 +414,7 @@ class Engine(RequestLifecycle):
             prefix_cache_queries=self.kv.manager.prefix_queries - b["pq"],
             prefix_cache_hits=self.kv.manager.prefix_hits - b["ph"],
             ttft_s=m.ttft_s[b["ttft"]:], itl_s=m.itl_s[b["itl"]:],
-            serving=serving_report(request_timings(outputs)) if outputs else {})
+            serving=serving_report(request_timings(outputs)) if outputs else {}, **phases)
 
     # ---- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:

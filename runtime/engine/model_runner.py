@@ -7,16 +7,25 @@
 
 Everything per step is built once (ids, positions, keep rows); the per-layer work is the HF
 layer itself plus one cache write and one backend call (runtime.hf.attention).
+
+``phase_s`` adds up, in host seconds (``time.perf_counter``), where execute() spends its time:
+"plan" (memory ops and table edits), "metadata" (begin_step and the step's input tensors),
+"model" (the model's forward minus attention: its own math, HF's per-layer Python, the K/V
+writes) and "attention" (inside the backend's forward, as it counts it).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+import time
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from vmemkv.runtime.hf.attention import STEP_KWARG, StepContext, use_vmemkv_attention
 
 from .errors import EngineConfigError
+
+
+PHASES = ("plan", "metadata", "model", "attention")
 
 
 class ModelRunner:
@@ -31,6 +40,12 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self._ctx = StepContext(cache, backend)
         self.ops_applied = False   # the last execute() got past its memory ops (engine rollback)
+        self.phase_s: Dict[str, float] = dict.fromkeys(PHASES, 0.0)
+
+    def _add(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.phase_s[phase] += now - since
+        return now
 
     def execute(self, plan) -> Tuple[Optional[torch.Tensor], List[int]]:
         """Run ``plan`` (plain data: it may have crossed a process boundary): its memory ops,
@@ -38,11 +53,35 @@ class ModelRunner:
         sequences (in plan order) and, for each, its index in ``plan.seqs``. (None, []) when
         nothing sampled."""
         self.ops_applied = False
-        self.cache.execute(plan.ops)
-        self.cache.apply_tables(plan.tables)
+        start = time.perf_counter()
+        try:
+            self.cache.execute(plan.ops)
+            self.cache.apply_tables(plan.tables)
+        finally:
+            start = self._add("plan", start)
         self.ops_applied = True
         if not plan.seqs:
             return None, []
+        return self._run_model(plan, start)
+
+    def _run_model(self, plan, start: float) -> Tuple[Optional[torch.Tensor], List[int]]:
+        input_ids, positions, keep_rows, sampling = self._inputs(plan)
+        start = self._add("metadata", start)
+        attention_before = self.backend.forward_s
+        try:
+            with torch.inference_mode():
+                out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                 logits_to_keep=keep_rows, **{STEP_KWARG: self._ctx})
+        finally:
+            attention = self.backend.forward_s - attention_before
+            self.phase_s["attention"] += attention
+            self.phase_s["model"] += time.perf_counter() - start - attention
+        if not sampling:
+            return None, []
+        return out.logits[0], sampling                     # (rows, vocab)
+
+    def _inputs(self, plan):
+        """begin_step, then (input_ids, positions, rows whose logits are kept, sampling seqs)."""
         step = self.cache.begin_step([(s.seq_id, s.num_computed_tokens, s.num_new_tokens)
                                       for s in plan.seqs])
         ids: List[int] = []
@@ -61,9 +100,4 @@ class ModelRunner:
             keep_rows = torch.tensor([len(ids) - 1], device=self.device)
         else:
             keep_rows = torch.tensor(keep, device=self.device)
-        with torch.inference_mode():
-            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                             logits_to_keep=keep_rows, **{STEP_KWARG: self._ctx})
-        if not keep:
-            return None, []
-        return out.logits[0], sampling                     # (rows, vocab)
+        return input_ids, positions, keep_rows, sampling

@@ -18,6 +18,9 @@ class TokenEvent:
     finished: bool                     # this was the sample's last token
     finish_reason: Optional[str] = None  # "stop" (a stop token) or "length" (max_new_tokens)
 
+# The phases EngineStats splits step time into (each has a ``<phase>_s`` field).
+STEP_PHASES = ("schedule", "plan", "metadata", "model", "attention", "sample")
+
 # How a request ends (RequestOutput.status); "unfinished" until then.
 ENDED_STATUSES = ("finished", "aborted", "failed")
 
@@ -95,6 +98,15 @@ class EngineStats:
                                       # tokens are not among them
     prefix_cache_queries: int = 0     # prompt tokens offered to the prefix cache
     prefix_cache_hits: int = 0        # of those, served from cached K/V
+    # step time split (host seconds, each <= step_s, together at most step_s; the rest is
+    # bookkeeping: commits, scheduler update, events):
+    schedule_s: float = 0.0       # scheduler.schedule(): the plan
+    plan_s: float = 0.0           # executing its memory ops and table edits (incl. mapping)
+    metadata_s: float = 0.0       # begin_step and the step's input tensors
+    model_s: float = 0.0          # the model's forward minus attention (its math, HF's per-layer
+                                  # Python, the K/V writes)
+    attention_s: float = 0.0      # inside the attention backend
+    sample_s: float = 0.0         # sampling the step's tokens
     ttft_s: List[float] = field(default_factory=list, repr=False)
     itl_s: List[float] = field(default_factory=list, repr=False)
     serving: Dict[str, float] = field(default_factory=dict, repr=False)  # serving_report (ms)
@@ -108,10 +120,27 @@ class EngineStats:
         """Share of step time spent blocked on page mapping."""
         return self.mapping_stall_s / self.step_s if self.step_s > 0 else 0.0
 
+    @property
+    def overhead_share(self) -> float:
+        """Share of step time outside the model's forward and the attention backend."""
+        if self.step_s <= 0:
+            return 0.0
+        return max(0.0, 1.0 - (self.model_s + self.attention_s) / self.step_s)
+
+    def step_split(self) -> dict:
+        """Each phase's share of step time, plus "other" (bookkeeping), summing to 1."""
+        phases = {p: getattr(self, f"{p}_s") for p in STEP_PHASES}
+        if self.step_s <= 0:
+            return {**dict.fromkeys(phases, 0.0), "other": 0.0}
+        shares = {p: t / self.step_s for p, t in phases.items()}
+        shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+        return shares
+
     def as_dict(self) -> dict:
         out = {k: v for k, v in asdict(self).items() if k not in ("ttft_s", "itl_s", "serving")}
         out["tokens_per_s"] = self.tokens_per_s
         out["mapping_share"] = self.mapping_share
+        out["overhead_share"] = self.overhead_share
         out.update(latency_summary("ttft", self.ttft_s))
         out.update(latency_summary("itl", self.itl_s))
         out.update(self.serving)
@@ -125,4 +154,5 @@ class EngineStats:
                 f"KV {self.cache} {self.cache_bytes / 2**20:.1f} MiB, usage mean "
                 f"{self.kv_usage_mean:.0%} peak {self.kv_usage_peak:.0%} | preemptions "
                 f"{self.num_preemptions} ({self.num_swap_preemptions} swap) | mapping "
-                f"{self.mapping_share:.1%} of step time | attention {self.attention}")
+                f"{self.mapping_share:.1%} of step time | attention {self.attention} | step: "
+                + ", ".join(f"{p} {s:.0%}" for p, s in self.step_split().items()))

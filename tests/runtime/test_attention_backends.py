@@ -15,8 +15,8 @@ import torch
 from vmemkv.runtime.attention import PagedLayerView, VMemLayerView, get_backend
 from vmemkv.runtime.attention.reference import dense_attention
 
-CPU_BACKENDS = ["reference", "sdpa"]
-CUDA_BACKENDS = ["reference", "sdpa", "flash", "flash-attn"]
+CPU_BACKENDS = ["reference", "sdpa", "cpu-varlen"]
+CUDA_BACKENDS = ["reference", "sdpa", "flash", "flash-attn"]   # cpu-varlen: CPU only
 TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 NAN_PADDING_BLOCK = 0   # block 0 is all NaN; padding table entries point at it
 

@@ -24,6 +24,8 @@ CHILD = textwrap.dedent("""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     PAGE = mmap.PAGESIZE
+    BACKENDS = [get_backend("reference"), get_backend("sdpa"), get_backend("cpu-varlen"),
+                get_backend("cpu-varlen", sdpa_above_tokens=None)]   # the kernel for every row
     assert PAGE == 4096, PAGE
 
     def region(shape):
@@ -53,10 +55,10 @@ CHILD = textwrap.dedent("""
     for a in (ak, av):
         protect(a, slot * row)                                  # slots 0, 1
         protect(a + slot * row + ctx * 128, 4 * row - slot * row - ctx * 128)   # tail + slot 3
-    for name in ("reference", "sdpa"):
+    for backend in BACKENDS:
         for qlen in (1, 3):
             view = VMemLayerView(k, v, torch.tensor([slot]), torch.tensor([ctx]), torch.tensor([qlen]))
-            out = get_backend(name).forward(q[:qlen], view, scale=0.25)
+            out = backend.forward(q[:qlen], view, scale=0.25)
             torch.testing.assert_close(out, want[qlen], atol=1e-5, rtol=1e-5)
 
     # ---- paged: blocks 5 and 2 hold the request; everything else PROT_NONE
@@ -69,10 +71,10 @@ CHILD = textwrap.dedent("""
             if b not in (5, 2):
                 protect(a + b * PAGE, PAGE)
     table = torch.tensor([[5, 2, 7, 7]], dtype=torch.int32)    # padding -> unmapped block 7
-    for name in ("reference", "sdpa"):
+    for backend in BACKENDS:
         for qlen in (1, 3):
             view = PagedLayerView(pk, pv, table, torch.tensor([ctx]), torch.tensor([qlen]))
-            out = get_backend(name).forward(q[:qlen], view, scale=0.25)
+            out = backend.forward(q[:qlen], view, scale=0.25)
             torch.testing.assert_close(out, want[qlen], atol=1e-5, rtol=1e-5)
     print("OK")
 """)

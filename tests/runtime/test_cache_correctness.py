@@ -16,7 +16,7 @@ from vmemkv.runtime.config import CacheConfig
 from .harness import ShadowRun
 
 KiB = 2**10
-CPU_BACKENDS = ("sdpa", "reference")
+CPU_BACKENDS = ("sdpa", "reference", "cpu-varlen")
 
 
 def config(dtype=torch.float32):

@@ -1,0 +1,63 @@
+"""Input checks every backend's ``forward`` runs before reading anything: cache pair shapes and
+strides, the query against the cache and the per-request metadata (lens, kv_starts). Each raises
+:class:`AttentionShapeError` naming the shapes or values."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import AttentionShapeError
+
+if TYPE_CHECKING:
+    from .base import BatchLens
+
+
+def check_cache_pair(k: torch.Tensor, v: torch.Tensor, kn: str, vn: str) -> None:
+    if k.dim() != 4 or k.shape != v.shape:
+        raise AttentionShapeError(f"{kn} {tuple(k.shape)} and {vn} {tuple(v.shape)} must be "
+                                  f"equal 4-d shapes")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise AttentionShapeError(f"{kn}/{vn} need a contiguous last dim; strides "
+                                  f"{k.stride()} / {v.stride()}")
+
+
+def check_query(q: torch.Tensor, k: torch.Tensor, lens: BatchLens, batch_shape, what: str) -> None:
+    if q.dim() != 3:
+        raise AttentionShapeError(f"q must be [tokens, heads, head_dim], got {tuple(q.shape)}")
+    kv_heads, head_dim = k.shape[2], k.shape[3]
+    if q.shape[2] != head_dim or q.shape[1] % kv_heads:
+        raise AttentionShapeError(
+            f"q {tuple(q.shape)} does not fit cache {tuple(k.shape)}: head_dim must match and "
+            f"num_heads must be a multiple of kv_heads={kv_heads}")
+    n = len(lens.context_lens)
+    if len(lens.query_lens) != n or tuple(batch_shape) != (n,):
+        raise AttentionShapeError(f"context_lens ({n}), query_lens ({len(lens.query_lens)}) and "
+                                  f"{what} {tuple(batch_shape)} must have one entry per request")
+    if lens.total_query_tokens != q.shape[0]:
+        raise AttentionShapeError(f"q {tuple(q.shape)} has {q.shape[0]} tokens but query_lens "
+                                  f"{list(lens.query_lens)} sum to {lens.total_query_tokens}")
+    if any(not 0 < ql <= c for ql, c in zip(lens.query_lens, lens.context_lens)):
+        raise AttentionShapeError(f"need 0 < query_len <= context_len per request; got query_lens "
+                                  f"{list(lens.query_lens)}, context_lens {list(lens.context_lens)}")
+    check_kv_starts(lens)
+    if q.dtype != k.dtype or q.device != k.device:
+        raise AttentionShapeError(f"q ({q.dtype}, {q.device}) and cache ({k.dtype}, {k.device}) "
+                                  f"must share dtype and device")
+
+
+def check_kv_starts(lens: BatchLens) -> None:
+    """Every query row must see at least its own key: 0 <= kv_start <= context_len - query_len."""
+    if not lens.kv_starts:
+        return
+    n = len(lens.context_lens)
+    if len(lens.kv_starts) != n:
+        raise AttentionShapeError(f"kv_starts {list(lens.kv_starts)} must have one entry per "
+                                  f"request ({n})")
+    bad = [i for i, (s, c, ql) in enumerate(zip(lens.kv_starts, lens.context_lens, lens.query_lens))
+           if not 0 <= s <= c - ql]
+    if bad:
+        i = bad[0]
+        raise AttentionShapeError(
+            f"kv_starts[{i}] = {lens.kv_starts[i]} must be in [0, context_len - query_len = "
+            f"{lens.context_lens[i] - lens.query_lens[i]}] so every query sees its own key")

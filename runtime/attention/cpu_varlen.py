@@ -1,0 +1,167 @@
+"""``cpu-varlen``: one native call per layer for the whole batch on the CPU, vmem and paged.
+
+The kernel (``cpu_varlen.c``, built at first use by ``native.py``) takes the cache itself plus
+per-request metadata and does what FlashAttention's varlen call does on a GPU::
+
+    vmem   k_cache [max_batch, max_ctx, Hkv, D] (strided views welcome: interleaved layout)
+           request i reads k_cache[slot_i, kv_start_i : ctx_i]   in place, no copy, no gather
+    paged  k_pool [num_blocks, block_size, Hkv, D] + block table  (block-table aware: no gather)
+           request i reads its first ceil(ctx_i / block_size) blocks, tokens kv_start_i .. ctx_i-1
+
+The interleaved vmem layout (a layer's token rows strided, ``L`` rows apart) goes to per-request
+SDPA instead: the kernel measured 2.5x slower there (see ``_forward_vmem``; not yet understood,
+likely store-to-load aliasing of its accumulators against rows 1 KiB apart).
+
+Decode, prefill chunks and mixed batches go in the same call: every query row attends to keys
+``[kv_start, its position]`` (bottom-right causal). Grouped-query attention shares each loaded
+K/V row among the G query heads of its KV head (nothing is repeated). Everything the call needs
+besides q is built once per step (the step's ``StepMeta`` memo) and reused by every layer.
+
+Prefill chunks are compute-bound and the kernel is a plain fp32 loop, not a GEMM: a request with
+more than ``sdpa_above_tokens`` (default 2) query tokens goes to per-request SDPA instead
+(measured: at 4+ query tokens SDPA's GEMMs win, docs/attention.md), so a step makes one kernel
+call for its decodes plus one SDPA call per prefill chunk; ``sdpa_above_tokens=None`` sends
+everything through the kernel (exact either way).
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from . import native
+from .base import AttentionBackend, Availability, PagedLayerView, VMemLayerView
+from .errors import UnsupportedError
+from .kv import attend_one, paged_kv, per_request, vmem_kv
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_ROWS = 64              # query rows per work item in the kernel (positions x grouped heads)
+SDPA_ABOVE_TOKENS = 2      # query tokens past which a request's chunk goes to SDPA (measured)
+
+
+class CpuVarlenBackend(AttentionBackend):
+    """The batch in one native call per layer (plus SDPA for long prefill chunks).
+
+    sdpa_above_tokens: requests with more query tokens than this run through per-request
+    SDPA; ``None`` sends every request through the kernel.
+    """
+    name = "cpu-varlen"
+    devices = frozenset({"cpu"})
+    kinds = frozenset({"vmem", "paged"})
+    supports_kv_starts = True
+
+    def __init__(self, sdpa_above_tokens: Optional[int] = SDPA_ABOVE_TOKENS) -> None:
+        if sdpa_above_tokens is not None and sdpa_above_tokens < 1:
+            raise UnsupportedError(f"sdpa_above_tokens must be >= 1 or None; got {sdpa_above_tokens}")
+        self.sdpa_above_tokens = sdpa_above_tokens
+
+    @classmethod
+    def available(cls) -> Availability:
+        why = native.why_unavailable()
+        return Availability(not why, why)
+
+    def _forward_vmem(self, q, view: VMemLayerView, scale):
+        if _interleaved(view.k_cache) or _interleaved(view.v_cache):
+            # measured: the kernel on the interleaved layout's strided token rows (small-llama,
+            # 64 decodes, 1 KiB between a layer's rows) took 4.3 ms against sdpa's 1.7 ms
+            return per_request(q, view, scale)
+        return self._forward(q, view, scale, view.k_cache, view.v_cache, vmem_kv)
+
+    def _forward_paged(self, q, view: PagedLayerView, scale):
+        return self._forward(q, view, scale, view.k_pool, view.v_pool, paged_kv)
+
+    def _forward(self, q, view, scale, k, v, kv_of):
+        heads, kv_heads = q.shape[1], k.shape[2]
+        if heads // kv_heads > MAX_ROWS:
+            raise UnsupportedError(f"cpu-varlen takes at most {MAX_ROWS} query heads per KV head; "
+                                   f"got {heads}/{kv_heads}")
+        key = ("cpu-varlen", view.lens.kv_starts, heads, kv_heads, self.sdpa_above_tokens)
+        meta = view.memo(key, lambda: _step_metadata(view, kv_heads, heads // kv_heads,
+                                                     self.sdpa_above_tokens))
+        out = torch.empty(q.shape, dtype=torch.float32)
+        if meta.items.shape[0]:
+            _call(q.float().contiguous(), out, k, v, meta, scale)
+        if not meta.sdpa_requests:
+            return out if q.dtype == torch.float32 else out.to(q.dtype)
+        out = out.to(q.dtype)
+        for i in meta.sdpa_requests:   # long prefill chunks: compute-bound, SDPA's GEMMs win
+            start, n = view.lens.q_starts[i], view.lens.query_lens[i]
+            kk, vv = kv_of(view, i)
+            out[start:start + n] = attend_one(q[start:start + n], kk, vv, scale)
+        return out
+
+
+class _Meta:
+    """One step's kernel arguments (host int64 tensors), shared by every layer."""
+
+    def __init__(self, view, kv_heads: int, group: int, sdpa_above: Optional[int]) -> None:
+        lens = view.lens
+        self.sdpa_requests = [i for i, n in enumerate(lens.query_lens)
+                              if sdpa_above is not None and n > sdpa_above]
+        items = _work_items(lens, set(self.sdpa_requests), kv_heads, group)
+        self.items = torch.tensor(items, dtype=torch.int64).reshape(-1, 5)
+        self.ctx = torch.tensor(lens.context_lens, dtype=torch.int64)
+        self.qlen = torch.tensor(lens.query_lens, dtype=torch.int64)
+        self.qstart = torch.tensor(lens.q_starts, dtype=torch.int64)
+        self.kvstart = torch.tensor(lens.key_starts, dtype=torch.int64)
+        if view.kind == "vmem":
+            self.slots, self.tables, width, block_size = (
+                torch.tensor(view.host_slots, dtype=torch.int64), None, 0, 0)
+        else:
+            self.slots, self.tables = None, view.block_tables.to(torch.int64).contiguous()
+            width, block_size = self.tables.shape[1], view.block_size
+        # the kernel's per-step arguments as ctypes values, once per step (the tensors above
+        # keep the memory alive)
+        self.args = (_ptr(self.slots), _ptr(self.tables), width, block_size, _ptr(self.ctx),
+                     _ptr(self.qlen), _ptr(self.qstart), _ptr(self.kvstart), _ptr(self.items),
+                     self.items.shape[0])
+
+
+def _work_items(lens, skip: set, kv_heads: int, group: int) -> list:
+    """(request, p0, np, h0, nh) per kernel work item, longest key range first (so dynamic
+    scheduling ends on short items). An item takes as many KV heads as fit in MAX_ROWS query
+    rows, all of them for the usual GQA shapes, so it reads whole token rows ``[Hkv, D]``
+    sequentially (splitting heads across items to feed more threads made each item read part
+    of every token row: measured 2-10x slower), and as many query positions as still fit."""
+    heads = min(kv_heads, max(1, MAX_ROWS // group))
+    per_item = max(1, MAX_ROWS // (group * heads))       # query positions per item
+    items = [(i, p0, min(per_item, n - p0), h, min(heads, kv_heads - h))
+             for i, n in enumerate(lens.query_lens) if i not in skip
+             for p0 in range(0, n, per_item) for h in range(0, kv_heads, heads)]
+    items.sort(key=lambda it: -(lens.context_lens[it[0]] - lens.key_starts[it[0]]))
+    return items
+
+
+def _step_metadata(view, kv_heads: int, group: int, sdpa_above: Optional[int]) -> _Meta:
+    return _Meta(view, kv_heads, group, sdpa_above)
+
+
+def _interleaved(cache: torch.Tensor) -> bool:
+    """True when a cache's token rows are not back to back (the interleaved layout's per-layer
+    view ``k_all[:, :, layer]``): the kernel is slower than per-request SDPA there."""
+    return cache.stride(1) != cache.shape[2] * cache.shape[3]
+
+
+def _ptr(t: Optional[torch.Tensor]):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+@lru_cache(maxsize=64)
+def _strides(stride: tuple) -> tuple:
+    """(tensor, pointer) of a cache's first three element strides; one per distinct layout."""
+    t = torch.tensor(stride[:3], dtype=torch.int64)
+    return t, _ptr(t)
+
+
+def _call(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: _Meta,
+          scale: float) -> None:
+    """One kernel call; q fp32 contiguous [T, H, D], out fp32 [T, H, D] (written in place)."""
+    _, _, kv_heads, head_dim = k.shape
+    rc = native.kernel()(
+        _ptr(q), _ptr(out), _ptr(k), _ptr(v), DTYPE_CODES[k.dtype], _strides(k.stride())[1],
+        _strides(v.stride())[1], *meta.args, q.shape[1], kv_heads, head_dim, scale,
+        torch.get_num_threads())
+    if rc:
+        raise MemoryError("cpu-varlen: the kernel could not allocate its scratch memory")

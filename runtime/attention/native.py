@@ -1,0 +1,96 @@
+"""Build and load ``cpu_varlen.c`` (the ``cpu-varlen`` backend's kernel) through ctypes.
+
+The source is compiled once per (source, compiler flags, CPU) into a per-user cache folder
+(``$VMEMKV_CACHE_DIR`` or ``~/.cache/vmemkv``) with the system C compiler: about a second, no
+torch headers. ``-march=native`` is safe because the CPU's model and flags are part of the key.
+``kernel()`` returns the loaded function, or raises :class:`KernelBuildError` saying why (no
+compiler, a failed build); ``why_unavailable()`` gives that reason without raising.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import AttentionError
+
+SOURCE = Path(__file__).with_name("cpu_varlen.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 120
+
+
+class KernelBuildError(AttentionError):
+    """The native kernel could not be compiled or loaded here (the message says why)."""
+
+
+def _cpu_key() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "|" + "|".join(lines)
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("VMEMKV_CACHE_DIR") or Path.home() / ".cache" / "vmemkv"
+    return Path(root)
+
+
+def _build(cc: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((cc,) + FLAGS).encode() + _cpu_key().encode())
+    target = _cache_dir() / f"cpu_varlen-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:   # build, then rename: atomic
+        out = Path(tmp) / target.name
+        run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True,
+                             text=True, timeout=BUILD_TIMEOUT_S)
+        if run.returncode:
+            raise KernelBuildError(f"{cc} failed to build {SOURCE.name} (exit {run.returncode}): "
+                                   f"{run.stderr.strip()[-400:]}")
+        os.replace(out, target)
+    return target
+
+
+@lru_cache(maxsize=1)
+def _load():
+    """(function, "") or (None, why not): built and loaded once per process."""
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (cc/gcc, or $CC) to build the cpu-varlen kernel"
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except (OSError, subprocess.SubprocessError, KernelBuildError) as error:
+        return None, f"cpu-varlen kernel unavailable: {error}"
+    fn = lib.vk_attention
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, p, p, p, ctypes.c_int, p, p, p, p, i64, i64, p, p, p, p, p, i64,
+                   i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn, ""
+
+
+def why_unavailable() -> str:
+    """Empty when the kernel is built and loaded, else the reason it cannot be."""
+    return _load()[1]
+
+
+def kernel():
+    """The loaded ``vk_attention`` function; :class:`KernelBuildError` if it cannot be built."""
+    fn, why = _load()
+    if fn is None:
+        raise KernelBuildError(why)
+    return fn
