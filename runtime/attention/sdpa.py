@@ -20,6 +20,7 @@ class SdpaBackend(AttentionBackend):
     name = "sdpa"
     devices = frozenset({"cpu", "cuda"})
     kinds = frozenset({"vmem", "paged"})
+    layer_features = frozenset({"window", "softcap"})   # a window mask; soft-capped math
 
     def _forward_vmem(self, q, view, scale):
         return per_request(q, view, scale, causal_bias=q.is_cuda)
