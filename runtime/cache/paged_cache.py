@@ -130,7 +130,8 @@ class PagedKVCache(KVCache):
         used = tuple(tuple(t[:-(-ctx // bs)]) for t, ctx in zip(tables, step.lens.context_lens))
         meta = StepMeta(step.lens, host_tables=used)
         return [PagedLayerView(self.pools[layer, 0], self.pools[layer, 1], self._block_tables,
-                               step.context_lens, step.query_lens, meta=meta)
+                               step.context_lens, step.query_lens, meta=meta,
+                               window=self.config.window_of(layer))
                 for layer in range(self.config.num_layers)]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -213,8 +213,10 @@ class VMemKVCache(VMemOps, KVCache):
         self._slots = torch.tensor(slots, dtype=torch.int64, device=self.config.torch_device)
         self._token_slots = self._slots[step.token_seq_index]
         meta = StepMeta(step.lens, host_slots=slots)
-        return [VMemLayerView(k, v, self._slots, step.context_lens, step.query_lens, meta=meta)
-                for k, v in zip(self._k, self._v)]
+        window = self.config.window_of
+        return [VMemLayerView(k, v, self._slots, step.context_lens, step.query_lens, meta=meta,
+                              window=window(layer))
+                for layer, (k, v) in enumerate(zip(self._k, self._v))]
 
     def _ready(self, layer: int) -> None:
         self._check_open()

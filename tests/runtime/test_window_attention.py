@@ -271,3 +271,29 @@ def test_no_cpu_backend_reads_unmapped_memory_behind_the_window():
     assert proc.returncode == 0 and "OK" in proc.stdout, (
         f"child exited {proc.returncode} (-11 = SIGSEGV: a backend read behind the window)\n"
         f"{proc.stdout}\n{proc.stderr[-3000:]}")
+
+
+# ---- CacheConfig.layer_windows: what the caches hand each layer's view ----------------------
+def test_cache_config_layer_windows_are_validated_and_name_the_layer():
+    from vmemkv.runtime.config import CacheConfig
+    from vmemkv.runtime.errors import CacheConfigError
+    config = CacheConfig(3, 2, 16, layer_windows=(8, None, 8))
+    assert [config.window_of(i) for i in range(3)] == [8, None, 8]
+    assert CacheConfig(3, 2, 16, layer_windows=(None,) * 3).layer_windows == ()   # all full
+    with pytest.raises(CacheConfigError, match=r"one entry per layer \(3\)"):
+        CacheConfig(3, 2, 16, layer_windows=(8, 8))
+    with pytest.raises(CacheConfigError, match=r"layer_windows\[1\] must be None or an int >= 1"):
+        CacheConfig(3, 2, 16, layer_windows=(8, 0, None))
+
+
+@pytest.mark.parametrize("kind", ["vmem", "paged"])
+def test_each_layer_view_carries_its_layers_window(kind):
+    from vmemkv.runtime.config import CacheConfig
+    from vmemkv.runtime.kv import make_kv
+    config = CacheConfig(3, 2, 16, max_batch=2, max_context=64, layer_windows=(8, None, 4))  # 32 tok/page
+    with make_kv(config, kind, block_size=4, page_bytes=4096) as kv:
+        kv.manager.allocate(0, 20)
+        kv.execute(kv.manager.take_ops())
+        kv.begin_step([(0, 19, 1)])
+        assert [kv.layer_view(i).window for i in range(3)] == [8, None, 4]
+        assert [kv.layer_view(i).kv_starts for i in range(3)] == [(12,), (0,), (16,)]
