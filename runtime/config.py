@@ -74,6 +74,14 @@ class CacheConfig:
         return self.layer_windows[layer] if self.layer_windows else None
 
     @property
+    def window_tokens(self) -> Optional[int]:
+        """The window every layer attends within (the widest), None if any layer is full:
+        keys older than it are read by no layer (``ModelSpec.window_tokens``)."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows)
+
+    @property
     def element_bytes(self) -> int:
         return torch.empty(0, dtype=self.dtype).element_size()
 
@@ -94,4 +102,5 @@ class CacheConfig:
     def model_spec(self, name: str = "runtime", weight_bytes: int = 0) -> ModelSpec:
         """The scheduler's view of this cache's shape (for building a memory manager)."""
         return ModelSpec(name, self.num_layers, self.num_kv_heads, self.head_dim,
-                         self.element_bytes, weight_bytes=weight_bytes)
+                         self.element_bytes, weight_bytes=weight_bytes,
+                         layer_windows=self.layer_windows)

@@ -5,6 +5,7 @@ Bytes per token counts K and V over all layers: 2 * layers * kv_heads * head_dim
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .errors import ConfigError
 
@@ -20,8 +21,15 @@ class ModelSpec:
     dtype_bytes: int         # 2 for fp16/bf16, 4 for fp32
     weight_bytes: int        # bytes read per decode step for the weights
     num_params: int = 0      # parameters, for compute-bound prefill costing (0: derive from weights)
+    layer_windows: tuple = ()  # per layer: sliding window in tokens or None (full); () = all full
 
     def __post_init__(self) -> None:
+        windows = self.layer_windows
+        if windows and (len(windows) != self.num_layers or any(
+                w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1)
+                for w in windows)):
+            raise ConfigError(f"ModelSpec.layer_windows must be () or one None / int >= 1 per "
+                              f"layer ({self.num_layers}), got {windows!r}")
         for field in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
@@ -38,6 +46,20 @@ class ModelSpec:
     def bytes_per_token(self) -> int:
         """Bytes of K and V over all layers for one token."""
         return 2 * self.num_layers * self.layer_bytes_per_token
+
+    @property
+    def window_tokens(self) -> Optional[int]:
+        """The sliding window every layer attends within (the widest, when they differ), or
+        None when any layer attends to all tokens: a token older than this window is read by no
+        layer, so the memory holding it for ALL layers can be given back."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows)
+
+    @property
+    def windowed_layers(self) -> int:
+        """Layers with a sliding window."""
+        return sum(w is not None for w in self.layer_windows)
 
     @property
     def params(self) -> int:

@@ -120,7 +120,10 @@ class UnitManager(ManagerCore):
             self._register_unit(seq, k, key)
 
     def _register_unit(self, seq: HeldSeq, k: int, key) -> None:
-        """Name unit ``k`` of ``seq`` by ``key``, chained on the sequence's unit k-1."""
+        """Name unit ``k`` of ``seq`` by ``key``, chained on the sequence's unit k-1 (none when
+        that unit was given back behind a window: the chain cannot be verified)."""
+        if k and seq.units[k - 1] is None:
+            return
         self.prefix.register(seq.units[k], key, seq.units[k - 1] if k else None)
 
     def _forget_uncomputed(self, seq: HeldSeq, computed_tokens: int) -> None:
