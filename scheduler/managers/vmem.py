@@ -151,6 +151,10 @@ class VmemManager(WindowedGroups, UnitManager):
             self._live -= self._fill[g]
             self._reclaimable[g] = None    # still mapped where it was used
 
+    def _give_back(self, seq: HeldSeq, pi: int, g: int) -> None:
+        if self._pages[seq.slot].get(pi) == g:     # a window's group: unmapped at once
+            self._unmap(seq.slot, pi)
+
     def _grow_page(self, slot: int, pi: int) -> int:
         """Back page ``pi`` of ``slot`` with a private group for new content: the group
         already mapped there if nobody uses it (no op), else a fresh one."""

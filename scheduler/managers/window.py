@@ -1,14 +1,15 @@
-"""Giving back the page groups wholly behind a sliding window (vmem manager, both layouts).
+"""Giving back the units wholly behind a sliding window: vmem page groups (both layouts) and
+paged blocks.
 
-A page group backs one run of ``tokens_per_page`` tokens of a slot across every layer, so it
-can be given back only when no layer reads any of its tokens again: when every layer has a
-window (Mistral, Starcoder2, Phi-3, Qwen2 with every layer sliding). The widest window W bounds
+A unit (a page group, or a block of the one block table a sequence has for all layers) backs
+its tokens for every layer, so it can be given back only when no layer reads any of its tokens
+again: when every layer has a window (Mistral, Starcoder2, Phi-3, Qwen2 with every layer sliding). The widest window W bounds
 them all; the next step's earliest query of a sequence is at ``computed`` (its computed
 tokens), which reads keys from ``computed - W + 1`` on (runtime.attention.base.window_starts):
 
     slot s:  | g0 | g1 | g2 | g3 | g4 | g5 |          computed = 5.5 pages, W = 2 pages
                ^^^^^^^^^^^^^         ^-- first key read: computed - W + 1
-               wholly behind: unheld and unmapped (UnmapGroup), ``units[pi] = None``
+               wholly behind: unheld (vmem: and unmapped, UnmapGroup), ``units[pi] = None``
 
 A dropped unit is ``None`` in the sequence's unit list (page index -> group); the dropped
 units always form a prefix of the list, and the last unit always stays (growth and
@@ -38,7 +39,8 @@ class WindowSwapError(SchedulerError, ValueError):
 
 
 class WindowedGroups:
-    """Mixed into VmemManager: ``window_tokens`` and ``release_behind_window``."""
+    """Mixed into VmemManager and PagedManager: ``window_tokens``, ``release_behind_window``
+    and the swap refusal; each manager says how a unit is given back (``_give_back``)."""
 
     _window: Optional[int] = None
 
@@ -56,20 +58,22 @@ class WindowedGroups:
         seq = self._seq(seq_id)
         first_read = computed_tokens - self._window + 1
         # the last unit always stays: growth and copy-on-write work on it
-        behind = min(max(first_read, 0) // self.tokens_per_page, len(seq.units) - 1)
+        behind = min(max(first_read, 0) // self.unit_tokens, len(seq.units) - 1)
         pi = dropped_units(seq)
         while pi < behind:
             self._drop_unit(seq, pi)
             pi += 1
 
     def _drop_unit(self, seq: HeldSeq, pi: int) -> None:
-        g, tpp = seq.units[pi], self.tokens_per_page
+        unit = seq.units[pi]
         seq.units[pi] = None
-        self._unhold(g)
-        self._cap_sum -= tpp
-        self._tok_sum -= tpp          # a unit behind the window is full
-        if self._pages[seq.slot].get(pi) == g:
-            self._unmap(seq.slot, pi)
+        self._unhold(unit)
+        self._cap_sum -= self.unit_tokens
+        self._tok_sum -= self.unit_tokens      # a unit behind the window is full
+        self._give_back(seq, pi, unit)
+
+    def _give_back(self, seq: HeldSeq, pi: int, unit: int) -> None:
+        """After ``unit`` (index ``pi`` of ``seq``) is unheld: the manager's own release."""
 
     def can_swap_out(self, seq_id: int) -> bool:
         seq = self._seqs.get(seq_id)

@@ -45,9 +45,13 @@ def test_windowed_family_is_greedy_exact_over_several_windows(label, cache):
 @pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_windowed_family_stays_exact_under_preemption(label, cache, preemption):
-    batch = prompts(6, 8, 30, seed=2)
-    tight = dict(cache_bytes=(96 if label == "gemma3" else 32) * KiB,
-                 preemption=preemption, max_tokens_per_step=16)
+    # Mistral on paged gives back every block behind its window, so it needs a far smaller
+    # cache (and prompts that fit it whole: admission counts a request's full length) to be
+    # preempted; on vmem its slots (one per page group) still run out
+    short = label == "mistral" and cache == "paged"
+    batch = prompts(6, 4, 8, seed=2) if short else prompts(6, 8, 30, seed=2)
+    size_kib = 16 if short else 96 if label == "gemma3" else 32
+    tight = dict(cache_bytes=size_kib * KiB, preemption=preemption, max_tokens_per_step=16)
     if preemption == "swap":
         tight["swap_bytes"] = 1 << 20
     got, stats = run(label, batch, LONG, **CACHES[cache], **tight)

@@ -1,6 +1,6 @@
-"""The vmem manager with every layer windowed, against the shadow model (hypothesis state
-machine): groups wholly behind a sequence's window are given back (unheld, unmapped) at any
-point, together with forks, copy-on-write, prefix sharing (colliding digests included), swap,
+"""The vmem and paged managers with every layer windowed, against the shadow model (hypothesis
+state machines): units wholly behind a sequence's window are given back (unheld; vmem: also
+unmapped) at any point, together with forks, copy-on-write, prefix sharing (colliding digests included), swap,
 recompute frees and transactions.
 
 On top of tests/scheduler/test_managers_state_machine.py's checks (the ops replayed on a model
@@ -15,12 +15,13 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from vmemkv.scheduler.managers import VmemManager
+from vmemkv.scheduler.managers import PagedManager, VmemManager
 from vmemkv.scheduler.managers.window import WindowSwapError
 from vmemkv.scheduler.presets import ModelSpec
 
-from .shadow import VmemMemory
-from .test_managers_state_machine import _SETTINGS, PICK, CollidingDigests, VmemMachine
+from .shadow import PagedMemory, VmemMemory
+from .test_managers_state_machine import (_SETTINGS, PICK, CollidingDigests, PagedMachine,
+                                          VmemMachine)
 
 
 class WindowMemory(VmemMemory):
@@ -28,7 +29,7 @@ class WindowMemory(VmemMemory):
 
     def __init__(self, manager):
         super().__init__(manager)
-        self.first = {}        # seq_id -> first token held (a multiple of tokens_per_page)
+        self.first = {}        # seq_id -> first token held (a multiple of the unit)
 
     def check_reads(self, shadow):
         tpp = self.m.tokens_per_page
@@ -40,21 +41,27 @@ class WindowMemory(VmemMemory):
             assert got == s.contents[lo:s.num_tokens], seq_id
 
 
-class WindowMachine(VmemMachine):
-    @initialize(interleaved=st.booleans(), tpp=st.sampled_from([1, 2, 4]),
-                pages=st.integers(2, 10), groups=st.integers(2, 24),
-                slots=st.sampled_from([None, 1, 3, 6]), swap=st.integers(0, 64),
-                window=st.integers(1, 9))
-    def setup(self, interleaved, tpp, pages, groups, slots, swap, window):
-        layers = 2 if interleaved else 1
-        model = ModelSpec("w", layers, 1, 1, 1, weight_bytes=0, layer_windows=(window,) * layers)
-        page_bytes = layers * tpp
-        self.unit, self.window = tpp, window
-        self.m = VmemManager(model, groups * 2 * page_bytes, pages * tpp, page_bytes=page_bytes,
-                             layout="interleaved" if interleaved else "per-layer",
-                             max_slots=slots, swap_bytes=2 * swap)
-        assert self.m.window_tokens == window
-        self.mem = WindowMemory(self.m)
+class WindowBlocks(PagedMemory):
+    """The shadow blocks plus, per sequence, the first token its blocks still hold."""
+
+    def __init__(self, manager):
+        super().__init__(manager)
+        self.first = {}
+
+    def check_reads(self, shadow):
+        bs = self.m.block_size
+        for seq_id, s in shadow.items():
+            lo, table = self.first.get(seq_id, 0), self.m.block_table(seq_id)
+            assert table[:lo // bs] == [None] * (lo // bs), "a block behind the window is held"
+            got = [self.blocks.get(table[p // bs], {}).get(p % bs) for p in range(lo, s.num_tokens)]
+            assert got == s.contents[lo:s.num_tokens], seq_id
+
+    def allocated_blocks(self, shadow):
+        return {b for sid in shadow for b in self.m.block_table(sid) if b is not None}
+
+
+class WindowRules:
+    """The rules and checks both windowed machines add (the manager's ``unit``, ``window``)."""
 
     @precondition(lambda self: self.live)
     @rule(i=PICK)
@@ -67,12 +74,8 @@ class WindowMachine(VmemMachine):
         old = self.mem.first.get(sid, 0)
         behind = max(behind, old // self.unit)
         self.mem.first[sid] = behind * self.unit
-        ops = self.m.take_ops()
-        assert all(type(op).__name__ == "UnmapGroup" for op in ops), ops
-        slot = self.m.slot_of(sid)     # each page given back is unmapped from its slot
-        assert sorted(op.page_index for op in ops) == list(range(old // self.unit, behind)), ops
-        assert all(op.slot == slot for op in ops)
-        self.mem.replay(ops, self.live)
+        self.check_given_back(sid, old // self.unit, behind, self.m.take_ops())
+        self.mem.replay([], self.live)
 
     @precondition(lambda self: self.live)
     @rule(i=PICK)
@@ -99,10 +102,6 @@ class WindowMachine(VmemMachine):
         super().free(i)
         self.mem.first.pop(sid, None)
 
-    def tables(self, sid):
-        pages, lo = self.m.mapped_pages(self.m.slot_of(sid)), self.mem.first.get(sid, 0) // self.unit
-        return [pages[pi] for pi in range(lo, -(-self.live[sid].num_tokens // self.unit))]
-
     @invariant()
     def integrity_and_stats(self):
         if self.m is None:
@@ -121,7 +120,56 @@ class WindowMachine(VmemMachine):
         self.mem.check_reads(self.live)
 
 
+class PagedWindowMachine(WindowRules, PagedMachine):
+    @initialize(bs=st.sampled_from([1, 2, 4]), blocks=st.integers(2, 24),
+                max_len=st.integers(4, 40), swap=st.integers(0, 64), window=st.integers(1, 9))
+    def setup(self, bs, blocks, max_len, swap, window):
+        model = ModelSpec("w", 1, 1, 1, 1, weight_bytes=0, layer_windows=(window,))
+        self.unit, self.window = bs, window
+        self.m = PagedManager(model, 2 * bs * blocks, max_len, block_size_tokens=bs,
+                              swap_bytes=2 * swap)
+        self.mem = WindowBlocks(self.m)
+
+    def check_given_back(self, sid, old, behind, ops):
+        assert ops == [] and self.m.block_table(sid)[:behind] == [None] * behind
+
+    def tables(self, sid):
+        return [b for b in self.m.block_table(sid) if b is not None]
+
+
+class WindowMachine(WindowRules, VmemMachine):
+    @initialize(interleaved=st.booleans(), tpp=st.sampled_from([1, 2, 4]),
+                pages=st.integers(2, 10), groups=st.integers(2, 24),
+                slots=st.sampled_from([None, 1, 3, 6]), swap=st.integers(0, 64),
+                window=st.integers(1, 9))
+    def setup(self, interleaved, tpp, pages, groups, slots, swap, window):
+        layers = 2 if interleaved else 1
+        model = ModelSpec("w", layers, 1, 1, 1, weight_bytes=0, layer_windows=(window,) * layers)
+        page_bytes = layers * tpp
+        self.unit, self.window = tpp, window
+        self.m = VmemManager(model, groups * 2 * page_bytes, pages * tpp, page_bytes=page_bytes,
+                             layout="interleaved" if interleaved else "per-layer",
+                             max_slots=slots, swap_bytes=2 * swap)
+        assert self.m.window_tokens == window
+        self.mem = WindowMemory(self.m)
+
+    def check_given_back(self, sid, old, behind, ops):
+        assert all(type(op).__name__ == "UnmapGroup" for op in ops), ops
+        slot = self.m.slot_of(sid)     # each page given back is unmapped from its slot
+        assert sorted(op.page_index for op in ops) == list(range(old, behind)), ops
+        assert all(op.slot == slot for op in ops)
+        self.mem.replay(ops, self.live)
+
+    def tables(self, sid):
+        pages, lo = self.m.mapped_pages(self.m.slot_of(sid)), self.mem.first.get(sid, 0) // self.unit
+        return [pages[pi] for pi in range(lo, -(-self.live[sid].num_tokens // self.unit))]
+
+
 class CollidingWindowMachine(CollidingDigests, WindowMachine):
+    pass
+
+
+class CollidingPagedWindowMachine(CollidingDigests, PagedWindowMachine):
     pass
 
 
@@ -129,6 +177,10 @@ TestWindowedVmemMatchesShadow = WindowMachine.TestCase
 TestWindowedVmemMatchesShadow.settings = _SETTINGS
 TestWindowedVmemWithCollidingDigests = CollidingWindowMachine.TestCase
 TestWindowedVmemWithCollidingDigests.settings = _SETTINGS
+TestWindowedPagedMatchesShadow = PagedWindowMachine.TestCase
+TestWindowedPagedMatchesShadow.settings = _SETTINGS
+TestWindowedPagedWithCollidingDigests = CollidingPagedWindowMachine.TestCase
+TestWindowedPagedWithCollidingDigests.settings = _SETTINGS
 
 
 def test_hybrid_models_keep_every_group():
