@@ -83,6 +83,17 @@ MODELS: dict[str, ModelSpec] = {
     # OPT-13B: 40 layers, 40 heads (MHA) * 128 dims * 2 bytes * 2 = 819,200 B = 800 KiB per token
     "opt-13b": ModelSpec("opt-13b", 40, 40, 128, 2, weight_bytes=25_700_000_000,
                          num_params=12_850_000_000),
+    # Mistral-7B: 32 layers * 8 KV heads * 128 dims * 2 bytes * 2 = 128 KiB per token; v0.1
+    # attends within a 4,096-token window on every layer, v0.3 to every token (same shape)
+    "mistral-7b-v0.1": ModelSpec("mistral-7b-v0.1", 32, 8, 128, 2, weight_bytes=14_480_000_000,
+                                 num_params=7_240_000_000, layer_windows=(4096,) * 32),
+    "mistral-7b-v0.3": ModelSpec("mistral-7b-v0.3", 32, 8, 128, 2, weight_bytes=14_500_000_000,
+                                 num_params=7_250_000_000),
+    # Gemma-3-27B (text): 62 layers, 16 KV heads * 128 dims * 2 bytes * 2 = 496 KiB per token;
+    # five local layers (1,024-token window) to one global, the global ones at 5, 11, ..., 59
+    "gemma-3-27b": ModelSpec("gemma-3-27b", 62, 16, 128, 2, weight_bytes=54_800_000_000,
+                             num_params=27_400_000_000,
+                             layer_windows=tuple(None if i % 6 == 5 else 1024 for i in range(62))),
     # the engine tests' random-weight model: 4 layers, 2 KV heads, 64 dims, fp32
     "tiny": ModelSpec("tiny", 4, 2, 64, 4, weight_bytes=4 * 8_000_000, num_params=8_000_000),
 }
