@@ -149,22 +149,20 @@ class WindowKernel:
         return torch.cat(rows).to(q.dtype)
 
 
+FLASH_CALLS = {"vmem packed": (windowed_vmem_view, FlashBackend._packed_call),
+               "paged gather": (windowed_paged_view, FlashBackend._gathered_call)}
+
+
+@pytest.mark.parametrize("call", list(FLASH_CALLS))
 @pytest.mark.parametrize("kind", list(SPECS))
 @pytest.mark.parametrize("window", [1, 4, 7])
-def test_flash_vmem_packing_starts_each_request_at_its_window(kind, window):
+def test_flash_one_call_starts_each_request_at_its_window(call, kind, window):
+    """vmem: cu_seq_k at slot * max_ctx + kv_start; paged: the gather from the first block of
+    the window; both: seqused_k from there and FA2's window_size."""
     case = make_case(SPECS[kind], heads=8, kv_heads=2, seed=3)
+    view_of, method = FLASH_CALLS[call]
     kernel = WindowKernel()
-    out = FlashBackend()._packed_call(case.q, windowed_vmem_view(case, window), 0.25, kernel)
-    assert kernel.windows == [window] and not torch.isnan(out).any()
-    torch.testing.assert_close(out, truth(case, window), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("kind", list(SPECS))
-@pytest.mark.parametrize("window", [1, 4, 7])
-def test_flash_paged_gather_starts_at_the_first_block_of_the_window(kind, window):
-    case = make_case(SPECS[kind], heads=8, kv_heads=2, seed=4)
-    kernel = WindowKernel()
-    out = FlashBackend()._gathered_call(case.q, windowed_paged_view(case, window), 0.25, kernel)
+    out = method(FlashBackend(), case.q, view_of(case, window), 0.25, kernel)
     assert kernel.windows == [window] and not torch.isnan(out).any()
     torch.testing.assert_close(out, truth(case, window), atol=1e-5, rtol=1e-5)
 
