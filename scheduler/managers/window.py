@@ -59,10 +59,11 @@ class WindowedGroups:
         first_read = computed_tokens - self._window + 1
         # the last unit always stays: growth and copy-on-write work on it
         behind = min(max(first_read, 0) // self.unit_tokens, len(seq.units) - 1)
-        pi = dropped_units(seq)
-        while pi < behind:
+        first = behind             # dropped units are a prefix: walk back to its end only,
+        while first > 0 and seq.units[first - 1] is not None:   # O(units newly dropped)
+            first -= 1
+        for pi in range(first, behind):
             self._drop_unit(seq, pi)
-            pi += 1
 
     def _drop_unit(self, seq: HeldSeq, pi: int) -> None:
         unit = seq.units[pi]

@@ -53,13 +53,13 @@ def _greedy(label: str, prompt: tuple, new_tokens: int, cache_kind: str) -> tupl
         with torch.inference_mode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
-                                 **_cache_kwargs(model, cache_kind, len(prompt) + new_tokens))
+                                 **_cache_kwargs(model, cache_kind))
     finally:
         model.generation_config.eos_token_id = saved
     return tuple(out[0, len(prompt):].tolist())
 
 
-def _cache_kwargs(model, cache_kind: str, length: int) -> dict:
+def _cache_kwargs(model, cache_kind: str) -> dict:
     if cache_kind == "hf":
         return {}
     from vmemkv.runtime.hf import VMemCache
