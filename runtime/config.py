@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -36,9 +37,11 @@ class CacheConfig:
     device: str = "cpu"        # "cpu" or "cuda[:i]"; the vmem driver follows it
     max_batch: int = 8         # concurrent requests (vmem: slots, batch rows)
     max_context: int = 2048    # tokens per request, prompt and output together
+    layer_windows: tuple = ()  # per layer: sliding window in tokens, or None (full); () = all full
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        object.__setattr__(self, "layer_windows", self._checked_windows())
         limits = {"num_layers": 1024, "num_kv_heads": 1024, "head_dim": 1024,
                   "max_batch": 1 << 16, "max_context": 1 << 24}
         for name, upper in limits.items():
@@ -54,6 +57,29 @@ class CacheConfig:
             raise CacheConfigError(f"CacheConfig.device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise CacheConfigError(f"CacheConfig.device is {self.device!r} but no CUDA GPU is visible")
+
+    def _checked_windows(self) -> tuple:
+        windows = self.layer_windows
+        if not isinstance(windows, (tuple, list)) or windows and len(windows) != self.num_layers:
+            raise CacheConfigError(f"CacheConfig.layer_windows must be () or one entry per layer "
+                                   f"({self.num_layers}), got {windows!r}")
+        for layer, w in enumerate(windows):
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+                raise CacheConfigError(f"CacheConfig.layer_windows[{layer}] must be None or an "
+                                       f"int >= 1 (tokens), got {w!r}")
+        return tuple(windows) if any(w is not None for w in windows) else ()
+
+    def window_of(self, layer: int) -> Optional[int]:
+        """The sliding window of ``layer`` in tokens, or None for a full-attention layer."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def window_tokens(self) -> Optional[int]:
+        """The window every layer attends within (the widest), None if any layer is full:
+        keys older than it are read by no layer (``ModelSpec.window_tokens``)."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows)
 
     @property
     def element_bytes(self) -> int:
@@ -76,4 +102,5 @@ class CacheConfig:
     def model_spec(self, name: str = "runtime", weight_bytes: int = 0) -> ModelSpec:
         """The scheduler's view of this cache's shape (for building a memory manager)."""
         return ModelSpec(name, self.num_layers, self.num_kv_heads, self.head_dim,
-                         self.element_bytes, weight_bytes=weight_bytes)
+                         self.element_bytes, weight_bytes=weight_bytes,
+                         layer_windows=self.layer_windows)

@@ -8,6 +8,8 @@
 | tiny-llama    | llama  | 2      | 64     | 4 / 2            | 256   | tests (fast, exact fp32)|
 | tiny-qwen2    | qwen2  | 2      | 64     | 4 / 2            | 256   | tests, second family    |
 | small-llama   | llama  | 4      | 256    | 8 / 2            | 1024  | benchmarks (CPU)        |
+| tiny-mistral-swa | mistral | 2   | 64     | 4 / 2            | 256   | sliding window 32, every layer |
+| tiny-gemma3   | gemma3_text | 6  | 64     | 4 / 2            | 256   | 5 local (window 32) : 1 global |
 """
 from __future__ import annotations
 
@@ -29,6 +31,13 @@ TINY_CONFIGS = {
                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)),
     "small-llama": ("llama", dict(vocab_size=1024, hidden_size=256, intermediate_size=688,
                                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)),
+    "tiny-mistral-swa": ("mistral", dict(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, sliding_window=32)),
+    "tiny-gemma3": ("gemma3_text", dict(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=6, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, sliding_window=32,
+                                        query_pre_attn_scalar=16)),
 }
 
 
@@ -41,11 +50,8 @@ def model_config(name: str):
     if name not in TINY_CONFIGS:
         raise ModelLoadError(f"unknown built-in model {name!r}; built-ins: {', '.join(TINY_CONFIGS)}")
     family, fields = TINY_CONFIGS[name]
-    if family == "llama":
-        from transformers import LlamaConfig
-        return LlamaConfig(**_COMMON, **fields)
-    from transformers import Qwen2Config
-    return Qwen2Config(**_COMMON, **fields)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    return CONFIG_MAPPING[family](**_COMMON, **fields)
 
 
 def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -5,6 +5,7 @@ Bytes per token counts K and V over all layers: 2 * layers * kv_heads * head_dim
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .errors import ConfigError
 
@@ -20,8 +21,15 @@ class ModelSpec:
     dtype_bytes: int         # 2 for fp16/bf16, 4 for fp32
     weight_bytes: int        # bytes read per decode step for the weights
     num_params: int = 0      # parameters, for compute-bound prefill costing (0: derive from weights)
+    layer_windows: tuple = ()  # per layer: sliding window in tokens or None (full); () = all full
 
     def __post_init__(self) -> None:
+        windows = self.layer_windows
+        if windows and (len(windows) != self.num_layers or any(
+                w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1)
+                for w in windows)):
+            raise ConfigError(f"ModelSpec.layer_windows must be () or one None / int >= 1 per "
+                              f"layer ({self.num_layers}), got {windows!r}")
         for field in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
@@ -38,6 +46,20 @@ class ModelSpec:
     def bytes_per_token(self) -> int:
         """Bytes of K and V over all layers for one token."""
         return 2 * self.num_layers * self.layer_bytes_per_token
+
+    @property
+    def window_tokens(self) -> Optional[int]:
+        """The sliding window every layer attends within (the widest, when they differ), or
+        None when any layer attends to all tokens: a token older than this window is read by no
+        layer, so the memory holding it for ALL layers can be given back."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return max(self.layer_windows)
+
+    @property
+    def windowed_layers(self) -> int:
+        """Layers with a sliding window."""
+        return sum(w is not None for w in self.layer_windows)
 
     @property
     def params(self) -> int:
@@ -61,6 +83,17 @@ MODELS: dict[str, ModelSpec] = {
     # OPT-13B: 40 layers, 40 heads (MHA) * 128 dims * 2 bytes * 2 = 819,200 B = 800 KiB per token
     "opt-13b": ModelSpec("opt-13b", 40, 40, 128, 2, weight_bytes=25_700_000_000,
                          num_params=12_850_000_000),
+    # Mistral-7B: 32 layers * 8 KV heads * 128 dims * 2 bytes * 2 = 128 KiB per token; v0.1
+    # attends within a 4,096-token window on every layer, v0.3 to every token (same shape)
+    "mistral-7b-v0.1": ModelSpec("mistral-7b-v0.1", 32, 8, 128, 2, weight_bytes=14_480_000_000,
+                                 num_params=7_240_000_000, layer_windows=(4096,) * 32),
+    "mistral-7b-v0.3": ModelSpec("mistral-7b-v0.3", 32, 8, 128, 2, weight_bytes=14_500_000_000,
+                                 num_params=7_250_000_000),
+    # Gemma-3-27B (text): 62 layers, 16 KV heads * 128 dims * 2 bytes * 2 = 496 KiB per token;
+    # five local layers (1,024-token window) to one global, the global ones at 5, 11, ..., 59
+    "gemma-3-27b": ModelSpec("gemma-3-27b", 62, 16, 128, 2, weight_bytes=54_800_000_000,
+                             num_params=27_400_000_000,
+                             layer_windows=tuple(None if i % 6 == 5 else 1024 for i in range(62))),
     # the engine tests' random-weight model: 4 layers, 2 KV heads, 64 dims, fp32
     "tiny": ModelSpec("tiny", 4, 2, 64, 4, weight_bytes=4 * 8_000_000, num_params=8_000_000),
 }

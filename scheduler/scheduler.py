@@ -154,12 +154,15 @@ class Scheduler(StepTransactions):
         append, out, decoded = self.manager.append, plan.seqs, self._decoded
         share = self.config.enable_prefix_sharing
         new_entry = tuple.__new__
+        slide = self.manager.release_behind_window if self.manager.window_tokens else None
         ctx = 0
         for seq in running:
             c = seq.num_computed
             if seq.length - c != 1 or not seq.output:
                 prefills.append(seq)
                 continue
+            if slide is not None:      # memory behind every layer's window goes back first
+                slide(seq.seq_id, c)
             ids = (seq.output[-1],)
             if seq.held <= c:
                 try:
@@ -184,6 +187,8 @@ class Scheduler(StepTransactions):
         new = min(seq.length - seq.num_computed, budget)
         if new <= 0 or seq.state is not SeqState.RUNNING:
             return budget
+        if self.manager.window_tokens:
+            self.manager.release_behind_window(seq.seq_id, seq.num_computed)
         if not self._grow(seq, new, plan, may_preempt):
             return budget
         self._emit(plan, seq, new)

@@ -10,21 +10,26 @@ prefix and, causally, the queries before it (bottom-right aligned causal mask):
     query ctx-q+1         x  x
     query ctx-1           x  x  ....... x        (decode: q == 1, one row that sees all keys)
 
-Key start (``BatchLens.kv_starts``, default 0 for every request): request i's queries see only
-keys ``kv_starts[i] : context_len`` (a sliding window's per-sequence start); backends that
-cannot honour a non-zero start refuse it (``supports_kv_starts``).
+Key starts: request i's queries see only keys ``kv_starts[i] : context_len``. A layer view's
+``kv_starts`` is the later of the step's explicit starts (``BatchLens.kv_starts``, default 0;
+backends that cannot honour a non-zero one refuse it, ``supports_kv_starts``) and the layer's
+sliding window. Sliding-window layers (``view.window = W``): a query at position p sees keys
+(p - W, p], as transformers' ``sliding_window_overlay`` defines it (``kv_idx > q_idx - W``).
+Request i's earliest query is ``context_len - query_len``, so the layer reads keys from
+``max(0, context_len - query_len - W + 1)``; 0 on full-attention layers.
 
-Memory-safety contract: a backend reads ``k_cache[slot, :context_len]`` (vmem) or the first
-``ceil(context_len / block_size)`` block-table entries (paged) and nothing else. Memory past
-``context_len`` may be unmapped (reading it faults) and other slots may hold stale data. Keys
-before ``kv_starts[i]`` are never read in a way their contents could change the result.
+Memory-safety contract: a backend reads ``k_cache[slot, kv_start:context_len]`` (vmem) or the
+block-table entries ``kv_start // block_size .. ceil(context_len / block_size) - 1`` (paged)
+and nothing else. Memory past ``context_len`` may be unmapped (reading it faults), so may memory
+before ``kv_start`` (a windowed layer's pages behind the window), and other slots may hold stale
+data.
 """
 from __future__ import annotations
 
 import math
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import ClassVar, NamedTuple, Optional, Union
 
@@ -74,6 +79,16 @@ class BatchLens(NamedTuple):
         return any(self.kv_starts)
 
 
+def window_starts(lens: BatchLens, window: Optional[int]) -> tuple[int, ...]:
+    """Per request, the first key position a layer may read this step: the step's explicit
+    start (``lens.key_starts``) or, with a sliding ``window``, ``max(0, context_len - query_len
+    - window + 1)``, whichever is later."""
+    if window is None:
+        return lens.key_starts
+    return tuple(max(k, c - q - window + 1) for k, c, q in
+                 zip(lens.key_starts, lens.context_lens, lens.query_lens))
+
+
 def _exclusive_cumsum(xs: tuple[int, ...]) -> list[int]:
     out, acc = [], 0
     for x in xs:
@@ -110,12 +125,19 @@ class _StepData:
     meta: Optional[StepMeta]
     context_lens: torch.Tensor
     query_lens: torch.Tensor
+    window: Optional[int]
+    softcap: Optional[float]
 
     @cached_property
     def lens(self) -> BatchLens:
         if self.meta is not None:
             return self.meta.lens
         return BatchLens.from_tensors(self.context_lens, self.query_lens)
+
+    @cached_property
+    def kv_starts(self) -> tuple[int, ...]:
+        """Per request, the first key position this layer reads (see ``window_starts``)."""
+        return window_starts(self.lens, self.window)
 
     @cached_property
     def _own_meta(self) -> StepMeta:
@@ -128,6 +150,7 @@ class _StepData:
     def validate(self, q: torch.Tensor) -> None:
         """Raise :class:`AttentionShapeError` unless q, caches and metadata fit together; each
         distinct shape is checked once per step."""
+        _check_layer_features(self.window, self.softcap)
         k = self._cache_tensor()
         key = ("validated", tuple(q.shape), q.dtype, q.device, tuple(k.shape), k.stride(), k.dtype)
         self.memo(key, lambda: self._validate(q) or True)
@@ -142,6 +165,8 @@ class VMemLayerView(_StepData):
     slots: int64 ``[batch]``, the batch row each request owns.
     context_lens, query_lens: ``[batch]`` ints, see the module docstring.
     meta: the step's :class:`StepMeta` (the cache passes one); absent, read from the tensors.
+    window, softcap: how this layer attends (sliding window in tokens; logit soft-cap), None
+        for plain causal attention over every cached token.
     """
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -149,6 +174,8 @@ class VMemLayerView(_StepData):
     context_lens: torch.Tensor
     query_lens: torch.Tensor
     meta: Optional[StepMeta] = field(default=None, compare=False)
+    window: Optional[int] = None      # sliding window in tokens (None: full attention)
+    softcap: Optional[float] = None   # attention logit soft-cap: scores -> cap * tanh(scores / cap)
     kind: ClassVar[str] = "vmem"
 
     @cached_property
@@ -189,8 +216,9 @@ class PagedLayerView(_StepData):
 
     k_pool, v_pool: ``[num_blocks, block_size, kv_heads, head_dim]``.
     block_tables: int32 ``[batch, max_blocks_per_seq]``; only the first
-        ``ceil(context_len / block_size)`` entries of a row are meaningful (the rest: anything).
-    context_lens, query_lens, meta: as in :class:`VMemLayerView`.
+        ``ceil(context_len / block_size)`` entries of a row are meaningful (the rest: anything;
+        on a windowed layer the entries before ``kv_start // block_size`` too).
+    context_lens, query_lens, meta, window, softcap: as in :class:`VMemLayerView`.
     """
     k_pool: torch.Tensor
     v_pool: torch.Tensor
@@ -198,6 +226,8 @@ class PagedLayerView(_StepData):
     context_lens: torch.Tensor
     query_lens: torch.Tensor
     meta: Optional[StepMeta] = field(default=None, compare=False)
+    window: Optional[int] = None
+    softcap: Optional[float] = None
     kind: ClassVar[str] = "paged"
 
     def _cache_tensor(self) -> torch.Tensor:
@@ -215,6 +245,10 @@ class PagedLayerView(_StepData):
         """Block-table entries request i actually uses: ceil(context_len / block_size)."""
         return math.ceil(self.lens.context_lens[i] / self.block_size)
 
+    def first_block_of(self, i: int) -> int:
+        """The first block-table entry request i reads at this layer: kv_start // block_size."""
+        return self.kv_starts[i] // self.block_size
+
     def _validate(self, q: torch.Tensor) -> None:
         check_cache_pair(self.k_pool, self.v_pool, "k_pool", "v_pool")
         check_query(q, self.k_pool, self.lens, self.block_tables.shape[:1], "block_tables")
@@ -227,7 +261,7 @@ class PagedLayerView(_StepData):
                 f"context_lens {list(self.lens.context_lens)} need {need} blocks of "
                 f"{self.block_size} tokens but block_tables is {tuple(bt.shape)}")
         if bt.device.type == "cpu":  # range check is free on the host; on GPU it would sync
-            used = [bt[i, :self.num_blocks_of(i)] for i in range(bt.shape[0])]
+            used = [bt[i, self.first_block_of(i):self.num_blocks_of(i)] for i in range(bt.shape[0])]
             ids = torch.cat(used) if used else bt.new_zeros(0)
             if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.k_pool.shape[0]):
                 raise AttentionShapeError(
@@ -236,6 +270,13 @@ class PagedLayerView(_StepData):
 
 
 LayerView = Union[VMemLayerView, PagedLayerView]
+
+
+def _check_layer_features(window, softcap) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise AttentionShapeError(f"a layer's sliding window must be an int >= 1 or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise AttentionShapeError(f"a layer's logit softcap must be > 0 or None, got {softcap!r}")
 
 
 @dataclass(frozen=True)
@@ -262,6 +303,7 @@ class AttentionBackend(ABC):
     supports_kv_starts: ClassVar[bool] = False   # honours BatchLens.kv_starts > 0
     forward_s: float = 0.0   # host seconds spent in forward() by this instance (engine stats);
                              # on CUDA that is launch time, kernels run asynchronously
+    layer_features: ClassVar[frozenset[str]] = frozenset()   # of "window", "softcap"
 
     @classmethod
     def available(cls) -> Availability:
@@ -272,12 +314,16 @@ class AttentionBackend(ABC):
         """Whether this backend reads a ``kind`` cache ("vmem" or "paged") on ``device``."""
         return kind in self.kinds and device in self.devices
 
-    def forward(self, q: torch.Tensor, view: LayerView, scale: Optional[float] = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, view: LayerView, scale: Optional[float] = None,
+                softcap: Optional[float] = None) -> torch.Tensor:
         """Attention of packed ``q`` ``[tokens, heads, head_dim]`` over ``view``; same shape as q.
 
-        ``scale`` defaults to ``1 / sqrt(head_dim)``. Adds its host time to ``forward_s``.
+        ``scale`` defaults to ``1 / sqrt(head_dim)``; ``softcap`` (the layer's logit soft-cap)
+        replaces ``view.softcap`` when given. Adds its host time to ``forward_s``.
         """
         start = time.perf_counter()
+        if softcap is not None:
+            view = replace(view, softcap=float(softcap))
         self._check_supported(q, view)
         view.validate(q)
         if view.lens.has_kv_starts and not self.supports_kv_starts:
@@ -304,6 +350,12 @@ class AttentionBackend(ABC):
 
     def _check_supported(self, q: torch.Tensor, view: LayerView) -> None:
         self.check_runs(view.kind, q.device.type, q.dtype)
+        needs = {"window"} if view.window is not None else set()
+        needs |= {"softcap"} if view.softcap is not None else set()
+        if needs - self.layer_features:
+            raise UnsupportedError(f"attention backend {self.name!r} does not implement "
+                                   f"{sorted(needs - self.layer_features)} (this layer has "
+                                   f"window={view.window}, softcap={view.softcap}); use 'sdpa'")
 
     @abstractmethod
     def _forward_vmem(self, q: torch.Tensor, view: VMemLayerView, scale: float) -> torch.Tensor: ...

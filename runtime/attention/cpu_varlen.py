@@ -51,6 +51,7 @@ class CpuVarlenBackend(AttentionBackend):
     devices = frozenset({"cpu"})
     kinds = frozenset({"vmem", "paged"})
     supports_kv_starts = True
+    layer_features = frozenset({"window", "softcap"})   # soft-capped / windowed prefill: per request
 
     def __init__(self, sdpa_above_tokens: Optional[int] = SDPA_ABOVE_TOKENS) -> None:
         if sdpa_above_tokens is not None and sdpa_above_tokens < 1:
@@ -77,7 +78,11 @@ class CpuVarlenBackend(AttentionBackend):
         if heads // kv_heads > MAX_ROWS:
             raise UnsupportedError(f"cpu-varlen takes at most {MAX_ROWS} query heads per KV head; "
                                    f"got {heads}/{kv_heads}")
-        key = ("cpu-varlen", view.lens.kv_starts, heads, kv_heads, self.sdpa_above_tokens)
+        if view.softcap is not None or (view.window is not None and not view.lens.is_decode):
+            # the kernel has no soft-cap and no per-row window mask (a decode's window is its
+            # key start alone): those layers take the per-request path, which has both
+            return per_request(q, view, scale)
+        key = ("cpu-varlen", view.kv_starts, heads, kv_heads, self.sdpa_above_tokens)
         meta = view.memo(key, lambda: _step_metadata(view, kv_heads, heads // kv_heads,
                                                      self.sdpa_above_tokens))
         out = torch.empty(q.shape, dtype=torch.float32)
@@ -100,12 +105,12 @@ class _Meta:
         lens = view.lens
         self.sdpa_requests = [i for i, n in enumerate(lens.query_lens)
                               if sdpa_above is not None and n > sdpa_above]
-        items = _work_items(lens, set(self.sdpa_requests), kv_heads, group)
+        items = _work_items(lens, view.kv_starts, set(self.sdpa_requests), kv_heads, group)
         self.items = torch.tensor(items, dtype=torch.int64).reshape(-1, 5)
         self.ctx = torch.tensor(lens.context_lens, dtype=torch.int64)
         self.qlen = torch.tensor(lens.query_lens, dtype=torch.int64)
         self.qstart = torch.tensor(lens.q_starts, dtype=torch.int64)
-        self.kvstart = torch.tensor(lens.key_starts, dtype=torch.int64)
+        self.kvstart = torch.tensor(view.kv_starts, dtype=torch.int64)
         if view.kind == "vmem":
             self.slots, self.tables, width, block_size = (
                 torch.tensor(view.host_slots, dtype=torch.int64), None, 0, 0)
@@ -119,7 +124,7 @@ class _Meta:
                      self.items.shape[0])
 
 
-def _work_items(lens, skip: set, kv_heads: int, group: int) -> list:
+def _work_items(lens, kv_starts, skip: set, kv_heads: int, group: int) -> list:
     """(request, p0, np, h0, nh) per kernel work item, longest key range first (so dynamic
     scheduling ends on short items). An item takes as many KV heads as fit in MAX_ROWS query
     rows, all of them for the usual GQA shapes, so it reads whole token rows ``[Hkv, D]``
@@ -130,7 +135,7 @@ def _work_items(lens, skip: set, kv_heads: int, group: int) -> list:
     items = [(i, p0, min(per_item, n - p0), h, min(heads, kv_heads - h))
              for i, n in enumerate(lens.query_lens) if i not in skip
              for p0 in range(0, n, per_item) for h in range(0, kv_heads, heads)]
-    items.sort(key=lambda it: -(lens.context_lens[it[0]] - lens.key_starts[it[0]]))
+    items.sort(key=lambda it: -(lens.context_lens[it[0]] - kv_starts[it[0]]))
     return items
 
 

@@ -25,6 +25,14 @@ falls back to SDPA forced to the flash kernel per request (vmem: ``k_cache[slot,
 place; paged: a gather per request), bottom-right causal via ``causal_lower_right``. Each
 choice other than varlen_attn is said once, as a warning.
 
+Sliding-window layers: each request's keys start at its ``kv_start`` (vmem: ``cu_seq_k`` moves
+to ``slot * max_ctx + kv_start``; paged: the gather or block table starts at block
+``kv_start // block_size``), ``seqused_k`` counts from there, and FA2's
+``window_size = (window - 1, 0)`` (``window_size_left`` on the operator) masks exactly
+transformers' window, keys (p - window, p], bottom-right aligned like its causal mask. A layer
+with a logit soft-cap runs per request (the soft-capped math in ``kv``): neither kernel here
+takes a soft-cap.
+
 torch versions (see docs/attention.md): varlen_attn first shipped in 2.10 (causal via
 ``is_causal``, later ``window_size=(-1, 0)``); ``seqused_k``, ``block_table``, ``enable_gqa``
 and ``num_splits`` landed on main in March 2026 (pytorch#175897, #175924) and are in the 2.12
@@ -100,14 +108,20 @@ def varlen_caps() -> VarlenCaps:
 
 
 def call_varlen(caps: VarlenCaps, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float,
-                causal: bool, gqa: bool, **extra) -> torch.Tensor:
-    """varlen_attn with whichever spelling of scale / causal / GQA the installed torch has."""
+                causal: bool, gqa: bool, window: Optional[int] = None, **extra) -> torch.Tensor:
+    """varlen_attn with whichever spelling of scale / causal / GQA the installed torch has;
+    a sliding ``window`` becomes ``window_size=(window - 1, 0)`` (causal with a window)."""
     kw = dict(extra)
     if "scale" in caps.params:
         kw["scale"] = scale
     else:  # no scale argument: the kernel uses 1/sqrt(D), so fold the ratio into q
         q = q * (scale * q.shape[-1] ** 0.5)
-    if causal:  # FA2's causal mask is bottom-right aligned, as we need
+    if window is not None:
+        if "window_size" not in caps.params:
+            raise UnsupportedError(f"torch {torch.__version__} varlen_attn has no window_size "
+                                   f"argument for a sliding window of {window} tokens")
+        kw["window_size"] = (window - 1, 0)
+    elif causal:  # FA2's causal mask is bottom-right aligned, as we need
         if "window_size" in caps.params:
             kw["window_size"] = (-1, 0)
         else:
@@ -141,6 +155,7 @@ class FlashBackend(AttentionBackend):
     devices = frozenset({"cuda"})
     kinds = frozenset({"vmem", "paged"})
     dtypes = frozenset({torch.float16, torch.bfloat16})
+    layer_features = frozenset({"window", "softcap"})   # soft-capped layers run per request
 
     def __init__(self, paged_mode: str = "auto") -> None:
         if paged_mode not in ("auto", "block_table", "gather"):
@@ -160,6 +175,8 @@ class FlashBackend(AttentionBackend):
 
     # ---- vmem ---------------------------------------------------------------------------
     def _forward_vmem(self, q, view: VMemLayerView, scale):
+        if view.softcap is not None:
+            return self._softcapped(q, view, scale)
         kernel, why_not = self._one_call_kernel(q, view.kv_heads)
         why_not = why_not if kernel is None else self._packing_blocker(view)
         if not why_not:
@@ -168,11 +185,18 @@ class FlashBackend(AttentionBackend):
         with _flash_ctx():
             return per_request(q, view, scale, causal_bias=True)
 
+    @staticmethod
+    def _softcapped(q, view, scale):
+        warn_once(f"flash: layers with a logit soft-cap ({view.softcap}) run per request on "
+                  f"soft-capped math: the FA2 kernels torch ships take no soft-cap")
+        return per_request(q, view, scale)
+
     def _one_call_kernel(self, q, kv_heads: int):
         """(kernel, "") for attention over the whole batch in one FA2 varlen call with
         per-sequence K lengths, or (None, why not). ``varlen_attn(seqused_k=)`` first; else the
         operator it wraps, ``aten._flash_attention_forward(seqused_k=)``, saying once that it
-        goes there. ``kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, seqused_k, causal)``."""
+        goes there. ``kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, seqused_k, causal,
+        [window=])``."""
         caps = varlen_caps()
         if caps.fn is None:
             why_not_varlen = caps.why_missing
@@ -207,29 +231,34 @@ class FlashBackend(AttentionBackend):
         bottom-right aligned to ``seqused_k`` (a decode batch needs none).
         """
         kp, vp = _packed_view(view.k_cache), _packed_view(view.v_cache)
-        cu_q, cu_k, used, rows, max_q, max_k = view.memo(("flash.packed", q.device),
-                                                        lambda: _packed_metadata(view, q.device))
-        causal = not view.lens.is_decode
+        cu_q, cu_k, used, rows, max_q, max_k = view.memo(
+            ("flash.packed", q.device, view.window), lambda: _packed_metadata(view, q.device))
+        causal, extra = not view.lens.is_decode, _window_arg(view)
         if rows is None:                              # already in slot order: no shuffle
-            return kernel(q, kp, vp, cu_q, cu_k, max_q, max_k, scale, used, causal)
+            return kernel(q, kp, vp, cu_q, cu_k, max_q, max_k, scale, used, causal, **extra)
         out = torch.empty_like(q)
         out[rows] = kernel(q.index_select(0, rows), kp, vp, cu_q, cu_k, max_q, max_k, scale,
-                           used, causal)
+                           used, causal, **extra)
         return out
 
     @staticmethod
-    def _varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, used, causal):
+    def _varlen_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, used, causal, window=None):
         return call_varlen(varlen_caps(), q, k, v, cu_q, cu_k, max_q, max_k, scale, causal=causal,
-                           gqa=q.shape[1] != k.shape[1], seqused_k=used)
+                           gqa=q.shape[1] != k.shape[1], window=window, seqused_k=used)
 
     @staticmethod
-    def _aten_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, used, causal):
-        # positional: dropout_p 0, is_causal (FA2: bottom-right), no debug mask
+    def _aten_kernel(q, k, v, cu_q, cu_k, max_q, max_k, scale, used, causal, window=None):
+        # positional: dropout_p 0, is_causal (FA2: bottom-right), no debug mask; a window keeps
+        # keys (p - window, p]: window_size_left = window - 1 (FA2 sets the right edge to 0)
+        sliding = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
         return torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale, seqused_k=used)[0]
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal or window is not None, False,
+            scale=scale, seqused_k=used, **sliding)[0]
 
     # ---- paged --------------------------------------------------------------------------
     def _forward_paged(self, q, view: PagedLayerView, scale):
+        if view.softcap is not None:
+            return self._softcapped(q, view, scale)
         reason = self._block_table_blocker(q, view)
         if self.paged_mode == "block_table" and reason:
             raise UnsupportedError(f"flash paged_mode='block_table' is not possible: {reason}")
@@ -250,14 +279,14 @@ class FlashBackend(AttentionBackend):
         """Gather every request's used blocks with one index_select per pool (request after
         request), then one kernel call: request i's keys start at its first gathered block and
         ``seqused_k[i]`` = its context length (the tail of its last block is never read)."""
-        ids, cu_q, cu_k, used = view.memo(("flash.gather", q.device),
-                                          lambda: _gather_metadata(view, q.device))
+        ids, cu_q, cu_k, used, max_k = view.memo(("flash.gather", q.device, view.window),
+                                                 lambda: _gather_metadata(view, q.device))
         _, bs, hkv, d = view.k_pool.shape
         k = view.k_pool.index_select(0, ids).view(-1, hkv, d)
         v = view.v_pool.index_select(0, ids).view(-1, hkv, d)
         lens = view.lens
-        return kernel(q, k, v, cu_q, cu_k, max(lens.query_lens), max(lens.context_lens), scale,
-                      used, not lens.is_decode)
+        return kernel(q, k, v, cu_q, cu_k, max(lens.query_lens), max_k, scale,
+                      used, not lens.is_decode, **_window_arg(view))
 
     def _block_table_blocker(self, q, view: PagedLayerView) -> str:
         caps = varlen_caps()
@@ -274,27 +303,35 @@ class FlashBackend(AttentionBackend):
 
     def _varlen_paged(self, q, view: PagedLayerView, scale):
         lens = view.lens
-        cu_q, cu_k, used, table = view.memo(("flash.varlen_paged", q.device),
-                                            lambda: _varlen_paged_metadata(view, q.device))
+        cu_q, cu_k, used, table, max_k = view.memo(
+            ("flash.varlen_paged", q.device, view.window),
+            lambda: _varlen_paged_metadata(view, q.device))
         return call_varlen(varlen_caps(), q, view.k_pool, view.v_pool, cu_q, cu_k,
-                           max(lens.query_lens), max(lens.context_lens), scale, causal=True,
-                           gqa=q.shape[1] != view.kv_heads, seqused_k=used, block_table=table)
+                           max(lens.query_lens), max_k, scale, causal=True,
+                           gqa=q.shape[1] != view.kv_heads, window=view.window, seqused_k=used,
+                           block_table=table)
 
 
 # ---- per-step metadata: built at the first layer of a step, reused by the others ----------
+def _window_arg(view) -> dict:
+    return {} if view.window is None else {"window": view.window}
+
+
 def _int32(values, dev) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int32, device=dev)
 
 
 def _packed_metadata(view: VMemLayerView, dev) -> tuple:
     """(cu_q, cu_k, seqused_k, rows or None, max_q, max_k) of the packed vmem call: requests in
-    slot order (so cu_k is monotone); ``rows`` permutes q into that order (None: no need)."""
+    slot order (so cu_k is monotone); ``rows`` permutes q into that order (None: no need).
+    Request i's keys start at ``slot * max_ctx + kv_start`` and ``seqused_k = ctx - kv_start``."""
     mc, lens, host_slots = view.max_context, view.lens, view.host_slots
     order = sorted(range(len(host_slots)), key=host_slots.__getitem__)
     slots = [host_slots[i] for i in order]
-    ctx = [lens.context_lens[i] for i in order]
+    starts = [view.kv_starts[i] for i in order]
+    ctx = [lens.context_lens[i] - view.kv_starts[i] for i in order]
     qlen = [lens.query_lens[i] for i in order]
-    cu_k = _int32([s * mc for s in slots] + [(slots[-1] + 1) * mc], dev)
+    cu_k = _int32([s * mc + k for s, k in zip(slots, starts)] + [(slots[-1] + 1) * mc], dev)
     cu_q = _int32(accumulate(qlen, initial=0), dev)
     rows = None
     if order != sorted(order):
@@ -304,29 +341,50 @@ def _packed_metadata(view: VMemLayerView, dev) -> tuple:
     return cu_q, cu_k, _int32(ctx, dev), rows, max(qlen), max(ctx)
 
 
-def _used_block_ids(view: PagedLayerView) -> list:
-    """Every request's used block ids, request after request, from the host copy of the tables
-    when the cache gave one (no device read), else read once from the device."""
+def _read_tables(view: PagedLayerView) -> list:
+    """Every request's block ids this layer reads (from ``first_block_of(i)`` to its last used
+    one), from the host copy of the tables when the cache gave one (no device read), else read
+    once from the device."""
     meta = view.meta
-    if meta is not None and meta.host_tables is not None:
-        return [b for table in meta.host_tables for b in table]
-    tables = view.block_tables.tolist()
-    return [b for i, row in enumerate(tables) for b in row[:view.num_blocks_of(i)]]
+    tables = meta.host_tables if meta is not None and meta.host_tables is not None else \
+        [row[:view.num_blocks_of(i)] for i, row in enumerate(view.block_tables.tolist())]
+    return [list(t[view.first_block_of(i):]) for i, t in enumerate(tables)]
+
+
+def _used_block_ids(view: PagedLayerView) -> list:
+    """Every request's read block ids, request after request (see ``_read_tables``)."""
+    return [b for table in _read_tables(view) for b in table]
+
+
+def _read_lens(view: PagedLayerView) -> list:
+    """Per request, the keys from its first read block to its context length (``seqused_k``;
+    the window mask hides the head of the first block that lies before ``kv_start``)."""
+    bs = view.block_size
+    return [c - view.first_block_of(i) * bs for i, c in enumerate(view.lens.context_lens)]
 
 
 def _gather_metadata(view: PagedLayerView, dev) -> tuple:
-    """(ids, cu_q, cu_k, seqused_k) of the gathered paged call: request i's keys start at its
-    first gathered block and ``seqused_k[i]`` = its context length."""
+    """(ids, cu_q, cu_k, seqused_k, max_k) of the gathered paged call: request i's keys start at
+    its first gathered block and ``seqused_k[i]`` counts from there to its context length."""
     lens, bs = view.lens, view.block_size
-    blocks = [view.num_blocks_of(i) for i in range(len(lens.context_lens))]
-    ids = torch.tensor(_used_block_ids(view), dtype=torch.long, device=dev)
-    cu_k = _int32(accumulate((b * bs for b in blocks), initial=0), dev)
+    tables = _read_tables(view)
+    ids = torch.tensor([b for t in tables for b in t], dtype=torch.long, device=dev)
+    cu_k = _int32(accumulate((len(t) * bs for t in tables), initial=0), dev)
     cu_q = _int32(list(lens.q_starts) + [lens.total_query_tokens], dev)
-    return ids, cu_q, cu_k, _int32(lens.context_lens, dev)
+    used = _read_lens(view)
+    return ids, cu_q, cu_k, _int32(used, dev), max(used)
 
 
 def _varlen_paged_metadata(view: PagedLayerView, dev) -> tuple:
-    lens = view.lens
+    """(cu_q, cu_k, seqused_k, block_table, max_k): on a windowed layer each row of the table
+    starts at the request's first read block (rows padded with 0, never read)."""
+    lens, used = view.lens, _read_lens(view)
     cu_q = _int32(list(lens.q_starts) + [lens.total_query_tokens], dev)
-    cu_k = _int32(accumulate(lens.context_lens, initial=0), dev)
-    return cu_q, cu_k, _int32(lens.context_lens, dev), view.block_tables.to(torch.int32)
+    cu_k = _int32(accumulate(used, initial=0), dev)
+    if view.window is None:
+        table = view.block_tables.to(torch.int32)
+    else:
+        rows = _read_tables(view)
+        width = max(len(r) for r in rows)
+        table = _int32([b for r in rows for b in r + [0] * (width - len(r))], dev).view(len(rows), width)
+    return cu_q, cu_k, _int32(used, dev), table, max(used)

@@ -1,12 +1,14 @@
 """Per-request K/V access and the one-request SDPA call shared by the sdpa and flash backends.
 
-Everything here touches only a request's live tokens: ``cache[slot, :ctx]`` is a view whose
-extent ends at ``ctx`` (no copy, no read past it), and a paged gather reads only the first
-``ceil(ctx / block_size)`` block-table entries.
+Everything here touches only a request's live tokens: ``cache[slot, kv_start:ctx]`` is a view
+whose extent is the layer's readable keys (no copy, no read outside it), and a paged gather reads
+only the block-table entries ``kv_start // block_size .. ceil(ctx / block_size) - 1``.
+``kv_start`` is 0 on full-attention layers; on a sliding-window layer it is the first key the
+step's earliest query sees (``base.window_starts``), and the window mask hides the rest.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,23 +21,26 @@ SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
 
 
 def vmem_kv(view: VMemLayerView, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request i's keys and values ``[kv_start, ctx)`` as zero-copy views ``[keys, kv_heads, head_dim]``."""
-    slot, ctx, start = view.host_slots[i], view.lens.context_lens[i], view.lens.key_starts[i]
+    """Request i's readable keys and values as zero-copy views ``[ctx - kv_start, kv_heads,
+    head_dim]``."""
+    slot, ctx, start = view.host_slots[i], view.lens.context_lens[i], view.kv_starts[i]
     return view.k_cache[slot, start:ctx], view.v_cache[slot, start:ctx]
 
 
 def paged_kv(view: PagedLayerView, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Request i's keys and values ``[kv_start, ctx)`` gathered from its blocks (copies).
+    """Request i's readable keys and values gathered from its blocks: ``[ctx - kv_start,
+    kv_heads, head_dim]`` copies.
 
-    Only the ``ceil(ctx / block_size)`` used block-table entries are read; the tail of the last
-    block (past ctx) and the keys before kv_start are copied but sliced off before anyone
-    looks at them.
+    Only the block-table entries ``first = kv_start // block_size`` to ``ceil(ctx / block_size)``
+    are read; the head of the first block (before kv_start) and the tail of the last (past ctx)
+    are copied but sliced off before anyone looks at them.
     """
-    ctx, nb, start = view.lens.context_lens[i], view.num_blocks_of(i), view.lens.key_starts[i]
-    ids = view.block_tables[i, :nb].to(torch.long)
+    ctx, nb, first = view.lens.context_lens[i], view.num_blocks_of(i), view.first_block_of(i)
+    ids = view.block_tables[i, first:nb].to(torch.long)
     _, bs, hkv, d = view.k_pool.shape
-    k = view.k_pool.index_select(0, ids).view(nb * bs, hkv, d)[start:ctx]   # (keys, Hkv, D)
-    v = view.v_pool.index_select(0, ids).view(nb * bs, hkv, d)[start:ctx]
+    lo, hi = view.kv_starts[i] - first * bs, ctx - first * bs
+    k = view.k_pool.index_select(0, ids).view(-1, hkv, d)[lo:hi]   # (ctx - kv_start, Hkv, D)
+    v = view.v_pool.index_select(0, ids).view(-1, hkv, d)[lo:hi]
     return k, v
 
 
@@ -46,24 +51,36 @@ def request_rows(view) -> Iterator[tuple[int, int, int]]:
         yield i, start, n
 
 
-def lower_right_mask(t: int, s: int, device) -> torch.Tensor:
-    """Bool ``[t, s]``: query row r (position s - t + r) may see key j iff j <= s - t + r."""
+def lower_right_mask(t: int, s: int, device, window: Optional[int] = None) -> torch.Tensor:
+    """Bool ``[t, s]``: query row r (position s - t + r among the s keys) may see key j iff
+    j <= s - t + r, and, under a sliding ``window``, j > s - t + r - window."""
     rows = torch.arange(t, device=device).unsqueeze(1) + (s - t)
-    return torch.arange(s, device=device).unsqueeze(0) <= rows
+    keys = torch.arange(s, device=device).unsqueeze(0)
+    visible = keys <= rows
+    return visible if window is None else visible & (keys > rows - window)
 
 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               causal_bias: bool = False) -> torch.Tensor:
+               causal_bias: bool = False, window: Optional[int] = None,
+               softcap: Optional[float] = None) -> torch.Tensor:
     """Attention of one request. q ``[T, H, D]``; k, v ``[S, Hkv, D]`` (views); -> ``[T, H, D]``.
 
+    The S keys are the request's readable keys: the last key is the last query's position, so
+    the masks are bottom-right aligned whatever key the slice starts at.
     Decode (T == 1) folds the G = H / Hkv query heads of each KV head into G query rows
-    ``(1, Hkv, G, D)``: no mask is needed (one position sees every key), no GQA expansion,
-    and each KV head is read once instead of G times (2x faster than enable_gqa on CPU).
-    Prefill uses a bottom-right causal mask: a bool mask (CPU), or ``causal_lower_right``
+    ``(1, Hkv, G, D)``: no mask is needed (one position sees every key; a windowed slice holds
+    only keys in its window), no GQA expansion, and each KV head is read once instead of G times
+    (2x faster than enable_gqa on CPU). Prefill uses a bottom-right causal mask: a bool mask
+    (CPU, or a sliding window that hides some keys), or ``causal_lower_right``
     (``causal_bias=True``, CUDA) which keeps the flash / mem-efficient kernels eligible.
+    A logit ``softcap`` has no SDPA kernel: those layers take :func:`softcapped_attention`.
     """
     t, h, d = q.shape
     s, hkv, _ = k.shape
+    if window is not None and s <= window:
+        window = None                 # every query's window covers all of its keys
+    if softcap is not None:
+        return softcapped_attention(q, k, v, scale, softcap, lower_right_mask(t, s, q.device, window))
     kt = k.transpose(0, 1).unsqueeze(0)   # (1, Hkv, S, D), strided view
     vt = v.transpose(0, 1).unsqueeze(0)
     if t == 1:
@@ -74,10 +91,11 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
         kt = kt.repeat_interleave(h // hkv, dim=1)
         vt = vt.repeat_interleave(h // hkv, dim=1)
     gqa = {"enable_gqa": True} if h != hkv and SDPA_HAS_GQA else {}
-    if t == s:
+    if t == s and window is None:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, **gqa)
     else:
-        mask = _causal_bias(t, s) if causal_bias else lower_right_mask(t, s, q.device)
+        mask = _causal_bias(t, s) if causal_bias and window is None else \
+            lower_right_mask(t, s, q.device, window)
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, **gqa)
     return out.squeeze(0).transpose(0, 1)                             # (T, H, D)
 
@@ -87,11 +105,27 @@ def _causal_bias(t: int, s: int):
     return causal_lower_right(t, s)
 
 
+def softcapped_attention(q, k, v, scale: float, softcap: float, visible: torch.Tensor) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T * scale / cap) masked by ``visible`` [T, S]) v, in the input
+    dtype as transformers' eager Gemma 2 computes it (softmax in fp32). q [T,H,D]; k, v [S,Hkv,D]."""
+    t, h, _ = q.shape
+    hkv = k.shape[1]
+    kx = k.repeat_interleave(h // hkv, dim=1)                          # (S, H, D)
+    vx = v.repeat_interleave(h // hkv, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, kx) * scale               # (H, T, S)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    weights = scores.float().softmax(-1).to(q.dtype)
+    return torch.einsum("hts,shd->thd", weights, vx)
+
+
 def per_request(q: torch.Tensor, view, scale: float, causal_bias: bool = False) -> torch.Tensor:
-    """Loop over requests: slice (vmem, zero copy) or gather (paged), then :func:`attend_one`."""
+    """Loop over requests: slice (vmem, zero copy) or gather (paged) the layer's readable keys,
+    then :func:`attend_one` with the layer's window and soft-cap."""
     kv_of = vmem_kv if view.kind == "vmem" else paged_kv
     out = torch.empty_like(q)
     for i, start, n in request_rows(view):
         k, v = kv_of(view, i)
-        out[start:start + n] = attend_one(q[start:start + n], k, v, scale, causal_bias)
+        out[start:start + n] = attend_one(q[start:start + n], k, v, scale, causal_bias,
+                                          view.window, view.softcap)
     return out

@@ -6,38 +6,50 @@ cannot hide by appearing on both sides of a comparison.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .base import AttentionBackend, PagedLayerView, VMemLayerView
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """fp32 softmax(q k^T * scale + bottom-right causal) v. q [T,H,D]; k, v [S,Hkv,D] -> [T,H,D]."""
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+    """fp32 softmax(softcap(q k^T * scale) + bottom-right causal [+ window]) v.
+    q [T,H,D]; k, v [S,Hkv,D] (the last key is the last query's position) -> [T,H,D]."""
     t, h, _ = q.shape
     s, hkv, _ = k.shape
     k = k.float().repeat_interleave(h // hkv, dim=1)                   # (S, H, D)
     v = v.float().repeat_interleave(h // hkv, dim=1)
     scores = torch.einsum("thd,shd->hts", q.float(), k) * scale        # (H, T, S)
-    pos = torch.arange(t, device=q.device).unsqueeze(1) + (s - t)      # absolute query position
-    visible = torch.arange(s, device=q.device).unsqueeze(0) <= pos     # (T, S)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    pos = torch.arange(t, device=q.device).unsqueeze(1) + (s - t)      # query position among keys
+    key = torch.arange(s, device=q.device).unsqueeze(0)
+    visible = key <= pos                                               # (T, S)
+    if window is not None:
+        visible &= key > pos - window
     scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hts,shd->thd", scores.softmax(-1), v).to(q.dtype)
 
 
 class ReferenceBackend(AttentionBackend):
-    """Dense fp32 math; slow and simple on purpose. Every other backend is checked against it."""
+    """Dense fp32 math; slow and simple on purpose. Every other backend is checked against it.
+    Reads each request's keys from ``kv_start`` (the window's first key) to ``context_len``."""
     name = "reference"
     devices = frozenset({"cpu", "cuda"})
     kinds = frozenset({"vmem", "paged"})
     supports_kv_starts = True   # keys kv_start .. ctx - 1 only: the earlier ones are never read
+    layer_features = frozenset({"window", "softcap"})
 
     def _forward_vmem(self, q, view: VMemLayerView, scale):
         out = torch.empty_like(q)
         for i, slot in enumerate(view.host_slots):
             ctx, n, start = view.lens.context_lens[i], view.lens.query_lens[i], view.lens.q_starts[i]
-            first = view.lens.key_starts[i]
-            k, v = view.k_cache[slot, first:ctx], view.v_cache[slot, first:ctx]
-            out[start:start + n] = dense_attention(q[start:start + n], k, v, scale)
+            lo = view.kv_starts[i]
+            k, v = view.k_cache[slot, lo:ctx], view.v_cache[slot, lo:ctx]
+            out[start:start + n] = dense_attention(q[start:start + n], k, v, scale,
+                                                   view.window, view.softcap)
         return out
 
     def _forward_paged(self, q, view: PagedLayerView, scale):
@@ -45,8 +57,9 @@ class ReferenceBackend(AttentionBackend):
         bs = view.block_size
         for i in range(len(view.lens.context_lens)):
             ctx, n, start = view.lens.context_lens[i], view.lens.query_lens[i], view.lens.q_starts[i]
-            pos = torch.arange(view.lens.key_starts[i], ctx, device=q.device)
+            pos = torch.arange(view.kv_starts[i], ctx, device=q.device)
             blocks = view.block_tables[i].to(torch.long)[pos // bs]     # one entry per token
             k, v = view.k_pool[blocks, pos % bs], view.v_pool[blocks, pos % bs]
-            out[start:start + n] = dense_attention(q[start:start + n], k, v, scale)
+            out[start:start + n] = dense_attention(q[start:start + n], k, v, scale,
+                                                   view.window, view.softcap)
         return out

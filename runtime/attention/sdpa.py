@@ -21,6 +21,7 @@ class SdpaBackend(AttentionBackend):
     devices = frozenset({"cpu", "cuda"})
     kinds = frozenset({"vmem", "paged"})
     supports_kv_starts = True
+    layer_features = frozenset({"window", "softcap"})   # a window mask; soft-capped math
 
     def _forward_vmem(self, q, view, scale):
         return per_request(q, view, scale, causal_bias=q.is_cuda)

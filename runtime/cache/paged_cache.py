@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from vmemkv.runtime.attention.base import PagedLayerView, StepMeta
+from vmemkv.runtime.attention.base import PagedLayerView, StepMeta, window_starts
 from vmemkv.scheduler.plan import CopyBlock, DropSwapped, EditBlocks, SwapIn, SwapOut
 
 from ..config import CacheConfig
@@ -107,7 +107,7 @@ class PagedKVCache(KVCache):
         if not 0 <= edit.keep <= len(old):
             raise CacheStateError(f"table edit {index} keeps {edit.keep} blocks of sequence "
                                   f"{edit.seq_id}, which has {len(old)}")
-        bad = [b for b in edit.append if not 0 <= b < self.num_blocks]
+        bad = [b for b in edit.append if b is not None and not 0 <= b < self.num_blocks]
         if bad:
             raise CacheStateError(f"table edit {index} names blocks {bad} outside "
                                   f"0..{self.num_blocks - 1}")
@@ -124,7 +124,9 @@ class PagedKVCache(KVCache):
         tables = [self.placement(seq_id) for seq_id in step.seq_ids]
         width = max(len(t) for t in tables)
         device = self.config.torch_device
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        self._check_window_reads(step, tables)
+        # None: a block given back behind the window (never read); 0 pads it like the tail
+        padded = [[0 if b is None else b for b in t] + [0] * (width - len(t)) for t in tables]
         self._block_tables = torch.tensor(padded, dtype=torch.int32, device=device)
         blocks = self._block_tables.long()[step.token_seq_index, step.positions // self.block_size]
         self._flat_write = blocks * self.block_size + step.positions % self.block_size
@@ -132,8 +134,20 @@ class PagedKVCache(KVCache):
         used = tuple(tuple(t[:-(-ctx // bs)]) for t, ctx in zip(tables, step.lens.context_lens))
         meta = StepMeta(step.lens, host_tables=used)
         return [PagedLayerView(self.pools[layer, 0], self.pools[layer, 1], self._block_tables,
-                               step.context_lens, step.query_lens, meta=meta)
+                               step.context_lens, step.query_lens, meta=meta,
+                               window=self.config.window_of(layer))
                 for layer in range(self.config.num_layers)]
+
+    def _check_window_reads(self, step: StepBatch, tables: list) -> None:
+        """Every key a layer reads this step (from its window start) must be in a held block."""
+        for seq_id, table, start in zip(step.seq_ids, tables,
+                                        window_starts(step.lens, self.config.window_tokens)):
+            gone = next((k for k, b in enumerate(table) if b is not None), len(table))
+            if start < gone * self.block_size:
+                raise CacheStateError(
+                    f"sequence {seq_id}: a layer reads keys from token {start} but the plans "
+                    f"gave back its blocks before token {gone * self.block_size} (behind a "
+                    f"sliding window)")
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._check_layer(layer)
@@ -147,6 +161,9 @@ class PagedKVCache(KVCache):
 
     def read(self, seq_id: int, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_read(seq_id, num_tokens)
+        if num_tokens and self.placement(seq_id)[0] is None:
+            raise CacheStateError(f"sequence {seq_id}: its first tokens were given back behind "
+                                  f"a sliding window; they cannot be read")
         index = self._flat_index(self.placement(seq_id), num_tokens)
         flat = self._flat_pools()
         return flat[layer, 0, index].clone(), flat[layer, 1, index].clone()

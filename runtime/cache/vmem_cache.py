@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from vmemkv import vmem
-from vmemkv.runtime.attention.base import StepMeta, VMemLayerView
+from vmemkv.runtime.attention.base import StepMeta, VMemLayerView, window_starts
 from vmemkv.scheduler.geometry import PageGeometry
 from vmemkv.scheduler.plan import CopyGroup, DropSwapped, MapGroup, SetSlot, SwapIn, SwapOut, UnmapGroup
 
@@ -203,20 +203,40 @@ class VMemKVCache(VMemOps, KVCache):
         return edit.slot
 
     def _held_tokens(self, seq_id: int) -> int:
-        pages, n = self._slot_pages[self.placement(seq_id)], 0
-        while n in pages:              # leading pages mapped under the slot
+        pages = self._slot_pages[self.placement(seq_id)]
+        n = self._first_held_page(pages)
+        while n in pages:              # the run of pages mapped under the slot
             n += 1
         return n * self.tokens_per_page
+
+    @staticmethod
+    def _first_held_page(pages: dict) -> int:
+        """The first page a live sequence holds: 0, or past the pages plans gave back behind
+        a sliding window (scheduler.managers.window)."""
+        return 0 if 0 in pages or not pages else min(pages)
+
+    def _check_window_reads(self, step: StepBatch, slots: tuple) -> None:
+        """Every key a layer reads this step (from its window start) must be mapped."""
+        first_read = window_starts(step.lens, self.config.window_tokens)
+        for seq_id, slot, start in zip(step.seq_ids, slots, first_read):
+            held = self._first_held_page(self._slot_pages[slot]) * self.tokens_per_page
+            if start < held:
+                raise CacheStateError(
+                    f"sequence {seq_id}: a layer reads keys from token {start} but the plans "
+                    f"gave back its memory before token {held} (behind a sliding window)")
 
     def _build_step_views(self, step: StepBatch) -> list:
         slots = tuple(self.placement(seq_id) for seq_id in step.seq_ids)
         if len(set(slots)) != len(slots):
             raise CacheStateError(f"sequences {list(step.seq_ids)} share slots {list(slots)}")
+        self._check_window_reads(step, slots)
         self._slots = torch.tensor(slots, dtype=torch.int64, device=self.config.torch_device)
         self._token_slots = self._slots[step.token_seq_index]
         meta = StepMeta(step.lens, host_slots=slots)
-        return [VMemLayerView(k, v, self._slots, step.context_lens, step.query_lens, meta=meta)
-                for k, v in zip(self._k, self._v)]
+        window = self.config.window_of
+        return [VMemLayerView(k, v, self._slots, step.context_lens, step.query_lens, meta=meta,
+                              window=window(layer))
+                for layer, (k, v) in enumerate(zip(self._k, self._v))]
 
     def _ready(self, layer: int) -> None:
         self._check_open()
@@ -247,6 +267,9 @@ class VMemKVCache(VMemOps, KVCache):
         self.wait_for_mapper()
         self._check_read(seq_id, num_tokens)
         slot = self.placement(seq_id)
+        if num_tokens and self._first_held_page(self._slot_pages[slot]):
+            raise CacheStateError(f"sequence {seq_id}: its first tokens were given back behind "
+                                  f"a sliding window; they cannot be read")
         return (self._k[layer][slot, :num_tokens].clone(), self._v[layer][slot, :num_tokens].clone())
 
     def check_integrity(self) -> None:

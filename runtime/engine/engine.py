@@ -26,7 +26,7 @@ from vmemkv.runtime.kv import make_kv
 from vmemkv.runtime.models import eos_token_ids
 from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
-from vmemkv.runtime.hf.support import check_model_supported, kv_shape_of
+from vmemkv.runtime.hf.support import check_model_supported, kv_shape_of, layer_windows_of
 from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.report import serving_report
 from vmemkv.scheduler.request import Request, SeqState
@@ -144,7 +144,7 @@ class Engine(RequestLifecycle):
         """The cache's shape; ``kv_heads``: one tensor-parallel rank's share of the KV heads."""
         mc = model.config.get_text_config()
         shape = dict(**kv_shape_of(mc), dtype=param.dtype, device=str(param.device),
-                     max_batch=cfg.max_batch)
+                     max_batch=cfg.max_batch, layer_windows=layer_windows_of(mc))
         if kv_heads is not None:
             shape["num_kv_heads"] = kv_heads
         # a vmem slot is whole pages: the cache is built rounded up, admission uses max_context

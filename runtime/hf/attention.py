@@ -7,7 +7,7 @@ One packed step, driven by the engine's ModelRunner (HF model code runs unmodifi
       each attention layer: q/k/v projections and RoPE (HF code), then
       vmemkv_attention(module, query [1, H, T, D], key [1, Hkv, T, D], value, mask=None, ...)
           cache.write(layer, k [T, Hkv, D], v)           # the new tokens' K/V, already RoPE'd
-          out = backend.forward(q [T, H, D], cache.layer_view(layer), scaling)
+          out = backend.forward(q [T, H, D], cache.layer_view(layer), scaling, softcap)
           return out [1, T, H, D], None                   # HF reshapes to [1, T, H*D] for o_proj
 
 The T tokens are several sequences packed back to back (prefill chunks and decodes mixed); the
@@ -31,9 +31,10 @@ STEP_KWARG = "vmemkv_step"
 
 
 class UnsupportedModelError(RuntimeKVError, ValueError):
-    """The model needs a feature the vmemkv path does not implement (softcapping, sinks, ALiBi,
-    a sliding window shorter than the context, linear-attention layers, a non-causal layer, no
-    AttentionInterface), or failed the engine's self-check; raised before anything is built."""
+    """The model needs a feature the vmemkv path does not implement (sinks, ALiBi, chunked or
+    bidirectional attention, linear-attention layers, a non-causal layer, no AttentionInterface,
+    a layer whose sliding window differs from the one its cache was built for), or failed the
+    engine's self-check; raised before anything is built."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,8 @@ def vmemkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     layer = module.layer_idx
     ctx.cache.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1))  # (T, Hkv, D)
     q = query[0].transpose(0, 1)                                              # (T, H, D)
-    out = ctx.backend.forward(q, ctx.cache.layer_view(layer), scaling)        # (T, H, D)
+    out = ctx.backend.forward(q, ctx.cache.layer_view(layer), scaling,
+                              softcap=kwargs.get("softcap"))                  # (T, H, D)
     return out.unsqueeze(0), None
 
 
@@ -69,18 +71,16 @@ def _check_supported(module, query: torch.Tensor, ctx: StepContext, kwargs: dict
     if query.shape[0] != 1:
         raise UnsupportedModelError(f"vmemkv attention runs packed batches [1, tokens, ...]; "
                                     f"got a batch of {query.shape[0]}")
-    if kwargs.get("softcap") is not None:
-        raise UnsupportedModelError("vmemkv attention does not implement attention softcapping")
     if kwargs.get("s_aux") is not None:
         raise UnsupportedModelError(f"layer {module.layer_idx} passes attention sinks (s_aux); "
                                     f"vmemkv attention does not implement them")
     window = kwargs.get("sliding_window")
-    if window is not None:   # exact while no sequence is longer than the window
-        longest = max(ctx.cache.layer_view(module.layer_idx).lens.context_lens, default=0)
-        if window < longest:
-            raise UnsupportedModelError(
-                f"layer {module.layer_idx} uses a sliding window of {window} tokens but this step "
-                f"attends over {longest} tokens; sliding windows are not supported past their length")
+    built = ctx.cache.config.window_of(module.layer_idx)
+    if window != built:      # the cache reads (and frees) by its own per-layer windows
+        raise UnsupportedModelError(
+            f"layer {module.layer_idx} attends with a sliding window of {window} tokens but its "
+            f"cache was built for {built} (CacheConfig.layer_windows, from the model config by "
+            f"runtime.hf.support.layer_windows_of)")
     if not getattr(module, "is_causal", True):
         raise UnsupportedModelError(f"layer {module.layer_idx} is not causal")
 

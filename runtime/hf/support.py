@@ -4,9 +4,10 @@ Two paths, two sets of needs:
 
     Engine     our attention function replaces the model's (runtime.hf.attention): the model
                must route attention through transformers' AttentionInterface, and every layer
-               must be plain causal softmax attention over all cached tokens (no sinks, no
-               ALiBi bias, no softcap, no window or chunk shorter than the context, no
-               recurrent/linear-attention state).
+               must be causal softmax attention over its cached tokens, optionally with a
+               sliding window (``layer_windows_of``: keys (p - window, p], transformers'
+               semantics) and a logit soft-cap (Gemma 2); no sinks, no ALiBi bias, no chunked
+               attention, no bidirectional layers, no recurrent/linear-attention state.
     VMemCache  the model's own attention reads K/V from our cache: every layer must keep
                K/V in the cache (no recurrent/linear-attention state); KV heads must be
                readable from the config.
@@ -66,9 +67,24 @@ def check_cache_layers(config, who: str, error: type = UnsupportedModelError) ->
             f"cache does not hold")
 
 
+def layer_windows_of(config) -> tuple:
+    """Per layer, the sliding window (tokens) the model attends with, or None (full attention),
+    as transformers decides it: ``layer_types`` when the config has them (Gemma 2/3, Cohere2,
+    Qwen2's ``use_sliding_window`` + ``max_window_layers``), else ``sliding_window`` on every
+    layer (Mistral, Starcoder2, Phi-3), unless ``use_sliding_window`` is False."""
+    text = text_config(config)
+    n, window = text.num_hidden_layers, getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if not window or getattr(text, "use_sliding_window", True) is False and not types:
+        return (None,) * n
+    if types:
+        return tuple(window if kind == "sliding_attention" else None for kind in types[:n])
+    return (window,) * n
+
+
 def check_model_supported(model, max_context: int) -> None:
     """Refuse, before anything runs, a model whose attention the Engine cannot compute exactly.
-    ``max_context`` is the user's limit (quoted in the sliding-window message)."""
+    ``max_context`` is the user's limit (windows are honoured at any length)."""
     config = text_config(model.config)
     check_cache_layers(config, "the Engine")
     name = type(model).__name__
@@ -78,22 +94,15 @@ def check_model_supported(model, max_context: int) -> None:
             f"(_supports_attention_backend=False), so the Engine cannot run its attention; "
             f"docs/models.md lists the families that run (model.generate with a VMemCache runs some)")
     _check_bias_features(model, config)
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or ()
-    sliding = ("sliding_attention" in layer_types if layer_types
-               else getattr(config, "use_sliding_window", True))
-    if window is not None and sliding and window < max_context:
-        raise UnsupportedModelError(
-            f"the model uses a sliding window of {window} tokens, shorter than the engine's "
-            f"max_context {max_context}; sliding windows are not supported (lower max_context "
-            f"to {window} or less)")
 
 
 def _check_bias_features(model, config) -> None:
-    """Features that add to or reshape the softmax, which our backends do not compute."""
-    if getattr(config, "attn_logit_softcapping", None):
-        raise UnsupportedModelError("vmemkv attention does not implement attention softcapping "
-                                    f"(attn_logit_softcapping={config.attn_logit_softcapping})")
+    """Features that add to or reshape the softmax, or the key set, which our backends do not
+    compute (a window and a logit soft-cap they do)."""
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            f"vmemkv attention is causal; this {getattr(config, 'model_type', '?')} config sets "
+            f"use_bidirectional_attention=True (bidirectional attention)")
     attn_config = getattr(config, "attn_config", None)
     if getattr(config, "alibi", False) or getattr(attn_config, "alibi", False) \
             or getattr(config, "position_embedding_type", None) == "alibi":

@@ -219,6 +219,18 @@ class MemoryManager(ABC):
         units counted as free."""
         return self.stats().usage_fraction
 
+    # -- sliding windows --
+    @property
+    def window_tokens(self) -> Optional[int]:
+        """The window (tokens) behind which this manager gives memory back, or None (it keeps
+        every token: no model window, a layer without one, or a policy that cannot)."""
+        return None
+
+    def release_behind_window(self, seq_id: int, computed_tokens: int) -> None:
+        """The next step's earliest query of ``seq_id`` is at ``computed_tokens``: give back
+        the memory of units wholly behind every layer's window (tokens before
+        ``computed_tokens - window_tokens + 1``). A no-op without ``window_tokens``."""
+
     # -- swap --
     @abstractmethod
     def swap_out(self, seq_id: int) -> int:

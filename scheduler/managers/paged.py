@@ -23,9 +23,10 @@ from .common import check_int
 from .eviction import DEFAULT_EVICTION
 from .prefix import HeldSeq
 from .units import UnitManager
+from .window import WindowedGroups, dropped_units, held_units
 
 
-class PagedManager(UnitManager):
+class PagedManager(WindowedGroups, UnitManager):
     """Block-table manager. ``prefix_queries``/``prefix_hits`` count TOKENS (as vLLM's
     prefix-cache metrics do): tokens offered to ``allocate`` with ``token_ids``, and of those the
     tokens served from cached blocks."""
@@ -42,8 +43,9 @@ class PagedManager(UnitManager):
             raise ConfigError(f"cache_bytes={cache_bytes} holds no block of {bs} tokens; needs "
                               f">= {bs * self.bytes_per_token}")
         self._init_units(self.num_blocks, bs, prefix_eviction)
+        self._init_window(model.window_tokens)
 
-    _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {"block_size", "num_blocks"}
+    _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {"block_size", "num_blocks", "_window"}
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -51,7 +53,7 @@ class PagedManager(UnitManager):
 
     def block_table(self, seq_id: int) -> list:
         """Block ids of a resident sequence, in token order (block k holds tokens
-        [k*block_size, (k+1)*block_size))."""
+        [k*block_size, (k+1)*block_size)); None for a block given back behind the window."""
         return list(self._seq(seq_id).units)
 
     def _available_units(self) -> int:
@@ -149,20 +151,21 @@ class PagedManager(UnitManager):
         parent = self._seq(parent_id)
         self._check_new(child_id)
         child = parent.copy()
-        for b in child.units:
+        for b in held_units(child):
             self._hold(b)
         self._seqs[child_id] = child
-        self._cap_sum += len(child.units) * self.block_size
-        self._tok_sum += child.num_tokens
+        self._cap_sum += len(held_units(child)) * self.block_size
+        self._tok_sum += child.num_tokens - dropped_units(child) * self.block_size
 
     def _swap_location(self, seq: HeldSeq) -> dict:
         return {"blocks": tuple(seq.units)}
 
     def _release(self, seq: HeldSeq) -> None:
-        for b in reversed(seq.units):   # tail blocks first in LRU: evicted before the prefix
+        held = held_units(seq)
+        for b in reversed(held):        # tail blocks first in LRU: evicted before the prefix
             self._unhold(b)
-        self._cap_sum -= len(seq.units) * self.block_size
-        self._tok_sum -= seq.num_tokens
+        self._cap_sum -= len(held) * self.block_size
+        self._tok_sum -= seq.num_tokens - (len(seq.units) - len(held)) * self.block_size
         seq.units = []
 
     # -- swap hooks --
@@ -194,7 +197,9 @@ class PagedManager(UnitManager):
         bs, refs = self.block_size, [0] * self.num_blocks
         for seq in self._seqs.values():
             assert len(seq.units) == -(-seq.num_tokens // bs), "block table length"
-            for k, b in enumerate(seq.units):
+            gone = dropped_units(seq)
+            assert None not in seq.units[gone:], "given back past the window's start"
+            for k, b in enumerate(seq.units[gone:], start=gone):
                 refs[b] += 1
                 assert self._fill[b] == min(bs, seq.num_tokens - k * bs), ("fill", b)
         assert refs == self._refs, "reference counts"
@@ -207,7 +212,7 @@ class PagedManager(UnitManager):
         assert len(cached) == len(self._cache)
         assert all(refs[b] or b in cached for b in self.prefix.by_unit), "registered: held or cached"
         assert self._live == sum(self._fill[b] for b in range(self.num_blocks) if refs[b])
-        assert self._cap_sum == sum(len(s.units) * bs for s in self._seqs.values())
-        assert self._tok_sum == sum(s.num_tokens for s in self._seqs.values())
+        assert self._cap_sum == sum(len(held_units(s)) * bs for s in self._seqs.values())
+        assert self._tok_sum == sum(s.num_tokens - dropped_units(s) * bs for s in self._seqs.values())
         self.prefix.check()
         self._swap_integrity()

@@ -190,7 +190,10 @@ class UnitManager(ManagerCore):
     def _register_unit(self, seq: HeldSeq, k: int, key) -> None:
         """Name unit ``k`` of ``seq`` by ``key``, chained on the sequence's unit k-1, or, when
         another unit holds that content (computed by two sequences at once), on that one: the
-        rest of the sequence stays findable behind the first copy."""
+        rest of the sequence stays findable behind the first copy. None when unit k-1 was given
+        back behind a window: the chain cannot be verified."""
+        if k and seq.units[k - 1] is None:
+            return
         parent = seq.units[k - 1] if k else None
         if k and parent not in self.prefix.by_unit:
             chain = self.prefix.match(seq.keys[:k])     # rare: a duplicate unit k-1

@@ -37,9 +37,12 @@ from .eviction import DEFAULT_EVICTION
 from .prefix import HeldSeq
 from .slots import FreeSlots
 from .units import UnitManager
+from .window import WindowedGroups, dropped_units, held_units
 
-class VmemManager(UnitManager):
-    """Slot + page-group manager. ``prefix_queries``/``prefix_hits`` count TOKENS."""
+
+class VmemManager(WindowedGroups, UnitManager):
+    """Slot + page-group manager. ``prefix_queries``/``prefix_hits`` count TOKENS. With a
+    model whose every layer is windowed it gives back groups behind the window (window.py)."""
 
     name = "vmem"
 
@@ -75,6 +78,7 @@ class VmemManager(UnitManager):
         self._pages = [dict() for _ in range(self.num_slots)]  # slot -> {page_index: group}
         self._owner: list = [None] * self.num_slots           # slot -> seq_id or None
         self._free_slots = FreeSlots(self.num_slots, self.pages_per_slot)
+        self._init_window(model.window_tokens)
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -86,7 +90,7 @@ class VmemManager(UnitManager):
 
     _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {
         "geometry", "layout", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
-        "pages_per_slot"}
+        "pages_per_slot", "_window"}
 
     _DERIVED_FIELDS = frozenset({"_maps"})   # group -> mappings: the inverse of _pages
 
@@ -169,6 +173,10 @@ class VmemManager(UnitManager):
         else:
             self._cache.remove(g)
 
+    def _give_back(self, seq: HeldSeq, pi: int, g: int) -> None:
+        if self._pages[seq.slot].get(pi) == g:     # a window's group: unmapped at once
+            self._unmap(seq.slot, pi)
+
     def _grow_page(self, slot: int, pi: int) -> int:
         """Back page ``pi`` of ``slot`` with a private group for new content: the group
         already mapped there if nobody uses it and it holds nothing cached (no op), else a
@@ -223,6 +231,8 @@ class VmemManager(UnitManager):
         mapped already (the same physical pages at a second address: no copy)."""
         pages = self._pages[slot]
         for pi, g in enumerate(groups):
+            if g is None:             # behind a window: given back
+                continue
             self._hold(g)
             if pages.get(pi) != g:
                 if pi in pages:
@@ -323,18 +333,19 @@ class VmemManager(UnitManager):
             self._raise_no_room(f"forking sequence {parent_id}: all {self.num_slots} slots in use")
         child = parent.copy()
         self._share_into(self._occupy(child_id, child), child.units)
-        self._cap_sum += len(child.units) * self.tokens_per_page
-        self._tok_sum += child.num_tokens
+        self._cap_sum += len(held_units(child)) * self.tokens_per_page
+        self._tok_sum += child.num_tokens - dropped_units(child) * self.tokens_per_page
         self._seqs[child_id] = child
 
     def _swap_location(self, seq: HeldSeq) -> dict:
         return {"slot": seq.slot}
 
     def _release(self, seq: HeldSeq) -> None:
-        for g in reversed(seq.units):   # tail pages enter the LRU first: reclaimed first
+        held = held_units(seq)
+        for g in reversed(held):        # tail pages enter the LRU first: reclaimed first
             self._unhold(g)
-        self._cap_sum -= len(seq.units) * self.tokens_per_page
-        self._tok_sum -= seq.num_tokens
+        self._cap_sum -= len(held) * self.tokens_per_page
+        self._tok_sum -= seq.num_tokens - (len(seq.units) - len(held)) * self.tokens_per_page
         self._owner[seq.slot] = None
         self._free_slots.add(seq.slot, len(self._pages[seq.slot]))
         seq.units, seq.slot = [], -1
@@ -368,7 +379,9 @@ class VmemManager(UnitManager):
         for seq_id, seq in self._seqs.items():
             assert self._owner[seq.slot] == seq_id and seq.slot not in self._free_slots
             assert len(seq.units) == -(-seq.num_tokens // tpp), "page count"
-            for pi, g in enumerate(seq.units):
+            gone = dropped_units(seq)
+            assert None not in seq.units[gone:], ("given back past the window's start", seq_id)
+            for pi, g in enumerate(seq.units[gone:], start=gone):
                 refs[g] += 1
                 assert self._pages[seq.slot].get(pi) == g, ("unmapped page in use", seq_id, pi)
                 assert self._fill[g] == min(tpp, seq.num_tokens - pi * tpp), ("fill", g)
@@ -393,7 +406,7 @@ class VmemManager(UnitManager):
         assert held + len(self._free) + len(self._reclaimable) + len(cached) == self.num_groups, \
             "free + reclaimable + cached + held == total"
         assert self._live == sum(self._fill[g] for g in range(self.num_groups) if refs[g])
-        assert self._cap_sum == sum(len(s.units) * tpp for s in self._seqs.values())
-        assert self._tok_sum == sum(s.num_tokens for s in self._seqs.values())
+        assert self._cap_sum == sum(len(held_units(s)) * tpp for s in self._seqs.values())
+        assert self._tok_sum == sum(s.num_tokens - dropped_units(s) * tpp for s in self._seqs.values())
         self.prefix.check()
         self._swap_integrity()

@@ -119,7 +119,7 @@ def test_vmemcache_config_errors(model):
 # ---- HF integration: the vmemkv attention function ---------------------------------------
 class RecordingCache:
     def __init__(self, max_context=64):
-        self.config = SimpleNamespace(max_context=max_context)
+        self.config = SimpleNamespace(max_context=max_context, window_of=lambda layer: None)
         self.writes = []
 
     def write(self, *args):
@@ -142,9 +142,9 @@ def attention_call(batch=1, ctx=True, module=None, **kwargs):
 UNSUPPORTED_CASES = [
     ("no-step-context", dict(ctx=False), ["vmemkv_step=StepContext", "vmemkv.runtime.engine"]),
     ("batched", dict(batch=2), ["packed batches [1, tokens, ...]", "batch of 2"]),
-    ("softcap", dict(softcap=30.0), ["softcapping"]),
     ("sinks", dict(s_aux=torch.zeros(4)), ["layer 1", "attention sinks (s_aux)"]),
-    ("sliding-window", dict(sliding_window=16), ["layer 1", "sliding window of 16", "attends over 64 tokens"]),
+    ("window-not-the-caches", dict(sliding_window=16), ["layer 1", "sliding window of 16",
+                                                         "cache was built for None"]),
     ("not-causal", dict(module=SimpleNamespace(layer_idx=1, is_causal=False)), ["layer 1", "not causal"]),
 ]
 
@@ -162,14 +162,13 @@ def test_unsupported_model_error_writes_nothing(kwargs, words):
 def test_an_unsupported_model_is_refused_when_the_engine_is_built():
     from transformers import AutoModelForCausalLM
     config = model_config("tiny-qwen2")
-    config.use_sliding_window, config.sliding_window, config.max_window_layers = True, 8, 0
-    config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    config.use_bidirectional_attention = True
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         qwen = AutoModelForCausalLM.from_config(config).eval()
     engine = None
     try:
-        with pytest.raises(UnsupportedModelError, match="sliding window of 8"):
+        with pytest.raises(UnsupportedModelError, match="bidirectional attention"):
             engine = Engine(qwen, cache="paged", block_size=8, max_batch=2, max_context=32)
     finally:
         if engine is not None:

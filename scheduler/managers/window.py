@@ -1,0 +1,106 @@
+"""Giving back the units wholly behind a sliding window: vmem page groups (both layouts) and
+paged blocks.
+
+A unit (a page group, or a block of the one block table a sequence has for all layers) backs
+its tokens for every layer, so it can be given back only when no layer reads any of its tokens
+again: when every layer has a window (Mistral, Starcoder2, Phi-3, Qwen2 with every layer sliding). The widest window W bounds
+them all; the next step's earliest query of a sequence is at ``computed`` (its computed
+tokens), which reads keys from ``computed - W + 1`` on (runtime.attention.base.window_starts):
+
+    slot s:  | g0 | g1 | g2 | g3 | g4 | g5 |          computed = 5.5 pages, W = 2 pages
+               ^^^^^^^^^^^^^         ^-- first key read: computed - W + 1
+               wholly behind: unheld (vmem: and unmapped, UnmapGroup), ``units[pi] = None``
+
+A dropped unit is ``None`` in the sequence's unit list (page index -> group); the dropped
+units always form a prefix of the list, and the last unit always stays (growth and
+copy-on-write work on it, so it is never given back even when a window of fewer tokens than a
+page has passed it). The group goes back to the free list once nobody else
+holds or maps it (a fork or prefix-sharing sibling may still hold it), and with it its prefix
+registration: a later prompt cannot hit on content that is gone, and since hits are matched
+from the first unit, nothing after a dropped unit is a hit either. A sequence with dropped
+units is not swapped (``can_swap_out`` is False: its swap copy would read unmapped pages), so
+the scheduler preempts it by recompute, which rebuilds the window from the tokens.
+
+Hybrid models (a full-attention layer beside windowed ones: Gemma 2/3, Cohere2) keep every
+group, since their full layers read all tokens: freeing one layer's part of a group needs
+groups split by layer kind (not built; see docs/models.md).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..errors import SchedulerError
+from .prefix import HeldSeq
+
+
+class WindowSwapError(SchedulerError, ValueError):
+    """``swap_out`` of a sequence that gave back groups behind its window (its swap copy would
+    read unmapped memory); ``can_swap_out`` is False for it, so the scheduler recomputes it."""
+
+
+class WindowedGroups:
+    """Mixed into VmemManager and PagedManager: ``window_tokens``, ``release_behind_window``
+    and the swap refusal; each manager says how a unit is given back (``_give_back``)."""
+
+    _window: Optional[int] = None
+
+    def _init_window(self, window_tokens: Optional[int]) -> None:
+        self._window = window_tokens
+
+    @property
+    def window_tokens(self) -> Optional[int]:
+        return self._window
+
+    def release_behind_window(self, seq_id: int, computed_tokens: int) -> None:
+        """Unhold and unmap the sequence's groups wholly before ``computed_tokens - W + 1``."""
+        if self._window is None:
+            return
+        seq = self._seq(seq_id)
+        first_read = computed_tokens - self._window + 1
+        # the last unit always stays: growth and copy-on-write work on it
+        behind = min(max(first_read, 0) // self.unit_tokens, len(seq.units) - 1)
+        first = behind             # dropped units are a prefix: walk back to its end only,
+        while first > 0 and seq.units[first - 1] is not None:   # O(units newly dropped)
+            first -= 1
+        for pi in range(first, behind):
+            self._drop_unit(seq, pi)
+
+    def _drop_unit(self, seq: HeldSeq, pi: int) -> None:
+        unit = seq.units[pi]
+        seq.units[pi] = None
+        self._unhold(unit)
+        self._cap_sum -= self.unit_tokens
+        self._tok_sum -= self.unit_tokens      # a unit behind the window is full
+        self._give_back(seq, pi, unit)
+
+    def _give_back(self, seq: HeldSeq, pi: int, unit: int) -> None:
+        """After ``unit`` (index ``pi`` of ``seq``) is unheld: the manager's own release."""
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        seq = self._seqs.get(seq_id)
+        if seq is not None and dropped_units(seq):
+            return False
+        return super().can_swap_out(seq_id)
+
+    def swap_out(self, seq_id: int) -> int:
+        seq = self._seq(seq_id)
+        if dropped_units(seq):
+            raise WindowSwapError(
+                f"sequence {seq_id} gave back {dropped_units(seq)} page groups behind its "
+                f"{self._window}-token window and cannot be swapped out; preempt it by recompute")
+        return super().swap_out(seq_id)
+
+
+def dropped_units(seq: HeldSeq) -> int:
+    """Leading units of ``seq`` given back behind its window."""
+    n = 0
+    for unit in seq.units:
+        if unit is not None:
+            break
+        n += 1
+    return n
+
+
+def held_units(seq: HeldSeq) -> list:
+    """The units ``seq`` still holds (its list without the dropped prefix)."""
+    return seq.units[dropped_units(seq):]
