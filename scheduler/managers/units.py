@@ -190,9 +190,9 @@ class UnitManager(ManagerCore):
     def _register_unit(self, seq: HeldSeq, k: int, key) -> None:
         """Name unit ``k`` of ``seq`` by ``key``, chained on the sequence's unit k-1, or, when
         another unit holds that content (computed by two sequences at once), on that one: the
-        rest of the sequence stays findable behind the first copy. None when unit k-1 was given
-        back behind a window: the chain cannot be verified."""
-        if k and seq.units[k - 1] is None:
+        rest of the sequence stays findable behind the first copy. Nothing when unit k or k-1
+        was given back behind a window (gone, or a chain that cannot be verified)."""
+        if seq.units[k] is None or (k and seq.units[k - 1] is None):
             return
         parent = seq.units[k - 1] if k else None
         if k and parent not in self.prefix.by_unit:
