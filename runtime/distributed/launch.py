@@ -34,7 +34,7 @@ class TensorParallel:
             raise TensorParallelConfigError(
                 "this process already belongs to a torch.distributed group (torchrun?): use "
                 "tp_launch='env' and run vmemkv.runtime.distributed.follow(model) on ranks 1..N-1")
-        self.world, self.spawned, self.kv, self._open = world, None, None, False
+        self.world, self.spawned, self.kv, self._open, self._failed = world, None, None, False, False
         self.group = RankGroup(0, world, payload.step_timeout_s)
         try:
             self._join(model, payload, launch)
@@ -84,20 +84,24 @@ class TensorParallel:
         """Send ``plan`` to every rank and run it here; returns ``ModelRunner.execute``'s result.
         PlanExecutionError (rolled back on every rank) or TensorParallelError (a rank died or
         hung: the caller must close)."""
-        self.group.broadcast(plan)
-        return self.executor.execute(plan)
+        try:
+            self.group.broadcast(plan)
+            return self.executor.execute(plan)
+        except TensorParallelError:
+            self._failed = True    # close() then kills the ranks at once: one may be hung
+            raise
 
     def close(self) -> None:
         """Stop every rank (a final broadcast when they are reachable; kill otherwise), leave the
         group, free rank 0's cache. Idempotent; never raises for a dead rank."""
-        if self._open:
+        if self._open and not self._failed:
             self._open = False
             try:
                 self.group.broadcast(None)
             except TensorParallelError:
                 pass
         if self.spawned is not None:
-            self.spawned.stop()
+            self.spawned.stop(grace_s=0.0 if self._failed else 5.0)
             self.spawned = None
         leave_group()
         if self.kv is not None:

@@ -55,15 +55,6 @@ def test_tp2_tokens_equal_tp1_and_transformers_with_preemption_forks_and_prefixe
     assert bytes2 * 2 == bytes1                                        # each rank: half the KV
 
 
-def test_default_sized_rank_cache_holds_half_the_kv_bytes():
-    with Engine(model(), max_batch=2, max_context=1024, self_check=False) as one:
-        full = one.stats().cache_bytes
-    with Engine(model(), max_batch=2, max_context=1024, self_check=False,
-                tensor_parallel_size=2) as two:
-        assert two.stats().cache_bytes * 2 == full
-        assert two.cache_config.num_kv_heads == 1
-
-
 @pytest.mark.parametrize("size, match", [
     (0, "tensor_parallel_size must be an int >= 1, got 0"),
     (3, "tensor_parallel_size 3 does not divide the model's 4 attention heads"),
@@ -107,9 +98,13 @@ def test_ranks_started_by_torchrun_give_the_same_tokens(tmp_path):
 def test_a_plan_failing_on_one_rank_is_undone_on_every_rank_and_output_stays_exact():
     driver = FaultInjectingDriver(vmem.open_driver("host"))
     batch = [[3, 1, 4, 1, 5, 9, 2, 6] * 3, [2, 7, 1, 8]]
-    with Engine(model(), driver=driver, cache="vmem", page_bytes=4096, max_batch=2,
-                max_context=128, tensor_parallel_size=2, self_check=False,
-                check_integrity=True) as engine:
+    options = dict(cache="vmem", page_bytes=4096, max_batch=2, max_context=128, self_check=False)
+    with Engine(model(), **options) as one:
+        full_bytes = one.stats().cache_bytes
+    with Engine(model(), driver=driver, tensor_parallel_size=2, check_integrity=True,
+                **options) as engine:
+        assert engine.stats().cache_bytes * 2 == full_bytes   # default-sized: half per rank
+        assert engine.cache_config.num_kv_heads == 1
         driver.fail_at("map", 3)       # rank 0 fails a map; rank 1 applied the plan, undoes it
         out = engine.generate(batch, SamplingParams(max_new_tokens=12))
         assert driver.faults_raised["map"] == 1 and engine.plan_failures == 1
