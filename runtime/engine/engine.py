@@ -28,7 +28,6 @@ from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
 from vmemkv.runtime.hf.support import check_model_supported, kv_shape_of, layer_windows_of
 from vmemkv.scheduler.errors import RequestTooLargeError
-from vmemkv.scheduler.report import serving_report
 from vmemkv.scheduler.request import Request, SeqState
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -36,9 +35,11 @@ from .config import EngineConfig, cache_budget_bytes, check_engine_arguments, pa
 from .tensor_parallel import check_tensor_parallel_engine, kv_heads_per_rank, start_tensor_parallel
 from .errors import EngineConfigError, RequestRejectedError, TensorParallelError
 from .lifecycle import RequestLifecycle
+from .statistics import EngineStatistics
 from .model_runner import ModelRunner
-from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent, request_timings
+from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
 from .sampling import SampleState, Sampler, SamplingParams, make_generator, per_prompt
+from .prompts import encode_prompt
 from .self_check import self_check
 
 Prompt = Union[Sequence[int], str]
@@ -62,7 +63,7 @@ class _Request:
     seq_ids: tuple = ()
 
 
-class Engine(RequestLifecycle):
+class Engine(RequestLifecycle, EngineStatistics):
     """Runs ``model`` (an HF causal LM, e.g. LlamaForCausalLM, Qwen2ForCausalLM) with the
     scheduler on a vmem or paged cache. See EngineConfig for every option; keyword arguments
     override fields of ``config``. ``tokenizer`` (optional) enables text prompts and outputs."""
@@ -180,30 +181,7 @@ class Engine(RequestLifecycle):
         return rid
 
     def _encode(self, prompt: Prompt, index: int):
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestRejectedError(f"prompt {index} is text but the engine has no "
-                                           f"tokenizer; pass token ids or a tokenizer", index)
-            ids = tuple(self.tokenizer(prompt)["input_ids"])
-            text = prompt
-        else:
-            try:
-                tokens = list(prompt)
-            except TypeError:
-                tokens = None
-            if tokens is None or not all(isinstance(t, int) and not isinstance(t, bool)
-                                          for t in tokens):
-                hint = "; pass prompt.tolist()" if isinstance(prompt, torch.Tensor) else ""
-                raise RequestRejectedError(f"prompt {index} must be text or a sequence of int "
-                                           f"token ids, got {str(prompt)[:60]!r}{hint}", index)
-            ids, text = tuple(tokens), None
-        if not ids:
-            raise RequestRejectedError(f"prompt {index} is empty", index)
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestRejectedError(f"prompt {index} has token ids {bad[:5]} outside the "
-                                       f"vocabulary [0, {self.vocab_size})", index)
-        return ids, text
+        return encode_prompt(prompt, index, self.tokenizer, self.vocab_size)
 
     def check_admissible(self, prompts: Sequence[Prompt], sampling) -> None:
         """Raise RequestRejectedError for the first prompt that ``add_request`` would reject."""
@@ -372,50 +350,6 @@ class Engine(RequestLifecycle):
         self.check_admissible(prompts, params)
         return [self.add_request(p, s, on_token, index=i) for i, (p, s) in enumerate(zip(prompts, params))]
 
-    # ---- metrics -------------------------------------------------------------------------
-    def _now(self) -> float:
-        return time.perf_counter() - self._t0
-
-    def _mark(self) -> dict:
-        m = self.scheduler.metrics
-        return dict(t=time.perf_counter(), steps=self._steps, step_s=self._step_s,
-                    mapping_s=self.kv.cache.mapping_s, mapping_stall_s=self.kv.cache.mapping_stall_s,
-                    kv=len(self._kv_usage),
-                    pre=m.num_preemptions, swap=m.num_swap_preemptions, rec=m.recomputed_tokens,
-                    ttft=len(m.ttft_s), itl=len(m.itl_s), gen=m.generated_tokens,
-                    done=m.num_finished_requests, prompt=self._prompt_tokens,
-                    computed=self._computed_tokens, pq=self.kv.manager.prefix_queries,
-                    ph=self.kv.manager.prefix_hits, phases=self._phases())
-
-    def _phases(self) -> dict:
-        return {**self._phase_s, **self.runner.phase_s}
-
-    def stats(self, since: Optional[dict] = None,
-              outputs: Sequence[RequestOutput] = ()) -> EngineStats:
-        """Statistics since ``since`` (a mark taken by generate/stream), or since creation;
-        ``serving`` is the serving report of ``outputs`` (wall seconds; empty without them)."""
-        b = since or dict(t=self._t0, steps=0, step_s=0.0, mapping_s=0.0, mapping_stall_s=0.0, kv=0, pre=0,
-                          swap=0, rec=0, ttft=0, itl=0, gen=0, done=0, prompt=0, computed=0,
-                          pq=0, ph=0, phases={})
-        m, usage = self.scheduler.metrics, self._kv_usage[b["kv"]:]
-        phases = {f"{k}_s": v - b["phases"].get(k, 0.0) for k, v in self._phases().items()}
-        return EngineStats(
-            cache=self.config.cache if self.config.cache == "paged" else f"vmem/{self.config.layout}",
-            attention=self.attention, requests=m.num_finished_requests - b["done"],
-            prompt_tokens=self._prompt_tokens - b["prompt"], output_tokens=m.generated_tokens - b["gen"],
-            steps=self._steps - b["steps"], wall_s=time.perf_counter() - b["t"],
-            step_s=self._step_s - b["step_s"], mapping_s=self.kv.cache.mapping_s - b["mapping_s"],
-            mapping_stall_s=self.kv.cache.mapping_stall_s - b["mapping_stall_s"],
-            num_preemptions=m.num_preemptions - b["pre"], num_swap_preemptions=m.num_swap_preemptions - b["swap"],
-            recomputed_tokens=m.recomputed_tokens - b["rec"],
-            kv_usage_mean=sum(usage) / len(usage) if usage else 0.0, kv_usage_peak=max(usage, default=0.0),
-            cache_bytes=self.kv.manager.stats().total_tokens * self.cache_config.bytes_per_token,
-            computed_tokens=self._computed_tokens - b["computed"],
-            prefix_cache_queries=self.kv.manager.prefix_queries - b["pq"],
-            prefix_cache_hits=self.kv.manager.prefix_hits - b["ph"],
-            ttft_s=m.ttft_s[b["ttft"]:], itl_s=m.itl_s[b["itl"]:],
-            serving=serving_report(request_timings(outputs)) if outputs else {}, **phases)
-
     # ---- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:
         """Release the cache (unmaps and frees every page) and switch the model back to the
@@ -431,11 +365,6 @@ class Engine(RequestLifecycle):
             self.tp.close()      # stops ranks 1..N-1, then frees rank 0's cache
         else:
             self.cache.close()
-
-    @property
-    def tp_comm_s(self) -> float:
-        """Seconds rank 0 spent in tensor-parallel collectives so far (0 without TP)."""
-        return self.tp.comm_s if self.tp is not None else 0.0
 
     def __enter__(self) -> "Engine":
         return self

@@ -1,0 +1,66 @@
+"""The engine's statistics: marks taken before a ``generate``, and ``EngineStats`` since one.
+
+A mixin of ``Engine``: it reads the engine's counters (steps, step time and its phases, the
+scheduler's metrics, the manager's prefix counters, the cache's mapping times) and never
+changes them.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional, Sequence
+
+from vmemkv.scheduler.report import serving_report
+
+from .outputs import EngineStats, RequestOutput, request_timings
+
+
+class EngineStatistics:
+    """``stats(since=mark)`` and the marks ``generate``/``stream`` take (see ``Engine``)."""
+
+    def _now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def _mark(self) -> dict:
+        m = self.scheduler.metrics
+        return dict(t=time.perf_counter(), steps=self._steps, step_s=self._step_s,
+                    mapping_s=self.kv.cache.mapping_s, mapping_stall_s=self.kv.cache.mapping_stall_s,
+                    kv=len(self._kv_usage),
+                    pre=m.num_preemptions, swap=m.num_swap_preemptions, rec=m.recomputed_tokens,
+                    ttft=len(m.ttft_s), itl=len(m.itl_s), gen=m.generated_tokens,
+                    done=m.num_finished_requests, prompt=self._prompt_tokens,
+                    computed=self._computed_tokens, pq=self.kv.manager.prefix_queries,
+                    ph=self.kv.manager.prefix_hits, phases=self._phases())
+
+    def _phases(self) -> dict:
+        return {**self._phase_s, **self.runner.phase_s}
+
+    def stats(self, since: Optional[dict] = None,
+              outputs: Sequence[RequestOutput] = ()) -> EngineStats:
+        """Statistics since ``since`` (a mark taken by generate/stream), or since creation;
+        ``serving`` is the serving report of ``outputs`` (wall seconds; empty without them)."""
+        b = since or dict(t=self._t0, steps=0, step_s=0.0, mapping_s=0.0, mapping_stall_s=0.0, kv=0, pre=0,
+                          swap=0, rec=0, ttft=0, itl=0, gen=0, done=0, prompt=0, computed=0,
+                          pq=0, ph=0, phases={})
+        m, usage = self.scheduler.metrics, self._kv_usage[b["kv"]:]
+        phases = {f"{k}_s": v - b["phases"].get(k, 0.0) for k, v in self._phases().items()}
+        return EngineStats(
+            cache=self.config.cache if self.config.cache == "paged" else f"vmem/{self.config.layout}",
+            attention=self.attention, requests=m.num_finished_requests - b["done"],
+            prompt_tokens=self._prompt_tokens - b["prompt"], output_tokens=m.generated_tokens - b["gen"],
+            steps=self._steps - b["steps"], wall_s=time.perf_counter() - b["t"],
+            step_s=self._step_s - b["step_s"], mapping_s=self.kv.cache.mapping_s - b["mapping_s"],
+            mapping_stall_s=self.kv.cache.mapping_stall_s - b["mapping_stall_s"],
+            num_preemptions=m.num_preemptions - b["pre"], num_swap_preemptions=m.num_swap_preemptions - b["swap"],
+            recomputed_tokens=m.recomputed_tokens - b["rec"],
+            kv_usage_mean=sum(usage) / len(usage) if usage else 0.0, kv_usage_peak=max(usage, default=0.0),
+            cache_bytes=self.kv.manager.stats().total_tokens * self.cache_config.bytes_per_token,
+            computed_tokens=self._computed_tokens - b["computed"],
+            prefix_cache_queries=self.kv.manager.prefix_queries - b["pq"],
+            prefix_cache_hits=self.kv.manager.prefix_hits - b["ph"],
+            ttft_s=m.ttft_s[b["ttft"]:], itl_s=m.itl_s[b["itl"]:],
+            serving=serving_report(request_timings(outputs)) if outputs else {}, **phases)
+
+    @property
+    def tp_comm_s(self) -> float:
+        """Seconds rank 0 spent in tensor-parallel collectives so far (0 without TP)."""
+        return self.tp.comm_s if self.tp is not None else 0.0
