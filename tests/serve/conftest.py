@@ -55,8 +55,9 @@ def assert_memory_at_baseline(engine) -> None:
     check_matches(manager, cache)
 
 
-def wait_until_idle(server, timeout_s: float = 60.0) -> None:
-    """Bounded wait for every accepted request to end (aborts land between steps)."""
+def wait_until_idle(server, timeout_s: float = 300.0) -> None:
+    """Wait for every accepted request to end (aborts land between steps); the bound only
+    turns a deadlock into a failure, it is no timing check (the work takes well under a second)."""
     import time
     deadline = time.monotonic() + timeout_s
     while server.engine_thread.pending_requests:

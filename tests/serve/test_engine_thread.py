@@ -88,7 +88,7 @@ def test_every_accepted_request_streams_in_order_then_ends_once(requests, max_pe
     futures_by_index = dict(futures)
     assert thread.pending_requests == len(accepted)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 300   # a deadlock guard, not a timing check
     while thread.pending_requests:
         assert time.monotonic() < deadline
         time.sleep(0.005)
