@@ -58,12 +58,12 @@ class RankGroup:
         """Sum ``tensor`` over ranks in place."""
         self._wait(dist.all_reduce(tensor, async_op=True), what, self.step_timeout_s)
 
-    def agree(self, ok: bool) -> bool:
-        """True when every rank passed ``ok=True``."""
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        self._wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True), "agreement",
-                   self.step_timeout_s)
-        return bool(flag.item())
+    def min_over_ranks(self, value: int, what: str, timeout_s: Optional[float] = None) -> int:
+        """The smallest ``value`` any rank passed (``timeout_s``: default ``step_timeout_s``)."""
+        t = torch.tensor([value], dtype=torch.int64)
+        self._wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True), what,
+                   self.step_timeout_s if timeout_s is None else timeout_s)
+        return int(t.item())
 
     def broadcast(self, obj: Any = None, *, idle: bool = False) -> Any:
         """Rank 0 sends ``obj`` (pickled); every other rank returns it. ``idle``: a follower

@@ -60,7 +60,7 @@ class TensorParallel:
 
     def _build(self, model, payload: TPPayload, driver) -> None:
         try:
-            self.kv, self.executor, self.shard = build_rank(payload, self.group, model, driver)
+            self.kv, self.executor = build_rank(payload, self.group, model, driver)
         except BaseException:
             agree_started(self.group, False, payload.start_timeout_s)
             raise

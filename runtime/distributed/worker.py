@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,6 @@ class TPPayload:
     start_timeout_s: float
     threads: int = 0                  # torch threads per rank (0: leave torch's default)
     model: Any = None                 # a module (shared memory) or a picklable loader; None in env mode
-    extra: dict = field(default_factory=dict)
 
 
 def load_model(model_or_loader):
@@ -68,7 +67,7 @@ class RankExecutor:
             failed_at = e.op_index if e.op_index is not None else len(plan.ops)
             if not e.rolled_back:
                 raise TensorParallelError(f"rank {self.group.rank}: {e}") from e
-        first_failure = self._min_over_ranks(failed_at)
+        first_failure = self.group.min_over_ranks(failed_at, "plan agreement")
         if first_failure != NO_FAILURE:
             if error is None:
                 cache.undo_last_plan()
@@ -79,17 +78,12 @@ class RankExecutor:
         cache.forget_last_plan()
         return self.runner.execute(replace(plan, ops=[]))
 
-    def _min_over_ranks(self, value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64)
-        self.group._wait(dist.all_reduce(t, op=dist.ReduceOp.MIN, async_op=True),
-                         "plan agreement", self.group.step_timeout_s)
-        return int(t.item())
 
 
 def build_rank(payload: TPPayload, group: RankGroup, model, driver=None):
-    """This rank's (kv, executor, shard): its model shard (projections sliced, activations summed
-    over ``group``) and a cache built exactly as every other rank builds its own (``driver``:
-    this rank's vmem driver; None opens the default one)."""
+    """This rank's (kv, executor): the executor runs its model shard (projections sliced,
+    activations summed over ``group``) on a cache built exactly as every other rank builds its
+    own (``driver``: this rank's vmem driver; None opens the default one)."""
     from vmemkv.runtime.attention import get_backend
     from vmemkv.runtime.engine.model_runner import ModelRunner
     from vmemkv.runtime.kv import make_kv
@@ -98,7 +92,7 @@ def build_rank(payload: TPPayload, group: RankGroup, model, driver=None):
     kv = make_kv(payload.cache_config, payload.kind, driver=driver, **payload.kv_options)
     try:
         runner = ModelRunner(shard, kv.cache, get_backend(payload.attention))
-        return kv, RankExecutor(group, runner), shard
+        return kv, RankExecutor(group, runner)
     except BaseException:
         kv.close()
         raise
@@ -117,11 +111,10 @@ def serve_plans(group: RankGroup, executor: RankExecutor) -> None:
 
 
 def _follow(group: RankGroup, payload: TPPayload, model, on_error=None) -> None:
-    kv = None
     try:
         if payload.threads:
             torch.set_num_threads(payload.threads)
-        kv, executor, _ = build_rank(payload, group, model)
+        kv, executor = build_rank(payload, group, model)
     except BaseException as error:
         if on_error is not None:
             on_error(error)
@@ -136,10 +129,8 @@ def _follow(group: RankGroup, payload: TPPayload, model, on_error=None) -> None:
 
 
 def agree_started(group: RankGroup, ok: bool, timeout_s: float) -> bool:
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    group._wait(dist.all_reduce(flag, op=dist.ReduceOp.MIN, async_op=True), "start agreement",
-                timeout_s)
-    return bool(flag.item())
+    """True when every rank built its shard and cache (``ok``)."""
+    return group.min_over_ranks(1 if ok else 0, "start agreement", timeout_s) == 1
 
 
 def spawned_rank_main(rank: int, world: int, host: str, port: int, parent_pid: int,
