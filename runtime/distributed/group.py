@@ -68,24 +68,20 @@ class RankGroup:
     def broadcast(self, obj: Any = None, *, idle: bool = False) -> Any:
         """Rank 0 sends ``obj`` (pickled); every other rank returns it. ``idle``: a follower
         waiting for work, which may wait as long as rank 0 lives. One collective when the
-        pickle fits ``INLINE_BYTES`` (a decode plan of hundreds of sequences does), two otherwise."""
-        timeout = None if idle else self.step_timeout_s
+        pickle fits ``INLINE_BYTES`` (a decode plan of hundreds of sequences does), two otherwise:
+        a frame of [8-byte length | the first INLINE_BYTES], then the rest."""
         frame = torch.zeros(INLINE_BYTES + 8, dtype=torch.uint8)
-        data = b""
+        data = pickle.dumps(obj) if self.rank == 0 else b""
         if self.rank == 0:
-            data = pickle.dumps(obj)
-            frame[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
-            head = data[:INLINE_BYTES]
-            if head:
-                frame[8:8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        self._wait(dist.broadcast(frame, 0, async_op=True), "plan broadcast", timeout)
-        if self.rank == 0:
-            rest = torch.frombuffer(bytearray(data[INLINE_BYTES:]), dtype=torch.uint8) \
-                if len(data) > INLINE_BYTES else None
-        else:
-            size = int.from_bytes(frame[:8].numpy().tobytes(), "little")
-            rest = torch.empty(size - INLINE_BYTES, dtype=torch.uint8) if size > INLINE_BYTES else None
-        if rest is not None:
+            head = len(data).to_bytes(8, "little") + data[:INLINE_BYTES]
+            frame[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        self._wait(dist.broadcast(frame, 0, async_op=True), "plan broadcast",
+                   None if idle else self.step_timeout_s)
+        size = int.from_bytes(frame[:8].numpy().tobytes(), "little")
+        rest = None
+        if size > INLINE_BYTES:
+            rest = (torch.frombuffer(bytearray(data[INLINE_BYTES:]), dtype=torch.uint8)
+                    if self.rank == 0 else torch.empty(size - INLINE_BYTES, dtype=torch.uint8))
             self._wait(dist.broadcast(rest, 0, async_op=True), "plan broadcast (rest)",
                        self.step_timeout_s)
         if self.rank == 0:
