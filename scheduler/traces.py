@@ -28,7 +28,7 @@ from importlib import resources
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from .errors import ConfigError
-from .workload import TraceEntry, parse_trace_object, scale_to_length
+from .workload import TraceEntry, parse_entry, parse_trace_object, scale_to_length
 
 MOONCAKE_BLOCK_TOKENS = 512   # tokens per Mooncake hash block
 
@@ -182,22 +182,8 @@ def _jsonl_rows(text: str, where: str) -> Iterator[TraceEntry]:
 
 
 def _mooncake_entry(obj: dict, where: str) -> TraceEntry:
-    values = []
-    for key in ("input_length", "output_length"):
-        v = obj.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"{where}: {key} must be an int >= 1, got {v!r}")
-        values.append(v)
-    stamp = obj.get("timestamp", 0)
-    if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or not 0 <= stamp < math.inf:
-        raise ConfigError(f"{where}: timestamp must be a finite number of ms >= 0, got {stamp!r}")
-    hash_ids = obj.get("hash_ids", [])
-    blocks = -(-values[0] // MOONCAKE_BLOCK_TOKENS)
-    if (not isinstance(hash_ids, list) or len(hash_ids) != blocks
-            or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids)):
-        raise ConfigError(f"{where}: hash_ids must list {blocks} ints >= 0 (one per "
-                          f"{MOONCAKE_BLOCK_TOKENS}-token block of input_length {values[0]})")
-    return TraceEntry(values[0], values[1], stamp / 1000.0, tuple(hash_ids))
+    return parse_entry(obj, where, ("input_length", "output_length", "timestamp"),
+                       units_per_second=1000.0, time_unit="ms", block_tokens=MOONCAKE_BLOCK_TOKENS)
 
 
 def prompt_token_ids(entry: TraceEntry, vocab_size: int, *, seed: int = 0,

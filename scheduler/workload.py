@@ -23,7 +23,7 @@ import json
 import math
 import random
 from dataclasses import dataclass
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 from .errors import ConfigError
 
@@ -154,19 +154,33 @@ def write_trace(path: str, entries: Iterable[TraceEntry]) -> None:
 
 def parse_trace_object(obj, where: str) -> TraceEntry:
     """One decoded line of the project's JSONL format; ``ConfigError`` naming ``where`` if bad."""
+    return parse_entry(obj, where, ("prompt_len", "output_len", "arrival_s"))
+
+
+def parse_entry(obj, where: str, keys: Tuple[str, str, str], units_per_second: float = 1.0,
+                time_unit: str = "", block_tokens: Optional[int] = None) -> TraceEntry:
+    """A ``TraceEntry`` from a decoded JSON object whose prompt, output and arrival fields are
+    named ``keys`` (arrival times in ``1 / units_per_second`` s; missing: 0) with optional ``hash_ids``,
+    exactly one per ``block_tokens``-token prompt block when that is given. ``ConfigError``
+    naming ``where``, the field and the value otherwise."""
     if not isinstance(obj, dict):
         raise ConfigError(f"{where}: expected an object, got {type(obj).__name__}")
     values = []
-    for key, minimum in (("prompt_len", 1), ("output_len", 1)):
+    for key in keys[:2]:
         v = obj.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-            raise ConfigError(f"{where}: {key} must be an int >= {minimum}, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"{where}: {key} must be an int >= 1, got {v!r}")
         values.append(v)
-    arrival = obj.get("arrival_s", 0.0)
+    arrival = obj.get(keys[2], 0)
     if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:
-        raise ConfigError(f"{where}: arrival_s must be a finite number >= 0, got {arrival!r}")
+        unit = f" of {time_unit}" if time_unit else ""
+        raise ConfigError(f"{where}: {keys[2]} must be a finite number{unit} >= 0, got {arrival!r}")
     hash_ids = obj.get("hash_ids", [])
-    if not isinstance(hash_ids, list) or not all(
-            isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids):
-        raise ConfigError(f"{where}: hash_ids must be a list of ints >= 0, got {hash_ids!r}")
-    return TraceEntry(values[0], values[1], float(arrival), tuple(hash_ids))
+    blocks = -(-values[0] // block_tokens) if block_tokens else None
+    if (not isinstance(hash_ids, list) or (blocks is not None and len(hash_ids) != blocks)
+            or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids)):
+        if blocks is None:
+            raise ConfigError(f"{where}: hash_ids must be a list of ints >= 0, got {hash_ids!r}")
+        raise ConfigError(f"{where}: hash_ids must list {blocks} ints >= 0 (one per "
+                          f"{block_tokens}-token block of {keys[0]} {values[0]})")
+    return TraceEntry(values[0], values[1], arrival / units_per_second, tuple(hash_ids))
