@@ -32,7 +32,8 @@ from vmemkv.scheduler.request import Request, SeqState
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from .config import EngineConfig, cache_budget_bytes, check_engine_arguments, page_rounded_context
-from .tensor_parallel import check_tensor_parallel_engine, kv_heads_per_rank, start_tensor_parallel
+from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine, kv_heads_per_rank,
+                              start_tensor_parallel)
 from .errors import EngineConfigError, RequestRejectedError, TensorParallelError
 from .lifecycle import RequestLifecycle
 from .statistics import EngineStatistics
@@ -89,6 +90,7 @@ class Engine(RequestLifecycle, EngineStatistics):
         # refuse, before any memory is built, a backend that cannot run this model's attention
         backend.check_runs(cfg.cache, self.device.type, self.cache_config.dtype, what="the model")
         cache_bytes = cache_budget_bytes(cfg, self.cache_config)   # fits available memory
+        check_ranks_fit(cfg, cache_bytes, self.cache_config.torch_device)   # all ranks, too
         self._model_attn = model.config._attn_implementation   # restored by close()
         self._holds_attention = False
         if cfg.self_check:   # the model is back on its own attention afterwards, pass or fail

@@ -27,6 +27,17 @@ def kv_heads_per_rank(config, world: int) -> int:
     return per_rank(config, world)
 
 
+def check_ranks_fit(cfg, cache_bytes: int, device) -> None:
+    """Spawned ranks share this machine's memory: CacheTooLargeError, before any process
+    starts, when ``tensor_parallel_size`` caches of ``cache_bytes`` each do not fit what is
+    available (ranks a launcher placed elsewhere check their own machine)."""
+    if cfg.tensor_parallel_size > 1 and cfg.tp_launch == "spawn":
+        from vmemkv.runtime.memory import check_fits_device
+        check_fits_device(f"{cfg.tensor_parallel_size} tensor-parallel ranks' KV caches "
+                          f"({cache_bytes} bytes each)", cfg.tensor_parallel_size * cache_bytes,
+                          device)
+
+
 def start_tensor_parallel(model, cfg, cache_config, kv_options: dict, attention: str,
                           driver=None):
     """Ranks 1..N-1 started (``tp_launch``), every rank's shard and cache built; rank 0's

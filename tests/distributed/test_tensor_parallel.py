@@ -148,3 +148,15 @@ def test_plans_larger_than_one_frame_cross_intact():
                 max_tokens_per_step=36000) as engine:
         out = engine.generate(big, SamplingParams(max_new_tokens=2))
     assert tokens(out) == hf_greedy("tiny-llama", big, 2)
+
+
+def test_ranks_whose_caches_together_exceed_free_memory_are_refused_before_starting(monkeypatch):
+    from vmemkv.runtime import memory
+    from vmemkv.runtime.errors import CacheTooLargeError
+    # 3 MiB free: one rank's 2 MiB cache fits, two ranks' do not
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 3 * 2**20)
+    before = multiprocessing.active_children()
+    with pytest.raises(CacheTooLargeError, match="2 tensor-parallel ranks' KV caches"):
+        Engine(model(), max_batch=2, max_context=128, tensor_parallel_size=2, self_check=False,
+               cache_bytes=2 * 2**20)
+    assert multiprocessing.active_children() == before
