@@ -5,8 +5,8 @@ from dataclasses import dataclass, field
 from typing import List, NamedTuple, Optional, Tuple, Union
 
 from .errors import ConfigError
-from .managers.base import (CopyBlock, CopyGroup, DropSwapped, MapGroup, MemoryOp,  # noqa: F401
-                            SwapIn, SwapOut, UnmapGroup)  # the ops a plan carries, re-exported
+from .managers.base import (CopyBlock, CopyGroup, DropSwapped, GroupPart, MapGroup,  # noqa: F401
+                            MemoryOp, ReleaseGroup, SwapIn, SwapOut, UnmapGroup)  # the ops a plan carries, re-exported
 
 PREEMPTION_MODES = ("recompute", "swap")
 

@@ -19,8 +19,8 @@ from typing import Optional
 
 from ..errors import ConfigError
 from ..presets import ModelSpec
-from .base import (CopyBlock, CopyGroup, MapGroup, MemoryManager, MemoryOp, MemoryStats, SwapIn,
-                   SwapOut, UnmapGroup)
+from .base import (CopyBlock, CopyGroup, GroupPart, MapGroup, MemoryManager, MemoryOp, MemoryStats,
+                   ReleaseGroup, SwapIn, SwapOut, UnmapGroup)
 from .common import check_int
 from .eviction import DEFAULT_EVICTION, EVICTION_POLICIES, make_eviction
 from .paged import PagedManager
@@ -65,5 +65,5 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
 
 
 __all__ = ["POLICIES", "EVICTION_POLICIES", "DEFAULT_EVICTION", "make_manager", "MemoryManager", "MemoryStats", "MemoryOp", "MapGroup",
-           "UnmapGroup", "CopyGroup", "CopyBlock", "SwapOut", "SwapIn", "ReserveManager",
+           "UnmapGroup", "ReleaseGroup", "GroupPart", "CopyGroup", "CopyBlock", "SwapOut", "SwapIn", "ReserveManager",
            "PagedManager", "VmemManager"]

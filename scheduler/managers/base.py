@@ -22,21 +22,48 @@ from typing import Optional, Sequence, Union
 # the interleaved layout, each member k >= 1 pages (the fewest holding whole tokens; see
 # scheduler.geometry). Group g is a fixed set of physical pages; the manager hands out groups.
 
+# A hybrid model (full-attention layers beside sliding-window ones) in the per-layer layout
+# splits every group into two PARTS: the members of its full layers and those of its windowed
+# layers, so a sequence can give back the windowed part of a group behind the window while it
+# keeps the full part. Its pool binds physical pages to a group's part at the first MapGroup that
+# needs them and takes them back at ReleaseGroup (see GroupPart). Every other cache maps whole
+# groups ("all") over fixed pages.
+
+class GroupPart:
+    """Which members of a page group an op touches (a str constant; pickles as a plain str)."""
+    ALL = "all"            # every member (every cache)
+    FULL = "full"          # members of the full-attention layers (hybrid per-layer only)
+    WINDOW = "window"      # members of the sliding-window layers (hybrid per-layer only)
+    NAMES = (ALL, FULL, WINDOW)
+
+
 @dataclass(frozen=True)
 class MapGroup:
-    """Map page group ``group`` under ``slot`` at page index ``page_index`` (tokens
-    [page_index * tokens_per_page, (page_index + 1) * tokens_per_page) of that slot)."""
+    """Map ``part`` of page group ``group`` under ``slot`` at page index ``page_index`` (tokens
+    [page_index * tokens_per_page, (page_index + 1) * tokens_per_page) of that slot); on a
+    hybrid pool, pages are bound to the part first if it has none."""
     slot: int
     page_index: int
     group: int
+    part: str = GroupPart.ALL
 
 
 @dataclass(frozen=True)
 class UnmapGroup:
-    """Unmap whatever is mapped under ``slot`` at ``page_index`` (it is ``group``)."""
+    """Unmap ``part`` of what is mapped under ``slot`` at ``page_index`` (it is ``group``); the
+    pages stay bound to the group (on a hybrid pool, until ReleaseGroup)."""
     slot: int
     page_index: int
     group: int
+    part: str = GroupPart.ALL
+
+
+@dataclass(frozen=True)
+class ReleaseGroup:
+    """Hybrid pools only: the physical pages bound to ``part`` of ``group`` go back to the free
+    pages (the part is mapped nowhere when this runs); a later MapGroup binds fresh ones."""
+    group: int
+    part: str = GroupPart.ALL
 
 
 @dataclass(frozen=True)
@@ -91,7 +118,7 @@ class DropSwapped:
     seq_id: int
 
 
-MemoryOp = Union[MapGroup, UnmapGroup, CopyGroup, CopyBlock, SwapOut, SwapIn, DropSwapped]
+MemoryOp = Union[MapGroup, UnmapGroup, ReleaseGroup, CopyGroup, CopyBlock, SwapOut, SwapIn, DropSwapped]
 
 
 @dataclass(frozen=True)
