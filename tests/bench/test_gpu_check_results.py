@@ -52,6 +52,10 @@ def test_the_gate_requires_a_pass_and_no_skip_for_a_missing_gpu():
     assert gate_problems({**passed, "t::c": ("skipped", "no CUDA")}, "gpu") == [
         "skipped for a missing GPU or binding: no CUDA"]
     assert gate_problems({"t::b": ("skipped", "needs 2 GPUs? no: slow")}, "gpu")  # nothing passed
+    # a test's own reason that names GPUs is not a missing GPU; conftest's marker is
+    assert gate_problems({**passed, "t::e": ("skipped", "needs 2 GPUs, 1 visible")}, "gpu") == []
+    assert gate_problems({**passed, "t::f": ("skipped", "GPU test: torch has no CUDA build")},
+                         "gpu") == ["skipped for a missing GPU or binding: GPU test: torch has no CUDA build"]
     assert gate_problems({}, "gpu") and gate_problems({}, "skip")
     assert gate_problems({**passed, "t::d": ("failed", "boom")}, "gpu") == ["t::d: failed boom"]
     assert gate_problems({"t::c": ("skipped", "no CUDA")}, "skip") == []
