@@ -88,6 +88,7 @@ typedef struct {
 /* 8 fp32 lanes (GCC vector extension: AVX with -march=native, plain loops elsewhere) */
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 static inline v8 ld8(const float *p) { return *(const v8u *)p; }
 static inline void st8(float *p, v8 x) { *(v8u *)p = x; }
 static inline float hsum8(v8 x) {
@@ -118,24 +119,134 @@ static inline void axpy(float *acc, float p, const float *row, int64_t d) {
     for (; x < d; x++) acc[x] += p * row[x];
 }
 
-/* key or value c0 + j of request i, heads h0 .. h0+nh-1, as fp32 rows ``stride`` apart: the
- * cache itself for fp32, else converted into scratch (nh * D floats). */
-static const float *token_heads(const args_t *a, const void *base, const int64_t *st, int64_t i,
-                                int64_t t, int64_t h0, int64_t nh, float *scratch, int64_t *stride) {
-    const int64_t off = key_offset(a->slots, a->tables, a->width, a->bs, i, t, st[0], st[1]) + h0 * st[2];
-    if (a->dtype == DT_F32) { *stride = st[2]; return (const float *)base + off; }
-    for (int64_t hh = 0; hh < nh; hh++) load_row(scratch + hh * a->D, base, off + hh * st[2], a->dtype, a->D);
-    *stride = a->D;
-    return scratch;
+/* Pointers to the fp32 rows of keys (or values) c0 .. c0+n-1 of request i, heads h0 ..
+ * h0+nh-1 (head hh of key j at rows[j] + hh * *stride): the cache itself for fp32, else
+ * converted into scratch (n * nh * D floats). */
+static void tile_rows(const args_t *a, const void *base, const int64_t *st, int64_t i, int64_t c0,
+                      int64_t n, int64_t h0, int64_t nh, float *scratch, const float **rows,
+                      int64_t *stride) {
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t off = key_offset(a->slots, a->tables, a->width, a->bs, i, c0 + j, st[0], st[1]) + h0 * st[2];
+        if (a->dtype == DT_F32) { rows[j] = (const float *)base + off; continue; }
+        float *dst = scratch + j * nh * a->D;
+        for (int64_t hh = 0; hh < nh; hh++) load_row(dst + hh * a->D, base, off + hh * st[2], a->dtype, a->D);
+        rows[j] = dst;
+    }
+    *stride = a->dtype == DT_F32 ? st[2] : a->D;
+}
+
+/* q . k over d (a multiple of 8) as 8 partial sums */
+static inline v8 dot_partial(const float *q, const float *k, int64_t d) {
+    v8 s0 = {0}, s1 = {0};
+    int64_t x = 0;
+    for (; x + 16 <= d; x += 16) { s0 += ld8(q + x) * ld8(k + x); s1 += ld8(q + x + 8) * ld8(k + x + 8); }
+    if (x < d) s0 += ld8(q + x) * ld8(k + x);
+    return s0 + s1;
+}
+
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
+
+/* {hsum(a0), ..., hsum(a7)}: the eight horizontal sums in one vector (21 ops, not 8 x 6) */
+static inline v8 hsum8x8(const v8 *a) {
+    v8 x[4], y[2];
+    for (int t = 0; t < 4; t++)
+        x[t] = SHUF(a[2 * t], a[2 * t + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               SHUF(a[2 * t], a[2 * t + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int t = 0; t < 2; t++)
+        y[t] = SHUF(x[2 * t], x[2 * t + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               SHUF(x[2 * t], x[2 * t + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUF(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* s[j] = q . rows[j][off:off+d] for j < n (q already scaled) */
+static inline void tile_scores(float *s, const float *q, const float *const *rows, int64_t off,
+                               int64_t n, int64_t d) {
+    int64_t j = 0;
+    if (d % 8 == 0) {
+        v8 part[8];
+        for (; j + 8 <= n; j += 8) {
+            for (int t = 0; t < 8; t++) part[t] = dot_partial(q, rows[j + t] + off, d);
+            st8(s + j, hsum8x8(part));
+        }
+        for (; j < n; j++) s[j] = hsum8(dot_partial(q, rows[j] + off, d));
+        return;
+    }
+    for (; j < n; j++) s[j] = dot(q, rows[j] + off, d);
+}
+
+/* acc[0:d] += sum_j p[j] * rows[j][off:off+d], 32 lanes of acc held in registers at a time */
+static inline void tile_axpy(float *acc, const float *p, const float *const *rows, int64_t off,
+                             int64_t n, int64_t d) {
+    int64_t x = 0;
+    if (d % 8 == 0) {
+        for (; x + 32 <= d; x += 32) {
+            v8 a0 = ld8(acc + x), a1 = ld8(acc + x + 8), a2 = ld8(acc + x + 16), a3 = ld8(acc + x + 24);
+            for (int64_t j = 0; j < n; j++) {
+                const float *r = rows[j] + off + x;
+                const v8 pv = {p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j]};
+                a0 += pv * ld8(r); a1 += pv * ld8(r + 8); a2 += pv * ld8(r + 16); a3 += pv * ld8(r + 24);
+            }
+            st8(acc + x, a0); st8(acc + x + 8, a1); st8(acc + x + 16, a2); st8(acc + x + 24, a3);
+        }
+        for (; x < d; x += 8) {
+            v8 a0 = ld8(acc + x);
+            for (int64_t j = 0; j < n; j++) {
+                const v8 pv = {p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j]};
+                a0 += pv * ld8(rows[j] + off + x);
+            }
+            st8(acc + x, a0);
+        }
+        return;
+    }
+    for (int64_t j = 0; j < n; j++) axpy(acc, p[j], rows[j] + off, d);
+}
+
+/* exp_nonpos on 8 lanes at once (the same clamp, range reduction and polynomial) */
+static inline v8 exp8_nonpos(v8 x) {
+    const v8 lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
+    const v8i under = x < lo;                                     /* lanes that give 0 */
+    const v8 xc = (v8)(((v8i)x & ~under) | ((v8i)lo & under));
+    const v8 y = xc * 1.44269504088896341f + 0.5f;
+    v8 n = __builtin_convertvector(__builtin_convertvector(y, v8i), v8);   /* trunc, then */
+    n += __builtin_convertvector(n > y, v8);                      /* floor: -1 where it rounded up */
+    const v8 r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const v8i two_n = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return (v8)((v8i)(p * (v8)two_n) & ~under);
 }
 
 /* softmax numerators of one row's visible scores sr[0:lim], folded into (m, l, acc) online */
 static inline void online_softmax(float *sr, int64_t lim, float *m, float *l, float *acc, int64_t d) {
     float mx = -FLT_MAX, sum = 0.0f;
-    for (int64_t j = 0; j < lim; j++) mx = sr[j] > mx ? sr[j] : mx;
+    int64_t j = 0;
+    if (lim >= 8) {
+        v8 vm = ld8(sr);
+        for (j = 8; j + 8 <= lim; j += 8) {
+            const v8 x = ld8(sr + j);
+            const v8i gt = x > vm;
+            vm = (v8)(((v8i)x & gt) | ((v8i)vm & ~gt));
+        }
+        for (int k = 0; k < 8; k++) mx = vm[k] > mx ? vm[k] : mx;
+    }
+    for (; j < lim; j++) mx = sr[j] > mx ? sr[j] : mx;
     const float newm = mx > *m ? mx : *m, corr = exp_nonpos(*m - newm);
-    #pragma omp simd reduction(+:sum)
-    for (int64_t j = 0; j < lim; j++) { sr[j] = exp_nonpos(sr[j] - newm); sum += sr[j]; }
+    v8 vs = {0};
+    for (j = 0; j + 8 <= lim; j += 8) {
+        const v8 e = exp8_nonpos(ld8(sr + j) - newm);
+        st8(sr + j, e);
+        vs += e;
+    }
+    for (; j < lim; j++) { sr[j] = exp_nonpos(sr[j] - newm); sum += sr[j]; }
+    sum += hsum8(vs);
     if (corr != 1.0f)
         for (int64_t x = 0; x < d; x++) acc[x] *= corr;
     *l = *l * corr + sum;
@@ -150,7 +261,8 @@ static void attend_item(const args_t *a, const int64_t *item, float *buf) {
     const int64_t G = a->H / a->Hkv, D = a->D, rows = np * nh * G;
     const int64_t first_pos = a->ctx[i] - a->qlen[i] + p0;
     float *qb = buf, *acc = qb + MAX_ROWS * D, *scratch = acc + MAX_ROWS * D;
-    float *s = scratch + a->Hkv * D, m[MAX_ROWS], l[MAX_ROWS];
+    float *s = scratch + CHUNK * a->Hkv * D, m[MAX_ROWS], l[MAX_ROWS];
+    const float *tile[CHUNK];
     int64_t lim[MAX_ROWS], stride;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t p = r / (nh * G), head = (h0 + (r / G) % nh) * G + r % G;
@@ -166,18 +278,16 @@ static void attend_item(const args_t *a, const int64_t *item, float *buf) {
             const int64_t visible = first_pos + r / (nh * G) + 1 - c0;
             lim[r] = visible < 0 ? 0 : visible > n ? n : visible;
         }
-        for (int64_t j = 0; j < n; j++) {  /* each key is loaded once for its G query heads */
-            const float *kt = token_heads(a, a->k, a->ks, i, c0 + j, h0, nh, scratch, &stride);
-            for (int64_t r = 0; r < rows; r++)
-                if (j < lim[r]) s[r * CHUNK + j] = dot(qb + r * D, kt + ((r / G) % nh) * stride, D);
-        }
+        /* row by row over the tile (its K, then V, rows stay in L1 for the G heads that share
+         * them), each row's query and accumulator in registers */
+        tile_rows(a, a->k, a->ks, i, c0, n, h0, nh, scratch, tile, &stride);
+        for (int64_t r = 0; r < rows; r++)
+            if (lim[r]) tile_scores(s + r * CHUNK, qb + r * D, tile, ((r / G) % nh) * stride, lim[r], D);
         for (int64_t r = 0; r < rows; r++)
             if (lim[r]) online_softmax(s + r * CHUNK, lim[r], &m[r], &l[r], acc + r * D, D);
-        for (int64_t j = 0; j < n; j++) {
-            const float *vt = token_heads(a, a->v, a->vs, i, c0 + j, h0, nh, scratch, &stride);
-            for (int64_t r = 0; r < rows; r++)
-                if (j < lim[r]) axpy(acc + r * D, s[r * CHUNK + j], vt + ((r / G) % nh) * stride, D);
-        }
+        tile_rows(a, a->v, a->vs, i, c0, n, h0, nh, scratch, tile, &stride);
+        for (int64_t r = 0; r < rows; r++)
+            if (lim[r]) tile_axpy(acc + r * D, s + r * CHUNK, tile, ((r / G) % nh) * stride, lim[r], D);
     }
     for (int64_t r = 0; r < rows; r++) {
         const int64_t p = r / (nh * G), head = (h0 + (r / G) % nh) * G + r % G;
@@ -199,7 +309,7 @@ int vk_attention(const float *q, float *out, const void *k, const void *v, int d
     args_t a = {q, out, k, v, dtype, k_strides, v_strides, slots, tables, width, block_size,
                 ctx, qlen, qstart, kvstart, H, Hkv, D, scale};
     const int64_t work = n_items;
-    const size_t floats = (size_t)(2 * MAX_ROWS * D + Hkv * D + MAX_ROWS * CHUNK);
+    const size_t floats = (size_t)(2 * MAX_ROWS * D + CHUNK * Hkv * D + MAX_ROWS * CHUNK);
     int failed = 0;
     if (nthreads > work) nthreads = (int)(work > 0 ? work : 1);
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
