@@ -24,6 +24,7 @@
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 #define CHUNK 64          /* keys per tile */
 #define MAX_ROWS 64       /* query rows per item (np * G), enforced by the caller */
+#define ROW_TILE_BYTES (32 * 1024)   /* row-by-row tiles up to this many bytes of K (measured) */
 
 static inline float half_to_float(uint16_t h) {
 #ifdef __FLT16_MAX__
@@ -119,6 +120,17 @@ static inline void axpy(float *acc, float p, const float *row, int64_t d) {
     for (; x < d; x++) acc[x] += p * row[x];
 }
 
+/* key or value c0 + j of request i, heads h0 .. h0+nh-1, as fp32 rows ``stride`` apart: the
+ * cache itself for fp32, else converted into scratch (nh * D floats). */
+static const float *token_heads(const args_t *a, const void *base, const int64_t *st, int64_t i,
+                                int64_t t, int64_t h0, int64_t nh, float *scratch, int64_t *stride) {
+    const int64_t off = key_offset(a->slots, a->tables, a->width, a->bs, i, t, st[0], st[1]) + h0 * st[2];
+    if (a->dtype == DT_F32) { *stride = st[2]; return (const float *)base + off; }
+    for (int64_t hh = 0; hh < nh; hh++) load_row(scratch + hh * a->D, base, off + hh * st[2], a->dtype, a->D);
+    *stride = a->D;
+    return scratch;
+}
+
 /* Pointers to the fp32 rows of keys (or values) c0 .. c0+n-1 of request i, heads h0 ..
  * h0+nh-1 (head hh of key j at rows[j] + hh * *stride): the cache itself for fp32, else
  * converted into scratch (n * nh * D floats). */
@@ -160,6 +172,24 @@ static inline v8 hsum8x8(const v8 *a) {
         y[t] = SHUF(x[2 * t], x[2 * t + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
                SHUF(x[2 * t], x[2 * t + 1], 2, 3, 10, 11, 6, 7, 14, 15);
     return SHUF(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* s[r * CHUNK + j] = q_r . key j (head of row r) for every row that sees key j */
+static inline void key_scores(float *s, int64_t j, const float *qb, const float *kt, int64_t stride,
+                              int64_t rows, int64_t G, int64_t nh, const int64_t *lim, int64_t d) {
+    int64_t r = 0;
+    if (d % 8 == 0) {
+        v8 part[8];
+        for (; r + 8 <= rows; r += 8) {
+            for (int t = 0; t < 8; t++)
+                part[t] = dot_partial(qb + (r + t) * d, kt + (((r + t) / G) % nh) * stride, d);
+            const v8 sums = hsum8x8(part);
+            for (int t = 0; t < 8; t++)
+                if (j < lim[r + t]) s[(r + t) * CHUNK + j] = sums[t];
+        }
+    }
+    for (; r < rows; r++)
+        if (j < lim[r]) s[r * CHUNK + j] = dot(qb + r * d, kt + ((r / G) % nh) * stride, d);
 }
 
 /* s[j] = q . rows[j][off:off+d] for j < n (q already scaled) */
@@ -272,22 +302,38 @@ static void attend_item(const args_t *a, const int64_t *item, float *buf) {
         m[r] = -FLT_MAX; l[r] = 0.0f;
     }
     const int64_t hi = first_pos + np;     /* keys [kv_start, hi): the last row sees them all */
+    /* a tile's K rows of heads h0.. in few bytes (small heads) stay in L1 across the rows that
+     * read them; wide ones (e.g. 8 x 128 floats, 4 KiB apart) would alias in L1 */
+    const int by_row = CHUNK * nh * D * (int64_t)sizeof(float) <= ROW_TILE_BYTES;
     for (int64_t c0 = a->kvstart[i]; c0 < hi; c0 += CHUNK) {
         const int64_t n = hi - c0 < CHUNK ? hi - c0 : CHUNK;
         for (int64_t r = 0; r < rows; r++) {
             const int64_t visible = first_pos + r / (nh * G) + 1 - c0;
             lim[r] = visible < 0 ? 0 : visible > n ? n : visible;
         }
-        /* row by row over the tile (its K, then V, rows stay in L1 for the G heads that share
-         * them), each row's query and accumulator in registers */
-        tile_rows(a, a->k, a->ks, i, c0, n, h0, nh, scratch, tile, &stride);
-        for (int64_t r = 0; r < rows; r++)
-            if (lim[r]) tile_scores(s + r * CHUNK, qb + r * D, tile, ((r / G) % nh) * stride, lim[r], D);
+        if (by_row) {   /* the tile's rows are few bytes: row by row, K then V from L1 */
+            tile_rows(a, a->k, a->ks, i, c0, n, h0, nh, scratch, tile, &stride);
+            for (int64_t r = 0; r < rows; r++)
+                if (lim[r]) tile_scores(s + r * CHUNK, qb + r * D, tile, ((r / G) % nh) * stride, lim[r], D);
+        } else {        /* wide token rows: key by key, each loaded once for every query row */
+            for (int64_t j = 0; j < n; j++) {
+                const float *kt = token_heads(a, a->k, a->ks, i, c0 + j, h0, nh, scratch, &stride);
+                key_scores(s, j, qb, kt, stride, rows, G, nh, lim, D);
+            }
+        }
         for (int64_t r = 0; r < rows; r++)
             if (lim[r]) online_softmax(s + r * CHUNK, lim[r], &m[r], &l[r], acc + r * D, D);
-        tile_rows(a, a->v, a->vs, i, c0, n, h0, nh, scratch, tile, &stride);
-        for (int64_t r = 0; r < rows; r++)
-            if (lim[r]) tile_axpy(acc + r * D, s + r * CHUNK, tile, ((r / G) % nh) * stride, lim[r], D);
+        if (by_row) {
+            tile_rows(a, a->v, a->vs, i, c0, n, h0, nh, scratch, tile, &stride);
+            for (int64_t r = 0; r < rows; r++)
+                if (lim[r]) tile_axpy(acc + r * D, s + r * CHUNK, tile, ((r / G) % nh) * stride, lim[r], D);
+        } else {
+            for (int64_t j = 0; j < n; j++) {
+                const float *vt = token_heads(a, a->v, a->vs, i, c0 + j, h0, nh, scratch, &stride);
+                for (int64_t r = 0; r < rows; r++)
+                    if (j < lim[r]) axpy(acc + r * D, s[r * CHUNK + j], vt + ((r / G) % nh) * stride, D);
+            }
+        }
     }
     for (int64_t r = 0; r < rows; r++) {
         const int64_t p = r / (nh * G), head = (h0 + (r / G) % nh) * G + r % G;
