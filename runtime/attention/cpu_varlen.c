@@ -72,12 +72,6 @@ static inline float exp_nonpos(float x) {
     return x < -87.0f ? 0.0f : p * two_n;
 }
 
-static inline int64_t key_offset(const int64_t *slots, const int64_t *tables, int64_t width,
-                                 int64_t bs, int64_t i, int64_t t, int64_t s_blk, int64_t s_tok) {
-    if (slots) return slots[i] * s_blk + t * s_tok;
-    return tables[i * width + t / bs] * s_blk + (t % bs) * s_tok;
-}
-
 typedef struct {
     const float *q; float *out; const void *k, *v; int dtype;
     const int64_t *ks, *vs;                 /* element strides [blk, tok, head] of k and v */
@@ -120,28 +114,42 @@ static inline void axpy(float *acc, float p, const float *row, int64_t d) {
     for (; x < d; x++) acc[x] += p * row[x];
 }
 
-/* key or value c0 + j of request i, heads h0 .. h0+nh-1, as fp32 rows ``stride`` apart: the
- * cache itself for fp32, else converted into scratch (nh * D floats). */
-static const float *token_heads(const args_t *a, const void *base, const int64_t *st, int64_t i,
-                                int64_t t, int64_t h0, int64_t nh, float *scratch, int64_t *stride) {
-    const int64_t off = key_offset(a->slots, a->tables, a->width, a->bs, i, t, st[0], st[1]) + h0 * st[2];
+/* Element offsets of keys (or values) c0 .. c0+n-1 of request i, head h0, into offs[0:n]; paged
+ * walks the block table once per block (no division per key). */
+static void tile_offsets(const args_t *a, const int64_t *st, int64_t i, int64_t c0, int64_t n,
+                         int64_t h0, int64_t *offs) {
+    if (a->slots) {
+        const int64_t base = a->slots[i] * st[0] + h0 * st[2];
+        for (int64_t j = 0; j < n; j++) offs[j] = base + (c0 + j) * st[1];
+        return;
+    }
+    const int64_t *table = a->tables + i * a->width;
+    int64_t blk = c0 / a->bs, in_blk = c0 % a->bs;
+    for (int64_t j = 0; j < n; j++) {
+        offs[j] = table[blk] * st[0] + in_blk * st[1] + h0 * st[2];
+        if (++in_blk == a->bs) { in_blk = 0; blk++; }
+    }
+}
+
+/* heads h0 .. h0+nh-1 of one key (or value) at element offset off, as fp32 rows ``stride``
+ * apart: the cache itself for fp32, else converted into scratch (nh * D floats). */
+static const float *token_heads(const args_t *a, const void *base, const int64_t *st, int64_t off,
+                                int64_t nh, float *scratch, int64_t *stride) {
     if (a->dtype == DT_F32) { *stride = st[2]; return (const float *)base + off; }
     for (int64_t hh = 0; hh < nh; hh++) load_row(scratch + hh * a->D, base, off + hh * st[2], a->dtype, a->D);
     *stride = a->D;
     return scratch;
 }
 
-/* Pointers to the fp32 rows of keys (or values) c0 .. c0+n-1 of request i, heads h0 ..
- * h0+nh-1 (head hh of key j at rows[j] + hh * *stride): the cache itself for fp32, else
- * converted into scratch (n * nh * D floats). */
-static void tile_rows(const args_t *a, const void *base, const int64_t *st, int64_t i, int64_t c0,
-                      int64_t n, int64_t h0, int64_t nh, float *scratch, const float **rows,
-                      int64_t *stride) {
+/* Pointers to the fp32 rows of a tile's keys (or values) at offs[0:n] (head hh of key j at
+ * rows[j] + hh * *stride): the cache itself for fp32, else converted into scratch (n * nh * D
+ * floats). */
+static void tile_rows(const args_t *a, const void *base, const int64_t *st, const int64_t *offs,
+                      int64_t n, int64_t nh, float *scratch, const float **rows, int64_t *stride) {
     for (int64_t j = 0; j < n; j++) {
-        const int64_t off = key_offset(a->slots, a->tables, a->width, a->bs, i, c0 + j, st[0], st[1]) + h0 * st[2];
-        if (a->dtype == DT_F32) { rows[j] = (const float *)base + off; continue; }
+        if (a->dtype == DT_F32) { rows[j] = (const float *)base + offs[j]; continue; }
         float *dst = scratch + j * nh * a->D;
-        for (int64_t hh = 0; hh < nh; hh++) load_row(dst + hh * a->D, base, off + hh * st[2], a->dtype, a->D);
+        for (int64_t hh = 0; hh < nh; hh++) load_row(dst + hh * a->D, base, offs[j] + hh * st[2], a->dtype, a->D);
         rows[j] = dst;
     }
     *stride = a->dtype == DT_F32 ? st[2] : a->D;
@@ -293,6 +301,7 @@ static void attend_item(const args_t *a, const int64_t *item, float *buf) {
     float *qb = buf, *acc = qb + MAX_ROWS * D, *scratch = acc + MAX_ROWS * D;
     float *s = scratch + CHUNK * a->Hkv * D, m[MAX_ROWS], l[MAX_ROWS];
     const float *tile[CHUNK];
+    int64_t koffs[CHUNK], voffs[CHUNK];
     int64_t lim[MAX_ROWS], stride;
     for (int64_t r = 0; r < rows; r++) {
         const int64_t p = r / (nh * G), head = (h0 + (r / G) % nh) * G + r % G;
@@ -311,25 +320,27 @@ static void attend_item(const args_t *a, const int64_t *item, float *buf) {
             const int64_t visible = first_pos + r / (nh * G) + 1 - c0;
             lim[r] = visible < 0 ? 0 : visible > n ? n : visible;
         }
+        tile_offsets(a, a->ks, i, c0, n, h0, koffs);
+        tile_offsets(a, a->vs, i, c0, n, h0, voffs);
         if (by_row) {   /* the tile's rows are few bytes: row by row, K then V from L1 */
-            tile_rows(a, a->k, a->ks, i, c0, n, h0, nh, scratch, tile, &stride);
+            tile_rows(a, a->k, a->ks, koffs, n, nh, scratch, tile, &stride);
             for (int64_t r = 0; r < rows; r++)
                 if (lim[r]) tile_scores(s + r * CHUNK, qb + r * D, tile, ((r / G) % nh) * stride, lim[r], D);
         } else {        /* wide token rows: key by key, each loaded once for every query row */
             for (int64_t j = 0; j < n; j++) {
-                const float *kt = token_heads(a, a->k, a->ks, i, c0 + j, h0, nh, scratch, &stride);
+                const float *kt = token_heads(a, a->k, a->ks, koffs[j], nh, scratch, &stride);
                 key_scores(s, j, qb, kt, stride, rows, G, nh, lim, D);
             }
         }
         for (int64_t r = 0; r < rows; r++)
             if (lim[r]) online_softmax(s + r * CHUNK, lim[r], &m[r], &l[r], acc + r * D, D);
         if (by_row) {
-            tile_rows(a, a->v, a->vs, i, c0, n, h0, nh, scratch, tile, &stride);
+            tile_rows(a, a->v, a->vs, voffs, n, nh, scratch, tile, &stride);
             for (int64_t r = 0; r < rows; r++)
                 if (lim[r]) tile_axpy(acc + r * D, s + r * CHUNK, tile, ((r / G) % nh) * stride, lim[r], D);
         } else {
             for (int64_t j = 0; j < n; j++) {
-                const float *vt = token_heads(a, a->v, a->vs, i, c0 + j, h0, nh, scratch, &stride);
+                const float *vt = token_heads(a, a->v, a->vs, voffs[j], nh, scratch, &stride);
                 for (int64_t r = 0; r < rows; r++)
                     if (j < lim[r]) axpy(acc + r * D, s[r * CHUNK + j], vt + ((r / G) % nh) * stride, D);
             }
