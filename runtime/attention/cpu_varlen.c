@@ -9,6 +9,12 @@
  * heads of a KV head share each loaded K/V row (GQA without repeating K/V), and a decode item
  * takes several KV heads so that it reads whole token rows, sequentially.
  *
+ * Keys are taken in tiles of CHUNK. A tile whose K rows (of the item's heads) fit in
+ * ROW_TILE_BYTES is walked row by row (each query row's scores, then its accumulator, in
+ * registers over the tile, which stays in L1); a wider one key by key, each key's heads loaded
+ * once for every query row (64 rows of 4 KiB, 4 KiB apart, would alias in L1). Dot products are
+ * reduced eight at a time in one shuffle tree; softmax's exp and max run on eight lanes.
+ *
  *   vmem   key t of request i: k + slot_i * s_blk + t * s_tok + h * s_head   (strided, in place)
  *   paged  key t of request i: k + table_i[t / bs] * s_blk + (t % bs) * s_tok + h * s_head
  *
