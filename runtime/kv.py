@@ -151,8 +151,12 @@ def cache_for(manager, config: CacheConfig, *, driver: Optional[vmem.Driver] = N
         raise CacheConfigError(
             f"manager slots hold {manager.pages_per_slot * manager.tokens_per_page} tokens but "
             f"CacheConfig.max_context is {config.max_context}")
+    # a hybrid manager (full + windowed layers, per-layer) counts its pool in pages and plans
+    # part-ops; every other vmem manager hands out groups of fixed pages (pool_pages None)
+    pool_pages = getattr(manager, "pool_pages", None)   # until every VmemManager declares it
     return VMemKVCache(config, manager.geometry, manager.num_groups, driver=driver,
-                       background_mapper=background_mapper, grow_pages=grow_pages)
+                       background_mapper=background_mapper, grow_pages=grow_pages,
+                       pool_pages=pool_pages)
 
 
 def check_matches(manager, cache: KVCache) -> None:
