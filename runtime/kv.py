@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 from vmemkv import vmem
 from vmemkv.scheduler.geometry import PageGeometry, default_page_bytes as _default_page_bytes
 from vmemkv.scheduler.managers import DEFAULT_EVICTION, make_manager
-from vmemkv.scheduler.plan import SwapOut
+from vmemkv.scheduler.plan import GroupPart, SwapOut
 from vmemkv.scheduler.tables import TableTracker, tracker_for
 
 from .cache import KVCache, PagedKVCache, VMemKVCache
@@ -173,12 +173,25 @@ def check_matches(manager, cache: KVCache) -> None:
     if cache.kind == "vmem":
         for slot in range(cache.config.max_batch):
             assert cache.mapped_pages(slot) == manager.mapped_pages(slot), f"pages of slot {slot}"
+        if cache.pool_pages is not None:
+            _check_parts_match(manager, cache)
     swapped = cache.swapped_tokens()
     for seq_id, tokens in swapped.items():
         assert manager.is_swapped(seq_id), f"swap space holds unknown sequence {seq_id}"
         assert tokens == manager.num_tokens(seq_id), f"swap size of {seq_id}"
     used_bytes = manager.swap_bytes - manager.swap_free_bytes
     assert sum(swapped.values()) * manager.bytes_per_token == used_bytes, "swap space accounting"
+
+
+def _check_parts_match(manager, cache: KVCache) -> None:
+    """A hybrid pool: the parts mapped under each slot (FULL only on the manager's leading
+    ``full_only_pages``, both parts after) and the pages bound equal the manager's."""
+    for slot in range(cache.config.max_batch):
+        behind = manager.full_only_pages(slot)
+        truth = {pi: {GroupPart.FULL: g} if pi < behind else {GroupPart.FULL: g, GroupPart.WINDOW: g}
+                 for pi, g in manager.mapped_pages(slot).items()}
+        assert cache.mapped_parts(slot) == truth, f"parts mapped under slot {slot}"
+    assert cache.bound_pages == manager.bound_pages, "pages bound to group parts"
 
 
 def _resident(manager, seq_id: int) -> bool:
