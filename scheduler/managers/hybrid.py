@@ -198,12 +198,16 @@ class HybridVmemManager(VmemManager):
         return pages * self.tokens_per_page // self.pages_per_group
 
     def stats(self) -> MemoryStats:
-        """Tokens at full allocation: ``total_tokens`` is the pool, ``free_tokens`` its unbound
-        pages and free groups, so ``allocated_bytes`` is about the pages bound."""
+        """Tokens at full allocation (bytes = tokens * bytes_per_token, rounded down to
+        tokens): ``total_tokens`` is the pool, ``free_tokens`` its unbound pages and free
+        groups, so ``allocated_bytes`` is about the pages bound; ``live_tokens`` counts a
+        partial group's tokens in its FULL pages only (its WINDOW content is gone)."""
         total = self._tokens_of_pages(self.pool_pages)
         free = self._tokens_of_pages(self.free_pages + len(self._free) * self.pages_per_group)
+        gone = len(self._partial) * self.tokens_per_page * self.window_pages   # partial: full
+        live = (self._live * self.pages_per_group - gone) // self.pages_per_group
         return MemoryStats(total_tokens=total, allocated_tokens=total - free,
-                           live_tokens=self._live, free_tokens=free,
+                           live_tokens=live, free_tokens=free,
                            end_waste_tokens=self._cap_sum - self._tok_sum,
                            bytes_per_token=self.bytes_per_token)
 
@@ -211,7 +215,7 @@ class HybridVmemManager(VmemManager):
         """Pages bound to used groups over the pool (free, reclaimable and cached groups count
         as unused, as in vmem.py)."""
         unused = len(self._free) + len(self._reclaimable) + len(self._cache)
-        return 1.0 - (self.free_pages + unused * self.pages_per_group) / self.pool_pages
+        return (self.bound_pages - unused * self.pages_per_group) / self.pool_pages
 
     def _raise_no_room(self, what: str) -> None:
         raise OutOfCapacityError(
