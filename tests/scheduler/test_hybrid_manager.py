@@ -167,3 +167,10 @@ def test_rollback_restores_window_parts_exactly():
     m.rollback()
     assert dump(m) == dump(twin)
     m.check_integrity()
+
+
+@pytest.mark.parametrize("layout, layers", [("interleaved", (0,)), ("per-layer", (1, 0)),
+                                             ("per-layer", (0, 1, 2)), ("per-layer", (3,))])
+def test_geometry_window_layers_are_checked(layout, layers):
+    with pytest.raises(ConfigError, match=r"window_layers must be \(\) or increasing layer"):
+        PageGeometry(layout, 4096, 3, 64, layers)
