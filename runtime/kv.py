@@ -105,13 +105,16 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
             layout: str = "per-layer", page_bytes: Optional[int] = None,
             block_size: int = 16, swap_bytes: int = 0, background_mapper: bool = False,
             driver: Optional[vmem.Driver] = None, grow_pages: bool = False,
-            prefix_eviction: str = DEFAULT_EVICTION) -> KV:
+            prefix_eviction: str = DEFAULT_EVICTION, hybrid_parts: bool = True) -> KV:
     """Build the manager (scheduler.managers) and a cache of ``kind`` for ``config``.
 
     cache_bytes: device memory for K/V (default: room for every slot at full length).
     vmem: ``layout`` per-layer | interleaved, ``page_bytes`` (default: see default_page_bytes);
     ``grow_pages``: create physical pages on first mapping, up to ``cache_bytes``
     (vmem.PagePool(grow=True)); default: all created up front.
+    ``hybrid_parts``: a hybrid model (full and windowed layers) in the per-layer layout splits
+    page groups into FULL / WINDOW parts and gives back the windowed part behind the window
+    (scheduler.managers.hybrid; the cache binds pages to parts); False: full allocation.
     paged: ``block_size`` tokens per block. ``prefix_eviction``: the managers' retention of
     computed prefixes (scheduler.managers.eviction).
     """
@@ -124,7 +127,7 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
         page_bytes = page_bytes or default_page_bytes(config, layout)
         manager = make_manager("vmem", model, cache_bytes, config.max_context, page_bytes=page_bytes,
                                layout=layout, max_slots=config.max_batch, swap_bytes=swap_bytes,
-                               prefix_eviction=prefix_eviction)
+                               prefix_eviction=prefix_eviction, hybrid_parts=hybrid_parts)
     else:
         manager = make_manager("paged", model, cache_bytes, config.max_context,
                                block_size_tokens=block_size, swap_bytes=swap_bytes,
@@ -153,10 +156,9 @@ def cache_for(manager, config: CacheConfig, *, driver: Optional[vmem.Driver] = N
             f"CacheConfig.max_context is {config.max_context}")
     # a hybrid manager (full + windowed layers, per-layer) counts its pool in pages and plans
     # part-ops; every other vmem manager hands out groups of fixed pages (pool_pages None)
-    pool_pages = getattr(manager, "pool_pages", None)   # until every VmemManager declares it
     return VMemKVCache(config, manager.geometry, manager.num_groups, driver=driver,
                        background_mapper=background_mapper, grow_pages=grow_pages,
-                       pool_pages=pool_pages)
+                       pool_pages=manager.pool_pages)
 
 
 def check_matches(manager, cache: KVCache) -> None:

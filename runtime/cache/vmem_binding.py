@@ -28,7 +28,7 @@ Undo = Callable[[Callable[[], None]], None]      # records one inverse action
 
 
 class PartLayout:
-    """Which layers and page-group members belong to each part (fixed by the model)."""
+    """Which layers and page-group members belong to each part (the geometry's split)."""
 
     def __init__(self, geometry: PageGeometry, layer_windows: tuple) -> None:
         if not geometry.per_layer:
@@ -38,15 +38,18 @@ class PartLayout:
             raise CacheConfigError(
                 f"pool_pages (a hybrid pool of part-bound pages) needs a CacheConfig with both "
                 f"full and windowed layers; its layer_windows are {layer_windows!r}")
-        full = tuple(l for l, w in enumerate(layer_windows) if w is None)
-        self.layers = {GroupPart.FULL: full,
-                       GroupPart.WINDOW: tuple(l for l, w in enumerate(layer_windows) if w)}
+        windowed = tuple(l for l, w in enumerate(layer_windows) if w is not None)
+        if geometry.window_layers != windowed:
+            raise CacheConfigError(
+                f"pool_pages: the page geometry splits groups at windowed layers "
+                f"{geometry.window_layers}, the CacheConfig's windowed layers are {windowed} "
+                f"(build the geometry with PageGeometry.of(config, ...))")
+        self.layers = {p: geometry.part_layers(p) for p in PARTS}
         self.window_tokens = max(w for w in layer_windows if w is not None)
-        self.pages_per_member = k = geometry.pages_per_member
         self.part_of_layer = {l: p for p in PARTS for l in self.layers[p]}
-        # member j = layer * 2 + kv -> offset of its k pages in its part's page tuple
-        self.member_offset = {2 * l + kv: (2 * i + kv) * k
-                              for p in PARTS for i, l in enumerate(self.layers[p]) for kv in (0, 1)}
+        k = geometry.pages_per_member  # member j -> offset of its k pages in its part's pages
+        self.member_offset = {j: i * k for p in PARTS for i, j in enumerate(geometry.part_members(p))}
+        self._part_pages = {p: geometry.pages_per_part(p) for p in PARTS}
 
     def parts(self, part: str) -> tuple:
         """The concrete parts an op's ``part`` names ("all" = both); CacheStateError otherwise."""
@@ -58,7 +61,7 @@ class PartLayout:
 
     def part_pages(self, part: str) -> int:
         """Pool pages one part of one page group takes."""
-        return 2 * len(self.layers[part]) * self.pages_per_member
+        return self._part_pages[part]
 
 
 class PartBinding:

@@ -121,6 +121,14 @@ def test_a_hybrid_pool_needs_the_per_layer_layout_and_a_hybrid_model(windows, la
         VMemKVCache(config, PageGeometry.of(config, 4 * KiB, layout), 4, pool_pages=12)
 
 
+def test_a_hybrid_pool_needs_a_geometry_split_at_the_configs_windowed_layers():
+    config = hybrid_config()
+    unsplit = PageGeometry("per-layer", 4 * KiB, 3, config.layer_bytes_per_token)
+    with pytest.raises(CacheConfigError, match=r"splits groups at windowed layers \(\), the "
+                                               r"CacheConfig's windowed layers are \(0, 2\)"):
+        VMemKVCache(config, unsplit, 4, pool_pages=12)
+
+
 @pytest.mark.parametrize("pool_pages", [0, -1, True, 2.5])
 def test_pool_pages_must_be_a_positive_int(pool_pages):
     config = hybrid_config()

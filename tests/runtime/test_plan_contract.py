@@ -113,7 +113,7 @@ def fresh_executor(original):
     if isinstance(original, VMemKVCache):
         g = original.geometry
         return VMemKVCache(original.config, PageGeometry(g.layout, g.page_bytes, g.num_layers,
-                                                         g.layer_bytes_per_token),
+                                                         g.layer_bytes_per_token, g.window_layers),
                            original.num_groups, pool_pages=original.pool_pages)
     return PagedKVCache(original.config, original.block_size, original.num_blocks)
 
