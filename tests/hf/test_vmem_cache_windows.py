@@ -17,7 +17,7 @@ from .test_window_models import prompts
 from .window_families import WINDOW, build, hf_greedy
 
 KiB = 1024
-LAYERS = {"mistral": 2}
+LAYERS = {"mistral": 2, "gemma2": 2, "gemma3": 6, "cohere2": 2}
 
 
 def generate(label: str, prompt, new: int):
