@@ -17,6 +17,8 @@ from vmemkv.scheduler.plan import CopyGroup, MapGroup, ReleaseGroup, SwapIn, Swa
 from ..errors import CacheStateError
 from .journal import PlanJournal
 
+_PART_OPS = (MapGroup, UnmapGroup, CopyGroup)   # ops a hybrid plan binds to parts
+
 
 class VMemOps:
     """Mixed into VMemKVCache: the replica update at bind time and the op application."""
@@ -47,19 +49,19 @@ class VMemOps:
         base = group * self.pages_per_group + member * k
         return [(first + i, base + i) for i in range(k)]
 
-    def _map_pages(self, member: int, op: MapGroup, payload: Optional[dict]) -> list:
-        """[(range page, pool page)] a MapGroup maps for ``member``: the fixed pages of its
-        group, or (hybrid) those bound to the member's part, from the op's payload."""
-        if payload is None:
-            return self._member_pages(member, op.slot, op.page_index, op.group)
+    def _map_pages(self, member: int, op: MapGroup, payload: dict) -> list:
+        """[(range page, pool page)] a hybrid MapGroup maps for ``member``: the pages bound to
+        the member's part, from the op's payload {part: pool pages}."""
         bound = payload[self._parts.part_of_layer[member // 2]]
         offset = self._parts.member_offset[member]
         return [(page_index, bound[offset + i]) for i, (page_index, _)
                 in enumerate(self._member_pages(member, op.slot, op.page_index))]
 
-    def _skips(self, payload, group: int) -> bool:
-        """Whether a part-op (payload: its parts) leaves op group ``group`` (a layer) alone."""
-        return payload is not None and self._parts.part_of_layer[group] not in payload
+    def _skips(self, op, payload, group: int) -> bool:
+        """Whether a part-op (a hybrid MapGroup/UnmapGroup/CopyGroup; payload: its parts) leaves
+        op group ``group`` (a layer) alone. Fixed-group ops have no payload: never."""
+        return payload is not None and isinstance(op, _PART_OPS) \
+            and self._parts.part_of_layer[group] not in payload
 
     def _apply_layer_group(self, bound: Sequence, group: int,
                            journal: Optional[PlanJournal] = None) -> None:
@@ -68,17 +70,19 @@ class VMemOps:
         journal = journal if journal is not None else PlanJournal({})
         rng = self.range
         # one device synchronise for every page this group unmaps, not one per page
-        unmaps = sum(isinstance(op, UnmapGroup) and not self._skips(payload, group)
+        unmaps = sum(isinstance(op, UnmapGroup) and not self._skips(op, payload, group)
                      for op, payload in bound)
         self.driver.prepare_unmap(unmaps * len(self.geometry.members_of(group))
                                   * self.geometry.pages_per_member)
         for index, (op, buffer) in enumerate(bound):
             journal.op_index = index
-            if isinstance(op, (MapGroup, UnmapGroup, CopyGroup)) and self._skips(buffer, group):
+            if self._skips(op, buffer, group):
                 continue
             if isinstance(op, MapGroup):
                 for j in self.geometry.members_of(group):
-                    for page_index, pool_page in self._map_pages(j, op, buffer):
+                    pages = self._member_pages(j, op.slot, op.page_index, op.group) \
+                        if buffer is None else self._map_pages(j, op, buffer)
+                    for page_index, pool_page in pages:
                         rng.map(page_index, self._pool_pages[pool_page])
                         journal.add(lambda pi=page_index: rng.unmap(pi))
             elif isinstance(op, UnmapGroup):
