@@ -16,11 +16,11 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from vmemkv.scheduler.managers import (CopyGroup, GroupPart, HybridVmemManager, MapGroup,
                                        ReleaseGroup, UnmapGroup, make_manager)
-from vmemkv.scheduler.managers.window import WindowSwapError
 from vmemkv.scheduler.presets import ModelSpec
 
 from .shadow import VmemMemory
 from .test_managers_state_machine import _SETTINGS, EVICTION, PICK, VmemMachine
+from .test_window_state_machine import WindowRules
 
 PARTS = (GroupPart.FULL, GroupPart.WINDOW)
 
@@ -104,7 +104,10 @@ class PartMemory(VmemMemory):
             assert self.read(seq_id, n, part=GroupPart.WINDOW, lo=lo) == s.contents[lo:n], seq_id
 
 
-class HybridMachine(VmemMachine):
+class HybridMachine(WindowRules, VmemMachine):
+    """WindowRules' fork, swap_out (refused with WindowSwapError once a window part went) and
+    free, with this machine's own slide and stats checks."""
+
     @initialize(tpp=st.sampled_from([1, 2, 4]), pages=st.integers(2, 10),
                 pool=st.integers(8, 120), slots=st.sampled_from([None, 1, 3, 6]),
                 swap=st.integers(0, 64), window=st.integers(1, 9), full=st.integers(0, 3),
@@ -141,31 +144,6 @@ class HybridMachine(VmemMachine):
         assert all(op.part == GroupPart.WINDOW for op in ops if isinstance(op, ReleaseGroup))
         self.mem.replay(ops, self.live)
         assert self.m.stats().live_tokens <= before
-
-    @precondition(lambda self: self.live)
-    @rule(i=PICK)
-    def fork(self, i):
-        parent, child = self.pick(self.live, i), self.next_id
-        super().fork(i)
-        if child in self.live:
-            self.mem.first[child] = self.mem.first.get(parent, 0)
-
-    @precondition(lambda self: self.live)
-    @rule(i=PICK)
-    def swap_out(self, i):
-        sid = self.pick(self.live, i)
-        if self.mem.first.get(sid, 0):
-            assert not self.m.can_swap_out(sid)
-            self.refused(WindowSwapError, self.m.swap_out, sid)
-            return
-        super().swap_out(i)
-
-    @precondition(lambda self: self.live or self.swapped)
-    @rule(i=PICK)
-    def free(self, i):
-        sid = self.pick(list(self.live) + list(self.swapped), i)
-        super().free(i)
-        self.mem.first.pop(sid, None)
 
     @precondition(lambda self: self.live)
     @rule(i=PICK)
