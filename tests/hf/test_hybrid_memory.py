@@ -83,3 +83,17 @@ def test_hybrid_families_stay_exact_under_recompute_preemption_with_memory_given
     assert max(bound) <= pool_pages
     # more tokens live at once than full allocation could ever hold in this pool
     assert max(live) > (pool_pages // group) * TPP == 128
+
+
+def test_two_tensor_parallel_ranks_execute_the_part_plans_on_their_own_pools_exactly():
+    """Rank 0 plans; each rank's hybrid pool (half the KV heads: half the pages) binds and
+    executes the same part-op plans; the tokens are transformers'."""
+    full, window = pages(HYBRID["gemma3"])
+    pool_pages = 4 * (full + window) + (full + window) // 2
+    batch, new = prompts(4, 12, 24, seed=6), 80
+    with engine_for("gemma3", pool_pages // 2, preemption="recompute", max_tokens_per_step=16,
+                    tensor_parallel_size=2) as engine:
+        out = engine.generate(batch, SamplingParams(max_new_tokens=new, ignore_eos=True))
+        assert engine.kv.cache.pool_pages == pool_pages // 2 == 27
+        assert engine.last_stats.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in out] == hf_greedy("gemma3", batch, new)
