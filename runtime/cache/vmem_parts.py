@@ -59,15 +59,17 @@ class PartOps:
 
     def _note_parts(self, bound: Sequence, journal: PlanJournal) -> list:
         """Bind every op of the plan, in order; all or nothing (CacheStateError naming the op)."""
-        undo = journal.replica_undo.append
+        undo, out = journal.replica_undo.append, []
         try:
-            return [(op, self._bind_part_op(op, payload, undo)) for op, payload in bound]
+            for op, payload in bound:
+                out.append((op, self._bind_part_op(op, payload, undo)))
         except CacheStateError as error:
             for action in reversed(journal.replica_undo):
                 action()
             journal.replica_undo.clear()
             self._swapped = journal.swapped_before
-            raise CacheStateError(f"plan refused, nothing changed: {error}") from None
+            raise CacheStateError(f"plan refused at op {len(out)}, nothing changed: {error}") from None
+        return out
 
     def _bind_part_op(self, op, buffer, undo):
         """The payload op ``op`` is applied with (see vmem_ops), after updating the binding."""
