@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 from vmemkv import vmem
 from vmemkv.scheduler.geometry import PageGeometry, default_page_bytes as _default_page_bytes
 from vmemkv.scheduler.managers import DEFAULT_EVICTION, make_manager
-from vmemkv.scheduler.plan import SwapOut
+from vmemkv.scheduler.plan import GroupPart, SwapOut
 from vmemkv.scheduler.tables import TableTracker, tracker_for
 
 from .cache import KVCache, PagedKVCache, VMemKVCache
@@ -105,13 +105,16 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
             layout: str = "per-layer", page_bytes: Optional[int] = None,
             block_size: int = 16, swap_bytes: int = 0, background_mapper: bool = False,
             driver: Optional[vmem.Driver] = None, grow_pages: bool = False,
-            prefix_eviction: str = DEFAULT_EVICTION) -> KV:
+            prefix_eviction: str = DEFAULT_EVICTION, hybrid_parts: bool = True) -> KV:
     """Build the manager (scheduler.managers) and a cache of ``kind`` for ``config``.
 
     cache_bytes: device memory for K/V (default: room for every slot at full length).
     vmem: ``layout`` per-layer | interleaved, ``page_bytes`` (default: see default_page_bytes);
     ``grow_pages``: create physical pages on first mapping, up to ``cache_bytes``
     (vmem.PagePool(grow=True)); default: all created up front.
+    ``hybrid_parts``: a hybrid model (full and windowed layers) in the per-layer layout splits
+    page groups into FULL / WINDOW parts and gives back the windowed part behind the window
+    (scheduler.managers.hybrid; the cache binds pages to parts); False: full allocation.
     paged: ``block_size`` tokens per block. ``prefix_eviction``: the managers' retention of
     computed prefixes (scheduler.managers.eviction).
     """
@@ -124,7 +127,7 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
         page_bytes = page_bytes or default_page_bytes(config, layout)
         manager = make_manager("vmem", model, cache_bytes, config.max_context, page_bytes=page_bytes,
                                layout=layout, max_slots=config.max_batch, swap_bytes=swap_bytes,
-                               prefix_eviction=prefix_eviction)
+                               prefix_eviction=prefix_eviction, hybrid_parts=hybrid_parts)
     else:
         manager = make_manager("paged", model, cache_bytes, config.max_context,
                                block_size_tokens=block_size, swap_bytes=swap_bytes,
@@ -151,8 +154,11 @@ def cache_for(manager, config: CacheConfig, *, driver: Optional[vmem.Driver] = N
         raise CacheConfigError(
             f"manager slots hold {manager.pages_per_slot * manager.tokens_per_page} tokens but "
             f"CacheConfig.max_context is {config.max_context}")
+    # a hybrid manager (full + windowed layers, per-layer) counts its pool in pages and plans
+    # part-ops; every other vmem manager hands out groups of fixed pages (pool_pages None)
     return VMemKVCache(config, manager.geometry, manager.num_groups, driver=driver,
-                       background_mapper=background_mapper, grow_pages=grow_pages)
+                       background_mapper=background_mapper, grow_pages=grow_pages,
+                       pool_pages=manager.pool_pages)
 
 
 def check_matches(manager, cache: KVCache) -> None:
@@ -169,12 +175,25 @@ def check_matches(manager, cache: KVCache) -> None:
     if cache.kind == "vmem":
         for slot in range(cache.config.max_batch):
             assert cache.mapped_pages(slot) == manager.mapped_pages(slot), f"pages of slot {slot}"
+        if cache.pool_pages is not None:
+            _check_parts_match(manager, cache)
     swapped = cache.swapped_tokens()
     for seq_id, tokens in swapped.items():
         assert manager.is_swapped(seq_id), f"swap space holds unknown sequence {seq_id}"
         assert tokens == manager.num_tokens(seq_id), f"swap size of {seq_id}"
     used_bytes = manager.swap_bytes - manager.swap_free_bytes
     assert sum(swapped.values()) * manager.bytes_per_token == used_bytes, "swap space accounting"
+
+
+def _check_parts_match(manager, cache: KVCache) -> None:
+    """A hybrid pool: the parts mapped under each slot (FULL only on the manager's leading
+    ``full_only_pages``, both parts after) and the pages bound equal the manager's."""
+    for slot in range(cache.config.max_batch):
+        behind = manager.full_only_pages(slot)
+        truth = {pi: {GroupPart.FULL: g} if pi < behind else {GroupPart.FULL: g, GroupPart.WINDOW: g}
+                 for pi, g in manager.mapped_pages(slot).items()}
+        assert cache.mapped_parts(slot) == truth, f"parts mapped under slot {slot}"
+    assert cache.bound_pages == manager.bound_pages, "pages bound to group parts"
 
 
 def _resident(manager, seq_id: int) -> bool:

@@ -13,6 +13,11 @@ token of 1280 bytes give k = 5), so a token may straddle two pages but never two
 where layer_bytes = kv_heads * head_dim * dtype bytes, one layer's K of one token, and
 ``tokens_per_page`` counts tokens per page group (of one member's k pages). Managers, the
 simulator, caches and the engine all read these numbers from a :class:`PageGeometry`.
+
+A hybrid model (full-attention layers beside sliding-window ones) in the per-layer layout
+splits each group into two PARTS (``GroupPart``): FULL, the members of its full layers
+(2 * L_full * k pages), and WINDOW, those of its windowed layers (2 * L_win * k pages);
+``window_layers`` names the windowed layers (empty: groups are not split).
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .errors import ConfigError
+
+PART_ALL, PART_FULL, PART_WINDOW = "all", "full", "window"   # = managers.base.GroupPart
 
 KiB, MiB = 2**10, 2**20
 
@@ -68,9 +75,18 @@ class PageGeometry:
     page_bytes: int
     num_layers: int
     layer_bytes_per_token: int     # one layer's K (or V) of one token
+    window_layers: tuple = ()      # per-layer hybrid only: the windowed layers (WINDOW part)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", PageLayout.parse(self.layout))
+        layers = tuple(self.window_layers)
+        if layers and (not self.per_layer or len(layers) >= self.num_layers or any(
+                not isinstance(i, int) or not 0 <= i < self.num_layers for i in layers)
+                or list(layers) != sorted(set(layers))):
+            raise ConfigError(f"window_layers must be () or increasing layer indices of a "
+                              f"per-layer geometry, fewer than num_layers={self.num_layers}, "
+                              f"got {self.window_layers!r}")
+        object.__setattr__(self, "window_layers", layers)
         for name in ("page_bytes", "num_layers", "layer_bytes_per_token"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -82,9 +98,15 @@ class PageGeometry:
 
     @classmethod
     def of(cls, shape, page_bytes: int, layout) -> "PageGeometry":
-        """The geometry of ``shape`` (anything with ``num_layers`` and ``layer_bytes_per_token``:
-        a ModelSpec or a runtime CacheConfig)."""
-        return cls(PageLayout.parse(layout), page_bytes, shape.num_layers, shape.layer_bytes_per_token)
+        """The geometry of ``shape`` (anything with ``num_layers``, ``layer_bytes_per_token``
+        and ``layer_windows``: a ModelSpec or a runtime CacheConfig); groups are split by
+        layer kind when the layout is per-layer and the model is hybrid."""
+        layout = PageLayout.parse(layout)
+        windows = tuple(shape.layer_windows)
+        hybrid = None in windows and any(w is not None for w in windows)
+        split = tuple(i for i, w in enumerate(windows) if w is not None) \
+            if hybrid and layout is PageLayout.PER_LAYER else ()
+        return cls(layout, page_bytes, shape.num_layers, shape.layer_bytes_per_token, split)
 
     @property
     def per_layer(self) -> bool:
@@ -116,6 +138,35 @@ class PageGeometry:
     def pages_per_group(self) -> int:
         """Physical pages behind one page group (one MapGroup)."""
         return self.num_members * self.pages_per_member
+
+    # -- parts of a split group (hybrid per-layer; see the module docstring) --
+    @property
+    def split(self) -> bool:
+        """Whether groups have FULL and WINDOW parts."""
+        return bool(self.window_layers)
+
+    def part_layers(self, part: str) -> tuple:
+        """Layers whose members ``part`` ("all", "full" or "window") holds."""
+        if part == PART_ALL:
+            return tuple(range(self.num_layers))
+        windowed = set(self.window_layers)
+        if part == PART_WINDOW:
+            return self.window_layers
+        if part == PART_FULL:
+            return tuple(i for i in range(self.num_layers) if i not in windowed)
+        raise ConfigError(f"part must be one of all, full, window, got {part!r}")
+
+    def part_members(self, part: str) -> tuple:
+        """Member indices j (= layer * 2 + kv) of ``part`` (per-layer layout)."""
+        if not self.per_layer:
+            return (0, 1)
+        return tuple(j for layer in self.part_layers(part) for j in (2 * layer, 2 * layer + 1))
+
+    def pages_per_part(self, part: str) -> int:
+        """Physical pages behind ``part`` of one group (``pages_per_group`` for "all")."""
+        if part == PART_ALL:
+            return self.pages_per_group
+        return len(self.part_members(part)) * self.pages_per_member
 
     @property
     def group_bytes(self) -> int:

@@ -62,6 +62,19 @@ class ModelSpec:
         return sum(w is not None for w in self.layer_windows)
 
     @property
+    def is_hybrid(self) -> bool:
+        """Full-attention layers beside sliding-window ones (Gemma 2/3, Cohere2): the vmem
+        per-layer layout then splits each page group by layer kind (managers/hybrid.py)."""
+        return None in self.layer_windows and self.windowed_layers > 0
+
+    @property
+    def local_window_tokens(self) -> Optional[int]:
+        """The widest window among the windowed layers (tokens), None without one: keys older
+        than it are read by no windowed layer (a hybrid model's full layers still read them)."""
+        windows = [w for w in self.layer_windows if w is not None]
+        return max(windows) if windows else None
+
+    @property
     def params(self) -> int:
         return self.num_params or self.weight_bytes // self.dtype_bytes
 

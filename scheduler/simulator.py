@@ -47,6 +47,8 @@ class SimConfig:
     layout: str = "per-layer"             # vmem page layout
     swap_bytes: int = 0                   # host swap space, bytes
     prefix_eviction: str = DEFAULT_EVICTION   # prefix cache retention: off | lru | hits
+    hybrid_parts: bool = True             # vmem per-layer, hybrid model: give back windowed
+                                          # layers' pages behind the window (False: full allocation)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     prefill_mfu: Optional[float] = None   # None: prefill costs only KV bandwidth
     map_latency_s: float = 0.0            # seconds per physical page mapped (vmem)
@@ -87,7 +89,8 @@ class SimConfig:
                                                   self.max_seq_len, **options)
         return make_manager(self.policy, self.model_spec, int(self.cache_bytes),
                             self.max_seq_len, max_slots=None,
-                            prefix_eviction=self.prefix_eviction, **options)
+                            prefix_eviction=self.prefix_eviction,
+                            hybrid_parts=self.hybrid_parts, **options)
 
     def scheduler_for(self, manager: MemoryManager) -> SchedulerConfig:
         """The scheduler config with ``watermark_scope`` applied to ``manager``'s policy."""

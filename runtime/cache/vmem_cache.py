@@ -11,7 +11,9 @@ where P = C / tokens_per_page page groups per slot and k = pages_per_member cons
 per member (1 when a page holds whole tokens; else a token may straddle two pages). Page group
 g (the manager's unit) is the fixed set of pool pages [g * pages_per_group, (g + 1) *
 pages_per_group): member j, k pages, backs (layer j // 2, kv j % 2) in per-layer, (kv j) in
-interleaved (see scheduler.geometry). The cache
+interleaved (see scheduler.geometry). A hybrid cache (``pool_pages``: full and windowed layers,
+per-layer) instead binds pool pages to each PART of a group when a plan first maps it and takes
+them back at ReleaseGroup (vmem_binding, vmem_parts). The cache
 keeps a replica of what plans mapped (slot -> {page index: group}) and where they placed each
 sequence (seq -> slot); it never asks a manager.
 """
@@ -25,7 +27,8 @@ import torch
 from vmemkv import vmem
 from vmemkv.runtime.attention.base import StepMeta, VMemLayerView, window_starts
 from vmemkv.scheduler.geometry import PageGeometry
-from vmemkv.scheduler.plan import CopyGroup, DropSwapped, MapGroup, SetSlot, SwapIn, SwapOut, UnmapGroup
+from vmemkv.scheduler.plan import (CopyGroup, DropSwapped, MapGroup, ReleaseGroup, SetSlot, SwapIn,
+                                   SwapOut, UnmapGroup)
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError
@@ -34,13 +37,16 @@ from .base import KVCache, StepBatch
 from .journal import PlanJournal
 from .mapper import BackgroundMapper, DeferredUndo
 from .vmem_ops import VMemOps
+from .vmem_parts import PartOps
 
-_OPS = (MapGroup, UnmapGroup, CopyGroup, SwapOut, SwapIn, DropSwapped)
+_OPS = (MapGroup, UnmapGroup, ReleaseGroup, CopyGroup, SwapOut, SwapIn, DropSwapped)
 
 
-class VMemKVCache(VMemOps, KVCache):
+class VMemKVCache(VMemOps, PartOps, KVCache):
     """Executes vmem plans on a VirtualRange of ``config.max_batch`` slots over a pool of
-    ``num_groups`` page groups of ``geometry``.
+    ``num_groups`` page groups of ``geometry`` (fixed pages per group), or, with
+    ``pool_pages``, a hybrid pool of that many pages bound to group parts by the plans
+    (needs the per-layer layout and a config with both full and windowed layers).
 
     ``background_mapper=True`` runs each plan's ops on a thread, layer by layer, so layer l's
     pages are mapped while layers < l compute (per-layer layout); ``write``/``layer_view`` wait
@@ -51,9 +57,11 @@ class VMemKVCache(VMemOps, KVCache):
 
     def __init__(self, config: CacheConfig, geometry: PageGeometry, num_groups: int,
                  driver: Optional[vmem.Driver] = None, background_mapper: bool = False,
-                 grow_pages: bool = False) -> None:
+                 grow_pages: bool = False, pool_pages: Optional[int] = None) -> None:
         super().__init__(config)
         self._check_geometry(config, geometry, num_groups)
+        self._parts, self._binding = self._part_binding(config, geometry, pool_pages)
+        self.pool_pages = pool_pages
         self.geometry = geometry
         self.memory_layout = geometry.layout
         self.page_bytes = geometry.page_bytes
@@ -61,9 +69,9 @@ class VMemKVCache(VMemOps, KVCache):
         self.pages_per_slot = config.max_context // self.tokens_per_page
         self.pages_per_group = geometry.pages_per_group
         self.num_groups = num_groups
-        check_fits_device(f"VMemKVCache pool of {num_groups * self.pages_per_group} pages "
-                          f"of {self.page_bytes} bytes",
-                          num_groups * geometry.group_bytes, config.torch_device,
+        total_pages = pool_pages if pool_pages is not None else num_groups * self.pages_per_group
+        check_fits_device(f"VMemKVCache pool of {total_pages} pages of {self.page_bytes} bytes",
+                          total_pages * self.page_bytes, config.torch_device,
                           committed=not grow_pages)
         self._grow_pages = grow_pages   # pages created on first mapping (vmem.PagePool(grow=True))
         self._slot_pages: list[dict] = [dict() for _ in range(config.max_batch)]  # replica
@@ -81,9 +89,10 @@ class VMemKVCache(VMemOps, KVCache):
         self._closed = False
 
     def _build(self, c: CacheConfig, background_mapper: bool) -> None:
-        self.pool = vmem.PagePool(self.driver, self.num_groups * self.pages_per_group,
-                                  self.page_bytes, grow=self._grow_pages)
-        self._pool_pages = self.pool.allocate(self.pool.total_pages)  # fixed: group g -> members
+        total_pages = self.pool_pages or self.num_groups * self.pages_per_group
+        self.pool = vmem.PagePool(self.driver, total_pages, self.page_bytes, grow=self._grow_pages)
+        # fixed: group g -> members; hybrid: indexes the binding hands out
+        self._pool_pages = self.pool.allocate(self.pool.total_pages)
         per_layer = self.geometry.per_layer
         shape = ((c.num_layers, 2, c.max_batch, c.max_context, c.num_kv_heads, c.head_dim)
                  if per_layer else
@@ -128,6 +137,7 @@ class VMemKVCache(VMemOps, KVCache):
         for index, op in enumerate(ops):   # refuse a plan we cannot run before touching memory
             if not isinstance(op, _OPS):
                 raise CacheStateError(f"VMemKVCache cannot execute op {index} of the plan: {op!r}")
+            self._check_part_op(index, op)
         if self._mapper is not None:
             self._mapper.wait_all()        # the previous plan is done (or its error raised)
         for index, op in enumerate(ops):
@@ -141,7 +151,7 @@ class VMemKVCache(VMemOps, KVCache):
         if not bound:
             return
         journal = PlanJournal(self._swapped_before)
-        self._note_mappings(bound, journal)
+        bound = self._note_mappings(bound, journal)
         plan = (bound, journal)
         if self._mapper is not None:
             self._mapper.submit(plan)
@@ -230,6 +240,8 @@ class VMemKVCache(VMemOps, KVCache):
         if len(set(slots)) != len(slots):
             raise CacheStateError(f"sequences {list(step.seq_ids)} share slots {list(slots)}")
         self._check_window_reads(step, slots)
+        if self._binding is not None:
+            self._check_part_reads(step, slots)
         self._slots = torch.tensor(slots, dtype=torch.int64, device=self.config.torch_device)
         self._token_slots = self._slots[step.token_seq_index]
         meta = StepMeta(step.lens, host_slots=slots)
@@ -270,6 +282,8 @@ class VMemKVCache(VMemOps, KVCache):
         if num_tokens and self._first_held_page(self._slot_pages[slot]):
             raise CacheStateError(f"sequence {seq_id}: its first tokens were given back behind "
                                   f"a sliding window; they cannot be read")
+        if self._binding is not None:
+            self._check_part_read(seq_id, slot, layer, num_tokens)
         return (self._k[layer][slot, :num_tokens].clone(), self._v[layer][slot, :num_tokens].clone())
 
     def check_integrity(self) -> None:
@@ -278,6 +292,11 @@ class VMemKVCache(VMemOps, KVCache):
         done and none is leaked); pool counts are consistent."""
         super().check_integrity()
         self.wait_for_mapper()
+        if self._binding is not None:
+            assert self.range.mapped_pages() == self._expected_part_mappings(), \
+                "range mappings differ from the plans' part mappings"
+            self.pool.check_integrity()
+            return
         expected = {}
         for slot, pages in enumerate(self._slot_pages):
             for pi, g in pages.items():

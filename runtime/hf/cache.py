@@ -16,7 +16,10 @@ VMemKVCache that executes its plans: the first layer of a forward that writes pa
 grows every row through ``manager.append`` and hands the executor the plan (map ops, physical
 pages mapped through the real driver, and the rows' slots) before writing. ``reset()``
 frees the rows; their pages stay mapped (the manager's deferred reclamation), so the next
-``generate`` reuses them without mapping anything.
+``generate`` reuses them without mapping anything. A model with sliding-window layers gets a
+window-aware manager (``CacheConfig.layer_windows``): before a forward writes, the rows' memory
+wholly behind the windowed layers' windows is given back (``release_behind_window``), and those
+layers return only their window's keys (cache_layer.VMemLayer).
 """
 from __future__ import annotations
 
@@ -25,12 +28,13 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ..config import CacheConfig, parse_dtype
 from ..errors import CacheConfigError, CacheStateError
 from ..kv import KV, make_kv, vmem_geometry
-from .support import check_cache_layers, kv_shape_of, text_config
+from .cache_layer import VMemLayer, window_offset
+from .support import check_cache_layers, kv_shape_of, layer_windows_of, text_config
 
 
 class BatchTooLargeError(CacheStateError):
@@ -70,43 +74,7 @@ def cache_config_from_model(config, max_batch: int, max_context: int, dtype=None
     check_cache_layers(text, "VMemCache", CacheConfigError)
     dtype = parse_dtype(dtype if dtype is not None else (getattr(text, "dtype", None) or torch.float32))
     return CacheConfig(**kv_shape_of(text), dtype=dtype, device=str(device), max_batch=max_batch,
-                       max_context=max_context)
-
-
-class VMemLayer(CacheLayerMixin):
-    """Layer ``index`` of a VMemCache, as HF's mask and generate code query it. Holds no state:
-    everything lives in the owning cache (so reset/crop/reorder are done once, cache-wide)."""
-
-    is_compileable = False   # growth maps pages from Python between ops
-    is_croppable = True
-    is_sliding = False       # every token is kept; HF's sliding-window mask hides old ones
-
-    def __init__(self, owner: "VMemCache", index: int) -> None:
-        super().__init__()
-        self.owner, self.index = owner, index
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return self.owner.update(key_states, value_states, self.index)
-
-    def get_seq_length(self) -> int:
-        self.owner._check_open()   # generate asks this first: a closed cache fails here, typed
-        return self.owner._written[self.index]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0   # (kv_length, kv_offset)
-
-    def get_max_length(self) -> int:
-        return self.owner.max_context
-
-    def reset(self) -> None:
-        """Cache-wide: see VMemCache.reset."""
-
-    def reorder_cache(self, beam_idx) -> None:
-        """Cache-wide: see VMemCache.reorder_cache."""
+                       max_context=max_context, layer_windows=layer_windows_of(text))
 
 
 class VMemCache(Cache):
@@ -127,11 +95,13 @@ class VMemCache(Cache):
                               layout=layout, page_bytes=geometry.page_bytes, cache_bytes=cache_bytes,
                               grow_pages=True)
         self.manager = self.kv.manager     # this cache plans; self.kv.cache (VMemKVCache) executes
-        super().__init__(layers=[VMemLayer(self, i) for i in range(config.num_layers)])
+        super().__init__(layers=[VMemLayer(self, i, config.window_of(i))
+                                 for i in range(config.num_layers)])
         self.config = config
         self._rows: list[int] = []                  # seq id of batch row b (its slot is b)
         self._written = [0] * config.num_layers     # tokens per row written in each layer
         self._next_id = 0
+        self._slid_to = 0     # memory behind the window of a query here has been given back
         self._closed = False
 
     @classmethod
@@ -172,6 +142,8 @@ class VMemCache(Cache):
         batch, _, new, _ = key_states.shape
         start = self._written[layer_idx]
         end = start + new
+        if start > self._slid_to and self.config.layer_windows:
+            self._slide(start)
         if end > self._held() or not self._rows:
             self._grow(batch, end)
         elif batch != len(self._rows):
@@ -182,8 +154,9 @@ class VMemCache(Cache):
             v_cache[:batch, start:end].copy_(value_states.transpose(1, 2))
         self._written[layer_idx] = end
         layer = self.layers[layer_idx]
-        layer.keys = k_cache[:batch, :end].transpose(1, 2)
-        layer.values = v_cache[:batch, :end].transpose(1, 2)
+        first = window_offset(layer.window, start)      # a windowed layer: keys (p - window, p]
+        layer.keys = k_cache[:batch, first:end].transpose(1, 2)
+        layer.values = v_cache[:batch, first:end].transpose(1, 2)
         return layer.keys, layer.values
 
     def _check_layer(self, layer_idx) -> None:
@@ -257,6 +230,21 @@ class VMemCache(Cache):
             raise
         self.manager.commit()
 
+    def _slide(self, start: int) -> None:
+        """The forward's queries start at ``start``: the manager gives back every row's memory
+        wholly behind the windowed layers' windows (as the scheduler does before a step)."""
+        self.manager.begin()
+        try:
+            for seq_id in self._rows:
+                self.manager.release_behind_window(seq_id, start)
+            self._execute_plan()
+        except BaseException:
+            self.manager.rollback()
+            self.kv.tables.resend()
+            raise
+        self.manager.commit()
+        self._slid_to = start
+
     def _execute_plan(self, dropped=()) -> None:
         """Hand the executor this cache's plan: the manager's ops, then the rows' slots."""
         self.kv.execute(self.manager.take_ops())
@@ -283,6 +271,7 @@ class VMemCache(Cache):
         rows, self._rows = self._rows, []
         self._execute_plan(dropped=rows)
         self._written = [0] * self.config.num_layers
+        self._slid_to = 0
         for layer in self.layers:
             layer.keys = layer.values = None
 
@@ -291,8 +280,9 @@ class VMemCache(Cache):
         self._check_open()
         index = beam_idx.to(self.config.torch_device)
         for layer, length in enumerate(self._written):
+            first = window_offset(self.layers[layer].window, length - 1)   # mapped from here
             for cache in self.kv.layer_tensors(layer):
-                rows = cache[:len(self._rows), :length]
+                rows = cache[:len(self._rows), first:length]
                 rows.copy_(rows.index_select(0, index))
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -300,7 +290,13 @@ class VMemCache(Cache):
         if tokens_to_remove > 0:
             raise CacheStateError(f"crop takes a negative count of tokens to remove, "
                                   f"got {tokens_to_remove}")
-        self._written = [max(0, n + tokens_to_remove) for n in self._written]
+        written = [max(0, n + tokens_to_remove) for n in self._written]
+        if self.config.layer_windows and min(written) < self._slid_to:
+            raise CacheStateError(
+                f"crop({tokens_to_remove}) would leave {min(written)} tokens, but the windowed "
+                f"layers' memory behind a query at {self._slid_to} was given back; crop at most "
+                f"{max(self._written) - self._slid_to} tokens")
+        self._written = written
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise CacheStateError("VMemCache holds one static batch; it cannot be expanded in place")

@@ -10,6 +10,10 @@
 | paged           | blocks of block_size  | fork + prefix (chain hash), CoW | CopyBlock, swaps       |
 | vmem            | page groups in slots  | fork + prefix (chain hash), CoW | Map/Unmap/CopyGroup,... |
 
+vmem with a hybrid model (full + sliding-window layers) in the per-layer layout and
+``hybrid_parts=True`` is a HybridVmemManager (hybrid.py): groups split by layer kind over a pool counted in pages, the
+windowed part given back behind the window (ReleaseGroup).
+
 paged and vmem keep computed prefixes after their requests end (``prefix_eviction``: off, lru,
 hits; eviction.py) and publish a unit only once the scheduler says it is computed.
 """
@@ -23,6 +27,7 @@ from .base import (CopyBlock, CopyGroup, GroupPart, MapGroup, MemoryManager, Mem
                    ReleaseGroup, SwapIn, SwapOut, UnmapGroup)
 from .common import check_int
 from .eviction import DEFAULT_EVICTION, EVICTION_POLICIES, make_eviction
+from .hybrid import HybridVmemManager
 from .paged import PagedManager
 from .reserve import ReserveManager
 from .vmem import LAYOUTS, VmemManager
@@ -33,12 +38,16 @@ POLICIES = ("reserve-max", "reserve-oracle", "paged", "vmem")
 def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_tokens: int, *,
                  block_size_tokens: int = 16, page_bytes: int = 2 * 2**20,
                  layout: str = "per-layer", max_slots: Optional[int] = None,
-                 swap_bytes: int = 0, prefix_eviction: str = DEFAULT_EVICTION) -> MemoryManager:
+                 swap_bytes: int = 0, prefix_eviction: str = DEFAULT_EVICTION,
+                 hybrid_parts: bool = False) -> MemoryManager:
     """A manager for ``policy`` over ``cache_bytes`` of KV cache (bytes), sequences of at most
     ``max_seq_len_tokens``. ``block_size_tokens`` is used by paged only; ``page_bytes``,
     ``layout`` and ``max_slots`` by vmem only; ``swap_bytes`` is host swap space (all);
     ``prefix_eviction`` (paged, vmem; one of EVICTION_POLICIES) keeps computed prefixes after
-    their requests end and says which goes first ("off": none are kept).
+    their requests end and says which goes first ("off": none are kept). ``hybrid_parts``
+    (vmem per-layer with a hybrid model only; ignored otherwise): split page groups by layer
+    kind and give back the windowed part behind the window (HybridVmemManager), for an
+    executor that runs part ops (GroupPart, ReleaseGroup); False: full allocation.
     Raises ConfigError naming the field, the value and the allowed range."""
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -59,11 +68,16 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
         return PagedManager(model, cache_bytes, max_seq_len_tokens,
                             block_size_tokens=block_size_tokens, swap_bytes=swap_bytes,
                             prefix_eviction=prefix_eviction)
-    return VmemManager(model, cache_bytes, max_seq_len_tokens, page_bytes=page_bytes,
-                       layout=layout, max_slots=max_slots, swap_bytes=swap_bytes,
-                       prefix_eviction=prefix_eviction)
+    # a hybrid model's groups split by layer kind only where a page holds one layer
+    if not isinstance(hybrid_parts, bool):
+        raise ConfigError(f"hybrid_parts must be a bool, got {hybrid_parts!r}")
+    split = hybrid_parts and model.is_hybrid and layout == "per-layer"
+    cls = HybridVmemManager if split else VmemManager
+    return cls(model, cache_bytes, max_seq_len_tokens, page_bytes=page_bytes,
+               layout=layout, max_slots=max_slots, swap_bytes=swap_bytes,
+               prefix_eviction=prefix_eviction)
 
 
 __all__ = ["POLICIES", "EVICTION_POLICIES", "DEFAULT_EVICTION", "make_manager", "MemoryManager", "MemoryStats", "MemoryOp", "MapGroup",
            "UnmapGroup", "ReleaseGroup", "GroupPart", "CopyGroup", "CopyBlock", "SwapOut", "SwapIn", "ReserveManager",
-           "PagedManager", "VmemManager"]
+           "PagedManager", "VmemManager", "HybridVmemManager"]

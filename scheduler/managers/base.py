@@ -250,7 +250,9 @@ class MemoryManager(ABC):
     @property
     def window_tokens(self) -> Optional[int]:
         """The window (tokens) behind which this manager gives memory back, or None (it keeps
-        every token: no model window, a layer without one, or a policy that cannot)."""
+        every token: no model window, a layer without one, or a policy that cannot). A hybrid
+        vmem manager (hybrid.py) names its windowed layers' window and gives back only their
+        part of each page group."""
         return None
 
     def release_behind_window(self, seq_id: int, computed_tokens: int) -> None:

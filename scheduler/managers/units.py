@@ -192,7 +192,7 @@ class UnitManager(ManagerCore):
         another unit holds that content (computed by two sequences at once), on that one: the
         rest of the sequence stays findable behind the first copy. Nothing when unit k or k-1
         was given back behind a window (gone, or a chain that cannot be verified)."""
-        if seq.units[k] is None or (k and seq.units[k - 1] is None):
+        if not self._shareable(seq.units[k]) or (k and seq.units[k - 1] is None):
             return
         parent = seq.units[k - 1] if k else None
         if k and parent not in self.prefix.by_unit:
@@ -201,6 +201,10 @@ class UnitManager(ManagerCore):
                 return
             parent = chain[-1]
         self.prefix.register(seq.units[k], key, parent)
+
+    def _shareable(self, unit: Optional[int]) -> bool:
+        """Whether ``unit`` still holds its content for every layer (None: given back)."""
+        return unit is not None
 
     def _publish_at_free(self, seq: HeldSeq, computed_tokens) -> None:
         """At free: publish what was computed (``computed_tokens``; None: everything held)."""

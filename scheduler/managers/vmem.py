@@ -65,13 +65,14 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
                               f"tokens_per_page={tpp} ({layout}, page_bytes={page_bytes}); "
                               f"nearest valid: {near}")
         group_bytes = page_bytes * self.pages_per_group
-        self.num_groups = check_int("cache_bytes", cache_bytes, 1) // group_bytes
-        if self.num_groups < 1:
+        whole_groups = check_int("cache_bytes", cache_bytes, 1) // group_bytes
+        if whole_groups < 1:
             raise ConfigError(f"cache_bytes={cache_bytes} holds no page group of {group_bytes} "
                               f"bytes; needs >= {group_bytes}")
-        # Every running sequence holds >= 1 group, so more slots than groups could never all
-        # be used at once; virtual address space is cheap, so default to exactly that many.
-        self.num_slots = check_int("max_slots", max_slots if max_slots is not None else self.num_groups, 1)
+        self.num_groups = self._group_ids(cache_bytes, whole_groups)
+        # Every running sequence holds >= 1 whole group, so more slots than that could never
+        # all be used at once; virtual address space is cheap, so default to exactly that many.
+        self.num_slots = check_int("max_slots", max_slots if max_slots is not None else whole_groups, 1)
         self.pages_per_slot = self.max_seq_len // tpp
         self._init_units(self.num_groups, tpp, prefix_eviction)
         self._reclaimable: OrderedDict = OrderedDict()   # refs 0, mapped, no content: LRU first
@@ -80,6 +81,13 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self._owner: list = [None] * self.num_slots           # slot -> seq_id or None
         self._free_slots = FreeSlots(self.num_slots, self.pages_per_slot)
         self._init_window(model.window_tokens)
+
+    pool_pages: Optional[int] = None   # hybrid.py: the pool counted in pages; here every
+                                       # group has its own fixed pages_per_group pages
+
+    def _group_ids(self, cache_bytes: int, whole_groups: int) -> int:
+        """How many group ids there are: one per fixed set of pages (hybrid.py: more)."""
+        return whole_groups
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -115,6 +123,11 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
     def mapped_pages(self, slot: int) -> dict:
         """{page_index: group} currently mapped under ``slot`` (live or deferred)."""
         return dict(self._pages[slot])
+
+    def full_only_pages(self, slot: int) -> int:
+        """Leading mapped pages of ``slot`` with only their FULL part mapped (hybrid.py: the
+        window behind; 0 here, every mapped page is whole)."""
+        return 0
 
     @property
     def reclaimable_tokens(self) -> int:
@@ -230,15 +243,18 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
     def _share_into(self, slot: int, groups: list) -> None:
         """Hold ``groups`` (page index -> group) and map each under ``slot`` where it is not
         mapped already (the same physical pages at a second address: no copy)."""
-        pages = self._pages[slot]
         for pi, g in enumerate(groups):
-            if g is None:             # behind a window: given back
-                continue
-            self._hold(g)
-            if pages.get(pi) != g:
-                if pi in pages:
-                    self._unmap(slot, pi)
-                self._map(slot, pi, g)
+            if g is not None:         # None: behind a window, given back
+                self._hold(g)
+                self._share_page(slot, pi, g)
+
+    def _share_page(self, slot: int, pi: int, g: int) -> None:
+        """Map held group ``g`` at (slot, pi) unless it is mapped there already."""
+        pages = self._pages[slot]
+        if pages.get(pi) != g:
+            if pi in pages:
+                self._unmap(slot, pi)
+            self._map(slot, pi, g)
 
     def _can_place(self) -> bool:
         return bool(self._free_slots)

@@ -29,18 +29,28 @@ class VmemIntegrity:
         assert maps == self._maps, "mapping index"
         assert all(c == len(self._pages[s]) for s, c in self._free_slots.items())
         assert len(set(self._free)) == len(self._free)
-        registered = self.prefix.by_unit
-        assert all(refs[g] == 0 and not maps[g] and g not in registered for g in self._free)
+        registered, spare = self.prefix.by_unit, self._spare_groups()
+        assert not spare & set(self._free), "a group both free and spare"
+        assert all(refs[g] == 0 and not maps[g] and g not in registered
+                   for g in self._free + sorted(spare))
         assert set(self._reclaimable) == {g for g in range(self.num_groups)
                                           if not refs[g] and maps[g] and g not in registered}
         cached = set(self._cache)
         assert len(cached) == len(self._cache)
         assert cached == {g for g in registered if not refs[g]}, "cached: registered, unheld"
         held = sum(1 for g in range(self.num_groups) if refs[g])
-        assert held + len(self._free) + len(self._reclaimable) + len(cached) == self.num_groups, \
-            "free + reclaimable + cached + held == total"
+        assert held + len(self._free) + len(self._reclaimable) + len(cached) + len(spare) == \
+            self.num_groups, "free + reclaimable + cached + held (+ spare) == total"
         assert self._live == sum(self._fill[g] for g in range(self.num_groups) if refs[g])
         assert self._cap_sum == sum(len(held_units(s)) * tpp for s in self._seqs.values())
         assert self._tok_sum == sum(s.num_tokens - dropped_units(s) * tpp for s in self._seqs.values())
         self.prefix.check()
         self._swap_integrity()
+        self._check_parts(refs, maps)
+
+    def _spare_groups(self) -> set:
+        """Group ids with no pages bound (hybrid.py); none where every group has fixed pages."""
+        return set()
+
+    def _check_parts(self, refs: list, maps: list) -> None:
+        """The part invariants of a hybrid pool (hybrid.py); nothing else has parts."""

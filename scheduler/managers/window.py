@@ -21,9 +21,11 @@ from the first unit, nothing after a dropped unit is a hit either. A sequence wi
 units is not swapped (``can_swap_out`` is False: its swap copy would read unmapped pages), so
 the scheduler preempts it by recompute, which rebuilds the window from the tokens.
 
-Hybrid models (a full-attention layer beside windowed ones: Gemma 2/3, Cohere2) keep every
-group, since their full layers read all tokens: freeing one layer's part of a group needs
-groups split by layer kind (not built; see docs/models.md).
+Hybrid models (a full-attention layer beside windowed ones: Gemma 2/3, Cohere2) cannot give a
+unit back, since their full layers read all tokens. In the vmem per-layer layout their groups
+are split by layer kind and only the windowed layers' part goes (hybrid.py, which overrides
+the hooks below); the interleaved layout and paged blocks span every layer, so there they keep
+every unit (``window_tokens`` is None).
 """
 from __future__ import annotations
 
@@ -76,17 +78,21 @@ class WindowedGroups:
     def _give_back(self, seq: HeldSeq, pi: int, unit: int) -> None:
         """After ``unit`` (index ``pi`` of ``seq``) is unheld: the manager's own release."""
 
+    def _window_dropped(self, seq: HeldSeq) -> int:
+        """Leading units whose memory (or, hybrid, windowed part) ``seq`` gave back."""
+        return dropped_units(seq)
+
     def can_swap_out(self, seq_id: int) -> bool:
         seq = self._seqs.get(seq_id)
-        if seq is not None and dropped_units(seq):
+        if seq is not None and self._window_dropped(seq):
             return False
         return super().can_swap_out(seq_id)
 
     def swap_out(self, seq_id: int) -> int:
         seq = self._seq(seq_id)
-        if dropped_units(seq):
+        if self._window_dropped(seq):
             raise WindowSwapError(
-                f"sequence {seq_id} gave back {dropped_units(seq)} page groups behind its "
+                f"sequence {seq_id} gave back {self._window_dropped(seq)} page groups behind its "
                 f"{self._window}-token window and cannot be swapped out; preempt it by recompute")
         return super().swap_out(seq_id)
 

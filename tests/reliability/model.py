@@ -15,6 +15,7 @@ import torch
 from vmemkv.runtime.kv import make_kv
 from vmemkv.runtime.transaction import run_plan
 from vmemkv.runtime.config import CacheConfig
+from vmemkv.scheduler.plan import GroupPart
 from vmemkv.vmem.faults import FaultInjectingDriver
 from vmemkv.vmem.host import HostDriver
 
@@ -169,12 +170,25 @@ class CacheModel:
             assert self.manager.num_tokens(seq_id) == len(tokens)
             truth = self.truth(tokens)
             for layer in range(self.config.num_layers):
-                k, v = self.cache.read(seq_id, layer, len(tokens))
-                assert torch.equal(k, truth[:, layer, 0]), f"seq {seq_id} layer {layer} K differs"
-                assert torch.equal(v, truth[:, layer, 1]), f"seq {seq_id} layer {layer} V differs"
+                first, k, v = self.read_held(seq_id, layer, len(tokens))
+                assert torch.equal(k, truth[first:, layer, 0]), f"seq {seq_id} layer {layer} K differs"
+                assert torch.equal(v, truth[first:, layer, 1]), f"seq {seq_id} layer {layer} V differs"
         for seq_id, tokens in self.swapped.items():
             buffer = self.cache._swapped[seq_id]          # (layers, 2, tokens, heads, dim)
             assert torch.equal(buffer, self.truth(tokens).permute(1, 2, 0, 3, 4)), f"swapped {seq_id}"
+
+    def read_held(self, seq_id: int, layer: int, num_tokens: int) -> tuple:
+        """(first, K, V) of the tokens [first, num_tokens) of ``layer`` the cache still holds:
+        all of them, except a hybrid pool's windowed layer behind its window (first = the
+        first page whose WINDOW part is mapped)."""
+        cache = self.cache.cache
+        if cache.kind != "vmem" or cache.pool_pages is None or self.config.window_of(layer) is None:
+            return (0, *self.cache.read(seq_id, layer, num_tokens))
+        slot = self.manager.slot_of(seq_id)
+        held = [pi for pi, parts in cache.mapped_parts(slot).items() if GroupPart.WINDOW in parts]
+        first = min(min(held, default=0) * cache.tokens_per_page, num_tokens)
+        k, v = cache.layer_tensors(layer)
+        return first, k[slot, first:num_tokens].clone(), v[slot, first:num_tokens].clone()
 
     def snapshot(self) -> dict:
         """Everything a failed plan must leave unchanged: manager tables and counters, what is

@@ -90,15 +90,19 @@ def test_engine_tokens_identical_when_every_plan_is_pickled(cache, preemption):
     assert pickled.last_stats.num_preemptions == stats.num_preemptions
 
 
-def record(engine, plans: list, writes: list) -> None:
-    """Record every plan (pickled) and, per plan, the K/V the model wrote, layer by layer."""
+def record(engine, plans: list, writes: list, snapshots=None, state=None) -> None:
+    """Record every plan (pickled) and, per plan, the K/V the model wrote, layer by layer, and
+    (with ``snapshots``) ``state(cache)`` after the plan ran (default: ``memory``)."""
     execute, cache = engine.runner.execute, engine.kv.cache
     write = cache.write
 
     def recording_execute(plan):
         plans.append(pickle.dumps(plan))
         writes.append([])
-        return execute(plan)
+        result = execute(plan)
+        if snapshots is not None:
+            snapshots.append((state or memory)(cache))
+        return result
 
     def recording_write(layer, k, v):
         writes[-1].append((layer, k.clone(), v.clone()))
@@ -113,8 +117,8 @@ def fresh_executor(original):
     if isinstance(original, VMemKVCache):
         g = original.geometry
         return VMemKVCache(original.config, PageGeometry(g.layout, g.page_bytes, g.num_layers,
-                                                         g.layer_bytes_per_token),
-                           original.num_groups)
+                                                         g.layer_bytes_per_token, g.window_layers),
+                           original.num_groups, pool_pages=original.pool_pages)
     return PagedKVCache(original.config, original.block_size, original.num_blocks)
 
 
@@ -135,6 +139,21 @@ def memory(cache) -> dict:
     return state
 
 
+def replay(replica, plans: list, writes: list, snapshots: list, state=memory) -> None:
+    """Execute the recorded plans and writes on ``replica``; after each, ``state(replica)``
+    equals the original's snapshot."""
+    for blob, step_writes, expected in zip(plans, writes, snapshots):
+        plan = pickle.loads(blob)
+        replica.execute(plan.ops)
+        replica.apply_tables(plan.tables)
+        if plan.seqs:
+            replica.begin_step([(s.seq_id, s.num_computed_tokens, s.num_new_tokens)
+                                for s in plan.seqs])
+            for layer, k, v in step_writes:
+                replica.write(layer, k, v)
+        assert_same(state(replica), expected)
+
+
 def assert_same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     for key in a:
@@ -153,15 +172,7 @@ def test_cache_that_never_saw_a_manager_replays_recorded_plans_into_the_same_mem
     plans, writes, snapshots = [], [], []
     engine = Engine(model(), max_batch=9, max_context=128, preemption="swap", prefix_sharing=True,
                     swap_bytes=SWAP_BYTES, seed=3, max_tokens_per_step=STEP_TOKENS, **CACHES[cache])
-    record(engine, plans, writes)
-    original_execute = engine.runner.execute
-
-    def snapshot_after(plan):
-        result = original_execute(plan)
-        snapshots.append(memory(engine.kv.cache))
-        return result
-
-    engine.runner.execute = snapshot_after
+    record(engine, plans, writes, snapshots)
     batch, params = workload()
     engine.generate(batch, params)
     final = memory(engine.kv.cache)
@@ -174,14 +185,5 @@ def test_cache_that_never_saw_a_manager_replays_recorded_plans_into_the_same_mem
     assert any(pickle.loads(b).preempted for b in plans)
     assert any(s.fork_ids for b in plans for s in pickle.loads(b).seqs), "forks n > 1"
     with replica:
-        for blob, step_writes, expected in zip(plans, writes, snapshots):
-            plan = pickle.loads(blob)
-            replica.execute(plan.ops)
-            replica.apply_tables(plan.tables)
-            if plan.seqs:
-                replica.begin_step([(s.seq_id, s.num_computed_tokens, s.num_new_tokens)
-                                    for s in plan.seqs])
-                for layer, k, v in step_writes:
-                    replica.write(layer, k, v)
-            assert_same(memory(replica), expected)
+        replay(replica, plans, writes, snapshots)
         assert_same(memory(replica), final)

@@ -1,0 +1,56 @@
+"""VMemLayer: one layer of a VMemCache, as transformers' mask and generate code query it.
+
+A sliding-window layer (``is_sliding``) tells the mask code which keys its update returns, the
+way transformers' own DynamicSlidingWindowLayer does: with L tokens cached before a forward of q
+queries, the keys from ``kv_offset = max(L - window + 1, 0)`` on, ``kv_length = L + q -
+kv_offset`` of them. The cache returns exactly that slice of its contiguous virtual tensor, so
+the pages the manager gave back behind the window are never read.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from transformers.cache_utils import CacheLayerMixin
+
+
+def window_offset(window: Optional[int], cached_tokens: int) -> int:
+    """The first key a layer with ``window`` reads in a forward after ``cached_tokens``."""
+    return 0 if window is None else max(cached_tokens - window + 1, 0)
+
+
+class VMemLayer(CacheLayerMixin):
+    """Layer ``index`` of a VMemCache. Holds no state: everything lives in the owning cache (so
+    reset/crop/reorder are done once, cache-wide)."""
+
+    is_compileable = False   # growth maps pages from Python between ops
+    is_croppable = True
+
+    def __init__(self, owner, index: int, window: Optional[int]) -> None:
+        super().__init__()
+        self.owner, self.index, self.window = owner, index, window
+        self.is_sliding = window is not None
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.owner.update(key_states, value_states, self.index)
+
+    def get_seq_length(self) -> int:
+        self.owner._check_open()   # generate asks this first: a closed cache fails here, typed
+        return self.owner._written[self.index]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        cached = self.get_seq_length()
+        offset = window_offset(self.window, cached)
+        return cached + query_length - offset, offset   # (kv_length, kv_offset)
+
+    def get_max_length(self) -> int:
+        return self.owner.max_context
+
+    def reset(self) -> None:
+        """Cache-wide: see VMemCache.reset."""
+
+    def reorder_cache(self, beam_idx) -> None:
+        """Cache-wide: see VMemCache.reorder_cache."""

@@ -1,0 +1,176 @@
+"""The hybrid vmem manager with exact numbers: Gemma 3's layer pattern holds the predicted pages
+behind its window, admits the computed larger number of sequences, refuses what it cannot do
+with typed errors that change nothing, and leaves every other model on the old path."""
+import pytest
+
+from vmemkv.scheduler.errors import ConfigError, OutOfCapacityError
+from vmemkv.scheduler.geometry import PART_ALL, PART_FULL, PART_WINDOW, MiB, PageGeometry
+from vmemkv.scheduler.managers import (GroupPart, HybridVmemManager, ReleaseGroup, UnmapGroup,
+                                       VmemManager, make_manager)
+from vmemkv.scheduler.managers.window import WindowSwapError
+from vmemkv.scheduler.presets import ModelSpec, get_model
+
+from .shadow import dump
+
+GEMMA3 = get_model("gemma-3-27b")   # 62 layers: 10 full (5, 11, ..., 59), 52 within 1,024 tokens
+PAGE = 2 * MiB                      # one layer's K of 512 tokens (16 heads * 128 * 2 bytes)
+TPP, GROUP, FULL, WINDOW = 512, 124, 20, 104     # tokens / pages per group, FULL, WINDOW part
+
+
+def gemma(pool_pages, max_len=32 * 1024, **kw):
+    return make_manager("vmem", GEMMA3, pool_pages * PAGE, max_len, page_bytes=PAGE,
+                        hybrid_parts=True, **kw)
+
+
+def held_pages(tokens, window=1024):
+    """Pages a sequence of ``tokens`` holds once its next query is at ``tokens``: FULL for
+    every page U = ceil(n / tpp), WINDOW for all but the D = min((n - W + 1) // tpp, U - 1)
+    pages wholly behind the window."""
+    units = -(-tokens // TPP)
+    dropped = min((tokens - window + 1) // TPP, units - 1)
+    return units * FULL + (units - dropped) * WINDOW
+
+
+def test_part_page_counts_come_from_the_geometry():
+    g = PageGeometry.of(GEMMA3, PAGE, "per-layer")
+    assert (g.tokens_per_page, g.pages_per_group) == (TPP, GROUP)
+    assert (g.pages_per_part(PART_FULL), g.pages_per_part(PART_WINDOW)) == (FULL, WINDOW)
+    assert g.part_layers(PART_FULL) == tuple(range(5, 62, 6))
+    assert len(g.part_members(PART_WINDOW)) == 2 * 52 and g.pages_per_part(PART_ALL) == GROUP
+    assert (PART_ALL, PART_FULL, PART_WINDOW) == (GroupPart.ALL, GroupPart.FULL, GroupPart.WINDOW)
+    assert not PageGeometry.of(GEMMA3, PAGE, "interleaved").split
+    assert not PageGeometry.of(get_model("mistral-7b-v0.1"), PAGE, "per-layer").split
+
+
+@pytest.mark.parametrize("windows", [4, 16])
+def test_one_sequence_at_4x_and_16x_the_window_holds_the_predicted_pages(windows):
+    n = windows * 1024
+    m = gemma(4 * GROUP * 32)
+    m.allocate(0, n)
+    assert m.bound_pages == -(-n // TPP) * GROUP          # the whole prompt at admission
+    m.release_behind_window(0, n)
+    assert m.bound_pages == held_pages(n) == {4: 368, 16: 848}[windows]
+    stats = m.stats()                    # in tokens at full allocation, rounded to tokens
+    assert abs(stats.allocated_bytes - held_pages(n) * PAGE) < stats.bytes_per_token
+    assert m.kv_cache_usage() == held_pages(n) / m.pool_pages
+    m.check_integrity()
+
+
+def test_a_pool_admits_the_computed_larger_number_of_sequences():
+    """Pool P = 4 sequences of 4,096 tokens at full allocation (4 * 992 pages); window-aware,
+    each admission needs its whole prompt (992 pages) and then holds 368, so it admits
+    k = (P - 992) // 368 + 1 = 9."""
+    pool = 4 * 8 * GROUP
+    plain = make_manager("vmem", GEMMA3, pool * PAGE, 32 * 1024, page_bytes=PAGE)
+    hybrid = gemma(pool)
+    counts = []
+    for m in (plain, hybrid):
+        k = 0
+        while m.can_allocate(4096):
+            m.allocate(k, 4096)
+            m.release_behind_window(k, 4096)
+            k += 1
+        counts.append(k)
+        m.check_integrity()
+    assert counts == [4, (pool - 8 * GROUP) // held_pages(4096) + 1] == [4, 9]
+
+
+def test_a_refused_allocation_names_the_pages_and_changes_nothing():
+    m = gemma(8 * GROUP)
+    m.allocate(0, 4096)
+    before = dump(m)
+    with pytest.raises(OutOfCapacityError, match=r"0 of 992 pages unbound \(a group takes 124\)"):
+        m.allocate(1, 1024)
+    assert dump(m) == before
+
+
+def test_window_parts_go_back_only_when_no_fork_reads_them():
+    m = gemma(4 * 8 * GROUP)
+    m.allocate(0, 4096)
+    m.fork(0, 1)
+    m.take_ops()
+    m.release_behind_window(0, 4096)
+    ops = m.take_ops()
+    assert ops == [UnmapGroup(m.slot_of(0), pi, m.mapped_pages(m.slot_of(0))[pi], "window")
+                   for pi in range(6)]              # the fork still reads them: nothing released
+    assert m.bound_pages == 8 * GROUP
+    m.release_behind_window(1, 4096)
+    assert [type(op) for op in m.take_ops()] == [UnmapGroup, ReleaseGroup] * 6
+    assert m.bound_pages == held_pages(4096)
+    m.free(0)
+    m.free(1)
+    m.check_integrity()
+
+
+def test_a_sequence_behind_its_window_is_recomputed_not_swapped():
+    m = gemma(8 * GROUP * 4, swap_bytes=10**12)
+    m.allocate(0, 4096)
+    assert m.can_swap_out(0)
+    m.release_behind_window(0, 4096)
+    before = dump(m)
+    assert not m.can_swap_out(0)
+    with pytest.raises(WindowSwapError, match="6 page groups behind its 1024-token window"):
+        m.swap_out(0)
+    assert dump(m) == before
+
+
+def test_a_prefix_whose_window_part_went_is_no_hit():
+    m = gemma(8 * GROUP * 4)
+    ids = list(range(4096))
+    m.allocate(0, 4096, ids)
+    m.mark_computed(0, 4096)
+    assert m.can_allocate(4096, ids) and m.allocate(1, 4096, ids) == 4096 - TPP
+    m.free(1)
+    m.release_behind_window(0, 4096)
+    assert m.allocate(2, 4096, ids) == 0      # page 0 is incomplete: nothing after it hits
+    m.check_integrity()
+
+
+def test_every_other_model_and_layout_takes_the_old_path():
+    mistral, plain = get_model("mistral-7b-v0.1"), get_model("llama-3-8b")
+    for model, layout in [(mistral, "per-layer"), (plain, "per-layer"), (GEMMA3, "interleaved")]:
+        m = make_manager("vmem", model, 10**10, 8192, layout=layout, hybrid_parts=True)
+        assert type(m) is VmemManager and m.pool_pages is None
+    assert make_manager("vmem", GEMMA3, 10**10, 8192, layout="interleaved").window_tokens is None
+    assert type(make_manager("vmem", GEMMA3, 10**10, 8192)) is VmemManager     # opt-in
+    assert isinstance(gemma(GROUP), HybridVmemManager) and gemma(GROUP).pool_pages == GROUP
+    with pytest.raises(ConfigError, match="hybrid_parts must be a bool, got 1"):
+        make_manager("vmem", GEMMA3, 10**10, 8192, hybrid_parts=1)
+
+
+def test_hybrid_model_spec_properties():
+    assert GEMMA3.is_hybrid and GEMMA3.local_window_tokens == 1024 and GEMMA3.window_tokens is None
+    assert not get_model("mistral-7b-v0.1").is_hybrid and not get_model("llama-3-8b").is_hybrid
+    spec = ModelSpec("h", 2, 1, 1, 1, weight_bytes=0, layer_windows=(4, None))
+    assert spec.is_hybrid and spec.local_window_tokens == 4
+
+
+def test_snapshot_names_every_hybrid_field():
+    m = gemma(8 * GROUP * 4)
+    m.allocate(0, 4096)
+    m.release_behind_window(0, 4096)
+    assert set(m._snapshot()) == set(vars(m)) - m._FIXED_FIELDS - m._DERIVED_FIELDS
+
+
+def test_rollback_restores_window_parts_exactly():
+    m, twin = gemma(8 * GROUP * 4), gemma(8 * GROUP * 4)
+    for x in (m, twin):
+        x.allocate(0, 4096, list(range(4096)))
+        x.mark_computed(0, 4096)
+        x.take_ops()
+    m.begin()
+    m.fork(0, 1)
+    m.release_behind_window(0, 4096)
+    m.release_behind_window(1, 4096)
+    m.free(0)
+    m.allocate(2, 2048)
+    m.rollback()
+    assert dump(m) == dump(twin)
+    m.check_integrity()
+
+
+@pytest.mark.parametrize("layout, layers", [("interleaved", (0,)), ("per-layer", (1, 0)),
+                                             ("per-layer", (0, 1, 2)), ("per-layer", (3,))])
+def test_geometry_window_layers_are_checked(layout, layers):
+    with pytest.raises(ConfigError, match=r"window_layers must be \(\) or increasing layer"):
+        PageGeometry(layout, 4096, 3, 64, layers)
