@@ -38,10 +38,12 @@ class RankGroup:
 
     def __init__(self, rank: int, world: int, step_timeout_s: float) -> None:
         self.rank, self.world, self.step_timeout_s = rank, world, step_timeout_s
-        self.comm_s = 0.0    # seconds spent in collectives (plans + activation sums)
+        self.comm_s = 0.0      # seconds spent in collectives (plans + activation sums)
+        self.collectives = 0   # collectives this process has waited on
 
     def _wait(self, work, what: str, timeout_s: Optional[float]) -> None:
         start = time.perf_counter()
+        self.collectives += 1
         try:
             if timeout_s is None:
                 work.wait()

@@ -77,16 +77,24 @@ class TensorParallel:
 
     @property
     def comm_s(self) -> float:
-        """Seconds rank 0 spent in collectives (plan broadcasts, agreements, activation sums)."""
+        """Seconds rank 0 spent in collectives (plan broadcasts, activation sums; the start agreement)."""
         return self.group.comm_s
 
+    @property
+    def collectives(self) -> int:
+        """Collectives rank 0 has made (a step: one plan broadcast, two per layer in the model,
+        one more broadcast for a plan over 64 KiB)."""
+        return self.group.collectives
+
     def execute(self, plan):
-        """Send ``plan`` to every rank and run it here; returns ``ModelRunner.execute``'s result.
-        PlanExecutionError (rolled back on every rank) or TensorParallelError (a rank died or
-        hung: the caller must close)."""
+        """Apply ``plan``'s memory ops here, send the plan, run it on every rank; returns
+        ``ModelRunner.execute``'s result. PlanExecutionError: rank 0's ops failed and were rolled
+        back before anything was sent (the engine retries as on one process).
+        TensorParallelError: a rank died, hung or failed (the caller must close)."""
+        self.executor.apply_ops(plan)
         try:
             self.group.broadcast(plan)
-            return self.executor.execute(plan)
+            return self.executor.forward(plan)
         except TensorParallelError:
             self._failed = True    # close() then kills the ranks at once: one may be hung
             raise

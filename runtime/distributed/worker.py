@@ -3,12 +3,18 @@
 Every rank holds its shard of the model and a cache with its share of the KV heads, built from
 the same ``TPPayload``, so the same plan means the same memory ops on every rank. A step:
 
-    plan = broadcast(plan)                      rank 0 sends the scheduler's plan
-    cache.execute(plan.ops)                     every rank, journaled
-    agree(ok)                                   all ranks or none: a rank whose ops succeeded
-                                                undoes them when another failed (rolled back)
+    rank 0: cache.execute(plan.ops)             before anything is sent: a failure is rolled
+                                                back there and the plan never leaves rank 0
+    plan = broadcast(plan)                      one collective (two for a plan over 64 KiB);
+                                                receiving it means rank 0's ops succeeded
+    ranks 1..N-1: cache.execute(plan.ops)       a failure here is fatal (TensorParallelError):
+                                                that rank's cache could no longer match rank 0's
     model(plan's tokens)                        two activation all_reduces per layer
     rank 0 samples (followers' logits are unused), so ranks never disagree on tokens
+
+So a step makes 1 + 2 * layers collectives and no separate agreement: every rank builds the
+same caches from the same payload, with every physical page created up front, so ops that
+succeed on rank 0 fail elsewhere only on a driver fault, which ends the engine.
 """
 from __future__ import annotations
 
@@ -25,9 +31,6 @@ from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.engine.errors import TensorParallelError
 from .group import RankGroup, init_group, leave_group, watch_parent
 from .sharding import shard_model
-
-NO_FAILURE = 2**31 - 1
-
 
 @dataclass
 class TPPayload:
@@ -54,30 +57,28 @@ class RankExecutor:
 
     def __init__(self, group: RankGroup, runner) -> None:
         self.group, self.runner = group, runner
-        runner.cache.retain_last_plan = True
 
-    def execute(self, plan):
-        """``ModelRunner.execute`` across ranks: memory ops on every rank or on none."""
-        cache = self.runner.cache
-        failed_at, error = NO_FAILURE, None
+    def apply_ops(self, plan) -> None:
+        """This rank's memory ops of ``plan``. On rank 0 (run before the plan is sent) a failure
+        raises the cache's PlanExecutionError, nothing having left rank 0. On any other rank a
+        failure raises TensorParallelError: rank 0 applied the plan, so the caches would differ."""
         try:
-            cache.execute(plan.ops)
-        except PlanExecutionError as e:
-            error = e
-            failed_at = e.op_index if e.op_index is not None else len(plan.ops)
-            if not e.rolled_back:
-                raise TensorParallelError(f"rank {self.group.rank}: {e}") from e
-        first_failure = self.group.min_over_ranks(failed_at, "plan agreement")
-        if first_failure != NO_FAILURE:
-            if error is None:
-                cache.undo_last_plan()
-                error = PlanExecutionError(
-                    f"plan failed at op {first_failure} on another rank; undone on rank "
-                    f"{self.group.rank}", op_index=first_failure, rolled_back=True)
-            raise error
-        cache.forget_last_plan()
-        return self.runner.execute(replace(plan, ops=[]))
+            self.runner.cache.execute(plan.ops)
+        except PlanExecutionError as error:
+            if self.group.rank == 0:
+                raise
+            raise TensorParallelError(
+                f"rank {self.group.rank}: its memory ops failed where rank 0's succeeded "
+                f"({error}); its cache can no longer match rank 0's") from error
 
+    def forward(self, plan):
+        """The model on ``plan``'s tokens (its ops already applied on every rank); returns
+        ``ModelRunner.execute``'s result. A PlanExecutionError here becomes TensorParallelError:
+        the other ranks have applied the plan, so it cannot be rolled back on one."""
+        try:
+            return self.runner.execute(replace(plan, ops=[]))
+        except PlanExecutionError as error:
+            raise TensorParallelError(f"rank {self.group.rank}: {error}") from error
 
 
 def build_rank(payload: TPPayload, group: RankGroup, model, driver=None):
@@ -104,10 +105,8 @@ def serve_plans(group: RankGroup, executor: RankExecutor) -> None:
         plan = group.broadcast(idle=True)
         if plan is None:
             return
-        try:
-            executor.execute(plan)
-        except PlanExecutionError:
-            continue       # rolled back on every rank; rank 0's engine decides what follows
+        executor.apply_ops(plan)
+        executor.forward(plan)
 
 
 def _follow(group: RankGroup, payload: TPPayload, model, on_error=None) -> None:
