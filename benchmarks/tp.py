@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--cores", type=int, default=2, help="cores shared by all ranks")
     parser.add_argument("--tp", type=int, default=2, help="ranks of the tensor-parallel row")
-    parser.add_argument("--device", default="cpu", help="cpu (cuda: refused in this version)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank)")
     args = parser.parse_args(argv)
     run(quick=args.quick, out=args.out, cores=args.cores, world=args.tp, device=args.device)
     return 0

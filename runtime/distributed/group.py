@@ -107,12 +107,15 @@ def init_group(rank: int, world: int, *, init_method: Optional[str] = None,
 def open_activation_group(group: RankGroup, backend: str, device: torch.device) -> None:
     """On CUDA (``backend`` "nccl"), every rank's NCCL group for the activation sums, created
     eagerly on ``device`` with ``step_timeout_s`` as its timeout; a collective over every rank of
-    the default group. ``TORCH_NCCL_BLOCKING_WAIT=1`` (unless the user set it) makes a wait
-    raise at that timeout, which ``_wait`` turns into TensorParallelError; without it NCCL's
-    watchdog would tear the process down instead. Nothing to do for gloo."""
+    the default group. Unless the user set them: ``TORCH_NCCL_BLOCKING_WAIT=1`` makes a wait
+    block and raise at that timeout, which ``_wait`` turns into TensorParallelError, and
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` has NCCL's watchdog abort the communicator on a timeout
+    (so the hung collective and the group's teardown return) instead of its default, tearing
+    the whole process down. Nothing to do for gloo."""
     if backend != "nccl":
         return
     os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     group.activation_group = dist.new_group(
         backend="nccl", timeout=datetime.timedelta(seconds=group.step_timeout_s), device_id=device)
 

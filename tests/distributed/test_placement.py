@@ -108,3 +108,29 @@ def test_cuda_rank_start_up_on_a_machine_without_cuda_fails_cleanly_with_no_proc
     with pytest.raises(TensorParallelError, match="rank 1 failed: .*(CUDA|cuda)"):
         TensorParallel(model(), payload, 2)
     assert not multiprocessing.active_children()
+
+
+def test_cuda_activations_go_over_an_nccl_group_that_blocks_and_times_out_at_the_step_timeout(
+        monkeypatch):
+    import datetime
+    import os
+    from types import SimpleNamespace
+    from vmemkv.runtime.distributed import group as g
+    made, reduced = [], []
+    monkeypatch.setattr(g.dist, "new_group", lambda **kw: made.append(kw) or "nccl-group")
+    monkeypatch.setattr(g.dist, "all_reduce", lambda t, group=None, async_op=False, op=None: reduced.append(
+        group) or SimpleNamespace(wait=lambda timeout=None: True))
+    for name in ("TORCH_NCCL_BLOCKING_WAIT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
+    rank = g.RankGroup(1, 2, step_timeout_s=7.0)
+    g.open_activation_group(rank, "gloo", torch.device("cpu"))
+    assert rank.activation_group is None and made == []      # gloo: the default group
+    g.open_activation_group(rank, "nccl", torch.device("cuda", 1))
+    assert made == [dict(backend="nccl", timeout=datetime.timedelta(seconds=7.0),
+                         device_id=torch.device("cuda", 1))]
+    assert (os.environ["TORCH_NCCL_BLOCKING_WAIT"], os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]) \
+        == ("1", "2")
+    rank.all_reduce_(torch.zeros(2))
+    rank.min_over_ranks(1, "agreement")
+    assert reduced == ["nccl-group", None]    # activations over NCCL, agreement over gloo
