@@ -27,9 +27,12 @@
 #                (one on vmem) and host syncs per step (torch.cuda.set_sync_debug_mode)
 #   bench 75     vmemkv bench --quick --device cuda
 #   attention 50 benchmarks/attention.py --device cuda (issue 4's grid, fp16)
-#   tp 10        benchmarks/tp.py --device cuda: TP=1 vs TP=2, only with two or more GPUs
-#                (skipped with a line saying so otherwise; this version refuses CUDA TP, so on
-#                such a machine the step FAILS until NCCL ranks are implemented)
+#   tp 20        benchmarks/tp.py --quick --device cuda: TP=1 vs TP=2 (JSON in artifacts.tgz),
+#   tp_tests 50  then pytest -m gpu tests/distributed; both only with two or more GPUs (skipped
+#                with a line saying so otherwise; there gpu_rest runs tests/distributed's
+#                one-GPU tests and the two-GPU ones skip "needs 2 CUDA devices"). With two GPUs
+#                the budget is 475 s: add SKIP_ATTENTION=1 to fit one 600 s command. CUDA TP
+#                has never run on hardware: expect this step to be the first to find out.
 # To rerun only part after a failure (GPU time is scarce): GPU_TESTS=tests/vmem (pytest paths,
 # one process instead of the three groups), BENCH_ONLY="alloc attention" (sections for --only),
 # SKIP_ATTENTION=1. REQUIRE_GPU=1 applies the GPU gate even in a dry run (it must FAIL there).
@@ -101,6 +104,8 @@ pytest_group() {  # pytest_group NAME TIMEOUT PATHS...: one pytest process over 
         --junitxml "$WORK/artifacts/$name.xml"
 }
 
+GPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+GPUS=${GPUS:-0}
 step env 15 bash -c '"$0" -m vmemkv.benchmarks.gpu_check env; nvidia-smi --query-gpu=name,driver_version,memory.total,mig.mode.current --format=csv 2>&1 | head -5 || true' "$PYTHON"
 step smoke 25 "$PYTHON" -m vmemkv.benchmarks.gpu_smoke smoke "$OUT_DIR/smoke.json" "${SMOKE_ARGS[@]}"
 step info 15 "$PYTHON" -m vmemkv.cli info --json
@@ -110,7 +115,9 @@ if [ -n "${GPU_TESTS:-}" ]; then
 else
     pytest_group gpu_vmem 50 tests/vmem tests/reliability
     pytest_group gpu_runtime 80 tests/runtime
-    pytest_group gpu_rest 55 tests --ignore=tests/vmem --ignore=tests/reliability --ignore=tests/runtime
+    # with two or more GPUs, tests/distributed runs in the tp step instead (not twice)
+    pytest_group gpu_rest 55 tests --ignore=tests/vmem --ignore=tests/reliability --ignore=tests/runtime \
+        $([ "$GPUS" -ge 2 ] && [ -z "${DRY_RUN:-}" ] && echo --ignore=tests/distributed)
 fi
 step gpu_gate 10 "$PYTHON" -m vmemkv.benchmarks.gpu_check gate "$OUT_DIR" --expect "$EXPECT"
 step profile 30 "$PYTHON" -m vmemkv.benchmarks.gpu_smoke profile "$OUT_DIR/profile.json" "${SMOKE_ARGS[@]}"
@@ -120,9 +127,9 @@ step bench "$BENCH_TIMEOUT" "$PYTHON" -m vmemkv.cli bench "${BENCH_ARGS[@]}" \
 cp "$WORK/artifacts/bench/bench.json" "$OUT_DIR/bench.json" 2>/dev/null
 [ -z "${SKIP_ATTENTION:-}" ] && step attention "$ATTENTION_TIMEOUT" "$PYTHON" -m vmemkv.benchmarks.attention \
     "${ATTENTION_ARGS[@]}" --out "$OUT_DIR/attention.json"
-GPUS=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
-if [ "${GPUS:-0}" -ge 2 ] && [ -z "${DRY_RUN:-}" ]; then
-    step tp 10 "$PYTHON" -m vmemkv.benchmarks.tp --quick --device cuda --out "$OUT_DIR/tp.json"
+if [ "$GPUS" -ge 2 ] && [ -z "${DRY_RUN:-}" ]; then
+    step tp 20 "$PYTHON" -m vmemkv.benchmarks.tp --quick --device cuda --out "$WORK/artifacts/tp.json"
+    pytest_group tp_tests 50 tests/distributed
 else
     echo "== tp: skipped: ${GPUS:-0} CUDA device(s) visible; the TP=2 step needs two or more" \
         | tee -a "$OUT_DIR/steps.log"

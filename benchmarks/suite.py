@@ -130,7 +130,7 @@ def load_engine() -> tuple[Optional[Callable], Optional[str]]:
 def _call(section: str, quick: bool, device: str, progress: Progress, tp_size: int = 2) -> dict:
     if section == "tp":
         from vmemkv.benchmarks import tp
-        return tp.run(quick=quick, out=None, world=tp_size)
+        return tp.run(quick=quick, out=None, world=tp_size, device=device)
     if section == "engine":
         run, why = load_engine()
         if run is None:

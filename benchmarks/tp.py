@@ -40,13 +40,18 @@ class _Config:
                              self_check=False)
         self.engine.generate(prompts[:4], self.params)            # warm-up
         self.walls, self.comm, self.steps, self.tokens = [], [], [], None
+        self.per_step = 0.0     # collectives per engine step (TP only)
 
     def once(self) -> None:
         import torch
         torch.set_num_threads(self.threads)
+        tp = self.engine.tp
+        calls0 = tp.collectives if tp is not None else 0
         comm0, t0 = self.engine.tp_comm_s, time.perf_counter()
         out = self.engine.generate(self.prompts, self.params)
         self.walls.append(time.perf_counter() - t0)
+        if tp is not None:
+            self.per_step = (tp.collectives - calls0) / self.engine.last_stats.steps
         self.comm.append(self.engine.tp_comm_s - comm0)
         self.steps.append(self.engine.last_stats.step_s)
         self.tokens = [o.outputs[0].token_ids for o in out]
@@ -56,7 +61,8 @@ class _Config:
         output = sum(len(t) for t in self.tokens)
         comm_share = statistics.median(c / s for c, s in zip(self.comm, self.steps))
         return {"system": self.name, "tok_s": output / wall, "wall_s": wall,
-                "comm_share": comm_share, "threads_per_rank": self.threads,
+                "comm_share": comm_share, "collectives_per_step": self.per_step,
+                "threads_per_rank": self.threads,
                 "kv_MiB_per_rank": self.engine.stats().cache_bytes / 2**20}
 
 
@@ -82,14 +88,15 @@ def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int 
     finally:
         for c in configs:
             c.engine.close()
-    print(format_table(rows, ["system", "tok_s", "wall_s", "comm_share", "threads_per_rank",
-                              "kv_MiB_per_rank", "agree"]))
+    print(format_table(rows, ["system", "tok_s", "wall_s", "comm_share", "collectives_per_step",
+                              "threads_per_rank", "kv_MiB_per_rank", "agree"]))
     summary = {"tp_vs_tp1": rows[2]["tok_s"] / rows[0]["tok_s"],
                "tp_vs_tp1_one_thread": rows[2]["tok_s"] / rows[1]["tok_s"],
-               "tp_comm_share": rows[2]["comm_share"], "tp_size": world}
+               "tp_comm_share": rows[2]["comm_share"], "tp_size": world,
+               "tp_collectives_per_step": rows[2]["collectives_per_step"]}
     print(f"# TP={world} vs TP=1: {summary['tp_vs_tp1']:.2f}x (vs TP=1 on one thread: "
           f"{summary['tp_vs_tp1_one_thread']:.2f}x); communication {summary['tp_comm_share']:.1%} "
-          f"of TP={world}'s step time")
+          f"of TP={world}'s step time, {summary['tp_collectives_per_step']:.2f} collectives per step")
     payload = {"environment": env, "rows": rows, "summary": summary}
     write_json(out, payload)
     return payload
@@ -101,7 +108,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--cores", type=int, default=2, help="cores shared by all ranks")
     parser.add_argument("--tp", type=int, default=2, help="ranks of the tensor-parallel row")
-    parser.add_argument("--device", default="cpu", help="cpu (cuda: refused in this version)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank)")
     args = parser.parse_args(argv)
     run(quick=args.quick, out=args.out, cores=args.cores, world=args.tp, device=args.device)
     return 0

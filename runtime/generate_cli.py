@@ -107,8 +107,8 @@ def _cache_flags(c) -> None:
     c.add_argument("--background-mapper", action="store_true",
                    help="vmem: map pages on a thread, ahead of the step that needs them")
     c.add_argument("--tp", dest="tensor_parallel_size", type=bounded(int, 1), default=1, metavar="N",
-                   help="tensor-parallel ranks (processes on this machine, gloo; CPU only); "
-                        "--cache-bytes is then per rank")
+                   help="tensor-parallel ranks (processes on this machine: gloo on the CPU, "
+                        "one GPU each over NCCL on CUDA); --cache-bytes is then per rank")
 
 
 def read_prompts(path: str, has_tokenizer: bool, text_only: bool = False) -> List[Union[List[int], str]]:

@@ -41,7 +41,8 @@ def register(subparsers) -> None:
                              "shared machine)")
     parser.add_argument("--tp", type=bounded(int, 2), default=None, metavar="N",
                         help="also run the tensor-parallel section: TP=1 against TP=N engine "
-                             "tokens/s on the CPU (N >= 2 ranks, gloo) (default: not run)")
+                             "tokens/s (N >= 2 ranks: gloo on the CPU, one GPU each with "
+                             "--device cuda) (default: not run)")
     parser.add_argument("--prefix-eviction", choices=("lru", "hits"), default=None,
                         help="also time prefix retention end to end (benchmarks/prefix.py, "
                              "short): multi-turn chats with this policy against retention off "
@@ -86,8 +87,6 @@ def run(args: argparse.Namespace) -> int:
         smoke.apply()
     sections = tuple(s for s in SECTIONS if s in (args.only or SECTIONS))
     if args.tp is not None:
-        if args.device == "cuda":
-            raise UsageError("--tp runs on the CPU (gloo) in this version; drop --device cuda")
         sections += ("tp",)
     payload = suite.run_suite(quick=args.quick or args.smoke, out_dir=args.out, device=args.device,
                               sections=sections, plots=not args.no_plots,

@@ -1,11 +1,13 @@
 """The tensor-parallel process group: start ranks, move plans, sum activations, all with bounded
 waits, and tear everything down.
 
-Transport is torch.distributed (``gloo`` on CPU, ``nccl`` on CUDA for the activation sums; plans
-always go over gloo as pickled bytes). Every collective a step makes waits at most
-``step_timeout_s``; a rank that died closes its sockets, so its peers fail at once rather than at
-the timeout. A follower waiting for the next plan waits as long as rank 0 is alive (an idle engine
-is not a fault).
+Transport is torch.distributed: the default group is ``gloo`` on CPU tensors and carries plans,
+the start agreement and (on the CPU) the activation sums; on CUDA the activation sums go over a
+second, ``nccl`` group (``open_activation_group``). Every collective a step makes waits at most
+``step_timeout_s``. Over gloo a rank that died closes its sockets, so its peers fail at once
+rather than at the timeout; over NCCL a dead or hung peer is seen at the timeout (blocking
+wait), and the next plan broadcast (gloo) sees a dead one at once. A follower waiting for the
+next plan waits as long as rank 0 is alive (an idle engine is not a fault).
 """
 from __future__ import annotations
 
@@ -38,10 +40,14 @@ class RankGroup:
 
     def __init__(self, rank: int, world: int, step_timeout_s: float) -> None:
         self.rank, self.world, self.step_timeout_s = rank, world, step_timeout_s
-        self.comm_s = 0.0    # seconds spent in collectives (plans + activation sums)
+        self.activation_group = None   # the NCCL group on CUDA (open_activation_group); None:
+                                       # the default gloo group carries the activations too
+        self.comm_s = 0.0      # seconds spent in collectives (plans + activation sums)
+        self.collectives = 0   # collectives this process has waited on
 
     def _wait(self, work, what: str, timeout_s: Optional[float]) -> None:
         start = time.perf_counter()
+        self.collectives += 1
         try:
             if timeout_s is None:
                 work.wait()
@@ -55,8 +61,9 @@ class RankGroup:
             self.comm_s += time.perf_counter() - start
 
     def all_reduce_(self, tensor: torch.Tensor, what: str = "activation all_reduce") -> None:
-        """Sum ``tensor`` over ranks in place."""
-        self._wait(dist.all_reduce(tensor, async_op=True), what, self.step_timeout_s)
+        """Sum ``tensor`` over ranks in place (over NCCL when it is on a GPU)."""
+        self._wait(dist.all_reduce(tensor, group=self.activation_group, async_op=True), what,
+                   self.step_timeout_s)
 
     def min_over_ranks(self, value: int, what: str, timeout_s: Optional[float] = None) -> int:
         """The smallest ``value`` any rank passed (``timeout_s``: default ``step_timeout_s``)."""
@@ -95,6 +102,22 @@ def init_group(rank: int, world: int, *, init_method: Optional[str] = None,
     """Join the default gloo group (``env://`` when neither is given, as torchrun sets it up)."""
     kw = {"store": store} if store is not None else {"init_method": init_method or "env://"}
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=IDLE, **kw)
+
+
+def open_activation_group(group: RankGroup, backend: str, device: torch.device) -> None:
+    """On CUDA (``backend`` "nccl"), every rank's NCCL group for the activation sums, created
+    eagerly on ``device`` with ``step_timeout_s`` as its timeout; a collective over every rank of
+    the default group. Unless the user set them: ``TORCH_NCCL_BLOCKING_WAIT=1`` makes a wait
+    block and raise at that timeout, which ``_wait`` turns into TensorParallelError, and
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` has NCCL's watchdog abort the communicator on a timeout
+    (so the hung collective and the group's teardown return) instead of its default, tearing
+    the whole process down. Nothing to do for gloo."""
+    if backend != "nccl":
+        return
+    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    group.activation_group = dist.new_group(
+        backend="nccl", timeout=datetime.timedelta(seconds=group.step_timeout_s), device_id=device)
 
 
 def leave_group() -> None:

@@ -4,7 +4,9 @@
     logits, rows = tp.execute(plan)                               # the same plan on every rank
     tp.close()                                                    # stop ranks, free every cache
 
-``driver`` is rank 0's vmem driver (the other ranks open their default one).
+``driver`` is rank 0's vmem driver (the other ranks' caches open their own on their device).
+``payload.placement`` says where each rank runs (placement.py): every rank makes its device
+current before joining the group, and on CUDA the activation sums go over NCCL.
 ``launch="env"``: the ranks were started by torchrun (or any ``env://`` launcher) and ranks
 1..N-1 run ``vmemkv.runtime.distributed.follow(model)``.
 """
@@ -15,8 +17,8 @@ from dataclasses import replace
 import torch.distributed as dist
 
 from vmemkv.runtime.engine.errors import TensorParallelConfigError, TensorParallelError
-from .group import RankGroup, SpawnedRanks, init_group, leave_group
-from .worker import TPPayload, agree_started, build_rank, spawned_rank_main
+from .group import RankGroup, SpawnedRanks, init_group, leave_group, open_activation_group
+from .worker import TPPayload, agree_started, build_rank, enter_device, spawned_rank_main
 
 LAUNCHES = ("spawn", "env")
 
@@ -35,6 +37,7 @@ class TensorParallel:
                 "this process already belongs to a torch.distributed group (torchrun?): use "
                 "tp_launch='env' and run vmemkv.runtime.distributed.follow(model) on ranks 1..N-1")
         self.world, self.spawned, self.kv, self._open, self._failed = world, None, None, False, False
+        self.device = None     # rank 0's device, made current once the ranks have joined
         self.group = RankGroup(0, world, payload.step_timeout_s)
         try:
             self._join(model, payload, launch)
@@ -48,6 +51,7 @@ class TensorParallel:
             self.spawned = SpawnedRanks(self.world, spawned_rank_main, replace(payload, model=model),
                                         payload.start_timeout_s)
             self.spawned.wait_for("joined", payload.start_timeout_s)
+            self.device = enter_device(payload.placement, 0)
             init_group(0, self.world, store=dist.PrefixStore("pg", self.spawned.store))
         else:
             init_group(0, self.world)
@@ -56,11 +60,13 @@ class TensorParallel:
                     f"tensor_parallel_size {self.world} differs from the launcher's WORLD_SIZE "
                     f"{dist.get_world_size()}")
             self.group.broadcast(replace(payload, model=None))
+            self.device = enter_device(payload.placement, 0)
         self._open = True
+        open_activation_group(self.group, payload.placement.activation_backend, self.device)
 
     def _build(self, model, payload: TPPayload, driver) -> None:
         try:
-            self.kv, self.executor = build_rank(payload, self.group, model, driver)
+            self.kv, self.executor = build_rank(payload, self.group, model, self.device, driver)
         except BaseException:
             agree_started(self.group, False, payload.start_timeout_s)
             raise
@@ -77,16 +83,24 @@ class TensorParallel:
 
     @property
     def comm_s(self) -> float:
-        """Seconds rank 0 spent in collectives (plan broadcasts, agreements, activation sums)."""
+        """Seconds rank 0 spent in collectives (plan broadcasts, activation sums; the start agreement)."""
         return self.group.comm_s
 
+    @property
+    def collectives(self) -> int:
+        """Collectives rank 0 has made (a step: one plan broadcast, two per layer in the model,
+        one more broadcast for a plan over 64 KiB)."""
+        return self.group.collectives
+
     def execute(self, plan):
-        """Send ``plan`` to every rank and run it here; returns ``ModelRunner.execute``'s result.
-        PlanExecutionError (rolled back on every rank) or TensorParallelError (a rank died or
-        hung: the caller must close)."""
+        """Apply ``plan``'s memory ops here, send the plan, run it on every rank; returns
+        ``ModelRunner.execute``'s result. PlanExecutionError: rank 0's ops failed and were rolled
+        back before anything was sent (the engine retries as on one process).
+        TensorParallelError: a rank died, hung or failed (the caller must close)."""
+        self.executor.apply_ops(plan)
         try:
             self.group.broadcast(plan)
-            return self.executor.execute(plan)
+            return self.executor.forward(plan)
         except TensorParallelError:
             self._failed = True    # close() then kills the ranks at once: one may be hung
             raise

@@ -103,25 +103,33 @@ class RowParallelLinear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def _column(linear: torch.nn.Linear, rows: slice) -> torch.nn.Linear:
+def _take(tensor: torch.Tensor, index, device) -> torch.Tensor:
+    """A contiguous copy of ``tensor[index]`` on ``device`` (None: where it is), copied once."""
+    return tensor.detach()[index].to(device=device or tensor.device, copy=True,
+                                      memory_format=torch.contiguous_format)
+
+
+def _column(linear: torch.nn.Linear, rows: slice, device) -> torch.nn.Linear:
     out = torch.nn.Linear(linear.in_features, rows.stop - rows.start, bias=linear.bias is not None,
                           device="meta")
-    out.weight = torch.nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
+    out.weight = torch.nn.Parameter(_take(linear.weight, rows, device), requires_grad=False)
     if linear.bias is not None:
-        out.bias = torch.nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=False)
+        out.bias = torch.nn.Parameter(_take(linear.bias, rows, device), requires_grad=False)
     return out
 
 
-def _row(linear: torch.nn.Linear, cols: slice, all_reduce) -> RowParallelLinear:
-    bias = None if linear.bias is None else linear.bias.detach().clone()
-    return RowParallelLinear(linear.weight.detach()[:, cols].contiguous(), bias, all_reduce)
+def _row(linear: torch.nn.Linear, cols: slice, all_reduce, device) -> RowParallelLinear:
+    bias = None if linear.bias is None else _take(linear.bias, slice(None), device)
+    return RowParallelLinear(_take(linear.weight, (slice(None), cols), device), bias, all_reduce)
 
 
 def shard_model(model, rank: int, world: int, all_reduce: Callable[[torch.Tensor], None],
-                copy_first: bool = True):
-    """Rank ``rank``'s shard of ``model`` (see the module docstring). ``copy_first`` leaves the
-    given model untouched: the shard is a copy whose replicated parameters are the original's
-    (shared, not copied) and whose sharded projections hold only this rank's slices."""
+                copy_first: bool = True, device: Optional[torch.device] = None):
+    """Rank ``rank``'s shard of ``model`` (see the module docstring), on ``device`` (None: where
+    the model is). ``copy_first`` leaves the given model untouched: the shard is a copy whose
+    replicated parameters are the original's (shared, not copied, when ``device`` is the
+    model's) and whose sharded projections hold only this rank's slices, each copied once
+    straight to ``device``."""
     check_tensor_parallel(model, world)
     if copy_first:
         memo = {id(p): p for p in model.parameters()}
@@ -137,14 +145,15 @@ def shard_model(model, rank: int, world: int, all_reduce: Callable[[torch.Tensor
     mlp = slice(rank * width, (rank + 1) * width)
     for layer in _decoder_layers(model):
         attn = layer.self_attn
-        attn.q_proj = _column(attn.q_proj, q)
-        attn.k_proj, attn.v_proj = _column(attn.k_proj, kv_span), _column(attn.v_proj, kv_span)
-        attn.o_proj = _row(attn.o_proj, q, all_reduce)
+        attn.q_proj = _column(attn.q_proj, q, device)
+        attn.k_proj = _column(attn.k_proj, kv_span, device)
+        attn.v_proj = _column(attn.v_proj, kv_span, device)
+        attn.o_proj = _row(attn.o_proj, q, all_reduce, device)
         attn.num_key_value_groups = (heads // world) // max(1, kv // world)
-        layer.mlp.gate_proj = _column(layer.mlp.gate_proj, mlp)
-        layer.mlp.up_proj = _column(layer.mlp.up_proj, mlp)
-        layer.mlp.down_proj = _row(layer.mlp.down_proj, mlp, all_reduce)
-    return model
+        layer.mlp.gate_proj = _column(layer.mlp.gate_proj, mlp, device)
+        layer.mlp.up_proj = _column(layer.mlp.up_proj, mlp, device)
+        layer.mlp.down_proj = _row(layer.mlp.down_proj, mlp, all_reduce, device)
+    return model if device is None else model.to(device)   # the replicated rest, too
 
 
 def _span(index: int, heads: int, head_dim: int) -> slice:

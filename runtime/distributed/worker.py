@@ -3,12 +3,18 @@
 Every rank holds its shard of the model and a cache with its share of the KV heads, built from
 the same ``TPPayload``, so the same plan means the same memory ops on every rank. A step:
 
-    plan = broadcast(plan)                      rank 0 sends the scheduler's plan
-    cache.execute(plan.ops)                     every rank, journaled
-    agree(ok)                                   all ranks or none: a rank whose ops succeeded
-                                                undoes them when another failed (rolled back)
+    rank 0: cache.execute(plan.ops)             before anything is sent: a failure is rolled
+                                                back there and the plan never leaves rank 0
+    plan = broadcast(plan)                      one collective (two for a plan over 64 KiB);
+                                                receiving it means rank 0's ops succeeded
+    ranks 1..N-1: cache.execute(plan.ops)       a failure here is fatal (TensorParallelError):
+                                                that rank's cache could no longer match rank 0's
     model(plan's tokens)                        two activation all_reduces per layer
     rank 0 samples (followers' logits are unused), so ranks never disagree on tokens
+
+So a step makes 1 + 2 * layers collectives and no separate agreement: every rank builds the
+same caches from the same payload, with every physical page created up front, so ops that
+succeed on rank 0 fail elsewhere only on a driver fault, which ends the engine.
 """
 from __future__ import annotations
 
@@ -23,10 +29,9 @@ import torch.distributed as dist
 from vmemkv.runtime.errors import PlanExecutionError
 
 from vmemkv.runtime.engine.errors import TensorParallelError
-from .group import RankGroup, init_group, leave_group, watch_parent
+from .group import RankGroup, init_group, leave_group, open_activation_group, watch_parent
+from .placement import RankPlacement
 from .sharding import shard_model
-
-NO_FAILURE = 2**31 - 1
 
 
 @dataclass
@@ -38,8 +43,10 @@ class TPPayload:
     attention: str                    # backend name
     step_timeout_s: float
     start_timeout_s: float
+    placement: RankPlacement          # every rank's device and the activation backend
     threads: int = 0                  # torch threads per rank (0: leave torch's default)
-    model: Any = None                 # a module (shared memory) or a picklable loader; None in env mode
+    model: Any = None                 # a module (shared memory / CUDA IPC) or a picklable
+                                      # loader; None in env mode
 
 
 def load_model(model_or_loader):
@@ -54,42 +61,50 @@ class RankExecutor:
 
     def __init__(self, group: RankGroup, runner) -> None:
         self.group, self.runner = group, runner
-        runner.cache.retain_last_plan = True
 
-    def execute(self, plan):
-        """``ModelRunner.execute`` across ranks: memory ops on every rank or on none."""
-        cache = self.runner.cache
-        failed_at, error = NO_FAILURE, None
+    def apply_ops(self, plan) -> None:
+        """This rank's memory ops of ``plan``. On rank 0 (run before the plan is sent) a failure
+        raises the cache's PlanExecutionError, nothing having left rank 0. On any other rank a
+        failure raises TensorParallelError: rank 0 applied the plan, so the caches would differ."""
         try:
-            cache.execute(plan.ops)
-        except PlanExecutionError as e:
-            error = e
-            failed_at = e.op_index if e.op_index is not None else len(plan.ops)
-            if not e.rolled_back:
-                raise TensorParallelError(f"rank {self.group.rank}: {e}") from e
-        first_failure = self.group.min_over_ranks(failed_at, "plan agreement")
-        if first_failure != NO_FAILURE:
-            if error is None:
-                cache.undo_last_plan()
-                error = PlanExecutionError(
-                    f"plan failed at op {first_failure} on another rank; undone on rank "
-                    f"{self.group.rank}", op_index=first_failure, rolled_back=True)
-            raise error
-        cache.forget_last_plan()
-        return self.runner.execute(replace(plan, ops=[]))
+            self.runner.cache.execute(plan.ops)
+        except PlanExecutionError as error:
+            if self.group.rank == 0:
+                raise
+            raise TensorParallelError(
+                f"rank {self.group.rank}: its memory ops failed where rank 0's succeeded "
+                f"({error}); its cache can no longer match rank 0's") from error
+
+    def forward(self, plan):
+        """The model on ``plan``'s tokens (its ops already applied on every rank); returns
+        ``ModelRunner.execute``'s result. A PlanExecutionError here becomes TensorParallelError:
+        the other ranks have applied the plan, so it cannot be rolled back on one."""
+        try:
+            return self.runner.execute(replace(plan, ops=[]))
+        except PlanExecutionError as error:
+            raise TensorParallelError(f"rank {self.group.rank}: {error}") from error
 
 
+def enter_device(placement: RankPlacement, rank: int, local_rank=None) -> torch.device:
+    """This rank's device, made the current CUDA device first (before any group or cache)."""
+    device = placement.device_of(rank, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
-def build_rank(payload: TPPayload, group: RankGroup, model, driver=None):
-    """This rank's (kv, executor): the executor runs its model shard (projections sliced,
-    activations summed over ``group``) on a cache built exactly as every other rank builds its
-    own (``driver``: this rank's vmem driver; None opens the default one)."""
+
+def build_rank(payload: TPPayload, group: RankGroup, model, device: torch.device, driver=None):
+    """This rank's (kv, executor): the executor runs its model shard on ``device`` (projections
+    sliced, activations summed over ``group``) on a cache built exactly as every other rank
+    builds its own, on ``device`` (``driver``: this rank's vmem driver; None: the cache opens
+    its own, ``vmem.open_driver("cuda", device.index)`` on a GPU)."""
     from vmemkv.runtime.attention import get_backend
     from vmemkv.runtime.engine.model_runner import ModelRunner
     from vmemkv.runtime.kv import make_kv
     shard = shard_model(model, group.rank, group.world, group.all_reduce_,
-                        copy_first=group.rank == 0)
-    kv = make_kv(payload.cache_config, payload.kind, driver=driver, **payload.kv_options)
+                        copy_first=group.rank == 0, device=device)
+    config = replace(payload.cache_config, device=str(device))
+    kv = make_kv(config, payload.kind, driver=driver, **payload.kv_options)
     try:
         runner = ModelRunner(shard, kv.cache, get_backend(payload.attention))
         return kv, RankExecutor(group, runner)
@@ -104,17 +119,15 @@ def serve_plans(group: RankGroup, executor: RankExecutor) -> None:
         plan = group.broadcast(idle=True)
         if plan is None:
             return
-        try:
-            executor.execute(plan)
-        except PlanExecutionError:
-            continue       # rolled back on every rank; rank 0's engine decides what follows
+        executor.apply_ops(plan)
+        executor.forward(plan)
 
 
-def _follow(group: RankGroup, payload: TPPayload, model, on_error=None) -> None:
+def _follow(group: RankGroup, payload: TPPayload, model, device, on_error=None) -> None:
     try:
         if payload.threads:
             torch.set_num_threads(payload.threads)
-        kv, executor = build_rank(payload, group, model)
+        kv, executor = build_rank(payload, group, model, device)
     except BaseException as error:
         if on_error is not None:
             on_error(error)
@@ -144,10 +157,12 @@ def spawned_rank_main(rank: int, world: int, host: str, port: int, parent_pid: i
         store.set(f"error{rank}", f"{type(error).__name__}: {error}"[:2000])
 
     try:
+        device = enter_device(payload.placement, rank)
         store.set(f"joined{rank}", "1")
         init_group(rank, world, store=dist.PrefixStore("pg", store))
         group = RankGroup(rank, world, payload.step_timeout_s)
-        _follow(group, payload, load_model(payload.model), on_error=report)
+        open_activation_group(group, payload.placement.activation_backend, device)
+        _follow(group, payload, load_model(payload.model), device, on_error=report)
     except BaseException as error:
         try:
             report(error)
@@ -162,15 +177,18 @@ def follow(model_or_loader, *, step_timeout_s: float = 60.0, start_timeout_s: fl
     """Run rank ``RANK`` (1..WORLD_SIZE-1) of an engine whose rank 0 runs
     ``Engine(..., tensor_parallel_size=WORLD_SIZE, tp_launch="env")``, for processes started by
     torchrun (or any launcher that sets the ``env://`` variables). Returns when rank 0's engine
-    closes; raises TensorParallelError when a rank dies or hangs."""
+    closes; raises TensorParallelError when a rank dies or hangs. On CUDA this rank runs on
+    cuda:LOCAL_RANK (torchrun's convention)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank == 0:
         raise TensorParallelError("follow() runs ranks 1..N-1; rank 0 builds the Engine")
     init_group(rank, world)
     try:
         group = RankGroup(rank, world, step_timeout_s)
-        payload: TPPayload = group.broadcast(idle=True)
-        _follow(group, replace(payload, step_timeout_s=step_timeout_s,
-                               start_timeout_s=start_timeout_s), load_model(model_or_loader))
+        payload: TPPayload = replace(group.broadcast(idle=True), step_timeout_s=step_timeout_s,
+                                     start_timeout_s=start_timeout_s)
+        device = enter_device(payload.placement, rank, int(os.environ.get("LOCAL_RANK", rank)))
+        open_activation_group(group, payload.placement.activation_backend, device)
+        _follow(group, payload, load_model(model_or_loader), device)
     finally:
         leave_group()

@@ -47,8 +47,11 @@ class EngineConfig:
     self_check: bool = True              # at construction, check a short prompt's logits on our
                                          # attention against the model's own; False is UNSAFE (an
                                          # unverified architecture may give wrong tokens silently)
-    tensor_parallel_size: int = 1        # ranks (processes) sharing the model by heads; >1: gloo, CPU
+    tensor_parallel_size: int = 1        # ranks (processes) sharing the model by heads (CPU: gloo;
+                                         # CUDA: one GPU per rank, activations over NCCL)
     tp_launch: str = "spawn"             # "spawn": the engine starts ranks 1..N-1; "env": torchrun did
+    tp_devices: Optional[tuple] = None   # CUDA, spawn: rank r's device ("cuda:i"), the model's
+                                         # device first; None: the model's, then the other GPUs
     tp_timeout_s: float = 60.0           # a step's collectives wait at most this for a rank
     # (cache_bytes / memory_utilization are PER RANK with tensor parallelism)
 

@@ -40,3 +40,9 @@ class TensorParallelConfigError(EngineConfigError):
 class TensorParallelError(EngineError, RuntimeError):
     """A rank died, hung past ``tp_timeout_s`` or failed; raised on every surviving process. The
     engine is closed: every rank's memory is released and no worker process is left."""
+
+
+class TensorParallelMismatchError(TensorParallelError):
+    """At construction, the ranks' sharded forward differed from the unsharded model on rank 0
+    by more than the self-check allows (the message names the largest difference and the
+    limit): the engine refused to serve and has stopped every rank and freed their memory."""

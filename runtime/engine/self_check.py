@@ -6,6 +6,11 @@
                (its attn_implementation before the engine; sdpa if it is already ours)
     compare    logits at the 3 sampled positions: max |ours - ref| <= rtol * max |ref|
 
+With tensor parallelism the same check runs a second time after the ranks are built
+(``sharded_difference``): "ours" is then the sharded forward of every rank (rank 0's
+``TensorParallel.execute``) on the engine's own caches, which it leaves empty, against the
+unsharded model on rank 0.
+
 The decode steps are what catch a model whose attention never reaches our function (each step
 would attend only to its own token); the prefill alone would look right. A mismatch, or an
 error raised inside the model on our path, refuses the model (UnsupportedModelError) before the
@@ -14,7 +19,7 @@ engine's cache is built. Cost: 4 model forwards of at most 8 tokens (docs/models
 from __future__ import annotations
 
 import dataclasses
-from typing import List
+from typing import List, Tuple
 
 import torch
 
@@ -36,23 +41,44 @@ def self_check(model, cache_config, cfg, backend, original_attn: str) -> None:
     """Refuse ``model`` (UnsupportedModelError) unless our path reproduces its own logits on a
     short prompt. Leaves the model on ``original_attn``, pass or fail; builds and frees its own
     small cache (the engine's is not touched)."""
-    vocab = model.config.get_text_config().vocab_size
-    prompt = [(7 * i + 3) % vocab for i in range(PROMPT_TOKENS)]
+    prompt = _prompt(model)
     try:
         ours, tokens = _our_logits(model, cache_config, cfg, backend, prompt)
-        ref = _reference_logits(model, prompt + tokens[:-1], original_attn)[-len(ours):]
+        err, allowed = _difference(model, ours, tokens, prompt, original_attn, cache_config.dtype)
     finally:
         model.set_attn_implementation(original_attn)
-    ours = torch.stack(ours).to(ref.device)
-    scale = ref.abs().max().item() or 1.0
-    err = (ours - ref).abs().max().item()
-    rtol = RTOL.get(cache_config.dtype, HALF_RTOL)
-    if not err <= rtol * scale:
+    if not err <= allowed:
         raise UnsupportedModelError(
             f"{type(model).__name__} failed the engine's self-check: its logits on vmemkv "
-            f"attention differ from its own attention by {err:.3g} (allowed {rtol * scale:.3g}); "
+            f"attention differ from its own attention by {err:.3g} (allowed {allowed:.3g}); "
             f"its attention computes something vmemkv does not (self_check=False skips this "
             f"check and is unsafe)")
+
+
+def sharded_difference(model, kv, execute, dtype) -> Tuple[float, float]:
+    """(largest |sharded - unsharded| logit, the allowed difference) on the self-check's prompt:
+    ``execute`` (``TensorParallel.execute``) runs every rank's shard on the caches of ``kv``
+    (rank 0's), which hold nothing of it afterwards; the reference is ``model`` itself on
+    rank 0, on its own attention (left as it was)."""
+    prompt, attn = _prompt(model), model.config._attn_implementation
+    try:
+        ours, tokens = _greedy(execute, kv, prompt)
+        return _difference(model, ours, tokens, prompt, attn, dtype)
+    finally:
+        model.set_attn_implementation(attn)
+
+
+def _prompt(model) -> List[int]:
+    vocab = model.config.get_text_config().vocab_size
+    return [(7 * i + 3) % vocab for i in range(PROMPT_TOKENS)]
+
+
+def _difference(model, ours, tokens, prompt, original_attn: str, dtype) -> Tuple[float, float]:
+    """(max |ours - reference| over the sampled positions, rtol * max |reference|)."""
+    ref = _reference_logits(model, prompt + tokens[:-1], original_attn)[-len(ours):]
+    ours = torch.stack(ours).to(ref.device)
+    scale = ref.abs().max().item() or 1.0
+    return (ours - ref).abs().max().item(), RTOL.get(dtype, HALF_RTOL) * scale
 
 
 def _our_logits(model, cache_config, cfg, backend, prompt: List[int]):
@@ -69,23 +95,30 @@ def _our_logits(model, cache_config, cfg, backend, prompt: List[int]):
         kv.close()
 
 
+def _greedy(execute, kv, prompt: List[int]):
+    """Greedy logits and tokens of one request run through ``execute`` (a plan -> (logits,
+    rows) function) on ``kv``; a last plan releases its memory, so ``kv`` ends empty."""
+    scheduler = Scheduler(kv.manager, SchedulerConfig(max_running=1, max_tokens_per_step=64),
+                          tables=kv.tables)
+    scheduler.add_request(Request(0, len(prompt), DECODE_TOKENS + 1, prompt_token_ids=prompt))
+    logits, tokens = [], []
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        out, rows = execute(plan)
+        sampled = {}
+        if out is not None:
+            logits.append(out[0].float())
+            tokens.append(int(out[0].argmax()))
+            sampled[plan.seqs[rows[0]].seq_id] = tokens[-1]
+        scheduler.update(sampled, now=0.0)
+    execute(scheduler.schedule())        # the finished sequence's release
+    scheduler.update({}, now=0.0)
+    return logits, tokens
+
+
 def _run(model, kv, backend, prompt: List[int]):
     try:
-        runner = ModelRunner(model, kv.cache, backend)
-        scheduler = Scheduler(kv.manager, SchedulerConfig(max_running=1, max_tokens_per_step=64),
-                              tables=kv.tables)
-        scheduler.add_request(Request(0, len(prompt), DECODE_TOKENS + 1, prompt_token_ids=prompt))
-        logits, tokens = [], []
-        while scheduler.has_unfinished():
-            plan = scheduler.schedule()
-            out, rows = runner.execute(plan)
-            sampled = {}
-            if out is not None:
-                logits.append(out[0].float())
-                tokens.append(int(out[0].argmax()))
-                sampled[plan.seqs[rows[0]].seq_id] = tokens[-1]
-            scheduler.update(sampled, now=0.0)
-        return logits, tokens
+        return _greedy(ModelRunner(model, kv.cache, backend).execute, kv, prompt)
     except (RuntimeKVError, RuntimeError, TypeError, ValueError) as error:
         raise UnsupportedModelError(
             f"{type(model).__name__} failed the engine's self-check: running it on vmemkv "

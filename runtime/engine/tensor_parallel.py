@@ -1,24 +1,33 @@
-"""The engine's side of tensor parallelism: refuse what cannot run, start the ranks.
+"""The engine's side of tensor parallelism: refuse what cannot run, start the ranks, check them.
 
 The distributed package is imported on first use: a single-process engine never loads it."""
 from __future__ import annotations
 
 import torch
 
-from .errors import TensorParallelConfigError
+from .errors import TensorParallelConfigError, TensorParallelMismatchError  # noqa: F401
 
 START_TIMEOUT_S = 300.0   # spawning a rank imports torch and transformers and builds a shard
 
 
+def placement_of(cfg, device: torch.device):
+    """Where each rank runs (runtime/distributed/placement.py), from this process's view of the
+    visible GPUs; TensorParallelConfigError when the size, device list or devices cannot run."""
+    from vmemkv.runtime.distributed.placement import place_ranks
+    visible = torch.cuda.device_count() if torch.device(device).type == "cuda" else 0
+    return place_ranks(device, cfg.tensor_parallel_size, cfg.tp_devices, visible_cuda=visible,
+                       launch=cfg.tp_launch)
+
+
 def check_tensor_parallel_engine(model, cfg, device: torch.device) -> None:
     """TensorParallelConfigError, before any process starts or memory is built, for a size the
-    model cannot be split into exactly or a setup this version does not run."""
+    model cannot be split into exactly, or devices / a backend the ranks cannot run on."""
+    import torch.distributed as dist
+    from vmemkv.runtime.distributed.placement import check_backends
     from vmemkv.runtime.distributed.sharding import check_tensor_parallel
     check_tensor_parallel(model, cfg.tensor_parallel_size)
-    if cfg.tensor_parallel_size > 1 and device.type != "cpu":
-        raise TensorParallelConfigError(
-            f"tensor_parallel_size {cfg.tensor_parallel_size} on {device.type}: this version runs "
-            f"tensor parallelism on the CPU (gloo) only; NCCL ranks on GPUs are not implemented")
+    if cfg.tensor_parallel_size > 1 or cfg.tp_devices is not None:
+        check_backends(placement_of(cfg, device), nccl_available=dist.is_nccl_available())
 
 
 def kv_heads_per_rank(config, world: int) -> int:
@@ -28,14 +37,21 @@ def kv_heads_per_rank(config, world: int) -> int:
 
 
 def check_ranks_fit(cfg, cache_bytes: int, device) -> None:
-    """Spawned ranks share this machine's memory: CacheTooLargeError, before any process
-    starts, when ``tensor_parallel_size`` caches of ``cache_bytes`` each do not fit what is
-    available (ranks a launcher placed elsewhere check their own machine)."""
-    if cfg.tensor_parallel_size > 1 and cfg.tp_launch == "spawn":
-        from vmemkv.runtime.memory import check_fits_device
-        check_fits_device(f"{cfg.tensor_parallel_size} tensor-parallel ranks' KV caches "
-                          f"({cache_bytes} bytes each)", cfg.tensor_parallel_size * cache_bytes,
-                          device)
+    """CacheTooLargeError, before any process starts: on the CPU, spawned ranks share this
+    machine's memory, so ``tensor_parallel_size`` caches of ``cache_bytes`` each must fit what
+    is available; on CUDA each spawned rank's cache must fit ITS device's free memory (the
+    message names the device). Ranks a launcher placed elsewhere check their own."""
+    if cfg.tensor_parallel_size == 1 or cfg.tp_launch != "spawn":
+        return
+    from vmemkv.runtime.memory import check_fits_device
+    placement = placement_of(cfg, device)
+    if placement.device_type == "cuda":
+        for rank in range(cfg.tensor_parallel_size):
+            check_fits_device(f"tensor-parallel rank {rank}'s KV cache", cache_bytes,
+                              placement.device_of(rank))
+        return
+    check_fits_device(f"{cfg.tensor_parallel_size} tensor-parallel ranks' KV caches "
+                      f"({cache_bytes} bytes each)", cfg.tensor_parallel_size * cache_bytes, device)
 
 
 def start_tensor_parallel(model, cfg, cache_config, kv_options: dict, attention: str,
@@ -46,5 +62,27 @@ def start_tensor_parallel(model, cfg, cache_config, kv_options: dict, attention:
     from vmemkv.runtime.distributed.worker import TPPayload
     payload = TPPayload(cache_config=cache_config, kind=cfg.cache, kv_options=dict(kv_options),
                         attention=attention, step_timeout_s=float(cfg.tp_timeout_s),
-                        start_timeout_s=START_TIMEOUT_S, threads=torch.get_num_threads())
-    return TensorParallel(model, payload, cfg.tensor_parallel_size, cfg.tp_launch, driver)
+                        start_timeout_s=START_TIMEOUT_S,
+                        placement=placement_of(cfg, cache_config.torch_device),
+                        threads=torch.get_num_threads())
+    tp = TensorParallel(model, payload, cfg.tensor_parallel_size, cfg.tp_launch, driver)
+    if cfg.self_check:
+        try:
+            check_shards(model, tp, cache_config.dtype)
+        except BaseException:
+            tp.close()
+            raise
+    return tp
+
+
+def check_shards(model, tp, dtype) -> None:
+    """Refuse to serve (TensorParallelMismatchError, naming the largest difference) unless every
+    rank's sharded forward reproduces the unsharded model's logits on rank 0 for a few tokens,
+    within the single-process self-check's tolerance (self_check.py). Leaves the caches empty."""
+    from .self_check import sharded_difference
+    err, allowed = sharded_difference(model, tp.kv, tp.execute, dtype)
+    if not err <= allowed:
+        raise TensorParallelMismatchError(
+            f"the {tp.world} tensor-parallel ranks' sharded forward differs from the unsharded "
+            f"{type(model).__name__} on rank 0 by {err:.3g} in a logit (allowed {allowed:.3g}); "
+            f"refusing to serve wrong tokens (self_check=False skips this check and is unsafe)")

@@ -95,7 +95,7 @@ def test_ranks_started_by_torchrun_give_the_same_tokens(tmp_path):
     assert json.loads(out.read_text()) == hf_greedy("tiny-llama", [[1, 2, 3, 4], [9, 8, 7]], 8)
 
 
-def test_a_plan_failing_on_one_rank_is_undone_on_every_rank_and_output_stays_exact():
+def test_a_plan_failing_on_rank_0_is_rolled_back_before_any_rank_sees_it_and_output_stays_exact():
     driver = FaultInjectingDriver(vmem.open_driver("host"))
     batch = [[3, 1, 4, 1, 5, 9, 2, 6] * 3, [2, 7, 1, 8]]
     options = dict(cache="vmem", page_bytes=4096, max_batch=2, max_context=128, self_check=False)
@@ -105,10 +105,39 @@ def test_a_plan_failing_on_one_rank_is_undone_on_every_rank_and_output_stays_exa
                 **options) as engine:
         assert engine.stats().cache_bytes * 2 == full_bytes   # default-sized: half per rank
         assert engine.cache_config.num_kv_heads == 1
-        driver.fail_at("map", 3)       # rank 0 fails a map; rank 1 applied the plan, undoes it
+        driver.fail_at("map", 3)       # rank 0 fails a map before sending: rank 1 never sees it
         out = engine.generate(batch, SamplingParams(max_new_tokens=12))
         assert driver.faults_raised["map"] == 1 and engine.plan_failures == 1
     assert tokens(out) == hf_greedy("tiny-llama", batch, 12)
+
+
+def test_a_step_makes_one_plan_broadcast_and_two_sums_per_layer_and_nothing_else():
+    m = model()
+    layers = m.config.num_hidden_layers
+    with Engine(m, max_batch=2, max_context=128, tensor_parallel_size=2, self_check=False) as engine:
+        engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=6))
+        before, steps = engine.tp.collectives, 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+        assert engine.tp.collectives - before == steps * (1 + 2 * layers)
+
+
+def test_memory_ops_failing_on_a_follower_are_fatal_while_rank_0_rolls_back_alone():
+    from types import SimpleNamespace
+    from vmemkv.runtime.distributed.worker import RankExecutor
+    from vmemkv.runtime.errors import PlanExecutionError
+
+    class FailingCache:
+        def execute(self, ops):
+            raise PlanExecutionError("map failed", op_index=0, rolled_back=True)
+
+    plan = SimpleNamespace(ops=["map"])
+    runner = SimpleNamespace(cache=FailingCache())
+    with pytest.raises(TensorParallelError, match="rank 1: its memory ops failed where rank 0's"):
+        RankExecutor(SimpleNamespace(rank=1), runner).apply_ops(plan)
+    with pytest.raises(PlanExecutionError, match="map failed"):   # nothing was sent yet
+        RankExecutor(SimpleNamespace(rank=0), runner).apply_ops(plan)
 
 
 def _gone(pid: int) -> bool:
