@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 import torch.distributed as dist
 
 from vmemkv.runtime.engine.errors import TensorParallelConfigError, TensorParallelError
@@ -38,6 +39,11 @@ class TensorParallel:
                 "tp_launch='env' and run vmemkv.runtime.distributed.follow(model) on ranks 1..N-1")
         self.world, self.spawned, self.kv, self._open, self._failed = world, None, None, False, False
         self.device = None     # rank 0's device, made current once the ranks have joined
+        # the caller's current CUDA device, made current again at close (rank 0's enter_device
+        # switches this process to its own); None on the CPU
+        self._caller_cuda_device = (torch.cuda.current_device()
+                                    if payload.placement.device_of(0).type == "cuda"
+                                    and torch.cuda.is_available() else None)
         self.group = RankGroup(0, world, payload.step_timeout_s)
         try:
             self._join(model, payload, launch)
@@ -120,3 +126,5 @@ class TensorParallel:
         leave_group()
         if self.kv is not None:
             self.kv.close()
+        if self._caller_cuda_device is not None:   # rank 0 made its device current (enter_device)
+            torch.cuda.set_device(self._caller_cuda_device)
