@@ -4,8 +4,9 @@ For each (batch, context) point: ``batch`` prompts of ``context`` tokens go thro
 and every step is timed (wall seconds around ``Engine.step``) with the plan's new and context
 token counts (read from the scheduler's own plan: the step's work exactly). Prefill steps give
 many new tokens, decode steps ``batch`` new tokens over ~``batch * context`` context tokens.
-A median regression of seconds = base + s * sequences + a * new + b * context over every timed
-step (after a warm-up generate) gives the coefficients of
+A median regression of seconds = base + s * sequences + a * new + b * context + q * prefill
+pairs (``scheduler.cost.prefill_pairs``: prefill's quadratic attention) over every timed step
+(after a warm-up generate) gives the coefficients of
 ``vmemkv.scheduler.profile_cost``; the profile records the points and the fit's error.
 
     vmemkv calibrate --model small-llama --batches 1 4 16 --contexts 64 256 --out profile.json
@@ -18,7 +19,8 @@ import statistics
 import time
 from typing import Dict, List, Sequence
 
-from vmemkv.scheduler.profile_cost import COEFFICIENTS, PROFILE_FORMAT
+from vmemkv.scheduler.cost import prefill_pairs
+from vmemkv.scheduler.profile_cost import FITTED, PROFILE_FORMAT
 
 
 def model_entry(model, name: str) -> dict:
@@ -31,8 +33,8 @@ def model_entry(model, name: str) -> dict:
 
 
 def time_steps(engine, prompts: List[List[int]], new_tokens: int) -> List[Dict]:
-    """Every step of generating ``new_tokens`` for ``prompts``: its new and context tokens
-    (from the plan the scheduler made) and its wall seconds."""
+    """Every step of generating ``new_tokens`` for ``prompts``: its new and context tokens and
+    prefill pairs (from the plan the scheduler made) and its wall seconds."""
     from vmemkv.runtime.engine import SamplingParams
     plans, schedule = [], engine.scheduler.schedule
 
@@ -52,7 +54,8 @@ def time_steps(engine, prompts: List[List[int]], new_tokens: int) -> List[Dict]:
             plan = plans[-1]
             if plan.seqs:
                 points.append({"batch": len(plan.seqs), "new_tokens": plan.num_new_tokens,
-                               "context_tokens": plan.num_context_tokens, "seconds": seconds})
+                               "context_tokens": plan.num_context_tokens,
+                               "prefill_pairs": prefill_pairs(plan.seqs), "seconds": seconds})
     finally:
         del engine.scheduler.schedule                     # back to the class's method
     for rid in rids:
@@ -61,27 +64,29 @@ def time_steps(engine, prompts: List[List[int]], new_tokens: int) -> List[Dict]:
 
 
 def fit(points: Sequence[Dict], iterations: int = 50) -> Dict[str, float]:
-    """Coefficients (clipped at 0) of seconds against sequences, new and context tokens that
-    minimise the summed ABSOLUTE error: a median regression (iteratively reweighted least
+    """Coefficients (clipped at 0) of seconds against sequences, new and context tokens and
+    prefill pairs (0 for a point that lacks them) that minimise the summed ABSOLUTE error: a median regression (iteratively reweighted least
     squares). On a shared machine a step is sometimes descheduled and takes several times its
     cost; such steps move a least-squares fit, and a relative-error fit chases the fastest
     steps, but a median fit follows the typical step, which is what a replay sees."""
     import numpy as np
-    x = np.array([[1.0, p["batch"], p["new_tokens"], p["context_tokens"]] for p in points])
+    x = np.array([[1.0, p["batch"], p["new_tokens"], p["context_tokens"],
+                   p.get("prefill_pairs", 0)] for p in points])
     y = np.array([p["seconds"] for p in points])
     weight = np.ones_like(y)
     for _ in range(iterations):
         coef, *_ = np.linalg.lstsq(x * weight[:, None], y * weight, rcond=None)
         weight = 1.0 / np.sqrt(np.maximum(np.abs(x @ coef - y), 1e-6))
-    return dict(zip(COEFFICIENTS, (max(0.0, float(c)) for c in coef)))
+    return dict(zip(FITTED, (max(0.0, float(c)) for c in coef)))
 
 
 def fit_error(points: Sequence[Dict], coeffs: Dict[str, float]) -> Dict[str, float]:
     """Median and max relative error of the fitted step time over the points."""
     from vmemkv.scheduler.profile_cost import ProfileCost
     cost = ProfileCost(**coeffs)
-    errs = [abs(cost.step_seconds(p["context_tokens"], p["new_tokens"], 0, p["batch"])
-                - p["seconds"]) / p["seconds"] for p in points]
+    errs = [abs(cost.step_seconds(p["context_tokens"], p["new_tokens"], 0, p["batch"],
+                                  p.get("prefill_pairs", 0)) - p["seconds"]) / p["seconds"]
+            for p in points]
     return {"median_rel_error": statistics.median(errs), "max_rel_error": max(errs)}
 
 
@@ -124,7 +129,7 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
                           "max_tokens_per_step": engine.config.max_tokens_per_step,
                           "max_batch": max_batch, "max_context": max_context}
     coeffs = fit(points)
-    return {"format": PROFILE_FORMAT, "version": 1, "model": model_entry(model, model_name),
+    return {"format": PROFILE_FORMAT, "version": 2, "model": model_entry(model, model_name),
             "device": f"cpu: {platform.processor() or platform.machine()}, {threads} threads",
             "engine": engine_figures, "coefficients": coeffs, "points": points,
             "fit": fit_error(points, coeffs)}
@@ -166,7 +171,8 @@ def run(args) -> int:
     print(f"vmemkv calibrate: {args.model} on {profile['device']}, {len(profile['points'])} steps")
     print(f"  step s = {c['base_s'] * 1e3:.3f} ms + {c['per_seq_s'] * 1e6:.1f} us x sequences + "
           f"{c['per_new_token_s'] * 1e6:.2f} us x new tokens "
-          f"+ {c['per_context_token_s'] * 1e9:.2f} ns x context tokens")
+          f"+ {c['per_context_token_s'] * 1e9:.2f} ns x context tokens "
+          f"+ {c['per_prefill_pair_s'] * 1e9:.2f} ns x prefill pairs")
     print(f"  fit error: median {e['median_rel_error']:.1%}, max {e['max_rel_error']:.1%}")
     print(f"# wrote {args.out}")
     return 0

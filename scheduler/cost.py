@@ -40,15 +40,26 @@ class CostModel:
             raise ConfigError(f"kv_slowdown must be >= 1.0, got {self.kv_slowdown!r}")
 
     def step_seconds(self, context_tokens: int, new_tokens: int, mapped_pages: int = 0,
-                     num_seqs: int = 0) -> float:
+                     num_seqs: int = 0, prefill_pairs: int = 0) -> float:
         """Time of one step that reads ``context_tokens`` of KV (summed over sequences), computes
         ``new_tokens`` tokens and maps ``mapped_pages`` physical pages first. ``num_seqs`` (the
-        step's sequences) does not enter the roofline; a measured profile charges it."""
+        step's sequences) and ``prefill_pairs`` (``prefill_pairs()``) do not enter the roofline;
+        a measured profile charges them."""
         bw = self.device.memory_bandwidth_bytes_per_s
         t = (self.model.weight_bytes + context_tokens * self.model.bytes_per_token * self.kv_slowdown) / bw
         if self.prefill_mfu is not None:
             t = max(t, 2.0 * self.model.params * new_tokens / (self.prefill_mfu * self.device.peak_flops_per_s))
         return t + mapped_pages * self.map_latency_s
+
+
+def prefill_pairs(seqs) -> int:
+    """Query-key pairs of causal attention beyond one per context token, summed over a plan's
+    ``ScheduledSeq``s: a sequence computing n new tokens after c cached ones attends
+    n*c + n*(n+1)/2 pairs and reads c + n context tokens, so (n - 1) * (c + n / 2) more. Zero for
+    a decode (n = 1); a whole prompt of L tokens adds L * (L - 1) / 2, the quadratic part of
+    prefill that a per-token cost cannot follow."""
+    return sum((s.num_new_tokens - 1) * (2 * s.num_computed_tokens + s.num_new_tokens) // 2
+               for s in seqs)
 
 
 def count_map_ops(ops: list) -> int:

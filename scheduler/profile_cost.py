@@ -3,22 +3,27 @@
 ``vmemkv calibrate`` times the engine's steps and fits
 
     step seconds = base_s + per_seq_s * sequences + per_new_token_s * new tokens
-                   + per_context_token_s * context tokens + mapped pages * map latency
+                   + per_context_token_s * context tokens
+                   + per_prefill_pair_s * prefill pairs + mapped pages * map latency
 
-(context tokens: KV read, summed over the step's sequences, as in the roofline) by least squares,
-and writes a device profile, JSON:
+(context tokens: KV read, summed over the step's sequences, as in the roofline; prefill pairs:
+``cost.prefill_pairs``, attention's query-key pairs beyond one per context token, zero in a
+decode, L * (L - 1) / 2 for a whole prompt of L tokens: prefill's quadratic part) by a median
+regression, and writes a device profile, JSON:
 
     {"format": "vmemkv-device-profile", "version": 1,
      "model": {"name": "small-llama", "num_layers": 4, "num_kv_heads": 2, "head_dim": 32,
                "dtype_bytes": 4, "weight_bytes": 6291456},
      "device": "cpu: <processor>, 1 threads",
      "coefficients": {"base_s": ..., "per_seq_s": ..., "per_new_token_s": ...,
-                      "per_context_token_s": ...},
-     "points": [{"batch": 4, "context_tokens": 1030, "new_tokens": 4, "seconds": ...}, ...],
+                      "per_context_token_s": ..., "per_prefill_pair_s": ...},
+     "points": [{"batch": 4, "context_tokens": 1030, "new_tokens": 4, "prefill_pairs": 0,
+                 "seconds": ...}, ...],
      "fit": {"median_rel_error": ..., "max_rel_error": ...}}
 
 ``vmemkv simulate --profile FILE`` (``SimConfig.profile``) uses it in place of the roofline;
-the profile's model is the model the simulation's managers size memory for.
+the profile's model is the model the simulation's managers size memory for. A profile written
+before ``per_prefill_pair_s`` existed (version 1) loads with it 0: prefill cost linear in tokens.
 """
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ from .presets import ModelSpec
 
 PROFILE_FORMAT = "vmemkv-device-profile"
 COEFFICIENTS = ("base_s", "per_seq_s", "per_new_token_s", "per_context_token_s")
+OPTIONAL_COEFFICIENTS = ("per_prefill_pair_s",)     # 0 when a (version 1) profile lacks it
+FITTED = COEFFICIENTS + OPTIONAL_COEFFICIENTS
 
 
 @dataclass(frozen=True)
@@ -40,21 +47,24 @@ class ProfileCost:
     per_seq_s: float
     per_new_token_s: float
     per_context_token_s: float
+    per_prefill_pair_s: float = 0.0
     map_latency_s: float = 0.0
     pages_per_map_op: int = 1
 
     def __post_init__(self) -> None:
-        for name in COEFFICIENTS + ("map_latency_s",):
+        for name in FITTED + ("map_latency_s",):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ConfigError(f"profile coefficient {name} must be a number >= 0, got {value!r}")
 
     def step_seconds(self, context_tokens: int, new_tokens: int, mapped_pages: int = 0,
-                     num_seqs: int = 0) -> float:
+                     num_seqs: int = 0, prefill_pairs: int = 0) -> float:
         """Seconds of a step of ``num_seqs`` sequences reading ``context_tokens`` of KV and
-        computing ``new_tokens``, after mapping ``mapped_pages`` pages."""
+        computing ``new_tokens`` with ``prefill_pairs`` (``cost.prefill_pairs``) attention
+        pairs beyond one per context token, after mapping ``mapped_pages`` pages."""
         return (self.base_s + self.per_seq_s * num_seqs + self.per_new_token_s * new_tokens
-                + self.per_context_token_s * context_tokens + mapped_pages * self.map_latency_s)
+                + self.per_context_token_s * context_tokens
+                + self.per_prefill_pair_s * prefill_pairs + mapped_pages * self.map_latency_s)
 
 
 def load_profile(path: str) -> Dict:
@@ -70,7 +80,7 @@ def load_profile(path: str) -> Dict:
     coeffs = profile.get("coefficients")
     if not isinstance(coeffs, dict) or set(COEFFICIENTS) - set(coeffs):
         raise ConfigError(f"device profile {path}: coefficients must have {', '.join(COEFFICIENTS)}")
-    ProfileCost(*(coeffs[k] for k in COEFFICIENTS))
+    ProfileCost(**fitted_coefficients(coeffs))
     profile_model(profile, path)
     return profile
 
@@ -85,6 +95,11 @@ def profile_model(profile: Dict, path: str = "profile") -> ModelSpec:
 
 def profile_cost(profile: Dict, map_latency_s: float = 0.0, pages_per_map_op: int = 1) -> ProfileCost:
     """The ProfileCost of a loaded profile."""
-    coeffs = profile["coefficients"]
-    return ProfileCost(*(float(coeffs[k]) for k in COEFFICIENTS), map_latency_s=map_latency_s,
-                       pages_per_map_op=pages_per_map_op)
+    coeffs = {k: float(v) for k, v in fitted_coefficients(profile["coefficients"]).items()}
+    return ProfileCost(**coeffs, map_latency_s=map_latency_s, pages_per_map_op=pages_per_map_op)
+
+
+def fitted_coefficients(coeffs: Dict) -> Dict:
+    """The required coefficients and the optional ones (0 where absent), nothing else."""
+    return {**dict.fromkeys(OPTIONAL_COEFFICIENTS, 0.0),
+            **{k: coeffs[k] for k in FITTED if k in coeffs}}

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-from .cost import CostModel, count_map_ops
+from .cost import CostModel, count_map_ops, prefill_pairs
 from .errors import ConfigError, SchedulerError
 from .managers.base import MemoryManager
 from .managers.eviction import DEFAULT_EVICTION, make_eviction
@@ -235,7 +235,8 @@ class Simulator:
         plan = sched.schedule()
         mapped = count_map_ops(plan.ops)
         seconds = self.cost.step_seconds(plan.num_context_tokens, plan.num_new_tokens,
-                                         mapped * self.cost.pages_per_map_op, len(plan.seqs))
+                                         mapped * self.cost.pages_per_map_op, len(plan.seqs),
+                                         prefill_pairs(plan.seqs))
         end = now + seconds
         sampled = {}
         for s in plan.seqs:

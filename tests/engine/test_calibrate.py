@@ -24,6 +24,19 @@ def test_fit_recovers_the_coefficients_of_exact_data():
         assert got[key] == pytest.approx(value, rel=1e-3), key
 
 
+def test_fit_recovers_the_prefill_pair_coefficient_of_exact_data():
+    truth = dict(base_s=0.001, per_seq_s=2e-5, per_new_token_s=7e-5, per_context_token_s=5e-7,
+                 per_prefill_pair_s=1e-7)
+    shapes = [(1, 1, 10, 0), (4, 4, 400, 0), (16, 16, 4000, 0), (8, 8, 900, 0),
+              (1, 64, 64, 2016), (1, 256, 256, 32640), (4, 256, 256, 8064), (2, 100, 300, 9950)]
+    points = [dict(batch=b, new_tokens=n, context_tokens=c, prefill_pairs=q,
+                   seconds=sum(truth[k] * x for k, x in zip(truth, (1, b, n, c, q))))
+              for b, n, c, q in shapes]
+    got = fit(points)
+    for key, value in truth.items():
+        assert got[key] == pytest.approx(value, rel=1e-3), key
+
+
 def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
     out = tmp_path / "profile.json"
     assert main(["calibrate", "--model", "tiny-llama", "--batches", "1", "2", "--contexts", "8",
@@ -34,6 +47,9 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
     # each point: one prefill step and (decode_steps - 1) decodes, at least
     assert len(profile["points"]) >= 4 * 2
     assert all(p["seconds"] > 0 and p["new_tokens"] >= p["batch"] for p in profile["points"])
+    # a prefill point of 16-token prompts carries their 16 * 15 / 2 pairs each
+    assert {p["prefill_pairs"] for p in profile["points"] if p["new_tokens"] == 16 * p["batch"]} \
+        == {120, 240}
     entries = generate(WorkloadSpec(num_requests=10, max_total_len=64, seed=2))
     r = simulate(entries, SimConfig(policy="vmem", profile=str(out), page_bytes=4096,
                                     cache_bytes=2 * 10**6, max_seq_len=64))
