@@ -18,10 +18,12 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
 from dataclasses import replace
+from typing import Dict, List, Optional
 
 from vmemkv.scheduler.report import serving_report
 from vmemkv.scheduler.scheduler import SchedulerConfig
@@ -43,24 +45,80 @@ def workload(args) -> list:
     return fit_to_length(scaled, args.max_context)[0]
 
 
-def replay_engine(engine, entries, vocab: int) -> list:
-    """Submit each entry when the wall clock passes its arrival; step until all finish."""
+def replay_engine(engine, entries, vocab: int, steps: Optional[List[Dict]] = None,
+                  perf_counter=time.perf_counter, sleep=time.sleep) -> tuple:
+    """Submit each entry when the clock (``perf_counter``) passes its arrival; step until all
+    finish. Returns (timings, lags): the requests' RequestTimings with arrival = the entry's
+    arrival on the engine clock, and each submission's lag behind its arrival (seconds). The
+    loop submits only between steps, so a request arriving mid-step is submitted when the step
+    ends; any server makes it wait for that step, and its TTFT counts the wait (measured from
+    the submission it would not: the benchmark's error, up to a whole prefill step).
+    ``steps``: also record every step there (fidelity_trace)."""
     from vmemkv.runtime.engine import SamplingParams
     from vmemkv.runtime.engine.outputs import request_timings
-    rng, rids, i, t0 = random.Random(SEED), [], 0, time.perf_counter()
+    rng, rids, lags, i, t0 = random.Random(SEED), [], [], 0, perf_counter()
+    clock = _StepClock(engine, steps, perf_counter)
     while i < len(entries) or engine.has_unfinished():
-        now = time.perf_counter() - t0
+        now = perf_counter() - t0
         while i < len(entries) and entries[i].arrival_s <= now:
             e = entries[i]
             prompt = [rng.randrange(vocab) for _ in range(e.prompt_len)]
+            submitted_s = perf_counter() - t0
+            lags.append(submitted_s - e.arrival_s)
             rids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=e.output_len,
                                                                   ignore_eos=True)))
+            clock.align(engine.output(rids[-1]).arrival_s - submitted_s, t0)
             i += 1
         if engine.has_unfinished():
-            engine.step()
+            clock.step(engine)
         elif i < len(entries):
-            time.sleep(max(0.0, min(entries[i].arrival_s - now, 0.05)))
-    return request_timings([engine.output(rid, pop=True) for rid in rids])
+            sleep(max(0.0, min(entries[i].arrival_s - now, 0.05)))
+    clock.close(engine)
+    timings = request_timings([engine.output(rid, pop=True) for rid in rids])
+    return [replace(t, arrival_s=t.arrival_s - lag) for t, lag in zip(timings, lags)], lags
+
+
+class _StepClock:
+    """Steps the engine; with a ``steps`` list, records each plan (fidelity_trace.tap_plans)
+    and the step's end and seconds, on the engine clock (from the first request's arrival)."""
+
+    def __init__(self, engine, steps: Optional[List[Dict]], perf_counter):
+        self.steps, self.offset_s, self.perf_counter = steps, None, perf_counter
+        if steps is not None:
+            from vmemkv.benchmarks.fidelity_trace import tap_plans
+            tap_plans(engine.scheduler, steps, self.now)
+
+    def now(self) -> float:
+        return self.perf_counter() - self.t0 + self.offset_s
+
+    def align(self, offset_s: float, t0: float) -> None:
+        """Engine clock = replay clock (perf_counter - t0) + ``offset_s``; the first call sets it."""
+        if self.offset_s is None:
+            self.offset_s, self.t0 = offset_s, t0
+
+    def step(self, engine) -> None:
+        engine.step()
+        if self.steps is None:
+            return
+        end = self.now()
+        self.steps[-1].update(end_s=end, seconds=end - self.steps[-1]["start_s"])
+
+    def close(self, engine) -> None:
+        if self.steps is not None:
+            from vmemkv.benchmarks.fidelity_trace import untap
+            untap(engine.scheduler)
+
+
+def sim_config(engine, profile_path: str) -> SimConfig:
+    """The simulator deployment of ``engine`` (vmem, its cache, pages, batch and token limits)
+    with the device profile at ``profile_path``."""
+    mgr, cfg = engine.kv.manager, engine.config
+    return SimConfig(policy="vmem", profile=profile_path, max_seq_len=cfg.max_context,
+                     cache_bytes=mgr.stats().total_tokens * mgr.bytes_per_token,
+                     page_bytes=mgr.page_bytes, layout=cfg.layout,
+                     scheduler=SchedulerConfig(max_running=cfg.max_batch,
+                                               max_tokens_per_step=cfg.max_tokens_per_step,
+                                               watermark=cfg.watermark))
 
 
 def measure(args, profile_path: str) -> dict:
@@ -72,20 +130,16 @@ def measure(args, profile_path: str) -> dict:
     model = build_model(MODEL, seed=SEED)
     with Engine(model, max_batch=MAX_BATCH, max_context=args.max_context) as engine:
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))      # warm-up
-        measured = serving_report(replay_engine(engine, entries, model.config.vocab_size))
-        mgr, cfg = engine.kv.manager, engine.config
-        config = SimConfig(policy="vmem", profile=profile_path, max_seq_len=cfg.max_context,
-                           cache_bytes=mgr.stats().total_tokens * mgr.bytes_per_token,
-                           page_bytes=mgr.page_bytes, layout=cfg.layout,
-                           scheduler=SchedulerConfig(max_running=cfg.max_batch,
-                                                     max_tokens_per_step=cfg.max_tokens_per_step,
-                                                     watermark=cfg.watermark))
+        timings, lags = replay_engine(engine, entries, model.config.vocab_size)
+        measured = serving_report(timings)
+        config = sim_config(engine, profile_path)
     simulated = simulate(entries, config).report()
     errors = {k: (simulated[k] - measured[k]) / measured[k] for k in FIGURES}
     return {"requests": len(entries), "trace": args.trace, "rate_scale": args.rate_scale,
             "length_scale": args.length_scale, "measured": {k: measured[k] for k in FIGURES},
             "simulated": {k: simulated[k] for k in FIGURES}, "rel_error": errors,
-            "within_goal": {k: abs(errors[k]) <= GOALS[k] for k in FIGURES}}
+            "within_goal": {k: abs(errors[k]) <= GOALS[k] for k in FIGURES},
+            "submit_lag_ms": {"median": statistics.median(lags) * 1e3, "max": max(lags) * 1e3}}
 
 
 def parse_args(argv=None):
