@@ -22,6 +22,8 @@ from typing import Dict, List, Sequence
 from vmemkv.scheduler.cost import prefill_pairs
 from vmemkv.scheduler.profile_cost import FITTED, PROFILE_FORMAT
 
+PREFILL_LENGTHS = (32, 96, 192, 320, 448)     # single prompts timed beside the grid, tokens
+
 
 def model_entry(model, name: str) -> dict:
     """The ModelSpec fields of a torch model (what the simulator's managers size memory for)."""
@@ -91,38 +93,29 @@ def fit_error(points: Sequence[Dict], coeffs: Dict[str, float]) -> Dict[str, flo
 
 
 def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 16),
-              contexts: Sequence[int] = (16, 64, 256), decode_steps: int = 8, threads: int = 1,
+              contexts: Sequence[int] = (16, 64, 256), decode_steps: int = 24, threads: int = 1,
               engine_options: Dict = None, seed: int = 0, repeats: int = 2,
-              max_batch: int = 16, max_context: int = 512) -> Dict:
+              max_batch: int = 16, max_context: int = 512,
+              prefill_lengths: Sequence[int] = PREFILL_LENGTHS) -> Dict:
     """The device profile (a dict, ``profile_cost``'s format) for this machine; every point
     is run ``repeats`` times (a shared machine's noise averages out in the fit). The engine is
     built with ``max_batch`` and ``max_context`` as the engine the profile stands for: a vmem
     step's attention may read the whole slot, so its cost depends on them, not only on the
-    tokens cached."""
-    if max(contexts) + decode_steps > max_context or max(batches) > max_batch:
-        from vmemkv.runtime.engine.errors import EngineConfigError
-        raise EngineConfigError(
-            f"calibration points need batch <= max_batch ({max_batch}) and context + "
-            f"decode steps <= max_context ({max_context}); got batch {max(batches)}, "
-            f"{max(contexts)} + {decode_steps} tokens")
-    import random
-
+    tokens cached. Besides the batch x context grid, one prompt of each of
+    ``prefill_lengths`` tokens (those below ``max_context``) is prefilled alone: the single
+    prompts a replay's arrivals make, where prefill's quadratic term shows."""
+    check_points(batches, contexts, decode_steps, max_batch, max_context)
     import torch
     from vmemkv.runtime.engine import Engine, SamplingParams
     from vmemkv.runtime.models import build_model
     torch.set_num_threads(threads)
     model = build_model(model_name, seed=seed)
-    vocab = model.config.vocab_size
-    rng = random.Random(seed)
-    points = []
     with Engine(model, max_batch=max_batch, max_context=max_context,
                 **(engine_options or {})) as engine:
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))       # warm-up
-        for _ in range(repeats):
-            for batch in batches:
-                for context in contexts:
-                    prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
-                    points.extend(time_steps(engine, prompts, decode_steps))
+        shapes = ([(b, c, decode_steps) for b in batches for c in contexts]
+                  + [(1, n, 1) for n in prefill_lengths if n < max_context])
+        points = timed_shapes(engine, shapes, repeats, seed)
         engine_figures = {"cache": engine.config.cache, "layout": engine.config.layout,
                           "page_bytes": (engine.kv.manager.page_bytes
                                          if engine.config.cache == "vmem" else None),
@@ -133,6 +126,28 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
             "device": f"cpu: {platform.processor() or platform.machine()}, {threads} threads",
             "engine": engine_figures, "coefficients": coeffs, "points": points,
             "fit": fit_error(points, coeffs)}
+
+
+def check_points(batches, contexts, decode_steps: int, max_batch: int, max_context: int) -> None:
+    """EngineConfigError when a grid point does not fit the engine."""
+    if max(contexts) + decode_steps > max_context or max(batches) > max_batch:
+        from vmemkv.runtime.engine.errors import EngineConfigError
+        raise EngineConfigError(
+            f"calibration points need batch <= max_batch ({max_batch}) and context + "
+            f"decode steps <= max_context ({max_context}); got batch {max(batches)}, "
+            f"{max(contexts)} + {decode_steps} tokens")
+
+
+def timed_shapes(engine, shapes, repeats: int, seed: int) -> List[Dict]:
+    """``time_steps`` of every (batch, prompt tokens, new tokens) shape, ``repeats`` times,
+    random prompts (seeded)."""
+    import random
+    rng, vocab, points = random.Random(seed), engine.vocab_size, []
+    for _ in range(repeats):
+        for batch, context, new_tokens in shapes:
+            prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
+            points.extend(time_steps(engine, prompts, new_tokens))
+    return points
 
 
 def register(subparsers) -> None:
@@ -149,8 +164,12 @@ def register(subparsers) -> None:
                    help="sequences per point")
     p.add_argument("--contexts", type=bounded(int, 1), nargs="+", default=[16, 64, 256],
                    help="prompt tokens per sequence per point")
-    p.add_argument("--decode-steps", type=bounded(int, 1), default=8,
-                   help="tokens generated per sequence per point")
+    p.add_argument("--prefill-lengths", type=bounded(int, 1), nargs="*",
+                   default=list(PREFILL_LENGTHS),
+                   help="single prompts timed alone as well, tokens (those below --max-context)")
+    p.add_argument("--decode-steps", type=bounded(int, 1), default=24,
+                   help="tokens generated per sequence per point (the first decodes after a "
+                        "prefill run slow: enough of them that most are not those)")
     p.add_argument("--repeats", type=bounded(int, 1), default=2, help="runs of every point")
     p.add_argument("--max-batch", type=bounded(int, 1), default=16,
                    help="the engine's max batch (as in the engine the profile stands for)")
@@ -164,7 +183,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     profile = calibrate(args.model, args.batches, args.contexts, args.decode_steps, args.threads,
                         repeats=args.repeats, max_batch=args.max_batch,
-                        max_context=args.max_context)
+                        max_context=args.max_context, prefill_lengths=args.prefill_lengths)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(profile, f, indent=1)
     c, e = profile["coefficients"], profile["fit"]

@@ -40,7 +40,8 @@ def test_fit_recovers_the_prefill_pair_coefficient_of_exact_data():
 def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
     out = tmp_path / "profile.json"
     assert main(["calibrate", "--model", "tiny-llama", "--batches", "1", "2", "--contexts", "8",
-                 "16", "--decode-steps", "2", "--repeats", "1", "--out", str(out)]) == 0
+                 "16", "--decode-steps", "2", "--repeats", "1", "--prefill-lengths", "12", "40",
+                 "100", "--max-context", "64", "--out", str(out)]) == 0
     assert "# wrote" in capsys.readouterr().out
     profile = load_profile(str(out))
     assert profile["model"]["num_layers"] == 2 and profile["model"]["dtype_bytes"] == 4
@@ -50,6 +51,10 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
     # a prefill point of 16-token prompts carries their 16 * 15 / 2 pairs each
     assert {p["prefill_pairs"] for p in profile["points"] if p["new_tokens"] == 16 * p["batch"]} \
         == {120, 240}
+    # the single prompts below --max-context (64) were prefilled alone, once each
+    singles = sorted(p["new_tokens"] for p in profile["points"]
+                     if p["batch"] == 1 and p["new_tokens"] not in (1, 8, 16))
+    assert singles == [12, 40]
     entries = generate(WorkloadSpec(num_requests=10, max_total_len=64, seed=2))
     r = simulate(entries, SimConfig(policy="vmem", profile=str(out), page_bytes=4096,
                                     cache_bytes=2 * 10**6, max_seq_len=64))
