@@ -16,6 +16,7 @@ class FakeClock:
         self.now_s = 100.0          # any origin: the replay measures from its own start
 
     def perf_counter(self) -> float:
+        self.now_s += 1e-7           # reading the clock takes a little time (an idle loop spins)
         return self.now_s
 
     def sleep(self, seconds: float) -> None:
@@ -63,13 +64,24 @@ def test_a_request_arriving_mid_step_counts_the_rest_of_that_step_in_its_ttft():
     # at 10 ms, the next step samples its first token at 20 ms: TTFT 16 ms, not 10 ms
     entries = [TraceEntry(4, 2, 0.0), TraceEntry(4, 2, 0.004)]
     timings, lags = replay(entries)
-    assert [t.arrival_s for t in timings] == pytest.approx([0.0, 0.004])
-    assert [t.ttft_s for t in timings] == pytest.approx([0.010, 0.016])
-    assert lags == pytest.approx([0.0, 0.006])
+    assert [t.arrival_s for t in timings] == pytest.approx([0.0, 0.004], abs=1e-5)
+    assert [t.ttft_s for t in timings] == pytest.approx([0.010, 0.016], abs=1e-5)
+    assert lags == pytest.approx([0.0, 0.006], abs=1e-5)
 
 
 def test_an_idle_engine_submits_at_the_arrival_and_measures_no_lag():
     entries = [TraceEntry(4, 1, 0.0), TraceEntry(4, 1, 0.030)]
     timings, lags = replay(entries)
-    assert [t.ttft_s for t in timings] == pytest.approx([STEP_S, STEP_S])
-    assert lags == pytest.approx([0.0, 0.0])
+    assert [t.ttft_s for t in timings] == pytest.approx([STEP_S, STEP_S], abs=1e-5)
+    assert lags == pytest.approx([0.0, 0.0], abs=1e-5)
+
+
+def test_an_idle_loop_sleeps_only_up_to_a_millisecond_before_the_next_arrival():
+    clock = FakeClock()
+    slept = []
+    engine = FakeEngine(clock)
+    replay_engine(engine, [TraceEntry(4, 1, 0.0), TraceEntry(4, 1, 0.030)], vocab=100,
+                  perf_counter=clock.perf_counter,
+                  sleep=lambda s: (slept.append(s), clock.sleep(s)))
+    # idle from 10 ms (request 0 done) to the arrival at 30 ms: sleep to 29 ms, spin the rest
+    assert sum(slept) == pytest.approx(0.030 - STEP_S - 0.001, abs=1e-5)
