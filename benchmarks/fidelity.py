@@ -2,7 +2,7 @@
 device profile calibrated on this machine; the simulator's prediction error.
 
     .venv/bin/python benchmarks/fidelity.py [--trace azure-conv] [--requests 64]
-        [--rate-scale 1] [--length-scale 0.25] [--profile profile.json] [--json out.json]
+        [--rate-scale 1 4 8] [--length-scale 0.25] [--profile profile.json] [--json out.json]
 
 The trace's first ``--requests`` requests, lengths times ``--length-scale`` and fitted to the
 engine's ``--max-context`` (the small model's scale), are replayed with their arrival times
@@ -131,6 +131,7 @@ def measure(args, profile_path: str) -> dict:
     torch.set_num_threads(args.threads)
     entries = workload(args)
     model = build_model(MODEL, seed=SEED)
+    load_before = os.getloadavg()[0]
     with Engine(model, max_batch=MAX_BATCH, max_context=args.max_context) as engine:
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))      # warm-up
         timings, lags = replay_engine(engine, entries, model.config.vocab_size)
@@ -143,7 +144,8 @@ def measure(args, profile_path: str) -> dict:
             "simulated": {k: simulated[k] for k in FIGURES}, "rel_error": errors,
             "within_goal": {k: abs(errors[k]) <= GOALS[k] for k in FIGURES},
             "submit_lag_ms": {"median": statistics.median(lags) * 1e3, "max": max(lags) * 1e3},
-            "engine_ttft_from_submission_ms": from_submission(timings, lags)}
+            "engine_ttft_from_submission_ms": from_submission(timings, lags),
+            "load_1min": (load_before, os.getloadavg()[0])}
 
 
 def from_submission(timings, lags) -> dict:
@@ -158,7 +160,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default="azure-conv")
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--rate-scale", type=float, default=1.0)
+    ap.add_argument("--rate-scale", type=float, nargs="+", default=[1.0],
+                    help="one comparison per value, in turn, with the same profile")
     ap.add_argument("--length-scale", type=float, default=0.25)
     ap.add_argument("--max-context", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
@@ -177,15 +180,21 @@ def main(argv=None) -> int:
         vmemkv(["calibrate", "--model", MODEL, "--threads", str(args.threads), "--out", profile,
                 "--max-batch", str(MAX_BATCH), "--max-context", str(args.max_context),
                 *args.calibrate_args.split()])
-    out = measure(args, profile)
-    print(f"{'figure':<20}{'engine':>12}{'simulator':>12}{'error':>9}{'goal':>7}")
-    for k in FIGURES:
-        print(f"{k:<20}{out['measured'][k]:>12.2f}{out['simulated'][k]:>12.2f}"
-              f"{out['rel_error'][k]:>+9.1%}{GOALS[k]:>6.0%}{'' if out['within_goal'][k] else ' !'}")
-    print(json.dumps(out))
+    outs = []
+    for rate in args.rate_scale:
+        out = measure(argparse.Namespace(**{**vars(args), "rate_scale": rate}), profile)
+        print(f"--rate-scale {rate:g}: 1-minute load {out['load_1min'][0]:.2f} before, "
+              f"{out['load_1min'][1]:.2f} after")
+        print(f"{'figure':<20}{'engine':>12}{'simulator':>12}{'error':>9}{'goal':>7}")
+        for k in FIGURES:
+            print(f"{k:<20}{out['measured'][k]:>12.2f}{out['simulated'][k]:>12.2f}"
+                  f"{out['rel_error'][k]:>+9.1%}{GOALS[k]:>6.0%}"
+                  f"{'' if out['within_goal'][k] else ' !'}")
+        print(json.dumps(out))
+        outs.append(out)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump(outs, f, indent=1)
     return 0
 
 
