@@ -10,8 +10,8 @@ loop's lag behind the arrival; simulator: never late), the start of the first st
 computed its tokens, and its first token (the end of the step that sampled it); and for each
 step the engine ran, its measured seconds beside what the profile charges for that same step.
 The summary prints medians of: arrival -> first step start (the wait), first step start ->
-first token, TTFT, the engine's submission lag, and the profile's error on engine steps with
-and without prompt tokens.
+first token, TTFT, the engine's submission lag, and the profile's error on the engine's steps
+with prompt tokens, its cold decodes and its warm decodes.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import time
 from typing import Dict, List
 
 from vmemkv.benchmarks.fidelity import MAX_BATCH, MODEL, SEED, replay_engine, sim_config, workload
-from vmemkv.scheduler.cost import prefill_pairs
+from vmemkv.scheduler.cost import AfterPrefill, prefill_pairs
 from vmemkv.scheduler.profile_cost import load_profile, profile_cost
 from vmemkv.scheduler.simulator import Simulator
 
@@ -108,15 +108,20 @@ def summary(name: str, reqs: List[Dict]) -> Dict[str, float]:
 
 
 def step_errors(steps: List[Dict], cost) -> Dict[str, float]:
-    """The profile's median relative error on the engine's own steps, with / without prefill."""
+    """The profile's median relative error on the engine's own steps: with prefill, cold
+    decodes (``AfterPrefill``), warm decodes."""
+    after, errs = AfterPrefill(), {"prefill": [], "cold_decode": [], "warm_decode": []}
+    for s in steps:
+        cold = after.cold(s["prefill_pairs"], s["num_seqs"])
+        if s["num_seqs"]:
+            kind = "prefill" if s["prefill_pairs"] else "cold_decode" if cold else "warm_decode"
+            predicted = cost.step_seconds(s["context_tokens"], s["new_tokens"], 0,
+                                          s["num_seqs"], s["prefill_pairs"], cold)
+            errs[kind].append((predicted - s["seconds"]) / s["seconds"])
     out = {}
-    for kind, pick in (("prefill", lambda s: s["new_tokens"] > s["num_seqs"]),
-                       ("decode", lambda s: s["new_tokens"] == s["num_seqs"])):
-        errs = [(cost.step_seconds(s["context_tokens"], s["new_tokens"], 0, s["num_seqs"],
-                                   s["prefill_pairs"]) - s["seconds"]) / s["seconds"]
-                for s in steps if pick(s)]
-        out[f"{kind}_steps"] = len(errs)
-        out[f"{kind}_median_rel_error"] = statistics.median(errs) if errs else float("nan")
+    for kind, e in errs.items():
+        out[f"{kind}_steps"] = len(e)
+        out[f"{kind}_median_rel_error"] = statistics.median(e) if e else float("nan")
     return out
 
 

@@ -5,7 +5,8 @@ and every step is timed (wall seconds around ``Engine.step``) with the plan's ne
 token counts (read from the scheduler's own plan: the step's work exactly). Prefill steps give
 many new tokens, decode steps ``batch`` new tokens over ~``batch * context`` context tokens.
 A median regression of seconds = base + s * sequences + a * new + b * context + q * prefill
-pairs (``scheduler.cost.prefill_pairs``: prefill's quadratic attention) over every timed step
+pairs (``scheduler.cost.prefill_pairs``: prefill's quadratic attention) + w * cold (the first
+decodes after a prefill, ``scheduler.cost.AfterPrefill``) over every timed step
 (after a warm-up generate) gives the coefficients of
 ``vmemkv.scheduler.profile_cost``; the profile records the points and the fit's error.
 
@@ -19,7 +20,7 @@ import statistics
 import time
 from typing import Dict, List, Sequence
 
-from vmemkv.scheduler.cost import prefill_pairs
+from vmemkv.scheduler.cost import AfterPrefill, prefill_pairs
 from vmemkv.scheduler.profile_cost import FITTED, PROFILE_FORMAT
 
 PREFILL_LENGTHS = (32, 96, 192, 320, 448)     # single prompts timed beside the grid, tokens
@@ -47,17 +48,19 @@ def time_steps(engine, prompts: List[List[int]], new_tokens: int) -> List[Dict]:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     rids = [engine.add_request(prompt, params) for prompt in prompts]
     engine.scheduler.schedule = recording_schedule      # read-only tap on the plans
-    points = []
+    points, after_prefill = [], AfterPrefill()
     try:
         while engine.has_unfinished():
             t0 = time.perf_counter()
             engine.step()
             seconds = time.perf_counter() - t0
             plan = plans[-1]
+            pairs = prefill_pairs(plan.seqs)
+            cold = after_prefill.cold(pairs, len(plan.seqs))
             if plan.seqs:
                 points.append({"batch": len(plan.seqs), "new_tokens": plan.num_new_tokens,
                                "context_tokens": plan.num_context_tokens,
-                               "prefill_pairs": prefill_pairs(plan.seqs), "seconds": seconds})
+                               "prefill_pairs": pairs, "cold_step": int(cold), "seconds": seconds})
     finally:
         del engine.scheduler.schedule                     # back to the class's method
     for rid in rids:
@@ -66,14 +69,16 @@ def time_steps(engine, prompts: List[List[int]], new_tokens: int) -> List[Dict]:
 
 
 def fit(points: Sequence[Dict], iterations: int = 50) -> Dict[str, float]:
-    """Coefficients (clipped at 0) of seconds against sequences, new and context tokens and
-    prefill pairs (0 for a point that lacks them) that minimise the summed ABSOLUTE error: a median regression (iteratively reweighted least
-    squares). On a shared machine a step is sometimes descheduled and takes several times its
-    cost; such steps move a least-squares fit, and a relative-error fit chases the fastest
-    steps, but a median fit follows the typical step, which is what a replay sees."""
+    """Coefficients (clipped at 0) of seconds against sequences, new and context tokens,
+    prefill pairs and cold steps (0 for a point that lacks them) that minimise the summed
+    ABSOLUTE error: a median regression (iteratively reweighted least squares). On a shared
+    machine a step is sometimes descheduled and takes several times its cost; such steps move
+    a least-squares fit, and a relative-error fit chases the fastest steps (measured: it
+    under-charged decodes by 25-40%), but a median fit follows the typical step, which is what
+    a replay sees."""
     import numpy as np
     x = np.array([[1.0, p["batch"], p["new_tokens"], p["context_tokens"],
-                   p.get("prefill_pairs", 0)] for p in points])
+                   p.get("prefill_pairs", 0), p.get("cold_step", 0)] for p in points])
     y = np.array([p["seconds"] for p in points])
     weight = np.ones_like(y)
     for _ in range(iterations):
@@ -87,8 +92,8 @@ def fit_error(points: Sequence[Dict], coeffs: Dict[str, float]) -> Dict[str, flo
     from vmemkv.scheduler.profile_cost import ProfileCost
     cost = ProfileCost(**coeffs)
     errs = [abs(cost.step_seconds(p["context_tokens"], p["new_tokens"], 0, p["batch"],
-                                  p.get("prefill_pairs", 0)) - p["seconds"]) / p["seconds"]
-            for p in points]
+                                  p.get("prefill_pairs", 0), bool(p.get("cold_step", 0)))
+                - p["seconds"]) / p["seconds"] for p in points]
     return {"median_rel_error": statistics.median(errs), "max_rel_error": max(errs)}
 
 
@@ -191,7 +196,8 @@ def run(args) -> int:
     print(f"  step s = {c['base_s'] * 1e3:.3f} ms + {c['per_seq_s'] * 1e6:.1f} us x sequences + "
           f"{c['per_new_token_s'] * 1e6:.2f} us x new tokens "
           f"+ {c['per_context_token_s'] * 1e9:.2f} ns x context tokens "
-          f"+ {c['per_prefill_pair_s'] * 1e9:.2f} ns x prefill pairs")
+          f"+ {c['per_prefill_pair_s'] * 1e9:.2f} ns x prefill pairs "
+          f"+ {c['per_cold_step_s'] * 1e3:.3f} ms x cold step")
     print(f"  fit error: median {e['median_rel_error']:.1%}, max {e['max_rel_error']:.1%}")
     print(f"# wrote {args.out}")
     return 0

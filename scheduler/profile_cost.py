@@ -4,26 +4,30 @@
 
     step seconds = base_s + per_seq_s * sequences + per_new_token_s * new tokens
                    + per_context_token_s * context tokens
-                   + per_prefill_pair_s * prefill pairs + mapped pages * map latency
+                   + per_prefill_pair_s * prefill pairs + per_cold_step_s * cold
+                   + mapped pages * map latency
 
 (context tokens: KV read, summed over the step's sequences, as in the roofline; prefill pairs:
 ``cost.prefill_pairs``, attention's query-key pairs beyond one per context token, zero in a
-decode, L * (L - 1) / 2 for a whole prompt of L tokens: prefill's quadratic part) by a median
-regression, and writes a device profile, JSON:
+decode, L * (L - 1) / 2 for a whole prompt of L tokens: prefill's quadratic part; cold: 1 for
+the first ``cost.COLD_STEPS`` decode-only steps after a prefill, ``cost.AfterPrefill``) by a
+median regression, and writes a device profile, JSON:
 
     {"format": "vmemkv-device-profile", "version": 1,
      "model": {"name": "small-llama", "num_layers": 4, "num_kv_heads": 2, "head_dim": 32,
                "dtype_bytes": 4, "weight_bytes": 6291456},
      "device": "cpu: <processor>, 1 threads",
      "coefficients": {"base_s": ..., "per_seq_s": ..., "per_new_token_s": ...,
-                      "per_context_token_s": ..., "per_prefill_pair_s": ...},
+                      "per_context_token_s": ..., "per_prefill_pair_s": ...,
+                      "per_cold_step_s": ...},
      "points": [{"batch": 4, "context_tokens": 1030, "new_tokens": 4, "prefill_pairs": 0,
-                 "seconds": ...}, ...],
+                 "cold_step": 1, "seconds": ...}, ...],
      "fit": {"median_rel_error": ..., "max_rel_error": ...}}
 
 ``vmemkv simulate --profile FILE`` (``SimConfig.profile``) uses it in place of the roofline;
 the profile's model is the model the simulation's managers size memory for. A profile written
-before ``per_prefill_pair_s`` existed (version 1) loads with it 0: prefill cost linear in tokens.
+before ``per_prefill_pair_s`` and ``per_cold_step_s`` existed (version 1) loads with them 0:
+prefill cost linear in tokens, every decode warm.
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ from .presets import ModelSpec
 
 PROFILE_FORMAT = "vmemkv-device-profile"
 COEFFICIENTS = ("base_s", "per_seq_s", "per_new_token_s", "per_context_token_s")
-OPTIONAL_COEFFICIENTS = ("per_prefill_pair_s",)     # 0 when a (version 1) profile lacks it
+OPTIONAL_COEFFICIENTS = ("per_prefill_pair_s", "per_cold_step_s")   # 0 where a (version 1)
+                                                                   # profile lacks them
 FITTED = COEFFICIENTS + OPTIONAL_COEFFICIENTS
 
 
@@ -48,6 +53,7 @@ class ProfileCost:
     per_new_token_s: float
     per_context_token_s: float
     per_prefill_pair_s: float = 0.0
+    per_cold_step_s: float = 0.0
     map_latency_s: float = 0.0
     pages_per_map_op: int = 1
 
@@ -58,13 +64,15 @@ class ProfileCost:
                 raise ConfigError(f"profile coefficient {name} must be a number >= 0, got {value!r}")
 
     def step_seconds(self, context_tokens: int, new_tokens: int, mapped_pages: int = 0,
-                     num_seqs: int = 0, prefill_pairs: int = 0) -> float:
+                     num_seqs: int = 0, prefill_pairs: int = 0, cold_step: bool = False) -> float:
         """Seconds of a step of ``num_seqs`` sequences reading ``context_tokens`` of KV and
         computing ``new_tokens`` with ``prefill_pairs`` (``cost.prefill_pairs``) attention
-        pairs beyond one per context token, after mapping ``mapped_pages`` pages."""
+        pairs beyond one per context token, after mapping ``mapped_pages`` pages; a
+        ``cold_step`` (``cost.AfterPrefill``) costs ``per_cold_step_s`` more."""
         return (self.base_s + self.per_seq_s * num_seqs + self.per_new_token_s * new_tokens
                 + self.per_context_token_s * context_tokens
-                + self.per_prefill_pair_s * prefill_pairs + mapped_pages * self.map_latency_s)
+                + self.per_prefill_pair_s * prefill_pairs + self.per_cold_step_s * cold_step
+                + mapped_pages * self.map_latency_s)
 
 
 def load_profile(path: str) -> Dict:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-from .cost import CostModel, count_map_ops, prefill_pairs
+from .cost import AfterPrefill, CostModel, count_map_ops, prefill_pairs
 from .errors import ConfigError, SchedulerError
 from .managers.base import MemoryManager
 from .managers.eviction import DEFAULT_EVICTION, make_eviction
@@ -189,12 +189,14 @@ class Simulator:
     def __init__(self, manager: MemoryManager, cost: "CostModel | ProfileCost",
                  config: SchedulerConfig = SchedulerConfig()):
         self.manager, self.cost, self.config = manager, cost, config
+        self._after_prefill = AfterPrefill()
 
     def run(self, entries: Sequence[TraceEntry],
             on_finished: Optional[Callable[[int], None]] = None) -> SimResult:
         """Simulate ``entries`` to completion. ``on_finished(n)`` is called with the number of
         requests finished since the last call (for a progress bar). Every request finishes."""
         wall0 = time.perf_counter()
+        self._after_prefill = AfterPrefill()
         entries = sorted(entries, key=lambda e: e.arrival_s)
         sched = Scheduler(self.manager, _sharing_config(self.config, entries))
         make_request = _request_maker()
@@ -233,10 +235,10 @@ class Simulator:
         """One scheduled step ending at ``now`` + its cost: (seconds, MapGroup ops, sequences
         computed, tokens sampled); each sampled token's time goes to its request's list."""
         plan = sched.schedule()
-        mapped = count_map_ops(plan.ops)
+        mapped, pairs = count_map_ops(plan.ops), prefill_pairs(plan.seqs)
         seconds = self.cost.step_seconds(plan.num_context_tokens, plan.num_new_tokens,
                                          mapped * self.cost.pages_per_map_op, len(plan.seqs),
-                                         prefill_pairs(plan.seqs))
+                                         pairs, self._after_prefill.cold(pairs, len(plan.seqs)))
         end = now + seconds
         sampled = {}
         for s in plan.seqs:

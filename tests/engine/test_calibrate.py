@@ -55,6 +55,8 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
     singles = sorted(p["new_tokens"] for p in profile["points"]
                      if p["batch"] == 1 and p["new_tokens"] not in (1, 8, 16))
     assert singles == [12, 40]
+    # --decode-steps 2: one decode after each prefill, so every decode is a cold step
+    assert all(p["cold_step"] == (p["new_tokens"] == p["batch"]) for p in profile["points"])
     entries = generate(WorkloadSpec(num_requests=10, max_total_len=64, seed=2))
     r = simulate(entries, SimConfig(policy="vmem", profile=str(out), page_bytes=4096,
                                     cache_bytes=2 * 10**6, max_seq_len=64))
