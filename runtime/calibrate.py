@@ -5,8 +5,9 @@ and every step is timed (wall seconds around ``Engine.step``) with the plan's ne
 token counts (read from the scheduler's own plan: the step's work exactly). Prefill steps give
 many new tokens, decode steps ``batch`` new tokens over ~``batch * context`` context tokens.
 A median regression of seconds = base + s * sequences + a * new + b * context + q * prefill
-pairs (``scheduler.cost.prefill_pairs``: prefill's quadratic attention) + r * new² + w * cold
-(the first decodes after a prefill, ``scheduler.cost.AfterPrefill``) over every timed step
+pairs (``scheduler.cost.prefill_pairs``: prefill's quadratic attention) + r * new² + f * (a step
+with prefill) + w * cold (the first decodes after a prefill, ``scheduler.cost.AfterPrefill``)
+over every timed step
 (after a warm-up generate) gives the coefficients of
 ``vmemkv.scheduler.profile_cost``; the profile records the points and the fit's error.
 
@@ -71,8 +72,8 @@ def time_steps(engine, prompts: List[List[int]], new_tokens: int) -> List[Dict]:
 
 def fit(points: Sequence[Dict], iterations: int = 50) -> Dict[str, float]:
     """Coefficients (clipped at 0) of seconds against sequences, new and context tokens,
-    prefill pairs, new tokens squared and cold steps (0 for a point that lacks them, in the
-    order of ``profile_cost.FITTED``) that minimise the summed
+    prefill pairs, new tokens squared, prefill steps and cold steps (0 for a point that lacks
+    them; in the order of ``profile_cost.FITTED``) that minimise the summed
     ABSOLUTE error: a median regression (iteratively reweighted least squares). On a shared
     machine a step is sometimes descheduled and takes several times its cost; such steps move
     a least-squares fit, and a relative-error fit chases the fastest steps (measured: it
@@ -80,8 +81,8 @@ def fit(points: Sequence[Dict], iterations: int = 50) -> Dict[str, float]:
     a replay sees."""
     import numpy as np
     x = np.array([[1.0, p["batch"], p["new_tokens"], p["context_tokens"],
-                   p.get("prefill_pairs", 0), p["new_tokens"] ** 2, p.get("cold_step", 0)]
-                  for p in points])
+                   p.get("prefill_pairs", 0), p["new_tokens"] ** 2,
+                   float(p.get("prefill_pairs", 0) > 0), p.get("cold_step", 0)] for p in points])
     y = np.array([p["seconds"] for p in points])
     weight = np.ones_like(y)
     for _ in range(iterations):
@@ -201,6 +202,7 @@ def run(args) -> int:
           f"+ {c['per_context_token_s'] * 1e9:.2f} ns x context tokens "
           f"+ {c['per_prefill_pair_s'] * 1e9:.2f} ns x prefill pairs "
           f"+ {c['per_step_token_sq_s'] * 1e9:.3f} ns x new tokens^2 "
+          f"+ {c['per_prefill_step_s'] * 1e3:.3f} ms x prefill step "
           f"+ {c['per_cold_step_s'] * 1e3:.3f} ms x cold step")
     print(f"  fit error: median {e['median_rel_error']:.1%}, max {e['max_rel_error']:.1%}")
     print(f"# wrote {args.out}")

@@ -5,13 +5,15 @@
     step seconds = base_s + per_seq_s * sequences + per_new_token_s * new tokens
                    + per_context_token_s * context tokens
                    + per_prefill_pair_s * prefill pairs + per_step_token_sq_s * new tokens²
-                   + per_cold_step_s * cold + mapped pages * map latency
+                   + per_prefill_step_s * prefill + per_cold_step_s * cold
+                   + mapped pages * map latency
 
 (context tokens: KV read, summed over the step's sequences, as in the roofline; prefill pairs:
 ``cost.prefill_pairs``, attention's query-key pairs beyond one per context token, zero in a
 decode, L * (L - 1) / 2 for a whole prompt of L tokens: prefill's quadratic part in each
 sequence; new tokens²: a step's per-token cost grows with its tokens (their activations leave
-the CPU caches: 67 -> 93 us per token from 256- to 2,048-token steps here); cold: 1 for
+the CPU caches: 67 -> 93 us per token from 256- to 2,048-token steps here); prefill: 1 for a
+step with prefill pairs (its prompts take the per-request SDPA path: ~0.5 ms more here); cold: 1 for
 the first ``cost.COLD_STEPS`` decode-only steps after a prefill, ``cost.AfterPrefill``) by a
 median regression, and writes a device profile, JSON:
 
@@ -21,15 +23,16 @@ median regression, and writes a device profile, JSON:
      "device": "cpu: <processor>, 1 threads",
      "coefficients": {"base_s": ..., "per_seq_s": ..., "per_new_token_s": ...,
                       "per_context_token_s": ..., "per_prefill_pair_s": ...,
-                      "per_step_token_sq_s": ..., "per_cold_step_s": ...},
+                      "per_step_token_sq_s": ..., "per_prefill_step_s": ...,
+                      "per_cold_step_s": ...},
      "points": [{"batch": 4, "context_tokens": 1030, "new_tokens": 4, "prefill_pairs": 0,
                  "cold_step": 1, "seconds": ...}, ...],
      "fit": {"median_rel_error": ..., "max_rel_error": ...}}
 
 ``vmemkv simulate --profile FILE`` (``SimConfig.profile``) uses it in place of the roofline;
 the profile's model is the model the simulation's managers size memory for. A profile written
-before ``per_prefill_pair_s``, ``per_step_token_sq_s`` and ``per_cold_step_s`` existed
-(version 1) loads with them 0: prefill cost linear in tokens, every decode warm.
+before the ``OPTIONAL_COEFFICIENTS`` existed (version 1) loads with them 0: prefill cost linear
+in tokens, every decode warm.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ from .presets import ModelSpec
 PROFILE_FORMAT = "vmemkv-device-profile"
 COEFFICIENTS = ("base_s", "per_seq_s", "per_new_token_s", "per_context_token_s")
 OPTIONAL_COEFFICIENTS = ("per_prefill_pair_s", "per_step_token_sq_s",   # 0 where a (version 1)
-                         "per_cold_step_s")                              # profile lacks them
+                         "per_prefill_step_s", "per_cold_step_s")        # profile lacks them
 FITTED = COEFFICIENTS + OPTIONAL_COEFFICIENTS
 
 
@@ -56,6 +59,7 @@ class ProfileCost:
     per_context_token_s: float
     per_prefill_pair_s: float = 0.0
     per_step_token_sq_s: float = 0.0
+    per_prefill_step_s: float = 0.0
     per_cold_step_s: float = 0.0
     map_latency_s: float = 0.0
     pages_per_map_op: int = 1
@@ -70,13 +74,14 @@ class ProfileCost:
                      num_seqs: int = 0, prefill_pairs: int = 0, cold_step: bool = False) -> float:
         """Seconds of a step of ``num_seqs`` sequences reading ``context_tokens`` of KV and
         computing ``new_tokens`` with ``prefill_pairs`` (``cost.prefill_pairs``) attention
-        pairs beyond one per context token, after mapping ``mapped_pages`` pages; a
-        ``cold_step`` (``cost.AfterPrefill``) costs ``per_cold_step_s`` more."""
+        pairs beyond one per context token, after mapping ``mapped_pages`` pages; a step with
+        prefill pairs costs ``per_prefill_step_s`` more, a ``cold_step``
+        (``cost.AfterPrefill``) ``per_cold_step_s`` more."""
         return (self.base_s + self.per_seq_s * num_seqs + self.per_new_token_s * new_tokens
                 + self.per_context_token_s * context_tokens
                 + self.per_prefill_pair_s * prefill_pairs
                 + self.per_step_token_sq_s * new_tokens * new_tokens
-                + self.per_cold_step_s * cold_step
+                + self.per_prefill_step_s * (prefill_pairs > 0) + self.per_cold_step_s * cold_step
                 + mapped_pages * self.map_latency_s)
 
 

@@ -24,14 +24,17 @@ def test_fit_recovers_the_coefficients_of_exact_data():
         assert got[key] == pytest.approx(value, rel=1e-3), key
 
 
-def test_fit_recovers_the_quadratic_and_cold_coefficients_of_exact_data():
+def test_fit_recovers_the_prefill_and_cold_coefficients_of_exact_data():
     truth = dict(base_s=0.001, per_seq_s=2e-5, per_new_token_s=7e-5, per_context_token_s=5e-7,
-                 per_prefill_pair_s=7e-8, per_step_token_sq_s=5e-9, per_cold_step_s=4e-4)
+                 per_prefill_pair_s=7e-8, per_step_token_sq_s=5e-9, per_prefill_step_s=5e-4,
+                 per_cold_step_s=4e-4)
     shapes = [(1, 1, 10, 0, 0), (4, 4, 400, 0, 0), (16, 16, 4000, 0, 0), (8, 8, 900, 0, 0),
               (1, 1, 20, 0, 1), (4, 4, 300, 0, 1), (1, 64, 64, 2016, 0), (1, 256, 256, 32640, 0),
-              (4, 256, 256, 8064, 0), (2, 100, 300, 9950, 0), (16, 1024, 1024, 32256, 0)]
+              (4, 256, 256, 8064, 0), (2, 100, 300, 9950, 0), (16, 1024, 1024, 32256, 0),
+              (1, 16, 16, 120, 0)]
     points = [dict(batch=b, new_tokens=n, context_tokens=c, prefill_pairs=q, cold_step=w,
-                   seconds=sum(truth[k] * x for k, x in zip(truth, (1, b, n, c, q, n * n, w))))
+                   seconds=sum(truth[k] * x
+                               for k, x in zip(truth, (1, b, n, c, q, n * n, q > 0, w))))
               for b, n, c, q, w in shapes]
     got = fit(points)
     for key, value in truth.items():

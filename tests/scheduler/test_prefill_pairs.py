@@ -18,6 +18,7 @@ MODEL = dict(name="toy", num_layers=2, num_kv_heads=2, head_dim=32, dtype_bytes=
 LINEAR = dict(base_s=0.001, per_seq_s=1e-5, per_new_token_s=1e-4, per_context_token_s=1e-6)
 PAIR_S = 1e-8
 SQ_S = 2e-9
+PREFILL_STEP_S = 3e-4
 
 
 def seq(computed: int, new: int) -> ScheduledSeq:
@@ -59,19 +60,29 @@ def test_profile_cost_charges_the_square_of_a_steps_new_tokens():
         ProfileCost(**LINEAR).step_seconds(4096, 2048, 0, 8, 0) + 2048 ** 2 * SQ_S)
 
 
-def test_a_profile_without_the_quadratic_coefficients_loads_with_them_zero(tmp_path):
+def test_profile_cost_charges_a_step_with_prefill_pairs_its_fixed_overhead():
+    cost = ProfileCost(**LINEAR, per_prefill_step_s=PREFILL_STEP_S)
+    linear = ProfileCost(**LINEAR)
+    assert cost.step_seconds(16, 16, 0, 1, 120) == pytest.approx(
+        linear.step_seconds(16, 16, 0, 1, 120) + PREFILL_STEP_S)
+    assert cost.step_seconds(400, 4, 0, 4, 0) == linear.step_seconds(400, 4, 0, 4, 0)
+
+
+def test_a_profile_without_the_prefill_coefficients_loads_with_them_zero(tmp_path):
     cost = profile_cost(load_profile(write_profile(tmp_path, LINEAR)))
-    assert cost.per_prefill_pair_s == cost.per_step_token_sq_s == 0.0
+    assert cost.per_prefill_pair_s == cost.per_step_token_sq_s == cost.per_prefill_step_s == 0
     assert cost.step_seconds(256, 256, 0, 1, 32_640) == cost.step_seconds(256, 256, 0, 1)
 
 
 def test_simulated_ttft_of_a_prompt_is_its_prefill_step_with_the_quadratic_terms(tmp_path):
     path = write_profile(tmp_path, {**LINEAR, "per_prefill_pair_s": PAIR_S,
-                                    "per_step_token_sq_s": SQ_S})
+                                    "per_step_token_sq_s": SQ_S,
+                                    "per_prefill_step_s": PREFILL_STEP_S})
     r = simulate([TraceEntry(100, 3, 0.0)],
                  SimConfig(policy="paged", profile=path, cache_bytes=8 * 10**6, max_seq_len=256))
     (timing,) = r.timings
-    prefill = 0.001 + 1e-5 + 100 * 1e-4 + 100 * 1e-6 + 4_950 * PAIR_S + 100 ** 2 * SQ_S
+    prefill = (0.001 + 1e-5 + 100 * 1e-4 + 100 * 1e-6 + 4_950 * PAIR_S + 100 ** 2 * SQ_S
+               + PREFILL_STEP_S)
     decode = [0.001 + 1e-5 + 1e-4 + ctx * 1e-6 + SQ_S for ctx in (101, 102)]
     assert timing.ttft_s == pytest.approx(prefill, rel=1e-12)
     assert timing.token_times_s == pytest.approx(
