@@ -55,10 +55,10 @@ class TracingSimulator(Simulator):
         super().__init__(*args, **kwargs)
         self.steps: List[Dict] = []
 
-    def _step(self, sched, now, token_times):
+    def _step(self, sched, now, token_times, after_idle=False):
         tap_plans(sched, self.steps, lambda: now)
         try:
-            out = super()._step(sched, now, token_times)
+            out = super()._step(sched, now, token_times, after_idle)
         finally:
             untap(sched)
         self.steps[-1]["end_s"] = now + out[0]

@@ -7,7 +7,7 @@ many new tokens, decode steps ``batch`` new tokens over ~``batch * context`` con
 A median regression of seconds = base + s * sequences + a * new + b * context + q * prefill
 pairs (``scheduler.cost.prefill_pairs``: prefill's quadratic attention) + r * new² + f * (a step
 with prefill) + w * cold (the first decodes after a prefill, ``scheduler.cost.AfterPrefill``)
-over every timed step
++ i * (the first step after idle) over every timed step
 (after a warm-up generate) gives the coefficients of
 ``vmemkv.scheduler.profile_cost``; the profile records the points and the fit's error.
 
@@ -26,6 +26,7 @@ from vmemkv.scheduler.profile_cost import FITTED, PROFILE_FORMAT
 
 PREFILL_LENGTHS = (32, 64, 96, 128, 192, 256, 320, 384, 448)   # single prompts timed beside
                                                                # the grid, tokens
+IDLE_S = 0.02       # sleep before the second run of each single prompt (after_idle)
 
 
 def model_entry(model, name: str) -> dict:
@@ -37,9 +38,11 @@ def model_entry(model, name: str) -> dict:
                 num_params=sum(p.numel() for p in model.parameters()), **kv_shape_of(model.config))
 
 
-def time_steps(engine, prompts: List[List[int]], new_tokens: int) -> List[Dict]:
-    """Every step of generating ``new_tokens`` for ``prompts``: its new and context tokens and
-    prefill pairs (from the plan the scheduler made) and its wall seconds."""
+def time_steps(engine, prompts: List[List[int]], new_tokens: int,
+               idle_s: float = 0.0) -> List[Dict]:
+    """Every step of generating ``new_tokens`` for ``prompts``: its new and context tokens,
+    prefill pairs, whether it is a cold step (from the plan the scheduler made) or the first
+    after ``idle_s`` seconds of sleep (``after_idle``; 0: none), and its wall seconds."""
     from vmemkv.runtime.engine import SamplingParams
     plans, schedule = [], engine.scheduler.schedule
 
@@ -51,6 +54,8 @@ def time_steps(engine, prompts: List[List[int]], new_tokens: int) -> List[Dict]:
     rids = [engine.add_request(prompt, params) for prompt in prompts]
     engine.scheduler.schedule = recording_schedule      # read-only tap on the plans
     points, after_prefill = [], AfterPrefill()
+    if idle_s:
+        time.sleep(idle_s)
     try:
         while engine.has_unfinished():
             t0 = time.perf_counter()
@@ -62,7 +67,8 @@ def time_steps(engine, prompts: List[List[int]], new_tokens: int) -> List[Dict]:
             if plan.seqs:
                 points.append({"batch": len(plan.seqs), "new_tokens": plan.num_new_tokens,
                                "context_tokens": plan.num_context_tokens,
-                               "prefill_pairs": pairs, "cold_step": int(cold), "seconds": seconds})
+                               "prefill_pairs": pairs, "cold_step": int(cold),
+                               "after_idle": int(bool(idle_s) and not points), "seconds": seconds})
     finally:
         del engine.scheduler.schedule                     # back to the class's method
     for rid in rids:
@@ -72,8 +78,8 @@ def time_steps(engine, prompts: List[List[int]], new_tokens: int) -> List[Dict]:
 
 def fit(points: Sequence[Dict], iterations: int = 50) -> Dict[str, float]:
     """Coefficients (clipped at 0) of seconds against sequences, new and context tokens,
-    prefill pairs, new tokens squared, prefill steps and cold steps (0 for a point that lacks
-    them; in the order of ``profile_cost.FITTED``) that minimise the summed
+    prefill pairs, new tokens squared, prefill steps, cold steps and steps after idle (0 for a
+    point that lacks them; in the order of ``profile_cost.FITTED``) that minimise the summed
     ABSOLUTE error: a median regression (iteratively reweighted least squares). On a shared
     machine a step is sometimes descheduled and takes several times its cost; such steps move
     a least-squares fit, and a relative-error fit chases the fastest steps (measured: it
@@ -82,7 +88,8 @@ def fit(points: Sequence[Dict], iterations: int = 50) -> Dict[str, float]:
     import numpy as np
     x = np.array([[1.0, p["batch"], p["new_tokens"], p["context_tokens"],
                    p.get("prefill_pairs", 0), p["new_tokens"] ** 2,
-                   float(p.get("prefill_pairs", 0) > 0), p.get("cold_step", 0)] for p in points])
+                   float(p.get("prefill_pairs", 0) > 0), p.get("cold_step", 0),
+                   p.get("after_idle", 0)] for p in points])
     y = np.array([p["seconds"] for p in points])
     weight = np.ones_like(y)
     for _ in range(iterations):
@@ -96,7 +103,8 @@ def fit_error(points: Sequence[Dict], coeffs: Dict[str, float]) -> Dict[str, flo
     from vmemkv.scheduler.profile_cost import ProfileCost
     cost = ProfileCost(**coeffs)
     errs = [abs(cost.step_seconds(p["context_tokens"], p["new_tokens"], 0, p["batch"],
-                                  p.get("prefill_pairs", 0), bool(p.get("cold_step", 0)))
+                                  p.get("prefill_pairs", 0), bool(p.get("cold_step", 0)),
+                                  bool(p.get("after_idle", 0)))
                 - p["seconds"]) / p["seconds"] for p in points]
     return {"median_rel_error": statistics.median(errs), "max_rel_error": max(errs)}
 
@@ -111,8 +119,9 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
     built with ``max_batch`` and ``max_context`` as the engine the profile stands for: a vmem
     step's attention may read the whole slot, so its cost depends on them, not only on the
     tokens cached. Besides the batch x context grid, one prompt of each of
-    ``prefill_lengths`` tokens (those below ``max_context``) is prefilled alone: the single
-    prompts a replay's arrivals make, where prefill's quadratic term shows."""
+    ``prefill_lengths`` tokens (those below ``max_context``) is prefilled alone, right after
+    the previous step and again after ``IDLE_S`` of sleep: the single prompts a replay's
+    arrivals make, where prefill's quadratic term and the cost of waking from idle show."""
     check_points(batches, contexts, decode_steps, max_batch, max_context)
     import torch
     from vmemkv.runtime.engine import Engine, SamplingParams
@@ -122,8 +131,9 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
     with Engine(model, max_batch=max_batch, max_context=max_context,
                 **(engine_options or {})) as engine:
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))       # warm-up
-        shapes = ([(b, c, decode_steps) for b in batches for c in contexts]
-                  + [(1, n, 1) for n in prefill_lengths if n < max_context])
+        singles = [n for n in prefill_lengths if n < max_context]
+        shapes = ([(b, c, decode_steps, 0.0) for b in batches for c in contexts]
+                  + [(1, n, 1, 0.0) for n in singles] + [(1, n, 1, IDLE_S) for n in singles])
         points = timed_shapes(engine, shapes, repeats, seed)
         engine_figures = {"cache": engine.config.cache, "layout": engine.config.layout,
                           "page_bytes": (engine.kv.manager.page_bytes
@@ -148,14 +158,14 @@ def check_points(batches, contexts, decode_steps: int, max_batch: int, max_conte
 
 
 def timed_shapes(engine, shapes, repeats: int, seed: int) -> List[Dict]:
-    """``time_steps`` of every (batch, prompt tokens, new tokens) shape, ``repeats`` times,
-    random prompts (seeded)."""
+    """``time_steps`` of every (batch, prompt tokens, new tokens, idle seconds before) shape,
+    ``repeats`` times, random prompts (seeded)."""
     import random
     rng, vocab, points = random.Random(seed), engine.vocab_size, []
     for _ in range(repeats):
-        for batch, context, new_tokens in shapes:
+        for batch, context, new_tokens, idle_s in shapes:
             prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
-            points.extend(time_steps(engine, prompts, new_tokens))
+            points.extend(time_steps(engine, prompts, new_tokens, idle_s))
     return points
 
 
@@ -203,7 +213,8 @@ def run(args) -> int:
           f"+ {c['per_prefill_pair_s'] * 1e9:.2f} ns x prefill pairs "
           f"+ {c['per_step_token_sq_s'] * 1e9:.3f} ns x new tokens^2 "
           f"+ {c['per_prefill_step_s'] * 1e3:.3f} ms x prefill step "
-          f"+ {c['per_cold_step_s'] * 1e3:.3f} ms x cold step")
+          f"+ {c['per_cold_step_s'] * 1e3:.3f} ms x cold step "
+          f"+ {c['per_idle_wake_s'] * 1e3:.3f} ms x after idle")
     print(f"  fit error: median {e['median_rel_error']:.1%}, max {e['max_rel_error']:.1%}")
     print(f"# wrote {args.out}")
     return 0

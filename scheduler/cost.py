@@ -40,11 +40,13 @@ class CostModel:
             raise ConfigError(f"kv_slowdown must be >= 1.0, got {self.kv_slowdown!r}")
 
     def step_seconds(self, context_tokens: int, new_tokens: int, mapped_pages: int = 0,
-                     num_seqs: int = 0, prefill_pairs: int = 0, cold_step: bool = False) -> float:
+                     num_seqs: int = 0, prefill_pairs: int = 0, cold_step: bool = False,
+                     after_idle: bool = False) -> float:
         """Time of one step that reads ``context_tokens`` of KV (summed over sequences), computes
         ``new_tokens`` tokens and maps ``mapped_pages`` physical pages first. ``num_seqs`` (the
-        step's sequences), ``prefill_pairs`` (``prefill_pairs()``) and ``cold_step``
-        (``AfterPrefill``) do not enter the roofline; a measured profile charges them."""
+        step's sequences), ``prefill_pairs`` (``prefill_pairs()``), ``cold_step``
+        (``AfterPrefill``) and ``after_idle`` (the step follows a time with nothing to run) do
+        not enter the roofline; a measured profile charges them."""
         bw = self.device.memory_bandwidth_bytes_per_s
         t = (self.model.weight_bytes + context_tokens * self.model.bytes_per_token * self.kv_slowdown) / bw
         if self.prefill_mfu is not None:

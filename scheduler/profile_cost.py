@@ -6,14 +6,16 @@
                    + per_context_token_s * context tokens
                    + per_prefill_pair_s * prefill pairs + per_step_token_sq_s * new tokens²
                    + per_prefill_step_s * prefill + per_cold_step_s * cold
-                   + mapped pages * map latency
+                   + per_idle_wake_s * after idle + mapped pages * map latency
 
 (context tokens: KV read, summed over the step's sequences, as in the roofline; prefill pairs:
 ``cost.prefill_pairs``, attention's query-key pairs beyond one per context token, zero in a
 decode, L * (L - 1) / 2 for a whole prompt of L tokens: prefill's quadratic part in each
 sequence; new tokens²: a step's per-token cost grows with its tokens (their activations leave
 the CPU caches: 67 -> 93 us per token from 256- to 2,048-token steps here); prefill: 1 for a
-step with prefill pairs (its prompts take the per-request SDPA path: ~0.5 ms more here); cold: 1 for
+step with prefill pairs (its prompts take the per-request SDPA path: ~0.5 ms more here); after
+idle: 1 for the first step after the engine had nothing to run (a woken CPU, cold caches:
+prefills measured 20% slower after idle than back to back); cold: 1 for
 the first ``cost.COLD_STEPS`` decode-only steps after a prefill, ``cost.AfterPrefill``) by a
 median regression, and writes a device profile, JSON:
 
@@ -24,9 +26,9 @@ median regression, and writes a device profile, JSON:
      "coefficients": {"base_s": ..., "per_seq_s": ..., "per_new_token_s": ...,
                       "per_context_token_s": ..., "per_prefill_pair_s": ...,
                       "per_step_token_sq_s": ..., "per_prefill_step_s": ...,
-                      "per_cold_step_s": ...},
+                      "per_cold_step_s": ..., "per_idle_wake_s": ...},
      "points": [{"batch": 4, "context_tokens": 1030, "new_tokens": 4, "prefill_pairs": 0,
-                 "cold_step": 1, "seconds": ...}, ...],
+                 "cold_step": 1, "after_idle": 0, "seconds": ...}, ...],
      "fit": {"median_rel_error": ..., "max_rel_error": ...}}
 
 ``vmemkv simulate --profile FILE`` (``SimConfig.profile``) uses it in place of the roofline;
@@ -46,7 +48,8 @@ from .presets import ModelSpec
 PROFILE_FORMAT = "vmemkv-device-profile"
 COEFFICIENTS = ("base_s", "per_seq_s", "per_new_token_s", "per_context_token_s")
 OPTIONAL_COEFFICIENTS = ("per_prefill_pair_s", "per_step_token_sq_s",   # 0 where a (version 1)
-                         "per_prefill_step_s", "per_cold_step_s")        # profile lacks them
+                         "per_prefill_step_s", "per_cold_step_s",        # profile lacks them
+                         "per_idle_wake_s")
 FITTED = COEFFICIENTS + OPTIONAL_COEFFICIENTS
 
 
@@ -61,6 +64,7 @@ class ProfileCost:
     per_step_token_sq_s: float = 0.0
     per_prefill_step_s: float = 0.0
     per_cold_step_s: float = 0.0
+    per_idle_wake_s: float = 0.0
     map_latency_s: float = 0.0
     pages_per_map_op: int = 1
 
@@ -71,17 +75,20 @@ class ProfileCost:
                 raise ConfigError(f"profile coefficient {name} must be a number >= 0, got {value!r}")
 
     def step_seconds(self, context_tokens: int, new_tokens: int, mapped_pages: int = 0,
-                     num_seqs: int = 0, prefill_pairs: int = 0, cold_step: bool = False) -> float:
+                     num_seqs: int = 0, prefill_pairs: int = 0, cold_step: bool = False,
+                     after_idle: bool = False) -> float:
         """Seconds of a step of ``num_seqs`` sequences reading ``context_tokens`` of KV and
         computing ``new_tokens`` with ``prefill_pairs`` (``cost.prefill_pairs``) attention
         pairs beyond one per context token, after mapping ``mapped_pages`` pages; a step with
         prefill pairs costs ``per_prefill_step_s`` more, a ``cold_step``
-        (``cost.AfterPrefill``) ``per_cold_step_s`` more."""
+        (``cost.AfterPrefill``) ``per_cold_step_s`` more, and the first step ``after_idle``
+        ``per_idle_wake_s`` more."""
         return (self.base_s + self.per_seq_s * num_seqs + self.per_new_token_s * new_tokens
                 + self.per_context_token_s * context_tokens
                 + self.per_prefill_pair_s * prefill_pairs
                 + self.per_step_token_sq_s * new_tokens * new_tokens
                 + self.per_prefill_step_s * (prefill_pairs > 0) + self.per_cold_step_s * cold_step
+                + self.per_idle_wake_s * after_idle
                 + mapped_pages * self.map_latency_s)
 
 

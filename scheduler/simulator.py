@@ -203,6 +203,7 @@ class Simulator:
         whole, steady = _StepSums(), _StepSums()
         token_times: Dict[int, List[float]] = {}       # seq_id -> its request's token times
         n, nxt, now, maps, done_reported = len(entries), 0, 0.0, 0, 0
+        idle = True                                     # the next step follows idle time
         while True:
             while nxt < n and entries[nxt].arrival_s <= now:
                 e = entries[nxt]
@@ -212,9 +213,10 @@ class Simulator:
             if not sched.has_unfinished():
                 if nxt == n:
                     break
-                now = entries[nxt].arrival_s
+                now, idle = entries[nxt].arrival_s, True
                 continue
-            seconds, mapped, batch, tokens = self._step(sched, now, token_times)
+            seconds, mapped, batch, tokens = self._step(sched, now, token_times, idle)
+            idle = False
             now += seconds
             maps += mapped
             figures = _step_figures(self.manager.stats(), len(sched.running))
@@ -231,14 +233,17 @@ class Simulator:
                    for e, times in zip(entries, token_times.values())]
         return self._result(sched, timings, (whole, steady), now, time.perf_counter() - wall0, maps)
 
-    def _step(self, sched: Scheduler, now: float, token_times: Dict[int, List[float]]) -> tuple:
+    def _step(self, sched: Scheduler, now: float, token_times: Dict[int, List[float]],
+              after_idle: bool = False) -> tuple:
         """One scheduled step ending at ``now`` + its cost: (seconds, MapGroup ops, sequences
-        computed, tokens sampled); each sampled token's time goes to its request's list."""
+        computed, tokens sampled); each sampled token's time goes to its request's list.
+        ``after_idle``: the step follows time with nothing to run (its cost may say more)."""
         plan = sched.schedule()
         mapped, pairs = count_map_ops(plan.ops), prefill_pairs(plan.seqs)
         seconds = self.cost.step_seconds(plan.num_context_tokens, plan.num_new_tokens,
                                          mapped * self.cost.pages_per_map_op, len(plan.seqs),
-                                         pairs, self._after_prefill.cold(pairs, len(plan.seqs)))
+                                         pairs, self._after_prefill.cold(pairs, len(plan.seqs)),
+                                         after_idle)
         end = now + seconds
         sampled = {}
         for s in plan.seqs:
