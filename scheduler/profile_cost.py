@@ -8,18 +8,18 @@
                    + per_prefill_step_s * prefill + per_cold_step_s * cold
                    + per_idle_wake_s * after idle + mapped pages * map latency
 
-(context tokens: KV read, summed over the step's sequences, as in the roofline; prefill pairs:
+(context tokens: KV read, summed over the step's sequences, as in the roofline. Prefill pairs:
 ``cost.prefill_pairs``, attention's query-key pairs beyond one per context token, zero in a
 decode, L * (L - 1) / 2 for a whole prompt of L tokens: prefill's quadratic part in each
-sequence; new tokens²: a step's per-token cost grows with its tokens (their activations leave
-the CPU caches: 67 -> 93 us per token from 256- to 2,048-token steps here); prefill: 1 for a
-step with prefill pairs (its prompts take the per-request SDPA path: ~0.5 ms more here); after
-idle: 1 for the first step after the engine had nothing to run (a woken CPU, cold caches:
-prefills measured 20% slower after idle than back to back); cold: 1 for
-the first ``cost.COLD_STEPS`` decode-only steps after a prefill, ``cost.AfterPrefill``) by a
-median regression, and writes a device profile, JSON:
+sequence. New tokens²: a step's per-token cost grows with its tokens (their activations leave
+the CPU caches: 67-73 -> 96-98 us per token from 256- to 2,048-token steps here). Prefill: 1 for
+a step with prefill pairs (its prompts take the per-request SDPA path). After idle: 1 for the
+first step after the engine had nothing to run (a woken CPU, cold caches: prefills measured 20%
+slower after idle than back to back). Cold: 1 for the first ``cost.COLD_STEPS`` decode-only
+steps after a prefill, ``cost.AfterPrefill``.) by a median regression, and writes a device
+profile, JSON:
 
-    {"format": "vmemkv-device-profile", "version": 1,
+    {"format": "vmemkv-device-profile", "version": 2,
      "model": {"name": "small-llama", "num_layers": 4, "num_kv_heads": 2, "head_dim": 32,
                "dtype_bytes": 4, "weight_bytes": 6291456},
      "device": "cpu: <processor>, 1 threads",
