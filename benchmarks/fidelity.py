@@ -95,7 +95,8 @@ class _StepClock:
         return self.perf_counter() - self.t0 + self.offset_s
 
     def align(self, offset_s: float, t0: float) -> None:
-        """Engine clock = replay clock (perf_counter - t0) + ``offset_s``; the first call sets it."""
+        """Engine clock = replay clock (perf_counter - t0) + ``offset_s``; the first call
+        sets it."""
         if self.offset_s is None:
             self.offset_s, self.t0 = offset_s, t0
 
