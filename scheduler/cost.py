@@ -40,15 +40,51 @@ class CostModel:
             raise ConfigError(f"kv_slowdown must be >= 1.0, got {self.kv_slowdown!r}")
 
     def step_seconds(self, context_tokens: int, new_tokens: int, mapped_pages: int = 0,
-                     num_seqs: int = 0) -> float:
+                     num_seqs: int = 0, prefill_pairs: int = 0, cold_step: bool = False,
+                     after_idle: bool = False) -> float:
         """Time of one step that reads ``context_tokens`` of KV (summed over sequences), computes
         ``new_tokens`` tokens and maps ``mapped_pages`` physical pages first. ``num_seqs`` (the
-        step's sequences) does not enter the roofline; a measured profile charges it."""
+        step's sequences), ``prefill_pairs`` (``prefill_pairs()``), ``cold_step``
+        (``AfterPrefill``) and ``after_idle`` (the step follows a time with nothing to run) do
+        not enter the roofline; a measured profile charges them."""
         bw = self.device.memory_bandwidth_bytes_per_s
         t = (self.model.weight_bytes + context_tokens * self.model.bytes_per_token * self.kv_slowdown) / bw
         if self.prefill_mfu is not None:
             t = max(t, 2.0 * self.model.params * new_tokens / (self.prefill_mfu * self.device.peak_flops_per_s))
         return t + mapped_pages * self.map_latency_s
+
+
+def prefill_pairs(seqs) -> int:
+    """Query-key pairs of causal attention beyond one per context token, summed over a plan's
+    ``ScheduledSeq``s: a sequence computing n new tokens after c cached ones attends
+    n*c + n*(n+1)/2 pairs and reads c + n context tokens, so (n - 1) * (c + n / 2) more. Zero for
+    a decode (n = 1); a whole prompt of L tokens adds L * (L - 1) / 2, the quadratic part of
+    prefill that a per-token cost cannot follow."""
+    return sum((s.num_new_tokens - 1) * (2 * s.num_computed_tokens + s.num_new_tokens) // 2
+               for s in seqs)
+
+
+COLD_STEPS = 3     # decode-only steps after a prefill that run cold (AfterPrefill)
+
+
+class AfterPrefill:
+    """Which steps are cold: the first ``COLD_STEPS`` decode-only steps after a step that
+    computed prompt tokens (one with ``prefill_pairs`` > 0). Measured on a CPU, those run
+    1.1-1.7x a warm decode (the prefill's activations evicted the weights and cache from the
+    CPU caches), the 4th onwards at the warm cost. Call ``cold`` once per step, in order."""
+
+    def __init__(self) -> None:
+        self.left = 0                      # cold decode steps still to come
+
+    def cold(self, prefill_pairs: int, num_seqs: int) -> bool:
+        """Whether this step (its prefill pairs and sequences) is a cold decode step."""
+        if prefill_pairs:
+            self.left = COLD_STEPS
+            return False
+        if not num_seqs or not self.left:
+            return False
+        self.left -= 1
+        return True
 
 
 def count_map_ops(ops: list) -> int:

@@ -3,22 +3,38 @@
 ``vmemkv calibrate`` times the engine's steps and fits
 
     step seconds = base_s + per_seq_s * sequences + per_new_token_s * new tokens
-                   + per_context_token_s * context tokens + mapped pages * map latency
+                   + per_context_token_s * context tokens
+                   + per_prefill_pair_s * prefill pairs + per_step_token_sq_s * new tokens²
+                   + per_prefill_step_s * prefill + per_cold_step_s * cold
+                   + per_idle_wake_s * after idle + mapped pages * map latency
 
-(context tokens: KV read, summed over the step's sequences, as in the roofline) by least squares,
-and writes a device profile, JSON:
+(context tokens: KV read, summed over the step's sequences, as in the roofline. Prefill pairs:
+``cost.prefill_pairs``, attention's query-key pairs beyond one per context token, zero in a
+decode, L * (L - 1) / 2 for a whole prompt of L tokens: prefill's quadratic part in each
+sequence. New tokens²: a step's per-token cost grows with its tokens (their activations leave
+the CPU caches: 67-73 -> 96-98 us per token from 256- to 2,048-token steps here). Prefill: 1 for
+a step with prefill pairs (its prompts take the per-request SDPA path). After idle: 1 for the
+first step after the engine had nothing to run (a woken CPU, cold caches: prefills measured 20%
+slower after idle than back to back). Cold: 1 for the first ``cost.COLD_STEPS`` decode-only
+steps after a prefill, ``cost.AfterPrefill``.) by a median regression, and writes a device
+profile, JSON:
 
-    {"format": "vmemkv-device-profile", "version": 1,
+    {"format": "vmemkv-device-profile", "version": 2,
      "model": {"name": "small-llama", "num_layers": 4, "num_kv_heads": 2, "head_dim": 32,
                "dtype_bytes": 4, "weight_bytes": 6291456},
      "device": "cpu: <processor>, 1 threads",
      "coefficients": {"base_s": ..., "per_seq_s": ..., "per_new_token_s": ...,
-                      "per_context_token_s": ...},
-     "points": [{"batch": 4, "context_tokens": 1030, "new_tokens": 4, "seconds": ...}, ...],
+                      "per_context_token_s": ..., "per_prefill_pair_s": ...,
+                      "per_step_token_sq_s": ..., "per_prefill_step_s": ...,
+                      "per_cold_step_s": ..., "per_idle_wake_s": ...},
+     "points": [{"batch": 4, "context_tokens": 1030, "new_tokens": 4, "prefill_pairs": 0,
+                 "cold_step": 1, "after_idle": 0, "seconds": ...}, ...],
      "fit": {"median_rel_error": ..., "max_rel_error": ...}}
 
 ``vmemkv simulate --profile FILE`` (``SimConfig.profile``) uses it in place of the roofline;
-the profile's model is the model the simulation's managers size memory for.
+the profile's model is the model the simulation's managers size memory for. A profile written
+before the ``OPTIONAL_COEFFICIENTS`` existed (version 1) loads with them 0: prefill cost linear
+in tokens, every decode warm.
 """
 from __future__ import annotations
 
@@ -31,6 +47,10 @@ from .presets import ModelSpec
 
 PROFILE_FORMAT = "vmemkv-device-profile"
 COEFFICIENTS = ("base_s", "per_seq_s", "per_new_token_s", "per_context_token_s")
+OPTIONAL_COEFFICIENTS = ("per_prefill_pair_s", "per_step_token_sq_s",   # 0 where a (version 1)
+                         "per_prefill_step_s", "per_cold_step_s",        # profile lacks them
+                         "per_idle_wake_s")
+FITTED = COEFFICIENTS + OPTIONAL_COEFFICIENTS
 
 
 @dataclass(frozen=True)
@@ -40,21 +60,36 @@ class ProfileCost:
     per_seq_s: float
     per_new_token_s: float
     per_context_token_s: float
+    per_prefill_pair_s: float = 0.0
+    per_step_token_sq_s: float = 0.0
+    per_prefill_step_s: float = 0.0
+    per_cold_step_s: float = 0.0
+    per_idle_wake_s: float = 0.0
     map_latency_s: float = 0.0
     pages_per_map_op: int = 1
 
     def __post_init__(self) -> None:
-        for name in COEFFICIENTS + ("map_latency_s",):
+        for name in FITTED + ("map_latency_s",):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ConfigError(f"profile coefficient {name} must be a number >= 0, got {value!r}")
 
     def step_seconds(self, context_tokens: int, new_tokens: int, mapped_pages: int = 0,
-                     num_seqs: int = 0) -> float:
+                     num_seqs: int = 0, prefill_pairs: int = 0, cold_step: bool = False,
+                     after_idle: bool = False) -> float:
         """Seconds of a step of ``num_seqs`` sequences reading ``context_tokens`` of KV and
-        computing ``new_tokens``, after mapping ``mapped_pages`` pages."""
+        computing ``new_tokens`` with ``prefill_pairs`` (``cost.prefill_pairs``) attention
+        pairs beyond one per context token, after mapping ``mapped_pages`` pages; a step with
+        prefill pairs costs ``per_prefill_step_s`` more, a ``cold_step``
+        (``cost.AfterPrefill``) ``per_cold_step_s`` more, and the first step ``after_idle``
+        ``per_idle_wake_s`` more."""
         return (self.base_s + self.per_seq_s * num_seqs + self.per_new_token_s * new_tokens
-                + self.per_context_token_s * context_tokens + mapped_pages * self.map_latency_s)
+                + self.per_context_token_s * context_tokens
+                + self.per_prefill_pair_s * prefill_pairs
+                + self.per_step_token_sq_s * new_tokens * new_tokens
+                + self.per_prefill_step_s * (prefill_pairs > 0) + self.per_cold_step_s * cold_step
+                + self.per_idle_wake_s * after_idle
+                + mapped_pages * self.map_latency_s)
 
 
 def load_profile(path: str) -> Dict:
@@ -70,7 +105,7 @@ def load_profile(path: str) -> Dict:
     coeffs = profile.get("coefficients")
     if not isinstance(coeffs, dict) or set(COEFFICIENTS) - set(coeffs):
         raise ConfigError(f"device profile {path}: coefficients must have {', '.join(COEFFICIENTS)}")
-    ProfileCost(*(coeffs[k] for k in COEFFICIENTS))
+    ProfileCost(**fitted_coefficients(coeffs))
     profile_model(profile, path)
     return profile
 
@@ -85,6 +120,11 @@ def profile_model(profile: Dict, path: str = "profile") -> ModelSpec:
 
 def profile_cost(profile: Dict, map_latency_s: float = 0.0, pages_per_map_op: int = 1) -> ProfileCost:
     """The ProfileCost of a loaded profile."""
-    coeffs = profile["coefficients"]
-    return ProfileCost(*(float(coeffs[k]) for k in COEFFICIENTS), map_latency_s=map_latency_s,
-                       pages_per_map_op=pages_per_map_op)
+    coeffs = {k: float(v) for k, v in fitted_coefficients(profile["coefficients"]).items()}
+    return ProfileCost(**coeffs, map_latency_s=map_latency_s, pages_per_map_op=pages_per_map_op)
+
+
+def fitted_coefficients(coeffs: Dict) -> Dict:
+    """The required coefficients and the optional ones (0 where absent), nothing else."""
+    return {**dict.fromkeys(OPTIONAL_COEFFICIENTS, 0.0),
+            **{k: coeffs[k] for k in FITTED if k in coeffs}}

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-from .cost import CostModel, count_map_ops
+from .cost import AfterPrefill, CostModel, count_map_ops, prefill_pairs
 from .errors import ConfigError, SchedulerError
 from .managers.base import MemoryManager
 from .managers.eviction import DEFAULT_EVICTION, make_eviction
@@ -192,18 +192,21 @@ class Simulator:
     def __init__(self, manager: MemoryManager, cost: "CostModel | ProfileCost",
                  config: SchedulerConfig = SchedulerConfig()):
         self.manager, self.cost, self.config = manager, cost, config
+        self._after_prefill = AfterPrefill()
 
     def run(self, entries: Sequence[TraceEntry],
             on_finished: Optional[Callable[[int], None]] = None) -> SimResult:
         """Simulate ``entries`` to completion. ``on_finished(n)`` is called with the number of
         requests finished since the last call (for a progress bar). Every request finishes."""
         wall0 = time.perf_counter()
+        self._after_prefill = AfterPrefill()
         entries = sorted(entries, key=lambda e: e.arrival_s)
         sched = Scheduler(self.manager, _sharing_config(self.config, entries))
         make_request = _request_maker()
         whole, steady = _StepSums(), _StepSums()
         token_times: Dict[int, List[float]] = {}       # seq_id -> its request's token times
         n, nxt, now, maps, done_reported = len(entries), 0, 0.0, 0, 0
+        idle = True                                     # the next step follows idle time
         while True:
             while nxt < n and entries[nxt].arrival_s <= now:
                 e = entries[nxt]
@@ -213,9 +216,10 @@ class Simulator:
             if not sched.has_unfinished():
                 if nxt == n:
                     break
-                now = entries[nxt].arrival_s
+                now, idle = entries[nxt].arrival_s, True
                 continue
-            seconds, mapped, batch, tokens = self._step(sched, now, token_times)
+            seconds, mapped, batch, tokens = self._step(sched, now, token_times, idle)
+            idle = False
             now += seconds
             maps += mapped
             figures = _step_figures(self.manager.stats(), len(sched.running))
@@ -232,13 +236,17 @@ class Simulator:
                    for e, times in zip(entries, token_times.values())]
         return self._result(sched, timings, (whole, steady), now, time.perf_counter() - wall0, maps)
 
-    def _step(self, sched: Scheduler, now: float, token_times: Dict[int, List[float]]) -> tuple:
+    def _step(self, sched: Scheduler, now: float, token_times: Dict[int, List[float]],
+              after_idle: bool = False) -> tuple:
         """One scheduled step ending at ``now`` + its cost: (seconds, MapGroup ops, sequences
-        computed, tokens sampled); each sampled token's time goes to its request's list."""
+        computed, tokens sampled); each sampled token's time goes to its request's list.
+        ``after_idle``: the step follows time with nothing to run (its cost may say more)."""
         plan = sched.schedule()
-        mapped = count_map_ops(plan.ops)
+        mapped, pairs = count_map_ops(plan.ops), prefill_pairs(plan.seqs)
         seconds = self.cost.step_seconds(plan.num_context_tokens, plan.num_new_tokens,
-                                         mapped * self.cost.pages_per_map_op, len(plan.seqs))
+                                         mapped * self.cost.pages_per_map_op, len(plan.seqs),
+                                         pairs, self._after_prefill.cold(pairs, len(plan.seqs)),
+                                         after_idle)
         end = now + seconds
         sampled = {}
         for s in plan.seqs:
