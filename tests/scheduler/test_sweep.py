@@ -95,6 +95,21 @@ def test_sweep_cli_writes_the_tidy_table_and_plots(tmp_path, capsys):
     assert "# wrote" in capsys.readouterr().out
 
 
+def test_the_parquet_table_holds_the_csv_rows_column_for_column(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow (the test extra) is not installed")
+    from vmemkv.scheduler.sweep_output import write_table
+    rows = run_local(expand({"base": SMALL, "grid": {"policy": ["paged", "vmem"]}}), jobs=1)
+    written = write_table(rows, str(tmp_path))
+    assert [os.path.basename(p) for p in written] == ["sweep.csv", "sweep.parquet"]
+    table = pq.read_table(tmp_path / "sweep.parquet").to_pylist()
+    with open(tmp_path / "sweep.csv") as f:
+        from_csv = list(csv.DictReader(f))
+    assert len(table) == len(from_csv) == 2 and list(table[0]) == list(from_csv[0])
+    for parquet_row, csv_row, row in zip(table, from_csv, rows):
+        assert parquet_row == {c: row.get(c) for c in csv_row}      # typed, not strings
+        assert {c: "" if v is None else str(v) for c, v in parquet_row.items()} == csv_row
+
+
 def test_run_point_row_carries_parameters_then_figures():
     row = run_point(expand({"base": SMALL, "grid": {"policy": ["vmem"]}})[0])
     assert row["policy"] == "vmem" and row["unit_tokens"] == 1024
