@@ -9,7 +9,9 @@ A policy only orders units; the manager owns their state. The manager calls
 
 Guarantees of every policy: ``pop`` returns a unit that was added and not removed since (never a
 held one); ``len`` counts exactly those units; iteration and ``pop`` are deterministic (ties go
-to the unit added first); ``copy`` is independent of the original (transactions snapshot it).
+to the unit added first); every change is undone by a rollback of the manager's transaction
+(the containers log to the manager's journal, journal.py; ``hits`` copies its heap once per
+transaction that changes it).
 
     off    no retention: the managers drop a unit's content when its last holder lets go
     lru    vLLM's free queue: least recently released first; a finished request releases its
@@ -25,10 +27,10 @@ to the unit added first); ``copy`` is independent of the original (transactions 
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
-from typing import Dict, Iterator, List, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 from ..errors import ConfigError
+from .journal import JDict, JSet, OrderedUnits, TxnCell, journaled
 
 EVICTION_POLICIES = ("off", "lru", "hits")
 DEFAULT_EVICTION = "lru"
@@ -38,9 +40,15 @@ class EvictionPolicy:
     """Base: least recently added first (``lru``)."""
 
     name = "lru"
+    _COPIED_FIELDS: frozenset = frozenset()   # copied whole at their first change in a transaction
 
-    def __init__(self) -> None:
-        self._order: OrderedDict = OrderedDict()   # unit -> None, oldest release first
+    def __init__(self, cell: Optional[TxnCell] = None) -> None:
+        self._cell = TxnCell() if cell is None else cell
+        self._order = OrderedUnits(self._cell)   # oldest release first
+
+    def journaled_fields(self) -> bool:
+        """Every field is undone by a rollback (journal.journaled)."""
+        return all(journaled(v) for k, v in vars(self).items() if k not in self._COPIED_FIELDS)
 
     @property
     def retains(self) -> bool:
@@ -48,10 +56,10 @@ class EvictionPolicy:
         return True
 
     def add(self, unit: int) -> None:
-        self._order[unit] = None
+        self._order.add(unit)
 
     def remove(self, unit: int) -> None:
-        del self._order[unit]
+        self._order.remove(unit)
 
     def note_hit(self, unit: int) -> None:
         """``unit`` (cached or held) served a prefix hit."""
@@ -63,8 +71,7 @@ class EvictionPolicy:
         """``unit``'s content was dropped (whatever the policy learnt about it starts again)."""
 
     def pop(self) -> int:
-        unit, _ = self._order.popitem(last=False)
-        return unit
+        return self._order.pop_first()
 
     def __len__(self) -> int:
         return len(self._order)
@@ -74,11 +81,6 @@ class EvictionPolicy:
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._order)
-
-    def copy(self) -> "EvictionPolicy":
-        c = type(self).__new__(type(self))
-        c._order = OrderedDict(self._order)
-        return c
 
 
 class NoRetention(EvictionPolicy):
@@ -99,20 +101,31 @@ class HitsPolicy(EvictionPolicy):
     (a heap with lazy deletion); the hit counts of a unit reset when its content is dropped."""
 
     name = "hits"
+    _COPIED_FIELDS = frozenset({"_heap"})
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, cell: Optional[TxnCell] = None) -> None:
+        super().__init__(cell)
+        cell = self._cell
         self._heap: List[Tuple[float, int, int]] = []   # (priority, serial, unit)
-        self._entry: Dict[int, int] = {}                # cached unit -> serial of its live entry
-        self._hits: Dict[int, int] = {}                 # unit -> hits served since its content
-        self._generated: set = set()                    # units holding generated tokens
+        self._entry = JDict(cell)       # cached unit -> serial of its live entry
+        self._hits = JDict(cell)        # unit -> hits served since its content
+        self._generated = JSet(cell)    # units holding generated tokens
         self._clock = 0.0
         self._serial = 0
+
+    def _own_heap(self) -> None:
+        """Before changing the heap in place: inside a transaction, first work on a copy (the
+        original is put back by rollback with the other fields)."""
+        j = self._cell.j
+        if j is not None and id(self) not in j.owned:
+            j.owned.add(id(self))
+            self._heap = list(self._heap)
 
     def add(self, unit: int) -> None:
         if len(self._heap) > 2 * len(self._entry) + 64:     # drop stale entries now and then
             self._heap = [e for e in self._heap if self._entry.get(e[2]) == e[1]]
             heapq.heapify(self._heap)
+        self._own_heap()
         self._serial += 1
         self._entry[unit] = self._serial
         value = self._hits.get(unit, 0) + (unit not in self._generated)
@@ -128,6 +141,7 @@ class HitsPolicy(EvictionPolicy):
         self._generated.add(unit)
 
     def pop(self) -> int:
+        self._own_heap()
         while True:
             priority, serial, unit = heapq.heappop(self._heap)
             if self._entry.get(unit) == serial:
@@ -151,20 +165,14 @@ class HitsPolicy(EvictionPolicy):
         live = sorted((p, s, u) for p, s, u in self._heap if self._entry.get(u) == s)
         return iter([u for _, _, u in live])
 
-    def copy(self) -> "HitsPolicy":
-        c = HitsPolicy.__new__(HitsPolicy)
-        c._heap, c._entry, c._hits = list(self._heap), dict(self._entry), dict(self._hits)
-        c._generated = set(self._generated)
-        c._clock, c._serial = self._clock, self._serial
-        return c
-
 
 _POLICIES = {"off": NoRetention, "lru": EvictionPolicy, "hits": HitsPolicy}
 
 
-def make_eviction(name: str) -> EvictionPolicy:
-    """The policy called ``name`` (one of ``EVICTION_POLICIES``), else ConfigError."""
+def make_eviction(name: str, cell: Optional[TxnCell] = None) -> EvictionPolicy:
+    """The policy called ``name`` (one of ``EVICTION_POLICIES``), else ConfigError; its
+    changes log to ``cell``'s open journal (a manager's transactions)."""
     if name not in _POLICIES:
         raise ConfigError(f"prefix_eviction must be one of {', '.join(EVICTION_POLICIES)}, "
                           f"got {name!r}")
-    return _POLICIES[name]()
+    return _POLICIES[name](cell)

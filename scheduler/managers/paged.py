@@ -62,6 +62,7 @@ class PagedManager(WindowedGroups, UnitManager):
     def _take_block(self) -> int:
         """A block for new content: a free one, else the cached one the eviction policy names."""
         b = self._free.pop() if self._free else self._evict()
+        self._touch(b)
         self._refs[b] = 1
         self._fill[b] = 0
         return b
@@ -97,6 +98,7 @@ class PagedManager(WindowedGroups, UnitManager):
         while pos < end:
             k = pos // bs
             stop = min(end, (k + 1) * bs)
+            self._touch(seq.units[k])
             self._fill[seq.units[k]] += stop - pos
             pos = stop
         self._live += end - start

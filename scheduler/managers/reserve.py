@@ -39,11 +39,6 @@ class ReserveManager(ManagerCore):
 
     _FIXED_FIELDS = ManagerCore._FIXED_FIELDS | {"oracle", "name", "total_tokens"}
 
-    def _snapshot(self) -> dict:
-        state = super()._snapshot()
-        state.update(_held=self._held, _live=self._live)
-        return state
-
     @property
     def max_sequence_tokens(self) -> int:
         return min(self.max_seq_len, self.total_tokens)
@@ -93,7 +88,7 @@ class ReserveManager(ManagerCore):
 
     def append(self, seq_id: int, num_tokens: int = 1,
                token_ids: Optional[Sequence[int]] = None) -> None:
-        seq = self._seq(seq_id)
+        seq = self._changing(seq_id)
         new = seq.num_tokens + num_tokens
         if new > seq.reserved:
             self._check_append_ids(num_tokens, token_ids)
