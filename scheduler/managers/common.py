@@ -11,7 +11,7 @@ from ..errors import (ConfigError, DuplicateSequenceError, RequestTooLargeError,
                       SwapSpaceExhaustedError, TransactionStateError, UnknownSequenceError)
 from ..presets import ModelSpec
 from .base import DropSwapped, MemoryManager, SwapIn, SwapOut
-from .journal import JDict, Journal, TxnCell, journaled
+from .journal import MISSING, JDict, Journal, TxnCell, journaled, put_back
 from .prefix import HeldSeq, token_bytes
 
 __all__ = ["ManagerCore", "TransactionStateError", "check_int"]
@@ -35,7 +35,8 @@ class ManagerCore(MemoryManager):
         self.max_seq_len = check_int("max_seq_len_tokens", max_seq_len_tokens, 1)
         self.swap_bytes = check_int("swap_bytes", swap_bytes, 0)
         self._cell = cell = TxnCell()   # the open transaction's journal (None outside one)
-        self._seqs = JDict(cell)        # seq_id -> HeldSeq, resident on the device
+        self._hot_limit = self.max_seq_len   # -1 in a transaction: appends take the logged path
+        self._seqs: dict = {}           # seq_id -> HeldSeq, resident (see _put_seq/_drop_seq)
         self._swapped = JDict(cell)     # seq_id -> HeldSeq, in host swap space
         self._swap_used_tokens = 0
         self._ops: list = []
@@ -47,10 +48,11 @@ class ManagerCore(MemoryManager):
     # rebound, never changed in place (saved by name at begin); plain lists the manager logs
     # itself at each write (``_touch``). Every other field must be immutable, a journaled
     # container (journal.py) or a helper whose own fields are (``journaled_fields``).
-    _FIXED_FIELDS = frozenset({"model", "bytes_per_token", "max_seq_len", "swap_bytes", "_cell"})
+    _FIXED_FIELDS = frozenset({"model", "bytes_per_token", "max_seq_len", "swap_bytes", "_cell",
+                               "_hot_limit"})   # (_hot_limit: set by begin, reset by its end)
     _COPIED_FIELDS = frozenset({"_ops"})
     _REBOUND_FIELDS: frozenset = frozenset()
-    _LOGGED_FIELDS: frozenset = frozenset()
+    _LOGGED_FIELDS = frozenset({"_seqs"})   # a plain dict for the hot path's lookup
 
     # -- transactions: an undo journal opened by begin, replayed by rollback --
     def begin(self) -> None:
@@ -65,12 +67,14 @@ class ManagerCore(MemoryManager):
         fields["_ops"] = list(self._ops)
         helpers = [(v, dict(vars(v))) for v in fields.values() if hasattr(v, "journaled_fields")]
         self._cell.j = Journal(fields, helpers)
+        self._hot_limit = -1
 
     def commit(self) -> None:
         """Keep every change since ``begin`` and close the transaction."""
         if self._cell.j is None:
             raise TransactionStateError("commit() without begin()")
         self._cell.j = None
+        self._hot_limit = self.max_seq_len
 
     def rollback(self) -> None:
         """Restore every field, sequence record and the pending op list exactly as they were at
@@ -106,6 +110,19 @@ class ManagerCore(MemoryManager):
                 raise UnknownSequenceError(f"sequence {seq_id} is swapped out, not resident")
             raise UnknownSequenceError(f"unknown sequence {seq_id} (never allocated, or freed)")
         return seq
+
+    def _put_seq(self, seq_id: int, seq: HeldSeq) -> None:
+        """Make ``seq`` resident (logged inside a transaction: ``_seqs`` is a plain dict)."""
+        j = self._cell.j
+        if j is not None:
+            j.undo.append((put_back, self._seqs, seq_id, self._seqs.get(seq_id, MISSING)))
+        self._seqs[seq_id] = seq
+
+    def _drop_seq(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id)
+        j = self._cell.j
+        if j is not None:
+            j.undo.append((dict.__setitem__, self._seqs, seq_id, seq))
 
     def _changing(self, seq_id: int) -> HeldSeq:
         """``_seq`` for a call about to change the record: saved first inside a transaction."""
@@ -158,7 +175,7 @@ class ManagerCore(MemoryManager):
         seq = self._changing(seq_id)
         self._publish_at_free(seq, computed_tokens)
         self._release(seq)
-        del self._seqs[seq_id]
+        self._drop_seq(seq_id)
 
     def num_tokens(self, seq_id: int) -> int:
         seq = self._seqs.get(seq_id) or self._swapped.get(seq_id)
@@ -187,7 +204,7 @@ class ManagerCore(MemoryManager):
                 f"{self.swap_free_bytes} of {self.swap_bytes} free")
         self._ops.append(SwapOut(seq_id, seq.num_tokens, **self._swap_location(seq)))
         self._release(seq)
-        del self._seqs[seq_id]
+        self._drop_seq(seq_id)
         seq.units = []
         self._swapped[seq_id] = seq
         self._swap_used_tokens += seq.num_tokens
@@ -211,7 +228,7 @@ class ManagerCore(MemoryManager):
         del self._swapped[seq_id]
         self._swap_used_tokens -= seq.num_tokens
         self._place_private(seq_id, seq)
-        self._seqs[seq_id] = seq
+        self._put_seq(seq_id, seq)
         self._ops.append(SwapIn(seq_id, seq.num_tokens, **self._swap_location(seq)))
 
     def _swap_integrity(self) -> None:

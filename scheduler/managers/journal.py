@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 
-_MISSING = object()
+MISSING = object()
 
 
 class TxnCell:
@@ -73,8 +73,8 @@ class Journal:
             vars(helper).update(saved)
 
 
-def _put_back(container, key, old) -> None:
-    if old is _MISSING:
+def put_back(container, key, old) -> None:
+    if old is MISSING:
         del container[key]
     else:
         container[key] = old
@@ -130,7 +130,7 @@ class JDict(dict):
     def __setitem__(self, key, value) -> None:
         j = self._cell.j
         if j is not None:
-            j.undo.append((_put_back, self, key, dict.get(self, key, _MISSING)))
+            j.undo.append((put_back, self, key, dict.get(self, key, MISSING)))
         dict.__setitem__(self, key, value)
 
     def __delitem__(self, key) -> None:
@@ -139,9 +139,9 @@ class JDict(dict):
         if j is not None:
             j.undo.append((dict.__setitem__, self, key, old))
 
-    def pop(self, key, default=_MISSING):
+    def pop(self, key, default=MISSING):
         if key not in self:
-            if default is _MISSING:
+            if default is MISSING:
                 raise KeyError(key)
             return default
         old = self[key]
@@ -159,6 +159,9 @@ class JSet(set):
     def __init__(self, cell: TxnCell, items=()) -> None:
         super().__init__(items)
         self._cell = cell
+
+    def __reduce__(self):      # copy/pickle: set's own would call __init__(items)
+        return (JSet, (self._cell, list(self)))
 
     def add(self, item) -> None:
         if item not in self:

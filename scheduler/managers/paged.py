@@ -88,7 +88,7 @@ class PagedManager(WindowedGroups, UnitManager):
         self._fill_blocks(seq, len(hits) * self.block_size, num_tokens)
         self._cap_sum += len(seq.units) * self.block_size
         self._tok_sum += num_tokens
-        self._seqs[seq_id] = seq
+        self._put_seq(seq_id, seq)
         self._register_prompt(seq, hits)
         return self._count_prefix(token_ids, num_tokens, hits)
 
@@ -155,7 +155,7 @@ class PagedManager(WindowedGroups, UnitManager):
         child = parent.copy()
         for b in held_units(child):
             self._hold(b)
-        self._seqs[child_id] = child
+        self._put_seq(child_id, child)
         self._cap_sum += len(held_units(child)) * self.block_size
         self._tok_sum += child.num_tokens - dropped_units(child) * self.block_size
 

@@ -75,7 +75,7 @@ class ReserveManager(ManagerCore):
                                      f"{self.total_tokens - self._held} free")
         seq = HeldSeq(num_tokens, None, namespace)
         seq.reserved = need
-        self._seqs[seq_id] = seq
+        self._put_seq(seq_id, seq)
         self._held += need
         self._live += num_tokens
         if token_ids is not None:
@@ -111,7 +111,7 @@ class ReserveManager(ManagerCore):
         if not self.can_fork(parent_id):
             self._raise_no_room(f"forking sequence {parent_id} ({parent.reserved} tokens)")
         child = parent.copy()
-        self._seqs[child_id] = child
+        self._put_seq(child_id, child)
         self._held += child.reserved
         self._live += child.num_tokens
 

@@ -224,19 +224,34 @@ class UnitManager(ManagerCore):
                token_ids: Optional[Sequence[int]] = None) -> None:
         seq = self._seq(seq_id)
         new = seq.num_tokens + num_tokens
-        if (new <= len(seq.units) * self.unit_tokens and new <= self.max_seq_len and num_tokens > 0
+        if (new <= len(seq.units) * self.unit_tokens and new <= self._hot_limit and num_tokens > 0
                 and seq.ids is None and token_ids is None and self._refs[seq.units[-1]] == 1):
-            # hot path: room in a private last unit, no ids to hash: counters only
-            if self._cell.j is not None:
-                self._cell.j.record_tokens(seq)
-                self._touch(seq.units[-1])
+            # hot path: room in a private last unit, no ids to hash: counters only (no open
+            # transaction: _hot_limit is max_seq_len outside one, -1 inside)
             self._fill[seq.units[-1]] += num_tokens
             self._live += num_tokens
             self._tok_sum += num_tokens
             seq.num_tokens = new
             return
-        if self._cell.j is not None:
-            self._cell.j.record(seq)
+        self._append_logged(seq_id, seq, num_tokens, token_ids)
+
+    def _append_logged(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
+        """``append`` past the hot path, or inside a transaction (saving what it changes)."""
+        j = self._cell.j
+        if j is None:
+            self._append_slow(seq_id, seq, num_tokens, token_ids)
+            return
+        new = seq.num_tokens + num_tokens
+        if (new <= len(seq.units) * self.unit_tokens and new <= self.max_seq_len and num_tokens > 0
+                and seq.ids is None and token_ids is None and self._refs[seq.units[-1]] == 1):
+            j.record_tokens(seq)       # the hot path's changes, logged
+            self._touch(seq.units[-1])
+            self._fill[seq.units[-1]] += num_tokens
+            self._live += num_tokens
+            self._tok_sum += num_tokens
+            seq.num_tokens = new
+            return
+        j.record(seq)
         self._append_slow(seq_id, seq, num_tokens, token_ids)
 
     @abstractmethod

@@ -228,7 +228,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self._live += n - len(hits) * tpp
         self._cap_sum += len(seq.units) * tpp
         self._tok_sum += n
-        self._seqs[seq_id] = seq
+        self._put_seq(seq_id, seq)
 
     def _share_into(self, slot: int, groups: list) -> None:
         """Hold ``groups`` (page index -> group) and map each under ``slot`` where it is not
@@ -344,7 +344,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self._share_into(self._occupy(child_id, child), child.units)
         self._cap_sum += len(held_units(child)) * self.tokens_per_page
         self._tok_sum += child.num_tokens - dropped_units(child) * self.tokens_per_page
-        self._seqs[child_id] = child
+        self._put_seq(child_id, child)
 
     def _swap_location(self, seq: HeldSeq) -> dict:
         return {"slot": seq.slot}
