@@ -47,8 +47,15 @@ class EvictionPolicy:
         self._order = OrderedUnits(self._cell)   # oldest release first
 
     def journaled_fields(self) -> bool:
-        """Every field is undone by a rollback (journal.journaled)."""
+        """Every container field is undone by a rollback (journal.journaled); scalar fields
+        change only through ``_set``."""
         return all(journaled(v) for k, v in vars(self).items() if k not in self._COPIED_FIELDS)
+
+    def _set(self, name: str, value) -> None:
+        """Rebind field ``name``, logged inside a transaction."""
+        if self._cell.j is not None:
+            self._cell.j.undo.append((setattr, self, name, getattr(self, name)))
+        setattr(self, name, value)
 
     @property
     def retains(self) -> bool:
@@ -119,14 +126,14 @@ class HitsPolicy(EvictionPolicy):
         j = self._cell.j
         if j is not None and id(self) not in j.owned:
             j.owned.add(id(self))
-            self._heap = list(self._heap)
+            self._set("_heap", list(self._heap))
 
     def add(self, unit: int) -> None:
         if len(self._heap) > 2 * len(self._entry) + 64:     # drop stale entries now and then
-            self._heap = [e for e in self._heap if self._entry.get(e[2]) == e[1]]
+            self._set("_heap", [e for e in self._heap if self._entry.get(e[2]) == e[1]])
             heapq.heapify(self._heap)
         self._own_heap()
-        self._serial += 1
+        self._set("_serial", self._serial + 1)
         self._entry[unit] = self._serial
         value = self._hits.get(unit, 0) + (unit not in self._generated)
         heapq.heappush(self._heap, (self._clock + value, self._serial, unit))
@@ -148,7 +155,7 @@ class HitsPolicy(EvictionPolicy):
                 break
         del self._entry[unit]
         self.forget(unit)
-        self._clock = priority
+        self._set("_clock", priority)
         return unit
 
     def forget(self, unit: int) -> None:

@@ -67,6 +67,8 @@ class HybridVmemManager(VmemManager):
         return self.pool_pages // self.full_pages    # every group with pages holds FULL ones
 
     _FIXED_FIELDS = VmemManager._FIXED_FIELDS | {"pool_pages", "full_pages", "window_pages"}
+    _JOURNALED_FIELDS = VmemManager._JOURNALED_FIELDS | {"_spare", "_partial", "_win_drop",
+                                                         "_win_gone"}
 
     # -- page accounting --
     @property

@@ -35,11 +35,10 @@ class TxnCell:
 class Journal:
     """What ``rollback`` needs: the fields at begin, the inverse steps, first-write saves."""
 
-    __slots__ = ("fields", "helpers", "undo", "units", "records", "owned")
+    __slots__ = ("fields", "undo", "units", "records", "owned")
 
-    def __init__(self, fields: dict, helpers: list) -> None:
-        self.fields = fields          # the manager's fields at begin (shallow)
-        self.helpers = helpers        # [(helper object, its fields at begin)]
+    def __init__(self, fields: dict) -> None:
+        self.fields = fields          # the manager's saved fields at begin, by name
         self.undo: list = []          # (fn, *args): call fn(*args) to undo one change
         self.units: dict = {}         # unit -> (refs, fill) before its first write
         self.records: dict = {}       # id(seq) -> [seq, num_tokens, snapshot or None]
@@ -68,9 +67,6 @@ class Journal:
             if saved is not None:
                 seq.restore(saved)
             seq.num_tokens = num_tokens
-        for helper, saved in self.helpers:
-            vars(helper).clear()
-            vars(helper).update(saved)
 
 
 def put_back(container, key, old) -> None:
@@ -275,7 +271,7 @@ def journaled(value) -> bool:
     if value is None or isinstance(value, (bool, int, float, str, bytes, frozenset, TxnCell)):
         return True
     if isinstance(value, (JList, JDict, JSet, OrderedUnits)):
-        return True
+        return True   # (their elements: HeldSeq records are saved by Journal.record)
     if type(value) is tuple:
         return all(journaled(v) for v in value)
     check = getattr(value, "journaled_fields", None)

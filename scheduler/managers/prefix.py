@@ -97,12 +97,11 @@ class PrefixIndex:
     Guarantees: a unit has at most one registration and a digest names at most one unit;
     ``match`` returns only units whose token ids AND whole chain of registrations equal the
     query's; ``drop`` of an unregistered unit is a no-op (callers may drop on every reuse).
-    Registrations are immutable; both dicts log their changes to ``cell``'s open journal
-    (journal.py), and ``serials`` is saved with the manager's fields at begin.
+    Registrations are immutable; every change logs to ``cell``'s open journal (journal.py).
     """
 
     def __init__(self, cell: Optional[TxnCell] = None) -> None:
-        cell = TxnCell() if cell is None else cell
+        self._cell = cell = TxnCell() if cell is None else cell
         self.by_digest: dict = JDict(cell)   # digest -> CachedUnit
         self.by_unit: dict = JDict(cell)     # unit -> CachedUnit
         self.serials = 0                     # registrations ever made (each gets a new serial)
@@ -134,6 +133,8 @@ class PrefixIndex:
             if reg is None:
                 return
             parent = reg.serial
+        if self._cell.j is not None:
+            self._cell.j.undo.append((setattr, self, "serials", self.serials))
         self.serials += 1
         reg = tuple.__new__(CachedUnit, (unit, key, self.serials, parent))   # hot: no __new__ call
         self.by_digest[key.digest] = self.by_unit[unit] = reg

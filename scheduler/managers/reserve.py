@@ -38,6 +38,7 @@ class ReserveManager(ManagerCore):
         self._live = 0      # tokens cached by resident sequences
 
     _FIXED_FIELDS = ManagerCore._FIXED_FIELDS | {"oracle", "name", "total_tokens"}
+    _SAVED_FIELDS = ManagerCore._SAVED_FIELDS + ("_held", "_live")
 
     @property
     def max_sequence_tokens(self) -> int:

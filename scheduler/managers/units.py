@@ -38,8 +38,9 @@ class UnitManager(ManagerCore):
 
     _FIXED_FIELDS = ManagerCore._FIXED_FIELDS | {"unit_tokens", "prefix_unit_tokens",
                                                  "prefix_eviction"}
-    _REBOUND_FIELDS = ManagerCore._REBOUND_FIELDS | {"_memo"}   # a tuple of lists never edited
+    _SAVED_FIELDS = ManagerCore._SAVED_FIELDS + ("_live", "_cap_sum", "_tok_sum", "_memo")
     _LOGGED_FIELDS = ManagerCore._LOGGED_FIELDS | {"_refs", "_fill"}
+    _JOURNALED_FIELDS = ManagerCore._JOURNALED_FIELDS | {"prefix", "_free", "_cache"}
 
     def _unit_arrays(self) -> tuple:
         return self._refs, self._fill

@@ -101,6 +101,8 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
     _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {
         "geometry", "layout", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
         "pages_per_slot", "_window"}
+    _JOURNALED_FIELDS = UnitManager._JOURNALED_FIELDS | {
+        "_reclaimable", "_maps", "_pages", "_owner", "_free_slots"}
 
 
     # -- queries the runtime needs --

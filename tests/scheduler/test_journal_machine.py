@@ -148,3 +148,28 @@ def test_commit_is_as_if_the_calls_ran_without_a_transaction(name, data):
     m.check_integrity()
     assert dump(m) == dump(plain)
     assert observe(m) == observe(plain)
+
+
+def journal_size(m):
+    j = m._cell.j
+    return len(j.fields) + len(j.undo) + len(j.units) + len(j.records)
+
+
+@pytest.mark.parametrize("units", [100, 10_000])
+@pytest.mark.parametrize("policy", ["paged", "vmem"])
+def test_begin_saves_and_a_decode_append_logs_the_same_whatever_the_pool(policy, units):
+    """O(1) begin, O(changes) journal: a pool 100 times larger, full of cached prefixes, saves
+    exactly as much at begin and logs exactly as much for one append as a small one."""
+    m = make_manager(policy, TWO, units * 16, 64, block_size_tokens=4, page_bytes=4, max_slots=4)
+    for sid in range(units // 16):
+        ids = [sid] * 64                        # distinct prompts of 16 units each
+        m.allocate(sid, 64, ids)
+        m.mark_computed(sid, 64)
+        m.free(sid)
+    m.allocate(0, 5)
+    assert m.cached_tokens >= (units - 32) * 4
+    m.begin()
+    at_begin = journal_size(m)
+    m.append(0)                                 # room in its private last unit
+    assert (at_begin, journal_size(m)) == (len(m._SAVED_FIELDS) + 1, at_begin + 2)
+    m.rollback()
