@@ -90,6 +90,9 @@ class JList(list):
         super().__init__(items)
         self._cell = cell
 
+    def __reduce__(self):      # copy/pickle: the cell first (pickle's own would extend first)
+        return (JList, (self._cell, list(self)))
+
     def __setitem__(self, index: int, value) -> None:
         j = self._cell.j
         if j is not None:
@@ -122,6 +125,9 @@ class JDict(dict):
     def __init__(self, cell: TxnCell, items=()) -> None:
         super().__init__(items)
         self._cell = cell
+
+    def __reduce__(self):      # copy/pickle: the cell first
+        return (JDict, (self._cell, dict(self)))
 
     def __setitem__(self, key, value) -> None:
         j = self._cell.j

@@ -3,6 +3,7 @@ leave every manager (paged, vmem per-layer and interleaved, a windowed vmem, the
 of a Gemma-3 pattern) exactly as a deep copy taken at begin, now and for every later call;
 inside begin/commit they leave it exactly as the same calls run without a transaction."""
 import copy
+import pickle
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -173,3 +174,19 @@ def test_begin_saves_and_a_decode_append_logs_the_same_whatever_the_pool(policy,
     m.append(0)                                 # room in its private last unit
     assert (at_begin, journal_size(m)) == (len(m._SAVED_FIELDS) + 1, at_begin + 2)
     m.rollback()
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_a_manager_pickles_and_its_copy_rolls_back_on_its_own(name):
+    """The journaled containers survive pickle (as deepcopy) with their manager's cell."""
+    m = build(name)
+    m.allocate(0, 9, [1] * 9)
+    m.mark_computed(0, 9)
+    twin = pickle.loads(pickle.dumps(m))
+    assert dump(twin) == dump(m)
+    twin.begin()
+    twin.append(0, 3, [2, 2, 2])
+    twin.free(0)
+    twin.rollback()
+    twin.check_integrity()
+    assert dump(twin) == dump(m) and not m.in_transaction
