@@ -1,6 +1,6 @@
 """Undo journal of a manager transaction: ``begin`` is O(1), ``rollback`` O(changes since begin).
 
-``begin`` saves the manager's fields shallowly (one dict of a few dozen names) and opens a
+``begin`` saves the manager's scalar fields by name (``ManagerCore._SAVED_FIELDS``) and opens a
 ``Journal`` in the manager's ``TxnCell``; every container the manager mutates in place then
 logs the inverse of each change while the cell holds a journal:
 
@@ -13,8 +13,13 @@ logs the inverse of each change while the cell holds a journal:
     sequence records        saved at their first change (``Journal.record``/``record_tokens``)
 
 ``rollback`` replays the inverses newest first, which restores each container exactly
-(order included), then the unit pairs, the records and the shallow fields. Outside a
-transaction every logging path costs one ``cell.j is None`` test.
+(order included), then the unit pairs, the records and the saved fields. Outside a
+transaction every logging path costs one ``cell.j is None`` test, and the append hot path
+none (``ManagerCore._hot_limit`` diverts it to a logged copy inside a transaction).
+What is copied rather than logged, each bounded by what the step touches or holds pending,
+not by the pool: a record's block table at its first change other than a hot append
+(O(that sequence's units)), the pending ops at begin; and the ``hits`` eviction policy's heap
+at its first change in a transaction (O(cached units), only with ``prefix_eviction="hits"``).
 """
 from __future__ import annotations
 
