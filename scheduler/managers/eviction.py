@@ -10,8 +10,7 @@ A policy only orders units; the manager owns their state. The manager calls
 Guarantees of every policy: ``pop`` returns a unit that was added and not removed since (never a
 held one); ``len`` counts exactly those units; iteration and ``pop`` are deterministic (ties go
 to the unit added first); every change is undone by a rollback of the manager's transaction
-(the containers log to the manager's journal, journal.py; ``hits`` copies its heap once per
-transaction that changes it).
+(every container logs to the manager's journal, journal.py, ``hits``'s heap included).
 
     off    no retention: the managers drop a unit's content when its last holder lets go
     lru    vLLM's free queue: least recently released first; a finished request releases its
@@ -30,7 +29,7 @@ import heapq
 from typing import Iterator, List, Optional, Tuple
 
 from ..errors import ConfigError
-from .journal import JDict, JSet, OrderedUnits, TxnCell, journaled
+from .journal import JDict, JList, JSet, OrderedUnits, TxnCell, journaled
 
 EVICTION_POLICIES = ("off", "lru", "hits")
 DEFAULT_EVICTION = "lru"
@@ -40,7 +39,6 @@ class EvictionPolicy:
     """Base: least recently added first (``lru``)."""
 
     name = "lru"
-    _COPIED_FIELDS: frozenset = frozenset()   # copied whole at their first change in a transaction
 
     def __init__(self, cell: Optional[TxnCell] = None) -> None:
         self._cell = TxnCell() if cell is None else cell
@@ -49,7 +47,7 @@ class EvictionPolicy:
     def journaled_fields(self) -> bool:
         """Every container field is undone by a rollback (journal.journaled); scalar fields
         change only through ``_set``."""
-        return all(journaled(v) for k, v in vars(self).items() if k not in self._COPIED_FIELDS)
+        return all(journaled(v) for v in vars(self).values())
 
     def _set(self, name: str, value) -> None:
         """Rebind field ``name``, logged inside a transaction."""
@@ -108,35 +106,48 @@ class HitsPolicy(EvictionPolicy):
     (a heap with lazy deletion); the hit counts of a unit reset when its content is dropped."""
 
     name = "hits"
-    _COPIED_FIELDS = frozenset({"_heap"})
 
     def __init__(self, cell: Optional[TxnCell] = None) -> None:
         super().__init__(cell)
         cell = self._cell
-        self._heap: List[Tuple[float, int, int]] = []   # (priority, serial, unit)
+        self._heap: List[Tuple[float, int, int]] = JList(cell)   # (priority, serial, unit)
         self._entry = JDict(cell)       # cached unit -> serial of its live entry
         self._hits = JDict(cell)        # unit -> hits served since its content
         self._generated = JSet(cell)    # units holding generated tokens
         self._clock = 0.0
         self._serial = 0
 
-    def _own_heap(self) -> None:
-        """Before changing the heap in place: inside a transaction, first work on a copy (the
-        original is put back by rollback with the other fields)."""
-        j = self._cell.j
-        if j is not None and id(self) not in j.owned:
-            j.owned.add(id(self))
-            self._set("_heap", list(self._heap))
+    def _push(self, entry: tuple) -> None:
+        """heapq.heappush; inside a transaction the same algorithm in Python (heapq's own
+        _siftdown), whose every write goes through the JList and is logged."""
+        heap = self._heap
+        if self._cell.j is None:
+            heapq.heappush(heap, entry)        # (C: writes the list directly, unlogged)
+            return
+        heap.append(entry)
+        heapq._siftdown(heap, 0, len(heap) - 1)
+
+    def _pop(self) -> tuple:
+        """heapq.heappop; logged inside a transaction as ``_push``."""
+        heap = self._heap
+        if self._cell.j is None:
+            return heapq.heappop(heap)
+        last = heap.pop()
+        if not heap:
+            return last
+        top, heap[0] = heap[0], last
+        heapq._siftup(heap, 0)
+        return top
 
     def add(self, unit: int) -> None:
         if len(self._heap) > 2 * len(self._entry) + 64:     # drop stale entries now and then
-            self._set("_heap", [e for e in self._heap if self._entry.get(e[2]) == e[1]])
-            heapq.heapify(self._heap)
-        self._own_heap()
+            live = JList(self._cell, (e for e in self._heap if self._entry.get(e[2]) == e[1]))
+            heapq.heapify(live)                 # a new list: the old one comes back on rollback
+            self._set("_heap", live)
         self._set("_serial", self._serial + 1)
         self._entry[unit] = self._serial
         value = self._hits.get(unit, 0) + (unit not in self._generated)
-        heapq.heappush(self._heap, (self._clock + value, self._serial, unit))
+        self._push((self._clock + value, self._serial, unit))
 
     def remove(self, unit: int) -> None:
         del self._entry[unit]            # its heap entry is now stale (skipped by pop)
@@ -148,9 +159,8 @@ class HitsPolicy(EvictionPolicy):
         self._generated.add(unit)
 
     def pop(self) -> int:
-        self._own_heap()
         while True:
-            priority, serial, unit = heapq.heappop(self._heap)
+            priority, serial, unit = self._pop()
             if self._entry.get(unit) == serial:
                 break
         del self._entry[unit]

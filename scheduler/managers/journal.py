@@ -18,8 +18,7 @@ transaction every logging path costs one ``cell.j is None`` test, and the append
 none (``ManagerCore._hot_limit`` diverts it to a logged copy inside a transaction).
 What is copied rather than logged, each bounded by what the step touches or holds pending,
 not by the pool: a record's block table at its first change other than a hot append
-(O(that sequence's units)), the pending ops at begin; and the ``hits`` eviction policy's heap
-at its first change in a transaction (O(cached units), only with ``prefix_eviction="hits"``).
+(O(that sequence's units)), and the pending ops at begin.
 """
 from __future__ import annotations
 
@@ -40,14 +39,13 @@ class TxnCell:
 class Journal:
     """What ``rollback`` needs: the fields at begin, the inverse steps, first-write saves."""
 
-    __slots__ = ("fields", "undo", "units", "records", "owned")
+    __slots__ = ("fields", "undo", "units", "records")
 
     def __init__(self, fields: dict) -> None:
         self.fields = fields          # the manager's saved fields at begin, by name
         self.undo: list = []          # (fn, *args): call fn(*args) to undo one change
         self.units: dict = {}         # unit -> (refs, fill) before its first write
         self.records: dict = {}       # id(seq) -> [seq, num_tokens, snapshot or None]
-        self.owned: set = set()       # ids of objects copied whole once (hits heap)
 
     def record_tokens(self, seq) -> None:
         """Save ``seq.num_tokens`` before its first change (the append hot path)."""
