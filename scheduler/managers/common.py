@@ -1,5 +1,5 @@
 """What every manager shares: sequence lookup, the pending op list, swap-space accounting and
-transactions (one explicit snapshot per class, see ``begin``). A concrete manager supplies the
+transactions (an undo journal, see ``begin`` and journal.py). A concrete manager supplies the
 abstract hooks at the end over its device memory (release, place, count free units).
 """
 from __future__ import annotations
@@ -11,6 +11,7 @@ from ..errors import (ConfigError, DuplicateSequenceError, RequestTooLargeError,
                       SwapSpaceExhaustedError, TransactionStateError, UnknownSequenceError)
 from ..presets import ModelSpec
 from .base import DropSwapped, MemoryManager, SwapIn, SwapOut
+from .journal import MISSING, JDict, Journal, TxnCell, journaled, put_back
 from .prefix import HeldSeq, token_bytes
 
 __all__ = ["ManagerCore", "TransactionStateError", "check_int"]
@@ -33,65 +34,77 @@ class ManagerCore(MemoryManager):
         self.bytes_per_token = model.bytes_per_token
         self.max_seq_len = check_int("max_seq_len_tokens", max_seq_len_tokens, 1)
         self.swap_bytes = check_int("swap_bytes", swap_bytes, 0)
-        self._seqs: dict = {}           # seq_id -> HeldSeq, resident on the device
-        self._swapped: dict = {}        # seq_id -> HeldSeq, in host swap space
+        self._cell = cell = TxnCell()   # the open transaction's journal (None outside one)
+        self._hot_limit = self.max_seq_len   # -1 in a transaction: appends take the logged path
+        self._seqs: dict = {}           # seq_id -> HeldSeq, resident (see _put_seq/_drop_seq)
+        self._swapped = JDict(cell)     # seq_id -> HeldSeq, in host swap space
         self._swap_used_tokens = 0
         self._ops: list = []
         self.prefix_queries = 0         # tokens offered for prefix matching (allocate)
         self.prefix_hits = 0            # of those, tokens found cached
-        self._txn = None                # snapshot taken by begin(), None outside a transaction
 
-    # Fields set at construction and never changed, and indexes recomputed from the other
-    # fields by ``_rebuild_derived`` after a rollback: neither is snapshotted. Subclasses extend
-    # both; a test checks that every other field is named by ``_snapshot``.
-    _FIXED_FIELDS = frozenset({"model", "bytes_per_token", "max_seq_len", "swap_bytes", "_txn"})
-    _DERIVED_FIELDS: frozenset = frozenset()
+    # How rollback covers each field; every field is in one group (a test checks it,
+    # ``journal_gaps``). FIXED: set at construction (_hot_limit: by begin and its end).
+    # SAVED: values only ever rebound, never changed in place, saved by name at begin (never
+    # through vars(): a materialised instance dict slows every attribute read on 3.11).
+    # COPIED: copied at begin (the pending ops, few). LOGGED: plain containers the manager
+    # logs itself at each write (``_touch``, ``_put_seq``), kept plain for the hot paths.
+    # JOURNALED: containers and helpers that log their own changes (journal.py).
+    _FIXED_FIELDS = frozenset({"model", "bytes_per_token", "max_seq_len", "swap_bytes", "_cell",
+                               "_hot_limit"})
+    _SAVED_FIELDS: tuple = ("_swap_used_tokens", "prefix_queries", "prefix_hits")
+    _COPIED_FIELDS: tuple = ("_ops",)
+    _LOGGED_FIELDS = frozenset({"_seqs"})
+    _JOURNALED_FIELDS = frozenset({"_swapped"})
 
-    # -- transactions: one explicit snapshot at begin, put back by rollback --
+    # -- transactions: an undo journal opened by begin, replayed by rollback --
     def begin(self) -> None:
         """Open a transaction: every later change (tables, counters, sequence records, pending
-        ops) is undone by ``rollback`` until ``commit``. Costs one snapshot, O(units + sequences)
-        list copies at C speed; the calls in between run exactly as without it. Raises
-        TransactionStateError if a transaction is already open (they do not nest)."""
-        if self._txn is not None:
+        ops) is undone by ``rollback`` until ``commit``. O(1): the fields are saved by name and
+        each later change logs its inverse (journal.py), so rollback costs O(changes since
+        begin) and commit O(1). Raises TransactionStateError if a transaction is already open
+        (they do not nest)."""
+        if self._cell.j is not None:
             raise TransactionStateError("begin() inside an open transaction; commit or roll back first")
-        records = [(seq, seq.snapshot()) for held in (self._seqs, self._swapped)
-                   for seq in held.values()]
-        self._txn = (self._snapshot(), records)
+        fields = {name: getattr(self, name) for name in self._SAVED_FIELDS}
+        for name in self._COPIED_FIELDS:
+            fields[name] = list(getattr(self, name))
+        self._cell.j = Journal(fields)
+        self._hot_limit = -1
 
     def commit(self) -> None:
         """Keep every change since ``begin`` and close the transaction."""
-        if self._txn is None:
+        if self._cell.j is None:
             raise TransactionStateError("commit() without begin()")
-        self._txn = None
+        self._cell.j = None
+        self._hot_limit = self.max_seq_len
 
     def rollback(self) -> None:
         """Restore every field, sequence record and the pending op list exactly as they were at
         ``begin``; close the transaction."""
-        if self._txn is None:
+        j = self._cell.j
+        if j is None:
             raise TransactionStateError("rollback() without begin()")
-        (fields, records), self._txn = self._txn, None
-        for seq, saved in records:
-            seq.restore(saved)
-        for name, value in fields.items():
+        self._cell.j = None
+        self._hot_limit = self.max_seq_len
+        j.undo_all(*self._unit_arrays())
+        for name, value in j.fields.items():
             setattr(self, name, value)
-        self._rebuild_derived()
 
     @property
     def in_transaction(self) -> bool:
-        return self._txn is not None
+        return self._cell.j is not None
 
-    def _snapshot(self) -> dict:
-        """Every mutable field by name, each copied deep enough that no later call can reach
-        the copy (records held in ``_seqs``/``_swapped`` are snapshotted by HeldSeq.snapshot).
-        Subclasses add their fields."""
-        return {"_seqs": dict(self._seqs), "_swapped": dict(self._swapped),
-                "_swap_used_tokens": self._swap_used_tokens, "_ops": list(self._ops),
-                "prefix_queries": self.prefix_queries, "prefix_hits": self.prefix_hits}
+    def _unit_arrays(self) -> tuple:
+        """The plain per-unit lists written under ``_touch`` (units.py); none here."""
+        return [], []
 
-    def _rebuild_derived(self) -> None:
-        """Recompute the ``_DERIVED_FIELDS`` from the restored fields (rollback only: an index
-        that is large to copy and rarely needed back is cheaper to rebuild)."""
+    def journal_gaps(self) -> list:
+        """Fields a rollback would not restore (must be empty; a test checks every manager)."""
+        plain = (self._FIXED_FIELDS | set(self._SAVED_FIELDS) | set(self._COPIED_FIELDS)
+                 | self._LOGGED_FIELDS)
+        return sorted(name for name, value in vars(self).items() if name not in plain
+                      and (name not in self._JOURNALED_FIELDS or not journaled(value)))
 
     # -- lookups and argument checks --
     def _seq(self, seq_id: int) -> HeldSeq:
@@ -100,6 +113,27 @@ class ManagerCore(MemoryManager):
             if seq_id in self._swapped:
                 raise UnknownSequenceError(f"sequence {seq_id} is swapped out, not resident")
             raise UnknownSequenceError(f"unknown sequence {seq_id} (never allocated, or freed)")
+        return seq
+
+    def _put_seq(self, seq_id: int, seq: HeldSeq) -> None:
+        """Make ``seq`` resident (logged inside a transaction: ``_seqs`` is a plain dict)."""
+        j = self._cell.j
+        if j is not None:
+            j.undo.append((put_back, self._seqs, seq_id, self._seqs.get(seq_id, MISSING)))
+        self._seqs[seq_id] = seq
+
+    def _drop_seq(self, seq_id: int) -> None:
+        seq = self._seqs.pop(seq_id)
+        j = self._cell.j
+        if j is not None:
+            j.undo.append((dict.__setitem__, self._seqs, seq_id, seq))
+
+    def _changing(self, seq_id: int) -> HeldSeq:
+        """``_seq`` for a call about to change the record: saved first inside a transaction."""
+        seq = self._seq(seq_id)
+        j = self._cell.j
+        if j is not None:
+            j.record(seq)
         return seq
 
     def _check_new(self, seq_id: int) -> None:
@@ -142,10 +176,10 @@ class ManagerCore(MemoryManager):
             self._swap_used_tokens -= self._swapped.pop(seq_id).num_tokens
             self._ops.append(DropSwapped(seq_id))
             return
-        seq = self._seq(seq_id)
+        seq = self._changing(seq_id)
         self._publish_at_free(seq, computed_tokens)
         self._release(seq)
-        del self._seqs[seq_id]
+        self._drop_seq(seq_id)
 
     def num_tokens(self, seq_id: int) -> int:
         seq = self._seqs.get(seq_id) or self._swapped.get(seq_id)
@@ -166,7 +200,7 @@ class ManagerCore(MemoryManager):
         return seq is not None and seq.num_tokens * self.bytes_per_token <= self.swap_free_bytes
 
     def swap_out(self, seq_id: int) -> int:
-        seq = self._seq(seq_id)
+        seq = self._changing(seq_id)
         need = seq.num_tokens * self.bytes_per_token
         if need > self.swap_free_bytes:
             raise SwapSpaceExhaustedError(
@@ -174,7 +208,7 @@ class ManagerCore(MemoryManager):
                 f"{self.swap_free_bytes} of {self.swap_bytes} free")
         self._ops.append(SwapOut(seq_id, seq.num_tokens, **self._swap_location(seq)))
         self._release(seq)
-        del self._seqs[seq_id]
+        self._drop_seq(seq_id)
         seq.units = []
         self._swapped[seq_id] = seq
         self._swap_used_tokens += seq.num_tokens
@@ -193,10 +227,12 @@ class ManagerCore(MemoryManager):
             raise UnknownSequenceError(f"sequence {seq_id} is not swapped out")
         if not self.can_swap_in(seq_id):
             self._raise_no_room(f"swapping in sequence {seq_id} ({seq.num_tokens} tokens)")
+        if self._cell.j is not None:
+            self._cell.j.record(seq)
         del self._swapped[seq_id]
         self._swap_used_tokens -= seq.num_tokens
         self._place_private(seq_id, seq)
-        self._seqs[seq_id] = seq
+        self._put_seq(seq_id, seq)
         self._ops.append(SwapIn(seq_id, seq.num_tokens, **self._swap_location(seq)))
 
     def _swap_integrity(self) -> None:

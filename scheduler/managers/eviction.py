@@ -9,7 +9,8 @@ A policy only orders units; the manager owns their state. The manager calls
 
 Guarantees of every policy: ``pop`` returns a unit that was added and not removed since (never a
 held one); ``len`` counts exactly those units; iteration and ``pop`` are deterministic (ties go
-to the unit added first); ``copy`` is independent of the original (transactions snapshot it).
+to the unit added first); every change is undone by a rollback of the manager's transaction
+(every container logs to the manager's journal, journal.py, ``hits``'s heap included).
 
     off    no retention: the managers drop a unit's content when its last holder lets go
     lru    vLLM's free queue: least recently released first; a finished request releases its
@@ -25,10 +26,10 @@ to the unit added first); ``copy`` is independent of the original (transactions 
 from __future__ import annotations
 
 import heapq
-from collections import OrderedDict
-from typing import Dict, Iterator, List, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 from ..errors import ConfigError
+from .journal import JDict, JList, JSet, OrderedUnits, TxnCell, journaled
 
 EVICTION_POLICIES = ("off", "lru", "hits")
 DEFAULT_EVICTION = "lru"
@@ -39,8 +40,20 @@ class EvictionPolicy:
 
     name = "lru"
 
-    def __init__(self) -> None:
-        self._order: OrderedDict = OrderedDict()   # unit -> None, oldest release first
+    def __init__(self, cell: Optional[TxnCell] = None) -> None:
+        self._cell = TxnCell() if cell is None else cell
+        self._order = OrderedUnits(self._cell)   # oldest release first
+
+    def journaled_fields(self) -> bool:
+        """Every container field is undone by a rollback (journal.journaled); scalar fields
+        change only through ``_set``."""
+        return all(journaled(v) for v in vars(self).values())
+
+    def _set(self, name: str, value) -> None:
+        """Rebind field ``name``, logged inside a transaction."""
+        if self._cell.j is not None:
+            self._cell.j.undo.append((setattr, self, name, getattr(self, name)))
+        setattr(self, name, value)
 
     @property
     def retains(self) -> bool:
@@ -48,10 +61,10 @@ class EvictionPolicy:
         return True
 
     def add(self, unit: int) -> None:
-        self._order[unit] = None
+        self._order.add(unit)
 
     def remove(self, unit: int) -> None:
-        del self._order[unit]
+        self._order.remove(unit)
 
     def note_hit(self, unit: int) -> None:
         """``unit`` (cached or held) served a prefix hit."""
@@ -63,8 +76,7 @@ class EvictionPolicy:
         """``unit``'s content was dropped (whatever the policy learnt about it starts again)."""
 
     def pop(self) -> int:
-        unit, _ = self._order.popitem(last=False)
-        return unit
+        return self._order.pop_first()
 
     def __len__(self) -> int:
         return len(self._order)
@@ -74,11 +86,6 @@ class EvictionPolicy:
 
     def __iter__(self) -> Iterator[int]:
         return iter(self._order)
-
-    def copy(self) -> "EvictionPolicy":
-        c = type(self).__new__(type(self))
-        c._order = OrderedDict(self._order)
-        return c
 
 
 class NoRetention(EvictionPolicy):
@@ -100,23 +107,47 @@ class HitsPolicy(EvictionPolicy):
 
     name = "hits"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._heap: List[Tuple[float, int, int]] = []   # (priority, serial, unit)
-        self._entry: Dict[int, int] = {}                # cached unit -> serial of its live entry
-        self._hits: Dict[int, int] = {}                 # unit -> hits served since its content
-        self._generated: set = set()                    # units holding generated tokens
+    def __init__(self, cell: Optional[TxnCell] = None) -> None:
+        super().__init__(cell)
+        cell = self._cell
+        self._heap: List[Tuple[float, int, int]] = JList(cell)   # (priority, serial, unit)
+        self._entry = JDict(cell)       # cached unit -> serial of its live entry
+        self._hits = JDict(cell)        # unit -> hits served since its content
+        self._generated = JSet(cell)    # units holding generated tokens
         self._clock = 0.0
         self._serial = 0
 
+    def _push(self, entry: tuple) -> None:
+        """heapq.heappush; inside a transaction the same algorithm in Python (heapq's own
+        _siftdown), whose every write goes through the JList and is logged."""
+        heap = self._heap
+        if self._cell.j is None:
+            heapq.heappush(heap, entry)        # (C: writes the list directly, unlogged)
+            return
+        heap.append(entry)
+        heapq._siftdown(heap, 0, len(heap) - 1)
+
+    def _pop(self) -> tuple:
+        """heapq.heappop; logged inside a transaction as ``_push``."""
+        heap = self._heap
+        if self._cell.j is None:
+            return heapq.heappop(heap)
+        last = heap.pop()
+        if not heap:
+            return last
+        top, heap[0] = heap[0], last
+        heapq._siftup(heap, 0)
+        return top
+
     def add(self, unit: int) -> None:
         if len(self._heap) > 2 * len(self._entry) + 64:     # drop stale entries now and then
-            self._heap = [e for e in self._heap if self._entry.get(e[2]) == e[1]]
-            heapq.heapify(self._heap)
-        self._serial += 1
+            live = JList(self._cell, (e for e in self._heap if self._entry.get(e[2]) == e[1]))
+            heapq.heapify(live)                 # a new list: the old one comes back on rollback
+            self._set("_heap", live)
+        self._set("_serial", self._serial + 1)
         self._entry[unit] = self._serial
         value = self._hits.get(unit, 0) + (unit not in self._generated)
-        heapq.heappush(self._heap, (self._clock + value, self._serial, unit))
+        self._push((self._clock + value, self._serial, unit))
 
     def remove(self, unit: int) -> None:
         del self._entry[unit]            # its heap entry is now stale (skipped by pop)
@@ -129,12 +160,12 @@ class HitsPolicy(EvictionPolicy):
 
     def pop(self) -> int:
         while True:
-            priority, serial, unit = heapq.heappop(self._heap)
+            priority, serial, unit = self._pop()
             if self._entry.get(unit) == serial:
                 break
         del self._entry[unit]
         self.forget(unit)
-        self._clock = priority
+        self._set("_clock", priority)
         return unit
 
     def forget(self, unit: int) -> None:
@@ -151,20 +182,14 @@ class HitsPolicy(EvictionPolicy):
         live = sorted((p, s, u) for p, s, u in self._heap if self._entry.get(u) == s)
         return iter([u for _, _, u in live])
 
-    def copy(self) -> "HitsPolicy":
-        c = HitsPolicy.__new__(HitsPolicy)
-        c._heap, c._entry, c._hits = list(self._heap), dict(self._entry), dict(self._hits)
-        c._generated = set(self._generated)
-        c._clock, c._serial = self._clock, self._serial
-        return c
-
 
 _POLICIES = {"off": NoRetention, "lru": EvictionPolicy, "hits": HitsPolicy}
 
 
-def make_eviction(name: str) -> EvictionPolicy:
-    """The policy called ``name`` (one of ``EVICTION_POLICIES``), else ConfigError."""
+def make_eviction(name: str, cell: Optional[TxnCell] = None) -> EvictionPolicy:
+    """The policy called ``name`` (one of ``EVICTION_POLICIES``), else ConfigError; its
+    changes log to ``cell``'s open journal (a manager's transactions)."""
     if name not in _POLICIES:
         raise ConfigError(f"prefix_eviction must be one of {', '.join(EVICTION_POLICIES)}, "
                           f"got {name!r}")
-    return _POLICIES[name]()
+    return _POLICIES[name](cell)

@@ -36,6 +36,7 @@ from typing import Optional
 
 from ..errors import OutOfCapacityError
 from .base import GroupPart, MapGroup, MemoryStats, ReleaseGroup, UnmapGroup
+from .journal import JList, JSet
 from .prefix import HeldSeq
 from .vmem import VmemManager
 
@@ -51,11 +52,12 @@ class HybridVmemManager(VmemManager):
     def __init__(self, model, cache_bytes: int, max_seq_len_tokens: int, **kwargs) -> None:
         super().__init__(model, cache_bytes, max_seq_len_tokens, **kwargs)
         assert self.geometry.split, "a hybrid manager needs a split (hybrid per-layer) geometry"
-        self._free = []                                   # nothing is bound before a MapGroup
-        self._spare = list(range(self.num_groups - 1, -1, -1))
-        self._partial: set = set()
-        self._win_drop = [0] * self.num_groups   # holders of g whose WINDOW part is unmapped
-        self._win_gone = [0] * self.num_slots    # slot -> leading pages mapped FULL only
+        cell = self._cell
+        self._free = JList(cell)                          # nothing is bound before a MapGroup
+        self._spare = JList(cell, range(self.num_groups - 1, -1, -1))
+        self._partial = JSet(cell)
+        self._win_drop = JList(cell, [0] * self.num_groups)   # holders of g, WINDOW unmapped
+        self._win_gone = JList(cell, [0] * self.num_slots)    # slot -> leading FULL-only pages
         self._init_window(model.local_window_tokens)
 
     def _group_ids(self, cache_bytes: int, whole_groups: int) -> int:
@@ -65,12 +67,8 @@ class HybridVmemManager(VmemManager):
         return self.pool_pages // self.full_pages    # every group with pages holds FULL ones
 
     _FIXED_FIELDS = VmemManager._FIXED_FIELDS | {"pool_pages", "full_pages", "window_pages"}
-
-    def _snapshot(self) -> dict:
-        state = super()._snapshot()
-        state.update(_spare=list(self._spare), _partial=set(self._partial),
-                     _win_drop=list(self._win_drop), _win_gone=list(self._win_gone))
-        return state
+    _JOURNALED_FIELDS = VmemManager._JOURNALED_FIELDS | {"_spare", "_partial", "_win_drop",
+                                                         "_win_gone"}
 
     # -- page accounting --
     @property
@@ -107,6 +105,7 @@ class HybridVmemManager(VmemManager):
         MapGroup binds free pages, else reclaimed as in vmem.py."""
         if not self._free and self.free_pages >= self.pages_per_group:
             g = self._spare.pop()     # ids outnumber groups with pages: never empty here
+            self._touch(g)
             self._refs[g], self._fill[g] = 1, 0
             return g
         return super()._take_group()
@@ -134,7 +133,7 @@ class HybridVmemManager(VmemManager):
     def release_behind_window(self, seq_id: int, computed_tokens: int) -> None:
         """Unmap the WINDOW part of the sequence's pages wholly before ``computed_tokens - W + 1``
         (the last page always stays whole); release it where no holder needs it any more."""
-        seq = self._seq(seq_id)
+        seq = self._changing(seq_id)
         first_read = computed_tokens - self._window + 1
         behind = min(max(first_read, 0) // self.tokens_per_page, len(seq.units) - 1)
         slot = seq.slot

@@ -62,6 +62,7 @@ class PagedManager(WindowedGroups, UnitManager):
     def _take_block(self) -> int:
         """A block for new content: a free one, else the cached one the eviction policy names."""
         b = self._free.pop() if self._free else self._evict()
+        self._touch(b)
         self._refs[b] = 1
         self._fill[b] = 0
         return b
@@ -87,7 +88,7 @@ class PagedManager(WindowedGroups, UnitManager):
         self._fill_blocks(seq, len(hits) * self.block_size, num_tokens)
         self._cap_sum += len(seq.units) * self.block_size
         self._tok_sum += num_tokens
-        self._seqs[seq_id] = seq
+        self._put_seq(seq_id, seq)
         self._register_prompt(seq, hits)
         return self._count_prefix(token_ids, num_tokens, hits)
 
@@ -97,6 +98,7 @@ class PagedManager(WindowedGroups, UnitManager):
         while pos < end:
             k = pos // bs
             stop = min(end, (k + 1) * bs)
+            self._touch(seq.units[k])
             self._fill[seq.units[k]] += stop - pos
             pos = stop
         self._live += end - start
@@ -153,7 +155,7 @@ class PagedManager(WindowedGroups, UnitManager):
         child = parent.copy()
         for b in held_units(child):
             self._hold(b)
-        self._seqs[child_id] = child
+        self._put_seq(child_id, child)
         self._cap_sum += len(held_units(child)) * self.block_size
         self._tok_sum += child.num_tokens - dropped_units(child) * self.block_size
 

@@ -20,6 +20,7 @@ from functools import lru_cache
 from typing import NamedTuple, Optional, Sequence
 
 from ..errors import ConfigError
+from .journal import JDict, TxnCell, journaled
 
 TOKEN_BYTES = 8   # each token id is hashed and stored as one int64
 
@@ -96,18 +97,18 @@ class PrefixIndex:
     Guarantees: a unit has at most one registration and a digest names at most one unit;
     ``match`` returns only units whose token ids AND whole chain of registrations equal the
     query's; ``drop`` of an unregistered unit is a no-op (callers may drop on every reuse).
-    Registrations are immutable, so ``copy`` copies two dicts.
+    Registrations are immutable; every change logs to ``cell``'s open journal (journal.py).
     """
 
-    def __init__(self) -> None:
-        self.by_digest: dict = {}   # digest -> CachedUnit
-        self.by_unit: dict = {}     # unit -> CachedUnit
-        self.serials = 0            # registrations ever made (each gets a new serial)
+    def __init__(self, cell: Optional[TxnCell] = None) -> None:
+        self._cell = cell = TxnCell() if cell is None else cell
+        self.by_digest: dict = JDict(cell)   # digest -> CachedUnit
+        self.by_unit: dict = JDict(cell)     # unit -> CachedUnit
+        self.serials = 0                     # registrations ever made (each gets a new serial)
 
-    def copy(self) -> "PrefixIndex":
-        c = PrefixIndex()
-        c.by_digest, c.by_unit, c.serials = dict(self.by_digest), dict(self.by_unit), self.serials
-        return c
+    def journaled_fields(self) -> bool:
+        """Every field is undone by a rollback (journal.journaled)."""
+        return all(journaled(v) for v in vars(self).values())
 
     def match(self, keys: Sequence[UnitKey]) -> list:
         """Units of the longest verified cached prefix of ``keys``."""
@@ -132,6 +133,8 @@ class PrefixIndex:
             if reg is None:
                 return
             parent = reg.serial
+        if self._cell.j is not None:
+            self._cell.j.undo.append((setattr, self, "serials", self.serials))
         self.serials += 1
         reg = tuple.__new__(CachedUnit, (unit, key, self.serials, parent))   # hot: no __new__ call
         self.by_digest[key.digest] = self.by_unit[unit] = reg

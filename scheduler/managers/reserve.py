@@ -38,11 +38,7 @@ class ReserveManager(ManagerCore):
         self._live = 0      # tokens cached by resident sequences
 
     _FIXED_FIELDS = ManagerCore._FIXED_FIELDS | {"oracle", "name", "total_tokens"}
-
-    def _snapshot(self) -> dict:
-        state = super()._snapshot()
-        state.update(_held=self._held, _live=self._live)
-        return state
+    _SAVED_FIELDS = ManagerCore._SAVED_FIELDS + ("_held", "_live")
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -80,7 +76,7 @@ class ReserveManager(ManagerCore):
                                      f"{self.total_tokens - self._held} free")
         seq = HeldSeq(num_tokens, None, namespace)
         seq.reserved = need
-        self._seqs[seq_id] = seq
+        self._put_seq(seq_id, seq)
         self._held += need
         self._live += num_tokens
         if token_ids is not None:
@@ -93,7 +89,7 @@ class ReserveManager(ManagerCore):
 
     def append(self, seq_id: int, num_tokens: int = 1,
                token_ids: Optional[Sequence[int]] = None) -> None:
-        seq = self._seq(seq_id)
+        seq = self._changing(seq_id)
         new = seq.num_tokens + num_tokens
         if new > seq.reserved:
             self._check_append_ids(num_tokens, token_ids)
@@ -116,7 +112,7 @@ class ReserveManager(ManagerCore):
         if not self.can_fork(parent_id):
             self._raise_no_room(f"forking sequence {parent_id} ({parent.reserved} tokens)")
         child = parent.copy()
-        self._seqs[child_id] = child
+        self._put_seq(child_id, child)
         self._held += child.reserved
         self._live += child.num_tokens
 

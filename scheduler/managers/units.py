@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 from ..errors import ConfigError
 from .common import ManagerCore
 from .eviction import make_eviction
+from .journal import JList
 from .prefix import HeldSeq, PrefixIndex, namespace_root, token_bytes, unit_keys
 
 
@@ -24,25 +25,32 @@ class UnitManager(ManagerCore):
     def _init_units(self, num_units: int, unit_tokens: int, eviction: str) -> None:
         self.unit_tokens = self.prefix_unit_tokens = unit_tokens
         self.prefix_eviction = eviction
-        self._refs = [0] * num_units                 # holders of each unit
-        self._fill = [0] * num_units                 # tokens written in each unit
-        self.prefix = PrefixIndex()
+        cell = self._cell
+        self._refs = [0] * num_units                 # holders of each unit   } plain lists,
+        self._fill = [0] * num_units                 # tokens in each unit    } see _touch
+        self.prefix = PrefixIndex(cell)
         self._live = self._cap_sum = self._tok_sum = 0
         self._memo = (None, None, [])                # last (namespace, token ids, their keys)
-        self._free = list(range(num_units - 1, -1, -1))   # unheld units with nothing kept
-        self._cache = make_eviction(eviction)        # cached: unheld, registered (computed) units
+        self._free = JList(cell, range(num_units - 1, -1, -1))   # unheld units, nothing kept
+        self._cache = make_eviction(eviction, cell)  # cached: unheld, registered (computed) units
         # _live: tokens in held units (a shared unit counted once); _cap_sum / _tok_sum: over
         # resident sequences, len(units) * unit_tokens and num_tokens
 
     _FIXED_FIELDS = ManagerCore._FIXED_FIELDS | {"unit_tokens", "prefix_unit_tokens",
                                                  "prefix_eviction"}
+    _SAVED_FIELDS = ManagerCore._SAVED_FIELDS + ("_live", "_cap_sum", "_tok_sum", "_memo")
+    _LOGGED_FIELDS = ManagerCore._LOGGED_FIELDS | {"_refs", "_fill"}
+    _JOURNALED_FIELDS = ManagerCore._JOURNALED_FIELDS | {"prefix", "_free", "_cache"}
 
-    def _snapshot(self) -> dict:
-        state = super()._snapshot()
-        state.update(_refs=list(self._refs), _fill=list(self._fill), prefix=self.prefix.copy(),
-                     _live=self._live, _cap_sum=self._cap_sum, _tok_sum=self._tok_sum,
-                     _memo=self._memo, _free=list(self._free), _cache=self._cache.copy())
-        return state
+    def _unit_arrays(self) -> tuple:
+        return self._refs, self._fill
+
+    def _touch(self, unit: int) -> None:
+        """Call before writing ``_refs[unit]`` or ``_fill[unit]``: inside a transaction the
+        pair is saved at its first write (plain lists keep the hot paths at list speed)."""
+        j = self._cell.j
+        if j is not None and unit not in j.units:
+            j.units[unit] = (self._refs[unit], self._fill[unit])
 
     def ref_count(self, unit: int) -> int:
         return self._refs[unit]
@@ -60,6 +68,7 @@ class UnitManager(ManagerCore):
     def _hold(self, unit: int) -> None:
         """One more holder of an existing (hit or shared) unit; an unheld one leaves the cache
         (or, vmem, the groups still mapped under a freed slot)."""
+        self._touch(unit)
         if self._refs[unit] == 0:
             self._revive(unit)
             self._live += self._fill[unit]
@@ -72,6 +81,7 @@ class UnitManager(ManagerCore):
     def _unhold(self, unit: int) -> None:
         """One holder fewer; the last one leaves the unit cached (registered, retention on) or
         gives it up (``_drop_content``)."""
+        self._touch(unit)
         self._refs[unit] -= 1
         if self._refs[unit] == 0:
             self._live -= self._fill[unit]
@@ -107,7 +117,7 @@ class UnitManager(ManagerCore):
     def mark_computed(self, seq_id: int, num_tokens: int) -> None:
         """The first ``num_tokens`` tokens of ``seq_id`` have K/V written: its full units among
         them become findable by later prefix queries (nothing is published before)."""
-        self._publish(self._seq(seq_id), num_tokens)
+        self._publish(self._changing(seq_id), num_tokens)
 
     def _republish(self, seq: HeldSeq) -> None:
         """A swapped-in sequence's content is back in new units: findable again."""
@@ -215,14 +225,34 @@ class UnitManager(ManagerCore):
                token_ids: Optional[Sequence[int]] = None) -> None:
         seq = self._seq(seq_id)
         new = seq.num_tokens + num_tokens
-        if (new <= len(seq.units) * self.unit_tokens and new <= self.max_seq_len and num_tokens > 0
+        if (new <= len(seq.units) * self.unit_tokens and new <= self._hot_limit and num_tokens > 0
                 and seq.ids is None and token_ids is None and self._refs[seq.units[-1]] == 1):
-            # hot path: room in a private last unit, no ids to hash: counters only
+            # hot path: room in a private last unit, no ids to hash: counters only (no open
+            # transaction: _hot_limit is max_seq_len outside one, -1 inside)
             self._fill[seq.units[-1]] += num_tokens
             self._live += num_tokens
             self._tok_sum += num_tokens
             seq.num_tokens = new
             return
+        self._append_logged(seq_id, seq, num_tokens, token_ids)
+
+    def _append_logged(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
+        """``append`` past the hot path, or inside a transaction (saving what it changes)."""
+        j = self._cell.j
+        if j is None:
+            self._append_slow(seq_id, seq, num_tokens, token_ids)
+            return
+        new = seq.num_tokens + num_tokens
+        if (new <= len(seq.units) * self.unit_tokens and new <= self.max_seq_len and num_tokens > 0
+                and seq.ids is None and token_ids is None and self._refs[seq.units[-1]] == 1):
+            j.record_tokens(seq)       # the hot path's changes, logged
+            self._touch(seq.units[-1])
+            self._fill[seq.units[-1]] += num_tokens
+            self._live += num_tokens
+            self._tok_sum += num_tokens
+            seq.num_tokens = new
+            return
+        j.record(seq)
         self._append_slow(seq_id, seq, num_tokens, token_ids)
 
     @abstractmethod

@@ -25,7 +25,6 @@ a sequence whose first hit is still mapped under a free slot is placed on that s
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Optional, Sequence
 
 from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError, SlotError
@@ -34,6 +33,7 @@ from ..presets import ModelSpec
 from .base import CopyGroup, MapGroup, MemoryStats, UnmapGroup
 from .common import check_int
 from .eviction import DEFAULT_EVICTION
+from .journal import JDict, JList, JSet, OrderedUnits
 from .prefix import HeldSeq
 from .slots import FreeSlots
 from .units import UnitManager
@@ -75,11 +75,12 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self.num_slots = check_int("max_slots", max_slots if max_slots is not None else whole_groups, 1)
         self.pages_per_slot = self.max_seq_len // tpp
         self._init_units(self.num_groups, tpp, prefix_eviction)
-        self._reclaimable: OrderedDict = OrderedDict()   # refs 0, mapped, no content: LRU first
-        self._maps = [set() for _ in range(self.num_groups)]  # group -> {(slot, page_index)}
-        self._pages = [dict() for _ in range(self.num_slots)]  # slot -> {page_index: group}
-        self._owner: list = [None] * self.num_slots           # slot -> seq_id or None
-        self._free_slots = FreeSlots(self.num_slots, self.pages_per_slot)
+        cell = self._cell    # every container below logs to an open transaction's journal
+        self._reclaimable = OrderedUnits(cell)   # refs 0, mapped, no content: LRU first
+        self._maps = tuple(JSet(cell) for _ in range(self.num_groups))   # group -> {(slot, pi)}
+        self._pages = tuple(JDict(cell) for _ in range(self.num_slots))  # slot -> {pi: group}
+        self._owner = JList(cell, [None] * self.num_slots)      # slot -> seq_id or None
+        self._free_slots = FreeSlots(self.num_slots, self.pages_per_slot, cell)
         self._init_window(model.window_tokens)
 
     pool_pages: Optional[int] = None   # hybrid.py: the pool counted in pages; here every
@@ -100,21 +101,9 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
     _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {
         "geometry", "layout", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
         "pages_per_slot", "_window"}
+    _JOURNALED_FIELDS = UnitManager._JOURNALED_FIELDS | {
+        "_reclaimable", "_maps", "_pages", "_owner", "_free_slots"}
 
-    _DERIVED_FIELDS = frozenset({"_maps"})   # group -> mappings: the inverse of _pages
-
-    def _snapshot(self) -> dict:
-        state = super()._snapshot()
-        state.update(_pages=list(map(dict.copy, self._pages)), _owner=list(self._owner),
-                     _free_slots=self._free_slots.copy(),
-                     _reclaimable=OrderedDict(self._reclaimable))
-        return state
-
-    def _rebuild_derived(self) -> None:
-        self._maps = [set() for _ in range(self.num_groups)]
-        for slot, pages in enumerate(self._pages):
-            for pi, g in pages.items():
-                self._maps[g].add((slot, pi))
 
     # -- queries the runtime needs --
     def slot_of(self, seq_id: int) -> int:
@@ -154,7 +143,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self._ops.append(UnmapGroup(slot, pi, g))
         self._free_slots.recount(slot, len(pages))
         if g in self._reclaimable and not self._maps[g]:
-            del self._reclaimable[g]
+            self._reclaimable.remove(g)
             self._free.append(g)          # (a cached group stays cached, mapped nowhere)
 
     def _take_group(self) -> int:
@@ -164,7 +153,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
             g = self._free.pop()
         else:
             if self._reclaimable:
-                g, _ = self._reclaimable.popitem(last=False)
+                g = self._reclaimable.pop_first()
             else:
                 g = self._evict()
             for slot, pi in sorted(self._maps[g]):
@@ -172,18 +161,19 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
                 self._ops.append(UnmapGroup(slot, pi, g))
                 self._free_slots.recount(slot, len(self._pages[slot]))
             self._maps[g].clear()
+        self._touch(g)
         self._refs[g], self._fill[g] = 1, 0
         return g
 
     def _unheld(self, g: int) -> None:
         if self._maps[g]:
-            self._reclaimable[g] = None    # still mapped where it was used
+            self._reclaimable.add(g)       # still mapped where it was used
             return
         self._free.append(g)
 
     def _revive(self, g: int) -> None:
         if g in self._reclaimable:
-            del self._reclaimable[g]
+            self._reclaimable.remove(g)
         else:
             self._cache.remove(g)
 
@@ -197,7 +187,8 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         fresh one (a cached group stays cached for later hits)."""
         g = self._pages[slot].get(pi)
         if g is not None and g in self._reclaimable:
-            del self._reclaimable[g]
+            self._reclaimable.remove(g)
+            self._touch(g)
             self._refs[g], self._fill[g] = 1, 0
             return g
         if g is not None:
@@ -234,11 +225,12 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         seq.units = list(hits) + [self._grow_page(slot, pi)
                                   for pi in range(len(hits), -(-n // tpp))]
         for pi in range(len(hits), len(seq.units)):
+            self._touch(seq.units[pi])
             self._fill[seq.units[pi]] = min(tpp, n - pi * tpp)
         self._live += n - len(hits) * tpp
         self._cap_sum += len(seq.units) * tpp
         self._tok_sum += n
-        self._seqs[seq_id] = seq
+        self._put_seq(seq_id, seq)
 
     def _share_into(self, slot: int, groups: list) -> None:
         """Hold ``groups`` (page index -> group) and map each under ``slot`` where it is not
@@ -316,6 +308,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         while pos < end:
             pi = pos // tpp
             stop = min(end, (pi + 1) * tpp)
+            self._touch(seq.units[pi])
             self._fill[seq.units[pi]] += stop - pos
             pos = stop
         self._live += num_tokens
@@ -334,6 +327,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self._map(slot, pi, new)
         src_slot, src_pi = min(self._maps[old])   # same physical group wherever it is mapped
         self._ops.append(CopyGroup(src_slot, src_pi, slot, pi))
+        self._touch(new)
         self._fill[new] = self._fill[old]
         self._live += self._fill[old]
         seq.units[pi] = new
@@ -352,7 +346,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self._share_into(self._occupy(child_id, child), child.units)
         self._cap_sum += len(held_units(child)) * self.tokens_per_page
         self._tok_sum += child.num_tokens - dropped_units(child) * self.tokens_per_page
-        self._seqs[child_id] = child
+        self._put_seq(child_id, child)
 
     def _swap_location(self, seq: HeldSeq) -> dict:
         return {"slot": seq.slot}

@@ -26,7 +26,7 @@ class VmemIntegrity:
                 maps[g].add((slot, pi))
             free = self._owner[slot] is None
             assert free == (slot in self._free_slots)
-        assert maps == self._maps, "mapping index"
+        assert maps == list(self._maps), "mapping index"
         assert all(c == len(self._pages[s]) for s, c in self._free_slots.items())
         assert len(set(self._free)) == len(self._free)
         registered, spare = self.prefix.by_unit, self._spare_groups()

@@ -57,7 +57,7 @@ class WindowedGroups:
         """Unhold and unmap the sequence's groups wholly before ``computed_tokens - W + 1``."""
         if self._window is None:
             return
-        seq = self._seq(seq_id)
+        seq = self._changing(seq_id)
         first_read = computed_tokens - self._window + 1
         # the last unit always stays: growth and copy-on-write work on it
         behind = min(max(first_read, 0) // self.unit_tokens, len(seq.units) - 1)

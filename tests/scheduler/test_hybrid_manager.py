@@ -145,11 +145,11 @@ def test_hybrid_model_spec_properties():
     assert spec.is_hybrid and spec.local_window_tokens == 4
 
 
-def test_snapshot_names_every_hybrid_field():
+def test_journal_covers_every_hybrid_field():
     m = gemma(8 * GROUP * 4)
     m.allocate(0, 4096)
     m.release_behind_window(0, 4096)
-    assert set(m._snapshot()) == set(vars(m)) - m._FIXED_FIELDS - m._DERIVED_FIELDS
+    assert m.journal_gaps() == []
 
 
 def test_rollback_restores_window_parts_exactly():

@@ -1,0 +1,163 @@
+"""Manager transactions: what begin()+commit(), a decode step's manager calls and a rollback
+cost per step, by pool size, with and without a full prefix cache; and the append hot path
+outside a transaction.
+
+    .venv/bin/python -m vmemkv.benchmarks.txn [--pools 1000 10000 100000] [--json out.json]
+    .venv/bin/python -m vmemkv.benchmarks.txn --before-python /path/to/old/.venv/bin/python
+
+With ``--before-python`` this file also runs, as a script, under that interpreter (whose
+``vmemkv`` is another checkout: the code before a change), alternating old and new twice, and
+prints both side by side (the faster of the two runs of each). Only public manager calls are
+used, so any checkout with ``begin``/``commit``/``rollback`` can be measured.
+
+Managers: paged (16-token blocks) and vmem per-layer (pages of 16 tokens, so a unit holds the
+same tokens as a block) for llama-3-8b. A pool of N units holds 32 running sequences of 193
+tokens; "full cache" fills every other unit but 64 with cached prefix units (distinct prompts,
+computed, freed). The decode step is begin, one append to each running sequence (every 16th
+crosses into a new unit), commit. Times are medians in microseconds; a figure, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+from vmemkv.benchmarks.common import format_table, write_json
+from vmemkv.scheduler.managers import make_manager
+from vmemkv.scheduler.presets import get_model
+
+MODEL = get_model("llama-3-8b")
+UNIT_TOKENS = 16
+RUNNING, RUNNING_TOKENS, SLACK_UNITS, PROMPT_UNITS = 32, 193, 64, 256   # 193: 15 free in the last
+MAX_SEQ_LEN = 8192
+
+
+def build(kind: str, units: int):
+    unit_bytes = UNIT_TOKENS * MODEL.bytes_per_token
+    if kind == "paged":
+        return make_manager("paged", MODEL, units * unit_bytes, MAX_SEQ_LEN,
+                            block_size_tokens=UNIT_TOKENS)
+    page_bytes = unit_bytes // (2 * MODEL.num_layers)       # per-layer: 2L pages a group
+    return make_manager("vmem", MODEL, units * unit_bytes, MAX_SEQ_LEN, page_bytes=page_bytes,
+                        layout="per-layer", max_slots=256)
+
+
+def populate(m, units: int, full_cache: bool) -> list:
+    """Running sequences, and (full_cache) cached prompts in every other unit but the slack."""
+    next_id, token = 10_000, 0
+    if full_cache:
+        left = units - RUNNING * -(-RUNNING_TOKENS // UNIT_TOKENS) - SLACK_UNITS
+        while left > 0:
+            n = min(PROMPT_UNITS, left) * UNIT_TOKENS
+            m.allocate(next_id, n, list(range(token, token + n)))
+            m.mark_computed(next_id, n)
+            m.free(next_id)
+            next_id, token, left = next_id + 1, token + n, left - n // UNIT_TOKENS
+    for sid in range(RUNNING):
+        m.allocate(sid, RUNNING_TOKENS)
+    m.take_ops()
+    return list(range(RUNNING))
+
+
+def median_us(fn, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def measure(kind: str, units: int, full_cache: bool, repeats: int) -> dict:
+    m = build(kind, units)
+    seqs = populate(m, units, full_cache)
+
+    def empty():
+        m.begin()
+        m.commit()
+
+    def step(end):
+        m.begin()
+        for sid in seqs:
+            m.append(sid)
+        end()
+        m.take_ops()
+
+    row = {"manager": kind, "units": units, "cache": "full" if full_cache else "empty",
+           "cached_units": len(m.cached_units()),
+           "begin_commit_us": median_us(empty, repeats),
+           "decode_step_us": median_us(lambda: step(m.commit), repeats),
+           "rollback_step_us": median_us(lambda: step(m.rollback), repeats)}
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(UNIT_TOKENS - 1):     # stay inside the units (the hot path)
+            for sid in seqs:
+                m.append(sid)
+        samples.append((time.perf_counter() - start) / ((UNIT_TOKENS - 1) * len(seqs)))
+        for sid in seqs:                     # back to the same lengths: free and re-allocate
+            m.free(sid)
+            m.allocate(sid, RUNNING_TOKENS)
+        m.take_ops()
+    row["append_hot_ns"] = statistics.median(samples) * 1e9
+    return row
+
+
+def run_all(pools, repeats: int) -> list:
+    rows = []
+    for kind in ("paged", "vmem"):
+        for units in pools:
+            for full in (False, True):
+                rows.append(measure(kind, units, full, repeats))
+    return rows
+
+
+COLUMNS = ["manager", "units", "cache", "cached_units", "begin_commit_us", "decode_step_us",
+           "rollback_step_us", "append_hot_ns"]
+TIMES = COLUMNS[4:]
+
+
+def compare(before_python: str, pools, repeats: int) -> list:
+    """Old and new, each run twice in turn as a subprocess; the faster run of each figure."""
+    args = ["--pools", *map(str, pools), "--repeats", str(repeats), "--rows-only"]
+    runs = {"before": [], "after": []}
+    for _ in range(2):
+        for label, python in (("before", before_python), ("after", sys.executable)):
+            out = subprocess.run([python, __file__, *args], check=True, capture_output=True,
+                                 text=True).stdout
+            runs[label].append(json.loads(out.strip().splitlines()[-1]))
+    rows = []
+    for i, base in enumerate(runs["after"][0]):
+        row = {k: base[k] for k in COLUMNS[:4]}
+        for label in ("before", "after"):
+            for col in TIMES:
+                row[f"{col}_{label}"] = min(r[i][col] for r in runs[label])
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pools", type=int, nargs="+", default=[1000, 10_000, 100_000])
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--before-python", help="interpreter whose vmemkv is the code before")
+    ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    if args.rows_only:
+        print(json.dumps(run_all(args.pools, args.repeats)))
+        return
+    if args.before_python:
+        rows = compare(args.before_python, args.pools, args.repeats)
+        columns = COLUMNS[:4] + [f"{c}_{x}" for c in TIMES for x in ("before", "after")]
+    else:
+        rows, columns = run_all(args.pools, args.repeats), COLUMNS
+    print(format_table(rows, columns))
+    write_json(args.json, {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""Undo journal of a manager transaction: ``begin`` is O(1), ``rollback`` O(changes since begin).
+
+``begin`` saves the manager's scalar fields by name (``ManagerCore._SAVED_FIELDS``) and opens a
+``Journal`` in the manager's ``TxnCell``; every container the manager mutates in place then
+logs the inverse of each change while the cell holds a journal:
+
+    JList / JDict / JSet    builtin containers whose mutators log (reading costs what the
+                            builtin's does); an unlogged mutator raises TypeError
+    OrderedUnits            an insertion-ordered set (LRU lists, free-slot buckets) whose
+                            removal from the middle is undone exactly (lazy deletion)
+    the unit arrays         ``_refs``/``_fill``, plain lists for the hot paths: the manager
+                            saves a unit's pair before its first write (``UnitManager._touch``)
+    sequence records        saved at their first change (``Journal.record``/``record_tokens``)
+
+``rollback`` replays the inverses newest first, which restores each container exactly
+(order included), then the unit pairs, the records and the saved fields. Outside a
+transaction every logging path costs one ``cell.j is None`` test, and the append hot path
+none (``ManagerCore._hot_limit`` diverts it to a logged copy inside a transaction).
+What is copied rather than logged, each bounded by what the step touches or holds pending,
+not by the pool: a record's block table at its first change other than a hot append
+(O(that sequence's units)), and the pending ops at begin.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+MISSING = object()
+
+
+class TxnCell:
+    """The one place a manager and its helpers look up the open journal (None: none open)."""
+
+    __slots__ = ("j",)
+
+    def __init__(self) -> None:
+        self.j: "Journal | None" = None
+
+
+class Journal:
+    """What ``rollback`` needs: the fields at begin, the inverse steps, first-write saves."""
+
+    __slots__ = ("fields", "undo", "units", "records")
+
+    def __init__(self, fields: dict) -> None:
+        self.fields = fields          # the manager's saved fields at begin, by name
+        self.undo: list = []          # (fn, *args): call fn(*args) to undo one change
+        self.units: dict = {}         # unit -> (refs, fill) before its first write
+        self.records: dict = {}       # id(seq) -> [seq, num_tokens, snapshot or None]
+
+    def record_tokens(self, seq) -> None:
+        """Save ``seq.num_tokens`` before its first change (the append hot path)."""
+        if id(seq) not in self.records:
+            self.records[id(seq)] = [seq, seq.num_tokens, None]
+
+    def record(self, seq) -> None:
+        """Save the whole record ``seq`` before its first change other than num_tokens."""
+        entry = self.records.get(id(seq))
+        if entry is None:
+            self.records[id(seq)] = [seq, seq.num_tokens, seq.snapshot()]
+        elif entry[2] is None:
+            entry[2] = seq.snapshot()     # num_tokens alone changed so far: it is in entry[1]
+
+    def undo_all(self, refs: list, fill: list) -> None:
+        """Put every logged container, unit pair and record back as at begin."""
+        for step in reversed(self.undo):
+            step[0](*step[1:])
+        for unit, (r, f) in self.units.items():
+            refs[unit], fill[unit] = r, f
+        for seq, num_tokens, saved in self.records.values():
+            if saved is not None:
+                seq.restore(saved)
+            seq.num_tokens = num_tokens
+
+
+def put_back(container, key, old) -> None:
+    if old is MISSING:
+        del container[key]
+    else:
+        container[key] = old
+
+
+def _refuse(name: str):
+    def refused(self, *args, **kwargs):
+        raise TypeError(f"{type(self).__name__}.{name} is not journaled; use a logged mutator")
+    refused.__name__ = name
+    return refused
+
+
+class JList(list):
+    """A list whose item writes, append and pop() log their inverse (other mutators refuse)."""
+
+    def __init__(self, cell: TxnCell, items=()) -> None:
+        super().__init__(items)
+        self._cell = cell
+
+    def __reduce__(self):      # copy/pickle: the cell first (pickle's own would extend first)
+        return (JList, (self._cell, list(self)))
+
+    def __setitem__(self, index: int, value) -> None:
+        j = self._cell.j
+        if j is not None:
+            j.undo.append((list.__setitem__, self, index, list.__getitem__(self, index)))
+        list.__setitem__(self, index, value)
+
+    def append(self, value) -> None:
+        j = self._cell.j
+        if j is not None:
+            j.undo.append((list.pop, self))
+        list.append(self, value)
+
+    def pop(self):
+        value = list.pop(self)
+        j = self._cell.j
+        if j is not None:
+            j.undo.append((list.append, self, value))
+        return value
+
+    for _name in ("__delitem__", "__iadd__", "__imul__", "extend", "insert", "remove", "clear",
+                  "sort", "reverse"):
+        locals()[_name] = _refuse(_name)
+    del _name
+
+
+class JDict(dict):
+    """A dict whose item writes, deletes and pop log their inverse (key order is not kept
+    across a rollback: use it where order means nothing; OrderedUnits where it does)."""
+
+    def __init__(self, cell: TxnCell, items=()) -> None:
+        super().__init__(items)
+        self._cell = cell
+
+    def __reduce__(self):      # copy/pickle: the cell first
+        return (JDict, (self._cell, dict(self)))
+
+    def __setitem__(self, key, value) -> None:
+        j = self._cell.j
+        if j is not None:
+            j.undo.append((put_back, self, key, dict.get(self, key, MISSING)))
+        dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key) -> None:
+        old = dict.pop(self, key)
+        j = self._cell.j
+        if j is not None:
+            j.undo.append((dict.__setitem__, self, key, old))
+
+    def pop(self, key, default=MISSING):
+        if key not in self:
+            if default is MISSING:
+                raise KeyError(key)
+            return default
+        old = self[key]
+        del self[key]
+        return old
+
+    for _name in ("__ior__", "popitem", "setdefault", "update", "clear"):
+        locals()[_name] = _refuse(_name)
+    del _name
+
+
+class JSet(set):
+    """A set whose add, discard, remove and clear log their inverse."""
+
+    def __init__(self, cell: TxnCell, items=()) -> None:
+        super().__init__(items)
+        self._cell = cell
+
+    def __reduce__(self):      # copy/pickle: set's own would call __init__(items)
+        return (JSet, (self._cell, list(self)))
+
+    def add(self, item) -> None:
+        if item not in self:
+            j = self._cell.j
+            if j is not None:
+                j.undo.append((set.discard, self, item))
+            set.add(self, item)
+
+    def discard(self, item) -> None:
+        if item in self:
+            j = self._cell.j
+            if j is not None:
+                j.undo.append((set.add, self, item))
+            set.discard(self, item)
+
+    def remove(self, item) -> None:
+        if item not in self:
+            raise KeyError(item)
+        self.discard(item)
+
+    def clear(self) -> None:
+        j = self._cell.j
+        if j is not None and self:
+            j.undo.append((set.update, self, list(self)))
+        set.clear(self)
+
+    for _name in ("__ior__", "__iand__", "__isub__", "__ixor__", "pop", "update",
+                  "difference_update", "intersection_update", "symmetric_difference_update"):
+        locals()[_name] = _refuse(_name)
+    del _name
+
+
+class OrderedUnits:
+    """Insertion-ordered set of hashable keys: ``add`` at the end, ``remove`` from anywhere,
+    ``first``/``pop_first`` from the front, all O(1) amortized, each undone exactly (order
+    included) by the journal. A removed key's queue entry goes stale (its serial no longer
+    matches) and is skipped; stale entries are dropped when they outnumber live ones."""
+
+    __slots__ = ("_queue", "_live", "_serial", "_cell")
+
+    def __init__(self, cell: TxnCell, keys=()) -> None:
+        self._cell = cell
+        self._queue: deque = deque()   # (serial, key), oldest first, stale entries included
+        self._live: dict = {}          # key -> serial of its live entry
+        self._serial = 0
+        for key in keys:
+            self.add(key)
+
+    def _log(self, *step) -> None:
+        j = self._cell.j
+        if j is not None:
+            j.undo.append(step)
+
+    def add(self, key) -> None:
+        """Put ``key`` (not present) at the end."""
+        if len(self._queue) > 2 * len(self._live) + 64:   # compact: a new deque, old kept for undo
+            self._log(setattr, self, "_queue", self._queue)
+            self._queue = deque(e for e in self._queue if self._live.get(e[1]) == e[0])
+        self._log(self._undo_add, key)
+        self._serial += 1
+        self._live[key] = self._serial
+        self._queue.append((self._serial, key))
+
+    def _undo_add(self, key) -> None:
+        self._queue.pop()
+        del self._live[key]
+        self._serial -= 1
+
+    def remove(self, key) -> None:
+        """Take ``key`` out (KeyError when absent)."""
+        serial = self._live.pop(key)
+        self._log(dict.__setitem__, self._live, key, serial)
+
+    def first(self):
+        """The oldest key (LookupError when empty)."""
+        self._skip_stale()
+        if not self._queue:
+            raise LookupError("empty")
+        return self._queue[0][1]
+
+    def pop_first(self):
+        """Remove and return the oldest key (LookupError when empty)."""
+        key = self.first()
+        entry = self._queue.popleft()
+        self._log(self._queue.appendleft, entry)
+        self.remove(key)
+        return key
+
+    def _skip_stale(self) -> None:
+        queue, live = self._queue, self._live
+        while queue and live.get(queue[0][1]) != queue[0][0]:
+            self._log(queue.appendleft, queue.popleft())
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __bool__(self) -> bool:
+        return bool(self._live)
+
+    def __contains__(self, key) -> bool:
+        return key in self._live
+
+    def __iter__(self):
+        live = self._live
+        return iter([k for s, k in self._queue if live.get(k) == s])
+
+
+def journaled(value) -> bool:
+    """Whether mutating ``value`` in place is undone by a rollback (or it cannot be mutated):
+    the check behind the test that no manager field escapes the journal."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes, frozenset, TxnCell)):
+        return True
+    if isinstance(value, (JList, JDict, JSet, OrderedUnits)):
+        return True   # (their elements: HeldSeq records are saved by Journal.record)
+    if type(value) is tuple:
+        return all(journaled(v) for v in value)
+    check = getattr(value, "journaled_fields", None)
+    return check is not None and check()
