@@ -17,6 +17,8 @@ import pytest
 from vmemkv.cli import INTERRUPTED_EXIT, main
 from vmemkv.scheduler import cliargs
 
+from ..signals import sigint_as_ctrl_c
+
 MARKER = "vmemkv: holding at "
 
 
@@ -24,7 +26,8 @@ def start(hold: str, argv: list, cwd, stdin: str = "") -> subprocess.Popen:
     """``vmemkv ARGV`` in a subprocess that will wait at the hold point ``hold``."""
     env = dict(os.environ, VMEMKV_TEST_HOLD=hold, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "vmemkv.cli", *argv], cwd=cwd, env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=sigint_as_ctrl_c)
     proc.stdin.write(stdin)
     proc.stdin.close()
     return proc

@@ -16,13 +16,14 @@ import pytest
 from vmemkv.cli import main
 from vmemkv.runtime.serve.bench_client import poisson_requests
 
+from ..signals import sigint_as_ctrl_c
 from .conftest import VMEM, serving
 
 
 def test_serve_answers_and_ctrl_c_exits_130():
     command = [sys.executable, "-m", "vmemkv.cli", "serve", "--port", "0", "--threads", "1",
                "--max-context", "128", "--log-level", "info"]
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, preexec_fn=sigint_as_ctrl_c)
     try:
         port = None
         for line in proc.stderr:   # uvicorn names the port it took
