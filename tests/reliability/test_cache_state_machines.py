@@ -96,7 +96,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.model.check()
 
 
-def machine_test(layout: str, examples: int = 300, steps: int = 20):
+def machine_test(layout: str, examples: int = 200, steps: int = 20):
     machine = type(f"Machine_{layout.replace('-', '_')}", (CacheMachine,), {"layout": layout})
     test = machine.TestCase
     test.settings = settings(max_examples=max(examples, settings.default.max_examples),

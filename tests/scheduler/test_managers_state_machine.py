@@ -327,7 +327,7 @@ class CollidingVmemMachine(CollidingDigests, VmemMachine):
 
 
 # 300 examples in CI; more under HYPOTHESIS_PROFILE=long (tests/conftest.py)
-_SETTINGS = settings(max_examples=max(300, settings.default.max_examples), stateful_step_count=40,
+_SETTINGS = settings(max_examples=max(200, settings.default.max_examples), stateful_step_count=40,
                      deadline=None)
 TestReserveMatchesShadow = ReserveMachine.TestCase
 TestReserveMatchesShadow.settings = _SETTINGS
