@@ -96,17 +96,20 @@ static inline float hsum8(v8 x) {
     return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
 }
 
-static inline float dot(const float *a, const float *b, int64_t d) {
+/* q . k over d (a multiple of 8) as 8 partial sums */
+static inline v8 dot_partial(const float *q, const float *k, int64_t d) {
+    v8 s0 = {0}, s1 = {0};
     int64_t x = 0;
-    float tail = 0.0f;
-    if (d % 8 == 0) {
-        v8 s0 = {0}, s1 = {0};
-        for (; x + 16 <= d; x += 16) { s0 += ld8(a + x) * ld8(b + x); s1 += ld8(a + x + 8) * ld8(b + x + 8); }
-        if (x < d) s0 += ld8(a + x) * ld8(b + x);
-        return hsum8(s0 + s1);
-    }
-    for (; x < d; x++) tail += a[x] * b[x];
-    return tail;
+    for (; x + 16 <= d; x += 16) { s0 += ld8(q + x) * ld8(k + x); s1 += ld8(q + x + 8) * ld8(k + x + 8); }
+    if (x < d) s0 += ld8(q + x) * ld8(k + x);
+    return s0 + s1;
+}
+
+static inline float dot(const float *a, const float *b, int64_t d) {
+    if (d % 8 == 0) return hsum8(dot_partial(a, b, d));
+    float sum = 0.0f;
+    for (int64_t x = 0; x < d; x++) sum += a[x] * b[x];
+    return sum;
 }
 
 /* acc[0:d] += p * row[0:d] */
@@ -161,15 +164,6 @@ static void tile_rows(const args_t *a, const void *base, const int64_t *st, cons
     *stride = a->dtype == DT_F32 ? st[2] : a->D;
 }
 
-/* q . k over d (a multiple of 8) as 8 partial sums */
-static inline v8 dot_partial(const float *q, const float *k, int64_t d) {
-    v8 s0 = {0}, s1 = {0};
-    int64_t x = 0;
-    for (; x + 16 <= d; x += 16) { s0 += ld8(q + x) * ld8(k + x); s1 += ld8(q + x + 8) * ld8(k + x + 8); }
-    if (x < d) s0 += ld8(q + x) * ld8(k + x);
-    return s0 + s1;
-}
-
 #if defined(__clang__)
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
@@ -216,8 +210,6 @@ static inline void tile_scores(float *s, const float *q, const float *const *row
             for (int t = 0; t < 8; t++) part[t] = dot_partial(q, rows[j + t] + off, d);
             st8(s + j, hsum8x8(part));
         }
-        for (; j < n; j++) s[j] = hsum8(dot_partial(q, rows[j] + off, d));
-        return;
     }
     for (; j < n; j++) s[j] = dot(q, rows[j] + off, d);
 }
