@@ -123,7 +123,7 @@ class SimResult:
     kv_utilization: float          # live / allocated, mean over steps
     held_utilization: float        # live / (live + end waste), mean over steps: memory held by
                                    # running sequences only (excludes deferred/cached pages)
-    kv_cache_usage_perc: float     # 1 - free / total, mean over steps (a fraction)
+    kv_cache_usage_perc: float     # vLLM's: held over the cache, cached counted free; step mean
     mean_end_waste_tokens: float   # end-of-sequence waste per running sequence, mean over steps
     num_preemptions: int
     num_swap_preemptions: int
@@ -177,12 +177,15 @@ class _StepSums:
                 "output_tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0}
 
 
-def _step_figures(stats, running: int) -> tuple:
-    """(utilisation, held utilisation, usage, end waste per running sequence) of one step."""
+def _step_figures(manager: MemoryManager, running: int) -> tuple:
+    """(utilisation, held utilisation, usage, end waste per running sequence) of one step;
+    usage is vLLM's kv_cache_usage_perc (``manager.kv_cache_usage()``: cached, evictable
+    memory counts as free, as the engine's metrics count it)."""
+    stats = manager.stats()
     held = stats.live_tokens + stats.end_waste_tokens
     return (stats.live_tokens / stats.allocated_tokens if stats.allocated_tokens else 1.0,
             stats.live_tokens / held if held else 1.0,
-            1.0 - stats.free_tokens / stats.total_tokens,
+            manager.kv_cache_usage(),
             stats.end_waste_tokens / running if running else 0.0)
 
 
@@ -222,7 +225,7 @@ class Simulator:
             idle = False
             now += seconds
             maps += mapped
-            figures = _step_figures(self.manager.stats(), len(sched.running))
+            figures = _step_figures(self.manager, len(sched.running))
             whole.add(batch, figures, seconds, tokens)
             if sched.waiting:
                 steady.add(batch, figures, seconds, tokens)
