@@ -83,12 +83,14 @@ class TensorParallel:
         """Why a rank failed to build (it reported before the agreement): its own
         CacheTooLargeError when its device lacked memory, else TensorParallelError naming each
         failed rank's error (with ``launch="env"``: see that rank's output)."""
-        ranks = range(1, self.world) if self.spawned is not None else range(0)
-        for r in ranks:
+        if self.spawned is None:
+            return TensorParallelError("a rank failed to build its shard: see that rank's output")
+        for r in range(1, self.world):
             typed = self.spawned.typed_error_of(r)
             if typed is not None:
                 return typed
-        failed = [f"rank {r}: {self.spawned.error_of(r)}" for r in ranks if self.spawned.error_of(r)]
+        failed = [f"rank {r}: {self.spawned.error_of(r)}" for r in range(1, self.world)
+                  if self.spawned.error_of(r)]
         return TensorParallelError("a rank failed to build its shard: "
                                    + ("; ".join(failed) or "see that rank's output"))
 

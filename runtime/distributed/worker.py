@@ -35,7 +35,7 @@ from .placement import RankPlacement
 from .sharding import shard_model
 
 # Test hook: "R:BYTES" (comma-separated for several ranks) makes rank R read BYTES as its
-# device's available memory in check_rank_fits, so CPU tests can starve one rank. Unset in use.
+# device's available memory in check_rank_memory, so CPU tests can starve one rank. Unset in use.
 FREE_BYTES_HOOK = "VMEMKV_TEST_RANK_FREE_BYTES"
 
 
@@ -108,7 +108,7 @@ def build_rank(payload: TPPayload, group: RankGroup, model, device: torch.device
     from vmemkv.runtime.kv import make_kv
     shard = shard_model(model, group.rank, group.world, group.all_reduce_,
                         copy_first=group.rank == 0, device=device)
-    check_rank_fits(group.rank, payload.kv_options.get("cache_bytes"), device)
+    check_rank_memory(group.rank, payload.kv_options.get("cache_bytes"), device)
     config = replace(payload.cache_config, device=str(device))
     kv = make_kv(config, payload.kind, driver=driver, **payload.kv_options)
     try:
@@ -119,7 +119,7 @@ def build_rank(payload: TPPayload, group: RankGroup, model, device: torch.device
         raise
 
 
-def check_rank_fits(rank: int, cache_bytes: Optional[int], device: torch.device) -> None:
+def check_rank_memory(rank: int, cache_bytes: Optional[int], device: torch.device) -> None:
     """CacheTooLargeError (naming the rank, its device, the bytes asked and the limit) when this
     rank's cache of ``cache_bytes`` exceeds ``device``'s total or available memory (GPU free,
     host MemAvailable). Run in the rank's own process on its own, already current device, after

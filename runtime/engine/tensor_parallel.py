@@ -41,7 +41,7 @@ def check_ranks_fit(cfg, cache_bytes: int, device) -> None:
     machine's memory, so ``tensor_parallel_size`` caches of ``cache_bytes`` each must fit what
     is available. On CUDA nothing is read here (rank 0's own device was checked with its
     budget): each rank checks its cache against ITS device's free memory in its own process
-    (worker.check_rank_fits), as reading another GPU from rank 0 opens a CUDA context there."""
+    (worker.check_rank_memory), as reading another GPU from rank 0 opens a CUDA context there."""
     if cfg.tensor_parallel_size == 1 or cfg.tp_launch != "spawn":
         return
     from vmemkv.runtime.memory import check_fits_device

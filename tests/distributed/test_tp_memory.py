@@ -36,12 +36,12 @@ def test_rank_0_reads_no_other_gpus_memory_before_the_cuda_ranks_start(monkeypat
 def test_a_rank_checks_its_cache_against_its_devices_memory_naming_rank_device_and_bytes(
         monkeypatch):
     monkeypatch.setenv(worker.FREE_BYTES_HOOK, "0:999999999999,3:4096")
-    worker.check_rank_fits(0, CACHE_BYTES, torch.device("cpu"))
-    worker.check_rank_fits(3, 4096, torch.device("cpu"))                 # exactly fits
+    worker.check_rank_memory(0, CACHE_BYTES, torch.device("cpu"))
+    worker.check_rank_memory(3, 4096, torch.device("cpu"))                 # exactly fits
     with pytest.raises(CacheTooLargeError, match=f"tensor-parallel rank 3's KV cache on cpu needs "
                                                  f"{CACHE_BYTES} bytes .* host MemAvailable is "
                                                  f"4096 bytes"):
-        worker.check_rank_fits(3, CACHE_BYTES, torch.device("cpu"))
+        worker.check_rank_memory(3, CACHE_BYTES, torch.device("cpu"))
 
 
 def test_a_spawned_rank_short_of_memory_refuses_the_engine_with_its_memory_error_and_no_process(
