@@ -127,10 +127,11 @@ def load_engine() -> tuple[Optional[Callable], Optional[str]]:
     return run, None
 
 
-def _call(section: str, quick: bool, device: str, progress: Progress, tp_size: int = 2) -> dict:
+def _call(section: str, quick: bool, device: str, progress: Progress,
+          tp_options: Optional[dict] = None) -> dict:
     if section == "tp":
         from vmemkv.benchmarks import tp
-        return tp.run(quick=quick, out=None, world=tp_size, device=device)
+        return tp.run(quick=quick, out=None, device=device, **(tp_options or {}))
     if section == "engine":
         run, why = load_engine()
         if run is None:
@@ -142,14 +143,14 @@ def _call(section: str, quick: bool, device: str, progress: Progress, tp_size: i
 
 
 def run_section(section: str, quick: bool, device: str, progress: Progress, log,
-                tp_size: int = 2) -> dict:
+                tp_options: Optional[dict] = None) -> dict:
     """Run one section with its stdout captured (then shown above the bar and logged)."""
     import torch
     buffer, start = io.StringIO(), time.perf_counter()
     before, threads = progress.count, torch.get_num_threads()
     try:
         with contextlib.redirect_stdout(buffer):
-            payload = _call(section, quick, device, progress, tp_size)
+            payload = _call(section, quick, device, progress, tp_options)
     except Exception as error:  # noqa: BLE001 -- a failed section must not lose the others
         buffer.write(traceback.format_exc())
         payload = {"error": f"{type(error).__name__}: {error}"}
@@ -167,8 +168,8 @@ def run_section(section: str, quick: bool, device: str, progress: Progress, log,
 
 def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[str] = None,
               sections=SECTIONS, plots: bool = True, progress: bool = True,
-              tp_size: int = 2) -> dict:
-    """Run ``sections`` (``tp_size``: the ranks of the "tp" section); write ``out_dir``/bench.json, bench.log and PNGs; return the payload.
+              tp_options: Optional[dict] = None) -> dict:
+    """Run ``sections`` (``tp_options``: benchmarks/tp.run's world, tp_devices for the "tp" section); write ``out_dir``/bench.json, bench.log and PNGs; return the payload.
     Ctrl-C (KeyboardInterrupt) stops it between or inside sections: bench.json and bench.log
     then hold the sections that finished (``payload["interrupted"]`` is true), no plots are
     drawn, and the interrupt goes on up with a note naming what was written."""
@@ -183,7 +184,7 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
     payload = {"benchmark": "vmemkv bench", "environment": env, "sections": list(sections),
                "interrupted": False}
     try:
-        _run_sections(payload, sections, quick, device, bar, out_dir, tp_size)
+        _run_sections(payload, sections, quick, device, bar, out_dir, tp_options)
     except KeyboardInterrupt:
         payload["interrupted"] = True
     finally:
@@ -199,12 +200,12 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
 
 
 def _run_sections(payload: dict, sections, quick: bool, device: str, bar: Progress,
-                  out_dir: str, tp_size: int = 2) -> None:
+                  out_dir: str, tp_options: Optional[dict] = None) -> None:
     """Each section in turn, its output appended (and flushed) to bench.log as it finishes."""
     with open(os.path.join(out_dir, "bench.log"), "w") as log:
         for section in sections:
             hold_point(f"bench:{section}")
-            payload[section] = run_section(section, quick, device, bar, log, tp_size)
+            payload[section] = run_section(section, quick, device, bar, log, tp_options)
             log.flush()
 
 

@@ -18,6 +18,7 @@ import statistics
 import time
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.runtime.generate_cli import tp_device_list
 
 MODEL, SEED = "small-llama", 0
 QUICK, FULL = (16, 8, 64, 8), (32, 16, 256, 32)   # requests, shortest, longest prompt, new tokens
@@ -30,14 +31,14 @@ def _prompts(quick: bool):
 
 
 class _Config:
-    def __init__(self, tp: int, threads: int, model, prompts, new: int) -> None:
+    def __init__(self, tp: int, threads: int, model, prompts, new: int, tp_devices=None) -> None:
         import torch
         from vmemkv.runtime.engine import Engine, SamplingParams
         torch.set_num_threads(threads)
         self.name, self.threads, self.prompts = f"TP={tp} x{threads} thr", threads, prompts
         self.params = SamplingParams(max_new_tokens=new, ignore_eos=True)
         self.engine = Engine(model, max_batch=16, max_context=512, tensor_parallel_size=tp,
-                             self_check=False)
+                             self_check=False, tp_devices=tp_devices)
         self.engine.generate(prompts[:4], self.params)            # warm-up
         self.walls, self.comm, self.steps, self.tokens = [], [], [], None
         self.per_step = 0.0     # collectives per engine step (TP only)
@@ -67,8 +68,9 @@ class _Config:
 
 
 def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int = 2,
-        device: str = "cpu") -> dict:
-    """TP=1 (cores threads, then one) and TP=``world`` (cores / world threads per rank)."""
+        device: str = "cpu", tp_devices=None) -> dict:
+    """TP=1 (cores threads, then one) and TP=``world`` (cores / world threads per rank, on
+    ``tp_devices``: the engine's ``tp_devices``, None for its default)."""
     from vmemkv.runtime.models import build_model
     repeats = 1 if quick else 3
     prompts, new = _prompts(quick)
@@ -77,7 +79,7 @@ def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int 
                       cores=cores, load_1min=os.getloadavg()[0])
     print_environment(env)
     configs = [_Config(1, cores, model, prompts, new), _Config(1, 1, model, prompts, new),
-               _Config(world, max(1, cores // world), model, prompts, new)]
+               _Config(world, max(1, cores // world), model, prompts, new, tp_devices)]
     try:
         for _ in range(repeats):
             for c in configs:
@@ -109,8 +111,11 @@ def main(argv=None) -> int:
     parser.add_argument("--cores", type=int, default=2, help="cores shared by all ranks")
     parser.add_argument("--tp", type=int, default=2, help="ranks of the tensor-parallel row")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank)")
+    parser.add_argument("--tp-devices", type=tp_device_list, default=None,
+                        help="the TP row's devices, comma-separated (e.g. cuda:0,cuda:2)")
     args = parser.parse_args(argv)
-    run(quick=args.quick, out=args.out, cores=args.cores, world=args.tp, device=args.device)
+    run(quick=args.quick, out=args.out, cores=args.cores, world=args.tp, device=args.device,
+        tp_devices=args.tp_devices)
     return 0
 
 

@@ -109,6 +109,36 @@ def _cache_flags(c) -> None:
     c.add_argument("--tp", dest="tensor_parallel_size", type=bounded(int, 1), default=1, metavar="N",
                    help="tensor-parallel ranks (processes on this machine: gloo on the CPU, "
                         "one GPU each over NCCL on CUDA); --cache-bytes is then per rank")
+    c.add_argument("--tp-devices", type=tp_device_list, default=None, metavar="DEVICES",
+                   help="with --tp N on a GPU: rank r's device, comma-separated, the model's "
+                        "first (e.g. cuda:0,cuda:2) (default: the model's GPU, then the other "
+                        "visible ones in order)")
+
+
+def tp_device_list(text: str) -> tuple:
+    """``--tp-devices``' value: "cuda:0,cuda:2" -> ("cuda:0", "cuda:2"), a bare index an int
+    ("0,2" -> (0, 2)), as ``tp_devices`` takes them; check_tp_devices applies the rules."""
+    return tuple(int(e) if e.strip().isdigit() else e.strip() for e in text.split(","))
+
+
+def check_tp_devices(tp_devices, tp_size, device: str, error=None) -> None:
+    """Before any model is loaded: ``error`` (default GenerateUsageError) naming the value when
+    ``--tp-devices`` comes without ``--tp`` N > 1 (``tp_size`` None: no --tp) or for a model not
+    on a GPU; then the API's own rules and messages for ``tp_devices`` (placement.place_ranks:
+    TensorParallelConfigError) against the GPUs visible here."""
+    if tp_devices is None:
+        return
+    error, shown = error or GenerateUsageError, ",".join(map(str, tp_devices))
+    if tp_size is None or tp_size < 2:
+        raise error(f"--tp-devices {shown} sets the devices of tensor-parallel ranks but "
+                    f"{'--tp is not given' if tp_size is None else f'--tp is {tp_size}'}: give "
+                    f"--tp N with N > 1, one device per rank")
+    import torch
+    if torch.device(device).type != "cuda":
+        raise error(f"--tp-devices {shown} places ranks on GPUs but the model runs on {device}, "
+                    f"where every rank runs on the cpu: drop --tp-devices or use --device cuda")
+    from vmemkv.runtime.distributed.placement import place_ranks
+    place_ranks(device, tp_size, tp_devices, visible_cuda=torch.cuda.device_count())
 
 
 def read_prompts(path: str, has_tokenizer: bool, text_only: bool = False) -> List[Union[List[int], str]]:
@@ -155,6 +185,7 @@ def _check_flags(args) -> None:
         raise GenerateUsageError(f"--block-size {args.block_size} tokens is longer than "
                                  f"--max-context {args.max_context}: a block holds at most one "
                                  f"sequence's tokens")
+    check_tp_devices(args.tp_devices, args.tensor_parallel_size, args.device)
 
 
 def run(args) -> int:
@@ -195,7 +226,8 @@ def _engine(engine_class, model, tokenizer, args):
                         watermark=args.watermark, prefix_sharing=args.prefix_sharing,
                         background_mapper=args.background_mapper, seed=args.seed,
                         prefix_eviction=args.prefix_eviction,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        tp_devices=args.tp_devices)
 
 
 def _generate(engine, prompts, params, args):

@@ -48,13 +48,17 @@ def _where(device: torch.device, total: bool) -> str:
 
 
 def check_fits_device(what: str, num_bytes: int, device: torch.device,
-                      committed: bool = True) -> None:
+                      committed: bool = True, available_bytes: Optional[int] = None) -> None:
     """Raise CacheTooLargeError, before anything is allocated, when ``num_bytes`` exceeds the
     device's total memory, or (``committed``: the bytes are committed now, not on demand) its
-    available memory."""
+    available memory (``available_bytes`` when the caller has it, else read now). On CUDA it
+    reads ``device`` from this process: call it where ``device`` is in use (a check of another
+    GPU opens a CUDA context there, hundreds of MiB, until the process ends)."""
     device = torch.device(device)
-    checks = ((True, device_memory_bytes(device)),) + (
-        ((False, available_memory_bytes(device)),) if committed else ())
+    checks = [(True, device_memory_bytes(device))]
+    if committed:
+        checks.append((False, available_memory_bytes(device) if available_bytes is None
+                       else available_bytes))
     for total, limit in checks:
         if limit is not None and num_bytes > limit:
             raise CacheTooLargeError(

@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from vmemkv.cli import UsageError
+from vmemkv.runtime.generate_cli import check_tp_devices, tp_device_list
 from vmemkv.scheduler.cliargs import bounded, thread_count
 
 SECTIONS = ("alloc", "attention", "memory", "engine")
@@ -43,6 +44,10 @@ def register(subparsers) -> None:
                         help="also run the tensor-parallel section: TP=1 against TP=N engine "
                              "tokens/s (N >= 2 ranks: gloo on the CPU, one GPU each with "
                              "--device cuda) (default: not run)")
+    parser.add_argument("--tp-devices", type=tp_device_list, default=None, metavar="DEVICES",
+                        help="with --tp N on a GPU: the devices of the TP=N row's ranks, "
+                             "comma-separated, cuda:0 first (e.g. cuda:0,cuda:2) (default: "
+                             "cuda:0..cuda:N-1)")
     parser.add_argument("--prefix-eviction", choices=("lru", "hits"), default=None,
                         help="also time prefix retention end to end (benchmarks/prefix.py, "
                              "short): multi-turn chats with this policy against retention off "
@@ -75,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "bench_command", None) == "serve":
         from vmemkv.benchmarks import serve
         return serve.run(args)
+    if args.tp_devices is not None:     # before the GPU check: a CPU run names the flag
+        import torch
+        check_tp_devices(args.tp_devices, args.tp, args.device or (
+            "cuda" if torch.cuda.is_available() else "cpu"), error=UsageError)
     if args.device == "cuda":
         import torch
         if not torch.cuda.is_available():
@@ -90,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
         sections += ("tp",)
     payload = suite.run_suite(quick=args.quick or args.smoke, out_dir=args.out, device=args.device,
                               sections=sections, plots=not args.no_plots,
-                              progress=not args.no_progress, tp_size=args.tp or 2)
+                              progress=not args.no_progress,
+                              tp_options=dict(world=args.tp or 2, tp_devices=args.tp_devices))
     size = (" --smoke (toy sizes: the figures mean nothing)" if args.smoke
             else " --quick" if args.quick else "")
     print(f"\n# vmemkv bench{size}: {payload['environment']['device']}, "

@@ -181,6 +181,16 @@ class SpawnedRanks:
             return None
         return None
 
+    def typed_error_of(self, rank: int) -> Optional[BaseException]:
+        """The error ``rank`` reported for rank 0 to raise as it is (a CacheTooLargeError: the
+        user's to fix, not a fault of the group), or None."""
+        try:
+            if self.store.check([f"typed_error{rank}"]):
+                return pickle.loads(self.store.get(f"typed_error{rank}"))
+        except Exception:   # the store may be gone with rank 0's group
+            return None
+        return None
+
     def stop(self, grace_s: float = 5.0) -> None:
         """Join every rank; terminate, then kill, any still alive after ``grace_s``."""
         deadline = time.monotonic() + grace_s

@@ -77,10 +77,22 @@ class TensorParallel:
             agree_started(self.group, False, payload.start_timeout_s)
             raise
         if not agree_started(self.group, True, payload.start_timeout_s):
-            failed = [f"rank {r}: {self.spawned.error_of(r)}" for r in range(1, self.world)
-                      if self.spawned is not None and self.spawned.error_of(r)]
-            raise TensorParallelError("a rank failed to build its shard: "
-                                      + ("; ".join(failed) or "see that rank's output"))
+            raise self._start_failure()
+
+    def _start_failure(self) -> BaseException:
+        """Why a rank failed to build (it reported before the agreement): its own
+        CacheTooLargeError when its device lacked memory, else TensorParallelError naming each
+        failed rank's error (with ``launch="env"``: see that rank's output)."""
+        if self.spawned is None:
+            return TensorParallelError("a rank failed to build its shard: see that rank's output")
+        for r in range(1, self.world):
+            typed = self.spawned.typed_error_of(r)
+            if typed is not None:
+                return typed
+        failed = [f"rank {r}: {self.spawned.error_of(r)}" for r in range(1, self.world)
+                  if self.spawned.error_of(r)]
+        return TensorParallelError("a rank failed to build its shard: "
+                                   + ("; ".join(failed) or "see that rank's output"))
 
     @property
     def rank_pids(self) -> list:

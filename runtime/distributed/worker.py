@@ -20,18 +20,23 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from vmemkv.runtime.errors import PlanExecutionError
+from vmemkv.runtime.errors import CacheTooLargeError, PlanExecutionError
 
 from vmemkv.runtime.engine.errors import TensorParallelError
 from .group import RankGroup, init_group, leave_group, open_activation_group, watch_parent
 from .placement import RankPlacement
 from .sharding import shard_model
+
+# Test hook: "R:BYTES" (comma-separated for several ranks) makes rank R read BYTES as its
+# device's available memory in check_rank_memory, so CPU tests can starve one rank. Unset in use.
+FREE_BYTES_HOOK = "VMEMKV_TEST_RANK_FREE_BYTES"
 
 
 @dataclass
@@ -103,6 +108,7 @@ def build_rank(payload: TPPayload, group: RankGroup, model, device: torch.device
     from vmemkv.runtime.kv import make_kv
     shard = shard_model(model, group.rank, group.world, group.all_reduce_,
                         copy_first=group.rank == 0, device=device)
+    check_rank_memory(group.rank, payload.kv_options.get("cache_bytes"), device)
     config = replace(payload.cache_config, device=str(device))
     kv = make_kv(config, payload.kind, driver=driver, **payload.kv_options)
     try:
@@ -111,6 +117,29 @@ def build_rank(payload: TPPayload, group: RankGroup, model, device: torch.device
     except BaseException:
         kv.close()
         raise
+
+
+def check_rank_memory(rank: int, cache_bytes: Optional[int], device: torch.device) -> None:
+    """CacheTooLargeError (naming the rank, its device, the bytes asked and the limit) when this
+    rank's cache of ``cache_bytes`` exceeds ``device``'s total or available memory (GPU free,
+    host MemAvailable). Run in the rank's own process on its own, already current device, after
+    its shard is there and before its cache is built: so it sees what the cache will get, and
+    no process reads another rank's GPU (rank 0 doing so opened a CUDA context, hundreds of MiB,
+    on every GPU). ``FREE_BYTES_HOOK`` replaces the available memory read, for tests."""
+    if cache_bytes is None:
+        return
+    from vmemkv.runtime.memory import check_fits_device
+    check_fits_device(f"tensor-parallel rank {rank}'s KV cache on {device}", cache_bytes, device,
+                      available_bytes=_hooked_free_bytes(rank))
+
+
+def _hooked_free_bytes(rank: int) -> Optional[int]:
+    """The available bytes ``FREE_BYTES_HOOK`` gives ``rank`` ("R:BYTES[,R:BYTES...]"), or None."""
+    for entry in os.environ.get(FREE_BYTES_HOOK, "").split(","):
+        name, _, value = entry.partition(":")
+        if name.strip() == str(rank) and value.strip().isdigit():
+            return int(value)
+    return None
 
 
 def serve_plans(group: RankGroup, executor: RankExecutor) -> None:
@@ -154,6 +183,8 @@ def spawned_rank_main(rank: int, world: int, host: str, port: int, parent_pid: i
                           timeout=datetime.timedelta(seconds=payload.start_timeout_s))
 
     def report(error: BaseException) -> None:
+        if isinstance(error, CacheTooLargeError):    # the user's to fix: rank 0 raises it as is
+            store.set(f"typed_error{rank}", pickle.dumps(CacheTooLargeError(str(error))))
         store.set(f"error{rank}", f"{type(error).__name__}: {error}"[:2000])
 
     try:

@@ -37,18 +37,15 @@ def kv_heads_per_rank(config, world: int) -> int:
 
 
 def check_ranks_fit(cfg, cache_bytes: int, device) -> None:
-    """CacheTooLargeError, before any process starts: on the CPU, spawned ranks share this
+    """CacheTooLargeError, before any process starts, on the CPU: spawned ranks share this
     machine's memory, so ``tensor_parallel_size`` caches of ``cache_bytes`` each must fit what
-    is available; on CUDA each spawned rank's cache must fit ITS device's free memory (the
-    message names the device). Ranks a launcher placed elsewhere check their own."""
+    is available. On CUDA nothing is read here (rank 0's own device was checked with its
+    budget): each rank checks its cache against ITS device's free memory in its own process
+    (worker.check_rank_memory), as reading another GPU from rank 0 opens a CUDA context there."""
     if cfg.tensor_parallel_size == 1 or cfg.tp_launch != "spawn":
         return
     from vmemkv.runtime.memory import check_fits_device
-    placement = placement_of(cfg, device)
-    if placement.device_type == "cuda":
-        for rank in range(cfg.tensor_parallel_size):
-            check_fits_device(f"tensor-parallel rank {rank}'s KV cache", cache_bytes,
-                              placement.device_of(rank))
+    if placement_of(cfg, device).device_type == "cuda":
         return
     check_fits_device(f"{cfg.tensor_parallel_size} tensor-parallel ranks' KV caches "
                       f"({cache_bytes} bytes each)", cfg.tensor_parallel_size * cache_bytes, device)

@@ -1,5 +1,5 @@
 """Where ranks run and what is refused, with fake GPU counts (no GPU needed): the pure placement
-rules, the per-device memory check, and the CUDA start-up path failing cleanly on this machine."""
+rules and the CUDA start-up path failing cleanly on this machine (memory: test_tp_memory.py)."""
 from __future__ import annotations
 
 import multiprocessing
@@ -69,22 +69,6 @@ def test_cuda_without_nccl_is_refused_and_cpu_needs_none():
     check_backends(RankPlacement(("cpu", "cpu")), nccl_available=False)
     with pytest.raises(TensorParallelConfigError, match="needs torch.distributed's NCCL backend"):
         check_backends(RankPlacement(("cuda:0", "cuda:1")), nccl_available=False)
-
-
-def test_each_cuda_ranks_cache_is_checked_against_its_own_devices_free_memory(monkeypatch):
-    from types import SimpleNamespace
-    from vmemkv.runtime import memory
-    from vmemkv.runtime.engine import tensor_parallel
-    from vmemkv.runtime.errors import CacheTooLargeError
-    free = {0: 8 * 2**20, 1: 3 * 2**20}        # cuda:1 has less free memory than one cache
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    monkeypatch.setattr(memory, "device_memory_bytes", lambda d: 16 * 2**20)
-    monkeypatch.setattr(memory, "available_memory_bytes", lambda d: free[torch.device(d).index])
-    cfg = SimpleNamespace(tensor_parallel_size=2, tp_launch="spawn", tp_devices=None)
-    tensor_parallel.check_ranks_fit(cfg, 2 * 2**20, torch.device("cuda", 0))   # both fit
-    with pytest.raises(CacheTooLargeError, match="tensor-parallel rank 1's KV cache needs "
-                                                 "4194304 bytes .* cuda:1 free memory is 3145728"):
-        tensor_parallel.check_ranks_fit(cfg, 4 * 2**20, torch.device("cuda", 0))
 
 
 def test_a_cpu_model_with_a_cuda_device_list_is_refused_before_any_process_starts():
