@@ -67,10 +67,22 @@ class ReleaseGroup:
 
 
 @dataclass(frozen=True)
+class ResizeGroup:
+    """Byte-mapped pools only (``pool_pages`` without parts: members spanning k > 1 pages,
+    scheduler.geometry): from now on each member of ``group`` is backed by its first
+    ``member_pages`` pages (0..k). Growing binds free pool pages to the new ones and maps them
+    wherever the group is mapped; shrinking unmaps the dropped ones everywhere and frees them.
+    Every mapping of a group always maps exactly its backed pages (a MapGroup maps those)."""
+    group: int
+    member_pages: int
+
+
+@dataclass(frozen=True)
 class CopyGroup:
     """Copy the bytes of the page group mapped at one (slot, page_index) into the group mapped
-    at another (every member page); both are mapped when this op runs. Used for copy-on-write
-    of a shared partial page group."""
+    at another (every backed member page of the source; the destination is backed at least as
+    far); both are mapped when this op runs. Used for copy-on-write of a shared partial page
+    group."""
     src_slot: int
     src_page_index: int
     dst_slot: int
@@ -118,7 +130,7 @@ class DropSwapped:
     seq_id: int
 
 
-MemoryOp = Union[MapGroup, UnmapGroup, ReleaseGroup, CopyGroup, CopyBlock, SwapOut, SwapIn, DropSwapped]
+MemoryOp = Union[MapGroup, UnmapGroup, ReleaseGroup, ResizeGroup, CopyGroup, CopyBlock, SwapOut, SwapIn, DropSwapped]
 
 
 @dataclass(frozen=True)
