@@ -40,6 +40,7 @@ class ByteMappedVmemManager(VmemManager):
         assert not self.geometry.exact and not self.geometry.split, "needs k > 1, no parts"
         self._backed = JList(self._cell, [0] * self.num_groups)   # group -> member pages
         self._bound = 0                                            # sum of _backed
+        self._idle = 0                              # sum of _backed over reclaimable groups
 
     def _group_ids(self, cache_bytes: int, whole_groups: int) -> int:
         self.pool_slices = cache_bytes // (self.page_bytes * self.geometry.num_members)
@@ -52,7 +53,7 @@ class ByteMappedVmemManager(VmemManager):
     maps_by_bytes = True
 
     _FIXED_FIELDS = VmemManager._FIXED_FIELDS | {"pool_slices", "pool_pages"}
-    _SAVED_FIELDS = VmemManager._SAVED_FIELDS + ("_bound",)
+    _SAVED_FIELDS = VmemManager._SAVED_FIELDS + ("_bound", "_idle")
     _JOURNALED_FIELDS = VmemManager._JOURNALED_FIELDS | {"_backed"}
 
     # -- page accounting --
@@ -67,8 +68,7 @@ class ByteMappedVmemManager(VmemManager):
 
     def _idle_slices(self) -> int:
         """Slices of groups nobody holds but that keep pages (reclaimable, cached)."""
-        return sum(self._backed[g] for g in self._reclaimable) + \
-            len(self._cache) * self.geometry.pages_per_member
+        return self._idle + len(self._cache) * self.geometry.pages_per_member
 
     @property
     def available_member_pages(self) -> int:
@@ -122,7 +122,11 @@ class ByteMappedVmemManager(VmemManager):
 
     def _reclaim_one(self) -> None:
         """Unmap and free the least recently used reclaimable group, else evict a cached one."""
-        g = self._reclaimable.pop_first() if self._reclaimable else self._evict()
+        if self._reclaimable:
+            g = self._reclaimable.pop_first()
+            self._idle -= self._backed[g]
+        else:
+            g = self._evict()
         self._unmap_everywhere(g)
         self._free.append(g)
         self._back(g, 0)
@@ -170,17 +174,38 @@ class ByteMappedVmemManager(VmemManager):
         need = self._growth(seq, num_tokens)
         return need <= self.pool_slices - self._bound or need <= self._available_units()
 
-    # -- groups that become free give their slices back --
+    # -- groups entering or leaving the reclaimable LRU (_idle), or free (no slices) --
     def _unheld(self, g: int) -> None:
         super()._unheld(g)
-        if not self._maps[g]:
+        if self._maps[g]:
+            self._idle += self._backed[g]      # reclaimable: keeps its pages, still mapped
+        else:
             self._back(g, 0)
 
     def _unmap(self, slot: int, pi: int) -> None:
         g = self._pages[slot][pi]
+        was = g in self._reclaimable
         super()._unmap(slot, pi)
+        if was and g not in self._reclaimable:
+            self._idle -= self._backed[g]
         if not self._refs[g] and not self._maps[g] and g not in self._cache:
             self._back(g, 0)
+
+    def _take_group(self) -> int:
+        if not self._free and self._reclaimable:      # VmemManager takes the LRU one
+            self._idle -= self._backed[self._reclaimable.first()]
+        return super()._take_group()
+
+    def _revive(self, g: int) -> None:
+        if g in self._reclaimable:
+            self._idle -= self._backed[g]
+        super()._revive(g)
+
+    def _grow_page(self, slot: int, pi: int) -> int:
+        g = self._pages[slot].get(pi)
+        if g is not None and g in self._reclaimable:  # reused where it is mapped
+            self._idle -= self._backed[g]
+        return super()._grow_page(slot, pi)
 
     # -- queries --
     @property
@@ -214,6 +239,7 @@ class ByteMappedVmemManager(VmemManager):
     def _check_parts(self, refs: list, maps: list) -> None:
         geo, cached = self.geometry, set(self._cache)
         assert self._bound == sum(self._backed) <= self.pool_slices, "slices bound"
+        assert self._idle == sum(self._backed[g] for g in self._reclaimable), "reclaimable slices"
         for g in range(self.num_groups):
             m = self._backed[g]
             if refs[g]:

@@ -10,15 +10,17 @@ page_bytes) pages. The geometry is checked against hand-worked numbers for real 
 pages, and left unchanged wherever a page holds whole tokens.
 """
 import pytest
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import initialize, invariant
 
 from vmemkv.scheduler.geometry import MiB, PageGeometry
-from vmemkv.scheduler.managers import ByteMappedVmemManager, VmemManager, make_manager
+from vmemkv.scheduler.managers import (ByteMappedVmemManager, ResizeGroup, UnmapGroup, VmemManager,
+                                       make_manager)
 from vmemkv.scheduler.presets import ModelSpec
 
 from .shadow import VmemMemory
 from .test_managers_state_machine import _SETTINGS, EVICTION, CollidingDigests, VmemMachine
+from .test_window_state_machine import WindowMachine, WindowMemory
 
 THREE_BYTES = ModelSpec("t3", 1, 3, 1, 1, weight_bytes=0)         # per-layer: 3 bytes per token
 THREE_LAYERS = ModelSpec("t3i", 3, 1, 1, 1, weight_bytes=0)       # interleaved: 3 bytes per token
@@ -75,10 +77,58 @@ class CollidingStraddlingVmemMachine(CollidingDigests, StraddlingVmemMachine):
     pass
 
 
+class StraddlingWindowMachine(WindowMachine):
+    """Every layer windowed, on straddling pages: a group given back behind the window is
+    unmapped and, once nobody maps it, its pages freed (ResizeGroup to 0)."""
+
+    @initialize(interleaved=st.booleans(), page_bytes=st.sampled_from([4, 5]),
+                pages=st.integers(2, 6), slices=st.integers(3, 30),
+                slots=st.sampled_from([None, 1, 3, 6]), swap=st.integers(0, 64),
+                window=st.integers(1, 9))
+    def setup(self, interleaved, page_bytes, pages, slices, slots, swap, window):
+        layers = 3 if interleaved else 1
+        model = ModelSpec("w3", layers, 3 // layers, 1, 1, weight_bytes=0,
+                          layer_windows=(window,) * layers)
+        self.unit, self.window = page_bytes, window
+        self.m = make_manager("vmem", model, slices * 2 * page_bytes, pages * page_bytes,
+                              page_bytes=page_bytes, max_slots=slots, swap_bytes=6 * swap,
+                              layout="interleaved" if interleaved else "per-layer")
+        assert isinstance(self.m, ByteMappedVmemManager) and self.m.window_tokens == window
+        self.mem = WindowMemory(self.m)
+
+    def check_given_back(self, sid, old, behind, ops):
+        unmaps = [op for op in ops if isinstance(op, UnmapGroup)]
+        assert all(isinstance(op, UnmapGroup) or op == ResizeGroup(op.group, 0) for op in ops), ops
+        assert sorted(op.page_index for op in unmaps) == list(range(old, behind)), ops
+        assert all(op.slot == self.m.slot_of(sid) for op in unmaps)
+        self.mem.replay(ops, self.live)
+
+    def end_waste(self):
+        fill, u = {}, self.unit
+        for sid, s in self.live.items():
+            lo = self.mem.first.get(sid, 0) // u
+            for k, g in enumerate(self.tables(sid), start=lo):
+                fill[g] = min(u, s.num_tokens - k * u)
+        pages = sum(self.mem.backed.get(g, 0) for g in fill)
+        return max(self.m.geometry.tokens_in_member_pages(pages) - sum(fill.values()), 0)
+
+    @invariant()
+    def address_space_matches_and_allocated_is_mapped(self):
+        """Pages bound, and the tokens they count as allocated, are the shadow's."""
+        if self.m is not None:
+            self.mem.check_mapped()
+            pages, geo = sum(self.mem.backed.values()), self.m.geometry
+            assert pages * geo.num_members == self.m.bound_pages
+            assert self.m.stats().allocated_tokens == geo.tokens_in_member_pages(pages)
+
+
 TestVmemOnStraddlingPagesMatchesShadow = StraddlingVmemMachine.TestCase
 TestVmemOnStraddlingPagesMatchesShadow.settings = _SETTINGS
 TestVmemOnStraddlingPagesWithCollidingDigestsReadsBack = CollidingStraddlingVmemMachine.TestCase
 TestVmemOnStraddlingPagesWithCollidingDigestsReadsBack.settings = _SETTINGS
+TestWindowedVmemOnStraddlingPagesMatchesShadow = StraddlingWindowMachine.TestCase
+TestWindowedVmemOnStraddlingPagesMatchesShadow.settings = settings(
+    _SETTINGS, max_examples=max(60, settings.default.max_examples // 5))
 
 
 def _bytes(kv_heads, head_dim, dtype_bytes=2):
