@@ -148,7 +148,8 @@ class PageGeometry:
 
     @property
     def pages_per_group(self) -> int:
-        """Physical pages behind one page group (one MapGroup)."""
+        """Physical pages behind one page group (one MapGroup; at most, where groups are
+        backed by their bytes)."""
         return self.num_members * self.pages_per_member
 
     # -- parts of a split group (hybrid per-layer; see the module docstring) --

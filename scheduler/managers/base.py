@@ -27,7 +27,8 @@ from typing import Optional, Sequence, Union
 # layers, so a sequence can give back the windowed part of a group behind the window while it
 # keeps the full part. Its pool binds physical pages to a group's part at the first MapGroup that
 # needs them and takes them back at ReleaseGroup (see GroupPart). Every other cache maps whole
-# groups ("all") over fixed pages.
+# groups ("all") over fixed pages, except where a member spans k > 1 pages: there a group is
+# backed only by the member pages its tokens' bytes need (ResizeGroup; managers/vmem_bytes.py).
 
 class GroupPart:
     """Which members of a page group an op touches (a str constant; pickles as a plain str)."""
@@ -41,7 +42,8 @@ class GroupPart:
 class MapGroup:
     """Map ``part`` of page group ``group`` under ``slot`` at page index ``page_index`` (tokens
     [page_index * tokens_per_page, (page_index + 1) * tokens_per_page) of that slot); on a
-    hybrid pool, pages are bound to the part first if it has none."""
+    hybrid pool, pages are bound to the part first if it has none; on a byte-mapped pool it
+    maps the group's backed pages (none yet for a fresh group: a ResizeGroup follows)."""
     slot: int
     page_index: int
     group: int

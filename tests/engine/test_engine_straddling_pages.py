@@ -85,3 +85,20 @@ def test_vmem_cache_greedy_on_straddling_pages_equals_default_cache(name):
                                  do_sample=False, pad_token_id=0, cache=cache)
             cache.manager.check_integrity()
     assert torch.equal(got, want)
+
+
+def test_vmem_cache_on_straddling_pages_holds_its_rows_by_bytes():
+    """head_dim 80 on 64 KiB pages: 512-token groups of 4 members x 5 pages; a budget of one
+    group (5 slices of 4 pages) holds two rows of 200 tokens (2 slices each), which whole
+    groups could not, and refuses growing them to 300 (3 slices each) with nothing changed."""
+    from vmemkv.runtime.hf.cache import CacheCapacityError
+    config = _model("head_dim-80").config
+    with VMemCache.from_model_config(config, max_batch=2, max_context=512, page_bytes=PAGE,
+                                     cache_bytes=20 * PAGE) as cache:
+        kv = torch.zeros(2, 2, 200, 80)
+        for layer in range(2):
+            cache.update(kv, kv, layer)
+        assert cache.kv.manager.bound_pages == 2 * 2 * 4
+        with pytest.raises(CacheCapacityError, match="needs 2 page slices of 4 pages; .* has 1"):
+            cache.update(torch.zeros(2, 2, 100, 80), torch.zeros(2, 2, 100, 80), 0)
+        assert cache.get_seq_length() == 200 and cache.kv.manager.bound_pages == 16
