@@ -124,9 +124,9 @@ class SliceOps:
         """The payload ``op`` is applied with, after checking it and updating the replica and
         the binding (CacheStateError, nothing changed by this op, if it cannot run)."""
         binding = self._slices
+        if isinstance(op, (MapGroup, ResizeGroup)) and not 0 <= op.group < self.num_groups:
+            raise CacheStateError(f"{op!r} names group {op.group}, outside 0..{self.num_groups - 1}")
         if isinstance(op, MapGroup):
-            if not 0 <= op.group < self.num_groups:
-                raise CacheStateError(f"MapGroup names group {op.group}, outside 0..{self.num_groups - 1}")
             self._set_replica(op.slot, op.page_index, op.group, undo)
             return binding.map(op.slot, op.page_index, op.group, undo)
         if isinstance(op, UnmapGroup):

@@ -110,7 +110,6 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
     _JOURNALED_FIELDS = UnitManager._JOURNALED_FIELDS | {
         "_reclaimable", "_maps", "_pages", "_owner", "_free_slots"}
 
-
     # -- queries the runtime needs --
     def slot_of(self, seq_id: int) -> int:
         return self._seq(seq_id).slot

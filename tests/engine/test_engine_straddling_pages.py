@@ -102,3 +102,27 @@ def test_vmem_cache_on_straddling_pages_holds_its_rows_by_bytes():
         with pytest.raises(CacheCapacityError, match="needs 2 page slices of 4 pages; .* has 1"):
             cache.update(torch.zeros(2, 2, 100, 80), torch.zeros(2, 2, 100, 80), 0)
         assert cache.get_seq_length() == 200 and cache.kv.manager.bound_pages == 16
+
+
+def test_a_persistent_fault_growing_a_groups_pages_fails_that_request_only():
+    """3 KV heads on 4 KiB pages: a member's first page holds 21 tokens, so an 8-12 token prompt
+    growing by 14 needs a ResizeGroup of its group; a fault on every map of the victim's slot
+    is blamed on the sequence mapping that group, which fails; the others finish exactly."""
+    from vmemkv import vmem
+    from .test_engine_faults import SlotFaultDriver, slot_spans
+    batch = prompts(3, 8, 12, seed=12)
+    want = _reference("3-kv-heads", batch, 14)
+    driver = SlotFaultDriver(vmem.open_driver("host"))
+    params = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    with Engine(_model("3-kv-heads"), driver=driver, max_batch=4, max_context=128,
+                page_bytes=SMALL_PAGE, max_plan_retries=0, check_integrity=True) as engine:
+        assert engine.cache.manager.maps_by_bytes
+        ids = [engine.add_request(p, params) for p in batch]
+        engine.step()                                    # prefill: one page a member each
+        seq = next(s for s in engine.scheduler.running if s.request.request_id == ids[0])
+        driver.spans = slot_spans(engine.cache, engine.cache.manager.slot_of(seq.seq_id))
+        engine.run_until_done()                          # no error reaches the caller
+        out = [engine.output(rid, pop=True) for rid in ids]
+        engine.cache.check_integrity()
+    assert out[0].status == "failed" and "injected persistent fault" in out[0].error.message
+    assert [o.status for o in out[1:]] == ["finished"] * 2 and tokens(out)[1:] == want[1:]

@@ -93,6 +93,7 @@ def test_refused_slice_ops_change_nothing():
         before = _state(cache)
         for plan, match in [
                 ([ResizeGroup(0, 4)], r"to 4 pages per member: outside 0..3"),
+                ([ResizeGroup(2, 1)], r"names group 2, outside 0..1"),
                 ([ResizeGroup(1, 1), ResizeGroup(0, 2)], r"at op 1.*needs 1 free slices; 0 of 2"),
                 ([MapGroup(0, 0, 1)], "group 0 is mapped there"),
                 ([UnmapGroup(0, 1, 0)], "group 0 is not mapped there"),
