@@ -1,7 +1,7 @@
 """Models whose bytes per token do not divide the page (issue 17 item 1) run on the host driver
-forced to 4 KiB or 64 KiB pages, as they would on CUDA's 2 MiB pages: greedy output through
-``Engine`` (prefix sharing and forks on) and through ``VMemCache`` equals transformers' own
-generate. (4 KiB keeps page groups small enough for a prompt to fill, so prefixes are hit.)"""
+forced to 4 KiB or 64 KiB pages, as they would on CUDA's 2 MiB pages, each page group backed
+only by the pages its tokens' bytes need: greedy output through ``Engine`` (prefix sharing and
+forks on) and through ``VMemCache`` equals transformers' own generate. (4 KiB keeps page groups small enough for a prompt to fill, so prefixes are hit.)"""
 from __future__ import annotations
 
 import functools
@@ -60,6 +60,7 @@ def test_engine_greedy_on_straddling_pages_equals_transformers_with_prefix_shari
     with Engine(model, max_batch=4, max_context=128, layout=layout, page_bytes=SMALL_PAGE,
                 max_tokens_per_step=70, prefix_sharing=True, check_integrity=True) as engine:
         assert engine.cache.geometry.pages_per_member == pages_per_member
+        assert engine.cache.manager.maps_by_bytes       # groups backed by their bytes
         out = engine.generate(batch, SamplingParams(max_new_tokens=6, ignore_eos=True))
         assert engine.scheduler.gauges()["prefix_cache_hits"] > 0
         forked = engine.generate([batch[1]], SamplingParams(max_new_tokens=6, n=2, ignore_eos=True))
@@ -81,6 +82,7 @@ def test_vmem_cache_greedy_on_straddling_pages_equals_default_cache(name):
         with VMemCache.from_model_config(model.config, max_batch=3, max_context=64, layout=layout,
                                          page_bytes=PAGE) as cache:
             assert cache.kv.geometry.pages_per_member == pages_per_member
+            assert cache.manager.maps_by_bytes
             got = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
                                  do_sample=False, pad_token_id=0, cache=cache)
             cache.manager.check_integrity()
