@@ -64,16 +64,15 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
             raise ConfigError(f"max_seq_len_tokens={self.max_seq_len} is not a multiple of "
                               f"tokens_per_page={tpp} ({layout}, page_bytes={page_bytes}); "
                               f"nearest valid: {near}")
-        group_bytes = page_bytes * self.pages_per_group
-        whole_groups = check_int("cache_bytes", cache_bytes, 1) // group_bytes
+        unit, unit_pages = self._smallest_unit()
+        whole_groups = check_int("cache_bytes", cache_bytes, 1) // (page_bytes * unit_pages)
         if whole_groups < 1:
-            raise ConfigError(f"cache_bytes={cache_bytes} holds no page group of {group_bytes} "
-                              f"bytes; needs >= {group_bytes}")
+            raise ConfigError(f"cache_bytes={cache_bytes} holds no {unit} of {page_bytes * unit_pages}"
+                              f" bytes; needs >= {page_bytes * unit_pages}")
         self.num_groups = self._group_ids(cache_bytes, whole_groups)
-        # Every running sequence holds >= 1 whole group, so more slots than that could never
-        # all be used at once; virtual address space is cheap, so default to exactly that many.
-        self.num_slots = check_int("max_slots", self._default_slots(whole_groups)
-                                   if max_slots is None else max_slots, 1)
+        # Every running sequence holds >= 1 whole group (vmem_bytes.py: slice), so more slots
+        # could never all be used at once; virtual address space is cheap: exactly that many.
+        self.num_slots = check_int("max_slots", whole_groups if max_slots is None else max_slots, 1)
         self.pages_per_slot = self.max_seq_len // tpp
         self._init_units(self.num_groups, tpp, prefix_eviction)
         cell = self._cell    # every container below logs to an open transaction's journal
@@ -88,12 +87,12 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
                                        # group has its own fixed pages_per_group pages
     maps_by_bytes = False              # vmem_bytes.py: groups backed by their bytes
 
+    def _smallest_unit(self) -> tuple:
+        """(name, pages) of the least a running sequence holds: a whole page group here."""
+        return "page group", self.pages_per_group
+
     def _group_ids(self, cache_bytes: int, whole_groups: int) -> int:
         """How many group ids there are: one per fixed set of pages (hybrid.py: more)."""
-        return whole_groups
-
-    def _default_slots(self, whole_groups: int) -> int:
-        """Slots when ``max_slots`` is None: as many as sequences could ever run at once."""
         return whole_groups
 
     @property

@@ -47,8 +47,8 @@ class ByteMappedVmemManager(VmemManager):
         self.pool_pages = self.pool_slices * self.geometry.num_members
         return self.pool_slices       # a group with a token holds >= 1 slice
 
-    def _default_slots(self, whole_groups: int) -> int:
-        return self.num_groups        # every running sequence holds >= 1 slice
+    def _smallest_unit(self) -> tuple:
+        return "page slice (a page of each member)", self.geometry.num_members
 
     maps_by_bytes = True
 

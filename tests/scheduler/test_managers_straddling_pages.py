@@ -13,6 +13,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import initialize, invariant
 
+from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.geometry import MiB, PageGeometry
 from vmemkv.scheduler.managers import (ByteMappedVmemManager, ResizeGroup, UnmapGroup, VmemManager,
                                        make_manager)
@@ -31,14 +32,13 @@ class StraddlingVmemMachine(VmemMachine):
     group backed by the pages its bytes need."""
 
     @initialize(interleaved=st.booleans(), page_bytes=st.sampled_from([4, 5]),
-                pages=st.integers(1, 6), slices=st.integers(1, 30),
+                pages=st.integers(1, 6), slices=st.integers(1, 30),      # a group: 3 slices
                 slots=st.sampled_from([None, 1, 3, 6]), swap=st.integers(0, 64), evict=EVICTION)
     def setup(self, interleaved, page_bytes, pages, slices, slots, swap, evict):
         model = THREE_LAYERS if interleaved else THREE_BYTES
         layout = "interleaved" if interleaved else "per-layer"
         tpp = page_bytes                  # 3 pages of page_bytes hold page_bytes 3-byte tokens
         self.unit = tpp
-        slices = max(slices, 3)           # the cache holds at least one whole group
         self.m = make_manager("vmem", model, slices * 2 * page_bytes, pages * tpp,
                               page_bytes=page_bytes, layout=layout, max_slots=slots,
                               swap_bytes=6 * swap, prefix_eviction=evict)
@@ -179,6 +179,11 @@ def test_phi2_geometry_on_2mib_pages_holds_the_pages_of_its_bytes_not_whole_grou
     whole.allocate(1, 500)
     assert whole.stats().allocated_bytes == group_bytes          # what it held before
     assert m.max_sequence_tokens == 4096 and m.num_slots == 15
+    small = make_manager("vmem", model, 3 * 64 * 2 * MiB, 4096, page_bytes=2 * MiB)
+    assert small.max_sequence_tokens == 3 * 2 * MiB // 5120   # 3 slices: less than a group
+    with pytest.raises(ConfigError, match=r"holds no page slice \(a page of each member\) of "
+                                          r"134217728 bytes"):
+        make_manager("vmem", model, 64 * 2 * MiB - 1, 4096, page_bytes=2 * MiB)
 
 
 def test_every_byte_mapped_field_is_covered_by_the_journal():
