@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from ..errors import OutOfCapacityError
+from ..errors import ConfigError, OutOfCapacityError
 from .base import MemoryStats, ResizeGroup
 from .journal import JList
 from .prefix import HeldSeq
@@ -37,7 +37,11 @@ class ByteMappedVmemManager(VmemManager):
 
     def __init__(self, model, cache_bytes: int, max_seq_len_tokens: int, **kwargs) -> None:
         super().__init__(model, cache_bytes, max_seq_len_tokens, **kwargs)
-        assert not self.geometry.exact and not self.geometry.split, "needs k > 1, no parts"
+        if self.geometry.exact or self.geometry.split:
+            raise ConfigError(
+                f"ByteMappedVmemManager needs members spanning several pages and groups not split "
+                f"by layer kind; got {self.geometry.pages_per_member} page(s) per member"
+                f"{', split' if self.geometry.split else ''} (make_manager picks the manager)")
         self._backed = JList(self._cell, [0] * self.num_groups)   # group -> member pages
         self._bound = 0                                            # sum of _backed
         self._idle = 0                              # sum of _backed over reclaimable groups

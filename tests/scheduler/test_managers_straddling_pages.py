@@ -181,6 +181,8 @@ def test_phi2_geometry_on_2mib_pages_holds_the_pages_of_its_bytes_not_whole_grou
     assert m.max_sequence_tokens == 4096 and m.num_slots == 15
     small = make_manager("vmem", model, 3 * 64 * 2 * MiB, 4096, page_bytes=2 * MiB)
     assert small.max_sequence_tokens == 3 * 2 * MiB // 5120   # 3 slices: less than a group
+    with pytest.raises(ConfigError, match=r"needs members spanning several pages .* got 1 page"):
+        ByteMappedVmemManager(ModelSpec("hd128", 32, 8, 128, 2, weight_bytes=0), 2**30, 4096)
     with pytest.raises(ConfigError, match=r"holds no page slice \(a page of each member\) of "
                                           r"134217728 bytes"):
         make_manager("vmem", model, 64 * 2 * MiB - 1, 4096, page_bytes=2 * MiB)
