@@ -175,7 +175,9 @@ def check_matches(manager, cache: KVCache) -> None:
     if cache.kind == "vmem":
         for slot in range(cache.config.max_batch):
             assert cache.mapped_pages(slot) == manager.mapped_pages(slot), f"pages of slot {slot}"
-        if cache.pool_pages is not None:
+        if manager.maps_by_bytes:
+            _check_backing_matches(manager, cache)
+        elif cache.pool_pages is not None:
             _check_parts_match(manager, cache)
     swapped = cache.swapped_tokens()
     for seq_id, tokens in swapped.items():
@@ -194,6 +196,14 @@ def _check_parts_match(manager, cache: KVCache) -> None:
                  for pi, g in manager.mapped_pages(slot).items()}
         assert cache.mapped_parts(slot) == truth, f"parts mapped under slot {slot}"
     assert cache.bound_pages == manager.bound_pages, "pages bound to group parts"
+
+
+def _check_backing_matches(manager, cache: KVCache) -> None:
+    """A byte-mapped pool: every group is backed by as many pages per member, page for page
+    in total, as the manager says."""
+    backing = [cache.backing(g) for g in range(manager.num_groups)]
+    assert backing == [manager.backing(g) for g in range(manager.num_groups)], "group backing"
+    assert cache.bound_slices * cache.geometry.num_members == manager.bound_pages, "pages bound"
 
 
 def _resident(manager, seq_id: int) -> bool:

@@ -18,6 +18,18 @@ A hybrid model (full-attention layers beside sliding-window ones) in the per-lay
 splits each group into two PARTS (``GroupPart``): FULL, the members of its full layers
 (2 * L_full * k pages), and WINDOW, those of its windowed layers (2 * L_win * k pages);
 ``window_layers`` names the windowed layers (empty: groups are not split).
+
+Mapping by bytes (k > 1, groups not split): the page GROUP stays the unit of prefix hashing,
+sharing, copy-on-write, window release and page indices (a group begins at a token boundary
+and at a page boundary, so a whole group is exactly "pages wholly inside a common prefix" that
+no recomputed token straddles), but a group is BACKED only as far as its bytes need: each
+member's first ``member_pages_for(fill)`` = ceil(fill * token_bytes / page_bytes) of its k
+pages. A sequence of n tokens on one slot therefore holds ``num_members *
+slot_member_pages(n)`` = members x ceil(n * token_bytes / page_bytes) pages (its groups are
+whole but the last), not members x k x ceil(n / tokens_per_page). The pool is counted in
+*slices* of ``num_members`` pages (one page of every member); ``ResizeGroup`` grows or shrinks
+a group's backing (scheduler.managers.vmem_bytes, runtime.cache.vmem_slices). With k == 1 a
+group is one slice and nothing of this runs.
 """
 from __future__ import annotations
 
@@ -136,7 +148,8 @@ class PageGeometry:
 
     @property
     def pages_per_group(self) -> int:
-        """Physical pages behind one page group (one MapGroup)."""
+        """Physical pages behind one page group (one MapGroup; at most, where groups are
+        backed by their bytes)."""
         return self.num_members * self.pages_per_member
 
     # -- parts of a split group (hybrid per-layer; see the module docstring) --
@@ -176,6 +189,21 @@ class PageGeometry:
     def exact(self) -> bool:
         """Whether one page holds whole tokens only (else members span several pages)."""
         return self.pages_per_member == 1
+
+    def member_pages_for(self, tokens: int) -> int:
+        """Pages of each member that hold the first ``tokens`` (<= tokens_per_page) tokens of a
+        page group: those covering its bytes [0, tokens * token_bytes), 0..pages_per_member."""
+        return -(-tokens * self.token_bytes // self.page_bytes)
+
+    def slot_member_pages(self, tokens: int) -> int:
+        """Pages of each member that hold the first ``tokens`` tokens of a slot mapped by bytes:
+        k per whole group, then the pages covering the last group's bytes."""
+        whole, rest = divmod(tokens, self.tokens_per_page)
+        return whole * self.pages_per_member + self.member_pages_for(rest)
+
+    def tokens_in_member_pages(self, pages: int) -> int:
+        """Whole tokens that ``pages`` pages of each member hold (the inverse, rounded down)."""
+        return pages * self.page_bytes // self.token_bytes
 
     def round_up_tokens(self, tokens: int) -> int:
         """``tokens`` rounded up to whole pages."""

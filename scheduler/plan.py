@@ -6,7 +6,8 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 
 from .errors import ConfigError
 from .managers.base import (CopyBlock, CopyGroup, DropSwapped, GroupPart, MapGroup,  # noqa: F401
-                            MemoryOp, ReleaseGroup, SwapIn, SwapOut, UnmapGroup)  # the ops a plan carries, re-exported
+                            MemoryOp, ReleaseGroup, ResizeGroup, SwapIn, SwapOut,  # the ops
+                            UnmapGroup)  # a plan carries, re-exported
 
 PREEMPTION_MODES = ("recompute", "swap")
 

@@ -107,6 +107,11 @@ MODELS: dict[str, ModelSpec] = {
     "gemma-3-27b": ModelSpec("gemma-3-27b", 62, 16, 128, 2, weight_bytes=54_800_000_000,
                              num_params=27_400_000_000,
                              layer_windows=tuple(None if i % 6 == 5 else 1024 for i in range(62))),
+    # Phi-2 (microsoft/phi-2): 32 layers, 32 KV heads (MHA) * 80 dims * 2 bytes * 2 = 320 KiB
+    # per token; 5,120 bytes a layer-token do not divide a 2 MiB page: a page-group member
+    # spans 5 pages (2,048 tokens per-layer, 64 interleaved), mapped by bytes
+    "phi-2": ModelSpec("phi-2", 32, 32, 80, 2, weight_bytes=5_560_000_000,
+                       num_params=2_780_000_000),
     # the engine tests' random-weight model: 4 layers, 2 KV heads, 64 dims, fp32
     "tiny": ModelSpec("tiny", 4, 2, 64, 4, weight_bytes=4 * 8_000_000, num_params=8_000_000),
 }

@@ -27,8 +27,8 @@ import torch
 from vmemkv import vmem
 from vmemkv.runtime.attention.base import StepMeta, VMemLayerView, window_starts
 from vmemkv.scheduler.geometry import PageGeometry
-from vmemkv.scheduler.plan import (CopyGroup, DropSwapped, MapGroup, ReleaseGroup, SetSlot, SwapIn,
-                                   SwapOut, UnmapGroup)
+from vmemkv.scheduler.plan import (CopyGroup, DropSwapped, MapGroup, ReleaseGroup, ResizeGroup,
+                                   SetSlot, SwapIn, SwapOut, UnmapGroup)
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError
@@ -38,15 +38,18 @@ from .journal import PlanJournal
 from .mapper import BackgroundMapper, DeferredUndo
 from .vmem_ops import VMemOps
 from .vmem_parts import PartOps
+from .vmem_slices import SliceOps
 
-_OPS = (MapGroup, UnmapGroup, ReleaseGroup, CopyGroup, SwapOut, SwapIn, DropSwapped)
+_OPS = (MapGroup, UnmapGroup, ReleaseGroup, ResizeGroup, CopyGroup, SwapOut, SwapIn, DropSwapped)
 
 
-class VMemKVCache(VMemOps, PartOps, KVCache):
+class VMemKVCache(VMemOps, PartOps, SliceOps, KVCache):
     """Executes vmem plans on a VirtualRange of ``config.max_batch`` slots over a pool of
     ``num_groups`` page groups of ``geometry`` (fixed pages per group), or, with
     ``pool_pages``, a hybrid pool of that many pages bound to group parts by the plans
-    (needs the per-layer layout and a config with both full and windowed layers).
+    (needs the per-layer layout and a config with both full and windowed layers), or, where
+    members span k > 1 pages and groups are not split, a byte-mapped pool whose groups are
+    backed by the pages ResizeGroup ops give them (vmem_slices).
 
     ``background_mapper=True`` runs each plan's ops on a thread, layer by layer, so layer l's
     pages are mapped while layers < l compute (per-layer layout); ``write``/``layer_view`` wait
@@ -60,7 +63,9 @@ class VMemKVCache(VMemOps, PartOps, KVCache):
                  grow_pages: bool = False, pool_pages: Optional[int] = None) -> None:
         super().__init__(config)
         self._check_geometry(config, geometry, num_groups)
-        self._parts, self._binding = self._part_binding(config, geometry, pool_pages)
+        self._slices = self._slice_binding(geometry, pool_pages)
+        self._parts, self._binding = (None, None) if self._slices is not None else \
+            self._part_binding(config, geometry, pool_pages)
         self.pool_pages = pool_pages
         self.geometry = geometry
         self.memory_layout = geometry.layout
@@ -214,6 +219,8 @@ class VMemKVCache(VMemOps, PartOps, KVCache):
 
     def _held_tokens(self, seq_id: int) -> int:
         pages = self._slot_pages[self.placement(seq_id)]
+        if self._slices is not None:
+            return self._slice_held_tokens(pages)
         n = self._first_held_page(pages)
         while n in pages:              # the run of pages mapped under the slot
             n += 1
@@ -292,9 +299,11 @@ class VMemKVCache(VMemOps, PartOps, KVCache):
         done and none is leaked); pool counts are consistent."""
         super().check_integrity()
         self.wait_for_mapper()
-        if self._binding is not None:
-            assert self.range.mapped_pages() == self._expected_part_mappings(), \
-                "range mappings differ from the plans' part mappings"
+        if self._binding is not None or self._slices is not None:
+            expected = self._expected_part_mappings() if self._binding is not None else \
+                self._expected_slice_mappings()
+            assert self.range.mapped_pages() == expected, \
+                "range mappings differ from the plans' part (or slice) mappings"
             self.pool.check_integrity()
             return
         expected = {}

@@ -4,7 +4,8 @@ Page index arithmetic (see vmem_cache's module docstring): member j of a page gr
 (slot, page_index) spans the k = ``pages_per_member`` range pages from
 ``((j * max_batch + slot) * pages_per_slot + page_index) * k``, backed by pool pages
 ``group * pages_per_group + j * k ...``, where j = layer * 2 + kv (per-layer) or j = kv
-(interleaved). On a hybrid pool (``pool_pages``) the pool pages are the ones bound to the
+(interleaved). A byte-mapped pool (members of k > 1 pages) backs them by slices instead
+(vmem_slices). On a hybrid pool (``pool_pages``) the pool pages are the ones bound to the
 member's part when the plan was bound (vmem_binding), handed to the application as the op's
 payload: {part: pool pages} for a MapGroup, the parts it touches for an UnmapGroup/CopyGroup.
 """
@@ -16,6 +17,7 @@ from vmemkv.scheduler.plan import CopyGroup, MapGroup, ReleaseGroup, SwapIn, Swa
 
 from ..errors import CacheStateError
 from .journal import PlanJournal
+from .vmem_slices import SLICE_OPS
 
 _PART_OPS = (MapGroup, UnmapGroup, CopyGroup)   # ops a hybrid plan binds to parts
 
@@ -27,7 +29,7 @@ class VMemOps:
         """Update the replica of what is mapped where, as of the end of the plan (in the step
         thread, so writes are checked against it before the mapper is done); undone with the
         plan if it fails. Returns the ops paired with what their application needs."""
-        if self._binding is not None:
+        if self._binding is not None or self._slices is not None:
             return self._note_parts(bound, journal)
         for op, _ in bound:
             if isinstance(op, (MapGroup, UnmapGroup)):
@@ -60,7 +62,7 @@ class VMemOps:
     def _skips(self, op, payload, group: int) -> bool:
         """Whether a part-op (a hybrid MapGroup/UnmapGroup/CopyGroup; payload: its parts) leaves
         op group ``group`` (a layer) alone. Fixed-group ops have no payload: never."""
-        return payload is not None and isinstance(op, _PART_OPS) \
+        return payload is not None and self._parts is not None and isinstance(op, _PART_OPS) \
             and self._parts.part_of_layer[group] not in payload
 
     def _apply_layer_group(self, bound: Sequence, group: int,
@@ -70,15 +72,21 @@ class VMemOps:
         journal = journal if journal is not None else PlanJournal({})
         rng = self.range
         # one device synchronise for every page this group unmaps, not one per page
-        unmaps = sum(isinstance(op, UnmapGroup) and not self._skips(op, payload, group)
-                     for op, payload in bound)
-        self.driver.prepare_unmap(unmaps * len(self.geometry.members_of(group))
-                                  * self.geometry.pages_per_member)
+        members = self.geometry.members_of(group)
+        if self._slices is not None:
+            self.driver.prepare_unmap(sum(self._slice_unmaps(op, payload, len(members))
+                                          for op, payload in bound))
+        else:
+            unmaps = sum(isinstance(op, UnmapGroup) and not self._skips(op, payload, group)
+                         for op, payload in bound)
+            self.driver.prepare_unmap(unmaps * len(members) * self.geometry.pages_per_member)
         for index, (op, buffer) in enumerate(bound):
             journal.op_index = index
             if self._skips(op, buffer, group):
                 continue
-            if isinstance(op, MapGroup):
+            if self._slices is not None and isinstance(op, SLICE_OPS):
+                self._apply_slice_op(op, buffer, members, journal)
+            elif isinstance(op, MapGroup):
                 for j in self.geometry.members_of(group):
                     pages = self._member_pages(j, op.slot, op.page_index, op.group) \
                         if buffer is None else self._map_pages(j, op, buffer)

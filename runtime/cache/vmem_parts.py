@@ -16,7 +16,8 @@ from typing import Sequence
 from vmemkv.scheduler.geometry import PageGeometry
 
 from vmemkv.runtime.attention.base import window_starts
-from vmemkv.scheduler.plan import CopyGroup, GroupPart, MapGroup, ReleaseGroup, SwapIn, SwapOut, UnmapGroup
+from vmemkv.scheduler.plan import (CopyGroup, GroupPart, MapGroup, ReleaseGroup, ResizeGroup, SwapIn,
+                                   SwapOut, UnmapGroup)
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError
@@ -51,18 +52,24 @@ class PartOps:
         return {pi: self._binding.parts_at(slot, pi) for pi in self._slot_pages[slot]}
 
     def _check_part_op(self, index: int, op) -> None:
-        """A cache of fixed pages per group executes whole-group ops only."""
+        """A cache of fixed pages per group executes whole-group ops only; ResizeGroup runs on
+        a byte-mapped pool only (vmem_slices)."""
         if self._binding is None and (isinstance(op, ReleaseGroup) or isinstance(
                 op, (MapGroup, UnmapGroup)) and op.part != GroupPart.ALL):
             raise CacheStateError(f"op {index} of the plan is a part-op for a hybrid pool "
                                   f"(pool_pages); this cache maps whole groups: {op!r}")
+        if self._slices is None and isinstance(op, ResizeGroup):
+            raise CacheStateError(f"op {index} of the plan resizes a group of a byte-mapped pool "
+                                  f"(members of k > 1 pages); this cache has fixed groups: {op!r}")
 
     def _note_parts(self, bound: Sequence, journal: PlanJournal) -> list:
-        """Bind every op of the plan, in order; all or nothing (CacheStateError naming the op)."""
+        """Bind every op of the plan, in order (a hybrid pool's parts, or a byte-mapped pool's
+        slices); all or nothing (CacheStateError naming the op)."""
         undo, out = journal.replica_undo.append, []
+        bind = self._bind_part_op if self._binding is not None else self._bind_slice_op
         try:
             for op, payload in bound:
-                out.append((op, self._bind_part_op(op, payload, undo)))
+                out.append((op, bind(op, payload, undo)))
         except CacheStateError as error:
             for action in reversed(journal.replica_undo):
                 action()

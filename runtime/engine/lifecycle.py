@@ -8,6 +8,7 @@ that memory was planned for:
 
     SwapOut / SwapIn      -> op.seq_id
     MapGroup / CopyGroup    -> the running sequence on op.slot / op.dst_slot          (vmem)
+    ResizeGroup           -> the running sequences mapping op.group (byte-mapped vmem)
     CopyBlock             -> the running sequence whose block table holds dst_block (paged)
     UnmapGroup, no index   -> nobody: reclaiming serves whoever maps next; bounded retries
 
@@ -20,7 +21,7 @@ from contextlib import contextmanager
 from typing import Iterable, Optional, Set
 
 from vmemkv.runtime.errors import PlanExecutionError
-from vmemkv.scheduler.managers.base import CopyBlock, CopyGroup, MapGroup, SwapIn, SwapOut
+from vmemkv.scheduler.managers.base import CopyBlock, CopyGroup, MapGroup, ResizeGroup, SwapIn, SwapOut
 from vmemkv.scheduler.request import SeqState
 
 from .errors import RequestEndedError, UnknownRequestError
@@ -39,6 +40,8 @@ def culprit_seq_ids(ops: list, op_index: Optional[int], manager, running: Iterab
     if isinstance(op, (MapGroup, CopyGroup)):
         slot = op.slot if isinstance(op, MapGroup) else op.dst_slot
         return {s for s in running if manager.slot_of(s) == slot}
+    if isinstance(op, ResizeGroup):
+        return {s for s in running if op.group in manager.mapped_pages(manager.slot_of(s)).values()}
     if isinstance(op, CopyBlock):
         return {s for s in running if op.dst_block in manager.block_table(s)}
     return set()

@@ -204,13 +204,24 @@ class VMemCache(Cache):
             raise ContextOverflowError(f"sequence length {end} exceeds this cache's max_context="
                                        f"{self.max_context} (batch of {batch} rows)")
         held = self._held()
+        need, free, unit = self._room(batch, held, end)
+        if need > free:
+            raise CacheCapacityError(f"growing {batch} rows to {end} tokens needs {need} {unit}; "
+                                     f"the cache_bytes budget has {free} left")
+        self._grow_rows(batch, end, held)
+
+    def _room(self, batch: int, held: int, end: int) -> tuple:
+        """(needed, free, what they count) to grow ``batch`` rows from ``held`` to ``end``
+        tokens: page groups, or page slices where groups are backed by their bytes."""
+        geometry, manager = self.kv.geometry, self.manager
+        if manager.maps_by_bytes:
+            need = batch * (geometry.slot_member_pages(end) - geometry.slot_member_pages(held))
+            return need, manager.available_member_pages, \
+                f"page slices of {geometry.num_members} pages"
         tpp = self.kv.tokens_per_page
         need = batch * (-(-end // tpp) - -(-held // tpp))            # page groups
-        free = (self.manager.stats().free_tokens + self.manager.reclaimable_tokens) // tpp
-        if need > free:
-            raise CacheCapacityError(f"growing {batch} rows to {end} tokens needs {need} page groups "
-                                     f"of {tpp} tokens; the cache_bytes budget has {free} left")
-        self._grow_rows(batch, end, held)
+        free = (manager.stats().free_tokens + manager.reclaimable_tokens) // tpp
+        return need, free, f"page groups of {tpp} tokens"
 
     def _grow_rows(self, batch: int, end: int, held: int) -> None:
         """Claim the rows if needed, grow each from ``held`` to ``end`` tokens, map the pages."""

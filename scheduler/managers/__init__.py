@@ -12,7 +12,9 @@
 
 vmem with a hybrid model (full + sliding-window layers) in the per-layer layout and
 ``hybrid_parts=True`` is a HybridVmemManager (hybrid.py): groups split by layer kind over a pool counted in pages, the
-windowed part given back behind the window (ReleaseGroup).
+windowed part given back behind the window (ReleaseGroup). vmem on pages that do not hold
+whole tokens (members of k > 1 pages, groups not split) is a ByteMappedVmemManager
+(vmem_bytes.py): each group backed only by the pages its tokens' bytes need (ResizeGroup).
 
 paged and vmem keep computed prefixes after their requests end (``prefix_eviction``: off, lru,
 hits; eviction.py) and publish a unit only once the scheduler says it is computed.
@@ -24,13 +26,15 @@ from typing import Optional
 from ..errors import ConfigError
 from ..presets import ModelSpec
 from .base import (CopyBlock, CopyGroup, GroupPart, MapGroup, MemoryManager, MemoryOp, MemoryStats,
-                   ReleaseGroup, SwapIn, SwapOut, UnmapGroup)
+                   ReleaseGroup, ResizeGroup, SwapIn, SwapOut, UnmapGroup)
 from .common import check_int
 from .eviction import DEFAULT_EVICTION, EVICTION_POLICIES, make_eviction
 from .hybrid import HybridVmemManager
 from .paged import PagedManager
 from .reserve import ReserveManager
 from .vmem import LAYOUTS, VmemManager
+from .vmem_bytes import ByteMappedVmemManager
+from ..geometry import PageGeometry
 
 POLICIES = ("reserve-max", "reserve-oracle", "paged", "vmem")
 
@@ -73,6 +77,9 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
         raise ConfigError(f"hybrid_parts must be a bool, got {hybrid_parts!r}")
     split = hybrid_parts and model.is_hybrid and layout == "per-layer"
     cls = HybridVmemManager if split else VmemManager
+    geometry = PageGeometry.of(model, page_bytes, layout)
+    if not geometry.split and not geometry.exact:
+        cls = ByteMappedVmemManager   # members span k > 1 pages: back groups by their bytes
     return cls(model, cache_bytes, max_seq_len_tokens, page_bytes=page_bytes,
                layout=layout, max_slots=max_slots, swap_bytes=swap_bytes,
                prefix_eviction=prefix_eviction)
@@ -80,4 +87,4 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
 
 __all__ = ["POLICIES", "EVICTION_POLICIES", "DEFAULT_EVICTION", "make_manager", "MemoryManager", "MemoryStats", "MemoryOp", "MapGroup",
            "UnmapGroup", "ReleaseGroup", "GroupPart", "CopyGroup", "CopyBlock", "SwapOut", "SwapIn", "ReserveManager",
-           "PagedManager", "VmemManager", "HybridVmemManager"]
+           "PagedManager", "VmemManager", "HybridVmemManager", "ByteMappedVmemManager", "ResizeGroup"]

@@ -27,7 +27,8 @@ from typing import Optional, Sequence, Union
 # layers, so a sequence can give back the windowed part of a group behind the window while it
 # keeps the full part. Its pool binds physical pages to a group's part at the first MapGroup that
 # needs them and takes them back at ReleaseGroup (see GroupPart). Every other cache maps whole
-# groups ("all") over fixed pages.
+# groups ("all") over fixed pages, except where a member spans k > 1 pages: there a group is
+# backed only by the member pages its tokens' bytes need (ResizeGroup; managers/vmem_bytes.py).
 
 class GroupPart:
     """Which members of a page group an op touches (a str constant; pickles as a plain str)."""
@@ -41,7 +42,8 @@ class GroupPart:
 class MapGroup:
     """Map ``part`` of page group ``group`` under ``slot`` at page index ``page_index`` (tokens
     [page_index * tokens_per_page, (page_index + 1) * tokens_per_page) of that slot); on a
-    hybrid pool, pages are bound to the part first if it has none."""
+    hybrid pool, pages are bound to the part first if it has none; on a byte-mapped pool it
+    maps the group's backed pages (none yet for a fresh group: a ResizeGroup follows)."""
     slot: int
     page_index: int
     group: int
@@ -67,10 +69,22 @@ class ReleaseGroup:
 
 
 @dataclass(frozen=True)
+class ResizeGroup:
+    """Byte-mapped pools only (``pool_pages`` without parts: members spanning k > 1 pages,
+    scheduler.geometry): from now on each member of ``group`` is backed by its first
+    ``member_pages`` pages (0..k). Growing binds free pool pages to the new ones and maps them
+    wherever the group is mapped; shrinking unmaps the dropped ones everywhere and frees them.
+    Every mapping of a group always maps exactly its backed pages (a MapGroup maps those)."""
+    group: int
+    member_pages: int
+
+
+@dataclass(frozen=True)
 class CopyGroup:
     """Copy the bytes of the page group mapped at one (slot, page_index) into the group mapped
-    at another (every member page); both are mapped when this op runs. Used for copy-on-write
-    of a shared partial page group."""
+    at another (every backed member page of the source; the destination is backed at least as
+    far); both are mapped when this op runs. Used for copy-on-write of a shared partial page
+    group."""
     src_slot: int
     src_page_index: int
     dst_slot: int
@@ -118,7 +132,7 @@ class DropSwapped:
     seq_id: int
 
 
-MemoryOp = Union[MapGroup, UnmapGroup, ReleaseGroup, CopyGroup, CopyBlock, SwapOut, SwapIn, DropSwapped]
+MemoryOp = Union[MapGroup, UnmapGroup, ReleaseGroup, ResizeGroup, CopyGroup, CopyBlock, SwapOut, SwapIn, DropSwapped]
 
 
 @dataclass(frozen=True)

@@ -177,7 +177,11 @@ class UnitManager(ManagerCore):
         if num_tokens > self.max_sequence_tokens or not self._can_place():
             return False
         spare = self._available_units() - self._need(num_tokens, self._hits(num_tokens, token_ids, namespace))
-        return spare >= 0 and spare * self.unit_tokens >= reserve_tokens
+        return spare >= 0 and self._units_as_tokens(spare) >= reserve_tokens
+
+    def _units_as_tokens(self, units: int) -> int:
+        """Tokens that ``units`` of what ``_available_units`` counts hold (vmem_bytes.py: pages)."""
+        return units * self.unit_tokens
 
     def _count_prefix(self, token_ids, num_tokens: int, hits: list) -> int:
         """Record a prefix query; returns the hit tokens."""

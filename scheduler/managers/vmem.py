@@ -64,15 +64,15 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
             raise ConfigError(f"max_seq_len_tokens={self.max_seq_len} is not a multiple of "
                               f"tokens_per_page={tpp} ({layout}, page_bytes={page_bytes}); "
                               f"nearest valid: {near}")
-        group_bytes = page_bytes * self.pages_per_group
-        whole_groups = check_int("cache_bytes", cache_bytes, 1) // group_bytes
+        unit, unit_pages = self._smallest_unit()
+        whole_groups = check_int("cache_bytes", cache_bytes, 1) // (page_bytes * unit_pages)
         if whole_groups < 1:
-            raise ConfigError(f"cache_bytes={cache_bytes} holds no page group of {group_bytes} "
-                              f"bytes; needs >= {group_bytes}")
+            raise ConfigError(f"cache_bytes={cache_bytes} holds no {unit} of {page_bytes * unit_pages}"
+                              f" bytes; needs >= {page_bytes * unit_pages}")
         self.num_groups = self._group_ids(cache_bytes, whole_groups)
-        # Every running sequence holds >= 1 whole group, so more slots than that could never
-        # all be used at once; virtual address space is cheap, so default to exactly that many.
-        self.num_slots = check_int("max_slots", max_slots if max_slots is not None else whole_groups, 1)
+        # Every running sequence holds >= 1 whole group (vmem_bytes.py: slice), so more slots
+        # could never all be used at once; virtual address space is cheap: exactly that many.
+        self.num_slots = check_int("max_slots", whole_groups if max_slots is None else max_slots, 1)
         self.pages_per_slot = self.max_seq_len // tpp
         self._init_units(self.num_groups, tpp, prefix_eviction)
         cell = self._cell    # every container below logs to an open transaction's journal
@@ -85,6 +85,11 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
 
     pool_pages: Optional[int] = None   # hybrid.py: the pool counted in pages; here every
                                        # group has its own fixed pages_per_group pages
+    maps_by_bytes = False              # vmem_bytes.py: groups backed by their bytes
+
+    def _smallest_unit(self) -> tuple:
+        """(name, pages) of the least a running sequence holds: a whole page group here."""
+        return "page group", self.pages_per_group
 
     def _group_ids(self, cache_bytes: int, whole_groups: int) -> int:
         """How many group ids there are: one per fixed set of pages (hybrid.py: more)."""
@@ -103,7 +108,6 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         "pages_per_slot", "_window"}
     _JOURNALED_FIELDS = UnitManager._JOURNALED_FIELDS | {
         "_reclaimable", "_maps", "_pages", "_owner", "_free_slots"}
-
 
     # -- queries the runtime needs --
     def slot_of(self, seq_id: int) -> int:
@@ -156,14 +160,17 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
                 g = self._reclaimable.pop_first()
             else:
                 g = self._evict()
-            for slot, pi in sorted(self._maps[g]):
-                del self._pages[slot][pi]
-                self._ops.append(UnmapGroup(slot, pi, g))
-                self._free_slots.recount(slot, len(self._pages[slot]))
-            self._maps[g].clear()
+            self._unmap_everywhere(g)
         self._touch(g)
         self._refs[g], self._fill[g] = 1, 0
         return g
+
+    def _unmap_everywhere(self, g: int) -> None:
+        for slot, pi in sorted(self._maps[g]):
+            del self._pages[slot][pi]
+            self._ops.append(UnmapGroup(slot, pi, g))
+            self._free_slots.recount(slot, len(self._pages[slot]))
+        self._maps[g].clear()
 
     def _unheld(self, g: int) -> None:
         if self._maps[g]:
@@ -325,12 +332,16 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self._unhold(old)
         self._unmap(slot, pi)
         self._map(slot, pi, new)
+        self._copy_backing(new, old)
         src_slot, src_pi = min(self._maps[old])   # same physical group wherever it is mapped
         self._ops.append(CopyGroup(src_slot, src_pi, slot, pi))
         self._touch(new)
         self._fill[new] = self._fill[old]
         self._live += self._fill[old]
         seq.units[pi] = new
+
+    def _copy_backing(self, dst: int, src: int) -> None:
+        """Before CopyGroup: back ``dst`` as far as ``src`` (vmem_bytes.py); fixed groups are."""
 
     # -- fork and release --
     def can_fork(self, parent_id: int) -> bool:

@@ -1,7 +1,7 @@
 """Models whose bytes per token do not divide the page (issue 17 item 1) run on the host driver
-forced to 4 KiB or 64 KiB pages, as they would on CUDA's 2 MiB pages: greedy output through
-``Engine`` (prefix sharing and forks on) and through ``VMemCache`` equals transformers' own
-generate. (4 KiB keeps page groups small enough for a prompt to fill, so prefixes are hit.)"""
+forced to 4 KiB or 64 KiB pages, as they would on CUDA's 2 MiB pages, each page group backed
+only by the pages its tokens' bytes need: greedy output through ``Engine`` (prefix sharing and
+forks on) and through ``VMemCache`` equals transformers' own generate. (4 KiB keeps page groups small enough for a prompt to fill, so prefixes are hit.)"""
 from __future__ import annotations
 
 import functools
@@ -60,6 +60,7 @@ def test_engine_greedy_on_straddling_pages_equals_transformers_with_prefix_shari
     with Engine(model, max_batch=4, max_context=128, layout=layout, page_bytes=SMALL_PAGE,
                 max_tokens_per_step=70, prefix_sharing=True, check_integrity=True) as engine:
         assert engine.cache.geometry.pages_per_member == pages_per_member
+        assert engine.cache.manager.maps_by_bytes       # groups backed by their bytes
         out = engine.generate(batch, SamplingParams(max_new_tokens=6, ignore_eos=True))
         assert engine.scheduler.gauges()["prefix_cache_hits"] > 0
         forked = engine.generate([batch[1]], SamplingParams(max_new_tokens=6, n=2, ignore_eos=True))
@@ -81,7 +82,49 @@ def test_vmem_cache_greedy_on_straddling_pages_equals_default_cache(name):
         with VMemCache.from_model_config(model.config, max_batch=3, max_context=64, layout=layout,
                                          page_bytes=PAGE) as cache:
             assert cache.kv.geometry.pages_per_member == pages_per_member
+            assert cache.manager.maps_by_bytes
             got = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
                                  do_sample=False, pad_token_id=0, cache=cache)
             cache.manager.check_integrity()
     assert torch.equal(got, want)
+
+
+def test_vmem_cache_on_straddling_pages_holds_its_rows_by_bytes():
+    """head_dim 80 on 64 KiB pages: 512-token groups of 4 members x 5 pages; a budget of one
+    group (5 slices of 4 pages) holds two rows of 200 tokens (2 slices each), which whole
+    groups could not, and refuses growing them to 300 (3 slices each) with nothing changed."""
+    from vmemkv.runtime.hf.cache import CacheCapacityError
+    config = _model("head_dim-80").config
+    with VMemCache.from_model_config(config, max_batch=2, max_context=512, page_bytes=PAGE,
+                                     cache_bytes=20 * PAGE) as cache:
+        kv = torch.zeros(2, 2, 200, 80)
+        for layer in range(2):
+            cache.update(kv, kv, layer)
+        assert cache.kv.manager.bound_pages == 2 * 2 * 4
+        with pytest.raises(CacheCapacityError, match="needs 2 page slices of 4 pages; .* has 1"):
+            cache.update(torch.zeros(2, 2, 100, 80), torch.zeros(2, 2, 100, 80), 0)
+        assert cache.get_seq_length() == 200 and cache.kv.manager.bound_pages == 16
+
+
+def test_a_persistent_fault_growing_a_groups_pages_fails_that_request_only():
+    """3 KV heads on 4 KiB pages: a member's first page holds 21 tokens, so an 8-12 token prompt
+    growing by 14 needs a ResizeGroup of its group; a fault on every map of the victim's slot
+    is blamed on the sequence mapping that group, which fails; the others finish exactly."""
+    from vmemkv import vmem
+    from .test_engine_faults import SlotFaultDriver, slot_spans
+    batch = prompts(3, 8, 12, seed=12)
+    want = _reference("3-kv-heads", batch, 14)
+    driver = SlotFaultDriver(vmem.open_driver("host"))
+    params = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    with Engine(_model("3-kv-heads"), driver=driver, max_batch=4, max_context=128,
+                page_bytes=SMALL_PAGE, max_plan_retries=0, check_integrity=True) as engine:
+        assert engine.cache.manager.maps_by_bytes
+        ids = [engine.add_request(p, params) for p in batch]
+        engine.step()                                    # prefill: one page a member each
+        seq = next(s for s in engine.scheduler.running if s.request.request_id == ids[0])
+        driver.spans = slot_spans(engine.cache, engine.cache.manager.slot_of(seq.seq_id))
+        engine.run_until_done()                          # no error reaches the caller
+        out = [engine.output(rid, pop=True) for rid in ids]
+        engine.cache.check_integrity()
+    assert out[0].status == "failed" and "injected persistent fault" in out[0].error.message
+    assert [o.status for o in out[1:]] == ["finished"] * 2 and tokens(out)[1:] == want[1:]

@@ -32,6 +32,13 @@ def small_config(max_batch: int = 4, max_context: int = 64) -> CacheConfig:
                        max_context=max_context)
 
 
+def straddling_config(max_batch: int = 4, max_context: int = 128) -> CacheConfig:
+    # per layer and token 3 heads * 16 dims * 4 B = 192 B: no 4 KiB page holds whole tokens, a
+    # member spans 3 pages (a group holds 64 tokens per-layer, 32 interleaved) backed by bytes
+    return CacheConfig(num_layers=2, num_kv_heads=3, head_dim=16, max_batch=max_batch,
+                       max_context=max_context)
+
+
 LAYOUTS = {
     "vmem-per-layer": ("vmem", dict(layout="per-layer", page_bytes=4 * KiB)),
     "vmem-interleaved": ("vmem", dict(layout="interleaved", page_bytes=4 * KiB)),
@@ -40,7 +47,12 @@ LAYOUTS = {
     "vmem-interleaved-mapper": ("vmem", dict(layout="interleaved", page_bytes=4 * KiB,
                                              background_mapper=True)),
     "paged": ("paged", dict(block_size=8)),
+    "vmem-straddling-mapper": ("vmem", dict(layout="per-layer", page_bytes=4 * KiB,
+                                            background_mapper=True)),
+    "vmem-interleaved-straddling": ("vmem", dict(layout="interleaved", page_bytes=4 * KiB)),
 }
+CONFIGS = {"vmem-straddling-mapper": straddling_config,          # default: small_config
+           "vmem-interleaved-straddling": straddling_config}
 
 
 class CacheModel:
@@ -49,7 +61,7 @@ class CacheModel:
     def __init__(self, layout: str, *, config: CacheConfig | None = None,
                  cache_fraction: float = 2.5, swap_seqs: float = 2.0, delay=None) -> None:
         kind, options = LAYOUTS[layout]
-        self.config = c = config or small_config()
+        self.config = c = config or CONFIGS.get(layout, small_config)()
         self.driver = FaultInjectingDriver(HostDriver(), delay=delay) if kind == "vmem" else None
         extra = {"driver": self.driver} if kind == "vmem" else {}
         self.cache = make_kv(c, kind, cache_bytes=int(cache_fraction * c.max_context * c.bytes_per_token),

@@ -117,8 +117,11 @@ def test_a_cache_of_fixed_groups_refuses_part_ops():
 def test_a_hybrid_pool_needs_the_per_layer_layout_and_a_hybrid_model(windows, layout, match):
     config = CacheConfig(num_layers=3, num_kv_heads=2, head_dim=16, max_batch=2, max_context=128,
                          layer_windows=windows)
+    # pages holding whole tokens (on 4 KiB, 3 interleaved layers' 384-byte tokens straddle
+    # pages and pool_pages is a byte-mapped pool instead, vmem_slices)
+    page_bytes = 12 * KiB if layout == "interleaved" else 4 * KiB
     with pytest.raises(CacheConfigError, match=match):
-        VMemKVCache(config, PageGeometry.of(config, 4 * KiB, layout), 4, pool_pages=12)
+        VMemKVCache(config, PageGeometry.of(config, page_bytes, layout), 4, pool_pages=12)
 
 
 def test_a_hybrid_pool_needs_a_geometry_split_at_the_configs_windowed_layers():

@@ -1,13 +1,18 @@
 """VMemKVCache on pages that do not hold whole tokens (issue 17 item 1), on the host driver
-forced to such a page size: a token straddles two pages of a member, and each page-group
-member spans the fewest pages holding whole tokens. The random mixes of prefill, decode, fork,
-shared prefixes, preemption and swap of test_cache_correctness keep every sequence's contents
-equal to the shadow copy and attention equal to dense attention."""
+forced to such a page size: a token straddles two pages of a member, each page-group member
+spans the fewest pages holding whole tokens, and a group is backed only by the pages its bytes
+need (a byte-mapped pool, runtime/cache/vmem_slices.py). The random mixes of prefill, decode,
+fork, shared prefixes, preemption and swap of test_cache_correctness keep every sequence's
+contents equal to the shadow copy and attention equal to dense attention (unbacked pages are
+PROT_NONE: a read of one would fault); plans the pool cannot run are refused, changing nothing."""
 import pytest
 import torch
 
+from vmemkv.runtime.cache import VMemKVCache
 from vmemkv.runtime.config import CacheConfig
+from vmemkv.runtime.errors import CacheConfigError, CacheStateError
 from vmemkv.scheduler.geometry import PageGeometry
+from vmemkv.scheduler.plan import CopyGroup, MapGroup, ReleaseGroup, ResizeGroup, SetSlot, UnmapGroup
 
 from .harness import ShadowRun
 
@@ -31,8 +36,12 @@ def config(layers, kv_heads, head_dim, layout, page_bytes):
                        dtype=torch.float32, max_batch=4, max_context=max(64, 2 * tpp))
 
 
-@pytest.mark.parametrize("shape", STRADDLING)
-@pytest.mark.parametrize("seed", [0, 1])
+# two seeds each, one for the 64 KiB page (1,024-token groups: its runs take 5 s each)
+CASES = [pytest.param(p.values[0], seed, id=f"{seed}-{p.id}") for p in STRADDLING
+         for seed in ((0, 1) if p.id != "3-kv-heads-64KiB" else (0,))]
+
+
+@pytest.mark.parametrize("shape, seed", CASES)
 def test_straddling_pages_keep_contents_and_attention_exact(shape, seed):
     *dims, layout, page_bytes = shape
     cfg = config(*dims, layout, page_bytes)
@@ -63,3 +72,60 @@ def test_straddling_pages_see_forks_prefix_hits_and_swaps(shape):
     for key in ("fork", "prefix_hit_tokens", "swap_in", "free"):
         assert totals[key] > 0, f"no {key} in {totals}"
 
+
+
+# 3 KV heads x 16 x fp32 = 192 B a layer-token on 4 KiB pages: 3 pages a member, 64 tokens a
+# group, 21 whole tokens in a member's first page; 4 members (2 layers x K, V) = 1 slice
+SLICED = CacheConfig(num_layers=2, num_kv_heads=3, head_dim=16, dtype=torch.float32,
+                     max_batch=2, max_context=64)
+SLICED_GEOMETRY = PageGeometry.of(SLICED, 4 * KiB, "per-layer")
+
+
+def _state(cache):
+    return (cache.range.mapped_pages(), cache.mapped_pages(0), cache.mapped_pages(1),
+            [cache.backing(g) for g in range(2)], cache.bound_slices, cache.pool.free_pages)
+
+
+def test_refused_slice_ops_change_nothing():
+    with VMemKVCache(SLICED, SLICED_GEOMETRY, 2, pool_pages=8) as cache:     # 2 slices
+        cache.execute([MapGroup(0, 0, 0), ResizeGroup(0, 1), MapGroup(1, 0, 1)])
+        assert (cache.backing(0), cache.bound_slices, len(cache.range.mapped_pages())) == (1, 1, 4)
+        before = _state(cache)
+        for plan, match in [
+                ([ResizeGroup(0, 4)], r"to 4 pages per member: outside 0..3"),
+                ([ResizeGroup(2, 1)], r"names group 2, outside 0..1"),
+                ([ResizeGroup(1, 1), ResizeGroup(0, 2)], r"at op 1.*needs 1 free slices; 0 of 2"),
+                ([MapGroup(0, 0, 1)], "group 0 is mapped there"),
+                ([UnmapGroup(0, 1, 0)], "group 0 is not mapped there"),
+                ([CopyGroup(0, 0, 1, 0)], "the destination backed as far as the source"),
+                ([ReleaseGroup(0)], "part-op for a hybrid pool")]:
+            with pytest.raises(CacheStateError, match=match):
+                cache.execute(plan)
+            assert _state(cache) == before, plan
+        cache.check_integrity()
+
+
+def test_resize_maps_the_new_pages_wherever_the_group_is_mapped_and_shrink_frees_them():
+    with VMemKVCache(SLICED, SLICED_GEOMETRY, 2, pool_pages=12) as cache:
+        cache.execute([MapGroup(0, 0, 0), ResizeGroup(0, 1), MapGroup(1, 0, 0), ResizeGroup(0, 3)])
+        assert len(cache.range.mapped_pages()) == 2 * 4 * 3 and cache.bound_slices == 3
+        cache.execute([ResizeGroup(0, 1), UnmapGroup(1, 0, 0)])
+        assert len(cache.range.mapped_pages()) == 4 and cache.bound_slices == 1
+        cache.check_integrity()
+
+
+def test_a_step_past_a_groups_backed_pages_is_refused():
+    with VMemKVCache(SLICED, SLICED_GEOMETRY, 2, pool_pages=8) as cache:
+        cache.execute([MapGroup(0, 0, 0), ResizeGroup(0, 1)])
+        cache.apply_tables([SetSlot(7, 0)])
+        cache.begin_step([(7, 0, 21)])                     # 21 x 192 B fit the first 4 KiB
+        with pytest.raises(CacheStateError, match="gave it memory for 21"):
+            cache.begin_step([(7, 0, 22)])                 # token 21 straddles into page 1
+
+
+def test_byte_mapped_pool_pages_are_whole_slices_and_fixed_groups_refuse_resize():
+    with pytest.raises(CacheConfigError, match="positive multiple of the 4 members"):
+        VMemKVCache(SLICED, SLICED_GEOMETRY, 2, pool_pages=6)
+    with VMemKVCache(SLICED, SLICED_GEOMETRY, 2) as fixed:           # no pool: fixed groups
+        with pytest.raises(CacheStateError, match="resizes a group of a byte-mapped pool"):
+            fixed.execute([ResizeGroup(0, 1)])

@@ -10,7 +10,8 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 
-from vmemkv.scheduler.managers import CopyBlock, CopyGroup, MapGroup, SwapIn, SwapOut, UnmapGroup
+from vmemkv.scheduler.managers import (ByteMappedVmemManager, CopyBlock, CopyGroup, MapGroup,
+                                       ResizeGroup, SwapIn, SwapOut, UnmapGroup)
 from vmemkv.scheduler.managers.base import DropSwapped
 
 
@@ -124,11 +125,30 @@ class PagedMemory(_Memory):
 
 
 class VmemMemory(_Memory):
+    """vmem memory; on a byte-mapped manager (members of k > 1 pages) each group is backed by
+    the member pages ResizeGroup ops gave it, and a token is written or read only where all
+    its bytes lie in backed pages (a shrink loses the tokens it cuts)."""
+
     def __init__(self, manager):
         super().__init__(manager)
         self.aspace = {}       # (slot, page_index) -> group
         self.groups = {}       # group -> {offset: content}
         self.slots = {}        # seq_id -> slot captured before a swap-out
+        self.backed = {}       # group -> member pages backed (byte-mapped managers only)
+        self.by_bytes = isinstance(manager, ByteMappedVmemManager)
+
+    def _backed_tokens(self, g):
+        """Tokens of group ``g`` whose bytes lie wholly in its backed pages (all: fixed groups)."""
+        if not self.by_bytes:
+            return self.m.tokens_per_page
+        return self.m.geometry.tokens_in_member_pages(self.backed.get(g, 0))
+
+    def _resize(self, op):
+        assert 0 <= op.member_pages <= self.m.geometry.pages_per_member, op
+        self.backed[op.group] = op.member_pages
+        keep = self._backed_tokens(op.group)
+        content = self.groups.get(op.group, {})
+        self.groups[op.group] = {o: c for o, c in content.items() if o < keep}
 
     def capture(self, seq_id):
         self.slots[seq_id] = self.m.slot_of(seq_id)
@@ -143,7 +163,10 @@ class VmemMemory(_Memory):
             src = self.aspace[(op.src_slot, op.src_page_index)]
             dst = self.aspace[(op.dst_slot, op.dst_page_index)]
             assert src != dst and self.m.ref_count(dst) == 1, op
+            assert self._backed_tokens(dst) >= self._backed_tokens(src), f"copy past backing {op}"
             self.groups[dst] = dict(self.groups.get(src, {}))
+        elif isinstance(op, ResizeGroup):
+            self._resize(op)
         else:
             raise AssertionError(f"unexpected op {op}")
 
@@ -151,12 +174,15 @@ class VmemMemory(_Memory):
         tpp = self.m.tokens_per_page
         g = self.aspace[(self.m.slot_of(seq_id), pos // tpp)]   # KeyError: a fault
         assert self.m.ref_count(g) == 1, f"write into shared group {g}"
+        assert pos % tpp < self._backed_tokens(g), f"write of token {pos} past group {g}'s pages"
         self.groups.setdefault(g, {})[pos % tpp] = content
 
     def read(self, seq_id, n, before=False):
         tpp = self.m.tokens_per_page
         slot = self.slots.pop(seq_id) if before else self.m.slot_of(seq_id)
-        return [self.groups.get(self.aspace[(slot, p // tpp)], {}).get(p % tpp) for p in range(n)]
+        groups = [self.aspace[(slot, p // tpp)] for p in range(n)]     # KeyError: a fault
+        assert all(p % tpp < self._backed_tokens(g) for p, g in enumerate(groups)), "unbacked read"
+        return [self.groups.get(g, {}).get(p % tpp) for p, g in enumerate(groups)]
 
     def check_mapped(self):
         per_slot = {}

@@ -215,14 +215,19 @@ class ManagerMachine(RuleBasedStateMachine):
             assert st_.live_tokens == sum(s.num_tokens for s in self.live.values())
             assert st_.end_waste_tokens == held - st_.live_tokens
             return
-        waste = sum(-(-s.num_tokens // u) * u - s.num_tokens for s in self.live.values())
-        assert st_.end_waste_tokens == waste
+        assert st_.end_waste_tokens == self.end_waste()
         fill = {}
         for sid, s in self.live.items():
             for k, unit in enumerate(self.tables(sid)):
                 fill[unit] = min(u, s.num_tokens - k * u)
         assert st_.live_tokens == sum(fill.values())
         self.mem.check_reads(self.live)
+
+
+    def end_waste(self):
+        """Tokens held past the live sequences' ends: whole units each."""
+        u = self.unit
+        return sum(-(-s.num_tokens // u) * u - s.num_tokens for s in self.live.values())
 
 
 class ReserveMachine(ManagerMachine):

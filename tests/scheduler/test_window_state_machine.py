@@ -109,8 +109,7 @@ class WindowRules:
         m, stats, u = self.m, self.m.stats(), self.unit
         m.check_integrity()
         assert stats.free_tokens + stats.allocated_tokens == stats.total_tokens
-        waste = sum(-(-s.num_tokens // u) * u - s.num_tokens for s in self.live.values())
-        assert stats.end_waste_tokens == waste
+        assert stats.end_waste_tokens == self.end_waste()
         fill = {}
         for sid, s in self.live.items():
             lo = self.mem.first.get(sid, 0) // u
