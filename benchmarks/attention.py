@@ -8,7 +8,9 @@
 One line per configuration: cache | phase | backend | batch | ctx | q | ms | GB/s | % copy.
 ``--baselines`` (CPU default: ``sdpa``, the per-request path) times more backends on the same
 views, alternating with the fastest; they go to ``baselines`` in the JSON, with their time over
-the fastest backend's in ``baseline_ratios``.
+the fastest backend's in ``baseline_ratios``. A baseline may carry backend options,
+``name:key=value,...`` (integers or ``None``): ``cpu-varlen:work_units=1`` is the kernel with its
+key ranges never split, timed beside the default that splits them at batch 1.
 GB/s counts the K/V bytes attention must read (every live token's K and V once); a paged
 gather shows up as lower GB/s for the same bytes. "% copy" divides that by the bandwidth of a
 large same-device tensor copy, counted as bytes read + bytes written per second.
@@ -131,7 +133,7 @@ def run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw) -> li
         view = cache.layer_view(0)
         fastest = fastest_backend(cache.kind, device.type, block_size=args.block_size, dtype=q.dtype)
         for name in [fastest] + [b for b in args.baselines if b != fastest]:
-            backend = get_backend(name)
+            backend = backend_of(name)
             outs.append(backend.forward(q, view))   # first call: lazy imports, one-time warnings
             labels.append((cache.kind, name, name != fastest))
             calls.append(lambda b=backend, v=view: b.forward(q, v))
@@ -149,6 +151,16 @@ def run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw) -> li
                      "pct_copy": 100 * kv_bytes / t / copy_bw, "checked": True,
                      "baseline": baseline})
     return rows
+
+
+def backend_of(spec: str):
+    """A backend from ``name`` or ``name:key=value,...`` (values: integers or ``None``)."""
+    name, _, opts = spec.partition(":")
+    kwargs = {}
+    for opt in filter(None, opts.split(",")):
+        key, _, value = opt.partition("=")
+        kwargs[key] = None if value == "None" else int(value)
+    return get_backend(name, **kwargs)
 
 
 def baseline_ratios(rows: list[dict], baselines: list[dict]) -> list[dict]:
