@@ -4,6 +4,7 @@
     python benchmarks/attention.py --quick         # smoke run, seconds
     python benchmarks/attention.py --device cuda   # fp16, full prefill, Llama-3-8B heads
     python benchmarks/attention.py --out results/attention.json
+    python benchmarks/attention.py --configs 1x2048 1x8192 8x2048 32x4096 --phases decode
 
 One line per configuration: cache | phase | backend | batch | ctx | q | ms | GB/s | % copy.
 ``--baselines`` (CPU default: ``sdpa``, the per-request path) times more backends on the same
@@ -206,6 +207,10 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="smallest useful run")
     p.add_argument("--batches", type=int, nargs="+")
     p.add_argument("--contexts", type=int, nargs="+")
+    p.add_argument("--configs", type=batch_by_ctx, nargs="+", metavar="BATCHxCTX",
+                   help="(batch, context) pairs, e.g. 1x8192 8x2048, instead of the grid "
+                        "--batches x --contexts")
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     p.add_argument("--heads", type=int)
     p.add_argument("--kv-heads", type=int)
     p.add_argument("--head-dim", type=int)
@@ -229,9 +234,22 @@ def parse_args(argv=None):
     return args
 
 
+def batch_by_ctx(text: str) -> tuple[int, int]:
+    """``8x2048`` -> (8, 2048)."""
+    batch, sep, ctx = text.partition("x")
+    if not sep or not batch.isdigit() or not ctx.isdigit():
+        raise argparse.ArgumentTypeError(f"expected BATCHxCTX such as 8x2048; got {text!r}")
+    return int(batch), int(ctx)
+
+
+def grid(args) -> list[tuple[int, int]]:
+    """The (batch, ctx) pairs of a run: ``--configs``, else every batch with every context."""
+    return args.configs or [(b, c) for b in args.batches for c in args.contexts]
+
+
 def num_configs(args) -> int:
     """Progress units of a run: one per (batch, ctx, phase)."""
-    return len(args.batches) * len(args.contexts) * len(PHASES)
+    return len(grid(args)) * len(args.phases)
 
 
 def measure(args, progress=None) -> dict:
@@ -254,25 +272,24 @@ def measure(args, progress=None) -> dict:
     print_environment(env)
     print("cache | phase   | backend   | batch |    ctx |     q |        ms |    GB/s | % copy")
     rows, baselines = [], []
-    for batch in args.batches:
-        for ctx in args.contexts:
-            caches = build_caches(batch, ctx, args, device, dtype, gen)
-            for phase in PHASES:
-                qlen = 1 if phase == "decode" else min(ctx, args.prefill_len or ctx)
-                q = torch.randn(batch * qlen, args.heads, args.head_dim, dtype=dtype, device=device,
-                                generator=gen)
-                now = run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw)
-                for row in now:
-                    (baselines if row["baseline"] else rows).append(row)
-                    print(fmt(row), flush=True)
-                print(f"{'':6}  paged/vmem time ratio {rows[-1]['ms'] / rows[-2]['ms']:.2f}x"
-                      + "".join(f"; {r['backend']}/{rows[-2 + (r['cache'] == 'paged')]['backend']}"
-                                f" {r['cache']} {r['ms'] / rows[-2 + (r['cache'] == 'paged')]['ms']:.2f}x"
-                                for r in now if r["baseline"]), flush=True)
-                if progress:
-                    progress(f"attention {phase} b{batch} ctx{ctx}")
-            for cache in caches:
-                cache.close()
+    for batch, ctx in grid(args):
+        caches = build_caches(batch, ctx, args, device, dtype, gen)
+        for phase in args.phases:
+            qlen = 1 if phase == "decode" else min(ctx, args.prefill_len or ctx)
+            q = torch.randn(batch * qlen, args.heads, args.head_dim, dtype=dtype, device=device,
+                            generator=gen)
+            now = run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw)
+            for row in now:
+                (baselines if row["baseline"] else rows).append(row)
+                print(fmt(row), flush=True)
+            print(f"{'':6}  paged/vmem time ratio {rows[-1]['ms'] / rows[-2]['ms']:.2f}x"
+                  + "".join(f"; {r['backend']}/{rows[-2 + (r['cache'] == 'paged')]['backend']}"
+                            f" {r['cache']} {r['ms'] / rows[-2 + (r['cache'] == 'paged')]['ms']:.2f}x"
+                            for r in now if r["baseline"]), flush=True)
+            if progress:
+                progress(f"attention {phase} b{batch} ctx{ctx}")
+        for cache in caches:
+            cache.close()
     ratios = speedups(rows)
     target = target_check(ratios, device, dtype)
     if target["applies"] and target["decode_b8_ctx2048_speedup"] is not None:
