@@ -115,10 +115,12 @@ static int64_t row_offset(const args_t *a, const int64_t *item, int64_t r) {
 /* Keys [c_lo, c_hi) of request i folded into the softmax state (m, l, acc) of the item's rows,
  * row r seeing only keys up to its own position; qb holds the rows' queries, already scaled.
  * Keys are walked in tiles, token by token (all nh heads of a token are adjacent in memory: one
- * sequential read); nothing outside [c_lo, c_hi) is read. */
-static void attend_keys(const args_t *a, const int64_t *item, int64_t c_lo, int64_t c_hi,
-                        const float *qb, float *acc, float *scratch, float *m, float *l) {
-    const int64_t i = item[0], nh = item[4], G = a->H / a->Hkv, D = a->D;
+ * sequential read); nothing outside [c_lo, c_hi) is read. D is the head size, a constant in
+ * the copies attend_keys makes. */
+static inline __attribute__((always_inline)) void attend_keys_d(const args_t *a,
+        const int64_t *item, int64_t c_lo, int64_t c_hi, const float *qb, float *acc,
+        float *scratch, float *m, float *l, const int64_t D) {
+    const int64_t i = item[0], nh = item[4], G = a->H / a->Hkv;
     const int64_t rows = item[2] * nh * G, first_pos = a->ctx[i] - a->qlen[i] + item[1];
     float *s = scratch + CHUNK * a->Hkv * D;
     const float *tile[CHUNK];
@@ -158,6 +160,19 @@ static void attend_keys(const args_t *a, const int64_t *item, int64_t c_lo, int6
             }
         }
     }
+}
+
+/* attend_keys_d compiled for the usual head sizes with D a constant: the dot products and axpys
+ * unroll and keep the query row in registers (measured, 2 KV heads x 32 at one thread, K/V
+ * in cache: 1.29 ms generic, 0.67 ms for D = 32), and once for any other D. */
+static void attend_keys(const args_t *a, const int64_t *item, int64_t c_lo, int64_t c_hi,
+                        const float *qb, float *acc, float *scratch, float *m, float *l) {
+    switch (a->D) {
+    case 32: attend_keys_d(a, item, c_lo, c_hi, qb, acc, scratch, m, l, 32); return;
+    case 64: attend_keys_d(a, item, c_lo, c_hi, qb, acc, scratch, m, l, 64); return;
+    case 128: attend_keys_d(a, item, c_lo, c_hi, qb, acc, scratch, m, l, 128); return;
+    }
+    attend_keys_d(a, item, c_lo, c_hi, qb, acc, scratch, m, l, a->D);
 }
 
 /* One work unit: split s of item = (request i, p0, np, h0, nh, S). The item's keys

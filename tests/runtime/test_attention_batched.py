@@ -116,6 +116,15 @@ def test_long_contexts_and_head_dim_128_cross_many_key_tiles():
               [0] * 4)
 
 
+@pytest.mark.parametrize("kv_heads", [2, 8])          # 2: tiles walked row by row; 8: key by key
+@pytest.mark.parametrize("head_dim", [20, 32, 64, 128])   # the kernel's compiled sizes, and any other
+def test_every_head_size_matches_dense_truth_on_both_tile_walks(head_dim, kv_heads):
+    spec, starts = [(150, 1), (97, 2), (70, 1)], [0, 3, 60]
+    case = make_case(spec, heads=4 * kv_heads, kv_heads=kv_heads, head_dim=head_dim, seed=9)
+    check(get_backend("cpu-varlen", sdpa_above_tokens=None), case, build(case, "paged", starts),
+          starts)
+
+
 def test_kv_starts_out_of_range_are_a_typed_error_naming_the_value():
     case = make_case([(10, 3), (8, 1)])
     view = vmem_view(case)
