@@ -67,8 +67,9 @@ def median_times(fns, device, warmup: int, repeats: int) -> list[float]:
     return [statistics.median(s) for s in sample_times(fns, device, warmup, repeats)]
 
 
-def sample_times(fns, device, warmup: int, repeats: int) -> list[list[float]]:
-    """Every timed call's seconds, per fn (``repeats`` each, after ``warmup``), alternating."""
+def sample_times(fns, device, warmup: int, repeats: int, between=None) -> list[list[float]]:
+    """Every timed call's seconds, per fn (``repeats`` each, after ``warmup``), alternating;
+    ``between()``, if given, runs untimed before every call."""
     run = timer(device)
     for _ in range(warmup):
         for fn in fns:
@@ -76,8 +77,20 @@ def sample_times(fns, device, warmup: int, repeats: int) -> list[list[float]]:
     samples = [[] for _ in fns]
     for _ in range(repeats):
         for fn, out in zip(fns, samples):
+            if between:
+                between()
             out.append(run(fn))
     return samples
+
+
+def cache_flusher(device, mib: int):
+    """A call that writes ``mib`` MiB (untimed: K/V then come from memory, whatever the order of
+    the variants), or None for 0. Without it a variant timed right after another on the same
+    cache finds the K/V the other left in the last-level cache (a 15 MB cache in a 32 MiB L3)."""
+    if not mib:
+        return None
+    junk = torch.zeros((mib << 20) // 4, device=device)
+    return lambda: junk.add_(1.0)
 
 
 def copy_bandwidth(device, dtype, nbytes: int) -> float:
@@ -141,7 +154,8 @@ def run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw) -> li
     tol = 1e-4 if q.dtype == torch.float32 else 2e-2
     for out in outs[1:]:
         torch.testing.assert_close(outs[0].float(), out.float(), atol=tol, rtol=tol)
-    samples = sample_times(calls, device, args.warmup, args.repeats)
+    samples = sample_times(calls, device, args.warmup, args.repeats,
+                           cache_flusher(device, args.flush_mib))
     kv_bytes = 2 * batch * ctx * args.kv_heads * args.head_dim * q.element_size()
     rows = []
     for (kind, name, baseline), times in zip(labels, samples):
@@ -211,6 +225,9 @@ def parse_args(argv=None):
                    help="(batch, context) pairs, e.g. 1x8192 8x2048, instead of the grid "
                         "--batches x --contexts")
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    p.add_argument("--flush-mib", type=int, default=0,
+                   help="write this many MiB between timed calls (untimed) so every call "
+                        "reads K/V from memory; 0 (default): variants alternate, nothing more")
     p.add_argument("--heads", type=int)
     p.add_argument("--kv-heads", type=int)
     p.add_argument("--head-dim", type=int)
@@ -266,7 +283,7 @@ def measure(args, progress=None) -> dict:
     env = environment(args.seed, args.warmup, args.repeats, device=str(device), **versions(device.type),
                       dtype=str(dtype),
                       threads=torch.get_num_threads(), heads=f"{args.heads}/{args.kv_heads}x{args.head_dim}",
-                      block_size=args.block_size, vmem_layout=args.vmem_layout,
+                      block_size=args.block_size, vmem_layout=args.vmem_layout, flush_mib=args.flush_mib,
                       backends=",".join(f"{k}:{v}" for k, v in backends.items()),
                       copy_gb_per_s=round(copy_bw / 1e9, 2))
     print_environment(env)

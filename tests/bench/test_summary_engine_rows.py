@@ -45,10 +45,11 @@ def test_attention_baselines_are_timed_beside_the_fastest_and_kept_apart():
                                                             for r in ratios)
 
 
-def test_attention_configs_phases_and_baseline_options_select_what_is_timed():
+def test_attention_configs_phases_flush_and_baseline_options_select_what_is_timed():
     from vmemkv.benchmarks import attention
     payload = attention.run(argv=["--configs", "1x40", "--phases", "decode", "--heads", "4",
                                   "--kv-heads", "2", "--head-dim", "16", "--repeats", "1",
+                                  "--flush-mib", "1",
                                   "--baselines", "cpu-varlen:work_units=1,split_min_keys=8"],
                             device="cpu")
     assert [(r["batch"], r["ctx"], r["phase"]) for r in payload["results"]] == [(1, 40, "decode")] * 2
