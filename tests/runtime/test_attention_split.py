@@ -66,3 +66,21 @@ def test_bad_split_options_are_a_typed_error():
         get_backend("cpu-varlen", work_units=0)
     with pytest.raises(UnsupportedError, match="split_min_keys must be >= 1; got 0"):
         get_backend("cpu-varlen", split_min_keys=0)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_scratch_that_cannot_be_allocated_is_minus_one_then_a_memory_error(splits, monkeypatch):
+    """A head size of 2**52 asks for 2**55 bytes or more of scratch (per thread unsplit, for the
+    partials split): malloc refuses, nothing is touched, the kernel answers -1."""
+    from vmemkv.runtime.attention import native
+    from vmemkv.runtime.attention.cpu_varlen import _ptr
+    i64 = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    keep = [i64(1, 1, 1), i64(0), i64(10), i64(1), i64(0), i64(0), i64(0, 0, 1, 0, 1, splits)]
+    strides, slots, ctx, qlen, qstart, kvstart, items = map(_ptr, keep)
+    rc = native.kernel()(None, None, None, None, 0, strides, strides, slots, None, 0, 0, ctx, qlen,
+                         qstart, kvstart, items, 1, 1, 1, 2**52, 1.0, 1)
+    assert rc == -1
+    case = make_case([(10, 1)])
+    monkeypatch.setattr(native, "kernel", lambda: lambda *args: -1)
+    with pytest.raises(MemoryError, match="could not allocate its scratch memory"):
+        get_backend("cpu-varlen").forward(case.q, vmem_view(case))
