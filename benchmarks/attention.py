@@ -4,11 +4,14 @@
     python benchmarks/attention.py --quick         # smoke run, seconds
     python benchmarks/attention.py --device cuda   # fp16, full prefill, Llama-3-8B heads
     python benchmarks/attention.py --out results/attention.json
+    python benchmarks/attention.py --configs 1x2048 1x8192 8x2048 32x4096 --phases decode
 
 One line per configuration: cache | phase | backend | batch | ctx | q | ms | GB/s | % copy.
 ``--baselines`` (CPU default: ``sdpa``, the per-request path) times more backends on the same
 views, alternating with the fastest; they go to ``baselines`` in the JSON, with their time over
-the fastest backend's in ``baseline_ratios``.
+the fastest backend's in ``baseline_ratios``. A baseline may carry backend options,
+``name:key=value,...`` (integers or ``None``): ``cpu-varlen:work_units=1`` is the kernel with its
+key ranges never split, timed beside the default that splits them at batch 1.
 GB/s counts the K/V bytes attention must read (every live token's K and V once); a paged
 gather shows up as lower GB/s for the same bytes. "% copy" divides that by the bandwidth of a
 large same-device tensor copy, counted as bytes read + bytes written per second.
@@ -64,8 +67,9 @@ def median_times(fns, device, warmup: int, repeats: int) -> list[float]:
     return [statistics.median(s) for s in sample_times(fns, device, warmup, repeats)]
 
 
-def sample_times(fns, device, warmup: int, repeats: int) -> list[list[float]]:
-    """Every timed call's seconds, per fn (``repeats`` each, after ``warmup``), alternating."""
+def sample_times(fns, device, warmup: int, repeats: int, between=None) -> list[list[float]]:
+    """Every timed call's seconds, per fn (``repeats`` each, after ``warmup``), alternating;
+    ``between()``, if given, runs untimed before every call."""
     run = timer(device)
     for _ in range(warmup):
         for fn in fns:
@@ -73,8 +77,20 @@ def sample_times(fns, device, warmup: int, repeats: int) -> list[list[float]]:
     samples = [[] for _ in fns]
     for _ in range(repeats):
         for fn, out in zip(fns, samples):
+            if between:
+                between()
             out.append(run(fn))
     return samples
+
+
+def cache_flusher(device, mib: int):
+    """A call that writes ``mib`` MiB (untimed: K/V then come from memory, whatever the order of
+    the variants), or None for 0. Without it a variant timed right after another on the same
+    cache finds the K/V the other left in the last-level cache (a 15 MB cache in a 32 MiB L3)."""
+    if not mib:
+        return None
+    junk = torch.zeros((mib << 20) // 4, device=device)
+    return lambda: junk.add_(1.0)
 
 
 def copy_bandwidth(device, dtype, nbytes: int) -> float:
@@ -131,14 +147,15 @@ def run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw) -> li
         view = cache.layer_view(0)
         fastest = fastest_backend(cache.kind, device.type, block_size=args.block_size, dtype=q.dtype)
         for name in [fastest] + [b for b in args.baselines if b != fastest]:
-            backend = get_backend(name)
+            backend = backend_of(name)
             outs.append(backend.forward(q, view))   # first call: lazy imports, one-time warnings
             labels.append((cache.kind, name, name != fastest))
             calls.append(lambda b=backend, v=view: b.forward(q, v))
     tol = 1e-4 if q.dtype == torch.float32 else 2e-2
     for out in outs[1:]:
         torch.testing.assert_close(outs[0].float(), out.float(), atol=tol, rtol=tol)
-    samples = sample_times(calls, device, args.warmup, args.repeats)
+    samples = sample_times(calls, device, args.warmup, args.repeats,
+                           cache_flusher(device, args.flush_mib))
     kv_bytes = 2 * batch * ctx * args.kv_heads * args.head_dim * q.element_size()
     rows = []
     for (kind, name, baseline), times in zip(labels, samples):
@@ -149,6 +166,16 @@ def run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw) -> li
                      "pct_copy": 100 * kv_bytes / t / copy_bw, "checked": True,
                      "baseline": baseline})
     return rows
+
+
+def backend_of(spec: str):
+    """A backend from ``name`` or ``name:key=value,...`` (values: integers or ``None``)."""
+    name, _, opts = spec.partition(":")
+    kwargs = {}
+    for opt in filter(None, opts.split(",")):
+        key, _, value = opt.partition("=")
+        kwargs[key] = None if value == "None" else int(value)
+    return get_backend(name, **kwargs)
 
 
 def baseline_ratios(rows: list[dict], baselines: list[dict]) -> list[dict]:
@@ -194,6 +221,13 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="smallest useful run")
     p.add_argument("--batches", type=int, nargs="+")
     p.add_argument("--contexts", type=int, nargs="+")
+    p.add_argument("--configs", type=batch_by_ctx, nargs="+", metavar="BATCHxCTX",
+                   help="(batch, context) pairs, e.g. 1x8192 8x2048, instead of the grid "
+                        "--batches x --contexts")
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    p.add_argument("--flush-mib", type=int, default=0,
+                   help="write this many MiB between timed calls (untimed) so every call "
+                        "reads K/V from memory; 0 (default): variants alternate, nothing more")
     p.add_argument("--heads", type=int)
     p.add_argument("--kv-heads", type=int)
     p.add_argument("--head-dim", type=int)
@@ -217,9 +251,22 @@ def parse_args(argv=None):
     return args
 
 
+def batch_by_ctx(text: str) -> tuple[int, int]:
+    """``8x2048`` -> (8, 2048)."""
+    batch, sep, ctx = text.partition("x")
+    if not sep or not batch.isdigit() or not ctx.isdigit():
+        raise argparse.ArgumentTypeError(f"expected BATCHxCTX such as 8x2048; got {text!r}")
+    return int(batch), int(ctx)
+
+
+def grid(args) -> list[tuple[int, int]]:
+    """The (batch, ctx) pairs of a run: ``--configs``, else every batch with every context."""
+    return args.configs or [(b, c) for b in args.batches for c in args.contexts]
+
+
 def num_configs(args) -> int:
     """Progress units of a run: one per (batch, ctx, phase)."""
-    return len(args.batches) * len(args.contexts) * len(PHASES)
+    return len(grid(args)) * len(args.phases)
 
 
 def measure(args, progress=None) -> dict:
@@ -236,31 +283,30 @@ def measure(args, progress=None) -> dict:
     env = environment(args.seed, args.warmup, args.repeats, device=str(device), **versions(device.type),
                       dtype=str(dtype),
                       threads=torch.get_num_threads(), heads=f"{args.heads}/{args.kv_heads}x{args.head_dim}",
-                      block_size=args.block_size, vmem_layout=args.vmem_layout,
+                      block_size=args.block_size, vmem_layout=args.vmem_layout, flush_mib=args.flush_mib,
                       backends=",".join(f"{k}:{v}" for k, v in backends.items()),
                       copy_gb_per_s=round(copy_bw / 1e9, 2))
     print_environment(env)
     print("cache | phase   | backend   | batch |    ctx |     q |        ms |    GB/s | % copy")
     rows, baselines = [], []
-    for batch in args.batches:
-        for ctx in args.contexts:
-            caches = build_caches(batch, ctx, args, device, dtype, gen)
-            for phase in PHASES:
-                qlen = 1 if phase == "decode" else min(ctx, args.prefill_len or ctx)
-                q = torch.randn(batch * qlen, args.heads, args.head_dim, dtype=dtype, device=device,
-                                generator=gen)
-                now = run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw)
-                for row in now:
-                    (baselines if row["baseline"] else rows).append(row)
-                    print(fmt(row), flush=True)
-                print(f"{'':6}  paged/vmem time ratio {rows[-1]['ms'] / rows[-2]['ms']:.2f}x"
-                      + "".join(f"; {r['backend']}/{rows[-2 + (r['cache'] == 'paged')]['backend']}"
-                                f" {r['cache']} {r['ms'] / rows[-2 + (r['cache'] == 'paged')]['ms']:.2f}x"
-                                for r in now if r["baseline"]), flush=True)
-                if progress:
-                    progress(f"attention {phase} b{batch} ctx{ctx}")
-            for cache in caches:
-                cache.close()
+    for batch, ctx in grid(args):
+        caches = build_caches(batch, ctx, args, device, dtype, gen)
+        for phase in args.phases:
+            qlen = 1 if phase == "decode" else min(ctx, args.prefill_len or ctx)
+            q = torch.randn(batch * qlen, args.heads, args.head_dim, dtype=dtype, device=device,
+                            generator=gen)
+            now = run_configs(caches, phase, batch, ctx, qlen, q, args, device, copy_bw)
+            for row in now:
+                (baselines if row["baseline"] else rows).append(row)
+                print(fmt(row), flush=True)
+            print(f"{'':6}  paged/vmem time ratio {rows[-1]['ms'] / rows[-2]['ms']:.2f}x"
+                  + "".join(f"; {r['backend']}/{rows[-2 + (r['cache'] == 'paged')]['backend']}"
+                            f" {r['cache']} {r['ms'] / rows[-2 + (r['cache'] == 'paged')]['ms']:.2f}x"
+                            for r in now if r["baseline"]), flush=True)
+            if progress:
+                progress(f"attention {phase} b{batch} ctx{ctx}")
+        for cache in caches:
+            cache.close()
     ratios = speedups(rows)
     target = target_check(ratios, device, dtype)
     if target["applies"] and target["decode_b8_ctx2048_speedup"] is not None:

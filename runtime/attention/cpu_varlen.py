@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import ctypes
 from functools import lru_cache
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -39,6 +39,7 @@ from .kv import attend_one, paged_kv, per_request, vmem_kv
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_ROWS = 64              # query rows per work item in the kernel (positions x grouped heads)
 SDPA_ABOVE_TOKENS = 2      # query tokens past which a request's chunk goes to SDPA (measured)
+SPLIT_MIN_KEYS = 256       # fewest keys in one split of a request's key range (4 tiles)
 
 
 class CpuVarlenBackend(AttentionBackend):
@@ -46,6 +47,10 @@ class CpuVarlenBackend(AttentionBackend):
 
     sdpa_above_tokens: requests with more query tokens than this run through per-request
     SDPA; ``None`` sends every request through the kernel.
+    work_units: when a call has fewer work items than this (default: torch's thread count at
+    the call), each item's key range is split so that items x splits reach it (flash-decoding:
+    partial softmaxes merged exactly); ``split_min_keys`` is the fewest keys one split takes.
+    Results are the same as unsplit up to fp32 rounding.
     """
     name = "cpu-varlen"
     devices = frozenset({"cpu"})
@@ -53,10 +58,16 @@ class CpuVarlenBackend(AttentionBackend):
     supports_kv_starts = True
     layer_features = frozenset({"window", "softcap"})   # soft-capped / windowed prefill: per request
 
-    def __init__(self, sdpa_above_tokens: Optional[int] = SDPA_ABOVE_TOKENS) -> None:
+    def __init__(self, sdpa_above_tokens: Optional[int] = SDPA_ABOVE_TOKENS,
+                 work_units: Optional[int] = None, split_min_keys: int = SPLIT_MIN_KEYS) -> None:
         if sdpa_above_tokens is not None and sdpa_above_tokens < 1:
             raise UnsupportedError(f"sdpa_above_tokens must be >= 1 or None; got {sdpa_above_tokens}")
+        if work_units is not None and work_units < 1:
+            raise UnsupportedError(f"work_units must be >= 1 or None; got {work_units}")
+        if split_min_keys < 1:
+            raise UnsupportedError(f"split_min_keys must be >= 1; got {split_min_keys}")
         self.sdpa_above_tokens = sdpa_above_tokens
+        self.work_units, self.split_min_keys = work_units, split_min_keys
 
     @classmethod
     def available(cls) -> Availability:
@@ -82,9 +93,10 @@ class CpuVarlenBackend(AttentionBackend):
             # the kernel has no soft-cap and no per-row window mask (a decode's window is its
             # key start alone): those layers take the per-request path, which has both
             return per_request(q, view, scale)
-        key = ("cpu-varlen", view.kv_starts, heads, kv_heads, self.sdpa_above_tokens)
+        split = _Split(self.work_units or torch.get_num_threads(), self.split_min_keys)
+        key = ("cpu-varlen", view.kv_starts, heads, kv_heads, self.sdpa_above_tokens, split)
         meta = view.memo(key, lambda: _step_metadata(view, kv_heads, heads // kv_heads,
-                                                     self.sdpa_above_tokens))
+                                                     self.sdpa_above_tokens, split))
         out = torch.empty(q.shape, dtype=torch.float32)
         if meta.items.shape[0]:
             _call(q.float().contiguous(), out, k, v, meta, scale)
@@ -101,12 +113,14 @@ class CpuVarlenBackend(AttentionBackend):
 class _Meta:
     """One step's kernel arguments (host int64 tensors), shared by every layer."""
 
-    def __init__(self, view, kv_heads: int, group: int, sdpa_above: Optional[int]) -> None:
+    def __init__(self, view, kv_heads: int, group: int, sdpa_above: Optional[int],
+                 split: "_Split") -> None:
         lens = view.lens
         self.sdpa_requests = [i for i, n in enumerate(lens.query_lens)
                               if sdpa_above is not None and n > sdpa_above]
         items = _work_items(lens, view.kv_starts, set(self.sdpa_requests), kv_heads, group)
-        self.items = torch.tensor(items, dtype=torch.int64).reshape(-1, 5)
+        items = _with_splits(items, lens, view.kv_starts, split)
+        self.items = torch.tensor(items, dtype=torch.int64).reshape(-1, 6)
         self.ctx = torch.tensor(lens.context_lens, dtype=torch.int64)
         self.qlen = torch.tensor(lens.query_lens, dtype=torch.int64)
         self.qstart = torch.tensor(lens.q_starts, dtype=torch.int64)
@@ -139,8 +153,29 @@ def _work_items(lens, kv_starts, skip: set, kv_heads: int, group: int) -> list:
     return items
 
 
-def _step_metadata(view, kv_heads: int, group: int, sdpa_above: Optional[int]) -> _Meta:
-    return _Meta(view, kv_heads, group, sdpa_above)
+class _Split(NamedTuple):
+    """When to split items' key ranges: below ``units`` items, into splits of >= min_keys."""
+    units: int
+    min_keys: int
+
+
+def _with_splits(items: list, lens, kv_starts, split: _Split) -> list:
+    """Each item with its number of key-range splits appended: 1 when the items already make
+    ``split.units`` work units, else ceil(units / items), fewer where the item's key range
+    [kv_start, last row's position] would give a split under ``split.min_keys`` keys."""
+    if not items or len(items) >= split.units:
+        return [it + (1,) for it in items]
+    want = -(-split.units // len(items))
+    out = []
+    for i, p0, n, h0, nh in items:
+        keys = lens.context_lens[i] - lens.query_lens[i] + p0 + n - kv_starts[i]
+        out.append((i, p0, n, h0, nh, max(1, min(want, keys // split.min_keys))))
+    return out
+
+
+def _step_metadata(view, kv_heads: int, group: int, sdpa_above: Optional[int],
+                   split: _Split) -> _Meta:
+    return _Meta(view, kv_heads, group, sdpa_above, split)
 
 
 def _interleaved(cache: torch.Tensor) -> bool:

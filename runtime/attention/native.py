@@ -21,6 +21,7 @@ from pathlib import Path
 from .errors import AttentionError
 
 SOURCE = Path(__file__).with_name("cpu_varlen.c")
+HEADERS = (Path(__file__).with_name("cpu_varlen_math.h"),)   # included by SOURCE: part of the key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 
@@ -48,7 +49,7 @@ def _cache_dir() -> Path:
 
 
 def _build(cc: str) -> Path:
-    source = SOURCE.read_bytes()
+    source = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
     key = hashlib.sha256(source + " ".join((cc,) + FLAGS).encode() + _cpu_key().encode())
     target = _cache_dir() / f"cpu_varlen-{key.hexdigest()[:16]}.so"
     if target.exists():

@@ -1,4 +1,6 @@
 """The bench summary's engine rows: step-split notes, the forward-only limit, long-prompt ITL."""
+import pytest
+
 from vmemkv.benchmarks.summary import engine_column, format_summary, summary_rows
 
 ENGINE = {"rows": [
@@ -41,3 +43,16 @@ def test_attention_baselines_are_timed_beside_the_fastest_and_kept_apart():
     ratios = payload["baseline_ratios"]
     assert len(ratios) == len(payload["baselines"]) and all(r["baseline_over_backend"] > 0
                                                             for r in ratios)
+
+
+def test_attention_configs_phases_flush_and_baseline_options_select_what_is_timed():
+    from vmemkv.benchmarks import attention
+    payload = attention.run(argv=["--configs", "1x40", "--phases", "decode", "--heads", "4",
+                                  "--kv-heads", "2", "--head-dim", "16", "--repeats", "1",
+                                  "--flush-mib", "1",
+                                  "--baselines", "cpu-varlen:work_units=1,split_min_keys=8"],
+                            device="cpu")
+    assert [(r["batch"], r["ctx"], r["phase"]) for r in payload["results"]] == [(1, 40, "decode")] * 2
+    assert {r["backend"] for r in payload["baselines"]} == {"cpu-varlen:work_units=1,split_min_keys=8"}
+    with pytest.raises(SystemExit):
+        attention.parse_args(["--configs", "8"])     # not BATCHxCTX: argparse's usage error

@@ -1,7 +1,8 @@
 """The batched CPU path (``cpu-varlen``) and per-sequence key starts, against dense fp32 truth.
 
 Random mixes (hypothesis): batch sizes, context and query lengths (decode, prefill, mixed), GQA
-ratios, fp32 / bf16, key starts, vmem (per-layer and interleaved) and paged. Every position a
+ratios, fp32 / bf16, key starts, vmem (per-layer and interleaved) and paged; the kernel unsplit
+and with its key ranges split (up to 12 ways, single keys allowed). Every position a
 backend must not read is NaN: other slots, past context_len, the tail of a last block, padding
 table entries, and the keys before each request's kv_start.
 """
@@ -23,7 +24,7 @@ from tests.runtime.test_attention_backends import Case, make_case, paged_view, v
 
 pytestmark = pytest.mark.skipif(not availability("cpu-varlen"),
                                 reason=f"cpu-varlen unavailable: {availability('cpu-varlen').reason}")
-TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 LAYOUTS = ("vmem", "vmem-interleaved", "paged")
 
 
@@ -91,8 +92,9 @@ def test_batched_path_matches_dense_truth_on_random_mixes(mix, seed):
     spec, starts, heads, kv_heads, dtype, layout = mix
     case = make_case(spec, heads=heads, kv_heads=kv_heads, head_dim=16, dtype=dtype, seed=seed)
     view = build(case, layout, starts)
+    split = get_backend("cpu-varlen", sdpa_above_tokens=None, work_units=12, split_min_keys=1)
     for backend in (get_backend("cpu-varlen", sdpa_above_tokens=None), get_backend("cpu-varlen"),
-                    get_backend("sdpa"), get_backend("reference")):
+                    split, get_backend("sdpa"), get_backend("reference")):
         check(backend, case, view, starts)
 
 
@@ -112,6 +114,15 @@ def test_long_contexts_and_head_dim_128_cross_many_key_tiles():
     for threshold in (None, 2):
         check(get_backend("cpu-varlen", sdpa_above_tokens=threshold), case, vmem_view(case),
               [0] * 4)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 8])          # 2: tiles walked row by row; 8: key by key
+@pytest.mark.parametrize("head_dim", [20, 32, 64, 128])   # the kernel's compiled sizes, and any other
+def test_every_head_size_matches_dense_truth_on_both_tile_walks(head_dim, kv_heads):
+    spec, starts = [(150, 1), (97, 2), (70, 1)], [0, 3, 60]
+    case = make_case(spec, heads=4 * kv_heads, kv_heads=kv_heads, head_dim=head_dim, seed=9)
+    check(get_backend("cpu-varlen", sdpa_above_tokens=None), case, build(case, "paged", starts),
+          starts)
 
 
 def test_kv_starts_out_of_range_are_a_typed_error_naming_the_value():

@@ -25,7 +25,8 @@ CHILD = textwrap.dedent("""
     libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     PAGE = mmap.PAGESIZE
     BACKENDS = [get_backend("reference"), get_backend("sdpa"), get_backend("cpu-varlen"),
-                get_backend("cpu-varlen", sdpa_above_tokens=None)]   # the kernel for every row
+                get_backend("cpu-varlen", sdpa_above_tokens=None),   # the kernel for every row
+                get_backend("cpu-varlen", sdpa_above_tokens=None, work_units=4, split_min_keys=8)]  # 4 splits
     assert PAGE == 4096, PAGE
 
     def region(shape):
