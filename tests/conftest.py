@@ -28,9 +28,23 @@ def _cuda_skip_reason():
 
 
 def pytest_collection_modifyitems(config, items):
+    from .bench.gpu_check_dry_runs import is_dry_run_test
+    items.sort(key=is_dry_run_test)     # stable: the gpu_check dry-run tests last (see the next hook)
     reason = None
     for item in items:
         if "gpu" in item.keywords:
             reason = reason or _cuda_skip_reason() or ""
             if reason:
                 item.add_marker(pytest.mark.skip(reason=f"GPU test: {reason}"))
+
+
+def pytest_collection_finish(session):
+    """Start benchmarks/gpu_check.sh's dry runs in the background when their tests are selected:
+    they overlap the rest of the suite on the core it leaves idle (tests/bench/gpu_check_dry_runs.py)."""
+    from .bench.gpu_check_dry_runs import start_if_selected
+    start_if_selected(session)
+
+
+def pytest_unconfigure(config):
+    from .bench.gpu_check_dry_runs import stop
+    stop(config)
