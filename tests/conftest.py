@@ -40,8 +40,8 @@ def _cuda_skip_reason():
 
 
 def pytest_collection_modifyitems(config, items):
-    from .bench.gpu_check_dry_runs import is_dry_run_test
-    items.sort(key=is_dry_run_test)     # stable: the gpu_check dry-run tests last (see the next hook)
+    from .bench.gpu_check_dry_runs import run_order
+    items.sort(key=run_order)     # stable: tests/distributed, then the gpu_check dry-run tests last
     reason = None
     for item in items:
         if "gpu" in item.keywords:

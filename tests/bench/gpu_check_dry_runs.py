@@ -5,7 +5,8 @@ They are subprocesses and take about 45 s of CPU, most of it Python start-ups im
 The suite itself runs on one core (tests/conftest.py sets one torch thread), so on CI's two cores
 the runs overlap the rest of the suite instead of adding to it: they run one after another (one
 core, so they do not slow the suite's own subprocess tests by more than one process's share), at
-a lower priority, and the tests that read them run last (``pytest_collection_modifyitems``).
+a lower priority, beside the single-process tests: tests/distributed, whose ranks would share the
+cores with them, and then the tests that read them run last (``run_order``).
 
 Guarantees: ``results()`` returns each run's (returncode, stdout, out dir) once all three ended;
 ``stop()`` kills whatever is still running (each run is its own session, and every process in it
@@ -65,6 +66,15 @@ def start_if_selected(session) -> None:
 
 def is_dry_run_test(item) -> bool:
     return Path(item.path) == ROOT / TEST_FILE
+
+
+def run_order(item) -> int:
+    """Sort key: the suite's single-process tests first (the dry runs fill the idle core beside
+    them), then tests/distributed (each starts ranks of its own: beside the runs they lost 14 s
+    to sharing the cores), then the tests that read the runs."""
+    if is_dry_run_test(item):
+        return 2
+    return 1 if ROOT / "tests" / "distributed" in Path(item.path).parents else 0
 
 
 def stop(config) -> None:
