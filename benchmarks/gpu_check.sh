@@ -35,7 +35,8 @@
 #                has never run on hardware: expect this step to be the first to find out.
 # To rerun only part after a failure (GPU time is scarce): GPU_TESTS=tests/vmem (pytest paths,
 # one process instead of the three groups), BENCH_ONLY="alloc attention" (sections for --only),
-# SKIP_ATTENTION=1. REQUIRE_GPU=1 applies the GPU gate even in a dry run (it must FAIL there).
+# SKIP_ATTENTION=1, STEPS="gpu_gate bench" (run only the steps named; the digest still follows).
+# REQUIRE_GPU=1 applies the GPU gate even in a dry run (it must FAIL there).
 #
 # It installs nothing: it runs from the working tree (PYTHONPATH on a folder of symlinks that
 # lays the tree out as installed: vmemkv/{vmem,scheduler,runtime,benchmarks}) with the checkout's
@@ -81,6 +82,7 @@ START=$SECONDS
 
 step() {  # step NAME TIMEOUT COMMAND...: run, append to steps.log, remember failures
     local name=$1 limit=$2; shift 2
+    if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then return 0; fi   # not selected
     budget=$((budget + limit))
     echo "== $name: $*" | tee -a "$OUT_DIR/steps.log"
     local start=$SECONDS

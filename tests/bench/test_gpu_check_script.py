@@ -1,16 +1,17 @@
 """benchmarks/gpu_check.sh, dry run on the CPU: every step but the CUDA calls, at toy sizes.
 
 GPU time is scarce, so the script must work the first time it meets a GPU, and must never
-report OK for a run that tested nothing. Three dry runs check its plumbing side by side:
+report OK for a run that tested nothing. Three dry runs check its plumbing (gpu_check_dry_runs.py
+runs them in the background while the rest of the suite runs; these tests run last):
 - the whole script (env, smoke, info, three GPU-test groups, the gate, profile, `bench --smoke`,
   the attention grid at toy sizes): every step exits 0, every GPU test is collected and skips
   cleanly, at most 8 plain files land in the output folder, the step timeouts sum under 420 s;
-- a partial rerun (GPU_TESTS, BENCH_ONLY, SKIP_ATTENTION) whose bench is held by the
+- a partial rerun (GPU_TESTS, BENCH_ONLY, SKIP_ATTENTION, STEPS) whose bench is held by the
   VMEMKV_TEST_HOLD hook until BENCH_TIMEOUT: the timeout is reported and fails the run;
-- REQUIRE_GPU=1: the GPU tests skip as they must on a CPU, and the gate makes that FAILED.
+- REQUIRE_GPU=1 (only the GPU tests and the gate): the GPU tests skip as they must on a CPU, and
+  the gate makes that FAILED.
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,29 +20,17 @@ import pytest
 
 from vmemkv.benchmarks.gpu_check import gate_problems, read_results
 
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = str(ROOT / "benchmarks" / "gpu_check.sh")
-VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
-
-
-def _start(out: Path, **extra) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHON", "VMEMKV_TEST_HOLD", "REQUIRE_GPU", "GPU_TESTS")}
-    return subprocess.Popen(["bash", SCRIPT, str(out)], env=dict(env, DRY_RUN="1", **extra),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+from .gpu_check_dry_runs import DRY_RUNS_KEY, VENV_PYTHON, DryRuns
 
 
 @pytest.fixture(scope="module")
-def dry_runs(tmp_path_factory):
-    """{"whole", "partial", "require_gpu"}: each (returncode, stdout, out dir), run concurrently."""
-    outs = {name: tmp_path_factory.mktemp(f"gpu_check_{name}") for name in ("whole", "partial", "require_gpu")}
-    partial_python = {} if VENV_PYTHON.exists() else {"PYTHON": sys.executable}
-    quick = dict(GPU_TESTS="tests/vmem/test_errors.py", BENCH_ONLY="memory", SKIP_ATTENTION="1")
-    procs = {"whole": _start(outs["whole"], PYTHON=sys.executable),
-             "partial": _start(outs["partial"], BENCH_TIMEOUT="5", VMEMKV_TEST_HOLD="bench:memory",
-                               **quick, **partial_python),
-             "require_gpu": _start(outs["require_gpu"], REQUIRE_GPU="1", PYTHON=sys.executable, **quick)}
-    return {name: (p.wait(timeout=600), p.stdout.read(), outs[name]) for name, p in procs.items()}
+def dry_runs(request):
+    """{"whole", "partial", "require_gpu"}: each (returncode, stdout, out dir); the runs were
+    started at the end of collection (tests/conftest.py) when this module was selected."""
+    runs = request.config.stash.get(DRY_RUNS_KEY, None)
+    if runs is None:
+        runs = request.config.stash[DRY_RUNS_KEY] = DryRuns()
+    return runs.results()
 
 
 def _steps(out: Path) -> dict:
@@ -134,7 +123,8 @@ def test_a_step_past_its_timeout_is_reported_and_fails_the_run(dry_runs):
 def test_partial_rerun_selections_reach_their_steps(dry_runs):
     _, _, out = dry_runs["partial"]
     steps = _steps(out)
-    assert "attention" not in steps and "gpu_tests" in steps and "gpu_vmem" not in steps
+    # STEPS names gpu_vmem and attention too: GPU_TESTS and SKIP_ATTENTION keep them out
+    assert set(steps) == {"gpu_tests", "bench"}
     bench_line = next(l for l in (out / "steps.log").read_text().splitlines() if l.startswith("== bench:"))
     assert "--only memory" in bench_line                                    # BENCH_ONLY
     tests = read_results(out)

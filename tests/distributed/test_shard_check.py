@@ -1,6 +1,7 @@
 """The construction-time check of a tensor-parallel engine: every rank's sharded forward against
-the unsharded model on rank 0. A correct shard passes and leaves the caches empty; a wrong
-column split makes construction refuse, naming the difference, with no process left."""
+the unsharded model on rank 0. A wrong column split makes construction refuse, naming the
+difference, with no process left (a correct shard passing it and leaving the caches empty:
+test_tensor_parallel.py, on the engine its tests share)."""
 from __future__ import annotations
 
 import multiprocessing
@@ -8,9 +9,9 @@ import multiprocessing
 import pytest
 
 from vmemkv.runtime.distributed import TensorParallelMismatchError, worker
-from vmemkv.runtime.engine import Engine, SamplingParams
+from vmemkv.runtime.engine import Engine
 
-from ..engine.conftest import hf_greedy, model, tokens
+from ..engine.conftest import model
 
 
 def wrong_column_split(real):
@@ -25,15 +26,6 @@ def wrong_column_split(real):
                 out.model.layers[0].mlp.up_proj.weight.device)
         return out
     return shard
-
-
-def test_a_correct_shard_passes_the_check_and_leaves_every_cache_empty():
-    with Engine(model(), max_batch=2, max_context=64, tensor_parallel_size=2,
-                check_integrity=True) as engine:
-        assert engine.kv.manager.kv_cache_usage() == 0.0
-        engine.kv.manager.check_integrity()
-        out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=6))
-    assert tokens(out) == hf_greedy("tiny-llama", [[1, 2, 3]], 6)
 
 
 def test_a_wrong_column_split_on_one_rank_refuses_construction_naming_the_difference(monkeypatch):

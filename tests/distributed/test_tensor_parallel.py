@@ -1,5 +1,6 @@
-"""Tensor parallelism on the CPU (gloo): exact tokens, half the KV bytes per rank, refusals, and
-a rank that dies or hangs. Each TP engine spawns a process (a few seconds), so these are few."""
+"""Tensor parallelism on the CPU (gloo): exact tokens, half the KV bytes per rank, the shard check
+at construction, refusals, and a rank that dies or hangs. Each TP engine spawns a process (a few
+seconds), so these are few, and the tests that only run requests share one (``tp_engine``)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -111,10 +113,28 @@ def test_a_plan_failing_on_rank_0_is_rolled_back_before_any_rank_sees_it_and_out
     assert tokens(out) == hf_greedy("tiny-llama", batch, 12)
 
 
-def test_a_step_makes_one_plan_broadcast_and_two_sums_per_layer_and_nothing_else():
-    m = model()
-    layers = m.config.num_hidden_layers
-    with Engine(m, max_batch=2, max_context=128, tensor_parallel_size=2, self_check=False) as engine:
+@pytest.fixture(scope="class")
+def tp_engine():
+    """One TP=2 engine (the shard check at construction, integrity checked every step) for the
+    tests that only run requests through it: room for 16 prompts of 2,200 tokens in one step;
+    ``usage_after_construction`` is read before any test used it. Class-scoped: rank 0 is this
+    process, which belongs to one process group at a time, so it closes before other TP engines."""
+    with Engine(model(), max_batch=16, max_context=2240, tensor_parallel_size=2,
+                check_integrity=True, max_tokens_per_step=36000) as engine:
+        engine.kv.manager.check_integrity()
+        yield SimpleNamespace(engine=engine, usage_after_construction=engine.kv.manager.kv_cache_usage())
+
+
+class TestOneSharedEngine:
+    """The tests that only run requests: one spawned engine between them."""
+
+    def test_a_correct_shard_passes_the_check_and_leaves_every_cache_empty(self, tp_engine):
+        assert tp_engine.usage_after_construction == 0.0
+        out = tp_engine.engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=6))
+        assert tokens(out) == hf_greedy("tiny-llama", [[1, 2, 3]], 6)
+
+    def test_a_step_makes_one_plan_broadcast_and_two_sums_per_layer_and_nothing_else(self, tp_engine):
+        engine, layers = tp_engine.engine, model().config.num_hidden_layers
         engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=6))
         before, steps = engine.tp.collectives, 0
         while engine.has_unfinished():
@@ -122,9 +142,18 @@ def test_a_step_makes_one_plan_broadcast_and_two_sums_per_layer_and_nothing_else
             steps += 1
         assert engine.tp.collectives - before == steps * (1 + 2 * layers)
 
+    def test_plans_larger_than_one_frame_cross_intact(self, tp_engine):
+        # the first step prefills every prompt: its plan carries 35,200 token ids, more than the
+        # 64 KiB the first broadcast frame holds, so the rest goes in a second broadcast
+        import pickle
+        from vmemkv.runtime.distributed.group import INLINE_BYTES
+        big = [[(i * 7 + j) % 250 + 1 for j in range(2200)] for i in range(16)]
+        assert len(pickle.dumps(big)) > INLINE_BYTES
+        out = tp_engine.engine.generate(big, SamplingParams(max_new_tokens=2))
+        assert tokens(out) == hf_greedy("tiny-llama", big, 2)
+
 
 def test_memory_ops_failing_on_a_follower_are_fatal_while_rank_0_rolls_back_alone():
-    from types import SimpleNamespace
     from vmemkv.runtime.distributed.worker import RankExecutor
     from vmemkv.runtime.errors import PlanExecutionError
 
@@ -164,19 +193,6 @@ def test_a_rank_that_dies_or_hangs_raises_and_leaves_no_process_or_memory(fault)
     with pytest.raises(CacheStateError, match="after close"):
         engine.kv.cache.execute([])      # rank 0's memory is released too
     engine.close()   # idempotent after the fault
-
-
-def test_plans_larger_than_one_frame_cross_intact():
-    # the first step prefills every prompt: its plan carries 35,200 token ids, more than the
-    # 64 KiB the first broadcast frame holds, so the rest goes in a second broadcast
-    import pickle
-    from vmemkv.runtime.distributed.group import INLINE_BYTES
-    big = [[(i * 7 + j) % 250 + 1 for j in range(2200)] for i in range(16)]
-    assert len(pickle.dumps(big)) > INLINE_BYTES
-    with Engine(model(), max_batch=16, max_context=2240, tensor_parallel_size=2, self_check=False,
-                max_tokens_per_step=36000) as engine:
-        out = engine.generate(big, SamplingParams(max_new_tokens=2))
-    assert tokens(out) == hf_greedy("tiny-llama", big, 2)
 
 
 def test_ranks_whose_caches_together_exceed_free_memory_are_refused_before_starting(monkeypatch):

@@ -47,9 +47,9 @@ def test_paged_end_waste_is_about_half_a_block(at_20gb):
 
 
 @pytest.mark.parametrize("policy", ["paged", "reserve-oracle"])
-def test_more_memory_never_lowers_throughput(policy):
-    tps = [run(STANDARD, policy=policy, cache_bytes=gb * 10**9).output_tokens_per_s
-           for gb in (20, 40, 60)]
+def test_more_memory_never_lowers_throughput(policy, at_20gb):
+    tps = [at_20gb[policy].output_tokens_per_s] + [
+        run(STANDARD, policy=policy, cache_bytes=gb * 10**9).output_tokens_per_s for gb in (40, 60)]
     assert tps == sorted(tps)
 
 
