@@ -153,6 +153,19 @@ def _work_items(lens, kv_starts, skip: set, kv_heads: int, group: int) -> list:
     return items
 
 
+def _splits_wanted(num_items: int, units: int) -> int:
+    """Splits per item so that ``num_items`` items feed ``units`` threads (see _with_splits)."""
+    if not num_items or num_items >= 4 * units or num_items % units == 0:
+        return 1
+    want = -(-units // num_items)
+    while num_items >= units and want < units:
+        total = num_items * want       # work units; threads' rounds: ceil(total / units)
+        if -(-total // units) * units <= 1.1 * total:
+            break
+        want += 1
+    return want
+
+
 class _Split(NamedTuple):
     """When to split items' key ranges: below ``units`` items, into splits of >= min_keys."""
     units: int
@@ -160,12 +173,15 @@ class _Split(NamedTuple):
 
 
 def _with_splits(items: list, lens, kv_starts, split: _Split) -> list:
-    """Each item with its number of key-range splits appended: 1 when the items already make
-    ``split.units`` work units, else ceil(units / items), fewer where the item's key range
-    [kv_start, last row's position] would give a split under ``split.min_keys`` keys."""
-    if not items or len(items) >= split.units:
+    """Each item with its number of key-range splits appended: ceil(units / items) below
+    ``split.units`` items; from units to 4 x units items, when they do not share out evenly
+    (3 items on 2 threads leave one idle a third of the time), the fewest splits that leave
+    at most 10% of the threads' rounds idle (3 items on 2 units: 2 each, 6 units); else 1.
+    Fewer where the item's key range [kv_start, last row's position] would give a split under
+    ``split.min_keys`` keys."""
+    want = _splits_wanted(len(items), split.units)
+    if want == 1:
         return [it + (1,) for it in items]
-    want = -(-split.units // len(items))
     out = []
     for i, p0, n, h0, nh in items:
         keys = lens.context_lens[i] - lens.query_lens[i] + p0 + n - kv_starts[i]

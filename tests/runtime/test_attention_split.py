@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vmemkv.runtime.attention import BatchLens, availability, get_backend
-from vmemkv.runtime.attention.cpu_varlen import _Split, _with_splits
+from vmemkv.runtime.attention.cpu_varlen import _Split, _splits_wanted, _with_splits
 from tests.runtime.test_attention_backends import make_case, paged_view, vmem_view
 from tests.runtime.test_attention_batched import TOL, check, with_kv_starts
 
@@ -47,7 +47,7 @@ def test_a_split_mixed_batch_with_windows_matches_dense_truth(layout):
     check(split_backend(16), case, view_of(case, layout, starts), starts)
 
 
-def test_splits_only_below_the_work_units_and_never_under_min_keys():
+def test_items_split_below_the_work_units_or_when_they_do_not_share_out_and_never_under_min_keys():
     lens = BatchLens((2048, 300, 2048), (1, 1, 2), (0, 1, 2), (0, 0, 1000))
     items = [(0, 0, 1, 0, 8), (1, 0, 1, 0, 8), (2, 0, 2, 0, 8)]
     splits = lambda units, min_keys: [it[5] for it in _with_splits(  # noqa: E731
@@ -55,7 +55,10 @@ def test_splits_only_below_the_work_units_and_never_under_min_keys():
     assert splits(3, 256) == [1, 1, 1]          # as many items as units: nothing split
     assert splits(8, 256) == [3, 1, 3]          # ceil(8 / 3); 300 keys make one split of >= 256
     assert splits(8, 400) == [3, 1, 2]          # request 2 sees 2048 - 1000 = 1,048 keys
-    assert splits(2, 256) == [1, 1, 1]
+    assert splits(2, 256) == [2, 1, 2]          # 3 items on 2 units: 6 units, 3 a thread
+    assert splits(1, 256) == [1, 1, 1]          # one unit: every count shares out
+    assert [_splits_wanted(n, 2) for n in (1, 2, 3, 4, 5, 7, 8, 9)] == [2, 1, 2, 1, 2, 2, 1, 1]
+    assert _splits_wanted(17, 16) == 6          # 102 units in 7 rounds of 16: 9% idle
     one = [items[0]]
     assert [it[5] for it in _with_splits(one, lens, lens.kv_starts, _Split(2, 256))] == [2]
 
