@@ -47,9 +47,14 @@ class VMemOps:
         """[(range page, pool page)] backing ``member`` of ``group`` mapped under (slot,
         page_index); per-layer: member j = layer * 2 + kv; interleaved: member j = kv."""
         k = self.geometry.pages_per_member
-        first = ((member * self.config.max_batch + slot) * self.pages_per_slot + page_index) * k
+        first = self._first_page(member, slot, page_index)
         base = group * self.pages_per_group + member * k
         return [(first + i, base + i) for i in range(k)]
+
+    def _first_page(self, member: int, slot: int, page_index: int) -> int:
+        """Range page of member page 0 of what is mapped under (slot, page_index)."""
+        return ((member * self.config.max_batch + slot) * self.pages_per_slot + page_index) * \
+            self.geometry.pages_per_member
 
     def _map_pages(self, member: int, op: MapGroup, payload: dict) -> list:
         """[(range page, pool page)] a hybrid MapGroup maps for ``member``: the pages bound to

@@ -104,7 +104,8 @@ class SliceBinding:
 
 
 class SliceOps:
-    """Mixed into VMemKVCache; used only when ``self._slices`` is set (a byte-mapped pool)."""
+    """Mixed into VMemKVCache (beside VMemOps, whose ``_first_page`` it uses); used only when
+    ``self._slices`` is set (a byte-mapped pool)."""
 
     _slices: Optional[SliceBinding] = None
 
@@ -191,11 +192,6 @@ class SliceOps:
                     else:
                         page_id = rng.unmap(base + i)
                         journal.add(lambda p=base + i, pid=page_id: rng.map(p, pid))
-
-    def _first_page(self, member: int, slot: int, page_index: int) -> int:
-        """Range page of member page 0 of what is mapped under (slot, page_index)."""
-        return ((member * self.config.max_batch + slot) * self.pages_per_slot + page_index) * \
-            self.geometry.pages_per_member
 
     def _slice_held_tokens(self, pages: dict) -> int:
         """Tokens of a slot's run of mapped groups whose bytes lie in backed pages."""
