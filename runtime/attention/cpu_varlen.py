@@ -48,8 +48,9 @@ class CpuVarlenBackend(AttentionBackend):
     sdpa_above_tokens: requests with more query tokens than this run through per-request
     SDPA; ``None`` sends every request through the kernel.
     work_units: when a call has fewer work items than this (default: torch's thread count at
-    the call), each item's key range is split so that items x splits reach it (flash-decoding:
-    partial softmaxes merged exactly); ``split_min_keys`` is the fewest keys one split takes.
+    the call), or up to 4x as many that do not share out evenly, each item's key range is split
+    (flash-decoding: partial softmaxes merged exactly; see ``_with_splits``);
+    ``split_min_keys`` is the fewest keys one split takes.
     Results are the same as unsplit up to fp32 rounding.
     """
     name = "cpu-varlen"
@@ -167,7 +168,7 @@ def _splits_wanted(num_items: int, units: int) -> int:
 
 
 class _Split(NamedTuple):
-    """When to split items' key ranges: below ``units`` items, into splits of >= min_keys."""
+    """How items' key ranges are split: to feed ``units`` threads, in splits of >= min_keys."""
     units: int
     min_keys: int
 
