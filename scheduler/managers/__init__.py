@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import ConfigError
+from ..geometry import PageGeometry
 from ..presets import ModelSpec
 from .base import (CopyBlock, CopyGroup, GroupPart, MapGroup, MemoryManager, MemoryOp, MemoryStats,
                    ReleaseGroup, ResizeGroup, SwapIn, SwapOut, UnmapGroup)
@@ -34,7 +35,6 @@ from .paged import PagedManager
 from .reserve import ReserveManager
 from .vmem import LAYOUTS, VmemManager
 from .vmem_bytes import ByteMappedVmemManager
-from ..geometry import PageGeometry
 
 POLICIES = ("reserve-max", "reserve-oracle", "paged", "vmem")
 
