@@ -46,8 +46,9 @@ def completion_logprobs(strings: TokenStrings, token_ids: Sequence[int],
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(entry.logprob)
-        top = {strings(t): lp for t, lp in entry.top}
-        top.setdefault(text, entry.logprob)
+        top: dict = {}
+        for t, lp in entry.top + ((entry.token_id, entry.logprob),):   # likeliest first: two
+            top.setdefault(strings(t), lp)     # tokens with one string keep the likelier's value
         out["top_logprobs"].append(top)
     return out
 
