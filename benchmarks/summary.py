@@ -98,6 +98,11 @@ def _engine_summary(data: dict) -> list[dict]:
                      "unit": "tok/s", "min-max": _spread((min(runs), max(runs))) if len(runs) > 1 else "",
                      "note": "; ".join(note)})
     rows += _long_prompt_summary(data.get("long_prompts") or {})
+    real = data.get("real_model") or {}
+    if real.get("rows"):
+        rows += _engine_summary({"rows": real["rows"]})
+    elif real.get("skipped"):
+        rows.append({"what": "engine SmolLM2-135M", "note": f"skipped: {real['skipped']}"})
     return rows or [{"what": "engine", "note": "no tokens/s figures; see bench.json"}]
 
 

