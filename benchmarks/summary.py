@@ -76,7 +76,7 @@ def _memory_summary(data: dict) -> list[dict]:
 def engine_column(label: str) -> str:
     """Which column a system's tokens/s go in: transformers' own engine has its own; the
     forward-only limit replays the vmem run's batches, so it goes with vmem."""
-    if label.startswith("transformers"):
+    if label.startswith("transformers") or " transformers " in label:   # also "<model> transformers ..."
         return "transformers"
     return "vmem" if "vmem" in label or label.startswith("model forward") else "paged"
 

@@ -176,7 +176,7 @@ def _field_error(error: ValidationError, model: Type[BaseModel]) -> ApiError:
                              f"{known}", param)
     given = first.get("input")
     shown = "" if isinstance(given, dict) else f", got {json.dumps(given, default=str)[:60]}"
-    return ApiError(400, f"{'.'.join(loc) or param}: {first['msg']}{shown}", param)
+    return ApiError(400, f"{param}: {first['msg']}{shown}", param)
 
 
 # ---- shared response parts -------------------------------------------------------------------

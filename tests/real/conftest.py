@@ -54,9 +54,18 @@ def real_engine(real_model):
 
 
 @pytest.fixture(scope="session")
-def engine_outputs(real_engine):
-    """The Engine's answers to the chat prompts: tokens, text, logprobs, prompt logprobs."""
-    return real_engine.chat(CONVERSATIONS, PARAMS)
+def engine_run(real_engine, chat_ids):
+    """The Engine's answers to the chat prompts, streamed: (outputs, each request's events)."""
+    events: dict = {}
+    for event in real_engine.stream(chat_ids, PARAMS):
+        events.setdefault(event.request_id, []).append(event)
+    return real_engine.last_outputs, [events[o.request_id] for o in real_engine.last_outputs]
+
+
+@pytest.fixture(scope="session")
+def engine_outputs(engine_run):
+    """The Engine's answers: tokens, text, logprobs, prompt logprobs (what Engine.chat gives)."""
+    return engine_run[0]
 
 
 @pytest.fixture(scope="session")
