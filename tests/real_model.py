@@ -3,8 +3,9 @@
 
 Its conversion to a transformers directory (~25 s of CPU, runtime/gguf.py) starts in a
 background process as soon as collection knows a ``real_model`` test will run, so it overlaps
-the rest of the suite on the core the suite leaves idle (one torch thread: tests/conftest.py),
-and those tests run last (``run_order``). The converted directory is cached in the user cache
+the rest of the suite on the core the suite leaves idle (one torch thread: tests/conftest.py), at
+a lower priority than the gpu_check dry runs that share that core, and those tests run last
+(``run_order``). The converted directory is cached in the user cache
 (``runtime.gguf.cache_root``) keyed by the file's SHA-256: a second run pays nothing.
 
 Guarantees: ``directory()`` returns the converted directory once the process ended, or calls
@@ -24,6 +25,9 @@ import pytest
 
 NAME = "smollm2-135m-instruct"
 CONVERT_TIMEOUT_S = 600
+# below the gpu_check dry runs (nice 5, tests/bench/gpu_check_dry_runs.py), whose steps have
+# timeouts: the conversion has the most slack (its tests run last) and takes what they leave
+NICENESS = 10
 
 
 def selected(session) -> bool:
@@ -40,7 +44,8 @@ class Conversion:
         self._result: Optional[Path] = None
         self._log = tempfile.TemporaryFile(mode="w+")   # its progress bars: never a full pipe
         if self.unavailable is None:
-            self._proc = subprocess.Popen([sys.executable, "-m", "vmemkv.runtime.gguf", NAME],
+            self._proc = subprocess.Popen(["nice", "-n", str(NICENESS), sys.executable, "-m",
+                                           "vmemkv.runtime.gguf", NAME],
                                           stdout=subprocess.PIPE, stderr=self._log, text=True)
 
     def directory(self) -> Path:
