@@ -25,7 +25,6 @@ other before anything is timed. Each timed call is ``backend.forward(q, cache.la
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 
 from vmemkv.benchmarks.common import environment, print_environment
+from vmemkv.scheduler.result_files import write_json
 from vmemkv.runtime.attention import fastest_backend, get_backend
 from vmemkv.runtime.kv import make_kv, vmem_geometry
 from vmemkv.runtime.config import CacheConfig
@@ -325,8 +325,7 @@ def run(quick: bool = False, out: str | None = None, device: str | None = None,
     args = parse_args(argv)
     payload = measure(args, progress)
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(payload, indent=1))
+        write_json(str(out), payload)
     return payload
 
 
@@ -334,8 +333,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     payload = measure(args)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(payload, indent=1))
+        write_json(str(args.out), payload)
         print(f"# wrote {args.out}")
     return 0
 

@@ -27,6 +27,7 @@ from dataclasses import replace
 from typing import Dict, List, Optional
 
 from vmemkv.scheduler.report import serving_report
+from vmemkv.scheduler.result_files import write_json
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.traces import fit_to_length, load_trace
@@ -194,8 +195,7 @@ def main(argv=None) -> int:
         print(json.dumps(out))
         outs.append(out)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(outs, f, indent=1)
+        write_json(args.json, outs)
     return 0
 
 

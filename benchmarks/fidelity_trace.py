@@ -25,6 +25,7 @@ from typing import Dict, List
 from vmemkv.benchmarks.fidelity import MAX_BATCH, MODEL, SEED, replay_engine, sim_config, workload
 from vmemkv.scheduler.cost import AfterPrefill, prefill_pairs
 from vmemkv.scheduler.profile_cost import load_profile, profile_cost
+from vmemkv.scheduler.result_files import write_json
 from vmemkv.scheduler.simulator import Simulator
 
 
@@ -150,9 +151,8 @@ def main(argv=None) -> int:
            **step_errors(eng_steps, profile_cost(load_profile(args.profile)))}
     print(json.dumps(out))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**out, "engine_requests": eng_reqs, "simulator_requests": sim_reqs,
-                       "engine_steps": eng_steps, "simulator_steps": sim.steps}, f)
+        write_json(args.out, {**out, "engine_requests": eng_reqs, "simulator_requests": sim_reqs,
+                              "engine_steps": eng_steps, "simulator_steps": sim.steps}, indent=None)
     return 0
 
 

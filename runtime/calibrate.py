@@ -15,7 +15,6 @@ with prefill) + w * cold (the first decodes after a prefill, ``scheduler.cost.Af
 """
 from __future__ import annotations
 
-import json
 import platform
 import statistics
 import time
@@ -23,6 +22,7 @@ from typing import Dict, List, Sequence
 
 from vmemkv.scheduler.cost import AfterPrefill, prefill_pairs
 from vmemkv.scheduler.profile_cost import FITTED, PROFILE_FORMAT
+from vmemkv.scheduler.result_files import write_json
 
 PREFILL_LENGTHS = (32, 64, 96, 128, 192, 256, 320, 384, 448)   # single prompts timed beside
                                                                # the grid, tokens
@@ -203,8 +203,7 @@ def run(args) -> int:
     profile = calibrate(args.model, args.batches, args.contexts, args.decode_steps, args.threads,
                         repeats=args.repeats, max_batch=args.max_batch,
                         max_context=args.max_context, prefill_lengths=args.prefill_lengths)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(profile, f, indent=1)
+    write_json(args.out, profile)       # whole or not at all
     c, e = profile["coefficients"], profile["fit"]
     print(f"vmemkv calibrate: {args.model} on {profile['device']}, {len(profile['points'])} steps")
     print(f"  step s = {c['base_s'] * 1e3:.3f} ms + {c['per_seq_s'] * 1e6:.1f} us x sequences + "

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
 
 from .errors import ConfigError
+from .result_files import atomic_open
 
 WORKLOAD_RNGS = ("numpy", "python")
 Z95 = 1.6448536269514722  # standard normal 95th percentile
@@ -143,8 +144,8 @@ def scale_to_length(prompt_len: int, output_len: int, max_total_len: int) -> Tup
 
 
 def write_trace(path: str, entries: Iterable[TraceEntry]) -> None:
-    """Write ``entries`` as JSONL (one object per line)."""
-    with open(path, "w", encoding="utf-8") as f:
+    """Write ``entries`` as JSONL (one object per line), whole or not at all."""
+    with atomic_open(path, "w", encoding="utf-8") as f:
         for e in entries:
             obj = {"prompt_len": e.prompt_len, "output_len": e.output_len, "arrival_s": e.arrival_s}
             if e.hash_ids:
