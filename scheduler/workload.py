@@ -153,6 +153,9 @@ def write_trace(path: str, entries: Iterable[TraceEntry]) -> None:
             f.write(json.dumps(obj) + "\n")
 
 
+MAX_TRACE_TOKENS = 10**9     # a request longer than this is a corrupt line, not a request
+
+
 def parse_trace_object(obj, where: str) -> TraceEntry:
     """One decoded line of the project's JSONL format; ``ConfigError`` naming ``where`` if bad."""
     return parse_entry(obj, where, ("prompt_len", "output_len", "arrival_s"))
@@ -169,8 +172,9 @@ def parse_entry(obj, where: str, keys: Tuple[str, str, str], units_per_second: f
     values = []
     for key in keys[:2]:
         v = obj.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"{where}: {key} must be an int >= 1, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_TRACE_TOKENS:
+            shown = repr(v) if not isinstance(v, int) or v < 10**12 else f"{float(v):.3g}"
+            raise ConfigError(f"{where}: {key} must be an int in [1, {MAX_TRACE_TOKENS:,}], got {shown}")
         values.append(v)
     arrival = obj.get(keys[2], 0)
     if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:

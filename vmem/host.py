@@ -52,6 +52,21 @@ def meminfo_bytes(field: str) -> int | None:
     return None
 
 
+def address_space_left_bytes() -> int | None:
+    """Bytes of address space this process may still map under its RLIMIT_AS (``ulimit -v``),
+    None when unlimited or unreadable. Reservations count against it, memory or not."""
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/status") as f:
+            used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (ImportError, OSError, StopIteration, ValueError):
+        return None
+    return max(0, soft - used)
+
+
 def _load_libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
@@ -90,7 +105,10 @@ class HostDriver(Driver):
         return "cpu"
 
     def available_bytes(self) -> int | None:
-        return meminfo_bytes("MemAvailable")
+        """MemAvailable, or less when ``ulimit -v`` leaves less address space to map it in."""
+        limits = [b for b in (meminfo_bytes("MemAvailable"), address_space_left_bytes())
+                  if b is not None]
+        return min(limits) if limits else None
 
     def _mmap(self, call: str, address: int | None, size: int, prot: int, flags: int,
               fd: int = -1, offset: int = 0) -> int:
