@@ -15,23 +15,28 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from . import protocol
+from .auth import salted
 from .completions import Completion, ServedModel, prompt_token_ids
 from .engine_thread import EngineThread
 from .errors import ApiError, internal_error
 from .metrics import CONTENT_TYPE, ServeMetrics
+from .shutdown import Drain, shutting_down
 
 log = logging.getLogger("vmemkv.serve")
 
 
-def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel) -> FastAPI:
-    """The app; the caller starts and stops ``server`` (``serve.run_server`` does both)."""
+def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
+               drain: Optional[Drain] = None) -> FastAPI:
+    """The app; the caller starts and stops ``server`` (``serve.run_server`` does both).
+    ``drain``: the shutdown's (shutdown.py); auth and body limits wrap the app (auth.Guard)."""
+    drain = drain or Drain()
     app = FastAPI(title="vmemkv", docs_url=None, redoc_url=None, openapi_url=None)
     _error_handlers(app)
     created = int(time.time())
@@ -54,8 +59,10 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        if drain.draining:
+            return _error(shutting_down())
         try:
-            return await _complete(request, server, served)
+            return await _complete(request, server, served, drain)
         except ApiError as error:
             return _error(error)
         except Exception:   # noqa: BLE001 -- a 500 shows no traceback; the log has it
@@ -65,9 +72,10 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel)
     return app
 
 
-async def _complete(request: Request, server: EngineThread, served: ServedModel) -> Response:
+async def _complete(request: Request, server: EngineThread, served: ServedModel,
+                    drain: Drain) -> Response:
     arrival_s = time.perf_counter()
-    req = protocol.parse_completion_request(await request.body())
+    req = salted(protocol.parse_completion_request(await request.body()), request.scope)
     ids = prompt_token_ids(req, served)
     completion = Completion(server, req, ids, served, arrival_s)   # 503 when full
     try:
@@ -77,17 +85,18 @@ async def _complete(request: Request, server: EngineThread, served: ServedModel)
         raise
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(completion, served.name, include_usage),
+        return StreamingResponse(_stream(completion, served.name, include_usage, drain),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return await _collect(request, completion, served.name)
+    return await _collect(request, completion, served.name, drain)
 
 
-async def _stream(completion: Completion, model: str, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(completion: Completion, model: str, include_usage: bool,
+                  drain: Drain) -> AsyncIterator[str]:
     """SSE chunks, one per token; ``[DONE]`` last. A disconnect cancels this generator, which
-    aborts the request."""
+    aborts the request; a shutdown past its drain ends it with an error event."""
     try:
-        async for index, text, ids, reason in completion.events():
+        async for index, text, ids, reason in drain.guard(completion.events()):
             yield protocol.sse(protocol.completion(
                 completion.id, model, [protocol.choice(index, text, ids, reason)], None))
         if include_usage:
@@ -100,21 +109,27 @@ async def _stream(completion: Completion, model: str, include_usage: bool) -> As
     yield protocol.sse("[DONE]")
 
 
-async def _collect(request: Request, completion: Completion, model: str) -> Response:
-    """Wait for every choice; a client that disconnects first aborts the request."""
-    async def drain() -> None:
+async def _collect(request: Request, completion: Completion, model: str, drain: Drain) -> Response:
+    """Wait for every choice; a client that disconnects first aborts the request, a shutdown
+    past its drain answers 503."""
+    async def consume() -> None:
         async for _ in completion.events():
             pass
 
-    work = asyncio.ensure_future(drain())
+    work = asyncio.ensure_future(consume())
     gone = asyncio.ensure_future(_disconnected(request))
+    expired = asyncio.ensure_future(drain.expired.wait())
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({work, gone, expired}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if not work.done():   # the client left (or the server is shutting down)
+        expired.cancel()
+        if not work.done():   # the client left, or the shutdown's drain is over
             work.cancel()
             completion.close()
+    if not work.done() and drain.expired.is_set():
+        drain.cut += 1
+        return _error(shutting_down())
     if not work.done():
         return Response(status_code=499)   # nobody reads it; nginx's "client closed request"
     work.result()   # raises the ApiError of a failed request

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from vmemkv.runtime.engine.sampling import SamplingParams
 
 from .errors import ApiError
+from .limits import loads_json
 
 MAX_STOP_STRINGS = 4   # OpenAI's limit on ``stop``
 
@@ -48,6 +49,8 @@ class CompletionRequest(BaseModel):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False              # vLLM's extension: keep going past EOS
     user: Optional[str] = None            # accepted, as OpenAI does, and not used
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=256)   # vLLM's: prefixes
+                                          # are shared only between requests with the same salt
 
     def stop_strings(self) -> List[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -56,15 +59,12 @@ class CompletionRequest(BaseModel):
         return SamplingParams(max_new_tokens=self.max_tokens, temperature=self.temperature,
                               top_k=max(self.top_k, 0), top_p=self.top_p, seed=self.seed,
                               stop_token_ids=tuple(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos, n=self.n)
+                              ignore_eos=self.ignore_eos, n=self.n, cache_salt=self.cache_salt)
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:
     """The request in ``body``, or ApiError 400 naming what is wrong with it."""
-    try:
-        obj = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+    obj = loads_json(body)      # 400: not JSON, or nested too deeply (limits.py)
     if not isinstance(obj, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(obj).__name__}")
     try:
