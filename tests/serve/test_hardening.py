@@ -263,13 +263,13 @@ async def _stream_lines(client, url, body, first: asyncio.Event, started: list) 
 
 async def _load_then_sigterm(server) -> tuple:
     url = server.url + "/v1/completions"
-    body = {"max_tokens": 80, "temperature": 0, "ignore_eos": True}   # two waves of batch 8
+    body = {"max_tokens": 120, "temperature": 0, "ignore_eos": True}   # three waves of batch 8
     async with httpx.AsyncClient(timeout=60, headers=auth()) as client:
         first, started = asyncio.Event(), []
         streams = [asyncio.ensure_future(_stream_lines(client, url, {**body, "prompt": [i + 1] * 4},
                                                        first, started)) for i in range(4)]
         posts = [asyncio.ensure_future(client.post(url, json={**body, "prompt": [i + 50] * 4}))
-                 for i in range(12)]
+                 for i in range(20)]
         while len(started) < len(streams):
             await asyncio.wait_for(first.wait(), 60)
             first.clear()
