@@ -90,3 +90,13 @@ def test_calibration_repeats_and_precision_out_of_range_are_refused():
         calibrate("tiny-llama", repeats=8, max_repeats=4)
     with pytest.raises(EngineConfigError, match="precision"):
         calibrate("tiny-llama", precision=0.0)
+
+
+def test_a_result_file_is_written_whole_or_not_at_all(tmp_path):
+    from vmemkv.runtime.calibrate import write_json_whole
+    path = tmp_path / "out.json"
+    write_json_whole(str(path), {"a": 1})
+    with pytest.raises(TypeError):
+        write_json_whole(str(path), {"a": 2, "b": {1, 2}})        # fails half-way through
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
