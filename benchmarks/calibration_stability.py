@@ -15,6 +15,10 @@ below is made on its points, so the fits differ only in how they use the same da
 - *across*: between the calibrations (all repeats, the host's drift included), the spread
   (max - min) / median of those predictions and of each coefficient, and the fit's median
   error on the OTHER calibrations' design-point medians.
+
+First, per calibration, what ``vmemkv calibrate`` reported: the load, the host's spread, the
+precision 90% of the design points reached, the coefficients' 95% interval widths (relative,
+median over the coefficients) and whether it warned.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import numpy as np
 from vmemkv.runtime.calibrate import write_json_whole
 from vmemkv.scheduler.profile_cost import FITTED, step_features
 from vmemkv.scheduler.profile_fit import design_points, fit_coefficients, fit_design_points, \
-    point_features
+    fit_profile, point_features
 
 # steps a replay makes (batch, new, context, prefill pairs, cold, after idle): decodes warm and
 # cold, single prompts back to back and after idle, a prompt beside four decodes
@@ -137,6 +141,21 @@ def compare(calibrations: List[List[Dict]]) -> Dict[str, Dict]:
     return out
 
 
+def noise_lines(calibrations: List[List[Dict]], loads, precision: float) -> List[str]:
+    """Per calibration: its load, the host's spread, the coefficients' interval widths (relative
+    to each coefficient, median over them) and whether the noise warning fired."""
+    lines = [f"{'calibration':<12}{'1-min load':>14}{'spread':>8}{'90% within':>12}"
+             f"{'interval width':>16}  warning at +-{precision:.0%}"]
+    for k, (points, load) in enumerate(zip(calibrations, loads)):
+        fitted = fit_profile(points, precision=precision, max_repeats=12)
+        noise, c, iv = fitted["noise"], fitted["coefficients"], fitted["coefficient_intervals"]
+        width = np.median([(iv[n][1] - iv[n][0]) / c[n] for n in FITTED if c[n] > 0])
+        lines.append(f"{k + 1:<12}{f'{load[0]:.2f} -> {load[1]:.2f}':>14}{noise['spread']:>8.1%}"
+                     f"{noise['achieved']:>11.1%} {width:>15.0%}  "
+                     f"{'yes' if noise['noisy'] else 'no'}")
+    return lines
+
+
 def print_table(result: Dict[str, Dict], repeats: int) -> None:
     print(f"{'fit':<26}{'halves 2+2':>11}{f'halves {repeats // 2}+{repeats // 2}':>12}"
           f"{'across':>8}{'cross err':>10}  coefficients across "
@@ -152,15 +171,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibrations", type=int, default=3)
     ap.add_argument("--max-repeats", type=int, default=12)
+    ap.add_argument("--precision", type=float, default=0.05,
+                    help="the precision the noise check is made against")
     ap.add_argument("--json", metavar="FILE", help="also write the result here (whole)")
-    ap.add_argument("--from", dest="saved", metavar="FILE",
-                    help="compare the calibrations of an earlier --json instead of running")
+    ap.add_argument("--from", dest="saved", metavar="FILE", nargs="+",
+                    help="compare saved calibrations instead of running: an earlier --json, "
+                         "or device profiles (vmemkv calibrate --out)")
     args = ap.parse_args(argv)
     calibrations, loads = [], []
-    if args.saved:
-        with open(args.saved, encoding="utf-8") as f:
+    for path in args.saved or []:
+        with open(path, encoding="utf-8") as f:
             saved = json.load(f)
-        calibrations, loads = saved["points"], saved["load_1min"]
+        if "calibration" in saved:                                   # a device profile
+            calibrations.append(saved["points"])
+            loads.append(saved["calibration"]["load_1min"])
+        else:
+            calibrations += saved["points"]
+            loads += saved["load_1min"]
     for k in range(0 if args.saved else args.calibrations):
         print(f"calibration {k + 1}/{args.calibrations} (1-minute load "
               f"{os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
@@ -168,8 +195,7 @@ def main(argv=None) -> int:
         calibrations.append(profile["points"])
         loads.append(profile["calibration"]["load_1min"])
     result = compare(calibrations)
-    print(f"1-minute load during each calibration: "
-          + ", ".join(f"{a:.2f} -> {b:.2f}" for a, b in loads))
+    print("\n".join(noise_lines(calibrations, loads, args.precision)))
     print_table(result, min(max(p["repeat"] for p in pts) + 1 for pts in calibrations))
     if args.json:
         write_json_whole(args.json, {"load_1min": loads, "fits": result,
