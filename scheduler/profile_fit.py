@@ -5,13 +5,14 @@ A *design point* is one step composition (``profile_cost.step_features``: sequen
 context tokens, prefill pairs, cold, after idle); ``vmemkv calibrate`` times each one once per
 *repeat* of the *shape* (a batch of prompts generated together) that makes it. On a shared host
 a step is now and then descheduled and takes several times its cost, so the coefficients
-(>= 0) minimise a Huber loss of every timed step's RELATIVE residual: a step within ``HUBER_K``
-robust standard deviations counts as in least squares, a descheduled one only linearly, and
-each step counts by its error in %, as a replay's figures do. Measured on this project's shared
-2-core host (``benchmarks/calibration_stability.py``, docs/simulation.md), it moves 2-3x less
-between interleaved halves of one calibration than a fit on each design point's median of
-repeats (the median throws away most of what the repeats measured) and 3x less than the median
-regression before it.
+(>= 0) minimise a Huber loss of every timed step's relative residual: a step within ``HUBER_K``
+robust standard deviations counts as in least squares (95% of its efficiency on normal noise,
+where a median of repeats has 64%), a descheduled one only linearly. The residual is relative
+to the step's design point's median, not to the step's own time: over its own time, a slow
+step's residual can be no lower than -1 and a fast one's is unbounded, which pulled the fit
+30-45% below the typical step on this project's host under load. What the measurements
+on that host say of the choice is in docs/simulation.md (``benchmarks/calibration_stability.py``
+and ``benchmarks/fidelity.py --compare-fits``).
 
 A design point's median is bounded by a distribution-free 95% interval (order statistics of
 its repeats, which needs 6 of them); the coefficients' 95% intervals are percentile bootstrap
@@ -132,29 +133,35 @@ def nnls(gram: np.ndarray, atb: np.ndarray, passive: Optional[np.ndarray] = None
 
 
 def robust_fit(rows: np.ndarray, seconds: np.ndarray, loss: str = "huber",
-               start: Optional[np.ndarray] = None, iterations: int = 50) -> np.ndarray:
+               start: Optional[np.ndarray] = None, iterations: int = 50,
+               typical: Optional[np.ndarray] = None) -> np.ndarray:
     """Coefficients >= 0 minimising the ``loss`` ("huber", "l1" or "ls") of the relative
-    residuals (rows . coef - seconds) / seconds, by iteratively reweighted non-negative least
+    residuals (rows . coef - seconds) / typical, by iteratively reweighted non-negative least
     squares; Huber's threshold is ``HUBER_K`` robust standard deviations (MAD) of the
-    residuals. ``start``: coefficients to begin from (a bootstrap refit)."""
+    residuals. ``typical``: each row's typical seconds (its design point's median; default
+    ``seconds`` itself). Dividing by the step's OWN seconds would skew the fit low on a noisy
+    host: a descheduled step's residual can be no lower than -1, a fast one's is unbounded.
+    ``start``: coefficients to begin from (a bootstrap refit)."""
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
-    keep = np.isfinite(seconds) & (seconds > 0)
-    rows, seconds = rows[keep], seconds[keep]
+    typical = seconds if typical is None else typical
+    keep = np.isfinite(seconds) & (seconds > 0) & np.isfinite(typical) & (typical > 0)
+    rows, seconds, typical = rows[keep], seconds[keep], typical[keep]
     scale = np.maximum(abs(rows).max(axis=0), 1e-300)            # columns to unit size
-    a = rows / scale / seconds[:, None]                          # relative residual: a c - 1
+    a = rows / scale / typical[:, None]                          # relative residual: a c - b
+    b = seconds / typical
     if loss == "ls" or start is None:
-        coef = nnls(a.T @ a, a.sum(axis=0))
+        coef = nnls(a.T @ a, a.T @ b)
     else:
         coef = start * scale
     for _ in range(iterations if loss != "ls" else 0):
-        resid = a @ coef - 1.0
+        resid = a @ coef - b
         if loss == "l1":
             w = 1.0 / np.maximum(abs(resid), 1e-6)
         else:
             sigma = max(MAD_SIGMA * np.median(abs(resid - np.median(resid))), 1e-4)
             w = np.minimum(1.0, HUBER_K * sigma / np.maximum(abs(resid), 1e-12))
-        new = nnls((a * w[:, None]).T @ a, w @ a, passive=coef > 0)
+        new = nnls((a * w[:, None]).T @ a, (a * w[:, None]).T @ b, passive=coef > 0)
         done = np.allclose(new, coef, rtol=1e-7, atol=1e-12)
         coef = new
         if done:
@@ -169,8 +176,9 @@ def fit_steps(dps: DesignPoints, loss: str = "huber", multiplicity: Optional[np.
     take = np.arange(len(dps.seconds))
     if multiplicity is not None:
         take = np.repeat(take, multiplicity[dps.point_run])
-    return robust_fit(dps.rows[dps.point_design[take]], dps.seconds[take], loss, start,
-                      iterations)
+    design = dps.point_design[take]
+    return robust_fit(dps.rows[design], dps.seconds[take], loss, start, iterations,
+                      typical=dps.medians()[design])
 
 
 def fit_coefficients(dps: DesignPoints, loss: str = "huber") -> Dict[str, float]:
