@@ -156,6 +156,50 @@ def noise_lines(calibrations: List[List[Dict]], loads, precision: float) -> List
     return lines
 
 
+def step_kind(point: Dict) -> str:
+    """A timed step's kind for the residual table: warm or cold decode of b sequences, a
+    prefill of b whole prompts (one prompt: back to back or after idle), or mixed (a prompt
+    beside running decodes, ``calibrate --join-lengths``)."""
+    b, new, pairs = point["batch"], point["new_tokens"], point.get("prefill_pairs", 0)
+    if not pairs:
+        return f"{'cold' if point.get('cold_step') else 'warm'} decode b{b}"
+    c = new // b
+    if new % b or pairs != b * c * (c - 1) // 2:
+        return f"mixed b{b}"
+    if b > 1:
+        return f"prefill b{b}"
+    return "prefill 1 prompt" + (" after idle" if point.get("after_idle") else "")
+
+
+def residual_lines(calibrations: List[List[Dict]], held_out: List[set]) -> List[str]:
+    """The new fit's median relative error at the design points' medians, by step kind, per
+    calibration: structure the step-cost form misses shows as a kind off in every one. The
+    shapes in ``held_out[i]`` are left out of calibration i's fit (their steps marked)."""
+    table: Dict[str, List[str]] = {}
+    for points, out in zip(calibrations, held_out):
+        dps = design_points(points)
+        fit = fit_coefficients(design_points([p for p in points if p["shape"] not in out]))
+        medians = dps.medians()
+        errors = (dps.rows @ np.array([fit[k] for k in FITTED]) - medians) / medians
+        kinds: Dict[str, List[float]] = {}
+        seen = set()
+        for p, d in zip(points, dps.point_design):
+            if d not in seen:
+                seen.add(d)
+                kind = step_kind(p) + (" (held out)" if p["shape"] in out else "")
+                kinds.setdefault(kind, []).append(errors[d])
+        for kind, e in kinds.items():
+            table.setdefault(kind, []).append(f"{np.median(e):+7.1%} ({len(e):3d})")
+    return [f"{'step kind':<30}fit error, median (design points), per calibration"] + [
+        f"{kind:<30}" + "  ".join(cells) for kind, cells in sorted(table.items())]
+
+
+def join_shapes(profile: Dict) -> set:
+    """The shapes of a profile whose batch a prompt joined (``calibrate --join-lengths``)."""
+    return {i for i, shape in enumerate(profile["calibration"].get("shapes", []))
+            if len(shape) > 4 and shape[4]}
+
+
 def print_table(result: Dict[str, Dict], repeats: int) -> None:
     print(f"{'fit':<26}{'halves 2+2':>11}{f'halves {repeats // 2}+{repeats // 2}':>12}"
           f"{'across':>8}{'cross err':>10}  coefficients across "
@@ -171,6 +215,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibrations", type=int, default=3)
     ap.add_argument("--max-repeats", type=int, default=12)
+    ap.add_argument("--join-lengths", type=int, nargs="*", default=[],
+                    help="also time prompts of these lengths joining running batches of 4 and "
+                         "12 (mixed steps; calibrate --join-lengths)")
+    ap.add_argument("--hold-out-joins", action="store_true",
+                    help="fit the residual table without the joining shapes: how well the "
+                         "step-cost form predicts mixed steps it never saw")
     ap.add_argument("--precision", type=float, default=0.05,
                     help="the precision the noise check is made against")
     ap.add_argument("--json", metavar="FILE", help="also write the result here (whole)")
@@ -178,28 +228,34 @@ def main(argv=None) -> int:
                     help="compare saved calibrations instead of running: an earlier --json, "
                          "or device profiles (vmemkv calibrate --out)")
     args = ap.parse_args(argv)
-    calibrations, loads = [], []
+    calibrations, loads, joins = [], [], []
     for path in args.saved or []:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
         if "calibration" in saved:                                   # a device profile
             calibrations.append(saved["points"])
             loads.append(saved["calibration"]["load_1min"])
+            joins.append(join_shapes(saved))
         else:
             calibrations += saved["points"]
             loads += saved["load_1min"]
+            joins += [set(j) for j in saved.get("join_shapes", [[]] * len(saved["points"]))]
     for k in range(0 if args.saved else args.calibrations):
         print(f"calibration {k + 1}/{args.calibrations} (1-minute load "
               f"{os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
-        profile = calibrate(max_repeats=args.max_repeats)
+        profile = calibrate(max_repeats=args.max_repeats, join_batches=(4, 12),
+                            join_lengths=args.join_lengths)
         calibrations.append(profile["points"])
+        joins.append(join_shapes(profile))
         loads.append(profile["calibration"]["load_1min"])
     result = compare(calibrations)
     print("\n".join(noise_lines(calibrations, loads, args.precision)))
+    print("\n".join(residual_lines(calibrations, joins if args.hold_out_joins
+                                   else [set()] * len(calibrations))))
     print_table(result, min(max(p["repeat"] for p in pts) + 1 for pts in calibrations))
     if args.json:
-        write_json_whole(args.json, {"load_1min": loads, "fits": result,
-                                     "points": calibrations})
+        write_json_whole(args.json, {"load_1min": loads, "fits": result, "points": calibrations,
+                                     "join_shapes": [sorted(j) for j in joins]})
     return 0
 
 

@@ -1,11 +1,11 @@
 """``vmemkv calibrate``: time the real engine's steps on this machine, fit a device profile.
 
 For each *shape* (``batch`` prompts of ``context`` tokens generating ``decode_steps`` tokens;
-and single prompts of each of ``PREFILL_LENGTHS`` alone, back to back and after ``IDLE_S`` of
-sleep) every step is timed (wall seconds around ``Engine.step``) with the plan's sequences, new
-and context tokens, prefill pairs and whether it is cold or after idle (read from the
-scheduler's own plan: the step's work exactly). Each of these step compositions is a *design
-point*. Every shape runs ``repeats`` times, in rounds (all shapes, then all again, so a burst of
+single prompts of each of ``PREFILL_LENGTHS`` alone, back to back and after ``IDLE_S`` of
+sleep; optionally prompts joining running batches, ``join_lengths``) every step is timed
+(wall seconds around ``Engine.step``) with the plan's sequences, new and context tokens,
+prefill pairs and whether it is cold or after idle (read from the scheduler's own plan: the
+step's work exactly). Each of these step compositions is a *design point*. Every shape runs ``repeats`` times, in rounds (all shapes, then all again, so a burst of
 load on a shared host lands on one repeat of many shapes, not on every repeat of one); then
 each shape whose design points' medians are not yet known to +-``precision`` (90% of them,
 distribution-free 95% intervals) runs again, up to ``max_repeats``. ``scheduler.profile_fit``
@@ -31,6 +31,7 @@ from vmemkv.scheduler.profile_cost import FITTED, PROFILE_FORMAT, PROFILE_VERSIO
 PREFILL_LENGTHS = (32, 64, 96, 128, 192, 256, 320, 384, 448)   # single prompts timed beside
                                                                # the grid, tokens
 IDLE_S = 0.02       # sleep before the second run of each single prompt (after_idle)
+JOIN_AFTER = 5      # steps of a batch's decoding before a joining prompt arrives (past cold)
 PRECISION = 0.05    # requested half-width of each design point's median, relative
 MIN_REPEATS, MAX_REPEATS = 6, 12      # repeats of every shape (6: the fewest that bound a
                                       # median, profile_fit.median_rank); the cap
@@ -50,11 +51,13 @@ def model_entry(model, name: str) -> dict:
                 num_params=sum(p.numel() for p in model.parameters()), **kv_shape_of(model.config))
 
 
-def time_steps(engine, prompts: List[List[int]], new_tokens: int,
-               idle_s: float = 0.0) -> List[Dict]:
+def time_steps(engine, prompts: List[List[int]], new_tokens: int, idle_s: float = 0.0,
+               joining: Optional[List[int]] = None) -> List[Dict]:
     """Every step of generating ``new_tokens`` for ``prompts``: its new and context tokens,
     prefill pairs, whether it is a cold step (from the plan the scheduler made) or the first
-    after ``idle_s`` seconds of sleep (``after_idle``; 0: none), and its wall seconds."""
+    after ``idle_s`` seconds of sleep (``after_idle``; 0: none), and its wall seconds.
+    ``joining``: a prompt submitted after ``JOIN_AFTER`` steps, prefilled beside the running
+    decodes (a mixed step, as a replay's arrivals make), generating 2 tokens."""
     from vmemkv.runtime.engine import SamplingParams
     plans, schedule = [], engine.scheduler.schedule
 
@@ -70,6 +73,9 @@ def time_steps(engine, prompts: List[List[int]], new_tokens: int,
         time.sleep(idle_s)
     try:
         while engine.has_unfinished():
+            if joining and len(points) == JOIN_AFTER:
+                rids.append(engine.add_request(joining, SamplingParams(max_new_tokens=2,
+                                                                       ignore_eos=True)))
             t0 = time.perf_counter()
             engine.step()
             seconds = time.perf_counter() - t0
@@ -94,7 +100,8 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
               max_batch: int = 16, max_context: int = 512,
               prefill_lengths: Sequence[int] = PREFILL_LENGTHS, precision: float = PRECISION,
               max_repeats: Optional[int] = None, resamples: int = RESAMPLES,
-              progress: Optional[Callable[[str], None]] = None) -> Dict:
+              progress: Optional[Callable[[str], None]] = None,
+              join_batches: Sequence[int] = (), join_lengths: Sequence[int] = ()) -> Dict:
     """The device profile (a dict, ``profile_cost``'s format) for this machine. Every shape
     runs ``repeats`` times, then again while its design points' medians are not known to
     +-``precision``, at most ``max_repeats`` (default: ``max(repeats, MAX_REPEATS)``) times;
@@ -107,6 +114,8 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
     term and the cost of waking from idle show."""
     max_repeats = max(repeats, MAX_REPEATS) if max_repeats is None else max_repeats
     check_points(batches, contexts, decode_steps, max_batch, max_context)
+    if join_lengths:
+        check_points(join_batches, [min(contexts)], decode_steps, max_batch - 1, max_context)
     check_repeats(repeats, max_repeats, precision)
     import torch
     from vmemkv.runtime.engine import Engine, SamplingParams
@@ -119,8 +128,10 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
                 **(engine_options or {})) as engine:
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))       # warm-up
         singles = [n for n in prefill_lengths if n < max_context]
-        shapes = ([(b, c, decode_steps, 0.0) for b in batches for c in contexts]
-                  + [(1, n, 1, 0.0) for n in singles] + [(1, n, 1, IDLE_S) for n in singles])
+        shapes = ([(b, c, decode_steps, 0.0, 0) for b in batches for c in contexts]
+                  + [(1, n, 1, 0.0, 0) for n in singles] + [(1, n, 1, IDLE_S, 0) for n in singles]
+                  + [(b, min(contexts), decode_steps, 0.0, n) for b in join_batches
+                     for n in join_lengths if n + min(contexts) < max_context])
         points = timed_rounds(engine, shapes, repeats, max_repeats, precision, seed,
                               progress or (lambda line: None))
         engine_figures = {"cache": engine.config.cache, "layout": engine.config.layout,
@@ -169,8 +180,8 @@ def check_repeats(repeats: int, max_repeats: int, precision: float) -> None:
 
 def timed_rounds(engine, shapes, repeats: int, max_repeats: int, precision: float, seed: int,
                  progress: Callable[[str], None]) -> List[Dict]:
-    """``time_steps`` of every (batch, prompt tokens, new tokens, idle seconds before) shape,
-    each step tagged with its ``shape`` and ``repeat``: ``repeats`` rounds of every shape, then
+    """``time_steps`` of every (batch, prompt tokens, new tokens, idle seconds before, joining
+    prompt tokens) shape, each step tagged with its ``shape`` and ``repeat``: ``repeats`` rounds of every shape, then
     rounds of the shapes whose design points are not yet within ``precision``
     (``profile_fit.shape_precisions``) until none is left or each is at ``max_repeats``.
     Random prompts (seeded)."""
@@ -181,10 +192,11 @@ def timed_rounds(engine, shapes, repeats: int, max_repeats: int, precision: floa
     while pending:
         rounds += 1
         for s in pending:
-            batch, context, new_tokens, idle_s = shapes[s]
+            batch, context, new_tokens, idle_s, join = shapes[s]
             prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
+            joining = [rng.randrange(vocab) for _ in range(join)] if join else None
             points.extend({**p, "shape": s, "repeat": done[s]}
-                          for p in time_steps(engine, prompts, new_tokens, idle_s))
+                          for p in time_steps(engine, prompts, new_tokens, idle_s, joining))
             done[s] += 1
         if min(done) < repeats:
             continue
@@ -232,6 +244,12 @@ def register(subparsers) -> None:
     p.add_argument("--prefill-lengths", type=bounded(int, 1), nargs="*",
                    default=list(PREFILL_LENGTHS),
                    help="single prompts timed alone as well, tokens (those below --max-context)")
+    p.add_argument("--join-lengths", type=bounded(int, 1), nargs="*", default=[],
+                   help="prompts of these lengths also join running --join-batches (mixed "
+                        "steps, as a replay's arrivals make; left out by default: held out, "
+                        "they were predicted within 4%% all the same, docs/simulation.md)")
+    p.add_argument("--join-batches", type=bounded(int, 1), nargs="+", default=[4, 12],
+                   help="sequences decoding when a --join-lengths prompt arrives")
     p.add_argument("--decode-steps", type=bounded(int, 1), default=24,
                    help="tokens generated per sequence per point (the first decodes after a "
                         "prefill run slow: enough of them that most are not those)")
@@ -260,7 +278,8 @@ def run(args) -> int:
                         max_context=args.max_context, prefill_lengths=args.prefill_lengths,
                         precision=args.precision, max_repeats=args.max_repeats,
                         resamples=args.resamples,
-                        progress=lambda line: print(line, file=sys.stderr, flush=True))
+                        progress=lambda line: print(line, file=sys.stderr, flush=True),
+                        join_batches=args.join_batches, join_lengths=args.join_lengths)
     write_json_whole(args.out, profile)
     print(summary(profile, args.model))
     noise = profile["calibration"]["noise"]

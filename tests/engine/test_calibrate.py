@@ -64,7 +64,7 @@ def test_repeats_stop_where_the_medians_are_bounded_and_go_on_to_the_cap_where_n
     # made-up step times: every shape exact, except batch-2 shapes, 30% noise
     rng = np.random.default_rng(0)
 
-    def fake_time_steps(engine, prompts, new_tokens, idle_s=0.0):
+    def fake_time_steps(engine, prompts, new_tokens, idle_s=0.0, joining=None):
         batch, context = len(prompts), len(prompts[0])
         noise = rng.lognormal(0, 0.3) if batch == 2 else 1.0
         return [dict(batch=batch, new_tokens=batch * context if k == 0 else batch,
@@ -74,7 +74,7 @@ def test_repeats_stop_where_the_medians_are_bounded_and_go_on_to_the_cap_where_n
 
     monkeypatch.setattr(calibrate_module, "time_steps", fake_time_steps)
     engine = type("FakeEngine", (), {"vocab_size": 50})()
-    shapes = [(1, 8, 3, 0.0), (2, 8, 3, 0.0), (1, 16, 1, 0.0), (1, 16, 1, 0.02)]
+    shapes = [(1, 8, 3, 0.0, 0), (2, 8, 3, 0.0, 0), (1, 16, 1, 0.0, 0), (1, 16, 1, 0.02, 0)]
     lines = []
     points = calibrate_module.timed_rounds(engine, shapes, repeats=6, max_repeats=9,
                                            precision=0.05, seed=0, progress=lines.append)
