@@ -33,7 +33,7 @@ import time
 from dataclasses import replace
 from typing import Dict, List, Optional
 
-from vmemkv.benchmarks.fidelity_stats import summarize, table_lines
+from vmemkv.benchmarks.fidelity_stats import fit_lines, summarize, table_lines
 from vmemkv.runtime.calibrate import write_json_whole
 from vmemkv.scheduler.report import serving_report
 from vmemkv.scheduler.scheduler import SchedulerConfig
@@ -149,13 +149,32 @@ def measure(args, profile_path: str) -> dict:
         config = sim_config(engine, profile_path)
     simulated = simulate(entries, config).report()
     errors = {k: (simulated[k] - measured[k]) / measured[k] for k in FIGURES}
+    fits = other_fits(entries, config, measured) if getattr(args, "compare_fits", False) else {}
     return {"requests": len(entries), "trace": args.trace, "rate_scale": args.rate_scale,
             "length_scale": args.length_scale, "measured": {k: measured[k] for k in FIGURES},
             "simulated": {k: simulated[k] for k in FIGURES}, "rel_error": errors,
             "within_goal": {k: abs(errors[k]) <= GOALS[k] for k in FIGURES},
             "submit_lag_ms": {"median": statistics.median(lags) * 1e3, "max": max(lags) * 1e3},
             "engine_ttft_from_submission_ms": from_submission(timings, lags),
-            "load_1min": (load_before, os.getloadavg()[0])}
+            "load_1min": (load_before, os.getloadavg()[0]), **({"fits": fits} if fits else {})}
+
+
+def other_fits(entries, config: SimConfig, measured: Dict) -> Dict[str, Dict]:
+    """The same replay simulated with each fit of ``calibration_stability.FITS`` made on the
+    same calibration's steps (``--compare-fits``): which fit predicts the engine best, on
+    identical data. Each variant profile is written beside the calibration's."""
+    from vmemkv.benchmarks.calibration_stability import FITS
+    with open(config.profile, encoding="utf-8") as f:
+        profile = json.load(f)
+    out = {}
+    for i, (name, fit) in enumerate(FITS.items()):
+        path = f"{config.profile[:-len('.json')]}.fit{i}.json"
+        write_json_whole(path, {**profile, "coefficients": fit(profile["points"])})
+        simulated = simulate(entries, replace(config, profile=path)).report()
+        out[name] = {"simulated": {k: simulated[k] for k in FIGURES},
+                     "rel_error": {k: (simulated[k] - measured[k]) / measured[k]
+                                   for k in FIGURES}}
+    return out
 
 
 def from_submission(timings, lags) -> dict:
@@ -181,6 +200,9 @@ def parse_args(argv=None):
                     help="one device profile for every round (default: calibrate each round)")
     ap.add_argument("--calibrate-args", default="",
                     help="extra calibrate flags, e.g. '--max-repeats 16'")
+    ap.add_argument("--compare-fits", action="store_true",
+                    help="also simulate each replay with the other fits of the same "
+                         "calibration (benchmarks/calibration_stability.py's)")
     ap.add_argument("--json", metavar="FILE", help="also write the result here (whole)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
@@ -251,6 +273,9 @@ def main(argv=None) -> int:
     print(f"\n{args.repeats} round(s), {time.perf_counter() - started:.0f} s; error = (simulated "
           f"- measured) / measured; floor: the engine's replays predicting each other")
     print("\n".join(table_lines(summary, FIGURES, GOALS)))
+    if args.compare_fits:
+        print("\nthe same replays simulated with each fit of the same calibrations:")
+        print("\n".join(fit_lines(rounds, FIGURES)))
     return 0
 
 

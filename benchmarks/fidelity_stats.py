@@ -79,3 +79,26 @@ def table_lines(summary: Dict, figures: Sequence[str], goals: Dict[str, float]) 
                 + (f"{floor['p90_abs']:>16.1%}" if floor else f"{'-':>16}")
                 + f"{goals[k]:>5.0%}{'' if f['within_goal'] else ' !'}")
     return lines
+
+
+def fit_lines(rounds: List[Dict], figures: Sequence[str]) -> List[str]:
+    """``--compare-fits``: per fit and rate, each figure's median error and p90 of |error|
+    over the rounds, and the mean of the four p90s."""
+    errors: Dict[tuple, List[float]] = {}
+    for r in rounds:
+        for c in r["comparisons"]:
+            for name, fit in c.get("fits", {}).items():
+                for k in figures:
+                    errors.setdefault((name, f"{c['rate_scale']:g}", k), []).append(
+                        fit["rel_error"][k])
+    names = list(dict.fromkeys(key[0] for key in errors))
+    rates = sorted({key[1] for key in errors}, key=float)
+    lines = [f"{'fit':<28}{'rate':>5}" + "".join(f"{k[:16]:>18}" for k in figures)
+             + f"{'mean p90':>10}"]
+    for name in names:
+        for rate in rates:
+            cells = [error_summary(errors[(name, rate, k)]) for k in figures]
+            lines.append(f"{name:<28}{rate:>5}" + "".join(
+                f"{c['median']:>+9.1%} {c['p90_abs']:>7.1%}" for c in cells)
+                + f"{sum(c['p90_abs'] for c in cells) / len(cells):>10.1%}")
+    return lines

@@ -90,3 +90,40 @@ def test_the_old_single_rate_flag_still_works():
     assert fidelity.parse_args(["--rate-scale", "4", "1"]).rate_scales == [4.0, 1.0]
     with pytest.raises(SystemExit):
         fidelity.parse_args(["--repeats", "0"])
+
+
+def test_on_exact_steps_every_fit_simulates_the_same_replay(tmp_path):
+    from vmemkv.benchmarks.calibration_stability import FITS
+    from vmemkv.benchmarks.fidelity_stats import fit_lines
+    from vmemkv.scheduler.profile_cost import PROFILE_FORMAT, ProfileCost
+    from vmemkv.scheduler.simulator import SimConfig, simulate
+    from vmemkv.scheduler.workload import WorkloadSpec, generate
+    cost = ProfileCost(base_s=1e-3, per_seq_s=2e-5, per_new_token_s=5e-5,
+                       per_context_token_s=3e-7, per_prefill_pair_s=5e-8)
+    points = [dict(batch=b, new_tokens=n, context_tokens=c, prefill_pairs=q, cold_step=0,
+                   after_idle=0, shape=i, repeat=r,
+                   seconds=cost.step_seconds(c, n, 0, b, q))
+              for r in range(2) for i, (b, n, c, q) in enumerate(
+                  [(1, 1, 10, 0), (4, 4, 400, 0), (16, 16, 4000, 0), (8, 8, 900, 0),
+                   (1, 64, 64, 2016), (1, 256, 256, 32640), (4, 256, 256, 8064),
+                   (2, 100, 300, 9950), (1, 16, 16, 120), (1, 32, 32, 496)])]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 3, "points": points,
+                                "model": dict(name="toy", num_layers=2, num_kv_heads=2,
+                                              head_dim=32, dtype_bytes=4, weight_bytes=10**6),
+                                "coefficients": {k: getattr(cost, k) for k in (
+                                    "base_s", "per_seq_s", "per_new_token_s",
+                                    "per_context_token_s", "per_prefill_pair_s")}}))
+    entries = generate(WorkloadSpec(num_requests=12, max_total_len=64, seed=3))
+    config = SimConfig(policy="vmem", profile=str(path), page_bytes=4096, cache_bytes=2 * 10**6,
+                       max_seq_len=64)
+    own = simulate(entries, config).report()
+    measured = {k: own[k] * 1.1 for k in fidelity.FIGURES}
+    fits = fidelity.other_fits(entries, config, measured)
+    assert list(fits) == list(FITS)
+    for name, fit in fits.items():
+        for k in fidelity.FIGURES:
+            assert fit["simulated"][k] == pytest.approx(own[k], rel=1e-6), (name, k)
+            assert fit["rel_error"][k] == pytest.approx(1 / 1.1 - 1, rel=1e-5)
+    lines = fit_lines([{"comparisons": [{"rate_scale": 2.0, "fits": fits}]}], fidelity.FIGURES)
+    assert len(lines) == 1 + len(FITS) and "-9.1%" in lines[1]
