@@ -32,8 +32,8 @@ import numpy as np
 
 from vmemkv.runtime.calibrate import write_json_whole
 from vmemkv.scheduler.profile_cost import FITTED, step_features
-from vmemkv.scheduler.profile_fit import design_points, fit_coefficients, fit_design_points, \
-    fit_profile, point_features
+from vmemkv.scheduler.profile_fit import design_points, fit_coefficients, fit_profile, \
+    fit_steps, point_features
 
 # steps a replay makes (batch, new, context, prefill pairs, cold, after idle): decodes warm and
 # cold, single prompts back to back and after idle, a prompt beside four decodes
@@ -69,15 +69,15 @@ def repeats_in(points, keep) -> list:
 
 
 def median_fit(loss: str) -> Callable:
-    return lambda points: fit_design_points(design_points(points), loss)
+    return lambda points: fit_coefficients(design_points(points), loss)
 
 
 FITS: Dict[str, Callable] = {
     "before: L1 per step": legacy_fit,
     "least squares per step": least_squares,
+    "Huber per step": lambda points: fit_steps(design_points(points)),
     "least squares on medians": median_fit("ls"),
-    "Huber on medians": median_fit("huber"),
-    "Huber per step (new)": lambda points: fit_coefficients(design_points(points)),
+    "Huber on medians (new)": median_fit("huber"),
 }
 
 

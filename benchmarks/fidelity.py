@@ -203,6 +203,8 @@ def parse_args(argv=None):
     ap.add_argument("--compare-fits", action="store_true",
                     help="also simulate each replay with the other fits of the same "
                          "calibration (benchmarks/calibration_stability.py's)")
+    ap.add_argument("--refit", metavar="FILE",
+                    help="no run: --compare-fits again on an earlier --json (its profiles)")
     ap.add_argument("--json", metavar="FILE", help="also write the result here (whole)")
     args = ap.parse_args(argv)
     if args.repeats < 1:
@@ -246,8 +248,31 @@ def progress(line: str) -> None:
     print(f"fidelity: {line}", file=sys.stderr, flush=True)
 
 
+def refit(path: str) -> int:
+    """``--refit FILE``: the fit comparison of an earlier ``--json`` again with today's fits
+    (``calibration_stability.FITS``), each replay re-simulated against the engine's figures
+    as measured then; the rounds' profiles must still be where that run wrote them."""
+    from vmemkv.runtime.engine import Engine
+    from vmemkv.runtime.models import build_model
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    args = parse_args(saved["argv"])
+    with Engine(build_model(MODEL, seed=SEED), max_batch=MAX_BATCH,
+                max_context=args.max_context) as engine:
+        base = sim_config(engine, saved["rounds"][0]["profile"]["path"])
+    for r in saved["rounds"]:
+        for c in r["comparisons"]:
+            entries = workload(argparse.Namespace(**{**vars(args), "rate_scale": c["rate_scale"]}))
+            c["fits"] = other_fits(entries, replace(base, profile=r["profile"]["path"]),
+                                   c["measured"])
+    print("\n".join(fit_lines(saved["rounds"], FIGURES)))
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.refit:
+        return refit(args.refit)
     folder = tempfile.mkdtemp(prefix="vmemkv-fidelity-")
     rounds: List[Dict] = []
     started = time.perf_counter()

@@ -9,8 +9,8 @@ step's work exactly). Each of these step compositions is a *design point*. Every
 load on a shared host lands on one repeat of many shapes, not on every repeat of one); then
 each shape whose design points' medians are not yet known to +-``precision`` (90% of them,
 distribution-free 95% intervals) runs again, up to ``max_repeats``. ``scheduler.profile_fit``
-fits the coefficients of ``vmemkv.scheduler.profile_cost`` to every timed step (Huber loss on
-relative residuals), bootstraps their 95% intervals over the repeats, and checks the host's
+fits the coefficients of ``vmemkv.scheduler.profile_cost`` to the design points' medians (Huber
+loss on relative residuals), bootstraps their 95% intervals over the repeats, and checks the host's
 noise against the precision: a warning says by how much a noisy host misses it.
 
     vmemkv calibrate --model small-llama --precision 0.05 --repeats 6 --max-repeats 12 --out profile.json

@@ -4,15 +4,19 @@ intervals, and whether the host was quiet enough for the precision asked (numpy,
 A *design point* is one step composition (``profile_cost.step_features``: sequences, new and
 context tokens, prefill pairs, cold, after idle); ``vmemkv calibrate`` times each one once per
 *repeat* of the *shape* (a batch of prompts generated together) that makes it. On a shared host
-a step is now and then descheduled and takes several times its cost, so the coefficients
-(>= 0) minimise a Huber loss of every timed step's relative residual: a step within ``HUBER_K``
-robust standard deviations counts as in least squares (95% of its efficiency on normal noise,
-where a median of repeats has 64%), a descheduled one only linearly. The residual is relative
-to the step's design point's median, not to the step's own time: over its own time, a slow
-step's residual can be no lower than -1 and a fast one's is unbounded, which pulled the fit
-30-45% below the typical step on this project's host under load. What the measurements
-on that host say of the choice is in docs/simulation.md (``benchmarks/calibration_stability.py``
-and ``benchmarks/fidelity.py --compare-fits``).
+a step is now and then descheduled and takes several times its cost, so the fit is made on the
+MEDIAN of each design point's repeats (the statistic calibrate's repeats bound), by a Huber
+loss on relative residuals (a point within ``HUBER_K`` robust standard deviations counts as in
+least squares, one the step-cost form cannot follow only linearly), every coefficient >= 0.
+Measured on this project's shared host (docs/simulation.md): the fits tie on how far they move
+between interleaved halves of a calibration (6-8%), and on the replays (``benchmarks/fidelity.py
+--compare-fits``, 8 rounds at loads 2-12, the p90 of |error| of four figures at three rates
+summed) this one scored 321 points, the median regression on every step 324, the same Huber
+loss on every step 402 and least squares on every step 615. A fit to every step divides
+each residual by its design point's median, the fit to the medians by its own prediction,
+neither by the observed time itself: over its own time a slow step's residual can be no lower
+than -1 and a fast one's is unbounded, which pulled a fit 20-45% below the
+typical step under load.
 
 A design point's median is bounded by a distribution-free 95% interval (order statistics of
 its repeats, which needs 6 of them); the coefficients' 95% intervals are percentile bootstrap
@@ -54,9 +58,14 @@ class DesignPoints:
     run_shape: np.ndarray     # (R,) shape of each run
     seconds: np.ndarray       # (P,)
 
-    def medians(self) -> np.ndarray:
-        """Each design point's median seconds over its repeats."""
-        return grouped_medians(self.point_design, self.seconds, len(self.rows))
+    def medians(self, multiplicity: Optional[np.ndarray] = None) -> np.ndarray:
+        """Each design point's median seconds over its repeats, every run counted
+        ``multiplicity[run]`` times (default once; a bootstrap resample counts some twice, some
+        not at all); NaN for a design point left with no step."""
+        take = np.arange(len(self.seconds))
+        if multiplicity is not None:
+            take = np.repeat(take, multiplicity[self.point_run])
+        return grouped_medians(self.point_design[take], self.seconds[take], len(self.rows))
 
     def samples(self) -> List[np.ndarray]:
         """Each design point's seconds, one per repeat."""
@@ -138,25 +147,28 @@ def robust_fit(rows: np.ndarray, seconds: np.ndarray, loss: str = "huber",
     """Coefficients >= 0 minimising the ``loss`` ("huber", "l1" or "ls") of the relative
     residuals (rows . coef - seconds) / typical, by iteratively reweighted non-negative least
     squares; Huber's threshold is ``HUBER_K`` robust standard deviations (MAD) of the
-    residuals. ``typical``: each row's typical seconds (its design point's median; default
-    ``seconds`` itself). Dividing by the step's OWN seconds would skew the fit low on a noisy
-    host: a descheduled step's residual can be no lower than -1, a fast one's is unbounded.
-    ``start``: coefficients to begin from (a bootstrap refit)."""
+    residuals. ``typical``: each row's typical seconds (a step's design point's median);
+    default: the fit's own prediction, updated every iteration. Dividing by the row's OWN
+    seconds would skew the fit low wherever they are noisy: a slow row's residual can be no
+    lower than -1, a fast one's is unbounded. ``start``: coefficients to begin from."""
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
+    predicted_scale = typical is None
     typical = seconds if typical is None else typical
     keep = np.isfinite(seconds) & (seconds > 0) & np.isfinite(typical) & (typical > 0)
     rows, seconds, typical = rows[keep], seconds[keep], typical[keep]
     scale = np.maximum(abs(rows).max(axis=0), 1e-300)            # columns to unit size
-    a = rows / scale / typical[:, None]                          # relative residual: a c - b
-    b = seconds / typical
-    if loss == "ls" or start is None:
-        coef = nnls(a.T @ a, a.T @ b)
-    else:
-        coef = start * scale
-    for _ in range(iterations if loss != "ls" else 0):
+    x = rows / scale
+    a, b = x / typical[:, None], seconds / typical               # relative residual: a c - b
+    coef = nnls(a.T @ a, a.T @ b) if start is None else start * scale
+    for _ in range(iterations):
+        if predicted_scale:                                      # floored: a 0 prediction
+            denominator = np.maximum(x @ coef, 0.1 * typical)
+            a, b = x / denominator[:, None], seconds / denominator
         resid = a @ coef - b
-        if loss == "l1":
+        if loss == "ls":
+            w = np.ones_like(resid)
+        elif loss == "l1":
             w = 1.0 / np.maximum(abs(resid), 1e-6)
         else:
             sigma = max(MAD_SIGMA * np.median(abs(resid - np.median(resid))), 1e-4)
@@ -169,33 +181,31 @@ def robust_fit(rows: np.ndarray, seconds: np.ndarray, loss: str = "huber",
     return coef / scale
 
 
-def fit_steps(dps: DesignPoints, loss: str = "huber", multiplicity: Optional[np.ndarray] = None,
-              start: Optional[np.ndarray] = None, iterations: int = 50) -> np.ndarray:
-    """Coefficients (``FITTED`` order) fitted to every timed step, each run counted
-    ``multiplicity[run]`` times (default once: a bootstrap resample counts some twice)."""
-    take = np.arange(len(dps.seconds))
-    if multiplicity is not None:
-        take = np.repeat(take, multiplicity[dps.point_run])
-    design = dps.point_design[take]
-    return robust_fit(dps.rows[design], dps.seconds[take], loss, start, iterations,
-                      typical=dps.medians()[design])
+def fit_medians(dps: DesignPoints, loss: str = "huber",
+                multiplicity: Optional[np.ndarray] = None, start: Optional[np.ndarray] = None,
+                iterations: int = 50) -> np.ndarray:
+    """Coefficients (``FITTED`` order) fitted to the design points' medians (``medians``)."""
+    return robust_fit(dps.rows, dps.medians(multiplicity), loss, start, iterations)
 
 
 def fit_coefficients(dps: DesignPoints, loss: str = "huber") -> Dict[str, float]:
-    """The profile's coefficients: ``fit_steps`` by name."""
-    return dict(zip(FITTED, map(float, fit_steps(dps, loss))))
+    """The profile's coefficients: ``fit_medians`` by name."""
+    return dict(zip(FITTED, map(float, fit_medians(dps, loss))))
 
 
-def fit_design_points(dps: DesignPoints, loss: str = "huber") -> Dict[str, float]:
-    """The coefficients fitted to the design points' medians instead (the alternative that
-    ``benchmarks/calibration_stability.py`` measures against the fit to every step)."""
-    return dict(zip(FITTED, map(float, robust_fit(dps.rows, dps.medians(), loss))))
+def fit_steps(dps: DesignPoints, loss: str = "huber") -> Dict[str, float]:
+    """The coefficients fitted to every timed step instead, each residual relative to its
+    design point's median (the alternative ``benchmarks/calibration_stability.py`` and
+    ``fidelity.py --compare-fits`` measure against the fit to the medians)."""
+    design = dps.point_design
+    return dict(zip(FITTED, map(float, robust_fit(dps.rows[design], dps.seconds, loss,
+                                                  typical=dps.medians()[design]))))
 
 
 def coefficient_intervals(dps: DesignPoints, coefficients: Dict[str, float], loss: str = "huber",
                           resamples: int = 200, seed: int = 0) -> Dict[str, List[float]]:
-    """95% percentile intervals of each coefficient: ``resamples`` refits (``fit_steps``), each
-    after drawing every shape's repeats (whole runs) with replacement."""
+    """95% percentile intervals of each coefficient: ``resamples`` refits (``fit_medians``),
+    each after drawing every shape's repeats (whole runs) with replacement."""
     rng = np.random.default_rng(seed)
     start = np.array([coefficients[k] for k in FITTED])
     shape_runs = [np.flatnonzero(dps.run_shape == s) for s in np.unique(dps.run_shape)]
@@ -204,7 +214,7 @@ def coefficient_intervals(dps: DesignPoints, coefficients: Dict[str, float], los
         count = np.zeros(len(dps.run_shape), dtype=int)
         for runs in shape_runs:
             np.add.at(count, rng.choice(runs, size=len(runs)), 1)
-        fits.append(fit_steps(dps, loss, count, start=start, iterations=15))
+        fits.append(fit_medians(dps, loss, count, start=start, iterations=15))
     lo, hi = np.percentile(np.array(fits), [2.5, 97.5], axis=0)
     return {k: [float(a), float(b)] for k, a, b in zip(FITTED, lo, hi)}
 
@@ -344,7 +354,8 @@ def fit_profile(points: Sequence[Dict], precision: float, max_repeats: int,
                                                            resamples=resamples, seed=seed),
             "fit": {"median_rel_error": float(np.median(errors)),
                     "max_rel_error": float(errors.max()), "design_points": len(dps.rows),
-                    "method": "Huber loss on every timed step's relative residual, "
-                              "coefficients >= 0; intervals: 95% percentile bootstrap over "
-                              f"each shape's repeats, {resamples} refits"},
+                    "method": "Huber loss on the relative residuals of the design points' "
+                              "medians of repeats, coefficients >= 0; intervals: 95% "
+                              "percentile bootstrap over each shape's repeats, "
+                              f"{resamples} refits"},
             "noise": noise_check(dps, widths, precision, max_repeats).as_dict()}
