@@ -10,13 +10,13 @@ loss on relative residuals (a point within ``HUBER_K`` robust standard deviation
 least squares, one the step-cost form cannot follow only linearly), every coefficient >= 0.
 Measured on this project's shared host (docs/simulation.md): the fits tie on how far they move
 between interleaved halves of a calibration (6-8%), and on the replays (``benchmarks/fidelity.py
---compare-fits``, 8 rounds at loads 2-12, the p90 of |error| of four figures at three rates
-summed) this one scored 321 points, the median regression on every step 324, the same Huber
-loss on every step 402 and least squares on every step 615. A fit to every step divides
-each residual by its design point's median, the fit to the medians by its own prediction,
-neither by the observed time itself: over its own time a slow step's residual can be no lower
-than -1 and a fast one's is unbounded, which pulled a fit 20-45% below the
-typical step under load.
+--compare-fits``, 13 rounds at loads 2-12, the p90 of |error| of four figures at three rates
+summed over three runs) this one scored 467 points, the median regression on every step 468,
+the same Huber loss on every step 603 and least squares on every step 851. A fit to every
+step divides each residual by its design point's median, the fit to the medians by its own
+prediction, neither by the observed time itself: over its own time a slow step's residual can
+be no lower than -1 and a fast one's is unbounded, which pulled a fit 20-45% below the typical
+step under load.
 
 A design point's median is bounded by a distribution-free 95% interval (order statistics of
 its repeats, which needs 6 of them); the coefficients' 95% intervals are percentile bootstrap
