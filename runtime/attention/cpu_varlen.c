@@ -34,6 +34,8 @@
 #include "cpu_varlen_math.h"
 
 #define CHUNK 32          /* keys per tile */
+#define VALUE_GROUP 8     /* keys whose V rows are read together (cpu_varlen_tile.h) */
+#define PREFETCH_KEYS 6   /* K rows are prefetched this many keys ahead (cpu_varlen_tile.h) */
 #define MAX_ROWS 64       /* query rows per item (np * nh * G), enforced by the caller */
 #define ITEM_COLS 6       /* (request, p0, np, h0, nh, splits) */
 
