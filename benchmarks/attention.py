@@ -8,12 +8,14 @@
         --vmem-layout per-layer interleaved --dtype bfloat16
 
 One line per configuration: cache | phase | backend | batch | ctx | q | ms | GB/s | GFLOP/s |
-% limit | % copy. Each row reports its share of the machine's limit for its phase, measured
+% limit | % copy | % FMA peak. Each row reports its share of the machine's limit for its phase, measured
 first in the same run (``benchmarks/yardstick.py``): decode against the **read** bandwidth
 (decode only reads K/V; GB/s counts every live token's K and V once, so a paged gather shows
 up as lower GB/s for the same bytes), prefill against fp32 (CUDA: fp16) **matmul** FLOP/s
 (GFLOP/s counts 2 x 2 flops per visible query-key pair and head dim: q.k and p.v). "% copy"
-divides GB/s by the copy bandwidth (read + write), the yardstick before issue 33.
+divides GB/s by the copy bandwidth (read + write), the yardstick before issue 33; "% FMA peak"
+(CPU) divides GFLOP/s by the native FMA loop's, the arithmetic roof (torch's matmul may sit
+below it, and a prefill kernel above the matmul).
 
 ``--vmem-layout per-layer interleaved`` times both vmem layouts in one run (the interleaved
 cache holds ``--layers`` layers so its layer view is strided; rows ``vmem interleaved``).
@@ -135,6 +137,8 @@ def run_configs(caches, names, phase, batch, ctx, qlen, q, args, device, limits)
                      "ctx": ctx, "query_len": qlen, "ms": t * 1e3, "ms_min": min(times) * 1e3,
                      "ms_max": max(times) * 1e3, "kv_gb_per_s": kv_bytes / t / 1e9,
                      "gflop_per_s": flops / t / 1e9, "limit": limit, "pct_limit": 100 * share,
+                     "pct_fma_peak": 100 * flops / t / 1e9 / limits["fma_peak_gflop_per_s"]
+                     if "fma_peak_gflop_per_s" in limits else None,
                      "pct_copy": 100 * kv_bytes / t / 1e9 / limits["copy_gb_per_s"],
                      "checked": True, "baseline": baseline})
     return rows
@@ -165,11 +169,12 @@ def baseline_ratios(rows: list[dict], baselines: list[dict]) -> list[dict]:
 def fmt(r) -> str:
     return (f"{r['cache']:<16}| {r['phase']:<8}| {r['backend']:<10}| {r['batch']:>5} | {r['ctx']:>6} | "
             f"{r['query_len']:>5} | {r['ms']:>9.3f} | {r['kv_gb_per_s']:>7.2f} | {r['gflop_per_s']:>7.1f} | "
-            f"{r['pct_limit']:>5.1f}% {r['limit']:<6} | {r['pct_copy']:>6.1f}%")
+            f"{r['pct_limit']:>5.1f}% {r['limit']:<6} | {r['pct_copy']:>6.1f}% | "
+            + (f"{r['pct_fma_peak']:>5.1f}%" if r["pct_fma_peak"] is not None else ""))
 
 
 HEADER = ("cache           | phase   | backend   | batch |    ctx |     q |        ms |    GB/s | "
-          "GFLOP/s | % limit      | % copy")
+          "GFLOP/s | % limit      | % copy  | % FMA peak")
 
 
 def ratio_line(now: list[dict]) -> str:
@@ -264,7 +269,8 @@ def measure(args, progress=None) -> dict:
                       backends=",".join(f"{k}:{v}" for k, v in backends.items()),
                       read_gb_per_s=round(limits["read_gb_per_s"], 2),
                       copy_gb_per_s=round(limits["copy_gb_per_s"], 2),
-                      matmul_gflop_per_s=round(limits["matmul_gflop_per_s"], 1))
+                      matmul_gflop_per_s=round(limits["matmul_gflop_per_s"], 1),
+                      fma_peak_gflop_per_s=round(limits.get("fma_peak_gflop_per_s") or 0, 1))
     print_environment(env)
     print(yardstick.describe(limits))
     print(HEADER)

@@ -12,7 +12,7 @@ from typing import Callable
 
 ATTENTION = dict(batches=[1, 2], contexts=[32, 64], heads=4, kv_heads=2, head_dim=16,
                  prefill_len=8, repeats=1)
-YARDSTICK = dict(nbytes=4 << 20, matmul_n=128, repeats=1)
+YARDSTICK = dict(nbytes=4 << 20, matmul_n=128, repeats=1, fma_rounds=10_000)
 MAPPER = dict(layers=2, kv_heads=8, head_dim=128, heads=16, batch=4, hidden=32,
               page_bytes=64 * 2**10, start_tokens=16, steps=6)
 MEMORY_REQUESTS, MEMORY_PAGED_BLOCKS = 40, (16, 128)

@@ -90,7 +90,9 @@ def _yardstick_summary(y: dict) -> list[dict]:
             {"what": "copy bandwidth", "vmem": y["copy_gb_per_s"], "unit": "GB/s",
              "note": f"{threads}; read + write counted"},
             {"what": f"{y['matmul_dtype']} matmul", "vmem": y["matmul_gflop_per_s"],
-             "unit": "GFLOP/s", "note": f"{threads}; torch.mm n={y['matmul_n']}"}]
+             "unit": "GFLOP/s", "note": f"{threads}; torch.mm n={y['matmul_n']}"}] + (
+        [{"what": "fp32 FMA peak", "vmem": y["fma_peak_gflop_per_s"], "unit": "GFLOP/s",
+          "note": f"{threads}; native loop, no memory"}] if "fma_peak_gflop_per_s" in y else [])
 
 
 def _memory_summary(data: dict) -> list[dict]:

@@ -6,13 +6,16 @@ fp32 matmul FLOP/s.
 * **read bandwidth** (the decode yardstick: decode attention only reads K/V): a large
   same-device reduction, STREAM's read kernel, every byte read once and nothing written, over
   torch's threads. Measured three ways on the CPU: torch's ``sum``, numpy's ``sum`` (pairwise,
-  reported only) and a native loop (``read_loop.c``, OpenMP, built like the attention kernel);
+  reported only) and a native loop (``yardstick.c``, OpenMP, built like the attention kernel);
   the yardstick is the faster of torch's and the native loop. Both must return the exact count
   of the ones placed in the array (one every 61 floats), so neither can have skipped a load.
 * **copy bandwidth**: ``dst.copy_(src)``, bytes read + bytes written per second (the figure the
   attention rows used to be divided by).
 * **matmul FLOP/s** (the prefill yardstick: prefill is compute-bound): ``torch.mm`` of two
   ``n x n`` matrices in the attention dtype (fp32 on the CPU), ``2 n^3`` flops.
+* **FMA peak** (CPU): the native loop's 12 independent vector FMAs per round on every thread,
+  no memory touched: the arithmetic roof nothing fp32 can pass. torch's matmul may sit well
+  below it (its BLAS may not use the CPU's widest vectors), and a kernel may then beat it.
 
 Every figure is the median of ``repeats`` calls after a warm-up. ``measure()`` is what
 ``benchmarks/attention.py`` runs first (its rows report their share of the right one) and what
@@ -31,8 +34,9 @@ import torch
 
 from vmemkv.benchmarks.common import median_seconds
 
-READ_LOOP = Path(__file__).with_name("read_loop.c")
-READ_LOOP_HEADERS = (Path(__file__).parent.parent / "runtime" / "attention" / "cpu_varlen_math.h",)
+NATIVE = Path(__file__).with_name("yardstick.c")
+NATIVE_HEADERS = (Path(__file__).parent.parent / "runtime" / "attention" / "cpu_varlen_math.h",)
+FMA_ROUNDS = 5_000_000    # ~20 ms a call at ~100 GFLOP/s per thread
 ONE_EVERY = 61            # a 1.0 every 61 floats: a reader that skips any 61 in a row misses one
 CPU_BYTES = 256 << 20     # 8x the 32 MiB L3 of the development machine
 CUDA_BYTES = 1 << 30
@@ -46,13 +50,25 @@ def _timed(fn, device, repeats: int) -> float:
     return median_seconds(fn, warmup=2, repeats=repeats, sync=_sync(device))
 
 
-def native_read_sum():
-    """``vk_read_sum(ptr, n, threads) -> double`` from read_loop.c, built on first use."""
+def _native(name: str, argtypes: list):
     from vmemkv.runtime.attention import native
-    fn = native.library(READ_LOOP, READ_LOOP_HEADERS).vk_read_sum
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    fn.restype = ctypes.c_double
+    fn = getattr(native.library(NATIVE, NATIVE_HEADERS), name)
+    fn.argtypes, fn.restype = argtypes, ctypes.c_double
     return fn
+
+
+def native_read_sum():
+    """``vk_read_sum(ptr, n, threads) -> double`` from yardstick.c, built on first use."""
+    return _native("vk_read_sum", [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int])
+
+
+def fma_peak(rounds: int = FMA_ROUNDS, repeats: int = 5) -> float:
+    """FLOP/s of yardstick.c's FMA loop on torch's threads (12 x VW lanes x 2 flops a round)."""
+    fn, threads = _native("vk_fma_peak", [ctypes.c_int64, ctypes.c_int]), torch.get_num_threads()
+    lanes = _native("vk_vector_lanes", [])
+    lanes.restype = ctypes.c_int
+    t = _timed(lambda: fn(rounds, threads), torch.device("cpu"), repeats)
+    return threads * rounds * 12 * lanes() * 2 / t
 
 
 def read_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> dict:
@@ -93,7 +109,7 @@ def matmul_flops(device: torch.device, dtype: torch.dtype, n: int, repeats: int 
 
 
 def measure(device="cpu", dtype: torch.dtype = torch.float32, nbytes: int | None = None,
-            matmul_n: int | None = None, repeats: int = 5) -> dict:
+            matmul_n: int | None = None, repeats: int = 5, fma_rounds: int = FMA_ROUNDS) -> dict:
     """Every yardstick on ``device`` at torch's current thread count (GB/s, GFLOP/s)."""
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -104,6 +120,8 @@ def measure(device="cpu", dtype: torch.dtype = torch.float32, nbytes: int | None
     out["copy_gb_per_s"] = copy_bandwidth(device, nbytes, repeats) / 1e9
     out["matmul_gflop_per_s"] = matmul_flops(device, dtype, matmul_n, repeats) / 1e9
     out.update(matmul_n=matmul_n, matmul_dtype=str(dtype).replace("torch.", ""))
+    if not cuda:
+        out["fma_peak_gflop_per_s"] = fma_peak(fma_rounds, repeats) / 1e9
     return out
 
 
@@ -111,10 +129,11 @@ def describe(y: dict) -> str:
     """One line: read (torch / native), copy, matmul."""
     native = f", native loop {y['read_native_gb_per_s']:.1f}" if "read_native_gb_per_s" in y else ""
     numpy = f", numpy {y['read_numpy_gb_per_s']:.1f}" if "read_numpy_gb_per_s" in y else ""
+    peak = f", FMA peak {y['fma_peak_gflop_per_s']:.1f}" if "fma_peak_gflop_per_s" in y else ""
     return (f"# yardsticks ({y['threads']} threads): read {y['read_gb_per_s']:.1f} GB/s (torch sum "
             f"{y['read_torch_gb_per_s']:.1f}{native}{numpy}), copy {y['copy_gb_per_s']:.1f} GB/s "
             f"(read + write), matmul {y['matmul_gflop_per_s']:.1f} GFLOP/s "
-            f"({y['matmul_dtype']}, n={y['matmul_n']})")
+            f"({y['matmul_dtype']}, n={y['matmul_n']}){peak}")
 
 
 def main(argv=None) -> int:

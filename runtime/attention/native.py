@@ -6,7 +6,7 @@ seconds, no torch headers. ``-march=native`` is safe because the CPU's model and
 of the key. ``kernel()`` returns the loaded attention function, or raises
 :class:`KernelBuildError` saying why (no compiler, a failed build); ``why_unavailable()`` gives
 that reason without raising. ``library(source)`` builds and loads any other source the same way
-(the read-bandwidth yardstick's loop, ``benchmarks/read_loop.c``).
+(the yardsticks' native loops, ``benchmarks/yardstick.c``).
 """
 from __future__ import annotations
 

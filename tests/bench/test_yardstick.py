@@ -25,6 +25,20 @@ def test_the_native_read_loop_reads_every_float_whatever_the_threads():
         assert read(one.data_ptr(), one.numel(), 2) == 1.0
 
 
+def test_the_fma_loop_runs_every_round_it_is_asked_for():
+    """Each accumulator a (1 + t at first) becomes a * 0.999999 + 1e-7 each round: the sum it
+    returns after R rounds matches that recurrence's closed form, so the rounds really ran."""
+    fn = yardstick._native("vk_fma_peak", [yardstick.ctypes.c_int64, yardstick.ctypes.c_int])
+    lanes = yardstick._native("vk_vector_lanes", [])
+    lanes.restype = yardstick.ctypes.c_int
+    m, c = (float(torch.tensor(x, dtype=torch.float32)) for x in (0.999999, 1e-7))   # as in C
+    for rounds in (1_000, 300_000):
+        want = sum((1.0 + t) * m ** rounds + c * (1 - m ** rounds) / (1 - m) for t in range(12))
+        assert fn(rounds, 1) == pytest.approx(want * lanes(), rel=1e-3)
+        assert fn(rounds, 2) == pytest.approx(2 * want * lanes(), rel=1e-3)   # every thread ran
+    assert math.isfinite(yardstick.fma_peak(10_000, repeats=1))
+
+
 def test_a_reader_that_skips_data_is_refused(monkeypatch):
     honest = yardstick.native_read_sum()
     monkeypatch.setattr(yardstick, "native_read_sum",
@@ -34,9 +48,10 @@ def test_a_reader_that_skips_data_is_refused(monkeypatch):
 
 
 def test_measure_reports_every_limit_and_reads_at_the_best_of_torch_and_native():
-    y = yardstick.measure("cpu", nbytes=2 << 20, matmul_n=64, repeats=1)
+    y = yardstick.measure("cpu", nbytes=2 << 20, matmul_n=64, repeats=1, fma_rounds=10_000)
     for key in ("read_gb_per_s", "read_torch_gb_per_s", "read_native_gb_per_s",
-                "read_numpy_gb_per_s", "copy_gb_per_s", "matmul_gflop_per_s"):
+                "read_numpy_gb_per_s", "copy_gb_per_s", "matmul_gflop_per_s",
+                "fma_peak_gflop_per_s"):
         assert math.isfinite(y[key]) and y[key] > 0, key
     assert y["read_gb_per_s"] == max(y["read_torch_gb_per_s"], y["read_native_gb_per_s"])
     assert y["threads"] == torch.get_num_threads() and y["matmul_dtype"] == "float32"
@@ -64,7 +79,9 @@ def test_attention_rows_report_their_share_of_read_or_matmul_and_time_both_vmem_
     assert goals["decode_read"]["rows"] == 12 and goals["prefill_vs_sdpa"]["rows"] == 12
     assert goals["interleaved"]["rows"] == 0       # b8 ctx2k and b32 ctx4k were not run
     summary = [r["what"] for r in suite.summary_rows({"attention": payload}, ["attention"])]
-    assert summary[:3] == ["read bandwidth", "copy bandwidth", "float32 matmul"]
+    assert summary[:4] == ["read bandwidth", "copy bandwidth", "float32 matmul", "fp32 FMA peak"]
+    for r in rows:
+        assert r["pct_fma_peak"] == pytest.approx(100 * r["gflop_per_s"] / y["fma_peak_gflop_per_s"])
     assert "decode b2 ctx64 interleaved" in summary
 
 

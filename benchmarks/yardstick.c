@@ -1,6 +1,6 @@
-/* read_loop.c: the read-bandwidth yardstick's native loop (benchmarks/yardstick.py).
+/* yardstick.c: the native loops of benchmarks/yardstick.py.
  *
- * STREAM's read kernel: every float of p[0:n] is loaded once and added into one of four
+ * vk_read_sum, STREAM's read kernel: every float of p[0:n] is loaded once and added into one of four
  * vector accumulators per thread (OpenMP, a static share of the array each), nothing is
  * written. The sum is returned, so no compiler may drop a load: the yardstick checks it
  * against the exact count of ones it put in the array. Built by runtime/attention/native.py
@@ -29,3 +29,27 @@ double vk_read_sum(const float *p, int64_t n, int nthreads) {
     for (int64_t i = blocks * 4 * VW; i < n; i++) total += p[i];
     return total;
 }
+
+/* The arithmetic roof: each thread runs `iters` rounds of 12 independent vector FMAs (no
+ * loads, no dependency shorter than 12 FMAs), so it runs at the core's FMA throughput. Returns
+ * a sum of the accumulators so none can be dropped; the flops are threads x iters x 12 x VW x 2. */
+double vk_fma_peak(int64_t iters, int nthreads) {
+    double total = 0.0;
+    #pragma omp parallel num_threads(nthreads) reduction(+ : total)
+    {
+        vf acc[12];
+        const vf mul = splat(0.999999f), add = splat(1e-7f);
+        for (int t = 0; t < 12; t++) acc[t] = splat(1.0f + t);
+        for (int64_t i = 0; i < iters; i++) {
+            #pragma GCC unroll 12
+            for (int t = 0; t < 12; t++) acc[t] = acc[t] * mul + add;
+        }
+        vf s = acc[0];
+        for (int t = 1; t < 12; t++) s += acc[t];
+        for (int t = 0; t < VW; t++) total += s[t];
+    }
+    return total;
+}
+
+/* VW, the fp32 lanes of the vector type this build uses (for counting vk_fma_peak's flops). */
+int vk_vector_lanes(void) { return VW; }
