@@ -4,8 +4,8 @@
     python benchmarks/attention.py --quick         # smoke run, seconds
     python benchmarks/attention.py --device cuda   # fp16, full prefill, Llama-3-8B heads
     python benchmarks/attention.py --out results/attention.json
-    python benchmarks/attention.py --configs 8x2048 32x4096 --phases decode --flush-mib 64 \
-        --vmem-layout per-layer interleaved --dtype bfloat16
+    python benchmarks/attention.py --configs 8x2048 32x4096 --flush-mib 64 \
+        --vmem-layout per-layer interleaved --dtype float32 bfloat16
 
 One line per configuration: cache | phase | backend | batch | ctx | q | ms | GB/s | GFLOP/s |
 % limit | % copy | % FMA peak. Each row reports its share of the machine's limit for its phase, measured
@@ -133,7 +133,8 @@ def run_configs(caches, names, phase, batch, ctx, qlen, q, args, device, limits)
         t = statistics.median(times)
         share = kv_bytes / t / 1e9 / limits["read_gb_per_s"] if limit == "read" else \
             flops / t / 1e9 / limits["matmul_gflop_per_s"]
-        rows.append({"cache": label, "phase": phase, "backend": name, "batch": batch,
+        rows.append({"cache": label, "dtype": str(q.dtype).replace("torch.", ""),
+                     "phase": phase, "backend": name, "batch": batch,
                      "ctx": ctx, "query_len": qlen, "ms": t * 1e3, "ms_min": min(times) * 1e3,
                      "ms_max": max(times) * 1e3, "kv_gb_per_s": kv_bytes / t / 1e9,
                      "gflop_per_s": flops / t / 1e9, "limit": limit, "pct_limit": 100 * share,
@@ -156,11 +157,13 @@ def backend_of(spec: str):
 
 def baseline_ratios(rows: list[dict], baselines: list[dict]) -> list[dict]:
     """Baseline ms / fastest ms per (cache, phase, batch, ctx, baseline): > 1, the fastest wins."""
-    fastest = {(r["cache"], r["phase"], r["batch"], r["ctx"]): r for r in rows}
+    key = lambda r: (r["cache"], r["phase"], r["batch"], r["ctx"], r["dtype"])  # noqa: E731
+    fastest = {key(r): r for r in rows}
     out = []
     for b in baselines:
-        r = fastest[(b["cache"], b["phase"], b["batch"], b["ctx"])]
+        r = fastest[key(b)]
         out.append({"cache": b["cache"], "phase": b["phase"], "batch": b["batch"], "ctx": b["ctx"],
+                    "dtype": b["dtype"],
                     "baseline": b["backend"], "backend": r["backend"],
                     "baseline_over_backend": b["ms"] / r["ms"]})
     return out
@@ -211,8 +214,9 @@ def parse_args(argv=None):
                    help="vmem layouts to time, each beside paged (default: per-layer)")
     p.add_argument("--layers", type=int, default=2,
                    help="layers of the interleaved cache (its row stride; layer 0 is timed)")
-    p.add_argument("--dtype", choices=list(DTYPES),
-                   help="q and K/V dtype (default: float32 on the CPU, float16 on CUDA)")
+    p.add_argument("--dtype", nargs="+", choices=list(DTYPES),
+                   help="q and K/V dtypes, each a pass over the grid (default: float32 on the "
+                        "CPU, float16 on CUDA)")
     p.add_argument("--baselines", nargs="*", help="more backends to time on the same views "
                    "(default on the CPU: sdpa, except with --quick; none on CUDA)")
     p.add_argument("--repeats", type=int)
@@ -227,7 +231,7 @@ def parse_args(argv=None):
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.dtype = args.dtype or ("float16" if args.device.startswith("cuda") else "float32")
+    args.dtype = args.dtype or ["float16" if args.device.startswith("cuda") else "float32"]
     return args
 
 
@@ -246,23 +250,23 @@ def grid(args) -> list[tuple[int, int]]:
 
 def num_configs(args) -> int:
     """Progress units of a run: one per (batch, ctx, phase)."""
-    return len(grid(args)) * len(args.phases)
+    return len(grid(args)) * len(args.phases) * len(args.dtype)
 
 
 def measure(args, progress=None) -> dict:
     """The yardsticks, then every configuration of ``args``; print the header and one line per
     cache and backend; return JSON."""
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    device, dtypes = torch.device(args.device), [DTYPES[d] for d in args.dtype]
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     limits = yardstick.measure(device, torch.float16 if device.type == "cuda" else torch.float32,
                                **(QUICK_YARDSTICK if args.quick and device.type == "cpu" else {}))
-    backends = {kind: fastest_backend(kind, device.type, block_size=args.block_size, dtype=dtype)
+    backends = {kind: fastest_backend(kind, device.type, block_size=args.block_size, dtype=dtypes[0])
                 for kind in ("vmem", "paged")}
     from vmemkv.benchmarks.suite import versions
     env = environment(args.seed, args.warmup, args.repeats, device=str(device), **versions(device.type),
-                      dtype=str(dtype),
+                      dtype=",".join(args.dtype),
                       threads=torch.get_num_threads(), heads=f"{args.heads}/{args.kv_heads}x{args.head_dim}",
                       block_size=args.block_size, vmem_layout=",".join(args.vmem_layout),
                       layers=args.layers, flush_mib=args.flush_mib,
@@ -275,7 +279,7 @@ def measure(args, progress=None) -> dict:
     print(yardstick.describe(limits))
     print(HEADER)
     rows, baselines = [], []
-    for batch, ctx in grid(args):
+    for dtype, (batch, ctx) in ((d, bc) for d in dtypes for bc in grid(args)):
         caches = build_caches(batch, ctx, args, device, dtype, gen)
         for phase in args.phases:
             qlen = 1 if phase == "decode" else min(ctx, args.prefill_len or ctx)
@@ -291,7 +295,7 @@ def measure(args, progress=None) -> dict:
         for cache in caches:
             cache.close()
     ratios, vs_baselines = speedups(rows), baseline_ratios(rows, baselines)
-    target, met = target_check(ratios, device, dtype), goals(rows, vs_baselines)
+    target, met = target_check(ratios, device), goals(rows, vs_baselines)
     print_goals(target, met)
     return {"benchmark": "attention", "environment": env, "yardsticks": limits,
             "copy_gb_per_s": limits["copy_gb_per_s"], "results": rows, "speedups": ratios,

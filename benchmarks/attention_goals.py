@@ -11,8 +11,6 @@ A goal whose rows the run did not measure is reported with ``rows: 0`` and ``met
 """
 from __future__ import annotations
 
-import torch
-
 TARGET = dict(phase="decode", batch=8, ctx=2048, speedup=1.5)  # issue 4, CPU fp32
 DECODE_READ_PCT = 80.0
 PREFILL_VS_SDPA = 1.0
@@ -21,19 +19,25 @@ INTERLEAVED_CONFIGS = ((8, 2048), (32, 4096))
 
 
 def speedups(rows: list[dict]) -> list[dict]:
-    """paged ms / vmem ms per (phase, batch, ctx): > 1 means vmem is faster."""
-    by_key = {(r["phase"], r["batch"], r["ctx"], r["cache"]): r["ms"] for r in rows}
-    return [{"phase": p, "batch": b, "ctx": c, "paged_over_vmem": by_key[(p, b, c, "paged")] / ms}
-            for (p, b, c, kind), ms in by_key.items()
-            if kind == "vmem" and (p, b, c, "paged") in by_key]
+    """paged ms / vmem ms per (phase, batch, ctx, dtype): > 1 means vmem is faster."""
+    by_key = {(r["phase"], r["batch"], r["ctx"], _dtype(r), r["cache"]): r["ms"] for r in rows}
+    return [{"phase": p, "batch": b, "ctx": c, "dtype": d,
+             "paged_over_vmem": by_key[(p, b, c, d, "paged")] / ms}
+            for (p, b, c, d, kind), ms in by_key.items()
+            if kind == "vmem" and (p, b, c, d, "paged") in by_key]
 
 
-def target_check(ratios: list[dict], device, dtype) -> dict:
+def _dtype(row: dict) -> str:
+    return row.get("dtype", "float32")
+
+
+def target_check(ratios: list[dict], device) -> dict:
     """Issue 4's CPU target: decode, batch 8, ctx 2k, fp32 -- vmem >= 1.5x paged, never slower."""
+    ratios = [r for r in ratios if _dtype(r) == "float32"]
     hit = [r for r in ratios if (r["phase"], r["batch"], r["ctx"]) ==
            (TARGET["phase"], TARGET["batch"], TARGET["ctx"])]
     worst = min((r["paged_over_vmem"] for r in ratios), default=None)
-    out = {"applies": device.type == "cpu" and dtype == torch.float32,
+    out = {"applies": device.type == "cpu" and bool(ratios),
            "decode_b8_ctx2048_speedup": hit[0]["paged_over_vmem"] if hit else None,
            "required_speedup": TARGET["speedup"], "min_speedup_anywhere": worst}
     out["met"] = bool(hit) and hit[0]["paged_over_vmem"] >= TARGET["speedup"]
@@ -50,14 +54,15 @@ def _goal(values: list[tuple[str, float]], ok, worst=min) -> dict:
 
 def goals(rows: list[dict], baseline_ratios: list[dict]) -> dict:
     """Issue 33's and issue 28's goals over one run's rows (see the module docstring)."""
-    what = lambda r: f"{r['cache']} b{r['batch']} ctx{r['ctx']}"  # noqa: E731
+    what = lambda r: f"{r['cache']} {_dtype(r)} b{r['batch']} ctx{r['ctx']}"  # noqa: E731
     decode = [(what(r), r["pct_limit"]) for r in rows if r["phase"] == "decode"]
     prefill = [(what(r), r["baseline_over_backend"]) for r in baseline_ratios
                if r["phase"] == "prefill" and r["baseline"] == "sdpa"]
-    ms = {(r["cache"], r["batch"], r["ctx"]): r["ms"] for r in rows if r["phase"] == "decode"}
-    inter = [(f"b{b} ctx{c}", ms[("vmem interleaved", b, c)] / ms[("vmem", b, c)])
-             for b, c in INTERLEAVED_CONFIGS
-             if ("vmem interleaved", b, c) in ms and ("vmem", b, c) in ms]
+    ms = {(r["cache"], r["batch"], r["ctx"], _dtype(r)): r["ms"] for r in rows
+          if r["phase"] == "decode"}
+    inter = [(f"{d} b{b} ctx{c}", ms[("vmem interleaved", b, c, d)] / ms[("vmem", b, c, d)])
+             for d in sorted({_dtype(r) for r in rows}) for b, c in INTERLEAVED_CONFIGS
+             if ("vmem interleaved", b, c, d) in ms and ("vmem", b, c, d) in ms]
     return {"decode_read": _goal(decode, lambda x: x >= DECODE_READ_PCT),
             "prefill_vs_sdpa": _goal(prefill, lambda x: x >= PREFILL_VS_SDPA),
             "interleaved": _goal(inter, lambda x: x <= INTERLEAVED_WITHIN, worst=max)}

@@ -53,19 +53,21 @@ def _attention_summary(data: dict) -> list[dict]:
     share of its limit (decode: read bandwidth; prefill: matmul FLOP/s), and vmem interleaved
     where the run timed it."""
     rows = _yardstick_summary(data.get("yardsticks") or {})
-    by_key = {(r["phase"], r["batch"], r["ctx"], r["cache"]): r for r in data["results"]}
-    for (phase, batch, ctx, layout), r in by_key.items():
-        paged = by_key.get((phase, batch, ctx, "paged"))
+    by_key = {(r["phase"], r["batch"], r["ctx"], r.get("dtype", "float32"), r["cache"]): r
+              for r in data["results"]}
+    for (phase, batch, ctx, dtype, layout), r in by_key.items():
+        paged = by_key.get((phase, batch, ctx, dtype, "paged"))
         if layout != "vmem" or paged is None:
             continue
-        rows.append({"what": f"{phase} b{batch} ctx{ctx}", "vmem": r["ms"], "paged": paged["ms"],
+        what = f"{phase} b{batch} ctx{ctx}" + ("" if dtype == "float32" else f" {dtype}")
+        rows.append({"what": what, "vmem": r["ms"], "paged": paged["ms"],
                      "unit": "ms", "min-max": _spread((r.get("ms_min"), r.get("ms_max")),
                                                       (paged.get("ms_min"), paged.get("ms_max"))),
                      "note": f"paged/vmem {paged['ms'] / r['ms']:.2f}x; {_share(r)} vs "
                      f"{_share(paged)}"})
-        inter = by_key.get((phase, batch, ctx, "vmem interleaved"))
+        inter = by_key.get((phase, batch, ctx, dtype, "vmem interleaved"))
         if inter is not None:
-            rows.append({"what": f"{phase} b{batch} ctx{ctx} interleaved", "vmem": inter["ms"],
+            rows.append({"what": f"{what} interleaved", "vmem": inter["ms"],
                          "unit": "ms", "min-max": _spread((inter.get("ms_min"), inter.get("ms_max"))),
                          "note": f"interleaved/per-layer {inter['ms'] / r['ms']:.2f}x; {_share(inter)}"})
     return rows

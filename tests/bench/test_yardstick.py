@@ -65,24 +65,26 @@ def tiny(monkeypatch):
 
 def test_attention_rows_report_their_share_of_read_or_matmul_and_time_both_vmem_layouts(tiny):
     payload = attention.run(quick=True, device="cpu", argv=[
-        "--vmem-layout", "per-layer", "interleaved", "--layers", "3", "--baselines", "sdpa"])
+        "--vmem-layout", "per-layer", "interleaved", "--layers", "3", "--baselines", "sdpa",
+        "--dtype", "float32", "bfloat16"])
     y, rows = payload["yardsticks"], payload["results"]
-    assert {r["cache"] for r in rows} == {"vmem", "vmem interleaved", "paged"}
+    assert {(r["cache"], r["dtype"]) for r in rows} == {
+        (c, d) for c in ("vmem", "vmem interleaved", "paged") for d in ("float32", "bfloat16")}
     for r in rows:
         limit = ("read", r["kv_gb_per_s"] / y["read_gb_per_s"]) if r["phase"] == "decode" else \
             ("matmul", r["gflop_per_s"] / y["matmul_gflop_per_s"])
         assert r["limit"] == limit[0] and r["pct_limit"] == pytest.approx(100 * limit[1])
-    prefill = next(r for r in rows if r["phase"] == "prefill" and r["batch"] == 2 and r["ctx"] == 64)
+    prefill = next(r for r in rows if (r["phase"], r["batch"], r["ctx"]) == ("prefill", 2, 64))
     visible = sum(64 - 8 + p + 1 for p in range(8))   # 8 new tokens after 56 cached, causal
     assert prefill["gflop_per_s"] * prefill["ms"] * 1e6 == pytest.approx(4 * 2 * 4 * 16 * visible)
     goals = payload["goals"]
-    assert goals["decode_read"]["rows"] == 12 and goals["prefill_vs_sdpa"]["rows"] == 12
+    assert goals["decode_read"]["rows"] == 24 and goals["prefill_vs_sdpa"]["rows"] == 24
     assert goals["interleaved"]["rows"] == 0       # b8 ctx2k and b32 ctx4k were not run
     summary = [r["what"] for r in suite.summary_rows({"attention": payload}, ["attention"])]
     assert summary[:4] == ["read bandwidth", "copy bandwidth", "float32 matmul", "fp32 FMA peak"]
     for r in rows:
         assert r["pct_fma_peak"] == pytest.approx(100 * r["gflop_per_s"] / y["fma_peak_gflop_per_s"])
-    assert "decode b2 ctx64 interleaved" in summary
+    assert {"decode b2 ctx64 interleaved", "decode b2 ctx64 bfloat16 interleaved"} <= set(summary)
 
 
 def _row(cache, phase, batch, ctx, ms, pct):
@@ -99,10 +101,10 @@ def test_goals_judge_decode_share_prefill_against_sdpa_and_interleaved_against_p
                {"cache": "paged", "phase": "prefill", "batch": 8, "ctx": 2048, "baseline": "sdpa",
                 "baseline_over_backend": 0.97}]
     g = attention_goals.goals(rows, vs_sdpa)
-    assert (g["decode_read"]["met"], g["decode_read"]["worst"]) == (False, ("paged b8 ctx2048", 79.0))
-    assert (g["prefill_vs_sdpa"]["met"], g["prefill_vs_sdpa"]["worst"][0]) == (False, "paged b8 ctx2048")
-    assert g["interleaved"]["values"] == {"b8 ctx2048": 1.125, "b32 ctx4096": 1.2}
-    assert (g["interleaved"]["met"], g["interleaved"]["worst"]) == (False, ("b32 ctx4096", 1.2))
+    assert (g["decode_read"]["met"], g["decode_read"]["worst"]) == (False, ("paged float32 b8 ctx2048", 79.0))
+    assert (g["prefill_vs_sdpa"]["met"], g["prefill_vs_sdpa"]["worst"][0]) == (False, "paged float32 b8 ctx2048")
+    assert g["interleaved"]["values"] == {"float32 b8 ctx2048": 1.125, "float32 b32 ctx4096": 1.2}
+    assert (g["interleaved"]["met"], g["interleaved"]["worst"]) == (False, ("float32 b32 ctx4096", 1.2))
     rows[-1]["ms"], rows[1]["pct_limit"], vs_sdpa[1]["baseline_over_backend"] = 34.0, 80.0, 1.0
     g = attention_goals.goals(rows, vs_sdpa)
     assert g["decode_read"]["met"] and g["prefill_vs_sdpa"]["met"] and g["interleaved"]["met"]
