@@ -51,6 +51,7 @@ typedef struct {
  * the partial dot products of one key, per-row softmax state and visible key range. */
 typedef struct {
     float *qb, *acc;          /* [MAX_ROWS][D] */
+    uint16_t *qh;             /* [MAX_ROWS][D]: bf16 K/V only, the queries as bf16, unscaled */
     float *s;                 /* [CHUNK][MAX_ROWS]: scores, then probabilities */
     float *part;              /* [2][MAX_ROWS][VW]: two keys' partial dot products per row */
     float *tails;             /* [2][MAX_ROWS]: the dot products' scalar tails (D % VW) */
@@ -98,6 +99,8 @@ static void unit_start(const args_t *a, const int64_t *item, unit_t *u, ws_t *w)
         if (r >= u->rows) continue;
         const float *src = a->q + row_offset(a, item, r);
         for (int64_t x = 0; x < D; x++) w->qb[r * D + x] = src[x] * a->scale;
+        if (a->dtype == DT_BF16)   /* q came from bf16 (it shares the cache's dtype): exact */
+            for (int64_t x = 0; x < D; x++) { uint32_t b; memcpy(&b, src + x, 4); w->qh[r * D + x] = (uint16_t)(b >> 16); }
         memset(w->acc + r * D, 0, (size_t)D * sizeof(float));
         const int64_t pos = first + r / (u->nh * u->G), lo = a->window ? pos - a->window + 1 : 0;
         w->lo[r] = (int32_t)(lo > a->kvstart[i] ? lo : a->kvstart[i]);
@@ -169,7 +172,7 @@ static int64_t plan_units(const int64_t *items, int64_t n_items, int64_t G, int6
 /* One thread's scratch in one 64-byte aligned block, or NULL. */
 static float *scratch_alloc(int64_t D, ws_t *w) {
     const size_t rows_d = (size_t)MAX_ROWS * (size_t)D;
-    const size_t floats = 2 * rows_d + CHUNK * MAX_ROWS + 2 * MAX_ROWS * VW + 7 * MAX_ROWS;
+    const size_t floats = 2 * rows_d + rows_d / 2 + 32 + CHUNK * MAX_ROWS + 2 * MAX_ROWS * VW + 7 * MAX_ROWS;
     if (rows_d / MAX_ROWS != (size_t)D || floats > SIZE_MAX / sizeof(float) / 2) return NULL;
     float *buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     if (!buf) return NULL;
@@ -180,6 +183,7 @@ static float *scratch_alloc(int64_t D, ws_t *w) {
     w->lo = (int32_t *)(w->tails + 2 * MAX_ROWS); w->hi = w->lo + MAX_ROWS;
     w->qb = (float *)(w->hi + MAX_ROWS);
     w->acc = w->qb + rows_d;
+    w->qh = (uint16_t *)(w->acc + rows_d);
     return buf;
 }
 

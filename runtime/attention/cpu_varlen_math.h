@@ -13,6 +13,9 @@
 #if defined(__x86_64__) && (defined(__F16C__) || defined(__AVX512F__))
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_DPBF16 1     /* vdpbf16ps: 32 bf16 products, exact in fp32, summed into 16 lanes */
+#endif
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
@@ -71,6 +74,13 @@ static ALWAYS float ld_one(const void *base, int64_t off, int dt) {
     if (dt == DT_BF16) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
     return half_to_float(h);
 }
+
+#ifdef HAVE_DPBF16
+/* acc + pairwise products of 32 bf16 of q and of k (lane t: q[2t] k[2t] + q[2t+1] k[2t+1]) */
+static ALWAYS vf dot_bf16(vf acc, const uint16_t *q, __m512i k) {
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_loadu_si512(q), (__m512bh)k);
+}
+#endif
 
 #if defined(__clang__)
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
