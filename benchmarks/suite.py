@@ -7,7 +7,7 @@ Sections, in order, each a module with ``run(quick, out=None, ...) -> dict``:
 | section   | module                 | answers                                                   |
 |-----------|------------------------|-----------------------------------------------------------|
 | alloc     | benchmarks/alloc.py    | map/unmap µs per page size; mapper wait with/without overlap |
-| attention | benchmarks/attention.py| decode/prefill ms, GB/s, % of copy bandwidth, vmem vs paged |
+| attention | benchmarks/attention.py| the yardsticks (read, copy bandwidth; matmul FLOP/s), then decode/prefill ms, GB/s, % of read bandwidth (decode) or matmul (prefill), vmem vs paged |
 | memory    | benchmarks/memory.py   | utilisation and end waste vs block/page size and layout    |
 | engine    | benchmarks/engine.py   | tokens/s of both layouts (and transformers' CB if present) |
 | tp        | benchmarks/tp.py       | TP=1 vs TP=N tokens/s, communication share (only with ``--tp N``) |
