@@ -9,6 +9,10 @@ pool created up front, so the timing never includes page creation -- exactly the
 pays when a request grows. The host pool is fallocated up front, so first-touch cost is not
 included either (the page cache already holds the pages).
 
+Lock cost (``lock_cost``): the same map + unmap cycles on one host pool with its lock (every
+pool and range call holds it, vmem/pool.py) and with a no-op lock in its place, the two
+interleaved repeat by repeat; ``locked_over_bare`` is the price of thread safety as a ratio.
+
 Mapper overlap (``mapper_loop``): a real ``VMemKVCache`` (per-layer layout) runs a synthetic
 decode loop. Requests start at staggered lengths, so every step one of them crosses a page
 boundary and the manager plans a MapGroup (2 x layers pages); each step then writes every
@@ -61,6 +65,43 @@ def measure(driver, page_bytes: int, num_pages: int, warmup: int, repeats: int) 
             "pages": num_pages, "map_us": map_us, "unmap_us": unmap_us,
             "map_unmap_us": map_us + unmap_us, "map_unmap_us_min": min(cycles_us),
             "map_unmap_us_max": max(cycles_us)}
+
+
+class _NoLock:
+    """What the pool's lock is replaced by for the bare half of ``lock_cost`` (never elsewhere)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+def lock_cost(driver, page_bytes: int, num_pages: int, repeats: int) -> dict:
+    """µs per page of a map + unmap with the pool's lock and without, interleaved."""
+    import statistics
+
+    from vmemkv import vmem
+    with vmem.PagePool(driver, num_pages, page_bytes) as pool, \
+            vmem.VirtualRange(pool, num_pages * page_bytes) as rng:
+        pages, real = pool.allocate(num_pages), pool._lock
+        samples = {"locked": [], "bare": []}
+        try:
+            for _ in range(repeats + 1):          # the first round is the warm-up
+                for name, lock in (("locked", real), ("bare", _NoLock())):
+                    pool._lock = rng._lock = lock
+                    start = time.perf_counter()
+                    for index, page in enumerate(pages):
+                        rng.map(index, page)
+                    for index in range(num_pages):
+                        rng.unmap(index)
+                    samples[name].append((time.perf_counter() - start) / num_pages * 1e6)
+        finally:
+            pool._lock = rng._lock = real
+        pool.release(pages)
+    locked, bare = (statistics.median(samples[k][1:]) for k in ("locked", "bare"))
+    return {"driver": driver.name, "page_size": human_bytes(page_bytes), "pages": num_pages,
+            "locked_us": locked, "bare_us": bare, "locked_over_bare": locked / bare}
 
 
 def human_bytes(num_bytes: int) -> str:
@@ -200,6 +241,13 @@ def run(quick: bool = False, out: str | None = None, pages: int | None = None,
         for page_bytes in sizes:
             rows.append(measure(driver, page_bytes, num_pages, warmup, repeats))
     print(format_table(rows, ["driver", "page_size", "pages", "map_us", "unmap_us", "map_unmap_us"]))
+    lock = []
+    if not drivers["host"]:
+        lock.append(lock_cost(vmem.open_driver("host"), 4 * KiB, num_pages, repeats))
+        print("# the pool lock's cost: map + unmap µs per page with it and with a no-op lock, "
+              "interleaved")
+        print(format_table(lock, ["driver", "page_size", "pages", "locked_us", "bare_us",
+                                  "locked_over_bare"]))
     if progress:
         progress("alloc map/unmap")
     mapper = mapper_overlap(quick, device, mapper_repeats, progress)
@@ -207,7 +255,8 @@ def run(quick: bool = False, out: str | None = None, pages: int | None = None,
           f"{mapper[0]['batch']}, {mapper[0]['page_size']} pages, attention {mapper[0]['attention']}, "
           f"1 torch thread; median of {mapper_repeats}")
     print(format_table(mapper, ["mode", "steps", "pages_mapped", "mapping_ms", "wait_ms", "hidden_pct", "loop_ms"]))
-    payload = {"benchmark": "alloc", "environment": env, "results": rows, "mapper": mapper}
+    payload = {"benchmark": "alloc", "environment": env, "results": rows, "lock": lock,
+               "mapper": mapper}
     write_json(out, payload)
     return payload
 

@@ -1,12 +1,13 @@
 """Shared benchmark plumbing: the environment header, median timing, aligned tables, JSON."""
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
 import time
 from typing import Callable, Sequence
+
+from vmemkv.scheduler import result_files
 
 
 def environment(seed: int, warmup: int, repeats: int, device: str = "cpu", **extra) -> dict:
@@ -57,9 +58,8 @@ def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
 
 
 def write_json(path: str | None, payload: dict) -> None:
+    """``payload`` at ``path`` (none when ``path`` is empty), whole or not at all."""
     if not path:
         return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as out:
-        json.dump(payload, out, indent=2)
+    result_files.write_json(path, payload, indent=2)
     print(f"# wrote {path}")

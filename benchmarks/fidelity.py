@@ -1,8 +1,9 @@
 """Simulator fidelity: one trace through the real engine and through the simulator with a
-device profile calibrated on this machine; the simulator's prediction error.
+device profile calibrated on this machine; the simulator's prediction error, over repeated
+rounds beside the engine's own run-to-run spread.
 
-    .venv/bin/python benchmarks/fidelity.py [--trace azure-conv] [--requests 64]
-        [--rate-scale 1 4 8] [--length-scale 0.25] [--profile profile.json] [--json out.json]
+    .venv/bin/python benchmarks/fidelity.py [--repeats 5] [--rate-scales 1 4 8] [--trace azure-conv]
+        [--requests 64] [--length-scale 0.25] [--profile profile.json] [--json out.json]
 
 The trace's first ``--requests`` requests, lengths times ``--length-scale`` and fitted to the
 engine's ``--max-context`` (the small model's scale), are replayed with their arrival times
@@ -12,6 +13,12 @@ unfinished, and latencies count from the arrival, as the simulator's do. The
 simulator runs the same entries with the profile (``vmemkv calibrate``; made first when no
 ``--profile`` is given), the engine's cache size, page size, batch and token limits. Both
 reports come from ``scheduler/report.py``; the error is (simulated - measured) / measured.
+
+``--repeats N``: N independent rounds, each a fresh calibration (unless ``--profile``) and one
+comparison per rate scale; every figure's error is then reported as its median, min-max and
+p90 of |error| over the rounds, beside the engine floor (the N engine replays of each rate
+predicting each other, ``fidelity_stats``). Progress goes to stderr; ``--json`` is rewritten
+whole after every round (a temporary file, then ``os.replace``).
 """
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ import time
 from dataclasses import replace
 from typing import Dict, List, Optional
 
+from vmemkv.benchmarks.fidelity_stats import fit_lines, summarize, table_lines
+from vmemkv.runtime.calibrate import write_json_whole
 from vmemkv.scheduler.report import serving_report
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
@@ -140,13 +149,32 @@ def measure(args, profile_path: str) -> dict:
         config = sim_config(engine, profile_path)
     simulated = simulate(entries, config).report()
     errors = {k: (simulated[k] - measured[k]) / measured[k] for k in FIGURES}
+    fits = other_fits(entries, config, measured) if getattr(args, "compare_fits", False) else {}
     return {"requests": len(entries), "trace": args.trace, "rate_scale": args.rate_scale,
             "length_scale": args.length_scale, "measured": {k: measured[k] for k in FIGURES},
             "simulated": {k: simulated[k] for k in FIGURES}, "rel_error": errors,
             "within_goal": {k: abs(errors[k]) <= GOALS[k] for k in FIGURES},
             "submit_lag_ms": {"median": statistics.median(lags) * 1e3, "max": max(lags) * 1e3},
             "engine_ttft_from_submission_ms": from_submission(timings, lags),
-            "load_1min": (load_before, os.getloadavg()[0])}
+            "load_1min": (load_before, os.getloadavg()[0]), **({"fits": fits} if fits else {})}
+
+
+def other_fits(entries, config: SimConfig, measured: Dict) -> Dict[str, Dict]:
+    """The same replay simulated with each fit of ``calibration_stability.FITS`` made on the
+    same calibration's steps (``--compare-fits``): which fit predicts the engine best, on
+    identical data. Each variant profile is written beside the calibration's."""
+    from vmemkv.benchmarks.calibration_stability import FITS
+    with open(config.profile, encoding="utf-8") as f:
+        profile = json.load(f)
+    out = {}
+    for i, (name, fit) in enumerate(FITS.items()):
+        path = f"{config.profile[:-len('.json')]}.fit{i}.json"
+        write_json_whole(path, {**profile, "coefficients": fit(profile["points"])})
+        simulated = simulate(entries, replace(config, profile=path)).report()
+        out[name] = {"simulated": {k: simulated[k] for k in FIGURES},
+                     "rel_error": {k: (simulated[k] - measured[k]) / measured[k]
+                                   for k in FIGURES}}
+    return out
 
 
 def from_submission(timings, lags) -> dict:
@@ -161,41 +189,118 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default="azure-conv")
     ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--rate-scale", type=float, nargs="+", default=[1.0],
-                    help="one comparison per value, in turn, with the same profile")
+    ap.add_argument("--rate-scales", "--rate-scale", dest="rate_scales", type=float, nargs="+",
+                    default=[1.0], help="one comparison per value, in turn, each round")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="independent calibrate-and-replay rounds")
     ap.add_argument("--length-scale", type=float, default=0.25)
     ap.add_argument("--max-context", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--profile", default=None, help="a device profile (default: calibrate now)")
-    ap.add_argument("--calibrate-args", default="", help="extra calibrate flags, e.g. '--repeats 3'")
-    ap.add_argument("--json", metavar="FILE", help="also write the result here")
-    return ap.parse_args(argv)
+    ap.add_argument("--profile", default=None,
+                    help="one device profile for every round (default: calibrate each round)")
+    ap.add_argument("--calibrate-args", default="",
+                    help="extra calibrate flags, e.g. '--max-repeats 16'")
+    ap.add_argument("--compare-fits", action="store_true",
+                    help="also simulate each replay with the other fits of the same "
+                         "calibration (benchmarks/calibration_stability.py's)")
+    ap.add_argument("--refit", metavar="FILE",
+                    help="no run: --compare-fits again on an earlier --json (its profiles)")
+    ap.add_argument("--json", metavar="FILE", help="also write the result here (whole)")
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    return args
+
+
+def calibrated(args, folder: str, index: int) -> str:
+    """A fresh device profile for round ``index`` (``vmemkv calibrate``), its path."""
+    from vmemkv.cli import main as vmemkv
+    path = os.path.join(folder, f"profile-{index}.json")
+    vmemkv(["calibrate", "--model", MODEL, "--threads", str(args.threads), "--out", path,
+            "--max-batch", str(MAX_BATCH), "--max-context", str(args.max_context),
+            *args.calibrate_args.split()])
+    return path
+
+
+def profile_record(path: str) -> Dict:
+    """What a round's result keeps of its profile: coefficients, intervals, fit, noise."""
+    with open(path, encoding="utf-8") as f:
+        profile = json.load(f)
+    cal = profile.get("calibration", {})
+    return {"path": path, "coefficients": profile["coefficients"],
+            "coefficient_intervals": profile.get("coefficient_intervals"),
+            "fit": profile.get("fit"), "noise": cal.get("noise"), "load_1min": cal.get("load_1min")}
+
+
+def print_comparison(out: Dict) -> None:
+    print(f"--rate-scale {out['rate_scale']:g}: 1-minute load {out['load_1min'][0]:.2f} before, "
+          f"{out['load_1min'][1]:.2f} after; submission lag median "
+          f"{out['submit_lag_ms']['median']:.2f} ms, max {out['submit_lag_ms']['max']:.2f} ms")
+    print(f"{'figure':<20}{'engine':>12}{'simulator':>12}{'error':>9}{'goal':>7}")
+    for k in FIGURES:
+        print(f"{k:<20}{out['measured'][k]:>12.2f}{out['simulated'][k]:>12.2f}"
+              f"{out['rel_error'][k]:>+9.1%}{GOALS[k]:>6.0%}"
+              f"{'' if out['within_goal'][k] else ' !'}")
+    print(json.dumps(out))
+
+
+def progress(line: str) -> None:
+    print(f"fidelity: {line}", file=sys.stderr, flush=True)
+
+
+def refit(path: str) -> int:
+    """``--refit FILE``: the fit comparison of an earlier ``--json`` again with today's fits
+    (``calibration_stability.FITS``), each replay re-simulated against the engine's figures
+    as measured then; the rounds' profiles must still be where that run wrote them."""
+    from vmemkv.runtime.engine import Engine
+    from vmemkv.runtime.models import build_model
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    args = parse_args(saved["argv"])
+    with Engine(build_model(MODEL, seed=SEED), max_batch=MAX_BATCH,
+                max_context=args.max_context) as engine:
+        base = sim_config(engine, saved["rounds"][0]["profile"]["path"])
+    for r in saved["rounds"]:
+        for c in r["comparisons"]:
+            entries = workload(argparse.Namespace(**{**vars(args), "rate_scale": c["rate_scale"]}))
+            c["fits"] = other_fits(entries, replace(base, profile=r["profile"]["path"]),
+                                   c["measured"])
+    print("\n".join(fit_lines(saved["rounds"], FIGURES)))
+    return 0
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    profile = args.profile
-    if profile is None:
-        from vmemkv.cli import main as vmemkv
-        profile = os.path.join(tempfile.mkdtemp(prefix="vmemkv-fidelity-"), "profile.json")
-        vmemkv(["calibrate", "--model", MODEL, "--threads", str(args.threads), "--out", profile,
-                "--max-batch", str(MAX_BATCH), "--max-context", str(args.max_context),
-                *args.calibrate_args.split()])
-    outs = []
-    for rate in args.rate_scale:
-        out = measure(argparse.Namespace(**{**vars(args), "rate_scale": rate}), profile)
-        print(f"--rate-scale {rate:g}: 1-minute load {out['load_1min'][0]:.2f} before, "
-              f"{out['load_1min'][1]:.2f} after")
-        print(f"{'figure':<20}{'engine':>12}{'simulator':>12}{'error':>9}{'goal':>7}")
-        for k in FIGURES:
-            print(f"{k:<20}{out['measured'][k]:>12.2f}{out['simulated'][k]:>12.2f}"
-                  f"{out['rel_error'][k]:>+9.1%}{GOALS[k]:>6.0%}"
-                  f"{'' if out['within_goal'][k] else ' !'}")
-        print(json.dumps(out))
-        outs.append(out)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(outs, f, indent=1)
+    if args.refit:
+        return refit(args.refit)
+    folder = tempfile.mkdtemp(prefix="vmemkv-fidelity-")
+    rounds: List[Dict] = []
+    started = time.perf_counter()
+    for index in range(args.repeats):
+        elapsed = time.perf_counter() - started
+        eta = f", about {elapsed / index * (args.repeats - index):.0f} s left" if index else ""
+        progress(f"round {index + 1}/{args.repeats} ({elapsed:.0f} s so far{eta}): "
+                 + ("calibrating" if args.profile is None else "replaying"))
+        profile = args.profile or calibrated(args, folder, index)
+        comparisons = []
+        for rate in args.rate_scales:
+            progress(f"round {index + 1}/{args.repeats}: rate scale {rate:g}")
+            out = measure(argparse.Namespace(**{**vars(args), "rate_scale": rate}), profile)
+            print_comparison(out)
+            comparisons.append(out)
+        rounds.append({"round": index, "profile": profile_record(profile),
+                       "comparisons": comparisons})
+        summary = summarize(rounds, FIGURES, GOALS)
+        if args.json:
+            write_json_whole(args.json, {"argv": sys.argv[1:] if argv is None else list(argv),
+                                         "repeats": args.repeats, "rounds_done": len(rounds),
+                                         "goals": GOALS, "summary": summary, "rounds": rounds})
+    print(f"\n{args.repeats} round(s), {time.perf_counter() - started:.0f} s; error = (simulated "
+          f"- measured) / measured; floor: the engine's replays predicting each other")
+    print("\n".join(table_lines(summary, FIGURES, GOALS)))
+    if args.compare_fits:
+        print("\nthe same replays simulated with each fit of the same calibrations:")
+        print("\n".join(fit_lines(rounds, FIGURES)))
     return 0
 
 

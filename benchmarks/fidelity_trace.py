@@ -11,7 +11,8 @@ computed its tokens, and its first token (the end of the step that sampled it); 
 step the engine ran, its measured seconds beside what the profile charges for that same step.
 The summary prints medians of: arrival -> first step start (the wait), first step start ->
 first token, TTFT, the engine's submission lag, and the profile's error on the engine's steps
-with prompt tokens, its cold decodes and its warm decodes.
+with prompt tokens only, with prompt tokens beside decodes (mixed), its cold decodes and its
+warm decodes.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Dict, List
 from vmemkv.benchmarks.fidelity import MAX_BATCH, MODEL, SEED, replay_engine, sim_config, workload
 from vmemkv.scheduler.cost import AfterPrefill, prefill_pairs
 from vmemkv.scheduler.profile_cost import load_profile, profile_cost
+from vmemkv.scheduler.result_files import write_json
 from vmemkv.scheduler.simulator import Simulator
 
 
@@ -107,14 +109,24 @@ def summary(name: str, reqs: List[Dict]) -> Dict[str, float]:
     return {**med, "ttft_p90_ms": p90}
 
 
+def step_kind(step: Dict, cold: bool) -> str:
+    """prefill (prompt tokens only), mixed (prompt tokens beside decodes), cold_decode or
+    warm_decode."""
+    if step["prefill_pairs"]:
+        decodes = sum(1 for _, new, _ in step["seqs"] if new == 1)
+        return "mixed" if decodes else "prefill"
+    return "cold_decode" if cold else "warm_decode"
+
+
 def step_errors(steps: List[Dict], cost) -> Dict[str, float]:
-    """The profile's median relative error on the engine's own steps: with prefill, cold
-    decodes (``AfterPrefill``), warm decodes."""
-    after, errs = AfterPrefill(), {"prefill": [], "cold_decode": [], "warm_decode": []}
+    """The profile's median relative error on the engine's own steps: prompt tokens only,
+    prompt tokens beside decodes (mixed), cold decodes (``AfterPrefill``), warm decodes."""
+    after = AfterPrefill()
+    errs = {"prefill": [], "mixed": [], "cold_decode": [], "warm_decode": []}
     for s in steps:
         cold = after.cold(s["prefill_pairs"], s["num_seqs"])
         if s["num_seqs"]:
-            kind = "prefill" if s["prefill_pairs"] else "cold_decode" if cold else "warm_decode"
+            kind = step_kind(s, cold)
             predicted = cost.step_seconds(s["context_tokens"], s["new_tokens"], 0,
                                           s["num_seqs"], s["prefill_pairs"], cold)
             errs[kind].append((predicted - s["seconds"]) / s["seconds"])
@@ -150,9 +162,8 @@ def main(argv=None) -> int:
            **step_errors(eng_steps, profile_cost(load_profile(args.profile)))}
     print(json.dumps(out))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({**out, "engine_requests": eng_reqs, "simulator_requests": sim_reqs,
-                       "engine_steps": eng_steps, "simulator_steps": sim.steps}, f)
+        write_json(args.out, {**out, "engine_requests": eng_reqs, "simulator_requests": sim_reqs,
+                              "engine_steps": eng_steps, "simulator_steps": sim.steps}, indent=None)
     return 0
 
 

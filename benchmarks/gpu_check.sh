@@ -27,6 +27,10 @@
 #                (one on vmem) and host syncs per step (torch.cuda.set_sync_debug_mode)
 #   bench 75     vmemkv bench --quick --device cuda
 #   attention 50 benchmarks/attention.py --device cuda (issue 4's grid, fp16)
+#   layouts 12   the same at b8 ctx2k and b32 ctx4k decode on both vmem layouts (2 MiB pages):
+#                interleaved's strided per-layer view against per-layer under FlashAttention,
+#                the GPU's TLB on strided views being the open question (issue 28; JSON in
+#                artifacts.tgz)
 #   tp 20        benchmarks/tp.py --quick --device cuda: TP=1 vs TP=2 (JSON in artifacts.tgz),
 #   tp_tests 50  then pytest -m gpu tests/distributed; both only with two or more GPUs (skipped
 #                with a line saying so otherwise; there gpu_rest runs tests/distributed's
@@ -55,12 +59,15 @@ ATTENTION_TIMEOUT="${ATTENTION_TIMEOUT:-50}"
 export GPU_CHECK_TEST_TIMEOUT="${GPU_CHECK_TEST_TIMEOUT:-45}"   # one test, seconds
 BENCH_ARGS=(--quick --device cuda)
 ATTENTION_ARGS=(--device cuda)
+LAYOUT_ARGS=(--device cuda --configs 8x2048 32x4096 --phases decode)
 SMOKE_ARGS=()
 EXPECT=gpu
 if [ -n "${DRY_RUN:-}" ]; then   # toy sizes: every step and output file, in seconds
     BENCH_ARGS=(--smoke --device cpu)
     ATTENTION_ARGS=(--device cpu --quick --batches 1 2 --contexts 32 64 --heads 4 --kv-heads 2
                     --head-dim 16 --prefill-len 8 --repeats 1)
+    LAYOUT_ARGS=(--device cpu --configs 2x64 --phases decode --heads 4 --kv-heads 2 --head-dim 16
+                 --repeats 1)
     SMOKE_ARGS=(--dry-run)
     [ -n "${REQUIRE_GPU:-}" ] || EXPECT=skip
 fi
@@ -129,6 +136,8 @@ step bench "$BENCH_TIMEOUT" "$PYTHON" -m vmemkv.cli bench "${BENCH_ARGS[@]}" \
 cp "$WORK/artifacts/bench/bench.json" "$OUT_DIR/bench.json" 2>/dev/null
 [ -z "${SKIP_ATTENTION:-}" ] && step attention "$ATTENTION_TIMEOUT" "$PYTHON" -m vmemkv.benchmarks.attention \
     "${ATTENTION_ARGS[@]}" --out "$OUT_DIR/attention.json"
+[ -z "${SKIP_ATTENTION:-}" ] && step layouts 12 "$PYTHON" -m vmemkv.benchmarks.attention \
+    "${LAYOUT_ARGS[@]}" --vmem-layout per-layer interleaved --out "$WORK/artifacts/attention_layouts.json"
 if [ "$GPUS" -ge 2 ] && [ -z "${DRY_RUN:-}" ]; then
     step tp 20 "$PYTHON" -m vmemkv.benchmarks.tp --quick --device cuda --out "$WORK/artifacts/tp.json"
     pytest_group tp_tests 50 tests/distributed

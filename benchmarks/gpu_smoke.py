@@ -23,6 +23,8 @@ import sys
 import threading
 import time
 
+from vmemkv.scheduler.result_files import write_json
+
 
 def _versions(cu) -> dict:
     from .gpu_check import versions
@@ -181,8 +183,7 @@ def main(argv=None) -> int:
         return 2
     checks = smoke(dry_run) if args[0] == "smoke" else profile(dry_run)
     verdicts = {name: bool(c.get("ok")) for name, c in checks.items()}
-    with open(args[1], "w") as out:
-        json.dump({"dry_run": dry_run, "verdicts": verdicts, "checks": checks}, out, indent=1)
+    write_json(args[1], {"dry_run": dry_run, "verdicts": verdicts, "checks": checks})
     for name, check in checks.items():
         print(f"{args[0]}: {name:30s} {'ok' if check.get('ok') else 'FAILED'}  {json.dumps(check)[:300]}")
     return 0 if all(verdicts.values()) else 1

@@ -15,6 +15,8 @@ import argparse
 import json
 import os
 
+from vmemkv.scheduler.result_files import write_atomic
+
 COLOURS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
 
 
@@ -111,9 +113,12 @@ def mapper_overlap(alloc: dict, path: str) -> str | None:
 
 
 def _save(fig, plt, path: str) -> str:
+    """The figure as a PNG at ``path``, whole or not at all; closed either way."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    finally:
+        plt.close(fig)
     return path
 
 

@@ -20,6 +20,7 @@ import time
 
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
+from vmemkv.scheduler.result_files import write_json
 from vmemkv.scheduler.workload import WorkloadSpec, generate
 
 CONFIGS = [("reserve-max", "per-layer"), ("reserve-oracle", "per-layer"), ("paged", "per-layer"),
@@ -66,8 +67,7 @@ def main() -> None:
     out = {"benchmark": "simulate", "python": platform.python_version(), "rows": rows}
     print(json.dumps(out))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

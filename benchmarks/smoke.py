@@ -1,9 +1,10 @@
 """Toy sizes for every section of the suite: ``vmemkv bench --smoke`` checks the plumbing
 (every section runs; bench.json, bench.log, the plots and the summary appear) in seconds.
 
-The figures of a smoke run mean nothing: heads of 16 dims, contexts of 64 tokens, 40 simulated
-requests, 8 engine requests of 2 new tokens on our two layouts and transformers'. The dry run of
-benchmarks/gpu_check.sh and the tests of the suite use it; a real measurement never does.
+The figures of a smoke run mean nothing: heads of 16 dims, contexts of 64 tokens, yardsticks
+over 4 MiB, 40 simulated requests, 8 engine requests of 2 new tokens on our two layouts and
+transformers'. The dry run of benchmarks/gpu_check.sh and the tests of the suite use it; a real
+measurement never does.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Callable
 
 ATTENTION = dict(batches=[1, 2], contexts=[32, 64], heads=4, kv_heads=2, head_dim=16,
                  prefill_len=8, repeats=1)
+YARDSTICK = dict(nbytes=4 << 20, matmul_n=128, repeats=1, fma_rounds=10_000)
 MAPPER = dict(layers=2, kv_heads=8, head_dim=128, heads=16, batch=4, hidden=32,
               page_bytes=64 * 2**10, start_tokens=16, steps=6)
 MEMORY_REQUESTS, MEMORY_PAGED_BLOCKS = 40, (16, 128)
@@ -24,6 +26,7 @@ def apply(set_attribute: Callable = setattr) -> None:
     ``set_attribute(module, name, value)`` (``setattr``, or a test's ``monkeypatch.setattr``)."""
     from vmemkv.benchmarks import alloc, attention, engine, memory
     set_attribute(attention, "QUICK", dict(ATTENTION))
+    set_attribute(attention, "QUICK_YARDSTICK", dict(YARDSTICK))
     set_attribute(alloc, "_mapper_shape", lambda quick, device: dict(MAPPER))
     set_attribute(memory, "QUICK_REQUESTS", MEMORY_REQUESTS)
     set_attribute(memory, "PAGED_BLOCKS", MEMORY_PAGED_BLOCKS)

@@ -7,13 +7,15 @@ Sections, in order, each a module with ``run(quick, out=None, ...) -> dict``:
 | section   | module                 | answers                                                   |
 |-----------|------------------------|-----------------------------------------------------------|
 | alloc     | benchmarks/alloc.py    | map/unmap µs per page size; mapper wait with/without overlap |
-| attention | benchmarks/attention.py| decode/prefill ms, GB/s, % of copy bandwidth, vmem vs paged |
+| attention | benchmarks/attention.py| the yardsticks (read, copy bandwidth; matmul FLOP/s), then decode/prefill ms, GB/s, % of read bandwidth (decode) or matmul (prefill), vmem vs paged |
 | memory    | benchmarks/memory.py   | utilisation and end waste vs block/page size and layout    |
 | engine    | benchmarks/engine.py   | tokens/s of both layouts (and transformers' CB if present) |
 | tp        | benchmarks/tp.py       | TP=1 vs TP=N tokens/s, communication share (only with ``--tp N``) |
 
 Output in DIR: ``bench.json`` (every figure, one file), ``bench.log`` (what each section
-printed), PNG plots (benchmarks/plots.py). A progress bar runs on stderr while it works; an
+printed), PNG plots (benchmarks/plots.py), each whole or not at all (scheduler/result_files.py:
+bench.log grows as bench.log.partial; ``STALE.txt`` names the files an unfinished or cut-short
+run left from an earlier one). A progress bar runs on stderr while it works; an
 aligned summary table is printed at the end. A section that fails or cannot run is recorded
 with the reason and the others still run.
 """
@@ -22,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
-import json
 import os
 import platform
 import sys
@@ -32,6 +33,9 @@ from typing import Callable, Optional
 
 from vmemkv.benchmarks.summary import busy_warning, format_summary, summary_rows  # noqa: F401 (re-export)
 from vmemkv.scheduler.cliargs import hold_point
+from vmemkv.scheduler.result_files import StaleMarker, streamed_open, write_json
+
+OUTPUTS = ("bench.json", "bench.log", "*.png")    # what a run owns in its folder
 
 SECTIONS = ("alloc", "attention", "memory", "engine")
 
@@ -176,7 +180,7 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
     import torch
     from vmemkv.benchmarks.common import environment
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    os.makedirs(out_dir, exist_ok=True)
+    marker = StaleMarker(out_dir, OUTPUTS, "vmemkv bench").begin()
     bar = Progress(sum(_units(s, quick, device) for s in sections), enabled=progress)
     start = time.perf_counter()
     env = environment(seed=0, warmup=None, repeats=None, device=device, **versions(device), quick=quick)
@@ -189,9 +193,12 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
         payload["interrupted"] = True
     finally:
         bar.close()
+    marker.wrote(os.path.join(out_dir, "bench.log"))   # in place, whole, however it ended
     payload["wall_s"] = time.perf_counter() - start
-    payload["plots"] = _plots(payload, out_dir) if plots and not payload["interrupted"] else []
-    _finish(payload, sections, out_dir)
+    payload["plots"] = [marker.wrote(p) for p in _plots(payload, out_dir)] \
+        if plots and not payload["interrupted"] else []
+    marker.wrote(_finish(payload, sections, out_dir))
+    marker.finish("interrupted" if payload["interrupted"] else None)
     if payload["interrupted"]:
         done = [s for s in sections if s in payload]
         raise KeyboardInterrupt(f"wrote {payload['json']} and bench.log with the sections that "
@@ -202,23 +209,21 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
 def _run_sections(payload: dict, sections, quick: bool, device: str, bar: Progress,
                   out_dir: str, tp_options: Optional[dict] = None) -> None:
     """Each section in turn, its output appended (and flushed) to bench.log as it finishes."""
-    with open(os.path.join(out_dir, "bench.log"), "w") as log:
+    with streamed_open(os.path.join(out_dir, "bench.log")) as log:
         for section in sections:
             hold_point(f"bench:{section}")
             payload[section] = run_section(section, quick, device, bar, log, tp_options)
             log.flush()
 
 
-def _finish(payload: dict, sections, out_dir: str) -> None:
+def _finish(payload: dict, sections, out_dir: str) -> str:
     """The summary rows, the busy-machine warning (load at the end vs the core count) and
-    bench.json; sets ``payload["json"]``."""
+    bench.json; sets ``payload["json"]`` and returns it."""
     payload["summary"] = summary_rows(payload, sections)
     load = max(payload["environment"].get("load_1min", 0.0), os.getloadavg()[0])
     payload["warnings"] = [w for w in (busy_warning(load),) if w]
-    path = os.path.join(out_dir, "bench.json")
-    with open(path, "w") as f:
-        json.dump(payload, f, indent=1, default=str)
-    payload["json"] = path
+    payload["json"] = write_json(os.path.join(out_dir, "bench.json"), payload, default=str)
+    return payload["json"]
 
 
 def _plots(payload: dict, out_dir: str) -> list[str]:

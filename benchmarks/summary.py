@@ -49,18 +49,52 @@ def _alloc_summary(data: dict) -> list[dict]:
 
 
 def _attention_summary(data: dict) -> list[dict]:
-    by_key = {(r["phase"], r["batch"], r["ctx"], r["cache"]): r for r in data["results"]}
-    rows = []
-    for (phase, batch, ctx, layout), r in by_key.items():
-        paged = by_key.get((phase, batch, ctx, "paged"))
+    """The yardsticks of the run, then per (phase, batch, ctx) vmem vs paged ms with each one's
+    share of its limit (decode: read bandwidth; prefill: matmul FLOP/s), and vmem interleaved
+    where the run timed it."""
+    rows = _yardstick_summary(data.get("yardsticks") or {})
+    by_key = {(r["phase"], r["batch"], r["ctx"], r.get("dtype", "float32"), r["cache"]): r
+              for r in data["results"]}
+    for (phase, batch, ctx, dtype, layout), r in by_key.items():
+        paged = by_key.get((phase, batch, ctx, dtype, "paged"))
         if layout != "vmem" or paged is None:
             continue
-        rows.append({"what": f"{phase} b{batch} ctx{ctx}", "vmem": r["ms"], "paged": paged["ms"],
+        what = f"{phase} b{batch} ctx{ctx}" + ("" if dtype == "float32" else f" {dtype}")
+        rows.append({"what": what, "vmem": r["ms"], "paged": paged["ms"],
                      "unit": "ms", "min-max": _spread((r.get("ms_min"), r.get("ms_max")),
                                                       (paged.get("ms_min"), paged.get("ms_max"))),
-                     "note": f"paged/vmem {paged['ms'] / r['ms']:.2f}x; "
-                     f"{r['pct_copy']:.0f}% vs {paged['pct_copy']:.0f}% of copy bw"})
+                     "note": f"paged/vmem {paged['ms'] / r['ms']:.2f}x; {_share(r)} vs "
+                     f"{_share(paged)}"})
+        inter = by_key.get((phase, batch, ctx, dtype, "vmem interleaved"))
+        if inter is not None:
+            rows.append({"what": f"{what} interleaved", "vmem": inter["ms"],
+                         "unit": "ms", "min-max": _spread((inter.get("ms_min"), inter.get("ms_max"))),
+                         "note": f"interleaved/per-layer {inter['ms'] / r['ms']:.2f}x; {_share(inter)}"})
     return rows
+
+
+def _share(row: dict) -> str:
+    """'62% of read bw' (or matmul); rows from before the yardsticks: '% of copy bw'."""
+    if "pct_limit" in row:
+        return f"{row['pct_limit']:.0f}% of {row['limit']}" + (" bw" if row["limit"] == "read" else "")
+    return f"{row['pct_copy']:.0f}% of copy bw"
+
+
+def _yardstick_summary(y: dict) -> list[dict]:
+    """The machine's limits the attention rows are divided by (benchmarks/yardstick.py)."""
+    if not y:
+        return []
+    read = [f"{name} {y[f'read_{name}_gb_per_s']:.1f}" for name in ("torch", "native", "numpy")
+            if f"read_{name}_gb_per_s" in y]
+    threads = f"{y['threads']} threads"
+    return [{"what": "read bandwidth", "vmem": y["read_gb_per_s"], "unit": "GB/s",
+             "note": f"{threads}; best of sums: " + ", ".join(read)},
+            {"what": "copy bandwidth", "vmem": y["copy_gb_per_s"], "unit": "GB/s",
+             "note": f"{threads}; read + write counted"},
+            {"what": f"{y['matmul_dtype']} matmul", "vmem": y["matmul_gflop_per_s"],
+             "unit": "GFLOP/s", "note": f"{threads}; torch.mm n={y['matmul_n']}"}] + (
+        [{"what": "fp32 FMA peak", "vmem": y["fma_peak_gflop_per_s"], "unit": "GFLOP/s",
+          "note": f"{threads}; native loop, no memory"}] if "fma_peak_gflop_per_s" in y else [])
 
 
 def _memory_summary(data: dict) -> list[dict]:

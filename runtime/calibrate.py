@@ -1,32 +1,44 @@
 """``vmemkv calibrate``: time the real engine's steps on this machine, fit a device profile.
 
-For each (batch, context) point: ``batch`` prompts of ``context`` tokens go through an engine,
-and every step is timed (wall seconds around ``Engine.step``) with the plan's new and context
-token counts (read from the scheduler's own plan: the step's work exactly). Prefill steps give
-many new tokens, decode steps ``batch`` new tokens over ~``batch * context`` context tokens.
-A median regression of seconds = base + s * sequences + a * new + b * context + q * prefill
-pairs (``scheduler.cost.prefill_pairs``: prefill's quadratic attention) + r * new² + f * (a step
-with prefill) + w * cold (the first decodes after a prefill, ``scheduler.cost.AfterPrefill``)
-+ i * (the first step after idle) over every timed step
-(after a warm-up generate) gives the coefficients of
-``vmemkv.scheduler.profile_cost``; the profile records the points and the fit's error.
+For each *shape* (``batch`` prompts of ``context`` tokens generating ``decode_steps`` tokens;
+single prompts of each of ``PREFILL_LENGTHS`` alone, back to back and after ``IDLE_S`` of
+sleep; optionally prompts joining running batches, ``join_lengths``) every step is timed
+(wall seconds around ``Engine.step``) with the plan's sequences, new and context tokens,
+prefill pairs and whether it is cold or after idle (read from the scheduler's own plan: the
+step's work exactly). Each of these step compositions is a *design point*. Every shape runs ``repeats`` times, in rounds (all shapes, then all again, so a burst of
+load on a shared host lands on one repeat of many shapes, not on every repeat of one); then
+each shape whose design points' medians are not yet known to +-``precision`` (90% of them,
+distribution-free 95% intervals) runs again, up to ``max_repeats``. ``scheduler.profile_fit``
+fits the coefficients of ``vmemkv.scheduler.profile_cost`` to the design points' medians (Huber
+loss on relative residuals), bootstraps their 95% intervals over the repeats, and checks the host's
+noise against the precision: a warning says by how much a noisy host misses it.
 
-    vmemkv calibrate --model small-llama --batches 1 4 16 --contexts 64 256 --out profile.json
+    vmemkv calibrate --model small-llama --precision 0.05 --repeats 6 --max-repeats 12 --out profile.json
 """
 from __future__ import annotations
 
-import json
+import os
 import platform
-import statistics
+import sys
 import time
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from vmemkv.scheduler.cost import AfterPrefill, prefill_pairs
-from vmemkv.scheduler.profile_cost import FITTED, PROFILE_FORMAT
+from vmemkv.scheduler.profile_cost import FITTED, PROFILE_FORMAT, PROFILE_VERSION
+from vmemkv.scheduler.result_files import write_json
 
 PREFILL_LENGTHS = (32, 64, 96, 128, 192, 256, 320, 384, 448)   # single prompts timed beside
                                                                # the grid, tokens
 IDLE_S = 0.02       # sleep before the second run of each single prompt (after_idle)
+JOIN_AFTER = 5      # steps of a batch's decoding before a joining prompt arrives (past cold)
+PRECISION = 0.05    # requested half-width of each design point's median, relative
+MIN_REPEATS, MAX_REPEATS = 6, 12      # repeats of every shape (6: the fewest that bound a
+                                      # median, profile_fit.median_rank); the cap
+RESAMPLES = 200     # bootstrap refits for the coefficients' intervals
+UNITS = {"base_s": ("ms", 1e3), "per_seq_s": ("us", 1e6), "per_new_token_s": ("us", 1e6),
+         "per_context_token_s": ("ns", 1e9), "per_prefill_pair_s": ("ns", 1e9),
+         "per_step_token_sq_s": ("ns", 1e9), "per_prefill_step_s": ("ms", 1e3),
+         "per_cold_step_s": ("ms", 1e3), "per_idle_wake_s": ("ms", 1e3)}
 
 
 def model_entry(model, name: str) -> dict:
@@ -38,11 +50,13 @@ def model_entry(model, name: str) -> dict:
                 num_params=sum(p.numel() for p in model.parameters()), **kv_shape_of(model.config))
 
 
-def time_steps(engine, prompts: List[List[int]], new_tokens: int,
-               idle_s: float = 0.0) -> List[Dict]:
+def time_steps(engine, prompts: List[List[int]], new_tokens: int, idle_s: float = 0.0,
+               joining: Optional[List[int]] = None) -> List[Dict]:
     """Every step of generating ``new_tokens`` for ``prompts``: its new and context tokens,
     prefill pairs, whether it is a cold step (from the plan the scheduler made) or the first
-    after ``idle_s`` seconds of sleep (``after_idle``; 0: none), and its wall seconds."""
+    after ``idle_s`` seconds of sleep (``after_idle``; 0: none), and its wall seconds.
+    ``joining``: a prompt submitted after ``JOIN_AFTER`` steps, prefilled beside the running
+    decodes (a mixed step, as a replay's arrivals make), generating 2 tokens."""
     from vmemkv.runtime.engine import SamplingParams
     plans, schedule = [], engine.scheduler.schedule
 
@@ -58,6 +72,9 @@ def time_steps(engine, prompts: List[List[int]], new_tokens: int,
         time.sleep(idle_s)
     try:
         while engine.has_unfinished():
+            if joining and len(points) == JOIN_AFTER:
+                rids.append(engine.add_request(joining, SamplingParams(max_new_tokens=2,
+                                                                       ignore_eos=True)))
             t0 = time.perf_counter()
             engine.step()
             seconds = time.perf_counter() - t0
@@ -76,75 +93,67 @@ def time_steps(engine, prompts: List[List[int]], new_tokens: int,
     return points
 
 
-def fit(points: Sequence[Dict], iterations: int = 50) -> Dict[str, float]:
-    """Coefficients (clipped at 0) of seconds against sequences, new and context tokens,
-    prefill pairs, new tokens squared, prefill steps, cold steps and steps after idle (0 for a
-    point that lacks them; in the order of ``profile_cost.FITTED``) that minimise the summed
-    ABSOLUTE error: a median regression (iteratively reweighted least squares). On a shared
-    machine a step is sometimes descheduled and takes several times its cost; such steps move
-    a least-squares fit, and a relative-error fit chases the fastest steps (measured: it
-    under-charged decodes by 25-40%), but a median fit follows the typical step, which is what
-    a replay sees."""
-    import numpy as np
-    x = np.array([[1.0, p["batch"], p["new_tokens"], p["context_tokens"],
-                   p.get("prefill_pairs", 0), p["new_tokens"] ** 2,
-                   float(p.get("prefill_pairs", 0) > 0), p.get("cold_step", 0),
-                   p.get("after_idle", 0)] for p in points])
-    y = np.array([p["seconds"] for p in points])
-    weight = np.ones_like(y)
-    for _ in range(iterations):
-        coef, *_ = np.linalg.lstsq(x * weight[:, None], y * weight, rcond=None)
-        weight = 1.0 / np.sqrt(np.maximum(np.abs(x @ coef - y), 1e-6))
-    return dict(zip(FITTED, (max(0.0, float(c)) for c in coef)))
-
-
-def fit_error(points: Sequence[Dict], coeffs: Dict[str, float]) -> Dict[str, float]:
-    """Median and max relative error of the fitted step time over the points."""
-    from vmemkv.scheduler.profile_cost import ProfileCost
-    cost = ProfileCost(**coeffs)
-    errs = [abs(cost.step_seconds(p["context_tokens"], p["new_tokens"], 0, p["batch"],
-                                  p.get("prefill_pairs", 0), bool(p.get("cold_step", 0)),
-                                  bool(p.get("after_idle", 0)))
-                - p["seconds"]) / p["seconds"] for p in points]
-    return {"median_rel_error": statistics.median(errs), "max_rel_error": max(errs)}
-
-
 def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 16),
               contexts: Sequence[int] = (16, 64, 256), decode_steps: int = 24, threads: int = 1,
-              engine_options: Dict = None, seed: int = 0, repeats: int = 2,
+              engine_options: Dict = None, seed: int = 0, repeats: int = MIN_REPEATS,
               max_batch: int = 16, max_context: int = 512,
-              prefill_lengths: Sequence[int] = PREFILL_LENGTHS) -> Dict:
-    """The device profile (a dict, ``profile_cost``'s format) for this machine; every point
-    is run ``repeats`` times (a shared machine's noise averages out in the fit). The engine is
-    built with ``max_batch`` and ``max_context`` as the engine the profile stands for: a vmem
-    step's attention may read the whole slot, so its cost depends on them, not only on the
-    tokens cached. Besides the batch x context grid, one prompt of each of
-    ``prefill_lengths`` tokens (those below ``max_context``) is prefilled alone, right after
-    the previous step and again after ``IDLE_S`` of sleep: the single prompts a replay's
-    arrivals make, where prefill's quadratic term and the cost of waking from idle show."""
+              prefill_lengths: Sequence[int] = PREFILL_LENGTHS, precision: float = PRECISION,
+              max_repeats: Optional[int] = None, resamples: int = RESAMPLES,
+              progress: Optional[Callable[[str], None]] = None,
+              join_batches: Sequence[int] = (), join_lengths: Sequence[int] = ()) -> Dict:
+    """The device profile (a dict, ``profile_cost``'s format) for this machine. Every shape
+    runs ``repeats`` times, then again while its design points' medians are not known to
+    +-``precision``, at most ``max_repeats`` (default: ``max(repeats, MAX_REPEATS)``) times;
+    ``progress`` gets one line per round. The engine is built with ``max_batch`` and
+    ``max_context`` as the engine the profile stands for: a vmem step's attention may read the
+    whole slot, so its cost depends on them, not only on the tokens cached. Besides the batch x
+    context grid, one prompt of each of ``prefill_lengths`` tokens (those below
+    ``max_context``) is prefilled alone, right after the previous step and again after
+    ``IDLE_S`` of sleep: the single prompts a replay's arrivals make, where prefill's quadratic
+    term and the cost of waking from idle show."""
+    max_repeats = max(repeats, MAX_REPEATS) if max_repeats is None else max_repeats
     check_points(batches, contexts, decode_steps, max_batch, max_context)
+    if join_lengths:
+        check_points(join_batches, [min(contexts)], decode_steps, max_batch - 1, max_context)
+    check_repeats(repeats, max_repeats, precision)
     import torch
     from vmemkv.runtime.engine import Engine, SamplingParams
     from vmemkv.runtime.models import build_model
+    from vmemkv.scheduler.profile_fit import fit_profile
     torch.set_num_threads(threads)
     model = build_model(model_name, seed=seed)
+    load_before = os.getloadavg()[0]
     with Engine(model, max_batch=max_batch, max_context=max_context,
                 **(engine_options or {})) as engine:
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))       # warm-up
         singles = [n for n in prefill_lengths if n < max_context]
-        shapes = ([(b, c, decode_steps, 0.0) for b in batches for c in contexts]
-                  + [(1, n, 1, 0.0) for n in singles] + [(1, n, 1, IDLE_S) for n in singles])
-        points = timed_shapes(engine, shapes, repeats, seed)
+        shapes = ([(b, c, decode_steps, 0.0, 0) for b in batches for c in contexts]
+                  + [(1, n, 1, 0.0, 0) for n in singles] + [(1, n, 1, IDLE_S, 0) for n in singles]
+                  + [(b, min(contexts), decode_steps, 0.0, n) for b in join_batches
+                     for n in join_lengths if n + min(contexts) < max_context])
+        points = timed_rounds(engine, shapes, repeats, max_repeats, precision, seed,
+                              progress or (lambda line: None))
         engine_figures = {"cache": engine.config.cache, "layout": engine.config.layout,
                           "page_bytes": (engine.kv.manager.page_bytes
                                          if engine.config.cache == "vmem" else None),
                           "max_tokens_per_step": engine.config.max_tokens_per_step,
                           "max_batch": max_batch, "max_context": max_context}
-    coeffs = fit(points)
-    return {"format": PROFILE_FORMAT, "version": 2, "model": model_entry(model, model_name),
+    fitted = fit_profile(points, precision, max_repeats, resamples, seed)
+    runs = {}
+    for p in points:
+        runs.setdefault(p["shape"], set()).add(p["repeat"])
+    return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION,
+            "model": model_entry(model, model_name),
             "device": f"cpu: {platform.processor() or platform.machine()}, {threads} threads",
-            "engine": engine_figures, "coefficients": coeffs, "points": points,
-            "fit": fit_error(points, coeffs)}
+            "engine": engine_figures, "coefficients": fitted["coefficients"],
+            "coefficient_intervals": fitted["coefficient_intervals"],
+            "calibration": {"precision": precision, "min_repeats": repeats,
+                            "max_repeats": max_repeats,
+                            "repeats": [len(runs[s]) for s in sorted(runs)],
+                            "shapes": [list(shape) for shape in shapes],
+                            "noise": fitted["noise"],
+                            "load_1min": [load_before, os.getloadavg()[0]]},
+            "points": points, "fit": fitted["fit"]}
 
 
 def check_points(batches, contexts, decode_steps: int, max_batch: int, max_context: int) -> None:
@@ -157,16 +166,53 @@ def check_points(batches, contexts, decode_steps: int, max_batch: int, max_conte
             f"{max(contexts)} + {decode_steps} tokens")
 
 
-def timed_shapes(engine, shapes, repeats: int, seed: int) -> List[Dict]:
-    """``time_steps`` of every (batch, prompt tokens, new tokens, idle seconds before) shape,
-    ``repeats`` times, random prompts (seeded)."""
+def check_repeats(repeats: int, max_repeats: int, precision: float) -> None:
+    """EngineConfigError naming the value when the repeats or the precision cannot work."""
+    from vmemkv.runtime.engine.errors import EngineConfigError
+    if not 1 <= repeats <= max_repeats:
+        raise EngineConfigError(f"calibration repeats need 1 <= repeats <= max_repeats; got "
+                                f"repeats {repeats}, max_repeats {max_repeats}")
+    if not 0 < precision < 1:
+        raise EngineConfigError(f"calibration precision is a relative half-width in (0, 1); "
+                                f"got {precision!r}")
+
+
+def timed_rounds(engine, shapes, repeats: int, max_repeats: int, precision: float, seed: int,
+                 progress: Callable[[str], None]) -> List[Dict]:
+    """``time_steps`` of every (batch, prompt tokens, new tokens, idle seconds before, joining
+    prompt tokens) shape, each step tagged with its ``shape`` and ``repeat``: ``repeats`` rounds of every shape, then
+    rounds of the shapes whose design points are not yet within ``precision``
+    (``profile_fit.shape_precisions``) until none is left or each is at ``max_repeats``.
+    Random prompts (seeded)."""
     import random
+    from vmemkv.scheduler.profile_fit import design_points, median_half_widths, shape_precisions
     rng, vocab, points = random.Random(seed), engine.vocab_size, []
-    for _ in range(repeats):
-        for batch, context, new_tokens, idle_s in shapes:
+    pending, done, rounds = list(range(len(shapes))), [0] * len(shapes), 0
+    while pending:
+        rounds += 1
+        for s in pending:
+            batch, context, new_tokens, idle_s, join = shapes[s]
             prompts = [[rng.randrange(vocab) for _ in range(context)] for _ in range(batch)]
-            points.extend(time_steps(engine, prompts, new_tokens, idle_s))
+            joining = [rng.randrange(vocab) for _ in range(join)] if join else None
+            points.extend({**p, "shape": s, "repeat": done[s]}
+                          for p in time_steps(engine, prompts, new_tokens, idle_s, joining))
+            done[s] += 1
+        if min(done) < repeats:
+            continue
+        dps = design_points(points)
+        within = shape_precisions(dps, median_half_widths(dps.samples()))
+        pending = [s for s in range(len(shapes)) if within[s] > precision and done[s] < max_repeats]
+        progress(f"calibrate: round {rounds}: {sum(w <= precision for w in within.values())} "
+                 f"of {len(shapes)} shapes within +-{precision:.1%}"
+                 + (f", {len(pending)} again" if pending else ""))
     return points
+
+
+def write_json_whole(path: str, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` whole or not at all: the project's one helper
+    (scheduler/result_files.py: a temporary file beside it, then ``os.replace``), under the
+    name calibrate's users import."""
+    write_json(path, obj)
 
 
 def register(subparsers) -> None:
@@ -174,9 +220,13 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("calibrate", help="time the engine on this machine and write a "
                                                 "device profile for the simulator",
                               description="Time the real engine's steps on this machine "
-                                          "(per-step cost against batch and context) and "
-                                          "write a device profile JSON that vmemkv simulate "
-                                          "--profile uses in place of the roofline.")
+                                          "(per-step cost against batch and context), repeated "
+                                          "until each design point's median is known to "
+                                          "--precision, and write a device profile JSON (the "
+                                          "fitted coefficients with 95% intervals) that "
+                                          "vmemkv simulate --profile uses in place of the "
+                                          "roofline. Warns when the host is too noisy for the "
+                                          "precision, and by how much.")
     p.add_argument("--model", default="small-llama",
                    help="built-in random-weight model to time (tiny-llama, small-llama, ...)")
     p.add_argument("--batches", type=bounded(int, 1), nargs="+", default=[1, 4, 16],
@@ -186,10 +236,25 @@ def register(subparsers) -> None:
     p.add_argument("--prefill-lengths", type=bounded(int, 1), nargs="*",
                    default=list(PREFILL_LENGTHS),
                    help="single prompts timed alone as well, tokens (those below --max-context)")
+    p.add_argument("--join-lengths", type=bounded(int, 1), nargs="*", default=[],
+                   help="prompts of these lengths also join running --join-batches (mixed "
+                        "steps, as a replay's arrivals make; left out by default: held out, "
+                        "they were predicted within 4%% all the same, docs/simulation.md)")
+    p.add_argument("--join-batches", type=bounded(int, 1), nargs="+", default=[4, 12],
+                   help="sequences decoding when a --join-lengths prompt arrives")
     p.add_argument("--decode-steps", type=bounded(int, 1), default=24,
                    help="tokens generated per sequence per point (the first decodes after a "
                         "prefill run slow: enough of them that most are not those)")
-    p.add_argument("--repeats", type=bounded(int, 1), default=2, help="runs of every point")
+    p.add_argument("--repeats", type=bounded(int, 1), default=MIN_REPEATS,
+                   help="runs of every shape at least")
+    p.add_argument("--max-repeats", type=bounded(int, 1), default=None,
+                   help=f"runs of a shape at most, while its design points are not within "
+                        f"--precision (default: the larger of --repeats and {MAX_REPEATS})")
+    p.add_argument("--precision", type=float, default=PRECISION,
+                   help="half-width of each design point's median's 95%% interval, relative, "
+                        "that 90%% of them must reach")
+    p.add_argument("--resamples", type=bounded(int, 10), default=RESAMPLES,
+                   help="bootstrap refits for the coefficients' 95%% intervals")
     p.add_argument("--max-batch", type=bounded(int, 1), default=16,
                    help="the engine's max batch (as in the engine the profile stands for)")
     p.add_argument("--max-context", type=bounded(int, 2), default=512,
@@ -202,19 +267,34 @@ def register(subparsers) -> None:
 def run(args) -> int:
     profile = calibrate(args.model, args.batches, args.contexts, args.decode_steps, args.threads,
                         repeats=args.repeats, max_batch=args.max_batch,
-                        max_context=args.max_context, prefill_lengths=args.prefill_lengths)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(profile, f, indent=1)
-    c, e = profile["coefficients"], profile["fit"]
-    print(f"vmemkv calibrate: {args.model} on {profile['device']}, {len(profile['points'])} steps")
-    print(f"  step s = {c['base_s'] * 1e3:.3f} ms + {c['per_seq_s'] * 1e6:.1f} us x sequences + "
-          f"{c['per_new_token_s'] * 1e6:.2f} us x new tokens "
-          f"+ {c['per_context_token_s'] * 1e9:.2f} ns x context tokens "
-          f"+ {c['per_prefill_pair_s'] * 1e9:.2f} ns x prefill pairs "
-          f"+ {c['per_step_token_sq_s'] * 1e9:.3f} ns x new tokens^2 "
-          f"+ {c['per_prefill_step_s'] * 1e3:.3f} ms x prefill step "
-          f"+ {c['per_cold_step_s'] * 1e3:.3f} ms x cold step "
-          f"+ {c['per_idle_wake_s'] * 1e3:.3f} ms x after idle")
-    print(f"  fit error: median {e['median_rel_error']:.1%}, max {e['max_rel_error']:.1%}")
+                        max_context=args.max_context, prefill_lengths=args.prefill_lengths,
+                        precision=args.precision, max_repeats=args.max_repeats,
+                        resamples=args.resamples,
+                        progress=lambda line: print(line, file=sys.stderr, flush=True),
+                        join_batches=args.join_batches, join_lengths=args.join_lengths)
+    write_json_whole(args.out, profile)
+    print(summary(profile, args.model))
+    noise = profile["calibration"]["noise"]
+    if noise["noisy"]:
+        print(f"vmemkv calibrate: warning: {noise['message']}", file=sys.stderr)
     print(f"# wrote {args.out}")
     return 0
+
+
+def summary(profile: Dict, model_name: str) -> str:
+    """The coefficients with their intervals, the fit's error and the noise check, as text."""
+    cal, fit = profile["calibration"], profile["fit"]
+    load = cal["load_1min"]
+    lines = [f"vmemkv calibrate: {model_name} on {profile['device']}, {len(profile['points'])} "
+             f"steps, {min(cal['repeats'])}-{max(cal['repeats'])} repeats of "
+             f"{len(cal['repeats'])} shapes (1-minute load {load[0]:.2f} -> {load[1]:.2f})",
+             f"  {'coefficient':<22}{'value':>10}  95% interval"]
+    for name in FITTED:
+        unit, scale = UNITS[name]
+        lo, hi = profile["coefficient_intervals"][name]
+        lines.append(f"  {name:<22}{profile['coefficients'][name] * scale:>10.4g}  "
+                     f"[{lo * scale:.4g}, {hi * scale:.4g}] {unit}")
+    lines.append(f"  fit error over {fit['design_points']} design points' medians: median "
+                 f"{fit['median_rel_error']:.1%}, max {fit['max_rel_error']:.1%}")
+    lines.append(f"  noise: {cal['noise']['message']}")
+    return "\n".join(lines)

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from vmemkv.vmem.host import meminfo_bytes
+from vmemkv.vmem.host import address_space_left_bytes, meminfo_bytes
 
 from .errors import CacheConfigError, CacheTooLargeError
 
@@ -55,15 +55,17 @@ def check_fits_device(what: str, num_bytes: int, device: torch.device,
     reads ``device`` from this process: call it where ``device`` is in use (a check of another
     GPU opens a CUDA context there, hundreds of MiB, until the process ends)."""
     device = torch.device(device)
-    checks = [(True, device_memory_bytes(device))]
+    checks = [(_where(device, True), device_memory_bytes(device))]
     if committed:
-        checks.append((False, available_memory_bytes(device) if available_bytes is None
-                       else available_bytes))
-    for total, limit in checks:
+        checks.append((_where(device, False), available_memory_bytes(device)
+                       if available_bytes is None else available_bytes))
+    if device.type == "cpu":   # ulimit -v bounds what can be mapped at all, committed or not
+        checks.append(("address space left under ulimit -v (RLIMIT_AS)", address_space_left_bytes()))
+    for where, limit in checks:
         if limit is not None and num_bytes > limit:
             raise CacheTooLargeError(
                 f"{what} needs {num_bytes} bytes ({num_bytes / 2**30:.2f} GiB) but the "
-                f"{_where(device, total)} is {limit} bytes ({limit / 2**30:.2f} GiB); "
+                f"{where} is {limit} bytes ({limit / 2**30:.2f} GiB); "
                 f"lower cache_bytes (or use memory_utilization)")
 
 

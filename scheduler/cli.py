@@ -28,7 +28,10 @@ from .workload import WORKLOAD_RNGS, WorkloadSpec, generate, write_trace
 __all__ = ["parse_bytes", "register", "run", "format_table"]
 
 POSITIVE_INT, TOKENS = bounded(int, 1), bounded(float, 0, low_open=True)
-GB, FRACTION = bounded(float, 0), bounded(float, 0, 1)
+# 10^6 GB (a petabyte) is far above any device or host: a larger value is a typo, and past
+# ~1e299 GB its byte count overflows an int
+MAX_GB = 1e6
+GB, FRACTION = bounded(float, 0, MAX_GB), bounded(float, 0, 1)
 
 
 class _Renamed(argparse.Action):
@@ -127,7 +130,7 @@ def _deployment_flags(m) -> None:
                    why="elsewhere --model names a built-in model or a checkpoint")
     m.add_argument("--device", action=_Renamed, new="--gpu",
                    why="elsewhere --device is cpu or cuda")
-    m.add_argument("--cache-gb", type=bounded(float, 0, low_open=True), default=60.0,
+    m.add_argument("--cache-gb", type=bounded(float, 0, MAX_GB, low_open=True), default=60.0,
                    help="KV cache size, GB (10^9 bytes); with the weights, at most the GPU's memory")
     m.add_argument("--policy", type=policy_name, default="paged",
                    help=f"KV memory policy: {', '.join(POLICIES)}, or module:Class / "

@@ -2,18 +2,27 @@
 
 Local processes by default (``--jobs``, default the CPU count); ``--ray ADDRESS`` runs the
 points as tasks on a Ray cluster instead (the ``ray`` extra). The spec format is in
-``scheduler/sweep.py`` and docs/simulation.md. Writes OUT/sweep.csv (and sweep.parquet with
-pyarrow), OUT/throughput_latency.png and OUT/utilisation_unit.png (matplotlib), and prints one
-line per point.
+``scheduler/sweep.py`` and docs/simulation.md. Writes OUT/sweep.rows.jsonl as points finish
+(scheduler/sweep_journal.py), then OUT/sweep.csv (and sweep.parquet with pyarrow),
+OUT/throughput_latency.png and OUT/utilisation_unit.png (matplotlib), each whole or not at all,
+and prints one line per point. A point that fails is a row with its ``error`` (exit 1, the
+others kept); Ctrl-C cancels the pending points, writes the table of those that finished and
+exits 130; ``--resume`` runs only the points the journal does not hold. A grid of more than
+``--max-points`` combinations is refused before it is expanded.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from .cliargs import bounded, max_threads
 from .progress import Progress
-from .sweep import expand, load_spec, run_local, run_ray
+from .result_files import StaleMarker
+from .sweep import DEFAULT_MAX_POINTS, expand, load_spec, point_key, run_local, run_ray
+from .sweep_journal import RowJournal
 from .sweep_output import write_plots, write_table
+
+OUTPUTS = ("sweep.csv", "sweep.parquet", "*.png")
 
 
 def register(subparsers) -> None:
@@ -23,35 +32,81 @@ def register(subparsers) -> None:
                                           "parallel; write a tidy table and plots.")
     p.add_argument("spec", metavar="SPEC", help="the sweep spec, .toml or .json (no default: required)")
     p.add_argument("--out", default="sweep_out", metavar="DIR",
-                   help="folder for sweep.csv, sweep.parquet (with pyarrow) and the PNGs")
+                   help="folder for sweep.rows.jsonl, sweep.csv, sweep.parquet (with pyarrow) "
+                        "and the PNGs")
     p.add_argument("--jobs", type=bounded(int, 1), default=None,
                    help=f"local worker processes (default: the CPU count, {max_threads()} here)")
     p.add_argument("--ray", metavar="ADDRESS", default=None,
                    help="run on the Ray cluster at ADDRESS (auto, ray://host:10001, local) "
                         "instead of local processes (default: local; needs vmemkv[ray])")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the finished rows of OUT/sweep.rows.jsonl and run only the "
+                        "points it lacks (or whose row has an error) (default: run every point)")
+    p.add_argument("--max-points", type=bounded(int, 1), default=DEFAULT_MAX_POINTS, metavar="N",
+                   help="refuse a grid of more combinations than this, before expanding it")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 def run(args) -> int:
-    points = expand(load_spec(args.spec))     # every point is checked before any runs
+    spec = load_spec(args.spec)
+    points = expand(spec, args.max_points)     # every point is checked before any runs
+    marker = StaleMarker(args.out, OUTPUTS, "vmemkv sweep").begin()
+    with RowJournal(args.out, points, args.resume) as journal:
+        rows = dict(journal.kept)
+        todo = [p for p in points if point_key(p) not in rows]
+        interrupted = _run_points(args, todo, rows, journal, len(points))
+    done = [rows[point_key(p)] for p in points if point_key(p) in rows]   # grid order
+    written = write_table(done, args.out) if done else []
+    finished = [r for r in done if not r.get("error")]
+    if not (args.no_plots or interrupted) and finished:
+        written += write_plots(finished, args.out)
+    for path in written:
+        marker.wrote(path)
+    marker.finish("interrupted" if interrupted else None)
+    if interrupted:
+        raise KeyboardInterrupt(f"wrote {len(done)} of {len(points)} rows to "
+                                f"{os.path.join(args.out, 'sweep.csv')} (and "
+                                f"{journal.path}); --resume runs the rest")
+    _report(done, written, len(points) - len(todo))
+    return 1 if len(finished) < len(done) else 0
+
+
+def _run_points(args, todo, rows: dict, journal: RowJournal, total: int) -> bool:
+    """Run ``todo``, journaling each row as it finishes; True when Ctrl-C cut it short."""
     enabled = False if args.no_progress else None
-    with Progress(len(points), "sweep", enabled=enabled) as bar:
-        done = lambda row: bar.update(1)     # noqa: E731
-        rows = (run_ray(points, args.ray, done) if args.ray
-                else run_local(points, args.jobs, done))
-    written = write_table(rows, args.out)
-    if not args.no_plots:
-        written += write_plots(rows, args.out)
+
+    def done(row: dict) -> None:
+        journal.append(row)
+        rows[point_key(row)] = row
+        bar.update(1)
+    try:
+        with Progress(total, "sweep", enabled=enabled) as bar:
+            bar.update(total - len(todo))
+            if todo:
+                run_ray(todo, args.ray, done) if args.ray else run_local(todo, args.jobs, done)
+    except KeyboardInterrupt:
+        return True
+    return False
+
+
+def _report(rows, written, resumed: int) -> None:
     for row in rows:
         sys.stdout.write(_line(row) + "\n")
+    if resumed:
+        sys.stdout.write(f"# {resumed} rows kept from the journal (--resume)\n")
+    failed = [r for r in rows if r.get("error")]
+    if failed:
+        sys.stderr.write(f"vmemkv sweep: {len(failed)} of {len(rows)} points failed; their rows "
+                         f"carry the error\n")
     for path in written:
         sys.stdout.write(f"# wrote {path}\n")
-    return 0
 
 
 def _line(row: dict) -> str:
     unit = f"unit {row['unit_tokens']:>5} tok" if row["unit_tokens"] else "unit     - tok"
-    return (f"{row['policy']:<16} {row['cache_gb']:>6g} GB {unit}  "
-            f"{row['output_tokens_per_s']:>9,.0f} tok/s  p90 TTFT {row['p90_ttft_ms']:>9,.0f} ms  "
+    head = f"{row['policy']:<16} {row['cache_gb']:>6g} GB {unit}  "
+    if row.get("error"):
+        return head + f"FAILED: {row['error']}"
+    return (head + f"{row['output_tokens_per_s']:>9,.0f} tok/s  p90 TTFT {row['p90_ttft_ms']:>9,.0f} ms  "
             f"held util {row['held_utilization']:>6.1%}  preempt {row['num_preemptions']:>5}")

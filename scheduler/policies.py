@@ -62,6 +62,12 @@ def _import(module_name: str, spec: str):
         return importlib.import_module(module_name)
     except (ImportError, OSError) as error:
         raise ConfigError(f"custom policy {spec!r}: cannot import {module_name}: {error}") from None
+    except SyntaxError as error:
+        raise ConfigError(f"custom policy {spec!r}: {module_name} has a syntax error at "
+                          f"{error.filename}:{error.lineno}: {error.msg}") from None
+    except Exception as error:   # noqa: BLE001 -- the user's module raised while importing
+        raise ConfigError(f"custom policy {spec!r}: importing {module_name} raised "
+                          f"{type(error).__name__}: {error}") from None
 
 
 def _import_file(path: str):
@@ -73,5 +79,9 @@ def _import_file(path: str):
         raise ImportError(f"no file {path}")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[name] = module
-    loader_spec.loader.exec_module(module)
+    try:
+        loader_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]      # a failed import is not cached: fixing the file is enough
+        raise
     return module

@@ -16,10 +16,10 @@ the CPU caches: 67-73 -> 96-98 us per token from 256- to 2,048-token steps here)
 a step with prefill pairs (its prompts take the per-request SDPA path). After idle: 1 for the
 first step after the engine had nothing to run (a woken CPU, cold caches: prefills measured 20%
 slower after idle than back to back). Cold: 1 for the first ``cost.COLD_STEPS`` decode-only
-steps after a prefill, ``cost.AfterPrefill``.) by a median regression, and writes a device
-profile, JSON:
+steps after a prefill, ``cost.AfterPrefill``.) by a robust fit on the median of each design
+point's repeats (``profile_fit``), and writes a device profile, JSON:
 
-    {"format": "vmemkv-device-profile", "version": 2,
+    {"format": "vmemkv-device-profile", "version": 3,
      "model": {"name": "small-llama", "num_layers": 4, "num_kv_heads": 2, "head_dim": 32,
                "dtype_bytes": 4, "weight_bytes": 6291456},
      "device": "cpu: <processor>, 1 threads",
@@ -27,14 +27,19 @@ profile, JSON:
                       "per_context_token_s": ..., "per_prefill_pair_s": ...,
                       "per_step_token_sq_s": ..., "per_prefill_step_s": ...,
                       "per_cold_step_s": ..., "per_idle_wake_s": ...},
+     "coefficient_intervals": {"base_s": [lo, hi], ...},          # version 3: 95% intervals
+     "calibration": {"precision": 0.05, "repeats": ..., "noise": {...}, ...},   # version 3
      "points": [{"batch": 4, "context_tokens": 1030, "new_tokens": 4, "prefill_pairs": 0,
-                 "cold_step": 1, "after_idle": 0, "seconds": ...}, ...],
+                 "cold_step": 1, "after_idle": 0, "shape": 3, "repeat": 0, "seconds": ...}, ...],
      "fit": {"median_rel_error": ..., "max_rel_error": ...}}
 
 ``vmemkv simulate --profile FILE`` (``SimConfig.profile``) uses it in place of the roofline;
 the profile's model is the model the simulation's managers size memory for. A profile written
 before the ``OPTIONAL_COEFFICIENTS`` existed (version 1) loads with them 0: prefill cost linear
-in tokens, every decode warm.
+in tokens, every decode warm. Version 2 has them; version 3 adds the coefficients' intervals, the
+calibration's repeats and noise check (``profile_fit``), each point's shape and repeat, and its
+``fit`` errors are over the design points' medians (version 2: over every timed step). A
+version this code does not know (``READABLE_VERSIONS``) is refused by name.
 """
 from __future__ import annotations
 
@@ -46,6 +51,8 @@ from .errors import ConfigError
 from .presets import ModelSpec
 
 PROFILE_FORMAT = "vmemkv-device-profile"
+PROFILE_VERSION = 3                 # what vmemkv calibrate writes
+READABLE_VERSIONS = (1, 2, 3)       # what load_profile reads
 COEFFICIENTS = ("base_s", "per_seq_s", "per_new_token_s", "per_context_token_s")
 OPTIONAL_COEFFICIENTS = ("per_prefill_pair_s", "per_step_token_sq_s",   # 0 where a (version 1)
                          "per_prefill_step_s", "per_cold_step_s",        # profile lacks them
@@ -92,6 +99,15 @@ class ProfileCost:
                 + mapped_pages * self.map_latency_s)
 
 
+def step_features(batch: int, new_tokens: int, context_tokens: int, prefill_pairs: int = 0,
+                  cold_step: bool = False, after_idle: bool = False) -> tuple:
+    """The terms ``step_seconds`` multiplies by each coefficient, in ``FITTED``'s order: a
+    step's row in the fit (``step_seconds`` = coefficients . row, without map latency)."""
+    return (1.0, float(batch), float(new_tokens), float(context_tokens), float(prefill_pairs),
+            float(new_tokens) * new_tokens, float(prefill_pairs > 0), float(cold_step),
+            float(after_idle))
+
+
 def load_profile(path: str) -> Dict:
     """The profile at ``path``, checked; ConfigError naming the file and what is wrong."""
     try:
@@ -102,6 +118,11 @@ def load_profile(path: str) -> Dict:
     if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
         raise ConfigError(f"device profile {path}: not a {PROFILE_FORMAT} file (write one with "
                           f"vmemkv calibrate)")
+    version = profile.get("version", 1)
+    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+        raise ConfigError(f"device profile {path}: version {version!r} is not one this vmemkv "
+                          f"reads ({', '.join(map(str, READABLE_VERSIONS))}): rerun vmemkv "
+                          f"calibrate, or use the vmemkv that wrote it")
     coeffs = profile.get("coefficients")
     if not isinstance(coeffs, dict) or set(COEFFICIENTS) - set(coeffs):
         raise ConfigError(f"device profile {path}: coefficients must have {', '.join(COEFFICIENTS)}")

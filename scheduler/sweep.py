@@ -20,101 +20,26 @@ workload_rng, arrival_rate, trace, rate_scale, max_requests. A key a policy does
 (block_size for vmem, page_bytes and layout for the others) is normalised away, so the grid
 never runs the same simulation twice. ``run_point`` is a plain top-level function of a dict, so
 a process pool or a Ray cluster can run it.
+
+Values are checked when the spec is read (``scheduler/sweep_spec.py``). A point that fails
+while it runs becomes a row with its parameters and an ``error`` column, and the others go on.
+Ctrl-C cancels every pending point at once and stops the workers running (they ignore SIGINT
+themselves, so the interrupt reaches only the parent, which ends them).
 """
 from __future__ import annotations
 
-import itertools
-import json
 import os
-import tomllib
+import signal
 from typing import Callable, Dict, Iterable, List, Optional
 
-from .cliargs import parse_bytes
 from .errors import ConfigError
-from .geometry import PageGeometry
-from .presets import get_model
-from .scheduler import SchedulerConfig
-from .simulator import SimConfig, simulate
+from .simulator import simulate
+from .sweep_spec import (DEFAULT_MAX_POINTS, PARAMS, count_points, expand, load_spec,  # noqa: F401
+                         point_key, sim_config, unit_tokens, used_params)
 from .traces import fit_to_length, load_trace
 from .workload import WorkloadSpec, generate
 
-PARAMS: Dict[str, object] = {
-    "policy": "paged", "model": "llama-3-8b", "gpu": "h100", "cache_gb": 60.0,
-    "block_size": 16, "page_bytes": 2 * 2**20, "layout": "per-layer", "watermark": 0.01,
-    "watermark_scope": "growing", "preemption": "recompute", "swap_gb": 0.0,
-    "max_running": 1024, "max_tokens_per_step": 8192, "prefill_mfu": None,
-    "map_latency_us": 0.0, "paged_slowdown": 1.0, "max_len": 4096, "requests": 2000, "seed": 0,
-    "workload_rng": "numpy", "arrival_rate": 0.0, "trace": None, "rate_scale": 1.0,
-    "max_requests": None,
-}
-_UNUSED = {"block_size": lambda p: p != "paged", "page_bytes": lambda p: p != "vmem",
-           "layout": lambda p: p != "vmem"}
-
-
-def load_spec(path: str) -> dict:
-    """The spec file as ``{"base": {...}, "grid": {...}}``; ConfigError naming the file and
-    the bad key or value."""
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f) if path.endswith(".toml") else json.load(f)
-    except (OSError, ValueError) as error:      # TOMLDecodeError and JSONDecodeError are ValueErrors
-        raise ConfigError(f"sweep spec {path}: {error}") from None
-    if not isinstance(raw, dict) or set(raw) - {"base", "grid"}:
-        raise ConfigError(f"sweep spec {path}: want tables [base] and [grid] only, got "
-                          f"{sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
-    spec = {"base": dict(raw.get("base", {})), "grid": dict(raw.get("grid", {}))}
-    for table, values in spec.items():
-        for key, value in values.items():
-            if key not in PARAMS:
-                raise ConfigError(f"sweep spec {path}: unknown key {table}.{key}; known: "
-                                  f"{', '.join(PARAMS)}")
-            if table == "grid" and (not isinstance(value, list) or not value):
-                raise ConfigError(f"sweep spec {path}: grid.{key} must be a non-empty list, "
-                                  f"got {value!r}")
-    return spec
-
-
-def expand(spec: dict) -> List[dict]:
-    """Every point of the grid (full parameter dicts, normalised, duplicates dropped), in
-    grid order; each point is checked (SimConfig) before anything runs."""
-    keys = list(spec["grid"])
-    points, seen = [], set()
-    for values in itertools.product(*(spec["grid"][k] for k in keys)):
-        point = {**PARAMS, **spec["base"], **dict(zip(keys, values))}
-        if isinstance(point["page_bytes"], str):
-            point["page_bytes"] = _size(point["page_bytes"])
-        for key, unused in _UNUSED.items():
-            if unused(point["policy"]):
-                point[key] = PARAMS[key]
-        frozen = json.dumps(point, sort_keys=True)
-        if frozen not in seen:
-            seen.add(frozen)
-            sim_config(point)
-            points.append(point)
-    return points
-
-
-def _size(text: str) -> int:
-    import argparse
-    try:
-        return parse_bytes(text)
-    except argparse.ArgumentTypeError as error:
-        raise ConfigError(f"sweep spec: page_bytes {error}") from None
-
-
-def sim_config(point: dict) -> SimConfig:
-    """The SimConfig a point names (ConfigError naming the field when a value is bad)."""
-    sched = SchedulerConfig(max_running=point["max_running"],
-                            max_tokens_per_step=point["max_tokens_per_step"],
-                            watermark=point["watermark"], preemption=point["preemption"])
-    return SimConfig(policy=point["policy"], model=point["model"], device=point["gpu"],
-                     cache_bytes=int(point["cache_gb"] * 1e9), max_seq_len=point["max_len"],
-                     block_size=point["block_size"], page_bytes=point["page_bytes"],
-                     layout=point["layout"], swap_bytes=int(point["swap_gb"] * 1e9),
-                     scheduler=sched, prefill_mfu=point["prefill_mfu"],
-                     map_latency_s=point["map_latency_us"] * 1e-6,
-                     paged_slowdown=point["paged_slowdown"],
-                     watermark_scope=point["watermark_scope"])
+OnDone = Callable[[dict], None]
 
 
 def entries_of(point: dict) -> list:
@@ -128,22 +53,6 @@ def entries_of(point: dict) -> list:
                                  rng=point["workload_rng"]))
 
 
-def unit_tokens(point: dict) -> Optional[int]:
-    """Tokens per allocation unit: the paged block, the vmem page (group); None for the other
-    policies (a reservation is per sequence, not a fixed unit)."""
-    if point["policy"] == "paged":
-        return point["block_size"]
-    if point["policy"] == "vmem":
-        return PageGeometry.of(get_model(point["model"]), point["page_bytes"],
-                               point["layout"]).tokens_per_page
-    return None
-
-
-def used_params(point: dict) -> List[str]:
-    """The parameters that matter to the point's policy (PARAMS less the normalised ones)."""
-    return [k for k in PARAMS if not (k in _UNUSED and _UNUSED[k](point["policy"]))]
-
-
 def run_point(point: dict) -> dict:
     """One simulation: the point's parameters, then every figure of its result (one row)."""
     figures = simulate(entries_of(point), sim_config(point)).to_dict()
@@ -154,42 +63,96 @@ def run_point(point: dict) -> dict:
     return row
 
 
+def point_row(point: dict) -> dict:
+    """``run_point``, or the point's parameters and ``error`` ("Type: message") when it
+    raises: one failing point never loses the others."""
+    try:
+        return run_point(point)
+    except Exception as error:   # noqa: BLE001 -- reported in its row, the sweep goes on
+        row = {k: point[k] for k in PARAMS}
+        try:
+            row["unit_tokens"] = unit_tokens(point)
+        except Exception:   # noqa: BLE001
+            row["unit_tokens"] = None
+        row["error"] = f"{type(error).__name__}: {error}"
+        return row
+
+
+def _worker_start() -> None:
+    """Each worker: Ctrl-C is the parent's to handle (it ends the workers), and a worker
+    whose parent dies (kill -9) is ended too rather than computing on alone (Linux)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):   # not Linux: the worker ends when it next reports
+        pass
+
+
 def run_local(points: List[dict], jobs: Optional[int] = None,
-              on_done: Callable[[dict], None] = lambda row: None) -> List[dict]:
+              on_done: OnDone = lambda row: None) -> List[dict]:
     """Rows of ``points`` (in point order) from a pool of ``jobs`` processes (default: the
-    CPU count; 1: in this process)."""
+    CPU count; 1: in this process), ``on_done(row)`` as each finishes. An interrupt cancels
+    the pending points and ends the running ones before it goes on up."""
     jobs = jobs or os.cpu_count() or 1
-    if jobs == 1:
-        return [_done(run_point(p), on_done) for p in points]
+    if jobs == 1 or len(points) <= 1:
+        return [_done(point_row(p), on_done) for p in points]
     from concurrent.futures import ProcessPoolExecutor, as_completed
     rows: List[Optional[dict]] = [None] * len(points)
-    with ProcessPoolExecutor(max_workers=min(jobs, len(points))) as pool:
-        futures = {pool.submit(run_point, p): i for i, p in enumerate(points)}
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(points)), initializer=_worker_start)
+    try:
+        futures = {pool.submit(point_row, p): i for i, p in enumerate(points)}
         for future in as_completed(futures):
             rows[futures[future]] = _done(future.result(), on_done)
+    except BaseException:
+        _stop(pool)
+        raise
+    pool.shutdown()
     return rows
 
 
-def run_ray(points: List[dict], address: str,
-            on_done: Callable[[dict], None] = lambda row: None) -> List[dict]:
+def _stop(pool) -> None:
+    """Cancel what has not started and end the workers now (Python 3.14 names this
+    ``terminate_workers``; before it, the pool's processes are its ``_processes``, which
+    ``shutdown`` forgets, so they are read first)."""
+    terminate = getattr(pool, "terminate_workers", None)
+    if terminate is not None:
+        terminate()
+        return
+    workers = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in workers:
+        process.terminate()
+    for process in workers:
+        process.join(10)
+
+
+def run_ray(points: List[dict], address: str, on_done: OnDone = lambda row: None) -> List[dict]:
     """Rows of ``points`` run as Ray tasks on the cluster at ``address`` (``ray.init``'s
-    address: ``auto``, ``ray://host:10001``, or ``local`` for a new local instance)."""
+    address: ``auto``, ``ray://host:10001``, or ``local`` for a new local instance); an
+    interrupt cancels the tasks not finished."""
     try:
         import ray
     except ImportError:
         raise ConfigError("--ray needs Ray: pip install 'vmemkv[ray]'") from None
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
-    task = ray.remote(run_point)
+    task = ray.remote(point_row)
     pending = {task.remote(p): i for i, p in enumerate(points)}
     rows: List[Optional[dict]] = [None] * len(points)
-    while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1)
-        for ref in ready:
-            rows[pending.pop(ref)] = _done(ray.get(ref), on_done)
+    try:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                rows[pending.pop(ref)] = _done(ray.get(ref), on_done)
+    except BaseException:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        raise
     return rows
 
 
-def _done(row: dict, on_done: Callable[[dict], None]) -> dict:
+def _done(row: dict, on_done: OnDone) -> dict:
     on_done(row)
     return row
 

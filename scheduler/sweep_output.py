@@ -5,7 +5,9 @@
 - ``utilisation_unit.png``: held utilisation (live / (live + end waste)) against the allocation
   unit in tokens (paged block, vmem page group), log x, one line per series (every varying
   parameter but the load and the unit sizes).
-Plots need matplotlib (the ``bench`` extra); without it the table is still written.
+Plots need matplotlib (the ``bench`` extra); without it the table is still written. Every file
+is written whole or not at all (scheduler/result_files.py). Rows with an ``error`` are in the
+table (their figures empty) and left out of the plots.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import csv
 import os
 from typing import Dict, List, Sequence, Tuple
 
+from .result_files import atomic_open, write_atomic
 from .sweep import PARAMS, tidy_columns, used_params
 
 LOAD_KEYS = ("arrival_rate", "rate_scale")
@@ -21,10 +24,9 @@ UNIT_KEYS = ("block_size", "page_bytes")
 
 def write_table(rows: Sequence[dict], out_dir: str) -> List[str]:
     """``sweep.csv`` (and ``sweep.parquet`` with pyarrow) in ``out_dir``; the paths written."""
-    os.makedirs(out_dir, exist_ok=True)
     cols = tidy_columns(rows)
     path = os.path.join(out_dir, "sweep.csv")
-    with open(path, "w", newline="", encoding="utf-8") as f:
+    with atomic_open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=cols)
         writer.writeheader()
         writer.writerows(rows)
@@ -35,8 +37,8 @@ def write_table(rows: Sequence[dict], out_dir: str) -> List[str]:
     except ImportError:
         return written
     table = pa.table({c: [row.get(c) for row in rows] for c in cols})
-    written.append(os.path.join(out_dir, "sweep.parquet"))
-    pq.write_table(table, written[-1])
+    written.append(write_atomic(os.path.join(out_dir, "sweep.parquet"),
+                                lambda tmp: pq.write_table(table, tmp)))
     return written
 
 
@@ -80,10 +82,7 @@ def _throughput_latency(plt, rows, path: str) -> str:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle("vmemkv sweep: throughput against latency")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _utilisation(plt, rows, path: str) -> str:
@@ -97,7 +96,12 @@ def _utilisation(plt, rows, path: str) -> str:
     ax.set_ylabel("held utilisation (live / held)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str) -> str:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    try:
+        return write_atomic(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+    finally:
+        plt.close(fig)

@@ -22,6 +22,7 @@ import io
 import json
 import math
 import random
+import zlib
 from dataclasses import dataclass, replace
 from datetime import datetime
 from importlib import resources
@@ -104,8 +105,8 @@ def _read_path(path: str) -> List[TraceEntry]:
     if path.endswith(".gz"):
         try:
             data = gzip.decompress(data)
-        except OSError as error:
-            raise ConfigError(f"trace {path}: not gzip ({error})") from None
+        except (OSError, EOFError, zlib.error) as error:   # not gzip, truncated, corrupt
+            raise ConfigError(f"trace {path}: not a whole gzip file ({error})") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
@@ -149,6 +150,8 @@ def _azure_seconds(stamp: str, where: str) -> float:
     """Seconds since the epoch of an Azure stamp (``2023-11-16 18:15:46.6805900``, 7 digits)."""
     day, _, frac = stamp.strip().partition(".")
     try:
+        if frac and not (frac.isascii() and frac.isdigit()):   # "46.5e3" would read as 500 s
+            raise ValueError(frac)
         whole = datetime.strptime(day, "%Y-%m-%d %H:%M:%S")
         fraction = float("0." + frac) if frac else 0.0
     except ValueError:
@@ -175,6 +178,10 @@ def _jsonl_rows(text: str, where: str) -> Iterator[TraceEntry]:
             obj = json.loads(line)
         except json.JSONDecodeError as error:
             raise ConfigError(f"{at}: not JSON ({error.msg})") from None
+        except ValueError as error:        # an int of more digits than Python converts
+            raise ConfigError(f"{at}: not a trace line ({error})") from None
+        except RecursionError:
+            raise ConfigError(f"{at}: JSON nested too deeply to be a trace line") from None
         if isinstance(obj, dict) and "input_length" in obj:
             yield _mooncake_entry(obj, at)
         else:

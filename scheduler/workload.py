@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Iterable, List, Optional, Tuple
 
 from .errors import ConfigError
+from .result_files import atomic_open
 
 WORKLOAD_RNGS = ("numpy", "python")
 Z95 = 1.6448536269514722  # standard normal 95th percentile
@@ -143,13 +144,16 @@ def scale_to_length(prompt_len: int, output_len: int, max_total_len: int) -> Tup
 
 
 def write_trace(path: str, entries: Iterable[TraceEntry]) -> None:
-    """Write ``entries`` as JSONL (one object per line)."""
-    with open(path, "w", encoding="utf-8") as f:
+    """Write ``entries`` as JSONL (one object per line), whole or not at all."""
+    with atomic_open(path, "w", encoding="utf-8") as f:
         for e in entries:
             obj = {"prompt_len": e.prompt_len, "output_len": e.output_len, "arrival_s": e.arrival_s}
             if e.hash_ids:
                 obj["hash_ids"] = list(e.hash_ids)
             f.write(json.dumps(obj) + "\n")
+
+
+MAX_TRACE_TOKENS = 10**9     # a request longer than this is a corrupt line, not a request
 
 
 def parse_trace_object(obj, where: str) -> TraceEntry:
@@ -168,8 +172,9 @@ def parse_entry(obj, where: str, keys: Tuple[str, str, str], units_per_second: f
     values = []
     for key in keys[:2]:
         v = obj.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ConfigError(f"{where}: {key} must be an int >= 1, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_TRACE_TOKENS:
+            shown = repr(v) if not isinstance(v, int) or v < 10**12 else f"{float(v):.3g}"
+            raise ConfigError(f"{where}: {key} must be an int in [1, {MAX_TRACE_TOKENS:,}], got {shown}")
         values.append(v)
     arrival = obj.get(keys[2], 0)
     if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:

@@ -7,7 +7,7 @@ zero-copy torch views. Importing this package needs neither torch nor cuda-pytho
 """
 from .driver import Driver, available_drivers, open_driver
 from .errors import (AlignmentError, AlreadyMappedError, ClosedError, DriverCallError,
-                     DriverUnavailableError, InsufficientMemoryError, NotMappedError, PageIndexError, PageStateError,
+                     DriverUnavailableError, ForkedError, InsufficientMemoryError, NotMappedError, PageIndexError, PageStateError,
                      PoolExhaustedError, VMemConfigError, VMemError)
 from .pool import PagePool
 from .vrange import VirtualRange
@@ -16,5 +16,5 @@ __all__ = [
     "Driver", "open_driver", "available_drivers", "PagePool", "VirtualRange",
     "VMemError", "VMemConfigError", "AlignmentError", "PageIndexError", "AlreadyMappedError",
     "NotMappedError", "PoolExhaustedError", "PageStateError", "ClosedError",
-    "DriverUnavailableError", "DriverCallError", "InsufficientMemoryError",
+    "DriverUnavailableError", "DriverCallError", "InsufficientMemoryError", "ForkedError",
 ]

@@ -127,6 +127,7 @@ class CudaDriver(Driver):
         the calling thread's context. A thread that had another context current (another
         device's) gets it back afterwards, so torch's current device is never changed; a thread
         with none keeps ours (no second switch per call on the mapper thread)."""
+        self._check_not_forked()     # a CUDA context does not survive fork()
         if self._context is None:
             raise ClosedError("this CudaDriver is closed")
         current = self._check("cuCtxGetCurrent", self._cu.cuCtxGetCurrent())
@@ -140,7 +141,10 @@ class CudaDriver(Driver):
                 self._check("cuCtxSetCurrent", self._cu.cuCtxSetCurrent(current))
 
     def close(self) -> None:
-        """Release our reference to the primary context (PyTorch keeps its own)."""
+        """Release our reference to the primary context (PyTorch keeps its own); in a forked
+        child only forgets it (no driver call can run there)."""
+        if self._forked:
+            self._context = None
         if getattr(self, "_context", None) is not None:
             self._context = None
             self._check("cuDevicePrimaryCtxRelease", self._cu.cuDevicePrimaryCtxRelease(self._cu_device))
@@ -224,8 +228,9 @@ class CudaDriver(Driver):
                 self._check("cuCtxSynchronize", self._cu.cuCtxSynchronize())
             self._check("cuMemUnmap", self._cu.cuMemUnmap(address, page_bytes))
 
-    def tensor(self, address: int, num_bytes: int):
+    def tensor(self, address: int, num_bytes: int, on_release=None):
         import torch
+        self._check_not_forked()
         if num_bytes == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.device)
-        return tensor_at(address, num_bytes, DLPACK_CUDA, self._index)
+        return tensor_at(address, num_bytes, DLPACK_CUDA, self._index, on_release=on_release)

@@ -11,13 +11,19 @@ belongs to no device, so that query fails. ``at::fromDLPack`` takes the device f
 and never asks.
 
 Ownership: each capsule's ``DLManagedTensor`` (with its shape) is one block from libc
-``malloc`` whose deleter is libc ``free``; torch calls it when the last tensor sharing the
-storage dies. No Python callback runs then, so it is safe at any time, even at interpreter exit.
-The bytes themselves are never owned: whoever mapped them keeps them alive.
+``malloc``; torch calls its deleter when the last tensor sharing the storage dies. Plain
+``tensor_at`` uses libc ``free`` as the deleter: no Python runs then. With ``on_release`` the
+deleter is a ctypes callback that frees the block and calls ``on_release()`` once (with the GIL,
+on whichever thread dropped the last reference; it never raises): that is how a
+``VirtualRange`` learns its last view is gone, so a range closed under a live view keeps the
+view's memory readable until then (vmem/vrange.py), as a torch storage keeps its own memory.
+The callback object is never freed and reads no module globals, so a tensor that dies during
+interpreter shutdown is still safe.
 """
 from __future__ import annotations
 
 import ctypes
+from typing import Callable, Dict, Optional
 
 __all__ = ["DLPACK_CPU", "DLPACK_CUDA", "tensor_at"]
 
@@ -51,6 +57,22 @@ _libc.malloc.argtypes = [ctypes.c_size_t]
 _libc.free.restype = None
 _libc.free.argtypes = [ctypes.c_void_p]
 _FREE_ADDRESS = ctypes.cast(_libc.free, ctypes.c_void_p).value
+_releases: Dict[int, Callable[[], None]] = {}   # block address -> its on_release
+
+
+def _free_and_release(block, _pop=_releases.pop, _free=_libc.free, _base=BaseException) -> None:
+    release = _pop(block, None)
+    _free(block)
+    if release is not None:
+        try:
+            release()
+        except _base:   # noqa: BLE001 -- a deleter must never raise into torch
+            pass
+
+
+_RELEASING_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_free_and_release)
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_RELEASING_DELETER))    # never freed, even at exit
+_RELEASING_ADDRESS = ctypes.cast(_RELEASING_DELETER, ctypes.c_void_p).value
 _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
@@ -61,11 +83,13 @@ def managed_block_bytes() -> int:
     return _BLOCK_BYTES
 
 
-def tensor_at(address: int, num_bytes: int, device_type: int, device_id: int = 0):
+def tensor_at(address: int, num_bytes: int, device_type: int, device_id: int = 0,
+              on_release: Optional[Callable[[], None]] = None):
     """A 1-D uint8 tensor over ``num_bytes`` at ``address`` on the given DLPack device.
 
-    The caller guarantees the bytes stay valid while the tensor lives; mapping state may change
-    underneath it (the tensor only holds an address).
+    The caller guarantees the bytes stay valid while the tensor lives (``on_release()`` is
+    called once when the last tensor sharing its storage dies; never when this raises); mapping
+    state may change underneath it (the tensor only holds an address).
     """
     import torch.utils.dlpack
     if num_bytes <= 0:
@@ -85,15 +109,18 @@ def tensor_at(address: int, num_bytes: int, device_type: int, device_id: int = 0
         managed.dl_tensor.strides = None   # compact row-major
         managed.dl_tensor.byte_offset = 0
         managed.manager_ctx = None
-        managed.deleter = _FREE_ADDRESS
+        managed.deleter = _FREE_ADDRESS if on_release is None else _RELEASING_ADDRESS
         capsule = _capsule_new(block, b"dltensor", None)
     except BaseException:
         _libc.free(block)
         raise
+    if on_release is not None:
+        _releases[block] = on_release
     try:
         return torch.utils.dlpack.from_dlpack(capsule)
     except BaseException:
         if _capsule_unconsumed(capsule):  # torch renames the capsule once it owns the block
+            _releases.pop(block, None)
             _libc.free(block)
         raise
 

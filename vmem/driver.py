@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, Sequence
 
+from . import forks
 from .errors import AlignmentError, DriverUnavailableError, VMemConfigError
 
 __all__ = ["Driver", "open_driver", "available_drivers"]
@@ -23,6 +24,12 @@ class Driver(ABC):
     """
 
     name: str = "abstract"
+    _forked = False          # set in a forked child (vmem/forks.py): page calls then refuse
+
+    def __new__(cls, *args, **kwargs):
+        driver = super().__new__(cls)
+        forks.track_driver(driver)
+        return driver
 
     @property
     @abstractmethod
@@ -65,8 +72,29 @@ class Driver(ABC):
         Default: nothing (the host driver's unmap never waits)."""
 
     @abstractmethod
-    def tensor(self, address: int, num_bytes: int):
-        """A zero-copy uint8 torch tensor over ``num_bytes`` at ``address``."""
+    def tensor(self, address: int, num_bytes: int, on_release=None):
+        """A zero-copy uint8 torch tensor over ``num_bytes`` at ``address``; ``on_release()``
+        is called once when the last tensor sharing its storage dies (vmem/dlpack.py)."""
+
+    def detach(self, address: int, handle: Any, page_bytes: int) -> bool:
+        """Make the mapping of ``handle`` at ``address`` this process's own copy, readable and
+        writable, no longer showing or changing the pool page: True when done (host: a private
+        copy-on-write mapping of the page), False when the driver cannot (default, and CUDA:
+        the address still maps the pool page). Used for views that outlive their range and in
+        a forked child."""
+        return False
+
+    def close_inherited(self, handles: Sequence[Any]) -> None:
+        """In a forked child: give back the child's copies of pages its parent created, never
+        the parent's (host: close the child's copies of the memfds). Default: nothing (CUDA:
+        no driver call can run in a child)."""
+
+    def _after_fork_in_child(self) -> None:
+        self._forked = True
+
+    def _check_not_forked(self) -> None:
+        if self._forked:
+            raise forks.forked_error(f"{self.name} driver")
 
     def copy(self, dst_address: int, src_address: int, num_bytes: int) -> None:
         """Copy bytes between two mapped regions (used for copy-on-write)."""

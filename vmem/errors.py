@@ -43,6 +43,12 @@ class ClosedError(VMemError, RuntimeError):
     """A driver, pool or range was used after ``close()``."""
 
 
+class ForkedError(VMemError, RuntimeError):
+    """A driver, pool or range was used in a process forked from the one that made it. The
+    child's copies are cut off from the parent's pages at the fork (``vmem/forks.py``); open a
+    new driver in the child instead."""
+
+
 class DriverUnavailableError(VMemError, RuntimeError):
     """The requested driver cannot run here (no GPU, no cuda-python, not Linux)."""
 

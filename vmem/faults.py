@@ -131,8 +131,22 @@ class FaultInjectingDriver(Driver):
         with self._lock:
             self._mapped.discard(address)
 
-    def tensor(self, address: int, num_bytes: int):
-        return self.inner.tensor(address, num_bytes)
+    def tensor(self, address: int, num_bytes: int, on_release=None):
+        return self.inner.tensor(address, num_bytes, on_release=on_release)
+
+    def detach(self, address: int, handle: Any, page_bytes: int) -> bool:
+        detached = self.inner.detach(address, handle, page_bytes)
+        if detached:             # no longer a mapping of a pool page
+            with self._lock:
+                self._mapped.discard(address)
+        return detached
+
+    def close_inherited(self, handles: Sequence[Any]) -> None:
+        self.inner.close_inherited(handles)
+
+    def _after_fork_in_child(self) -> None:
+        super()._after_fork_in_child()
+        self.inner._after_fork_in_child()
 
     def prepare_unmap(self, num_unmaps: int) -> None:
         self.inner.prepare_unmap(num_unmaps)

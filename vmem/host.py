@@ -6,6 +6,8 @@
     map            mmap(addr, page, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, memfd, offset)
     unmap          mmap(addr, page, PROT_NONE, MAP_FIXED|MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)
     free range     munmap(addr, size)
+    detach         mmap(addr, page, PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_FIXED, memfd, offset):
+                   copy-on-write, the pool page is never written through it again
     tensor         a DLPack capsule naming the CPU (vmem/dlpack.py), zero copy
 
 Unmapping replaces the page with a fresh PROT_NONE reservation rather than calling munmap, so the
@@ -50,6 +52,21 @@ def meminfo_bytes(field: str) -> int | None:
     return None
 
 
+def address_space_left_bytes() -> int | None:
+    """Bytes of address space this process may still map under its RLIMIT_AS (``ulimit -v``),
+    None when unlimited or unreadable. Reservations count against it, memory or not."""
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/status") as f:
+            used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    except (ImportError, OSError, StopIteration, ValueError):
+        return None
+    return max(0, soft - used)
+
+
 def _load_libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
@@ -88,10 +105,15 @@ class HostDriver(Driver):
         return "cpu"
 
     def available_bytes(self) -> int | None:
-        return meminfo_bytes("MemAvailable")
+        """MemAvailable, or less when ``ulimit -v`` leaves less address space to map it in."""
+        limits = [b for b in (meminfo_bytes("MemAvailable"), address_space_left_bytes())
+                  if b is not None]
+        return min(limits) if limits else None
 
     def _mmap(self, call: str, address: int | None, size: int, prot: int, flags: int,
               fd: int = -1, offset: int = 0) -> int:
+        if call != "detach":
+            self._check_not_forked()
         result = self._libc.mmap(address, size, prot, flags, fd, offset)
         if result in (None, MAP_FAILED):
             errno = ctypes.get_errno()
@@ -113,7 +135,12 @@ class HostDriver(Driver):
 
     def create_pages(self, num_pages: int, page_bytes: int) -> Sequence[HostPage]:
         self.check_page_bytes(page_bytes)
-        fd = os.memfd_create("vmemkv-pages", os.MFD_CLOEXEC)
+        self._check_not_forked()
+        try:
+            fd = os.memfd_create("vmemkv-pages", os.MFD_CLOEXEC)
+        except OSError as error:     # EMFILE (ulimit -n), ENFILE, ENOMEM
+            raise DriverCallError(f"create_pages: memfd_create failed: {error.strerror} "
+                                  f"(errno {error.errno}; a file-descriptor limit, ulimit -n?)") from None
         try:
             os.ftruncate(fd, num_pages * page_bytes)
             # Commit the whole budget now (shmem blocks), as cuMemCreate would: mapping
@@ -138,8 +165,21 @@ class HostDriver(Driver):
         self._mmap("unmap", address, page_bytes, PROT_NONE,
                    MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
 
-    def tensor(self, address: int, num_bytes: int):
+    def detach(self, address: int, handle: HostPage, page_bytes: int) -> bool:
+        self._mmap("detach", address, page_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED,
+                   handle.fd, handle.offset_bytes)
+        return True
+
+    def close_inherited(self, handles: Sequence[HostPage]) -> None:
+        for fd in {page.fd for page in handles}:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def tensor(self, address: int, num_bytes: int, on_release=None):
+        self._check_not_forked()
         if num_bytes == 0:
             import torch
             return torch.empty(0, dtype=torch.uint8)
-        return tensor_at(address, num_bytes, DLPACK_CPU)
+        return tensor_at(address, num_bytes, DLPACK_CPU, on_release=on_release)

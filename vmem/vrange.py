@@ -6,13 +6,25 @@
        (pool p3) (faults)    (pool p3 again: same bytes as page 0)
 
 Page ``i`` covers bytes [i * page_bytes, (i + 1) * page_bytes). The range remembers which pool
-page is mapped at each index; pools count mappings. Tensor views are zero copy and only valid
-while the range is open and the pages under them stay mapped.
+page is mapped at each index; pools count mappings. Tensor views are zero copy; reading a page
+that is not mapped faults (a caller bug), as it should.
+
+A view may outlive the range. The range counts its live views (each view's DLPack deleter
+tells it when the last tensor on that storage dies, vmem/dlpack.py); ``close()`` with views
+alive *retires* it: the pages go back to the pool's counts at once, but the address range stays
+reserved and each mapped page stays readable, detached from the pool page where the driver can
+(host: a private copy-on-write mapping, so a stale view never writes a page the pool hands out
+again; CUDA: it still shows the pool page), and the reservation is freed when the last view
+dies. So a tensor read after ``close()`` sees the bytes it held, never a segfault.
+Threads: the pool's lock guards every call (vmem/pool.py). Fork: vmem/forks.py.
 """
 from __future__ import annotations
 
+from typing import List, Optional
+
+from . import forks
 from .errors import (AlignmentError, AlreadyMappedError, ClosedError, NotMappedError,
-                     PageIndexError, VMemConfigError)
+                     PageIndexError, VMemConfigError, VMemError)
 from .pool import PagePool
 
 
@@ -22,54 +34,72 @@ class VirtualRange:
     def __init__(self, pool: PagePool, size_bytes: int) -> None:
         if not isinstance(size_bytes, int) or size_bytes < 1:
             raise VMemConfigError(f"a virtual range needs size_bytes >= 1, got {size_bytes!r}")
-        pool._check_open()
+        pool._check_usable()
         self.pool = pool
         self.driver = pool.driver
         self.page_bytes = pool.page_bytes
         self.num_pages = -(-size_bytes // self.page_bytes)
         self.size_bytes = self.num_pages * self.page_bytes
-        self.address = self.driver.reserve(self.size_bytes)
+        self._lock = pool._lock
         self._mapped: dict[int, int] = {}  # page index -> pool page id
-        self._closed = False
+        self._closed = self._forked = False
+        self._views = 0                    # live tensor storages over this range
+        self._aliased: Optional[List[int]] = None   # retired: indices still showing pool pages
+        with self._lock:
+            self.address = self.driver.reserve(self.size_bytes)
+            pool._ranges.add(self)
+        forks.track_range(self)
 
     # -- mapping --
     def map(self, page_index: int, page_id: int) -> None:
         """Map pool page ``page_id`` at ``page_index``."""
-        self._check_index(page_index)
-        if page_index in self._mapped:
-            raise AlreadyMappedError(f"page index {page_index} already has pool page "
-                                     f"{self._mapped[page_index]} mapped; unmap it first")
-        handle = self.pool._handle_for_mapping(page_id)
-        self.driver.map(self.address + page_index * self.page_bytes, handle, self.page_bytes)
-        self._mapped[page_index] = page_id
-        self.pool._count_mapping(page_id, +1)
+        with self._lock:
+            self._check_index(page_index, use=True)
+            if page_index in self._mapped:
+                raise AlreadyMappedError(f"page index {page_index} already has pool page "
+                                         f"{self._mapped[page_index]} mapped; unmap it first")
+            handle = self.pool._handle_for_mapping(page_id)
+            self.driver.map(self._page_address(page_index), handle, self.page_bytes)
+            self._mapped[page_index] = page_id
+            self.pool._count_mapping(page_id, +1)
 
     def unmap(self, page_index: int) -> int:
         """Unmap ``page_index``; returns the pool page that was there (still allocated)."""
-        self._check_index(page_index)
-        if page_index not in self._mapped:
-            raise NotMappedError(f"page index {page_index} has nothing mapped")
-        self.driver.unmap(self.address + page_index * self.page_bytes, self.page_bytes)
-        page_id = self._mapped.pop(page_index)
-        self.pool._count_mapping(page_id, -1)
-        return page_id
+        with self._lock:
+            self._check_index(page_index, use=True)
+            if page_index not in self._mapped:
+                raise NotMappedError(f"page index {page_index} has nothing mapped")
+            self.driver.unmap(self._page_address(page_index), self.page_bytes)
+            page_id = self._mapped.pop(page_index)
+            self.pool._count_mapping(page_id, -1)
+            return page_id
 
     def page_at(self, page_index: int) -> int | None:
         """The pool page mapped at ``page_index``, or None."""
-        self._check_index(page_index)
-        return self._mapped.get(page_index)
+        with self._lock:
+            self._check_index(page_index)
+            return self._mapped.get(page_index)
 
     def is_mapped(self, page_index: int) -> bool:
         return self.page_at(page_index) is not None
 
     def mapped_pages(self) -> dict[int, int]:
         """page index -> pool page id, for every mapped index (a copy)."""
-        self._check_open()
-        return dict(self._mapped)
+        with self._lock:
+            self._check_open()
+            return dict(self._mapped)
 
     @property
     def num_mapped_pages(self) -> int:
         return len(self._mapped)
+
+    @property
+    def live_views(self) -> int:
+        """Tensor storages made by ``tensor`` that are still alive (views of one count once)."""
+        return self._views
+
+    def _page_address(self, page_index: int) -> int:
+        return self.address + page_index * self.page_bytes
 
     # -- views --
     def tensor(self, offset_bytes: int = 0, num_bytes: int | None = None, dtype=None, shape=None):
@@ -77,40 +107,109 @@ class VirtualRange:
 
         ``offset_bytes`` and ``num_bytes`` must be multiples of the dtype's element size and lie
         inside the range. Reading bytes that are not mapped faults (host: SIGSEGV), so map
-        before you touch. ``shape`` defaults to 1-D.
+        before you touch. ``shape`` defaults to 1-D. The view keeps what is mapped under it
+        readable after ``close()`` (see the module docstring).
         """
         import torch
-        self._check_open()
         dtype = dtype or torch.uint8
-        if num_bytes is None:
-            num_bytes = self.size_bytes - offset_bytes
-        element_bytes = torch.empty(0, dtype=dtype).element_size()
+        with self._lock:
+            self._check_open()
+            self._check_not_forked()
+            if num_bytes is None:
+                num_bytes = self.size_bytes - offset_bytes
+            self._check_view(offset_bytes, num_bytes, dtype, torch.empty(0, dtype=dtype).element_size())
+            counted = num_bytes > 0
+            self._views += counted
+        try:
+            raw = self.driver.tensor(self.address + offset_bytes, num_bytes,
+                                     on_release=self._view_released if counted else None)
+        except BaseException:
+            if counted:
+                self._view_released()
+            raise
+        view = raw.view(dtype)
+        return view if shape is None else view.view(shape)
+
+    def _check_view(self, offset_bytes: int, num_bytes: int, dtype, element_bytes: int) -> None:
         if offset_bytes < 0 or num_bytes < 0 or offset_bytes + num_bytes > self.size_bytes:
             raise PageIndexError(f"bytes [{offset_bytes}, {offset_bytes + num_bytes}) lie outside "
                                  f"the range of {self.size_bytes} bytes")
         if offset_bytes % element_bytes or num_bytes % element_bytes:
             raise AlignmentError(f"offset {offset_bytes} and length {num_bytes} bytes must be "
                                  f"multiples of the {dtype} element size {element_bytes}")
-        view = self.driver.tensor(self.address + offset_bytes, num_bytes).view(dtype)
-        return view if shape is None else view.view(shape)
+
+    def _view_released(self) -> None:
+        """The DLPack deleter of a view's storage: any thread, never raises."""
+        with self._lock:
+            self._views -= 1
+            if self._views or self._aliased is None:
+                return
+            aliased, self._aliased = self._aliased, None
+        self._free_retired(aliased)
 
     def copy_page(self, dst_page_index: int, src_page_index: int) -> None:
         """Copy the bytes of one mapped page to another mapped page of this range."""
-        for index in (dst_page_index, src_page_index):
-            if not self.is_mapped(index):
-                raise NotMappedError(f"page index {index} has nothing mapped; cannot copy")
-        self.driver.copy(self.address + dst_page_index * self.page_bytes,
-                         self.address + src_page_index * self.page_bytes, self.page_bytes)
+        with self._lock:
+            self._check_not_forked()
+            for index in (dst_page_index, src_page_index):
+                if not self.is_mapped(index):
+                    raise NotMappedError(f"page index {index} has nothing mapped; cannot copy")
+            self.driver.copy(self._page_address(dst_page_index),
+                             self._page_address(src_page_index), self.page_bytes)
 
     # -- lifecycle --
     def close(self) -> None:
-        """Unmap every page (pages stay allocated in the pool) and free the reservation."""
-        if self._closed:
-            return
-        for page_index in sorted(self._mapped):
-            self.unmap(page_index)
-        self.driver.free_reservation(self.address, self.size_bytes)
-        self._closed = True
+        """Unmap every page (pages stay allocated in the pool) and free the reservation; with
+        views alive, retire instead (module docstring). In a forked child it frees only the
+        child's copy."""
+        with self._lock:
+            if self._closed:
+                return
+            if self._views or self._forked:
+                self._retire(detach=not self._forked)
+            else:
+                for page_index in sorted(self._mapped):
+                    self.unmap(page_index)
+                self.driver.free_reservation(self.address, self.size_bytes)
+            self._closed = True
+            self.pool._ranges.discard(self)
+
+    def _retire(self, detach: bool) -> None:
+        """Give every mapping back to the pool's counts; keep the addresses readable until the
+        last view dies (pages the driver cannot detach stay listed, to unmap then)."""
+        aliased = []
+        for page_index, page_id in sorted(self._mapped.items()):
+            if detach and not self._detach(page_index, page_id):
+                aliased.append(page_index)
+            self.pool._count_mapping(page_id, -1)
+        self._mapped.clear()
+        if self._views:
+            self._aliased = aliased
+        else:
+            self._free_retired(aliased)
+
+    def _detach(self, page_index: int, page_id: int) -> bool:
+        try:
+            return self.driver.detach(self._page_address(page_index),
+                                      self.pool._handle_of(page_id), self.page_bytes)
+        except VMemError:   # out of mappings, say: the page stays as it is, unmapped at the end
+            return False
+
+    def _free_retired(self, aliased: List[int]) -> None:
+        """Unmap what still shows pool pages, free the reservation. Never raises: it runs from
+        a tensor's deleter (a forked CUDA child can call nothing and frees nothing)."""
+        try:
+            for page_index in aliased:
+                self.driver.unmap(self._page_address(page_index), self.page_bytes)
+            self.driver.free_reservation(self.address, self.size_bytes)
+        except VMemError:
+            pass
+
+    def _after_fork_in_child(self) -> None:
+        """vmem/forks.py: detach every mapped page from the parent's; refuse page uses."""
+        self._forked = True
+        for page_index, page_id in self._mapped.items():
+            self._detach(page_index, page_id)
 
     @property
     def closed(self) -> bool:
@@ -120,8 +219,14 @@ class VirtualRange:
         if self._closed:
             raise ClosedError("virtual range used after close()")
 
-    def _check_index(self, page_index: int) -> None:
+    def _check_not_forked(self) -> None:
+        if self._forked:
+            raise forks.forked_error("virtual range")
+
+    def _check_index(self, page_index: int, use: bool = False) -> None:
         self._check_open()
+        if use:
+            self._check_not_forked()
         if not isinstance(page_index, int) or not 0 <= page_index < self.num_pages:
             raise PageIndexError(f"page index {page_index!r} outside the range's "
                                  f"0..{self.num_pages - 1}")

@@ -8,20 +8,20 @@ per-request metadata and does what FlashAttention's varlen call does on a GPU::
     paged  k_pool [num_blocks, block_size, Hkv, D] + block table  (block-table aware: no gather)
            request i reads its first ceil(ctx_i / block_size) blocks, tokens kv_start_i .. ctx_i-1
 
-The interleaved vmem layout (a layer's token rows strided, ``L`` rows apart) goes to per-request
-SDPA instead: the kernel measured 2.5x slower there (see ``_forward_vmem``; not yet understood,
-likely store-to-load aliasing of its accumulators against rows 1 KiB apart).
+The interleaved vmem layout's per-layer view (``k_all[:, :, layer]``, token rows ``layers x
+Hkv x D`` elements apart) is read in place the same way: the kernel takes the view's strides.
 
 Decode, prefill chunks and mixed batches go in the same call: every query row attends to keys
-``[kv_start, its position]`` (bottom-right causal). Grouped-query attention shares each loaded
-K/V row among the G query heads of its KV head (nothing is repeated). Everything the call needs
-besides q is built once per step (the step's ``StepMeta`` memo) and reused by every layer.
+``[kv_start, its position]`` (bottom-right causal), on a sliding-window layer only the last
+``window`` of them, with the layer's logit soft-cap applied to the scores. Grouped-query
+attention shares each loaded K/V row among the G query heads of its KV head (nothing is
+repeated): a prefill item holds up to 64 / G positions of one KV head, so 64 query rows share
+each K/V row. Everything the call needs besides q is built once per step (the step's
+``StepMeta`` memo) and reused by every layer.
 
-Prefill chunks are compute-bound and the kernel is a plain fp32 loop, not a GEMM: a request with
-more than ``sdpa_above_tokens`` (default 2) query tokens goes to per-request SDPA instead
-(measured: at 4+ query tokens SDPA's GEMMs win, docs/attention.md), so a step makes one kernel
-call for its decodes plus one SDPA call per prefill chunk; ``sdpa_above_tokens=None`` sends
-everything through the kernel (exact either way).
+``sdpa_above_tokens=N`` (default None: everything in the kernel) sends requests with more than
+N query tokens to per-request SDPA instead, the path before the kernel ran prefill (kept to
+time one against the other; measured in docs/attention.md). Exact either way.
 """
 from __future__ import annotations
 
@@ -34,19 +34,19 @@ import torch
 from . import native
 from .base import AttentionBackend, Availability, PagedLayerView, VMemLayerView
 from .errors import UnsupportedError
-from .kv import attend_one, paged_kv, per_request, vmem_kv
+from .kv import attend_one, paged_kv, vmem_kv
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_ROWS = 64              # query rows per work item in the kernel (positions x grouped heads)
-SDPA_ABOVE_TOKENS = 2      # query tokens past which a request's chunk goes to SDPA (measured)
+SDPA_ABOVE_TOKENS = None   # every request in the kernel (prefill measured faster than SDPA)
 SPLIT_MIN_KEYS = 256       # fewest keys in one split of a request's key range (4 tiles)
 
 
 class CpuVarlenBackend(AttentionBackend):
-    """The batch in one native call per layer (plus SDPA for long prefill chunks).
+    """The batch in one native call per layer: decodes, prefill chunks, windows, soft-caps.
 
     sdpa_above_tokens: requests with more query tokens than this run through per-request
-    SDPA; ``None`` sends every request through the kernel.
+    SDPA instead; ``None`` (the default) sends every request through the kernel.
     work_units: when a call has fewer work items than this (default: torch's thread count at
     the call), or up to 4x as many that do not share out evenly, each item's key range is split
     (flash-decoding: partial softmaxes merged exactly; see ``_with_splits``);
@@ -57,7 +57,7 @@ class CpuVarlenBackend(AttentionBackend):
     devices = frozenset({"cpu"})
     kinds = frozenset({"vmem", "paged"})
     supports_kv_starts = True
-    layer_features = frozenset({"window", "softcap"})   # soft-capped / windowed prefill: per request
+    layer_features = frozenset({"window", "softcap"})   # both in the kernel
 
     def __init__(self, sdpa_above_tokens: Optional[int] = SDPA_ABOVE_TOKENS,
                  work_units: Optional[int] = None, split_min_keys: int = SPLIT_MIN_KEYS) -> None:
@@ -76,10 +76,6 @@ class CpuVarlenBackend(AttentionBackend):
         return Availability(not why, why)
 
     def _forward_vmem(self, q, view: VMemLayerView, scale):
-        if _interleaved(view.k_cache) or _interleaved(view.v_cache):
-            # measured: the kernel on the interleaved layout's strided token rows (small-llama,
-            # 64 decodes, 1 KiB between a layer's rows) took 4.3 ms against sdpa's 1.7 ms
-            return per_request(q, view, scale)
         return self._forward(q, view, scale, view.k_cache, view.v_cache, vmem_kv)
 
     def _forward_paged(self, q, view: PagedLayerView, scale):
@@ -90,24 +86,21 @@ class CpuVarlenBackend(AttentionBackend):
         if heads // kv_heads > MAX_ROWS:
             raise UnsupportedError(f"cpu-varlen takes at most {MAX_ROWS} query heads per KV head; "
                                    f"got {heads}/{kv_heads}")
-        if view.softcap is not None or (view.window is not None and not view.lens.is_decode):
-            # the kernel has no soft-cap and no per-row window mask (a decode's window is its
-            # key start alone): those layers take the per-request path, which has both
-            return per_request(q, view, scale)
         split = _Split(self.work_units or torch.get_num_threads(), self.split_min_keys)
-        key = ("cpu-varlen", view.kv_starts, heads, kv_heads, self.sdpa_above_tokens, split)
-        meta = view.memo(key, lambda: _step_metadata(view, kv_heads, heads // kv_heads,
-                                                     self.sdpa_above_tokens, split))
+        key = ("cpu-varlen", view.kv_starts, view.window, heads, kv_heads, self.sdpa_above_tokens, split)
+        meta = view.memo(key, lambda: _Meta(view, kv_heads, heads // kv_heads,
+                                            self.sdpa_above_tokens, split))
         out = torch.empty(q.shape, dtype=torch.float32)
         if meta.items.shape[0]:
-            _call(q.float().contiguous(), out, k, v, meta, scale)
+            _call(q.float().contiguous(), out, k, v, meta, scale, view)
         if not meta.sdpa_requests:
             return out if q.dtype == torch.float32 else out.to(q.dtype)
         out = out.to(q.dtype)
-        for i in meta.sdpa_requests:   # long prefill chunks: compute-bound, SDPA's GEMMs win
+        for i in meta.sdpa_requests:   # the sdpa_above_tokens option: SDPA per prefill chunk
             start, n = view.lens.q_starts[i], view.lens.query_lens[i]
             kk, vv = kv_of(view, i)
-            out[start:start + n] = attend_one(q[start:start + n], kk, vv, scale)
+            out[start:start + n] = attend_one(q[start:start + n], kk, vv, scale, False,
+                                              view.window, view.softcap)
         return out
 
 
@@ -119,8 +112,9 @@ class _Meta:
         lens = view.lens
         self.sdpa_requests = [i for i, n in enumerate(lens.query_lens)
                               if sdpa_above is not None and n > sdpa_above]
-        items = _work_items(lens, view.kv_starts, set(self.sdpa_requests), kv_heads, group)
-        items = _with_splits(items, lens, view.kv_starts, split)
+        items = _work_items(lens, view.kv_starts, set(self.sdpa_requests), kv_heads, group,
+                            view.window)
+        items = _with_splits(items, lens, view.kv_starts, split, view.window)
         self.items = torch.tensor(items, dtype=torch.int64).reshape(-1, 6)
         self.ctx = torch.tensor(lens.context_lens, dtype=torch.int64)
         self.qlen = torch.tensor(lens.query_lens, dtype=torch.int64)
@@ -139,19 +133,34 @@ class _Meta:
                      self.items.shape[0])
 
 
-def _work_items(lens, kv_starts, skip: set, kv_heads: int, group: int) -> list:
+def _work_items(lens, kv_starts, skip: set, kv_heads: int, group: int,
+                window: Optional[int] = None) -> list:
     """(request, p0, np, h0, nh) per kernel work item, longest key range first (so dynamic
-    scheduling ends on short items). An item takes as many KV heads as fit in MAX_ROWS query
-    rows, all of them for the usual GQA shapes, so it reads whole token rows ``[Hkv, D]``
-    sequentially (splitting heads across items to feed more threads made each item read part
-    of every token row: measured 2-10x slower), and as many query positions as still fit."""
-    heads = min(kv_heads, max(1, MAX_ROWS // group))
-    per_item = max(1, MAX_ROWS // (group * heads))       # query positions per item
-    items = [(i, p0, min(per_item, n - p0), h, min(heads, kv_heads - h))
-             for i, n in enumerate(lens.query_lens) if i not in skip
-             for p0 in range(0, n, per_item) for h in range(0, kv_heads, heads)]
-    items.sort(key=lambda it: -(lens.context_lens[it[0]] - kv_starts[it[0]]))
+    scheduling ends on short items). Positions first: an item takes as many of a request's
+    query positions as fit in MAX_ROWS rows of one KV head (a prefill chunk: 64 / G positions
+    share each loaded K/V row), then as many KV heads as still fit, all of them for a decode
+    of the usual GQA shapes, so a decode item reads whole token rows ``[Hkv, D]``
+    sequentially (splitting a token row's heads across items to feed more threads made each
+    item read part of every token row: measured 2-10x slower)."""
+    items = []
+    for i, n in enumerate(lens.query_lens):
+        if i in skip:
+            continue
+        per_item = min(n, max(1, MAX_ROWS // group))             # query positions per item
+        heads = min(kv_heads, max(1, MAX_ROWS // (group * per_item)))
+        items += [(i, p0, min(per_item, n - p0), h, min(heads, kv_heads - h))
+                  for p0 in range(0, n, per_item) for h in range(0, kv_heads, heads)]
+    items.sort(key=lambda it: -_item_keys(lens, kv_starts, window, it))
     return items
+
+
+def _item_keys(lens, kv_starts, window: Optional[int], item) -> int:
+    """Keys an item (request i, p0, np, ...) reads: from its first key (kv_start or, on a
+    windowed layer, its first row's window start; the kernel's item_lo) to its last row."""
+    i, p0, n = item[:3]
+    first_pos = lens.context_lens[i] - lens.query_lens[i] + p0
+    first = kv_starts[i] if window is None else max(kv_starts[i], first_pos - window + 1)
+    return first_pos + n - first
 
 
 def _splits_wanted(num_items: int, units: int) -> int:
@@ -173,32 +182,21 @@ class _Split(NamedTuple):
     min_keys: int
 
 
-def _with_splits(items: list, lens, kv_starts, split: _Split) -> list:
+def _with_splits(items: list, lens, kv_starts, split: _Split, window: Optional[int] = None) -> list:
     """Each item with its number of key-range splits appended: ceil(units / items) below
     ``split.units`` items; from units to 4 x units items, when they do not share out evenly
     (3 items on 2 threads leave one idle a third of the time), the fewest splits that leave
     at most 10% of the threads' rounds idle (3 items on 2 units: 2 each, 6 units); else 1.
-    Fewer where the item's key range [kv_start, last row's position] would give a split under
+    Fewer where the item's key range (``_item_keys``) would give a split under
     ``split.min_keys`` keys."""
     want = _splits_wanted(len(items), split.units)
     if want == 1:
         return [it + (1,) for it in items]
     out = []
-    for i, p0, n, h0, nh in items:
-        keys = lens.context_lens[i] - lens.query_lens[i] + p0 + n - kv_starts[i]
-        out.append((i, p0, n, h0, nh, max(1, min(want, keys // split.min_keys))))
+    for item in items:
+        keys = _item_keys(lens, kv_starts, window, item)
+        out.append(item + (max(1, min(want, keys // split.min_keys)),))
     return out
-
-
-def _step_metadata(view, kv_heads: int, group: int, sdpa_above: Optional[int],
-                   split: _Split) -> _Meta:
-    return _Meta(view, kv_heads, group, sdpa_above, split)
-
-
-def _interleaved(cache: torch.Tensor) -> bool:
-    """True when a cache's token rows are not back to back (the interleaved layout's per-layer
-    view ``k_all[:, :, layer]``): the kernel is slower than per-request SDPA there."""
-    return cache.stride(1) != cache.shape[2] * cache.shape[3]
 
 
 def _ptr(t: Optional[torch.Tensor]):
@@ -213,12 +211,13 @@ def _strides(stride: tuple) -> tuple:
 
 
 def _call(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: _Meta,
-          scale: float) -> None:
-    """One kernel call; q fp32 contiguous [T, H, D], out fp32 [T, H, D] (written in place)."""
+          scale: float, view) -> None:
+    """One kernel call; q fp32 contiguous [T, H, D], out fp32 [T, H, D] (written in place);
+    the layer's window and soft-cap from ``view`` (0: none)."""
     _, _, kv_heads, head_dim = k.shape
     rc = native.kernel()(
         _ptr(q), _ptr(out), _ptr(k), _ptr(v), DTYPE_CODES[k.dtype], _strides(k.stride())[1],
         _strides(v.stride())[1], *meta.args, q.shape[1], kv_heads, head_dim, scale,
-        torch.get_num_threads())
+        view.window or 0, view.softcap or 0.0, torch.get_num_threads())
     if rc:
         raise MemoryError("cpu-varlen: the kernel could not allocate its scratch memory")

@@ -1,17 +1,35 @@
 /* cpu_varlen_math.h: the fp32 arithmetic of cpu_varlen.c, none of it about caches or items.
  *
- * K/V row conversion (bf16, fp16 -> fp32), softmax's exp on one and on eight lanes, dot products
- * reduced eight at a time in one shuffle tree, axpy over tiles with the accumulator in registers,
- * and the online softmax of one query row over one tile. Included by cpu_varlen.c only (native.py
- * hashes both files into the build's key).
+ * One vector type `vf` of VW fp32 lanes (16 with AVX-512, else 8; GCC vector extensions, so
+ * other CPUs get plain loops), K/V loads converting bf16 / fp16 to fp32 in registers, the
+ * transpose-reduction of VW partial dot products into one vector of VW scores, exp and tanh
+ * on VW lanes. Included by cpu_varlen.c only (native.py hashes both files into the build's key).
  */
 #ifndef VK_CPU_VARLEN_MATH_H
 #define VK_CPU_VARLEN_MATH_H
 #include <float.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__) && (defined(__F16C__) || defined(__AVX512F__))
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define HAVE_DPBF16 1     /* vdpbf16ps: 32 bf16 products, exact in fp32, summed into 16 lanes */
+#endif
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef uint16_t vhu __attribute__((vector_size(VW * 2), aligned(2)));
+#define ALWAYS inline __attribute__((always_inline))
 
 static inline float half_to_float(uint16_t h) {
 #ifdef __FLT16_MAX__
@@ -28,21 +46,79 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-/* n elements of one K or V row (any dtype) -> fp32 */
-static inline void load_row(float *dst, const void *base, int64_t off, int dtype, int64_t d) {
-    if (dtype == DT_F32) {
-        memcpy(dst, (const float *)base + off, (size_t)d * sizeof(float));
-    } else if (dtype == DT_BF16) {
-        const uint16_t *src = (const uint16_t *)base + off;
-        #pragma omp simd
-        for (int64_t x = 0; x < d; x++) { uint32_t b = (uint32_t)src[x] << 16; memcpy(&dst[x], &b, 4); }
-    } else {
-        const uint16_t *src = (const uint16_t *)base + off;
-        for (int64_t x = 0; x < d; x++) dst[x] = half_to_float(src[x]);
-    }
+static ALWAYS vf splat(float x) { return (vf){0} + x; }
+static ALWAYS vf ldf(const float *p) { return *(const vfu *)p; }
+static ALWAYS void stf(float *p, vf x) { *(vfu *)p = x; }
+
+/* VW elements of a K or V row (dtype dt, a constant where it matters) at element offset off,
+ * as fp32: bf16 is the top half of an fp32, fp16 goes through F16C where the CPU has it. */
+static ALWAYS vf ld_kv(const void *base, int64_t off, int dt) {
+    if (dt == DT_F32) return ldf((const float *)base + off);
+    const uint16_t *src = (const uint16_t *)base + off;
+    if (dt == DT_BF16) return (vf)(__builtin_convertvector(*(const vhu *)src, vi) << 16);
+#if VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
+#elif VW == 8 && defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+#else
+    vf out;
+    for (int t = 0; t < VW; t++) out[t] = half_to_float(src[t]);
+    return out;
+#endif
 }
 
-/* exp(x) for x <= 0 (softmax after subtracting the max), vectorisable, ~1 ulp; 0 below -87. */
+/* one element of a K or V row as fp32 (the tail of a head size that is no multiple of VW) */
+static ALWAYS float ld_one(const void *base, int64_t off, int dt) {
+    if (dt == DT_F32) return ((const float *)base)[off];
+    const uint16_t h = ((const uint16_t *)base)[off];
+    if (dt == DT_BF16) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
+    return half_to_float(h);
+}
+
+#ifdef HAVE_DPBF16
+/* acc + pairwise products of 32 bf16 of q and of k (lane t: q[2t] k[2t] + q[2t+1] k[2t+1]) */
+static ALWAYS vf dot_bf16(vf acc, const uint16_t *q, __m512i k) {
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_loadu_si512(q), (__m512bh)k);
+}
+#endif
+
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
+#endif
+
+/* {sum(a[0]), ..., sum(a[VW-1])}: VW horizontal sums in one vector by a transpose-and-add
+ * tree (log2(VW) levels; 45 operations for 16 sums on AVX-512 instead of 16 x 8). Level one
+ * adds neighbouring lanes of each pair of inputs, each later level neighbouring groups twice
+ * as wide, until lane t holds the whole sum of input t. */
+static ALWAYS vf hsum_rows(const vf *a) {
+    vf x[VW / 2], y[VW / 4];
+#if VW == 16
+    vf z[2];
+    for (int t = 0; t < 8; t++)
+        x[t] = SHUF(a[2 * t], a[2 * t + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+               SHUF(a[2 * t], a[2 * t + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    for (int t = 0; t < 4; t++)
+        y[t] = SHUF(x[2 * t], x[2 * t + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               SHUF(x[2 * t], x[2 * t + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    for (int t = 0; t < 2; t++)
+        z[t] = SHUF(y[2 * t], y[2 * t + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               SHUF(y[2 * t], y[2 * t + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    return SHUF(z[0], z[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUF(z[0], z[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+#else
+    for (int t = 0; t < 4; t++)
+        x[t] = SHUF(a[2 * t], a[2 * t + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               SHUF(a[2 * t], a[2 * t + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int t = 0; t < 2; t++)
+        y[t] = SHUF(x[2 * t], x[2 * t + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               SHUF(x[2 * t], x[2 * t + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return SHUF(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#endif
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max), ~1 ulp; 0 below -87. */
 static inline float exp_nonpos(float x) {
     float xc = x < -87.0f ? -87.0f : x;
     float n = __builtin_floorf(xc * 1.44269504088896341f + 0.5f);
@@ -59,150 +135,37 @@ static inline float exp_nonpos(float x) {
     return x < -87.0f ? 0.0f : p * two_n;
 }
 
-/* 8 fp32 lanes (GCC vector extension: AVX with -march=native, plain loops elsewhere) */
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v8u __attribute__((vector_size(32), aligned(4)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-static inline v8 ld8(const float *p) { return *(const v8u *)p; }
-static inline void st8(float *p, v8 x) { *(v8u *)p = x; }
-static inline float hsum8(v8 x) {
-    return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7]));
-}
-
-/* q . k over d (a multiple of 8) as 8 partial sums */
-static inline v8 dot_partial(const float *q, const float *k, int64_t d) {
-    v8 s0 = {0}, s1 = {0};
-    int64_t x = 0;
-    for (; x + 16 <= d; x += 16) { s0 += ld8(q + x) * ld8(k + x); s1 += ld8(q + x + 8) * ld8(k + x + 8); }
-    if (x < d) s0 += ld8(q + x) * ld8(k + x);
-    return s0 + s1;
-}
-
-static inline float dot(const float *a, const float *b, int64_t d) {
-    if (d % 8 == 0) return hsum8(dot_partial(a, b, d));
-    float sum = 0.0f;
-    for (int64_t x = 0; x < d; x++) sum += a[x] * b[x];
-    return sum;
-}
-
-/* acc[0:d] += p * row[0:d] */
-static inline void axpy(float *acc, float p, const float *row, int64_t d) {
-    int64_t x = 0;
-    if (d % 8 == 0) {
-        const v8 pv = {p, p, p, p, p, p, p, p};
-        for (; x < d; x += 8) st8(acc + x, ld8(acc + x) + pv * ld8(row + x));
-        return;
-    }
-    for (; x < d; x++) acc[x] += p * row[x];
-}
-
-
-#if defined(__clang__)
-#define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUF(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
-#endif
-
-/* {hsum(a0), ..., hsum(a7)}: the eight horizontal sums in one vector (21 ops, not 8 x 6) */
-static inline v8 hsum8x8(const v8 *a) {
-    v8 x[4], y[2];
-    for (int t = 0; t < 4; t++)
-        x[t] = SHUF(a[2 * t], a[2 * t + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-               SHUF(a[2 * t], a[2 * t + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-    for (int t = 0; t < 2; t++)
-        y[t] = SHUF(x[2 * t], x[2 * t + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-               SHUF(x[2 * t], x[2 * t + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-    return SHUF(y[0], y[1], 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(y[0], y[1], 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
-
-/* s[j] = q . rows[j][off:off+d] for j < n (q already scaled) */
-static inline void tile_scores(float *s, const float *q, const float *const *rows, int64_t off,
-                               int64_t n, int64_t d) {
-    int64_t j = 0;
-    if (d % 8 == 0) {
-        v8 part[8];
-        for (; j + 8 <= n; j += 8) {
-            for (int t = 0; t < 8; t++) part[t] = dot_partial(q, rows[j + t] + off, d);
-            st8(s + j, hsum8x8(part));
-        }
-    }
-    for (; j < n; j++) s[j] = dot(q, rows[j] + off, d);
-}
-
-/* acc[0:d] += sum_j p[j] * rows[j][off:off+d], 32 lanes of acc held in registers at a time */
-static inline void tile_axpy(float *acc, const float *p, const float *const *rows, int64_t off,
-                             int64_t n, int64_t d) {
-    int64_t x = 0;
-    if (d % 8 == 0) {
-        for (; x + 32 <= d; x += 32) {
-            v8 a0 = ld8(acc + x), a1 = ld8(acc + x + 8), a2 = ld8(acc + x + 16), a3 = ld8(acc + x + 24);
-            for (int64_t j = 0; j < n; j++) {
-                const float *r = rows[j] + off + x;
-                const v8 pv = {p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j]};
-                a0 += pv * ld8(r); a1 += pv * ld8(r + 8); a2 += pv * ld8(r + 16); a3 += pv * ld8(r + 24);
-            }
-            st8(acc + x, a0); st8(acc + x + 8, a1); st8(acc + x + 16, a2); st8(acc + x + 24, a3);
-        }
-        for (; x < d; x += 8) {
-            v8 a0 = ld8(acc + x);
-            for (int64_t j = 0; j < n; j++) {
-                const v8 pv = {p[j], p[j], p[j], p[j], p[j], p[j], p[j], p[j]};
-                a0 += pv * ld8(rows[j] + off + x);
-            }
-            st8(acc + x, a0);
-        }
-        return;
-    }
-    for (int64_t j = 0; j < n; j++) axpy(acc, p[j], rows[j] + off, d);
-}
-
-/* exp_nonpos on 8 lanes at once (the same clamp, range reduction and polynomial) */
-static inline v8 exp8_nonpos(v8 x) {
-    const v8 lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
-    const v8i under = x < lo;                                     /* lanes that give 0 */
-    const v8 xc = (v8)(((v8i)x & ~under) | ((v8i)lo & under));
-    const v8 y = xc * 1.44269504088896341f + 0.5f;
-    v8 n = __builtin_convertvector(__builtin_convertvector(y, v8i), v8);   /* trunc, then */
-    n += __builtin_convertvector(n > y, v8);                      /* floor: -1 where it rounded up */
-    const v8 r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+/* exp_nonpos on VW lanes at once (the same clamp, range reduction and polynomial) */
+static ALWAYS vf expv_nonpos(vf x) {
+    const vf lo = splat(-87.0f);
+    const vi under = x < lo;                                      /* lanes that give 0 */
+    const vf xc = (vf)(((vi)x & ~under) | ((vi)lo & under));
+    const vf y = xc * 1.44269504088896341f + 0.5f;
+    vf n = __builtin_convertvector(__builtin_convertvector(y, vi), vf);   /* trunc, then */
+    n += __builtin_convertvector(n > y, vf);                      /* floor: -1 where it rounded up */
+    const vf r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+    vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const v8i two_n = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return (v8)((v8i)(p * (v8)two_n) & ~under);
+    const vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
+    return (vf)((vi)(p * (vf)two_n) & ~under);
 }
 
-/* softmax numerators of one row's visible scores sr[0:lim], folded into (m, l, acc) online */
-static inline void online_softmax(float *sr, int64_t lim, float *m, float *l, float *acc, int64_t d) {
-    float mx = -FLT_MAX, sum = 0.0f;
-    int64_t j = 0;
-    if (lim >= 8) {
-        v8 vm = ld8(sr);
-        for (j = 8; j + 8 <= lim; j += 8) {
-            const v8 x = ld8(sr + j);
-            const v8i gt = x > vm;
-            vm = (v8)(((v8i)x & gt) | ((v8i)vm & ~gt));
-        }
-        for (int k = 0; k < 8; k++) mx = vm[k] > mx ? vm[k] : mx;
-    }
-    for (; j < lim; j++) mx = sr[j] > mx ? sr[j] : mx;
-    const float newm = mx > *m ? mx : *m, corr = exp_nonpos(*m - newm);
-    v8 vs = {0};
-    for (j = 0; j + 8 <= lim; j += 8) {
-        const v8 e = exp8_nonpos(ld8(sr + j) - newm);
-        st8(sr + j, e);
-        vs += e;
-    }
-    for (; j < lim; j++) { sr[j] = exp_nonpos(sr[j] - newm); sum += sr[j]; }
-    sum += hsum8(vs);
-    if (corr != 1.0f)
-        for (int64_t x = 0; x < d; x++) acc[x] *= corr;
-    *l = *l * corr + sum;
-    *m = newm;
+/* cap * tanh(x / cap) on VW lanes: tanh(|y|) = (1 - e) / (1 + e) with e = exp(-2|y|), the
+ * sign put back. Absolute error ~cap * 2^-23 (the reference computes the same in fp32). */
+static ALWAYS vf softcapv(vf x, float cap) {
+    const vf y = x / cap;
+    const vi sign = (vi)y & (vi)splat(-0.0f);
+    const vf ay = (vf)((vi)y & ~(vi)splat(-0.0f));
+    const vf e = expv_nonpos(-2.0f * ay);
+    const vf t = (1.0f - e) / (1.0f + e);
+    return (vf)((vi)t | sign) * cap;
 }
+
+static ALWAYS vf maxv(vf a, vf b) { const vi gt = a > b; return (vf)(((vi)a & gt) | ((vi)b & ~gt)); }
+static ALWAYS vf selectv(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
 #endif

@@ -1,10 +1,12 @@
 """Build and load ``cpu_varlen.c`` (the ``cpu-varlen`` backend's kernel) through ctypes.
 
-The source is compiled once per (source, compiler flags, CPU) into a per-user cache folder
-(``$VMEMKV_CACHE_DIR`` or ``~/.cache/vmemkv``) with the system C compiler: about a second, no
-torch headers. ``-march=native`` is safe because the CPU's model and flags are part of the key.
-``kernel()`` returns the loaded function, or raises :class:`KernelBuildError` saying why (no
-compiler, a failed build); ``why_unavailable()`` gives that reason without raising.
+A C source is compiled once per (source and its headers, compiler flags, CPU) into a per-user
+cache folder (``$VMEMKV_CACHE_DIR`` or ``~/.cache/vmemkv``) with the system C compiler: a few
+seconds, no torch headers. ``-march=native`` is safe because the CPU's model and flags are part
+of the key. ``kernel()`` returns the loaded attention function, or raises
+:class:`KernelBuildError` saying why (no compiler, a failed build); ``why_unavailable()`` gives
+that reason without raising. ``library(source)`` builds and loads any other source the same way
+(the yardsticks' native loops, ``benchmarks/yardstick.c``).
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from pathlib import Path
 from .errors import AttentionError
 
 SOURCE = Path(__file__).with_name("cpu_varlen.c")
-HEADERS = (Path(__file__).with_name("cpu_varlen_math.h"),)   # included by SOURCE: part of the key
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_varlen_math.h", "cpu_varlen_tile.h"))
+# ^ included by SOURCE: part of the key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120
 
@@ -48,38 +51,55 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _build(cc: str) -> Path:
-    source = SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+def _build(cc: str, source_path: Path, headers: tuple) -> Path:
+    source = source_path.read_bytes() + b"".join(h.read_bytes() for h in headers)
     key = hashlib.sha256(source + " ".join((cc,) + FLAGS).encode() + _cpu_key().encode())
-    target = _cache_dir() / f"cpu_varlen-{key.hexdigest()[:16]}.so"
+    target = _cache_dir() / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:   # build, then rename: atomic
         out = Path(tmp) / target.name
-        run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True,
-                             text=True, timeout=BUILD_TIMEOUT_S)
+        run = subprocess.run([cc, *FLAGS, str(source_path), "-o", str(out), "-lm"],
+                             capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if run.returncode:
-            raise KernelBuildError(f"{cc} failed to build {SOURCE.name} (exit {run.returncode}): "
-                                   f"{run.stderr.strip()[-400:]}")
+            raise KernelBuildError(f"{cc} failed to build {source_path.name} (exit "
+                                   f"{run.returncode}): {run.stderr.strip()[-400:]}")
         os.replace(out, target)
     return target
+
+
+@lru_cache(maxsize=8)
+def _library(source: Path, headers: tuple = ()):
+    """(CDLL, "") or (None, why not): built and loaded once per process."""
+    cc = _compiler()
+    if cc is None:
+        return None, f"no C compiler (cc/gcc, or $CC) to build {source.name}"
+    try:
+        return ctypes.CDLL(str(_build(cc, source, headers))), ""
+    except (OSError, subprocess.SubprocessError, KernelBuildError) as error:
+        return None, f"{source.name} unavailable: {error}"
+
+
+def library(source: Path, headers: tuple = ()) -> ctypes.CDLL:
+    """``source`` (and the ``headers`` it includes) built with the kernel's flags and loaded;
+    :class:`KernelBuildError` if it cannot be."""
+    lib, why = _library(Path(source), tuple(Path(h) for h in headers))
+    if lib is None:
+        raise KernelBuildError(why)
+    return lib
 
 
 @lru_cache(maxsize=1)
 def _load():
     """(function, "") or (None, why not): built and loaded once per process."""
-    cc = _compiler()
-    if cc is None:
-        return None, "no C compiler (cc/gcc, or $CC) to build the cpu-varlen kernel"
-    try:
-        lib = ctypes.CDLL(str(_build(cc)))
-    except (OSError, subprocess.SubprocessError, KernelBuildError) as error:
-        return None, f"cpu-varlen kernel unavailable: {error}"
+    lib, why = _library(SOURCE, HEADERS)
+    if lib is None:
+        return None, f"cpu-varlen kernel unavailable: {why}"
     fn = lib.vk_attention
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, p, p, p, ctypes.c_int, p, p, p, p, i64, i64, p, p, p, p, p, i64,
-                   i64, i64, i64, ctypes.c_float, ctypes.c_int]
+                   i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn, ""
 

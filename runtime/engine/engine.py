@@ -34,7 +34,7 @@ from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 from .config import EngineConfig, cache_budget_bytes, check_engine_arguments, page_rounded_context
 from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine, kv_heads_per_rank,
                               start_tensor_parallel)
-from .errors import EngineConfigError, RequestRejectedError, TensorParallelError
+from .errors import EngineClosedError, EngineConfigError, RequestRejectedError, TensorParallelError
 from .lifecycle import RequestLifecycle
 from .statistics import EngineStatistics
 from .model_runner import ModelRunner
@@ -43,7 +43,7 @@ from .chat import chat_prompts
 from .request_state import OnToken, RequestState, SampleRecord, new_request, new_samples
 from .sampler import Sampler
 from .sampling import SamplingParams, per_prompt
-from .prompts import check_request_params, encode_prompt
+from .prompts import check_prompt_batch, check_request_params, encode_prompt
 from .self_check import self_check
 
 Prompt = Union[Sequence[int], str]
@@ -62,6 +62,7 @@ class Engine(RequestLifecycle, EngineStatistics):
         except TypeError as error:
             raise EngineConfigError(f"unknown engine option: {error}") from None
         self.model, self.tokenizer = model, tokenizer
+        self._closed = False     # close() sets it; add_request then refuses (EngineClosedError)
         param = next(model.parameters())
         self.device, self.vocab_size = param.device, model.config.get_text_config().vocab_size
         check_model_supported(model, cfg.max_context)   # before anything is built
@@ -145,7 +146,11 @@ class Engine(RequestLifecycle, EngineStatistics):
     def add_request(self, prompt: Prompt, sampling: Optional[SamplingParams] = None,
                     on_token: Optional[OnToken] = None, index: int = 0) -> int:
         """Queue one prompt (token ids, or text with a tokenizer); returns its request id.
-        Raises RequestRejectedError (nothing queued) when it is invalid or could never fit."""
+        Raises RequestRejectedError (nothing queued) when it is invalid or could never fit,
+        EngineClosedError after ``close()``."""
+        if self._closed:
+            raise EngineClosedError("add_request after close(): this engine's cache is released; "
+                                    "build a new Engine")
         params = sampling or SamplingParams()
         ids, text = self._encode(prompt, index)
         check_request_params(params, self.tokenizer, self.vocab_size, index)
@@ -347,12 +352,7 @@ class Engine(RequestLifecycle, EngineStatistics):
         self.last_stats = self.stats(since=mark, outputs=self.last_outputs)
 
     def _submit_all(self, prompts, sampling, on_token) -> List[int]:
-        if isinstance(prompts, torch.Tensor):
-            raise EngineConfigError(f"prompts must be a list of prompts (token-id lists or strings), "
-                                    f"got a tensor of shape {tuple(prompts.shape)}; pass "
-                                    f"prompts.tolist()")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            raise EngineConfigError("prompts must be a list of prompts (token-id lists or strings)")
+        check_prompt_batch(prompts)
         params = per_prompt(prompts, sampling)
         self.check_admissible(prompts, params)
         return [self.add_request(p, s, on_token, index=i) for i, (p, s) in enumerate(zip(prompts, params))]
@@ -362,6 +362,7 @@ class Engine(RequestLifecycle, EngineStatistics):
         """Release the cache (unmaps and frees every page) and switch the model back to the
         attention implementation it had before this engine. With tensor parallelism, also
         stops every rank (each frees its cache). Idempotent."""
+        self._closed = True
         self._close_memory()
         if self._holds_attention:   # the last engine on this model restores its attention
             self._holds_attention = False

@@ -20,6 +20,11 @@ class RequestRejectedError(EngineError, ValueError):
         self.index, self.field = index, field
 
 
+class EngineClosedError(EngineError, RuntimeError):
+    """The engine was used after ``close()`` (``add_request``): its cache is released; nothing
+    is queued."""
+
+
 class UnknownRequestError(EngineError, KeyError):
     """A request id the engine does not know: never returned by ``add_request``, or its output
     was already collected with ``output(..., pop=True)``. Nothing changes."""

@@ -9,33 +9,39 @@
     GET  /metrics               Prometheus text, vLLM's names under "vmemkv:"
 
 Every error is OpenAI's JSON shape (``errors.ApiError``): 400 naming the field, 404/405 for a
-wrong path or method, 503 with Retry-After when the queue is full, 500 with no traceback (the
-traceback goes to the server log). A client that disconnects aborts its requests.
+wrong path or method, 503 with Retry-After when the queue is full or the server is shutting down,
+500 with no traceback (the traceback goes to the server log). A client that disconnects aborts
+its requests; a shutdown past its drain ends them (shutdown.py).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from . import protocol
+from .auth import salted
 from .chat import ChatFormat, chat_token_ids, parse_chat_request
 from .completions import CompletionFormat, ServedModel, prompt_token_ids
 from .engine_thread import EngineThread
 from .errors import ApiError, internal_error
 from .metrics import CONTENT_TYPE, ServeMetrics
+from .shutdown import Drain, shutting_down
 from .submission import Submission
 
 log = logging.getLogger("vmemkv.serve")
 
 
-def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel) -> FastAPI:
-    """The app; the caller starts and stops ``server`` (``serve.run_server`` does both)."""
+def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
+               drain: Optional[Drain] = None) -> FastAPI:
+    """The app; the caller starts and stops ``server`` (``serve.run_server`` does both).
+    ``drain``: the shutdown's (shutdown.py); auth and body limits wrap the app (auth.Guard)."""
+    drain = drain or Drain()
     app = FastAPI(title="vmemkv", docs_url=None, redoc_url=None, openapi_url=None)
     _error_handlers(app)
     created = int(time.time())
@@ -58,18 +64,22 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _answer(request, "/v1/completions", _complete(request, server, served))
+        return await _answer(request, "/v1/completions", drain,
+                             lambda: _complete(request, server, served, drain))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _answer(request, "/v1/chat/completions", _chat(request, server, served))
+        return await _answer(request, "/v1/chat/completions", drain,
+                             lambda: _chat(request, server, served, drain))
 
     return app
 
 
-async def _answer(request: Request, path: str, work) -> Response:
+async def _answer(request: Request, path: str, drain: Drain, work) -> Response:
+    if drain.draining:
+        return _error(shutting_down())
     try:
-        return await work
+        return await work()
     except ApiError as error:
         return _error(error)
     except Exception:   # noqa: BLE001 -- a 500 shows no traceback; the log has it
@@ -77,49 +87,52 @@ async def _answer(request: Request, path: str, work) -> Response:
         return _error(internal_error())
 
 
-async def _complete(request: Request, server: EngineThread, served: ServedModel) -> Response:
+async def _complete(request: Request, server: EngineThread, served: ServedModel,
+                    drain: Drain) -> Response:
     arrival_s = time.perf_counter()
-    req = protocol.parse_completion_request(await request.body())
+    req = salted(protocol.parse_completion_request(await request.body()), request.scope)
     batch = prompt_token_ids(req, served)
     params = req.sampling_params()
     submission = Submission(server, batch, params, arrival_s, "cmpl", served.tokenizer is not None)
     fmt = CompletionFormat(req, served, req.prompts(), batch, submission)
-    return await _respond(request, submission, fmt, served.name, req.stream, req.include_usage)
+    return await _respond(request, submission, fmt, served.name, req, drain)
 
 
-async def _chat(request: Request, server: EngineThread, served: ServedModel) -> Response:
+async def _chat(request: Request, server: EngineThread, served: ServedModel,
+                drain: Drain) -> Response:
     arrival_s = time.perf_counter()
-    req = parse_chat_request(await request.body())
+    req = salted(parse_chat_request(await request.body()), request.scope)
     ids, max_tokens = chat_token_ids(req, served)
     params = req.sampling_params(max_tokens)
     submission = Submission(server, [ids], params, arrival_s, "chatcmpl", True)
     return await _respond(request, submission, ChatFormat(req, served, submission), served.name,
-                          req.stream, req.include_usage)
+                          req, drain)
 
 
-async def _respond(request: Request, submission: Submission, fmt, model: str, stream: bool,
-                   include_usage: bool) -> Response:
+async def _respond(request: Request, submission: Submission, fmt, model: str, req,
+                   drain: Drain) -> Response:
     try:
         await submission.started()
     except asyncio.CancelledError:
         submission.close()
         raise
-    if stream:
-        return StreamingResponse(_stream(submission, fmt, model, include_usage),
+    if req.stream:
+        return StreamingResponse(_stream(submission, fmt, model, req.include_usage, drain),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return await _collect(request, submission, fmt, model)
+    return await _collect(request, submission, fmt, model, drain)
 
 
-async def _stream(submission: Submission, fmt, model: str, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(submission: Submission, fmt, model: str, include_usage: bool,
+                  drain: Drain) -> AsyncIterator[str]:
     """SSE chunks, one per token; ``[DONE]`` last. A disconnect cancels this generator, which
-    aborts the requests."""
+    aborts the requests; a shutdown past its drain ends it with an error event."""
     kind = fmt.kind + ".chunk" if fmt.kind != "text_completion" else fmt.kind
     try:
         first = fmt.first_chunks()
         if first:
             yield protocol.sse(protocol.envelope(submission.id, kind, model, first))
-        async for delta in submission.events():
+        async for delta in drain.guard(submission.events()):
             yield protocol.sse(protocol.envelope(submission.id, kind, model, [fmt.chunk(delta)]))
         if include_usage:
             yield protocol.sse(protocol.envelope(submission.id, kind, model, [], protocol.usage(
@@ -131,21 +144,28 @@ async def _stream(submission: Submission, fmt, model: str, include_usage: bool) 
     yield protocol.sse("[DONE]")
 
 
-async def _collect(request: Request, submission: Submission, fmt, model: str) -> Response:
-    """Wait for every choice; a client that disconnects first aborts the requests."""
-    async def drain() -> None:
+async def _collect(request: Request, submission: Submission, fmt, model: str,
+                   drain: Drain) -> Response:
+    """Wait for every choice; a client that disconnects first aborts the requests, a shutdown
+    past its drain answers 503."""
+    async def consume() -> None:
         async for _ in submission.events():
             pass
 
-    work = asyncio.ensure_future(drain())
+    work = asyncio.ensure_future(consume())
     gone = asyncio.ensure_future(_disconnected(request))
+    expired = asyncio.ensure_future(drain.expired.wait())
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({work, gone, expired}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if not work.done():   # the client left (or the server is shutting down)
+        expired.cancel()
+        if not work.done():   # the client left, or the shutdown's drain is over
             work.cancel()
             submission.close()
+    if not work.done() and drain.expired.is_set():
+        drain.cut += 1
+        return _error(shutting_down())
     if not work.done():
         return Response(status_code=499)   # nobody reads it; nginx's "client closed request"
     work.result()   # raises the ApiError of a failed request

@@ -6,15 +6,17 @@
 
 The cache and scheduling flags are ``vmemkv generate``'s (its flag and check helpers are shared,
 so the two commands cannot drift). It listens on 127.0.0.1 unless
-``--host`` says otherwise. Ctrl-C stops accepting, aborts the requests in flight, releases the
-cache and exits 130.
+``--host`` says otherwise. SIGTERM or Ctrl-C stops accepting, lets the requests in flight run
+for ``--shutdown-timeout`` seconds, ends the rest (streams: an error event and [DONE]; JSON:
+503), releases the cache and exits 0 (SIGTERM) or 130 (Ctrl-C) with one line. The client
+limits and API-key flags are in docs/usage.md ("Security").
 """
 from __future__ import annotations
 
 import sys
 
 from vmemkv.runtime import generate_cli
-from vmemkv.scheduler.cliargs import bounded
+from vmemkv.scheduler.cliargs import bounded, parse_bytes
 
 _EXAMPLES = """\
 examples:
@@ -40,7 +42,42 @@ def register(subparsers) -> None:
                    help="requests in flight at most (queued + running); past it: 503 + Retry-After")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
                    default="info", help="uvicorn's log level")
+    _security_flags(p.add_argument_group("security and limits (docs/usage.md, Security)"))
     generate_cli._cache_flags(p.add_argument_group("cache and scheduling"))
+
+
+def _security_flags(g) -> None:
+    g.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health; "
+                        "repeat for several keys; VMEMKV_API_KEY (comma-separated) adds more "
+                        "and keeps them out of ps (default: no auth)")
+    g.add_argument("--metrics-key", default=None, metavar="KEY",
+                   help="the key /metrics needs (also VMEMKV_METRICS_KEY) (default: an API key, "
+                        "or none without API keys)")
+    g.add_argument("--salt-per-key", action="store_true",
+                   help="give each API key its own prefix-cache salt, so tenants never share "
+                        "cached prefixes (default: shared, cache_salt per request)")
+    g.add_argument("--max-body-bytes", type=parse_bytes, default=4 * 2**20, metavar="SIZE",
+                   help="largest request body; larger: 413 (default: 4 MiB)")
+    g.add_argument("--header-timeout", type=bounded(float, 0, low_open=True), default=10.0,
+                   metavar="S", help="seconds a connection has to send its request headers")
+    g.add_argument("--body-timeout", type=bounded(float, 0, low_open=True), default=30.0,
+                   metavar="S", help="seconds a request has to send its whole body; later: 408")
+    g.add_argument("--max-connections", type=bounded(int, 1), default=None, metavar="N",
+                   help="open connections at most; one more gets 503 and is closed (default: "
+                        "256, or half of ulimit -n when that is less)")
+    g.add_argument("--shutdown-timeout", type=bounded(float, 0), default=10.0, metavar="S",
+                   help="on SIGTERM / Ctrl-C: seconds requests in flight may run on before "
+                        "they are ended")
+
+
+def _limits_and_auth(args):
+    from .auth import AuthConfig
+    from .limits import ServeLimits
+    limits = ServeLimits(max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout,
+                         body_timeout_s=args.body_timeout, max_connections=args.max_connections,
+                         shutdown_timeout_s=args.shutdown_timeout)
+    return limits, AuthConfig.of(args.api_key, args.metrics_key, args.salt_per_key)
 
 
 def run(args) -> int:
@@ -52,6 +89,7 @@ def run(args) -> int:
     from .server import Server, require_serve_extra
 
     require_serve_extra()
+    limits, auth = _limits_and_auth(args)     # refused before the model loads
     generate_cli._check_device(args.device)
     generate_cli._check_flags(args)
     if args.threads is not None:
@@ -60,9 +98,14 @@ def run(args) -> int:
     model, tokenizer = load_model(args.model, seed=args.seed, dtype=dtype, device=args.device)
     name = args.served_model_name or served_model_name(args.model)
     with generate_cli._engine(Engine, model, tokenizer, args) as engine:
+        def started(port: int) -> None:     # the port it bound (the one picked, for --port 0)
+            sys.stderr.write(f"vmemkv serve: {name} on a {engine.config.cache} cache, attention "
+                             f"{engine.attention}, http://{args.host}:{port} "
+                             f"({'API keys required' if auth.api_keys else 'no API key'}; "
+                             f"SIGTERM or Ctrl-C stops)\n")
+            sys.stderr.flush()
         server = Server(engine, name, host=args.host, port=args.port, max_queue=args.max_queue,
-                        log_level=args.log_level)
-        sys.stderr.write(f"vmemkv serve: {name} on a {engine.config.cache} cache, attention "
-                         f"{engine.attention}, http://{args.host}:{args.port} (Ctrl-C stops)\n")
-        server.run()   # Ctrl-C: uvicorn shuts down, then re-raises KeyboardInterrupt here
+                        log_level=args.log_level, limits=limits, auth=auth, on_started=started)
+        line = server.run()   # Ctrl-C: KeyboardInterrupt carrying the line, exit 130
+    sys.stderr.write(f"vmemkv serve: {line}\n")
     return 0

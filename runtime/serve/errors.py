@@ -5,8 +5,9 @@ from typing import Dict, Optional
 
 from ..errors import RuntimeKVError
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-               500: "internal_server_error", 503: "server_overloaded"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 500: "internal_server_error", 503: "server_overloaded"}
 
 
 class ServeError(RuntimeKVError):

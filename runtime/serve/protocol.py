@@ -25,6 +25,7 @@ from vmemkv.runtime.engine.errors import EngineConfigError
 from vmemkv.runtime.engine.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, SamplingParams
 
 from .errors import ApiError
+from .limits import loads_json
 
 MAX_PROMPTS = 256    # prompts in one completions request at most (each is an engine request)
 
@@ -61,6 +62,8 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=256)   # vLLM's: prefixes
+                                          # are shared only between requests with the same salt
 
     def stop_strings(self) -> List[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -80,7 +83,8 @@ class SamplingFields(BaseModel):
                       repetition_penalty=self.repetition_penalty,
                       logit_bias=_token_biases(self.logit_bias), min_tokens=self.min_tokens,
                       include_stop_str_in_output=self.include_stop_str_in_output,
-                      skip_special_tokens=self.skip_special_tokens, **extra)
+                      skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
+                      **extra)
         try:
             return SamplingParams(**fields)
         except EngineConfigError as error:
@@ -135,12 +139,7 @@ class CompletionRequest(SamplingFields):
 
 def parse_request(body: bytes, model: Type[BaseModel]) -> BaseModel:
     """The request in ``body``, or ApiError 400 naming what is wrong with it."""
-    try:
-        obj = json.loads(body)
-    except (UnicodeDecodeError, ValueError) as error:
-        raise ApiError(400, f"the request body is not valid JSON: {error}") from None
-    except RecursionError:
-        raise ApiError(400, "the request body is nested too deeply") from None
+    obj = loads_json(body)      # 400: not JSON, or nested too deeply (limits.py)
     if not isinstance(obj, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(obj).__name__}")
     try:

@@ -4,15 +4,19 @@
         print(server.url)                                           # http://127.0.0.1:PORT
     Server(engine, "tiny-llama", port=8000).run()                   # blocking, for the CLI
 
-Stopping (``stop``, leaving the ``with``, Ctrl-C on ``run``) closes the listening socket, aborts
-the requests still live (their memory is released) and joins the engine thread; the engine
-itself stays open for its owner to close.
+Stopping (``stop``, leaving the ``with``, SIGTERM or Ctrl-C on ``run``) closes the listening
+socket, lets the requests in flight run for ``limits.shutdown_timeout_s``, ends the rest (an
+error event and ``[DONE]`` for a stream, 503 for a JSON request: shutdown.py), aborts what is
+still live (its memory is released) and joins the engine thread; the engine itself stays open
+for its owner to close. Client limits (limits.py) and API keys (auth.py) are enforced in front
+of the app.
 """
 from __future__ import annotations
 
+import signal
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from .errors import ServeConfigError
 
@@ -31,22 +35,31 @@ class Server:
     """``engine`` behind the OpenAI-compatible API on ``host:port`` (port 0: a free one)."""
 
     def __init__(self, engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
-                 max_queue: int = 256, log_level: str = "warning") -> None:
+                 max_queue: int = 256, log_level: str = "warning",
+                 limits: Optional["ServeLimits"] = None, auth: Optional["AuthConfig"] = None,
+                 on_started: Callable[[int], None] = lambda port: None) -> None:
         require_serve_extra()
         import uvicorn
 
         from .app import create_app
+        from .auth import AuthConfig, Guard
+        from .limits import ServeLimits, guarded_protocol
+        from .shutdown import Drain, draining_server
         from .completions import ServedModel
         from .engine_thread import EngineThread
         from .metrics import ServeMetrics
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ServeConfigError(f"max_queue must be an int >= 1, got {max_queue!r}")
+        self.limits, self.auth = limits or ServeLimits(), auth or AuthConfig()
         self.metrics = ServeMetrics(model_name)
         self.engine_thread = EngineThread(engine, self.metrics, max_pending_requests=max_queue)
-        app = create_app(self.engine_thread, self.metrics, ServedModel.of(engine, model_name))
+        self.drain = Drain()
+        app = Guard(create_app(self.engine_thread, self.metrics, ServedModel.of(engine, model_name),
+                               self.drain), self.limits, self.auth)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
-                                timeout_graceful_shutdown=5)
-        self._uvicorn = uvicorn.Server(config)
+                                http=guarded_protocol(self.limits))
+        self._uvicorn = draining_server(config, self.drain, self.limits.shutdown_timeout_s,
+                                        on_started=lambda: on_started(self.port))
         self._thread: Optional[threading.Thread] = None
         self.host = host
 
@@ -59,13 +72,22 @@ class Server:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def run(self) -> None:
-        """Serve until Ctrl-C (or ``stop`` from another thread), then stop everything."""
+    def run(self) -> str:
+        """Serve until SIGTERM, Ctrl-C (or ``stop`` from another thread), then stop everything;
+        returns one line saying how it stopped (KeyboardInterrupt carrying it on Ctrl-C)."""
         self.engine_thread.start()
         try:
             self._serve()
         finally:
             self.engine_thread.stop()
+        received = self._uvicorn.received
+        how = ("SIGTERM" if signal.SIGTERM in received else "Ctrl-C" if received else "stop()")
+        line = (f"stopped on {how}: stopped accepting, {self.drain.cut} request(s) still running "
+                f"after the {self.limits.shutdown_timeout_s:g} s drain were ended (503 / an error "
+                f"event and [DONE])")
+        if signal.SIGINT in received and signal.SIGTERM not in received:
+            raise KeyboardInterrupt(line)
+        return line
 
     def _serve(self) -> None:
         try:

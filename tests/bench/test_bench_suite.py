@@ -74,6 +74,8 @@ def test_alloc_reports_map_latency_and_mapper_wait_for_both_modes(tiny):
     assert {r["page_size"] for r in payload["results"]} == {"4 KiB", "64 KiB", "2 MiB"}
     for r in payload["results"]:          # the spread of the repeats brackets the median
         assert r["map_unmap_us_min"] <= r["map_unmap_us"] <= r["map_unmap_us_max"]
+    lock, = payload["lock"]               # the pool lock's price, one ratio from one run
+    assert lock["locked_over_bare"] == pytest.approx(lock["locked_us"] / lock["bare_us"])
     modes = {r["mode"]: r for r in payload["mapper"]}
     assert set(modes) == {"inline", "background"}
     for r in modes.values():

@@ -25,14 +25,16 @@ def test_each_request_is_split_into_its_wait_and_its_first_step():
     assert [r["ttft_s"] for r in reqs] == pytest.approx([0.009, 0.011])
 
 
-def test_step_errors_split_prefill_cold_and_warm_decodes():
+def test_step_errors_split_prefill_mixed_cold_and_warm_decodes():
     cost = ProfileCost(base_s=0.001, per_seq_s=0.0, per_new_token_s=0.0, per_context_token_s=0.0,
                        per_cold_step_s=0.001)
     steps = [step(0.0, 0.002, [(1, 10, True)], 45)]                     # 1 ms charged: -50%
     steps += [step(0.0, 0.002, [(1, 1, True)]) for _ in range(3)]       # cold, 2 ms: exact
     steps += [step(0.0, 0.004, [(1, 1, True)])]                         # warm, 1 ms: -75%
+    steps += [step(0.0, 0.001, [(1, 1, True), (2, 9, True)], 36)]       # mixed, 1 ms: exact
     out = step_errors(steps, cost)
     assert (out["prefill_steps"], out["cold_decode_steps"], out["warm_decode_steps"]) == (1, 3, 1)
+    assert out["mixed_steps"] == 1 and out["mixed_median_rel_error"] == pytest.approx(0.0)
     assert out["prefill_median_rel_error"] == pytest.approx(-0.5)
     assert out["cold_decode_median_rel_error"] == pytest.approx(0.0)
     assert out["warm_decode_median_rel_error"] == pytest.approx(-0.75)

@@ -43,7 +43,8 @@ def test_dry_run_passes_every_step(dry_runs):
     assert rc == 0, stdout[-6000:]
     assert "gpu_check: OK (dry run on the CPU)" in stdout
     assert _steps(out) == {"env": 0, "smoke": 0, "info": 0, "gpu_vmem": 0, "gpu_runtime": 0,
-                           "gpu_rest": 0, "gpu_gate": 0, "profile": 0, "bench": 0, "attention": 0}
+                           "gpu_rest": 0, "gpu_gate": 0, "profile": 0, "bench": 0, "attention": 0,
+                           "layouts": 0}
 
 
 def test_outputs_are_at_most_eight_plain_files_straight_in_the_folder(dry_runs):

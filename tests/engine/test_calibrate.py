@@ -1,54 +1,35 @@
-"""`vmemkv calibrate` on a toy model and a handful of points (figures mean nothing here)."""
+"""`vmemkv calibrate` on a toy model and a handful of points (figures mean nothing here), and its
+repeats policy on made-up step times (no wall clock)."""
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from vmemkv.cli import main
-from vmemkv.runtime.calibrate import fit
-from vmemkv.scheduler.profile_cost import load_profile
+from vmemkv.runtime import calibrate as calibrate_module
+from vmemkv.scheduler.profile_cost import FITTED, load_profile
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.workload import WorkloadSpec, generate
-
-
-def test_fit_recovers_the_coefficients_of_exact_data():
-    truth = dict(base_s=0.002, per_seq_s=3e-5, per_new_token_s=2e-4, per_context_token_s=1e-6)
-    points = [dict(batch=b, new_tokens=n, context_tokens=c,
-                   seconds=truth["base_s"] + truth["per_seq_s"] * b + truth["per_new_token_s"] * n
-                   + truth["per_context_token_s"] * c)
-              for b, n, c in [(1, 1, 10), (4, 4, 400), (16, 16, 4000), (1, 64, 64), (4, 256, 256),
-                              (8, 8, 900), (2, 100, 300)]]
-    got = fit(points)
-    for key, value in truth.items():
-        assert got[key] == pytest.approx(value, rel=1e-3), key
-
-
-def test_fit_recovers_the_prefill_and_cold_coefficients_of_exact_data():
-    truth = dict(base_s=0.001, per_seq_s=2e-5, per_new_token_s=7e-5, per_context_token_s=5e-7,
-                 per_prefill_pair_s=7e-8, per_step_token_sq_s=5e-9, per_prefill_step_s=5e-4,
-                 per_cold_step_s=4e-4, per_idle_wake_s=3e-4)
-    shapes = [(1, 1, 10, 0, 0, 0), (4, 4, 400, 0, 0, 0), (16, 16, 4000, 0, 0, 0),
-              (8, 8, 900, 0, 0, 0), (1, 1, 20, 0, 1, 0), (4, 4, 300, 0, 1, 0),
-              (1, 64, 64, 2016, 0, 0), (1, 256, 256, 32640, 0, 0), (4, 256, 256, 8064, 0, 0),
-              (2, 100, 300, 9950, 0, 0), (16, 1024, 1024, 32256, 0, 0), (1, 16, 16, 120, 0, 0),
-              (1, 64, 64, 2016, 0, 1), (1, 16, 16, 120, 0, 1)]
-    points = [dict(batch=b, new_tokens=n, context_tokens=c, prefill_pairs=q, cold_step=w,
-                   after_idle=i, seconds=sum(truth[k] * x for k, x in zip(
-                       truth, (1, b, n, c, q, n * n, q > 0, w, i))))
-              for b, n, c, q, w, i in shapes]
-    got = fit(points)
-    for key, value in truth.items():
-        assert got[key] == pytest.approx(value, rel=1e-3), key
 
 
 def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
     out = tmp_path / "profile.json"
     assert main(["calibrate", "--model", "tiny-llama", "--batches", "1", "2", "--contexts", "8",
-                 "16", "--decode-steps", "2", "--repeats", "1", "--prefill-lengths", "12", "40",
-                 "100", "--max-context", "64", "--out", str(out)]) == 0
-    assert "# wrote" in capsys.readouterr().out
+                 "16", "--decode-steps", "2", "--repeats", "1", "--max-repeats", "1",
+                 "--prefill-lengths", "12", "40", "100", "--max-context", "64",
+                 "--resamples", "20", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert "# wrote" in printed.out and "95% interval" in printed.out
+    # one repeat cannot bound a median: the calibration says so, on stderr
+    assert "warning:" in printed.err and "spread is not measured" in printed.err
     profile = load_profile(str(out))
+    assert profile["version"] == 3 and profile["calibration"]["repeats"] == [1] * 8
+    assert profile["calibration"]["noise"]["noisy"]
+    for name in FITTED:
+        lo, hi = profile["coefficient_intervals"][name]
+        assert 0 <= lo <= hi, name
     assert profile["model"]["num_layers"] == 2 and profile["model"]["dtype_bytes"] == 4
     # each point: one prefill step and (decode_steps - 1) decodes, at least
     assert len(profile["points"]) >= 4 * 2
@@ -62,6 +43,7 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
                      if p["batch"] == 1 and p["new_tokens"] not in (1, 8, 16))
     assert singles == [12, 12, 40, 40]
     assert sorted(p["new_tokens"] for p in profile["points"] if p["after_idle"]) == [12, 40]
+    assert {p["repeat"] for p in profile["points"]} == {0}
     # --decode-steps 2: one decode after each prefill, so every decode is a cold step
     assert all(p["cold_step"] == (p["new_tokens"] == p["batch"]) for p in profile["points"])
     entries = generate(WorkloadSpec(num_requests=10, max_total_len=64, seed=2))
@@ -76,3 +58,45 @@ def test_calibration_points_outside_the_engine_are_refused():
     from vmemkv.runtime.engine.errors import EngineConfigError
     with pytest.raises(EngineConfigError, match="max_context"):
         calibrate("tiny-llama", batches=(1,), contexts=(600,), decode_steps=8, max_context=512)
+
+
+def test_repeats_stop_where_the_medians_are_bounded_and_go_on_to_the_cap_where_not(monkeypatch):
+    # made-up step times: every shape exact, except batch-2 shapes, 30% noise
+    rng = np.random.default_rng(0)
+
+    def fake_time_steps(engine, prompts, new_tokens, idle_s=0.0, joining=None):
+        batch, context = len(prompts), len(prompts[0])
+        noise = rng.lognormal(0, 0.3) if batch == 2 else 1.0
+        return [dict(batch=batch, new_tokens=batch * context if k == 0 else batch,
+                     context_tokens=batch * (context + k), prefill_pairs=0, cold_step=0,
+                     after_idle=int(bool(idle_s) and k == 0),
+                     seconds=1e-3 * (batch + context + k) * noise) for k in range(new_tokens)]
+
+    monkeypatch.setattr(calibrate_module, "time_steps", fake_time_steps)
+    engine = type("FakeEngine", (), {"vocab_size": 50})()
+    shapes = [(1, 8, 3, 0.0, 0), (2, 8, 3, 0.0, 0), (1, 16, 1, 0.0, 0), (1, 16, 1, 0.02, 0)]
+    lines = []
+    points = calibrate_module.timed_rounds(engine, shapes, repeats=6, max_repeats=9,
+                                           precision=0.05, seed=0, progress=lines.append)
+    runs = {s: len({p["repeat"] for p in points if p["shape"] == s}) for s in range(4)}
+    assert runs == {0: 6, 1: 9, 2: 6, 3: 6}
+    assert len(lines) == 4 and "3 of 4 shapes within" in lines[0] and "1 again" in lines[0]
+
+
+def test_calibration_repeats_and_precision_out_of_range_are_refused():
+    from vmemkv.runtime.calibrate import calibrate
+    from vmemkv.runtime.engine.errors import EngineConfigError
+    with pytest.raises(EngineConfigError, match="max_repeats"):
+        calibrate("tiny-llama", repeats=8, max_repeats=4)
+    with pytest.raises(EngineConfigError, match="precision"):
+        calibrate("tiny-llama", precision=0.0)
+
+
+def test_a_result_file_is_written_whole_or_not_at_all(tmp_path):
+    from vmemkv.runtime.calibrate import write_json_whole
+    path = tmp_path / "out.json"
+    write_json_whole(str(path), {"a": 1})
+    with pytest.raises(TypeError):
+        write_json_whole(str(path), {"a": 2, "b": {1, 2}})        # fails half-way through
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]

@@ -9,6 +9,7 @@ are as before.
 import gc
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,6 +159,11 @@ ADD_REQUEST_CASES = [
     ("token-above-vocab", [1, 256, 300], None, ["[256, 300]", "outside the vocabulary [0, 256)"]),
     ("negative-token", [-1, 5], None, ["[-1]", "[0, 256)"]),
     ("text-without-tokenizer", "hello world", None, ["prompt 0 is text", "no tokenizer"]),
+    ("bytes", b"abc", None, ["got a bytes", "not token ids"]),
+    ("dict", {1: 2, 3: 4}, None, ["got a dict", "its keys"]),
+    ("generator", (t for t in [1, 2]), None, ["got a generator"]),
+    ("numpy-2d", np.array([[1, 2], [3, 4]]), None, ["numpy array of shape (2, 2)", "batch of prompts"]),
+    ("numpy-int-in-list", [np.int64(3)], None, ["got int64"]),
 ]
 
 
@@ -203,7 +209,11 @@ GENERATE_CASES = [
     ("tensor-prompts", (torch.tensor([[1, 2, 3]]),), EngineConfigError,
      ["list of prompts", "tensor of shape (1, 3)", "prompts.tolist()"]),
     ("tensor-prompt", ([torch.tensor([1, 2, 3])],), RequestRejectedError,
-     ["prompt 0", "sequence of int token ids", "prompt.tolist()"]),
+     ["prompt 0", "list of int token ids", "prompt.tolist()"]),
+    ("generator-of-prompts", ((p for p in [[1, 2]]),), EngineConfigError,
+     ["list of prompts", "got a generator", "list(prompts)"]),
+    ("numpy-batch", (np.array([[1, 2], [3, 4]]),), EngineConfigError,
+     ["list of prompts", "numpy array of shape (2, 2)", "prompts.tolist()"]),
     ("sampling-string", ([[1, 2, 3]], "greedy"), EngineConfigError,
      ["SamplingParams or a list of them", "str 'greedy'", "SamplingParams(temperature=0)"]),
     ("sampling-list-of-strings", ([[1, 2, 3]], ["greedy"]), EngineConfigError,
@@ -347,3 +357,28 @@ def test_generate_cli_refuses_a_cache_far_above_the_host(tmp_path, capsys):
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and "Traceback" not in err
     assert_words(err, ["CacheTooLargeError", "100000000000000 bytes", "MemTotal"])
+
+
+def test_add_request_after_close_is_a_typed_error_and_queues_nothing(model):
+    from vmemkv.runtime.engine.errors import EngineClosedError
+    eng = Engine(model, cache="vmem", page_bytes=4096, max_batch=2, max_context=64)
+    eng.close()
+    with pytest.raises(EngineClosedError, match="after close"):
+        eng.add_request([1, 2, 3])
+    assert not eng.has_unfinished()
+
+
+def test_a_paged_cache_past_ulimit_v_is_refused_before_anything_is_allocated(model):
+    """``ulimit -v`` (RLIMIT_AS) left 1 GiB of address space: a 4 GiB paged cache is a
+    CacheTooLargeError naming the limit, not torch's RuntimeError from the allocator."""
+    import resource
+    with open("/proc/self/status") as f:
+        used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (used + 2**30, hard))
+    try:
+        with pytest.raises(CacheTooLargeError, match="ulimit -v"):
+            Engine(model, cache="paged", block_size=8, max_batch=2, max_context=64,
+                   cache_bytes=4 * 2**30)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))

@@ -51,8 +51,12 @@ def interrupt(proc: subprocess.Popen):
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
     """The three subcommands started together (they spend most of their time importing torch),
-    each interrupted at its hold point: {command: (rc, stdout, stderr, cwd)}."""
+    each interrupted at its hold point: {command: (rc, stdout, stderr, cwd)}. The bench folder
+    holds an earlier run's files first."""
     cwd = tmp_path_factory.mktemp("interrupts")
+    (cwd / "b").mkdir()
+    for name in ("bench.json", "bench.log", "memory_utilisation.png"):
+        (cwd / "b" / name).write_text(f"old {name}")
     procs = {
         "bench": start("bench:engine", ["bench", "--quick", "--only", "memory", "engine", "--out", "b",
                                         "--no-plots", "--no-progress"], cwd),
@@ -78,6 +82,9 @@ def test_interrupted_bench_writes_the_json_and_log_of_the_sections_that_finished
     assert "engine" not in payload
     assert {row["section"] for row in payload["summary"]} == {"memory"}
     assert "== memory" in (cwd / "b" / "bench.log").read_text()
+    assert not (cwd / "b" / "bench.log.partial").exists()
+    # no plots drawn: the earlier run's PNG is still there, and named as stale
+    assert (cwd / "b" / "STALE.txt").read_text().splitlines()[1:] == ["memory_utilisation.png"]
 
 
 def test_interrupted_simulate_says_how_far_it_got_and_prints_no_result(interrupted):

@@ -7,6 +7,8 @@ with a clear message instead of taking pytest down.
           slot 2: tokens 0..63 mapped (two pages), 64..127 PROT_NONE; other slots all PROT_NONE
     paged pool [8 blocks, 32 tokens, ...]: one page per block; only the request's blocks mapped,
           padding table entries name an unmapped block
+    windowed layers (window 40, ctx 100, 1-8 queries: kv_start 53-60): the page before the
+          window (tokens 0..31) is PROT_NONE too, vmem and paged (its table entry: unmapped)
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ CHILD = textwrap.dedent("""
     libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     PAGE = mmap.PAGESIZE
     BACKENDS = [get_backend("reference"), get_backend("sdpa"), get_backend("cpu-varlen"),
-                get_backend("cpu-varlen", sdpa_above_tokens=None),   # the kernel for every row
+                get_backend("cpu-varlen", sdpa_above_tokens=2),   # chunks over 2 tokens: SDPA
                 get_backend("cpu-varlen", sdpa_above_tokens=None, work_units=4, split_min_keys=8)]  # 4 splits
     assert PAGE == 4096, PAGE
 
@@ -77,6 +79,30 @@ CHILD = textwrap.dedent("""
             view = PagedLayerView(pk, pv, table, torch.tensor([ctx]), torch.tensor([qlen]))
             out = backend.forward(q[:qlen], view, scale=0.25)
             torch.testing.assert_close(out, want[qlen], atol=1e-5, rtol=1e-5)
+
+    # ---- windowed layers, prefill chunks included: page 0 (tokens 0..31) lies behind every window
+    ctx, window = 100, 40
+    qw, kw, vw = torch.randn(8, 4, 16), torch.randn(ctx, 2, 16), torch.randn(ctx, 2, 16)
+    mk, k, ak = region((1, 128, 2, 16)); mv, v, av = region((1, 128, 2, 16)); keep += [mk, mv]
+    k[0, :ctx], v[0, :ctx] = kw, vw
+    for a in (ak, av):
+        protect(a, PAGE)
+    mpk, pk, apk = region((8, 32, 2, 16)); mpv, pv, apv = region((8, 32, 2, 16)); keep += [mpk, mpv]
+    for j, b in enumerate((5, 2, 3)):                         # tokens 32.., 64.., 96..99
+        pk[b][:min(32, ctx - 32 * (j + 1))] = kw[32 * (j + 1):32 * (j + 2)]
+        pv[b][:min(32, ctx - 32 * (j + 1))] = vw[32 * (j + 1):32 * (j + 2)]
+    for a in (apk, apv):
+        for b in (0, 1, 4, 6, 7):
+            protect(a + b * PAGE, PAGE)
+    table = torch.tensor([[7, 5, 2, 3]], dtype=torch.int32)   # block of tokens 0..31: unmapped
+    for backend in BACKENDS:
+        for qlen in (1, 3, 8):
+            want_w = dense_attention(qw[:qlen], kw, vw, 0.25, window=window)
+            lens = (torch.tensor([ctx]), torch.tensor([qlen]))
+            for view in (VMemLayerView(k, v, torch.tensor([0]), *lens, window=window),
+                         PagedLayerView(pk, pv, table, *lens, window=window)):
+                out = backend.forward(qw[:qlen], view, scale=0.25)
+                torch.testing.assert_close(out, want_w, atol=1e-5, rtol=1e-5)
     print("OK")
 """)
 

@@ -14,3 +14,12 @@ class CoarseBlocks(PagedManager):
 
 class NotAManager:
     """Refused: not a MemoryManager subclass."""
+
+
+class BrokenAboveOneGB(PagedManager):
+    """Paged, but fails to build above 1 GB of cache: one failing point of a sweep."""
+
+    def __init__(self, model, cache_bytes, max_seq_len_tokens, **options):
+        if cache_bytes > 10**9:
+            raise RuntimeError(f"no support for {cache_bytes} bytes (test policy)")
+        super().__init__(model, cache_bytes, max_seq_len_tokens, block_size_tokens=16)

@@ -59,7 +59,9 @@ def test_bad_flag_value_exits_2_with_one_line(capsys, argv):
     (["--cache-gb", "inf"], ["--cache-gb", "finite", "'inf'"]),
     (["--cache-gb", "nan"], ["--cache-gb", "finite", "'nan'"]),
     (["--swap-gb", "nan"], ["--swap-gb", "finite", "'nan'"]),
-    (["--cache-gb", "0"], ["--cache-gb", "> 0", "got 0"]),
+    (["--cache-gb", "0"], ["--cache-gb", "got 0"]),
+    (["--cache-gb", "1e308"], ["--cache-gb", "1000000", "got 1e308"]),   # was OverflowError
+    (["--swap-gb", "1e308"], ["--swap-gb", "1000000", "got 1e308"]),
     (["--cache-gb", "1000"], ["--cache-gb 1000", "llama-3-8b", "16.1 GB of weights",
                               "h100's 85.9 GB", "at most --cache-gb 69.8"]),
     (["--gpu", "h200", "--model-preset", "opt-13b", "--cache-gb", "120"], ["opt-13b", "h200's 141.0 GB"]),

@@ -61,3 +61,17 @@ def test_bad_profile_is_a_config_error_naming_the_file(tmp_path, changes, words)
 def test_missing_profile_file_names_it(tmp_path):
     with pytest.raises(ConfigError, match="nope.json"):
         load_profile(str(tmp_path / "nope.json"))
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_every_version_written_so_far_loads(tmp_path, version):
+    extra = {"coefficient_intervals": {k: [0.0, v * 2] for k, v in COEFFS.items()}} \
+        if version == 3 else {}
+    profile = load_profile(write_profile(tmp_path, version=version, **extra))
+    assert profile["coefficients"] == COEFFS
+
+
+@pytest.mark.parametrize("version", [4, 0, "3", True])
+def test_a_version_this_code_does_not_know_is_refused_by_name(tmp_path, version):
+    with pytest.raises(ConfigError, match=f"version {version!r} is not one this vmemkv reads"):
+        load_profile(write_profile(tmp_path, version=version))

@@ -81,6 +81,18 @@ def test_bad_custom_policy_names_the_module_or_class(spec, words):
         SimConfig(policy=spec)
 
 
+@pytest.mark.parametrize("source,words", [
+    ("raise RuntimeError('boom')\n", r"importing .*raising_mod.py raised RuntimeError: boom"),
+    ("def broken(:\n", r"raising_mod.py has a syntax error at .*raising_mod.py:1"),
+])
+def test_a_policy_module_that_raises_or_does_not_parse_is_a_config_error(tmp_path, source, words):
+    path = tmp_path / "raising_mod.py"
+    path.write_text(source)
+    for _ in range(2):                   # not cached half-imported: the same error again
+        with pytest.raises(ConfigError, match=words):
+            SimConfig(policy=f"{path}:Manager")
+
+
 def test_sweep_cli_writes_the_tidy_table_and_plots(tmp_path, capsys):
     spec = write(tmp_path, f'[base]\nrequests = 60\ncache_gb = 2\n[grid]\n'
                            f'policy = ["paged", "{CUSTOM}"]\narrival_rate = [2, 8]\n')

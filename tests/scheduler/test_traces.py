@@ -96,6 +96,8 @@ def test_files_load_by_format_and_gz_is_decompressed(tmp_path, traces):
     ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.1,0,3\n", "line 2: ContextTokens"),
     ("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,4,3\n", "line 2: TIMESTAMP 'yesterday'"),
     ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:00:00.1,4\n", "expected 3 columns"),
+    # "46.5e3" read as a fraction would be 500 seconds late
+    ("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.5e3,4,3\n", "TIMESTAMP '.*46.5e3'"),
 ])
 def test_bad_azure_rows_are_config_errors_naming_the_line(tmp_path, text, match):
     path = tmp_path / "bad.csv"
@@ -114,6 +116,24 @@ def test_bad_mooncake_lines_are_config_errors_naming_the_line(tmp_path, obj, mat
     path.write_text(json.dumps(obj) + "\n")
     with pytest.raises(ConfigError, match=f"line 1: .*{match}"):
         load_trace(str(path))
+
+
+GOOD_LINE = b'{"prompt_len": 5, "output_len": 3, "arrival_s": 0}\n'
+
+
+@pytest.mark.parametrize("name, data, match", [
+    ("cut.jsonl.gz", gzip.compress(GOOD_LINE * 50)[:30], "not a whole gzip file"),
+    ("junk.jsonl.gz", b"\x1f\x8b\x08\x00" + b"\xff" * 40, "not a whole gzip file"),
+    ("deep.jsonl", b"[" * 100_000 + b"\n", "line 1: JSON nested too deeply"),
+    ("digits.jsonl", b'{"prompt_len": 1' + b"0" * 5000 + b', "output_len": 3}\n', "line 1: not a trace line"),
+    ("huge.jsonl", b'{"prompt_len": 100000000000000000000, "output_len": 3}\n',
+     r"line 1: prompt_len must be an int in \[1, 1,000,000,000\], got 1e\+20"),
+    ("inf.jsonl", b'{"prompt_len": 5, "output_len": 3, "arrival_s": 1e999}\n', "line 1: arrival_s"),
+])
+def test_corrupt_or_overflowing_trace_files_are_config_errors(tmp_path, name, data, match):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ConfigError, match=match):
+        load_trace(str(tmp_path / name))
 
 
 def test_equal_hash_ids_give_equal_tokens_and_different_ids_differ():

@@ -115,3 +115,24 @@ def test_reading_an_unmapped_page_faults_instead_of_reading_zeros():
 def test_reading_an_unmapped_again_page_faults():
     result = run_fault_script("rng.unmap(0); print(rng.tensor(0, 4096).sum())")
     assert result.returncode == -11 and "UNREACHABLE" not in result.stdout
+
+
+def test_a_file_descriptor_limit_is_a_driver_call_error_naming_memfd_create():
+    """``ulimit -n`` exhausted: each pool needs one memfd; the OSError (EMFILE) becomes a typed
+    DriverCallError, and nothing is created."""
+    import resource
+    driver = vmem.open_driver("host")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest_free = os.dup(0)              # a new fd takes the lowest free number, which the
+    os.close(lowest_free)                # soft limit bounds: no new fd at all under it
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+    try:
+        try:
+            vmem.PagePool(driver, 2, 4096)
+        except vmem.DriverCallError as error:
+            refused = str(error)
+        else:
+            refused = ""
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert "memfd_create" in refused and "errno 24" in refused

@@ -1,0 +1,86 @@
+"""The goals ``benchmarks/attention.py`` checks at the end of a run, each from rows of that run.
+
+* issue 4 (``target``, CPU fp32): decode b8 ctx2k, vmem >= 1.5x faster than paged.
+* issue 33 (``goals["decode_read"]``): every decode row of the fastest backend at >= 80% of the
+  read bandwidth measured in the same run; (``goals["prefill_vs_sdpa"]``) every prefill row of
+  the fastest backend at least as fast as per-request ``sdpa`` on the same view (a baseline).
+* issue 28 (``goals["interleaved"]``): decode on vmem interleaved within 15% of vmem per-layer
+  at b8 ctx2k and b32 ctx4k (needs ``--vmem-layout per-layer interleaved``).
+
+A goal whose rows the run did not measure is reported with ``rows: 0`` and ``met: None``.
+"""
+from __future__ import annotations
+
+TARGET = dict(phase="decode", batch=8, ctx=2048, speedup=1.5)  # issue 4, CPU fp32
+DECODE_READ_PCT = 80.0
+PREFILL_VS_SDPA = 1.0
+INTERLEAVED_WITHIN = 1.15
+INTERLEAVED_CONFIGS = ((8, 2048), (32, 4096))
+
+
+def speedups(rows: list[dict]) -> list[dict]:
+    """paged ms / vmem ms per (phase, batch, ctx, dtype): > 1 means vmem is faster."""
+    by_key = {(r["phase"], r["batch"], r["ctx"], _dtype(r), r["cache"]): r["ms"] for r in rows}
+    return [{"phase": p, "batch": b, "ctx": c, "dtype": d,
+             "paged_over_vmem": by_key[(p, b, c, d, "paged")] / ms}
+            for (p, b, c, d, kind), ms in by_key.items()
+            if kind == "vmem" and (p, b, c, d, "paged") in by_key]
+
+
+def _dtype(row: dict) -> str:
+    return row.get("dtype", "float32")
+
+
+def target_check(ratios: list[dict], device) -> dict:
+    """Issue 4's CPU target: decode, batch 8, ctx 2k, fp32 -- vmem >= 1.5x paged, never slower."""
+    ratios = [r for r in ratios if _dtype(r) == "float32"]
+    hit = [r for r in ratios if (r["phase"], r["batch"], r["ctx"]) ==
+           (TARGET["phase"], TARGET["batch"], TARGET["ctx"])]
+    worst = min((r["paged_over_vmem"] for r in ratios), default=None)
+    out = {"applies": device.type == "cpu" and bool(ratios),
+           "decode_b8_ctx2048_speedup": hit[0]["paged_over_vmem"] if hit else None,
+           "required_speedup": TARGET["speedup"], "min_speedup_anywhere": worst}
+    out["met"] = bool(hit) and hit[0]["paged_over_vmem"] >= TARGET["speedup"]
+    return out
+
+
+def _goal(values: list[tuple[str, float]], ok, worst=min) -> dict:
+    """``values``: (what, figure) per row the goal covers; met when ``ok(figure)`` for all;
+    ``worst`` (min or max) picks the row furthest from it."""
+    return {"rows": len(values), "met": all(ok(v) for _, v in values) if values else None,
+            "worst": worst(values, key=lambda x: x[1]) if values else None,
+            "values": dict(values)}
+
+
+def goals(rows: list[dict], baseline_ratios: list[dict]) -> dict:
+    """Issue 33's and issue 28's goals over one run's rows (see the module docstring)."""
+    what = lambda r: f"{r['cache']} {_dtype(r)} b{r['batch']} ctx{r['ctx']}"  # noqa: E731
+    decode = [(what(r), r["pct_limit"]) for r in rows if r["phase"] == "decode"]
+    prefill = [(what(r), r["baseline_over_backend"]) for r in baseline_ratios
+               if r["phase"] == "prefill" and r["baseline"] == "sdpa"]
+    ms = {(r["cache"], r["batch"], r["ctx"], _dtype(r)): r["ms"] for r in rows
+          if r["phase"] == "decode"}
+    inter = [(f"{d} b{b} ctx{c}", ms[("vmem interleaved", b, c, d)] / ms[("vmem", b, c, d)])
+             for d in sorted({_dtype(r) for r in rows}) for b, c in INTERLEAVED_CONFIGS
+             if ("vmem interleaved", b, c, d) in ms and ("vmem", b, c, d) in ms]
+    return {"decode_read": _goal(decode, lambda x: x >= DECODE_READ_PCT),
+            "prefill_vs_sdpa": _goal(prefill, lambda x: x >= PREFILL_VS_SDPA),
+            "interleaved": _goal(inter, lambda x: x <= INTERLEAVED_WITHIN, worst=max)}
+
+
+def print_goals(target: dict, met: dict) -> None:
+    """One ``#`` line per goal the run measured."""
+    state = lambda ok: "met" if ok else "NOT met"  # noqa: E731
+    if target["applies"] and target["decode_b8_ctx2048_speedup"] is not None:
+        print(f"# target (issue 4): decode b8 ctx2k vmem {target['decode_b8_ctx2048_speedup']:.2f}x "
+              f"paged (need >= {TARGET['speedup']}): {state(target['met'])}; slowest ratio "
+              f"anywhere {target['min_speedup_anywhere']:.2f}x")
+    lines = {"decode_read": f"decode rows at >= {DECODE_READ_PCT:.0f}% of read bandwidth (issue 33)",
+             "prefill_vs_sdpa": "prefill rows >= 1.0x per-request sdpa (issue 33)",
+             "interleaved": f"interleaved decode within {INTERLEAVED_WITHIN - 1:.0%} of per-layer "
+                            f"at b8 ctx2k and b32 ctx4k (issue 28)"}
+    for key, text in lines.items():
+        g = met[key]
+        if g["rows"]:
+            print(f"# goal: {text}: {state(g['met'])} ({g['rows']} rows; worst {g['worst'][0]} "
+                  f"{g['worst'][1]:.2f})")

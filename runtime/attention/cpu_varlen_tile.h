@@ -1,0 +1,309 @@
+/* cpu_varlen_tile.h: one work unit's walk over its keys, tile by tile (included by
+ * cpu_varlen.c after its types; native.py hashes it into the build's key).
+ *
+ * Per tile of n <= CHUNK keys c0 .. c0+n-1:
+ *
+ *   scores   keys two at a time, for each KV head hh of the item: both keys' K rows (hh) into
+ *            registers, then every row r of head hh, its q loaded once for both keys:
+ *            part[jj][r] = lanes of q_r * k_jj (D / VW FMAs each); hsum_rows turns VW rows'
+ *            partials into VW scores s[j][r0 .. r0+VW) (key-major)
+ *   softmax  VW rows at a time over the tile's keys, keys outside a row's [lo, hi) masked:
+ *            m' = max(m, max_j s), corr = exp(m - m'), p = exp(s - m'), l = l corr + sum p
+ *   values   keys in groups of 8; per head hh its rows in blocks of up to 4, D in blocks of
+ *            up to 4 vectors: acc (registers) = acc * corr + sum_j p[j][r] * V[j, hh]
+ *
+ * Each K and V element of the tile is loaded once per block of rows that reads it (once per
+ * key for decode: G <= 4 rows a head). Walked with D and the dtype as constants for the usual
+ * head sizes (the loops unroll, the K row stays in registers), once generically.
+ */
+#ifndef VK_CPU_VARLEN_TILE_H
+#define VK_CPU_VARLEN_TILE_H
+
+/* Element offsets of keys (or values) c0 .. c0+n-1 of request i, head h0, into offs[0:n]; paged
+ * walks the block table once per block (no division per key). */
+static void tile_offsets(const args_t *a, const int64_t *st, int64_t i, int64_t c0, int64_t n,
+                         int64_t h0, int64_t *offs) {
+    if (a->slots) {
+        const int64_t base = a->slots[i] * st[0] + h0 * st[2];
+        for (int64_t j = 0; j < n; j++) offs[j] = base + (c0 + j) * st[1];
+        return;
+    }
+    const int64_t *table = a->tables + i * a->width;
+    int64_t blk = c0 / a->bs, in_blk = c0 % a->bs;
+    for (int64_t j = 0; j < n; j++) {
+        offs[j] = table[blk] * st[0] + in_blk * st[1] + h0 * st[2];
+        if (++in_blk == a->bs) { in_blk = 0; blk++; }
+    }
+}
+
+/* Prefetch head hh's D elements of the K row at element offset off (< 0: none). */
+static ALWAYS void prefetch_head(const void *base, int64_t off, int64_t D, int dt) {
+    if (off < 0) return;
+    const int64_t bytes = D * (dt == DT_F32 ? 4 : 2);
+    const char *row = (const char *)base + off * (dt == DT_F32 ? 4 : 2);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+}
+
+/* Partial dot products of every row with JN (1 or 2) consecutive keys at koffs[0:JN]: the keys'
+ * rows of head hh in registers, each q row loaded once for the JN keys, partials to
+ * part[jj][r] (and the scalar tails of a head size that is no multiple of VW to tails[jj][r]).
+ * Beside each head's work, that head's slice of the K rows at ahead[0:JN] (PREFETCH_KEYS keys
+ * later) is prefetched: spread so, not in one burst per row, the loads of later rows overlap
+ * this one's arithmetic. */
+static ALWAYS void key_partials(const args_t *a, const unit_t *u, const int64_t *koffs,
+                                const int JN, const int64_t *ahead, ws_t *w, const int64_t D,
+                                const int dt) {
+    const int64_t nv = D / VW, per_head = u->np * u->G;
+    for (int64_t hh = 0; hh < u->nh; hh++) {
+        for (int jj = 0; jj < JN; jj++)
+            prefetch_head(a->k, ahead[jj] < 0 ? -1 : ahead[jj] + hh * a->ks[2], D, dt);
+        vf kr[2][D / VW > 0 ? D / VW : 1];
+        for (int jj = 0; jj < JN; jj++) {
+            #pragma GCC unroll 16
+            for (int64_t x = 0; x < nv; x++) kr[jj][x] = ld_kv(a->k, koffs[jj] + hh * a->ks[2] + x * VW, dt);
+        }
+        for (int64_t c = 0; c < per_head; c++) {
+            const int64_t r = u->head_rows[hh * per_head + c];
+            const float *qr = w->qb + r * D;
+            vf sum[2] = {{0}, {0}};
+            #pragma GCC unroll 16
+            for (int64_t x = 0; x < nv; x++) {
+                const vf qx = ldf(qr + x * VW);
+                for (int jj = 0; jj < JN; jj++) sum[jj] += qx * kr[jj][x];
+            }
+            for (int jj = 0; jj < JN; jj++) {
+                stf(w->part + (jj * MAX_ROWS + r) * VW, sum[jj]);
+                if (D % VW) {
+                    float t = 0.0f;
+                    for (int64_t x = nv * VW; x < D; x++)
+                        t += qr[x] * ld_one(a->k, koffs[jj] + hh * a->ks[2] + x, dt);
+                    w->tails[jj * MAX_ROWS + r] = t;
+                }
+            }
+        }
+    }
+}
+
+#ifdef HAVE_DPBF16
+/* key_partials for bf16 K with D a multiple of 32, on vdpbf16ps: the bf16 queries (unscaled:
+ * key_scores applies the scale) against the K rows as they lie, 32 products an instruction,
+ * exact in fp32 (half the instructions of converting K and FMAing). */
+static ALWAYS void key_partials_bf16(const args_t *a, const unit_t *u, const int64_t *koffs,
+                                     const int JN, const int64_t *ahead, ws_t *w,
+                                     const int64_t D) {
+    const int64_t nb = D / 32, per_head = u->np * u->G;
+    const uint16_t *k = (const uint16_t *)a->k;
+    for (int64_t hh = 0; hh < u->nh; hh++) {
+        __m512i kr[2][D / 32 > 0 ? D / 32 : 1];
+        for (int jj = 0; jj < JN; jj++) {
+            prefetch_head(a->k, ahead[jj] < 0 ? -1 : ahead[jj] + hh * a->ks[2], D, DT_BF16);
+            #pragma GCC unroll 8
+            for (int64_t x = 0; x < nb; x++)
+                kr[jj][x] = _mm512_loadu_si512(k + koffs[jj] + hh * a->ks[2] + x * 32);
+        }
+        for (int64_t c = 0; c < per_head; c++) {
+            const int64_t r = u->head_rows[hh * per_head + c];
+            const uint16_t *qr = w->qh + r * D;
+            vf sum[2] = {{0}, {0}};
+            #pragma GCC unroll 8
+            for (int64_t x = 0; x < nb; x++)
+                for (int jj = 0; jj < JN; jj++) sum[jj] = dot_bf16(sum[jj], qr + x * 32, kr[jj][x]);
+            for (int jj = 0; jj < JN; jj++) stf(w->part + (jj * MAX_ROWS + r) * VW, sum[jj]);
+        }
+    }
+}
+#define BF16_DOTS(D, dt) ((dt) == DT_BF16 && (D) % 32 == 0)
+#else
+#define BF16_DOTS(D, dt) 0
+#endif
+
+/* Key j's scores s[j][r] from its partials part[jj][r]: VW rows per transpose tree; ``scale``:
+ * the partials are of unscaled queries (the bf16 dot products). */
+static ALWAYS void key_scores(const args_t *a, const unit_t *u, int64_t j, int jj, ws_t *w,
+                              const int64_t D, const int scale) {
+    for (int64_t b = 0; b < u->rvec; b++) {
+        vf sc = hsum_rows((const vf *)(w->part + (jj * MAX_ROWS + b * VW) * VW));
+        if (scale) sc *= a->scale;
+        if (D % VW) sc += ldf(w->tails + jj * MAX_ROWS + b * VW);
+        if (a->softcap > 0.0f) sc = softcapv(sc, a->softcap);
+        stf(w->s + j * MAX_ROWS + b * VW, sc);
+    }
+}
+
+/* s[j][r] = q_r . K[key j, head of r] (scaled q; soft-capped when the layer has a cap); keys in
+ * pairs where both K rows fit in registers (D <= 8 VW). ``knext[0:n_next]``: the next tile's
+ * K offsets, for the prefetch across the tile's end. */
+static ALWAYS void tile_scores(const args_t *a, const unit_t *u, const int64_t *koffs, int64_t n,
+                               const int64_t *knext, int64_t n_next, ws_t *w, const int64_t D,
+                               const int dt) {
+#define AHEAD(x) ((x) < n ? koffs[x] : (x) - n < n_next ? knext[(x) - n] : -1)
+#ifdef HAVE_DPBF16
+#define PARTIALS(JN) (BF16_DOTS(D, dt) ? key_partials_bf16(a, u, koffs + j, JN, ahead, w, D) \
+                                       : key_partials(a, u, koffs + j, JN, ahead, w, D, dt))
+#else
+#define PARTIALS(JN) key_partials(a, u, koffs + j, JN, ahead, w, D, dt)
+#endif
+    int64_t j = 0, ahead[2];
+    if (D / VW <= 8 && D % VW == 0)
+        for (; j + 2 <= n; j += 2) {
+            ahead[0] = AHEAD(j + PREFETCH_KEYS);
+            ahead[1] = AHEAD(j + 1 + PREFETCH_KEYS);
+            PARTIALS(2);
+            key_scores(a, u, j, 0, w, D, BF16_DOTS(D, dt));
+            key_scores(a, u, j + 1, 1, w, D, BF16_DOTS(D, dt));
+        }
+    for (; j < n; j++) {
+        ahead[0] = AHEAD(j + PREFETCH_KEYS);
+        PARTIALS(1);
+        key_scores(a, u, j, 0, w, D, BF16_DOTS(D, dt));
+    }
+#undef AHEAD
+#undef PARTIALS
+}
+
+/* The tile's scores become probabilities, VW rows at a time: keys outside a row's [lo, hi)
+ * weigh 0; m, l updated; corr = exp(old m - new m) for the values' rescale. */
+static ALWAYS void tile_softmax(const unit_t *u, int64_t c0, int64_t n, ws_t *w) {
+    for (int64_t b = 0; b < u->rvec; b++) {
+        const vi lo = *(const vi *)(w->lo + b * VW), hi = *(const vi *)(w->hi + b * VW);
+        const vi whole = (lo <= (int32_t)c0) & (hi >= (int32_t)(c0 + n)) & (lo < hi);
+        int all = 1;   /* every lane a real row that sees every key of the tile: no masks */
+        for (int t = 0; t < VW; t++) all &= whole[t] != 0;
+        float *s = w->s + b * VW;
+        vf mx = splat(-FLT_MAX);
+        for (int64_t j = 0; j < n; j++) {
+            const vi key = (vi){0} + (int32_t)(c0 + j), seen = (key >= lo) & (key < hi);
+            const vf sc = ldf(s + j * MAX_ROWS);
+            mx = maxv(mx, all ? sc : selectv(seen, sc, splat(-FLT_MAX)));
+        }
+        const vf m_old = ldf(w->m + b * VW), m_new = maxv(m_old, mx);
+        vf sum = {0};
+        for (int64_t j = 0; j < n; j++) {
+            const vi key = (vi){0} + (int32_t)(c0 + j), seen = (key >= lo) & (key < hi);
+            const vf e = expv_nonpos(ldf(s + j * MAX_ROWS) - m_new);
+            const vf p = all ? e : selectv(seen, e, (vf){0});
+            stf(s + j * MAX_ROWS, p);
+            sum += p;
+        }
+        const vf corr = expv_nonpos(m_old - m_new);
+        stf(w->corr + b * VW, corr);
+        stf(w->l + b * VW, ldf(w->l + b * VW) * corr + sum);
+        stf(w->m + b * VW, m_new);
+    }
+}
+
+/* Rows rs[0:RB] (one KV head, V at element offset hoff of each key), floats x0 .. x0 + CV*VW
+ * of their accumulators: rescaled by corr (``rescale``: the tile's first group), plus n keys'
+ * p-weighted V rows (p from ``sp``, key-major), in registers. */
+static ALWAYS void value_block(const args_t *a, ws_t *w, const int64_t *rs, const int RB,
+                               const int CV, const int64_t *voffs, int64_t hoff, int64_t n,
+                               int64_t x0, const int64_t D, const int dt, const float *sp, int rescale) {
+    vf acc[4][4];
+    for (int b = 0; b < RB; b++)
+        for (int c = 0; c < CV; c++)
+            acc[b][c] = ldf(w->acc + rs[b] * D + x0 + c * VW) * (rescale ? w->corr[rs[b]] : 1.0f);
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t off = voffs[j] + hoff + x0;
+        vf vv[4];
+        for (int c = 0; c < CV; c++) vv[c] = ld_kv(a->v, off + c * VW, dt);
+        const float *p = sp + j * MAX_ROWS;
+        for (int b = 0; b < RB; b++) {
+            const vf pb = splat(p[rs[b]]);
+            for (int c = 0; c < CV; c++) acc[b][c] += pb * vv[c];
+        }
+    }
+    for (int b = 0; b < RB; b++)
+        for (int c = 0; c < CV; c++) stf(w->acc + rs[b] * D + x0 + c * VW, acc[b][c]);
+}
+
+/* value_block over D for RB rows: blocks of 4 vectors, then the remaining vectors, then the
+ * scalar tail of a head size that is no multiple of VW. */
+static ALWAYS void value_rows(const args_t *a, ws_t *w, const int64_t *rs, const int RB,
+                              const int64_t *voffs, int64_t hoff, int64_t n, const int64_t D,
+                              const int dt, const float *sp, int rescale) {
+    const int64_t nv = D / VW;
+    int64_t x0 = 0;
+    for (; x0 + 4 * VW <= nv * VW; x0 += 4 * VW) value_block(a, w, rs, RB, 4, voffs, hoff, n, x0, D, dt, sp, rescale);
+    switch (nv % 4) {
+    case 3: value_block(a, w, rs, RB, 3, voffs, hoff, n, x0, D, dt, sp, rescale); break;
+    case 2: value_block(a, w, rs, RB, 2, voffs, hoff, n, x0, D, dt, sp, rescale); break;
+    case 1: value_block(a, w, rs, RB, 1, voffs, hoff, n, x0, D, dt, sp, rescale); break;
+    }
+    for (int64_t x = nv * VW; x < D; x++)
+        for (int b = 0; b < RB; b++) {
+            float t = w->acc[rs[b] * D + x] * (rescale ? w->corr[rs[b]] : 1.0f);
+            for (int64_t j = 0; j < n; j++) t += sp[j * MAX_ROWS + rs[b]] * ld_one(a->v, voffs[j] + hoff + x, dt);
+            w->acc[rs[b] * D + x] = t;
+        }
+}
+
+/* The tile's values into the accumulators: keys in groups of VALUE_GROUP, and within a group
+ * each KV head's rows in blocks of up to 4. A group's V rows are all read before the next
+ * group's: measured 1.14x faster from memory (one thread, b8 ctx2k 32/8 x 128 fp32) than one
+ * pass per (head, block) over the whole tile, which reads 32 rows 4 KiB apart 256 B at a time;
+ * within the noise with the V rows in cache. */
+static ALWAYS void tile_values(const args_t *a, const unit_t *u, const int64_t *voffs, int64_t n,
+                               ws_t *w, const int64_t D, const int dt) {
+    const int64_t per_head = u->np * u->G;
+    for (int64_t g0 = 0; g0 < n; g0 += VALUE_GROUP) {
+        const int64_t ng = n - g0 < VALUE_GROUP ? n - g0 : VALUE_GROUP;
+        const float *sg = w->s + g0 * MAX_ROWS;
+        for (int64_t hh = 0; hh < u->nh; hh++) {
+            const int64_t hoff = hh * a->vs[2];
+            for (int64_t c = 0; c < per_head; c += 4) {
+                int64_t rs[4];
+                const int RB = per_head - c < 4 ? (int)(per_head - c) : 4, first = g0 == 0;
+                for (int b = 0; b < RB; b++) rs[b] = u->head_rows[hh * per_head + c + b];
+                switch (RB) {
+                case 4: value_rows(a, w, rs, 4, voffs + g0, hoff, ng, D, dt, sg, first); break;
+                case 3: value_rows(a, w, rs, 3, voffs + g0, hoff, ng, D, dt, sg, first); break;
+                case 2: value_rows(a, w, rs, 2, voffs + g0, hoff, ng, D, dt, sg, first); break;
+                default: value_rows(a, w, rs, 1, voffs + g0, hoff, ng, D, dt, sg, first); break;
+                }
+            }
+        }
+    }
+}
+
+/* Keys [u->c_lo, u->c_hi) folded into the unit's softmax state and accumulators, tile by tile;
+ * nothing outside that range is read. D and dt are constants in the copies walk_keys makes. */
+static ALWAYS void walk_keys_d(const args_t *a, const unit_t *u, ws_t *w, const int64_t D,
+                               const int dt) {
+    int64_t offs[2][2][CHUNK];    /* [tile parity][K, V][key]: this tile's and the next's */
+    int64_t n = u->c_hi - u->c_lo < CHUNK ? u->c_hi - u->c_lo : CHUNK;
+    tile_offsets(a, a->ks, u->i, u->c_lo, n, u->h0, offs[0][0]);
+    tile_offsets(a, a->vs, u->i, u->c_lo, n, u->h0, offs[0][1]);
+    for (int64_t c0 = u->c_lo, t = 0; c0 < u->c_hi; c0 += CHUNK, t ^= 1) {
+        n = u->c_hi - c0 < CHUNK ? u->c_hi - c0 : CHUNK;
+        const int64_t c1 = c0 + CHUNK, n1 = u->c_hi - c1 < CHUNK ? u->c_hi - c1 : CHUNK;
+        if (n1 > 0) {
+            tile_offsets(a, a->ks, u->i, c1, n1, u->h0, offs[t ^ 1][0]);
+            tile_offsets(a, a->vs, u->i, c1, n1, u->h0, offs[t ^ 1][1]);
+        }
+        tile_scores(a, u, offs[t][0], n, offs[t ^ 1][0], n1 > 0 ? n1 : 0, w, D, dt);
+        tile_softmax(u, c0, n, w);
+        tile_values(a, u, offs[t][1], n, w, D, dt);
+    }
+}
+
+#define WALK_DTYPES(D)                                                              \
+    switch (a->dtype) {                                                             \
+    case DT_F32: walk_keys_d(a, u, w, D, DT_F32); return;                           \
+    case DT_BF16: walk_keys_d(a, u, w, D, DT_BF16); return;                         \
+    default: walk_keys_d(a, u, w, D, DT_F16); return;                               \
+    }
+
+/* walk_keys_d compiled for the usual head sizes with D a constant (the dot products and
+ * value blocks unroll, the K row stays in registers) and once for any other D; each for the
+ * three K/V dtypes. */
+static void walk_keys(const args_t *a, const unit_t *u, ws_t *w) {
+    switch (a->D) {
+    case 32: WALK_DTYPES(32)
+    case 64: WALK_DTYPES(64)
+    case 128: WALK_DTYPES(128)
+    case 256: WALK_DTYPES(256)
+    }
+    WALK_DTYPES(a->D)
+}
+
+#endif

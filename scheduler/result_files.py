@@ -1,0 +1,155 @@
+"""Every file the project writes goes through here: whole, or not at all.
+
+    write_atomic(path, writer)   writer(tmp) fills a temporary file beside ``path`` (same folder,
+                                 so the same file system); it is flushed to disk, then
+                                 os.replace(tmp, path) swaps it in. A kill at any moment leaves
+                                 the old file or the new one, never a mix; on an exception the
+                                 temporary file is removed and the old file stays
+    atomic_open(path, mode)      the same as a context manager around an open file
+    streamed_open(path)          a log written as the run goes: ``path.partial`` until it ends
+    write_json / write_text      the usual cases
+
+A run that writes several files into one folder marks what is stale (``StaleMarker``): at its
+start it lists the files an earlier run left there in ``STALE.txt``; each file it rewrites
+leaves the list; at its end the marker is removed, or kept naming what the run did not rewrite
+(a run cut short by Ctrl-C draws no plots, so the old PNGs are still there). After a kill -9 the
+marker names every old file beside the new run's partial ones (written as ``*.partial``).
+Pure Python (scheduler, runtime and benchmarks all use it).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from typing import Callable, Iterable, Iterator, Optional
+
+from .cliargs import hold_point
+
+STALE_NAME = "STALE.txt"
+
+
+@contextlib.contextmanager
+def _replacing(path: str) -> Iterator[str]:
+    """A temporary path beside ``path``; when the block ends normally it is flushed to disk and
+    replaces ``path``, when it raises (KeyboardInterrupt too) it is removed."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        yield tmp
+        hold_point(f"write:{os.path.basename(path)}")   # tests: a kill between write and replace
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())     # mkstemp's 0600 would make results private
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_atomic(path: str, writer: Callable[[str], None]) -> str:
+    """Call ``writer(tmp_path)`` to write a temporary file beside ``path``, then replace
+    ``path`` by it; returns ``path``. The folder is created."""
+    with _replacing(path) as tmp:
+        writer(tmp)
+    return path
+
+
+@contextlib.contextmanager
+def atomic_open(path: str, mode: str = "w", **kwargs) -> Iterator:
+    """``with atomic_open(path) as f: f.write(...)``: ``path`` is replaced when the block
+    ends normally, untouched when it raises."""
+    with _replacing(path) as tmp, open(tmp, mode, **kwargs) as f:
+        yield f
+
+
+@contextlib.contextmanager
+def streamed_open(path: str, mode: str = "w", **kwargs) -> Iterator:
+    """A file written as the run goes (a log): it grows as ``path + ".partial"`` and becomes
+    ``path`` when the block ends, however it ends (an exception or Ctrl-C too: what was logged
+    is whole). A kill leaves the ``.partial`` file and the old ``path`` as they were."""
+    partial = path + ".partial"
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        with open(partial, mode, **kwargs) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        if os.path.exists(partial):
+            os.replace(partial, path)
+
+
+def write_json(path: str, payload, **dump_kwargs) -> str:
+    """``payload`` as JSON at ``path`` (indent 1 unless given), atomically."""
+    dump_kwargs.setdefault("indent", 1)
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, **dump_kwargs)
+    return path
+
+
+def write_text(path: str, text: str) -> str:
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+class StaleMarker:
+    """``STALE.txt`` in ``folder`` while a run rewrites files there (see the module docstring).
+
+    ``names`` are the file names the run owns (exact names; ``*.png``-style patterns too)."""
+
+    def __init__(self, folder: str, names: Iterable[str], run: str) -> None:
+        self.folder, self.run = folder, run
+        self.patterns = tuple(names)
+        self.path = os.path.join(folder, STALE_NAME)
+        self.stale: list = []
+        self._running = ""
+
+    def begin(self) -> "StaleMarker":
+        os.makedirs(self.folder, exist_ok=True)
+        self.stale = sorted(n for n in os.listdir(self.folder) if self._owned(n))
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        self._running = f"{self.run} (pid {os.getpid()}) started {started} and has not finished"
+        self._note(self._running)
+        return self
+
+    def wrote(self, path: str) -> str:
+        """Record that ``path`` (in the folder) is now this run's; returns it."""
+        name = os.path.basename(path)
+        if name in self.stale:
+            self.stale.remove(name)
+            self._note(self._running)
+        return path
+
+    def finish(self, why: Optional[str] = None) -> None:
+        """The run ended (``why``: how, when cut short): the marker goes, or keeps what the run
+        did not rewrite."""
+        if not self.stale:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            return
+        self._note(f"{self.run} ended {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                   f"{' (' + why + ')' if why else ''} without rewriting them")
+
+    def _owned(self, name: str) -> bool:
+        import fnmatch
+        return name != STALE_NAME and any(fnmatch.fnmatch(name, p) for p in self.patterns)
+
+    def _note(self, status: str) -> None:
+        if not self.stale:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            return
+        write_text(self.path, f"These files are from an earlier run: {status}.\n"
+                              + "".join(f"{name}\n" for name in self.stale))

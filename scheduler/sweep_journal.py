@@ -1,0 +1,71 @@
+"""A sweep's rows as they finish: ``OUT/sweep.rows.jsonl``, one JSON row a line, appended and
+flushed to disk as each point finishes, so a Ctrl-C, a failing point or a kill keeps every row
+that finished, and ``vmemkv sweep --resume`` runs only the points still missing.
+
+Rows keep their types (the CSV would not). A resumed sweep keeps the journal's finished rows of
+points that are in its grid (a row is matched to its point by every parameter, ``point_key``),
+drops rows with an error (those points run again) and a last line a kill cut short, rewrites
+the journal with what it kept (atomically) and appends from there. A sweep without
+``--resume`` starts a new journal.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List
+
+from .result_files import atomic_open
+from .sweep_spec import PARAMS, point_key
+
+JOURNAL_NAME = "sweep.rows.jsonl"
+
+
+class RowJournal:
+    """The journal in ``out_dir``; ``kept`` are the rows a resume keeps (point key -> row)."""
+
+    def __init__(self, out_dir: str, points: List[dict], resume: bool) -> None:
+        self.path = os.path.join(out_dir, JOURNAL_NAME)
+        wanted = {point_key(p) for p in points}
+        self.kept: Dict[str, dict] = {}
+        if resume:
+            for row in _read_rows(self.path):
+                key = point_key(row) if all(k in row for k in PARAMS) else None
+                if key in wanted and not row.get("error"):
+                    self.kept[key] = row
+        with atomic_open(self.path, "w", encoding="utf-8") as f:
+            for row in self.kept.values():
+                f.write(json.dumps(row) + "\n")
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def append(self, row: dict) -> None:
+        """One finished row, on disk before this returns."""
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "RowJournal":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _read_rows(path: str) -> List[dict]:
+    """The journal's rows; lines that are not whole JSON objects (a kill mid-line) are left out."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    rows = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows

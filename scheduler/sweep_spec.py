@@ -1,0 +1,213 @@
+"""A sweep spec: its file, every value's type and range, the grid's size and its points.
+
+A spec is TOML (``.toml``) or JSON (``.json``) with two tables, ``[base]`` (values every point
+shares) and ``[grid]`` (lists; every combination is one point); the format is in
+``scheduler/sweep.py`` and docs/simulation.md. Every value is checked against ``KINDS`` when
+the file is read (a string where a number goes, ``nan``, ``1e308`` GB, a float count: a
+``ConfigError`` naming ``table.key[index]`` and the allowed range), an empty spec is refused,
+and ``count_points`` bounds the grid before anything is expanded.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import tomllib
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from .cliargs import parse_bytes
+from .errors import ConfigError
+from .geometry import PageGeometry
+from .presets import get_model
+from .scheduler import SchedulerConfig
+from .simulator import SimConfig
+
+PARAMS: Dict[str, object] = {
+    "policy": "paged", "model": "llama-3-8b", "gpu": "h100", "cache_gb": 60.0,
+    "block_size": 16, "page_bytes": 2 * 2**20, "layout": "per-layer", "watermark": 0.01,
+    "watermark_scope": "growing", "preemption": "recompute", "swap_gb": 0.0,
+    "max_running": 1024, "max_tokens_per_step": 8192, "prefill_mfu": None,
+    "map_latency_us": 0.0, "paged_slowdown": 1.0, "max_len": 4096, "requests": 2000, "seed": 0,
+    "workload_rng": "numpy", "arrival_rate": 0.0, "trace": None, "rate_scale": 1.0,
+    "max_requests": None,
+}
+_UNUSED = {"block_size": lambda p: p != "paged", "page_bytes": lambda p: p != "vmem",
+           "layout": lambda p: p != "vmem"}
+DEFAULT_MAX_POINTS = 10_000
+
+
+@dataclass(frozen=True)
+class Kind:
+    """What one key takes: "str", "int" or "float" (an int is a float too), inside
+    [low, high] (``low_open``: above low), ``None`` when ``optional``, a size with a unit
+    ("2MiB", checked when the point is built) when ``size``."""
+    type: str
+    low: Optional[float] = None
+    high: Optional[float] = None
+    low_open: bool = False
+    optional: bool = False
+    size: bool = False
+
+    def check(self, value, where: str) -> None:
+        if value is None and self.optional:
+            return
+        if self.type == "str" or (self.size and isinstance(value, str)):
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{where} must be a non-empty string, got {value!r}")
+            return
+        numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not numeric or (self.type == "int" and not isinstance(value, int)):
+            raise ConfigError(f"{where} must be {self._want()}, got {value!r}")
+        if not math.isfinite(value) or (self.low is not None and (
+                value <= self.low if self.low_open else value < self.low)) \
+                or (self.high is not None and value > self.high):
+            raise ConfigError(f"{where} must be {self._want()}, got {value!r}")
+
+    def _want(self) -> str:
+        what = "an int" if self.type == "int" else "a finite number"
+        low = "" if self.low is None else f" {'>' if self.low_open else '>='} {_num(self.low)}"
+        high = "" if self.high is None else f" and <= {_num(self.high)}"
+        size = " (or a size such as '2MiB')" if self.size else ""
+        return what + low + high + size + (" (or null)" if self.optional else "")
+
+
+def _num(value: float) -> str:
+    return f"{int(value):,}" if float(value).is_integer() and abs(value) < 1e15 else f"{value:g}"
+
+
+_GB, _COUNT = 1e6, 10**7      # a petabyte; ten million requests, tokens or sequences
+KINDS: Dict[str, Kind] = {
+    **{k: Kind("str") for k in ("policy", "model", "gpu", "layout", "watermark_scope",
+                                "preemption", "workload_rng")},
+    "trace": Kind("str", optional=True),
+    "cache_gb": Kind("float", 0, _GB, low_open=True), "swap_gb": Kind("float", 0, _GB),
+    "watermark": Kind("float", 0, 1), "prefill_mfu": Kind("float", 0, 1, True, optional=True),
+    "map_latency_us": Kind("float", 0, 1e9), "paged_slowdown": Kind("float", 0, 1e6, True),
+    "arrival_rate": Kind("float", 0, 1e9), "rate_scale": Kind("float", 0, 1e9, True),
+    "block_size": Kind("int", 1, 2**20), "page_bytes": Kind("int", 1, 2**40, size=True),
+    "max_running": Kind("int", 1, _COUNT), "max_tokens_per_step": Kind("int", 1, 10**9),
+    "max_len": Kind("int", 2, _COUNT), "requests": Kind("int", 1, _COUNT),
+    "seed": Kind("int", 0, 2**63 - 1), "max_requests": Kind("int", 1, _COUNT, optional=True),
+}
+
+
+def load_spec(path: str) -> dict:
+    """The spec file as ``{"base": {...}, "grid": {...}}``, every value checked; ConfigError
+    naming the file and the bad key or value."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f) if path.endswith(".toml") else json.load(f)
+    except (OSError, ValueError, RecursionError) as error:   # bad TOML/JSON, nested too deep
+        why = "nested too deeply" if isinstance(error, RecursionError) else error
+        raise ConfigError(f"sweep spec {path}: {why}") from None
+    if not isinstance(raw, dict) or set(raw) - {"base", "grid"}:
+        raise ConfigError(f"sweep spec {path}: want tables [base] and [grid] only, got "
+                          f"{sorted(raw) if isinstance(raw, dict) else type(raw).__name__}")
+    spec = {"base": raw.get("base", {}), "grid": raw.get("grid", {})}
+    try:
+        check_spec(spec)
+    except ConfigError as error:
+        raise ConfigError(f"sweep spec {path}: {error}") from None
+    return {table: dict(values) for table, values in spec.items()}
+
+
+def check_spec(spec: dict) -> None:
+    """ConfigError naming the first key or value that is not allowed."""
+    for table, values in spec.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{table}] must be a table of keys, got {values!r}")
+    if not spec["base"] and not spec["grid"]:
+        raise ConfigError("the spec is empty: give [grid] lists (and [base] values)")
+    for table, values in spec.items():
+        for key, value in values.items():
+            if key not in PARAMS:
+                raise ConfigError(f"unknown key {table}.{key}; known: {', '.join(PARAMS)}")
+            if table == "base":
+                KINDS[key].check(value, f"base.{key}")
+                continue
+            if not isinstance(value, list) or not value:
+                raise ConfigError(f"grid.{key} must be a non-empty list, got {value!r}")
+            for i, item in enumerate(value):
+                KINDS[key].check(item, f"grid.{key}[{i}]")
+
+
+def count_points(spec: dict) -> int:
+    """Combinations of the grid's lists (before duplicates are dropped): known before any is
+    built, so a huge grid is refused at once."""
+    return math.prod(len(values) for values in spec["grid"].values())
+
+
+def check_size(spec: dict, max_points: int) -> None:
+    count = count_points(spec)
+    if count > max_points:
+        sizes = " x ".join(f"{len(v)} {k}" for k, v in spec["grid"].items())
+        raise ConfigError(f"the grid has {count:,} points ({sizes}), more than --max-points "
+                          f"{max_points:,}; split it or raise --max-points")
+
+
+def expand(spec: dict, max_points: int = DEFAULT_MAX_POINTS) -> List[dict]:
+    """Every point of the grid (full parameter dicts, normalised, duplicates dropped), in
+    grid order; the grid's size is bounded first, then each point is checked (SimConfig)
+    before anything runs."""
+    check_spec(spec)
+    check_size(spec, max_points)
+    keys = list(spec["grid"])
+    points, seen = [], set()
+    for values in itertools.product(*(spec["grid"][k] for k in keys)):
+        point = {**PARAMS, **spec["base"], **dict(zip(keys, values))}
+        if isinstance(point["page_bytes"], str):
+            point["page_bytes"] = _size(point["page_bytes"])
+        for key, unused in _UNUSED.items():
+            if unused(point["policy"]):
+                point[key] = PARAMS[key]
+        frozen = point_key(point)
+        if frozen not in seen:
+            seen.add(frozen)
+            sim_config(point)
+            points.append(point)
+    return points
+
+
+def point_key(point: dict) -> str:
+    """A point's (or its row's) parameters as one string: equal keys, equal simulations."""
+    return json.dumps({k: point[k] for k in PARAMS}, sort_keys=True)
+
+
+def _size(text: str) -> int:
+    import argparse
+    try:
+        return parse_bytes(text)
+    except argparse.ArgumentTypeError as error:
+        raise ConfigError(f"sweep spec: page_bytes {error}") from None
+
+
+def sim_config(point: dict) -> SimConfig:
+    """The SimConfig a point names (ConfigError naming the field when a value is bad)."""
+    sched = SchedulerConfig(max_running=point["max_running"],
+                            max_tokens_per_step=point["max_tokens_per_step"],
+                            watermark=point["watermark"], preemption=point["preemption"])
+    return SimConfig(policy=point["policy"], model=point["model"], device=point["gpu"],
+                     cache_bytes=int(point["cache_gb"] * 1e9), max_seq_len=point["max_len"],
+                     block_size=point["block_size"], page_bytes=point["page_bytes"],
+                     layout=point["layout"], swap_bytes=int(point["swap_gb"] * 1e9),
+                     scheduler=sched, prefill_mfu=point["prefill_mfu"],
+                     map_latency_s=point["map_latency_us"] * 1e-6,
+                     paged_slowdown=point["paged_slowdown"],
+                     watermark_scope=point["watermark_scope"])
+
+
+def unit_tokens(point: dict) -> Optional[int]:
+    """Tokens per allocation unit: the paged block, the vmem page (group); None for the other
+    policies (a reservation is per sequence, not a fixed unit)."""
+    if point["policy"] == "paged":
+        return point["block_size"]
+    if point["policy"] == "vmem":
+        return PageGeometry.of(get_model(point["model"]), point["page_bytes"],
+                               point["layout"]).tokens_per_page
+    return None
+
+
+def used_params(point: dict) -> List[str]:
+    """The parameters that matter to the point's policy (PARAMS less the normalised ones)."""
+    return [k for k in PARAMS if not (k in _UNUSED and _UNUSED[k](point["policy"]))]

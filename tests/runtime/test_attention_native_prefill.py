@@ -1,0 +1,134 @@
+"""cpu-varlen runs every row in its native kernel: prefill chunks after any kv_start, sliding
+windows, logit soft-caps, GQA, on vmem per-layer, vmem interleaved (strided rows) and paged,
+unsplit and with key ranges split, against the dense fp32 reference (1e-5 in fp32).
+
+The truth for request i is dense attention of its queries over its keys ``kv_start_i .. ctx``
+with the window and cap (``reference.dense_attention``); the cache holds NaN wherever the
+backend must not read: other slots, past context_len, and every key before the view's
+``kv_starts`` (the later of the explicit start and the window's start at the first query).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vmemkv.runtime.attention import BatchLens, StepMeta, availability, get_backend
+from vmemkv.runtime.attention.reference import dense_attention
+from tests.runtime.test_attention_backends import make_case, paged_view, vmem_view
+
+pytestmark = pytest.mark.skipif(not availability("cpu-varlen"),
+                                reason=f"cpu-varlen unavailable: {availability('cpu-varlen').reason}")
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+LAYOUTS = ("vmem", "vmem-interleaved", "paged")
+BLOCK = 4
+
+
+def kernel(units=None):
+    """cpu-varlen with every request in the kernel; ``units``: key ranges split to feed that many."""
+    if units is None:
+        return get_backend("cpu-varlen", sdpa_above_tokens=None)
+    return get_backend("cpu-varlen", sdpa_above_tokens=None, work_units=units, split_min_keys=1)
+
+
+def layer_view(case, layout: str, starts, window):
+    """The layout's view with ``window``, explicit ``starts`` in its step metadata, and every key
+    before the view's kv_starts poisoned (NaN)."""
+    view = paged_view(case, block_size=BLOCK) if layout == "paged" else \
+        vmem_view(case, interleaved=layout == "vmem-interleaved")
+    lens = view.lens
+    meta = StepMeta(BatchLens(lens.context_lens, lens.query_lens, lens.q_starts, tuple(starts)))
+    view = dataclasses.replace(view, meta=meta, window=window)
+    for i, first in enumerate(view.kv_starts):
+        if view.kind == "vmem":
+            slot = view.host_slots[i]
+            view.k_cache[slot, :first] = math.nan
+            view.v_cache[slot, :first] = math.nan
+        for pos in range(first if view.kind == "paged" else 0):
+            block = int(view.block_tables[i, pos // BLOCK])
+            view.k_pool[block, pos % BLOCK] = math.nan
+            view.v_pool[block, pos % BLOCK] = math.nan
+    return view
+
+
+def truth(case, starts, window, softcap) -> torch.Tensor:
+    scale, outs, row = 1.0 / math.sqrt(case.q.shape[-1]), [], 0
+    for k, v, n, first in zip(case.keys, case.values, case.query_lens, starts):
+        outs.append(dense_attention(case.q[row:row + n].float(), k[first:].float(),
+                                    v[first:].float(), scale, window=window, softcap=softcap))
+        row += n
+    return torch.cat(outs)
+
+
+def check(backend, case, view, starts, window, softcap) -> None:
+    out = backend.forward(case.q, view, softcap=softcap)
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    assert not torch.isnan(out).any(), "a NaN leaked in: the kernel read a key it must not"
+    tol = TOL[case.q.dtype]
+    torch.testing.assert_close(out.float(), truth(case, starts, window, softcap), atol=tol, rtol=tol)
+
+
+@st.composite
+def chunks(draw):
+    """(spec [(ctx, qlen)], explicit kv_starts, heads, kv_heads, head_dim, window, softcap)."""
+    spec = []
+    for _ in range(draw(st.integers(1, 4))):
+        ctx = draw(st.integers(1, 140))
+        qlen = draw(st.sampled_from([1, ctx, None])) or draw(st.integers(1, min(ctx, 70)))
+        spec.append((ctx, qlen))
+    starts = [draw(st.integers(0, c - q)) if draw(st.booleans()) else 0 for c, q in spec]
+    kv_heads = draw(st.sampled_from([1, 2, 4]))
+    heads = kv_heads * draw(st.sampled_from([1, 3, 4, 8]))
+    window = draw(st.sampled_from([None, 1, 5, 33, 64]))
+    softcap = draw(st.sampled_from([None, 2.0, 30.0]))
+    return spec, starts, heads, kv_heads, draw(st.sampled_from([16, 20, 32])), window, softcap
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunks(), st.sampled_from(LAYOUTS), st.sampled_from([None, 7]), st.integers(0, 2**16))
+def test_prefill_chunks_windows_and_softcaps_match_the_fp32_reference(chunk, layout, units, seed):
+    spec, starts, heads, kv_heads, head_dim, window, softcap = chunk
+    case = make_case(spec, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seed=seed)
+    case.q.mul_(3)                                   # scores large enough for a cap to bite
+    check(kernel(units), case, layer_view(case, layout, starts, window), starts, window, softcap)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_long_prefill_chunk_after_a_window_start_with_head_dim_128(layout, dtype):
+    """Chunks of 64-200 tokens (several items of 64 / G positions each), a 96-token window
+    (later items start their keys after earlier ones), a cap, Llama-3-8B's 4 query heads per
+    KV head at head_dim 128 (the compiled size), a decode beside them."""
+    spec, starts, window, softcap = [(600, 200), (300, 64), (257, 1)], [40, 0, 250], 96, 20.0
+    case = make_case(spec, heads=16, kv_heads=4, head_dim=128, dtype=dtype, seed=5)
+    case.q.mul_(3)
+    for backend in (kernel(), kernel(units=5)):
+        check(backend, case, layer_view(case, layout, starts, window), starts, window, softcap)
+
+
+def test_the_cap_changes_the_result_and_a_wide_window_is_full_attention():
+    """Guards on the tests above: the cap bites at these scores; a window past every key
+    equals no window."""
+    spec, starts = [(50, 20), (33, 1)], [0, 0]
+    case = make_case(spec, heads=8, kv_heads=2, seed=2)
+    case.q.mul_(3)
+    capped = kernel().forward(case.q, layer_view(case, "vmem", starts, None), softcap=2.0)
+    plain = kernel().forward(case.q, layer_view(case, "vmem", starts, None))
+    assert not torch.allclose(capped, plain, atol=1e-3)
+    wide = kernel().forward(case.q, layer_view(case, "paged", starts, 64))
+    torch.testing.assert_close(wide, plain, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_default_and_sdpa_above_tokens_agree_on_windowed_capped_mixed_steps(layout):
+    """The per-request SDPA option (``sdpa_above_tokens=2``) and the all-kernel default give the
+    same answer on a windowed, soft-capped mixed step."""
+    spec, starts, window = [(90, 30), (40, 1), (70, 3)], [0, 10, 5], 24
+    case = make_case(spec, heads=8, kv_heads=2, head_dim=32, seed=8)
+    view = layer_view(case, layout, starts, window)
+    for backend in (get_backend("cpu-varlen"), get_backend("cpu-varlen", sdpa_above_tokens=2)):
+        check(backend, case, view, starts, window, 5.0)
