@@ -2,14 +2,15 @@
 the ``real`` extra) on 32 chat prompts, vmem and paged against transformers' continuous batching
 (``generate_batch``) on the same rendered prompts.
 
-    python -m vmemkv.benchmarks.real_engine [--new-tokens 64] [--repeats 2] [--out real.json]
+    python -m vmemkv.benchmarks.real_engine [--new-tokens 64] [--repeats 2] [--device cpu]
+                                            [--out real.json]
 
-Set-up as benchmarks/engine.py's: greedy, EOS ignored (generate_batch takes one max_new_tokens,
-so every system does the same work), the same KV bytes for every system, one torch thread, one
-warm-up run each, then ``repeats`` timed runs taken in turns (round-robin); the figure is the
-median; ``agree`` is the share of requests whose tokens equal vmem's. ``vmemkv bench`` (not
-``--quick``) adds these rows to its engine section when the model is installed, and records why
-not otherwise.
+Set-up as benchmarks/engine.py's (fp32 on the CPU, fp16 with ``--device cuda``): greedy, EOS
+ignored (generate_batch takes one max_new_tokens, so every system does the same work), the same
+KV bytes for every system, one torch thread, one warm-up run each, then ``repeats`` timed runs
+taken in turns (round-robin); the figure is the median; ``agree`` is the share of requests whose
+tokens equal vmem's. ``vmemkv bench`` (not ``--quick``) adds these rows to its engine section
+when the model is installed, and records why not otherwise.
 """
 from __future__ import annotations
 
@@ -39,11 +40,13 @@ def chat_prompts(tokenizer) -> list:
             for q in QUESTIONS]
 
 
-def _models():
-    """Two copies: the engines switch theirs to our attention, transformers keeps its own."""
+def _models(device: str):
+    """Two copies: the engines switch theirs to our attention, transformers keeps its own
+    (fp32 on the CPU, fp16 on CUDA, as benchmarks/engine.py runs its model)."""
+    from vmemkv.benchmarks.engine import _dtype
     from vmemkv.runtime.models import load_model
-    engine_model, tokenizer = load_model(NAME)
-    hf_model, _ = load_model(NAME)
+    engine_model, tokenizer = load_model(NAME, dtype=_dtype(device), device=device)
+    hf_model, _ = load_model(NAME, dtype=_dtype(device), device=device)
     for m in (engine_model, hf_model):
         m.generation_config.eos_token_id = None    # same work for every system: no early EOS
     return engine_model, hf_model, tokenizer
@@ -52,7 +55,7 @@ def _models():
 def measure(new_tokens: int = 64, repeats: int = 2, device: str = "cpu") -> dict:
     """Rows (vmem, paged, transformers) and the engine-vs-transformers ratios."""
     from vmemkv.benchmarks.engine import EngineSystem, TransformersSystem, kv_budget_bytes
-    engine_model, hf_model, tokenizer = _models()
+    engine_model, hf_model, tokenizer = _models(device)
     prompts = chat_prompts(tokenizer)
     work = {"prompts": prompts, "new_tokens": new_tokens, "max_batch": 32, "max_context": 256,
             "warmup": prompts[:4]}
@@ -93,14 +96,15 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (default 64)")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per system (default 2)")
     parser.add_argument("--out", default=None, help="write the results as JSON here (default: none)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     args = parser.parse_args(argv)
     import torch
     torch.set_num_threads(1)
-    payload = run_if_installed(new_tokens=args.new_tokens, repeats=args.repeats)
+    payload = run_if_installed(device=args.device, new_tokens=args.new_tokens, repeats=args.repeats)
     if "skipped" in payload:
         print(f"# skipped: {payload['skipped']}")
         return 2
-    env = environment(0, 1, args.repeats, device="cpu", model=NAME, requests=payload["requests"],
+    env = environment(0, 1, args.repeats, device=args.device, model=NAME, requests=payload["requests"],
                       prompt_tokens=payload["prompt_tokens"], new_tokens=args.new_tokens, threads=1)
     print_environment(env)
     print(format_table(payload["rows"], TABLE))
