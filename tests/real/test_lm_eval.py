@@ -3,7 +3,7 @@ model (loglikelihood through echo + logprobs, token-id prompts in batches; gener
 ``local-chat-completions`` (generate_until through the chat template) score a small task written
 into tests/data (a local JSONL, nothing from the hub) exactly as the harness's own ``hf`` model
 does, document by document (the same loglikelihoods within 1e-3, the same generated text).
-Slow (~2 min on a busy 2-core machine) and needs the ``eval`` extra (lm-eval): docs/usage.md says how to
+Slow (60 s on a 2-core machine at load 2) and needs the ``eval`` extra (lm-eval): docs/usage.md says how to
 run it; CI, which does not install lm-eval, skips it."""
 from __future__ import annotations
 
