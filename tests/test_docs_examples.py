@@ -1,7 +1,8 @@
 """Every example in the README and docs/usage.md runs, so the docs never go stale.
 
 Python blocks are executed as written, in every doc (a schematic that is not meant to run is
-fenced as ``text``); in the README and docs/usage.md, bash blocks whose lines are ``vmemkv ...``
+fenced as ``text``; a block naming the real model runs after the other tests, or skips when it
+is not installed); in the README and docs/usage.md, bash blocks whose lines are ``vmemkv ...``
 commands are run through the CLI's ``main`` and must exit 0, and ``vmemkv`` lines in any other
 fenced block of docs/ must at least parse. The quick-start blocks (which create virtual
 environments) are CI itself.
@@ -44,7 +45,14 @@ def vmemkv_lines(body):
     return lines
 
 
-PYTHON = [pytest.param(doc, body, id=f"{doc}-python-{i}")
+REAL_MODEL = "smollm2-135m-instruct"   # blocks naming it run with the real model, after the rest
+
+
+def _marks(body):
+    return [pytest.mark.real_model] if REAL_MODEL in body else []
+
+
+PYTHON = [pytest.param(doc, body, id=f"{doc}-python-{i}", marks=_marks(body))
           for doc in ALL_DOCS for i, body in enumerate(blocks(doc, "python"))]
 COMMANDS = [pytest.param(line, id=f"{doc}-{line[:50]}")
             for doc in RUN_DOCS for body in blocks(doc, "bash") for line in vmemkv_lines(body)]
@@ -56,8 +64,10 @@ def test_the_docs_have_examples():
 
 
 @pytest.mark.parametrize("doc,body", PYTHON)
-def test_python_example_runs(doc, body, monkeypatch):
+def test_python_example_runs(doc, body, monkeypatch, request):
     monkeypatch.chdir(ROOT)
+    if REAL_MODEL in body:   # converted in the background; skips with the reason when absent
+        request.getfixturevalue("real_model_dir")
     exec(compile(body, f"{doc} example", "exec"), {"__name__": "__docs__"})
 
 

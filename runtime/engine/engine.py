@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import torch
@@ -39,29 +39,14 @@ from .lifecycle import RequestLifecycle
 from .statistics import EngineStatistics
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
-from .sampling import SampleState, Sampler, SamplingParams, make_generator, per_prompt
-from .prompts import check_prompt_batch, encode_prompt
+from .chat import chat_prompts
+from .request_state import OnToken, RequestState, SampleRecord, new_request, new_samples
+from .sampler import Sampler
+from .sampling import SamplingParams, per_prompt
+from .prompts import check_prompt_batch, check_request_params, encode_prompt
 from .self_check import self_check
 
 Prompt = Union[Sequence[int], str]
-OnToken = Callable[[TokenEvent], None]
-
-
-@dataclass
-class _Sample:
-    """Engine-side state of one sequence (one sample of a request)."""
-    request: "_Request"
-    index: int
-    sampling: SampleState
-
-
-@dataclass
-class _Request:
-    output: RequestOutput
-    params: SamplingParams
-    on_token: Optional[OnToken]
-    remaining: int                     # samples not yet ended
-    seq_ids: tuple = ()
 
 
 class Engine(RequestLifecycle, EngineStatistics):
@@ -131,8 +116,10 @@ class Engine(RequestLifecycle, EngineStatistics):
         self.sampler = Sampler()
         self.eos_ids = eos_token_ids(model, self.tokenizer)
         self._rng = random.Random(cfg.seed)
-        self._samples: Dict[int, _Sample] = {}       # seq_id -> sample state (unfinished)
-        self._requests: Dict[int, _Request] = {}     # request_id -> state, until collected
+        self._samples: Dict[int, SampleRecord] = {}  # seq_id -> sample state (unfinished)
+        self._requests: Dict[int, RequestState] = {}  # request_id -> state, until collected
+        self._prompt_logprobs: Dict[int, RequestState] = {}   # seq_id -> request computing
+        self.runner.prompt_rows = self._prompt_logprobs       # its prompt logprobs
         self._next_request = 0
         self._t0 = time.perf_counter()
         self._steps, self._step_s, self._kv_usage = 0, 0.0, []
@@ -166,11 +153,14 @@ class Engine(RequestLifecycle, EngineStatistics):
                                     "build a new Engine")
         params = sampling or SamplingParams()
         ids, text = self._encode(prompt, index)
+        check_request_params(params, self.tokenizer, self.vocab_size, index)
         stops = params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
         rid, arrival_s = self._next_request, self._now()
+        # prompt logprobs need every prompt row computed: such a request reads no prefix cache
+        scope = None if params.prompt_logprobs is None else f"prompt-logprobs-{rid}"
         request = Request(rid, len(ids), params.max_new_tokens, prompt_token_ids=ids,
                           stop_token_ids=stops, arrival_s=arrival_s, n=params.n,
-                          cache_salt=params.cache_salt)
+                          cache_salt=params.cache_salt, namespace=scope)
         try:
             seq_ids = self.scheduler.add_request(request)
         except RequestTooLargeError as error:
@@ -179,12 +169,11 @@ class Engine(RequestLifecycle, EngineStatistics):
         self._prompt_tokens += len(ids)
         out = RequestOutput(rid, ids, [CompletionOutput(i, []) for i in range(params.n)], text,
                             arrival_s=arrival_s)
-        state = _Request(out, params, on_token, params.n, tuple(seq_ids))
-        self._requests[rid] = state
+        state = self._requests[rid] = new_request(out, params, on_token, seq_ids)
         seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
-        for i, seq_id in enumerate(seq_ids):
-            gen = None if params.greedy else make_generator(seed, i, self.device)
-            self._samples[seq_id] = _Sample(state, i, SampleState(0, params, gen))
+        self._samples.update(new_samples(state, stops, seed, self.device, self.tokenizer))
+        if state.prompt_logprobs is not None:
+            self._prompt_logprobs[seq_ids[0]] = state
         return rid
 
     def _encode(self, prompt: Prompt, index: int):
@@ -246,7 +235,13 @@ class Engine(RequestLifecycle, EngineStatistics):
         return events
 
     def _execute(self, plan):
-        return self.tp.execute(plan) if self.tp is not None else self.runner.execute(plan)
+        logits, rows = self.tp.execute(plan) if self.tp is not None else self.runner.execute(plan)
+        for seq_id, (first, prompt_logits) in self.runner.prompt_logits.items():
+            state = self._prompt_logprobs[seq_id]
+            state.record_prompt_logits(first, prompt_logits)
+            if state.output.prompt_logprobs is not None:   # every prompt position is in
+                del self._prompt_logprobs[seq_id]
+        return logits, rows
 
     def _sample(self, plan, logits, rows) -> Dict[int, int]:
         if logits is None:
@@ -266,24 +261,27 @@ class Engine(RequestLifecycle, EngineStatistics):
         for seq_id, token in sampled.items():
             sample = self._samples[seq_id]
             req = sample.request
-            completion = req.output.outputs[sample.index]
-            completion.token_ids.append(token)
-            completion.token_times_s.append(now)
+            text, logprobs = sample.record(token, now, seq_id in finished)
+            if sample.stopped_by_text and seq_id not in finished:
+                self.scheduler.finish(seq_id)   # a stop string ended it before the scheduler
+                finished.add(seq_id)
             reason = None
             if seq_id in finished:
-                reason = "stop" if token in self.scheduler.seqs[seq_id].stop_ids else "length"
+                stop = sample.stopped_by_text or token in self.scheduler.seqs[seq_id].stop_ids
+                reason = "stop" if stop else "length"
                 self.scheduler.forget(seq_id)
-                self._end_sample(seq_id, completion, reason)
+                self._end_sample(seq_id, reason)
                 if not req.remaining:
                     req.output.status = "finished"
-            events.append(TokenEvent(req.output.request_id, sample.index, token, reason is not None, reason))
+            events.append(TokenEvent(req.output.request_id, sample.index, token, reason is not None,
+                                     reason, text, logprobs))
         return events
 
-    def _end_sample(self, seq_id: int, completion: CompletionOutput, reason: str) -> None:
-        completion.finish_reason = reason
-        if self.tokenizer is not None:
-            completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        self._samples.pop(seq_id).request.remaining -= 1
+    def _end_sample(self, seq_id: int, reason: str) -> None:
+        sample = self._samples.pop(seq_id)
+        sample.end(reason)
+        sample.request.remaining -= 1
+        self._prompt_logprobs.pop(seq_id, None)
 
     def _notify(self, events: List[TokenEvent]) -> None:
         """Callbacks run after the step's bookkeeping, so they may call ``abort``."""
@@ -334,6 +332,13 @@ class Engine(RequestLifecycle, EngineStatistics):
         outputs = [self.output(rid, pop=True) for rid in ids]
         self.last_stats = self.stats(since=mark, outputs=outputs)
         return outputs
+
+    def chat(self, messages, sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             chat_template: Optional[str] = None) -> List[RequestOutput]:
+        """``generate`` on one conversation (a list of {"role", "content"} messages) or a list of
+        them, each rendered by the tokenizer's chat template (or ``chat_template``) with the
+        assistant's turn opened (runtime/engine/chat.py: ChatTemplateError without one)."""
+        return self.generate(chat_prompts(self.tokenizer, messages, chat_template), sampling)
 
     def stream(self, prompts: Sequence[Prompt],
                sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None

@@ -11,12 +11,13 @@ class EngineConfigError(EngineError, ValueError):
 
 
 class RequestRejectedError(EngineError, ValueError):
-    """A request was refused at submission (it could never fit, or its prompt is invalid); it
-    holds no memory and nothing of it runs. ``index`` is its position in the submitted batch."""
+    """A request was refused at submission (it could never fit, or its prompt or parameters are
+    invalid); it holds no memory and nothing of it runs. ``index`` is its position in the
+    submitted batch, ``field`` the request field at fault (the server's 400 names it)."""
 
-    def __init__(self, message: str, index: int = 0) -> None:
+    def __init__(self, message: str, index: int = 0, field: str = "prompt") -> None:
         super().__init__(message)
-        self.index = index
+        self.index, self.field = index, field
 
 
 class EngineClosedError(EngineError, RuntimeError):

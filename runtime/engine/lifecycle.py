@@ -134,7 +134,7 @@ class RequestLifecycle:
                 return seq_state.value
         return SeqState.WAITING.value
 
-    def _request(self, request_id: int) -> _Request:
+    def _request(self, request_id: int) -> RequestState:
         state = self._requests.get(request_id)
         if state is None:
             raise UnknownRequestError(f"unknown request id {request_id!r}: never returned by "
@@ -154,7 +154,7 @@ class RequestLifecycle:
             self.scheduler.forget(seq_id)
         for seq_id in state.seq_ids:
             if seq_id in self._samples:
-                self._end_sample(seq_id, state.output.outputs[self._samples[seq_id].index], reason)
+                self._end_sample(seq_id, reason)
         state.remaining = 0
         state.output.status = status.value
         if error is not None:

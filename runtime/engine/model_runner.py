@@ -4,6 +4,7 @@
     input_ids  [t t t t t | t | t t t]                      (1, T=9)
     positions  [0 1 2 3 4 | 17 | 8 9 10]                    each token's index in its sequence
     keep       [4, 5]                                       rows whose logits are sampled
+               (+ every row of a sequence in ``prompt_rows``: prompt logprobs, only those)
 
 Everything per step is built once (ids, positions, keep rows); the per-layer work is the HF
 layer itself plus one cache write and one backend call (runtime.hf.attention).
@@ -16,7 +17,7 @@ writes) and "attention" (inside the backend's forward, as it counts it).
 from __future__ import annotations
 
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Collection, Dict, List, Optional, Tuple
 
 import torch
 
@@ -41,6 +42,10 @@ class ModelRunner:
         self._ctx = StepContext(cache, backend)
         self.ops_applied = False   # the last execute() got past its memory ops (engine rollback)
         self.phase_s: Dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        # prompt logprobs: the seq ids whose every new row's logits the engine wants (a
+        # container it owns), and after each execute() {seq_id: (first position, rows' logits)}
+        self.prompt_rows: Collection[int] = ()
+        self.prompt_logits: Dict[int, Tuple[int, torch.Tensor]] = {}
 
     def _add(self, phase: str, since: float) -> float:
         now = time.perf_counter()
@@ -53,6 +58,7 @@ class ModelRunner:
         sequences (in plan order) and, for each, its index in ``plan.seqs``. (None, []) when
         nothing sampled."""
         self.ops_applied = False
+        self.prompt_logits = {}
         start = time.perf_counter()
         try:
             self.cache.execute(plan.ops)
@@ -65,7 +71,7 @@ class ModelRunner:
         return self._run_model(plan, start)
 
     def _run_model(self, plan, start: float) -> Tuple[Optional[torch.Tensor], List[int]]:
-        input_ids, positions, keep_rows, sampling = self._inputs(plan)
+        input_ids, positions, keep_rows, sampling, prompt = self._inputs(plan)
         start = self._add("metadata", start)
         attention_before = self.backend.forward_s
         try:
@@ -76,23 +82,41 @@ class ModelRunner:
             attention = self.backend.forward_s - attention_before
             self.phase_s["attention"] += attention
             self.phase_s["model"] += time.perf_counter() - start - attention
+        logits = out.logits[0]                             # (kept rows, vocab)
+        if prompt:
+            logits = self._split_prompt_rows(logits, prompt)
         if not sampling:
             return None, []
-        return out.logits[0], sampling                     # (rows, vocab)
+        return logits, sampling                            # (sampled rows, vocab)
+
+    def _split_prompt_rows(self, logits: torch.Tensor, prompt: dict) -> torch.Tensor:
+        """Keep the prompt sequences' rows in ``prompt_logits``; return the sampled rows."""
+        sampled = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+        for seq_id, (first_position, begin, end, samples) in prompt.items():
+            self.prompt_logits[seq_id] = (first_position, logits[begin:end])
+            sampled[begin:end - 1 if samples else end] = False
+        return logits[sampled]
 
     def _inputs(self, plan):
-        """begin_step, then (input_ids, positions, rows whose logits are kept, sampling seqs)."""
+        """begin_step, then (input_ids, positions, rows whose logits are kept, sampling seqs,
+        {seq_id in prompt_rows: (first position, first and end kept row, samples)})."""
         step = self.cache.begin_step([(s.seq_id, s.num_computed_tokens, s.num_new_tokens)
                                       for s in plan.seqs])
         ids: List[int] = []
         keep: List[int] = []
         sampling: List[int] = []
+        prompt: Dict[int, tuple] = {}   # seq_id -> (first position, its kept rows, samples)
         for i, s in enumerate(plan.seqs):
             if s.new_token_ids is None:
                 raise EngineConfigError(f"sequence {s.seq_id}: the engine needs prompt token ids")
+            if s.seq_id in self.prompt_rows:   # every row of this chunk is kept
+                prompt[s.seq_id] = (s.num_computed_tokens, len(keep),
+                                    len(keep) + s.num_new_tokens, s.sample)
+                keep.extend(range(len(ids), len(ids) + s.num_new_tokens))
+            elif s.sample:
+                keep.append(len(ids) + s.num_new_tokens - 1)
             ids.extend(s.new_token_ids)
             if s.sample:
-                keep.append(len(ids) - 1)
                 sampling.append(i)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device).unsqueeze(0)  # (1, T)
         positions = step.positions.to(self.device).unsqueeze(0)                            # (1, T)
@@ -100,4 +124,4 @@ class ModelRunner:
             keep_rows = torch.tensor([len(ids) - 1], device=self.device)
         else:
             keep_rows = torch.tensor(keep, device=self.device)
-        return input_ids, positions, keep_rows, sampling
+        return input_ids, positions, keep_rows, sampling, prompt

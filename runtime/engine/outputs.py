@@ -8,6 +8,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from vmemkv.scheduler.metrics import latency_summary
 from vmemkv.scheduler.report import RequestTiming
 
+from .logprobs import TokenLogprobs
+
 
 @dataclass(frozen=True)
 class TokenEvent:
@@ -16,7 +18,10 @@ class TokenEvent:
     index: int                         # which of the request's n samples
     token_id: int
     finished: bool                     # this was the sample's last token
-    finish_reason: Optional[str] = None  # "stop" (a stop token) or "length" (max_new_tokens)
+    finish_reason: Optional[str] = None  # "stop" (a stop token or string) or "length"
+    text: str = ""                     # with a tokenizer: the text this token adds (complete
+                                       # characters only; held back near a stop string)
+    logprobs: Optional[TokenLogprobs] = None   # when SamplingParams.logprobs is set
 
 # The phases EngineStats splits step time into (each has a ``<phase>_s`` field).
 STEP_PHASES = ("schedule", "plan", "metadata", "model", "attention", "sample")
@@ -27,15 +32,23 @@ ENDED_STATUSES = ("finished", "aborted", "failed")
 
 @dataclass
 class CompletionOutput:
-    """One sample's generated tokens (the stop token, when one ended it, is included).
-    ``finish_reason``: "stop", "length", or "abort" / "error" when its request was aborted /
-    failed before the sample finished."""
+    """One sample's generated tokens (the stop token, when one ended it, is included; so is
+    the token that completed a stop string). ``finish_reason``: "stop", "length", or "abort" /
+    "error" when its request was aborted / failed before the sample finished. ``text`` (with a
+    tokenizer): the tokens' text, cut at the first stop string (``runtime/engine/detokenize``).
+    ``logprobs``: one entry per token when SamplingParams.logprobs is set, else None."""
     index: int
     token_ids: List[int]
     finish_reason: Optional[str] = None
     text: Optional[str] = None
     token_times_s: List[float] = field(default_factory=list)  # when each token was sampled:
                                                               # engine-clock wall seconds
+    logprobs: Optional[List[TokenLogprobs]] = None
+
+    @property
+    def cumulative_logprob(self) -> Optional[float]:
+        """The sum of the tokens' logprobs (natural log), when they were asked for."""
+        return None if self.logprobs is None else sum(e.logprob for e in self.logprobs)
 
     @property
     def finished(self) -> bool:
@@ -61,6 +74,9 @@ class RequestOutput:
     status: str = "unfinished"
     error: Optional[RequestError] = None
     arrival_s: float = 0.0             # when it was submitted, the engine clock (seconds)
+    prompt_logprobs: Optional[List[Optional[TokenLogprobs]]] = None   # with
+    # SamplingParams.prompt_logprobs, once the prompt is computed: one entry per prompt token,
+    # None for the first (nothing predicts it); see runtime/engine/logprobs.py
 
     @property
     def finished(self) -> bool:

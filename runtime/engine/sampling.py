@@ -1,112 +1,172 @@
-"""SamplingParams (what a request asks for) and the Sampler (logits -> token ids).
+"""SamplingParams: what a request asks for, every field validated (a typed error naming it).
 
-Reproducibility: every sequence owns a ``torch.Generator``. With ``seed`` set, sample i of a
-request draws from ``seed`` mixed with i, so results do not depend on what else is in the
-batch, on preemption, or on the cache layout. Greedy rows skip the generator entirely.
+The Sampler that turns logits into tokens is ``sampler.py``; ``logprobs.py`` reports them.
+
+Numerics (hardened, issue 27): a temperature below ``SAMPLING_EPS`` (1e-5, vLLM's
+``_SAMPLING_EPS``) is greedy, so a subnormal temperature can never overflow ``logits / T``;
+``top_p`` always keeps the likeliest token; nan, infinities and out-of-range values of every
+float field are refused here, before anything is queued. Lists a client sends (stop token ids,
+stop strings, logit biases) are capped (``MAX_*``), so one request cannot slow every step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
-
-import torch
+import math
+from dataclasses import dataclass
+from typing import List, Mapping, Optional, Tuple
 
 from .errors import EngineConfigError
+
+SAMPLING_EPS = 1e-5          # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+MAX_LOGPROBS = 20            # top logprobs per position at most (OpenAI's top_logprobs limit)
+MAX_STOP_TOKEN_IDS = 1024    # stop_token_ids entries at most
+MAX_STOP_STRINGS = 16        # stop strings at most
+MAX_STOP_STRING_CHARS = 1024  # characters per stop string at most
+MAX_LOGIT_BIAS = 1024        # logit_bias entries at most
+LOGIT_BIAS_RANGE = 100.0     # each bias in [-100, 100], as OpenAI
+PENALTY_RANGE = 2.0          # frequency / presence penalties in [-2, 2], as OpenAI
+FP32_MAX = 3.4028234663852886e38   # temperature and repetition_penalty must stay finite in fp32
+FP32_TINY = 1.1754943508222875e-38  # ... and nonzero (the smallest normal fp32)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to decode one request. ``temperature == 0`` is greedy (top_k / top_p unused)."""
+    """How to decode one request. A temperature below ``SAMPLING_EPS`` is greedy (top_k,
+    top_p and min_p unused). Processing order (vLLM's): logit_bias, min_tokens (stop tokens
+    masked), repetition / frequency / presence penalties, then greedy argmax or temperature,
+    top_k, top_p, min_p and a draw. Logprobs are of the model's raw distribution (see
+    ``logprobs``)."""
     max_new_tokens: int = 16          # output tokens at most, per sample
-    temperature: float = 0.0          # 0: greedy (argmax); > 0: softmax(logits / temperature)
+    temperature: float = 0.0          # < 1e-5: greedy (argmax); else softmax(logits / temperature)
     top_k: int = 0                    # keep the k most likely tokens; 0: all
     top_p: float = 1.0                # keep the smallest set with probability >= top_p; 1: all
+    min_p: float = 0.0                # drop tokens below min_p x the likeliest's probability
     seed: Optional[int] = None        # per-request seed; None: drawn from the engine's seed
     stop_token_ids: Tuple[int, ...] = ()  # finish when one is sampled (it is kept in the output)
     ignore_eos: bool = False          # False: the model's EOS id(s) are added to stop_token_ids
     n: int = 1                        # samples of the prompt; children fork the prompt's cache
     cache_salt: Optional[str] = None  # vLLM's name: the prefix cache is shared only between
                                       # requests with the same salt (None: the shared default)
+    stop: Tuple[str, ...] = ()        # stop strings on the text (needs a tokenizer): the sample
+                                      # ends "stop" where one appears; cut from the text unless
+    include_stop_str_in_output: bool = False   # this is set
+    skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
+    min_tokens: int = 0               # no stop token (EOS, stop_token_ids) before this many
+    repetition_penalty: float = 1.0   # > 0; logits of tokens in prompt or output: / p if > 0, * p if < 0
+    frequency_penalty: float = 0.0    # [-2, 2]: minus this x the token's count in the output
+    presence_penalty: float = 0.0     # [-2, 2]: minus this once if the token is in the output
+    logit_bias: Tuple[Tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]); a dict
+                                      # is accepted and stored as sorted pairs
+    logprobs: Optional[int] = None    # per sampled token: its logprob, rank and the top k (0..20)
+    prompt_logprobs: Optional[int] = None   # per prompt token after the first: the same (0..20)
 
     def __post_init__(self) -> None:
-        stops = self.stop_token_ids
-        _check(stops, "stop_token_ids", isinstance(stops, (tuple, list)) and all(_is_int(t) for t in stops),
-               "a sequence of int token ids")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
-        _check(self.max_new_tokens, "max_new_tokens", _is_int(self.max_new_tokens)
-               and self.max_new_tokens >= 1, "an int >= 1")
-        _check(self.temperature, "temperature", _is_number(self.temperature)
-               and self.temperature >= 0, "a number >= 0")
-        _check(self.top_k, "top_k", _is_int(self.top_k) and self.top_k >= 0, "an int >= 0")
-        _check(self.top_p, "top_p", _is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
-               "a number in (0, 1]")
-        _check(self.n, "n", _is_int(self.n) and self.n >= 1, "an int >= 1")
-        _check(self.seed, "seed", self.seed is None or _is_int(self.seed), "an int or None")
-        _check(self.cache_salt, "cache_salt", self.cache_salt is None
-               or isinstance(self.cache_salt, str), "a str or None")
+        _normalise(self)
+        for name, ok, allowed in _RULES:
+            _check(getattr(self, name), name, ok(self), allowed)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def penalised(self) -> bool:
+        """Any logit processing before the draw (penalties, biases, min_tokens)."""
+        return bool(self.logit_bias or self.min_tokens or self.repetition_penalty != 1.0
+                    or self.frequency_penalty or self.presence_penalty)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the raw logits, nothing reported: the batched argmax path."""
+        return self.greedy and not self.penalised and self.logprobs is None
+
+
+def _normalise(p: SamplingParams) -> None:
+    """Lists to tuples, a logit_bias mapping to sorted pairs (each checked by _RULES)."""
+    for name in ("stop_token_ids", "stop"):
+        value = getattr(p, name)
+        if isinstance(value, str) and name == "stop":
+            value = (value,)
+        if isinstance(value, (list, tuple)):
+            object.__setattr__(p, name, tuple(value))
+    bias = p.logit_bias
+    if isinstance(bias, Mapping):
+        bias = tuple(sorted(bias.items(), key=lambda kv: (str(type(kv[0])), kv[0])))
+    if isinstance(bias, (list, tuple)):
+        object.__setattr__(p, "logit_bias", tuple(tuple(e) if isinstance(e, (list, tuple))
+                                                  else e for e in bias))
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _is_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _in(low: float, high: float):
+    return lambda v: _is_finite(v) and low <= v <= high
+
+
+def _optional_count(value) -> bool:
+    return value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS)
+
+
+def _bias_ok(p: SamplingParams) -> bool:
+    bias = p.logit_bias
+    return (isinstance(bias, tuple) and len(bias) <= MAX_LOGIT_BIAS
+            and all(isinstance(e, tuple) and len(e) == 2 and _is_int(e[0]) and e[0] >= 0
+                    and _in(-LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)(e[1]) for e in bias)
+            and len({e[0] for e in bias}) == len(bias))
+
+
+def _stops_ok(p: SamplingParams) -> bool:
+    return (isinstance(p.stop, tuple) and len(p.stop) <= MAX_STOP_STRINGS
+            and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in p.stop))
+
+
+# (field, rule, what it must be): every field, checked in this order
+_RULES = (
+    ("max_new_tokens", lambda p: _is_int(p.max_new_tokens) and p.max_new_tokens >= 1, "an int >= 1"),
+    ("temperature", lambda p: _in(0.0, FP32_MAX)(p.temperature),
+     "a finite number >= 0, at most 3.4e38 (float32's largest)"),
+    ("top_k", lambda p: _is_int(p.top_k) and p.top_k >= 0, "an int >= 0"),
+    ("top_p", lambda p: _is_finite(p.top_p) and 0.0 < p.top_p <= 1.0, "a number in (0, 1]"),
+    ("min_p", lambda p: _in(0.0, 1.0)(p.min_p), "a number in [0, 1]"),
+    ("seed", lambda p: p.seed is None or _is_int(p.seed), "an int or None"),
+    ("stop_token_ids", lambda p: isinstance(p.stop_token_ids, tuple)
+     and len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+     and all(_is_int(t) and t >= 0 for t in p.stop_token_ids),
+     f"a sequence of at most {MAX_STOP_TOKEN_IDS} int token ids >= 0"),
+    ("ignore_eos", lambda p: isinstance(p.ignore_eos, bool), "a bool"),
+    ("n", lambda p: _is_int(p.n) and p.n >= 1, "an int >= 1"),
+    ("cache_salt", lambda p: p.cache_salt is None or isinstance(p.cache_salt, str), "a str or None"),
+    ("stop", _stops_ok, f"at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                        f"{MAX_STOP_STRING_CHARS} characters"),
+    ("include_stop_str_in_output", lambda p: isinstance(p.include_stop_str_in_output, bool), "a bool"),
+    ("skip_special_tokens", lambda p: isinstance(p.skip_special_tokens, bool), "a bool"),
+    ("min_tokens", lambda p: _is_int(p.min_tokens) and 0 <= p.min_tokens <= p.max_new_tokens,
+     "an int in [0, max_new_tokens]"),
+    ("repetition_penalty", lambda p: _in(FP32_TINY, FP32_MAX)(p.repetition_penalty),
+     "a number in [1.2e-38, 3.4e38] (> 0 in float32's range; 1: none)"),
+    ("frequency_penalty", lambda p: _in(-PENALTY_RANGE, PENALTY_RANGE)(p.frequency_penalty),
+     f"a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}]"),
+    ("presence_penalty", lambda p: _in(-PENALTY_RANGE, PENALTY_RANGE)(p.presence_penalty),
+     f"a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}]"),
+    ("logit_bias", _bias_ok, f"a mapping of at most {MAX_LOGIT_BIAS} token ids (ints >= 0) to "
+                             f"biases in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]"),
+    ("logprobs", lambda p: _optional_count(p.logprobs), f"None or an int in [0, {MAX_LOGPROBS}]"),
+    ("prompt_logprobs", lambda p: _optional_count(p.prompt_logprobs),
+     f"None or an int in [0, {MAX_LOGPROBS}]"),
+)
 
 
 def _check(value, name: str, ok: bool, allowed: str) -> None:
     if not ok:
-        raise EngineConfigError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
-
-
-def make_generator(seed: int, sample_index: int, device: torch.device) -> torch.Generator:
-    """The generator of sample ``sample_index`` of a request seeded with ``seed``."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + sample_index) % (2**63))
-    return gen
-
-
-@dataclass
-class SampleState:
-    """One sequence's sampling state: its params, its generator, and which row of this step's
-    logits it draws from (``logits_row``, set every step). ("Slot" is a vmem batch row.)"""
-    logits_row: int
-    params: SamplingParams
-    generator: Optional[torch.Generator] = field(default=None)
-
-
-class Sampler:
-    """Turns a step's logits ``[rows, vocab]`` into one token per SampleState."""
-
-    def sample(self, logits: torch.Tensor, samples: Sequence[SampleState]) -> List[int]:
-        if all(s.params.greedy for s in samples):
-            rows = [s.logits_row for s in samples]
-            picked = logits.argmax(dim=-1)                      # (rows,)
-            if rows != list(range(logits.shape[0])):
-                picked = picked[torch.tensor(rows, device=logits.device)]
-            return picked.tolist()
-        return [self._one(logits[s.logits_row], s) for s in samples]
-
-    @staticmethod
-    def _one(row: torch.Tensor, sample: SampleState) -> int:
-        p = sample.params
-        if p.greedy:
-            return int(row.argmax())
-        scores = row.float() / p.temperature                     # (vocab,)
-        if p.top_k and p.top_k < scores.shape[0]:
-            kth = torch.topk(scores, p.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_scores, order = torch.sort(scores, descending=True)
-            cum = sorted_scores.softmax(-1).cumsum(-1)
-            drop = cum - sorted_scores.softmax(-1) >= p.top_p    # keep the first token always
-            scores = scores.scatter(0, order[drop], float("-inf"))
-        probs = scores.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=sample.generator))
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        raise EngineConfigError(f"SamplingParams.{name} must be {allowed}, got {shown}")
 
 
 def per_prompt(prompts, sampling) -> List[SamplingParams]:
@@ -121,3 +181,4 @@ def per_prompt(prompts, sampling) -> List[SamplingParams]:
     if len(sampling) != len(prompts):
         raise EngineConfigError(f"got {len(sampling)} SamplingParams for {len(prompts)} prompts")
     return list(sampling)
+

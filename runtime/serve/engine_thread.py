@@ -35,9 +35,11 @@ log = logging.getLogger("vmemkv.serve")
 
 @dataclass(frozen=True)
 class Token:
-    """A streamed token and when the engine thread produced it (``time.perf_counter`` s)."""
+    """A streamed token and when the engine thread produced it (``time.perf_counter`` s). The
+    request's first token also carries its prompt logprobs, when they were asked for."""
     event: TokenEvent
     time_s: float
+    prompt_logprobs: Optional[list] = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class _Live:
     prompt_tokens: int
     samples_left: int
     token_times_s: Dict[int, List[float]] = field(default_factory=dict)   # sample -> times
+    prompt_logprobs: bool = False   # asked for: they travel with the first token
 
 
 class EngineThread:
@@ -148,7 +151,8 @@ class EngineThread:
             self._ended_unqueued()
             future.set_exception(error)
             return
-        self._live[request_id] = _Live(sink, arrival_s, len(prompt_ids), params.n)
+        self._live[request_id] = _Live(sink, arrival_s, len(prompt_ids), params.n,
+                                       prompt_logprobs=params.prompt_logprobs is not None)
         future.set_result(request_id)
 
     def _step(self) -> None:
@@ -166,8 +170,11 @@ class EngineThread:
         if live is None:
             return
         now = time.perf_counter()
+        prompt_logprobs = None
+        if live.prompt_logprobs and not live.token_times_s:   # the request's first token
+            prompt_logprobs = self.engine.output(event.request_id).prompt_logprobs
         live.token_times_s.setdefault(event.index, []).append(now)
-        _deliver(live.sink, Token(event, now))
+        _deliver(live.sink, Token(event, now, prompt_logprobs))
         if event.finished:
             live.samples_left -= 1
             if not live.samples_left:

@@ -1,28 +1,35 @@
-"""The OpenAI completions protocol: requests validated field by field, responses, stream chunks,
-and errors in OpenAI's JSON shape.
+"""The OpenAI protocol's shared parts: strict request parsing (a 400 naming the field), the
+sampling fields both APIs take, usage, stream events; and the completions request.
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
 
 Every client mistake becomes an ``ApiError`` naming the field (``param``) before anything is
 queued: malformed JSON, a body that is not an object, an unknown field, a value of the wrong
-type or out of range. Beyond OpenAI's fields, the server takes vLLM's extensions ``top_k``,
-``stop_token_ids`` and ``ignore_eos``; every choice carries its ``token_ids`` (as vLLM's
-``return_token_ids`` does), so clients without a tokenizer can read what was generated.
+type or out of range (the ranges are ``SamplingParams``' own: one rule, one message). Beyond
+OpenAI's fields, the server takes vLLM's extensions (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
+``include_stop_str_in_output``, ``skip_special_tokens``); every choice carries its
+``token_ids`` (as vLLM's ``return_token_ids`` does), so clients without a tokenizer can read what
+was generated. ``best_of`` is taken only when it equals ``n``: ranking hidden samples is not
+implemented, and a silent substitute would be wrong.
 """
 from __future__ import annotations
 
 import json
 import time
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Type, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vmemkv.runtime.engine.sampling import SamplingParams
+from vmemkv.runtime.engine.errors import EngineConfigError
+from vmemkv.runtime.engine.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, SamplingParams
 
 from .errors import ApiError
 from .limits import loads_json
 
-MAX_STOP_STRINGS = 4   # OpenAI's limit on ``stop``
+MAX_PROMPTS = 256    # prompts in one completions request at most (each is an engine request)
+
+Prompts = Union[str, List[int], List[str], List[List[int]]]
 
 
 class StreamOptions(BaseModel):
@@ -30,83 +37,158 @@ class StreamOptions(BaseModel):
     include_usage: bool = False   # one last chunk with ``usage`` and no choices
 
 
-class CompletionRequest(BaseModel):
-    """``POST /v1/completions``. Strict: a number is never read from a string, a bool is never
+class SamplingFields(BaseModel):
+    """The fields both APIs share. Strict: a number is never read from a string, a bool is never
     an int, NaN and infinities are refused, unknown fields are refused (naming them)."""
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
-    prompt: Union[str, List[int]] = Field(min_length=1)   # text (needs a tokenizer) or token ids
     model: Optional[str] = None           # must be the served model's id when given
-    max_tokens: int = Field(16, ge=1)     # output tokens per choice
     temperature: float = Field(1.0, ge=0.0)   # OpenAI's default; 0 is greedy
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1)          # vLLM's extension; 0 or -1: all tokens
+    min_p: float = 0.0
     n: int = Field(1, ge=1)
-    stop: Union[str, List[str], None] = None   # stop strings, not in the returned text
+    stop: Union[str, List[str], None] = None   # stop strings, not in the text (unless asked)
     stop_token_ids: List[int] = Field(default_factory=list)   # vLLM's extension
     seed: Optional[int] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False              # vLLM's extension: keep going past EOS
     user: Optional[str] = None            # accepted, as OpenAI does, and not used
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[Dict[str, float]] = None   # {"token id": bias in [-100, 100]}
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=256)   # vLLM's: prefixes
                                           # are shared only between requests with the same salt
 
     def stop_strings(self) -> List[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def common_sampling(self, max_tokens: int, **extra) -> SamplingParams:
+        """SamplingParams of these fields (and ``extra``), or ApiError 400 naming the field."""
+        fields = dict(max_new_tokens=max_tokens, temperature=self.temperature,
+                      top_k=max(self.top_k, 0), top_p=self.top_p, min_p=self.min_p, seed=self.seed,
+                      stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                      n=self.n, stop=tuple(self.stop_strings()),
+                      frequency_penalty=self.frequency_penalty,
+                      presence_penalty=self.presence_penalty,
+                      repetition_penalty=self.repetition_penalty,
+                      logit_bias=_token_biases(self.logit_bias), min_tokens=self.min_tokens,
+                      include_stop_str_in_output=self.include_stop_str_in_output,
+                      skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
+                      **extra)
+        try:
+            return SamplingParams(**fields)
+        except EngineConfigError as error:
+            name = str(error).split(" ", 1)[0].removeprefix("SamplingParams.")
+            message = str(error).replace(f"SamplingParams.{name}", self.api_name(name)).replace(
+                "max_new_tokens", self.api_name("max_new_tokens"))
+            raise ApiError(400, message, self.api_name(name)) from None
+
+    def api_name(self, field: str) -> str:
+        """The request field a SamplingParams field comes from."""
+        return {"max_new_tokens": "max_tokens", "prompt_logprobs": "echo"}.get(field, field)
+
+
+def _token_biases(bias: Optional[Dict[str, float]]) -> dict:
+    if not bias:
+        return {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
+                       "logit_bias")
+    try:
+        return {int(k): v for k, v in bias.items()}
+    except ValueError:
+        raise ApiError(400, f"logit_bias: keys must be token ids (decimal strings), got "
+                            f"{next(k for k in bias if not k.lstrip('-').isdigit())!r}",
+                       "logit_bias") from None
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
+    prompt: Prompts                        # text (needs a tokenizer) or token ids, or a list
+    max_tokens: int = Field(16, ge=1)      # output tokens per choice
+    logprobs: Optional[int] = None         # top logprobs per token (0..20), the chosen one's too
+    echo: bool = False                     # the prompt (and its logprobs) before each choice
+    best_of: Optional[int] = None          # only best_of == n: no hidden samples are ranked
+
+    def prompts(self) -> list:
+        """The prompts as a list (one entry per engine request)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams(max_new_tokens=self.max_tokens, temperature=self.temperature,
-                              top_k=max(self.top_k, 0), top_p=self.top_p, seed=self.seed,
-                              stop_token_ids=tuple(self.stop_token_ids),
-                              ignore_eos=self.ignore_eos, n=self.n, cache_salt=self.cache_salt)
+        if self.best_of is not None and self.best_of != self.n:
+            raise ApiError(400, f"best_of {self.best_of} with n {self.n} is not supported: "
+                                f"ranking hidden samples is not implemented; omit best_of or "
+                                f"set it to n", "best_of")
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self.common_sampling(self.max_tokens, logprobs=self.logprobs,
+                                    prompt_logprobs=prompt_logprobs)
 
 
-def parse_completion_request(body: bytes) -> CompletionRequest:
+def parse_request(body: bytes, model: Type[BaseModel]) -> BaseModel:
     """The request in ``body``, or ApiError 400 naming what is wrong with it."""
     obj = loads_json(body)      # 400: not JSON, or nested too deeply (limits.py)
     if not isinstance(obj, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(obj).__name__}")
     try:
-        request = CompletionRequest.model_validate(obj)
+        request = model.model_validate(obj)
     except ValidationError as error:
-        raise _field_error(error) from None
+        raise _field_error(error, model) from None
     stops = request.stop_strings()
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings, got {stops!r}",
-                       "stop")
+        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings, got "
+                            f"{str(stops)[:80]}", "stop")
     return request
 
 
-def _field_error(error: ValidationError) -> ApiError:
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    request = parse_request(body, CompletionRequest)
+    prompts = request.prompts()
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ApiError(400, "prompt: should have at least 1 item (an empty prompt or prompt list)",
+                       "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts in one request, got "
+                            f"{len(prompts)}", "prompt")
+    return request
+
+
+def _field_error(error: ValidationError, model: Type[BaseModel]) -> ApiError:
     first = error.errors()[0]
     loc = [str(p) for p in first["loc"]]
     param = loc[0] if loc else None
     if first["type"] == "extra_forbidden":
-        known = ", ".join(CompletionRequest.model_fields)
+        known = ", ".join(model.model_fields)
         return ApiError(400, f"unknown field {'.'.join(loc)!r}; the fields this server takes: "
                              f"{known}", param)
     given = first.get("input")
-    shown = "" if isinstance(given, dict) else f", got {json.dumps(given)[:60]}"
+    shown = "" if isinstance(given, dict) else f", got {json.dumps(given, default=str)[:60]}"
     return ApiError(400, f"{param}: {first['msg']}{shown}", param)
 
 
-# ---- responses -------------------------------------------------------------------------------
-def choice(index: int, text: str, token_ids: List[int], finish_reason: Optional[str]) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason,
-            "token_ids": token_ids}
-
-
+# ---- shared response parts -------------------------------------------------------------------
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(completion_id: str, model: str, choices: List[dict], usage_: Optional[dict]) -> dict:
-    """A completion object (``choices`` in index order); a stream chunk when ``usage_`` is None
-    and ``choices`` hold deltas."""
-    body = {"id": completion_id, "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices}
+def envelope(object_id: str, kind: str, model: str, choices: List[dict],
+             usage_: Optional[dict] = None) -> dict:
+    """A response or stream chunk of ``kind`` ("text_completion", "chat.completion", ...)."""
+    body = {"id": object_id, "object": kind, "created": int(time.time()), "model": model,
+            "choices": choices}
     if usage_ is not None:
         body["usage"] = usage_
     return body

@@ -43,7 +43,7 @@ GENERATE_CLI_CASES = [
     ("temperature", ["--prompts", "{good}", "--temperature", "-1"], ["--temperature", ">= 0", "-1"]),
     ("temperature-inf", ["--prompts", "{good}", "--temperature", "inf"], ["--temperature", "finite", "'inf'"]),
     ("temperature-nan", ["--prompts", "{good}", "--temperature", "nan"], ["--temperature", "finite", "'nan'"]),
-    ("stop-negative", ["--prompts", "{good}", "--stop", "-1"], ["--stop", ">= 0", "got -1"]),
+    ("stop-negative", ["--prompts", "{good}", "--stop-token-id", "-1"], ["--stop-token-id", ">= 0", "got -1"]),
     ("threads-too-many", ["--prompts", "{good}", "--threads", "100000"],
      ["--threads", "got 100000", "CPUs"]),
     ("block-size-above-context", ["--prompts", "{good}", "--cache", "paged", "--block-size", "100000"],

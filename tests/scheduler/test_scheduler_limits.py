@@ -293,3 +293,21 @@ def test_forget_drops_only_ended_sequences():
     assert seq_id not in scheduler.seqs
     with pytest.raises(UnknownSequenceError):
         scheduler.forget(seq_id)
+
+
+@pytest.mark.parametrize("policy", ["paged", "vmem"])
+def test_finish_ends_one_sample_early_and_frees_it_like_a_stop_token(policy):
+    """What the engine's stop strings use: one of n samples finishes now, its memory comes back
+    with the next plan, its siblings go on; finishing an ended one changes nothing."""
+    sched = make(policy)
+    parent, *children = sched.add_request(Request(0, 8, 10, n=3))
+    step(sched)                                         # prefill, forks
+    sched.finish(children[0])
+    assert sched.state_of(children[0]) is SeqState.FINISHED
+    assert children[0] in step(sched).finished
+    sched.finish(children[0])                           # already ended: no-op
+    plans = drain(sched)
+    assert all(children[0] not in [s.seq_id for s in p.seqs] for p in plans)
+    assert sched.manager.stats().live_tokens == 0
+    with pytest.raises(SchedulerError, match="unknown sequence"):
+        sched.finish(999)

@@ -148,18 +148,11 @@ def test_cache_salt_is_taken_and_each_key_has_its_own_prefixes(server):
 # ---- the fuzz: never a 500, never an effect on a concurrent victim ------------------------
 EDGE_FLOATS = [0.0, -0.0, 5e-324, 2.2250738585072014e-308, 1e-300, 1e-38, 1e-7, 0.5, 1.0, 2.0,
                1e308, -1e308, math.inf, -math.inf, math.nan, -1.0]
-# Tiny positive temperatures and top_p overflow the sampler's fp32 division: a 500 for the
-# sender, every live request aborted (issue 27 item 1). The real-models branch fixes the
-# numerics and the ledger branch makes a sampling failure fail its request alone; until both
-# are merged these values are kept out of the fuzz and pinned by the xfail below.
+# Tiny positive temperatures and top_p overflowed the sampler's fp32 division: a 500 for the
+# sender, every live request aborted (issue 27 item 1). Fixed on the real-models branch: in the
+# fuzz now, and pinned on a server of its own below.
 SAMPLER_NUMERICS = [("temperature", 5e-324), ("temperature", 1e-300), ("temperature", 1e-38),
                     ("top_p", 5e-324), ("top_p", 1e-300)]
-
-
-def _sampler_safe(body: dict) -> bool:
-    t, p = body.get("temperature"), body.get("top_p")
-    tiny = lambda x: isinstance(x, float) and 0 < x < 1e-6   # noqa: E731
-    return not (tiny(t) or tiny(p))
 
 
 numbers = st.sampled_from(EDGE_FLOATS) | st.floats(allow_nan=True, allow_infinity=True)
@@ -174,7 +167,7 @@ BODIES = st.fixed_dictionaries(
               "stop": st.sampled_from([None, "", "a", ["a"] * 5, 7]),
               "stream": st.booleans(), "ignore_eos": st.booleans(),
               "cache_salt": st.sampled_from(["", "s", "x" * 300, None]),
-              "frequency_penalty": numbers}).filter(_sampler_safe)
+              "frequency_penalty": numbers})
 
 
 def answer_of(url: str, body: dict, headers: dict) -> tuple:
@@ -236,11 +229,9 @@ def test_fuzzed_completion_bodies_never_500_and_never_touch_a_victim(server):
     assert all(run == victim.solo for run in victim.runs), victim.runs
 
 
-@pytest.mark.xfail(strict=True, reason="issue 27 item 1: the sampler's numerics (real-models "
-                   "branch) and per-request blame for a sampling failure (ledger branch)")
 def test_tiny_temperatures_and_top_p_fail_no_one():
-    """Every value of SAMPLER_NUMERICS, on an in-process server of its own: today they poison
-    the engine for every later request, so they must not share the module's."""
+    """Every value of SAMPLER_NUMERICS, on an in-process server of its own (on main they
+    poisoned the engine for every later request)."""
     with serving(PAGED) as (own, _), Victim(own.url, {}) as victim:
         for field, value in SAMPLER_NUMERICS:
             assert_no_500(*answer_of(own.url, {"prompt": [1, 2, 3], "max_tokens": 24,

@@ -1,16 +1,14 @@
 """Text through the server: text prompts with a tokenizer give Engine.generate's text; a stop
 string ends a choice with finish_reason "stop", is not in the text, and the request's memory
-comes back. ChoiceText (incremental text, stop strings) against a shadow model."""
+comes back; multi-byte characters round-trip, streamed and not (the incremental text itself is
+tested against a shadow in tests/engine/test_text_output.py)."""
 from __future__ import annotations
 
 import json
 
 import httpx
-from hypothesis import given, strategies as st
-
 from vmemkv.runtime.engine import Engine, SamplingParams
-from vmemkv.runtime.serve.text import ChoiceText
-
+from ..engine.byte_tokenizer import byte_tokenizer
 from ..engine.test_text_prompts import TEXTS, make_tokenizer
 from .conftest import VMEM, assert_memory_at_baseline, model, serving, wait_until_idle
 
@@ -48,27 +46,17 @@ def test_text_prompts_give_the_engines_text_and_stop_strings_cut_it():
         assert_memory_at_baseline(engine)
 
 
-class WordTokenizer:
-    """decode(ids) = the words of ids joined by spaces (like the WordLevel tokenizer above)."""
-    WORDS = ["a", "b", "ab", "ba", "c", "abc"]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(self.WORDS[i] for i in ids)
-
-
-@given(ids=st.lists(st.integers(0, 5), min_size=1, max_size=12),
-       stops=st.lists(st.sampled_from(["a", "b c", "ba", "c a", "zz"]), max_size=3))
-def test_choice_text_deltas_add_up_to_the_text_before_the_first_stop(ids, stops):
-    tok = WordTokenizer()
-    choice, sent = ChoiceText(tok, stops), ""
-    for i, token in enumerate(ids):
-        delta, _ = choice.add(token, "length" if i == len(ids) - 1 else None)
-        sent += delta
-        assert all(s not in sent for s in stops)   # never shows a stop string
-        if choice.finished:
-            break
-    full = tok.decode(ids[:len(choice.token_ids)])
-    hits = [full.find(s) for s in stops if s in full]
-    shadow = full[:min(hits)] if hits else full
-    assert sent == choice.text == shadow
-    assert choice.finish_reason == ("stop" if hits else "length")
+def test_multibyte_text_round_trips_streamed_and_not():
+    """Issue 26's second failure: main's server sent a delta ending in U+FFFD and then skipped
+    the completed character. Random weights over a byte vocabulary emit multi-byte and broken
+    UTF-8 alike: the streamed deltas, the JSON text and decode(token_ids) agree exactly."""
+    tok = byte_tokenizer()
+    body = {"max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
+    with serving(VMEM, tokenizer=tok) as (server, engine):
+        for seed in range(4):
+            request = {**body, "prompt": "日本の首都は", "seed": seed}
+            done = httpx.post(server.url + "/v1/completions", json=request).json()["choices"][0]
+            assert done["text"] == tok.decode(done["token_ids"])
+            assert streamed_text(server.url, request) == (done["text"], "length")
+        wait_until_idle(server)
+        assert_memory_at_baseline(engine)

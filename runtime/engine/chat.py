@@ -1,0 +1,113 @@
+"""Chat conversations as prompts: OpenAI-style messages rendered by the tokenizer's chat template.
+
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+      -> tokenizer.apply_chat_template(messages, add_generation_prompt=True) -> token ids
+
+A message is a dict with ``role`` (system, user or assistant) and ``content``: a string, or a
+list of OpenAI content parts of type "text" (joined). The template is the tokenizer's own (a
+GGUF file carries one, as ``tokenizer.chat_template``) unless ``chat_template`` overrides it;
+a model without one (the random-weight built-ins) is refused with ``ChatTemplateError``, as is
+a template that fails to render. Nothing is queued before every conversation has rendered.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+from .errors import RequestRejectedError
+
+ROLES = ("system", "user", "assistant")
+
+
+class ChatTemplateError(RequestRejectedError):
+    """Chat asked of an engine without a tokenizer or a chat template, or a template that does
+    not render these messages (the message says which). Nothing was queued."""
+
+
+class ChatMessageError(RequestRejectedError):
+    """A message that is not a {"role", "content"} dict of a known role with text content
+    (``field`` names the offending part, e.g. ``messages[1].role``). Nothing was queued."""
+
+    def __init__(self, message: str, index: int = 0, field: str = "messages") -> None:
+        super().__init__(message, index, field)
+
+
+def check_messages(messages, index: int = 0) -> List[dict]:
+    """The conversation as [{"role", "content": str}], or ChatMessageError naming what is wrong."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ChatMessageError(f"conversation {index}: messages must be a non-empty list of "
+                               f"{{'role', 'content'}} dicts, got {str(messages)[:60]!r}", index)
+    return [_message(m, i, index) for i, m in enumerate(messages)]
+
+
+def _message(message, i: int, index: int) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise ChatMessageError(f"conversation {index}: {where} must be a dict with 'role' and "
+                               f"'content', got {str(message)[:60]!r}", index, where)
+    role = message.get("role")
+    if role not in ROLES:
+        raise ChatMessageError(f"conversation {index}: {where}.role must be one of "
+                               f"{', '.join(ROLES)}, got {role!r}", index, f"{where}.role")
+    return {"role": role, "content": _text(message.get("content"), f"{where}.content", index)}
+
+
+def _text(content, where: str, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise ChatMessageError(f"conversation {index}: {where} must be a string or a list of "
+                           f"{{'type': 'text', 'text': ...}} parts (only text is supported), "
+                           f"got {str(content)[:60]!r}", index, where)
+
+
+def with_system(messages: Sequence[dict], system: Optional[str]) -> List[dict]:
+    """``messages`` with a system message first when ``system`` is given and none is there."""
+    messages = list(messages)
+    if system is not None and not (messages and isinstance(messages[0], dict)
+                                   and messages[0].get("role") == "system"):
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def chat_prompt_ids(tokenizer, messages, chat_template: Optional[str] = None,
+                    add_generation_prompt: bool = True, index: int = 0) -> List[int]:
+    """Token ids of one conversation, rendered by the template (``chat_template`` or the
+    tokenizer's); ChatTemplateError / ChatMessageError when it cannot be."""
+    checked = check_messages(messages, index)
+    if tokenizer is None:
+        raise ChatTemplateError(f"conversation {index}: chat needs a tokenizer with a chat "
+                                f"template; this engine has no tokenizer (a built-in random-"
+                                f"weight model): send token ids or text prompts", index)
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ChatTemplateError(f"conversation {index}: the model's tokenizer has no chat "
+                                f"template; pass chat_template (a Jinja template) or send a "
+                                f"text prompt", index)
+    try:
+        ids = tokenizer.apply_chat_template(checked, chat_template=template, tokenize=True,
+                                            return_dict=False,
+                                            add_generation_prompt=add_generation_prompt)
+    except Exception as error:  # noqa: BLE001 -- a template (maybe the user's) failed on input
+        raise ChatTemplateError(f"conversation {index}: the chat template does not render "
+                                f"these messages: {type(error).__name__}: {error}", index) from None
+    if not ids:
+        raise ChatTemplateError(f"conversation {index}: the chat template rendered nothing", index)
+    return list(ids)
+
+
+def is_conversation(value) -> bool:
+    """One conversation (a list of message dicts), as opposed to a list of conversations."""
+    return isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], dict)
+
+
+def chat_prompts(tokenizer, conversations, chat_template: Optional[str] = None,
+                 add_generation_prompt: bool = True) -> List[List[int]]:
+    """Token ids of one conversation or of each of a list of conversations."""
+    batch = [conversations] if is_conversation(conversations) else conversations
+    if not isinstance(batch, (list, tuple)) or not batch:
+        raise ChatMessageError("messages must be a conversation (a list of {'role', 'content'} "
+                               "dicts) or a non-empty list of them")
+    return [chat_prompt_ids(tokenizer, c, chat_template, add_generation_prompt, i)
+            for i, c in enumerate(batch)]

@@ -1,0 +1,97 @@
+"""One sample's text as its tokens arrive: incremental detokenization and stop strings.
+
+A token is a piece of a UTF-8 byte string, so decoding the tokens so far can end in half a
+character (U+FFFD). As vLLM's detokenizer does, the text grows only when the decoded tail is
+complete: two offsets into the sample's tokens, ``prefix`` (context, already shown) and
+``read`` (first token not yet shown); each token decodes ``tokens[prefix:]`` and
+``tokens[prefix:read]`` and, unless the first ends in U+FFFD, appends what it adds. Each step
+decodes a few tokens, never the whole output.
+
+    tokens  ... | 日 (2 tokens: e6 97, a5) | ...
+    after e6 97     decode -> "...\\ufffd"   held back (nothing shown)
+    after a5        decode -> "...日"        "日" appended, offsets move past it
+
+Stop strings are searched in the text; while they are asked for, the last ``longest - 1``
+characters are held back, so a delta never shows the start of a stop string the next token
+completes. The sample's ``text`` ends at the first stop string (kept with
+``include_stop_str_in_output``). On the sample's last token everything is flushed: the text is
+then ``tokenizer.decode(tokens, skip_special_tokens=...)`` cut at the first stop string.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+REPLACEMENT = "\ufffd"
+
+
+class IncrementalText:
+    """Text of one sample; ``add`` takes a token and returns the delta a client may see now."""
+
+    def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.stop, self.include_stop = tokenizer, tuple(stop), include_stop
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: List[int] = []
+        self.text = ""              # what has been shown (the deltas so far)
+        self.stopped = False        # a stop string ended the text
+        self._decoded = ""          # complete characters decoded so far
+        self._prefix = self._read = 0
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+
+    def add(self, token_id: int, last: bool = False) -> str:
+        """Take the sample's next token (``last``: it ends the sample, flush everything).
+        After a stop string, further tokens change nothing and return ""."""
+        if self.stopped:
+            return ""
+        self.token_ids.append(token_id)
+        self._advance()
+        if last:
+            self._flush()
+        return self._show(last)
+
+    def finish(self) -> str:
+        """Flush what is held (the sample ended without a new token: aborted, failed)."""
+        if self.stopped:
+            return ""
+        self._flush()
+        return self._show(True)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
+
+    def _advance(self) -> None:
+        ids = self.token_ids
+        shown = self._decode(ids[self._prefix:self._read])
+        full = self._decode(ids[self._prefix:])
+        if len(full) > len(shown) and not full.endswith(REPLACEMENT):
+            self._decoded += full[len(shown):]
+            self._prefix, self._read = self._read, len(ids)
+
+    def _flush(self) -> None:
+        """Everything decoded, as one decode of all tokens when that extends what was shown."""
+        whole = self._decode(self.token_ids)
+        if whole.startswith(self._decoded):
+            self._decoded = whole
+        else:   # a tokenizer whose windows decode differently: keep the shown text's prefix
+            self._decoded += self._decode(self.token_ids[self._read:])
+        self._prefix = self._read = len(self.token_ids)
+
+    def _show(self, last: bool) -> str:
+        cut = self._stop_at()
+        if cut is not None:
+            self.stopped, end = True, cut
+        else:
+            end = len(self._decoded) if last else len(self._decoded) - self._hold
+        delta = self._decoded[len(self.text):max(end, len(self.text))]
+        self.text += delta
+        return delta
+
+    def _stop_at(self) -> Optional[int]:
+        """Where the text ends at the first stop string (None: none yet). A stop string starts
+        at or after the shown text: one starting earlier would have been found before."""
+        start = len(self.text)
+        hits = [(i, s) for i, s in ((self._decoded.find(s, start), s) for s in self.stop) if i >= 0]
+        if not hits:
+            return None
+        at, stop = min(hits)
+        return at + len(stop) if self.include_stop else at

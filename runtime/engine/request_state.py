@@ -1,0 +1,107 @@
+"""The engine's state of one request and of each of its samples, and what a sampled token adds
+to their outputs: token ids, times, logprobs and text (stop strings included).
+
+A request's samples are its sequences (seq ids from the scheduler); each draws with its own
+generator (``sampler.make_generator``), reads its own output for penalties, and has its own
+text (``detokenize.IncrementalText``) when the engine has a tokenizer. A request asking for
+prompt logprobs has one collector (``logprobs.PromptLogprobs``), fed by its first sequence,
+the one that computes the prompt (forked samples share it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from .detokenize import IncrementalText
+from .logprobs import PromptLogprobs, TokenLogprobs
+from .outputs import CompletionOutput, RequestOutput, TokenEvent
+from .sampler import SampleState, make_generator
+from .sampling import SamplingParams
+
+OnToken = Callable[[TokenEvent], None]
+
+
+@dataclass
+class RequestState:
+    """Engine-side state of one request, until its output is collected."""
+    output: RequestOutput
+    params: SamplingParams
+    on_token: Optional[OnToken]
+    remaining: int                     # samples not yet ended
+    seq_ids: tuple = ()
+    prompt_logprobs: Optional[PromptLogprobs] = None
+
+    def record_prompt_logits(self, first_position: int, logits: torch.Tensor) -> None:
+        """A prefill chunk's logits (rows from ``first_position``); the output's
+        ``prompt_logprobs`` is set once every prompt position has its entry."""
+        self.prompt_logprobs.add(first_position, logits)
+        if self.prompt_logprobs.complete:
+            self.output.prompt_logprobs = self.prompt_logprobs.entries()
+
+
+@dataclass
+class SampleRecord:
+    """Engine-side state of one sequence (one sample of a request)."""
+    request: RequestState
+    index: int
+    sampling: SampleState
+    text: Optional[IncrementalText] = None
+
+    @property
+    def completion(self) -> CompletionOutput:
+        return self.request.output.outputs[self.index]
+
+    @property
+    def stopped_by_text(self) -> bool:
+        """A stop string ended its text (the token that completed it is the last)."""
+        return self.text is not None and self.text.stopped
+
+    def record(self, token: int, now: float, last: bool) -> Tuple[str, Optional[TokenLogprobs]]:
+        """Append a sampled token (``last``: the scheduler finished the sample with it);
+        returns (the text delta, the token's logprobs or None)."""
+        completion = self.completion
+        completion.token_ids.append(token)
+        completion.token_times_s.append(now)
+        logprobs = self.sampling.logprobs
+        if completion.logprobs is not None:
+            completion.logprobs.append(logprobs)
+        delta = self.text.add(token, last) if self.text is not None else ""
+        return delta, logprobs
+
+    def end(self, reason: str) -> None:
+        """The sample ended ``reason``: its text is flushed (the final decode)."""
+        completion = self.completion
+        completion.finish_reason = reason
+        if self.text is not None:
+            self.text.finish()
+            completion.text = self.text.text
+
+
+def new_request(output: RequestOutput, params: SamplingParams, on_token: Optional[OnToken],
+                seq_ids: Sequence[int]) -> RequestState:
+    collector = (PromptLogprobs(output.prompt_token_ids, params.prompt_logprobs)
+                 if params.prompt_logprobs is not None else None)
+    if collector is not None and collector.complete:   # a one-token prompt: nothing to compute
+        output.prompt_logprobs = collector.entries()
+        collector = None
+    return RequestState(output, params, on_token, params.n, tuple(seq_ids), collector)
+
+
+def new_samples(state: RequestState, stop_ids: Tuple[int, ...], seed: int, device: torch.device,
+                tokenizer) -> Dict[int, SampleRecord]:
+    """{seq id: its SampleRecord} for every sample of ``state``."""
+    params, out = state.params, state.output
+    samples = {}
+    for i, seq_id in enumerate(state.seq_ids):
+        completion = out.outputs[i]
+        if params.logprobs is not None:
+            completion.logprobs = []
+        gen = None if params.greedy else make_generator(seed, i, device)
+        sampling = SampleState(0, params, gen, prompt_ids=out.prompt_token_ids,
+                               output_ids=completion.token_ids, stop_ids=stop_ids)
+        text = (IncrementalText(tokenizer, params.stop, params.include_stop_str_in_output,
+                                params.skip_special_tokens) if tokenizer is not None else None)
+        samples[seq_id] = SampleRecord(state, i, sampling, text)
+    return samples

@@ -1,0 +1,107 @@
+"""The Sampler: a step's logits -> one token per sequence, after its request's logit processing.
+
+    raw row (the model's logits, fp32)                       <- logprobs are reported from this
+      -> logit_bias, min_tokens (stop tokens masked), repetition / frequency / presence penalties
+      -> greedy: argmax
+         else:   (x - max) / temperature -> top_k -> top_p -> min_p -> one draw
+
+Reproducibility: every sequence owns a ``torch.Generator``. With ``seed`` set, sample i of a
+request draws from ``seed`` mixed with i, so results do not depend on what else is in the
+batch, on preemption, or on the cache layout. Greedy rows skip the generator entirely.
+
+Numerics: the scores are shifted by their maximum before the division by the temperature (at
+least ``SAMPLING_EPS``), so they are <= 0 and never overflow; top_p keeps the likeliest token
+whatever its value rounds to in fp32; processed scores are clamped below fp32's largest value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .logprobs import TokenLogprobs, token_logprobs
+from .sampling import SamplingParams
+
+
+def make_generator(seed: int, sample_index: int, device: torch.device) -> torch.Generator:
+    """The generator of sample ``sample_index`` of a request seeded with ``seed``."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + sample_index) % (2**63))
+    return gen
+
+
+@dataclass
+class SampleState:
+    """One sequence's sampling state: its params, its generator, which row of this step's
+    logits it draws from (``logits_row``, set every step), what its penalties read
+    (``prompt_ids``; ``output_ids``: its tokens so far, the engine's list) and the tokens
+    ``min_tokens`` masks (``stop_ids``). ``logprobs``: the last sampled token's, when asked."""
+    logits_row: int
+    params: SamplingParams
+    generator: Optional[torch.Generator] = field(default=None)
+    prompt_ids: Tuple[int, ...] = ()
+    output_ids: List[int] = field(default_factory=list)
+    stop_ids: Tuple[int, ...] = ()
+    logprobs: Optional[TokenLogprobs] = None
+
+
+class Sampler:
+    """Turns a step's logits ``[rows, vocab]`` into one token per SampleState."""
+
+    def sample(self, logits: torch.Tensor, samples: Sequence[SampleState]) -> List[int]:
+        if all(s.params.plain_greedy for s in samples):
+            rows = [s.logits_row for s in samples]
+            picked = logits.argmax(dim=-1)                      # (rows,)
+            if rows != list(range(logits.shape[0])):
+                picked = picked[torch.tensor(rows, device=logits.device)]
+            return picked.tolist()
+        return [self._one(logits[s.logits_row], s) for s in samples]
+
+    @staticmethod
+    def _one(row: torch.Tensor, sample: SampleState) -> int:
+        p = sample.params
+        raw = row.float()                                        # (vocab,)
+        scores = processed_scores(raw, sample) if p.penalised else raw
+        token = int(scores.argmax()) if p.greedy else _draw(scores, sample)
+        if p.logprobs is not None:
+            sample.logprobs = token_logprobs(raw, token, p.logprobs)
+        return token
+
+
+def processed_scores(raw: torch.Tensor, sample: SampleState) -> torch.Tensor:
+    """``raw`` (vocab,) after logit_bias, the min_tokens mask and the penalties (a new tensor)."""
+    p, device = sample.params, raw.device
+    scores = raw.clone()
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], device=device)
+        scores.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=device))
+    if len(sample.output_ids) < p.min_tokens and sample.stop_ids:
+        stops = [t for t in sample.stop_ids if t < scores.shape[0]]
+        scores[torch.tensor(stops, dtype=torch.long, device=device)] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(sample.prompt_ids).union(sample.output_ids)), device=device)
+        vals = scores[seen]
+        scores[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and sample.output_ids:
+        ids, counts = torch.unique(torch.tensor(sample.output_ids, device=device), return_counts=True)
+        scores.index_add_(0, ids, -(p.frequency_penalty * counts.float() + p.presence_penalty))
+    return scores.clamp(max=torch.finfo(torch.float32).max)
+
+
+def _draw(scores: torch.Tensor, sample: SampleState) -> int:
+    p = sample.params
+    scores = (scores - scores.max()) / p.temperature              # <= 0: cannot overflow
+    if p.top_k and p.top_k < scores.shape[0]:
+        kth = torch.topk(scores, p.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = sorted_scores.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= p.top_p                # mass before each token
+        drop[0] = False                                           # the likeliest always stays
+        scores = scores.scatter(0, order[drop], float("-inf"))
+    probs = scores.softmax(-1)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)   # the likeliest stays
+    return int(torch.multinomial(probs, 1, generator=sample.generator))

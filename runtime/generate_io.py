@@ -1,0 +1,107 @@
+"""``vmemkv generate``'s prompts in and samples out.
+
+In: a text file, one prompt per non-empty line (space-separated token ids, or text with a
+tokenizer); or JSONL (``--chat``, or a file named ``*.jsonl``): one JSON value per line, which
+can hold newlines. In JSONL a line is a string (text; with ``--chat``, one user message), a list
+of ints (token ids) or, with ``--chat``, a conversation: a list of {"role", "content"} messages.
+``--system TEXT`` puts a system message first in every conversation that has none.
+
+Out: one line per sample, or, when samples are labelled (``--n`` > 1, ``--chat``, or any text
+spanning lines), ``[prompt P sample S]`` then the text with every further line indented by four
+spaces; ``--json``: one JSON object per request.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from typing import List, Optional, Union
+
+INDENT = "    "
+Prompt = Union[List[int], str, List[dict]]
+
+
+class GenerateUsageError(ValueError):
+    """A bad input to ``vmemkv generate`` (prompt file, prompt text without a tokenizer)."""
+
+
+def read_prompts(path: str, has_tokenizer: bool, text_only: bool = False, chat: bool = False,
+                 system: Optional[str] = None) -> List[Prompt]:
+    """The prompts of ``path`` (or stdin), as the module docstring says."""
+    if text_only and not has_tokenizer:
+        raise GenerateUsageError("--text needs a model with a tokenizer; this one has none")
+    if system is not None and not chat:
+        raise GenerateUsageError("--system sets the system message of chat conversations: give "
+                                 "--chat too")
+    if chat and not has_tokenizer:
+        raise GenerateUsageError("--chat needs a model with a tokenizer and a chat template; "
+                                 "this one has no tokenizer")
+    try:
+        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
+    except OSError as error:
+        raise GenerateUsageError(f"cannot read prompts from {path!r}: {error.strerror}") from None
+    lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if chat or path.endswith(".jsonl"):
+        prompts = [_json_prompt(n, line, has_tokenizer, chat, system) for n, line in lines]
+    else:
+        prompts = [_text_prompt(n, line, has_tokenizer, text_only) for n, line in lines]
+    if not prompts:
+        raise GenerateUsageError(f"no prompts in {'stdin' if path == '-' else path!r}")
+    return prompts
+
+
+def _text_prompt(number: int, line: str, has_tokenizer: bool, text_only: bool) -> Prompt:
+    parts = line.split()
+    if not text_only and all(p.isdigit() for p in parts):
+        return [int(p) for p in parts]
+    if has_tokenizer:
+        return line
+    raise GenerateUsageError(f"prompt line {number} is not space-separated token ids and "
+                             f"the model has no tokenizer: {line[:40]!r}")
+
+
+def _json_prompt(number: int, line: str, has_tokenizer: bool, chat: bool,
+                 system: Optional[str]) -> Prompt:
+    try:
+        value = json.loads(line)
+    except ValueError as error:
+        raise GenerateUsageError(f"prompt line {number} is not JSON ({error}): {line[:40]!r}") from None
+    if isinstance(value, str):
+        if not has_tokenizer:
+            raise GenerateUsageError(f"prompt line {number} is text and the model has no tokenizer")
+        return _conversation([{"role": "user", "content": value}], system) if chat else value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool)
+                                                 for t in value):
+        return value
+    if chat and isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        return _conversation(value, system)
+    wanted = "a string, a list of token ids or a list of {role, content} messages" if chat else \
+             "a string or a list of token ids (conversations need --chat)"
+    raise GenerateUsageError(f"prompt line {number} must be {wanted}, got {line[:40]!r}")
+
+
+def _conversation(messages: List[dict], system: Optional[str]) -> List[dict]:
+    from vmemkv.runtime.engine.chat import with_system
+    return with_system(messages, system)
+
+
+def print_output(out, as_json: bool, labelled: bool = False, messages=None) -> None:
+    """One JSON object per request, or its samples as text (labelled: see the docstring)."""
+    if as_json:
+        record = {"request_id": out.request_id, "prompt": out.prompt,
+                  "prompt_token_ids": list(out.prompt_token_ids),
+                  "outputs": [{"index": o.index, "token_ids": o.token_ids, "text": o.text,
+                               "finish_reason": o.finish_reason} for o in out.outputs]}
+        if messages is not None:
+            record["messages"] = messages
+        print(json.dumps(record, ensure_ascii=False))
+        return
+    for o in out.outputs:
+        text = o.text if o.text is not None else " ".join(map(str, o.token_ids))
+        if labelled:
+            print(f"[prompt {out.request_id} sample {o.index}] " + text.replace("\n", "\n" + INDENT))
+        else:
+            print(text)
+
+
+def needs_labels(outputs, n: int, chat: bool) -> bool:
+    return n > 1 or chat or any(o.text and "\n" in o.text for out in outputs for o in out.outputs)

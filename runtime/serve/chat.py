@@ -1,0 +1,100 @@
+"""``/v1/chat/completions``: messages rendered by the served model's chat template, and choices
+shaped as OpenAI's chat completion objects and ``delta`` chunks.
+
+The template is the tokenizer's (a GGUF checkpoint carries one) unless the request's
+``chat_template`` overrides it; a model without one is a 400 naming ``messages`` (the
+random-weight built-ins have no tokenizer). ``max_completion_tokens`` (or the older
+``max_tokens``) defaults to what the context leaves after the prompt. ``logprobs: true`` with
+``top_logprobs`` k gives each token's logprob and the k likeliest (the model's raw distribution).
+A stream opens every choice with a ``{"role": "assistant"}`` delta.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+from pydantic import Field
+
+from vmemkv.runtime.engine.chat import ChatMessageError, ChatTemplateError, chat_prompt_ids
+from vmemkv.runtime.engine.sampling import SamplingParams
+
+from .completions import ServedModel
+from .errors import ApiError
+from .logprobs_format import TokenStrings, chat_logprobs
+from .protocol import SamplingFields, parse_request
+from .submission import Choice, Delta
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+    messages: List[dict] = Field(min_length=1)   # [{"role", "content"}], checked by the engine's chat
+    max_tokens: Optional[int] = Field(None, ge=1)               # OpenAI's older name
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None      # 0..20 likeliest per token, with logprobs: true
+    chat_template: Optional[str] = None     # a Jinja template in place of the model's
+    add_generation_prompt: bool = True      # open the assistant's turn after the messages
+
+    @property
+    def max_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def api_name(self, field: str) -> str:
+        return {"max_new_tokens": self.max_param, "logprobs": "top_logprobs"}.get(field, field)
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return self.common_sampling(max_tokens,
+                                    logprobs=(self.top_logprobs or 0) if self.logprobs else None)
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    return parse_request(body, ChatCompletionRequest)
+
+
+def chat_token_ids(req: ChatCompletionRequest, served: ServedModel) -> tuple:
+    """(the prompt's token ids, max tokens), or ApiError 400 naming the field."""
+    served.check_model(req.model)
+    if req.stop is not None and served.tokenizer is None:
+        raise ApiError(400, "stop strings need a tokenizer; send stop_token_ids instead", "stop")
+    try:
+        ids = chat_prompt_ids(served.tokenizer, req.messages, req.chat_template,
+                              req.add_generation_prompt)
+    except ChatMessageError as error:
+        raise ApiError(400, str(error), error.field) from None
+    except ChatTemplateError as error:
+        raise ApiError(400, str(error), "chat_template" if req.chat_template else "messages") from None
+    bad = [t for t in ids if not 0 <= t < served.vocab_size]
+    if bad:
+        raise ApiError(400, f"the rendered messages hold token ids {bad[:5]} outside the "
+                            f"model's vocabulary [0, {served.vocab_size})", "messages")
+    given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = given if given is not None else max(1, served.max_sequence_tokens - len(ids))
+    served.check_lengths(len(ids), max_tokens, req.n, req.max_param)
+    return ids, max_tokens
+
+
+class ChatFormat:
+    """Choices of a Submission as chat completion objects and ``delta`` chunks."""
+    kind = "chat.completion"
+
+    def __init__(self, req: ChatCompletionRequest, served: ServedModel, submission) -> None:
+        self.submission, self.want_logprobs = submission, req.logprobs
+        self.strings = TokenStrings(served.tokenizer)
+
+    def _logprobs(self, entries) -> Optional[dict]:
+        return chat_logprobs(self.strings, entries) if self.want_logprobs else None
+
+    def choice(self, choice: Choice) -> dict:
+        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                "logprobs": self._logprobs(choice.logprobs),
+                "finish_reason": choice.finish_reason, "token_ids": choice.token_ids}
+
+    def first_chunks(self) -> List[dict]:
+        return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for c in self.submission.choices]
+
+    def chunk(self, delta: Delta) -> dict:
+        return {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": self._logprobs(delta.logprobs), "finish_reason": delta.finish_reason,
+                "token_ids": delta.token_ids}

@@ -1,0 +1,128 @@
+"""The engine requests of one HTTP request, on the HTTP side: submitted together (one per prompt,
+``n`` choices each), their events carried from the engine thread to the event loop, and each
+choice's text, token ids and logprobs assembled.
+
+Choice ``prompt * n + sample`` is sample ``sample`` of prompt ``prompt`` (OpenAI's order). The
+text is the engine's (``TokenEvent.text``: incremental detokenization and stop strings, the
+same as ``Engine.generate``'s); without a tokenizer it is the token ids in decimal, space-
+separated. A submission that leaves early (the client disconnected) aborts every request still
+live on the engine thread, which releases its memory before the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, List, Optional, Sequence
+
+from vmemkv.runtime.engine.errors import RequestRejectedError
+from vmemkv.runtime.engine.logprobs import TokenLogprobs
+from vmemkv.runtime.engine.sampling import SamplingParams
+
+from .engine_thread import Ended, EngineThread, Token
+from .errors import ApiError, internal_error
+
+
+@dataclass
+class Choice:
+    """One choice as it grows: ``text`` and ``token_ids`` so far, logprobs when asked for."""
+    index: int
+    text: str = ""
+    token_ids: List[int] = field(default_factory=list)
+    logprobs: List[TokenLogprobs] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one token added to choice ``index``."""
+    index: int
+    text: str
+    token_ids: List[int]
+    logprobs: List[TokenLogprobs]
+    finish_reason: Optional[str]
+
+
+class Submission:
+    """Every engine request of one HTTP request. ``events()`` yields a Delta per token;
+    ``close()`` aborts whatever has not ended."""
+
+    def __init__(self, server: EngineThread, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams, arrival_s: float, prefix: str = "cmpl",
+                 has_tokenizer: bool = True) -> None:
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.prompt_tokens = sum(len(p) for p in prompts)
+        self.n, self._ids_as_text = params.n, not has_tokenizer
+        self.choices = [Choice(i) for i in range(len(prompts) * params.n)]
+        self.prompt_logprobs: List[Optional[list]] = [None] * len(prompts)   # when asked for
+        self._server, self._live = server, len(prompts)
+        self._ended = [False] * len(prompts)
+        self._queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._futures = []
+        try:
+            for i, ids in enumerate(prompts):
+                sink = (lambda item, i=i: loop.call_soon_threadsafe(self._queue.put_nowait, (i, item)))
+                self._futures.append(server.submit(ids, params, sink, arrival_s))
+        except ApiError:   # full (503) part-way: what was queued goes again
+            self.close()
+            raise
+
+    async def started(self) -> None:
+        """Wait until the engine has queued every request; ApiError 400 if it refused one."""
+        try:
+            for future in self._futures:
+                await asyncio.wrap_future(future)
+        except RequestRejectedError as error:
+            self.close()
+            raise ApiError(400, str(error), error.field) from None
+
+    async def events(self) -> AsyncIterator[Delta]:
+        while self._live:
+            prompt, item = await self._queue.get()
+            if isinstance(item, Ended):
+                self._end(prompt, item)
+                continue
+            assert isinstance(item, Token)
+            if item.prompt_logprobs is not None:
+                self.prompt_logprobs[prompt] = item.prompt_logprobs
+            yield self._add(prompt, item.event)
+
+    def _end(self, prompt: int, item: Ended) -> None:
+        self._ended[prompt] = True
+        self._live -= 1
+        mine = self.choices[prompt * self.n:(prompt + 1) * self.n]
+        if item.status != "finished" and not all(c.finished for c in mine):
+            self.close()
+            raise internal_error()
+
+    def _add(self, prompt: int, event) -> Delta:
+        choice = self.choices[prompt * self.n + event.index]
+        text = event.text
+        if self._ids_as_text:
+            text = (" " if choice.token_ids else "") + str(event.token_id)
+        choice.text += text
+        choice.token_ids.append(event.token_id)
+        logprobs = [event.logprobs] if event.logprobs is not None else []
+        choice.logprobs.extend(logprobs)
+        choice.finish_reason = event.finish_reason
+        return Delta(choice.index, text, [event.token_id], logprobs, event.finish_reason)
+
+    def close(self) -> None:
+        """Abort every request still live (a disconnect, a failed sibling, the server stopping)."""
+        for prompt, future in enumerate(self._futures):
+            if not self._ended[prompt]:
+                self._ended[prompt] = True
+                future.add_done_callback(self._abort_when_queued)
+
+    def _abort_when_queued(self, future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._server.abort(future.result())
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
