@@ -27,6 +27,7 @@ from vmemkv.scheduler.request import Request
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 from vmemkv.scheduler.workload import WorkloadSpec
 from vmemkv.vmem.faults import FaultInjectingDriver
+from .. import process_resources
 from vmemkv.vmem.host import HostDriver
 
 from .model import canon, small_config
@@ -325,16 +326,17 @@ def test_a_cache_larger_than_the_host_is_refused_up_front(kind):
     config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, max_batch=1, max_context=1 << 19)
     too_big = 2 * mem_total()
     driver = FaultInjectingDriver(HostDriver())
-    before = open("/proc/self/maps").read().count("\n"), len(os.listdir("/proc/self/fd"))
-    with pytest.raises(CacheTooLargeError) as info:
-        if kind == "vmem":
-            make_kv(config, "vmem", cache_bytes=too_big, page_bytes=1 << 26, driver=driver)
-        else:
-            make_kv(config, "paged", cache_bytes=too_big, block_size=1 << 16)
+    with process_resources.watch() as watch:
+        before = watch.snapshot()
+        with pytest.raises(CacheTooLargeError) as info:
+            if kind == "vmem":
+                make_kv(config, "vmem", cache_bytes=too_big, page_bytes=1 << 26, driver=driver)
+            else:
+                make_kv(config, "paged", cache_bytes=too_big, block_size=1 << 16)
+        assert watch.snapshot() == before and not watch.reserved
     message = str(info.value)
     assert str(mem_total()) in message and "MemTotal" in message and "bytes" in message
     assert driver.calls["create_pages"] == 0 and driver.calls["reserve"] == 0   # nothing tried
-    assert (open("/proc/self/maps").read().count("\n"), len(os.listdir("/proc/self/fd"))) == before
 
 
 def test_more_requests_than_slots_wait_instead_of_failing():

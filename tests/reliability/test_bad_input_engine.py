@@ -6,8 +6,6 @@ limit / allowed values, and that nothing changed: an engine still has no unfinis
 its manager passes ``check_integrity``; a VMemCache's ``stats()``, manager stats and cached K/V
 are as before.
 """
-import gc
-import os
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from vmemkv.runtime.errors import CacheTooLargeError, RuntimeKVError
 from vmemkv.runtime.attention.errors import UnknownBackendError
 from vmemkv.scheduler.errors import ConfigError
 
+from .. import process_resources
 from .conftest import assert_words, mem_total
 
 BYTES_PER_TOKEN = 512          # tiny-llama: 2 layers x K,V x 2 kv heads x 16 x fp32
@@ -120,22 +119,16 @@ def test_engine_construction_error(model, options, error, words):
     assert_words(info.value, words)
 
 
-def _process_resources():
-    gc.collect()
-    return open("/proc/self/maps").read().count("\n"), len(os.listdir("/proc/self/fd"))
-
-
 def test_failed_engine_construction_leaks_nothing(model):
     Engine(model, max_batch=2, max_context=64, page_bytes=4096).close()   # warm lazy state
-    maps_before, fds_before = _process_resources()
-    for _ in range(10):
-        with pytest.raises(UnknownBackendError):
-            Engine(model, max_batch=2, max_context=64, page_bytes=4096, attention="flash9")
-    maps_after, fds_after = _process_resources()
-    assert fds_after == fds_before                    # no memfd left open
-    # a leaked reservation would add one mapping per failure (10); unrelated threads and
-    # allocator arenas elsewhere in the test process may move the count by one or two
-    assert maps_after - maps_before < 5
+    with process_resources.watch() as watch:
+        before = watch.snapshot()
+        for _ in range(10):
+            with pytest.raises(UnknownBackendError):
+                Engine(model, max_batch=2, max_context=64, page_bytes=4096, attention="flash9")
+        # no memfd open or mapped, no reservation left, whether or not construction got that far
+        assert watch.snapshot() == before
+
 
 
 # ---- add_request / generate --------------------------------------------------------------

@@ -19,6 +19,7 @@ from vmemkv.vmem import DriverCallError
 from vmemkv.vmem.faults import FaultInjectingDriver
 from vmemkv.vmem.host import HostDriver
 
+from .. import process_resources
 from .model import CacheModel, canon, small_config
 
 VMEM = ["vmem-per-layer", "vmem-interleaved", "vmem-per-layer-mapper", "vmem-interleaved-mapper"]
@@ -196,27 +197,23 @@ def test_every_policy_rolls_back(policy):
     mgr.check_integrity()
 
 
-def _proc_counts():
-    with open("/proc/self/maps") as f:
-        maps = sum(1 for _ in f)
-    return maps, len(os.listdir("/proc/self/fd"))
-
-
 @pytest.mark.parametrize("mapper", [False, True])
 @pytest.mark.parametrize("fail", ["create_pages", "reserve"])
 def test_out_of_memory_while_building_the_pool_leaves_nothing_allocated(fail, mapper):
     config = small_config()
     driver = FaultInjectingDriver(HostDriver())
     make_kv(config, "vmem", page_bytes=4096, driver=driver).close()   # warm caches, imports
-    start = _proc_counts()
-    driver.fail_at(fail, 0, out_of_memory=True)
-    with pytest.raises(DriverCallError, match="out of memory"):
-        make_kv(config, "vmem", page_bytes=4096, driver=driver, background_mapper=mapper)
-    assert _proc_counts() == start
-    assert driver.mapped_addresses == 0
-    cache = make_kv(config, "vmem", page_bytes=4096, driver=driver)  # the next try works
-    cache.close()
-    assert _proc_counts() == start
+    with process_resources.watch() as watch:
+        start = watch.snapshot()
+        driver.fail_at(fail, 0, out_of_memory=True)
+        with pytest.raises(DriverCallError, match="out of memory"):
+            make_kv(config, "vmem", page_bytes=4096, driver=driver, background_mapper=mapper)
+        assert watch.snapshot() == start
+        assert driver.mapped_addresses == 0
+        cache = make_kv(config, "vmem", page_bytes=4096, driver=driver)  # the next try works
+        assert watch.snapshot().live_reservations == 1
+        cache.close()
+        assert watch.snapshot() == start
 
 
 def test_undo_that_fails_marks_the_cache_unusable():

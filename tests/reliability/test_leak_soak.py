@@ -16,15 +16,10 @@ from vmemkv.runtime.kv import make_kv
 from vmemkv.vmem.faults import FaultInjectingDriver
 from vmemkv.vmem.host import HostDriver
 
+from .. import process_resources
 from .model import small_config
 
 LIFECYCLES = int(os.environ.get("VMEMKV_SOAK_LIFECYCLES", 40_000))   # VMEMKV_SOAK_LIFECYCLES=1000000 to soak
-
-
-def proc_counts():
-    with open("/proc/self/maps") as f:
-        maps = sum(1 for _ in f)
-    return maps, len(os.listdir("/proc/self/fd"))
 
 
 def pages_state(cache):
@@ -67,8 +62,12 @@ def lifecycle(cache, rng, seq_id):
 @pytest.mark.slow
 def test_tens_of_thousands_of_lifecycles_leak_nothing():
     config = small_config(max_batch=6, max_context=64)
-    gc.collect()
-    start_process = proc_counts()
+    with process_resources.watch() as watch:
+        _soak(config, watch)
+
+
+def _soak(config, watch):
+    start_process = watch.snapshot()
     driver = FaultInjectingDriver(HostDriver())    # no faults: counts calls, catches double maps
     cache = make_kv(config, "vmem", page_bytes=4096, layout="per-layer", driver=driver,
                        cache_bytes=3 * 32 * config.bytes_per_token,  # 3 page groups
@@ -78,13 +77,12 @@ def test_tens_of_thousands_of_lifecycles_leak_nothing():
     for seq_id in range(200):
         lifecycle(cache, rng, seq_id)
     start_pages = pages_state(cache)
-    gc.collect()
-    start_live = proc_counts()
+    start_live = watch.snapshot()
     samples = []
     for seq_id in range(200, 200 + LIFECYCLES):
         lifecycle(cache, rng, seq_id)
         if seq_id % 10_000 == 0:
-            samples.append(proc_counts())
+            samples.append(watch.snapshot())
     # deferred reclamation reuses pages in place where it can; still ~0.4 page maps per lifecycle
     assert min(driver.calls["map"], driver.calls["unmap"]) > LIFECYCLES // 4
     assert driver.double_maps == 0
@@ -97,13 +95,12 @@ def test_tens_of_thousands_of_lifecycles_leak_nothing():
     assert end_pages["pool_free"] == start_pages["pool_free"]
     # mappings of the range split VMAs, so the live count depends on which pages are mapped;
     # with the same pages mapped it must be identical, and it never drifts upward
-    fds = {fd for _, fd in samples}
-    assert fds == {start_live[1]}, f"fd count moved: {start_live[1]} -> {sorted(fds)}"
-    bound = start_live[0] + 2 * cache.pool.total_pages
-    assert max(maps for maps, _ in samples) <= bound, (start_live, samples)
+    fds = {sample[1:] for sample in samples}   # memfd fds, fds, live reservations
+    assert fds == {start_live[1:]}, f"fds or reservations moved: {start_live} -> {sorted(fds)}"
+    bound = start_live.memfd_mappings + 2 * cache.pool.total_pages
+    assert max(sample.memfd_mappings for sample in samples) <= bound, (start_live, samples)
     cache.close()
-    gc.collect()
-    assert proc_counts() == start_process, (start_process, proc_counts())
+    assert watch.snapshot() == start_process, (start_process, watch.snapshot())
     print(f"{LIFECYCLES} lifecycles: {driver.calls['map']} maps, {driver.calls['unmap']} unmaps")
 
 
@@ -121,7 +118,7 @@ def test_engine_requests_aborted_at_random_points_leak_nothing(preemption):
 
     rng = random.Random(1)
     gc.collect()
-    fds_before = proc_counts()[1]
+    fds_before = process_resources.Watch().snapshot().fds
     with Engine(build_model("tiny-llama"), cache="vmem", page_bytes=4096, max_batch=4,
                 max_context=64, cache_bytes=5 * 16 * 1024, preemption=preemption,
                 swap_bytes=1 << 20, prefix_sharing=True) as engine:
@@ -145,4 +142,4 @@ def test_engine_requests_aborted_at_random_points_leak_nothing(preemption):
         engine.cache.check_integrity()
         assert {"waiting", "running"} <= statuses
     gc.collect()
-    assert proc_counts()[1] == fds_before
+    assert process_resources.Watch().snapshot().fds == fds_before

@@ -4,8 +4,10 @@ import subprocess
 import sys
 import textwrap
 
-
 from vmemkv import vmem
+
+from .. import process_resources
+
 GiB = 2**30
 
 
@@ -50,40 +52,38 @@ def test_64_gib_reservation_costs_no_memory_until_mapped():
         assert range_rss_bytes(rng.address) == 0
 
 
-def count_fds():
-    return len(os.listdir("/proc/self/fd"))
-
-
-def count_mappings():
-    with open("/proc/self/maps") as maps:
-        return sum(1 for _ in maps)
-
-
 def test_10000_map_unmap_cycles_leave_no_fds_or_mappings():
     driver = vmem.open_driver("host")
     page_bytes = 64 * 2**10
-    fds_before, maps_before = count_fds(), count_mappings()
-    with vmem.PagePool(driver, 8, page_bytes) as pool, vmem.VirtualRange(pool, 32 * page_bytes) as rng:
-        pages = pool.allocate(8)
-        for cycle in range(10_000):
-            index, page = (cycle * 7) % 32, pages[cycle % 8]
-            rng.map(index, page)
-            rng.unmap(index)
-        assert rng.num_mapped_pages == 0 and pool.mapped_pages == 0
-        for page in pages:
-            pool.release(page)
-    assert count_fds() == fds_before
-    assert count_mappings() == maps_before
+    with process_resources.watch() as watch:
+        before = watch.snapshot()
+        with vmem.PagePool(driver, 8, page_bytes) as pool, \
+                vmem.VirtualRange(pool, 32 * page_bytes) as rng:
+            pages = pool.allocate(8)
+            for cycle in range(10_000):
+                index, page = (cycle * 7) % 32, pages[cycle % 8]
+                rng.map(index, page)
+                rng.unmap(index)
+            assert rng.num_mapped_pages == 0 and pool.mapped_pages == 0
+            assert watch.snapshot().memfd_mappings == before.memfd_mappings   # all unmapped
+            assert watch.snapshot().live_reservations == 1
+            for page in pages:
+                pool.release(page)
+        assert watch.snapshot() == before
 
 
 def test_pools_and_ranges_created_and_closed_leave_nothing_behind():
     driver = vmem.open_driver("host")
-    fds_before, maps_before = count_fds(), count_mappings()
-    for _ in range(200):
-        with vmem.PagePool(driver, 2, 4096) as pool, vmem.VirtualRange(pool, 8192) as rng:
-            rng.map(1, pool.allocate(1)[0])
-    assert count_fds() == fds_before
-    assert count_mappings() == maps_before
+    with process_resources.watch() as watch:
+        before = watch.snapshot()
+        for cycle in range(200):
+            with vmem.PagePool(driver, 2, 4096) as pool, vmem.VirtualRange(pool, 8192) as rng:
+                rng.map(1, pool.allocate(1)[0])
+                if cycle == 0:   # the check can see what is there
+                    live = watch.snapshot()
+                    assert (live.memfd_mappings, live.memfd_fds, live.live_reservations) == \
+                        (before.memfd_mappings + 1, before.memfd_fds + 1, 1)
+        assert watch.snapshot() == before and len(watch.reserved) == 200
 
 
 FAULT_SCRIPT = textwrap.dedent("""
