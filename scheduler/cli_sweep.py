@@ -77,8 +77,10 @@ def _run_points(args, todo, rows: dict, journal: RowJournal, total: int) -> bool
     enabled = False if args.no_progress else None
 
     def done(row: dict) -> None:
-        journal.append(row)
+        # the table's copy first: a Ctrl-C that lands while the journal line is being written
+        # (fsync) must not leave a row on disk that the table and the count leave out
         rows[point_key(row)] = row
+        journal.append(row)
         bar.update(1)
     try:
         with Progress(total, "sweep", enabled=enabled) as bar:

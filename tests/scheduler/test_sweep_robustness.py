@@ -131,3 +131,22 @@ def test_ctrl_c_cancels_the_pending_points_and_writes_the_rows_that_finished(tmp
     with open(out / "sweep.csv") as f:
         assert [r["requests"] for r in csv.DictReader(f)] == ["20"]
     assert (out / "STALE.txt").read_text().splitlines()[1:] == ["throughput_latency.png"]
+
+
+def test_a_ctrl_c_while_a_row_is_being_journaled_keeps_that_row_in_the_table(tmp_path, monkeypatch, capsys):
+    """The window a real SIGINT hit in a CI run: the journal line written (its fsync returning)
+    and the KeyboardInterrupt raised before the row was counted. The table must hold every row
+    the journal holds."""
+    from vmemkv.scheduler.sweep_journal import RowJournal
+    spec = write(tmp_path, "[base]\nmax_len = 1024\n[grid]\nrequests = [20, 21, 22]\n")
+    out = tmp_path / "out"
+    real_append = RowJournal.append
+
+    def append_then_ctrl_c(self, row):
+        real_append(self, row)
+        raise KeyboardInterrupt   # as a signal delivered on fsync's return
+    monkeypatch.setattr(RowJournal, "append", append_then_ctrl_c)
+    assert main(["sweep", spec, "--out", str(out), "--jobs", "1", "--no-progress"]) == INTERRUPTED_EXIT
+    assert "interrupted; wrote 1 of 3 rows" in capsys.readouterr().err
+    with open(out / "sweep.csv") as f:
+        assert [r["requests"] for r in csv.DictReader(f)] == [str(row["requests"]) for row in journal(out)]
