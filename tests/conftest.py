@@ -1,8 +1,9 @@
 """Shared test set-up: GPU tests skip cleanly without CUDA; hypothesis profiles; the cyclic
 garbage collector tuned for a long test session; the real model's fixtures (``real_model``).
 
-Profiles: ``ci`` (default, a few hundred examples per state machine, fits CI's budget) and
-``long`` (for local soak runs: ``HYPOTHESIS_PROFILE=long pytest``).
+Profiles: ``ci`` (default: each state machine at half its named example count, which keeps CI's
+budget), ``thorough`` (every machine at its named count) and ``long`` (for local soak runs:
+``HYPOTHESIS_PROFILE=long pytest``); tests/hypothesis_budget.py scales the counts.
 """
 import gc
 import os
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("long", deadline=None, max_examples=5000,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

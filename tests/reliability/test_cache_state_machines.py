@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from vmemkv.runtime.errors import PlanExecutionError
 
 from .model import VOCAB, CacheModel
+from ..hypothesis_budget import examples as budget
 
 ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40)
 
@@ -99,7 +100,7 @@ class CacheMachine(RuleBasedStateMachine):
 def machine_test(layout: str, examples: int = 200, steps: int = 20):
     machine = type(f"Machine_{layout.replace('-', '_')}", (CacheMachine,), {"layout": layout})
     test = machine.TestCase
-    test.settings = settings(max_examples=max(examples, settings.default.max_examples),
+    test.settings = settings(max_examples=budget(examples),
                              stateful_step_count=steps, deadline=None)
     return test
 

@@ -15,6 +15,7 @@ from vmemkv.runtime.config import CacheConfig
 
 from .model import CacheModel
 from .test_cache_state_machines import CacheMachine
+from ..hypothesis_budget import examples
 
 HYBRID = CacheConfig(num_layers=3, num_kv_heads=2, head_dim=16, max_batch=4, max_context=128,
                      layer_windows=(8, None, 8))
@@ -50,9 +51,9 @@ class HybridCacheMapperMachine(HybridCacheMachine):
 
 
 TestHybridCacheMachine = HybridCacheMachine.TestCase
-TestHybridCacheMachine.settings = settings(max_examples=150, stateful_step_count=25, deadline=None)
+TestHybridCacheMachine.settings = settings(max_examples=examples(150), stateful_step_count=25, deadline=None)
 TestHybridCacheMapperMachine = HybridCacheMapperMachine.TestCase
-TestHybridCacheMapperMachine.settings = settings(max_examples=60, stateful_step_count=25,
+TestHybridCacheMapperMachine.settings = settings(max_examples=examples(60), stateful_step_count=25,
                                                  deadline=None)
 
 

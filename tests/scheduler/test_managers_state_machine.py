@@ -22,6 +22,7 @@ from vmemkv.scheduler.managers import (EVICTION_POLICIES, PagedManager, ReserveM
 from vmemkv.scheduler.presets import ModelSpec
 
 from .shadow import PagedMemory, ShadowSeq, VmemMemory, dump
+from ..hypothesis_budget import examples
 
 ONE_LAYER = ModelSpec("t1", 1, 1, 1, 1, weight_bytes=0)   # 1 byte per layer-token, 2 per token
 TWO_LAYER = ModelSpec("t2", 2, 1, 1, 1, weight_bytes=0)   # interleaved page: 2 bytes per token
@@ -332,7 +333,7 @@ class CollidingVmemMachine(CollidingDigests, VmemMachine):
 
 
 # 300 examples in CI; more under HYPOTHESIS_PROFILE=long (tests/conftest.py)
-_SETTINGS = settings(max_examples=max(200, settings.default.max_examples), stateful_step_count=40,
+_SETTINGS = settings(max_examples=examples(200), stateful_step_count=40,
                      deadline=None)
 TestReserveMatchesShadow = ReserveMachine.TestCase
 TestReserveMatchesShadow.settings = _SETTINGS

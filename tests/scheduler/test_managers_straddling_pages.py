@@ -22,6 +22,7 @@ from vmemkv.scheduler.presets import ModelSpec
 from .shadow import VmemMemory
 from .test_managers_state_machine import _SETTINGS, EVICTION, CollidingDigests, VmemMachine
 from .test_window_state_machine import WindowMachine, WindowMemory
+from ..hypothesis_budget import examples
 
 THREE_BYTES = ModelSpec("t3", 1, 3, 1, 1, weight_bytes=0)         # per-layer: 3 bytes per token
 THREE_LAYERS = ModelSpec("t3i", 3, 1, 1, 1, weight_bytes=0)       # interleaved: 3 bytes per token
@@ -128,7 +129,7 @@ TestVmemOnStraddlingPagesWithCollidingDigestsReadsBack = CollidingStraddlingVmem
 TestVmemOnStraddlingPagesWithCollidingDigestsReadsBack.settings = _SETTINGS
 TestWindowedVmemOnStraddlingPagesMatchesShadow = StraddlingWindowMachine.TestCase
 TestWindowedVmemOnStraddlingPagesMatchesShadow.settings = settings(
-    _SETTINGS, max_examples=max(60, settings.default.max_examples // 5))
+    _SETTINGS, max_examples=examples(60))
 
 
 def _bytes(kv_heads, head_dim, dtype_bytes=2):

@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from vmemkv.scheduler.managers import EVICTION_POLICIES, PagedManager, VmemManager
 
 from .shadow import PagedMemory, ShadowSeq, VmemMemory
+from ..hypothesis_budget import examples
 
 ONE_LAYER_BYTES = 2                         # ModelSpec t1: 2 bytes per token
 BASES = [[1, 2, 3] * 8, [2, 0] * 12]        # shared prefixes
@@ -150,5 +151,5 @@ class RetentionMachine(RuleBasedStateMachine):
 
 
 TestRetentionMatchesShadow = RetentionMachine.TestCase
-TestRetentionMatchesShadow.settings = settings(max_examples=200, stateful_step_count=40,
+TestRetentionMatchesShadow.settings = settings(max_examples=examples(200), stateful_step_count=40,
                                                deadline=None)

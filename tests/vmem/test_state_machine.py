@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from vmemkv import vmem
+
+from ..hypothesis_budget import examples
 PAGE_BYTES = 4096
 NUM_POOL_PAGES = 6
 RANGE_PAGES = 5
@@ -145,6 +147,6 @@ class VMemMachine(RuleBasedStateMachine):
         self.pool.close()
 
 
-VMemMachine.TestCase.settings = settings(max_examples=max(300, settings.default.max_examples),
+VMemMachine.TestCase.settings = settings(max_examples=examples(300),
                                          stateful_step_count=30, deadline=None)  # long profile: more
 TestVMemAgainstShadow = VMemMachine.TestCase
