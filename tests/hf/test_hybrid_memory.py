@@ -90,7 +90,7 @@ def test_two_tensor_parallel_ranks_execute_the_part_plans_on_their_own_pools_exa
     executes the same part-op plans; the tokens are transformers'."""
     full, window = pages(HYBRID["gemma3"])
     pool_pages = 4 * (full + window) + (full + window) // 2
-    batch, new = prompts(4, 12, 24, seed=6), 80
+    batch, new = prompts(4, 12, 24, seed=6), 48
     with engine_for("gemma3", pool_pages // 2, preemption="recompute", max_tokens_per_step=16,
                     tensor_parallel_size=2) as engine:
         out = engine.generate(batch, SamplingParams(max_new_tokens=new, ignore_eos=True))
