@@ -144,7 +144,7 @@ class RequestLifecycle:
             with self._transaction():
                 seq_ids = self.scheduler.abort_request(request_id, status)
                 self._execute(StepPlan([], self.kv.manager.take_ops(), finished=list(seq_ids),
-                                       tables=self.kv.tables.edits(self.kv.manager, (), seq_ids)))
+                                       tables=self.kv.tables.drop(seq_ids)))
         except TensorParallelError:
             self.close()
             raise
