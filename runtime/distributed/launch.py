@@ -108,7 +108,7 @@ class TensorParallel:
     @property
     def collectives(self) -> int:
         """Collectives rank 0 has made (a step: one plan broadcast, two per layer in the model,
-        one more broadcast for a plan over 64 KiB)."""
+        one more broadcast for a plan over 64 KiB; a request ending early: one broadcast)."""
         return self.group.collectives
 
     def execute(self, plan):
