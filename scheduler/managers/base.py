@@ -33,14 +33,14 @@ from typing import Optional, Sequence, Union
 # Every op has an ``owner``: the seq id of the one sequence it serves (whose manager call emitted
 # it), or None. The engine blames a failed op on ``ops[op_index].owner`` alone, without reading
 # the manager back (runtime/engine/lifecycle.py). Ops that grow or copy memory for a sequence
-# name it (MapGroup, ResizeGroup growing it, CopyGroup and CopyBlock: the writer that moved
-# off a shared partial unit; the swaps: their seq_id). Ops that reclaim (UnmapGroup,
-# ReleaseGroup, a ResizeGroup that shrinks an unheld group) serve whoever takes the memory next
-# and name nobody, even when one sequence's allocation triggered them. No op serves several:
-# a shared group is mapped once per holder slot, each MapGroup by its own holder, and a shared
-# partial unit is copied for its one writer. ``owner`` is blame metadata: ops compare equal by
-# the memory they touch (compare=False), and a reclaiming op has it as a class constant, so it
-# adds nothing to a plan's pickle.
+# name it: MapGroup; ResizeGroup fitting a group it holds to its fill; CopyGroup and CopyBlock
+# (the writer that moved off a shared partial unit); the swaps (their seq_id). Ops that reclaim
+# (UnmapGroup, ReleaseGroup, a ResizeGroup that shrinks an unheld group) serve whoever takes the
+# memory next and name nobody, even when one sequence's allocation triggered them. No op serves
+# several: a shared group is mapped once per holder slot, each MapGroup by its own holder, and a
+# shared partial unit is copied for its one writer. ``owner`` is blame metadata: ops compare
+# equal by the memory they touch (compare=False); a reclaiming op has it as a class constant,
+# adding nothing to a plan's pickle (an owned op's int adds 7 bytes, docs/benchmarks.md).
 
 class GroupPart:
     """Which members of a page group an op touches (a str constant; pickles as a plain str)."""
