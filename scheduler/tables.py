@@ -44,6 +44,14 @@ class TableTracker:
         plan.tables = self.edits(manager, [s.seq_id for s in plan.seqs],
                                  plan.finished + plan.preempted)
 
+    def drop(self, seq_ids: Iterable[int]) -> List[TableEdit]:
+        """Edits that make an executor forget ``seq_ids`` for good (an ended request's): one
+        DropTable each, whether or not a placement was sent since the last ``resend`` (which
+        forgets what was sent, not what the executor holds; a drop of nothing is a no-op)."""
+        for seq_id in seq_ids:
+            self._sent.pop(seq_id, None)
+        return [DropTable(seq_id) for seq_id in seq_ids]
+
     def resend(self) -> None:
         """Forget what was sent (a plan was dropped unexecuted): the next edits are full."""
         self._sent.clear()

@@ -97,6 +97,24 @@ class RankGroup:
         return pickle.loads(body + (rest.numpy().tobytes() if rest is not None else b""))
 
 
+    def gather(self, obj: Any, what: str = "state gather") -> List[Any]:
+        """Every rank's ``obj`` (pickled, at most ``INLINE_BYTES``), in rank order, on every
+        rank: one all_gather of fixed frames. A larger ``obj`` is a bug (ValueError)."""
+        data = pickle.dumps(obj)
+        if len(data) > INLINE_BYTES:
+            raise ValueError(f"rank {self.rank}: {what} of {len(data)} bytes exceeds the "
+                             f"{INLINE_BYTES}-byte frame")
+        head = len(data).to_bytes(8, "little") + data
+        frame = torch.zeros(INLINE_BYTES + 8, dtype=torch.uint8)
+        frame[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        frames = [torch.empty_like(frame) for _ in range(self.world)]
+        self._wait(dist.all_gather(frames, frame, async_op=True), what, self.step_timeout_s)
+        out = []
+        for f in frames:
+            size = int.from_bytes(f[:8].numpy().tobytes(), "little")
+            out.append(pickle.loads(f[8:8 + size].numpy().tobytes()))
+        return out
+
 def init_group(rank: int, world: int, *, init_method: Optional[str] = None,
                store=None) -> None:
     """Join the default gloo group (``env://`` when neither is given, as torchrun sets it up)."""

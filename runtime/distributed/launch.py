@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from vmemkv.runtime.engine.errors import TensorParallelConfigError, TensorParallelError
 from .group import RankGroup, SpawnedRanks, init_group, leave_group, open_activation_group
-from .worker import TPPayload, agree_started, build_rank, enter_device, spawned_rank_main
+from .worker import (MemoryQuery, TPPayload, agree_started, build_rank, enter_device, memory_state,
+                     spawned_rank_main)
 
 LAUNCHES = ("spawn", "env")
 
@@ -107,7 +108,7 @@ class TensorParallel:
     @property
     def collectives(self) -> int:
         """Collectives rank 0 has made (a step: one plan broadcast, two per layer in the model,
-        one more broadcast for a plan over 64 KiB)."""
+        one more broadcast for a plan over 64 KiB; a request ending early: one broadcast)."""
         return self.group.collectives
 
     def execute(self, plan):
@@ -121,6 +122,16 @@ class TensorParallel:
             return self.executor.forward(plan)
         except TensorParallelError:
             self._failed = True    # close() then kills the ranks at once: one may be hung
+            raise
+
+    def memory_states(self) -> list:
+        """Every rank's ``worker.memory_state``, in rank order (two collectives; between steps).
+        TensorParallelError as ``execute``."""
+        try:
+            self.group.broadcast(MemoryQuery())
+            return self.group.gather(memory_state(self.executor.runner.cache), "memory state gather")
+        except TensorParallelError:
+            self._failed = True
             raise
 
     def close(self) -> None:

@@ -142,12 +142,35 @@ def _hooked_free_bytes(rank: int) -> Optional[int]:
     return None
 
 
+class MemoryQuery:
+    """Broadcast instead of a plan: every rank answers with ``memory_state`` of its cache
+    (``TensorParallel.memory_states``; tests and diagnostics). Nothing changes anywhere."""
+
+
+def memory_state(cache) -> dict:
+    """What one rank's cache holds, as plain data that is equal on ranks that applied the same
+    plans (except ``swapped_bytes``: a rank's share of the KV heads): the replica's placements,
+    the host copies' tokens and bytes, and on vmem every slot's mapped parts
+    ({page_index: {part: group}}) and the pool pages bound to groups."""
+    state = {"placements": {s: cache.placement(s) for s in cache.placed_seq_ids},
+             "swapped_tokens": cache.swapped_tokens(), "swapped_bytes": cache.swapped_bytes}
+    if cache.kind == "vmem":
+        state["mapped_parts"] = {slot: cache.mapped_parts(slot)
+                                 for slot in range(cache.config.max_batch)}
+        state["bound_pages"] = cache.bound_pages
+    return state
+
+
 def serve_plans(group: RankGroup, executor: RankExecutor) -> None:
-    """A follower's loop: execute every plan rank 0 broadcasts until it sends None (close)."""
+    """A follower's loop: execute every plan rank 0 broadcasts until it sends None (close);
+    answer a MemoryQuery with this rank's ``memory_state``."""
     while True:
         plan = group.broadcast(idle=True)
         if plan is None:
             return
+        if isinstance(plan, MemoryQuery):
+            group.gather(memory_state(executor.runner.cache), "memory state gather")
+            continue
         executor.apply_ops(plan)
         executor.forward(plan)
 

@@ -2,15 +2,17 @@
 request instead of blocking the engine.
 
 A step is a transaction over scheduler + manager + cache (``Engine.step``). When its plan fails,
-the cache names the op that failed (``PlanExecutionError.op_index``); the op names memory, and
-the manager's tables of the step being undone (read before the rollback) name the sequence
-that memory was planned for:
+the cache names the op that failed (``PlanExecutionError.op_index``) and the op names the
+sequence it was planned for, ``op.owner``, set by the manager that emitted it
+(scheduler/managers/base.py); nothing is read back from the manager:
 
-    SwapOut / SwapIn      -> op.seq_id
-    MapGroup / CopyGroup    -> the running sequence on op.slot / op.dst_slot          (vmem)
-    ResizeGroup           -> the running sequences mapping op.group (byte-mapped vmem)
-    CopyBlock             -> the running sequence whose block table holds dst_block (paged)
-    UnmapGroup, no index   -> nobody: reclaiming serves whoever maps next; bounded retries
+    SwapOut / SwapIn              -> op.seq_id (their owner)
+    MapGroup / CopyGroup          -> the sequence on op.slot / op.dst_slot when planned (vmem)
+    ResizeGroup                   -> the sequence whose group it backs (byte-mapped vmem)
+    CopyBlock                     -> the writer that moved to dst_block (paged)
+    UnmapGroup, ReleaseGroup,     -> nobody (owner None): reclaiming serves whoever maps next;
+    shrinking an unheld group,       bounded retries, then the error reaches the caller
+    no op index
 
 After ``max_plan_retries + 1`` failed steps in a row blamed on one request, the engine ends it
 "failed" and goes on.
@@ -18,33 +20,24 @@ After ``max_plan_retries + 1`` failed steps in a row blamed on one request, the 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterable, Optional, Set
+from typing import Optional, Set
 
 from vmemkv.runtime.errors import PlanExecutionError
-from vmemkv.scheduler.managers.base import CopyBlock, CopyGroup, MapGroup, ResizeGroup, SwapIn, SwapOut
+from vmemkv.scheduler.plan import StepPlan
 from vmemkv.scheduler.request import SeqState
 
-from .errors import RequestEndedError, UnknownRequestError
+from .errors import RequestEndedError, TensorParallelError, UnknownRequestError
 from .outputs import RequestError, RequestOutput
 
 
-def culprit_seq_ids(ops: list, op_index: Optional[int], manager, running: Iterable[int]) -> Set[int]:
-    """Seq ids the failed op ``ops[op_index]`` was planned for (empty when it cannot be told).
-    ``manager`` must still hold the failed step's tables; ``running`` are the seq ids the step
-    ran (or admitted)."""
+def culprit_seq_ids(ops: list, op_index: Optional[int]) -> Set[int]:
+    """The seq id the failed op ``ops[op_index]`` was planned for: its ``owner``, set by the
+    manager that emitted it (empty for a reclaiming op, or when no op is named). Reads nothing
+    but the plan."""
     if op_index is None or not 0 <= op_index < len(ops):
         return set()
-    op = ops[op_index]
-    if isinstance(op, (SwapOut, SwapIn)):
-        return {op.seq_id}
-    if isinstance(op, (MapGroup, CopyGroup)):
-        slot = op.slot if isinstance(op, MapGroup) else op.dst_slot
-        return {s for s in running if manager.slot_of(s) == slot}
-    if isinstance(op, ResizeGroup):
-        return {s for s in running if op.group in manager.mapped_pages(manager.slot_of(s)).values()}
-    if isinstance(op, CopyBlock):
-        return {s for s in running if op.dst_block in manager.block_table(s)}
-    return set()
+    owner = ops[op_index].owner
+    return set() if owner is None else {owner}
 
 
 class RequestLifecycle:
@@ -75,8 +68,7 @@ class RequestLifecycle:
 
     def _plan_failed(self, plan, error: PlanExecutionError) -> bool:
         """Roll the step back; True when the failure ended a request (the step then returns)."""
-        culprits = culprit_seq_ids(plan.ops, error.op_index, self.kv.manager,
-                                   [s.seq_id for s in self.scheduler.running])
+        culprits = culprit_seq_ids(plan.ops, error.op_index)
         self._rollback()
         self.plan_failures += 1
         if not error.rolled_back:
@@ -144,10 +136,18 @@ class RequestLifecycle:
     def _end_request(self, request_id: int, status: SeqState,
                      error: Optional[BaseException] = None) -> None:
         """End a live request ``status`` (ABORTED or FAILED) in one transaction: the scheduler
-        releases its sequences, the cache executes what that frees (swap buffers included)."""
-        with self._transaction():
-            seq_ids = self.scheduler.abort_request(request_id, status)
-            self.kv.execute(self.kv.manager.take_ops())
+        releases its sequences and what that frees (swap buffers included) leaves the manager
+        as a plan of no sequences, its ops and the dropped placements, run the way a step's
+        plan is (``_execute``: with tensor parallelism on every rank). A rank that dies or hangs
+        meanwhile closes the engine, as in ``step``."""
+        try:
+            with self._transaction():
+                seq_ids = self.scheduler.abort_request(request_id, status)
+                self._execute(StepPlan([], self.kv.manager.take_ops(), finished=list(seq_ids),
+                                       tables=self.kv.tables.drop(seq_ids)))
+        except TensorParallelError:
+            self.close()
+            raise
         state = self._requests[request_id]
         reason = "abort" if status is SeqState.ABORTED else "error"
         for seq_id in seq_ids:

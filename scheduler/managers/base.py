@@ -12,7 +12,7 @@ without room raises ``OutOfCapacityError`` and leaves state unchanged.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 
@@ -29,6 +29,18 @@ from typing import Optional, Sequence, Union
 # needs them and takes them back at ReleaseGroup (see GroupPart). Every other cache maps whole
 # groups ("all") over fixed pages, except where a member spans k > 1 pages: there a group is
 # backed only by the member pages its tokens' bytes need (ResizeGroup; managers/vmem_bytes.py).
+
+# Every op has an ``owner``: the seq id of the one sequence it serves (whose manager call emitted
+# it), or None. The engine blames a failed op on ``ops[op_index].owner`` alone, without reading
+# the manager back (runtime/engine/lifecycle.py). Ops that grow or copy memory for a sequence
+# name it: MapGroup; ResizeGroup fitting a group it holds to its fill; CopyGroup and CopyBlock
+# (the writer that moved off a shared partial unit); the swaps (their seq_id). Ops that reclaim
+# (UnmapGroup, ReleaseGroup, a ResizeGroup that shrinks an unheld group) serve whoever takes the
+# memory next and name nobody, even when one sequence's allocation triggered them. No op serves
+# several: a shared group is mapped once per holder slot, each MapGroup by its own holder, and a
+# shared partial unit is copied for its one writer. ``owner`` is blame metadata: ops compare
+# equal by the memory they touch (compare=False); a reclaiming op has it as a class constant,
+# adding nothing to a plan's pickle (an owned op's int adds 7 bytes, docs/benchmarks.md).
 
 class GroupPart:
     """Which members of a page group an op touches (a str constant; pickles as a plain str)."""
@@ -48,6 +60,7 @@ class MapGroup:
     page_index: int
     group: int
     part: str = GroupPart.ALL
+    owner: Optional[int] = field(default=None, compare=False)  # the seq served
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,7 @@ class UnmapGroup:
     page_index: int
     group: int
     part: str = GroupPart.ALL
+    owner = None      # reclaiming: serves whoever takes the memory next (not a field)
 
 
 @dataclass(frozen=True)
@@ -66,6 +80,7 @@ class ReleaseGroup:
     pages (the part is mapped nowhere when this runs); a later MapGroup binds fresh ones."""
     group: int
     part: str = GroupPart.ALL
+    owner = None      # reclaiming: serves whoever takes the memory next (not a field)
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,7 @@ class ResizeGroup:
     Every mapping of a group always maps exactly its backed pages (a MapGroup maps those)."""
     group: int
     member_pages: int
+    owner: Optional[int] = field(default=None, compare=False)  # the seq served
 
 
 @dataclass(frozen=True)
@@ -89,6 +105,7 @@ class CopyGroup:
     src_page_index: int
     dst_slot: int
     dst_page_index: int
+    owner: Optional[int] = field(default=None, compare=False)  # the seq served
 
 
 # paged mode. Blocks live in a preallocated pool; allocating one needs no op, the block table
@@ -99,6 +116,7 @@ class CopyBlock:
     """Copy block ``src_block`` into block ``dst_block`` (copy-on-write of a partial block)."""
     src_block: int
     dst_block: int
+    owner: Optional[int] = field(default=None, compare=False)  # the seq served
 
 
 # both modes
@@ -114,6 +132,10 @@ class SwapOut:
     slot: Optional[int] = None
     blocks: tuple = ()
 
+    @property
+    def owner(self) -> int:
+        return self.seq_id
+
 
 @dataclass(frozen=True)
 class SwapIn:
@@ -125,11 +147,19 @@ class SwapIn:
     slot: Optional[int] = None
     blocks: tuple = ()
 
+    @property
+    def owner(self) -> int:
+        return self.seq_id
+
 
 @dataclass(frozen=True)
 class DropSwapped:
     """Forget the host copy of ``seq_id``: it was freed while swapped out (nothing to copy)."""
     seq_id: int
+
+    @property
+    def owner(self) -> int:
+        return self.seq_id
 
 
 MemoryOp = Union[MapGroup, UnmapGroup, ReleaseGroup, ResizeGroup, CopyGroup, CopyBlock, SwapOut, SwapIn, DropSwapped]

@@ -177,7 +177,7 @@ class HybridVmemManager(VmemManager):
             self._unmap(slot, pi)
         pages[pi] = g
         self._maps[g].add((slot, pi))
-        self._ops.append(MapGroup(slot, pi, g, FULL))
+        self._ops.append(MapGroup(slot, pi, g, FULL, owner=self._owner[slot]))
 
     def _release(self, seq: HeldSeq) -> None:
         """FULL-only mappings cannot stay for deferred reclamation (a later sequence on the slot

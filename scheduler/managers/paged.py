@@ -131,7 +131,7 @@ class PagedManager(WindowedGroups, UnitManager):
             self._live += self._fill[src]
             self._unhold(src)
             seq.units[-1] = dst
-            self._ops.append(CopyBlock(src, dst))
+            self._ops.append(CopyBlock(src, dst, owner=seq_id))
         before = len(seq.units)
         for _ in range(-(-(old + num_tokens) // bs) - before):
             seq.units.append(self._take_block())

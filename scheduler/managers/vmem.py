@@ -138,7 +138,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
     def _map(self, slot: int, pi: int, g: int) -> None:
         self._pages[slot][pi] = g
         self._maps[g].add((slot, pi))
-        self._ops.append(MapGroup(slot, pi, g))
+        self._ops.append(MapGroup(slot, pi, g, owner=self._owner[slot]))
 
     def _unmap(self, slot: int, pi: int) -> None:
         pages = self._pages[slot]
@@ -332,15 +332,15 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self._unhold(old)
         self._unmap(slot, pi)
         self._map(slot, pi, new)
-        self._copy_backing(new, old)
+        self._copy_backing(new, old, self._owner[slot])
         src_slot, src_pi = min(self._maps[old])   # same physical group wherever it is mapped
-        self._ops.append(CopyGroup(src_slot, src_pi, slot, pi))
+        self._ops.append(CopyGroup(src_slot, src_pi, slot, pi, owner=self._owner[slot]))
         self._touch(new)
         self._fill[new] = self._fill[old]
         self._live += self._fill[old]
         seq.units[pi] = new
 
-    def _copy_backing(self, dst: int, src: int) -> None:
+    def _copy_backing(self, dst: int, src: int, owner: Optional[int]) -> None:
         """Before CopyGroup: back ``dst`` as far as ``src`` (vmem_bytes.py); fixed groups are."""
 
     # -- fork and release --

@@ -112,9 +112,10 @@ class ByteMappedVmemManager(VmemManager):
         return min(self.max_seq_len, whole * self.tokens_per_page + geo.tokens_in_member_pages(rest))
 
     # -- backing --
-    def _back(self, g: int, pages: int) -> None:
-        """Back each member of ``g`` by its first ``pages`` pages (ResizeGroup), reclaiming
-        unheld groups first when too few slices are unbound (room was checked)."""
+    def _back(self, g: int, pages: int, owner: Optional[int] = None) -> None:
+        """Back each member of ``g`` by its first ``pages`` pages (ResizeGroup for ``owner``, the
+        sequence holding ``g``; None when reclaiming), reclaiming unheld groups first when too
+        few slices are unbound (room was checked)."""
         old = self._backed[g]
         if pages == old:
             return
@@ -122,7 +123,7 @@ class ByteMappedVmemManager(VmemManager):
             self._reclaim_one()
         self._backed[g] = pages
         self._bound += pages - old
-        self._ops.append(ResizeGroup(g, pages))
+        self._ops.append(ResizeGroup(g, pages, owner=owner))
 
     def _reclaim_one(self) -> None:
         """Unmap and free the least recently used reclaimable group, else evict a cached one."""
@@ -135,28 +136,29 @@ class ByteMappedVmemManager(VmemManager):
         self._free.append(g)
         self._back(g, 0)
 
-    def _fit(self, groups: Iterable[int]) -> None:
-        """Back held ``groups`` as their fill needs: shrinking first, so growth can use it."""
+    def _fit(self, groups: Iterable[int], owner: int) -> None:
+        """Back ``groups`` held by ``owner`` as their fill needs: shrinking first, so growth
+        can use it."""
         want = [(g, self.geometry.member_pages_for(self._fill[g])) for g in groups
                 if g is not None]
         for g, pages in want:
             if pages < self._backed[g]:
-                self._back(g, pages)
+                self._back(g, pages, owner)
         for g, pages in want:
             if pages > self._backed[g]:
-                self._back(g, pages)
+                self._back(g, pages, owner)
 
-    def _copy_backing(self, dst: int, src: int) -> None:
-        self._back(dst, self._backed[src])
+    def _copy_backing(self, dst: int, src: int, owner: Optional[int]) -> None:
+        self._back(dst, self._backed[src], owner)
 
     def _place(self, seq_id: int, seq: HeldSeq, hits: list, slot: Optional[int] = None) -> None:
         super()._place(seq_id, seq, hits, slot)
-        self._fit(seq.units[len(hits):])
+        self._fit(seq.units[len(hits):], seq_id)
 
     def _append_slow(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
         first = max(seq.num_tokens - 1, 0) // self.tokens_per_page
         super()._append_slow(seq_id, seq, num_tokens, token_ids)
-        self._fit(seq.units[first:])
+        self._fit(seq.units[first:], seq_id)
 
     def append(self, seq_id: int, num_tokens: int = 1, token_ids=None) -> None:
         """As VmemManager's; the counters-only hot path only while the new tokens fit the last
