@@ -127,7 +127,9 @@ class Engine(RequestLifecycle, EngineStatistics):
         self._prompt_tokens = 0
         self._computed_tokens = 0                    # tokens whose K/V steps computed
         self._strikes: Dict[int, int] = {}          # request_id -> failed steps in a row
+        self._stage = "planning"  # how far the running step got (lifecycle._step_failed)
         self._draws: list = []   # the step's generators before it sampled (undone with the step)
+        self._saved = None       # what recording the step's tokens changes, before it did
         self.plan_failures = 0                       # failed plan executions, all time
 
     @staticmethod
@@ -210,9 +212,10 @@ class Engine(RequestLifecycle, EngineStatistics):
         callbacks run after the step is recorded; one that raises stops no other, and its
         error is raised after them."""
         start = time.perf_counter()
-        self._draws, self.runner.ops_applied = [], False
+        self._stage, self._draws, self._saved = "planning", [], None   # see lifecycle
+        self.runner.ops_applied = False
         plan = logits = drawing = None
-        try:
+        try:   # one handler for the whole step: an exception may strike at any line
             plan = self._schedule()
             self._phase_s["schedule"] += time.perf_counter() - start
             logits, rows = self._execute(plan)
@@ -220,7 +223,8 @@ class Engine(RequestLifecycle, EngineStatistics):
             drawing = self._drawing(plan, rows)
             sampled = self._sample(logits, drawing)
             self._phase_s["sample"] += time.perf_counter() - sample_start
-        except PlanExecutionError as error:
+            events = self._record_step(plan, sampled)
+        except PlanExecutionError as error:   # from the plan's memory ops: nothing is recorded
             if self._plan_failed(plan, error):
                 self._step_s += time.perf_counter() - start   # its phases were counted too
                 return []
@@ -233,7 +237,6 @@ class Engine(RequestLifecycle, EngineStatistics):
                 self._step_s += time.perf_counter() - start
                 return []
             raise
-        events = self._record_step(plan, sampled)
         self._step_s += time.perf_counter() - start
         self._notify(events)
         return events

@@ -93,7 +93,8 @@ class RecordingSavepoint:
 
 class RequestLifecycle:
     """The Engine's failure contract and early ends (a mixin over Engine's fields: scheduler,
-    cache, runner, config, _requests, _samples, _strikes, _draws): recording or undoing a step,
+    cache, runner, config, _requests, _samples, _strikes; and the step's _stage, _draws and
+    _saved): recording or undoing a step,
     blaming and failing a request, ``abort`` and ``status``."""
 
     def _begin(self) -> None:
@@ -126,33 +127,17 @@ class RequestLifecycle:
 
     def _record_step(self, plan, sampled: Dict[int, int]) -> List[TokenEvent]:
         """Commit the executed step, then record its tokens (``Engine._record``: scheduler
-        update, outputs, counters) in a transaction of its own: all of it or, on any exception
-        before its commit, none (``_discard_step``), the exception going on to the caller."""
-        stage, saved = "executed", None
-        try:
-            self._commit()                # the plan ran: its memory is kept from here on
-            stage = "recording"
-            self._begin()
-            saved = RecordingSavepoint(self, sampled)
-            events = self._record(plan, sampled)
-            stage = "recorded"            # the commit point: from here the step is recorded
-            self._commit()
-        except BaseException:
-            if stage == "recorded":
-                self._close_open(keep=True)
-            else:
-                self._discard_step(undo=stage == "recording", saved=saved)
-            raise
+        update, outputs, counters) in a transaction of its own. ``_stage`` tells
+        ``_step_failed`` how far it got: "planning" until the first commit is done (the plan's
+        memory is then kept), "recording" until the second (undone), then "recorded"."""
+        self._commit()                    # the plan ran: its memory is kept from here on
+        self._stage = "recording"
+        self._begin()
+        self._saved = RecordingSavepoint(self, sampled)
+        events = self._record(plan, sampled)
+        self._stage = "recorded"          # the commit point: from here the step is recorded
+        self._commit()
         return events
-
-    def _discard_step(self, undo: bool, saved: Optional[RecordingSavepoint]) -> None:
-        """Forget an executed step's tokens (the next step computes them again): finish keeping
-        its plan's memory, or (``undo``) roll back what recording them changed."""
-        restore_generators(self._draws)
-        self._close_open(keep=not undo)
-        if saved is not None:
-            saved.restore(self)
-        self.scheduler.discard_step()
 
     def _plan_failed(self, plan, error: PlanExecutionError) -> bool:
         """Roll the step back; True when the failure ended a request (the step then returns)."""
@@ -174,11 +159,21 @@ class RequestLifecycle:
         return bool(doomed)
 
     def _step_failed(self, plan, logits, drawing, error: BaseException) -> bool:
-        """Scheduling, the model, the sampler (or an interrupt) raised before the step was
-        recorded: undo its draws, keep its applied memory (or roll it back) and forget its
-        progress. True when the failure was blamed on requests that were then failed (the step
-        returns); False: the caller re-raises ``error``."""
+        """Something raised (an interrupt included) in ``step``: finish or undo what the step
+        did, by ``_stage``. Before its tokens were recorded: undo its draws, keep its applied
+        memory (or roll it back) and forget its progress; while recording them: undo the
+        recording too; at the commit point: finish the commit. True when the failure was blamed
+        on requests that were then failed (the step returns); False: the caller re-raises."""
+        if self._stage == "recorded":
+            self._close_open(keep=True)
+            return False
         restore_generators(self._draws)
+        if self._stage == "recording":
+            self._close_open(keep=False)
+            if self._saved is not None:
+                self._saved.restore(self)
+            self.scheduler.discard_step()
+            return False
         kept = self._keep_applied_memory()
         if plan is None or not kept or not isinstance(error, Exception) or self.tp is not None:
             return False
