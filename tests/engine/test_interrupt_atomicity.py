@@ -72,8 +72,9 @@ def sweep(engine, batch, params, kind: str, stride: int = 1, first: int = 1) -> 
     """Interrupt a run of ``batch`` at event ``first``, ``first + stride``, ... until a run
     ends without reaching that event; after each, resume and compare with an uninterrupted
     run. Returns the number of interrupts."""
+    before = engine.scheduler.metrics.generated_tokens
     want = results(engine.generate(batch, params))
-    sampled = engine.scheduler.metrics.generated_tokens
+    sampled = engine.scheduler.metrics.generated_tokens - before
     interrupter, k, interrupts = Interrupter(kind), first, 0
     while True:
         before = engine.scheduler.metrics.generated_tokens
