@@ -4,12 +4,14 @@
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=32))
     for ev in engine.stream(prompts, params): print(ev.request_id, ev.token_id)
 
-One step, a transaction over scheduler + manager + cache:  begin both -> plan =
+One step, two transactions over scheduler + manager + cache:  begin both -> plan =
 scheduler.schedule() -> runner.execute(plan) (ops, then the model on the packed new tokens) ->
-sampler -> commit both -> scheduler.update(sampled, now). A failed plan rolls both back (the
-cache has undone its memory). Nothing is lost: a request is rejected by ``add_request``
-(RequestRejectedError, before it holds anything) or ends "finished", "aborted" (``abort``) or
-"failed" (its plans kept failing); preempted sequences come back by the scheduler's rules.
+sampler -> commit both; begin both -> scheduler.update(sampled, now) + the outputs -> commit
+both (``lifecycle``: the step's tokens are recorded whole or not at all). A failed plan rolls
+both back (the cache has undone its memory). Nothing is lost: a request is rejected by
+``add_request`` (RequestRejectedError, before it holds anything) or ends "finished", "aborted"
+(``abort``) or "failed" (its plans, its forward or its sampling kept failing); preempted
+sequences come back by the scheduler's rules.
 """
 from __future__ import annotations
 
@@ -272,7 +274,8 @@ class Engine(RequestLifecycle, EngineStatistics):
         now = self._now()
         finished = set(self.scheduler.update(sampled, now=now))
         for seq_id in self.runner.prompt_logits:   # every prompt position is in: stop keeping rows
-            if seq_id in self._prompt_logprobs and self._prompt_logprobs[seq_id].output.prompt_logprobs is not None:
+            state = self._prompt_logprobs.get(seq_id)
+            if state is not None and state.output.prompt_logprobs is not None:
                 del self._prompt_logprobs[seq_id]
         events = self._emit(sampled, finished, now)
         self._computed_tokens += plan.num_new_tokens
