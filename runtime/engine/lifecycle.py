@@ -94,8 +94,8 @@ class RecordingSavepoint:
 class RequestLifecycle:
     """The Engine's failure contract and early ends (a mixin over Engine's fields: scheduler,
     cache, runner, config, _requests, _samples, _strikes; and the step's _stage, _draws and
-    _saved): recording or undoing a step,
-    blaming and failing a request, ``abort`` and ``status``."""
+    _saved): recording or undoing a step, blaming and failing a request, ``abort`` and
+    ``status``."""
 
     def _begin(self) -> None:
         self.scheduler.begin()
@@ -190,8 +190,8 @@ class RequestLifecycle:
     def _fail_culprits(self, units: dict, probe) -> bool:
         """``units``: {seq_id: its work}; ``probe(work)``: the exception it raises alone, or
         None. Requests whose work fails alone ``max_plan_retries + 1`` times in a row end
-        "failed"; True if any did. None when every request's work fails alone (the fault
-        is the engine's, not a request's) or none does."""
+        "failed"; True if any did. Nobody is blamed when no request's work fails alone, or
+        every request's does (the fault is then the engine's, not a request's)."""
         request_of = {seq_id: self._samples[seq_id].request.output.request_id for seq_id in units}
         failing = {seq_id: error for seq_id, work in units.items()
                    if (error := probe(work)) is not None}
