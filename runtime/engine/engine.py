@@ -211,8 +211,7 @@ class Engine(RequestLifecycle, EngineStatistics):
         blamed on one request ends that request "failed" (memory released,
         ``RequestOutput.error`` set) and the step returns normally. Otherwise the exception
         (PlanExecutionError for a plan) is raised with every request intact. ``on_token``
-        callbacks run after the step is recorded; one that raises stops no other, and its
-        error is raised after them."""
+        callbacks run after the step is recorded (``_notify``)."""
         start = time.perf_counter()
         self._stage, self._draws, self._saved = "planning", [], None   # see lifecycle
         self.runner.ops_applied = False
@@ -313,15 +312,17 @@ class Engine(RequestLifecycle, EngineStatistics):
 
     def _notify(self, events: List[TokenEvent]) -> None:
         """Callbacks run after the step is recorded, so they may call ``abort``. One that
-        raises stops no other: every event is delivered, then the first error is raised (its
-        token is in the output already)."""
+        raises an Exception stops no other: every event is delivered, then the first error is
+        raised (its token is in the output already). An interrupt (KeyboardInterrupt,
+        SystemExit) in a callback goes on at once: the later callbacks of the step are not
+        called, their tokens are in the outputs too."""
         first_error = None
         for event in events:
             req = self._requests.get(event.request_id)
             if req is not None and req.on_token is not None:
                 try:
                     req.on_token(event)
-                except BaseException as error:   # noqa: BLE001 -- raised after the others ran
+                except Exception as error:   # noqa: BLE001 -- raised after the others ran
                     first_error = first_error or error
         if first_error is not None:
             raise first_error
