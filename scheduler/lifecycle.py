@@ -1,9 +1,13 @@
 """What happens when a step or a request does not complete: the scheduler's side of a step
-transaction (an explicit copy of what ``schedule()`` changes) and ending a request early.
+transaction (an explicit copy of what ``schedule()`` and ``update()`` change) and ending a
+request early.
 
     scheduler.begin(); manager.begin()
     plan = scheduler.schedule(); executor runs plan      # fails: PlanExecutionError (undone)
     scheduler.rollback(); manager.rollback()              # queues, tables, memory as before
+
+The engine also records a step's tokens in a transaction of its own (``update`` and what it
+finishes, forks and forgets; rolled back, the step's tokens were never recorded).
 
 Each field is copied by name, with the copy its type needs (queues by their members, each
 sequence by ``Sequence.save``); nothing is inferred from a value's shape, so a field added to
@@ -20,22 +24,26 @@ from .request import Sequence, SeqState
 
 
 class Savepoint:
-    """What ``Scheduler.schedule()`` or ``abort_request`` may change, as it was at
-    ``Scheduler.begin()``. (``update`` runs after a step commits; it is not covered.)"""
+    """What ``Scheduler.schedule()``, ``update()``, ``finish``, ``forget`` or ``abort_request``
+    may change, as it was at ``Scheduler.begin()``. Latency samples only grow: their lengths
+    are kept."""
 
-    __slots__ = ("waiting", "running", "swapped", "sequences", "finished_ids", "unfinished",
-                 "step", "admit_counter", "metrics")
+    __slots__ = ("waiting", "running", "swapped", "sequences", "seqs", "finished_ids",
+                 "unfinished", "step", "admit_counter", "metrics", "latency_lengths")
 
     def __init__(self, scheduler) -> None:
         s, m = scheduler, scheduler.metrics
         self.waiting, self.running, self.swapped = list(s.waiting), list(s.running), list(s.swapped)
         self.sequences = [(seq, seq.save()) for queue in (s.waiting, s.running, s.swapped)
                           for seq in queue]
+        self.seqs = dict(s.seqs)     # update adds forked children, forget drops ended ones
         self.finished_ids = list(s._finished_ids)
         self.unfinished = dict(s._unfinished_samples)
         self.step, self.admit_counter = s._step, s._admit_counter
         self.metrics = (m.num_preemptions, m.num_swap_preemptions, m.recomputed_tokens,
-                        m.num_aborted_requests, m.num_failed_requests)
+                        m.num_aborted_requests, m.num_failed_requests, m.num_finished_requests,
+                        m.generated_tokens)
+        self.latency_lengths = (len(m.ttft_s), len(m.itl_s))
 
     def restore(self, scheduler) -> None:
         """Put ``scheduler`` back exactly as it was when this savepoint was taken."""
@@ -43,11 +51,15 @@ class Savepoint:
         s.waiting, s.running, s.swapped = deque(self.waiting), list(self.running), deque(self.swapped)
         for seq, saved in self.sequences:
             seq.restore(saved)
+        s.seqs.clear()
+        s.seqs.update(self.seqs)
         s._finished_ids = list(self.finished_ids)
         s._unfinished_samples = dict(self.unfinished)
         s._step, s._admit_counter = self.step, self.admit_counter
         (m.num_preemptions, m.num_swap_preemptions, m.recomputed_tokens,
-         m.num_aborted_requests, m.num_failed_requests) = self.metrics
+         m.num_aborted_requests, m.num_failed_requests, m.num_finished_requests,
+         m.generated_tokens) = self.metrics
+        del m.ttft_s[self.latency_lengths[0]:], m.itl_s[self.latency_lengths[1]:]
         s._decoded, s._scheduled = [], []
 
 
@@ -93,6 +105,11 @@ class StepTransactions:
         if self._savepoint is not None:
             raise SchedulerError("begin() inside an open transaction; commit or roll back first")
         self._savepoint = Savepoint(self)
+
+    @property
+    def in_transaction(self) -> bool:
+        """Whether ``begin`` was called without a ``commit``/``rollback`` since."""
+        return self._savepoint is not None
 
     def commit(self) -> None:
         """Keep every change since ``begin``."""

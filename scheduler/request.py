@@ -111,11 +111,15 @@ class Sequence:
         self.stop_ids = request.stop_token_ids
 
     def save(self) -> tuple:
-        """The fields ``Scheduler.schedule()`` may change, for ``restore`` (its rollback)."""
-        return (self.state, self.held, self.num_computed, self.admit_order)
+        """The fields ``Scheduler.schedule()`` or ``update()`` may change, for ``restore`` (a
+        rollback). ``output`` only grows: its length is kept."""
+        return (self.state, self.held, self.num_computed, self.admit_order, len(self.output),
+                self.length, self.last_token_s, self.pending_forks)
 
     def restore(self, saved: tuple) -> None:
-        (self.state, self.held, self.num_computed, self.admit_order) = saved
+        (self.state, self.held, self.num_computed, self.admit_order, outputs,
+         self.length, self.last_token_s, self.pending_forks) = saved
+        del self.output[outputs:]
 
     def token_ids(self) -> Optional[List[int]]:
         """All token ids (prompt + output) when the prompt's ids are known, else None."""

@@ -56,6 +56,15 @@ class IncrementalText:
         self._flush()
         return self._show(True)
 
+    def save(self) -> tuple:
+        """What ``add`` and ``finish`` change, for ``restore`` (a step that was not recorded)."""
+        return (len(self.token_ids), self.text, self.stopped, self._decoded, self._prefix,
+                self._read)
+
+    def restore(self, saved: tuple) -> None:
+        tokens, self.text, self.stopped, self._decoded, self._prefix, self._read = saved
+        del self.token_ids[tokens:]
+
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
 

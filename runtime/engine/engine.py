@@ -4,12 +4,14 @@
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=32))
     for ev in engine.stream(prompts, params): print(ev.request_id, ev.token_id)
 
-One step, a transaction over scheduler + manager + cache:  begin both -> plan =
+One step, two transactions over scheduler + manager + cache:  begin both -> plan =
 scheduler.schedule() -> runner.execute(plan) (ops, then the model on the packed new tokens) ->
-sampler -> commit both -> scheduler.update(sampled, now). A failed plan rolls both back (the
-cache has undone its memory). Nothing is lost: a request is rejected by ``add_request``
-(RequestRejectedError, before it holds anything) or ends "finished", "aborted" (``abort``) or
-"failed" (its plans kept failing); preempted sequences come back by the scheduler's rules.
+sampler -> commit both; begin both -> scheduler.update(sampled, now) + the outputs -> commit
+both (``lifecycle``: the step's tokens are recorded whole or not at all). A failed plan rolls
+both back (the cache has undone its memory). Nothing is lost: a request is rejected by
+``add_request`` (RequestRejectedError, before it holds anything) or ends "finished", "aborted"
+(``abort``) or "failed" (its plans, its forward or its sampling kept failing); preempted
+sequences come back by the scheduler's rules.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
 from .chat import chat_prompts
 from .request_state import OnToken, RequestState, SampleRecord, new_request, new_samples
-from .sampler import Sampler
+from .sampler import SampleState, Sampler, save_generators
 from .sampling import SamplingParams, per_prompt
 from .prompts import check_prompt_batch, check_request_params, encode_prompt
 from .self_check import self_check
@@ -127,6 +129,9 @@ class Engine(RequestLifecycle, EngineStatistics):
         self._prompt_tokens = 0
         self._computed_tokens = 0                    # tokens whose K/V steps computed
         self._strikes: Dict[int, int] = {}          # request_id -> failed steps in a row
+        self._stage = "planning"  # how far the running step got (lifecycle._step_failed)
+        self._draws: list = []   # the step's generators before it sampled (undone with the step)
+        self._saved = None       # what recording the step's tokens changes, before it did
         self.plan_failures = 0                       # failed plan executions, all time
 
     @staticmethod
@@ -196,22 +201,31 @@ class Engine(RequestLifecycle, EngineStatistics):
     def step(self) -> List[TokenEvent]:
         """Run one scheduler step as a transaction; returns the tokens it produced, in plan order.
 
-        If the step's memory plan fails (a driver call, an out-of-memory), the cache has undone
-        it and the scheduler and manager are rolled back: queues, tables and memory are exactly
-        as before the step, and the next ``step()`` schedules afresh. The failure is blamed on
-        the request its failed op was planned for (``lifecycle``); the ``max_plan_retries + 1``-th
-        failed step in a row blamed on one request ends that request "failed" (memory released,
-        ``RequestOutput.error`` set) and returns normally. Otherwise PlanExecutionError is raised
-        with every request intact."""
+        All or nothing: the step's tokens reach the scheduler and the outputs together, or, if
+        anything raises first (KeyboardInterrupt included), neither does and the next
+        ``step()`` computes the same tokens again (``lifecycle``). If the step's memory plan
+        fails (a driver call, an out-of-memory), the cache has undone it and the scheduler and
+        manager are rolled back: queues, tables and memory are exactly as before the step. A
+        failure is blamed on the request it belongs to (the failed op's, or the one whose
+        forward or sampling fails alone); the ``max_plan_retries + 1``-th failure in a row
+        blamed on one request ends that request "failed" (memory released,
+        ``RequestOutput.error`` set) and the step returns normally. Otherwise the exception
+        (PlanExecutionError for a plan) is raised with every request intact. ``on_token``
+        callbacks run after the step is recorded (``_notify``)."""
         start = time.perf_counter()
-        plan = self._schedule()
-        self._phase_s["schedule"] += time.perf_counter() - start
-        try:
+        self._stage, self._draws, self._saved = "planning", [], None   # see lifecycle
+        self.runner.ops_applied = False
+        plan = logits = drawing = None
+        try:   # one handler for the whole step: an exception may strike at any line
+            plan = self._schedule()
+            self._phase_s["schedule"] += time.perf_counter() - start
             logits, rows = self._execute(plan)
             sample_start = time.perf_counter()
-            sampled = self._sample(plan, logits, rows)
+            drawing = self._drawing(plan, rows)
+            sampled = self._sample(logits, drawing)
             self._phase_s["sample"] += time.perf_counter() - sample_start
-        except PlanExecutionError as error:
+            events = self._record_step(plan, sampled)
+        except PlanExecutionError as error:   # from the plan's memory ops: nothing is recorded
             if self._plan_failed(plan, error):
                 self._step_s += time.perf_counter() - start   # its phases were counted too
                 return []
@@ -219,42 +233,55 @@ class Engine(RequestLifecycle, EngineStatistics):
         except TensorParallelError:
             self.close()   # a rank died or hung: every rank's memory and process go now
             raise
-        except BaseException:
-            self._keep_applied_memory()
+        except BaseException as error:
+            if self._step_failed(plan, logits, drawing, error):
+                self._step_s += time.perf_counter() - start
+                return []
             raise
-        self._commit()
-        self._computed_tokens += plan.num_new_tokens
-        self._strikes.clear()
-        now = self._now()
-        finished = set(self.scheduler.update(sampled, now=now))
-        events = self._emit(sampled, finished, now)
-        self._steps += 1
-        self._kv_usage.append(self.kv.manager.kv_cache_usage())   # cached units count as free
         self._step_s += time.perf_counter() - start
         self._notify(events)
         return events
 
     def _execute(self, plan):
+        """Run the plan; prompt logits go to their collectors (a recomputed position keeps its
+        first value, so running a step again adds nothing)."""
         logits, rows = self.tp.execute(plan) if self.tp is not None else self.runner.execute(plan)
         for seq_id, (first, prompt_logits) in self.runner.prompt_logits.items():
-            state = self._prompt_logprobs[seq_id]
-            state.record_prompt_logits(first, prompt_logits)
-            if state.output.prompt_logprobs is not None:   # every prompt position is in
-                del self._prompt_logprobs[seq_id]
+            self._prompt_logprobs[seq_id].record_prompt_logits(first, prompt_logits)
         return logits, rows
 
-    def _sample(self, plan, logits, rows) -> Dict[int, int]:
-        if logits is None:
-            return {}
-        samples, order = [], []
+    def _drawing(self, plan, rows) -> Dict[int, SampleState]:
+        """{seq_id: its sampling state} of every sample this step draws, in plan order, each
+        pointed at its row of the logits."""
+        drawing = {}
         for row, i in enumerate(rows):
             s = plan.seqs[i]
             for seq_id in (s.seq_id,) + s.fork_ids:
-                sample = self._samples[seq_id].sampling
+                sample = drawing[seq_id] = self._samples[seq_id].sampling
                 sample.logits_row = row
-                samples.append(sample)
-                order.append(seq_id)
-        return dict(zip(order, self.sampler.sample(logits, samples)))
+        return drawing
+
+    def _sample(self, logits, drawing: Dict[int, SampleState]) -> Dict[int, int]:
+        if logits is None:
+            return {}
+        self._draws = save_generators(drawing.values())   # undone if the step is not recorded
+        return dict(zip(drawing, self.sampler.sample(logits, list(drawing.values()))))
+
+    def _record(self, plan, sampled: Dict[int, int]) -> List[TokenEvent]:
+        """What an executed step changes: the scheduler's sequences (``update``), the outputs
+        and the counters (run inside ``lifecycle``'s recording transaction)."""
+        now = self._now()
+        finished = set(self.scheduler.update(sampled, now=now))
+        for seq_id in self.runner.prompt_logits:   # every prompt position is in: stop keeping rows
+            state = self._prompt_logprobs.get(seq_id)
+            if state is not None and state.output.prompt_logprobs is not None:
+                del self._prompt_logprobs[seq_id]
+        events = self._emit(sampled, finished, now)
+        self._computed_tokens += plan.num_new_tokens
+        self._strikes.clear()
+        self._steps += 1
+        self._kv_usage.append(self.kv.manager.kv_cache_usage())   # cached units count as free
+        return events
 
     def _emit(self, sampled: Dict[int, int], finished: set, now: float) -> List[TokenEvent]:
         events = []
@@ -284,11 +311,21 @@ class Engine(RequestLifecycle, EngineStatistics):
         self._prompt_logprobs.pop(seq_id, None)
 
     def _notify(self, events: List[TokenEvent]) -> None:
-        """Callbacks run after the step's bookkeeping, so they may call ``abort``."""
+        """Callbacks run after the step is recorded, so they may call ``abort``. One that
+        raises an Exception stops no other: every event is delivered, then the first error is
+        raised (its token is in the output already). An interrupt (KeyboardInterrupt,
+        SystemExit) in a callback goes on at once: the later callbacks of the step are not
+        called, their tokens are in the outputs too."""
+        first_error = None
         for event in events:
             req = self._requests.get(event.request_id)
             if req is not None and req.on_token is not None:
-                req.on_token(event)
+                try:
+                    req.on_token(event)
+                except Exception as error:   # noqa: BLE001 -- raised after the others ran
+                    first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
     def _step_with_retries(self) -> List[TokenEvent]:
         """``step()``, retried while its plan fails, at most ``max_plan_retries`` times in a row."""

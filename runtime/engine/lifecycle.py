@@ -1,10 +1,21 @@
-"""Which request a failed step belongs to, so that one request's persistent fault ends that
-request instead of blocking the engine.
+"""The engine's failure contract: a step is recorded whole or not at all, and a request whose
+work keeps failing ends "failed" instead of blocking the engine.
 
-A step is a transaction over scheduler + manager + cache (``Engine.step``). When its plan fails,
-the cache names the op that failed (``PlanExecutionError.op_index``) and the op names the
-sequence it was planned for, ``op.owner``, set by the manager that emitted it
-(scheduler/managers/base.py); nothing is read back from the manager:
+A step is two transactions over scheduler + manager (``Engine.step``):
+
+    begin -> plan = schedule() -> execute (ops, model) -> sample -> commit     (the plan ran)
+    begin -> update + emit (tokens reach the scheduler AND the outputs)  -> commit (recorded)
+
+An exception anywhere before the second commit (KeyboardInterrupt, SystemExit and bookkeeping
+errors included) leaves no token recorded: the memory the plan applied is kept (tables and
+memory agree), everything else the step did is undone (scheduler, manager, outputs, texts,
+sample generators) and the next step computes the same tokens again. Past the second commit
+the step is recorded; only the ``on_token`` callbacks run after it.
+
+Whom a failed step is blamed on:
+- a memory plan failed: the cache names the op that failed (``PlanExecutionError.op_index``)
+  and the op names the sequence it was planned for, ``op.owner``, set by the manager that
+  emitted it (scheduler/managers/base.py); nothing is read back from the manager:
 
     SwapOut / SwapIn              -> op.seq_id (their owner)
     MapGroup / CopyGroup          -> the sequence on op.slot / op.dst_slot when planned (vmem)
@@ -14,20 +25,28 @@ sequence it was planned for, ``op.owner``, set by the manager that emitted it
     shrinking an unheld group,       bounded retries, then the error reaches the caller
     no op index
 
-After ``max_plan_retries + 1`` failed steps in a row blamed on one request, the engine ends it
-"failed" and goes on.
+  After ``max_plan_retries + 1`` failed steps in a row blamed on one request, the engine ends
+  it "failed" and goes on.
+- the model's forward or the sampler raised (an ``Exception``): the step's work is run again
+  one sequence at a time (its forward alone, or its row of the logits sampled alone). The
+  requests whose work fails alone, ``max_plan_retries + 1`` times in a row, end "failed"; the
+  others' tokens are computed again by the next step, exactly as if the failed request had
+  never been there. Unattributable (nothing fails alone, every request fails alone, or tensor
+  parallelism, whose ranks cannot run one sequence alone): the exception reaches the caller
+  with every request intact, as any exception does.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Optional, Set
+from typing import Dict, Iterable, List, Optional, Set
 
 from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.scheduler.plan import StepPlan
 from vmemkv.scheduler.request import SeqState
 
 from .errors import RequestEndedError, TensorParallelError, UnknownRequestError
-from .outputs import RequestError, RequestOutput
+from .outputs import RequestError, RequestOutput, TokenEvent
+from .sampler import restore_generators
 
 
 def culprit_seq_ids(ops: list, op_index: Optional[int]) -> Set[int]:
@@ -40,10 +59,35 @@ def culprit_seq_ids(ops: list, op_index: Optional[int]) -> Set[int]:
     return set() if owner is None else {owner}
 
 
+class RecordingSavepoint:
+    """What recording a step changes on the engine's side, as it was before: the records of
+    the samples that drew (outputs, texts, their requests' counts and status), which samples
+    and prompt-logprob collectors are live, and the step counters."""
+
+    def __init__(self, engine, seq_ids: Iterable[int]) -> None:
+        self.samples = {s: engine._samples[s] for s in seq_ids}
+        self.records = [(record, record.save()) for record in self.samples.values()]
+        self.prompt_logprobs = dict(engine._prompt_logprobs)
+        self.strikes = dict(engine._strikes)
+        self.counters = (engine._computed_tokens, engine._steps, len(engine._kv_usage))
+
+    def restore(self, engine) -> None:
+        for record, saved in self.records:
+            record.restore(saved)
+        engine._samples.update(self.samples)
+        for live, saved in ((engine._prompt_logprobs, self.prompt_logprobs),   # shared with the
+                            (engine._strikes, self.strikes)):                  # runner: in place
+            live.clear()
+            live.update(saved)
+        engine._computed_tokens, engine._steps, kv_usage = self.counters
+        del engine._kv_usage[kv_usage:]
+
+
 class RequestLifecycle:
     """The Engine's failure contract and early ends (a mixin over Engine's fields: scheduler,
-    cache, runner, config, _requests, _samples, _strikes): rolling a step back, blaming and
-    failing a request, ``abort`` and ``status``."""
+    cache, runner, config, _requests, _samples, _strikes; and the step's _stage, _draws and
+    _saved): recording or undoing a step, blaming and failing a request, ``abort`` and
+    ``status``."""
 
     def _begin(self) -> None:
         self.scheduler.begin()
@@ -57,17 +101,39 @@ class RequestLifecycle:
         self.kv.manager.rollback()
         self.scheduler.rollback()
 
+    def _close_open(self, keep: bool) -> None:
+        """Commit (``keep``) or roll back whatever part of the transaction is open: an
+        exception may have stopped ``_begin`` or ``_commit`` half-way."""
+        for part in (self.kv.manager, self.scheduler):
+            if part.in_transaction:
+                part.commit() if keep else part.rollback()
+
     def _schedule(self):
         """Open the step's transaction and plan it; a scheduler error rolls both back."""
-        self._begin()
         try:
+            self._begin()
             return self.scheduler.schedule()
         except BaseException:
-            self._rollback()
+            self._close_open(keep=False)
             raise
+
+    def _record_step(self, plan, sampled: Dict[int, int]) -> List[TokenEvent]:
+        """Commit the executed step, then record its tokens (``Engine._record``: scheduler
+        update, outputs, counters) in a transaction of its own. ``_stage`` tells
+        ``_step_failed`` how far it got: "planning" until the first commit is done (the plan's
+        memory is then kept), "recording" until the second (undone), then "recorded"."""
+        self._commit()                    # the plan ran: its memory is kept from here on
+        self._stage = "recording"
+        self._begin()
+        self._saved = RecordingSavepoint(self, sampled)
+        events = self._record(plan, sampled)
+        self._stage = "recorded"          # the commit point: from here the step is recorded
+        self._commit()
+        return events
 
     def _plan_failed(self, plan, error: PlanExecutionError) -> bool:
         """Roll the step back; True when the failure ended a request (the step then returns)."""
+        restore_generators(self._draws)
         culprits = culprit_seq_ids(plan.ops, error.op_index)
         self._rollback()
         self.plan_failures += 1
@@ -83,20 +149,88 @@ class RequestLifecycle:
             self._end_request(rid, SeqState.FAILED, error)
         return bool(doomed)
 
-    def _keep_applied_memory(self) -> None:
+    def _step_failed(self, plan, logits, drawing, error: BaseException) -> bool:
+        """Something raised (an interrupt included) in ``step``: finish or undo what the step
+        did, by ``_stage``. Before its tokens were recorded: undo its draws, keep its applied
+        memory (or roll it back) and forget its progress; while recording them: undo the
+        recording too; at the commit point: finish the commit. True when the failure was blamed
+        on requests that were then failed (the step returns); False: the caller re-raises."""
+        if self._stage == "recorded":
+            self._close_open(keep=True)
+            return False
+        restore_generators(self._draws)
+        if self._stage == "recording":
+            self._close_open(keep=False)
+            if self._saved is not None:
+                self._saved.restore(self)
+            self.scheduler.discard_step()
+            return False
+        kept = self._keep_applied_memory()
+        if plan is None or not kept or not isinstance(error, Exception) or self.tp is not None:
+            return False
+        if logits is None:   # the forward raised: run each sequence's part alone
+            units = {s.seq_id: s for s in plan.seqs}
+            probe = self._forward_alone
+        elif drawing is not None:   # the sampler raised: sample each row alone
+            units = drawing
+            probe = lambda sample: self._sample_alone(logits, sample)   # noqa: E731
+        else:
+            return False
+        return self._fail_culprits(units, probe)
+
+    def _fail_culprits(self, units: dict, probe) -> bool:
+        """``units``: {seq_id: its work}; ``probe(work)``: the exception it raises alone, or
+        None. Requests whose work fails alone ``max_plan_retries + 1`` times in a row end
+        "failed"; True if any did. Nobody is blamed when no request's work fails alone, or
+        every request's does (the fault is then the engine's, not a request's)."""
+        request_of = {seq_id: self._samples[seq_id].request.output.request_id for seq_id in units}
+        failing = {seq_id: error for seq_id, work in units.items()
+                   if (error := probe(work)) is not None}
+        culprits = {request_of[seq_id] for seq_id in failing}
+        if not culprits or culprits == set(request_of.values()):
+            return False
+        doomed: Dict[int, BaseException] = {}
+        for seq_id, error in failing.items():
+            retries = (probe(units[seq_id]) for _ in range(self.config.max_plan_retries))
+            if all(again is not None for again in retries):
+                doomed.setdefault(request_of[seq_id], error)
+        for rid in sorted(doomed):
+            self._end_request(rid, SeqState.FAILED, doomed[rid])
+        return bool(doomed)
+
+    def _forward_alone(self, seq) -> Optional[Exception]:
+        """Run one sequence's part of the failed step alone (its memory is in place)."""
+        try:
+            self._execute(StepPlan([seq], []))
+        except Exception as error:   # noqa: BLE001 -- the probe's answer
+            return error
+        return None
+
+    def _sample_alone(self, logits, sample) -> Optional[Exception]:
+        """Sample one row of the failed step's logits alone (generators as before the step)."""
+        try:
+            self.sampler.sample(logits, [sample])
+        except Exception as error:   # noqa: BLE001 -- the probe's answer
+            return error
+        finally:
+            restore_generators(self._draws)
+        return None
+
+    def _keep_applied_memory(self) -> bool:
         """The model or the sampler raised: if the plan's memory ops were applied, keep them
         (tables and memory agree) and drop the step's progress, so the next step computes the
-        same tokens again; if they were not (or were undone), roll the step back."""
+        same tokens again (True); if they were not (or were undone), roll the step back."""
         try:
             if self.runner.ops_applied:
                 self.kv.cache.wait_for_plan()
         except PlanExecutionError:
             self.runner.ops_applied = False
         if not self.runner.ops_applied:
-            self._rollback()
-            return
-        self._commit()
+            self._close_open(keep=False)
+            return False
+        self._close_open(keep=True)
         self.scheduler.discard_step()
+        return True
 
     # ---- ending requests early -----------------------------------------------------------
     def abort(self, request_id: int) -> RequestOutput:

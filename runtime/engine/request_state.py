@@ -70,6 +70,26 @@ class SampleRecord:
         delta = self.text.add(token, last) if self.text is not None else ""
         return delta, logprobs
 
+    def save(self) -> tuple:
+        """What ``record``, ``end`` and the engine's ending of this sample change (its output,
+        text and its request's count and status), for ``restore``: the step's recording is
+        undone when the step is not recorded. Outputs only grow: their lengths are kept."""
+        c, request = self.completion, self.request
+        return (len(c.token_ids), len(c.token_times_s),
+                None if c.logprobs is None else len(c.logprobs), c.finish_reason, c.text,
+                None if self.text is None else self.text.save(),
+                request.remaining, request.output.status)
+
+    def restore(self, saved: tuple) -> None:
+        c, request = self.completion, self.request
+        (tokens, times, logprobs, c.finish_reason, c.text, text,
+         request.remaining, request.output.status) = saved
+        del c.token_ids[tokens:], c.token_times_s[times:]
+        if logprobs is not None:
+            del c.logprobs[logprobs:]
+        if text is not None:
+            self.text.restore(text)
+
     def end(self, reason: str) -> None:
         """The sample ended ``reason``: its text is flushed (the final decode)."""
         completion = self.completion

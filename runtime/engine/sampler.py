@@ -46,6 +46,17 @@ class SampleState:
     logprobs: Optional[TokenLogprobs] = None
 
 
+def save_generators(samples: Sequence[SampleState]) -> List[Tuple[torch.Generator, torch.Tensor]]:
+    """Each drawing sample's generator with its state now; ``restore_generators`` undoes the
+    draws made since, so a step that is not recorded draws the same numbers when it runs again."""
+    return [(s.generator, s.generator.get_state()) for s in samples if s.generator is not None]
+
+
+def restore_generators(saved: Sequence[Tuple[torch.Generator, torch.Tensor]]) -> None:
+    for generator, state in saved:
+        generator.set_state(state)
+
+
 class Sampler:
     """Turns a step's logits ``[rows, vocab]`` into one token per SampleState."""
 

@@ -44,9 +44,11 @@ class Token:
 
 @dataclass(frozen=True)
 class Ended:
-    """The request ended: "finished", "aborted" or "failed" (``error`` says why, for the log)."""
+    """The request ended: "finished", "aborted" or "failed" (``error`` says why, for the log;
+    ``alone``: the engine failed this request by itself and went on with the others)."""
     status: str
     error: Optional[str] = None
+    alone: bool = False
 
 
 Sink = Callable[[object], None]   # receives Token and, last, Ended; called on the engine thread
@@ -190,18 +192,21 @@ class EngineThread:
         self._end(request_id, status, error)
 
     def _end_failed(self) -> None:
-        """Requests the engine ended "failed" (their plans kept failing) end here too."""
+        """Requests the engine ended "failed" by themselves end here too."""
         for request_id in list(self._live):
             out = self.engine.output(request_id)
             if out.status == "failed":
-                self._end(request_id, "failed", out.error.message if out.error else None)
+                error = f"{out.error.type}: {out.error.message}" if out.error else None
+                log.error("request %d failed alone (the others go on): %s", request_id, error)
+                self._end(request_id, "failed", error, alone=True)
 
-    def _end(self, request_id: int, status: str, error: Optional[str] = None) -> None:
+    def _end(self, request_id: int, status: str, error: Optional[str] = None,
+             alone: bool = False) -> None:
         live = self._live.pop(request_id)
         self.engine.output(request_id, pop=True)
         self.metrics.observe_request(live.arrival_s, live.token_times_s, live.prompt_tokens, status)
         self._ended_unqueued()
-        _deliver(live.sink, Ended(status, error))
+        _deliver(live.sink, Ended(status, error, alone))
 
     def _ended_unqueued(self) -> None:
         with self._lock:

@@ -46,3 +46,10 @@ class ServerOverloadedError(ApiError):
 def internal_error() -> ApiError:
     """What a client sees of an unexpected failure: no traceback, no internals."""
     return ApiError(500, "internal server error; the server log has the details")
+
+
+def request_failed() -> ApiError:
+    """A request the engine failed alone (its forward or sampling kept failing while the
+    others' did not): an internal error of that request only, the other requests went on."""
+    return ApiError(500, "internal error in this request only (the engine failed it and went on "
+                         "with the others); the server log has the details")

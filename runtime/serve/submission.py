@@ -20,7 +20,7 @@ from vmemkv.runtime.engine.logprobs import TokenLogprobs
 from vmemkv.runtime.engine.sampling import SamplingParams
 
 from .engine_thread import Ended, EngineThread, Token
-from .errors import ApiError, internal_error
+from .errors import ApiError, internal_error, request_failed
 
 
 @dataclass
@@ -98,7 +98,7 @@ class Submission:
         mine = self.choices[prompt * self.n:(prompt + 1) * self.n]
         if item.status != "finished" and not all(c.finished for c in mine):
             self.close()
-            raise internal_error()
+            raise request_failed() if item.alone else internal_error()
 
     def _add(self, prompt: int, event) -> Delta:
         choice = self.choices[prompt * self.n + event.index]

@@ -123,10 +123,11 @@ class ManagerCore(MemoryManager):
         self._seqs[seq_id] = seq
 
     def _drop_seq(self, seq_id: int) -> None:
-        seq = self._seqs.pop(seq_id)
+        seq = self._seqs[seq_id]
         j = self._cell.j
-        if j is not None:
+        if j is not None:   # logged first: an exception between the two leaves a true log
             j.undo.append((dict.__setitem__, self._seqs, seq_id, seq))
+        del self._seqs[seq_id]
 
     def _changing(self, seq_id: int) -> HeldSeq:
         """``_seq`` for a call about to change the record: saved first inside a transaction."""

@@ -13,7 +13,10 @@ logs the inverse of each change while the cell holds a journal:
     sequence records        saved at their first change (``Journal.record``/``record_tokens``)
 
 ``rollback`` replays the inverses newest first, which restores each container exactly
-(order included), then the unit pairs, the records and the saved fields. Outside a
+(order included), then the unit pairs, the records and the saved fields. Every log entry is
+written BEFORE its change and puts a value back (an item, a length, a front entry) rather
+than inverting an operation, so an exception between the log and the change (a
+KeyboardInterrupt anywhere) still leaves a journal whose replay is exact. Outside a
 transaction every logging path costs one ``cell.j is None`` test, and the append hot path
 none (``ManagerCore._hot_limit`` diverts it to a logged copy inside a transaction).
 What is copied rather than logged, each bounded by what the step touches or holds pending,
@@ -74,9 +77,26 @@ class Journal:
 
 def put_back(container, key, old) -> None:
     if old is MISSING:
-        del container[key]
+        container.pop(key, None)
     else:
         container[key] = old
+
+
+def cut_to(items: list, length: int) -> None:
+    """Put ``items`` back to its first ``length`` items (undoes appends, whether made or not)."""
+    list.__delitem__(items, slice(length, None))
+
+
+def put_last(items: list, length: int, value) -> None:
+    """Put ``items`` back to ``length`` items ending in ``value`` (undoes a pop, made or not)."""
+    list.__delitem__(items, slice(length - 1, None))
+    list.append(items, value)
+
+
+def put_front(queue: deque, entry) -> None:
+    """Put ``entry`` back at the front of ``queue`` unless it is still there (undoes popleft)."""
+    if not queue or queue[0] is not entry:
+        queue.appendleft(entry)
 
 
 def _refuse(name: str):
@@ -105,15 +125,14 @@ class JList(list):
     def append(self, value) -> None:
         j = self._cell.j
         if j is not None:
-            j.undo.append((list.pop, self))
+            j.undo.append((cut_to, self, len(self)))
         list.append(self, value)
 
     def pop(self):
-        value = list.pop(self)
         j = self._cell.j
         if j is not None:
-            j.undo.append((list.append, self, value))
-        return value
+            j.undo.append((put_last, self, len(self), list.__getitem__(self, -1)))
+        return list.pop(self)
 
     for _name in ("__delitem__", "__iadd__", "__imul__", "extend", "insert", "remove", "clear",
                   "sort", "reverse"):
@@ -139,10 +158,11 @@ class JDict(dict):
         dict.__setitem__(self, key, value)
 
     def __delitem__(self, key) -> None:
-        old = dict.pop(self, key)
+        old = dict.__getitem__(self, key)
         j = self._cell.j
         if j is not None:
             j.undo.append((dict.__setitem__, self, key, old))
+        dict.__delitem__(self, key)
 
     def pop(self, key, default=MISSING):
         if key not in self:
@@ -225,20 +245,22 @@ class OrderedUnits:
         if len(self._queue) > 2 * len(self._live) + 64:   # compact: a new deque, old kept for undo
             self._log(setattr, self, "_queue", self._queue)
             self._queue = deque(e for e in self._queue if self._live.get(e[1]) == e[0])
-        self._log(self._undo_add, key)
+        self._log(self._undo_add, key, self._serial, len(self._queue))
         self._serial += 1
         self._live[key] = self._serial
         self._queue.append((self._serial, key))
 
-    def _undo_add(self, key) -> None:
-        self._queue.pop()
-        del self._live[key]
-        self._serial -= 1
+    def _undo_add(self, key, serial: int, length: int) -> None:
+        while len(self._queue) > length:
+            self._queue.pop()
+        self._live.pop(key, None)
+        self._serial = serial
 
     def remove(self, key) -> None:
         """Take ``key`` out (KeyError when absent)."""
-        serial = self._live.pop(key)
+        serial = self._live[key]
         self._log(dict.__setitem__, self._live, key, serial)
+        del self._live[key]
 
     def first(self):
         """The oldest key (LookupError when empty)."""
@@ -250,15 +272,16 @@ class OrderedUnits:
     def pop_first(self):
         """Remove and return the oldest key (LookupError when empty)."""
         key = self.first()
-        entry = self._queue.popleft()
-        self._log(self._queue.appendleft, entry)
+        self._log(put_front, self._queue, self._queue[0])
+        self._queue.popleft()
         self.remove(key)
         return key
 
     def _skip_stale(self) -> None:
         queue, live = self._queue, self._live
         while queue and live.get(queue[0][1]) != queue[0][0]:
-            self._log(queue.appendleft, queue.popleft())
+            self._log(put_front, queue, queue[0])
+            queue.popleft()
 
     def __len__(self) -> int:
         return len(self._live)

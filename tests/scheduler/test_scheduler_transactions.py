@@ -67,6 +67,46 @@ def test_a_rolled_back_step_leaves_no_trace(policy, layout, preemption):
     assert runs[0] == runs[1]
 
 
+def outcome(sched) -> dict:
+    return {i: (s.state, tuple(s.output)) for i, s in sched.seqs.items()}
+
+
+@pytest.mark.parametrize("policy,layout", POLICIES)
+def test_a_rolled_back_update_leaves_no_trace_and_the_step_runs_again(policy, layout):
+    """``update`` (tokens appended, sequences finished and forked, prefixes published) inside a
+    transaction, rolled back, leaves scheduler and manager exactly as after ``schedule``; the
+    step is then scheduled again with the same work, and the run ends as one without it."""
+    ends = []
+    for roll_back in (False, True):
+        sched = make_scheduler(policy, layout, enable_prefix_sharing=True, max_running=6,
+                               max_tokens_per_step=24)
+        submit(sched, random.Random(7), 10)
+        rng = random.Random(8)
+        while sched.has_unfinished():
+            sched.begin()
+            plan = sched.schedule()
+            sched.commit()
+            sampled = {i: rng.randrange(3) for s in plan.seqs if s.sample
+                       for i in (s.seq_id,) + s.fork_ids}
+            if roll_back and plan.seqs:
+                before = scheduler_state(sched)
+                sched.begin()
+                sched.manager.begin()
+                sched.update(sampled)
+                sched.manager.rollback()
+                sched.rollback()
+                assert scheduler_state(sched) == before
+                sched.begin()
+                again = sched.schedule()
+                sched.commit()
+                assert again.seqs == plan.seqs
+            sched.update(sampled)
+            check_states(sched)
+        assert sched.manager.stats().live_tokens == 0
+        ends.append(outcome(sched))
+    assert ends[0] == ends[1]
+
+
 def test_transaction_api_contract():
     sched = make_scheduler("paged", "per-layer")
     with pytest.raises(SchedulerError, match="without begin"):

@@ -163,3 +163,53 @@ def test_a_bad_max_queue_is_refused_naming_it(max_queue):
         with pytest.raises(ServeConfigError, match=f"max_queue must be an int >= 1, got {max_queue!r}"):
             Server(engine, "tiny-llama", port=0, max_queue=max_queue)
         assert engine.has_unfinished() is False
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_a_request_whose_sampling_fails_is_its_own_500_and_a_live_stream_goes_on(monkeypatch, stream):
+    """Issue 27 item 1: the engine fails the request alone; its client gets a 500 naming it as
+    that request's internal error, a concurrent stream ends with exactly its solo tokens."""
+    from vmemkv.runtime.engine.sampler import Sampler
+    victim = {**OK, "temperature": 1.0, "seed": 666, "stream": stream}
+    other = {"prompt": [4, 5, 6, 7], "max_tokens": 8, "temperature": 0, "stream": True}
+    one = Sampler._one
+
+    def faulty(row, sample):
+        if sample.params.seed == 666:
+            raise RuntimeError("secret internals at 0xdeadbeef")
+        return one(row, sample)
+
+    gate = threading.Event()
+    with serving(VMEM) as (server, engine):
+        solo = httpx.post(server.url + "/v1/completions", json={**other, "stream": False})
+        want = solo.json()["choices"][0]["token_ids"]
+        monkeypatch.setattr(Sampler, "_one", staticmethod(faulty))
+        unfinished = engine.has_unfinished     # the engine thread idles until both are queued
+        monkeypatch.setattr(engine, "has_unfinished", lambda: gate.is_set() and unfinished())
+        got = {}
+        threads = [threading.Thread(target=lambda key=key, body=body: got.update(
+            {key: httpx.post(server.url + "/v1/completions", json=body, timeout=60)}))
+            for key, body in (("victim", victim), ("other", other))]
+        for thread in threads:
+            thread.start()
+        while len(engine.scheduler.waiting) < 2:
+            threads[0].join(0.01)
+        gate.set()
+        server.engine_thread.abort(-1)         # a no-op command: wakes the idle thread now
+        for thread in threads:
+            thread.join(60)
+        wait_until_idle(server)
+        assert_memory_at_baseline(engine)
+    if stream:
+        events = [line for line in got["victim"].text.splitlines() if line.startswith("data:")]
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][5:])["error"]
+    else:
+        assert got["victim"].status_code == 500
+        error = error_of(got["victim"])
+    assert error["type"] == "internal_server_error" and "this request only" in error["message"]
+    assert "secret" not in got["victim"].text
+    chunks = [json.loads(line[5:]) for line in got["other"].text.splitlines()
+              if line.startswith("data:") and line != "data: [DONE]"]
+    assert got["other"].text.rstrip().endswith("data: [DONE]")
+    assert [t for c in chunks for t in c["choices"][0].get("token_ids", [])] == want
