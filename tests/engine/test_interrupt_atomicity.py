@@ -106,6 +106,9 @@ def sweep(engine, batch, params, kind: str, stride: int = 1, first: int = 1) -> 
         k += stride
 
 
+# an interrupt injected into a generator's own close (a sampler genexpr the step abandons) can
+# only be reported as unraisable: that is the injection, not the engine
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_an_interrupt_at_every_call_of_a_run_drops_and_duplicates_nothing():
     """Every function call the engine, the scheduler and the manager make in a run (schedule,
     execute, sample, commit, update, emit, detokenize, ...) is interrupted once."""
