@@ -17,7 +17,9 @@
 #define HAVE_DPBF16 1     /* vdpbf16ps: 32 bf16 products, exact in fp32, summed into 16 lanes */
 #endif
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+/* K/V dtypes; the 8-bit ones are read unscaled here (the per-head scales are folded into the
+ * queries and the outputs by cpu_varlen.c) */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4, DT_I8 = 5 };
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -29,6 +31,8 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 typedef uint16_t vhu __attribute__((vector_size(VW * 2), aligned(2)));
+typedef uint8_t vbu __attribute__((vector_size(VW), aligned(1)));
+typedef int8_t vsbu __attribute__((vector_size(VW), aligned(1)));
 #define ALWAYS inline __attribute__((always_inline))
 
 static inline float half_to_float(uint16_t h) {
@@ -50,26 +54,49 @@ static ALWAYS vf splat(float x) { return (vf){0} + x; }
 static ALWAYS vf ldf(const float *p) { return *(const vfu *)p; }
 static ALWAYS void stf(float *p, vf x) { *(vfu *)p = x; }
 
-/* VW elements of a K or V row (dtype dt, a constant where it matters) at element offset off,
- * as fp32: bf16 is the top half of an fp32, fp16 goes through F16C where the CPU has it. */
-static ALWAYS vf ld_kv(const void *base, int64_t off, int dt) {
-    if (dt == DT_F32) return ldf((const float *)base + off);
-    const uint16_t *src = (const uint16_t *)base + off;
-    if (dt == DT_BF16) return (vf)(__builtin_convertvector(*(const vhu *)src, vi) << 16);
+/* bytes of one K/V element of dtype dt */
+static ALWAYS int64_t kv_bytes(int dt) { return dt == DT_F32 ? 4 : dt <= DT_F16 ? 2 : 1; }
+
+/* VW fp16 bit patterns as fp32 (F16C where the CPU has it) */
+static ALWAYS vf half_vec(vh h) {
 #if VW == 16 && defined(__AVX512F__)
-    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
+    return (vf)_mm512_cvtph_ps((__m256i)h);
 #elif VW == 8 && defined(__F16C__)
-    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+    return (vf)_mm256_cvtph_ps((__m128i)h);
 #else
     vf out;
-    for (int t = 0; t < VW; t++) out[t] = half_to_float(src[t]);
+    for (int t = 0; t < VW; t++) out[t] = half_to_float(h[t]);
     return out;
 #endif
+}
+
+/* e4m3fn bytes b as fp32, exactly: sign to bit 31, exponent and mantissa to bits 20..26, then
+ * * 2^120 rebias (an fp32 denormal for b's subnormals, made normal by the exact product);
+ * 0x7F / 0xFF (the only NaNs) to NaN */
+static ALWAYS vf e4m3_vec(vi b) {
+    const vf f = (vf)(((b & 0x7F) << 20) | ((b & 0x80) << 24)) * 0x1p120f;
+    return (vf)((vi)f | (((b & 0x7F) == 0x7F) & (vi)splat(__builtin_nanf(""))));
+}
+
+/* VW elements of a K or V row (dtype dt, a constant where it matters) at element offset off,
+ * as fp32: bf16 is the top half of an fp32, fp16 goes through F16C where the CPU has it, e5m2
+ * is the top byte of an fp16, e4m3 see e4m3_vec, int8 converts (all exact, unscaled). */
+static ALWAYS vf ld_kv(const void *base, int64_t off, int dt) {
+    if (dt == DT_F32) return ldf((const float *)base + off);
+    if (dt == DT_E4M3) return e4m3_vec(__builtin_convertvector(*(const vbu *)((const uint8_t *)base + off), vi));
+    if (dt == DT_E5M2) return half_vec(__builtin_convertvector(*(const vbu *)((const uint8_t *)base + off), vh) << 8);
+    if (dt == DT_I8) return __builtin_convertvector(*(const vsbu *)((const int8_t *)base + off), vf);
+    const uint16_t *src = (const uint16_t *)base + off;
+    if (dt == DT_BF16) return (vf)(__builtin_convertvector(*(const vhu *)src, vi) << 16);
+    return half_vec(*(const vhu *)src);
 }
 
 /* one element of a K or V row as fp32 (the tail of a head size that is no multiple of VW) */
 static ALWAYS float ld_one(const void *base, int64_t off, int dt) {
     if (dt == DT_F32) return ((const float *)base)[off];
+    if (dt == DT_I8) return (float)((const int8_t *)base)[off];
+    if (dt == DT_E4M3) { vi b = {0}; b[0] = ((const uint8_t *)base)[off]; return e4m3_vec(b)[0]; }
+    if (dt == DT_E5M2) return half_to_float((uint16_t)(((const uint8_t *)base)[off] << 8));
     const uint16_t h = ((const uint16_t *)base)[off];
     if (dt == DT_BF16) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
     return half_to_float(h);
