@@ -79,9 +79,12 @@ static int64_t row_kv_head(const args_t *a, const int64_t *item, int64_t r) {
     return item[3] + (r / (a->H / a->Hkv)) % item[4];
 }
 
+/* e4m3 loads are the values / 2^8 (cpu_varlen_math.h): the scales carry the 2^8 back */
+static float kv_unit(const args_t *a) { return a->dtype == DT_E4M3 ? E4M3_SCALE : 1.0f; }
+
 /* V's scale of row r's KV head (1 when unscaled) */
 static float row_vscale(const args_t *a, const int64_t *item, int64_t r) {
-    return a->vscale ? a->vscale[row_kv_head(a, item, r)] : 1.0f;
+    return a->vscale ? a->vscale[row_kv_head(a, item, r)] * kv_unit(a) : 1.0f;
 }
 
 static int64_t row_offset(const args_t *a, const int64_t *item, int64_t r) {
@@ -113,7 +116,7 @@ static void unit_start(const args_t *a, const int64_t *item, unit_t *u, ws_t *w)
         w->lo[r] = w->hi[r] = 0;
         if (r >= u->rows) continue;
         const float *src = a->q + row_offset(a, item, r);
-        const float qs = a->scale * (a->kscale ? a->kscale[row_kv_head(a, item, r)] : 1.0f);
+        const float qs = a->scale * (a->kscale ? a->kscale[row_kv_head(a, item, r)] * kv_unit(a) : 1.0f);
         for (int64_t x = 0; x < D; x++) w->qb[r * D + x] = src[x] * qs;
         if (a->dtype == DT_BF16 && a->q_bf16)   /* q came from bf16 too: exact */
             for (int64_t x = 0; x < D; x++) { uint32_t b; memcpy(&b, src + x, 4); w->qh[r * D + x] = (uint16_t)(b >> 16); }

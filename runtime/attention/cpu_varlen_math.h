@@ -70,18 +70,8 @@ static ALWAYS vf half_vec(vh h) {
 #endif
 }
 
-/* VW bytes at p widened to 32-bit lanes (zero- or sign-extended): one vpmov[zs]xbd where the
- * CPU has it (GCC scalarises a convertvector from 8-bit lanes: measured 4x slower) */
-static ALWAYS vi widen_u8(const uint8_t *p) {
-#if VW == 16 && defined(__AVX512F__)
-    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-#elif VW == 8 && defined(__AVX2__)
-    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-#else
-    return __builtin_convertvector(*(const vbu *)p, vi);
-#endif
-}
-
+/* VW signed bytes at p widened to 32-bit lanes: one vpmovsxbd where the CPU has it (GCC
+ * scalarises a convertvector from 8-bit lanes: measured 4x slower) */
 static ALWAYS vi widen_s8(const int8_t *p) {
 #if VW == 16 && defined(__AVX512F__)
     return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -92,20 +82,32 @@ static ALWAYS vi widen_s8(const int8_t *p) {
 #endif
 }
 
-/* e4m3fn bytes b as fp32, exactly: sign to bit 31, exponent and mantissa to bits 20..26, then
- * * 2^120 rebias (an fp32 denormal for b's subnormals, made normal by the exact product);
- * 0x7F / 0xFF (the only NaNs) to NaN */
-static ALWAYS vf e4m3_vec(vi b) {
-    const vf f = (vf)(((b & 0x7F) << 20) | ((b & 0x80) << 24)) * 0x1p120f;
-    return (vf)((vi)f | (((b & 0x7F) == 0x7F) & (vi)splat(__builtin_nanf(""))));
+/* VW e4m3fn bytes at p as fp32 times 2^-8 (E4M3_SCALE undoes it: cpu_varlen.c folds it into
+ * the scales), exactly: each byte sign-extended to 16 bits and shifted left 7 is an fp16 bit
+ * pattern once bit 14 is cleared (sign at 15, exponent and mantissa at 13..7: the fp16 value is
+ * the e4m3 value / 2^8, subnormals included), converted by F16C; 0x7F / 0xFF (the only NaNs)
+ * to NaN. Three integer operations on 16-bit lanes, then the hardware conversion. */
+#define E4M3_SCALE 256.0f
+static ALWAYS vf e4m3_vec(const int8_t *p) {
+#if VW == 16 && defined(__AVX512F__)
+    const vh s = (vh)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+#elif VW == 8 && defined(__AVX2__)
+    const vh s = (vh)_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+#else
+    typedef int16_t vs16 __attribute__((vector_size(VW * 2)));
+    const vh s = (vh)__builtin_convertvector(*(const vsbu *)p, vs16);
+#endif
+    vh h = (s << 7) & 0xBF80;
+    h |= (vh)((h & 0x3F80) == 0x3F80) & 0x7E00;
+    return half_vec(h);
 }
 
 /* VW elements of a K or V row (dtype dt, a constant where it matters) at element offset off,
  * as fp32: bf16 is the top half of an fp32, fp16 goes through F16C where the CPU has it, e5m2
- * is the top byte of an fp16, e4m3 see e4m3_vec, int8 converts (all exact, unscaled). */
+ * is the top byte of an fp16, e4m3 see e4m3_vec (times 2^-8), int8 converts (all exact). */
 static ALWAYS vf ld_kv(const void *base, int64_t off, int dt) {
     if (dt == DT_F32) return ldf((const float *)base + off);
-    if (dt == DT_E4M3) return e4m3_vec(widen_u8((const uint8_t *)base + off));
+    if (dt == DT_E4M3) return e4m3_vec((const int8_t *)base + off);
     if (dt == DT_E5M2) return half_vec(__builtin_convertvector(*(const vbu *)((const uint8_t *)base + off), vh) << 8);
     if (dt == DT_I8) return __builtin_convertvector(widen_s8((const int8_t *)base + off), vf);
     const uint16_t *src = (const uint16_t *)base + off;
@@ -117,7 +119,7 @@ static ALWAYS vf ld_kv(const void *base, int64_t off, int dt) {
 static ALWAYS float ld_one(const void *base, int64_t off, int dt) {
     if (dt == DT_F32) return ((const float *)base)[off];
     if (dt == DT_I8) return (float)((const int8_t *)base)[off];
-    if (dt == DT_E4M3) { vi b = {0}; b[0] = ((const uint8_t *)base)[off]; return e4m3_vec(b)[0]; }
+    if (dt == DT_E4M3) { int8_t b[VW] = {0}; b[0] = ((const int8_t *)base)[off]; return e4m3_vec(b)[0]; }
     if (dt == DT_E5M2) return half_to_float((uint16_t)(((const uint8_t *)base)[off] << 8));
     const uint16_t h = ((const uint16_t *)base)[off];
     if (dt == DT_BF16) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
