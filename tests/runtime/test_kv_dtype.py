@@ -124,3 +124,14 @@ def test_prefix_keys_name_the_encoding_and_its_scales():
     assert tags[repr({})] == "" and len(set(tags.values())) == len(tags)
     roots = {namespace_root("ns", tag) for tag in tags.values()}
     assert len(roots) == len(tags) and namespace_root("ns", "") == namespace_root("ns")
+
+
+def test_the_simulator_sizes_memory_and_the_kv_read_by_the_kv_cache_dtype():
+    from vmemkv.scheduler.errors import ConfigError
+    from vmemkv.scheduler.simulator import SimConfig
+    fp16, fp8 = SimConfig(), SimConfig(kv_cache_dtype="fp8_e4m3")
+    assert fp16.model_spec.bytes_per_token == 2 * fp8.model_spec.bytes_per_token == 131072
+    assert fp8.model_spec.params == fp16.model_spec.params      # the weights stay
+    assert fp8.make_cost().model.bytes_per_token == 65536
+    with pytest.raises(ConfigError, match="kv_cache_dtype"):
+        SimConfig(kv_cache_dtype="fp4")
