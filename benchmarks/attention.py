@@ -109,12 +109,11 @@ def cache_flusher(device, mib: int):
     return lambda: junk.sum()
 
 
-def run_configs(caches, names, phase, batch, ctx, qlen, q, args, device, limits,
-                kv: str = "auto") -> list[dict]:
-    """Check every output against the first (vmem, fastest backend), then time them all,
-    alternating: per cache its fastest backend, then each baseline. Rows in that order, each
-    with ``baseline`` saying which it is; ``kv``: the caches' kv_cache_dtype (GB/s counts the
-    bytes stored)."""
+def run_configs(caches, names, phase, batch, ctx, qlen, q, args, device, limits) -> list[dict]:
+    """Check every output against the first of its kv_cache_dtype (vmem, fastest backend), then
+    time them all, alternating: per cache its fastest backend, then each baseline (caches of
+    several kv_cache_dtypes alternate too, so a noisy neighbour hits them alike). Rows in that
+    order, each with ``baseline`` saying which it is; GB/s counts the bytes stored."""
     calls, tags, outs = [], [], []
     for cache, label in zip(caches, names):
         cache.begin_step([(seq, ctx - qlen, qlen) for seq in range(batch)])
@@ -124,19 +123,21 @@ def run_configs(caches, names, phase, batch, ctx, qlen, q, args, device, limits,
         for name in [fastest] + [b for b in args.baselines if b != fastest]:
             backend = backend_of(name)
             outs.append(backend.forward(q, view))   # first call: lazy imports, one-time warnings
-            tags.append((label, name, name != fastest))
+            tags.append((label, name, name != fastest, cache.config))
             calls.append(lambda b=backend, v=view: b.forward(q, v))
     tol = 1e-4 if q.dtype == torch.float32 else 2e-2
-    for out in outs[1:]:
-        torch.testing.assert_close(outs[0].float(), out.float(), atol=tol, rtol=tol)
+    first = {}
+    for out, tag in zip(outs, tags):
+        ref = first.setdefault(tag[3].kv_cache_dtype, out)
+        torch.testing.assert_close(ref.float(), out.float(), atol=tol, rtol=tol)
     samples = sample_times(calls, device, args.warmup, args.repeats,
                            cache_flusher(device, args.flush_mib))
-    kv_bytes = 2 * batch * ctx * args.kv_heads * args.head_dim * caches[0].config.element_bytes
     flops = 4 * batch * args.heads * args.head_dim * sum(ctx - qlen + p + 1 for p in range(qlen))
     limit = "read" if phase == "decode" else "matmul"
     rows = []
-    for (label, name, baseline), times in zip(tags, samples):
-        t = statistics.median(times)
+    for (label, name, baseline, config), times in zip(tags, samples):
+        kv, t = config.kv_cache_dtype, statistics.median(times)
+        kv_bytes = 2 * batch * ctx * args.kv_heads * args.head_dim * config.element_bytes
         share = kv_bytes / t / 1e9 / limits["read_gb_per_s"] if limit == "read" else \
             flops / t / 1e9 / limits["matmul_gflop_per_s"]
         rows.append({"cache": label, "dtype": str(q.dtype).replace("torch.", ""),
@@ -191,7 +192,10 @@ HEADER = ("cache           | phase   | backend   | batch |    ctx |     q |     
 
 
 def ratio_line(now: list[dict]) -> str:
-    """Each cache's time over vmem per-layer's, and each baseline's over its cache's fastest."""
+    """Each cache's time over vmem per-layer's, and each baseline's over its cache's fastest
+    (of the run's first kv_cache_dtype)."""
+    kv = now[0].get("kv_cache_dtype", "auto")
+    now = [r for r in now if r.get("kv_cache_dtype", "auto") == kv]
     fastest = {r["cache"]: r for r in now if not r["baseline"]}
     first = next(iter(fastest.values()))
     parts = [f"{c}/{first['cache']} {r['ms'] / first['ms']:.2f}x" for c, r in fastest.items()
@@ -228,8 +232,8 @@ def parse_args(argv=None):
                    help="q and K/V dtypes, each a pass over the grid (default: float32 on the "
                         "CPU, float16 on CUDA)")
     p.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES, default=["auto"],
-                   help="K/V storage of the caches, each timed in turn (auto: --dtype); rows of "
-                        "other ones are labelled 'kv NAME'; the ratios to auto are printed")
+                   help="K/V storage of the caches, all timed in turns (auto: --dtype); rows of "
+                        "other ones are labelled 'kv NAME'; the speed-ups between them are printed")
     p.add_argument("--baselines", nargs="*", help="more backends to time on the same views "
                    "(default on the CPU: sdpa, except with --quick; none on CUDA)")
     p.add_argument("--repeats", type=int)
@@ -263,7 +267,7 @@ def grid(args) -> list[tuple[int, int]]:
 
 def num_configs(args) -> int:
     """Progress units of a run: one per (batch, ctx, phase)."""
-    return len(grid(args)) * len(args.phases) * len(args.dtype) * len(args.kv_cache_dtype)
+    return len(grid(args)) * len(args.phases) * len(args.dtype)
 
 
 def measure(args, progress=None) -> dict:
@@ -292,15 +296,15 @@ def measure(args, progress=None) -> dict:
     print(yardstick.describe(limits))
     print(HEADER)
     rows, baselines = [], []
-    for dtype, (batch, ctx), kv in ((d, bc, kv) for d in dtypes for bc in grid(args)
-                                    for kv in args.kv_cache_dtype):
-        caches = build_caches(batch, ctx, args, device, dtype, gen, kv)
+    for dtype, (batch, ctx) in ((d, bc) for d in dtypes for bc in grid(args)):
+        caches = sum((build_caches(batch, ctx, args, device, dtype, gen, kv)
+                      for kv in args.kv_cache_dtype), ())
+        names = labels(args) * len(args.kv_cache_dtype)
         for phase in args.phases:
             qlen = 1 if phase == "decode" else min(ctx, args.prefill_len or ctx)
             q = torch.randn(batch * qlen, args.heads, args.head_dim, generator=gen,
                             device=device).to(dtype)
-            now = run_configs(caches, labels(args), phase, batch, ctx, qlen, q, args, device,
-                              limits, kv)
+            now = run_configs(caches, names, phase, batch, ctx, qlen, q, args, device, limits)
             for row in now:
                 (baselines if row["baseline"] else rows).append(row)
                 print(fmt(row), flush=True)
