@@ -52,3 +52,24 @@ def test_bad_kv_options_are_refused_before_anything_is_built():
         Engine(model(), kv_cache_dtype="fp4", **OPTIONS)
     with pytest.raises(CacheConfigError, match=r"kv_scales\.k must have shape \[2, 2\]"):
         Engine(model(), kv_cache_dtype="int8", kv_scales=([[1.0]], [[1.0]]), **OPTIONS)
+
+
+def test_a_vmemcache_in_fp8_generates_what_the_engine_in_fp8_does():
+    """transformers' generate over a VMemCache storing fp8_e4m3 (its attention reads decoded
+    copies) and the engine's cpu-varlen over the same encoding: same scales from the same first
+    prefill, so the same greedy tokens."""
+    import torch
+    from vmemkv.runtime.hf.cache import VMemCache
+    from .conftest import reference_model
+    prompt = prompts(1, 20, 20, seed=7)[0]
+    m = reference_model("tiny-llama")
+    with VMemCache.from_model_config(m.config, max_batch=1, max_context=256,
+                                     kv_cache_dtype="fp8_e4m3", page_bytes=4096) as cache:
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])
+            out = m.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=8,
+                             do_sample=False, eos_token_id=None)
+        assert cache.kv.cache.kv_scales.fixed == [True, True]
+    with Engine(model(), kv_cache_dtype="fp8_e4m3", **OPTIONS) as engine:
+        ours = tokens(engine.generate([prompt], SamplingParams(max_new_tokens=8, ignore_eos=True)))
+    assert ours == [out[0, len(prompt):].tolist()]
