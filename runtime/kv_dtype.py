@@ -160,7 +160,8 @@ class ScaleTable:
 
     def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """``k``, ``v`` [..., kv_heads, head_dim] quantized with ``layer``'s scales, fixing
-        them from this write when it is the layer's first."""
+        them from this write when it is the layer's first. A step rolled back after its writes
+        keeps them: they name the cache's encoding, which every later write shares."""
         if not self.fixed[layer]:
             self.k[layer] = first_write_scales(k, self.encoding)
             self.v[layer] = first_write_scales(v, self.encoding)

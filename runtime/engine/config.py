@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from vmemkv.runtime.kv import vmem_geometry
-from vmemkv.runtime.kv_dtype import KV_CACHE_DTYPES, KVScales
+from vmemkv.runtime.kv_dtype import KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES, KVScales
 from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device
 from vmemkv.scheduler.geometry import LAYOUTS  # noqa: F401 (re-exported)
 from vmemkv.scheduler.managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
@@ -66,7 +66,7 @@ class EngineConfig:
         self._one_of("preemption", PREEMPTION)
         self._one_of("prefix_eviction", EVICTION_POLICIES)
         self._one_of("kv_cache_dtype", KV_CACHE_DTYPES)
-        if self.kv_scales is not None and self.kv_cache_dtype not in ("fp8_e4m3", "fp8_e5m2", "int8"):
+        if self.kv_scales is not None and KV_CACHE_DTYPE_BYTES[self.kv_cache_dtype] != 1:
             raise EngineConfigError(f"EngineConfig.kv_scales apply to fp8_e4m3, fp8_e5m2 and int8 "
                                     f"only; kv_cache_dtype is {self.kv_cache_dtype!r}")
         for name, low in (("block_size", 1), ("max_batch", 1), ("max_context", 2),
