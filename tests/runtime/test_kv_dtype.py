@@ -135,3 +135,19 @@ def test_the_simulator_sizes_memory_and_the_kv_read_by_the_kv_cache_dtype():
     assert fp8.make_cost().model.bytes_per_token == 65536
     with pytest.raises(ConfigError, match="kv_cache_dtype"):
         SimConfig(kv_cache_dtype="fp4")
+
+
+def test_a_view_of_an_8bit_cache_without_its_scales_is_refused_by_name():
+    import dataclasses
+    from vmemkv.runtime.attention import get_backend
+    from vmemkv.runtime.attention.errors import AttentionShapeError
+    kv = make_kv(config(kv_cache_dtype="int8"), "paged")
+    kv.manager.allocate(0, 3)
+    kv.execute(kv.manager.take_ops())
+    kv.begin_step([(0, 0, 3)])
+    kv.write(0, torch.randn(3, 2, 8), torch.randn(3, 2, 8))
+    view, q = kv.layer_view(0), torch.randn(3, 4, 8)
+    assert get_backend("cpu-varlen").forward(q, view).shape == q.shape
+    for bad in (dict(k_scale=None), dict(v_scale=torch.ones(3)), dict(k_scale=torch.ones(2).double())):
+        with pytest.raises(AttentionShapeError, match="scale"):
+            get_backend("cpu-varlen").forward(q, dataclasses.replace(view, **bad))
