@@ -6,6 +6,8 @@
     python benchmarks/attention.py --out results/attention.json
     python benchmarks/attention.py --configs 8x2048 32x4096 --flush-mib 64 \
         --vmem-layout per-layer interleaved --dtype float32 bfloat16
+    python benchmarks/attention.py --configs 8x2048 32x4096 --phases decode \
+        --kv-cache-dtype auto bf16 fp8_e4m3        # K/V stored 4, 2, 1 bytes; fp32 queries
 
 One line per configuration: cache | phase | backend | batch | ctx | q | ms | GB/s | GFLOP/s |
 % limit | % copy | % FMA peak. Each row reports its share of the machine's limit for its phase, measured
@@ -48,6 +50,7 @@ from vmemkv.benchmarks.attention_goals import goals, print_goals, speedups, targ
 from vmemkv.benchmarks.common import environment, print_environment
 from vmemkv.scheduler.result_files import write_json
 from vmemkv.runtime.attention import fastest_backend, get_backend
+from vmemkv.runtime.kv_dtype import KV_CACHE_DTYPES
 
 # CPU: 8k contexts at batch 32 alone would take minutes on a small host; 4k is the top here.
 CPU_DEFAULTS = dict(batches=[1, 8, 32], contexts=[512, 2048, 4096], heads=32, kv_heads=8,
@@ -107,33 +110,38 @@ def cache_flusher(device, mib: int):
 
 
 def run_configs(caches, names, phase, batch, ctx, qlen, q, args, device, limits) -> list[dict]:
-    """Check every output against the first (vmem, fastest backend), then time them all,
-    alternating: per cache its fastest backend, then each baseline. Rows in that order, each
-    with ``baseline`` saying which it is."""
+    """Check every output against the first of its kv_cache_dtype (vmem, fastest backend), then
+    time them all, alternating: per cache its fastest backend, then each baseline (caches of
+    several kv_cache_dtypes alternate too, so a noisy neighbour hits them alike). Rows in that
+    order, each with ``baseline`` saying which it is; GB/s counts the bytes stored."""
     calls, tags, outs = [], [], []
     for cache, label in zip(caches, names):
         cache.begin_step([(seq, ctx - qlen, qlen) for seq in range(batch)])
         view = cache.layer_view(0)
-        fastest = fastest_backend(cache.kind, device.type, block_size=args.block_size, dtype=q.dtype)
+        fastest = fastest_backend(cache.kind, device.type, block_size=args.block_size, dtype=q.dtype,
+                                  kv_dtype=cache.config.storage_dtype)
         for name in [fastest] + [b for b in args.baselines if b != fastest]:
             backend = backend_of(name)
             outs.append(backend.forward(q, view))   # first call: lazy imports, one-time warnings
-            tags.append((label, name, name != fastest))
+            tags.append((label, name, name != fastest, cache.config))
             calls.append(lambda b=backend, v=view: b.forward(q, v))
     tol = 1e-4 if q.dtype == torch.float32 else 2e-2
-    for out in outs[1:]:
-        torch.testing.assert_close(outs[0].float(), out.float(), atol=tol, rtol=tol)
+    first = {}
+    for out, tag in zip(outs, tags):
+        ref = first.setdefault(tag[3].kv_cache_dtype, out)
+        torch.testing.assert_close(ref.float(), out.float(), atol=tol, rtol=tol)
     samples = sample_times(calls, device, args.warmup, args.repeats,
                            cache_flusher(device, args.flush_mib))
-    kv_bytes = 2 * batch * ctx * args.kv_heads * args.head_dim * q.element_size()
     flops = 4 * batch * args.heads * args.head_dim * sum(ctx - qlen + p + 1 for p in range(qlen))
     limit = "read" if phase == "decode" else "matmul"
     rows = []
-    for (label, name, baseline), times in zip(tags, samples):
-        t = statistics.median(times)
+    for (label, name, baseline, config), times in zip(tags, samples):
+        kv, t = config.kv_cache_dtype, statistics.median(times)
+        kv_bytes = 2 * batch * ctx * args.kv_heads * args.head_dim * config.element_bytes
         share = kv_bytes / t / 1e9 / limits["read_gb_per_s"] if limit == "read" else \
             flops / t / 1e9 / limits["matmul_gflop_per_s"]
         rows.append({"cache": label, "dtype": str(q.dtype).replace("torch.", ""),
+                     "kv_cache_dtype": kv,
                      "phase": phase, "backend": name, "batch": batch,
                      "ctx": ctx, "query_len": qlen, "ms": t * 1e3, "ms_min": min(times) * 1e3,
                      "ms_max": max(times) * 1e3, "kv_gb_per_s": kv_bytes / t / 1e9,
@@ -157,7 +165,8 @@ def backend_of(spec: str):
 
 def baseline_ratios(rows: list[dict], baselines: list[dict]) -> list[dict]:
     """Baseline ms / fastest ms per (cache, phase, batch, ctx, baseline): > 1, the fastest wins."""
-    key = lambda r: (r["cache"], r["phase"], r["batch"], r["ctx"], r["dtype"])  # noqa: E731
+    key = lambda r: (r["cache"], r["phase"], r["batch"], r["ctx"], r["dtype"],  # noqa: E731
+                     r.get("kv_cache_dtype", "auto"))
     fastest = {key(r): r for r in rows}
     out = []
     for b in baselines:
@@ -170,7 +179,9 @@ def baseline_ratios(rows: list[dict], baselines: list[dict]) -> list[dict]:
 
 
 def fmt(r) -> str:
-    return (f"{r['cache']:<16}| {r['phase']:<8}| {r['backend']:<10}| {r['batch']:>5} | {r['ctx']:>6} | "
+    kv = r.get("kv_cache_dtype", "auto")
+    cache = r["cache"] + ("" if kv == "auto" else f" kv {kv}")
+    return (f"{cache:<16}| {r['phase']:<8}| {r['backend']:<10}| {r['batch']:>5} | {r['ctx']:>6} | "
             f"{r['query_len']:>5} | {r['ms']:>9.3f} | {r['kv_gb_per_s']:>7.2f} | {r['gflop_per_s']:>7.1f} | "
             f"{r['pct_limit']:>5.1f}% {r['limit']:<6} | {r['pct_copy']:>6.1f}% | "
             + (f"{r['pct_fma_peak']:>5.1f}%" if r["pct_fma_peak"] is not None else ""))
@@ -181,7 +192,10 @@ HEADER = ("cache           | phase   | backend   | batch |    ctx |     q |     
 
 
 def ratio_line(now: list[dict]) -> str:
-    """Each cache's time over vmem per-layer's, and each baseline's over its cache's fastest."""
+    """Each cache's time over vmem per-layer's, and each baseline's over its cache's fastest
+    (of the run's first kv_cache_dtype)."""
+    kv = now[0].get("kv_cache_dtype", "auto")
+    now = [r for r in now if r.get("kv_cache_dtype", "auto") == kv]
     fastest = {r["cache"]: r for r in now if not r["baseline"]}
     first = next(iter(fastest.values()))
     parts = [f"{c}/{first['cache']} {r['ms'] / first['ms']:.2f}x" for c, r in fastest.items()
@@ -217,6 +231,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", nargs="+", choices=list(DTYPES),
                    help="q and K/V dtypes, each a pass over the grid (default: float32 on the "
                         "CPU, float16 on CUDA)")
+    p.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES, default=["auto"],
+                   help="K/V storage of the caches, all timed in turns (auto: --dtype); rows of "
+                        "other ones are labelled 'kv NAME'; the speed-ups between them are printed")
     p.add_argument("--baselines", nargs="*", help="more backends to time on the same views "
                    "(default on the CPU: sdpa, except with --quick; none on CUDA)")
     p.add_argument("--repeats", type=int)
@@ -280,12 +297,14 @@ def measure(args, progress=None) -> dict:
     print(HEADER)
     rows, baselines = [], []
     for dtype, (batch, ctx) in ((d, bc) for d in dtypes for bc in grid(args)):
-        caches = build_caches(batch, ctx, args, device, dtype, gen)
+        caches = sum((build_caches(batch, ctx, args, device, dtype, gen, kv)
+                      for kv in args.kv_cache_dtype), ())
+        names = labels(args) * len(args.kv_cache_dtype)
         for phase in args.phases:
             qlen = 1 if phase == "decode" else min(ctx, args.prefill_len or ctx)
             q = torch.randn(batch * qlen, args.heads, args.head_dim, generator=gen,
                             device=device).to(dtype)
-            now = run_configs(caches, labels(args), phase, batch, ctx, qlen, q, args, device, limits)
+            now = run_configs(caches, names, phase, batch, ctx, qlen, q, args, device, limits)
             for row in now:
                 (baselines if row["baseline"] else rows).append(row)
                 print(fmt(row), flush=True)
@@ -297,10 +316,30 @@ def measure(args, progress=None) -> dict:
     ratios, vs_baselines = speedups(rows), baseline_ratios(rows, baselines)
     target, met = target_check(ratios, device), goals(rows, vs_baselines)
     print_goals(target, met)
+    by_kv = kv_ratios(rows)
+    for r in by_kv:
+        print(f"# {r['cache']} {r['phase']} b{r['batch']} ctx{r['ctx']} {r['dtype']}: "
+              + ", ".join(f"kv {k} {v:.2f}x" for k, v in r["speedup_over"].items()))
     return {"benchmark": "attention", "environment": env, "yardsticks": limits,
             "copy_gb_per_s": limits["copy_gb_per_s"], "results": rows, "speedups": ratios,
             "target": target, "goals": met, "baselines": baselines,
-            "baseline_ratios": vs_baselines}
+            "baseline_ratios": vs_baselines, "kv_cache_dtype_speedups": by_kv}
+
+
+def kv_ratios(rows: list[dict]) -> list[dict]:
+    """Per (cache, phase, batch, ctx, q dtype) timed in several kv_cache_dtypes: each one's
+    speed-up over each other (``speedup_over["fp8_e4m3/auto"]``: auto's ms / fp8's)."""
+    groups: dict = {}
+    for r in rows:
+        key = (r["cache"], r["phase"], r["batch"], r["ctx"], r["dtype"])
+        groups.setdefault(key, {})[r.get("kv_cache_dtype", "auto")] = r["ms"]
+    out = []
+    for (cache, phase, batch, ctx, dtype), ms in groups.items():
+        if len(ms) > 1:
+            pairs = {f"{a}/{b}": ms[b] / ms[a] for a in ms for b in ms if a != b}
+            out.append({"cache": cache, "phase": phase, "batch": batch, "ctx": ctx,
+                        "dtype": dtype, "speedup_over": pairs})
+    return out
 
 
 def run(quick: bool = False, out: str | None = None, device: str | None = None,

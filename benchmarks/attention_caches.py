@@ -19,11 +19,14 @@ LABELS = {"per-layer": "vmem", "interleaved": "vmem interleaved"}   # a row's "c
 
 
 def cache_config(batch: int, ctx: int, args, device, dtype, layers: int = 1,
-                 layout: str = "per-layer") -> CacheConfig:
-    """``layers`` layers, ``batch`` slots; max_context is ctx rounded up to whole vmem pages."""
-    probe = CacheConfig(layers, args.kv_heads, args.head_dim, dtype, str(device), batch, ctx)
+                 layout: str = "per-layer", kv_cache_dtype: str = "auto") -> CacheConfig:
+    """``layers`` layers, ``batch`` slots; max_context is ctx rounded up to whole vmem pages;
+    K/V stored as ``kv_cache_dtype`` (8-bit: scales fixed by the fill's write)."""
+    probe = CacheConfig(layers, args.kv_heads, args.head_dim, dtype, str(device), batch, ctx,
+                        kv_cache_dtype=kv_cache_dtype)
     max_ctx = vmem_geometry(probe, layout).round_up_tokens(ctx)
-    return CacheConfig(layers, args.kv_heads, args.head_dim, dtype, str(device), batch, max_ctx)
+    return CacheConfig(layers, args.kv_heads, args.head_dim, dtype, str(device), batch, max_ctx,
+                       kv_cache_dtype=kv_cache_dtype)
 
 
 def fill(kv, batch: int, ctx: int, chunk: int, k: torch.Tensor, v: torch.Tensor):
@@ -46,18 +49,20 @@ def fill(kv, batch: int, ctx: int, chunk: int, k: torch.Tensor, v: torch.Tensor)
     return kv
 
 
-def build_caches(batch, ctx, args, device, dtype, gen) -> tuple:
+def build_caches(batch, ctx, args, device, dtype, gen, kv_cache_dtype: str = "auto") -> tuple:
     """One cache per vmem layout in ``args.vmem_layout`` (in that order), then the paged cache,
-    all holding the same random K/V for ``batch`` x ``ctx`` tokens."""
+    all holding the same random K/V for ``batch`` x ``ctx`` tokens, stored as
+    ``kv_cache_dtype``."""
     shape = (batch * ctx, args.kv_heads, args.head_dim)
     k = torch.randn(shape, generator=gen, dtype=dtype, device=device)
     v = torch.randn(shape, generator=gen, dtype=dtype, device=device)
     kvs = []
     for layout in args.vmem_layout:
         layers = args.layers if layout == "interleaved" else 1
-        config = cache_config(batch, ctx, args, device, dtype, layers, layout)
+        config = cache_config(batch, ctx, args, device, dtype, layers, layout, kv_cache_dtype)
         kvs.append(make_kv(config, "vmem", layout=layout))
-    kvs.append(make_kv(cache_config(batch, ctx, args, device, dtype), "paged",
+    kvs.append(make_kv(cache_config(batch, ctx, args, device, dtype,
+                                    kv_cache_dtype=kv_cache_dtype), "paged",
                        block_size=args.block_size))
     return tuple(fill(kv, batch, ctx, args.block_size, k, v) for kv in kvs)
 

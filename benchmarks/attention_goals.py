@@ -28,7 +28,9 @@ def speedups(rows: list[dict]) -> list[dict]:
 
 
 def _dtype(row: dict) -> str:
-    return row.get("dtype", "float32")
+    """q's dtype, and the K/V's where a row stores another (``kv_cache_dtype``)."""
+    kv = row.get("kv_cache_dtype", "auto")
+    return row.get("dtype", "float32") + ("" if kv == "auto" else f"/kv {kv}")
 
 
 def target_check(ratios: list[dict], device) -> dict:

@@ -33,6 +33,7 @@ import statistics
 import time
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.scheduler.presets import KV_CACHE_DTYPES
 
 KiB, MiB = 2**10, 2**20
 MODEL = "small-llama"
@@ -276,18 +277,22 @@ def long_prompts(device: str, repeats: int) -> dict:
             "rows": rows, "paged_over_vmem_itl": ratios}
 
 
-def run(quick: bool = False, out: str | None = None, threads: int = 1, device: str = "cpu") -> dict:
-    """Run every configuration, print the table, return (and optionally write) the results."""
+def run(quick: bool = False, out: str | None = None, threads: int = 1, device: str = "cpu",
+        kv_cache_dtype: str = "auto") -> dict:
+    """Run every configuration, print the table, return (and optionally write) the results;
+    ``kv_cache_dtype``: every engine system's K/V storage."""
     import torch
     torch.set_num_threads(threads)
     warmup, repeats = 1, (1 if quick else 3)
     work = workload(quick)
-    configs = configurations(quick, device)
+    configs = [(name, {**options, "kv_cache_dtype": kv_cache_dtype})
+               for name, options in configurations(quick, device)]
     work["kv_bytes"] = kv_budget_bytes(_model(device), work, configs)
     env = environment(SEED, warmup, repeats, device=device, model=MODEL, dtype=str(_dtype(device)),
                       requests=len(work["prompts"]),
                       prompt_tokens=sum(map(len, work["prompts"])), new_tokens=work["new_tokens"],
                       threads=torch.get_num_threads(), backends=_backends(device),
+                      kv_cache_dtype=kv_cache_dtype,
                       kv_MiB_every_system=work["kv_bytes"] / MiB)
     print_environment(env)
     rows = measure_systems(work, configs, device, repeats, limit=not quick)
@@ -326,8 +331,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="every engine system's K/V storage (default: the model's dtype)")
     args = parser.parse_args(argv)
-    run(quick=args.quick, out=args.out, threads=args.threads, device=args.device)
+    run(quick=args.quick, out=args.out, threads=args.threads, device=args.device,
+        kv_cache_dtype=args.kv_cache_dtype)
     return 0
 
 

@@ -132,29 +132,32 @@ def load_engine() -> tuple[Optional[Callable], Optional[str]]:
 
 
 def _call(section: str, quick: bool, device: str, progress: Progress,
-          tp_options: Optional[dict] = None) -> dict:
+          options: Optional[dict] = None) -> dict:
+    """Run ``section``; ``options``: keyword arguments per section name ("tp": tp.run's world,
+    tp_devices; "engine": engine.run's kv_cache_dtype)."""
+    mine = (options or {}).get(section, {})
     if section == "tp":
         from vmemkv.benchmarks import tp
-        return tp.run(quick=quick, out=None, device=device, **(tp_options or {}))
+        return tp.run(quick=quick, out=None, device=device, **mine)
     if section == "engine":
         run, why = load_engine()
         if run is None:
             print(f"# engine section skipped: {why}")
             return {"skipped": why}
-        return run(quick=quick, out=None, device=device)
+        return run(quick=quick, out=None, device=device, **mine)
     module = importlib.import_module(f"vmemkv.benchmarks.{section}")
     return module.run(quick=quick, out=None, device=device, progress=progress.tick)
 
 
 def run_section(section: str, quick: bool, device: str, progress: Progress, log,
-                tp_options: Optional[dict] = None) -> dict:
+                options: Optional[dict] = None) -> dict:
     """Run one section with its stdout captured (then shown above the bar and logged)."""
     import torch
     buffer, start = io.StringIO(), time.perf_counter()
     before, threads = progress.count, torch.get_num_threads()
     try:
         with contextlib.redirect_stdout(buffer):
-            payload = _call(section, quick, device, progress, tp_options)
+            payload = _call(section, quick, device, progress, options)
     except Exception as error:  # noqa: BLE001 -- a failed section must not lose the others
         buffer.write(traceback.format_exc())
         payload = {"error": f"{type(error).__name__}: {error}"}
@@ -172,8 +175,9 @@ def run_section(section: str, quick: bool, device: str, progress: Progress, log,
 
 def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[str] = None,
               sections=SECTIONS, plots: bool = True, progress: bool = True,
-              tp_options: Optional[dict] = None) -> dict:
-    """Run ``sections`` (``tp_options``: benchmarks/tp.run's world, tp_devices for the "tp" section); write ``out_dir``/bench.json, bench.log and PNGs; return the payload.
+              options: Optional[dict] = None) -> dict:
+    """Run ``sections`` (``options``: keyword arguments per section, see ``_call``); write
+    ``out_dir``/bench.json, bench.log and PNGs; return the payload.
     Ctrl-C (KeyboardInterrupt) stops it between or inside sections: bench.json and bench.log
     then hold the sections that finished (``payload["interrupted"]`` is true), no plots are
     drawn, and the interrupt goes on up with a note naming what was written."""
@@ -188,7 +192,7 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
     payload = {"benchmark": "vmemkv bench", "environment": env, "sections": list(sections),
                "interrupted": False}
     try:
-        _run_sections(payload, sections, quick, device, bar, out_dir, tp_options)
+        _run_sections(payload, sections, quick, device, bar, out_dir, options)
     except KeyboardInterrupt:
         payload["interrupted"] = True
     finally:
@@ -207,12 +211,12 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
 
 
 def _run_sections(payload: dict, sections, quick: bool, device: str, bar: Progress,
-                  out_dir: str, tp_options: Optional[dict] = None) -> None:
+                  out_dir: str, options: Optional[dict] = None) -> None:
     """Each section in turn, its output appended (and flushed) to bench.log as it finishes."""
     with streamed_open(os.path.join(out_dir, "bench.log")) as log:
         for section in sections:
             hold_point(f"bench:{section}")
-            payload[section] = run_section(section, quick, device, bar, log, tp_options)
+            payload[section] = run_section(section, quick, device, bar, log, options)
             log.flush()
 
 

@@ -1,6 +1,7 @@
 """CacheConfig: the shape of a KV cache, validated up front.
 
-    per token and layer: K and V each kv_heads * head_dim elements of dtype
+    per token and layer: K and V each kv_heads * head_dim elements of the storage dtype
+                         (``kv_cache_dtype``: the model's dtype, 16-bit, or 8-bit with scales)
     capacity:            max_batch requests of at most max_context tokens each (vmem slots)
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 from vmemkv.scheduler.presets import ModelSpec
 
 from .errors import CacheConfigError
+from .kv_dtype import KVEncoding, KVScales, kv_encoding
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
           "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -33,14 +35,17 @@ class CacheConfig:
     num_layers: int            # transformer blocks, each with its own K and V
     num_kv_heads: int          # KV heads (query heads are a multiple of this under GQA)
     head_dim: int              # elements per head
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32   # the model's: what is written, what attention returns
     device: str = "cpu"        # "cpu" or "cuda[:i]"; the vmem driver follows it
     max_batch: int = 8         # concurrent requests (vmem: slots, batch rows)
     max_context: int = 2048    # tokens per request, prompt and output together
     layer_windows: tuple = ()  # per layer: sliding window in tokens, or None (full); () = all full
+    kv_cache_dtype: str = "auto"   # what the cache stores (runtime/kv_dtype.py); auto: dtype
+    kv_scales: Optional[KVScales] = None   # 8-bit: given scales; None: fixed at first write
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        self._check_encoding()
         object.__setattr__(self, "layer_windows", self._checked_windows())
         limits = {"num_layers": 1024, "num_kv_heads": 1024, "head_dim": 1024,
                   "max_batch": 1 << 16, "max_context": 1 << 24}
@@ -57,6 +62,26 @@ class CacheConfig:
             raise CacheConfigError(f"CacheConfig.device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise CacheConfigError(f"CacheConfig.device is {self.device!r} but no CUDA GPU is visible")
+
+    def _check_encoding(self) -> None:
+        encoding = kv_encoding(self.kv_cache_dtype, self.dtype)   # names kv_cache_dtype
+        scales = self.kv_scales
+        if scales is not None:
+            if not encoding.scaled:
+                raise CacheConfigError(f"CacheConfig.kv_scales apply to fp8_e4m3, fp8_e5m2 and "
+                                       f"int8 only; kv_cache_dtype is {self.kv_cache_dtype!r}")
+            if not isinstance(scales, KVScales):
+                if not isinstance(scales, (tuple, list)) or len(scales) != 2:
+                    raise CacheConfigError(f"CacheConfig.kv_scales must be a KVScales or a (k, v) "
+                                           f"pair, got {type(scales).__name__}")
+                scales = KVScales.of(*scales)
+                object.__setattr__(self, "kv_scales", scales)
+            scales.check(self.num_layers, self.num_kv_heads)
+        if encoding.scaled and str(self.device).startswith("cuda"):
+            # PyTorch's FlashAttention reads no 8-bit K/V (docs/attention.md)
+            raise CacheConfigError(f"CacheConfig.kv_cache_dtype {self.kv_cache_dtype!r} runs on "
+                                   f"the CPU only (no CUDA attention reads 8-bit K/V); use auto, "
+                                   f"bf16 or fp16 on {self.device!r}")
 
     def _checked_windows(self) -> tuple:
         windows = self.layer_windows
@@ -82,8 +107,31 @@ class CacheConfig:
         return max(self.layer_windows)
 
     @property
+    def kv_encoding(self) -> KVEncoding:
+        """How K and V are stored (``runtime.kv_dtype``)."""
+        return kv_encoding(self.kv_cache_dtype, self.dtype)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype of the cache's tensors (and of its swap buffers)."""
+        return self.kv_encoding.storage
+
+    @property
     def element_bytes(self) -> int:
-        return torch.empty(0, dtype=self.dtype).element_size()
+        """Bytes of one stored K or V element (every capacity figure follows it)."""
+        return self.kv_encoding.element_bytes
+
+    @property
+    def prefix_tag(self) -> str:
+        """The encoding as the prefix cache keys it: "" for the model's own dtype, else the
+        name and the scales (given: their digest; else fixed at each layer's first write, once
+        per cache, so within one cache's prefix index they are one encoding)."""
+        enc = self.kv_encoding
+        if enc.storage == self.dtype:
+            return ""
+        if not enc.scaled:
+            return enc.name
+        return f"{enc.name}/{self.kv_scales.digest if self.kv_scales else 'first-write'}"
 
     @property
     def layer_bytes_per_token(self) -> int:
@@ -103,4 +151,4 @@ class CacheConfig:
         """The scheduler's view of this cache's shape (for building a memory manager)."""
         return ModelSpec(name, self.num_layers, self.num_kv_heads, self.head_dim,
                          self.element_bytes, weight_bytes=weight_bytes,
-                         layer_windows=self.layer_windows)
+                         layer_windows=self.layer_windows, kv_encoding=self.prefix_tag)

@@ -22,6 +22,7 @@ import sys
 
 from vmemkv.scheduler.cliargs import bounded, hold_point, parse_bytes, thread_count
 from vmemkv.scheduler.managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
+from vmemkv.scheduler.presets import KV_CACHE_DTYPES
 from vmemkv.scheduler.progress import Progress
 
 from .generate_io import GenerateUsageError, needs_labels, print_output, read_prompts
@@ -106,6 +107,11 @@ def _cache_flags(c) -> None:
                              "in (0, 1], like vLLM's gpu_memory_utilization, on CPU or GPU "
                              "(default: unset; --cache-bytes decides)")
     c.add_argument("--attention", default=None, help="backend name (default: the fastest here)")
+    c.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="how K/V are stored: auto (the model's dtype), bf16, fp16, or 8-bit "
+                        "fp8_e4m3 / fp8_e5m2 / int8 with per-head scales fixed at each layer's "
+                        "first prefill (8-bit: CPU only); fewer bytes per token, more tokens in "
+                        "the same --cache-bytes")
     c.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
                    help="what a preempted sequence loses (swap needs --swap-bytes)")
     c.add_argument("--swap-bytes", type=parse_bytes, default=0, metavar="SIZE",
@@ -218,6 +224,7 @@ def _engine(engine_class, model, tokenizer, args):
                         watermark=args.watermark, prefix_sharing=args.prefix_sharing,
                         background_mapper=args.background_mapper, seed=args.seed,
                         prefix_eviction=args.prefix_eviction,
+                        kv_cache_dtype=args.kv_cache_dtype,
                         tensor_parallel_size=args.tensor_parallel_size,
                         tp_devices=args.tp_devices)
 

@@ -17,7 +17,7 @@ from .cli_table import aggregate, format_table, parse_seeds
 from .cliargs import bounded, hold_point, parse_bytes
 from .errors import ConfigError
 from .managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
-from .presets import DEVICES, MODELS
+from .presets import DEVICES, KV_CACHE_DTYPES, MODELS
 from .progress import Progress
 from .report import parse_goodput
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
@@ -130,6 +130,9 @@ def _deployment_flags(m) -> None:
                    why="elsewhere --model names a built-in model or a checkpoint")
     m.add_argument("--device", action=_Renamed, new="--gpu",
                    why="elsewhere --device is cpu or cuda")
+    m.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="K/V storage: auto (the preset's dtype), bf16, fp16, fp8_e4m3, fp8_e5m2, "
+                        "int8; bytes per token (capacity, the KV read of each step) follow it")
     m.add_argument("--cache-gb", type=bounded(float, 0, MAX_GB, low_open=True), default=60.0,
                    help="KV cache size, GB (10^9 bytes); with the weights, at most the GPU's memory")
     m.add_argument("--policy", type=policy_name, default="paged",
@@ -196,7 +199,7 @@ def _config(args) -> SimConfig:
                      prefix_eviction=args.prefix_eviction,
                      prefill_mfu=args.prefill_mfu, map_latency_s=args.map_latency_us * 1e-6,
                      paged_slowdown=args.paged_slowdown, watermark_scope=args.watermark_scope,
-                     profile=args.profile)
+                     profile=args.profile, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def _simulate(entries, config: SimConfig, args):

@@ -4,7 +4,7 @@ Bytes per token counts K and V over all layers: 2 * layers * kv_heads * head_dim
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from .errors import ConfigError
@@ -22,6 +22,7 @@ class ModelSpec:
     weight_bytes: int        # bytes read per decode step for the weights
     num_params: int = 0      # parameters, for compute-bound prefill costing (0: derive from weights)
     layer_windows: tuple = ()  # per layer: sliding window in tokens or None (full); () = all full
+    kv_encoding: str = ""    # how K/V are stored when not in the model's dtype (prefix-cache key)
 
     def __post_init__(self) -> None:
         windows = self.layer_windows
@@ -87,6 +88,26 @@ class DeviceSpec:
     memory_bandwidth_bytes_per_s: float
     peak_flops_per_s: float   # dense fp16/bf16 tensor-core peak
     memory_bytes: int
+
+
+# kv_cache_dtype: bytes per stored K/V element (None: the model's own dtype_bytes); the codec
+# of each is runtime/kv_dtype.py
+KV_CACHE_DTYPE_BYTES: dict = {"auto": None, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1,
+                              "int8": 1}
+KV_CACHE_DTYPES = tuple(KV_CACHE_DTYPE_BYTES)
+
+
+def with_kv_cache_dtype(model: ModelSpec, kv_cache_dtype: str) -> ModelSpec:
+    """``model`` whose cache stores ``kv_cache_dtype`` (bytes per token follow it; the weights,
+    and so the parameter count, stay); ConfigError for an unknown name."""
+    if kv_cache_dtype not in KV_CACHE_DTYPE_BYTES:
+        raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                          f"{kv_cache_dtype!r}")
+    size = KV_CACHE_DTYPE_BYTES[kv_cache_dtype]
+    if size is None or size == model.dtype_bytes:
+        return model
+    return replace(model, dtype_bytes=size, num_params=model.params,
+                   kv_encoding=kv_cache_dtype)
 
 
 MODELS: dict[str, ModelSpec] = {

@@ -19,7 +19,7 @@ from .managers.base import MemoryManager
 from .managers.eviction import DEFAULT_EVICTION, make_eviction
 from .geometry import LAYOUTS
 from .policies import check_policy, is_custom, load_policy_class
-from .presets import ModelSpec, get_device, get_model
+from .presets import ModelSpec, get_device, get_model, with_kv_cache_dtype
 from .profile_cost import ProfileCost, load_profile, profile_cost, profile_model
 from .report import RequestTiming, serving_report
 from .request import Request
@@ -59,6 +59,8 @@ class SimConfig:
     watermark_scope: str = "growing"
     profile: Optional[str] = None         # a device profile (vmemkv calibrate) in place of the
                                           # roofline; its model replaces ``model``
+    kv_cache_dtype: str = "auto"          # K/V storage: bytes per token (memory and the roofline's
+                                          # KV read) follow it; auto: the model's dtype_bytes
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
@@ -71,14 +73,20 @@ class SimConfig:
             raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if not self.cache_bytes > 0:
             raise ConfigError(f"cache_bytes must be > 0, got {self.cache_bytes!r}")
-        get_model(self.model)
+        with_kv_cache_dtype(get_model(self.model), self.kv_cache_dtype)   # names an unknown one
+        if self.profile is not None and self.kv_cache_dtype != "auto":
+            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} with a profile: the "
+                              f"profile's step costs were measured in its model's dtype; "
+                              f"calibrate with that cache instead")
         get_device(self.device)
         make_eviction(self.prefix_eviction)
 
     @property
     def model_spec(self) -> ModelSpec:
         """The model memory is sized for: the profile's when there is one, else ``model``'s."""
-        return profile_model(load_profile(self.profile)) if self.profile else get_model(self.model)
+        if self.profile:
+            return profile_model(load_profile(self.profile))
+        return with_kv_cache_dtype(get_model(self.model), self.kv_cache_dtype)
 
     def make_manager(self) -> MemoryManager:
         from .managers import make_manager
@@ -103,8 +111,7 @@ class SimConfig:
         the manager's (vmem: pages per group)."""
         if self.profile:
             return profile_cost(load_profile(self.profile), self.map_latency_s, pages_per_map_op)
-        model = get_model(self.model)
-        return CostModel(model, get_device(self.device), prefill_mfu=self.prefill_mfu,
+        return CostModel(self.model_spec, get_device(self.device), prefill_mfu=self.prefill_mfu,
                          map_latency_s=self.map_latency_s, pages_per_map_op=pages_per_map_op,
                          kv_slowdown=self.paged_slowdown if self.policy == "paged" else 1.0)
 

@@ -15,6 +15,7 @@ import sys
 from vmemkv.cli import UsageError
 from vmemkv.runtime.generate_cli import check_tp_devices, tp_device_list
 from vmemkv.scheduler.cliargs import bounded, thread_count
+from vmemkv.scheduler.presets import KV_CACHE_DTYPES
 
 SECTIONS = ("alloc", "attention", "memory", "engine")
 
@@ -53,6 +54,9 @@ def register(subparsers) -> None:
                              "short): multi-turn chats with this policy against retention off "
                              "on vmem and paged; prints the speed-up, writes DIR/prefix.json "
                              "(default: not run)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="the engine section's K/V storage (auto: the model's dtype; 8-bit: "
+                             "CPU only), every engine system alike; transformers keeps its own")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     from vmemkv.benchmarks import serve   # ``vmemkv bench serve``: load an HTTP server
@@ -100,7 +104,10 @@ def run(args: argparse.Namespace) -> int:
     payload = suite.run_suite(quick=args.quick or args.smoke, out_dir=args.out, device=args.device,
                               sections=sections, plots=not args.no_plots,
                               progress=not args.no_progress,
-                              tp_options=dict(world=args.tp or 2, tp_devices=args.tp_devices))
+                              options={"tp": dict(world=args.tp or 2, tp_devices=args.tp_devices),
+                                       # only when asked: engine.run may be a stand-in
+                                       "engine": {} if args.kv_cache_dtype == "auto" else
+                                       dict(kv_cache_dtype=args.kv_cache_dtype)})
     size = (" --smoke (toy sizes: the figures mean nothing)" if args.smoke
             else " --quick" if args.quick else "")
     print(f"\n# vmemkv bench{size}: {payload['environment']['device']}, "

@@ -39,6 +39,8 @@ from .checks import check_cache_pair, check_query
 from .errors import AttentionShapeError, UnsupportedError
 
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+# every K/V storage dtype a cache may hold (runtime/kv_dtype.py): 8-bit ones come with scales
+ALL_KV_DTYPES = SUPPORTED_DTYPES | {torch.float8_e4m3fn, torch.float8_e5m2, torch.int8}
 
 
 class BatchLens(NamedTuple):
@@ -139,6 +141,13 @@ class _StepData:
         """Per request, the first key position this layer reads (see ``window_starts``)."""
         return window_starts(self.lens, self.window)
 
+    def decode(self, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """K and V slices ``[..., kv_heads, head_dim]`` of this view's cache as values: fp32
+        ``stored * scale`` for an 8-bit cache, unchanged otherwise."""
+        if self.k_scale is None:
+            return k, v
+        return k.float() * self.k_scale.unsqueeze(-1), v.float() * self.v_scale.unsqueeze(-1)
+
     @cached_property
     def _own_meta(self) -> StepMeta:
         return self.meta if self.meta is not None else StepMeta(self.lens)
@@ -152,6 +161,7 @@ class _StepData:
         distinct shape is checked once per step."""
         _check_layer_features(self.window, self.softcap)
         k = self._cache_tensor()
+        _check_scales(k, self.k_scale, self.v_scale)
         key = ("validated", tuple(q.shape), q.dtype, q.device, tuple(k.shape), k.stride(), k.dtype)
         self.memo(key, lambda: self._validate(q) or True)
 
@@ -167,6 +177,8 @@ class VMemLayerView(_StepData):
     meta: the step's :class:`StepMeta` (the cache passes one); absent, read from the tensors.
     window, softcap: how this layer attends (sliding window in tokens; logit soft-cap), None
         for plain causal attention over every cached token.
+    k_scale, v_scale: an 8-bit cache's per-KV-head fp32 scales (the values are stored * scale,
+        ``runtime.kv_dtype``); None for a cache in a 16/32-bit dtype.
     """
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -176,6 +188,8 @@ class VMemLayerView(_StepData):
     meta: Optional[StepMeta] = field(default=None, compare=False)
     window: Optional[int] = None      # sliding window in tokens (None: full attention)
     softcap: Optional[float] = None   # attention logit soft-cap: scores -> cap * tanh(scores / cap)
+    k_scale: Optional[torch.Tensor] = field(default=None, compare=False)   # 8-bit K/V: fp32
+    v_scale: Optional[torch.Tensor] = field(default=None, compare=False)   # [kv_heads] each
     kind: ClassVar[str] = "vmem"
 
     @cached_property
@@ -218,7 +232,8 @@ class PagedLayerView(_StepData):
     block_tables: int32 ``[batch, max_blocks_per_seq]``; only the first
         ``ceil(context_len / block_size)`` entries of a row are meaningful (the rest: anything;
         on a windowed layer the entries before ``kv_start // block_size`` too).
-    context_lens, query_lens, meta, window, softcap: as in :class:`VMemLayerView`.
+    context_lens, query_lens, meta, window, softcap, k_scale, v_scale: as in
+        :class:`VMemLayerView`.
     """
     k_pool: torch.Tensor
     v_pool: torch.Tensor
@@ -228,6 +243,8 @@ class PagedLayerView(_StepData):
     meta: Optional[StepMeta] = field(default=None, compare=False)
     window: Optional[int] = None
     softcap: Optional[float] = None
+    k_scale: Optional[torch.Tensor] = field(default=None, compare=False)
+    v_scale: Optional[torch.Tensor] = field(default=None, compare=False)
     kind: ClassVar[str] = "paged"
 
     def _cache_tensor(self) -> torch.Tensor:
@@ -279,6 +296,21 @@ def _check_layer_features(window, softcap) -> None:
         raise AttentionShapeError(f"a layer's logit softcap must be > 0 or None, got {softcap!r}")
 
 
+def _check_scales(k: torch.Tensor, k_scale, v_scale) -> None:
+    """An 8-bit cache comes with fp32 scales of one entry per KV head; no other does."""
+    scaled = k.dtype not in SUPPORTED_DTYPES
+    if not scaled:
+        if k_scale is not None or v_scale is not None:
+            raise AttentionShapeError(f"k_scale / v_scale are for 8-bit caches; this one is {k.dtype}")
+        return
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None or s.dtype != torch.float32 or tuple(s.shape) != (k.shape[2],) \
+                or s.device != k.device or not s.is_contiguous():
+            raise AttentionShapeError(
+                f"a {k.dtype} cache needs {name} fp32 [{k.shape[2]}] (one per KV head) on "
+                f"{k.device}; got {None if s is None else (s.dtype, tuple(s.shape), s.device)}")
+
+
 @dataclass(frozen=True)
 class Availability:
     """Whether a backend can run in this process, and if not, why."""
@@ -304,6 +336,7 @@ class AttentionBackend(ABC):
     forward_s: float = 0.0   # host seconds spent in forward() by this instance (engine stats);
                              # on CUDA that is launch time, kernels run asynchronously
     layer_features: ClassVar[frozenset[str]] = frozenset()   # of "window", "softcap"
+    kv_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset()   # K/V dtypes read besides q's
 
     @classmethod
     def available(cls) -> Availability:
@@ -337,9 +370,12 @@ class AttentionBackend(ABC):
         self.forward_s += time.perf_counter() - start
         return out
 
-    def check_runs(self, kind: str, device: str, dtype: torch.dtype, what: str = "q") -> None:
+    def check_runs(self, kind: str, device: str, dtype: torch.dtype, what: str = "q",
+                   kv_dtype: Optional[torch.dtype] = None) -> None:
         """Raise :class:`UnsupportedError` unless this backend reads a ``kind`` cache on
-        ``device`` (a device type) in ``dtype``; ``what`` names whose dtype it is."""
+        ``device`` (a device type) in ``dtype``; ``what`` names whose dtype it is; ``kv_dtype``:
+        the cache's storage dtype when it differs from ``dtype`` (``kv_cache_dtype``)."""
+        self._check_kv_dtype(dtype, kv_dtype, what)
         if not self.supports(kind, device):
             raise UnsupportedError(
                 f"attention backend {self.name!r} runs cache kinds {sorted(self.kinds)} on "
@@ -348,8 +384,15 @@ class AttentionBackend(ABC):
             raise UnsupportedError(f"attention backend {self.name!r} takes dtypes "
                                    f"{sorted(str(d) for d in self.dtypes)}; {what} is {dtype}")
 
+    def _check_kv_dtype(self, dtype, kv_dtype, what: str) -> None:
+        if kv_dtype is not None and kv_dtype != dtype and kv_dtype not in self.kv_dtypes:
+            raise UnsupportedError(
+                f"attention backend {self.name!r} reads K/V only in {what}'s dtype ({dtype}), "
+                f"the cache holds {kv_dtype} (kv_cache_dtype); backends that read it: "
+                f"cpu-varlen, sdpa and reference on the CPU")
+
     def _check_supported(self, q: torch.Tensor, view: LayerView) -> None:
-        self.check_runs(view.kind, q.device.type, q.dtype)
+        self.check_runs(view.kind, q.device.type, q.dtype, kv_dtype=view._cache_tensor().dtype)
         needs = {"window"} if view.window is not None else set()
         needs |= {"softcap"} if view.softcap is not None else set()
         if needs - self.layer_features:

@@ -27,7 +27,12 @@
  *
  * Memory safety: only keys [item lo, last row's position] of request i are loaded, item lo >=
  * kv_start_i, so nothing past the live tokens (possibly unmapped) and nothing before kv_start
- * (possibly stale, even NaN) is read. Accumulation is fp32 (K/V may be fp32, bf16, fp16).
+ * (possibly stale, even NaN) is read. Accumulation is fp32 (K/V may be fp32, bf16, fp16, or
+ * 8-bit: fp8 e4m3 / e5m2, int8, converted exactly in registers).
+ *
+ * 8-bit K/V carry fp32 scales per KV head (value = stored * scale): K's is folded into the
+ * query rows of its head (q * scale_k . k = q . (scale_k k)) and V's into their outputs
+ * (sum p (scale_v v) = scale_v sum p v), so the inner loops convert bytes and never multiply.
  */
 #include <stdlib.h>
 
@@ -40,7 +45,8 @@
 #define ITEM_COLS 6       /* (request, p0, np, h0, nh, splits) */
 
 typedef struct {
-    const float *q; float *out; const void *k, *v; int dtype;
+    const float *q; float *out; const void *k, *v; int dtype, q_bf16;   /* q_bf16: q came from bf16 */
+    const float *kscale, *vscale;           /* [Hkv] each, or NULL (unscaled K/V) */
     const int64_t *ks, *vs;                 /* element strides [blk, tok, head] of k and v */
     const int64_t *slots, *tables; int64_t width, bs;
     const int64_t *ctx, *qlen, *qstart, *kvstart;
@@ -69,6 +75,18 @@ typedef struct {
 
 /* Row r of an item, r = (p * nh + hh) * G + g: query head (h0 + hh) * G + g at position
  * first_pos + p; its offset (in floats) in q and in out. */
+static int64_t row_kv_head(const args_t *a, const int64_t *item, int64_t r) {
+    return item[3] + (r / (a->H / a->Hkv)) % item[4];
+}
+
+/* e4m3 loads are the values / 2^8 (cpu_varlen_math.h): the scales carry the 2^8 back */
+static float kv_unit(const args_t *a) { return a->dtype == DT_E4M3 ? E4M3_SCALE : 1.0f; }
+
+/* V's scale of row r's KV head (1 when unscaled) */
+static float row_vscale(const args_t *a, const int64_t *item, int64_t r) {
+    return a->vscale ? a->vscale[row_kv_head(a, item, r)] * kv_unit(a) : 1.0f;
+}
+
 static int64_t row_offset(const args_t *a, const int64_t *item, int64_t r) {
     const int64_t G = a->H / a->Hkv, nh = item[4], p = r / (nh * G);
     const int64_t head = (item[3] + (r / G) % nh) * G + r % G;
@@ -98,8 +116,9 @@ static void unit_start(const args_t *a, const int64_t *item, unit_t *u, ws_t *w)
         w->lo[r] = w->hi[r] = 0;
         if (r >= u->rows) continue;
         const float *src = a->q + row_offset(a, item, r);
-        for (int64_t x = 0; x < D; x++) w->qb[r * D + x] = src[x] * a->scale;
-        if (a->dtype == DT_BF16)   /* q came from bf16 (it shares the cache's dtype): exact */
+        const float qs = a->scale * (a->kscale ? a->kscale[row_kv_head(a, item, r)] * kv_unit(a) : 1.0f);
+        for (int64_t x = 0; x < D; x++) w->qb[r * D + x] = src[x] * qs;
+        if (a->dtype == DT_BF16 && a->q_bf16)   /* q came from bf16 too: exact */
             for (int64_t x = 0; x < D; x++) { uint32_t b; memcpy(&b, src + x, 4); w->qh[r * D + x] = (uint16_t)(b >> 16); }
         memset(w->acc + r * D, 0, (size_t)D * sizeof(float));
         const int64_t pos = first + r / (u->nh * u->G), lo = a->window ? pos - a->window + 1 : 0;
@@ -130,7 +149,7 @@ static void attend_unit(const args_t *a, const int64_t *item, int64_t s, ws_t *w
     }
     for (int64_t r = 0; r < rows; r++) {
         float *dst = a->out + row_offset(a, item, r);
-        const float inv = 1.0f / w->l[r];
+        const float inv = row_vscale(a, item, r) / w->l[r];
         for (int64_t x = 0; x < D; x++) dst[x] = w->acc[r * D + x] * inv;
     }
 }
@@ -150,7 +169,7 @@ static void merge_splits(const args_t *a, const int64_t *item, const float *part
             sum += wt * p[rows + r];
             for (int64_t x = 0; x < D; x++) dst[x] += wt * acc[x];
         }
-        const float inv = 1.0f / sum;
+        const float inv = row_vscale(a, item, r) / sum;
         for (int64_t x = 0; x < D; x++) dst[x] *= inv;
     }
 }
@@ -219,16 +238,17 @@ static int run_units(const args_t *a, const int64_t *items, int64_t n_items, con
  * softcap * tanh(score / softcap) when softcap > 0; window > 0: a query at p sees keys
  * (p - window, p] only. items: int64 [n_items, 6] = (request, p0, np, h0, nh, splits),
  * np * nh * G <= 64, splits >= 1 (the item's key range is walked as that many units, merged
- * at the end). Returns 0, or -1 when scratch memory could not be allocated (nothing is then
- * promised of out). */
+ * at the end). dtype: of K and V (DT_*); q_bf16: q holds bf16 values (the bf16 dot products
+ * may then run on the bf16 queries); kscale, vscale: fp32 [Hkv] for 8-bit K/V, else NULL.
+ * Returns 0, or -1 when scratch memory could not be allocated (nothing is then promised of out). */
 int vk_attention(const float *q, float *out, const void *k, const void *v, int dtype,
-                 const int64_t *k_strides, const int64_t *v_strides,
+                 int q_bf16, const float *kscale, const float *vscale, const int64_t *k_strides, const int64_t *v_strides,
                  const int64_t *slots, const int64_t *tables, int64_t width, int64_t block_size,
                  const int64_t *ctx, const int64_t *qlen, const int64_t *qstart,
                  const int64_t *kvstart, const int64_t *items, int64_t n_items,
                  int64_t H, int64_t Hkv, int64_t D, float scale, int64_t window, float softcap,
                  int nthreads) {
-    args_t a = {q, out, k, v, dtype, k_strides, v_strides, slots, tables, width, block_size,
+    args_t a = {q, out, k, v, dtype, q_bf16, kscale, vscale, k_strides, v_strides, slots, tables, width, block_size,
                 ctx, qlen, qstart, kvstart, H, Hkv, D, scale, window, softcap};
     int64_t units = 0;
     for (int64_t w = 0; w < n_items; w++) units += items[w * ITEM_COLS + 5];

@@ -32,11 +32,12 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import native
-from .base import AttentionBackend, Availability, PagedLayerView, VMemLayerView
+from .base import ALL_KV_DTYPES, AttentionBackend, Availability, PagedLayerView, VMemLayerView
 from .errors import UnsupportedError
 from .kv import attend_one, paged_kv, vmem_kv
 
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3,
+               torch.float8_e5m2: 4, torch.int8: 5}   # cpu_varlen_math.h's DT_*
 MAX_ROWS = 64              # query rows per work item in the kernel (positions x grouped heads)
 SDPA_ABOVE_TOKENS = None   # every request in the kernel (prefill measured faster than SDPA)
 SPLIT_MIN_KEYS = 256       # fewest keys in one split of a request's key range (4 tiles)
@@ -58,6 +59,7 @@ class CpuVarlenBackend(AttentionBackend):
     kinds = frozenset({"vmem", "paged"})
     supports_kv_starts = True
     layer_features = frozenset({"window", "softcap"})   # both in the kernel
+    kv_dtypes = ALL_KV_DTYPES   # K/V of any dtype read in place; 8-bit with the view's scales
 
     def __init__(self, sdpa_above_tokens: Optional[int] = SDPA_ABOVE_TOKENS,
                  work_units: Optional[int] = None, split_min_keys: int = SPLIT_MIN_KEYS) -> None:
@@ -92,7 +94,7 @@ class CpuVarlenBackend(AttentionBackend):
                                             self.sdpa_above_tokens, split))
         out = torch.empty(q.shape, dtype=torch.float32)
         if meta.items.shape[0]:
-            _call(q.float().contiguous(), out, k, v, meta, scale, view)
+            _call(q.float().contiguous(), q.dtype == torch.bfloat16, out, k, v, meta, scale, view)
         if not meta.sdpa_requests:
             return out if q.dtype == torch.float32 else out.to(q.dtype)
         out = out.to(q.dtype)
@@ -210,13 +212,15 @@ def _strides(stride: tuple) -> tuple:
     return t, _ptr(t)
 
 
-def _call(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: _Meta,
-          scale: float, view) -> None:
-    """One kernel call; q fp32 contiguous [T, H, D], out fp32 [T, H, D] (written in place);
-    the layer's window and soft-cap from ``view`` (0: none)."""
+def _call(q: torch.Tensor, q_bf16: bool, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          meta: _Meta, scale: float, view) -> None:
+    """One kernel call; q fp32 contiguous [T, H, D] (``q_bf16``: its values are bf16's), out
+    fp32 [T, H, D] (written in place); the layer's window, soft-cap (0: none) and 8-bit K/V's
+    scales (fp32 [Hkv], checked by the view) from ``view``."""
     _, _, kv_heads, head_dim = k.shape
     rc = native.kernel()(
-        _ptr(q), _ptr(out), _ptr(k), _ptr(v), DTYPE_CODES[k.dtype], _strides(k.stride())[1],
+        _ptr(q), _ptr(out), _ptr(k), _ptr(v), DTYPE_CODES[k.dtype], int(q_bf16),
+        _ptr(view.k_scale), _ptr(view.v_scale), _strides(k.stride())[1],
         _strides(v.stride())[1], *meta.args, q.shape[1], kv_heads, head_dim, scale,
         view.window or 0, view.softcap or 0.0, torch.get_num_threads())
     if rc:

@@ -10,14 +10,16 @@
 #include <float.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__x86_64__) && (defined(__F16C__) || defined(__AVX512F__))
+#if defined(__x86_64__) && (defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__))
 #include <immintrin.h>
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define HAVE_DPBF16 1     /* vdpbf16ps: 32 bf16 products, exact in fp32, summed into 16 lanes */
 #endif
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+/* K/V dtypes; the 8-bit ones are read unscaled here (the per-head scales are folded into the
+ * queries and the outputs by cpu_varlen.c) */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4, DT_I8 = 5 };
 
 #if defined(__AVX512F__)
 #define VW 16
@@ -29,6 +31,8 @@ typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
 typedef uint16_t vh __attribute__((vector_size(VW * 2)));
 typedef uint16_t vhu __attribute__((vector_size(VW * 2), aligned(2)));
+typedef uint8_t vbu __attribute__((vector_size(VW), aligned(1)));
+typedef int8_t vsbu __attribute__((vector_size(VW), aligned(1)));
 #define ALWAYS inline __attribute__((always_inline))
 
 static inline float half_to_float(uint16_t h) {
@@ -50,26 +54,73 @@ static ALWAYS vf splat(float x) { return (vf){0} + x; }
 static ALWAYS vf ldf(const float *p) { return *(const vfu *)p; }
 static ALWAYS void stf(float *p, vf x) { *(vfu *)p = x; }
 
-/* VW elements of a K or V row (dtype dt, a constant where it matters) at element offset off,
- * as fp32: bf16 is the top half of an fp32, fp16 goes through F16C where the CPU has it. */
-static ALWAYS vf ld_kv(const void *base, int64_t off, int dt) {
-    if (dt == DT_F32) return ldf((const float *)base + off);
-    const uint16_t *src = (const uint16_t *)base + off;
-    if (dt == DT_BF16) return (vf)(__builtin_convertvector(*(const vhu *)src, vi) << 16);
+/* bytes of one K/V element of dtype dt */
+static ALWAYS int64_t kv_bytes(int dt) { return dt == DT_F32 ? 4 : dt <= DT_F16 ? 2 : 1; }
+
+/* VW fp16 bit patterns as fp32 (F16C where the CPU has it) */
+static ALWAYS vf half_vec(vh h) {
 #if VW == 16 && defined(__AVX512F__)
-    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)src));
+    return (vf)_mm512_cvtph_ps((__m256i)h);
 #elif VW == 8 && defined(__F16C__)
-    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)src));
+    return (vf)_mm256_cvtph_ps((__m128i)h);
 #else
     vf out;
-    for (int t = 0; t < VW; t++) out[t] = half_to_float(src[t]);
+    for (int t = 0; t < VW; t++) out[t] = half_to_float(h[t]);
     return out;
 #endif
+}
+
+/* VW signed bytes at p widened to 32-bit lanes: one vpmovsxbd where the CPU has it (GCC
+ * scalarises a convertvector from 8-bit lanes: measured 3.3x slower) */
+static ALWAYS vi widen_s8(const int8_t *p) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif VW == 8 && defined(__AVX2__)
+    return (vi)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    return __builtin_convertvector(*(const vsbu *)p, vi);
+#endif
+}
+
+/* VW e4m3fn bytes at p as fp32 times 2^-8 (E4M3_SCALE undoes it: cpu_varlen.c folds it into
+ * the scales), exactly: each byte sign-extended to 16 bits and shifted left 7 is an fp16 bit
+ * pattern once bit 14 is cleared (sign at 15, exponent and mantissa at 13..7: the fp16 value is
+ * the e4m3 value / 2^8, subnormals included), converted by F16C; 0x7F / 0xFF (the only NaNs)
+ * to NaN. Three integer operations on 16-bit lanes, then the hardware conversion. */
+#define E4M3_SCALE 256.0f
+static ALWAYS vf e4m3_vec(const int8_t *p) {
+#if VW == 16 && defined(__AVX512F__)
+    const vh s = (vh)_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+#elif VW == 8 && defined(__AVX2__)
+    const vh s = (vh)_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+#else
+    typedef int16_t vs16 __attribute__((vector_size(VW * 2)));
+    const vh s = (vh)__builtin_convertvector(*(const vsbu *)p, vs16);
+#endif
+    vh h = (s << 7) & 0xBF80;
+    h |= (vh)((h & 0x3F80) == 0x3F80) & 0x7E00;
+    return half_vec(h);
+}
+
+/* VW elements of a K or V row (dtype dt, a constant where it matters) at element offset off,
+ * as fp32: bf16 is the top half of an fp32, fp16 goes through F16C where the CPU has it, e5m2
+ * is the top byte of an fp16, e4m3 see e4m3_vec (times 2^-8), int8 converts (all exact). */
+static ALWAYS vf ld_kv(const void *base, int64_t off, int dt) {
+    if (dt == DT_F32) return ldf((const float *)base + off);
+    if (dt == DT_E4M3) return e4m3_vec((const int8_t *)base + off);
+    if (dt == DT_E5M2) return half_vec(__builtin_convertvector(*(const vbu *)((const uint8_t *)base + off), vh) << 8);
+    if (dt == DT_I8) return __builtin_convertvector(widen_s8((const int8_t *)base + off), vf);
+    const uint16_t *src = (const uint16_t *)base + off;
+    if (dt == DT_BF16) return (vf)(__builtin_convertvector(*(const vhu *)src, vi) << 16);
+    return half_vec(*(const vhu *)src);
 }
 
 /* one element of a K or V row as fp32 (the tail of a head size that is no multiple of VW) */
 static ALWAYS float ld_one(const void *base, int64_t off, int dt) {
     if (dt == DT_F32) return ((const float *)base)[off];
+    if (dt == DT_I8) return (float)((const int8_t *)base)[off];
+    if (dt == DT_E4M3) { int8_t b[VW] = {0}; b[0] = ((const int8_t *)base)[off]; return e4m3_vec(b)[0]; }
+    if (dt == DT_E5M2) return half_to_float((uint16_t)(((const uint8_t *)base)[off] << 8));
     const uint16_t h = ((const uint16_t *)base)[off];
     if (dt == DT_BF16) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
     return half_to_float(h);

@@ -39,8 +39,8 @@ static void tile_offsets(const args_t *a, const int64_t *st, int64_t i, int64_t 
 /* Prefetch head hh's D elements of the K row at element offset off (< 0: none). */
 static ALWAYS void prefetch_head(const void *base, int64_t off, int64_t D, int dt) {
     if (off < 0) return;
-    const int64_t bytes = D * (dt == DT_F32 ? 4 : 2);
-    const char *row = (const char *)base + off * (dt == DT_F32 ? 4 : 2);
+    const int64_t bytes = D * kv_bytes(dt);
+    const char *row = (const char *)base + off * kv_bytes(dt);
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
 }
 
@@ -112,7 +112,7 @@ static ALWAYS void key_partials_bf16(const args_t *a, const unit_t *u, const int
         }
     }
 }
-#define BF16_DOTS(D, dt) ((dt) == DT_BF16 && (D) % 32 == 0)
+#define BF16_DOTS(D, dt) ((dt) == DT_BF16 && (D) % 32 == 0 && a->q_bf16)
 #else
 #define BF16_DOTS(D, dt) 0
 #endif
@@ -290,12 +290,15 @@ static ALWAYS void walk_keys_d(const args_t *a, const unit_t *u, ws_t *w, const 
     switch (a->dtype) {                                                             \
     case DT_F32: walk_keys_d(a, u, w, D, DT_F32); return;                           \
     case DT_BF16: walk_keys_d(a, u, w, D, DT_BF16); return;                         \
+    case DT_E4M3: walk_keys_d(a, u, w, D, DT_E4M3); return;                         \
+    case DT_E5M2: walk_keys_d(a, u, w, D, DT_E5M2); return;                         \
+    case DT_I8: walk_keys_d(a, u, w, D, DT_I8); return;                             \
     default: walk_keys_d(a, u, w, D, DT_F16); return;                               \
     }
 
 /* walk_keys_d compiled for the usual head sizes with D a constant (the dot products and
  * value blocks unroll, the K row stays in registers) and once for any other D; each for the
- * three K/V dtypes. */
+ * six K/V dtypes. */
 static void walk_keys(const args_t *a, const unit_t *u, ws_t *w) {
     switch (a->D) {
     case 32: WALK_DTYPES(32)

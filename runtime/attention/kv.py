@@ -22,9 +22,9 @@ SDPA_HAS_GQA = _TORCH_VERSION >= (2, 5)
 
 def vmem_kv(view: VMemLayerView, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Request i's readable keys and values as zero-copy views ``[ctx - kv_start, kv_heads,
-    head_dim]``."""
+    head_dim]`` (an 8-bit cache: fp32 copies, dequantized)."""
     slot, ctx, start = view.host_slots[i], view.lens.context_lens[i], view.kv_starts[i]
-    return view.k_cache[slot, start:ctx], view.v_cache[slot, start:ctx]
+    return view.decode(view.k_cache[slot, start:ctx], view.v_cache[slot, start:ctx])
 
 
 def paged_kv(view: PagedLayerView, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,7 +41,7 @@ def paged_kv(view: PagedLayerView, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     lo, hi = view.kv_starts[i] - first * bs, ctx - first * bs
     k = view.k_pool.index_select(0, ids).view(-1, hkv, d)[lo:hi]   # (ctx - kv_start, Hkv, D)
     v = view.v_pool.index_select(0, ids).view(-1, hkv, d)[lo:hi]
-    return k, v
+    return view.decode(k, v)
 
 
 def request_rows(view) -> Iterator[tuple[int, int, int]]:
@@ -74,9 +74,12 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     (CPU, or a sliding window that hides some keys), or ``causal_lower_right``
     (``causal_bias=True``, CUDA) which keeps the flash / mem-efficient kernels eligible.
     A logit ``softcap`` has no SDPA kernel: those layers take :func:`softcapped_attention`.
+    K/V in another dtype than q (``kv_cache_dtype``) are cast to q's first.
     """
     t, h, d = q.shape
     s, hkv, _ = k.shape
+    if k.dtype != q.dtype:            # K/V stored in another dtype (kv_cache_dtype)
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if window is not None and s <= window:
         window = None                 # every query's window covers all of its keys
     if softcap is not None:

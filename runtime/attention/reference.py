@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from .base import AttentionBackend, PagedLayerView, VMemLayerView
+from .base import ALL_KV_DTYPES, AttentionBackend, PagedLayerView, VMemLayerView
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -41,13 +41,14 @@ class ReferenceBackend(AttentionBackend):
     kinds = frozenset({"vmem", "paged"})
     supports_kv_starts = True   # keys kv_start .. ctx - 1 only: the earlier ones are never read
     layer_features = frozenset({"window", "softcap"})
+    kv_dtypes = ALL_KV_DTYPES    # 8-bit K/V dequantized to fp32 (view.decode), as all are
 
     def _forward_vmem(self, q, view: VMemLayerView, scale):
         out = torch.empty_like(q)
         for i, slot in enumerate(view.host_slots):
             ctx, n, start = view.lens.context_lens[i], view.lens.query_lens[i], view.lens.q_starts[i]
             lo = view.kv_starts[i]
-            k, v = view.k_cache[slot, lo:ctx], view.v_cache[slot, lo:ctx]
+            k, v = view.decode(view.k_cache[slot, lo:ctx], view.v_cache[slot, lo:ctx])
             out[start:start + n] = dense_attention(q[start:start + n], k, v, scale,
                                                    view.window, view.softcap)
         return out
@@ -59,7 +60,7 @@ class ReferenceBackend(AttentionBackend):
             ctx, n, start = view.lens.context_lens[i], view.lens.query_lens[i], view.lens.q_starts[i]
             pos = torch.arange(view.kv_starts[i], ctx, device=q.device)
             blocks = view.block_tables[i].to(torch.long)[pos // bs]     # one entry per token
-            k, v = view.k_pool[blocks, pos % bs], view.v_pool[blocks, pos % bs]
+            k, v = view.decode(view.k_pool[blocks, pos % bs], view.v_pool[blocks, pos % bs])
             out[start:start + n] = dense_attention(q[start:start + n], k, v, scale,
                                                    view.window, view.softcap)
         return out

@@ -67,10 +67,11 @@ _PREFERENCE = {
 
 
 def fastest_backend(kind: str, device: str, block_size: Optional[int] = None,
-                    dtype=None) -> str:
+                    dtype=None, kv_dtype=None) -> str:
     """Name of the fastest available backend for a ``kind`` cache ("vmem" or "paged") on ``device`` ("cpu" or "cuda")
     that takes ``dtype`` (a torch dtype; None: any). FlashAttention-2 has no fp32 kernel, so
-    an fp32 model on CUDA gets ``sdpa``."""
+    an fp32 model on CUDA gets ``sdpa``; ``kv_dtype``: the cache's storage dtype when it is
+    not ``dtype`` (kv_cache_dtype), which the backend must read (``AttentionBackend.kv_dtypes``)."""
     device = device.split(":")[0]
     if (kind, device) not in _PREFERENCE:
         raise UnsupportedError(f"no attention backend for cache kind {kind!r} on device {device!r}; "
@@ -79,6 +80,8 @@ def fastest_backend(kind: str, device: str, block_size: Optional[int] = None,
         if name == "flash-attn" and kind == "paged" and block_size is not None and block_size % 256:
             continue
         if dtype is not None and dtype not in backend_class(name).dtypes:
+            continue
+        if kv_dtype not in (None, dtype) and kv_dtype not in backend_class(name).kv_dtypes:
             continue
         if availability(name):
             return name

@@ -11,7 +11,7 @@ over ``k_cache[:, :max_ctx]`` would read other slots and unmapped memory. Measur
 """
 from __future__ import annotations
 
-from .base import AttentionBackend
+from .base import ALL_KV_DTYPES, AttentionBackend
 from .kv import per_request
 
 
@@ -22,6 +22,7 @@ class SdpaBackend(AttentionBackend):
     kinds = frozenset({"vmem", "paged"})
     supports_kv_starts = True
     layer_features = frozenset({"window", "softcap"})   # a window mask; soft-capped math
+    kv_dtypes = ALL_KV_DTYPES   # other dtypes cast to q's; 8-bit dequantized per request (kv.py)
 
     def _forward_vmem(self, q, view, scale):
         return per_request(q, view, scale, causal_bias=q.is_cuda)

@@ -27,6 +27,7 @@ from vmemkv.scheduler.plan import DropSwapped, DropTable, SwapIn, SwapOut
 
 from ..config import CacheConfig
 from ..errors import CacheStateError, PlanExecutionError
+from ..kv_dtype import ScaleTable
 from .journal import PlanJournal
 
 
@@ -87,6 +88,9 @@ class KVCache(ABC):
         self._broken: Optional[str] = None            # why the cache is unusable (failed undo)
         self.retain_last_plan = False                 # keep the last plan's undo log (TP ranks)
         self._last_journal: Optional[PlanJournal] = None
+        enc = config.kv_encoding                      # 8-bit: scales beside the cache
+        self.kv_scales = ScaleTable(enc, config.num_layers, config.num_kv_heads,
+                                    config.torch_device, config.kv_scales) if enc.scaled else None
 
     # -- plans --
     @abstractmethod
@@ -203,7 +207,23 @@ class KVCache(ABC):
 
     @abstractmethod
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store this step's new keys and values ``[new_tokens, kv_heads, head_dim]`` of a layer."""
+        """Store this step's new keys and values ``[new_tokens, kv_heads, head_dim]`` of a layer,
+        encoded as ``config.kv_cache_dtype`` (``encode``)."""
+
+    def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """``k``, ``v`` ``[tokens, kv_heads, head_dim]`` as this cache stores them: cast to the
+        storage dtype, or (8-bit) quantized with the layer's scales, which the layer's first
+        write fixes when none were given (``runtime.kv_dtype``)."""
+        if self.kv_scales is None:
+            return k, v      # the caller casts to the storage dtype
+        return self.kv_scales.encode(layer, k, v)
+
+    def scales_of(self, layer: int) -> dict:
+        """The keyword arguments a layer view takes for the scales: ``k_scale``/``v_scale``
+        fp32 ``[kv_heads]`` rows of ``kv_scales`` (filled in place), or none (unscaled)."""
+        if self.kv_scales is None:
+            return {}
+        return {"k_scale": self.kv_scales.k[layer], "v_scale": self.kv_scales.v[layer]}
 
     @abstractmethod
     def layer_view(self, layer: int) -> LayerView:
@@ -211,7 +231,8 @@ class KVCache(ABC):
 
     @abstractmethod
     def read(self, seq_id: int, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of a sequence's first ``num_tokens`` K and V of ``layer`` (for checks)."""
+        """Copies of a sequence's first ``num_tokens`` K and V of ``layer`` (for checks), as
+        stored (the storage dtype; 8-bit: unscaled, see ``kv_scales``)."""
 
     def _check_read(self, seq_id: int, num_tokens: int) -> None:
         held = self._held_tokens(seq_id)
@@ -277,7 +298,7 @@ class KVCache(ABC):
         if isinstance(op, SwapOut):
             c = self.config
             buffer = torch.empty((c.num_layers, 2, op.num_tokens, c.num_kv_heads, c.head_dim),
-                                 dtype=c.dtype, pin_memory=c.torch_device.type == "cuda")
+                                 dtype=c.storage_dtype, pin_memory=c.torch_device.type == "cuda")
             self._swapped[op.seq_id] = buffer
             return buffer
         if isinstance(op, (SwapIn, DropSwapped)):

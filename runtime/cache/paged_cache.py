@@ -38,7 +38,8 @@ class PagedKVCache(KVCache):
         check_fits_device(f"PagedKVCache pool of {self.num_blocks} blocks of {self.block_size} tokens",
                           self.num_blocks * self.block_size * c.bytes_per_token, c.torch_device)
         self.pools = torch.zeros((c.num_layers, 2, self.num_blocks, self.block_size,
-                                  c.num_kv_heads, c.head_dim), dtype=c.dtype, device=c.torch_device)
+                                  c.num_kv_heads, c.head_dim), dtype=c.storage_dtype,
+                                 device=c.torch_device)
 
     def execute(self, ops: Sequence) -> None:
         """Apply the plan, all or nothing: on a failure (an OOM in a copy, say) the blocks it
@@ -78,7 +79,7 @@ class PagedKVCache(KVCache):
         """Keep the bytes of blocks about to be overwritten; undo writes them back."""
         index = torch.tensor(list(blocks), dtype=torch.int64, device=self.pools.device)
         saved = self.pools.index_select(2, index)
-        journal.add(lambda: self.pools.index_copy_(2, index, saved))
+        journal.add(lambda: _bits(self.pools).index_copy_(2, index, _bits(saved)))
 
     def _flat_index(self, blocks: Sequence[int], num_tokens: int) -> torch.Tensor:
         """Flat token index into a [num_blocks * block_size] view for tokens 0..num_tokens-1."""
@@ -96,8 +97,8 @@ class PagedKVCache(KVCache):
 
     def _store_tokens(self, blocks, tokens: torch.Tensor) -> None:
         index = self._flat_index(blocks, tokens.shape[2])
-        self._flat_pools().index_copy_(2, index, tokens.to(self.pools.device,
-                                                          non_blocking=self.swaps_are_async))
+        _bits(self._flat_pools()).index_copy_(2, index, _bits(tokens.to(
+            self.pools.device, non_blocking=self.swaps_are_async)))
 
     # -- steps --
     def _placed(self, edit, old, index: int) -> list:
@@ -135,7 +136,7 @@ class PagedKVCache(KVCache):
         meta = StepMeta(step.lens, host_tables=used)
         return [PagedLayerView(self.pools[layer, 0], self.pools[layer, 1], self._block_tables,
                                step.context_lens, step.query_lens, meta=meta,
-                               window=self.config.window_of(layer))
+                               window=self.config.window_of(layer), **self.scales_of(layer))
                 for layer in range(self.config.num_layers)]
 
     def _check_window_reads(self, step: StepBatch, tables: list) -> None:
@@ -152,8 +153,9 @@ class PagedKVCache(KVCache):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._check_layer(layer)
         flat = self._flat_pools()
-        flat[layer, 0].index_copy_(0, self._flat_write, k)
-        flat[layer, 1].index_copy_(0, self._flat_write, v)
+        k, v = self.encode(layer, k, v)
+        _bits(flat[layer, 0]).index_copy_(0, self._flat_write, _bits(k.to(flat.dtype)))
+        _bits(flat[layer, 1]).index_copy_(0, self._flat_write, _bits(v.to(flat.dtype)))
 
     def layer_view(self, layer: int) -> PagedLayerView:
         self._check_layer(layer)
@@ -167,3 +169,9 @@ class PagedKVCache(KVCache):
         index = self._flat_index(self.placement(seq_id), num_tokens)
         flat = self._flat_pools()
         return flat[layer, 0, index].clone(), flat[layer, 1, index].clone()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the bytes it holds when 1-byte (torch has no CPU index_copy_ for fp8): every
+    copy of a pool moves the stored encoding unchanged."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t

@@ -104,7 +104,7 @@ class VMemKVCache(VMemOps, PartOps, SliceOps, KVCache):
                  (2, c.max_batch, c.max_context, c.num_layers, c.num_kv_heads, c.head_dim))
         size_bytes = c.max_batch * c.max_context * c.bytes_per_token
         self.range = vmem.VirtualRange(self.pool, size_bytes)
-        whole = self.range.tensor(0, size_bytes, c.dtype, shape)
+        whole = self.range.tensor(0, size_bytes, c.storage_dtype, shape)
         if per_layer:
             self._k = [whole[layer, 0] for layer in range(c.num_layers)]
             self._v = [whole[layer, 1] for layer in range(c.num_layers)]
@@ -254,7 +254,7 @@ class VMemKVCache(VMemOps, PartOps, SliceOps, KVCache):
         meta = StepMeta(step.lens, host_slots=slots)
         window = self.config.window_of
         return [VMemLayerView(k, v, self._slots, step.context_lens, step.query_lens, meta=meta,
-                              window=window(layer))
+                              window=window(layer), **self.scales_of(layer))
                 for layer, (k, v) in enumerate(zip(self._k, self._v))]
 
     def _ready(self, layer: int) -> None:
@@ -267,8 +267,9 @@ class VMemKVCache(VMemOps, PartOps, SliceOps, KVCache):
         self._ready(layer)
         # k, v: (new_tokens, kv_heads, head_dim) -> k_cache[slot_t, pos_t] for every token t
         index = (self._token_slots, self._step.positions)
-        self._k[layer].index_put_(index, k)
-        self._v[layer].index_put_(index, v)
+        k, v = self.encode(layer, k, v)
+        self._k[layer].index_put_(index, k.to(self._k[layer].dtype))
+        self._v[layer].index_put_(index, v.to(self._v[layer].dtype))
 
     def layer_tensors(self, layer: int) -> tuple:
         """The whole K and V virtual tensors of ``layer``, each ``(max_batch, max_context,

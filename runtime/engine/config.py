@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from vmemkv.runtime.kv import vmem_geometry
+from vmemkv.runtime.kv_dtype import KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES, KVScales
 from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device
 from vmemkv.scheduler.geometry import LAYOUTS  # noqa: F401 (re-exported)
 from vmemkv.scheduler.managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
@@ -53,6 +54,10 @@ class EngineConfig:
     tp_devices: Optional[tuple] = None   # CUDA, spawn: rank r's device ("cuda:i"), the model's
                                          # device first; None: the model's, then the other GPUs
     tp_timeout_s: float = 60.0           # a step's collectives wait at most this for a rank
+    kv_cache_dtype: str = "auto"         # how K/V are stored: auto (the model's dtype), bf16,
+                                         # fp16, fp8_e4m3, fp8_e5m2, int8 (runtime/kv_dtype.py)
+    kv_scales: Optional[KVScales] = None  # 8-bit: per (layer, KV head) scales of K and V; None:
+                                         # fixed at each layer's first prefill
     # (cache_bytes / memory_utilization are PER RANK with tensor parallelism)
 
     def __post_init__(self) -> None:
@@ -60,6 +65,10 @@ class EngineConfig:
         self._one_of("layout", LAYOUTS)
         self._one_of("preemption", PREEMPTION)
         self._one_of("prefix_eviction", EVICTION_POLICIES)
+        self._one_of("kv_cache_dtype", KV_CACHE_DTYPES)
+        if self.kv_scales is not None and KV_CACHE_DTYPE_BYTES[self.kv_cache_dtype] != 1:
+            raise EngineConfigError(f"EngineConfig.kv_scales apply to fp8_e4m3, fp8_e5m2 and int8 "
+                                    f"only; kv_cache_dtype is {self.kv_cache_dtype!r}")
         for name, low in (("block_size", 1), ("max_batch", 1), ("max_context", 2),
                           ("max_tokens_per_step", 1), ("swap_bytes", 0), ("seed", 0),
                           ("max_plan_retries", 0), ("tensor_parallel_size", 1)):
@@ -91,6 +100,11 @@ class EngineConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e6:
             raise EngineConfigError(f"EngineConfig.tp_timeout_s must be seconds in (0, 1e6), got "
                                     f"{timeout!r}")
+        if self.tensor_parallel_size > 1 and self.kv_cache_dtype != "auto":
+            raise EngineConfigError(f"EngineConfig.kv_cache_dtype {self.kv_cache_dtype!r} is not "
+                                    f"supported with tensor_parallel_size "
+                                    f"{self.tensor_parallel_size} (the ranks' self-check compares "
+                                    f"logits in the model's dtype); use 'auto'")
         if self.tensor_parallel_size > 1 and self.background_mapper:
             raise EngineConfigError("EngineConfig.background_mapper is not supported with "
                                     f"tensor_parallel_size {self.tensor_parallel_size} (every rank "

@@ -72,11 +72,14 @@ class Engine(RequestLifecycle, EngineStatistics):
         full_config = self._cache_config(model, cfg, param)
         self.cache_config = (full_config if cfg.tensor_parallel_size == 1 else self._cache_config(
             model, cfg, param, kv_heads_per_rank(model.config, cfg.tensor_parallel_size)))
+        kv_dtype = self.cache_config.storage_dtype   # kv_cache_dtype
         self.attention = cfg.attention or fastest_backend(cfg.cache, self.device.type, cfg.block_size,
-                                                          dtype=self.cache_config.dtype)
+                                                          dtype=self.cache_config.dtype,
+                                                          kv_dtype=kv_dtype)
         backend = get_backend(self.attention)
         # refuse, before any memory is built, a backend that cannot run this model's attention
-        backend.check_runs(cfg.cache, self.device.type, self.cache_config.dtype, what="the model")
+        backend.check_runs(cfg.cache, self.device.type, self.cache_config.dtype, what="the model",
+                           kv_dtype=kv_dtype)
         cache_bytes = cache_budget_bytes(cfg, self.cache_config)   # fits available memory
         check_ranks_fit(cfg, cache_bytes, self.cache_config.torch_device)   # all ranks, too
         self._model_attn = model.config._attn_implementation   # restored by close()
@@ -140,7 +143,8 @@ class Engine(RequestLifecycle, EngineStatistics):
         """The cache's shape; ``kv_heads``: one tensor-parallel rank's share of the KV heads."""
         mc = model.config.get_text_config()
         shape = dict(**kv_shape_of(mc), dtype=param.dtype, device=str(param.device),
-                     max_batch=cfg.max_batch, layer_windows=layer_windows_of(mc))
+                     max_batch=cfg.max_batch, layer_windows=layer_windows_of(mc),
+                     kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=cfg.kv_scales)
         if kv_heads is not None:
             shape["num_kv_heads"] = kv_heads
         # a vmem slot is whole pages: the cache is built rounded up, admission uses max_context

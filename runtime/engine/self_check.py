@@ -42,6 +42,9 @@ def self_check(model, cache_config, cfg, backend, original_attn: str) -> None:
     short prompt. Leaves the model on ``original_attn``, pass or fail; builds and frees its own
     small cache (the engine's is not touched)."""
     prompt = _prompt(model)
+    # the wiring is checked in the model's own dtype: a kv_cache_dtype's rounding is measured
+    # apart (benchmarks/kv_dtype_accuracy.py), its kernel against the reference in the tests
+    cache_config = dataclasses.replace(cache_config, kv_cache_dtype="auto", kv_scales=None)
     try:
         ours, tokens = _our_logits(model, cache_config, cfg, backend, prompt)
         err, allowed = _difference(model, ours, tokens, prompt, original_attn, cache_config.dtype)

@@ -68,19 +68,21 @@ class VMemCacheStats:
 
 
 def cache_config_from_model(config, max_batch: int, max_context: int, dtype=None,
-                            device: str = "cpu") -> CacheConfig:
+                            device: str = "cpu", kv_cache_dtype: str = "auto") -> CacheConfig:
     """The CacheConfig of an HF model config (its decoder's text config for multimodal ones)."""
     text = text_config(config)
     check_cache_layers(text, "VMemCache", CacheConfigError)
     dtype = parse_dtype(dtype if dtype is not None else (getattr(text, "dtype", None) or torch.float32))
     return CacheConfig(**kv_shape_of(text), dtype=dtype, device=str(device), max_batch=max_batch,
-                       max_context=max_context, layer_windows=layer_windows_of(text))
+                       max_context=max_context, layer_windows=layer_windows_of(text),
+                       kv_cache_dtype=kv_cache_dtype)
 
 
 class VMemCache(Cache):
     """A transformers Cache whose K/V live in a VMemKVCache (see the module docstring).
 
-    Guarantees: returned K/V are views of the virtual tensors (no copy); physical pages are
+    Guarantees: returned K/V are views of the virtual tensors (no copy; with a
+    ``kv_cache_dtype`` other than the model's, decoded copies of them); physical pages are
     mapped only when a row grows into them; an update that raises (BatchTooLargeError,
     ContextOverflowError, CacheCapacityError, CacheStateError) changes nothing. Inference only:
     writes are not recorded by autograd. Call ``reset()`` before reusing the cache for new prompts
@@ -108,11 +110,14 @@ class VMemCache(Cache):
     def from_model_config(cls, config, max_batch: int, max_context: int, dtype=None,
                           device: str = "cpu", layout: str = "per-layer",
                           page_bytes: Optional[int] = None,
-                          cache_bytes: Optional[int] = None) -> "VMemCache":
+                          cache_bytes: Optional[int] = None,
+                          kv_cache_dtype: str = "auto") -> "VMemCache":
         """A cache for an HF model config. ``dtype`` defaults to the config's (else float32) and
         must match the model's; ``page_bytes``/``cache_bytes`` as in ``runtime.kv.make_kv``
-        (default budget: every slot at full length)."""
-        return cls(cache_config_from_model(config, max_batch, max_context, dtype, device),
+        (default budget: every slot at full length); ``kv_cache_dtype``: how K/V are stored
+        (``runtime.kv_dtype``; other than the model's dtype, update returns decoded copies)."""
+        return cls(cache_config_from_model(config, max_batch, max_context, dtype, device,
+                                           kv_cache_dtype),
                    layout=layout, page_bytes=page_bytes, cache_bytes=cache_bytes)
 
     # -- what HF asks --
@@ -150,14 +155,25 @@ class VMemCache(Cache):
             self._raise_batch_changed(batch)
         k_cache, v_cache = self.kv.layer_tensors(layer_idx)   # (max_batch, C, H, D)
         with torch.no_grad():
-            k_cache[:batch, start:end].copy_(key_states.transpose(1, 2))
-            v_cache[:batch, start:end].copy_(value_states.transpose(1, 2))
+            k_new, v_new = self.kv.cache.encode(layer_idx, key_states.transpose(1, 2),
+                                                value_states.transpose(1, 2))
+            k_cache[:batch, start:end].copy_(k_new)
+            v_cache[:batch, start:end].copy_(v_new)
         self._written[layer_idx] = end
         layer = self.layers[layer_idx]
         first = window_offset(layer.window, start)      # a windowed layer: keys (p - window, p]
-        layer.keys = k_cache[:batch, first:end].transpose(1, 2)
-        layer.values = v_cache[:batch, first:end].transpose(1, 2)
+        k, v = self._values(layer_idx, k_cache[:batch, first:end], v_cache[:batch, first:end])
+        layer.keys, layer.values = k.transpose(1, 2), v.transpose(1, 2)
         return layer.keys, layer.values
+
+    def _values(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """Stored K/V ``(B, L, H, D)`` as the model's dtype: the views themselves when stored so,
+        else decoded copies (``kv_cache_dtype``)."""
+        c, scales = self.config, self.kv.cache.kv_scales
+        if scales is not None:
+            k = c.kv_encoding.dequantize(k, scales.k[layer])
+            v = c.kv_encoding.dequantize(v, scales.v[layer])
+        return k.to(c.dtype), v.to(c.dtype)
 
     def _check_layer(self, layer_idx) -> None:
         layers = self.config.num_layers

@@ -142,7 +142,7 @@ class PagedManager(WindowedGroups, UnitManager):
         seq.num_tokens = end
         seq.note_ids(old, token_ids)
         if end // bs > old // bs:
-            seq.new_full_keys(bs)
+            seq.new_full_keys(bs, self.model.kv_encoding)
 
     # -- fork and release --
     def can_fork(self, parent_id: int) -> bool:

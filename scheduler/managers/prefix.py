@@ -5,7 +5,10 @@ Only FULL units are shared. Unit k of a sequence is keyed by a digest chained on
 seeded by the namespace (an adapter id, say), so equal digests name equal whole prefixes and
 units computed under different weights never match:
 
-    root = H(b"vmemkv-prefix" | ns)    d0 = H(root | ids[0:U])    d1 = H(d0 | ids[U:2U])  ...
+    root = H(b"vmemkv-prefix" [| enc] | ns)    d0 = H(root | ids[0:U])    d1 = H(d0 | ids[U:2U])  ...
+
+``enc`` is the K/V encoding when it is not the model's dtype (``ModelSpec.kv_encoding``: the
+``kv_cache_dtype`` and its scales), so units stored in one encoding never match another's.
 
 H is SHA-256 (hashlib) over the ids as int64 bytes. A digest is only a lookup key: the index
 keeps every cached unit's token ids and the registration it was chained on, and a match checks
@@ -60,10 +63,12 @@ def prefix_scope(namespace: Optional[str], cache_salt: Optional[str]) -> Optiona
 
 
 @lru_cache(maxsize=256)
-def namespace_root(namespace: Optional[str]) -> bytes:
-    """The seed of every chain in ``namespace`` (None and "" are different namespaces)."""
+def namespace_root(namespace: Optional[str], kv_encoding: str = "") -> bytes:
+    """The seed of every chain in ``namespace`` (None and "" are different namespaces) of K/V
+    stored as ``kv_encoding`` ("": the model's dtype)."""
     tag = b"\0" if namespace is None else b"\1" + namespace.encode("utf-8", "surrogatepass")
-    return hashlib.sha256(b"vmemkv-prefix" + tag).digest()
+    enc = b"\2" + kv_encoding.encode() + b"\0" if kv_encoding else b""
+    return hashlib.sha256(b"vmemkv-prefix" + enc + tag).digest()
 
 
 class UnitKey(NamedTuple):
@@ -208,14 +213,15 @@ class HeldSeq:
         elif len(ids) < self.num_tokens:
             self.ids = None
 
-    def new_full_keys(self, unit_tokens: int) -> list:
-        """Key every unit that became full since the last call: [(unit_index, UnitKey)]."""
+    def new_full_keys(self, unit_tokens: int, kv_encoding: str = "") -> list:
+        """Key every unit that became full since the last call: [(unit_index, UnitKey)]
+        (chained on ``namespace_root(self.namespace, kv_encoding)``)."""
         ids, keys = self.ids, self.keys
         if ids is None:
             return []
         k = len(keys)
         full = min(self.num_tokens, len(ids)) // unit_tokens
-        parent = keys[-1].digest if keys else namespace_root(self.namespace)
+        parent = keys[-1].digest if keys else namespace_root(self.namespace, kv_encoding)
         new = unit_keys(token_bytes(ids[k * unit_tokens:full * unit_tokens]), unit_tokens, parent)
         keys.extend(new)
         if (full + 1) * unit_tokens <= self.num_tokens:   # a full unit whose ids are unknown

@@ -161,7 +161,8 @@ class UnitManager(ManagerCore):
         ids = list(token_ids)
         memo = self._memo
         if memo[0] != namespace or memo[1] != ids:
-            keys = unit_keys(token_bytes(ids), self.unit_tokens, namespace_root(namespace))
+            root = namespace_root(namespace, self.model.kv_encoding)
+            keys = unit_keys(token_bytes(ids), self.unit_tokens, root)
             memo = self._memo = (namespace, ids, keys)
         return memo[2]
 
@@ -198,7 +199,8 @@ class UnitManager(ManagerCore):
             full = min(seq.num_tokens, len(seq.ids)) // self.unit_tokens
             seq.keys = self._prompt_keys(seq.ids, seq.namespace)[:full]
         seq.published, seq.prompt_units = len(hits), len(seq.keys)
-        seq.new_full_keys(self.unit_tokens)   # no new unit: forgets the ids if a full unit has none
+        # no new unit: forgets the ids if a full unit has none
+        seq.new_full_keys(self.unit_tokens, self.model.kv_encoding)
         self._note_hits(hits)
 
     def _register_unit(self, seq: HeldSeq, k: int, key) -> None:

@@ -323,7 +323,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         seq.num_tokens = end
         seq.note_ids(old, token_ids)
         if end // tpp > old // tpp:
-            seq.new_full_keys(tpp)
+            seq.new_full_keys(tpp, self.model.kv_encoding)
 
     def _copy_on_write(self, seq: HeldSeq, pi: int) -> None:
         """The writer of a shared partial page moves to a new group holding a copy."""

@@ -128,6 +128,14 @@ def test_engine_section_is_skipped_with_the_reason_when_not_importable(tmp_path,
     assert "engine section skipped" in (tmp_path / "bench.log").read_text()
 
 
+def test_bench_kv_cache_dtype_reaches_the_engine_section(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(suite, "load_engine", lambda: (lambda **kw: seen.append(kw) or {}, None))
+    assert cli.main(["bench", "--only", "engine", "--kv-cache-dtype", "fp8_e4m3", "--out",
+                     str(tmp_path), "--no-progress", "--no-plots", "--device", "cpu"]) == 0
+    assert seen == [dict(quick=False, out=None, device="cpu", kv_cache_dtype="fp8_e4m3")]
+
+
 def test_a_failing_section_is_recorded_and_the_command_exits_1(tmp_path, monkeypatch):
     def boom(**kwargs):
         raise RuntimeError("kaput")

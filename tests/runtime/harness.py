@@ -5,6 +5,10 @@ K/V of token t of a sequence are a deterministic function of the sequence's toke
 [0..t] (as in a real model), so sequences that share a prefix legitimately share cache memory,
 and a wrongly shared or stale page shows up as a content mismatch. Everything lives on the
 cache's device (the CPU, or CUDA in the GPU tests); the random draws are the same on both.
+
+A cache in another ``kv_cache_dtype`` must hold exactly the encoding of the truth (its bytes,
+with the scales its first writes fixed) whatever moved them (swap, copy-on-write, prefix hits),
+and attention must equal dense fp32 attention over the decoded truth.
 """
 from __future__ import annotations
 
@@ -153,9 +157,9 @@ class ShadowRun:
         for layer in range(c.num_layers):
             self.cache.write(layer, new_kv[:, layer, 0].contiguous(), new_kv[:, layer, 1].contiguous())
             view = self.cache.layer_view(layer)
-            expected = torch.cat([   # in fp32 from the (possibly half) true K/V
-                dense_attention(q[start:start + n].float(), truths[s][:, layer, 0].float(),
-                                truths[s][:, layer, 1].float(), c.head_dim ** -0.5)
+            expected = torch.cat([   # in fp32 from the (possibly half or encoded) true K/V
+                dense_attention(q[start:start + n].float(), self.decoded(truths[s][:, layer, 0], layer, 0),
+                                self.decoded(truths[s][:, layer, 1], layer, 1), c.head_dim ** -0.5)
                 for (s, _, n), start in zip(self.pending, step.lens.q_starts)])
             for backend in self.backends:
                 got = backend.forward(q, view)
@@ -163,13 +167,30 @@ class ShadowRun:
                 torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
                 self.checked_attention += 1
 
+    def stored(self, x: torch.Tensor, layer: int, which: int) -> torch.Tensor:
+        """What the cache must hold for true K (``which`` 0) or V (1) ``x`` of ``layer``."""
+        scales, enc = self.cache.kv_scales, self.config.kv_encoding
+        if scales is None:
+            return x.to(enc.storage)
+        return enc.quantize(x, (scales.k, scales.v)[which][layer])
+
+    def decoded(self, x: torch.Tensor, layer: int, which: int) -> torch.Tensor:
+        """The values attention sees for true ``x``: its stored encoding, decoded (fp32)."""
+        scales, enc = self.cache.kv_scales, self.config.kv_encoding
+        stored = self.stored(x, layer, which)
+        return stored.float() if scales is None else enc.dequantize(stored, (scales.k, scales.v)[which][layer])
+
     def check_contents(self) -> None:
+        bits = torch.uint8 if self.config.element_bytes == 1 else torch.int16 \
+            if self.config.element_bytes == 2 else torch.int32   # equal bytes, NaN or not
         for seq_id, tokens in self.tokens.items():
             truth = self.kv_truth(tokens)
             for layer in range(self.config.num_layers):
                 k, v = self.cache.read(seq_id, layer, len(tokens))
-                assert torch.equal(k, truth[:, layer, 0]), f"seq {seq_id} layer {layer} K differs"
-                assert torch.equal(v, truth[:, layer, 1]), f"seq {seq_id} layer {layer} V differs"
+                for which, got in ((0, k), (1, v)):
+                    want = self.stored(truth[:, layer, which], layer, which)
+                    assert torch.equal(got.view(bits), want.view(bits)), \
+                        f"seq {seq_id} layer {layer} {'KV'[which]} differs"
 
     def run(self, steps: int) -> dict:
         for _ in range(steps):

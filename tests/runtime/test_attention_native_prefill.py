@@ -1,6 +1,8 @@
 """cpu-varlen runs every row in its native kernel: prefill chunks after any kv_start, sliding
 windows, logit soft-caps, GQA, on vmem per-layer, vmem interleaved (strided rows) and paged,
-unsplit and with key ranges split, against the dense fp32 reference (1e-5 in fp32).
+unsplit and with key ranges split, against the dense fp32 reference (1e-5 in fp32); with the
+cache stored in another ``kv_cache_dtype`` (16-bit under fp32 queries, 8-bit with per-head
+scales) against the reference over the dequantized K/V, to the same 1e-5.
 
 The truth for request i is dense attention of its queries over its keys ``kv_start_i .. ctx``
 with the window and cap (``reference.dense_attention``); the cache holds NaN wherever the
@@ -19,6 +21,7 @@ from hypothesis import strategies as st
 
 from vmemkv.runtime.attention import BatchLens, StepMeta, availability, get_backend
 from vmemkv.runtime.attention.reference import dense_attention
+from vmemkv.runtime.kv_dtype import KV_CACHE_DTYPES, first_write_scales, kv_encoding
 from tests.runtime.test_attention_backends import make_case, paged_view, vmem_view
 
 pytestmark = pytest.mark.skipif(not availability("cpu-varlen"),
@@ -55,6 +58,30 @@ def layer_view(case, layout: str, starts, window):
     return view
 
 
+def encoded(case, view, name):
+    """(case, view) with the cache stored as ``kv_cache_dtype`` ``name`` (None / auto: as is):
+    the view's tensors in the storage dtype, same strides (poison stays NaN but in int8), its
+    scales (8-bit) per KV head from the live keys; the case's K/V the decoded values (the truth
+    is the reference over those)."""
+    enc = kv_encoding(name or "auto", case.q.dtype)
+    if enc.storage == case.q.dtype:
+        return case, view
+    ks = first_write_scales(torch.cat(case.keys), enc) if enc.scaled else None
+    vs = first_write_scales(torch.cat(case.values), enc) if enc.scaled else None
+    code = lambda x, s: enc.dequantize(enc.quantize(x, s), s)   # noqa: E731
+    case = dataclasses.replace(case, keys=[code(k, ks) for k in case.keys],
+                               values=[code(v, vs) for v in case.values])
+
+    def stored(t, s):
+        out = torch.empty_strided(t.shape, t.stride(), dtype=enc.storage)
+        out.copy_(enc.quantize(t, s))
+        return out
+    names = ("k_cache", "v_cache") if view.kind == "vmem" else ("k_pool", "v_pool")
+    return case, dataclasses.replace(view, **{names[0]: stored(getattr(view, names[0]), ks),
+                                              names[1]: stored(getattr(view, names[1]), vs)},
+                                     k_scale=ks, v_scale=vs)
+
+
 def truth(case, starts, window, softcap) -> torch.Tensor:
     scale, outs, row = 1.0 / math.sqrt(case.q.shape[-1]), [], 0
     for k, v, n, first in zip(case.keys, case.values, case.query_lens, starts):
@@ -89,25 +116,33 @@ def chunks(draw):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(chunks(), st.sampled_from(LAYOUTS), st.sampled_from([None, 7]), st.integers(0, 2**16))
-def test_prefill_chunks_windows_and_softcaps_match_the_fp32_reference(chunk, layout, units, seed):
+@given(chunks(), st.sampled_from(LAYOUTS), st.sampled_from([None, 7]), st.integers(0, 2**16),
+       st.sampled_from(KV_CACHE_DTYPES))
+def test_prefill_chunks_windows_and_softcaps_match_the_fp32_reference(chunk, layout, units, seed,
+                                                                      kv):
     spec, starts, heads, kv_heads, head_dim, window, softcap = chunk
     case = make_case(spec, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seed=seed)
     case.q.mul_(3)                                   # scores large enough for a cap to bite
-    check(kernel(units), case, layer_view(case, layout, starts, window), starts, window, softcap)
+    case, view = encoded(case, layer_view(case, layout, starts, window), kv)
+    check(kernel(units), case, view, starts, window, softcap)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_long_prefill_chunk_after_a_window_start_with_head_dim_128(layout, dtype):
+@pytest.mark.parametrize("dtype, kv", [(torch.float32, None), (torch.bfloat16, None),
+                                       (torch.float32, "fp8_e4m3"), (torch.float32, "fp8_e5m2"),
+                                       (torch.float32, "int8"), (torch.float32, "bf16")],
+                         ids=["fp32", "bf16", "fp32-e4m3", "fp32-e5m2", "fp32-int8", "fp32-kv-bf16"])
+def test_a_long_prefill_chunk_after_a_window_start_with_head_dim_128(layout, dtype, kv):
     """Chunks of 64-200 tokens (several items of 64 / G positions each), a 96-token window
     (later items start their keys after earlier ones), a cap, Llama-3-8B's 4 query heads per
-    KV head at head_dim 128 (the compiled size), a decode beside them."""
+    KV head at head_dim 128 (the compiled size), a decode beside them; K/V as stored in each
+    kv_cache_dtype (the reference over the decoded values)."""
     spec, starts, window, softcap = [(600, 200), (300, 64), (257, 1)], [40, 0, 250], 96, 20.0
     case = make_case(spec, heads=16, kv_heads=4, head_dim=128, dtype=dtype, seed=5)
     case.q.mul_(3)
+    case, view = encoded(case, layer_view(case, layout, starts, window), kv)
     for backend in (kernel(), kernel(units=5)):
-        check(backend, case, layer_view(case, layout, starts, window), starts, window, softcap)
+        check(backend, case, view, starts, window, softcap)
 
 
 def test_the_cap_changes_the_result_and_a_wide_window_is_full_attention():

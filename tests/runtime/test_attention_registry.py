@@ -52,6 +52,7 @@ def test_wrong_device_for_backend_is_a_typed_error():
 
 
 def test_shape_mismatches_name_the_shapes():
+    from vmemkv.runtime.attention.flash import FlashBackend
     sdpa = get_backend("sdpa")
     case = make_case(SPECS["mixed"])
     view = vmem_view(case)
@@ -61,8 +62,11 @@ def test_shape_mismatches_name_the_shapes():
         sdpa.forward(case.q[:, :3], view)                        # 3 heads over 2 KV heads
     with pytest.raises(AttentionShapeError, match="head_dim"):
         sdpa.forward(case.q[..., :8], view)
-    with pytest.raises(AttentionShapeError, match="dtype"):
-        sdpa.forward(case.q.half(), view)                        # cache is fp32
+    out = sdpa.forward(case.q.half(), view)        # K/V of another dtype: cast to q's
+    torch.testing.assert_close(out.float(), sdpa.forward(case.q.half().float(), view),
+                               atol=2e-2, rtol=2e-2)
+    with pytest.raises(UnsupportedError, match="kv_cache_dtype"):   # flash reads only q's dtype
+        FlashBackend().check_runs("vmem", "cuda", torch.float16, kv_dtype=torch.float8_e4m3fn)
     with pytest.raises(UnsupportedError, match="dtypes"):
         sdpa.forward(case.q.double(), view)
 

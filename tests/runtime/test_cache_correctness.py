@@ -19,10 +19,10 @@ KiB = 2**10
 CPU_BACKENDS = ("sdpa", "reference", "cpu-varlen")
 
 
-def config(dtype=torch.float32):
+def config(dtype=torch.float32, kv_cache_dtype="auto", head_dim=16):
     # per layer and token: 2 heads * 16 dims * 4 B = 128 B -> a 4 KiB page holds 32 tokens
-    return CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, dtype=dtype, max_batch=4,
-                       max_context=64)
+    return CacheConfig(num_layers=2, num_kv_heads=2, head_dim=head_dim, dtype=dtype, max_batch=4,
+                       max_context=64, kv_cache_dtype=kv_cache_dtype)
 
 
 CASES = [
@@ -57,6 +57,29 @@ def test_half_precision_attention_matches_reference(cache_kind, options, dtype):
                     swap_bytes=cfg.max_context * cfg.bytes_per_token, **options)
     run.run(30)
     assert run.checked_attention > 0
+    run.cache.close()
+
+
+@pytest.mark.parametrize("cache_kind,options,seed", [   # seeds where a swap-in happens
+    pytest.param("vmem", dict(layout="per-layer", page_bytes=4 * KiB), 5, id="vmem-per-layer"),
+    pytest.param("vmem", dict(layout="interleaved", page_bytes=4 * KiB), 1, id="vmem-interleaved"),
+    pytest.param("paged", dict(block_size=8), 0, id="paged-8")])
+@pytest.mark.parametrize("kv", ["bf16", "fp8_e4m3", "fp8_e5m2", "int8"])
+def test_encoded_contents_survive_swap_fork_and_prefix_hits_and_attention_reads_them(
+        cache_kind, options, seed, kv):
+    """A cache storing ``kv_cache_dtype`` under an fp32 model holds, byte for byte, the
+    encoding of the truth with its fixed scales after every move (swap, copy-on-write, prefix
+    hits), and every CPU backend equals fp32 attention over the decoded truth (1e-5)."""
+    size = config(kv_cache_dtype=kv).element_bytes
+    cfg = config(kv_cache_dtype=kv, head_dim=16 * 4 // size)   # 128 B a layer-token, as fp32's
+    cache_bytes = int(2.5 * cfg.max_context * cfg.bytes_per_token)
+    run = ShadowRun(cfg, cache_kind, seed, backends=CPU_BACKENDS, cache_bytes=cache_bytes,
+                    swap_bytes=cfg.max_context * cfg.bytes_per_token * 2, **options)
+    events = run.run(30)
+    assert run.checked_attention > 0 and events["swap_in"] and events["fork"]
+    assert events["prefix_hit_tokens"] or cache_kind == "vmem"
+    assert run.cache.kv_scales is None or (run.cache.kv_scales.fixed == [True, True]
+                                           and not torch.equal(run.cache.kv_scales.k, torch.ones(2, 2)))
     run.cache.close()
 
 
