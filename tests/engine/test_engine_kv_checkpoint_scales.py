@@ -16,9 +16,11 @@ from vmemkv.scheduler.managers.prefix import namespace_root
 from .conftest import model, prompts, tokens
 
 OPTIONS = dict(max_batch=2, max_context=64, block_size=4, page_bytes=4096, self_check=False)
-# tiny-llama: 2 layers, 2 KV heads. Layer 0 carries scalars, layer 1 one kv_scale per head.
-K = ((0.03, 0.03), (0.05, 0.02))
-V = ((0.01, 0.01), (0.05, 0.02))
+# tiny-llama: 2 layers, 2 KV heads. Layer 0 carries k_scale / v_scale as compressed-tensors
+# registers them (Parameters of shape [1] in the model's dtype; bf16 here, exact values), layer 1
+# one older-style kv_scale per KV head.
+K = ((0.03125, 0.03125), (0.05, 0.02))
+V = ((0.015625, 0.015625), (0.05, 0.02))
 
 
 def with_scales(**by_layer) -> torch.nn.Module:
@@ -28,12 +30,18 @@ def with_scales(**by_layer) -> torch.nn.Module:
     for key, attrs in by_layer.items():
         attn = m.model.layers[int(key[1:])].self_attn
         for name, value in attrs.items():
-            attn.register_buffer(name, torch.as_tensor(value, dtype=torch.float32))
+            if isinstance(value, torch.nn.Parameter):
+                attn.register_parameter(name, value)
+            else:
+                attn.register_buffer(name, torch.as_tensor(value, dtype=torch.float32))
     return m
 
 
 def checkpoint_model() -> torch.nn.Module:
-    return with_scales(l0={"k_scale": K[0][0], "v_scale": V[0][0]}, l1={"kv_scale": [0.05, 0.02]})
+    def param(x):
+        return torch.nn.Parameter(torch.tensor([x], dtype=torch.bfloat16), requires_grad=False)
+    return with_scales(l0={"k_scale": param(K[0][0]), "v_scale": param(V[0][0])},
+                       l1={"kv_scale": [0.05, 0.02]})
 
 
 def test_the_checkpoints_scales_are_the_caches_and_give_the_tokens_of_the_same_kv_scales():
