@@ -14,11 +14,12 @@ Scales (``KVScales``): fp32, one per (layer, KV head) for K and one for V, store
 cache. Given by the user, or computed at the first write of each layer (``first_write_scales``:
 per KV head, amax of |x| over that write's tokens and head_dim, divided by the encoding's max,
 as vLLM's ``calculate_kv_scales`` does per tensor) and fixed from then on, so every token of a
-layer, forks and prefix hits included, shares one encoding. The engine takes, in this order, the
-user's ``kv_scales``, the checkpoint's (``checkpoint_kv_scales``: ``k_scale`` / ``v_scale`` or
-one ``kv_scale`` on each attention module, as compressed-tensors / vLLM fp8 checkpoints carry
-them, fp8 = x / scale like ours), or the first write's (``kv_scale_source`` names which). Lives beside ``config.py`` (not in
-``cache/``) because ``CacheConfig`` validates with it and ``cache/`` imports the config.
+layer, forks and prefix hits included, shares one encoding. The engine takes, in this order,
+the user's ``kv_scales``, the checkpoint's (``checkpoint_kv_scales``: ``k_scale`` / ``v_scale``
+or one ``kv_scale`` on each attention module, as compressed-tensors / vLLM fp8 checkpoints carry
+them, stored = x / scale like ours), or the first write's (``kv_scale_source`` names which).
+Lives beside ``config.py`` (not in ``cache/``) because ``CacheConfig`` validates with it and
+``cache/`` imports the config.
 """
 from __future__ import annotations
 
@@ -125,7 +126,7 @@ class KVScales:
                                        f"{num_kv_heads}] (num_layers, num_kv_heads), got "
                                        f"{shape[0]} rows of lengths {sorted(set(shape[1]))}")
             bad = [(i, j, s) for i, r in enumerate(rows) for j, s in enumerate(r)
-                   if not (math.isfinite(s) and s > 0)]
+                   if not _usable(s)]
             if bad:
                 i, j, s = bad[0]
                 raise CacheConfigError(f"kv_scales.{name}[{i}][{j}] must be a finite number > 0, "
@@ -136,6 +137,11 @@ class KVScales:
         """A short hash of the values (part of the prefix cache's key)."""
         data = repr((self.k, self.v)).encode()
         return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _usable(scale: float) -> bool:
+    """A scale must be finite and > 0 (x / scale must be a number)."""
+    return math.isfinite(scale) and scale > 0
 
 
 def _fp32(s: float) -> float:
@@ -188,17 +194,19 @@ class ScaleTable:
 CHECKPOINT_SCALE_NAMES = ("k_scale", "v_scale", "kv_scale")   # on an attention module
 
 
-def checkpoint_kv_scales(model: torch.nn.Module, num_layers: int,
+def checkpoint_kv_scales(model: torch.nn.Module, encoding: KVEncoding, num_layers: int,
                          num_kv_heads: int) -> Optional[KVScales]:
-    """The scales ``model``'s checkpoint carries, or None if no module carries any.
+    """The scales ``model``'s checkpoint carries, for ``encoding``, or None if none are carried.
 
     Read from the modules with an int ``layer_idx`` (HF attention modules) that hold tensor
     ``k_scale`` and ``v_scale``, or one ``kv_scale`` for both (older fp8 checkpoints). Each is
     a scalar (any shape of one element; broadcast to the layer's KV heads) or ``num_kv_heads``
-    values (``[H]``, ``[H, 1, 1]``). CacheConfigError naming the module and attribute for any
-    other shape, a value not finite and > 0, half a pair, a module without ``layer_idx``, two
-    modules of one layer, or layers that carry none while others do (never mixed with
-    first-write scales)."""
+    values (``[H]``, ``[H, 1, 1]``). They keep their clip point: scale x the checkpoint's format
+    max (``checkpoint_format_max``) = new scale x ``encoding.max_value``, so fp8 scales serve
+    int8 without saturating at 127. CacheConfigError naming the module and attribute for any
+    other shape, a value not finite and > 0, another set of names, a module without
+    ``layer_idx``, two modules of one layer, or layers that carry none while others do (never
+    mixed with first-write scales)."""
     rows = {}   # layer -> (module name, k row, v row)
     for name, module in model.named_modules():
         held = {a: t for a in CHECKPOINT_SCALE_NAMES
@@ -219,13 +227,40 @@ def checkpoint_kv_scales(model: torch.nn.Module, num_layers: int,
     if missing:
         raise CacheConfigError(f"the checkpoint carries KV scales for layers {sorted(rows)} but "
                                f"not for layers {missing}; give kv_scales for every layer")
-    return KVScales.of([rows[i][1] for i in range(num_layers)],
-                       [rows[i][2] for i in range(num_layers)])
+    ratio = checkpoint_format_max(model) / encoding.max_value   # 1.0: the same format
+    return KVScales.of([[s * ratio for s in rows[i][1]] for i in range(num_layers)],
+                       [[s * ratio for s in rows[i][2]] for i in range(num_layers)])
+
+
+def checkpoint_format_max(model: torch.nn.Module) -> float:
+    """The largest stored value of the format the checkpoint's KV scales were made for: its
+    compressed-tensors ``quantization_config.kv_cache_scheme`` (``type`` float: e4m3's 448,
+    int: 127), else 448 (fp8 e4m3, vLLM's convention for checkpoint KV scales)."""
+    qc = _as_dict(getattr(model.config, "quantization_config", None))
+    scheme = _as_dict(qc.get("kv_cache_scheme")
+                      or _as_dict(qc.get("quantization_config")).get("kv_cache_scheme"))
+    if not scheme:
+        return _FIXED["fp8_e4m3"].max_value
+    kind, bits = scheme.get("type"), scheme.get("num_bits")
+    if bits != 8 or kind not in ("float", "int"):
+        raise CacheConfigError(f"the checkpoint's kv_cache_scheme is {kind!r} with {bits!r} "
+                               f"bits; its KV scales are read for 8-bit float or int only")
+    return _FIXED["fp8_e4m3" if kind == "float" else "int8"].max_value
+
+
+def _as_dict(x) -> dict:
+    """A config section (a dict, transformers' config object or a pydantic model) as a dict."""
+    if x is None or isinstance(x, dict):
+        return x or {}
+    for method in ("to_dict", "model_dump"):
+        if hasattr(x, method):
+            return getattr(x, method)()
+    return vars(x)
 
 
 def _pair(name: str, held: dict, num_kv_heads: int) -> tuple:
     """(k row, v row) of one module's ``held`` scale tensors, each ``num_kv_heads`` floats."""
-    if "k_scale" in held and "v_scale" in held:
+    if set(held) == {"k_scale", "v_scale"}:
         pair = (("k_scale", held["k_scale"]), ("v_scale", held["v_scale"]))
     elif set(held) == {"kv_scale"}:
         pair = (("kv_scale", held["kv_scale"]),) * 2
@@ -242,7 +277,7 @@ def _row(where: str, t: torch.Tensor, num_kv_heads: int) -> tuple:
     if len(values) != 1 and not per_head:
         raise CacheConfigError(f"{where} has shape {list(t.shape)}; a checkpoint's KV scale "
                                f"must be a scalar or [{num_kv_heads}] (one per KV head)")
-    bad = [(j, s) for j, s in enumerate(values) if not (math.isfinite(s) and s > 0)]
+    bad = [(j, s) for j, s in enumerate(values) if not _usable(s)]
     if bad:
         raise CacheConfigError(f"{where}[{bad[0][0]}] must be a finite number > 0, got "
                                f"{bad[0][1]!r}")

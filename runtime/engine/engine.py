@@ -152,8 +152,9 @@ class Engine(RequestLifecycle, EngineStatistics):
         8-bit scales: the user's ``kv_scales``, else the checkpoint's, else None (first write)."""
         mc = model.config.get_text_config()
         kv, scales = kv_shape_of(mc), cfg.kv_scales
-        if scales is None and kv_encoding(cfg.kv_cache_dtype, param.dtype).scaled:
-            scales = checkpoint_kv_scales(model, kv["num_layers"], kv["num_kv_heads"])
+        encoding = kv_encoding(cfg.kv_cache_dtype, param.dtype)
+        if scales is None and encoding.scaled:
+            scales = checkpoint_kv_scales(model, encoding, kv["num_layers"], kv["num_kv_heads"])
         shape = dict(**kv, dtype=param.dtype, device=str(param.device),
                      max_batch=cfg.max_batch, layer_windows=layer_windows_of(mc),
                      kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=scales)

@@ -50,7 +50,7 @@ def test_the_checkpoints_scales_are_the_caches_and_give_the_tokens_of_the_same_k
     outs, tags = {}, {}
     for source, m, given in (("checkpoint", checkpoint_model(), None),
                              ("user", model(), KVScales.of(K, V))):
-        with Engine(m, kv_cache_dtype="int8", kv_scales=given, **OPTIONS) as engine:
+        with Engine(m, kv_cache_dtype="fp8_e4m3", kv_scales=given, **OPTIONS) as engine:
             assert engine.kv_scales_source == source
             scales = engine.kv.cache.kv_scales
             assert scales.fixed == [True, True]          # before any write
@@ -58,7 +58,30 @@ def test_the_checkpoints_scales_are_the_caches_and_give_the_tokens_of_the_same_k
             outs[source] = tokens(engine.generate(batch, params))
             tags[source] = engine.cache_config.prefix_tag
     assert outs["checkpoint"] == outs["user"]
-    assert tags["checkpoint"] == tags["user"] == f"int8/{KVScales.of(K, V).digest}"
+    assert tags["checkpoint"] == tags["user"] == f"fp8_e4m3/{KVScales.of(K, V).digest}"
+
+
+@pytest.mark.parametrize("scheme, kv_cache_dtype, ratio", [
+    (None, "int8", 448 / 127),                   # vLLM's convention: fp8 e4m3 scales
+    (None, "fp8_e5m2", 448 / 57344),
+    ({"type": "int", "num_bits": 8}, "int8", 1.0),
+    ({"type": "int", "num_bits": 8}, "fp8_e4m3", 127 / 448),
+    ({"quantization_config": {"kv_cache_scheme": {"type": "float", "num_bits": 8}}}, "int8",
+     448 / 127),
+])
+def test_checkpoint_scales_keep_their_clip_point_in_another_8bit_format(scheme, kv_cache_dtype,
+                                                                        ratio):
+    """scale x the checkpoint format's max (its kv_cache_scheme; none: fp8 e4m3) = the cache's
+    scale x its encoding's max: fp8 scales in an int8 cache do not saturate at 127."""
+    m = checkpoint_model()
+    if scheme is not None:
+        m.config.quantization_config = (scheme if "quantization_config" in scheme
+                                        else {"kv_cache_scheme": scheme})
+    with Engine(m, kv_cache_dtype=kv_cache_dtype, **OPTIONS) as engine:
+        assert engine.kv_scales_source == "checkpoint"
+        want = KVScales.of([[s * ratio for s in r] for r in K], [[s * ratio for s in r] for r in V])
+        assert engine.cache_config.kv_scales == want
+        assert torch.equal(engine.kv.cache.kv_scales.k, torch.tensor(want.k))
 
 
 def test_user_scales_win_over_the_checkpoints_and_16_bit_ignores_them():
@@ -102,7 +125,9 @@ def test_different_checkpoint_scales_never_share_a_prefix_key(cache):
      r"carries KV scales for layers \[0\] but not for layers \[1\]"),
     ({"l0": {"k_scale": 1.0}, "l1": {"kv_scale": 1.0}},
      r"model\.layers\.0\.self_attn carries k_scale; .* k_scale and v_scale, or kv_scale alone"),
-], ids=["shape", "shape-2d", "nan", "zero", "negative", "missing-layer", "half-pair"])
+    ({"l0": {"kv_scale": 1.0, "k_scale": 1.0, "v_scale": 1.0}, "l1": {"kv_scale": 1.0}},
+     r"model\.layers\.0\.self_attn carries k_scale, v_scale, kv_scale; "),
+], ids=["shape", "shape-2d", "nan", "zero", "negative", "missing-layer", "half-pair", "both"])
 def test_bad_checkpoint_scales_are_refused_by_name_before_anything_is_built(by_layer, message):
     m = with_scales(**by_layer)
     before = m.config._attn_implementation
@@ -111,3 +136,10 @@ def test_bad_checkpoint_scales_are_refused_by_name_before_anything_is_built(by_l
     assert m.config._attn_implementation == before      # the model is left as it was
     with Engine(m, kv_cache_dtype="int8", kv_scales=KVScales.of(K, V), **OPTIONS) as engine:
         assert engine.kv_scales_source == "user"         # the user's scales are not read past
+
+
+def test_a_checkpoint_scheme_other_than_8bit_is_refused_by_name():
+    m = checkpoint_model()
+    m.config.quantization_config = {"kv_cache_scheme": {"type": "float", "num_bits": 4}}
+    with pytest.raises(CacheConfigError, match=r"kv_cache_scheme is 'float' with 4 bits"):
+        Engine(m, kv_cache_dtype="fp8_e4m3", **OPTIONS)
