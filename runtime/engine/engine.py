@@ -79,7 +79,8 @@ class Engine(RequestLifecycle, EngineStatistics):
         self.kv_scales_source = kv_scale_source(full_config.kv_encoding, cfg.kv_scales,
                                                 full_config.kv_scales)
         if self.kv_scales_source:
-            log.info("kv_cache_dtype %s: scales from %s", cfg.kv_cache_dtype, self.kv_scales_source)
+            log.info("kv_cache_dtype %s: scales from %s", cfg.kv_cache_dtype,
+                     self.kv_scales_source)
         kv_dtype = self.cache_config.storage_dtype   # kv_cache_dtype
         self.attention = cfg.attention or fastest_backend(cfg.cache, self.device.type, cfg.block_size,
                                                           dtype=self.cache_config.dtype,
