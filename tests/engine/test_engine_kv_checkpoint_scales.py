@@ -84,11 +84,14 @@ def test_checkpoint_scales_keep_their_clip_point_in_another_8bit_format(scheme, 
         assert torch.equal(engine.kv.cache.kv_scales.k, torch.tensor(want.k))
 
 
-def test_user_scales_win_over_the_checkpoints_and_16_bit_ignores_them():
+def test_user_scales_win_over_the_checkpoints_and_16_bit_ignores_them(caplog):
     mine = KVScales.of([[0.5, 0.5]] * 2, [[0.25, 0.25]] * 2)
-    with Engine(checkpoint_model(), kv_cache_dtype="fp8_e4m3", kv_scales=mine, **OPTIONS) as e:
-        assert e.kv_scales_source == "user" and e.cache_config.kv_scales == mine
-        assert e.kv.cache.kv_scales.k.tolist() == [[0.5, 0.5]] * 2
+    with caplog.at_level("INFO", logger="vmemkv.engine"):
+        with Engine(checkpoint_model(), kv_cache_dtype="fp8_e4m3", kv_scales=mine, **OPTIONS) as e:
+            assert e.kv_scales_source == "user" and e.cache_config.kv_scales == mine
+            assert e.kv.cache.kv_scales.k.tolist() == [[0.5, 0.5]] * 2
+    assert [r.getMessage() for r in caplog.records if r.name == "vmemkv.engine"] == [
+        "kv_cache_dtype fp8_e4m3: scales from user"]
     with Engine(checkpoint_model(), kv_cache_dtype="bf16", **OPTIONS) as e:
         assert e.kv_scales_source is None and e.kv.cache.kv_scales is None
     with Engine(model(), kv_cache_dtype="fp8_e4m3", **OPTIONS) as e:
