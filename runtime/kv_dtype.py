@@ -14,13 +14,18 @@ Scales (``KVScales``): fp32, one per (layer, KV head) for K and one for V, store
 cache. Given by the user, or computed at the first write of each layer (``first_write_scales``:
 per KV head, amax of |x| over that write's tokens and head_dim, divided by the encoding's max,
 as vLLM's ``calculate_kv_scales`` does per tensor) and fixed from then on, so every token of a
-layer, forks and prefix hits included, shares one encoding. Lives beside ``config.py`` (not in
-``cache/``) because ``CacheConfig`` validates with it and ``cache/`` imports the config.
+layer, forks and prefix hits included, shares one encoding. The engine takes, in this order,
+the user's ``kv_scales``, the checkpoint's (``checkpoint_kv_scales``: ``k_scale`` / ``v_scale``
+or one ``kv_scale`` on each attention module, as compressed-tensors / vLLM fp8 checkpoints carry
+them, stored = x / scale like ours), or the first write's (``kv_scale_source`` names which).
+Lives beside ``config.py`` (not in ``cache/``) because ``CacheConfig`` validates with it and
+``cache/`` imports the config.
 """
 from __future__ import annotations
 
 import hashlib
 import math
+import struct
 from dataclasses import dataclass
 from typing import Optional
 
@@ -91,7 +96,9 @@ def kv_encoding(name: str, model_dtype: torch.dtype) -> KVEncoding:
 
 @dataclass(frozen=True)
 class KVScales:
-    """User-given scales: ``k`` and ``v`` each ``num_layers`` rows of ``num_kv_heads`` floats."""
+    """Given scales (the user's or a checkpoint's): ``k`` and ``v`` each ``num_layers`` rows of
+    ``num_kv_heads`` floats, rounded to the fp32 the cache holds (``of``), so equal encodings
+    have one digest whatever precision they were given in."""
     k: tuple
     v: tuple
 
@@ -102,7 +109,7 @@ class KVScales:
             if isinstance(x, torch.Tensor):
                 x = x.tolist()
             try:
-                return tuple(tuple(float(s) for s in row) for row in x)
+                return tuple(tuple(_fp32(float(s)) for s in row) for row in x)
             except (TypeError, ValueError):
                 raise CacheConfigError(f"kv_scales.{name} must be [num_layers][num_kv_heads] "
                                        f"numbers, got {x!r}"[:200]) from None
@@ -119,7 +126,7 @@ class KVScales:
                                        f"{num_kv_heads}] (num_layers, num_kv_heads), got "
                                        f"{shape[0]} rows of lengths {sorted(set(shape[1]))}")
             bad = [(i, j, s) for i, r in enumerate(rows) for j, s in enumerate(r)
-                   if not (math.isfinite(s) and s > 0)]
+                   if not _usable(s)]
             if bad:
                 i, j, s = bad[0]
                 raise CacheConfigError(f"kv_scales.{name}[{i}][{j}] must be a finite number > 0, "
@@ -130,6 +137,20 @@ class KVScales:
         """A short hash of the values (part of the prefix cache's key)."""
         data = repr((self.k, self.v)).encode()
         return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _usable(scale: float) -> bool:
+    """A scale must be finite and > 0 (x / scale must be a number)."""
+    return math.isfinite(scale) and scale > 0
+
+
+def _fp32(s: float) -> float:
+    """``s`` rounded to fp32 (RNE); inf past fp32's range, so ``check`` refuses what the
+    cache's fp32 table could not hold."""
+    try:
+        return struct.unpack("f", struct.pack("f", s))[0]
+    except OverflowError:
+        return math.copysign(math.inf, s)
 
 
 def first_write_scales(x: torch.Tensor, encoding: KVEncoding) -> torch.Tensor:
@@ -168,3 +189,107 @@ class ScaleTable:
             self.fixed[layer] = True
         return (self.encoding.quantize(k, self.k[layer]),
                 self.encoding.quantize(v, self.v[layer]))
+
+
+CHECKPOINT_SCALE_NAMES = ("k_scale", "v_scale", "kv_scale")   # on an attention module
+
+
+def checkpoint_kv_scales(model: torch.nn.Module, encoding: KVEncoding, num_layers: int,
+                         num_kv_heads: int) -> Optional[KVScales]:
+    """The scales ``model``'s checkpoint carries, for ``encoding``, or None if none are carried.
+
+    Read from the modules with an int ``layer_idx`` (HF attention modules) that hold tensor
+    ``k_scale`` and ``v_scale``, or one ``kv_scale`` for both (older fp8 checkpoints). Each is
+    a scalar (any shape of one element; broadcast to the layer's KV heads) or ``num_kv_heads``
+    values (``[H]``, ``[H, 1, 1]``). They keep their clip point: scale x the checkpoint's format
+    max (``checkpoint_format_max``) = new scale x ``encoding.max_value``, so fp8 scales serve
+    int8 without saturating at 127. CacheConfigError naming the module and attribute for any
+    other shape, a value not finite and > 0, another set of names, a module without
+    ``layer_idx``, two modules of one layer, or layers that carry none while others do (never
+    mixed with first-write scales)."""
+    rows = {}   # layer -> (module name, k row, v row)
+    for name, module in model.named_modules():
+        held = {a: t for a in CHECKPOINT_SCALE_NAMES
+                if isinstance(t := getattr(module, a, None), torch.Tensor)}
+        if not held:
+            continue
+        layer = getattr(module, "layer_idx", None)
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+            raise CacheConfigError(f"{name} carries {', '.join(held)} but its layer_idx is "
+                                   f"{layer!r}, not a layer in [0, {num_layers})")
+        if layer in rows:
+            raise CacheConfigError(f"{name} and {rows[layer][0]} both carry KV scales of layer "
+                                   f"{layer}")
+        rows[layer] = (name, *_pair(name, held, num_kv_heads))
+    if not rows:
+        return None
+    missing = [i for i in range(num_layers) if i not in rows]
+    if missing:
+        raise CacheConfigError(f"the checkpoint carries KV scales for layers {sorted(rows)} but "
+                               f"not for layers {missing}; give kv_scales for every layer")
+    ratio = checkpoint_format_max(model) / encoding.max_value   # 1.0: the same format
+    return KVScales.of([[s * ratio for s in rows[i][1]] for i in range(num_layers)],
+                       [[s * ratio for s in rows[i][2]] for i in range(num_layers)])
+
+
+def checkpoint_format_max(model: torch.nn.Module) -> float:
+    """The largest stored value of the format the checkpoint's KV scales were made for: its
+    compressed-tensors ``quantization_config.kv_cache_scheme`` (``type`` float: e4m3's 448,
+    int: 127), else 448 (fp8 e4m3, vLLM's convention for checkpoint KV scales)."""
+    qc = _as_dict(getattr(model.config, "quantization_config", None))
+    scheme = _as_dict(qc.get("kv_cache_scheme")
+                      or _as_dict(qc.get("quantization_config")).get("kv_cache_scheme"))
+    if not scheme:
+        return _FIXED["fp8_e4m3"].max_value
+    kind, bits = scheme.get("type"), scheme.get("num_bits")
+    if bits != 8 or kind not in ("float", "int"):
+        raise CacheConfigError(f"the checkpoint's kv_cache_scheme is {kind!r} with {bits!r} "
+                               f"bits; its KV scales are read for 8-bit float or int only")
+    return _FIXED["fp8_e4m3" if kind == "float" else "int8"].max_value
+
+
+def _as_dict(x) -> dict:
+    """A config section (a dict, transformers' config object or a pydantic model) as a dict."""
+    if x is None or isinstance(x, dict):
+        return x or {}
+    for method in ("to_dict", "model_dump"):
+        if hasattr(x, method):
+            return getattr(x, method)()
+    return vars(x)
+
+
+def _pair(name: str, held: dict, num_kv_heads: int) -> tuple:
+    """(k row, v row) of one module's ``held`` scale tensors, each ``num_kv_heads`` floats."""
+    if set(held) == {"k_scale", "v_scale"}:
+        pair = (("k_scale", held["k_scale"]), ("v_scale", held["v_scale"]))
+    elif set(held) == {"kv_scale"}:
+        pair = (("kv_scale", held["kv_scale"]),) * 2
+    else:
+        raise CacheConfigError(f"{name} carries {', '.join(held)}; a checkpoint's KV scales are "
+                               f"k_scale and v_scale, or kv_scale alone")
+    return tuple(_row(f"{name}.{attr}", t, num_kv_heads) for attr, t in pair)
+
+
+def _row(where: str, t: torch.Tensor, num_kv_heads: int) -> tuple:
+    """``t`` as ``num_kv_heads`` floats: one value broadcast, or one per KV head."""
+    values = t.detach().float().cpu().reshape(-1).tolist()
+    per_head = t.dim() >= 1 and t.shape[0] == num_kv_heads and all(d == 1 for d in t.shape[1:])
+    if len(values) != 1 and not per_head:
+        raise CacheConfigError(f"{where} has shape {list(t.shape)}; a checkpoint's KV scale "
+                               f"must be a scalar or [{num_kv_heads}] (one per KV head)")
+    bad = [(j, s) for j, s in enumerate(values) if not _usable(s)]
+    if bad:
+        raise CacheConfigError(f"{where}[{bad[0][0]}] must be a finite number > 0, got "
+                               f"{bad[0][1]!r}")
+    return tuple(values * num_kv_heads if len(values) == 1 else values)
+
+
+def kv_scale_source(encoding: KVEncoding, given: Optional[KVScales],
+                    chosen: Optional[KVScales]) -> Optional[str]:
+    """Where a cache's scales come from: "user" (``given``), "checkpoint" (``chosen`` read
+    from the model), "first-write", or None for an unscaled encoding."""
+    if not encoding.scaled:
+        return None
+    if given is not None:
+        return "user"
+    return "checkpoint" if chosen is not None else "first-write"

@@ -15,6 +15,7 @@ sequences come back by the scheduler's rules.
 """
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import replace
@@ -25,6 +26,7 @@ import torch
 from vmemkv.runtime.attention import fastest_backend, get_backend
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.kv import make_kv
+from vmemkv.runtime.kv_dtype import checkpoint_kv_scales, kv_encoding, kv_scale_source
 from vmemkv.runtime.models import eos_token_ids
 from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
@@ -49,6 +51,7 @@ from .prompts import check_prompt_batch, check_request_params, encode_prompt
 from .self_check import self_check
 
 Prompt = Union[Sequence[int], str]
+log = logging.getLogger("vmemkv.engine")
 
 
 class Engine(RequestLifecycle, EngineStatistics):
@@ -72,6 +75,12 @@ class Engine(RequestLifecycle, EngineStatistics):
         full_config = self._cache_config(model, cfg, param)
         self.cache_config = (full_config if cfg.tensor_parallel_size == 1 else self._cache_config(
             model, cfg, param, kv_heads_per_rank(model.config, cfg.tensor_parallel_size)))
+        # "user", "checkpoint" or "first-write" (None: unscaled); the scales are cache_config's
+        self.kv_scales_source = kv_scale_source(full_config.kv_encoding, cfg.kv_scales,
+                                                full_config.kv_scales)
+        if self.kv_scales_source:
+            log.info("kv_cache_dtype %s: scales from %s", cfg.kv_cache_dtype,
+                     self.kv_scales_source)
         kv_dtype = self.cache_config.storage_dtype   # kv_cache_dtype
         self.attention = cfg.attention or fastest_backend(cfg.cache, self.device.type, cfg.block_size,
                                                           dtype=self.cache_config.dtype,
@@ -140,11 +149,16 @@ class Engine(RequestLifecycle, EngineStatistics):
     @staticmethod
     def _cache_config(model, cfg: EngineConfig, param: torch.Tensor,
                       kv_heads: Optional[int] = None) -> CacheConfig:
-        """The cache's shape; ``kv_heads``: one tensor-parallel rank's share of the KV heads."""
+        """The cache's shape; ``kv_heads``: one tensor-parallel rank's share of the KV heads.
+        8-bit scales: the user's ``kv_scales``, else the checkpoint's, else None (first write)."""
         mc = model.config.get_text_config()
-        shape = dict(**kv_shape_of(mc), dtype=param.dtype, device=str(param.device),
+        kv, scales = kv_shape_of(mc), cfg.kv_scales
+        encoding = kv_encoding(cfg.kv_cache_dtype, param.dtype)
+        if scales is None and encoding.scaled:
+            scales = checkpoint_kv_scales(model, encoding, kv["num_layers"], kv["num_kv_heads"])
+        shape = dict(**kv, dtype=param.dtype, device=str(param.device),
                      max_batch=cfg.max_batch, layer_windows=layer_windows_of(mc),
-                     kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=cfg.kv_scales)
+                     kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=scales)
         if kv_heads is not None:
             shape["num_kv_heads"] = kv_heads
         # a vmem slot is whole pages: the cache is built rounded up, admission uses max_context

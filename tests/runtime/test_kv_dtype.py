@@ -82,6 +82,8 @@ def test_scales_are_fixed_by_a_layers_first_write_and_given_ones_are_kept(kind):
     (dict(kv_cache_dtype="fp8_e4m3", kv_scales=([[1.0, 0.0]] * 2, [[1.0, 1.0]] * 2)), "kv_scales.k[0][1]"),
     (dict(kv_cache_dtype="fp8_e5m2", kv_scales=([[1.0, 1.0]] * 2, [[float("nan"), 1.0]] * 2)), "kv_scales.v[0][0]"),
     (dict(kv_cache_dtype="fp8_e5m2", kv_scales=([[1.0, 1.0]] * 2, [[float("inf"), 1.0]] * 2)), "kv_scales.v[0][0]"),
+    (dict(kv_cache_dtype="int8", kv_scales=([[1.0, 1e39]] * 2, [[1.0, 1.0]] * 2)), "kv_scales.k[0][1]"),
+    (dict(kv_cache_dtype="int8", kv_scales=([[1.0, 1.0]] * 2, [[1e-50, 1.0]] * 2)), "kv_scales.v[0][0]"),
     (dict(kv_cache_dtype="bf16", kv_scales=([[1.0, 1.0]] * 2,) * 2), "kv_scales"),
     (dict(kv_cache_dtype="int8", device="cuda"), "kv_cache_dtype"),
 ])
