@@ -20,13 +20,23 @@ from .errors import ConfigError
 from .geometry import PageGeometry
 
 
-class CacheKind(str, Enum):
+class _Name(str, Enum):
+    """A str enum that prints as its value (as 3.11's StrEnum; this package supports 3.10)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return self.value.__format__(spec)
+
+
+class CacheKind(_Name):
     """What memory a cache is made of."""
     VMEM = "vmem"      # slots of page indexes mapped to physical pages (vmem.VirtualRange)
     PAGED = "paged"    # a preallocated pool of fixed blocks, read through block tables
 
 
-class PoolBacking(str, Enum):
+class PoolBacking(_Name):
     """How a vmem pool's physical pages back page groups."""
     FIXED = "fixed"    # group g owns pages_per_group fixed pages (no pool_pages)
     PARTS = "parts"    # hybrid per-layer: pages bound to a group's FULL / WINDOW part on demand
