@@ -5,8 +5,7 @@ its plans, and nothing else (plain data, frozen, picklable).
     cache = cache_from_layout(layout, config)       # any process (runtime.kv)
 
 Executors read this value, never the manager: no attribute probing, no policy names. The kind
-is a ``CacheKind`` (a str enum, so ``CacheKind.VMEM == "vmem"`` for callers that still hold a
-name). A vmem layout names its page geometry, slots, page groups and, where the manager counts
+is a ``CacheKind`` (a str enum: a member equals its name, for callers that still hold one). A vmem layout names its page geometry, slots, page groups and, where the manager counts
 its pool in pages, ``pool_pages`` with how those pages back groups (``pool``); a paged layout
 names its blocks.
 """

@@ -77,7 +77,7 @@ class KVCache(ABC):
     hands attention exactly the live tokens.
     """
 
-    kind: CacheKind           # what memory the cache is made of (a str enum: == "vmem" holds)
+    kind: CacheKind           # what memory the cache is made of (a str enum, equal to its name)
     config: CacheConfig
 
     def __init__(self, config: CacheConfig) -> None:
