@@ -15,6 +15,7 @@ from typing import Iterable, Optional
 
 from vmemkv import vmem
 from vmemkv.scheduler.layout import CacheKind, CacheLayout, PoolBacking
+from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.geometry import PageGeometry, default_page_bytes as _default_page_bytes
 from vmemkv.scheduler.managers import DEFAULT_EVICTION, make_manager
 from vmemkv.scheduler.plan import GroupPart, SwapOut
@@ -140,9 +141,14 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
 
 def cache_for(manager, config: CacheConfig, *, driver: Optional[vmem.Driver] = None,
               background_mapper: bool = False, grow_pages: bool = False) -> KVCache:
-    """The cache that executes ``manager``'s plans: ``cache_from_layout(manager.layout(), ...)``.
-    The cache keeps no reference to the manager."""
-    return cache_from_layout(manager.layout(), config, driver=driver,
+    """The cache that executes ``manager``'s plans: ``cache_from_layout(manager.layout(), ...)``;
+    CacheConfigError for a manager whose plans no cache executes (reserve-*). The cache keeps
+    no reference to the manager."""
+    try:
+        layout = manager.layout()
+    except ConfigError as error:
+        raise CacheConfigError(str(error)) from error
+    return cache_from_layout(layout, config, driver=driver,
                              background_mapper=background_mapper, grow_pages=grow_pages)
 
 

@@ -369,5 +369,5 @@ class MemoryManager(ABC):
         """The cache an executor must build to run this manager's plans (plain data; equal on
         every call). ConfigError for a policy whose plans no cache executes (reserve-*:
         simulator only)."""
-        raise ConfigError(f"the {self.name} policy plans for the simulator only; a cache needs "
-                          f"a 'vmem' or 'paged' memory manager")
+        raise ConfigError(f"a cache needs a 'vmem' or 'paged' memory manager, got {self.name!r} "
+                          f"(its plans are for the simulator only)")

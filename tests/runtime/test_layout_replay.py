@@ -12,8 +12,9 @@ import torch
 
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.distributed.worker import memory_state
-from vmemkv.runtime.errors import CacheStateError
+from vmemkv.runtime.errors import CacheConfigError, CacheStateError
 from vmemkv.runtime.kv import cache_from_layout, check_matches
+from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.layout import CacheKind, PoolBacking
 from vmemkv.scheduler.plan import ScheduledSeq, StepPlan
 
@@ -207,3 +208,19 @@ def test_a_layout_is_plain_frozen_data():
     assert pickle.loads(pickle.dumps(layout)) == layout
     with pytest.raises(dataclasses.FrozenInstanceError):
         layout.pool_pages = 1
+
+
+def test_a_layout_that_cannot_build_a_cache_is_refused_by_name():
+    _, recorder, layout = recorded_run("vmem-byte-mapped", steps=1)
+    config = recorder.cache.config
+    recorder.cache.close()
+    with pytest.raises(CacheConfigError, match="built from a CacheLayout"):
+        cache_from_layout("vmem", config)
+    with pytest.raises(ConfigError, match="pool_pages must be given exactly for a parts or bytes pool"):
+        dataclasses.replace(layout, pool_pages=None)
+    with pytest.raises(ConfigError, match="a parts pool needs a geometry split"):
+        dataclasses.replace(layout, backing=PoolBacking.PARTS)
+    with pytest.raises(ConfigError, match="CacheLayout num_slots must be an int >= 1, got 0"):
+        dataclasses.replace(layout, num_slots=0)
+    with pytest.raises(CacheConfigError, match="4 slots but CacheConfig.max_batch is 3"):
+        cache_from_layout(layout, dataclasses.replace(config, max_batch=3))
