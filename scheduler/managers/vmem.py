@@ -86,8 +86,8 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
 
     pool_pages: Optional[int] = None   # hybrid.py: the pool counted in pages; here every
                                        # group has its own fixed pages_per_group pages
-    maps_by_bytes = False              # vmem_bytes.py: groups backed by their bytes
-    pool_backing = PoolBacking.FIXED   # how pool pages back groups (hybrid.py, vmem_bytes.py)
+    pool_backing = PoolBacking.FIXED   # how pool pages back groups: PARTS (hybrid.py), BYTES
+                                       # (vmem_bytes.py: groups backed by their bytes)
 
     def layout(self) -> CacheLayout:
         """A vmem cache of this geometry, slots, groups and pool."""

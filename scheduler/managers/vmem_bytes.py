@@ -55,7 +55,6 @@ class ByteMappedVmemManager(VmemManager):
     def _smallest_unit(self) -> tuple:
         return "page slice (a page of each member)", self.geometry.num_members
 
-    maps_by_bytes = True
     pool_backing = PoolBacking.BYTES
 
     _FIXED_FIELDS = VmemManager._FIXED_FIELDS | {"pool_slices", "pool_pages"}
