@@ -24,6 +24,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 from vmemkv.scheduler.cost import AfterPrefill, prefill_pairs
+from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.profile_cost import FITTED, PROFILE_FORMAT, PROFILE_VERSION
 from vmemkv.scheduler.result_files import write_json
 
@@ -135,7 +136,7 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
                               progress or (lambda line: None))
         engine_figures = {"cache": engine.config.cache, "layout": engine.config.layout,
                           "page_bytes": (engine.kv.manager.page_bytes
-                                         if engine.config.cache == "vmem" else None),
+                                         if engine.kv.cache.kind is CacheKind.VMEM else None),
                           "max_tokens_per_step": engine.config.max_tokens_per_step,
                           "max_batch": max_batch, "max_context": max_context}
     fitted = fit_profile(points, precision, max_repeats, resamples, seed)

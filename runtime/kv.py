@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from vmemkv import vmem
+from vmemkv.scheduler.layout import CacheKind, CacheLayout, PoolBacking
+from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.geometry import PageGeometry, default_page_bytes as _default_page_bytes
 from vmemkv.scheduler.managers import DEFAULT_EVICTION, make_manager
 from vmemkv.scheduler.plan import GroupPart, SwapOut
@@ -23,7 +25,7 @@ from .cache import KVCache, PagedKVCache, VMemKVCache
 from .config import CacheConfig
 from .errors import CacheConfigError, CacheStateError
 
-CACHE_KINDS = ("vmem", "paged")
+CACHE_KINDS = tuple(k.value for k in CacheKind)
 
 
 def default_page_bytes(config: CacheConfig, layout: str) -> int:
@@ -123,7 +125,7 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
     if cache_bytes is None:
         cache_bytes = config.max_batch * config.max_context * config.bytes_per_token
     model = config.model_spec()
-    if kind == "vmem":
+    if CacheKind(kind) is CacheKind.VMEM:
         page_bytes = page_bytes or default_page_bytes(config, layout)
         manager = make_manager("vmem", model, cache_bytes, config.max_context, page_bytes=page_bytes,
                                layout=layout, max_slots=config.max_batch, swap_bytes=swap_bytes,
@@ -139,26 +141,38 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
 
 def cache_for(manager, config: CacheConfig, *, driver: Optional[vmem.Driver] = None,
               background_mapper: bool = False, grow_pages: bool = False) -> KVCache:
-    """The cache that executes ``manager``'s plans (vmem or paged), sized from it; raises
-    CacheConfigError when the manager does not fit ``config``. The cache keeps no reference
-    to the manager."""
-    name = getattr(manager, "name", manager)
-    if name == "paged":
-        return PagedKVCache(config, manager.block_size, manager.num_blocks)
-    if name != "vmem":
-        raise CacheConfigError(f"a cache needs a 'vmem' or 'paged' memory manager, got {name!r}")
-    if manager.num_slots != config.max_batch:
-        raise CacheConfigError(f"manager has {manager.num_slots} slots but CacheConfig.max_batch "
+    """The cache that executes ``manager``'s plans: ``cache_from_layout(manager.layout(), ...)``;
+    CacheConfigError for a manager whose plans no cache executes (reserve-*). The cache keeps
+    no reference to the manager."""
+    try:
+        layout = manager.layout()
+    except ConfigError as error:
+        raise CacheConfigError(str(error)) from error
+    return cache_from_layout(layout, config, driver=driver,
+                             background_mapper=background_mapper, grow_pages=grow_pages)
+
+
+def cache_from_layout(layout: CacheLayout, config: CacheConfig, *,
+                      driver: Optional[vmem.Driver] = None, background_mapper: bool = False,
+                      grow_pages: bool = False) -> KVCache:
+    """The cache (vmem or paged) a manager declared in ``layout``, built from it alone (in any
+    process: a tensor-parallel rank, a replay); raises CacheConfigError when it does not fit
+    ``config``. ``background_mapper``/``grow_pages``/``driver``: vmem only, ignored for paged."""
+    if not isinstance(layout, CacheLayout):
+        raise CacheConfigError(f"a cache is built from a CacheLayout (manager.layout()), "
+                               f"got {layout!r}")
+    if layout.kind is CacheKind.PAGED:
+        return PagedKVCache(config, layout.block_size_tokens, layout.num_blocks)
+    if layout.num_slots != config.max_batch:
+        raise CacheConfigError(f"manager has {layout.num_slots} slots but CacheConfig.max_batch "
                                f"is {config.max_batch}; build the manager with max_slots=max_batch")
-    if manager.pages_per_slot * manager.tokens_per_page != config.max_context:
+    if layout.max_seq_len_tokens != config.max_context:
         raise CacheConfigError(
-            f"manager slots hold {manager.pages_per_slot * manager.tokens_per_page} tokens but "
+            f"manager slots hold {layout.max_seq_len_tokens} tokens but "
             f"CacheConfig.max_context is {config.max_context}")
-    # a hybrid manager (full + windowed layers, per-layer) counts its pool in pages and plans
-    # part-ops; every other vmem manager hands out groups of fixed pages (pool_pages None)
-    return VMemKVCache(config, manager.geometry, manager.num_groups, driver=driver,
+    return VMemKVCache(config, layout.geometry, layout.num_groups, driver=driver,
                        background_mapper=background_mapper, grow_pages=grow_pages,
-                       pool_pages=manager.pool_pages)
+                       pool_pages=layout.pool_pages)
 
 
 def check_matches(manager, cache: KVCache) -> None:
@@ -167,17 +181,20 @@ def check_matches(manager, cache: KVCache) -> None:
     placed sequence the manager still holds, and the swap space."""
     manager.check_integrity()
     cache.check_integrity()
+    layout = manager.layout()
+    assert cache.kind is layout.kind, f"a {cache.kind.value} cache for a {layout.kind.value} layout"
+    vmem_kind = layout.kind is CacheKind.VMEM
     for seq_id in cache.placed_seq_ids:
         if manager.is_swapped(seq_id) or not _resident(manager, seq_id):
             continue   # finished or preempted since the last plan: its drop is in the next one
-        truth = manager.slot_of(seq_id) if cache.kind == "vmem" else manager.block_table(seq_id)
+        truth = manager.slot_of(seq_id) if vmem_kind else manager.block_table(seq_id)
         assert cache.placement(seq_id) == truth, f"placement of sequence {seq_id}"
-    if cache.kind == "vmem":
+    if vmem_kind:
         for slot in range(cache.config.max_batch):
             assert cache.mapped_pages(slot) == manager.mapped_pages(slot), f"pages of slot {slot}"
-        if manager.maps_by_bytes:
+        if layout.backing is PoolBacking.BYTES:
             _check_backing_matches(manager, cache)
-        elif cache.pool_pages is not None:
+        elif layout.backing is PoolBacking.PARTS:
             _check_parts_match(manager, cache)
     swapped = cache.swapped_tokens()
     for seq_id, tokens in swapped.items():

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Iterable, List, Optional
 
 from .errors import ConfigError
+from .layout import CacheKind
 from .plan import DropTable, EditBlocks, SetSlot, StepPlan, TableEdit
 
 
@@ -94,8 +95,7 @@ class BlockTables(TableTracker):
 
 def tracker_for(cache_kind: str) -> TableTracker:
     """The tracker a ``"vmem"`` or ``"paged"`` executor needs."""
-    if cache_kind == "vmem":
-        return SlotTables()
-    if cache_kind == "paged":
-        return BlockTables()
+    trackers = {CacheKind.VMEM: SlotTables, CacheKind.PAGED: BlockTables}
+    if cache_kind in trackers:
+        return trackers[CacheKind(cache_kind)]()
     raise ConfigError(f"cache kind must be 'vmem' or 'paged', got {cache_kind!r}")

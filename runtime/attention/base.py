@@ -35,6 +35,8 @@ from typing import ClassVar, NamedTuple, Optional, Union
 
 import torch
 
+from vmemkv.scheduler.layout import CacheKind
+
 from .checks import check_cache_pair, check_query
 from .errors import AttentionShapeError, UnsupportedError
 
@@ -190,7 +192,7 @@ class VMemLayerView(_StepData):
     softcap: Optional[float] = None   # attention logit soft-cap: scores -> cap * tanh(scores / cap)
     k_scale: Optional[torch.Tensor] = field(default=None, compare=False)   # 8-bit K/V: fp32
     v_scale: Optional[torch.Tensor] = field(default=None, compare=False)   # [kv_heads] each
-    kind: ClassVar[str] = "vmem"
+    kind: ClassVar[CacheKind] = CacheKind.VMEM
 
     @cached_property
     def host_slots(self) -> tuple[int, ...]:
@@ -245,7 +247,7 @@ class PagedLayerView(_StepData):
     softcap: Optional[float] = None
     k_scale: Optional[torch.Tensor] = field(default=None, compare=False)
     v_scale: Optional[torch.Tensor] = field(default=None, compare=False)
-    kind: ClassVar[str] = "paged"
+    kind: ClassVar[CacheKind] = CacheKind.PAGED
 
     def _cache_tensor(self) -> torch.Tensor:
         return self.k_pool
@@ -363,7 +365,7 @@ class AttentionBackend(ABC):
             raise UnsupportedError(f"attention backend {self.name!r} does not implement kv_starts "
                                    f"(a per-sequence first key); got {list(view.lens.kv_starts)}")
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-        if view.kind == "vmem":
+        if view.kind is CacheKind.VMEM:
             out = self._forward_vmem(q, view, scale)
         else:
             out = self._forward_paged(q, view, scale)

@@ -13,6 +13,8 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 
+from vmemkv.scheduler.layout import CacheKind
+
 from .base import PagedLayerView, VMemLayerView
 
 # enable_gqa= arrived in scaled_dot_product_attention in torch 2.5.
@@ -125,7 +127,7 @@ def softcapped_attention(q, k, v, scale: float, softcap: float, visible: torch.T
 def per_request(q: torch.Tensor, view, scale: float, causal_bias: bool = False) -> torch.Tensor:
     """Loop over requests: slice (vmem, zero copy) or gather (paged) the layer's readable keys,
     then :func:`attend_one` with the layer's window and soft-cap."""
-    kv_of = vmem_kv if view.kind == "vmem" else paged_kv
+    kv_of = vmem_kv if view.kind is CacheKind.VMEM else paged_kv
     out = torch.empty_like(q)
     for i, start, n in request_rows(view):
         k, v = kv_of(view, i)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import Optional
 
+from vmemkv.scheduler.layout import CacheKind
+
 from .base import AttentionBackend, Availability
 from .errors import BackendUnavailableError, UnknownBackendError, UnsupportedError
 
@@ -77,7 +79,7 @@ def fastest_backend(kind: str, device: str, block_size: Optional[int] = None,
         raise UnsupportedError(f"no attention backend for cache kind {kind!r} on device {device!r}; "
                                f"kinds: vmem, paged; devices: cpu, cuda")
     for name in _PREFERENCE[(kind, device)]:
-        if name == "flash-attn" and kind == "paged" and block_size is not None and block_size % 256:
+        if name == "flash-attn" and kind == CacheKind.PAGED and block_size is not None and block_size % 256:
             continue
         if dtype is not None and dtype not in backend_class(name).dtypes:
             continue

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from vmemkv.runtime.attention.base import BatchLens, LayerView
+from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.plan import DropSwapped, DropTable, SwapIn, SwapOut
 
 from ..config import CacheConfig
@@ -76,7 +77,7 @@ class KVCache(ABC):
     hands attention exactly the live tokens.
     """
 
-    kind: str                 # "vmem" or "paged": what memory the cache is made of
+    kind: CacheKind           # what memory the cache is made of (a str enum, equal to its name)
     config: CacheConfig
 
     def __init__(self, config: CacheConfig) -> None:

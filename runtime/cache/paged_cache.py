@@ -13,6 +13,7 @@ from typing import Sequence
 import torch
 
 from vmemkv.runtime.attention.base import PagedLayerView, StepMeta, window_starts
+from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.plan import CopyBlock, DropSwapped, EditBlocks, SwapIn, SwapOut
 
 from ..config import CacheConfig
@@ -25,7 +26,7 @@ from .journal import PlanJournal
 class PagedKVCache(KVCache):
     """Executes paged plans on a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
 
-    kind = "paged"
+    kind = CacheKind.PAGED
 
     def __init__(self, config: CacheConfig, block_size: int, num_blocks: int) -> None:
         super().__init__(config)

@@ -27,6 +27,7 @@ import torch
 from vmemkv import vmem
 from vmemkv.runtime.attention.base import StepMeta, VMemLayerView, window_starts
 from vmemkv.scheduler.geometry import PageGeometry
+from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.plan import (CopyGroup, DropSwapped, MapGroup, ReleaseGroup, ResizeGroup,
                                    SetSlot, SwapIn, SwapOut, UnmapGroup)
 
@@ -56,7 +57,7 @@ class VMemKVCache(VMemOps, PartOps, SliceOps, KVCache):
     only for their own layer. ``mapper_wait_s`` is the time steps spent waiting for it.
     """
 
-    kind = "vmem"
+    kind = CacheKind.VMEM
 
     def __init__(self, config: CacheConfig, geometry: PageGeometry, num_groups: int,
                  driver: Optional[vmem.Driver] = None, background_mapper: bool = False,

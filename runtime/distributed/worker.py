@@ -30,6 +30,7 @@ import torch.distributed as dist
 from vmemkv.runtime.errors import CacheTooLargeError, PlanExecutionError
 
 from vmemkv.runtime.engine.errors import TensorParallelError
+from vmemkv.scheduler.layout import CacheKind
 from .group import RankGroup, init_group, leave_group, open_activation_group, watch_parent
 from .placement import RankPlacement
 from .sharding import shard_model
@@ -154,7 +155,7 @@ def memory_state(cache) -> dict:
     ({page_index: {part: group}}) and the pool pages bound to groups."""
     state = {"placements": {s: cache.placement(s) for s in cache.placed_seq_ids},
              "swapped_tokens": cache.swapped_tokens(), "swapped_bytes": cache.swapped_bytes}
-    if cache.kind == "vmem":
+    if cache.kind is CacheKind.VMEM:
         state["mapped_parts"] = {slot: cache.mapped_parts(slot)
                                  for slot in range(cache.config.max_batch)}
         state["bound_pages"] = cache.bound_pages

@@ -8,6 +8,7 @@ from vmemkv.runtime.kv import vmem_geometry
 from vmemkv.runtime.kv_dtype import KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES, KVScales
 from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device
 from vmemkv.scheduler.geometry import LAYOUTS  # noqa: F401 (re-exported)
+from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 
 from .errors import EngineConfigError
@@ -148,7 +149,7 @@ def cache_budget_bytes(cfg: EngineConfig, cache_config) -> int:
 def page_rounded_context(cache_config, cfg, tokens: int) -> int:
     """Smallest context >= ``tokens`` a cache of ``cfg`` can be built with (vmem: whole pages
     per slot; paged: any). The engine still admits only the user's ``max_context``."""
-    if cfg.cache != "vmem":
+    if CacheKind(cfg.cache) is not CacheKind.VMEM:
         return tokens
     return vmem_geometry(cache_config, cfg.layout, cfg.page_bytes).round_up_tokens(tokens)
 

@@ -97,7 +97,7 @@ class Engine(RequestLifecycle, EngineStatistics):
             self_check(model, full_config, cfg, backend, self._model_attn)
         kv_options = dict(cache_bytes=cache_bytes, layout=cfg.layout, page_bytes=cfg.page_bytes,
                           block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,
-                          background_mapper=cfg.background_mapper and cfg.cache == "vmem",
+                          background_mapper=cfg.background_mapper,   # vmem only: paged ignores it
                           prefix_eviction=cfg.prefix_eviction)
         self.tp = None
         if cfg.tensor_parallel_size > 1:   # every rank builds its shard and cache; rank 0 is here

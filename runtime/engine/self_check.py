@@ -26,6 +26,7 @@ import torch
 from vmemkv.runtime.kv import make_kv
 from vmemkv.runtime.errors import RuntimeKVError
 from vmemkv.runtime.hf.attention import ATTN_IMPLEMENTATION, UnsupportedModelError
+from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.request import Request
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -87,7 +88,7 @@ def _difference(model, ours, tokens, prompt, original_attn: str, dtype) -> Tuple
 def _our_logits(model, cache_config, cfg, backend, prompt: List[int]):
     """Greedy logits of the prompt's last token and DECODE_TOKENS decode steps, on our path."""
     length = PROMPT_TOKENS + DECODE_TOKENS + 1
-    if cfg.cache == "paged":   # whole blocks, so the default budget holds the sequence
+    if CacheKind(cfg.cache) is CacheKind.PAGED:   # whole blocks, so the default budget holds the sequence
         length = -(-length // cfg.block_size) * cfg.block_size
     small = dataclasses.replace(cache_config, max_batch=1, max_context=page_rounded_context(cache_config, cfg, length))
     kv = make_kv(small, cfg.cache, layout=cfg.layout, page_bytes=cfg.page_bytes,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from typing import Optional, Sequence
 
+from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.report import serving_report
 
 from .outputs import EngineStats, RequestOutput, request_timings
@@ -44,7 +45,8 @@ class EngineStatistics:
         m, usage = self.scheduler.metrics, self._kv_usage[b["kv"]:]
         phases = {f"{k}_s": v - b["phases"].get(k, 0.0) for k, v in self._phases().items()}
         return EngineStats(
-            cache=self.config.cache if self.config.cache == "paged" else f"vmem/{self.config.layout}",
+            cache=(self.config.cache if self.kv.cache.kind is CacheKind.PAGED
+                   else f"vmem/{self.config.layout}"),
             attention=self.attention, requests=m.num_finished_requests - b["done"],
             prompt_tokens=self._prompt_tokens - b["prompt"], output_tokens=m.generated_tokens - b["gen"],
             steps=self._steps - b["steps"], wall_s=time.perf_counter() - b["t"],

@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache
 
+from vmemkv.scheduler.layout import PoolBacking
+
 from ..config import CacheConfig, parse_dtype
 from ..errors import CacheConfigError, CacheStateError
 from ..kv import KV, make_kv, vmem_geometry
@@ -230,7 +232,7 @@ class VMemCache(Cache):
         """(needed, free, what they count) to grow ``batch`` rows from ``held`` to ``end``
         tokens: page groups, or page slices where groups are backed by their bytes."""
         geometry, manager = self.kv.geometry, self.manager
-        if manager.maps_by_bytes:
+        if manager.layout().backing is PoolBacking.BYTES:
             need = batch * (geometry.slot_member_pages(end) - geometry.slot_member_pages(held))
             return need, manager.available_member_pages, \
                 f"page slices of {geometry.num_members} pages"

@@ -15,6 +15,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
+from ..errors import ConfigError
+from ..layout import CacheLayout
+
 
 # ---- memory operations -------------------------------------------------------------------
 # vmem mode. A "page group" is every physical page that backs one run of tokens_per_page tokens
@@ -361,3 +364,10 @@ class MemoryManager(ABC):
     @abstractmethod
     def take_ops(self) -> list:
         """Drain and return the pending memory ops, in execution order."""
+
+    def layout(self) -> CacheLayout:
+        """The cache an executor must build to run this manager's plans (plain data; equal on
+        every call). ConfigError for a policy whose plans no cache executes (reserve-*:
+        simulator only)."""
+        raise ConfigError(f"a cache needs a 'vmem' or 'paged' memory manager, got {self.name!r} "
+                          f"(its plans are for the simulator only)")

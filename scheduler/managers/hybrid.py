@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import OutOfCapacityError
+from ..layout import PoolBacking
 from .base import GroupPart, MapGroup, MemoryStats, ReleaseGroup, UnmapGroup
 from .journal import JList, JSet
 from .prefix import HeldSeq
@@ -66,6 +67,7 @@ class HybridVmemManager(VmemManager):
         self.window_pages = self.geometry.pages_per_part(WINDOW)
         return self.pool_pages // self.full_pages    # every group with pages holds FULL ones
 
+    pool_backing = PoolBacking.PARTS
     _FIXED_FIELDS = VmemManager._FIXED_FIELDS | {"pool_pages", "full_pages", "window_pages"}
     _JOURNALED_FIELDS = VmemManager._JOURNALED_FIELDS | {"_spare", "_partial", "_win_drop",
                                                          "_win_gone"}

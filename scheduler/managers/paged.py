@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError
+from ..layout import CacheKind, CacheLayout
 from ..presets import ModelSpec
 from .base import CopyBlock, MemoryStats
 from .common import check_int
@@ -50,6 +51,11 @@ class PagedManager(WindowedGroups, UnitManager):
     @property
     def max_sequence_tokens(self) -> int:
         return min(self.max_seq_len, self.num_blocks * self.block_size)
+
+    def layout(self) -> CacheLayout:
+        """A paged cache of this many blocks of this size."""
+        return CacheLayout(CacheKind.PAGED, self.max_seq_len, block_size_tokens=self.block_size,
+                           num_blocks=self.num_blocks)
 
     def block_table(self, seq_id: int) -> list:
         """Block ids of a resident sequence, in token order (block k holds tokens

@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 
 from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError, SlotError
 from ..geometry import LAYOUTS, PageGeometry  # noqa: F401 (LAYOUTS re-exported)
+from ..layout import CacheKind, CacheLayout, PoolBacking
 from ..presets import ModelSpec
 from .base import CopyGroup, MapGroup, MemoryStats, UnmapGroup
 from .common import check_int
@@ -54,7 +55,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         super().__init__(model, max_seq_len_tokens, swap_bytes)
         check_int("page_bytes", page_bytes, 1)
         self.geometry = PageGeometry.of(model, page_bytes, layout)
-        self.layout, self.page_bytes = self.geometry.layout.value, page_bytes
+        self.page_bytes = page_bytes
         self.tokens_per_page = self.geometry.tokens_per_page
         self.pages_per_group = self.geometry.pages_per_group
         tpp = self.tokens_per_page
@@ -85,7 +86,15 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
 
     pool_pages: Optional[int] = None   # hybrid.py: the pool counted in pages; here every
                                        # group has its own fixed pages_per_group pages
-    maps_by_bytes = False              # vmem_bytes.py: groups backed by their bytes
+    pool_backing = PoolBacking.FIXED   # how pool pages back groups: PARTS (hybrid.py), BYTES
+                                       # (vmem_bytes.py: groups backed by their bytes)
+
+    def layout(self) -> CacheLayout:
+        """A vmem cache of this geometry, slots, groups and pool."""
+        return CacheLayout(CacheKind.VMEM, self.pages_per_slot * self.tokens_per_page,
+                           geometry=self.geometry, num_slots=self.num_slots,
+                           pages_per_slot=self.pages_per_slot, num_groups=self.num_groups,
+                           backing=self.pool_backing, pool_pages=self.pool_pages)
 
     def _smallest_unit(self) -> tuple:
         """(name, pages) of the least a running sequence holds: a whole page group here."""
@@ -104,7 +113,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         return self.pages_per_group
 
     _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {
-        "geometry", "layout", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
+        "geometry", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
         "pages_per_slot", "_window"}
     _JOURNALED_FIELDS = UnitManager._JOURNALED_FIELDS | {
         "_reclaimable", "_maps", "_pages", "_owner", "_free_slots"}

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from ..errors import ConfigError, OutOfCapacityError
+from ..layout import PoolBacking
 from .base import MemoryStats, ResizeGroup
 from .journal import JList
 from .prefix import HeldSeq
@@ -54,7 +55,7 @@ class ByteMappedVmemManager(VmemManager):
     def _smallest_unit(self) -> tuple:
         return "page slice (a page of each member)", self.geometry.num_members
 
-    maps_by_bytes = True
+    pool_backing = PoolBacking.BYTES
 
     _FIXED_FIELDS = VmemManager._FIXED_FIELDS | {"pool_slices", "pool_pages"}
     _SAVED_FIELDS = VmemManager._SAVED_FIELDS + ("_bound", "_idle")

@@ -1,0 +1,105 @@
+"""The declared cache layout: what a manager tells an executor so it can build the cache that runs
+its plans, and nothing else (plain data, frozen, picklable).
+
+    layout = manager.layout()                       # scheduler side
+    cache = cache_from_layout(layout, config)       # any process (runtime.kv)
+
+Executors read this value, never the manager: no attribute probing, no policy names. The kind
+is a ``CacheKind`` (a str enum: a member equals its name, for callers that still hold one). A vmem layout names its page geometry, slots, page groups and, where the manager counts
+its pool in pages, ``pool_pages`` with how those pages back groups (``pool``); a paged layout
+names its blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
+
+from .errors import ConfigError
+from .geometry import PageGeometry
+
+
+class _Name(str, Enum):
+    """A str enum that prints as its value (as 3.11's StrEnum; this package supports 3.10)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return self.value.__format__(spec)
+
+
+class CacheKind(_Name):
+    """What memory a cache is made of."""
+    VMEM = "vmem"      # slots of page indexes mapped to physical pages (vmem.VirtualRange)
+    PAGED = "paged"    # a preallocated pool of fixed blocks, read through block tables
+
+
+class PoolBacking(_Name):
+    """How a vmem pool's physical pages back page groups."""
+    FIXED = "fixed"    # group g owns pages_per_group fixed pages (no pool_pages)
+    PARTS = "parts"    # hybrid per-layer: pages bound to a group's FULL / WINDOW part on demand
+    BYTES = "bytes"    # members spanning k > 1 pages: a group backed by the pages its bytes need
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Everything an executor needs to build the cache for one manager's plans.
+
+    vmem: ``geometry``, ``num_slots`` slots of ``pages_per_slot`` page indexes, ``num_groups``
+    group ids, ``backing`` and (PARTS, BYTES) ``pool_pages`` physical pages in the pool.
+    paged: ``num_blocks`` blocks of ``block_size_tokens`` tokens. Validated on construction
+    (ConfigError naming the field); unused fields of the other kind stay at their defaults.
+    """
+    kind: CacheKind
+    max_seq_len_tokens: int                 # the longest sequence one slot / block table holds
+    geometry: Optional[PageGeometry] = None
+    num_slots: int = 0
+    pages_per_slot: int = 0
+    num_groups: int = 0
+    backing: PoolBacking = PoolBacking.FIXED
+    pool_pages: Optional[int] = None
+    block_size_tokens: int = 0
+    num_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", CacheKind(self.kind))
+        object.__setattr__(self, "backing", PoolBacking(self.backing))
+        _positive("max_seq_len_tokens", self.max_seq_len_tokens)
+        if self.kind is CacheKind.PAGED:
+            _positive("block_size_tokens", self.block_size_tokens)
+            _positive("num_blocks", self.num_blocks)
+            return
+        if not isinstance(self.geometry, PageGeometry):
+            raise ConfigError(f"a vmem layout needs a PageGeometry, got {self.geometry!r}")
+        for name in ("num_slots", "pages_per_slot", "num_groups"):
+            _positive(name, getattr(self, name))
+        if self.pages_per_slot * self.geometry.tokens_per_page != self.max_seq_len_tokens:
+            raise ConfigError(f"pages_per_slot={self.pages_per_slot} of "
+                              f"{self.geometry.tokens_per_page} tokens does not hold "
+                              f"max_seq_len_tokens={self.max_seq_len_tokens}")
+        if (self.pool_pages is None) != (self.backing is PoolBacking.FIXED):
+            raise ConfigError(f"pool_pages must be given exactly for a {PoolBacking.PARTS.value} "
+                              f"or {PoolBacking.BYTES.value} pool, got {self.pool_pages!r} "
+                              f"for {self.backing.value}")
+        if self.pool_pages is not None:
+            _positive("pool_pages", self.pool_pages)
+        g = self.geometry
+        if self.backing is PoolBacking.PARTS and not g.split:
+            raise ConfigError("a parts pool needs a geometry split by layer kind (window_layers)")
+        if self.backing is PoolBacking.BYTES and (g.split or g.exact):
+            raise ConfigError(f"a bytes pool needs members spanning several pages and groups not "
+                              f"split; got {g.pages_per_member} page(s) per member"
+                              f"{', split' if g.split else ''}")
+
+    @property
+    def total_pages(self) -> int:
+        """Physical pages of a vmem pool (every group's fixed pages, or ``pool_pages``)."""
+        if self.pool_pages is not None:
+            return self.pool_pages
+        return self.num_groups * self.geometry.pages_per_group
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"CacheLayout {name} must be an int >= 1, got {value!r}")
