@@ -42,6 +42,8 @@
 #define VALUE_GROUP 8     /* keys whose V rows are read together (cpu_varlen_tile.h) */
 #define PREFETCH_KEYS 6   /* K rows are prefetched this many keys ahead (cpu_varlen_tile.h) */
 #define MAX_ROWS 64       /* query rows per item (np * nh * G), enforced by the caller */
+#define WIDEN_ROWS 4      /* units with more rows a KV head widen each V tile once (cpu_varlen_tile.h) */
+#define WIDEN_HEADS (MAX_ROWS / (WIDEN_ROWS + 1))   /* the most KV heads such a unit has */
 #define ITEM_COLS 6       /* (request, p0, np, h0, nh, splits) */
 
 typedef struct {
@@ -62,6 +64,7 @@ typedef struct {
     float *part;              /* [2][MAX_ROWS][VW]: two keys' partial dot products per row */
     float *tails;             /* [2][MAX_ROWS]: the dot products' scalar tails (D % VW) */
     float *m, *l, *corr;      /* [MAX_ROWS]: running max, sum, this tile's rescale */
+    float *vt;                /* [CHUNK][WIDEN_HEADS][D]: a tile's V widened to fp32 */
     int32_t *lo, *hi;         /* [MAX_ROWS]: row r sees keys [lo, hi) */
 } ws_t;
 
@@ -191,7 +194,8 @@ static int64_t plan_units(const int64_t *items, int64_t n_items, int64_t G, int6
 /* One thread's scratch in one 64-byte aligned block, or NULL. */
 static float *scratch_alloc(int64_t D, ws_t *w) {
     const size_t rows_d = (size_t)MAX_ROWS * (size_t)D;
-    const size_t floats = 2 * rows_d + rows_d / 2 + 32 + CHUNK * MAX_ROWS + 2 * MAX_ROWS * VW + 7 * MAX_ROWS;
+    const size_t vt = (size_t)CHUNK * WIDEN_HEADS * (size_t)D;
+    const size_t floats = 2 * rows_d + rows_d / 2 + 32 + CHUNK * MAX_ROWS + 2 * MAX_ROWS * VW + 7 * MAX_ROWS + vt + 16;
     if (rows_d / MAX_ROWS != (size_t)D || floats > SIZE_MAX / sizeof(float) / 2) return NULL;
     float *buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     if (!buf) return NULL;
@@ -203,6 +207,7 @@ static float *scratch_alloc(int64_t D, ws_t *w) {
     w->qb = (float *)(w->hi + MAX_ROWS);
     w->acc = w->qb + rows_d;
     w->qh = (uint16_t *)(w->acc + rows_d);
+    w->vt = (float *)(((uintptr_t)(w->qh + rows_d) + 63) & ~(uintptr_t)63);
     return buf;
 }
 

@@ -265,11 +265,38 @@ static ALWAYS void tile_values(const args_t *a, const unit_t *u, const int64_t *
     }
 }
 
+/* The tile's V rows (n keys at voffs, the unit's nh heads) widened to fp32 once, into
+ * vt[j][hh][D] (exactly ld_kv's values): for units with more than WIDEN_ROWS rows a head
+ * (prefill), whose value blocks would otherwise each convert every V element again (16 times
+ * for 64 rows of one head). tile_values then reads vt as fp32. */
+static ALWAYS void tile_widen(const args_t *a, const unit_t *u, const int64_t *voffs, int64_t n,
+                              float *vt, const int64_t D, const int dt) {
+    const int64_t nv = D / VW;
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t hh = 0; hh < u->nh; hh++) {
+            const int64_t off = voffs[j] + hh * a->vs[2];
+            float *dst = vt + (j * u->nh + hh) * D;
+            #pragma GCC unroll 16
+            for (int64_t x = 0; x < nv; x++) stf(dst + x * VW, ld_kv(a->v, off + x * VW, dt));
+            for (int64_t x = nv * VW; x < D; x++) dst[x] = ld_one(a->v, off + x, dt);
+        }
+}
+
 /* Keys [u->c_lo, u->c_hi) folded into the unit's softmax state and accumulators, tile by tile;
  * nothing outside that range is read. D and dt are constants in the copies walk_keys makes. */
 static ALWAYS void walk_keys_d(const args_t *a, const unit_t *u, ws_t *w, const int64_t D,
                                const int dt) {
     int64_t offs[2][2][CHUNK];    /* [tile parity][K, V][key]: this tile's and the next's */
+    /* 2- and 1-byte V of a unit with many rows a head: each tile widened once (tile_widen),
+     * the values read from w->vt as fp32 through wa (vt's strides) and woffs */
+    const int widen = dt != DT_F32 && u->np * u->G > WIDEN_ROWS;
+    args_t wa = *a;
+    const int64_t wstrides[3] = {0, u->nh * D, D};
+    int64_t woffs[CHUNK];
+    if (widen) {
+        wa.v = w->vt; wa.vs = wstrides;
+        for (int64_t j = 0; j < CHUNK; j++) woffs[j] = j * u->nh * D;
+    }
     int64_t n = u->c_hi - u->c_lo < CHUNK ? u->c_hi - u->c_lo : CHUNK;
     tile_offsets(a, a->ks, u->i, u->c_lo, n, u->h0, offs[0][0]);
     tile_offsets(a, a->vs, u->i, u->c_lo, n, u->h0, offs[0][1]);
@@ -282,7 +309,12 @@ static ALWAYS void walk_keys_d(const args_t *a, const unit_t *u, ws_t *w, const 
         }
         tile_scores(a, u, offs[t][0], n, offs[t ^ 1][0], n1 > 0 ? n1 : 0, w, D, dt);
         tile_softmax(u, c0, n, w);
-        tile_values(a, u, offs[t][1], n, w, D, dt);
+        if (widen) {
+            tile_widen(a, u, offs[t][1], n, w->vt, D, dt);
+            tile_values(&wa, u, woffs, n, w, D, DT_F32);
+        } else {
+            tile_values(a, u, offs[t][1], n, w, D, dt);
+        }
     }
 }
 
