@@ -65,6 +65,8 @@ typedef struct {
     float *tails;             /* [2][MAX_ROWS]: the dot products' scalar tails (D % VW) */
     float *m, *l, *corr;      /* [MAX_ROWS]: running max, sum, this tile's rescale */
     float *vt;                /* [CHUNK][WIDEN_HEADS][D]: a tile's V widened to fp32 */
+    float *kt;                /* [CHUNK][D]: a tile's K widened to fp32 (unit_gemm) */
+    float *qT;                /* [D][MAX_ROWS]: qb transposed (unit_gemm) */
     int32_t *lo, *hi;         /* [MAX_ROWS]: row r sees keys [lo, hi) */
 } ws_t;
 
@@ -128,6 +130,11 @@ static void unit_start(const args_t *a, const int64_t *item, unit_t *u, ws_t *w)
         w->lo[r] = (int32_t)(lo > a->kvstart[i] ? lo : a->kvstart[i]);
         w->hi[r] = (int32_t)(pos + 1);
     }
+    if (unit_gemm(u))   /* accumulators transposed, all zero */
+        memset(w->acc, 0, (size_t)(MAX_ROWS * D) * sizeof(float));
+    if (unit_gemm(u))   /* rows past the unit's (to a multiple of VW) score 0, masked anyway */
+        for (int64_t x = 0; x < D; x++)
+            for (int64_t r = 0; r < u->rvec * VW; r++) w->qT[x * MAX_ROWS + r] = r < u->rows ? w->qb[r * D + x] : 0.0f;
 }
 
 /* One work unit: split s of item = (request i, p0, np, h0, nh, S). The item's keys
@@ -194,7 +201,7 @@ static int64_t plan_units(const int64_t *items, int64_t n_items, int64_t G, int6
 /* One thread's scratch in one 64-byte aligned block, or NULL. */
 static float *scratch_alloc(int64_t D, ws_t *w) {
     const size_t rows_d = (size_t)MAX_ROWS * (size_t)D;
-    const size_t vt = (size_t)CHUNK * WIDEN_HEADS * (size_t)D;
+    const size_t vt = (size_t)CHUNK * WIDEN_HEADS * (size_t)D + (size_t)CHUNK * D + rows_d;
     const size_t floats = 2 * rows_d + rows_d / 2 + 32 + CHUNK * MAX_ROWS + 2 * MAX_ROWS * VW + 7 * MAX_ROWS + vt + 16;
     if (rows_d / MAX_ROWS != (size_t)D || floats > SIZE_MAX / sizeof(float) / 2) return NULL;
     float *buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
@@ -208,6 +215,8 @@ static float *scratch_alloc(int64_t D, ws_t *w) {
     w->acc = w->qb + rows_d;
     w->qh = (uint16_t *)(w->acc + rows_d);
     w->vt = (float *)(((uintptr_t)(w->qh + rows_d) + 63) & ~(uintptr_t)63);
+    w->kt = w->vt + (size_t)CHUNK * WIDEN_HEADS * D;
+    w->qT = w->kt + (size_t)CHUNK * D;
     return buf;
 }
 
