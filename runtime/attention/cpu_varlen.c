@@ -20,7 +20,9 @@
  * A unit walks its keys in tiles of CHUNK (cpu_varlen_tile.h): scores key-major (each key's
  * K row loaded once into registers, every row's dot product with it reduced VW at a time by
  * one transpose tree), the online softmax vectorised across rows, then values in register
- * blocks of up to 4 rows x 4 vectors, each V row of the tile loaded once per block.
+ * blocks of up to 4 rows x 4 vectors, each V row of the tile loaded once per block. Prefill
+ * units (one KV head, many rows) walk the tiles GEMM-like on transposed queries and
+ * accumulators, each K/V tile widened to fp32 once (cpu_varlen_tile.h, unit_gemm).
  *
  *   vmem   key t of request i: k + slot_i * s_blk + t * s_tok + h * s_head   (strided, in place)
  *   paged  key t of request i: k + table_i[t / bs] * s_blk + (t % bs) * s_tok + h * s_head

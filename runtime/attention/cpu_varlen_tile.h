@@ -13,7 +13,12 @@
  *            up to 4 vectors: acc (registers) = acc * corr + sum_j p[j][r] * V[j, hh]
  *
  * Each K and V element of the tile is loaded once per block of rows that reads it (once per
- * key for decode: G <= 4 rows a head). Walked with D and the dtype as constants for the usual
+ * key for decode: G <= 4 rows a head).
+ *
+ * Prefill units (one KV head, more than WIDEN_ROWS rows: unit_gemm) walk GEMM-like instead:
+ * the tile's K and V widened to fp32 once, scores 4 keys x up to 4 row vectors against the
+ * transposed queries qT[d][r] (no horizontal sums), values 4 floats of D x the row vectors into
+ * the transposed accumulators acc[d][r], transposed back at the unit's end. Walked with D and the dtype as constants for the usual
  * head sizes (the loops unroll, the K row stays in registers), once generically.
  */
 #ifndef VK_CPU_VARLEN_TILE_H
