@@ -20,7 +20,9 @@
  * A unit walks its keys in tiles of CHUNK (cpu_varlen_tile.h): scores key-major (each key's
  * K row loaded once into registers, every row's dot product with it reduced VW at a time by
  * one transpose tree), the online softmax vectorised across rows, then values in register
- * blocks of up to 4 rows x 4 vectors, each V row of the tile loaded once per block.
+ * blocks of up to 4 rows x 4 vectors, each V row of the tile loaded once per block. Prefill
+ * units (one KV head, many rows) walk the tiles GEMM-like on transposed queries and
+ * accumulators, each K/V tile widened to fp32 once (cpu_varlen_tile.h, unit_gemm).
  *
  *   vmem   key t of request i: k + slot_i * s_blk + t * s_tok + h * s_head   (strided, in place)
  *   paged  key t of request i: k + table_i[t / bs] * s_blk + (t % bs) * s_tok + h * s_head
@@ -42,6 +44,8 @@
 #define VALUE_GROUP 8     /* keys whose V rows are read together (cpu_varlen_tile.h) */
 #define PREFETCH_KEYS 6   /* K rows are prefetched this many keys ahead (cpu_varlen_tile.h) */
 #define MAX_ROWS 64       /* query rows per item (np * nh * G), enforced by the caller */
+#define WIDEN_ROWS 4      /* units with more rows a KV head widen each V tile once (cpu_varlen_tile.h) */
+#define WIDEN_HEADS (MAX_ROWS / (WIDEN_ROWS + 1))   /* the most KV heads such a unit has */
 #define ITEM_COLS 6       /* (request, p0, np, h0, nh, splits) */
 
 typedef struct {
@@ -62,6 +66,9 @@ typedef struct {
     float *part;              /* [2][MAX_ROWS][VW]: two keys' partial dot products per row */
     float *tails;             /* [2][MAX_ROWS]: the dot products' scalar tails (D % VW) */
     float *m, *l, *corr;      /* [MAX_ROWS]: running max, sum, this tile's rescale */
+    float *vt;                /* [CHUNK][WIDEN_HEADS][D]: a tile's V widened to fp32 */
+    float *kt;                /* [CHUNK][D]: a tile's K widened to fp32 (unit_gemm) */
+    float *qT;                /* [D][MAX_ROWS]: qb transposed (unit_gemm) */
     int32_t *lo, *hi;         /* [MAX_ROWS]: row r sees keys [lo, hi) */
 } ws_t;
 
@@ -125,6 +132,11 @@ static void unit_start(const args_t *a, const int64_t *item, unit_t *u, ws_t *w)
         w->lo[r] = (int32_t)(lo > a->kvstart[i] ? lo : a->kvstart[i]);
         w->hi[r] = (int32_t)(pos + 1);
     }
+    if (unit_gemm(u))   /* accumulators transposed, all zero */
+        memset(w->acc, 0, (size_t)(MAX_ROWS * D) * sizeof(float));
+    if (unit_gemm(u))   /* rows past the unit's (to a multiple of VW) score 0, masked anyway */
+        for (int64_t x = 0; x < D; x++)
+            for (int64_t r = 0; r < u->rvec * VW; r++) w->qT[x * MAX_ROWS + r] = r < u->rows ? w->qb[r * D + x] : 0.0f;
 }
 
 /* One work unit: split s of item = (request i, p0, np, h0, nh, S). The item's keys
@@ -191,7 +203,8 @@ static int64_t plan_units(const int64_t *items, int64_t n_items, int64_t G, int6
 /* One thread's scratch in one 64-byte aligned block, or NULL. */
 static float *scratch_alloc(int64_t D, ws_t *w) {
     const size_t rows_d = (size_t)MAX_ROWS * (size_t)D;
-    const size_t floats = 2 * rows_d + rows_d / 2 + 32 + CHUNK * MAX_ROWS + 2 * MAX_ROWS * VW + 7 * MAX_ROWS;
+    const size_t vt = (size_t)CHUNK * WIDEN_HEADS * (size_t)D + (size_t)CHUNK * D + rows_d;
+    const size_t floats = 2 * rows_d + rows_d / 2 + 32 + CHUNK * MAX_ROWS + 2 * MAX_ROWS * VW + 7 * MAX_ROWS + vt + 16;
     if (rows_d / MAX_ROWS != (size_t)D || floats > SIZE_MAX / sizeof(float) / 2) return NULL;
     float *buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     if (!buf) return NULL;
@@ -203,6 +216,9 @@ static float *scratch_alloc(int64_t D, ws_t *w) {
     w->qb = (float *)(w->hi + MAX_ROWS);
     w->acc = w->qb + rows_d;
     w->qh = (uint16_t *)(w->acc + rows_d);
+    w->vt = (float *)(((uintptr_t)(w->qh + rows_d) + 63) & ~(uintptr_t)63);
+    w->kt = w->vt + (size_t)CHUNK * WIDEN_HEADS * D;
+    w->qT = w->kt + (size_t)CHUNK * D;
     return buf;
 }
 

@@ -13,11 +13,20 @@
  *            up to 4 vectors: acc (registers) = acc * corr + sum_j p[j][r] * V[j, hh]
  *
  * Each K and V element of the tile is loaded once per block of rows that reads it (once per
- * key for decode: G <= 4 rows a head). Walked with D and the dtype as constants for the usual
+ * key for decode: G <= 4 rows a head).
+ *
+ * Prefill units (one KV head, more than WIDEN_ROWS rows: unit_gemm) walk GEMM-like instead:
+ * the tile's K and V widened to fp32 once, scores 4 keys x up to 4 row vectors against the
+ * transposed queries qT[d][r] (no horizontal sums), values 4 floats of D x the row vectors into
+ * the transposed accumulators acc[d][r], transposed back at the unit's end. Walked with D and the dtype as constants for the usual
  * head sizes (the loops unroll, the K row stays in registers), once generically.
  */
 #ifndef VK_CPU_VARLEN_TILE_H
 #define VK_CPU_VARLEN_TILE_H
+
+/* A unit of one KV head with more than WIDEN_ROWS rows (prefill): its scores GEMM-like
+ * (tile_scores_gemm) from the queries transposed once (w->qT, unit_start). */
+static int unit_gemm(const unit_t *u) { return u->nh == 1 && u->np * u->G > WIDEN_ROWS; }
 
 /* Element offsets of keys (or values) c0 .. c0+n-1 of request i, head h0, into offs[0:n]; paged
  * walks the block table once per block (no division per key). */
@@ -265,11 +274,134 @@ static ALWAYS void tile_values(const args_t *a, const unit_t *u, const int64_t *
     }
 }
 
+/* The tile's V rows (n keys at voffs, the unit's nh heads) widened to fp32 once, into
+ * vt[j][hh][D] (exactly ld_kv's values): for units with more than WIDEN_ROWS rows a head
+ * (prefill), whose value blocks would otherwise each convert every V element again (16 times
+ * for 64 rows of one head). tile_values then reads vt as fp32. */
+static ALWAYS void tile_widen(const args_t *a, const unit_t *u, const int64_t *voffs, int64_t n,
+                              float *vt, const int64_t D, const int dt) {
+    const int64_t nv = D / VW;
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t hh = 0; hh < u->nh; hh++) {
+            const int64_t off = voffs[j] + hh * a->vs[2];
+            float *dst = vt + (j * u->nh + hh) * D;
+            #pragma GCC unroll 16
+            for (int64_t x = 0; x < nv; x++) stf(dst + x * VW, ld_kv(a->v, off + x * VW, dt));
+            for (int64_t x = nv * VW; x < D; x++) dst[x] = ld_one(a->v, off + x, dt);
+        }
+}
+
+/* JB keys' scores against RV vectors of rows, GEMM-like: for each d, JB K elements broadcast
+ * times the RV row vectors of qT[d] (the unit's queries transposed, scaled), into JB x RV
+ * accumulators, s[j][r] written key-major as they are (no horizontal sums). */
+static ALWAYS void gemm_block(const args_t *a, const float *const *krow, const int JB,
+                              const int RV, float *s, const float *qT, const int64_t D) {
+    vf acc[4][4];
+    for (int jj = 0; jj < JB; jj++)
+        for (int b = 0; b < RV; b++) acc[jj][b] = (vf){0};
+    for (int64_t d = 0; d < D; d++) {
+        vf qv[4];
+        for (int b = 0; b < RV; b++) qv[b] = ldf(qT + d * MAX_ROWS + b * VW);
+        for (int jj = 0; jj < JB; jj++) {
+            const vf kx = splat(krow[jj][d]);
+            for (int b = 0; b < RV; b++) acc[jj][b] += kx * qv[b];
+        }
+    }
+    for (int jj = 0; jj < JB; jj++)
+        for (int b = 0; b < RV; b++)
+            stf(s + jj * MAX_ROWS + b * VW, a->softcap > 0.0f ? softcapv(acc[jj][b], a->softcap) : acc[jj][b]);
+}
+
+static ALWAYS void gemm_keys(const args_t *a, const float *const *krow, const int JB, int64_t rvec,
+                             float *s, const float *qT, const int64_t D) {
+    switch (rvec) {
+    case 4: gemm_block(a, krow, JB, 4, s, qT, D); break;
+    case 3: gemm_block(a, krow, JB, 3, s, qT, D); break;
+    case 2: gemm_block(a, krow, JB, 2, s, qT, D); break;
+    default: gemm_block(a, krow, JB, 1, s, qT, D); break;
+    }
+}
+
+/* tile_scores for a unit of one KV head with many rows (unit_gemm): the tile's K rows as fp32
+ * (in place for fp32 K, else widened once into w->kt), scores four keys at a time. */
+static ALWAYS void tile_scores_gemm(const args_t *a, const unit_t *u, const int64_t *koffs,
+                                    int64_t n, ws_t *w, const int64_t D, const int dt) {
+    const float *krow[CHUNK];
+    for (int64_t j = 0; j < n; j++) {
+        float *dst = w->kt + j * D;
+        const int64_t nv = D / VW;
+        #pragma GCC unroll 16
+        for (int64_t x = 0; x < nv; x++) stf(dst + x * VW, ld_kv(a->k, koffs[j] + x * VW, dt));
+        for (int64_t x = nv * VW; x < D; x++) dst[x] = ld_one(a->k, koffs[j] + x, dt);
+        krow[j] = dst;
+    }
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) gemm_keys(a, krow + j, 4, u->rvec, w->s + j * MAX_ROWS, w->qT, D);
+    switch (n - j) {
+    case 3: gemm_keys(a, krow + j, 3, u->rvec, w->s + j * MAX_ROWS, w->qT, D); break;
+    case 2: gemm_keys(a, krow + j, 2, u->rvec, w->s + j * MAX_ROWS, w->qT, D); break;
+    case 1: gemm_keys(a, krow + j, 1, u->rvec, w->s + j * MAX_ROWS, w->qT, D); break;
+    }
+}
+
+/* Floats x0 .. x0+XB of RV row vectors of the transposed accumulators accT[x][r] (w->acc in
+ * unit_gemm units): rescaled by the tile's corr, plus the n keys' p[j][r] (vector loads, the
+ * scores' key-major layout) times V[j][x] broadcast. */
+static ALWAYS void gemm_values_block(const float *const *vrow, int64_t n, const int XB,
+                                     const int RV, int64_t x0, ws_t *w) {
+    vf acc[4][4], corr[4];
+    for (int b = 0; b < RV; b++) corr[b] = ldf(w->corr + b * VW);
+    for (int xb = 0; xb < XB; xb++)
+        for (int b = 0; b < RV; b++) acc[xb][b] = ldf(w->acc + (x0 + xb) * MAX_ROWS + b * VW) * corr[b];
+    for (int64_t j = 0; j < n; j++) {
+        vf pv[4];
+        for (int b = 0; b < RV; b++) pv[b] = ldf(w->s + j * MAX_ROWS + b * VW);
+        for (int xb = 0; xb < XB; xb++) {
+            const vf vx = splat(vrow[j][x0 + xb]);
+            for (int b = 0; b < RV; b++) acc[xb][b] += vx * pv[b];
+        }
+    }
+    for (int xb = 0; xb < XB; xb++)
+        for (int b = 0; b < RV; b++) stf(w->acc + (x0 + xb) * MAX_ROWS + b * VW, acc[xb][b]);
+}
+
+static ALWAYS void gemm_values_rows(const float *const *vrow, int64_t n, const int XB, int64_t rvec,
+                                    int64_t x0, ws_t *w) {
+    switch (rvec) {
+    case 4: gemm_values_block(vrow, n, XB, 4, x0, w); break;
+    case 3: gemm_values_block(vrow, n, XB, 3, x0, w); break;
+    case 2: gemm_values_block(vrow, n, XB, 2, x0, w); break;
+    default: gemm_values_block(vrow, n, XB, 1, x0, w); break;
+    }
+}
+
+/* tile_values for a unit_gemm unit: the tile's V rows widened to fp32 once (w->vt), then D
+ * four floats at a time against all rows (the transposed accumulators in w->acc). */
+static ALWAYS void tile_values_gemm(const args_t *a, const unit_t *u, const int64_t *voffs,
+                                    int64_t n, ws_t *w, const int64_t D, const int dt) {
+    const float *vrow[CHUNK];
+    tile_widen(a, u, voffs, n, w->vt, D, dt);
+    for (int64_t j = 0; j < n; j++) vrow[j] = w->vt + j * D;
+    int64_t x0 = 0;
+    for (; x0 + 4 <= D; x0 += 4) gemm_values_rows(vrow, n, 4, u->rvec, x0, w);
+    for (; x0 < D; x0++) gemm_values_rows(vrow, n, 1, u->rvec, x0, w);
+}
+
 /* Keys [u->c_lo, u->c_hi) folded into the unit's softmax state and accumulators, tile by tile;
  * nothing outside that range is read. D and dt are constants in the copies walk_keys makes. */
 static ALWAYS void walk_keys_d(const args_t *a, const unit_t *u, ws_t *w, const int64_t D,
                                const int dt) {
     int64_t offs[2][2][CHUNK];    /* [tile parity][K, V][key]: this tile's and the next's */
+    /* 2- and 1-byte V of a unit with many rows a head: each tile widened once (tile_widen),
+     * the values read from w->vt as fp32 through wa (vt's strides) and woffs */
+    const int widen = dt != DT_F32 && u->np * u->G > WIDEN_ROWS, gemm = unit_gemm(u);
+    args_t wa = *a;
+    const int64_t wstrides[3] = {0, u->nh * D, D};
+    int64_t woffs[CHUNK];
+    if (widen) {
+        wa.v = w->vt; wa.vs = wstrides;
+        for (int64_t j = 0; j < CHUNK; j++) woffs[j] = j * u->nh * D;
+    }
     int64_t n = u->c_hi - u->c_lo < CHUNK ? u->c_hi - u->c_lo : CHUNK;
     tile_offsets(a, a->ks, u->i, u->c_lo, n, u->h0, offs[0][0]);
     tile_offsets(a, a->vs, u->i, u->c_lo, n, u->h0, offs[0][1]);
@@ -280,9 +412,22 @@ static ALWAYS void walk_keys_d(const args_t *a, const unit_t *u, ws_t *w, const 
             tile_offsets(a, a->ks, u->i, c1, n1, u->h0, offs[t ^ 1][0]);
             tile_offsets(a, a->vs, u->i, c1, n1, u->h0, offs[t ^ 1][1]);
         }
-        tile_scores(a, u, offs[t][0], n, offs[t ^ 1][0], n1 > 0 ? n1 : 0, w, D, dt);
+        if (gemm) tile_scores_gemm(a, u, offs[t][0], n, w, D, dt);
+        else tile_scores(a, u, offs[t][0], n, offs[t ^ 1][0], n1 > 0 ? n1 : 0, w, D, dt);
         tile_softmax(u, c0, n, w);
-        tile_values(a, u, offs[t][1], n, w, D, dt);
+        if (gemm) {
+            tile_values_gemm(a, u, offs[t][1], n, w, D, dt);
+        } else if (widen) {
+            tile_widen(a, u, offs[t][1], n, w->vt, D, dt);
+            tile_values(&wa, u, woffs, n, w, D, DT_F32);
+        } else {
+            tile_values(a, u, offs[t][1], n, w, D, dt);
+        }
+    }
+    if (gemm) {   /* accT[x][r] back to acc[r][x], through qb (no longer needed) */
+        for (int64_t r = 0; r < u->rows; r++)
+            for (int64_t x = 0; x < D; x++) w->qb[r * D + x] = w->acc[x * MAX_ROWS + r];
+        memcpy(w->acc, w->qb, (size_t)(u->rows * D) * sizeof(float));
     }
 }
 
