@@ -1,0 +1,57 @@
+/* decode_profile.c: cpu_varlen.c's decode walk timed from C, K/V in cache or from memory
+ * (issue 33: what limits the bf16 decode rows). Not part of the package: built by hand,
+ *
+ *   cc -O3 -march=native -fopenmp -ffp-contract=fast -Iruntime/attention \
+ *      benchmarks/decode_profile.c -o /tmp/decode_profile -lm
+ *   /tmp/decode_profile DTYPE THREADS BATCH CTX COPIES REPS    # DTYPE: f32 | bf16
+ *
+ * One call = a decode step of BATCH requests x CTX keys, 32/8 heads x 128, vmem per-layer
+ * layout (K and V [BATCH, CTX, 8, 128] each), one item per request (every KV head, whole token
+ * rows), as the backend issues it. COPIES disjoint copies of the K/V are walked in turn: 1 keeps
+ * a small problem in cache, enough copies (> 1 GiB in all) make every call read from memory.
+ * Prints the fastest and the median call as ns per token row (one row = every KV head's K and
+ * V of one token) and the K/V bytes read per second. For instruction counts run it under
+ * `valgrind --tool=callgrind` from an AVX2 build (-march=haswell): valgrind cannot run AVX-512.
+ */
+#include <stdio.h>
+#include <time.h>
+#include "cpu_varlen.c"
+
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+static int cmp(const void *x, const void *y) { double a = *(const double *)x, b = *(const double *)y; return (a > b) - (a < b); }
+
+int main(int argc, char **argv) {
+    if (argc != 7) { fprintf(stderr, "usage: %s f32|bf16 THREADS BATCH CTX COPIES REPS\n", argv[0]); return 2; }
+    const int bf16 = !strcmp(argv[1], "bf16"), threads = atoi(argv[2]);
+    const int64_t B = atoll(argv[3]), ctx = atoll(argv[4]), copies = atoll(argv[5]), reps = atoll(argv[6]);
+    const int64_t H = 32, Hkv = 8, D = 128, eb = bf16 ? 2 : 4, elems = B * ctx * Hkv * D;
+    char *kv = aligned_alloc(64, (size_t)(2 * copies * elems * eb));
+    for (int64_t x = 0; x < 2 * copies * elems; x++) {   /* small values, bf16-exact */
+        float f = (float)((x * 2654435761u) % 1000) / 1000.0f - 0.5f; uint32_t b; memcpy(&b, &f, 4);
+        if (bf16) ((uint16_t *)kv)[x] = (uint16_t)(b >> 16); else ((float *)kv)[x] = f;
+    }
+    float *q = malloc(sizeof(float) * B * H * D), *out = malloc(sizeof(float) * B * H * D);
+    for (int64_t x = 0; x < B * H * D; x++) q[x] = (float)((x * 40503u) % 256) / 256.0f - 0.5f;   /* bf16-exact */
+    int64_t st[3] = {ctx * Hkv * D, Hkv * D, D}, *slots = malloc(8 * B), *cl = malloc(8 * B), *ql = malloc(8 * B),
+            *qs = malloc(8 * B), *ks = malloc(8 * B), *items = malloc(8 * ITEM_COLS * B);
+    for (int64_t i = 0; i < B; i++) {
+        slots[i] = i; cl[i] = ctx; ql[i] = 1; qs[i] = i; ks[i] = 0;
+        int64_t it[ITEM_COLS] = {i, 0, 1, 0, Hkv, 1};
+        memcpy(items + i * ITEM_COLS, it, sizeof it);
+    }
+    double *t = malloc(sizeof(double) * reps);
+    for (int64_t r = -copies; r < reps; r++) {   /* the first round of copies untimed */
+        const int64_t c = (r + copies) % copies;
+        const char *k = kv + 2 * c * elems * eb, *v = k + elems * eb;
+        const double t0 = now();
+        if (vk_attention(q, out, k, v, bf16 ? DT_BF16 : DT_F32, bf16, NULL, NULL, st, st, slots, NULL, 0, 0,
+                         cl, ql, qs, ks, items, B, H, Hkv, D, 0.088f, 0, 0.0f, threads)) return 1;
+        if (r >= 0) t[r] = now() - t0;
+    }
+    qsort(t, (size_t)reps, sizeof(double), cmp);
+    const double rows = (double)(B * ctx), bytes = 2.0 * elems * eb;
+    printf("%s threads=%d b%lld ctx%lld copies=%lld: min %.1f ns/row (%.1f GB/s), median %.1f ns/row (%.1f GB/s); out[0]=%g\n",
+           argv[1], threads, (long long)B, (long long)ctx, (long long)copies, 1e9 * t[0] / rows, bytes / t[0] / 1e9,
+           1e9 * t[reps / 2] / rows, bytes / t[reps / 2] / 1e9, out[0]);
+    return 0;
+}
