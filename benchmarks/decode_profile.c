@@ -15,6 +15,7 @@
  */
 #include <stdio.h>
 #include <time.h>
+#include <unistd.h>
 #include "cpu_varlen.c"
 
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
@@ -25,7 +26,19 @@ int main(int argc, char **argv) {
     const int bf16 = !strcmp(argv[1], "bf16"), threads = atoi(argv[2]);
     const int64_t B = atoll(argv[3]), ctx = atoll(argv[4]), copies = atoll(argv[5]), reps = atoll(argv[6]);
     const int64_t H = 32, Hkv = 8, D = 128, eb = bf16 ? 2 : 4, elems = B * ctx * Hkv * D;
-    char *kv = aligned_alloc(64, (size_t)(2 * copies * elems * eb));
+    if (B < 1 || ctx < 1 || copies < 1 || reps < 1 || threads < 1) {
+        fprintf(stderr, "%s: THREADS, BATCH, CTX, COPIES and REPS must be >= 1\n", argv[0]); return 2;
+    }
+    /* the K/V copies are the run's memory: checked against what is available before any is taken */
+    const double kv_bytes = 2.0 * copies * elems * eb;
+    const double available_bytes = (double)sysconf(_SC_AVPHYS_PAGES) * sysconf(_SC_PAGESIZE);
+    if (kv_bytes > 0.8 * available_bytes) {
+        fprintf(stderr, "%s: %.0f bytes of K/V asked, %.0f available (80%% allowed): fewer COPIES\n",
+                argv[0], kv_bytes, available_bytes);
+        return 2;
+    }
+    char *kv = aligned_alloc(64, ((size_t)kv_bytes + 63) / 64 * 64);
+    if (!kv) { fprintf(stderr, "%s: could not allocate %.0f bytes of K/V\n", argv[0], kv_bytes); return 2; }
     for (int64_t x = 0; x < 2 * copies * elems; x++) {   /* small values, bf16-exact */
         float f = (float)((x * 2654435761u) % 1000) / 1000.0f - 0.5f; uint32_t b; memcpy(&b, &f, 4);
         if (bf16) ((uint16_t *)kv)[x] = (uint16_t)(b >> 16); else ((float *)kv)[x] = f;
