@@ -76,14 +76,13 @@ def kv_budget_bytes(model, work: dict, configs: list[tuple[str, dict]]) -> int:
     full sequences (a vmem slot is whole pages: 2 MiB CUDA pages round small-llama's 512-token
     context up to 16,384 tokens, ~1 GiB, against paged's ~32 MiB). Every engine and
     transformers get exactly these bytes, so no system is measured with more memory."""
-    from vmemkv.runtime.engine.config import EngineConfig
-    from vmemkv.runtime.engine.engine import Engine
+    from vmemkv.runtime.engine.config import EngineConfig, cache_config_for
     param = next(model.parameters())
     needs = []
     for _, options in configs:
         cfg = EngineConfig(max_batch=work["max_batch"], max_context=work["max_context"],
                            **{k: v for k, v in options.items() if k != "background_mapper"})
-        cc = Engine._cache_config(model, cfg, param)
+        cc = cache_config_for(model, cfg, param)
         needs.append(cc.max_batch * cc.max_context * cc.bytes_per_token)
     return max(needs)
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from vmemkv.runtime.config import CacheConfig
+from vmemkv.runtime.hf.support import kv_shape_of, layer_windows_of
 from vmemkv.runtime.kv import vmem_geometry
-from vmemkv.runtime.kv_dtype import KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES, KVScales
+from vmemkv.runtime.kv_dtype import (KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES, KVScales,
+                                     checkpoint_kv_scales, kv_encoding)
 from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device
 from vmemkv.scheduler.geometry import LAYOUTS  # noqa: F401 (re-exported)
 from vmemkv.scheduler.layout import CacheKind
@@ -169,3 +172,22 @@ def check_engine_arguments(model, config) -> None:
         raise EngineConfigError(f"Engine config must be an EngineConfig, got "
                                 f"{type(config).__name__} {str(config)[:60]}; pass options as "
                                 f"keywords (Engine(model, **options)) or EngineConfig(**options)")
+
+
+def cache_config_for(model, cfg: EngineConfig, param, kv_heads: Optional[int] = None) -> CacheConfig:
+    """The cache's shape an engine config gives ``model`` (``param``: one of its parameters, for
+    the dtype and device); ``kv_heads``: one tensor-parallel rank's share of the KV heads.
+    8-bit scales: the user's ``kv_scales``, else the checkpoint's, else None (first write)."""
+    mc = model.config.get_text_config()
+    kv, scales = kv_shape_of(mc), cfg.kv_scales
+    encoding = kv_encoding(cfg.kv_cache_dtype, param.dtype)
+    if scales is None and encoding.scaled:
+        scales = checkpoint_kv_scales(model, encoding, kv["num_layers"], kv["num_kv_heads"])
+    shape = dict(**kv, dtype=param.dtype, device=str(param.device),
+                 max_batch=cfg.max_batch, layer_windows=layer_windows_of(mc),
+                 kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=scales)
+    if kv_heads is not None:
+        shape["num_kv_heads"] = kv_heads
+    # a vmem slot is whole pages: the cache is built rounded up, admission uses max_context
+    probe = CacheConfig(**shape, max_context=cfg.max_context)
+    return CacheConfig(**shape, max_context=page_rounded_context(probe, cfg, cfg.max_context))

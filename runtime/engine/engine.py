@@ -24,18 +24,17 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 import torch
 
 from vmemkv.runtime.attention import fastest_backend, get_backend
-from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.kv import make_kv
-from vmemkv.runtime.kv_dtype import checkpoint_kv_scales, kv_encoding, kv_scale_source
+from vmemkv.runtime.kv_dtype import kv_scale_source
 from vmemkv.runtime.models import eos_token_ids
 from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
-from vmemkv.runtime.hf.support import check_model_supported, kv_shape_of, layer_windows_of
+from vmemkv.runtime.hf.support import check_model_supported
 from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.request import Request, SeqState
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
-from .config import EngineConfig, cache_budget_bytes, check_engine_arguments, page_rounded_context
+from .config import EngineConfig, cache_budget_bytes, cache_config_for, check_engine_arguments
 from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine, kv_heads_per_rank,
                               start_tensor_parallel)
 from .errors import EngineClosedError, EngineConfigError, RequestRejectedError, TensorParallelError
@@ -44,7 +43,7 @@ from .statistics import EngineStatistics
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
 from .chat import chat_prompts
-from .request_state import OnToken, RequestState, SampleRecord, new_request, new_samples
+from .request_state import OnToken, RequestState, SampleRecord, deliver, new_request, new_samples
 from .sampler import SampleState, Sampler, save_generators
 from .sampling import SamplingParams, per_prompt
 from .prompts import check_prompt_batch, check_request_params, encode_prompt
@@ -72,8 +71,8 @@ class Engine(RequestLifecycle, EngineStatistics):
         self.device, self.vocab_size = param.device, model.config.get_text_config().vocab_size
         check_model_supported(model, cfg.max_context)   # before anything is built
         check_tensor_parallel_engine(model, cfg, param.device)
-        full_config = self._cache_config(model, cfg, param)
-        self.cache_config = (full_config if cfg.tensor_parallel_size == 1 else self._cache_config(
+        full_config = cache_config_for(model, cfg, param)
+        self.cache_config = (full_config if cfg.tensor_parallel_size == 1 else cache_config_for(
             model, cfg, param, kv_heads_per_rank(model.config, cfg.tensor_parallel_size)))
         # "user", "checkpoint" or "first-write" (None: unscaled); the scales are cache_config's
         self.kv_scales_source = kv_scale_source(full_config.kv_encoding, cfg.kv_scales,
@@ -146,25 +145,6 @@ class Engine(RequestLifecycle, EngineStatistics):
         self._saved = None       # what recording the step's tokens changes, before it did
         self.plan_failures = 0                       # failed plan executions, all time
 
-    @staticmethod
-    def _cache_config(model, cfg: EngineConfig, param: torch.Tensor,
-                      kv_heads: Optional[int] = None) -> CacheConfig:
-        """The cache's shape; ``kv_heads``: one tensor-parallel rank's share of the KV heads.
-        8-bit scales: the user's ``kv_scales``, else the checkpoint's, else None (first write)."""
-        mc = model.config.get_text_config()
-        kv, scales = kv_shape_of(mc), cfg.kv_scales
-        encoding = kv_encoding(cfg.kv_cache_dtype, param.dtype)
-        if scales is None and encoding.scaled:
-            scales = checkpoint_kv_scales(model, encoding, kv["num_layers"], kv["num_kv_heads"])
-        shape = dict(**kv, dtype=param.dtype, device=str(param.device),
-                     max_batch=cfg.max_batch, layer_windows=layer_windows_of(mc),
-                     kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=scales)
-        if kv_heads is not None:
-            shape["num_kv_heads"] = kv_heads
-        # a vmem slot is whole pages: the cache is built rounded up, admission uses max_context
-        probe = CacheConfig(**shape, max_context=cfg.max_context)
-        return CacheConfig(**shape, max_context=page_rounded_context(probe, cfg, cfg.max_context))
-
     # ---- submission ----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling: Optional[SamplingParams] = None,
                     on_token: Optional[OnToken] = None, index: int = 0) -> int:
@@ -229,7 +209,7 @@ class Engine(RequestLifecycle, EngineStatistics):
         blamed on one request ends that request "failed" (memory released,
         ``RequestOutput.error`` set) and the step returns normally. Otherwise the exception
         (PlanExecutionError for a plan) is raised with every request intact. ``on_token``
-        callbacks run after the step is recorded (``_notify``)."""
+        callbacks run after the step is recorded (``request_state.deliver``)."""
         start = time.perf_counter()
         self._stage, self._draws, self._saved = "planning", [], None   # see lifecycle
         self.runner.ops_applied = False
@@ -257,7 +237,7 @@ class Engine(RequestLifecycle, EngineStatistics):
                 return []
             raise
         self._step_s += time.perf_counter() - start
-        self._notify(events)
+        deliver(events, self._requests)
         return events
 
     def _execute(self, plan):
@@ -327,23 +307,6 @@ class Engine(RequestLifecycle, EngineStatistics):
         sample.end(reason)
         sample.request.remaining -= 1
         self._prompt_logprobs.pop(seq_id, None)
-
-    def _notify(self, events: List[TokenEvent]) -> None:
-        """Callbacks run after the step is recorded, so they may call ``abort``. One that
-        raises an Exception stops no other: every event is delivered, then the first error is
-        raised (its token is in the output already). An interrupt (KeyboardInterrupt,
-        SystemExit) in a callback goes on at once: the later callbacks of the step are not
-        called, their tokens are in the outputs too."""
-        first_error = None
-        for event in events:
-            req = self._requests.get(event.request_id)
-            if req is not None and req.on_token is not None:
-                try:
-                    req.on_token(event)
-                except Exception as error:   # noqa: BLE001 -- raised after the others ran
-                    first_error = first_error or error
-        if first_error is not None:
-            raise first_error
 
     def _step_with_retries(self) -> List[TokenEvent]:
         """``step()``, retried while its plan fails, at most ``max_plan_retries`` times in a row."""

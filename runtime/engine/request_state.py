@@ -125,3 +125,21 @@ def new_samples(state: RequestState, stop_ids: Tuple[int, ...], seed: int, devic
                                 params.skip_special_tokens) if tokenizer is not None else None)
         samples[seq_id] = SampleRecord(state, i, sampling, text)
     return samples
+
+
+def deliver(events, requests: Dict[int, RequestState]) -> None:
+    """Each event to its request's ``on_token``, after the step is recorded (so a callback may
+    call ``abort``). One that raises an Exception stops no other: every event is delivered, then
+    the first error is raised (its token is in the output already). An interrupt
+    (KeyboardInterrupt, SystemExit) in a callback goes on at once: the later callbacks of the
+    step are not called, their tokens are in the outputs too."""
+    first_error = None
+    for event in events:
+        req = requests.get(event.request_id)
+        if req is not None and req.on_token is not None:
+            try:
+                req.on_token(event)
+            except Exception as error:   # noqa: BLE001 -- raised after the others ran
+                first_error = first_error or error
+    if first_error is not None:
+        raise first_error
