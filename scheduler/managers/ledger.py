@@ -1,0 +1,102 @@
+"""PageLedger: the one record of a pool's physical pages (vmem pages, or paged blocks) -- which
+are free and which tenant holds each -- journaled like every manager container.
+
+    ledger = PageLedger(cell, num_pages=8)
+    pages = ledger.take(3, tenant="full")      # (0, 1, 2) from a fresh ledger
+    ledger.give(pages[1:])                     # back to the free list
+    ledger.free_pages, ledger.held("full")     # 6, 1
+
+The manager that owns a ledger decides which page backs what; executors are told the page
+ids in the ops and never choose (every tensor-parallel rank applies the same ones). A tenant
+is any hashable name (a layer kind's table, later an adapter or another engine); the ledger
+counts what each holds so an integrity check can account every page exactly once. Inside a
+transaction (the manager's ``TxnCell`` holds a journal) every change logs its inverse first,
+so ``rollback`` puts back the free list in order, each page's holder and the counts.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Iterable, Optional
+
+from ..errors import ConfigError, OutOfCapacityError
+from .journal import JDict, JList, TxnCell
+
+
+class PageLedger:
+    """``num_pages`` physical pages: a free stack (a fresh ledger hands out 0, 1, 2, ...),
+    each taken page's tenant, and the pages each tenant holds. O(1) a page to take or give."""
+
+    __slots__ = ("num_pages", "_free", "_holder", "_held")
+
+    def __init__(self, cell: TxnCell, num_pages: int) -> None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise ConfigError(f"a page ledger needs num_pages >= 1, got {num_pages!r}")
+        self.num_pages = num_pages
+        self._free = JList(cell, range(num_pages - 1, -1, -1))   # pop() -> lowest free page
+        self._holder = JList(cell, [None] * num_pages)           # page -> tenant or None
+        self._held = JDict(cell)                                  # tenant -> pages held
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def held(self, tenant: Hashable) -> int:
+        """Pages ``tenant`` holds."""
+        return self._held.get(tenant, 0)
+
+    def holder(self, page: int) -> Optional[Hashable]:
+        """The tenant holding ``page`` (None: free)."""
+        return self._holder[page]
+
+    def tenants(self) -> dict:
+        """{tenant: pages held} for every tenant holding any."""
+        return dict(self._held)
+
+    def take(self, count: int, tenant: Hashable) -> tuple:
+        """``count`` free pages for ``tenant``; OutOfCapacityError (nothing changed) when
+        fewer are free."""
+        if tenant is None:
+            raise ConfigError("a page ledger tenant cannot be None (None marks a free page)")
+        if count > len(self._free):
+            raise OutOfCapacityError(f"{tenant!r} needs {count} pages, {len(self._free)} of "
+                                     f"{self.num_pages} free")
+        pages = tuple(self._free.pop() for _ in range(count))
+        for page in pages:
+            self._holder[page] = tenant
+        if count:
+            self._held[tenant] = self._held.get(tenant, 0) + count
+        return pages
+
+    def give(self, pages: Iterable[int]) -> None:
+        """Pages back to the free list (each must be held). The list is a stack: the pages
+        given back last are taken first, the lowest of them first."""
+        pages = sorted(pages, reverse=True)
+        if len(set(pages)) != len(pages) or any(self._holder[p] is None for p in pages):
+            raise AssertionError(f"pages {pages} include a free page or one twice")  # a bug
+        for page in pages:
+            tenant = self._holder[page]
+            left = self._held[tenant] - 1
+            if left:
+                self._held[tenant] = left
+            else:
+                del self._held[tenant]
+            self._holder[page] = None
+        for page in pages:
+            self._free.append(page)
+
+    def check_integrity(self) -> None:
+        """Every page free or held exactly once; the counts match the holders."""
+        free = list(self._free)
+        assert len(set(free)) == len(free), "a page is free twice"
+        counts: dict = {}
+        free_set = set(free)
+        for page, tenant in enumerate(self._holder):
+            if tenant is None:
+                assert page in free_set, f"page {page} is neither free nor held"
+            else:
+                counts[tenant] = counts.get(tenant, 0) + 1
+        assert len(free) + sum(counts.values()) == self.num_pages, "pages lost or doubled"
+        assert counts == dict(self._held), "per-tenant counts"
+
+    def journaled_fields(self) -> bool:
+        """Every container logs its changes (``journal.journaled``)."""
+        return True

@@ -1,0 +1,98 @@
+"""PageLedger against a shadow (a dict page -> tenant): random takes and gives, each inside a
+transaction that is committed or rolled back at random; after every rule the ledger equals the
+shadow (free pages, each page's holder, the per-tenant counts) and its integrity check holds.
+A take of more than is free raises OutOfCapacityError and changes nothing."""
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+import pytest
+
+from vmemkv.scheduler.errors import ConfigError, OutOfCapacityError
+from vmemkv.scheduler.managers.journal import Journal, TxnCell
+from vmemkv.scheduler.managers.ledger import PageLedger
+
+from ..hypothesis_budget import examples
+
+PAGES = 12
+TENANTS = ("full", "window", ("adapter", 3))
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = TxnCell()
+        self.ledger = PageLedger(self.cell, PAGES)
+        self.shadow: dict = {}            # page -> tenant, taken pages only
+
+    def _txn(self, change, commit: bool) -> None:
+        before = dict(self.shadow)
+        self.cell.j = Journal({})
+        try:
+            change()
+        finally:
+            j, self.cell.j = self.cell.j, None
+        if not commit:
+            j.undo_all([], [])
+            self.shadow = before
+
+    @rule(count=st.integers(0, PAGES + 2), tenant=st.sampled_from(TENANTS), commit=st.booleans())
+    def take(self, count, tenant, commit):
+        free = PAGES - len(self.shadow)
+
+        def change():
+            if count > free:
+                with pytest.raises(OutOfCapacityError):
+                    self.ledger.take(count, tenant)
+                return
+            pages = self.ledger.take(count, tenant)
+            assert len(pages) == len(set(pages)) == count
+            assert not set(pages) & self.shadow.keys()
+            self.shadow.update((p, tenant) for p in pages)
+        self._txn(change, commit)
+
+    @rule(data=st.data(), commit=st.booleans())
+    def give(self, data, commit):
+        held = sorted(self.shadow)
+        pages = data.draw(st.lists(st.sampled_from(held), unique=True) if held else st.just([]))
+
+        def change():
+            self.ledger.give(pages)
+            for p in pages:
+                del self.shadow[p]
+        self._txn(change, commit)
+
+    @invariant()
+    def matches_shadow(self):
+        ledger = self.ledger
+        ledger.check_integrity()
+        assert ledger.free_pages == PAGES - len(self.shadow)
+        assert [ledger.holder(p) for p in range(PAGES)] == [self.shadow.get(p) for p in range(PAGES)]
+        counts: dict = {}
+        for tenant in self.shadow.values():
+            counts[tenant] = counts.get(tenant, 0) + 1
+        assert ledger.tenants() == counts
+        assert all(ledger.held(t) == counts.get(t, 0) for t in TENANTS)
+
+
+TestLedgerMachine = LedgerMachine.TestCase
+TestLedgerMachine.settings = settings(max_examples=examples(100), stateful_step_count=30,
+                                      deadline=None)
+
+
+def test_a_fresh_ledger_hands_out_pages_in_order_and_refuses_bad_input():
+    ledger = PageLedger(TxnCell(), 4)
+    assert ledger.take(3, "full") == (0, 1, 2)
+    with pytest.raises(OutOfCapacityError, match="'window' needs 2 pages, 1 of 4 free"):
+        ledger.take(2, "window")
+    assert ledger.free_pages == 1 and ledger.tenants() == {"full": 3}
+    with pytest.raises(AssertionError):
+        ledger.give([0, 0])               # twice in one call: nothing changes
+    with pytest.raises(AssertionError):
+        ledger.give([3])                  # a free page
+    assert ledger.tenants() == {"full": 3}
+    ledger.give([2, 0])
+    assert ledger.take(2, "window") == (0, 2)
+    with pytest.raises(ConfigError):
+        ledger.take(1, None)
+    with pytest.raises(ConfigError):
+        PageLedger(TxnCell(), 0)
