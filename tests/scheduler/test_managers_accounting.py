@@ -5,8 +5,21 @@ import pstats
 import pytest
 
 from vmemkv.scheduler.errors import ConfigError
-from vmemkv.scheduler.managers import (POLICIES, CopyBlock, CopyGroup, MapGroup, PagedManager, SwapIn,
-                                SwapOut, UnmapGroup, VmemManager, make_manager)
+from vmemkv.scheduler.managers import (POLICIES, CopyBlock, CopyExtent, MapExtent, PagedManager, SwapIn,
+                                SwapOut, UnmapExtent, VmemManager, make_manager)
+
+
+def MapGroup(slot, pi, g, ppg=2):
+    """The MapExtent of fixed group ``g`` (its pages g * ppg ..., one kind "full")."""
+    return MapExtent(slot, pi, "full", tuple(range(g * ppg, (g + 1) * ppg)))
+
+
+def UnmapGroup(slot, pi, g=None):
+    return UnmapExtent(slot, pi, "full")
+
+
+def CopyGroup(src_slot, src_pi, dst_slot, dst_pi):
+    return CopyExtent(src_slot, src_pi, dst_slot, dst_pi, "full")
 from vmemkv.scheduler.presets import ModelSpec, get_model
 
 LLAMA = get_model("llama-3-8b")
@@ -111,8 +124,8 @@ def test_vmem_reclaims_on_demand_only_groups_no_live_sequence_uses():
     m.allocate(2, 2)                  # slot 1 (3 mapped pages): reuses page 0, no op
     m.allocate(3, 4)                  # slot 2: needs 2 groups, both reclaimed from slot 1
     ops = m.take_ops()
-    assert [type(o) for o in ops] == [UnmapGroup, MapGroup, UnmapGroup, MapGroup]
-    assert all(o.slot == 1 and o.page_index >= 1 for o in ops if isinstance(o, UnmapGroup))
+    assert [type(o) for o in ops] == [UnmapExtent, MapExtent, UnmapExtent, MapExtent]
+    assert all(o.slot == 1 and o.page_index >= 1 for o in ops if isinstance(o, UnmapExtent))
     assert not m.can_append(0, 1)     # all 4 groups are used now
     m.check_integrity()
 
