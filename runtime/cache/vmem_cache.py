@@ -65,6 +65,7 @@ class VMemKVCache(VMemOps, KVCache):
         kinds = ((whole_kind_name(config.window_tokens), tuple(range(config.num_layers))),) \
             if kinds is None else kinds
         self._kinds = cache_kinds(kinds, geometry, config.window_of)
+        self.kinds = kinds             # ((name, layers), ...), as the layout gave them
         self.pool_pages = pool_pages
         self.geometry = geometry
         self.memory_layout = geometry.layout
