@@ -29,6 +29,7 @@ import argparse
 import time
 
 from vmemkv.benchmarks.common import environment, format_table, median_seconds, print_environment, write_json
+from vmemkv.scheduler.cost import count_map_ops
 
 KiB, MiB = 2**10, 2**20
 HOST_PAGE_SIZES = (4 * KiB, 64 * KiB, 2 * MiB)
@@ -159,7 +160,7 @@ def mapper_loop(background: bool, shape: dict, device: str, seed: int = 0) -> di
             for seq in range(batch):
                 mgr.append(seq, grow)
             ops = mgr.take_ops()
-            mapped_pages += sum(type(op).__name__ == "MapGroup" for op in ops) * mgr.pages_per_group
+            mapped_pages += count_map_ops(ops) * mgr.pages_per_group
             cache.execute(ops)
             pair.sync_tables(range(batch))
             cache.begin_step([(seq, lengths[seq], grow) for seq in range(batch)])
