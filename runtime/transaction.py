@@ -48,16 +48,19 @@ class StepTransaction:
         self._execute = execute
         self.scheduler = scheduler
         self.tables = tables if tables is not None or scheduler is None else scheduler.tables
-        self.phase = Phase.IDLE
-        self._undo: Tuple[Undo, ...] = ()
-        self._recording = False   # EXECUTED: the planners' open transactions are the recording's
+        # (phase, the undo of that phase, EXECUTED: whether the planners' open transactions are
+        # the recording's): one value, so an interrupt never splits a phase from its undo
+        self._state: Tuple[Phase, Tuple[Undo, ...], bool] = (Phase.IDLE, (), False)
+
+    @property
+    def phase(self) -> Phase:
+        return self._state[0]
 
     def begin(self, *undo: Undo) -> None:
         """Open the planners' transactions (PLANNING). TransactionStateError if one is open."""
         if self.phase is not Phase.IDLE:
             raise TransactionStateError(f"begin() in phase {self.phase.value}; commit or roll back first")
-        self._undo, self._recording = undo, False
-        self.phase = Phase.PLANNING
+        self._state = (Phase.PLANNING, undo, False)
         self._open()
 
     def execute(self, plan: StepPlan) -> T:
@@ -82,9 +85,9 @@ class StepTransaction:
         """The plan ran: its memory is kept from here on (the planners commit) and they open
         again over recording the step (EXECUTED); ``undo`` puts the caller's records back."""
         self._expect(Phase.PLANNING, "executed")
-        self.phase = Phase.EXECUTED
+        self._state = (Phase.EXECUTED, (), False)
         self._close(keep=True)           # the plan's transactions
-        self._undo, self._recording = undo, True
+        self._state = (Phase.EXECUTED, undo, True)
         self._open()                     # the recording's
 
     def forget_step(self) -> None:
@@ -92,14 +95,14 @@ class StepTransaction:
         the sampler raised): keep the memory, forget the step (the next plan computes the same
         tokens again)."""
         self._expect(Phase.PLANNING, "forget_step")
-        self._undo, self.phase = (), Phase.EXECUTED
+        self._state = (Phase.EXECUTED, (), False)
         self.rollback()                  # the plan's transactions kept, no recording open
 
     def commit(self) -> None:
         """Keep everything since ``begin`` (PLANNING: the plan; EXECUTED: its recording)."""
         if self.phase not in (Phase.PLANNING, Phase.EXECUTED):
             raise TransactionStateError(f"commit() in phase {self.phase.value}")
-        self.phase = Phase.RECORDED      # the commit point
+        self._state = (Phase.RECORDED, (), False)   # the commit point
         self._close(keep=True)
         self._end()
 
@@ -109,20 +112,19 @@ class StepTransaction:
         executor or were undone there), ``undo``. EXECUTED: the recording's changes and its
         ``undo`` (the plan's memory stays) and the scheduler forgets the step. RECORDED:
         completes the commit. IDLE: nothing."""
-        phase = self.phase
+        phase, undos, recording = self._state
         if phase is Phase.PLANNING:
             self._close(keep=False)
             if self.tables is not None:
                 self.tables.resend()
         elif phase is Phase.EXECUTED:
-            self._close(keep=not self._recording)   # an interrupted executed(): finish it
+            self._close(keep=not recording)   # an interrupted executed(): finish it
             if self.scheduler is not None:
                 self.scheduler.discard_step()
         else:
             self._close(keep=True)
-        if phase is not Phase.RECORDED:
-            for undo in self._undo:
-                undo()
+        for undo in undos:
+            undo()
         self._end()
         return phase
 
@@ -136,8 +138,7 @@ class StepTransaction:
                 planner.commit() if keep else planner.rollback()
 
     def _end(self) -> None:
-        self._undo, self._recording = (), False
-        self.phase = Phase.IDLE
+        self._state = (Phase.IDLE, (), False)
 
     def _expect(self, phase: Phase, what: str) -> None:
         if self.phase is not phase:
