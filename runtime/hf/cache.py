@@ -15,11 +15,12 @@ The VMemCache owns a memory manager, which owns the truth about what is allocate
 VMemKVCache that executes its plans: the first layer of a forward that writes past what it holds
 grows every row through ``manager.append`` and hands the executor the plan (map ops, physical
 pages mapped through the real driver, and the rows' slots) before writing, as one
-StepTransaction (runtime/transaction.py: all or nothing). ``reset()`` frees the rows; their pages stay mapped (the manager's deferred reclamation), so the next
-``generate`` reuses them without mapping anything. A model with sliding-window layers gets a
-window-aware manager (``CacheConfig.layer_windows``): before a forward writes, the rows' memory
-wholly behind the windowed layers' windows is given back (``release_behind_window``), and those
-layers return only their window's keys (cache_layer.VMemLayer).
+StepTransaction (runtime/transaction.py: all or nothing). ``reset()`` frees the rows; their
+pages stay mapped (the manager's deferred reclamation), so the next ``generate`` reuses them
+without mapping anything. A model with sliding-window layers gets a window-aware manager
+(``CacheConfig.layer_windows``): before a forward writes, the rows' memory wholly behind the
+windowed layers' windows is given back (``release_behind_window``), and those layers return
+only their window's keys (cache_layer.VMemLayer).
 """
 from __future__ import annotations
 
