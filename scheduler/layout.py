@@ -48,7 +48,8 @@ class CacheLayout:
 
     vmem: ``geometry``, ``num_slots`` slots of ``pages_per_slot`` page indexes, ``num_groups``
     group ids, ``backing`` and (PARTS, BYTES) ``pool_pages`` physical pages in the pool.
-    paged: ``num_blocks`` blocks of ``block_size_tokens`` tokens. Validated on construction
+    paged: ``num_blocks`` blocks of ``block_size_tokens`` tokens (a hybrid: ``block_groups``,
+    the layers each block group's blocks hold, one block table per group). Validated on construction
     (ConfigError naming the field); unused fields of the other kind stay at their defaults.
     """
     kind: CacheKind
@@ -61,6 +62,7 @@ class CacheLayout:
     pool_pages: Optional[int] = None
     block_size_tokens: int = 0
     num_blocks: int = 0
+    block_groups: tuple = ()                # paged hybrid: layers per block group; (): one
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", CacheKind(self.kind))
@@ -69,6 +71,11 @@ class CacheLayout:
         if self.kind is CacheKind.PAGED:
             _positive("block_size_tokens", self.block_size_tokens)
             _positive("num_blocks", self.num_blocks)
+            sizes = {len(g) for g in self.block_groups}
+            layers = [l for g in self.block_groups for l in g]
+            if len(sizes) > 1 or len(set(layers)) != len(layers):
+                raise ConfigError(f"CacheLayout block_groups must be disjoint groups of equal "
+                                  f"size, got {self.block_groups!r}")
             return
         if not isinstance(self.geometry, PageGeometry):
             raise ConfigError(f"a vmem layout needs a PageGeometry, got {self.geometry!r}")
