@@ -13,8 +13,9 @@ model without windows (``CacheConfig.layer_windows=()``).
 The model is Mistral-shaped but scaled to the host: 4 layers, 8 KV heads x 128, fp16 (16 KiB
 per token), every layer windowed; and a hybrid of 5 windowed layers to 1 full (Gemma 3's
 pattern). On vmem per-layer the hybrid's page groups split into a FULL and a WINDOW part, and
-the windowed layers' part is given back behind the window; an interleaved page and a paged
-block serve every layer at once, so there the hybrid keeps every unit.
+the windowed layers' part is given back behind the window; paged keeps one block table per
+block group (here 6 groups of one layer) and its windowed groups give back their blocks; an
+interleaved page serves every layer at once, so there the hybrid keeps every unit.
 """
 from __future__ import annotations
 
@@ -41,9 +42,9 @@ def held_bytes(kv) -> int:
     """KV bytes the cache holds for its sequences right now (what the plans mapped / placed)."""
     if kv.cache.kind == "vmem":
         return len(kv.cache.range.mapped_pages()) * kv.cache.page_bytes
-    c = kv.cache.config
-    blocks = sum(b is not None for b in kv.cache.block_table(0))
-    return blocks * kv.cache.block_size * c.bytes_per_token
+    c, groups = kv.cache.config, kv.cache.groups     # a block holds one group's layers
+    blocks = sum(b is not None for table in kv.cache.block_tables(0) for b in table)
+    return blocks * kv.cache.block_size * c.bytes_per_token * len(groups[0]) // c.num_layers
 
 
 def run_one(kind: str, layout: str, layers: int, windowed, window: int, aware: bool,

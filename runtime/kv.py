@@ -162,7 +162,8 @@ def cache_from_layout(layout: CacheLayout, config: CacheConfig, *,
         raise CacheConfigError(f"a cache is built from a CacheLayout (manager.layout()), "
                                f"got {layout!r}")
     if layout.kind is CacheKind.PAGED:
-        return PagedKVCache(config, layout.block_size_tokens, layout.num_blocks)
+        return PagedKVCache(config, layout.block_size_tokens, layout.num_blocks,
+                            layout.block_groups)
     if layout.num_slots != config.max_batch:
         raise CacheConfigError(f"manager has {layout.num_slots} slots but CacheConfig.max_batch "
                                f"is {config.max_batch}; build the manager with max_slots=max_batch")
@@ -187,7 +188,7 @@ def check_matches(manager, cache: KVCache) -> None:
     for seq_id in cache.placed_seq_ids:
         if manager.is_swapped(seq_id) or not _resident(manager, seq_id):
             continue   # finished or preempted since the last plan: its drop is in the next one
-        truth = manager.slot_of(seq_id) if vmem_kind else manager.block_table(seq_id)
+        truth = manager.slot_of(seq_id) if vmem_kind else tuple(manager.block_tables(seq_id))
         assert cache.placement(seq_id) == truth, f"placement of sequence {seq_id}"
     if vmem_kind:
         for slot in range(cache.config.max_batch):

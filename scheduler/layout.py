@@ -50,7 +50,8 @@ class CacheLayout:
     group ids, ``backing``, ``pool_pages`` physical pages in the pool (the ops name pages
     0..pool_pages-1) and ``kinds``: ((name, layers), ...), the layer kinds ops name, whose
     members (K/V of each layer, in layer order) every layer is one of.
-    paged: ``num_blocks`` blocks of ``block_size_tokens`` tokens. Validated on construction
+    paged: ``num_blocks`` blocks of ``block_size_tokens`` tokens (a hybrid: ``block_groups``,
+    the layers each block group's blocks hold, one block table per group). Validated on construction
     (ConfigError naming the field); unused fields of the other kind stay at their defaults.
     """
     kind: CacheKind
@@ -64,6 +65,7 @@ class CacheLayout:
     block_size_tokens: int = 0
     num_blocks: int = 0
     kinds: tuple = ()
+    block_groups: tuple = ()                # paged hybrid: layers per block group; (): one
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", CacheKind(self.kind))
@@ -72,6 +74,11 @@ class CacheLayout:
         if self.kind is CacheKind.PAGED:
             _positive("block_size_tokens", self.block_size_tokens)
             _positive("num_blocks", self.num_blocks)
+            sizes = {len(g) for g in self.block_groups}
+            layers = [l for g in self.block_groups for l in g]
+            if len(sizes) > 1 or len(set(layers)) != len(layers):
+                raise ConfigError(f"CacheLayout block_groups must be disjoint groups of equal "
+                                  f"size, got {self.block_groups!r}")
             return
         if not isinstance(self.geometry, PageGeometry):
             raise ConfigError(f"a vmem layout needs a PageGeometry, got {self.geometry!r}")

@@ -1,13 +1,7 @@
 """What happens when a step or a request does not complete: the scheduler's side of a step
 transaction (an explicit copy of what ``schedule()`` and ``update()`` change) and ending a
-request early.
-
-    scheduler.begin(); manager.begin()
-    plan = scheduler.schedule(); executor runs plan      # fails: PlanExecutionError (undone)
-    scheduler.rollback(); manager.rollback()              # queues, tables, memory as before
-
-The engine also records a step's tokens in a transaction of its own (``update`` and what it
-finishes, forks and forgets; rolled back, the step's tokens were never recorded).
+request early. ``runtime/transaction.py``'s StepTransaction composes it with the manager's
+transaction, the tracker and the executor; a rolled-back plan is forgotten.
 
 Each field is copied by name, with the copy its type needs (queues by their members, each
 sequence by ``Sequence.save``); nothing is inferred from a value's shape, so a field added to
@@ -117,10 +111,9 @@ class StepTransactions:
 
     def rollback(self) -> None:
         """Undo every change since ``begin`` (a plan scheduled since then is forgotten: the
-        next ``schedule()`` plans afresh; the table edits it carried are sent again in full)."""
+        next ``schedule()`` plans afresh). The tracker is not touched: whoever knows whether
+        the plan reached its executor resends it (StepTransaction)."""
         self._close_transaction().restore(self)
-        if self.tables is not None:
-            self.tables.resend()
 
     def _close_transaction(self) -> Savepoint:
         savepoint, self._savepoint = self._savepoint, None

@@ -58,10 +58,12 @@ class SetSlot(NamedTuple):
 
 
 class EditBlocks(NamedTuple):
-    """paged: the block table of ``seq_id`` becomes ``table[:keep] + append``."""
+    """paged: the block table of ``seq_id`` in block group ``group`` (0 but for hybrids, one
+    table per group: ``CacheLayout.block_groups``) becomes ``table[:keep] + append``."""
     seq_id: int
     keep: int
     append: Tuple[int, ...]
+    group: int = 0
 
 
 class DropTable(NamedTuple):

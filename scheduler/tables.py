@@ -35,9 +35,7 @@ class TableTracker:
             if sent.pop(seq_id, None) is not None:
                 out.append(DropTable(seq_id))
         for seq_id in seq_ids:
-            edit = self._edit(manager, seq_id)
-            if edit is not None:
-                out.append(edit)
+            out.extend(self._edits(manager, seq_id))
         return out
 
     def fill(self, plan: StepPlan, manager) -> None:
@@ -57,40 +55,46 @@ class TableTracker:
         """Forget what was sent (a plan was dropped unexecuted): the next edits are full."""
         self._sent.clear()
 
-    def _edit(self, manager, seq_id: int) -> Optional[TableEdit]:
+    def _edits(self, manager, seq_id: int) -> List[TableEdit]:
         raise NotImplementedError
 
 
 class SlotTables(TableTracker):
     """vmem: a sequence's placement is its slot."""
 
-    def _edit(self, manager, seq_id: int) -> Optional[SetSlot]:
+    def _edits(self, manager, seq_id: int) -> List[SetSlot]:
         slot = manager.slot_of(seq_id)
         if self._sent.get(seq_id) == slot:
-            return None
+            return []
         self._sent[seq_id] = slot
-        return SetSlot(seq_id, slot)
+        return [SetSlot(seq_id, slot)]
 
 
 class BlockTables(TableTracker):
-    """paged: a sequence's placement is its block table; only the changed tail is sent."""
+    """paged: a sequence's placement is its block tables (one per block group); only the
+    changed tail of each changed table is sent."""
 
-    def _edit(self, manager, seq_id: int) -> Optional[EditBlocks]:
-        table = manager.block_table(seq_id)
+    def _edits(self, manager, seq_id: int) -> List[EditBlocks]:
+        tables = manager.block_tables(seq_id)
         old = self._sent.get(seq_id)
-        keep = 0
-        if old is not None:
-            n = len(old)
-            if table[:n] == old:             # growth: append only (the common case)
-                if len(table) == n:
-                    return None
-                keep = n
-            else:                            # copy-on-write replaced a block: longest prefix
-                limit = min(n, len(table))
-                while keep < limit and table[keep] == old[keep]:
-                    keep += 1
-        self._sent[seq_id] = table
-        return EditBlocks(seq_id, keep, tuple(table[keep:]))
+        self._sent[seq_id] = tables
+        edits = (_edit(seq_id, g, None if old is None else old[g], t) for g, t in enumerate(tables))
+        return [e for e in edits if e is not None]
+
+
+def _edit(seq_id: int, group: int, old: Optional[list], table: list) -> Optional[EditBlocks]:
+    keep = 0
+    if old is not None:
+        n = len(old)
+        if table[:n] == old:             # growth: append only (the common case)
+            if len(table) == n:
+                return None
+            keep = n
+        else:                            # copy-on-write replaced a block: longest prefix
+            limit = min(n, len(table))
+            while keep < limit and table[keep] == old[keep]:
+                keep += 1
+    return EditBlocks(seq_id, keep, tuple(table[keep:]), group)
 
 
 def tracker_for(cache_kind: str) -> TableTracker:

@@ -1,10 +1,13 @@
 """PagedKVCache: K/V in fixed-size blocks of a preallocated pool, named by per-request tables.
 
-    pools  [layers, 2 (K,V), num_blocks, block_size, kv_heads, head_dim]   one tensor
+    pools  [G, 2 (K,V), num_blocks, block_size, kv_heads, head_dim]   one tensor
     token t of a request lives at block_table[t // block_size], offset t % block_size
 
-The block tables are the cache's replica of what plans told it (EditBlocks: keep a prefix,
-append blocks); it never asks a manager.
+G is every layer (one block table per sequence), or for a hybrid the size of its block groups
+(``CacheLayout.block_groups``): layer l of group g at position p reads ``pools[p]`` through
+group g's table, so each layer view carries its group's table. The block tables are the
+cache's replica of what plans told it (EditBlocks: keep a prefix, append blocks, in one group's
+table); it never asks a manager.
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ class PagedKVCache(KVCache):
 
     kind = CacheKind.PAGED
 
-    def __init__(self, config: CacheConfig, block_size: int, num_blocks: int) -> None:
+    def __init__(self, config: CacheConfig, block_size: int, num_blocks: int,
+                 block_groups: tuple = ()) -> None:
         super().__init__(config)
         for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -36,9 +40,17 @@ class PagedKVCache(KVCache):
         self.block_size = block_size
         self.num_blocks = num_blocks
         c = config
+        self.groups = tuple(tuple(g) for g in block_groups) or (tuple(range(c.num_layers)),)
+        if sorted(l for g in self.groups for l in g) != list(range(c.num_layers)) or len(
+                {len(g) for g in self.groups}) != 1:
+            raise CacheConfigError(f"PagedKVCache block_groups must split layers 0.."
+                                   f"{c.num_layers - 1} into equal groups, got {block_groups!r}")
+        self._where = {l: (g, p) for g, group in enumerate(self.groups) for p, l in enumerate(group)}
+        size = len(self.groups[0])
         check_fits_device(f"PagedKVCache pool of {self.num_blocks} blocks of {self.block_size} tokens",
-                          self.num_blocks * self.block_size * c.bytes_per_token, c.torch_device)
-        self.pools = torch.zeros((c.num_layers, 2, self.num_blocks, self.block_size,
+                          self.num_blocks * self.block_size * c.bytes_per_token * size // c.num_layers,
+                          c.torch_device)
+        self.pools = torch.zeros((size, 2, self.num_blocks, self.block_size,
                                   c.num_kv_heads, c.head_dim), dtype=c.storage_dtype,
                                  device=c.torch_device)
 
@@ -90,22 +102,42 @@ class PagedKVCache(KVCache):
 
     def _flat_pools(self) -> torch.Tensor:
         c = self.config
-        # (layers, 2, num_blocks * block_size, kv_heads, head_dim)
-        return self.pools.view(c.num_layers, 2, self.num_blocks * self.block_size, c.num_kv_heads, c.head_dim)
+        # (G, 2, num_blocks * block_size, kv_heads, head_dim)
+        return self.pools.view(self.pools.shape[0], 2, self.num_blocks * self.block_size,
+                               c.num_kv_heads, c.head_dim)
+
+    def _by_group(self, blocks) -> list:
+        """A swap op's ``blocks`` (every group's table, group after group) as (layers, blocks)."""
+        per = len(blocks) // len(self.groups)
+        return [(torch.tensor(layers, device=self.pools.device), blocks[g * per:(g + 1) * per])
+                for g, layers in enumerate(self.groups)]
 
     def _tokens_of(self, blocks, num_tokens: int, out: torch.Tensor) -> None:
-        self._swap_copy(out, self._flat_pools()[:, :, self._flat_index(blocks, num_tokens)])
+        if len(self.groups) == 1:
+            self._swap_copy(out, self._flat_pools()[:, :, self._flat_index(blocks, num_tokens)])
+            return
+        for layers, group_blocks in self._by_group(blocks):      # (hybrids are never swapped
+            part = self._flat_pools()[:, :, self._flat_index(group_blocks, num_tokens)]  # today)
+            for p, layer in enumerate(layers.tolist()):
+                self._swap_copy(out[layer], part[p])
 
     def _store_tokens(self, blocks, tokens: torch.Tensor) -> None:
-        index = self._flat_index(blocks, tokens.shape[2])
-        _bits(self._flat_pools()).index_copy_(2, index, _bits(tokens.to(
-            self.pools.device, non_blocking=self.swaps_are_async)))
+        tokens = tokens.to(self.pools.device, non_blocking=self.swaps_are_async)
+        for layers, group_blocks in self._by_group(blocks):
+            index = self._flat_index(group_blocks, tokens.shape[2])
+            part = tokens if len(self.groups) == 1 else tokens.index_select(0, layers)
+            _bits(self._flat_pools()).index_copy_(2, index, _bits(part))
 
     # -- steps --
-    def _placed(self, edit, old, index: int) -> list:
+    def _placed(self, edit, tables, index: int) -> tuple:
+        """A placement is one block table per group."""
         if not isinstance(edit, EditBlocks):
             raise CacheStateError(f"PagedKVCache cannot apply table edit {index}: {edit!r}")
-        old = old or []
+        if not 0 <= edit.group < len(self.groups):
+            raise CacheStateError(f"table edit {index} names block group {edit.group} outside "
+                                  f"0..{len(self.groups) - 1}")
+        tables = list(tables or ([],) * len(self.groups))
+        old = tables[edit.group]
         if not 0 <= edit.keep <= len(old):
             raise CacheStateError(f"table edit {index} keeps {edit.keep} blocks of sequence "
                                   f"{edit.seq_id}, which has {len(old)}")
@@ -113,37 +145,55 @@ class PagedKVCache(KVCache):
         if bad:
             raise CacheStateError(f"table edit {index} names blocks {bad} outside "
                                   f"0..{self.num_blocks - 1}")
-        return old[:edit.keep] + list(edit.append)
+        tables[edit.group] = old[:edit.keep] + list(edit.append)
+        return tuple(tables)
 
-    def block_table(self, seq_id: int) -> list:
-        """The block table the plans gave ``seq_id``."""
-        return list(self.placement(seq_id))
+    def block_table(self, seq_id: int, group: int = 0) -> list:
+        """The block table the plans gave ``seq_id`` in block ``group``."""
+        return list(self.placement(seq_id)[group])
+
+    def block_tables(self, seq_id: int) -> list:
+        """Every group's block table of ``seq_id``."""
+        return [list(t) for t in self.placement(seq_id)]
 
     def _held_tokens(self, seq_id: int) -> int:
-        return len(self.placement(seq_id)) * self.block_size
+        return len(self.placement(seq_id)[0]) * self.block_size
+
+    def _group_window(self, layers: tuple):
+        """The window every layer of a group attends within (None: some layer reads all)."""
+        windows = {self.config.window_of(layer) for layer in layers}
+        return windows.pop() if len(windows) == 1 else None
 
     def _build_step_views(self, step: StepBatch) -> list:
-        tables = [self.placement(seq_id) for seq_id in step.seq_ids]
+        views, writes = [None] * self.config.num_layers, []
+        for g, layers in enumerate(self.groups):
+            tables = [self.placement(seq_id)[g] for seq_id in step.seq_ids]
+            block_tables, meta, write = self._group_step(step, tables, self._group_window(layers))
+            writes.append(write)
+            for p, layer in enumerate(layers):
+                views[layer] = PagedLayerView(
+                    self.pools[p, 0], self.pools[p, 1], block_tables, step.context_lens,
+                    step.query_lens, meta=meta, window=self.config.window_of(layer),
+                    **self.scales_of(layer))
+        self._flat_writes = writes
+        return views
+
+    def _group_step(self, step: StepBatch, tables: list, window) -> tuple:
+        """One group's (block table tensor, StepMeta, flat write index) for the step."""
         width = max(len(t) for t in tables)
-        device = self.config.torch_device
-        self._check_window_reads(step, tables)
+        self._check_window_reads(step, tables, window)
         # None: a block given back behind the window (never read); 0 pads it like the tail
         padded = [[0 if b is None else b for b in t] + [0] * (width - len(t)) for t in tables]
-        self._block_tables = torch.tensor(padded, dtype=torch.int32, device=device)
-        blocks = self._block_tables.long()[step.token_seq_index, step.positions // self.block_size]
-        self._flat_write = blocks * self.block_size + step.positions % self.block_size
+        block_tables = torch.tensor(padded, dtype=torch.int32, device=self.config.torch_device)
+        blocks = block_tables.long()[step.token_seq_index, step.positions // self.block_size]
         bs = self.block_size
         used = tuple(tuple(t[:-(-ctx // bs)]) for t, ctx in zip(tables, step.lens.context_lens))
-        meta = StepMeta(step.lens, host_tables=used)
-        return [PagedLayerView(self.pools[layer, 0], self.pools[layer, 1], self._block_tables,
-                               step.context_lens, step.query_lens, meta=meta,
-                               window=self.config.window_of(layer), **self.scales_of(layer))
-                for layer in range(self.config.num_layers)]
+        return (block_tables, StepMeta(step.lens, host_tables=used),
+                blocks * bs + step.positions % bs)
 
-    def _check_window_reads(self, step: StepBatch, tables: list) -> None:
+    def _check_window_reads(self, step: StepBatch, tables: list, window) -> None:
         """Every key a layer reads this step (from its window start) must be in a held block."""
-        for seq_id, table, start in zip(step.seq_ids, tables,
-                                        window_starts(step.lens, self.config.window_tokens)):
+        for seq_id, table, start in zip(step.seq_ids, tables, window_starts(step.lens, window)):
             gone = next((k for k, b in enumerate(table) if b is not None), len(table))
             if start < gone * self.block_size:
                 raise CacheStateError(
@@ -154,9 +204,10 @@ class PagedKVCache(KVCache):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._check_layer(layer)
         flat = self._flat_pools()
+        g, p = self._where[layer]
         k, v = self.encode(layer, k, v)
-        _bits(flat[layer, 0]).index_copy_(0, self._flat_write, _bits(k.to(flat.dtype)))
-        _bits(flat[layer, 1]).index_copy_(0, self._flat_write, _bits(v.to(flat.dtype)))
+        _bits(flat[p, 0]).index_copy_(0, self._flat_writes[g], _bits(k.to(flat.dtype)))
+        _bits(flat[p, 1]).index_copy_(0, self._flat_writes[g], _bits(v.to(flat.dtype)))
 
     def layer_view(self, layer: int) -> PagedLayerView:
         self._check_layer(layer)
@@ -164,12 +215,14 @@ class PagedKVCache(KVCache):
 
     def read(self, seq_id: int, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_read(seq_id, num_tokens)
-        if num_tokens and self.placement(seq_id)[0] is None:
+        g, p = self._where[layer]
+        table = self.placement(seq_id)[g]
+        if num_tokens and table[0] is None:
             raise CacheStateError(f"sequence {seq_id}: its first tokens were given back behind "
                                   f"a sliding window; they cannot be read")
-        index = self._flat_index(self.placement(seq_id), num_tokens)
+        index = self._flat_index(table, num_tokens)
         flat = self._flat_pools()
-        return flat[layer, 0, index].clone(), flat[layer, 1, index].clone()
+        return flat[p, 0, index].clone(), flat[p, 1, index].clone()
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

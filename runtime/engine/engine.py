@@ -4,11 +4,11 @@
     outs = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=32))
     for ev in engine.stream(prompts, params): print(ev.request_id, ev.token_id)
 
-One step, two transactions over scheduler + manager + cache:  begin both -> plan =
-scheduler.schedule() -> runner.execute(plan) (ops, then the model on the packed new tokens) ->
-sampler -> commit both; begin both -> scheduler.update(sampled, now) + the outputs -> commit
-both (``lifecycle``: the step's tokens are recorded whole or not at all). A failed plan rolls
-both back (the cache has undone its memory). Nothing is lost: a request is rejected by
+One step, one StepTransaction over scheduler + manager + executor (runtime/transaction.py):
+begin -> plan = scheduler.schedule() -> runner.execute(plan) (ops, then the model on the packed
+new tokens) -> sampler -> executed (the plan's memory kept) -> scheduler.update(sampled, now) +
+the outputs -> commit (``lifecycle``: the step's tokens are recorded whole or not at all). A
+failed plan rolls it back (the cache has undone its memory). Nothing is lost: a request is rejected by
 ``add_request`` (RequestRejectedError, before it holds anything) or ends "finished", "aborted"
 (``abort``) or "failed" (its plans, its forward or its sampling kept failing); preempted
 sequences come back by the scheduler's rules.
@@ -30,6 +30,7 @@ from vmemkv.runtime.models import eos_token_ids
 from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
 from vmemkv.runtime.hf.support import check_model_supported
+from vmemkv.runtime.transaction import StepTransaction
 from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.request import Request, SeqState
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -140,9 +141,8 @@ class Engine(RequestLifecycle, EngineStatistics):
         self._prompt_tokens = 0
         self._computed_tokens = 0                    # tokens whose K/V steps computed
         self._strikes: Dict[int, int] = {}          # request_id -> failed steps in a row
-        self._stage = "planning"  # how far the running step got (lifecycle._step_failed)
+        self._txn = StepTransaction(self.kv.manager, self._execute, scheduler=self.scheduler)
         self._draws: list = []   # the step's generators before it sampled (undone with the step)
-        self._saved = None       # what recording the step's tokens changes, before it did
         self.plan_failures = 0                       # failed plan executions, all time
 
     # ---- submission ----------------------------------------------------------------------
@@ -211,13 +211,13 @@ class Engine(RequestLifecycle, EngineStatistics):
         (PlanExecutionError for a plan) is raised with every request intact. ``on_token``
         callbacks run after the step is recorded (``request_state.deliver``)."""
         start = time.perf_counter()
-        self._stage, self._draws, self._saved = "planning", [], None   # see lifecycle
-        self.runner.ops_applied = False
+        self._draws, self.runner.ops_applied = [], False   # see lifecycle
         plan = logits = drawing = None
         try:   # one handler for the whole step: an exception may strike at any line
-            plan = self._schedule()
+            self._txn.begin()
+            plan = self.scheduler.schedule()
             self._phase_s["schedule"] += time.perf_counter() - start
-            logits, rows = self._execute(plan)
+            logits, rows = self._txn.execute(plan)
             sample_start = time.perf_counter()
             drawing = self._drawing(plan, rows)
             sampled = self._sample(logits, drawing)
@@ -267,7 +267,7 @@ class Engine(RequestLifecycle, EngineStatistics):
 
     def _record(self, plan, sampled: Dict[int, int]) -> List[TokenEvent]:
         """What an executed step changes: the scheduler's sequences (``update``), the outputs
-        and the counters (run inside ``lifecycle``'s recording transaction)."""
+        and the counters (run inside the step transaction's recording phase)."""
         now = self._now()
         finished = set(self.scheduler.update(sampled, now=now))
         for seq_id in self.runner.prompt_logits:   # every prompt position is in: stop keeping rows

@@ -1,16 +1,17 @@
 """The engine's failure contract: a step is recorded whole or not at all, and a request whose
 work keeps failing ends "failed" instead of blocking the engine.
 
-A step is two transactions over scheduler + manager (``Engine.step``):
+A step is one StepTransaction (runtime/transaction.py) over scheduler, manager and executor in
+two phases (``Engine.step``):
 
-    begin -> plan = schedule() -> execute (ops, model) -> sample -> commit     (the plan ran)
-    begin -> update + emit (tokens reach the scheduler AND the outputs)  -> commit (recorded)
+    begin -> plan = schedule() -> execute (ops, model) -> sample -> executed   (the plan ran)
+          -> update + emit (tokens reach the scheduler AND the outputs)   -> commit (recorded)
 
-An exception anywhere before the second commit (KeyboardInterrupt, SystemExit and bookkeeping
-errors included) leaves no token recorded: the memory the plan applied is kept (tables and
-memory agree), everything else the step did is undone (scheduler, manager, outputs, texts,
-sample generators) and the next step computes the same tokens again. Past the second commit
-the step is recorded; only the ``on_token`` callbacks run after it.
+An exception anywhere before the commit (KeyboardInterrupt, SystemExit and bookkeeping errors
+included) leaves no token recorded: the memory the plan applied is kept (tables and memory
+agree), everything else the step did is undone (scheduler, manager, outputs, texts, sample
+generators) and the next step computes the same tokens again. Past the commit the step is
+recorded; only the ``on_token`` callbacks run after it.
 
 Whom a failed step is blamed on:
 - a memory plan failed: the cache names the op that failed (``PlanExecutionError.op_index``)
@@ -37,10 +38,10 @@ Whom a failed step is blamed on:
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Dict, Iterable, List, Optional, Set
 
 from vmemkv.runtime.errors import PlanExecutionError
+from vmemkv.runtime.transaction import Phase
 from vmemkv.scheduler.plan import StepPlan
 from vmemkv.scheduler.request import SeqState
 
@@ -62,16 +63,19 @@ def culprit_seq_ids(ops: list, op_index: Optional[int]) -> Set[int]:
 class RecordingSavepoint:
     """What recording a step changes on the engine's side, as it was before: the records of
     the samples that drew (outputs, texts, their requests' counts and status), which samples
-    and prompt-logprob collectors are live, and the step counters."""
+    and prompt-logprob collectors are live, and the step counters. ``restore`` is idempotent
+    (a StepTransaction may run it twice)."""
 
     def __init__(self, engine, seq_ids: Iterable[int]) -> None:
+        self.engine = engine
         self.samples = {s: engine._samples[s] for s in seq_ids}
         self.records = [(record, record.save()) for record in self.samples.values()]
         self.prompt_logprobs = dict(engine._prompt_logprobs)
         self.strikes = dict(engine._strikes)
         self.counters = (engine._computed_tokens, engine._steps, len(engine._kv_usage))
 
-    def restore(self, engine) -> None:
+    def restore(self) -> None:
+        engine = self.engine
         for record, saved in self.records:
             record.restore(saved)
         engine._samples.update(self.samples)
@@ -85,57 +89,24 @@ class RecordingSavepoint:
 
 class RequestLifecycle:
     """The Engine's failure contract and early ends (a mixin over Engine's fields: scheduler,
-    cache, runner, config, _requests, _samples, _strikes; and the step's _stage, _draws and
-    _saved): recording or undoing a step, blaming and failing a request, ``abort`` and
+    cache, runner, config, _requests, _samples, _strikes; the step's StepTransaction ``_txn``
+    and ``_draws``): recording or undoing a step, blaming and failing a request, ``abort`` and
     ``status``."""
 
-    def _begin(self) -> None:
-        self.scheduler.begin()
-        self.kv.manager.begin()
-
-    def _commit(self) -> None:
-        self.kv.manager.commit()
-        self.scheduler.commit()
-
-    def _rollback(self) -> None:
-        self.kv.manager.rollback()
-        self.scheduler.rollback()
-
-    def _close_open(self, keep: bool) -> None:
-        """Commit (``keep``) or roll back whatever part of the transaction is open: an
-        exception may have stopped ``_begin`` or ``_commit`` half-way."""
-        for part in (self.kv.manager, self.scheduler):
-            if part.in_transaction:
-                part.commit() if keep else part.rollback()
-
-    def _schedule(self):
-        """Open the step's transaction and plan it; a scheduler error rolls both back."""
-        try:
-            self._begin()
-            return self.scheduler.schedule()
-        except BaseException:
-            self._close_open(keep=False)
-            raise
-
     def _record_step(self, plan, sampled: Dict[int, int]) -> List[TokenEvent]:
-        """Commit the executed step, then record its tokens (``Engine._record``: scheduler
-        update, outputs, counters) in a transaction of its own. ``_stage`` tells
-        ``_step_failed`` how far it got: "planning" until the first commit is done (the plan's
-        memory is then kept), "recording" until the second (undone), then "recorded"."""
-        self._commit()                    # the plan ran: its memory is kept from here on
-        self._stage = "recording"
-        self._begin()
-        self._saved = RecordingSavepoint(self, sampled)
+        """The plan ran: its memory is kept (``executed``); then its tokens are recorded
+        (``Engine._record``: scheduler update, outputs, counters) and committed together, or,
+        if anything raises first, not at all (``_step_failed``)."""
+        self._txn.executed(RecordingSavepoint(self, sampled).restore)
         events = self._record(plan, sampled)
-        self._stage = "recorded"          # the commit point: from here the step is recorded
-        self._commit()
+        self._txn.commit()
         return events
 
     def _plan_failed(self, plan, error: PlanExecutionError) -> bool:
         """Roll the step back; True when the failure ended a request (the step then returns)."""
         restore_generators(self._draws)
         culprits = culprit_seq_ids(plan.ops, error.op_index)
-        self._rollback()
+        self._txn.rollback()
         self.plan_failures += 1
         if not error.rolled_back:
             return False
@@ -151,19 +122,17 @@ class RequestLifecycle:
 
     def _step_failed(self, plan, logits, drawing, error: BaseException) -> bool:
         """Something raised (an interrupt included) in ``step``: finish or undo what the step
-        did, by ``_stage``. Before its tokens were recorded: undo its draws, keep its applied
-        memory (or roll it back) and forget its progress; while recording them: undo the
-        recording too; at the commit point: finish the commit. True when the failure was blamed
-        on requests that were then failed (the step returns); False: the caller re-raises."""
-        if self._stage == "recorded":
-            self._close_open(keep=True)
+        did, by the transaction's phase. Planning: undo its draws, keep its applied memory (or
+        roll it back) and forget its progress; executed: undo the recording too; recorded:
+        finish the commit. True when the failure was blamed on requests that were then failed
+        (the step returns); False: the caller re-raises."""
+        phase = self._txn.phase
+        if phase in (Phase.IDLE, Phase.RECORDED):   # before begin, or the step is recorded
+            self._txn.rollback()                     # (RECORDED: completes the commit)
             return False
         restore_generators(self._draws)
-        if self._stage == "recording":
-            self._close_open(keep=False)
-            if self._saved is not None:
-                self._saved.restore(self)
-            self.scheduler.discard_step()
+        if phase is Phase.EXECUTED:
+            self._txn.rollback()
             return False
         kept = self._keep_applied_memory()
         if plan is None or not kept or not isinstance(error, Exception) or self.tp is not None:
@@ -226,10 +195,9 @@ class RequestLifecycle:
         except PlanExecutionError:
             self.runner.ops_applied = False
         if not self.runner.ops_applied:
-            self._close_open(keep=False)
+            self._txn.rollback()
             return False
-        self._close_open(keep=True)
-        self.scheduler.discard_step()
+        self._txn.forget_step()
         return True
 
     # ---- ending requests early -----------------------------------------------------------
@@ -275,16 +243,13 @@ class RequestLifecycle:
         plan is (``_execute``: with tensor parallelism on every rank). A rank that dies or hangs
         meanwhile closes the engine, as in ``step``."""
         try:
-            with self._transaction():
-                seq_ids = self.scheduler.abort_request(request_id, status)
-                self._execute(StepPlan([], self.kv.manager.take_ops(), finished=list(seq_ids),
-                                       tables=self.kv.tables.drop(seq_ids)))
+            plan, _ = self._txn.run(lambda: self._ending_plan(request_id, status))
         except TensorParallelError:
             self.close()
             raise
         state = self._requests[request_id]
         reason = "abort" if status is SeqState.ABORTED else "error"
-        for seq_id in seq_ids:
+        for seq_id in plan.finished:
             self.scheduler.forget(seq_id)
         for seq_id in state.seq_ids:
             if seq_id in self._samples:
@@ -294,13 +259,7 @@ class RequestLifecycle:
         if error is not None:
             state.output.error = RequestError(type(error).__name__, str(error))
 
-    @contextmanager
-    def _transaction(self):
-        self._begin()
-        try:
-            yield
-        except BaseException:
-            self._rollback()
-            raise
-        self._commit()
-
+    def _ending_plan(self, request_id: int, status: SeqState) -> StepPlan:
+        seq_ids = self.scheduler.abort_request(request_id, status)
+        return StepPlan([], self.kv.manager.take_ops(), finished=list(seq_ids),
+                        tables=self.kv.tables.drop(seq_ids))

@@ -14,12 +14,13 @@ left and masks the pads). Per layer (per-layer layout; interleaved is the same, 
 The VMemCache owns a memory manager, which owns the truth about what is allocated, and the
 VMemKVCache that executes its plans: the first layer of a forward that writes past what it holds
 grows every row through ``manager.append`` and hands the executor the plan (map ops, physical
-pages mapped through the real driver, and the rows' slots) before writing. ``reset()``
-frees the rows; their pages stay mapped (the manager's deferred reclamation), so the next
-``generate`` reuses them without mapping anything. A model with sliding-window layers gets a
-window-aware manager (``CacheConfig.layer_windows``): before a forward writes, the rows' memory
-wholly behind the windowed layers' windows is given back (``release_behind_window``), and those
-layers return only their window's keys (cache_layer.VMemLayer).
+pages mapped through the real driver, and the rows' slots) before writing, as one
+StepTransaction (runtime/transaction.py: all or nothing). ``reset()`` frees the rows; their
+pages stay mapped (the manager's deferred reclamation), so the next ``generate`` reuses them
+without mapping anything. A model with sliding-window layers gets a window-aware manager
+(``CacheConfig.layer_windows``): before a forward writes, the rows' memory wholly behind the
+windowed layers' windows is given back (``release_behind_window``), and those layers return
+only their window's keys (cache_layer.VMemLayer).
 """
 from __future__ import annotations
 
@@ -31,10 +32,12 @@ import torch
 from transformers.cache_utils import Cache
 
 from vmemkv.scheduler.layout import PoolBacking
+from vmemkv.scheduler.plan import StepPlan
 
 from ..config import CacheConfig, parse_dtype
 from ..errors import CacheConfigError, CacheStateError
 from ..kv import KV, make_kv, vmem_geometry
+from ..transaction import StepTransaction, cache_executor
 from .cache_layer import VMemLayer, window_offset
 from .support import check_cache_layers, kv_shape_of, layer_windows_of, text_config
 
@@ -99,6 +102,7 @@ class VMemCache(Cache):
                               layout=layout, page_bytes=geometry.page_bytes, cache_bytes=cache_bytes,
                               grow_pages=True)
         self.manager = self.kv.manager     # this cache plans; self.kv.cache (VMemKVCache) executes
+        self._txn = StepTransaction(self.manager, cache_executor(self.kv), tables=self.kv.tables)
         super().__init__(layers=[VMemLayer(self, i, config.window_of(i))
                                  for i in range(config.num_layers)])
         self.config = config
@@ -242,42 +246,37 @@ class VMemCache(Cache):
         return need, free, f"page groups of {tpp} tokens"
 
     def _grow_rows(self, batch: int, end: int, held: int) -> None:
-        """Claim the rows if needed, grow each from ``held`` to ``end`` tokens, map the pages."""
-        rows, next_id = self._rows, self._next_id
-        self.manager.begin()   # a failed map undoes its pages; this undoes the manager's tables
-        try:
+        """Claim the rows if needed, grow each from ``held`` to ``end`` tokens, map the pages
+        (one StepTransaction: a failed map undoes its pages, the manager and the rows)."""
+        def grow() -> StepPlan:
             if not self._rows:
                 self._claim_rows(batch)
             if end > held:
                 for seq_id in self._rows:
                     self.manager.append(seq_id, end - held)
-            self._execute_plan()
-        except BaseException:
-            self.manager.rollback()
-            self.kv.tables.resend()   # the edits of the failed plan never reached the executor
-            self._rows, self._next_id = rows, next_id
-            raise
-        self.manager.commit()
+            return self._plan()
+
+        rows, next_id = self._rows, self._next_id
+        self._txn.run(grow, lambda: self._put_rows(rows, next_id))
+
+    def _put_rows(self, rows: list, next_id: int) -> None:
+        self._rows, self._next_id = rows, next_id
 
     def _slide(self, start: int) -> None:
         """The forward's queries start at ``start``: the manager gives back every row's memory
         wholly behind the windowed layers' windows (as the scheduler does before a step)."""
-        self.manager.begin()
-        try:
+        def slide() -> StepPlan:
             for seq_id in self._rows:
                 self.manager.release_behind_window(seq_id, start)
-            self._execute_plan()
-        except BaseException:
-            self.manager.rollback()
-            self.kv.tables.resend()
-            raise
-        self.manager.commit()
+            return self._plan()
+
+        self._txn.run(slide)
         self._slid_to = start
 
-    def _execute_plan(self, dropped=()) -> None:
-        """Hand the executor this cache's plan: the manager's ops, then the rows' slots."""
-        self.kv.execute(self.manager.take_ops())
-        self.kv.sync_tables(self._rows, dropped)
+    def _plan(self, dropped=()) -> StepPlan:
+        """This cache's plan: the manager's ops, then the rows' slots (``dropped`` forgotten)."""
+        return StepPlan([], self.manager.take_ops(),
+                        tables=self.kv.tables.edits(self.manager, self._rows, dropped))
 
     def _claim_rows(self, batch: int) -> None:
         """Hold slots 0..batch-1, one empty sequence each, row b on slot b (so
@@ -295,10 +294,15 @@ class VMemCache(Cache):
     def reset(self) -> None:
         """Drop every row (ready for a new batch). Pages stay mapped for the next batch to reuse."""
         self._check_open()
-        for seq_id in self._rows:
-            self.manager.free(seq_id)
-        rows, self._rows = self._rows, []
-        self._execute_plan(dropped=rows)
+
+        def free() -> StepPlan:
+            for seq_id in self._rows:
+                self.manager.free(seq_id)
+            self._rows = []
+            return self._plan(dropped=rows)
+
+        rows, next_id = self._rows, self._next_id
+        self._txn.run(free, lambda: self._put_rows(rows, next_id))
         self._written = [0] * self.config.num_layers
         self._slid_to = 0
         for layer in self.layers:

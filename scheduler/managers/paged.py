@@ -3,7 +3,8 @@ a pool, a block table per sequence, reference counts, copy-on-write and prefix c
 
 Every block is in exactly one of three states:
 
-    free     ref 0, unregistered      in ``_free`` (a stack)
+    free     ref 0, unregistered      free in ``_ledger`` (a PageLedger: its free stack, the
+                                       group table holding each taken block)
     cached   ref 0, registered content in ``_cache`` (the eviction policy, ``prefix_eviction``;
                                        evicted only when _free is empty)
     held     ref >= 1                  in the block tables of ``ref`` resident sequences
@@ -11,6 +12,14 @@ Every block is in exactly one of three states:
 Cached blocks count as FREE capacity (as vLLM's kv_cache_usage does): taking one just drops its
 registration. A full block is registered in the prefix index only once its K/V are computed
 (``mark_computed``, or ``free``: publish on compute), so a hit never reads unwritten memory.
+
+Hybrid models (full layers beside windowed ones) have one block table per block group
+(paged_groups.py): a block holds G layers of one group, every group's table has one entry per
+block_size tokens, and a windowed group gives back its blocks wholly behind its window while
+full groups keep theirs. Tokens in ``stats`` are then group tokens (a token held in n tables
+counts n times; ``bytes_per_token`` is one group's). Exact prefix hits across groups are not
+implemented for them: a paged hybrid never registers blocks, so it never hits (its queries
+are counted); its sequences are never swapped (``WindowSwapError``: preempt by recompute).
 """
 from __future__ import annotations
 
@@ -22,9 +31,11 @@ from ..presets import ModelSpec
 from .base import CopyBlock, MemoryStats
 from .common import check_int
 from .eviction import DEFAULT_EVICTION
+from .ledger import PageLedger
+from .paged_groups import PagedSeq, block_groups
 from .prefix import HeldSeq
 from .units import UnitManager
-from .window import WindowedGroups, dropped_units, held_units
+from .window import WindowSwapError, WindowedGroups, dropped_in
 
 
 class PagedManager(WindowedGroups, UnitManager):
@@ -39,42 +50,100 @@ class PagedManager(WindowedGroups, UnitManager):
                  prefix_eviction: str = DEFAULT_EVICTION) -> None:
         super().__init__(model, max_seq_len_tokens, swap_bytes)
         self.block_size = bs = check_int("block_size_tokens", block_size_tokens, 1)
-        self.num_blocks = check_int("cache_bytes", cache_bytes, 1) // (bs * self.bytes_per_token)
+        self.groups = block_groups(model)
+        self.block_bytes = bs * 2 * len(self.groups[0].layers) * model.layer_bytes_per_token
+        self.num_blocks = check_int("cache_bytes", cache_bytes, 1) // self.block_bytes
         if self.num_blocks < 1:
             raise ConfigError(f"cache_bytes={cache_bytes} holds no block of {bs} tokens; needs "
-                              f">= {bs * self.bytes_per_token}")
-        self._init_units(self.num_blocks, bs, prefix_eviction)
-        self._init_window(model.window_tokens)
+                              f">= {self.block_bytes}")
+        self._init_units(self.num_blocks, bs, prefix_eviction, free_list=False)
+        self._ledger = PageLedger(self._cell, self.num_blocks)   # tenant: the group index
+        self._hybrid = len(self.groups) > 1
+        windows = [g.window_tokens for g in self.groups if g.window_tokens]
+        self._init_window(max(windows) if windows else None)
 
-    _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {"block_size", "num_blocks", "_window"}
+    _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {"block_size", "num_blocks", "_window", "groups",
+                                                 "block_bytes", "_hybrid"}
+    _JOURNALED_FIELDS = (UnitManager._JOURNALED_FIELDS - {"_free"}) | {"_ledger"}
 
     @property
     def max_sequence_tokens(self) -> int:
-        return min(self.max_seq_len, self.num_blocks * self.block_size)
+        return min(self.max_seq_len, self.num_blocks // len(self.groups) * self.block_size)
 
     def layout(self) -> CacheLayout:
-        """A paged cache of this many blocks of this size."""
+        """A paged cache of this many blocks of this size (hybrids: and its block groups)."""
+        groups = tuple(g.layers for g in self.groups) if self._hybrid else ()
         return CacheLayout(CacheKind.PAGED, self.max_seq_len, block_size_tokens=self.block_size,
-                           num_blocks=self.num_blocks)
+                           num_blocks=self.num_blocks, block_groups=groups)
 
     def block_table(self, seq_id: int) -> list:
         """Block ids of a resident sequence, in token order (block k holds tokens
-        [k*block_size, (k+1)*block_size)); None for a block given back behind the window."""
+        [k*block_size, (k+1)*block_size)); None for a block given back behind the window.
+        A hybrid's: its group 0's table (``block_tables``: every group's)."""
         return list(self._seq(seq_id).units)
 
-    def _available_units(self) -> int:
-        return len(self._free) + len(self._cache)
+    def block_tables(self, seq_id: int) -> list:
+        """One block table per block group (``groups``), as ``block_table``."""
+        return [list(t) for t in self._tables(self._seq(seq_id))]
 
-    def _take_block(self) -> int:
+    def _tables(self, seq: HeldSeq) -> list:
+        return seq.tables if self._hybrid else [seq.units]
+
+    def _new_seq(self, num_tokens: int, token_ids, namespace) -> HeldSeq:
+        if not self._hybrid:
+            return UnitManager._new_seq(num_tokens, token_ids, namespace)
+        return PagedSeq(num_tokens, None if token_ids is None else list(token_ids), namespace,
+                        len(self.groups))
+
+    def _available_units(self) -> int:
+        return self._ledger.free_pages + len(self._cache)
+
+    def _take_block(self, group: int = 0) -> int:
         """A block for new content: a free one, else the cached one the eviction policy names."""
-        b = self._free.pop() if self._free else self._evict()
+        b = self._ledger.take(1, group)[0] if self._ledger.free_pages else self._evict()
         self._touch(b)
         self._refs[b] = 1
         self._fill[b] = 0
         return b
 
+    def _take_blocks(self, seq: HeldSeq, count: int) -> None:
+        """``count`` new blocks at the end of every table of ``seq``."""
+        for g, table in enumerate(self._tables(seq)):
+            for _ in range(count):
+                table.append(self._take_block(g))
+
     def _unheld(self, b: int) -> None:
-        self._free.append(b)
+        self._ledger.give((b,))
+
+    # -- hybrids: no prefix hits, no swap --
+    def _hits(self, num_tokens: int, token_ids, namespace) -> list:
+        return [] if self._hybrid else super()._hits(num_tokens, token_ids, namespace)
+
+    def _need(self, num_tokens: int, hits: list) -> int:
+        return super()._need(num_tokens, hits) * len(self.groups)    # (a hybrid has no hits)
+
+    def _fresh_units(self, seq: HeldSeq) -> Optional[int]:
+        return -(-seq.num_tokens // self.block_size) * len(self.groups)
+
+    def _publish(self, seq: HeldSeq, computed_tokens: int) -> None:
+        if not self._hybrid:
+            super()._publish(seq, computed_tokens)
+
+    def _windowed_tables(self, seq: HeldSeq) -> tuple:
+        if not self._hybrid:
+            return super()._windowed_tables(seq)
+        return tuple((t, g.window_tokens) for t, g in zip(seq.tables, self.groups)
+                     if g.window_tokens)
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        return not self._hybrid and super().can_swap_out(seq_id)
+
+    def swap_out(self, seq_id: int) -> int:
+        if self._hybrid:
+            self._seq(seq_id)
+            raise WindowSwapError(f"sequence {seq_id} of a paged hybrid ({len(self.groups)} "
+                                  f"block tables) cannot be swapped out; preempt it by recompute")
+        return super().swap_out(seq_id)
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                  namespace: Optional[str] = None, final_tokens: Optional[int] = None) -> int:
@@ -88,33 +157,63 @@ class PagedManager(WindowedGroups, UnitManager):
         seq = self._new_seq(num_tokens, token_ids, namespace)
         for b in hits:
             self._hold(b)
-        seq.units = list(hits)
-        for _ in range(-(-num_tokens // self.block_size) - len(hits)):
-            seq.units.append(self._take_block())
+        seq.units.extend(hits)
+        self._take_blocks(seq, -(-num_tokens // self.block_size) - len(hits))
         self._fill_blocks(seq, len(hits) * self.block_size, num_tokens)
-        self._cap_sum += len(seq.units) * self.block_size
-        self._tok_sum += num_tokens
+        n = len(self.groups)
+        self._cap_sum += len(seq.units) * self.block_size * n
+        self._tok_sum += num_tokens * n
         self._put_seq(seq_id, seq)
         self._register_prompt(seq, hits)
         return self._count_prefix(token_ids, num_tokens, hits)
 
     def _fill_blocks(self, seq: HeldSeq, start: int, end: int) -> None:
         """Account tokens [start, end) as written into ``seq``'s blocks (all private)."""
-        bs, pos = self.block_size, start
-        while pos < end:
-            k = pos // bs
-            stop = min(end, (k + 1) * bs)
-            self._touch(seq.units[k])
-            self._fill[seq.units[k]] += stop - pos
-            pos = stop
-        self._live += end - start
+        bs = self.block_size
+        tables = self._tables(seq)
+        for units in tables:
+            pos = start
+            while pos < end:
+                k = pos // bs
+                stop = min(end, (k + 1) * bs)
+                self._touch(units[k])
+                self._fill[units[k]] += stop - pos
+                pos = stop
+        self._live += (end - start) * len(tables)
+
+    def append(self, seq_id: int, num_tokens: int = 1,
+               token_ids: Optional[Sequence[int]] = None) -> None:
+        if self._hybrid:     # no hot path: every group's last block grows
+            self._append_logged(seq_id, self._seq(seq_id), num_tokens, token_ids)
+        else:
+            UnitManager.append(self, seq_id, num_tokens, token_ids)
+
+    def _append_in_place(self, seq: HeldSeq, num_tokens: int) -> None:
+        if not self._hybrid:
+            return super()._append_in_place(seq, num_tokens)
+        for units in seq.tables:
+            self._touch(units[-1])
+            self._fill[units[-1]] += num_tokens
+        n = len(self.groups)
+        self._live += num_tokens * n
+        self._tok_sum += num_tokens * n
+        seq.num_tokens += num_tokens
+
+    def _growth(self, seq: HeldSeq, num_tokens: int) -> int:
+        if not self._hybrid:
+            return super()._growth(seq, num_tokens)
+        n, bs = seq.num_tokens, self.block_size
+        need = (-(-(n + num_tokens) // bs) - len(seq.units)) * len(self.groups)
+        if n % bs and num_tokens:
+            need += sum(1 for t in seq.tables if self._refs[t[-1]] > 1)
+        return need
 
     # -- growth --
     def can_append(self, seq_id: int, num_tokens: int = 1) -> bool:
         seq = self._seq(seq_id)
         new = seq.num_tokens + num_tokens
         if (seq.units and new <= len(seq.units) * self.block_size and new <= self.max_seq_len
-                and self._refs[seq.units[-1]] == 1):
+                and all(self._refs[t[-1]] == 1 for t in self._tables(seq))):
             return True      # hot path: room in a private last block
         return new <= self.max_seq_len and self._growth(seq, num_tokens) <= self._available_units()
 
@@ -130,21 +229,22 @@ class PagedManager(WindowedGroups, UnitManager):
                                      f"{need} blocks, {self._available_units()} free")
         if num_tokens == 0:
             return
-        if old % bs and self._refs[seq.units[-1]] > 1:     # copy-on-write, the writer moves
-            src = seq.units[-1]
-            dst = self._take_block()
-            self._fill[dst] = self._fill[src]
-            self._live += self._fill[src]
-            self._unhold(src)
-            seq.units[-1] = dst
-            self._ops.append(CopyBlock(src, dst, owner=seq_id))
+        tables = self._tables(seq)
+        for g, units in enumerate(tables):
+            if old % bs and self._refs[units[-1]] > 1:     # copy-on-write, the writer moves
+                src = units[-1]
+                dst = self._take_block(g)
+                self._fill[dst] = self._fill[src]
+                self._live += self._fill[src]
+                self._unhold(src)
+                units[-1] = dst
+                self._ops.append(CopyBlock(src, dst, owner=seq_id))
         before = len(seq.units)
-        for _ in range(-(-(old + num_tokens) // bs) - before):
-            seq.units.append(self._take_block())
-        self._cap_sum += (len(seq.units) - before) * bs
+        self._take_blocks(seq, -(-(old + num_tokens) // bs) - before)
+        self._cap_sum += (len(seq.units) - before) * bs * len(tables)
         end = old + num_tokens
         self._fill_blocks(seq, old, end)
-        self._tok_sum += num_tokens
+        self._tok_sum += num_tokens * len(tables)
         seq.num_tokens = end
         seq.note_ids(old, token_ids)
         if end // bs > old // bs:
@@ -159,27 +259,32 @@ class PagedManager(WindowedGroups, UnitManager):
         parent = self._seq(parent_id)
         self._check_new(child_id)
         child = parent.copy()
-        for b in held_units(child):
-            self._hold(b)
+        bs = self.block_size
+        for units in self._tables(child):
+            gone = dropped_in(units)
+            for b in units[gone:]:
+                self._hold(b)
+            self._cap_sum += (len(units) - gone) * bs
+            self._tok_sum += child.num_tokens - gone * bs
         self._put_seq(child_id, child)
-        self._cap_sum += len(held_units(child)) * self.block_size
-        self._tok_sum += child.num_tokens - dropped_units(child) * self.block_size
 
     def _swap_location(self, seq: HeldSeq) -> dict:
         return {"blocks": tuple(seq.units)}
 
     def _release(self, seq: HeldSeq) -> None:
-        held = held_units(seq)
-        for b in reversed(held):        # tail blocks first in LRU: evicted before the prefix
-            self._unhold(b)
-        self._cap_sum -= len(held) * self.block_size
-        self._tok_sum -= seq.num_tokens - (len(seq.units) - len(held)) * self.block_size
-        seq.units = []
+        bs = self.block_size
+        for units in self._tables(seq):
+            gone = dropped_in(units)
+            for b in reversed(units[gone:]):   # tail blocks first in LRU: evicted before the prefix
+                self._unhold(b)
+            self._cap_sum -= (len(units) - gone) * bs
+            self._tok_sum -= seq.num_tokens - gone * bs
+        if self._hybrid:
+            seq.set_tables([[] for _ in self.groups])
+        else:
+            seq.units = []
 
     # -- swap hooks --
-    def _fresh_units(self, seq: HeldSeq) -> Optional[int]:
-        return -(-seq.num_tokens // self.block_size)
-
     def _place_private(self, seq_id: int, seq: HeldSeq) -> None:
         n = seq.num_tokens
         seq.units = [self._take_block() for _ in range(-(-n // self.block_size))]
@@ -199,20 +304,31 @@ class PagedManager(WindowedGroups, UnitManager):
         return MemoryStats(total_tokens=total, allocated_tokens=total - free,
                            live_tokens=self._live, free_tokens=free,
                            end_waste_tokens=self._cap_sum - self._tok_sum,
-                           bytes_per_token=self.bytes_per_token)
+                           bytes_per_token=self.block_bytes // self.block_size)
 
     def check_integrity(self) -> None:
         bs, refs = self.block_size, [0] * self.num_blocks
+        cap = tok = 0
+        ledger = self._ledger
         for seq in self._seqs.values():
-            assert len(seq.units) == -(-seq.num_tokens // bs), "block table length"
-            gone = dropped_units(seq)
-            assert None not in seq.units[gone:], "given back past the window's start"
-            for k, b in enumerate(seq.units[gone:], start=gone):
-                refs[b] += 1
-                assert self._fill[b] == min(bs, seq.num_tokens - k * bs), ("fill", b)
+            tables = self._tables(seq)
+            assert len(tables) == len(self.groups), "a table per group"
+            for g, units in enumerate(tables):
+                assert len(units) == -(-seq.num_tokens // bs), "block table length"
+                gone = dropped_in(units)
+                assert not gone or self.groups[g].window_tokens, "a full group gave back"
+                assert None not in units[gone:], "given back past the window's start"
+                for k, b in enumerate(units[gone:], start=gone):
+                    refs[b] += 1
+                    assert self._fill[b] == min(bs, seq.num_tokens - k * bs), ("fill", b)
+                    assert ledger.holder(b) == g or not self._hybrid, ("tenant", b, g)
+                cap += (len(units) - gone) * bs
+                tok += seq.num_tokens - gone * bs
         assert refs == self._refs, "reference counts"
-        free, cached = set(self._free), set(self._cache)
-        assert len(free) == len(self._free) and not free & cached
+        ledger.check_integrity()
+        free = {b for b in range(self.num_blocks) if ledger.holder(b) is None}
+        cached = set(self._cache)
+        assert not free & cached
         assert all(refs[b] == 0 and b not in self.prefix.by_unit for b in free)
         assert all(refs[b] == 0 and b in self.prefix.by_unit for b in cached)
         held = sum(1 for r in refs if r)
@@ -220,7 +336,6 @@ class PagedManager(WindowedGroups, UnitManager):
         assert len(cached) == len(self._cache)
         assert all(refs[b] or b in cached for b in self.prefix.by_unit), "registered: held or cached"
         assert self._live == sum(self._fill[b] for b in range(self.num_blocks) if refs[b])
-        assert self._cap_sum == sum(len(held_units(s)) * bs for s in self._seqs.values())
-        assert self._tok_sum == sum(s.num_tokens - dropped_units(s) * bs for s in self._seqs.values())
+        assert self._cap_sum == cap and self._tok_sum == tok, "capacity and token sums"
         self.prefix.check()
         self._swap_integrity()

@@ -22,7 +22,8 @@ class UnitManager(ManagerCore):
     """Base of managers whose memory is ``num_units`` units of ``unit_tokens`` tokens.
     ``prefix_queries``/``prefix_hits`` count TOKENS, as vLLM's prefix-cache metrics do."""
 
-    def _init_units(self, num_units: int, unit_tokens: int, eviction: str) -> None:
+    def _init_units(self, num_units: int, unit_tokens: int, eviction: str,
+                    free_list: bool = True) -> None:
         self.unit_tokens = self.prefix_unit_tokens = unit_tokens
         self.prefix_eviction = eviction
         cell = self._cell
@@ -31,7 +32,8 @@ class UnitManager(ManagerCore):
         self.prefix = PrefixIndex(cell)
         self._live = self._cap_sum = self._tok_sum = 0
         self._memo = (None, None, [])                # last (namespace, token ids, their keys)
-        self._free = JList(cell, range(num_units - 1, -1, -1))   # unheld units, nothing kept
+        if free_list:      # (paged keeps its free blocks in a PageLedger instead)
+            self._free = JList(cell, range(num_units - 1, -1, -1))   # unheld, nothing kept
         self._cache = make_eviction(eviction, cell)  # cached: unheld, registered (computed) units
         # _live: tokens in held units (a shared unit counted once); _cap_sum / _tok_sum: over
         # resident sequences, len(units) * unit_tokens and num_tokens
@@ -85,10 +87,11 @@ class UnitManager(ManagerCore):
         self._refs[unit] -= 1
         if self._refs[unit] == 0:
             self._live -= self._fill[unit]
-            if unit in self.prefix.by_unit and self._cache.retains:
+            index = self._index_of(unit)
+            if unit in index.by_unit and self._cache.retains:
                 self._cache.add(unit)
             else:
-                self.prefix.drop(unit)
+                index.drop(unit)
                 self._cache.forget(unit)
                 self._unheld(unit)
 
@@ -99,8 +102,16 @@ class UnitManager(ManagerCore):
     def _evict(self) -> int:
         """Drop the content of the cached unit the policy names; returns it (refs 0)."""
         unit = self._cache.pop()
-        self.prefix.drop(unit)
+        self._index_of(unit).drop(unit)
         return unit
+
+    def _index_of(self, unit: int) -> PrefixIndex:
+        """The prefix index ``unit`` is registered in (paged hybrids: one per block group)."""
+        return self.prefix
+
+    def _tables_of(self, seq: HeldSeq) -> tuple:
+        """(units, prefix index) per table of ``seq``: one here, one per block group (paged)."""
+        return ((seq.units, self.prefix),)
 
     def reset_prefix_cache(self) -> int:
         """Evict every cached unit (vLLM's reset_prefix_cache); held units keep their content
@@ -127,9 +138,10 @@ class UnitManager(ManagerCore):
     def _publish(self, seq: HeldSeq, computed_tokens: int) -> None:
         upto = min(computed_tokens // self.unit_tokens, len(seq.keys), len(seq.units))
         for k in range(seq.published, upto):
-            self._register_unit(seq, k, seq.keys[k])
-            if k >= seq.prompt_units:
-                self._cache.note_generated(seq.units[k])
+            for units, index in self._tables_of(seq):
+                self._register_unit(units, index, seq.keys, k)
+                if k >= seq.prompt_units:
+                    self._cache.note_generated(units[k])
         seq.published = max(seq.published, upto)
 
     # -- admission --
@@ -203,20 +215,21 @@ class UnitManager(ManagerCore):
         seq.new_full_keys(self.unit_tokens, self.model.kv_encoding)
         self._note_hits(hits)
 
-    def _register_unit(self, seq: HeldSeq, k: int, key) -> None:
-        """Name unit ``k`` of ``seq`` by ``key``, chained on the sequence's unit k-1, or, when
-        another unit holds that content (computed by two sequences at once), on that one: the
-        rest of the sequence stays findable behind the first copy. Nothing when unit k or k-1
-        was given back behind a window (gone, or a chain that cannot be verified)."""
-        if not self._shareable(seq.units[k]) or (k and seq.units[k - 1] is None):
+    def _register_unit(self, units: list, index: PrefixIndex, keys: list, k: int) -> None:
+        """Name unit ``k`` of a sequence's ``units`` by ``keys[k]`` in ``index``, chained on its
+        unit k-1, or, when another unit holds that content (computed by two sequences at
+        once), on that one: the rest of the sequence stays findable behind the first copy.
+        Nothing when unit k or k-1 was given back behind a window (gone, or a chain that
+        cannot be verified)."""
+        if not self._shareable(units[k]) or (k and units[k - 1] is None):
             return
-        parent = seq.units[k - 1] if k else None
-        if k and parent not in self.prefix.by_unit:
-            chain = self.prefix.match(seq.keys[:k])     # rare: a duplicate unit k-1
+        parent = units[k - 1] if k else None
+        if k and parent not in index.by_unit:
+            chain = index.match(keys[:k])     # rare: a duplicate unit k-1
             if len(chain) < k:
                 return
             parent = chain[-1]
-        self.prefix.register(seq.units[k], key, parent)
+        index.register(units[k], keys[k], parent)
 
     def _shareable(self, unit: Optional[int]) -> bool:
         """Whether ``unit`` still holds its content for every layer (None: given back)."""
@@ -252,14 +265,18 @@ class UnitManager(ManagerCore):
         if (new <= len(seq.units) * self.unit_tokens and new <= self.max_seq_len and num_tokens > 0
                 and seq.ids is None and token_ids is None and self._refs[seq.units[-1]] == 1):
             j.record_tokens(seq)       # the hot path's changes, logged
-            self._touch(seq.units[-1])
-            self._fill[seq.units[-1]] += num_tokens
-            self._live += num_tokens
-            self._tok_sum += num_tokens
-            seq.num_tokens = new
+            self._append_in_place(seq, num_tokens)
             return
         j.record(seq)
         self._append_slow(seq_id, seq, num_tokens, token_ids)
+
+    def _append_in_place(self, seq: HeldSeq, num_tokens: int) -> None:
+        """Grow ``seq`` inside its private last unit: counters only (saved by ``_touch``)."""
+        self._touch(seq.units[-1])
+        self._fill[seq.units[-1]] += num_tokens
+        self._live += num_tokens
+        self._tok_sum += num_tokens
+        seq.num_tokens += num_tokens
 
     @abstractmethod
     def _append_slow(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:

@@ -58,18 +58,24 @@ class WindowedGroups:
         if self._window is None:
             return
         seq = self._changing(seq_id)
-        first_read = computed_tokens - self._window + 1
-        # the last unit always stays: growth and copy-on-write work on it
-        behind = min(max(first_read, 0) // self.unit_tokens, len(seq.units) - 1)
-        first = behind             # dropped units are a prefix: walk back to its end only,
-        while first > 0 and seq.units[first - 1] is not None:   # O(units newly dropped)
-            first -= 1
-        for pi in range(first, behind):
-            self._drop_unit(seq, pi)
+        for units, window in self._windowed_tables(seq):
+            first_read = computed_tokens - window + 1
+            # the last unit always stays: growth and copy-on-write work on it
+            behind = min(max(first_read, 0) // self.unit_tokens, len(units) - 1)
+            first = behind             # dropped units are a prefix: walk back to its end only,
+            while first > 0 and units[first - 1] is not None:   # O(units newly dropped)
+                first -= 1
+            for pi in range(first, behind):
+                self._drop_unit(seq, units, pi)
 
-    def _drop_unit(self, seq: HeldSeq, pi: int) -> None:
-        unit = seq.units[pi]
-        seq.units[pi] = None
+    def _windowed_tables(self, seq: HeldSeq) -> tuple:
+        """(units, window tokens) of every table of ``seq`` that gives back behind a window:
+        its one unit list here; a paged hybrid's windowed block groups (paged.py)."""
+        return ((seq.units, self._window),)
+
+    def _drop_unit(self, seq: HeldSeq, units: list, pi: int) -> None:
+        unit = units[pi]
+        units[pi] = None
         self._unhold(unit)
         self._cap_sum -= self.unit_tokens
         self._tok_sum -= self.unit_tokens      # a unit behind the window is full
@@ -99,8 +105,13 @@ class WindowedGroups:
 
 def dropped_units(seq: HeldSeq) -> int:
     """Leading units of ``seq`` given back behind its window."""
+    return dropped_in(seq.units)
+
+
+def dropped_in(units: list) -> int:
+    """Leading entries of a unit list (or block table) given back behind a window (None)."""
     n = 0
-    for unit in seq.units:
+    for unit in units:
         if unit is not None:
             break
         n += 1

@@ -51,12 +51,12 @@ class OwnerFault:
         for name in TABLE_READS:
             if hasattr(manager, name):
                 setattr(manager, name, self._guarded(getattr(manager, name), name))
-        rollback = engine._rollback
+        rollback = engine._txn.rollback
 
         def rolled_back():
             self.blaming = False
-            rollback()
-        engine._rollback = rolled_back
+            return rollback()
+        engine._txn.rollback = rolled_back
         engine.kv.cache.execute = self
 
     def _guarded(self, read, name):

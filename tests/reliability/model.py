@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from vmemkv.runtime.kv import make_kv
-from vmemkv.runtime.transaction import run_plan
+from tests.runtime.run_plan import run_plan
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.vmem.faults import FaultInjectingDriver
 from vmemkv.vmem.host import HostDriver

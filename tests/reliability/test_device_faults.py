@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vmemkv.runtime.kv import make_kv
-from vmemkv.runtime.transaction import run_plan
+from tests.runtime.run_plan import run_plan
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.vmem import DriverCallError, open_driver

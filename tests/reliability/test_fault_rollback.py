@@ -10,7 +10,7 @@ import os
 import pytest
 
 from vmemkv.runtime.kv import make_kv
-from vmemkv.runtime.transaction import run_plan
+from tests.runtime.run_plan import run_plan
 from vmemkv.runtime.errors import MapperPlanError, PlanExecutionError
 from vmemkv.scheduler.errors import OutOfCapacityError
 from vmemkv.scheduler.managers import make_manager

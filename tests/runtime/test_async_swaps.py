@@ -12,7 +12,7 @@ import torch
 from vmemkv.runtime.cache.paged_cache import PagedKVCache
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.kv import make_kv
-from vmemkv.runtime.transaction import run_plan
+from tests.runtime.run_plan import run_plan
 
 
 def paged(device="cpu"):

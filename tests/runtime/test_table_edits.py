@@ -71,7 +71,7 @@ def check_replica_follows_manager(kind: str, actions) -> None:
             edits = pickle.loads(pickle.dumps(tracker.edits(manager, sorted(live), dropped)))
             cache.apply_tables(edits)
             for seq_id in live:
-                truth = manager.slot_of(seq_id) if kind == "vmem" else manager.block_table(seq_id)
+                truth = manager.slot_of(seq_id) if kind == "vmem" else tuple(manager.block_tables(seq_id))
                 assert cache.placement(seq_id) == truth, (step, seq_id)
                 moved = before.get(seq_id) != truth
                 sent = [e for e in edits if isinstance(e, (SetSlot, EditBlocks)) and e.seq_id == seq_id]

@@ -17,16 +17,21 @@ def test_window_aware_caches_hold_one_window_where_full_ones_hold_the_context():
             assert window * BYTES_PER_TOKEN <= aware[ctx] <= (window + 32) * BYTES_PER_TOKEN
 
 
-def test_a_hybrid_model_gives_back_its_windowed_layers_on_vmem_per_layer_only():
+def test_a_hybrid_model_gives_back_its_windowed_layers_on_vmem_per_layer_and_paged():
     """Per-layer: the full layer holds the context, the 5 windowed ones their window (window and
     contexts are whole pages of 32 tokens: at the mark the window lies on the last page(s)).
-    Interleaved pages and paged blocks serve every layer at once: they keep every unit."""
+    Paged: one block table per layer (6 groups of 1), the windowed ones hold their window's
+    blocks. Interleaved pages serve every layer at once: they keep every unit."""
     window, hybrid, layer_bytes = 64, (True,) * 5 + (False,), BYTES_PER_TOKEN // 4  # one layer's K+V
     aware = run_one("vmem", "per-layer", 6, hybrid, window, aware=True)
     full = run_one("vmem", "per-layer", 6, hybrid, window, aware=False)
     for ctx in (4 * window, 16 * window):
         assert full[ctx] == 6 * ctx * layer_bytes
         assert aware[ctx] == (ctx + 5 * window) * layer_bytes
-    for kind, layout in (("vmem", "interleaved"), ("paged", "per-layer")):
-        assert run_one(kind, layout, 6, hybrid, 32, aware=True) == \
-            run_one(kind, layout, 6, hybrid, 32, aware=False)
+    assert run_one("vmem", "interleaved", 6, hybrid, 32, aware=True) == \
+        run_one("vmem", "interleaved", 6, hybrid, 32, aware=False)
+    paged = run_one("paged", "per-layer", 6, hybrid, 32, aware=True)
+    paged_full = run_one("paged", "per-layer", 6, hybrid, 32, aware=False)
+    for ctx in (128, 512):       # blocks of 16: a 32-token window is two whole blocks
+        assert paged_full[ctx] == 6 * ctx * layer_bytes
+        assert paged[ctx] == (ctx + 5 * 32) * layer_bytes

@@ -11,7 +11,7 @@ import torch
 
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.kv import make_kv
-from vmemkv.runtime.transaction import run_plan
+from tests.runtime.run_plan import run_plan
 from vmemkv.vmem import open_driver
 from vmemkv.vmem.faults import FaultInjectingDriver
 
