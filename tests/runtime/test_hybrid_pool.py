@@ -102,9 +102,10 @@ def test_refused_extent_ops_change_nothing():
         refused(cache, [MapExtent(0, 1, FULL, (6, 7)), UnmapExtent(0, 1, WINDOW)], "an unmap of nothing")
         refused(cache, [MapExtent(0, 1, WINDOW, (6, 7))], r"a page per member \(4\)")
         refused(cache, [MapExtent(0, 1, "window-9", (6, 7))], "names kind 'window-9'")
-        refused(cache, [UnmapExtent(0, 0, WINDOW), SwapOut(1, 10, slot=0)], "op 1")
+        refused(cache, [UnmapExtent(0, 0, WINDOW), SwapOut(1, 10, slot=0)],
+                "at op 1.*no .window-8. memory mapped")
         refused(cache, [MapExtent(1, 0, FULL, (6, 7)), CopyExtent(0, 0, 1, 0, WINDOW)],
-                "destination")
+                "at op 1.*destination mapped at least as far")
         assert cache.swapped_tokens() == {}
 
 
