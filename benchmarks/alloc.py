@@ -15,7 +15,7 @@ interleaved repeat by repeat; ``locked_over_bare`` is the price of thread safety
 
 Mapper overlap (``mapper_loop``): a real ``VMemKVCache`` (per-layer layout) runs a synthetic
 decode loop. Requests start at staggered lengths, so every step one of them crosses a page
-boundary and the manager plans a MapGroup (2 x layers pages); each step then writes every
+boundary and the manager plans a MapExtent (2 x layers pool pages); each step then writes every
 layer's new K/V and does that layer's compute (SDPA over the cache plus an MLP-sized matmul).
 Inline (``background_mapper=False``) the step waits for all of its mapping; with the background
 mapper, layer l's pages are mapped while layers < l compute, and the step waits only when a

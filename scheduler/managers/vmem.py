@@ -17,7 +17,7 @@ AVAILABLE to admit):
     used         refs >= 1 (live sequences using it)
 
 Deferred reclamation: ``free`` unmaps nothing; a later sequence placed on the slot writes into
-the pages still mapped there without any op, and groups are unmapped (UnmapGroup) only when the
+the pages still mapped there without any op, and groups are unmapped (UnmapExtent) only when the
 free list is empty and a group must be taken from a reclaimable one, then from the cache. Only
 refs-0 groups are ever reclaimed, so no live sequence loses a page it reads. Retention
 (units.py): a hit maps the cached group itself at its page index under the new slot (no copy);

@@ -94,7 +94,7 @@ class Recorder:
 
 class WindowedRun(ShadowRun):
     """ShadowRun that also gives back memory behind the window before each growth (hybrid
-    pools emit ReleaseGroup); windowed layers then no longer hold every token, so contents are
+    pools emit UnmapExtent of their window kind); windowed layers then no longer hold every token, so contents are
     compared against the replay rather than against the truth."""
 
     def grow(self, seq_id: int) -> None:

@@ -1,7 +1,7 @@
 """VMemKVCache on pages that do not hold whole tokens (issue 17 item 1), on the host driver
 forced to such a page size: a token straddles two pages of a member, each page-group member
 spans the fewest pages holding whole tokens, and a group is backed only by the pages its bytes
-need (a byte-mapped pool, runtime/cache/vmem_slices.py). The random mixes of prefill, decode,
+need (a byte-mapped pool: MapExtent / UnmapExtent with first_page > 0, runtime/cache/vmem_ops.py). The random mixes of prefill, decode,
 fork, shared prefixes, preemption and swap of test_cache_correctness keep every sequence's
 contents equal to the shadow copy and attention equal to dense attention (unbacked pages are
 PROT_NONE: a read of one would fault); plans the pool cannot run are refused, changing nothing."""
