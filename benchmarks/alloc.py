@@ -15,7 +15,7 @@ interleaved repeat by repeat; ``locked_over_bare`` is the price of thread safety
 
 Mapper overlap (``mapper_loop``): a real ``VMemKVCache`` (per-layer layout) runs a synthetic
 decode loop. Requests start at staggered lengths, so every step one of them crosses a page
-boundary and the manager plans a MapGroup (2 x layers pages); each step then writes every
+boundary and the manager plans a MapExtent (2 x layers pool pages); each step then writes every
 layer's new K/V and does that layer's compute (SDPA over the cache plus an MLP-sized matmul).
 Inline (``background_mapper=False``) the step waits for all of its mapping; with the background
 mapper, layer l's pages are mapped while layers < l compute, and the step waits only when a
@@ -29,6 +29,7 @@ import argparse
 import time
 
 from vmemkv.benchmarks.common import environment, format_table, median_seconds, print_environment, write_json
+from vmemkv.scheduler.cost import count_map_ops
 
 KiB, MiB = 2**10, 2**20
 HOST_PAGE_SIZES = (4 * KiB, 64 * KiB, 2 * MiB)
@@ -159,7 +160,7 @@ def mapper_loop(background: bool, shape: dict, device: str, seed: int = 0) -> di
             for seq in range(batch):
                 mgr.append(seq, grow)
             ops = mgr.take_ops()
-            mapped_pages += sum(type(op).__name__ == "MapGroup" for op in ops) * mgr.pages_per_group
+            mapped_pages += count_map_ops(ops) * mgr.pages_per_group
             cache.execute(ops)
             pair.sync_tables(range(batch))
             cache.begin_step([(seq, lengths[seq], grow) for seq in range(batch)])

@@ -7,8 +7,7 @@ One sequence decodes from a one-token prompt to 16x the window through ``make_kv
 manager and the real cache: vmem pages mapped and unmapped in a host VirtualRange, paged blocks
 in a preallocated pool), the step loop the scheduler runs: ``release_behind_window`` at the
 step's earliest query, ``append``, execute the plan. Held bytes are read from the cache:
-mapped pages x page bytes (vmem, from ``range.mapped_pages()``; a hybrid pool: the pages bound
-to group parts, ``bound_pages``), blocks in the table x block bytes (paged). "full" is the same
+mapped pages x page bytes (vmem, from ``range.mapped_pages()``), blocks in the table x block bytes (paged). "full" is the same
 model without windows (``CacheConfig.layer_windows=()``).
 
 The model is Mistral-shaped but scaled to the host: 4 layers, 8 KV heads x 128, fp16 (16 KiB
@@ -41,8 +40,6 @@ def _config(layers: int, windowed, window: int, aware: bool, max_context: int):
 
 def held_bytes(kv) -> int:
     """KV bytes the cache holds for its sequences right now (what the plans mapped / placed)."""
-    if kv.cache.kind == "vmem" and kv.cache.pool_pages is not None:   # a hybrid pool
-        return kv.cache.bound_pages * kv.cache.page_bytes
     if kv.cache.kind == "vmem":
         return len(kv.cache.range.mapped_pages()) * kv.cache.page_bytes
     c, groups = kv.cache.config, kv.cache.groups     # a block holds one group's layers

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from vmemkv import vmem
-from vmemkv.scheduler.layout import CacheKind, CacheLayout, PoolBacking
+from vmemkv.scheduler.layout import CacheKind, CacheLayout
 from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.geometry import PageGeometry, default_page_bytes as _default_page_bytes
 from vmemkv.scheduler.managers import DEFAULT_EVICTION, make_manager
-from vmemkv.scheduler.plan import GroupPart, SwapOut
+from vmemkv.scheduler.plan import SwapOut
 from vmemkv.scheduler.tables import TableTracker, tracker_for
 
 from .cache import KVCache, PagedKVCache, VMemKVCache
@@ -173,7 +173,7 @@ def cache_from_layout(layout: CacheLayout, config: CacheConfig, *,
             f"CacheConfig.max_context is {config.max_context}")
     return VMemKVCache(config, layout.geometry, layout.num_groups, driver=driver,
                        background_mapper=background_mapper, grow_pages=grow_pages,
-                       pool_pages=layout.pool_pages)
+                       pool_pages=layout.pool_pages, kinds=layout.kinds)
 
 
 def check_matches(manager, cache: KVCache) -> None:
@@ -192,36 +192,14 @@ def check_matches(manager, cache: KVCache) -> None:
         assert cache.placement(seq_id) == truth, f"placement of sequence {seq_id}"
     if vmem_kind:
         for slot in range(cache.config.max_batch):
-            assert cache.mapped_pages(slot) == manager.mapped_pages(slot), f"pages of slot {slot}"
-        if layout.backing is PoolBacking.BYTES:
-            _check_backing_matches(manager, cache)
-        elif layout.backing is PoolBacking.PARTS:
-            _check_parts_match(manager, cache)
+            assert cache.mapped_extents(slot) == manager.mapped_extents(slot), \
+                f"pool pages mapped under slot {slot}"
     swapped = cache.swapped_tokens()
     for seq_id, tokens in swapped.items():
         assert manager.is_swapped(seq_id), f"swap space holds unknown sequence {seq_id}"
         assert tokens == manager.num_tokens(seq_id), f"swap size of {seq_id}"
     used_bytes = manager.swap_bytes - manager.swap_free_bytes
     assert sum(swapped.values()) * manager.bytes_per_token == used_bytes, "swap space accounting"
-
-
-def _check_parts_match(manager, cache: KVCache) -> None:
-    """A hybrid pool: the parts mapped under each slot (FULL only on the manager's leading
-    ``full_only_pages``, both parts after) and the pages bound equal the manager's."""
-    for slot in range(cache.config.max_batch):
-        behind = manager.full_only_pages(slot)
-        truth = {pi: {GroupPart.FULL: g} if pi < behind else {GroupPart.FULL: g, GroupPart.WINDOW: g}
-                 for pi, g in manager.mapped_pages(slot).items()}
-        assert cache.mapped_parts(slot) == truth, f"parts mapped under slot {slot}"
-    assert cache.bound_pages == manager.bound_pages, "pages bound to group parts"
-
-
-def _check_backing_matches(manager, cache: KVCache) -> None:
-    """A byte-mapped pool: every group is backed by as many pages per member, page for page
-    in total, as the manager says."""
-    backing = [cache.backing(g) for g in range(manager.num_groups)]
-    assert backing == [manager.backing(g) for g in range(manager.num_groups)], "group backing"
-    assert cache.bound_slices * cache.geometry.num_members == manager.bound_pages, "pages bound"
 
 
 def _resident(manager, seq_id: int) -> bool:

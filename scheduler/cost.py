@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .errors import ConfigError
-from .managers.base import MapGroup
+from .managers.base import MapExtent
 from .presets import DeviceSpec, ModelSpec
 
 
@@ -25,8 +25,8 @@ class CostModel:
     model: ModelSpec
     device: DeviceSpec
     prefill_mfu: Optional[float] = None   # fraction of peak FLOP/s reached by prefill; None = off
-    map_latency_s: float = 0.0            # seconds per physical page mapped (vmem MapGroup ops)
-    pages_per_map_op: int = 1             # physical pages behind one MapGroup (2*layers per-layer)
+    map_latency_s: float = 0.0            # seconds per physical page mapped (vmem MapExtent ops)
+    pages_per_map_op: int = 1             # physical pages behind one page group's mapping
     kv_slowdown: float = 1.0              # multiplier on KV read time (paged-kernel overhead)
 
     def __post_init__(self) -> None:
@@ -88,5 +88,15 @@ class AfterPrefill:
 
 
 def count_map_ops(ops: list) -> int:
-    """MapGroup ops in a step's op list (each maps ``pages_per_map_op`` physical pages)."""
-    return sum(1 for op in ops if type(op) is MapGroup) if ops else 0
+    """Page groups newly mapped at a page index in a step's op list (each maps
+    ``pages_per_map_op`` physical pages): MapExtent ops from member page 0, the kinds of one
+    group mapped at one place (consecutive ops at one (slot, page_index)) counted once."""
+    count, last = 0, None
+    for op in ops:
+        if type(op) is MapExtent and op.first_page == 0:
+            spot = (op.slot, op.page_index)
+            count += spot != last
+            last = spot
+        else:
+            last = None
+    return count

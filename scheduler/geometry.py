@@ -15,9 +15,10 @@ where layer_bytes = kv_heads * head_dim * dtype bytes, one layer's K of one toke
 simulator, caches and the engine all read these numbers from a :class:`PageGeometry`.
 
 A hybrid model (full-attention layers beside sliding-window ones) in the per-layer layout
-splits each group into two PARTS (``GroupPart``): FULL, the members of its full layers
-(2 * L_full * k pages), and WINDOW, those of its windowed layers (2 * L_win * k pages);
-``window_layers`` names the windowed layers (empty: groups are not split).
+splits each group into two PARTS, one per layer kind (scheduler.managers.kinds): FULL, the
+members of its full layers (2 * L_full * k pages), and WINDOW, those of its windowed layers
+(2 * L_win * k pages); ``window_layers`` names the windowed layers (empty: groups are not
+split). The ops name a part by its kind (MapExtent.kind).
 
 Mapping by bytes (k > 1, groups not split): the page GROUP stays the unit of prefix hashing,
 sharing, copy-on-write, window release and page indices (a group begins at a token boundary
@@ -27,9 +28,9 @@ member's first ``member_pages_for(fill)`` = ceil(fill * token_bytes / page_bytes
 pages. A sequence of n tokens on one slot therefore holds ``num_members *
 slot_member_pages(n)`` = members x ceil(n * token_bytes / page_bytes) pages (its groups are
 whole but the last), not members x k x ceil(n / tokens_per_page). The pool is counted in
-*slices* of ``num_members`` pages (one page of every member); ``ResizeGroup`` grows or shrinks
-a group's backing (scheduler.managers.vmem_bytes, runtime.cache.vmem_slices). With k == 1 a
-group is one slice and nothing of this runs.
+*slices* of ``num_members`` pages (one page of every member); a MapExtent with ``first_page``
+> 0 grows a group's backing and an UnmapExtent with ``first_page`` > 0 shrinks it
+(scheduler.managers.vmem_bytes). With k == 1 a group is one slice and nothing of this runs.
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from enum import Enum
 
 from .errors import ConfigError
 
-PART_ALL, PART_FULL, PART_WINDOW = "all", "full", "window"   # = managers.base.GroupPart
+PART_ALL, PART_FULL, PART_WINDOW = "all", "full", "window"   # the kinds of a split group
 
 KiB, MiB = 2**10, 2**20
 
@@ -148,7 +149,7 @@ class PageGeometry:
 
     @property
     def pages_per_group(self) -> int:
-        """Physical pages behind one page group (one MapGroup; at most, where groups are
+        """Physical pages behind one page group (one MapExtent of every kind; at most, where groups are
         backed by their bytes)."""
         return self.num_members * self.pages_per_member
 

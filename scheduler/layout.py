@@ -5,9 +5,8 @@ its plans, and nothing else (plain data, frozen, picklable).
     cache = cache_from_layout(layout, config)       # any process (runtime.kv)
 
 Executors read this value, never the manager: no attribute probing, no policy names. The kind
-is a ``CacheKind`` (a str enum: a member equals its name, for callers that still hold one). A vmem layout names its page geometry, slots, page groups and, where the manager counts
-its pool in pages, ``pool_pages`` with how those pages back groups (``pool``); a paged layout
-names its blocks.
+is a ``CacheKind`` (a str enum: a member equals its name, for callers that still hold one). A vmem layout names its page geometry, slots, page groups, the
+``pool_pages`` its ops name and the layer kinds they name; a paged layout names its blocks.
 """
 from __future__ import annotations
 
@@ -36,8 +35,9 @@ class CacheKind(_Name):
 
 
 class PoolBacking(_Name):
-    """How a vmem pool's physical pages back page groups."""
-    FIXED = "fixed"    # group g owns pages_per_group fixed pages (no pool_pages)
+    """How a vmem manager backs page groups with pool pages (its accounting; the executor
+    maps whatever pages the ops name, the same way for all three)."""
+    FIXED = "fixed"    # group g owns pages_per_group fixed pages
     PARTS = "parts"    # hybrid per-layer: pages bound to a group's FULL / WINDOW part on demand
     BYTES = "bytes"    # members spanning k > 1 pages: a group backed by the pages its bytes need
 
@@ -47,7 +47,9 @@ class CacheLayout:
     """Everything an executor needs to build the cache for one manager's plans.
 
     vmem: ``geometry``, ``num_slots`` slots of ``pages_per_slot`` page indexes, ``num_groups``
-    group ids, ``backing`` and (PARTS, BYTES) ``pool_pages`` physical pages in the pool.
+    group ids, ``backing``, ``pool_pages`` physical pages in the pool (the ops name pages
+    0..pool_pages-1) and ``kinds``: ((name, layers), ...), the layer kinds ops name, whose
+    members (K/V of each layer, in layer order) every layer is one of.
     paged: ``num_blocks`` blocks of ``block_size_tokens`` tokens (a hybrid: ``block_groups``,
     the layers each block group's blocks hold, one block table per group). Validated on construction
     (ConfigError naming the field); unused fields of the other kind stay at their defaults.
@@ -62,6 +64,7 @@ class CacheLayout:
     pool_pages: Optional[int] = None
     block_size_tokens: int = 0
     num_blocks: int = 0
+    kinds: tuple = ()
     block_groups: tuple = ()                # paged hybrid: layers per block group; (): one
 
     def __post_init__(self) -> None:
@@ -85,13 +88,12 @@ class CacheLayout:
             raise ConfigError(f"pages_per_slot={self.pages_per_slot} of "
                               f"{self.geometry.tokens_per_page} tokens does not hold "
                               f"max_seq_len_tokens={self.max_seq_len_tokens}")
-        if (self.pool_pages is None) != (self.backing is PoolBacking.FIXED):
-            raise ConfigError(f"pool_pages must be given exactly for a {PoolBacking.PARTS.value} "
-                              f"or {PoolBacking.BYTES.value} pool, got {self.pool_pages!r} "
-                              f"for {self.backing.value}")
-        if self.pool_pages is not None:
-            _positive("pool_pages", self.pool_pages)
+        _positive("pool_pages", self.pool_pages)
         g = self.geometry
+        layers = sorted(l for _, kind_layers in self.kinds for l in kind_layers)
+        if layers != list(range(g.num_layers)) or (not g.per_layer and len(self.kinds) != 1):
+            raise ConfigError(f"CacheLayout kinds must cover every layer of the geometry once "
+                              f"(one kind in the interleaved layout), got {self.kinds!r}")
         if self.backing is PoolBacking.PARTS and not g.split:
             raise ConfigError("a parts pool needs a geometry split by layer kind (window_layers)")
         if self.backing is PoolBacking.BYTES and (g.split or g.exact):
@@ -101,10 +103,14 @@ class CacheLayout:
 
     @property
     def total_pages(self) -> int:
-        """Physical pages of a vmem pool (every group's fixed pages, or ``pool_pages``)."""
-        if self.pool_pages is not None:
-            return self.pool_pages
-        return self.num_groups * self.geometry.pages_per_group
+        """Physical pages of a vmem pool."""
+        return self.pool_pages
+
+
+def whole_kind_name(window_tokens: Optional[int]) -> str:
+    """The name of the one kind of a model whose groups are not split by layer kind: "full",
+    or "window-W" where every layer reads only its last W tokens."""
+    return "full" if window_tokens is None else f"window-{window_tokens}"
 
 
 def _positive(name: str, value) -> None:

@@ -5,9 +5,8 @@ from dataclasses import dataclass, field
 from typing import List, NamedTuple, Optional, Tuple, Union
 
 from .errors import ConfigError
-from .managers.base import (CopyBlock, CopyGroup, DropSwapped, GroupPart, MapGroup,  # noqa: F401
-                            MemoryOp, ReleaseGroup, ResizeGroup, SwapIn, SwapOut,  # the ops
-                            UnmapGroup)  # a plan carries, re-exported
+from .managers.base import (CopyBlock, CopyExtent, DropSwapped, MapExtent,  # noqa: F401
+                            MemoryOp, SwapIn, SwapOut, UnmapExtent)  # the ops a plan carries
 
 PREEMPTION_MODES = ("recompute", "swap")
 

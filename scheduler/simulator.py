@@ -137,7 +137,7 @@ class SimResult:
     recomputed_tokens: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    mapped_page_ops: int           # MapGroup ops executed (vmem)
+    mapped_page_ops: int           # page groups mapped (vmem, cost.count_map_ops)
     steady: Dict[str, float] = field(default_factory=dict)    # steady_* (module docstring)
     serving: Dict[str, float] = field(default_factory=dict)   # report.serving_report, ms
     timings: List[RequestTiming] = field(default_factory=list, repr=False)
@@ -248,7 +248,7 @@ class Simulator:
 
     def _step(self, sched: Scheduler, now: float, token_times: Dict[int, List[float]],
               after_idle: bool = False) -> tuple:
-        """One scheduled step ending at ``now`` + its cost: (seconds, MapGroup ops, sequences
+        """One scheduled step ending at ``now`` + its cost: (seconds, page groups mapped, sequences
         computed, tokens sampled); each sampled token's time goes to its request's list.
         ``after_idle``: the step follows time with nothing to run (its cost may say more)."""
         plan = sched.schedule()

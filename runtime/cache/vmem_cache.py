@@ -8,14 +8,12 @@ One VirtualRange holds the whole cache. Page layouts (B = slots, C = max_context
                 first page of (kv, slot, i)        = ((kv * B + slot) * P + i) * k
 
 where P = C / tokens_per_page page groups per slot and k = pages_per_member consecutive pages
-per member (1 when a page holds whole tokens; else a token may straddle two pages). Page group
-g (the manager's unit) is the fixed set of pool pages [g * pages_per_group, (g + 1) *
-pages_per_group): member j, k pages, backs (layer j // 2, kv j % 2) in per-layer, (kv j) in
-interleaved (see scheduler.geometry). A hybrid cache (``pool_pages``: full and windowed layers,
-per-layer) instead binds pool pages to each PART of a group when a plan first maps it and takes
-them back at ReleaseGroup (vmem_binding, vmem_parts). The cache
-keeps a replica of what plans mapped (slot -> {page index: group}) and where they placed each
-sequence (seq -> slot); it never asks a manager.
+per member (1 when a page holds whole tokens; else a token may straddle two pages); member j
+backs (layer j // 2, kv j % 2) in per-layer, (kv j) in interleaved (see scheduler.geometry).
+Which of the ``pool_pages`` pool pages back a member page is never chosen here: every
+MapExtent names them, per layer kind (vmem_ops). The cache keeps a replica of what plans mapped
+(slot -> {page index: {kind: pool pages}}) and where they placed each sequence (seq -> slot),
+checks every op and step against it, and never asks a manager.
 """
 from __future__ import annotations
 
@@ -27,9 +25,9 @@ import torch
 from vmemkv import vmem
 from vmemkv.runtime.attention.base import StepMeta, VMemLayerView, window_starts
 from vmemkv.scheduler.geometry import PageGeometry
-from vmemkv.scheduler.layout import CacheKind
-from vmemkv.scheduler.plan import (CopyGroup, DropSwapped, MapGroup, ReleaseGroup, ResizeGroup,
-                                   SetSlot, SwapIn, SwapOut, UnmapGroup)
+from vmemkv.scheduler.layout import CacheKind, whole_kind_name
+from vmemkv.scheduler.plan import (CopyExtent, DropSwapped, MapExtent, SetSlot, SwapIn, SwapOut,
+                                   UnmapExtent)
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError
@@ -37,20 +35,16 @@ from ..memory import check_fits_device
 from .base import KVCache, StepBatch
 from .journal import PlanJournal
 from .mapper import BackgroundMapper, DeferredUndo
-from .vmem_ops import VMemOps
-from .vmem_parts import PartOps
-from .vmem_slices import SliceOps
+from .vmem_ops import VMemOps, cache_kinds
 
-_OPS = (MapGroup, UnmapGroup, ReleaseGroup, ResizeGroup, CopyGroup, SwapOut, SwapIn, DropSwapped)
+_OPS = (MapExtent, UnmapExtent, CopyExtent, SwapOut, SwapIn, DropSwapped)
 
 
-class VMemKVCache(VMemOps, PartOps, SliceOps, KVCache):
-    """Executes vmem plans on a VirtualRange of ``config.max_batch`` slots over a pool of
-    ``num_groups`` page groups of ``geometry`` (fixed pages per group), or, with
-    ``pool_pages``, a hybrid pool of that many pages bound to group parts by the plans
-    (needs the per-layer layout and a config with both full and windowed layers), or, where
-    members span k > 1 pages and groups are not split, a byte-mapped pool whose groups are
-    backed by the pages ResizeGroup ops give them (vmem_slices).
+class VMemKVCache(VMemOps, KVCache):
+    """Executes vmem plans on a VirtualRange of ``config.max_batch`` slots of ``geometry``
+    over a pool of ``pool_pages`` pages (default: ``num_groups`` whole page groups' worth),
+    whose ops name the pool pages of layer ``kinds`` (((name, layers), ...) from the layout;
+    default: one kind of every layer).
 
     ``background_mapper=True`` runs each plan's ops on a thread, layer by layer, so layer l's
     pages are mapped while layers < l compute (per-layer layout); ``write``/``layer_view`` wait
@@ -61,12 +55,17 @@ class VMemKVCache(VMemOps, PartOps, SliceOps, KVCache):
 
     def __init__(self, config: CacheConfig, geometry: PageGeometry, num_groups: int,
                  driver: Optional[vmem.Driver] = None, background_mapper: bool = False,
-                 grow_pages: bool = False, pool_pages: Optional[int] = None) -> None:
+                 grow_pages: bool = False, pool_pages: Optional[int] = None,
+                 kinds: Optional[tuple] = None) -> None:
         super().__init__(config)
         self._check_geometry(config, geometry, num_groups)
-        self._slices = self._slice_binding(geometry, pool_pages)
-        self._parts, self._binding = (None, None) if self._slices is not None else \
-            self._part_binding(config, geometry, pool_pages)
+        pool_pages = num_groups * geometry.pages_per_group if pool_pages is None else pool_pages
+        if isinstance(pool_pages, bool) or not isinstance(pool_pages, int) or pool_pages < 1:
+            raise CacheConfigError(f"pool_pages must be None or an int >= 1, got {pool_pages!r}")
+        kinds = ((whole_kind_name(config.window_tokens), tuple(range(config.num_layers))),) \
+            if kinds is None else kinds
+        self._kinds = cache_kinds(kinds, geometry, config.window_of)
+        self.kinds = kinds             # ((name, layers), ...), as the layout gave them
         self.pool_pages = pool_pages
         self.geometry = geometry
         self.memory_layout = geometry.layout
@@ -75,12 +74,12 @@ class VMemKVCache(VMemOps, PartOps, SliceOps, KVCache):
         self.pages_per_slot = config.max_context // self.tokens_per_page
         self.pages_per_group = geometry.pages_per_group
         self.num_groups = num_groups
-        total_pages = pool_pages if pool_pages is not None else num_groups * self.pages_per_group
-        check_fits_device(f"VMemKVCache pool of {total_pages} pages of {self.page_bytes} bytes",
-                          total_pages * self.page_bytes, config.torch_device,
+        check_fits_device(f"VMemKVCache pool of {pool_pages} pages of {self.page_bytes} bytes",
+                          pool_pages * self.page_bytes, config.torch_device,
                           committed=not grow_pages)
         self._grow_pages = grow_pages   # pages created on first mapping (vmem.PagePool(grow=True))
-        self._slot_pages: list[dict] = [dict() for _ in range(config.max_batch)]  # replica
+        # the replica: slot -> {page index: {kind: pool pages mapped, from member page 0}}
+        self._spots: list[dict] = [dict() for _ in range(config.max_batch)]
         self._closed = True      # until fully built: close() releases only what exists
         self.pool = self.range = self._mapper = None
         self._own_driver = driver is None
@@ -95,10 +94,9 @@ class VMemKVCache(VMemOps, PartOps, SliceOps, KVCache):
         self._closed = False
 
     def _build(self, c: CacheConfig, background_mapper: bool) -> None:
-        total_pages = self.pool_pages or self.num_groups * self.pages_per_group
-        self.pool = vmem.PagePool(self.driver, total_pages, self.page_bytes, grow=self._grow_pages)
-        # fixed: group g -> members; hybrid: indexes the binding hands out
-        self._pool_pages = self.pool.allocate(self.pool.total_pages)
+        self.pool = vmem.PagePool(self.driver, self.pool_pages, self.page_bytes,
+                                  grow=self._grow_pages)
+        self._pool_pages = self.pool.allocate(self.pool.total_pages)   # pool page -> page id
         per_layer = self.geometry.per_layer
         shape = ((c.num_layers, 2, c.max_batch, c.max_context, c.num_kv_heads, c.head_dim)
                  if per_layer else
@@ -143,21 +141,17 @@ class VMemKVCache(VMemOps, PartOps, SliceOps, KVCache):
         for index, op in enumerate(ops):   # refuse a plan we cannot run before touching memory
             if not isinstance(op, _OPS):
                 raise CacheStateError(f"VMemKVCache cannot execute op {index} of the plan: {op!r}")
-            self._check_part_op(index, op)
+            if isinstance(op, (SwapOut, SwapIn)) and not 0 <= op.slot < self.config.max_batch:
+                raise CacheStateError(f"op {index} of the plan names slot {op.slot} outside "
+                                      f"0..{self.config.max_batch - 1}: {op!r}")
         if self._mapper is not None:
             self._mapper.wait_all()        # the previous plan is done (or its error raised)
-        for index, op in enumerate(ops):
-            slots = (op.src_slot, op.dst_slot) if isinstance(op, CopyGroup) else \
-                (getattr(op, "slot", 0),)
-            if any(not 0 <= s < self.config.max_batch for s in slots):
-                raise CacheStateError(f"op {index} of the plan names slot(s) {slots} outside "
-                                      f"0..{self.config.max_batch - 1}: {op!r}")
         self._retain(None)
         bound = self._bind_swaps(ops)
         if not bound:
             return
         journal = PlanJournal(self._swapped_before)
-        bound = self._note_mappings(bound, journal)
+        bound = self._bind_ops(bound, journal)
         plan = (bound, journal)
         if self._mapper is not None:
             self._mapper.submit(plan)
@@ -173,9 +167,15 @@ class VMemKVCache(VMemOps, PartOps, SliceOps, KVCache):
     def wait_for_plan(self) -> None:
         self.wait_for_mapper()
 
-    def mapped_pages(self, slot: int) -> dict:
-        """{page_index: group} the plans have mapped under ``slot`` (live or deferred)."""
-        return dict(self._slot_pages[slot])
+    def mapped_extents(self, slot: int) -> dict:
+        """{page_index: {kind: pool pages}} the plans have mapped under ``slot``."""
+        return {pi: dict(extents) for pi, extents in self._spots[slot].items()}
+
+    @property
+    def mapped_pool_pages(self) -> int:
+        """Distinct pool pages mapped somewhere (each counted once however often mapped)."""
+        return len({p for spots in self._spots for extents in spots.values()
+                    for pages in extents.values() for p in pages})
 
     def _apply_logged(self, plan: tuple, group: int) -> None:
         """Apply op group ``group`` of a bound plan; on failure undo the WHOLE plan so far
@@ -219,37 +219,34 @@ class VMemKVCache(VMemOps, PartOps, SliceOps, KVCache):
         return edit.slot
 
     def _held_tokens(self, seq_id: int) -> int:
-        pages = self._slot_pages[self.placement(seq_id)]
-        if self._slices is not None:
-            return self._slice_held_tokens(pages)
-        n = self._first_held_page(pages)
-        while n in pages:              # the run of pages mapped under the slot
-            n += 1
-        return n * self.tokens_per_page
+        """Tokens from the first page the first kind has mapped to the end of its run of
+        mapped bytes (``_check_reads`` checks every kind's reads)."""
+        kind = next(iter(self._kinds.values()))
+        spots, tpp = self._spots[self.placement(seq_id)], self.tokens_per_page
+        mapped = [pi for pi, extents in spots.items() if kind.name in extents]
+        start = min(mapped) * tpp if mapped else 0
+        end = self.pages_per_slot * tpp
+        gap = self._unbacked(self.placement(seq_id), kind, start, end)
+        return end if gap is None else gap
 
-    @staticmethod
-    def _first_held_page(pages: dict) -> int:
-        """The first page a live sequence holds: 0, or past the pages plans gave back behind
-        a sliding window (scheduler.managers.window)."""
-        return 0 if 0 in pages or not pages else min(pages)
-
-    def _check_window_reads(self, step: StepBatch, slots: tuple) -> None:
-        """Every key a layer reads this step (from its window start) must be mapped."""
-        first_read = window_starts(step.lens, self.config.window_tokens)
-        for seq_id, slot, start in zip(step.seq_ids, slots, first_read):
-            held = self._first_held_page(self._slot_pages[slot]) * self.tokens_per_page
-            if start < held:
-                raise CacheStateError(
-                    f"sequence {seq_id}: a layer reads keys from token {start} but the plans "
-                    f"gave back its memory before token {held} (behind a sliding window)")
+    def _check_reads(self, step: StepBatch, slots: tuple) -> None:
+        """Every key a layer reads this step (from its kind's window start) and every token
+        written must lie in memory its kind has mapped."""
+        for kind in self._kinds.values():
+            starts = window_starts(step.lens, kind.window)
+            for seq_id, slot, start, end in zip(step.seq_ids, slots, starts, step.lens.context_lens):
+                gap = self._unbacked(slot, kind, start, end)
+                if gap is not None:
+                    raise CacheStateError(
+                        f"sequence {seq_id}: its {kind.name!r} layers read keys from token "
+                        f"{start} but the plans mapped no memory for token {gap} (given back "
+                        f"behind a sliding window?)")
 
     def _build_step_views(self, step: StepBatch) -> list:
         slots = tuple(self.placement(seq_id) for seq_id in step.seq_ids)
         if len(set(slots)) != len(slots):
             raise CacheStateError(f"sequences {list(step.seq_ids)} share slots {list(slots)}")
-        self._check_window_reads(step, slots)
-        if self._binding is not None:
-            self._check_part_reads(step, slots)
+        self._check_reads(step, slots)
         self._slots = torch.tensor(slots, dtype=torch.int64, device=self.config.torch_device)
         self._token_slots = self._slots[step.token_seq_index]
         meta = StepMeta(step.lens, host_slots=slots)
@@ -288,33 +285,22 @@ class VMemKVCache(VMemOps, PartOps, SliceOps, KVCache):
         self.wait_for_mapper()
         self._check_read(seq_id, num_tokens)
         slot = self.placement(seq_id)
-        if num_tokens and self._first_held_page(self._slot_pages[slot]):
-            raise CacheStateError(f"sequence {seq_id}: its first tokens were given back behind "
-                                  f"a sliding window; they cannot be read")
-        if self._binding is not None:
-            self._check_part_read(seq_id, slot, layer, num_tokens)
+        kind = next(k for k in self._kinds.values() if layer in k.layers)
+        gap = self._unbacked(slot, kind, 0, num_tokens)
+        if gap is not None:
+            raise CacheStateError(f"sequence {seq_id}: layer {layer} has no memory mapped for "
+                                  f"token {gap} (given back behind a sliding window?); it "
+                                  f"cannot be read")
         return (self._k[layer][slot, :num_tokens].clone(), self._v[layer][slot, :num_tokens].clone())
 
     def check_integrity(self) -> None:
-        """Every page group the plans mapped under a slot is mapped, member by member, at the
-        right page indices of the range, and nothing else is mapped (so no mapping is half
-        done and none is leaked); pool counts are consistent."""
+        """Every page the plans mapped is mapped at the right range page to the pool page they
+        named, and nothing else is mapped (so no mapping is half done and none is leaked);
+        pool counts are consistent."""
         super().check_integrity()
         self.wait_for_mapper()
-        if self._binding is not None or self._slices is not None:
-            expected = self._expected_part_mappings() if self._binding is not None else \
-                self._expected_slice_mappings()
-            assert self.range.mapped_pages() == expected, \
-                "range mappings differ from the plans' part (or slice) mappings"
-            self.pool.check_integrity()
-            return
-        expected = {}
-        for slot, pages in enumerate(self._slot_pages):
-            for pi, g in pages.items():
-                for j in range(self.geometry.num_members):
-                    for page_index, pool_page in self._member_pages(j, slot, pi, g):
-                        expected[page_index] = self._pool_pages[pool_page]
-        assert self.range.mapped_pages() == expected, "range mappings differ from the plans' mappings"
+        assert self.range.mapped_pages() == self._expected_mappings(), \
+            "range mappings differ from the plans' mappings"
         self.pool.check_integrity()
 
     # -- lifecycle --

@@ -1,128 +1,212 @@
-"""VMemOps: how a bound vmem plan's ops become driver calls and copies, each inverse journaled.
+"""VMemOps: how vmem ops become driver calls, "range page <- named pool page", each checked
+against the replica before any memory is touched and each inverse journaled.
 
-Page index arithmetic (see vmem_cache's module docstring): member j of a page group under
+Page index arithmetic (see vmem_cache's module docstring): member j of a layer kind under
 (slot, page_index) spans the k = ``pages_per_member`` range pages from
-``((j * max_batch + slot) * pages_per_slot + page_index) * k``, backed by pool pages
-``group * pages_per_group + j * k ...``, where j = layer * 2 + kv (per-layer) or j = kv
-(interleaved). A byte-mapped pool (members of k > 1 pages) backs them by slices instead
-(vmem_slices). On a hybrid pool (``pool_pages``) the pool pages are the ones bound to the
-member's part when the plan was bound (vmem_binding), handed to the application as the op's
-payload: {part: pool pages} for a MapGroup, the parts it touches for an UnmapGroup/CopyGroup.
+``((j * max_batch + slot) * pages_per_slot + page_index) * k``, where j = layer * 2 + kv
+(per-layer) or j = kv (interleaved). A MapExtent names one pool page per member per member page:
+
+    member page i (first_page <= i < first_page + m) of the kind's member number c
+        range page  first(j, slot, page_index) + i   <-   pool page  pool_pages[(i - first_page) * M + c]
+
+where M is the kind's member count (scheduler.managers.base). The replica is
+(slot, page_index) -> {kind: pool pages mapped, from member page 0}; binding a plan checks and
+updates it in plan order on the step thread (each change journaled), so a refused op (a page
+mapped twice at one place, a pool page outside the pool, an unmap of nothing, a copy into less)
+raises CacheStateError with nothing changed, and applying (inline or on the background mapper,
+layer by layer) only reads each op's resolved primitives.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
-from vmemkv.scheduler.plan import CopyGroup, MapGroup, ReleaseGroup, SwapIn, SwapOut, UnmapGroup
+from vmemkv.scheduler.plan import CopyExtent, MapExtent, SwapIn, SwapOut, UnmapExtent
 
-from ..errors import CacheStateError
+from ..errors import CacheConfigError, CacheStateError
 from .journal import PlanJournal
-from .vmem_slices import SLICE_OPS
 
-_PART_OPS = (MapGroup, UnmapGroup, CopyGroup)   # ops a hybrid plan binds to parts
+
+class Kind(NamedTuple):
+    """One layer kind as the cache sees it: its members (page-group member indexes j, in
+    order), its layers and the widest window they read within (None: every token)."""
+    name: str
+    layers: tuple
+    members: tuple
+    window: Optional[int]
+
+
+def cache_kinds(kinds: tuple, geometry, layer_window) -> dict:
+    """{name: Kind} of a layout's ((name, layers), ...); CacheConfigError unless every layer
+    is in one kind (one kind in the interleaved layout)."""
+    layers = sorted(l for _, ls in kinds for l in ls)
+    if layers != list(range(geometry.num_layers)) or (not geometry.per_layer and len(kinds) != 1):
+        raise CacheConfigError(f"the layer kinds must cover each of the {geometry.num_layers} "
+                               f"layers once (one kind interleaved), got {kinds!r}")
+    out = {}
+    for name, ls in kinds:
+        members = tuple(j for l in ls for j in (2 * l, 2 * l + 1)) if geometry.per_layer else (0, 1)
+        windows = [layer_window(l) for l in ls]
+        out[name] = Kind(name, tuple(ls), members, None if None in windows else max(windows))
+    return out
 
 
 class VMemOps:
-    """Mixed into VMemKVCache: the replica update at bind time and the op application."""
+    """Mixed into VMemKVCache: binding a plan against the replica, and applying it."""
 
-    def _note_mappings(self, bound: Sequence, journal: PlanJournal) -> list:
-        """Update the replica of what is mapped where, as of the end of the plan (in the step
-        thread, so writes are checked against it before the mapper is done); undone with the
-        plan if it fails. Returns the ops paired with what their application needs."""
-        if self._binding is not None or self._slices is not None:
-            return self._note_parts(bound, journal)
-        for op, _ in bound:
-            if isinstance(op, (MapGroup, UnmapGroup)):
-                pages = self._slot_pages[op.slot]
-                old = pages.get(op.page_index)
-                if isinstance(op, MapGroup):
-                    pages[op.page_index] = op.group
-                else:
-                    pages.pop(op.page_index, None)
-                journal.replica_undo.append(lambda p=pages, i=op.page_index, o=old:
-                                            p.pop(i, None) if o is None else p.__setitem__(i, o))
-        return bound
+    # -- binding (step thread): check, update the replica, resolve primitives --
+    def _bind_ops(self, bound: Sequence, journal: PlanJournal) -> list:
+        """Every op paired with what applying it needs, the replica updated in plan order; all
+        or nothing (CacheStateError naming the op, the replica and swap space as before)."""
+        undo, out = journal.replica_undo.append, []
+        try:
+            for op, buffer in bound:
+                out.append((op, self._bind_op(op, buffer, undo)))
+        except CacheStateError as error:
+            for action in reversed(journal.replica_undo):
+                action()
+            journal.replica_undo.clear()
+            self._swapped = journal.swapped_before
+            raise CacheStateError(f"plan refused at op {len(out)}, nothing changed: {error}") from None
+        return out
 
-    def _member_pages(self, member: int, slot: int, page_index: int, group: int = 0) -> list:
-        """[(range page, pool page)] backing ``member`` of ``group`` mapped under (slot,
-        page_index); per-layer: member j = layer * 2 + kv; interleaved: member j = kv."""
-        k = self.geometry.pages_per_member
-        first = self._first_page(member, slot, page_index)
-        base = group * self.pages_per_group + member * k
-        return [(first + i, base + i) for i in range(k)]
+    def _bind_op(self, op, buffer, undo):
+        if isinstance(op, MapExtent):
+            return self._bind_map(op, undo)
+        if isinstance(op, UnmapExtent):
+            return self._bind_unmap(op, undo)
+        if isinstance(op, CopyExtent):
+            kind = self._kind(op)
+            src = len(self._extent(op.src_slot, op.src_page_index, kind.name)) // len(kind.members)
+            dst = len(self._extent(op.dst_slot, op.dst_page_index, kind.name)) // len(kind.members)
+            if not src or dst < src:
+                raise CacheStateError(f"{op!r}: the source must be mapped and the destination "
+                                      f"mapped at least as far ({src} and {dst} member pages)")
+            return {j: [(self._first_page(j, op.dst_slot, op.dst_page_index) + i,
+                         self._first_page(j, op.src_slot, op.src_page_index) + i)
+                        for i in range(src)] for j in kind.members}
+        if isinstance(op, (SwapOut, SwapIn)):
+            for kind in self._kinds.values():
+                gap = self._unbacked(op.slot, kind, 0, op.num_tokens)
+                if gap is not None:
+                    raise CacheStateError(f"{op!r} touches token {gap} of slot {op.slot}, which "
+                                          f"has no {kind.name!r} memory mapped")
+        return buffer
+
+    def _kind(self, op) -> "Kind":
+        kind = self._kinds.get(op.kind)
+        if kind is None:
+            raise CacheStateError(f"{op!r} names kind {op.kind!r}; this cache's kinds are "
+                                  f"{', '.join(self._kinds)}")
+        slots = (op.src_slot, op.dst_slot) if isinstance(op, CopyExtent) else (op.slot,)
+        spots = (op.src_page_index, op.dst_page_index) if isinstance(op, CopyExtent) else \
+            (op.page_index,)
+        if any(not 0 <= s < self.config.max_batch for s in slots) or \
+                any(not 0 <= p < self.pages_per_slot for p in spots):
+            raise CacheStateError(f"{op!r} names a slot or page index outside 0..."
+                                  f"{self.config.max_batch - 1} / 0..{self.pages_per_slot - 1}")
+        return kind
+
+    def _extent(self, slot: int, page_index: int, kind: str) -> tuple:
+        return self._spots[slot].get(page_index, {}).get(kind, ())
+
+    def _set_extent(self, slot: int, page_index: int, kind: str, pages: tuple, undo) -> None:
+        spots = self._spots[slot]
+        old = spots.get(page_index)
+        new = {k: v for k, v in (old or {}).items() if k != kind}
+        if pages:
+            new[kind] = pages
+        if new:
+            spots[page_index] = new
+        else:
+            spots.pop(page_index, None)
+        undo(lambda: spots.__setitem__(page_index, old) if old is not None else
+             spots.pop(page_index, None))
+
+    def _bind_map(self, op: MapExtent, undo) -> dict:
+        kind = self._kind(op)
+        n, k = len(kind.members), self.geometry.pages_per_member
+        pages, have = op.pool_pages, self._extent(op.slot, op.page_index, kind.name)
+        if not isinstance(pages, tuple) or not pages or len(pages) % n:
+            raise CacheStateError(f"{op!r}: pool_pages must be a non-empty tuple of a page per "
+                                  f"member ({n}) per member page")
+        if any(isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.pool_pages
+               for p in pages):
+            raise CacheStateError(f"{op!r} names a pool page outside 0..{self.pool_pages - 1}")
+        m = len(pages) // n
+        if op.first_page != len(have) // n or op.first_page + m > k:
+            raise CacheStateError(f"{op!r}: {len(have) // n} member pages of {kind.name!r} are "
+                                  f"mapped there (a page mapped twice at one place, or past "
+                                  f"the {k} of a member)")
+        self._set_extent(op.slot, op.page_index, kind.name, have + pages, undo)
+        return {j: [(self._first_page(j, op.slot, op.page_index) + op.first_page + i,
+                     pages[i * n + c]) for i in range(m)] for c, j in enumerate(kind.members)}
+
+    def _bind_unmap(self, op: UnmapExtent, undo) -> dict:
+        kind = self._kind(op)
+        n, have = len(kind.members), self._extent(op.slot, op.page_index, kind.name)
+        if not 0 <= op.first_page < len(have) // n:
+            raise CacheStateError(f"{op!r}: an unmap of nothing ({len(have) // n} member pages "
+                                  f"of {kind.name!r} are mapped there)")
+        self._set_extent(op.slot, op.page_index, kind.name, have[:op.first_page * n], undo)
+        return {j: [(self._first_page(j, op.slot, op.page_index) + i, None)
+                    for i in range(op.first_page, len(have) // n)] for j in kind.members}
 
     def _first_page(self, member: int, slot: int, page_index: int) -> int:
         """Range page of member page 0 of what is mapped under (slot, page_index)."""
         return ((member * self.config.max_batch + slot) * self.pages_per_slot + page_index) * \
             self.geometry.pages_per_member
 
-    def _map_pages(self, member: int, op: MapGroup, payload: dict) -> list:
-        """[(range page, pool page)] a hybrid MapGroup maps for ``member``: the pages bound to
-        the member's part, from the op's payload {part: pool pages}."""
-        bound = payload[self._parts.part_of_layer[member // 2]]
-        offset = self._parts.member_offset[member]
-        return [(page_index, bound[offset + i]) for i, (page_index, _)
-                in enumerate(self._member_pages(member, op.slot, op.page_index))]
+    def _unbacked(self, slot: int, kind: "Kind", start: int, end: int) -> Optional[int]:
+        """The first token in [start, end) of ``slot`` whose bytes ``kind`` has not mapped, or
+        None (every member page covering them is mapped)."""
+        tpp, n, geo, spots = self.tokens_per_page, len(kind.members), self.geometry, self._spots[slot]
+        for pi in range(start // tpp, -(-end // tpp)):
+            m = len(spots.get(pi, {}).get(kind.name, ())) // n
+            backed = tpp if m == geo.pages_per_member else geo.tokens_in_member_pages(m)
+            if pi * tpp + backed < min(end, (pi + 1) * tpp):
+                return max(start, pi * tpp + backed)
+        return None
 
-    def _skips(self, op, payload, group: int) -> bool:
-        """Whether a part-op (a hybrid MapGroup/UnmapGroup/CopyGroup; payload: its parts) leaves
-        op group ``group`` (a layer) alone. Fixed-group ops have no payload: never."""
-        return payload is not None and self._parts is not None and isinstance(op, _PART_OPS) \
-            and self._parts.part_of_layer[group] not in payload
-
+    # -- applying (step thread or mapper thread) --
     def _apply_layer_group(self, bound: Sequence, group: int,
                            journal: Optional[PlanJournal] = None) -> None:
-        """Apply the part of a plan (ops paired with swap buffers or part payloads) that
-        touches op group ``group``, recording the inverse of every primitive in ``journal``."""
+        """Apply the part of a bound plan that touches op group ``group`` (a layer, or every
+        layer interleaved), recording the inverse of every primitive in ``journal``."""
         journal = journal if journal is not None else PlanJournal({})
-        rng = self.range
+        rng, members = self.range, self.geometry.members_of(group)
         # one device synchronise for every page this group unmaps, not one per page
-        members = self.geometry.members_of(group)
-        if self._slices is not None:
-            self.driver.prepare_unmap(sum(self._slice_unmaps(op, payload, len(members))
-                                          for op, payload in bound))
-        else:
-            unmaps = sum(isinstance(op, UnmapGroup) and not self._skips(op, payload, group)
-                         for op, payload in bound)
-            self.driver.prepare_unmap(unmaps * len(members) * self.geometry.pages_per_member)
-        for index, (op, buffer) in enumerate(bound):
+        self.driver.prepare_unmap(sum(len(payload.get(j, ())) for op, payload in bound
+                                      if isinstance(op, UnmapExtent) for j in members))
+        for index, (op, payload) in enumerate(bound):
             journal.op_index = index
-            if self._skips(op, buffer, group):
-                continue
-            if self._slices is not None and isinstance(op, SLICE_OPS):
-                self._apply_slice_op(op, buffer, members, journal)
-            elif isinstance(op, MapGroup):
-                for j in self.geometry.members_of(group):
-                    pages = self._member_pages(j, op.slot, op.page_index, op.group) \
-                        if buffer is None else self._map_pages(j, op, buffer)
-                    for page_index, pool_page in pages:
+            if isinstance(op, MapExtent):
+                for j in members:
+                    for page_index, pool_page in payload.get(j, ()):
                         rng.map(page_index, self._pool_pages[pool_page])
                         journal.add(lambda pi=page_index: rng.unmap(pi))
-            elif isinstance(op, UnmapGroup):
-                for j in self.geometry.members_of(group):
-                    for page_index, _ in self._member_pages(j, op.slot, op.page_index):
+            elif isinstance(op, UnmapExtent):
+                for j in members:
+                    for page_index, _ in payload.get(j, ()):
                         page_id = rng.unmap(page_index)
                         journal.add(lambda pi=page_index, pid=page_id: rng.map(pi, pid))
-            elif isinstance(op, CopyGroup):
-                for j in self.geometry.members_of(group):
-                    dst_pages = self._member_pages(j, op.dst_slot, op.dst_page_index)
-                    src_pages = self._member_pages(j, op.src_slot, op.src_page_index)
-                    for (dst, _), (src_page, _) in zip(dst_pages, src_pages):
+            elif isinstance(op, CopyExtent):
+                for j in members:
+                    for dst, src in payload.get(j, ()):
                         self._save_bytes(journal, dst * self.page_bytes, self.page_bytes)
-                        rng.copy_page(dst, src_page)
+                        rng.copy_page(dst, src)
             elif isinstance(op, SwapOut):
                 for layer in self.geometry.layers_of(group):  # buffer: (layers, 2, tokens, heads, dim)
-                    self._swap_copy(buffer[layer, 0], self._k[layer][op.slot, :op.num_tokens])
-                    self._swap_copy(buffer[layer, 1], self._v[layer][op.slot, :op.num_tokens])
+                    self._swap_copy(payload[layer, 0], self._k[layer][op.slot, :op.num_tokens])
+                    self._swap_copy(payload[layer, 1], self._v[layer][op.slot, :op.num_tokens])
             elif isinstance(op, SwapIn):
                 for layer in self.geometry.layers_of(group):
                     for cache in (self._k[layer], self._v[layer]):
                         target = cache[op.slot, :op.num_tokens]
                         saved = target.clone()
                         journal.add(lambda t=target, s=saved: t.copy_(s))
-                    self._swap_copy(self._k[layer][op.slot, :op.num_tokens], buffer[layer, 0])
-                    self._swap_copy(self._v[layer][op.slot, :op.num_tokens], buffer[layer, 1])
-            elif not isinstance(op, ReleaseGroup):   # bookkeeping only: done at bind time
+                    self._swap_copy(self._k[layer][op.slot, :op.num_tokens], payload[layer, 0])
+                    self._swap_copy(self._v[layer][op.slot, :op.num_tokens], payload[layer, 1])
+            else:
                 raise CacheStateError(f"VMemKVCache cannot execute {op!r}")
 
     def _save_bytes(self, journal: PlanJournal, offset: int, num_bytes: int) -> None:
@@ -130,3 +214,17 @@ class VMemOps:
         view = self.range.tensor(offset, num_bytes)
         saved = view.clone()
         journal.add(lambda: self.range.tensor(offset, num_bytes).copy_(saved))
+
+    def _expected_mappings(self) -> dict:
+        """{range page: pool page id} the replica says is mapped."""
+        expected = {}
+        for slot, spots in enumerate(self._spots):
+            for pi, extents in spots.items():
+                for name, pages in extents.items():
+                    kind = self._kinds[name]
+                    n = len(kind.members)
+                    for c, j in enumerate(kind.members):
+                        first = self._first_page(j, slot, pi)
+                        for i in range(len(pages) // n):
+                            expected[first + i] = self._pool_pages[pages[i * n + c]]
+        return expected

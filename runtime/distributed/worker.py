@@ -151,14 +151,14 @@ class MemoryQuery:
 def memory_state(cache) -> dict:
     """What one rank's cache holds, as plain data that is equal on ranks that applied the same
     plans (except ``swapped_bytes``: a rank's share of the KV heads): the replica's placements,
-    the host copies' tokens and bytes, and on vmem every slot's mapped parts
-    ({page_index: {part: group}}) and the pool pages bound to groups."""
+    the host copies' tokens and bytes, and on vmem every slot's mapped extents
+    ({page_index: {kind: pool pages}}) and how many pool pages they map."""
     state = {"placements": {s: cache.placement(s) for s in cache.placed_seq_ids},
              "swapped_tokens": cache.swapped_tokens(), "swapped_bytes": cache.swapped_bytes}
     if cache.kind is CacheKind.VMEM:
-        state["mapped_parts"] = {slot: cache.mapped_parts(slot)
-                                 for slot in range(cache.config.max_batch)}
-        state["bound_pages"] = cache.bound_pages
+        state["mapped_extents"] = {slot: cache.mapped_extents(slot)
+                                   for slot in range(cache.config.max_batch)}
+        state["mapped_pool_pages"] = cache.mapped_pool_pages
     return state
 
 

@@ -19,12 +19,10 @@ Whom a failed step is blamed on:
   emitted it (scheduler/managers/base.py); nothing is read back from the manager:
 
     SwapOut / SwapIn              -> op.seq_id (their owner)
-    MapGroup / CopyGroup          -> the sequence on op.slot / op.dst_slot when planned (vmem)
-    ResizeGroup                   -> the sequence whose group it backs (byte-mapped vmem)
+    MapExtent / CopyExtent        -> the sequence on op.slot / op.dst_slot when planned (vmem)
     CopyBlock                     -> the writer that moved to dst_block (paged)
-    UnmapGroup, ReleaseGroup,     -> nobody (owner None): reclaiming serves whoever maps next;
-    shrinking an unheld group,       bounded retries, then the error reaches the caller
-    no op index
+    UnmapExtent, a fault with     -> nobody (owner None): reclaiming serves whoever maps next;
+    no op index                      bounded retries, then the error reaches the caller
 
   After ``max_plan_retries + 1`` failed steps in a row blamed on one request, the engine ends
   it "failed" and goes on.

@@ -8,13 +8,14 @@
 | reserve-max     | max_seq_len tokens    | none                            | SwapOut/SwapIn         |
 | reserve-oracle  | final length tokens   | none                            | SwapOut/SwapIn         |
 | paged           | blocks of block_size  | fork + prefix (chain hash), CoW | CopyBlock, swaps       |
-| vmem            | page groups in slots  | fork + prefix (chain hash), CoW | Map/Unmap/CopyGroup,... |
+| vmem            | page groups in slots  | fork + prefix (chain hash), CoW | Map/Unmap/CopyExtent   |
 
 vmem with a hybrid model (full + sliding-window layers) in the per-layer layout and
 ``hybrid_parts=True`` is a HybridVmemManager (hybrid.py): groups split by layer kind over a pool counted in pages, the
-windowed part given back behind the window (ReleaseGroup). vmem on pages that do not hold
+windowed part given back behind the window. vmem on pages that do not hold
 whole tokens (members of k > 1 pages, groups not split) is a ByteMappedVmemManager
-(vmem_bytes.py): each group backed only by the pages its tokens' bytes need (ResizeGroup).
+(vmem_bytes.py): each group backed only by the pages its tokens' bytes need. Every vmem op names the pool
+pages it maps, taken from the manager's one PageLedger (ledger.py).
 
 paged and vmem keep computed prefixes after their requests end (``prefix_eviction``: off, lru,
 hits; eviction.py) and publish a unit only once the scheduler says it is computed.
@@ -26,8 +27,8 @@ from typing import Optional
 from ..errors import ConfigError
 from ..geometry import PageGeometry
 from ..presets import ModelSpec
-from .base import (CopyBlock, CopyGroup, GroupPart, MapGroup, MemoryManager, MemoryOp, MemoryStats,
-                   ReleaseGroup, ResizeGroup, SwapIn, SwapOut, UnmapGroup)
+from .base import (CopyBlock, CopyExtent, MapExtent, MemoryManager, MemoryOp, MemoryStats,
+                   SwapIn, SwapOut, UnmapExtent)
 from .common import check_int
 from .eviction import DEFAULT_EVICTION, EVICTION_POLICIES, make_eviction
 from .hybrid import HybridVmemManager
@@ -51,7 +52,7 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
     their requests end and says which goes first ("off": none are kept). ``hybrid_parts``
     (vmem per-layer with a hybrid model only; ignored otherwise): split page groups by layer
     kind and give back the windowed part behind the window (HybridVmemManager), for an
-    executor that runs part ops (GroupPart, ReleaseGroup); False: full allocation.
+    executor of this version's ops; False: full allocation.
     Raises ConfigError naming the field, the value and the allowed range."""
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -85,6 +86,6 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
                prefix_eviction=prefix_eviction)
 
 
-__all__ = ["POLICIES", "EVICTION_POLICIES", "DEFAULT_EVICTION", "make_manager", "MemoryManager", "MemoryStats", "MemoryOp", "MapGroup",
-           "UnmapGroup", "ReleaseGroup", "GroupPart", "CopyGroup", "CopyBlock", "SwapOut", "SwapIn", "ReserveManager",
-           "PagedManager", "VmemManager", "HybridVmemManager", "ByteMappedVmemManager", "ResizeGroup"]
+__all__ = ["POLICIES", "EVICTION_POLICIES", "DEFAULT_EVICTION", "make_manager", "MemoryManager", "MemoryStats", "MemoryOp", "MapExtent",
+           "UnmapExtent", "CopyExtent", "CopyBlock", "SwapOut", "SwapIn", "ReserveManager",
+           "PagedManager", "VmemManager", "HybridVmemManager", "ByteMappedVmemManager"]

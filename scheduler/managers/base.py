@@ -20,94 +20,66 @@ from ..layout import CacheLayout
 
 
 # ---- memory operations -------------------------------------------------------------------
-# vmem mode. A "page group" is every physical page that backs one run of tokens_per_page tokens
-# of one slot across all layers' K and V: 2 * num_layers members in the per-layer layout, 2 in
-# the interleaved layout, each member k >= 1 pages (the fewest holding whole tokens; see
-# scheduler.geometry). Group g is a fixed set of physical pages; the manager hands out groups.
-
-# A hybrid model (full-attention layers beside sliding-window ones) in the per-layer layout
-# splits every group into two PARTS: the members of its full layers and those of its windowed
-# layers, so a sequence can give back the windowed part of a group behind the window while it
-# keeps the full part. Its pool binds physical pages to a group's part at the first MapGroup that
-# needs them and takes them back at ReleaseGroup (see GroupPart). Every other cache maps whole
-# groups ("all") over fixed pages, except where a member spans k > 1 pages: there a group is
-# backed only by the member pages its tokens' bytes need (ResizeGroup; managers/vmem_bytes.py).
+# vmem mode. A "page group" is the manager's unit: one run of tokens_per_page tokens of one
+# slot across every layer's K and V (scheduler.geometry). The manager decides which POOL PAGES
+# back it, from one PageLedger (ledger.py), per layer KIND (a uniform model has one kind; a
+# hybrid one in the per-layer layout has "full" and "window-W"), and names them in the ops:
+# the executor only maps "range page <- named pool page", the same on every rank.
+#
+#   member j of kind K (its layers' K/V, in layer order), member page i (0..k-1) of the page
+#   index pi under slot s  <-  MapExtent.pool_pages[(i - first_page) * members(K) + j]
+#
+# A kind's extent at (slot, page_index) is mapped from member page 0 up: a MapExtent with
+# first_page > 0 extends it (a byte-mapped group whose bytes grew), an UnmapExtent with
+# first_page > 0 shrinks it. Giving pages back is ledger bookkeeping in the manager: no op.
 
 # Every op has an ``owner``: the seq id of the one sequence it serves (whose manager call emitted
 # it), or None. The engine blames a failed op on ``ops[op_index].owner`` alone, without reading
 # the manager back (runtime/engine/lifecycle.py). Ops that grow or copy memory for a sequence
-# name it: MapGroup; ResizeGroup fitting a group it holds to its fill; CopyGroup and CopyBlock
-# (the writer that moved off a shared partial unit); the swaps (their seq_id). Ops that reclaim
-# (UnmapGroup, ReleaseGroup, a ResizeGroup that shrinks an unheld group) serve whoever takes the
+# name it: MapExtent, CopyExtent and CopyBlock (the writer that moved off a shared partial
+# unit), the swaps (their seq_id). Ops that reclaim (UnmapExtent) serve whoever takes the
 # memory next and name nobody, even when one sequence's allocation triggered them. No op serves
-# several: a shared group is mapped once per holder slot, each MapGroup by its own holder, and a
+# several: a shared group is mapped once per holder slot, each MapExtent by its own holder, and a
 # shared partial unit is copied for its one writer. ``owner`` is blame metadata: ops compare
 # equal by the memory they touch (compare=False); a reclaiming op has it as a class constant,
 # adding nothing to a plan's pickle (an owned op's int adds 7 bytes, docs/benchmarks.md).
 
-class GroupPart:
-    """Which members of a page group an op touches (a str constant; pickles as a plain str)."""
-    ALL = "all"            # every member (every cache)
-    FULL = "full"          # members of the full-attention layers (hybrid per-layer only)
-    WINDOW = "window"      # members of the sliding-window layers (hybrid per-layer only)
-    NAMES = (ALL, FULL, WINDOW)
-
-
 @dataclass(frozen=True)
-class MapGroup:
-    """Map ``part`` of page group ``group`` under ``slot`` at page index ``page_index`` (tokens
-    [page_index * tokens_per_page, (page_index + 1) * tokens_per_page) of that slot); on a
-    hybrid pool, pages are bound to the part first if it has none; on a byte-mapped pool it
-    maps the group's backed pages (none yet for a fresh group: a ResizeGroup follows)."""
+class MapExtent:
+    """Map ``pool_pages`` under ``slot`` at ``page_index`` (tokens [page_index *
+    tokens_per_page, (page_index + 1) * tokens_per_page)) for the members of layer kind
+    ``kind``: member pages ``first_page`` on, one pool page per member per member page, in
+    member order (see the diagram above). Nothing of that kind may be mapped there at or past
+    ``first_page``, and everything before it must be."""
     slot: int
     page_index: int
-    group: int
-    part: str = GroupPart.ALL
+    kind: str
+    pool_pages: tuple
+    first_page: int = 0
     owner: Optional[int] = field(default=None, compare=False)  # the seq served
 
 
 @dataclass(frozen=True)
-class UnmapGroup:
-    """Unmap ``part`` of what is mapped under ``slot`` at ``page_index`` (it is ``group``); the
-    pages stay bound to the group (on a hybrid pool, until ReleaseGroup)."""
+class UnmapExtent:
+    """Unmap kind ``kind``'s member pages ``first_page`` on (all of them mapped there) under
+    ``slot`` at ``page_index``; the pool pages stay the manager's to reuse."""
     slot: int
     page_index: int
-    group: int
-    part: str = GroupPart.ALL
+    kind: str
+    first_page: int = 0
     owner = None      # reclaiming: serves whoever takes the memory next (not a field)
 
 
 @dataclass(frozen=True)
-class ReleaseGroup:
-    """Hybrid pools only: the physical pages bound to ``part`` of ``group`` go back to the free
-    pages (the part is mapped nowhere when this runs); a later MapGroup binds fresh ones."""
-    group: int
-    part: str = GroupPart.ALL
-    owner = None      # reclaiming: serves whoever takes the memory next (not a field)
-
-
-@dataclass(frozen=True)
-class ResizeGroup:
-    """Byte-mapped pools only (``pool_pages`` without parts: members spanning k > 1 pages,
-    scheduler.geometry): from now on each member of ``group`` is backed by its first
-    ``member_pages`` pages (0..k). Growing binds free pool pages to the new ones and maps them
-    wherever the group is mapped; shrinking unmaps the dropped ones everywhere and frees them.
-    Every mapping of a group always maps exactly its backed pages (a MapGroup maps those)."""
-    group: int
-    member_pages: int
-    owner: Optional[int] = field(default=None, compare=False)  # the seq served
-
-
-@dataclass(frozen=True)
-class CopyGroup:
-    """Copy the bytes of the page group mapped at one (slot, page_index) into the group mapped
-    at another (every backed member page of the source; the destination is backed at least as
-    far); both are mapped when this op runs. Used for copy-on-write of a shared partial page
-    group."""
+class CopyExtent:
+    """Copy the bytes of kind ``kind``'s extent mapped at one (slot, page_index) into the one
+    mapped at another (every mapped member page of the source; the destination is mapped at
+    least as far). Copy-on-write of a shared partial page group: one op per kind."""
     src_slot: int
     src_page_index: int
     dst_slot: int
     dst_page_index: int
+    kind: str
     owner: Optional[int] = field(default=None, compare=False)  # the seq served
 
 
@@ -165,7 +137,7 @@ class DropSwapped:
         return self.seq_id
 
 
-MemoryOp = Union[MapGroup, UnmapGroup, ReleaseGroup, ResizeGroup, CopyGroup, CopyBlock, SwapOut, SwapIn, DropSwapped]
+MemoryOp = Union[MapExtent, UnmapExtent, CopyExtent, CopyBlock, SwapOut, SwapIn, DropSwapped]
 
 
 @dataclass(frozen=True)
@@ -226,8 +198,8 @@ class MemoryManager(ABC):
 
     @property
     def pages_per_map_op(self) -> int:
-        """Physical pages one MapGroup op maps (the cost model charges map latency per page).
-        1 unless the manager maps page groups (vmem: its pages_per_group)."""
+        """Physical pages a whole page group's mapping maps (the cost model charges map latency
+        per page). 1 unless the manager maps page groups (vmem: its pages_per_group)."""
         return 1
 
     # -- admission and growth --

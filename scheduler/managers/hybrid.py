@@ -4,9 +4,10 @@ pages of a group while the full layers keep theirs.
 
 Each page group has two PARTS (``PageGeometry.part_members``): FULL, the K/V members of the full
 layers (``full_pages`` = 2 * L_full * k pages), and WINDOW, those of the windowed layers
-(``window_pages`` = 2 * L_win * k). The pool is counted in PAGES (``pool_pages``); the executor
-binds physical pages to a part at the first MapGroup that needs them and unbinds them at
-ReleaseGroup. Group ids are plentiful (``pool_pages // full_pages``). A group is
+(``window_pages`` = 2 * L_win * k). The pool is counted in PAGES (``pool_pages``, one PageLedger whose
+tenants are the two kinds); a group takes pages for both parts when it is taken for new content
+and gives a part's pages back to the ledger when no holder reads it (no op: it is mapped
+nowhere by then). Group ids are plentiful (``pool_pages // full_pages``). A group is
 
     spare      no pages bound, mapped nowhere, refs 0            in ``_spare``
     free       both parts bound, mapped nowhere, refs 0          in ``_free``
@@ -20,28 +21,27 @@ holder dropped it): whole mappings of it elsewhere (deferred reclamation) are un
 and its prefix registration goes (an incomplete group is never a hit). A partial group whose
 last holder goes is unmapped (FULL) and released (FULL): it becomes spare.
 
-Ops, in execution order (what the executor does):
-    MapGroup(s, pi, g, "all")        map both parts; bind pages to each part of g that has none
-    MapGroup(s, pi, g, "full")       map FULL only (a fork of a sequence behind its window)
-    UnmapGroup(s, pi, g, "window")   the window part leaves that mapping; FULL stays mapped
-    UnmapGroup(s, pi, g, "full")     the FULL part of a FULL-only mapping (nothing stays there)
-    UnmapGroup(s, pi, g, "all")      both parts of a whole mapping
-    ReleaseGroup(g, "window")        g's WINDOW pages unbound (mapped nowhere by then)
-    ReleaseGroup(g, "full")          g's FULL pages unbound (g had no WINDOW part): g is spare
-CopyGroup, SwapOut and SwapIn only ever name whole mappings.
+Ops (kind 0 is "full", kind 1 "window-W"; each names the part's pool pages):
+    MapExtent(s, pi, "full", pages) + MapExtent(s, pi, "window-W", pages)   a whole mapping
+    MapExtent(s, pi, "full", pages)       FULL only (a fork of a sequence behind its window)
+    UnmapExtent(s, pi, "window-W")        the window part leaves that mapping; FULL stays
+    UnmapExtent(s, pi, "full")            the FULL part of a FULL-only mapping
+CopyExtent, SwapOut and SwapIn only ever name whole mappings.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 from ..errors import OutOfCapacityError
+from ..geometry import PART_FULL, PART_WINDOW
 from ..layout import PoolBacking
-from .base import GroupPart, MapGroup, MemoryStats, ReleaseGroup, UnmapGroup
+from .base import MemoryStats
 from .journal import JList, JSet
+from .kinds import KindSpec
 from .prefix import HeldSeq
 from .vmem import VmemManager
 
-FULL, WINDOW = GroupPart.FULL, GroupPart.WINDOW
+FULL, WINDOW = (0,), (1,)      # the kinds (indexes into ``kinds``) of each part
 
 
 class HybridVmemManager(VmemManager):
@@ -54,18 +54,38 @@ class HybridVmemManager(VmemManager):
         super().__init__(model, cache_bytes, max_seq_len_tokens, **kwargs)
         assert self.geometry.split, "a hybrid manager needs a split (hybrid per-layer) geometry"
         cell = self._cell
-        self._free = JList(cell)                          # nothing is bound before a MapGroup
+        self._free = JList(cell)                          # no group has pages before it is taken
         self._spare = JList(cell, range(self.num_groups - 1, -1, -1))
         self._partial = JSet(cell)
         self._win_drop = JList(cell, [0] * self.num_groups)   # holders of g, WINDOW unmapped
         self._win_gone = JList(cell, [0] * self.num_slots)    # slot -> leading FULL-only pages
         self._init_window(model.local_window_tokens)
 
-    def _group_ids(self, cache_bytes: int, whole_groups: int) -> int:
-        self.pool_pages = cache_bytes // self.page_bytes
-        self.full_pages = self.geometry.pages_per_part(FULL)
-        self.window_pages = self.geometry.pages_per_part(WINDOW)
-        return self.pool_pages // self.full_pages    # every group with pages holds FULL ones
+    def _pool(self, cache_bytes: int, whole_groups: int) -> tuple:
+        pool_pages = cache_bytes // self.page_bytes
+        self.full_pages = self.geometry.pages_per_part(PART_FULL)
+        self.window_pages = self.geometry.pages_per_part(PART_WINDOW)
+        return pool_pages // self.full_pages, pool_pages  # a group with pages holds FULL ones
+
+    def _kinds(self, model) -> tuple:
+        geo = self.geometry
+        return (KindSpec("full", geo.part_layers(PART_FULL)),
+                KindSpec(f"window-{model.local_window_tokens}", geo.window_layers,
+                         model.local_window_tokens))
+
+    def _back_fixed(self) -> None:
+        """Nothing is taken before a group is (``_take_group``)."""
+
+    def _take_pages(self, g: int) -> None:
+        for k in (0, 1):
+            self._extents[k][g] = self.ledger.take(self.full_pages if k == 0 else
+                                                   self.window_pages, self.kinds[k].name)
+
+    def _give_pages(self, g: int, kinds: tuple) -> None:
+        """``g``'s pages of ``kinds`` back to the ledger (mapped nowhere by now)."""
+        for k in kinds:
+            self.ledger.give(self._extents[k][g])
+            self._extents[k][g] = ()
 
     pool_backing = PoolBacking.PARTS
     _FIXED_FIELDS = VmemManager._FIXED_FIELDS | {"pool_pages", "full_pages", "window_pages"}
@@ -77,19 +97,19 @@ class HybridVmemManager(VmemManager):
     def bound_pages(self) -> int:
         """Pages bound to some group's part (FULL of every non-spare group, WINDOW of every
         non-spare, non-partial one)."""
-        with_pages = self.num_groups - len(self._spare)
-        return with_pages * self.full_pages + (with_pages - len(self._partial)) * self.window_pages
+        return self.pool_pages - self.ledger.free_pages
 
     @property
     def free_pages(self) -> int:
         """Pool pages bound to no group."""
-        return self.pool_pages - self.bound_pages
+        return self.ledger.free_pages
 
     def bound_parts(self, group: int) -> tuple:
         """The parts of ``group`` that have pages bound."""
-        if group in self._spare:
-            return ()
-        return (FULL,) if group in self._partial else (FULL, WINDOW)
+        return tuple(p for p, k in ((PART_FULL, 0), (PART_WINDOW, 1)) if self._extents[k][group])
+
+    def _kinds_at(self, slot: int, pi: int):
+        return FULL if pi < self._win_gone[slot] else range(2)
 
     def full_only_pages(self, slot: int) -> int:
         return self._win_gone[slot]
@@ -103,10 +123,11 @@ class HybridVmemManager(VmemManager):
         return reusable + self.free_pages // self.pages_per_group
 
     def _take_group(self) -> int:
-        """A whole group for new content: a free one (bound, no op), else a spare id whose
-        MapGroup binds free pages, else reclaimed as in vmem.py."""
+        """A whole group for new content: a free one (it has pages), else a spare id that
+        takes free pages from the ledger, else reclaimed as in vmem.py."""
         if not self._free and self.free_pages >= self.pages_per_group:
             g = self._spare.pop()     # ids outnumber groups with pages: never empty here
+            self._take_pages(g)
             self._touch(g)
             self._refs[g], self._fill[g] = 1, 0
             return g
@@ -115,7 +136,7 @@ class HybridVmemManager(VmemManager):
     def _unheld(self, g: int) -> None:
         if g in self._partial:        # mapped nowhere: its last FULL-only mapping went
             self._partial.remove(g)
-            self._ops.append(ReleaseGroup(g, FULL))
+            self._give_pages(g, FULL)
             self._spare.append(g)
             return
         super()._unheld(g)
@@ -141,7 +162,7 @@ class HybridVmemManager(VmemManager):
         slot = seq.slot
         for pi in range(self._win_gone[slot], behind):
             g = seq.units[pi]
-            self._ops.append(UnmapGroup(slot, pi, g, WINDOW))
+            self._emit_unmap(slot, pi, g, WINDOW)
             self._win_gone[slot] = pi + 1
             self._win_drop[g] += 1
             if self._win_drop[g] == self._refs[g]:
@@ -156,7 +177,7 @@ class HybridVmemManager(VmemManager):
         self.prefix.drop(g)
         self._cache.forget(g)
         self._partial.add(g)
-        self._ops.append(ReleaseGroup(g, WINDOW))
+        self._give_pages(g, WINDOW)
 
     # -- placement and release --
     def _occupy(self, seq_id: int, seq: HeldSeq, slot: Optional[int] = None) -> int:
@@ -173,13 +194,13 @@ class HybridVmemManager(VmemManager):
         self._win_drop[g] += 1        # a fork's page behind the window: FULL only
         pages = self._pages[slot]
         if pages.get(pi) == g:        # a whole deferred mapping of it: drop its WINDOW part
-            self._ops.append(UnmapGroup(slot, pi, g, WINDOW))
+            self._emit_unmap(slot, pi, g, WINDOW)
             return
-        if pi in pages:
-            self._unmap(slot, pi)
+        if pi in pages:               # a whole deferred mapping of another group
+            self._unmap(slot, pi, range(2))
         pages[pi] = g
         self._maps[g].add((slot, pi))
-        self._ops.append(MapGroup(slot, pi, g, FULL, owner=self._owner[slot]))
+        self._emit_map(slot, pi, g, FULL)
 
     def _release(self, seq: HeldSeq) -> None:
         """FULL-only mappings cannot stay for deferred reclamation (a later sequence on the slot
@@ -188,7 +209,7 @@ class HybridVmemManager(VmemManager):
         for pi in range(self._win_gone[slot]):
             g = pages.pop(pi)
             self._maps[g].discard((slot, pi))
-            self._ops.append(UnmapGroup(slot, pi, g, FULL))
+            self._emit_unmap(slot, pi, g, FULL)
             self._win_drop[g] -= 1
         self._win_gone[slot] = 0
         super()._release(seq)
@@ -230,7 +251,12 @@ class HybridVmemManager(VmemManager):
 
     def _check_parts(self, refs: list, maps: list) -> None:
         assert len(set(self._spare)) == len(self._spare) and not self._partial & set(self._spare)
-        assert 0 <= self.bound_pages <= self.pool_pages, "pages bound beyond the pool"
+        self.ledger.check_integrity()
+        spare = set(self._spare)
+        for g in range(self.num_groups):
+            full, window = (len(self._extents[k][g]) for k in (0, 1))
+            assert full == (0 if g in spare else self.full_pages), ("full pages", g)
+            assert window == (0 if g in spare or g in self._partial else self.window_pages), g
         drops = [0] * self.num_groups
         for slot, gone in enumerate(self._win_gone):
             seq = self._seqs.get(self._owner[slot])

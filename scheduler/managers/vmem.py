@@ -17,7 +17,7 @@ AVAILABLE to admit):
     used         refs >= 1 (live sequences using it)
 
 Deferred reclamation: ``free`` unmaps nothing; a later sequence placed on the slot writes into
-the pages still mapped there without any op, and groups are unmapped (UnmapGroup) only when the
+the pages still mapped there without any op, and groups are unmapped (UnmapExtent) only when the
 free list is empty and a group must be taken from a reclaimable one, then from the cache. Only
 refs-0 groups are ever reclaimed, so no live sequence loses a page it reads. Retention
 (units.py): a hit maps the cached group itself at its page index under the new slot (no copy);
@@ -29,12 +29,14 @@ from typing import Optional, Sequence
 
 from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError, SlotError
 from ..geometry import LAYOUTS, PageGeometry  # noqa: F401 (LAYOUTS re-exported)
-from ..layout import CacheKind, CacheLayout, PoolBacking
+from ..layout import CacheKind, CacheLayout, PoolBacking, whole_kind_name
 from ..presets import ModelSpec
-from .base import CopyGroup, MapGroup, MemoryStats, UnmapGroup
+from .base import CopyExtent, MapExtent, MemoryStats, UnmapExtent
 from .common import check_int
 from .eviction import DEFAULT_EVICTION
 from .journal import JDict, JList, JSet, OrderedUnits
+from .kinds import KindSpec
+from .ledger import PageLedger
 from .prefix import HeldSeq
 from .slots import FreeSlots
 from .units import UnitManager
@@ -70,7 +72,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         if whole_groups < 1:
             raise ConfigError(f"cache_bytes={cache_bytes} holds no {unit} of {page_bytes * unit_pages}"
                               f" bytes; needs >= {page_bytes * unit_pages}")
-        self.num_groups = self._group_ids(cache_bytes, whole_groups)
+        self.num_groups, self.pool_pages = self._pool(cache_bytes, whole_groups)
         # Every running sequence holds >= 1 whole group (vmem_bytes.py: slice), so more slots
         # could never all be used at once; virtual address space is cheap: exactly that many.
         self.num_slots = check_int("max_slots", whole_groups if max_slots is None else max_slots, 1)
@@ -83,9 +85,24 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self._owner = JList(cell, [None] * self.num_slots)      # slot -> seq_id or None
         self._free_slots = FreeSlots(self.num_slots, self.pages_per_slot, cell)
         self._init_window(model.window_tokens)
+        self.kinds = self._kinds(model)
+        self.ledger = PageLedger(cell, self.pool_pages)        # the pool's pages, by kind
+        self._extents = tuple(JList(cell, [()] * self.num_groups) for _ in self.kinds)
+        self._back_fixed()
 
-    pool_pages: Optional[int] = None   # hybrid.py: the pool counted in pages; here every
-                                       # group has its own fixed pages_per_group pages
+    def _kinds(self, model: ModelSpec) -> tuple:
+        """The layer kinds whose members an op names: one here, every layer (hybrid.py: the
+        full and the windowed layers)."""
+        w = model.window_tokens
+        return (KindSpec(whole_kind_name(w), tuple(range(model.num_layers)), w),)
+
+    def _back_fixed(self) -> None:
+        """Fixed groups: group g holds its pages_per_group pool pages for good (taken once
+        from the ledger: g * pages_per_group ...); hybrid.py and vmem_bytes.py take on demand."""
+        name = self.kinds[0].name
+        for g in range(self.num_groups):
+            self._extents[0][g] = self.ledger.take(self.pages_per_group, name)
+
     pool_backing = PoolBacking.FIXED   # how pool pages back groups: PARTS (hybrid.py), BYTES
                                        # (vmem_bytes.py: groups backed by their bytes)
 
@@ -94,15 +111,16 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         return CacheLayout(CacheKind.VMEM, self.pages_per_slot * self.tokens_per_page,
                            geometry=self.geometry, num_slots=self.num_slots,
                            pages_per_slot=self.pages_per_slot, num_groups=self.num_groups,
-                           backing=self.pool_backing, pool_pages=self.pool_pages)
+                           backing=self.pool_backing, pool_pages=self.pool_pages,
+                           kinds=tuple((k.name, k.layers) for k in self.kinds))
 
     def _smallest_unit(self) -> tuple:
         """(name, pages) of the least a running sequence holds: a whole page group here."""
         return "page group", self.pages_per_group
 
-    def _group_ids(self, cache_bytes: int, whole_groups: int) -> int:
-        """How many group ids there are: one per fixed set of pages (hybrid.py: more)."""
-        return whole_groups
+    def _pool(self, cache_bytes: int, whole_groups: int) -> tuple:
+        """(group ids, pool pages): one id per fixed set of pages (hybrid.py: more ids)."""
+        return whole_groups, whole_groups * self.pages_per_group
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -114,9 +132,9 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
 
     _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {
         "geometry", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
-        "pages_per_slot", "_window"}
+        "pages_per_slot", "_window", "kinds", "pool_pages"}
     _JOURNALED_FIELDS = UnitManager._JOURNALED_FIELDS | {
-        "_reclaimable", "_maps", "_pages", "_owner", "_free_slots"}
+        "_reclaimable", "_maps", "_pages", "_owner", "_free_slots", "ledger", "_extents"}
 
     # -- queries the runtime needs --
     def slot_of(self, seq_id: int) -> int:
@@ -125,6 +143,21 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
     def mapped_pages(self, slot: int) -> dict:
         """{page_index: group} currently mapped under ``slot`` (live or deferred)."""
         return dict(self._pages[slot])
+
+    def mapped_extents(self, slot: int) -> dict:
+        """{page_index: {kind: pool pages}} mapped under ``slot``, as the ops named them (an
+        executor's replica must equal it)."""
+        out = {}
+        for pi, g in self._pages[slot].items():
+            kinds = {self.kinds[k].name: self._extents[k][g] for k in self._kinds_at(slot, pi)
+                     if self._extents[k][g]}
+            if kinds:
+                out[pi] = kinds
+        return out
+
+    def _kinds_at(self, slot: int, pi: int) -> range:
+        """Indexes of the kinds mapped where a group is mapped at (slot, pi): all of them."""
+        return range(len(self.kinds))
 
     def full_only_pages(self, slot: int) -> int:
         """Leading mapped pages of ``slot`` with only their FULL part mapped (hybrid.py: the
@@ -143,17 +176,33 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         unused = len(self._free) + len(self._reclaimable) + len(self._cache)
         return (self.num_groups - unused) / self.num_groups
 
-    # -- mapping primitives (the only places that emit Map/Unmap) --
+    # -- ops: the pool pages of a group's kinds, named (the only places that emit them) --
+    def _emit_map(self, slot: int, pi: int, g: int, kinds=None) -> None:
+        """MapExtent of ``g``'s pages of ``kinds`` (indexes; None: all) at (slot, pi)."""
+        owner = self._owner[slot]
+        for k in range(len(self.kinds)) if kinds is None else kinds:
+            if self._extents[k][g]:
+                self._ops.append(MapExtent(slot, pi, self.kinds[k].name, self._extents[k][g],
+                                           owner=owner))
+
+    def _emit_unmap(self, slot: int, pi: int, g: int, kinds=None) -> None:
+        """UnmapExtent of ``kinds`` at (slot, pi) (None: the kinds mapped there)."""
+        for k in self._kinds_at(slot, pi) if kinds is None else kinds:
+            if self._extents[k][g]:
+                self._ops.append(UnmapExtent(slot, pi, self.kinds[k].name))
+
+    # -- mapping primitives --
     def _map(self, slot: int, pi: int, g: int) -> None:
         self._pages[slot][pi] = g
         self._maps[g].add((slot, pi))
-        self._ops.append(MapGroup(slot, pi, g, owner=self._owner[slot]))
+        self._emit_map(slot, pi, g)
 
-    def _unmap(self, slot: int, pi: int) -> None:
+    def _unmap(self, slot: int, pi: int, kinds=None) -> None:
         pages = self._pages[slot]
-        g = pages.pop(pi)
+        g = pages[pi]
+        self._emit_unmap(slot, pi, g, kinds)
+        del pages[pi]
         self._maps[g].discard((slot, pi))
-        self._ops.append(UnmapGroup(slot, pi, g))
         self._free_slots.recount(slot, len(pages))
         if g in self._reclaimable and not self._maps[g]:
             self._reclaimable.remove(g)
@@ -176,8 +225,8 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
 
     def _unmap_everywhere(self, g: int) -> None:
         for slot, pi in sorted(self._maps[g]):
+            self._emit_unmap(slot, pi, g)
             del self._pages[slot][pi]
-            self._ops.append(UnmapGroup(slot, pi, g))
             self._free_slots.recount(slot, len(self._pages[slot]))
         self._maps[g].clear()
 
@@ -343,14 +392,17 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self._map(slot, pi, new)
         self._copy_backing(new, old, self._owner[slot])
         src_slot, src_pi = min(self._maps[old])   # same physical group wherever it is mapped
-        self._ops.append(CopyGroup(src_slot, src_pi, slot, pi, owner=self._owner[slot]))
+        for k, kind in enumerate(self.kinds):
+            if self._extents[k][old]:
+                self._ops.append(CopyExtent(src_slot, src_pi, slot, pi, kind.name,
+                                            owner=self._owner[slot]))
         self._touch(new)
         self._fill[new] = self._fill[old]
         self._live += self._fill[old]
         seq.units[pi] = new
 
     def _copy_backing(self, dst: int, src: int, owner: Optional[int]) -> None:
-        """Before CopyGroup: back ``dst`` as far as ``src`` (vmem_bytes.py); fixed groups are."""
+        """Before CopyExtent: back ``dst`` as far as ``src`` (vmem_bytes.py); fixed groups are."""
 
     # -- fork and release --
     def can_fork(self, parent_id: int) -> bool:

@@ -4,8 +4,9 @@ does not hold whole tokens) and a group is backed only by the pages its tokens' 
 The page group stays the unit of everything else (prefix keys, sharing, copy-on-write, window
 release, page indices; see scheduler.geometry), so this class only adds a BACKING per group:
 ``backing(g)`` = m, each member's first m of its k pages. The pool is counted in SLICES of
-``num_members`` pages (one page of each member: ``pool_slices``), bound to groups by
-``ResizeGroup`` ops, and
+``num_members`` pages (one page of each member: ``pool_slices``), taken from and given back to
+the page ledger as a group's backing grows and shrinks (MapExtent of the new member pages, or
+UnmapExtent of the dropped ones, wherever the group is mapped), and
 
     held group (refs >= 1)     m == member_pages_for(fill): the pages covering its bytes
     cached group               m == k (it is full)
@@ -24,7 +25,7 @@ from typing import Iterable, Optional
 
 from ..errors import ConfigError, OutOfCapacityError
 from ..layout import PoolBacking
-from .base import MemoryStats, ResizeGroup
+from .base import MapExtent, MemoryStats, UnmapExtent
 from .journal import JList
 from .prefix import HeldSeq
 from .vmem import VmemManager
@@ -44,21 +45,27 @@ class ByteMappedVmemManager(VmemManager):
                 f"by layer kind; got {self.geometry.pages_per_member} page(s) per member"
                 f"{', split' if self.geometry.split else ''} (make_manager picks the manager)")
         self._backed = JList(self._cell, [0] * self.num_groups)   # group -> member pages
-        self._bound = 0                                            # sum of _backed
         self._idle = 0                              # sum of _backed over reclaimable groups
 
-    def _group_ids(self, cache_bytes: int, whole_groups: int) -> int:
+    def _pool(self, cache_bytes: int, whole_groups: int) -> tuple:
         self.pool_slices = cache_bytes // (self.page_bytes * self.geometry.num_members)
-        self.pool_pages = self.pool_slices * self.geometry.num_members
-        return self.pool_slices       # a group with a token holds >= 1 slice
+        return self.pool_slices, self.pool_slices * self.geometry.num_members  # a group with
+                                                                   # a token holds >= 1 slice
+    def _back_fixed(self) -> None:
+        """Nothing is backed before its bytes are (``_back``)."""
+
+    @property
+    def _bound(self) -> int:
+        """Slices bound to groups (the ledger's pages taken, in slices)."""
+        return (self.pool_pages - self.ledger.free_pages) // self.geometry.num_members
 
     def _smallest_unit(self) -> tuple:
         return "page slice (a page of each member)", self.geometry.num_members
 
     pool_backing = PoolBacking.BYTES
 
-    _FIXED_FIELDS = VmemManager._FIXED_FIELDS | {"pool_slices", "pool_pages"}
-    _SAVED_FIELDS = VmemManager._SAVED_FIELDS + ("_bound", "_idle")
+    _FIXED_FIELDS = VmemManager._FIXED_FIELDS | {"pool_slices"}
+    _SAVED_FIELDS = VmemManager._SAVED_FIELDS + ("_idle",)
     _JOURNALED_FIELDS = VmemManager._JOURNALED_FIELDS | {"_backed"}
 
     # -- page accounting --
@@ -114,17 +121,25 @@ class ByteMappedVmemManager(VmemManager):
 
     # -- backing --
     def _back(self, g: int, pages: int, owner: Optional[int] = None) -> None:
-        """Back each member of ``g`` by its first ``pages`` pages (ResizeGroup for ``owner``, the
-        sequence holding ``g``; None when reclaiming), reclaiming unheld groups first when too
-        few slices are unbound (room was checked)."""
-        old = self._backed[g]
+        """Back each member of ``g`` by its first ``pages`` pages, mapped or unmapped wherever
+        ``g`` is mapped (the MapExtents serve ``owner``, the sequence holding ``g``), reclaiming
+        unheld groups first when too few slices are unbound (room was checked)."""
+        old, m, kind = self._backed[g], self.geometry.num_members, self.kinds[0].name
         if pages == old:
             return
         while pages - old > self.pool_slices - self._bound:
             self._reclaim_one()
+        extent = self._extents[0][g]
+        if pages > old:
+            new = self.ledger.take((pages - old) * m, kind)
+            self._extents[0][g] = extent + new
+            self._ops.extend(MapExtent(slot, pi, kind, new, old, owner=owner)
+                             for slot, pi in sorted(self._maps[g]))
+        else:
+            self._ops.extend(UnmapExtent(slot, pi, kind, pages) for slot, pi in sorted(self._maps[g]))
+            self._extents[0][g] = extent[:pages * m]
+            self.ledger.give(extent[pages * m:])
         self._backed[g] = pages
-        self._bound += pages - old
-        self._ops.append(ResizeGroup(g, pages, owner=owner))
 
     def _reclaim_one(self) -> None:
         """Unmap and free the least recently used reclaimable group, else evict a cached one."""
@@ -189,10 +204,10 @@ class ByteMappedVmemManager(VmemManager):
         else:
             self._back(g, 0)
 
-    def _unmap(self, slot: int, pi: int) -> None:
+    def _unmap(self, slot: int, pi: int, kinds=None) -> None:
         g = self._pages[slot][pi]
         was = g in self._reclaimable
-        super()._unmap(slot, pi)
+        super()._unmap(slot, pi, kinds)
         if was and g not in self._reclaimable:
             self._idle -= self._backed[g]
         if not self._refs[g] and not self._maps[g] and g not in self._cache:
@@ -245,7 +260,10 @@ class ByteMappedVmemManager(VmemManager):
     # -- integrity (VmemIntegrity hook) --
     def _check_parts(self, refs: list, maps: list) -> None:
         geo, cached = self.geometry, set(self._cache)
+        self.ledger.check_integrity()
         assert self._bound == sum(self._backed) <= self.pool_slices, "slices bound"
+        assert all(len(self._extents[0][g]) == self._backed[g] * geo.num_members
+                   for g in range(self.num_groups)), "extents hold the backed pages"
         assert self._idle == sum(self._backed[g] for g in self._reclaimable), "reclaimable slices"
         for g in range(self.num_groups):
             m = self._backed[g]

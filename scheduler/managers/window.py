@@ -9,7 +9,7 @@ tokens), which reads keys from ``computed - W + 1`` on (runtime.attention.base.w
 
     slot s:  | g0 | g1 | g2 | g3 | g4 | g5 |          computed = 5.5 pages, W = 2 pages
                ^^^^^^^^^^^^^         ^-- first key read: computed - W + 1
-               wholly behind: unheld (vmem: and unmapped, UnmapGroup), ``units[pi] = None``
+               wholly behind: unheld (vmem: and unmapped, UnmapExtent), ``units[pi] = None``
 
 A dropped unit is ``None`` in the sequence's unit list (page index -> group); the dropped
 units always form a prefix of the list, and the last unit always stays (growth and

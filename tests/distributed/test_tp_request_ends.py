@@ -49,11 +49,11 @@ def assert_ranks_agree(engine) -> list:
     rank 0 places; rank 0's cache matches its manager. Returns the rank states."""
     engine.kv.check_integrity()
     manager, states = engine.kv.manager, engine.tp.memory_states()
-    truth = {slot: engine.kv.cache.mapped_parts(slot) for slot in range(4)}
+    truth = {slot: manager.mapped_extents(slot) for slot in range(4)}
     assert len(states) == 2
     for rank, state in enumerate(states):
-        assert state["mapped_parts"] == truth, f"rank {rank}: parts mapped"
-        assert state["bound_pages"] == manager.bound_pages, f"rank {rank}: pages bound"
+        assert state["mapped_extents"] == truth, f"rank {rank}: pool pages mapped"
+        assert state["mapped_pool_pages"] == states[0]["mapped_pool_pages"], f"rank {rank}: pages"
         assert state["swapped_tokens"] == {s: manager.num_tokens(s) for s in state["swapped_tokens"]
                                            if manager.is_swapped(s)} == states[0]["swapped_tokens"]
         assert state["placements"] == states[0]["placements"], f"rank {rank}: placements"
@@ -97,7 +97,7 @@ class TestRequestEndsReachEveryRank:
         engine.abort(long_rid)
         states = assert_ranks_agree(engine)
         assert engine.kv.manager.bound_pages < bound            # its FULL-only page went back
-        assert all(seq not in s["placements"] and s["mapped_parts"][slot].get(0) is None
+        assert all(seq not in s["placements"] and s["mapped_extents"][slot].get(0) is None
                    for s in states)
         engine.abort(short_rid)
         assert_at_baseline(engine)
@@ -141,7 +141,7 @@ class TestRequestEndsReachEveryRank:
         assert engine.status(victim) == "failed" and engine.plan_failures == failures + 1
         assert engine.output(victim).error.type == "PlanExecutionError"
         states = assert_ranks_agree(engine)
-        assert all(s["mapped_parts"][slot].keys() <= {0} for s in states)   # page 1 never mapped
+        assert all(s["mapped_extents"][slot].keys() <= {0} for s in states)   # page 1 never mapped
         assert engine.status(other) == "running"
         engine.abort(other)
         assert_at_baseline(engine)

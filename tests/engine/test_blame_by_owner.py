@@ -12,8 +12,8 @@ import pytest
 
 from vmemkv.runtime.engine import Engine, SamplingParams
 from vmemkv.runtime.errors import PlanExecutionError
-from vmemkv.scheduler.plan import (CopyBlock, CopyGroup, DropSwapped, MapGroup, ReleaseGroup,
-                                   ResizeGroup, SwapIn, SwapOut, UnmapGroup)
+from vmemkv.scheduler.plan import (CopyBlock, CopyExtent, DropSwapped, MapExtent, SwapIn, SwapOut,
+                                   UnmapExtent)
 
 from .conftest import model, prompts
 from .test_engine_straddling_pages import _model as straddling_model
@@ -21,21 +21,21 @@ from .test_engine_straddling_pages import _model as straddling_model
 KiB = 1024
 RETRIES = 1
 TABLE_READS = ("slot_of", "block_table", "mapped_pages", "num_tokens")
-SERVING = (MapGroup, CopyGroup, CopyBlock, SwapOut, SwapIn)   # always name their sequence
+SERVING = (MapExtent, CopyExtent, CopyBlock, SwapOut, SwapIn)   # always name their sequence
 
 SMALL_VMEM = dict(cache="vmem", page_bytes=4 * KiB, max_batch=4, max_context=64)
 TIGHT_SWAP = dict(SMALL_VMEM, cache_bytes=3 * 16 * KiB, preemption="swap", swap_bytes=1 << 20)
 # kind -> (model, engine options, samples of the first request: n = 2 forks share a partial
 # unit, which the first writer copies)
 CASES = {
-    "MapGroup": (model, SMALL_VMEM, 1),
-    "CopyGroup": (model, SMALL_VMEM, 2),
-    "ResizeGroup": (lambda: straddling_model("head_dim-96"), dict(SMALL_VMEM, max_context=128), 1),
+    "MapExtent": (model, SMALL_VMEM, 1),
+    "CopyExtent": (model, SMALL_VMEM, 2),
+    "MapExtent:bytes": (lambda: straddling_model("head_dim-96"), dict(SMALL_VMEM, max_context=128), 1),
     "CopyBlock": (model, dict(cache="paged", block_size=4, max_batch=4, max_context=64), 2),
     "SwapOut": (model, TIGHT_SWAP, 1),
     "SwapIn": (model, TIGHT_SWAP, 1),
 }
-KINDS = {"MapGroup": MapGroup, "CopyGroup": CopyGroup, "ResizeGroup": ResizeGroup,
+KINDS = {"MapExtent": MapExtent, "CopyExtent": CopyExtent, "MapExtent:bytes": MapExtent,
          "CopyBlock": CopyBlock, "SwapOut": SwapOut, "SwapIn": SwapIn}
 
 
@@ -99,18 +99,19 @@ def test_a_persistent_fault_on_an_op_ends_its_owners_request_alone_without_readi
         assert engine.kv.manager.stats().live_tokens == 0
     victim = rids.index(owner_of[fault.victim])
     assert out[victim].status == "failed" and out[victim].error.type == "PlanExecutionError"
-    assert f"injected fault at {kind}(" in out[victim].error.message
+    assert f"injected fault at {kind.split(':')[0]}(" in out[victim].error.message
     others = [o for i, o in enumerate(out) if i != victim]
     assert [o.status for o in others] == ["finished"] * len(others)
     assert all(len(c.token_ids) == 24 for o in others for c in o.outputs)
 
 
 def test_reclaiming_ops_name_nobody_and_owners_survive_pickling_without_changing_equality():
-    ops = [MapGroup(1, 2, 3, owner=7), CopyGroup(0, 1, 2, 3, owner=8), ResizeGroup(4, 2, owner=9),
+    ops = [MapExtent(1, 2, "full", (3, 4), owner=7), CopyExtent(0, 1, 2, 3, "full", owner=8),
+           MapExtent(4, 2, "full", (5, 6), 1, owner=9),
            CopyBlock(5, 6, owner=10), SwapOut(11, 30, slot=1), SwapIn(12, 30, blocks=(1, 2)),
-           DropSwapped(13), UnmapGroup(1, 2, 3), ReleaseGroup(3)]
+           DropSwapped(13), UnmapExtent(1, 2, "full")]
     back = pickle.loads(pickle.dumps(ops))
-    assert [op.owner for op in back] == [7, 8, 9, 10, 11, 12, 13, None, None]
-    assert back == ops and MapGroup(1, 2, 3, owner=7) == MapGroup(1, 2, 3)   # memory, not blame
+    assert [op.owner for op in back] == [7, 8, 9, 10, 11, 12, 13, None]
+    assert back == ops and MapExtent(1, 2, "full", (3,), owner=7) == MapExtent(1, 2, "full", (3,))
     # a reclaiming op's owner is a class constant: its pickle is as before
-    assert b"owner" not in pickle.dumps(UnmapGroup(1, 2, 3)) + pickle.dumps(ReleaseGroup(3))
+    assert b"owner" not in pickle.dumps(UnmapExtent(1, 2, "full"))

@@ -109,7 +109,7 @@ def test_vmem_cache_on_straddling_pages_holds_its_rows_by_bytes():
 
 def test_a_persistent_fault_growing_a_groups_pages_fails_that_request_only():
     """3 KV heads on 4 KiB pages: a member's first page holds 21 tokens, so an 8-12 token prompt
-    growing by 14 needs a ResizeGroup of its group; a fault on every map of the victim's slot
+    growing by 14 needs a MapExtent growing its group (first_page > 0); a fault on every map of the victim's slot
     is blamed on the sequence mapping that group, which fails; the others finish exactly."""
     from vmemkv import vmem
     from .test_engine_faults import SlotFaultDriver, slot_spans

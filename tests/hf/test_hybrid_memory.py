@@ -36,7 +36,7 @@ def watch(engine) -> list:
     def checked(plan):
         out = execute(plan)
         kv.check_integrity()
-        seen.append((kv.cache.bound_pages, plan.num_context_tokens))
+        seen.append((kv.cache.mapped_pool_pages, plan.num_context_tokens))
         return out
     engine.runner.execute = checked
     return seen

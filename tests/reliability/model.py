@@ -15,7 +15,6 @@ import torch
 from vmemkv.runtime.kv import make_kv
 from tests.runtime.run_plan import run_plan
 from vmemkv.runtime.config import CacheConfig
-from vmemkv.scheduler.plan import GroupPart
 from vmemkv.vmem.faults import FaultInjectingDriver
 from vmemkv.vmem.host import HostDriver
 
@@ -194,10 +193,11 @@ class CacheModel:
         all of them, except a hybrid pool's windowed layer behind its window (first = the
         first page whose WINDOW part is mapped)."""
         cache = self.cache.cache
-        if cache.kind != "vmem" or cache.pool_pages is None or self.config.window_of(layer) is None:
+        if cache.kind != "vmem" or len(cache.kinds) == 1 or self.config.window_of(layer) is None:
             return (0, *self.cache.read(seq_id, layer, num_tokens))
         slot = self.manager.slot_of(seq_id)
-        held = [pi for pi, parts in cache.mapped_parts(slot).items() if GroupPart.WINDOW in parts]
+        kind = next(name for name, layers in cache.kinds if layer in layers)
+        held = [pi for pi, extents in cache.mapped_extents(slot).items() if kind in extents]
         first = min(min(held, default=0) * cache.tokens_per_page, num_tokens)
         k, v = cache.layer_tensors(layer)
         return first, k[slot, first:num_tokens].clone(), v[slot, first:num_tokens].clone()

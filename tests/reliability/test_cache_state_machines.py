@@ -110,7 +110,7 @@ TestVmemInterleaved = machine_test("vmem-interleaved")
 TestVmemPerLayerMapper = machine_test("vmem-per-layer-mapper")
 TestVmemInterleavedMapper = machine_test("vmem-interleaved-mapper")
 TestPaged = machine_test("paged")
-# pages that hold no whole token: groups backed by their bytes (ResizeGroup), page for page
+# pages that hold no whole token: groups backed by their bytes (MapExtent / UnmapExtent of member pages), page for page
 TestVmemStraddlingMapper = machine_test("vmem-straddling-mapper", examples=40)
 TestVmemInterleavedStraddling = machine_test("vmem-interleaved-straddling", examples=40)
 

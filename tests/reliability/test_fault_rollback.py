@@ -23,7 +23,7 @@ from .. import process_resources
 from .model import CacheModel, canon, small_config
 
 VMEM = ["vmem-per-layer", "vmem-interleaved", "vmem-per-layer-mapper", "vmem-interleaved-mapper"]
-EVERY_OP = {"UnmapGroup", "MapGroup", "CopyGroup", "SwapOut", "SwapIn"}
+EVERY_OP = {"UnmapExtent", "MapExtent", "CopyExtent", "SwapOut", "SwapIn"}
 
 
 def scenario(layout: str) -> CacheModel:

@@ -2,8 +2,8 @@
 preempt by recompute or swap, swap in, free, a driver fault in a step) over a HYBRID model on
 the vmem per-layer layout (layers 0 and 2 windowed by 8 tokens, layer 1 full; 4 KiB pages of 32
 tokens, 4 per slot), plus a rule that gives back the memory behind a sequence's window
-(``release_behind_window``): the real hybrid manager plans part-ops and the hybrid pool executes
-them. After every step: manager and cache agree (parts mapped per slot, pages bound), every
+(``release_behind_window``): the real hybrid manager plans extent ops naming its ledger's pool pages and the pool executes
+them. After every step: manager and cache agree (the extents mapped per slot), every
 resident sequence's K/V equal the truth (windowed layers from the first page they still hold),
 and a faulted step leaves everything as before, then succeeds when retried."""
 from __future__ import annotations
@@ -70,9 +70,13 @@ def test_the_slide_rule_gives_back_window_parts_while_forks_and_prefixes_share_t
         m.step(mutate)
     m.check()
     cache = m.cache.cache
-    assert cache.bound_pages == m.manager.bound_pages
+    # the window kind's pages of page 0 are back in the ledger: mapped nowhere, bound to nothing
+    assert cache.mapped_pool_pages <= m.manager.bound_pages == m.manager.pool_pages - \
+        m.manager.ledger.free_pages
     for seq_id in (0, 1):
-        parts = cache.mapped_parts(m.manager.slot_of(seq_id))
-        assert [sorted(parts[pi]) for pi in sorted(parts)] == [["full"], ["full", "window"],
-                                                             ["full", "window"]]
+        slot = m.manager.slot_of(seq_id)
+        extents = cache.mapped_extents(slot)
+        assert extents == m.manager.mapped_extents(slot)
+        assert [sorted(extents[pi]) for pi in sorted(extents)] == [["full"], ["full", "window-8"],
+                                                                 ["full", "window-8"]]
     m.close()

@@ -1,38 +1,47 @@
 """A hybrid-pool plan that fails part-way is undone exactly: a fault at EVERY call index of every
-driver primitive (map, unmap, copy) of a plan that unmaps window parts, releases them, binds the
-released pages to a new group, copies a page group and maps more, leaves bound pages, mapped
-parts, range mappings and every mapped byte as before, inline and on the background mapper; the
-same plan retried then succeeds."""
+driver primitive (map, unmap, copy) of a plan that unmaps the window kind at two spots, maps
+those given-back pool pages at a new spot, copies both kinds' extents and maps more, leaves the
+mapped extents, pool pages mapped, range mappings and every mapped byte as before, inline and on
+the background mapper; the same plan retried then succeeds."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from vmemkv.runtime.errors import MapperPlanError, PlanExecutionError
-from vmemkv.scheduler.plan import CopyGroup, GroupPart, MapGroup, ReleaseGroup, UnmapGroup
+from vmemkv.scheduler.plan import CopyExtent, MapExtent, UnmapExtent
 from vmemkv.vmem import DriverCallError
 from vmemkv.vmem.faults import FaultInjectingDriver
 from vmemkv.vmem.host import HostDriver
 
-from ..runtime.hybrid_pool import hybrid_cache, kv_of, same, snapshot, write
+from ..runtime.hybrid_pool import FULL, WINDOW, hybrid_cache, kv_of, same, snapshot, write
 
-WINDOW = GroupPart.WINDOW
-PLAN = [UnmapGroup(0, 0, 0, WINDOW), UnmapGroup(1, 0, 0, WINDOW), ReleaseGroup(0, WINDOW),
-        MapGroup(1, 1, 2), CopyGroup(0, 1, 1, 1), MapGroup(0, 2, 3)]
+
+def group(slot: int, page_index: int, first: int) -> list:
+    """Both kinds' extents at (slot, page_index) on pool pages first..first+5."""
+    return [MapExtent(slot, page_index, FULL, (first, first + 1)),
+            MapExtent(slot, page_index, WINDOW, tuple(range(first + 2, first + 6)))]
+
+
+# pool pages 0..5 back page 0 of slots 0 and 1, 6..11 page 1 of slot 0; the plan gives 2..5 (the
+# window kind of page 0) to page 1 of slot 1 with 12, 13, copies page 1 there, maps 14..19
+PLAN = [UnmapExtent(0, 0, WINDOW), UnmapExtent(1, 0, WINDOW),
+        MapExtent(1, 1, FULL, (12, 13)), MapExtent(1, 1, WINDOW, (2, 3, 4, 5)),
+        CopyExtent(0, 1, 1, 1, FULL), CopyExtent(0, 1, 1, 1, WINDOW)] + group(0, 2, 14)
 
 
 def scenario(mapper: bool):
-    """Slot 0 holds sequence 1 (50 tokens: groups 0, 1); slot 1 shares group 0 at page 0."""
+    """Slot 0 holds sequence 1 (50 tokens: page indexes 0, 1); slot 1 shares page 0's pages."""
     driver = FaultInjectingDriver(HostDriver())
     cache = hybrid_cache(pool_pages=24, driver=driver, background_mapper=mapper)
-    cache.execute([MapGroup(0, 0, 0), MapGroup(0, 1, 1), MapGroup(1, 0, 0)])
+    cache.execute(group(0, 0, 0) + group(0, 1, 6) + group(1, 0, 0))
     write(cache, 1, 0, 0, 50)
     return cache, driver
 
 
 @pytest.mark.parametrize("mapper", [False, True], ids=["inline", "mapper"])
 @pytest.mark.parametrize("kind", ["map", "unmap", "copy"])
-def test_a_fault_at_every_call_index_of_a_part_plan_is_undone_and_a_retry_succeeds(kind, mapper):
+def test_a_fault_at_every_call_index_of_an_extent_plan_is_undone_and_a_retry_succeeds(kind, mapper):
     cache, driver = scenario(mapper)
     before, failures = snapshot(cache), 0
     while True:
@@ -53,10 +62,12 @@ def test_a_fault_at_every_call_index_of_a_part_plan_is_undone_and_a_retry_succee
         break
     assert failures >= 2, f"the plan made only {failures} {kind} calls"
     after = snapshot(cache)
-    assert after["bound"] == before["bound"] + 6 + 6 - 4   # groups 2 and 3 bound, 0's window back
-    assert after["parts"][1] == {0: {"full": 0}, 1: {"full": 2, "window": 2}}
+    assert after["mapped"] == before["mapped"] + 2 + 6      # 12, 13 and 14..19; 2..5 moved
+    assert after["extents"][1] == {0: {FULL: (0, 1)}, 1: {FULL: (12, 13), WINDOW: (2, 3, 4, 5)}}
     k = cache.layer_tensors(1)[0]
-    assert torch.equal(k[1, 32:50], kv_of(1, 1, range(32, 50))[0])   # the copied group
+    assert torch.equal(k[1, 32:50], kv_of(1, 1, range(32, 50))[0])   # the copied full extent
+    k0 = cache.layer_tensors(0)[0]
+    assert torch.equal(k0[1, 32:50], kv_of(1, 0, range(32, 50))[0])  # and window extent
     assert torch.equal(cache.read(1, 1, 50)[0], kv_of(1, 1, range(50))[0])
     cache.check_integrity()
     cache.close()

@@ -1,9 +1,12 @@
-"""A hypothesis machine drives a hybrid pool (hybrid_pool's cache: FULL = 2 pages, WINDOW = 4 per
-group, 14 pool pages, 4 groups) with random part-op plans of one to three ops, well formed or not,
-some with an injected driver fault, against a shadow of bound parts, mapped parts per spot and
-the bytes each bound part holds. After every plan: a plan the shadow refuses raises
-CacheStateError and a faulted one PlanExecutionError, both changing nothing; bound pages, mapped
-parts and every mapped member's bytes equal the shadow's; the cache's integrity holds."""
+"""A hypothesis machine drives a hybrid pool (hybrid_pool's cache: kind "full" = 2 member pages,
+"window-8" = 4 per page index, 14 pool pages) with random extent-op plans of one to three ops,
+well formed or not (a pool page outside the pool, a wrong page count, an unknown kind, a spot
+mapped twice, an unmap of nothing, a copy from or into nothing), some with an injected driver
+fault, against a shadow of the extents mapped per spot and the bytes each pool page holds (a
+pool page keeps them wherever, and however often, it is mapped). After every plan: a plan the
+shadow refuses raises CacheStateError and a faulted one PlanExecutionError, both changing
+nothing; the mapped extents, the pool pages mapped and every mapped member's bytes equal the
+shadow's; the cache's integrity holds."""
 from __future__ import annotations
 
 import copy
@@ -14,23 +17,26 @@ from hypothesis import event, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from vmemkv.runtime.errors import CacheStateError, PlanExecutionError
-from vmemkv.scheduler.plan import CopyGroup, GroupPart, MapGroup, ReleaseGroup, UnmapGroup
+from vmemkv.scheduler.plan import CopyExtent, MapExtent, UnmapExtent
 from vmemkv.vmem.faults import FaultInjectingDriver
 from vmemkv.vmem.host import HostDriver
 
-from ..runtime.hybrid_pool import FULL_PAGES, WINDOW_PAGES, hybrid_cache
+from ..runtime.hybrid_pool import FULL, FULL_PAGES, WINDOW, WINDOW_PAGES, hybrid_cache
 
-FULL, WINDOW = GroupPart.FULL, GroupPart.WINDOW
 PAGES = {FULL: FULL_PAGES, WINDOW: WINDOW_PAGES}
 LAYERS = {FULL: (1,), WINDOW: (0, 2)}
-POOL, GROUPS, SLOTS, INDEXES = 14, 4, 2, 4
+POOL, SLOTS, INDEXES = 14, 2, 4
 spots = st.tuples(st.integers(0, SLOTS - 1), st.integers(0, INDEXES - 1))
-parts = st.sampled_from([GroupPart.ALL, FULL, WINDOW])
-groups = st.integers(0, GROUPS - 1)
-ops = st.one_of(st.builds(lambda s, g, p: MapGroup(*s, g, p), spots, groups, parts),
-                st.builds(lambda s, g, p: UnmapGroup(*s, g, p), spots, groups, parts),
-                st.builds(ReleaseGroup, groups, parts),
-                st.builds(lambda a, b: CopyGroup(*a, *b), spots, spots))
+kinds = st.sampled_from([FULL, WINDOW, FULL, WINDOW, "window-9"])
+# mostly a page per member, distinct, inside the pool; sometimes too few/many or one outside
+pool_pages = st.one_of(
+    kinds.flatmap(lambda k: st.tuples(st.just(k), st.lists(st.integers(0, POOL - 1), unique=True,
+                                                           min_size=PAGES.get(k, 2),
+                                                           max_size=PAGES.get(k, 2)))),
+    st.tuples(kinds, st.lists(st.integers(0, POOL), min_size=1, max_size=5)))
+ops = st.one_of(st.builds(lambda s, kp: MapExtent(*s, kp[0], tuple(kp[1])), spots, pool_pages),
+                st.builds(lambda s, k: UnmapExtent(*s, k), spots, kinds),
+                st.builds(lambda a, b, k: CopyExtent(*a, *b, k), spots, spots, kinds))
 
 
 class Refused(Exception):
@@ -38,45 +44,40 @@ class Refused(Exception):
 
 
 class Shadow:
-    """bound: {(group, part)}; mapped: {(slot, index): {part: group}}; data: {(group, part): value}
-    (absent: unknown bytes, e.g. pages just bound)."""
+    """mapped: {(slot, index): {kind: pool pages}}; data: {pool page: value} (absent: unknown
+    bytes, e.g. a page never written)."""
 
     def __init__(self) -> None:
-        self.bound, self.mapped, self.data = set(), {}, {}
+        self.mapped, self.data = {}, {}
 
     def apply(self, op) -> None:
         """Apply ``op`` or raise Refused (a plan the executor must refuse)."""
-        concrete = (FULL, WINDOW) if getattr(op, "part", None) == GroupPart.ALL else (getattr(op, "part", None),)
-        if isinstance(op, MapGroup):
+        if op.kind not in PAGES:
+            raise Refused
+        if isinstance(op, MapExtent):
             spot = self.mapped.setdefault((op.slot, op.page_index), {})
-            need = sum(PAGES[p] for p in concrete if (op.group, p) not in self.bound)
-            if any(p in spot for p in concrete) or any(g != op.group for g in spot.values()) \
-                    or need > POOL - sum(PAGES[p] for _, p in self.bound):
+            if op.kind in spot or len(op.pool_pages) != PAGES[op.kind] or \
+                    any(p >= POOL for p in op.pool_pages):
                 raise Refused
-            self.bound |= {(op.group, p) for p in concrete}
-            spot.update({p: op.group for p in concrete})
-        elif isinstance(op, UnmapGroup):
+            spot[op.kind] = op.pool_pages
+        elif isinstance(op, UnmapExtent):
             spot = self.mapped.get((op.slot, op.page_index), {})
-            if any(spot.get(p) != op.group for p in concrete):
+            if op.kind not in spot:
                 raise Refused
-            for p in concrete:
-                del spot[p]
-        elif isinstance(op, ReleaseGroup):
-            mapped = {(g, p) for spot in self.mapped.values() for p, g in spot.items()}
-            if any((op.group, p) not in self.bound or (op.group, p) in mapped for p in concrete):
-                raise Refused
-            for p in concrete:
-                self.bound.discard((op.group, p))
-                self.data.pop((op.group, p), None)
+            del spot[op.kind]
         else:
-            dst = self.mapped.get((op.dst_slot, op.dst_page_index), {})
-            src = self.mapped.get((op.src_slot, op.src_page_index), {})
-            if not dst or set(dst) - set(src):
+            src = self.mapped.get((op.src_slot, op.src_page_index), {}).get(op.kind)
+            dst = self.mapped.get((op.dst_slot, op.dst_page_index), {}).get(op.kind)
+            if src is None or dst is None:
                 raise Refused
-            for p, g in dst.items():
-                value = self.data.get((src[p], p))
-                self.data.pop((g, p), None) if value is None else self.data.__setitem__((g, p), value)
-        self.mapped = {s: parts for s, parts in self.mapped.items() if parts}
+            for s, d in zip(src, dst):     # member by member, in member order
+                value = self.data.get(s)
+                self.data.pop(d, None) if value is None else self.data.__setitem__(d, value)
+        self.mapped = {s: extents for s, extents in self.mapped.items() if extents}
+
+    def mapped_pool_pages(self) -> int:
+        return len({p for extents in self.mapped.values() for pages in extents.values()
+                    for p in pages})
 
 
 class HybridPoolMachine(RuleBasedStateMachine):
@@ -88,10 +89,11 @@ class HybridPoolMachine(RuleBasedStateMachine):
         self.cache = hybrid_cache(pool_pages=POOL, driver=self.driver, background_mapper=self.mapper)
         self.shadow = Shadow()
 
-    def member_views(self, slot: int, index: int, part: str) -> list:
+    def member_views(self, slot: int, index: int, kind: str) -> list:
+        """The range page of each of ``kind``'s members at (slot, index), in member order."""
         c, pb = self.cache.config, self.cache.page_bytes
         pages = [((2 * layer + kv) * c.max_batch + slot) * self.cache.pages_per_slot + index
-                 for layer in LAYERS[part] for kv in (0, 1)]
+                 for layer in LAYERS[kind] for kv in (0, 1)]
         return [self.cache.range.tensor(p * pb, pb, torch.float32) for p in pages]
 
     @rule(plan=st.lists(ops, min_size=1, max_size=3), fault=st.one_of(st.none(), st.tuples(
@@ -122,25 +124,27 @@ class HybridPoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), value=st.floats(1, 1000, allow_nan=False))
     def write(self, data, value):
         self.cache.wait_for_plan()
-        mapped = sorted((s, p, g) for s, parts in self.shadow.mapped.items() for p, g in parts.items())
+        mapped = sorted((s, k, pages) for s, extents in self.shadow.mapped.items()
+                        for k, pages in extents.items())
         if mapped:
-            spot, part, group = data.draw(st.sampled_from(mapped))
-            for view in self.member_views(*spot, part):
+            spot, kind, pages = data.draw(st.sampled_from(mapped))
+            for view in self.member_views(*spot, kind):
                 view.fill_(value)
-            self.shadow.data[(group, part)] = value
+            self.shadow.data.update({p: value for p in pages})
 
     @invariant()
     def matches_the_shadow(self):
         self.cache.wait_for_plan()
-        assert self.cache.bound_pages == sum(PAGES[p] for _, p in self.shadow.bound)
+        assert self.cache.mapped_pool_pages == self.shadow.mapped_pool_pages()
         for slot in range(SLOTS):
-            expected = {i: parts for (s, i), parts in self.shadow.mapped.items() if s == slot}
-            assert self.cache.mapped_parts(slot) == expected
-        for (slot, index), parts in self.shadow.mapped.items():
-            for part, group in parts.items():
-                value = self.shadow.data.get((group, part))
-                if value is not None:
-                    assert all(bool((v == value).all()) for v in self.member_views(slot, index, part))
+            expected = {i: extents for (s, i), extents in self.shadow.mapped.items() if s == slot}
+            assert self.cache.mapped_extents(slot) == expected
+        for (slot, index), extents in self.shadow.mapped.items():
+            for kind, pages in extents.items():
+                for page, view in zip(pages, self.member_views(slot, index, kind)):
+                    value = self.shadow.data.get(page)
+                    if value is not None:
+                        assert bool((view == value).all()), (slot, index, kind, page)
         self.cache.check_integrity()
 
     def teardown(self):

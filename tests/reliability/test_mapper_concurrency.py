@@ -131,7 +131,7 @@ def test_a_fault_on_the_mapper_thread_is_undone_and_reported_at_the_next_wait():
     for seq_id in range(300, 304):     # one page each, on every slot: some must be mapped
         mgr.allocate(seq_id, 30)
     ops = mgr.take_ops()
-    assert any(type(op).__name__ == "MapGroup" for op in ops)
+    assert any(type(op).__name__ == "MapExtent" for op in ops)
     driver.fail_at("map", 1)
     cache.execute(ops)
     with pytest.raises(MapperError) as info:

@@ -1,10 +1,11 @@
 """A small hybrid per-layer cache (layers 0 and 2 windowed, layer 1 full) driven by hand-written
-part-op plans, with the helpers the executor tests share: writing known K/V and snapshotting
-everything the cache holds (bound pages, mapped parts, range mappings and mapped bytes).
+extent-op plans naming pool pages, with the helpers the executor tests share: writing known K/V
+and snapshotting everything the cache holds (mapped extents, pool pages mapped, range mappings
+and mapped bytes).
 
 Geometry: 2 KV heads x 16 dims x fp32 = 128 bytes per layer and token; 4 KiB pages hold 32
-tokens (k = 1). A page group has 6 members: FULL = layer 1's K and V (2 pages), WINDOW = layers
-0 and 2's K and V (4 pages). 2 slots x 128 tokens = 4 page indexes per slot.
+tokens (k = 1). A page group has 6 members: kind "full" = layer 1's K and V (2 pool pages a page
+index), kind "window-8" = layers 0 and 2's K and V (4 pool pages). 2 slots x 128 tokens = 4 page indexes per slot.
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ WINDOWS = (8, None, 8)
 TPP = 32                     # tokens per page
 FULL_PAGES, WINDOW_PAGES = 2, 4
 NUM_GROUPS = 8
+FULL, WINDOW = "full", "window-8"
+KINDS = ((FULL, (1,)), (WINDOW, (0, 2)))
 
 
 def hybrid_config(max_batch: int = 2, max_context: int = 128) -> CacheConfig:
@@ -32,7 +35,7 @@ def hybrid_config(max_batch: int = 2, max_context: int = 128) -> CacheConfig:
 def hybrid_cache(pool_pages: Optional[int] = 14, driver=None, **options) -> VMemKVCache:
     config = hybrid_config()
     return VMemKVCache(config, PageGeometry.of(config, 4 * KiB, "per-layer"), NUM_GROUPS,
-                       driver=driver, pool_pages=pool_pages, **options)
+                       driver=driver, pool_pages=pool_pages, kinds=KINDS, **options)
 
 
 def kv_of(seq: int, layer: int, positions: range) -> tuple:
@@ -51,14 +54,13 @@ def write(cache: VMemKVCache, seq: int, slot: int, start: int, end: int) -> None
 
 
 def snapshot(cache: VMemKVCache) -> dict:
-    """Everything the cache holds: bound pages, mapped parts per slot, the range's mappings
-    (range page -> pool page id) and the bytes of every mapped page."""
+    """Everything the cache holds: pool pages mapped, mapped extents per slot, the range's
+    mappings (range page -> pool page id) and the bytes of every mapped page."""
     cache.wait_for_plan()
     mapped = cache.range.mapped_pages()
     pb = cache.page_bytes
-    return {"bound": cache.bound_pages,
-            "parts": [cache.mapped_parts(s) for s in range(cache.config.max_batch)],
-            "slot_pages": [cache.mapped_pages(s) for s in range(cache.config.max_batch)],
+    return {"mapped": cache.mapped_pool_pages,
+            "extents": [cache.mapped_extents(s) for s in range(cache.config.max_batch)],
             "range": mapped,
             "bytes": {pi: cache.range.tensor(pi * pb, pb).clone() for pi in mapped}}
 

@@ -49,7 +49,7 @@ def test_no_executor_module_imports_or_names_a_manager(path):
 
 
 def test_the_check_catches_a_manager_reference():
-    assert manager_references("from vmemkv.scheduler.managers.base import MapGroup\n")
+    assert manager_references("from vmemkv.scheduler.managers.base import MapExtent\n")
     assert manager_references("def f(cache):\n    return cache.manager.slot_of(0)\n")
     assert manager_references("def f(manager):\n    pass\n")
-    assert not manager_references("from vmemkv.scheduler.plan import MapGroup\n")
+    assert not manager_references("from vmemkv.scheduler.plan import MapExtent\n")

@@ -26,7 +26,7 @@ STRADDLING = dict(num_layers=2, num_kv_heads=3, head_dim=16, max_context=128)   
 HYBRID = dict(num_layers=3, num_kv_heads=2, head_dim=16, max_context=128,
               layer_windows=(8, None, 8))                    # layers 0, 2 windowed, 1 full
 
-VMEM_OPS = {"MapGroup", "UnmapGroup", "CopyGroup", "SwapOut", "SwapIn"}
+VMEM_OPS = {"MapExtent", "UnmapExtent", "CopyExtent", "SwapOut", "SwapIn"}
 PAGED_OPS = {"CopyBlock", "SwapOut", "SwapIn"}
 
 
@@ -47,9 +47,9 @@ KINDS = {
     "vmem-interleaved": Kind(PLAIN, "vmem", dict(PAGE, layout="interleaved"), PoolBacking.FIXED,
                              0, 2.5, VMEM_OPS),
     "vmem-byte-mapped": Kind(STRADDLING, "vmem", PAGE, PoolBacking.BYTES, 0, 1.2,
-                             VMEM_OPS | {"ResizeGroup"}),
+                             VMEM_OPS),
     "vmem-hybrid-window": Kind(HYBRID, "vmem", PAGE, PoolBacking.PARTS, 0, 1.2,
-                               VMEM_OPS | {"ReleaseGroup"}),
+                               VMEM_OPS),
     "paged": Kind(PLAIN, "paged", dict(block_size=8), None, 0, 2.5, PAGED_OPS),
     "paged-hybrid": Kind(HYBRID, "paged", dict(block_size=16), None, 2, 2.5, {"CopyBlock"}),   # a hybrid: never swapped (recompute)
 }
@@ -94,7 +94,7 @@ class Recorder:
 
 class WindowedRun(ShadowRun):
     """ShadowRun that also gives back memory behind the window before each growth (hybrid
-    pools emit ReleaseGroup); windowed layers then no longer hold every token, so contents are
+    pools emit UnmapExtent of their window kind); windowed layers then no longer hold every token, so contents are
     compared against the replay rather than against the truth."""
 
     def grow(self, seq_id: int) -> None:
@@ -182,12 +182,12 @@ def test_a_cache_built_from_the_pickled_layout_alone_replays_to_the_same_memory(
         original.close()
 
 
-# what each cache needs from its layout, dropped: the pool that backs parts or bytes (a cache
-# of fixed group pages refuses their ops), or most of the blocks (paged: a block table names
-# blocks the pool lacks)
+# what each cache needs from its layout, dropped: most of the pool (ops name pool pages the
+# cache lacks), the layer kinds (ops name a kind the cache lacks), or most of the blocks
+# (paged: a block table names blocks the pool lacks)
 LACKING = {
-    "vmem-byte-mapped": dict(backing=PoolBacking.FIXED, pool_pages=None),
-    "vmem-hybrid-window": dict(backing=PoolBacking.FIXED, pool_pages=None),
+    "vmem-byte-mapped": dict(pool_pages=6),
+    "vmem-hybrid-window": dict(kinds=(("full", (0, 1, 2)),)),
     "paged": dict(num_blocks=2),
 }
 
@@ -216,8 +216,10 @@ def test_a_layout_that_cannot_build_a_cache_is_refused_by_name():
     recorder.cache.close()
     with pytest.raises(CacheConfigError, match="built from a CacheLayout"):
         cache_from_layout("vmem", config)
-    with pytest.raises(ConfigError, match="pool_pages must be given exactly for a parts or bytes pool"):
+    with pytest.raises(ConfigError, match="CacheLayout pool_pages must be an int >= 1, got None"):
         dataclasses.replace(layout, pool_pages=None)
+    with pytest.raises(ConfigError, match="kinds must cover every layer"):
+        dataclasses.replace(layout, kinds=(("full", (0,)),))
     with pytest.raises(ConfigError, match="a parts pool needs a geometry split"):
         dataclasses.replace(layout, backing=PoolBacking.PARTS)
     with pytest.raises(ConfigError, match="CacheLayout num_slots must be an int >= 1, got 0"):

@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from vmemkv.runtime.cache import PagedKVCache, VMemKVCache  # noqa: E402
 from vmemkv.runtime.engine import Engine, SamplingParams  # noqa: E402
 from vmemkv.scheduler.geometry import PageGeometry  # noqa: E402
-from vmemkv.scheduler.plan import CopyBlock, CopyGroup, SwapIn, SwapOut  # noqa: E402
+from vmemkv.scheduler.plan import CopyBlock, CopyExtent, SwapIn, SwapOut  # noqa: E402
 
 from tests.engine.conftest import model, prompts  # noqa: E402
 from tests.engine.test_engine_pressure import TIGHT  # noqa: E402
@@ -118,7 +118,8 @@ def fresh_executor(original):
         g = original.geometry
         return VMemKVCache(original.config, PageGeometry(g.layout, g.page_bytes, g.num_layers,
                                                          g.layer_bytes_per_token, g.window_layers),
-                           original.num_groups, pool_pages=original.pool_pages)
+                           original.num_groups, pool_pages=original.pool_pages,
+                           kinds=original.kinds)
     return PagedKVCache(original.config, original.block_size, original.num_blocks)
 
 
@@ -133,7 +134,7 @@ def memory(cache) -> dict:
         pb = cache.page_bytes
         state["mapped"] = mapped
         state["bytes"] = {pi: cache.range.tensor(pi * pb, pb).clone() for pi in mapped}
-        state["slot_pages"] = [cache.mapped_pages(s) for s in range(cache.config.max_batch)]
+        state["slot_pages"] = [cache.mapped_extents(s) for s in range(cache.config.max_batch)]
     else:
         state["pools"] = cache.pools.clone()
     return state
@@ -181,7 +182,7 @@ def test_cache_that_never_saw_a_manager_replays_recorded_plans_into_the_same_mem
     ops = [op for blob in plans for op in pickle.loads(blob).ops]
     kinds = {type(op) for op in ops}
     assert {SwapOut, SwapIn} <= kinds, "the run was meant to swap"
-    assert CopyGroup in kinds or CopyBlock in kinds, "the run was meant to copy on write"
+    assert CopyExtent in kinds or CopyBlock in kinds, "the run was meant to copy on write"
     assert any(pickle.loads(b).preempted for b in plans)
     assert any(s.fork_ids for b in plans for s in pickle.loads(b).seqs), "forks n > 1"
     with replica:

@@ -1,7 +1,7 @@
 """VMemKVCache on pages that do not hold whole tokens (issue 17 item 1), on the host driver
 forced to such a page size: a token straddles two pages of a member, each page-group member
 spans the fewest pages holding whole tokens, and a group is backed only by the pages its bytes
-need (a byte-mapped pool, runtime/cache/vmem_slices.py). The random mixes of prefill, decode,
+need (a byte-mapped pool: MapExtent / UnmapExtent with first_page > 0, runtime/cache/vmem_ops.py). The random mixes of prefill, decode,
 fork, shared prefixes, preemption and swap of test_cache_correctness keep every sequence's
 contents equal to the shadow copy and attention equal to dense attention (unbacked pages are
 PROT_NONE: a read of one would fault); plans the pool cannot run are refused, changing nothing."""
@@ -12,7 +12,7 @@ from vmemkv.runtime.cache import VMemKVCache
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.errors import CacheConfigError, CacheStateError
 from vmemkv.scheduler.geometry import PageGeometry
-from vmemkv.scheduler.plan import CopyGroup, MapGroup, ReleaseGroup, ResizeGroup, SetSlot, UnmapGroup
+from vmemkv.scheduler.plan import CopyExtent, MapExtent, SetSlot, UnmapExtent
 
 from .harness import ShadowRun
 
@@ -82,50 +82,51 @@ SLICED_GEOMETRY = PageGeometry.of(SLICED, 4 * KiB, "per-layer")
 
 
 def _state(cache):
-    return (cache.range.mapped_pages(), cache.mapped_pages(0), cache.mapped_pages(1),
-            [cache.backing(g) for g in range(2)], cache.bound_slices, cache.pool.free_pages)
+    return (cache.range.mapped_pages(), cache.mapped_extents(0), cache.mapped_extents(1),
+            cache.mapped_pool_pages, cache.pool.free_pages)
 
 
-def test_refused_slice_ops_change_nothing():
+def test_refused_extent_ops_change_nothing():
+    """The replica refuses, before touching memory: a page mapped twice at one place, past a
+    member's k pages, a pool page outside the pool, a kind the cache lacks, an unmap of
+    nothing, a copy into less (CacheStateError; range, replica and pool as before)."""
     with VMemKVCache(SLICED, SLICED_GEOMETRY, 2, pool_pages=8) as cache:     # 2 slices
-        cache.execute([MapGroup(0, 0, 0), ResizeGroup(0, 1), MapGroup(1, 0, 1)])
-        assert (cache.backing(0), cache.bound_slices, len(cache.range.mapped_pages())) == (1, 1, 4)
+        cache.execute([MapExtent(0, 0, "full", (0, 1, 2, 3)), MapExtent(1, 0, "full", (4, 5, 6, 7))])
+        assert len(cache.range.mapped_pages()) == 8 and cache.mapped_pool_pages == 8
         before = _state(cache)
         for plan, match in [
-                ([ResizeGroup(0, 4)], r"to 4 pages per member: outside 0..3"),
-                ([ResizeGroup(2, 1)], r"names group 2, outside 0..1"),
-                ([ResizeGroup(1, 1), ResizeGroup(0, 2)], r"at op 1.*needs 1 free slices; 0 of 2"),
-                ([MapGroup(0, 0, 1)], "group 0 is mapped there"),
-                ([UnmapGroup(0, 1, 0)], "group 0 is not mapped there"),
-                ([CopyGroup(0, 0, 1, 0)], "the destination backed as far as the source"),
-                ([ReleaseGroup(0)], "part-op for a hybrid pool")]:
+                ([MapExtent(0, 0, "full", (4, 5, 6, 7))], r"mapped twice at one place"),
+                ([MapExtent(0, 0, "full", (4, 5, 6, 7) * 3, 1)], r"past the 3 of a member"),
+                ([MapExtent(0, 0, "full", (0, 1, 2, 8), 1)], r"pool page outside 0..7"),
+                ([MapExtent(0, 0, "full", (0, 1, 2), 1)], r"a page per member \(4\)"),
+                ([MapExtent(0, 0, "window-8", (0, 1, 2, 3))], r"names kind 'window-8'"),
+                ([MapExtent(0, 1, "full", (0, 1, 2, 3))], r"page index outside"),
+                ([UnmapExtent(0, 0, "full"), UnmapExtent(0, 0, "full")],
+                 r"at op 1.*an unmap of nothing"),
+                ([UnmapExtent(0, 0, "full", 1)], r"an unmap of nothing"),
+                ([MapExtent(0, 0, "full", (4, 5, 6, 7), 1), CopyExtent(0, 0, 1, 0, "full")],
+                 r"at op 1.*mapped at least as far")]:
             with pytest.raises(CacheStateError, match=match):
                 cache.execute(plan)
             assert _state(cache) == before, plan
         cache.check_integrity()
 
 
-def test_resize_maps_the_new_pages_wherever_the_group_is_mapped_and_shrink_frees_them():
+def test_an_extent_grows_and_shrinks_by_member_pages_where_it_is_mapped():
     with VMemKVCache(SLICED, SLICED_GEOMETRY, 2, pool_pages=12) as cache:
-        cache.execute([MapGroup(0, 0, 0), ResizeGroup(0, 1), MapGroup(1, 0, 0), ResizeGroup(0, 3)])
-        assert len(cache.range.mapped_pages()) == 2 * 4 * 3 and cache.bound_slices == 3
-        cache.execute([ResizeGroup(0, 1), UnmapGroup(1, 0, 0)])
-        assert len(cache.range.mapped_pages()) == 4 and cache.bound_slices == 1
+        cache.execute([MapExtent(0, 0, "full", (0, 1, 2, 3)), MapExtent(1, 0, "full", (0, 1, 2, 3)),
+                       MapExtent(0, 0, "full", tuple(range(4, 12)), 1),
+                       MapExtent(1, 0, "full", tuple(range(4, 12)), 1)])
+        assert len(cache.range.mapped_pages()) == 2 * 4 * 3 and cache.mapped_pool_pages == 12
+        cache.execute([UnmapExtent(0, 0, "full", 1), UnmapExtent(1, 0, "full")])
+        assert len(cache.range.mapped_pages()) == 4 and cache.mapped_pool_pages == 4
         cache.check_integrity()
 
 
-def test_a_step_past_a_groups_backed_pages_is_refused():
+def test_a_step_past_an_extents_mapped_pages_is_refused():
     with VMemKVCache(SLICED, SLICED_GEOMETRY, 2, pool_pages=8) as cache:
-        cache.execute([MapGroup(0, 0, 0), ResizeGroup(0, 1)])
+        cache.execute([MapExtent(0, 0, "full", (0, 1, 2, 3))])
         cache.apply_tables([SetSlot(7, 0)])
         cache.begin_step([(7, 0, 21)])                     # 21 x 192 B fit the first 4 KiB
         with pytest.raises(CacheStateError, match="gave it memory for 21"):
             cache.begin_step([(7, 0, 22)])                 # token 21 straddles into page 1
-
-
-def test_byte_mapped_pool_pages_are_whole_slices_and_fixed_groups_refuse_resize():
-    with pytest.raises(CacheConfigError, match="positive multiple of the 4 members"):
-        VMemKVCache(SLICED, SLICED_GEOMETRY, 2, pool_pages=6)
-    with VMemKVCache(SLICED, SLICED_GEOMETRY, 2) as fixed:           # no pool: fixed groups
-        with pytest.raises(CacheStateError, match="resizes a group of a byte-mapped pool"):
-            fixed.execute([ResizeGroup(0, 1)])

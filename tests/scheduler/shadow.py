@@ -10,8 +10,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 
-from vmemkv.scheduler.managers import (ByteMappedVmemManager, CopyBlock, CopyGroup, MapGroup,
-                                       ResizeGroup, SwapIn, SwapOut, UnmapGroup)
+from vmemkv.scheduler.managers import CopyBlock, CopyExtent, MapExtent, SwapIn, SwapOut, UnmapExtent
 from vmemkv.scheduler.managers.base import DropSwapped
 
 
@@ -125,68 +124,83 @@ class PagedMemory(_Memory):
 
 
 class VmemMemory(_Memory):
-    """vmem memory; on a byte-mapped manager (members of k > 1 pages) each group is backed by
-    the member pages ResizeGroup ops gave it, and a token is written or read only where all
-    its bytes lie in backed pages (a shrink loses the tokens it cuts)."""
+    """vmem memory at the pool-page level: what the ops mapped where, (slot, page index) ->
+    {kind: pool pages}, and the tokens each pool page row holds. A token lives in the pool page
+    of the first kind's first member at the member page its bytes start in, so a page the
+    manager hands to new content without the content being written reads back stale (a fault
+    the machines catch); a token is written or read only where all its bytes lie in mapped
+    member pages of every kind there."""
 
     def __init__(self, manager):
         super().__init__(manager)
-        self.aspace = {}       # (slot, page_index) -> group
-        self.groups = {}       # group -> {offset: content}
+        self.aspace = {}       # (slot, page_index) -> {kind: pool pages}
+        self.pages = {}        # pool page -> {token offset in its group: content}
         self.slots = {}        # seq_id -> slot captured before a swap-out
-        self.backed = {}       # group -> member pages backed (byte-mapped managers only)
-        self.by_bytes = isinstance(manager, ByteMappedVmemManager)
-
-    def _backed_tokens(self, g):
-        """Tokens of group ``g`` whose bytes lie wholly in its backed pages (all: fixed groups)."""
-        if not self.by_bytes:
-            return self.m.tokens_per_page
-        return self.m.geometry.tokens_in_member_pages(self.backed.get(g, 0))
-
-    def _resize(self, op):
-        assert 0 <= op.member_pages <= self.m.geometry.pages_per_member, op
-        self.backed[op.group] = op.member_pages
-        keep = self._backed_tokens(op.group)
-        content = self.groups.get(op.group, {})
-        self.groups[op.group] = {o: c for o, c in content.items() if o < keep}
+        geo, layout = manager.geometry, manager.layout()
+        self.members = {name: (2 * len(layers) if geo.per_layer else 2)
+                        for name, layers in layout.kinds}
+        self.lead = layout.kinds[0][0]
+        self.pool_pages = layout.pool_pages
 
     def capture(self, seq_id):
         self.slots[seq_id] = self.m.slot_of(seq_id)
 
     def apply(self, op):
-        if isinstance(op, MapGroup):
-            assert (op.slot, op.page_index) not in self.aspace, f"map over a mapped page {op}"
-            self.aspace[(op.slot, op.page_index)] = op.group
-        elif isinstance(op, UnmapGroup):
-            assert self.aspace.pop((op.slot, op.page_index), None) == op.group, op
-        elif isinstance(op, CopyGroup):
-            src = self.aspace[(op.src_slot, op.src_page_index)]
-            dst = self.aspace[(op.dst_slot, op.dst_page_index)]
-            assert src != dst and self.m.ref_count(dst) == 1, op
-            assert self._backed_tokens(dst) >= self._backed_tokens(src), f"copy past backing {op}"
-            self.groups[dst] = dict(self.groups.get(src, {}))
-        elif isinstance(op, ResizeGroup):
-            self._resize(op)
+        if isinstance(op, MapExtent):
+            n, spot = self.members[op.kind], self.aspace.setdefault((op.slot, op.page_index), {})
+            have = spot.get(op.kind, ())
+            assert len(have) // n == op.first_page, f"map over a mapped page {op}"
+            assert op.pool_pages and len(op.pool_pages) % n == 0, op
+            assert all(0 <= p < self.pool_pages for p in op.pool_pages), op
+            spot[op.kind] = have + op.pool_pages
+        elif isinstance(op, UnmapExtent):
+            spot, n = self.aspace[(op.slot, op.page_index)], self.members[op.kind]
+            have = spot[op.kind]
+            assert op.first_page < len(have) // n, f"unmap of nothing {op}"
+            spot[op.kind] = have[:op.first_page * n]
+            if not spot[op.kind]:
+                del spot[op.kind]
+            if not spot:
+                del self.aspace[(op.slot, op.page_index)]
+        elif isinstance(op, CopyExtent):
+            n = self.members[op.kind]
+            src = self.aspace[(op.src_slot, op.src_page_index)][op.kind]
+            dst = self.aspace[(op.dst_slot, op.dst_page_index)][op.kind]
+            assert src != dst and len(dst) >= len(src), f"copy past backing {op}"
+            if op.kind == self.lead:
+                for i in range(len(src) // n):
+                    self.pages[dst[i * n]] = dict(self.pages.get(src[i * n], {}))
         else:
             raise AssertionError(f"unexpected op {op}")
 
+    def _page(self, slot, pos):
+        """The pool page holding token ``pos`` of ``slot`` (KeyError / AssertionError: a fault)."""
+        tpp, geo = self.m.tokens_per_page, self.m.geometry
+        spot, offset = self.aspace[(slot, pos // tpp)], pos % tpp
+        need = geo.member_pages_for(offset + 1)
+        for kind, pages in spot.items():
+            assert len(pages) // self.members[kind] >= need, f"token {pos} past the mapped pages"
+        start = offset * geo.token_bytes // geo.page_bytes
+        return spot[self.lead][start * self.members[self.lead]], offset
+
     def write(self, seq_id, pos, content):
-        tpp = self.m.tokens_per_page
-        g = self.aspace[(self.m.slot_of(seq_id), pos // tpp)]   # KeyError: a fault
+        slot = self.m.slot_of(seq_id)
+        g = self.m.mapped_pages(slot)[pos // self.m.tokens_per_page]
         assert self.m.ref_count(g) == 1, f"write into shared group {g}"
-        assert pos % tpp < self._backed_tokens(g), f"write of token {pos} past group {g}'s pages"
-        self.groups.setdefault(g, {})[pos % tpp] = content
+        page, offset = self._page(slot, pos)
+        self.pages.setdefault(page, {})[offset] = content
 
     def read(self, seq_id, n, before=False):
-        tpp = self.m.tokens_per_page
         slot = self.slots.pop(seq_id) if before else self.m.slot_of(seq_id)
-        groups = [self.aspace[(slot, p // tpp)] for p in range(n)]     # KeyError: a fault
-        assert all(p % tpp < self._backed_tokens(g) for p, g in enumerate(groups)), "unbacked read"
-        return [self.groups.get(g, {}).get(p % tpp) for p, g in enumerate(groups)]
+        out = []
+        for p in range(n):
+            page, offset = self._page(slot, p)
+            out.append(self.pages.get(page, {}).get(offset))
+        return out
 
     def check_mapped(self):
         per_slot = {}
-        for (slot, pi), g in self.aspace.items():
-            per_slot.setdefault(slot, {})[pi] = g
+        for (slot, pi), extents in self.aspace.items():
+            per_slot.setdefault(slot, {})[pi] = dict(extents)
         for slot in range(self.m.num_slots):
-            assert self.m.mapped_pages(slot) == per_slot.get(slot, {}), slot
+            assert self.m.mapped_extents(slot) == per_slot.get(slot, {}), slot

@@ -3,7 +3,7 @@ import pytest
 
 from vmemkv.scheduler.cost import CostModel, count_map_ops
 from vmemkv.scheduler.errors import ConfigError
-from vmemkv.scheduler.managers.base import CopyBlock, MapGroup
+from vmemkv.scheduler.managers.base import CopyBlock, MapExtent
 from vmemkv.scheduler.presets import get_device, get_model
 
 LLAMA, H100 = get_model("llama-3-8b"), get_device("h100")
@@ -37,9 +37,13 @@ def test_map_latency_and_paged_slowdown():
     assert slow.step_seconds(1000, 1) == pytest.approx((16.06e9 + 1.5 * 1000 * 131_072) / 3.35e12)
 
 
-def test_count_map_ops_counts_only_map_page():
-    ops = [MapGroup(0, 0, 1), CopyBlock(1, 2), MapGroup(0, 1, 2)]
+def test_count_map_ops_counts_page_groups_mapped():
+    ops = [MapExtent(0, 0, "full", (0, 1)), CopyBlock(1, 2), MapExtent(0, 1, "full", (2, 3))]
     assert count_map_ops(ops) == 2 and count_map_ops([]) == 0
+    # a hybrid group's two kinds at one place count once; growing an extent is no new group
+    both = [MapExtent(0, 0, "full", (0, 1)), MapExtent(0, 0, "window-8", (2, 3)),
+            MapExtent(0, 0, "full", (4, 5), first_page=1)]
+    assert count_map_ops(both) == 1
 
 
 @pytest.mark.parametrize("kwargs,field", [

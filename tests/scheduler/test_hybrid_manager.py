@@ -5,8 +5,8 @@ import pytest
 
 from vmemkv.scheduler.errors import ConfigError, OutOfCapacityError
 from vmemkv.scheduler.geometry import PART_ALL, PART_FULL, PART_WINDOW, MiB, PageGeometry
-from vmemkv.scheduler.managers import (ByteMappedVmemManager, GroupPart, HybridVmemManager, ReleaseGroup,
-                                       UnmapGroup, VmemManager, make_manager)
+from vmemkv.scheduler.managers import (ByteMappedVmemManager, HybridVmemManager, UnmapExtent,
+                                       VmemManager, make_manager)
 from vmemkv.scheduler.managers.window import WindowSwapError
 from vmemkv.scheduler.presets import ModelSpec, get_model
 
@@ -37,7 +37,6 @@ def test_part_page_counts_come_from_the_geometry():
     assert (g.pages_per_part(PART_FULL), g.pages_per_part(PART_WINDOW)) == (FULL, WINDOW)
     assert g.part_layers(PART_FULL) == tuple(range(5, 62, 6))
     assert len(g.part_members(PART_WINDOW)) == 2 * 52 and g.pages_per_part(PART_ALL) == GROUP
-    assert (PART_ALL, PART_FULL, PART_WINDOW) == (GroupPart.ALL, GroupPart.FULL, GroupPart.WINDOW)
     assert not PageGeometry.of(GEMMA3, PAGE, "interleaved").split
     assert not PageGeometry.of(get_model("mistral-7b-v0.1"), PAGE, "per-layer").split
 
@@ -91,11 +90,13 @@ def test_window_parts_go_back_only_when_no_fork_reads_them():
     m.take_ops()
     m.release_behind_window(0, 4096)
     ops = m.take_ops()
-    assert ops == [UnmapGroup(m.slot_of(0), pi, m.mapped_pages(m.slot_of(0))[pi], "window")
+    window = m.kinds[1].name
+    assert ops == [UnmapExtent(m.slot_of(0), pi, window)
                    for pi in range(6)]              # the fork still reads them: nothing released
     assert m.bound_pages == 8 * GROUP
     m.release_behind_window(1, 4096)
-    assert [type(op) for op in m.take_ops()] == [UnmapGroup, ReleaseGroup] * 6
+    assert m.take_ops() == [UnmapExtent(m.slot_of(1), pi, window) for pi in range(6)]  # pages:
+    # back to the ledger, no op
     assert m.bound_pages == held_pages(4096)
     m.free(0)
     m.free(1)
@@ -131,7 +132,7 @@ def test_every_other_model_and_layout_takes_the_old_path():
     for model, layout in [(mistral, "per-layer"), (plain, "per-layer"), (GEMMA3, "interleaved")]:
         m = make_manager("vmem", model, 10**10, 8192, layout=layout, hybrid_parts=True)
         if m.geometry.exact:
-            assert type(m) is VmemManager and m.pool_pages is None
+            assert type(m) is VmemManager and m.pool_pages == m.num_groups * m.pages_per_group
         else:                    # gemma-3-27b interleaved: 31 pages a member, mapped by bytes
             assert type(m) is ByteMappedVmemManager and not m.geometry.split
     assert make_manager("vmem", GEMMA3, 10**10, 8192, layout="interleaved").window_tokens is None

@@ -1,111 +1,90 @@
 """The hybrid vmem manager (full-attention layers beside windowed ones, per-layer layout)
-against a shadow model of part-split page groups (a hypothesis state machine): allocate with
-shared prefixes and retention, append, fork, copy-on-write, free, release_behind_window,
-recompute and swap (refused once a window part is dropped), begin/commit/rollback.
+against a shadow model of pool pages (a hypothesis state machine): allocate with shared
+prefixes and retention, append, fork, copy-on-write, free, release_behind_window, recompute
+and swap (refused once a window kind is given back), begin/commit/rollback.
 
-The shadow replays every op on a model of physical memory where each group has a FULL and a
-WINDOW part, each bound to pages or not, and checks that the op stream is well formed: a part
-is mapped only while bound (MapGroup binds), a MapGroup never targets a mapped spot, an Unmap
-names exactly what is mapped there, ReleaseGroup only for a part mapped nowhere (its content
-is lost). Invariants after every step: pages bound <= pool_pages and equal to the shadow's
-count; every live sequence reads back its tokens through FULL (every token) and WINDOW (from
-its window start on), so no part a live sequence needs is ever unmapped or unbound.
+The shadow replays every op on a model of physical memory: (slot, page index) -> {kind: pool
+pages} ("full" = the full layer's members, "window-W" = the windowed ones'), and the tokens
+each pool page holds; it checks that the op stream is well formed (a MapExtent never targets a
+mapped spot, names pool pages inside the pool, an UnmapExtent names what is mapped there, a
+copy names both kinds' extents of two groups). Invariants after every step: the manager's
+mapped extents equal the shadow's; a pool page backs one group only, every spot mapping a group
+maps the same pool pages of it, and the pages bound to groups never exceed the pool (the
+ledger's count); every live sequence reads back its tokens through the full kind (every token)
+and the window kind (from its window start on), so no page a live sequence needs is unmapped
+or handed to another group.
 """
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from vmemkv.scheduler.managers import (CopyGroup, GroupPart, HybridVmemManager, MapGroup,
-                                       ReleaseGroup, UnmapGroup, make_manager)
+from vmemkv.scheduler.geometry import PART_FULL
+from vmemkv.scheduler.managers import CopyExtent, HybridVmemManager, UnmapExtent, make_manager
 from vmemkv.scheduler.presets import ModelSpec
 
 from .shadow import VmemMemory
 from .test_managers_state_machine import _SETTINGS, EVICTION, PICK, VmemMachine
 from .test_window_state_machine import WindowRules
 
-PARTS = (GroupPart.FULL, GroupPart.WINDOW)
 
-
-class PartMemory(VmemMemory):
-    """Address space (slot, pi) -> (group, mapped parts); per group its bound parts and, per
-    part, the token contents its pages hold; per sequence the first token its window holds."""
+class KindMemory(VmemMemory):
+    """VmemMemory per layer kind: the tokens each kind's (first member's) pool page holds, per
+    sequence the first token its window kind still holds."""
 
     def __init__(self, manager):
         super().__init__(manager)
-        self.parts = {}        # (slot, pi) -> set of mapped parts
-        self.bound = {}        # group -> set of bound parts
-        self.data = {}         # (group, part) -> {offset: content}
-        self.first = {}        # seq_id -> first token its window part still holds
-
-    def bound_pages(self):
-        m = self.m
-        return sum(m.full_pages if p == GroupPart.FULL else m.window_pages
-                   for parts in self.bound.values() for p in parts)
-
-    @staticmethod
-    def _names(part):
-        return PARTS if part == GroupPart.ALL else (part,)
+        self.full, self.window = (k.name for k in manager.kinds)
+        self.first = {}        # seq_id -> first token its window kind still holds
 
     def apply(self, op):
-        if isinstance(op, MapGroup):
-            spot = (op.slot, op.page_index)
-            assert spot not in self.aspace, f"map over a mapped page {op}"
-            assert op.part in (GroupPart.ALL, GroupPart.FULL), op
-            self.aspace[spot] = op.group
-            self.parts[spot] = set(self._names(op.part))
-            self.bound.setdefault(op.group, set()).update(self._names(op.part))
-        elif isinstance(op, UnmapGroup):
-            spot = (op.slot, op.page_index)
-            assert self.aspace.get(spot) == op.group, op
-            names = set(self._names(op.part))
-            assert names <= self.parts[spot], f"unmap of a part not mapped there: {op}"
-            if op.part == GroupPart.ALL or op.part == GroupPart.FULL:
-                assert self.parts[spot] == names, f"unmap leaves a part mapped alone: {op}"
-            self.parts[spot] -= names
-            if not self.parts[spot]:
-                del self.aspace[spot], self.parts[spot]
-        elif isinstance(op, ReleaseGroup):
-            assert op.part in PARTS and op.part in self.bound.get(op.group, ()), op
-            assert all(op.part not in self.parts[s] for s, g in self.aspace.items()
-                       if g == op.group), f"release of a part still mapped: {op}"
-            self.bound[op.group].discard(op.part)
-            self.data.pop((op.group, op.part), None)
-        elif isinstance(op, CopyGroup):
-            src, dst = (op.src_slot, op.src_page_index), (op.dst_slot, op.dst_page_index)
-            assert self.parts[src] == self.parts[dst] == set(PARTS), op
-            s, d = self.aspace[src], self.aspace[dst]
-            assert s != d and self.m.ref_count(d) == 1, op
-            for p in PARTS:
-                self.data[(d, p)] = dict(self.data.get((s, p), {}))
-        else:
-            raise AssertionError(f"unexpected op {op}")
+        if isinstance(op, CopyExtent):
+            src = self.aspace[(op.src_slot, op.src_page_index)]
+            dst = self.aspace[(op.dst_slot, op.dst_page_index)]
+            assert set(src) == set(dst) == {self.full, self.window}, op
+            assert src[op.kind] != dst[op.kind], op
+            self.pages[dst[op.kind][0]] = dict(self.pages.get(src[op.kind][0], {}))
+            return
+        super().apply(op)
 
     def write(self, seq_id, pos, content):
-        spot = (self.m.slot_of(seq_id), pos // self.m.tokens_per_page)
-        g = self.aspace[spot]                      # KeyError: a fault
-        assert self.parts[spot] == set(PARTS), "write into a page missing a part"
+        slot, tpp = self.m.slot_of(seq_id), self.m.tokens_per_page
+        spot = self.aspace[(slot, pos // tpp)]                    # KeyError: a fault
+        assert set(spot) == {self.full, self.window}, "write into a page missing a kind"
+        g = self.m.mapped_pages(slot)[pos // tpp]
         assert self.m.ref_count(g) == 1, f"write into shared group {g}"
-        for p in PARTS:
-            self.data.setdefault((g, p), {})[pos % self.m.tokens_per_page] = content
+        for pages in spot.values():
+            self.pages.setdefault(pages[0], {})[pos % tpp] = content
 
-    def read(self, seq_id, n, before=False, part=GroupPart.FULL, lo=0):
-        tpp = self.m.tokens_per_page
+    def read(self, seq_id, n, before=False, kind=None, lo=0):
+        tpp, kind = self.m.tokens_per_page, kind or self.full
         slot = self.slots.pop(seq_id) if before else self.m.slot_of(seq_id)
         out = []
         for p in range(lo, n):
-            spot = (slot, p // tpp)
-            assert part in self.parts[spot], ("a needed part is unmapped", seq_id, p, part)
-            out.append(self.data.get((self.aspace[spot], part), {}).get(p % tpp))
+            spot = self.aspace[(slot, p // tpp)]
+            assert kind in spot, ("a needed kind is unmapped", seq_id, p, kind)
+            out.append(self.pages.get(spot[kind][0], {}).get(p % tpp))
         return out
 
     def check_reads(self, shadow):
         for seq_id, s in shadow.items():
             n, lo = s.num_tokens, self.first.get(seq_id, 0)
             assert self.read(seq_id, n) == s.contents[:n], seq_id
-            assert self.read(seq_id, n, part=GroupPart.WINDOW, lo=lo) == s.contents[lo:n], seq_id
+            assert self.read(seq_id, n, kind=self.window, lo=lo) == s.contents[lo:n], seq_id
+
+    def pages_of_groups(self) -> dict:
+        """{group: {kind: pool pages}} from every spot (AssertionError: two spots mapping one
+        group name different pages, or one pool page backs two groups)."""
+        groups, owner = {}, {}
+        for (slot, pi), extents in self.aspace.items():
+            g = self.m.mapped_pages(slot)[pi]
+            for kind, pages in extents.items():
+                assert groups.setdefault(g, {}).setdefault(kind, pages) == pages, (g, kind)
+                for p in pages:
+                    assert owner.setdefault(p, g) == g, f"pool page {p} backs {owner[p]} and {g}"
+        return groups
 
 
 class HybridMachine(WindowRules, VmemMachine):
-    """WindowRules' fork, swap_out (refused with WindowSwapError once a window part went) and
+    """WindowRules' fork, swap_out (refused with WindowSwapError once a window kind went) and
     free, with this machine's own slide and stats checks."""
 
     @initialize(tpp=st.sampled_from([1, 2, 4]), pages=st.integers(2, 10),
@@ -123,13 +102,14 @@ class HybridMachine(WindowRules, VmemMachine):
                               hybrid_parts=True)
         assert isinstance(self.m, HybridVmemManager) and self.m.pool_pages == pool
         assert (self.m.full_pages, self.m.window_pages, self.m.window_tokens) == (2, 6, window)
-        self.mem = PartMemory(self.m)
+        self.mem = KindMemory(self.m)
 
     @precondition(lambda self: self.live)
     @rule(i=PICK, back=st.integers(0, 3))
     def slide(self, i, back):
-        """The next query of a sequence is at ``num_tokens - back``: its window parts behind
-        ``that - W + 1`` go (the last page always stays whole); nothing else changes."""
+        """The next query of a sequence is at ``num_tokens - back``: its window kind's pages
+        behind ``that - W + 1`` are unmapped (the last page always stays whole), given back to
+        the ledger where no holder reads them (no op); nothing else changes."""
         sid = self.pick(self.live, i)
         n = max(self.live[sid].num_tokens - back, 0)
         before = self.m.stats().live_tokens
@@ -140,9 +120,12 @@ class HybridMachine(WindowRules, VmemMachine):
         self.mem.first[sid] = first
         assert self.m.full_only_pages(self.m.slot_of(sid)) == first // self.unit
         ops = self.m.take_ops()
-        assert all(isinstance(op, (UnmapGroup, ReleaseGroup)) for op in ops), ops
-        assert all(op.part == GroupPart.WINDOW for op in ops if isinstance(op, ReleaseGroup))
+        free = self.m.ledger.free_pages
+        slot = self.m.slot_of(sid)   # only unmaps; the full kind only of deferred mappings
+        assert all(isinstance(op, UnmapExtent) for op in ops), ops
+        assert all(op.kind == self.mem.window or op.slot != slot for op in ops), ops
         self.mem.replay(ops, self.live)
+        assert self.m.ledger.free_pages >= free
         assert self.m.stats().live_tokens <= before
 
     @precondition(lambda self: self.live)
@@ -158,17 +141,23 @@ class HybridMachine(WindowRules, VmemMachine):
 
     @invariant()
     def address_space_matches_and_allocated_is_mapped(self):
-        """Replaces VmemMachine's: here the pool is counted in bound pages."""
+        """Replaces VmemMachine's: here the pool is counted in pool pages bound to groups."""
         if self.m is None:
             return
         m = self.m
         self.mem.check_mapped()
-        assert m.bound_pages == self.mem.bound_pages() <= m.pool_pages
-        for g in range(m.num_groups):
-            assert set(m.bound_parts(g)) == self.mem.bound.get(g, set()), g
+        groups = self.mem.pages_of_groups()
+        mapped = {p for kinds in groups.values() for pages in kinds.values() for p in pages}
+        bound = sum(m.full_pages * (PART_FULL in m.bound_parts(g)) +
+                    m.window_pages * (len(m.bound_parts(g)) - (PART_FULL in m.bound_parts(g)))
+                    for g in range(m.num_groups))
+        assert len(mapped) <= m.bound_pages == bound == m.pool_pages - m.ledger.free_pages \
+            <= m.pool_pages
+        for g, kinds in groups.items():       # a group's mapped kinds have pages bound
+            assert len(m.bound_parts(g)) >= len(kinds), (g, kinds)
         for slot in range(m.num_slots):
-            full_only = {pi for (s, pi), parts in self.mem.parts.items()
-                         if s == slot and parts == {GroupPart.FULL}}
+            full_only = {pi for (s, pi), extents in self.mem.aspace.items()
+                         if s == slot and set(extents) == {self.mem.full}}
             assert full_only == set(range(m.full_only_pages(slot))), slot
 
     @invariant()
@@ -185,7 +174,7 @@ class HybridMachine(WindowRules, VmemMachine):
             for k, unit in enumerate(self.tables(sid)):
                 fill[unit] = min(u, s.num_tokens - k * u)
         gone = sum(f * m.window_pages for g, f in fill.items()
-                   if self.mem.bound.get(g) == {GroupPart.FULL})
+                   if m.bound_parts(g) == (PART_FULL,))
         assert stats.live_tokens == (sum(fill.values()) * 8 - gone) // 8
         for sid, s in list(self.live.items()) + list(self.swapped.items()):
             assert m.num_tokens(sid) == s.num_tokens

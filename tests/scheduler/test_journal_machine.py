@@ -123,6 +123,8 @@ def observe(m):
         out.append((m.mapped_pages(slot), m.full_only_pages(slot)))
     if hasattr(m, "bound_parts"):
         out += [m.bound_parts(g) for g in range(m.num_groups)] + [m.free_pages]
+    if hasattr(m, "ledger"):
+        out += [m.ledger.tenants(), m.ledger.free_pages] + [m.mapped_extents(s) for s in range(m.num_slots)]
     for probe in PREFIXES:
         m.begin()
         out.append(apply(m, ("allocate", 99, probe + [0], True)))

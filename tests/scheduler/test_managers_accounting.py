@@ -5,8 +5,21 @@ import pstats
 import pytest
 
 from vmemkv.scheduler.errors import ConfigError
-from vmemkv.scheduler.managers import (POLICIES, CopyBlock, CopyGroup, MapGroup, PagedManager, SwapIn,
-                                SwapOut, UnmapGroup, VmemManager, make_manager)
+from vmemkv.scheduler.managers import (POLICIES, CopyBlock, CopyExtent, MapExtent, PagedManager, SwapIn,
+                                SwapOut, UnmapExtent, VmemManager, make_manager)
+
+
+def map_fixed(slot, pi, g, ppg=2):
+    """The MapExtent of fixed group ``g`` (its pages g * ppg ..., one kind "full")."""
+    return MapExtent(slot, pi, "full", tuple(range(g * ppg, (g + 1) * ppg)))
+
+
+def unmap_full(slot, pi, g=None):
+    return UnmapExtent(slot, pi, "full")
+
+
+def copy_full(src_slot, src_pi, dst_slot, dst_pi):
+    return CopyExtent(src_slot, src_pi, dst_slot, dst_pi, "full")
 from vmemkv.scheduler.presets import ModelSpec, get_model
 
 LLAMA = get_model("llama-3-8b")
@@ -80,11 +93,11 @@ def _vmem(groups=4, pages=4, tpp=2, slots=None):
 def test_vmem_growth_maps_one_group_per_page():
     m = _vmem()
     m.allocate(0, 3)
-    assert m.take_ops() == [MapGroup(0, 0, 0), MapGroup(0, 1, 1)]
+    assert m.take_ops() == [map_fixed(0, 0, 0), map_fixed(0, 1, 1)]
     m.append(0)                       # fills page 1: no op
     assert m.take_ops() == []
     m.append(0)
-    assert m.take_ops() == [MapGroup(0, 2, 2)]
+    assert m.take_ops() == [map_fixed(0, 2, 2)]
     assert m.mapped_pages(0) == {0: 0, 1: 1, 2: 2}
 
 
@@ -111,8 +124,8 @@ def test_vmem_reclaims_on_demand_only_groups_no_live_sequence_uses():
     m.allocate(2, 2)                  # slot 1 (3 mapped pages): reuses page 0, no op
     m.allocate(3, 4)                  # slot 2: needs 2 groups, both reclaimed from slot 1
     ops = m.take_ops()
-    assert [type(o) for o in ops] == [UnmapGroup, MapGroup, UnmapGroup, MapGroup]
-    assert all(o.slot == 1 and o.page_index >= 1 for o in ops if isinstance(o, UnmapGroup))
+    assert [type(o) for o in ops] == [UnmapExtent, MapExtent, UnmapExtent, MapExtent]
+    assert all(o.slot == 1 and o.page_index >= 1 for o in ops if isinstance(o, UnmapExtent))
     assert not m.can_append(0, 1)     # all 4 groups are used now
     m.check_integrity()
 
@@ -122,9 +135,9 @@ def test_vmem_fork_shares_groups_and_writer_copies_partial_page():
     m.allocate(0, 3)
     m.take_ops()
     m.fork(0, 1)
-    assert m.take_ops() == [MapGroup(1, 0, 0), MapGroup(1, 1, 1)]
+    assert m.take_ops() == [map_fixed(1, 0, 0), map_fixed(1, 1, 1)]
     m.append(1)                       # the child writes into the shared partial page 1
-    assert m.take_ops() == [UnmapGroup(1, 1, 1), MapGroup(1, 1, 2), CopyGroup(0, 1, 1, 1)]
+    assert m.take_ops() == [unmap_full(1, 1, 1), map_fixed(1, 1, 2), copy_full(0, 1, 1, 1)]
     m.append(0)                       # the parent's page 1 is private again: no op
     assert m.take_ops() == [] and m.ref_count(0) == 2 and m.ref_count(1) == 1
 
@@ -141,7 +154,7 @@ def test_vmem_prefix_hit_maps_the_cached_group_under_the_new_slot():
     m.take_ops()
     assert m.allocate(3, 5, token_ids=prompt) == 4     # slot 1 (most pages), shares two pages
     ops = m.take_ops()
-    assert ops[:4] == [UnmapGroup(1, 0, 3), MapGroup(1, 0, 0), UnmapGroup(1, 1, 4), MapGroup(1, 1, 1)]
+    assert ops[:4] == [unmap_full(1, 0, 3), map_fixed(1, 0, 0), unmap_full(1, 1, 4), map_fixed(1, 1, 1)]
     assert (m.prefix_queries, m.prefix_hits) == (19, 4)
     assert m.allocate(4, 5, token_ids=prompt, namespace="lora-1") == 0   # other weights
     m.check_integrity()

@@ -301,7 +301,8 @@ class VmemMachine(ManagerMachine):
     def address_space_matches_and_allocated_is_mapped(self):
         if self.m is not None:
             self.mem.check_mapped()
-            groups = set(self.mem.aspace.values()) | set(self.m.cached_units())
+            mapped = {g for slot in range(self.m.num_slots) for g in self.m.mapped_pages(slot).values()}
+            groups = mapped | set(self.m.cached_units())
             assert self.m.stats().allocated_tokens == len(groups) * self.unit
 
 

@@ -3,7 +3,7 @@ consecutive pages that do, so every model builds a vmem manager on every page si
 is backed only by the pages its tokens' bytes need (ByteMappedVmemManager).
 
 The vmem state machine (shadow model, read-back, transactions, prefix sharing and forks) runs
-on 3-byte tokens with 4- and 5-byte pages; its shadow replays every ResizeGroup and checks that
+on 3-byte tokens with 4- and 5-byte pages; its shadow replays every MapExtent and checks that
 each token is written and read only inside backed pages, that the pages bound equal the
 shadow's page for page, and that an unshared sequence holds members x ceil(tokens x 3 /
 page_bytes) pages. The geometry is checked against hand-worked numbers for real models on 2 MiB
@@ -15,7 +15,7 @@ from hypothesis.stateful import initialize, invariant
 
 from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.geometry import MiB, PageGeometry
-from vmemkv.scheduler.managers import (ByteMappedVmemManager, ResizeGroup, UnmapGroup, VmemManager,
+from vmemkv.scheduler.managers import (ByteMappedVmemManager, UnmapExtent, VmemManager,
                                        make_manager)
 from vmemkv.scheduler.presets import ModelSpec
 
@@ -53,7 +53,7 @@ class StraddlingVmemMachine(VmemMachine):
         for sid, s in self.live.items():
             for k, g in enumerate(self.tables(sid)):
                 fill[g] = min(u, s.num_tokens - k * u)
-        pages = sum(self.mem.backed.get(g, 0) for g in fill)
+        pages = sum(backed(self.m, self.mem).get(g, 0) for g in fill)
         return max(self.m.geometry.tokens_in_member_pages(pages) - sum(fill.values()), 0)
 
     @invariant()
@@ -64,14 +64,25 @@ class StraddlingVmemMachine(VmemMachine):
             return
         m, mem, geo = self.m, self.mem, self.m.geometry
         mem.check_mapped()
-        assert sum(mem.backed.values()) * geo.num_members == m.bound_pages
-        assert all(m.backing(g) == mem.backed.get(g, 0) for g in range(m.num_groups))
-        assert m.stats().allocated_tokens == geo.tokens_in_member_pages(sum(mem.backed.values()))
+        held = backed(m, mem)
+        assert sum(held.values()) * geo.num_members == m.bound_pages
+        assert m.stats().allocated_tokens == geo.tokens_in_member_pages(sum(held.values()))
         for sid, s in self.live.items():
             groups = self.tables(sid)
             if all(m.ref_count(g) == 1 for g in groups):
                 pages = -(-s.num_tokens * geo.token_bytes // geo.page_bytes)
-                assert sum(mem.backed[g] for g in groups) == pages, (sid, s.num_tokens)
+                assert sum(held[g] for g in groups) == pages, (sid, s.num_tokens)
+
+
+def backed(m, mem) -> dict:
+    """{group: member pages backed} of every group with pages, after checking that each place
+    the shadow maps a group holds exactly its backed pages (the ops' pool pages)."""
+    n = m.geometry.num_members
+    for slot in range(m.num_slots):
+        for pi, g in m.mapped_pages(slot).items():
+            extent = mem.aspace.get((slot, pi), {}).get(m.kinds[0].name, ())
+            assert len(extent) == m.backing(g) * n, (slot, pi, g)
+    return {g: m.backing(g) for g in range(m.num_groups) if m.backing(g)}
 
 
 class CollidingStraddlingVmemMachine(CollidingDigests, StraddlingVmemMachine):
@@ -80,7 +91,7 @@ class CollidingStraddlingVmemMachine(CollidingDigests, StraddlingVmemMachine):
 
 class StraddlingWindowMachine(WindowMachine):
     """Every layer windowed, on straddling pages: a group given back behind the window is
-    unmapped and, once nobody maps it, its pages freed (ResizeGroup to 0)."""
+    unmapped and, once nobody maps it, its pages go back to the ledger (no op)."""
 
     @initialize(interleaved=st.booleans(), page_bytes=st.sampled_from([4, 5]),
                 pages=st.integers(2, 6), slices=st.integers(3, 30),
@@ -98,8 +109,8 @@ class StraddlingWindowMachine(WindowMachine):
         self.mem = WindowMemory(self.m)
 
     def check_given_back(self, sid, old, behind, ops):
-        unmaps = [op for op in ops if isinstance(op, UnmapGroup)]
-        assert all(isinstance(op, UnmapGroup) or op == ResizeGroup(op.group, 0) for op in ops), ops
+        unmaps = [op for op in ops if isinstance(op, UnmapExtent)]
+        assert all(isinstance(op, UnmapExtent) and op.first_page == 0 for op in ops), ops
         assert sorted(op.page_index for op in unmaps) == list(range(old, behind)), ops
         assert all(op.slot == self.m.slot_of(sid) for op in unmaps)
         self.mem.replay(ops, self.live)
@@ -110,7 +121,7 @@ class StraddlingWindowMachine(WindowMachine):
             lo = self.mem.first.get(sid, 0) // u
             for k, g in enumerate(self.tables(sid), start=lo):
                 fill[g] = min(u, s.num_tokens - k * u)
-        pages = sum(self.mem.backed.get(g, 0) for g in fill)
+        pages = sum(backed(self.m, self.mem).get(g, 0) for g in fill)
         return max(self.m.geometry.tokens_in_member_pages(pages) - sum(fill.values()), 0)
 
     @invariant()
@@ -118,7 +129,7 @@ class StraddlingWindowMachine(WindowMachine):
         """Pages bound, and the tokens they count as allocated, are the shadow's."""
         if self.m is not None:
             self.mem.check_mapped()
-            pages, geo = sum(self.mem.backed.values()), self.m.geometry
+            pages, geo = sum(backed(self.m, self.mem).values()), self.m.geometry
             assert pages * geo.num_members == self.m.bound_pages
             assert self.m.stats().allocated_tokens == geo.tokens_in_member_pages(pages)
 

@@ -3,7 +3,7 @@ eviction by policy, cache salts, and the vLLM-named accounting. Both layouts."""
 import pytest
 
 from vmemkv.scheduler.errors import ConfigError
-from vmemkv.scheduler.managers import (EVICTION_POLICIES, CopyGroup, MapGroup, PagedManager,
+from vmemkv.scheduler.managers import (EVICTION_POLICIES, CopyExtent, MapExtent, PagedManager,
                                        VmemManager, make_manager)
 from vmemkv.scheduler.presets import ModelSpec
 from vmemkv.scheduler.request import Request
@@ -135,12 +135,15 @@ def test_vmem_hit_maps_the_cached_group_itself_and_copies_nothing():
     run(m, 2, P + [10])                                    # placed on slot 0: nothing to map
     ops = m.take_ops()
     assert m.slot_of(2) == 0
-    assert not [op for op in ops if isinstance(op, MapGroup) and op.page_index < 2]
+    assert not [op for op in ops if isinstance(op, MapExtent) and op.page_index < 2]
     run(m, 3, P + [11])                                    # slot 0 busy: map the same groups
     ops = m.take_ops()
     slot = m.slot_of(3)
-    assert MapGroup(slot, 0, groups[0]) in ops and MapGroup(slot, 1, groups[1]) in ops
-    assert not [op for op in ops if isinstance(op, CopyGroup)]
+    extents = m.mapped_extents(slot)      # the same pool pages as slot 0 had, mapped again
+    assert all(MapExtent(slot, pi, kind, pages) in ops
+               for pi in (0, 1) for kind, pages in extents[pi].items())
+    assert m.mapped_pages(slot)[0] == groups[0] and m.mapped_pages(slot)[1] == groups[1]
+    assert not [op for op in ops if isinstance(op, CopyExtent)]
 
 
 @KINDS

@@ -3,7 +3,7 @@ order, swap priority, forks, prefix sharing, finishing, metrics."""
 import pytest
 
 from vmemkv.scheduler.errors import ConfigError, RequestTooLargeError, SchedulerError
-from vmemkv.scheduler.managers import MapGroup, make_manager
+from vmemkv.scheduler.managers import MapExtent, make_manager
 from vmemkv.scheduler.presets import get_model
 from vmemkv.scheduler.request import Request, SeqState
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -237,7 +237,7 @@ def test_plan_carries_the_managers_ops_for_vmem():
     sched = make(policy="vmem")
     sched.add_request(Request(0, 20, 2))
     plan = step(sched)
-    assert any(type(op) is MapGroup for op in plan.ops)
+    assert any(type(op) is MapExtent for op in plan.ops)
 
 
 def test_integrity_is_checked_whenever_the_scheduler_is_idle(monkeypatch):

@@ -7,7 +7,7 @@ On top of tests/scheduler/test_managers_state_machine.py's checks (the ops repla
 of physical memory, every live sequence read back, allocated == mapped groups, refused calls
 change nothing, rollback restores everything): each sequence reads back exactly its tokens from
 the first one its window still holds; each page given back is unmapped from the sequence's slot
-(one UnmapGroup per page; deferred-reclamation pages of an earlier occupant may stay mapped
+(one UnmapExtent per page; deferred-reclamation pages of an earlier occupant may stay mapped
 there, as everywhere in vmem) and no longer counts as live; a sequence that gave pages back is never swapped (WindowSwapError, nothing changed); and
 no sequence holds a group that lies wholly behind its window.
 """
@@ -32,12 +32,11 @@ class WindowMemory(VmemMemory):
         self.first = {}        # seq_id -> first token held (a multiple of the unit)
 
     def check_reads(self, shadow):
-        tpp = self.m.tokens_per_page
         for seq_id, s in shadow.items():
             lo = self.first.get(seq_id, 0)
             slot = self.m.slot_of(seq_id)
-            got = [self.groups.get(self.aspace[(slot, p // tpp)], {}).get(p % tpp)
-                   for p in range(lo, s.num_tokens)]
+            got = [self.pages.get(page, {}).get(offset) for page, offset in
+                   (self._page(slot, p) for p in range(lo, s.num_tokens))]
             assert got == s.contents[lo:s.num_tokens], seq_id
 
 
@@ -153,7 +152,7 @@ class WindowMachine(WindowRules, VmemMachine):
         self.mem = WindowMemory(self.m)
 
     def check_given_back(self, sid, old, behind, ops):
-        assert all(type(op).__name__ == "UnmapGroup" for op in ops), ops
+        assert all(type(op).__name__ == "UnmapExtent" for op in ops), ops
         slot = self.m.slot_of(sid)     # each page given back is unmapped from its slot
         assert sorted(op.page_index for op in ops) == list(range(old, behind)), ops
         assert all(op.slot == slot for op in ops)
@@ -189,7 +188,7 @@ def test_hybrid_models_keep_every_group():
     assert m.window_tokens is None
     m.allocate(0, 12)
     m.release_behind_window(0, 12)
-    assert m.take_ops()[-1].__class__.__name__ == "MapGroup" and m.stats().allocated_tokens == 12
+    assert m.take_ops()[-1].__class__.__name__ == "MapExtent" and m.stats().allocated_tokens == 12
 
 
 def test_model_spec_layer_windows_are_validated():
