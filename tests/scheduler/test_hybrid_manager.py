@@ -5,8 +5,8 @@ import pytest
 
 from vmemkv.scheduler.errors import ConfigError, OutOfCapacityError
 from vmemkv.scheduler.geometry import PART_ALL, PART_FULL, PART_WINDOW, MiB, PageGeometry
-from vmemkv.scheduler.managers import (ByteMappedVmemManager, HybridVmemManager, UnmapExtent,
-                                       VmemManager, make_manager)
+from vmemkv.scheduler.layout import PoolBacking
+from vmemkv.scheduler.managers import UnmapExtent, make_manager
 from vmemkv.scheduler.managers.window import WindowSwapError
 from vmemkv.scheduler.presets import ModelSpec, get_model
 
@@ -127,17 +127,21 @@ def test_a_prefix_whose_window_part_went_is_no_hit():
     m.check_integrity()
 
 
-def test_every_other_model_and_layout_takes_the_old_path():
+def test_every_other_model_and_layout_keeps_one_kind_of_every_layer():
     mistral, plain = get_model("mistral-7b-v0.1"), get_model("llama-3-8b")
     for model, layout in [(mistral, "per-layer"), (plain, "per-layer"), (GEMMA3, "interleaved")]:
         m = make_manager("vmem", model, 10**10, 8192, layout=layout, hybrid_parts=True)
+        assert len(m.kinds) == 1 and m.kinds[0].layers == tuple(range(model.num_layers))
         if m.geometry.exact:
-            assert type(m) is VmemManager and m.pool_pages == m.num_groups * m.pages_per_group
+            assert m.backing is PoolBacking.WHOLE
+            assert m.pool_pages == m.num_groups * m.pages_per_group
         else:                    # gemma-3-27b interleaved: 31 pages a member, mapped by bytes
-            assert type(m) is ByteMappedVmemManager and not m.geometry.split
+            assert m.backing is PoolBacking.BYTES and not m.geometry.split
     assert make_manager("vmem", GEMMA3, 10**10, 8192, layout="interleaved").window_tokens is None
-    assert type(make_manager("vmem", GEMMA3, 10**10, 8192)) is VmemManager     # opt-in
-    assert isinstance(gemma(GROUP), HybridVmemManager) and gemma(GROUP).pool_pages == GROUP
+    plain_gemma = make_manager("vmem", GEMMA3, 10**10, 8192)                    # opt-in
+    assert [k.name for k in plain_gemma.kinds] == ["full"] and plain_gemma.window_tokens is None
+    assert [k.name for k in gemma(GROUP).kinds] == ["full", "window-1024"]
+    assert gemma(GROUP).pool_pages == GROUP
     with pytest.raises(ConfigError, match="hybrid_parts must be a bool, got 1"):
         make_manager("vmem", GEMMA3, 10**10, 8192, hybrid_parts=1)
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
 from vmemkv.scheduler.geometry import PART_FULL
-from vmemkv.scheduler.managers import CopyExtent, HybridVmemManager, UnmapExtent, make_manager
+from vmemkv.scheduler.managers import CopyExtent, UnmapExtent, make_manager
 from vmemkv.scheduler.presets import ModelSpec
 
 from .shadow import VmemMemory
@@ -100,8 +100,9 @@ class HybridMachine(WindowRules, VmemMachine):
         self.m = make_manager("vmem", model, pool * tpp, pages * tpp, page_bytes=tpp,
                               max_slots=slots, swap_bytes=8 * swap, prefix_eviction=evict,
                               hybrid_parts=True)
-        assert isinstance(self.m, HybridVmemManager) and self.m.pool_pages == pool
-        assert (self.m.full_pages, self.m.window_pages, self.m.window_tokens) == (2, 6, window)
+        assert [k.name for k in self.m.kinds] == ["full", f"window-{window}"]
+        assert self.m.pool_pages == pool   # members (pages of a group) per kind: full 2, window 6
+        assert (self.m.table.members, self.m.window_tokens) == ((2, 6), window)
         self.mem = KindMemory(self.m)
 
     @precondition(lambda self: self.live)
@@ -148,13 +149,12 @@ class HybridMachine(WindowRules, VmemMachine):
         self.mem.check_mapped()
         groups = self.mem.pages_of_groups()
         mapped = {p for kinds in groups.values() for pages in kinds.values() for p in pages}
-        bound = sum(m.full_pages * (PART_FULL in m.bound_parts(g)) +
-                    m.window_pages * (len(m.bound_parts(g)) - (PART_FULL in m.bound_parts(g)))
-                    for g in range(m.num_groups))
+        bound = sum(len(pages) for g in range(m.num_groups)
+                    for pages in m.group_extents(g).values())
         assert len(mapped) <= m.bound_pages == bound == m.pool_pages - m.ledger.free_pages \
             <= m.pool_pages
         for g, kinds in groups.items():       # a group's mapped kinds have pages bound
-            assert len(m.bound_parts(g)) >= len(kinds), (g, kinds)
+            assert set(m.group_extents(g)) >= set(kinds), (g, kinds)
         for slot in range(m.num_slots):
             full_only = {pi for (s, pi), extents in self.mem.aspace.items()
                          if s == slot and set(extents) == {self.mem.full}}
@@ -173,8 +173,8 @@ class HybridMachine(WindowRules, VmemMachine):
         for sid, s in self.live.items():
             for k, unit in enumerate(self.tables(sid)):
                 fill[unit] = min(u, s.num_tokens - k * u)
-        gone = sum(f * m.window_pages for g, f in fill.items()
-                   if m.bound_parts(g) == (PART_FULL,))
+        gone = sum(f * 6 for g, f in fill.items()       # 6 window pages a group
+                   if set(m.group_extents(g)) == {self.mem.full})
         assert stats.live_tokens == (sum(fill.values()) * 8 - gone) // 8
         for sid, s in list(self.live.items()) + list(self.swapped.items()):
             assert m.num_tokens(sid) == s.num_tokens
