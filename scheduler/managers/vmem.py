@@ -287,7 +287,7 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         hits = self._hits(num_tokens, token_ids, namespace)
         need = self._need(num_tokens, hits)
         if need > self._available_units():
-            self._raise_no_room(f"sequence {seq_id} needs {need} pages")
+            self._raise_no_room(f"sequence {seq_id} needs {self._pages_text(need)}")
         seq = self._new_seq(num_tokens, token_ids, namespace)
         self._place(seq_id, seq, hits, slot)
         self._register_prompt(seq, hits)
@@ -331,7 +331,7 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         need = self._growth(seq, num_tokens)
         if need > self._available_units():
             self._raise_no_room(f"appending {num_tokens} tokens to sequence {seq_id} needs "
-                                f"{need} pages")
+                                f"{self._pages_text(need)}")
         if num_tokens == 0:
             return
         first = max(old - 1, 0) // tpp
@@ -414,6 +414,11 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
     def _place_private(self, seq_id: int, seq: HeldSeq) -> None:
         self._place(seq_id, seq, [])
         self._republish(seq)
+
+    def _pages_text(self, pages: int) -> str:
+        if self._whole and pages % self.pages_per_group == 0:
+            return f"{pages // self.pages_per_group} page groups ({pages} pages)"
+        return f"{pages} pages"
 
     def _raise_no_room(self, what: str) -> None:
         raise OutOfCapacityError(
