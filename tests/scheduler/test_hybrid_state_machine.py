@@ -17,7 +17,6 @@ or handed to another group.
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from vmemkv.scheduler.geometry import PART_FULL
 from vmemkv.scheduler.managers import CopyExtent, UnmapExtent, make_manager
 from vmemkv.scheduler.presets import ModelSpec
 
@@ -45,10 +44,16 @@ class KindMemory(VmemMemory):
             return
         super().apply(op)
 
+    def backed(self, spot, kind, offset):
+        """Whether every member page holding group offset ``offset``'s bytes is mapped."""
+        need = self.m.geometry.member_pages_for(offset + 1)
+        return len(spot[kind]) // self.members[kind] >= need
+
     def write(self, seq_id, pos, content):
         slot, tpp = self.m.slot_of(seq_id), self.m.tokens_per_page
         spot = self.aspace[(slot, pos // tpp)]                    # KeyError: a fault
         assert set(spot) == {self.full, self.window}, "write into a page missing a kind"
+        assert all(self.backed(spot, k, pos % tpp) for k in spot), "write past the backing"
         g = self.m.mapped_pages(slot)[pos // tpp]
         assert self.m.ref_count(g) == 1, f"write into shared group {g}"
         for pages in spot.values():
@@ -61,6 +66,7 @@ class KindMemory(VmemMemory):
         for p in range(lo, n):
             spot = self.aspace[(slot, p // tpp)]
             assert kind in spot, ("a needed kind is unmapped", seq_id, p, kind)
+            assert self.backed(spot, kind, p % tpp), ("read past the backing", seq_id, p, kind)
             out.append(self.pages.get(spot[kind][0], {}).get(p % tpp))
         return out
 
@@ -167,8 +173,7 @@ class HybridMachine(WindowRules, VmemMachine):
             return
         m, stats, u = self.m, self.m.stats(), self.unit
         m.check_integrity()
-        waste = sum(-(-s.num_tokens // u) * u - s.num_tokens for s in self.live.values())
-        assert stats.end_waste_tokens == waste
+        assert stats.end_waste_tokens == self.end_waste()
         fill = {}
         for sid, s in self.live.items():
             for k, unit in enumerate(self.tables(sid)):
@@ -185,7 +190,9 @@ class HybridMachine(WindowRules, VmemMachine):
         if self.m is not None:
             stats = self.m.stats()
             assert stats.free_tokens + stats.allocated_tokens == stats.total_tokens
-            assert stats.total_tokens == self.m.pool_pages * self.unit // 8
+            geo = self.m.geometry
+            assert stats.total_tokens == self.m.pool_pages * geo.page_bytes // (
+                geo.token_bytes * geo.num_members)
 
 
 TestHybridVmemMatchesShadow = HybridMachine.TestCase
