@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import ConfigError
+from ..layout import whole_kind_name
 from ..presets import ModelSpec
 from .journal import JList
 from .ledger import PageLedger
@@ -58,6 +59,17 @@ def kinds_of(model: ModelSpec) -> tuple:
     for w in sorted({w for w in windows if w is not None}):
         kinds.append(KindSpec(f"window-{w}", tuple(i for i, x in enumerate(windows) if x == w), w))
     return tuple(kinds)
+
+
+def layer_kinds(model: ModelSpec, geometry, split: bool) -> tuple:
+    """The kinds a vmem manager's ops name: a split hybrid's full and windowed layers (one
+    window: ``local_window_tokens``), else one kind of every layer."""
+    if split:
+        w = model.local_window_tokens
+        return (KindSpec("full", geometry.part_layers("full")),
+                KindSpec(f"window-{w}", geometry.window_layers, w))
+    w = model.window_tokens
+    return (KindSpec(whole_kind_name(w), tuple(range(model.num_layers)), w),)
 
 
 class KindTable:

@@ -3,34 +3,21 @@
 demand.
 
     slot s:  | page 0 | page 1 | page 2 | ... | page pages_per_slot-1 |
-               tokens [pi*tpp, (pi+1)*tpp) live under page index pi
-               each mapped page index is backed by one page GROUP g; the same g may be mapped
-               under several slots (fork, shared prefix) but always at the page index whose
-               content it holds.
+               tokens [pi*tpp, (pi+1)*tpp) live under page index pi, backed by one page GROUP
+               g; the same g may be mapped under several slots (fork, shared prefix) but
+               always at the page index whose content it holds.
 
 A group is a set of per-kind EXTENTS (``KindTable``, kinds.py): for each layer kind (full,
-window-W) the pool pages backing its members, 0..pages_per_member member pages, taken from one
-PageLedger. Two rules, values of the manager and not subclasses (vmem_kinds.py):
-
-    backing  (the geometry)  WHOLE: pages hold whole tokens; a group taken for new content
-                             binds every kind's page at once and a free group keeps them.
-                             BYTES: a member spans k > 1 pages; a group binds only the pages
-                             its tokens' bytes need, growing and shrinking (MapExtent /
-                             UnmapExtent from ``first_page``); a free group keeps none.
-    release  (the kinds)     a windowed kind beside a full one (hybrid models, per-layer, with
-                             ``hybrid_parts``) is unmapped behind the window and its pages go
-                             back to the ledger once no holder reads it; a full kind never.
-                             A model whose every layer has the window gives back whole groups
-                             (window.py).
-
-A group is in one of these states (reclaimable and cached ones count as ALLOCATED in stats and
-AVAILABLE to admit):
+window-W) the pool pages backing its members, from one PageLedger. How they are backed (WHOLE
+or by BYTES, from the geometry) and which kinds go back behind the window (from the kinds) are
+values of this one class, not subclasses (vmem_kinds.py). A group is
     spare        no pages, mapped nowhere, refs 0                 in ``_spare``
     free         refs 0, mapped nowhere, pages kept (WHOLE)       in ``_free``
     reclaimable  refs 0, still mapped (freed slot, or past a live   in ``_reclaimable`` (LRU)
                  sequence's length), no content kept
     cached       refs 0, registered (full, computed), mapped or not in ``_cache`` (the policy)
-    used         refs >= 1 (live sequences using it); partial: its windowed kinds released
+    used         refs >= 1 (live sequences); partial: its windowed kinds released
+Reclaimable and cached groups count as ALLOCATED in stats and AVAILABLE to admit.
 
 Deferred reclamation: ``free`` unmaps nothing; a later sequence placed on the slot writes into
 the pages still mapped there without any op, and groups are unmapped (UnmapExtent) only when a
@@ -44,14 +31,14 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError, SlotError
-from ..geometry import LAYOUTS, PART_FULL, PageGeometry  # noqa: F401 (LAYOUTS re-exported)
-from ..layout import CacheKind, CacheLayout, PoolBacking, whole_kind_name
+from ..geometry import LAYOUTS, PageGeometry  # noqa: F401 (LAYOUTS re-exported)
+from ..layout import CacheKind, CacheLayout, PoolBacking
 from ..presets import ModelSpec
-from .base import CopyExtent, MemoryStats
+from .base import CopyExtent
 from .common import ManagerCore, check_int
 from .eviction import DEFAULT_EVICTION
 from .journal import JDict, JList, JSet, OrderedUnits
-from .kinds import KindSpec, KindTable
+from .kinds import KindTable, layer_kinds
 from .prefix import HeldSeq
 from .slots import FreeSlots
 from .units import UnitOps
@@ -86,7 +73,7 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
                               f"tokens_per_page={tpp} ({layout}, page_bytes={page_bytes}); "
                               f"nearest valid: {near}")
         self.backing = PoolBacking.WHOLE if geo.exact else PoolBacking.BYTES
-        self.kinds = self._kinds_of(model, hybrid_parts and geo.split)
+        self.kinds = layer_kinds(model, geo, hybrid_parts and geo.split)
         m = geo.num_members            # a running sequence holds >= 1 page of every member
         slices = check_int("cache_bytes", cache_bytes, 1) // (page_bytes * m)
         if slices < 1:
@@ -117,16 +104,6 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         self.table = KindTable(cell, self.kinds, geo.per_layer, self.num_groups, self.pool_pages)
         self.ledger = self.table.ledger        # the pool's pages, by kind
         self._init_rules(cell)
-
-    def _kinds_of(self, model: ModelSpec, split: bool) -> tuple:
-        """The layer kinds ops name: the full and the windowed layers of a split hybrid, else
-        one kind of every layer."""
-        geo, w = self.geometry, model.local_window_tokens
-        if split:
-            return (KindSpec("full", geo.part_layers(PART_FULL)),
-                    KindSpec(f"window-{w}", geo.window_layers, w))
-        w = model.window_tokens
-        return (KindSpec(whole_kind_name(w), tuple(range(model.num_layers)), w),)
 
     def layout(self) -> CacheLayout:
         """A vmem cache of this geometry, slots, groups and pool."""
@@ -198,13 +175,6 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         if g in self._reclaimable and not self._maps[g]:
             self._leave_reclaimable(g)
             self._to_free(g)          # (a cached group stays cached, mapped nowhere)
-
-    def _unmap_everywhere(self, g: int) -> None:
-        for slot, pi in sorted(self._maps[g]):
-            self._emit_unmap(slot, pi, g)
-            del self._pages[slot][pi]
-            self._free_slots.recount(slot, len(self._pages[slot]))
-        self._maps[g].clear()
 
     def _give_back(self, seq: HeldSeq, pi: int, g: int) -> None:
         if self._pages[seq.slot].get(pi) == g:     # a window's group: unmapped at once
@@ -414,36 +384,3 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
     def _place_private(self, seq_id: int, seq: HeldSeq) -> None:
         self._place(seq_id, seq, [])
         self._republish(seq)
-
-    def _pages_text(self, pages: int) -> str:
-        if self._whole and pages % self.pages_per_group == 0:
-            return f"{pages // self.pages_per_group} page groups ({pages} pages)"
-        return f"{pages} pages"
-
-    def _raise_no_room(self, what: str) -> None:
-        raise OutOfCapacityError(
-            f"{what}: {self.ledger.free_pages} of {self.pool_pages} pages unbound (a group takes "
-            f"{self.pages_per_group}), {len(self._free)} free + {len(self._reclaimable)} "
-            f"reclaimable + {len(self._cache)} cached page groups, {len(self._free_slots)} free slots")
-
-    # -- queries --
-    def stats(self) -> MemoryStats:
-        """Tokens as the pages hold them (bytes = tokens * bytes_per_token, rounded down):
-        ``total_tokens`` is the pool; ``free_tokens`` WHOLE: unbound pages and free groups,
-        BYTES: unbound pages; ``live_tokens`` counts a partial group's tokens in the kinds
-        that keep them; ``end_waste_tokens`` WHOLE: held groups' room past their tokens,
-        BYTES: held pages' room past the live tokens."""
-        tokens, ppg = self._tokens, self.pages_per_group
-        total = tokens(self.pool_pages)
-        gone = len(self._partial) * self.tokens_per_page * self._win_pages
-        live = (self._live * ppg - gone) // ppg
-        if self._whole:
-            free = tokens(self.ledger.free_pages + len(self._free) * ppg)
-            allocated, waste = total - free, self._cap_sum - self._tok_sum
-        else:
-            allocated = tokens(self.bound_pages)
-            free = total - allocated
-            waste = max(tokens(self.bound_pages - self._idle - len(self._cache) * ppg) - live, 0)
-        return MemoryStats(total_tokens=total, allocated_tokens=allocated, live_tokens=live,
-                           free_tokens=free, end_waste_tokens=waste,
-                           bytes_per_token=self.bytes_per_token)

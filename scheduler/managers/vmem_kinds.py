@@ -30,7 +30,8 @@ from __future__ import annotations
 from typing import Iterable, Optional
 
 from ..layout import PoolBacking
-from .base import MapExtent, UnmapExtent
+from ..errors import OutOfCapacityError
+from .base import MapExtent, MemoryStats, UnmapExtent
 from .journal import JList, JSet
 from .prefix import HeldSeq
 from .window import WindowedGroups, dropped_units
@@ -120,6 +121,38 @@ class KindRules:
         unused = (len(self._free) + len(self._cache)) * self.pages_per_group + self._idle
         return (self.bound_pages - unused) / self.pool_pages
 
+    def stats(self) -> MemoryStats:
+        """Tokens as the pages hold them (bytes = tokens * bytes_per_token, rounded down):
+        ``total_tokens`` is the pool; ``free_tokens`` WHOLE: unbound pages and free groups,
+        BYTES: unbound pages; ``live_tokens`` counts a partial group's tokens in the kinds
+        that keep them; ``end_waste_tokens`` WHOLE: held groups' room past their tokens,
+        BYTES: held pages' room past the live tokens."""
+        tokens, ppg = self._tokens, self.pages_per_group
+        total = tokens(self.pool_pages)
+        gone = len(self._partial) * self.tokens_per_page * self._win_pages
+        live = (self._live * ppg - gone) // ppg
+        if self._whole:
+            free = tokens(self.ledger.free_pages + len(self._free) * ppg)
+            allocated, waste = total - free, self._cap_sum - self._tok_sum
+        else:
+            allocated = tokens(self.bound_pages)
+            free = total - allocated
+            waste = max(tokens(self.bound_pages - self._idle - len(self._cache) * ppg) - live, 0)
+        return MemoryStats(total_tokens=total, allocated_tokens=allocated, live_tokens=live,
+                           free_tokens=free, end_waste_tokens=waste,
+                           bytes_per_token=self.bytes_per_token)
+
+    def _pages_text(self, pages: int) -> str:
+        if self._whole and pages % self.pages_per_group == 0:
+            return f"{pages // self.pages_per_group} page groups ({pages} pages)"
+        return f"{pages} pages"
+
+    def _raise_no_room(self, what: str) -> None:
+        raise OutOfCapacityError(
+            f"{what}: {self.ledger.free_pages} of {self.pool_pages} pages unbound (a group takes "
+            f"{self.pages_per_group}), {len(self._free)} free + {len(self._reclaimable)} "
+            f"reclaimable + {len(self._cache)} cached page groups, {len(self._free_slots)} free slots")
+
     # -- ops: a group's kinds' pool pages, named (the only places that emit them) --
     def _kinds_at(self, slot: int, pi: int):
         """Indexes of the kinds mapped where a group is mapped at (slot, pi)."""
@@ -184,6 +217,13 @@ class KindRules:
         g = self._pop_reclaimable() if self._reclaimable else self._evict()
         self._unmap_everywhere(g)
         self._to_spare(g)
+
+    def _unmap_everywhere(self, g: int) -> None:
+        for slot, pi in sorted(self._maps[g]):
+            self._emit_unmap(slot, pi, g)
+            del self._pages[slot][pi]
+            self._free_slots.recount(slot, len(self._pages[slot]))
+        self._maps[g].clear()
 
     def _to_free(self, g: int) -> None:
         """``g`` (refs 0, mapped nowhere, no content) is free: WHOLE keeps its pages."""
