@@ -20,7 +20,7 @@ members of its full layers (2 * L_full * k pages), and WINDOW, those of its wind
 (2 * L_win * k pages); ``window_layers`` names the windowed layers (empty: groups are not
 split). The ops name a part by its kind (MapExtent.kind).
 
-Mapping by bytes (k > 1, groups not split): the page GROUP stays the unit of prefix hashing,
+Mapping by bytes (k > 1; each kind of a split group alike): the page GROUP stays the unit of prefix hashing,
 sharing, copy-on-write, window release and page indices (a group begins at a token boundary
 and at a page boundary, so a whole group is exactly "pages wholly inside a common prefix" that
 no recomputed token straddles), but a group is BACKED only as far as its bytes need: each
@@ -30,7 +30,7 @@ slot_member_pages(n)`` = members x ceil(n * token_bytes / page_bytes) pages (its
 whole but the last), not members x k x ceil(n / tokens_per_page). The pool is counted in
 *slices* of ``num_members`` pages (one page of every member); a MapExtent with ``first_page``
 > 0 grows a group's backing and an UnmapExtent with ``first_page`` > 0 shrinks it
-(scheduler.managers.vmem_bytes). With k == 1 a group is one slice and nothing of this runs.
+(scheduler.managers.vmem_kinds). With k == 1 a group is one slice and whole backing is the same.
 """
 from __future__ import annotations
 

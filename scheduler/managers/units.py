@@ -195,7 +195,7 @@ class UnitOps:
         return spare >= 0 and self._units_as_tokens(spare) >= reserve_tokens
 
     def _units_as_tokens(self, units: int) -> int:
-        """Tokens that ``units`` of what ``_available_units`` counts hold (vmem_bytes.py: pages)."""
+        """Tokens that ``units`` of what ``_available_units`` counts hold (vmem: pages)."""
         return units * self.unit_tokens
 
     def _count_prefix(self, token_ids, num_tokens: int, hits: list) -> int:
