@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from vmemkv.runtime.engine import Engine, SamplingParams
+from vmemkv.scheduler.managers import make_manager
 
 from .test_window_models import prompts
 from .window_families import G, WINDOW
@@ -72,5 +73,11 @@ def test_hybrid_on_straddling_pages_decodes_exactly_and_gives_back_its_window_by
     assert (full, window) == (8, 2)
     assert mapped == full + window == 10 < kept == 16
     assert held == {"full": full, f"window-{WINDOW}": window}   # the rest is in the ledger
+    # the same sequence on the same pool with every page kept (one kind of every layer)
+    keep = make_manager("vmem", manager.model, manager.pool_pages * geo.page_bytes, 128,
+                        page_bytes=geo.page_bytes, max_slots=2, hybrid_parts=False)
+    keep.allocate(0, n)
+    keep.release_behind_window(0, n)
+    assert keep.bound_pages == kept and keep.ledger.tenants() == {"full": kept}
     # every step: at most every page kept for its context (equal until a group is behind)
     assert all(m <= 4 * geo.slot_member_pages(c) for m, c, _ in seen)
