@@ -47,7 +47,7 @@ class KindRules:
         self._idle = 0                                   # pages of reclaimable groups
         self._partial = JSet(cell)                       # held, windowed kinds released
         self._win_drop = JList(cell, [0] * self.num_groups)  # holders of g, windowed unmapped
-        self._win_gone = JList(cell, [0] * self.num_slots)   # slot -> leading pages so
+        self._win_gone = JList(cell, [0] * self.num_slots)   # slot -> leading pages, windowed gone
         if self._whole and not self._win:     # groups never give pages back: bound for good
             self._spare = JList(cell)
             for g in range(self.num_groups):
