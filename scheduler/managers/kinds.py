@@ -66,7 +66,7 @@ def layer_kinds(model: ModelSpec, geometry, split: bool) -> tuple:
     window: ``local_window_tokens``), else one kind of every layer."""
     if split:
         w = model.local_window_tokens
-        return (KindSpec("full", geometry.part_layers("full")),
+        return (KindSpec("full", geometry.full_layers),
                 KindSpec(f"window-{w}", geometry.window_layers, w))
     w = model.window_tokens
     return (KindSpec(whole_kind_name(w), tuple(range(model.num_layers)), w),)

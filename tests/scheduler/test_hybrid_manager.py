@@ -4,7 +4,7 @@ with typed errors that change nothing, and leaves every other model on the old p
 import pytest
 
 from vmemkv.scheduler.errors import ConfigError, OutOfCapacityError
-from vmemkv.scheduler.geometry import PART_ALL, PART_FULL, PART_WINDOW, MiB, PageGeometry
+from vmemkv.scheduler.geometry import MiB, PageGeometry
 from vmemkv.scheduler.layout import PoolBacking
 from vmemkv.scheduler.managers import UnmapExtent, make_manager
 from vmemkv.scheduler.managers.window import WindowSwapError
@@ -31,12 +31,13 @@ def held_pages(tokens, window=1024):
     return units * FULL + (units - dropped) * WINDOW
 
 
-def test_part_page_counts_come_from_the_geometry():
+def test_kind_page_counts_come_from_the_geometry():
     g = PageGeometry.of(GEMMA3, PAGE, "per-layer")
     assert (g.tokens_per_page, g.pages_per_group) == (TPP, GROUP)
-    assert (g.pages_per_part(PART_FULL), g.pages_per_part(PART_WINDOW)) == (FULL, WINDOW)
-    assert g.part_layers(PART_FULL) == tuple(range(5, 62, 6))
-    assert len(g.part_members(PART_WINDOW)) == 2 * 52 and g.pages_per_part(PART_ALL) == GROUP
+    assert g.full_layers == tuple(range(5, 62, 6)) and len(g.window_layers) == 52
+    m = gemma(GROUP)                         # members (one page each) per kind: full, window
+    assert m.table.members == (FULL, WINDOW) and sum(m.table.members) == GROUP
+    assert [k.layers for k in m.kinds] == [g.full_layers, g.window_layers]
     assert not PageGeometry.of(GEMMA3, PAGE, "interleaved").split
     assert not PageGeometry.of(get_model("mistral-7b-v0.1"), PAGE, "per-layer").split
 
