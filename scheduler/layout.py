@@ -94,7 +94,8 @@ class CacheLayout:
             raise ConfigError(f"CacheLayout kinds must cover every layer of the geometry once "
                               f"(one kind in the interleaved layout), got {self.kinds!r}")
         if (self.backing is PoolBacking.WHOLE) != g.exact:
-            need = "hold whole tokens" if self.backing is PoolBacking.WHOLE else "hold no whole token"
+            whole = self.backing is PoolBacking.WHOLE
+            need = "hold whole tokens" if whole else "hold no whole token"
             raise ConfigError(f"a {self.backing} pool needs pages that {need}; got "
                               f"{g.pages_per_member} page(s) per member")
 

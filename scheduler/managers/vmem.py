@@ -117,7 +117,8 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
     def max_sequence_tokens(self) -> int:
         geo = self.geometry
         whole, rest = divmod(self.pool_pages // geo.num_members, geo.pages_per_member)
-        return min(self.max_seq_len, whole * self.tokens_per_page + geo.tokens_in_member_pages(rest))
+        tokens = whole * self.tokens_per_page + geo.tokens_in_member_pages(rest)
+        return min(self.max_seq_len, tokens)
 
     @property
     def pages_per_map_op(self) -> int:
@@ -125,7 +126,8 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
 
     _FIXED_FIELDS = UnitOps._FIXED_FIELDS | {
         "geometry", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
-        "pages_per_slot", "_window", "kinds", "pool_pages", "backing", "_win", "_whole", "_win_pages"}
+        "pages_per_slot", "_window", "kinds", "pool_pages", "backing", "_win", "_whole",
+        "_win_pages", "_kept"}
     _SAVED_FIELDS = UnitOps._SAVED_FIELDS + ("_idle",)
     _JOURNALED_FIELDS = UnitOps._JOURNALED_FIELDS | {
         "_reclaimable", "_maps", "_pages", "_owner", "_free_slots", "ledger", "table", "_spare",

@@ -44,6 +44,7 @@ class KindRules:
         geo, table = self.geometry, self.table
         self._whole = self.backing is PoolBacking.WHOLE
         self._win_pages = sum(table.members[k] for k in self._win) * geo.pages_per_member
+        self._kept = tuple(k for k in range(len(self.kinds)) if k not in self._win)
         self._idle = 0                                   # pages of reclaimable groups
         self._partial = JSet(cell)                       # held, windowed kinds released
         self._win_drop = JList(cell, [0] * self.num_groups)  # holders of g, windowed unmapped
@@ -151,14 +152,13 @@ class KindRules:
         raise OutOfCapacityError(
             f"{what}: {self.ledger.free_pages} of {self.pool_pages} pages unbound (a group takes "
             f"{self.pages_per_group}), {len(self._free)} free + {len(self._reclaimable)} "
-            f"reclaimable + {len(self._cache)} cached page groups, {len(self._free_slots)} free slots")
+            f"reclaimable + {len(self._cache)} cached page groups, "
+            f"{len(self._free_slots)} free slots")
 
     # -- ops: a group's kinds' pool pages, named (the only places that emit them) --
     def _kinds_at(self, slot: int, pi: int):
         """Indexes of the kinds mapped where a group is mapped at (slot, pi)."""
-        if pi < self._win_gone[slot]:
-            return tuple(k for k in range(len(self.kinds)) if k not in self._win)
-        return range(len(self.kinds))
+        return self._kept if pi < self._win_gone[slot] else range(len(self.kinds))
 
     def _emit_map(self, slot: int, pi: int, g: int, kinds=None) -> None:
         """MapExtent of ``g``'s pages of ``kinds`` (indexes; None: all) at (slot, pi)."""

@@ -29,8 +29,8 @@ KiB = 1024
 @functools.lru_cache(maxsize=None)
 def _model():
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    fields = dict(G, hidden_size=96, num_attention_heads=6, num_key_value_heads=3, sliding_window=WINDOW,
-                  attn_logit_softcapping=2.0, query_pre_attn_scalar=24)
+    fields = dict(G, hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
+                  sliding_window=WINDOW, attn_logit_softcapping=2.0, query_pre_attn_scalar=24)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return transformers.AutoModelForCausalLM.from_config(
