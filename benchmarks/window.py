@@ -12,8 +12,8 @@ model without windows (``CacheConfig.layer_windows=()``).
 
 The model is Mistral-shaped but scaled to the host: 4 layers, 8 KV heads x 128, fp16 (16 KiB
 per token), every layer windowed; and a hybrid of 5 windowed layers to 1 full (Gemma 3's
-pattern). On vmem per-layer the hybrid's page groups split into a FULL and a WINDOW part, and
-the windowed layers' part is given back behind the window; paged keeps one block table per
+pattern). On vmem per-layer the hybrid's page groups are a full and a window kind's extents,
+and the window kind's are given back behind the window; paged keeps one block table per
 block group (here 6 groups of one layer) and its windowed groups give back their blocks; an
 interleaved page serves every layer at once, so there the hybrid keeps every unit.
 ``--straddling`` adds the hybrid with 3 KV heads (768 B a layer-token: a 64 KiB page holds no

@@ -14,7 +14,7 @@ from .shadow import dump
 
 GEMMA3 = get_model("gemma-3-27b")   # 62 layers: 10 full (5, 11, ..., 59), 52 within 1,024 tokens
 PAGE = 2 * MiB                      # one layer's K of 512 tokens (16 heads * 128 * 2 bytes)
-TPP, GROUP, FULL, WINDOW = 512, 124, 20, 104     # tokens / pages per group, FULL, WINDOW part
+TPP, GROUP, FULL, WINDOW = 512, 124, 20, 104     # tokens / pages per group, full, window kind
 
 
 def gemma(pool_pages, max_len=32 * 1024, **kw):
