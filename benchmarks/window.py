@@ -12,10 +12,13 @@ model without windows (``CacheConfig.layer_windows=()``).
 
 The model is Mistral-shaped but scaled to the host: 4 layers, 8 KV heads x 128, fp16 (16 KiB
 per token), every layer windowed; and a hybrid of 5 windowed layers to 1 full (Gemma 3's
-pattern). On vmem per-layer the hybrid's page groups split into a FULL and a WINDOW part, and
-the windowed layers' part is given back behind the window; paged keeps one block table per
+pattern). On vmem per-layer the hybrid's page groups are a full and a window kind's extents,
+and the window kind's are given back behind the window; paged keeps one block table per
 block group (here 6 groups of one layer) and its windowed groups give back their blocks; an
 interleaved page serves every layer at once, so there the hybrid keeps every unit.
+``--straddling`` adds the hybrid with 3 KV heads (768 B a layer-token: a 64 KiB page holds no
+whole token, a member spans 3 pages) on vmem per-layer: each kind backed by its bytes, the
+window kind given back.
 """
 from __future__ import annotations
 
@@ -29,12 +32,13 @@ KiB = 2**10
 LAYOUTS = (("vmem", "per-layer"), ("vmem", "interleaved"), ("paged", "per-layer"))
 MODELS = {"uniform (4 of 4 windowed)": (4, (True,) * 4),
           "hybrid (5 of 6 windowed)": (6, (True,) * 5 + (False,))}
+STRADDLING = {"hybrid, 3 KV heads (no whole token a page)": (6, (True,) * 5 + (False,))}
 
 
-def _config(layers: int, windowed, window: int, aware: bool, max_context: int):
+def _config(layers: int, windowed, window: int, aware: bool, max_context: int, kv_heads=8):
     from vmemkv.runtime.config import CacheConfig
     windows = tuple(window if w else None for w in windowed) if aware else ()
-    return CacheConfig(layers, 8, 128, torch.float16, "cpu", max_batch=1,
+    return CacheConfig(layers, kv_heads, 128, torch.float16, "cpu", max_batch=1,
                        max_context=max_context, layer_windows=windows)
 
 
@@ -48,11 +52,11 @@ def held_bytes(kv) -> int:
 
 
 def run_one(kind: str, layout: str, layers: int, windowed, window: int, aware: bool,
-            page_bytes: int = 64 * KiB, block_size: int = 16) -> dict:
+            page_bytes: int = 64 * KiB, block_size: int = 16, kv_heads: int = 8) -> dict:
     """Decode one sequence to 16x ``window``; held bytes at 4x and 16x."""
     from vmemkv.runtime.kv import make_kv
     marks, ctx = (4 * window, 16 * window), 16 * window
-    config = _config(layers, windowed, window, aware, ctx)
+    config = _config(layers, windowed, window, aware, ctx, kv_heads)
     out = {}
     with make_kv(config, kind, layout=layout, page_bytes=page_bytes, block_size=block_size,
                  grow_pages=kind == "vmem") as kv:
@@ -70,19 +74,24 @@ def run_one(kind: str, layout: str, layers: int, windowed, window: int, aware: b
     return out
 
 
-def measure(window: int = 512, page_bytes: int = 64 * KiB, block_size: int = 16) -> list:
+def measure(window: int = 512, page_bytes: int = 64 * KiB, block_size: int = 16,
+            straddling: bool = False) -> list:
     rows = []
-    for model, (layers, windowed) in MODELS.items():
-        for kind, layout in LAYOUTS:
-            full = run_one(kind, layout, layers, windowed, window, False, page_bytes, block_size)
-            aware = run_one(kind, layout, layers, windowed, window, True, page_bytes, block_size)
-            for mult in (4, 16):
-                ctx = mult * window
-                rows.append({"model": model, "cache": kind if kind == "paged" else f"vmem {layout}",
-                             "context": f"{mult}x window ({ctx})",
-                             "full_MiB": round(full[ctx] / 2**20, 2),
-                             "window_aware_MiB": round(aware[ctx] / 2**20, 2),
-                             "saved": f"{1 - aware[ctx] / full[ctx]:.0%}"})
+    cases = [(m, shape, kl, 8) for m, shape in MODELS.items() for kl in LAYOUTS]
+    if straddling:
+        cases += [(m, shape, ("vmem", "per-layer"), 3) for m, shape in STRADDLING.items()]
+    for model, (layers, windowed), (kind, layout), heads in cases:
+        full = run_one(kind, layout, layers, windowed, window, False, page_bytes, block_size,
+                       heads)
+        aware = run_one(kind, layout, layers, windowed, window, True, page_bytes, block_size,
+                        heads)
+        for mult in (4, 16):
+            ctx = mult * window
+            rows.append({"model": model, "cache": kind if kind == "paged" else f"vmem {layout}",
+                         "context": f"{mult}x window ({ctx})",
+                         "full_MiB": round(full[ctx] / 2**20, 2),
+                         "window_aware_MiB": round(aware[ctx] / 2**20, 2),
+                         "saved": f"{1 - aware[ctx] / full[ctx]:.0%}"})
     return rows
 
 
@@ -90,11 +99,13 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--window", type=int, default=512, help="sliding window in tokens")
     parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument("--straddling", action="store_true",
+                        help="add the hybrid on pages that hold no whole token (vmem per-layer)")
     args = parser.parse_args(argv)
     env = environment(seed=0, warmup=0, repeats=1, window=args.window, page_bytes=64 * KiB,
                       block_size=16)
     print_environment(env)
-    rows = measure(args.window)
+    rows = measure(args.window, straddling=args.straddling)
     print(format_table(rows, ["model", "cache", "context", "full_MiB", "window_aware_MiB", "saved"]))
     write_json(args.out, {"environment": env, "rows": rows})
 

@@ -115,8 +115,8 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
     ``grow_pages``: create physical pages on first mapping, up to ``cache_bytes``
     (vmem.PagePool(grow=True)); default: all created up front.
     ``hybrid_parts``: a hybrid model (full and windowed layers) in the per-layer layout splits
-    page groups into FULL / WINDOW parts and gives back the windowed part behind the window
-    (scheduler.managers.hybrid; the cache binds pages to parts); False: full allocation.
+    page groups into a full and a windowed kind and gives back the windowed one behind the window
+    (scheduler.managers.vmem_kinds; the ops name each kind's pool pages); False: full allocation.
     paged: ``block_size`` tokens per block. ``prefix_eviction``: the managers' retention of
     computed prefixes (scheduler.managers.eviction).
     """

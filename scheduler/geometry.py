@@ -14,14 +14,13 @@ where layer_bytes = kv_heads * head_dim * dtype bytes, one layer's K of one toke
 ``tokens_per_page`` counts tokens per page group (of one member's k pages). Managers, the
 simulator, caches and the engine all read these numbers from a :class:`PageGeometry`.
 
-A hybrid model (full-attention layers beside sliding-window ones) in the per-layer layout
-splits each group into two PARTS, one per layer kind (scheduler.managers.kinds): FULL, the
-members of its full layers (2 * L_full * k pages), and WINDOW, those of its windowed layers
-(2 * L_win * k pages); ``window_layers`` names the windowed layers (empty: groups are not
-split). The ops name a part by its kind (MapExtent.kind).
+A hybrid model (full-attention layers beside sliding-window ones) in the per-layer layout can
+split each group by layer kind (scheduler.managers.kinds): the members of its ``full_layers``
+(2 * L_full * k pages) and those of its ``window_layers`` (2 * L_win * k pages; empty: groups
+are not split). The ops name a kind's extent (MapExtent.kind).
 
-Mapping by bytes (k > 1, groups not split): the page GROUP stays the unit of prefix hashing,
-sharing, copy-on-write, window release and page indices (a group begins at a token boundary
+Mapping by bytes (k > 1; each kind of a split group alike): the page GROUP stays the unit of
+prefix hashing, sharing, copy-on-write, window release and page indices (a group begins at a token boundary
 and at a page boundary, so a whole group is exactly "pages wholly inside a common prefix" that
 no recomputed token straddles), but a group is BACKED only as far as its bytes need: each
 member's first ``member_pages_for(fill)`` = ceil(fill * token_bytes / page_bytes) of its k
@@ -30,7 +29,7 @@ slot_member_pages(n)`` = members x ceil(n * token_bytes / page_bytes) pages (its
 whole but the last), not members x k x ceil(n / tokens_per_page). The pool is counted in
 *slices* of ``num_members`` pages (one page of every member); a MapExtent with ``first_page``
 > 0 grows a group's backing and an UnmapExtent with ``first_page`` > 0 shrinks it
-(scheduler.managers.vmem_bytes). With k == 1 a group is one slice and nothing of this runs.
+(scheduler.managers.vmem_kinds). With k == 1 a group is one slice and whole backing is the same.
 """
 from __future__ import annotations
 
@@ -39,8 +38,6 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .errors import ConfigError
-
-PART_ALL, PART_FULL, PART_WINDOW = "all", "full", "window"   # the kinds of a split group
 
 KiB, MiB = 2**10, 2**20
 
@@ -88,7 +85,7 @@ class PageGeometry:
     page_bytes: int
     num_layers: int
     layer_bytes_per_token: int     # one layer's K (or V) of one token
-    window_layers: tuple = ()      # per-layer hybrid only: the windowed layers (WINDOW part)
+    window_layers: tuple = ()      # per-layer hybrid only: the windowed layers
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", PageLayout.parse(self.layout))
@@ -153,34 +150,17 @@ class PageGeometry:
         backed by their bytes)."""
         return self.num_members * self.pages_per_member
 
-    # -- parts of a split group (hybrid per-layer; see the module docstring) --
+    # -- a split group (hybrid per-layer; see the module docstring) --
     @property
     def split(self) -> bool:
-        """Whether groups have FULL and WINDOW parts."""
+        """Whether groups can be split by layer kind (full layers, windowed layers)."""
         return bool(self.window_layers)
 
-    def part_layers(self, part: str) -> tuple:
-        """Layers whose members ``part`` ("all", "full" or "window") holds."""
-        if part == PART_ALL:
-            return tuple(range(self.num_layers))
+    @property
+    def full_layers(self) -> tuple:
+        """Layers outside ``window_layers`` (every layer where groups are not split)."""
         windowed = set(self.window_layers)
-        if part == PART_WINDOW:
-            return self.window_layers
-        if part == PART_FULL:
-            return tuple(i for i in range(self.num_layers) if i not in windowed)
-        raise ConfigError(f"part must be one of all, full, window, got {part!r}")
-
-    def part_members(self, part: str) -> tuple:
-        """Member indices j (= layer * 2 + kv) of ``part`` (per-layer layout)."""
-        if not self.per_layer:
-            return (0, 1)
-        return tuple(j for layer in self.part_layers(part) for j in (2 * layer, 2 * layer + 1))
-
-    def pages_per_part(self, part: str) -> int:
-        """Physical pages behind ``part`` of one group (``pages_per_group`` for "all")."""
-        if part == PART_ALL:
-            return self.pages_per_group
-        return len(self.part_members(part)) * self.pages_per_member
+        return tuple(i for i in range(self.num_layers) if i not in windowed)
 
     @property
     def group_bytes(self) -> int:

@@ -35,11 +35,10 @@ class CacheKind(_Name):
 
 
 class PoolBacking(_Name):
-    """How a vmem manager backs page groups with pool pages (its accounting; the executor
-    maps whatever pages the ops name, the same way for all three)."""
-    FIXED = "fixed"    # group g owns pages_per_group fixed pages
-    PARTS = "parts"    # hybrid per-layer: pages bound to a group's FULL / WINDOW part on demand
-    BYTES = "bytes"    # members spanning k > 1 pages: a group backed by the pages its bytes need
+    """The vmem backing rule, from the geometry (the manager's accounting; the executor maps
+    whatever pages the ops name, the same way for both)."""
+    WHOLE = "whole"    # pages hold whole tokens: a group binds every member page when taken
+    BYTES = "bytes"    # members span k > 1 pages: a group backed by the pages its bytes need
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ class CacheLayout:
     num_slots: int = 0
     pages_per_slot: int = 0
     num_groups: int = 0
-    backing: PoolBacking = PoolBacking.FIXED
+    backing: PoolBacking = PoolBacking.WHOLE
     pool_pages: Optional[int] = None
     block_size_tokens: int = 0
     num_blocks: int = 0
@@ -94,12 +93,11 @@ class CacheLayout:
         if layers != list(range(g.num_layers)) or (not g.per_layer and len(self.kinds) != 1):
             raise ConfigError(f"CacheLayout kinds must cover every layer of the geometry once "
                               f"(one kind in the interleaved layout), got {self.kinds!r}")
-        if self.backing is PoolBacking.PARTS and not g.split:
-            raise ConfigError("a parts pool needs a geometry split by layer kind (window_layers)")
-        if self.backing is PoolBacking.BYTES and (g.split or g.exact):
-            raise ConfigError(f"a bytes pool needs members spanning several pages and groups not "
-                              f"split; got {g.pages_per_member} page(s) per member"
-                              f"{', split' if g.split else ''}")
+        if (self.backing is PoolBacking.WHOLE) != g.exact:
+            whole = self.backing is PoolBacking.WHOLE
+            need = "hold whole tokens" if whole else "hold no whole token"
+            raise ConfigError(f"a {self.backing} pool needs pages that {need}; got "
+                              f"{g.pages_per_member} page(s) per member")
 
     @property
     def total_pages(self) -> int:

@@ -65,7 +65,7 @@ class ModelSpec:
     @property
     def is_hybrid(self) -> bool:
         """Full-attention layers beside sliding-window ones (Gemma 2/3, Cohere2): the vmem
-        per-layer layout then splits each page group by layer kind (managers/hybrid.py)."""
+        per-layer layout then splits each page group by layer kind (managers/vmem_kinds.py)."""
         return None in self.layer_windows and self.windowed_layers > 0
 
     @property

@@ -10,12 +10,11 @@
 | paged           | blocks of block_size  | fork + prefix (chain hash), CoW | CopyBlock, swaps       |
 | vmem            | page groups in slots  | fork + prefix (chain hash), CoW | Map/Unmap/CopyExtent   |
 
-vmem with a hybrid model (full + sliding-window layers) in the per-layer layout and
-``hybrid_parts=True`` is a HybridVmemManager (hybrid.py): groups split by layer kind over a pool counted in pages, the
-windowed part given back behind the window. vmem on pages that do not hold
-whole tokens (members of k > 1 pages, groups not split) is a ByteMappedVmemManager
-(vmem_bytes.py): each group backed only by the pages its tokens' bytes need. Every vmem op names the pool
-pages it maps, taken from the manager's one PageLedger (ledger.py).
+vmem is one VmemManager whose page groups are per-kind extents (kinds.py): backed whole, or by
+the bytes their tokens need where pages hold no whole token; with a hybrid model (full +
+sliding-window layers) in the per-layer layout and ``hybrid_parts=True`` the windowed kind is
+given back behind the window (vmem_kinds.py). Every vmem op names the pool pages it maps,
+taken from the manager's one PageLedger (ledger.py).
 
 paged and vmem keep computed prefixes after their requests end (``prefix_eviction``: off, lru,
 hits; eviction.py) and publish a unit only once the scheduler says it is computed.
@@ -25,17 +24,14 @@ from __future__ import annotations
 from typing import Optional
 
 from ..errors import ConfigError
-from ..geometry import PageGeometry
 from ..presets import ModelSpec
 from .base import (CopyBlock, CopyExtent, MapExtent, MemoryManager, MemoryOp, MemoryStats,
                    SwapIn, SwapOut, UnmapExtent)
 from .common import check_int
 from .eviction import DEFAULT_EVICTION, EVICTION_POLICIES, make_eviction
-from .hybrid import HybridVmemManager
 from .paged import PagedManager
 from .reserve import ReserveManager
 from .vmem import LAYOUTS, VmemManager
-from .vmem_bytes import ByteMappedVmemManager
 
 POLICIES = ("reserve-max", "reserve-oracle", "paged", "vmem")
 
@@ -51,8 +47,8 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
     ``prefix_eviction`` (paged, vmem; one of EVICTION_POLICIES) keeps computed prefixes after
     their requests end and says which goes first ("off": none are kept). ``hybrid_parts``
     (vmem per-layer with a hybrid model only; ignored otherwise): split page groups by layer
-    kind and give back the windowed part behind the window (HybridVmemManager), for an
-    executor of this version's ops; False: full allocation.
+    kind and give back the windowed kind behind the window, for an executor of this
+    version's ops; False: full allocation.
     Raises ConfigError naming the field, the value and the allowed range."""
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -73,19 +69,13 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
         return PagedManager(model, cache_bytes, max_seq_len_tokens,
                             block_size_tokens=block_size_tokens, swap_bytes=swap_bytes,
                             prefix_eviction=prefix_eviction)
-    # a hybrid model's groups split by layer kind only where a page holds one layer
     if not isinstance(hybrid_parts, bool):
         raise ConfigError(f"hybrid_parts must be a bool, got {hybrid_parts!r}")
-    split = hybrid_parts and model.is_hybrid and layout == "per-layer"
-    cls = HybridVmemManager if split else VmemManager
-    geometry = PageGeometry.of(model, page_bytes, layout)
-    if not geometry.split and not geometry.exact:
-        cls = ByteMappedVmemManager   # members span k > 1 pages: back groups by their bytes
-    return cls(model, cache_bytes, max_seq_len_tokens, page_bytes=page_bytes,
-               layout=layout, max_slots=max_slots, swap_bytes=swap_bytes,
-               prefix_eviction=prefix_eviction)
+    return VmemManager(model, cache_bytes, max_seq_len_tokens, page_bytes=page_bytes,
+                       layout=layout, max_slots=max_slots, swap_bytes=swap_bytes,
+                       prefix_eviction=prefix_eviction, hybrid_parts=hybrid_parts)
 
 
 __all__ = ["POLICIES", "EVICTION_POLICIES", "DEFAULT_EVICTION", "make_manager", "MemoryManager", "MemoryStats", "MemoryOp", "MapExtent",
            "UnmapExtent", "CopyExtent", "CopyBlock", "SwapOut", "SwapIn", "ReserveManager",
-           "PagedManager", "VmemManager", "HybridVmemManager", "ByteMappedVmemManager"]
+           "PagedManager", "VmemManager"]

@@ -270,7 +270,7 @@ class MemoryManager(ABC):
     def window_tokens(self) -> Optional[int]:
         """The window (tokens) behind which this manager gives memory back, or None (it keeps
         every token: no model window, a layer without one, or a policy that cannot). A hybrid
-        vmem manager (hybrid.py) names its windowed layers' window and gives back only their
+        vmem manager (vmem_kinds.py) names its windowed layers' window and gives back only their
         part of each page group."""
         return None
 

@@ -7,7 +7,8 @@ table of memory (the full-attention layers, the layers of one sliding window, ..
 A kind differs from another only in which tokens its layers still read: a full kind reads all
 of them, a windowed kind only the last ``window_tokens`` before each query, so it may give back
 what lies wholly behind its window. Managers keep one table per kind over one page ledger
-(ledger.py); a model whose layers are all full, or all of one window, has one kind.
+(ledger.py, ``KindTable`` below); a model whose layers are all full, or all of one window, has
+one kind.
 """
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import ConfigError
+from ..layout import whole_kind_name
 from ..presets import ModelSpec
+from .journal import JList
+from .ledger import PageLedger
 
 
 @dataclass(frozen=True)
@@ -55,3 +59,70 @@ def kinds_of(model: ModelSpec) -> tuple:
     for w in sorted({w for w in windows if w is not None}):
         kinds.append(KindSpec(f"window-{w}", tuple(i for i, x in enumerate(windows) if x == w), w))
     return tuple(kinds)
+
+
+def layer_kinds(model: ModelSpec, geometry, split: bool) -> tuple:
+    """The kinds a vmem manager's ops name: a split hybrid's full and windowed layers (one
+    window: ``local_window_tokens``), else one kind of every layer."""
+    if split:
+        w = model.local_window_tokens
+        return (KindSpec("full", geometry.full_layers),
+                KindSpec(f"window-{w}", geometry.window_layers, w))
+    w = model.window_tokens
+    return (KindSpec(whole_kind_name(w), tuple(range(model.num_layers)), w),)
+
+
+class KindTable:
+    """Per layer kind, the pool pages backing each page group (its EXTENT: member page i of the
+    kind's member c is ``extent[i * members + c]``, member page 0 up), taken from and given
+    back to one PageLedger whose tenants are the kinds' names. Journaled like the ledger.
+
+        table.resize(k, g, 2)    # kind k of group g backed by 2 pages of each member: the
+                                 # pages taken (() when it shrank: they went back)
+    """
+
+    __slots__ = ("kinds", "members", "ledger", "_extents")
+
+    def __init__(self, cell, kinds: tuple, per_layer: bool, num_groups: int,
+                 pool_pages: int) -> None:
+        self.kinds = kinds
+        self.members = tuple(2 * k.num_layers if per_layer else 2 for k in kinds)
+        self.ledger = PageLedger(cell, pool_pages)
+        self._extents = tuple(JList(cell, [()] * num_groups) for _ in kinds)
+
+    def extent(self, k: int, g: int) -> tuple:
+        return self._extents[k][g]
+
+    def backed(self, k: int, g: int) -> int:
+        """Member pages of kind ``k`` of group ``g`` that are backed (0..pages_per_member)."""
+        return len(self._extents[k][g]) // self.members[k]
+
+    def pages_of(self, g: int) -> int:
+        """Pool pages backing ``g``, every kind."""
+        return sum(len(extents[g]) for extents in self._extents)
+
+    def resize(self, k: int, g: int, member_pages: int) -> tuple:
+        """Back kind ``k`` of ``g`` by its first ``member_pages`` pages of each member; returns
+        the pool pages taken (OutOfCapacityError, nothing changed, when too few are free)."""
+        extent, want = self._extents[k][g], member_pages * self.members[k]
+        if want > len(extent):
+            new = self.ledger.take(want - len(extent), self.kinds[k].name)
+            self._extents[k][g] = extent + new
+            return new
+        self._extents[k][g] = extent[:want]
+        self.ledger.give(extent[want:])
+        return ()
+
+    def check_integrity(self) -> None:
+        """The ledger's pages each held once, by the kind whose extents name them."""
+        self.ledger.check_integrity()
+        for k, kind in enumerate(self.kinds):
+            pages = [p for extent in self._extents[k] for p in extent]
+            assert all(len(e) % self.members[k] == 0
+                                               for e in self._extents[k]), ("members", kind.name)
+            assert len(pages) == self.ledger.held(kind.name), ("pages held", kind.name)
+            assert all(self.ledger.holder(p) == kind.name for p in pages), ("holder", kind.name)
+
+    def journaled_fields(self) -> bool:
+        """Every container logs its changes (``journal.journaled``)."""
+        return True

@@ -1,10 +1,12 @@
-"""UnitManager: what the paged and vmem managers share -- fixed-size, shareable units of tokens.
+"""UnitOps: what the paged and vmem managers share -- fixed-size, shareable units of tokens.
 
 A unit is a paged block or a vmem page group: ``unit_tokens`` tokens, a reference count, and,
 once full and computed, a verified chain digest under which later sequences can find and share
 it (prefix.py).
-Subclasses say how units are taken, held and released; this class owns the arithmetic of how
+Managers say how units are taken, held and released; this mixin owns the arithmetic of how
 many units a request needs, prefix matching and its counters, and copy-on-write accounting.
+``UnitManager`` is it over ``ManagerCore`` (paged); the vmem manager mixes it in beside
+``ManagerCore`` itself.
 """
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ from .journal import JList
 from .prefix import HeldSeq, PrefixIndex, namespace_root, token_bytes, unit_keys
 
 
-class UnitManager(ManagerCore):
-    """Base of managers whose memory is ``num_units`` units of ``unit_tokens`` tokens.
+class UnitOps:
+    """Mixed into managers whose memory is ``num_units`` units of ``unit_tokens`` tokens.
     ``prefix_queries``/``prefix_hits`` count TOKENS, as vLLM's prefix-cache metrics do."""
 
     def _init_units(self, num_units: int, unit_tokens: int, eviction: str,
@@ -193,7 +195,7 @@ class UnitManager(ManagerCore):
         return spare >= 0 and self._units_as_tokens(spare) >= reserve_tokens
 
     def _units_as_tokens(self, units: int) -> int:
-        """Tokens that ``units`` of what ``_available_units`` counts hold (vmem_bytes.py: pages)."""
+        """Tokens that ``units`` of what ``_available_units`` counts hold (vmem: pages)."""
         return units * self.unit_tokens
 
     def _count_prefix(self, token_ids, num_tokens: int, hits: list) -> int:
@@ -290,3 +292,7 @@ class UnitManager(ManagerCore):
         if n % ut and num_tokens and self._refs[seq.units[-1]] > 1:
             need += 1
         return need
+
+
+class UnitManager(UnitOps, ManagerCore):
+    """A ManagerCore whose memory is units (UnitOps): the paged manager's base."""

@@ -1,27 +1,30 @@
 """vmem manager (the vAttention approach): each sequence owns one slot (a batch row of
-``max_seq_len`` tokens, contiguous in virtual memory) and physical page groups are mapped under
-it on demand.
+``max_seq_len`` tokens, contiguous in virtual memory) and physical pages are mapped under it on
+demand.
 
     slot s:  | page 0 | page 1 | page 2 | ... | page pages_per_slot-1 |
-               tokens [pi*tpp, (pi+1)*tpp) live under page index pi
-               each mapped page index is backed by one page GROUP g (2*L pages per-layer,
-               2 pages interleaved); the same g may be mapped under several slots (fork,
-               shared prefix) but always at the page index whose content it holds.
+               tokens [pi*tpp, (pi+1)*tpp) live under page index pi, backed by one page GROUP
+               g; the same g may be mapped under several slots (fork, shared prefix) but
+               always at the page index whose content it holds.
 
-A group is in one of four states (reclaimable and cached ones count as ALLOCATED in stats and
-AVAILABLE to admit):
-    free         refs 0, mapped nowhere, no content kept           in ``_free``
+A group is a set of per-kind EXTENTS (``KindTable``, kinds.py): for each layer kind (full,
+window-W) the pool pages backing its members, from one PageLedger. How they are backed (WHOLE
+or by BYTES, from the geometry) and which kinds go back behind the window (from the kinds) are
+values of this one class, not subclasses (vmem_kinds.py). A group is
+    spare        no pages, mapped nowhere, refs 0                 in ``_spare``
+    free         refs 0, mapped nowhere, pages kept (WHOLE)       in ``_free``
     reclaimable  refs 0, still mapped (freed slot, or past a live   in ``_reclaimable`` (LRU)
                  sequence's length), no content kept
     cached       refs 0, registered (full, computed), mapped or not in ``_cache`` (the policy)
-    used         refs >= 1 (live sequences using it)
+    used         refs >= 1 (live sequences); partial: its windowed kinds released
+Reclaimable and cached groups count as ALLOCATED in stats and AVAILABLE to admit.
 
 Deferred reclamation: ``free`` unmaps nothing; a later sequence placed on the slot writes into
-the pages still mapped there without any op, and groups are unmapped (UnmapExtent) only when the
-free list is empty and a group must be taken from a reclaimable one, then from the cache. Only
-refs-0 groups are ever reclaimed, so no live sequence loses a page it reads. Retention
-(units.py): a hit maps the cached group itself at its page index under the new slot (no copy);
-a sequence whose first hit is still mapped under a free slot is placed on that slot.
+the pages still mapped there without any op, and groups are unmapped (UnmapExtent) only when a
+group must be taken from a reclaimable one, then from the cache. Only refs-0 groups are ever
+reclaimed, so no live sequence loses a page it reads. Retention (units.py): a hit maps the
+cached group itself at its page index under the new slot (no copy); a sequence whose first hit
+is still mapped under a free slot is placed on that slot. Room is counted in pool pages.
 """
 from __future__ import annotations
 
@@ -29,53 +32,66 @@ from typing import Optional, Sequence
 
 from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError, SlotError
 from ..geometry import LAYOUTS, PageGeometry  # noqa: F401 (LAYOUTS re-exported)
-from ..layout import CacheKind, CacheLayout, PoolBacking, whole_kind_name
+from ..layout import CacheKind, CacheLayout, PoolBacking
 from ..presets import ModelSpec
-from .base import CopyExtent, MapExtent, MemoryStats, UnmapExtent
-from .common import check_int
+from .base import CopyExtent
+from .common import ManagerCore, check_int
 from .eviction import DEFAULT_EVICTION
 from .journal import JDict, JList, JSet, OrderedUnits
-from .kinds import KindSpec
-from .ledger import PageLedger
+from .kinds import KindTable, layer_kinds
 from .prefix import HeldSeq
 from .slots import FreeSlots
-from .units import UnitManager
+from .units import UnitOps
 from .vmem_integrity import VmemIntegrity
+from .vmem_kinds import KindRules
 from .window import WindowedGroups, dropped_units, held_units
 
 
-class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
-    """Slot + page-group manager. ``prefix_queries``/``prefix_hits`` count TOKENS. With a
-    model whose every layer is windowed it gives back groups behind the window (window.py)."""
+class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore):
+    """Slot + page-group manager over per-kind extents. ``prefix_queries``/``prefix_hits``
+    count TOKENS. ``hybrid_parts`` (a hybrid model in the per-layer layout): one kind per
+    attention pattern, the windowed one given back behind the window; else one kind of every
+    layer. Guarantees: pages bound <= ``pool_pages``; a held group is backed as its rule says
+    (WHOLE: every member page; BYTES: exactly what its tokens need)."""
 
     name = "vmem"
 
     def __init__(self, model: ModelSpec, cache_bytes: int, max_seq_len_tokens: int, *,
                  page_bytes: int = 2 * 2**20, layout: str = "per-layer",
                  max_slots: Optional[int] = None, swap_bytes: int = 0,
-                 prefix_eviction: str = DEFAULT_EVICTION) -> None:
+                 prefix_eviction: str = DEFAULT_EVICTION, hybrid_parts: bool = False) -> None:
         super().__init__(model, max_seq_len_tokens, swap_bytes)
         check_int("page_bytes", page_bytes, 1)
-        self.geometry = PageGeometry.of(model, page_bytes, layout)
+        geo = self.geometry = PageGeometry.of(model, page_bytes, layout)
         self.page_bytes = page_bytes
-        self.tokens_per_page = self.geometry.tokens_per_page
-        self.pages_per_group = self.geometry.pages_per_group
-        tpp = self.tokens_per_page
+        self.tokens_per_page = tpp = geo.tokens_per_page
+        self.pages_per_group = geo.pages_per_group
         if self.max_seq_len % tpp:
             low, high = self.max_seq_len // tpp * tpp, -(-self.max_seq_len // tpp) * tpp
             near = f"{low} or {high}" if low else f"{high}"
             raise ConfigError(f"max_seq_len_tokens={self.max_seq_len} is not a multiple of "
                               f"tokens_per_page={tpp} ({layout}, page_bytes={page_bytes}); "
                               f"nearest valid: {near}")
-        unit, unit_pages = self._smallest_unit()
-        whole_groups = check_int("cache_bytes", cache_bytes, 1) // (page_bytes * unit_pages)
-        if whole_groups < 1:
-            raise ConfigError(f"cache_bytes={cache_bytes} holds no {unit} of {page_bytes * unit_pages}"
-                              f" bytes; needs >= {page_bytes * unit_pages}")
-        self.num_groups, self.pool_pages = self._pool(cache_bytes, whole_groups)
-        # Every running sequence holds >= 1 whole group (vmem_bytes.py: slice), so more slots
-        # could never all be used at once; virtual address space is cheap: exactly that many.
-        self.num_slots = check_int("max_slots", whole_groups if max_slots is None else max_slots, 1)
+        self.backing = PoolBacking.WHOLE if geo.exact else PoolBacking.BYTES
+        self.kinds = layer_kinds(model, geo, hybrid_parts and geo.split)
+        m = geo.num_members            # a running sequence holds >= 1 page of every member
+        slices = check_int("cache_bytes", cache_bytes, 1) // (page_bytes * m)
+        if slices < 1:
+            unit = "page group" if geo.exact else "page slice (a page of each member)"
+            raise ConfigError(f"cache_bytes={cache_bytes} holds no {unit} of {page_bytes * m}"
+                              f" bytes; needs >= {page_bytes * m}")
+        self._win = tuple(k for k, kind in enumerate(self.kinds) if kind.windowed) \
+            if len(self.kinds) > 1 else ()              # kinds given back behind the window
+        # a pool whose groups keep every kind is counted in slices of m pages (one of each
+        # member); one that gives kinds back, in pages. Group ids: one per least a held
+        # group keeps (a page of each member of the kinds never given back).
+        self.pool_pages = cache_bytes // page_bytes if self._win else slices * m
+        kept = sum(2 * kind.num_layers if geo.per_layer else 2
+                   for k, kind in enumerate(self.kinds) if k not in self._win)
+        self.num_groups = self.pool_pages // kept
+        # every running sequence holds >= 1 slice, so more slots could never all be used at
+        # once; virtual address space is cheap: exactly that many.
+        self.num_slots = check_int("max_slots", slices if max_slots is None else max_slots, 1)
         self.pages_per_slot = self.max_seq_len // tpp
         self._init_units(self.num_groups, tpp, prefix_eviction)
         cell = self._cell    # every container below logs to an open transaction's journal
@@ -84,57 +100,38 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self._pages = tuple(JDict(cell) for _ in range(self.num_slots))  # slot -> {pi: group}
         self._owner = JList(cell, [None] * self.num_slots)      # slot -> seq_id or None
         self._free_slots = FreeSlots(self.num_slots, self.pages_per_slot, cell)
-        self._init_window(model.window_tokens)
-        self.kinds = self._kinds(model)
-        self.ledger = PageLedger(cell, self.pool_pages)        # the pool's pages, by kind
-        self._extents = tuple(JList(cell, [()] * self.num_groups) for _ in self.kinds)
-        self._back_fixed()
-
-    def _kinds(self, model: ModelSpec) -> tuple:
-        """The layer kinds whose members an op names: one here, every layer (hybrid.py: the
-        full and the windowed layers)."""
-        w = model.window_tokens
-        return (KindSpec(whole_kind_name(w), tuple(range(model.num_layers)), w),)
-
-    def _back_fixed(self) -> None:
-        """Fixed groups: group g holds its pages_per_group pool pages for good (taken once
-        from the ledger: g * pages_per_group ...); hybrid.py and vmem_bytes.py take on demand."""
-        name = self.kinds[0].name
-        for g in range(self.num_groups):
-            self._extents[0][g] = self.ledger.take(self.pages_per_group, name)
-
-    pool_backing = PoolBacking.FIXED   # how pool pages back groups: PARTS (hybrid.py), BYTES
-                                       # (vmem_bytes.py: groups backed by their bytes)
+        self._init_window(model.local_window_tokens if self._win else model.window_tokens)
+        self.table = KindTable(cell, self.kinds, geo.per_layer, self.num_groups, self.pool_pages)
+        self.ledger = self.table.ledger        # the pool's pages, by kind
+        self._init_rules(cell)
 
     def layout(self) -> CacheLayout:
         """A vmem cache of this geometry, slots, groups and pool."""
         return CacheLayout(CacheKind.VMEM, self.pages_per_slot * self.tokens_per_page,
                            geometry=self.geometry, num_slots=self.num_slots,
                            pages_per_slot=self.pages_per_slot, num_groups=self.num_groups,
-                           backing=self.pool_backing, pool_pages=self.pool_pages,
+                           backing=self.backing, pool_pages=self.pool_pages,
                            kinds=tuple((k.name, k.layers) for k in self.kinds))
-
-    def _smallest_unit(self) -> tuple:
-        """(name, pages) of the least a running sequence holds: a whole page group here."""
-        return "page group", self.pages_per_group
-
-    def _pool(self, cache_bytes: int, whole_groups: int) -> tuple:
-        """(group ids, pool pages): one id per fixed set of pages (hybrid.py: more ids)."""
-        return whole_groups, whole_groups * self.pages_per_group
 
     @property
     def max_sequence_tokens(self) -> int:
-        return min(self.max_seq_len, self.num_groups * self.tokens_per_page)
+        geo = self.geometry
+        whole, rest = divmod(self.pool_pages // geo.num_members, geo.pages_per_member)
+        tokens = whole * self.tokens_per_page + geo.tokens_in_member_pages(rest)
+        return min(self.max_seq_len, tokens)
 
     @property
     def pages_per_map_op(self) -> int:
         return self.pages_per_group
 
-    _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {
+    _FIXED_FIELDS = UnitOps._FIXED_FIELDS | {
         "geometry", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
-        "pages_per_slot", "_window", "kinds", "pool_pages"}
-    _JOURNALED_FIELDS = UnitManager._JOURNALED_FIELDS | {
-        "_reclaimable", "_maps", "_pages", "_owner", "_free_slots", "ledger", "_extents"}
+        "pages_per_slot", "_window", "kinds", "pool_pages", "backing", "_win", "_whole",
+        "_win_pages", "_kept"}
+    _SAVED_FIELDS = UnitOps._SAVED_FIELDS + ("_idle",)
+    _JOURNALED_FIELDS = UnitOps._JOURNALED_FIELDS | {
+        "_reclaimable", "_maps", "_pages", "_owner", "_free_slots", "ledger", "table", "_spare",
+        "_partial", "_win_drop", "_win_gone"}
 
     # -- queries the runtime needs --
     def slot_of(self, seq_id: int) -> int:
@@ -149,47 +146,20 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         executor's replica must equal it)."""
         out = {}
         for pi, g in self._pages[slot].items():
-            kinds = {self.kinds[k].name: self._extents[k][g] for k in self._kinds_at(slot, pi)
-                     if self._extents[k][g]}
+            kinds = {self.kinds[k].name: self.table.extent(k, g) for k in self._kinds_at(slot, pi)
+                     if self.table.extent(k, g)}
             if kinds:
                 out[pi] = kinds
         return out
 
-    def _kinds_at(self, slot: int, pi: int) -> range:
-        """Indexes of the kinds mapped where a group is mapped at (slot, pi): all of them."""
-        return range(len(self.kinds))
+    def group_extents(self, group: int) -> dict:
+        """{kind: pool pages} backing ``group`` (kinds with none left out)."""
+        return {kind.name: self.table.extent(k, group) for k, kind in enumerate(self.kinds)
+                if self.table.extent(k, group)}
 
     def full_only_pages(self, slot: int) -> int:
-        """Leading mapped pages of ``slot`` with only their FULL part mapped (hybrid.py: the
-        window behind; 0 here, every mapped page is whole)."""
-        return 0
-
-    @property
-    def reclaimable_tokens(self) -> int:
-        """Capacity held only by unused groups (refs 0: still mapped, or cached): counted in
-        ``stats().allocated_tokens`` but available to ``can_allocate``."""
-        return (len(self._reclaimable) + len(self._cache)) * self.tokens_per_page
-
-    def kv_cache_usage(self) -> float:
-        """vLLM's kv_cache_usage_perc (a fraction): cached and still-mapped unused groups count
-        as free, as vLLM counts its cached blocks."""
-        unused = len(self._free) + len(self._reclaimable) + len(self._cache)
-        return (self.num_groups - unused) / self.num_groups
-
-    # -- ops: the pool pages of a group's kinds, named (the only places that emit them) --
-    def _emit_map(self, slot: int, pi: int, g: int, kinds=None) -> None:
-        """MapExtent of ``g``'s pages of ``kinds`` (indexes; None: all) at (slot, pi)."""
-        owner = self._owner[slot]
-        for k in range(len(self.kinds)) if kinds is None else kinds:
-            if self._extents[k][g]:
-                self._ops.append(MapExtent(slot, pi, self.kinds[k].name, self._extents[k][g],
-                                           owner=owner))
-
-    def _emit_unmap(self, slot: int, pi: int, g: int, kinds=None) -> None:
-        """UnmapExtent of ``kinds`` at (slot, pi) (None: the kinds mapped there)."""
-        for k in self._kinds_at(slot, pi) if kinds is None else kinds:
-            if self._extents[k][g]:
-                self._ops.append(UnmapExtent(slot, pi, self.kinds[k].name))
+        """Leading mapped pages of ``slot`` whose windowed kinds its sequence gave back."""
+        return self._win_gone[slot]
 
     # -- mapping primitives --
     def _map(self, slot: int, pi: int, g: int) -> None:
@@ -205,42 +175,8 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self._maps[g].discard((slot, pi))
         self._free_slots.recount(slot, len(pages))
         if g in self._reclaimable and not self._maps[g]:
-            self._reclaimable.remove(g)
-            self._free.append(g)          # (a cached group stays cached, mapped nowhere)
-
-    def _take_group(self) -> int:
-        """A group for new content: a free one, else the least recently used reclaimable one,
-        else the cached one the eviction policy names; unmapped everywhere it is still mapped."""
-        if self._free:
-            g = self._free.pop()
-        else:
-            if self._reclaimable:
-                g = self._reclaimable.pop_first()
-            else:
-                g = self._evict()
-            self._unmap_everywhere(g)
-        self._touch(g)
-        self._refs[g], self._fill[g] = 1, 0
-        return g
-
-    def _unmap_everywhere(self, g: int) -> None:
-        for slot, pi in sorted(self._maps[g]):
-            self._emit_unmap(slot, pi, g)
-            del self._pages[slot][pi]
-            self._free_slots.recount(slot, len(self._pages[slot]))
-        self._maps[g].clear()
-
-    def _unheld(self, g: int) -> None:
-        if self._maps[g]:
-            self._reclaimable.add(g)       # still mapped where it was used
-            return
-        self._free.append(g)
-
-    def _revive(self, g: int) -> None:
-        if g in self._reclaimable:
-            self._reclaimable.remove(g)
-        else:
-            self._cache.remove(g)
+            self._leave_reclaimable(g)
+            self._to_free(g)          # (a cached group stays cached, mapped nowhere)
 
     def _give_back(self, seq: HeldSeq, pi: int, g: int) -> None:
         if self._pages[seq.slot].get(pi) == g:     # a window's group: unmapped at once
@@ -252,7 +188,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         fresh one (a cached group stays cached for later hits)."""
         g = self._pages[slot].get(pi)
         if g is not None and g in self._reclaimable:
-            self._reclaimable.remove(g)
+            self._leave_reclaimable(g)
             self._touch(g)
             self._refs[g], self._fill[g] = 1, 0
             return g
@@ -262,14 +198,14 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self._map(slot, pi, g)
         return g
 
-    def _available_units(self) -> int:
-        return len(self._free) + len(self._reclaimable) + len(self._cache)
-
     # -- placement --
     def _occupy(self, seq_id: int, seq: HeldSeq, slot: Optional[int] = None) -> int:
+        # a fork's record still names its parent's slot: it inherits the parent's frontier
+        gone = self._win_gone[seq.slot] if seq.slot >= 0 else 0
         slot = self._free_slots.pick() if slot is None else slot
         self._free_slots.remove(slot)
         self._owner[slot] = seq_id
+        self._win_gone[slot] = gone
         seq.slot = slot
         return slot
 
@@ -283,7 +219,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
     def _place(self, seq_id: int, seq: HeldSeq, hits: list, slot: Optional[int] = None) -> None:
         """Put ``seq`` on ``slot``, by default a free slot already mapping its hits, else the
         free slot with the most mapped pages: shared ``hits`` first (they hold refs before any
-        reclaim can run), then private pages."""
+        reclaim can run), then private pages, backed as their fill needs."""
         slot = self._occupy(seq_id, seq, self._hit_slot(hits) if slot is None else slot)
         self._share_into(slot, hits)
         n, tpp = seq.num_tokens, self.tokens_per_page
@@ -296,6 +232,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self._cap_sum += len(seq.units) * tpp
         self._tok_sum += n
         self._put_seq(seq_id, seq)
+        self._fit(seq.units[len(hits):], seq_id)
 
     def _share_into(self, slot: int, groups: list) -> None:
         """Hold ``groups`` (page index -> group) and map each under ``slot`` where it is not
@@ -304,14 +241,6 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
             if g is not None:         # None: behind a window, given back
                 self._hold(g)
                 self._share_page(slot, pi, g)
-
-    def _share_page(self, slot: int, pi: int, g: int) -> None:
-        """Map held group ``g`` at (slot, pi) unless it is mapped there already."""
-        pages = self._pages[slot]
-        if pages.get(pi) != g:
-            if pi in pages:
-                self._unmap(slot, pi)
-            self._map(slot, pi, g)
 
     def _can_place(self) -> bool:
         return bool(self._free_slots)
@@ -330,7 +259,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         hits = self._hits(num_tokens, token_ids, namespace)
         need = self._need(num_tokens, hits)
         if need > self._available_units():
-            self._raise_no_room(f"sequence {seq_id} needs {need} page groups")
+            self._raise_no_room(f"sequence {seq_id} needs {self._pages_text(need)}")
         seq = self._new_seq(num_tokens, token_ids, namespace)
         self._place(seq_id, seq, hits, slot)
         self._register_prompt(seq, hits)
@@ -347,9 +276,23 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
     def can_append(self, seq_id: int, num_tokens: int = 1) -> bool:
         seq = self._seq(seq_id)
         new = seq.num_tokens + num_tokens
-        if seq.units and new <= len(seq.units) * self.tokens_per_page and self._refs[seq.units[-1]] == 1:
+        if seq.units and new <= self._room_tokens(seq.units) and self._refs[seq.units[-1]] == 1:
             return True      # hot path: room in a private last page
         return new <= self.max_seq_len and self._growth(seq, num_tokens) <= self._available_units()
+
+    def append(self, seq_id: int, num_tokens: int = 1, token_ids=None) -> None:
+        """As UnitOps'; by BYTES the counters-only hot path only while the new tokens fit the
+        last group's backed pages."""
+        if self._whole:
+            UnitOps.append(self, seq_id, num_tokens, token_ids)
+            return
+        seq = self._seq(seq_id)
+        if seq.units and seq.num_tokens + num_tokens <= self._room_tokens(seq.units):
+            UnitOps.append(self, seq_id, num_tokens, token_ids)
+            return
+        if self._cell.j is not None:     # (not _append_logged: its hot path would not back)
+            self._cell.j.record(seq)
+        self._append_slow(seq_id, seq, num_tokens, token_ids)
 
     def _append_slow(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
         self._check_append_ids(num_tokens, token_ids)
@@ -360,9 +303,10 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         need = self._growth(seq, num_tokens)
         if need > self._available_units():
             self._raise_no_room(f"appending {num_tokens} tokens to sequence {seq_id} needs "
-                                f"{need} page groups")
+                                f"{self._pages_text(need)}")
         if num_tokens == 0:
             return
+        first = max(old - 1, 0) // tpp
         if old % tpp and self._refs[seq.units[-1]] > 1:
             self._copy_on_write(seq, len(seq.units) - 1)
         before = len(seq.units)
@@ -382,6 +326,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         seq.note_ids(old, token_ids)
         if end // tpp > old // tpp:
             seq.new_full_keys(tpp, self.model.kv_encoding)
+        self._fit(seq.units[first:], seq_id)
 
     def _copy_on_write(self, seq: HeldSeq, pi: int) -> None:
         """The writer of a shared partial page moves to a new group holding a copy."""
@@ -390,19 +335,17 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         self._unhold(old)
         self._unmap(slot, pi)
         self._map(slot, pi, new)
-        self._copy_backing(new, old, self._owner[slot])
+        for k in range(len(self.kinds)):          # BYTES: back the copy as far as the source
+            self._back(new, k, self.table.backed(k, old), self._owner[slot])
         src_slot, src_pi = min(self._maps[old])   # same physical group wherever it is mapped
         for k, kind in enumerate(self.kinds):
-            if self._extents[k][old]:
+            if self.table.extent(k, old):
                 self._ops.append(CopyExtent(src_slot, src_pi, slot, pi, kind.name,
                                             owner=self._owner[slot]))
         self._touch(new)
         self._fill[new] = self._fill[old]
         self._live += self._fill[old]
         seq.units[pi] = new
-
-    def _copy_backing(self, dst: int, src: int, owner: Optional[int]) -> None:
-        """Before CopyExtent: back ``dst`` as far as ``src`` (vmem_bytes.py); fixed groups are."""
 
     # -- fork and release --
     def can_fork(self, parent_id: int) -> bool:
@@ -424,6 +367,7 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
         return {"slot": seq.slot}
 
     def _release(self, seq: HeldSeq) -> None:
+        self._unmap_behind(seq.slot)     # windowed kinds given back: cannot stay mapped
         held = held_units(seq)
         for g in reversed(held):        # tail pages enter the LRU first: reclaimed first
             self._unhold(g)
@@ -437,22 +381,8 @@ class VmemManager(VmemIntegrity, WindowedGroups, UnitManager):
     def _fresh_units(self, seq: HeldSeq) -> Optional[int]:
         if not self._free_slots:
             return None
-        return -(-seq.num_tokens // self.tokens_per_page)
+        return self.geometry.num_members * self.geometry.slot_member_pages(seq.num_tokens)
 
     def _place_private(self, seq_id: int, seq: HeldSeq) -> None:
         self._place(seq_id, seq, [])
         self._republish(seq)
-
-    def _raise_no_room(self, what: str) -> None:
-        raise OutOfCapacityError(f"{what}: {len(self._free)} free + {len(self._reclaimable)} "
-                                 f"reclaimable + {len(self._cache)} cached page groups, "
-                                 f"{len(self._free_slots)} free slots")
-
-    # -- queries --
-    def stats(self) -> MemoryStats:
-        free = len(self._free) * self.tokens_per_page
-        total = self.num_groups * self.tokens_per_page
-        return MemoryStats(total_tokens=total, allocated_tokens=total - free,
-                           live_tokens=self._live, free_tokens=free,
-                           end_waste_tokens=self._cap_sum - self._tok_sum,
-                           bytes_per_token=self.bytes_per_token)

@@ -23,9 +23,9 @@ the scheduler preempts it by recompute, which rebuilds the window from the token
 
 Hybrid models (a full-attention layer beside windowed ones: Gemma 2/3, Cohere2) cannot give a
 unit back, since their full layers read all tokens. In the vmem per-layer layout their groups
-are split by layer kind and only the windowed layers' part goes (hybrid.py, which overrides
-the hooks below); the interleaved layout and paged blocks span every layer, so there they keep
-every unit (``window_tokens`` is None).
+are per-kind extents and only the windowed kind goes (vmem_kinds.py, whose frontier replaces
+the unit drop below); the interleaved layout spans every layer, so there it keeps every unit
+(``window_tokens`` is None); paged hybrids give back their windowed block groups.
 """
 from __future__ import annotations
 

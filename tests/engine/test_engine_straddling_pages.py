@@ -61,7 +61,7 @@ def test_engine_greedy_on_straddling_pages_equals_transformers_with_prefix_shari
     with Engine(model, max_batch=4, max_context=128, layout=layout, page_bytes=SMALL_PAGE,
                 max_tokens_per_step=70, prefix_sharing=True, check_integrity=True) as engine:
         assert engine.cache.geometry.pages_per_member == pages_per_member
-        assert engine.cache.manager.pool_backing is PoolBacking.BYTES       # groups backed by their bytes
+        assert engine.cache.manager.backing is PoolBacking.BYTES       # groups backed by their bytes
         out = engine.generate(batch, SamplingParams(max_new_tokens=6, ignore_eos=True))
         assert engine.scheduler.gauges()["prefix_cache_hits"] > 0
         forked = engine.generate([batch[1]], SamplingParams(max_new_tokens=6, n=2, ignore_eos=True))
@@ -83,7 +83,7 @@ def test_vmem_cache_greedy_on_straddling_pages_equals_default_cache(name):
         with VMemCache.from_model_config(model.config, max_batch=3, max_context=64, layout=layout,
                                          page_bytes=PAGE) as cache:
             assert cache.kv.geometry.pages_per_member == pages_per_member
-            assert cache.manager.pool_backing is PoolBacking.BYTES
+            assert cache.manager.backing is PoolBacking.BYTES
             got = model.generate(ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8,
                                  do_sample=False, pad_token_id=0, cache=cache)
             cache.manager.check_integrity()
@@ -119,7 +119,7 @@ def test_a_persistent_fault_growing_a_groups_pages_fails_that_request_only():
     params = SamplingParams(max_new_tokens=14, ignore_eos=True)
     with Engine(_model("3-kv-heads"), driver=driver, max_batch=4, max_context=128,
                 page_bytes=SMALL_PAGE, max_plan_retries=0, check_integrity=True) as engine:
-        assert engine.cache.manager.pool_backing is PoolBacking.BYTES
+        assert engine.cache.manager.backing is PoolBacking.BYTES
         ids = [engine.add_request(p, params) for p in batch]
         engine.step()                                    # prefill: one page a member each
         seq = next(s for s in engine.scheduler.running if s.request.request_id == ids[0])

@@ -43,12 +43,12 @@ class Kind:
 
 PAGE = dict(layout="per-layer", page_bytes=4 * KiB)
 KINDS = {
-    "vmem-per-layer": Kind(PLAIN, "vmem", PAGE, PoolBacking.FIXED, 1, 2.5, VMEM_OPS),
-    "vmem-interleaved": Kind(PLAIN, "vmem", dict(PAGE, layout="interleaved"), PoolBacking.FIXED,
+    "vmem-per-layer": Kind(PLAIN, "vmem", PAGE, PoolBacking.WHOLE, 1, 2.5, VMEM_OPS),
+    "vmem-interleaved": Kind(PLAIN, "vmem", dict(PAGE, layout="interleaved"), PoolBacking.WHOLE,
                              0, 2.5, VMEM_OPS),
     "vmem-byte-mapped": Kind(STRADDLING, "vmem", PAGE, PoolBacking.BYTES, 0, 1.2,
                              VMEM_OPS),
-    "vmem-hybrid-window": Kind(HYBRID, "vmem", PAGE, PoolBacking.PARTS, 0, 1.2,
+    "vmem-hybrid-window": Kind(HYBRID, "vmem", PAGE, PoolBacking.WHOLE, 0, 1.2,
                                VMEM_OPS),
     "paged": Kind(PLAIN, "paged", dict(block_size=8), None, 0, 2.5, PAGED_OPS),
     "paged-hybrid": Kind(HYBRID, "paged", dict(block_size=16), None, 2, 2.5, {"CopyBlock"}),   # a hybrid: never swapped (recompute)
@@ -220,8 +220,8 @@ def test_a_layout_that_cannot_build_a_cache_is_refused_by_name():
         dataclasses.replace(layout, pool_pages=None)
     with pytest.raises(ConfigError, match="kinds must cover every layer"):
         dataclasses.replace(layout, kinds=(("full", (0,)),))
-    with pytest.raises(ConfigError, match="a parts pool needs a geometry split"):
-        dataclasses.replace(layout, backing=PoolBacking.PARTS)
+    with pytest.raises(ConfigError, match="a whole pool needs pages that hold whole tokens"):
+        dataclasses.replace(layout, backing=PoolBacking.WHOLE)
     with pytest.raises(ConfigError, match="CacheLayout num_slots must be an int >= 1, got 0"):
         dataclasses.replace(layout, num_slots=0)
     with pytest.raises(CacheConfigError, match="4 slots but CacheConfig.max_batch is 3"):

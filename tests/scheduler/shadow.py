@@ -17,6 +17,8 @@ from vmemkv.scheduler.managers.base import DropSwapped
 def dump(value):
     """A plain, comparable copy of a manager's whole state (every field but the open
     transaction; records and helper objects field by field; LRU order kept)."""
+    if isinstance(value, (str, int, float)):        # (str enums too: their members are values)
+        return value
     if hasattr(value, "__slots__") and not isinstance(value, tuple):
         return (type(value).__name__, [dump(getattr(value, n)) for n in value.__slots__])
     if isinstance(value, OrderedDict):

@@ -4,9 +4,9 @@ with typed errors that change nothing, and leaves every other model on the old p
 import pytest
 
 from vmemkv.scheduler.errors import ConfigError, OutOfCapacityError
-from vmemkv.scheduler.geometry import PART_ALL, PART_FULL, PART_WINDOW, MiB, PageGeometry
-from vmemkv.scheduler.managers import (ByteMappedVmemManager, HybridVmemManager, UnmapExtent,
-                                       VmemManager, make_manager)
+from vmemkv.scheduler.geometry import MiB, PageGeometry
+from vmemkv.scheduler.layout import PoolBacking
+from vmemkv.scheduler.managers import UnmapExtent, make_manager
 from vmemkv.scheduler.managers.window import WindowSwapError
 from vmemkv.scheduler.presets import ModelSpec, get_model
 
@@ -14,7 +14,7 @@ from .shadow import dump
 
 GEMMA3 = get_model("gemma-3-27b")   # 62 layers: 10 full (5, 11, ..., 59), 52 within 1,024 tokens
 PAGE = 2 * MiB                      # one layer's K of 512 tokens (16 heads * 128 * 2 bytes)
-TPP, GROUP, FULL, WINDOW = 512, 124, 20, 104     # tokens / pages per group, FULL, WINDOW part
+TPP, GROUP, FULL, WINDOW = 512, 124, 20, 104     # tokens / pages per group, full, window kind
 
 
 def gemma(pool_pages, max_len=32 * 1024, **kw):
@@ -31,12 +31,13 @@ def held_pages(tokens, window=1024):
     return units * FULL + (units - dropped) * WINDOW
 
 
-def test_part_page_counts_come_from_the_geometry():
+def test_kind_page_counts_come_from_the_geometry():
     g = PageGeometry.of(GEMMA3, PAGE, "per-layer")
     assert (g.tokens_per_page, g.pages_per_group) == (TPP, GROUP)
-    assert (g.pages_per_part(PART_FULL), g.pages_per_part(PART_WINDOW)) == (FULL, WINDOW)
-    assert g.part_layers(PART_FULL) == tuple(range(5, 62, 6))
-    assert len(g.part_members(PART_WINDOW)) == 2 * 52 and g.pages_per_part(PART_ALL) == GROUP
+    assert g.full_layers == tuple(range(5, 62, 6)) and len(g.window_layers) == 52
+    m = gemma(GROUP)                         # members (one page each) per kind: full, window
+    assert m.table.members == (FULL, WINDOW) and sum(m.table.members) == GROUP
+    assert [k.layers for k in m.kinds] == [g.full_layers, g.window_layers]
     assert not PageGeometry.of(GEMMA3, PAGE, "interleaved").split
     assert not PageGeometry.of(get_model("mistral-7b-v0.1"), PAGE, "per-layer").split
 
@@ -127,17 +128,21 @@ def test_a_prefix_whose_window_part_went_is_no_hit():
     m.check_integrity()
 
 
-def test_every_other_model_and_layout_takes_the_old_path():
+def test_every_other_model_and_layout_keeps_one_kind_of_every_layer():
     mistral, plain = get_model("mistral-7b-v0.1"), get_model("llama-3-8b")
     for model, layout in [(mistral, "per-layer"), (plain, "per-layer"), (GEMMA3, "interleaved")]:
         m = make_manager("vmem", model, 10**10, 8192, layout=layout, hybrid_parts=True)
+        assert len(m.kinds) == 1 and m.kinds[0].layers == tuple(range(model.num_layers))
         if m.geometry.exact:
-            assert type(m) is VmemManager and m.pool_pages == m.num_groups * m.pages_per_group
+            assert m.backing is PoolBacking.WHOLE
+            assert m.pool_pages == m.num_groups * m.pages_per_group
         else:                    # gemma-3-27b interleaved: 31 pages a member, mapped by bytes
-            assert type(m) is ByteMappedVmemManager and not m.geometry.split
+            assert m.backing is PoolBacking.BYTES and not m.geometry.split
     assert make_manager("vmem", GEMMA3, 10**10, 8192, layout="interleaved").window_tokens is None
-    assert type(make_manager("vmem", GEMMA3, 10**10, 8192)) is VmemManager     # opt-in
-    assert isinstance(gemma(GROUP), HybridVmemManager) and gemma(GROUP).pool_pages == GROUP
+    plain_gemma = make_manager("vmem", GEMMA3, 10**10, 8192)                    # opt-in
+    assert [k.name for k in plain_gemma.kinds] == ["full"] and plain_gemma.window_tokens is None
+    assert [k.name for k in gemma(GROUP).kinds] == ["full", "window-1024"]
+    assert gemma(GROUP).pool_pages == GROUP
     with pytest.raises(ConfigError, match="hybrid_parts must be a bool, got 1"):
         make_manager("vmem", GEMMA3, 10**10, 8192, hybrid_parts=1)
 

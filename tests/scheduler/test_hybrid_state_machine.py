@@ -17,8 +17,7 @@ or handed to another group.
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, precondition, rule
 
-from vmemkv.scheduler.geometry import PART_FULL
-from vmemkv.scheduler.managers import CopyExtent, HybridVmemManager, UnmapExtent, make_manager
+from vmemkv.scheduler.managers import CopyExtent, UnmapExtent, make_manager
 from vmemkv.scheduler.presets import ModelSpec
 
 from .shadow import VmemMemory
@@ -45,10 +44,16 @@ class KindMemory(VmemMemory):
             return
         super().apply(op)
 
+    def backed(self, spot, kind, offset):
+        """Whether every member page holding group offset ``offset``'s bytes is mapped."""
+        need = self.m.geometry.member_pages_for(offset + 1)
+        return len(spot[kind]) // self.members[kind] >= need
+
     def write(self, seq_id, pos, content):
         slot, tpp = self.m.slot_of(seq_id), self.m.tokens_per_page
         spot = self.aspace[(slot, pos // tpp)]                    # KeyError: a fault
         assert set(spot) == {self.full, self.window}, "write into a page missing a kind"
+        assert all(self.backed(spot, k, pos % tpp) for k in spot), "write past the backing"
         g = self.m.mapped_pages(slot)[pos // tpp]
         assert self.m.ref_count(g) == 1, f"write into shared group {g}"
         for pages in spot.values():
@@ -61,6 +66,7 @@ class KindMemory(VmemMemory):
         for p in range(lo, n):
             spot = self.aspace[(slot, p // tpp)]
             assert kind in spot, ("a needed kind is unmapped", seq_id, p, kind)
+            assert self.backed(spot, kind, p % tpp), ("read past the backing", seq_id, p, kind)
             out.append(self.pages.get(spot[kind][0], {}).get(p % tpp))
         return out
 
@@ -100,8 +106,9 @@ class HybridMachine(WindowRules, VmemMachine):
         self.m = make_manager("vmem", model, pool * tpp, pages * tpp, page_bytes=tpp,
                               max_slots=slots, swap_bytes=8 * swap, prefix_eviction=evict,
                               hybrid_parts=True)
-        assert isinstance(self.m, HybridVmemManager) and self.m.pool_pages == pool
-        assert (self.m.full_pages, self.m.window_pages, self.m.window_tokens) == (2, 6, window)
+        assert [k.name for k in self.m.kinds] == ["full", f"window-{window}"]
+        assert self.m.pool_pages == pool   # members (pages of a group) per kind: full 2, window 6
+        assert (self.m.table.members, self.m.window_tokens) == ((2, 6), window)
         self.mem = KindMemory(self.m)
 
     @precondition(lambda self: self.live)
@@ -148,13 +155,12 @@ class HybridMachine(WindowRules, VmemMachine):
         self.mem.check_mapped()
         groups = self.mem.pages_of_groups()
         mapped = {p for kinds in groups.values() for pages in kinds.values() for p in pages}
-        bound = sum(m.full_pages * (PART_FULL in m.bound_parts(g)) +
-                    m.window_pages * (len(m.bound_parts(g)) - (PART_FULL in m.bound_parts(g)))
-                    for g in range(m.num_groups))
+        bound = sum(len(pages) for g in range(m.num_groups)
+                    for pages in m.group_extents(g).values())
         assert len(mapped) <= m.bound_pages == bound == m.pool_pages - m.ledger.free_pages \
             <= m.pool_pages
         for g, kinds in groups.items():       # a group's mapped kinds have pages bound
-            assert len(m.bound_parts(g)) >= len(kinds), (g, kinds)
+            assert set(m.group_extents(g)) >= set(kinds), (g, kinds)
         for slot in range(m.num_slots):
             full_only = {pi for (s, pi), extents in self.mem.aspace.items()
                          if s == slot and set(extents) == {self.mem.full}}
@@ -167,14 +173,13 @@ class HybridMachine(WindowRules, VmemMachine):
             return
         m, stats, u = self.m, self.m.stats(), self.unit
         m.check_integrity()
-        waste = sum(-(-s.num_tokens // u) * u - s.num_tokens for s in self.live.values())
-        assert stats.end_waste_tokens == waste
+        assert stats.end_waste_tokens == self.end_waste()
         fill = {}
         for sid, s in self.live.items():
             for k, unit in enumerate(self.tables(sid)):
                 fill[unit] = min(u, s.num_tokens - k * u)
-        gone = sum(f * m.window_pages for g, f in fill.items()
-                   if m.bound_parts(g) == (PART_FULL,))
+        gone = sum(f * 6 for g, f in fill.items()       # 6 window pages a group
+                   if set(m.group_extents(g)) == {self.mem.full})
         assert stats.live_tokens == (sum(fill.values()) * 8 - gone) // 8
         for sid, s in list(self.live.items()) + list(self.swapped.items()):
             assert m.num_tokens(sid) == s.num_tokens
@@ -185,7 +190,9 @@ class HybridMachine(WindowRules, VmemMachine):
         if self.m is not None:
             stats = self.m.stats()
             assert stats.free_tokens + stats.allocated_tokens == stats.total_tokens
-            assert stats.total_tokens == self.m.pool_pages * self.unit // 8
+            geo = self.m.geometry
+            assert stats.total_tokens == self.m.pool_pages * geo.page_bytes // (
+                geo.token_bytes * geo.num_members)
 
 
 TestHybridVmemMatchesShadow = HybridMachine.TestCase

@@ -121,8 +121,8 @@ def observe(m):
             out.append(m.block_table(sid) if hasattr(m, "block_table") else m.slot_of(sid))
     for slot in range(getattr(m, "num_slots", 0)):
         out.append((m.mapped_pages(slot), m.full_only_pages(slot)))
-    if hasattr(m, "bound_parts"):
-        out += [m.bound_parts(g) for g in range(m.num_groups)] + [m.free_pages]
+    if hasattr(m, "group_extents"):
+        out += [m.group_extents(g) for g in range(m.num_groups)] + [m.free_pages]
     if hasattr(m, "ledger"):
         out += [m.ledger.tenants(), m.ledger.free_pages] + [m.mapped_extents(s) for s in range(m.num_slots)]
     for probe in PREFIXES:

@@ -1,6 +1,6 @@
 """Pages that do not hold whole tokens (issue 17 item 1): a page-group member spans the fewest
 consecutive pages that do, so every model builds a vmem manager on every page size, and a group
-is backed only by the pages its tokens' bytes need (ByteMappedVmemManager).
+is backed only by the pages its tokens' bytes need (VmemManager's BYTES backing rule).
 
 The vmem state machine (shadow model, read-back, transactions, prefix sharing and forks) runs
 on 3-byte tokens with 4- and 5-byte pages; its shadow replays every MapExtent and checks that
@@ -9,14 +9,16 @@ shadow's page for page, and that an unshared sequence holds members x ceil(token
 page_bytes) pages. The geometry is checked against hand-worked numbers for real models on 2 MiB
 pages, and left unchanged wherever a page holds whole tokens.
 """
+import dataclasses
+
 import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import initialize, invariant
 
 from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.geometry import MiB, PageGeometry
-from vmemkv.scheduler.managers import (ByteMappedVmemManager, UnmapExtent, VmemManager,
-                                       make_manager)
+from vmemkv.scheduler.layout import PoolBacking
+from vmemkv.scheduler.managers import UnmapExtent, make_manager
 from vmemkv.scheduler.presets import ModelSpec
 
 from .shadow import VmemMemory
@@ -43,7 +45,7 @@ class StraddlingVmemMachine(VmemMachine):
         self.m = make_manager("vmem", model, slices * 2 * page_bytes, pages * tpp,
                               page_bytes=page_bytes, layout=layout, max_slots=slots,
                               swap_bytes=6 * swap, prefix_eviction=evict)
-        assert isinstance(self.m, ByteMappedVmemManager)
+        assert self.m.backing is PoolBacking.BYTES
         assert (self.m.tokens_per_page, self.m.num_groups, self.m.pool_pages) == (tpp, slices, 2 * slices)
         self.mem = VmemMemory(self.m)
 
@@ -81,8 +83,8 @@ def backed(m, mem) -> dict:
     for slot in range(m.num_slots):
         for pi, g in m.mapped_pages(slot).items():
             extent = mem.aspace.get((slot, pi), {}).get(m.kinds[0].name, ())
-            assert len(extent) == m.backing(g) * n, (slot, pi, g)
-    return {g: m.backing(g) for g in range(m.num_groups) if m.backing(g)}
+            assert len(extent) == m.table.backed(0, g) * n, (slot, pi, g)
+    return {g: m.table.backed(0, g) for g in range(m.num_groups) if m.table.backed(0, g)}
 
 
 class CollidingStraddlingVmemMachine(CollidingDigests, StraddlingVmemMachine):
@@ -105,7 +107,7 @@ class StraddlingWindowMachine(WindowMachine):
         self.m = make_manager("vmem", model, slices * 2 * page_bytes, pages * page_bytes,
                               page_bytes=page_bytes, max_slots=slots, swap_bytes=6 * swap,
                               layout="interleaved" if interleaved else "per-layer")
-        assert isinstance(self.m, ByteMappedVmemManager) and self.m.window_tokens == window
+        assert self.m.backing is PoolBacking.BYTES and self.m.window_tokens == window
         self.mem = WindowMemory(self.m)
 
     def check_given_back(self, sid, old, behind, ops):
@@ -181,20 +183,21 @@ def test_phi2_geometry_on_2mib_pages_holds_the_pages_of_its_bytes_not_whole_grou
     model = ModelSpec("phi-2-like", 32, 32, 80, 2, weight_bytes=0)
     group_bytes = 64 * 5 * 2 * MiB
     m = make_manager("vmem", model, 3 * group_bytes, 4096, page_bytes=2 * MiB)
-    assert isinstance(m, ByteMappedVmemManager)
+    assert m.backing is PoolBacking.BYTES
     assert (m.tokens_per_page, m.pages_per_group, m.pool_pages) == (2048, 320, 960)
     m.allocate(1, 500)
     assert m.bound_pages == 128 and m.stats().allocated_bytes <= 128 * 2 * MiB
     m.append(1, 2048)                              # 2,548 tokens: a whole group and 2 pages
     assert m.bound_pages == 64 * (5 + 2)
-    whole = VmemManager(model, 3 * group_bytes, 4096, page_bytes=2 * MiB)
-    whole.allocate(1, 500)
-    assert whole.stats().allocated_bytes == group_bytes          # what it held before
+    assert m.pages_per_group * 2 * MiB == group_bytes             # what a whole group held
     assert m.max_sequence_tokens == 4096 and m.num_slots == 15
     small = make_manager("vmem", model, 3 * 64 * 2 * MiB, 4096, page_bytes=2 * MiB)
     assert small.max_sequence_tokens == 3 * 2 * MiB // 5120   # 3 slices: less than a group
-    with pytest.raises(ConfigError, match=r"needs members spanning several pages .* got 1 page"):
-        ByteMappedVmemManager(ModelSpec("hd128", 32, 8, 128, 2, weight_bytes=0), 2**30, 4096)
+    exact = make_manager("vmem", ModelSpec("hd128", 32, 8, 128, 2, weight_bytes=0), 2**30, 4096)
+    assert exact.backing is PoolBacking.WHOLE                    # pages hold whole tokens
+    with pytest.raises(ConfigError, match=r"a bytes pool needs pages that hold no whole token; "
+                                          r"got 1 page"):
+        dataclasses.replace(exact.layout(), backing=PoolBacking.BYTES)
     with pytest.raises(ConfigError, match=r"holds no page slice \(a page of each member\) of "
                                           r"134217728 bytes"):
         make_manager("vmem", model, 64 * 2 * MiB - 1, 4096, page_bytes=2 * MiB)
