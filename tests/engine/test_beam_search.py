@@ -1,0 +1,123 @@
+"""Beam search in the engine equals transformers' generate(num_beams=k, do_sample=False) on every
+cache layout, under preemption, with stop ids, length penalties and early stopping."""
+from __future__ import annotations
+
+import pytest
+
+from vmemkv.runtime.engine import Engine
+from vmemkv.runtime.engine.beam_params import BeamSearchParams
+from vmemkv.runtime.engine.errors import BeamSearchParamsError
+
+from .beam_reference import beam_mismatches, hf_beams
+from .conftest import model, prompts
+
+CACHES = {
+    "vmem-per-layer": dict(cache="vmem", layout="per-layer"),
+    "vmem-interleaved": dict(cache="vmem", layout="interleaved"),
+    "paged": dict(cache="paged", block_size=4),
+}
+
+
+def run(family, batch, params, **options):
+    with Engine(model(family), max_context=128, check_integrity=True,
+                **{"max_batch": 8, **options}) as engine:
+        out = engine.beam_search(batch, params)
+        stats = engine.last_stats
+        assert engine.kv.manager.stats().live_tokens == 0   # every beam's memory is back
+    return out, stats
+
+
+def reference(family, batch, params, stop_ids):
+    return [hf_beams(family, tuple(p), params.beam_width, params.max_new_tokens,
+                     params.length_penalty, params.early_stopping, stop_ids) for p in batch]
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
+@pytest.mark.parametrize("family,k", [("tiny-llama", 2), ("tiny-qwen2", 4), ("tiny-llama", 6)])
+def test_beams_equal_transformers(family, k, cache):
+    batch = prompts(2, 3, 30, seed=k)
+    params = BeamSearchParams(k, max_new_tokens=8, ignore_eos=True)
+    out, _ = run(family, batch, params, **CACHES[cache])
+    assert not beam_mismatches(out, reference(family, batch, params, ()))
+    assert all(o.status == "finished" and len(o.outputs) == k for o in out)
+
+
+@pytest.mark.parametrize("length_penalty,early_stopping", [
+    (1.0, False), (0.0, True), (2.0, "never"), (-0.5, False)])
+def test_stop_ids_length_penalty_and_early_stopping_equal_transformers(length_penalty,
+                                                                       early_stopping):
+    # stop ids the beams do pick, so hypotheses finish early and the stopping rules matter
+    batch = prompts(3, 4, 20, seed=7)
+    stop_ids = tuple(range(0, 256, 16))   # 16 stop ids: 17 * k candidates a step
+    params = BeamSearchParams(4, max_new_tokens=12, length_penalty=length_penalty,
+                              early_stopping=early_stopping, ignore_eos=True,
+                              stop_token_ids=stop_ids)
+    out, _ = run("tiny-llama", batch, params, cache="paged", block_size=4)
+    ref = reference("tiny-llama", batch, params, stop_ids)
+    assert not beam_mismatches(out, ref)
+    assert any(c.finish_reason == "stop" for o in out for c in o.outputs)
+
+
+def test_cumulative_logprob_is_the_score_times_the_length_penalty():
+    batch = prompts(1, 5, 5, seed=3)
+    params = BeamSearchParams(3, max_new_tokens=6, length_penalty=1.5, num_return_beams=2,
+                              ignore_eos=True)
+    (out,), _ = run("tiny-llama", batch, params)
+    assert len(out.outputs) == 2
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids) == 6
+        assert c.cumulative_logprob == pytest.approx(c.beam_score * 6 ** 1.5, abs=1e-4)
+    assert out.outputs[0].beam_score >= out.outputs[1].beam_score
+
+
+@pytest.mark.parametrize("cache,cache_kib", [("vmem", 96), ("paged", 64)])
+def test_beams_equal_transformers_under_preemption(cache, cache_kib):
+    # a cache too small for both groups at once: groups are preempted whole and recomputed
+    # (each must then fit without sharing: vmem's 4 KiB pages need the larger cache)
+    batch = prompts(4, 20, 30, seed=5)
+    params = BeamSearchParams(4, max_new_tokens=10, ignore_eos=True)
+    out, stats = run("tiny-llama", batch, params, cache=cache, block_size=4, page_bytes=4096,
+                     cache_bytes=cache_kib * 1024)
+    assert stats.num_preemptions > 0
+    assert not beam_mismatches(out, reference("tiny-llama", batch, params, ()))
+
+
+def test_windowed_model_beams_equal_transformers():
+    batch = prompts(2, 28, 36, seed=6)
+    params = BeamSearchParams(2, max_new_tokens=8, ignore_eos=True)
+    out, _ = run("tiny-mistral-swa", batch, params, cache="vmem")
+    assert not beam_mismatches(out, reference("tiny-mistral-swa", batch, params, ()))
+
+
+@pytest.mark.parametrize("fields,field", [
+    (dict(beam_width=0), "beam_width"), (dict(beam_width=2, num_return_beams=3), "num_return_beams"),
+    (dict(beam_width=2, temperature=0.8), "temperature"),
+    (dict(beam_width=2, early_stopping="sometimes"), "early_stopping"),
+    (dict(beam_width=2, max_new_tokens=0), "max_new_tokens"),
+    (dict(beam_width=2, length_penalty=float("nan")), "length_penalty")])
+def test_bad_params_raise_naming_the_field(fields, field):
+    with pytest.raises(BeamSearchParamsError) as error:
+        BeamSearchParams(**fields)
+    assert error.value.field == field
+
+
+def test_beam_width_past_max_batch_is_refused_before_anything_is_queued():
+    with Engine(model(), max_batch=4, max_context=64) as engine:
+        with pytest.raises(BeamSearchParamsError, match="max_batch") as error:
+            engine.beam_search([[1, 2, 3], [4, 5]], BeamSearchParams(5, max_new_tokens=4))
+        assert error.value.field == "beam_width"
+        assert not engine.has_unfinished() and engine.kv.manager.stats().live_tokens == 0
+
+
+def test_abort_frees_every_beam_and_keeps_the_beams_so_far():
+    with Engine(model(), max_batch=8, max_context=64, check_integrity=True) as engine:
+        rid = engine.add_beam_request([5, 6, 7], BeamSearchParams(4, max_new_tokens=20,
+                                                                  ignore_eos=True))
+        for _ in range(4):
+            engine.step()
+        assert engine.status(rid) == "running"
+        out = engine.abort(rid)
+        assert out.status == "aborted" and not engine.has_unfinished()
+        assert engine.kv.manager.stats().live_tokens == 0
+        assert len(out.outputs) == 4 and all(c.finish_reason == "abort" and len(c.token_ids) == 4
+                                             for c in out.outputs)
