@@ -11,7 +11,7 @@ ends (``prune``: its memory is freed). The group's rules:
   (none waiting, none part-way through a recompute); a member recomputing after a preemption
   computes up to its last token and waits there for the others (``_group_ready``);
 - it is preempted as one: the victim is the group at the tail of ``running`` (members stay
-  contiguous there: admitted together, children placed after their group), every member by
+  contiguous there: admitted together, children and late members placed after their group), every member by
   recompute (a swap of memory shared copy-on-write is not supported);
 - it is admitted as one: every waiting member, or none (``_admit_group``);
 - a step that scheduled nothing while only waiting groups hold memory preempts them, so the
@@ -87,15 +87,16 @@ class BeamGroups:
             first -= 1
         return self.running[first:]
 
-    def _place_child(self, child: Sequence, parent: Sequence) -> None:
-        """A running child goes right after its group's last running member (groups stay
-        contiguous in ``running``); any other child at the tail."""
-        self._make_running(child)
-        if not child.beam_width:
+    def _run_beside(self, seq: Sequence) -> None:
+        """Make ``seq`` running; a beam goes right after its group's last running member (a
+        group stays contiguous in ``running``), anything else at the tail."""
+        self._make_running(seq)
+        if not seq.beam_width:
             return
         self.running.pop()
-        last = max(i for i, s in enumerate(self.running) if s.request is parent.request)
-        self.running.insert(last + 1, child)
+        last = max((i for i, s in enumerate(self.running) if s.request is seq.request),
+                   default=len(self.running) - 1)
+        self.running.insert(last + 1, seq)
 
     def _admit_group(self, head: Sequence, reserve: int) -> Optional[List[Sequence]]:
         """Admit every waiting member of ``head``'s group, or none (None: they do not all fit
@@ -117,7 +118,7 @@ class BeamGroups:
             self.waiting.remove(m)
             m.held = m.length
             m.num_computed = min(hit, m.length - 1)
-            self._make_running(m)
+            self._run_beside(m)       # a child that did not fit joins its running siblings
         return members
 
     def _unblock_groups(self, plan) -> None:

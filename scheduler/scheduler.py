@@ -396,7 +396,7 @@ class Scheduler(StepTransactions, BeamGroups):
             if fits:
                 self.manager.fork(parent.seq_id, child_id)
                 child.num_computed, child.held = parent.num_computed, parent.held
-                self._place_child(child, parent)
+                self._run_beside(child)
             else:
                 self.waiting.appendleft(child)
             if len(child.output) >= child.max_tokens or tok in child.stop_ids:
