@@ -121,3 +121,74 @@ def test_abort_frees_every_beam_and_keeps_the_beams_so_far():
         assert engine.kv.manager.stats().live_tokens == 0
         assert len(out.outputs) == 4 and all(c.finish_reason == "abort" and len(c.token_ids) == 4
                                              for c in out.outputs)
+
+
+def beam_state(engine) -> tuple:
+    """conftest's engine_state, K/V read only where the cache has placed a sequence (a child
+    forked by the last update is placed by the next plan), and the beams' records."""
+    sched, mgr, cache = engine.scheduler, engine.kv.manager, engine.kv.cache
+    seqs = {i: (s.state, s.num_computed, s.held, tuple(s.output)) for i, s in sched.seqs.items()}
+    queues = tuple(tuple(s.seq_id for s in q) for q in (sched.waiting, sched.running))
+    placed = [s for s in sched.running if s.seq_id in cache.placed_seq_ids]
+    kv = {(s.seq_id, layer): tuple(t.numpy().tobytes() for t in cache.read(s.seq_id, layer,
+                                                                             s.num_computed))
+          for s in placed for layer in range(cache.config.num_layers)}
+    beams = {rid: (g.beams, g.hyps) for rid, g in engine._beams.groups.items()}
+    pages = [mgr.mapped_pages(slot) for slot in range(mgr.num_slots)]
+    return queues, seqs, mgr.stats(), pages, cache.range.mapped_pages(), kv, beams
+
+
+def recorded(engine) -> tuple:
+    """What a step records: queues, each sequence's progress and tokens, the beams."""
+    sched = engine.scheduler
+    return (tuple(s.seq_id for s in sched.running), tuple(s.seq_id for s in sched.waiting),
+            {i: (s.state, s.num_computed, tuple(s.output)) for i, s in sched.seqs.items()},
+            {rid: (g.beams, g.hyps) for rid, g in engine._beams.groups.items()})
+
+
+def test_a_fault_at_every_map_and_an_interrupt_after_the_selection_leave_no_trace():
+    """Every step is first failed at each of its map calls (each leaves scheduler, manager,
+    memory and the beams as before the step), then interrupted inside its recording, after the
+    beams were pruned and branched, before the scheduler's update (nothing of it is recorded);
+    the beams still equal transformers'."""
+    from vmemkv import vmem
+    from vmemkv.runtime.errors import PlanExecutionError
+    from vmemkv.vmem.faults import FaultInjectingDriver
+
+    driver = FaultInjectingDriver(vmem.open_driver("host"))
+    batch = prompts(2, 6, 30, seed=9)
+    params = BeamSearchParams(3, max_new_tokens=8, ignore_eos=True)
+    with Engine(model(), driver=driver, cache="vmem", page_bytes=4096, max_batch=6,
+                max_context=64, check_integrity=True, max_plan_retries=10**6) as engine:
+        ids = [engine.add_beam_request(p, params) for p in batch]
+        update, faults, interrupts = engine.scheduler.update, 0, 0
+
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+        while engine.has_unfinished():
+            for call in range(10**6):
+                before = beam_state(engine), engine.status(ids[0])
+                driver.fail_at("map", call)
+                try:
+                    engine.step()
+                except PlanExecutionError:
+                    assert (beam_state(engine), engine.status(ids[0])) == before
+                    faults += 1
+                    continue
+                finally:
+                    driver.disarm()
+                break
+            if not engine.has_unfinished():
+                break
+            engine.scheduler.update = interrupted
+            try:
+                before = recorded(engine)
+                with pytest.raises(KeyboardInterrupt):
+                    engine.step()
+                assert recorded(engine) == before   # the plan's memory stays (its tokens rerun)
+                interrupts += 1
+            finally:
+                engine.scheduler.update = update
+        out = [engine.output(rid, pop=True) for rid in ids]
+    assert faults >= 5 and interrupts >= 5
+    assert not beam_mismatches(out, reference("tiny-llama", batch, params, ()))
