@@ -152,8 +152,10 @@ class BeamSearching:
         eos = () if params.ignore_eos else tuple(self.eos_ids)
         return tuple(dict.fromkeys(eos + params.stop_token_ids))
 
-    def add_beam_request(self, prompt, params: BeamSearchParams, index: int = 0) -> int:
-        """Queue one beam-search prompt; returns its request id (its output: ``output``)."""
+    def add_beam_request(self, prompt, params: BeamSearchParams, index: int = 0,
+                         on_token=None) -> int:
+        """Queue one beam-search prompt; returns its request id (its output: ``output``).
+        ``on_token`` gets the returned beams' tokens in the step the search is done."""
         if self._closed:
             raise EngineClosedError("add_beam_request after close(): build a new Engine")
         self.check_beam_params(params)
@@ -169,7 +171,7 @@ class BeamSearching:
         self._prompt_tokens += len(ids)
         out = RequestOutput(rid, ids, [], text, arrival_s=arrival_s)
         self._requests[rid] = RequestState(out, SamplingParams(max_new_tokens=params.max_new_tokens),
-                                           None, 1, (seq_id,))
+                                           on_token, 1, (seq_id,))
         self._beams.groups[rid] = GroupState(params, self._beam_stop_ids(params),
                                              (Beam(seq_id, (), (), 0.0),))
         self._beams.group_of[seq_id] = rid
@@ -186,10 +188,10 @@ class BeamSearching:
             state.output.outputs[:] = [self._completion(i, h) for i, h in
                                        enumerate(returned(picked[rid]))]
             state.remaining, state.output.status = 0, "finished"
-            for c in state.output.outputs:
+            for c in state.output.outputs:   # the beam's text rides on its last token
                 last = len(c.token_ids) - 1
                 events += [TokenEvent(rid, c.index, t, j == last, c.finish_reason if j == last
-                                      else None, "", c.logprobs[j])
+                                      else None, c.text or "" if j == last else "", c.logprobs[j])
                            for j, t in enumerate(c.token_ids)]
         return events
 
