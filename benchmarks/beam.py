@@ -3,6 +3,7 @@ beam holding a private copy, read from the real caches every step, beside the Pa
 paper's 37.6-55.2% saved for beam search (Kwon et al. 2023, Fig. 15, Alpaca, widths 2-6).
 
     python -m vmemkv.benchmarks.beam [--model tiny-llama|smollm2-135m-instruct] [--out beam.json]
+    python -m vmemkv.benchmarks.beam --simulate 300 [--cache-gb 20]   # the simulator's throughput
 
 Workload (fixed seed): 8 prompts of 16-24 tokens (Alpaca's inputs are short), beam search to
 ``--new-tokens`` (64) tokens per beam, ignore_eos, run through ``Engine.beam_search`` step by
@@ -118,13 +119,49 @@ def measure(model_name: str, new_tokens: int, seed: int = 0) -> list:
     return rows
 
 
+def simulate_rows(requests: int, cache_gb: float, widths=(1, 2, 4, 6), seed: int = 0) -> list:
+    """The simulator on the standard workload (``requests`` of it, at most 4096 tokens) on
+    ``cache_gb`` of llama-3-8b KV on an H100: request throughput by beam width and policy, and
+    each policy's gain over reserve-max (the paper's oracle-reservation baseline is between
+    reserve-max and reserve-oracle)."""
+    from vmemkv.scheduler.simulator import SimConfig, simulate
+    from vmemkv.scheduler.workload import WorkloadSpec, generate
+    entries = generate(WorkloadSpec(num_requests=requests, seed=seed))
+    rows = []
+    for width in widths:
+        base = None
+        for policy in ("reserve-max", "reserve-oracle", "paged", "vmem"):
+            r = simulate(entries, SimConfig(policy=policy, cache_bytes=int(cache_gb * 1e9),
+                                            beam_width=width))
+            rate = r.num_requests / r.simulated_seconds
+            base = base or rate
+            rows.append({"beam_width": width, "policy": policy, "req_per_s": round(rate, 3),
+                         "vs_reserve_max": f"{rate / base:.2f}x",
+                         "preemptions": r.num_preemptions,
+                         "mean_batch": round(r.mean_batch, 1)})
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama", help="tiny-llama, or a real model "
                         "(smollm2-135m-instruct: the fork/prune pattern of real text)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per beam")
     parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument("--simulate", type=int, metavar="REQUESTS", default=0,
+                        help="instead: the simulator's throughput by beam width and policy on "
+                             "this many requests of the standard workload")
+    parser.add_argument("--cache-gb", type=float, default=20.0, help="with --simulate")
     args = parser.parse_args(argv)
+    if args.simulate:
+        env = environment(seed=0, warmup=0, repeats=1, requests=args.simulate,
+                          cache_gb=args.cache_gb, model="llama-3-8b", gpu="h100")
+        print_environment(env)
+        rows = simulate_rows(args.simulate, args.cache_gb)
+        print(format_table(rows, ["beam_width", "policy", "req_per_s", "vs_reserve_max",
+                                  "preemptions", "mean_batch"]))
+        write_json(args.out, {"environment": env, "rows": rows})
+        return
     env = environment(seed=0, warmup=0, repeats=1, model=args.model, new_tokens=args.new_tokens,
                       prompts=8)
     print_environment(env)

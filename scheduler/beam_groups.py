@@ -66,15 +66,18 @@ class BeamGroups:
     def _members(self, queue, request) -> List[Sequence]:
         return [s for s in queue if s.request is request]
 
-    def _group_ready(self, seq: Sequence, ready: Dict[int, bool]) -> bool:
-        """Whether every live member of ``seq``'s group decodes this step (``ready`` caches
-        the answer per request for the step)."""
-        rid = seq.request.request_id
-        if rid not in ready:
-            ready[rid] = (not self._members(self.waiting, seq.request) and all(
-                m.length - m.num_computed == 1 and m.output
-                for m in self._members(self.running, seq.request)))
-        return ready[rid]
+    def _ready_groups(self) -> Dict[int, bool]:
+        """{request id: whether every live member of its group decodes this step} for every
+        group with a running member (one pass over ``running`` and ``waiting``)."""
+        ready: Dict[int, bool] = {}
+        for m in self.running:
+            if m.beam_width:
+                rid = m.request.request_id
+                ready[rid] = ready.get(rid, True) and m.length - m.num_computed == 1 and bool(m.output)
+        for m in self.waiting:
+            if m.beam_width and m.request.request_id in ready:
+                ready[m.request.request_id] = False
+        return ready
 
     def _tail_unit(self) -> List[Sequence]:
         """The preemption victim: the sequence at the tail of ``running``, with its whole group

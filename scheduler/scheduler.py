@@ -176,14 +176,16 @@ class Scheduler(StepTransactions, BeamGroups):
         share = self.config.enable_prefix_sharing
         new_entry = tuple.__new__
         slide = self.manager.release_behind_window if self.manager.window_tokens else None
-        ctx, ready = 0, {}
+        ctx, ready = 0, None
         for seq in running:
             c = seq.num_computed
             if seq.length - c != 1 or not seq.output:
                 prefills.append(seq)
                 continue
-            if seq.beam_width and not self._group_ready(seq, ready):
-                continue               # a beam waits for its group (beam_groups.py)
+            if seq.beam_width:         # a beam waits for its group (beam_groups.py)
+                ready = self._ready_groups() if ready is None else ready
+                if not ready[seq.request.request_id]:
+                    continue
             if slide is not None:      # memory behind every layer's window goes back first
                 slide(seq.seq_id, c)
             ids = (seq.output[-1],)
