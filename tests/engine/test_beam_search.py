@@ -192,3 +192,27 @@ def test_a_fault_at_every_map_and_an_interrupt_after_the_selection_leave_no_trac
         out = [engine.output(rid, pop=True) for rid in ids]
     assert faults >= 5 and interrupts >= 5
     assert not beam_mismatches(out, reference("tiny-llama", batch, params, ()))
+
+
+@pytest.mark.parametrize("cache", ["vmem", "paged"])
+def test_beam_and_plain_requests_share_an_engine_with_prefix_sharing(cache):
+    """Beam groups and greedy samples (n = 2) batched in one engine with prefix sharing on:
+    each equals transformers alone."""
+    from vmemkv.runtime.engine import SamplingParams
+
+    from .conftest import hf_greedy
+
+    batch = prompts(3, 16, 24, seed=4)
+    beams = BeamSearchParams(3, max_new_tokens=8, ignore_eos=True)
+    with Engine(model(), cache=cache, block_size=4, page_bytes=4096, max_batch=8,
+                max_context=64, prefix_sharing=True, check_integrity=True) as engine:
+        plain = [engine.add_request(batch[0], SamplingParams(max_new_tokens=8, n=2,
+                                                              ignore_eos=True))]
+        searched = [engine.add_beam_request(p, beams) for p in batch[1:] + batch[:1]]
+        engine.run_until_done()
+        greedy = engine.output(plain[0], pop=True)
+        out = [engine.output(rid, pop=True) for rid in searched]
+        assert engine.kv.manager.stats().live_tokens == 0
+    assert [c.token_ids for c in greedy.outputs] == hf_greedy("tiny-llama", batch[:1], 8,
+                                                              ignore_eos=True) * 2
+    assert not beam_mismatches(out, reference("tiny-llama", batch[1:] + batch[:1], beams, ()))
