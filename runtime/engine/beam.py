@@ -88,10 +88,12 @@ class BeamSearches:
             for seq_id in gone:
                 scheduler.forget(seq_id)
                 del self.group_of[seq_id]
-            self.groups[rid] = replace(new, beams=self._branch(scheduler, rid, new.beams, sampled))
-            if new.done:
+            if new.done:                  # every beam was pruned: the hypotheses are the output
                 done.append(rid)
                 del self.groups[rid]
+            else:
+                self.groups[rid] = replace(new, beams=self._branch(scheduler, rid, new.beams,
+                                                                   sampled))
         return done
 
     def _branch(self, scheduler, rid: int, beams, sampled: Dict[int, int]) -> tuple:
