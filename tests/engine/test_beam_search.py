@@ -70,22 +70,27 @@ def test_cumulative_logprob_is_the_score_times_the_length_penalty():
     assert out.outputs[0].beam_score >= out.outputs[1].beam_score
 
 
-@pytest.mark.parametrize("cache,cache_kib", [("vmem", 96), ("paged", 64)])
-def test_beams_equal_transformers_under_preemption(cache, cache_kib):
+@pytest.mark.parametrize("cache,cache_kib,preemption", [
+    ("vmem", 96, "recompute"), ("paged", 64, "recompute"), ("paged", 64, "swap")])
+def test_beams_equal_transformers_under_preemption(cache, cache_kib, preemption):
     # a cache too small for both groups at once: groups are preempted whole and recomputed
-    # (each must then fit without sharing: vmem's 4 KiB pages need the larger cache)
+    # (each must then fit without sharing: vmem's 4 KiB pages need the larger cache); with
+    # preemption="swap" too: memory shared copy-on-write is not swapped
     batch = prompts(4, 20, 30, seed=5)
     params = BeamSearchParams(4, max_new_tokens=10, ignore_eos=True)
     out, stats = run("tiny-llama", batch, params, cache=cache, block_size=4, page_bytes=4096,
-                     cache_bytes=cache_kib * 1024)
-    assert stats.num_preemptions > 0
+                     cache_bytes=cache_kib * 1024, preemption=preemption,
+                     swap_bytes=64 * 1024 if preemption == "swap" else 0)
+    assert stats.num_preemptions > 0 and stats.num_swap_preemptions == 0
     assert not beam_mismatches(out, reference("tiny-llama", batch, params, ()))
 
 
-def test_windowed_model_beams_equal_transformers():
+@pytest.mark.parametrize("cache", ["vmem", "paged"])
+def test_windowed_model_beams_equal_transformers(cache):
+    # prompts around the 32-token window: beams fork while memory behind it is given back
     batch = prompts(2, 28, 36, seed=6)
     params = BeamSearchParams(2, max_new_tokens=8, ignore_eos=True)
-    out, _ = run("tiny-mistral-swa", batch, params, cache="vmem")
+    out, _ = run("tiny-mistral-swa", batch, params, cache=cache, block_size=4)
     assert not beam_mismatches(out, reference("tiny-mistral-swa", batch, params, ()))
 
 
