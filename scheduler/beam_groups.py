@@ -9,13 +9,13 @@ ends (``prune``: its memory is freed). The group's rules:
 
 - it samples together: a member's decode runs only in a step where every live member decodes
   (none waiting, none part-way through a recompute); a member recomputing after a preemption
-  computes up to its last token and waits there for the others (``_group_ready``);
+  computes up to its last token and waits there for the others (``_ready_groups``);
 - it is preempted as one: the victim is the group at the tail of ``running`` (members stay
-  contiguous there: admitted together, children and late members placed after their group), every member by
-  recompute (a swap of memory shared copy-on-write is not supported);
+  contiguous there: admitted together, children and late members placed after their group),
+  every member by recompute (a swap of memory shared copy-on-write is not supported);
 - it is admitted as one: every waiting member, or none (``_admit_group``);
-- a step that scheduled nothing while only waiting groups hold memory preempts them, so the
-  group is admitted whole next step (``_unblock_groups``).
+- a step that scheduled nothing while only beams waiting for a sibling run preempts them, so
+  the group is admitted whole next step (``_unblock_groups``).
 """
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ class BeamGroups:
         """End beams nobody continues (called before ``update``): the tokens the last plan
         computed for them are dropped and their memory is freed now; they end "finished"."""
         seqs = [self._beam(i) for i in seq_ids]
+        if not seqs:
+            return
         gone = {id(s) for s in seqs}
         self._decoded = [s for s in self._decoded if id(s) not in gone]
         self._scheduled = [e for e in self._scheduled if id(e[0]) not in gone]
@@ -73,7 +75,8 @@ class BeamGroups:
         for m in self.running:
             if m.beam_width:
                 rid = m.request.request_id
-                ready[rid] = ready.get(rid, True) and m.length - m.num_computed == 1 and bool(m.output)
+                decodes = m.length - m.num_computed == 1 and bool(m.output)
+                ready[rid] = ready.get(rid, True) and decodes
         for m in self.waiting:
             if m.beam_width and m.request.request_id in ready:
                 ready[m.request.request_id] = False

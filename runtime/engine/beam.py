@@ -172,8 +172,8 @@ class BeamSearching:
         self._next_request += 1
         self._prompt_tokens += len(ids)
         out = RequestOutput(rid, ids, [], text, arrival_s=arrival_s)
-        self._requests[rid] = RequestState(out, SamplingParams(max_new_tokens=params.max_new_tokens),
-                                           on_token, 1, (seq_id,))
+        limits = SamplingParams(max_new_tokens=params.max_new_tokens)   # what RequestState reads
+        self._requests[rid] = RequestState(out, limits, on_token, 1, (seq_id,))
         self._beams.groups[rid] = GroupState(params, self._beam_stop_ids(params),
                                              (Beam(seq_id, (), (), 0.0),))
         self._beams.group_of[seq_id] = rid

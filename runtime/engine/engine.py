@@ -286,7 +286,8 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching):
             state = self._prompt_logprobs.get(seq_id)
             if state is not None and state.output.prompt_logprobs is not None:
                 del self._prompt_logprobs[seq_id]
-        events = self._emit(sampled, finished, now) + self._beam_events(done, self._beam_picked, now)
+        events = self._emit(sampled, finished, now)
+        events += self._beam_events(done, self._beam_picked, now)
         self._computed_tokens += plan.num_new_tokens
         self._strikes.clear()
         self._steps += 1

@@ -162,7 +162,8 @@ class EngineThread:
             future.set_exception(error)
             return
         self._live[request_id] = _Live(sink, arrival_s, len(prompt_ids), choices_per_prompt(params),
-                                       prompt_logprobs=not beams and params.prompt_logprobs is not None)
+                                       prompt_logprobs=not beams
+                                       and params.prompt_logprobs is not None)
         future.set_result(request_id)
 
     def _step(self) -> None:
