@@ -85,6 +85,17 @@ def test_beams_equal_transformers_under_preemption(cache, cache_kib, preemption)
     assert not beam_mismatches(out, reference("tiny-llama", batch, params, ()))
 
 
+def test_beams_equal_transformers_with_chunked_prefill_under_preemption():
+    # an 8-token step budget: prompts and every recompute run in chunks over several steps,
+    # the beams of a recomputed group wait for each other before they sample again
+    batch = prompts(3, 18, 26, seed=8)
+    params = BeamSearchParams(2, max_new_tokens=10, ignore_eos=True)
+    out, stats = run("tiny-llama", batch, params, cache="paged", block_size=4, max_batch=8,
+                     max_tokens_per_step=8, cache_bytes=40 * 1024)
+    assert stats.num_preemptions > 0
+    assert not beam_mismatches(out, reference("tiny-llama", batch, params, ()))
+
+
 @pytest.mark.parametrize("cache", ["vmem", "paged"])
 def test_windowed_model_beams_equal_transformers(cache):
     # prompts around the 32-token window: beams fork while memory behind it is given back
