@@ -232,3 +232,38 @@ def test_beam_and_plain_requests_share_an_engine_with_prefix_sharing(cache):
     assert [c.token_ids for c in greedy.outputs] == hf_greedy("tiny-llama", batch[:1], 8,
                                                               ignore_eos=True) * 2
     assert not beam_mismatches(out, reference("tiny-llama", batch[1:] + batch[:1], beams, ()))
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_an_interrupt_at_calls_of_a_beam_search_drops_and_duplicates_nothing():
+    """Calls (a stride of them) of the engine's, the scheduler's and the managers' code in a
+    beam search (selection, prune, branch, fork, copy-on-write included) are interrupted once
+    each; the resumed run returns exactly the uninterrupted beams and holds nothing after."""
+    from .test_interrupt_atomicity import Interrupter
+
+    batch = prompts(2, 5, 9, seed=3)
+    params = BeamSearchParams(3, max_new_tokens=4, ignore_eos=True, stop_token_ids=(7,))
+    with Engine(model(), cache="paged", block_size=4, max_batch=6, max_context=64) as engine:
+        def outcome(outputs):
+            return [(o.status, [(c.token_ids, c.beam_score, c.finish_reason) for c in o.outputs])
+                    for o in outputs]
+        want = outcome(engine.beam_search(batch, params))
+        interrupter, k, interrupts = Interrupter("call"), 1, 0
+        while True:
+            ids = [engine.add_beam_request(p, params) for p in batch]
+            interrupter.arm(k)
+            try:
+                engine.run_until_done()
+            except KeyboardInterrupt:
+                pass
+            finally:
+                fired = interrupter.disarm()
+            engine.run_until_done()
+            where = f"interrupt at call {k} ({interrupter.where})"
+            assert outcome([engine.output(rid, pop=True) for rid in ids]) == want, where
+            engine.kv.manager.check_integrity()
+            assert engine.kv.manager.stats().live_tokens == 0 and not engine.has_unfinished()
+            if not fired:
+                break
+            interrupts, k = interrupts + 1, k + 29
+    assert interrupts >= 40
