@@ -107,6 +107,10 @@ def _workload_flags(w) -> None:
     w.add_argument("--max-len", type=POSITIVE_INT, default=4096,
                    help="max tokens per sequence (prompt + output clipped to it; longer trace "
                         "requests are scaled down to it, prompt and output in proportion)")
+    w.add_argument("--beam-width", type=bounded(int, 0), default=0,
+                   help="every request a beam search of this many beams (0: plain decoding)")
+    w.add_argument("--beam-skew", type=bounded(float, 0), default=1.0,
+                   help="how strongly a step's new beams descend from the best ones (0: evenly)")
     w.add_argument("--arrival-rate", type=bounded(float, 0), default=0.0,
                    help="Poisson arrivals, requests/s (0: all at time 0)")
     w.add_argument("--trace", metavar="NAME|FILE",
@@ -199,7 +203,8 @@ def _config(args) -> SimConfig:
                      prefix_eviction=args.prefix_eviction,
                      prefill_mfu=args.prefill_mfu, map_latency_s=args.map_latency_us * 1e-6,
                      paged_slowdown=args.paged_slowdown, watermark_scope=args.watermark_scope,
-                     profile=args.profile, kv_cache_dtype=args.kv_cache_dtype)
+                     profile=args.profile, kv_cache_dtype=args.kv_cache_dtype,
+                     beam_width=args.beam_width, beam_skew=args.beam_skew)
 
 
 def _simulate(entries, config: SimConfig, args):

@@ -52,6 +52,8 @@ class Request:
     namespace: Optional[str] = None                  # prefixes only shared within a namespace
     cache_salt: Optional[str] = None                 # vLLM's name: prefixes only shared by
                                                      # requests with the same salt (isolation)
+    beam_width: int = 0                              # > 0: a beam group (its caller picks the
+                                                     # beams each step; scheduled as one)
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_len, int) or self.prompt_len < 1:
@@ -60,6 +62,11 @@ class Request:
             raise ConfigError(f"Request.max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ConfigError(f"Request.n must be an int >= 1, got {self.n!r}")
+        if not isinstance(self.beam_width, int) or self.beam_width < 0:
+            raise ConfigError(f"Request.beam_width must be an int >= 0, got {self.beam_width!r}")
+        if self.beam_width and self.n != 1:
+            raise ConfigError(f"Request.n must be 1 for a beam group (beam_width "
+                              f"{self.beam_width}), got {self.n!r}")
         if not self.arrival_s >= 0:
             raise ConfigError(f"Request.arrival_s must be >= 0, got {self.arrival_s!r}")
         if self.prompt_token_ids is not None:
@@ -93,7 +100,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request", "output", "length", "num_computed", "held", "state",
                  "admit_order", "pending_forks", "last_token_s", "arrival_s", "max_tokens",
-                 "stop_ids")
+                 "stop_ids", "beam_width")
 
     def __init__(self, seq_id: int, request: Request, output: Optional[List[int]] = None):
         self.seq_id = seq_id
@@ -109,6 +116,7 @@ class Sequence:
         self.arrival_s = request.arrival_s
         self.max_tokens = request.max_tokens         # copied from the request: the hot path
         self.stop_ids = request.stop_token_ids
+        self.beam_width = request.beam_width         # > 0: a member of a beam group
 
     def save(self) -> tuple:
         """The fields ``Scheduler.schedule()`` or ``update()`` may change, for ``restore`` (a

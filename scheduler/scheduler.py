@@ -28,10 +28,12 @@ from .metrics import SchedulerMetrics, gauges
 from .plan import PREEMPTION_MODES, ScheduledSeq, SchedulerConfig, StepPlan  # noqa: F401 (re-exported)
 from .request import Request, Sequence, SeqState
 from .lifecycle import Savepoint, StepTransactions, end_request
+from .beam_groups import BeamGroups
 from .tables import TableTracker
 
-class Scheduler(StepTransactions):
-    """FCFS iteration-level scheduler. Owns every Sequence; the manager owns the memory."""
+class Scheduler(StepTransactions, BeamGroups):
+    """FCFS iteration-level scheduler. Owns every Sequence; the manager owns the memory. A beam
+    request's sequences are a group (``beam_groups.py``: scheduled, preempted, admitted as one)."""
 
     def __init__(self, manager: MemoryManager, config: SchedulerConfig = SchedulerConfig(),
                  tables: Optional[TableTracker] = None):
@@ -77,6 +79,10 @@ class Scheduler(StepTransactions):
             raise RequestTooLargeError(
                 f"request {request.request_id}: {final} tokens can never fit; the cache holds "
                 f"{self.max_fit_tokens} tokens of one sequence at most")
+        if request.beam_width > self.config.max_running:
+            raise RequestTooLargeError(
+                f"request {request.request_id}: beam_width {request.beam_width} exceeds the "
+                f"{self.config.max_running} sequences a step runs (max_running)")
         if request.request_id in self._unfinished_samples:
             raise DuplicateSequenceError(f"request {request.request_id} is already queued")
         ids = list(range(self._next_seq_id, self._next_seq_id + request.n))
@@ -149,12 +155,13 @@ class Scheduler(StepTransactions):
             budget = self._swap_in(plan, budget)
         if not plan.preempted and not self.swapped:
             self._admit(plan, budget)
-        plan.ops = self.manager.take_ops()
         if not plan.seqs and not self.running and not self.swapped and self.waiting:
             head = self.waiting[0]
             raise RequestTooLargeError(
                 f"sequence {head.seq_id} ({head.length} tokens) cannot be admitted to an empty "
                 f"cache of {self.total_tokens} tokens under policy {self.manager.name!r}")
+        self._unblock_groups(plan)
+        plan.ops = self.manager.take_ops()
         if self.tables is not None:
             self.tables.fill(plan, self.manager)
         return plan
@@ -169,12 +176,16 @@ class Scheduler(StepTransactions):
         share = self.config.enable_prefix_sharing
         new_entry = tuple.__new__
         slide = self.manager.release_behind_window if self.manager.window_tokens else None
-        ctx = 0
+        ctx, ready = 0, None
         for seq in running:
             c = seq.num_computed
             if seq.length - c != 1 or not seq.output:
                 prefills.append(seq)
                 continue
+            if seq.beam_width:         # a beam waits for its group (beam_groups.py)
+                ready = self._ready_groups() if ready is None else ready
+                if not ready[seq.request.request_id]:
+                    continue
             if slide is not None:      # memory behind every layer's window goes back first
                 slide(seq.seq_id, c)
             ids = (seq.output[-1],)
@@ -184,7 +195,11 @@ class Scheduler(StepTransactions):
                     seq.held = c + 1
                 except OutOfCapacityError:
                     if not self._grow(seq, 1, plan):
-                        break          # it preempted itself: it was the last one running
+                        # it preempted itself (with its group): it was the last one running
+                        while decoded and decoded[-1].state is not SeqState.RUNNING:
+                            decoded.pop()
+                            ctx -= out.pop().num_computed_tokens
+                        break
             out.append(new_entry(ScheduledSeq, (seq.seq_id, c, 1, ids, True, ())))
             decoded.append(seq)
             ctx += c
@@ -198,7 +213,9 @@ class Scheduler(StepTransactions):
 
     def _schedule_prefill(self, plan: StepPlan, seq: Sequence, budget: int,
                           may_preempt: bool) -> int:
-        new = min(seq.length - seq.num_computed, budget)
+        # a recomputing beam stops before its last token: it samples with its group
+        last = 1 if seq.beam_width and seq.output else 0
+        new = min(seq.length - last - seq.num_computed, budget)
         if new <= 0 or seq.state is not SeqState.RUNNING:
             return budget
         if self.manager.window_tokens:
@@ -223,9 +240,10 @@ class Scheduler(StepTransactions):
             except OutOfCapacityError:
                 if not may_preempt:
                     return False
-                victim = self.running[-1]
-                self._preempt(victim, plan)
-                if victim is seq:
+                victims = self._tail_unit()
+                for victim in reversed(victims):
+                    self._preempt(victim, plan)
+                if seq in victims:
                     return False
 
     def _emit(self, plan: StepPlan, seq: Sequence, new: int) -> None:
@@ -245,7 +263,8 @@ class Scheduler(StepTransactions):
         # a sequence part-way through its prefill is recomputed, not swapped: free tells the
         # manager how far it got, so only computed units are published
         uncomputed = self.config.enable_prefix_sharing and seq.held > seq.num_computed
-        if self.config.preemption == "swap" and not uncomputed and self._try_swap_out(seq):
+        swap = self.config.preemption == "swap" and not uncomputed and not seq.beam_width
+        if swap and self._try_swap_out(seq):
             seq.state = SeqState.SWAPPED
             seq.held = 0
             self.swapped.appendleft(seq)
@@ -286,6 +305,13 @@ class Scheduler(StepTransactions):
             req = seq.request
             ids = seq.token_ids() if cfg.enable_prefix_sharing else None
             reserve = self.watermark_tokens if self.running else 0   # never block an idle cache
+            if seq.beam_width:
+                group = self._admit_group(seq, reserve)
+                if group is None:
+                    break
+                for member in group:
+                    budget = self._schedule_prefill(plan, member, budget, may_preempt=False)
+                continue
             if not mgr.can_allocate(seq.length, ids, req.prefix_scope, reserve,
                                     final_tokens=req.max_total_len):
                 break
@@ -329,6 +355,8 @@ class Scheduler(StepTransactions):
             out = seq.output
             out.append(tok)
             seq.length += 1
+            if seq.pending_forks:                     # a beam continued by several children
+                self._fork_children(seq, sampled, tok, now)
             itl.append(now - seq.last_token_s)        # a decode always follows a sample
             seq.last_token_s = now
             if len(out) >= seq.max_tokens or (seq.stop_ids and tok in seq.stop_ids):
@@ -358,20 +386,22 @@ class Scheduler(StepTransactions):
 
     def _fork_children(self, parent: Sequence, sampled: Dict[int, int], parent_tok: int,
                        now: float) -> None:
-        """Children share the prompt's memory; one that does not fit waits to recompute."""
+        """Children share the parent's memory (n > 1: the prompt's; a beam's branch: all of its
+        tokens) and its output before this step's token; one that does not fit waits to
+        recompute."""
         for child_id in parent.pending_forks:
             tok = sampled.get(child_id, parent_tok)
-            child = Sequence(child_id, parent.request, [tok])
+            child = Sequence(child_id, parent.request, parent.output[:-1] + [tok])
             child.last_token_s = now
             self.seqs[child_id] = child
             fits = len(self.running) < self.config.max_running and self.manager.can_fork(parent.seq_id)
             if fits:
                 self.manager.fork(parent.seq_id, child_id)
                 child.num_computed, child.held = parent.num_computed, parent.held
-                self._make_running(child)
+                self._run_beside(child)
             else:
                 self.waiting.appendleft(child)
-            if child.max_tokens <= 1 or tok in child.stop_ids:
+            if len(child.output) >= child.max_tokens or tok in child.stop_ids:
                 self._finish([child])
         parent.pending_forks = ()
 

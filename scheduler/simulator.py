@@ -6,9 +6,15 @@ accounting and every request's token times. Nothing is approximated on the sched
 only the model's run time is. Step means come twice: over the whole run, and over the
 steady-state steps (those after which requests were still waiting: the queue, not the drain
 tail, sets the batch). Latencies come from ``report.serving_report`` (vllm bench serve's names).
+
+With ``beam_width`` every request is a beam search of that width (a beam group in the
+scheduler): each step ``BeamModel`` picks every new beam's parent among the live ones, the
+scheduler forks a parent picked several times and frees one picked by none, so sharing and
+copy-on-write are the managers' own; a request's token times are its group's steps.
 """
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
@@ -61,6 +67,8 @@ class SimConfig:
                                           # roofline; its model replaces ``model``
     kv_cache_dtype: str = "auto"          # K/V storage: bytes per token (memory and the roofline's
                                           # KV read) follow it; auto: the model's dtype_bytes
+    beam_width: int = 0                   # > 0: every request a beam search of this many beams
+    beam_skew: float = 1.0                # BeamModel: how strongly children pile on the best beams
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
@@ -80,6 +88,10 @@ class SimConfig:
                               f"calibrate with that cache instead")
         get_device(self.device)
         make_eviction(self.prefix_eviction)
+        if not isinstance(self.beam_width, int) or self.beam_width < 0:
+            raise ConfigError(f"beam_width must be an int >= 0, got {self.beam_width!r}")
+        if not self.beam_skew >= 0:
+            raise ConfigError(f"beam_skew must be >= 0, got {self.beam_skew!r}")
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -196,12 +208,28 @@ def _step_figures(manager: MemoryManager, running: int) -> tuple:
             stats.end_waste_tokens / running if running else 0.0)
 
 
+class BeamModel:
+    """How beams fork and die in simulation: each step, each of a group's ``width`` new beams
+    picks its parent among the live beams, the one at rank r (best first, the scheduler's
+    order) with weight (r + 1) ** -skew (skew 0: evenly; large: all children of the best).
+    Seeded: a run is reproducible."""
+
+    def __init__(self, width: int, skew: float = 1.0, seed: int = 0) -> None:
+        self.width, self.skew, self._rng = width, skew, random.Random(seed)
+
+    def parents(self, live: int) -> List[int]:
+        """Ranks (0 = best) of the parents of the next ``width`` beams, sorted."""
+        weights = [(r + 1) ** -self.skew for r in range(live)]
+        return sorted(self._rng.choices(range(live), weights=weights, k=self.width))
+
+
 class Simulator:
-    """Runs a workload through ``Scheduler(manager, config)`` with ``cost`` as the clock."""
+    """Runs a workload through ``Scheduler(manager, config)`` with ``cost`` as the clock;
+    ``beams``: every request a beam search that forks and prunes as the model says."""
 
     def __init__(self, manager: MemoryManager, cost: "CostModel | ProfileCost",
-                 config: SchedulerConfig = SchedulerConfig()):
-        self.manager, self.cost, self.config = manager, cost, config
+                 config: SchedulerConfig = SchedulerConfig(), beams: Optional[BeamModel] = None):
+        self.manager, self.cost, self.config, self.beams = manager, cost, config, beams
         self._after_prefill = AfterPrefill()
 
     def run(self, entries: Sequence[TraceEntry],
@@ -210,9 +238,10 @@ class Simulator:
         requests finished since the last call (for a progress bar). Every request finishes."""
         wall0 = time.perf_counter()
         self._after_prefill = AfterPrefill()
+        self._times: Dict[int, List[float]] = {}
         entries = sorted(entries, key=lambda e: e.arrival_s)
         sched = Scheduler(self.manager, _sharing_config(self.config, entries))
-        make_request = _request_maker()
+        make_request = _request_maker(self.beams.width if self.beams else 0)
         whole, steady = _StepSums(), _StepSums()
         token_times: Dict[int, List[float]] = {}       # seq_id -> its request's token times
         n, nxt, now, maps, done_reported = len(entries), 0, 0.0, 0, 0
@@ -221,7 +250,7 @@ class Simulator:
             while nxt < n and entries[nxt].arrival_s <= now:
                 e = entries[nxt]
                 ids = sched.add_request(make_request(nxt, e))
-                token_times[ids[0]] = []
+                token_times[ids[0]] = self._times[nxt] = []   # by first seq id, by request id
                 nxt += 1
             if not sched.has_unfinished():
                 if nxt == n:
@@ -258,6 +287,8 @@ class Simulator:
                                          pairs, self._after_prefill.cold(pairs, len(plan.seqs)),
                                          after_idle)
         end = now + seconds
+        if self.beams is not None:
+            return seconds, mapped, len(plan.seqs), self._beam_step(sched, plan, end, token_times)
         sampled = {}
         for s in plan.seqs:
             if s.sample:
@@ -267,6 +298,30 @@ class Simulator:
                     sampled.update(dict.fromkeys(s.fork_ids, DUMMY_TOKEN))
         sched.update(sampled, end)
         return seconds, mapped, len(plan.seqs), len(sampled)
+
+    def _beam_step(self, sched: Scheduler, plan, end: float, token_times) -> int:
+        """Every group that sampled picks its next beams (``BeamModel``); returns the tokens
+        sampled. A group's time goes to its request's list (keyed by its first seq id)."""
+        groups: Dict[int, List[int]] = {}
+        for s in plan.seqs:
+            if s.sample:
+                groups.setdefault(sched.seqs[s.seq_id].request.request_id, []).append(s.seq_id)
+        sampled, gone, branches = {}, [], []
+        for members in groups.values():
+            first = sched.seqs[members[0]]
+            self._times[first.request.request_id].append(end)
+            if len(first.output) + 1 >= first.max_tokens:   # the last token: update finishes
+                sampled.update(dict.fromkeys(members, DUMMY_TOKEN))   # every beam
+                continue
+            ranks = self.beams.parents(len(members))
+            gone += [m for r, m in enumerate(members) if r not in ranks]
+            branches += [(members[r], ranks.count(r) - 1) for r in dict.fromkeys(ranks)]
+            sampled.update(dict.fromkeys((members[r] for r in ranks), DUMMY_TOKEN))
+        sched.prune(gone)                  # first: a fork may need a freed slot
+        for parent, count in branches:
+            sampled.update(dict.fromkeys(sched.branch(parent, count), DUMMY_TOKEN))
+        sched.update(sampled, end)
+        return len(sampled)
 
     def _result(self, sched: Scheduler, timings: List[RequestTiming], sums: tuple,
                 sim_s: float, wall_s: float, maps: int) -> SimResult:
@@ -292,9 +347,10 @@ def _sharing_config(config: SchedulerConfig, entries: Sequence[TraceEntry]) -> S
     return config
 
 
-def _request_maker() -> Callable[[int, TraceEntry], Request]:
+def _request_maker(beam_width: int = 0) -> Callable[[int, TraceEntry], Request]:
     """Requests from trace entries; an entry with hash ids carries prompt token ids made up
-    from them (equal ids, equal tokens: the trace's real sharing), memoised per prompt."""
+    from them (equal ids, equal tokens: the trace's real sharing), memoised per prompt.
+    ``beam_width`` > 0: each a beam group of that width."""
     memo: Dict[tuple, tuple] = {}
 
     def make(request_id: int, e: TraceEntry) -> Request:
@@ -305,7 +361,7 @@ def _request_maker() -> Callable[[int, TraceEntry], Request]:
             if ids is None:
                 ids = memo[key] = prompt_token_ids(e, TRACE_VOCAB_SIZE)
         return Request(request_id, e.prompt_len, e.output_len, prompt_token_ids=ids,
-                       arrival_s=e.arrival_s)
+                       arrival_s=e.arrival_s, beam_width=beam_width)
     return make
 
 
@@ -315,4 +371,5 @@ def simulate(entries: Sequence[TraceEntry], config: SimConfig = SimConfig(),
     scheduler config with ``config.watermark_scope`` applied)."""
     manager = config.make_manager()
     cost = config.make_cost(manager.pages_per_map_op)
-    return Simulator(manager, cost, config.scheduler_for(manager)).run(entries, on_finished)
+    beams = BeamModel(config.beam_width, config.beam_skew) if config.beam_width else None
+    return Simulator(manager, cost, config.scheduler_for(manager), beams).run(entries, on_finished)

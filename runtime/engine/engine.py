@@ -40,6 +40,7 @@ from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine, kv_
                               start_tensor_parallel)
 from .errors import EngineClosedError, EngineConfigError, RequestRejectedError, TensorParallelError
 from .lifecycle import RequestLifecycle
+from .beam import BeamSearches, BeamSearching
 from .statistics import EngineStatistics
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
@@ -54,10 +55,11 @@ Prompt = Union[Sequence[int], str]
 log = logging.getLogger("vmemkv.engine")
 
 
-class Engine(RequestLifecycle, EngineStatistics):
+class Engine(RequestLifecycle, EngineStatistics, BeamSearching):
     """Runs ``model`` (an HF causal LM, e.g. LlamaForCausalLM, Qwen2ForCausalLM) with the
     scheduler on a vmem or paged cache. See EngineConfig for every option; keyword arguments
-    override fields of ``config``. ``tokenizer`` (optional) enables text prompts and outputs."""
+    override fields of ``config``. ``tokenizer`` (optional) enables text prompts and outputs.
+    ``beam_search`` runs beam search (runtime/engine/beam.py)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: Optional[EngineConfig] = None,
                  driver=None, **options) -> None:
@@ -131,6 +133,9 @@ class Engine(RequestLifecycle, EngineStatistics):
         self.eos_ids = eos_token_ids(model, self.tokenizer)
         self._rng = random.Random(cfg.seed)
         self._samples: Dict[int, SampleRecord] = {}  # seq_id -> sample state (unfinished)
+        self._beams = BeamSearches()                 # live beam groups (their seqs: not samples)
+        self._beam_rows: Dict[int, int] = {}         # this step's beams: seq_id -> logits row
+        self._beam_picked: dict = {}                 # ... and their selection (beam.py)
         self._requests: Dict[int, RequestState] = {}  # request_id -> state, until collected
         self._prompt_logprobs: Dict[int, RequestState] = {}   # seq_id -> request computing
         self.runner.prompt_rows = self._prompt_logprobs       # its prompt logprobs
@@ -251,16 +256,22 @@ class Engine(RequestLifecycle, EngineStatistics):
     def _drawing(self, plan, rows) -> Dict[int, SampleState]:
         """{seq_id: its sampling state} of every sample this step draws, in plan order, each
         pointed at its row of the logits."""
-        drawing = {}
+        drawing, self._beam_rows = {}, {}
         for row, i in enumerate(rows):
             s = plan.seqs[i]
+            if s.seq_id in self._beams.group_of:
+                self._beam_rows[s.seq_id] = row
+                continue
             for seq_id in (s.seq_id,) + s.fork_ids:
                 sample = drawing[seq_id] = self._samples[seq_id].sampling
                 sample.logits_row = row
         return drawing
 
     def _sample(self, logits, drawing: Dict[int, SampleState]) -> Dict[int, int]:
-        if logits is None:
+        """Tokens of the samples drawing; beams are re-selected (``_beam_picked``, applied
+        when the step is recorded)."""
+        self._beam_picked = self._beams.select(logits, self._beam_rows) if self._beam_rows else {}
+        if logits is None or not drawing:
             return {}
         self._draws = save_generators(drawing.values())   # undone if the step is not recorded
         return dict(zip(drawing, self.sampler.sample(logits, list(drawing.values()))))
@@ -269,12 +280,14 @@ class Engine(RequestLifecycle, EngineStatistics):
         """What an executed step changes: the scheduler's sequences (``update``), the outputs
         and the counters (run inside the step transaction's recording phase)."""
         now = self._now()
+        done = self._beams.apply(self.scheduler, self._beam_picked, sampled)
         finished = set(self.scheduler.update(sampled, now=now))
         for seq_id in self.runner.prompt_logits:   # every prompt position is in: stop keeping rows
             state = self._prompt_logprobs.get(seq_id)
             if state is not None and state.output.prompt_logprobs is not None:
                 del self._prompt_logprobs[seq_id]
         events = self._emit(sampled, finished, now)
+        events += self._beam_events(done, self._beam_picked, now)
         self._computed_tokens += plan.num_new_tokens
         self._strikes.clear()
         self._steps += 1
@@ -284,7 +297,9 @@ class Engine(RequestLifecycle, EngineStatistics):
     def _emit(self, sampled: Dict[int, int], finished: set, now: float) -> List[TokenEvent]:
         events = []
         for seq_id, token in sampled.items():
-            sample = self._samples[seq_id]
+            sample = self._samples.get(seq_id)
+            if sample is None:   # a beam: its group's output is written when it is done
+                continue
             req = sample.request
             text, logprobs = sample.record(token, now, seq_id in finished)
             if sample.stopped_by_text and seq_id not in finished:

@@ -52,3 +52,13 @@ class TensorParallelMismatchError(TensorParallelError):
     """At construction, the ranks' sharded forward differed from the unsharded model on rank 0
     by more than the self-check allows (the message names the largest difference and the
     limit): the engine refused to serve and has stopped every rank and freed their memory."""
+
+
+class BeamSearchParamsError(EngineConfigError):
+    """A ``BeamSearchParams`` field out of range, or a beam search this engine cannot run
+    exactly (temperature sampling, more beams than a step runs or than the vocabulary ranks);
+    ``field`` names it (the server's 400 does). Raised before anything is queued or built."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field

@@ -66,7 +66,8 @@ class RecordingSavepoint:
 
     def __init__(self, engine, seq_ids: Iterable[int]) -> None:
         self.engine = engine
-        self.samples = {s: engine._samples[s] for s in seq_ids}
+        self.samples = {s: engine._samples[s] for s in seq_ids if s in engine._samples}
+        self.beams = engine._beams.save(engine._requests)   # beams are not samples
         self.records = [(record, record.save()) for record in self.samples.values()]
         self.prompt_logprobs = dict(engine._prompt_logprobs)
         self.strikes = dict(engine._strikes)
@@ -77,6 +78,7 @@ class RecordingSavepoint:
         for record, saved in self.records:
             record.restore(saved)
         engine._samples.update(self.samples)
+        engine._beams.restore(self.beams)
         for live, saved in ((engine._prompt_logprobs, self.prompt_logprobs),   # shared with the
                             (engine._strikes, self.strikes)):                  # runner: in place
             live.clear()
@@ -109,7 +111,7 @@ class RequestLifecycle:
         if not error.rolled_back:
             return False
         doomed = []
-        for rid in {self._samples[s].request.output.request_id for s in culprits if s in self._samples}:
+        for rid in {self._request_id_of(s) for s in culprits} - {None}:
             self._strikes[rid] = self._strikes.get(rid, 0) + 1
             if self._strikes[rid] > self.config.max_plan_retries:
                 doomed.append(rid)
@@ -150,7 +152,7 @@ class RequestLifecycle:
         None. Requests whose work fails alone ``max_plan_retries + 1`` times in a row end
         "failed"; True if any did. Nobody is blamed when no request's work fails alone, or
         every request's does (the fault is then the engine's, not a request's)."""
-        request_of = {seq_id: self._samples[seq_id].request.output.request_id for seq_id in units}
+        request_of = {seq_id: self._request_id_of(seq_id) for seq_id in units}
         failing = {seq_id: error for seq_id, work in units.items()
                    if (error := probe(work)) is not None}
         culprits = {request_of[seq_id] for seq_id in failing}
@@ -164,6 +166,13 @@ class RequestLifecycle:
         for rid in sorted(doomed):
             self._end_request(rid, SeqState.FAILED, doomed[rid])
         return bool(doomed)
+
+    def _request_id_of(self, seq_id: int) -> Optional[int]:
+        """The request a live sample or beam belongs to (None: neither)."""
+        record = self._samples.get(seq_id)
+        if record is not None:
+            return record.request.output.request_id
+        return self._beams.group_of.get(seq_id)
 
     def _forward_alone(self, seq) -> Optional[Exception]:
         """Run one sequence's part of the failed step alone (its memory is in place)."""
@@ -219,8 +228,9 @@ class RequestLifecycle:
         state = self._request(request_id)
         if not state.remaining:
             return state.output.status
-        live = {self.scheduler.state_of(s) for s in state.seq_ids
-                if s in self._samples and s in self.scheduler.seqs}
+        ids = state.seq_ids + tuple(self._beams.live_seq_ids(request_id))
+        live = {self.scheduler.state_of(s) for s in ids
+                if (s in self._samples or s in self._beams.group_of) and s in self.scheduler.seqs}
         for seq_state in (SeqState.RUNNING, SeqState.SWAPPED):
             if seq_state in live:
                 return seq_state.value
@@ -252,6 +262,7 @@ class RequestLifecycle:
         for seq_id in state.seq_ids:
             if seq_id in self._samples:
                 self._end_sample(seq_id, reason)
+        self._end_beams(request_id, reason)
         state.remaining = 0
         state.output.status = status.value
         if error is not None:

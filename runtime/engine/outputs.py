@@ -44,6 +44,8 @@ class CompletionOutput:
     token_times_s: List[float] = field(default_factory=list)  # when each token was sampled:
                                                               # engine-clock wall seconds
     logprobs: Optional[List[TokenLogprobs]] = None
+    beam_score: Optional[float] = None   # beam search: cumulative_logprob / tokens **
+                                         # length_penalty, what the beams are ranked by
 
     @property
     def cumulative_logprob(self) -> Optional[float]:

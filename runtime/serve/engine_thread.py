@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
+from vmemkv.runtime.engine.beam_params import BeamSearchParams
 from vmemkv.runtime.engine.errors import RequestEndedError
 from vmemkv.runtime.engine.outputs import TokenEvent
 from vmemkv.runtime.engine.sampling import SamplingParams
@@ -62,6 +63,11 @@ class _Live:
     samples_left: int
     token_times_s: Dict[int, List[float]] = field(default_factory=dict)   # sample -> times
     prompt_logprobs: bool = False   # asked for: they travel with the first token
+
+
+def choices_per_prompt(params) -> int:
+    """A request's choices: SamplingParams' n samples, or a beam search's returned beams."""
+    return params.returned_beams if isinstance(params, BeamSearchParams) else params.n
 
 
 class EngineThread:
@@ -147,14 +153,17 @@ class EngineThread:
 
     def _add(self, payload, future: Future) -> None:
         prompt_ids, params, sink, arrival_s = payload
+        beams = isinstance(params, BeamSearchParams)
+        add = self.engine.add_beam_request if beams else self.engine.add_request
         try:
-            request_id = self.engine.add_request(list(prompt_ids), params, on_token=self._on_token)
+            request_id = add(list(prompt_ids), params, on_token=self._on_token)
         except Exception as error:   # noqa: BLE001 -- handed to the submitter, who answers it
             self._ended_unqueued()
             future.set_exception(error)
             return
-        self._live[request_id] = _Live(sink, arrival_s, len(prompt_ids), params.n,
-                                       prompt_logprobs=params.prompt_logprobs is not None)
+        self._live[request_id] = _Live(sink, arrival_s, len(prompt_ids), choices_per_prompt(params),
+                                       prompt_logprobs=not beams
+                                       and params.prompt_logprobs is not None)
         future.set_result(request_id)
 
     def _step(self) -> None:

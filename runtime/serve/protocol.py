@@ -11,7 +11,9 @@ OpenAI's fields, the server takes vLLM's extensions (``top_k``, ``min_p``,
 ``include_stop_str_in_output``, ``skip_special_tokens``); every choice carries its
 ``token_ids`` (as vLLM's ``return_token_ids`` does), so clients without a tokenizer can read what
 was generated. ``best_of`` is taken only when it equals ``n``: ranking hidden samples is not
-implemented, and a silent substitute would be wrong.
+implemented, and a silent substitute would be wrong. ``use_beam_search`` (vLLM's extension, with
+``beam_width``, default ``n``, and ``length_penalty``) runs ``Engine.beam_search``: the ``n``
+best beams are the choices; fields that shape sampling are refused by name with it.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from typing import Dict, List, Optional, Type, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from vmemkv.runtime.engine.errors import EngineConfigError
+from vmemkv.runtime.engine.beam_params import BeamSearchParams
+from vmemkv.runtime.engine.errors import BeamSearchParamsError, EngineConfigError
 from vmemkv.runtime.engine.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, SamplingParams
 
 from .errors import ApiError
@@ -64,6 +67,9 @@ class SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=256)   # vLLM's: prefixes
                                           # are shared only between requests with the same salt
+    use_beam_search: bool = False         # vLLM's extension: beam search, the n best beams
+    beam_width: Optional[int] = Field(None, ge=1)   # beams kept each step (default: n)
+    length_penalty: float = 1.0           # vLLM's: a beam scores logprob sum / tokens ** this
 
     def stop_strings(self) -> List[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -72,8 +78,14 @@ class SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def common_sampling(self, max_tokens: int, **extra) -> SamplingParams:
-        """SamplingParams of these fields (and ``extra``), or ApiError 400 naming the field."""
+    def common_sampling(self, max_tokens: int, **extra) -> Union[SamplingParams, BeamSearchParams]:
+        """SamplingParams of these fields (and ``extra``), BeamSearchParams with
+        ``use_beam_search``, or ApiError 400 naming the field."""
+        if self.use_beam_search:
+            return self.beam_search(max_tokens, extra)
+        for name in ("beam_width", "length_penalty"):
+            if name in self.model_fields_set:
+                raise ApiError(400, f"{name} needs use_beam_search: true", name)
         fields = dict(max_new_tokens=max_tokens, temperature=self.temperature,
                       top_k=max(self.top_k, 0), top_p=self.top_p, min_p=self.min_p, seed=self.seed,
                       stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
@@ -93,9 +105,35 @@ class SamplingFields(BaseModel):
                 "max_new_tokens", self.api_name("max_new_tokens"))
             raise ApiError(400, message, self.api_name(name)) from None
 
+    def beam_search(self, max_tokens: int, extra: dict) -> BeamSearchParams:
+        """BeamSearchParams of these fields (beam_width beams, the n best returned); a field
+        beam search does not use (sampling, penalties, stop strings, logprobs) is a 400."""
+        unused = [f for f in _NOT_BEAM_FIELDS if f in self.model_fields_set] + [
+            self.api_name(f) for f in ("logprobs", "prompt_logprobs") if extra.get(f) is not None]
+        if "temperature" in self.model_fields_set and self.temperature != 0:
+            unused.insert(0, "temperature")
+        if unused:
+            raise ApiError(400, f"{unused[0]} is not supported with use_beam_search (beam search "
+                                f"is deterministic and returns whole beams)", unused[0])
+        try:
+            return BeamSearchParams(self.beam_width or self.n, max_new_tokens=max_tokens,
+                                    length_penalty=self.length_penalty, num_return_beams=self.n,
+                                    ignore_eos=self.ignore_eos,
+                                    stop_token_ids=tuple(self.stop_token_ids))
+        except BeamSearchParamsError as error:
+            name = {"num_return_beams": "n", "max_new_tokens": self.api_name("max_new_tokens")
+                    }.get(error.field, error.field)
+            raise ApiError(400, str(error).replace("BeamSearchParams.num_return_beams", "n"),
+                           name) from None
+
     def api_name(self, field: str) -> str:
         """The request field a SamplingParams field comes from."""
         return {"max_new_tokens": "max_tokens", "prompt_logprobs": "echo"}.get(field, field)
+
+
+# fields a beam search request may not set (they shape sampling, which beam search does not do)
+_NOT_BEAM_FIELDS = ("top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
+                    "repetition_penalty", "logit_bias", "min_tokens", "stop", "best_of")
 
 
 def _token_biases(bias: Optional[Dict[str, float]]) -> dict:

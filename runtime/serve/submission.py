@@ -15,11 +15,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, List, Optional, Sequence
 
-from vmemkv.runtime.engine.errors import RequestRejectedError
+from vmemkv.runtime.engine.errors import BeamSearchParamsError, RequestRejectedError
 from vmemkv.runtime.engine.logprobs import TokenLogprobs
 from vmemkv.runtime.engine.sampling import SamplingParams
 
-from .engine_thread import Ended, EngineThread, Token
+from .engine_thread import Ended, EngineThread, Token, choices_per_prompt
 from .errors import ApiError, internal_error, request_failed
 
 
@@ -56,8 +56,8 @@ class Submission:
                  has_tokenizer: bool = True) -> None:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.prompt_tokens = sum(len(p) for p in prompts)
-        self.n, self._ids_as_text = params.n, not has_tokenizer
-        self.choices = [Choice(i) for i in range(len(prompts) * params.n)]
+        self.n, self._ids_as_text = choices_per_prompt(params), not has_tokenizer
+        self.choices = [Choice(i) for i in range(len(prompts) * self.n)]
         self.prompt_logprobs: List[Optional[list]] = [None] * len(prompts)   # when asked for
         self._server, self._live = server, len(prompts)
         self._ended = [False] * len(prompts)
@@ -77,7 +77,7 @@ class Submission:
         try:
             for future in self._futures:
                 await asyncio.wrap_future(future)
-        except RequestRejectedError as error:
+        except (RequestRejectedError, BeamSearchParamsError) as error:
             self.close()
             raise ApiError(400, str(error), error.field) from None
 

@@ -1,0 +1,175 @@
+"""Beam search's memory: pages / blocks the beams hold with copy-on-write sharing against each
+beam holding a private copy, read from the real caches every step, beside the PagedAttention
+paper's 37.6-55.2% saved for beam search (Kwon et al. 2023, Fig. 15, Alpaca, widths 2-6).
+
+    python -m vmemkv.benchmarks.beam [--model tiny-llama|smollm2-135m-instruct] [--out beam.json]
+    python -m vmemkv.benchmarks.beam --simulate 300 [--cache-gb 20]   # the simulator's throughput
+
+Workload (fixed seed): 8 prompts of 16-24 tokens (Alpaca's inputs are short), beam search to
+``--new-tokens`` (64) tokens per beam, ignore_eos, run through ``Engine.beam_search`` step by
+step. After every step, from the cache (never the manager):
+
+- shared  = distinct units the live beams map: vmem pool pages under their slots
+            (``mapped_extents``), paged blocks in their block tables;
+- private = the same units counted once per beam that maps them: what the same beams hold
+            when each keeps a private copy of its history (page / block granularity as
+            configured), so both sides round to the same units;
+- saved   = 1 - shared / private, over the whole run (summed over steps: the paper's "memory
+            saving") and at the step of peak private memory;
+- read when a step's plan is applied (``begin_step``), over every running sequence;
+- copy-on-write bytes per step: CopyExtent / CopyBlock ops of the plans x the tokens one
+  copies (a page group's, a block's) x KV bytes per token.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+
+KiB = 1024
+CACHES = (("vmem", dict(cache="vmem", layout="per-layer", page_bytes=4 * KiB)),
+          ("vmem", dict(cache="vmem", layout="per-layer", page_bytes=16 * KiB)),
+          ("vmem", dict(cache="vmem", layout="interleaved", page_bytes=16 * KiB)),
+          ("paged", dict(cache="paged", block_size=16)),
+          ("paged", dict(cache="paged", block_size=4)))
+WIDTHS = (2, 4, 6)
+
+
+def held_units(engine) -> tuple:
+    """(distinct units the live sequences map, units summed per sequence), from the cache."""
+    cache, seqs = engine.kv.cache, [s.seq_id for s in engine.scheduler.running]
+    per_seq = []
+    for seq_id in seqs:
+        if cache.kind == "vmem":
+            extents = cache.mapped_extents(cache.placement(seq_id)).values()
+            per_seq.append({p for kinds in extents for pages in kinds.values() for p in pages})
+        else:
+            per_seq.append({b for table in cache.block_tables(seq_id) for b in table
+                            if b is not None})
+    return len(set().union(*per_seq)), sum(len(s) for s in per_seq)
+
+
+def unit_bytes(engine) -> int:
+    """Bytes of one unit ``held_units`` counts: a pool page (vmem), a block (paged)."""
+    cache = engine.kv.cache
+    return cache.page_bytes if cache.kind == "vmem" else (
+        cache.block_size * cache.config.bytes_per_token)
+
+
+def copy_bytes(engine) -> int:
+    """Bytes one copy-on-write op copies: a page group's tokens (vmem: CopyExtent, one kind
+    here, every layer's member pages) or a block (paged: CopyBlock), at every layer."""
+    cache = engine.kv.cache
+    tokens = cache.tokens_per_page if cache.kind == "vmem" else cache.block_size
+    return tokens * cache.config.bytes_per_token
+
+
+def run_one(model, prompts, width: int, new_tokens: int, options: dict) -> dict:
+    from vmemkv.runtime.engine import BeamSearchParams, Engine
+    copies = []
+    with Engine(model, max_batch=len(prompts) * width, max_context=256, self_check=False,
+                **options) as engine:
+        cache, shared, private = engine.kv.cache, [], []
+        execute, begin_step = cache.execute, cache.begin_step
+
+        def counting(ops):              # copy-on-write ops of every plan
+            copies.append(sum(type(op).__name__ in ("CopyExtent", "CopyBlock") for op in ops))
+            return execute(ops)
+
+        def measuring(seqs):            # the plan's memory and tables are applied: read them
+            s, p = held_units(engine)
+            shared.append(s)
+            private.append(p)
+            return begin_step(seqs)
+        cache.execute, cache.begin_step = counting, measuring
+        params = BeamSearchParams(width, max_new_tokens=new_tokens, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_beam_request(prompt, params, index=i)
+        engine.run_until_done()
+        peak = max(range(len(private)), key=private.__getitem__)
+        cow_bytes = sum(copies) * copy_bytes(engine)
+        return {"shared_units": sum(shared), "private_units": sum(private),
+                "peak_shared_units": shared[peak], "peak_private_units": private[peak],
+                "unit_bytes": unit_bytes(engine), "steps": len(shared),
+                "cow_bytes_per_step": cow_bytes / max(1, len(copies))}
+
+
+def measure(model_name: str, new_tokens: int, seed: int = 0) -> list:
+    import random
+    from vmemkv.runtime.models import build_model, load_model
+    model = (build_model(model_name, seed=seed) if model_name.startswith("tiny-")
+             else load_model(model_name, dtype=torch.float32)[0])
+    vocab = model.config.vocab_size
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(16, 24))] for _ in range(8)]
+    rows = []
+    for kind, options in CACHES:
+        unit = (f"{options['page_bytes'] // KiB} KiB page {options['layout']}" if kind == "vmem"
+                else f"block {options['block_size']}")
+        for width in WIDTHS:
+            r = run_one(model, prompts, width, new_tokens, options)
+            rows.append({"cache": kind, "unit": unit, "beam_width": width,
+                         "peak_shared_MiB": round(r["peak_shared_units"] * r["unit_bytes"] / 2**20, 3),
+                         "peak_private_MiB": round(r["peak_private_units"] * r["unit_bytes"] / 2**20, 3),
+                         "saved_peak": f"{1 - r['peak_shared_units'] / r['peak_private_units']:.1%}",
+                         "saved_run": f"{1 - r['shared_units'] / r['private_units']:.1%}",
+                         "cow_KiB_per_step": round(r["cow_bytes_per_step"] / KiB, 1)})
+    return rows
+
+
+def simulate_rows(requests: int, cache_gb: float, widths=(1, 2, 4, 6), seed: int = 0) -> list:
+    """The simulator on the standard workload (``requests`` of it, at most 4096 tokens) on
+    ``cache_gb`` of llama-3-8b KV on an H100: request throughput by beam width and policy, and
+    each policy's gain over reserve-max (the paper's oracle-reservation baseline is between
+    reserve-max and reserve-oracle)."""
+    from vmemkv.scheduler.simulator import SimConfig, simulate
+    from vmemkv.scheduler.workload import WorkloadSpec, generate
+    entries = generate(WorkloadSpec(num_requests=requests, seed=seed))
+    rows = []
+    for width in widths:
+        base = None
+        for policy in ("reserve-max", "reserve-oracle", "paged", "vmem"):
+            r = simulate(entries, SimConfig(policy=policy, cache_bytes=int(cache_gb * 1e9),
+                                            beam_width=width))
+            rate = r.num_requests / r.simulated_seconds
+            base = base or rate
+            rows.append({"beam_width": width, "policy": policy, "req_per_s": round(rate, 3),
+                         "vs_reserve_max": f"{rate / base:.2f}x",
+                         "preemptions": r.num_preemptions,
+                         "mean_batch": round(r.mean_batch, 1)})
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-llama", help="tiny-llama, or a real model "
+                        "(smollm2-135m-instruct: the fork/prune pattern of real text)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per beam")
+    parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument("--simulate", type=int, metavar="REQUESTS", default=0,
+                        help="instead: the simulator's throughput by beam width and policy on "
+                             "this many requests of the standard workload")
+    parser.add_argument("--cache-gb", type=float, default=20.0, help="with --simulate")
+    args = parser.parse_args(argv)
+    if args.simulate:
+        env = environment(seed=0, warmup=0, repeats=1, requests=args.simulate,
+                          cache_gb=args.cache_gb, model="llama-3-8b", gpu="h100")
+        print_environment(env)
+        rows = simulate_rows(args.simulate, args.cache_gb)
+        print(format_table(rows, ["beam_width", "policy", "req_per_s", "vs_reserve_max",
+                                  "preemptions", "mean_batch"]))
+        write_json(args.out, {"environment": env, "rows": rows})
+        return
+    env = environment(seed=0, warmup=0, repeats=1, model=args.model, new_tokens=args.new_tokens,
+                      prompts=8)
+    print_environment(env)
+    rows = measure(args.model, args.new_tokens)
+    print(format_table(rows, ["cache", "unit", "beam_width", "peak_shared_MiB", "peak_private_MiB",
+                              "saved_peak", "saved_run", "cow_KiB_per_step"]))
+    write_json(args.out, {"environment": env, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

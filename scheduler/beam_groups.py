@@ -1,0 +1,140 @@
+"""Beam groups: the sequences of one beam-search request, scheduled, preempted and admitted as
+one (a mixin over ``Scheduler``'s fields).
+
+A beam request (``Request.beam_width > 0``) starts as one sequence, its prompt. Every step its
+caller (the engine's beam search) reads the live beams' logits and says what follows: a beam
+continued by several children forks (``branch``: the children share the parent's memory; the
+manager copies the shared partial unit when a child first writes it), a beam nobody continues
+ends (``prune``: its memory is freed). The group's rules:
+
+- it samples together: a member's decode runs only in a step where every live member decodes
+  (none waiting, none part-way through a recompute); a member recomputing after a preemption
+  computes up to its last token and waits there for the others (``_ready_groups``);
+- it is preempted as one: the victim is the group at the tail of ``running`` (members stay
+  contiguous there: admitted together, children and late members placed after their group),
+  every member by recompute (a swap of memory shared copy-on-write is not supported);
+- it is admitted as one: every waiting member, or none (``_admit_group``);
+- a step that scheduled nothing while only beams waiting for a sibling run preempts them, so
+  the group is admitted whole next step (``_unblock_groups``).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+from .errors import SchedulerError, UnknownSequenceError
+from .request import Sequence, SeqState
+
+
+class BeamGroups:
+    """Beam-group scheduling (a mixin over Scheduler: ``running``, ``waiting``, ``seqs``,
+    ``manager``, ``config``, ``_decoded``, ``_scheduled``, ``_unfinished_samples``)."""
+
+    # ---- what the beam search says after a step (between schedule and update) -------------
+    def branch(self, parent_id: int, count: int) -> List[int]:
+        """Give running beam ``parent_id`` ``count`` more children, forked from it by the next
+        ``update`` (each child's token is ``sampled[child_id]`` there, the parent's own is
+        ``sampled[parent_id]``). Returns the children's seq ids."""
+        parent = self._beam(parent_id)
+        if parent.state is not SeqState.RUNNING or parent.pending_forks:
+            raise SchedulerError(f"sequence {parent_id} is {parent.state.value} with "
+                                 f"{len(parent.pending_forks)} pending forks; only a running "
+                                 f"beam just scheduled can branch")
+        ids = tuple(range(self._next_seq_id, self._next_seq_id + count))
+        self._next_seq_id += count
+        parent.pending_forks = ids
+        self._unfinished_samples[parent.request.request_id] += count
+        return list(ids)
+
+    def prune(self, seq_ids) -> None:
+        """End beams nobody continues (called before ``update``): the tokens the last plan
+        computed for them are dropped and their memory is freed now; they end "finished"."""
+        seqs = [self._beam(i) for i in seq_ids]
+        if not seqs:
+            return
+        gone = {id(s) for s in seqs}
+        self._decoded = [s for s in self._decoded if id(s) not in gone]
+        self._scheduled = [e for e in self._scheduled if id(e[0]) not in gone]
+        self._finish([s for s in seqs if not s.state.is_ended])
+
+    def _beam(self, seq_id: int) -> Sequence:
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError(f"unknown sequence id {seq_id}")
+        if not seq.beam_width:
+            raise SchedulerError(f"sequence {seq_id} is not a beam (its request has no beam_width)")
+        return seq
+
+    # ---- scheduling rules ----------------------------------------------------------------
+    def _members(self, queue, request) -> List[Sequence]:
+        return [s for s in queue if s.request is request]
+
+    def _ready_groups(self) -> Dict[int, bool]:
+        """{request id: whether every live member of its group decodes this step} for every
+        group with a running member (one pass over ``running`` and ``waiting``)."""
+        ready: Dict[int, bool] = {}
+        for m in self.running:
+            if m.beam_width:
+                rid = m.request.request_id
+                decodes = m.length - m.num_computed == 1 and bool(m.output)
+                ready[rid] = ready.get(rid, True) and decodes
+        for m in self.waiting:
+            if m.beam_width and m.request.request_id in ready:
+                ready[m.request.request_id] = False
+        return ready
+
+    def _tail_unit(self) -> List[Sequence]:
+        """The preemption victim: the sequence at the tail of ``running``, with its whole group
+        (contiguous there) when it is a beam; in running order."""
+        tail = self.running[-1]
+        if not tail.beam_width:
+            return [tail]
+        first = len(self.running) - 1
+        while first > 0 and self.running[first - 1].request is tail.request:
+            first -= 1
+        return self.running[first:]
+
+    def _run_beside(self, seq: Sequence) -> None:
+        """Make ``seq`` running; a beam goes right after its group's last running member (a
+        group stays contiguous in ``running``), anything else at the tail."""
+        self._make_running(seq)
+        if not seq.beam_width:
+            return
+        self.running.pop()
+        last = max((i for i, s in enumerate(self.running) if s.request is seq.request),
+                   default=len(self.running) - 1)
+        self.running.insert(last + 1, seq)
+
+    def _admit_group(self, head: Sequence, reserve: int) -> Optional[List[Sequence]]:
+        """Admit every waiting member of ``head``'s group, or none (None: they do not all fit
+        now). Each gets its own memory (a recompute shares nothing it has not computed)."""
+        mgr, share = self.manager, self.config.enable_prefix_sharing
+        members = self._members(self.waiting, head.request)
+        if len(self.running) + len(members) > self.config.max_running:
+            return None
+        scope, final = head.request.prefix_scope, head.request.max_total_len
+        hits = []
+        for m in members:
+            ids = m.token_ids() if share else None
+            if not mgr.can_allocate(m.length, ids, scope, reserve, final_tokens=final):
+                for done in members[:len(hits)]:
+                    mgr.free(done.seq_id, computed_tokens=0)
+                return None
+            hits.append(mgr.allocate(m.seq_id, m.length, ids, scope, final_tokens=final))
+        for m, hit in zip(members, hits):
+            self.waiting.remove(m)
+            m.held = m.length
+            m.num_computed = min(hit, m.length - 1)
+            self._run_beside(m)       # a child that did not fit joins its running siblings
+        return members
+
+    def _unblock_groups(self, plan) -> None:
+        """Nothing was scheduled, yet sequences run: they are beam members waiting for a
+        sibling that cannot be admitted. Preempt them (by recompute) so the group is admitted
+        whole, or the empty cache's refusal names it, next step."""
+        if plan.seqs or not self.running:
+            return
+        if not all(s.beam_width for s in self.running):
+            return
+        while self.running:
+            for victim in reversed(self._tail_unit()):
+                self._preempt(victim, plan)

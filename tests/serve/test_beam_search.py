@@ -1,0 +1,63 @@
+"""use_beam_search / beam_width (vLLM's names) on /v1/completions and /v1/chat/completions: the
+choices are Engine.beam_search's beams, streamed or not; fields beam search cannot honour are a
+400 naming them, before anything is queued."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from vmemkv.runtime.engine import BeamSearchParams, Engine
+
+from ..engine.byte_tokenizer import byte_tokenizer
+from .conftest import (PAGED, VMEM, assert_memory_at_baseline, model, prompts, serving,
+                       wait_until_idle)
+
+BODY = dict(use_beam_search=True, beam_width=3, n=2, max_tokens=6, ignore_eos=True)
+
+
+def test_completions_choices_are_the_engines_beams_and_the_field_errors_name_it():
+    batch = prompts(2, 4, 12, seed=3)
+    with Engine(model(), **PAGED) as engine:
+        want = [[c.token_ids for c in out.outputs] for out in engine.beam_search(
+            batch, BeamSearchParams(3, max_new_tokens=6, num_return_beams=2, ignore_eos=True))]
+    with serving(PAGED) as (server, engine):
+        url = server.url + "/v1/completions"
+        r = httpx.post(url, json={**BODY, "prompt": batch}, timeout=60)
+        assert r.status_code == 200, r.text
+        choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        assert [c["token_ids"] for c in choices] == [t for beams in want for t in beams]
+        with httpx.stream("POST", url, json={**BODY, "prompt": batch[0], "stream": True},
+                          timeout=60) as streamed:
+            assert streamed.status_code == 200
+            assert sum(line.startswith("data: {") for line in streamed.iter_lines()) == 12
+        for extra, param in [(dict(temperature=0.7), "temperature"), (dict(top_p=0.5), "top_p"),
+                             (dict(logprobs=1), "logprobs"), (dict(n=4), "n"),
+                             (dict(beam_width=9), "beam_width"),
+                             (dict(use_beam_search=False), "beam_width")]:
+            bad = httpx.post(url, json={**BODY, **extra, "prompt": batch[0]}, timeout=60)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+        wait_until_idle(server)
+        assert_memory_at_baseline(engine)
+
+
+def test_chat_choices_are_the_engines_beams_with_their_text():
+    chat = [{"role": "user", "content": "hello"}]
+    params = BeamSearchParams(3, max_new_tokens=6, num_return_beams=2, ignore_eos=True)
+    with Engine(model(), byte_tokenizer(chat_template=True), **VMEM) as engine:
+        (want,) = engine.beam_search(engine_prompts(engine, chat), params)
+    with serving(VMEM, tokenizer=byte_tokenizer(chat_template=True)) as (server, engine):
+        body = {**BODY, "messages": chat, "max_completion_tokens": 6}
+        del body["max_tokens"]
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        got = sorted(r.json()["choices"], key=lambda c: c["index"])
+        assert [c["token_ids"] for c in got] == [c.token_ids for c in want.outputs]
+        assert [c["message"]["content"] for c in got] == [c.text for c in want.outputs]
+        bad = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                         json={**body, "logprobs": True})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
+
+
+def engine_prompts(engine, messages) -> list:
+    from vmemkv.runtime.engine.chat import chat_prompts
+    return chat_prompts(engine.tokenizer, messages, None)
