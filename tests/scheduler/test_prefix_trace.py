@@ -42,8 +42,9 @@ LAYOUTS = {"paged-16": dict(policy="paged", block_size=16),
            "vmem-interleaved": dict(policy="vmem", layout="interleaved")}
 
 
-@pytest.mark.parametrize("eviction", ["lru", "hits"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# Nothing is evicted with ample memory, so each retention policy runs on one layout (both
+# layouts and both policies covered; the four combinations took 8 s of the suite).
+@pytest.mark.parametrize("layout, eviction", [("paged-16", "lru"), ("vmem-interleaved", "hits")])
 def test_with_ample_memory_the_hit_rate_is_the_traces_theoretical_maximum(layout, eviction):
     es = entries()
     result = simulate(es, SimConfig(cache_bytes=AMPLE_BYTES, prefix_eviction=eviction,
