@@ -51,9 +51,7 @@ class EvictionPolicy:
 
     def _set(self, name: str, value) -> None:
         """Rebind field ``name``, logged inside a transaction."""
-        if self._cell.j is not None:
-            self._cell.j.undo.append((setattr, self, name, getattr(self, name)))
-        setattr(self, name, value)
+        self._cell.set(self, name, value)
 
     @property
     def retains(self) -> bool:
@@ -121,7 +119,7 @@ class HitsPolicy(EvictionPolicy):
         """heapq.heappush; inside a transaction the same algorithm in Python (heapq's own
         _siftdown), whose every write goes through the JList and is logged."""
         heap = self._heap
-        if self._cell.j is None:
+        if not self._cell.active:
             heapq.heappush(heap, entry)        # (C: writes the list directly, unlogged)
             return
         heap.append(entry)
@@ -130,7 +128,7 @@ class HitsPolicy(EvictionPolicy):
     def _pop(self) -> tuple:
         """heapq.heappop; logged inside a transaction as ``_push``."""
         heap = self._heap
-        if self._cell.j is None:
+        if not self._cell.active:
             return heapq.heappop(heap)
         last = heap.pop()
         if not heap:

@@ -1,8 +1,8 @@
 """Undo journal of a manager transaction: ``begin`` is O(1), ``rollback`` O(changes since begin).
 
-``begin`` saves the manager's scalar fields by name (``ManagerCore._SAVED_FIELDS``) and opens a
-``Journal`` in the manager's ``TxnCell``; every container the manager mutates in place then
-logs the inverse of each change while the cell holds a journal:
+``begin`` saves the manager's scalar fields by name (``ManagerCore._SAVED_FIELDS``) and opens
+the manager's ``TxnCell``; every container the manager mutates in place then logs the inverse
+of each change while the cell is ``active`` (nothing outside this module reads the journal):
 
     JList / JDict / JSet    builtin containers whose mutators log (reading costs what the
                             builtin's does); an unlogged mutator raises TypeError
@@ -10,15 +10,15 @@ logs the inverse of each change while the cell holds a journal:
                             removal from the middle is undone exactly (lazy deletion)
     the unit arrays         ``_refs``/``_fill``, plain lists for the hot paths: the manager
                             saves a unit's pair before its first write (``UnitManager._touch``)
-    sequence records        saved at their first change (``Journal.record``/``record_tokens``)
+    sequence records        saved at their first change (``TxnCell.record``/``record_tokens``)
 
 ``rollback`` replays the inverses newest first, which restores each container exactly
 (order included), then the unit pairs, the records and the saved fields. Every log entry is
 written BEFORE its change and puts a value back (an item, a length, a front entry) rather
 than inverting an operation, so an exception between the log and the change (a
 KeyboardInterrupt anywhere) still leaves a journal whose replay is exact. Outside a
-transaction every logging path costs one ``cell.j is None`` test, and the append hot path
-none (``ManagerCore._hot_limit`` diverts it to a logged copy inside a transaction).
+transaction every logging path costs one test of the cell, the append hot path included
+(``UnitOps.append`` takes a logged copy of it while the cell is active).
 What is copied rather than logged, each bounded by what the step touches or holds pending,
 not by the pool: a record's block table at its first change other than a hot append
 (O(that sequence's units)), and the pending ops at begin.
@@ -31,12 +31,70 @@ MISSING = object()
 
 
 class TxnCell:
-    """The one place a manager and its helpers look up the open journal (None: none open)."""
+    """The open transaction of one manager and its helpers. Containers and setters log to it
+    only while ``active``; the journal itself is read here and in this module's containers
+    alone (``open``, ``commit``, ``rollback``, the logging calls)."""
 
-    __slots__ = ("j",)
+    __slots__ = ("_j",)
 
     def __init__(self) -> None:
-        self.j: "Journal | None" = None
+        self._j: "Journal | None" = None
+
+    @property
+    def active(self) -> bool:
+        """Whether a transaction is open (its changes are logged)."""
+        return self._j is not None
+
+    def open(self, fields: dict) -> None:
+        """Start logging; ``fields`` are the values ``rollback`` returns (saved by name)."""
+        self._j = Journal(fields)
+
+    def commit(self) -> None:
+        """Keep every change: drop the journal (O(1))."""
+        self._j = None
+
+    def rollback(self, refs: list, fill: list) -> dict:
+        """Undo every logged change (``refs``/``fill``: the unit arrays ``save_unit`` saved
+        from) and close; returns the fields given to ``open``."""
+        j, self._j = self._j, None     # closed first: the undo steps log nothing
+        j.undo_all(refs, fill)
+        return j.fields
+
+    def size(self) -> int:
+        """Entries the open journal holds (0 when none is open): what begin and each change
+        cost, whatever the pool holds."""
+        j = self._j
+        return 0 if j is None else len(j.fields) + len(j.undo) + len(j.units) + len(j.records)
+
+    def log(self, *step) -> None:
+        """Inside a transaction, remember ``step`` = (fn, *args): ``fn(*args)`` undoes one change
+        (written before the change it undoes)."""
+        j = self._j
+        if j is not None:
+            j.undo.append(step)
+
+    def set(self, obj, name: str, value) -> None:
+        """``setattr(obj, name, value)``, the old value logged inside a transaction."""
+        j = self._j
+        if j is not None:
+            j.undo.append((setattr, obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def save_unit(self, unit: int, refs: list, fill: list) -> None:
+        """Inside a transaction, save ``unit``'s (refs, fill) pair before its first write."""
+        j = self._j
+        if j is not None and unit not in j.units:
+            j.units[unit] = (refs[unit], fill[unit])
+
+    def record(self, seq) -> None:
+        """Inside a transaction, save the whole record ``seq`` before its first change."""
+        if self._j is not None:
+            self._j.record(seq)
+
+    def record_tokens(self, seq) -> None:
+        """Inside a transaction, save ``seq.num_tokens`` before its first change."""
+        if self._j is not None:
+            self._j.record_tokens(seq)
 
 
 class Journal:
@@ -117,19 +175,19 @@ class JList(list):
         return (JList, (self._cell, list(self)))
 
     def __setitem__(self, index: int, value) -> None:
-        j = self._cell.j
+        j = self._cell._j
         if j is not None:
             j.undo.append((list.__setitem__, self, index, list.__getitem__(self, index)))
         list.__setitem__(self, index, value)
 
     def append(self, value) -> None:
-        j = self._cell.j
+        j = self._cell._j
         if j is not None:
             j.undo.append((cut_to, self, len(self)))
         list.append(self, value)
 
     def pop(self):
-        j = self._cell.j
+        j = self._cell._j
         if j is not None:
             j.undo.append((put_last, self, len(self), list.__getitem__(self, -1)))
         return list.pop(self)
@@ -152,14 +210,14 @@ class JDict(dict):
         return (JDict, (self._cell, dict(self)))
 
     def __setitem__(self, key, value) -> None:
-        j = self._cell.j
+        j = self._cell._j
         if j is not None:
             j.undo.append((put_back, self, key, dict.get(self, key, MISSING)))
         dict.__setitem__(self, key, value)
 
     def __delitem__(self, key) -> None:
         old = dict.__getitem__(self, key)
-        j = self._cell.j
+        j = self._cell._j
         if j is not None:
             j.undo.append((dict.__setitem__, self, key, old))
         dict.__delitem__(self, key)
@@ -190,14 +248,14 @@ class JSet(set):
 
     def add(self, item) -> None:
         if item not in self:
-            j = self._cell.j
+            j = self._cell._j
             if j is not None:
                 j.undo.append((set.discard, self, item))
             set.add(self, item)
 
     def discard(self, item) -> None:
         if item in self:
-            j = self._cell.j
+            j = self._cell._j
             if j is not None:
                 j.undo.append((set.add, self, item))
             set.discard(self, item)
@@ -208,7 +266,7 @@ class JSet(set):
         self.discard(item)
 
     def clear(self) -> None:
-        j = self._cell.j
+        j = self._cell._j
         if j is not None and self:
             j.undo.append((set.update, self, list(self)))
         set.clear(self)
@@ -236,7 +294,7 @@ class OrderedUnits:
             self.add(key)
 
     def _log(self, *step) -> None:
-        j = self._cell.j
+        j = self._cell._j
         if j is not None:
             j.undo.append(step)
 

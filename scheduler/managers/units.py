@@ -52,9 +52,7 @@ class UnitOps:
     def _touch(self, unit: int) -> None:
         """Call before writing ``_refs[unit]`` or ``_fill[unit]``: inside a transaction the
         pair is saved at its first write (plain lists keep the hot paths at list speed)."""
-        j = self._cell.j
-        if j is not None and unit not in j.units:
-            j.units[unit] = (self._refs[unit], self._fill[unit])
+        self._cell.save_unit(unit, self._refs, self._fill)
 
     def ref_count(self, unit: int) -> int:
         return self._refs[unit]
@@ -246,10 +244,10 @@ class UnitOps:
                token_ids: Optional[Sequence[int]] = None) -> None:
         seq = self._seq(seq_id)
         new = seq.num_tokens + num_tokens
-        if (new <= len(seq.units) * self.unit_tokens and new <= self._hot_limit and num_tokens > 0
-                and seq.ids is None and token_ids is None and self._refs[seq.units[-1]] == 1):
-            # hot path: room in a private last unit, no ids to hash: counters only (no open
-            # transaction: _hot_limit is max_seq_len outside one, -1 inside)
+        if (new <= len(seq.units) * self.unit_tokens and new <= self.max_seq_len and num_tokens > 0
+                and seq.ids is None and token_ids is None and self._refs[seq.units[-1]] == 1
+                and not self._cell.active):
+            # hot path: room in a private last unit, no ids to hash, no transaction: counters
             self._fill[seq.units[-1]] += num_tokens
             self._live += num_tokens
             self._tok_sum += num_tokens
@@ -259,17 +257,17 @@ class UnitOps:
 
     def _append_logged(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
         """``append`` past the hot path, or inside a transaction (saving what it changes)."""
-        j = self._cell.j
-        if j is None:
+        cell = self._cell
+        if not cell.active:
             self._append_slow(seq_id, seq, num_tokens, token_ids)
             return
         new = seq.num_tokens + num_tokens
         if (new <= len(seq.units) * self.unit_tokens and new <= self.max_seq_len and num_tokens > 0
                 and seq.ids is None and token_ids is None and self._refs[seq.units[-1]] == 1):
-            j.record_tokens(seq)       # the hot path's changes, logged
+            cell.record_tokens(seq)       # the hot path's changes, logged
             self._append_in_place(seq, num_tokens)
             return
-        j.record(seq)
+        cell.record(seq)
         self._append_slow(seq_id, seq, num_tokens, token_ids)
 
     def _append_in_place(self, seq: HeldSeq, num_tokens: int) -> None:

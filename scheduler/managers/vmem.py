@@ -290,8 +290,7 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         if seq.units and seq.num_tokens + num_tokens <= self._room_tokens(seq.units):
             UnitOps.append(self, seq_id, num_tokens, token_ids)
             return
-        if self._cell.j is not None:     # (not _append_logged: its hot path would not back)
-            self._cell.j.record(seq)
+        self._cell.record(seq)     # (not _append_logged: its hot path would not back)
         self._append_slow(seq_id, seq, num_tokens, token_ids)
 
     def _append_slow(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
