@@ -35,65 +35,66 @@ class TxnCell:
     only while ``active``; the journal itself is read here and in this module's containers
     alone (``open``, ``commit``, ``rollback``, the logging calls)."""
 
-    __slots__ = ("_j",)
+    __slots__ = ("active", "_j")
 
     def __init__(self) -> None:
-        self._j: "Journal | None" = None
+        self.active = False                  # a transaction is open (read it, never write it)
+        self._j: "Journal | None" = None     # its journal while active (stale when not)
 
-    @property
-    def active(self) -> bool:
-        """Whether a transaction is open (its changes are logged)."""
-        return self._j is not None
-
+    # ``active`` is the one truth: set after the journal exists, cleared before it is dropped,
+    # so an interrupt between the two lines never leaves an active cell without a journal.
     def open(self, fields: dict) -> None:
         """Start logging; ``fields`` are the values ``rollback`` returns (saved by name)."""
         self._j = Journal(fields)
+        self.active = True
 
     def commit(self) -> None:
         """Keep every change: drop the journal (O(1))."""
+        self.active = False
         self._j = None
 
     def rollback(self, refs: list, fill: list) -> dict:
         """Undo every logged change (``refs``/``fill``: the unit arrays ``save_unit`` saved
         from) and close; returns the fields given to ``open``."""
-        j, self._j = self._j, None     # closed first: the undo steps log nothing
+        j = self._j
+        self.active = False     # closed first: the undo steps log nothing
+        self._j = None
         j.undo_all(refs, fill)
         return j.fields
 
     def size(self) -> int:
         """Entries the open journal holds (0 when none is open): what begin and each change
         cost, whatever the pool holds."""
+        if not self.active:
+            return 0
         j = self._j
-        return 0 if j is None else len(j.fields) + len(j.undo) + len(j.units) + len(j.records)
+        return len(j.fields) + len(j.undo) + len(j.units) + len(j.records)
 
     def log(self, *step) -> None:
         """Inside a transaction, remember ``step`` = (fn, *args): ``fn(*args)`` undoes one change
         (written before the change it undoes)."""
-        j = self._j
-        if j is not None:
-            j.undo.append(step)
+        if self.active:
+            self._j.undo.append(step)
 
     def set(self, obj, name: str, value) -> None:
         """``setattr(obj, name, value)``, the old value logged inside a transaction."""
-        j = self._j
-        if j is not None:
-            j.undo.append((setattr, obj, name, getattr(obj, name)))
+        if self.active:
+            self._j.undo.append((setattr, obj, name, getattr(obj, name)))
         setattr(obj, name, value)
 
     def save_unit(self, unit: int, refs: list, fill: list) -> None:
         """Inside a transaction, save ``unit``'s (refs, fill) pair before its first write."""
-        j = self._j
-        if j is not None and unit not in j.units:
-            j.units[unit] = (refs[unit], fill[unit])
+        if self.active and unit not in self._j.units:
+            self._j.units[unit] = (refs[unit], fill[unit])
 
     def record(self, seq) -> None:
         """Inside a transaction, save the whole record ``seq`` before its first change."""
-        if self._j is not None:
+        if self.active:
             self._j.record(seq)
 
     def record_tokens(self, seq) -> None:
         """Inside a transaction, save ``seq.num_tokens`` before its first change."""
-        if self._j is not None:
+        if self.active:
             self._j.record_tokens(seq)
 
 
@@ -175,21 +176,21 @@ class JList(list):
         return (JList, (self._cell, list(self)))
 
     def __setitem__(self, index: int, value) -> None:
-        j = self._cell._j
-        if j is not None:
-            j.undo.append((list.__setitem__, self, index, list.__getitem__(self, index)))
+        cell = self._cell
+        if cell.active:
+            cell._j.undo.append((list.__setitem__, self, index, list.__getitem__(self, index)))
         list.__setitem__(self, index, value)
 
     def append(self, value) -> None:
-        j = self._cell._j
-        if j is not None:
-            j.undo.append((cut_to, self, len(self)))
+        cell = self._cell
+        if cell.active:
+            cell._j.undo.append((cut_to, self, len(self)))
         list.append(self, value)
 
     def pop(self):
-        j = self._cell._j
-        if j is not None:
-            j.undo.append((put_last, self, len(self), list.__getitem__(self, -1)))
+        cell = self._cell
+        if cell.active:
+            cell._j.undo.append((put_last, self, len(self), list.__getitem__(self, -1)))
         return list.pop(self)
 
     for _name in ("__delitem__", "__iadd__", "__imul__", "extend", "insert", "remove", "clear",
@@ -210,16 +211,16 @@ class JDict(dict):
         return (JDict, (self._cell, dict(self)))
 
     def __setitem__(self, key, value) -> None:
-        j = self._cell._j
-        if j is not None:
-            j.undo.append((put_back, self, key, dict.get(self, key, MISSING)))
+        cell = self._cell
+        if cell.active:
+            cell._j.undo.append((put_back, self, key, dict.get(self, key, MISSING)))
         dict.__setitem__(self, key, value)
 
     def __delitem__(self, key) -> None:
         old = dict.__getitem__(self, key)
-        j = self._cell._j
-        if j is not None:
-            j.undo.append((dict.__setitem__, self, key, old))
+        cell = self._cell
+        if cell.active:
+            cell._j.undo.append((dict.__setitem__, self, key, old))
         dict.__delitem__(self, key)
 
     def pop(self, key, default=MISSING):
@@ -248,16 +249,16 @@ class JSet(set):
 
     def add(self, item) -> None:
         if item not in self:
-            j = self._cell._j
-            if j is not None:
-                j.undo.append((set.discard, self, item))
+            cell = self._cell
+            if cell.active:
+                cell._j.undo.append((set.discard, self, item))
             set.add(self, item)
 
     def discard(self, item) -> None:
         if item in self:
-            j = self._cell._j
-            if j is not None:
-                j.undo.append((set.add, self, item))
+            cell = self._cell
+            if cell.active:
+                cell._j.undo.append((set.add, self, item))
             set.discard(self, item)
 
     def remove(self, item) -> None:
@@ -266,9 +267,9 @@ class JSet(set):
         self.discard(item)
 
     def clear(self) -> None:
-        j = self._cell._j
-        if j is not None and self:
-            j.undo.append((set.update, self, list(self)))
+        cell = self._cell
+        if cell.active and self:
+            cell._j.undo.append((set.update, self, list(self)))
         set.clear(self)
 
     for _name in ("__ior__", "__iand__", "__isub__", "__ixor__", "pop", "update",
@@ -294,9 +295,9 @@ class OrderedUnits:
             self.add(key)
 
     def _log(self, *step) -> None:
-        j = self._cell._j
-        if j is not None:
-            j.undo.append(step)
+        cell = self._cell
+        if cell.active:
+            cell._j.undo.append(step)
 
     def add(self, key) -> None:
         """Put ``key`` (not present) at the end."""
