@@ -31,99 +31,37 @@ MISSING = object()
 
 
 class TxnCell:
-    """The open transaction of one manager and its helpers. Containers and setters log to it
-    only while ``active``; the journal itself is read here and in this module's containers
-    alone (``open``, ``commit``, ``rollback``, the logging calls)."""
+    """The open transaction of one manager and its helpers, and its undo journal: containers
+    and setters log to it only while ``active`` (nothing outside this module reads the log)."""
 
-    __slots__ = ("active", "_j")
+    __slots__ = ("active", "fields", "undo", "units", "records")
 
     def __init__(self) -> None:
-        self.active = False                  # a transaction is open (read it, never write it)
-        self._j: "Journal | None" = None     # its journal while active (stale when not)
+        self.active = False     # a transaction is open (read it, never write it)
+        self._clear({})
 
-    # ``active`` is the one truth: set after the journal exists, cleared before it is dropped,
-    # so an interrupt between the two lines never leaves an active cell without a journal.
+    def _clear(self, fields: dict) -> None:
+        self.fields = fields    # the manager's saved fields at begin, by name
+        self.undo: list = []    # (fn, *args): call fn(*args) to undo one change
+        self.units: dict = {}   # unit -> (refs, fill) before its first write
+        self.records: dict = {}   # id(seq) -> [seq, num_tokens, snapshot or None]
+
+    # ``active`` is set after the log is fresh and cleared before it is replayed or dropped, so
+    # an interrupt at any line never leaves an active cell with a stale log.
     def open(self, fields: dict) -> None:
         """Start logging; ``fields`` are the values ``rollback`` returns (saved by name)."""
-        self._j = Journal(fields)
+        self._clear(fields)
         self.active = True
 
     def commit(self) -> None:
-        """Keep every change: drop the journal (O(1))."""
+        """Keep every change: drop the log (O(1))."""
         self.active = False
-        self._j = None
+        self._clear({})
 
     def rollback(self, refs: list, fill: list) -> dict:
-        """Undo every logged change (``refs``/``fill``: the unit arrays ``save_unit`` saved
-        from) and close; returns the fields given to ``open``."""
-        j = self._j
-        self.active = False     # closed first: the undo steps log nothing
-        self._j = None
-        j.undo_all(refs, fill)
-        return j.fields
-
-    def size(self) -> int:
-        """Entries the open journal holds (0 when none is open): what begin and each change
-        cost, whatever the pool holds."""
-        if not self.active:
-            return 0
-        j = self._j
-        return len(j.fields) + len(j.undo) + len(j.units) + len(j.records)
-
-    def log(self, *step) -> None:
-        """Inside a transaction, remember ``step`` = (fn, *args): ``fn(*args)`` undoes one change
-        (written before the change it undoes)."""
-        if self.active:
-            self._j.undo.append(step)
-
-    def set(self, obj, name: str, value) -> None:
-        """``setattr(obj, name, value)``, the old value logged inside a transaction."""
-        if self.active:
-            self._j.undo.append((setattr, obj, name, getattr(obj, name)))
-        setattr(obj, name, value)
-
-    def save_unit(self, unit: int, refs: list, fill: list) -> None:
-        """Inside a transaction, save ``unit``'s (refs, fill) pair before its first write."""
-        if self.active and unit not in self._j.units:
-            self._j.units[unit] = (refs[unit], fill[unit])
-
-    def record(self, seq) -> None:
-        """Inside a transaction, save the whole record ``seq`` before its first change."""
-        if self.active:
-            self._j.record(seq)
-
-    def record_tokens(self, seq) -> None:
-        """Inside a transaction, save ``seq.num_tokens`` before its first change."""
-        if self.active:
-            self._j.record_tokens(seq)
-
-
-class Journal:
-    """What ``rollback`` needs: the fields at begin, the inverse steps, first-write saves."""
-
-    __slots__ = ("fields", "undo", "units", "records")
-
-    def __init__(self, fields: dict) -> None:
-        self.fields = fields          # the manager's saved fields at begin, by name
-        self.undo: list = []          # (fn, *args): call fn(*args) to undo one change
-        self.units: dict = {}         # unit -> (refs, fill) before its first write
-        self.records: dict = {}       # id(seq) -> [seq, num_tokens, snapshot or None]
-
-    def record_tokens(self, seq) -> None:
-        """Save ``seq.num_tokens`` before its first change (the append hot path)."""
-        if id(seq) not in self.records:
-            self.records[id(seq)] = [seq, seq.num_tokens, None]
-
-    def record(self, seq) -> None:
-        """Save the whole record ``seq`` before its first change other than num_tokens."""
-        entry = self.records.get(id(seq))
-        if entry is None:
-            self.records[id(seq)] = [seq, seq.num_tokens, seq.snapshot()]
-        elif entry[2] is None:
-            entry[2] = seq.snapshot()     # num_tokens alone changed so far: it is in entry[1]
-
-    def undo_all(self, refs: list, fill: list) -> None:
-        """Put every logged container, unit pair and record back as at begin."""
+        """Undo every logged change, newest first (``refs``/``fill``: the unit arrays
+        ``save_unit`` saved from), and close; returns the fields given to ``open``."""
+        self.active = False     # first: the undo steps log nothing
         for step in reversed(self.undo):
             step[0](*step[1:])
         for unit, (r, f) in self.units.items():
@@ -132,6 +70,44 @@ class Journal:
             if saved is not None:
                 seq.restore(saved)
             seq.num_tokens = num_tokens
+        fields = self.fields
+        self._clear({})
+        return fields
+
+    def size(self) -> int:
+        """Entries the log holds: what begin and each change cost, whatever the pool holds."""
+        return len(self.fields) + len(self.undo) + len(self.units) + len(self.records)
+
+    def log(self, *step) -> None:
+        """Inside a transaction, remember ``step`` = (fn, *args): ``fn(*args)`` undoes one change
+        (written before the change it undoes)."""
+        if self.active:
+            self.undo.append(step)
+
+    def set(self, obj, name: str, value) -> None:
+        """``setattr(obj, name, value)``, the old value logged inside a transaction."""
+        if self.active:
+            self.undo.append((setattr, obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def save_unit(self, unit: int, refs: list, fill: list) -> None:
+        """Inside a transaction, save ``unit``'s (refs, fill) pair before its first write."""
+        if self.active and unit not in self.units:
+            self.units[unit] = (refs[unit], fill[unit])
+
+    def record_tokens(self, seq) -> None:
+        """Inside a transaction, save ``seq.num_tokens`` before its first change."""
+        if self.active and id(seq) not in self.records:
+            self.records[id(seq)] = [seq, seq.num_tokens, None]
+
+    def record(self, seq) -> None:
+        """Inside a transaction, save the whole record ``seq`` before its first change."""
+        if self.active:
+            entry = self.records.get(id(seq))
+            if entry is None:
+                self.records[id(seq)] = [seq, seq.num_tokens, seq.snapshot()]
+            elif entry[2] is None:
+                entry[2] = seq.snapshot()   # only num_tokens changed so far: it is in entry[1]
 
 
 def put_back(container, key, old) -> None:
@@ -178,19 +154,19 @@ class JList(list):
     def __setitem__(self, index: int, value) -> None:
         cell = self._cell
         if cell.active:
-            cell._j.undo.append((list.__setitem__, self, index, list.__getitem__(self, index)))
+            cell.undo.append((list.__setitem__, self, index, list.__getitem__(self, index)))
         list.__setitem__(self, index, value)
 
     def append(self, value) -> None:
         cell = self._cell
         if cell.active:
-            cell._j.undo.append((cut_to, self, len(self)))
+            cell.undo.append((cut_to, self, len(self)))
         list.append(self, value)
 
     def pop(self):
         cell = self._cell
         if cell.active:
-            cell._j.undo.append((put_last, self, len(self), list.__getitem__(self, -1)))
+            cell.undo.append((put_last, self, len(self), list.__getitem__(self, -1)))
         return list.pop(self)
 
     for _name in ("__delitem__", "__iadd__", "__imul__", "extend", "insert", "remove", "clear",
@@ -213,14 +189,14 @@ class JDict(dict):
     def __setitem__(self, key, value) -> None:
         cell = self._cell
         if cell.active:
-            cell._j.undo.append((put_back, self, key, dict.get(self, key, MISSING)))
+            cell.undo.append((put_back, self, key, dict.get(self, key, MISSING)))
         dict.__setitem__(self, key, value)
 
     def __delitem__(self, key) -> None:
         old = dict.__getitem__(self, key)
         cell = self._cell
         if cell.active:
-            cell._j.undo.append((dict.__setitem__, self, key, old))
+            cell.undo.append((dict.__setitem__, self, key, old))
         dict.__delitem__(self, key)
 
     def pop(self, key, default=MISSING):
@@ -251,14 +227,14 @@ class JSet(set):
         if item not in self:
             cell = self._cell
             if cell.active:
-                cell._j.undo.append((set.discard, self, item))
+                cell.undo.append((set.discard, self, item))
             set.add(self, item)
 
     def discard(self, item) -> None:
         if item in self:
             cell = self._cell
             if cell.active:
-                cell._j.undo.append((set.add, self, item))
+                cell.undo.append((set.add, self, item))
             set.discard(self, item)
 
     def remove(self, item) -> None:
@@ -269,7 +245,7 @@ class JSet(set):
     def clear(self) -> None:
         cell = self._cell
         if cell.active and self:
-            cell._j.undo.append((set.update, self, list(self)))
+            cell.undo.append((set.update, self, list(self)))
         set.clear(self)
 
     for _name in ("__ior__", "__iand__", "__isub__", "__ixor__", "pop", "update",
@@ -297,7 +273,7 @@ class OrderedUnits:
     def _log(self, *step) -> None:
         cell = self._cell
         if cell.active:
-            cell._j.undo.append(step)
+            cell.undo.append(step)
 
     def add(self, key) -> None:
         """Put ``key`` (not present) at the end."""
@@ -362,7 +338,7 @@ def journaled(value) -> bool:
     if value is None or isinstance(value, (bool, int, float, str, bytes, frozenset, TxnCell)):
         return True
     if isinstance(value, (JList, JDict, JSet, OrderedUnits)):
-        return True   # (their elements: HeldSeq records are saved by Journal.record)
+        return True   # (their elements: HeldSeq records are saved by TxnCell.record)
     if type(value) is tuple:
         return all(journaled(v) for v in value)
     check = getattr(value, "journaled_fields", None)
