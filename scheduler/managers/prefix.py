@@ -142,10 +142,6 @@ class PrefixIndex:
         reg = tuple.__new__(CachedUnit, (unit, key, self.serials, parent))   # hot: no __new__ call
         self.by_digest[key.digest] = self.by_unit[unit] = reg
 
-    def key_of(self, unit: int) -> Optional[UnitKey]:
-        reg = self.by_unit.get(unit)
-        return None if reg is None else reg.key
-
     def drop(self, unit: int) -> None:
         """Forget ``unit``'s content (it is about to be overwritten)."""
         reg = self.by_unit.pop(unit, None)
