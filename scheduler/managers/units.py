@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import Optional, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, RequestTooLargeError
 from .common import ManagerCore
 from .eviction import make_eviction
 from .journal import JList
@@ -278,9 +278,44 @@ class UnitOps:
         self._tok_sum += num_tokens
         seq.num_tokens += num_tokens
 
-    @abstractmethod
     def _append_slow(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
-        """Growth that takes units, copies on write or registers prefix keys."""
+        """Growth that takes units, copies on write or registers prefix keys: checked first
+        (state unchanged on a refusal), then the manager's ``_grow``, then ids and keys."""
+        self._check_append_ids(num_tokens, token_ids)
+        old, end, ut = seq.num_tokens, seq.num_tokens + num_tokens, self.unit_tokens
+        if end > self.max_seq_len:
+            raise RequestTooLargeError(f"sequence {seq_id} would grow to {end} tokens, over "
+                                       f"max_seq_len {self.max_seq_len}")
+        need = self._growth(seq, num_tokens)
+        if need > self._available_units():
+            self._raise_no_room(f"appending {num_tokens} tokens to sequence {seq_id} needs "
+                                f"{self._units_text(need)}")
+        if num_tokens == 0:
+            return
+        self._grow(seq_id, seq, old, end)
+        seq.num_tokens = end
+        seq.note_ids(old, token_ids)
+        if end // ut > old // ut:
+            seq.new_full_keys(ut, self.model.kv_encoding)
+
+    @abstractmethod
+    def _grow(self, seq_id: int, seq: HeldSeq, old: int, end: int) -> None:
+        """Hold and account tokens [old, end) of ``seq`` (room was checked): copy a shared
+        partial last unit for its writer, take new units, fill them."""
+
+    @abstractmethod
+    def _units_text(self, units: int) -> str:
+        """``units`` in the words of this manager's memory, for errors."""
+
+    def _fill_units(self, units: list, start: int, end: int) -> None:
+        """Account tokens [start, end) as written into ``units`` (a table in token order)."""
+        ut, pos = self.unit_tokens, start
+        while pos < end:
+            k = pos // ut
+            stop = min(end, (k + 1) * ut)
+            self._touch(units[k])
+            self._fill[units[k]] += stop - pos
+            pos = stop
 
     def _growth(self, seq: HeldSeq, num_tokens: int) -> int:
         """Units ``append(num_tokens)`` takes: new units, plus one to copy-on-write a shared

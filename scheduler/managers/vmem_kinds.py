@@ -143,7 +143,7 @@ class KindRules:
                            free_tokens=free, end_waste_tokens=waste,
                            bytes_per_token=self.bytes_per_token)
 
-    def _pages_text(self, pages: int) -> str:
+    def _units_text(self, pages: int) -> str:
         if self._whole and pages % self.pages_per_group == 0:
             return f"{pages // self.pages_per_group} page groups ({pages} pages)"
         return f"{pages} pages"
