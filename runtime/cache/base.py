@@ -1,18 +1,7 @@
-"""The interface both cache kinds share, and the per-step batch they index with.
-
-A cache is a pure executor: it is built from a CacheConfig and its pool sizes, never from a
-memory manager, and it knows only what plans told it. A step, from the runtime's side:
-
-    cache.execute(plan.ops)            # map/unmap/copy/swap exactly as the manager planned
-    cache.apply_tables(plan.tables)    # SetSlot / EditBlocks / DropTable: the cache's replica
-    cache.begin_step(plan_sequences)   # (seq_id, num_computed_tokens, num_new_tokens) each
-    for layer in range(num_layers):
-        cache.write(layer, k_new, v_new)            # packed [new_tokens, kv_heads, head_dim]
-        out = backend.forward(q, cache.layer_view(layer))
-
-``begin_step`` checks every write against the replica (a sequence the plans never placed, or a
-token outside the memory they mapped, raises CacheStateError) and builds the step's metadata and
-every layer's view once, so a GPU step syncs with the host once, not per layer.
+"""The interface both cache kinds share, and the per-step batch they index with. A cache is a
+pure executor, built from a CacheConfig and the manager's layout, that knows only what plans
+told it (a step's hops: docs/ARCHITECTURE.md). ``begin_step`` checks every write against that
+replica (CacheStateError) and builds every layer's view once: one host sync per step.
 """
 from __future__ import annotations
 

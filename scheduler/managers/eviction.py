@@ -46,12 +46,8 @@ class EvictionPolicy:
 
     def journaled_fields(self) -> bool:
         """Every container field is undone by a rollback (journal.journaled); scalar fields
-        change only through ``_set``."""
+        change only through ``TxnCell.set``."""
         return all(journaled(v) for v in vars(self).values())
-
-    def _set(self, name: str, value) -> None:
-        """Rebind field ``name``, logged inside a transaction."""
-        self._cell.set(self, name, value)
 
     @property
     def retains(self) -> bool:
@@ -141,8 +137,8 @@ class HitsPolicy(EvictionPolicy):
         if len(self._heap) > 2 * len(self._entry) + 64:     # drop stale entries now and then
             live = JList(self._cell, (e for e in self._heap if self._entry.get(e[2]) == e[1]))
             heapq.heapify(live)                 # a new list: the old one comes back on rollback
-            self._set("_heap", live)
-        self._set("_serial", self._serial + 1)
+            self._cell.set(self, "_heap", live)
+        self._cell.set(self, "_serial", self._serial + 1)
         self._entry[unit] = self._serial
         value = self._hits.get(unit, 0) + (unit not in self._generated)
         self._push((self._clock + value, self._serial, unit))
@@ -163,7 +159,7 @@ class HitsPolicy(EvictionPolicy):
                 break
         del self._entry[unit]
         self.forget(unit)
-        self._set("_clock", priority)
+        self._cell.set(self, "_clock", priority)
         return unit
 
     def forget(self, unit: int) -> None:
