@@ -87,11 +87,10 @@ class UnitOps:
         self._refs[unit] -= 1
         if self._refs[unit] == 0:
             self._live -= self._fill[unit]
-            index = self._index_of(unit)
-            if unit in index.by_unit and self._cache.retains:
+            if unit in self.prefix.by_unit and self._cache.retains:
                 self._cache.add(unit)
             else:
-                index.drop(unit)
+                self.prefix.drop(unit)
                 self._cache.forget(unit)
                 self._unheld(unit)
 
@@ -102,16 +101,8 @@ class UnitOps:
     def _evict(self) -> int:
         """Drop the content of the cached unit the policy names; returns it (refs 0)."""
         unit = self._cache.pop()
-        self._index_of(unit).drop(unit)
+        self.prefix.drop(unit)
         return unit
-
-    def _index_of(self, unit: int) -> PrefixIndex:
-        """The prefix index ``unit`` is registered in (paged hybrids: one per block group)."""
-        return self.prefix
-
-    def _tables_of(self, seq: HeldSeq) -> tuple:
-        """(units, prefix index) per table of ``seq``: one here, one per block group (paged)."""
-        return ((seq.units, self.prefix),)
 
     def reset_prefix_cache(self) -> int:
         """Evict every cached unit (vLLM's reset_prefix_cache); held units keep their content
@@ -138,10 +129,9 @@ class UnitOps:
     def _publish(self, seq: HeldSeq, computed_tokens: int) -> None:
         upto = min(computed_tokens // self.unit_tokens, len(seq.keys), len(seq.units))
         for k in range(seq.published, upto):
-            for units, index in self._tables_of(seq):
-                self._register_unit(units, index, seq.keys, k)
-                if k >= seq.prompt_units:
-                    self._cache.note_generated(units[k])
+            self._register_unit(seq.units, seq.keys, k)
+            if k >= seq.prompt_units:
+                self._cache.note_generated(seq.units[k])
         seq.published = max(seq.published, upto)
 
     # -- admission --
@@ -158,10 +148,6 @@ class UnitOps:
             return []
         limit = min(num_tokens - 1, len(token_ids)) // self.unit_tokens
         return self.prefix.match(self._prompt_keys(token_ids, namespace)[:max(limit, 0)])
-
-    def _note_hits(self, hits: list) -> None:
-        for unit in hits:
-            self._cache.note_hit(unit)
 
     def _prompt_keys(self, token_ids, namespace) -> list:
         """Keys of every full unit of ``token_ids`` (ConfigError for an id outside int64 or a
@@ -213,17 +199,18 @@ class UnitOps:
         seq.published, seq.prompt_units = len(hits), len(seq.keys)
         # no new unit: forgets the ids if a full unit has none
         seq.new_full_keys(self.unit_tokens, self.model.kv_encoding)
-        self._note_hits(hits)
+        for unit in hits:
+            self._cache.note_hit(unit)
 
-    def _register_unit(self, units: list, index: PrefixIndex, keys: list, k: int) -> None:
-        """Name unit ``k`` of a sequence's ``units`` by ``keys[k]`` in ``index``, chained on its
+    def _register_unit(self, units: list, keys: list, k: int) -> None:
+        """Name unit ``k`` of a sequence's ``units`` by ``keys[k]`` in the index, chained on its
         unit k-1, or, when another unit holds that content (computed by two sequences at
         once), on that one: the rest of the sequence stays findable behind the first copy.
         Nothing when unit k or k-1 was given back behind a window (gone, or a chain that
         cannot be verified)."""
         if not self._shareable(units[k]) or (k and units[k - 1] is None):
             return
-        parent = units[k - 1] if k else None
+        index, parent = self.prefix, units[k - 1] if k else None
         if k and parent not in index.by_unit:
             chain = index.match(keys[:k])     # rare: a duplicate unit k-1
             if len(chain) < k:
