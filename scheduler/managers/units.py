@@ -54,9 +54,6 @@ class UnitOps:
         pair is saved at its first write (plain lists keep the hot paths at list speed)."""
         self._cell.save_unit(unit, self._refs, self._fill)
 
-    def ref_count(self, unit: int) -> int:
-        return self._refs[unit]
-
     @property
     def cached_tokens(self) -> int:
         """Tokens in cached units: computed, findable by a prefix hit, held by nobody (memory

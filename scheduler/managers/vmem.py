@@ -152,15 +152,6 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
                 out[pi] = kinds
         return out
 
-    def group_extents(self, group: int) -> dict:
-        """{kind: pool pages} backing ``group`` (kinds with none left out)."""
-        return {kind.name: self.table.extent(k, group) for k, kind in enumerate(self.kinds)
-                if self.table.extent(k, group)}
-
-    def full_only_pages(self, slot: int) -> int:
-        """Leading mapped pages of ``slot`` whose windowed kinds its sequence gave back."""
-        return self._win_gone[slot]
-
     # -- mapping primitives --
     def _map(self, slot: int, pi: int, g: int) -> None:
         self._pages[slot][pi] = g
