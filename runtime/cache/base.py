@@ -1,18 +1,7 @@
-"""The interface both cache kinds share, and the per-step batch they index with.
-
-A cache is a pure executor: it is built from a CacheConfig and its pool sizes, never from a
-memory manager, and it knows only what plans told it. A step, from the runtime's side:
-
-    cache.execute(plan.ops)            # map/unmap/copy/swap exactly as the manager planned
-    cache.apply_tables(plan.tables)    # SetSlot / EditBlocks / DropTable: the cache's replica
-    cache.begin_step(plan_sequences)   # (seq_id, num_computed_tokens, num_new_tokens) each
-    for layer in range(num_layers):
-        cache.write(layer, k_new, v_new)            # packed [new_tokens, kv_heads, head_dim]
-        out = backend.forward(q, cache.layer_view(layer))
-
-``begin_step`` checks every write against the replica (a sequence the plans never placed, or a
-token outside the memory they mapped, raises CacheStateError) and builds the step's metadata and
-every layer's view once, so a GPU step syncs with the host once, not per layer.
+"""The interface both cache kinds share, and the per-step batch they index with. A cache is a
+pure executor, built from a CacheConfig and the manager's layout, that knows only what plans
+told it (a step's hops: docs/ARCHITECTURE.md). ``begin_step`` checks every write against that
+replica (CacheStateError) and builds every layer's view once: one host sync per step.
 """
 from __future__ import annotations
 
@@ -87,8 +76,6 @@ class KVCache(ABC):
         self._placements: dict = {}                    # seq_id -> slot (vmem) / block table (paged)
         self._swapped: dict[int, torch.Tensor] = {}   # seq_id -> [layers, 2, tokens, kv_heads, head_dim]
         self._broken: Optional[str] = None            # why the cache is unusable (failed undo)
-        self.retain_last_plan = False                 # keep the last plan's undo log (TP ranks)
-        self._last_journal: Optional[PlanJournal] = None
         enc = config.kv_encoding                      # 8-bit: scales beside the cache
         self.kv_scales = ScaleTable(enc, config.num_layers, config.num_kv_heads,
                                     config.torch_device, config.kv_scales) if enc.scaled else None
@@ -98,24 +85,6 @@ class KVCache(ABC):
     def execute(self, ops: Sequence) -> None:
         """Carry out a plan's memory ops, in order. All or nothing: if an op fails, what the
         plan had applied is undone and PlanExecutionError is raised."""
-
-    def _retain(self, journal: Optional[PlanJournal]) -> None:
-        """After a plan applied inline: keep its undo log when ``retain_last_plan`` is set."""
-        self._last_journal = journal if self.retain_last_plan else None
-
-    def undo_last_plan(self) -> None:
-        """Undo the last plan ``execute`` applied (kept because ``retain_last_plan`` is set), as
-        if it had failed: tensor-parallel ranks undo a plan that failed on another rank.
-        Raises PlanExecutionError with ``rolled_back=False`` if undoing fails."""
-        journal, self._last_journal = self._last_journal, None
-        if journal is not None:
-            error = self._fail_plan(journal, RuntimeError("failed on another rank"))
-            if not error.rolled_back:
-                raise error
-
-    def forget_last_plan(self) -> None:
-        """Drop the last plan's undo log: it is final."""
-        self._last_journal = None
 
     @property
     def mapping_s(self) -> float:

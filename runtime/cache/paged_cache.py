@@ -62,7 +62,6 @@ class PagedKVCache(KVCache):
         for index, op in enumerate(ops):    # refuse a plan we cannot run before touching memory
             if not isinstance(op, (CopyBlock, SwapOut, SwapIn, DropSwapped)):
                 raise CacheStateError(f"PagedKVCache cannot execute op {index} of the plan: {op!r}")
-        self._retain(None)
         bound = self._bind_swaps(ops)
         if not bound:
             return
@@ -76,7 +75,6 @@ class PagedKVCache(KVCache):
         except BaseException:
             self._fail_plan(journal, RuntimeError("interrupted"))
             raise
-        self._retain(journal)
 
     def _apply(self, op, buffer, journal: PlanJournal) -> None:
         if isinstance(op, CopyBlock):

@@ -146,7 +146,6 @@ class VMemKVCache(VMemOps, KVCache):
                                       f"0..{self.config.max_batch - 1}: {op!r}")
         if self._mapper is not None:
             self._mapper.wait_all()        # the previous plan is done (or its error raised)
-        self._retain(None)
         bound = self._bind_swaps(ops)
         if not bound:
             return
@@ -162,7 +161,6 @@ class VMemKVCache(VMemOps, KVCache):
                 self._apply_logged(plan, group)
         finally:
             self._inline_mapping_s += time.perf_counter() - start
-        self._retain(journal)
 
     def wait_for_plan(self) -> None:
         self.wait_for_mapper()

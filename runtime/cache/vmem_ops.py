@@ -1,15 +1,13 @@
 """VMemOps: how vmem ops become driver calls, "range page <- named pool page", each checked
 against the replica before any memory is touched and each inverse journaled.
 
-Page index arithmetic (see vmem_cache's module docstring): member j of a layer kind under
-(slot, page_index) spans the k = ``pages_per_member`` range pages from
-``((j * max_batch + slot) * pages_per_slot + page_index) * k``, where j = layer * 2 + kv
-(per-layer) or j = kv (interleaved). A MapExtent names one pool page per member per member page:
+Member j of a layer kind under (slot, page_index) spans the k = ``pages_per_member`` range
+pages from ``_first_page`` (vmem_cache's module docstring); a MapExtent names one pool page per
+member per member page, in the order of the diagram in scheduler/managers/base.py:
 
-    member page i (first_page <= i < first_page + m) of the kind's member number c
-        range page  first(j, slot, page_index) + i   <-   pool page  pool_pages[(i - first_page) * M + c]
+    range page  _first_page(j, slot, page_index) + i   <-   pool_pages[(i - first_page) * M + c]
 
-where M is the kind's member count (scheduler.managers.base). The replica is
+(member number c of the kind's M, member page i from first_page). The replica is
 (slot, page_index) -> {kind: pool pages mapped, from member page 0}; binding a plan checks and
 updates it in plan order on the step thread (each change journaled), so a refused op (a page
 mapped twice at one place, a pool page outside the pool, an unmap of nothing, a copy into less)

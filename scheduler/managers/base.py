@@ -33,16 +33,10 @@ from ..layout import CacheLayout
 # first_page > 0 extends it (a byte-mapped group whose bytes grew), an UnmapExtent with
 # first_page > 0 shrinks it. Giving pages back is ledger bookkeeping in the manager: no op.
 
-# Every op has an ``owner``: the seq id of the one sequence it serves (whose manager call emitted
-# it), or None. The engine blames a failed op on ``ops[op_index].owner`` alone, without reading
-# the manager back (runtime/engine/lifecycle.py). Ops that grow or copy memory for a sequence
-# name it: MapExtent, CopyExtent and CopyBlock (the writer that moved off a shared partial
-# unit), the swaps (their seq_id). Ops that reclaim (UnmapExtent) serve whoever takes the
-# memory next and name nobody, even when one sequence's allocation triggered them. No op serves
-# several: a shared group is mapped once per holder slot, each MapExtent by its own holder, and a
-# shared partial unit is copied for its one writer. ``owner`` is blame metadata: ops compare
-# equal by the memory they touch (compare=False); a reclaiming op has it as a class constant,
-# adding nothing to a plan's pickle (an owned op's int adds 7 bytes, docs/benchmarks.md).
+# ``owner``: the seq id of the one sequence an op serves, None for a reclaiming op (blame,
+# docs/ARCHITECTURE.md). No op serves several: a shared group is mapped once per holder slot,
+# a shared partial unit copied for its one writer. Ops compare equal by the memory they touch
+# (compare=False); a reclaiming op's owner is a class constant (nothing in the pickle).
 
 @dataclass(frozen=True)
 class MapExtent:

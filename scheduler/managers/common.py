@@ -11,7 +11,7 @@ from ..errors import (ConfigError, DuplicateSequenceError, RequestTooLargeError,
                       SwapSpaceExhaustedError, TransactionStateError, UnknownSequenceError)
 from ..presets import ModelSpec
 from .base import DropSwapped, MemoryManager, SwapIn, SwapOut
-from .journal import MISSING, JDict, Journal, TxnCell, journaled, put_back
+from .journal import MISSING, JDict, TxnCell, journaled, put_back
 from .prefix import HeldSeq, token_bytes
 
 __all__ = ["ManagerCore", "TransactionStateError", "check_int"]
@@ -34,8 +34,7 @@ class ManagerCore(MemoryManager):
         self.bytes_per_token = model.bytes_per_token
         self.max_seq_len = check_int("max_seq_len_tokens", max_seq_len_tokens, 1)
         self.swap_bytes = check_int("swap_bytes", swap_bytes, 0)
-        self._cell = cell = TxnCell()   # the open transaction's journal (None outside one)
-        self._hot_limit = self.max_seq_len   # -1 in a transaction: appends take the logged path
+        self._cell = cell = TxnCell()   # the open transaction (journal.py), shared by helpers
         self._seqs: dict = {}           # seq_id -> HeldSeq, resident (see _put_seq/_drop_seq)
         self._swapped = JDict(cell)     # seq_id -> HeldSeq, in host swap space
         self._swap_used_tokens = 0
@@ -44,14 +43,13 @@ class ManagerCore(MemoryManager):
         self.prefix_hits = 0            # of those, tokens found cached
 
     # How rollback covers each field; every field is in one group (a test checks it,
-    # ``journal_gaps``). FIXED: set at construction (_hot_limit: by begin and its end).
+    # ``journal_gaps``). FIXED: set at construction.
     # SAVED: values only ever rebound, never changed in place, saved by name at begin (never
     # through vars(): a materialised instance dict slows every attribute read on 3.11).
     # COPIED: copied at begin (the pending ops, few). LOGGED: plain containers the manager
     # logs itself at each write (``_touch``, ``_put_seq``), kept plain for the hot paths.
     # JOURNALED: containers and helpers that log their own changes (journal.py).
-    _FIXED_FIELDS = frozenset({"model", "bytes_per_token", "max_seq_len", "swap_bytes", "_cell",
-                               "_hot_limit"})
+    _FIXED_FIELDS = frozenset({"model", "bytes_per_token", "max_seq_len", "swap_bytes", "_cell"})
     _SAVED_FIELDS: tuple = ("_swap_used_tokens", "prefix_queries", "prefix_hits")
     _COPIED_FIELDS: tuple = ("_ops",)
     _LOGGED_FIELDS = frozenset({"_seqs"})
@@ -64,36 +62,30 @@ class ManagerCore(MemoryManager):
         each later change logs its inverse (journal.py), so rollback costs O(changes since
         begin) and commit O(1). Raises TransactionStateError if a transaction is already open
         (they do not nest)."""
-        if self._cell.j is not None:
+        if self._cell.active:
             raise TransactionStateError("begin() inside an open transaction; commit or roll back first")
         fields = {name: getattr(self, name) for name in self._SAVED_FIELDS}
         for name in self._COPIED_FIELDS:
             fields[name] = list(getattr(self, name))
-        self._cell.j = Journal(fields)
-        self._hot_limit = -1
+        self._cell.open(fields)
 
     def commit(self) -> None:
         """Keep every change since ``begin`` and close the transaction."""
-        if self._cell.j is None:
+        if not self._cell.active:
             raise TransactionStateError("commit() without begin()")
-        self._cell.j = None
-        self._hot_limit = self.max_seq_len
+        self._cell.commit()
 
     def rollback(self) -> None:
         """Restore every field, sequence record and the pending op list exactly as they were at
         ``begin``; close the transaction."""
-        j = self._cell.j
-        if j is None:
+        if not self._cell.active:
             raise TransactionStateError("rollback() without begin()")
-        self._cell.j = None
-        self._hot_limit = self.max_seq_len
-        j.undo_all(*self._unit_arrays())
-        for name, value in j.fields.items():
+        for name, value in self._cell.rollback(*self._unit_arrays()).items():
             setattr(self, name, value)
 
     @property
     def in_transaction(self) -> bool:
-        return self._cell.j is not None
+        return self._cell.active
 
     def _unit_arrays(self) -> tuple:
         """The plain per-unit lists written under ``_touch`` (units.py); none here."""
@@ -117,24 +109,18 @@ class ManagerCore(MemoryManager):
 
     def _put_seq(self, seq_id: int, seq: HeldSeq) -> None:
         """Make ``seq`` resident (logged inside a transaction: ``_seqs`` is a plain dict)."""
-        j = self._cell.j
-        if j is not None:
-            j.undo.append((put_back, self._seqs, seq_id, self._seqs.get(seq_id, MISSING)))
+        self._cell.log(put_back, self._seqs, seq_id, self._seqs.get(seq_id, MISSING))
         self._seqs[seq_id] = seq
 
     def _drop_seq(self, seq_id: int) -> None:
         seq = self._seqs[seq_id]
-        j = self._cell.j
-        if j is not None:   # logged first: an exception between the two leaves a true log
-            j.undo.append((dict.__setitem__, self._seqs, seq_id, seq))
+        self._cell.log(dict.__setitem__, self._seqs, seq_id, seq)   # first: a true log
         del self._seqs[seq_id]
 
     def _changing(self, seq_id: int) -> HeldSeq:
         """``_seq`` for a call about to change the record: saved first inside a transaction."""
         seq = self._seq(seq_id)
-        j = self._cell.j
-        if j is not None:
-            j.record(seq)
+        self._cell.record(seq)
         return seq
 
     def _check_new(self, seq_id: int) -> None:
@@ -228,8 +214,7 @@ class ManagerCore(MemoryManager):
             raise UnknownSequenceError(f"sequence {seq_id} is not swapped out")
         if not self.can_swap_in(seq_id):
             self._raise_no_room(f"swapping in sequence {seq_id} ({seq.num_tokens} tokens)")
-        if self._cell.j is not None:
-            self._cell.j.record(seq)
+        self._cell.record(seq)
         del self._swapped[seq_id]
         self._swap_used_tokens -= seq.num_tokens
         self._place_private(seq_id, seq)

@@ -46,14 +46,8 @@ class EvictionPolicy:
 
     def journaled_fields(self) -> bool:
         """Every container field is undone by a rollback (journal.journaled); scalar fields
-        change only through ``_set``."""
+        change only through ``TxnCell.set``."""
         return all(journaled(v) for v in vars(self).values())
-
-    def _set(self, name: str, value) -> None:
-        """Rebind field ``name``, logged inside a transaction."""
-        if self._cell.j is not None:
-            self._cell.j.undo.append((setattr, self, name, getattr(self, name)))
-        setattr(self, name, value)
 
     @property
     def retains(self) -> bool:
@@ -121,7 +115,7 @@ class HitsPolicy(EvictionPolicy):
         """heapq.heappush; inside a transaction the same algorithm in Python (heapq's own
         _siftdown), whose every write goes through the JList and is logged."""
         heap = self._heap
-        if self._cell.j is None:
+        if not self._cell.active:
             heapq.heappush(heap, entry)        # (C: writes the list directly, unlogged)
             return
         heap.append(entry)
@@ -130,7 +124,7 @@ class HitsPolicy(EvictionPolicy):
     def _pop(self) -> tuple:
         """heapq.heappop; logged inside a transaction as ``_push``."""
         heap = self._heap
-        if self._cell.j is None:
+        if not self._cell.active:
             return heapq.heappop(heap)
         last = heap.pop()
         if not heap:
@@ -143,8 +137,8 @@ class HitsPolicy(EvictionPolicy):
         if len(self._heap) > 2 * len(self._entry) + 64:     # drop stale entries now and then
             live = JList(self._cell, (e for e in self._heap if self._entry.get(e[2]) == e[1]))
             heapq.heapify(live)                 # a new list: the old one comes back on rollback
-            self._set("_heap", live)
-        self._set("_serial", self._serial + 1)
+            self._cell.set(self, "_heap", live)
+        self._cell.set(self, "_serial", self._serial + 1)
         self._entry[unit] = self._serial
         value = self._hits.get(unit, 0) + (unit not in self._generated)
         self._push((self._clock + value, self._serial, unit))
@@ -165,7 +159,7 @@ class HitsPolicy(EvictionPolicy):
                 break
         del self._entry[unit]
         self.forget(unit)
-        self._set("_clock", priority)
+        self._cell.set(self, "_clock", priority)
         return unit
 
     def forget(self, unit: int) -> None:

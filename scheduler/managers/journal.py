@@ -1,8 +1,8 @@
 """Undo journal of a manager transaction: ``begin`` is O(1), ``rollback`` O(changes since begin).
 
-``begin`` saves the manager's scalar fields by name (``ManagerCore._SAVED_FIELDS``) and opens a
-``Journal`` in the manager's ``TxnCell``; every container the manager mutates in place then
-logs the inverse of each change while the cell holds a journal:
+``begin`` saves the manager's scalar fields by name (``ManagerCore._SAVED_FIELDS``) and opens
+the manager's ``TxnCell``; every container the manager mutates in place then logs the inverse
+of each change while the cell is ``active`` (nothing outside this module reads the journal):
 
     JList / JDict / JSet    builtin containers whose mutators log (reading costs what the
                             builtin's does); an unlogged mutator raises TypeError
@@ -10,15 +10,15 @@ logs the inverse of each change while the cell holds a journal:
                             removal from the middle is undone exactly (lazy deletion)
     the unit arrays         ``_refs``/``_fill``, plain lists for the hot paths: the manager
                             saves a unit's pair before its first write (``UnitManager._touch``)
-    sequence records        saved at their first change (``Journal.record``/``record_tokens``)
+    sequence records        saved at their first change (``TxnCell.record``/``record_tokens``)
 
 ``rollback`` replays the inverses newest first, which restores each container exactly
 (order included), then the unit pairs, the records and the saved fields. Every log entry is
 written BEFORE its change and puts a value back (an item, a length, a front entry) rather
 than inverting an operation, so an exception between the log and the change (a
 KeyboardInterrupt anywhere) still leaves a journal whose replay is exact. Outside a
-transaction every logging path costs one ``cell.j is None`` test, and the append hot path
-none (``ManagerCore._hot_limit`` diverts it to a logged copy inside a transaction).
+transaction every logging path costs one test of the cell, the append hot path included
+(``UnitOps.append`` takes a logged copy of it while the cell is active).
 What is copied rather than logged, each bounded by what the step touches or holds pending,
 not by the pool: a record's block table at its first change other than a hot append
 (O(that sequence's units)), and the pending ops at begin.
@@ -31,40 +31,37 @@ MISSING = object()
 
 
 class TxnCell:
-    """The one place a manager and its helpers look up the open journal (None: none open)."""
+    """The open transaction of one manager and its helpers, and its undo journal: containers
+    and setters log to it only while ``active`` (nothing outside this module reads the log)."""
 
-    __slots__ = ("j",)
+    __slots__ = ("active", "fields", "undo", "units", "records")
 
     def __init__(self) -> None:
-        self.j: "Journal | None" = None
+        self.active = False     # a transaction is open (read it, never write it)
+        self._clear({})
 
+    def _clear(self, fields: dict) -> None:
+        self.fields = fields    # the manager's saved fields at begin, by name
+        self.undo: list = []    # (fn, *args): call fn(*args) to undo one change
+        self.units: dict = {}   # unit -> (refs, fill) before its first write
+        self.records: dict = {}   # id(seq) -> [seq, num_tokens, snapshot or None]
 
-class Journal:
-    """What ``rollback`` needs: the fields at begin, the inverse steps, first-write saves."""
+    # ``active`` is set after the log is fresh and cleared before it is replayed or dropped, so
+    # an interrupt at any line never leaves an active cell with a stale log.
+    def open(self, fields: dict) -> None:
+        """Start logging; ``fields`` are the values ``rollback`` returns (saved by name)."""
+        self._clear(fields)
+        self.active = True
 
-    __slots__ = ("fields", "undo", "units", "records")
+    def commit(self) -> None:
+        """Keep every change: drop the log (O(1))."""
+        self.active = False
+        self._clear({})
 
-    def __init__(self, fields: dict) -> None:
-        self.fields = fields          # the manager's saved fields at begin, by name
-        self.undo: list = []          # (fn, *args): call fn(*args) to undo one change
-        self.units: dict = {}         # unit -> (refs, fill) before its first write
-        self.records: dict = {}       # id(seq) -> [seq, num_tokens, snapshot or None]
-
-    def record_tokens(self, seq) -> None:
-        """Save ``seq.num_tokens`` before its first change (the append hot path)."""
-        if id(seq) not in self.records:
-            self.records[id(seq)] = [seq, seq.num_tokens, None]
-
-    def record(self, seq) -> None:
-        """Save the whole record ``seq`` before its first change other than num_tokens."""
-        entry = self.records.get(id(seq))
-        if entry is None:
-            self.records[id(seq)] = [seq, seq.num_tokens, seq.snapshot()]
-        elif entry[2] is None:
-            entry[2] = seq.snapshot()     # num_tokens alone changed so far: it is in entry[1]
-
-    def undo_all(self, refs: list, fill: list) -> None:
-        """Put every logged container, unit pair and record back as at begin."""
+    def rollback(self, refs: list, fill: list) -> dict:
+        """Undo every logged change, newest first (``refs``/``fill``: the unit arrays
+        ``save_unit`` saved from), and close; returns the fields given to ``open``."""
+        self.active = False     # first: the undo steps log nothing
         for step in reversed(self.undo):
             step[0](*step[1:])
         for unit, (r, f) in self.units.items():
@@ -73,6 +70,44 @@ class Journal:
             if saved is not None:
                 seq.restore(saved)
             seq.num_tokens = num_tokens
+        fields = self.fields
+        self._clear({})
+        return fields
+
+    def size(self) -> int:
+        """Entries the log holds: what begin and each change cost, whatever the pool holds."""
+        return len(self.fields) + len(self.undo) + len(self.units) + len(self.records)
+
+    def log(self, *step) -> None:
+        """Inside a transaction, remember ``step`` = (fn, *args): ``fn(*args)`` undoes one change
+        (written before the change it undoes)."""
+        if self.active:
+            self.undo.append(step)
+
+    def set(self, obj, name: str, value) -> None:
+        """``setattr(obj, name, value)``, the old value logged inside a transaction."""
+        if self.active:
+            self.undo.append((setattr, obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def save_unit(self, unit: int, refs: list, fill: list) -> None:
+        """Inside a transaction, save ``unit``'s (refs, fill) pair before its first write."""
+        if self.active and unit not in self.units:
+            self.units[unit] = (refs[unit], fill[unit])
+
+    def record_tokens(self, seq) -> None:
+        """Inside a transaction, save ``seq.num_tokens`` before its first change."""
+        if self.active and id(seq) not in self.records:
+            self.records[id(seq)] = [seq, seq.num_tokens, None]
+
+    def record(self, seq) -> None:
+        """Inside a transaction, save the whole record ``seq`` before its first change."""
+        if self.active:
+            entry = self.records.get(id(seq))
+            if entry is None:
+                self.records[id(seq)] = [seq, seq.num_tokens, seq.snapshot()]
+            elif entry[2] is None:
+                entry[2] = seq.snapshot()   # only num_tokens changed so far: it is in entry[1]
 
 
 def put_back(container, key, old) -> None:
@@ -117,21 +152,21 @@ class JList(list):
         return (JList, (self._cell, list(self)))
 
     def __setitem__(self, index: int, value) -> None:
-        j = self._cell.j
-        if j is not None:
-            j.undo.append((list.__setitem__, self, index, list.__getitem__(self, index)))
+        cell = self._cell
+        if cell.active:
+            cell.undo.append((list.__setitem__, self, index, list.__getitem__(self, index)))
         list.__setitem__(self, index, value)
 
     def append(self, value) -> None:
-        j = self._cell.j
-        if j is not None:
-            j.undo.append((cut_to, self, len(self)))
+        cell = self._cell
+        if cell.active:
+            cell.undo.append((cut_to, self, len(self)))
         list.append(self, value)
 
     def pop(self):
-        j = self._cell.j
-        if j is not None:
-            j.undo.append((put_last, self, len(self), list.__getitem__(self, -1)))
+        cell = self._cell
+        if cell.active:
+            cell.undo.append((put_last, self, len(self), list.__getitem__(self, -1)))
         return list.pop(self)
 
     for _name in ("__delitem__", "__iadd__", "__imul__", "extend", "insert", "remove", "clear",
@@ -152,16 +187,16 @@ class JDict(dict):
         return (JDict, (self._cell, dict(self)))
 
     def __setitem__(self, key, value) -> None:
-        j = self._cell.j
-        if j is not None:
-            j.undo.append((put_back, self, key, dict.get(self, key, MISSING)))
+        cell = self._cell
+        if cell.active:
+            cell.undo.append((put_back, self, key, dict.get(self, key, MISSING)))
         dict.__setitem__(self, key, value)
 
     def __delitem__(self, key) -> None:
         old = dict.__getitem__(self, key)
-        j = self._cell.j
-        if j is not None:
-            j.undo.append((dict.__setitem__, self, key, old))
+        cell = self._cell
+        if cell.active:
+            cell.undo.append((dict.__setitem__, self, key, old))
         dict.__delitem__(self, key)
 
     def pop(self, key, default=MISSING):
@@ -190,16 +225,16 @@ class JSet(set):
 
     def add(self, item) -> None:
         if item not in self:
-            j = self._cell.j
-            if j is not None:
-                j.undo.append((set.discard, self, item))
+            cell = self._cell
+            if cell.active:
+                cell.undo.append((set.discard, self, item))
             set.add(self, item)
 
     def discard(self, item) -> None:
         if item in self:
-            j = self._cell.j
-            if j is not None:
-                j.undo.append((set.add, self, item))
+            cell = self._cell
+            if cell.active:
+                cell.undo.append((set.add, self, item))
             set.discard(self, item)
 
     def remove(self, item) -> None:
@@ -208,9 +243,9 @@ class JSet(set):
         self.discard(item)
 
     def clear(self) -> None:
-        j = self._cell.j
-        if j is not None and self:
-            j.undo.append((set.update, self, list(self)))
+        cell = self._cell
+        if cell.active and self:
+            cell.undo.append((set.update, self, list(self)))
         set.clear(self)
 
     for _name in ("__ior__", "__iand__", "__isub__", "__ixor__", "pop", "update",
@@ -236,9 +271,9 @@ class OrderedUnits:
             self.add(key)
 
     def _log(self, *step) -> None:
-        j = self._cell.j
-        if j is not None:
-            j.undo.append(step)
+        cell = self._cell
+        if cell.active:
+            cell.undo.append(step)
 
     def add(self, key) -> None:
         """Put ``key`` (not present) at the end."""
@@ -303,7 +338,7 @@ def journaled(value) -> bool:
     if value is None or isinstance(value, (bool, int, float, str, bytes, frozenset, TxnCell)):
         return True
     if isinstance(value, (JList, JDict, JSet, OrderedUnits)):
-        return True   # (their elements: HeldSeq records are saved by Journal.record)
+        return True   # (their elements: HeldSeq records are saved by TxnCell.record)
     if type(value) is tuple:
         return all(journaled(v) for v in value)
     check = getattr(value, "journaled_fields", None)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError
+from ..errors import ConfigError, OutOfCapacityError
 from ..layout import CacheKind, CacheLayout
 from ..presets import ModelSpec
 from .base import CopyBlock, MemoryStats
@@ -169,16 +169,9 @@ class PagedManager(WindowedGroups, UnitManager):
 
     def _fill_blocks(self, seq: HeldSeq, start: int, end: int) -> None:
         """Account tokens [start, end) as written into ``seq``'s blocks (all private)."""
-        bs = self.block_size
         tables = self._tables(seq)
         for units in tables:
-            pos = start
-            while pos < end:
-                k = pos // bs
-                stop = min(end, (k + 1) * bs)
-                self._touch(units[k])
-                self._fill[units[k]] += stop - pos
-                pos = stop
+            self._fill_units(units, start, end)
         self._live += (end - start) * len(tables)
 
     def append(self, seq_id: int, num_tokens: int = 1,
@@ -217,19 +210,11 @@ class PagedManager(WindowedGroups, UnitManager):
             return True      # hot path: room in a private last block
         return new <= self.max_seq_len and self._growth(seq, num_tokens) <= self._available_units()
 
-    def _append_slow(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
-        self._check_append_ids(num_tokens, token_ids)
-        old, bs = seq.num_tokens, self.block_size
-        if old + num_tokens > self.max_seq_len:
-            raise RequestTooLargeError(f"sequence {seq_id} would grow to {old + num_tokens} "
-                                       f"tokens, over max_seq_len {self.max_seq_len}")
-        need = self._growth(seq, num_tokens)
-        if need > self._available_units():
-            raise OutOfCapacityError(f"appending {num_tokens} tokens to sequence {seq_id} needs "
-                                     f"{need} blocks, {self._available_units()} free")
-        if num_tokens == 0:
-            return
-        tables = self._tables(seq)
+    def _units_text(self, units: int) -> str:
+        return f"{units} blocks"
+
+    def _grow(self, seq_id: int, seq: HeldSeq, old: int, end: int) -> None:
+        bs, tables = self.block_size, self._tables(seq)
         for g, units in enumerate(tables):
             if old % bs and self._refs[units[-1]] > 1:     # copy-on-write, the writer moves
                 src = units[-1]
@@ -240,15 +225,10 @@ class PagedManager(WindowedGroups, UnitManager):
                 units[-1] = dst
                 self._ops.append(CopyBlock(src, dst, owner=seq_id))
         before = len(seq.units)
-        self._take_blocks(seq, -(-(old + num_tokens) // bs) - before)
+        self._take_blocks(seq, -(-end // bs) - before)
         self._cap_sum += (len(seq.units) - before) * bs * len(tables)
-        end = old + num_tokens
         self._fill_blocks(seq, old, end)
-        self._tok_sum += num_tokens * len(tables)
-        seq.num_tokens = end
-        seq.note_ids(old, token_ids)
-        if end // bs > old // bs:
-            seq.new_full_keys(bs, self.model.kv_encoding)
+        self._tok_sum += (end - old) * len(tables)
 
     # -- fork and release --
     def can_fork(self, parent_id: int) -> bool:

@@ -138,15 +138,9 @@ class PrefixIndex:
             if reg is None:
                 return
             parent = reg.serial
-        if self._cell.j is not None:
-            self._cell.j.undo.append((setattr, self, "serials", self.serials))
-        self.serials += 1
+        self._cell.set(self, "serials", self.serials + 1)
         reg = tuple.__new__(CachedUnit, (unit, key, self.serials, parent))   # hot: no __new__ call
         self.by_digest[key.digest] = self.by_unit[unit] = reg
-
-    def key_of(self, unit: int) -> Optional[UnitKey]:
-        reg = self.by_unit.get(unit)
-        return None if reg is None else reg.key
 
     def drop(self, unit: int) -> None:
         """Forget ``unit``'s content (it is about to be overwritten)."""

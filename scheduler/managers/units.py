@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from typing import Optional, Sequence
 
-from ..errors import ConfigError
+from ..errors import ConfigError, RequestTooLargeError
 from .common import ManagerCore
 from .eviction import make_eviction
 from .journal import JList
@@ -52,12 +52,7 @@ class UnitOps:
     def _touch(self, unit: int) -> None:
         """Call before writing ``_refs[unit]`` or ``_fill[unit]``: inside a transaction the
         pair is saved at its first write (plain lists keep the hot paths at list speed)."""
-        j = self._cell.j
-        if j is not None and unit not in j.units:
-            j.units[unit] = (self._refs[unit], self._fill[unit])
-
-    def ref_count(self, unit: int) -> int:
-        return self._refs[unit]
+        self._cell.save_unit(unit, self._refs, self._fill)
 
     @property
     def cached_tokens(self) -> int:
@@ -89,11 +84,10 @@ class UnitOps:
         self._refs[unit] -= 1
         if self._refs[unit] == 0:
             self._live -= self._fill[unit]
-            index = self._index_of(unit)
-            if unit in index.by_unit and self._cache.retains:
+            if unit in self.prefix.by_unit and self._cache.retains:
                 self._cache.add(unit)
             else:
-                index.drop(unit)
+                self.prefix.drop(unit)
                 self._cache.forget(unit)
                 self._unheld(unit)
 
@@ -104,16 +98,8 @@ class UnitOps:
     def _evict(self) -> int:
         """Drop the content of the cached unit the policy names; returns it (refs 0)."""
         unit = self._cache.pop()
-        self._index_of(unit).drop(unit)
+        self.prefix.drop(unit)
         return unit
-
-    def _index_of(self, unit: int) -> PrefixIndex:
-        """The prefix index ``unit`` is registered in (paged hybrids: one per block group)."""
-        return self.prefix
-
-    def _tables_of(self, seq: HeldSeq) -> tuple:
-        """(units, prefix index) per table of ``seq``: one here, one per block group (paged)."""
-        return ((seq.units, self.prefix),)
 
     def reset_prefix_cache(self) -> int:
         """Evict every cached unit (vLLM's reset_prefix_cache); held units keep their content
@@ -140,10 +126,9 @@ class UnitOps:
     def _publish(self, seq: HeldSeq, computed_tokens: int) -> None:
         upto = min(computed_tokens // self.unit_tokens, len(seq.keys), len(seq.units))
         for k in range(seq.published, upto):
-            for units, index in self._tables_of(seq):
-                self._register_unit(units, index, seq.keys, k)
-                if k >= seq.prompt_units:
-                    self._cache.note_generated(units[k])
+            self._register_unit(seq.units, seq.keys, k)
+            if k >= seq.prompt_units:
+                self._cache.note_generated(seq.units[k])
         seq.published = max(seq.published, upto)
 
     # -- admission --
@@ -160,10 +145,6 @@ class UnitOps:
             return []
         limit = min(num_tokens - 1, len(token_ids)) // self.unit_tokens
         return self.prefix.match(self._prompt_keys(token_ids, namespace)[:max(limit, 0)])
-
-    def _note_hits(self, hits: list) -> None:
-        for unit in hits:
-            self._cache.note_hit(unit)
 
     def _prompt_keys(self, token_ids, namespace) -> list:
         """Keys of every full unit of ``token_ids`` (ConfigError for an id outside int64 or a
@@ -215,17 +196,18 @@ class UnitOps:
         seq.published, seq.prompt_units = len(hits), len(seq.keys)
         # no new unit: forgets the ids if a full unit has none
         seq.new_full_keys(self.unit_tokens, self.model.kv_encoding)
-        self._note_hits(hits)
+        for unit in hits:
+            self._cache.note_hit(unit)
 
-    def _register_unit(self, units: list, index: PrefixIndex, keys: list, k: int) -> None:
-        """Name unit ``k`` of a sequence's ``units`` by ``keys[k]`` in ``index``, chained on its
+    def _register_unit(self, units: list, keys: list, k: int) -> None:
+        """Name unit ``k`` of a sequence's ``units`` by ``keys[k]`` in the index, chained on its
         unit k-1, or, when another unit holds that content (computed by two sequences at
         once), on that one: the rest of the sequence stays findable behind the first copy.
         Nothing when unit k or k-1 was given back behind a window (gone, or a chain that
         cannot be verified)."""
         if not self._shareable(units[k]) or (k and units[k - 1] is None):
             return
-        parent = units[k - 1] if k else None
+        index, parent = self.prefix, units[k - 1] if k else None
         if k and parent not in index.by_unit:
             chain = index.match(keys[:k])     # rare: a duplicate unit k-1
             if len(chain) < k:
@@ -246,10 +228,10 @@ class UnitOps:
                token_ids: Optional[Sequence[int]] = None) -> None:
         seq = self._seq(seq_id)
         new = seq.num_tokens + num_tokens
-        if (new <= len(seq.units) * self.unit_tokens and new <= self._hot_limit and num_tokens > 0
-                and seq.ids is None and token_ids is None and self._refs[seq.units[-1]] == 1):
-            # hot path: room in a private last unit, no ids to hash: counters only (no open
-            # transaction: _hot_limit is max_seq_len outside one, -1 inside)
+        if (not self._cell.active and new <= len(seq.units) * self.unit_tokens
+                and new <= self.max_seq_len and num_tokens > 0 and seq.ids is None
+                and token_ids is None and self._refs[seq.units[-1]] == 1):
+            # hot path: room in a private last unit, no ids to hash, no transaction: counters
             self._fill[seq.units[-1]] += num_tokens
             self._live += num_tokens
             self._tok_sum += num_tokens
@@ -259,17 +241,17 @@ class UnitOps:
 
     def _append_logged(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
         """``append`` past the hot path, or inside a transaction (saving what it changes)."""
-        j = self._cell.j
-        if j is None:
+        cell = self._cell
+        if not cell.active:
             self._append_slow(seq_id, seq, num_tokens, token_ids)
             return
         new = seq.num_tokens + num_tokens
         if (new <= len(seq.units) * self.unit_tokens and new <= self.max_seq_len and num_tokens > 0
                 and seq.ids is None and token_ids is None and self._refs[seq.units[-1]] == 1):
-            j.record_tokens(seq)       # the hot path's changes, logged
+            cell.record_tokens(seq)       # the hot path's changes, logged
             self._append_in_place(seq, num_tokens)
             return
-        j.record(seq)
+        cell.record(seq)
         self._append_slow(seq_id, seq, num_tokens, token_ids)
 
     def _append_in_place(self, seq: HeldSeq, num_tokens: int) -> None:
@@ -280,9 +262,44 @@ class UnitOps:
         self._tok_sum += num_tokens
         seq.num_tokens += num_tokens
 
-    @abstractmethod
     def _append_slow(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
-        """Growth that takes units, copies on write or registers prefix keys."""
+        """Growth that takes units, copies on write or registers prefix keys: checked first
+        (state unchanged on a refusal), then the manager's ``_grow``, then ids and keys."""
+        self._check_append_ids(num_tokens, token_ids)
+        old, end, ut = seq.num_tokens, seq.num_tokens + num_tokens, self.unit_tokens
+        if end > self.max_seq_len:
+            raise RequestTooLargeError(f"sequence {seq_id} would grow to {end} tokens, over "
+                                       f"max_seq_len {self.max_seq_len}")
+        need = self._growth(seq, num_tokens)
+        if need > self._available_units():
+            self._raise_no_room(f"appending {num_tokens} tokens to sequence {seq_id} needs "
+                                f"{self._units_text(need)}")
+        if num_tokens == 0:
+            return
+        self._grow(seq_id, seq, old, end)
+        seq.num_tokens = end
+        seq.note_ids(old, token_ids)
+        if end // ut > old // ut:
+            seq.new_full_keys(ut, self.model.kv_encoding)
+
+    @abstractmethod
+    def _grow(self, seq_id: int, seq: HeldSeq, old: int, end: int) -> None:
+        """Hold and account tokens [old, end) of ``seq`` (room was checked): copy a shared
+        partial last unit for its writer, take new units, fill them."""
+
+    @abstractmethod
+    def _units_text(self, units: int) -> str:
+        """``units`` in the words of this manager's memory, for errors."""
+
+    def _fill_units(self, units: list, start: int, end: int) -> None:
+        """Account tokens [start, end) as written into ``units`` (a table in token order)."""
+        ut, pos = self.unit_tokens, start
+        while pos < end:
+            k = pos // ut
+            stop = min(end, (k + 1) * ut)
+            self._touch(units[k])
+            self._fill[units[k]] += stop - pos
+            pos = stop
 
     def _growth(self, seq: HeldSeq, num_tokens: int) -> int:
         """Units ``append(num_tokens)`` takes: new units, plus one to copy-on-write a shared

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..errors import ConfigError, OutOfCapacityError, RequestTooLargeError, SlotError
+from ..errors import ConfigError, OutOfCapacityError, SlotError
 from ..geometry import LAYOUTS, PageGeometry  # noqa: F401 (LAYOUTS re-exported)
 from ..layout import CacheKind, CacheLayout, PoolBacking
 from ..presets import ModelSpec
@@ -152,15 +152,6 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
                 out[pi] = kinds
         return out
 
-    def group_extents(self, group: int) -> dict:
-        """{kind: pool pages} backing ``group`` (kinds with none left out)."""
-        return {kind.name: self.table.extent(k, group) for k, kind in enumerate(self.kinds)
-                if self.table.extent(k, group)}
-
-    def full_only_pages(self, slot: int) -> int:
-        """Leading mapped pages of ``slot`` whose windowed kinds its sequence gave back."""
-        return self._win_gone[slot]
-
     # -- mapping primitives --
     def _map(self, slot: int, pi: int, g: int) -> None:
         self._pages[slot][pi] = g
@@ -225,9 +216,7 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         n, tpp = seq.num_tokens, self.tokens_per_page
         seq.units = list(hits) + [self._grow_page(slot, pi)
                                   for pi in range(len(hits), -(-n // tpp))]
-        for pi in range(len(hits), len(seq.units)):
-            self._touch(seq.units[pi])
-            self._fill[seq.units[pi]] = min(tpp, n - pi * tpp)
+        self._fill_units(seq.units, len(hits) * tpp, n)     # (fresh groups: fill 0)
         self._live += n - len(hits) * tpp
         self._cap_sum += len(seq.units) * tpp
         self._tok_sum += n
@@ -259,7 +248,7 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         hits = self._hits(num_tokens, token_ids, namespace)
         need = self._need(num_tokens, hits)
         if need > self._available_units():
-            self._raise_no_room(f"sequence {seq_id} needs {self._pages_text(need)}")
+            self._raise_no_room(f"sequence {seq_id} needs {self._units_text(need)}")
         seq = self._new_seq(num_tokens, token_ids, namespace)
         self._place(seq_id, seq, hits, slot)
         self._register_prompt(seq, hits)
@@ -290,42 +279,21 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         if seq.units and seq.num_tokens + num_tokens <= self._room_tokens(seq.units):
             UnitOps.append(self, seq_id, num_tokens, token_ids)
             return
-        if self._cell.j is not None:     # (not _append_logged: its hot path would not back)
-            self._cell.j.record(seq)
+        self._cell.record(seq)     # (not _append_logged: its hot path would not back)
         self._append_slow(seq_id, seq, num_tokens, token_ids)
 
-    def _append_slow(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
-        self._check_append_ids(num_tokens, token_ids)
-        old, tpp, slot = seq.num_tokens, self.tokens_per_page, seq.slot
-        if old + num_tokens > self.max_seq_len:
-            raise RequestTooLargeError(f"sequence {seq_id} would grow to {old + num_tokens} "
-                                       f"tokens, over max_seq_len {self.max_seq_len}")
-        need = self._growth(seq, num_tokens)
-        if need > self._available_units():
-            self._raise_no_room(f"appending {num_tokens} tokens to sequence {seq_id} needs "
-                                f"{self._pages_text(need)}")
-        if num_tokens == 0:
-            return
+    def _grow(self, seq_id: int, seq: HeldSeq, old: int, end: int) -> None:
+        tpp, slot = self.tokens_per_page, seq.slot
         first = max(old - 1, 0) // tpp
         if old % tpp and self._refs[seq.units[-1]] > 1:
             self._copy_on_write(seq, len(seq.units) - 1)
         before = len(seq.units)
-        for pi in range(before, -(-(old + num_tokens) // tpp)):
+        for pi in range(before, -(-end // tpp)):
             seq.units.append(self._grow_page(slot, pi))
         self._cap_sum += (len(seq.units) - before) * tpp
-        pos, end = old, old + num_tokens
-        while pos < end:
-            pi = pos // tpp
-            stop = min(end, (pi + 1) * tpp)
-            self._touch(seq.units[pi])
-            self._fill[seq.units[pi]] += stop - pos
-            pos = stop
-        self._live += num_tokens
-        self._tok_sum += num_tokens
-        seq.num_tokens = end
-        seq.note_ids(old, token_ids)
-        if end // tpp > old // tpp:
-            seq.new_full_keys(tpp, self.model.kv_encoding)
+        self._fill_units(seq.units, old, end)
+        self._live += end - old
+        self._tok_sum += end - old
         self._fit(seq.units[first:], seq_id)
 
     def _copy_on_write(self, seq: HeldSeq, pi: int) -> None:

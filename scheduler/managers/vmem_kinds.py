@@ -143,7 +143,7 @@ class KindRules:
                            free_tokens=free, end_waste_tokens=waste,
                            bytes_per_token=self.bytes_per_token)
 
-    def _pages_text(self, pages: int) -> str:
+    def _units_text(self, pages: int) -> str:
         if self._whole and pages % self.pages_per_group == 0:
             return f"{pages // self.pages_per_group} page groups ({pages} pages)"
         return f"{pages} pages"
@@ -186,7 +186,7 @@ class KindRules:
                                            if k in self._kinds_at(s, pi)]
         if pages > old:
             while (pages - old) * table.members[k] > self.ledger.free_pages:
-                self._reclaim_one()
+                self._to_spare(self._reclaim())   # unbinds its pages
             new = table.resize(k, g, pages)
             self._ops.extend(MapExtent(s, pi, name, new, old, owner=owner) for s, pi in spots)
         else:
@@ -212,11 +212,11 @@ class KindRules:
                 if pages > self.table.backed(k, g):
                     self._back(g, k, pages, owner)
 
-    def _reclaim_one(self) -> None:
-        """Unmap and free the least recently used reclaimable group, else evict a cached one."""
+    def _reclaim(self) -> int:
+        """The least recently used reclaimable group, else an evicted cached one, unmapped."""
         g = self._pop_reclaimable() if self._reclaimable else self._evict()
         self._unmap_everywhere(g)
-        self._to_spare(g)
+        return g
 
     def _unmap_everywhere(self, g: int) -> None:
         for slot, pi in sorted(self._maps[g]):
@@ -260,8 +260,7 @@ class KindRules:
             if self._whole:
                 self._back_all(g, self.geometry.pages_per_member)
         else:
-            g = self._pop_reclaimable() if self._reclaimable else self._evict()
-            self._unmap_everywhere(g)
+            g = self._reclaim()
         self._touch(g)
         self._refs[g], self._fill[g] = 1, 0
         return g

@@ -1,31 +1,18 @@
-"""Giving back the units wholly behind a sliding window: vmem page groups (both layouts) and
-paged blocks.
-
-A unit (a page group, or a block of the one block table a sequence has for all layers) backs
-its tokens for every layer, so it can be given back only when no layer reads any of its tokens
-again: when every layer has a window (Mistral, Starcoder2, Phi-3, Qwen2 with every layer sliding). The widest window W bounds
-them all; the next step's earliest query of a sequence is at ``computed`` (its computed
-tokens), which reads keys from ``computed - W + 1`` on (runtime.attention.base.window_starts):
+"""Giving back the units wholly behind a sliding window (docs/models.md, "Sliding-window and
+hybrid models"): vmem page groups and paged blocks whose every layer has a window. The widest
+window W bounds them all; the next step's earliest query of a sequence is at ``computed``, which
+reads keys from ``computed - W + 1`` on (runtime.attention.base.window_starts):
 
     slot s:  | g0 | g1 | g2 | g3 | g4 | g5 |          computed = 5.5 pages, W = 2 pages
                ^^^^^^^^^^^^^         ^-- first key read: computed - W + 1
                wholly behind: unheld (vmem: and unmapped, UnmapExtent), ``units[pi] = None``
 
-A dropped unit is ``None`` in the sequence's unit list (page index -> group); the dropped
-units always form a prefix of the list, and the last unit always stays (growth and
-copy-on-write work on it, so it is never given back even when a window of fewer tokens than a
-page has passed it). The group goes back to the free list once nobody else
-holds or maps it (a fork or prefix-sharing sibling may still hold it), and with it its prefix
-registration: a later prompt cannot hit on content that is gone, and since hits are matched
-from the first unit, nothing after a dropped unit is a hit either. A sequence with dropped
-units is not swapped (``can_swap_out`` is False: its swap copy would read unmapped pages), so
-the scheduler preempts it by recompute, which rebuilds the window from the tokens.
-
-Hybrid models (a full-attention layer beside windowed ones: Gemma 2/3, Cohere2) cannot give a
-unit back, since their full layers read all tokens. In the vmem per-layer layout their groups
-are per-kind extents and only the windowed kind goes (vmem_kinds.py, whose frontier replaces
-the unit drop below); the interleaved layout spans every layer, so there it keeps every unit
-(``window_tokens`` is None); paged hybrids give back their windowed block groups.
+Dropped units are a prefix of the sequence's unit list; the last unit always stays (growth and
+copy-on-write work on it). A unit goes back once nobody else holds or maps it, and with it its
+prefix registration (hits match from the first unit, so nothing after it hits either). A
+sequence with dropped units is recomputed, never swapped (``WindowSwapError``). Hybrids: vmem
+per-layer releases only the windowed kind (vmem_kinds.py, its frontier instead of the drop
+below), interleaved keeps every unit, paged gives back its windowed block groups.
 """
 from __future__ import annotations
 

@@ -34,6 +34,22 @@ def dump(value):
     return value
 
 
+def ref_count(m, unit: int) -> int:
+    """Holders of ``unit`` (a paged block or vmem page group), as the manager counts them."""
+    return m._refs[unit]
+
+
+def group_extents(m, group: int) -> dict:
+    """{kind: pool pages} backing vmem ``group`` (kinds with none left out)."""
+    return {kind.name: m.table.extent(k, group) for k, kind in enumerate(m.kinds)
+            if m.table.extent(k, group)}
+
+
+def full_only_pages(m, slot: int) -> int:
+    """Leading mapped pages of vmem ``slot`` whose windowed kinds its sequence gave back."""
+    return m._win_gone[slot]
+
+
 class ShadowSeq:
     """What a sequence should read back: its token ids and their prefix-dependent contents."""
 
@@ -107,13 +123,13 @@ class PagedMemory(_Memory):
 
     def apply(self, op):
         assert isinstance(op, CopyBlock), op
-        assert self.m.ref_count(op.dst_block) == 1, "copy into a shared block"
+        assert ref_count(self.m, op.dst_block) == 1, "copy into a shared block"
         self.blocks[op.dst_block] = dict(self.blocks.get(op.src_block, {}))
 
     def write(self, seq_id, pos, content):
         bs = self.m.block_size
         b = self.m.block_table(seq_id)[pos // bs]
-        assert self.m.ref_count(b) == 1, f"write into shared block {b}"
+        assert ref_count(self.m, b) == 1, f"write into shared block {b}"
         self.blocks.setdefault(b, {})[pos % bs] = content
 
     def read(self, seq_id, n, before=False):
@@ -188,7 +204,7 @@ class VmemMemory(_Memory):
     def write(self, seq_id, pos, content):
         slot = self.m.slot_of(seq_id)
         g = self.m.mapped_pages(slot)[pos // self.m.tokens_per_page]
-        assert self.m.ref_count(g) == 1, f"write into shared group {g}"
+        assert ref_count(self.m, g) == 1, f"write into shared group {g}"
         page, offset = self._page(slot, pos)
         self.pages.setdefault(page, {})[offset] = content
 

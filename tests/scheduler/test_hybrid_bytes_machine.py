@@ -18,6 +18,7 @@ from vmemkv.scheduler.layout import PoolBacking
 from vmemkv.scheduler.managers import make_manager
 from vmemkv.scheduler.presets import ModelSpec
 
+from .shadow import group_extents
 from .test_hybrid_state_machine import HybridMachine, KindMemory
 from .test_managers_state_machine import _SETTINGS, EVICTION
 from ..hypothesis_budget import examples
@@ -51,9 +52,9 @@ class HybridBytesMachine(HybridMachine):
         for sid, s in self.live.items():
             for k, g in enumerate(self.tables(sid)):
                 fill[g] = min(u, s.num_tokens - k * u)
-        gone = sum(f * 6 for g, f in fill.items() if set(m.group_extents(g)) == {"full"})
+        gone = sum(f * 6 for g, f in fill.items() if set(group_extents(m, g)) == {"full"})
         live = (sum(fill.values()) * 8 - gone) // 8
-        pages = sum(len(p) for g in fill for p in m.group_extents(g).values())
+        pages = sum(len(p) for g in fill for p in group_extents(m, g).values())
         geo = m.geometry
         return max(pages * geo.page_bytes // (geo.token_bytes * geo.num_members) - live, 0)
 

@@ -20,7 +20,7 @@ from hypothesis.stateful import initialize, invariant, precondition, rule
 from vmemkv.scheduler.managers import CopyExtent, UnmapExtent, make_manager
 from vmemkv.scheduler.presets import ModelSpec
 
-from .shadow import VmemMemory
+from .shadow import VmemMemory, full_only_pages, group_extents, ref_count
 from .test_managers_state_machine import _SETTINGS, EVICTION, PICK, VmemMachine
 from .test_window_state_machine import WindowRules
 
@@ -55,7 +55,7 @@ class KindMemory(VmemMemory):
         assert set(spot) == {self.full, self.window}, "write into a page missing a kind"
         assert all(self.backed(spot, k, pos % tpp) for k in spot), "write past the backing"
         g = self.m.mapped_pages(slot)[pos // tpp]
-        assert self.m.ref_count(g) == 1, f"write into shared group {g}"
+        assert ref_count(self.m, g) == 1, f"write into shared group {g}"
         for pages in spot.values():
             self.pages.setdefault(pages[0], {})[pos % tpp] = content
 
@@ -125,7 +125,7 @@ class HybridMachine(WindowRules, VmemMachine):
         behind = max(min(max(n - self.window + 1, 0) // self.unit, pages - 1), 0)
         first = max(self.mem.first.get(sid, 0), behind * self.unit)
         self.mem.first[sid] = first
-        assert self.m.full_only_pages(self.m.slot_of(sid)) == first // self.unit
+        assert full_only_pages(self.m, self.m.slot_of(sid)) == first // self.unit
         ops = self.m.take_ops()
         free = self.m.ledger.free_pages
         slot = self.m.slot_of(sid)   # only unmaps; the full kind only of deferred mappings
@@ -156,15 +156,15 @@ class HybridMachine(WindowRules, VmemMachine):
         groups = self.mem.pages_of_groups()
         mapped = {p for kinds in groups.values() for pages in kinds.values() for p in pages}
         bound = sum(len(pages) for g in range(m.num_groups)
-                    for pages in m.group_extents(g).values())
+                    for pages in group_extents(m, g).values())
         assert len(mapped) <= m.bound_pages == bound == m.pool_pages - m.ledger.free_pages \
             <= m.pool_pages
         for g, kinds in groups.items():       # a group's mapped kinds have pages bound
-            assert set(m.group_extents(g)) >= set(kinds), (g, kinds)
+            assert set(group_extents(m, g)) >= set(kinds), (g, kinds)
         for slot in range(m.num_slots):
             full_only = {pi for (s, pi), extents in self.mem.aspace.items()
                          if s == slot and set(extents) == {self.mem.full}}
-            assert full_only == set(range(m.full_only_pages(slot))), slot
+            assert full_only == set(range(full_only_pages(m, slot))), slot
 
     @invariant()
     def integrity_and_stats(self):
@@ -179,7 +179,7 @@ class HybridMachine(WindowRules, VmemMachine):
             for k, unit in enumerate(self.tables(sid)):
                 fill[unit] = min(u, s.num_tokens - k * u)
         gone = sum(f * 6 for g, f in fill.items()       # 6 window pages a group
-                   if set(m.group_extents(g)) == {self.mem.full})
+                   if set(group_extents(m, g)) == {self.mem.full})
         assert stats.live_tokens == (sum(fill.values()) * 8 - gone) // 8
         for sid, s in list(self.live.items()) + list(self.swapped.items()):
             assert m.num_tokens(sid) == s.num_tokens

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import vmemkv.scheduler.managers.journal as journal
-from vmemkv.scheduler.managers.journal import JDict, JList, JSet, Journal, OrderedUnits, TxnCell
+from vmemkv.scheduler.managers.journal import JDict, JList, JSet, OrderedUnits, TxnCell
 
 
 def contents(container):
@@ -70,7 +70,7 @@ def test_a_change_interrupted_at_any_line_rolls_back_exactly(kind):
             cell = TxnCell()
             container = build(kind, cell)
             before = contents(container)
-            cell.j = Journal({})
+            cell.open({})
             interrupt = LineInterrupt(k)
             sys.settrace(interrupt)
             try:
@@ -79,8 +79,7 @@ def test_a_change_interrupted_at_any_line_rolls_back_exactly(kind):
                 pass
             finally:
                 sys.settrace(None)
-            j, cell.j = cell.j, None
-            j.undo_all([], [])
+            cell.rollback([], [])
             assert contents(container) == before, f"{kind} change {index}, interrupted at line {k}"
             if not interrupt.fired:
                 break

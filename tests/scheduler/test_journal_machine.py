@@ -14,7 +14,7 @@ from vmemkv.scheduler.errors import SchedulerError
 from vmemkv.scheduler.managers import make_manager
 from vmemkv.scheduler.presets import ModelSpec
 
-from .shadow import dump
+from .shadow import dump, full_only_pages, group_extents
 
 TWO = ModelSpec("t2", 2, 1, 1, 1, weight_bytes=0)                        # 4 bytes a token
 WINDOWED = ModelSpec("w2", 2, 1, 1, 1, weight_bytes=0, layer_windows=(6, 6))
@@ -120,9 +120,9 @@ def observe(m):
         if isinstance(held, int) and not m.is_swapped(sid):
             out.append(m.block_table(sid) if hasattr(m, "block_table") else m.slot_of(sid))
     for slot in range(getattr(m, "num_slots", 0)):
-        out.append((m.mapped_pages(slot), m.full_only_pages(slot)))
-    if hasattr(m, "group_extents"):
-        out += [m.group_extents(g) for g in range(m.num_groups)] + [m.free_pages]
+        out.append((m.mapped_pages(slot), full_only_pages(m, slot)))
+    if hasattr(m, "table"):
+        out += [group_extents(m, g) for g in range(m.num_groups)] + [m.free_pages]
     if hasattr(m, "ledger"):
         out += [m.ledger.tenants(), m.ledger.free_pages] + [m.mapped_extents(s) for s in range(m.num_slots)]
     for probe in PREFIXES:
@@ -168,8 +168,7 @@ def test_commit_is_as_if_the_calls_ran_without_a_transaction(name, data):
 
 
 def journal_size(m):
-    j = m._cell.j
-    return len(j.fields) + len(j.undo) + len(j.units) + len(j.records)
+    return m._cell.size()
 
 
 @pytest.mark.parametrize("units", [100, 10_000])

@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 import pytest
 
 from vmemkv.scheduler.errors import OutOfCapacityError
-from vmemkv.scheduler.managers.journal import Journal, TxnCell
+from vmemkv.scheduler.managers.journal import TxnCell
 from vmemkv.scheduler.managers.kinds import KindSpec, KindTable
 
 from ..hypothesis_budget import examples
@@ -29,13 +29,15 @@ class KindTableMachine(RuleBasedStateMachine):
 
     def _txn(self, change, commit: bool) -> None:
         before = dict(self.shadow)
-        self.cell.j = Journal({})
+        self.cell.open({})
         try:
             change()
         finally:
-            j, self.cell.j = self.cell.j, None
+            if commit:
+                self.cell.commit()
+            else:
+                self.cell.rollback([], [])
         if not commit:
-            j.undo_all([], [])
             self.shadow = before
 
     def _resize(self, k: int, g: int, pages: int) -> None:

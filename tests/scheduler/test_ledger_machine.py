@@ -8,7 +8,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 import pytest
 
 from vmemkv.scheduler.errors import ConfigError, OutOfCapacityError
-from vmemkv.scheduler.managers.journal import Journal, TxnCell
+from vmemkv.scheduler.managers.journal import TxnCell
 from vmemkv.scheduler.managers.ledger import PageLedger
 
 from ..hypothesis_budget import examples
@@ -26,13 +26,15 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def _txn(self, change, commit: bool) -> None:
         before = dict(self.shadow)
-        self.cell.j = Journal({})
+        self.cell.open({})
         try:
             change()
         finally:
-            j, self.cell.j = self.cell.j, None
+            if commit:
+                self.cell.commit()
+            else:
+                self.cell.rollback([], [])
         if not commit:
-            j.undo_all([], [])
             self.shadow = before
 
     @rule(count=st.integers(0, PAGES + 2), tenant=st.sampled_from(TENANTS), commit=st.booleans())

@@ -139,7 +139,7 @@ def test_vmem_fork_shares_groups_and_writer_copies_partial_page():
     m.append(1)                       # the child writes into the shared partial page 1
     assert m.take_ops() == [unmap_full(1, 1, 1), map_fixed(1, 1, 2), copy_full(0, 1, 1, 1)]
     m.append(0)                       # the parent's page 1 is private again: no op
-    assert m.take_ops() == [] and m.ref_count(0) == 2 and m.ref_count(1) == 1
+    assert m.take_ops() == [] and m._refs[0] == 2 and m._refs[1] == 1
 
 
 def test_vmem_prefix_hit_maps_the_cached_group_under_the_new_slot():

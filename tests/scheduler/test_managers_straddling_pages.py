@@ -21,7 +21,7 @@ from vmemkv.scheduler.layout import PoolBacking
 from vmemkv.scheduler.managers import UnmapExtent, make_manager
 from vmemkv.scheduler.presets import ModelSpec
 
-from .shadow import VmemMemory
+from .shadow import VmemMemory, ref_count
 from .test_managers_state_machine import _SETTINGS, EVICTION, CollidingDigests, VmemMachine
 from .test_window_state_machine import WindowMachine, WindowMemory
 from ..hypothesis_budget import examples
@@ -71,7 +71,7 @@ class StraddlingVmemMachine(VmemMachine):
         assert m.stats().allocated_tokens == geo.tokens_in_member_pages(sum(held.values()))
         for sid, s in self.live.items():
             groups = self.tables(sid)
-            if all(m.ref_count(g) == 1 for g in groups):
+            if all(ref_count(m, g) == 1 for g in groups):
                 pages = -(-s.num_tokens * geo.token_bytes // geo.page_bytes)
                 assert sum(held[g] for g in groups) == pages, (sid, s.num_tokens)
 

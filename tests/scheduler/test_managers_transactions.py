@@ -89,3 +89,23 @@ def test_every_field_is_covered_by_the_journal_and_a_new_one_is_caught(policy):
     if hasattr(m, "prefix"):
         m.prefix.new_index = {}
         assert m.journal_gaps() == ["prefix"]
+
+
+def test_only_the_journal_module_reads_the_journal():
+    """Call sites log through the cell (``active``, ``log``, ``set``, ``record``, ...): no
+    manager file reads the journal itself, and no field stands in for "a transaction is open"."""
+    import pathlib
+    import re
+
+    import vmemkv.scheduler.managers as managers
+    readers = {path.name for path in pathlib.Path(managers.__file__).parent.glob("*.py")
+               if path.name != "journal.py"
+               and re.search(r"cell\.(j|undo|units|records|fields)\b|_hot_limit", path.read_text())}
+    assert readers == set()
+    cell = managers.journal.TxnCell()
+    assert not cell.active and cell.size() == 0
+    cell.open({"x": 1})
+    items = managers.journal.JList(cell, [1])
+    items.append(2)
+    assert cell.active and cell.size() == 2      # one saved field, one logged append
+    assert cell.rollback([], []) == {"x": 1} and items == [1] and not cell.active

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from vmemkv.scheduler.managers import EVICTION_POLICIES, PagedManager, VmemManager
 
-from .shadow import PagedMemory, ShadowSeq, VmemMemory
+from .shadow import PagedMemory, ShadowSeq, VmemMemory, ref_count
 from ..hypothesis_budget import examples
 
 ONE_LAYER_BYTES = 2                         # ModelSpec t1: 2 bytes per token
@@ -139,7 +139,7 @@ class RetentionMachine(RuleBasedStateMachine):
         for sid in self.live:
             for u in self.tables(sid):
                 holders[u] = holders.get(u, 0) + 1
-        assert all(m.ref_count(u) == holders.get(u, 0) for u in range(self.units))
+        assert all(ref_count(m, u) == holders.get(u, 0) for u in range(self.units))
         cached = m.cached_units()
         assert len(set(cached)) == len(cached) and not set(cached) & set(holders), \
             "a cached unit is also in use"
