@@ -3,7 +3,7 @@
  *
  *   cc -O3 -march=native -fopenmp -ffp-contract=fast -Iruntime/attention \
  *      benchmarks/decode_profile.c -o /tmp/decode_profile -lm
- *   /tmp/decode_profile DTYPE THREADS BATCH CTX COPIES REPS    # DTYPE: f32 | bf16
+ *   /tmp/decode_profile DTYPE THREADS BATCH CTX COPIES REPS    # DTYPE: f32 | bf16 | e4m3 | i8
  *
  * One call = a decode step of BATCH requests x CTX keys, 32/8 heads x 128, vmem per-layer
  * layout (K and V [BATCH, CTX, 8, 128] each), one item per request (every KV head, whole token
@@ -12,6 +12,8 @@
  * Prints the fastest and the median call as ns per token row (one row = every KV head's K and
  * V of one token) and the K/V bytes read per second. For instruction counts run it under
  * `valgrind --tool=callgrind` from an AVX2 build (-march=haswell): valgrind cannot run AVX-512.
+ * e4m3 and i8 (issue 30: what limits the 8-bit decode rows) read one byte per element with a
+ * scale of 1 per KV head; their bytes are drawn so that none is e4m3's NaN.
  */
 #include <stdio.h>
 #include <time.h>
@@ -22,10 +24,15 @@ static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
 static int cmp(const void *x, const void *y) { double a = *(const double *)x, b = *(const double *)y; return (a > b) - (a < b); }
 
 int main(int argc, char **argv) {
-    if (argc != 7) { fprintf(stderr, "usage: %s f32|bf16 THREADS BATCH CTX COPIES REPS\n", argv[0]); return 2; }
-    const int bf16 = !strcmp(argv[1], "bf16"), threads = atoi(argv[2]);
+    if (argc != 7) { fprintf(stderr, "usage: %s f32|bf16|e4m3|i8 THREADS BATCH CTX COPIES REPS\n", argv[0]); return 2; }
+    const char *names[] = {"f32", "bf16", "e4m3", "i8"};
+    const int dtypes[] = {DT_F32, DT_BF16, DT_E4M3, DT_I8}, sizes[] = {4, 2, 1, 1};
+    int which = -1;
+    for (int i = 0; i < 4; i++) if (!strcmp(argv[1], names[i])) which = i;
+    if (which < 0) { fprintf(stderr, "%s: DTYPE must be f32, bf16, e4m3 or i8, got %s\n", argv[0], argv[1]); return 2; }
+    const int bf16 = which == 1, dtype = dtypes[which], threads = atoi(argv[2]);
     const int64_t B = atoll(argv[3]), ctx = atoll(argv[4]), copies = atoll(argv[5]), reps = atoll(argv[6]);
-    const int64_t H = 32, Hkv = 8, D = 128, eb = bf16 ? 2 : 4, elems = B * ctx * Hkv * D;
+    const int64_t H = 32, Hkv = 8, D = 128, eb = sizes[which], elems = B * ctx * Hkv * D;
     if (B < 1 || ctx < 1 || copies < 1 || reps < 1 || threads < 1) {
         fprintf(stderr, "%s: THREADS, BATCH, CTX, COPIES and REPS must be >= 1\n", argv[0]); return 2;
     }
@@ -41,8 +48,11 @@ int main(int argc, char **argv) {
     if (!kv) { fprintf(stderr, "%s: could not allocate %.0f bytes of K/V\n", argv[0], kv_bytes); return 2; }
     for (int64_t x = 0; x < 2 * copies * elems; x++) {   /* small values, bf16-exact */
         float f = (float)((x * 2654435761u) % 1000) / 1000.0f - 0.5f; uint32_t b; memcpy(&b, &f, 4);
-        if (bf16) ((uint16_t *)kv)[x] = (uint16_t)(b >> 16); else ((float *)kv)[x] = f;
+        if (eb == 1) ((uint8_t *)kv)[x] = (uint8_t)((x * 2654435761u) % 0x70 + ((x & 1) << 7));   /* no NaN */
+        else if (bf16) ((uint16_t *)kv)[x] = (uint16_t)(b >> 16); else ((float *)kv)[x] = f;
     }
+    float scales[8] = {1, 1, 1, 1, 1, 1, 1, 1};   /* one per KV head (Hkv = 8) */
+    const float *kscale = eb == 1 ? scales : NULL;
     float *q = malloc(sizeof(float) * B * H * D), *out = malloc(sizeof(float) * B * H * D);
     for (int64_t x = 0; x < B * H * D; x++) q[x] = (float)((x * 40503u) % 256) / 256.0f - 0.5f;   /* bf16-exact */
     int64_t st[3] = {ctx * Hkv * D, Hkv * D, D}, *slots = malloc(8 * B), *cl = malloc(8 * B), *ql = malloc(8 * B),
@@ -57,7 +67,7 @@ int main(int argc, char **argv) {
         const int64_t c = (r + copies) % copies;
         const char *k = kv + 2 * c * elems * eb, *v = k + elems * eb;
         const double t0 = now();
-        if (vk_attention(q, out, k, v, bf16 ? DT_BF16 : DT_F32, bf16, NULL, NULL, st, st, slots, NULL, 0, 0,
+        if (vk_attention(q, out, k, v, dtype, bf16, kscale, kscale, st, st, slots, NULL, 0, 0,
                          cl, ql, qs, ks, items, B, H, Hkv, D, 0.088f, 0, 0.0f, threads)) return 1;
         if (r >= 0) t[r] = now() - t0;
     }

@@ -43,6 +43,9 @@
 #define CHUNK 32          /* keys per tile */
 #define VALUE_GROUP 8     /* keys whose V rows are read together (cpu_varlen_tile.h) */
 #define PREFETCH_KEYS 6   /* K rows are prefetched this many keys ahead (cpu_varlen_tile.h) */
+#ifndef PREFETCH_V_BYTES
+#define PREFETCH_V_BYTES 2   /* V rows of 1- and 2-byte elements are prefetched as their keys are scored (issue 30) */
+#endif
 #define MAX_ROWS 64       /* query rows per item (np * nh * G), enforced by the caller */
 #define WIDEN_ROWS 4      /* units with more rows a KV head widen each V tile once (cpu_varlen_tile.h) */
 #define WIDEN_HEADS (MAX_ROWS / (WIDEN_ROWS + 1))   /* the most KV heads such a unit has */

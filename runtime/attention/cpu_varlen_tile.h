@@ -58,14 +58,18 @@ static ALWAYS void prefetch_head(const void *base, int64_t off, int64_t D, int d
  * part[jj][r] (and the scalar tails of a head size that is no multiple of VW to tails[jj][r]).
  * Beside each head's work, that head's slice of the K rows at ahead[0:JN] (PREFETCH_KEYS keys
  * later) is prefetched: spread so, not in one burst per row, the loads of later rows overlap
- * this one's arithmetic. */
+ * this one's arithmetic. ``voffs`` (or NULL): the same keys' V rows, prefetched now for the
+ * tile's values (for 1- and 2-byte K/V the walk's arithmetic otherwise adds to the V loads'
+ * time instead of hiding under it; measured in docs/benchmarks.md, issue 30). */
 static ALWAYS void key_partials(const args_t *a, const unit_t *u, const int64_t *koffs,
-                                const int JN, const int64_t *ahead, ws_t *w, const int64_t D,
-                                const int dt) {
+                                const int JN, const int64_t *ahead, const int64_t *voffs,
+                                ws_t *w, const int64_t D, const int dt) {
     const int64_t nv = D / VW, per_head = u->np * u->G;
     for (int64_t hh = 0; hh < u->nh; hh++) {
-        for (int jj = 0; jj < JN; jj++)
+        for (int jj = 0; jj < JN; jj++) {
             prefetch_head(a->k, ahead[jj] < 0 ? -1 : ahead[jj] + hh * a->ks[2], D, dt);
+            if (voffs) prefetch_head(a->v, voffs[jj] + hh * a->vs[2], D, dt);
+        }
         vf kr[2][D / VW > 0 ? D / VW : 1];
         for (int jj = 0; jj < JN; jj++) {
             #pragma GCC unroll 16
@@ -98,14 +102,15 @@ static ALWAYS void key_partials(const args_t *a, const unit_t *u, const int64_t 
  * key_scores applies the scale) against the K rows as they lie, 32 products an instruction,
  * exact in fp32 (half the instructions of converting K and FMAing). */
 static ALWAYS void key_partials_bf16(const args_t *a, const unit_t *u, const int64_t *koffs,
-                                     const int JN, const int64_t *ahead, ws_t *w,
-                                     const int64_t D) {
+                                     const int JN, const int64_t *ahead, const int64_t *voffs,
+                                     ws_t *w, const int64_t D) {
     const int64_t nb = D / 32, per_head = u->np * u->G;
     const uint16_t *k = (const uint16_t *)a->k;
     for (int64_t hh = 0; hh < u->nh; hh++) {
         __m512i kr[2][D / 32 > 0 ? D / 32 : 1];
         for (int jj = 0; jj < JN; jj++) {
             prefetch_head(a->k, ahead[jj] < 0 ? -1 : ahead[jj] + hh * a->ks[2], D, DT_BF16);
+            if (voffs) prefetch_head(a->v, voffs[jj] + hh * a->vs[2], D, DT_BF16);
             #pragma GCC unroll 8
             for (int64_t x = 0; x < nb; x++)
                 kr[jj][x] = _mm512_loadu_si512(k + koffs[jj] + hh * a->ks[2] + x * 32);
@@ -143,15 +148,16 @@ static ALWAYS void key_scores(const args_t *a, const unit_t *u, int64_t j, int j
  * pairs where both K rows fit in registers (D <= 8 VW). ``knext[0:n_next]``: the next tile's
  * K offsets, for the prefetch across the tile's end. */
 static ALWAYS void tile_scores(const args_t *a, const unit_t *u, const int64_t *koffs, int64_t n,
-                               const int64_t *knext, int64_t n_next, ws_t *w, const int64_t D,
-                               const int dt) {
+                               const int64_t *knext, int64_t n_next, const int64_t *voffs,
+                               ws_t *w, const int64_t D, const int dt) {
 #define AHEAD(x) ((x) < n ? koffs[x] : (x) - n < n_next ? knext[(x) - n] : -1)
 #ifdef HAVE_DPBF16
-#define PARTIALS(JN) (BF16_DOTS(D, dt) ? key_partials_bf16(a, u, koffs + j, JN, ahead, w, D) \
-                                       : key_partials(a, u, koffs + j, JN, ahead, w, D, dt))
+#define PARTIALS(JN) (BF16_DOTS(D, dt) ? key_partials_bf16(a, u, koffs + j, JN, ahead, VOFFS, w, D) \
+                                       : key_partials(a, u, koffs + j, JN, ahead, VOFFS, w, D, dt))
 #else
-#define PARTIALS(JN) key_partials(a, u, koffs + j, JN, ahead, w, D, dt)
+#define PARTIALS(JN) key_partials(a, u, koffs + j, JN, ahead, VOFFS, w, D, dt)
 #endif
+#define VOFFS (voffs ? voffs + j : NULL)
     int64_t j = 0, ahead[2];
     if (D / VW <= 8 && D % VW == 0)
         for (; j + 2 <= n; j += 2) {
@@ -168,6 +174,7 @@ static ALWAYS void tile_scores(const args_t *a, const unit_t *u, const int64_t *
     }
 #undef AHEAD
 #undef PARTIALS
+#undef VOFFS
 }
 
 /* The tile's scores become probabilities, VW rows at a time: keys outside a row's [lo, hi)
@@ -413,7 +420,8 @@ static ALWAYS void walk_keys_d(const args_t *a, const unit_t *u, ws_t *w, const 
             tile_offsets(a, a->vs, u->i, c1, n1, u->h0, offs[t ^ 1][1]);
         }
         if (gemm) tile_scores_gemm(a, u, offs[t][0], n, w, D, dt);
-        else tile_scores(a, u, offs[t][0], n, offs[t ^ 1][0], n1 > 0 ? n1 : 0, w, D, dt);
+        else tile_scores(a, u, offs[t][0], n, offs[t ^ 1][0], n1 > 0 ? n1 : 0,
+                         kv_bytes(dt) <= PREFETCH_V_BYTES ? offs[t][1] : NULL, w, D, dt);
         tile_softmax(u, c0, n, w);
         if (gemm) {
             tile_values_gemm(a, u, offs[t][1], n, w, D, dt);
