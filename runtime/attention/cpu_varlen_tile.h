@@ -319,13 +319,19 @@ static ALWAYS void gemm_block(const args_t *a, const float *const *krow, const i
             stf(s + jj * MAX_ROWS + b * VW, a->softcap > 0.0f ? softcapv(acc[jj][b], a->softcap) : acc[jj][b]);
 }
 
+/* JB keys against all rvec row vectors, at most four at a time (rvec reaches MAX_ROWS / VW:
+ * 4 with AVX-512, 8 where VW is 8) */
 static ALWAYS void gemm_keys(const args_t *a, const float *const *krow, const int JB, int64_t rvec,
                              float *s, const float *qT, const int64_t D) {
-    switch (rvec) {
-    case 4: gemm_block(a, krow, JB, 4, s, qT, D); break;
-    case 3: gemm_block(a, krow, JB, 3, s, qT, D); break;
-    case 2: gemm_block(a, krow, JB, 2, s, qT, D); break;
-    default: gemm_block(a, krow, JB, 1, s, qT, D); break;
+    for (int64_t b0 = 0; b0 < rvec; b0 += 4) {
+        float *sb = s + b0 * VW;
+        const float *qb = qT + b0 * VW;
+        switch (rvec - b0) {
+        case 1: gemm_block(a, krow, JB, 1, sb, qb, D); break;
+        case 2: gemm_block(a, krow, JB, 2, sb, qb, D); break;
+        case 3: gemm_block(a, krow, JB, 3, sb, qb, D); break;
+        default: gemm_block(a, krow, JB, 4, sb, qb, D); break;
+        }
     }
 }
 
@@ -355,30 +361,32 @@ static ALWAYS void tile_scores_gemm(const args_t *a, const unit_t *u, const int6
  * unit_gemm units): rescaled by the tile's corr, plus the n keys' p[j][r] (vector loads, the
  * scores' key-major layout) times V[j][x] broadcast. */
 static ALWAYS void gemm_values_block(const float *const *vrow, int64_t n, const int XB,
-                                     const int RV, int64_t x0, ws_t *w) {
+                                     const int RV, int64_t r0, int64_t x0, ws_t *w) {
     vf acc[4][4], corr[4];
-    for (int b = 0; b < RV; b++) corr[b] = ldf(w->corr + b * VW);
+    for (int b = 0; b < RV; b++) corr[b] = ldf(w->corr + r0 + b * VW);
     for (int xb = 0; xb < XB; xb++)
-        for (int b = 0; b < RV; b++) acc[xb][b] = ldf(w->acc + (x0 + xb) * MAX_ROWS + b * VW) * corr[b];
+        for (int b = 0; b < RV; b++) acc[xb][b] = ldf(w->acc + (x0 + xb) * MAX_ROWS + r0 + b * VW) * corr[b];
     for (int64_t j = 0; j < n; j++) {
         vf pv[4];
-        for (int b = 0; b < RV; b++) pv[b] = ldf(w->s + j * MAX_ROWS + b * VW);
+        for (int b = 0; b < RV; b++) pv[b] = ldf(w->s + j * MAX_ROWS + r0 + b * VW);
         for (int xb = 0; xb < XB; xb++) {
             const vf vx = splat(vrow[j][x0 + xb]);
             for (int b = 0; b < RV; b++) acc[xb][b] += vx * pv[b];
         }
     }
     for (int xb = 0; xb < XB; xb++)
-        for (int b = 0; b < RV; b++) stf(w->acc + (x0 + xb) * MAX_ROWS + b * VW, acc[xb][b]);
+        for (int b = 0; b < RV; b++) stf(w->acc + (x0 + xb) * MAX_ROWS + r0 + b * VW, acc[xb][b]);
 }
 
 static ALWAYS void gemm_values_rows(const float *const *vrow, int64_t n, const int XB, int64_t rvec,
                                     int64_t x0, ws_t *w) {
-    switch (rvec) {
-    case 4: gemm_values_block(vrow, n, XB, 4, x0, w); break;
-    case 3: gemm_values_block(vrow, n, XB, 3, x0, w); break;
-    case 2: gemm_values_block(vrow, n, XB, 2, x0, w); break;
-    default: gemm_values_block(vrow, n, XB, 1, x0, w); break;
+    for (int64_t b0 = 0; b0 < rvec; b0 += 4) {   /* at most four row vectors at a time */
+        switch (rvec - b0) {
+        case 1: gemm_values_block(vrow, n, XB, 1, b0 * VW, x0, w); break;
+        case 2: gemm_values_block(vrow, n, XB, 2, b0 * VW, x0, w); break;
+        case 3: gemm_values_block(vrow, n, XB, 3, b0 * VW, x0, w); break;
+        default: gemm_values_block(vrow, n, XB, 4, b0 * VW, x0, w); break;
+        }
     }
 }
 
