@@ -259,7 +259,8 @@ static int run_units(const args_t *a, const int64_t *items, int64_t n_items, con
  * np * nh * G <= 64, splits >= 1 (the item's key range is walked as that many units, merged
  * at the end). dtype: of K and V (DT_*); q_bf16: q holds bf16 values (the bf16 dot products
  * may then run on the bf16 queries); kscale, vscale: fp32 [Hkv] for 8-bit K/V, else NULL.
- * Returns 0, or -1 when scratch memory could not be allocated (nothing is then promised of out). */
+ * Returns 0, or -1 when scratch memory could not be allocated (nothing is then promised of out),
+ * or -2 from a library built for one (head size, dtype) called with another. */
 int vk_attention(const float *q, float *out, const void *k, const void *v, int dtype,
                  int q_bf16, const float *kscale, const float *vscale, const int64_t *k_strides, const int64_t *v_strides,
                  const int64_t *slots, const int64_t *tables, int64_t width, int64_t block_size,
@@ -267,6 +268,9 @@ int vk_attention(const float *q, float *out, const void *k, const void *v, int d
                  const int64_t *kvstart, const int64_t *items, int64_t n_items,
                  int64_t H, int64_t Hkv, int64_t D, float scale, int64_t window, float softcap,
                  int nthreads) {
+#ifdef VK_ONLY_DT
+    if (dtype != VK_ONLY_DT || (VK_ONLY_D && D != VK_ONLY_D)) return -2;   /* built for another shape */
+#endif
     args_t a = {q, out, k, v, dtype, q_bf16, kscale, vscale, k_strides, v_strides, slots, tables, width, block_size,
                 ctx, qlen, qstart, kvstart, H, Hkv, D, scale, window, softcap};
     int64_t units = 0;

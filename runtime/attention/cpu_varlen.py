@@ -33,7 +33,7 @@ import torch
 
 from . import native
 from .base import ALL_KV_DTYPES, AttentionBackend, Availability, PagedLayerView, VMemLayerView
-from .errors import UnsupportedError
+from .errors import AttentionError, UnsupportedError
 from .kv import attend_one, paged_kv, vmem_kv
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3,
@@ -218,10 +218,14 @@ def _call(q: torch.Tensor, q_bf16: bool, out: torch.Tensor, k: torch.Tensor, v: 
     fp32 [T, H, D] (written in place); the layer's window, soft-cap (0: none) and 8-bit K/V's
     scales (fp32 [Hkv], checked by the view) from ``view``."""
     _, _, kv_heads, head_dim = k.shape
-    rc = native.kernel()(
-        _ptr(q), _ptr(out), _ptr(k), _ptr(v), DTYPE_CODES[k.dtype], int(q_bf16),
+    dtype_code = DTYPE_CODES[k.dtype]
+    rc = native.kernel(head_dim, dtype_code)(
+        _ptr(q), _ptr(out), _ptr(k), _ptr(v), dtype_code, int(q_bf16),
         _ptr(view.k_scale), _ptr(view.v_scale), _strides(k.stride())[1],
         _strides(v.stride())[1], *meta.args, q.shape[1], kv_heads, head_dim, scale,
         view.window or 0, view.softcap or 0.0, torch.get_num_threads())
+    if rc == -2:
+        raise AttentionError(f"cpu-varlen: the kernel built for another shape was called for "
+                             f"head_dim={head_dim}, {k.dtype} (a dispatch bug)")
     if rc:
         raise MemoryError("cpu-varlen: the kernel could not allocate its scratch memory")

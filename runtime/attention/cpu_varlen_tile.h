@@ -459,8 +459,11 @@ static ALWAYS void walk_keys_d(const args_t *a, const unit_t *u, ws_t *w, const 
 
 /* walk_keys_d compiled for the usual head sizes with D a constant (the dot products and
  * value blocks unroll, the K row stays in registers) and once for any other D; each for the
- * six K/V dtypes. */
+ * six K/V dtypes. With VK_ONLY_DT (and VK_ONLY_D, 0 for any D) defined: that one copy only. */
 static void walk_keys(const args_t *a, const unit_t *u, ws_t *w) {
+#ifdef VK_ONLY_DT   /* a build for one (head size, dtype): native.py's per-shape libraries */
+    walk_keys_d(a, u, w, VK_ONLY_D ? VK_ONLY_D : a->D, VK_ONLY_DT);
+#else
     switch (a->D) {
     case 32: WALK_DTYPES(32)
     case 64: WALK_DTYPES(64)
@@ -468,6 +471,7 @@ static void walk_keys(const args_t *a, const unit_t *u, ws_t *w) {
     case 256: WALK_DTYPES(256)
     }
     WALK_DTYPES(a->D)
+#endif
 }
 
 #endif

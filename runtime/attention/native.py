@@ -3,9 +3,11 @@
 A C source is compiled once per (source and its headers, compiler flags, CPU) into a per-user
 cache folder (``$VMEMKV_CACHE_DIR`` or ``~/.cache/vmemkv``) with the system C compiler: a few
 seconds, no torch headers. ``-march=native`` is safe because the CPU's model and flags are part
-of the key. ``kernel()`` returns the loaded attention function, or raises
-:class:`KernelBuildError` saying why (no compiler, a failed build); ``why_unavailable()`` gives
-that reason without raising. ``library(source)`` builds and loads any other source the same way
+of the key. The attention kernel is built once per (head size, K/V dtype) it is called with
+(``-DVK_ONLY_DT``/``-DVK_ONLY_D``: one copy of the key walk, 3-6 s to build, where the copy of
+every shape took 130-156 s on a 2-core VM). ``kernel(head_dim, dtype_code)`` returns that
+shape's loaded attention function, or raises :class:`KernelBuildError` saying why (no
+compiler, a failed build); ``why_unavailable()`` gives that reason without raising. ``library(source)`` builds and loads any other source the same way
 (the yardsticks' native loops, ``benchmarks/yardstick.c``).
 """
 from __future__ import annotations
@@ -26,7 +28,8 @@ SOURCE = Path(__file__).with_name("cpu_varlen.c")
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_varlen_math.h", "cpu_varlen_tile.h"))
 # ^ included by SOURCE: part of the key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
-BUILD_TIMEOUT_S = 600   # a cold build of cpu_varlen.c took 141-156 s on the 2-core VM (2026-12-02)
+BUILD_TIMEOUT_S = 600   # one shape builds in 3-6 s; the yardsticks' and every-shape builds take longer
+SPECIALISED_HEAD_DIMS = (32, 64, 128, 256)   # cpu_varlen_tile.h's walk_keys: D a constant
 
 
 class KernelBuildError(AttentionError):
@@ -51,16 +54,17 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _build(cc: str, source_path: Path, headers: tuple) -> Path:
+def _build(cc: str, source_path: Path, headers: tuple, defines: tuple = ()) -> Path:
     source = source_path.read_bytes() + b"".join(h.read_bytes() for h in headers)
-    key = hashlib.sha256(source + " ".join((cc,) + FLAGS).encode() + _cpu_key().encode())
+    flags = FLAGS + defines
+    key = hashlib.sha256(source + " ".join((cc,) + flags).encode() + _cpu_key().encode())
     target = _cache_dir() / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:   # build, then rename: atomic
         out = Path(tmp) / target.name
-        run = subprocess.run([cc, *FLAGS, str(source_path), "-o", str(out), "-lm"],
+        run = subprocess.run([cc, *flags, str(source_path), "-o", str(out), "-lm"],
                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if run.returncode:
             raise KernelBuildError(f"{cc} failed to build {source_path.name} (exit "
@@ -69,14 +73,14 @@ def _build(cc: str, source_path: Path, headers: tuple) -> Path:
     return target
 
 
-@lru_cache(maxsize=8)
-def _library(source: Path, headers: tuple = ()):
+@lru_cache(maxsize=None)
+def _library(source: Path, headers: tuple = (), defines: tuple = ()):
     """(CDLL, "") or (None, why not): built and loaded once per process."""
     cc = _compiler()
     if cc is None:
         return None, f"no C compiler (cc/gcc, or $CC) to build {source.name}"
     try:
-        return ctypes.CDLL(str(_build(cc, source, headers))), ""
+        return ctypes.CDLL(str(_build(cc, source, headers, defines))), ""
     except (OSError, subprocess.SubprocessError, KernelBuildError) as error:
         return None, f"{source.name} unavailable: {error}"
 
@@ -90,10 +94,12 @@ def library(source: Path, headers: tuple = ()) -> ctypes.CDLL:
     return lib
 
 
-@lru_cache(maxsize=1)
-def _load():
-    """(function, "") or (None, why not): built and loaded once per process."""
-    lib, why = _library(SOURCE, HEADERS)
+@lru_cache(maxsize=None)
+def _load(head_dim: int, dtype_code: int):
+    """(function, "") or (None, why not) for one shape (``head_dim`` 0: any head size outside
+    SPECIALISED_HEAD_DIMS): built and loaded once per process."""
+    defines = (f"-DVK_ONLY_DT={dtype_code}", f"-DVK_ONLY_D={head_dim}")
+    lib, why = _library(SOURCE, HEADERS, defines)
     if lib is None:
         return None, f"cpu-varlen kernel unavailable: {why}"
     fn = lib.vk_attention
@@ -105,14 +111,21 @@ def _load():
     return fn, ""
 
 
-def why_unavailable() -> str:
-    """Empty when the kernel is built and loaded, else the reason it cannot be."""
-    return _load()[1]
+def _shape(head_dim: int) -> int:
+    return head_dim if head_dim in SPECIALISED_HEAD_DIMS else 0
 
 
-def kernel():
-    """The loaded ``vk_attention`` function; :class:`KernelBuildError` if it cannot be built."""
-    fn, why = _load()
+def why_unavailable(head_dim: int = 64, dtype_code: int = 0) -> str:
+    """Empty when the kernel for that shape (by default fp32, head size 64) is built and
+    loaded, else the reason it cannot be."""
+    return _load(_shape(head_dim), dtype_code)[1]
+
+
+def kernel(head_dim: int, dtype_code: int):
+    """The loaded ``vk_attention`` function for K/V of ``head_dim`` and ``dtype_code``
+    (cpu_varlen_math.h's DT_*); :class:`KernelBuildError` if it cannot be built. It returns
+    -2 when called with another shape."""
+    fn, why = _load(_shape(head_dim), dtype_code)
     if fn is None:
         raise KernelBuildError(why)
     return fn
