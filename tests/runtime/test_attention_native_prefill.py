@@ -167,3 +167,19 @@ def test_default_and_sdpa_above_tokens_agree_on_windowed_capped_mixed_steps(layo
     view = layer_view(case, layout, starts, window)
     for backend in (get_backend("cpu-varlen"), get_backend("cpu-varlen", sdpa_above_tokens=2)):
         check(backend, case, view, starts, window, 5.0)
+
+
+@pytest.mark.parametrize("vector_lanes", [8, 16])
+def test_both_vector_widths_match_the_reference_with_every_row_of_an_item(vector_lanes,
+                                                                          monkeypatch):
+    """The kernel built with 8 fp32 lanes (AVX2) and with 16 (AVX-512), whichever this CPU has:
+    one KV head with 8 query heads and a 40-token chunk fills items of 64 rows, 8 row vectors
+    of 8 lanes, so the GEMM path must walk all of them (it once stopped at the fourth)."""
+    from vmemkv.runtime.attention import native
+    build = native.kernel
+    monkeypatch.setattr(native, "kernel", lambda head_dim, dtype_code:
+                        build(head_dim, dtype_code, vector_lanes))
+    spec = [(48, 40), (40, 40)]
+    case = make_case(spec, heads=8, kv_heads=1, head_dim=32, seed=vector_lanes)
+    starts = [0, 0]
+    check(kernel(), case, layer_view(case, "vmem", starts, None), starts, None, None)
