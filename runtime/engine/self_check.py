@@ -1,6 +1,6 @@
 """The engine's construction-time self-check: a short prompt through our attention vs the model's.
 
-    ours       prefill 6 tokens, then 2 greedy decode steps, on a throwaway cache of the
+    ours       prefill 40 tokens, then 2 greedy decode steps, on a throwaway cache of the
                engine's kind (vmem or paged) and backend, through ModelRunner
     reference  one forward of prompt + the tokens we chose, with the model's own attention
                (its attn_implementation before the engine; sdpa if it is already ours)
@@ -14,7 +14,10 @@ unsharded model on rank 0.
 The decode steps are what catch a model whose attention never reaches our function (each step
 would attend only to its own token); the prefill alone would look right. A mismatch, or an
 error raised inside the model on our path, refuses the model (UnsupportedModelError) before the
-engine's cache is built. Cost: 4 model forwards of at most 8 tokens (docs/models.md).
+engine's cache is built. Cost: 4 model forwards of at most 42 tokens (docs/models.md). The
+40 prompt tokens fill cpu-varlen's items of 64 query rows at any heads-per-KV-head ratio, so a
+kernel computing some rows wrong (it once did on 8-lane CPUs, from row 32 on, and 6 tokens
+passed) is refused here instead of answering wrong.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 from .config import page_rounded_context
 from .model_runner import ModelRunner
 
-PROMPT_TOKENS, DECODE_TOKENS = 6, 2
+PROMPT_TOKENS, DECODE_TOKENS = 40, 2   # 40: items of 64 rows, every row vector of the kernel (see _prompt)
 RTOL = {torch.float32: 1e-3, torch.float64: 1e-6}   # of the largest reference logit
 HALF_RTOL = 3e-2                                     # fp16 / bf16
 
