@@ -90,7 +90,7 @@ def _sampling_flags(s) -> None:
 
 def _cache_flags(c) -> None:
     c.add_argument("--cache", choices=["vmem", "paged"], default="vmem", help="KV cache layout")
-    c.add_argument("--layout", choices=["per-layer", "interleaved"], default="per-layer",
+    c.add_argument("--layout", choices=["per-layer", "interleaved", "auto"], default="per-layer",
                    help="vmem: one page per layer, or all layers in one page")
     c.add_argument("--page-bytes", type=parse_bytes, default=None, metavar="SIZE",
                    help="vmem page size: 64KiB, 2MiB, 65536, ... (default: the driver's choice)")

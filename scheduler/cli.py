@@ -21,7 +21,8 @@ from .presets import DEVICES, KV_CACHE_DTYPES, MODELS
 from .progress import Progress
 from .report import parse_goodput
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
-from .simulator import LAYOUTS, POLICIES, WATERMARK_SCOPES, SimConfig, simulate
+from .geometry import LAYOUT_CHOICES
+from .simulator import POLICIES, WATERMARK_SCOPES, SimConfig, simulate
 from .traces import fit_to_length, load_trace, trace_names
 from .workload import WORKLOAD_RNGS, WorkloadSpec, generate, write_trace
 
@@ -147,8 +148,10 @@ def _deployment_flags(m) -> None:
     m.add_argument("--page-bytes", "--page-size", dest="page_size", type=parse_bytes, metavar="SIZE",
                    default=2 * 2**20,
                    help="bytes per physical page (vmem): 2MiB, 64KiB, 65536, ... (default: 2MiB)")
-    m.add_argument("--layout", choices=LAYOUTS, default="per-layer",
-                   help="vmem: one page per layer (per-layer) or all layers in one (interleaved)")
+    m.add_argument("--layout", choices=LAYOUT_CHOICES, default="per-layer",
+                   help="vmem: one page per layer (per-layer), all layers in one (interleaved), "
+                        "or auto: per-layer while its page group holds <= 128 tokens, else the "
+                        "layout with the smaller group (docs/usage.md)")
     m.add_argument("--prefix-eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,
                    help="paged, vmem: keep computed prompt prefixes after their requests end "
                         "and evict them lru (vLLM's order) or hits (often-shared ones last); "

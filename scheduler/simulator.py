@@ -23,7 +23,7 @@ from .cost import AfterPrefill, CostModel, count_map_ops, prefill_pairs
 from .errors import ConfigError, SchedulerError
 from .managers.base import MemoryManager
 from .managers.eviction import DEFAULT_EVICTION, make_eviction
-from .geometry import LAYOUTS
+from .geometry import LAYOUT_CHOICES, resolve_layout
 from .policies import check_policy, is_custom, load_policy_class
 from .presets import ModelSpec, get_device, get_model, with_kv_cache_dtype
 from .profile_cost import ProfileCost, load_profile, profile_cost, profile_model
@@ -77,8 +77,9 @@ class SimConfig:
         if self.watermark_scope not in WATERMARK_SCOPES:
             raise ConfigError(f"watermark_scope must be one of {', '.join(WATERMARK_SCOPES)}, "
                               f"got {self.watermark_scope!r}")
-        if self.layout not in LAYOUTS:
-            raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.layout not in LAYOUT_CHOICES:
+            raise ConfigError(f"layout must be one of {', '.join(LAYOUT_CHOICES)}, "
+                              f"got {self.layout!r}")
         if not self.cache_bytes > 0:
             raise ConfigError(f"cache_bytes must be > 0, got {self.cache_bytes!r}")
         with_kv_cache_dtype(get_model(self.model), self.kv_cache_dtype)   # names an unknown one
@@ -100,10 +101,15 @@ class SimConfig:
             return profile_model(load_profile(self.profile))
         return with_kv_cache_dtype(get_model(self.model), self.kv_cache_dtype)
 
+    @property
+    def resolved_layout(self) -> str:
+        """``layout`` with ``auto`` resolved for this model and page (geometry.resolve_layout)."""
+        return resolve_layout(self.layout, self.model_spec, self.page_bytes, on_cuda=True)
+
     def make_manager(self) -> MemoryManager:
         from .managers import make_manager
         options = dict(block_size_tokens=self.block_size, page_bytes=self.page_bytes,
-                       layout=self.layout, swap_bytes=int(self.swap_bytes))
+                       layout=self.resolved_layout, swap_bytes=int(self.swap_bytes))
         if is_custom(self.policy):
             return load_policy_class(self.policy)(self.model_spec, int(self.cache_bytes),
                                                   self.max_seq_len, **options)

@@ -1,7 +1,7 @@
 """EngineConfig: the cache, scheduling and backend choices of one Engine, validated up front."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from vmemkv.runtime.config import CacheConfig
@@ -10,7 +10,7 @@ from vmemkv.runtime.kv import vmem_geometry
 from vmemkv.runtime.kv_dtype import (KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES, KVScales,
                                      checkpoint_kv_scales, kv_encoding)
 from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device
-from vmemkv.scheduler.geometry import LAYOUTS  # noqa: F401 (re-exported)
+from vmemkv.scheduler.geometry import LAYOUT_CHOICES, LAYOUTS, resolve_layout  # noqa: F401 (LAYOUTS re-exported)
 from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 
@@ -24,7 +24,8 @@ PREEMPTION = ("recompute", "swap")
 class EngineConfig:
     """Every field is checked in ``__post_init__``; sizes are in tokens unless named ``_bytes``."""
     cache: str = "vmem"                  # "vmem" (contiguous per request) or "paged" (blocks)
-    layout: str = "per-layer"            # vmem: "per-layer" or "interleaved" (all layers per page)
+    layout: str = "per-layer"            # vmem: "per-layer", "interleaved" (all layers per page)
+                                         # or "auto" (resolved at construction: resolve_layout)
     page_bytes: Optional[int] = None     # vmem page size; None: 2 MiB on CUDA, 64 KiB-ish on host
     block_size: int = 16                 # paged: tokens per block
     max_batch: int = 8                   # sequences running at once (vmem: slots)
@@ -66,7 +67,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self._one_of("cache", CACHES)
-        self._one_of("layout", LAYOUTS)
+        self._one_of("layout", LAYOUT_CHOICES)
         self._one_of("preemption", PREEMPTION)
         self._one_of("prefix_eviction", EVICTION_POLICIES)
         self._one_of("kv_cache_dtype", KV_CACHE_DTYPES)
@@ -149,6 +150,16 @@ def cache_budget_bytes(cfg: EngineConfig, cache_config) -> int:
     return budget
 
 
+def resolved_layout(cfg: "EngineConfig", cache_config) -> "EngineConfig":
+    """``cfg`` with ``layout="auto"`` resolved for ``cache_config``'s model and the page size
+    (scheduler.geometry.resolve_layout); any other layout as it is."""
+    if cfg.layout != "auto":
+        return cfg
+    layout = resolve_layout(cfg.layout, cache_config, cfg.page_bytes,
+                            on_cuda=cache_config.torch_device.type == "cuda")
+    return replace(cfg, layout=layout)
+
+
 def page_rounded_context(cache_config, cfg, tokens: int) -> int:
     """Smallest context >= ``tokens`` a cache of ``cfg`` can be built with (vmem: whole pages
     per slot; paged: any). The engine still admits only the user's ``max_context``."""
@@ -190,4 +201,5 @@ def cache_config_for(model, cfg: EngineConfig, param, kv_heads: Optional[int] = 
         shape["num_kv_heads"] = kv_heads
     # a vmem slot is whole pages: the cache is built rounded up, admission uses max_context
     probe = CacheConfig(**shape, max_context=cfg.max_context)
+    cfg = resolved_layout(cfg, probe)
     return CacheConfig(**shape, max_context=page_rounded_context(probe, cfg, cfg.max_context))

@@ -35,7 +35,8 @@ from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.request import Request, SeqState
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
-from .config import EngineConfig, cache_budget_bytes, cache_config_for, check_engine_arguments
+from .config import (EngineConfig, cache_budget_bytes, cache_config_for, check_engine_arguments,
+                     resolved_layout)
 from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine, kv_heads_per_rank,
                               start_tensor_parallel)
 from .errors import EngineClosedError, EngineConfigError, RequestRejectedError, TensorParallelError
@@ -77,6 +78,7 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching):
         full_config = cache_config_for(model, cfg, param)
         self.cache_config = (full_config if cfg.tensor_parallel_size == 1 else cache_config_for(
             model, cfg, param, kv_heads_per_rank(model.config, cfg.tensor_parallel_size)))
+        self.config = cfg = resolved_layout(cfg, self.cache_config)   # "auto": by the rank's pages
         # "user", "checkpoint" or "first-write" (None: unscaled); the scales are cache_config's
         self.kv_scales_source = kv_scale_source(full_config.kv_encoding, cfg.kv_scales,
                                                 full_config.kv_scales)

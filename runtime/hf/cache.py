@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 from transformers.cache_utils import Cache
 
+from vmemkv.scheduler.geometry import resolve_layout
 from vmemkv.scheduler.layout import PoolBacking
 from vmemkv.scheduler.plan import StepPlan
 
@@ -96,6 +97,8 @@ class VMemCache(Cache):
 
     def __init__(self, config: CacheConfig, layout: str = "per-layer",
                  page_bytes: Optional[int] = None, cache_bytes: Optional[int] = None) -> None:
+        layout = resolve_layout(layout, config, page_bytes,
+                                on_cuda=config.torch_device.type == "cuda")   # "auto" resolved
         geometry = vmem_geometry(config, layout, page_bytes)
         capacity = geometry.round_up_tokens(config.max_context)  # whole pages; limit stays max_context
         self.kv: KV = make_kv(dataclasses.replace(config, max_context=capacity), "vmem",
