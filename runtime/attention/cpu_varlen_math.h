@@ -13,10 +13,6 @@
 #if defined(__x86_64__) && (defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__))
 #include <immintrin.h>
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#define HAVE_DPBF16 1     /* vdpbf16ps: 32 bf16 products, exact in fp32, summed into 16 lanes */
-#endif
-
 /* K/V dtypes; the 8-bit ones are read unscaled here (the per-head scales are folded into the
  * queries and the outputs by cpu_varlen.c) */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4, DT_I8 = 5 };
@@ -27,6 +23,11 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4, DT_I8 = 5 
 #else
 #define VW 8
 #endif
+#endif
+/* vdpbf16ps: 32 bf16 products, exact in fp32, summed into 16 lanes (so only at 16 lanes: a
+ * forced 8-lane build on an AVX512-BF16 CPU takes the generic path) */
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && VW == 16
+#define HAVE_DPBF16 1
 #endif
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
