@@ -117,7 +117,8 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
     ``hybrid_parts``: a hybrid model (full and windowed layers) in the per-layer layout splits
     page groups into a full and a windowed kind and gives back the windowed one behind the window
     (scheduler.managers.vmem_kinds; the ops name each kind's pool pages); False: full allocation.
-    paged: ``block_size`` tokens per block. ``prefix_eviction``: the managers' retention of
+    paged: ``block_size`` tokens per block; vmem: prefix hits in blocks of ``block_size``
+    tokens, the part of a page a hit covers copied (scheduler/managers/blocks.py). ``prefix_eviction``: the managers' retention of
     computed prefixes (scheduler.managers.eviction).
     """
     if kind not in CACHE_KINDS:
@@ -129,7 +130,8 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
         page_bytes = page_bytes or default_page_bytes(config, layout)
         manager = make_manager("vmem", model, cache_bytes, config.max_context, page_bytes=page_bytes,
                                layout=layout, max_slots=config.max_batch, swap_bytes=swap_bytes,
-                               prefix_eviction=prefix_eviction, hybrid_parts=hybrid_parts)
+                               prefix_eviction=prefix_eviction, hybrid_parts=hybrid_parts,
+                               prefix_block_tokens=block_size)
     else:
         manager = make_manager("paged", model, cache_bytes, config.max_context,
                                block_size_tokens=block_size, swap_bytes=swap_bytes,

@@ -34,6 +34,11 @@ TINY_CONFIGS = {
                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)),
     "small-llama": ("llama", dict(vocab_size=1024, hidden_size=256, intermediate_size=688,
                                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)),
+    # SmolLM2-135M's KV geometry (30 layers, 3 KV heads of 64 dims: 11.25 MiB a page group on
+    # 192 KiB pages of 256 tokens) on a narrow random model: its cache, not its compute
+    "smollm2-geometry": ("llama", dict(vocab_size=256, hidden_size=192, intermediate_size=128,
+                                       num_hidden_layers=30, num_attention_heads=3,
+                                       num_key_value_heads=3)),
     "tiny-mistral-swa": ("mistral", dict(vocab_size=256, hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2, sliding_window=32)),

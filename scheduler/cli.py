@@ -79,6 +79,9 @@ def register(subparsers) -> None:
                         "(0, 1] (default: bandwidth only)")
     c.add_argument("--map-latency-us", type=bounded(float, 0), default=0.0,
                    help="microseconds per physical page mapped (vmem)")
+    c.add_argument("--copy-gbps", type=bounded(float, 0, low_open=True), default=None,
+                   help="device copy bandwidth for copy ops (block-granular prefix hits, "
+                        "copy-on-write), GB/s (default: half the GPU's memory bandwidth)")
     c.add_argument("--profile", metavar="FILE", default=None,
                    help="a device profile from vmemkv calibrate in place of the roofline (its "
                         "model replaces --model-preset; default: the roofline)")
@@ -152,6 +155,10 @@ def _deployment_flags(m) -> None:
                    help="vmem: one page per layer (per-layer), all layers in one (interleaved), "
                         "or auto: per-layer while its page group holds <= 128 tokens, else the "
                         "layout with the smaller group (docs/usage.md)")
+    m.add_argument("--prefix-block-tokens", type=bounded(int, 0), default=16, metavar="N",
+                   help="vmem: prefix hits in blocks of N tokens whatever a page holds, the "
+                        "hit's part of a page copied into the new sequence's page (0: whole "
+                        "page groups only)")
     m.add_argument("--prefix-eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,
                    help="paged, vmem: keep computed prompt prefixes after their requests end "
                         "and evict them lru (vLLM's order) or hits (often-shared ones last); "
@@ -206,6 +213,8 @@ def _config(args) -> SimConfig:
                      prefix_eviction=args.prefix_eviction,
                      prefill_mfu=args.prefill_mfu, map_latency_s=args.map_latency_us * 1e-6,
                      paged_slowdown=args.paged_slowdown, watermark_scope=args.watermark_scope,
+                     prefix_block_tokens=args.prefix_block_tokens,
+                     copy_bytes_per_s=None if args.copy_gbps is None else args.copy_gbps * 1e9,
                      profile=args.profile, kv_cache_dtype=args.kv_cache_dtype,
                      beam_width=args.beam_width, beam_skew=args.beam_skew)
 

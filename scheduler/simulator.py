@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-from .cost import AfterPrefill, CostModel, count_map_ops, prefill_pairs
+from .cost import AfterPrefill, CostModel, copied_kv_bytes, count_map_ops, prefill_pairs
 from .errors import ConfigError, SchedulerError
 from .managers.base import MemoryManager
 from .managers.eviction import DEFAULT_EVICTION, make_eviction
@@ -58,6 +58,10 @@ class SimConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     prefill_mfu: Optional[float] = None   # None: prefill costs only KV bandwidth
     map_latency_s: float = 0.0            # seconds per physical page mapped (vmem)
+    prefix_block_tokens: int = 16         # vmem: prefix hits in blocks of this many tokens,
+                                          # copied into a new page (0: whole page groups only)
+    copy_bytes_per_s: Optional[float] = None   # device copy bandwidth for copy ops (None:
+                                          # half the device's memory bandwidth: read + write)
     paged_slowdown: float = 1.0           # KV read-time multiplier for the paged policy
     # "growing": the admission watermark applies only to policies whose sequences grow into free
     # memory (paged, vmem); a reserve policy holds the final length from admission, so a
@@ -93,6 +97,12 @@ class SimConfig:
             raise ConfigError(f"beam_width must be an int >= 0, got {self.beam_width!r}")
         if not self.beam_skew >= 0:
             raise ConfigError(f"beam_skew must be >= 0, got {self.beam_skew!r}")
+        if isinstance(self.prefix_block_tokens, bool) or not isinstance(
+                self.prefix_block_tokens, int) or self.prefix_block_tokens < 0:
+            raise ConfigError(f"prefix_block_tokens must be an int >= 0, got "
+                              f"{self.prefix_block_tokens!r}")
+        if self.copy_bytes_per_s is not None and not self.copy_bytes_per_s > 0:
+            raise ConfigError(f"copy_bytes_per_s must be > 0, got {self.copy_bytes_per_s!r}")
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -116,7 +126,8 @@ class SimConfig:
         return make_manager(self.policy, self.model_spec, int(self.cache_bytes),
                             self.max_seq_len, max_slots=None,
                             prefix_eviction=self.prefix_eviction,
-                            hybrid_parts=self.hybrid_parts, **options)
+                            hybrid_parts=self.hybrid_parts,
+                            prefix_block_tokens=self.prefix_block_tokens, **options)
 
     def scheduler_for(self, manager: MemoryManager) -> SchedulerConfig:
         """The scheduler config with ``watermark_scope`` applied to ``manager``'s policy."""
@@ -156,6 +167,7 @@ class SimResult:
     prefix_cache_queries: int
     prefix_cache_hits: int
     mapped_page_ops: int           # page groups mapped (vmem, cost.count_map_ops)
+    copied_kv_bytes: int = 0       # K/V bytes moved by copy ops (block hits, copy-on-write)
     steady: Dict[str, float] = field(default_factory=dict)    # steady_* (module docstring)
     serving: Dict[str, float] = field(default_factory=dict)   # report.serving_report, ms
     timings: List[RequestTiming] = field(default_factory=list, repr=False)
@@ -234,9 +246,21 @@ class Simulator:
     ``beams``: every request a beam search that forks and prunes as the model says."""
 
     def __init__(self, manager: MemoryManager, cost: "CostModel | ProfileCost",
-                 config: SchedulerConfig = SchedulerConfig(), beams: Optional[BeamModel] = None):
+                 config: SchedulerConfig = SchedulerConfig(), beams: Optional[BeamModel] = None,
+                 copy_bytes_per_s: Optional[float] = None):
         self.manager, self.cost, self.config, self.beams = manager, cost, config, beams
         self._after_prefill = AfterPrefill()
+        device = getattr(cost, "device", None)
+        # a device copy reads and writes each byte: half the memory bandwidth unless measured
+        self.copy_bytes_per_s = copy_bytes_per_s or (
+            device.memory_bandwidth_bytes_per_s / 2 if device is not None else None)
+        bpt = manager.bytes_per_token
+        kinds = getattr(manager, "kinds", ())
+        self._kind_token_bytes = {k.name: bpt * k.num_layers // manager.model.num_layers
+                                  for k in kinds}
+        self._page_tokens = getattr(manager, "tokens_per_page", 0)
+        self._block_bytes = getattr(manager, "block_size", 0) * bpt
+        self.copied_bytes = 0
 
     def run(self, entries: Sequence[TraceEntry],
             on_finished: Optional[Callable[[int], None]] = None) -> SimResult:
@@ -292,6 +316,12 @@ class Simulator:
                                          mapped * self.cost.pages_per_map_op, len(plan.seqs),
                                          pairs, self._after_prefill.cold(pairs, len(plan.seqs)),
                                          after_idle)
+        copied = copied_kv_bytes(plan.ops, self._kind_token_bytes, self._page_tokens,
+                                 self._block_bytes) if plan.ops else 0
+        if copied:
+            self.copied_bytes += copied
+            if self.copy_bytes_per_s:
+                seconds += copied / self.copy_bytes_per_s
         end = now + seconds
         if self.beams is not None:
             return seconds, mapped, len(plan.seqs), self._beam_step(sched, plan, end, token_times)
@@ -342,6 +372,7 @@ class Simulator:
             recomputed_tokens=m.recomputed_tokens,
             prefix_cache_queries=self.manager.prefix_queries,
             prefix_cache_hits=self.manager.prefix_hits, mapped_page_ops=maps,
+            copied_kv_bytes=self.copied_bytes,
             steady=steady_means, serving=serving_report(timings, percentiles=REPORT_PERCENTILES),
             timings=timings)
 
@@ -378,4 +409,5 @@ def simulate(entries: Sequence[TraceEntry], config: SimConfig = SimConfig(),
     manager = config.make_manager()
     cost = config.make_cost(manager.pages_per_map_op)
     beams = BeamModel(config.beam_width, config.beam_skew) if config.beam_width else None
-    return Simulator(manager, cost, config.scheduler_for(manager), beams).run(entries, on_finished)
+    return Simulator(manager, cost, config.scheduler_for(manager), beams,
+                     config.copy_bytes_per_s).run(entries, on_finished)

@@ -76,6 +76,8 @@ class VMemOps:
             kind = self._kind(op)
             src = len(self._extent(op.src_slot, op.src_page_index, kind.name)) // len(kind.members)
             dst = len(self._extent(op.dst_slot, op.dst_page_index, kind.name)) // len(kind.members)
+            if op.num_tokens is not None:
+                return self._bind_token_copy(op, kind, src, dst)
             if not src or dst < src:
                 raise CacheStateError(f"{op!r}: the source must be mapped and the destination "
                                       f"mapped at least as far ({src} and {dst} member pages)")
@@ -89,6 +91,24 @@ class VMemOps:
                     raise CacheStateError(f"{op!r} touches token {gap} of slot {op.slot}, which "
                                           f"has no {kind.name!r} memory mapped")
         return buffer
+
+    def _bind_token_copy(self, op: CopyExtent, kind: "Kind", src: int, dst: int) -> dict:
+        """{member: (dst byte offset, src byte offset, bytes)}: tokens [0, num_tokens) of every
+        member of ``kind`` (a member's tokens are consecutive ``token_bytes`` rows over its k
+        consecutive range pages), both extents mapped as far as those bytes."""
+        geo, n = self.geometry, op.num_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= self.tokens_per_page:
+            raise CacheStateError(f"{op!r}: num_tokens must be in 1..{self.tokens_per_page}")
+        pages = geo.member_pages_for(n)
+        if src < pages or dst < pages:
+            raise CacheStateError(f"{op!r}: {n} tokens need {pages} member pages mapped at the "
+                                  f"source and the destination ({src} and {dst} are)")
+        if (op.src_slot, op.src_page_index) == (op.dst_slot, op.dst_page_index):
+            raise CacheStateError(f"{op!r}: source and destination are one place")
+        num_bytes = n * geo.token_bytes
+        return {j: (self._first_page(j, op.dst_slot, op.dst_page_index) * self.page_bytes,
+                    self._first_page(j, op.src_slot, op.src_page_index) * self.page_bytes,
+                    num_bytes) for j in kind.members}
 
     def _kind(self, op) -> "Kind":
         kind = self._kinds.get(op.kind)
@@ -187,6 +207,12 @@ class VMemOps:
                     for page_index, _ in payload.get(j, ()):
                         page_id = rng.unmap(page_index)
                         journal.add(lambda pi=page_index, pid=page_id: rng.map(pi, pid))
+            elif isinstance(op, CopyExtent) and op.num_tokens is not None:
+                for j in members:
+                    if j in payload:
+                        dst, src, num_bytes = payload[j]
+                        self._save_bytes(journal, dst, num_bytes)
+                        rng.tensor(dst, num_bytes).copy_(rng.tensor(src, num_bytes))
             elif isinstance(op, CopyExtent):
                 for j in members:
                     for dst, src in payload.get(j, ()):

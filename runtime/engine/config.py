@@ -27,7 +27,7 @@ class EngineConfig:
     layout: str = "per-layer"            # vmem: "per-layer", "interleaved" (all layers per page)
                                          # or "auto" (resolved at construction: resolve_layout)
     page_bytes: Optional[int] = None     # vmem page size; None: 2 MiB on CUDA, 64 KiB-ish on host
-    block_size: int = 16                 # paged: tokens per block
+    block_size: int = 16                 # paged: tokens per block; vmem: prefix-hit block
     max_batch: int = 8                   # sequences running at once (vmem: slots)
     max_context: int = 1024              # tokens per sequence, prompt + output (vmem: rounded
                                          # up to whole pages)

@@ -40,7 +40,7 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
                  block_size_tokens: int = 16, page_bytes: int = 2 * 2**20,
                  layout: str = "per-layer", max_slots: Optional[int] = None,
                  swap_bytes: int = 0, prefix_eviction: str = DEFAULT_EVICTION,
-                 hybrid_parts: bool = False) -> MemoryManager:
+                 hybrid_parts: bool = False, prefix_block_tokens: int = 16) -> MemoryManager:
     """A manager for ``policy`` over ``cache_bytes`` of KV cache (bytes), sequences of at most
     ``max_seq_len_tokens``. ``block_size_tokens`` is used by paged only; ``page_bytes``,
     ``layout`` and ``max_slots`` by vmem only; ``swap_bytes`` is host swap space (all);
@@ -48,7 +48,9 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
     their requests end and says which goes first ("off": none are kept). ``hybrid_parts``
     (vmem per-layer with a hybrid model only; ignored otherwise): split page groups by layer
     kind and give back the windowed kind behind the window, for an executor of this
-    version's ops; False: full allocation.
+    version's ops; False: full allocation. ``prefix_block_tokens`` (vmem only): prefix hits
+    in blocks of this many tokens whatever the page holds, the part of a page copied (0: whole
+    page groups only; ignored where a page holds no more than one block, or with windows).
     Raises ConfigError naming the field, the value and the allowed range."""
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -73,7 +75,8 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
         raise ConfigError(f"hybrid_parts must be a bool, got {hybrid_parts!r}")
     return VmemManager(model, cache_bytes, max_seq_len_tokens, page_bytes=page_bytes,
                        layout=layout, max_slots=max_slots, swap_bytes=swap_bytes,
-                       prefix_eviction=prefix_eviction, hybrid_parts=hybrid_parts)
+                       prefix_eviction=prefix_eviction, hybrid_parts=hybrid_parts,
+                       prefix_block_tokens=prefix_block_tokens)
 
 
 __all__ = ["POLICIES", "EVICTION_POLICIES", "DEFAULT_EVICTION", "make_manager", "MemoryManager", "MemoryStats", "MemoryOp", "MapExtent",

@@ -67,14 +67,17 @@ class UnmapExtent:
 @dataclass(frozen=True)
 class CopyExtent:
     """Copy the bytes of kind ``kind``'s extent mapped at one (slot, page_index) into the one
-    mapped at another (every mapped member page of the source; the destination is mapped at
-    least as far). Copy-on-write of a shared partial page group: one op per kind."""
+    mapped at another: every mapped member page of the source (copy-on-write of a shared
+    partial page group; the destination is mapped at least as far), or, with ``num_tokens``,
+    each member's bytes of tokens [0, num_tokens) (a block-granular prefix hit; both mapped as
+    far as those bytes). One op per kind."""
     src_slot: int
     src_page_index: int
     dst_slot: int
     dst_page_index: int
     kind: str
     owner: Optional[int] = field(default=None, compare=False)  # the seq served
+    num_tokens: Optional[int] = None    # None: the whole mapped extent
 
 
 # paged mode. Blocks live in a preallocated pool; allocating one needs no op, the block table

@@ -84,12 +84,16 @@ class UnitOps:
         self._refs[unit] -= 1
         if self._refs[unit] == 0:
             self._live -= self._fill[unit]
-            if unit in self.prefix.by_unit and self._cache.retains:
+            if self._retained(unit) and self._cache.retains:
                 self._cache.add(unit)
             else:
                 self.prefix.drop(unit)
                 self._cache.forget(unit)
                 self._unheld(unit)
+
+    def _retained(self, unit: int) -> bool:
+        """Whether an unheld ``unit``'s content is worth keeping cached (registered)."""
+        return unit in self.prefix.by_unit
 
     @abstractmethod
     def _unheld(self, unit: int) -> None:

@@ -19,6 +19,17 @@ values of this one class, not subclasses (vmem_kinds.py). A group is
     used         refs >= 1 (live sequences); partial: its windowed kinds released
 Reclaimable and cached groups count as ALLOCATED in stats and AVAILABLE to admit.
 
+Block-granular hits (blocks.py, ``prefix_block_tokens``, 16 by default): a computed group's
+leading blocks are findable whatever the page holds. A prompt's whole-page hits are shared as
+above; the longest run of blocks after them that some group holds (held, cached, or
+reclaimable: still mapped, content kept) is COPIED into the new sequence's own page
+(``CopyExtent(..., num_tokens)``, one per kind; the source is held while the allocation runs,
+and mapped for the copy at a page index the new sequence does not use when it is mapped
+nowhere). Eviction is by page group: a group nobody holds stays cached (the policy orders
+it) while it holds a registered full page or any published block, so a partial page is kept
+as a full one is; a copy from it counts as a hit and as a release (lru: it goes to the back);
+it is freed only when the policy evicts it, its blocks with it.
+
 Deferred reclamation: ``free`` unmaps nothing; a later sequence placed on the slot writes into
 the pages still mapped there without any op, and groups are unmapped (UnmapExtent) only when a
 group must be taken from a reclaimable one, then from the cache. Only refs-0 groups are ever
@@ -35,11 +46,12 @@ from ..geometry import LAYOUTS, PageGeometry  # noqa: F401 (LAYOUTS re-exported)
 from ..layout import CacheKind, CacheLayout, PoolBacking
 from ..presets import ModelSpec
 from .base import CopyExtent
+from .blocks import BlockIndex
 from .common import ManagerCore, check_int
 from .eviction import DEFAULT_EVICTION
 from .journal import JDict, JList, JSet, OrderedUnits
 from .kinds import KindTable, layer_kinds
-from .prefix import HeldSeq
+from .prefix import HeldSeq, namespace_root, token_bytes
 from .slots import FreeSlots
 from .units import UnitOps
 from .vmem_integrity import VmemIntegrity
@@ -59,7 +71,8 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
     def __init__(self, model: ModelSpec, cache_bytes: int, max_seq_len_tokens: int, *,
                  page_bytes: int = 2 * 2**20, layout: str = "per-layer",
                  max_slots: Optional[int] = None, swap_bytes: int = 0,
-                 prefix_eviction: str = DEFAULT_EVICTION, hybrid_parts: bool = False) -> None:
+                 prefix_eviction: str = DEFAULT_EVICTION, hybrid_parts: bool = False,
+                 prefix_block_tokens: int = 16) -> None:
         super().__init__(model, max_seq_len_tokens, swap_bytes)
         check_int("page_bytes", page_bytes, 1)
         geo = self.geometry = PageGeometry.of(model, page_bytes, layout)
@@ -104,6 +117,13 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         self.table = KindTable(cell, self.kinds, geo.per_layer, self.num_groups, self.pool_pages)
         self.ledger = self.table.ledger        # the pool's pages, by kind
         self._init_rules(cell)
+        # blocks finer than a page, where a page holds several (not with windows: a window
+        # gives pages back, and only whole groups are shared behind one)
+        bt = check_int("prefix_block_tokens", prefix_block_tokens, 0)
+        self.block_tokens = bt if bt and tpp > bt and not tpp % bt and self._window is None else 0
+        self.blocks = BlockIndex(bt, cell) if self.block_tokens else None
+        self.prefix_unit_tokens = self.block_tokens or tpp   # publish on compute at this stride
+        self.block_hit_tokens = 0              # prompt tokens served by block copies
 
     def layout(self) -> CacheLayout:
         """A vmem cache of this geometry, slots, groups and pool."""
@@ -127,9 +147,9 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
     _FIXED_FIELDS = UnitOps._FIXED_FIELDS | {
         "geometry", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
         "pages_per_slot", "_window", "kinds", "pool_pages", "backing", "_win", "_whole",
-        "_win_pages", "_kept"}
-    _SAVED_FIELDS = UnitOps._SAVED_FIELDS + ("_idle",)
-    _JOURNALED_FIELDS = UnitOps._JOURNALED_FIELDS | {
+        "_win_pages", "_kept", "block_tokens"}
+    _SAVED_FIELDS = UnitOps._SAVED_FIELDS + ("_idle", "block_hit_tokens")
+    _JOURNALED_FIELDS = UnitOps._JOURNALED_FIELDS | {"blocks",
         "_reclaimable", "_maps", "_pages", "_owner", "_free_slots", "ledger", "table", "_spare",
         "_partial", "_win_drop", "_win_gone"}
 
@@ -180,6 +200,7 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         g = self._pages[slot].get(pi)
         if g is not None and g in self._reclaimable:
             self._leave_reclaimable(g)
+            self._forget_blocks(g)
             self._touch(g)
             self._refs[g], self._fill[g] = 1, 0
             return g
@@ -207,12 +228,16 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         slots = [s for s, pi in self._maps[hits[0]] if pi == 0 and s in self._free_slots]
         return min(slots) if slots else None
 
-    def _place(self, seq_id: int, seq: HeldSeq, hits: list, slot: Optional[int] = None) -> None:
+    def _place(self, seq_id: int, seq: HeldSeq, hits: list, slot: Optional[int] = None,
+               copy: Optional[tuple] = None) -> None:
         """Put ``seq`` on ``slot``, by default a free slot already mapping its hits, else the
         free slot with the most mapped pages: shared ``hits`` first (they hold refs before any
-        reclaim can run), then private pages, backed as their fill needs."""
+        reclaim can run), then private pages, backed as their fill needs; then ``copy``
+        (source group, tokens) into its page after the hits."""
         slot = self._occupy(seq_id, seq, self._hit_slot(hits) if slot is None else slot)
         self._share_into(slot, hits)
+        if copy is not None:
+            self._hold(copy[0])           # no reclaim below may take the source
         n, tpp = seq.num_tokens, self.tokens_per_page
         seq.units = list(hits) + [self._grow_page(slot, pi)
                                   for pi in range(len(hits), -(-n // tpp))]
@@ -222,6 +247,58 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         self._tok_sum += n
         self._put_seq(seq_id, seq)
         self._fit(seq.units[len(hits):], seq_id)
+        if copy is not None:
+            self._copy_tokens(seq, len(hits), *copy)
+
+    def _copy_tokens(self, seq: HeldSeq, pi: int, src: int, num_tokens: int) -> None:
+        """Copy tokens [0, num_tokens) of held group ``src`` into page ``pi`` of ``seq`` (its
+        own, backed), then let ``src`` go. A source mapped nowhere is mapped for the copy at
+        the highest page index ``seq`` does not use, and unmapped after it."""
+        slot, owner, temp = seq.slot, self._owner[seq.slot], None
+        if self._maps[src]:
+            src_slot, src_pi = min(self._maps[src])
+        else:
+            pages = self._pages[slot]
+            unused = [q for q in range(len(seq.units), self.pages_per_slot) if q not in pages]
+            temp = unused[-1] if unused else self.pages_per_slot - 1
+            if temp in pages:
+                self._unmap(slot, temp)   # a deferred mapping: refs 0, nothing of ours
+            self._emit_map(slot, temp, src)
+            src_slot, src_pi = slot, temp
+        for k, kind in enumerate(self.kinds):
+            if self.table.extent(k, src):
+                self._ops.append(CopyExtent(src_slot, src_pi, slot, pi, kind.name,
+                                            owner=owner, num_tokens=num_tokens))
+        if temp is not None:
+            self._emit_unmap(slot, temp, src)
+        self._cache.note_hit(src)
+        self._unhold(src)
+
+    def _block_hit(self, num_tokens: int, token_ids, namespace, hits: list) -> Optional[tuple]:
+        """(group, tokens): the group holding the most blocks of the prompt's page after its
+        whole-page ``hits`` (a held one first), never the last token, else None."""
+        if self.blocks is None or token_ids is None:
+            return None
+        tpp, bt, h = self.tokens_per_page, self.block_tokens, len(hits)
+        keys = self._prompt_keys(token_ids, namespace)
+        ids = self._memo[1]                 # the prompt's ids, as _prompt_keys keyed them
+        max_blocks = min(min(num_tokens - 1, len(ids)) - h * tpp, tpp) // bt
+        if max_blocks <= 0:
+            return None
+        parent = keys[h - 1].digest if h else namespace_root(namespace, self.model.kv_encoding)
+        start = h * tpp
+        groups, blocks = self.blocks.match(parent, token_bytes(ids[start:start + max_blocks * bt]),
+                                           max_blocks)
+        if not blocks:
+            return None
+        held = [g for g in groups if self._refs[g]]
+        if not held and -(-num_tokens // tpp) >= self.pages_per_slot:
+            return None        # no page index left to map an unmapped source at for the copy
+        return (min(held or groups), blocks * bt)
+
+    def _hold_pages(self, g: int) -> int:
+        """Pages holding ``g`` takes from what admission may use (its, if nobody holds it)."""
+        return 0 if self._refs[g] else self.table.pages_of(g)
 
     def _share_into(self, slot: int, groups: list) -> None:
         """Hold ``groups`` (page index -> group) and map each under ``slot`` where it is not
@@ -249,10 +326,72 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         need = self._need(num_tokens, hits)
         if need > self._available_units():
             self._raise_no_room(f"sequence {seq_id} needs {self._units_text(need)}")
+        copy = self._block_hit(num_tokens, token_ids, namespace, hits)
+        if copy is not None and need + self._hold_pages(copy[0]) > self._available_units():
+            copy = None        # no room to keep the source while the new pages are taken
         seq = self._new_seq(num_tokens, token_ids, namespace)
-        self._place(seq_id, seq, hits, slot)
+        self._place(seq_id, seq, hits, slot, copy)
         self._register_prompt(seq, hits)
-        return self._count_prefix(token_ids, num_tokens, hits)
+        hit_tokens = self._count_prefix(token_ids, num_tokens, hits)
+        if copy is not None:
+            self.prefix_hits += copy[1]
+            self.block_hit_tokens += copy[1]
+            hit_tokens += copy[1]
+        return hit_tokens
+
+    # -- block publish and forgetting (blocks.py) --
+    def _publish(self, seq: HeldSeq, computed_tokens: int) -> None:
+        first = seq.published
+        UnitOps._publish(self, seq, computed_tokens)
+        if self.blocks is None or seq.ids is None:
+            return
+        tpp, bt, ids = self.tokens_per_page, self.block_tokens, seq.ids
+        upto = min(computed_tokens, seq.num_tokens, len(ids))
+        for p in range(first, min(upto // tpp, len(seq.units) - 1) + 1):
+            g = seq.units[p]
+            n = (min(upto, (p + 1) * tpp) - p * tpp) // bt * bt
+            if g is None or (p and len(seq.keys) < p) or n <= self.blocks.blocks_of(g) * bt:
+                continue
+            parent = seq.keys[p - 1].digest if p else \
+                namespace_root(seq.namespace, self.model.kv_encoding)
+            self.blocks.publish(g, parent, token_bytes(ids[p * tpp:p * tpp + n]))
+
+    def _forget_blocks(self, g: int) -> None:
+        if self.blocks is not None:
+            self.blocks.drop(g)
+
+    def _take_group(self) -> int:
+        g = super()._take_group()
+        self._forget_blocks(g)
+        return g
+
+    def _reclaim(self) -> int:
+        g = super()._reclaim()
+        self._forget_blocks(g)
+        return g
+
+    def _evict(self) -> int:
+        g = super()._evict()
+        self._forget_blocks(g)
+        return g
+
+    def _to_free(self, g: int) -> None:
+        self._forget_blocks(g)
+        super()._to_free(g)
+
+    def _to_spare(self, g: int) -> None:
+        self._forget_blocks(g)
+        super()._to_spare(g)
+
+    def _retained(self, g: int) -> bool:
+        """A group nobody holds stays cached while it holds a registered full page or
+        published blocks (a partial page): the eviction policy orders both, by group."""
+        return g in self.prefix.by_unit or (self.blocks is not None and g in self.blocks.by_group)
+
+    def _unheld(self, g: int) -> None:
+        """As KindRules' (not retained: its content goes, blocks included)."""
+        self._forget_blocks(g)
+        super()._unheld(g)
 
     def _check_slot_free(self, seq_id: int, slot) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:

@@ -32,13 +32,20 @@ class VmemIntegrity:
         free, spare = set(self._free), set(self._spare)
         assert len(free) == len(self._free) and len(spare) == len(self._spare)
         assert not spare & free, "a group both free and spare"
-        registered = self.prefix.by_unit
+        registered = set(self.prefix.by_unit)
+        if self.blocks is not None:
+            self.blocks.check()
+            kept = set(self.blocks.by_group)
+            assert all(refs[g] or g in self._cache for g in kept), "blocks of a group gone"
+            assert all(self.blocks.blocks_of(g) * self.block_tokens <= self._fill[g]
+                       for g in kept), "blocks past a group's fill"
+            registered |= kept           # retained like a registered group
         assert all(refs[g] == 0 and not maps[g] and g not in registered for g in free | spare)
         assert set(self._reclaimable) == {g for g in range(self.num_groups)
                                           if not refs[g] and maps[g] and g not in registered}
         cached = set(self._cache)
         assert len(cached) == len(self._cache)
-        assert cached == {g for g in registered if not refs[g]}, "cached: registered, unheld"
+        assert cached == {g for g in registered if not refs[g]}, "cached: retained, unheld"
         held = sum(1 for g in range(self.num_groups) if refs[g])
         assert held + len(free) + len(self._reclaimable) + len(cached) + len(spare) == \
             self.num_groups, "free + reclaimable + cached + held + spare == total"
@@ -72,7 +79,9 @@ class VmemIntegrity:
             elif refs[g]:
                 assert m == geo.member_pages_for(self._fill[g]), ("held backing", g, m)
             elif g in cached:
-                assert m == k_max, ("cached backing", g, m)
+                full = g in self.prefix.by_unit
+                assert m == k_max if full else m >= geo.member_pages_for(self._fill[g]), \
+                    ("cached backing", g, m)
             else:
                 assert maps[g] and 1 <= m <= k_max, ("reclaimable backing", g, m)
 

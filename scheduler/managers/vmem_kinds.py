@@ -57,6 +57,13 @@ class KindRules:
         self._free = JList(cell)                          # no group has pages before it is taken
         self._spare = JList(cell, range(self.num_groups - 1, -1, -1))
 
+    def _cached_pages(self) -> int:
+        """Pages of cached groups: whole ones (WHOLE), else what each kept (BYTES: a cached
+        group holding a partial page of blocks keeps the pages its fill needed)."""
+        if self._whole:
+            return len(self._cache) * self.pages_per_group
+        return sum(self.table.pages_of(g) for g in self._cache)
+
     def _tokens(self, pages: int) -> int:
         """Whole tokens ``pages`` pool pages hold (spread over every member)."""
         geo = self.geometry
@@ -75,7 +82,7 @@ class KindRules:
 
     def _available_units(self) -> int:
         """Pages an allocation may take: unbound, and those of groups nobody holds."""
-        return (self.ledger.free_pages + (len(self._free) + len(self._cache)) * self.pages_per_group
+        return (self.ledger.free_pages + len(self._free) * self.pages_per_group + self._cached_pages()
                 + self._idle)
 
     @property
@@ -113,13 +120,13 @@ class KindRules:
     def reclaimable_tokens(self) -> int:
         """Capacity held only by unused groups (refs 0: still mapped, or cached): counted in
         ``stats().allocated_tokens`` but available to ``can_allocate``."""
-        return self._tokens(self._idle + len(self._cache) * self.pages_per_group)
+        return self._tokens(self._idle + self._cached_pages())
 
     def kv_cache_usage(self) -> float:
         """vLLM's kv_cache_usage_perc (a fraction): pages bound to used groups over the pool
         (free, cached and still-mapped unused groups count as free, as vLLM counts its cached
         blocks)."""
-        unused = (len(self._free) + len(self._cache)) * self.pages_per_group + self._idle
+        unused = len(self._free) * self.pages_per_group + self._cached_pages() + self._idle
         return (self.bound_pages - unused) / self.pool_pages
 
     def stats(self) -> MemoryStats:
@@ -138,7 +145,7 @@ class KindRules:
         else:
             allocated = tokens(self.bound_pages)
             free = total - allocated
-            waste = max(tokens(self.bound_pages - self._idle - len(self._cache) * ppg) - live, 0)
+            waste = max(tokens(self.bound_pages - self._idle - self._cached_pages()) - live, 0)
         return MemoryStats(total_tokens=total, allocated_tokens=allocated, live_tokens=live,
                            free_tokens=free, end_waste_tokens=waste,
                            bytes_per_token=self.bytes_per_token)

@@ -49,9 +49,18 @@ LAYOUTS = {
     "vmem-straddling-mapper": ("vmem", dict(layout="per-layer", page_bytes=4 * KiB,
                                             background_mapper=True)),
     "vmem-interleaved-straddling": ("vmem", dict(layout="interleaved", page_bytes=4 * KiB)),
+    # block-granular prefix hits (blocks of 8 tokens; 4 a page per-layer, 2 interleaved, 8 a
+    # straddling group), published as they are computed
+    "vmem-blocks-per-layer": ("vmem", dict(layout="per-layer", page_bytes=4 * KiB, block_size=8)),
+    "vmem-blocks-interleaved": ("vmem", dict(layout="interleaved", page_bytes=4 * KiB,
+                                             block_size=8)),
+    "vmem-blocks-straddling": ("vmem", dict(layout="per-layer", page_bytes=4 * KiB,
+                                            block_size=8)),
 }
 CONFIGS = {"vmem-straddling-mapper": straddling_config,          # default: small_config
-           "vmem-interleaved-straddling": straddling_config}
+           "vmem-interleaved-straddling": straddling_config,
+           "vmem-blocks-straddling": straddling_config}
+PUBLISHING = {"vmem-blocks-per-layer", "vmem-blocks-interleaved", "vmem-blocks-straddling"}
 
 
 class CacheModel:
@@ -74,6 +83,9 @@ class CacheModel:
         self.swapped: dict[int, list[int]] = {}    # swapped out -> token ids
         self.next_id = 0
         self.events: dict[str, int] = {}
+        # mark every written token computed (the engine's publish on compute); checks that no
+        # write and no copy lands in a page another sequence holds
+        self.publishing = layout in PUBLISHING
 
     # -- truth --
     def truth(self, tokens: list[int]) -> torch.Tensor:
@@ -142,10 +154,17 @@ class CacheModel:
     # -- one step --
     def step(self, mutate) -> None:
         """Run one action as a plan, update the shadow, write the new tokens."""
-        outcome = run_plan(self.manager, self.cache, mutate)
+        ops: list = []
+
+        def mutate_and_look():
+            out = mutate()
+            ops.extend(self.manager._ops)    # what take_ops is about to hand the cache
+            return out
+        outcome = run_plan(self.manager, self.cache, mutate_and_look)
         if outcome is None:
             return
         kind, seq_id, ids, writes = outcome
+        self.check_private(ops, [w for w in writes if w[2] > 0])
         self.count(kind)
         if kind == "admit":
             self.tokens[seq_id] = ids
@@ -165,6 +184,26 @@ class CacheModel:
         writes = [w for w in writes if w[2] > 0]
         if writes:
             self.write(writes)
+        if self.publishing:
+            for s, c, n in writes:
+                self.manager.mark_computed(s, c + n)
+
+    def check_private(self, ops, writes) -> None:
+        """No copy's destination and no written token is in a page group another sequence
+        holds (a shared page is never written)."""
+        if not self.publishing:
+            return
+        m, tpp = self.manager, self.manager.tokens_per_page
+        for op in ops:
+            if type(op).__name__ == "CopyExtent":
+                g = m.mapped_pages(op.dst_slot)[op.dst_page_index]
+                assert m._refs[g] == 1, ("copy into a shared group", op)
+                if op.num_tokens is not None:
+                    self.count("block_copy")
+        for s, c, n in writes:
+            units = m._seq(s).units
+            for pi in range(c // tpp, -(-(c + n) // tpp)):
+                assert m._refs[units[pi]] == 1, ("write into a shared group", s, pi)
 
     def write(self, writes: list[tuple[int, int, int]]) -> None:
         self.cache.begin_step(writes)

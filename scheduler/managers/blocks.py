@@ -1,0 +1,120 @@
+"""Block-granular prefix hits on vmem: every computed ``block_tokens``-token block of a page group,
+findable whatever the page size (issue 28).
+
+The page-level index (prefix.py) only names FULL page groups: on 2 MiB pages a Llama-3-8B
+per-layer group holds 1,024 tokens, longer than most shared prefixes. This index names the
+leading blocks of a group's page: block b of the group at page index p of a sequence is keyed by
+
+    H(parent | ids[p*T : p*T + (b+1)*B])       parent = the digest of page p-1 (prefix.py's
+                                                 chain), or the namespace root for p = 0
+
+(T tokens a page, B a block), so equal digests name equal whole prefixes up to that block. A
+hit copies those tokens from the group into the new sequence's own page (``CopyExtent`` with
+``num_tokens``): shared pages are never written by a sequence that does not own all their
+tokens. An entry keeps the parent digest and the ids it was built from, and a match checks
+both: a colliding digest is a miss, never a hit. Several groups may hold one block (a copy's
+destination holds what its source held); each is indexed.
+
+Which groups carry entries is the manager's rule (vmem.py): held ones, cached ones and
+reclaimable ones (unheld, still mapped, content kept); an entry goes when its group's content
+may change (the group is taken for new content, reclaimed, or gives its pages back). Every
+change logs to the manager's journal.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple, Optional
+
+from .journal import JDict, TxnCell, journaled
+from .prefix import TOKEN_BYTES
+
+
+class GroupBlocks(NamedTuple):
+    """What one group's page is indexed by: its parent digest, the ids of its leading whole
+    blocks (int64 bytes), their digests, and the hash state after the last one (never
+    updated in place: extending copies it)."""
+    parent: bytes
+    tokens: bytes
+    digests: tuple
+    state: object
+
+
+class BlockIndex:
+    """digest -> groups holding that block prefix; group -> GroupBlocks.
+
+    Guarantees: ``match`` returns only groups whose parent digest and ids equal the query's
+    for every block matched; ``publish`` only extends a group's entry (same parent, ids that
+    start with what it held); ``drop`` of a group with no entry is a no-op."""
+
+    def __init__(self, block_tokens: int, cell: Optional[TxnCell] = None) -> None:
+        self.block_tokens = block_tokens
+        self._cell = TxnCell() if cell is None else cell
+        self.by_digest: dict = JDict(self._cell)    # digest -> tuple of groups
+        self.by_group: dict = JDict(self._cell)     # group -> GroupBlocks
+
+    def journaled_fields(self) -> bool:
+        return all(journaled(v) for v in vars(self).values())
+
+    def blocks_of(self, group: int) -> int:
+        entry = self.by_group.get(group)
+        return 0 if entry is None else len(entry.digests)
+
+    def publish(self, group: int, parent: bytes, tokens: bytes) -> None:
+        """``group``'s page holds ``tokens`` (int64 bytes, from the page's first token) after
+        ``parent``: index its whole blocks not indexed yet. A group indexed under another
+        parent or other ids is left as it is (its entry was dropped before any rewrite, so
+        this cannot happen; checked by ``check``'s callers)."""
+        width = self.block_tokens * TOKEN_BYTES
+        entry = self.by_group.get(group)
+        old = 0 if entry is None else len(entry.digests)
+        new = len(tokens) // width
+        if new <= old:
+            return
+        if entry is not None and (entry.parent != parent or
+                                  tokens[:old * width] != entry.tokens):
+            return
+        state = hashlib.sha256(parent) if entry is None else entry.state.copy()
+        digests = [] if entry is None else list(entry.digests)
+        for b in range(old, new):
+            state.update(tokens[b * width:(b + 1) * width])
+            digest = state.copy().digest()
+            digests.append(digest)
+            self.by_digest[digest] = self.by_digest.get(digest, ()) + (group,)
+        self.by_group[group] = GroupBlocks(parent, tokens[:new * width], tuple(digests), state)
+
+    def match(self, parent: bytes, tokens: bytes, max_blocks: int) -> tuple:
+        """(groups, blocks): the groups holding the longest verified prefix of ``tokens``'s
+        first ``max_blocks`` blocks after ``parent``, and how many blocks that is ((), 0: none)."""
+        width, state, best = self.block_tokens * TOKEN_BYTES, hashlib.sha256(parent), ((), 0)
+        for b in range(max_blocks):
+            end = (b + 1) * width
+            state.update(tokens[b * width:end])
+            groups = self.by_digest.get(state.copy().digest(), ())
+            found = tuple(g for g in groups if self.by_group[g].parent == parent and
+                          self.by_group[g].tokens[:end] == tokens[:end])
+            if not found:
+                break
+            best = (found, b + 1)
+        return best
+
+    def drop(self, group: int) -> None:
+        """Forget ``group``'s blocks (its content is about to change or go)."""
+        entry = self.by_group.pop(group, None)
+        if entry is None:
+            return
+        for digest in entry.digests:
+            rest = tuple(g for g in self.by_digest[digest] if g != group)
+            if rest:
+                self.by_digest[digest] = rest
+            else:
+                del self.by_digest[digest]
+
+    def check(self) -> None:
+        """Both maps agree."""
+        for group, entry in self.by_group.items():
+            for digest in entry.digests:
+                assert group in self.by_digest.get(digest, ()), (group, digest)
+        for digest, groups in self.by_digest.items():
+            assert groups and len(set(groups)) == len(groups), (digest, groups)
+            for g in groups:
+                assert digest in self.by_group[g].digests, (g, digest)
