@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .errors import ConfigError
-from .managers.base import CopyBlock, CopyExtent, MapExtent
+from .managers.base import MapExtent
 from .presets import DeviceSpec, ModelSpec
 
 
@@ -85,21 +85,6 @@ class AfterPrefill:
             return False
         self.left -= 1
         return True
-
-
-def copied_kv_bytes(ops: list, kind_token_bytes: dict, page_tokens: int, block_bytes: int) -> int:
-    """K/V bytes a step's copy ops move: a ``CopyExtent`` its ``num_tokens`` (a block-granular
-    prefix hit; None, copy-on-write: the whole page group, ``page_tokens``) times the bytes per
-    token of its kind's layers (``kind_token_bytes``), a ``CopyBlock`` ``block_bytes``."""
-    total = 0
-    for op in ops:
-        t = type(op)
-        if t is CopyExtent:
-            total += (page_tokens if op.num_tokens is None else op.num_tokens) * \
-                kind_token_bytes[op.kind]
-        elif t is CopyBlock:
-            total += block_bytes
-    return total
 
 
 def count_map_ops(ops: list) -> int:

@@ -74,7 +74,7 @@ def resolve_layout(layout, shape, page_bytes=None, on_cuda: bool = False) -> str
     layers: only per-layer gives the windowed layers' pages back), and while a per-layer page
     group holds at most AUTO_PER_LAYER_MAX_TOKENS tokens (of ``page_bytes``; None: each
     layout's default page); else the layout whose page group holds fewer tokens. The figures
-    (``python -m vmemkv.benchmarks.layouts``; docs/usage.md, "Choosing a layout"): Llama-3-8B,
+    (``benchmarks/layouts.py``; docs/usage.md, "Choosing a layout"): Llama-3-8B,
     Mooncake, 20 GB: per-layer groups of 32 / 128 / 256 / 1,024 tokens held 99.4 / 97.6 / 95.7 /
     89.1% of their memory live and kept the 15.6% prefix hit rate up to 256 tokens, 0.2% at
     1,024; interleaved 99.4-100% at every page size; Gemma-3-27B (hybrid) on 2 MiB pages ran

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
-from .cost import AfterPrefill, CostModel, copied_kv_bytes, count_map_ops, prefill_pairs
+from .cost import AfterPrefill, CostModel, count_map_ops, prefill_pairs
 from .errors import ConfigError, SchedulerError
 from .managers.base import MemoryManager
 from .managers.eviction import DEFAULT_EVICTION, make_eviction
@@ -254,12 +254,6 @@ class Simulator:
         # a device copy reads and writes each byte: half the memory bandwidth unless measured
         self.copy_bytes_per_s = copy_bytes_per_s or (
             device.memory_bandwidth_bytes_per_s / 2 if device is not None else None)
-        bpt = manager.bytes_per_token
-        kinds = getattr(manager, "kinds", ())
-        self._kind_token_bytes = {k.name: bpt * k.num_layers // manager.model.num_layers
-                                  for k in kinds}
-        self._page_tokens = getattr(manager, "tokens_per_page", 0)
-        self._block_bytes = getattr(manager, "block_size", 0) * bpt
         self.copied_bytes = 0
 
     def run(self, entries: Sequence[TraceEntry],
@@ -316,8 +310,7 @@ class Simulator:
                                          mapped * self.cost.pages_per_map_op, len(plan.seqs),
                                          pairs, self._after_prefill.cold(pairs, len(plan.seqs)),
                                          after_idle)
-        copied = copied_kv_bytes(plan.ops, self._kind_token_bytes, self._page_tokens,
-                                 self._block_bytes) if plan.ops else 0
+        copied = self.manager.copied_bytes(plan.ops) if plan.ops else 0
         if copied:
             self.copied_bytes += copied
             if self.copy_bytes_per_s:

@@ -334,6 +334,11 @@ class MemoryManager(ABC):
     def take_ops(self) -> list:
         """Drain and return the pending memory ops, in execution order."""
 
+    def copied_bytes(self, ops: list) -> int:
+        """K/V bytes the copy ops among ``ops`` (this manager's) move on the device (what the
+        simulator charges at the copy bandwidth); 0 for a manager that emits none."""
+        return 0
+
     def layout(self) -> CacheLayout:
         """The cache an executor must build to run this manager's plans (plain data; equal on
         every call). ConfigError for a policy whose plans no cache executes (reserve-*:

@@ -70,6 +70,10 @@ class PagedManager(WindowedGroups, UnitManager):
     def max_sequence_tokens(self) -> int:
         return min(self.max_seq_len, self.num_blocks // len(self.groups) * self.block_size)
 
+    def copied_bytes(self, ops: list) -> int:
+        """A ``CopyBlock`` moves one block of its block group's layers."""
+        return sum(self.block_bytes for op in ops if type(op) is CopyBlock)
+
     def layout(self) -> CacheLayout:
         """A paged cache of this many blocks of this size (hybrids: and its block groups)."""
         groups = tuple(g.layers for g in self.groups) if self._hybrid else ()

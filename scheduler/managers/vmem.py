@@ -133,6 +133,17 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
                            backing=self.backing, pool_pages=self.pool_pages,
                            kinds=tuple((k.name, k.layers) for k in self.kinds))
 
+    def copied_bytes(self, ops: list) -> int:
+        """A ``CopyExtent`` moves ``num_tokens`` (None, copy-on-write: the page group's) tokens
+        of its kind's layers."""
+        total, layer_token_bytes = 0, 2 * self.model.layer_bytes_per_token
+        for op in ops:
+            if type(op) is CopyExtent:
+                kind = next(k for k in self.kinds if k.name == op.kind)
+                tokens = self.tokens_per_page if op.num_tokens is None else op.num_tokens
+                total += tokens * kind.num_layers * layer_token_bytes
+        return total
+
     @property
     def max_sequence_tokens(self) -> int:
         geo = self.geometry
