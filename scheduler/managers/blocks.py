@@ -26,7 +26,7 @@ import hashlib
 from typing import NamedTuple, Optional
 
 from .journal import JDict, TxnCell, journaled
-from .prefix import TOKEN_BYTES
+from .prefix import TOKEN_BYTES, token_bytes
 
 
 class GroupBlocks(NamedTuple):
@@ -81,6 +81,33 @@ class BlockIndex:
             digests.append(digest)
             self.by_digest[digest] = self.by_digest.get(digest, ()) + (group,)
         self.by_group[group] = GroupBlocks(parent, tokens[:new * width], tuple(digests), state)
+
+    def publish_pages(self, seq, first_page: int, computed_tokens: int, tokens_per_page: int,
+                      root: bytes) -> None:
+        """Index the computed whole blocks of ``seq``'s pages from ``first_page`` on (a
+        HeldSeq: its groups, ids and page keys; ``root`` its namespace root)."""
+        tpp, bt, ids = tokens_per_page, self.block_tokens, seq.ids
+        upto = min(computed_tokens, len(ids))
+        for p in range(first_page, min(upto // tpp, len(seq.units) - 1) + 1):
+            g = seq.units[p]
+            n = (min(upto, (p + 1) * tpp) - p * tpp) // bt * bt
+            if g is None or (p and len(seq.keys) < p) or n <= self.blocks_of(g) * bt:
+                continue
+            parent = seq.keys[p - 1].digest if p else root
+            self.publish(g, parent, token_bytes(ids[p * tpp:p * tpp + n]))
+
+    def match_page(self, keys: list, ids: list, page: int, limit_tokens: int,
+                   tokens_per_page: int, root: bytes) -> tuple:
+        """(groups, tokens): the groups holding the most whole blocks of page ``page`` of a
+        prompt (its page keys and ids), within its first ``limit_tokens`` tokens."""
+        tpp, bt = tokens_per_page, self.block_tokens
+        max_blocks = min(min(limit_tokens, len(ids)) - page * tpp, tpp) // bt
+        if max_blocks <= 0:
+            return (), 0
+        start, parent = page * tpp, keys[page - 1].digest if page else root
+        groups, blocks = self.match(parent, token_bytes(ids[start:start + max_blocks * bt]),
+                                    max_blocks)
+        return groups, blocks * bt
 
     def match(self, parent: bytes, tokens: bytes, max_blocks: int) -> tuple:
         """(groups, blocks): the groups holding the longest verified prefix of ``tokens``'s

@@ -51,7 +51,7 @@ from .common import ManagerCore, check_int
 from .eviction import DEFAULT_EVICTION
 from .journal import JDict, JList, JSet, OrderedUnits
 from .kinds import KindTable, layer_kinds
-from .prefix import HeldSeq, namespace_root, token_bytes
+from .prefix import HeldSeq, namespace_root
 from .slots import FreeSlots
 from .units import UnitOps
 from .vmem_integrity import VmemIntegrity
@@ -290,22 +290,17 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         whole-page ``hits`` (a held one first), never the last token, else None."""
         if self.blocks is None or token_ids is None:
             return None
-        tpp, bt, h = self.tokens_per_page, self.block_tokens, len(hits)
-        keys = self._prompt_keys(token_ids, namespace)
-        ids = self._memo[1]                 # the prompt's ids, as _prompt_keys keyed them
-        max_blocks = min(min(num_tokens - 1, len(ids)) - h * tpp, tpp) // bt
-        if max_blocks <= 0:
-            return None
-        parent = keys[h - 1].digest if h else namespace_root(namespace, self.model.kv_encoding)
-        start = h * tpp
-        groups, blocks = self.blocks.match(parent, token_bytes(ids[start:start + max_blocks * bt]),
-                                           max_blocks)
-        if not blocks:
+        tpp, keys = self.tokens_per_page, self._prompt_keys(token_ids, namespace)
+        root = namespace_root(namespace, self.model.kv_encoding)
+        # (self._memo[1]: the prompt's ids, as _prompt_keys keyed them)
+        groups, tokens = self.blocks.match_page(keys, self._memo[1], len(hits), num_tokens - 1,
+                                                tpp, root)
+        if not tokens:
             return None
         held = [g for g in groups if self._refs[g]]
         if not held and -(-num_tokens // tpp) >= self.pages_per_slot:
             return None        # no page index left to map an unmapped source at for the copy
-        return (min(held or groups), blocks * bt)
+        return (min(held or groups), tokens)
 
     def _hold_pages(self, g: int) -> int:
         """Pages holding ``g`` takes from what admission may use (its, if nobody holds it)."""
@@ -354,18 +349,10 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
     def _publish(self, seq: HeldSeq, computed_tokens: int) -> None:
         first = seq.published
         UnitOps._publish(self, seq, computed_tokens)
-        if self.blocks is None or seq.ids is None:
-            return
-        tpp, bt, ids = self.tokens_per_page, self.block_tokens, seq.ids
-        upto = min(computed_tokens, seq.num_tokens, len(ids))
-        for p in range(first, min(upto // tpp, len(seq.units) - 1) + 1):
-            g = seq.units[p]
-            n = (min(upto, (p + 1) * tpp) - p * tpp) // bt * bt
-            if g is None or (p and len(seq.keys) < p) or n <= self.blocks.blocks_of(g) * bt:
-                continue
-            parent = seq.keys[p - 1].digest if p else \
-                namespace_root(seq.namespace, self.model.kv_encoding)
-            self.blocks.publish(g, parent, token_bytes(ids[p * tpp:p * tpp + n]))
+        if self.blocks is not None and seq.ids is not None:
+            self.blocks.publish_pages(seq, first, min(computed_tokens, seq.num_tokens),
+                                      self.tokens_per_page,
+                                      namespace_root(seq.namespace, self.model.kv_encoding))
 
     def _forget_blocks(self, g: int) -> None:
         if self.blocks is not None:
