@@ -21,8 +21,7 @@ Reclaimable and cached groups count as ALLOCATED in stats and AVAILABLE to admit
 
 Block-granular hits (blocks.py, ``prefix_block_tokens``, 16 by default): a computed group's
 leading blocks are findable whatever the page holds. A prompt's whole-page hits are shared as
-above; the longest run of blocks after them that some group holds (held, cached, or
-reclaimable: still mapped, content kept) is COPIED into the new sequence's own page
+above; the longest run of blocks after them that some group holds (held, or cached) is COPIED into the new sequence's own page
 (``CopyExtent(..., num_tokens)``, one per kind; the source is held while the allocation runs,
 and mapped for the copy at a page index the new sequence does not use when it is mapped
 nowhere). Eviction is by page group: a group nobody holds stays cached (the policy orders
@@ -211,7 +210,6 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         g = self._pages[slot].get(pi)
         if g is not None and g in self._reclaimable:
             self._leave_reclaimable(g)
-            self._forget_blocks(g)
             self._touch(g)
             self._refs[g], self._fill[g] = 1, 0
             return g
@@ -358,28 +356,12 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         if self.blocks is not None:
             self.blocks.drop(g)
 
-    def _take_group(self) -> int:
-        g = super()._take_group()
-        self._forget_blocks(g)
-        return g
-
-    def _reclaim(self) -> int:
-        g = super()._reclaim()
-        self._forget_blocks(g)
-        return g
-
+    # blocks live only on held and cached groups (check_integrity): they go where a cached
+    # group's content goes (evicted) and where an unheld one is not retained
     def _evict(self) -> int:
         g = super()._evict()
         self._forget_blocks(g)
         return g
-
-    def _to_free(self, g: int) -> None:
-        self._forget_blocks(g)
-        super()._to_free(g)
-
-    def _to_spare(self, g: int) -> None:
-        self._forget_blocks(g)
-        super()._to_spare(g)
 
     def _retained(self, g: int) -> bool:
         """A group nobody holds stays cached while it holds a registered full page or
