@@ -262,24 +262,22 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
     def _copy_tokens(self, seq: HeldSeq, pi: int, src: int, num_tokens: int) -> None:
         """Copy tokens [0, num_tokens) of held group ``src`` into page ``pi`` of ``seq`` (its
         own, backed), then let ``src`` go. A source mapped nowhere is mapped for the copy at
-        the highest page index ``seq`` does not use, and unmapped after it."""
-        slot, owner, temp = seq.slot, self._owner[seq.slot], None
+        a page index nobody uses (:meth:`_copy_site`), and unmapped after it."""
+        slot, owner, temp = seq.slot, self._owner[seq.slot], False
         if self._maps[src]:
             src_slot, src_pi = min(self._maps[src])
         else:
-            pages = self._pages[slot]
-            unused = [q for q in range(len(seq.units), self.pages_per_slot) if q not in pages]
-            temp = unused[-1] if unused else self.pages_per_slot - 1
-            if temp in pages:
-                self._unmap(slot, temp)   # a deferred mapping: refs 0, nothing of ours
-            self._emit_map(slot, temp, src)
-            src_slot, src_pi = slot, temp
+            src_slot, src_pi = self._copy_site(slot, len(seq.units))
+            if src_pi in self._pages[src_slot]:
+                self._unmap(src_slot, src_pi)   # a deferred mapping: refs 0, nothing of ours
+            self._emit_map(src_slot, src_pi, src)
+            temp = True
         for k, kind in enumerate(self.kinds):
             if self.table.extent(k, src):
                 self._ops.append(CopyExtent(src_slot, src_pi, slot, pi, kind.name,
                                             owner=owner, num_tokens=num_tokens))
-        if temp is not None:
-            self._emit_unmap(slot, temp, src)
+        if temp:
+            self._emit_unmap(src_slot, src_pi, src)
         self._cache.note_hit(src)
         self._unhold(src)
 
@@ -296,9 +294,34 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         if not tokens:
             return None
         held = [g for g in groups if self._refs[g]]
-        if not held and -(-num_tokens // tpp) >= self.pages_per_slot:
+        if (not held and -(-num_tokens // tpp) >= self.pages_per_slot
+                and len(self._free_slots) < 2 and self._site_past_a_sequence() is None):
             return None        # no page index left to map an unmapped source at for the copy
         return (min(held or groups), tokens)
+
+    def _copy_site(self, slot: int, used_pages: int) -> tuple:
+        """(slot, page index) nobody reads, to map a copy's source at: the highest page index
+        of ``slot`` past its ``used_pages``, else page 0 of another free slot, else a page
+        index past a running sequence's pages (a prompt filling its slot, pages_per_slot 1
+        say: _block_hit offers a copy only where one of these exists)."""
+        pages = self._pages[slot]
+        unused = [q for q in range(used_pages, self.pages_per_slot) if q not in pages]
+        if unused:
+            return slot, unused[-1]
+        if used_pages < self.pages_per_slot:
+            return slot, self.pages_per_slot - 1     # mapped there only by a deferred mapping
+        free = [s for s, _ in self._free_slots.items() if s != slot]
+        return (min(free), 0) if free else self._site_past_a_sequence()
+
+    def _site_past_a_sequence(self) -> Optional[tuple]:
+        """(slot, page index) past a running sequence's pages and mapped nowhere, or None."""
+        for s, seq_id in enumerate(self._owner):
+            if seq_id is not None:
+                pages, used = self._pages[s], len(self._seqs[seq_id].units)
+                for q in range(self.pages_per_slot - 1, used - 1, -1):
+                    if q not in pages:
+                        return s, q
+        return None
 
     def _hold_pages(self, g: int) -> int:
         """Pages holding ``g`` takes from what admission may use (its, if nobody holds it)."""

@@ -108,3 +108,54 @@ def test_the_simulator_charges_copies_at_the_copy_bandwidth():
     assert fast.copied_kv_bytes == slow.copied_kv_bytes > 0 == whole.copied_kv_bytes
     assert fast.prefix_cache_hits > whole.prefix_cache_hits
     assert slow.simulated_seconds > fast.simulated_seconds
+
+
+def _cached(m, seq_id, ids, slot):
+    m.allocate(seq_id, len(ids), ids, slot=slot)
+    m.mark_computed(seq_id, len(ids))
+    m.free(seq_id)
+
+
+def test_a_prompt_filling_its_slot_maps_the_source_under_another_free_slot_for_the_copy():
+    """One page a slot (max_seq_len = the page): no page index of its own is left for an
+    unmapped source, so the copy reads it through page 0 of another free slot."""
+    m = make_manager("vmem", MODEL, 8 * 4 * 1024, 64, page_bytes=1024, max_slots=3,
+                     prefix_block_tokens=16)
+    assert m.pages_per_slot == 1
+    _cached(m, 0, SYSTEM + [1, 2, 3], slot=0)
+    m.allocate(1, 10, list(range(10)), slot=0)          # slot 0 reused: the source unmapped
+    m.take_ops()
+    c = SYSTEM + [9]
+    assert m.allocate(2, len(c), c, slot=1) == 32
+    ops = m.take_ops()
+    copy = next(op for op in ops if isinstance(op, CopyExtent))
+    assert (copy.src_slot, copy.src_page_index, copy.dst_slot) == (2, 0, 1)
+    assert [type(op).__name__ for op in ops if getattr(op, "slot", None) == 2] == [
+        "MapExtent", "UnmapExtent"]                     # mapped for the copy, then unmapped
+    m.check_integrity()
+
+
+def test_with_no_free_slot_left_the_source_is_mapped_past_a_running_sequence():
+    m = make_manager("vmem", MODEL, 8 * 4 * 1024, 128, page_bytes=1024, max_slots=2,
+                     prefix_block_tokens=16)
+    assert m.pages_per_slot == 2
+    _cached(m, 0, SYSTEM + [1, 2, 3], slot=0)
+    m.allocate(1, 10, list(range(10)), slot=0)          # runs on slot 0, page 1 unused
+    m.take_ops()
+    c = SYSTEM + list(range(100))                       # 140 tokens fill both pages of slot 1
+    assert m.allocate(2, 128, c[:128], slot=1) == 32
+    copy = next(op for op in m.take_ops() if isinstance(op, CopyExtent))
+    assert (copy.src_slot, copy.src_page_index, copy.dst_slot, copy.dst_page_index) == (0, 1, 1, 0)
+    m.check_integrity()
+
+
+def test_no_copy_is_offered_where_no_page_index_is_left_anywhere():
+    m = make_manager("vmem", MODEL, 8 * 4 * 1024, 64, page_bytes=1024, max_slots=2,
+                     prefix_block_tokens=16)
+    _cached(m, 0, SYSTEM + [1, 2, 3], slot=0)
+    m.allocate(1, 10, list(range(10)), slot=0)          # the only other slot, its one page used
+    m.take_ops()
+    c = SYSTEM + [9]
+    assert m.allocate(2, len(c), c, slot=1) == 0        # a miss, not a write over someone's page
+    assert not [op for op in m.take_ops() if isinstance(op, CopyExtent)]
+    m.check_integrity()
