@@ -12,8 +12,11 @@ ends (``prune``: its memory is freed). The group's rules:
   computes up to its last token and waits there for the others (``_ready_groups``);
 - it is preempted as one: the victim is the group at the tail of ``running`` (members stay
   contiguous there: admitted together, children and late members placed after their group),
-  every member by recompute (a swap of memory shared copy-on-write is not supported);
-- it is admitted as one: every waiting member, or none (``_admit_group``);
+  every member swapped out (``preemption="swap"``, when the swap space holds every member's
+  tokens: each stores its own copy of what they share) or every member recomputed
+  (``_preempt_unit``);
+- it is admitted as one: every waiting member, or none (``_admit_group``); a swapped group comes
+  back whole, each member into private memory (``_swapped_unit``; its later forks share again);
 - a step that scheduled nothing while only beams waiting for a sibling run preempts them, so
   the group is admitted whole next step (``_unblock_groups``).
 """
@@ -26,8 +29,9 @@ from .request import Sequence, SeqState
 
 
 class BeamGroups:
-    """Beam-group scheduling (a mixin over Scheduler: ``running``, ``waiting``, ``seqs``,
-    ``manager``, ``config``, ``_decoded``, ``_scheduled``, ``_unfinished_samples``)."""
+    """Beam-group scheduling (a mixin over Scheduler: ``running``, ``waiting``, ``swapped``,
+    ``seqs``, ``manager``, ``config``, ``_decoded``, ``_scheduled``, ``_unfinished_samples``,
+    ``metrics``, ``_preempt``, ``_swappable``)."""
 
     # ---- what the beam search says after a step (between schedule and update) -------------
     def branch(self, parent_id: int, count: int) -> List[int]:
@@ -77,9 +81,10 @@ class BeamGroups:
                 rid = m.request.request_id
                 decodes = m.length - m.num_computed == 1 and bool(m.output)
                 ready[rid] = ready.get(rid, True) and decodes
-        for m in self.waiting:
-            if m.beam_width and m.request.request_id in ready:
-                ready[m.request.request_id] = False
+        for queue in (self.waiting, self.swapped):
+            for m in queue:
+                if m.beam_width and m.request.request_id in ready:
+                    ready[m.request.request_id] = False
         return ready
 
     def _tail_unit(self) -> List[Sequence]:
@@ -92,6 +97,43 @@ class BeamGroups:
         while first > 0 and self.running[first - 1].request is tail.request:
             first -= 1
         return self.running[first:]
+
+    def _preempt_unit(self, victims: List[Sequence], plan, recompute: bool = False) -> None:
+        """Preempt ``victims`` (``_tail_unit``: one sequence, or a beam group whole), from the
+        tail: a group is swapped out only if all of it can be (no member part-way through a
+        prefill or waiting, the swap space holding every member), else recomputed whole;
+        ``recompute`` forces the latter."""
+        swap = False if recompute else None
+        if victims[0].beam_width and not recompute:
+            swap = (all(self._swappable(m) for m in victims)
+                    and not self._members(self.waiting, victims[0].request)
+                    and self.manager.can_swap_out_all([m.seq_id for m in victims]))
+        for victim in reversed(victims):
+            self._preempt(victim, plan, swap)
+
+    def _swapped_unit(self) -> List[Sequence]:
+        """The head of ``swapped`` with the rest of its beam group (contiguous there: swapped
+        out together), in order."""
+        head = self.swapped[0]
+        if not head.beam_width:
+            return [head]
+        group = []
+        for seq in self.swapped:
+            if seq.request is not head.request:
+                break
+            group.append(seq)
+        return group
+
+    def _recompute_swapped(self, group: List[Sequence]) -> None:
+        """Drop the swapped ``group``'s swap copies; it waits to be recomputed (admitted whole,
+        or the empty cache's refusal names it)."""
+        for seq in reversed(group):
+            self.manager.free(seq.seq_id, computed_tokens=0)     # DropSwapped
+            self.swapped.remove(seq)
+            self.metrics.recomputed_tokens += seq.num_computed
+            seq.num_computed = seq.held = 0
+            seq.state = SeqState.WAITING
+            self.waiting.appendleft(seq)
 
     def _run_beside(self, seq: Sequence) -> None:
         """Make ``seq`` running; a beam goes right after its group's last running member (a
@@ -135,6 +177,5 @@ class BeamGroups:
             return
         if not all(s.beam_width for s in self.running):
             return
-        while self.running:
-            for victim in reversed(self._tail_unit()):
-                self._preempt(victim, plan)
+        while self.running:      # (a swap would bring back the part that fits: no progress)
+            self._preempt_unit(self._tail_unit(), plan, recompute=True)

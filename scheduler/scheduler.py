@@ -241,8 +241,7 @@ class Scheduler(StepTransactions, BeamGroups):
                 if not may_preempt:
                     return False
                 victims = self._tail_unit()
-                for victim in reversed(victims):
-                    self._preempt(victim, plan)
+                self._preempt_unit(victims, plan)
                 if seq in victims:
                     return False
 
@@ -255,15 +254,13 @@ class Scheduler(StepTransactions, BeamGroups):
         plan.num_context_tokens += c + new
         self._scheduled.append((seq, new, sample))
 
-    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
-        """Take the most recently admitted running sequence off the device."""
+    def _preempt(self, seq: Sequence, plan: StepPlan, swap: Optional[bool] = None) -> None:
+        """Take the most recently admitted running sequence off the device (``swap``: decided
+        for its beam group, else by the config and ``_swappable``)."""
         self.running.pop()
         self.metrics.num_preemptions += 1
         plan.preempted.append(seq.seq_id)
-        # a sequence part-way through its prefill is recomputed, not swapped: free tells the
-        # manager how far it got, so only computed units are published
-        uncomputed = self.config.enable_prefix_sharing and seq.held > seq.num_computed
-        swap = self.config.preemption == "swap" and not uncomputed and not seq.beam_width
+        swap = self._swappable(seq) if swap is None else swap
         if swap and self._try_swap_out(seq):
             seq.state = SeqState.SWAPPED
             seq.held = 0
@@ -277,6 +274,12 @@ class Scheduler(StepTransactions, BeamGroups):
         seq.state = SeqState.WAITING
         self.waiting.appendleft(seq)
 
+    def _swappable(self, seq: Sequence) -> bool:
+        # a sequence part-way through its prefill is recomputed, not swapped: free tells the
+        # manager how far it got, so only computed units are published
+        uncomputed = self.config.enable_prefix_sharing and seq.held > seq.num_computed
+        return self.config.preemption == "swap" and not uncomputed
+
     def _try_swap_out(self, seq: Sequence) -> bool:
         if not self.manager.can_swap_out(seq.seq_id):
             return False
@@ -288,14 +291,19 @@ class Scheduler(StepTransactions, BeamGroups):
 
     def _swap_in(self, plan: StepPlan, budget: int) -> int:
         while self.swapped and len(self.running) < self.config.max_running and budget > 0:
-            seq = self.swapped[0]
-            if not self.manager.can_swap_in(seq.seq_id):
+            group = self._swapped_unit()
+            if len(self.running) + len(group) > self.config.max_running or not (
+                    self.manager.can_swap_in_all([m.seq_id for m in group])):
+                if not self.running:       # an empty cache: it never will (a beam group
+                    self._recompute_swapped(group)   # shared memory it cannot share now)
+                    continue
                 break
-            self.manager.swap_in(seq.seq_id)
-            self.swapped.popleft()
-            seq.held = self.manager.num_tokens(seq.seq_id)
-            self._make_running(seq)
-            budget = self._schedule_prefill(plan, seq, budget, may_preempt=False)
+            for seq in group:
+                self.manager.swap_in(seq.seq_id)
+                self.swapped.popleft()
+                seq.held = self.manager.num_tokens(seq.seq_id)
+                self._run_beside(seq)
+                budget = self._schedule_prefill(plan, seq, budget, may_preempt=False)
         return budget
 
     def _admit(self, plan: StepPlan, budget: int) -> None:

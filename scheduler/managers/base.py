@@ -295,6 +295,16 @@ class MemoryManager(ABC):
     def swap_in(self, seq_id: int) -> None:
         """Re-allocate a swapped sequence and emit SwapIn."""
 
+    @abstractmethod
+    def can_swap_out_all(self, seq_ids) -> bool:
+        """Whether every one of ``seq_ids`` can be swapped out in one go (a beam group: each
+        stores its own copy of the units they share, so the swap space must hold them all)."""
+
+    @abstractmethod
+    def can_swap_in_all(self, seq_ids) -> bool:
+        """Whether every one of ``seq_ids`` (swapped out) can be swapped in in one go (a beam
+        group comes back whole: each its own private memory)."""
+
     # -- transactions (the one failure mechanism: a failed step is undone exactly) --
     @abstractmethod
     def begin(self) -> None:

@@ -221,6 +221,23 @@ class ManagerCore(MemoryManager):
         self._put_seq(seq_id, seq)
         self._ops.append(SwapIn(seq_id, seq.num_tokens, **self._swap_location(seq)))
 
+    def can_swap_out_all(self, seq_ids) -> bool:
+        seqs = [self._seqs.get(i) for i in seq_ids]
+        return (all(s is not None and self.can_swap_out(i) for i, s in zip(seq_ids, seqs))
+                and sum(s.num_tokens for s in seqs) * self.bytes_per_token <= self.swap_free_bytes)
+
+    def can_swap_in_all(self, seq_ids) -> bool:
+        seqs = [self._swapped.get(i) for i in seq_ids]
+        if any(s is None for s in seqs) or not self._places_for(len(seqs)):
+            return False
+        needs = [self._fresh_units(s) for s in seqs]
+        return None not in needs and sum(needs) <= self._available_units()
+
+    def _places_for(self, count: int) -> bool:
+        """Whether ``count`` sequences can be placed at once besides their memory (vmem: free
+        slots)."""
+        return True
+
     def _swap_integrity(self) -> None:
         assert not (self._seqs.keys() & self._swapped.keys())
         assert self._swap_used_tokens == sum(s.num_tokens for s in self._swapped.values())

@@ -493,6 +493,9 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
             return None
         return self.geometry.num_members * self.geometry.slot_member_pages(seq.num_tokens)
 
+    def _places_for(self, count: int) -> bool:
+        return len(self._free_slots) >= count
+
     def _place_private(self, seq_id: int, seq: HeldSeq) -> None:
         self._place(seq_id, seq, [])
         self._republish(seq)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vmemkv.runtime.engine import Engine
+from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
 from vmemkv.runtime.engine.errors import BeamSearchParamsError
 
@@ -70,19 +71,42 @@ def test_cumulative_logprob_is_the_score_times_the_length_penalty():
     assert out.outputs[0].beam_score >= out.outputs[1].beam_score
 
 
-@pytest.mark.parametrize("cache,cache_kib,preemption", [
-    ("vmem", 96, "recompute"), ("paged", 64, "recompute"), ("paged", 64, "swap")])
-def test_beams_equal_transformers_under_preemption(cache, cache_kib, preemption):
+@pytest.mark.parametrize("cache,cache_kib", [("vmem", 96), ("paged", 64)])
+def test_beams_equal_transformers_under_recompute_preemption(cache, cache_kib):
     # a cache too small for both groups at once: groups are preempted whole and recomputed
-    # (each must then fit without sharing: vmem's 4 KiB pages need the larger cache); with
-    # preemption="swap" too: memory shared copy-on-write is not swapped
+    # (each must then fit without sharing: vmem's 4 KiB pages need the larger cache); 8 rows
+    # for 16 beams: children that find no row wait, so groups are split when preempted
     batch = prompts(4, 20, 30, seed=5)
     params = BeamSearchParams(4, max_new_tokens=10, ignore_eos=True)
     out, stats = run("tiny-llama", batch, params, cache=cache, block_size=4, page_bytes=4096,
-                     cache_bytes=cache_kib * 1024, preemption=preemption,
-                     swap_bytes=64 * 1024 if preemption == "swap" else 0)
+                     cache_bytes=cache_kib * 1024, preemption="recompute")
     assert stats.num_preemptions > 0 and stats.num_swap_preemptions == 0
     assert not beam_mismatches(out, reference("tiny-llama", batch, params, ()))
+
+
+@pytest.mark.parametrize("cache,cache_kib", [
+    ("vmem-per-layer", 128), ("vmem-interleaved", 96), ("paged", 64)])
+def test_beams_equal_transformers_under_swap_preemption(cache, cache_kib):
+    # rows for every beam: a group runs whole, is swapped out whole (each beam its own copy of
+    # what they share) and swapped back whole into private memory
+    batch = prompts(4, 20, 30, seed=5)
+    params = BeamSearchParams(4, max_new_tokens=10, ignore_eos=True)
+    out, stats = run("tiny-llama", batch, params, **{**CACHES[cache], "block_size": 4},
+                     page_bytes=4096, cache_bytes=cache_kib * 1024, max_batch=16,
+                     preemption="swap", swap_bytes=256 * 1024)
+    assert stats.num_swap_preemptions > 0 and stats.num_swap_preemptions % 4 == 0  # whole groups
+    assert not beam_mismatches(out, reference("tiny-llama", batch, params, ()))
+
+
+def test_a_swapped_group_that_cannot_come_back_is_recomputed_or_refused_by_name():
+    """A group swapped out of shared memory may not fit back privately even in an empty cache:
+    it is recomputed instead (here too large for the cache alone: the refusal names it), never
+    left swapped forever."""
+    batch = prompts(4, 20, 30, seed=5)
+    params = BeamSearchParams(4, max_new_tokens=10, ignore_eos=True)
+    with pytest.raises(RequestTooLargeError, match="cannot be admitted to an empty cache"):
+        run("tiny-llama", batch, params, cache="paged", block_size=4, cache_bytes=48 * 1024,
+            max_batch=16, preemption="swap", swap_bytes=256 * 1024)
 
 
 def test_beams_equal_transformers_with_chunked_prefill_under_preemption():

@@ -16,7 +16,9 @@ import itertools
 import math
 
 from hypothesis import settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+import pytest
+from hypothesis.stateful import (RuleBasedStateMachine, invariant, precondition, rule,
+                                 run_state_machine_as_test)
 
 from vmemkv.scheduler.request import Request, SeqState
 
@@ -190,8 +192,22 @@ class VmemBeamGroupMachine(BeamGroupMachine):
     POLICY = "vmem"
 
 
-class SwapConfiguredBeamGroupMachine(BeamGroupMachine):
-    PREEMPTION = "swap"       # groups are still preempted by recompute
+class SwapBeamGroupMachine(BeamGroupMachine):
+    """Groups swapped out whole where the swap space (64 tokens) holds every beam, else
+    recomputed; a swapped group back whole into private memory (the shadow: units of its own)."""
+    PREEMPTION = "swap"
+
+    def teardown(self):
+        super().teardown()
+        SWAPS[type(self).__name__] = SWAPS.get(type(self).__name__, 0) + \
+            self.sched.metrics.num_swap_preemptions
+
+
+class VmemSwapBeamGroupMachine(SwapBeamGroupMachine):
+    POLICY = "vmem"
+
+
+SWAPS: dict = {}
 
 
 _SETTINGS = settings(max_examples=examples(60), stateful_step_count=40, deadline=None)
@@ -199,5 +215,16 @@ TestPagedBeamGroupsMatchShadow = BeamGroupMachine.TestCase
 TestPagedBeamGroupsMatchShadow.settings = _SETTINGS
 TestVmemBeamGroupsMatchShadow = VmemBeamGroupMachine.TestCase
 TestVmemBeamGroupsMatchShadow.settings = _SETTINGS
-TestSwapConfiguredBeamGroupsRecompute = SwapConfiguredBeamGroupMachine.TestCase
-TestSwapConfiguredBeamGroupsRecompute.settings = _SETTINGS
+TestPagedSwapBeamGroupsMatchShadow = SwapBeamGroupMachine.TestCase
+TestPagedSwapBeamGroupsMatchShadow.settings = _SETTINGS
+TestVmemSwapBeamGroupsMatchShadow = VmemSwapBeamGroupMachine.TestCase
+TestVmemSwapBeamGroupsMatchShadow.settings = _SETTINGS
+
+
+@pytest.mark.parametrize("machine", [SwapBeamGroupMachine, VmemSwapBeamGroupMachine])
+def test_the_swap_machines_really_swap_groups(machine):
+    """Not vacuous: derandomized runs of each swap machine swap groups out (and back)."""
+    SWAPS.pop(machine.__name__, None)
+    run_state_machine_as_test(machine, settings=settings(max_examples=20, stateful_step_count=40,
+                                                         deadline=None, derandomize=True))
+    assert SWAPS.get(machine.__name__, 0) > 0, SWAPS
