@@ -4,6 +4,7 @@ paper's 37.6-55.2% saved for beam search (Kwon et al. 2023, Fig. 15, Alpaca, wid
 
     python -m vmemkv.benchmarks.beam [--model tiny-llama|smollm2-135m-instruct] [--out beam.json]
     python -m vmemkv.benchmarks.beam --simulate 300 [--cache-gb 20]   # the simulator's throughput
+    python -m vmemkv.benchmarks.beam --simulate-memory 300 --cache-gb 60   # its memory saved
 
 Workload (fixed seed): 8 prompts of 16-24 tokens (Alpaca's inputs are short), beam search to
 ``--new-tokens`` (64) tokens per beam, ignore_eos, run through ``Engine.beam_search`` step by
@@ -131,14 +132,45 @@ def simulate_rows(requests: int, cache_gb: float, widths=(1, 2, 4, 6), seed: int
     for width in widths:
         base = None
         for policy in ("reserve-max", "reserve-oracle", "paged", "vmem"):
+            layout = dict(layout="auto") if policy == "vmem" else {}    # the issue's vmem
             r = simulate(entries, SimConfig(policy=policy, cache_bytes=int(cache_gb * 1e9),
-                                            beam_width=width))
+                                            beam_width=width, **layout))
             rate = r.num_requests / r.simulated_seconds
             base = base or rate
             rows.append({"beam_width": width, "policy": policy, "req_per_s": round(rate, 3),
                          "vs_reserve_max": f"{rate / base:.2f}x",
                          "preemptions": r.num_preemptions,
                          "mean_batch": round(r.mean_batch, 1)})
+    return rows
+
+
+SIM_CACHES = (("paged-16", dict(policy="paged", block_size=16)),
+              ("vmem per-layer 2 MiB", dict(policy="vmem", layout="per-layer")),
+              ("vmem interleaved 2 MiB", dict(policy="vmem", layout="interleaved")))
+
+
+def simulate_memory_rows(requests: int, cache_gb: float, widths=(2, 4, 6), seed: int = 0,
+                         progress=print) -> list:
+    """The simulator's memory saved by sharing (``SimResult.sharing_saved``: distinct units
+    the running sequences hold against each holding a private copy, summed over steps) on the
+    standard workload, llama-3-8b on an H100, for beam search and parallel sampling (``n``) of
+    each width, on paged-16 and vmem (2 MiB pages, both layouts); with the copy-on-write bytes
+    per step and output tokens/s."""
+    from vmemkv.scheduler.simulator import SimConfig, simulate
+    from vmemkv.scheduler.workload import WorkloadSpec, generate
+    entries = generate(WorkloadSpec(num_requests=requests, seed=seed))
+    rows = []
+    for mode in ("beam", "n"):
+        for width in widths:
+            for name, options in SIM_CACHES:
+                extra = dict(beam_width=width) if mode == "beam" else dict(n=width)
+                r = simulate(entries, SimConfig(cache_bytes=int(cache_gb * 1e9), **options, **extra))
+                rows.append({"mode": f"{mode} {width}", "cache": name,
+                             "saved": f"{r.sharing_saved:.1%}",
+                             "copied_MiB_per_step": round(r.copied_kv_bytes / r.num_steps / 2**20, 2),
+                             "out_tok_s": round(r.output_tokens_per_s),
+                             "preemptions": r.num_preemptions})
+                progress(f"# {mode} {width} {name}: saved {r.sharing_saved:.1%}")
     return rows
 
 
@@ -151,8 +183,22 @@ def main(argv=None) -> None:
     parser.add_argument("--simulate", type=int, metavar="REQUESTS", default=0,
                         help="instead: the simulator's throughput by beam width and policy on "
                              "this many requests of the standard workload")
-    parser.add_argument("--cache-gb", type=float, default=20.0, help="with --simulate")
+    parser.add_argument("--simulate-memory", type=int, metavar="REQUESTS", default=0,
+                        help="instead: the simulator's memory saved by sharing (beams and n "
+                             "samples of widths 2, 4, 6) on this many requests of the standard "
+                             "workload")
+    parser.add_argument("--cache-gb", type=float, default=20.0, help="with --simulate or "
+                        "--simulate-memory")
     args = parser.parse_args(argv)
+    if args.simulate_memory:
+        env = environment(seed=0, warmup=0, repeats=1, requests=args.simulate_memory,
+                          cache_gb=args.cache_gb, model="llama-3-8b", gpu="h100")
+        print_environment(env)
+        rows = simulate_memory_rows(args.simulate_memory, args.cache_gb)
+        print(format_table(rows, ["mode", "cache", "saved", "copied_MiB_per_step", "out_tok_s",
+                                  "preemptions"]))
+        write_json(args.out, {"environment": env, "rows": rows})
+        return
     if args.simulate:
         env = environment(seed=0, warmup=0, repeats=1, requests=args.simulate,
                           cache_gb=args.cache_gb, model="llama-3-8b", gpu="h100")

@@ -113,6 +113,8 @@ def _workload_flags(w) -> None:
                         "requests are scaled down to it, prompt and output in proportion)")
     w.add_argument("--beam-width", type=bounded(int, 0), default=0,
                    help="every request a beam search of this many beams (0: plain decoding)")
+    w.add_argument("--n", type=bounded(int, 1), default=1,
+                   help="samples per request (parallel sampling: they share the prompt's memory)")
     w.add_argument("--beam-skew", type=bounded(float, 0), default=1.0,
                    help="how strongly a step's new beams descend from the best ones (0: evenly)")
     w.add_argument("--arrival-rate", type=bounded(float, 0), default=0.0,
@@ -216,7 +218,7 @@ def _config(args) -> SimConfig:
                      prefix_block_tokens=args.prefix_block_tokens,
                      copy_bytes_per_s=None if args.copy_gbps is None else args.copy_gbps * 1e9,
                      profile=args.profile, kv_cache_dtype=args.kv_cache_dtype,
-                     beam_width=args.beam_width, beam_skew=args.beam_skew)
+                     beam_width=args.beam_width, beam_skew=args.beam_skew, n=args.n)
 
 
 def _simulate(entries, config: SimConfig, args):

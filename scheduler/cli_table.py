@@ -27,6 +27,7 @@ _ROWS = [
     ("  of which swapped", "num_swap_preemptions", None, "{:,.0f}"),
     ("recomputed tokens", "recomputed_tokens", None, "{:,.0f}"),
     ("prefix cache hits", "prefix_cache_hits", None, "{:,.0f}"),
+    ("memory saved by sharing", "sharing_saved", None, "{:.1%}"),
     ("output tokens", "output_tokens", None, "{:,.0f}"),
     ("request throughput (req/s)", "request_throughput", None, "{:,.2f}"),
     ("total token throughput", "total_token_throughput", None, "{:,.1f}"),
@@ -67,7 +68,7 @@ def aggregate(runs: Sequence[dict]) -> Dict[str, Dict[str, float]]:
 
 
 def _value(fmt: str, d: dict, key: str, std: dict) -> str:
-    if key not in d or (isinstance(d[key], float) and math.isnan(d[key])):
+    if d.get(key) is None or (isinstance(d[key], float) and math.isnan(d[key])):
         return "-"
     text = fmt.format(d[key])
     return f"{text} ± {fmt.format(std[key]).lstrip('-')}" if key in std else text

@@ -72,6 +72,8 @@ class SimConfig:
     kv_cache_dtype: str = "auto"          # K/V storage: bytes per token (memory and the roofline's
                                           # KV read) follow it; auto: the model's dtype_bytes
     beam_width: int = 0                   # > 0: every request a beam search of this many beams
+    n: int = 1                            # samples per request (parallel sampling: forks share
+                                          # the prompt's memory); 1 with beam_width
     beam_skew: float = 1.0                # BeamModel: how strongly children pile on the best beams
 
     def __post_init__(self) -> None:
@@ -95,6 +97,11 @@ class SimConfig:
         make_eviction(self.prefix_eviction)
         if not isinstance(self.beam_width, int) or self.beam_width < 0:
             raise ConfigError(f"beam_width must be an int >= 0, got {self.beam_width!r}")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ConfigError(f"n must be an int >= 1, got {self.n!r}")
+        if self.n > 1 and self.beam_width:
+            raise ConfigError(f"n must be 1 with beam_width {self.beam_width} (a beam search "
+                              f"returns its beams), got {self.n}")
         if not self.beam_skew >= 0:
             raise ConfigError(f"beam_skew must be >= 0, got {self.beam_skew!r}")
         if isinstance(self.prefix_block_tokens, bool) or not isinstance(
@@ -168,6 +175,10 @@ class SimResult:
     prefix_cache_hits: int
     mapped_page_ops: int           # page groups mapped (vmem, cost.count_map_ops)
     copied_kv_bytes: int = 0       # K/V bytes moved by copy ops (block hits, copy-on-write)
+    sharing_saved: Optional[float] = None   # beams or n > 1 (else None): 1 - distinct
+                                   # units the running sequences hold / the units they would
+                                   # hold each with a private copy, both summed over steps (the
+                                   # PagedAttention paper's memory saving)
     steady: Dict[str, float] = field(default_factory=dict)    # steady_* (module docstring)
     serving: Dict[str, float] = field(default_factory=dict)   # report.serving_report, ms
     timings: List[RequestTiming] = field(default_factory=list, repr=False)
@@ -247,8 +258,10 @@ class Simulator:
 
     def __init__(self, manager: MemoryManager, cost: "CostModel | ProfileCost",
                  config: SchedulerConfig = SchedulerConfig(), beams: Optional[BeamModel] = None,
-                 copy_bytes_per_s: Optional[float] = None):
+                 copy_bytes_per_s: Optional[float] = None, samples: int = 1):
         self.manager, self.cost, self.config, self.beams = manager, cost, config, beams
+        self.samples = samples                 # n per request (beams: 1)
+        self._sharing = [0, 0]                 # (distinct, per-sequence) units, summed over steps
         self._after_prefill = AfterPrefill()
         device = getattr(cost, "device", None)
         # a device copy reads and writes each byte: half the memory bandwidth unless measured
@@ -265,7 +278,8 @@ class Simulator:
         self._times: Dict[int, List[float]] = {}
         entries = sorted(entries, key=lambda e: e.arrival_s)
         sched = Scheduler(self.manager, _sharing_config(self.config, entries))
-        make_request = _request_maker(self.beams.width if self.beams else 0)
+        make_request = _request_maker(self.beams.width if self.beams else 0, self.samples)
+        self._sharing = [0, 0]
         whole, steady = _StepSums(), _StepSums()
         token_times: Dict[int, List[float]] = {}       # seq_id -> its request's token times
         n, nxt, now, maps, done_reported = len(entries), 0, 0.0, 0, 0
@@ -310,6 +324,10 @@ class Simulator:
                                          mapped * self.cost.pages_per_map_op, len(plan.seqs),
                                          pairs, self._after_prefill.cold(pairs, len(plan.seqs)),
                                          after_idle)
+        if self.beams is not None or self.samples > 1:
+            distinct, summed = self.manager.sharing_units([q.seq_id for q in sched.running])
+            self._sharing[0] += distinct
+            self._sharing[1] += summed
         copied = self.manager.copied_bytes(plan.ops) if plan.ops else 0
         if copied:
             self.copied_bytes += copied
@@ -322,8 +340,10 @@ class Simulator:
         for s in plan.seqs:
             if s.sample:
                 sampled[s.seq_id] = DUMMY_TOKEN
-                token_times[s.seq_id].append(end)
-                if s.fork_ids:                      # n > 1 (never built by run(): n = 1)
+                times = token_times.get(s.seq_id)   # a request's first sample's times (n > 1:
+                if times is not None:               # its other samples are not timed)
+                    times.append(end)
+                if s.fork_ids:                      # n > 1: the samples forked after the prompt
                     sampled.update(dict.fromkeys(s.fork_ids, DUMMY_TOKEN))
         sched.update(sampled, end)
         return seconds, mapped, len(plan.seqs), len(sampled)
@@ -366,6 +386,8 @@ class Simulator:
             prefix_cache_queries=self.manager.prefix_queries,
             prefix_cache_hits=self.manager.prefix_hits, mapped_page_ops=maps,
             copied_kv_bytes=self.copied_bytes,
+            sharing_saved=(1 - self._sharing[0] / self._sharing[1] if self._sharing[1] else
+                           0.0) if self.beams is not None or self.samples > 1 else None,
             steady=steady_means, serving=serving_report(timings, percentiles=REPORT_PERCENTILES),
             timings=timings)
 
@@ -377,10 +399,10 @@ def _sharing_config(config: SchedulerConfig, entries: Sequence[TraceEntry]) -> S
     return config
 
 
-def _request_maker(beam_width: int = 0) -> Callable[[int, TraceEntry], Request]:
+def _request_maker(beam_width: int = 0, n: int = 1) -> Callable[[int, TraceEntry], Request]:
     """Requests from trace entries; an entry with hash ids carries prompt token ids made up
     from them (equal ids, equal tokens: the trace's real sharing), memoised per prompt.
-    ``beam_width`` > 0: each a beam group of that width."""
+    ``beam_width`` > 0: each a beam group of that width; ``n``: samples per request."""
     memo: Dict[tuple, tuple] = {}
 
     def make(request_id: int, e: TraceEntry) -> Request:
@@ -391,7 +413,7 @@ def _request_maker(beam_width: int = 0) -> Callable[[int, TraceEntry], Request]:
             if ids is None:
                 ids = memo[key] = prompt_token_ids(e, TRACE_VOCAB_SIZE)
         return Request(request_id, e.prompt_len, e.output_len, prompt_token_ids=ids,
-                       arrival_s=e.arrival_s, beam_width=beam_width)
+                       arrival_s=e.arrival_s, beam_width=beam_width, n=n)
     return make
 
 
@@ -403,4 +425,4 @@ def simulate(entries: Sequence[TraceEntry], config: SimConfig = SimConfig(),
     cost = config.make_cost(manager.pages_per_map_op)
     beams = BeamModel(config.beam_width, config.beam_skew) if config.beam_width else None
     return Simulator(manager, cost, config.scheduler_for(manager), beams,
-                     config.copy_bytes_per_s).run(entries, on_finished)
+                     config.copy_bytes_per_s, config.n).run(entries, on_finished)

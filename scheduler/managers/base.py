@@ -296,6 +296,13 @@ class MemoryManager(ABC):
         """Re-allocate a swapped sequence and emit SwapIn."""
 
     @abstractmethod
+    def sharing_units(self, seq_ids) -> tuple:
+        """(distinct units, units counted once per sequence) that ``seq_ids`` (resident) hold:
+        paged blocks, vmem page groups; the second is what they would hold if each kept a
+        private copy of what they share (forks, beams). Units given back behind a window are
+        not counted; a reserve policy shares nothing."""
+
+    @abstractmethod
     def can_swap_out_all(self, seq_ids) -> bool:
         """Whether every one of ``seq_ids`` can be swapped out in one go (a beam group: each
         stores its own copy of the units they share, so the swap space must hold them all)."""

@@ -221,6 +221,18 @@ class ManagerCore(MemoryManager):
         self._put_seq(seq_id, seq)
         self._ops.append(SwapIn(seq_id, seq.num_tokens, **self._swap_location(seq)))
 
+    def sharing_units(self, seq_ids) -> tuple:
+        distinct, summed = set(), 0
+        for seq_id in seq_ids:
+            ids = [u for u in self._unit_ids(self._seq(seq_id)) if u is not None]
+            distinct.update(ids)
+            summed += len(ids)
+        return len(distinct), summed
+
+    def _unit_ids(self, seq: HeldSeq):
+        """The units ``seq`` holds (None: given back behind a window)."""
+        return seq.units
+
     def can_swap_out_all(self, seq_ids) -> bool:
         seqs = [self._seqs.get(i) for i in seq_ids]
         return (all(s is not None and self.can_swap_out(i) for i, s in zip(seq_ids, seqs))

@@ -93,6 +93,9 @@ class PagedManager(WindowedGroups, UnitManager):
     def _tables(self, seq: HeldSeq) -> list:
         return seq.tables if self._hybrid else [seq.units]
 
+    def _unit_ids(self, seq: HeldSeq):
+        return [b for table in self._tables(seq) for b in table]
+
     def _new_seq(self, num_tokens: int, token_ids, namespace) -> HeldSeq:
         if not self._hybrid:
             return UnitManager._new_seq(num_tokens, token_ids, namespace)

@@ -120,13 +120,17 @@ def test_beams_equal_transformers_with_chunked_prefill_under_preemption():
     assert not beam_mismatches(out, reference("tiny-llama", batch, params, ()))
 
 
-@pytest.mark.parametrize("cache", ["vmem", "paged"])
+@pytest.mark.parametrize("cache", list(CACHES))
 def test_windowed_model_beams_equal_transformers(cache):
-    # prompts around the 32-token window: beams fork while memory behind it is given back
-    batch = prompts(2, 28, 36, seed=6)
-    params = BeamSearchParams(2, max_new_tokens=8, ignore_eos=True)
-    out, _ = run("tiny-mistral-swa", batch, params, cache=cache, block_size=4)
+    # prompts past the 32-token window: beams fork while memory behind it is given back
+    # (page groups of 32 tokens on vmem per-layer and 16 interleaved, 4-token blocks on paged:
+    # each gives some back)
+    batch = prompts(2, 40, 52, seed=6)
+    params = BeamSearchParams(2, max_new_tokens=14, ignore_eos=True)   # to 66 tokens
+    out, _ = run("tiny-mistral-swa", batch, params, **{**CACHES[cache], "block_size": 4},
+                 page_bytes=4096)
     assert not beam_mismatches(out, reference("tiny-mistral-swa", batch, params, ()))
+
 
 
 @pytest.mark.parametrize("fields,field", [

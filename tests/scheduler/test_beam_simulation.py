@@ -47,3 +47,32 @@ def test_beam_model_spreads_children_by_skew_and_bad_configs_are_refused():
         SimConfig(beam_width=-1)
     with pytest.raises(ConfigError, match="beam_skew"):
         SimConfig(beam_skew=-0.5)
+
+
+def test_parallel_samples_each_sample_every_token_and_share_the_prompt():
+    """``n`` samples per request: n x output tokens each, forks share the prompt's memory (the
+    saving grows with n), and without forks there is no saving to report."""
+    big = int(4e9)     # room for every request at once: no preemption, so no private recompute
+    plain = simulate(ENTRIES, SimConfig(policy="paged", cache_bytes=big, max_seq_len=512))
+    assert plain.sharing_saved is None
+    saved = {}
+    for n in (2, 4):
+        result = simulate(ENTRIES, SimConfig(policy="paged", cache_bytes=big, max_seq_len=512, n=n))
+        assert result.num_preemptions == 0
+        assert result.output_tokens == sum(n * e.output_len if e.output_len > 1 else n
+                                           for e in ENTRIES)
+        saved[n] = result.sharing_saved
+    assert 0 < saved[2] < saved[4] < 1 - 1 / 4, saved       # never more than the n copies
+    assert run("reserve-max", 3).sharing_saved == 0.0       # reserves share nothing
+
+
+def test_beam_runs_report_the_memory_sharing_saves_on_both_sharing_policies():
+    for policy in ("paged", "vmem"):
+        assert 0.2 < run(policy, 4).sharing_saved < 0.75
+
+
+def test_n_is_refused_by_name_when_it_cannot_be_computed():
+    with pytest.raises(ConfigError, match="n must be an int >= 1"):
+        SimConfig(n=0)
+    with pytest.raises(ConfigError, match="n must be 1 with beam_width"):
+        SimConfig(n=2, beam_width=2)
