@@ -31,7 +31,7 @@ from .request import Sequence, SeqState
 class BeamGroups:
     """Beam-group scheduling (a mixin over Scheduler: ``running``, ``waiting``, ``swapped``,
     ``seqs``, ``manager``, ``config``, ``_decoded``, ``_scheduled``, ``_unfinished_samples``,
-    ``metrics``, ``_preempt``, ``_swappable``)."""
+    ``_preempt``, ``_swappable``, ``_requeue``)."""
 
     # ---- what the beam search says after a step (between schedule and update) -------------
     def branch(self, parent_id: int, count: int) -> List[int]:
@@ -103,8 +103,10 @@ class BeamGroups:
         tail: a group is swapped out only if all of it can be (no member part-way through a
         prefill or waiting, the swap space holding every member), else recomputed whole;
         ``recompute`` forces the latter."""
-        swap = False if recompute else None
-        if victims[0].beam_width and not recompute:
+        swap = None                               # one sequence: _preempt decides
+        if recompute:
+            swap = False
+        elif victims[0].beam_width:
             swap = (all(self._swappable(m) for m in victims)
                     and not self._members(self.waiting, victims[0].request)
                     and self.manager.can_swap_out_all([m.seq_id for m in victims]))
@@ -128,12 +130,8 @@ class BeamGroups:
         """Drop the swapped ``group``'s swap copies; it waits to be recomputed (admitted whole,
         or the empty cache's refusal names it)."""
         for seq in reversed(group):
-            self.manager.free(seq.seq_id, computed_tokens=0)     # DropSwapped
             self.swapped.remove(seq)
-            self.metrics.recomputed_tokens += seq.num_computed
-            seq.num_computed = seq.held = 0
-            seq.state = SeqState.WAITING
-            self.waiting.appendleft(seq)
+            self._requeue(seq, 0)                 # the manager drops its swap copy
 
     def _run_beside(self, seq: Sequence) -> None:
         """Make ``seq`` running; a beam goes right after its group's last running member (a

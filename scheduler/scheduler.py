@@ -268,7 +268,12 @@ class Scheduler(StepTransactions, BeamGroups):
             plan.swapped_out.append(seq.seq_id)
             self.metrics.num_swap_preemptions += 1
             return
-        self.manager.free(seq.seq_id, computed_tokens=seq.num_computed)
+        self._requeue(seq, seq.num_computed)
+
+    def _requeue(self, seq: Sequence, computed_tokens: int) -> None:
+        """Free ``seq`` (telling the manager ``computed_tokens``: what it may publish) and put it
+        at the head of ``waiting``, to be recomputed."""
+        self.manager.free(seq.seq_id, computed_tokens=computed_tokens)
         self.metrics.recomputed_tokens += seq.num_computed
         seq.num_computed = seq.held = 0
         seq.state = SeqState.WAITING
