@@ -1,5 +1,6 @@
 """Map and unmap latency per page, per driver and page size (µs per page, median of repeats),
-and the time a decode loop waits for the page mapper with and without overlap.
+page create/release and discard/recreate cost, and the time a decode loop waits for the page
+mapper with and without overlap.
 
     python -m vmemkv.benchmarks.alloc [--quick] [--out bench_out/alloc.json]
 
@@ -8,6 +9,13 @@ unmaps them; the figure is the median over repeats of (total time / pages). Page
 pool created up front, so the timing never includes page creation -- exactly the cost a cache
 pays when a request grows. The host pool is fallocated up front, so first-touch cost is not
 included either (the page cache already holds the pages).
+
+Page lifecycle (``lifecycle``): the driver calls behind elastic memory, one page per call, µs
+per page (median over repeats of total / pages): ``create_pages(1)`` then ``release_pages`` of
+it, and ``discard_pages`` then ``recreate_pages`` of one page of a pool (vmem/pool.py's
+``discard`` / re-creation on mapping). CUDA rows stand beside the published A100 figures for
+2 MiB pages (``PUBLISHED_A100``: the kvcached / vAttention papers), as do the map/unmap rows
+(our map is cuMemMap + cuMemSetAccess, our unmap cuCtxSynchronize + cuMemUnmap).
 
 Lock cost (``lock_cost``): the same map + unmap cycles on one host pool with its lock (every
 pool and range call holds it, vmem/pool.py) and with a no-op lock in its place, the two
@@ -34,6 +42,10 @@ from vmemkv.scheduler.cost import count_map_ops
 KiB, MiB = 2**10, 2**20
 HOST_PAGE_SIZES = (4 * KiB, 64 * KiB, 2 * MiB)
 CUDA_PAGE_SIZES = (2 * MiB,)
+# µs per 2 MiB page on an A100, as the kvcached / vAttention papers report them
+PUBLISHED_A100 = {"source": "kvcached / vAttention papers", "page_bytes": 2 * MiB,
+                  "cuMemCreate_us": 193.0, "cuMemMap_us": 1.45, "cuMemSetAccess_us": 36.0,
+                  "cuMemUnmap_us": 26.0}
 
 
 def measure(driver, page_bytes: int, num_pages: int, warmup: int, repeats: int) -> dict:
@@ -66,6 +78,51 @@ def measure(driver, page_bytes: int, num_pages: int, warmup: int, repeats: int) 
             "pages": num_pages, "map_us": map_us, "unmap_us": unmap_us,
             "map_unmap_us": map_us + unmap_us, "map_unmap_us_min": min(cycles_us),
             "map_unmap_us_max": max(cycles_us)}
+
+
+def _published(row: dict, **columns: str) -> dict:
+    """``row`` with the published A100 figures (sums of PUBLISHED_A100 keys) beside its own,
+    for CUDA 2 MiB pages only."""
+    if row["driver"] == "cuda" and row["page_bytes"] == PUBLISHED_A100["page_bytes"]:
+        for column, keys in columns.items():
+            row[column] = sum(PUBLISHED_A100[key] for key in keys.split("+"))
+    return row
+
+
+def lifecycle(driver, page_bytes: int, num_pages: int, warmup: int, repeats: int) -> dict:
+    """µs per page of one-page driver calls: create + release, and discard + recreate."""
+    import statistics
+    samples: dict[str, list[float]] = {"create": [], "release": [], "discard": [],
+                                       "recreate": []}
+    pool = list(driver.create_pages(num_pages, page_bytes))   # the pages discard works on
+    try:
+        for _ in range(warmup + repeats):
+            times = {}
+            start = time.perf_counter()
+            made = [driver.create_pages(1, page_bytes) for _ in range(num_pages)]
+            mid = time.perf_counter()
+            for handles in made:
+                driver.release_pages(handles)
+            end = time.perf_counter()
+            times["create"], times["release"] = mid - start, end - mid
+            start = time.perf_counter()
+            for handle in pool:
+                driver.discard_pages([handle], page_bytes)
+            mid = time.perf_counter()
+            pool = [driver.recreate_pages([handle], page_bytes)[0] for handle in pool]
+            end = time.perf_counter()
+            times["discard"], times["recreate"] = mid - start, end - mid
+            for key, seconds in times.items():
+                samples[key].append(seconds / num_pages * 1e6)
+    finally:
+        driver.release_pages(pool)
+    row = {"driver": driver.name, "page_size": human_bytes(page_bytes), "page_bytes": page_bytes,
+           "pages": num_pages}
+    for key, values in samples.items():
+        row[f"{key}_us"] = statistics.median(values[warmup:])
+    row["create_release_us"] = row["create_us"] + row["release_us"]
+    row["discard_recreate_us"] = row["discard_us"] + row["recreate_us"]
+    return _published(row, a100_create_us="cuMemCreate_us")
 
 
 class _NoLock:
@@ -231,7 +288,7 @@ def run(quick: bool = False, out: str | None = None, pages: int | None = None,
     env = environment(seed=0, warmup=warmup, repeats=repeats, device=device, pages_per_repeat=num_pages,
                       mapper_repeats=mapper_repeats, **versions(device))
     print_environment(env)
-    rows = []
+    rows, pages_rows = [], []
     drivers = vmem.available_drivers()
     for name, sizes in (("host", HOST_PAGE_SIZES), ("cuda", CUDA_PAGE_SIZES)):
         if drivers[name]:
@@ -240,8 +297,19 @@ def run(quick: bool = False, out: str | None = None, pages: int | None = None,
         driver = vmem.open_driver(name)
         env[f"{name}_granularity_bytes"] = driver.granularity_bytes
         for page_bytes in sizes:
-            rows.append(measure(driver, page_bytes, num_pages, warmup, repeats))
-    print(format_table(rows, ["driver", "page_size", "pages", "map_us", "unmap_us", "map_unmap_us"]))
+            rows.append(_published(measure(driver, page_bytes, num_pages, warmup, repeats),
+                                   a100_map_us="cuMemMap_us+cuMemSetAccess_us",
+                                   a100_unmap_us="cuMemUnmap_us"))
+            pages_rows.append(lifecycle(driver, page_bytes, num_pages, warmup, repeats))
+    a100 = PUBLISHED_A100
+    print(f"# a100_*: published A100 figures for CUDA 2 MiB pages ({a100['source']}): "
+          f"cuMemCreate {a100['cuMemCreate_us']} µs, map {a100['cuMemMap_us']} µs + set-access "
+          f"{a100['cuMemSetAccess_us']} µs, unmap {a100['cuMemUnmap_us']} µs")
+    print(format_table(rows, ["driver", "page_size", "pages", "map_us", "unmap_us", "map_unmap_us",
+                              "a100_map_us", "a100_unmap_us"]))
+    print("# page create/release and discard/recreate: µs per page, one page per driver call")
+    print(format_table(pages_rows, ["driver", "page_size", "pages", "create_us", "release_us",
+                                    "discard_us", "recreate_us", "a100_create_us"]))
     lock = []
     if not drivers["host"]:
         lock.append(lock_cost(vmem.open_driver("host"), 4 * KiB, num_pages, repeats))
@@ -256,7 +324,8 @@ def run(quick: bool = False, out: str | None = None, pages: int | None = None,
           f"{mapper[0]['batch']}, {mapper[0]['page_size']} pages, attention {mapper[0]['attention']}, "
           f"1 torch thread; median of {mapper_repeats}")
     print(format_table(mapper, ["mode", "steps", "pages_mapped", "mapping_ms", "wait_ms", "hidden_pct", "loop_ms"]))
-    payload = {"benchmark": "alloc", "environment": env, "results": rows, "lock": lock,
+    payload = {"benchmark": "alloc", "environment": env, "results": rows,
+               "lifecycle": pages_rows, "published_a100": PUBLISHED_A100, "lock": lock,
                "mapper": mapper}
     write_json(out, payload)
     return payload

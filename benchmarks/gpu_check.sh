@@ -26,6 +26,7 @@
 #   profile 30   benchmarks/gpu_smoke.py profile: FlashAttention kernels per layer per step
 #                (one on vmem) and host syncs per step (torch.cuda.set_sync_debug_mode)
 #   bench 75     vmemkv bench --quick --device cuda
+#                (its alloc section now also times page create/release and discard/recreate)
 #   attention 50 benchmarks/attention.py --device cuda (issue 4's grid, fp16)
 #   layouts 12   the same at b8 ctx2k and b32 ctx4k decode on both vmem layouts (2 MiB pages):
 #                interleaved's strided per-layer view against per-layer under FlashAttention,

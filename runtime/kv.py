@@ -18,6 +18,7 @@ from vmemkv.scheduler.layout import CacheKind, CacheLayout
 from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.geometry import PageGeometry, default_page_bytes as _default_page_bytes
 from vmemkv.scheduler.managers import DEFAULT_EVICTION, make_manager
+from vmemkv.scheduler.managers.ledger import RELEASED
 from vmemkv.scheduler.plan import SwapOut
 from vmemkv.scheduler.tables import TableTracker, tracker_for
 
@@ -107,7 +108,8 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
             layout: str = "per-layer", page_bytes: Optional[int] = None,
             block_size: int = 16, swap_bytes: int = 0, background_mapper: bool = False,
             driver: Optional[vmem.Driver] = None, grow_pages: bool = False,
-            prefix_eviction: str = DEFAULT_EVICTION, hybrid_parts: bool = True) -> KV:
+            prefix_eviction: str = DEFAULT_EVICTION, hybrid_parts: bool = True,
+            max_cache_bytes: Optional[int] = None) -> KV:
     """Build the manager (scheduler.managers) and a cache of ``kind`` for ``config``.
 
     cache_bytes: device memory for K/V (default: room for every slot at full length).
@@ -119,7 +121,8 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
     (scheduler.managers.vmem_kinds; the ops name each kind's pool pages); False: full allocation.
     paged: ``block_size`` tokens per block; vmem: prefix hits in blocks of ``block_size``
     tokens, the part of a page a hit covers copied (scheduler/managers/blocks.py). ``prefix_eviction``: the managers' retention of
-    computed prefixes (scheduler.managers.eviction).
+    computed prefixes (scheduler.managers.eviction). ``max_cache_bytes`` (vmem): the most
+    ``manager.resize`` may grow the pool to (default ``cache_bytes``).
     """
     if kind not in CACHE_KINDS:
         raise CacheConfigError(f"cache must be 'vmem' or 'paged', got {kind!r}")
@@ -131,8 +134,10 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
         manager = make_manager("vmem", model, cache_bytes, config.max_context, page_bytes=page_bytes,
                                layout=layout, max_slots=config.max_batch, swap_bytes=swap_bytes,
                                prefix_eviction=prefix_eviction, hybrid_parts=hybrid_parts,
-                               prefix_block_tokens=block_size)
+                               prefix_block_tokens=block_size, max_cache_bytes=max_cache_bytes)
     else:
+        if max_cache_bytes not in (None, cache_bytes):
+            raise CacheConfigError("max_cache_bytes needs the vmem cache (only its pool resizes)")
         manager = make_manager("paged", model, cache_bytes, config.max_context,
                                block_size_tokens=block_size, swap_bytes=swap_bytes,
                                prefix_eviction=prefix_eviction)
@@ -175,7 +180,8 @@ def cache_from_layout(layout: CacheLayout, config: CacheConfig, *,
             f"CacheConfig.max_context is {config.max_context}")
     return VMemKVCache(config, layout.geometry, layout.num_groups, driver=driver,
                        background_mapper=background_mapper, grow_pages=grow_pages,
-                       pool_pages=layout.pool_pages, kinds=layout.kinds)
+                       pool_pages=layout.pool_pages, kinds=layout.kinds,
+                       released_pages=layout.released_pages)
 
 
 def check_matches(manager, cache: KVCache) -> None:
@@ -196,6 +202,12 @@ def check_matches(manager, cache: KVCache) -> None:
         for slot in range(cache.config.max_batch):
             assert cache.mapped_extents(slot) == manager.mapped_extents(slot), \
                 f"pool pages mapped under slot {slot}"
+        # pages given back to the device have no memory behind them (elastic pools)
+        ledger, pool = manager.ledger, cache.pool
+        backed = [p for p in range(ledger.num_pages)
+                  if ledger.holder(p) == RELEASED and pool.has_memory(p)]
+        assert not backed, f"released pool pages {backed[:8]} still have memory"
+        assert pool.grow or pool.committed_pages <= ledger.in_service_pages, "memory past service"
     swapped = cache.swapped_tokens()
     for seq_id, tokens in swapped.items():
         assert manager.is_swapped(seq_id), f"swap space holds unknown sequence {seq_id}"

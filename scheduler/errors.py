@@ -45,3 +45,9 @@ class TransactionStateError(SchedulerError, RuntimeError):
     """A manager's ``begin`` inside an open transaction, or ``commit``/``rollback`` without one."""
 class UnknownRequestError(UnknownSequenceError):
     """A request id with no unfinished sequence: never submitted, or already ended."""
+
+
+class CacheResizeError(SchedulerError, MemoryError):
+    """A cache resize that cannot be done as asked: the bytes running sequences hold (and
+    ``preempt`` was not given), a request that would no longer fit, or past the pool's
+    ``max_cache_bytes``. Nothing changed."""

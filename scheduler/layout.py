@@ -47,8 +47,10 @@ class CacheLayout:
 
     vmem: ``geometry``, ``num_slots`` slots of ``pages_per_slot`` page indexes, ``num_groups``
     group ids, ``backing``, ``pool_pages`` physical pages in the pool (the ops name pages
-    0..pool_pages-1) and ``kinds``: ((name, layers), ...), the layer kinds ops name, whose
-    members (K/V of each layer, in layer order) every layer is one of.
+    0..pool_pages-1; the last ``released_pages`` of them start given back to the device, with
+    no memory behind them, until a resize takes them back) and ``kinds``: ((name, layers),
+    ...), the layer kinds ops name, whose members (K/V of each layer, in layer order) every
+    layer is one of.
     paged: ``num_blocks`` blocks of ``block_size_tokens`` tokens (a hybrid: ``block_groups``,
     the layers each block group's blocks hold, one block table per group). Validated on construction
     (ConfigError naming the field); unused fields of the other kind stay at their defaults.
@@ -65,6 +67,7 @@ class CacheLayout:
     num_blocks: int = 0
     kinds: tuple = ()
     block_groups: tuple = ()                # paged hybrid: layers per block group; (): one
+    released_pages: int = 0                 # vmem: pool pages past cache_bytes (elastic pools)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", CacheKind(self.kind))
@@ -88,6 +91,10 @@ class CacheLayout:
                               f"{self.geometry.tokens_per_page} tokens does not hold "
                               f"max_seq_len_tokens={self.max_seq_len_tokens}")
         _positive("pool_pages", self.pool_pages)
+        if isinstance(self.released_pages, bool) or not isinstance(self.released_pages, int) \
+                or not 0 <= self.released_pages <= self.pool_pages:
+            raise ConfigError(f"CacheLayout released_pages must be in 0..pool_pages, got "
+                              f"{self.released_pages!r}")
         g = self.geometry
         layers = sorted(l for _, kind_layers in self.kinds for l in kind_layers)
         if layers != list(range(g.num_layers)) or (not g.per_layer and len(self.kinds) != 1):

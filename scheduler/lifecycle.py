@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections import deque
 from typing import List
 
-from .errors import SchedulerError, UnknownRequestError
+from .errors import CacheResizeError, ConfigError, SchedulerError, UnknownRequestError
+from .plan import StepPlan
 from .request import Sequence, SeqState
 
 
@@ -23,7 +24,7 @@ class Savepoint:
     are kept."""
 
     __slots__ = ("waiting", "running", "swapped", "sequences", "seqs", "finished_ids",
-                 "unfinished", "step", "admit_counter", "metrics", "latency_lengths")
+                 "unfinished", "step", "admit_counter", "metrics", "latency_lengths", "capacity")
 
     def __init__(self, scheduler) -> None:
         s, m = scheduler, scheduler.metrics
@@ -38,6 +39,7 @@ class Savepoint:
                         m.num_aborted_requests, m.num_failed_requests, m.num_finished_requests,
                         m.generated_tokens)
         self.latency_lengths = (len(m.ttft_s), len(m.itl_s))
+        self.capacity = (s.total_tokens, s.max_fit_tokens, s.watermark_tokens)   # resize
 
     def restore(self, scheduler) -> None:
         """Put ``scheduler`` back exactly as it was when this savepoint was taken."""
@@ -54,6 +56,7 @@ class Savepoint:
          m.num_aborted_requests, m.num_failed_requests, m.num_finished_requests,
          m.generated_tokens) = self.metrics
         del m.ttft_s[self.latency_lengths[0]:], m.itl_s[self.latency_lengths[1]:]
+        s.total_tokens, s.max_fit_tokens, s.watermark_tokens = self.capacity
         s._decoded, s._scheduled = [], []
 
 
@@ -74,6 +77,41 @@ def end_request(scheduler, request_id: int, status: SeqState) -> List[int]:
     else:
         s.metrics.num_failed_requests += 1
     return [q.seq_id for q in seqs]
+
+
+def resize_pool(scheduler, cache_bytes: int, preempt: bool, check_fit: bool, partial: bool):
+    """``Scheduler.resize``: the manager's pool set to ``cache_bytes``, preempting from the
+    tail of ``running`` (swap or recompute, as a step would) while running sequences hold what
+    must go and ``preempt`` allows it; ``partial``: what could not be freed stays (no error).
+    Returns the plan (ops, preemptions, table edits)."""
+    s = scheduler
+    plan = StepPlan([], [], finished=[])
+    try:
+        short = s.manager.resize(cache_bytes)
+    except ConfigError as error:
+        raise CacheResizeError(str(error)) from None
+    while short and preempt and s.running:
+        s._preempt_unit(s._tail_unit(), plan)
+        short = s.manager.resize(cache_bytes)
+    if short and not partial:
+        held = "" if preempt else "; pass preempt=True to preempt them"
+        raise CacheResizeError(
+            f"resizing the cache to {cache_bytes} bytes: {short} bytes are held by "
+            f"{len(s.running)} running sequence(s) and could not be freed{held}")
+    if check_fit or cache_bytes:   # asleep (0 bytes, unchecked): requests added meanwhile
+        s._refresh_capacity()      # are checked against the pool they will wake to
+    if check_fit:
+        live = [q for q in s.seqs.values() if not q.state.is_ended]
+        longest = max(live, key=lambda q: q.request.max_total_len, default=None)
+        if longest is not None and longest.request.max_total_len > s.max_fit_tokens:
+            raise CacheResizeError(
+                f"resizing the cache to {cache_bytes} bytes: request "
+                f"{longest.request.request_id} needs {longest.request.max_total_len} tokens, "
+                f"the cache would hold {s.max_fit_tokens} tokens of one sequence")
+    plan.ops = s.manager.take_ops()
+    if s.tables is not None:
+        s.tables.fill(plan, s.manager)
+    return plan
 
 
 def _release(s, seq: Sequence, status: SeqState) -> None:

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import List, NamedTuple, Optional, Tuple, Union
 
 from .errors import ConfigError
-from .managers.base import (CopyBlock, CopyExtent, DropSwapped, MapExtent,  # noqa: F401
+from .managers.base import (CopyBlock, CopyExtent, DropSwapped, MapExtent, ReleasePages,  # noqa: F401
                             MemoryOp, SwapIn, SwapOut, UnmapExtent)  # the ops a plan carries
 
 PREEMPTION_MODES = ("recompute", "swap")

@@ -27,7 +27,7 @@ from .managers.base import MemoryManager
 from .metrics import SchedulerMetrics, gauges
 from .plan import PREEMPTION_MODES, ScheduledSeq, SchedulerConfig, StepPlan  # noqa: F401 (re-exported)
 from .request import Request, Sequence, SeqState
-from .lifecycle import Savepoint, StepTransactions, end_request
+from .lifecycle import Savepoint, StepTransactions, end_request, resize_pool
 from .beam_groups import BeamGroups
 from .tables import TableTracker
 
@@ -43,12 +43,7 @@ class Scheduler(StepTransactions, BeamGroups):
         self.config = config
         self.tables = tables
         self.max_seq_len = config.max_seq_len or manager.max_seq_len
-        total = manager.stats().total_tokens
-        self.total_tokens = total
-        # the longest sequence the manager could ever hold (a reservation may need more than
-        # the tokens it caches); a request longer than this is rejected at submission
-        self.max_fit_tokens = manager.max_sequence_tokens
-        self.watermark_tokens = int(config.watermark * total)
+        self._refresh_capacity()
         # tell the manager what is computed whenever a shareable unit may have filled
         self._publish_stride = manager.prefix_unit_tokens if config.enable_prefix_sharing else 0
         self.metrics = SchedulerMetrics()
@@ -65,6 +60,23 @@ class Scheduler(StepTransactions, BeamGroups):
         self._step = 0
         self._unfinished_samples: Dict[int, int] = {}   # request_id -> sequences not finished
         self._savepoint: Optional[Savepoint] = None   # open transaction (begin), else None
+
+    def _refresh_capacity(self) -> None:
+        self.total_tokens = total = self.manager.stats().total_tokens
+        # the longest sequence the manager could ever hold (a reservation may need more than
+        # the tokens it caches); a request longer than this is rejected at submission
+        self.max_fit_tokens = self.manager.max_sequence_tokens
+        self.watermark_tokens = int(self.config.watermark * total)
+
+    def resize(self, cache_bytes: int, preempt: bool = False, check_fit: bool = True,
+               partial: bool = False):
+        """Set the manager's pool to ``cache_bytes`` (vmem only) and return the plan that does
+        it: grown at once; shrunk by giving back free, then unused, then cached pages, then
+        (``preempt``) preempting running sequences from the tail. CacheResizeError when it
+        cannot (bytes still held, unless ``partial``: then it shrinks as far as it can; or,
+        ``check_fit``, a live request that would no longer fit): call it inside a transaction
+        (``begin``, and the manager's) to undo that."""
+        return resize_pool(self, cache_bytes, preempt, check_fit, partial)
 
     # ---- submission ----------------------------------------------------------------------
     def add_request(self, request: Request) -> List[int]:

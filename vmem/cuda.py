@@ -2,7 +2,8 @@
 
     granularity    cuMemGetAllocationGranularity(MINIMUM)   (2 MiB on current GPUs)
     reserve        cuMemAddressReserve
-    create pages   cuMemCreate, pinned device memory, all of them up front
+    create pages   cuMemCreate, pinned device memory, all of them up front (discarded: None
+                   placeholders, for recreate_pages)
     map            cuMemMap + cuMemSetAccess(read/write for this device)
     unmap          cuCtxSynchronize + cuMemUnmap: kernels already queued may still read the
                    page, and cuMemUnmap does not wait for them (PyTorch's expandable segments
@@ -10,6 +11,8 @@
                    (``prepare_unmap(n)``) and its next n unmaps on that thread skip their own
                    cuCtxSynchronize, so queued work is waited for once per plan, not per page
     release        cuMemRelease / cuMemAddressFree
+    discard pages  cuMemRelease (the handle is dead: never released again)
+    recreate       cuMemCreate: new handles, all or nothing
     tensor         a DLPack capsule naming cuda:<index> (vmem/dlpack.py), zero copy
 
 It runs in the primary context PyTorch created on the device (retained at open, made current
@@ -173,8 +176,11 @@ class CudaDriver(Driver):
         with self._with_context():
             self._check("cuMemAddressFree", self._cu.cuMemAddressFree(address, size_bytes))
 
-    def create_pages(self, num_pages: int, page_bytes: int) -> Sequence[Any]:
+    def create_pages(self, num_pages: int, page_bytes: int,
+                     discarded: bool = False) -> Sequence[Any]:
         self.check_page_bytes(page_bytes)
+        if discarded:                # nothing to name yet: recreate_pages makes real ones
+            return [None] * num_pages
         handles = []
         with self._with_context():
             try:
@@ -186,10 +192,16 @@ class CudaDriver(Driver):
                 raise
         return handles
 
-    def release_pages(self, handles: Sequence[Any]) -> None:
-        with self._with_context():
+    def release_pages(self, handles: Sequence[Any], discarded: Sequence[Any] = ()) -> None:
+        with self._with_context():   # discarded handles were released by discard_pages
             for handle in handles:
                 self._check("cuMemRelease", self._cu.cuMemRelease(handle))
+
+    def discard_pages(self, handles: Sequence[Any], page_bytes: int) -> None:
+        self.release_pages(handles)
+
+    def recreate_pages(self, handles: Sequence[Any], page_bytes: int) -> Sequence[Any]:
+        return self.create_pages(len(handles), page_bytes)
 
     def map(self, address: int, handle: Any, page_bytes: int) -> None:
         with self._with_context():

@@ -10,7 +10,8 @@ from abc import ABC, abstractmethod
 from typing import Any, Sequence
 
 from . import forks
-from .errors import AlignmentError, DriverUnavailableError, VMemConfigError
+from .errors import (AlignmentError, DriverUnavailableError, InsufficientMemoryError,
+                     VMemConfigError)
 
 __all__ = ["Driver", "open_driver", "available_drivers"]
 
@@ -50,12 +51,31 @@ class Driver(ABC):
         """Give back a reservation; nothing may be mapped in it any more."""
 
     @abstractmethod
-    def create_pages(self, num_pages: int, page_bytes: int) -> Sequence[Any]:
-        """Create ``num_pages`` physical pages up front; returns one opaque handle per page."""
+    def create_pages(self, num_pages: int, page_bytes: int,
+                     discarded: bool = False) -> Sequence[Any]:
+        """Create ``num_pages`` physical pages up front; returns one opaque handle per page.
+        ``discarded=True``: handles with no memory yet, as if ``discard_pages`` had been
+        called on them (host: the memfd sized, nothing allocated; CUDA: placeholders)."""
 
     @abstractmethod
-    def release_pages(self, handles: Sequence[Any]) -> None:
-        """Destroy pages made by one ``create_pages`` call (none may still be mapped)."""
+    def release_pages(self, handles: Sequence[Any], discarded: Sequence[Any] = ()) -> None:
+        """Destroy pages made by one ``create_pages`` call (none may still be mapped).
+        ``discarded``: that call's pages discarded since and not re-created; their memory is
+        gone already, so only what the driver still holds for them goes (host: the memfd
+        they share with ``handles``; CUDA: nothing, their handles are dead)."""
+
+    @abstractmethod
+    def discard_pages(self, handles: Sequence[Any], page_bytes: int) -> None:
+        """Give back the physical memory of these ``page_bytes`` pages (mapped nowhere); their
+        bytes are lost. On a failure part way, the pages before the failing one are discarded.
+        A discarded handle goes only to ``recreate_pages``, or to ``release_pages`` as
+        ``discarded``. Host: a hole punched in the memfd; CUDA: cuMemRelease."""
+
+    @abstractmethod
+    def recreate_pages(self, handles: Sequence[Any], page_bytes: int) -> Sequence[Any]:
+        """Physical memory again for pages discarded before, all or nothing; returns the
+        handles to use from now on, one per page in order (host: the same ones, reading
+        zeros; CUDA: new ones from cuMemCreate, their bytes unspecified)."""
 
     @abstractmethod
     def map(self, address: int, handle: Any, page_bytes: int) -> None:
@@ -104,6 +124,17 @@ class Driver(ABC):
         """Bytes of physical memory that pages could be created in now (host: MemAvailable;
         CUDA: the device's free memory), None when unknown. Pools check it before creating."""
         return None
+
+    def check_available(self, num_pages: int, page_bytes: int, verb: str = "creating") -> None:
+        """InsufficientMemoryError (both sizes in bytes) unless ``num_pages`` pages of
+        ``page_bytes`` fit in ``available_bytes()``; nothing when that is unknown."""
+        need = num_pages * page_bytes
+        available = self.available_bytes()
+        if available is not None and need > available:
+            raise InsufficientMemoryError(
+                f"{verb} {num_pages} pages of {page_bytes} bytes needs {need} bytes "
+                f"({need / 2**30:.2f} GiB) but the {self.name} driver reports only "
+                f"{available} bytes ({available / 2**30:.2f} GiB) available; ask for fewer pages")
 
     def close(self) -> None:
         """Release driver-wide resources (ranges and pools are closed by their owners)."""

@@ -4,10 +4,11 @@
     driver.fail_at("map", 3)          # the 4th map call from now raises DriverCallError
     driver.fail_at("create_pages", 0, out_of_memory=True)   # the next pool build is an OOM
 
-Calls are counted per kind (``map``, ``unmap``, ``create_pages``, ``reserve``, ``copy``) from the
-moment the fault is armed; the failing call raises BEFORE it reaches the real driver, so a failed
-call changes nothing (the same as CudaDriver, which undoes a half-done cuMemMap). Every other
-call goes to the wrapped driver unchanged.
+Calls are counted per kind (``map``, ``unmap``, ``create_pages``, ``discard_pages``,
+``recreate_pages``, ``reserve``, ``copy``) from the moment the fault is armed; the failing call
+raises BEFORE it reaches the real driver, so a failed call changes nothing (the same as
+CudaDriver, which undoes a half-done cuMemMap). Every other call goes to the wrapped driver
+unchanged.
 
 The wrapper also keeps its own record of which addresses are mapped, so a second map of an
 address that is already mapped raises ``AlreadyMappedError`` (the host driver's MAP_FIXED would
@@ -23,7 +24,8 @@ from typing import Any, Callable, Optional, Sequence
 from .driver import Driver
 from .errors import AlreadyMappedError, DriverCallError, NotMappedError, VMemConfigError
 
-FAULT_KINDS = ("map", "unmap", "create_pages", "reserve", "copy")
+FAULT_KINDS = ("map", "unmap", "create_pages", "discard_pages", "recreate_pages", "reserve",
+               "copy")
 
 
 class FaultInjectingDriver(Driver):
@@ -97,12 +99,21 @@ class FaultInjectingDriver(Driver):
     def free_reservation(self, address: int, size_bytes: int) -> None:
         self.inner.free_reservation(address, size_bytes)
 
-    def create_pages(self, num_pages: int, page_bytes: int) -> Sequence[Any]:
+    def create_pages(self, num_pages: int, page_bytes: int,
+                     discarded: bool = False) -> Sequence[Any]:
         self._enter("create_pages")
-        return self.inner.create_pages(num_pages, page_bytes)
+        return self.inner.create_pages(num_pages, page_bytes, discarded)
 
-    def release_pages(self, handles: Sequence[Any]) -> None:
-        self.inner.release_pages(handles)
+    def release_pages(self, handles: Sequence[Any], discarded: Sequence[Any] = ()) -> None:
+        self.inner.release_pages(handles, discarded)
+
+    def discard_pages(self, handles: Sequence[Any], page_bytes: int) -> None:
+        self._enter("discard_pages")
+        self.inner.discard_pages(handles, page_bytes)
+
+    def recreate_pages(self, handles: Sequence[Any], page_bytes: int) -> Sequence[Any]:
+        self._enter("recreate_pages")
+        return self.inner.recreate_pages(handles, page_bytes)
 
     def map(self, address: int, handle: Any, page_bytes: int) -> None:
         self._enter("map")

@@ -3,6 +3,8 @@
     reserve        mmap(NULL, size, PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)
     create pages   one memfd per create_pages call, sized and fallocated up front;
                    page i is the byte range [i * page_bytes, (i + 1) * page_bytes) of it
+    discard pages  fallocate(memfd, PUNCH_HOLE|KEEP_SIZE, offset, page): its blocks go back
+    recreate       posix_fallocate of the same range: the same handle, reading zeros
     map            mmap(addr, page, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, memfd, offset)
     unmap          mmap(addr, page, PROT_NONE, MAP_FIXED|MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)
     free range     munmap(addr, size)
@@ -30,6 +32,7 @@ from .errors import DriverCallError, DriverUnavailableError
 PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 MAP_FAILED = ctypes.c_void_p(-1).value
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 
 
 def host_unavailable_reason() -> str | None:
@@ -74,6 +77,8 @@ def _load_libc() -> ctypes.CDLL:
                           ctypes.c_int, ctypes.c_long]
     libc.munmap.restype = ctypes.c_int
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.fallocate.restype = ctypes.c_int
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
     return libc
 
 
@@ -133,7 +138,8 @@ class HostDriver(Driver):
             errno = ctypes.get_errno()
             raise DriverCallError(f"free_reservation: munmap failed: {os.strerror(errno)}")
 
-    def create_pages(self, num_pages: int, page_bytes: int) -> Sequence[HostPage]:
+    def create_pages(self, num_pages: int, page_bytes: int,
+                     discarded: bool = False) -> Sequence[HostPage]:
         self.check_page_bytes(page_bytes)
         self._check_not_forked()
         try:
@@ -145,7 +151,7 @@ class HostDriver(Driver):
             os.ftruncate(fd, num_pages * page_bytes)
             # Commit the whole budget now (shmem blocks), as cuMemCreate would: mapping
             # latency then never includes page creation, and an over-budget pool fails here.
-            if num_pages:
+            if num_pages and not discarded:
                 os.posix_fallocate(fd, 0, num_pages * page_bytes)
         except OSError as error:
             os.close(fd)
@@ -153,9 +159,37 @@ class HostDriver(Driver):
                                   f"{page_bytes} bytes: {error}") from None
         return [HostPage(fd, i * page_bytes) for i in range(num_pages)]
 
-    def release_pages(self, handles: Sequence[HostPage]) -> None:
-        for fd in {page.fd for page in handles}:
+    def release_pages(self, handles: Sequence[HostPage],
+                      discarded: Sequence[HostPage] = ()) -> None:
+        for fd in {page.fd for page in (*handles, *discarded)}:
             os.close(fd)
+
+    def discard_pages(self, handles: Sequence[HostPage], page_bytes: int) -> None:
+        self._check_not_forked()
+        for page in handles:
+            self._punch(page, page_bytes)
+
+    def _punch(self, page: HostPage, page_bytes: int) -> None:
+        flags = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        if self._libc.fallocate(page.fd, flags, page.offset_bytes, page_bytes) != 0:
+            errno = ctypes.get_errno()
+            raise DriverCallError(f"discard_pages: fallocate(PUNCH_HOLE, offset "
+                                  f"{page.offset_bytes}, {page_bytes} bytes) failed: "
+                                  f"{os.strerror(errno)} (errno {errno})")
+
+    def recreate_pages(self, handles: Sequence[HostPage], page_bytes: int) -> Sequence[HostPage]:
+        self._check_not_forked()
+        done: list[HostPage] = []
+        try:
+            for page in handles:
+                os.posix_fallocate(page.fd, page.offset_bytes, page_bytes)
+                done.append(page)
+        except OSError as error:     # ENOSPC (tmpfs full), ENOMEM: all or nothing
+            for page in done:
+                self._punch(page, page_bytes)
+            raise DriverCallError(f"recreate_pages: posix_fallocate of {page_bytes} bytes "
+                                  f"failed: {error.strerror} (errno {error.errno})") from None
+        return list(handles)
 
     def map(self, address: int, handle: HostPage, page_bytes: int) -> None:
         self._mmap("map", address, page_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,

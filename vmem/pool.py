@@ -1,56 +1,69 @@
-"""PagePool: a budget of physical pages, handed out by id, created up front or on demand.
+"""PagePool: physical pages named by ids 0..total_pages-1, created up front or on demand,
+given back to the device and re-created page by page.
 
-Eager (the default): every page is created when the pool is built (one ``create_pages`` call),
-so mapping never pays for page creation and running out is a pool event, never a driver one.
-On demand (``grow=True``): ids exist from the start, but a page's physical memory is created
-the first time it is mapped, in chunks (a quarter of what exists, at least 16 pages) so driver
-calls stay few; what is created stays until ``close``. Either way every creation is first
-checked against the device's available memory (``InsufficientMemoryError``, nothing created).
+Eager (the default): every page is created with the pool (one ``create_pages`` call), so
+mapping never pays for creation. ``grow=True``: a page is created when first mapped, in chunks
+(a quarter of what was created, at least 16 pages). ``extend`` adds ids at the end, created the
+same way. ``discard`` gives pages' memory back (ids stay allocated or free, bytes are lost);
+mapping one again, or ``recommit``, re-creates exactly that page (a map whose driver call then
+fails leaves it re-created); ``committed_pages=k`` starts ids k.. discarded. Every creation is
+checked against the device's available memory first (``InsufficientMemoryError``, nothing
+created). The pool counts each page's mappings; a page mapped somewhere cannot be released or
+discarded.
 
-Pages are named by ids 0..total_pages-1. The pool counts, per page, how many addresses it is
-mapped at; ranges update that count, and a page still mapped somewhere cannot be released.
-
-Threads: a pool and every range on it share one lock (``threading.RLock``), held across each
-allocate, release, map, unmap and integrity check, so any thread may call them (its cost,
-map + unmap with the lock against without, is a ratio ``benchmarks/alloc.py`` prints: 1.02x
+Threads: a pool and its ranges share one lock (``threading.RLock``) held across every call
+(its cost, map + unmap with and without it, is a ratio ``benchmarks/alloc.py`` prints: 1.02x
 for 4 KiB host pages). Fork: see vmem/forks.py.
 """
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Iterable, Union
+from typing import Any, Iterable, Optional, Union
 
 from . import forks
 from .driver import Driver
-from .errors import (ClosedError, InsufficientMemoryError, PageStateError, PoolExhaustedError,
-                     VMemConfigError)
+from .errors import ClosedError, PageStateError, PoolExhaustedError, VMemConfigError
 
 MIN_GROWTH_PAGES = 16
+Slot = tuple[int, int]       # (batch, index): where a created page's handle lives
 
 
 class PagePool:
     """``total_pages`` physical pages of ``page_bytes`` each on ``driver``.
 
     Invariants (``check_integrity``): free + allocated == total; a free page has no mappings;
-    each page's mapping count equals the open ranges' mappings of it; committed (created)
-    pages <= total.
+    each page's mapping count equals the open ranges' mappings of it; every id is committed
+    (its memory exists), discarded (mapped nowhere) or never created; each created page is
+    bound to one id or in stock, never both.
     """
 
-    def __init__(self, driver: Driver, num_pages: int, page_bytes: int, grow: bool = False) -> None:
-        if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 1:
-            raise VMemConfigError(f"a page pool needs num_pages >= 1, got {num_pages!r}")
+    def __init__(self, driver: Driver, num_pages: int, page_bytes: int, grow: bool = False,
+                 committed_pages: Optional[int] = None) -> None:
+        _check_count(num_pages, "a page pool needs num_pages", least=1)
+        kept = num_pages if committed_pages is None else committed_pages
+        _check_count(kept, "committed_pages must be None or", most=num_pages)
         driver.check_page_bytes(page_bytes)
         self.driver = driver
         self.page_bytes = page_bytes
         self.grow = grow
-        self._batches: list[list[Any]] = []             # one per create_pages call (release unit)
-        self._stock: list[Any] = []                     # created, not yet bound to an id
-        if grow:
-            self._handles: list[Any] = [None] * num_pages   # page id -> handle (None: not created)
-        else:                                           # checked and created before any list
-            self._create(num_pages)
-            self._handles, self._stock = list(self._batches[0]), []
+        self._batches: list[list[Any]] = []     # one per create_pages call (release unit)
+        self._created = 0                        # pages in _batches (discarded ones included)
+        self._stock: list[Slot] = []             # created, not yet bound to an id
+        self._slot: list[Optional[Slot]] = [None] * num_pages    # id -> its page (None: none)
+        self._discarded: set[int] = set()        # ids whose memory was given back
+        try:                                     # checked and created before any other list
+            if kept and not grow:
+                self._create(kept)
+                self._bind(range(kept))
+            if kept < num_pages:                 # the rest start discarded: no memory yet
+                self._create(num_pages - kept, discarded=True)
+                self._bind(range(kept, num_pages))
+                self._discarded.update(range(kept, num_pages))
+        except BaseException:
+            for batch in self._batches:          # a failed build leaves no page behind
+                driver.release_pages(batch)
+            raise
         # LIFO free list: the most recently released page is reused first (warm in caches/TLB).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._is_free = [True] * num_pages
@@ -60,32 +73,50 @@ class PagePool:
         self._ranges: "weakref.WeakSet" = weakref.WeakSet()   # open ranges mapping from it
         forks.track_pool(self)
 
-    def _create(self, num_pages: int) -> None:
-        """Create ``num_pages`` pages into the stock, after checking available memory."""
-        need = num_pages * self.page_bytes
-        available = self.driver.available_bytes()
-        if available is not None and need > available:
-            raise InsufficientMemoryError(
-                f"creating {num_pages} pages of {self.page_bytes} bytes needs {need} bytes "
-                f"({need / 2**30:.2f} GiB) but the {self.driver.name} driver reports only "
-                f"{available} bytes ({available / 2**30:.2f} GiB) available; ask for fewer pages")
-        batch = list(self.driver.create_pages(num_pages, self.page_bytes))
+    def _create(self, num_pages: int, discarded: bool = False) -> None:
+        """Create ``num_pages`` pages into the stock (memory checked first, unless discarded)."""
+        if discarded:
+            batch = list(self.driver.create_pages(num_pages, self.page_bytes, discarded=True))
+        else:
+            self.driver.check_available(num_pages, self.page_bytes, "creating")
+            batch = list(self.driver.create_pages(num_pages, self.page_bytes))
         self._batches.append(batch)
-        self._stock.extend(reversed(batch))
+        self._created += len(batch)
+        self._stock.extend((len(self._batches) - 1, i) for i in reversed(range(len(batch))))
+
+    def _bind(self, page_ids: Iterable[int]) -> None:
+        for page_id in page_ids:
+            self._slot[page_id] = self._stock.pop()
+
+    def _recreate(self, page_ids: list[int]) -> None:
+        """Memory again for discarded ``page_ids`` (all or none, one driver call)."""
+        self.driver.check_available(len(page_ids), self.page_bytes, "re-creating")
+        old = [self._handle_of(page_id) for page_id in page_ids]
+        handles = list(self.driver.recreate_pages(old, self.page_bytes))
+        assert len(handles) == len(page_ids), "recreate_pages returned a handle per page"
+        for page_id, handle in zip(page_ids, handles):
+            batch, index = self._slot[page_id]
+            self._batches[batch][index] = handle
+            self._discarded.discard(page_id)
 
     # -- counters --
     @property
     def total_pages(self) -> int:
-        return len(self._handles)
+        return len(self._slot)
 
     @property
     def committed_pages(self) -> int:
-        """Pages whose physical memory exists (all of them unless ``grow``)."""
-        return sum(len(batch) for batch in self._batches)
+        """Pages whose physical memory exists now (created, not discarded; stock included)."""
+        return self._created - len(self._discarded)
 
     @property
     def committed_bytes(self) -> int:
         return self.committed_pages * self.page_bytes
+
+    @property
+    def discarded_pages(self) -> int:
+        """Ids whose memory ``discard`` gave back and nothing has re-created yet."""
+        return len(self._discarded)
 
     @property
     def free_pages(self) -> int:
@@ -108,13 +139,21 @@ class PagePool:
         self._check_id(page_id)
         return self._is_free[page_id]
 
+    def is_discarded(self, page_id: int) -> bool:
+        self._check_id(page_id)
+        return page_id in self._discarded
+
+    def has_memory(self, page_id: int) -> bool:
+        """Whether ``page_id``'s physical memory exists now (created, not discarded)."""
+        self._check_id(page_id)
+        return self._slot[page_id] is not None and page_id not in self._discarded
+
     # -- allocation --
     def allocate(self, num_pages: int = 1) -> list[int]:
         """Take ``num_pages`` free pages (all or none)."""
         with self._lock:
             self._check_usable()
-            if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 0:
-                raise VMemConfigError(f"allocate takes a page count >= 0, got {num_pages!r}")
+            _check_count(num_pages, "allocate takes a page count")
             if num_pages > len(self._free):
                 raise PoolExhaustedError(f"page pool exhausted: asked for {num_pages} pages, "
                                          f"{len(self._free)} of {self.total_pages} free")
@@ -127,43 +166,96 @@ class PagePool:
         """Return one page id, or every id of a list (what ``allocate`` returns), to the free
         list; each must be allocated and mapped nowhere. All or none: every id is checked first.
         Bookkeeping only, so a forked child may release too."""
-        ids = [pages] if isinstance(pages, int) else list(pages)
+        ids = _id_list(pages)
         with self._lock:
             self._check_open()
-            if len(set(ids)) != len(ids):
-                raise PageStateError(f"page ids {ids[:8]} name a page twice")
             for page_id in ids:
-                self._check_releasable(page_id)
+                if self.is_free(page_id):
+                    raise PageStateError(f"page {page_id} is already free (released twice?)")
+                self._check_unmapped(page_id)
             for page_id in ids:
                 self._is_free[page_id] = True
                 self._free.append(page_id)
 
-    def _check_releasable(self, page_id: int) -> None:
+    # -- elastic memory --
+    def discard(self, pages: Union[int, Iterable[int]]) -> None:
+        """Give back the physical memory of one page id or a list of them; each stays allocated
+        or free as it was, and its bytes are lost. All or none: each must be committed and
+        mapped nowhere (else PageStateError, nothing changed). One driver call per page, so a
+        DriverCallError part way leaves exactly the pages before the failing one discarded."""
+        ids = _id_list(pages)
+        with self._lock:
+            self._check_usable()
+            for page_id in ids:
+                self._check_discardable(page_id)
+            for page_id in ids:
+                self.driver.discard_pages([self._handle_of(page_id)], self.page_bytes)
+                self._discarded.add(page_id)
+
+    def _check_discardable(self, page_id: int) -> None:
         self._check_id(page_id)
-        if self._is_free[page_id]:
-            raise PageStateError(f"page {page_id} is already free (released twice?)")
-        if self._map_counts[page_id]:
-            raise PageStateError(f"page {page_id} is still mapped at "
-                                 f"{self._map_counts[page_id]} address(es); unmap it first")
+        if self._slot[page_id] is None:
+            raise PageStateError(f"page {page_id} was never created (an on-demand pool creates "
+                                 f"it on first mapping); there is no memory to discard")
+        if page_id in self._discarded:
+            raise PageStateError(f"page {page_id} is already discarded (discarded twice?)")
+        self._check_unmapped(page_id)
+
+    def recommit(self, pages: Union[int, Iterable[int]]) -> None:
+        """Re-create the memory of discarded page ids, all or none (one driver call): each must
+        be discarded (else PageStateError), all must fit in the available memory (else
+        InsufficientMemoryError). Their bytes are unspecified (host: zeros)."""
+        ids = _id_list(pages)
+        with self._lock:
+            self._check_usable()
+            for page_id in ids:
+                self._check_id(page_id)
+                if page_id not in self._discarded:
+                    raise PageStateError(f"page {page_id} is not discarded; only discarded "
+                                         f"pages can be recommitted")
+            if ids:
+                self._recreate(ids)
+
+    def extend(self, num_pages: int) -> list[int]:
+        """Add ``num_pages`` ids at the end (``total_pages`` grows by as many) and return them,
+        free for the caller to allocate. An eager pool creates their pages now, after checking
+        available memory (InsufficientMemoryError, nothing added); ``grow`` on first mapping."""
+        with self._lock:
+            self._check_usable()
+            _check_count(num_pages, "extend takes a page count")
+            new = list(range(self.total_pages, self.total_pages + num_pages))
+            if new and not self.grow:
+                self._create(num_pages)
+            self._slot.extend([None] * num_pages)
+            self._is_free.extend([True] * num_pages)
+            self._map_counts.extend([0] * num_pages)
+            if not self.grow:
+                self._bind(new)
+            self._free[:0] = reversed(new)      # under the warm pages: reused after them
+            return new
 
     # -- used by VirtualRange, under self._lock --
     def _handle_for_mapping(self, page_id: int) -> Any:
         self._check_usable()
         self._check_id(page_id)
         if self._is_free[page_id]:
-            raise PageStateError(f"page {page_id} is free; allocate it from the pool before mapping")
-        if self._handles[page_id] is None:     # on demand: create (a chunk) on first mapping
+            raise PageStateError(f"page {page_id} is free; allocate it from the pool before "
+                                 f"mapping")
+        if self._slot[page_id] is None:     # on demand: create (a chunk) on first mapping
             if not self._stock:
-                left = self.total_pages - self.committed_pages
-                self._create(min(left, max(MIN_GROWTH_PAGES, self.committed_pages // 4)))
-            self._handles[page_id] = self._stock.pop()
-        return self._handles[page_id]
+                left = self.total_pages - self._created
+                self._create(min(left, max(MIN_GROWTH_PAGES, self._created // 4)))
+            self._bind([page_id])
+        elif page_id in self._discarded:    # exactly this page, not a chunk
+            self._recreate([page_id])
+        return self._handle_of(page_id)
 
     def _count_mapping(self, page_id: int, delta: int) -> None:
         self._map_counts[page_id] += delta
 
     def _handle_of(self, page_id: int) -> Any:
-        return self._handles[page_id]
+        batch, index = self._slot[page_id]
+        return self._batches[batch][index]
 
     # -- lifecycle --
     def check_integrity(self) -> None:
@@ -182,9 +274,15 @@ class PagePool:
             drifted = [i for i, (a, b) in enumerate(zip(counted, self._map_counts)) if a != b]
             assert not drifted, (f"mapping counts of pages {drifted[:8]} disagree with the "
                                  f"ranges' mappings")
-            bound = sum(1 for handle in self._handles if handle is not None)
-            assert bound + len(self._stock) == self.committed_pages <= self.total_pages, \
-                "created pages disagree with bound + stock"
+            never = {i for i, slot in enumerate(self._slot) if slot is None}
+            slots = [slot for slot in self._slot if slot is not None] + self._stock
+            assert len(set(slots)) == len(slots) == self._created \
+                == sum(map(len, self._batches)), "a created page is bound twice, or lost"
+            assert not self._discarded & never and len(self._stock) <= len(never), "stock"
+            assert self.committed_pages - len(self._stock) + self.discarded_pages + len(never) \
+                == self.total_pages, "ids: committed + discarded + never created != total"
+            for page_id in self._discarded | never:
+                assert self._map_counts[page_id] == 0, f"page {page_id} is mapped, no memory"
 
     def close(self) -> None:
         """Destroy every page. Refused while any page is still mapped (close ranges first).
@@ -196,8 +294,11 @@ class PagePool:
                 raise PageStateError(f"cannot close the pool: {self.mapped_pages} page(s) are "
                                      f"still mapped; close the ranges that map them first")
             if not self._forked:
-                for batch in self._batches:
-                    self.driver.release_pages(batch)
+                dead = {self._slot[page_id] for page_id in self._discarded}
+                for b, batch in enumerate(self._batches):    # never a discarded handle as live
+                    live = [h for i, h in enumerate(batch) if (b, i) not in dead]
+                    gone = [h for i, h in enumerate(batch) if (b, i) in dead]
+                    self.driver.release_pages(live, discarded=gone)
             self._closed = True
 
     def _after_fork_in_child(self) -> None:
@@ -222,8 +323,14 @@ class PagePool:
             raise forks.forked_error("page pool")
 
     def _check_id(self, page_id: int) -> None:
-        if not isinstance(page_id, int) or not 0 <= page_id < len(self._handles):
-            raise PageStateError(f"page id {page_id!r} outside the pool's 0..{len(self._handles) - 1}")
+        if not isinstance(page_id, int) or not 0 <= page_id < len(self._slot):
+            raise PageStateError(f"page id {page_id!r} outside the pool's "
+                                 f"0..{len(self._slot) - 1}")
+
+    def _check_unmapped(self, page_id: int) -> None:
+        if self._map_counts[page_id]:
+            raise PageStateError(f"page {page_id} is still mapped at "
+                                 f"{self._map_counts[page_id]} address(es); unmap it first")
 
     def __enter__(self) -> "PagePool":
         return self
@@ -233,5 +340,20 @@ class PagePool:
 
     def __repr__(self) -> str:
         return (f"PagePool(page_bytes={self.page_bytes}, total={self.total_pages}, "
-                f"committed={self.committed_pages}, free={self.free_pages}, "
-                f"mapped={self.mapped_pages})")
+                f"committed={self.committed_pages}, discarded={self.discarded_pages}, "
+                f"free={self.free_pages}, mapped={self.mapped_pages})")
+
+
+def _check_count(num_pages: int, what: str, least: int = 0, most: Optional[int] = None) -> None:
+    if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < least \
+            or (most is not None and num_pages > most):
+        bound = f">= {least}" if most is None else f"in {least}..{most}"
+        raise VMemConfigError(f"{what} {bound}, got {num_pages!r}")
+
+
+def _id_list(pages: Union[int, Iterable[int]]) -> list[int]:
+    """One id or an iterable of them, as a list; PageStateError when one is named twice."""
+    ids = [pages] if isinstance(pages, int) else list(pages)
+    if len(set(ids)) != len(ids):
+        raise PageStateError(f"page ids {ids[:8]} name a page twice")
+    return ids

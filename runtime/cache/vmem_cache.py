@@ -26,8 +26,8 @@ from vmemkv import vmem
 from vmemkv.runtime.attention.base import StepMeta, VMemLayerView, window_starts
 from vmemkv.scheduler.geometry import PageGeometry
 from vmemkv.scheduler.layout import CacheKind, whole_kind_name
-from vmemkv.scheduler.plan import (CopyExtent, DropSwapped, MapExtent, SetSlot, SwapIn, SwapOut,
-                                   UnmapExtent)
+from vmemkv.scheduler.plan import (CopyExtent, DropSwapped, MapExtent, ReleasePages, SetSlot,
+                                   SwapIn, SwapOut, UnmapExtent)
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError
@@ -37,14 +37,16 @@ from .journal import PlanJournal
 from .mapper import BackgroundMapper, DeferredUndo
 from .vmem_ops import VMemOps, cache_kinds
 
-_OPS = (MapExtent, UnmapExtent, CopyExtent, SwapOut, SwapIn, DropSwapped)
+_OPS = (MapExtent, UnmapExtent, CopyExtent, SwapOut, SwapIn, DropSwapped, ReleasePages)
 
 
 class VMemKVCache(VMemOps, KVCache):
     """Executes vmem plans on a VirtualRange of ``config.max_batch`` slots of ``geometry``
     over a pool of ``pool_pages`` pages (default: ``num_groups`` whole page groups' worth),
     whose ops name the pool pages of layer ``kinds`` (((name, layers), ...) from the layout;
-    default: one kind of every layer).
+    default: one kind of every layer). The last ``released_pages`` pool pages start with no
+    memory (an elastic pool below its max): created when a MapExtent first names them;
+    ``ReleasePages`` gives pages' memory back.
 
     ``background_mapper=True`` runs each plan's ops on a thread, layer by layer, so layer l's
     pages are mapped while layers < l compute (per-layer layout); ``write``/``layer_view`` wait
@@ -56,7 +58,7 @@ class VMemKVCache(VMemOps, KVCache):
     def __init__(self, config: CacheConfig, geometry: PageGeometry, num_groups: int,
                  driver: Optional[vmem.Driver] = None, background_mapper: bool = False,
                  grow_pages: bool = False, pool_pages: Optional[int] = None,
-                 kinds: Optional[tuple] = None) -> None:
+                 kinds: Optional[tuple] = None, released_pages: int = 0) -> None:
         super().__init__(config)
         self._check_geometry(config, geometry, num_groups)
         pool_pages = num_groups * geometry.pages_per_group if pool_pages is None else pool_pages
@@ -74,8 +76,13 @@ class VMemKVCache(VMemOps, KVCache):
         self.pages_per_slot = config.max_context // self.tokens_per_page
         self.pages_per_group = geometry.pages_per_group
         self.num_groups = num_groups
-        check_fits_device(f"VMemKVCache pool of {pool_pages} pages of {self.page_bytes} bytes",
-                          pool_pages * self.page_bytes, config.torch_device,
+        if isinstance(released_pages, bool) or not isinstance(released_pages, int) or \
+                not 0 <= released_pages <= pool_pages:
+            raise CacheConfigError(f"released_pages must be in 0..{pool_pages}, got "
+                                   f"{released_pages!r}")
+        self._in_service = in_service = pool_pages - released_pages   # the rest: no memory yet
+        check_fits_device(f"VMemKVCache pool of {in_service} pages of {self.page_bytes} bytes",
+                          in_service * self.page_bytes, config.torch_device,
                           committed=not grow_pages)
         self._grow_pages = grow_pages   # pages created on first mapping (vmem.PagePool(grow=True))
         # the replica: slot -> {page index: {kind: pool pages mapped, from member page 0}}
@@ -95,7 +102,7 @@ class VMemKVCache(VMemOps, KVCache):
 
     def _build(self, c: CacheConfig, background_mapper: bool) -> None:
         self.pool = vmem.PagePool(self.driver, self.pool_pages, self.page_bytes,
-                                  grow=self._grow_pages)
+                                  grow=self._grow_pages, committed_pages=self._in_service)
         self._pool_pages = self.pool.allocate(self.pool.total_pages)   # pool page -> page id
         per_layer = self.geometry.per_layer
         shape = ((c.num_layers, 2, c.max_batch, c.max_context, c.num_kv_heads, c.head_dim)

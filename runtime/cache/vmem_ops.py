@@ -12,13 +12,16 @@ member per member page, in the order of the diagram in scheduler/managers/base.p
 updates it in plan order on the step thread (each change journaled), so a refused op (a page
 mapped twice at one place, a pool page outside the pool, an unmap of nothing, a copy into less)
 raises CacheStateError with nothing changed, and applying (inline or on the background mapper,
-layer by layer) only reads each op's resolved primitives.
+layer by layer) only reads each op's resolved primitives. ``ReleasePages`` (the pool shrank)
+discards pages mapped nowhere, after every layer's unmaps (the last op group); a page the plan
+released cannot be mapped again in the same plan.
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
 
-from vmemkv.scheduler.plan import CopyExtent, MapExtent, SwapIn, SwapOut, UnmapExtent
+from vmemkv.scheduler.plan import (CopyExtent, MapExtent, ReleasePages, SwapIn, SwapOut,
+                                   UnmapExtent)
 
 from ..errors import CacheConfigError, CacheStateError
 from .journal import PlanJournal
@@ -56,6 +59,7 @@ class VMemOps:
         """Every op paired with what applying it needs, the replica updated in plan order; all
         or nothing (CacheStateError naming the op, the replica and swap space as before)."""
         undo, out = journal.replica_undo.append, []
+        self._released_in_plan = set()
         try:
             for op, buffer in bound:
                 out.append((op, self._bind_op(op, buffer, undo)))
@@ -69,7 +73,11 @@ class VMemOps:
 
     def _bind_op(self, op, buffer, undo):
         if isinstance(op, MapExtent):
+            if self._released_in_plan.intersection(op.pool_pages):
+                raise CacheStateError(f"{op!r} maps a pool page released earlier in the plan")
             return self._bind_map(op, undo)
+        if isinstance(op, ReleasePages):
+            return self._bind_release(op)
         if isinstance(op, UnmapExtent):
             return self._bind_unmap(op, undo)
         if isinstance(op, CopyExtent):
@@ -91,6 +99,21 @@ class VMemOps:
                     raise CacheStateError(f"{op!r} touches token {gap} of slot {op.slot}, which "
                                           f"has no {kind.name!r} memory mapped")
         return buffer
+
+    def _bind_release(self, op: ReleasePages) -> tuple:
+        pages = op.pool_pages
+        if not isinstance(pages, tuple) or len(set(pages)) != len(pages) or any(
+                isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.pool_pages
+                for p in pages):
+            raise CacheStateError(f"{op!r}: pool_pages must be distinct pages of 0.."
+                                  f"{self.pool_pages - 1}")
+        mapped = {p for spots in self._spots for kinds in spots.values()
+                  for extent in kinds.values() for p in extent}.intersection(pages)
+        if mapped:
+            raise CacheStateError(f"{op!r} releases pool pages still mapped: "
+                                  f"{sorted(mapped)[:8]}")
+        self._released_in_plan.update(pages)
+        return tuple(self._pool_pages[p] for p in pages)
 
     def _bind_token_copy(self, op: CopyExtent, kind: "Kind", src: int, dst: int) -> dict:
         """{member: (dst byte offset, src byte offset, bytes)}: tokens [0, num_tokens) of every
@@ -230,6 +253,11 @@ class VMemOps:
                         journal.add(lambda t=target, s=saved: t.copy_(s))
                     self._swap_copy(self._k[layer][op.slot, :op.num_tokens], payload[layer, 0])
                     self._swap_copy(self._v[layer][op.slot, :op.num_tokens], payload[layer, 1])
+            elif isinstance(op, ReleasePages):
+                if group == self.geometry.num_op_groups - 1:   # after every layer's unmaps
+                    backed = [p for p in payload if self.pool.has_memory(p)]  # (some never were)
+                    self.pool.discard(backed)
+                    journal.add(lambda ids=backed: self.pool.recommit(ids))
             else:
                 raise CacheStateError(f"VMemKVCache cannot execute {op!r}")
 

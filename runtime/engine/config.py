@@ -35,6 +35,11 @@ class EngineConfig:
     memory_utilization: Optional[float] = None  # or: this fraction of the device's AVAILABLE
                                          # memory (host MemAvailable, CUDA free) goes to K/V, in
                                          # (0, 1]; exclusive with cache_bytes
+    max_cache_bytes: Optional[int] = None  # vmem: the most resize_cache (or a MemoryBudget)
+                                         # may grow the pool to, its page ids reserved now; None:
+                                         # the initial budget (a MemoryBudget's total with one)
+    min_cache_bytes: Optional[int] = None  # with a MemoryBudget: the bytes reserved for this
+                                         # engine whatever the others do; None: the initial
     max_tokens_per_step: int = 2048      # new tokens per step (prefill chunking budget)
     attention: Optional[str] = None      # backend name; None: fastest for the layout and device
     preemption: str = "recompute"        # when a running sequence cannot grow: recompute | swap
@@ -80,7 +85,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise EngineConfigError(f"EngineConfig.{name} must be an int >= {low}, got {value!r}")
-        for name in ("page_bytes", "cache_bytes"):
+        for name in ("page_bytes", "cache_bytes", "max_cache_bytes", "min_cache_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise EngineConfigError(f"EngineConfig.{name} must be an int >= 1 or None, got {value!r}")
@@ -92,6 +97,9 @@ class EngineConfig:
                 or not 0.0 <= self.watermark < 1.0):
             raise EngineConfigError(f"EngineConfig.watermark must be in [0, 1), got {self.watermark!r}")
         self._check_memory_utilization()
+        if self.cache != "vmem" and (self.max_cache_bytes, self.min_cache_bytes) != (None, None):
+            raise EngineConfigError(f"EngineConfig.max_cache_bytes / min_cache_bytes need "
+                                    f"cache='vmem' (only its pool resizes), got {self.cache!r}")
         if not isinstance(self.self_check, bool):
             raise EngineConfigError(f"EngineConfig.self_check must be True or False, got "
                                     f"{self.self_check!r}")

@@ -42,6 +42,7 @@ from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine, kv_
 from .errors import EngineClosedError, EngineConfigError, RequestRejectedError, TensorParallelError
 from .lifecycle import RequestLifecycle
 from .beam import BeamSearches, BeamSearching
+from .elastic import ElasticMemory, budget_share_for
 from .statistics import EngineStatistics
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
@@ -56,14 +57,14 @@ Prompt = Union[Sequence[int], str]
 log = logging.getLogger("vmemkv.engine")
 
 
-class Engine(RequestLifecycle, EngineStatistics, BeamSearching):
+class Engine(RequestLifecycle, EngineStatistics, BeamSearching, ElasticMemory):
     """Runs ``model`` (an HF causal LM, e.g. LlamaForCausalLM, Qwen2ForCausalLM) with the
     scheduler on a vmem or paged cache. See EngineConfig for every option; keyword arguments
     override fields of ``config``. ``tokenizer`` (optional) enables text prompts and outputs.
     ``beam_search`` runs beam search (runtime/engine/beam.py)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: Optional[EngineConfig] = None,
-                 driver=None, **options) -> None:
+                 driver=None, memory_budget=None, **options) -> None:
         check_engine_arguments(model, config)
         try:
             self.config = cfg = replace(config or EngineConfig(), **options)
@@ -95,6 +96,8 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching):
                            kv_dtype=kv_dtype)
         cache_bytes = cache_budget_bytes(cfg, self.cache_config)   # fits available memory
         check_ranks_fit(cfg, cache_bytes, self.cache_config.torch_device)   # all ranks, too
+        share = budget_share_for(memory_budget, cfg, cache_bytes,   # before building
+                                 f"{model.config.model_type}-{id(self):x}")
         self._model_attn = model.config._attn_implementation   # restored by close()
         self._holds_attention = False
         if cfg.self_check:   # the model is back on its own attention afterwards, pass or fail
@@ -102,15 +105,22 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching):
         kv_options = dict(cache_bytes=cache_bytes, layout=cfg.layout, page_bytes=cfg.page_bytes,
                           block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,
                           background_mapper=cfg.background_mapper,   # vmem only: paged ignores it
-                          prefix_eviction=cfg.prefix_eviction)
+                          prefix_eviction=cfg.prefix_eviction,
+                          max_cache_bytes=share.max_bytes if share else cfg.max_cache_bytes)
         self.tp = None
-        if cfg.tensor_parallel_size > 1:   # every rank builds its shard and cache; rank 0 is here
-            self.tp = start_tensor_parallel(model, cfg, self.cache_config, kv_options,
-                                            self.attention, driver)
-            self.kv = self.tp.kv
-        else:
-            self.kv = make_kv(self.cache_config, cfg.cache, driver=driver, **kv_options)
+        try:
+            if cfg.tensor_parallel_size > 1:   # every rank builds its shard and cache; rank 0 here
+                self.tp = start_tensor_parallel(model, cfg, self.cache_config, kv_options,
+                                                self.attention, driver)
+                self.kv = self.tp.kv
+            else:
+                self.kv = make_kv(self.cache_config, cfg.cache, driver=driver, **kv_options)
+        except BaseException:
+            if share is not None:
+                share.unregister()
+            raise
         self.cache = self.kv       # the cache (self.kv.cache) with its manager, for callers
+        self._init_elastic(share)
         try:
             self._build_rest(model, backend)
         except BaseException:
@@ -217,6 +227,9 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching):
         ``RequestOutput.error`` set) and the step returns normally. Otherwise the exception
         (PlanExecutionError for a plan) is raised with every request intact. ``on_token``
         callbacks run after the step is recorded (``request_state.deliver``)."""
+        if self.is_sleeping:
+            return []                          # asleep: requests wait for wake()
+        self.rebalance_memory()
         start = time.perf_counter()
         self._draws, self.runner.ops_applied = [], False   # see lifecycle
         plan = logits = drawing = None
@@ -327,6 +340,7 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching):
 
     def _step_with_retries(self) -> List[TokenEvent]:
         """``step()``, retried while its plan fails, at most ``max_plan_retries`` times in a row."""
+        self._check_awake()        # asleep, a loop over step() would never end
         failures = 0
         while True:
             try:
@@ -361,6 +375,7 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching):
         """Generate for every prompt; outputs in prompt order. All prompts are checked first:
         if any would be rejected, RequestRejectedError is raised and nothing runs. Statistics
         of the call: ``engine.last_stats``."""
+        self._check_awake()
         mark = self._mark()
         ids = self._submit_all(prompts, sampling, on_token)
         self.run_until_done()
@@ -379,6 +394,7 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching):
                sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None
                ) -> Iterator[TokenEvent]:
         """Yield tokens as they are produced (all requests interleaved, step by step)."""
+        self._check_awake()
         mark = self._mark()
         ids = self._submit_all(prompts, sampling, None)
         while self.has_unfinished():
@@ -399,6 +415,8 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching):
         stops every rank (each frees its cache). Idempotent."""
         self._closed = True
         self._close_memory()
+        if getattr(self, "memory_share", None) is not None:
+            self.memory_share.unregister()
         if self._holds_attention:   # the last engine on this model restores its attention
             self._holds_attention = False
             release_vmemkv_attention(self.model)

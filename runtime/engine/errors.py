@@ -62,3 +62,8 @@ class BeamSearchParamsError(EngineConfigError):
     def __init__(self, message: str, field: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+class EngineSleepingError(EngineError, RuntimeError):
+    """The engine is asleep (``Engine.sleep``): its KV memory is given back; ``wake()`` it
+    first. Requests added meanwhile wait."""

@@ -40,7 +40,8 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
                  block_size_tokens: int = 16, page_bytes: int = 2 * 2**20,
                  layout: str = "per-layer", max_slots: Optional[int] = None,
                  swap_bytes: int = 0, prefix_eviction: str = DEFAULT_EVICTION,
-                 hybrid_parts: bool = False, prefix_block_tokens: int = 16) -> MemoryManager:
+                 hybrid_parts: bool = False, prefix_block_tokens: int = 16,
+                 max_cache_bytes: Optional[int] = None) -> MemoryManager:
     """A manager for ``policy`` over ``cache_bytes`` of KV cache (bytes), sequences of at most
     ``max_seq_len_tokens``. ``block_size_tokens`` is used by paged only; ``page_bytes``,
     ``layout`` and ``max_slots`` by vmem only; ``swap_bytes`` is host swap space (all);
@@ -51,6 +52,8 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
     version's ops; False: full allocation. ``prefix_block_tokens`` (vmem only): prefix hits
     in blocks of this many tokens whatever the page holds, the part of a page copied (0: whole
     page groups only; ignored where a page holds no more than one block, or with windows).
+    ``max_cache_bytes`` (vmem only): the most ``resize`` may grow the pool to (default
+    ``cache_bytes``); the others refuse one above ``cache_bytes``.
     Raises ConfigError naming the field, the value and the allowed range."""
     if policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
@@ -64,6 +67,9 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
     make_eviction(prefix_eviction)       # ConfigError for an unknown name, before anything
     if layout not in LAYOUTS:
         raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if policy != "vmem" and max_cache_bytes not in (None, cache_bytes):
+        raise ConfigError(f"max_cache_bytes needs policy 'vmem' (only its pool resizes), got "
+                          f"{policy!r}")
     if policy in ("reserve-max", "reserve-oracle"):
         return ReserveManager(model, cache_bytes, max_seq_len_tokens,
                               oracle=policy == "reserve-oracle", swap_bytes=swap_bytes)
@@ -76,7 +82,7 @@ def make_manager(policy: str, model: ModelSpec, cache_bytes: int, max_seq_len_to
     return VmemManager(model, cache_bytes, max_seq_len_tokens, page_bytes=page_bytes,
                        layout=layout, max_slots=max_slots, swap_bytes=swap_bytes,
                        prefix_eviction=prefix_eviction, hybrid_parts=hybrid_parts,
-                       prefix_block_tokens=prefix_block_tokens)
+                       prefix_block_tokens=prefix_block_tokens, max_cache_bytes=max_cache_bytes)
 
 
 __all__ = ["POLICIES", "EVICTION_POLICIES", "DEFAULT_EVICTION", "make_manager", "MemoryManager", "MemoryStats", "MemoryOp", "MapExtent",

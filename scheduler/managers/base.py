@@ -134,7 +134,17 @@ class DropSwapped:
         return self.seq_id
 
 
-MemoryOp = Union[MapExtent, UnmapExtent, CopyExtent, CopyBlock, SwapOut, SwapIn, DropSwapped]
+@dataclass(frozen=True)
+class ReleasePages:
+    """Give the physical memory of ``pool_pages`` (mapped nowhere) back to the device: the
+    pool shrank (``MemoryManager.resize``). A page taken back into service needs no op: the
+    executor creates its memory again when a MapExtent next names it."""
+    pool_pages: tuple
+    owner = None      # reclaiming (not a field)
+
+
+MemoryOp = Union[MapExtent, UnmapExtent, CopyExtent, CopyBlock, SwapOut, SwapIn, DropSwapped,
+                 ReleasePages]
 
 
 @dataclass(frozen=True)
@@ -355,6 +365,26 @@ class MemoryManager(ABC):
         """K/V bytes the copy ops among ``ops`` (this manager's) move on the device (what the
         simulator charges at the copy bandwidth); 0 for a manager that emits none."""
         return 0
+
+    # -- elastic memory (vmem only; the others refuse by name) --
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of device memory the pool may use now (what ``resize`` last set)."""
+        return self.stats().total_tokens * self.bytes_per_token
+
+    @property
+    def max_cache_bytes(self) -> int:
+        """The most ``resize`` may grow the pool to (the ids reserved at construction)."""
+        return self.cache_bytes
+
+    def resize(self, cache_bytes: int) -> int:
+        """Let the pool use ``cache_bytes`` (rounded down as at construction): growing puts
+        pages given back into service (no op), shrinking gives back free pages, then those of
+        unused and cached groups (UnmapExtent, ReleasePages ops). Returns the bytes it could
+        not free (0: done; the rest is held by sequences: preempt them and call again). Call
+        inside a transaction to undo a partial shrink."""
+        raise ConfigError(f"policy {self.name!r} cannot resize its cache at run time (only "
+                          f"'vmem' can: its pages are mapped one by one)")
 
     def layout(self) -> CacheLayout:
         """The cache an executor must build to run this manager's plans (plain data; equal on

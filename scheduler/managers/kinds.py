@@ -84,10 +84,10 @@ class KindTable:
     __slots__ = ("kinds", "members", "ledger", "_extents")
 
     def __init__(self, cell, kinds: tuple, per_layer: bool, num_groups: int,
-                 pool_pages: int) -> None:
+                 pool_pages: int, in_service_pages: Optional[int] = None) -> None:
         self.kinds = kinds
         self.members = tuple(2 * k.num_layers if per_layer else 2 for k in kinds)
-        self.ledger = PageLedger(cell, pool_pages)
+        self.ledger = PageLedger(cell, pool_pages, in_service_pages)
         self._extents = tuple(JList(cell, [()] * num_groups) for _ in kinds)
 
     def extent(self, k: int, g: int) -> tuple:

@@ -8,8 +8,10 @@ are free and which tenant holds each -- journaled like every manager container.
 
 The manager that owns a ledger decides which page backs what; executors are told the page
 ids in the ops and never choose (every tensor-parallel rank applies the same ones). A tenant
-is any hashable name (a layer kind's table, later an adapter or another engine); the ledger
-counts what each holds so an integrity check can account every page exactly once. Inside a
+is any hashable name (a layer kind's table, later an adapter); ``RELEASED`` is the device
+itself: pages given back to it (an elastic pool shrunk, an engine asleep) whose memory the
+executor discards, taken back by ``restore``. The ledger counts what each tenant holds so an
+integrity check can account every page exactly once. Inside a
 transaction (the manager's ``TxnCell`` holds a journal) every change logs its inverse first,
 so ``rollback`` puts back the free list in order, each page's holder and the counts.
 """
@@ -21,19 +23,30 @@ from ..errors import ConfigError, OutOfCapacityError
 from .journal import JDict, JList, TxnCell
 
 
+RELEASED = "released"     # the tenant of pages given back to the device (no memory behind them)
+
+
 class PageLedger:
     """``num_pages`` physical pages: a free stack (a fresh ledger hands out 0, 1, 2, ...),
-    each taken page's tenant, and the pages each tenant holds. O(1) a page to take or give."""
+    each taken page's tenant, and the pages each tenant holds. O(1) a page to take or give.
+    ``in_service_pages``: pages 0.. of them start free, the rest ``RELEASED`` (default all)."""
 
-    __slots__ = ("num_pages", "_free", "_holder", "_held")
+    __slots__ = ("num_pages", "_free", "_holder", "_held", "_released")
 
-    def __init__(self, cell: TxnCell, num_pages: int) -> None:
+    def __init__(self, cell: TxnCell, num_pages: int,
+                 in_service_pages: Optional[int] = None) -> None:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
             raise ConfigError(f"a page ledger needs num_pages >= 1, got {num_pages!r}")
+        serve = num_pages if in_service_pages is None else in_service_pages
+        if isinstance(serve, bool) or not isinstance(serve, int) or not 0 <= serve <= num_pages:
+            raise ConfigError(f"in_service_pages must be in 0..{num_pages}, got {serve!r}")
         self.num_pages = num_pages
-        self._free = JList(cell, range(num_pages - 1, -1, -1))   # pop() -> lowest free page
-        self._holder = JList(cell, [None] * num_pages)           # page -> tenant or None
+        self._free = JList(cell, range(serve - 1, -1, -1))       # pop() -> lowest free page
+        self._holder = JList(cell, [None] * serve + [RELEASED] * (num_pages - serve))
         self._held = JDict(cell)                                  # tenant -> pages held
+        if serve < num_pages:
+            self._held[RELEASED] = num_pages - serve
+        self._released = JList(cell, range(num_pages - 1, serve - 1, -1))  # restore() order
 
     @property
     def free_pages(self) -> int:
@@ -66,6 +79,34 @@ class PageLedger:
             self._held[tenant] = self._held.get(tenant, 0) + count
         return pages
 
+    @property
+    def released_pages(self) -> int:
+        """Pages given back to the device."""
+        return len(self._released)
+
+    @property
+    def in_service_pages(self) -> int:
+        """Pages the pool may use: free or held by a tenant other than the device."""
+        return self.num_pages - len(self._released)
+
+    def release(self, count: int) -> tuple:
+        """``count`` free pages given back to the device (``RELEASED``); OutOfCapacityError
+        (nothing changed) when fewer are free."""
+        pages = self.take(count, RELEASED)
+        for page in pages:
+            self._released.append(page)
+        return pages
+
+    def restore(self, count: int) -> tuple:
+        """``count`` released pages back into service, free (the last released first);
+        OutOfCapacityError (nothing changed) when fewer were released."""
+        if count > len(self._released):
+            raise OutOfCapacityError(f"restoring {count} pages: only {len(self._released)} of "
+                                     f"{self.num_pages} are released")
+        pages = tuple(self._released.pop() for _ in range(count))
+        self.give(pages)
+        return pages
+
     def give(self, pages: Iterable[int]) -> None:
         """Pages back to the free list (each must be held). The list is a stack: the pages
         given back last are taken first, the lowest of them first."""
@@ -96,6 +137,9 @@ class PageLedger:
                 counts[tenant] = counts.get(tenant, 0) + 1
         assert len(free) + sum(counts.values()) == self.num_pages, "pages lost or doubled"
         assert counts == dict(self._held), "per-tenant counts"
+        released = list(self._released)
+        assert len(set(released)) == len(released) == counts.get(RELEASED, 0), "released pages"
+        assert all(self._holder[p] == RELEASED for p in released), "a released page is held"
 
     def journaled_fields(self) -> bool:
         """Every container logs its changes (``journal.journaled``)."""

@@ -47,6 +47,7 @@ from ..presets import ModelSpec
 from .base import CopyExtent
 from .blocks import BlockIndex
 from .common import ManagerCore, check_int
+from .elastic import ElasticPool
 from .eviction import DEFAULT_EVICTION
 from .journal import JDict, JList, JSet, OrderedUnits
 from .kinds import KindTable, layer_kinds
@@ -58,7 +59,7 @@ from .vmem_kinds import KindRules
 from .window import WindowedGroups, dropped_units, held_units
 
 
-class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore):
+class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, UnitOps, ManagerCore):
     """Slot + page-group manager over per-kind extents. ``prefix_queries``/``prefix_hits``
     count TOKENS. ``hybrid_parts`` (a hybrid model in the per-layer layout): one kind per
     attention pattern, the windowed one given back behind the window; else one kind of every
@@ -71,7 +72,10 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
                  page_bytes: int = 2 * 2**20, layout: str = "per-layer",
                  max_slots: Optional[int] = None, swap_bytes: int = 0,
                  prefix_eviction: str = DEFAULT_EVICTION, hybrid_parts: bool = False,
-                 prefix_block_tokens: int = 16) -> None:
+                 prefix_block_tokens: int = 16, max_cache_bytes: Optional[int] = None) -> None:
+        """``max_cache_bytes`` (default ``cache_bytes``): the most ``resize`` may grow the pool
+        to; its page ids, groups and slots exist from the start, the pages past ``cache_bytes``
+        released (held by the device: no memory behind them)."""
         super().__init__(model, max_seq_len_tokens, swap_bytes)
         check_int("page_bytes", page_bytes, 1)
         geo = self.geometry = PageGeometry.of(model, page_bytes, layout)
@@ -92,12 +96,17 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
             unit = "page group" if geo.exact else "page slice (a page of each member)"
             raise ConfigError(f"cache_bytes={cache_bytes} holds no {unit} of {page_bytes * m}"
                               f" bytes; needs >= {page_bytes * m}")
+        max_cache_bytes = cache_bytes if max_cache_bytes is None else max_cache_bytes
+        if check_int("max_cache_bytes", max_cache_bytes, 1) < cache_bytes:
+            raise ConfigError(f"max_cache_bytes={max_cache_bytes} is below cache_bytes="
+                              f"{cache_bytes}")
+        slices = max_cache_bytes // (page_bytes * m)
         self._win = tuple(k for k, kind in enumerate(self.kinds) if kind.windowed) \
             if len(self.kinds) > 1 else ()              # kinds given back behind the window
         # a pool whose groups keep every kind is counted in slices of m pages (one of each
-        # member); one that gives kinds back, in pages. Group ids: one per least a held
-        # group keeps (a page of each member of the kinds never given back).
-        self.pool_pages = cache_bytes // page_bytes if self._win else slices * m
+        # member); one that gives kinds back, in pages (elastic.py). Group ids: one per least
+        # a held group keeps (a page of each member of the kinds never given back).
+        self.pool_pages = self._pages_for(max_cache_bytes)
         kept = sum(2 * kind.num_layers if geo.per_layer else 2
                    for k, kind in enumerate(self.kinds) if k not in self._win)
         self.num_groups = self.pool_pages // kept
@@ -113,8 +122,10 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
         self._owner = JList(cell, [None] * self.num_slots)      # slot -> seq_id or None
         self._free_slots = FreeSlots(self.num_slots, self.pages_per_slot, cell)
         self._init_window(model.local_window_tokens if self._win else model.window_tokens)
-        self.table = KindTable(cell, self.kinds, geo.per_layer, self.num_groups, self.pool_pages)
+        self.table = KindTable(cell, self.kinds, geo.per_layer, self.num_groups, self.pool_pages,
+                               self._pages_for(cache_bytes))
         self.ledger = self.table.ledger        # the pool's pages, by kind
+        self._released_at_start = self.ledger.released_pages
         self._init_rules(cell)
         # blocks finer than a page, where a page holds several (not with windows: a window
         # gives pages back, and only whole groups are shared behind one)
@@ -130,6 +141,7 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
                            geometry=self.geometry, num_slots=self.num_slots,
                            pages_per_slot=self.pages_per_slot, num_groups=self.num_groups,
                            backing=self.backing, pool_pages=self.pool_pages,
+                           released_pages=self._released_at_start,
                            kinds=tuple((k.name, k.layers) for k in self.kinds))
 
     def copied_bytes(self, ops: list) -> int:
@@ -146,7 +158,7 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
     @property
     def max_sequence_tokens(self) -> int:
         geo = self.geometry
-        whole, rest = divmod(self.pool_pages // geo.num_members, geo.pages_per_member)
+        whole, rest = divmod(self.capacity_pages // geo.num_members, geo.pages_per_member)
         tokens = whole * self.tokens_per_page + geo.tokens_in_member_pages(rest)
         return min(self.max_seq_len, tokens)
 
@@ -157,6 +169,7 @@ class VmemManager(VmemIntegrity, KindRules, WindowedGroups, UnitOps, ManagerCore
     _FIXED_FIELDS = UnitOps._FIXED_FIELDS | {
         "geometry", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
         "pages_per_slot", "_window", "kinds", "pool_pages", "backing", "_win", "_whole",
+        "_released_at_start",
         "_win_pages", "_kept", "block_tokens"}
     _SAVED_FIELDS = UnitOps._SAVED_FIELDS + ("_idle", "block_hit_tokens")
     _JOURNALED_FIELDS = UnitOps._JOURNALED_FIELDS | {"blocks",

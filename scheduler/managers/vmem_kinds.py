@@ -50,8 +50,10 @@ class KindRules:
         self._win_drop = JList(cell, [0] * self.num_groups)  # holders of g, windowed unmapped
         self._win_gone = JList(cell, [0] * self.num_slots)   # slot -> leading pages, windowed gone
         if self._whole and not self._win:     # groups never give pages back: bound for good
-            self._spare = JList(cell)
-            for g in range(self.num_groups):
+            bound = min(self.num_groups, self.ledger.free_pages // self.pages_per_group)
+            self._spare = JList(cell, range(self.num_groups - 1, bound - 1, -1))  # released
+            self._free = JList(cell, range(bound - 1, -1, -1))
+            for g in range(bound):
                 self._back_all(g, geo.pages_per_member)
             return
         self._free = JList(cell)                          # no group has pages before it is taken
@@ -73,7 +75,7 @@ class KindRules:
     @property
     def bound_pages(self) -> int:
         """Pool pages bound to some group's kind."""
-        return self.pool_pages - self.ledger.free_pages
+        return self.ledger.in_service_pages - self.ledger.free_pages
 
     @property
     def free_pages(self) -> int:
@@ -127,7 +129,7 @@ class KindRules:
         (free, cached and still-mapped unused groups count as free, as vLLM counts its cached
         blocks)."""
         unused = len(self._free) * self.pages_per_group + self._cached_pages() + self._idle
-        return (self.bound_pages - unused) / self.pool_pages
+        return (self.bound_pages - unused) / max(self.capacity_pages, 1)
 
     def stats(self) -> MemoryStats:
         """Tokens as the pages hold them (bytes = tokens * bytes_per_token, rounded down):
@@ -136,7 +138,7 @@ class KindRules:
         that keep them; ``end_waste_tokens`` WHOLE: held groups' room past their tokens,
         BYTES: held pages' room past the live tokens."""
         tokens, ppg = self._tokens, self.pages_per_group
-        total = tokens(self.pool_pages)
+        total = tokens(self.capacity_pages)
         gone = len(self._partial) * self.tokens_per_page * self._win_pages
         live = (self._live * ppg - gone) // ppg
         if self._whole:
@@ -157,7 +159,7 @@ class KindRules:
 
     def _raise_no_room(self, what: str) -> None:
         raise OutOfCapacityError(
-            f"{what}: {self.ledger.free_pages} of {self.pool_pages} pages unbound (a group takes "
+            f"{what}: {self.ledger.free_pages} of {self.capacity_pages} pages unbound (a group takes "
             f"{self.pages_per_group}), {len(self._free)} free + {len(self._reclaimable)} "
             f"reclaimable + {len(self._cache)} cached page groups, "
             f"{len(self._free_slots)} free slots")

@@ -1,0 +1,169 @@
+"""The engine's elastic KV memory: ``resize_cache``, ``sleep``/``wake`` and a shared
+``MemoryBudget`` (scheduler/budget.py), each resize one step transaction like a request's
+ending (the scheduler's plan of unmaps, preemptions and ReleasePages, run by ``_execute``,
+so every tensor-parallel rank applies it).
+
+Only the vmem cache resizes (pages are mapped one by one); paged is refused by name. The pool's
+page ids are reserved at construction for ``EngineConfig.max_cache_bytes``; growing past it is
+refused. Growing is checked against the device's available memory first (a page's memory is
+created when it is next mapped).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from vmemkv.runtime.memory import available_memory_bytes, bytes_from_fraction, check_fits_device
+from vmemkv.scheduler.errors import CacheResizeError
+
+from .errors import EngineClosedError, EngineSleepingError
+
+
+def budget_share_for(budget, cfg, cache_bytes: int, name: str):
+    """The engine's share of ``budget`` (None without one): ``cache_bytes`` held now,
+    ``min_cache_bytes`` (default: those) reserved, up to ``max_cache_bytes`` (default: the
+    budget's total). EngineConfigError when the budget cannot hold it."""
+    if budget is None:
+        return None
+    from vmemkv.scheduler.budget import MemoryBudget
+    from vmemkv.scheduler.errors import ConfigError
+    from .errors import EngineConfigError
+    if not isinstance(budget, MemoryBudget):
+        raise EngineConfigError(f"memory_budget must be a MemoryBudget, got {type(budget).__name__}")
+    if cfg.cache != "vmem":
+        raise EngineConfigError(f"a MemoryBudget needs cache='vmem' (only its pool resizes), "
+                                f"got {cfg.cache!r}")
+    low = cache_bytes if cfg.min_cache_bytes is None else cfg.min_cache_bytes
+    high = budget.total_bytes if cfg.max_cache_bytes is None else cfg.max_cache_bytes
+    try:
+        return budget.register(name, min(low, cache_bytes), high, cache_bytes)
+    except ConfigError as error:
+        raise EngineConfigError(f"memory_budget: {error}") from None
+
+
+class ElasticMemory:
+    """Mixed into Engine (its ``_txn``, ``scheduler``, ``kv``, ``config``)."""
+
+    def _init_elastic(self, budget_share) -> None:
+        self.memory_share = budget_share      # a MemoryBudget share, or None
+        self._asleep_bytes: Optional[int] = None   # the size to wake to; None: awake
+        self._preempted_last = 0                   # scheduler preemptions seen at the last step
+        self.resizes = 0
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes of device memory the KV pool may use now."""
+        return self.kv.manager.cache_bytes
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._asleep_bytes is not None
+
+    def resize_cache(self, cache_bytes: Optional[int] = None, *,
+                     memory_utilization: Optional[float] = None, preempt: bool = False) -> int:
+        """Let the KV pool use ``cache_bytes`` (or ``memory_utilization``: that fraction of
+        the device's available memory plus what the pool uses now); returns the bytes it uses
+        after (rounded down to whole pages). Growing creates pages as they are mapped; shrinking
+        gives back free and cached pages, then, with ``preempt``, preempts running requests
+        from the newest (swapped or recomputed as ``preemption`` says: none is dropped).
+        CacheResizeError, nothing changed, when it cannot: bytes running requests hold
+        (without ``preempt``), a waiting request that would no longer fit, past
+        ``max_cache_bytes``, the budget's share, or the device's available memory;
+        EngineSleepingError while asleep (``wake`` first)."""
+        self._check_resizable()
+        self._check_awake()
+        if (cache_bytes is None) == (memory_utilization is None):
+            raise CacheResizeError("resize_cache takes one of cache_bytes and "
+                                   "memory_utilization")
+        if memory_utilization is not None:
+            cache_bytes = bytes_from_fraction(memory_utilization, self.device) + self.cache_bytes
+        if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise CacheResizeError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
+        if self.memory_share is not None:
+            granted = self.memory_share.grant(cache_bytes)
+            if granted < cache_bytes:
+                raise CacheResizeError(
+                    f"resize_cache({cache_bytes}): the memory budget grants this engine "
+                    f"{granted} bytes (its max_bytes {self.memory_share.max_bytes}, what the "
+                    f"other engines leave)")
+        return self._resize(cache_bytes, preempt)
+
+    def _resize(self, cache_bytes: int, preempt: bool, partial: bool = False,
+                check_fit: bool = True) -> int:
+        mgr = self.kv.manager
+        if cache_bytes > mgr.max_cache_bytes:
+            raise CacheResizeError(f"cache_bytes={cache_bytes} exceeds max_cache_bytes="
+                                   f"{mgr.max_cache_bytes} (EngineConfig.max_cache_bytes: the "
+                                   f"pool's page ids are reserved at construction)")
+        growth = cache_bytes - mgr.cache_bytes
+        if growth > 0:
+            try:
+                check_fits_device(f"growing the KV cache by {growth} bytes", growth,
+                                  self.cache_config.torch_device)
+            except Exception as error:
+                raise CacheResizeError(str(error)) from None
+        self._txn.run(lambda: self.scheduler.resize(cache_bytes, preempt, check_fit, partial))
+        self.resizes += 1
+        if self.memory_share is not None:
+            self.memory_share.settle(mgr.cache_bytes)
+        return mgr.cache_bytes
+
+    def sleep(self) -> int:
+        """Give every physical KV page back to the device: running requests are preempted
+        (swapped to host memory or recomputed later, as ``preemption`` says), the prefix
+        cache is dropped; virtual ranges, queues and requests stay. Until ``wake()``,
+        ``step()`` runs nothing and ``generate`` raises EngineSleepingError; requests may still
+        be added (they wait). Returns the bytes given back. Idempotent."""
+        self._check_resizable()
+        if self.is_sleeping:
+            return 0
+        before = self.cache_bytes
+        self._resize(0, preempt=True, check_fit=False)
+        self._asleep_bytes = before
+        return before
+
+    def wake(self) -> int:
+        """Take back the memory ``sleep`` gave (with a budget: what it grants, at least this
+        engine's minimum) and serve again; returns the cache bytes. Idempotent."""
+        if not self.is_sleeping:
+            return self.cache_bytes
+        target = self._asleep_bytes
+        if self.memory_share is not None:
+            target = self.memory_share.grant(target)
+        self._resize(target, preempt=False, check_fit=False)
+        self._asleep_bytes = None
+        return self.cache_bytes
+
+    def _check_resizable(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine is closed; its cache is released")
+        if self.config.cache != "vmem":
+            raise CacheResizeError(f"resizing needs cache='vmem' (pages mapped one by one); "
+                                   f"this engine's cache is {self.config.cache!r}, whose block "
+                                   f"pool is one tensor")
+
+    def _check_awake(self) -> None:
+        if self.is_sleeping:
+            raise EngineSleepingError("the engine is asleep (sleep()): call wake() first")
+
+    def rebalance_memory(self) -> None:
+        """With a MemoryBudget (``step`` calls it first; an idle engine's owner calls it now and
+        then so its pages go back): grow for a waiting request that does not fit, give back
+        what nobody running holds when asked or idle (``BudgetShare.decide``). A shrink that
+        would refuse a waiting request is skipped."""
+        share = self.memory_share
+        if share is None or self.is_sleeping:
+            return
+        preemptions = self.scheduler.metrics.num_preemptions
+        preempted, self._preempted_last = preemptions > self._preempted_last, preemptions
+        target = share.decide(self.scheduler, preempted=preempted)
+        if target is None or target == self.cache_bytes:
+            return
+        target = min(target, self.kv.manager.max_cache_bytes)
+        if target > self.cache_bytes:
+            avail = available_memory_bytes(self.cache_config.torch_device)
+            if avail is not None:
+                target = min(target, self.cache_bytes + avail)
+        try:
+            self._resize(target, preempt=False, partial=True)
+        except CacheResizeError:
+            pass       # a waiting request would no longer fit: keep the pages (rolled back)

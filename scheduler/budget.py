@@ -1,0 +1,213 @@
+"""MemoryBudget: one device's KV memory shared by several engines (or simulated models) that
+draw pages from it at run time. Pure Python: the engine and the simulator run the same rule.
+
+    budget = MemoryBudget(total_bytes=8 * 2**30, idle_release_s=2.0)
+    a = budget.register("llama", min_bytes=2 * 2**30, max_bytes=6 * 2**30, initial_bytes=4 * 2**30)
+    target = a.decide(scheduler, now)       # before a step: the cache size this share wants
+    ...resize the cache to target (Scheduler.resize, partial), then: a.settle(new_bytes)
+
+Each share holds ``held_bytes`` (what its cache may use). Guarantees: the shares' held bytes
+never exceed ``total_bytes``; a share's ``min_bytes`` is reserved for it (no other share can
+take it, even while it is below it or asleep), so it can always grow back to its minimum; a
+share never holds more than ``max_bytes``. The rule ``decide`` applies, once per step:
+
+    grow     the scheduler's head waiting request does not fit (or the last step preempted):
+             ask for what it needs, at least ``grow_fraction`` of max, from the unclaimed
+             bytes; what is missing is posted as PRESSURE on the other shares
+    give     pressure posted on this share, or idle (nothing unfinished) for ``idle_release_s``:
+             shrink towards ``min_bytes`` by what nobody running holds (free and cached
+             pages; the caller resizes with ``partial``: no preemption)
+
+Threads: one lock guards the counts; ``decide`` and ``settle`` may run on each engine's thread.
+The design for several processes (not built): the same counts in a shared-memory segment
+under a process-shared lock, each process one share; pages are per process (CUDA VMM handles
+are not shared here), so only bytes move between them, as in this in-process budget.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional
+
+from .errors import ConfigError
+
+
+def _bytes(name: str, value, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an int >= {low} (bytes), got {value!r}")
+    return value
+
+
+@dataclass
+class ShareStats:
+    """One share's counters (bytes; grows and gives are resize events)."""
+    name: str
+    held_bytes: int
+    min_bytes: int
+    max_bytes: int
+    pressure_bytes: int
+    grows: int = 0
+    gives: int = 0
+    grown_bytes: int = 0
+    given_bytes: int = 0
+
+
+class BudgetShare:
+    """One engine's (or simulated model's) part of a MemoryBudget."""
+
+    def __init__(self, budget: "MemoryBudget", name: str, min_bytes: int, max_bytes: int,
+                 held_bytes: int) -> None:
+        self.budget, self.name = budget, name
+        self.min_bytes, self.max_bytes = min_bytes, max_bytes
+        self.held_bytes = held_bytes
+        self.pressure_bytes = 0            # bytes other shares wait for
+        self.idle_since: Optional[float] = None
+        self.stats = ShareStats(name, held_bytes, min_bytes, max_bytes, 0)
+
+    # -- the rule, before a step --
+    def decide(self, scheduler, now: Optional[float] = None, preempted: bool = False) -> Optional[int]:
+        """The cache size (bytes) this share wants before its next step, None for no change.
+        ``preempted``: the last step preempted (running sequences are short of memory)."""
+        b = self.budget
+        now = b.clock() if now is None else now
+        with b.lock:
+            if scheduler.has_unfinished():
+                self.idle_since = None
+            elif self.idle_since is None:
+                self.idle_since = now
+            want = self._wanted_bytes(scheduler, preempted)
+            if want > self.held_bytes:
+                grant = min(want, self.max_bytes) - self.held_bytes
+                grant = max(grant, min(self.max_bytes - self.held_bytes,
+                                       int(b.grow_fraction * self.max_bytes)))
+                free = b._unclaimed_for(self)
+                if grant > free:
+                    b._post_pressure(self, grant - free)
+                return self.held_bytes + min(grant, free) if free > 0 else None
+            idle = self.idle_since is not None and now - self.idle_since >= b.idle_release_s
+            if (self.pressure_bytes or idle) and self.held_bytes > self.min_bytes:
+                give = self.held_bytes - self.min_bytes if idle else self.pressure_bytes
+                return max(self.min_bytes, self.held_bytes - give)
+            return None
+
+    def _wanted_bytes(self, scheduler, preempted: bool) -> int:
+        """What the head waiting request needs beside what is held, or one more grow step
+        after a preemption; else what is held."""
+        mgr = scheduler.manager
+        if preempted:
+            return self.held_bytes + 1
+        if scheduler.swapped and not scheduler.running:
+            return self.held_bytes + 1
+        if scheduler.waiting and len(scheduler.running) < scheduler.config.max_running:
+            head = scheduler.waiting[0]
+            if not mgr.can_allocate(head.length, None, None, 0,
+                                    final_tokens=head.request.max_total_len):
+                free = mgr.stats().free_tokens + getattr(mgr, "reclaimable_tokens", 0)
+                missing = max(head.length - free, 1)
+                return self.held_bytes + missing * mgr.bytes_per_token
+        return self.held_bytes
+
+    def settle(self, new_bytes: int) -> None:
+        """The cache now uses ``new_bytes`` (after the resize ``decide`` asked for, done in
+        whole or in part): the difference goes to or comes from the budget."""
+        b = self.budget
+        with b.lock:
+            delta = new_bytes - self.held_bytes
+            if delta > b._unclaimed_for(self):
+                raise ConfigError(f"share {self.name!r}: settling {new_bytes} bytes takes "
+                                  f"{delta} more than the budget has unclaimed")
+            self.held_bytes = new_bytes
+            self.stats.held_bytes = new_bytes
+            if delta > 0:
+                self.stats.grows += 1
+                self.stats.grown_bytes += delta
+            elif delta < 0:
+                self.stats.gives += 1
+                self.stats.given_bytes -= delta
+                self.pressure_bytes = max(0, self.pressure_bytes + delta)
+            self.stats.pressure_bytes = self.pressure_bytes
+
+    def grant(self, new_bytes: int) -> int:
+        """An explicit resize's part (``Engine.resize_cache``): the most of ``new_bytes`` the
+        budget allows this share now (its max, what the others leave unclaimed)."""
+        with self.budget.lock:
+            return min(new_bytes, self.max_bytes,
+                       self.held_bytes + max(0, self.budget._unclaimed_for(self)))
+
+    def unregister(self) -> None:
+        """Give everything back and leave the budget (an engine closed)."""
+        with self.budget.lock:
+            self.budget._shares.pop(self.name, None)
+            self.held_bytes = 0
+
+
+class MemoryBudget:
+    """``total_bytes`` of one device's memory for the shares ``register`` creates."""
+
+    def __init__(self, total_bytes: int, idle_release_s: float = 2.0,
+                 grow_fraction: float = 0.125, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total_bytes = _bytes("MemoryBudget total_bytes", total_bytes, 1)
+        if isinstance(idle_release_s, bool) or not isinstance(idle_release_s, (int, float)) \
+                or not 0 <= idle_release_s < 1e9:
+            raise ConfigError(f"idle_release_s must be seconds >= 0, got {idle_release_s!r}")
+        if isinstance(grow_fraction, bool) or not isinstance(grow_fraction, (int, float)) \
+                or not 0 <= grow_fraction <= 1:
+            raise ConfigError(f"grow_fraction must be in [0, 1], got {grow_fraction!r}")
+        self.idle_release_s, self.grow_fraction, self.clock = idle_release_s, grow_fraction, clock
+        self.lock = threading.RLock()
+        self._shares: Dict[str, BudgetShare] = {}
+
+    def register(self, name: str, min_bytes: int, max_bytes: int,
+                 initial_bytes: Optional[int] = None) -> BudgetShare:
+        """A new share holding ``initial_bytes`` (default ``min_bytes``); ConfigError when the
+        name is taken, min > max, or the budget cannot hold it beside the others' minimums."""
+        _bytes("min_bytes", min_bytes)
+        _bytes("max_bytes", max_bytes, 1)
+        initial = min_bytes if initial_bytes is None else _bytes("initial_bytes", initial_bytes)
+        if not min_bytes <= initial <= max_bytes:
+            raise ConfigError(f"share {name!r}: needs min_bytes <= initial_bytes <= max_bytes, "
+                              f"got {min_bytes}, {initial}, {max_bytes}")
+        with self.lock:
+            if name in self._shares:
+                raise ConfigError(f"a share named {name!r} is already registered")
+            reserved = sum(max(s.min_bytes, s.held_bytes) for s in self._shares.values())
+            if reserved + initial > self.total_bytes:
+                raise ConfigError(
+                    f"share {name!r}: {initial} bytes do not fit the budget of "
+                    f"{self.total_bytes} bytes beside the {reserved} the other shares hold or "
+                    f"reserve")
+            share = self._shares[name] = BudgetShare(self, name, min_bytes, max_bytes, initial)
+            return share
+
+    def _unclaimed_for(self, share: BudgetShare) -> int:
+        """Bytes ``share`` may take: the total less what the others hold or reserve (their
+        minimums) and what it holds."""
+        others = sum(max(s.min_bytes, s.held_bytes) for s in self._shares.values()
+                     if s is not share)
+        return self.total_bytes - others - share.held_bytes
+
+    def _post_pressure(self, asking: BudgetShare, missing_bytes: int) -> None:
+        """Ask the others that hold more than their minimum for ``missing_bytes`` in all."""
+        left = missing_bytes
+        for share in sorted(self._shares.values(), key=lambda s: s.min_bytes - s.held_bytes):
+            if share is asking or left <= 0:
+                continue
+            spare = share.held_bytes - share.min_bytes
+            if spare > 0:
+                share.pressure_bytes = max(share.pressure_bytes, min(spare, left))
+                share.stats.pressure_bytes = share.pressure_bytes
+                left -= min(spare, left)
+
+    @property
+    def held_bytes(self) -> int:
+        with self.lock:
+            return sum(s.held_bytes for s in self._shares.values())
+
+    def stats(self) -> dict:
+        """{"total_bytes", "held_bytes", "unclaimed_bytes", "shares": {name: ShareStats}}."""
+        with self.lock:
+            held = sum(s.held_bytes for s in self._shares.values())
+            return {"total_bytes": self.total_bytes, "held_bytes": held,
+                    "unclaimed_bytes": self.total_bytes - held,
+                    "shares": {n: ShareStats(**vars(s.stats)) for n, s in self._shares.items()}}

@@ -1,0 +1,76 @@
+"""The vmem pool's elastic half: pages given back to the device and taken back at run time.
+
+The pool's page ids, groups and slots are fixed at construction for ``max_cache_bytes``; the
+pages past the current ``cache_bytes`` are held by the ledger's ``RELEASED`` tenant (the
+device), so every page is still accounted exactly once. ``resize`` moves pages between the
+free list and that tenant:
+
+    grow     released pages back to the free list (no op: the executor creates a page's
+             memory when a MapExtent next names it)
+    shrink   free pages first, then free groups' (WHOLE keeps pages on them), then the
+             reclaimable groups' (still mapped under free slots: UnmapExtent), then the cached
+             groups' in the eviction policy's order; one ReleasePages op names them all.
+             Pages that running sequences hold are not touched: the bytes left are returned,
+             for the scheduler to preempt and call again (``Scheduler.resize``).
+"""
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .base import ReleasePages
+from .common import check_int
+
+
+class ElasticPool:
+    """Mixed into VmemManager: ``capacity_pages``, ``cache_bytes``, ``resize``."""
+
+    def _pages_for(self, cache_bytes: int) -> int:
+        """Pool pages ``cache_bytes`` buys: whole slices of every member (a pool whose groups
+        keep every kind), else whole pages (one that gives windowed kinds back)."""
+        if self._win:
+            return cache_bytes // self.page_bytes
+        m = self.geometry.num_members
+        return cache_bytes // (self.page_bytes * m) * m
+
+    @property
+    def capacity_pages(self) -> int:
+        """Pool pages in service (free or bound): the pool minus what the device holds."""
+        return self.ledger.in_service_pages
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.capacity_pages * self.page_bytes
+
+    @property
+    def max_cache_bytes(self) -> int:
+        return self.pool_pages * self.page_bytes
+
+    def resize(self, cache_bytes: int) -> int:
+        """As :meth:`MemoryManager.resize`; the bytes returned are whole pages."""
+        check_int("cache_bytes", cache_bytes, 0)
+        target = self._pages_for(cache_bytes)
+        if target > self.pool_pages:
+            raise ConfigError(f"cache_bytes={cache_bytes} exceeds this pool's max_cache_bytes="
+                              f"{self.max_cache_bytes} (its page ids are fixed at construction:"
+                              f" build it with a larger max_cache_bytes)")
+        now = self.capacity_pages
+        if target >= now:
+            self.ledger.restore(target - now)
+            return 0
+        return (now - target - self._give_to_device(now - target)) * self.page_bytes
+
+    def _give_to_device(self, count: int) -> int:
+        """Release up to ``count`` pages nobody holds; returns how many were released."""
+        released: list = []
+        while len(released) < count:
+            if self.ledger.free_pages:
+                n = min(self.ledger.free_pages, count - len(released))
+                released.extend(self.ledger.release(n))
+            elif self._free:                         # WHOLE: free groups keep their pages
+                self._to_spare(self._free.pop())
+            elif self._reclaimable or self._cache:
+                self._to_spare(self._reclaim())      # unmapped everywhere, content forgotten
+            else:
+                break
+        if released:
+            self._ops.append(ReleasePages(tuple(sorted(released))))
+        return len(released)
