@@ -7,11 +7,14 @@
     GET  /v1/models             the one served model
     GET  /health                200 while the engine thread runs, else 503
     GET  /metrics               Prometheus text, vLLM's names under "vmemkv:"
+    POST /sleep, /wake_up, /resize, GET /is_sleeping
+                                vLLM's elastic-memory routes, on the engine thread (admin.py)
 
 Every error is OpenAI's JSON shape (``errors.ApiError``): 400 naming the field, 404/405 for a
-wrong path or method, 503 with Retry-After when the queue is full or the server is shutting down,
-500 with no traceback (the traceback goes to the server log). A client that disconnects aborts
-its requests; a shutdown past its drain ends them (shutdown.py).
+wrong path or method, 409 for a resize or sleep the engine refuses, 503 with Retry-After when
+the queue is full, the engine is asleep or the server is shutting down, 500 with no traceback
+(the traceback goes to the server log). A client that disconnects aborts its requests; a
+shutdown past its drain ends them (shutdown.py).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from . import protocol
+from .admin import add_admin_routes
 from .auth import salted
 from .chat import ChatFormat, chat_token_ids, parse_chat_request
 from .completions import CompletionFormat, ServedModel, prompt_token_ids
@@ -72,6 +76,7 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
         return await _answer(request, "/v1/chat/completions", drain,
                              lambda: _chat(request, server, served, drain))
 
+    add_admin_routes(app, server)
     return app
 
 
@@ -184,6 +189,10 @@ def _error(error: ApiError) -> JSONResponse:
 
 
 def _error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc)
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"

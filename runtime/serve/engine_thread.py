@@ -3,6 +3,7 @@
     HTTP (asyncio)                      engine thread (the only one that touches the Engine)
     submit(ids, params, sink) ──deque──> add_request        ─┐
     abort(request_id)         ──deque──> abort (memory back) │ between steps
+    call(work), sleep(), ...  ──deque──> work(engine)        │ (sleep, wake, resize)
                                          step() ─ TokenEvents ┘
     sink(Token | Ended)       <─ call ── on_token / request end
 
@@ -12,6 +13,11 @@ backlog is bounded. Every accepted request ends exactly once with ``Ended``: "fi
 "aborted" (``abort``, e.g. on a client disconnect: its pages, blocks and swap space are released
 before the next step) or "failed" (its plans kept failing, or a step raised: the engine aborts
 every live request, logs the error and goes on).
+
+Sleep: from the moment ``sleep`` is called until a ``wake_up`` has run, ``submit`` refuses with
+EngineAsleepError (503 + Retry-After); requests queued before keep waiting (the engine runs no
+step while asleep, and this thread waits for a command as when idle, never spinning) and are
+served after the wake-up.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from vmemkv.runtime.engine.errors import RequestEndedError
 from vmemkv.runtime.engine.outputs import TokenEvent
 from vmemkv.runtime.engine.sampling import SamplingParams
 
-from .errors import ApiError, ServerOverloadedError
+from .errors import ApiError, EngineAsleepError, ServerOverloadedError
 from .metrics import ServeMetrics
 
 log = logging.getLogger("vmemkv.serve")
@@ -82,6 +88,8 @@ class EngineThread:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._pending = 0                     # accepted and not yet ended (guarded by _lock)
+        self._asleep = False                  # asleep or going to sleep (guarded by _lock)
+        self._closed = False                  # no more commands are run (guarded by _lock)
         self._live: Dict[int, _Live] = {}     # engine thread only
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="vmemkv-engine", daemon=True)
@@ -92,6 +100,11 @@ class EngineThread:
         """Requests accepted by ``submit`` that have not ended yet."""
         with self._lock:
             return self._pending
+
+    @property
+    def queued_commands(self) -> int:
+        """Submissions, aborts and calls waiting for the engine thread's next turn."""
+        return len(self._commands)
 
     @property
     def alive(self) -> bool:
@@ -111,16 +124,19 @@ class EngineThread:
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink,
                arrival_s: float) -> Future:
         """Queue a request; the future gets its engine request id, or the RequestRejectedError
-        the engine raised (nothing queued). ServerOverloadedError at once when full; ApiError
-        503 once the thread has stopped."""
-        if self._stopping or (self._thread.ident is not None and not self._thread.is_alive()):
-            raise ApiError(503, "the engine is not running (the server is stopping)")
+        the engine raised (nothing queued). ServerOverloadedError at once when full,
+        EngineAsleepError while asleep (``sleep``); ApiError 503 once the thread has stopped."""
+        self._check_running()
+        future: Future = Future()
         with self._lock:
+            if self._closed:
+                raise _not_running()
+            if self._asleep:
+                raise EngineAsleepError()
             if self._pending >= self.max_pending_requests:
                 raise ServerOverloadedError(self.max_pending_requests)
             self._pending += 1
-        future: Future = Future()
-        self._commands.append(("add", (tuple(prompt_ids), params, sink, arrival_s), future))
+            self._commands.append(("add", (tuple(prompt_ids), params, sink, arrival_s), future))
         self._wake.set()
         return future
 
@@ -129,15 +145,59 @@ class EngineThread:
         self._commands.append(("abort", request_id, None))
         self._wake.set()
 
+    def call(self, work: Callable[[object], object]) -> Future:
+        """Run ``work(engine)`` on the engine thread between two steps (nothing else touches the
+        engine meanwhile); the future gets what it returns or raises. ApiError 503 once the
+        thread has stopped."""
+        return self._enqueue(work)
+
+    def sleep(self) -> Future:
+        """``Engine.sleep()`` between steps (the future: the bytes given back). New requests are
+        refused (EngineAsleepError) from now on, until ``wake_up`` has run; if the sleep fails
+        (a paged cache cannot give its memory back), they are taken again."""
+        return self._enqueue(self._settled(lambda engine: engine.sleep()), asleep=True)
+
+    def wake_up(self) -> Future:
+        """``Engine.wake()`` between steps (the future: the cache bytes after); new requests
+        are taken once it has run."""
+        return self._enqueue(self._settled(lambda engine: engine.wake()))
+
+    def _enqueue(self, work, asleep: bool = False) -> Future:
+        self._check_running()
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise _not_running()
+            self._asleep = self._asleep or asleep
+            self._commands.append(("call", work, future))
+        self._wake.set()
+        return future
+
+    def _settled(self, work):
+        """``work``, after which new requests are refused exactly while the engine sleeps."""
+        def run(engine):
+            try:
+                return work(engine)
+            finally:
+                with self._lock:
+                    self._asleep = engine.is_sleeping
+        return run
+
+    def _check_running(self) -> None:
+        if self._stopping or (self._thread.ident is not None and not self._thread.is_alive()):
+            raise _not_running()
+
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping:
             self._wake.clear()
             self._drain_commands()
-            if self.engine.has_unfinished():
+            if self.engine.has_unfinished() and not self.engine.is_sleeping:
                 self._step()
-            else:
+            else:   # idle, or asleep with requests waiting: wait for a command or a request
                 self._wake.wait(self._idle_wait_s)
+        with self._lock:
+            self._closed = True   # a command from now on is refused, none waits forever
         self._drain_commands()
         for request_id in list(self._live):
             self._abort(request_id, "aborted")
@@ -147,6 +207,8 @@ class EngineThread:
             kind, payload, future = self._commands.popleft()
             if kind == "add":
                 self._add(payload, future)
+            elif kind == "call":
+                self._call(payload, future)
             else:
                 self._abort(payload, "aborted")
         self._refresh_gauges()
@@ -165,6 +227,14 @@ class EngineThread:
                                        prompt_logprobs=not beams
                                        and params.prompt_logprobs is not None)
         future.set_result(request_id)
+
+    def _call(self, work, future: Future) -> None:
+        try:
+            result = work(self.engine)
+        except Exception as error:   # noqa: BLE001 -- handed to the caller, who answers it
+            future.set_exception(error)
+            return
+        future.set_result(result)
 
     def _step(self) -> None:
         try:
@@ -222,7 +292,13 @@ class EngineThread:
             self._pending -= 1
 
     def _refresh_gauges(self) -> None:
-        self.metrics.set_gauges(self.engine.scheduler.gauges())
+        engine = self.engine
+        self.metrics.set_gauges(dict(engine.scheduler.gauges(), kv_cache_bytes=engine.cache_bytes,
+                                     is_sleeping=int(engine.is_sleeping)))
+
+
+def _not_running() -> ApiError:
+    return ApiError(503, "the engine is not running (the server is stopping)")
 
 
 def _deliver(sink: Sink, item) -> None:

@@ -6,7 +6,8 @@ from typing import Dict, Optional
 from ..errors import RuntimeKVError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+               405: "invalid_request_error", 408: "timeout_error", 409: "conflict_error",
+               413: "invalid_request_error",
                415: "invalid_request_error", 500: "internal_server_error", 503: "server_overloaded"}
 
 
@@ -40,6 +41,16 @@ class ServerOverloadedError(ApiError):
     def __init__(self, live_requests: int, retry_after_s: int = 1) -> None:
         super().__init__(503, f"the server is at its limit of {live_requests} requests in flight "
                               f"(--max-queue); retry after {retry_after_s} s",
+                         headers={"Retry-After": str(retry_after_s)})
+
+
+class EngineAsleepError(ApiError):
+    """503: the engine is asleep (``POST /sleep``); a new request is refused until
+    ``POST /wake_up`` (the requests queued before the sleep wait and are served after it)."""
+
+    def __init__(self, retry_after_s: int = 5) -> None:
+        super().__init__(503, f"the engine is asleep (POST /sleep: its KV-cache memory is given "
+                              f"back); retry after {retry_after_s} s, or POST /wake_up",
                          headers={"Retry-After": str(retry_after_s)})
 
 

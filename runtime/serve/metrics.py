@@ -1,10 +1,11 @@
 """``GET /metrics``: the server's figures in the Prometheus text format, with vLLM's names under
 a ``vmemkv:`` prefix (``vllm:num_requests_running`` is ``vmemkv:num_requests_running``).
 
-Gauges come from ``Scheduler.gauges()`` after every step; counters and the TTFT / TPOT / E2E
-histograms are observed on the server's clock when a request ends (TTFT: first token - arrival
-at the HTTP handler; E2E: last token - arrival; TPOT per sample with more than one token).
-Thread-safe: the engine thread observes, HTTP handlers render.
+Gauges come from ``Scheduler.gauges()`` after every step and command, with the engine's
+``kv_cache_bytes`` and ``is_sleeping`` (0/1; ours: vLLM has no such gauges); counters and the
+TTFT / TPOT / E2E histograms are observed on the server's clock when a request ends (TTFT:
+first token - arrival at the HTTP handler; E2E: last token - arrival; TPOT per sample with
+more than one token). Thread-safe: the engine thread observes, HTTP handlers render.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ GAUGES = {   # Scheduler.gauges() key -> (kind, help)
     "num_requests_waiting": ("gauge", "Number of requests waiting to be processed."),
     "num_requests_swapped": ("gauge", "Number of requests swapped out to host memory."),
     "kv_cache_usage_perc": ("gauge", "KV-cache usage. 1 means 100 percent usage."),
+    "kv_cache_bytes": ("gauge", "Bytes of device memory the KV cache may use now (POST /resize)."),
+    "is_sleeping": ("gauge", "1 while the engine is asleep (POST /sleep), else 0."),
     "num_preemptions": ("counter", "Cumulative number of preemptions."),
     "prefix_cache_queries": ("counter", "Prefix-cache queries, in tokens."),
     "prefix_cache_hits": ("counter", "Prefix-cache hits, in tokens."),

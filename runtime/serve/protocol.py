@@ -175,15 +175,21 @@ class CompletionRequest(SamplingFields):
                                     prompt_logprobs=prompt_logprobs)
 
 
-def parse_request(body: bytes, model: Type[BaseModel]) -> BaseModel:
-    """The request in ``body``, or ApiError 400 naming what is wrong with it."""
+def parse_model(body: bytes, model: Type[BaseModel]) -> BaseModel:
+    """``body`` as ``model`` (a strict pydantic model), or ApiError 400 naming what is wrong:
+    not JSON, not a JSON object, an unknown field, a value of the wrong type or range."""
     obj = loads_json(body)      # 400: not JSON, or nested too deeply (limits.py)
     if not isinstance(obj, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(obj).__name__}")
     try:
-        request = model.model_validate(obj)
+        return model.model_validate(obj)
     except ValidationError as error:
         raise _field_error(error, model) from None
+
+
+def parse_request(body: bytes, model: Type[BaseModel]) -> BaseModel:
+    """The request in ``body``, or ApiError 400 naming what is wrong with it."""
+    request = parse_model(body, model)
     stops = request.stop_strings()
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings, got "

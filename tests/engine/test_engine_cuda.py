@@ -47,3 +47,34 @@ def test_fp16_flash_engine_agrees_with_sdpa_engine(cache):
             runs[attention] = tokens(engine.generate(batch, params))
     agree = sum(a == b for a, b in zip(runs["flash"], runs["sdpa"]))
     assert agree >= 6, f"flash and sdpa agree on {agree} of 8 requests"
+
+
+def test_elastic_pages_are_created_and_released_on_cuda_and_tokens_survive():
+    """Issue 32 on a GPU: a vmem pool of 2 MiB VMM pages shrunk under load (preempting), put to
+    sleep (every page's memory released: the pool commits nothing and the device's free memory
+    rises by it) and woken; tokens equal the same engine's run without any resize."""
+    mib = 2**20
+    batch = prompts(4, 8, 40, seed=2)
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    opts = dict(max_batch=4, max_context=128, cache_bytes=16 * mib, max_cache_bytes=64 * mib,
+                check_integrity=True)
+    with Engine(build_model("tiny-llama", seed=0, device="cuda"), **opts) as plain:
+        want = tokens(plain.generate(batch, sp))
+    with Engine(build_model("tiny-llama", seed=0, device="cuda"), **opts) as engine:
+        ids = [engine.add_request(p, sp) for p in batch]
+        for _ in range(3):
+            engine.step()
+        pool = engine.kv.cache.pool
+        assert engine.resize_cache(64 * mib) == 64 * mib
+        engine.step()
+        held = pool.committed_bytes
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        assert engine.sleep() == 64 * mib and pool.committed_bytes == 0
+        freed = torch.cuda.mem_get_info()[0] - free_before
+        assert freed >= held - 2 * mib, (held, freed)
+        engine.wake()
+        assert engine.resize_cache(8 * mib, preempt=True) == 8 * mib
+        engine.run_until_done()
+        got = tokens([engine.output(r, pop=True) for r in ids])
+    assert got == want

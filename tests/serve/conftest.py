@@ -31,10 +31,12 @@ def model():
 
 
 @contextlib.contextmanager
-def serving(options: dict, max_queue: int = 256, tokenizer=None):
-    """(server, engine): the engine of ``options`` served on a free loopback port."""
+def serving(options: dict, max_queue: int = 256, tokenizer=None, auth=None):
+    """(server, engine): the engine of ``options`` served on a free loopback port (``auth``:
+    an AuthConfig, API keys)."""
     with Engine(model(), tokenizer, **options) as engine:
-        with Server(engine, NAME, host="127.0.0.1", port=0, max_queue=max_queue).start() as server:
+        with Server(engine, NAME, host="127.0.0.1", port=0, max_queue=max_queue,
+                    auth=auth).start() as server:
             yield server, engine
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings, strategies as st
 from vmemkv.runtime.engine.errors import RequestEndedError, RequestRejectedError
 from vmemkv.runtime.engine.outputs import TokenEvent
 from vmemkv.runtime.engine.sampling import SamplingParams
-from vmemkv.runtime.serve import ApiError, ServerOverloadedError
+from vmemkv.runtime.serve import ApiError, EngineAsleepError, ServerOverloadedError
 from vmemkv.runtime.serve.engine_thread import Ended, EngineThread, Token
 from vmemkv.runtime.serve.metrics import ServeMetrics
 
@@ -25,6 +25,15 @@ class FakeEngine:
     def __init__(self) -> None:
         self.live, self.callbacks, self.outputs, self.next_id = {}, {}, {}, 0
         self.scheduler = SimpleNamespace(gauges=lambda: {"num_requests_running": len(self.live)})
+        self.cache_bytes, self.is_sleeping, self.looks = 4096, False, 0
+
+    def sleep(self) -> int:
+        released, self.cache_bytes, self.is_sleeping = self.cache_bytes, 0, True
+        return released
+
+    def wake(self) -> int:
+        self.cache_bytes, self.is_sleeping = 4096, False
+        return self.cache_bytes
 
     def add_request(self, prompt, params, on_token):
         if prompt == [0]:
@@ -36,9 +45,11 @@ class FakeEngine:
         return rid
 
     def has_unfinished(self) -> bool:
+        self.looks += 1
         return bool(self.live)
 
     def step(self) -> None:
+        assert not self.is_sleeping, "a step while asleep"
         events = []
         for rid, state in list(self.live.items()):
             state[0] += 1
@@ -130,3 +141,31 @@ def test_a_step_that_raises_fails_every_live_request_and_the_thread_goes_on():
                   lambda item: isinstance(item, Ended) and done.set(), 0.0)
     assert done.wait(10) and thread.alive
     thread.stop()
+
+
+def test_asleep_the_thread_waits_without_stepping_or_spinning_and_serves_the_queue_after():
+    engine = FakeEngine()
+    thread = EngineThread(engine, ServeMetrics("fake"), idle_wait_s=0.05)
+    ended, items = threading.Event(), []
+    gate = threading.Event()
+    step, engine.step = engine.step, lambda: (gate.wait(10), step())
+    thread.start()
+    thread.submit([1], SamplingParams(max_new_tokens=4),
+                  lambda item: (items.append(item), isinstance(item, Ended) and ended.set()), 0.0)
+    asleep = thread.sleep()              # queued behind the step that is held
+    with pytest.raises(EngineAsleepError) as refused:   # refused from the call on
+        thread.submit([1], SamplingParams(), lambda item: None, arrival_s=0.0)
+    assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "5"}
+    gate.set()
+    assert asleep.result(10) == 4096 and engine.is_sleeping
+    looks, tokens = engine.looks, len(items)
+    time.sleep(0.3)                      # asleep with a request waiting: about 6 idle waits
+    assert engine.looks - looks <= 10 and len(items) == tokens and thread.pending_requests == 1
+    assert thread.wake_up().result(10) == 4096
+    assert ended.wait(10) and items[-1] == Ended("finished")
+    assert [x.event.token_id for x in items[:-1]] == [0, 1, 2, 3]   # none lost, none doubled
+    assert thread.call(lambda e: e.is_sleeping).result(10) is False
+    assert isinstance(thread.call(lambda e: 1 / 0).exception(10), ZeroDivisionError)
+    thread.stop()
+    with pytest.raises(ApiError, match="not running"):
+        thread.call(lambda e: None)
