@@ -106,6 +106,10 @@ def _cache_flags(c) -> None:
                         help="KV cache budget as this fraction of the device's available memory, "
                              "in (0, 1], like vLLM's gpu_memory_utilization, on CPU or GPU "
                              "(default: unset; --cache-bytes decides)")
+    c.add_argument("--max-cache-bytes", type=parse_bytes, default=None, metavar="SIZE",
+                   help="vmem: the most the KV cache may be resized to at run time (the server's "
+                        "POST /resize); its page ids are reserved now, its memory is not "
+                        "(default: the initial budget)")
     c.add_argument("--attention", default=None, help="backend name (default: the fastest here)")
     c.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="how K/V are stored: auto (the model's dtype), bf16, fp16, or 8-bit "
@@ -219,6 +223,7 @@ def _engine(engine_class, model, tokenizer, args):
                         page_bytes=args.page_bytes, block_size=args.block_size,
                         max_batch=args.max_batch, max_context=args.max_context,
                         cache_bytes=args.cache_bytes, attention=args.attention,
+                        max_cache_bytes=args.max_cache_bytes,
                         memory_utilization=args.memory_utilization,
                         preemption=args.preemption, swap_bytes=args.swap_bytes,
                         watermark=args.watermark, prefix_sharing=args.prefix_sharing,

@@ -100,6 +100,10 @@ class EngineConfig:
         if self.cache != "vmem" and (self.max_cache_bytes, self.min_cache_bytes) != (None, None):
             raise EngineConfigError(f"EngineConfig.max_cache_bytes / min_cache_bytes need "
                                     f"cache='vmem' (only its pool resizes), got {self.cache!r}")
+        if None not in (self.max_cache_bytes, self.cache_bytes) and \
+                self.max_cache_bytes < self.cache_bytes:
+            raise EngineConfigError(f"EngineConfig.max_cache_bytes ({self.max_cache_bytes}) is "
+                                    f"below cache_bytes ({self.cache_bytes})")
         if not isinstance(self.self_check, bool):
             raise EngineConfigError(f"EngineConfig.self_check must be True or False, got "
                                     f"{self.self_check!r}")

@@ -92,6 +92,8 @@ def test_a_refused_resize_changes_nothing_and_names_the_bytes():
             paged.resize_cache(32 * KiB)
     with pytest.raises(EngineConfigError, match="max_cache_bytes / min_cache_bytes need"):
         Engine(model(), cache="paged", max_cache_bytes=1 << 20)
+    with pytest.raises(EngineConfigError, match=r"max_cache_bytes \(524288\) is below"):
+        Engine(model(), cache_bytes=1 << 20, max_cache_bytes=1 << 19)
 
 
 def test_sleep_gives_every_page_back_and_wake_serves_the_same_tokens():
