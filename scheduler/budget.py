@@ -14,9 +14,10 @@ share never holds more than ``max_bytes``. The rule ``decide`` applies, once per
     grow     the scheduler's head waiting request does not fit (or the last step preempted):
              ask for what it needs, at least ``grow_fraction`` of max, from the unclaimed
              bytes; what is missing is posted as PRESSURE on the other shares
-    give     pressure posted on this share, or idle (nothing unfinished) for ``idle_release_s``:
-             shrink towards ``min_bytes`` by what nobody running holds (free and cached
-             pages; the caller resizes with ``partial``: no preemption)
+    give     idle (nothing unfinished) for ``idle_release_s``: shrink to ``min_bytes`` (free
+             and cached pages; the caller resizes with ``partial``: no preemption); or
+             pressure posted on this share while it needs nothing (no request waiting,
+             swapped or just preempted): give what nobody uses past one grow step of headroom
 
 Threads: one lock guards the counts; ``decide`` and ``settle`` may run on each engine's thread.
 The design for several processes (not built): the same counts in a shared-memory segment
@@ -86,10 +87,26 @@ class BudgetShare:
                     b._post_pressure(self, grant - free)
                 return self.held_bytes + min(grant, free) if free > 0 else None
             idle = self.idle_since is not None and now - self.idle_since >= b.idle_release_s
-            if (self.pressure_bytes or idle) and self.held_bytes > self.min_bytes:
-                give = self.held_bytes - self.min_bytes if idle else self.pressure_bytes
-                return max(self.min_bytes, self.held_bytes - give)
+            if self.held_bytes <= self.min_bytes:
+                return None
+            if idle:
+                return self.min_bytes
+            needy = preempted or scheduler.waiting or scheduler.swapped
+            if self.pressure_bytes and not needy:
+                # only what nobody uses, past a grow step of headroom for the running ones:
+                # giving away what they are about to grow into would preempt them (thrash)
+                give = min(self.pressure_bytes, self._unused_bytes(scheduler)
+                           - int(b.grow_fraction * self.max_bytes))
+                if give > 0:
+                    return max(self.min_bytes, self.held_bytes - give)
             return None
+
+    @staticmethod
+    def _unused_bytes(scheduler) -> int:
+        """Bytes of the cache no running sequence holds (free, unused and cached pages)."""
+        mgr = scheduler.manager
+        tokens = mgr.stats().free_tokens + getattr(mgr, "reclaimable_tokens", 0)
+        return tokens * mgr.bytes_per_token
 
     def _wanted_bytes(self, scheduler, preempted: bool) -> int:
         """What the head waiting request needs beside what is held, or one more grow step

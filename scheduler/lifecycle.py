@@ -98,6 +98,7 @@ def resize_pool(scheduler, cache_bytes: int, preempt: bool, check_fit: bool, par
         raise CacheResizeError(
             f"resizing the cache to {cache_bytes} bytes: {short} bytes are held by "
             f"{len(s.running)} running sequence(s) and could not be freed{held}")
+    check_fit = check_fit and not partial    # (a budget's partial shrink: see growable)
     if check_fit or cache_bytes:   # asleep (0 bytes, unchecked): requests added meanwhile
         s._refresh_capacity()      # are checked against the pool they will wake to
     if check_fit:

@@ -43,6 +43,7 @@ class Scheduler(StepTransactions, BeamGroups):
         self.config = config
         self.tables = tables
         self.max_seq_len = config.max_seq_len or manager.max_seq_len
+        self.growable = False           # True: a MemoryBudget resizes the pool step by step
         self._refresh_capacity()
         # tell the manager what is computed whenever a shareable unit may have filled
         self._publish_stride = manager.prefix_unit_tokens if config.enable_prefix_sharing else 0
@@ -64,8 +65,12 @@ class Scheduler(StepTransactions, BeamGroups):
     def _refresh_capacity(self) -> None:
         self.total_tokens = total = self.manager.stats().total_tokens
         # the longest sequence the manager could ever hold (a reservation may need more than
-        # the tokens it caches); a request longer than this is rejected at submission
-        self.max_fit_tokens = self.manager.max_sequence_tokens
+        # the tokens it caches); a request longer than this is rejected at submission. A
+        # pool a MemoryBudget resizes (``growable``) keeps the most it has held: a share given
+        # back while idle grows again for the request that needs it
+        fit = self.manager.max_sequence_tokens
+        self.max_fit_tokens = max(fit, getattr(self, "max_fit_tokens", 0)) if self.growable \
+            else fit
         self.watermark_tokens = int(self.config.watermark * total)
 
     def resize(self, cache_bytes: int, preempt: bool = False, check_fit: bool = True,
@@ -167,7 +172,8 @@ class Scheduler(StepTransactions, BeamGroups):
             budget = self._swap_in(plan, budget)
         if not plan.preempted and not self.swapped:
             self._admit(plan, budget)
-        if not plan.seqs and not self.running and not self.swapped and self.waiting:
+        if not plan.seqs and not self.running and not self.swapped and self.waiting \
+                and not self.growable:        # (a growable pool asks its budget instead)
             head = self.waiting[0]
             raise RequestTooLargeError(
                 f"sequence {head.seq_id} ({head.length} tokens) cannot be admitted to an empty "

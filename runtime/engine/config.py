@@ -85,7 +85,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise EngineConfigError(f"EngineConfig.{name} must be an int >= {low}, got {value!r}")
-        for name in ("page_bytes", "cache_bytes", "max_cache_bytes", "min_cache_bytes"):
+        if self.min_cache_bytes is not None and (isinstance(self.min_cache_bytes, bool) or not
+                                                 isinstance(self.min_cache_bytes, int) or
+                                                 self.min_cache_bytes < 0):
+            raise EngineConfigError(f"EngineConfig.min_cache_bytes must be an int >= 0 or None, "
+                                    f"got {self.min_cache_bytes!r}")
+        for name in ("page_bytes", "cache_bytes", "max_cache_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise EngineConfigError(f"EngineConfig.{name} must be an int >= 1 or None, got {value!r}")

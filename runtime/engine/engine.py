@@ -127,6 +127,7 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching, ElasticMemory):
             self._close_memory()   # a failed construction leaves no memory behind
             model.set_attn_implementation(self._model_attn)
             raise
+        self.scheduler.growable = share is not None   # a budget may grow it back
         if self.tp is None:        # with TP the ranks run shard copies; the model is untouched
             hold_vmemkv_attention(model, self._model_attn)
             self._holds_attention = True

@@ -158,3 +158,18 @@ def test_two_models_share_one_budget_and_the_idle_one_gives_pages_back():
     assert budget.held_bytes == 0                     # closed engines leave the budget
     assert tokens(a_out) == hf_greedy("tiny-llama", a_batch, 24, ignore_eos=True)
     assert tokens(b_out) == hf_greedy("tiny-qwen2", b_batch, 24, ignore_eos=True)
+
+
+def test_an_engine_given_back_to_nothing_while_idle_grows_again_for_the_next_request():
+    clock = [0.0]
+    budget = MemoryBudget(256 * KiB, idle_release_s=1.0, clock=lambda: clock[0])
+    batch = prompts(3, 8, 30, seed=4)
+    with Engine(model(), memory_budget=budget, cache_bytes=128 * KiB, min_cache_bytes=0,
+                max_batch=4, max_context=64, check_integrity=True, **LAYOUTS["per-layer"]) as e:
+        e.step()
+        clock[0] = 2.0
+        e.step()                                     # idle past idle_release_s: all given back
+        assert e.cache_bytes == 0 and budget.held_bytes == 0
+        out = e.generate(batch, SP)                  # admitted (the budget can grow it back)
+        assert e.cache_bytes > 0
+    assert tokens(out) == hf_greedy("tiny-llama", batch, 24, ignore_eos=True)
