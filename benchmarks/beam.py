@@ -3,6 +3,7 @@ beam holding a private copy, read from the real caches every step, beside the Pa
 paper's 37.6-55.2% saved for beam search (Kwon et al. 2023, Fig. 15, Alpaca, widths 2-6).
 
     python -m vmemkv.benchmarks.beam [--model tiny-llama|smollm2-135m-instruct] [--out beam.json]
+    python -m vmemkv.benchmarks.beam --model smollm2-geometry --page-bytes 2MiB --block-sizes 16
     python -m vmemkv.benchmarks.beam --simulate 300 [--cache-gb 20]   # the simulator's throughput
     python -m vmemkv.benchmarks.beam --simulate-memory 300 --cache-gb 60   # its memory saved
 
@@ -18,8 +19,17 @@ step. After every step, from the cache (never the manager):
 - saved   = 1 - shared / private, over the whole run (summed over steps: the paper's "memory
             saving") and at the step of peak private memory;
 - read when a step's plan is applied (``begin_step``), over every running sequence;
-- copy-on-write bytes per step: CopyExtent / CopyBlock ops of the plans x the tokens one
-  copies (a page group's, a block's) x KV bytes per token.
+- copy-on-write bytes per step: what the cache copies for the plans' CopyBlock ops (a block's
+  tokens x KV bytes per token) and CopyExtent ops (the member pages the cache binds the op to:
+  as many as the source has mapped, so a page group whose members span several pages and are
+  backed as far as their bytes copies the pages written so far, not the whole group).
+
+``--page-bytes 4KiB 16KiB 2MiB``: vmem per-layer and interleaved at each page size (a layout
+whose page holds no whole token of the model is skipped); without it, the docs' 4 KiB
+per-layer, 16 KiB per-layer and interleaved. ``--block-sizes``: paged (16 4). Every run gets
+``cache_bytes`` for every beam held privately (``cache_bytes_for``), so none is preempted (the
+``preemptions`` column says so) and a host pool of 2 MiB pages is no bigger than it needs.
+``group_tokens``: tokens per page group (vmem) or block (paged), the unit shared and copied.
 """
 from __future__ import annotations
 
@@ -28,14 +38,71 @@ import argparse
 import torch
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.scheduler.cliargs import parse_bytes
 
-KiB = 1024
-CACHES = (("vmem", dict(cache="vmem", layout="per-layer", page_bytes=4 * KiB)),
-          ("vmem", dict(cache="vmem", layout="per-layer", page_bytes=16 * KiB)),
-          ("vmem", dict(cache="vmem", layout="interleaved", page_bytes=16 * KiB)),
-          ("paged", dict(cache="paged", block_size=16)),
-          ("paged", dict(cache="paged", block_size=4)))
+KiB, MiB = 1024, 2**20
+# the docs' engine table: vmem at 4 KiB and 16 KiB (the run without --page-bytes)
+DEFAULT_VMEM = (("vmem", dict(cache="vmem", layout="per-layer", page_bytes=4 * KiB)),
+                ("vmem", dict(cache="vmem", layout="per-layer", page_bytes=16 * KiB)),
+                ("vmem", dict(cache="vmem", layout="interleaved", page_bytes=16 * KiB)))
+BLOCK_SIZES = (16, 4)
+CACHES = DEFAULT_VMEM + tuple(("paged", dict(cache="paged", block_size=b)) for b in BLOCK_SIZES)
 WIDTHS = (2, 4, 6)
+PROMPTS = 8
+
+
+def caches(page_sizes=None, block_sizes=BLOCK_SIZES) -> tuple:
+    """(kind, engine options) of each cache a run measures: vmem per-layer and interleaved at
+    each of ``page_sizes`` (None: ``DEFAULT_VMEM``), then paged at each of ``block_sizes``."""
+    vmem = DEFAULT_VMEM if page_sizes is None else tuple(
+        ("vmem", dict(cache="vmem", layout=layout, page_bytes=size))
+        for size in page_sizes for layout in ("per-layer", "interleaved"))
+    return vmem + tuple(("paged", dict(cache="paged", block_size=b)) for b in block_sizes)
+
+
+def size_name(num_bytes: int) -> str:
+    """4096 -> '4 KiB', 2097152 -> '2 MiB' (bytes as they are otherwise)."""
+    for unit, name in ((MiB, "MiB"), (KiB, "KiB")):
+        if num_bytes % unit == 0:
+            return f"{num_bytes // unit} {name}"
+    return f"{num_bytes} B"
+
+
+def geometry(model, options: dict):
+    """The vmem page geometry ``options`` give ``model`` (K/V in the model's dtype), or None
+    where the layout's page holds no whole token (such a cache cannot be built)."""
+    from vmemkv.runtime.hf.support import kv_shape_of
+    from vmemkv.scheduler.errors import ConfigError
+    from vmemkv.scheduler.geometry import PageGeometry, PageLayout
+    kv = kv_shape_of(model.config)
+    layer_bytes = kv["num_kv_heads"] * kv["head_dim"] * next(model.parameters()).element_size()
+    try:
+        return PageGeometry(PageLayout.parse(options["layout"]), options["page_bytes"],
+                            kv["num_layers"], layer_bytes)
+    except ConfigError:
+        return None
+
+
+def cache_bytes_for(model, options: dict, max_batch: int, max_tokens: int) -> int:
+    """K/V bytes for ``max_batch`` + 1 sequences of ``max_tokens`` each held privately, in the
+    cache's units (vmem: the member pages their tokens' bytes need, a page group's at most;
+    paged: whole blocks): every beam private fits, so nothing is preempted, and a 2 MiB pool is
+    no bigger than the run needs (the host pool is allocated up front)."""
+    from vmemkv.runtime.hf.support import kv_shape_of
+    kv = kv_shape_of(model.config)
+    token_bytes = (2 * kv["num_layers"] * kv["num_kv_heads"] * kv["head_dim"]
+                   * next(model.parameters()).element_size())
+    if options["cache"] == "paged":
+        bs = options["block_size"]
+        per_seq = -(-max_tokens // bs) * bs * token_bytes
+    else:
+        geo = geometry(model, options)
+        tpp = geo.tokens_per_page
+        full, rest = divmod(max_tokens, tpp)
+        pages = full * geo.pages_per_group + (
+            geo.num_members * geo.member_pages_for(rest) if rest else 0)
+        per_seq = pages * geo.page_bytes
+    return (max_batch + 1) * per_seq
 
 
 def held_units(engine) -> tuple:
@@ -59,25 +126,47 @@ def unit_bytes(engine) -> int:
         cache.block_size * cache.config.bytes_per_token)
 
 
-def copy_bytes(engine) -> int:
-    """Bytes one copy-on-write op copies: a page group's tokens (vmem: CopyExtent, one kind
-    here, every layer's member pages) or a block (paged: CopyBlock), at every layer."""
+def group_tokens(engine) -> int:
+    """Tokens of one unit of sharing and copy-on-write: a page group (every layer's member
+    pages; vmem) or a block (paged)."""
     cache = engine.kv.cache
-    tokens = cache.tokens_per_page if cache.kind == "vmem" else cache.block_size
-    return tokens * cache.config.bytes_per_token
+    return cache.tokens_per_page if cache.kind == "vmem" else cache.block_size
+
+
+def bound_copy_bytes(bound, page_bytes: int) -> int:
+    """Bytes a vmem cache's bound plan (its ``_bind_ops``: [(op, payload)]) copies: each
+    CopyExtent's member pages ({member: [(dst, src) page]}, copy-on-write: as many as the
+    source has mapped, each whole) or token bytes ({member: (dst, src, bytes)}, block-granular)."""
+    from vmemkv.scheduler.plan import CopyExtent
+    return sum(p[2] if isinstance(p, tuple) else len(p) * page_bytes
+               for op, payload in bound if type(op) is CopyExtent for p in payload.values())
 
 
 def run_one(model, prompts, width: int, new_tokens: int, options: dict) -> dict:
     from vmemkv.runtime.engine import BeamSearchParams, Engine
-    copies = []
-    with Engine(model, max_batch=len(prompts) * width, max_context=256, self_check=False,
-                **options) as engine:
+    from vmemkv.scheduler.plan import CopyBlock, CopyExtent
+    copies, copied = [], []
+    max_batch = len(prompts) * width
+    budget = cache_bytes_for(model, options, max_batch, max(map(len, prompts)) + new_tokens)
+    with Engine(model, max_batch=max_batch, max_context=256, self_check=False,
+                cache_bytes=budget, **options) as engine:
         cache, shared, private = engine.kv.cache, [], []
         execute, begin_step = cache.execute, cache.begin_step
+        block_bytes = 0 if cache.kind == "vmem" else cache.block_size * cache.config.bytes_per_token
 
-        def counting(ops):              # copy-on-write ops of every plan
-            copies.append(sum(type(op).__name__ in ("CopyExtent", "CopyBlock") for op in ops))
+        def counting(ops):              # copy-on-write ops of every plan, and their bytes
+            copies.append(sum(type(op) in (CopyExtent, CopyBlock) for op in ops))
+            copied.append(sum(type(op) is CopyBlock for op in ops) * block_bytes)
             return execute(ops)
+
+        if cache.kind == "vmem":        # what the cache copies: read where it binds the plan
+            bind = cache._bind_ops
+
+            def binding(bound, journal):
+                out = bind(bound, journal)
+                copied[-1] += bound_copy_bytes(out, cache.page_bytes)
+                return out
+            cache._bind_ops = binding
 
         def measuring(seqs):            # the plan's memory and tables are applied: read them
             s, p = held_units(engine)
@@ -90,33 +179,47 @@ def run_one(model, prompts, width: int, new_tokens: int, options: dict) -> dict:
             engine.add_beam_request(prompt, params, index=i)
         engine.run_until_done()
         peak = max(range(len(private)), key=private.__getitem__)
-        cow_bytes = sum(copies) * copy_bytes(engine)
         return {"shared_units": sum(shared), "private_units": sum(private),
                 "peak_shared_units": shared[peak], "peak_private_units": private[peak],
-                "unit_bytes": unit_bytes(engine), "steps": len(shared),
-                "cow_bytes_per_step": cow_bytes / max(1, len(copies))}
+                "unit_bytes": unit_bytes(engine), "group_tokens": group_tokens(engine),
+                "steps": len(shared), "copies": sum(copies), "plans": len(copied),
+                "cow_bytes_per_step": sum(copied) / max(1, len(copied)),
+                "preemptions": engine.scheduler.metrics.num_preemptions}
 
 
-def measure(model_name: str, new_tokens: int, seed: int = 0) -> list:
+def build(model_name: str, seed: int = 0):
+    from vmemkv.runtime.models import TINY_CONFIGS, build_model, load_model
+    return (build_model(model_name, seed=seed) if model_name in TINY_CONFIGS
+            else load_model(model_name, dtype=torch.float32)[0])
+
+
+def measure(model_name: str, new_tokens: int, seed: int = 0, page_sizes=None,
+            block_sizes=BLOCK_SIZES, widths=WIDTHS, num_prompts: int = PROMPTS,
+            progress=print) -> list:
     import random
-    from vmemkv.runtime.models import build_model, load_model
-    model = (build_model(model_name, seed=seed) if model_name.startswith("tiny-")
-             else load_model(model_name, dtype=torch.float32)[0])
+    model = build(model_name, seed)
     vocab = model.config.vocab_size
     rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(16, 24))] for _ in range(8)]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(16, 24))]
+               for _ in range(num_prompts)]
     rows = []
-    for kind, options in CACHES:
-        unit = (f"{options['page_bytes'] // KiB} KiB page {options['layout']}" if kind == "vmem"
-                else f"block {options['block_size']}")
-        for width in WIDTHS:
+    for kind, options in caches(page_sizes, block_sizes):
+        if kind == "vmem" and geometry(model, options) is None:
+            progress(f"# skipped vmem {options['layout']} at {size_name(options['page_bytes'])}: "
+                     f"its page holds no whole token of this model")
+            continue
+        unit = (f"{size_name(options['page_bytes'])} page {options['layout']}"
+                if kind == "vmem" else f"block {options['block_size']}")
+        for width in widths:
             r = run_one(model, prompts, width, new_tokens, options)
-            rows.append({"cache": kind, "unit": unit, "beam_width": width,
+            rows.append({"cache": kind, "unit": unit, "group_tokens": r["group_tokens"],
+                         "beam_width": width,
                          "peak_shared_MiB": round(r["peak_shared_units"] * r["unit_bytes"] / 2**20, 3),
                          "peak_private_MiB": round(r["peak_private_units"] * r["unit_bytes"] / 2**20, 3),
                          "saved_peak": f"{1 - r['peak_shared_units'] / r['peak_private_units']:.1%}",
                          "saved_run": f"{1 - r['shared_units'] / r['private_units']:.1%}",
-                         "cow_KiB_per_step": round(r["cow_bytes_per_step"] / KiB, 1)})
+                         "cow_KiB_per_step": round(r["cow_bytes_per_step"] / KiB, 1),
+                         "preemptions": r["preemptions"]})
     return rows
 
 
@@ -179,6 +282,15 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="tiny-llama", help="tiny-llama, or a real model "
                         "(smollm2-135m-instruct: the fork/prune pattern of real text)")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per beam")
+    parser.add_argument("--prompts", type=int, default=PROMPTS, help="beam requests (8)")
+    parser.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS),
+                        help="beam widths (2 4 6)")
+    parser.add_argument("--page-bytes", type=parse_bytes, nargs="+", default=None,
+                        metavar="SIZE", help="vmem page sizes, each run per-layer and "
+                        "interleaved (e.g. 4KiB 16KiB 2MiB); default: 4 KiB per-layer, 16 KiB "
+                        "per-layer and interleaved")
+    parser.add_argument("--block-sizes", type=int, nargs="*", default=list(BLOCK_SIZES),
+                        help="paged block sizes (16 4); none: no paged rows")
     parser.add_argument("--out", default=None, help="JSON output path")
     parser.add_argument("--simulate", type=int, metavar="REQUESTS", default=0,
                         help="instead: the simulator's throughput by beam width and policy on "
@@ -209,11 +321,15 @@ def main(argv=None) -> None:
         write_json(args.out, {"environment": env, "rows": rows})
         return
     env = environment(seed=0, warmup=0, repeats=1, model=args.model, new_tokens=args.new_tokens,
-                      prompts=8)
+                      prompts=args.prompts, page_bytes=args.page_bytes,
+                      block_sizes=args.block_sizes, widths=args.widths)
     print_environment(env)
-    rows = measure(args.model, args.new_tokens)
-    print(format_table(rows, ["cache", "unit", "beam_width", "peak_shared_MiB", "peak_private_MiB",
-                              "saved_peak", "saved_run", "cow_KiB_per_step"]))
+    rows = measure(args.model, args.new_tokens, page_sizes=args.page_bytes,
+                   block_sizes=tuple(args.block_sizes), widths=tuple(args.widths),
+                   num_prompts=args.prompts)
+    print(format_table(rows, ["cache", "unit", "group_tokens", "beam_width", "peak_shared_MiB",
+                              "peak_private_MiB", "saved_peak", "saved_run", "cow_KiB_per_step",
+                              "preemptions"]))
     write_json(args.out, {"environment": env, "rows": rows})
 
 
