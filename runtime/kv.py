@@ -109,7 +109,8 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
             block_size: int = 16, swap_bytes: int = 0, background_mapper: bool = False,
             driver: Optional[vmem.Driver] = None, grow_pages: bool = False,
             prefix_eviction: str = DEFAULT_EVICTION, hybrid_parts: bool = True,
-            max_cache_bytes: Optional[int] = None) -> KV:
+            max_cache_bytes: Optional[int] = None,
+            adapter_budget_bytes: Optional[int] = None) -> KV:
     """Build the manager (scheduler.managers) and a cache of ``kind`` for ``config``.
 
     cache_bytes: device memory for K/V (default: room for every slot at full length).
@@ -123,6 +124,8 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
     tokens, the part of a page a hit covers copied (scheduler/managers/blocks.py). ``prefix_eviction``: the managers' retention of
     computed prefixes (scheduler.managers.eviction). ``max_cache_bytes`` (vmem): the most
     ``manager.resize`` may grow the pool to (default ``cache_bytes``).
+    ``adapter_budget_bytes`` (None: LoRA adapters share the pool with KV): a static split, that
+    many of the ``cache_bytes`` for adapters only (scheduler/managers/adapters.py).
     """
     if kind not in CACHE_KINDS:
         raise CacheConfigError(f"cache must be 'vmem' or 'paged', got {kind!r}")
@@ -134,13 +137,15 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
         manager = make_manager("vmem", model, cache_bytes, config.max_context, page_bytes=page_bytes,
                                layout=layout, max_slots=config.max_batch, swap_bytes=swap_bytes,
                                prefix_eviction=prefix_eviction, hybrid_parts=hybrid_parts,
-                               prefix_block_tokens=block_size, max_cache_bytes=max_cache_bytes)
+                               prefix_block_tokens=block_size, max_cache_bytes=max_cache_bytes,
+                               adapter_budget_bytes=adapter_budget_bytes)
     else:
         if max_cache_bytes not in (None, cache_bytes):
             raise CacheConfigError("max_cache_bytes needs the vmem cache (only its pool resizes)")
         manager = make_manager("paged", model, cache_bytes, config.max_context,
                                block_size_tokens=block_size, swap_bytes=swap_bytes,
-                               prefix_eviction=prefix_eviction)
+                               prefix_eviction=prefix_eviction,
+                               adapter_budget_bytes=adapter_budget_bytes)
     cache = cache_for(manager, config, driver=driver, background_mapper=background_mapper,
                       grow_pages=grow_pages)
     return KV(manager, cache, tracker_for(kind))
@@ -170,7 +175,7 @@ def cache_from_layout(layout: CacheLayout, config: CacheConfig, *,
                                f"got {layout!r}")
     if layout.kind is CacheKind.PAGED:
         return PagedKVCache(config, layout.block_size_tokens, layout.num_blocks,
-                            layout.block_groups)
+                            layout.block_groups, adapter_blocks=layout.adapter_pool_pages)
     if layout.num_slots != config.max_batch:
         raise CacheConfigError(f"manager has {layout.num_slots} slots but CacheConfig.max_batch "
                                f"is {config.max_batch}; build the manager with max_slots=max_batch")
@@ -181,13 +186,15 @@ def cache_from_layout(layout: CacheLayout, config: CacheConfig, *,
     return VMemKVCache(config, layout.geometry, layout.num_groups, driver=driver,
                        background_mapper=background_mapper, grow_pages=grow_pages,
                        pool_pages=layout.pool_pages, kinds=layout.kinds,
-                       released_pages=layout.released_pages)
+                       released_pages=layout.released_pages,
+                       adapter_pool_pages=layout.adapter_pool_pages)
 
 
 def check_matches(manager, cache: KVCache) -> None:
     """Assert (AssertionError on a bug) that both are consistent and that the cache's memory and
     replica equal the manager's tables: mapped pages per slot (vmem), the placement of every
-    placed sequence the manager still holds, and the swap space."""
+    placed sequence the manager still holds, the resident LoRA adapters (their pool pages or
+    blocks and sizes) and the swap space."""
     manager.check_integrity()
     cache.check_integrity()
     layout = manager.layout()
@@ -207,7 +214,9 @@ def check_matches(manager, cache: KVCache) -> None:
         backed = [p for p in range(ledger.num_pages)
                   if ledger.holder(p) == RELEASED and pool.has_memory(p)]
         assert not backed, f"released pool pages {backed[:8]} still have memory"
-        assert pool.grow or pool.committed_pages <= ledger.in_service_pages, "memory past service"
+        assert pool.grow or pool.committed_pages <= \
+            ledger.in_service_pages + layout.adapter_pool_pages, "memory past service"
+    assert cache.resident_adapters() == manager.resident_adapters(), "resident adapters"
     swapped = cache.swapped_tokens()
     for seq_id, tokens in swapped.items():
         assert manager.is_swapped(seq_id), f"swap space holds unknown sequence {seq_id}"

@@ -31,7 +31,7 @@ from .request import Sequence, SeqState
 class BeamGroups:
     """Beam-group scheduling (a mixin over Scheduler: ``running``, ``waiting``, ``swapped``,
     ``seqs``, ``manager``, ``config``, ``_decoded``, ``_scheduled``, ``_unfinished_samples``,
-    ``_preempt``, ``_swappable``, ``_requeue``)."""
+    ``_preempt``, ``_swappable``, ``_requeue``, ``_fits``, ``_pin``, ``_unpin``)."""
 
     # ---- what the beam search says after a step (between schedule and update) -------------
     def branch(self, parent_id: int, count: int) -> List[int]:
@@ -155,10 +155,12 @@ class BeamGroups:
         hits = []
         for m in members:
             ids = m.token_ids() if share else None
-            if not mgr.can_allocate(m.length, ids, scope, reserve, final_tokens=final):
+            if not self._fits(m, ids, reserve):      # (with its adapter, pinned per member)
                 for done in members[:len(hits)]:
                     mgr.free(done.seq_id, computed_tokens=0)
+                    self._unpin(done)
                 return None
+            self._pin(m)
             hits.append(mgr.allocate(m.seq_id, m.length, ids, scope, final_tokens=final))
         for m, hit in zip(members, hits):
             self.waiting.remove(m)

@@ -54,6 +54,9 @@ class CacheLayout:
     paged: ``num_blocks`` blocks of ``block_size_tokens`` tokens (a hybrid: ``block_groups``,
     the layers each block group's blocks hold, one block table per group). Validated on construction
     (ConfigError naming the field); unused fields of the other kind stay at their defaults.
+    ``adapter_pool_pages`` (both kinds; 0: LoRA adapters share the pool): a static split's
+    adapter pages (vmem) or blocks (paged), named by the adapter ops after the pool's own
+    (``pool_pages`` / ``num_blocks`` on).
     """
     kind: CacheKind
     max_seq_len_tokens: int                 # the longest sequence one slot / block table holds
@@ -68,11 +71,16 @@ class CacheLayout:
     kinds: tuple = ()
     block_groups: tuple = ()                # paged hybrid: layers per block group; (): one
     released_pages: int = 0                 # vmem: pool pages past cache_bytes (elastic pools)
+    adapter_pool_pages: int = 0             # a static split's adapter pages / blocks
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", CacheKind(self.kind))
         object.__setattr__(self, "backing", PoolBacking(self.backing))
         _positive("max_seq_len_tokens", self.max_seq_len_tokens)
+        if isinstance(self.adapter_pool_pages, bool) or not isinstance(
+                self.adapter_pool_pages, int) or self.adapter_pool_pages < 0:
+            raise ConfigError(f"CacheLayout adapter_pool_pages must be an int >= 0, got "
+                              f"{self.adapter_pool_pages!r}")
         if self.kind is CacheKind.PAGED:
             _positive("block_size_tokens", self.block_size_tokens)
             _positive("num_blocks", self.num_blocks)

@@ -118,6 +118,7 @@ def resize_pool(scheduler, cache_bytes: int, preempt: bool, check_fit: bool, par
 def _release(s, seq: Sequence, status: SeqState) -> None:
     if seq.state is SeqState.RUNNING:
         s.manager.free(seq.seq_id, computed_tokens=seq.num_computed)
+        s._unpin(seq)                       # its adapter's use
         s.running.remove(seq)
     elif seq.state is SeqState.SWAPPED:
         s.manager.free(seq.seq_id)          # drops its host copy

@@ -6,7 +6,8 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 
 from .errors import ConfigError
 from .managers.base import (CopyBlock, CopyExtent, DropSwapped, MapExtent, ReleasePages,  # noqa: F401
-                            MemoryOp, SwapIn, SwapOut, UnmapExtent)  # the ops a plan carries
+                            MemoryOp, SwapIn, SwapOut, UnmapExtent,  # the ops a plan carries
+                            LoadAdapter, EvictAdapter)
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -44,6 +45,7 @@ class ScheduledSeq(NamedTuple):
     new_token_ids: Optional[Tuple[int, ...]]  # their ids, when known (None: prompt ids unknown)
     sample: bool                  # this step yields a sampled token (decode or last prefill chunk)
     fork_ids: Tuple[int, ...] = ()  # n > 1: also sample one token for each of these children
+    adapter_id: Optional[str] = None  # the LoRA adapter its rows run with (its digest); None: base
 
 
 # ---- table edits: where each sequence's tokens live, as changes to the executor's replica ----

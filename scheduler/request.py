@@ -18,6 +18,7 @@ import enum
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
+from .adapters import AdapterRef, check_adapter
 from .errors import ConfigError
 from .managers.prefix import SALT_MARK, prefix_scope
 
@@ -54,6 +55,8 @@ class Request:
                                                      # requests with the same salt (isolation)
     beam_width: int = 0                              # > 0: a beam group (its caller picks the
                                                      # beams each step; scheduled as one)
+    adapter: Optional[AdapterRef] = None             # the LoRA adapter it runs with (None: the
+                                                     # base model); pinned while it runs
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_len, int) or self.prompt_len < 1:
@@ -79,15 +82,19 @@ class Request:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"Request.{name} must be a str or None, got {value!r}")
+        check_adapter(self.adapter, "Request.adapter")
         if self.namespace is not None and self.namespace.startswith(SALT_MARK):
             raise ConfigError(f"Request.namespace may not start with {SALT_MARK!r} (reserved "
                               f"for cache salts), got {self.namespace!r}")
 
     @property
     def prefix_scope(self) -> Optional[str]:
-        """What the managers key this request's prefixes by: its namespace and cache salt
-        (both enter the SHA-256 chain's root, so different salts never share)."""
-        return prefix_scope(self.namespace, self.cache_salt)
+        """What the managers key this request's prefixes by: its namespace, cache salt and
+        adapter's content digest (all enter the SHA-256 chain's root, so different salts or
+        adapters never share; a base-model request keeps the keys it always had)."""
+        adapter = self.adapter
+        return prefix_scope(self.namespace, self.cache_salt,
+                            None if adapter is None else adapter.digest)
 
     @property
     def max_total_len(self) -> int:
@@ -100,7 +107,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request", "output", "length", "num_computed", "held", "state",
                  "admit_order", "pending_forks", "last_token_s", "arrival_s", "max_tokens",
-                 "stop_ids", "beam_width")
+                 "stop_ids", "beam_width", "adapter_id")
 
     def __init__(self, seq_id: int, request: Request, output: Optional[List[int]] = None):
         self.seq_id = seq_id
@@ -117,6 +124,8 @@ class Sequence:
         self.max_tokens = request.max_tokens         # copied from the request: the hot path
         self.stop_ids = request.stop_token_ids
         self.beam_width = request.beam_width         # > 0: a member of a beam group
+        adapter = request.adapter                    # its digest, for the plan (None: base)
+        self.adapter_id = None if adapter is None else adapter.digest
 
     def save(self) -> tuple:
         """The fields ``Scheduler.schedule()`` or ``update()`` may change, for ``restore`` (a

@@ -13,6 +13,11 @@ Order of work inside ``schedule()``:
   3. swapped sequences come back (FCFS) before any new admission.
   4. waiting sequences are admitted FCFS while the whole sequence fits and the watermark stays
      free; the first that does not fit blocks the ones behind it (no overtaking).
+A request with a LoRA adapter (``Request.adapter``, scheduler/adapters.py) pins it while a
+sequence of it runs: the adapter is acquired before the sequence's memory (admission, swap-in,
+fork; admitted only when both fit) and released whenever it stops running (finished, aborted,
+failed, preempted, swapped out). Idle adapters give their pages to KV inside the manager's own
+reclaim, before any allocation fails: so before this scheduler preempts or stops admitting.
 No admission or swap-in happens in a step that preempted. Nothing is ever dropped: a request
 that could never fit is rejected by ``add_request``, everything else eventually finishes.
 """
@@ -100,6 +105,8 @@ class Scheduler(StepTransactions, BeamGroups):
             raise RequestTooLargeError(
                 f"request {request.request_id}: beam_width {request.beam_width} exceeds the "
                 f"{self.config.max_running} sequences a step runs (max_running)")
+        if request.adapter is not None:
+            self._check_adapter_fits(request)
         if request.request_id in self._unfinished_samples:
             raise DuplicateSequenceError(f"request {request.request_id} is already queued")
         ids = list(range(self._next_seq_id, self._next_seq_id + request.n))
@@ -110,6 +117,40 @@ class Scheduler(StepTransactions, BeamGroups):
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
         return ids
+
+    def _check_adapter_fits(self, request: Request) -> None:
+        """RequestTooLargeError naming the adapter when it, or it and the request's tokens,
+        could never be held at once (ConfigError from a policy that holds no adapters)."""
+        ref, mgr, final = request.adapter, self.manager, request.max_total_len
+        pages, most = mgr.adapter_pages(ref.num_bytes), mgr.max_adapter_pages()
+        if pages > most:
+            raise RequestTooLargeError(
+                f"request {request.request_id}: adapter {ref} can never fit: it needs {pages} "
+                f"pool units, adapters can hold {most} at most (policy {mgr.name!r})")
+        fit = mgr.max_sequence_tokens_with_adapter(ref)
+        if not self.growable and final > fit:
+            raise RequestTooLargeError(
+                f"request {request.request_id}: {final} tokens beside adapter {ref} can never "
+                f"fit; the cache holds {fit} tokens of one sequence beside it")
+
+    # ---- adapters: a running sequence pins its request's adapter (module docstring) -------
+    def _pin(self, seq: Sequence) -> None:
+        if seq.adapter_id is not None:
+            self.manager.acquire_adapter(seq.request.adapter, seq.seq_id)
+
+    def _unpin(self, seq: Sequence) -> None:
+        if seq.adapter_id is not None:
+            self.manager.release_adapter(seq.request.adapter)
+
+    def _fits(self, seq: Sequence, ids, reserve: int) -> bool:
+        """Whether ``seq`` can be allocated now (its adapter acquired first, when it has one)
+        leaving ``reserve`` tokens free."""
+        req = seq.request
+        if req.adapter is None:
+            return self.manager.can_allocate(seq.length, ids, req.prefix_scope, reserve,
+                                             final_tokens=req.max_total_len)
+        return self.manager.can_allocate(seq.length, ids, req.prefix_scope, reserve,
+                                         final_tokens=req.max_total_len, adapter=req.adapter)
 
     # ---- queries -------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -218,7 +259,7 @@ class Scheduler(StepTransactions, BeamGroups):
                             decoded.pop()
                             ctx -= out.pop().num_computed_tokens
                         break
-            out.append(new_entry(ScheduledSeq, (seq.seq_id, c, 1, ids, True, ())))
+            out.append(new_entry(ScheduledSeq, (seq.seq_id, c, 1, ids, True, (), seq.adapter_id)))
             decoded.append(seq)
             ctx += c
         n = len(out)
@@ -267,7 +308,8 @@ class Scheduler(StepTransactions, BeamGroups):
         c = seq.num_computed
         sample = c + new == seq.length
         forks = seq.pending_forks if sample else ()
-        plan.seqs.append(ScheduledSeq(seq.seq_id, c, new, seq.new_token_ids(c, c + new), sample, forks))
+        plan.seqs.append(ScheduledSeq(seq.seq_id, c, new, seq.new_token_ids(c, c + new), sample,
+                                      forks, seq.adapter_id))
         plan.num_new_tokens += new
         plan.num_context_tokens += c + new
         self._scheduled.append((seq, new, sample))
@@ -276,6 +318,7 @@ class Scheduler(StepTransactions, BeamGroups):
         """Take the most recently admitted running sequence off the device (``swap``: decided
         for its beam group, else by the config and ``_swappable``)."""
         self.running.pop()
+        self._unpin(seq)                  # swapped out or waiting: its adapter may go idle
         self.metrics.num_preemptions += 1
         plan.preempted.append(seq.seq_id)
         swap = self._swappable(seq) if swap is None else swap
@@ -315,13 +358,16 @@ class Scheduler(StepTransactions, BeamGroups):
     def _swap_in(self, plan: StepPlan, budget: int) -> int:
         while self.swapped and len(self.running) < self.config.max_running and budget > 0:
             group = self._swapped_unit()
-            if len(self.running) + len(group) > self.config.max_running or not (
-                    self.manager.can_swap_in_all([m.seq_id for m in group])):
+            ids, adapter = [m.seq_id for m in group], group[0].request.adapter
+            fits = self.manager.can_swap_in_all(ids) if adapter is None else \
+                self.manager.can_swap_in_all(ids, adapter=adapter)
+            if len(self.running) + len(group) > self.config.max_running or not fits:
                 if not self.running:       # an empty cache: it never will (a beam group
                     self._recompute_swapped(group)   # shared memory it cannot share now)
                     continue
                 break
             for seq in group:
+                self._pin(seq)                # the adapter first: loaded again if evicted
                 self.manager.swap_in(seq.seq_id)
                 self.swapped.popleft()
                 seq.held = self.manager.num_tokens(seq.seq_id)
@@ -343,11 +389,17 @@ class Scheduler(StepTransactions, BeamGroups):
                 for member in group:
                     budget = self._schedule_prefill(plan, member, budget, may_preempt=False)
                 continue
-            if not mgr.can_allocate(seq.length, ids, req.prefix_scope, reserve,
-                                    final_tokens=req.max_total_len):
+            if not self._fits(seq, ids, reserve):
                 break
-            hit = mgr.allocate(seq.seq_id, seq.length, ids, req.prefix_scope,
-                               final_tokens=req.max_total_len)
+            self._pin(seq)             # both or neither: the adapter, then the sequence
+            try:
+                hit = mgr.allocate(seq.seq_id, seq.length, ids, req.prefix_scope,
+                                   final_tokens=req.max_total_len)
+            except OutOfCapacityError:
+                if seq.adapter_id is None:
+                    raise
+                self._unpin(seq)       # (its prefix hits went to load the adapter)
+                break
             self.waiting.popleft()
             seq.held = seq.length
             seq.num_computed = min(hit, seq.length - 1)   # the last token is always computed
@@ -428,6 +480,7 @@ class Scheduler(StepTransactions, BeamGroups):
             fits = len(self.running) < self.config.max_running and self.manager.can_fork(parent.seq_id)
             if fits:
                 self.manager.fork(parent.seq_id, child_id)
+                self._pin(child)          # resident: the parent pins it
                 child.num_computed, child.held = parent.num_computed, parent.held
                 self._run_beside(child)
             else:
@@ -440,6 +493,7 @@ class Scheduler(StepTransactions, BeamGroups):
         for seq in seqs:
             if seq.state is SeqState.RUNNING:
                 self.manager.free(seq.seq_id)
+                self._unpin(seq)
             elif seq.state is SeqState.WAITING:
                 self.waiting.remove(seq)
             seq.state = SeqState.FINISHED

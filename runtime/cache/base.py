@@ -292,6 +292,16 @@ class KVCache(ABC):
         if self._step is None:
             raise CacheStateError("no step begun: call begin_step(...) first")
 
+    # -- LoRA adapters (cache/adapters.py) --
+    def resident_adapters(self) -> dict:
+        """{adapter_id: (pool pages or blocks, num_bytes)} the plans left resident."""
+        return {}
+
+    def adapter_buffer(self, adapter_id: str) -> torch.Tensor:
+        """A resident adapter's memory: a 1-D uint8 tensor of its ``num_bytes``, zero-copy
+        (the caller writes the weights in after the plan that loaded it ran)."""
+        raise CacheStateError(f"{type(self).__name__} holds no adapter {str(adapter_id)[:12]}")
+
     def check_integrity(self) -> None:
         """Assert the cache is consistent with itself (AssertionError on a bug): swap buffers
         are well formed; kinds add their memory checks. Whether it matches a manager's tables

@@ -8,6 +8,12 @@ G is every layer (one block table per sequence), or for a hybrid the size of its
 group g's table, so each layer view carries its group's table. The block tables are the
 cache's replica of what plans told it (EditBlocks: keep a prefix, append blocks, in one group's
 table); it never asks a manager.
+
+LoRA adapters (cache/adapters.py): a LoadAdapter's blocks are the adapter's share of the block
+budget (their part of ``pools`` stays unused while it is resident); its bytes live in a uint8
+buffer of their own on the pools' device, made at load and dropped at evict
+(``adapter_buffer``). ``adapter_blocks`` (a static split): block ids ``num_blocks`` on, for
+adapters only.
 """
 from __future__ import annotations
 
@@ -17,26 +23,30 @@ import torch
 
 from vmemkv.runtime.attention.base import PagedLayerView, StepMeta, window_starts
 from vmemkv.scheduler.layout import CacheKind
-from vmemkv.scheduler.plan import CopyBlock, DropSwapped, EditBlocks, SwapIn, SwapOut
+from vmemkv.scheduler.plan import (CopyBlock, DropSwapped, EditBlocks, EvictAdapter, LoadAdapter,
+                                   SwapIn, SwapOut)
 
 from ..config import CacheConfig
 from ..errors import CacheConfigError, CacheStateError
 from ..memory import check_fits_device
+from .adapters import ADAPTER_OPS, AdapterReplica
 from .base import KVCache, StepBatch
 from .journal import PlanJournal
 
 
-class PagedKVCache(KVCache):
+class PagedKVCache(AdapterReplica, KVCache):
     """Executes paged plans on a pool of ``num_blocks`` blocks of ``block_size`` tokens."""
 
     kind = CacheKind.PAGED
 
     def __init__(self, config: CacheConfig, block_size: int, num_blocks: int,
-                 block_groups: tuple = ()) -> None:
+                 block_groups: tuple = (), adapter_blocks: int = 0) -> None:
         super().__init__(config)
-        for name, value in (("block_size", block_size), ("num_blocks", num_blocks)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise CacheConfigError(f"PagedKVCache {name} must be an int >= 1, got {value!r}")
+        for name, value, low in (("block_size", block_size, 1), ("num_blocks", num_blocks, 1),
+                                 ("adapter_blocks", adapter_blocks, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise CacheConfigError(f"PagedKVCache {name} must be an int >= {low}, got "
+                                       f"{value!r}")
         self.block_size = block_size
         self.num_blocks = num_blocks
         c = config
@@ -53,6 +63,10 @@ class PagedKVCache(KVCache):
         self.pools = torch.zeros((size, 2, self.num_blocks, self.block_size,
                                   c.num_kv_heads, c.head_dim), dtype=c.storage_dtype,
                                  device=c.torch_device)
+        self.adapter_blocks = adapter_blocks
+        block_bytes = self.pools[:, :, 0].numel() * self.pools.element_size()
+        self._init_adapters(block_bytes, num_blocks + adapter_blocks)
+        self._adapter_buffers: dict = {}   # adapter_id -> uint8 tensor (applied plans)
 
     def execute(self, ops: Sequence) -> None:
         """Apply the plan, all or nothing: on a failure (an OOM in a copy, say) the blocks it
@@ -60,12 +74,20 @@ class PagedKVCache(KVCache):
         raised."""
         self._check_usable()
         for index, op in enumerate(ops):    # refuse a plan we cannot run before touching memory
-            if not isinstance(op, (CopyBlock, SwapOut, SwapIn, DropSwapped)):
+            if not isinstance(op, (CopyBlock, SwapOut, SwapIn, DropSwapped) + ADAPTER_OPS):
                 raise CacheStateError(f"PagedKVCache cannot execute op {index} of the plan: {op!r}")
-        bound = self._bind_swaps(ops)
+        journal = PlanJournal({})
+        if any(isinstance(op, ADAPTER_OPS) for op in ops):
+            self._bind_adapters(ops, journal)      # checked against the replica, or refused
+        try:
+            bound = self._bind_swaps(ops)
+        except BaseException:
+            for undo in reversed(journal.replica_undo):
+                undo()
+            raise
         if not bound:
             return
-        journal = PlanJournal(self._swapped_before)
+        journal.swapped_before = self._swapped_before
         try:
             for index, (op, buffer) in enumerate(bound):
                 journal.op_index = index
@@ -76,8 +98,46 @@ class PagedKVCache(KVCache):
             self._fail_plan(journal, RuntimeError("interrupted"))
             raise
 
+    def _bind_adapters(self, ops: Sequence, journal: PlanJournal) -> None:
+        """Every adapter op checked and applied to the replica in plan order (undo in the
+        journal); CacheStateError naming the op, the replica as before, otherwise."""
+        undo = journal.replica_undo.append
+        for index, op in enumerate(ops):
+            if isinstance(op, ADAPTER_OPS):
+                try:
+                    self._bind_adapter(op, undo)
+                except CacheStateError as error:
+                    for action in reversed(journal.replica_undo):
+                        action()
+                    raise CacheStateError(f"plan refused at op {index}, nothing changed: "
+                                          f"{error}") from None
+
+    def adapter_buffer(self, adapter_id: str) -> torch.Tensor:
+        """The ``num_bytes`` of resident adapter ``adapter_id``: its own 1-D uint8 buffer on
+        the pools' device. CacheStateError if not resident."""
+        self._check_usable()
+        self._adapter_entry(adapter_id)
+        return self._adapter_buffers[adapter_id]
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        self._check_adapter_replica()
+        assert set(self._adapter_buffers) == set(self._adapters), "adapter buffers"
+        for adapter_id, (_, num_bytes) in self._adapters.items():
+            buffer = self._adapter_buffers[adapter_id]
+            assert buffer.dtype == torch.uint8 and buffer.shape == (num_bytes,), adapter_id
+
     def _apply(self, op, buffer, journal: PlanJournal) -> None:
-        if isinstance(op, CopyBlock):
+        if isinstance(op, LoadAdapter):
+            buffers = self._adapter_buffers
+            buffers[op.adapter_id] = torch.zeros(op.num_bytes, dtype=torch.uint8,
+                                                 device=self.pools.device)
+            journal.add(lambda name=op.adapter_id: buffers.pop(name, None))
+        elif isinstance(op, EvictAdapter):
+            buffers = self._adapter_buffers
+            dropped = buffers.pop(op.adapter_id)
+            journal.add(lambda name=op.adapter_id, kept=dropped: buffers.__setitem__(name, kept))
+        elif isinstance(op, CopyBlock):
             self._save_blocks(journal, [op.dst_block])
             self.pools[:, :, op.dst_block].copy_(self.pools[:, :, op.src_block])
         elif isinstance(op, SwapOut):

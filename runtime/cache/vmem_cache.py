@@ -34,13 +34,15 @@ from ..errors import CacheConfigError, CacheStateError
 from ..memory import check_fits_device
 from .base import KVCache, StepBatch
 from .journal import PlanJournal
+from .adapters import ADAPTER_OPS, AdapterReplica
 from .mapper import BackgroundMapper, DeferredUndo
 from .vmem_ops import VMemOps, cache_kinds
 
-_OPS = (MapExtent, UnmapExtent, CopyExtent, SwapOut, SwapIn, DropSwapped, ReleasePages)
+_OPS = (MapExtent, UnmapExtent, CopyExtent, SwapOut, SwapIn, DropSwapped,
+        ReleasePages) + ADAPTER_OPS
 
 
-class VMemKVCache(VMemOps, KVCache):
+class VMemKVCache(VMemOps, AdapterReplica, KVCache):
     """Executes vmem plans on a VirtualRange of ``config.max_batch`` slots of ``geometry``
     over a pool of ``pool_pages`` pages (default: ``num_groups`` whole page groups' worth),
     whose ops name the pool pages of layer ``kinds`` (((name, layers), ...) from the layout;
@@ -51,6 +53,12 @@ class VMemKVCache(VMemOps, KVCache):
     ``background_mapper=True`` runs each plan's ops on a thread, layer by layer, so layer l's
     pages are mapped while layers < l compute (per-layer layout); ``write``/``layer_view`` wait
     only for their own layer. ``mapper_wait_s`` is the time steps spent waiting for it.
+
+    LoRA adapters (cache/adapters.py): a LoadAdapter's pool pages are mapped, in order, into a
+    VirtualRange of the adapter's own over the same PagePool (reserved at load, closed at
+    evict; applied with the plan's last op group, after every layer's unmaps);
+    ``adapter_buffer`` views its bytes. ``adapter_pool_pages`` (a static split): pool pages
+    ``pool_pages`` on, for adapters only.
     """
 
     kind = CacheKind.VMEM
@@ -58,7 +66,8 @@ class VMemKVCache(VMemOps, KVCache):
     def __init__(self, config: CacheConfig, geometry: PageGeometry, num_groups: int,
                  driver: Optional[vmem.Driver] = None, background_mapper: bool = False,
                  grow_pages: bool = False, pool_pages: Optional[int] = None,
-                 kinds: Optional[tuple] = None, released_pages: int = 0) -> None:
+                 kinds: Optional[tuple] = None, released_pages: int = 0,
+                 adapter_pool_pages: int = 0) -> None:
         super().__init__(config)
         self._check_geometry(config, geometry, num_groups)
         pool_pages = num_groups * geometry.pages_per_group if pool_pages is None else pool_pages
@@ -80,10 +89,18 @@ class VMemKVCache(VMemOps, KVCache):
                 not 0 <= released_pages <= pool_pages:
             raise CacheConfigError(f"released_pages must be in 0..{pool_pages}, got "
                                    f"{released_pages!r}")
+        if isinstance(adapter_pool_pages, bool) or not isinstance(adapter_pool_pages, int) or \
+                adapter_pool_pages < 0:
+            raise CacheConfigError(f"adapter_pool_pages must be an int >= 0, got "
+                                   f"{adapter_pool_pages!r}")
+        self.adapter_pool_pages = adapter_pool_pages
         self._in_service = in_service = pool_pages - released_pages   # the rest: no memory yet
-        check_fits_device(f"VMemKVCache pool of {in_service} pages of {self.page_bytes} bytes",
-                          in_service * self.page_bytes, config.torch_device,
-                          committed=not grow_pages)
+        check_fits_device(f"VMemKVCache pool of {in_service + adapter_pool_pages} pages of "
+                          f"{self.page_bytes} bytes",
+                          (in_service + adapter_pool_pages) * self.page_bytes,
+                          config.torch_device, committed=not grow_pages)
+        self._init_adapters(self.page_bytes, pool_pages + adapter_pool_pages)
+        self._adapter_ranges: dict = {}   # adapter_id -> its VirtualRange (applied plans)
         self._grow_pages = grow_pages   # pages created on first mapping (vmem.PagePool(grow=True))
         # the replica: slot -> {page index: {kind: pool pages mapped, from member page 0}}
         self._spots: list[dict] = [dict() for _ in range(config.max_batch)]
@@ -101,8 +118,10 @@ class VMemKVCache(VMemOps, KVCache):
         self._closed = False
 
     def _build(self, c: CacheConfig, background_mapper: bool) -> None:
-        self.pool = vmem.PagePool(self.driver, self.pool_pages, self.page_bytes,
-                                  grow=self._grow_pages, committed_pages=self._in_service)
+        total = self.pool_pages + self.adapter_pool_pages   # (a split's adapter pages last:
+        committed = total if self._in_service == self.pool_pages else self._in_service
+        self.pool = vmem.PagePool(self.driver, total, self.page_bytes,   # made when mapped if
+                                  grow=self._grow_pages, committed_pages=committed)  # released)
         self._pool_pages = self.pool.allocate(self.pool.total_pages)   # pool page -> page id
         per_layer = self.geometry.per_layer
         shape = ((c.num_layers, 2, c.max_batch, c.max_context, c.num_kv_heads, c.head_dim)
@@ -306,7 +325,34 @@ class VMemKVCache(VMemOps, KVCache):
         self.wait_for_mapper()
         assert self.range.mapped_pages() == self._expected_mappings(), \
             "range mappings differ from the plans' mappings"
+        self._check_adapter_replica()
+        assert set(self._adapter_ranges) == set(self._adapters), "adapter ranges"
+        for adapter_id, (pages, _) in self._adapters.items():
+            assert self._adapter_ranges[adapter_id].mapped_pages() == \
+                {i: self._pool_pages[p] for i, p in enumerate(pages)}, ("adapter pages", adapter_id)
         self.pool.check_integrity()
+
+    # -- LoRA adapters --
+    def adapter_buffer(self, adapter_id: str) -> torch.Tensor:
+        """The ``num_bytes`` of resident adapter ``adapter_id``: a 1-D uint8 view, zero-copy,
+        of the pool pages its LoadAdapter named (in order). CacheStateError if not resident."""
+        self._check_open()
+        self.wait_for_mapper()
+        _, num_bytes = self._adapter_entry(adapter_id)
+        return self._adapter_ranges[adapter_id].tensor(0, num_bytes)
+
+    def _map_adapter(self, adapter_id: str, pages: tuple) -> None:
+        rng = vmem.VirtualRange(self.pool, len(pages) * self.page_bytes)
+        try:
+            for index, page in enumerate(pages):
+                rng.map(index, self._pool_pages[page])
+        except BaseException:
+            rng.close()
+            raise
+        self._adapter_ranges[adapter_id] = rng
+
+    def _unmap_adapter(self, adapter_id: str) -> None:
+        self._adapter_ranges.pop(adapter_id).close()
 
     # -- lifecycle --
     def _check_open(self) -> None:
@@ -326,6 +372,9 @@ class VMemKVCache(VMemOps, KVCache):
         if self._mapper is not None:
             self._mapper.close()
         self._k = self._v = []
+        for rng in getattr(self, "_adapter_ranges", {}).values():
+            rng.close()
+        self._adapter_ranges = {}
         if self.range is not None:
             self.range.close()
         if self.pool is not None:

@@ -14,14 +14,16 @@ mapped twice at one place, a pool page outside the pool, an unmap of nothing, a 
 raises CacheStateError with nothing changed, and applying (inline or on the background mapper,
 layer by layer) only reads each op's resolved primitives. ``ReleasePages`` (the pool shrank)
 discards pages mapped nowhere, after every layer's unmaps (the last op group); a page the plan
-released cannot be mapped again in the same plan.
+released cannot be mapped again in the same plan. ``LoadAdapter`` / ``EvictAdapter`` (a LoRA
+adapter's pages mapped into, or out of, a VirtualRange of its own) apply with that last group
+too, in plan order; no KV op may name a page a resident adapter holds (cache/adapters.py).
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence
 
-from vmemkv.scheduler.plan import (CopyExtent, MapExtent, ReleasePages, SwapIn, SwapOut,
-                                   UnmapExtent)
+from vmemkv.scheduler.plan import (CopyExtent, EvictAdapter, LoadAdapter, MapExtent,
+                                   ReleasePages, SwapIn, SwapOut, UnmapExtent)
 
 from ..errors import CacheConfigError, CacheStateError
 from .journal import PlanJournal
@@ -75,7 +77,13 @@ class VMemOps:
         if isinstance(op, MapExtent):
             if self._released_in_plan.intersection(op.pool_pages):
                 raise CacheStateError(f"{op!r} maps a pool page released earlier in the plan")
+            if self._adapters and self._adapter_held_units().intersection(op.pool_pages):
+                raise CacheStateError(f"{op!r} maps a pool page a resident adapter holds")
             return self._bind_map(op, undo)
+        if isinstance(op, LoadAdapter):
+            return self._bind_adapter(op, undo, lambda: self._kv_mapped() | self._released_in_plan)
+        if isinstance(op, EvictAdapter):
+            return self._bind_adapter(op, undo)
         if isinstance(op, ReleasePages):
             return self._bind_release(op)
         if isinstance(op, UnmapExtent):
@@ -107,13 +115,17 @@ class VMemOps:
                 for p in pages):
             raise CacheStateError(f"{op!r}: pool_pages must be distinct pages of 0.."
                                   f"{self.pool_pages - 1}")
-        mapped = {p for spots in self._spots for kinds in spots.values()
-                  for extent in kinds.values() for p in extent}.intersection(pages)
+        mapped = (self._kv_mapped() | self._adapter_held_units()).intersection(pages)
         if mapped:
             raise CacheStateError(f"{op!r} releases pool pages still mapped: "
                                   f"{sorted(mapped)[:8]}")
         self._released_in_plan.update(pages)
         return tuple(self._pool_pages[p] for p in pages)
+
+    def _kv_mapped(self) -> set:
+        """Pool pages the replica maps in the KV range."""
+        return {p for spots in self._spots for kinds in spots.values()
+                for extent in kinds.values() for p in extent}
 
     def _bind_token_copy(self, op: CopyExtent, kind: "Kind", src: int, dst: int) -> dict:
         """{member: (dst byte offset, src byte offset, bytes)}: tokens [0, num_tokens) of every
@@ -258,6 +270,15 @@ class VMemOps:
                     backed = [p for p in payload if self.pool.has_memory(p)]  # (some never were)
                     self.pool.discard(backed)
                     journal.add(lambda ids=backed: self.pool.recommit(ids))
+            elif isinstance(op, LoadAdapter):
+                if group == self.geometry.num_op_groups - 1:   # after every layer's unmaps
+                    self._map_adapter(op.adapter_id, payload)
+                    journal.add(lambda name=op.adapter_id: self._unmap_adapter(name))
+            elif isinstance(op, EvictAdapter):
+                if group == self.geometry.num_op_groups - 1:
+                    self._unmap_adapter(op.adapter_id)
+                    journal.add(lambda name=op.adapter_id, pages=payload:
+                                self._map_adapter(name, pages))
             else:
                 raise CacheStateError(f"VMemKVCache cannot execute {op!r}")
 

@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
+from ..adapters import AdapterRef
 from ..errors import ConfigError
 from ..layout import CacheLayout
 
@@ -143,8 +144,50 @@ class ReleasePages:
     owner = None      # reclaiming (not a field)
 
 
+# LoRA adapters (scheduler/adapters.py): weights held in the pool KV uses, tenant ("adapter",
+# digest) of the same ledger. vmem: pool pages; paged: blocks (the bytes then live in a buffer
+# of their own, the blocks are their share of the block budget).
+
+@dataclass(frozen=True)
+class LoadAdapter:
+    """Make ``num_bytes`` of memory for adapter ``adapter_id`` (its digest) over
+    ``pool_pages``, in order: byte b lies in ``pool_pages[b // unit]`` (vmem: a page; paged: a
+    block's bytes, ``MemoryManager.adapter_pages``). The pages were mapped nowhere once the
+    plan's earlier ops ran; the executor maps them (vmem) and the caller writes the weights in
+    after the plan (``adapter_buffer``)."""
+    adapter_id: str
+    pool_pages: tuple
+    num_bytes: int
+    owner: Optional[int] = field(default=None, compare=False)  # the seq that needed it
+
+
+@dataclass(frozen=True)
+class EvictAdapter:
+    """Forget adapter ``adapter_id``'s memory: ``pool_pages`` go back to the pool (its weights
+    are lost; a later LoadAdapter writes them again)."""
+    adapter_id: str
+    pool_pages: tuple
+    owner = None      # reclaiming (not a field)
+
+
 MemoryOp = Union[MapExtent, UnmapExtent, CopyExtent, CopyBlock, SwapOut, SwapIn, DropSwapped,
-                 ReleasePages]
+                 ReleasePages, LoadAdapter, EvictAdapter]
+
+
+@dataclass(frozen=True)
+class AdapterStats:
+    """A manager's adapters: resident ones (``pinned`` by running sequences, the rest idle),
+    the pool pages (vmem) or blocks (paged) they hold, and loads/evictions since construction."""
+    resident: int = 0
+    pinned: int = 0
+    pages: int = 0
+    idle_pages: int = 0
+    loads: int = 0
+    evictions: int = 0
+
+    @property
+    def idle(self) -> int:
+        return self.resident - self.pinned
 
 
 @dataclass(frozen=True)
@@ -213,11 +256,14 @@ class MemoryManager(ABC):
     @abstractmethod
     def can_allocate(self, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                      namespace: Optional[str] = None, reserve_tokens: int = 0,
-                     final_tokens: Optional[int] = None) -> bool:
+                     final_tokens: Optional[int] = None,
+                     adapter: Optional[AdapterRef] = None) -> bool:
         """Whether ``allocate`` of ``num_tokens`` would succeed while leaving at least
         ``reserve_tokens`` of capacity free (the scheduler's admission watermark).
         ``final_tokens`` is the sequence's final length: reserve-oracle needs it (and raises
-        ConfigError without it), the other managers ignore it."""
+        ConfigError without it), the other managers ignore it. ``adapter``: whether
+        ``acquire_adapter(adapter)`` and then this allocation would both succeed (the pages
+        the adapter takes are not the allocation's)."""
 
     @abstractmethod
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
@@ -318,9 +364,10 @@ class MemoryManager(ABC):
         stores its own copy of the units they share, so the swap space must hold them all)."""
 
     @abstractmethod
-    def can_swap_in_all(self, seq_ids) -> bool:
+    def can_swap_in_all(self, seq_ids, adapter: Optional[AdapterRef] = None) -> bool:
         """Whether every one of ``seq_ids`` (swapped out) can be swapped in in one go (a beam
-        group comes back whole: each its own private memory)."""
+        group comes back whole: each its own private memory); ``adapter``: after
+        ``acquire_adapter(adapter)``."""
 
     # -- transactions (the one failure mechanism: a failed step is undone exactly) --
     @abstractmethod
@@ -365,6 +412,61 @@ class MemoryManager(ABC):
         """K/V bytes the copy ops among ``ops`` (this manager's) move on the device (what the
         simulator charges at the copy bandwidth); 0 for a manager that emits none."""
         return 0
+
+    # -- LoRA adapters (vmem and paged, managers/adapters.py; the others refuse by name) --
+    # An adapter is held by use counts: ``acquire_adapter`` pins it (loading it into pages
+    # taken from the ledger when it is not resident: LoadAdapter), ``release_adapter`` unpins;
+    # at zero it stays resident but IDLE, and idle adapters are evicted (least recently idle
+    # first, EvictAdapter) when KV or another adapter needs their pages, after the prefix
+    # cache's memory and before any allocation fails.
+    def _no_adapters(self):
+        raise ConfigError(f"policy {self.name!r} cannot hold LoRA adapters (only 'vmem' and "
+                          f"'paged' can: adapters take pool pages or blocks)")
+
+    def adapter_pages(self, num_bytes: int) -> int:
+        """Ledger units (vmem pool pages, paged blocks) an adapter of ``num_bytes`` takes."""
+        self._no_adapters()
+
+    def max_adapter_pages(self) -> int:
+        """The most units adapters could ever hold at once (a bigger one can never load)."""
+        self._no_adapters()
+
+    def max_sequence_tokens_with_adapter(self, adapter: AdapterRef) -> int:
+        """``max_sequence_tokens`` while ``adapter`` is resident (0: it can never load)."""
+        self._no_adapters()
+
+    def can_acquire_adapter(self, adapter: AdapterRef) -> bool:
+        """Whether ``acquire_adapter(adapter)`` would succeed."""
+        self._no_adapters()
+
+    def acquire_adapter(self, adapter: AdapterRef, owner_seq_id: Optional[int] = None) -> None:
+        """Pin ``adapter`` (one use more), loading it first when it is not resident (its pages
+        from free ones, then reclaimed KV memory as ``resize`` gathers it, then idle adapters';
+        ``LoadAdapter`` serving ``owner_seq_id``). OutOfCapacityError, nothing changed, when
+        it cannot fit."""
+        self._no_adapters()
+
+    def release_adapter(self, adapter: AdapterRef) -> None:
+        """One use fewer (AdapterStateError when it has none); at zero it stays resident, idle."""
+        self._no_adapters()
+
+    def evict_idle_adapter(self) -> bool:
+        """Unload the least recently idle adapter (``EvictAdapter``; its pages free); False
+        when no adapter is idle."""
+        return False
+
+    def adapter_uses(self, adapter: AdapterRef) -> int:
+        """Running uses of ``adapter`` (0: idle or not resident)."""
+        return 0
+
+    def resident_adapters(self) -> dict:
+        """{adapter_id: (pool_pages, num_bytes)} of every resident adapter, as the ops named
+        them (an executor's replica must equal it)."""
+        return {}
+
+    def adapter_stats(self) -> AdapterStats:
+        """Counts of the resident adapters and their pages, loads and evictions."""
+        return AdapterStats()
 
     # -- elastic memory (vmem only; the others refuse by name) --
     @property

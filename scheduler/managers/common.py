@@ -238,12 +238,26 @@ class ManagerCore(MemoryManager):
         return (all(s is not None and self.can_swap_out(i) for i, s in zip(seq_ids, seqs))
                 and sum(s.num_tokens for s in seqs) * self.bytes_per_token <= self.swap_free_bytes)
 
-    def can_swap_in_all(self, seq_ids) -> bool:
+    def can_swap_in_all(self, seq_ids, adapter=None) -> bool:
         seqs = [self._swapped.get(i) for i in seq_ids]
         if any(s is None for s in seqs) or not self._places_for(len(seqs)):
             return False
+        cost = self._adapter_admission_cost(adapter)
         needs = [self._fresh_units(s) for s in seqs]
-        return None not in needs and sum(needs) <= self._available_units()
+        return None not in needs and cost is not None and \
+            sum(needs) + cost <= self._available_units()
+
+    def _adapter_admission_cost(self, adapter) -> Optional[int]:
+        """Units acquiring ``adapter`` takes from what an allocation may use (None: it cannot
+        be acquired; 0 without one). ConfigError from a policy that holds no adapters."""
+        if adapter is None:
+            return 0
+        if not self.can_acquire_adapter(adapter):
+            return None
+        return self._adapter_kv_cost(adapter)
+
+    def _adapter_kv_cost(self, adapter) -> int:
+        return 0
 
     def _places_for(self, count: int) -> bool:
         """Whether ``count`` sequences can be placed at once besides their memory (vmem: free

@@ -9,7 +9,8 @@ free list and that tenant:
              memory when a MapExtent next names it)
     shrink   free pages first, then free groups' (WHOLE keeps pages on them), then the
              reclaimable groups' (still mapped under free slots: UnmapExtent), then the cached
-             groups' in the eviction policy's order; one ReleasePages op names them all.
+             groups' in the eviction policy's order, then idle adapters' (EvictAdapter); one
+             ReleasePages op names them all (``_gather``: the same order an adapter load takes).
              Pages that running sequences hold are not touched: the bytes left are returned,
              for the scheduler to preempt and call again (``Scheduler.resize``).
 """
@@ -47,6 +48,9 @@ class ElasticPool:
     def resize(self, cache_bytes: int) -> int:
         """As :meth:`MemoryManager.resize`; the bytes returned are whole pages."""
         check_int("cache_bytes", cache_bytes, 0)
+        if not self._adapters_share_kv:
+            raise ConfigError(f"a vmem pool split statically with adapters "
+                              f"(adapter_budget_bytes={self.adapter_budget_bytes}) cannot resize")
         target = self._pages_for(cache_bytes)
         if target > self.pool_pages:
             raise ConfigError(f"cache_bytes={cache_bytes} exceeds this pool's max_cache_bytes="
@@ -61,16 +65,29 @@ class ElasticPool:
     def _give_to_device(self, count: int) -> int:
         """Release up to ``count`` pages nobody holds; returns how many were released."""
         released: list = []
-        while len(released) < count:
-            if self.ledger.free_pages:
-                n = min(self.ledger.free_pages, count - len(released))
-                released.extend(self.ledger.release(n))
+        self._gather(count, lambda n: released.extend(self.ledger.release(n)))
+        if released:
+            self._ops.append(ReleasePages(tuple(sorted(released))))
+        return len(released)
+
+    def _gather(self, count: int, consume) -> int:
+        """THE way pages nobody holds are freed for another use (the device's, an adapter's):
+        ``consume(n)`` takes n free pages off the ledger, as they become free, until ``count``
+        are taken or nothing is left: free pages first, then free groups' (WHOLE keeps pages
+        on them), then the reclaimable groups' (still mapped under free slots: UnmapExtent),
+        then the cached groups' in the eviction policy's order, then idle adapters' (least
+        recently idle first: EvictAdapter). Returns how many were consumed."""
+        got = 0
+        while got < count:
+            free = self.ledger.free_pages
+            if free:
+                n = min(free, count - got)
+                consume(n)
+                got += n
             elif self._free:                         # WHOLE: free groups keep their pages
                 self._to_spare(self._free.pop())
             elif self._reclaimable or self._cache:
                 self._to_spare(self._reclaim())      # unmapped everywhere, content forgotten
-            else:
+            elif not self._evict_adapter_for_kv():
                 break
-        if released:
-            self._ops.append(ReleasePages(tuple(sorted(released))))
-        return len(released)
+        return got

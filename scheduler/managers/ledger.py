@@ -8,7 +8,8 @@ are free and which tenant holds each -- journaled like every manager container.
 
 The manager that owns a ledger decides which page backs what; executors are told the page
 ids in the ops and never choose (every tensor-parallel rank applies the same ones). A tenant
-is any hashable name (a layer kind's table, later an adapter); ``RELEASED`` is the device
+is any hashable name (a layer kind's table, a paged block group, a LoRA adapter's weights:
+``("adapter", digest)``, adapters.py); ``RELEASED`` is the device
 itself: pages given back to it (an elastic pool shrunk, an engine asleep) whose memory the
 executor discards, taken back by ``restore``. The ledger counts what each tenant holds so an
 integrity check can account every page exactly once. Inside a

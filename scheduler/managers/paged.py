@@ -29,6 +29,7 @@ from ..errors import ConfigError, OutOfCapacityError
 from ..layout import CacheKind, CacheLayout
 from ..presets import ModelSpec
 from .base import CopyBlock, MemoryStats
+from .adapters import AdapterTenancy, adapter_budget_units
 from .common import check_int
 from .eviction import DEFAULT_EVICTION
 from .ledger import PageLedger
@@ -38,7 +39,7 @@ from .units import UnitManager
 from .window import WindowSwapError, WindowedGroups, dropped_in
 
 
-class PagedManager(WindowedGroups, UnitManager):
+class PagedManager(WindowedGroups, AdapterTenancy, UnitManager):
     """Block-table manager. ``prefix_queries``/``prefix_hits`` count TOKENS (as vLLM's
     prefix-cache metrics do): tokens offered to ``allocate`` with ``token_ids``, and of those the
     tokens served from cached blocks."""
@@ -47,12 +48,21 @@ class PagedManager(WindowedGroups, UnitManager):
 
     def __init__(self, model: ModelSpec, cache_bytes: int, max_seq_len_tokens: int, *,
                  block_size_tokens: int = 16, swap_bytes: int = 0,
-                 prefix_eviction: str = DEFAULT_EVICTION) -> None:
+                 prefix_eviction: str = DEFAULT_EVICTION,
+                 adapter_budget_bytes: Optional[int] = None) -> None:
+        """``adapter_budget_bytes`` (None: LoRA adapters take blocks of the KV budget): a
+        static split, adapters in that many bytes' blocks of their own, KV in the rest of
+        ``cache_bytes`` (adapters.py)."""
         super().__init__(model, max_seq_len_tokens, swap_bytes)
         self.block_size = bs = check_int("block_size_tokens", block_size_tokens, 1)
         self.groups = block_groups(model)
         self.block_bytes = bs * 2 * len(self.groups[0].layers) * model.layer_bytes_per_token
-        self.num_blocks = check_int("cache_bytes", cache_bytes, 1) // self.block_bytes
+        self.adapter_budget_bytes = adapter_budget_bytes
+        budget_units = adapter_budget_units(adapter_budget_bytes, self.block_bytes,
+                                            check_int("cache_bytes", cache_bytes, 1), "block")
+        if budget_units is not None:
+            cache_bytes -= adapter_budget_bytes      # KV's part; the total stays the same
+        self.num_blocks = cache_bytes // self.block_bytes
         if self.num_blocks < 1:
             raise ConfigError(f"cache_bytes={cache_bytes} holds no block of {bs} tokens; needs "
                               f">= {self.block_bytes}")
@@ -61,14 +71,44 @@ class PagedManager(WindowedGroups, UnitManager):
         self._hybrid = len(self.groups) > 1
         windows = [g.window_tokens for g in self.groups if g.window_tokens]
         self._init_window(max(windows) if windows else None)
+        self._init_adapters(self._ledger, self.block_bytes, budget_units, self.num_blocks, "block")
 
-    _FIXED_FIELDS = UnitManager._FIXED_FIELDS | {"block_size", "num_blocks", "_window", "groups",
-                                                 "block_bytes", "_hybrid"}
-    _JOURNALED_FIELDS = (UnitManager._JOURNALED_FIELDS - {"_free"}) | {"_ledger"}
+    _FIXED_FIELDS = UnitManager._FIXED_FIELDS | AdapterTenancy._ADAPTER_FIXED | {
+        "block_size", "num_blocks", "_window", "groups", "block_bytes", "_hybrid"}
+    _SAVED_FIELDS = UnitManager._SAVED_FIELDS + AdapterTenancy._ADAPTER_SAVED
+    _JOURNALED_FIELDS = (UnitManager._JOURNALED_FIELDS - {"_free"}) | \
+        AdapterTenancy._ADAPTER_JOURNALED | {"_ledger"}
 
     @property
     def max_sequence_tokens(self) -> int:
-        return min(self.max_seq_len, self.num_blocks // len(self.groups) * self.block_size)
+        return min(self.max_seq_len, self._tokens_in_units(self.num_blocks))
+
+    def _tokens_in_units(self, blocks: int) -> int:
+        return blocks // len(self.groups) * self.block_size
+
+    def _kv_capacity_units(self) -> int:
+        return self.num_blocks
+
+    def _kv_ledger(self):
+        return self._ledger
+
+    def _gather(self, count: int, consume) -> int:
+        """Blocks nobody holds freed for an adapter, ``consume(n)`` taking n free ones as they
+        become free: free blocks, then cached ones in eviction order, then idle adapters'."""
+        got = 0
+        while got < count:
+            free = self._ledger.free_pages
+            if free:
+                n = min(free, count - got)
+                consume(n)
+                got += n
+            elif len(self._cache):
+                block = self._evict()
+                self._cache.forget(block)
+                self._unheld(block)
+            elif not self._evict_adapter_for_kv():
+                break
+        return got
 
     def copied_bytes(self, ops: list) -> int:
         """A ``CopyBlock`` moves one block of its block group's layers."""
@@ -78,7 +118,9 @@ class PagedManager(WindowedGroups, UnitManager):
         """A paged cache of this many blocks of this size (hybrids: and its block groups)."""
         groups = tuple(g.layers for g in self.groups) if self._hybrid else ()
         return CacheLayout(CacheKind.PAGED, self.max_seq_len, block_size_tokens=self.block_size,
-                           num_blocks=self.num_blocks, block_groups=groups)
+                           num_blocks=self.num_blocks, block_groups=groups,
+                           adapter_pool_pages=0 if self._adapters_share_kv
+                           else self._adapter_ledger.num_pages)
 
     def block_table(self, seq_id: int) -> list:
         """Block ids of a resident sequence, in token order (block k holds tokens
@@ -103,10 +145,14 @@ class PagedManager(WindowedGroups, UnitManager):
                         len(self.groups))
 
     def _available_units(self) -> int:
-        return self._ledger.free_pages + len(self._cache)
+        return self._ledger.free_pages + len(self._cache) + self._kv_idle_adapter_pages
 
     def _take_block(self, group: int = 0) -> int:
-        """A block for new content: a free one, else the cached one the eviction policy names."""
+        """A block for new content: a free one, else the cached one the eviction policy names,
+        else one an idle adapter gives back (room was counted)."""
+        if not self._ledger.free_pages and not len(self._cache):
+            if not self._evict_adapter_for_kv():
+                raise AssertionError("no block left to free: room was miscounted")   # a bug
         b = self._ledger.take(1, group)[0] if self._ledger.free_pages else self._evict()
         self._touch(b)
         self._refs[b] = 1
@@ -286,7 +332,7 @@ class PagedManager(WindowedGroups, UnitManager):
 
     # -- queries --
     def stats(self) -> MemoryStats:
-        free = self._available_units() * self.block_size
+        free = (self._ledger.free_pages + len(self._cache)) * self.block_size
         total = self.num_blocks * self.block_size
         return MemoryStats(total_tokens=total, allocated_tokens=total - free,
                            live_tokens=self._live, free_tokens=free,
@@ -319,10 +365,12 @@ class PagedManager(WindowedGroups, UnitManager):
         assert all(refs[b] == 0 and b not in self.prefix.by_unit for b in free)
         assert all(refs[b] == 0 and b in self.prefix.by_unit for b in cached)
         held = sum(1 for r in refs if r)
-        assert held + len(free) + len(cached) == self.num_blocks, "free + held == total"
+        assert held + len(free) + len(cached) + self._kv_adapter_pages == self.num_blocks, \
+            "free + held + cached + adapters == total"
         assert len(cached) == len(self._cache)
         assert all(refs[b] or b in cached for b in self.prefix.by_unit), "registered: held or cached"
         assert self._live == sum(self._fill[b] for b in range(self.num_blocks) if refs[b])
         assert self._cap_sum == cap and self._tok_sum == tok, "capacity and token sums"
         self.prefix.check()
         self._swap_integrity()
+        self._check_adapters(lambda tenant: type(tenant) is int and 0 <= tenant < len(self.groups))

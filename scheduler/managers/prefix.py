@@ -2,8 +2,8 @@
 
 A *unit* is a paged block or a vmem page group; ``unit_tokens`` is how many tokens it holds.
 Only FULL units are shared. Unit k of a sequence is keyed by a digest chained on unit k-1's and
-seeded by the namespace (an adapter id, say), so equal digests name equal whole prefixes and
-units computed under different weights never match:
+seeded by the scope (namespace, cache salt, LoRA adapter digest: ``prefix_scope``), so equal
+digests name equal whole prefixes and units computed under different weights never match:
 
     root = H(b"vmemkv-prefix" [| enc] | ns)    d0 = H(root | ids[0:U])    d1 = H(d0 | ids[U:2U])  ...
 
@@ -53,10 +53,16 @@ def unit_digest(parent: bytes, unit_tokens: bytes) -> bytes:
 SALT_MARK = "\x1f"   # starts a scope that carries a cache salt; Request refuses it in a namespace
 
 
-def prefix_scope(namespace: Optional[str], cache_salt: Optional[str]) -> Optional[str]:
-    """The one string the managers key prefixes by: ``namespace`` alone without a salt, else a
-    string no namespace can equal (namespaces may not start with SALT_MARK) naming both, so the
-    salt enters every chain digest through ``namespace_root``."""
+def prefix_scope(namespace: Optional[str], cache_salt: Optional[str],
+                 adapter_digest: Optional[str] = None) -> Optional[str]:
+    """The one string the managers key prefixes by: ``namespace`` alone without a salt or an
+    adapter, else a string no namespace can equal (namespaces may not start with SALT_MARK)
+    naming them, so the salt and the LoRA adapter's content digest (never its name: weights
+    reloaded under one name are another adapter) enter every chain digest through
+    ``namespace_root``. A scope with an adapter names three parts, one without two: the two
+    never collide."""
+    if adapter_digest is not None:
+        return SALT_MARK + json.dumps([namespace, cache_salt, adapter_digest])
     if cache_salt is None:
         return namespace
     return SALT_MARK + json.dumps([namespace, cache_salt])

@@ -60,7 +60,9 @@ class ReserveManager(ManagerCore):
     # -- admission and growth --
     def can_allocate(self, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                      namespace: Optional[str] = None, reserve_tokens: int = 0,
-                     final_tokens: Optional[int] = None) -> bool:
+                     final_tokens: Optional[int] = None, adapter=None) -> bool:
+        if adapter is not None:
+            self._no_adapters()
         try:
             need = self._reservation(num_tokens, final_tokens)
         except RequestTooLargeError:

@@ -173,10 +173,14 @@ class UnitOps:
 
     def can_allocate(self, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                      namespace: Optional[str] = None, reserve_tokens: int = 0,
-                     final_tokens: Optional[int] = None) -> bool:
+                     final_tokens: Optional[int] = None, adapter=None) -> bool:
         if num_tokens > self.max_sequence_tokens or not self._can_place():
             return False
-        spare = self._available_units() - self._need(num_tokens, self._hits(num_tokens, token_ids, namespace))
+        cost = self._adapter_admission_cost(adapter)
+        if cost is None:
+            return False
+        spare = self._available_units() - cost - \
+            self._need(num_tokens, self._hits(num_tokens, token_ids, namespace))
         return spare >= 0 and self._units_as_tokens(spare) >= reserve_tokens
 
     def _units_as_tokens(self, units: int) -> int:

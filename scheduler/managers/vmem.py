@@ -46,6 +46,7 @@ from ..layout import CacheKind, CacheLayout, PoolBacking
 from ..presets import ModelSpec
 from .base import CopyExtent
 from .blocks import BlockIndex
+from .adapters import AdapterTenancy, adapter_budget_units
 from .common import ManagerCore, check_int
 from .elastic import ElasticPool
 from .eviction import DEFAULT_EVICTION
@@ -59,7 +60,8 @@ from .vmem_kinds import KindRules
 from .window import WindowedGroups, dropped_units, held_units
 
 
-class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, UnitOps, ManagerCore):
+class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, AdapterTenancy, UnitOps,
+                  ManagerCore):
     """Slot + page-group manager over per-kind extents. ``prefix_queries``/``prefix_hits``
     count TOKENS. ``hybrid_parts`` (a hybrid model in the per-layer layout): one kind per
     attention pattern, the windowed one given back behind the window; else one kind of every
@@ -72,12 +74,27 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, UnitOps
                  page_bytes: int = 2 * 2**20, layout: str = "per-layer",
                  max_slots: Optional[int] = None, swap_bytes: int = 0,
                  prefix_eviction: str = DEFAULT_EVICTION, hybrid_parts: bool = False,
-                 prefix_block_tokens: int = 16, max_cache_bytes: Optional[int] = None) -> None:
+                 prefix_block_tokens: int = 16, max_cache_bytes: Optional[int] = None,
+                 adapter_budget_bytes: Optional[int] = None) -> None:
         """``max_cache_bytes`` (default ``cache_bytes``): the most ``resize`` may grow the pool
         to; its page ids, groups and slots exist from the start, the pages past ``cache_bytes``
-        released (held by the device: no memory behind them)."""
+        released (held by the device: no memory behind them). ``adapter_budget_bytes``
+        (None: LoRA adapters share the pool's pages with KV): a static split, adapters in
+        pages of their own of that many bytes, KV in the rest of ``cache_bytes`` (adapters.py;
+        such a pool does not resize)."""
         super().__init__(model, max_seq_len_tokens, swap_bytes)
         check_int("page_bytes", page_bytes, 1)
+        check_int("cache_bytes", cache_bytes, 1)
+        self.adapter_budget_bytes = adapter_budget_bytes
+        budget_units = adapter_budget_units(adapter_budget_bytes, page_bytes, cache_bytes,
+                                            "pool page")
+        if budget_units is not None:
+            if max_cache_bytes not in (None, cache_bytes):
+                raise ConfigError(f"adapter_budget_bytes (a static split) needs a pool that "
+                                  f"does not resize: max_cache_bytes={max_cache_bytes} must be "
+                                  f"None or cache_bytes={cache_bytes}")
+            cache_bytes -= adapter_budget_bytes     # KV's part; the total stays the same
+            max_cache_bytes = None
         geo = self.geometry = PageGeometry.of(model, page_bytes, layout)
         self.page_bytes = page_bytes
         self.tokens_per_page = tpp = geo.tokens_per_page
@@ -134,6 +151,7 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, UnitOps
         self.blocks = BlockIndex(bt, cell) if self.block_tokens else None
         self.prefix_unit_tokens = self.block_tokens or tpp   # publish on compute at this stride
         self.block_hit_tokens = 0              # prompt tokens served by block copies
+        self._init_adapters(self.ledger, page_bytes, budget_units, self.pool_pages, "pool page")
 
     def layout(self) -> CacheLayout:
         """A vmem cache of this geometry, slots, groups and pool."""
@@ -142,7 +160,9 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, UnitOps
                            pages_per_slot=self.pages_per_slot, num_groups=self.num_groups,
                            backing=self.backing, pool_pages=self.pool_pages,
                            released_pages=self._released_at_start,
-                           kinds=tuple((k.name, k.layers) for k in self.kinds))
+                           kinds=tuple((k.name, k.layers) for k in self.kinds),
+                           adapter_pool_pages=0 if self._adapters_share_kv
+                           else self._adapter_ledger.num_pages)
 
     def copied_bytes(self, ops: list) -> int:
         """A ``CopyExtent`` moves ``num_tokens`` (None, copy-on-write: the page group's) tokens
@@ -157,24 +177,34 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, UnitOps
 
     @property
     def max_sequence_tokens(self) -> int:
+        return min(self.max_seq_len, self._tokens_in_units(self.capacity_pages))
+
+    def _tokens_in_units(self, pages: int) -> int:
+        """Tokens of one sequence that ``pages`` pool pages hold (slices of every member)."""
         geo = self.geometry
-        whole, rest = divmod(self.capacity_pages // geo.num_members, geo.pages_per_member)
-        tokens = whole * self.tokens_per_page + geo.tokens_in_member_pages(rest)
-        return min(self.max_seq_len, tokens)
+        whole, rest = divmod(pages // geo.num_members, geo.pages_per_member)
+        return whole * self.tokens_per_page + geo.tokens_in_member_pages(rest)
+
+    def _kv_capacity_units(self) -> int:
+        return self.capacity_pages
+
+    def _kv_ledger(self):
+        return self.ledger
 
     @property
     def pages_per_map_op(self) -> int:
         return self.pages_per_group
 
-    _FIXED_FIELDS = UnitOps._FIXED_FIELDS | {
+    _FIXED_FIELDS = UnitOps._FIXED_FIELDS | AdapterTenancy._ADAPTER_FIXED | {
         "geometry", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
         "pages_per_slot", "_window", "kinds", "pool_pages", "backing", "_win", "_whole",
         "_released_at_start",
         "_win_pages", "_kept", "block_tokens"}
-    _SAVED_FIELDS = UnitOps._SAVED_FIELDS + ("_idle", "block_hit_tokens")
-    _JOURNALED_FIELDS = UnitOps._JOURNALED_FIELDS | {"blocks",
-        "_reclaimable", "_maps", "_pages", "_owner", "_free_slots", "ledger", "table", "_spare",
-        "_partial", "_win_drop", "_win_gone"}
+    _SAVED_FIELDS = UnitOps._SAVED_FIELDS + AdapterTenancy._ADAPTER_SAVED + (
+        "_idle", "block_hit_tokens")
+    _JOURNALED_FIELDS = UnitOps._JOURNALED_FIELDS | AdapterTenancy._ADAPTER_JOURNALED | {
+        "blocks", "_reclaimable", "_maps", "_pages", "_owner", "_free_slots", "ledger", "table",
+        "_spare", "_partial", "_win_drop", "_win_gone"}
 
     # -- queries the runtime needs --
     def slot_of(self, seq_id: int) -> int:

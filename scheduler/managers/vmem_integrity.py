@@ -56,6 +56,8 @@ class VmemIntegrity:
         self._swap_integrity()
         self._check_extents(refs, maps, spare)
         self._check_frontiers(refs, maps)
+        names = {kind.name for kind in self.kinds}
+        self._check_adapters(lambda tenant: tenant in names)
 
     def _check_extents(self, refs: list, maps: list, spare: set) -> None:
         """Each group's extents as the backing and release rules say."""

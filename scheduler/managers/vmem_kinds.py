@@ -74,8 +74,8 @@ class KindRules:
     # -- room, in pool pages --
     @property
     def bound_pages(self) -> int:
-        """Pool pages bound to some group's kind."""
-        return self.ledger.in_service_pages - self.ledger.free_pages
+        """Pool pages bound to some group's kind (not free, not adapters')."""
+        return self.ledger.in_service_pages - self.ledger.free_pages - self._kv_adapter_pages
 
     @property
     def free_pages(self) -> int:
@@ -83,9 +83,10 @@ class KindRules:
         return self.ledger.free_pages
 
     def _available_units(self) -> int:
-        """Pages an allocation may take: unbound, and those of groups nobody holds."""
+        """Pages an allocation may take: unbound, those of groups nobody holds and those of
+        idle adapters (adapters.py)."""
         return (self.ledger.free_pages + len(self._free) * self.pages_per_group + self._cached_pages()
-                + self._idle)
+                + self._idle + self._kv_idle_adapter_pages)
 
     @property
     def available_member_pages(self) -> int:
@@ -134,9 +135,9 @@ class KindRules:
     def stats(self) -> MemoryStats:
         """Tokens as the pages hold them (bytes = tokens * bytes_per_token, rounded down):
         ``total_tokens`` is the pool; ``free_tokens`` WHOLE: unbound pages and free groups,
-        BYTES: unbound pages; ``live_tokens`` counts a partial group's tokens in the kinds
-        that keep them; ``end_waste_tokens`` WHOLE: held groups' room past their tokens,
-        BYTES: held pages' room past the live tokens."""
+        BYTES: unbound pages (adapters' pages count as allocated); ``live_tokens`` counts a
+        partial group's tokens in the kinds that keep them; ``end_waste_tokens`` WHOLE: held
+        groups' room past their tokens, BYTES: held pages' room past the live tokens."""
         tokens, ppg = self._tokens, self.pages_per_group
         total = tokens(self.capacity_pages)
         gone = len(self._partial) * self.tokens_per_page * self._win_pages
@@ -145,7 +146,7 @@ class KindRules:
             free = tokens(self.ledger.free_pages + len(self._free) * ppg)
             allocated, waste = total - free, self._cap_sum - self._tok_sum
         else:
-            allocated = tokens(self.bound_pages)
+            allocated = tokens(self.bound_pages + self._kv_adapter_pages)
             free = total - allocated
             waste = max(tokens(self.bound_pages - self._idle - self._cached_pages()) - live, 0)
         return MemoryStats(total_tokens=total, allocated_tokens=allocated, live_tokens=live,
@@ -162,6 +163,7 @@ class KindRules:
             f"{what}: {self.ledger.free_pages} of {self.capacity_pages} pages unbound (a group takes "
             f"{self.pages_per_group}), {len(self._free)} free + {len(self._reclaimable)} "
             f"reclaimable + {len(self._cache)} cached page groups, "
+            f"{self._kv_idle_adapter_pages} pages of idle adapters, "
             f"{len(self._free_slots)} free slots")
 
     # -- ops: a group's kinds' pool pages, named (the only places that emit them) --
@@ -195,7 +197,7 @@ class KindRules:
                                            if k in self._kinds_at(s, pi)]
         if pages > old:
             while (pages - old) * table.members[k] > self.ledger.free_pages:
-                self._to_spare(self._reclaim())   # unbinds its pages
+                self._free_pages_for_kv()
             new = table.resize(k, g, pages)
             self._ops.extend(MapExtent(s, pi, name, new, old, owner=owner) for s, pi in spots)
         else:
@@ -220,6 +222,14 @@ class KindRules:
             for k in range(len(self.kinds)):
                 if pages > self.table.backed(k, g):
                     self._back(g, k, pages, owner)
+
+    def _free_pages_for_kv(self) -> None:
+        """Free more ledger pages for KV (room was counted): an unheld group's, else an idle
+        adapter's (the last resort before an allocation would fail)."""
+        if self._reclaimable or self._cache:
+            self._to_spare(self._reclaim())   # unbinds its pages
+        elif not self._evict_adapter_for_kv():
+            raise AssertionError("no pages left to free: room was miscounted")   # a bug
 
     def _reclaim(self) -> int:
         """The least recently used reclaimable group, else an evicted cached one, unmapped."""
@@ -261,10 +271,15 @@ class KindRules:
     def _take_group(self) -> int:
         """A group for new content: a free one (WHOLE: it has pages), else a spare id (WHOLE:
         binding a page of every member; BYTES: none yet), else the least recently used
-        reclaimable one, else the cached one the eviction policy names, unmapped everywhere."""
+        reclaimable one, else the cached one the eviction policy names, unmapped everywhere,
+        else a spare id bound to pages idle adapters gave back."""
+        need = self.pages_per_group if self._whole else 0
         if self._free:
             g = self._free.pop()
-        elif self._spare and self.ledger.free_pages >= (self.pages_per_group if self._whole else 0):
+        elif self._spare and (self.ledger.free_pages >= need or not (
+                self._reclaimable or self._cache)):
+            while self.ledger.free_pages < need:   # what is left is idle adapters' pages
+                self._free_pages_for_kv()
             g = self._spare.pop()
             if self._whole:
                 self._back_all(g, self.geometry.pages_per_member)

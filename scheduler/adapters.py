@@ -1,0 +1,70 @@
+"""LoRA adapters as the scheduler and the managers see them: a name, a content digest and a size.
+
+    ref = AdapterRef("sql", hashlib.sha256(weights_and_config).hexdigest(), 12_582_912)
+    Request(0, prompt_len=8, max_tokens=16, adapter=ref)
+
+An adapter's weights are another TENANT of the page ledger (managers/ledger.py), tenant
+``("adapter", digest)``: they take pool pages (vmem) or blocks (paged) from the free list KV
+takes from, so adapters and KV share one physical pool (managers/adapters.py). The digest is
+the adapter's identity everywhere: the tenant, the ops' ``adapter_id``, and the root of its
+requests' prefix keys (``Request.prefix_scope``), so the same name reloaded with other weights
+never hits the KV computed under the old ones, and two adapters never share a block. The name
+is for messages only.
+
+The scheduler pins a request's adapter while a sequence of it runs: each RUNNING sequence with
+an adapter holds one use of it (admitted, swapped in, forked), every way out of RUNNING gives
+it back (finished, aborted, failed, preempted to recompute or swapped out); so a manager's use
+counts equal the running sequences of each adapter, and an adapter nobody runs with is idle:
+resident, evicted when KV or another adapter needs its pages.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import ConfigError, SchedulerError
+
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+class AdapterStateError(SchedulerError, ValueError):
+    """An adapter released more often than it was acquired, or a digest seen with two sizes:
+    a caller's bug (nothing changed)."""
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """A LoRA adapter: ``name`` (for messages), ``digest`` (SHA-256 of its weights and config,
+    64 hex digits, lower-cased here; what identifies it) and ``num_bytes`` (its weights as the
+    runtime packs them into pool memory). Validated: ConfigError naming the field."""
+    name: str
+    digest: str
+    num_bytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"AdapterRef.name must be a non-empty str, got {self.name!r}")
+        digest = self.digest.lower() if isinstance(self.digest, str) else self.digest
+        if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+            raise ConfigError(f"AdapterRef.digest of adapter {self.name!r} must be a SHA-256 "
+                              f"hex digest (64 hex digits), got {self.digest!r}")
+        object.__setattr__(self, "digest", digest)
+        if isinstance(self.num_bytes, bool) or not isinstance(self.num_bytes, int) or \
+                self.num_bytes < 1:
+            raise ConfigError(f"AdapterRef.num_bytes of adapter {self.name!r} must be an int "
+                              f">= 1, got {self.num_bytes!r}")
+
+    @property
+    def tenant(self) -> tuple:
+        """Its tenant in a page ledger."""
+        return ("adapter", self.digest)
+
+    def __str__(self) -> str:
+        return f"{self.name!r} ({self.digest[:12]}, {self.num_bytes} bytes)"
+
+
+def check_adapter(value, what: str = "adapter"):
+    """``value`` if it is None or an AdapterRef, else ConfigError naming ``what``."""
+    if value is not None and not isinstance(value, AdapterRef):
+        raise ConfigError(f"{what} must be an AdapterRef or None, got {value!r}")
+    return value
