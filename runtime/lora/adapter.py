@@ -1,0 +1,196 @@
+"""A PEFT LoRA adapter read from disk and checked against one model.
+
+On disk (what ``PeftModel.save_pretrained`` writes): ``adapter_config.json`` and
+``adapter_model.safetensors`` with, per targeted module, two tensors named
+
+    base_model.model.<module>.lora_A.weight    [r, in_features]
+    base_model.model.<module>.lora_B.weight    [out_features, r]
+
+where ``<module>`` names an ``nn.Linear`` of the model (``model.layers.0.self_attn.q_proj``).
+Everything we would compute differently from PEFT is refused by name before a byte is used.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from typing import Dict, Mapping, Tuple
+
+import torch
+from torch import nn
+
+from .config import AdapterConfig, read_config
+from .errors import LoraConfigError, LoraTargetError, LoraWeightsError
+from .layers import PROJECTIONS, supported_modules
+from .weights import AdapterWeights, FlatLayout, ModuleLora
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PICKLE_FILE = "adapter_model.bin"
+_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight$")
+_EMBEDDING_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_embedding_[AB]$")
+
+Pair = Tuple[torch.Tensor, torch.Tensor]   # (A [r, in], B [out, r]) as stored in the file
+
+
+class LoraAdapter:
+    """An adapter checked against one model: its scale per module, its content ``digest``, and
+    its weights laid out flat in the modules' dtypes (``num_bytes``; a host image that
+    ``pack_into`` copies in one go; ``views``). Build with ``LoraAdapter.load``."""
+
+    def __init__(self, path: str, config: AdapterConfig, pairs: Mapping[str, Pair],
+                 layout: FlatLayout) -> None:
+        self.path = path
+        self.config = config
+        self.layout = layout
+        self.scales = {module: config.scale_of(module) for module in sorted(pairs)}
+        self.digest = _digest(config, pairs)
+        self._image = torch.zeros(layout.num_bytes, dtype=torch.uint8)   # padding stays zero
+        for module, (a, b) in pairs.items():
+            a_slot, b_slot = layout.slots[module]
+            a_slot.view(self._image).copy_(a)          # cast to the module's dtype, once
+            b_slot.view(self._image).copy_(b)
+
+    @classmethod
+    def load(cls, path, model: nn.Module) -> "LoraAdapter":
+        """Read the adapter at directory ``path`` for ``model``; raise a ``LoraError`` subclass
+        naming the path and the field, tensor or module at fault."""
+        path = os.fspath(path)
+        if not os.path.isdir(path):
+            raise LoraConfigError(f"LoRA adapter {path!r}: not a directory")
+        config = read_config(path)
+        pairs = _pairs(path, _read_tensors(path))
+        targets = supported_modules(model)
+        shapes = {}
+        for module, (a, b) in pairs.items():
+            weight = _target(path, model, module, targets).weight      # [out, in]
+            _check_shapes(path, module, a, b, tuple(weight.shape), config.rank_of(module))
+            shapes[module] = (tuple(a.shape), tuple(b.shape), weight.dtype)
+        return cls(path, config, pairs, FlatLayout.plan(shapes))
+
+    @property
+    def modules(self) -> Tuple[str, ...]:
+        """The modules the adapter targets, sorted."""
+        return tuple(self.scales)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes its A and B weights take in their modules' dtypes, 64-byte padding included."""
+        return self.layout.num_bytes
+
+    def pack_into(self, buffer: torch.Tensor) -> None:
+        """Write every A and B, cast to its module's dtype, into ``buffer`` (1-D uint8, at
+        least ``num_bytes``, 64-byte aligned; any device)."""
+        self.layout.check(buffer, f"LoRA adapter {self.path!r}")
+        buffer[:self.num_bytes].copy_(self._image)
+
+    def views(self, buffer: torch.Tensor) -> AdapterWeights:
+        """The weights ``pack_into`` wrote, as zero-copy views of ``buffer``."""
+        self.layout.check(buffer, f"LoRA adapter {self.path!r}")
+        modules = {module: ModuleLora(a_slot.view(buffer), b_slot.view(buffer), self.scales[module])
+                   for module, (a_slot, b_slot) in self.layout.slots.items()}
+        return AdapterWeights(digest=self.digest, modules=modules)
+
+    def materialize(self, device="cpu") -> AdapterWeights:
+        """The weights in a buffer of their own on ``device`` (for callers without pool pages)."""
+        buffer = torch.empty(self.num_bytes, dtype=torch.uint8, device=device)
+        self.pack_into(buffer)
+        return self.views(buffer)
+
+
+def _read_tensors(path: str) -> Dict[str, torch.Tensor]:
+    file = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(file):
+        if os.path.exists(os.path.join(path, _PICKLE_FILE)):
+            raise LoraWeightsError(f"LoRA adapter {path!r}: {_PICKLE_FILE} is refused (a pickle "
+                                   f"can run code); save the adapter as {WEIGHTS_FILE} "
+                                   "(save_pretrained(..., safe_serialization=True))")
+        raise LoraWeightsError(f"LoRA adapter {path!r}: no {WEIGHTS_FILE}")
+    from safetensors.torch import load_file
+    try:
+        return load_file(file, device="cpu")
+    except Exception as error:   # safetensors raises its own SafetensorError, OSError, ...
+        raise LoraWeightsError(f"LoRA adapter {path!r}: cannot read {WEIGHTS_FILE}: "
+                               f"{error}") from error
+
+
+def _pairs(path: str, tensors: Mapping[str, torch.Tensor]) -> Dict[str, Pair]:
+    """``{module: (A, B)}`` from the file's keys; anything but LoRA A/B weights refused."""
+    parts: Dict[str, Dict[str, torch.Tensor]] = {}
+    for key in sorted(tensors):
+        embedding = _EMBEDDING_KEY.match(key)
+        if embedding:
+            raise LoraTargetError(f"LoRA adapter {path!r}: target_modules includes the embedding "
+                                  f"{embedding['module']!r}; embeddings are not adapted")
+        match = _KEY.match(key)
+        if match is None:
+            raise LoraWeightsError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds {key!r}, not a "
+                                   "LoRA weight (<module>.lora_A.weight / <module>.lora_B.weight)")
+        tensor = tensors[key]
+        if not tensor.is_floating_point() or tensor.dim() != 2:
+            raise LoraWeightsError(f"LoRA adapter {path!r}: {key!r} is {tensor.dtype} of shape "
+                                   f"{tuple(tensor.shape)}, not a 2-D floating-point matrix")
+        parts.setdefault(match["module"], {})[match["part"]] = tensor
+    if not parts:
+        raise LoraWeightsError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds no LoRA weights")
+    for module, found in parts.items():
+        for part in ("lora_A", "lora_B"):
+            if part not in found:
+                raise LoraWeightsError(f"LoRA adapter {path!r}: module {module!r} has no "
+                                       f"{part} weight")
+    return {module: (found["lora_A"], found["lora_B"]) for module, found in parts.items()}
+
+
+def _target(path: str, model: nn.Module, module: str, targets) -> nn.Linear:
+    if module in targets:
+        return model.get_submodule(module)
+    try:
+        found = model.get_submodule(module)
+    except AttributeError:
+        raise LoraTargetError(f"LoRA adapter {path!r}: target_modules includes {module!r}, which "
+                              "the model does not have (an adapter for another model?)") from None
+    output_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(found, nn.Embedding):
+        what = "the embeddings"
+    elif found is output_head:
+        what = "the output head (lm_head)"
+    else:
+        what = f"a {type(found).__name__}"
+    raise LoraTargetError(f"LoRA adapter {path!r}: target_modules includes {module!r}, {what}; "
+                          "only the decoder layers' nn.Linear projections are adapted "
+                          f"({', '.join(sorted(PROJECTIONS))})")
+
+
+def _check_shapes(path: str, module: str, a: torch.Tensor, b: torch.Tensor,
+                  weight_shape: Tuple[int, int], rank: int) -> None:
+    out_features, in_features = weight_shape
+    r = a.shape[0]
+    if b.shape[1] != r:
+        raise LoraWeightsError(f"LoRA adapter {path!r}: {module}.lora_A has rank {r} (shape "
+                               f"{tuple(a.shape)}), lora_B rank {b.shape[1]} "
+                               f"(shape {tuple(b.shape)})")
+    for part, got, expected in (("lora_A", tuple(a.shape), (r, in_features)),
+                                ("lora_B", tuple(b.shape), (out_features, r))):
+        if got != expected:
+            raise LoraTargetError(f"LoRA adapter {path!r}: {module}.{part} has shape {got}, the "
+                                  f"model's module needs {expected} (weight {weight_shape})")
+    if r != rank:
+        raise LoraWeightsError(f"LoRA adapter {path!r}: {module} has rank {r}, the config "
+                               f"(r / rank_pattern) gives r={rank}")
+
+
+def _digest(config: AdapterConfig, pairs: Mapping[str, Pair]) -> str:
+    """SHA-256 over the math (rank, alpha, rsLoRA per module) and every weight's name, dtype,
+    shape and bytes, in sorted order: the same content gives the same digest, whatever the path."""
+    sha = hashlib.sha256()
+    math_fields = {"use_rslora": config.use_rslora,
+                   "modules": {module: {"r": config.rank_of(module),
+                                        "alpha": float(config.alpha_of(module))}
+                               for module in sorted(pairs)}}
+    sha.update(json.dumps(math_fields, sort_keys=True, separators=(",", ":")).encode())
+    for module in sorted(pairs):
+        for part, tensor in zip(("lora_A", "lora_B"), pairs[module]):
+            header = [f"{module}.{part}", str(tensor.dtype), list(tensor.shape)]
+            sha.update(json.dumps(header).encode())
+            sha.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return sha.hexdigest()

@@ -1,0 +1,120 @@
+"""An adapter's ``adapter_config.json`` (PEFT's format): the fields that change the math, and
+every field we do not run, refused by name.
+
+Scale of a module of rank r (PEFT's rule): alpha / r, or alpha / sqrt(r) with ``use_rslora``;
+``rank_pattern`` / ``alpha_pattern`` give some modules their own r / alpha (the first pattern
+key, in file order, that matches the end of the module's name, as PEFT matches them).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Dict
+
+from .errors import LoraConfigError
+
+CONFIG_FILE = "adapter_config.json"
+
+# field -> what it would need that we do not run; refused when set (not None/False/empty)
+_REFUSED_FIELDS = {
+    "use_dora": "DoRA (a magnitude vector per module)",
+    "modules_to_save": "full trained copies of modules",
+    "fan_in_fan_out": "transposed (Conv1D) weights",
+    "layers_to_transform": "LoRA on some layers only, chosen by index",
+    "layer_replication": "layers stacked by replication",
+    "lora_bias": "a bias on LoRA B",
+    "trainable_token_indices": "trained embedding rows",
+    "target_parameters": "LoRA on parameters instead of modules",
+    "alora_invocation_tokens": "activated LoRA (aLoRA)",
+    "use_qalora": "QALoRA (quantized base)",
+    "use_bdlora": "block-diagonal LoRA",
+    "kasa_config": "KaSA (a singular-value diagonal between A and B)",
+    "monteclora_config": "MonteCLoRA (sampled adapters)",
+    "arrow_config": "Arrow routing over adapters",
+}
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """The math of an adapter: its default rank and alpha, rsLoRA, and per-module overrides."""
+
+    r: int
+    lora_alpha: float
+    use_rslora: bool = False
+    rank_pattern: Dict[str, int] = field(default_factory=dict)
+    alpha_pattern: Dict[str, float] = field(default_factory=dict)
+
+    def rank_of(self, module: str) -> int:
+        return self.rank_pattern.get(_pattern_key(self.rank_pattern, module), self.r)
+
+    def alpha_of(self, module: str) -> float:
+        return self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module), self.lora_alpha)
+
+    def scale_of(self, module: str) -> float:
+        r = self.rank_of(module)
+        return self.alpha_of(module) / (math.sqrt(r) if self.use_rslora else r)
+
+
+def _pattern_key(patterns: Dict[str, object], module: str) -> str:
+    """PEFT's ``get_pattern_key``: the first key matching a dotted suffix of ``module``."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return module
+
+
+def read_config(path: str) -> AdapterConfig:
+    """Read and check ``path/adapter_config.json``; raise ``LoraConfigError`` naming the field."""
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(file):
+        raise LoraConfigError(f"LoRA adapter {path!r}: no {CONFIG_FILE} (not a PEFT adapter "
+                              "directory)")
+    try:
+        with open(file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as error:
+        raise LoraConfigError(f"LoRA adapter {path!r}: cannot read {CONFIG_FILE}: "
+                              f"{error}") from error
+    if not isinstance(raw, dict):
+        raise LoraConfigError(f"LoRA adapter {path!r}: {CONFIG_FILE} is not a JSON object")
+    return _checked(path, raw)
+
+
+def _checked(path: str, raw: dict) -> AdapterConfig:
+    def refuse(name: str, why: str) -> LoraConfigError:
+        return LoraConfigError(f"LoRA adapter {path!r}: {name}={raw.get(name)!r} is not "
+                               f"supported ({why})")
+
+    if raw.get("peft_type") != "LORA":
+        raise refuse("peft_type", "only LORA adapters are served")
+    if raw.get("bias", "none") != "none":
+        raise refuse("bias", "bias terms are trained; only bias='none' is served")
+    for name, why in _REFUSED_FIELDS.items():
+        if raw.get(name) not in (None, False, [], {}, ""):
+            raise refuse(name, why)
+    r, alpha = raw.get("r"), raw.get("lora_alpha")
+    if not _is_rank(r):
+        raise refuse("r", "a rank is a positive integer")
+    if not _is_number(alpha):
+        raise refuse("lora_alpha", "alpha is a number")
+    ranks, alphas = raw.get("rank_pattern") or {}, raw.get("alpha_pattern") or {}
+    if not (isinstance(ranks, dict) and all(_is_rank(v) for v in ranks.values())):
+        raise refuse("rank_pattern", "a mapping of module patterns to positive integer ranks")
+    if not (isinstance(alphas, dict) and all(_is_number(v) for v in alphas.values())):
+        raise refuse("alpha_pattern", "a mapping of module patterns to numbers")
+    use_rslora = raw.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise refuse("use_rslora", "true or false")
+    return AdapterConfig(r=r, lora_alpha=alpha, use_rslora=use_rslora,
+                         rank_pattern=dict(ranks), alpha_pattern=dict(alphas))
+
+
+def _is_rank(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
