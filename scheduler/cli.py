@@ -22,9 +22,10 @@ from .progress import Progress
 from .report import parse_goodput
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
 from .geometry import LAYOUT_CHOICES
-from .simulator import POLICIES, WATERMARK_SCOPES, SimConfig, simulate
+from .simulator import DEFAULT_H2D_BYTES_PER_S, POLICIES, WATERMARK_SCOPES, SimConfig, simulate
 from .traces import fit_to_length, load_trace, trace_names
-from .workload import WORKLOAD_RNGS, WorkloadSpec, generate, write_trace
+from .workload import (WORKLOAD_RNGS, LoraSpec, WorkloadSpec, assign_adapters, generate,
+                       write_trace)
 
 __all__ = ["parse_bytes", "register", "run", "format_table"]
 
@@ -85,6 +86,10 @@ def register(subparsers) -> None:
     c.add_argument("--profile", metavar="FILE", default=None,
                    help="a device profile from vmemkv calibrate in place of the roofline (its "
                         "model replaces --model-preset; default: the roofline)")
+    c.add_argument("--h2d-gbps", type=bounded(float, 0, low_open=True),
+                   default=DEFAULT_H2D_BYTES_PER_S / 1e9,
+                   help="host-to-device bandwidth for LoRA adapter loads, GB/s (default: 25, "
+                        "PCIe 4.0 x16 in practice)")
     c.add_argument("--paged-slowdown", type=bounded(float, 0, low_open=True), default=1.0,
                    help="KV read-time multiplier for paged kernels (1: as fast as vmem)")
     cli_capacity.add_flags(p.add_argument_group("capacity search"))
@@ -129,6 +134,13 @@ def _workload_flags(w) -> None:
                    help="with --trace: keep the first N requests by arrival (default: all)")
     w.add_argument("--write-trace", metavar="FILE",
                    help="also write the workload as a JSONL trace (default: don't)")
+    w.add_argument("--lora-adapters", type=bounded(int, 0), default=0, metavar="N",
+                   help="every request runs with one of N LoRA adapters (ranks 8-64, fp16, on "
+                        "q/k/v/o), loaded into device memory on demand (0: no adapters; also "
+                        "applies to --trace)")
+    w.add_argument("--lora-zipf", type=bounded(float, 0), default=1.0, metavar="ALPHA",
+                   help="adapter popularity: the i-th most popular is picked with weight "
+                        "i^-ALPHA (0: uniform; default 1, S-LoRA's power law)")
 
 
 def _deployment_flags(m) -> None:
@@ -145,6 +157,10 @@ def _deployment_flags(m) -> None:
                         "int8; bytes per token (capacity, the KV read of each step) follow it")
     m.add_argument("--cache-gb", type=bounded(float, 0, MAX_GB, low_open=True), default=60.0,
                    help="KV cache size, GB (10^9 bytes); with the weights, at most the GPU's memory")
+    m.add_argument("--lora-budget-gb", type=bounded(float, 0, MAX_GB, low_open=True),
+                   default=None,
+                   help="with --lora-adapters: a static split, this many GB of --cache-gb for "
+                        "adapters and the rest for KV (default: one pool both share)")
     m.add_argument("--policy", type=policy_name, default="paged",
                    help=f"KV memory policy: {', '.join(POLICIES)}, or module:Class / "
                         f"file.py:Class for your own manager (docs/simulation.md)")
@@ -185,7 +201,28 @@ def check_deployment(args) -> None:
                           f"{args.max_len}: a block holds at most one sequence's tokens")
 
 
+def check_lora(args) -> None:
+    """--lora-budget-gb needs adapters and must leave KV memory in --cache-gb."""
+    if args.lora_budget_gb is None:
+        return
+    if not args.lora_adapters:
+        raise ConfigError("--lora-budget-gb splits the cache between adapters and KV: give "
+                          "--lora-adapters N > 0")
+    if args.lora_budget_gb >= args.cache_gb:
+        raise ConfigError(f"--lora-budget-gb {args.lora_budget_gb:g} leaves no KV memory in "
+                          f"--cache-gb {args.cache_gb:g}: give less than it")
+
+
 def _entries(args, seed: int):
+    """The workload: a trace, or generated; with --lora-adapters an adapter per request."""
+    entries = _lengths(args, seed)
+    if args.lora_adapters:
+        entries = assign_adapters(entries, LoraSpec(args.lora_adapters, args.lora_zipf, seed=seed),
+                                  _config(args).model_spec)
+    return entries
+
+
+def _lengths(args, seed: int):
     if args.trace:
         entries = load_trace(args.trace, rate_scale=args.rate_scale, max_requests=args.max_requests)
         entries, scaled = fit_to_length(entries, args.max_len)
@@ -218,7 +255,10 @@ def _config(args) -> SimConfig:
                      prefix_block_tokens=args.prefix_block_tokens,
                      copy_bytes_per_s=None if args.copy_gbps is None else args.copy_gbps * 1e9,
                      profile=args.profile, kv_cache_dtype=args.kv_cache_dtype,
-                     beam_width=args.beam_width, beam_skew=args.beam_skew, n=args.n)
+                     beam_width=args.beam_width, beam_skew=args.beam_skew, n=args.n,
+                     adapter_budget_bytes=(None if args.lora_budget_gb is None
+                                           else int(args.lora_budget_gb * 1e9)),
+                     h2d_bytes_per_s=args.h2d_gbps * 1e9)
 
 
 def _simulate(entries, config: SimConfig, args):
@@ -241,6 +281,7 @@ def _simulate(entries, config: SimConfig, args):
 
 
 def run(args) -> int:
+    check_lora(args)                # before the config's check of the same, naming the flags
     config = _config(args)          # field checks first: they name the flag the user gave
     check_deployment(args)
     goodput = parse_goodput(args.goodput) if args.goodput else None
@@ -269,7 +310,7 @@ def _echo(args) -> dict:
         "model_preset", "gpu", "cache_gb", "policy", "block_size", "page_size", "layout",
         "watermark", "watermark_scope", "preemption", "swap_gb", "max_running",
         "max_tokens_per_step", "seed", "workload_rng", "trace", "goodput", "profile",
-        "prefix_eviction")}
+        "prefix_eviction", "lora_adapters", "lora_zipf", "lora_budget_gb", "h2d_gbps")}
 
 
 def _print(runs: list, seeds: list, args) -> None:

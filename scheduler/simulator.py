@@ -11,6 +11,15 @@ With ``beam_width`` every request is a beam search of that width (a beam group i
 scheduler): each step ``BeamModel`` picks every new beam's parent among the live ones, the
 scheduler forks a parent picked several times and frees one picked by none, so sharing and
 copy-on-write are the managers' own; a request's token times are its group's steps.
+
+LoRA (issue 31): a request that names an adapter (``TraceEntry.adapter``) runs with it; the
+scheduler acquires it at admission (the manager loads it into pool pages, evicting idle
+adapters LRU when it needs room) and releases it at the end. A step pays for the ``LoadAdapter``
+ops in its plan at the host-to-device bandwidth (``SimConfig.h2d_bytes_per_s``, no overlap with
+compute), and reads the weights of every distinct adapter among its sequences once, at the
+memory bandwidth (the roofline's weight term). ``adapter_budget_bytes`` None: adapters and KV
+share one pool (S-LoRA's unified paging); an int: a static split, that many bytes for adapters
+and the rest of ``cache_bytes`` for KV.
 """
 from __future__ import annotations
 
@@ -21,7 +30,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from .cost import AfterPrefill, CostModel, count_map_ops, prefill_pairs
 from .errors import ConfigError, SchedulerError
-from .managers.base import MemoryManager
+from .managers.base import EvictAdapter, LoadAdapter, MemoryManager
 from .managers.eviction import DEFAULT_EVICTION, make_eviction
 from .geometry import LAYOUT_CHOICES, resolve_layout
 from .policies import check_policy, is_custom, load_policy_class
@@ -38,6 +47,9 @@ WATERMARK_SCOPES = ("growing", "all")
 REPORT_PERCENTILES = (50.0, 90.0, 99.0)
 DUMMY_TOKEN = 1   # the simulator's sampled token; never a stop token
 TRACE_VOCAB_SIZE = 32000   # made-up prompt tokens from trace hash ids are in [1, this)
+# host-to-device copy bandwidth for adapter loads: PCIe 4.0 x16 is 32 GB/s raw (31.5 after
+# 128b/130b encoding); ~25 GB/s is what pinned-memory cudaMemcpy reaches in practice
+DEFAULT_H2D_BYTES_PER_S = 25e9
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,10 @@ class SimConfig:
     n: int = 1                            # samples per request (parallel sampling: forks share
                                           # the prompt's memory); 1 with beam_width
     beam_skew: float = 1.0                # BeamModel: how strongly children pile on the best beams
+    adapter_budget_bytes: Optional[int] = None   # LoRA: None, adapters and KV share the pool
+                                          # (unified); bytes: a static split, that many for
+                                          # adapters, the rest of cache_bytes for KV
+    h2d_bytes_per_s: float = DEFAULT_H2D_BYTES_PER_S   # adapter loads (LoadAdapter ops)
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
@@ -110,6 +126,13 @@ class SimConfig:
                               f"{self.prefix_block_tokens!r}")
         if self.copy_bytes_per_s is not None and not self.copy_bytes_per_s > 0:
             raise ConfigError(f"copy_bytes_per_s must be > 0, got {self.copy_bytes_per_s!r}")
+        if not (isinstance(self.h2d_bytes_per_s, (int, float)) and self.h2d_bytes_per_s > 0):
+            raise ConfigError(f"h2d_bytes_per_s must be > 0, got {self.h2d_bytes_per_s!r}")
+        budget = self.adapter_budget_bytes
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or not 0 < budget < self.cache_bytes):
+            raise ConfigError(f"adapter_budget_bytes must be None (a unified pool) or an int in "
+                              f"(0, cache_bytes {self.cache_bytes}), got {budget!r}")
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -127,6 +150,8 @@ class SimConfig:
         from .managers import make_manager
         options = dict(block_size_tokens=self.block_size, page_bytes=self.page_bytes,
                        layout=self.resolved_layout, swap_bytes=int(self.swap_bytes))
+        if self.adapter_budget_bytes is not None:
+            options["adapter_budget_bytes"] = self.adapter_budget_bytes
         if is_custom(self.policy):
             return load_policy_class(self.policy)(self.model_spec, int(self.cache_bytes),
                                                   self.max_seq_len, **options)
@@ -175,6 +200,16 @@ class SimResult:
     prefix_cache_hits: int
     mapped_page_ops: int           # page groups mapped (vmem, cost.count_map_ops)
     copied_kv_bytes: int = 0       # K/V bytes moved by copy ops (block hits, copy-on-write)
+    adapter_loads: int = 0         # LoRA: LoadAdapter ops (host to device copies)
+    adapter_evictions: int = 0     # EvictAdapter ops (an idle adapter's pages given to others)
+    adapter_load_bytes: int = 0    # bytes the loads copied
+    adapter_load_seconds: float = 0.0   # their time at h2d_bytes_per_s, charged to the steps
+    adapter_read_seconds: float = 0.0   # reading batched adapters' weights each step
+    mean_adapters_resident: float = 0.0   # adapters in device memory, mean over steps
+    peak_adapters_resident: int = 0
+    mean_adapter_pages: float = 0.0       # pool pages (or blocks) they hold, mean over steps
+    peak_adapter_pages: int = 0
+    mean_step_adapters: float = 0.0       # distinct adapters among a step's sequences, mean
     sharing_saved: Optional[float] = None   # beams or n > 1 (else None): 1 - distinct
                                    # units the running sequences hold / the units they would
                                    # hold each with a private copy, both summed over steps (the
@@ -258,8 +293,11 @@ class Simulator:
 
     def __init__(self, manager: MemoryManager, cost: "CostModel | ProfileCost",
                  config: SchedulerConfig = SchedulerConfig(), beams: Optional[BeamModel] = None,
-                 copy_bytes_per_s: Optional[float] = None, samples: int = 1):
+                 copy_bytes_per_s: Optional[float] = None, samples: int = 1,
+                 h2d_bytes_per_s: float = DEFAULT_H2D_BYTES_PER_S):
         self.manager, self.cost, self.config, self.beams = manager, cost, config, beams
+        self.h2d_bytes_per_s = h2d_bytes_per_s
+        self._lora: Optional[_AdapterSums] = None
         self.samples = samples                 # n per request (beams: 1)
         self._sharing = [0, 0]                 # (distinct, per-sequence) units, summed over steps
         self._after_prefill = AfterPrefill()
@@ -267,6 +305,7 @@ class Simulator:
         # a device copy reads and writes each byte: half the memory bandwidth unless measured
         self.copy_bytes_per_s = copy_bytes_per_s or (
             device.memory_bandwidth_bytes_per_s / 2 if device is not None else None)
+        self.read_bytes_per_s = device.memory_bandwidth_bytes_per_s if device is not None else None
         self.copied_bytes = 0
 
     def run(self, entries: Sequence[TraceEntry],
@@ -278,6 +317,7 @@ class Simulator:
         self._times: Dict[int, List[float]] = {}
         entries = sorted(entries, key=lambda e: e.arrival_s)
         sched = Scheduler(self.manager, _sharing_config(self.config, entries))
+        self._lora = _AdapterSums(entries) if any(e.adapter is not None for e in entries) else None
         make_request = _request_maker(self.beams.width if self.beams else 0, self.samples)
         self._sharing = [0, 0]
         whole, steady = _StepSums(), _StepSums()
@@ -333,6 +373,8 @@ class Simulator:
             self.copied_bytes += copied
             if self.copy_bytes_per_s:
                 seconds += copied / self.copy_bytes_per_s
+        if self._lora is not None:
+            seconds += self._lora.step(plan, self.h2d_bytes_per_s, self.read_bytes_per_s)
         end = now + seconds
         if self.beams is not None:
             return seconds, mapped, len(plan.seqs), self._beam_step(sched, plan, end, token_times)
@@ -388,8 +430,62 @@ class Simulator:
             copied_kv_bytes=self.copied_bytes,
             sharing_saved=(1 - self._sharing[0] / self._sharing[1] if self._sharing[1] else
                            0.0) if self.beams is not None or self.samples > 1 else None,
+            **(self._lora.figures() if self._lora is not None else {}),
             steady=steady_means, serving=serving_report(timings, percentiles=REPORT_PERCENTILES),
             timings=timings)
+
+
+class _AdapterSums:
+    """A LoRA run's adapter figures, from the plans' ops: loads and evictions, what is resident
+    after each step (loaded and not evicted), the distinct adapters each step computes; and the
+    seconds each step pays for them (``step``)."""
+
+    def __init__(self, entries: Sequence[TraceEntry]) -> None:
+        self.bytes_of = {e.adapter.digest: e.adapter.num_bytes for e in entries
+                         if e.adapter is not None}
+        self.resident: Dict[str, int] = {}      # adapter id -> pool pages it holds
+        self.pages = self.loads = self.evictions = self.load_bytes = 0
+        self.load_s = self.read_s = 0.0
+        self.steps = self.sum_resident = self.sum_pages = self.sum_batched = 0
+        self.peak_resident = self.peak_pages = 0
+
+    def step(self, plan, h2d_bytes_per_s: float, read_bytes_per_s: Optional[float]) -> float:
+        """Account one plan; returns the seconds its adapter loads and reads add to the step."""
+        seconds = 0.0
+        for op in plan.ops:
+            kind = type(op)
+            if kind is LoadAdapter:
+                self.loads += 1
+                self.load_bytes += op.num_bytes
+                seconds += op.num_bytes / h2d_bytes_per_s
+                self.resident[op.adapter_id] = len(op.pool_pages)
+                self.pages += len(op.pool_pages)
+            elif kind is EvictAdapter:
+                self.evictions += 1
+                self.pages -= self.resident.pop(op.adapter_id, 0)
+        self.load_s += seconds
+        batched = {s.adapter_id for s in plan.seqs} - {None}
+        if batched and read_bytes_per_s:
+            read = sum(self.bytes_of.get(a, 0) for a in batched) / read_bytes_per_s
+            self.read_s += read
+            seconds += read
+        self.steps += 1
+        self.sum_batched += len(batched)
+        self.sum_resident += len(self.resident)
+        self.sum_pages += self.pages
+        self.peak_resident = max(self.peak_resident, len(self.resident))
+        self.peak_pages = max(self.peak_pages, self.pages)
+        return seconds
+
+    def figures(self) -> Dict[str, float]:
+        div = max(self.steps, 1)
+        return dict(adapter_loads=self.loads, adapter_evictions=self.evictions,
+                    adapter_load_bytes=self.load_bytes, adapter_load_seconds=self.load_s,
+                    adapter_read_seconds=self.read_s,
+                    mean_adapters_resident=self.sum_resident / div,
+                    peak_adapters_resident=self.peak_resident,
+                    mean_adapter_pages=self.sum_pages / div, peak_adapter_pages=self.peak_pages,
+                    mean_step_adapters=self.sum_batched / div)
 
 
 def _sharing_config(config: SchedulerConfig, entries: Sequence[TraceEntry]) -> SchedulerConfig:
@@ -413,7 +509,7 @@ def _request_maker(beam_width: int = 0, n: int = 1) -> Callable[[int, TraceEntry
             if ids is None:
                 ids = memo[key] = prompt_token_ids(e, TRACE_VOCAB_SIZE)
         return Request(request_id, e.prompt_len, e.output_len, prompt_token_ids=ids,
-                       arrival_s=e.arrival_s, beam_width=beam_width, n=n)
+                       arrival_s=e.arrival_s, beam_width=beam_width, n=n, adapter=e.adapter)
     return make
 
 
@@ -425,4 +521,5 @@ def simulate(entries: Sequence[TraceEntry], config: SimConfig = SimConfig(),
     cost = config.make_cost(manager.pages_per_map_op)
     beams = BeamModel(config.beam_width, config.beam_skew) if config.beam_width else None
     return Simulator(manager, cost, config.scheduler_for(manager), beams,
-                     config.copy_bytes_per_s, config.n).run(entries, on_finished)
+                     config.copy_bytes_per_s, config.n,
+                     config.h2d_bytes_per_s).run(entries, on_finished)

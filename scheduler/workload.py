@@ -13,20 +13,35 @@ a given rate (requests per second). A seed names one workload on every machine:
 - ``rng="python"`` (the draw before issue 13): ``random.Random(seed)``, prompt then output per
   request, the prompt cut to leave one output token and the output cut to what remains.
 
+LoRA workloads (S-LoRA's synthetic setting, issue 31: ``lora_workload``, ``assign_adapters``):
+``LoraSpec.num_adapters`` adapters named ``lora-0000`` ..., adapter i the (i+1)-th most popular,
+each of a rank drawn uniformly from ``LoraSpec.ranks`` (8, 16, 32, 64); every request names one,
+drawn with probability proportional to (i + 1) ** -zipf_alpha (a power law; alpha 1 by default).
+Lengths and arrivals are the generated workload's own, unchanged; the adapters come from a
+second seeded stream, ``numpy.random.default_rng((seed, 31))``: first the N ranks, then one
+adapter per request. An adapter's bytes (``lora_adapter_bytes``): LoRA A and B on the q, k, v and
+o projections of every layer, fp16.
+
 Traces are JSONL, one object per line: ``{"prompt_len": 584, "output_len": 374, "arrival_s": 0.0}``
-(plus ``"hash_ids"`` when the entry has them). ``scheduler/traces.py`` reads the bundled real
+(plus ``"hash_ids"`` when the entry has them, ``"adapter"`` and ``"adapter_bytes"`` when it
+names a LoRA adapter). ``scheduler/traces.py`` reads the bundled real
 traces (Azure, Mooncake) by name and every supported file format by path.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
-from dataclasses import dataclass
-from typing import Iterable, List, Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import ConfigError
+from .presets import ModelSpec
 from .result_files import atomic_open
+
+if TYPE_CHECKING:
+    from .adapters import AdapterRef
 
 WORKLOAD_RNGS = ("numpy", "python")
 Z95 = 1.6448536269514722  # standard normal 95th percentile
@@ -39,6 +54,7 @@ class TraceEntry:
     output_len: int     # tokens to generate, >= 1
     arrival_s: float    # seconds after the start of the run, >= 0
     hash_ids: Tuple[int, ...] = ()   # Mooncake traces: ids of the prompt's 512-token blocks
+    adapter: Optional["AdapterRef"] = None   # the LoRA adapter the request runs with, if any
 
     @property
     def total_len(self) -> int:
@@ -150,6 +166,8 @@ def write_trace(path: str, entries: Iterable[TraceEntry]) -> None:
             obj = {"prompt_len": e.prompt_len, "output_len": e.output_len, "arrival_s": e.arrival_s}
             if e.hash_ids:
                 obj["hash_ids"] = list(e.hash_ids)
+            if e.adapter is not None:
+                obj["adapter"], obj["adapter_bytes"] = e.adapter.name, e.adapter.num_bytes
             f.write(json.dumps(obj) + "\n")
 
 
@@ -157,8 +175,19 @@ MAX_TRACE_TOKENS = 10**9     # a request longer than this is a corrupt line, not
 
 
 def parse_trace_object(obj, where: str) -> TraceEntry:
-    """One decoded line of the project's JSONL format; ``ConfigError`` naming ``where`` if bad."""
-    return parse_entry(obj, where, ("prompt_len", "output_len", "arrival_s"))
+    """One decoded line of the project's JSONL format; ``ConfigError`` naming ``where`` if bad.
+    A line naming an ``adapter`` (and its ``adapter_bytes``) gives a synthetic ``AdapterRef``
+    (``synthetic_adapter``: its digest is the SHA-256 of the name)."""
+    entry = parse_entry(obj, where, ("prompt_len", "output_len", "arrival_s"))
+    if not isinstance(obj, dict) or ("adapter" not in obj and "adapter_bytes" not in obj):
+        return entry
+    name, size = obj.get("adapter"), obj.get("adapter_bytes")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}: adapter must be a non-empty string, got {name!r}")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ConfigError(f"{where}: adapter_bytes must be an int >= 1 with adapter {name!r}, "
+                          f"got {size!r}")
+    return replace(entry, adapter=synthetic_adapter(name, size))
 
 
 def parse_entry(obj, where: str, keys: Tuple[str, str, str], units_per_second: float = 1.0,
@@ -189,3 +218,115 @@ def parse_entry(obj, where: str, keys: Tuple[str, str, str], units_per_second: f
         raise ConfigError(f"{where}: hash_ids must list {blocks} ints >= 0 (one per "
                           f"{block_tokens}-token block of {keys[0]} {values[0]})")
     return TraceEntry(values[0], values[1], arrival / units_per_second, tuple(hash_ids))
+
+
+# --- LoRA adapters (issue 31) -------------------------------------------------------------------
+
+LORA_RANKS = (8, 16, 32, 64)      # S-LoRA's synthetic experiments draw ranks from these
+LORA_DTYPE_BYTES = 2              # adapter weights in fp16 / bf16
+LORA_STREAM = 31                  # the adapters' numpy stream: default_rng((seed, 31))
+
+# (hidden size, query heads) of each preset: a LoRA pair's shapes need them and ModelSpec holds
+# only the KV geometry (from each model's config.json)
+LORA_SHAPES = {
+    "llama-3-8b": (4096, 32),
+    "opt-13b": (5120, 40),
+    "mistral-7b-v0.1": (4096, 32),
+    "mistral-7b-v0.3": (4096, 32),
+    "gemma-3-27b": (5376, 32),
+    "phi-2": (2560, 32),
+}
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A population of LoRA adapters and how requests pick them (module docstring)."""
+    num_adapters: int
+    zipf_alpha: float = 1.0                 # popularity of adapter i: (i + 1) ** -alpha
+    ranks: Tuple[int, ...] = LORA_RANKS     # each adapter's rank drawn uniformly from these
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_adapters, bool) or not isinstance(self.num_adapters, int) \
+                or self.num_adapters < 1:
+            raise ConfigError(f"LoraSpec.num_adapters must be an int >= 1, got "
+                              f"{self.num_adapters!r}")
+        if not (isinstance(self.zipf_alpha, (int, float)) and 0 <= self.zipf_alpha < math.inf):
+            raise ConfigError(f"LoraSpec.zipf_alpha must be a finite number >= 0, got "
+                              f"{self.zipf_alpha!r}")
+        object.__setattr__(self, "ranks", tuple(self.ranks))
+        if not self.ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1
+                                     for r in self.ranks):
+            raise ConfigError(f"LoraSpec.ranks must be ints >= 1, got {self.ranks!r}")
+
+
+def lora_adapter_bytes(model: ModelSpec, rank: int) -> int:
+    """Bytes of a rank-``rank`` LoRA adapter of ``model`` on the q, k, v and o projections of
+    every layer, fp16: A (in x r) and B (r x out) per projection, so per layer
+    r (hidden + q_out) + 2 r (hidden + kv_out) + r (q_out + hidden) elements (q_out = query
+    heads x head_dim, kv_out = KV heads x head_dim). Llama-3-8B: 1,703,936 bytes per unit of
+    rank (rank 64: 109 MB); a Llama-7B (MHA) rank-64 adapter: 134,217,728 bytes (128 MiB)."""
+    shape = LORA_SHAPES.get(model.name)
+    if shape is None:
+        raise ConfigError(f"no LoRA shapes for model {model.name!r} (hidden size and query heads "
+                          f"are needed); known: {', '.join(sorted(LORA_SHAPES))}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ConfigError(f"LoRA rank must be an int >= 1, got {rank!r}")
+    hidden, heads = shape
+    q_out, kv_out = heads * model.head_dim, model.num_kv_heads * model.head_dim
+    per_layer = rank * ((hidden + q_out) + 2 * (hidden + kv_out) + (q_out + hidden))
+    return per_layer * model.num_layers * LORA_DTYPE_BYTES
+
+
+def synthetic_adapter(name: str, num_bytes: int) -> "AdapterRef":
+    """An adapter the simulator makes up: its digest is the SHA-256 of its name."""
+    from .adapters import AdapterRef
+    return AdapterRef(name, hashlib.sha256(name.encode()).hexdigest(), num_bytes)
+
+
+def zipf_weights(n: int, alpha: float) -> List[float]:
+    """Probabilities of adapters 0..n-1: (i + 1) ** -alpha, normalised (alpha 0: uniform)."""
+    raw = [(i + 1) ** -alpha for i in range(n)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+def _lora_rng(lora: LoraSpec):
+    import numpy as np
+    return np.random.default_rng((lora.seed, LORA_STREAM))
+
+
+def make_adapters(lora: LoraSpec, model: ModelSpec) -> List["AdapterRef"]:
+    """The ``lora.num_adapters`` adapters, most popular first: ``lora-0000`` ... with ranks
+    drawn uniformly from ``lora.ranks`` (the stream's first draws)."""
+    return _draw_adapters(_lora_rng(lora), lora, model)
+
+
+def _draw_adapters(rng, lora: LoraSpec, model: ModelSpec) -> List["AdapterRef"]:
+    ranks = rng.choice(len(lora.ranks), size=lora.num_adapters).tolist()
+    width = max(4, len(str(lora.num_adapters - 1)))
+    return [synthetic_adapter(f"lora-{i:0{width}d}", lora_adapter_bytes(model, lora.ranks[r]))
+            for i, r in enumerate(ranks)]
+
+
+def adapter_rank(ref: "AdapterRef", model: ModelSpec) -> int:
+    """The rank a synthetic adapter of ``model`` was sized for (its bytes / bytes per rank)."""
+    return ref.num_bytes // lora_adapter_bytes(model, 1)
+
+
+def assign_adapters(entries: Sequence[TraceEntry], lora: LoraSpec,
+                    model: ModelSpec) -> List[TraceEntry]:
+    """``entries`` with an adapter each, drawn Zipf(``lora.zipf_alpha``) from
+    ``make_adapters(lora, model)`` (the same stream, after the ranks), in the entries' order."""
+    import numpy as np
+    rng = _lora_rng(lora)
+    adapters = _draw_adapters(rng, lora, model)
+    picks = rng.choice(lora.num_adapters, size=len(entries),
+                       p=np.asarray(zipf_weights(lora.num_adapters, lora.zipf_alpha)))
+    return [replace(e, adapter=adapters[i]) for e, i in zip(entries, picks.tolist())]
+
+
+def lora_workload(spec: WorkloadSpec, lora: LoraSpec, model: ModelSpec) -> List[TraceEntry]:
+    """``generate(spec)`` (the same lengths and arrivals) with a Zipf-popular adapter per
+    request (``assign_adapters``); ``lora.seed`` is independent of ``spec.seed``."""
+    return assign_adapters(generate(spec), lora, model)
