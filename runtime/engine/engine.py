@@ -41,6 +41,7 @@ from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine, kv_
                               start_tensor_parallel)
 from .errors import EngineClosedError, EngineConfigError, RequestRejectedError, TensorParallelError
 from .lifecycle import RequestLifecycle
+from .adapters import EngineAdapters
 from .beam import BeamSearches, BeamSearching
 from .elastic import ElasticMemory, budget_share_for
 from .statistics import EngineStatistics
@@ -162,6 +163,9 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching, ElasticMemory):
         self._txn = StepTransaction(self.kv.manager, self._execute, scheduler=self.scheduler)
         self._draws: list = []   # the step's generators before it sampled (undone with the step)
         self.plan_failures = 0                       # failed plan executions, all time
+        self.adapters = EngineAdapters(model, self.kv.manager, self._live_adapters)
+        if self.tp is None:
+            self.runner.adapters = self.adapters
 
     # ---- submission ----------------------------------------------------------------------
     def add_request(self, prompt: Prompt, sampling: Optional[SamplingParams] = None,
@@ -181,7 +185,8 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching, ElasticMemory):
         scope = None if params.prompt_logprobs is None else f"prompt-logprobs-{rid}"
         request = Request(rid, len(ids), params.max_new_tokens, prompt_token_ids=ids,
                           stop_token_ids=stops, arrival_s=arrival_s, n=params.n,
-                          cache_salt=params.cache_salt, namespace=scope)
+                          cache_salt=params.cache_salt, namespace=scope,
+                          adapter=self.adapters.ref(params.lora, index))
         try:
             seq_ids = self.scheduler.add_request(request)
         except RequestTooLargeError as error:
@@ -204,6 +209,7 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching, ElasticMemory):
         """Raise RequestRejectedError for the first prompt that ``add_request`` would reject."""
         limit = min(x for x in (self.scheduler.max_seq_len, self.scheduler.max_fit_tokens) if x)
         for i, (prompt, params) in enumerate(zip(prompts, per_prompt(prompts, sampling))):
+            self.adapters.ref(params.lora, i)    # a name no adapter has: refused, nothing runs
             ids, _ = self._encode(prompt, i)
             if len(ids) + params.max_new_tokens > limit:
                 raise RequestRejectedError(
@@ -408,6 +414,31 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching, ElasticMemory):
         params = per_prompt(prompts, sampling)
         self.check_admissible(prompts, params)
         return [self.add_request(p, s, on_token, index=i) for i, (p, s) in enumerate(zip(prompts, params))]
+
+    # ---- LoRA adapters (runtime/engine/adapters.py) ----------------------------------------
+    def add_lora(self, name: str, path, replace: bool = False) -> None:
+        """Load a PEFT LoRA adapter from ``path`` under ``name``, for requests that name it in
+        ``SamplingParams.lora``. Its weights go into the KV cache's pool when a request needs
+        them and leave it when idle and KV needs the pages. Refused by name (EngineConfigError
+        or a LoraError, nothing changed): a taken name without ``replace``, an unsupported
+        adapter, one larger than the pool, tensor parallelism."""
+        if self.tp is not None:
+            raise EngineConfigError("add_lora: LoRA adapters do not run with "
+                                    "tensor_parallel_size > 1 yet")
+        self.adapters.add(name, path, replace=replace)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget adapter ``name``; requests already running with it finish with it."""
+        self.adapters.remove(name)
+
+    @property
+    def loras(self) -> List[str]:
+        """The names of the loaded adapters."""
+        return self.adapters.names
+
+    def _live_adapters(self) -> set:
+        return {s.request.adapter.digest for s in self.scheduler.seqs.values()
+                if s.request.adapter is not None}
 
     # ---- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:

@@ -17,6 +17,7 @@ writes) and "attention" (inside the backend's forward, as it counts it).
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Collection, Dict, List, Optional, Tuple
 
 import torch
@@ -46,6 +47,7 @@ class ModelRunner:
         # container it owns), and after each execute() {seq_id: (first position, rows' logits)}
         self.prompt_rows: Collection[int] = ()
         self.prompt_logits: Dict[int, Tuple[int, torch.Tensor]] = {}
+        self.adapters = None   # the engine's EngineAdapters once it serves LoRA adapters
 
     def _add(self, phase: str, since: float) -> float:
         now = time.perf_counter()
@@ -66,6 +68,8 @@ class ModelRunner:
         finally:
             start = self._add("plan", start)
         self.ops_applied = True
+        if self.adapters is not None:   # weights into the pages LoadAdapter ops mapped
+            self.adapters.apply(plan.ops, self.cache)
         if not plan.seqs:
             return None, []
         return self._run_model(plan, start)
@@ -74,8 +78,10 @@ class ModelRunner:
         input_ids, positions, keep_rows, sampling, prompt = self._inputs(plan)
         start = self._add("metadata", start)
         attention_before = self.backend.forward_s
+        lora = (self.adapters.batch(plan.seqs, self.cache) if self.adapters is not None
+                else nullcontext())
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), lora:
                 out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
                                  logits_to_keep=keep_rows, **{STEP_KWARG: self._ctx})
         finally:

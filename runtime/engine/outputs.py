@@ -116,6 +116,9 @@ class EngineStats:
                                       # tokens are not among them
     prefix_cache_queries: int = 0     # prompt tokens offered to the prefix cache
     prefix_cache_hits: int = 0        # of those, served from cached K/V
+    lora_adapter_loads: int = 0       # LoRA adapters loaded into the pool (LoadAdapter)
+    lora_adapter_evictions: int = 0   # idle adapters evicted from the pool for KV
+    lora_adapter_pages: int = 0       # pool pages / blocks adapters held at the end
     # step time split (host seconds, each <= step_s, together at most step_s; the rest is
     # bookkeeping: commits, scheduler update, events):
     schedule_s: float = 0.0       # scheduler.schedule(): the plan

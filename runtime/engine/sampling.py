@@ -58,6 +58,8 @@ class SamplingParams:
                                       # is accepted and stored as sorted pairs
     logprobs: Optional[int] = None    # per sampled token: its logprob, rank and the top k (0..20)
     prompt_logprobs: Optional[int] = None   # per prompt token after the first: the same (0..20)
+    lora: Optional[str] = None        # a LoRA adapter added with Engine.add_lora (None: the base
+                                      # model); its content digest keys the prefix cache
 
     def __post_init__(self) -> None:
         _normalise(self)
@@ -158,6 +160,8 @@ _RULES = (
     ("logprobs", lambda p: _optional_count(p.logprobs), f"None or an int in [0, {MAX_LOGPROBS}]"),
     ("prompt_logprobs", lambda p: _optional_count(p.prompt_logprobs),
      f"None or an int in [0, {MAX_LOGPROBS}]"),
+    ("lora", lambda p: p.lora is None or (isinstance(p.lora, str) and 0 < len(p.lora) <= 256),
+     "None or an adapter name of 1-256 characters"),
 )
 
 

@@ -10,6 +10,7 @@ import time
 from typing import Optional, Sequence
 
 from vmemkv.scheduler.layout import CacheKind
+from vmemkv.scheduler.managers.base import AdapterStats
 from vmemkv.scheduler.report import serving_report
 
 from .outputs import EngineStats, RequestOutput, request_timings
@@ -30,7 +31,8 @@ class EngineStatistics:
                     ttft=len(m.ttft_s), itl=len(m.itl_s), gen=m.generated_tokens,
                     done=m.num_finished_requests, prompt=self._prompt_tokens,
                     computed=self._computed_tokens, pq=self.kv.manager.prefix_queries,
-                    ph=self.kv.manager.prefix_hits, phases=self._phases())
+                    ph=self.kv.manager.prefix_hits, phases=self._phases(),
+                    lora=self.kv.manager.adapter_stats())
 
     def _phases(self) -> dict:
         return {**self._phase_s, **self.runner.phase_s}
@@ -41,8 +43,9 @@ class EngineStatistics:
         ``serving`` is the serving report of ``outputs`` (wall seconds; empty without them)."""
         b = since or dict(t=self._t0, steps=0, step_s=0.0, mapping_s=0.0, mapping_stall_s=0.0, kv=0, pre=0,
                           swap=0, rec=0, ttft=0, itl=0, gen=0, done=0, prompt=0, computed=0,
-                          pq=0, ph=0, phases={})
+                          pq=0, ph=0, phases={}, lora=AdapterStats())
         m, usage = self.scheduler.metrics, self._kv_usage[b["kv"]:]
+        lora = self.kv.manager.adapter_stats()
         phases = {f"{k}_s": v - b["phases"].get(k, 0.0) for k, v in self._phases().items()}
         return EngineStats(
             cache=(self.config.cache if self.kv.cache.kind is CacheKind.PAGED
@@ -59,6 +62,9 @@ class EngineStatistics:
             computed_tokens=self._computed_tokens - b["computed"],
             prefix_cache_queries=self.kv.manager.prefix_queries - b["pq"],
             prefix_cache_hits=self.kv.manager.prefix_hits - b["ph"],
+            lora_adapter_loads=lora.loads - b["lora"].loads,
+            lora_adapter_evictions=lora.evictions - b["lora"].evictions,
+            lora_adapter_pages=lora.pages,
             ttft_s=m.ttft_s[b["ttft"]:], itl_s=m.itl_s[b["itl"]:],
             serving=serving_report(request_timings(outputs)) if outputs else {}, **phases)
 

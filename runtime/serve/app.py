@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException
 
 from . import protocol
 from .admin import add_admin_routes
+from .lora_routes import add_lora_routes
 from .auth import salted
 from .chat import ChatFormat, chat_token_ids, parse_chat_request
 from .completions import CompletionFormat, ServedModel, prompt_token_ids
@@ -42,9 +43,10 @@ log = logging.getLogger("vmemkv.serve")
 
 
 def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
-               drain: Optional[Drain] = None) -> FastAPI:
+               drain: Optional[Drain] = None, lora_root=None) -> FastAPI:
     """The app; the caller starts and stops ``server`` (``serve.run_server`` does both).
-    ``drain``: the shutdown's (shutdown.py); auth and body limits wrap the app (auth.Guard)."""
+    ``drain``: the shutdown's (shutdown.py); auth and body limits wrap the app (auth.Guard).
+    ``lora_root``: the folder runtime adapter loading may read (None: off; lora_routes.py)."""
     drain = drain or Drain()
     app = FastAPI(title="vmemkv", docs_url=None, redoc_url=None, openapi_url=None)
     _error_handlers(app)
@@ -58,9 +60,10 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{
-            "id": served.name, "object": "model", "created": created, "owned_by": "vmemkv",
-            "max_model_len": served.max_sequence_tokens}]}
+        base = {"object": "model", "created": created, "owned_by": "vmemkv",
+                "max_model_len": served.max_sequence_tokens}
+        return {"object": "list", "data": [{"id": served.name, **base}] + [
+            {"id": name, **base, "parent": served.name} for name in served.loras()]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -77,6 +80,7 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
                              lambda: _chat(request, server, served, drain))
 
     add_admin_routes(app, server)
+    add_lora_routes(app, server, lora_root)
     return app
 
 
@@ -97,10 +101,10 @@ async def _complete(request: Request, server: EngineThread, served: ServedModel,
     arrival_s = time.perf_counter()
     req = salted(protocol.parse_completion_request(await request.body()), request.scope)
     batch = prompt_token_ids(req, served)
-    params = req.sampling_params()
+    params = served.with_adapter(req.sampling_params(), req.model)
     submission = Submission(server, batch, params, arrival_s, "cmpl", served.tokenizer is not None)
     fmt = CompletionFormat(req, served, req.prompts(), batch, submission)
-    return await _respond(request, submission, fmt, served.name, req, drain)
+    return await _respond(request, submission, fmt, req.model or served.name, req, drain)
 
 
 async def _chat(request: Request, server: EngineThread, served: ServedModel,
@@ -108,10 +112,10 @@ async def _chat(request: Request, server: EngineThread, served: ServedModel,
     arrival_s = time.perf_counter()
     req = salted(parse_chat_request(await request.body()), request.scope)
     ids, max_tokens = chat_token_ids(req, served)
-    params = req.sampling_params(max_tokens)
+    params = served.with_adapter(req.sampling_params(max_tokens), req.model)
     submission = Submission(server, [ids], params, arrival_s, "chatcmpl", True)
-    return await _respond(request, submission, ChatFormat(req, served, submission), served.name,
-                          req, drain)
+    return await _respond(request, submission, ChatFormat(req, served, submission),
+                          req.model or served.name, req, drain)
 
 
 async def _respond(request: Request, submission: Submission, fmt, model: str, req,

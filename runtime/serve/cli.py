@@ -13,6 +13,7 @@ limits and API-key flags are in docs/usage.md ("Security").
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from vmemkv.runtime import generate_cli
@@ -42,6 +43,13 @@ def register(subparsers) -> None:
                    help="requests in flight at most (queued + running); past it: 503 + Retry-After")
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"],
                    default="info", help="uvicorn's log level")
+    lora = p.add_argument_group("LoRA adapters (docs/usage.md, LoRA adapters)")
+    lora.add_argument("--lora", action="append", default=[], type=_lora_flag, metavar="NAME=PATH",
+                      help="load a PEFT LoRA adapter at start under NAME (clients send it as "
+                           "'model'); repeat for several")
+    lora.add_argument("--lora-root", default=None, metavar="DIR",
+                      help="allow POST /v1/load_lora_adapter (behind the API key) to load "
+                           "adapters from folders inside DIR (default: off)")
     _security_flags(p.add_argument_group("security and limits (docs/usage.md, Security)"))
     generate_cli._cache_flags(p.add_argument_group("cache and scheduling"))
 
@@ -71,6 +79,14 @@ def _security_flags(g) -> None:
                         "they are ended")
 
 
+def _lora_flag(text: str) -> tuple:
+    import argparse
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {text!r}")
+    return name, path
+
+
 def _limits_and_auth(args):
     from .auth import AuthConfig
     from .limits import ServeLimits
@@ -97,7 +113,11 @@ def run(args) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tokenizer = load_model(args.model, seed=args.seed, dtype=dtype, device=args.device)
     name = args.served_model_name or served_model_name(args.model)
+    if args.lora_root is not None and not os.path.isdir(args.lora_root):
+        raise generate_cli.GenerateUsageError(f"--lora-root {args.lora_root!r} is not a folder")
     with generate_cli._engine(Engine, model, tokenizer, args) as engine:
+        for lora_name, lora_path in args.lora:
+            engine.add_lora(lora_name, lora_path)
         def started(port: int) -> None:     # the port it bound (the one picked, for --port 0)
             sys.stderr.write(f"vmemkv serve: {name} on a {engine.config.cache} cache, attention "
                              f"{engine.attention}, http://{args.host}:{port} "
@@ -105,7 +125,8 @@ def run(args) -> int:
                              f"SIGTERM or Ctrl-C stops)\n")
             sys.stderr.flush()
         server = Server(engine, name, host=args.host, port=args.port, max_queue=args.max_queue,
-                        log_level=args.log_level, limits=limits, auth=auth, on_started=started)
+                        log_level=args.log_level, limits=limits, auth=auth, on_started=started,
+                        lora_root=args.lora_root)
         line = server.run()   # Ctrl-C: KeyboardInterrupt carrying the line, exit 130
     sys.stderr.write(f"vmemkv serve: {line}\n")
     return 0

@@ -8,8 +8,10 @@ rides on each choice's first chunk.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, List, Optional, Sequence
+
+from vmemkv.runtime.engine.sampling import SamplingParams
 
 from .errors import ApiError
 from .logprobs_format import TokenStrings, completion_logprobs, merge_completion_logprobs
@@ -25,17 +27,33 @@ class ServedModel:
     vocab_size: int
     max_sequence_tokens: int   # prompt + max_tokens one sequence can hold
     max_n: int                 # choices per request: the engine's max_batch
+    loras: Callable[[], List[str]] = list   # the engine's adapter names, read at each request
 
     @classmethod
     def of(cls, engine, name: str) -> "ServedModel":
         sched = engine.scheduler
         limit = min(x for x in (sched.max_seq_len, sched.max_fit_tokens) if x)
-        return cls(name, engine.tokenizer, engine.vocab_size, limit, engine.config.max_batch)
+        return cls(name, engine.tokenizer, engine.vocab_size, limit, engine.config.max_batch,
+                   lambda: engine.loras)
 
-    def check_model(self, model: Optional[str]) -> None:
-        if model is not None and model != self.name:
-            raise ApiError(400, f"model {model!r} is not served here; this server serves "
-                                f"{self.name!r}", "model")
+    def check_model(self, model: Optional[str]) -> Optional[str]:
+        """The LoRA adapter ``model`` names (None: the base model), or ApiError 400."""
+        if model is None or model == self.name:
+            return None
+        if model in self.loras():
+            return model
+        raise ApiError(400, f"model {model!r} is not served here; this server serves "
+                            f"{[self.name] + self.loras()}", "model")
+
+    def with_adapter(self, params, model: Optional[str]):
+        """``params`` running on the adapter ``model`` names; beam search runs none (400)."""
+        lora = self.check_model(model)
+        if lora is None:
+            return params
+        if not isinstance(params, SamplingParams):
+            raise ApiError(400, "use_beam_search runs the base model only; a LoRA adapter "
+                                f"({lora!r}) cannot run beam search yet", "model")
+        return replace(params, lora=lora)
 
     def check_lengths(self, prompt_tokens: int, max_tokens: int, n: int,
                       max_param: str = "max_tokens") -> None:

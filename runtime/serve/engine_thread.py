@@ -294,7 +294,8 @@ class EngineThread:
     def _refresh_gauges(self) -> None:
         engine = self.engine
         self.metrics.set_gauges(dict(engine.scheduler.gauges(), kv_cache_bytes=engine.cache_bytes,
-                                     is_sleeping=int(engine.is_sleeping)))
+                                     is_sleeping=int(engine.is_sleeping),
+                                     **engine.adapters.gauges()))
 
 
 def _not_running() -> ApiError:

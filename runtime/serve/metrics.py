@@ -34,6 +34,11 @@ GAUGES = {   # Scheduler.gauges() key -> (kind, help)
     "kv_cache_bytes": ("gauge", "Bytes of device memory the KV cache may use now (POST /resize)."),
     "is_sleeping": ("gauge", "1 while the engine is asleep (POST /sleep), else 0."),
     "num_preemptions": ("counter", "Cumulative number of preemptions."),
+    "lora_adapters_loaded": ("gauge", "LoRA adapters loaded by name (POST /v1/load_lora_adapter)."),
+    "lora_adapters_resident": ("gauge", "LoRA adapters whose weights are in the KV pool now."),
+    "lora_adapter_pages": ("gauge", "Pool pages (vmem) or blocks (paged) adapter weights hold."),
+    "lora_adapter_loads": ("counter", "Adapter weights written into the pool (loads)."),
+    "lora_adapter_evictions": ("counter", "Idle adapters evicted from the pool for KV."),
     "prefix_cache_queries": ("counter", "Prefix-cache queries, in tokens."),
     "prefix_cache_hits": ("counter", "Prefix-cache hits, in tokens."),
 }

@@ -37,7 +37,8 @@ class Server:
     def __init__(self, engine, model_name: str, *, host: str = "127.0.0.1", port: int = 8000,
                  max_queue: int = 256, log_level: str = "warning",
                  limits: Optional["ServeLimits"] = None, auth: Optional["AuthConfig"] = None,
-                 on_started: Callable[[int], None] = lambda port: None) -> None:
+                 on_started: Callable[[int], None] = lambda port: None,
+                 lora_root=None) -> None:
         require_serve_extra()
         import uvicorn
 
@@ -55,7 +56,7 @@ class Server:
         self.engine_thread = EngineThread(engine, self.metrics, max_pending_requests=max_queue)
         self.drain = Drain()
         app = Guard(create_app(self.engine_thread, self.metrics, ServedModel.of(engine, model_name),
-                               self.drain), self.limits, self.auth)
+                               self.drain, lora_root), self.limits, self.auth)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
                                 http=guarded_protocol(self.limits))
         self._uvicorn = draining_server(config, self.drain, self.limits.shutdown_timeout_s,

@@ -25,6 +25,7 @@ class FakeEngine:
     def __init__(self) -> None:
         self.live, self.callbacks, self.outputs, self.next_id = {}, {}, {}, 0
         self.scheduler = SimpleNamespace(gauges=lambda: {"num_requests_running": len(self.live)})
+        self.adapters = SimpleNamespace(gauges=lambda: {"lora_adapters_loaded": 0})
         self.cache_bytes, self.is_sleeping, self.looks = 4096, False, 0
 
     def sleep(self) -> int:
