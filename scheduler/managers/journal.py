@@ -9,7 +9,7 @@ of each change while the cell is ``active`` (nothing outside this module reads t
     OrderedUnits            an insertion-ordered set (LRU lists, free-slot buckets) whose
                             removal from the middle is undone exactly (lazy deletion)
     the unit arrays         ``_refs``/``_fill``, plain lists for the hot paths: the manager
-                            saves a unit's pair before its first write (``UnitManager._touch``)
+                            saves a unit's pair before its first write (``UnitOps._touch``)
     sequence records        saved at their first change (``TxnCell.record``/``record_tokens``)
 
 ``rollback`` replays the inverses newest first, which restores each container exactly

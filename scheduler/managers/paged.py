@@ -30,16 +30,16 @@ from ..layout import CacheKind, CacheLayout
 from ..presets import ModelSpec
 from .base import CopyBlock, MemoryStats
 from .adapters import AdapterTenancy, adapter_budget_units
-from .common import check_int
+from .common import ManagerCore, check_int
 from .eviction import DEFAULT_EVICTION
 from .ledger import PageLedger
 from .paged_groups import PagedSeq, block_groups
 from .prefix import HeldSeq
-from .units import UnitManager
+from .units import UnitOps
 from .window import WindowSwapError, WindowedGroups, dropped_in
 
 
-class PagedManager(WindowedGroups, AdapterTenancy, UnitManager):
+class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
     """Block-table manager. ``prefix_queries``/``prefix_hits`` count TOKENS (as vLLM's
     prefix-cache metrics do): tokens offered to ``allocate`` with ``token_ids``, and of those the
     tokens served from cached blocks."""
@@ -73,10 +73,10 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitManager):
         self._init_window(max(windows) if windows else None)
         self._init_adapters(self._ledger, self.block_bytes, budget_units, self.num_blocks, "block")
 
-    _FIXED_FIELDS = UnitManager._FIXED_FIELDS | AdapterTenancy._ADAPTER_FIXED | {
+    _FIXED_FIELDS = UnitOps._FIXED_FIELDS | AdapterTenancy._ADAPTER_FIXED | {
         "block_size", "num_blocks", "_window", "groups", "block_bytes", "_hybrid"}
-    _SAVED_FIELDS = UnitManager._SAVED_FIELDS + AdapterTenancy._ADAPTER_SAVED
-    _JOURNALED_FIELDS = (UnitManager._JOURNALED_FIELDS - {"_free"}) | \
+    _SAVED_FIELDS = UnitOps._SAVED_FIELDS + AdapterTenancy._ADAPTER_SAVED
+    _JOURNALED_FIELDS = (UnitOps._JOURNALED_FIELDS - {"_free"}) | \
         AdapterTenancy._ADAPTER_JOURNALED | {"_ledger"}
 
     @property
@@ -140,7 +140,7 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitManager):
 
     def _new_seq(self, num_tokens: int, token_ids, namespace) -> HeldSeq:
         if not self._hybrid:
-            return UnitManager._new_seq(num_tokens, token_ids, namespace)
+            return ManagerCore._new_seq(num_tokens, token_ids, namespace)
         return PagedSeq(num_tokens, None if token_ids is None else list(token_ids), namespace,
                         len(self.groups))
 
@@ -232,7 +232,7 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitManager):
         if self._hybrid:     # no hot path: every group's last block grows
             self._append_logged(seq_id, self._seq(seq_id), num_tokens, token_ids)
         else:
-            UnitManager.append(self, seq_id, num_tokens, token_ids)
+            UnitOps.append(self, seq_id, num_tokens, token_ids)
 
     def _append_in_place(self, seq: HeldSeq, num_tokens: int) -> None:
         if not self._hybrid:

@@ -44,7 +44,7 @@ def block_groups(model: ModelSpec) -> tuple:
 
 class PagedSeq(HeldSeq):
     """A paged sequence's record: one block table per group, ``tables[0] is units`` (so what
-    UnitManager reads of ``units`` is group 0's table). Every group's table has the same
+    UnitOps reads of ``units`` is group 0's table). Every group's table has the same
     length (ceil(num_tokens / block_size)); a windowed group's given-back blocks are a None
     prefix."""
 

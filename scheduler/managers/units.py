@@ -5,8 +5,7 @@ once full and computed, a verified chain digest under which later sequences can 
 it (prefix.py).
 Managers say how units are taken, held and released; this mixin owns the arithmetic of how
 many units a request needs, prefix matching and its counters, and copy-on-write accounting.
-``UnitManager`` is it over ``ManagerCore`` (paged); the vmem manager mixes it in beside
-``ManagerCore`` itself.
+Both managers mix it in beside ``ManagerCore`` (each two levels below ``MemoryManager``).
 """
 from __future__ import annotations
 
@@ -318,6 +317,3 @@ class UnitOps:
             need += 1
         return need
 
-
-class UnitManager(UnitOps, ManagerCore):
-    """A ManagerCore whose memory is units (UnitOps): the paged manager's base."""
