@@ -4,11 +4,16 @@
                                 sampling and penalty fields, stop, logprobs, echo, stream (SSE)
     POST /v1/chat/completions   messages through the model's chat template; the same fields,
                                 max_completion_tokens, logprobs / top_logprobs, delta chunks
-    GET  /v1/models             the one served model
+    GET  /v1/models             the served model, and each LoRA adapter (its ``parent``)
     GET  /health                200 while the engine thread runs, else 503
     GET  /metrics               Prometheus text, vLLM's names under "vmemkv:"
     POST /sleep, /wake_up, /resize, GET /is_sleeping
                                 vLLM's elastic-memory routes, on the engine thread (admin.py)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+                                adapters at run time, inside --lora-root (lora_routes.py)
+
+A request's ``model`` is the served model's id or a loaded adapter's name (its requests run
+with that adapter).
 
 Every error is OpenAI's JSON shape (``errors.ApiError``): 400 naming the field, 404/405 for a
 wrong path or method, 409 for a resize or sleep the engine refuses, 503 with Retry-After when
