@@ -36,6 +36,7 @@ class EngineAdapters:
         self._by_digest: Dict[str, object] = {}   # digest -> LoraAdapter (named or in use)
         self._views: Dict[str, tuple] = {}        # digest -> (buffer address, AdapterWeights)
         self.loads = 0                   # LoadAdapter ops executed (weights written)
+        self._orphans = False            # host copies kept only for live requests
 
     def __bool__(self) -> bool:
         return bool(self._by_digest)
@@ -82,10 +83,13 @@ class EngineAdapters:
         self.collect()
 
     def collect(self) -> None:
-        """Drop host copies nothing names and no live request runs with."""
-        keep = {a.digest for a in self._by_name.values()} | set(self._in_use())
+        """Drop host copies nothing names and no live request runs with (each step does while
+        a removed or replaced adapter's requests are still live)."""
+        named = {a.digest for a in self._by_name.values()}
+        keep = named | set(self._in_use())
         for digest in [d for d in self._by_digest if d not in keep]:
             del self._by_digest[digest]
+        self._orphans = bool(set(self._by_digest) - named)
 
     def ref(self, name: Optional[str], index: int = 0) -> Optional[AdapterRef]:
         """The request's AdapterRef; RequestRejectedError naming ``lora`` when unknown."""
@@ -101,6 +105,8 @@ class EngineAdapters:
     # ---- executor side: the model runner calls these each step ----------------------------
     def apply(self, ops, cache) -> None:
         """After a plan's ops ran: write each loaded adapter's weights into its pool pages."""
+        if self._orphans:
+            self.collect()
         for op in ops:
             if isinstance(op, LoadAdapter):
                 adapter = self._by_digest.get(op.adapter_id)

@@ -169,3 +169,24 @@ def test_idle_adapter_pages_go_to_kv_and_come_back(adapter_dirs):
 
 def manager_bytes(engine, name: str) -> int:
     return engine.adapters.ref(name).num_bytes
+
+
+def test_replacing_or_removing_an_adapter_lets_running_requests_finish_on_their_weights(
+        adapter_dirs):
+    family, prompt = "tiny-llama", prompts(1, 12, 12, seed=8)[0]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, lora="x")
+    old, new = adapter_dirs[(family, "a4")], adapter_dirs[(family, "c16")]
+    with Engine(build_model(family, seed=0), max_batch=4, max_context=64, cache="vmem",
+                page_bytes=4096, cache_bytes=512 * 1024, check_integrity=True) as engine:
+        engine.add_lora("x", old)
+        first = engine.add_request(prompt, params)
+        engine.step()                                   # running on the old weights
+        engine.add_lora("x", new, replace=True)
+        second = engine.add_request(prompt, params)     # the new weights
+        engine.step()
+        engine.remove_lora("x")                         # both still finish on theirs
+        engine.run_until_done()
+        got = [engine.output(r, pop=True).outputs[0].token_ids for r in (first, second)]
+        engine.step()                                   # an idle step collects
+        assert not engine.adapters and engine.loras == []   # no host copy left behind
+    assert got == [greedy(merged(family, old), prompt, 6), greedy(merged(family, new), prompt, 6)]
