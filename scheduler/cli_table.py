@@ -38,6 +38,13 @@ _ROWS = [
     ("request goodput (req/s)", "request_goodput", None, "{:,.2f}"),
     ("wall seconds", "wall_seconds", None, "{:.3f}"),
 ]
+_LORA_ROWS = [   # a run with LoRA adapters (--lora-adapters) only
+    ("adapters resident mean / peak", "mean_adapters_resident", "peak_adapters_resident",
+     "{:,.1f}"),
+    ("adapter loads", "adapter_loads", None, "{:,.0f}"),
+    ("adapter evictions", "adapter_evictions", None, "{:,.0f}"),
+    ("adapter load / read seconds", "adapter_load_seconds", "adapter_read_seconds", "{:,.2f}"),
+]
 
 
 def parse_seeds(text: str) -> List[int]:
@@ -83,7 +90,7 @@ def format_table(d: dict, std: Dict[str, float] = None, seeds: Sequence[int] = (
     lines = [f"vmemkv simulate: {d['policy']}, {where}, "
              f"{c['cache_gb']:g} GB cache, {d['num_requests']:,.0f} requests{over}",
              f"  {'':<28} {'whole run':>20} {'steady state':>20}"]
-    for label, key, second, fmt in _ROWS:
+    for label, key, second, fmt in _ROWS + (_LORA_ROWS if d.get("adapter_loads") else []):
         if key not in d:
             continue
         right = _value(fmt, d, second, std) if second else ""

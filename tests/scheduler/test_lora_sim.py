@@ -140,6 +140,17 @@ def test_the_cli_runs_adapters_unified_and_split(capsys):
     assert split["peak_adapter_pages"] * 2 * 2**20 <= 0.5e9
 
 
+def test_the_table_shows_the_adapters_of_a_lora_run_only(capsys):
+    from vmemkv.cli import main
+    assert main([a for a in LORA_CLI if a != "--json"]) == 0
+    table = capsys.readouterr().out
+    loads = int(next(line for line in table.splitlines()
+                     if line.strip().startswith("adapter loads")).split()[-1].replace(",", ""))
+    assert loads > 0 and "adapters resident mean / peak" in table
+    assert main(["simulate", "--requests", "20", "--cache-gb", "20"]) == 0
+    assert "adapter" not in capsys.readouterr().out
+
+
 def test_the_cli_refuses_a_split_without_adapters_or_kv(capsys):
     from vmemkv.cli import main
     assert main(["simulate", "--lora-budget-gb", "1", "--no-progress"]) == 2
