@@ -17,9 +17,14 @@ Hybrid models (full layers beside windowed ones) have one block table per block 
 (paged_groups.py): a block holds G layers of one group, every group's table has one entry per
 block_size tokens, and a windowed group gives back its blocks wholly behind its window while
 full groups keep theirs. Tokens in ``stats`` are then group tokens (a token held in n tables
-counts n times; ``bytes_per_token`` is one group's). Exact prefix hits across groups are not
-implemented for them: a paged hybrid never registers blocks, so it never hits (its queries
-are counted); its sequences are never swapped (``WindowSwapError``: preempt by recompute).
+counts n times; ``bytes_per_token`` is one group's). Their prefix hits are exact and whole
+blocks, as vLLM v1's hybrid allocator's (``GroupPrefixIndex``: each group's blocks registered
+apart, under the same chain digests): a hit of h blocks needs every full group's blocks 0..h-1
+and each windowed group's blocks holding the last ``window`` tokens before token h*block_size
+(from block (h*block_size - window + 1) // block_size on); the blocks before those are None in
+that group's table, as the window give-back leaves them. h is the longest prefix every group
+can serve (the full groups' hit, cut back until the windowed groups' blocks are there). Their
+sequences are never swapped (``WindowSwapError``: preempt by recompute).
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from .adapters import AdapterTenancy, adapter_budget_units
 from .common import ManagerCore, check_int
 from .eviction import DEFAULT_EVICTION
 from .ledger import PageLedger
-from .paged_groups import PagedSeq, block_groups
+from .paged_groups import GroupPrefixIndex, PagedSeq, block_groups
 from .prefix import HeldSeq
 from .units import UnitOps
 from .window import WindowSwapError, WindowedGroups, dropped_in
@@ -69,6 +74,8 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
         self._init_units(self.num_blocks, bs, prefix_eviction, free_list=False)
         self._ledger = PageLedger(self._cell, self.num_blocks)   # tenant: the group index
         self._hybrid = len(self.groups) > 1
+        if self._hybrid:      # each group's blocks registered apart (paged_groups.py)
+            self.prefix = GroupPrefixIndex(self._cell)
         windows = [g.window_tokens for g in self.groups if g.window_tokens]
         self._init_window(max(windows) if windows else None)
         self._init_adapters(self._ledger, self.block_bytes, budget_units, self.num_blocks, "block")
@@ -153,7 +160,13 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
         if not self._ledger.free_pages and not len(self._cache):
             if not self._evict_adapter_for_kv():
                 raise AssertionError("no block left to free: room was miscounted")   # a bug
-        b = self._ledger.take(1, group)[0] if self._ledger.free_pages else self._evict()
+        if self._ledger.free_pages:
+            b = self._ledger.take(1, group)[0]
+        else:
+            b = self._evict()
+            if self._ledger.holder(b) != group:     # a hybrid's cached block of another group
+                self._ledger.give((b,))
+                b = self._ledger.take(1, group)[0]  # (the one just given: top of the stack)
         self._touch(b)
         self._refs[b] = 1
         self._fill[b] = 0
@@ -168,19 +181,81 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
     def _unheld(self, b: int) -> None:
         self._ledger.give((b,))
 
-    # -- hybrids: no prefix hits, no swap --
+    # -- hybrids: per-group prefix hits, no swap --
     def _hits(self, num_tokens: int, token_ids, namespace) -> list:
-        return [] if self._hybrid else super()._hits(num_tokens, token_ids, namespace)
+        """Non-hybrid: UnitOps'. A hybrid's: [] or one hit table per group, all of the hit's
+        length h (blocks), a windowed group's None up to the first block its window reads."""
+        if not self._hybrid:
+            return super()._hits(num_tokens, token_ids, namespace)
+        if token_ids is None:
+            return []
+        limit = min(num_tokens - 1, len(token_ids)) // self.block_size
+        nodes = self.prefix.chain(self._prompt_keys(token_ids, namespace)[:max(limit, 0)])
+        blocks, h = self.prefix.blocks, len(nodes)
+        for g, group in enumerate(self.groups):       # full groups: every block of the hit
+            if group.window_tokens is None:
+                k = 0
+                while k < h and (nodes[k], g) in blocks:
+                    k += 1
+                h = k
+        runs = []      # per windowed group: run[k] = its blocks present in a row up to block k
+        for g, group in enumerate(self.groups):
+            if group.window_tokens and h:
+                run, n = [], 0
+                for k in range(h):
+                    n = n + 1 if (nodes[k], g) in blocks else 0
+                    run.append(n)
+                runs.append((run, group))
+        while h and not all(run[h - 1] >= h - self._window_start(h, group)
+                            for run, group in runs):
+            h -= 1                                    # cut back until the windows are there
+        if not h:
+            return []
+        return [[None] * self._window_start(h, group)
+                + [blocks[(nodes[k], g)] for k in range(self._window_start(h, group), h)]
+                for g, group in enumerate(self.groups)]
+
+    def _window_start(self, hit_blocks: int, group) -> int:
+        """The first block a group reads after a hit of ``hit_blocks`` blocks: 0 for a full
+        group; a windowed one's queries from token h*block_size read from h*bs - W + 1 on (the
+        blocks before are what ``release_behind_window`` would give back)."""
+        if group.window_tokens is None:
+            return 0
+        return max(hit_blocks * self.block_size - group.window_tokens + 1, 0) // self.block_size
 
     def _need(self, num_tokens: int, hits: list) -> int:
-        return super()._need(num_tokens, hits) * len(self.groups)    # (a hybrid has no hits)
+        if not self._hybrid:
+            return super()._need(num_tokens, hits)
+        blocks = -(-num_tokens // self.block_size)
+        if not hits:
+            return blocks * len(self.groups)
+        revived = sum(1 for t in hits for b in t if b is not None and self._refs[b] == 0)
+        return (blocks - len(hits[0])) * len(self.groups) + revived
 
     def _fresh_units(self, seq: HeldSeq) -> Optional[int]:
         return -(-seq.num_tokens // self.block_size) * len(self.groups)
 
     def _publish(self, seq: HeldSeq, computed_tokens: int) -> None:
         if not self._hybrid:
-            super()._publish(seq, computed_tokens)
+            return super()._publish(seq, computed_tokens)
+        upto = min(computed_tokens // self.block_size, len(seq.keys), len(seq.units))
+        index, keys, note = self.prefix, seq.keys, self._cache.note_generated
+        for k in range(seq.published, upto):
+            parent = None if k == 0 else -1
+            if k:     # the node of this sequence's block k-1, in any group that still names it
+                for table in seq.tables:
+                    node = index.node_of(table[k - 1])
+                    if node is not None:
+                        parent = node
+                        break
+            for g, table in enumerate(seq.tables):
+                b = table[k]
+                if b is None:         # given back behind the window
+                    continue
+                index.register(b, g, keys, k, parent)
+                if k >= seq.prompt_units:
+                    note(b)
+        seq.published = max(seq.published, upto)
 
     def _windowed_tables(self, seq: HeldSeq) -> tuple:
         if not self._hybrid:
@@ -208,17 +283,41 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
             raise OutOfCapacityError(f"sequence {seq_id} needs {need} blocks of "
                                      f"{self.block_size} tokens, {self._available_units()} free")
         seq = self._new_seq(num_tokens, token_ids, namespace)
-        for b in hits:
-            self._hold(b)
-        seq.units.extend(hits)
-        self._take_blocks(seq, -(-num_tokens // self.block_size) - len(hits))
-        self._fill_blocks(seq, len(hits) * self.block_size, num_tokens)
-        n = len(self.groups)
-        self._cap_sum += len(seq.units) * self.block_size * n
-        self._tok_sum += num_tokens * n
+        bs = self.block_size
+        if self._hybrid:
+            hit_tables, hits = hits, [b for t in hits for b in t if b is not None]
+            for g, table in enumerate(seq.tables):
+                for b in hit_tables[g] if hit_tables else ():
+                    if b is not None:
+                        self._hold(b)
+                    table.append(b)
+            hit_blocks = len(seq.units)
+        else:
+            for b in hits:
+                self._hold(b)
+            seq.units.extend(hits)
+            hit_blocks = len(hits)
+        self._take_blocks(seq, -(-num_tokens // bs) - hit_blocks)
+        self._fill_blocks(seq, hit_blocks * bs, num_tokens)
+        for units in self._tables(seq):
+            gone = dropped_in(units)
+            self._cap_sum += (len(units) - gone) * bs
+            self._tok_sum += num_tokens - gone * bs
         self._put_seq(seq_id, seq)
-        self._register_prompt(seq, hits)
-        return self._count_prefix(token_ids, num_tokens, hits)
+        self._register_prompt(seq, hits, hit_blocks)
+        return self._count_hit_blocks(token_ids, num_tokens, hit_blocks)
+
+    def _register_prompt(self, seq: HeldSeq, hits: list, hit_blocks: Optional[int] = None) -> None:
+        super()._register_prompt(seq, hits)
+        if hit_blocks is not None:
+            seq.published = hit_blocks      # (a hybrid's hits: every group's blocks)
+
+    def _count_hit_blocks(self, token_ids, num_tokens: int, hit_blocks: int) -> int:
+        hit_tokens = hit_blocks * self.block_size
+        if token_ids is not None:
+            self.prefix_queries += num_tokens
+            self.prefix_hits += hit_tokens
+        return hit_tokens
 
     def _fill_blocks(self, seq: HeldSeq, start: int, end: int) -> None:
         """Account tokens [start, end) as written into ``seq``'s blocks (all private)."""
@@ -372,5 +471,8 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
         assert self._live == sum(self._fill[b] for b in range(self.num_blocks) if refs[b])
         assert self._cap_sum == cap and self._tok_sum == tok, "capacity and token sums"
         self.prefix.check()
+        if self._hybrid:     # a block is registered for the group that holds it, no other
+            assert all(ledger.holder(b) == reg.group for b, reg in self.prefix.by_unit.items()), \
+                "registered under another group"
         self._swap_integrity()
         self._check_adapters(lambda tenant: type(tenant) is int and 0 <= tenant < len(self.groups))

@@ -13,15 +13,20 @@ between full and windowed memory follows the load. G is the gcd of the kinds' la
 so no block carries unused layers (vLLM pads its groups to the smallest kind instead). A
 model of one kind (every layer full, or every layer the same window) is ONE group of all its
 layers: a block of every layer, exactly the single block table it always had.
+
+A hybrid's prefix index (``GroupPrefixIndex``) names each group's blocks apart under the same
+verified chain of prefix nodes, so a windowed group's blocks stay findable after the blocks
+behind its window are gone, and a block of one group never serves another.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 from ..presets import ModelSpec
+from .journal import JDict, TxnCell, journaled
 from .kinds import kinds_of
-from .prefix import HeldSeq
+from .prefix import HeldSeq, UnitKey
 
 
 class BlockGroup(NamedTuple):
@@ -72,3 +77,139 @@ class PagedSeq(HeldSeq):
     def restore(self, saved: tuple) -> None:
         HeldSeq.restore(self, saved[0])
         self.tables = [self.units] + saved[1]
+
+
+class GroupReg(NamedTuple):
+    """One registration of a hybrid's index: ``unit`` (a block) of block ``group`` holds the
+    K/V of the prefix node ``node`` (a serial of ``GroupPrefixIndex.nodes``)."""
+    unit: int
+    group: int
+    node: int
+
+
+class PrefixNode(NamedTuple):
+    """A verified token prefix: its last whole unit's ``key`` after the prefix ``parent``
+    (a serial; None: the first unit)."""
+    key: UnitKey
+    parent: Optional[int]
+
+
+class GroupPrefixIndex:
+    """A paged hybrid's prefix index: nodes of verified prefixes (chained digests, each node
+    keeping its unit's token ids and its parent node, so a colliding digest is a miss), and per
+    node at most one block of each block group holding that prefix's last unit.
+
+    A node lives while a block is registered under it or a child node does, so a windowed
+    group's block stays verifiable after the blocks before it (every group's) are gone: a
+    hit's window blocks are matched through the nodes, never through the blocks behind the
+    window. A block of group A is never found for group B (``blocks`` is keyed by group).
+    Every change logs to ``cell``'s open journal."""
+
+    def __init__(self, cell: TxnCell) -> None:
+        self._cell = cell
+        self.nodes: dict = JDict(cell)       # serial -> PrefixNode
+        self.by_digest: dict = JDict(cell)   # digest -> serial
+        self.by_unit: dict = JDict(cell)     # block -> GroupReg
+        self.blocks: dict = JDict(cell)      # (serial, group) -> block
+        self.uses: dict = JDict(cell)        # serial -> registered blocks + child nodes
+        self.serials = 0
+
+    def journaled_fields(self) -> bool:
+        return all(journaled(v) for v in vars(self).values())
+
+    def chain(self, keys: Sequence[UnitKey]) -> list:
+        """Serials of the nodes of the longest verified prefix of ``keys``."""
+        out, parent = [], None
+        for key in keys:
+            s = self.by_digest.get(key.digest)
+            if s is None:
+                break
+            node = self.nodes[s]
+            if node.key.tokens != key.tokens or node.parent != parent:
+                break
+            out.append(s)
+            parent = s
+        return out
+
+    def register(self, unit: int, group: int, keys: Sequence[UnitKey], k: int,
+                 parent: Optional[int] = -1) -> None:
+        """Name block ``unit`` of ``group`` as holding the prefix ``keys[:k + 1]`` (the
+        registering sequence's own keys). ``parent``: the node of ``keys[:k]`` when the caller
+        knows it (-1: find it). No-op when the unit is named already, the group has a block for
+        that prefix, or a digest of the chain names other content."""
+        if unit in self.by_unit:
+            return
+        if parent == -1 or (k == 0) != (parent is None):
+            found = self.chain(keys[:k + 1])
+            if len(found) == k + 1:
+                self._attach(unit, group, found[-1])
+                return
+            missing = keys[len(found):k + 1]
+            if any(key.digest in self.by_digest for key in missing):
+                return                     # another prefix holds that digest: cannot verify
+            parent = found[-1] if found else None
+            for key in missing:
+                parent = self._new_node(key, parent)
+            self._attach(unit, group, parent)
+            return
+        key = keys[k]
+        s = self.by_digest.get(key.digest)
+        if s is None:
+            s = self._new_node(key, parent)
+        else:
+            node = self.nodes[s]
+            if node.key.tokens != key.tokens or node.parent != parent:
+                return
+        self._attach(unit, group, s)
+
+    def _new_node(self, key: UnitKey, parent: Optional[int]) -> int:
+        self._cell.set(self, "serials", self.serials + 1)
+        s = self.serials
+        self.nodes[s] = tuple.__new__(PrefixNode, (key, parent))
+        self.by_digest[key.digest] = s
+        self.uses[s] = 0
+        if parent is not None:
+            self.uses[parent] += 1
+        return s
+
+    def _attach(self, unit: int, group: int, s: int) -> None:
+        if (s, group) in self.blocks:
+            return               # (never a fresh node: it has no block yet)
+        self.blocks[(s, group)] = unit
+        self.by_unit[unit] = tuple.__new__(GroupReg, (unit, group, s))
+        self.uses[s] += 1
+
+    def node_of(self, unit: Optional[int]) -> Optional[int]:
+        """The node ``unit`` is registered under (None: not registered)."""
+        reg = self.by_unit.get(unit)
+        return None if reg is None else reg.node
+
+    def drop(self, unit: int) -> None:
+        """Forget ``unit``'s content; nodes left with no block and no child go too."""
+        reg = self.by_unit.pop(unit, None)
+        if reg is None:
+            return
+        del self.blocks[(reg.node, reg.group)]
+        s: Optional[int] = reg.node
+        while s is not None:
+            left = self.uses[s] - 1
+            if left:
+                self.uses[s] = left
+                return
+            node = self.nodes.pop(s)
+            del self.uses[s]
+            del self.by_digest[node.key.digest]
+            s = node.parent
+
+    def check(self) -> None:
+        uses: dict = {s: 0 for s in self.nodes}
+        for s, node in self.nodes.items():
+            assert self.by_digest[node.key.digest] == s, s
+            if node.parent is not None:
+                uses[node.parent] += 1
+        assert len(self.by_digest) == len(self.nodes)
+        for (s, group), unit in self.blocks.items():
+            assert self.by_unit[unit] == (unit, group, s), unit
+            uses[s] += 1
+        assert len(self.by_unit) == len(self.blocks)
+        assert uses == dict(self.uses) and all(uses.values()), "node uses"
