@@ -195,12 +195,24 @@ class EngineThread:
             if self.engine.has_unfinished() and not self.engine.is_sleeping:
                 self._step()
             else:   # idle, or asleep with requests waiting: wait for a command or a request
+                self._rebalance()
                 self._wake.wait(self._idle_wait_s)
         with self._lock:
             self._closed = True   # a command from now on is refused, none waits forever
         self._drain_commands()
         for request_id in list(self._live):
             self._abort(request_id, "aborted")
+
+    def _rebalance(self) -> None:
+        """An idle engine that shares a MemoryBudget gives its pages back after the budget's
+        ``idle_release_s`` (``Engine.rebalance_memory``; nothing without a budget)."""
+        before = self.engine.cache_bytes
+        try:
+            self.engine.rebalance_memory()
+        except Exception:   # noqa: BLE001 -- the server stays up; the log keeps it
+            log.exception("giving the idle engine's memory back failed")
+        if self.engine.cache_bytes != before:
+            self._refresh_gauges()
 
     def _drain_commands(self) -> None:
         while self._commands:

@@ -309,3 +309,26 @@ def test_with_an_api_key_every_admin_route_needs_it():
             assert httpx.request(method, server.url + path, json=body, headers=bearer,
                                  timeout=60).status_code == 200, path
         assert engine.cache_bytes == 2 * CACHE and not engine.is_sleeping
+
+
+def test_an_idle_server_gives_its_budget_share_back_without_any_request():
+    """The engine thread rebalances while idle: past the budget's idle_release_s the share
+    shrinks to its minimum with no request and no step, and /metrics shows the new size."""
+    from vmemkv.runtime.engine import Engine
+    from vmemkv.runtime.serve import Server
+    from vmemkv.scheduler.budget import MemoryBudget
+
+    from .conftest import NAME, model
+    clock = [0.0]
+    budget = MemoryBudget(CACHE, idle_release_s=1.0, clock=lambda: clock[0])
+    with Engine(model(), memory_budget=budget, cache_bytes=CACHE, min_cache_bytes=16 * PAGE,
+                **{k: v for k, v in ELASTIC.items() if k not in ("cache_bytes",
+                                                                 "max_cache_bytes")}) as engine:
+        with Server(engine, NAME, host="127.0.0.1", port=0).start() as server:
+            tokens_of(complete(server))                 # served at the full share
+            assert engine.cache_bytes == CACHE          # the clock stands still: kept
+            clock[0] = 10.0                             # idle for longer than idle_release_s
+            wait_for(lambda: engine.cache_bytes == 16 * PAGE)
+            wait_for(lambda: gauges(server)["kv_cache_bytes"] == 16 * PAGE)
+            assert budget.held_bytes == 16 * PAGE
+            tokens_of(complete(server))                 # and it grows back for a request

@@ -32,6 +32,9 @@ class FakeEngine:
         released, self.cache_bytes, self.is_sleeping = self.cache_bytes, 0, True
         return released
 
+    def rebalance_memory(self) -> None:
+        pass
+
     def wake(self) -> int:
         self.cache_bytes, self.is_sleeping = 4096, False
         return self.cache_bytes
