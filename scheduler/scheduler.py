@@ -145,12 +145,10 @@ class Scheduler(StepTransactions, BeamGroups):
     def _fits(self, seq: Sequence, ids, reserve: int) -> bool:
         """Whether ``seq`` can be allocated now (its adapter acquired first, when it has one)
         leaving ``reserve`` tokens free."""
-        req = seq.request
-        if req.adapter is None:
-            return self.manager.can_allocate(seq.length, ids, req.prefix_scope, reserve,
-                                             final_tokens=req.max_total_len)
+        req = seq.request   # (a user's policy without adapters need not take ``adapter``)
+        adapter = {} if req.adapter is None else {"adapter": req.adapter}
         return self.manager.can_allocate(seq.length, ids, req.prefix_scope, reserve,
-                                         final_tokens=req.max_total_len, adapter=req.adapter)
+                                         final_tokens=req.max_total_len, **adapter)
 
     # ---- queries -------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -359,8 +357,8 @@ class Scheduler(StepTransactions, BeamGroups):
         while self.swapped and len(self.running) < self.config.max_running and budget > 0:
             group = self._swapped_unit()
             ids, adapter = [m.seq_id for m in group], group[0].request.adapter
-            fits = self.manager.can_swap_in_all(ids) if adapter is None else \
-                self.manager.can_swap_in_all(ids, adapter=adapter)
+            fits = self.manager.can_swap_in_all(
+                ids, **({} if adapter is None else {"adapter": adapter}))
             if len(self.running) + len(group) > self.config.max_running or not fits:
                 if not self.running:       # an empty cache: it never will (a beam group
                     self._recompute_swapped(group)   # shared memory it cannot share now)

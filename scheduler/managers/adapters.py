@@ -63,8 +63,8 @@ def adapter_budget_units(budget: Optional[int], unit_bytes: int, cache_bytes: in
 
 
 class AdapterTenancy:
-    """Mixed into VmemManager and PagedManager. The manager supplies ``_gather(count,
-    consume)`` (its KV ledger's pages freed for another use, idle adapters last),
+    """Mixed into VmemManager and PagedManager. The manager supplies ``_free_one()`` (one
+    more of its KV ledger's units freed for another use, idle adapters last),
     ``_available_units`` (counting idle adapters' pages), ``_kv_capacity_units`` and
     ``_tokens_in_units`` (the longest sequence that many units hold)."""
 
@@ -88,6 +88,22 @@ class AdapterTenancy:
     _ADAPTER_SAVED = ("_adapter_idle_pages", "_adapter_pages_held", "adapter_loads",
                       "adapter_evictions")
     _ADAPTER_JOURNALED = frozenset({"_adapter_ledger", "_resident", "_idle_adapters"})
+
+    def _gather(self, count: int, consume) -> int:
+        """THE way units nobody holds are freed for another use (an adapter's, the device's):
+        ``consume(n)`` takes n free units off the KV ledger as they become free, until
+        ``count`` are taken or the manager's ``_free_one`` has nothing left; returns how many
+        were consumed."""
+        got, ledger = 0, self._kv_ledger()
+        while got < count:
+            free = ledger.free_pages
+            if free:
+                n = min(free, count - got)
+                consume(n)
+                got += n
+            elif not self._free_one():
+                break
+        return got
 
     # -- sizes --
     def adapter_pages(self, num_bytes: int) -> int:

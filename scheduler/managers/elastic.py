@@ -10,7 +10,8 @@ free list and that tenant:
     shrink   free pages first, then free groups' (WHOLE keeps pages on them), then the
              reclaimable groups' (still mapped under free slots: UnmapExtent), then the cached
              groups' in the eviction policy's order, then idle adapters' (EvictAdapter); one
-             ReleasePages op names them all (``_gather``: the same order an adapter load takes).
+             ReleasePages op names them all (``_gather`` over ``_free_one``: the order an
+             adapter load takes too).
              Pages that running sequences hold are not touched: the bytes left are returned,
              for the scheduler to preempt and call again (``Scheduler.resize``).
 """
@@ -70,24 +71,15 @@ class ElasticPool:
             self._ops.append(ReleasePages(tuple(sorted(released))))
         return len(released)
 
-    def _gather(self, count: int, consume) -> int:
-        """THE way pages nobody holds are freed for another use (the device's, an adapter's):
-        ``consume(n)`` takes n free pages off the ledger, as they become free, until ``count``
-        are taken or nothing is left: free pages first, then free groups' (WHOLE keeps pages
-        on them), then the reclaimable groups' (still mapped under free slots: UnmapExtent),
-        then the cached groups' in the eviction policy's order, then idle adapters' (least
-        recently idle first: EvictAdapter). Returns how many were consumed."""
-        got = 0
-        while got < count:
-            free = self.ledger.free_pages
-            if free:
-                n = min(free, count - got)
-                consume(n)
-                got += n
-            elif self._free:                         # WHOLE: free groups keep their pages
-                self._to_spare(self._free.pop())
-            elif self._reclaimable or self._cache:
-                self._to_spare(self._reclaim())      # unmapped everywhere, content forgotten
-            elif not self._evict_adapter_for_kv():
-                break
-        return got
+    def _free_one(self) -> bool:
+        """Pages nobody holds, freed for ``_gather`` (the device's use, an adapter's): a free
+        group's (WHOLE keeps pages on them), else a reclaimable group's (still mapped under
+        free slots: UnmapExtent), else a cached group's in the eviction policy's order, else
+        an idle adapter's (least recently idle first: EvictAdapter); False when none is left."""
+        if self._free:
+            self._to_spare(self._free.pop())
+        elif self._reclaimable or self._cache:
+            self._to_spare(self._reclaim())          # unmapped everywhere, content forgotten
+        else:
+            return self._evict_adapter_for_kv()
+        return True

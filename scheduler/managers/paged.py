@@ -99,23 +99,15 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
     def _kv_ledger(self):
         return self._ledger
 
-    def _gather(self, count: int, consume) -> int:
-        """Blocks nobody holds freed for an adapter, ``consume(n)`` taking n free ones as they
-        become free: free blocks, then cached ones in eviction order, then idle adapters'."""
-        got = 0
-        while got < count:
-            free = self._ledger.free_pages
-            if free:
-                n = min(free, count - got)
-                consume(n)
-                got += n
-            elif len(self._cache):
-                block = self._evict()
-                self._cache.forget(block)
-                self._unheld(block)
-            elif not self._evict_adapter_for_kv():
-                break
-        return got
+    def _free_one(self) -> bool:
+        """One more block free for ``_gather``: a cached one in eviction order, else an idle
+        adapter's; False when nothing is left."""
+        if not len(self._cache):
+            return self._evict_adapter_for_kv()
+        block = self._evict()
+        self._cache.forget(block)
+        self._unheld(block)
+        return True
 
     def copied_bytes(self, ops: list) -> int:
         """A ``CopyBlock`` moves one block of its block group's layers."""
