@@ -129,7 +129,9 @@ class PagedKVCache(AdapterReplica, KVCache):
 
     def _apply(self, op, buffer, journal: PlanJournal) -> None:
         if isinstance(op, LoadAdapter):
-            buffers = self._adapter_buffers
+            buffers = self._adapter_buffers   # new memory beside the block pool: checked
+            check_fits_device(f"LoRA adapter {op.adapter_id[:12]}", op.num_bytes,
+                              self.pools.device)
             buffers[op.adapter_id] = torch.zeros(op.num_bytes, dtype=torch.uint8,
                                                  device=self.pools.device)
             journal.add(lambda name=op.adapter_id: buffers.pop(name, None))

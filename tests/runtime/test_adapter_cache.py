@@ -262,3 +262,23 @@ def test_a_schedulers_plans_with_adapters_run_on_the_cache(kind):
     stats = m.adapter_stats()
     assert stats.loads >= 3 and stats.evictions >= 1 and stats.pinned == 0
     kv.close()
+
+
+def test_a_paged_adapter_buffer_past_available_memory_fails_its_plan_and_changes_nothing(
+        monkeypatch):
+    """A paged adapter's bytes are new memory beside the block pool: checked against what the
+    device has free before they are allocated (the plan fails whole, nothing allocated)."""
+    from vmemkv.runtime import memory
+    kv = kv_for("paged")
+    m, cache = kv.manager, kv.cache
+    adapter = ref("big", 3 * m.block_bytes)
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: adapter.num_bytes - 1)
+    m.begin()
+    m.acquire_adapter(adapter)
+    with pytest.raises(PlanExecutionError) as failed:
+        cache.execute(m.take_ops())
+    assert "LoRA adapter" in str(failed.value.__cause__)
+    m.rollback()
+    assert cache.resident_adapters() == {} and m.resident_adapters() == {}
+    check_matches(m, cache)
+    kv.close()
