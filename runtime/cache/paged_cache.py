@@ -176,8 +176,8 @@ class PagedKVCache(AdapterReplica, KVCache):
         if len(self.groups) == 1:
             self._swap_copy(out, self._flat_pools()[:, :, self._flat_index(blocks, num_tokens)])
             return
-        for layers, group_blocks in self._by_group(blocks):      # (hybrids are never swapped
-            part = self._flat_pools()[:, :, self._flat_index(group_blocks, num_tokens)]  # today)
+        for layers, group_blocks in self._by_group(blocks):
+            part = self._flat_pools()[:, :, self._flat_index(group_blocks, num_tokens)]
             for p, layer in enumerate(layers.tolist()):
                 self._swap_copy(out[layer], part[p])
 

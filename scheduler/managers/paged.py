@@ -23,8 +23,9 @@ apart, under the same chain digests): a hit of h blocks needs every full group's
 and each windowed group's blocks holding the last ``window`` tokens before token h*block_size
 (from block (h*block_size - window + 1) // block_size on); the blocks before those are None in
 that group's table, as the window give-back leaves them. h is the longest prefix every group
-can serve (the full groups' hit, cut back until the windowed groups' blocks are there). Their
-sequences are never swapped (``WindowSwapError``: preempt by recompute).
+can serve (the full groups' hit, cut back until the windowed groups' blocks are there). A
+hybrid sequence swaps every group's blocks, group after group, until a windowed group has given
+blocks back (then ``WindowSwapError``: preempt by recompute, as vmem does).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from .ledger import PageLedger
 from .paged_groups import GroupPrefixIndex, PagedSeq, block_groups
 from .prefix import HeldSeq
 from .units import UnitOps
-from .window import WindowSwapError, WindowedGroups, dropped_in
+from .window import WindowedGroups, dropped_in
 
 
 class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
@@ -255,15 +256,8 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
         return tuple((t, g.window_tokens) for t, g in zip(seq.tables, self.groups)
                      if g.window_tokens)
 
-    def can_swap_out(self, seq_id: int) -> bool:
-        return not self._hybrid and super().can_swap_out(seq_id)
-
-    def swap_out(self, seq_id: int) -> int:
-        if self._hybrid:
-            self._seq(seq_id)
-            raise WindowSwapError(f"sequence {seq_id} of a paged hybrid ({len(self.groups)} "
-                                  f"block tables) cannot be swapped out; preempt it by recompute")
-        return super().swap_out(seq_id)
+    def _window_dropped(self, seq: HeldSeq) -> int:
+        return max(dropped_in(t) for t in self._tables(seq))
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                  namespace: Optional[str] = None, final_tokens: Optional[int] = None) -> int:
@@ -393,7 +387,8 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
         self._put_seq(child_id, child)
 
     def _swap_location(self, seq: HeldSeq) -> dict:
-        return {"blocks": tuple(seq.units)}
+        """Every group's table, group after group (the cache splits them evenly)."""
+        return {"blocks": tuple(b for table in self._tables(seq) for b in table)}
 
     def _release(self, seq: HeldSeq) -> None:
         bs = self.block_size
@@ -410,11 +405,15 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
 
     # -- swap hooks --
     def _place_private(self, seq_id: int, seq: HeldSeq) -> None:
-        n = seq.num_tokens
-        seq.units = [self._take_block() for _ in range(-(-n // self.block_size))]
+        n, count = seq.num_tokens, -(-seq.num_tokens // self.block_size)
+        tables = [[self._take_block(g) for _ in range(count)] for g in range(len(self.groups))]
+        if self._hybrid:
+            seq.set_tables(tables)
+        else:
+            seq.units = tables[0]
         self._fill_blocks(seq, 0, n)
-        self._cap_sum += len(seq.units) * self.block_size
-        self._tok_sum += n
+        self._cap_sum += count * self.block_size * len(tables)
+        self._tok_sum += n * len(tables)
         self._republish(seq)
 
     def _raise_no_room(self, what: str) -> None:

@@ -34,11 +34,13 @@ WINDOW_FAMILIES = {
 
 
 @functools.lru_cache(maxsize=None)
-def build(label: str) -> torch.nn.Module:
-    """The model (seed 0), built once per label; an Engine gives its attention back on close."""
+def build(label: str, window: int = WINDOW) -> torch.nn.Module:
+    """The model (seed 0), built once per label and window; an Engine gives its attention back
+    on close."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     model_type, fields = WINDOW_FAMILIES[label]
+    fields = dict(fields, sliding_window=window)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**fields),
@@ -46,8 +48,9 @@ def build(label: str) -> torch.nn.Module:
 
 
 @functools.lru_cache(maxsize=None)
-def _greedy(label: str, prompt: tuple, new_tokens: int, cache_kind: str) -> tuple:
-    model = build(label)
+def _greedy(label: str, prompt: tuple, new_tokens: int, cache_kind: str,
+            window: int = WINDOW) -> tuple:
+    model = build(label, window)
     saved, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
     try:
         with torch.inference_mode(), warnings.catch_warnings():
@@ -67,9 +70,9 @@ def _cache_kwargs(model, cache_kind: str) -> dict:
                                                            max_context=64)}
 
 
-def hf_greedy(label: str, batch, new_tokens: int) -> list:
+def hf_greedy(label: str, batch, new_tokens: int, window: int = WINDOW) -> list:
     """transformers' greedy tokens per prompt (its own cache, one prompt at a time)."""
-    return [list(_greedy(label, tuple(p), new_tokens, "hf")) for p in batch]
+    return [list(_greedy(label, tuple(p), new_tokens, "hf", window)) for p in batch]
 
 
 def vmem_cache_greedy(label: str, prompt, new_tokens: int) -> list:

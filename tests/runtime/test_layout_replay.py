@@ -51,7 +51,7 @@ KINDS = {
     "vmem-hybrid-window": Kind(HYBRID, "vmem", PAGE, PoolBacking.WHOLE, 0, 1.2,
                                VMEM_OPS),
     "paged": Kind(PLAIN, "paged", dict(block_size=8), None, 0, 2.5, PAGED_OPS),
-    "paged-hybrid": Kind(HYBRID, "paged", dict(block_size=16), None, 2, 2.5, {"CopyBlock"}),   # a hybrid: never swapped (recompute)
+    "paged-hybrid": Kind(HYBRID, "paged", dict(block_size=16), None, 6, 2.5, PAGED_OPS),
 }
 
 

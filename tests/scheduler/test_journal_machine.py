@@ -29,6 +29,7 @@ CONFIGS = {
     "vmem-interleaved": (TWO, dict(page_bytes=16, layout="interleaved", max_slots=5)),
     "vmem-windowed": (WINDOWED, dict(page_bytes=4, max_slots=5)),
     "hybrid": (GEMMA3_LIKE, dict(page_bytes=4, max_slots=5, hybrid_parts=True)),
+    "paged-hybrid": (GEMMA3_LIKE, dict(block_size_tokens=4)),
 }
 
 

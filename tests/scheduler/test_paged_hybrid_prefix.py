@@ -11,6 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from vmemkv.scheduler.errors import OutOfCapacityError, RequestTooLargeError
 from vmemkv.scheduler.managers import EVICTION_POLICIES, PagedManager, prefix
+from vmemkv.scheduler.managers.ops import SwapIn, SwapOut
+from vmemkv.scheduler.managers.window import WindowSwapError
 from vmemkv.scheduler.managers.prefix import prefix_scope
 from vmemkv.scheduler.presets import ModelSpec
 
@@ -158,6 +160,8 @@ MODELS = {
     "gemma2": ModelSpec("g2", 2, 1, 1, 1, weight_bytes=0, layer_windows=(6, None)),
     "gemma3": ModelSpec("g3", 6, 1, 1, 1, weight_bytes=0, layer_windows=(3, 3, 3, 3, 3, None)),
     "two-windows": ModelSpec("w2", 2, 1, 1, 1, weight_bytes=0, layer_windows=(2, 9)),
+    # a window longer than most sequences: blocks are still all there when one is swapped
+    "gemma2-wide": ModelSpec("g2w", 2, 1, 1, 1, weight_bytes=0, layer_windows=(40, None)),
 }
 
 
@@ -174,6 +178,7 @@ class PagedHybridPrefixMachine(RuleBasedStateMachine):
         self.live = {}        # seq id -> ids
         self.content = {}     # block -> ids written (the holding sequence's tokens)
         self.computed = {}    # seq id -> tokens computed (published)
+        self.swapped = {}     # seq id -> (ids, computed): in host swap space
         self.next_id = 0
         self.txn = None
 
@@ -182,7 +187,7 @@ class PagedHybridPrefixMachine(RuleBasedStateMachine):
     def start(self, model, evict, blocks, bs):
         spec = MODELS[model]
         self.m = PagedManager(spec, blocks * bs * 2 * 1, 48, block_size_tokens=bs,
-                              prefix_eviction=evict)
+                              prefix_eviction=evict, swap_bytes=60 * spec.bytes_per_token)
         self.bs = bs
 
     def _write(self, sid, start, end):
@@ -264,6 +269,42 @@ class PagedHybridPrefixMachine(RuleBasedStateMachine):
         self.m.free(sid, None if all_computed else self.computed[sid])
         del self.live[sid]
 
+    @rule(i=st.integers(0, 99))
+    @precondition(lambda self: self.live)
+    def swap_out(self, i):
+        """Every group's blocks go to swap space, group after group; refused (nothing changed)
+        once a windowed group gave a block back."""
+        sid = self.pick(i)
+        tables = self.m.block_tables(sid)
+        if any(None in table for table in tables):
+            assert not self.m.can_swap_out(sid)
+            with pytest.raises(WindowSwapError):
+                self.m.swap_out(sid)
+            assert self.m.block_tables(sid) == tables
+            return
+        if not self.m.can_swap_out(sid):
+            return
+        self.m.take_ops()
+        self.m.swap_out(sid)
+        op = [o for o in self.m.take_ops() if isinstance(o, SwapOut)][0]
+        assert op.blocks == tuple(b for table in tables for b in table)
+        self.swapped[sid] = (self.live.pop(sid), self.computed.pop(sid))
+
+    @rule(i=st.integers(0, 99))
+    @precondition(lambda self: self.swapped)
+    def swap_in(self, i):
+        sid = sorted(self.swapped)[i % len(self.swapped)]
+        if not self.m.can_swap_in(sid):
+            return
+        self.m.take_ops()
+        self.m.swap_in(sid)
+        op = [o for o in self.m.take_ops() if isinstance(o, SwapIn)][0]
+        tables = self.m.block_tables(sid)
+        assert op.blocks == tuple(b for table in tables for b in table)
+        assert all(None not in table for table in tables)
+        self.live[sid], self.computed[sid] = self.swapped.pop(sid)
+        self._write(sid, 0, len(self.live[sid]))     # the SwapIn writes the tokens back
+
     @rule()
     @precondition(lambda self: self.m is not None)
     def reset(self):
@@ -276,6 +317,7 @@ class PagedHybridPrefixMachine(RuleBasedStateMachine):
         self.m.begin()
         self.txn = ({s: list(t) for s, t in self.live.items()}, dict(self.content),
                     dict(self.computed), self.next_id,
+                    {s: (list(ids), c) for s, (ids, c) in self.swapped.items()},
                     {s: self.m.block_tables(s) for s in self.live}, sorted(self.m.cached_units()))
 
     @rule(keep=st.booleans())
@@ -285,8 +327,9 @@ class PagedHybridPrefixMachine(RuleBasedStateMachine):
             self.m.commit()
         else:
             self.m.rollback()
-            live, content, computed, nid, tables, cached = self.txn
+            live, content, computed, nid, swapped, tables, cached = self.txn
             self.live, self.content, self.computed, self.next_id = live, content, computed, nid
+            self.swapped = swapped
             assert {s: self.m.block_tables(s) for s in self.live} == tables
             assert sorted(self.m.cached_units()) == cached
             assert dump(self.m) == self.state, "a rollback left a change"
