@@ -327,6 +327,10 @@ def test_an_idle_server_gives_its_budget_share_back_without_any_request():
         with Server(engine, NAME, host="127.0.0.1", port=0).start() as server:
             tokens_of(complete(server))                 # served at the full share
             assert engine.cache_bytes == CACHE          # the clock stands still: kept
+            # the engine thread has seen itself idle (at clock 0) before the clock moves on;
+            # moved first, it would start counting its idle time at 10
+            wait_for(lambda: engine.memory_share.idle_since is not None)
+            assert engine.cache_bytes == CACHE
             clock[0] = 10.0                             # idle for longer than idle_release_s
             wait_for(lambda: engine.cache_bytes == 16 * PAGE)
             wait_for(lambda: gauges(server)["kv_cache_bytes"] == 16 * PAGE)
