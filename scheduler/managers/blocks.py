@@ -19,6 +19,15 @@ Which groups carry entries is the manager's rule (vmem.py): held ones, cached on
 reclaimable ones (unheld, still mapped, content kept); an entry goes when its group's content
 may change (the group is taken for new content, reclaimed, or gives its pages back). Every
 change logs to the manager's journal.
+
+The functions at the end plan a hit's copy for a VmemManager: the longest run of blocks after
+a prompt's whole-page hits that some group holds (held, or cached) is copied into the new
+sequence's own page (``CopyExtent(..., num_tokens)``, one per kind); the source is held while
+the allocation runs, and mapped for the copy at a page index nobody reads when it is mapped
+nowhere. Eviction stays by page group: a group nobody holds stays cached (the policy orders
+it) while it holds a registered full page or any published block, so a partial page is kept
+as a full one is; a copy from it counts as a hit and as a release (lru: it goes to the back);
+it is freed only when the policy evicts it, its blocks with it.
 """
 from __future__ import annotations
 
@@ -26,7 +35,8 @@ import hashlib
 from typing import NamedTuple, Optional
 
 from .journal import JDict, TxnCell, journaled
-from .prefix import TOKEN_BYTES, token_bytes
+from .ops import CopyExtent
+from .prefix import TOKEN_BYTES, HeldSeq, namespace_root, token_bytes
 
 
 class GroupBlocks(NamedTuple):
@@ -145,3 +155,79 @@ class BlockIndex:
             assert groups and len(set(groups)) == len(groups), (digest, groups)
             for g in groups:
                 assert digest in self.by_group[g].digests, (g, digest)
+
+
+# -- a vmem manager's block-granular hits (VmemManager.allocate): which group to copy from,
+#    where its source is mapped for the copy, the CopyExtent ops --
+def copy_tokens(m, seq: HeldSeq, pi: int, src: int, num_tokens: int) -> None:
+    """Copy tokens [0, num_tokens) of held group ``src`` into page ``pi`` of ``seq`` (its
+    own, backed), then let ``src`` go. A source mapped nowhere is mapped for the copy at
+    a page index nobody uses (``_copy_site``), and unmapped after it."""
+    slot, owner, temp = seq.slot, m.slots.owner[seq.slot], False
+    if m.slots.maps[src]:
+        src_slot, src_pi = min(m.slots.maps[src])
+    else:
+        src_slot, src_pi = _copy_site(m, slot, len(seq.units))
+        if src_pi in m.slots.pages[src_slot]:
+            m._unmap(src_slot, src_pi)   # a deferred mapping: refs 0, nothing of ours
+        m._emit_map(src_slot, src_pi, src)
+        temp = True
+    for k, kind in enumerate(m.kinds):
+        if m.table.extent(k, src):
+            m._ops.append(CopyExtent(src_slot, src_pi, slot, pi, kind.name,
+                                     owner=owner, num_tokens=num_tokens))
+    if temp:
+        m._emit_unmap(src_slot, src_pi, src)
+    m._cache.note_hit(src)
+    m._unhold(src)
+
+
+def block_hit(m, num_tokens: int, token_ids, namespace, hits: list,
+              need: int) -> Optional[tuple]:
+    """(group, tokens): the group holding the most blocks of the prompt's page after its
+    whole-page ``hits`` (a held one first), never the last token, else None; None too when
+    holding the group (its pages, if nobody holds it) while the allocation takes ``need``
+    pages would not fit."""
+    if m.blocks is None or token_ids is None:
+        return None
+    tpp, keys = m.tokens_per_page, m._prompt_keys(token_ids, namespace)
+    root = namespace_root(namespace, m.model.kv_encoding)
+    # (m._memo[1]: the prompt's ids, as _prompt_keys keyed them)
+    groups, tokens = m.blocks.match_page(keys, m._memo[1], len(hits), num_tokens - 1,
+                                         tpp, root)
+    if not tokens:
+        return None
+    held = [g for g in groups if m._refs[g]]
+    if (not held and -(-num_tokens // tpp) >= m.pages_per_slot
+            and len(m.slots.free) < 2 and _site_past_a_sequence(m) is None):
+        return None        # no page index left to map an unmapped source at for the copy
+    g = min(held or groups)
+    if need + (0 if m._refs[g] else m.table.pages_of(g)) > m._available_units():
+        return None        # no room to keep the source while the new pages are taken
+    return (g, tokens)
+
+
+def _copy_site(m, slot: int, used_pages: int) -> tuple:
+    """(slot, page index) nobody reads, to map a copy's source at: the highest page index
+    of ``slot`` past its ``used_pages``, else page 0 of another free slot, else a page
+    index past a running sequence's pages (a prompt filling its slot, pages_per_slot 1
+    say: block_hit offers a copy only where one of these exists)."""
+    pages = m.slots.pages[slot]
+    unused = [q for q in range(used_pages, m.pages_per_slot) if q not in pages]
+    if unused:
+        return slot, unused[-1]
+    if used_pages < m.pages_per_slot:
+        return slot, m.pages_per_slot - 1     # mapped there only by a deferred mapping
+    free = [s for s, _ in m.slots.free.items() if s != slot]
+    return (min(free), 0) if free else _site_past_a_sequence(m)
+
+
+def _site_past_a_sequence(m) -> Optional[tuple]:
+    """(slot, page index) past a running sequence's pages and mapped nowhere, or None."""
+    for s, seq_id in enumerate(m.slots.owner):
+        if seq_id is not None:
+            pages, used = m.slots.pages[s], len(m._seqs[seq_id].units)
+            for q in range(m.pages_per_slot - 1, used - 1, -1):
+                if q not in pages:
+                    return s, q
+    return None

@@ -20,18 +20,15 @@ from __future__ import annotations
 from ..errors import ConfigError
 from .base import ReleasePages
 from .common import check_int
+from .kinds import pool_pages_for
 
 
 class ElasticPool:
     """Mixed into VmemManager: ``capacity_pages``, ``cache_bytes``, ``resize``."""
 
     def _pages_for(self, cache_bytes: int) -> int:
-        """Pool pages ``cache_bytes`` buys: whole slices of every member (a pool whose groups
-        keep every kind), else whole pages (one that gives windowed kinds back)."""
-        if self._win:
-            return cache_bytes // self.page_bytes
-        m = self.geometry.num_members
-        return cache_bytes // (self.page_bytes * m) * m
+        return pool_pages_for(cache_bytes, self.page_bytes, self.geometry.num_members,
+                              bool(self._win))
 
     @property
     def capacity_pages(self) -> int:

@@ -72,6 +72,78 @@ def layer_kinds(model: ModelSpec, geometry, split: bool) -> tuple:
     return (KindSpec(whole_kind_name(w), tuple(range(model.num_layers)), w),)
 
 
+def pool_pages_for(cache_bytes: int, page_bytes: int, num_members: int,
+                   gives_back: bool) -> int:
+    """Pool pages ``cache_bytes`` buys: whole slices of every member (a pool whose groups keep
+    every kind), else whole pages (one that gives windowed kinds back)."""
+    if gives_back:
+        return cache_bytes // page_bytes
+    return cache_bytes // (page_bytes * num_members) * num_members
+
+
+@dataclass(frozen=True)
+class VmemShape:
+    """A vmem pool's shape, checked: its layer ``kinds`` and the ``windowed`` ones given back
+    behind the window (indexes), page ids for ``max_cache_bytes`` (``pool_pages``) of which
+    ``cache_bytes`` buys ``service_pages``, page groups, slots and pages per slot;
+    ``adapter_pages``: a static split's LoRA adapter pages (None: adapters share the pool)."""
+    kinds: tuple
+    windowed: tuple
+    pool_pages: int
+    service_pages: int
+    num_groups: int
+    num_slots: int
+    pages_per_slot: int
+    adapter_pages: Optional[int]
+
+    @classmethod
+    def of(cls, model: ModelSpec, geo, cache_bytes: int, max_cache_bytes: Optional[int],
+           max_slots: Optional[int], max_seq_len: int, hybrid_parts: bool,
+           adapter_budget_bytes: Optional[int] = None) -> "VmemShape":
+        from .adapters import adapter_budget_units
+        from .common import check_int
+        tpp, page_bytes, m = geo.tokens_per_page, geo.page_bytes, geo.num_members
+        adapter_pages = adapter_budget_units(adapter_budget_bytes, page_bytes, cache_bytes,
+                                             "pool page")
+        if adapter_pages is not None:
+            if max_cache_bytes not in (None, cache_bytes):
+                raise ConfigError(f"adapter_budget_bytes (a static split) needs a pool that "
+                                  f"does not resize: max_cache_bytes={max_cache_bytes} must be "
+                                  f"None or cache_bytes={cache_bytes}")
+            cache_bytes -= adapter_budget_bytes     # KV's part; the total stays the same
+            max_cache_bytes = None
+        if max_seq_len % tpp:
+            low, high = max_seq_len // tpp * tpp, -(-max_seq_len // tpp) * tpp
+            near = f"{low} or {high}" if low else f"{high}"
+            raise ConfigError(f"max_seq_len_tokens={max_seq_len} is not a multiple of "
+                              f"tokens_per_page={tpp} ({geo.layout}, page_bytes={page_bytes}); "
+                              f"nearest valid: {near}")
+        kinds = layer_kinds(model, geo, hybrid_parts and geo.split)
+        if cache_bytes // (page_bytes * m) < 1:   # a running sequence holds a page of each member
+            unit = "page group" if geo.exact else "page slice (a page of each member)"
+            raise ConfigError(f"cache_bytes={cache_bytes} holds no {unit} of {page_bytes * m}"
+                              f" bytes; needs >= {page_bytes * m}")
+        max_cache_bytes = cache_bytes if max_cache_bytes is None else max_cache_bytes
+        if check_int("max_cache_bytes", max_cache_bytes, 1) < cache_bytes:
+            raise ConfigError(f"max_cache_bytes={max_cache_bytes} is below cache_bytes="
+                              f"{cache_bytes}")
+        windowed = tuple(k for k, kind in enumerate(kinds) if kind.windowed) \
+            if len(kinds) > 1 else ()
+        pool_pages = pool_pages_for(max_cache_bytes, page_bytes, m, bool(windowed))
+        # group ids: one per least a held group keeps (a page of each member of the kinds
+        # never given back)
+        kept = sum(2 * kind.num_layers if geo.per_layer else 2
+                   for k, kind in enumerate(kinds) if k not in windowed)
+        # every running sequence holds >= 1 slice, so more slots could never all be used at
+        # once; virtual address space is cheap: exactly that many
+        slices = max_cache_bytes // (page_bytes * m)
+        return cls(kinds, windowed, pool_pages,
+                   pool_pages_for(cache_bytes, page_bytes, m, bool(windowed)),
+                   pool_pages // kept,
+                   check_int("max_slots", slices if max_slots is None else max_slots, 1),
+                   max_seq_len // tpp, adapter_pages)
+
+
 class KindTable:
     """Per layer kind, the pool pages backing each page group (its EXTENT: member page i of the
     kind's member c is ``extent[i * members + c]``, member page 0 up), taken from and given

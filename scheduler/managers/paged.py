@@ -14,18 +14,13 @@ registration. A full block is registered in the prefix index only once its K/V a
 (``mark_computed``, or ``free``: publish on compute), so a hit never reads unwritten memory.
 
 Hybrid models (full layers beside windowed ones) have one block table per block group
-(paged_groups.py): a block holds G layers of one group, every group's table has one entry per
-block_size tokens, and a windowed group gives back its blocks wholly behind its window while
-full groups keep theirs. Tokens in ``stats`` are then group tokens (a token held in n tables
-counts n times; ``bytes_per_token`` is one group's). Their prefix hits are exact and whole
-blocks, as vLLM v1's hybrid allocator's (``GroupPrefixIndex``: each group's blocks registered
-apart, under the same chain digests): a hit of h blocks needs every full group's blocks 0..h-1
-and each windowed group's blocks holding the last ``window`` tokens before token h*block_size
-(from block (h*block_size - window + 1) // block_size on); the blocks before those are None in
-that group's table, as the window give-back leaves them. h is the longest prefix every group
-can serve (the full groups' hit, cut back until the windowed groups' blocks are there). A
-hybrid sequence swaps every group's blocks, group after group, until a windowed group has given
-blocks back (then ``WindowSwapError``: preempt by recompute, as vmem does).
+(paged_groups.py: a block holds G layers of one group; vLLM v1's hybrid allocator). Every
+group's table has one entry per block_size tokens; a windowed group gives back its blocks
+wholly behind its window (a None prefix), full groups keep theirs. Tokens in ``stats`` are
+group tokens (``bytes_per_token`` is one group's). Prefix hits are whole blocks, exact, by
+vLLM v1's hybrid rule (``GroupPrefixIndex.hit_tables``). A hybrid sequence swaps every group's
+blocks, group after group, until a windowed group gave blocks back (then ``WindowSwapError``:
+preempt by recompute, as vmem does).
 """
 from __future__ import annotations
 
@@ -42,6 +37,7 @@ from .ledger import PageLedger
 from .paged_groups import GroupPrefixIndex, PagedSeq, block_groups
 from .prefix import HeldSeq
 from .units import UnitOps
+from .integrity import check_paged
 from .window import WindowedGroups, dropped_in
 
 
@@ -174,7 +170,7 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
     def _unheld(self, b: int) -> None:
         self._ledger.give((b,))
 
-    # -- hybrids: per-group prefix hits, no swap --
+    # -- hybrids: per-group prefix hits (paged_groups.py) --
     def _hits(self, num_tokens: int, token_ids, namespace) -> list:
         """Non-hybrid: UnitOps'. A hybrid's: [] or one hit table per group, all of the hit's
         length h (blocks), a windowed group's None up to the first block its window reads."""
@@ -183,38 +179,8 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
         if token_ids is None:
             return []
         limit = min(num_tokens - 1, len(token_ids)) // self.block_size
-        nodes = self.prefix.chain(self._prompt_keys(token_ids, namespace)[:max(limit, 0)])
-        blocks, h = self.prefix.blocks, len(nodes)
-        for g, group in enumerate(self.groups):       # full groups: every block of the hit
-            if group.window_tokens is None:
-                k = 0
-                while k < h and (nodes[k], g) in blocks:
-                    k += 1
-                h = k
-        runs = []      # per windowed group: run[k] = its blocks present in a row up to block k
-        for g, group in enumerate(self.groups):
-            if group.window_tokens and h:
-                run, n = [], 0
-                for k in range(h):
-                    n = n + 1 if (nodes[k], g) in blocks else 0
-                    run.append(n)
-                runs.append((run, group))
-        while h and not all(run[h - 1] >= h - self._window_start(h, group)
-                            for run, group in runs):
-            h -= 1                                    # cut back until the windows are there
-        if not h:
-            return []
-        return [[None] * self._window_start(h, group)
-                + [blocks[(nodes[k], g)] for k in range(self._window_start(h, group), h)]
-                for g, group in enumerate(self.groups)]
-
-    def _window_start(self, hit_blocks: int, group) -> int:
-        """The first block a group reads after a hit of ``hit_blocks`` blocks: 0 for a full
-        group; a windowed one's queries from token h*block_size read from h*bs - W + 1 on (the
-        blocks before are what ``release_behind_window`` would give back)."""
-        if group.window_tokens is None:
-            return 0
-        return max(hit_blocks * self.block_size - group.window_tokens + 1, 0) // self.block_size
+        keys = self._prompt_keys(token_ids, namespace)[:max(limit, 0)]
+        return self.prefix.hit_tables(keys, self.groups, self.block_size)
 
     def _need(self, num_tokens: int, hits: list) -> int:
         if not self._hybrid:
@@ -232,23 +198,7 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
         if not self._hybrid:
             return super()._publish(seq, computed_tokens)
         upto = min(computed_tokens // self.block_size, len(seq.keys), len(seq.units))
-        index, keys, note = self.prefix, seq.keys, self._cache.note_generated
-        for k in range(seq.published, upto):
-            parent = None if k == 0 else -1
-            if k:     # the node of this sequence's block k-1, in any group that still names it
-                for table in seq.tables:
-                    node = index.node_of(table[k - 1])
-                    if node is not None:
-                        parent = node
-                        break
-            for g, table in enumerate(seq.tables):
-                b = table[k]
-                if b is None:         # given back behind the window
-                    continue
-                index.register(b, g, keys, k, parent)
-                if k >= seq.prompt_units:
-                    note(b)
-        seq.published = max(seq.published, upto)
+        self.prefix.publish(seq, upto, self._cache.note_generated)
 
     def _windowed_tables(self, seq: HeldSeq) -> tuple:
         if not self._hybrid:
@@ -290,20 +240,12 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
             self._cap_sum += (len(units) - gone) * bs
             self._tok_sum += num_tokens - gone * bs
         self._put_seq(seq_id, seq)
-        self._register_prompt(seq, hits, hit_blocks)
-        return self._count_hit_blocks(token_ids, num_tokens, hit_blocks)
-
-    def _register_prompt(self, seq: HeldSeq, hits: list, hit_blocks: Optional[int] = None) -> None:
-        super()._register_prompt(seq, hits)
-        if hit_blocks is not None:
-            seq.published = hit_blocks      # (a hybrid's hits: every group's blocks)
-
-    def _count_hit_blocks(self, token_ids, num_tokens: int, hit_blocks: int) -> int:
-        hit_tokens = hit_blocks * self.block_size
+        self._register_prompt(seq, hits)
+        seq.published = hit_blocks        # (a hybrid's hits: every group's blocks)
         if token_ids is not None:
             self.prefix_queries += num_tokens
-            self.prefix_hits += hit_tokens
-        return hit_tokens
+            self.prefix_hits += hit_blocks * bs
+        return hit_blocks * bs
 
     def _fill_blocks(self, seq: HeldSeq, start: int, end: int) -> None:
         """Account tokens [start, end) as written into ``seq``'s blocks (all private)."""
@@ -430,40 +372,4 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
                            bytes_per_token=self.block_bytes // self.block_size)
 
     def check_integrity(self) -> None:
-        bs, refs = self.block_size, [0] * self.num_blocks
-        cap = tok = 0
-        ledger = self._ledger
-        for seq in self._seqs.values():
-            tables = self._tables(seq)
-            assert len(tables) == len(self.groups), "a table per group"
-            for g, units in enumerate(tables):
-                assert len(units) == -(-seq.num_tokens // bs), "block table length"
-                gone = dropped_in(units)
-                assert not gone or self.groups[g].window_tokens, "a full group gave back"
-                assert None not in units[gone:], "given back past the window's start"
-                for k, b in enumerate(units[gone:], start=gone):
-                    refs[b] += 1
-                    assert self._fill[b] == min(bs, seq.num_tokens - k * bs), ("fill", b)
-                    assert ledger.holder(b) == g or not self._hybrid, ("tenant", b, g)
-                cap += (len(units) - gone) * bs
-                tok += seq.num_tokens - gone * bs
-        assert refs == self._refs, "reference counts"
-        ledger.check_integrity()
-        free = {b for b in range(self.num_blocks) if ledger.holder(b) is None}
-        cached = set(self._cache)
-        assert not free & cached
-        assert all(refs[b] == 0 and b not in self.prefix.by_unit for b in free)
-        assert all(refs[b] == 0 and b in self.prefix.by_unit for b in cached)
-        held = sum(1 for r in refs if r)
-        assert held + len(free) + len(cached) + self._kv_adapter_pages == self.num_blocks, \
-            "free + held + cached + adapters == total"
-        assert len(cached) == len(self._cache)
-        assert all(refs[b] or b in cached for b in self.prefix.by_unit), "registered: held or cached"
-        assert self._live == sum(self._fill[b] for b in range(self.num_blocks) if refs[b])
-        assert self._cap_sum == cap and self._tok_sum == tok, "capacity and token sums"
-        self.prefix.check()
-        if self._hybrid:     # a block is registered for the group that holds it, no other
-            assert all(ledger.holder(b) == reg.group for b, reg in self.prefix.by_unit.items()), \
-                "registered under another group"
-        self._swap_integrity()
-        self._check_adapters(lambda tenant: type(tenant) is int and 0 <= tenant < len(self.groups))
+        check_paged(self)

@@ -79,6 +79,15 @@ class PagedSeq(HeldSeq):
         self.tables = [self.units] + saved[1]
 
 
+def window_start(hit_blocks: int, group: BlockGroup, block_size: int) -> int:
+    """The first block a group reads after a hit of ``hit_blocks`` blocks: 0 for a full group;
+    a windowed one's queries from token h*block_size read from h*bs - W + 1 on (the blocks
+    before are what ``release_behind_window`` would give back)."""
+    if group.window_tokens is None:
+        return 0
+    return max(hit_blocks * block_size - group.window_tokens + 1, 0) // block_size
+
+
 class GroupReg(NamedTuple):
     """One registration of a hybrid's index: ``unit`` (a block) of block ``group`` holds the
     K/V of the prefix node ``node`` (a serial of ``GroupPrefixIndex.nodes``)."""
@@ -161,6 +170,59 @@ class GroupPrefixIndex:
             if node.key.tokens != key.tokens or node.parent != parent:
                 return
         self._attach(unit, group, s)
+
+    def hit_tables(self, keys: Sequence[UnitKey], groups: Sequence[BlockGroup],
+                   block_size: int) -> list:
+        """A prompt's hit (``keys``: its whole blocks that may hit): [] or one table per group,
+        all of the hit's length h (blocks), a windowed group's None up to the first block its
+        window reads. h is the longest prefix every full group holds, cut back until each
+        windowed group holds its window's blocks before the hit's end (vLLM v1's rule)."""
+        nodes = self.chain(keys)
+        blocks, h = self.blocks, len(nodes)
+        for g, group in enumerate(groups):        # full groups: every block of the hit
+            if group.window_tokens is None:
+                k = 0
+                while k < h and (nodes[k], g) in blocks:
+                    k += 1
+                h = k
+        runs = []      # per windowed group: run[k] = its blocks present in a row up to block k
+        for g, group in enumerate(groups):
+            if group.window_tokens and h:
+                run, n = [], 0
+                for k in range(h):
+                    n = n + 1 if (nodes[k], g) in blocks else 0
+                    run.append(n)
+                runs.append((run, group))
+        while h and not all(run[h - 1] >= h - window_start(h, group, block_size)
+                            for run, group in runs):
+            h -= 1                                    # cut back until the windows are there
+        if not h:
+            return []
+        return [[None] * window_start(h, group, block_size)
+                + [blocks[(nodes[k], g)] for k in range(window_start(h, group, block_size), h)]
+                for g, group in enumerate(groups)]
+
+    def publish(self, seq: PagedSeq, upto: int, note_generated) -> None:
+        """Register ``seq``'s blocks from its ``published`` up to block ``upto`` in every group
+        (a windowed group's given-back blocks skipped); generated blocks are noted to the
+        eviction policy (``note_generated``)."""
+        keys = seq.keys
+        for k in range(seq.published, upto):
+            parent = None if k == 0 else -1
+            if k:     # the node of this sequence's block k-1, in any group that still names it
+                for table in seq.tables:
+                    node = self.node_of(table[k - 1])
+                    if node is not None:
+                        parent = node
+                        break
+            for g, table in enumerate(seq.tables):
+                b = table[k]
+                if b is None:         # given back behind the window
+                    continue
+                self.register(b, g, keys, k, parent)
+                if k >= seq.prompt_units:
+                    note_generated(b)
+        seq.published = max(seq.published, upto)
 
     def _new_node(self, key: UnitKey, parent: Optional[int]) -> int:
         self._cell.set(self, "serials", self.serials + 1)

@@ -1,11 +1,14 @@
-"""Free vmem slots bucketed by how many pages they still have mapped, so that placing a new
-sequence on "the free slot with the most pages already mapped" is O(pages_per_slot), not
-O(num_slots). Every change logs to the manager's open journal (journal.py)."""
+"""A vmem manager's slots: ``SlotMap``, where page groups are mapped (both ways) and who owns
+each slot; ``FreeSlots``, the free slots bucketed by how many pages they still have mapped, so
+that placing a new sequence on "the free slot with the most pages already mapped" is
+O(pages_per_slot), not O(num_slots). Every change logs to the manager's open journal
+(journal.py)."""
 from __future__ import annotations
 
 from typing import Optional
 
-from .journal import JDict, OrderedUnits, TxnCell, journaled
+from ..errors import SlotError
+from .journal import JDict, JList, JSet, OrderedUnits, TxnCell, journaled
 
 
 class FreeSlots:
@@ -55,3 +58,63 @@ class FreeSlots:
 
     def items(self):
         return self._count.items()
+
+
+class SlotMap:
+    """Where a vmem manager's page groups are mapped, both ways, and who owns each slot:
+
+        pages[slot]  {page index: group}     maps[group]  {(slot, page index)}
+        owner[slot]  seq id or None          free         the free slots (FreeSlots)
+
+    ``put`` and ``take`` change both directions and the free slot's mapped-page count together
+    (the only writes); every container logs to the manager's open journal.
+    """
+
+    def __init__(self, num_slots: int, num_groups: int, pages_per_slot: int,
+                 cell: TxnCell) -> None:
+        self.pages = tuple(JDict(cell) for _ in range(num_slots))
+        self.maps = tuple(JSet(cell) for _ in range(num_groups))
+        self.owner = JList(cell, [None] * num_slots)
+        self.free = FreeSlots(num_slots, pages_per_slot, cell)
+
+    def journaled_fields(self) -> bool:
+        return all(journaled(v) for v in vars(self).values())
+
+    def put(self, slot: int, pi: int, group: int) -> None:
+        """``group`` is mapped at page ``pi`` of ``slot`` (where nothing is)."""
+        pages = self.pages[slot]
+        pages[pi] = group
+        self.maps[group].add((slot, pi))
+        self.free.recount(slot, len(pages))
+
+    def take(self, slot: int, pi: int) -> int:
+        """Nothing is mapped at page ``pi`` of ``slot`` any more: the group that was."""
+        pages = self.pages[slot]
+        group = pages.pop(pi)
+        self.maps[group].discard((slot, pi))
+        self.free.recount(slot, len(pages))
+        return group
+
+    def occupy(self, seq_id: int, slot: Optional[int] = None) -> int:
+        """``slot`` (default: the free slot with the most pages mapped) now holds ``seq_id``."""
+        slot = self.free.pick() if slot is None else slot
+        self.free.remove(slot)
+        self.owner[slot] = seq_id
+        return slot
+
+    def vacate(self, slot: int) -> None:
+        self.owner[slot] = None
+        self.free.add(slot, len(self.pages[slot]))
+
+    def check_free(self, seq_id: int, slot) -> None:
+        """SlotError unless ``slot`` is one of these slots and free (for ``seq_id``)."""
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < len(self.owner):
+            raise SlotError(f"sequence {seq_id}: slot {slot!r} is outside this manager's slots "
+                            f"0..{len(self.owner) - 1}")
+        if slot not in self.free:
+            raise SlotError(f"sequence {seq_id}: slot {slot} holds sequence {self.owner[slot]}")
+
+    def free_slot_mapping(self, group: int) -> Optional[int]:
+        """The lowest free slot where ``group`` is still mapped at page 0, else None."""
+        slots = [s for s, pi in self.maps[group] if pi == 0 and s in self.free]
+        return min(slots) if slots else None

@@ -7,10 +7,10 @@ demand.
                g; the same g may be mapped under several slots (fork, shared prefix) but
                always at the page index whose content it holds.
 
-A group is a set of per-kind EXTENTS (``KindTable``, kinds.py): for each layer kind (full,
-window-W) the pool pages backing its members, from one PageLedger. How they are backed (WHOLE
-or by BYTES, from the geometry) and which kinds go back behind the window (from the kinds) are
-values of this one class, not subclasses (vmem_kinds.py). A group is
+A group is a set of per-kind EXTENTS (``KindTable``, kinds.py): for each layer kind the pool
+pages backing its members, from one PageLedger; how they are backed and which kinds go back
+behind the window are values (vmem_kinds.py). Where groups are mapped: ``slots`` (slots.py).
+A group is
     spare        no pages, mapped nowhere, refs 0                 in ``_spare``
     free         refs 0, mapped nowhere, pages kept (WHOLE)       in ``_free``
     reclaimable  refs 0, still mapped (freed slot, or past a live   in ``_reclaimable`` (LRU)
@@ -19,17 +19,8 @@ values of this one class, not subclasses (vmem_kinds.py). A group is
     used         refs >= 1 (live sequences); partial: its windowed kinds released
 Reclaimable and cached groups count as ALLOCATED in stats and AVAILABLE to admit.
 
-Block-granular hits (blocks.py, ``prefix_block_tokens``, 16 by default): a computed group's
-leading blocks are findable whatever the page holds. A prompt's whole-page hits are shared as
-above; the longest run of blocks after them that some group holds (held, or cached) is COPIED into the new sequence's own page
-(``CopyExtent(..., num_tokens)``, one per kind; the source is held while the allocation runs,
-and mapped for the copy at a page index the new sequence does not use when it is mapped
-nowhere). Eviction is by page group: a group nobody holds stays cached (the policy orders
-it) while it holds a registered full page or any published block, so a partial page is kept
-as a full one is; a copy from it counts as a hit and as a release (lru: it goes to the back);
-it is freed only when the policy evicts it, its blocks with it.
-
-Deferred reclamation: ``free`` unmaps nothing; a later sequence placed on the slot writes into
+Block-granular hits (blocks.py, ``prefix_block_tokens``, 16 by default) are copied. Deferred
+reclamation: ``free`` unmaps nothing; a later sequence placed on the slot writes into
 the pages still mapped there without any op, and groups are unmapped (UnmapExtent) only when a
 group must be taken from a reclaimable one, then from the cache. Only refs-0 groups are ever
 reclaimed, so no live sequence loses a page it reads. Retention (units.py): a hit maps the
@@ -40,27 +31,27 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from ..errors import ConfigError, OutOfCapacityError, SlotError
+from ..errors import OutOfCapacityError
 from ..geometry import LAYOUTS, PageGeometry  # noqa: F401 (LAYOUTS re-exported)
 from ..layout import CacheKind, CacheLayout, PoolBacking
 from ..presets import ModelSpec
 from .base import CopyExtent
-from .blocks import BlockIndex
-from .adapters import AdapterTenancy, adapter_budget_units
+from .blocks import BlockIndex, block_hit, copy_tokens
+from .adapters import AdapterTenancy
 from .common import ManagerCore, check_int
+from .integrity import check_vmem
 from .elastic import ElasticPool
 from .eviction import DEFAULT_EVICTION
-from .journal import JDict, JList, JSet, OrderedUnits
-from .kinds import KindTable, layer_kinds
+from .journal import OrderedUnits
+from .kinds import KindTable, VmemShape
 from .prefix import HeldSeq, namespace_root
-from .slots import FreeSlots
+from .slots import SlotMap
 from .units import UnitOps
-from .vmem_integrity import VmemIntegrity
 from .vmem_kinds import KindRules
 from .window import WindowedGroups, dropped_units, held_units
 
 
-class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, AdapterTenancy, UnitOps,
+class VmemManager(ElasticPool, KindRules, WindowedGroups, AdapterTenancy, UnitOps,
                   ManagerCore):
     """Slot + page-group manager over per-kind extents. ``prefix_queries``/``prefix_hits``
     count TOKENS. ``hybrid_parts`` (a hybrid model in the per-layer layout): one kind per
@@ -86,61 +77,23 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, Adapter
         check_int("page_bytes", page_bytes, 1)
         check_int("cache_bytes", cache_bytes, 1)
         self.adapter_budget_bytes = adapter_budget_bytes
-        budget_units = adapter_budget_units(adapter_budget_bytes, page_bytes, cache_bytes,
-                                            "pool page")
-        if budget_units is not None:
-            if max_cache_bytes not in (None, cache_bytes):
-                raise ConfigError(f"adapter_budget_bytes (a static split) needs a pool that "
-                                  f"does not resize: max_cache_bytes={max_cache_bytes} must be "
-                                  f"None or cache_bytes={cache_bytes}")
-            cache_bytes -= adapter_budget_bytes     # KV's part; the total stays the same
-            max_cache_bytes = None
         geo = self.geometry = PageGeometry.of(model, page_bytes, layout)
         self.page_bytes = page_bytes
         self.tokens_per_page = tpp = geo.tokens_per_page
         self.pages_per_group = geo.pages_per_group
-        if self.max_seq_len % tpp:
-            low, high = self.max_seq_len // tpp * tpp, -(-self.max_seq_len // tpp) * tpp
-            near = f"{low} or {high}" if low else f"{high}"
-            raise ConfigError(f"max_seq_len_tokens={self.max_seq_len} is not a multiple of "
-                              f"tokens_per_page={tpp} ({layout}, page_bytes={page_bytes}); "
-                              f"nearest valid: {near}")
         self.backing = PoolBacking.WHOLE if geo.exact else PoolBacking.BYTES
-        self.kinds = layer_kinds(model, geo, hybrid_parts and geo.split)
-        m = geo.num_members            # a running sequence holds >= 1 page of every member
-        slices = check_int("cache_bytes", cache_bytes, 1) // (page_bytes * m)
-        if slices < 1:
-            unit = "page group" if geo.exact else "page slice (a page of each member)"
-            raise ConfigError(f"cache_bytes={cache_bytes} holds no {unit} of {page_bytes * m}"
-                              f" bytes; needs >= {page_bytes * m}")
-        max_cache_bytes = cache_bytes if max_cache_bytes is None else max_cache_bytes
-        if check_int("max_cache_bytes", max_cache_bytes, 1) < cache_bytes:
-            raise ConfigError(f"max_cache_bytes={max_cache_bytes} is below cache_bytes="
-                              f"{cache_bytes}")
-        slices = max_cache_bytes // (page_bytes * m)
-        self._win = tuple(k for k, kind in enumerate(self.kinds) if kind.windowed) \
-            if len(self.kinds) > 1 else ()              # kinds given back behind the window
-        # a pool whose groups keep every kind is counted in slices of m pages (one of each
-        # member); one that gives kinds back, in pages (elastic.py). Group ids: one per least
-        # a held group keeps (a page of each member of the kinds never given back).
-        self.pool_pages = self._pages_for(max_cache_bytes)
-        kept = sum(2 * kind.num_layers if geo.per_layer else 2
-                   for k, kind in enumerate(self.kinds) if k not in self._win)
-        self.num_groups = self.pool_pages // kept
-        # every running sequence holds >= 1 slice, so more slots could never all be used at
-        # once; virtual address space is cheap: exactly that many.
-        self.num_slots = check_int("max_slots", slices if max_slots is None else max_slots, 1)
-        self.pages_per_slot = self.max_seq_len // tpp
+        shape = VmemShape.of(model, geo, cache_bytes, max_cache_bytes, max_slots,
+                             self.max_seq_len, hybrid_parts, adapter_budget_bytes)
+        self.kinds, self._win = shape.kinds, shape.windowed   # (kinds given back: windowed)
+        self.pool_pages, self.num_groups = shape.pool_pages, shape.num_groups
+        self.num_slots, self.pages_per_slot = shape.num_slots, shape.pages_per_slot
         self._init_units(self.num_groups, tpp, prefix_eviction)
         cell = self._cell    # every container below logs to an open transaction's journal
         self._reclaimable = OrderedUnits(cell)   # refs 0, mapped, no content: LRU first
-        self._maps = tuple(JSet(cell) for _ in range(self.num_groups))   # group -> {(slot, pi)}
-        self._pages = tuple(JDict(cell) for _ in range(self.num_slots))  # slot -> {pi: group}
-        self._owner = JList(cell, [None] * self.num_slots)      # slot -> seq_id or None
-        self._free_slots = FreeSlots(self.num_slots, self.pages_per_slot, cell)
+        self.slots = SlotMap(self.num_slots, self.num_groups, self.pages_per_slot, cell)
         self._init_window(model.local_window_tokens if self._win else model.window_tokens)
         self.table = KindTable(cell, self.kinds, geo.per_layer, self.num_groups, self.pool_pages,
-                               self._pages_for(cache_bytes))
+                               shape.service_pages)
         self.ledger = self.table.ledger        # the pool's pages, by kind
         self._released_at_start = self.ledger.released_pages
         self._init_rules(cell)
@@ -151,7 +104,8 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, Adapter
         self.blocks = BlockIndex(bt, cell) if self.block_tokens else None
         self.prefix_unit_tokens = self.block_tokens or tpp   # publish on compute at this stride
         self.block_hit_tokens = 0              # prompt tokens served by block copies
-        self._init_adapters(self.ledger, page_bytes, budget_units, self.pool_pages, "pool page")
+        self._init_adapters(self.ledger, page_bytes, shape.adapter_pages, self.pool_pages,
+                            "pool page")
 
     def layout(self) -> CacheLayout:
         """A vmem cache of this geometry, slots, groups and pool."""
@@ -198,12 +152,11 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, Adapter
     _FIXED_FIELDS = UnitOps._FIXED_FIELDS | AdapterTenancy._ADAPTER_FIXED | {
         "geometry", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
         "pages_per_slot", "_window", "kinds", "pool_pages", "backing", "_win", "_whole",
-        "_released_at_start",
-        "_win_pages", "_kept", "block_tokens"}
+        "_released_at_start", "_win_pages", "_kept", "block_tokens"}
     _SAVED_FIELDS = UnitOps._SAVED_FIELDS + AdapterTenancy._ADAPTER_SAVED + (
         "_idle", "block_hit_tokens")
     _JOURNALED_FIELDS = UnitOps._JOURNALED_FIELDS | AdapterTenancy._ADAPTER_JOURNALED | {
-        "blocks", "_reclaimable", "_maps", "_pages", "_owner", "_free_slots", "ledger", "table",
+        "blocks", "_reclaimable", "slots", "ledger", "table",
         "_spare", "_partial", "_win_drop", "_win_gone"}
 
     # -- queries the runtime needs --
@@ -212,13 +165,13 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, Adapter
 
     def mapped_pages(self, slot: int) -> dict:
         """{page_index: group} currently mapped under ``slot`` (live or deferred)."""
-        return dict(self._pages[slot])
+        return dict(self.slots.pages[slot])
 
     def mapped_extents(self, slot: int) -> dict:
         """{page_index: {kind: pool pages}} mapped under ``slot``, as the ops named them (an
         executor's replica must equal it)."""
         out = {}
-        for pi, g in self._pages[slot].items():
+        for pi, g in self.slots.pages[slot].items():
             kinds = {self.kinds[k].name: self.table.extent(k, g) for k in self._kinds_at(slot, pi)
                      if self.table.extent(k, g)}
             if kinds:
@@ -227,30 +180,26 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, Adapter
 
     # -- mapping primitives --
     def _map(self, slot: int, pi: int, g: int) -> None:
-        self._pages[slot][pi] = g
-        self._maps[g].add((slot, pi))
+        self.slots.put(slot, pi, g)
         self._emit_map(slot, pi, g)
 
     def _unmap(self, slot: int, pi: int, kinds=None) -> None:
-        pages = self._pages[slot]
-        g = pages[pi]
+        g = self.slots.pages[slot][pi]
         self._emit_unmap(slot, pi, g, kinds)
-        del pages[pi]
-        self._maps[g].discard((slot, pi))
-        self._free_slots.recount(slot, len(pages))
-        if g in self._reclaimable and not self._maps[g]:
+        self.slots.take(slot, pi)
+        if g in self._reclaimable and not self.slots.maps[g]:
             self._leave_reclaimable(g)
             self._to_free(g)          # (a cached group stays cached, mapped nowhere)
 
     def _give_back(self, seq: HeldSeq, pi: int, g: int) -> None:
-        if self._pages[seq.slot].get(pi) == g:     # a window's group: unmapped at once
+        if self.slots.pages[seq.slot].get(pi) == g:     # a window's group: unmapped at once
             self._unmap(seq.slot, pi)
 
     def _grow_page(self, slot: int, pi: int) -> int:
         """Back page ``pi`` of ``slot`` with a private group for new content: the group
         already mapped there if nobody uses it and it holds nothing cached (no op), else a
         fresh one (a cached group stays cached for later hits)."""
-        g = self._pages[slot].get(pi)
+        g = self.slots.pages[slot].get(pi)
         if g is not None and g in self._reclaimable:
             self._leave_reclaimable(g)
             self._touch(g)
@@ -266,19 +215,9 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, Adapter
     def _occupy(self, seq_id: int, seq: HeldSeq, slot: Optional[int] = None) -> int:
         # a fork's record still names its parent's slot: it inherits the parent's frontier
         gone = self._win_gone[seq.slot] if seq.slot >= 0 else 0
-        slot = self._free_slots.pick() if slot is None else slot
-        self._free_slots.remove(slot)
-        self._owner[slot] = seq_id
+        seq.slot = slot = self.slots.occupy(seq_id, slot)
         self._win_gone[slot] = gone
-        seq.slot = slot
         return slot
-
-    def _hit_slot(self, hits: list) -> Optional[int]:
-        """A free slot where the first hit is still mapped at page 0 (the lowest), else None."""
-        if not hits:
-            return None
-        slots = [s for s, pi in self._maps[hits[0]] if pi == 0 and s in self._free_slots]
-        return min(slots) if slots else None
 
     def _place(self, seq_id: int, seq: HeldSeq, hits: list, slot: Optional[int] = None,
                copy: Optional[tuple] = None) -> None:
@@ -286,7 +225,9 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, Adapter
         free slot with the most mapped pages: shared ``hits`` first (they hold refs before any
         reclaim can run), then private pages, backed as their fill needs; then ``copy``
         (source group, tokens) into its page after the hits."""
-        slot = self._occupy(seq_id, seq, self._hit_slot(hits) if slot is None else slot)
+        if slot is None and hits:   # a free slot still mapping the first hit at page 0
+            slot = self.slots.free_slot_mapping(hits[0])
+        slot = self._occupy(seq_id, seq, slot)
         self._share_into(slot, hits)
         if copy is not None:
             self._hold(copy[0])           # no reclaim below may take the source
@@ -300,75 +241,7 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, Adapter
         self._put_seq(seq_id, seq)
         self._fit(seq.units[len(hits):], seq_id)
         if copy is not None:
-            self._copy_tokens(seq, len(hits), *copy)
-
-    def _copy_tokens(self, seq: HeldSeq, pi: int, src: int, num_tokens: int) -> None:
-        """Copy tokens [0, num_tokens) of held group ``src`` into page ``pi`` of ``seq`` (its
-        own, backed), then let ``src`` go. A source mapped nowhere is mapped for the copy at
-        a page index nobody uses (:meth:`_copy_site`), and unmapped after it."""
-        slot, owner, temp = seq.slot, self._owner[seq.slot], False
-        if self._maps[src]:
-            src_slot, src_pi = min(self._maps[src])
-        else:
-            src_slot, src_pi = self._copy_site(slot, len(seq.units))
-            if src_pi in self._pages[src_slot]:
-                self._unmap(src_slot, src_pi)   # a deferred mapping: refs 0, nothing of ours
-            self._emit_map(src_slot, src_pi, src)
-            temp = True
-        for k, kind in enumerate(self.kinds):
-            if self.table.extent(k, src):
-                self._ops.append(CopyExtent(src_slot, src_pi, slot, pi, kind.name,
-                                            owner=owner, num_tokens=num_tokens))
-        if temp:
-            self._emit_unmap(src_slot, src_pi, src)
-        self._cache.note_hit(src)
-        self._unhold(src)
-
-    def _block_hit(self, num_tokens: int, token_ids, namespace, hits: list) -> Optional[tuple]:
-        """(group, tokens): the group holding the most blocks of the prompt's page after its
-        whole-page ``hits`` (a held one first), never the last token, else None."""
-        if self.blocks is None or token_ids is None:
-            return None
-        tpp, keys = self.tokens_per_page, self._prompt_keys(token_ids, namespace)
-        root = namespace_root(namespace, self.model.kv_encoding)
-        # (self._memo[1]: the prompt's ids, as _prompt_keys keyed them)
-        groups, tokens = self.blocks.match_page(keys, self._memo[1], len(hits), num_tokens - 1,
-                                                tpp, root)
-        if not tokens:
-            return None
-        held = [g for g in groups if self._refs[g]]
-        if (not held and -(-num_tokens // tpp) >= self.pages_per_slot
-                and len(self._free_slots) < 2 and self._site_past_a_sequence() is None):
-            return None        # no page index left to map an unmapped source at for the copy
-        return (min(held or groups), tokens)
-
-    def _copy_site(self, slot: int, used_pages: int) -> tuple:
-        """(slot, page index) nobody reads, to map a copy's source at: the highest page index
-        of ``slot`` past its ``used_pages``, else page 0 of another free slot, else a page
-        index past a running sequence's pages (a prompt filling its slot, pages_per_slot 1
-        say: _block_hit offers a copy only where one of these exists)."""
-        pages = self._pages[slot]
-        unused = [q for q in range(used_pages, self.pages_per_slot) if q not in pages]
-        if unused:
-            return slot, unused[-1]
-        if used_pages < self.pages_per_slot:
-            return slot, self.pages_per_slot - 1     # mapped there only by a deferred mapping
-        free = [s for s, _ in self._free_slots.items() if s != slot]
-        return (min(free), 0) if free else self._site_past_a_sequence()
-
-    def _site_past_a_sequence(self) -> Optional[tuple]:
-        """(slot, page index) past a running sequence's pages and mapped nowhere, or None."""
-        for s, seq_id in enumerate(self._owner):
-            if seq_id is not None:
-                pages, used = self._pages[s], len(self._seqs[seq_id].units)
-                for q in range(self.pages_per_slot - 1, used - 1, -1):
-                    if q not in pages:
-                        return s, q
-        return None
-
-    def _hold_pages(self, g: int) -> int:
-        """Pages holding ``g`` takes from what admission may use (its, if nobody holds it)."""
-        return 0 if self._refs[g] else self.table.pages_of(g)
+            copy_tokens(self, seq, len(hits), *copy)
 
     def _share_into(self, slot: int, groups: list) -> None:
         """Hold ``groups`` (page index -> group) and map each under ``slot`` where it is not
@@ -379,7 +252,7 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, Adapter
                 self._share_page(slot, pi, g)
 
     def _can_place(self) -> bool:
-        return bool(self._free_slots)
+        return bool(self.slots.free)
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                  namespace: Optional[str] = None, final_tokens: Optional[int] = None,
@@ -389,16 +262,14 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, Adapter
         self._check_new(seq_id)
         self._check_length(num_tokens)
         if slot is not None:
-            self._check_slot_free(seq_id, slot)
-        elif not self._free_slots:
+            self.slots.check_free(seq_id, slot)
+        elif not self.slots.free:
             raise OutOfCapacityError(f"sequence {seq_id}: all {self.num_slots} slots are in use")
         hits = self._hits(num_tokens, token_ids, namespace)
         need = self._need(num_tokens, hits)
         if need > self._available_units():
             self._raise_no_room(f"sequence {seq_id} needs {self._units_text(need)}")
-        copy = self._block_hit(num_tokens, token_ids, namespace, hits)
-        if copy is not None and need + self._hold_pages(copy[0]) > self._available_units():
-            copy = None        # no room to keep the source while the new pages are taken
+        copy = block_hit(self, num_tokens, token_ids, namespace, hits, need)
         seq = self._new_seq(num_tokens, token_ids, namespace)
         self._place(seq_id, seq, hits, slot, copy)
         self._register_prompt(seq, hits)
@@ -439,12 +310,8 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, Adapter
         self._forget_blocks(g)
         super()._unheld(g)
 
-    def _check_slot_free(self, seq_id: int, slot) -> None:
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
-            raise SlotError(f"sequence {seq_id}: slot {slot!r} is outside this manager's slots "
-                            f"0..{self.num_slots - 1}")
-        if slot not in self._free_slots:
-            raise SlotError(f"sequence {seq_id}: slot {slot} holds sequence {self._owner[slot]}")
+    def check_integrity(self) -> None:
+        check_vmem(self)
 
     # -- growth --
     def can_append(self, seq_id: int, num_tokens: int = 1) -> bool:
@@ -453,19 +320,6 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, Adapter
         if seq.units and new <= self._room_tokens(seq.units) and self._refs[seq.units[-1]] == 1:
             return True      # hot path: room in a private last page
         return new <= self.max_seq_len and self._growth(seq, num_tokens) <= self._available_units()
-
-    def append(self, seq_id: int, num_tokens: int = 1, token_ids=None) -> None:
-        """As UnitOps'; by BYTES the counters-only hot path only while the new tokens fit the
-        last group's backed pages."""
-        if self._whole:
-            UnitOps.append(self, seq_id, num_tokens, token_ids)
-            return
-        seq = self._seq(seq_id)
-        if seq.units and seq.num_tokens + num_tokens <= self._room_tokens(seq.units):
-            UnitOps.append(self, seq_id, num_tokens, token_ids)
-            return
-        self._cell.record(seq)     # (not _append_logged: its hot path would not back)
-        self._append_slow(seq_id, seq, num_tokens, token_ids)
 
     def _grow(self, seq_id: int, seq: HeldSeq, old: int, end: int) -> None:
         tpp, slot = self.tokens_per_page, seq.slot
@@ -489,12 +343,12 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, Adapter
         self._unmap(slot, pi)
         self._map(slot, pi, new)
         for k in range(len(self.kinds)):          # BYTES: back the copy as far as the source
-            self._back(new, k, self.table.backed(k, old), self._owner[slot])
-        src_slot, src_pi = min(self._maps[old])   # same physical group wherever it is mapped
+            self._back(new, k, self.table.backed(k, old), self.slots.owner[slot])
+        src_slot, src_pi = min(self.slots.maps[old])   # same physical group wherever it is mapped
         for k, kind in enumerate(self.kinds):
             if self.table.extent(k, old):
                 self._ops.append(CopyExtent(src_slot, src_pi, slot, pi, kind.name,
-                                            owner=self._owner[slot]))
+                                            owner=self.slots.owner[slot]))
         self._touch(new)
         self._fill[new] = self._fill[old]
         self._live += self._fill[old]
@@ -503,12 +357,12 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, Adapter
     # -- fork and release --
     def can_fork(self, parent_id: int) -> bool:
         self._seq(parent_id)
-        return len(self._free_slots) > 0
+        return len(self.slots.free) > 0
 
     def fork(self, parent_id: int, child_id: int) -> None:
         parent = self._seq(parent_id)
         self._check_new(child_id)
-        if not self._free_slots:
+        if not self.slots.free:
             self._raise_no_room(f"forking sequence {parent_id}: all {self.num_slots} slots in use")
         child = parent.copy()
         self._share_into(self._occupy(child_id, child), child.units)
@@ -526,18 +380,17 @@ class VmemManager(VmemIntegrity, ElasticPool, KindRules, WindowedGroups, Adapter
             self._unhold(g)
         self._cap_sum -= len(held) * self.tokens_per_page
         self._tok_sum -= seq.num_tokens - (len(seq.units) - len(held)) * self.tokens_per_page
-        self._owner[seq.slot] = None
-        self._free_slots.add(seq.slot, len(self._pages[seq.slot]))
+        self.slots.vacate(seq.slot)
         seq.units, seq.slot = [], -1
 
     # -- swap hooks --
     def _fresh_units(self, seq: HeldSeq) -> Optional[int]:
-        if not self._free_slots:
+        if not self.slots.free:
             return None
         return self.geometry.num_members * self.geometry.slot_member_pages(seq.num_tokens)
 
     def _places_for(self, count: int) -> bool:
-        return len(self._free_slots) >= count
+        return len(self.slots.free) >= count
 
     def _place_private(self, seq_id: int, seq: HeldSeq) -> None:
         self._place(seq_id, seq, [])

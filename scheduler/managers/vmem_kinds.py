@@ -34,6 +34,7 @@ from ..errors import OutOfCapacityError
 from .base import MapExtent, MemoryStats, UnmapExtent
 from .journal import JList, JSet
 from .prefix import HeldSeq
+from .units import UnitOps
 from .window import WindowedGroups, dropped_units
 
 
@@ -164,7 +165,7 @@ class KindRules:
             f"{self.pages_per_group}), {len(self._free)} free + {len(self._reclaimable)} "
             f"reclaimable + {len(self._cache)} cached page groups, "
             f"{self._kv_idle_adapter_pages} pages of idle adapters, "
-            f"{len(self._free_slots)} free slots")
+            f"{len(self.slots.free)} free slots")
 
     # -- ops: a group's kinds' pool pages, named (the only places that emit them) --
     def _kinds_at(self, slot: int, pi: int):
@@ -173,7 +174,7 @@ class KindRules:
 
     def _emit_map(self, slot: int, pi: int, g: int, kinds=None) -> None:
         """MapExtent of ``g``'s pages of ``kinds`` (indexes; None: all) at (slot, pi)."""
-        owner = self._owner[slot]
+        owner = self.slots.owner[slot]
         for k in range(len(self.kinds)) if kinds is None else kinds:
             if self.table.extent(k, g):
                 self._ops.append(MapExtent(slot, pi, self.kinds[k].name, self.table.extent(k, g),
@@ -186,6 +187,19 @@ class KindRules:
                 self._ops.append(UnmapExtent(slot, pi, self.kinds[k].name))
 
     # -- the backing rule --
+    def append(self, seq_id: int, num_tokens: int = 1, token_ids=None) -> None:
+        """As UnitOps'; by BYTES the counters-only hot path only while the new tokens fit the
+        last group's backed pages."""
+        if self._whole:
+            UnitOps.append(self, seq_id, num_tokens, token_ids)
+            return
+        seq = self._seq(seq_id)
+        if seq.units and seq.num_tokens + num_tokens <= self._room_tokens(seq.units):
+            UnitOps.append(self, seq_id, num_tokens, token_ids)
+            return
+        self._cell.record(seq)     # (not _append_logged: its hot path would not back)
+        self._append_slow(seq_id, seq, num_tokens, token_ids)
+
     def _back(self, g: int, k: int, pages: int, owner: Optional[int] = None) -> None:
         """Back kind ``k`` of ``g`` by ``pages`` pages of each member, mapped or unmapped
         wherever ``g`` is mapped with that kind (MapExtents serve ``owner``), reclaiming
@@ -193,7 +207,7 @@ class KindRules:
         table, old = self.table, self.table.backed(k, g)
         if pages == old:
             return
-        name, spots = self.kinds[k].name, [(s, pi) for s, pi in sorted(self._maps[g])
+        name, spots = self.kinds[k].name, [(s, pi) for s, pi in sorted(self.slots.maps[g])
                                            if k in self._kinds_at(s, pi)]
         if pages > old:
             while (pages - old) * table.members[k] > self.ledger.free_pages:
@@ -238,11 +252,9 @@ class KindRules:
         return g
 
     def _unmap_everywhere(self, g: int) -> None:
-        for slot, pi in sorted(self._maps[g]):
+        for slot, pi in sorted(self.slots.maps[g]):
             self._emit_unmap(slot, pi, g)
-            del self._pages[slot][pi]
-            self._free_slots.recount(slot, len(self._pages[slot]))
-        self._maps[g].clear()
+            self.slots.take(slot, pi)
 
     def _to_free(self, g: int) -> None:
         """``g`` (refs 0, mapped nowhere, no content) is free: WHOLE keeps its pages."""
@@ -293,7 +305,7 @@ class KindRules:
         if g in self._partial:        # mapped nowhere: its last full-only mapping went
             self._partial.remove(g)
             self._to_spare(g)
-        elif self._maps[g]:
+        elif self.slots.maps[g]:
             self._enter_reclaimable(g)     # still mapped where it was used
         else:
             self._to_free(g)
@@ -339,7 +351,7 @@ class KindRules:
     def _release_window(self, g: int) -> None:
         """No holder reads g's windowed kinds: unmap its whole mappings (none is a holder's)
         and give their pages back; the group can no longer serve a prefix hit."""
-        for slot, pi in sorted(self._maps[g]):
+        for slot, pi in sorted(self.slots.maps[g]):
             if pi >= self._win_gone[slot]:
                 self._unmap(slot, pi)
         self.prefix.drop(g)
@@ -351,7 +363,7 @@ class KindRules:
     def _share_page(self, slot: int, pi: int, g: int) -> None:
         """Map held group ``g`` at (slot, pi) unless it is mapped there already; behind the
         slot's frontier (a fork's page behind the window) without its windowed kinds."""
-        pages = self._pages[slot]
+        pages = self.slots.pages[slot]
         if pi >= self._win_gone[slot]:
             if pages.get(pi) != g:
                 if pi in pages:
@@ -364,17 +376,14 @@ class KindRules:
             return
         if pi in pages:               # a whole deferred mapping of another group
             self._unmap(slot, pi, range(len(self.kinds)))
-        pages[pi] = g
-        self._maps[g].add((slot, pi))
+        self.slots.put(slot, pi, g)
         self._emit_map(slot, pi, g, self._kinds_at(slot, pi))
 
     def _unmap_behind(self, slot: int) -> None:
         """At release: mappings without their windowed kinds cannot stay for deferred
         reclamation (a later sequence on the slot would find members missing)."""
-        pages = self._pages[slot]
         for pi in range(self._win_gone[slot]):
-            g = pages.pop(pi)
-            self._maps[g].discard((slot, pi))
+            g = self.slots.take(slot, pi)
             self._emit_unmap(slot, pi, g)
             self._win_drop[g] -= 1
         self._win_gone[slot] = 0

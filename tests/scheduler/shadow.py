@@ -222,3 +222,17 @@ class VmemMemory(_Memory):
             per_slot.setdefault(slot, {})[pi] = dict(extents)
         for slot in range(self.m.num_slots):
             assert self.m.mapped_extents(slot) == per_slot.get(slot, {}), slot
+
+
+def in_transaction(cell, change, commit: bool) -> bool:
+    """Run ``change()`` inside a transaction of ``cell`` (a TxnCell), then commit it or roll
+    it back; returns ``commit`` (the caller restores its shadow when False)."""
+    cell.open({})
+    try:
+        change()
+    finally:
+        if commit:
+            cell.commit()
+        else:
+            cell.rollback([], [])
+    return commit

@@ -14,6 +14,7 @@ from vmemkv.scheduler.managers.journal import TxnCell
 from vmemkv.scheduler.managers.kinds import KindSpec, KindTable
 
 from ..hypothesis_budget import examples
+from .shadow import in_transaction
 
 KINDS = (KindSpec("full", (1,)), KindSpec("window-8", (0, 2), 8))   # members: 2 and 4
 POOL, GROUPS, K = 40, 6, 3                                          # k = 3 pages a member
@@ -29,15 +30,7 @@ class KindTableMachine(RuleBasedStateMachine):
 
     def _txn(self, change, commit: bool) -> None:
         before = dict(self.shadow)
-        self.cell.open({})
-        try:
-            change()
-        finally:
-            if commit:
-                self.cell.commit()
-            else:
-                self.cell.rollback([], [])
-        if not commit:
+        if not in_transaction(self.cell, change, commit):
             self.shadow = before
 
     def _resize(self, k: int, g: int, pages: int) -> None:

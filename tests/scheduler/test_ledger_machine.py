@@ -12,6 +12,7 @@ from vmemkv.scheduler.managers.journal import TxnCell
 from vmemkv.scheduler.managers.ledger import PageLedger
 
 from ..hypothesis_budget import examples
+from .shadow import in_transaction
 
 PAGES = 12
 TENANTS = ("full", "window", ("adapter", 3))
@@ -26,15 +27,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     def _txn(self, change, commit: bool) -> None:
         before = dict(self.shadow)
-        self.cell.open({})
-        try:
-            change()
-        finally:
-            if commit:
-                self.cell.commit()
-            else:
-                self.cell.rollback([], [])
-        if not commit:
+        if not in_transaction(self.cell, change, commit):
             self.shadow = before
 
     @rule(count=st.integers(0, PAGES + 2), tenant=st.sampled_from(TENANTS), commit=st.booleans())
