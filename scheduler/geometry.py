@@ -34,6 +34,7 @@ whole but the last), not members x k x ceil(n / tokens_per_page). The pool is co
 from __future__ import annotations
 
 import math
+from functools import cached_property
 from dataclasses import dataclass
 from enum import Enum
 
@@ -119,7 +120,9 @@ def default_page_bytes(layout, num_layers: int, layer_bytes_per_token: int, on_c
 
 @dataclass(frozen=True)
 class PageGeometry:
-    """Page size and layout of one vmem cache; validated on construction (ConfigError)."""
+    """Page size and layout of one vmem cache; validated on construction (ConfigError). Its
+    derived sizes are computed once (``cached_property``: the managers' and caches' hot paths
+    read them per page)."""
     layout: PageLayout
     page_bytes: int
     num_layers: int
@@ -157,55 +160,55 @@ class PageGeometry:
             if hybrid and layout is PageLayout.PER_LAYER else ()
         return cls(layout, page_bytes, shape.num_layers, shape.layer_bytes_per_token, split)
 
-    @property
+    @cached_property
     def per_layer(self) -> bool:
         return self.layout is PageLayout.PER_LAYER
 
-    @property
+    @cached_property
     def token_bytes(self) -> int:
         """Bytes one token takes in one page."""
         return _per_token_bytes(self.layout, self.num_layers, self.layer_bytes_per_token)
 
-    @property
+    @cached_property
     def num_members(self) -> int:
         """Members of a page group: one per (layer, K/V) per-layer, one per K/V interleaved."""
         return 2 * self.num_layers if self.per_layer else 2
 
-    @property
+    @cached_property
     def pages_per_member(self) -> int:
         """Consecutive pages one member of a page group spans: the fewest whose bytes hold
         whole tokens (1 when a page does)."""
         return self.token_bytes // math.gcd(self.token_bytes, self.page_bytes)
 
-    @property
+    @cached_property
     def tokens_per_page(self) -> int:
         """Tokens one page group holds (in each member's ``pages_per_member`` pages); a whole
         number for every page size."""
         return self.pages_per_member * self.page_bytes // self.token_bytes
 
-    @property
+    @cached_property
     def pages_per_group(self) -> int:
         """Physical pages behind one page group (one MapExtent of every kind; at most, where groups are
         backed by their bytes)."""
         return self.num_members * self.pages_per_member
 
     # -- a split group (hybrid per-layer; see the module docstring) --
-    @property
+    @cached_property
     def split(self) -> bool:
         """Whether groups can be split by layer kind (full layers, windowed layers)."""
         return bool(self.window_layers)
 
-    @property
+    @cached_property
     def full_layers(self) -> tuple:
         """Layers outside ``window_layers`` (every layer where groups are not split)."""
         windowed = set(self.window_layers)
         return tuple(i for i in range(self.num_layers) if i not in windowed)
 
-    @property
+    @cached_property
     def group_bytes(self) -> int:
         return self.page_bytes * self.pages_per_group
 
-    @property
+    @cached_property
     def exact(self) -> bool:
         """Whether one page holds whole tokens only (else members span several pages)."""
         return self.pages_per_member == 1

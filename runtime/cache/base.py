@@ -155,12 +155,11 @@ class KVCache(ABC):
         for it. Builds the step's write indices and every layer's view (one host sync)."""
         self._check_usable()
         for seq_id, computed, new in seqs:
-            held = self._held_tokens(seq_id)
-            if computed + new > held:
+            gap = self._write_gap(seq_id, computed, computed + new)
+            if gap is not None:
                 raise CacheStateError(
-                    f"sequence {seq_id}: writing tokens up to {computed + new} but the plans "
-                    f"gave it memory for {held}; grow it with the manager (allocate/append) "
-                    f"and execute that plan first")
+                    f"sequence {seq_id}: writing tokens up to {computed + new} but {gap}; grow "
+                    f"it with the manager (allocate/append) and execute that plan first")
         step = StepBatch.build(seqs, self.config.torch_device)
         views = self._build_step_views(step)   # raises before changing anything
         self._step, self._views = step, views
@@ -169,6 +168,13 @@ class KVCache(ABC):
     @abstractmethod
     def _held_tokens(self, seq_id: int) -> int:
         """Tokens of ``seq_id`` that the replica says are backed by memory."""
+
+    def _write_gap(self, seq_id: int, start: int, end: int) -> Optional[str]:
+        """None when tokens [start, end) of ``seq_id`` lie in memory the replica says is
+        backed, else what is missing (a cache may answer in O(tokens asked) where
+        ``_held_tokens`` walks them all)."""
+        held = self._held_tokens(seq_id)
+        return None if end <= held else f"the plans gave it memory for {held}"
 
     @abstractmethod
     def _build_step_views(self, step: StepBatch) -> list:

@@ -253,6 +253,16 @@ class VMemKVCache(VMemOps, AdapterReplica, KVCache):
         gap = self._unbacked(self.placement(seq_id), kind, start, end)
         return end if gap is None else gap
 
+    def _write_gap(self, seq_id: int, start: int, end: int) -> Optional[str]:
+        """Whether every kind has mapped the bytes of tokens [start, end): the pages of this
+        step's writes only (``_check_reads`` checks each kind's reads)."""
+        slot = self.placement(seq_id)
+        for kind in self._kinds.values():
+            gap = self._unbacked(slot, kind, start, end)
+            if gap is not None:
+                return f"the plans mapped no memory of its {kind.name!r} layers for token {gap}"
+        return None
+
     def _check_reads(self, step: StepBatch, slots: tuple) -> None:
         """Every key a layer reads this step (from its kind's window start) and every token
         written must lie in memory its kind has mapped."""

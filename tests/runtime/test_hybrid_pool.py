@@ -78,8 +78,11 @@ def test_a_step_reads_the_window_kind_only_from_the_window_start():
         cache.begin_step([(7, 40, 1)])      # window 8: keys from 33 on, all on page 1
         for layer in range(3):
             cache.write(layer, *kv_of(7, layer, range(40, 41)))
-        with pytest.raises(CacheStateError, match="'window-8' layers read keys from token 23"):
-            cache.begin_step([(7, 30, 11)])  # a query at 30 reads key 23 of the windowed layers
+        with pytest.raises(CacheStateError, match="'window-8' layers read keys from token 25"):
+            cache.begin_step([(7, 32, 9)])   # a query at 32 reads key 25 of the windowed layers
+        with pytest.raises(CacheStateError, match="writing tokens up to 41 but the plans mapped "
+                                                  "no memory of its 'window-8' layers for token 30"):
+            cache.begin_step([(7, 30, 11)])  # and writes 30, 31 there
 
 
 def refused(cache, plan, match: str) -> None:

@@ -128,5 +128,5 @@ def test_a_step_past_an_extents_mapped_pages_is_refused():
         cache.execute([MapExtent(0, 0, "full", (0, 1, 2, 3))])
         cache.apply_tables([SetSlot(7, 0)])
         cache.begin_step([(7, 0, 21)])                     # 21 x 192 B fit the first 4 KiB
-        with pytest.raises(CacheStateError, match="gave it memory for 21"):
+        with pytest.raises(CacheStateError, match="mapped no memory of its .full. layers for token 21"):
             cache.begin_step([(7, 0, 22)])                 # token 21 straddles into page 1
