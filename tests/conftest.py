@@ -18,7 +18,8 @@ settings.register_profile("long", deadline=None, max_examples=5000,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Test tensors are tiny: one intra-op thread avoids OpenMP spin-waits that make each small op
-# cost milliseconds on a loaded 2-core machine (CI's size). Benchmarks are not affected.
+# cost milliseconds on a loaded 2-core machine (CI's size, where the suite runs as two
+# pytest-xdist workers, one core each). Benchmarks are not affected.
 try:
     import torch
     torch.set_num_threads(1)

@@ -2,8 +2,9 @@
 the background as soon as the session knows it will run those tests (tests/conftest.py).
 
 They are subprocesses and take about 45 s of CPU, most of it Python start-ups importing torch.
-The suite itself runs on one core (tests/conftest.py sets one torch thread), so on CI's two cores
-the runs overlap the rest of the suite instead of adding to it: they run one after another (one
+A serial suite runs on one core (tests/conftest.py sets one torch thread), so on two cores the
+runs overlap the rest of the suite instead of adding to it (under pytest-xdist, see
+``run_order``): they run one after another (one
 core, so they do not slow the suite's own subprocess tests by more than one process's share), at
 a lower priority, beside the single-process tests: tests/distributed, whose ranks would share the
 cores with them, and then the tests that read them run last (``run_order``).
@@ -59,7 +60,11 @@ def _kill_session(sid: int) -> None:
 
 
 def start_if_selected(session) -> None:
-    """At the end of collection: start the runs when test_gpu_check_script.py is selected."""
+    """At the end of collection: start the runs when test_gpu_check_script.py is selected. Not
+    in a pytest-xdist worker: every worker collects every test, so each would start them; the
+    worker given the file starts them when its first test asks (test_gpu_check_script.py)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     if not session.config.option.collectonly and any(is_dry_run_test(item) for item in session.items):
         session.config.stash[DRY_RUNS_KEY] = DryRuns()
 
@@ -71,9 +76,11 @@ def is_dry_run_test(item) -> bool:
 def run_order(item) -> int:
     """Sort key: the suite's single-process tests first (the dry runs fill the idle core beside
     them), then tests/distributed (each starts ranks of its own: beside the runs they lost 14 s
-    to sharing the cores), then the tests that read the runs."""
+    to sharing the cores), then the tests that read the runs. Under pytest-xdist the tests that
+    read the runs come first: the worker given them starts the runs and waits on one core while
+    the other worker goes on, as the serial suite's runs fill its idle core."""
     if is_dry_run_test(item):
-        return 2
+        return -1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
     return 1 if ROOT / "tests" / "distributed" in Path(item.path).parents else 0
 
 
