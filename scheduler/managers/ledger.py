@@ -80,6 +80,30 @@ class PageLedger:
             self._held[tenant] = self._held.get(tenant, 0) + count
         return pages
 
+    def take_one(self, tenant: Hashable) -> int:
+        """``take(1, tenant)[0]``: the managers' per-block hot path."""
+        if tenant is None:
+            raise ConfigError("a page ledger tenant cannot be None (None marks a free page)")
+        if not self._free:
+            raise OutOfCapacityError(f"{tenant!r} needs 1 page, 0 of {self.num_pages} free")
+        page = self._free.pop()
+        self._holder[page] = tenant
+        self._held[tenant] = self._held.get(tenant, 0) + 1
+        return page
+
+    def give_one(self, page: int) -> None:
+        """``give((page,))``: the managers' per-block hot path."""
+        tenant = self._holder[page]
+        if tenant is None:
+            raise AssertionError(f"page {page} is free already")   # a bug
+        left = self._held[tenant] - 1
+        if left:
+            self._held[tenant] = left
+        else:
+            del self._held[tenant]
+        self._holder[page] = None
+        self._free.append(page)
+
     @property
     def released_pages(self) -> int:
         """Pages given back to the device."""

@@ -150,12 +150,12 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
             if not self._evict_adapter_for_kv():
                 raise AssertionError("no block left to free: room was miscounted")   # a bug
         if self._ledger.free_pages:
-            b = self._ledger.take(1, group)[0]
+            b = self._ledger.take_one(group)
         else:
             b = self._evict()
             if self._ledger.holder(b) != group:     # a hybrid's cached block of another group
-                self._ledger.give((b,))
-                b = self._ledger.take(1, group)[0]  # (the one just given: top of the stack)
+                self._ledger.give_one(b)
+                b = self._ledger.take_one(group)  # (the one just given: top of the stack)
         self._touch(b)
         self._refs[b] = 1
         self._fill[b] = 0
@@ -168,7 +168,7 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
                 table.append(self._take_block(g))
 
     def _unheld(self, b: int) -> None:
-        self._ledger.give((b,))
+        self._ledger.give_one(b)
 
     # -- hybrids: per-group prefix hits (paged_groups.py) --
     def _hits(self, num_tokens: int, token_ids, namespace) -> list:

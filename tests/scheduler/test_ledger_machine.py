@@ -56,6 +56,32 @@ class LedgerMachine(RuleBasedStateMachine):
                 del self.shadow[p]
         self._txn(change, commit)
 
+    @rule(tenant=st.sampled_from(TENANTS), commit=st.booleans())
+    def take_one(self, tenant, commit):
+        """The per-block hot path: the page ``take(1, tenant)`` would give."""
+        def change():
+            if not self.ledger.free_pages:
+                with pytest.raises(OutOfCapacityError):
+                    self.ledger.take_one(tenant)
+                return
+            page = self.ledger.take_one(tenant)
+            assert page not in self.shadow
+            self.shadow[page] = tenant
+        self._txn(change, commit)
+
+    @rule(data=st.data(), commit=st.booleans())
+    def give_one(self, data, commit):
+        if not self.shadow:
+            return
+        page = data.draw(st.sampled_from(sorted(self.shadow)))
+
+        def change():
+            self.ledger.give_one(page)
+            del self.shadow[page]
+            assert self.ledger.take_one("probe") == page     # the stack's top: taken next
+            self.ledger.give_one(page)
+        self._txn(change, commit)
+
     @invariant()
     def matches_shadow(self):
         ledger = self.ledger
@@ -89,5 +115,12 @@ def test_a_fresh_ledger_hands_out_pages_in_order_and_refuses_bad_input():
     assert ledger.take(2, "window") == (0, 2)
     with pytest.raises(ConfigError):
         ledger.take(1, None)
+    with pytest.raises(ConfigError):
+        ledger.take_one(None)
+    with pytest.raises(AssertionError):
+        ledger.give_one(3)                # a free page
+    assert ledger.take_one("window") == 3 and ledger.free_pages == 0
+    with pytest.raises(OutOfCapacityError, match="'full' needs 1 page, 0 of 4 free"):
+        ledger.take_one("full")
     with pytest.raises(ConfigError):
         PageLedger(TxnCell(), 0)
