@@ -73,12 +73,7 @@ class PageLedger:
         if count > len(self._free):
             raise OutOfCapacityError(f"{tenant!r} needs {count} pages, {len(self._free)} of "
                                      f"{self.num_pages} free")
-        pages = tuple(self._free.pop() for _ in range(count))
-        for page in pages:
-            self._holder[page] = tenant
-        if count:
-            self._held[tenant] = self._held.get(tenant, 0) + count
-        return pages
+        return tuple(self.take_one(tenant) for _ in range(count))
 
     def take_one(self, tenant: Hashable) -> int:
         """``take(1, tenant)[0]``: the managers' per-block hot path."""
@@ -139,15 +134,7 @@ class PageLedger:
         if len(set(pages)) != len(pages) or any(self._holder[p] is None for p in pages):
             raise AssertionError(f"pages {pages} include a free page or one twice")  # a bug
         for page in pages:
-            tenant = self._holder[page]
-            left = self._held[tenant] - 1
-            if left:
-                self._held[tenant] = left
-            else:
-                del self._held[tenant]
-            self._holder[page] = None
-        for page in pages:
-            self._free.append(page)
+            self.give_one(page)
 
     def check_integrity(self) -> None:
         """Every page free or held exactly once; the counts match the holders."""
