@@ -254,13 +254,6 @@ class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
             self._fill_units(units, start, end)
         self._live += (end - start) * len(tables)
 
-    def append(self, seq_id: int, num_tokens: int = 1,
-               token_ids: Optional[Sequence[int]] = None) -> None:
-        if self._hybrid:     # no hot path: every group's last block grows
-            self._append_logged(seq_id, self._seq(seq_id), num_tokens, token_ids)
-        else:
-            UnitOps.append(self, seq_id, num_tokens, token_ids)
-
     def _append_in_place(self, seq: HeldSeq, num_tokens: int) -> None:
         if not self._hybrid:
             return super()._append_in_place(seq, num_tokens)

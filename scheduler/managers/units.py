@@ -23,6 +23,8 @@ class UnitOps:
     """Mixed into managers whose memory is ``num_units`` units of ``unit_tokens`` tokens.
     ``prefix_queries``/``prefix_hits`` count TOKENS, as vLLM's prefix-cache metrics do."""
 
+    _hybrid = False     # several tables per sequence (a paged hybrid): no counters-only append
+
     def _init_units(self, num_units: int, unit_tokens: int, eviction: str,
                     free_list: bool = True) -> None:
         self.unit_tokens = self.prefix_unit_tokens = unit_tokens
@@ -235,7 +237,7 @@ class UnitOps:
                token_ids: Optional[Sequence[int]] = None) -> None:
         seq = self._seq(seq_id)
         new = seq.num_tokens + num_tokens
-        if (not self._cell.active and new <= len(seq.units) * self.unit_tokens
+        if (not self._cell.active and not self._hybrid and new <= len(seq.units) * self.unit_tokens
                 and new <= self.max_seq_len and num_tokens > 0 and seq.ids is None
                 and token_ids is None and self._refs[seq.units[-1]] == 1):
             # hot path: room in a private last unit, no ids to hash, no transaction: counters
