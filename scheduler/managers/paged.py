@@ -38,10 +38,10 @@ from .paged_groups import GroupPrefixIndex, PagedSeq, block_groups
 from .prefix import HeldSeq
 from .units import UnitOps
 from .integrity import check_paged
-from .window import WindowedGroups, dropped_in
+from .window import dropped_in
 
 
-class PagedManager(WindowedGroups, AdapterTenancy, UnitOps, ManagerCore):
+class PagedManager(AdapterTenancy, UnitOps, ManagerCore):
     """Block-table manager. ``prefix_queries``/``prefix_hits`` count TOKENS (as vLLM's
     prefix-cache metrics do): tokens offered to ``allocate`` with ``token_ids``, and of those the
     tokens served from cached blocks."""

@@ -48,11 +48,10 @@ from .prefix import HeldSeq, namespace_root
 from .slots import SlotMap
 from .units import UnitOps
 from .vmem_kinds import KindRules
-from .window import WindowedGroups, dropped_units, held_units
+from .window import dropped_units, held_units
 
 
-class VmemManager(ElasticPool, KindRules, WindowedGroups, AdapterTenancy, UnitOps,
-                  ManagerCore):
+class VmemManager(ElasticPool, KindRules, AdapterTenancy, UnitOps, ManagerCore):
     """Slot + page-group manager over per-kind extents. ``prefix_queries``/``prefix_hits``
     count TOKENS. ``hybrid_parts`` (a hybrid model in the per-layer layout): one kind per
     attention pattern, the windowed one given back behind the window; else one kind of every

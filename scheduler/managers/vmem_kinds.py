@@ -35,7 +35,7 @@ from .base import MapExtent, MemoryStats, UnmapExtent
 from .journal import JList, JSet
 from .prefix import HeldSeq
 from .units import UnitOps
-from .window import WindowedGroups, dropped_units
+from .window import dropped_units
 
 
 class KindRules:
@@ -334,7 +334,7 @@ class KindRules:
         W + 1`` (the last page always stays whole); release them where no holder needs them
         any more. A model whose every layer has the window gives back whole groups."""
         if not self._win:
-            WindowedGroups.release_behind_window(self, seq_id, computed_tokens)
+            UnitOps.release_behind_window(self, seq_id, computed_tokens)
             return
         seq = self._changing(seq_id)
         first_read = computed_tokens - self._window + 1
