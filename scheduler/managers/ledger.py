@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Hashable, Iterable, Optional
 
 from ..errors import ConfigError, OutOfCapacityError
-from .journal import JDict, JList, TxnCell
+from .journal import MISSING, JDict, JList, TxnCell, cut_to, put_back, put_last
 
 
 RELEASED = "released"     # the tenant of pages given back to the device (no memory behind them)
@@ -32,7 +32,7 @@ class PageLedger:
     each taken page's tenant, and the pages each tenant holds. O(1) a page to take or give.
     ``in_service_pages``: pages 0.. of them start free, the rest ``RELEASED`` (default all)."""
 
-    __slots__ = ("num_pages", "_free", "_holder", "_held", "_released")
+    __slots__ = ("num_pages", "_cell", "_free", "_holder", "_held", "_released")
 
     def __init__(self, cell: TxnCell, num_pages: int,
                  in_service_pages: Optional[int] = None) -> None:
@@ -42,6 +42,7 @@ class PageLedger:
         if isinstance(serve, bool) or not isinstance(serve, int) or not 0 <= serve <= num_pages:
             raise ConfigError(f"in_service_pages must be in 0..{num_pages}, got {serve!r}")
         self.num_pages = num_pages
+        self._cell = cell
         self._free = JList(cell, range(serve - 1, -1, -1))       # pop() -> lowest free page
         self._holder = JList(cell, [None] * serve + [RELEASED] * (num_pages - serve))
         self._held = JDict(cell)                                  # tenant -> pages held
@@ -76,28 +77,48 @@ class PageLedger:
         return tuple(self.take_one(tenant) for _ in range(count))
 
     def take_one(self, tenant: Hashable) -> int:
-        """``take(1, tenant)[0]``: the managers' per-block hot path."""
+        """``take(1, tenant)[0]``: the managers' per-block hot path, one journal entry (an
+        absolute undo, right whether the change was made or not) instead of one per write."""
         if tenant is None:
             raise ConfigError("a page ledger tenant cannot be None (None marks a free page)")
-        if not self._free:
+        free, held = self._free, self._held
+        if not free:
             raise OutOfCapacityError(f"{tenant!r} needs 1 page, 0 of {self.num_pages} free")
-        page = self._free.pop()
-        self._holder[page] = tenant
-        self._held[tenant] = self._held.get(tenant, 0) + 1
+        page, count = free[-1], dict.get(held, tenant, 0)
+        cell = self._cell
+        if cell.active:
+            cell.log(self._untake, len(free), page, tenant, count)
+        list.pop(free)
+        list.__setitem__(self._holder, page, tenant)
+        dict.__setitem__(held, tenant, count + 1)
         return page
 
+    def _untake(self, length: int, page: int, tenant: Hashable, count: int) -> None:
+        put_last(self._free, length, page)
+        list.__setitem__(self._holder, page, None)
+        put_back(self._held, tenant, count if count else MISSING)
+
     def give_one(self, page: int) -> None:
-        """``give((page,))``: the managers' per-block hot path."""
-        tenant = self._holder[page]
+        """``give((page,))``: the managers' per-block hot path, one journal entry."""
+        holder, held = self._holder, self._held
+        tenant = holder[page]
         if tenant is None:
             raise AssertionError(f"page {page} is free already")   # a bug
-        left = self._held[tenant] - 1
-        if left:
-            self._held[tenant] = left
+        count = dict.__getitem__(held, tenant)
+        cell = self._cell
+        if cell.active:
+            cell.log(self._ungive, len(self._free), page, tenant, count)
+        if count > 1:
+            dict.__setitem__(held, tenant, count - 1)
         else:
-            del self._held[tenant]
-        self._holder[page] = None
-        self._free.append(page)
+            dict.__delitem__(held, tenant)
+        list.__setitem__(holder, page, None)
+        list.append(self._free, page)
+
+    def _ungive(self, length: int, page: int, tenant: Hashable, count: int) -> None:
+        cut_to(self._free, length)
+        list.__setitem__(self._holder, page, tenant)
+        dict.__setitem__(self._held, tenant, count)
 
     @property
     def released_pages(self) -> int:

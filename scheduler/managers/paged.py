@@ -71,6 +71,7 @@ class PagedManager(AdapterTenancy, UnitOps, ManagerCore):
         self._init_units(self.num_blocks, bs, prefix_eviction, free_list=False)
         self._ledger = PageLedger(self._cell, self.num_blocks)   # tenant: the group index
         self._hybrid = len(self.groups) > 1
+        self._plain_append = not self._hybrid     # (UnitOps: one table, counters-only append)
         if self._hybrid:      # each group's blocks registered apart (paged_groups.py)
             self.prefix = GroupPrefixIndex(self._cell)
         windows = [g.window_tokens for g in self.groups if g.window_tokens]
@@ -78,7 +79,7 @@ class PagedManager(AdapterTenancy, UnitOps, ManagerCore):
         self._init_adapters(self._ledger, self.block_bytes, budget_units, self.num_blocks, "block")
 
     _FIXED_FIELDS = UnitOps._FIXED_FIELDS | AdapterTenancy._ADAPTER_FIXED | {
-        "block_size", "num_blocks", "_window", "groups", "block_bytes", "_hybrid"}
+        "block_size", "num_blocks", "_window", "groups", "block_bytes", "_hybrid", "_plain_append"}
     _SAVED_FIELDS = UnitOps._SAVED_FIELDS + AdapterTenancy._ADAPTER_SAVED
     _JOURNALED_FIELDS = (UnitOps._JOURNALED_FIELDS - {"_free"}) | \
         AdapterTenancy._ADAPTER_JOURNALED | {"_ledger"}

@@ -24,7 +24,9 @@ class UnitOps:
     """Mixed into managers whose memory is ``num_units`` units of ``unit_tokens`` tokens.
     ``prefix_queries``/``prefix_hits`` count TOKENS, as vLLM's prefix-cache metrics do."""
 
-    _hybrid = False     # several tables per sequence (a paged hybrid): no counters-only append
+    # False: appends skip the counters-only path below and go to ``_append_other`` (a paged
+    # hybrid's several tables; a vmem pool backed by bytes, which must check its backing)
+    _plain_append = True
 
     def _init_units(self, num_units: int, unit_tokens: int, eviction: str,
                     free_list: bool = True) -> None:
@@ -54,7 +56,9 @@ class UnitOps:
     def _touch(self, unit: int) -> None:
         """Call before writing ``_refs[unit]`` or ``_fill[unit]``: inside a transaction the
         pair is saved at its first write (plain lists keep the hot paths at list speed)."""
-        self._cell.save_unit(unit, self._refs, self._fill)
+        cell = self._cell
+        if cell.active:       # (outside one, no call: the simulator's per-block path)
+            cell.save_unit(unit, self._refs, self._fill)
 
     @property
     def cached_tokens(self) -> int:
@@ -238,7 +242,7 @@ class UnitOps:
                token_ids: Optional[Sequence[int]] = None) -> None:
         seq = self._seq(seq_id)
         new = seq.num_tokens + num_tokens
-        if (not self._cell.active and not self._hybrid and new <= len(seq.units) * self.unit_tokens
+        if (self._plain_append and not self._cell.active and new <= len(seq.units) * self.unit_tokens
                 and new <= self.max_seq_len and num_tokens > 0 and seq.ids is None
                 and token_ids is None and self._refs[seq.units[-1]] == 1):
             # hot path: room in a private last unit, no ids to hash, no transaction: counters
@@ -247,6 +251,13 @@ class UnitOps:
             self._tok_sum += num_tokens
             seq.num_tokens = new
             return
+        if self._plain_append:
+            self._append_logged(seq_id, seq, num_tokens, token_ids)
+        else:
+            self._append_other(seq_id, seq, num_tokens, token_ids)
+
+    def _append_other(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
+        """``append`` where ``_plain_append`` is False (the manager's own rule)."""
         self._append_logged(seq_id, seq, num_tokens, token_ids)
 
     def _append_logged(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:

@@ -151,7 +151,7 @@ class VmemManager(ElasticPool, KindRules, AdapterTenancy, UnitOps, ManagerCore):
     _FIXED_FIELDS = UnitOps._FIXED_FIELDS | AdapterTenancy._ADAPTER_FIXED | {
         "geometry", "page_bytes", "tokens_per_page", "pages_per_group", "num_groups", "num_slots",
         "pages_per_slot", "_window", "kinds", "pool_pages", "backing", "_win", "_whole",
-        "_released_at_start", "_win_pages", "_kept", "block_tokens"}
+        "_plain_append", "_released_at_start", "_win_pages", "_kept", "block_tokens"}
     _SAVED_FIELDS = UnitOps._SAVED_FIELDS + AdapterTenancy._ADAPTER_SAVED + (
         "_idle", "block_hit_tokens")
     _JOURNALED_FIELDS = UnitOps._JOURNALED_FIELDS | AdapterTenancy._ADAPTER_JOURNALED | {

@@ -43,7 +43,7 @@ class KindRules:
 
     def _init_rules(self, cell) -> None:
         geo, table = self.geometry, self.table
-        self._whole = self.backing is PoolBacking.WHOLE
+        self._whole = self._plain_append = self.backing is PoolBacking.WHOLE
         self._win_pages = sum(table.members[k] for k in self._win) * geo.pages_per_member
         self._kept = tuple(k for k in range(len(self.kinds)) if k not in self._win)
         self._idle = 0                                   # pages of reclaimable groups
@@ -187,15 +187,11 @@ class KindRules:
                 self._ops.append(UnmapExtent(slot, pi, self.kinds[k].name))
 
     # -- the backing rule --
-    def append(self, seq_id: int, num_tokens: int = 1, token_ids=None) -> None:
-        """As UnitOps'; by BYTES the counters-only hot path only while the new tokens fit the
-        last group's backed pages."""
-        if self._whole:
-            UnitOps.append(self, seq_id, num_tokens, token_ids)
-            return
-        seq = self._seq(seq_id)
+    def _append_other(self, seq_id: int, seq: HeldSeq, num_tokens: int, token_ids) -> None:
+        """By BYTES (``_plain_append`` is False): an append within the last group's backed
+        pages is any append; past them the slow path backs the new bytes."""
         if seq.units and seq.num_tokens + num_tokens <= self._room_tokens(seq.units):
-            UnitOps.append(self, seq_id, num_tokens, token_ids)
+            self._append_logged(seq_id, seq, num_tokens, token_ids)
             return
         self._cell.record(seq)     # (not _append_logged: its hot path would not back)
         self._append_slow(seq_id, seq, num_tokens, token_ids)
