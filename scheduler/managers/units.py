@@ -242,7 +242,8 @@ class UnitOps:
                token_ids: Optional[Sequence[int]] = None) -> None:
         seq = self._seq(seq_id)
         new = seq.num_tokens + num_tokens
-        if (self._plain_append and not self._cell.active and new <= len(seq.units) * self.unit_tokens
+        if (self._plain_append and not self._cell.active
+                and new <= len(seq.units) * self.unit_tokens
                 and new <= self.max_seq_len and num_tokens > 0 and seq.ids is None
                 and token_ids is None and self._refs[seq.units[-1]] == 1):
             # hot path: room in a private last unit, no ids to hash, no transaction: counters

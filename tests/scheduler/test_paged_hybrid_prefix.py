@@ -272,8 +272,7 @@ class PagedHybridPrefixMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 99))
     @precondition(lambda self: self.live)
     def swap_out(self, i):
-        """Every group's blocks go to swap space, group after group; refused (nothing changed)
-        once a windowed group gave a block back."""
+        """Every group's blocks, group after group; refused once a window gave blocks back."""
         sid = self.pick(i)
         tables = self.m.block_tables(sid)
         if any(None in table for table in tables):
@@ -300,8 +299,7 @@ class PagedHybridPrefixMachine(RuleBasedStateMachine):
         self.m.swap_in(sid)
         op = [o for o in self.m.take_ops() if isinstance(o, SwapIn)][0]
         tables = self.m.block_tables(sid)
-        assert op.blocks == tuple(b for table in tables for b in table)
-        assert all(None not in table for table in tables)
+        assert op.blocks == tuple(b for table in tables for b in table) and None not in op.blocks
         self.live[sid], self.computed[sid] = self.swapped.pop(sid)
         self._write(sid, 0, len(self.live[sid]))     # the SwapIn writes the tokens back
 
