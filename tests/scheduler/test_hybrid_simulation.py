@@ -3,6 +3,7 @@ long contexts: window-aware allocation on vmem per-layer runs a larger batch and
 tokens per second than full allocation (per-layer without parts, interleaved, paged)."""
 import pytest
 
+from vmemkv.scheduler.presets import ModelSpec
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.workload import WorkloadSpec, generate
@@ -44,21 +45,18 @@ def test_the_small_run_gives_the_documented_figures(runs):
     assert aware.kv_cache_usage_perc < full.kv_cache_usage_perc
 
 
-@pytest.mark.parametrize("preemption", ["recompute", "swap"])
-@pytest.mark.parametrize("share", [False, True])
-def test_the_scheduler_finishes_everything_over_a_hybrid_manager(preemption, share):
-    """Preemption (a sequence behind its window is recomputed even under swap), forks, prefix
-    sharing, integrity checked after every step; every request ends and memory comes back."""
+# 4 windowed layers (window 8) beside 2 full ones
+HYBRID_SPEC = ModelSpec("h", 6, 1, 1, 1, weight_bytes=0, layer_windows=(8, 8, None, 8, 8, None))
+
+
+def drive_hybrid_workload(m, preemption: str, share: bool):
+    """30 requests (every other one a prefix of one shared prompt, every third with n=2) through
+    a Scheduler over ``m`` until all end, integrity checked after every step; the scheduler."""
     import random
 
-    from vmemkv.scheduler.managers import make_manager
-    from vmemkv.scheduler.presets import ModelSpec
     from vmemkv.scheduler.request import Request
     from vmemkv.scheduler.scheduler import Scheduler
 
-    spec = ModelSpec("h", 6, 1, 1, 1, weight_bytes=0, layer_windows=(8, 8, None, 8, 8, None))
-    m = make_manager("vmem", spec, 12 * 2 * 60, 96, page_bytes=2, swap_bytes=10**6,
-                     hybrid_parts=True)
     s = Scheduler(m, SchedulerConfig(watermark=0.0, max_tokens_per_step=16, max_running=16,
                                      preemption=preemption, check_every_step=True,
                                      enable_prefix_sharing=share))
@@ -71,5 +69,18 @@ def test_the_scheduler_finishes_everything_over_a_hybrid_manager(preemption, sha
     while s.has_unfinished():
         plan = s.schedule()
         s.update({x.seq_id: 7 for x in plan.seqs if x.sample})
+    return s
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("share", [False, True])
+def test_the_scheduler_finishes_everything_over_a_hybrid_manager(preemption, share):
+    """Preemption (a sequence behind its window is recomputed even under swap), forks, prefix
+    sharing, integrity checked after every step; every request ends and memory comes back."""
+    from vmemkv.scheduler.managers import make_manager
+
+    m = make_manager("vmem", HYBRID_SPEC, 12 * 2 * 60, 96, page_bytes=2, swap_bytes=10**6,
+                     hybrid_parts=True)
+    s = drive_hybrid_workload(m, preemption, share)
     assert s.metrics.num_finished_requests == 30 and s.metrics.num_preemptions > 0
     assert m.stats().live_tokens == 0 and m.bound_pages <= m.pool_pages

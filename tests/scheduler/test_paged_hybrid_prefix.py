@@ -372,27 +372,14 @@ TestPagedHybridPrefixCollidingDigests.settings = _SETTINGS
 def test_the_scheduler_shares_prefixes_over_a_paged_hybrid(evict):
     """Prefix sharing, forks, preemption by recompute, integrity checked after every step:
     every request ends, later ones hit, and memory comes back."""
-    import random
-
     from vmemkv.scheduler.managers import make_manager
-    from vmemkv.scheduler.request import Request
-    from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
-    spec = ModelSpec("h", 6, 1, 1, 1, weight_bytes=0, layer_windows=(8, 8, None, 8, 8, None))
-    m = make_manager("paged", spec, 12 * 2 * 60, 96, block_size_tokens=2, prefix_eviction=evict)
+    from .test_hybrid_simulation import HYBRID_SPEC, drive_hybrid_workload
+
+    m = make_manager("paged", HYBRID_SPEC, 12 * 2 * 60, 96, block_size_tokens=2,
+                     prefix_eviction=evict)
     assert len(m.groups) > 1
-    s = Scheduler(m, SchedulerConfig(watermark=0.0, max_tokens_per_step=16, max_running=16,
-                                     preemption="recompute", check_every_step=True,
-                                     enable_prefix_sharing=True))
-    rng = random.Random(1)
-    base = [rng.randrange(50) for _ in range(40)]
-    for i in range(30):
-        p = rng.randrange(2, 40)
-        ids = base[:p] if i % 2 else [rng.randrange(50) for _ in range(p)]
-        s.add_request(Request(i, p, rng.randrange(1, 50), prompt_token_ids=ids, n=1 + (i % 3 == 0)))
-    while s.has_unfinished():
-        plan = s.schedule()
-        s.update({x.seq_id: 7 for x in plan.seqs if x.sample})
+    s = drive_hybrid_workload(m, "recompute", True)
     assert s.metrics.num_finished_requests == 30
     assert m.prefix_hits > 0
     assert m.stats().live_tokens == 0
