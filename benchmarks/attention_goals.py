@@ -6,6 +6,9 @@
   the fastest backend at least as fast as per-request ``sdpa`` on the same view (a baseline).
 * issue 28 (``goals["interleaved"]``): decode on vmem interleaved within 15% of vmem per-layer
   at b8 ctx2k and b32 ctx4k (needs ``--vmem-layout per-layer interleaved``).
+* issue 30 (``goals["fp8_over_fp32"]``, ``goals["fp8_over_bf16"]``): decode with fp8_e4m3 K/V
+  under fp32 queries at b8 ctx2k and b32 ctx4k, on each cache, >= 2.5x faster than fp32 K/V
+  and >= 1.6x than bf16 K/V (needs ``--kv-cache-dtype auto bf16 fp8_e4m3``).
 
 A goal whose rows the run did not measure is reported with ``rows: 0`` and ``met: None``.
 """
@@ -16,6 +19,7 @@ DECODE_READ_PCT = 80.0
 PREFILL_VS_SDPA = 1.0
 INTERLEAVED_WITHIN = 1.15
 INTERLEAVED_CONFIGS = ((8, 2048), (32, 4096))
+FP8_OVER = {"auto": 2.5, "bf16": 1.6}   # issue 30: fp8_e4m3 decode's speed-up over these K/V
 
 
 def speedups(rows: list[dict]) -> list[dict]:
@@ -55,7 +59,7 @@ def _goal(values: list[tuple[str, float]], ok, worst=min) -> dict:
 
 
 def goals(rows: list[dict], baseline_ratios: list[dict]) -> dict:
-    """Issue 33's and issue 28's goals over one run's rows (see the module docstring)."""
+    """Issue 33's, 28's and 30's goals over one run's rows (see the module docstring)."""
     what = lambda r: f"{r['cache']} {_dtype(r)} b{r['batch']} ctx{r['ctx']}"  # noqa: E731
     decode = [(what(r), r["pct_limit"]) for r in rows if r["phase"] == "decode"]
     prefill = [(what(r), r["baseline_over_backend"]) for r in baseline_ratios
@@ -65,7 +69,15 @@ def goals(rows: list[dict], baseline_ratios: list[dict]) -> dict:
     inter = [(f"{d} b{b} ctx{c}", ms[("vmem interleaved", b, c, d)] / ms[("vmem", b, c, d)])
              for d in sorted({_dtype(r) for r in rows}) for b, c in INTERLEAVED_CONFIGS
              if ("vmem interleaved", b, c, d) in ms and ("vmem", b, c, d) in ms]
-    return {"decode_read": _goal(decode, lambda x: x >= DECODE_READ_PCT),
+    by_kv = {(r["cache"], r["batch"], r["ctx"], r.get("kv_cache_dtype", "auto")): r["ms"]
+             for r in rows if r["phase"] == "decode" and r.get("dtype", "float32") == "float32"}
+    fp8 = {other: [(f"{c} b{b} ctx{x}", by_kv[(c, b, x, other)] / t)
+                   for (c, b, x, kv), t in by_kv.items() if kv == "fp8_e4m3"
+                   and (b, x) in INTERLEAVED_CONFIGS and (c, b, x, other) in by_kv]
+           for other in FP8_OVER}
+    return {"fp8_over_fp32": _goal(fp8["auto"], lambda x: x >= FP8_OVER["auto"]),
+            "fp8_over_bf16": _goal(fp8["bf16"], lambda x: x >= FP8_OVER["bf16"]),
+            "decode_read": _goal(decode, lambda x: x >= DECODE_READ_PCT),
             "prefill_vs_sdpa": _goal(prefill, lambda x: x >= PREFILL_VS_SDPA),
             "interleaved": _goal(inter, lambda x: x <= INTERLEAVED_WITHIN, worst=max)}
 
@@ -80,7 +92,9 @@ def print_goals(target: dict, met: dict) -> None:
     lines = {"decode_read": f"decode rows at >= {DECODE_READ_PCT:.0f}% of read bandwidth (issue 33)",
              "prefill_vs_sdpa": "prefill rows >= 1.0x per-request sdpa (issue 33)",
              "interleaved": f"interleaved decode within {INTERLEAVED_WITHIN - 1:.0%} of per-layer "
-                            f"at b8 ctx2k and b32 ctx4k (issue 28)"}
+                            f"at b8 ctx2k and b32 ctx4k (issue 28)",
+             "fp8_over_fp32": f"fp8_e4m3 decode >= {FP8_OVER['auto']}x fp32 K/V (issue 30)",
+             "fp8_over_bf16": f"fp8_e4m3 decode >= {FP8_OVER['bf16']}x bf16 K/V (issue 30)"}
     for key, text in lines.items():
         g = met[key]
         if g["rows"]:

@@ -35,6 +35,9 @@
  * 8-bit K/V carry fp32 scales per KV head (value = stored * scale): K's is folded into the
  * query rows of its head (q * scale_k . k = q . (scale_k k)) and V's into their outputs
  * (sum p (scale_v v) = scale_v sum p v), so the inner loops convert bytes and never multiply.
+ * An e4m3 decode converts without the step that makes 0x7F / 0xFF NaN and watches the bytes it
+ * reads for those two instead (a vpmax per 64 bytes); a unit that met one is walked again with
+ * the step, so the result is always that of the exact conversion (issue 30: 13% of the time).
  */
 #include <stdlib.h>
 
@@ -73,11 +76,13 @@ typedef struct {
     float *kt;                /* [CHUNK][D]: a tile's K widened to fp32 (unit_gemm) */
     float *qT;                /* [D][MAX_ROWS]: qb transposed (unit_gemm) */
     int32_t *lo, *hi;         /* [MAX_ROWS]: row r sees keys [lo, hi) */
+    int nan_bytes;            /* the unit's walk read an e4m3 NaN byte as finite (DT_E4M3_FINITE) */
 } ws_t;
 
 /* The item a unit belongs to, unpacked, and the keys [c_lo, c_hi) the unit walks. */
 typedef struct {
     int64_t i, p0, np, h0, nh, G, rows, rvec, c_lo, c_hi;
+    int exact;                     /* e4m3 read with the NaN step (a walk met a NaN byte) */
     int64_t head_rows[MAX_ROWS];   /* [nh][np * G]: the c-th row of head hh, (p * nh + hh) * G + g */
 } unit_t;
 
@@ -116,6 +121,7 @@ static void unit_start(const args_t *a, const int64_t *item, unit_t *u, ws_t *w)
     const int64_t D = a->D, i = item[0], first = a->ctx[i] - a->qlen[i] + item[1];
     u->i = i; u->p0 = item[1]; u->np = item[2]; u->h0 = item[3]; u->nh = item[4];
     u->G = a->H / a->Hkv; u->rows = u->np * u->nh * u->G; u->rvec = (u->rows + VW - 1) / VW;
+    u->exact = 0; w->nan_bytes = 0;
     for (int64_t hh = 0, c = 0; hh < u->nh; hh++)
         for (int64_t p = 0; p < u->np; p++)
             for (int64_t g = 0; g < u->G; g++) u->head_rows[c++] = (p * u->nh + hh) * u->G + g;
@@ -152,9 +158,14 @@ static void attend_unit(const args_t *a, const int64_t *item, int64_t s, ws_t *w
     unit_start(a, item, &u, w);
     const int64_t S = item[5], D = a->D, rows = u.rows, lo = item_lo(a, item);
     const int64_t n = a->ctx[u.i] - a->qlen[u.i] + u.p0 + u.np - lo;
-    u.c_lo = lo + n * s / S;
-    u.c_hi = lo + n * (s + 1) / S;
+    const int64_t c_lo = lo + n * s / S, c_hi = lo + n * (s + 1) / S;
+    u.c_lo = c_lo; u.c_hi = c_hi;
     walk_keys(a, &u, w);
+    if (w->nan_bytes) {   /* e4m3 NaN bytes were read as finite: the unit again, exactly */
+        unit_start(a, item, &u, w);
+        u.c_lo = c_lo; u.c_hi = c_hi; u.exact = 1;
+        walk_keys(a, &u, w);
+    }
     if (S > 1) {
         float *dst = part + s * rows * (D + 2);
         memcpy(dst, w->m, (size_t)rows * sizeof(float));

@@ -65,6 +65,7 @@ static ALWAYS void key_partials(const args_t *a, const unit_t *u, const int64_t 
                                 const int JN, const int64_t *ahead, const int64_t *voffs,
                                 ws_t *w, const int64_t D, const int dt) {
     const int64_t nv = D / VW, per_head = u->np * u->G;
+    nan_watch nan = nan_watch_new();
     for (int64_t hh = 0; hh < u->nh; hh++) {
         for (int jj = 0; jj < JN; jj++) {
             prefetch_head(a->k, ahead[jj] < 0 ? -1 : ahead[jj] + hh * a->ks[2], D, dt);
@@ -72,8 +73,12 @@ static ALWAYS void key_partials(const args_t *a, const unit_t *u, const int64_t 
         }
         vf kr[2][D / VW > 0 ? D / VW : 1];
         for (int jj = 0; jj < JN; jj++) {
-            #pragma GCC unroll 16
-            for (int64_t x = 0; x < nv; x++) kr[jj][x] = ld_kv(a->k, koffs[jj] + hh * a->ks[2] + x * VW, dt);
+            const int64_t off = koffs[jj] + hh * a->ks[2];
+            if (dt == DT_E4M3_FINITE) nan_watch_bytes(&nan, (const int8_t *)a->k + off, nv * VW);
+            int64_t x = 0;
+            #pragma GCC unroll 8
+            for (; x + 2 <= nv; x += 2) ld_kv2(a->k, off + x * VW, dt, &kr[jj][x], &kr[jj][x + 1]);
+            if (x < nv) kr[jj][x] = ld_kv(a->k, off + x * VW, dt);
         }
         for (int64_t c = 0; c < per_head; c++) {
             const int64_t r = u->head_rows[hh * per_head + c];
@@ -95,6 +100,7 @@ static ALWAYS void key_partials(const args_t *a, const unit_t *u, const int64_t 
             }
         }
     }
+    if (dt == DT_E4M3_FINITE && nan_watch_seen(nan)) w->nan_bytes = 1;
 }
 
 #ifdef HAVE_DPBF16
@@ -215,13 +221,17 @@ static ALWAYS void value_block(const args_t *a, ws_t *w, const int64_t *rs, cons
                                const int CV, const int64_t *voffs, int64_t hoff, int64_t n,
                                int64_t x0, const int64_t D, const int dt, const float *sp, int rescale) {
     vf acc[4][4];
+    nan_watch nan = nan_watch_new();
     for (int b = 0; b < RB; b++)
         for (int c = 0; c < CV; c++)
             acc[b][c] = ldf(w->acc + rs[b] * D + x0 + c * VW) * (rescale ? w->corr[rs[b]] : 1.0f);
     for (int64_t j = 0; j < n; j++) {
         const int64_t off = voffs[j] + hoff + x0;
         vf vv[4];
-        for (int c = 0; c < CV; c++) vv[c] = ld_kv(a->v, off + c * VW, dt);
+        if (dt == DT_E4M3_FINITE) nan_watch_bytes(&nan, (const int8_t *)a->v + off, CV * VW);
+        int cv = 0;
+        for (; cv + 2 <= CV; cv += 2) ld_kv2(a->v, off + cv * VW, dt, &vv[cv], &vv[cv + 1]);
+        if (cv < CV) vv[cv] = ld_kv(a->v, off + cv * VW, dt);
         const float *p = sp + j * MAX_ROWS;
         for (int b = 0; b < RB; b++) {
             const vf pb = splat(p[rs[b]]);
@@ -230,6 +240,7 @@ static ALWAYS void value_block(const args_t *a, ws_t *w, const int64_t *rs, cons
     }
     for (int b = 0; b < RB; b++)
         for (int c = 0; c < CV; c++) stf(w->acc + rs[b] * D + x0 + c * VW, acc[b][c]);
+    if (dt == DT_E4M3_FINITE && nan_watch_seen(nan)) w->nan_bytes = 1;
 }
 
 /* value_block over D for RB rows: blocks of 4 vectors, then the remaining vectors, then the
@@ -410,6 +421,9 @@ static ALWAYS void walk_keys_d(const args_t *a, const unit_t *u, ws_t *w, const 
     /* 2- and 1-byte V of a unit with many rows a head: each tile widened once (tile_widen),
      * the values read from w->vt as fp32 through wa (vt's strides) and woffs */
     const int widen = dt != DT_F32 && u->np * u->G > WIDEN_ROWS, gemm = unit_gemm(u);
+    /* e4m3 decode reads its rows without the NaN step, checking them for NaN bytes instead
+     * (attend_unit walks the unit again exactly if one is met) */
+    const int finite = dt == DT_E4M3 && !widen && !gemm && !u->exact;
     args_t wa = *a;
     const int64_t wstrides[3] = {0, u->nh * D, D};
     int64_t woffs[CHUNK];
@@ -427,15 +441,18 @@ static ALWAYS void walk_keys_d(const args_t *a, const unit_t *u, ws_t *w, const 
             tile_offsets(a, a->ks, u->i, c1, n1, u->h0, offs[t ^ 1][0]);
             tile_offsets(a, a->vs, u->i, c1, n1, u->h0, offs[t ^ 1][1]);
         }
+        const int64_t *vpre = kv_bytes(dt) <= PREFETCH_V_BYTES ? offs[t][1] : NULL;
         if (gemm) tile_scores_gemm(a, u, offs[t][0], n, w, D, dt);
-        else tile_scores(a, u, offs[t][0], n, offs[t ^ 1][0], n1 > 0 ? n1 : 0,
-                         kv_bytes(dt) <= PREFETCH_V_BYTES ? offs[t][1] : NULL, w, D, dt);
+        else if (finite) tile_scores(a, u, offs[t][0], n, offs[t ^ 1][0], n1 > 0 ? n1 : 0, vpre, w, D, DT_E4M3_FINITE);
+        else tile_scores(a, u, offs[t][0], n, offs[t ^ 1][0], n1 > 0 ? n1 : 0, vpre, w, D, dt);
         tile_softmax(u, c0, n, w);
         if (gemm) {
             tile_values_gemm(a, u, offs[t][1], n, w, D, dt);
         } else if (widen) {
             tile_widen(a, u, offs[t][1], n, w->vt, D, dt);
             tile_values(&wa, u, woffs, n, w, D, DT_F32);
+        } else if (finite) {
+            tile_values(a, u, offs[t][1], n, w, D, DT_E4M3_FINITE);
         } else {
             tile_values(a, u, offs[t][1], n, w, D, dt);
         }

@@ -108,3 +108,16 @@ def test_goals_judge_decode_share_prefill_against_sdpa_and_interleaved_against_p
     rows[-1]["ms"], rows[1]["pct_limit"], vs_sdpa[1]["baseline_over_backend"] = 34.0, 80.0, 1.0
     g = attention_goals.goals(rows, vs_sdpa)
     assert g["decode_read"]["met"] and g["prefill_vs_sdpa"]["met"] and g["interleaved"]["met"]
+    assert g["fp8_over_fp32"] == {"rows": 0, "met": None, "worst": None, "values": {}}
+
+
+def test_the_fp8_goals_compare_each_cache_and_size_with_its_own_fp32_and_bf16_rows():
+    rows = [dict(_row("vmem", "decode", 8, 2048, ms, 50.0), kv_cache_dtype=kv)
+            for kv, ms in (("auto", 4.0), ("bf16", 2.0), ("fp8_e4m3", 1.5))]
+    rows += [dict(_row("paged", "decode", 32, 4096, ms, 50.0), kv_cache_dtype=kv)
+             for kv, ms in (("auto", 33.0), ("bf16", 16.0), ("fp8_e4m3", 11.0))]
+    rows.append(dict(_row("vmem", "decode", 8, 512, 0.1, 50.0), kv_cache_dtype="fp8_e4m3"))
+    g = attention_goals.goals(rows, [])
+    assert g["fp8_over_fp32"]["values"] == {"vmem b8 ctx2048": 4.0 / 1.5, "paged b32 ctx4096": 3.0}
+    assert g["fp8_over_fp32"]["met"] and not g["fp8_over_bf16"]["met"]
+    assert g["fp8_over_bf16"]["worst"] == ("vmem b8 ctx2048", 2.0 / 1.5)

@@ -183,3 +183,44 @@ def test_both_vector_widths_match_the_reference_with_every_row_of_an_item(vector
     case = make_case(spec, heads=8, kv_heads=1, head_dim=32, seed=vector_lanes)
     starts = [0, 0]
     check(kernel(), case, layer_view(case, "vmem", starts, None), starts, None, None)
+
+
+def poke(view, which: str, request: int, pos: int, head: int, dim: int, byte: int) -> None:
+    """Store ``byte`` as the raw 8-bit element of ``which`` ("k" / "v") at that place."""
+    if view.kind == "vmem":
+        cache = view.k_cache if which == "k" else view.v_cache
+        row = cache[int(view.host_slots[request]), pos]
+    else:
+        pool = view.k_pool if which == "k" else view.v_pool
+        row = pool[int(view.block_tables[request, pos // BLOCK]), pos % BLOCK]
+    row[head, dim:dim + 1].view(torch.uint8).fill_(byte)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("head_dim, vector_lanes", [(32, 16), (128, 16), (128, 8)])
+def test_e4m3_nan_bytes_a_decode_reads_give_nan_exactly_where_the_reference_does(
+        layout, head_dim, vector_lanes, monkeypatch):
+    """An e4m3 decode reads its rows without turning 0x7F / 0xFF into NaN and watches the bytes
+    it reads for them instead, walking a unit again with the NaN step when it meets one. So a
+    NaN byte in a K row makes every row of that head NaN, one in a V row that element of its
+    rows' outputs, as in the reference over the decoded values; other requests and heads are
+    untouched, with key ranges split too (a walk that kept the finite reading fails here), in
+    the 16-lane build and the 8-lane one."""
+    from vmemkv.runtime.attention import native
+    build = native.kernel
+    monkeypatch.setattr(native, "kernel", lambda head_dim, dtype_code:
+                        build(head_dim, dtype_code, vector_lanes))
+    spec, starts = [(70, 1), (45, 1), (90, 1)], [0, 0, 0]
+    case = make_case(spec, heads=8, kv_heads=2, head_dim=head_dim, seed=9)
+    case, view = encoded(case, layer_view(case, layout, starts, None), "fp8_e4m3")
+    poke(view, "k", request=0, pos=33, head=1, dim=5, byte=0x7F)
+    poke(view, "v", request=1, pos=44, head=0, dim=head_dim - 1, byte=0xFF)
+    case.keys[0][33, 1, 5] = math.nan
+    case.values[1][44, 0, head_dim - 1] = math.nan
+    want = truth(case, starts, None, None)
+    assert want[0, 4:].isnan().all() and not want[0, :4].isnan().any()
+    assert want[1, :4, -1].isnan().all() and not want[1, :4, :-1].isnan().any()
+    assert not want[1, 4:].isnan().any() and not want[2].isnan().any()
+    for backend in (kernel(), kernel(units=5)):
+        out = backend.forward(case.q, view)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5, equal_nan=True)
