@@ -50,6 +50,7 @@
 #define PREFETCH_V_BYTES 2   /* V rows of 1- and 2-byte elements are prefetched as their keys are scored (issue 30) */
 #endif
 #define MAX_ROWS 64       /* query rows per item (np * nh * G), enforced by the caller */
+#define KR_VECS 16        /* K row vectors a key's scoring holds in registers (cpu_varlen_tile.h) */
 #define WIDEN_ROWS 4      /* units with more rows a KV head widen each V tile once (cpu_varlen_tile.h) */
 #define WIDEN_HEADS (MAX_ROWS / (WIDEN_ROWS + 1))   /* the most KV heads such a unit has */
 #define ITEM_COLS 6       /* (request, p0, np, h0, nh, splits) */

@@ -60,7 +60,9 @@ static ALWAYS void prefetch_head(const void *base, int64_t off, int64_t D, int d
  * later) is prefetched: spread so, not in one burst per row, the loads of later rows overlap
  * this one's arithmetic. ``voffs`` (or NULL): the same keys' V rows, prefetched now for the
  * tile's values (for 1- and 2-byte K/V the walk's arithmetic otherwise adds to the V loads'
- * time instead of hiding under it; measured in docs/benchmarks.md, issue 30). */
+ * time instead of hiding under it; measured in docs/benchmarks.md, issue 30). The K rows sit in
+ * a fixed-size array, so in registers: GCC keeps an array sized by D (variable-length, even
+ * where D is a constant) in memory, storing every widened K vector (5% of an e4m3 decode). */
 static ALWAYS void key_partials(const args_t *a, const unit_t *u, const int64_t *koffs,
                                 const int JN, const int64_t *ahead, const int64_t *voffs,
                                 ws_t *w, const int64_t D, const int dt) {
@@ -71,34 +73,44 @@ static ALWAYS void key_partials(const args_t *a, const unit_t *u, const int64_t 
             prefetch_head(a->k, ahead[jj] < 0 ? -1 : ahead[jj] + hh * a->ks[2], D, dt);
             if (voffs) prefetch_head(a->v, voffs[jj] + hh * a->vs[2], D, dt);
         }
-        vf kr[2][D / VW > 0 ? D / VW : 1];
-        for (int jj = 0; jj < JN; jj++) {
-            const int64_t off = koffs[jj] + hh * a->ks[2];
-            if (dt == DT_E4M3_FINITE) nan_watch_bytes(&nan, (const int8_t *)a->k + off, nv * VW);
-            int64_t x = 0;
-            #pragma GCC unroll 8
-            for (; x + 2 <= nv; x += 2) ld_kv2(a->k, off + x * VW, dt, &kr[jj][x], &kr[jj][x + 1]);
-            if (x < nv) kr[jj][x] = ld_kv(a->k, off + x * VW, dt);
-        }
-        for (int64_t c = 0; c < per_head; c++) {
-            const int64_t r = u->head_rows[hh * per_head + c];
-            const float *qr = w->qb + r * D;
-            vf sum[2] = {{0}, {0}};
-            #pragma GCC unroll 16
-            for (int64_t x = 0; x < nv; x++) {
-                const vf qx = ldf(qr + x * VW);
-                for (int jj = 0; jj < JN; jj++) sum[jj] += qx * kr[jj][x];
-            }
+        /* the head's vectors KR_VECS at a time (once for D <= KR_VECS * VW), partials added up */
+        for (int64_t x0 = 0; x0 == 0 || x0 < nv; x0 += KR_VECS) {
+            const int64_t xn = nv - x0 < KR_VECS ? nv - x0 : KR_VECS;
+            vf kr[2][KR_VECS];
             for (int jj = 0; jj < JN; jj++) {
-                stf(w->part + (jj * MAX_ROWS + r) * VW, sum[jj]);
-                if (D % VW) {
+                const int64_t off = koffs[jj] + hh * a->ks[2] + x0 * VW;
+                if (dt == DT_E4M3_FINITE) nan_watch_bytes(&nan, (const int8_t *)a->k + off, xn * VW);
+                int64_t x = 0;
+                #pragma GCC unroll 8
+                for (; x + 2 <= xn; x += 2) ld_kv2(a->k, off + x * VW, dt, &kr[jj][x], &kr[jj][x + 1]);
+                if (x < xn) kr[jj][x] = ld_kv(a->k, off + x * VW, dt);
+            }
+            for (int64_t c = 0; c < per_head; c++) {
+                const int64_t r = u->head_rows[hh * per_head + c];
+                const float *qr = w->qb + r * D + x0 * VW;
+                vf sum[2] = {{0}, {0}};
+                #pragma GCC unroll 16
+                for (int64_t x = 0; x < xn; x++) {
+                    const vf qx = ldf(qr + x * VW);
+                    for (int jj = 0; jj < JN; jj++) sum[jj] += qx * kr[jj][x];
+                }
+                for (int jj = 0; jj < JN; jj++) {
+                    float *part = w->part + (jj * MAX_ROWS + r) * VW;
+                    stf(part, x0 ? ldf(part) + sum[jj] : sum[jj]);
+                }
+            }
+        }
+        if (D % VW)
+            for (int64_t c = 0; c < per_head; c++) {
+                const int64_t r = u->head_rows[hh * per_head + c];
+                const float *qr = w->qb + r * D;
+                for (int jj = 0; jj < JN; jj++) {
                     float t = 0.0f;
                     for (int64_t x = nv * VW; x < D; x++)
                         t += qr[x] * ld_one(a->k, koffs[jj] + hh * a->ks[2] + x, dt);
                     w->tails[jj * MAX_ROWS + r] = t;
                 }
             }
-        }
     }
     if (dt == DT_E4M3_FINITE && nan_watch_seen(nan)) w->nan_bytes = 1;
 }

@@ -197,7 +197,8 @@ def poke(view, which: str, request: int, pos: int, head: int, dim: int, byte: in
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("head_dim, vector_lanes", [(32, 16), (128, 16), (128, 8)])
+@pytest.mark.parametrize("head_dim, vector_lanes", [(32, 16), (128, 16), (128, 8), (256, 8),
+                                                    (272, 16)])
 def test_e4m3_nan_bytes_a_decode_reads_give_nan_exactly_where_the_reference_does(
         layout, head_dim, vector_lanes, monkeypatch):
     """An e4m3 decode reads its rows without turning 0x7F / 0xFF into NaN and watches the bytes
@@ -205,7 +206,8 @@ def test_e4m3_nan_bytes_a_decode_reads_give_nan_exactly_where_the_reference_does
     NaN byte in a K row makes every row of that head NaN, one in a V row that element of its
     rows' outputs, as in the reference over the decoded values; other requests and heads are
     untouched, with key ranges split too (a walk that kept the finite reading fails here), in
-    the 16-lane build and the 8-lane one."""
+    the 16-lane build and the 8-lane one; 256 at 8 lanes and 272 (the any-size build) at 16 are
+    over KR_VECS vectors, so each K row is scored in two pieces."""
     from vmemkv.runtime.attention import native
     build = native.kernel
     monkeypatch.setattr(native, "kernel", lambda head_dim, dtype_code:
