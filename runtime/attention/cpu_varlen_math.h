@@ -120,7 +120,7 @@ static ALWAYS vf e4m3_vec(const int8_t *p) {
 }
 
 /* e4m3_vec without the NaN step: exact for every byte but 0x7F / 0xFF (read as +-1.875 / 2^8),
- * for walks that check their rows with e4m3_nan_bytes (the step was 13% of a decode) */
+ * for walks that watch the bytes they read with nan_watch_bytes (the step was 13% of a decode) */
 static ALWAYS vf e4m3_finite_vec(const int8_t *p) { return half_vec(e4m3_half_bits(p)); }
 
 /* A watch for e4m3's NaN bytes, 0x7F and 0xFF: the largest signed and the largest unsigned
