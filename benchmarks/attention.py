@@ -315,7 +315,7 @@ def measure(args, progress=None) -> dict:
             cache.close()
     ratios, vs_baselines = speedups(rows), baseline_ratios(rows, baselines)
     target, met = target_check(ratios, device), goals(rows, vs_baselines)
-    print_goals(target, met)
+    print_goals(target, met, limits.get("read_gb_per_s"))
     by_kv = kv_ratios(rows)
     for r in by_kv:
         print(f"# {r['cache']} {r['phase']} b{r['batch']} ctx{r['ctx']} {r['dtype']}: "

@@ -82,8 +82,9 @@ def goals(rows: list[dict], baseline_ratios: list[dict]) -> dict:
             "interleaved": _goal(inter, lambda x: x <= INTERLEAVED_WITHIN, worst=max)}
 
 
-def print_goals(target: dict, met: dict) -> None:
-    """One ``#`` line per goal the run measured."""
+def print_goals(target: dict, met: dict, read_gb_per_s: float | None = None) -> None:
+    """One ``#`` line per goal the run measured; issue 30's with the run's read yardstick
+    (``read_gb_per_s``), since they compare arithmetic-bound rows with memory-bound ones."""
     state = lambda ok: "met" if ok else "NOT met"  # noqa: E731
     if target["applies"] and target["decode_b8_ctx2048_speedup"] is not None:
         print(f"# target (issue 4): decode b8 ctx2k vmem {target['decode_b8_ctx2048_speedup']:.2f}x "
@@ -98,5 +99,7 @@ def print_goals(target: dict, met: dict) -> None:
     for key, text in lines.items():
         g = met[key]
         if g["rows"]:
+            at = (f" at read {read_gb_per_s:.1f} GB/s" if key.startswith("fp8")
+                  and read_gb_per_s is not None else "")
             print(f"# goal: {text}: {state(g['met'])} ({g['rows']} rows; worst {g['worst'][0]} "
-                  f"{g['worst'][1]:.2f})")
+                  f"{g['worst'][1]:.2f}){at}")

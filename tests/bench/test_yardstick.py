@@ -111,7 +111,7 @@ def test_goals_judge_decode_share_prefill_against_sdpa_and_interleaved_against_p
     assert g["fp8_over_fp32"] == {"rows": 0, "met": None, "worst": None, "values": {}}
 
 
-def test_the_fp8_goals_compare_each_cache_and_size_with_its_own_fp32_and_bf16_rows():
+def test_the_fp8_goals_compare_each_cache_and_size_with_its_own_fp32_and_bf16_rows(capsys):
     rows = [dict(_row("vmem", "decode", 8, 2048, ms, 50.0), kv_cache_dtype=kv)
             for kv, ms in (("auto", 4.0), ("bf16", 2.0), ("fp8_e4m3", 1.5))]
     rows += [dict(_row("paged", "decode", 32, 4096, ms, 50.0), kv_cache_dtype=kv)
@@ -121,3 +121,9 @@ def test_the_fp8_goals_compare_each_cache_and_size_with_its_own_fp32_and_bf16_ro
     assert g["fp8_over_fp32"]["values"] == {"vmem b8 ctx2048": 4.0 / 1.5, "paged b32 ctx4096": 3.0}
     assert g["fp8_over_fp32"]["met"] and not g["fp8_over_bf16"]["met"]
     assert g["fp8_over_bf16"]["worst"] == ("vmem b8 ctx2048", 2.0 / 1.5)
+    attention_goals.print_goals({"applies": False, "decode_b8_ctx2048_speedup": None}, g, 52.94)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "issue 30" in ln]
+    assert lines == ["# goal: fp8_e4m3 decode >= 2.5x fp32 K/V (issue 30): met (2 rows; worst vmem "
+                     "b8 ctx2048 2.67) at read 52.9 GB/s",
+                     "# goal: fp8_e4m3 decode >= 1.6x bf16 K/V (issue 30): NOT met (2 rows; worst "
+                     "vmem b8 ctx2048 1.33) at read 52.9 GB/s"]
