@@ -10,7 +10,7 @@ import torch
 from .errors import AttentionShapeError
 
 if TYPE_CHECKING:
-    from .base import BatchLens
+    from .views import BatchLens
 
 
 def check_cache_pair(k: torch.Tensor, v: torch.Tensor, kn: str, vn: str) -> None:

@@ -32,7 +32,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import native
-from .base import ALL_KV_DTYPES, AttentionBackend, Availability, PagedLayerView, VMemLayerView
+from .base import AttentionBackend, Availability
+from .views import ALL_KV_DTYPES, PagedLayerView, VMemLayerView
 from .errors import AttentionError, UnsupportedError
 from .kv import attend_one, paged_kv, vmem_kv
 

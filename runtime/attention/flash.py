@@ -51,7 +51,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .base import AttentionBackend, Availability, PagedLayerView, VMemLayerView
+from .base import AttentionBackend, Availability
+
+from .views import PagedLayerView, VMemLayerView
 from .errors import UnsupportedError
 from .kv import per_request
 

@@ -18,7 +18,9 @@ from collections import defaultdict
 
 import torch
 
-from .base import AttentionBackend, Availability, PagedLayerView, VMemLayerView
+from .base import AttentionBackend, Availability
+
+from .views import PagedLayerView, VMemLayerView
 from .errors import UnsupportedError
 from .flash import FA2_PAGED_BLOCK_MULTIPLE
 

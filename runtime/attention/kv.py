@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from vmemkv.scheduler.layout import CacheKind
 
-from .base import PagedLayerView, VMemLayerView
+from .views import PagedLayerView, VMemLayerView
 
 # enable_gqa= arrived in scaled_dot_product_attention in torch 2.5.
 _TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])

@@ -10,7 +10,9 @@ from typing import Optional
 
 import torch
 
-from .base import ALL_KV_DTYPES, AttentionBackend, PagedLayerView, VMemLayerView
+from .base import AttentionBackend
+
+from .views import ALL_KV_DTYPES, PagedLayerView, VMemLayerView
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -11,7 +11,9 @@ over ``k_cache[:, :max_ctx]`` would read other slots and unmapped memory. Measur
 """
 from __future__ import annotations
 
-from .base import ALL_KV_DTYPES, AttentionBackend
+from .base import AttentionBackend
+
+from .views import ALL_KV_DTYPES
 from .kv import per_request
 
 

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from vmemkv.runtime.attention.base import BatchLens, LayerView
+from vmemkv.runtime.attention.views import BatchLens, LayerView
 from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.plan import DropSwapped, DropTable, SwapIn, SwapOut
 

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from vmemkv.runtime.attention.base import PagedLayerView, StepMeta, window_starts
+from vmemkv.runtime.attention.views import PagedLayerView, StepMeta, window_starts
 from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.plan import (CopyBlock, DropSwapped, EditBlocks, EvictAdapter, LoadAdapter,
                                    SwapIn, SwapOut)

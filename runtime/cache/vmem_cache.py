@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from vmemkv import vmem
-from vmemkv.runtime.attention.base import StepMeta, VMemLayerView, window_starts
+from vmemkv.runtime.attention.views import StepMeta, VMemLayerView, window_starts
 from vmemkv.scheduler.geometry import PageGeometry
 from vmemkv.scheduler.layout import CacheKind, whole_kind_name
 from vmemkv.scheduler.plan import (CopyExtent, DropSwapped, MapExtent, ReleasePages, SetSlot,

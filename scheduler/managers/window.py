@@ -1,7 +1,7 @@
 """Giving back the units wholly behind a sliding window (docs/models.md, "Sliding-window and
 hybrid models"): vmem page groups and paged blocks whose every layer has a window. The widest
 window W bounds them all; the next step's earliest query of a sequence is at ``computed``, which
-reads keys from ``computed - W + 1`` on (runtime.attention.base.window_starts):
+reads keys from ``computed - W + 1`` on (runtime.attention.views.window_starts):
 
     slot s:  | g0 | g1 | g2 | g3 | g4 | g5 |          computed = 5.5 pages, W = 2 pages
                ^^^^^^^^^^^^^         ^-- first key read: computed - W + 1

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from vmemkv.runtime.attention.base import BatchLens, PagedLayerView, VMemLayerView  # noqa: E402
+from vmemkv.runtime.attention.views import BatchLens, PagedLayerView, VMemLayerView  # noqa: E402
 from vmemkv.runtime.engine import Engine, SamplingParams  # noqa: E402
 
 from tests.engine.conftest import model, prompts  # noqa: E402

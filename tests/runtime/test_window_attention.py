@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from vmemkv.runtime.attention import get_backend
-from vmemkv.runtime.attention.base import window_starts, BatchLens
+from vmemkv.runtime.attention.views import window_starts, BatchLens
 from vmemkv.runtime.attention.errors import AttentionShapeError, UnsupportedError
 from vmemkv.runtime.attention.flash import FlashBackend, VarlenCaps, call_varlen
 from vmemkv.runtime.attention.reference import dense_attention
