@@ -22,7 +22,8 @@ from .progress import Progress
 from .report import parse_goodput
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
 from .geometry import LAYOUT_CHOICES
-from .simulator import DEFAULT_H2D_BYTES_PER_S, POLICIES, WATERMARK_SCOPES, SimConfig, simulate
+from .sim_config import DEFAULT_H2D_BYTES_PER_S, WATERMARK_SCOPES, SimConfig
+from .simulator import POLICIES, simulate
 from .traces import fit_to_length, load_trace, trace_names
 from .workload import (WORKLOAD_RNGS, LoraSpec, WorkloadSpec, assign_adapters, generate,
                        write_trace)

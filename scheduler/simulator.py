@@ -29,152 +29,20 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from .cost import AfterPrefill, CostModel, count_map_ops, prefill_pairs
-from .errors import ConfigError, SchedulerError
+from .errors import SchedulerError
 from .managers.base import EvictAdapter, LoadAdapter, MemoryManager
-from .managers.eviction import DEFAULT_EVICTION, make_eviction
-from .geometry import LAYOUT_CHOICES, resolve_layout
-from .policies import check_policy, is_custom, load_policy_class
-from .presets import ModelSpec, get_device, get_model, with_kv_cache_dtype
-from .profile_cost import ProfileCost, load_profile, profile_cost, profile_model
+from .profile_cost import ProfileCost
 from .report import RequestTiming, serving_report
 from .request import Request
 from .scheduler import Scheduler, SchedulerConfig
+from .sim_config import DEFAULT_H2D_BYTES_PER_S, SimConfig
 from .traces import prompt_token_ids
 from .workload import TraceEntry
 
 POLICIES = ("reserve-max", "reserve-oracle", "paged", "vmem")
-WATERMARK_SCOPES = ("growing", "all")
 REPORT_PERCENTILES = (50.0, 90.0, 99.0)
 DUMMY_TOKEN = 1   # the simulator's sampled token; never a stop token
 TRACE_VOCAB_SIZE = 32000   # made-up prompt tokens from trace hash ids are in [1, this)
-# host-to-device copy bandwidth for adapter loads: PCIe 4.0 x16 is 32 GB/s raw (31.5 after
-# 128b/130b encoding); ~25 GB/s is what pinned-memory cudaMemcpy reaches in practice
-DEFAULT_H2D_BYTES_PER_S = 25e9
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """One simulated deployment: model, device, cache, policy, scheduler and cost options."""
-    policy: str = "paged"
-    model: str = "llama-3-8b"
-    device: str = "h100"
-    cache_bytes: int = 60 * 10**9         # KV cache budget on the device, bytes
-    max_seq_len: int = 4096               # tokens a sequence may reach (prompt + output)
-    block_size: int = 16                  # tokens per block (paged)
-    page_bytes: int = 2 * 2**20           # bytes per physical page (vmem)
-    layout: str = "per-layer"             # vmem page layout
-    swap_bytes: int = 0                   # host swap space, bytes
-    prefix_eviction: str = DEFAULT_EVICTION   # prefix cache retention: off | lru | hits
-    hybrid_parts: bool = True             # vmem per-layer, hybrid model: give back windowed
-                                          # layers' pages behind the window (False: full allocation)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    prefill_mfu: Optional[float] = None   # None: prefill costs only KV bandwidth
-    map_latency_s: float = 0.0            # seconds per physical page mapped (vmem)
-    prefix_block_tokens: int = 16         # vmem: prefix hits in blocks of this many tokens,
-                                          # copied into a new page (0: whole page groups only)
-    copy_bytes_per_s: Optional[float] = None   # device copy bandwidth for copy ops (None:
-                                          # half the device's memory bandwidth: read + write)
-    paged_slowdown: float = 1.0           # KV read-time multiplier for the paged policy
-    # "growing": the admission watermark applies only to policies whose sequences grow into free
-    # memory (paged, vmem); a reserve policy holds the final length from admission, so a
-    # watermark there only idles memory. "all": every policy keeps it free.
-    watermark_scope: str = "growing"
-    profile: Optional[str] = None         # a device profile (vmemkv calibrate) in place of the
-                                          # roofline; its model replaces ``model``
-    kv_cache_dtype: str = "auto"          # K/V storage: bytes per token (memory and the roofline's
-                                          # KV read) follow it; auto: the model's dtype_bytes
-    beam_width: int = 0                   # > 0: every request a beam search of this many beams
-    n: int = 1                            # samples per request (parallel sampling: forks share
-                                          # the prompt's memory); 1 with beam_width
-    beam_skew: float = 1.0                # BeamModel: how strongly children pile on the best beams
-    adapter_budget_bytes: Optional[int] = None   # LoRA: None, adapters and KV share the pool
-                                          # (unified); bytes: a static split, that many for
-                                          # adapters, the rest of cache_bytes for KV
-    h2d_bytes_per_s: float = DEFAULT_H2D_BYTES_PER_S   # adapter loads (LoadAdapter ops)
-
-    def __post_init__(self) -> None:
-        check_policy(self.policy)
-        if self.profile is not None:
-            load_profile(self.profile)
-        if self.watermark_scope not in WATERMARK_SCOPES:
-            raise ConfigError(f"watermark_scope must be one of {', '.join(WATERMARK_SCOPES)}, "
-                              f"got {self.watermark_scope!r}")
-        if self.layout not in LAYOUT_CHOICES:
-            raise ConfigError(f"layout must be one of {', '.join(LAYOUT_CHOICES)}, "
-                              f"got {self.layout!r}")
-        if not self.cache_bytes > 0:
-            raise ConfigError(f"cache_bytes must be > 0, got {self.cache_bytes!r}")
-        with_kv_cache_dtype(get_model(self.model), self.kv_cache_dtype)   # names an unknown one
-        if self.profile is not None and self.kv_cache_dtype != "auto":
-            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} with a profile: the "
-                              f"profile's step costs were measured in its model's dtype; "
-                              f"calibrate with that cache instead")
-        get_device(self.device)
-        make_eviction(self.prefix_eviction)
-        if not isinstance(self.beam_width, int) or self.beam_width < 0:
-            raise ConfigError(f"beam_width must be an int >= 0, got {self.beam_width!r}")
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ConfigError(f"n must be an int >= 1, got {self.n!r}")
-        if self.n > 1 and self.beam_width:
-            raise ConfigError(f"n must be 1 with beam_width {self.beam_width} (a beam search "
-                              f"returns its beams), got {self.n}")
-        if not self.beam_skew >= 0:
-            raise ConfigError(f"beam_skew must be >= 0, got {self.beam_skew!r}")
-        if isinstance(self.prefix_block_tokens, bool) or not isinstance(
-                self.prefix_block_tokens, int) or self.prefix_block_tokens < 0:
-            raise ConfigError(f"prefix_block_tokens must be an int >= 0, got "
-                              f"{self.prefix_block_tokens!r}")
-        if self.copy_bytes_per_s is not None and not self.copy_bytes_per_s > 0:
-            raise ConfigError(f"copy_bytes_per_s must be > 0, got {self.copy_bytes_per_s!r}")
-        if not (isinstance(self.h2d_bytes_per_s, (int, float)) and self.h2d_bytes_per_s > 0):
-            raise ConfigError(f"h2d_bytes_per_s must be > 0, got {self.h2d_bytes_per_s!r}")
-        budget = self.adapter_budget_bytes
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                                   or not 0 < budget < self.cache_bytes):
-            raise ConfigError(f"adapter_budget_bytes must be None (a unified pool) or an int in "
-                              f"(0, cache_bytes {self.cache_bytes}), got {budget!r}")
-
-    @property
-    def model_spec(self) -> ModelSpec:
-        """The model memory is sized for: the profile's when there is one, else ``model``'s."""
-        if self.profile:
-            return profile_model(load_profile(self.profile))
-        return with_kv_cache_dtype(get_model(self.model), self.kv_cache_dtype)
-
-    @property
-    def resolved_layout(self) -> str:
-        """``layout`` with ``auto`` resolved for this model and page (geometry.resolve_layout)."""
-        return resolve_layout(self.layout, self.model_spec, self.page_bytes, on_cuda=True)
-
-    def make_manager(self) -> MemoryManager:
-        from .managers import make_manager
-        options = dict(block_size_tokens=self.block_size, page_bytes=self.page_bytes,
-                       layout=self.resolved_layout, swap_bytes=int(self.swap_bytes))
-        if self.adapter_budget_bytes is not None:
-            options["adapter_budget_bytes"] = self.adapter_budget_bytes
-        if is_custom(self.policy):
-            return load_policy_class(self.policy)(self.model_spec, int(self.cache_bytes),
-                                                  self.max_seq_len, **options)
-        return make_manager(self.policy, self.model_spec, int(self.cache_bytes),
-                            self.max_seq_len, max_slots=None,
-                            prefix_eviction=self.prefix_eviction,
-                            hybrid_parts=self.hybrid_parts,
-                            prefix_block_tokens=self.prefix_block_tokens, **options)
-
-    def scheduler_for(self, manager: MemoryManager) -> SchedulerConfig:
-        """The scheduler config with ``watermark_scope`` applied to ``manager``'s policy."""
-        if self.watermark_scope == "growing" and manager.holds_final_length:
-            return replace(self.scheduler, watermark=0.0)
-        return self.scheduler
-
-    def make_cost(self, pages_per_map_op: int = 1):
-        """The cost model (CostModel, or ProfileCost with ``profile``); ``pages_per_map_op`` is
-        the manager's (vmem: pages per group)."""
-        if self.profile:
-            return profile_cost(load_profile(self.profile), self.map_latency_s, pages_per_map_op)
-        return CostModel(self.model_spec, get_device(self.device), prefill_mfu=self.prefill_mfu,
-                         map_latency_s=self.map_latency_s, pages_per_map_op=pages_per_map_op,
-                         kv_slowdown=self.paged_slowdown if self.policy == "paged" else 1.0)
 
 
 @dataclass
