@@ -156,6 +156,11 @@ class _StepData:
         """Per-step memo (per view when the view has no StepMeta)."""
         return self._own_meta.memo(key, build)
 
+    @property
+    def kv_heads(self) -> int:
+        """KV heads of the layer: dimension 2 of its cache, [slots or blocks, tokens, heads, D]."""
+        return self._cache_tensor().shape[2]
+
     def validate(self, q: torch.Tensor) -> None:
         """Raise :class:`AttentionShapeError` unless q, caches and metadata fit together; each
         distinct shape is checked once per step."""
@@ -200,10 +205,6 @@ class VMemLayerView(_StepData):
 
     def _cache_tensor(self) -> torch.Tensor:
         return self.k_cache
-
-    @property
-    def kv_heads(self) -> int:
-        return self.k_cache.shape[2]
 
     @property
     def max_context(self) -> int:
@@ -253,10 +254,6 @@ class PagedLayerView(_StepData):
     @property
     def block_size(self) -> int:
         return self.k_pool.shape[1]
-
-    @property
-    def kv_heads(self) -> int:
-        return self.k_pool.shape[2]
 
     def num_blocks_of(self, i: int) -> int:
         """Block-table entries request i actually uses: ceil(context_len / block_size)."""
