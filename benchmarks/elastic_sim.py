@@ -5,8 +5,9 @@ split of the KV memory, on bursts out of phase (issue 32), both arms in one run.
 
 The KV memory is the H100's 80 GB less both models' weights (``kv_bytes_after_weights``: no
 headroom for activations, an upper bound), vmem interleaved on 2 MiB pages. The workload
-(``BurstySpec``): each model 15 s bursts of Poisson arrivals at RATE requests/s once a minute,
-the two models 30 s apart, nothing between bursts, lengths from the standard workload; seeded.
+(``BurstySpec``, scheduler/shared_workloads.py): each model 15 s bursts of Poisson arrivals
+at RATE requests/s once a minute, the two models 30 s apart, nothing between bursts, lengths
+from the standard workload; seeded.
 The elastic arm: each share's minimum 10% of the memory, up to all of it, idle for 2 s before
 giving back; page creation and release charged at the published A100 figures
 (scheduler/shared_sim.py). Compute is not contended between the models, only memory (the
@@ -18,8 +19,8 @@ import argparse
 import time
 
 from vmemkv.benchmarks.common import format_table, write_json
-from vmemkv.scheduler.shared_sim import (BurstySpec, SharedConfig, bursty_workload,
-                                         kv_bytes_after_weights, simulate_shared)
+from vmemkv.scheduler.shared_sim import SharedConfig, kv_bytes_after_weights, simulate_shared
+from vmemkv.scheduler.shared_workloads import BurstySpec, bursty_workload
 
 FULL = dict(duration_s=240.0, rates=(60.0, 90.0))
 QUICK = dict(duration_s=60.0, rates=(60.0,))

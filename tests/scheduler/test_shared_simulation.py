@@ -9,9 +9,10 @@ import pytest
 
 from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.presets import get_device, get_model
-from vmemkv.scheduler.shared_sim import (BurstySpec, SharedConfig, bursty_workload,
-                                         kv_bytes_after_weights, simulate_shared)
+from vmemkv.scheduler.shared_sim import SharedConfig, kv_bytes_after_weights, simulate_shared
+from vmemkv.scheduler.shared_workloads import BurstySpec, bursty_workload, shifted_traces
 from vmemkv.scheduler.simulator import simulate
+from vmemkv.scheduler.traces import load_trace
 from vmemkv.scheduler.workload import WorkloadSpec
 
 GB = 10**9
@@ -86,3 +87,17 @@ def test_the_device_memory_and_the_workload_are_checked_by_name():
         BurstySpec(burst_fraction=0)
     with pytest.raises(ConfigError, match="at least one workload"):
         simulate_shared({})
+
+
+def test_shifted_traces_replay_each_trace_later_than_the_one_before_and_fit_its_lengths():
+    lanes = shifted_traces({"a": "azure-code", "b": "azure-code", "c": "azure-conv"}, shift_s=30.0,
+                           max_requests=50, max_total_len=1024)
+    code = load_trace("azure-code", max_requests=50)
+    assert [len(v) for v in lanes.values()] == [50, 50, 50]
+    assert [e.arrival_s for e in lanes["a"]] == [e.arrival_s for e in code]
+    assert [e.arrival_s for e in lanes["b"]] == [e.arrival_s + 30.0 for e in code]
+    assert lanes["c"][0].arrival_s == load_trace("azure-conv", max_requests=1)[0].arrival_s + 60.0
+    assert max(e.total_len for e in code) > 1024                 # some were cut, none is over
+    assert all(e.total_len <= 1024 for lane in lanes.values() for e in lane)
+    with pytest.raises(ConfigError, match="max_total_len"):
+        shifted_traces({"a": "azure-code"}, shift_s=1.0, max_total_len=1)
