@@ -70,7 +70,8 @@ static ALWAYS void scores_dt(const void *k, const float *q, float *part, const i
                 vf sum[2] = {{0}, {0}};
                 #pragma GCC unroll 16
                 for (int x = 0; x < D / VW; x++) {
-                    const vf qx = ldf(qr + x * VW);
+                    vf qx = ldf(qr + x * VW);
+                    IN_REGISTER(qx);
                     sum[0] += qx * kr[0][x];
                     sum[1] += qx * kr[1][x];
                 }

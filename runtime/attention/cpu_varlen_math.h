@@ -66,6 +66,18 @@ static ALWAYS vf splat(float x) {
 #endif
 }
 static ALWAYS vf ldf(const float *p) { return *(const vfu *)p; }
+
+/* x, held in a register from here on. GCC otherwise folds a load into every FMA that uses the
+ * value: a query vector the scoring uses for two keys was loaded twice, 512 vector loads for
+ * the 512 FMAs of a token row, and the loads, not the FMAs, bounded the loop (measured: an
+ * e4m3 decode 8% faster in cache with the query loaded once; docs/benchmarks.md, issue 30). */
+#if defined(__x86_64__) && defined(__AVX__)
+#define IN_REGISTER(x) __asm__("" : "+v"(x))
+#elif defined(__aarch64__)
+#define IN_REGISTER(x) __asm__("" : "+w"(x))
+#else
+#define IN_REGISTER(x) ((void)0)
+#endif
 static ALWAYS void stf(float *p, vf x) { *(vfu *)p = x; }
 
 /* bytes of one K/V element of dtype dt */
@@ -199,8 +211,8 @@ static ALWAYS float ld_one(const void *base, int64_t off, int dt) {
 
 #ifdef HAVE_DPBF16
 /* acc + pairwise products of 32 bf16 of q and of k (lane t: q[2t] k[2t] + q[2t+1] k[2t+1]) */
-static ALWAYS vf dot_bf16(vf acc, const uint16_t *q, __m512i k) {
-    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_loadu_si512(q), (__m512bh)k);
+static ALWAYS vf dot_bf16(vf acc, __m512i q, __m512i k) {
+    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)q, (__m512bh)k);
 }
 #endif
 
@@ -287,7 +299,17 @@ static ALWAYS vf softcapv(vf x, float cap) {
     return (vf)((vi)t | sign) * cap;
 }
 
-static ALWAYS vf maxv(vf a, vf b) { const vi gt = a > b; return (vf)(((vi)a & gt) | ((vi)b & ~gt)); }
+/* a > b ? a : b in each lane: one vmaxps where the CPU has it (exactly that, NaN and zeros too) */
+static ALWAYS vf maxv(vf a, vf b) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif VW == 8 && defined(__AVX__)
+    return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+    const vi gt = a > b;
+    return (vf)(((vi)a & gt) | ((vi)b & ~gt));
+#endif
+}
 static ALWAYS vf selectv(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
 #endif

@@ -91,7 +91,8 @@ static ALWAYS void key_partials(const args_t *a, const unit_t *u, const int64_t 
                 vf sum[2] = {{0}, {0}};
                 #pragma GCC unroll 16
                 for (int64_t x = 0; x < xn; x++) {
-                    const vf qx = ldf(qr + x * VW);
+                    vf qx = ldf(qr + x * VW);
+                    IN_REGISTER(qx);   /* loaded once for the JN keys */
                     for (int jj = 0; jj < JN; jj++) sum[jj] += qx * kr[jj][x];
                 }
                 for (int jj = 0; jj < JN; jj++) {
@@ -138,8 +139,11 @@ static ALWAYS void key_partials_bf16(const args_t *a, const unit_t *u, const int
             const uint16_t *qr = w->qh + r * D;
             vf sum[2] = {{0}, {0}};
             #pragma GCC unroll 8
-            for (int64_t x = 0; x < nb; x++)
-                for (int jj = 0; jj < JN; jj++) sum[jj] = dot_bf16(sum[jj], qr + x * 32, kr[jj][x]);
+            for (int64_t x = 0; x < nb; x++) {
+                __m512i qx = _mm512_loadu_si512(qr + x * 32);
+                IN_REGISTER(qx);   /* loaded once for the JN keys */
+                for (int jj = 0; jj < JN; jj++) sum[jj] = dot_bf16(sum[jj], qx, kr[jj][x]);
+            }
             for (int jj = 0; jj < JN; jj++) stf(w->part + (jj * MAX_ROWS + r) * VW, sum[jj]);
         }
     }
