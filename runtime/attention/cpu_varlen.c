@@ -44,7 +44,7 @@
 #include "cpu_varlen_math.h"
 
 #define CHUNK 32          /* keys per tile */
-#define VALUE_GROUP 8     /* keys whose V rows are read together (cpu_varlen_tile.h) */
+#define VALUE_GROUP 8     /* keys whose V rows are read together, twice as many for 8-bit V (cpu_varlen_tile.h) */
 #define PREFETCH_KEYS 6   /* K rows are prefetched this many keys ahead (cpu_varlen_tile.h) */
 #ifndef PREFETCH_V_BYTES
 #define PREFETCH_V_BYTES 2   /* V rows of 1- and 2-byte elements are prefetched as their keys are scored (issue 30) */
