@@ -82,16 +82,18 @@ static ALWAYS void scores_dt(const void *k, const float *q, float *part, const i
     if (nan_watch_seen(nan)) part[0] = 1.0f;
 }
 
-/* the value loop's shape (cpu_varlen_tile.h tile_values / value_block: 4 rows x 4 vectors) */
+/* the value loop's shape (cpu_varlen_tile.h tile_values / value_block: 4 rows x 4 vectors, keys
+ * in groups of 8, 16 for 8-bit V) */
 static ALWAYS void values_dt(const void *v, const float *p, float *acc, const int dt) {
     nan_watch nan = nan_watch_new();
-    for (int g = 0; g < KEYS; g += 8)
+    const int group = kv_bytes(dt) == 1 ? 16 : 8;
+    for (int g = 0; g < KEYS; g += group)
         for (int hh = 0; hh < HEADS; hh++)
             for (int x0 = 0; x0 < D; x0 += 4 * VW) {
                 vf a[ROWS][4];
                 for (int b = 0; b < ROWS; b++)
                     for (int c = 0; c < 4; c++) a[b][c] = ldf(acc + (hh * ROWS + b) * D + x0 + c * VW);
-                for (int j = g; j < g + 8; j++) {
+                for (int j = g; j < g + group; j++) {
                     const int64_t off = (int64_t)j * HEADS * D + hh * D + x0;
                     if (dt == DT_E4M3_FINITE) nan_watch_bytes(&nan, (const int8_t *)v + off, 4 * VW);
                     vf vv[4];

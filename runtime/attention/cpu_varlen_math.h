@@ -10,7 +10,7 @@
 #include <float.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__x86_64__) && (defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__))
+#if defined(__x86_64__) && (defined(__AVX__) || defined(__F16C__) || defined(__AVX512F__) || defined(__AVX2__))
 #include <immintrin.h>
 #endif
 /* K/V dtypes; the 8-bit ones are read unscaled here (the per-head scales are folded into the
@@ -252,6 +252,32 @@ static ALWAYS vf hsum_rows(const vf *a) {
 #endif
 }
 
+/* a > b ? a : b in each lane: one vmaxps where the CPU has it (exactly that, NaN and zeros too) */
+static ALWAYS vf maxv(vf a, vf b) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif VW == 8 && defined(__AVX__)
+    return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+    const vi gt = a > b;
+    return (vf)(((vi)a & gt) | ((vi)b & ~gt));
+#endif
+}
+static ALWAYS vf selectv(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
+
+/* floor(y) in each lane: one vrndscaleps / vroundps where the CPU has it, else truncate and
+ * take 1 where that rounded up */
+static ALWAYS vf floorv(vf y) {
+#if VW == 16 && defined(__AVX512F__)
+    return (vf)_mm512_roundscale_ps((__m512)y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#elif VW == 8 && defined(__AVX__)
+    return (vf)_mm256_round_ps((__m256)y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#else
+    const vf n = __builtin_convertvector(__builtin_convertvector(y, vi), vf);
+    return n + __builtin_convertvector(n > y, vf);                /* -1 where it rounded up */
+#endif
+}
+
 /* exp(x) for x <= 0 (softmax after subtracting the max), ~1 ulp; 0 below -87. */
 static inline float exp_nonpos(float x) {
     float xc = x < -87.0f ? -87.0f : x;
@@ -273,10 +299,8 @@ static inline float exp_nonpos(float x) {
 static ALWAYS vf expv_nonpos(vf x) {
     const vf lo = splat(-87.0f);
     const vi under = x < lo;                                      /* lanes that give 0 */
-    const vf xc = (vf)(((vi)x & ~under) | ((vi)lo & under));
-    const vf y = xc * 1.44269504088896341f + 0.5f;
-    vf n = __builtin_convertvector(__builtin_convertvector(y, vi), vf);   /* trunc, then */
-    n += __builtin_convertvector(n > y, vf);                      /* floor: -1 where it rounded up */
+    const vf xc = maxv(lo, x);                                    /* NaN stays NaN */
+    const vf n = floorv(xc * 1.44269504088896341f + 0.5f);
     const vf r = xc - n * 0.693359375f + n * 2.12194440e-4f;
     vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
@@ -299,17 +323,5 @@ static ALWAYS vf softcapv(vf x, float cap) {
     return (vf)((vi)t | sign) * cap;
 }
 
-/* a > b ? a : b in each lane: one vmaxps where the CPU has it (exactly that, NaN and zeros too) */
-static ALWAYS vf maxv(vf a, vf b) {
-#if VW == 16 && defined(__AVX512F__)
-    return (vf)_mm512_max_ps((__m512)a, (__m512)b);
-#elif VW == 8 && defined(__AVX__)
-    return (vf)_mm256_max_ps((__m256)a, (__m256)b);
-#else
-    const vi gt = a > b;
-    return (vf)(((vi)a & gt) | ((vi)b & ~gt));
-#endif
-}
-static ALWAYS vf selectv(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
 #endif
