@@ -13,9 +13,11 @@
  *   fma      512 independent vector FMAs at the core's peak (12 chains in registers)
  *   scores   cpu_varlen's scoring loop alone: keys in pairs, each key's K rows widened into
  *            registers once (the kernel's loaders; e4m3 with its NaN watch), the 4 query rows of
- *            a KV head read from memory; partial dot products stored, not reduced
+ *            a KV head read from memory, each query vector once for both keys; partial dot
+ *            products stored, not reduced
  *   values   cpu_varlen's value loop alone: per KV head its 4 rows' accumulators in registers,
- *            D in blocks of 4 vectors, keys in groups of 8, each V vector widened once
+ *            D in blocks of 4 vectors, keys in groups of 8 (16 for 8-bit V), each V
+ *            vector widened once
  *
  * Each loop's results are first checked against plain sums of the exactly converted K/V (exit
  * 1 naming the first difference): what is timed computes what the kernel computes.
