@@ -66,19 +66,17 @@ static ALWAYS vf splat(float x) {
 #endif
 }
 static ALWAYS vf ldf(const float *p) { return *(const vfu *)p; }
+static ALWAYS void stf(float *p, vf x) { *(vfu *)p = x; }
 
 /* x, held in a register from here on. GCC otherwise folds a load into every FMA that uses the
  * value: a query vector the scoring uses for two keys was loaded twice, 512 vector loads for
  * the 512 FMAs of a token row, and the loads, not the FMAs, bounded the loop (measured: an
  * e4m3 decode 8% faster in cache with the query loaded once; docs/benchmarks.md, issue 30). */
-#if defined(__x86_64__) && defined(__AVX__)
+#if defined(__x86_64__) && ((VW == 8 && defined(__AVX__)) || (VW == 16 && defined(__AVX512F__)))   /* one register */
 #define IN_REGISTER(x) __asm__("" : "+v"(x))
-#elif defined(__aarch64__)
-#define IN_REGISTER(x) __asm__("" : "+w"(x))
 #else
 #define IN_REGISTER(x) ((void)0)
 #endif
-static ALWAYS void stf(float *p, vf x) { *(vfu *)p = x; }
 
 /* bytes of one K/V element of dtype dt */
 static ALWAYS int64_t kv_bytes(int dt) { return dt == DT_F32 ? 4 : dt <= DT_F16 ? 2 : 1; }
@@ -322,6 +320,5 @@ static ALWAYS vf softcapv(vf x, float cap) {
     const vf t = (1.0f - e) / (1.0f + e);
     return (vf)((vi)t | sign) * cap;
 }
-
 
 #endif
