@@ -9,8 +9,8 @@
  *            partials into VW scores s[j][r0 .. r0+VW) (key-major)
  *   softmax  VW rows at a time over the tile's keys, keys outside a row's [lo, hi) masked:
  *            m' = max(m, max_j s), corr = exp(m - m'), p = exp(s - m'), l = l corr + sum p
- *   values   keys in groups of 8; per head hh its rows in blocks of up to 4, D in blocks of
- *            up to 4 vectors: acc (registers) = acc * corr + sum_j p[j][r] * V[j, hh]
+ *   values   keys in groups of 8 (16 for 8-bit V); per head hh its rows in blocks of up to 4,
+ *            D in blocks of up to 4 vectors: acc (registers) = acc * corr + sum_j p[j][r] * V[j, hh]
  *
  * Each K and V element of the tile is loaded once per block of rows that reads it (once per
  * key for decode: G <= 4 rows a head).
