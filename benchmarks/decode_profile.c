@@ -67,7 +67,7 @@ int main(int argc, char **argv) {
         const int64_t c = (r + copies) % copies;
         const char *k = kv + 2 * c * elems * eb, *v = k + elems * eb;
         const double t0 = now();
-        if (vk_attention(q, out, k, v, dtype, bf16, kscale, kscale, st, st, slots, NULL, 0, 0,
+        if (vk_attention(q, out, k, v, dtype, kscale, kscale, st, st, slots, NULL, 0, 0,
                          cl, ql, qs, ks, items, B, H, Hkv, D, 0.088f, 0, 0.0f, threads)) return 1;
         if (r >= 0) t[r] = now() - t0;
     }

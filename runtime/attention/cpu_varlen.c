@@ -56,7 +56,7 @@
 #define ITEM_COLS 6       /* (request, p0, np, h0, nh, splits) */
 
 typedef struct {
-    const float *q; float *out; const void *k, *v; int dtype, q_bf16;   /* q_bf16: q came from bf16 */
+    const float *q; float *out; const void *k, *v; int dtype;
     const float *kscale, *vscale;           /* [Hkv] each, or NULL (unscaled K/V) */
     const int64_t *ks, *vs;                 /* element strides [blk, tok, head] of k and v */
     const int64_t *slots, *tables; int64_t width, bs;
@@ -68,7 +68,6 @@ typedef struct {
  * the partial dot products of one key, per-row softmax state and visible key range. */
 typedef struct {
     float *qb, *acc;          /* [MAX_ROWS][D] */
-    uint16_t *qh;             /* [MAX_ROWS][D]: bf16 K/V only, the queries as bf16, unscaled */
     float *s;                 /* [CHUNK][MAX_ROWS]: scores, then probabilities */
     float *part;              /* [2][MAX_ROWS][VW]: two keys' partial dot products per row */
     float *tails;             /* [2][MAX_ROWS]: the dot products' scalar tails (D % VW) */
@@ -135,8 +134,6 @@ static void unit_start(const args_t *a, const int64_t *item, unit_t *u, ws_t *w)
         const float *src = a->q + row_offset(a, item, r);
         const float qs = a->scale * (a->kscale ? a->kscale[row_kv_head(a, item, r)] * kv_unit(a) : 1.0f);
         for (int64_t x = 0; x < D; x++) w->qb[r * D + x] = src[x] * qs;
-        if (a->dtype == DT_BF16 && a->q_bf16)   /* q came from bf16 too: exact */
-            for (int64_t x = 0; x < D; x++) { uint32_t b; memcpy(&b, src + x, 4); w->qh[r * D + x] = (uint16_t)(b >> 16); }
         memset(w->acc + r * D, 0, (size_t)D * sizeof(float));
         const int64_t pos = first + r / (u->nh * u->G), lo = a->window ? pos - a->window + 1 : 0;
         w->lo[r] = (int32_t)(lo > a->kvstart[i] ? lo : a->kvstart[i]);
@@ -219,7 +216,7 @@ static int64_t plan_units(const int64_t *items, int64_t n_items, int64_t G, int6
 static float *scratch_alloc(int64_t D, ws_t *w) {
     const size_t rows_d = (size_t)MAX_ROWS * (size_t)D;
     const size_t vt = (size_t)CHUNK * WIDEN_HEADS * (size_t)D + (size_t)CHUNK * D + rows_d;
-    const size_t floats = 2 * rows_d + rows_d / 2 + 32 + CHUNK * MAX_ROWS + 2 * MAX_ROWS * VW + 7 * MAX_ROWS + vt + 16;
+    const size_t floats = 2 * rows_d + 32 + CHUNK * MAX_ROWS + 2 * MAX_ROWS * VW + 7 * MAX_ROWS + vt + 16;
     if (rows_d / MAX_ROWS != (size_t)D || floats > SIZE_MAX / sizeof(float) / 2) return NULL;
     float *buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     if (!buf) return NULL;
@@ -230,8 +227,7 @@ static float *scratch_alloc(int64_t D, ws_t *w) {
     w->lo = (int32_t *)(w->tails + 2 * MAX_ROWS); w->hi = w->lo + MAX_ROWS;
     w->qb = (float *)(w->hi + MAX_ROWS);
     w->acc = w->qb + rows_d;
-    w->qh = (uint16_t *)(w->acc + rows_d);
-    w->vt = (float *)(((uintptr_t)(w->qh + rows_d) + 63) & ~(uintptr_t)63);
+    w->vt = (float *)(((uintptr_t)(w->acc + rows_d) + 63) & ~(uintptr_t)63);
     w->kt = w->vt + (size_t)CHUNK * WIDEN_HEADS * D;
     w->qT = w->kt + (size_t)CHUNK * D;
     return buf;
@@ -269,12 +265,11 @@ static int run_units(const args_t *a, const int64_t *items, int64_t n_items, con
  * softcap * tanh(score / softcap) when softcap > 0; window > 0: a query at p sees keys
  * (p - window, p] only. items: int64 [n_items, 6] = (request, p0, np, h0, nh, splits),
  * np * nh * G <= 64, splits >= 1 (the item's key range is walked as that many units, merged
- * at the end). dtype: of K and V (DT_*); q_bf16: q holds bf16 values (the bf16 dot products
- * may then run on the bf16 queries); kscale, vscale: fp32 [Hkv] for 8-bit K/V, else NULL.
+ * at the end). dtype: of K and V (DT_*); kscale, vscale: fp32 [Hkv] for 8-bit K/V, else NULL.
  * Returns 0, or -1 when scratch memory could not be allocated (nothing is then promised of out),
  * or -2 from a library built for one (head size, dtype) called with another. */
 int vk_attention(const float *q, float *out, const void *k, const void *v, int dtype,
-                 int q_bf16, const float *kscale, const float *vscale, const int64_t *k_strides, const int64_t *v_strides,
+                 const float *kscale, const float *vscale, const int64_t *k_strides, const int64_t *v_strides,
                  const int64_t *slots, const int64_t *tables, int64_t width, int64_t block_size,
                  const int64_t *ctx, const int64_t *qlen, const int64_t *qstart,
                  const int64_t *kvstart, const int64_t *items, int64_t n_items,
@@ -283,7 +278,7 @@ int vk_attention(const float *q, float *out, const void *k, const void *v, int d
 #ifdef VK_ONLY_DT
     if (dtype != VK_ONLY_DT || (VK_ONLY_D && D != VK_ONLY_D)) return -2;   /* built for another shape */
 #endif
-    args_t a = {q, out, k, v, dtype, q_bf16, kscale, vscale, k_strides, v_strides, slots, tables, width, block_size,
+    args_t a = {q, out, k, v, dtype, kscale, vscale, k_strides, v_strides, slots, tables, width, block_size,
                 ctx, qlen, qstart, kvstart, H, Hkv, D, scale, window, softcap};
     int64_t units = 0;
     for (int64_t w = 0; w < n_items; w++) units += items[w * ITEM_COLS + 5];

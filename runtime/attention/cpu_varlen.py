@@ -95,7 +95,7 @@ class CpuVarlenBackend(AttentionBackend):
                                             self.sdpa_above_tokens, split))
         out = torch.empty(q.shape, dtype=torch.float32)
         if meta.items.shape[0]:
-            _call(q.float().contiguous(), q.dtype == torch.bfloat16, out, k, v, meta, scale, view)
+            _call(q.float().contiguous(), out, k, v, meta, scale, view)
         if not meta.sdpa_requests:
             return out if q.dtype == torch.float32 else out.to(q.dtype)
         out = out.to(q.dtype)
@@ -213,15 +213,15 @@ def _strides(stride: tuple) -> tuple:
     return t, _ptr(t)
 
 
-def _call(q: torch.Tensor, q_bf16: bool, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _call(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           meta: _Meta, scale: float, view) -> None:
-    """One kernel call; q fp32 contiguous [T, H, D] (``q_bf16``: its values are bf16's), out
-    fp32 [T, H, D] (written in place); the layer's window, soft-cap (0: none) and 8-bit K/V's
-    scales (fp32 [Hkv], checked by the view) from ``view``."""
+    """One kernel call; q and out fp32 contiguous [T, H, D] (out written in place); the layer's
+    window, soft-cap (0: none) and 8-bit K/V's scales (fp32 [Hkv], checked by the view) from
+    ``view``."""
     _, _, kv_heads, head_dim = k.shape
     dtype_code = DTYPE_CODES[k.dtype]
     rc = native.kernel(head_dim, dtype_code)(
-        _ptr(q), _ptr(out), _ptr(k), _ptr(v), dtype_code, int(q_bf16),
+        _ptr(q), _ptr(out), _ptr(k), _ptr(v), dtype_code,
         _ptr(view.k_scale), _ptr(view.v_scale), _strides(k.stride())[1],
         _strides(v.stride())[1], *meta.args, q.shape[1], kv_heads, head_dim, scale,
         view.window or 0, view.softcap or 0.0, torch.get_num_threads())

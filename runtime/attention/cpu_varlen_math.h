@@ -25,11 +25,6 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4, DT_I8 = 5,
 #define VW 8
 #endif
 #endif
-/* vdpbf16ps: 32 bf16 products, exact in fp32, summed into 16 lanes (so only at 16 lanes: a
- * forced 8-lane build on an AVX512-BF16 CPU takes the generic path) */
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && VW == 16
-#define HAVE_DPBF16 1
-#endif
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
@@ -206,13 +201,6 @@ static ALWAYS float ld_one(const void *base, int64_t off, int dt) {
     if (dt == DT_BF16) { uint32_t b = (uint32_t)h << 16; float f; memcpy(&f, &b, 4); return f; }
     return half_to_float(h);
 }
-
-#ifdef HAVE_DPBF16
-/* acc + pairwise products of 32 bf16 of q and of k (lane t: q[2t] k[2t] + q[2t+1] k[2t+1]) */
-static ALWAYS vf dot_bf16(vf acc, __m512i q, __m512i k) {
-    return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)q, (__m512bh)k);
-}
-#endif
 
 #if defined(__clang__)
 #define SHUF(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)

@@ -116,50 +116,11 @@ static ALWAYS void key_partials(const args_t *a, const unit_t *u, const int64_t 
     if (dt == DT_E4M3_FINITE && nan_watch_seen(nan)) w->nan_bytes = 1;
 }
 
-#ifdef HAVE_DPBF16
-/* key_partials for bf16 K with D a multiple of 32, on vdpbf16ps: the bf16 queries (unscaled:
- * key_scores applies the scale) against the K rows as they lie, 32 products an instruction,
- * exact in fp32 (half the instructions of converting K and FMAing). */
-static ALWAYS void key_partials_bf16(const args_t *a, const unit_t *u, const int64_t *koffs,
-                                     const int JN, const int64_t *ahead, const int64_t *voffs,
-                                     ws_t *w, const int64_t D) {
-    const int64_t nb = D / 32, per_head = u->np * u->G;
-    const uint16_t *k = (const uint16_t *)a->k;
-    for (int64_t hh = 0; hh < u->nh; hh++) {
-        __m512i kr[2][D / 32 > 0 ? D / 32 : 1];
-        for (int jj = 0; jj < JN; jj++) {
-            prefetch_head(a->k, ahead[jj] < 0 ? -1 : ahead[jj] + hh * a->ks[2], D, DT_BF16);
-            if (voffs) prefetch_head(a->v, voffs[jj] + hh * a->vs[2], D, DT_BF16);
-            #pragma GCC unroll 8
-            for (int64_t x = 0; x < nb; x++)
-                kr[jj][x] = _mm512_loadu_si512(k + koffs[jj] + hh * a->ks[2] + x * 32);
-        }
-        for (int64_t c = 0; c < per_head; c++) {
-            const int64_t r = u->head_rows[hh * per_head + c];
-            const uint16_t *qr = w->qh + r * D;
-            vf sum[2] = {{0}, {0}};
-            #pragma GCC unroll 8
-            for (int64_t x = 0; x < nb; x++) {
-                __m512i qx = _mm512_loadu_si512(qr + x * 32);
-                IN_REGISTER(qx);   /* loaded once for the JN keys */
-                for (int jj = 0; jj < JN; jj++) sum[jj] = dot_bf16(sum[jj], qx, kr[jj][x]);
-            }
-            for (int jj = 0; jj < JN; jj++) stf(w->part + (jj * MAX_ROWS + r) * VW, sum[jj]);
-        }
-    }
-}
-#define BF16_DOTS(D, dt) ((dt) == DT_BF16 && (D) % 32 == 0 && a->q_bf16)
-#else
-#define BF16_DOTS(D, dt) 0
-#endif
-
-/* Key j's scores s[j][r] from its partials part[jj][r]: VW rows per transpose tree; ``scale``:
- * the partials are of unscaled queries (the bf16 dot products). */
+/* Key j's scores s[j][r] from its partials part[jj][r]: VW rows per transpose tree */
 static ALWAYS void key_scores(const args_t *a, const unit_t *u, int64_t j, int jj, ws_t *w,
-                              const int64_t D, const int scale) {
+                              const int64_t D) {
     for (int64_t b = 0; b < u->rvec; b++) {
         vf sc = hsum_rows((const vf *)(w->part + (jj * MAX_ROWS + b * VW) * VW));
-        if (scale) sc *= a->scale;
         if (D % VW) sc += ldf(w->tails + jj * MAX_ROWS + b * VW);
         if (a->softcap > 0.0f) sc = softcapv(sc, a->softcap);
         stf(w->s + j * MAX_ROWS + b * VW, sc);
@@ -173,29 +134,22 @@ static ALWAYS void tile_scores(const args_t *a, const unit_t *u, const int64_t *
                                const int64_t *knext, int64_t n_next, const int64_t *voffs,
                                ws_t *w, const int64_t D, const int dt) {
 #define AHEAD(x) ((x) < n ? koffs[x] : (x) - n < n_next ? knext[(x) - n] : -1)
-#ifdef HAVE_DPBF16
-#define PARTIALS(JN) (BF16_DOTS(D, dt) ? key_partials_bf16(a, u, koffs + j, JN, ahead, VOFFS, w, D) \
-                                       : key_partials(a, u, koffs + j, JN, ahead, VOFFS, w, D, dt))
-#else
-#define PARTIALS(JN) key_partials(a, u, koffs + j, JN, ahead, VOFFS, w, D, dt)
-#endif
 #define VOFFS (voffs ? voffs + j : NULL)
     int64_t j = 0, ahead[2];
     if (D / VW <= 8 && D % VW == 0)
         for (; j + 2 <= n; j += 2) {
             ahead[0] = AHEAD(j + PREFETCH_KEYS);
             ahead[1] = AHEAD(j + 1 + PREFETCH_KEYS);
-            PARTIALS(2);
-            key_scores(a, u, j, 0, w, D, BF16_DOTS(D, dt));
-            key_scores(a, u, j + 1, 1, w, D, BF16_DOTS(D, dt));
+            key_partials(a, u, koffs + j, 2, ahead, VOFFS, w, D, dt);
+            key_scores(a, u, j, 0, w, D);
+            key_scores(a, u, j + 1, 1, w, D);
         }
     for (; j < n; j++) {
         ahead[0] = AHEAD(j + PREFETCH_KEYS);
-        PARTIALS(1);
-        key_scores(a, u, j, 0, w, D, BF16_DOTS(D, dt));
+        key_partials(a, u, koffs + j, 1, ahead, VOFFS, w, D, dt);
+        key_scores(a, u, j, 0, w, D);
     }
 #undef AHEAD
-#undef PARTIALS
 #undef VOFFS
 }
 

@@ -106,7 +106,7 @@ def _load(head_dim: int, dtype_code: int, vector_lanes: int | None = None):
         return None, f"cpu-varlen kernel unavailable: {why}"
     fn = lib.vk_attention
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, ctypes.c_int, ctypes.c_int, p, p, p, p, p, p, i64, i64, p, p, p,
+    fn.argtypes = [p, p, p, p, ctypes.c_int, p, p, p, p, p, p, i64, i64, p, p, p,
                    p, p, i64,
                    i64, i64, i64, ctypes.c_float, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int

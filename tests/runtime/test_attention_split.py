@@ -80,7 +80,7 @@ def test_scratch_that_cannot_be_allocated_is_minus_one_then_a_memory_error(split
     i64 = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
     keep = [i64(1, 1, 1), i64(0), i64(10), i64(1), i64(0), i64(0), i64(0, 0, 1, 0, 1, splits)]
     strides, slots, ctx, qlen, qstart, kvstart, items = map(_ptr, keep)
-    rc = native.kernel(2**52, 0)(None, None, None, None, 0, 0, None, None, strides, strides, slots, None,
+    rc = native.kernel(2**52, 0)(None, None, None, None, 0, None, None, strides, strides, slots, None,
                          0, 0, ctx, qlen, qstart, kvstart, items, 1, 1, 1, 2**52, 1.0, 0, 0.0, 1)
     assert rc == -1
     case = make_case([(10, 1)])
