@@ -91,7 +91,8 @@ def test_pools_and_ranges_created_and_closed_leave_nothing_behind():
 def test_the_watch_counts_a_reservation_beside_a_foreign_prot_none_mapping_and_not_its_reuse():
     """glibc's heap tails are private anonymous PROT_NONE MAP_NORESERVE mappings, the flags of a
     reservation; the kernel merged one with a cache's reservation in a CI run, and the watch,
-    which looked for a line starting at the reserved address, counted the live cache as gone."""
+    which looked for a line starting at the reserved address, counted the live cache as gone.
+    Here the reservation is placed (by an mmap hint) right above such a mapping."""
     import ctypes
     import mmap
     libc = ctypes.CDLL(None, use_errno=True)
@@ -99,27 +100,36 @@ def test_the_watch_counts_a_reservation_beside_a_foreign_prot_none_mapping_and_n
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                           ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    prot_none = 0
-    no_reserve, fixed_noreplace = 0x4000, 0x100000
-    foreign_flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | no_reserve | fixed_noreplace
+    prot_none, no_reserve, fixed_noreplace = 0, 0x4000, 0x100000
+    foreign_flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | no_reserve
     size = 1 << 20
+    foreign = libc.mmap(None, 2 * size, prot_none, foreign_flags, -1, 0)
+    assert foreign not in (None, ctypes.c_void_p(-1).value)
+    libc.munmap(foreign + size, size)          # a hole of the reservation's size above it
+
+    class Hinted:        # the driver's libc, its reservation's mmap hinted into the hole
+        def __init__(self, real):
+            self.real = real
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def mmap(self, address, *rest):
+            return self.real.mmap(foreign + size if address is None else address, *rest)
+
     driver = vmem.open_driver("host")
-    with process_resources.watch() as watch:
-        with vmem.PagePool(driver, 1, 4096) as pool, vmem.VirtualRange(pool, size) as rng:
-            below = rng.address - size
-            if libc.mmap(below, size, prot_none, foreign_flags, -1, 0) != below:
-                pytest.skip("the process has a mapping just below the reservation")
-            try:
+    driver._libc = Hinted(driver._libc)
+    try:
+        with process_resources.watch() as watch:
+            with vmem.PagePool(driver, 1, 4096) as pool, vmem.VirtualRange(pool, size) as rng:
+                assert rng.address == foreign + size
                 assert watch.snapshot().live_reservations == 1
-            finally:
-                libc.munmap(below, size)
-            address = rng.address
-        assert watch.snapshot().live_reservations == 0
-        if libc.mmap(address, size, prot_none, foreign_flags, -1, 0) == address:
-            try:     # an allocator's reservation in the freed range is not ours
-                assert watch.snapshot().live_reservations == 0
-            finally:
-                libc.munmap(address, size)
+            assert watch.snapshot().live_reservations == 0
+            reused = libc.mmap(foreign + size, size, prot_none, foreign_flags | fixed_noreplace, -1, 0)
+            assert reused == foreign + size     # an allocator's mapping in the freed range ...
+            assert watch.snapshot().live_reservations == 0      # ... is not ours
+    finally:
+        libc.munmap(foreign, 2 * size)
 
 
 FAULT_SCRIPT = textwrap.dedent("""
