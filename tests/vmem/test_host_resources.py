@@ -125,8 +125,8 @@ def test_the_watch_counts_a_reservation_beside_a_foreign_prot_none_mapping_and_n
                 assert rng.address == foreign + size
                 assert watch.snapshot().live_reservations == 1
             assert watch.snapshot().live_reservations == 0
-            reused = libc.mmap(foreign + size, size, prot_none, foreign_flags | fixed_noreplace, -1, 0)
-            assert reused == foreign + size     # an allocator's mapping in the freed range ...
+            hole = foreign + size     # an allocator's mapping in the freed range ...
+            assert libc.mmap(hole, size, prot_none, foreign_flags | fixed_noreplace, -1, 0) == hole
             assert watch.snapshot().live_reservations == 0      # ... is not ours
     finally:
         libc.munmap(foreign, 2 * size)
