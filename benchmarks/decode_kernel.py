@@ -1,0 +1,156 @@
+"""cpu-varlen's decode kernel timed from C, per K/V dtype, K/V read from memory (issue 30).
+
+    python benchmarks/decode_kernel.py                       # b8 ctx2k and b32 ctx4k, 3 rounds
+    python benchmarks/decode_kernel.py --configs 8x2048 --rounds 5 --out kernel.json
+
+Builds ``benchmarks/decode_profile.c`` (the kernel's own source, included whole) once per
+dtype with the native build's flags, then runs it for every dtype (f32, bf16, e4m3, i8) of
+every (batch, context), in turns within each round so a noisy neighbour hits them alike.
+Each run walks enough disjoint K/V copies (at least ``--min-mib`` MiB in all) that every call
+reads from memory, as a model's decode does, and reports its median call as ns per token row
+(every KV head's K and V of one token; 32/8 heads x 128, two threads unless ``--threads``).
+A row here is the median over the rounds.
+
+Beside ``benchmarks/attention.py``, which times the same kernel through Python after a cache
+flush: no Python, no waking of sleeping OpenMP workers between calls (the harness calls back
+to back), so the ratios are the kernel's. The run ends with issue 30's ratios, fp8 over fp32
+and over bf16, per configuration.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.runtime.attention import native
+
+REPO = Path(__file__).resolve().parents[1]
+SOURCE = REPO / "benchmarks" / "decode_profile.c"
+ATTENTION = REPO / "runtime" / "attention"
+DTYPES = ("f32", "bf16", "e4m3", "i8")
+ELEMENT_BYTES = {"f32": 4, "bf16": 2, "e4m3": 1, "i8": 1}
+DT_CODES = {"f32": 0, "bf16": 1, "e4m3": 3, "i8": 5}   # cpu_varlen_math.h's DT_*
+KV_HEADS, HEAD_DIM = 8, 128          # decode_profile's shape (32 query heads)
+GOALS = {"f32": 2.5, "bf16": 1.6}    # issue 30: fp8 (e4m3) over these
+LINE = re.compile(r"median ([\d.]+) ns/row")
+
+
+def build(directory: Path, dtype: str) -> Path:
+    """decode_profile for one K/V dtype at D = 128, as the native build makes the kernel's
+    per-shape libraries (its flags but -shared; ``VK_ONLY_DT``, ``VK_ONLY_D``), or SystemExit."""
+    cc = native._compiler()
+    if cc is None:
+        raise SystemExit("decode_kernel: no C compiler (cc/gcc, or $CC)")
+    out = directory / f"decode_profile_{dtype}"
+    flags = [f for f in native.FLAGS if f not in ("-shared", "-fPIC")]
+    defines = [f"-DVK_ONLY_DT={DT_CODES[dtype]}", f"-DVK_ONLY_D={HEAD_DIM}"]
+    run = subprocess.run([cc, *flags, *defines, f"-I{ATTENTION}", str(SOURCE), "-o", str(out),
+                          "-lm"], capture_output=True, text=True)
+    if run.returncode:
+        raise SystemExit(f"decode_kernel: building {SOURCE.name} failed:\n{run.stderr}")
+    return out
+
+
+def copies_for(dtype: str, batch: int, ctx: int, min_mib: int) -> int:
+    """Disjoint K/V copies that make at least ``min_mib`` MiB, so that calls read memory."""
+    copy_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * ELEMENT_BYTES[dtype]
+    return max(1, -(-(min_mib << 20) // copy_bytes))
+
+
+def reps_for(copies: int) -> int:
+    """Timed calls per run: two passes over the copies, at least 20."""
+    return max(20, 2 * copies)
+
+
+def run_one(binary: Path, dtype: str, threads: int, batch: int, ctx: int, min_mib: int) -> float:
+    copies = copies_for(dtype, batch, ctx, min_mib)
+    cmd = [str(binary), dtype, str(threads), str(batch), str(ctx), str(copies),
+           str(reps_for(copies))]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if run.returncode:   # exit 2: the copies do not fit the memory available, and so on
+        raise SystemExit(f"decode_kernel: {' '.join(cmd)} failed: {run.stderr.strip()}")
+    match = LINE.search(run.stdout)
+    if not match:
+        raise SystemExit(f"decode_kernel: no median in the output of {' '.join(cmd)}: "
+                         f"{run.stdout!r}")
+    return float(match.group(1))
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per configuration, e4m3's speed-up over each dtype of GOALS, and whether it meets it."""
+    by_config: dict = {}
+    for r in rows:
+        by_config.setdefault((r["batch"], r["ctx"]), {})[r["dtype"]] = r["ns_per_row"]
+    out = []
+    for (batch, ctx), ns in by_config.items():
+        for other, goal in GOALS.items():
+            if "e4m3" in ns and other in ns:
+                speedup = ns[other] / ns["e4m3"]
+                out.append({"batch": batch, "ctx": ctx, "over": other, "speedup": speedup,
+                            "goal": goal, "met": speedup >= goal})
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=["8x2048", "32x4096"], metavar="BATCHxCTX")
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--min-mib", type=int, default=256,
+                   help="K/V copies per run, in MiB at least (more than the last-level cache)")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    configs = []
+    for text in args.configs:
+        batch, sep, ctx = text.partition("x")
+        if not sep or not batch.isdigit() or not ctx.isdigit() or int(batch) < 1 or int(ctx) < 1:
+            p.error(f"--configs: {text!r} is not BATCHxCTX (e.g. 8x2048)")
+        configs.append((int(batch), int(ctx)))
+    args.configs = list(dict.fromkeys(configs))
+    args.dtypes = list(dict.fromkeys(args.dtypes))
+    for name in ("threads", "rounds", "min_mib"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    env = environment(0, 0, args.rounds, threads=args.threads, min_mib=args.min_mib,
+                      shape=f"32/{KV_HEADS}x{HEAD_DIM}")
+    print_environment(env)
+    samples: dict = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        binaries = {dtype: build(Path(tmp), dtype) for dtype in args.dtypes}
+        for round_index in range(args.rounds):
+            for batch, ctx in args.configs:
+                for dtype in args.dtypes:
+                    ns = run_one(binaries[dtype], dtype, args.threads, batch, ctx, args.min_mib)
+                    samples.setdefault((batch, ctx, dtype), []).append(ns)
+            print(f"# round {round_index + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    rows = []
+    for (batch, ctx, dtype), ns in samples.items():
+        bytes_per_row = 2 * KV_HEADS * HEAD_DIM * ELEMENT_BYTES[dtype]
+        median_ns = statistics.median(ns)
+        rows.append({"batch": batch, "ctx": ctx, "dtype": dtype, "ns_per_row": median_ns,
+                     "rounds": ns, "gb_per_s": bytes_per_row / median_ns})
+    print(format_table(rows, ["batch", "ctx", "dtype", "ns_per_row", "gb_per_s"]))
+    goals = ratios(rows)
+    for g in goals:
+        verdict = "met" if g["met"] else "NOT met"
+        print(f"# goal (issue 30): e4m3 >= {g['goal']}x {g['over']} at b{g['batch']} "
+              f"ctx{g['ctx']}: {g['speedup']:.2f}x, {verdict}")
+    write_json(args.out, {"benchmark": "decode_kernel", "environment": env, "rows": rows,
+                          "goals": goals})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

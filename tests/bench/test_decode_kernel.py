@@ -1,0 +1,51 @@
+"""benchmarks/decode_kernel.py: the decode kernel timed from C per K/V dtype, issue 30's ratios
+computed from the rows the run measured."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vmemkv.benchmarks import decode_kernel
+from vmemkv.runtime.attention import native
+
+
+def test_a_small_run_times_each_dtype_and_derives_the_ratios_from_its_rows(tmp_path, capsys):
+    if native._compiler() is None:
+        pytest.skip("no C compiler (cc/gcc, or $CC)")
+    out = tmp_path / "kernel.json"
+    assert decode_kernel.main(["--configs", "2x64", "--dtypes", "f32", "e4m3", "e4m3",
+                               "--threads", "1", "--rounds", "2", "--min-mib", "1",
+                               "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["dtype"]: r for r in result["rows"]}
+    assert sorted(rows) == ["e4m3", "f32"]
+    for dtype, row in rows.items():
+        assert (row["batch"], row["ctx"]) == (2, 64) and len(row["rounds"]) == 2
+        assert row["ns_per_row"] > 0
+        bytes_per_row = 2 * 8 * 128 * decode_kernel.ELEMENT_BYTES[dtype]
+        assert row["gb_per_s"] == pytest.approx(bytes_per_row / row["ns_per_row"])
+    (goal,) = result["goals"]          # no bf16 row measured: only the ratio over f32
+    assert goal["over"] == "f32" and goal["goal"] == 2.5
+    assert goal["speedup"] == pytest.approx(rows["f32"]["ns_per_row"] / rows["e4m3"]["ns_per_row"])
+    assert goal["met"] == (goal["speedup"] >= 2.5)
+    assert "# goal (issue 30): e4m3 >= 2.5x f32 at b2 ctx64" in capsys.readouterr().out
+
+
+def test_copies_make_at_least_the_asked_mebibytes():
+    # an e4m3 b8 ctx2k copy is 32 MiB of K and V: 256 MiB take 8, 1 MiB takes 1
+    assert decode_kernel.copies_for("e4m3", 8, 2048, 256) == 8
+    assert decode_kernel.copies_for("f32", 8, 2048, 256) == 2
+    assert decode_kernel.copies_for("e4m3", 8, 2048, 1) == 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--configs", "8by2048"], "--configs: '8by2048' is not BATCHxCTX"),
+    (["--configs", "0x2048"], "--configs: '0x2048' is not BATCHxCTX"),
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--min-mib", "0"], "--min-mib must be >= 1, got 0"),
+])
+def test_bad_arguments_are_refused_by_name(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        decode_kernel.parse_args(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
