@@ -26,15 +26,20 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
 from vmemkv.runtime.attention import native
+from vmemkv.runtime.attention.cpu_varlen import DTYPE_CODES
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "benchmarks" / "decode_profile.c"
 ATTENTION = REPO / "runtime" / "attention"
 DTYPES = ("f32", "bf16", "e4m3", "i8")
 ELEMENT_BYTES = {"f32": 4, "bf16": 2, "e4m3": 1, "i8": 1}
-DT_CODES = {"f32": 0, "bf16": 1, "e4m3": 3, "i8": 5}   # cpu_varlen_math.h's DT_*
+DT_CODES = {name: DTYPE_CODES[dtype] for name, dtype in (   # the kernel's dtype codes
+    ("f32", torch.float32), ("bf16", torch.bfloat16), ("e4m3", torch.float8_e4m3fn),
+    ("i8", torch.int8))}
 KV_HEADS, HEAD_DIM = 8, 128          # decode_profile's shape (32 query heads)
 GOALS = {"f32": 2.5, "bf16": 1.6}    # issue 30: fp8 (e4m3) over these
 LINE = re.compile(r"median ([\d.]+) ns/row")

@@ -18,14 +18,13 @@ MADV_DONTDUMP: marked mappings merge only with each other, and /proc/self/smaps 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import gc
 import os
 from contextlib import contextmanager
 from typing import Iterator, List, NamedTuple, Tuple
 from unittest import mock
 
-from vmemkv.vmem.host import HostDriver
+from vmemkv.vmem.host import HostDriver, _load_libc
 
 MEMFD_NAME = "memfd:vmemkv-pages"
 
@@ -38,7 +37,7 @@ class Resources(NamedTuple):
 
 
 MADV_DONTDUMP = 16
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc = _load_libc()
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 

@@ -93,18 +93,13 @@ def test_the_watch_counts_a_reservation_beside_a_foreign_prot_none_mapping_and_n
     reservation; the kernel merged one with a cache's reservation in a CI run, and the watch,
     which looked for a line starting at the reserved address, counted the live cache as gone.
     Here the reservation is placed (by an mmap hint) right above such a mapping."""
-    import ctypes
-    import mmap
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    prot_none, no_reserve, fixed_noreplace = 0, 0x4000, 0x100000
-    foreign_flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | no_reserve
+    from vmemkv.vmem import host
+    libc = host._load_libc()
+    foreign_flags = host.MAP_PRIVATE | host.MAP_ANONYMOUS | host.MAP_NORESERVE
+    prot_none, fixed_noreplace = host.PROT_NONE, 0x100000
     size = 1 << 20
     foreign = libc.mmap(None, 2 * size, prot_none, foreign_flags, -1, 0)
-    assert foreign not in (None, ctypes.c_void_p(-1).value)
+    assert foreign not in (None, host.MAP_FAILED)
     libc.munmap(foreign + size, size)          # a hole of the reservation's size above it
 
     class Hinted:        # the driver's libc, its reservation's mmap hinted into the hole
