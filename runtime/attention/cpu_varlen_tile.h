@@ -81,6 +81,8 @@ static ALWAYS void key_partials(const args_t *a, const unit_t *u, const int64_t 
                 const int64_t off = koffs[jj] + hh * a->ks[2] + x0 * VW;
                 if (dt == DT_E4M3_FINITE) nan_watch_bytes(&nan, (const int8_t *)a->k + off, xn * VW);
                 int64_t x = 0;
+                #pragma GCC unroll 4
+                for (; x + 4 <= xn; x += 4) ld_kv4(a->k, off + x * VW, dt, &kr[jj][x]);
                 #pragma GCC unroll 8
                 for (; x + 2 <= xn; x += 2) ld_kv2(a->k, off + x * VW, dt, &kr[jj][x], &kr[jj][x + 1]);
                 if (x < xn) kr[jj][x] = ld_kv(a->k, off + x * VW, dt);
@@ -200,6 +202,7 @@ static ALWAYS void value_block(const args_t *a, ws_t *w, const int64_t *rs, cons
         vf vv[4];
         if (dt == DT_E4M3_FINITE) nan_watch_bytes(&nan, (const int8_t *)a->v + off, CV * VW);
         int cv = 0;
+        if (CV == 4) { ld_kv4(a->v, off, dt, vv); cv = 4; }
         for (; cv + 2 <= CV; cv += 2) ld_kv2(a->v, off + cv * VW, dt, &vv[cv], &vv[cv + 1]);
         if (cv < CV) vv[cv] = ld_kv(a->v, off + cv * VW, dt);
         const float *p = sp + j * MAX_ROWS;
@@ -394,9 +397,10 @@ static ALWAYS void walk_keys_d(const args_t *a, const unit_t *u, ws_t *w, const 
     /* 2- and 1-byte V of a unit with many rows a head: each tile widened once (tile_widen),
      * the values read from w->vt as fp32 through wa (vt's strides) and woffs */
     const int widen = dt != DT_F32 && u->np * u->G > WIDEN_ROWS, gemm = unit_gemm(u);
-    /* e4m3 decode reads its rows without the NaN step, checking them for NaN bytes instead
-     * (attend_unit walks the unit again exactly if one is met) */
-    const int finite = dt == DT_E4M3 && !widen && !gemm && !u->exact;
+    /* e4m3 decode without the table (no AVX-512 VBMI) reads its rows without the NaN step,
+     * checking them for NaN bytes instead (attend_unit walks the unit again exactly if one is
+     * met); by table the reading is exact as it is */
+    const int finite = !E4M3_BY_TABLE && dt == DT_E4M3 && !widen && !gemm && !u->exact;
     args_t wa = *a;
     const int64_t wstrides[3] = {0, u->nh * D, D};
     int64_t woffs[CHUNK];

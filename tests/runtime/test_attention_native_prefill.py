@@ -201,13 +201,14 @@ def poke(view, which: str, request: int, pos: int, head: int, dim: int, byte: in
                                                     (272, 16)])
 def test_e4m3_nan_bytes_a_decode_reads_give_nan_exactly_where_the_reference_does(
         layout, head_dim, vector_lanes, monkeypatch):
-    """An e4m3 decode reads its rows without turning 0x7F / 0xFF into NaN and watches the bytes
-    it reads for them instead, walking a unit again with the NaN step when it meets one. So a
-    NaN byte in a K row makes every row of that head NaN, one in a V row that element of its
-    rows' outputs, as in the reference over the decoded values; other requests and heads are
-    untouched, with key ranges split too (a walk that kept the finite reading fails here), in
-    the 16-lane build and the 8-lane one; 256 at 8 lanes and 272 (the any-size build) at 16 are
-    over KR_VECS vectors, so each K row is scored in two pieces."""
+    """A NaN byte in a K row makes every row of that head NaN, one in a V row that element of
+    its rows' outputs, as in the reference over the decoded values; other requests and heads
+    are untouched, with key ranges split too. The 16-lane build reads e4m3 by table where the
+    CPU has AVX-512 VBMI (NaN bytes NaN as read); the 8-lane one reads its rows without turning
+    0x7F / 0xFF into NaN and watches the bytes it reads for them instead, walking a unit again
+    with the NaN step when it meets one (a walk that kept the finite reading fails here); 256
+    at 8 lanes and 272 (the any-size build) at 16 are over KR_VECS vectors, so each K row is
+    scored in two pieces."""
     from vmemkv.runtime.attention import native
     build = native.kernel
     monkeypatch.setattr(native, "kernel", lambda head_dim, dtype_code:
@@ -226,3 +227,42 @@ def test_e4m3_nan_bytes_a_decode_reads_give_nan_exactly_where_the_reference_does
     for backend in (kernel(), kernel(units=5)):
         out = backend.forward(case.q, view)
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+def fill_row(view, which: str, request: int, pos: int, codes: torch.Tensor) -> None:
+    """Store ``codes`` (uint8 [Hkv, D]) as the raw 8-bit K or V row of that token."""
+    for head in range(codes.shape[0]):
+        for dim in range(codes.shape[1]):
+            poke(view, which, request, pos, head, dim, int(codes[head, dim]))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("vector_lanes", [8, 16])
+def test_every_e4m3_byte_is_read_as_its_value(layout, vector_lanes, monkeypatch):
+    """All 256 e4m3 bytes, subnormals and both NaNs among them, in one token's V row (two KV
+    heads x 128): a one-key decode gives exactly that row's values times the V scale (p is 1,
+    so nothing but the reading can differ), NaN where the byte is. The 254 finite bytes in a
+    K row, before a second key, score as the reference over the decoded values (1e-5). In the
+    16-lane build (the table where the CPU has AVX-512 VBMI) and the 8-lane one (F16C)."""
+    from vmemkv.runtime.attention import native
+    build = native.kernel
+    monkeypatch.setattr(native, "kernel", lambda head_dim, dtype_code:
+                        build(head_dim, dtype_code, vector_lanes))
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(2, 128)
+    finite = every.clone()
+    finite[(finite & 0x7F) == 0x7F] = 0
+    decode = lambda codes, scale: (codes.view(torch.float8_e4m3fn).float()   # noqa: E731
+                                   * scale.view(-1, 1))
+    case = make_case([(1, 1), (2, 1)], heads=8, kv_heads=2, head_dim=128, seed=3)
+    starts = [0, 0]
+    case, view = encoded(case, layer_view(case, layout, starts, None), "fp8_e4m3")
+    fill_row(view, "v", request=0, pos=0, codes=every)
+    fill_row(view, "k", request=1, pos=0, codes=finite)
+    case.values[0][0] = decode(every, view.v_scale)
+    case.keys[1][0] = decode(finite, view.k_scale)
+    out = kernel().forward(case.q, view)
+    assert out[0].isnan().sum() == 4 * 2   # 0x7F and 0xFF, in each of the 4 rows of their head
+    torch.testing.assert_close(out[0].view(2, 4, 128),
+                               case.values[0][0].unsqueeze(1).expand(2, 4, 128),
+                               atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(out[1], truth(case, starts, None, None)[1], atol=1e-5, rtol=1e-5)
