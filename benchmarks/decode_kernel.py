@@ -4,7 +4,7 @@
     python benchmarks/decode_kernel.py --configs 8x2048 --rounds 5 --out kernel.json
 
 Builds ``benchmarks/decode_profile.c`` (the kernel's own source, included whole) once per
-dtype with the native build's flags, then runs it for every dtype (f32, bf16, e4m3, i8) of
+dtype with the native build's flags, then runs it for every dtype (f32, bf16, e4m3, e5m2, i8) of
 every (batch, context), in turns within each round so a noisy neighbour hits them alike.
 Each run walks enough disjoint K/V copies (at least ``--min-mib`` MiB in all) that every call
 reads from memory, as a model's decode does, and reports its median call as ns per token row
@@ -35,11 +35,11 @@ from vmemkv.runtime.attention.cpu_varlen import DTYPE_CODES
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "benchmarks" / "decode_profile.c"
 ATTENTION = REPO / "runtime" / "attention"
-DTYPES = ("f32", "bf16", "e4m3", "i8")
-ELEMENT_BYTES = {"f32": 4, "bf16": 2, "e4m3": 1, "i8": 1}
+DTYPES = ("f32", "bf16", "e4m3", "e5m2", "i8")
+ELEMENT_BYTES = {"f32": 4, "bf16": 2, "e4m3": 1, "e5m2": 1, "i8": 1}
 DT_CODES = {name: DTYPE_CODES[dtype] for name, dtype in (   # the kernel's dtype codes
     ("f32", torch.float32), ("bf16", torch.bfloat16), ("e4m3", torch.float8_e4m3fn),
-    ("i8", torch.int8))}
+    ("e5m2", torch.float8_e5m2), ("i8", torch.int8))}
 KV_HEADS, HEAD_DIM = 8, 128          # decode_profile's shape (32 query heads)
 GOALS = {"f32": 2.5, "bf16": 1.6}    # issue 30: fp8 (e4m3) over these
 LINE = re.compile(r"median ([\d.]+) ns/row")

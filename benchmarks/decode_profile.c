@@ -3,7 +3,7 @@
  *
  *   cc -O3 -march=native -fopenmp -ffp-contract=fast -Iruntime/attention \
  *      benchmarks/decode_profile.c -o /tmp/decode_profile -lm
- *   /tmp/decode_profile DTYPE THREADS BATCH CTX COPIES REPS    # DTYPE: f32 | bf16 | e4m3 | i8
+ *   /tmp/decode_profile DTYPE THREADS BATCH CTX COPIES REPS    # DTYPE: f32 | bf16 | e4m3 | e5m2 | i8
  *
  * One call = a decode step of BATCH requests x CTX keys, 32/8 heads x 128, vmem per-layer
  * layout (K and V [BATCH, CTX, 8, 128] each), one item per request (every KV head, whole token
@@ -12,8 +12,9 @@
  * Prints the fastest and the median call as ns per token row (one row = every KV head's K and
  * V of one token) and the K/V bytes read per second. For instruction counts run it under
  * `valgrind --tool=callgrind` from an AVX2 build (-march=haswell): valgrind cannot run AVX-512.
- * e4m3 and i8 (issue 30: what limits the 8-bit decode rows) read one byte per element with a
- * scale of 1 per KV head; their bytes are drawn so that none is e4m3's NaN.
+ * e4m3, e5m2 and i8 (issue 30: what limits the 8-bit decode rows) read one byte per element
+ * with a scale of 1 per KV head; their bytes are drawn below 0x70 in magnitude, so that none
+ * is a NaN or an infinity of either fp8.
  */
 #include <stdio.h>
 #include <time.h>
@@ -24,12 +25,12 @@ static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
 static int cmp(const void *x, const void *y) { double a = *(const double *)x, b = *(const double *)y; return (a > b) - (a < b); }
 
 int main(int argc, char **argv) {
-    if (argc != 7) { fprintf(stderr, "usage: %s f32|bf16|e4m3|i8 THREADS BATCH CTX COPIES REPS\n", argv[0]); return 2; }
-    const char *names[] = {"f32", "bf16", "e4m3", "i8"};
-    const int dtypes[] = {DT_F32, DT_BF16, DT_E4M3, DT_I8}, sizes[] = {4, 2, 1, 1};
+    if (argc != 7) { fprintf(stderr, "usage: %s f32|bf16|e4m3|e5m2|i8 THREADS BATCH CTX COPIES REPS\n", argv[0]); return 2; }
+    const char *names[] = {"f32", "bf16", "e4m3", "e5m2", "i8"};
+    const int dtypes[] = {DT_F32, DT_BF16, DT_E4M3, DT_E5M2, DT_I8}, sizes[] = {4, 2, 1, 1, 1};
     int which = -1;
-    for (int i = 0; i < 4; i++) if (!strcmp(argv[1], names[i])) which = i;
-    if (which < 0) { fprintf(stderr, "%s: DTYPE must be f32, bf16, e4m3 or i8, got %s\n", argv[0], argv[1]); return 2; }
+    for (int i = 0; i < 5; i++) if (!strcmp(argv[1], names[i])) which = i;
+    if (which < 0) { fprintf(stderr, "%s: DTYPE must be f32, bf16, e4m3, e5m2 or i8, got %s\n", argv[0], argv[1]); return 2; }
     const int bf16 = which == 1, dtype = dtypes[which], threads = atoi(argv[2]);
     const int64_t B = atoll(argv[3]), ctx = atoll(argv[4]), copies = atoll(argv[5]), reps = atoll(argv[6]);
     const int64_t H = 32, Hkv = 8, D = 128, eb = sizes[which], elems = B * ctx * Hkv * D;

@@ -36,7 +36,7 @@
  * query rows of its head (q * scale_k . k = q . (scale_k k)) and V's into their outputs
  * (sum p (scale_v v) = scale_v sum p v), so the inner loops convert bytes and never multiply.
  * e4m3 with AVX-512 VBMI converts by table, exactly, NaN bytes included (cpu_varlen_math.h's
- * e4m3_table). Elsewhere an e4m3 decode converts without the step that makes 0x7F / 0xFF NaN and
+ * fp8_table). Elsewhere an e4m3 decode converts without the step that makes 0x7F / 0xFF NaN and
  * watches the bytes it reads for those two instead (a vpmax per 64 bytes); a unit that met one
  * is walked again with the step, so the result is always that of the exact conversion (issue
  * 30: 13% of the time).

@@ -119,16 +119,18 @@ static ALWAYS vh e4m3_half_bits(const int8_t *p) {
     return (s << 7) & 0xBF80;
 }
 #if VW == 16 && defined(__AVX512VBMI__)
-/* e4m3fn by table (AVX-512 VBMI): every byte's fp32 (the value / 2^8, as e4m3_vec; 0x7F / 0xFF
- * NaN) has zero low 16 bits, so its top two bytes say it all. Two 128-entry byte tables give
- * them for the byte's magnitude (vpermi2b: 64 bytes a lookup), the sign is merged into the top
- * byte, and one zero-masked vpermi2b places each element's two bytes in its fp32 lane: seven
- * operations for 64 elements (the F16C path takes ten, plus two for its NaN watch), and exact
- * for every byte, NaN included. Tables: E4M3_TOP[m] and E4M3_NEXT[m] are bits 31..24 and
- * 23..16 of the fp32 of magnitude m (E = m >> 3, M = m & 7: M 2^-9 for E = 0, else
- * (1 + M/8) 2^(E-7)) / 2^8; E4M3_PLACE[k] picks, for fp32 lane i of the k-th 16 elements,
- * byte 16k + i of NEXT into byte 2 and of TOP into byte 3 (bytes 0 and 1 zeroed by the mask). */
-#define E4M3_BY_TABLE 1
+/* fp8 by table (AVX-512 VBMI): the fp32 of every fp8 byte (e4m3fn's value / 2^8, as e4m3_vec;
+ * e5m2's value) has zero low 16 bits, so its top two bytes say it all. Two 128-entry byte
+ * tables give them for the byte's magnitude (vpermi2b: 64 bytes a lookup), the sign is merged
+ * into the top byte, and one zero-masked vpermi2b places each element's two bytes in its fp32
+ * lane: seven operations for 64 elements (F16C takes ten for e4m3, plus two for its NaN watch,
+ * and twelve for e5m2), exact for every byte, NaN and e5m2's infinities included.
+ * TOP[m] and NEXT[m] are bits 31..24 and 23..16 of the fp32 of magnitude m: e4m3 (E = m >> 3,
+ * M = m & 7) M 2^-9 for E = 0, NaN for m = 0x7F, else (1 + M/8) 2^(E-7), all / 2^8; e5m2
+ * (E = m >> 2, M = m & 3) M 2^-16 for E = 0, inf (M = 0) or NaN for E = 31, else
+ * (1 + M/4) 2^(E-15). FP8_PLACE[k] picks, for fp32 lane i of the k-th 16 elements, byte
+ * 16k + i of NEXT into byte 2 and of TOP into byte 3 (bytes 0 and 1 zeroed by the mask). */
+#define FP8_BY_TABLE 1
 static const uint8_t E4M3_TOP[128] __attribute__((aligned(64))) = {
     0x00, 0x37, 0x37, 0x37, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38,
     0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39,
@@ -147,7 +149,25 @@ static const uint8_t E4M3_NEXT[128] __attribute__((aligned(64))) = {
     0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
     0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
     0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xC0};
-static const uint8_t E4M3_PLACE[4 * 64] __attribute__((aligned(64))) = {
+static const uint8_t E5M2_TOP[128] __attribute__((aligned(64))) = {
+    0x00, 0x37, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39,
+    0x3A, 0x3A, 0x3A, 0x3A, 0x3A, 0x3A, 0x3A, 0x3A, 0x3B, 0x3B, 0x3B, 0x3B, 0x3B, 0x3B, 0x3B, 0x3B,
+    0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D,
+    0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F,
+    0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41,
+    0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43,
+    0x44, 0x44, 0x44, 0x44, 0x44, 0x44, 0x44, 0x44, 0x45, 0x45, 0x45, 0x45, 0x45, 0x45, 0x45, 0x45,
+    0x46, 0x46, 0x46, 0x46, 0x46, 0x46, 0x46, 0x46, 0x47, 0x47, 0x47, 0x47, 0x7F, 0x7F, 0x7F, 0x7F};
+static const uint8_t E5M2_NEXT[128] __attribute__((aligned(64))) = {
+    0x00, 0x80, 0x00, 0x40, 0x80, 0xA0, 0xC0, 0xE0, 0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0,
+    0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0, 0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0,
+    0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0, 0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0,
+    0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0, 0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0,
+    0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0, 0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0,
+    0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0, 0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0,
+    0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0, 0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0,
+    0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0, 0x00, 0x20, 0x40, 0x60, 0x80, 0xC0, 0xC0, 0xC0};
+static const uint8_t FP8_PLACE[4 * 64] __attribute__((aligned(64))) = {
     0, 0, 0, 64, 0, 0, 1, 65, 0, 0, 2, 66, 0, 0, 3, 67, 0, 0, 4, 68, 0, 0, 5, 69, 0, 0, 6, 70, 0, 0, 7, 71,
     0, 0, 8, 72, 0, 0, 9, 73, 0, 0, 10, 74, 0, 0, 11, 75, 0, 0, 12, 76, 0, 0, 13, 77, 0, 0, 14, 78, 0, 0, 15, 79,
     0, 0, 16, 80, 0, 0, 17, 81, 0, 0, 18, 82, 0, 0, 19, 83, 0, 0, 20, 84, 0, 0, 21, 85, 0, 0, 22, 86, 0, 0, 23, 87,
@@ -156,28 +176,31 @@ static const uint8_t E4M3_PLACE[4 * 64] __attribute__((aligned(64))) = {
     0, 0, 40, 104, 0, 0, 41, 105, 0, 0, 42, 106, 0, 0, 43, 107, 0, 0, 44, 108, 0, 0, 45, 109, 0, 0, 46, 110, 0, 0, 47, 111,
     0, 0, 48, 112, 0, 0, 49, 113, 0, 0, 50, 114, 0, 0, 51, 115, 0, 0, 52, 116, 0, 0, 53, 117, 0, 0, 54, 118, 0, 0, 55, 119,
     0, 0, 56, 120, 0, 0, 57, 121, 0, 0, 58, 122, 0, 0, 59, 123, 0, 0, 60, 124, 0, 0, 61, 125, 0, 0, 62, 126, 0, 0, 63, 127};
-/* N (1, 2 or 4) vectors of 16 e4m3 elements at p as fp32 into out[0:N] */
-static ALWAYS void e4m3_table(const int8_t *p, const int N, vf *out) {
+/* N (1, 2 or 4) vectors of 16 fp8 elements at p (e4m3 for dt DT_E4M3, else e5m2) as fp32 into
+ * out[0:N] */
+static ALWAYS void fp8_table(const int8_t *p, const int N, const int dt, vf *out) {
+    const uint8_t *top_table = dt == DT_E4M3 ? E4M3_TOP : E5M2_TOP;
+    const uint8_t *next_table = dt == DT_E4M3 ? E4M3_NEXT : E5M2_NEXT;
     const __m512i x = N == 4 ? _mm512_loadu_si512(p)
                     : N == 2 ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)p))
                     : _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)p));
     const __m512i top = _mm512_ternarylogic_epi32(
-        _mm512_permutex2var_epi8(_mm512_load_si512(E4M3_TOP), x, _mm512_load_si512(E4M3_TOP + 64)),
+        _mm512_permutex2var_epi8(_mm512_load_si512(top_table), x, _mm512_load_si512(top_table + 64)),
         x, _mm512_set1_epi8((char)0x80), 0xF8);   /* table | (x & 0x80) */
-    const __m512i next = _mm512_permutex2var_epi8(_mm512_load_si512(E4M3_NEXT), x,
-                                                  _mm512_load_si512(E4M3_NEXT + 64));
+    const __m512i next = _mm512_permutex2var_epi8(_mm512_load_si512(next_table), x,
+                                                  _mm512_load_si512(next_table + 64));
     for (int k = 0; k < N; k++)
         out[k] = (vf)_mm512_maskz_permutex2var_epi8(0xCCCCCCCCCCCCCCCCull, next,
-                                                    _mm512_load_si512(E4M3_PLACE + 64 * k), top);
+                                                    _mm512_load_si512(FP8_PLACE + 64 * k), top);
 }
 #else
-#define E4M3_BY_TABLE 0
+#define FP8_BY_TABLE 0
 #endif
 
 static ALWAYS vf e4m3_vec(const int8_t *p) {
-#if E4M3_BY_TABLE
+#if FP8_BY_TABLE
     vf out;
-    e4m3_table(p, 1, &out);
+    fp8_table(p, 1, DT_E4M3, &out);
     return out;
 #else
     vh h = e4m3_half_bits(p);
@@ -226,6 +249,9 @@ static ALWAYS vf ld_kv(const void *base, int64_t off, int dt) {
     if (dt == DT_F32) return ldf((const float *)base + off);
     if (dt == DT_E4M3) return e4m3_vec((const int8_t *)base + off);
     if (dt == DT_E4M3_FINITE) return e4m3_finite_vec((const int8_t *)base + off);
+#if FP8_BY_TABLE
+    if (dt == DT_E5M2) { vf out; fp8_table((const int8_t *)base + off, 1, DT_E5M2, &out); return out; }
+#endif
     if (dt == DT_E5M2) return half_vec(__builtin_convertvector(*(const vbu *)((const uint8_t *)base + off), vh) << 8);
     if (dt == DT_I8) return __builtin_convertvector(widen_s8((const int8_t *)base + off), vf);
     const uint16_t *src = (const uint16_t *)base + off;
@@ -236,10 +262,10 @@ static ALWAYS vf ld_kv(const void *base, int64_t off, int dt) {
 /* 2 VW elements at off as fp32 into lo and hi: ld_kv twice, but finite e4m3 with AVX-512 BW
  * widens 32 bytes in one register (three integer operations for 32 lanes: measured 3%) */
 static ALWAYS void ld_kv2(const void *base, int64_t off, int dt, vf *lo, vf *hi) {
-#if E4M3_BY_TABLE
-    if (dt == DT_E4M3) {
+#if FP8_BY_TABLE
+    if (dt == DT_E4M3 || dt == DT_E5M2) {
         vf two[2];
-        e4m3_table((const int8_t *)base + off, 2, two);
+        fp8_table((const int8_t *)base + off, 2, dt, two);
         *lo = two[0]; *hi = two[1];
         return;
     }
@@ -257,10 +283,10 @@ static ALWAYS void ld_kv2(const void *base, int64_t off, int dt, vf *lo, vf *hi)
     *hi = ld_kv(base, off + VW, dt);
 }
 
-/* 4 VW elements at off as fp32 into out[0:4]: ld_kv2 twice, but e4m3 by table in one go */
+/* 4 VW elements at off as fp32 into out[0:4]: ld_kv2 twice, but fp8 by table in one go */
 static ALWAYS void ld_kv4(const void *base, int64_t off, int dt, vf *out) {
-#if E4M3_BY_TABLE
-    if (dt == DT_E4M3) { e4m3_table((const int8_t *)base + off, 4, out); return; }
+#if FP8_BY_TABLE
+    if (dt == DT_E4M3 || dt == DT_E5M2) { fp8_table((const int8_t *)base + off, 4, dt, out); return; }
 #endif
     ld_kv2(base, off, dt, &out[0], &out[1]);
     ld_kv2(base, off + 2 * VW, dt, &out[2], &out[3]);

@@ -400,7 +400,7 @@ static ALWAYS void walk_keys_d(const args_t *a, const unit_t *u, ws_t *w, const 
     /* e4m3 decode without the table (no AVX-512 VBMI) reads its rows without the NaN step,
      * checking them for NaN bytes instead (attend_unit walks the unit again exactly if one is
      * met); by table the reading is exact as it is */
-    const int finite = !E4M3_BY_TABLE && dt == DT_E4M3 && !widen && !gemm && !u->exact;
+    const int finite = !FP8_BY_TABLE && dt == DT_E4M3 && !widen && !gemm && !u->exact;
     args_t wa = *a;
     const int64_t wstrides[3] = {0, u->nh * D, D};
     int64_t woffs[CHUNK];
