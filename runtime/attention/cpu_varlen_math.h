@@ -118,7 +118,7 @@ static ALWAYS vh e4m3_half_bits(const int8_t *p) {
 #endif
     return (s << 7) & 0xBF80;
 }
-#if VW == 16 && defined(__AVX512VBMI__)
+#if VW == 16 && defined(__AVX512VBMI__) && !defined(VK_NO_FP8_TABLE)   /* (the tests build both) */
 /* fp8 by table (AVX-512 VBMI): the fp32 of every fp8 byte (e4m3fn's value / 2^8, as e4m3_vec;
  * e5m2's value) has zero low 16 bits, so its top two bytes say it all. Two 128-entry byte
  * tables give them for the byte's magnitude (vpermi2b: 64 bytes a lookup), the sign is merged

@@ -169,16 +169,22 @@ def test_default_and_sdpa_above_tokens_agree_on_windowed_capped_mixed_steps(layo
         check(backend, case, view, starts, window, 5.0)
 
 
+def build_with(monkeypatch, vector_lanes: int, fp8_table: bool = True) -> None:
+    """Every kernel the backend loads from here on built ``vector_lanes`` wide (and with
+    ``fp8_table=False``, reading fp8 through F16C even where the CPU has AVX-512 VBMI)."""
+    from vmemkv.runtime.attention import native
+    build = native.kernel
+    monkeypatch.setattr(native, "kernel", lambda head_dim, dtype_code:
+                        build(head_dim, dtype_code, vector_lanes, fp8_table))
+
+
 @pytest.mark.parametrize("vector_lanes", [8, 16])
 def test_both_vector_widths_match_the_reference_with_every_row_of_an_item(vector_lanes,
                                                                           monkeypatch):
     """The kernel built with 8 fp32 lanes (AVX2) and with 16 (AVX-512), whichever this CPU has:
     one KV head with 8 query heads and a 40-token chunk fills items of 64 rows, 8 row vectors
     of 8 lanes, so the GEMM path must walk all of them (it once stopped at the fourth)."""
-    from vmemkv.runtime.attention import native
-    build = native.kernel
-    monkeypatch.setattr(native, "kernel", lambda head_dim, dtype_code:
-                        build(head_dim, dtype_code, vector_lanes))
+    build_with(monkeypatch, vector_lanes)
     spec = [(48, 40), (40, 40)]
     case = make_case(spec, heads=8, kv_heads=1, head_dim=32, seed=vector_lanes)
     starts = [0, 0]
@@ -197,22 +203,21 @@ def poke(view, which: str, request: int, pos: int, head: int, dim: int, byte: in
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("head_dim, vector_lanes", [(32, 16), (128, 16), (128, 8), (256, 8),
-                                                    (272, 16)])
+@pytest.mark.parametrize("head_dim, vector_lanes, fp8_table",
+                         [(32, 16, True), (128, 16, True), (128, 16, False), (128, 8, True),
+                          (256, 8, True), (272, 16, True), (272, 16, False)])
 def test_e4m3_nan_bytes_a_decode_reads_give_nan_exactly_where_the_reference_does(
-        layout, head_dim, vector_lanes, monkeypatch):
+        layout, head_dim, vector_lanes, fp8_table, monkeypatch):
     """A NaN byte in a K row makes every row of that head NaN, one in a V row that element of
     its rows' outputs, as in the reference over the decoded values; other requests and heads
     are untouched, with key ranges split too. The 16-lane build reads e4m3 by table where the
-    CPU has AVX-512 VBMI (NaN bytes NaN as read); the 8-lane one reads its rows without turning
-    0x7F / 0xFF into NaN and watches the bytes it reads for them instead, walking a unit again
-    with the NaN step when it meets one (a walk that kept the finite reading fails here); 256
-    at 8 lanes and 272 (the any-size build) at 16 are over KR_VECS vectors, so each K row is
-    scored in two pieces."""
-    from vmemkv.runtime.attention import native
-    build = native.kernel
-    monkeypatch.setattr(native, "kernel", lambda head_dim, dtype_code:
-                        build(head_dim, dtype_code, vector_lanes))
+    CPU has AVX-512 VBMI (NaN bytes NaN as read); the 8-lane one, and the 16-lane one without
+    the table (an AVX-512 CPU without VBMI), read their rows without turning 0x7F / 0xFF into
+    NaN and watch the bytes they read for them instead, walking a unit again with the NaN step
+    when they meet one (a walk that kept the finite reading fails here); 256 at 8 lanes and
+    272 (the any-size build) at 16 are over KR_VECS vectors, so each K row is scored in two
+    pieces."""
+    build_with(monkeypatch, vector_lanes, fp8_table)
     spec, starts = [(70, 1), (45, 1), (90, 1)], [0, 0, 0]
     case = make_case(spec, heads=8, kv_heads=2, head_dim=head_dim, seed=9)
     case, view = encoded(case, layer_view(case, layout, starts, None), "fp8_e4m3")
@@ -237,20 +242,18 @@ def fill_row(view, which: str, request: int, pos: int, codes: torch.Tensor) -> N
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("vector_lanes", [8, 16])
+@pytest.mark.parametrize("vector_lanes, fp8_table", [(8, True), (16, True), (16, False)])
 @pytest.mark.parametrize("name, dtype", [("fp8_e4m3", torch.float8_e4m3fn),
                                          ("fp8_e5m2", torch.float8_e5m2)])
-def test_every_fp8_byte_is_read_as_its_value(name, dtype, layout, vector_lanes, monkeypatch):
+def test_every_fp8_byte_is_read_as_its_value(name, dtype, layout, vector_lanes, fp8_table,
+                                             monkeypatch):
     """All 256 bytes, subnormals, NaNs and e5m2's infinities among them, in one token's V row
     (two KV heads x 128): a one-key decode gives exactly that row's values times the V scale
     (p is 1, so nothing but the reading can differ), NaN and inf where they are. The finite
     bytes in a K row, before a second key, score as the reference over the decoded values
-    (1e-5). In the 16-lane build (by table where the CPU has AVX-512 VBMI) and the 8-lane one
-    (F16C)."""
-    from vmemkv.runtime.attention import native
-    build = native.kernel
-    monkeypatch.setattr(native, "kernel", lambda head_dim, dtype_code:
-                        build(head_dim, dtype_code, vector_lanes))
+    (1e-5). In the 16-lane build (by table where the CPU has AVX-512 VBMI), the 16-lane one
+    without the table and the 8-lane one (both F16C)."""
+    build_with(monkeypatch, vector_lanes, fp8_table)
     every = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(2, 128)
     finite = every.clone()
     finite[~every.view(dtype).float().isfinite()] = 0
