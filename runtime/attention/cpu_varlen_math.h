@@ -181,9 +181,10 @@ static const uint8_t FP8_PLACE[4 * 64] __attribute__((aligned(64))) = {
 static ALWAYS void fp8_table(const int8_t *p, const int N, const int dt, vf *out) {
     const uint8_t *top_table = dt == DT_E4M3 ? E4M3_TOP : E5M2_TOP;
     const uint8_t *next_table = dt == DT_E4M3 ? E4M3_NEXT : E5M2_NEXT;
+    /* (a narrower load leaves the upper bytes undefined: looked up, never placed) */
     const __m512i x = N == 4 ? _mm512_loadu_si512(p)
-                    : N == 2 ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)p))
-                    : _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)p));
+                    : N == 2 ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p))
+                    : _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p));
     const __m512i top = _mm512_ternarylogic_epi32(
         _mm512_permutex2var_epi8(_mm512_load_si512(top_table), x, _mm512_load_si512(top_table + 64)),
         x, _mm512_set1_epi8((char)0x80), 0xF8);   /* table | (x & 0x80) */
@@ -249,7 +250,7 @@ static ALWAYS void nan_watch_bytes(nan_watch *t, const int8_t *p, int64_t n) {
  * (a bf16 decode 1.15x faster in cache, docs/benchmarks.md) */
 static ALWAYS void bf16_permute(const uint16_t *p, const int N, vf *out) {
     const __m512i x = N == 2 ? _mm512_loadu_si512(p)
-                             : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)p));
+                             : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p));
     const __m512i up = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0,
                                         7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
     for (int k = 0; k < N; k++)   /* word 2i + 1 of vector k <- element 16k + i; even words 0 */
