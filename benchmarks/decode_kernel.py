@@ -9,7 +9,10 @@ every (batch, context), in turns within each round so a noisy neighbour hits the
 Each run walks enough disjoint K/V copies (at least ``--min-mib`` MiB in all) that every call
 reads from memory, as a model's decode does, and reports its median call as ns per token row
 (every KV head's K and V of one token; 32/8 heads x 128, two threads unless ``--threads``).
-A row here is the median over the rounds.
+A row here is the median over the rounds. Each round also times every dtype with its K/V in
+cache (b = threads, ctx 256, one copy, 2,000 calls): the row's ``vs_in_cache`` is its time from
+memory over that, so a dtype near 1.0x is bound by its arithmetic, not by its bytes, and no
+fewer bytes per token would make it faster.
 
 Beside ``benchmarks/attention.py``, which times the same kernel through Python after a cache
 flush: no Python, no waking of sleeping OpenMP workers between calls (the harness calls back
@@ -43,6 +46,8 @@ DT_CODES = {name: DTYPE_CODES[dtype] for name, dtype in (   # the kernel's dtype
 KV_HEADS, HEAD_DIM = 8, 128          # decode_profile's shape (32 query heads)
 GOALS = {"f32": 2.5, "bf16": 1.6}    # issue 30: fp8 (e4m3) over these
 LINE = re.compile(r"median ([\d.]+) ns/row")
+IN_CACHE_CTX, IN_CACHE_REPS = 256, 2000   # b = threads: 1 MiB of K/V per K/V byte, in cache
+ARITHMETIC_BOUND = 1.2   # from memory within this of the in-cache time: its bytes do not bound it
 
 
 def build(directory: Path, dtype: str) -> Path:
@@ -73,9 +78,19 @@ def reps_for(copies: int) -> int:
 
 
 def run_one(binary: Path, dtype: str, threads: int, batch: int, ctx: int, min_mib: int) -> float:
+    """Median ns per token row with the K/V read from memory."""
     copies = copies_for(dtype, batch, ctx, min_mib)
-    cmd = [str(binary), dtype, str(threads), str(batch), str(ctx), str(copies),
-           str(reps_for(copies))]
+    return median_ns(binary, dtype, threads, batch, ctx, copies, reps_for(copies))
+
+
+def run_in_cache(binary: Path, dtype: str, threads: int) -> float:
+    """Median ns per token row with the K/V in cache (one small copy, walked again and again)."""
+    return median_ns(binary, dtype, threads, threads, IN_CACHE_CTX, 1, IN_CACHE_REPS)
+
+
+def median_ns(binary: Path, dtype: str, threads: int, batch: int, ctx: int, copies: int,
+              reps: int) -> float:
+    cmd = [str(binary), dtype, str(threads), str(batch), str(ctx), str(copies), str(reps)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if run.returncode:   # exit 2: the copies do not fit the memory available, and so on
         raise SystemExit(f"decode_kernel: {' '.join(cmd)} failed: {run.stderr.strip()}")
@@ -132,6 +147,7 @@ def main(argv=None) -> int:
                       shape=f"32/{KV_HEADS}x{HEAD_DIM}")
     print_environment(env)
     samples: dict = {}
+    in_cache: dict = {}   # dtype -> ns per row with the K/V in cache, one per round
     with tempfile.TemporaryDirectory() as tmp:
         binaries = {dtype: build(Path(tmp), dtype) for dtype in args.dtypes}
         for round_index in range(args.rounds):
@@ -139,14 +155,24 @@ def main(argv=None) -> int:
                 for dtype in args.dtypes:
                     ns = run_one(binaries[dtype], dtype, args.threads, batch, ctx, args.min_mib)
                     samples.setdefault((batch, ctx, dtype), []).append(ns)
+            for dtype in args.dtypes:
+                in_cache.setdefault(dtype, []).append(
+                    run_in_cache(binaries[dtype], dtype, args.threads))
             print(f"# round {round_index + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     rows = []
     for (batch, ctx, dtype), ns in samples.items():
         bytes_per_row = 2 * KV_HEADS * HEAD_DIM * ELEMENT_BYTES[dtype]
-        median_ns = statistics.median(ns)
-        rows.append({"batch": batch, "ctx": ctx, "dtype": dtype, "ns_per_row": median_ns,
-                     "rounds": ns, "gb_per_s": bytes_per_row / median_ns})
-    print(format_table(rows, ["batch", "ctx", "dtype", "ns_per_row", "gb_per_s"]))
+        median = statistics.median(ns)
+        cached = statistics.median(in_cache[dtype])
+        rows.append({"batch": batch, "ctx": ctx, "dtype": dtype, "ns_per_row": median,
+                     "rounds": ns, "gb_per_s": bytes_per_row / median,
+                     "in_cache_ns_per_row": cached, "vs_in_cache": median / cached})
+    print(format_table(rows, ["batch", "ctx", "dtype", "ns_per_row", "gb_per_s",
+                              "in_cache_ns_per_row", "vs_in_cache"]))
+    for r in rows:
+        bound = "its arithmetic" if r["vs_in_cache"] <= ARITHMETIC_BOUND else "its bytes"
+        print(f"# {r['dtype']} b{r['batch']} ctx{r['ctx']}: from memory {r['vs_in_cache']:.2f}x "
+              f"its in-cache time: bound by {bound}")
     goals = ratios(rows)
     for g in goals:
         verdict = "met" if g["met"] else "NOT met"

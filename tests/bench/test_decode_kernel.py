@@ -25,11 +25,18 @@ def test_a_small_run_times_each_dtype_and_derives_the_ratios_from_its_rows(tmp_p
         assert row["ns_per_row"] > 0
         bytes_per_row = 2 * 8 * 128 * decode_kernel.ELEMENT_BYTES[dtype]
         assert row["gb_per_s"] == pytest.approx(bytes_per_row / row["ns_per_row"])
+        assert row["in_cache_ns_per_row"] > 0
+        assert row["vs_in_cache"] == pytest.approx(row["ns_per_row"] / row["in_cache_ns_per_row"])
     (goal,) = result["goals"]          # no bf16 row measured: only the ratio over f32
     assert goal["over"] == "f32" and goal["goal"] == 2.5
     assert goal["speedup"] == pytest.approx(rows["f32"]["ns_per_row"] / rows["e4m3"]["ns_per_row"])
     assert goal["met"] == (goal["speedup"] >= 2.5)
-    assert "# goal (issue 30): e4m3 >= 2.5x f32 at b2 ctx64" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "# goal (issue 30): e4m3 >= 2.5x f32 at b2 ctx64" in printed
+    for dtype, row in rows.items():
+        bound = "arithmetic" if row["vs_in_cache"] <= decode_kernel.ARITHMETIC_BOUND else "bytes"
+        assert (f"# {dtype} b2 ctx64: from memory {row['vs_in_cache']:.2f}x its in-cache time: "
+                f"bound by its {bound}") in printed
 
 
 def test_copies_make_at_least_the_asked_mebibytes():
