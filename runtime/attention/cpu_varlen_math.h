@@ -25,6 +25,13 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4, DT_I8 = 5,
 #define VW 8
 #endif
 #endif
+/* AVX-512 VBMI (byte and word permutes as single operations) with 16 lanes, unless the build
+ * says to do without (-DVK_NO_VBMI: what an AVX-512 CPU without it runs, built by the tests) */
+#if VW == 16 && defined(__AVX512VBMI__) && !defined(VK_NO_VBMI)
+#define VK_VBMI 1
+#else
+#define VK_VBMI 0
+#endif
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
@@ -118,7 +125,7 @@ static ALWAYS vh e4m3_half_bits(const int8_t *p) {
 #endif
     return (s << 7) & 0xBF80;
 }
-#if VW == 16 && defined(__AVX512VBMI__) && !defined(VK_NO_FP8_TABLE)   /* (the tests build both) */
+#if VK_VBMI
 /* fp8 by table (AVX-512 VBMI): the fp32 of every fp8 byte (e4m3fn's value / 2^8, as e4m3_vec;
  * e5m2's value) has zero low 16 bits, so its top two bytes say it all. Two 128-entry byte
  * tables give them for the byte's magnitude (vpermi2b: 64 bytes a lookup), the sign is merged
@@ -243,11 +250,12 @@ static ALWAYS void nan_watch_bytes(nan_watch *t, const int8_t *p, int64_t n) {
 #endif
 }
 
-#if VW == 16 && defined(__AVX512BW__)
+#if VK_VBMI
 #define BF16_BY_PERMUTE 1
 /* N (1 or 2) vectors of 16 bf16 at p as fp32: one zero-masked word permute (vpermw) moves
  * element i into the top half of fp32 lane i, where widening and shifting take two operations
- * (a bf16 decode 1.15x faster in cache, docs/benchmarks.md) */
+ * (a bf16 decode 1.15x faster in cache, docs/benchmarks.md). Kept to CPUs with VBMI (Ice Lake,
+ * Zen 4 and later): Skylake-X runs a word permute as two shuffle operations. */
 static ALWAYS void bf16_permute(const uint16_t *p, const int N, vf *out) {
     const __m512i x = N == 2 ? _mm512_loadu_si512(p)
                              : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p));

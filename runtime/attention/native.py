@@ -95,15 +95,14 @@ def library(source: Path, headers: tuple = ()) -> ctypes.CDLL:
 
 
 @lru_cache(maxsize=None)
-def _load(head_dim: int, dtype_code: int, vector_lanes: int | None = None,
-          fp8_table: bool = True):
+def _load(head_dim: int, dtype_code: int, vector_lanes: int | None = None, vbmi: bool = True):
     """(function, "") or (None, why not) for one shape (``head_dim`` 0: any head size outside
     SPECIALISED_HEAD_DIMS): built and loaded once per process."""
     defines = (f"-DVK_ONLY_DT={dtype_code}", f"-DVK_ONLY_D={head_dim}")
     if vector_lanes is not None:
         defines += (f"-DVW={vector_lanes}",)
-    if not fp8_table:
-        defines += ("-DVK_NO_FP8_TABLE",)
+    if not vbmi:
+        defines += ("-DVK_NO_VBMI",)
     lib, why = _library(SOURCE, HEADERS, defines)
     if lib is None:
         return None, f"cpu-varlen kernel unavailable: {why}"
@@ -126,17 +125,16 @@ def why_unavailable(head_dim: int = 64, dtype_code: int = 0) -> str:
     return _load(_shape(head_dim), dtype_code)[1]
 
 
-def kernel(head_dim: int, dtype_code: int, vector_lanes: int | None = None,
-           fp8_table: bool = True):
+def kernel(head_dim: int, dtype_code: int, vector_lanes: int | None = None, vbmi: bool = True):
     """The loaded ``vk_attention`` function for K/V of ``head_dim`` and ``dtype_code``
     (cpu_varlen_math.h's DT_*); :class:`KernelBuildError` if it cannot be built. It returns
     -2 when called with another shape. ``vector_lanes`` (8 or 16) forces the fp32 vector
-    width instead of the CPU's (16 with AVX-512, else 8), and ``fp8_table=False`` the F16C
-    reading of fp8 where the CPU has AVX-512 VBMI (an AVX-512 CPU without it): how the tests
-    run every build's arithmetic on one machine."""
+    width instead of the CPU's (16 with AVX-512, else 8), and ``vbmi=False`` the build of an
+    AVX-512 CPU without VBMI where the CPU has it (fp8 through F16C, bf16 widened and shifted):
+    how the tests run every build's arithmetic on one machine."""
     if vector_lanes not in (None, 8, 16):
         raise KernelBuildError(f"vector_lanes must be 8, 16 or None, got {vector_lanes!r}")
-    fn, why = _load(_shape(head_dim), dtype_code, vector_lanes, fp8_table)
+    fn, why = _load(_shape(head_dim), dtype_code, vector_lanes, vbmi)
     if fn is None:
         raise KernelBuildError(why)
     return fn

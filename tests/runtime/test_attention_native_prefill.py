@@ -169,13 +169,13 @@ def test_default_and_sdpa_above_tokens_agree_on_windowed_capped_mixed_steps(layo
         check(backend, case, view, starts, window, 5.0)
 
 
-def build_with(monkeypatch, vector_lanes: int, fp8_table: bool = True) -> None:
+def build_with(monkeypatch, vector_lanes: int, vbmi: bool = True) -> None:
     """Every kernel the backend loads from here on built ``vector_lanes`` wide (and with
-    ``fp8_table=False``, reading fp8 through F16C even where the CPU has AVX-512 VBMI)."""
+    ``vbmi=False`` as for an AVX-512 CPU without VBMI, even where this CPU has it)."""
     from vmemkv.runtime.attention import native
     build = native.kernel
     monkeypatch.setattr(native, "kernel", lambda head_dim, dtype_code:
-                        build(head_dim, dtype_code, vector_lanes, fp8_table))
+                        build(head_dim, dtype_code, vector_lanes, vbmi))
 
 
 @pytest.mark.parametrize("vector_lanes", [8, 16])
@@ -191,6 +191,21 @@ def test_both_vector_widths_match_the_reference_with_every_row_of_an_item(vector
     check(kernel(), case, layer_view(case, "vmem", starts, None), starts, None, None)
 
 
+@pytest.mark.parametrize("vector_lanes, vbmi, kv", [(8, True, "bf16"), (16, False, "bf16"),
+                                                    (8, True, "fp16"), (8, True, "int8")])
+def test_the_other_builds_read_16_bit_and_int8_caches_as_the_reference(vector_lanes, vbmi, kv,
+                                                                        monkeypatch):
+    """The builds this CPU does not run by default, on the K/V reads they do differently: bf16
+    widened and shifted (8 lanes, and 16 without VBMI, where this CPU permutes), fp16 and int8
+    at 8 lanes; decodes and a prefill chunk beside them, key ranges split too."""
+    build_with(monkeypatch, vector_lanes, vbmi)
+    spec, starts = [(90, 1), (45, 1), (120, 40)], [0, 3, 0]
+    case = make_case(spec, heads=8, kv_heads=2, head_dim=128, seed=11)
+    case, view = encoded(case, layer_view(case, "paged", starts, None), kv)
+    for backend in (kernel(), kernel(units=5)):
+        check(backend, case, view, starts, None, None)
+
+
 def poke(view, which: str, request: int, pos: int, head: int, dim: int, byte: int) -> None:
     """Store ``byte`` as the raw 8-bit element of ``which`` ("k" / "v") at that place."""
     if view.kind == "vmem":
@@ -203,11 +218,11 @@ def poke(view, which: str, request: int, pos: int, head: int, dim: int, byte: in
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("head_dim, vector_lanes, fp8_table",
+@pytest.mark.parametrize("head_dim, vector_lanes, vbmi",
                          [(32, 16, True), (128, 16, True), (128, 16, False), (128, 8, True),
                           (256, 8, True), (272, 16, True), (272, 16, False)])
 def test_e4m3_nan_bytes_a_decode_reads_give_nan_exactly_where_the_reference_does(
-        layout, head_dim, vector_lanes, fp8_table, monkeypatch):
+        layout, head_dim, vector_lanes, vbmi, monkeypatch):
     """A NaN byte in a K row makes every row of that head NaN, one in a V row that element of
     its rows' outputs, as in the reference over the decoded values; other requests and heads
     are untouched, with key ranges split too. The 16-lane build reads e4m3 by table where the
@@ -217,7 +232,7 @@ def test_e4m3_nan_bytes_a_decode_reads_give_nan_exactly_where_the_reference_does
     when they meet one (a walk that kept the finite reading fails here); 256 at 8 lanes and
     272 (the any-size build) at 16 are over KR_VECS vectors, so each K row is scored in two
     pieces."""
-    build_with(monkeypatch, vector_lanes, fp8_table)
+    build_with(monkeypatch, vector_lanes, vbmi)
     spec, starts = [(70, 1), (45, 1), (90, 1)], [0, 0, 0]
     case = make_case(spec, heads=8, kv_heads=2, head_dim=head_dim, seed=9)
     case, view = encoded(case, layer_view(case, layout, starts, None), "fp8_e4m3")
@@ -242,10 +257,10 @@ def fill_row(view, which: str, request: int, pos: int, codes: torch.Tensor) -> N
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("vector_lanes, fp8_table", [(8, True), (16, True), (16, False)])
+@pytest.mark.parametrize("vector_lanes, vbmi", [(8, True), (16, True), (16, False)])
 @pytest.mark.parametrize("name, dtype", [("fp8_e4m3", torch.float8_e4m3fn),
                                          ("fp8_e5m2", torch.float8_e5m2)])
-def test_every_fp8_byte_is_read_as_its_value(name, dtype, layout, vector_lanes, fp8_table,
+def test_every_fp8_byte_is_read_as_its_value(name, dtype, layout, vector_lanes, vbmi,
                                              monkeypatch):
     """All 256 bytes, subnormals, NaNs and e5m2's infinities among them, in one token's V row
     (two KV heads x 128): a one-key decode gives exactly that row's values times the V scale
@@ -253,7 +268,7 @@ def test_every_fp8_byte_is_read_as_its_value(name, dtype, layout, vector_lanes, 
     bytes in a K row, before a second key, score as the reference over the decoded values
     (1e-5). In the 16-lane build (by table where the CPU has AVX-512 VBMI), the 16-lane one
     without the table and the 8-lane one (both F16C)."""
-    build_with(monkeypatch, vector_lanes, fp8_table)
+    build_with(monkeypatch, vector_lanes, vbmi)
     every = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(2, 128)
     finite = every.clone()
     finite[~every.view(dtype).float().isfinite()] = 0
