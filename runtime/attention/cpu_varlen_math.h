@@ -25,8 +25,8 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4, DT_I8 = 5,
 #define VW 8
 #endif
 #endif
-/* AVX-512 VBMI (byte and word permutes as single operations) with 16 lanes, unless the build
- * says to do without (-DVK_NO_VBMI: what an AVX-512 CPU without it runs, built by the tests) */
+/* AVX-512 VBMI (byte permutes: fp8 by table) with 16 lanes, unless the build says to do
+ * without (-DVK_NO_VBMI: what an AVX-512 CPU without it runs, built by the tests) */
 #if VW == 16 && defined(__AVX512VBMI__) && !defined(VK_NO_VBMI)
 #define VK_VBMI 1
 #else
@@ -250,25 +250,6 @@ static ALWAYS void nan_watch_bytes(nan_watch *t, const int8_t *p, int64_t n) {
 #endif
 }
 
-#if VK_VBMI
-#define BF16_BY_PERMUTE 1
-/* N (1 or 2) vectors of 16 bf16 at p as fp32: one zero-masked word permute (vpermw) moves
- * element i into the top half of fp32 lane i, where widening and shifting take two operations
- * (a bf16 decode 1.15x faster in cache, docs/benchmarks.md). Kept to CPUs with VBMI (Ice Lake,
- * Zen 4 and later): Skylake-X runs a word permute as two shuffle operations. */
-static ALWAYS void bf16_permute(const uint16_t *p, const int N, vf *out) {
-    const __m512i x = N == 2 ? _mm512_loadu_si512(p)
-                             : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p));
-    const __m512i up = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0,
-                                        7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
-    for (int k = 0; k < N; k++)   /* word 2i + 1 of vector k <- element 16k + i; even words 0 */
-        out[k] = (vf)_mm512_maskz_permutexvar_epi16(
-            0xAAAAAAAAu, k ? _mm512_add_epi16(up, _mm512_set1_epi16(16)) : up, x);
-}
-#else
-#define BF16_BY_PERMUTE 0
-#endif
-
 /* VW elements of a K or V row (dtype dt, a constant where it matters) at element offset off,
  * as fp32: bf16 is the top half of an fp32, fp16 goes through F16C where the CPU has it, e5m2
  * is the top byte of an fp16, e4m3 see e4m3_vec (times 2^-8), int8 converts (all exact). */
@@ -282,25 +263,14 @@ static ALWAYS vf ld_kv(const void *base, int64_t off, int dt) {
     if (dt == DT_E5M2) return half_vec(__builtin_convertvector(*(const vbu *)((const uint8_t *)base + off), vh) << 8);
     if (dt == DT_I8) return __builtin_convertvector(widen_s8((const int8_t *)base + off), vf);
     const uint16_t *src = (const uint16_t *)base + off;
-#if BF16_BY_PERMUTE
-    if (dt == DT_BF16) { vf out; bf16_permute(src, 1, &out); return out; }
-#endif
     if (dt == DT_BF16) return (vf)(__builtin_convertvector(*(const vhu *)src, vi) << 16);
     return half_vec(*(const vhu *)src);
 }
 
-/* 2 VW elements at off as fp32 into lo and hi: ld_kv twice, but with AVX-512 BW bf16 from one
- * load, fp8 by table from one, and finite e4m3 (no table) widened 32 bytes in one register
- * (three integer operations for 32 lanes: measured 3%) */
+/* 2 VW elements at off as fp32 into lo and hi: ld_kv twice, but fp8 by table from one load,
+ * and finite e4m3 (no table) with AVX-512 BW widened 32 bytes in one register (three integer
+ * operations for 32 lanes: measured 3%) */
 static ALWAYS void ld_kv2(const void *base, int64_t off, int dt, vf *lo, vf *hi) {
-#if BF16_BY_PERMUTE
-    if (dt == DT_BF16) {
-        vf two[2];
-        bf16_permute((const uint16_t *)base + off, 2, two);
-        *lo = two[0]; *hi = two[1];
-        return;
-    }
-#endif
 #if FP8_BY_TABLE
     if (dt == DT_E4M3 || dt == DT_E5M2) {
         vf two[2];

@@ -130,7 +130,7 @@ def kernel(head_dim: int, dtype_code: int, vector_lanes: int | None = None, vbmi
     (cpu_varlen_math.h's DT_*); :class:`KernelBuildError` if it cannot be built. It returns
     -2 when called with another shape. ``vector_lanes`` (8 or 16) forces the fp32 vector
     width instead of the CPU's (16 with AVX-512, else 8), and ``vbmi=False`` the build of an
-    AVX-512 CPU without VBMI where the CPU has it (fp8 through F16C, bf16 widened and shifted):
+    AVX-512 CPU without VBMI where the CPU has it (fp8 through F16C, not by table):
     how the tests run every build's arithmetic on one machine."""
     if vector_lanes not in (None, 8, 16):
         raise KernelBuildError(f"vector_lanes must be 8, 16 or None, got {vector_lanes!r}")
