@@ -25,12 +25,13 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_E4M3 = 3, DT_E5M2 = 4, DT_I8 = 5,
 #define VW 8
 #endif
 #endif
-/* AVX-512 VBMI (byte permutes: fp8 by table) with 16 lanes, unless the build says to do
- * without (-DVK_NO_VBMI: what an AVX-512 CPU without it runs, built by the tests) */
+/* fp8 read by table (fp8_table) with AVX-512 VBMI's byte permutes and 16 lanes, unless the
+ * build says to do without (-DVK_NO_VBMI: what an AVX-512 CPU without it runs, built by the
+ * tests) */
 #if VW == 16 && defined(__AVX512VBMI__) && !defined(VK_NO_VBMI)
-#define VK_VBMI 1
+#define FP8_BY_TABLE 1
 #else
-#define VK_VBMI 0
+#define FP8_BY_TABLE 0
 #endif
 typedef float vf __attribute__((vector_size(VW * 4)));
 typedef float vfu __attribute__((vector_size(VW * 4), aligned(4)));
@@ -125,7 +126,7 @@ static ALWAYS vh e4m3_half_bits(const int8_t *p) {
 #endif
     return (s << 7) & 0xBF80;
 }
-#if VK_VBMI
+#if FP8_BY_TABLE
 /* fp8 by table (AVX-512 VBMI): the fp32 of every fp8 byte (e4m3fn's value / 2^8, as e4m3_vec;
  * e5m2's value) has zero low 16 bits, so its top two bytes say it all. Two 128-entry byte
  * tables give them for the byte's magnitude (vpermi2b: 64 bytes a lookup), the sign is merged
@@ -137,7 +138,6 @@ static ALWAYS vh e4m3_half_bits(const int8_t *p) {
  * (E = m >> 2, M = m & 3) M 2^-16 for E = 0, inf (M = 0) or NaN for E = 31, else
  * (1 + M/4) 2^(E-15). FP8_PLACE[k] picks, for fp32 lane i of the k-th 16 elements, byte
  * 16k + i of NEXT into byte 2 and of TOP into byte 3 (bytes 0 and 1 zeroed by the mask). */
-#define FP8_BY_TABLE 1
 static const uint8_t E4M3_TOP[128] __attribute__((aligned(64))) = {
     0x00, 0x37, 0x37, 0x37, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38,
     0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39,
@@ -201,8 +201,6 @@ static ALWAYS void fp8_table(const int8_t *p, const int N, const int dt, vf *out
         out[k] = (vf)_mm512_maskz_permutex2var_epi8(0xCCCCCCCCCCCCCCCCull, next,
                                                     _mm512_load_si512(FP8_PLACE + 64 * k), top);
 }
-#else
-#define FP8_BY_TABLE 0
 #endif
 
 static ALWAYS vf e4m3_vec(const int8_t *p) {
