@@ -17,7 +17,13 @@ fewer bytes per token would make it faster.
 Beside ``benchmarks/attention.py``, which times the same kernel through Python after a cache
 flush: no Python, no waking of sleeping OpenMP workers between calls (the harness calls back
 to back), so the ratios are the kernel's. The run ends with issue 30's ratios, fp8 over fp32
-and over bf16, per configuration.
+and over bf16, per configuration, each beside the same ratio with both dtypes in cache: the
+most that fewer bytes per token can give once neither dtype is bound by its bytes (on a CPU
+whose arithmetic, not its memory, bounds a bf16 decode, a bytes ratio such as 1.6x cannot hold).
+Each ratio is also judged by the line proposed for issue 30 in that light: the asked speed-up,
+or, where the other dtype is not bound by its bytes (from memory under ``BYTES_BOUND`` times
+its in-cache time), e4m3 from memory within ``FP8_AT_ARITHMETIC`` of its in-cache time (its
+bytes cost nothing more).
 """
 from __future__ import annotations
 
@@ -48,6 +54,8 @@ GOALS = {"f32": 2.5, "bf16": 1.6}    # issue 30: fp8 (e4m3) over these
 LINE = re.compile(r"median ([\d.]+) ns/row")
 IN_CACHE_CTX, IN_CACHE_REPS = 256, 2000   # b = threads: 1 MiB of K/V per K/V byte, in cache
 ARITHMETIC_BOUND = 1.2   # from memory within this of the in-cache time: its bytes do not bound it
+BYTES_BOUND = 1.3        # from memory this much slower than in cache: its bytes bound it
+FP8_AT_ARITHMETIC = 1.05  # e4m3 from memory within this of its in-cache time
 
 
 def build(directory: Path, dtype: str) -> Path:
@@ -102,17 +110,24 @@ def median_ns(binary: Path, dtype: str, threads: int, batch: int, ctx: int, copi
 
 
 def ratios(rows: list[dict]) -> list[dict]:
-    """Per configuration, e4m3's speed-up over each dtype of GOALS, and whether it meets it."""
+    """Per configuration, e4m3's speed-up over each dtype of GOALS from memory and in cache,
+    whether it meets the goal, and whether it meets the proposed line (module docstring)."""
     by_config: dict = {}
     for r in rows:
-        by_config.setdefault((r["batch"], r["ctx"]), {})[r["dtype"]] = r["ns_per_row"]
+        by_config.setdefault((r["batch"], r["ctx"]), {})[r["dtype"]] = r
     out = []
-    for (batch, ctx), ns in by_config.items():
+    for (batch, ctx), row in by_config.items():
         for other, goal in GOALS.items():
-            if "e4m3" in ns and other in ns:
-                speedup = ns[other] / ns["e4m3"]
+            if "e4m3" in row and other in row:
+                fp8, slow = row["e4m3"], row[other]
+                speedup = slow["ns_per_row"] / fp8["ns_per_row"]
+                other_bytes_bound = slow["vs_in_cache"] >= BYTES_BOUND
+                proposed = speedup >= goal or (
+                    not other_bytes_bound and fp8["vs_in_cache"] <= FP8_AT_ARITHMETIC)
                 out.append({"batch": batch, "ctx": ctx, "over": other, "speedup": speedup,
-                            "goal": goal, "met": speedup >= goal})
+                            "goal": goal, "met": speedup >= goal,
+                            "in_cache_speedup": slow["in_cache_ns_per_row"] / fp8["in_cache_ns_per_row"],
+                            "over_bytes_bound": other_bytes_bound, "proposed_met": proposed})
     return out
 
 
@@ -177,7 +192,15 @@ def main(argv=None) -> int:
     for g in goals:
         verdict = "met" if g["met"] else "NOT met"
         print(f"# goal (issue 30): e4m3 >= {g['goal']}x {g['over']} at b{g['batch']} "
-              f"ctx{g['ctx']}: {g['speedup']:.2f}x, {verdict}")
+              f"ctx{g['ctx']}: {g['speedup']:.2f}x, {verdict}; with both in cache "
+              f"{g['in_cache_speedup']:.2f}x")
+    fp8 = {(r["batch"], r["ctx"]): r["vs_in_cache"] for r in rows if r["dtype"] == "e4m3"}
+    for g in goals:
+        bound = "bound" if g["over_bytes_bound"] else "not bound"
+        print(f"# proposed line (issue 30), {g['over']} b{g['batch']} ctx{g['ctx']}: "
+              f"{g['goal']}x, or e4m3 within {FP8_AT_ARITHMETIC}x of its in-cache time where "
+              f"{g['over']} is not bound by its bytes ({g['over']} {bound}, e4m3 at "
+              f"{fp8[g['batch'], g['ctx']]:.2f}x): {'met' if g['proposed_met'] else 'NOT met'}")
     write_json(args.out, {"benchmark": "decode_kernel", "environment": env, "rows": rows,
                           "goals": goals})
     return 0
