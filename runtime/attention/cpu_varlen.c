@@ -53,6 +53,7 @@
 #endif
 #define MAX_ROWS 64       /* query rows per item (np * nh * G), enforced by the caller */
 #define KR_VECS 16        /* K row vectors a key's scoring holds in registers (cpu_varlen_tile.h) */
+_Static_assert(KR_VECS % 4 == 0, "ld_kv4's blocks of 4 vectors start at multiples of 4 (FP8_BLOCKS)");
 #define WIDEN_ROWS 4      /* units with more rows a KV head widen each V tile once (cpu_varlen_tile.h) */
 #define WIDEN_HEADS (MAX_ROWS / (WIDEN_ROWS + 1))   /* the most KV heads such a unit has */
 #define ITEM_COLS 6       /* (request, p0, np, h0, nh, splits) */

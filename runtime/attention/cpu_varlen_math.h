@@ -133,11 +133,21 @@ static ALWAYS vh e4m3_half_bits(const int8_t *p) {
  * into the top byte, and one zero-masked vpermi2b places each element's two bytes in its fp32
  * lane: seven operations for 64 elements (F16C takes ten for e4m3, plus two for its NaN watch,
  * and twelve for e5m2), exact for every byte, NaN and e5m2's infinities included.
+ * Sixty-four elements at a time (ld_kv4) are placed by byte and word interleaves instead, which
+ * leave the elements in the order FP8_BLOCKS says: on Zen 5 vpermi2b takes pipes the FMAs need
+ * (decode_floor's pipes line: 16 FMAs with 8 vpermi2b beside them take 1.5x their time alone,
+ * with 8 interleaves 1.00x), and an fp8 decode is bound by its arithmetic. An e4m3 decode is
+ * 1.07x faster so in cache, 1.04-1.05x from memory (decode_profile, alternated; issue 30).
  * TOP[m] and NEXT[m] are bits 31..24 and 23..16 of the fp32 of magnitude m: e4m3 (E = m >> 3,
  * M = m & 7) M 2^-9 for E = 0, NaN for m = 0x7F, else (1 + M/8) 2^(E-7), all / 2^8; e5m2
  * (E = m >> 2, M = m & 3) M 2^-16 for E = 0, inf (M = 0) or NaN for E = 31, else
  * (1 + M/4) 2^(E-15). FP8_PLACE[k] picks, for fp32 lane i of the k-th 16 elements, byte
  * 16k + i of NEXT into byte 2 and of TOP into byte 3 (bytes 0 and 1 zeroed by the mask). */
+/* FP8_BLOCKS: the order of 64 elements that ld_kv4 gives for fp8 by table. Seen as a 4 x 4 grid
+ * of 4-element groups (vector k, 128-bit lane L), vector k lane L holds the group that vector L
+ * lane k holds in memory order: the grid transposed, so fp8_transpose_blocks turns either order
+ * into the other. The decode walk puts its queries in that order before it scores (the dot
+ * products are the same sums) and its accumulators back after its values (cpu_varlen_tile.h). */
 static const uint8_t E4M3_TOP[128] __attribute__((aligned(64))) = {
     0x00, 0x37, 0x37, 0x37, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38, 0x38,
     0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39, 0x39,
@@ -174,17 +184,13 @@ static const uint8_t E5M2_NEXT[128] __attribute__((aligned(64))) = {
     0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0, 0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0,
     0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0, 0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0,
     0x00, 0x20, 0x40, 0x60, 0x80, 0xA0, 0xC0, 0xE0, 0x00, 0x20, 0x40, 0x60, 0x80, 0xC0, 0xC0, 0xC0};
-static const uint8_t FP8_PLACE[4 * 64] __attribute__((aligned(64))) = {
+static const uint8_t FP8_PLACE[2 * 64] __attribute__((aligned(64))) = {
     0, 0, 0, 64, 0, 0, 1, 65, 0, 0, 2, 66, 0, 0, 3, 67, 0, 0, 4, 68, 0, 0, 5, 69, 0, 0, 6, 70, 0, 0, 7, 71,
     0, 0, 8, 72, 0, 0, 9, 73, 0, 0, 10, 74, 0, 0, 11, 75, 0, 0, 12, 76, 0, 0, 13, 77, 0, 0, 14, 78, 0, 0, 15, 79,
     0, 0, 16, 80, 0, 0, 17, 81, 0, 0, 18, 82, 0, 0, 19, 83, 0, 0, 20, 84, 0, 0, 21, 85, 0, 0, 22, 86, 0, 0, 23, 87,
-    0, 0, 24, 88, 0, 0, 25, 89, 0, 0, 26, 90, 0, 0, 27, 91, 0, 0, 28, 92, 0, 0, 29, 93, 0, 0, 30, 94, 0, 0, 31, 95,
-    0, 0, 32, 96, 0, 0, 33, 97, 0, 0, 34, 98, 0, 0, 35, 99, 0, 0, 36, 100, 0, 0, 37, 101, 0, 0, 38, 102, 0, 0, 39, 103,
-    0, 0, 40, 104, 0, 0, 41, 105, 0, 0, 42, 106, 0, 0, 43, 107, 0, 0, 44, 108, 0, 0, 45, 109, 0, 0, 46, 110, 0, 0, 47, 111,
-    0, 0, 48, 112, 0, 0, 49, 113, 0, 0, 50, 114, 0, 0, 51, 115, 0, 0, 52, 116, 0, 0, 53, 117, 0, 0, 54, 118, 0, 0, 55, 119,
-    0, 0, 56, 120, 0, 0, 57, 121, 0, 0, 58, 122, 0, 0, 59, 123, 0, 0, 60, 124, 0, 0, 61, 125, 0, 0, 62, 126, 0, 0, 63, 127};
+    0, 0, 24, 88, 0, 0, 25, 89, 0, 0, 26, 90, 0, 0, 27, 91, 0, 0, 28, 92, 0, 0, 29, 93, 0, 0, 30, 94, 0, 0, 31, 95};
 /* N (1, 2 or 4) vectors of 16 fp8 elements at p (e4m3 for dt DT_E4M3, else e5m2) as fp32 into
- * out[0:N] */
+ * out[0:N], in memory order for N < 4, in FP8_BLOCKS order for N == 4 */
 static ALWAYS void fp8_table(const int8_t *p, const int N, const int dt, vf *out) {
     const uint8_t *top_table = dt == DT_E4M3 ? E4M3_TOP : E5M2_TOP;
     const uint8_t *next_table = dt == DT_E4M3 ? E4M3_NEXT : E5M2_NEXT;
@@ -197,9 +203,35 @@ static ALWAYS void fp8_table(const int8_t *p, const int N, const int dt, vf *out
         x, _mm512_set1_epi8((char)0x80), 0xF8);   /* table | (x & 0x80) */
     const __m512i next = _mm512_permutex2var_epi8(_mm512_load_si512(next_table), x,
                                                   _mm512_load_si512(next_table + 64));
+    if (N == 4) {   /* (NEXT, TOP) byte pairs: bf16 bit patterns; then each as an fp32's top half */
+        const __m512i lo = _mm512_unpacklo_epi8(next, top), hi = _mm512_unpackhi_epi8(next, top);
+        const __m512i zero = _mm512_setzero_si512();
+        out[0] = (vf)_mm512_unpacklo_epi16(zero, lo);
+        out[1] = (vf)_mm512_unpackhi_epi16(zero, lo);
+        out[2] = (vf)_mm512_unpacklo_epi16(zero, hi);
+        out[3] = (vf)_mm512_unpackhi_epi16(zero, hi);
+        return;
+    }
     for (int k = 0; k < N; k++)
         out[k] = (vf)_mm512_maskz_permutex2var_epi8(0xCCCCCCCCCCCCCCCCull, next,
                                                     _mm512_load_si512(FP8_PLACE + 64 * k), top);
+}
+
+/* Each of the n rows of D floats at x (row stride D), its whole blocks of 64 floats from memory
+ * order to FP8_BLOCKS order or back (the same transposition) */
+static void fp8_transpose_blocks(float *x, int64_t n, int64_t D) {
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b + 64 <= D; b += 64) {
+            float *blk = x + r * D + b;
+            const __m512 a0 = _mm512_loadu_ps(blk), a1 = _mm512_loadu_ps(blk + 16);
+            const __m512 a2 = _mm512_loadu_ps(blk + 32), a3 = _mm512_loadu_ps(blk + 48);
+            const __m512 t0 = _mm512_shuffle_f32x4(a0, a1, 0x44), t1 = _mm512_shuffle_f32x4(a0, a1, 0xEE);
+            const __m512 t2 = _mm512_shuffle_f32x4(a2, a3, 0x44), t3 = _mm512_shuffle_f32x4(a2, a3, 0xEE);
+            _mm512_storeu_ps(blk, _mm512_shuffle_f32x4(t0, t2, 0x88));
+            _mm512_storeu_ps(blk + 16, _mm512_shuffle_f32x4(t0, t2, 0xDD));
+            _mm512_storeu_ps(blk + 32, _mm512_shuffle_f32x4(t1, t3, 0x88));
+            _mm512_storeu_ps(blk + 48, _mm512_shuffle_f32x4(t1, t3, 0xDD));
+        }
 }
 #endif
 
@@ -290,7 +322,8 @@ static ALWAYS void ld_kv2(const void *base, int64_t off, int dt, vf *lo, vf *hi)
     *hi = ld_kv(base, off + VW, dt);
 }
 
-/* 4 VW elements at off as fp32 into out[0:4]: ld_kv2 twice, but fp8 by table in one go */
+/* 4 VW elements at off as fp32 into out[0:4]: ld_kv2 twice, but fp8 by table in one go (in
+ * FP8_BLOCKS order: the caller's other operand must be in that order too) */
 static ALWAYS void ld_kv4(const void *base, int64_t off, int dt, vf *out) {
 #if FP8_BY_TABLE
     if (dt == DT_E4M3 || dt == DT_E5M2) { fp8_table((const int8_t *)base + off, 4, dt, out); return; }

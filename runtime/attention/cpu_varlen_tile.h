@@ -401,6 +401,12 @@ static ALWAYS void walk_keys_d(const args_t *a, const unit_t *u, ws_t *w, const 
      * checking them for NaN bytes instead (attend_unit walks the unit again exactly if one is
      * met); by table the reading is exact as it is */
     const int finite = !FP8_BY_TABLE && dt == DT_E4M3 && !widen && !gemm && !u->exact;
+    /* fp8 by table: ld_kv4 gives K and V in FP8_BLOCKS order, so the queries the scores read go
+     * into that order first, and the accumulators the values build come back from it last */
+#if FP8_BY_TABLE
+    const int blocks = (dt == DT_E4M3 || dt == DT_E5M2) && !gemm;
+    if (blocks) fp8_transpose_blocks(w->qb, u->rows, D);
+#endif
     args_t wa = *a;
     const int64_t wstrides[3] = {0, u->nh * D, D};
     int64_t woffs[CHUNK];
@@ -434,6 +440,9 @@ static ALWAYS void walk_keys_d(const args_t *a, const unit_t *u, ws_t *w, const 
             tile_values(a, u, offs[t][1], n, w, D, dt);
         }
     }
+#if FP8_BY_TABLE
+    if (blocks && !widen) fp8_transpose_blocks(w->acc, u->rows, D);
+#endif
     if (gemm) {   /* accT[x][r] back to acc[r][x], through qb (no longer needed) */
         for (int64_t r = 0; r < u->rows; r++)
             for (int64_t x = 0; x < D; x++) w->qb[r * D + x] = w->acc[x * MAX_ROWS + r];

@@ -39,6 +39,33 @@ def test_every_dtype_row_is_checked_then_timed(tmp_path, lanes):
         assert float(total) == pytest.approx(float(scores) + float(values), abs=0.11)
     width = int(re.search(r"(\d+)-lane vectors", run.stdout).group(1))
     assert width == (lanes or width) and f"{2 * 32 * 128 // width} vector FMAs" in run.stdout
+    pipes = re.search(r"^pipes: 16 FMAs a round ([\d.]+) ns; with 8 vpermi2b beside them "
+                      r"([\d.]+)x, with 8 vpunpcklbw ([\d.]+)x$", run.stdout, re.M)
+    if width == 16 and vbmi():   # the fp8 table's CPUs: the pipes it shares are measured
+        assert pipes and all(float(x) > 0 for x in pipes.groups())
+    else:
+        assert pipes is None and "pipes:" not in run.stdout
+
+
+def vbmi() -> bool:
+    """Whether this CPU has AVX-512 VBMI (the kernel's fp8 table; Linux's /proc/cpuinfo)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.exists() and "avx512vbmi" in cpuinfo.read_text().split()
+
+
+def test_queries_left_in_memory_order_are_refused_where_fp8_is_read_in_blocks(tmp_path):
+    """With the table (AVX-512 VBMI) e4m3 comes in FP8_BLOCKS order: a harness that did not put
+    its queries in that order scores other sums, and the check names it (exit 1)."""
+    if not vbmi():
+        pytest.skip("fp8 is read in blocks only with AVX-512 VBMI")
+    wrong = tmp_path / "unordered_floor.c"
+    text = SOURCE.read_text()
+    line = "        to_loader_order(dtypes[d], qd, HEADS * ROWS);\n"
+    assert line in text
+    wrong.write_text(text.replace(line, ""))
+    run = subprocess.run([str(build(tmp_path, wrong)), "1"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert re.search(r"e4m3 scores: key 30 row 0: lanes sum to .*, q \. K is ", run.stderr)
 
 
 def test_a_loop_that_computes_something_else_is_refused(tmp_path):

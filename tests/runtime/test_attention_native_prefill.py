@@ -145,6 +145,24 @@ def test_a_long_prefill_chunk_after_a_window_start_with_head_dim_128(layout, dty
         check(backend, case, view, starts, window, softcap)
 
 
+@pytest.mark.parametrize("layout", ["vmem", "paged"])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 200, 256])
+def test_fp8_head_sizes_with_whole_and_partial_blocks_of_64_match_the_reference(head_dim, kv,
+                                                                                 layout):
+    """With AVX-512 VBMI the kernel reads fp8 64 elements at a time in a transposed order and
+    puts its queries and accumulators in that order around the walk: head sizes of one block
+    (64), a block and a vector (80), a block and two vectors (96), three blocks and a scalar
+    tail (200) and four blocks (256); a decode (two KV heads an item), a 2-token chunk (K in
+    blocks, V widened to fp32) and a 40-token chunk (one KV head: K and V widened), unsplit and
+    split. Every CPU runs the same checks on the path it has."""
+    spec, starts = [(150, 1), (97, 2), (70, 1), (120, 40)], [0, 3, 60, 11]
+    case = make_case(spec, heads=8, kv_heads=2, head_dim=head_dim, seed=head_dim)
+    case, view = encoded(case, layer_view(case, layout, starts, None), kv)
+    for backend in (kernel(), kernel(units=5)):
+        check(backend, case, view, starts, None, None)
+
+
 def test_the_cap_changes_the_result_and_a_wide_window_is_full_attention():
     """Guards on the tests above: the cap bites at these scores; a window past every key
     equals no window."""
