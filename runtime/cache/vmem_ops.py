@@ -97,6 +97,9 @@ class VMemOps:
             if not src or dst < src:
                 raise CacheStateError(f"{op!r}: the source must be mapped and the destination "
                                       f"mapped at least as far ({src} and {dst} member pages)")
+            if op.member_pages is not None and op.member_pages != src:
+                raise CacheStateError(f"{op!r} copies {op.member_pages} member pages, but the "
+                                      f"source has {src} mapped")
             return {j: [(self._first_page(j, op.dst_slot, op.dst_page_index) + i,
                          self._first_page(j, op.src_slot, op.src_page_index) + i)
                         for i in range(src)] for j in kind.members}

@@ -58,7 +58,9 @@ class CopyExtent:
     mapped at another: every mapped member page of the source (copy-on-write of a shared
     partial page group; the destination is mapped at least as far), or, with ``num_tokens``,
     each member's bytes of tokens [0, num_tokens) (a block-granular prefix hit; both mapped as
-    far as those bytes). One op per kind."""
+    far as those bytes). One op per kind. ``member_pages``: for the former, the member pages
+    the manager has the source mapped with (what the copy moves, for the simulator's charge;
+    the executor refuses the op when its replica says otherwise)."""
     src_slot: int
     src_page_index: int
     dst_slot: int
@@ -66,6 +68,7 @@ class CopyExtent:
     kind: str
     owner: Optional[int] = field(default=None, compare=False)  # the seq served
     num_tokens: Optional[int] = None    # None: the whole mapped extent
+    member_pages: Optional[int] = field(default=None, compare=False)   # None: not said
 
 
 # paged mode. Blocks live in a preallocated pool; allocating one needs no op, the block table

@@ -118,14 +118,17 @@ class VmemManager(ElasticPool, KindRules, AdapterTenancy, UnitOps, ManagerCore):
                            else self._adapter_ledger.num_pages)
 
     def copied_bytes(self, ops: list) -> int:
-        """A ``CopyExtent`` moves ``num_tokens`` (None, copy-on-write: the page group's) tokens
-        of its kind's layers."""
+        """A ``CopyExtent`` moves ``num_tokens`` tokens of its kind's layers, or (copy-on-write)
+        the source's ``member_pages`` of each member (byte-mapped: what its tokens need)."""
         total, layer_token_bytes = 0, 2 * self.model.layer_bytes_per_token
         for op in ops:
             if type(op) is CopyExtent:
-                kind = next(k for k in self.kinds if k.name == op.kind)
-                tokens = self.tokens_per_page if op.num_tokens is None else op.num_tokens
-                total += tokens * kind.num_layers * layer_token_bytes
+                k = next(i for i, kind in enumerate(self.kinds) if kind.name == op.kind)
+                if op.num_tokens is not None:
+                    total += op.num_tokens * self.kinds[k].num_layers * layer_token_bytes
+                else:
+                    pages = op.member_pages or self.geometry.pages_per_member
+                    total += pages * self.table.members[k] * self.page_bytes
         return total
 
     @property
@@ -347,7 +350,8 @@ class VmemManager(ElasticPool, KindRules, AdapterTenancy, UnitOps, ManagerCore):
         for k, kind in enumerate(self.kinds):
             if self.table.extent(k, old):
                 self._ops.append(CopyExtent(src_slot, src_pi, slot, pi, kind.name,
-                                            owner=self.slots.owner[slot]))
+                                            owner=self.slots.owner[slot],
+                                            member_pages=self.table.backed(k, old)))
         self._touch(new)
         self._fill[new] = self._fill[old]
         self._live += self._fill[old]

@@ -89,7 +89,8 @@ def _state(cache):
 def test_refused_extent_ops_change_nothing():
     """The replica refuses, before touching memory: a page mapped twice at one place, past a
     member's k pages, a pool page outside the pool, a kind the cache lacks, an unmap of
-    nothing, a copy into less (CacheStateError; range, replica and pool as before)."""
+    nothing, a copy into less, a copy that says it moves other pages than the source has
+    (CacheStateError; range, replica and pool as before)."""
     with VMemKVCache(SLICED, SLICED_GEOMETRY, 2, pool_pages=8) as cache:     # 2 slices
         cache.execute([MapExtent(0, 0, "full", (0, 1, 2, 3)), MapExtent(1, 0, "full", (4, 5, 6, 7))])
         assert len(cache.range.mapped_pages()) == 8 and cache.mapped_pool_pages == 8
@@ -105,7 +106,9 @@ def test_refused_extent_ops_change_nothing():
                  r"at op 1.*an unmap of nothing"),
                 ([UnmapExtent(0, 0, "full", 1)], r"an unmap of nothing"),
                 ([MapExtent(0, 0, "full", (4, 5, 6, 7), 1), CopyExtent(0, 0, 1, 0, "full")],
-                 r"at op 1.*mapped at least as far")]:
+                 r"at op 1.*mapped at least as far"),
+                ([CopyExtent(0, 0, 1, 0, "full", member_pages=2)],
+                 r"copies 2 member pages, but the source has 1 mapped")]:
             with pytest.raises(CacheStateError, match=match):
                 cache.execute(plan)
             assert _state(cache) == before, plan

@@ -185,6 +185,9 @@ class VmemMemory(_Memory):
             src = self.aspace[(op.src_slot, op.src_page_index)][op.kind]
             dst = self.aspace[(op.dst_slot, op.dst_page_index)][op.kind]
             assert src != dst and len(dst) >= len(src), f"copy past backing {op}"
+            if op.num_tokens is None:   # copy-on-write: it says, and is charged, what it moves
+                assert op.member_pages == len(src) // n, f"{op} names other pages than {len(src) // n}"
+                assert self.m.copied_bytes([op]) == len(src) * self.m.page_bytes, op
             if op.kind == self.lead:
                 for i in range(len(src) // n):
                     self.pages[dst[i * n]] = dict(self.pages.get(src[i * n], {}))

@@ -18,7 +18,7 @@ from hypothesis.stateful import initialize, invariant
 from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.geometry import MiB, PageGeometry
 from vmemkv.scheduler.layout import PoolBacking
-from vmemkv.scheduler.managers import UnmapExtent, make_manager
+from vmemkv.scheduler.managers import CopyExtent, UnmapExtent, make_manager
 from vmemkv.scheduler.presets import ModelSpec
 
 from .shadow import VmemMemory, ref_count
@@ -201,6 +201,22 @@ def test_phi2_geometry_on_2mib_pages_holds_the_pages_of_its_bytes_not_whole_grou
     with pytest.raises(ConfigError, match=r"holds no page slice \(a page of each member\) of "
                                           r"134217728 bytes"):
         make_manager("vmem", model, 64 * 2 * MiB - 1, 4096, page_bytes=2 * MiB)
+
+
+def test_a_copy_on_write_of_a_byte_mapped_group_is_charged_the_pages_it_moves():
+    """The phi-2-like geometry above: a fork's writer copies the shared partial group, whose
+    500 tokens sit on 2 pages of each of its 64 members, so the copy moves 128 x 2 MiB, not the
+    320 pages of a whole group the simulator used to charge (2.5x)."""
+    model = ModelSpec("phi-2-like", 32, 32, 80, 2, weight_bytes=0)
+    m = make_manager("vmem", model, 3 * 64 * 5 * 2 * MiB, 4096, page_bytes=2 * MiB)
+    m.allocate(0, 500)
+    m.fork(0, 1)
+    m.take_ops()
+    m.append(1)                                   # the child writes into the shared group
+    (copy,) = [op for op in m.take_ops() if isinstance(op, CopyExtent)]
+    assert copy.num_tokens is None and copy.member_pages == 2
+    assert m.copied_bytes([copy]) == 2 * 64 * 2 * MiB
+    assert m.pages_per_group * 2 * MiB == 2.5 * m.copied_bytes([copy])   # the whole group
 
 
 def test_every_byte_mapped_field_is_covered_by_the_journal():
