@@ -123,11 +123,17 @@ def measure(kv_dtypes=KV_CACHE_DTYPES, new_tokens: int = 64, attention: str = "c
     return {"benchmark": "kv_dtype_accuracy", "rows": rows, "goal_within_2pct": goal}
 
 
+def _cpu_backends() -> list:
+    """The attention backends registered for the CPU."""
+    from vmemkv.runtime.attention.registry import backend_class, backend_names
+    return [name for name in backend_names() if "cpu" in backend_class(name).devices]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kv-cache-dtype", nargs="+", default=KV_CACHE_DTYPES, choices=KV_CACHE_DTYPES)
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--attention", default="cpu-varlen", choices=["cpu-varlen", "reference", "sdpa"],
+    p.add_argument("--attention", default="cpu-varlen", choices=_cpu_backends(),
                    help="the engine's attention backend (default cpu-varlen)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
