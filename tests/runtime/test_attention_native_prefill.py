@@ -112,7 +112,7 @@ def chunks(draw):
     heads = kv_heads * draw(st.sampled_from([1, 3, 4, 8]))
     window = draw(st.sampled_from([None, 1, 5, 33, 64]))
     softcap = draw(st.sampled_from([None, 2.0, 30.0]))
-    return spec, starts, heads, kv_heads, draw(st.sampled_from([16, 20, 32])), window, softcap
+    return spec, starts, heads, kv_heads, draw(st.sampled_from([16, 20, 32, 64, 80])), window, softcap
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
