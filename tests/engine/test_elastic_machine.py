@@ -8,7 +8,7 @@ sleep, wake and the idle clock. After every rule:
   sum of the two pools' committed bytes, which never exceed their cache bytes.
 
 At the end both wake and finish: every request finished (none dropped) with transformers'
-greedy tokens for its model.
+greedy tokens for its model (up to a near-tie: the prompts are drawn at random).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from vmemkv.runtime.kv import check_matches
 from vmemkv.scheduler.budget import MemoryBudget
 from vmemkv.scheduler.errors import CacheResizeError
 
-from .conftest import hf_greedy, model, tokens
+from .conftest import greedy_problems, model, tokens
 from .test_elastic_engine import memfd_bytes
 from ..hypothesis_budget import examples
 
@@ -51,7 +51,7 @@ class ElasticEngines(RuleBasedStateMachine):
                 out = [engine.output(rid, pop=True) for rid, _, _ in reqs]
                 assert all(o.status == "finished" for o in out)
                 for (rid, prompt, n), o in zip(reqs, out):
-                    assert tokens([o]) == hf_greedy(FAMILIES[e], [prompt], n, ignore_eos=True)
+                    assert not greedy_problems(FAMILIES[e], prompt, tokens([o])[0], n)
         finally:
             for engine in self.engines:
                 engine.close()

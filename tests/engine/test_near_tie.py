@@ -21,3 +21,20 @@ def test_margins_come_from_the_references_own_scores():
     tokens, margins = hf_greedy_with_margins(model, [[1, 2, 3, 4]], 5)
     assert len(tokens[0]) == len(margins[0]) == 5 and all(m >= 0 for m in margins[0])
     assert near_tie_mismatches(tokens, tokens, margins) == []
+
+
+def test_random_prompts_are_checked_up_to_a_tie_the_elastic_machine_met():
+    """A prompt the elastic state machine drew: after it and token 185, tiny-llama's top two
+    logits (119, 181) are 3e-6 apart; transformers' generate picks one, cpu-varlen the other.
+    Either is greedy; a flip where the margin is wide, or a short output, is not."""
+    pytest.importorskip("transformers")
+    from .conftest import greedy_problems, hf_greedy
+    prompt = [(217 * 31 + i * 7) % 256 for i in range(14)]
+    want = hf_greedy("tiny-llama", [prompt], 17, ignore_eos=True)[0]
+    assert want[:1] == [185] and want[1] in (119, 181)
+    flipped = [185, 300 - want[1]] + want[2:]          # the other of 119 and 181
+    assert greedy_problems("tiny-llama", prompt, want, 17) == []
+    assert greedy_problems("tiny-llama", prompt, flipped, 17) == []
+    assert greedy_problems("tiny-llama", prompt, [72] + want[1:], 17) != []   # 0.26 apart
+    assert greedy_problems("tiny-llama", prompt, want[:5], 17) != []
+    assert greedy_problems("tiny-llama", prompt, want[:5], 17, whole=False) == []
