@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import ConfigError, SchedulerError
+from .errors import ConfigError, RequestTooLargeError, SchedulerError
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -68,3 +68,20 @@ def check_adapter(value, what: str = "adapter"):
     if value is not None and not isinstance(value, AdapterRef):
         raise ConfigError(f"{what} must be an AdapterRef or None, got {value!r}")
     return value
+
+
+def check_adapter_fits(request, manager, growable: bool) -> None:
+    """RequestTooLargeError naming ``request``'s adapter when it, or it and the request's
+    tokens, could never be held at once by ``manager`` (a ``growable`` pool checks the adapter
+    alone: its budget may grow it); ConfigError from a policy that holds no adapters."""
+    ref, final = request.adapter, request.max_total_len
+    pages, most = manager.adapter_pages(ref.num_bytes), manager.max_adapter_pages()
+    if pages > most:
+        raise RequestTooLargeError(
+            f"request {request.request_id}: adapter {ref} can never fit: it needs {pages} "
+            f"pool units, adapters can hold {most} at most (policy {manager.name!r})")
+    fit = manager.max_sequence_tokens_with_adapter(ref)
+    if not growable and final > fit:
+        raise RequestTooLargeError(
+            f"request {request.request_id}: {final} tokens beside adapter {ref} can never "
+            f"fit; the cache holds {fit} tokens of one sequence beside it")

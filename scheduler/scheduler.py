@@ -34,11 +34,15 @@ from .plan import PREEMPTION_MODES, ScheduledSeq, SchedulerConfig, StepPlan  # n
 from .request import Request, Sequence, SeqState
 from .lifecycle import Savepoint, StepTransactions, end_request, resize_pool
 from .beam_groups import BeamGroups
+from .recording import StepRecording
+from .adapters import check_adapter_fits
 from .tables import TableTracker
 
-class Scheduler(StepTransactions, BeamGroups):
+
+class Scheduler(StepTransactions, BeamGroups, StepRecording):
     """FCFS iteration-level scheduler. Owns every Sequence; the manager owns the memory. A beam
-    request's sequences are a group (``beam_groups.py``: scheduled, preempted, admitted as one)."""
+    request's sequences are a group (``beam_groups.py``: scheduled, preempted, admitted as one);
+    ``update`` records a step's samples (``recording.py``)."""
 
     def __init__(self, manager: MemoryManager, config: SchedulerConfig = SchedulerConfig(),
                  tables: Optional[TableTracker] = None):
@@ -49,6 +53,7 @@ class Scheduler(StepTransactions, BeamGroups):
         self.tables = tables
         self.max_seq_len = config.max_seq_len or manager.max_seq_len
         self.growable = False           # True: a MemoryBudget resizes the pool step by step
+        self.max_fit_tokens = 0
         self._refresh_capacity()
         # tell the manager what is computed whenever a shareable unit may have filled
         self._publish_stride = manager.prefix_unit_tokens if config.enable_prefix_sharing else 0
@@ -74,8 +79,7 @@ class Scheduler(StepTransactions, BeamGroups):
         # pool a MemoryBudget resizes (``growable``) keeps the most it has held: a share given
         # back while idle grows again for the request that needs it
         fit = self.manager.max_sequence_tokens
-        self.max_fit_tokens = max(fit, getattr(self, "max_fit_tokens", 0)) if self.growable \
-            else fit
+        self.max_fit_tokens = max(fit, self.max_fit_tokens) if self.growable else fit
         self.watermark_tokens = int(self.config.watermark * total)
 
     def resize(self, cache_bytes: int, preempt: bool = False, check_fit: bool = True,
@@ -106,7 +110,7 @@ class Scheduler(StepTransactions, BeamGroups):
                 f"request {request.request_id}: beam_width {request.beam_width} exceeds the "
                 f"{self.config.max_running} sequences a step runs (max_running)")
         if request.adapter is not None:
-            self._check_adapter_fits(request)
+            check_adapter_fits(request, self.manager, self.growable)
         if request.request_id in self._unfinished_samples:
             raise DuplicateSequenceError(f"request {request.request_id} is already queued")
         ids = list(range(self._next_seq_id, self._next_seq_id + request.n))
@@ -117,21 +121,6 @@ class Scheduler(StepTransactions, BeamGroups):
         self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
         return ids
-
-    def _check_adapter_fits(self, request: Request) -> None:
-        """RequestTooLargeError naming the adapter when it, or it and the request's tokens,
-        could never be held at once (ConfigError from a policy that holds no adapters)."""
-        ref, mgr, final = request.adapter, self.manager, request.max_total_len
-        pages, most = mgr.adapter_pages(ref.num_bytes), mgr.max_adapter_pages()
-        if pages > most:
-            raise RequestTooLargeError(
-                f"request {request.request_id}: adapter {ref} can never fit: it needs {pages} "
-                f"pool units, adapters can hold {most} at most (policy {mgr.name!r})")
-        fit = mgr.max_sequence_tokens_with_adapter(ref)
-        if not self.growable and final > fit:
-            raise RequestTooLargeError(
-                f"request {request.request_id}: {final} tokens beside adapter {ref} can never "
-                f"fit; the cache holds {fit} tokens of one sequence beside it")
 
     # ---- adapters: a running sequence pins its request's adapter (module docstring) -------
     def _pin(self, seq: Sequence) -> None:
@@ -179,20 +168,6 @@ class Scheduler(StepTransactions, BeamGroups):
         names computed units). Returns the seq ids ended (also in the next ``plan.finished``);
         UnknownRequestError (nothing changed) if none is unended."""
         return end_request(self, request_id, status)
-
-    def finish(self, seq_id: int) -> None:
-        """End a sequence "finished" now, as a stop token would have (the engine's stop
-        strings match on text, after ``update``): its memory is freed as a finished one's is.
-        No-op for one that has already ended."""
-        seq = self.seqs.get(seq_id)
-        if seq is None:
-            raise UnknownSequenceError(f"unknown sequence id {seq_id}")
-        if seq.state.is_ended:
-            return
-        if seq.state not in (SeqState.RUNNING, SeqState.WAITING):
-            raise SchedulerError(f"sequence {seq_id} is {seq.state.value}; only a running or "
-                                 f"waiting sequence can finish (right after update)")
-        self._finish([seq])
 
     def gauges(self) -> Dict[str, float]:
         """vLLM-named live gauges and counters."""
@@ -411,95 +386,3 @@ class Scheduler(StepTransactions, BeamGroups):
         seq.admit_order = self._admit_counter
         self._admit_counter += 1
         self.running.append(seq)
-
-    # ---- after the model ran -------------------------------------------------------------
-    def update(self, sampled: Dict[int, int], now: Optional[float] = None) -> List[int]:
-        """Record the step: every scheduled sequence has its new tokens cached; those that
-        sampled get ``sampled[seq_id]`` appended. Finishes sequences on max_tokens or a stop
-        token and forks n > 1 children. ``now`` (seconds) timestamps TTFT and inter-token
-        latency (default: the step count). Returns the seq ids finished by this update."""
-        now = float(self._step) if now is None else now
-        finished: List[Sequence] = []
-        stride, computed = self._publish_stride, self.manager.mark_computed
-        for seq, new, sample in self._scheduled:     # prefill chunks (few)
-            seq.num_computed += new
-            if stride:
-                computed(seq.seq_id, seq.num_computed)   # publish on compute
-            if sample:
-                self._on_sample(seq, sampled, now, finished)
-        itl = self.metrics.itl_s
-        for seq in self._decoded:                     # the hot path, inlined _on_sample
-            seq.num_computed += 1
-            if stride and not seq.num_computed % stride:
-                computed(seq.seq_id, seq.num_computed)   # a unit just became full and computed
-            tok = sampled[seq.seq_id]
-            out = seq.output
-            out.append(tok)
-            seq.length += 1
-            if seq.pending_forks:                     # a beam continued by several children
-                self._fork_children(seq, sampled, tok, now)
-            itl.append(now - seq.last_token_s)        # a decode always follows a sample
-            seq.last_token_s = now
-            if len(out) >= seq.max_tokens or (seq.stop_ids and tok in seq.stop_ids):
-                finished.append(seq)
-        self.metrics.generated_tokens += len(sampled)
-        self._scheduled, self._decoded = [], []
-        if finished:
-            self._finish(finished)
-        if self.config.check_every_step or not (self.running or self.swapped):
-            self.manager.check_integrity()
-        return self._finished_ids
-
-    def _on_sample(self, seq: Sequence, sampled: Dict[int, int], now: float,
-                   finished: List[Sequence]) -> None:
-        tok = sampled[seq.seq_id]
-        seq.output.append(tok)
-        seq.length += 1
-        if seq.last_token_s is None:
-            self.metrics.ttft_s.append(now - seq.arrival_s)
-        else:
-            self.metrics.itl_s.append(now - seq.last_token_s)
-        seq.last_token_s = now
-        if seq.pending_forks:
-            self._fork_children(seq, sampled, tok, now)
-        if len(seq.output) >= seq.max_tokens or tok in seq.stop_ids:
-            finished.append(seq)
-
-    def _fork_children(self, parent: Sequence, sampled: Dict[int, int], parent_tok: int,
-                       now: float) -> None:
-        """Children share the parent's memory (n > 1: the prompt's; a beam's branch: all of its
-        tokens) and its output before this step's token; one that does not fit waits to
-        recompute."""
-        for child_id in parent.pending_forks:
-            tok = sampled.get(child_id, parent_tok)
-            child = Sequence(child_id, parent.request, parent.output[:-1] + [tok])
-            child.last_token_s = now
-            self.seqs[child_id] = child
-            fits = len(self.running) < self.config.max_running and self.manager.can_fork(parent.seq_id)
-            if fits:
-                self.manager.fork(parent.seq_id, child_id)
-                self._pin(child)          # resident: the parent pins it
-                child.num_computed, child.held = parent.num_computed, parent.held
-                self._run_beside(child)
-            else:
-                self.waiting.appendleft(child)
-            if len(child.output) >= child.max_tokens or tok in child.stop_ids:
-                self._finish([child])
-        parent.pending_forks = ()
-
-    def _finish(self, seqs: List[Sequence]) -> None:
-        for seq in seqs:
-            if seq.state is SeqState.RUNNING:
-                self.manager.free(seq.seq_id)
-                self._unpin(seq)
-            elif seq.state is SeqState.WAITING:
-                self.waiting.remove(seq)
-            seq.state = SeqState.FINISHED
-            seq.held = 0
-            self._finished_ids.append(seq.seq_id)
-            rid = seq.request.request_id
-            self._unfinished_samples[rid] -= 1
-            if not self._unfinished_samples[rid]:
-                del self._unfinished_samples[rid]
-                self.metrics.num_finished_requests += 1
-        self.running = [s for s in self.running if s.state is SeqState.RUNNING]
