@@ -19,7 +19,7 @@ import logging
 import random
 import time
 from dataclasses import replace
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -31,38 +31,34 @@ from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
 from vmemkv.runtime.hf.support import check_model_supported
 from vmemkv.runtime.transaction import StepTransaction
-from vmemkv.scheduler.errors import RequestTooLargeError
-from vmemkv.scheduler.request import Request, SeqState
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from .config import (EngineConfig, cache_budget_bytes, cache_config_for, check_engine_arguments,
                      resolved_layout)
 from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine, kv_heads_per_rank,
                               start_tensor_parallel)
-from .errors import EngineClosedError, EngineConfigError, RequestRejectedError, TensorParallelError
+from .errors import EngineConfigError, TensorParallelError
 from .lifecycle import RequestLifecycle
 from .adapters import EngineAdapters
 from .beam import BeamSearches, BeamSearching
 from .elastic import ElasticMemory, budget_share_for
 from .statistics import EngineStatistics
 from .model_runner import ModelRunner
-from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
-from .chat import chat_prompts
-from .request_state import OnToken, RequestState, SampleRecord, deliver, new_request, new_samples
+from .outputs import RequestOutput, TokenEvent
+from .request_state import RequestState, SampleRecord, deliver
 from .sampler import SampleState, Sampler, save_generators
-from .sampling import SamplingParams, per_prompt
-from .prompts import check_prompt_batch, check_request_params, encode_prompt
 from .self_check import self_check
+from .submission import RequestSubmission
 
-Prompt = Union[Sequence[int], str]
 log = logging.getLogger("vmemkv.engine")
 
 
-class Engine(RequestLifecycle, EngineStatistics, BeamSearching, ElasticMemory):
+class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearching, ElasticMemory):
     """Runs ``model`` (an HF causal LM, e.g. LlamaForCausalLM, Qwen2ForCausalLM) with the
     scheduler on a vmem or paged cache. See EngineConfig for every option; keyword arguments
     override fields of ``config``. ``tokenizer`` (optional) enables text prompts and outputs.
-    ``beam_search`` runs beam search (runtime/engine/beam.py)."""
+    Requests enter by ``add_request`` or a batch (``generate``, ``chat``, ``stream``;
+    submission.py); ``beam_search`` runs beam search (runtime/engine/beam.py)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: Optional[EngineConfig] = None,
                  driver=None, memory_budget=None, **options) -> None:
@@ -166,55 +162,6 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching, ElasticMemory):
         self.adapters = EngineAdapters(model, self.kv.manager, self._live_adapters)
         if self.tp is None:
             self.runner.adapters = self.adapters
-
-    # ---- submission ----------------------------------------------------------------------
-    def add_request(self, prompt: Prompt, sampling: Optional[SamplingParams] = None,
-                    on_token: Optional[OnToken] = None, index: int = 0) -> int:
-        """Queue one prompt (token ids, or text with a tokenizer); returns its request id.
-        Raises RequestRejectedError (nothing queued) when it is invalid or could never fit,
-        EngineClosedError after ``close()``."""
-        if self._closed:
-            raise EngineClosedError("add_request after close(): this engine's cache is released; "
-                                    "build a new Engine")
-        params = sampling or SamplingParams()
-        ids, text = self._encode(prompt, index)
-        check_request_params(params, self.tokenizer, self.vocab_size, index)
-        stops = params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
-        rid, arrival_s = self._next_request, self._now()
-        # prompt logprobs need every prompt row computed: such a request reads no prefix cache
-        scope = None if params.prompt_logprobs is None else f"prompt-logprobs-{rid}"
-        request = Request(rid, len(ids), params.max_new_tokens, prompt_token_ids=ids,
-                          stop_token_ids=stops, arrival_s=arrival_s, n=params.n,
-                          cache_salt=params.cache_salt, namespace=scope,
-                          adapter=self.adapters.ref(params.lora, index))
-        try:
-            seq_ids = self.scheduler.add_request(request)
-        except RequestTooLargeError as error:
-            raise RequestRejectedError(f"prompt {index} rejected: {error}", index) from None
-        self._next_request += 1
-        self._prompt_tokens += len(ids)
-        out = RequestOutput(rid, ids, [CompletionOutput(i, []) for i in range(params.n)], text,
-                            arrival_s=arrival_s)
-        state = self._requests[rid] = new_request(out, params, on_token, seq_ids)
-        seed = params.seed if params.seed is not None else self._rng.randrange(2**62)
-        self._samples.update(new_samples(state, stops, seed, self.device, self.tokenizer))
-        if state.prompt_logprobs is not None:
-            self._prompt_logprobs[seq_ids[0]] = state
-        return rid
-
-    def _encode(self, prompt: Prompt, index: int):
-        return encode_prompt(prompt, index, self.tokenizer, self.vocab_size)
-
-    def check_admissible(self, prompts: Sequence[Prompt], sampling) -> None:
-        """Raise RequestRejectedError for the first prompt that ``add_request`` would reject."""
-        limit = min(x for x in (self.scheduler.max_seq_len, self.scheduler.max_fit_tokens) if x)
-        for i, (prompt, params) in enumerate(zip(prompts, per_prompt(prompts, sampling))):
-            self.adapters.ref(params.lora, i)    # a name no adapter has: refused, nothing runs
-            ids, _ = self._encode(prompt, i)
-            if len(ids) + params.max_new_tokens > limit:
-                raise RequestRejectedError(
-                    f"prompt {i} rejected: {len(ids)} prompt + {params.max_new_tokens} new tokens "
-                    f"exceed the {limit} tokens one sequence can hold in this cache", i)
 
     # ---- running -------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -374,46 +321,6 @@ class Engine(RequestLifecycle, EngineStatistics, BeamSearching, ElasticMemory):
         if pop and not state.remaining:
             del self._requests[request_id]
         return state.output
-
-    # ---- batch API -----------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Prompt],
-                 sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 on_token: Optional[OnToken] = None) -> List[RequestOutput]:
-        """Generate for every prompt; outputs in prompt order. All prompts are checked first:
-        if any would be rejected, RequestRejectedError is raised and nothing runs. Statistics
-        of the call: ``engine.last_stats``."""
-        self._check_awake()
-        mark = self._mark()
-        ids = self._submit_all(prompts, sampling, on_token)
-        self.run_until_done()
-        outputs = [self.output(rid, pop=True) for rid in ids]
-        self.last_stats = self.stats(since=mark, outputs=outputs)
-        return outputs
-
-    def chat(self, messages, sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-             chat_template: Optional[str] = None) -> List[RequestOutput]:
-        """``generate`` on one conversation (a list of {"role", "content"} messages) or a list of
-        them, each rendered by the tokenizer's chat template (or ``chat_template``) with the
-        assistant's turn opened (runtime/engine/chat.py: ChatTemplateError without one)."""
-        return self.generate(chat_prompts(self.tokenizer, messages, chat_template), sampling)
-
-    def stream(self, prompts: Sequence[Prompt],
-               sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None
-               ) -> Iterator[TokenEvent]:
-        """Yield tokens as they are produced (all requests interleaved, step by step)."""
-        self._check_awake()
-        mark = self._mark()
-        ids = self._submit_all(prompts, sampling, None)
-        while self.has_unfinished():
-            yield from self._step_with_retries()
-        self.last_outputs = [self.output(rid, pop=True) for rid in ids]
-        self.last_stats = self.stats(since=mark, outputs=self.last_outputs)
-
-    def _submit_all(self, prompts, sampling, on_token) -> List[int]:
-        check_prompt_batch(prompts)
-        params = per_prompt(prompts, sampling)
-        self.check_admissible(prompts, params)
-        return [self.add_request(p, s, on_token, index=i) for i, (p, s) in enumerate(zip(prompts, params))]
 
     # ---- LoRA adapters (runtime/engine/adapters.py) ----------------------------------------
     def add_lora(self, name: str, path, replace: bool = False) -> None:
