@@ -24,12 +24,12 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from vmemkv.scheduler.adapters import AdapterRef, AdapterStateError
 from vmemkv.scheduler.errors import OutOfCapacityError
 from vmemkv.scheduler.managers import make_manager
-from vmemkv.scheduler.managers.base import (EvictAdapter, LoadAdapter, MapExtent, ReleasePages,
-                                            UnmapExtent)
+from vmemkv.scheduler.managers.base import EvictAdapter, LoadAdapter
 from vmemkv.scheduler.managers.ledger import RELEASED
 from vmemkv.scheduler.presets import ModelSpec
 
 from ..hypothesis_budget import examples
+from .adapter_replica import UnitReplica
 
 UNIFORM = ModelSpec("u4", 4, 1, 2, 2, weight_bytes=0)          # 8 bytes a layer-token
 HYBRID = ModelSpec("h4", 4, 3, 1, 1, weight_bytes=0, layer_windows=(None, 6, 6, 6))
@@ -86,10 +86,7 @@ class AdapterMachine(RuleBasedStateMachine):
         self.idle: list = []           # digests, least recently idle first
         self.loads = self.evictions = 0
         self.next_id = 0
-        self.kv_map: dict = {}         # vmem: (slot, page index, kind) -> pool pages mapped
-        self.adapter_pages: dict = {}  # digest -> units its LoadAdapter named
-        self.members = {k.name: m.table.members[i] for i, k in enumerate(m.kinds)} if vmem \
-            else {}
+        self.replica = UnitReplica(m)  # the executor's view, from the committed ops
         self.kv_evictions_checked = 0
         real = m._evict_adapter_for_kv
 
@@ -127,7 +124,7 @@ class AdapterMachine(RuleBasedStateMachine):
         ops = m.take_ops()
         if commit:
             m.commit()
-            self._replay(ops)
+            self.replica.apply(ops, self.live)
         else:
             m.rollback()
             assert m.take_ops() == [], "a rollback keeps no op"
@@ -141,39 +138,6 @@ class AdapterMachine(RuleBasedStateMachine):
             self.idle.remove(digest)
             del self.uses[digest]
         self.evictions += len(gone)
-
-    def _replay(self, ops) -> None:
-        """The executor's view: no unit is an adapter's and KV's at once."""
-        for op in ops:
-            if type(op) in (MapExtent, UnmapExtent):
-                key = (op.slot, op.page_index, op.kind)
-                have = self.kv_map.pop(key, ())
-                keep = have[:op.first_page * self.members[op.kind]]
-                if type(op) is MapExtent:
-                    held = {p for pages in self.adapter_pages.values() for p in pages}
-                    assert not held & set(op.pool_pages), ("KV maps an adapter's page", op)
-                    keep += tuple(op.pool_pages)
-                if keep:
-                    self.kv_map[key] = keep
-            elif type(op) is LoadAdapter:
-                assert op.adapter_id not in self.adapter_pages
-                held = {p for pages in self.adapter_pages.values() for p in pages}
-                assert not held & set(op.pool_pages), ("two adapters in a unit", op)
-                if self.vmem:
-                    mapped = {p for pages in self.kv_map.values() for p in pages}
-                    assert not mapped & set(op.pool_pages), ("an adapter in a mapped page", op)
-                assert len(op.pool_pages) == self.m.adapter_pages(op.num_bytes)
-                self.adapter_pages[op.adapter_id] = op.pool_pages
-            elif type(op) is EvictAdapter:
-                assert self.adapter_pages.pop(op.adapter_id) == op.pool_pages
-            elif type(op) is ReleasePages:
-                held = {p for pages in self.adapter_pages.values() for p in pages}
-                assert not held & set(op.pool_pages), ("an adapter's page released", op)
-        if not self.vmem:      # a block an adapter holds is in no sequence's table
-            held = {p for pages in self.adapter_pages.values() for p in pages}
-            for sid in self.live:
-                tables = self.m.block_tables(sid)
-                assert not held & {b for t in tables for b in t if b is not None}
 
     # -- adapters --
     @precondition(lambda self: self.m is not None)
@@ -405,7 +369,7 @@ class AdapterMachine(RuleBasedStateMachine):
         assert list(m._idle_adapters) == self.idle, "idle in LRU order"
         assert (stats.resident, stats.idle, stats.loads, stats.evictions) == \
             (len(self.uses), len(self.idle), self.loads, self.evictions)
-        assert {d: p for d, (p, _) in m.resident_adapters().items()} == self.adapter_pages
+        assert {d: p for d, (p, _) in m.resident_adapters().items()} == self.replica.adapter_pages
         assert {s: m.num_tokens(s) for s in self.live} == self.live
         for sid, ref in self.seq_adapter.items():
             assert sid in self.live and self.uses[ref.digest] >= 1
