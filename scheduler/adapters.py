@@ -70,18 +70,20 @@ def check_adapter(value, what: str = "adapter"):
     return value
 
 
-def check_adapter_fits(request, manager, growable: bool) -> None:
+def check_adapter_fits(request, manager, cache_bytes=None) -> None:
     """RequestTooLargeError naming ``request``'s adapter when it, or it and the request's
-    tokens, could never be held at once by ``manager`` (a ``growable`` pool checks the adapter
-    alone: its budget may grow it); ConfigError from a policy that holds no adapters."""
+    tokens, could never be held at once by ``manager``, in a pool of ``cache_bytes`` (None: as
+    it is; a pool a MemoryBudget resizes: the most it has held, which it grows back to);
+    ConfigError from a policy that holds no adapters."""
     ref, final = request.adapter, request.max_total_len
     pages, most = manager.adapter_pages(ref.num_bytes), manager.max_adapter_pages()
     if pages > most:
         raise RequestTooLargeError(
             f"request {request.request_id}: adapter {ref} can never fit: it needs {pages} "
             f"pool units, adapters can hold {most} at most (policy {manager.name!r})")
-    fit = manager.max_sequence_tokens_with_adapter(ref)
-    if not growable and final > fit:
+    fit = manager.max_sequence_tokens_with_adapter(ref, cache_bytes)
+    if final > fit:
+        at = "" if cache_bytes is None else f" in the {cache_bytes} bytes it has held at most"
         raise RequestTooLargeError(
             f"request {request.request_id}: {final} tokens beside adapter {ref} can never "
-            f"fit; the cache holds {fit} tokens of one sequence beside it")
+            f"fit; the cache holds {fit} tokens of one sequence beside it{at}")

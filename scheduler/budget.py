@@ -11,7 +11,8 @@ never exceed ``total_bytes``; a share's ``min_bytes`` is reserved for it (no oth
 take it, even while it is below it or asleep), so it can always grow back to its minimum; a
 share never holds more than ``max_bytes``. The rule ``decide`` applies, once per step:
 
-    grow     the scheduler's head waiting request does not fit (or the last step preempted):
+    grow     the scheduler's head waiting request does not fit, with its LoRA adapter's pages
+             when that is not resident (or the last step preempted):
              ask for what it needs, at least ``grow_fraction`` of max, from the unclaimed
              bytes; what is missing is posted as PRESSURE on the other shares
     give     idle (nothing unfinished) for ``idle_release_s``: shrink to ``min_bytes`` (free
@@ -109,8 +110,9 @@ class BudgetShare:
         return tokens * mgr.bytes_per_token
 
     def _wanted_bytes(self, scheduler, preempted: bool) -> int:
-        """What the head waiting request needs beside what is held, or one more grow step
-        after a preemption; else what is held."""
+        """What the head waiting request needs beside what is held (its adapter's bytes too,
+        when that is not resident), or one more grow step after a preemption; else what is
+        held."""
         mgr = scheduler.manager
         if preempted:
             return self.held_bytes + 1
@@ -118,11 +120,15 @@ class BudgetShare:
             return self.held_bytes + 1
         if scheduler.waiting and len(scheduler.running) < scheduler.config.max_running:
             head = scheduler.waiting[0]
+            adapter = head.request.adapter      # its pages come from the same pool
+            with_adapter = {} if adapter is None else {"adapter": adapter}
             if not mgr.can_allocate(head.length, None, None, 0,
-                                    final_tokens=head.request.max_total_len):
+                                    final_tokens=head.request.max_total_len, **with_adapter):
                 free = mgr.stats().free_tokens + getattr(mgr, "reclaimable_tokens", 0)
-                missing = max(head.length - free, 1)
-                return self.held_bytes + missing * mgr.bytes_per_token
+                missing = max(head.length - free, 1) * mgr.bytes_per_token
+                if adapter is not None and adapter.digest not in mgr.resident_adapters():
+                    missing += adapter.num_bytes
+                return self.held_bytes + missing
         return self.held_bytes
 
     def settle(self, new_bytes: int) -> None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 from collections import deque
 from typing import List
 
-from .errors import CacheResizeError, ConfigError, SchedulerError, UnknownRequestError
+from .adapters import check_adapter_fits
+from .errors import (CacheResizeError, ConfigError, RequestTooLargeError, SchedulerError,
+                     UnknownRequestError)
 from .plan import StepPlan
 from .request import Sequence, SeqState
 
@@ -39,7 +41,8 @@ class Savepoint:
                         m.num_aborted_requests, m.num_failed_requests, m.num_finished_requests,
                         m.generated_tokens)
         self.latency_lengths = (len(m.ttft_s), len(m.itl_s))
-        self.capacity = (s.total_tokens, s.max_fit_tokens, s.watermark_tokens)   # resize
+        self.capacity = (s.total_tokens, s.max_fit_tokens, s.max_fit_bytes,   # resize
+                         s.watermark_tokens)
 
     def restore(self, scheduler) -> None:
         """Put ``scheduler`` back exactly as it was when this savepoint was taken."""
@@ -56,7 +59,7 @@ class Savepoint:
          m.num_aborted_requests, m.num_failed_requests, m.num_finished_requests,
          m.generated_tokens) = self.metrics
         del m.ttft_s[self.latency_lengths[0]:], m.itl_s[self.latency_lengths[1]:]
-        s.total_tokens, s.max_fit_tokens, s.watermark_tokens = self.capacity
+        s.total_tokens, s.max_fit_tokens, s.max_fit_bytes, s.watermark_tokens = self.capacity
         s._decoded, s._scheduled = [], []
 
 
@@ -109,6 +112,13 @@ def resize_pool(scheduler, cache_bytes: int, preempt: bool, check_fit: bool, par
                 f"resizing the cache to {cache_bytes} bytes: request "
                 f"{longest.request.request_id} needs {longest.request.max_total_len} tokens, "
                 f"the cache would hold {s.max_fit_tokens} tokens of one sequence")
+        for q in live:              # and beside its adapter (the pages it takes from KV)
+            if q.request.adapter is not None:
+                try:
+                    check_adapter_fits(q.request, s.manager, s._fit_pool_bytes)
+                except RequestTooLargeError as error:
+                    raise CacheResizeError(f"resizing the cache to {cache_bytes} bytes: "
+                                           f"{error}") from None
     plan.ops = s.manager.take_ops()
     if s.tables is not None:
         s.tables.fill(plan, s.manager)

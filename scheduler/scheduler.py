@@ -53,7 +53,7 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
         self.tables = tables
         self.max_seq_len = config.max_seq_len or manager.max_seq_len
         self.growable = False           # True: a MemoryBudget resizes the pool step by step
-        self.max_fit_tokens = 0
+        self.max_fit_tokens = self.max_fit_bytes = 0
         self._refresh_capacity()
         # tell the manager what is computed whenever a shareable unit may have filled
         self._publish_stride = manager.prefix_unit_tokens if config.enable_prefix_sharing else 0
@@ -76,10 +76,13 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
         self.total_tokens = total = self.manager.stats().total_tokens
         # the longest sequence the manager could ever hold (a reservation may need more than
         # the tokens it caches); a request longer than this is rejected at submission. A
-        # pool a MemoryBudget resizes (``growable``) keeps the most it has held: a share given
-        # back while idle grows again for the request that needs it
-        fit = self.manager.max_sequence_tokens
-        self.max_fit_tokens = max(fit, self.max_fit_tokens) if self.growable else fit
+        # pool a MemoryBudget resizes (``growable``) keeps the most it has held (and its size,
+        # where a request's adapter is checked): a share given back while idle grows again for
+        # the request that needs it
+        fit, held = self.manager.max_sequence_tokens, self.manager.cache_bytes
+        if self.growable:
+            fit, held = max(fit, self.max_fit_tokens), max(held, self.max_fit_bytes)
+        self.max_fit_tokens, self.max_fit_bytes = fit, held
         self.watermark_tokens = int(self.config.watermark * total)
 
     def resize(self, cache_bytes: int, preempt: bool = False, check_fit: bool = True,
@@ -110,7 +113,7 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
                 f"request {request.request_id}: beam_width {request.beam_width} exceeds the "
                 f"{self.config.max_running} sequences a step runs (max_running)")
         if request.adapter is not None:
-            check_adapter_fits(request, self.manager, self.growable)
+            check_adapter_fits(request, self.manager, self._fit_pool_bytes)
         if request.request_id in self._unfinished_samples:
             raise DuplicateSequenceError(f"request {request.request_id} is already queued")
         ids = list(range(self._next_seq_id, self._next_seq_id + request.n))
@@ -123,6 +126,11 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
         return ids
 
     # ---- adapters: a running sequence pins its request's adapter (module docstring) -------
+    @property
+    def _fit_pool_bytes(self):
+        """The pool size a request's adapter is checked at (None: the pool as it is)."""
+        return self.max_fit_bytes if self.growable else None
+
     def _pin(self, seq: Sequence) -> None:
         if seq.adapter_id is not None:
             self.manager.acquire_adapter(seq.request.adapter, seq.seq_id)

@@ -65,8 +65,8 @@ def adapter_budget_units(budget: Optional[int], unit_bytes: int, cache_bytes: in
 class AdapterTenancy:
     """Mixed into VmemManager and PagedManager. The manager supplies ``_free_one()`` (one
     more of its KV ledger's units freed for another use, idle adapters last),
-    ``_available_units`` (counting idle adapters' pages), ``_kv_capacity_units`` and
-    ``_tokens_in_units`` (the longest sequence that many units hold)."""
+    ``_available_units`` (counting idle adapters' pages), ``_kv_capacity_units`` (now, or at
+    a pool size) and ``_tokens_in_units`` (the longest sequence that many units hold)."""
 
     def _init_adapters(self, kv_ledger: PageLedger, unit_bytes: int,
                        budget_units: Optional[int], offset: int, unit_name: str) -> None:
@@ -114,13 +114,14 @@ class AdapterTenancy:
         """Shared pool: every page of it (an elastic pool: at its max); split: the budget's."""
         return self._adapter_ledger.num_pages
 
-    def max_sequence_tokens_with_adapter(self, adapter: AdapterRef) -> int:
+    def max_sequence_tokens_with_adapter(self, adapter: AdapterRef,
+                                         cache_bytes: Optional[int] = None) -> int:
         ref = self._check_ref(adapter)
         pages = self.adapter_pages(ref.num_bytes)
         if not self._adapters_share_kv:
             return self.max_sequence_tokens if pages <= self._adapter_ledger.num_pages else 0
-        left = self._kv_capacity_units() - pages
-        return 0 if left < 0 else min(self.max_sequence_tokens, self._tokens_in_units(left))
+        left = self._kv_capacity_units(cache_bytes) - pages
+        return 0 if left < 0 else min(self.max_seq_len, self._tokens_in_units(left))
 
     @property
     def _kv_adapter_pages(self) -> int:

@@ -279,8 +279,11 @@ class MemoryManager(ABC):
         """The most units adapters could ever hold at once (a bigger one can never load)."""
         self._no_adapters()
 
-    def max_sequence_tokens_with_adapter(self, adapter: AdapterRef) -> int:
-        """``max_sequence_tokens`` while ``adapter`` is resident (0: it can never load)."""
+    def max_sequence_tokens_with_adapter(self, adapter: AdapterRef,
+                                         cache_bytes: Optional[int] = None) -> int:
+        """``max_sequence_tokens`` while ``adapter`` is resident (0: it can never load), in a
+        pool of ``cache_bytes`` (one ``resize`` could set; None: the pool as it is now; a pool
+        that never resizes has one size)."""
         self._no_adapters()
 
     def can_acquire_adapter(self, adapter: AdapterRef) -> bool:

@@ -17,6 +17,8 @@ free list and that tenant:
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from ..errors import ConfigError
 from .base import ReleasePages
 from .common import check_int
@@ -24,7 +26,8 @@ from .kinds import pool_pages_for
 
 
 class ElasticPool:
-    """Mixed into VmemManager: ``capacity_pages``, ``cache_bytes``, ``resize``."""
+    """Mixed into VmemManager: ``capacity_pages``, ``cache_bytes``, ``resize`` (and the pool
+    pages at a size, ``_kv_capacity_units``)."""
 
     def _pages_for(self, cache_bytes: int) -> int:
         return pool_pages_for(cache_bytes, self.page_bytes, self.geometry.num_members,
@@ -34,6 +37,12 @@ class ElasticPool:
     def capacity_pages(self) -> int:
         """Pool pages in service (free or bound): the pool minus what the device holds."""
         return self.ledger.in_service_pages
+
+    def _kv_capacity_units(self, cache_bytes: Optional[int] = None) -> int:
+        """Pool pages in service now, or once resized to ``cache_bytes`` (adapters.py)."""
+        if cache_bytes is None:
+            return self.capacity_pages
+        return min(self._pages_for(cache_bytes), self.pool_pages)
 
     @property
     def cache_bytes(self) -> int:

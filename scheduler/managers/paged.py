@@ -91,8 +91,8 @@ class PagedManager(AdapterTenancy, UnitOps, ManagerCore):
     def _tokens_in_units(self, blocks: int) -> int:
         return blocks // len(self.groups) * self.block_size
 
-    def _kv_capacity_units(self) -> int:
-        return self.num_blocks
+    def _kv_capacity_units(self, cache_bytes: Optional[int] = None) -> int:
+        return self.num_blocks          # one size: the block pool never resizes
 
     def _kv_ledger(self):
         return self._ledger

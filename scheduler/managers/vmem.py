@@ -141,9 +141,6 @@ class VmemManager(ElasticPool, KindRules, AdapterTenancy, UnitOps, ManagerCore):
         whole, rest = divmod(pages // geo.num_members, geo.pages_per_member)
         return whole * self.tokens_per_page + geo.tokens_in_member_pages(rest)
 
-    def _kv_capacity_units(self) -> int:
-        return self.capacity_pages
-
     def _kv_ledger(self):
         return self.ledger
 

@@ -190,3 +190,33 @@ def test_replacing_or_removing_an_adapter_lets_running_requests_finish_on_their_
         engine.step()                                   # an idle step collects
         assert not engine.adapters and engine.loras == []   # no host copy left behind
     assert got == [greedy(merged(family, old), prompt, 6), greedy(merged(family, new), prompt, 6)]
+
+
+def test_a_memory_budget_grows_an_idle_shrunk_pool_for_an_adapters_pages(adapter_dirs):
+    """A pool its MemoryBudget shrank while idle (256 KiB -> 32 KiB) gets a request whose
+    tokens fit there but not beside its adapter's 64 KiB: the budget grows the pool for both
+    and the tokens are exact. On main the budget asked only for the tokens, so the request
+    waited for its adapter's pages for ever (each step ran nothing)."""
+    from vmemkv.scheduler.budget import MemoryBudget
+    family, clock = "tiny-llama", [0.0]
+    path = adapter_dirs[(family, "b8")]
+    budget = MemoryBudget(512 * 1024, idle_release_s=1.0, clock=lambda: clock[0])
+    prompt = prompts(1, 59, 59, seed=9)[0]
+    with Engine(build_model(family, seed=0), memory_budget=budget, cache_bytes=256 * 1024,
+                min_cache_bytes=32 * 1024, max_batch=4, max_context=128, cache="vmem",
+                layout="per-layer", page_bytes=4096, check_integrity=True) as engine:
+        engine.add_lora("b8", path)
+        engine.rebalance_memory()       # idle from now
+        clock[0] += 5.0
+        engine.rebalance_memory()       # idle past idle_release_s: down to its minimum
+        assert engine.cache_bytes == 32 * 1024 < 59 * 512 + manager_bytes(engine, "b8")
+        rid = engine.add_request(prompt, SamplingParams(max_new_tokens=40, ignore_eos=True,
+                                                        lora="b8"))
+        for _ in range(100):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+        assert not engine.has_unfinished(), f"stuck at {engine.cache_bytes} bytes"
+        assert engine.cache_bytes >= 99 * 512 + manager_bytes(engine, "b8")
+        got = engine.output(rid, pop=True).outputs[0].token_ids
+    assert got == greedy(merged(family, path), prompt, 40)
