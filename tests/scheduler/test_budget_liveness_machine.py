@@ -1,0 +1,121 @@
+"""Two vmem schedulers on one MemoryBudget, requests with and without LoRA adapters, against
+liveness: a hypothesis state machine over submissions, steps (each after the budget's decide
+and a partial resize, as the engine and the simulator run them) and the idle clock.
+
+After every rule: the budget's bytes are the two pools' and never exceed its total; each
+adapter's uses are its running sequences; each manager's integrity check holds. A submission
+refused is one that could never fit: past the most its pool has held (beside its adapter, which
+takes pages from the same pool). At the end, with no more submissions, both are stepped while
+the clock runs: every request accepted finishes (none waits for ever: the budget grows a pool
+for its head request's tokens and adapter, and an idle pool gives its memory back).
+"""
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from vmemkv.scheduler.budget import MemoryBudget
+from vmemkv.scheduler.errors import RequestTooLargeError
+from vmemkv.scheduler.request import Request, SeqState
+from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
+
+from ..hypothesis_budget import examples
+from .adapter_sched import TINY, check_pins, manager, ref
+from .test_adapter_elastic import resize
+
+BPT = TINY.bytes_per_token
+ADAPTERS = (None, ref("s", "s-1", 8 * BPT), ref("m", "m-1", 24 * BPT), ref("l", "l-1", 48 * BPT))
+LANES = (("per-layer", "recompute"), ("interleaved", "swap"))
+
+
+class BudgetLiveness(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.budget = MemoryBudget(384 * BPT, idle_release_s=1.0, clock=lambda: self.now)
+        self.lanes, self.accepted = [], []
+        for i, (layout, preemption) in enumerate(LANES):
+            mgr = manager("vmem", layout, tokens=128, swap_tokens=256,
+                          max_cache_bytes=256 * BPT)
+            share = self.budget.register(f"lane{i}", 32 * BPT, 256 * BPT, 128 * BPT)
+            sched = Scheduler(mgr, SchedulerConfig(max_running=4, max_seq_len=64,
+                                                   preemption=preemption))
+            sched.growable = True
+            self.lanes.append((sched, share))
+            self.accepted.append([])
+        self.next_id = 0
+        self.preempted = [False] * len(LANES)   # the lane's last step preempted
+
+    def _turn(self, lane: int) -> None:
+        """The budget decides, the pool resizes (partial, one transaction), then one step."""
+        sched, share = self.lanes[lane]
+        preempted = sched.metrics.num_preemptions
+        target = share.decide(sched, preempted=self.preempted[lane])
+        if target is not None and target != sched.manager.cache_bytes:
+            resize(sched, share, min(target, sched.manager.max_cache_bytes))
+        if sched.has_unfinished():
+            plan = sched.schedule()
+            sched.update({s.seq_id: 1 for s in plan.seqs if s.sample})
+        self.preempted[lane] = sched.metrics.num_preemptions > preempted
+
+    @initialize(idle=st.lists(st.booleans(), min_size=2, max_size=2))
+    def start(self, idle):
+        """Lanes that start idle past ``idle_release_s``: shrunk to their minimum (32 tokens),
+        as a server's pool is before its first request."""
+        for lane in (i for i, shrink in enumerate(idle) if shrink):
+            self._turn(lane)                 # idle from now
+        self.now += 1.5
+        for lane in (i for i, shrink in enumerate(idle) if shrink):
+            self._turn(lane)                 # given back
+            assert self.lanes[lane][0].manager.cache_bytes == 32 * BPT
+
+    @rule(lane=st.integers(0, 1), prompt=st.integers(1, 40), new=st.integers(1, 24),
+          adapter=st.sampled_from(ADAPTERS))
+    def submit(self, lane, prompt, new, adapter):
+        sched, _ = self.lanes[lane]
+        request = Request(self.next_id, prompt_len=prompt, max_tokens=new, adapter=adapter)
+        self.next_id += 1
+        try:
+            ids = sched.add_request(request)
+        except RequestTooLargeError:
+            fit = sched.max_fit_tokens if adapter is None else \
+                sched.manager.max_sequence_tokens_with_adapter(adapter, sched.max_fit_bytes)
+            assert prompt + new > min(fit, sched.max_seq_len), (prompt, new, fit)
+            return
+        self.accepted[lane].extend(ids)
+
+    @rule(lane=st.integers(0, 1), count=st.integers(1, 6))
+    def step(self, lane, count):
+        for _ in range(count):
+            self._turn(lane)
+
+    @rule(seconds=st.sampled_from([0.25, 1.5]))
+    def tick(self, seconds):
+        self.now += seconds
+
+    @invariant()
+    def accounted(self):
+        assert self.budget.held_bytes == sum(s.manager.cache_bytes for s, _ in self.lanes) \
+            <= self.budget.total_bytes
+        for sched, share in self.lanes:
+            assert share.held_bytes == sched.manager.cache_bytes
+            check_pins(sched)
+            sched.manager.check_integrity()
+
+    def teardown(self):
+        """Step both while the clock runs, until nothing is unfinished or nothing moved for
+        40 rounds (10 s of clock, ten times ``idle_release_s``): a request waiting for ever."""
+        progress, still = None, 0
+        while any(s.has_unfinished() for s, _ in self.lanes) and still < 40:
+            for lane in range(len(self.lanes)):
+                self._turn(lane)
+            self.now += 0.25
+            now = tuple((s.metrics.generated_tokens, s.manager.cache_bytes) for s, _ in self.lanes)
+            progress, still = now, (still + 1 if now == progress else 0)
+        for (sched, _), ids in zip(self.lanes, self.accepted):
+            stuck = [i for i in ids if sched.seqs[i].state is not SeqState.FINISHED]
+            assert not stuck, (f"never finished: {stuck}, pool "
+                               f"{sched.manager.cache_bytes // BPT} tokens")
+
+
+TestBudgetLiveness = BudgetLiveness.TestCase
+TestBudgetLiveness.settings = settings(max_examples=examples(200), stateful_step_count=30,
+                                       deadline=None)
