@@ -15,7 +15,17 @@ class ConfigError(SchedulerError, ValueError):
 
 
 class RequestTooLargeError(SchedulerError, ValueError):
-    """A request can never fit: longer than the maximum length or the whole cache."""
+    """A request can never fit: longer than the maximum length or the whole cache.
+    ``request_id``: the request a step found an empty cache cannot admit (a beam group that
+    must come back into private memory), so a caller can end it alone; None where the
+    request was refused at submission, or for a manager's call."""
+
+    def __init__(self, message: str = "", request_id=None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+    def __reduce__(self):
+        return type(self), (str(self), self.request_id)
 
 
 class UnknownSequenceError(SchedulerError, KeyError):

@@ -199,7 +199,8 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
             head = self.waiting[0]
             raise RequestTooLargeError(
                 f"sequence {head.seq_id} ({head.length} tokens) cannot be admitted to an empty "
-                f"cache of {self.total_tokens} tokens under policy {self.manager.name!r}")
+                f"cache of {self.total_tokens} tokens under policy {self.manager.name!r}",
+                request_id=head.request.request_id)
         self._unblock_groups(plan)
         plan.ops = self.manager.take_ops()
         if self.tables is not None:

@@ -33,6 +33,10 @@ Whom a failed step is blamed on:
   never been there. Unattributable (nothing fails alone, every request fails alone, or tensor
   parallelism, whose ranks cannot run one sequence alone): the exception reaches the caller
   with every request intact, as any exception does.
+- planning found the head request can never be admitted, even to an empty cache (a beam
+  group preempted out of shared memory that must come back into private memory, each beam
+  its own copy): that request ends "failed" at once (RequestTooLargeError naming it); the
+  others go on.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from typing import Dict, Iterable, List, Optional, Set
 
 from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.transaction import Phase
+from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.plan import StepPlan
 from vmemkv.scheduler.request import SeqState
 
@@ -135,6 +140,12 @@ class RequestLifecycle:
             self._txn.rollback()
             return False
         kept = self._keep_applied_memory()
+        never_fits = isinstance(error, RequestTooLargeError) and error.request_id is not None
+        if plan is None and never_fits:
+            # schedule() found its head request can never be admitted, even to an empty cache:
+            # it alone ends "failed" (its memory released), the others go on
+            self._end_request(error.request_id, SeqState.FAILED, error)
+            return True
         if plan is None or not kept or not isinstance(error, Exception) or self.tp is not None:
             return False
         if logits is None:   # the forward raised: run each sequence's part alone

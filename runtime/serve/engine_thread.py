@@ -52,10 +52,12 @@ class Token:
 @dataclass(frozen=True)
 class Ended:
     """The request ended: "finished", "aborted" or "failed" (``error`` says why, for the log;
-    ``alone``: the engine failed this request by itself and went on with the others)."""
+    ``alone``: the engine failed this request by itself and went on with the others;
+    ``error_type``: then the engine's error's type name, for the client's status code)."""
     status: str
     error: Optional[str] = None
     alone: bool = False
+    error_type: Optional[str] = None
 
 
 Sink = Callable[[object], None]   # receives Token and, last, Ended; called on the engine thread
@@ -289,15 +291,16 @@ class EngineThread:
             if out.status == "failed":
                 error = f"{out.error.type}: {out.error.message}" if out.error else None
                 log.error("request %d failed alone (the others go on): %s", request_id, error)
-                self._end(request_id, "failed", error, alone=True)
+                self._end(request_id, "failed", error, alone=True,
+                          error_type=out.error.type if out.error else None)
 
     def _end(self, request_id: int, status: str, error: Optional[str] = None,
-             alone: bool = False) -> None:
+             alone: bool = False, error_type: Optional[str] = None) -> None:
         live = self._live.pop(request_id)
         self.engine.output(request_id, pop=True)
         self.metrics.observe_request(live.arrival_s, live.token_times_s, live.prompt_tokens, status)
         self._ended_unqueued()
-        _deliver(live.sink, Ended(status, error, alone))
+        _deliver(live.sink, Ended(status, error, alone, error_type))
 
     def _ended_unqueued(self) -> None:
         with self._lock:

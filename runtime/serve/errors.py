@@ -59,6 +59,15 @@ def internal_error() -> ApiError:
     return ApiError(500, "internal server error; the server log has the details")
 
 
+def cannot_hold(param: str) -> ApiError:
+    """400: the engine failed this request alone because its cache can never hold it (a beam
+    group that, preempted, must come back with each beam's own copy and does not fit even an
+    empty cache): what the client can change, named; no internals (sequence ids) leak."""
+    return ApiError(400, f"the server's KV cache cannot hold this request: after a preemption "
+                         f"its beams each need their own copy and do not fit even an empty "
+                         f"cache; a smaller {param} fits", param)
+
+
 def request_failed() -> ApiError:
     """A request the engine failed alone (its forward or sampling kept failing while the
     others' did not): an internal error of that request only, the other requests went on."""

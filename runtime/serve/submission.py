@@ -15,12 +15,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, List, Optional, Sequence
 
+from vmemkv.runtime.engine.beam_params import BeamSearchParams
 from vmemkv.runtime.engine.errors import BeamSearchParamsError, RequestRejectedError
 from vmemkv.runtime.engine.logprobs import TokenLogprobs
 from vmemkv.runtime.engine.sampling import SamplingParams
 
 from .engine_thread import Ended, EngineThread, Token, choices_per_prompt
-from .errors import ApiError, internal_error, request_failed
+from .errors import ApiError, cannot_hold, internal_error, request_failed
 
 
 @dataclass
@@ -57,6 +58,8 @@ class Submission:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.n, self._ids_as_text = choices_per_prompt(params), not has_tokenizer
+        self._too_large_param = "beam_width" if isinstance(params, BeamSearchParams) \
+            else "max_tokens"       # what a request the cache can never hold should shrink
         self.choices = [Choice(i) for i in range(len(prompts) * self.n)]
         self.prompt_logprobs: List[Optional[list]] = [None] * len(prompts)   # when asked for
         self._server, self._live = server, len(prompts)
@@ -98,6 +101,8 @@ class Submission:
         mine = self.choices[prompt * self.n:(prompt + 1) * self.n]
         if item.status != "finished" and not all(c.finished for c in mine):
             self.close()
+            if item.alone and item.error_type == "RequestTooLargeError":
+                raise cannot_hold(self._too_large_param)
             raise request_failed() if item.alone else internal_error()
 
     def _add(self, prompt: int, event) -> Delta:

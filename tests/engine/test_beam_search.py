@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from vmemkv.runtime.engine import Engine
-from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
 from vmemkv.runtime.engine.errors import BeamSearchParamsError
 
@@ -98,15 +97,26 @@ def test_beams_equal_transformers_under_swap_preemption(cache, cache_kib):
     assert not beam_mismatches(out, reference("tiny-llama", batch, params, ()))
 
 
-def test_a_swapped_group_that_cannot_come_back_is_recomputed_or_refused_by_name():
+def test_a_swapped_group_that_cannot_come_back_is_recomputed_or_failed_alone_by_name():
     """A group swapped out of shared memory may not fit back privately even in an empty cache:
-    it is recomputed instead (here too large for the cache alone: the refusal names it), never
-    left swapped forever."""
+    it is recomputed instead, never left swapped forever; where it is too large for the cache
+    alone, that request alone ends "failed" with the refusal naming it, and the others finish
+    (they raised RequestTooLargeError out of beam_search with every request stuck, and a
+    server failed all its live requests)."""
     batch = prompts(4, 20, 30, seed=5)
     params = BeamSearchParams(4, max_new_tokens=10, ignore_eos=True)
-    with pytest.raises(RequestTooLargeError, match="cannot be admitted to an empty cache"):
-        run("tiny-llama", batch, params, cache="paged", block_size=4, cache_bytes=48 * 1024,
-            max_batch=16, preemption="swap", swap_bytes=256 * 1024)
+    out, _ = run("tiny-llama", batch, params, cache="paged", block_size=4, cache_bytes=48 * 1024,
+                 max_batch=16, preemption="swap", swap_bytes=256 * 1024)
+    failed = [i for i, o in enumerate(out) if o.status == "failed"]
+    others = [i for i in range(len(batch)) if i not in failed]
+    assert failed and others, [o.status for o in out]
+    for i in failed:
+        error = out[i].error
+        assert error.type == "RequestTooLargeError" and \
+            "cannot be admitted to an empty cache" in error.message
+    assert all(out[i].status == "finished" for i in others)
+    ref = reference("tiny-llama", batch, params, ())
+    assert not beam_mismatches([out[i] for i in others], [ref[i] for i in others])
 
 
 def test_beams_equal_transformers_with_chunked_prefill_under_preemption():

@@ -3,6 +3,8 @@ choices are Engine.beam_search's beams, streamed or not; fields beam search cann
 400 naming them, before anything is queued."""
 from __future__ import annotations
 
+import concurrent.futures
+
 import httpx
 import pytest
 
@@ -61,3 +63,43 @@ def test_chat_choices_are_the_engines_beams_with_their_text():
 def engine_prompts(engine, messages) -> list:
     from vmemkv.runtime.engine.chat import chat_prompts
     return chat_prompts(engine.tokenizer, messages, None)
+
+
+def test_beams_the_cache_can_never_hold_are_a_400_and_the_other_requests_finish():
+    """Four beam searches in one HTTP request, then a plain request, queued together on a paged
+    cache too small for some groups to come back from a swap (each beam then its own copy, even
+    in an empty cache): the engine fails those alone, the beam request is a 400 naming
+    beam_width (no internals), the plain request finishes, memory goes back to baseline. On
+    main the step raised and the server failed every live request (500s)."""
+    import threading
+    import time
+    options = dict(cache="paged", block_size=4, max_batch=16, max_context=128,
+                   cache_bytes=48 * 1024, preemption="swap", swap_bytes=256 * 1024)
+    beams = dict(use_beam_search=True, beam_width=4, max_tokens=10, ignore_eos=True)
+    plain = dict(prompt=[1, 2, 3, 4, 5], max_tokens=80, ignore_eos=True, temperature=0)
+    with serving(options) as (server, engine):
+        url, thread, gate = server.url + "/v1/completions", server.engine_thread, threading.Event()
+        thread.call(lambda _: gate.wait(60))       # the engine thread holds until both queue
+
+        def queued(count: int) -> None:   # the bound turns a hang into a failure, no timing
+            deadline = time.monotonic() + 60
+            while thread.queued_commands < count:
+                assert time.monotonic() < deadline, "requests never queued"
+                time.sleep(0.01)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            second = pool.submit(httpx.post, url, json={**beams, "prompt": prompts(4, 20, 30, 5)},
+                                 timeout=120)
+            queued(4)
+            first = pool.submit(httpx.post, url, json=plain, timeout=120)
+            queued(5)
+            gate.set()
+            alone, group = first.result(), second.result()
+        assert alone.status_code == 200, alone.text
+        (choice,) = alone.json()["choices"]
+        assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 80
+        assert group.status_code == 400, group.text
+        error = group.json()["error"]
+        assert error["param"] == "beam_width" and "cannot hold this request" in error["message"]
+        assert "sequence" not in error["message"]
+        wait_until_idle(server)
+        assert_memory_at_baseline(engine)
