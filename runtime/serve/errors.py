@@ -63,9 +63,10 @@ def cannot_hold(param: str) -> ApiError:
     """400: the engine failed this request alone because its cache can never hold it (a beam
     group that, preempted, must come back with each beam's own copy and does not fit even an
     empty cache): what the client can change, named; no internals (sequence ids) leak."""
-    return ApiError(400, f"the server's KV cache cannot hold this request: after a preemption "
-                         f"its beams each need their own copy and do not fit even an empty "
-                         f"cache; a smaller {param} fits", param)
+    why = ("after a preemption its beams each need their own copy, and they do not fit even an "
+           "empty cache" if param == "beam_width" else "it does not fit even an empty cache")
+    return ApiError(400, f"the server's KV cache cannot hold this request: {why}; a smaller "
+                         f"{param} fits", param)
 
 
 def request_failed() -> ApiError:
