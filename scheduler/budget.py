@@ -12,7 +12,8 @@ take it, even while it is below it or asleep), so it can always grow back to its
 share never holds more than ``max_bytes``. The rule ``decide`` applies, once per step:
 
     grow     the scheduler's head waiting request does not fit, with its LoRA adapter's pages
-             when that is not resident (or the last step preempted):
+             when that is not resident (or the last step preempted, or admitted nothing into an
+             idle pool: a beam group that must come back into private memory):
              ask for what it needs, at least ``grow_fraction`` of max, from the unclaimed
              bytes; what is missing is posted as PRESSURE on the other shares
     give     idle (nothing unfinished) for ``idle_release_s``: shrink to ``min_bytes`` (free
@@ -129,6 +130,8 @@ class BudgetShare:
                 if adapter is not None and adapter.digest not in mgr.resident_adapters():
                     missing += adapter.num_bytes
                 return self.held_bytes + missing
+        if scheduler.starved:     # the head fits alone, not as its beam group: one grow step
+            return self.held_bytes + 1
         return self.held_bytes
 
     def settle(self, new_bytes: int) -> None:

@@ -26,7 +26,8 @@ class Savepoint:
     are kept."""
 
     __slots__ = ("waiting", "running", "swapped", "sequences", "seqs", "finished_ids",
-                 "unfinished", "step", "admit_counter", "metrics", "latency_lengths", "capacity")
+                 "unfinished", "step", "admit_counter", "metrics", "latency_lengths", "capacity",
+                 "starved")
 
     def __init__(self, scheduler) -> None:
         s, m = scheduler, scheduler.metrics
@@ -43,6 +44,7 @@ class Savepoint:
         self.latency_lengths = (len(m.ttft_s), len(m.itl_s))
         self.capacity = (s.total_tokens, s.max_fit_tokens, s.max_fit_bytes,   # resize
                          s.watermark_tokens)
+        self.starved = s.starved
 
     def restore(self, scheduler) -> None:
         """Put ``scheduler`` back exactly as it was when this savepoint was taken."""
@@ -60,6 +62,7 @@ class Savepoint:
          m.generated_tokens) = self.metrics
         del m.ttft_s[self.latency_lengths[0]:], m.itl_s[self.latency_lengths[1]:]
         s.total_tokens, s.max_fit_tokens, s.max_fit_bytes, s.watermark_tokens = self.capacity
+        s.starved = self.starved
         s._decoded, s._scheduled = [], []
 
 

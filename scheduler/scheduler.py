@@ -53,6 +53,7 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
         self.tables = tables
         self.max_seq_len = config.max_seq_len or manager.max_seq_len
         self.growable = False           # True: a MemoryBudget resizes the pool step by step
+        self.starved = False            # the last step admitted nothing into an idle pool
         self.max_fit_tokens = self.max_fit_bytes = 0
         self._refresh_capacity()
         # tell the manager what is computed whenever a shareable unit may have filled
@@ -74,11 +75,9 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
 
     def _refresh_capacity(self) -> None:
         self.total_tokens = total = self.manager.stats().total_tokens
-        # the longest sequence the manager could ever hold (a reservation may need more than
-        # the tokens it caches); a request longer than this is rejected at submission. A
-        # pool a MemoryBudget resizes (``growable``) keeps the most it has held (and its size,
-        # where a request's adapter is checked): a share given back while idle grows again for
-        # the request that needs it
+        # the longest sequence the manager could ever hold (a reservation may need more than the
+        # tokens it caches) and the pool's size, checked at submission; a pool a MemoryBudget
+        # resizes (``growable``) keeps the most it has held, which it grows back to on demand
         fit, held = self.manager.max_sequence_tokens, self.manager.cache_bytes
         if self.growable:
             fit, held = max(fit, self.max_fit_tokens), max(held, self.max_fit_bytes)
@@ -194,12 +193,16 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
             budget = self._swap_in(plan, budget)
         if not plan.preempted and not self.swapped:
             self._admit(plan, budget)
-        if not plan.seqs and not self.running and not self.swapped and self.waiting \
-                and not self.growable:        # (a growable pool asks its budget instead)
+        # nothing runs, yet the head cannot be admitted (a beam group's private memory): a
+        # growable pool asks its budget for more (``starved``), up to its max
+        self.starved = bool(self.waiting) and not (plan.seqs or self.running or self.swapped)
+        if self.starved and (not self.growable
+                             or self.manager.cache_bytes >= self.manager.max_cache_bytes):
             head = self.waiting[0]
             raise RequestTooLargeError(
                 f"sequence {head.seq_id} ({head.length} tokens) cannot be admitted to an empty "
-                f"cache of {self.total_tokens} tokens under policy {self.manager.name!r}",
+                f"cache of {self.total_tokens} tokens{' (its max)' if self.growable else ''} "
+                f"under policy {self.manager.name!r}",
                 request_id=head.request.request_id)
         self._unblock_groups(plan)
         plan.ops = self.manager.take_ops()

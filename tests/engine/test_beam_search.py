@@ -305,3 +305,36 @@ def test_an_interrupt_at_calls_of_a_beam_search_drops_and_duplicates_nothing():
                 break
             interrupts, k = interrupts + 1, k + 29
     assert interrupts >= 40
+
+
+@pytest.mark.parametrize("max_kib,prompt_len,new_tokens,status", [
+    (256, 30, 60, "finished"), (160, 40, 80, "failed")])
+def test_a_beam_group_on_a_memory_budget_grows_its_pool_to_come_back_or_fails_at_its_max(
+        max_kib, prompt_len, new_tokens, status):
+    """A group preempted out of shared memory comes back with each beam's own copy: on a pool a
+    MemoryBudget resizes, its head fits alone but the group does not, and nothing runs. The
+    budget grows the pool until the group fits (tokens as transformers'), or, at the pool's
+    max, the request fails alone. On main the budget saw only the head, the pool stayed put
+    and the request waited for ever (2,000 steps at 96 KiB and 80 KiB of these maxes)."""
+    from vmemkv.scheduler.budget import MemoryBudget
+    budget = MemoryBudget(4096 * 1024, idle_release_s=1.0, clock=lambda: 0.0)
+    prompt = [(j * 7) % 256 for j in range(prompt_len)]
+    params = BeamSearchParams(4, max_new_tokens=new_tokens, ignore_eos=True)
+    with Engine(model("tiny-llama"), memory_budget=budget, cache_bytes=64 * 1024,
+                min_cache_bytes=32 * 1024, max_cache_bytes=max_kib * 1024, max_batch=8,
+                max_context=128, cache="vmem", layout="per-layer", page_bytes=4096,
+                preemption="recompute", check_integrity=True) as engine:
+        rid = engine.add_beam_request(prompt, params)
+        for _ in range(500):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+        assert not engine.has_unfinished(), f"stuck at {engine.cache_bytes} bytes"
+        assert engine.scheduler.metrics.num_preemptions > 0
+        out = engine.output(rid, pop=True)
+        assert engine.kv.manager.stats().live_tokens == 0
+    assert out.status == status, out.error
+    if status == "finished":
+        assert not beam_mismatches([out], reference("tiny-llama", [prompt], params, ()))
+    else:
+        assert out.error.type == "RequestTooLargeError" and "(its max)" in out.error.message
