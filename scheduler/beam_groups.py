@@ -172,10 +172,12 @@ class BeamGroups:
     def _unblock_groups(self, plan) -> None:
         """Nothing was scheduled, yet sequences run: they are beam members waiting for a
         sibling that cannot be admitted. Preempt them (by recompute) so the group is admitted
-        whole, or the empty cache's refusal names it, next step."""
+        whole, or the empty cache's refusal names it, next step. Not a group admitted whole
+        this step whose every member decodes next (a recompute its prefix hits covered up to
+        the last token): preempting it would admit it the same way again, for ever."""
         if plan.seqs or not self.running:
             return
-        if not all(s.beam_width for s in self.running):
+        if not all(s.beam_width for s in self.running) or all(self._ready_groups().values()):
             return
         while self.running:      # (a swap would bring back the part that fits: no progress)
             self._preempt_unit(self._tail_unit(), plan, recompute=True)

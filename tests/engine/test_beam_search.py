@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vmemkv.runtime.engine import Engine
+from vmemkv.runtime.engine import Engine, SamplingParams
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
 from vmemkv.runtime.engine.errors import BeamSearchParamsError
 
@@ -338,3 +338,29 @@ def test_a_beam_group_on_a_memory_budget_grows_its_pool_to_come_back_or_fails_at
         assert not beam_mismatches([out], reference("tiny-llama", [prompt], params, ()))
     else:
         assert out.error.type == "RequestTooLargeError" and "(its max)" in out.error.message
+
+
+def test_a_recomputed_group_its_prefix_hits_cover_decodes_instead_of_thrashing():
+    """Two sampled continuations and a 3-beam search on a 96 KiB vmem cache with prefix
+    sharing: the group is preempted (recompute) and comes back with prefix hits up to each
+    beam's last token, so nothing of it is scheduled the step it is admitted. On main that step
+    preempted it again as 'waiting for a sibling' (every member was in, decoding next), and
+    the next step admitted it the same way: no token for ever (a server's clients timed out
+    after 120 s, found by a chaos run). Now it decodes next step; beams as transformers'."""
+    long = [(j * 37 + 11) % 256 for j in range(50)]
+    params = BeamSearchParams(3, max_new_tokens=21, ignore_eos=True)
+    with Engine(model("tiny-llama"), cache="vmem", layout="per-layer", page_bytes=4096,
+                max_batch=8, max_context=128, cache_bytes=96 * 1024, preemption="recompute",
+                prefix_sharing=True, check_integrity=True) as engine:
+        sampled = engine.add_request([228, 158, 66], SamplingParams(
+            max_new_tokens=30, ignore_eos=True, n=2, temperature=0.8, seed=7))
+        rid = engine.add_beam_request(long, params)
+        for _ in range(500):
+            if not engine.has_unfinished():
+                break
+            engine.step()
+        assert not engine.has_unfinished(), "no progress"
+        assert engine.scheduler.metrics.num_preemptions > 0
+        beams, other = engine.output(rid, pop=True), engine.output(sampled, pop=True)
+    assert other.status == "finished" and beams.status == "finished", beams.error
+    assert not beam_mismatches([beams], reference("tiny-llama", [long], params, ()))
