@@ -15,10 +15,10 @@ from .request import Sequence, SeqState
 
 
 class StepRecording:
-    """``update`` and the finishing of sequences (a mixin over Scheduler: ``running``,
-    ``waiting``, ``seqs``, ``manager``, ``config``, ``metrics``, ``_scheduled``, ``_decoded``,
-    ``_step``, ``_publish_stride``, ``_finished_ids``, ``_unfinished_samples``, ``_pin``,
-    ``_unpin``, ``_run_beside``)."""
+    """``update``, the finishing of sequences and forgetting them (a mixin over Scheduler:
+    ``running``, ``waiting``, ``seqs``, ``manager``, ``config``, ``metrics``, ``_scheduled``,
+    ``_decoded``, ``_step``, ``_publish_stride``, ``_finished_ids``, ``_unfinished_samples``,
+    ``_pin``, ``_unpin``, ``_run_beside``)."""
 
     def update(self, sampled: Dict[int, int], now: Optional[float] = None) -> List[int]:
         """Record the step: every scheduled sequence has its new tokens cached; those that
@@ -107,6 +107,17 @@ class StepRecording:
             raise SchedulerError(f"sequence {seq_id} is {seq.state.value}; only a running or "
                                  f"waiting sequence can finish (right after update)")
         self._finish([seq])
+
+    def forget(self, seq_id: int) -> None:
+        """Drop a finished sequence's record (its outputs were collected); a long-running
+        server calls this so ``seqs`` holds only live sequences."""
+        seq = self.seqs.get(seq_id)
+        if seq is None:
+            raise UnknownSequenceError(f"unknown sequence id {seq_id}")
+        if not seq.state.is_ended:
+            raise SchedulerError(f"sequence {seq_id} is {seq.state.value}, not ended; only "
+                                 f"finished, aborted or failed sequences can be forgotten")
+        del self.seqs[seq_id]
 
     def _finish(self, seqs: List[Sequence]) -> None:
         for seq in seqs:

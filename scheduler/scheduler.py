@@ -157,17 +157,6 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
         except KeyError:
             raise UnknownSequenceError(f"unknown sequence id {seq_id}") from None
 
-    def forget(self, seq_id: int) -> None:
-        """Drop a finished sequence's record (its outputs were collected); a long-running
-        server calls this so ``seqs`` holds only live sequences."""
-        seq = self.seqs.get(seq_id)
-        if seq is None:
-            raise UnknownSequenceError(f"unknown sequence id {seq_id}")
-        if not seq.state.is_ended:
-            raise SchedulerError(f"sequence {seq_id} is {seq.state.value}, not ended; only "
-                                 f"finished, aborted or failed sequences can be forgotten")
-        del self.seqs[seq_id]
-
     # ---- ending a request early -------------------------------------------------------
     def abort_request(self, request_id: int, status: SeqState = SeqState.ABORTED) -> List[int]:
         """End a request's unended sequences (waiting, running, swapped) ``status`` (ABORTED or
@@ -196,14 +185,8 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
         # nothing runs, yet the head cannot be admitted (a beam group's private memory): a
         # growable pool asks its budget for more (``starved``), up to its max
         self.starved = bool(self.waiting) and not (plan.seqs or self.running or self.swapped)
-        if self.starved and (not self.growable
-                             or self.manager.cache_bytes >= self.manager.max_cache_bytes):
-            head = self.waiting[0]
-            raise RequestTooLargeError(
-                f"sequence {head.seq_id} ({head.length} tokens) cannot be admitted to an empty "
-                f"cache of {self.total_tokens} tokens{' (its max)' if self.growable else ''} "
-                f"under policy {self.manager.name!r}",
-                request_id=head.request.request_id)
+        if self.starved and self._cannot_grow():
+            self._never_fits(self.waiting[0], "cannot be admitted to an empty cache")
         self._unblock_groups(plan)
         plan.ops = self.manager.take_ops()
         if self.tables is not None:
@@ -285,9 +268,24 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
                 if not may_preempt:
                     return False
                 victims = self._tail_unit()
+                alone = len(victims) == len(self.running)
                 self._preempt_unit(victims, plan)
-                if seq in victims:
+                if seq in victims:   # it preempted itself: alone, it would come back the same
+                    if alone and self._cannot_grow():      # way and preempt itself for ever
+                        self._never_fits(seq, "cannot grow in a cache")
                     return False
+
+    def _cannot_grow(self) -> bool:
+        """The pool is as large as it will ever be (fixed, or a budget's at its max)."""
+        return not self.growable or self.manager.cache_bytes >= self.manager.max_cache_bytes
+
+    def _never_fits(self, seq: Sequence, what: str) -> None:
+        """RequestTooLargeError naming ``seq``'s request, which ``what`` with nothing else
+        running (a beam group in private memory after a preemption: each beam its own copy)."""
+        raise RequestTooLargeError(
+            f"sequence {seq.seq_id} ({seq.length} tokens) {what} of {self.total_tokens} tokens"
+            f"{' (its max)' if self.growable else ''} under policy {self.manager.name!r}",
+            request_id=seq.request.request_id)
 
     def _emit(self, plan: StepPlan, seq: Sequence, new: int) -> None:
         c = seq.num_computed

@@ -33,10 +33,10 @@ Whom a failed step is blamed on:
   never been there. Unattributable (nothing fails alone, every request fails alone, or tensor
   parallelism, whose ranks cannot run one sequence alone): the exception reaches the caller
   with every request intact, as any exception does.
-- planning found the head request can never be admitted, even to an empty cache (a beam
-  group preempted out of shared memory that must come back into private memory, each beam
-  its own copy): that request ends "failed" at once (RequestTooLargeError naming it); the
-  others go on.
+- planning found a request can never run: its head cannot be admitted even to an empty cache,
+  or it cannot grow with the cache to itself (a beam group preempted out of shared memory
+  that must come back into private memory, each beam its own copy): that request ends
+  "failed" at once (RequestTooLargeError naming it); the others go on.
 """
 from __future__ import annotations
 

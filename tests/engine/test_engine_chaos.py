@@ -14,9 +14,9 @@ searches, some sharing a prompt prefix, and aborts between steps. Checked:
 - every step's integrity check (``check_integrity``), and at the end no live tokens and no
   swap bytes in use.
 
-Such a run against the server found a livelock on 2026-12-05 (a beam group thrashing on its
-prefix hits, f33d71f). ``VMEMKV_CHAOS_SEEDS=500`` runs more rounds (a soak: 400 take 24 s on
-2 cores); CI runs 13: seeds 0-11 and one that livelocked before the fix (below).
+Such runs found two livelocks on 2026-12-05 (a beam group thrashing on its prefix hits,
+f33d71f; one swapping itself out and in, unable to grow alone). ``VMEMKV_CHAOS_SEEDS=500`` runs more rounds (a soak: 400 take 24 s on
+2 cores); CI runs 14: seeds 0-11 and two that livelocked before their fixes (below).
 """
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ from vmemkv.runtime.models import build_model
 KiB = 1024
 FAMILIES = ("tiny-llama", "tiny-qwen2", "tiny-mistral-swa", "tiny-gemma3")
 # seed 66 livelocked before f33d71f (a beam group thrashing on its prefix hits; so did 179,
-# 182 and 388 of the first 400)
-SEEDS = sorted(set(range(int(os.environ.get("VMEMKV_CHAOS_SEEDS", "12")))) | {66})
+# 182 and 388 of the first 400), seed 507 before the next commit (a beam group that, alone,
+# swapped itself out and back in, every step, unable to grow by a page)
+SEEDS = sorted(set(range(int(os.environ.get("VMEMKV_CHAOS_SEEDS", "12")))) | {66, 507})
 
 
 @functools.lru_cache(maxsize=None)
