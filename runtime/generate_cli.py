@@ -22,7 +22,7 @@ import sys
 
 from vmemkv.scheduler.cliargs import bounded, hold_point, parse_bytes, thread_count
 from vmemkv.scheduler.managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
-from vmemkv.scheduler.presets import KV_CACHE_DTYPES
+from vmemkv.scheduler.presets import KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES
 from vmemkv.scheduler.progress import Progress
 
 from .generate_io import GenerateUsageError, needs_labels, print_output, read_prompts
@@ -113,9 +113,13 @@ def _cache_flags(c) -> None:
     c.add_argument("--attention", default=None, help="backend name (default: the fastest here)")
     c.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="how K/V are stored: auto (the model's dtype), bf16, fp16, or 8-bit "
-                        "fp8_e4m3 / fp8_e5m2 / int8 with per-head scales fixed at each layer's "
-                        "first prefill (8-bit: CPU only); fewer bytes per token, more tokens in "
-                        "the same --cache-bytes")
+                        "fp8_e4m3 / fp8_e5m2 / int8 with per-head scales (--kv-scales; 8-bit: "
+                        "CPU only); fewer bytes per token, more tokens in the same --cache-bytes")
+    c.add_argument("--kv-scales", choices=["calibrate", "first-write"], default=None,
+                   help="8-bit K/V: where the scales come from when the checkpoint carries none: "
+                        "calibrate (default: from a fixed text at start-up, so no prompt sets "
+                        "another's precision) or first-write (each layer's first prefill, as "
+                        "vLLM's calculate_kv_scales)")
     c.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
                    help="what a preempted sequence loses (swap needs --swap-bytes)")
     c.add_argument("--swap-bytes", type=parse_bytes, default=0, metavar="SIZE",
@@ -181,6 +185,16 @@ def _check_flags(args) -> None:
                                  f"--max-context {args.max_context}: a block holds at most one "
                                  f"sequence's tokens")
     check_tp_devices(args.tp_devices, args.tensor_parallel_size, args.device)
+    if args.kv_scales is not None and KV_CACHE_DTYPE_BYTES[args.kv_cache_dtype] != 1:
+        raise GenerateUsageError(f"--kv-scales applies to an 8-bit --kv-cache-dtype (fp8_e4m3, "
+                                 f"fp8_e5m2, int8), not {args.kv_cache_dtype}")
+
+
+def _kv_scales(args):
+    """EngineConfig.kv_scales for the flags: 8-bit K/V calibrate unless told first-write."""
+    if KV_CACHE_DTYPE_BYTES[args.kv_cache_dtype] != 1 or args.kv_scales == "first-write":
+        return None
+    return "calibrate"
 
 
 def run(args) -> int:
@@ -229,7 +243,7 @@ def _engine(engine_class, model, tokenizer, args):
                         watermark=args.watermark, prefix_sharing=args.prefix_sharing,
                         background_mapper=args.background_mapper, seed=args.seed,
                         prefix_eviction=args.prefix_eviction,
-                        kv_cache_dtype=args.kv_cache_dtype,
+                        kv_cache_dtype=args.kv_cache_dtype, kv_scales=_kv_scales(args),
                         tensor_parallel_size=args.tensor_parallel_size,
                         tp_devices=args.tp_devices)
 

@@ -17,7 +17,9 @@ as vLLM's ``calculate_kv_scales`` does per tensor) and fixed from then on, so ev
 layer, forks and prefix hits included, shares one encoding. The engine takes, in this order,
 the user's ``kv_scales``, the checkpoint's (``checkpoint_kv_scales``: ``k_scale`` / ``v_scale``
 or one ``kv_scale`` on each attention module, as compressed-tensors / vLLM fp8 checkpoints carry
-them, stored = x / scale like ours), or the first write's (``kv_scale_source`` names which).
+them, stored = x / scale like ours), those of a fixed input at start-up (``kv_scales=
+"calibrate"``, kv_calibration.py), or the first write's (``Engine.kv_scales_source`` names
+which).
 Lives beside ``config.py`` (not in ``cache/``) because ``CacheConfig`` validates with it and
 ``cache/`` imports the config.
 """
@@ -282,14 +284,3 @@ def _row(where: str, t: torch.Tensor, num_kv_heads: int) -> tuple:
         raise CacheConfigError(f"{where}[{bad[0][0]}] must be a finite number > 0, got "
                                f"{bad[0][1]!r}")
     return tuple(values * num_kv_heads if len(values) == 1 else values)
-
-
-def kv_scale_source(encoding: KVEncoding, given: Optional[KVScales],
-                    chosen: Optional[KVScales]) -> Optional[str]:
-    """Where a cache's scales come from: "user" (``given``), "checkpoint" (``chosen`` read
-    from the model), "first-write", or None for an unscaled encoding."""
-    if not encoding.scaled:
-        return None
-    if given is not None:
-        return "user"
-    return "checkpoint" if chosen is not None else "first-write"

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Union
 
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.hf.support import kv_shape_of, layer_windows_of
 from vmemkv.runtime.kv import vmem_geometry
+from vmemkv.runtime.kv_calibration import calibrated_kv_scales
 from vmemkv.runtime.kv_dtype import (KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES, KVScales,
                                      checkpoint_kv_scales, kv_encoding)
 from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device
@@ -66,8 +67,10 @@ class EngineConfig:
     tp_timeout_s: float = 60.0           # a step's collectives wait at most this for a rank
     kv_cache_dtype: str = "auto"         # how K/V are stored: auto (the model's dtype), bf16,
                                          # fp16, fp8_e4m3, fp8_e5m2, int8 (runtime/kv_dtype.py)
-    kv_scales: Optional[KVScales] = None  # 8-bit: per (layer, KV head) scales of K and V; None:
-                                         # fixed at each layer's first prefill
+    kv_scales: Union[KVScales, str, None] = None  # 8-bit: per (layer, KV head) scales of K and
+                                         # V; None: the checkpoint's, else fixed at each layer's
+                                         # first prefill; "calibrate": the checkpoint's, else
+                                         # from a fixed text at start-up (runtime/kv_calibration.py)
     # (cache_bytes / memory_utilization are PER RANK with tensor parallelism)
 
     def __post_init__(self) -> None:
@@ -76,6 +79,9 @@ class EngineConfig:
         self._one_of("preemption", PREEMPTION)
         self._one_of("prefix_eviction", EVICTION_POLICIES)
         self._one_of("kv_cache_dtype", KV_CACHE_DTYPES)
+        if isinstance(self.kv_scales, str) and self.kv_scales != "calibrate":
+            raise EngineConfigError(f"EngineConfig.kv_scales must be a KVScales, None or "
+                                    f"'calibrate', got {self.kv_scales!r}")
         if self.kv_scales is not None and KV_CACHE_DTYPE_BYTES[self.kv_cache_dtype] != 1:
             raise EngineConfigError(f"EngineConfig.kv_scales apply to fp8_e4m3, fp8_e5m2 and int8 "
                                     f"only; kv_cache_dtype is {self.kv_cache_dtype!r}")
@@ -202,15 +208,34 @@ def check_engine_arguments(model, config) -> None:
                                 f"keywords (Engine(model, **options)) or EngineConfig(**options)")
 
 
-def cache_config_for(model, cfg: EngineConfig, param, kv_heads: Optional[int] = None) -> CacheConfig:
-    """The cache's shape an engine config gives ``model`` (``param``: one of its parameters, for
-    the dtype and device); ``kv_heads``: one tensor-parallel rank's share of the KV heads.
-    8-bit scales: the user's ``kv_scales``, else the checkpoint's, else None (first write)."""
-    mc = model.config.get_text_config()
-    kv, scales = kv_shape_of(mc), cfg.kv_scales
+def kv_scales_for(model, tokenizer, cfg: EngineConfig, param) -> tuple:
+    """(scales, source) of the engine's cache: for an 8-bit ``kv_cache_dtype`` the user's
+    ``kv_scales`` ("user"), else the checkpoint's ("checkpoint"), else with ``"calibrate"``
+    those of the calibration input ("calibrated", runtime/kv_calibration.py), else None: fixed
+    at each layer's first write ("first-write"). (None, None) for an unscaled encoding."""
     encoding = kv_encoding(cfg.kv_cache_dtype, param.dtype)
-    if scales is None and encoding.scaled:
-        scales = checkpoint_kv_scales(model, encoding, kv["num_layers"], kv["num_kv_heads"])
+    if not encoding.scaled:
+        return None, None
+    if cfg.kv_scales is not None and not isinstance(cfg.kv_scales, str):
+        return cfg.kv_scales, "user"
+    kv = kv_shape_of(model.config.get_text_config())
+    shape = (kv["num_layers"], kv["num_kv_heads"])
+    found = checkpoint_kv_scales(model, encoding, *shape)
+    if found is not None:
+        return found, "checkpoint"
+    if cfg.kv_scales == "calibrate":
+        return calibrated_kv_scales(model, tokenizer, encoding, *shape, cfg.max_context), \
+            "calibrated"
+    return None, "first-write"
+
+
+def cache_config_for(model, cfg: EngineConfig, param, kv_heads: Optional[int] = None,
+                     scales=None) -> CacheConfig:
+    """The cache's shape an engine config gives ``model`` (``param``: one of its parameters, for
+    the dtype and device); ``kv_heads``: one tensor-parallel rank's share of the KV heads;
+    ``scales``: 8-bit scales (``kv_scales_for``), None: fixed at first write."""
+    mc = model.config.get_text_config()
+    kv = kv_shape_of(mc)
     shape = dict(**kv, dtype=param.dtype, device=str(param.device),
                  max_batch=cfg.max_batch, layer_windows=layer_windows_of(mc),
                  kv_cache_dtype=cfg.kv_cache_dtype, kv_scales=scales)

@@ -25,7 +25,6 @@ import torch
 
 from vmemkv.runtime.attention import fastest_backend, get_backend
 from vmemkv.runtime.kv import make_kv
-from vmemkv.runtime.kv_dtype import kv_scale_source
 from vmemkv.runtime.models import eos_token_ids
 from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
@@ -34,7 +33,7 @@ from vmemkv.runtime.transaction import StepTransaction
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from .config import (EngineConfig, cache_budget_bytes, cache_config_for, check_engine_arguments,
-                     resolved_layout)
+                     kv_scales_for, resolved_layout)
 from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine, kv_heads_per_rank,
                               start_tensor_parallel)
 from .errors import EngineConfigError, TensorParallelError
@@ -73,13 +72,13 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         self.device, self.vocab_size = param.device, model.config.get_text_config().vocab_size
         check_model_supported(model, cfg.max_context)   # before anything is built
         check_tensor_parallel_engine(model, cfg, param.device)
-        full_config = cache_config_for(model, cfg, param)
+        # "user", "checkpoint", "calibrated" or "first-write" (None: unscaled); calibration runs
+        # the model once, on its own attention, before anything is built
+        scales, self.kv_scales_source = kv_scales_for(model, tokenizer, cfg, param)
+        full_config = cache_config_for(model, cfg, param, scales=scales)
         self.cache_config = (full_config if cfg.tensor_parallel_size == 1 else cache_config_for(
             model, cfg, param, kv_heads_per_rank(model.config, cfg.tensor_parallel_size)))
         self.config = cfg = resolved_layout(cfg, self.cache_config)   # "auto": by the rank's pages
-        # "user", "checkpoint" or "first-write" (None: unscaled); the scales are cache_config's
-        self.kv_scales_source = kv_scale_source(full_config.kv_encoding, cfg.kv_scales,
-                                                full_config.kv_scales)
         if self.kv_scales_source:
             log.info("kv_cache_dtype %s: scales from %s", cfg.kv_cache_dtype,
                      self.kv_scales_source)

@@ -110,3 +110,25 @@ def test_memory_utilization_out_of_range_or_beside_cache_bytes_is_one_line(argv,
     with pytest.raises(SystemExit) as exit_:
         main(["generate", *argv])
     assert exit_.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_8_bit_scales_are_calibrated_so_a_prompts_tokens_do_not_depend_on_its_batch(
+        monkeypatch, capsys):
+    """One prompt alone and beside another (batched at the first prefill) gives the same tokens
+    with the default calibrated scales (with first-write scales the batch would set them:
+    tests/engine/test_engine_kv_calibration.py shows them change)."""
+    from argparse import Namespace
+
+    from vmemkv.runtime.generate_cli import _kv_scales
+    batch = [" ".join(map(str, p)) for p in prompts(2, 24, 24, seed=0)]
+    outs = []
+    for stdin in (batch[0], batch[1] + "\n" + batch[0]):
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin + "\n"))
+        assert main(["generate", "--kv-cache-dtype", "fp8_e5m2", "--max-new-tokens", "16",
+                     "--ignore-eos", "--no-progress", "--json"]) == 0
+        records = [json.loads(line) for line in capsys.readouterr().out.splitlines()[:-1]]
+        outs.append(records[-1]["outputs"][0]["token_ids"])
+    assert outs[0] == outs[1]
+    assert [_kv_scales(Namespace(kv_cache_dtype=d, kv_scales=f)) for d, f in (
+        ("int8", None), ("int8", "first-write"), ("fp8_e4m3", "calibrate"), ("auto", None))] == [
+        "calibrate", None, "calibrate", None]

@@ -96,3 +96,21 @@ def test_chat_without_a_template_is_refused(real_model):
         with pytest.raises(ChatTemplateError, match="no tokenizer"):
             engine.chat(CONVERSATIONS[0])
         assert not engine.has_unfinished()
+
+
+def test_calibrated_8_bit_scales_come_from_the_chat_template_and_not_from_the_batch(real_model,
+                                                                                    chat_ids):
+    from vmemkv.runtime.kv_calibration import calibration_ids
+    model, tokenizer = real_model
+    ids = calibration_ids(tokenizer, model.config.vocab_size, 10_000)
+    text = tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system") and "<|im_start|>assistant\nA hash table" in text
+    assert 200 < len(ids) < 400
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    answers = []
+    for batch in ([chat_ids[0]], [chat_ids[1], chat_ids[0]]):   # alone, then second
+        with Engine(model, tokenizer, kv_cache_dtype="fp8_e4m3", kv_scales="calibrate",
+                    max_batch=4, max_context=512) as engine:
+            assert engine.kv_scales_source == "calibrated"
+            answers.append(engine.generate(batch, params)[-1].outputs[0].token_ids)
+    assert answers[0] == answers[1]

@@ -69,6 +69,8 @@ GENERATE_CLI_CASES = [
     ("cache-choice", ["--prompts", "{good}", "--cache", "flat"], ["--cache", "invalid choice: 'flat'"]),
     ("dtype-choice", ["--prompts", "{good}", "--dtype", "int8"], ["--dtype", "invalid choice: 'int8'"]),
     ("device-unknown", ["--prompts", "{good}", "--device", "tpu"], ["--device", "'tpu'"]),
+    ("kv-scales-16-bit", ["--prompts", "{good}", "--kv-scales", "first-write"],
+     ["--kv-scales", "8-bit", "not auto"]),
     pytest.param("device-cuda-without-gpu", ["--prompts", "{good}", "--device", "cuda"], ["cuda"],
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
 ]
