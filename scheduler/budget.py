@@ -84,6 +84,12 @@ class BudgetShare:
                 grant = min(want, self.max_bytes) - self.held_bytes
                 grant = max(grant, min(self.max_bytes - self.held_bytes,
                                        int(b.grow_fraction * self.max_bytes)))
+                # a grant the pool would round down to nothing never grows it (a step of
+                # the budget below one of the pool's, a group of several pages)
+                step = scheduler.manager.resize_step_bytes
+                if step:
+                    grant = min(-(-(self.held_bytes + grant) // step) * step,
+                                self.max_bytes) - self.held_bytes
                 free = b._unclaimed_for(self)
                 if grant > free:
                     b._post_pressure(self, grant - free)

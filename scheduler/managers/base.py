@@ -330,6 +330,11 @@ class MemoryManager(ABC):
         """The most ``resize`` may grow the pool to (the ids reserved at construction)."""
         return self.cache_bytes
 
+    @property
+    def resize_step_bytes(self) -> int:
+        """The granularity ``resize`` rounds ``cache_bytes`` down to (0: it cannot resize)."""
+        return 0
+
     def resize(self, cache_bytes: int) -> int:
         """Let the pool use ``cache_bytes`` (rounded down as at construction): growing puts
         pages given back into service (no op), shrinking gives back free pages, then those of

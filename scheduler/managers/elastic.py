@@ -49,6 +49,11 @@ class ElasticPool:
         return self.capacity_pages * self.page_bytes
 
     @property
+    def resize_step_bytes(self) -> int:
+        """Whole slices of every member, or whole pages (``pool_pages_for``)."""
+        return self.page_bytes * (1 if self._win else self.geometry.num_members)
+
+    @property
     def max_cache_bytes(self) -> int:
         return self.pool_pages * self.page_bytes
 
