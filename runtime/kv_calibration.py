@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .errors import CacheConfigError
+from .hf.attention import own_attention
 from .kv_dtype import KVEncoding, KVScales, first_write_scales
 
 CALIBRATION_CONVERSATION = (
@@ -70,7 +71,8 @@ def calibrated_kv_scales(model: torch.nn.Module, tokenizer, encoding: KVEncoding
     vocab = model.config.get_text_config().vocab_size
     ids = calibration_ids(tokenizer, vocab, max_tokens)
     device = next(model.parameters()).device
-    out = model(torch.tensor([ids], device=device), use_cache=True)
+    with own_attention(model):
+        out = model(torch.tensor([ids], device=device), use_cache=True)
     past = out["cache"] if "cache" in out else out["past_key_values"]   # transformers 5 / 4
     layers = getattr(past, "layers", None)
     shapes = [tuple(layer.keys.shape) for layer in layers or ()]

@@ -18,6 +18,7 @@ HF forwards from ``model(...)`` down to every attention call.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -118,3 +119,17 @@ def release_vmemkv_attention(model) -> None:
     if entry[0] == 0:
         del _HOLDERS[model]
         model.set_attn_implementation(entry[1])
+
+
+@contextlib.contextmanager
+def own_attention(model):
+    """``model`` on its own attention implementation for the block (the one it had before any
+    engine, else sdpa when an engine has switched it to ours), then back as it was."""
+    now = model.config._attn_implementation
+    entry = _HOLDERS.get(model)
+    own = entry[1] if entry is not None else now
+    model.set_attn_implementation(own if own != ATTN_IMPLEMENTATION else "sdpa")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(now)

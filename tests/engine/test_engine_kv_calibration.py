@@ -87,3 +87,17 @@ def test_bad_kv_scales_are_refused_by_name(kv_cache_dtype, kv_scales, names):
     with pytest.raises(EngineConfigError, match="kv_scales") as error:
         Engine(model(), kv_cache_dtype=kv_cache_dtype, kv_scales=kv_scales, **OPTIONS)
     assert names in str(error.value)
+
+
+def test_calibration_runs_beside_another_engine_on_the_same_model():
+    """The calibration forward needs the model's own attention: another engine has switched
+    the model to ours (it raised UnsupportedModelError: no vmemkv_step in the call); it runs
+    on the model's own and leaves ours in place for the other engine."""
+    m = model()
+    with Engine(m, **OPTIONS) as first:
+        assert m.config._attn_implementation == "vmemkv"
+        with Engine(m, kv_cache_dtype="int8", kv_scales="calibrate", **OPTIONS) as second:
+            assert second.kv_scales_source == "calibrated" and all(second.kv.cache.kv_scales.fixed)
+            assert m.config._attn_implementation == "vmemkv"
+            assert len(tokens(second.generate([[1, 2, 3]], PARAMS))[0]) == 8
+        assert len(tokens(first.generate([[1, 2, 3]], PARAMS))[0]) == 8
