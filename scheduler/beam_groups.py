@@ -17,6 +17,11 @@ ends (``prune``: its memory is freed). The group's rules:
   (``_preempt_unit``);
 - it is admitted as one: every waiting member, or none (``_admit_group``); a swapped group comes
   back whole, each member into private memory (``_swapped_unit``; its later forks share again);
+  a group recomputed whole shares again the history all its members have in common, in whole
+  units a fork shares: the first member holds it and computes it once, the others are forked
+  from it, grow by their own tails, and start computing once it has (``_place_sharing``,
+  ``Sequence.shared_from``); with prefix sharing, private memory with each member's own prefix
+  hits is tried first (``_place_private``);
 - a step that scheduled nothing while only beams waiting for a sibling run preempts them, so
   the group is admitted whole next step (``_unblock_groups``).
 """
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .errors import SchedulerError, UnknownSequenceError
+from .errors import OutOfCapacityError, SchedulerError, UnknownSequenceError
 from .request import Sequence, SeqState
 
 
@@ -146,12 +151,47 @@ class BeamGroups:
 
     def _admit_group(self, head: Sequence, reserve: int) -> Optional[List[Sequence]]:
         """Admit every waiting member of ``head``'s group, or none (None: they do not all fit
-        now). Each gets its own memory (a recompute shares nothing it has not computed)."""
-        mgr, share = self.manager, self.config.enable_prefix_sharing
+        now). A group recomputed whole shares its history again (``_place_sharing``), else
+        each member gets its own memory (a recompute shares nothing it has not computed)."""
         members = self._members(self.waiting, head.request)
         if len(self.running) + len(members) > self.config.max_running:
             return None
-        scope, final = head.request.prefix_scope, head.request.max_total_len
+        # with prefix sharing, each beam's own cached units may cover more than the history
+        # they all share: those first
+        shared, computed = self._shared_history_tokens(members), None
+        if self.config.enable_prefix_sharing or not shared:
+            computed = self._place_private(members, reserve)
+        if computed is None and shared:
+            computed = self._place_sharing(members, shared, reserve)
+        if computed is None:
+            return None
+        for m, c in zip(members, computed):
+            self.waiting.remove(m)
+            m.held = m.length
+            m.num_computed = c
+            self._run_beside(m)       # a child that did not fit joins its running siblings
+        return members
+
+    def _shared_history_tokens(self, members: List[Sequence]) -> int:
+        """Tokens every member of a group recomputed whole starts with (the prompt and the
+        outputs they all share), in whole units a fork shares, below each one's last token;
+        0 where nothing can be shared (one member, some running, a manager whose forks copy)."""
+        unit, request = self.manager.fork_unit_tokens, members[0].request
+        if len(members) < 2 or not unit or self._members(self.running, request):
+            return 0
+        common = 0
+        for column in zip(*(m.output for m in members)):
+            if any(t != column[0] for t in column):
+                break
+            common += 1
+        tokens = min(request.prompt_len + common, min(m.length for m in members) - 1)
+        return tokens // unit * unit
+
+    def _place_private(self, members: List[Sequence], reserve: int) -> Optional[List[int]]:
+        """Allocate each member its own memory: the tokens each may skip (its prefix hits), or
+        None and nothing held when they do not all fit."""
+        mgr, share = self.manager, self.config.enable_prefix_sharing
+        scope, final = members[0].request.prefix_scope, members[0].request.max_total_len
         hits = []
         for m in members:
             ids = m.token_ids() if share else None
@@ -162,12 +202,56 @@ class BeamGroups:
                 return None
             self._pin(m)
             hits.append(mgr.allocate(m.seq_id, m.length, ids, scope, final_tokens=final))
-        for m, hit in zip(members, hits):
-            self.waiting.remove(m)
-            m.held = m.length
-            m.num_computed = min(hit, m.length - 1)
-            self._run_beside(m)       # a child that did not fit joins its running siblings
-        return members
+        return [min(hit, m.length - 1) for m, hit in zip(members, hits)]
+
+    def _place_sharing(self, members: List[Sequence], shared: int,
+                       reserve: int) -> Optional[List[int]]:
+        """A group preempted out of shared memory comes back sharing its first ``shared``
+        tokens again: the leader (``members[0]``) holds them and computes them once, every
+        other member is forked from it, and each grows by its own tail. The others start
+        after the leader has computed them (``Sequence.shared_from``). The tokens each may
+        skip, or None and nothing held when the group does not fit with ``reserve`` tokens
+        to spare."""
+        mgr, share = self.manager, self.config.enable_prefix_sharing
+        unit = mgr.fork_unit_tokens
+        leader, request = members[0], members[0].request
+        ids = [m.token_ids() if share else None for m in members]
+        tails = sum(-(-(m.length - shared) // unit) * unit for m in members)
+        adapter = {} if request.adapter is None else {"adapter": request.adapter}
+        if not mgr.can_allocate(shared, ids[0] and ids[0][:shared], request.prefix_scope,
+                                reserve + tails, final_tokens=request.max_total_len, **adapter):
+            return None
+        pinned, placed = [], []
+        try:
+            for m in members:
+                self._pin(m)
+                pinned.append(m)
+            hit = mgr.allocate(leader.seq_id, shared, ids[0] and ids[0][:shared],
+                               request.prefix_scope, final_tokens=request.max_total_len)
+            placed.append(leader)
+            for m in members[1:]:
+                mgr.fork(leader.seq_id, m.seq_id)
+                placed.append(m)
+            for m, i in zip(members, ids):
+                mgr.append(m.seq_id, m.length - shared, i and i[shared:])
+        except OutOfCapacityError:       # rounding the estimate above did not see
+            for m in reversed(placed):
+                mgr.free(m.seq_id, computed_tokens=0)
+            for m in pinned:
+                self._unpin(m)
+            return None
+        for m in members[1:]:
+            m.shared_from = (leader, shared)
+        return [min(hit, leader.length - 1)] + [0] * (len(members) - 1)
+
+    def _adopt_shared(self, seq: Sequence) -> bool:
+        """Whether ``seq``, sharing its leader's first tokens (``_place_sharing``), may compute
+        now: once the leader has computed them, they count as computed for it too."""
+        leader, shared = seq.shared_from
+        if leader.num_computed < shared:
+            return False
+        seq.shared_from, seq.num_computed = None, shared
+        return True
 
     def _unblock_groups(self, plan) -> None:
         """Nothing was scheduled, yet sequences run: they are beam members waiting for a

@@ -107,7 +107,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "request", "output", "length", "num_computed", "held", "state",
                  "admit_order", "pending_forks", "last_token_s", "arrival_s", "max_tokens",
-                 "stop_ids", "beam_width", "adapter_id")
+                 "stop_ids", "beam_width", "adapter_id", "shared_from")
 
     def __init__(self, seq_id: int, request: Request, output: Optional[List[int]] = None):
         self.seq_id = seq_id
@@ -126,16 +126,19 @@ class Sequence:
         self.beam_width = request.beam_width         # > 0: a member of a beam group
         adapter = request.adapter                    # its digest, for the plan (None: base)
         self.adapter_id = None if adapter is None else adapter.digest
+        # (leader, tokens): a recomputed beam whose first ``tokens`` are the leader's memory,
+        # which it computes; this one starts after them once it has (beam_groups.py)
+        self.shared_from: Optional[Tuple["Sequence", int]] = None
 
     def save(self) -> tuple:
         """The fields ``Scheduler.schedule()`` or ``update()`` may change, for ``restore`` (a
         rollback). ``output`` only grows: its length is kept."""
         return (self.state, self.held, self.num_computed, self.admit_order, len(self.output),
-                self.length, self.last_token_s, self.pending_forks)
+                self.length, self.last_token_s, self.pending_forks, self.shared_from)
 
     def restore(self, saved: tuple) -> None:
         (self.state, self.held, self.num_computed, self.admit_order, outputs,
-         self.length, self.last_token_s, self.pending_forks) = saved
+         self.length, self.last_token_s, self.pending_forks, self.shared_from) = saved
         del self.output[outputs:]
 
     def token_ids(self) -> Optional[List[int]]:

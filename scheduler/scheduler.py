@@ -241,6 +241,8 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
     def _schedule_prefill(self, plan: StepPlan, seq: Sequence, budget: int,
                           may_preempt: bool) -> int:
         # a recomputing beam stops before its last token: it samples with its group
+        if seq.shared_from is not None and not self._adopt_shared(seq):
+            return budget      # it starts once its leader has computed what they share
         last = 1 if seq.beam_width and seq.output else 0
         new = min(seq.length - last - seq.num_computed, budget)
         if new <= 0 or seq.state is not SeqState.RUNNING:
@@ -320,14 +322,14 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
         self.manager.free(seq.seq_id, computed_tokens=computed_tokens)
         self.metrics.recomputed_tokens += seq.num_computed
         seq.num_computed = seq.held = 0
-        seq.state = SeqState.WAITING
+        seq.state, seq.shared_from = SeqState.WAITING, None
         self.waiting.appendleft(seq)
 
     def _swappable(self, seq: Sequence) -> bool:
         # a sequence part-way through its prefill is recomputed, not swapped: free tells the
         # manager how far it got, so only computed units are published
         uncomputed = self.config.enable_prefix_sharing and seq.held > seq.num_computed
-        return self.config.preemption == "swap" and not uncomputed
+        return self.config.preemption == "swap" and not uncomputed and seq.shared_from is None
 
     def _try_swap_out(self, seq: Sequence) -> bool:
         if not self.manager.can_swap_out(seq.seq_id):

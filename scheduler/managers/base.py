@@ -87,6 +87,7 @@ class MemoryManager(ABC):
                                       # so it never grows into free memory (reserve policies)
     prefix_eviction: str = "off"   # what happens to computed units nobody holds (eviction.py)
     prefix_unit_tokens: int = 0    # tokens per shareable unit (0: shares nothing)
+    fork_unit_tokens: int = 0      # tokens per unit a fork shares whole (0: a fork copies)
 
     @property
     @abstractmethod

@@ -30,7 +30,7 @@ class UnitOps:
 
     def _init_units(self, num_units: int, unit_tokens: int, eviction: str,
                     free_list: bool = True) -> None:
-        self.unit_tokens = self.prefix_unit_tokens = unit_tokens
+        self.unit_tokens = self.prefix_unit_tokens = self.fork_unit_tokens = unit_tokens
         self.prefix_eviction = eviction
         cell = self._cell
         self._refs = [0] * num_units                 # holders of each unit   } plain lists,
@@ -45,7 +45,7 @@ class UnitOps:
         # resident sequences, len(units) * unit_tokens and num_tokens
 
     _FIXED_FIELDS = ManagerCore._FIXED_FIELDS | {"unit_tokens", "prefix_unit_tokens",
-                                                 "prefix_eviction"}
+                                                 "fork_unit_tokens", "prefix_eviction"}
     _SAVED_FIELDS = ManagerCore._SAVED_FIELDS + ("_live", "_cap_sum", "_tok_sum", "_memo")
     _LOGGED_FIELDS = ManagerCore._LOGGED_FIELDS | {"_refs", "_fill"}
     _JOURNALED_FIELDS = ManagerCore._JOURNALED_FIELDS | {"prefix", "_free", "_cache"}

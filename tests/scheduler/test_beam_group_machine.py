@@ -5,7 +5,9 @@ The shadow names every unit (a vmem page group, a paged block) by who wrote it: 
 grows into a new unit writes a new one; one that writes into a partial unit another live beam
 also holds copies it first (copy-on-write, a new name); a child branched from a beam holds its
 parent's units; a beam preempted, pruned or finished holds nothing; an admitted (or
-re-admitted) beam holds units of its own. After every schedule and update the managers' tables
+re-admitted) beam holds units of its own, except that a group recomputed whole shares its first
+tokens again: the prompt and the outputs all its beams have in common, in whole units and below
+each one's last token, are the first admitted beam's units. After every schedule and update the managers' tables
 must name the same sharing: two beams hold one unit at an index exactly when the shadow says so,
 and the distinct units held are the shadow's. And the group rules: a group's beams sample in the
 same steps or not at all, are contiguous in ``running``, and every group ends with nothing held.
@@ -59,18 +61,39 @@ class BeamGroupMachine(RuleBasedStateMachine):
         return any(other != seq_id and len(u) > index and u[index] == name
                    for other, u in self.units.items())
 
-    def _after_schedule(self, plan) -> None:
+    def _after_schedule(self, plan, was_swapped) -> None:
         running = {s.seq_id for s in self.sched.running}
         for seq_id in list(self.units):
             if seq_id not in running:                     # preempted (by recompute)
                 del self.units[seq_id]
                 self._held.pop(seq_id, None)
+        starts = self._shared_starts([s for s in self.sched.running
+                                      if s.seq_id not in self.units], was_swapped)
         for seq in self.sched.running:                    # appends happen in running order
-            if seq.seq_id not in self.units:              # admitted: units of its own
-                self.units[seq.seq_id] = []
-                self._held[seq.seq_id] = 0
+            if seq.seq_id not in self.units:              # admitted: units of its own, or
+                leader, count = starts.get(seq.seq_id, (None, 0))   # its leader's first ones
+                self.units[seq.seq_id] = list(self.units[leader][:count]) if count else []
+                self._held[seq.seq_id] = count * self.unit
             self._grow(seq.seq_id, seq.held)
             self._held[seq.seq_id] = seq.held
+
+    def _shared_starts(self, admitted, was_swapped) -> dict:
+        """{beam: (its group's first admitted beam, units they share)} for groups recomputed
+        whole this step (every live beam admitted now, not swapped in)."""
+        groups, starts = {}, {}
+        for seq in admitted:
+            if seq.seq_id not in was_swapped:
+                groups.setdefault(seq.request.request_id, []).append(seq)
+        for rid, beams in groups.items():
+            if len(beams) < 2 or any(s.request.request_id == rid and s not in beams
+                                     for s in self.sched.running):
+                continue
+            common = next((i for i, col in enumerate(zip(*(b.output for b in beams)))
+                           if len(set(col)) > 1), min(len(b.output) for b in beams))
+            tokens = min(beams[0].request.prompt_len + common, min(b.length for b in beams) - 1)
+            for b in beams[1:]:
+                starts[b.seq_id] = (beams[0].seq_id, tokens // self.unit)
+        return starts
 
     # ---- rules ---------------------------------------------------------------------------
     @rule(groups=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 8), st.integers(1, 8)),
@@ -93,9 +116,10 @@ class BeamGroupMachine(RuleBasedStateMachine):
     def step(self, data):
         self._held = getattr(self, "_held", {})
         sched = self.sched
+        was_swapped = {s.seq_id for s in sched.swapped}
         plan = sched.schedule()
         self.preempted += len(plan.preempted)
-        self._after_schedule(plan)
+        self._after_schedule(plan, was_swapped)
         sampling = {s.seq_id for s in plan.seqs if s.sample}
         sampled = {}
         for rid in {sched.seqs[i].request.request_id for i in sampling}:

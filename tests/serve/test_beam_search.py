@@ -67,16 +67,17 @@ def engine_prompts(engine, messages) -> list:
 
 def test_beams_the_cache_can_never_hold_are_a_400_and_the_other_requests_finish():
     """Four beam searches in one HTTP request, then a plain request, queued together on a paged
-    cache too small for some groups to come back from a swap (each beam then its own copy, even
-    in an empty cache): the engine fails those alone, the beam request is a 400 naming
-    beam_width (no internals), the plain request finishes, memory goes back to baseline. On
-    main the step raised and the server failed every live request (500s)."""
+    cache too small for one group at its full length (4 beams of 28 + 10 tokens; the other
+    three fit, swapped out and back or recomputed): the engine fails that one alone, the beam
+    request is a 400 naming beam_width (no internals), the plain request finishes, memory goes
+    back to baseline. Before, the step raised and the server failed every live request
+    (500s)."""
     import threading
     import time
     options = dict(cache="paged", block_size=4, max_batch=16, max_context=128,
-                   cache_bytes=48 * 1024, preemption="swap", swap_bytes=256 * 1024)
+                   cache_bytes=28 * 1024, preemption="swap", swap_bytes=256 * 1024)
     beams = dict(use_beam_search=True, beam_width=4, max_tokens=10, ignore_eos=True)
-    plain = dict(prompt=[1, 2, 3, 4, 5], max_tokens=80, ignore_eos=True, temperature=0)
+    plain = dict(prompt=[1, 2, 3, 4, 5], max_tokens=40, ignore_eos=True, temperature=0)
     with serving(options) as (server, engine):
         url, thread, gate = server.url + "/v1/completions", server.engine_thread, threading.Event()
         thread.call(lambda _: gate.wait(60))       # the engine thread holds until both queue
@@ -96,7 +97,7 @@ def test_beams_the_cache_can_never_hold_are_a_400_and_the_other_requests_finish(
             alone, group = first.result(), second.result()
         assert alone.status_code == 200, alone.text
         (choice,) = alone.json()["choices"]
-        assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 80
+        assert choice["finish_reason"] == "length" and len(choice["token_ids"]) == 40
         assert group.status_code == 400, group.text
         error = group.json()["error"]
         assert error["param"] == "beam_width" and "cannot hold this request" in error["message"]
