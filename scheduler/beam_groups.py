@@ -173,11 +173,24 @@ class BeamGroups:
         return members
 
     def _shared_history_tokens(self, members: List[Sequence]) -> int:
-        """Tokens every member of a group recomputed whole starts with (the prompt and the
-        outputs they all share), in whole units a fork shares, below each one's last token;
-        0 where nothing can be shared (one member, some running, a manager whose forks copy)."""
+        """``_common_history_tokens`` of a group recomputed whole (none of it running)."""
+        if self._members(self.running, members[0].request):
+            return 0
+        return self._common_history_tokens(members)
+
+    def group_floor_tokens(self, members: List[Sequence]) -> int:
+        """The fewest tokens of memory a beam group's live ``members`` need to come back now:
+        their common history once and each one's own tail, in whole units a fork shares."""
+        unit = self.manager.fork_unit_tokens or 1
+        shared = self._common_history_tokens(members)
+        return shared + sum(-(-(m.length - shared) // unit) * unit for m in members)
+
+    def _common_history_tokens(self, members: List[Sequence]) -> int:
+        """Tokens every member starts with (the prompt and the outputs they all share), in
+        whole units a fork shares, below each one's last token; 0 where nothing can be shared
+        (one member, a manager whose forks copy)."""
         unit, request = self.manager.fork_unit_tokens, members[0].request
-        if len(members) < 2 or not unit or self._members(self.running, request):
+        if len(members) < 2 or not unit:
             return 0
         common = 0
         for column in zip(*(m.output for m in members)):

@@ -115,6 +115,17 @@ def resize_pool(scheduler, cache_bytes: int, preempt: bool, check_fit: bool, par
                 f"resizing the cache to {cache_bytes} bytes: request "
                 f"{longest.request.request_id} needs {longest.request.max_total_len} tokens, "
                 f"the cache would hold {s.max_fit_tokens} tokens of one sequence")
+        groups: dict = {}           # a beam group as it would come back (beam_groups.py)
+        for q in live:
+            if q.beam_width:
+                groups.setdefault(q.request.request_id, []).append(q)
+        for rid, members in groups.items():
+            need = s.group_floor_tokens(members)
+            if need > s.total_tokens:
+                raise CacheResizeError(
+                    f"resizing the cache to {cache_bytes} bytes: beam search request {rid} "
+                    f"({len(members)} beams of {members[0].length} tokens) needs {need} tokens "
+                    f"to come back, the cache would hold {s.total_tokens}")
         for q in live:              # and beside its adapter (the pages it takes from KV)
             if q.request.adapter is not None:
                 try:

@@ -78,3 +78,40 @@ def test_a_group_that_cannot_come_back_even_sharing_fails_by_name():
     with pytest.raises(RequestTooLargeError, match="cannot be admitted to an empty cache") as e:
         run(64, 4)
     assert e.value.request_id == 1
+
+
+def test_a_resize_that_leaves_a_beam_group_no_room_to_come_back_is_refused():
+    """Checked per sequence, a shrink left 3 beams of 15 tokens a 24-token pool (each fits
+    alone), and the group failed at its next admission (seen in a chaos run: 3 beams of 33
+    tokens on a pool resized to 64). Now the group counts as it would come back: its common
+    history once (the prompt's whole 8-token page), each beam's tail in whole pages."""
+    from vmemkv.scheduler.errors import CacheResizeError
+    sched = make_scheduler("vmem", "per-layer", cache_tokens=128, max_running=8)
+    mgr, bpt = sched.manager, sched.manager.bytes_per_token
+    sched.add_request(Request(0, 12, 10, prompt_token_ids=[1] * 12, beam_width=3))
+    for step in range(3):                  # prompt, then 3 beams diverging at their first token
+        plan = sched.schedule()
+        beams = [sched.seqs[s.seq_id] for s in plan.seqs if s.sample]
+        sampled = {b.seq_id: 3 for b in beams}
+        if step == 0:
+            sampled.update(zip(sched.branch(beams[0].seq_id, 2), (4, 5)))
+        sched.update(sampled)
+    members = [s for s in sched.seqs.values() if not s.state.is_ended]
+    assert [s.length for s in members] == [15] * 3
+    assert sched.group_floor_tokens(members) == 8 + 3 * 8
+    for tokens, refused in ((24, True), (32, False)):
+        before = (mgr.cache_bytes, [(s.state, s.held) for s in members])
+        sched.begin()
+        mgr.begin()
+        try:
+            sched.resize(tokens * bpt, preempt=True)
+        except CacheResizeError as error:
+            assert refused and "beam search request 0 (3 beams of 15 tokens) needs 32 tokens" \
+                in str(error)
+            mgr.rollback()
+            sched.rollback()
+            assert (mgr.cache_bytes, [(s.state, s.held) for s in members]) == before
+        else:
+            assert not refused and mgr.cache_bytes == 32 * bpt
+            mgr.commit()
+            sched.commit()
