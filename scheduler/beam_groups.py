@@ -226,10 +226,9 @@ class BeamGroups:
         skip, or None and nothing held when the group does not fit with ``reserve`` tokens
         to spare."""
         mgr, share = self.manager, self.config.enable_prefix_sharing
-        unit = mgr.fork_unit_tokens
         leader, request = members[0], members[0].request
         ids = [m.token_ids() if share else None for m in members]
-        tails = sum(-(-(m.length - shared) // unit) * unit for m in members)
+        tails = self.group_floor_tokens(members) - shared      # each one's, in whole units
         adapter = {} if request.adapter is None else {"adapter": request.adapter}
         if not mgr.can_allocate(shared, ids[0] and ids[0][:shared], request.prefix_scope,
                                 reserve + tails, final_tokens=request.max_total_len, **adapter):
