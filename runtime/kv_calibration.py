@@ -9,7 +9,8 @@ encoding's max) to the K and V the model writes for ``CALIBRATION_CONVERSATION``
 the model's own attention before the engine takes it over:
 
 * through the tokenizer's chat template when it has one (so the template's special tokens,
-  whose K/V are often the largest, are in range), else its plain encoding;
+  whose K/V are often the largest, are in range), else (or when the template refuses it) its
+  plain encoding;
 * without a tokenizer, ``CALIBRATION_TOKENS`` fixed ids (seed 0), the random-weight built-ins'
   stand-in for text;
 * cut to the engine's ``max_context`` tokens.
@@ -51,14 +52,16 @@ def calibration_ids(tokenizer, vocab_size: int, max_tokens: int) -> list:
     """The token ids calibration runs (see the module's doc), at most ``max_tokens``."""
     if tokenizer is None:
         gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(vocab_size, (CALIBRATION_TOKENS,), generator=gen).tolist()
-    elif getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(list(CALIBRATION_CONVERSATION), tokenize=True,
-                                            return_dict=False)
-    else:
-        text = "\n\n".join(turn["content"] for turn in CALIBRATION_CONVERSATION)
-        ids = tokenizer(text)["input_ids"]
-    return [int(i) for i in ids][:max_tokens]
+        return torch.randint(vocab_size, (CALIBRATION_TOKENS,), generator=gen).tolist()[:max_tokens]
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            ids = tokenizer.apply_chat_template(list(CALIBRATION_CONVERSATION), tokenize=True,
+                                                return_dict=False)
+            return [int(i) for i in ids][:max_tokens]
+        except Exception:    # a template that refuses this conversation (its roles): the text
+            pass
+    text = "\n\n".join(turn["content"] for turn in CALIBRATION_CONVERSATION)
+    return [int(i) for i in tokenizer(text)["input_ids"]][:max_tokens]
 
 
 @torch.inference_mode()

@@ -101,3 +101,4 @@ def test_calibration_runs_beside_another_engine_on_the_same_model():
             assert m.config._attn_implementation == "vmemkv"
             assert len(tokens(second.generate([[1, 2, 3]], PARAMS))[0]) == 8
         assert len(tokens(first.generate([[1, 2, 3]], PARAMS))[0]) == 8
+

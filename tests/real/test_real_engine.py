@@ -114,3 +114,20 @@ def test_calibrated_8_bit_scales_come_from_the_chat_template_and_not_from_the_ba
             assert engine.kv_scales_source == "calibrated"
             answers.append(engine.generate(batch, params)[-1].outputs[0].token_ids)
     assert answers[0] == answers[1]
+
+
+def test_a_chat_template_that_refuses_the_calibration_conversation_falls_back_to_its_text(
+        real_model):
+    import copy
+
+    from vmemkv.runtime.kv_calibration import CALIBRATION_CONVERSATION, calibration_ids
+    model, tokenizer = real_model
+    strict = copy.deepcopy(tokenizer)    # a template that takes no assistant turn
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' %}"
+                            "{{ raise_exception('no assistant turns') }}{% endif %}"
+                            "{{ m['content'] }}{% endfor %}")
+    text = "\n\n".join(turn["content"] for turn in CALIBRATION_CONVERSATION)
+    assert calibration_ids(strict, model.config.vocab_size, 10_000) == tokenizer(text)["input_ids"]
+    with Engine(model, strict, kv_cache_dtype="int8", kv_scales="calibrate", max_batch=2,
+                max_context=512) as engine:
+        assert engine.kv_scales_source == "calibrated"
