@@ -20,7 +20,10 @@ def hf_greedy_with_margins(model, batch, max_new_tokens: int):
     with torch.inference_mode():
         for prompt in batch:
             ids = torch.tensor([prompt], device=model.device)
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+            # every prompt token attends: generate would infer a mask that drops the ids equal
+            # to the model's pad_token_id (tiny-gemma3's 0), which the engine rightly keeps
+            out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=max_new_tokens, do_sample=False,
                                  output_scores=True, return_dict_in_generate=True)
             tokens.append(out.sequences[0, len(prompt):].tolist())
             margins.append([float(s[0].float().topk(2).values.diff().abs()) for s in out.scores])

@@ -44,8 +44,10 @@ def _reference(name: str, batch, new_tokens: int) -> list:
     model, out = _model(name), []
     with torch.inference_mode():
         for prompt in batch:
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
-                                 min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
+            ids = torch.tensor([prompt])      # every token attends, pad id or not
+            ids = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                 eos_token_id=None, pad_token_id=0)
             out.append(ids[0, len(prompt):].tolist())
     return out
 

@@ -38,3 +38,28 @@ def test_random_prompts_are_checked_up_to_a_tie_the_elastic_machine_met():
     assert greedy_problems("tiny-llama", prompt, [72] + want[1:], 17) != []   # 0.26 apart
     assert greedy_problems("tiny-llama", prompt, want[:5], 17) != []
     assert greedy_problems("tiny-llama", prompt, want[:5], 17, whole=False) == []
+
+
+def test_the_reference_keeps_prompt_tokens_equal_to_the_pad_id():
+    """transformers' generate infers its attention mask from ``pad_token_id`` (tiny-gemma3's
+    is 0), so a prompt holding token 0 lost it from the reference's attention: the engine, which
+    keeps every prompt token as it should, "differed" from it (4 of 4 samples of such a prompt,
+    at margins of 0.0064, five times the near-tie tolerance). The reference now equals greedy
+    decoding by plain forwards, and so does the engine."""
+    import torch
+
+    from vmemkv.runtime.engine import Engine, SamplingParams
+
+    from .conftest import _hf_greedy, model, prompts, reference_model
+    prompt = prompts(4, 24, 40, seed=11)[2]
+    ref = reference_model("tiny-gemma3")
+    assert ref.generation_config.pad_token_id == 0 and 0 in prompt
+    ids, plain = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(6):
+            plain.append(int(ref(torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(plain[-1])
+    assert list(_hf_greedy("tiny-gemma3", tuple(prompt), 6, True)[0]) == plain
+    with Engine(model("tiny-gemma3"), max_batch=2, max_context=64) as engine:
+        out = engine.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == plain

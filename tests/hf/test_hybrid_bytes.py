@@ -42,7 +42,9 @@ def _reference(prompt, new_tokens: int) -> list:
     saved, model.generation_config.eos_token_id = model.generation_config.eos_token_id, None
     try:
         with torch.inference_mode():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+            ids = torch.tensor([prompt])      # every token attends, pad id or not
+            out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                 max_new_tokens=new_tokens, do_sample=False)
     finally:
         model.generation_config.eos_token_id = saved
     return out[0, len(prompt):].tolist()
