@@ -24,6 +24,10 @@ ends (``prune``: its memory is freed). The group's rules:
   hits is tried first (``_place_private``);
 - a step that scheduled nothing while only beams waiting for a sibling run preempts them, so
   the group is admitted whole next step (``_unblock_groups``).
+
+Samples of an ``n > 1`` request are no group (each is scheduled and preempted alone), but one
+recomputed after a preemption comes back holding a running sibling's units of the history
+they share, as a fork would (``_sibling_share``, the manager's ``share_from``).
 """
 from __future__ import annotations
 
@@ -264,6 +268,24 @@ class BeamGroups:
             return False
         seq.shared_from, seq.num_computed = None, shared
         return True
+
+    # ---- samples of one request (n > 1) ---------------------------------------------------
+    def _sibling_share(self, seq: Sequence) -> dict:
+        """A sample recomputed after a preemption comes back holding a running sibling's units
+        of the history they share (the prompt and their common outputs, computed by it, whole
+        units a fork shares) rather than a copy of them: ``{"share_from": (sibling, tokens)}``
+        for the manager, the sibling sharing most; {} where none is (with prefix sharing the
+        prefix cache finds them)."""
+        unit, best = self.manager.fork_unit_tokens, (None, 0)
+        if not unit or not seq.output:
+            return {}
+        for other in self._members(self.running, seq.request):
+            common = next((i for i, (a, b) in enumerate(zip(seq.output, other.output))
+                           if a != b), min(len(seq.output), len(other.output)))
+            tokens = min(seq.request.prompt_len + common, seq.length - 1, other.num_computed)
+            if tokens // unit * unit > best[1]:
+                best = (other.seq_id, tokens // unit * unit)
+        return {} if best[0] is None else {"share_from": best}
 
     def _unblock_groups(self, plan) -> None:
         """Nothing was scheduled, yet sequences run: they are beam members waiting for a

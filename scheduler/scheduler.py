@@ -138,13 +138,13 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
         if seq.adapter_id is not None:
             self.manager.release_adapter(seq.request.adapter)
 
-    def _fits(self, seq: Sequence, ids, reserve: int) -> bool:
-        """Whether ``seq`` can be allocated now (its adapter acquired first, when it has one)
-        leaving ``reserve`` tokens free."""
+    def _fits(self, seq: Sequence, ids, reserve: int, share=None) -> bool:
+        """Whether ``seq`` can be allocated now (its adapter acquired first, when it has one;
+        ``share``: ``_sibling_share``'s) leaving ``reserve`` tokens free."""
         req = seq.request   # (a user's policy without adapters need not take ``adapter``)
-        adapter = {} if req.adapter is None else {"adapter": req.adapter}
+        options = dict(share or {}, **({} if req.adapter is None else {"adapter": req.adapter}))
         return self.manager.can_allocate(seq.length, ids, req.prefix_scope, reserve,
-                                         final_tokens=req.max_total_len, **adapter)
+                                         final_tokens=req.max_total_len, **options)
 
     # ---- queries -------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -374,12 +374,13 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
                 for member in group:
                     budget = self._schedule_prefill(plan, member, budget, may_preempt=False)
                 continue
-            if not self._fits(seq, ids, reserve):
+            share = self._sibling_share(seq) if ids is None else {}
+            if not self._fits(seq, ids, reserve, share):
                 break
             self._pin(seq)             # both or neither: the adapter, then the sequence
             try:
                 hit = mgr.allocate(seq.seq_id, seq.length, ids, req.prefix_scope,
-                                   final_tokens=req.max_total_len)
+                                   final_tokens=req.max_total_len, **share)
             except OutOfCapacityError:
                 if seq.adapter_id is None:
                     raise

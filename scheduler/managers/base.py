@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from ..adapters import AdapterRef
 from ..errors import ConfigError
@@ -106,21 +106,26 @@ class MemoryManager(ABC):
     def can_allocate(self, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                      namespace: Optional[str] = None, reserve_tokens: int = 0,
                      final_tokens: Optional[int] = None,
-                     adapter: Optional[AdapterRef] = None) -> bool:
+                     adapter: Optional[AdapterRef] = None,
+                     share_from: Optional[Tuple[int, int]] = None) -> bool:
         """Whether ``allocate`` of ``num_tokens`` would succeed while leaving at least
         ``reserve_tokens`` of capacity free (the scheduler's admission watermark).
         ``final_tokens`` is the sequence's final length: reserve-oracle needs it (and raises
         ConfigError without it), the other managers ignore it. ``adapter``: whether
         ``acquire_adapter(adapter)`` and then this allocation would both succeed (the pages
-        the adapter takes are not the allocation's)."""
+        the adapter takes are not the allocation's). ``share_from``: as ``allocate``'s."""
 
     @abstractmethod
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
-                 namespace: Optional[str] = None, final_tokens: Optional[int] = None) -> int:
+                 namespace: Optional[str] = None, final_tokens: Optional[int] = None,
+                 share_from: Optional[Tuple[int, int]] = None) -> int:
         """Hold room for a new sequence's first ``num_tokens`` tokens. ``token_ids`` and
         ``namespace`` enable prefix sharing; ``final_tokens`` is the sequence's final length
-        (only reserve-oracle uses it). Returns how many leading tokens are already cached
-        (a prefix-sharing hit: their K/V need not be computed)."""
+        (only reserve-oracle uses it); ``share_from`` = (resident sibling, tokens): hold the
+        sibling's units of those first tokens (whole units a fork shares, computed and equal
+        to this sequence's: the caller knows) instead of prefix hits, as a fork would; only
+        managers with ``fork_unit_tokens`` take it. Returns how many leading tokens are
+        already cached (a prefix-sharing hit: their K/V need not be computed)."""
 
     @abstractmethod
     def can_append(self, seq_id: int, num_tokens: int = 1) -> bool:

@@ -172,11 +172,17 @@ class PagedManager(AdapterTenancy, UnitOps, ManagerCore):
         self._ledger.give_one(b)
 
     # -- hybrids: per-group prefix hits (paged_groups.py) --
-    def _hits(self, num_tokens: int, token_ids, namespace) -> list:
+    def _hits(self, num_tokens: int, token_ids, namespace, share_from=None) -> list:
         """Non-hybrid: UnitOps'. A hybrid's: [] or one hit table per group, all of the hit's
-        length h (blocks), a windowed group's None up to the first block its window reads."""
+        length h (blocks), a windowed group's None up to the first block its window reads
+        (a sibling's: every group's blocks, none given back)."""
         if not self._hybrid:
-            return super()._hits(num_tokens, token_ids, namespace)
+            return super()._hits(num_tokens, token_ids, namespace, share_from)
+        if share_from is not None:
+            sibling, tokens = share_from
+            k = min(tokens, num_tokens - 1) // self.block_size
+            tables = [t[:k] for t in self._seq(sibling).tables]
+            return tables if k and all(None not in t for t in tables) else []
         if token_ids is None:
             return []
         limit = min(num_tokens - 1, len(token_ids)) // self.block_size
@@ -211,10 +217,11 @@ class PagedManager(AdapterTenancy, UnitOps, ManagerCore):
         return max(dropped_in(t) for t in self._tables(seq))
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
-                 namespace: Optional[str] = None, final_tokens: Optional[int] = None) -> int:
+                 namespace: Optional[str] = None, final_tokens: Optional[int] = None,
+                 share_from: Optional[tuple] = None) -> int:
         self._check_new(seq_id)
         self._check_length(num_tokens)
-        hits = self._hits(num_tokens, token_ids, namespace)
+        hits = self._hits(num_tokens, token_ids, namespace, share_from)
         need = self._need(num_tokens, hits)
         if need > self._available_units():
             raise OutOfCapacityError(f"sequence {seq_id} needs {need} blocks of "

@@ -146,15 +146,24 @@ class UnitOps:
         """Room for one more sequence besides units (vmem: a free slot)."""
         return True
 
-    def _hits(self, num_tokens: int, token_ids, namespace) -> list:
-        """Units already holding this prompt's leading full units (verified, see prefix.py).
-        Only units inside the first ``num_tokens - 1`` tokens are eligible, so a hit never
-        covers the last token: the caller always computes at least one token (whose logits it
-        needs) and never writes into a shared unit."""
+    def _hits(self, num_tokens: int, token_ids, namespace, share_from=None) -> list:
+        """Units already holding this prompt's leading full units (verified, see prefix.py),
+        or ``share_from``'s (``_sibling_hits``). Only units inside the first ``num_tokens - 1``
+        tokens are eligible, so a hit never covers the last token: the caller always computes
+        at least one token (whose logits it needs) and never writes into a shared unit."""
+        if share_from is not None:
+            return self._sibling_hits(num_tokens, *share_from)
         if token_ids is None:
             return []
         limit = min(num_tokens - 1, len(token_ids)) // self.unit_tokens
         return self.prefix.match(self._prompt_keys(token_ids, namespace)[:max(limit, 0)])
+
+    def _sibling_hits(self, num_tokens: int, sibling_id: int, tokens: int) -> list:
+        """The first ``tokens`` (whole units, below ``num_tokens``) of resident ``sibling_id``,
+        whose K/V the caller knows are written and equal to the new sequence's; [] when one
+        of them was given back (behind a window) or is not whole."""
+        units = self._seq(sibling_id).units[:min(tokens, num_tokens - 1) // self.unit_tokens]
+        return units if all(self._shareable(u) for u in units) else []
 
     def _prompt_keys(self, token_ids, namespace) -> list:
         """Keys of every full unit of ``token_ids`` (ConfigError for an id outside int64 or a
@@ -179,14 +188,15 @@ class UnitOps:
 
     def can_allocate(self, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                      namespace: Optional[str] = None, reserve_tokens: int = 0,
-                     final_tokens: Optional[int] = None, adapter=None) -> bool:
+                     final_tokens: Optional[int] = None, adapter=None,
+                     share_from=None) -> bool:
         if num_tokens > self.max_sequence_tokens or not self._can_place():
             return False
         cost = self._adapter_admission_cost(adapter)
         if cost is None:
             return False
         spare = self._available_units() - cost - \
-            self._need(num_tokens, self._hits(num_tokens, token_ids, namespace))
+            self._need(num_tokens, self._hits(num_tokens, token_ids, namespace, share_from))
         return spare >= 0 and self._units_as_tokens(spare) >= reserve_tokens
 
     def _units_as_tokens(self, units: int) -> int:

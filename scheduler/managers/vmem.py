@@ -255,7 +255,7 @@ class VmemManager(ElasticPool, KindRules, AdapterTenancy, UnitOps, ManagerCore):
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                  namespace: Optional[str] = None, final_tokens: Optional[int] = None,
-                 slot: Optional[int] = None) -> int:
+                 slot: Optional[int] = None, share_from: Optional[tuple] = None) -> int:
         """As :meth:`MemoryManager.allocate`; ``slot`` places the sequence on that free slot
         (e.g. batch row b on slot b) instead of the one with the most pages still mapped."""
         self._check_new(seq_id)
@@ -264,7 +264,7 @@ class VmemManager(ElasticPool, KindRules, AdapterTenancy, UnitOps, ManagerCore):
             self.slots.check_free(seq_id, slot)
         elif not self.slots.free:
             raise OutOfCapacityError(f"sequence {seq_id}: all {self.num_slots} slots are in use")
-        hits = self._hits(num_tokens, token_ids, namespace)
+        hits = self._hits(num_tokens, token_ids, namespace, share_from)
         need = self._need(num_tokens, hits)
         if need > self._available_units():
             self._raise_no_room(f"sequence {seq_id} needs {self._units_text(need)}")

@@ -115,3 +115,36 @@ def test_a_resize_that_leaves_a_beam_group_no_room_to_come_back_is_refused():
             assert not refused and mgr.cache_bytes == 32 * bpt
             mgr.commit()
             sched.commit()
+
+
+def test_a_recomputed_sample_holds_its_running_siblings_prompt_instead_of_a_copy():
+    """n = 3 samples beside a long request on a small paged pool: a sample preempted (by
+    recompute) comes back holding a running sibling's blocks of their prompt (16 tokens, 4
+    blocks) and computes only its own outputs; before, it took and recomputed its own copy
+    of the prompt. Its outputs differ from the siblings' from the first token on."""
+    sched = make_scheduler("paged", "per-layer", cache_tokens=72, max_running=8,
+                           max_tokens_per_step=64)
+    sched.add_request(Request(0, 40, 24, prompt_token_ids=[7] * 40))
+    sched.add_request(Request(1, 16, 24, n=3, prompt_token_ids=list(range(16))))
+    readmitted = []
+    for _ in range(300):
+        if not sched.has_unfinished():
+            break
+        waiting = {s.seq_id for s in sched.waiting if s.output}
+        plan = sched.schedule()
+        for s in sched.running:
+            if s.seq_id in waiting:
+                siblings = [r for r in sched.running if r.request is s.request and r is not s
+                            and r.seq_id not in waiting]
+                readmitted.append((s.num_computed, sched.manager.block_table(s.seq_id)[:4],
+                                   [sched.manager.block_table(r.seq_id)[:4] for r in siblings]))
+        sched.update({s.seq_id: 1 + s.seq_id % 5 for s in plan.seqs if s.sample})
+        check_states(sched)
+        for seq_id, seq in list(sched.seqs.items()):
+            if seq.state.is_ended:
+                sched.forget(seq_id)
+    assert not sched.has_unfinished() and sched.manager.stats().live_tokens == 0
+    shared = [r for r in readmitted if r[2]]      # (those with no sibling running: a copy)
+    assert len(shared) >= 2, readmitted
+    for computed, first, siblings in shared:
+        assert computed == 16 and first in siblings

@@ -91,6 +91,32 @@ class ManagerMachine(RuleBasedStateMachine):
         self.live[sid] = s
         self.replay([(sid, hit, n)])
 
+    @precondition(lambda self: self.live and self.m.fork_unit_tokens)
+    @rule(i=PICK, k=st.integers(0, 16), tail=st.lists(TOKEN, max_size=6))
+    def allocate_sharing_a_sibling(self, i, k, tail):
+        """A sample recomputed beside a running sibling (``share_from``): it holds the
+        sibling's units of their first k tokens (whole, below its last token), as a fork
+        would, and writes only the rest."""
+        sib = self.pick(self.live, i)
+        k = min(k, self.live[sib].num_tokens)
+        ids = self.live[sib].ids[:k] + tail
+        n, sid, share = len(ids), self.next_id, (sib, k)
+        if not n or n > self.m.max_sequence_tokens:
+            return
+        if not self.m.can_allocate(n, share_from=share):
+            self.refused(OutOfCapacityError, self.m.allocate, sid, n, share_from=share)
+            return
+        self.next_id += 1
+        hit = self.m.allocate(sid, n, share_from=share)
+        # all of them, or none where one was given back behind a window (subclasses' slide);
+        # the reads below check what is shared
+        assert hit in (0, min(k, n - 1) // self.unit * self.unit)
+        s = ShadowSeq(ids, self.live[sib].namespace)    # a sibling: the same request's scope
+        s.num_tokens, s.reserved = n, self.m.max_seq_len
+        self.live[sid] = s
+        assert self.tables(sid)[:hit // self.unit] == self.tables(sib)[:hit // self.unit]
+        self.replay([(sid, hit, n)])
+
     @precondition(lambda self: self.live)
     @rule(i=PICK, k=st.integers(0, 3), fresh=st.lists(TOKEN, min_size=3, max_size=3),
           pass_ids=st.booleans())
