@@ -182,8 +182,7 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
             budget = self._swap_in(plan, budget)
         if not plan.preempted and not self.swapped:
             self._admit(plan, budget)
-        # nothing runs, yet the head cannot be admitted (a beam group's private memory): a
-        # growable pool asks its budget for more (``starved``), up to its max
+        # nothing runs, the head (a beam group) cannot be admitted: a growable pool asks for more
         self.starved = bool(self.waiting) and not (plan.seqs or self.running or self.swapped)
         if self.starved and self._cannot_grow():
             self._never_fits(self.waiting[0], "cannot be admitted to an empty cache")

@@ -151,17 +151,14 @@ class UnitOps:
         or ``share_from``'s (``_sibling_hits``). Only units inside the first ``num_tokens - 1``
         tokens are eligible, so a hit never covers the last token: the caller always computes
         at least one token (whose logits it needs) and never writes into a shared unit."""
-        if share_from is not None:
-            return self._sibling_hits(num_tokens, *share_from)
-        if token_ids is None:
-            return []
+        if share_from is not None or token_ids is None:
+            return [] if share_from is None else self._sibling_hits(num_tokens, *share_from)
         limit = min(num_tokens - 1, len(token_ids)) // self.unit_tokens
         return self.prefix.match(self._prompt_keys(token_ids, namespace)[:max(limit, 0)])
 
     def _sibling_hits(self, num_tokens: int, sibling_id: int, tokens: int) -> list:
-        """The first ``tokens`` (whole units, below ``num_tokens``) of resident ``sibling_id``,
-        whose K/V the caller knows are written and equal to the new sequence's; [] when one
-        of them was given back (behind a window) or is not whole."""
+        """Resident ``sibling_id``'s units of its first ``tokens`` (below ``num_tokens``; the
+        caller knows their K/V are written and this sequence's); [] if one was given back."""
         units = self._seq(sibling_id).units[:min(tokens, num_tokens - 1) // self.unit_tokens]
         return units if all(self._shareable(u) for u in units) else []
 
@@ -188,8 +185,7 @@ class UnitOps:
 
     def can_allocate(self, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                      namespace: Optional[str] = None, reserve_tokens: int = 0,
-                     final_tokens: Optional[int] = None, adapter=None,
-                     share_from=None) -> bool:
+                     final_tokens: Optional[int] = None, adapter=None, share_from=None) -> bool:
         if num_tokens > self.max_sequence_tokens or not self._can_place():
             return False
         cost = self._adapter_admission_cost(adapter)
