@@ -280,11 +280,10 @@ class BeamGroups:
         if not unit or not seq.output:
             return {}
         for other in self._members(self.running, seq.request):
-            common = next((i for i, (a, b) in enumerate(zip(seq.output, other.output))
-                           if a != b), min(len(seq.output), len(other.output)))
-            tokens = min(seq.request.prompt_len + common, seq.length - 1, other.num_computed)
-            if tokens // unit * unit > best[1]:
-                best = (other.seq_id, tokens // unit * unit)
+            tokens = min(self._common_history_tokens([seq, other]),
+                         other.num_computed // unit * unit)
+            if tokens > best[1]:
+                best = (other.seq_id, tokens)
         return {} if best[0] is None else {"share_from": best}
 
     def _unblock_groups(self, plan) -> None:
