@@ -26,8 +26,9 @@ ends (``prune``: its memory is freed). The group's rules:
   the group is admitted whole next step (``_unblock_groups``).
 
 Samples of an ``n > 1`` request are no group (each is scheduled and preempted alone), but one
-recomputed after a preemption comes back holding a running sibling's units of the history
-they share, as a fork would (``_sibling_share``, the manager's ``share_from``).
+admitted later (recomputed after a preemption, or forked into no room) holds a running
+sibling's units of the history they share, as a fork would (``_sibling_share``, the manager's
+``share_from``).
 """
 from __future__ import annotations
 
@@ -271,8 +272,8 @@ class BeamGroups:
 
     # ---- samples of one request (n > 1) ---------------------------------------------------
     def _sibling_share(self, seq: Sequence) -> dict:
-        """A sample recomputed after a preemption comes back holding a running sibling's units
-        of the history they share (the prompt and their common outputs, computed by it, whole
+        """A sample admitted late (recomputed, or forked into no room) holds a running sibling's
+        units of the history they share (the prompt and their common outputs, computed by it, whole
         units a fork shares) rather than a copy of them: ``{"share_from": (sibling, tokens)}``
         for the manager, the sibling sharing most; {} where none is (with prefix sharing the
         prefix cache finds them)."""
