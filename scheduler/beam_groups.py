@@ -273,10 +273,10 @@ class BeamGroups:
     # ---- samples of one request (n > 1) ---------------------------------------------------
     def _sibling_share(self, seq: Sequence) -> dict:
         """A sample admitted late (recomputed, or forked into no room) holds a running sibling's
-        units of the history they share (the prompt and their common outputs, computed by it, whole
-        units a fork shares) rather than a copy of them: ``{"share_from": (sibling, tokens)}``
-        for the manager, the sibling sharing most; {} where none is (with prefix sharing the
-        prefix cache finds them)."""
+        units of the history they share (the prompt and their common outputs, computed by it,
+        whole units a fork shares) rather than a copy of them: ``{"share_from": (sibling,
+        tokens)}`` for the manager, the sibling sharing most; {} where none is (with prefix
+        sharing the prefix cache finds them)."""
         unit, best = self.manager.fork_unit_tokens, (None, 0)
         if not unit or not seq.output:
             return {}
