@@ -90,3 +90,30 @@ def test_stop_token_ends_a_sample_and_is_kept():
     got = out[0].outputs[0]
     assert got.token_ids == want[:want.index(stop) + 1]
     assert got.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-gemma3"])
+def test_late_samples_hold_a_siblings_prompt_blocks_and_decode_exactly(family):
+    """3 greedy samples of 6 prompts on a paged cache that preempts them (42 times for the
+    Gemma 3 hybrid at 96 KiB): every sample admitted late (recomputed, or forked into no room)
+    holds a running sibling's prompt blocks (``share_from``; the hybrid: every group's table)
+    instead of a copy, and every sample's tokens are transformers' greedy ones; integrity is
+    checked every step."""
+    import vmemkv.scheduler.managers.paged as paged
+    batch = prompts(6, 10, 30, seed=21)
+    shared, hits = [], paged.PagedManager._hits
+
+    def counting(manager, num_tokens, token_ids, namespace, share_from=None):
+        found = hits(manager, num_tokens, token_ids, namespace, share_from)
+        if share_from is not None:
+            shared.append(bool(found))
+        return found
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged.PagedManager, "_hits", counting)
+        with Engine(model(family), max_context=128, max_batch=16, cache_bytes=96 * 1024,
+                    cache="paged", block_size=4, check_integrity=True) as engine:
+            out = engine.generate(batch, SamplingParams(max_new_tokens=24, ignore_eos=True, n=3))
+            assert engine.last_stats.num_preemptions > 0
+    assert sum(shared) >= 10
+    want = hf_greedy(family, batch, 24, ignore_eos=True)
+    assert [[c.token_ids for c in o.outputs] for o in out] == [[w] * 3 for w in want]
