@@ -28,7 +28,7 @@ import torch
 
 from vmemkv.runtime.kv import make_kv
 from vmemkv.runtime.errors import RuntimeKVError
-from vmemkv.runtime.hf.attention import ATTN_IMPLEMENTATION, UnsupportedModelError
+from vmemkv.runtime.hf.attention import UnsupportedModelError, own_attention
 from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.request import Request
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -135,8 +135,7 @@ def _run(model, kv, backend, prompt: List[int]):
 def _reference_logits(model, ids: List[int], original_attn: str) -> torch.Tensor:
     """Logits ``[len(ids), vocab]`` of one forward with the model's own attention (sdpa when
     another engine has already switched it to ours)."""
-    model.set_attn_implementation(original_attn if original_attn != ATTN_IMPLEMENTATION else "sdpa")
     device = next(model.parameters()).device
-    with torch.inference_mode():
+    with torch.inference_mode(), own_attention(model, original_attn):
         out = model(input_ids=torch.tensor([ids], device=device), use_cache=False)
     return out.logits[0].float()

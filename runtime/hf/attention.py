@@ -122,12 +122,13 @@ def release_vmemkv_attention(model) -> None:
 
 
 @contextlib.contextmanager
-def own_attention(model):
-    """``model`` on its own attention implementation for the block (the one it had before any
-    engine, else sdpa when an engine has switched it to ours), then back as it was."""
+def own_attention(model, own: Optional[str] = None):
+    """``model`` on its own attention implementation for the block (``own``, else the one it
+    had before any engine; sdpa where that is ours), then back as it was."""
     now = model.config._attn_implementation
-    entry = _HOLDERS.get(model)
-    own = entry[1] if entry is not None else now
+    if own is None:
+        entry = _HOLDERS.get(model)
+        own = entry[1] if entry is not None else now
     model.set_attn_implementation(own if own != ATTN_IMPLEMENTATION else "sdpa")
     try:
         yield model
