@@ -42,6 +42,27 @@ def kv_heads_per_rank(config, world: int) -> int:
     return max(1, kv // world)
 
 
+def kv_head_span(config, rank: int, world: int) -> slice:
+    """The KV heads (indices) rank ``rank`` of ``world`` holds: its ``kv_heads / world`` of
+    them, or the one it replicates when ``world`` exceeds the KV heads."""
+    text = _text(config)
+    kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    if world > kv:
+        head = rank // (world // kv)
+        return slice(head, head + 1)
+    return slice(rank * (kv // world), (rank + 1) * (kv // world))
+
+
+def rank_kv_scales(scales, config, rank: int, world: int):
+    """Rank ``rank``'s columns of 8-bit ``scales`` (a KVScales over every KV head, None
+    passes): the scales of the KV heads its cache holds (``kv_head_span``)."""
+    if scales is None:
+        return None
+    from vmemkv.runtime.kv_dtype import KVScales
+    heads = kv_head_span(config, rank, world)
+    return KVScales(tuple(row[heads] for row in scales.k), tuple(row[heads] for row in scales.v))
+
+
 def check_tensor_parallel(model, world) -> None:
     """Refuse, before any process starts, a ``world`` this model cannot be sharded into exactly,
     naming the value and the limit (TensorParallelConfigError)."""
@@ -139,8 +160,8 @@ def shard_model(model, rank: int, world: int, all_reduce: Callable[[torch.Tensor
     kv = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     q = _span(rank, heads // world, head_dim)
-    kv_rank = rank // (world // kv) if world > kv else rank
-    kv_span = _span(kv_rank, max(1, kv // world), head_dim)
+    kv_heads = kv_head_span(model.config, rank, world)
+    kv_span = slice(kv_heads.start * head_dim, kv_heads.stop * head_dim)
     width = text.intermediate_size // world
     mlp = slice(rank * width, (rank + 1) * width)
     for layer in _decoder_layers(model):

@@ -33,7 +33,7 @@ from vmemkv.runtime.engine.errors import TensorParallelError
 from vmemkv.scheduler.layout import CacheKind
 from .group import RankGroup, init_group, leave_group, open_activation_group, watch_parent
 from .placement import RankPlacement
-from .sharding import shard_model
+from .sharding import rank_kv_scales, shard_model
 
 # Test hook: "R:BYTES" (comma-separated for several ranks) makes rank R read BYTES as its
 # device's available memory in check_rank_memory, so CPU tests can starve one rank. Unset in use.
@@ -53,6 +53,8 @@ class TPPayload:
     threads: int = 0                  # torch threads per rank (0: leave torch's default)
     model: Any = None                 # a module (shared memory / CUDA IPC) or a picklable
                                       # loader; None in env mode
+    kv_scales: Any = None             # 8-bit KV: every KV head's KVScales; each rank's cache
+                                      # takes its heads' columns (sharding.rank_kv_scales)
 
 
 def load_model(model_or_loader):
@@ -111,6 +113,9 @@ def build_rank(payload: TPPayload, group: RankGroup, model, device: torch.device
                         copy_first=group.rank == 0, device=device)
     check_rank_memory(group.rank, payload.kv_options.get("cache_bytes"), device)
     config = replace(payload.cache_config, device=str(device))
+    if payload.kv_scales is not None:
+        config = replace(config, kv_scales=rank_kv_scales(payload.kv_scales, shard.config,
+                                                          group.rank, group.world))
     kv = make_kv(config, payload.kind, driver=driver, **payload.kv_options)
     try:
         runner = ModelRunner(shard, kv.cache, get_backend(payload.attention))

@@ -128,11 +128,6 @@ class EngineConfig:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e6:
             raise EngineConfigError(f"EngineConfig.tp_timeout_s must be seconds in (0, 1e6), got "
                                     f"{timeout!r}")
-        if self.tensor_parallel_size > 1 and self.kv_cache_dtype != "auto":
-            raise EngineConfigError(f"EngineConfig.kv_cache_dtype {self.kv_cache_dtype!r} is not "
-                                    f"supported with tensor_parallel_size "
-                                    f"{self.tensor_parallel_size} (the ranks' self-check compares "
-                                    f"logits in the model's dtype); use 'auto'")
         if self.tensor_parallel_size > 1 and self.background_mapper:
             raise EngineConfigError("EngineConfig.background_mapper is not supported with "
                                     f"tensor_parallel_size {self.tensor_parallel_size} (every rank "

@@ -34,7 +34,8 @@ from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from .config import (EngineConfig, cache_budget_bytes, cache_config_for, check_engine_arguments,
                      kv_scales_for, resolved_layout)
-from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine, kv_heads_per_rank,
+from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine,
+                              check_tensor_parallel_scales, kv_heads_per_rank, rank_kv_scales,
                               start_tensor_parallel)
 from .errors import EngineConfigError, TensorParallelError
 from .lifecycle import RequestLifecycle
@@ -75,9 +76,12 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         # "user", "checkpoint", "calibrated" or "first-write" (None: unscaled); calibration runs
         # the model once, on its own attention, before anything is built
         scales, self.kv_scales_source = kv_scales_for(model, tokenizer, cfg, param)
+        check_tensor_parallel_scales(cfg, self.kv_scales_source)
         full_config = cache_config_for(model, cfg, param, scales=scales)
-        self.cache_config = (full_config if cfg.tensor_parallel_size == 1 else cache_config_for(
-            model, cfg, param, kv_heads_per_rank(model.config, cfg.tensor_parallel_size)))
+        world = cfg.tensor_parallel_size
+        self.cache_config = (full_config if world == 1 else cache_config_for(   # rank 0's share
+            model, cfg, param, kv_heads_per_rank(model.config, world),
+            scales=rank_kv_scales(scales, model.config, 0, world)))
         self.config = cfg = resolved_layout(cfg, self.cache_config)   # "auto": by the rank's pages
         if self.kv_scales_source:
             log.info("kv_cache_dtype %s: scales from %s", cfg.kv_cache_dtype,
@@ -107,7 +111,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         try:
             if cfg.tensor_parallel_size > 1:   # every rank builds its shard and cache; rank 0 here
                 self.tp = start_tensor_parallel(model, cfg, self.cache_config, kv_options,
-                                                self.attention, driver)
+                                                self.attention, driver, full_config)
                 self.kv = self.tp.kv
             else:
                 self.kv = make_kv(self.cache_config, cfg.cache, driver=driver, **kv_options)

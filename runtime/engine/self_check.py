@@ -62,15 +62,22 @@ def self_check(model, cache_config, cfg, backend, original_attn: str) -> None:
             f"check and is unsafe)")
 
 
-def sharded_difference(model, kv, execute, dtype) -> Tuple[float, float]:
+def sharded_difference(model, kv, execute, dtype, reference=None) -> Tuple[float, float]:
     """(largest |sharded - unsharded| logit, the allowed difference) on the self-check's prompt:
     ``execute`` (``TensorParallel.execute``) runs every rank's shard on the caches of ``kv``
     (rank 0's), which hold nothing of it afterwards; the reference is ``model`` itself on
-    rank 0, on its own attention (left as it was)."""
+    rank 0, on its own attention (left as it was). ``reference`` (cache_config, engine config,
+    backend): instead, ``model`` on our path on one process, on a throwaway cache of that
+    config: with a kv_cache_dtype that rounds K/V, the same rounding on both sides."""
     prompt, attn = _prompt(model), model.config._attn_implementation
     try:
         ours, tokens = _greedy(execute, kv, prompt)
-        return _difference(model, ours, tokens, prompt, attn, dtype)
+        if reference is None:
+            return _difference(model, ours, tokens, prompt, attn, dtype)
+        theirs, _ = _our_logits(model, reference[0], reference[1], reference[2], prompt)
+        ours, theirs = torch.stack(ours), torch.stack(theirs).to(ours[0].device)
+        scale = theirs.abs().max().item() or 1.0
+        return (ours - theirs).abs().max().item(), RTOL.get(dtype, HALF_RTOL) * scale
     finally:
         model.set_attn_implementation(attn)
 

@@ -36,6 +36,24 @@ def kv_heads_per_rank(config, world: int) -> int:
     return per_rank(config, world)
 
 
+def rank_kv_scales(scales, config, rank: int, world: int):
+    """Rank ``rank``'s columns of 8-bit ``scales`` (runtime/distributed/sharding.py)."""
+    from vmemkv.runtime.distributed.sharding import rank_kv_scales as columns
+    return columns(scales, config, rank, world)
+
+
+def check_tensor_parallel_scales(cfg, scales_source) -> None:
+    """EngineConfigError for 8-bit K/V under tensor parallelism with scales fixed at the first
+    write: the construction's sharded self-check writes the engine's caches first (it would fix
+    them from its own prompt), so the scales must be known before the ranks start."""
+    if cfg.tensor_parallel_size > 1 and scales_source == "first-write":
+        from .errors import EngineConfigError
+        raise EngineConfigError(
+            f"kv_cache_dtype {cfg.kv_cache_dtype!r} with tensor_parallel_size "
+            f"{cfg.tensor_parallel_size} needs scales known before the ranks start, not fixed "
+            f"at the first write: pass kv_scales='calibrate' (--kv-scales calibrate) or KVScales")
+
+
 def check_ranks_fit(cfg, cache_bytes: int, device) -> None:
     """CacheTooLargeError, before any process starts, on the CPU: spawned ranks share this
     machine's memory, so ``tensor_parallel_size`` caches of ``cache_bytes`` each must fit what
@@ -52,32 +70,40 @@ def check_ranks_fit(cfg, cache_bytes: int, device) -> None:
 
 
 def start_tensor_parallel(model, cfg, cache_config, kv_options: dict, attention: str,
-                          driver=None):
+                          driver=None, full_config=None):
     """Ranks 1..N-1 started (``tp_launch``), every rank's shard and cache built; rank 0's
-    ``TensorParallel`` (its ``kv`` is the manager the scheduler plans on). ``driver``: rank 0's."""
+    ``TensorParallel`` (its ``kv`` is the manager the scheduler plans on). ``driver``: rank 0's.
+    ``full_config``: the unsharded cache's config (every KV head; its 8-bit scales go to the
+    ranks, each taking its heads')."""
     from vmemkv.runtime.distributed.launch import TensorParallel
     from vmemkv.runtime.distributed.worker import TPPayload
     payload = TPPayload(cache_config=cache_config, kind=cfg.cache, kv_options=dict(kv_options),
                         attention=attention, step_timeout_s=float(cfg.tp_timeout_s),
                         start_timeout_s=START_TIMEOUT_S,
                         placement=placement_of(cfg, cache_config.torch_device),
-                        threads=torch.get_num_threads())
+                        threads=torch.get_num_threads(),
+                        kv_scales=full_config.kv_scales if full_config is not None else None)
     tp = TensorParallel(model, payload, cfg.tensor_parallel_size, cfg.tp_launch, driver)
     if cfg.self_check:
+        reference = None
+        if full_config is not None and full_config.kv_encoding.storage != full_config.dtype:
+            from vmemkv.runtime.attention import get_backend   # K/V rounded: the same rounding
+            reference = (full_config, cfg, get_backend(attention))   # on one process
         try:
-            check_shards(model, tp, cache_config.dtype)
+            check_shards(model, tp, cache_config.dtype, reference)
         except BaseException:
             tp.close()
             raise
     return tp
 
 
-def check_shards(model, tp, dtype) -> None:
+def check_shards(model, tp, dtype, reference=None) -> None:
     """Refuse to serve (TensorParallelMismatchError, naming the largest difference) unless every
     rank's sharded forward reproduces the unsharded model's logits on rank 0 for a few tokens,
-    within the single-process self-check's tolerance (self_check.py). Leaves the caches empty."""
+    within the single-process self-check's tolerance (self_check.py). Leaves the caches empty.
+    ``reference``: see ``sharded_difference``."""
     from .self_check import sharded_difference
-    err, allowed = sharded_difference(model, tp.kv, tp.execute, dtype)
+    err, allowed = sharded_difference(model, tp.kv, tp.execute, dtype, reference)
     if not err <= allowed:
         raise TensorParallelMismatchError(
             f"the {tp.world} tensor-parallel ranks' sharded forward differs from the unsharded "
