@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from vmemkv.runtime.engine.errors import TensorParallelConfigError, TensorParallelError
 from .group import RankGroup, SpawnedRanks, init_group, leave_group, open_activation_group
-from .worker import (MemoryQuery, TPPayload, agree_started, build_rank, enter_device, memory_state,
-                     spawned_rank_main)
+from .worker import (MemoryQuery, TPPayload, adapter_upload, agree_started, build_rank,
+                     enter_device, memory_state, spawned_rank_main)
 
 LAUNCHES = ("spawn", "env")
 
@@ -39,6 +39,7 @@ class TensorParallel:
                 "this process already belongs to a torch.distributed group (torchrun?): use "
                 "tp_launch='env' and run vmemkv.runtime.distributed.follow(model) on ranks 1..N-1")
         self.world, self.spawned, self.kv, self._open, self._failed = world, None, None, False, False
+        self.host_adapter = lambda digest: None   # the engine's: digest -> LoraAdapter
         self.device = None     # rank 0's device, made current once the ranks have joined
         # the caller's current CUDA device, made current again at close (rank 0's enter_device
         # switches this process to its own); None on the CPU
@@ -108,21 +109,33 @@ class TensorParallel:
     @property
     def collectives(self) -> int:
         """Collectives rank 0 has made (a step: one plan broadcast, two per layer in the model,
-        one more broadcast for a plan over 64 KiB; a request ending early: one broadcast)."""
+        one more broadcast for a plan over 64 KiB, one or two more when it loads LoRA adapters;
+        a request ending early: one broadcast)."""
         return self.group.collectives
 
     def execute(self, plan):
-        """Apply ``plan``'s memory ops here, send the plan, run it on every rank; returns
+        """Apply ``plan``'s memory ops here, send the plan (after the host copies of the LoRA
+        adapters it loads, ``host_adapter``), run it on every rank; returns
         ``ModelRunner.execute``'s result. PlanExecutionError: rank 0's ops failed and were rolled
         back before anything was sent (the engine retries as on one process).
         TensorParallelError: a rank died, hung or failed (the caller must close)."""
+        upload = adapter_upload(plan, self.host_adapter)
         self.executor.apply_ops(plan)
         try:
+            if upload is not None:
+                self.group.broadcast(upload)
             self.group.broadcast(plan)
             return self.executor.forward(plan)
-        except TensorParallelError:
+        except TensorParallelError as error:
             self._failed = True    # close() then kills the ranks at once: one may be hung
-            raise
+            raise self._with_rank_errors(error) from error.__cause__
+
+    def _with_rank_errors(self, error: TensorParallelError) -> TensorParallelError:
+        """``error`` with what each spawned rank that failed reported before it exited (a rank
+        that raised says why; one that hung or was killed says nothing)."""
+        reasons = [f"rank {r}: {self.spawned.error_of(r)}" for r in range(1, self.world)
+                   if self.spawned is not None and self.spawned.error_of(r)]
+        return TensorParallelError(f"{error}; {'; '.join(reasons)}") if reasons else error
 
     def memory_states(self) -> list:
         """Every rank's ``worker.memory_state``, in rank order (two collectives; between steps).

@@ -109,17 +109,26 @@ def _decoder_layers(model):
 
 
 class RowParallelLinear(torch.nn.Module):
-    """``x @ W[:, cols].T`` summed over ranks by ``all_reduce``, then the bias (added once)."""
+    """``x @ W[:, cols].T`` summed over ranks by ``all_reduce``, then the bias (added once).
+    ``partial_linear`` computes this rank's partial sum: a LoRA hook there adds the adapter's
+    share of the same input columns (``lora_in_cols``) before the sum (runtime/lora/layers.py)."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 all_reduce: Callable[[torch.Tensor], None]) -> None:
+                 all_reduce: Callable[[torch.Tensor], None], cols: slice) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.partial_linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                                              device="meta")
+        self.partial_linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.partial_linear.lora_in_cols = cols
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         self._all_reduce = all_reduce
 
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.partial_linear.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.partial_linear(x)
         self._all_reduce(y)
         return y if self.bias is None else y + self.bias
 
@@ -136,12 +145,14 @@ def _column(linear: torch.nn.Linear, rows: slice, device) -> torch.nn.Linear:
     out.weight = torch.nn.Parameter(_take(linear.weight, rows, device), requires_grad=False)
     if linear.bias is not None:
         out.bias = torch.nn.Parameter(_take(linear.bias, rows, device), requires_grad=False)
+    out.lora_out_rows = rows     # a LoRA hook adds its B's rows of this rank's outputs
     return out
 
 
 def _row(linear: torch.nn.Linear, cols: slice, all_reduce, device) -> RowParallelLinear:
     bias = None if linear.bias is None else _take(linear.bias, slice(None), device)
-    return RowParallelLinear(_take(linear.weight, (slice(None), cols), device), bias, all_reduce)
+    return RowParallelLinear(_take(linear.weight, (slice(None), cols), device), bias, all_reduce,
+                             cols)
 
 
 def shard_model(model, rank: int, world: int, all_reduce: Callable[[torch.Tensor], None],

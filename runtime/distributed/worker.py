@@ -31,6 +31,7 @@ from vmemkv.runtime.errors import CacheTooLargeError, PlanExecutionError
 
 from vmemkv.runtime.engine.errors import TensorParallelError
 from vmemkv.scheduler.layout import CacheKind
+from vmemkv.scheduler.plan import EvictAdapter, LoadAdapter
 from .group import RankGroup, init_group, leave_group, open_activation_group, watch_parent
 from .placement import RankPlacement
 from .sharding import rank_kv_scales, shard_model
@@ -64,16 +65,42 @@ def load_model(model_or_loader):
     return model_or_loader()
 
 
+class AdapterUpload:
+    """Broadcast before a plan that loads LoRA adapters: their host copies (LoraAdapter) by
+    digest. A follower keeps each until a plan evicts it from the pool (rank 0's engine keeps
+    its own registry, runtime/engine/adapters.py)."""
+
+    def __init__(self, adapters: dict) -> None:
+        self.adapters = adapters
+
+
+def adapter_upload(plan, host_copy) -> Optional[AdapterUpload]:
+    """The AdapterUpload rank 0 sends before ``plan`` (None when it loads no adapter);
+    ``host_copy``: digest -> LoraAdapter (the engine's registry)."""
+    loads = {op.adapter_id: host_copy(op.adapter_id) for op in plan.ops
+             if isinstance(op, LoadAdapter)}
+    if not loads:
+        return None
+    missing = [digest[:12] for digest, adapter in loads.items() if adapter is None]
+    if missing:   # a bug: the scheduler pinned an adapter the engine does not hold
+        raise TensorParallelError(f"adapters {', '.join(missing)} loaded with no weights")
+    return AdapterUpload(loads)
+
+
 class RankExecutor:
-    """Executes plans on this rank's cache and model shard, in step with the other ranks."""
+    """Executes plans on this rank's cache and model shard, in step with the other ranks.
+    A follower's ``runner.adapters`` reads the host copies rank 0 uploaded (``host_adapters``);
+    rank 0's is the engine's registry, set by the engine."""
 
     def __init__(self, group: RankGroup, runner) -> None:
         self.group, self.runner = group, runner
+        self.host_adapters: dict = {}    # followers: digest -> LoraAdapter, while in the pool
 
     def apply_ops(self, plan) -> None:
-        """This rank's memory ops of ``plan``. On rank 0 (run before the plan is sent) a failure
-        raises the cache's PlanExecutionError, nothing having left rank 0. On any other rank a
-        failure raises TensorParallelError: rank 0 applied the plan, so the caches would differ."""
+        """This rank's memory ops of ``plan``, then the weights of the adapters it loads. On
+        rank 0 (run before the plan is sent) a failure raises the cache's PlanExecutionError,
+        nothing having left rank 0. On any other rank a failure raises TensorParallelError:
+        rank 0 applied the plan, so the caches would differ."""
         try:
             self.runner.cache.execute(plan.ops)
         except PlanExecutionError as error:
@@ -82,6 +109,12 @@ class RankExecutor:
             raise TensorParallelError(
                 f"rank {self.group.rank}: its memory ops failed where rank 0's succeeded "
                 f"({error}); its cache can no longer match rank 0's") from error
+        if self.runner.adapters is not None:
+            self.runner.adapters.apply(plan.ops, self.runner.cache)
+        last = {op.adapter_id: op for op in plan.ops if isinstance(op, (LoadAdapter, EvictAdapter))}
+        for digest, op in last.items():   # a plan may evict an idle adapter and load it again
+            if isinstance(op, EvictAdapter):
+                self.host_adapters.pop(digest, None)
 
     def forward(self, plan):
         """The model on ``plan``'s tokens (its ops already applied on every rank); returns
@@ -109,6 +142,7 @@ def build_rank(payload: TPPayload, group: RankGroup, model, device: torch.device
     from vmemkv.runtime.attention import get_backend
     from vmemkv.runtime.engine.model_runner import ModelRunner
     from vmemkv.runtime.kv import make_kv
+    from vmemkv.runtime.lora.executor import AdapterExecutor
     shard = shard_model(model, group.rank, group.world, group.all_reduce_,
                         copy_first=group.rank == 0, device=device)
     check_rank_memory(group.rank, payload.kv_options.get("cache_bytes"), device)
@@ -119,7 +153,10 @@ def build_rank(payload: TPPayload, group: RankGroup, model, device: torch.device
     kv = make_kv(config, payload.kind, driver=driver, **payload.kv_options)
     try:
         runner = ModelRunner(shard, kv.cache, get_backend(payload.attention))
-        return kv, RankExecutor(group, runner)
+        executor = RankExecutor(group, runner)
+        if group.rank != 0:      # rank 0's is the engine's registry (Engine sets it)
+            runner.adapters = AdapterExecutor(shard, executor.host_adapters.get)
+        return kv, executor
     except BaseException:
         kv.close()
         raise
@@ -153,13 +190,18 @@ class MemoryQuery:
     (``TensorParallel.memory_states``; tests and diagnostics). Nothing changes anywhere."""
 
 
-def memory_state(cache) -> dict:
+def memory_state(cache, host_adapters=None) -> dict:
     """What one rank's cache holds, as plain data that is equal on ranks that applied the same
     plans (except ``swapped_bytes``: a rank's share of the KV heads): the replica's placements,
-    the host copies' tokens and bytes, and on vmem every slot's mapped extents
-    ({page_index: {kind: pool pages}}) and how many pool pages they map."""
+    the host copies' tokens and bytes, the resident LoRA adapters ({digest: (units, bytes)}),
+    and on vmem every slot's mapped extents ({page_index: {kind: pool pages}}) and how many
+    pool pages they map. A follower adds the digests of the adapters' host copies it keeps
+    (``host_adapters``: those resident, no others)."""
     state = {"placements": {s: cache.placement(s) for s in cache.placed_seq_ids},
-             "swapped_tokens": cache.swapped_tokens(), "swapped_bytes": cache.swapped_bytes}
+             "swapped_tokens": cache.swapped_tokens(), "swapped_bytes": cache.swapped_bytes,
+             "resident_adapters": cache.resident_adapters()}
+    if host_adapters is not None:
+        state["adapter_host_copies"] = sorted(host_adapters)
     if cache.kind is CacheKind.VMEM:
         state["mapped_extents"] = {slot: cache.mapped_extents(slot)
                                    for slot in range(cache.config.max_batch)}
@@ -169,13 +211,18 @@ def memory_state(cache) -> dict:
 
 def serve_plans(group: RankGroup, executor: RankExecutor) -> None:
     """A follower's loop: execute every plan rank 0 broadcasts until it sends None (close);
-    answer a MemoryQuery with this rank's ``memory_state``."""
+    answer a MemoryQuery with this rank's ``memory_state``; keep an AdapterUpload's adapters
+    for the plan that follows it."""
     while True:
         plan = group.broadcast(idle=True)
         if plan is None:
             return
         if isinstance(plan, MemoryQuery):
-            group.gather(memory_state(executor.runner.cache), "memory state gather")
+            group.gather(memory_state(executor.runner.cache, executor.host_adapters),
+                         "memory state gather")
+            continue
+        if isinstance(plan, AdapterUpload):
+            executor.host_adapters.update(plan.adapters)
             continue
         executor.apply_ops(plan)
         executor.forward(plan)

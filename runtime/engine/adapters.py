@@ -15,11 +15,9 @@ Host copies are kept while a name refers to them or a live request runs with the
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Callable, Dict, Iterable, Optional
 
 from vmemkv.scheduler.adapters import AdapterRef
-from vmemkv.scheduler.plan import EvictAdapter, LoadAdapter
 
 from .errors import EngineConfigError, RequestRejectedError
 
@@ -27,16 +25,17 @@ from .errors import EngineConfigError, RequestRejectedError
 class EngineAdapters:
     """Adapters by name and by digest for one engine's model and cache."""
 
-    def __init__(self, model, manager, in_use: Callable[[], Iterable[str]]) -> None:
-        self._model = model
+    def __init__(self, model, manager, in_use: Callable[[], Iterable[str]],
+                 hooked_model=None) -> None:
+        from vmemkv.runtime.lora.executor import AdapterExecutor
+        self._model = model              # adapters are checked against it (the whole model)
         self._manager = manager
         self._in_use = in_use            # digests live requests run with (the engine's)
-        self._slots = None               # runtime.lora.LoraSlots, attached on the first add
         self._by_name: Dict[str, object] = {}     # name -> LoraAdapter
         self._by_digest: Dict[str, object] = {}   # digest -> LoraAdapter (named or in use)
-        self._views: Dict[str, tuple] = {}        # digest -> (buffer address, AdapterWeights)
-        self.loads = 0                   # LoadAdapter ops executed (weights written)
         self._orphans = False            # host copies kept only for live requests
+        # the forwards run on hooked_model: rank 0's shard under tensor parallelism
+        self.executor = AdapterExecutor(hooked_model or model, self.host_copy)
 
     def __bool__(self) -> bool:
         return bool(self._by_digest)
@@ -49,7 +48,7 @@ class EngineAdapters:
         """Load ``path`` under ``name``; refused by name (nothing changed) when the name is
         taken (unless ``replace``), the files are not a supported adapter, or its weights could
         never fit in this cache's pool."""
-        from vmemkv.runtime.lora import LoraAdapter, attach_lora
+        from vmemkv.runtime.lora import LoraAdapter
         if not isinstance(name, str) or not 0 < len(name) <= 256:
             raise EngineConfigError(f"add_lora: name must be a str of 1-256 characters, got "
                                     f"{name!r}")
@@ -65,8 +64,7 @@ class EngineAdapters:
                 f"add_lora: adapter {name!r} needs {ref.num_bytes} bytes ({pages} pool pages), "
                 f"more than this cache can ever give adapters ({most} pages); build the engine "
                 f"with a larger cache_bytes")
-        if self._slots is None:
-            self._slots = attach_lora(self._model)
+        self.executor.attach()
         old = self._by_name.get(name)
         self._by_name[name] = adapter
         self._by_digest.setdefault(adapter.digest, adapter)
@@ -103,41 +101,19 @@ class EngineAdapters:
         return AdapterRef(name, adapter.digest, adapter.num_bytes)
 
     # ---- executor side: the model runner calls these each step ----------------------------
+    def host_copy(self, digest: str):
+        """The LoraAdapter (host weights) with ``digest``, or None."""
+        return self._by_digest.get(digest)
+
     def apply(self, ops, cache) -> None:
         """After a plan's ops ran: write each loaded adapter's weights into its pool pages."""
         if self._orphans:
             self.collect()
-        for op in ops:
-            if isinstance(op, LoadAdapter):
-                adapter = self._by_digest.get(op.adapter_id)
-                if adapter is None:   # a bug: the scheduler pinned an adapter nobody holds
-                    raise EngineConfigError(f"adapter {op.adapter_id[:12]} loaded with no weights")
-                adapter.pack_into(cache.adapter_buffer(op.adapter_id))
-                self._views.pop(op.adapter_id, None)
-                self.loads += 1
-            elif isinstance(op, EvictAdapter):
-                self._views.pop(op.adapter_id, None)
+        self.executor.apply(ops, cache)
 
     def batch(self, seqs, cache):
         """A context running the step's rows with their adapters (nullcontext when none)."""
-        if self._slots is None or not any(s.adapter_id for s in seqs):
-            return nullcontext()
-        from vmemkv.runtime.lora import LoraBatch
-        segments, row = [], 0
-        for s in seqs:
-            end = row + s.num_new_tokens
-            if s.adapter_id is not None:
-                segments.append((row, end, self._weights(s.adapter_id, cache)))
-            row = end
-        return self._slots.batch(LoraBatch(segments))
-
-    def _weights(self, digest: str, cache):
-        buffer = cache.adapter_buffer(digest)
-        known = self._views.get(digest)
-        if known is None or known[0] != buffer.data_ptr():
-            known = self._views[digest] = (buffer.data_ptr(),
-                                           self._by_digest[digest].views(buffer))
-        return known[1]
+        return self.executor.batch(seqs, cache)
 
     def gauges(self) -> dict:
         """/metrics' adapter figures (runtime/serve/metrics.py names them)."""

@@ -162,9 +162,11 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         self._txn = StepTransaction(self.kv.manager, self._execute, scheduler=self.scheduler)
         self._draws: list = []   # the step's generators before it sampled (undone with the step)
         self.plan_failures = 0                       # failed plan executions, all time
-        self.adapters = EngineAdapters(model, self.kv.manager, self._live_adapters)
-        if self.tp is None:
-            self.runner.adapters = self.adapters
+        self.adapters = EngineAdapters(model, self.kv.manager, self._live_adapters,
+                                       hooked_model=self.runner.model)   # TP: rank 0's shard
+        self.runner.adapters = self.adapters
+        if self.tp is not None:      # the other ranks get an adapter's weights with its load
+            self.tp.host_adapter = self.adapters.host_copy
 
     # ---- running -------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -331,10 +333,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         ``SamplingParams.lora``. Its weights go into the KV cache's pool when a request needs
         them and leave it when idle and KV needs the pages. Refused by name (EngineConfigError
         or a LoraError, nothing changed): a taken name without ``replace``, an unsupported
-        adapter, one larger than the pool, tensor parallelism."""
-        if self.tp is not None:
-            raise EngineConfigError("add_lora: LoRA adapters do not run with "
-                                    "tensor_parallel_size > 1 yet")
+        adapter, one larger than the pool."""
         self.adapters.add(name, path, replace=replace)
 
     def remove_lora(self, name: str) -> None:

@@ -32,15 +32,23 @@ Rows = Union[slice, torch.Tensor]   # one contiguous range, or the rows' indices
 
 def supported_modules(model: nn.Module) -> FrozenSet[str]:
     """Names (as ``model.named_modules()`` gives them) of the modules an adapter may target:
-    the ``nn.Linear`` projections with floating-point weights of the decoder's layers."""
+    the ``nn.Linear`` projections with floating-point weights of the decoder's layers (on a
+    tensor-parallel shard, a row-parallel projection's ``partial_linear``, under its name)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         return frozenset()
     prefix = next(name for name, module in model.named_modules() if module is layers)
     return frozenset(f"{prefix}.{name}" for name, module in layers.named_modules()
-                     if name.rsplit(".", 1)[-1] in PROJECTIONS and isinstance(module, nn.Linear)
-                     and module.weight.is_floating_point())
+                     if name.rsplit(".", 1)[-1] in PROJECTIONS
+                     and isinstance(_hooked(module), nn.Linear)
+                     and _hooked(module).weight.is_floating_point())
+
+
+def _hooked(module: nn.Module) -> nn.Module:
+    """Where a projection's LoRA hook goes: the module, or on a tensor-parallel shard's
+    row-parallel projection its ``partial_linear`` (this rank's sum, before the ranks')."""
+    return getattr(module, "partial_linear", module)
 
 
 class LoraBatch:
@@ -118,14 +126,17 @@ def attach_lora(model: nn.Module) -> LoraSlots:
         slots = LoraSlots(supported_modules(model))
         for name in sorted(slots.modules):
             hook = _LoraHook(name, slots)
-            model.get_submodule(name).register_forward_hook(hook, with_kwargs=True)
+            _hooked(model.get_submodule(name)).register_forward_hook(hook, with_kwargs=True)
         setattr(model, _SLOTS_ATTRIBUTE, slots)
     return slots
 
 
 class _LoraHook:
     """Adds ``scale * (x[rows] @ A.T) @ B.T`` of each adapter of the active batch to the
-    output rows of module ``name``, in place, in the module's dtype."""
+    output rows of module ``name``, in place, in the module's dtype. On a tensor-parallel
+    shard the module holds a slice (runtime/distributed/sharding.py) and so does the adapter:
+    B's rows of a column-parallel module's outputs (``lora_out_rows``), A's columns of a
+    row-parallel one's inputs (``lora_in_cols``), whose partial sums the ranks add."""
 
     def __init__(self, name: str, slots: LoraSlots) -> None:
         self.name = name
@@ -145,7 +156,14 @@ class _LoraHook:
             lora = weights.modules.get(self.name)
             if lora is None:
                 continue
-            delta = ((x_rows[rows] @ lora.a.T) * lora.scale) @ lora.b.T   # [n, r] -> [n, out]
+            a, b = lora.a, lora.b
+            out_rows_of_b = getattr(module, "lora_out_rows", None)
+            if out_rows_of_b is not None:
+                b = b[out_rows_of_b]
+            in_cols_of_a = getattr(module, "lora_in_cols", None)
+            if in_cols_of_a is not None:
+                a = a[:, in_cols_of_a]
+            delta = ((x_rows[rows] @ a.T) * lora.scale) @ b.T   # [n, r] -> [n, out]
             if isinstance(rows, slice):
                 out_rows[rows] += delta
             else:

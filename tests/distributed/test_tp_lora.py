@@ -1,0 +1,71 @@
+"""LoRA adapters under tensor parallelism (CPU, gloo): every rank holds each adapter in its own
+pool (rank 0 sends the host copy with the plan that loads it) and applies its slice of it, B's
+rows on column-parallel projections and A's columns on row-parallel ones before the ranks' sum.
+Mixed batches under preemption, with adapters evicted for KV and loaded again, give PEFT's
+merged models' tokens; every rank holds the same adapters and a follower keeps host copies of
+the resident ones only."""
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+
+peft = pytest.importorskip("peft")
+
+from vmemkv.runtime.engine import Engine, SamplingParams  # noqa: E402
+from vmemkv.runtime.models import build_model  # noqa: E402
+
+from ..engine.conftest import prompts, tokens  # noqa: E402
+from ..engine.test_lora_engine import ADAPTERS, CACHES, base, greedy, make_adapter, merged  # noqa: E402
+
+FAMILY = "tiny-llama"
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-adapters")
+    return {name: make_adapter(FAMILY, root / name, *spec) for name, spec in ADAPTERS.items()}
+
+
+@pytest.mark.parametrize("cache, preemption", [("vmem", "swap"), ("paged", "recompute")])
+def test_tp2_mixed_adapters_under_preemption_match_peft_and_every_rank_holds_the_same(
+        cache, preemption, adapter_dirs):
+    # per rank: the three adapters take 130 KiB while they run (whole, on every rank), the KV
+    # of 8 sequences of up to 70 tokens half of one process's: preemptions and evictions
+    batch = prompts(8, 3, 30, seed=11)
+    names = [None, "a4", "b8", "c16"] * 2
+    with Engine(build_model(FAMILY, seed=0), max_batch=8, max_context=128, **CACHES[cache],
+                tensor_parallel_size=2, cache_bytes=136 * 1024, preemption=preemption,
+                swap_bytes=1 << 20, check_integrity=True) as engine:
+        for name, path in adapter_dirs.items():
+            engine.add_lora(name, path)
+        out = engine.generate(batch, [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                                     lora=n) for n in names])
+        stats = engine.kv.manager.adapter_stats()
+        preemptions = engine.scheduler.metrics.num_preemptions
+        states = engine.tp.memory_states()
+    reference = [greedy(base(FAMILY) if n is None else merged(FAMILY, adapter_dirs[n]), p,
+                        NEW_TOKENS) for p, n in zip(batch, names)]
+    assert tokens(out) == reference
+    assert stats.evictions > 0 and stats.loads > 3 and preemptions > 0
+    resident = states[0]["resident_adapters"]
+    assert len(resident) == stats.resident > 0
+    assert states[1]["resident_adapters"] == resident            # the same pool pages
+    assert states[1]["adapter_host_copies"] == sorted(resident)  # evicted ones dropped
+
+
+def test_a_follower_that_raises_is_named_with_its_error_in_rank_0s(monkeypatch, adapter_dirs):
+    """Rank 0 (patched, this process) sends a plan that loads an adapter without its host copy:
+    rank 1 raises and exits, and the step's TensorParallelError says what rank 1 raised (before,
+    only that the activation sum lost its peer)."""
+    from vmemkv.runtime.distributed import TensorParallelError, launch
+    monkeypatch.setattr(launch, "adapter_upload", lambda plan, host_copy: None)
+    engine = Engine(build_model(FAMILY, seed=0), max_batch=2, max_context=64,
+                    tensor_parallel_size=2, self_check=False)
+    engine.add_lora("a4", adapter_dirs["a4"])
+    with pytest.raises(TensorParallelError, match=r"rank 1: LoraBatchError: adapter [0-9a-f]{12} "
+                                                  r"loaded with no weights"):
+        engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, lora="a4"))
+    assert not multiprocessing.active_children()     # the engine closed itself and its ranks
+    engine.close()
