@@ -98,6 +98,13 @@ class LoraSlots:
     def __init__(self, modules: FrozenSet[str]) -> None:
         self.modules = modules
         self._active: Optional[LoraBatch] = None
+        self.hooked: Dict[str, nn.Module] = {}   # name -> the module its hook is on
+
+    def hooks_in_place(self, model: nn.Module) -> bool:
+        """Whether every hook is still on ``model``'s module of its name (not so on a copy
+        whose projections were replaced, such as a tensor-parallel shard)."""
+        return self.modules == supported_modules(model) and all(
+            _hooked(model.get_submodule(name)) is module for name, module in self.hooked.items())
 
     @property
     def active(self) -> Optional[LoraBatch]:
@@ -120,13 +127,17 @@ class LoraSlots:
 
 def attach_lora(model: nn.Module) -> LoraSlots:
     """Hook every supported projection of ``model`` (idempotent: a second call returns the
-    same slots). Without an active batch the model computes exactly what it did before."""
+    same slots). Without an active batch the model computes exactly what it did before.
+    A copy of a hooked model (``copy.deepcopy``, pickling) carries copies of the slots and
+    hooks; they are kept while every hook is still on the copy's module, else (a shard whose
+    projections were replaced) the copy is hooked anew, its stale hooks never given a batch."""
     slots = getattr(model, _SLOTS_ATTRIBUTE, None)
-    if slots is None:
+    if slots is None or not slots.hooks_in_place(model):
         slots = LoraSlots(supported_modules(model))
         for name in sorted(slots.modules):
-            hook = _LoraHook(name, slots)
-            _hooked(model.get_submodule(name)).register_forward_hook(hook, with_kwargs=True)
+            module = _hooked(model.get_submodule(name))
+            module.register_forward_hook(_LoraHook(name, slots), with_kwargs=True)
+            slots.hooked[name] = module
         setattr(model, _SLOTS_ATTRIBUTE, slots)
     return slots
 

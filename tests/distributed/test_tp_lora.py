@@ -69,3 +69,16 @@ def test_a_follower_that_raises_is_named_with_its_error_in_rank_0s(monkeypatch, 
         engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, lora="a4"))
     assert not multiprocessing.active_children()     # the engine closed itself and its ranks
     engine.close()
+
+
+def test_a_model_that_served_adapters_on_one_process_serves_them_sharded(adapter_dirs):
+    """The single-process engine leaves its (inert) LoRA hooks on the model; the shards copy
+    them with the model, on projections the shards replace. Before, the shards reused those
+    copied hooks and ran the base model for every adapter's rows."""
+    model = build_model(FAMILY, seed=0)
+    prompt, params = [5, 9, 17, 33, 65], SamplingParams(max_new_tokens=8, lora="b8")
+    expected = [greedy(merged(FAMILY, adapter_dirs["b8"]), prompt, 8)]
+    for world in (1, 2):
+        with Engine(model, max_batch=2, max_context=64, tensor_parallel_size=world) as engine:
+            engine.add_lora("b8", adapter_dirs["b8"])
+            assert tokens(engine.generate([prompt], params)) == expected, f"TP={world}"
