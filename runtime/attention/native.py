@@ -5,7 +5,8 @@ cache folder (``$VMEMKV_CACHE_DIR`` or ``~/.cache/vmemkv``) with the system C co
 seconds, no torch headers. ``-march=native`` is safe because the CPU's model and flags are part
 of the key. The attention kernel is built once per (head size, K/V dtype) it is called with
 (``-DVK_ONLY_DT``/``-DVK_ONLY_D``: one copy of the key walk, 3-6 s to build, where the copy of
-every shape took 130-156 s on a 2-core VM). ``kernel(head_dim, dtype_code)`` returns that
+every shape took 130-156 s on a 2-core VM). Each new build deletes the builds of its source
+not loaded for 30 days (older versions' keys), so upgrades do not pile them up. ``kernel(head_dim, dtype_code)`` returns that
 shape's loaded attention function, or raises :class:`KernelBuildError` saying why (no
 compiler, a failed build); ``why_unavailable()`` gives that reason without raising. ``library(source)`` builds and loads any other source the same way
 (the yardsticks' native loops, ``benchmarks/yardstick.c``).
@@ -19,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -30,6 +32,7 @@ HEADERS = tuple(Path(__file__).with_name(n) for n in ("cpu_varlen_math.h", "cpu_
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 600   # one shape builds in 3-6 s; the yardsticks' and every-shape builds take longer
 SPECIALISED_HEAD_DIMS = (32, 64, 128, 256)   # cpu_varlen_tile.h's walk_keys: D a constant
+STALE_BUILD_AGE_S = 30 * 24 * 3600   # a build not loaded for 30 days is pruned at the next build
 
 
 class KernelBuildError(AttentionError):
@@ -60,6 +63,7 @@ def _build(cc: str, source_path: Path, headers: tuple, defines: tuple = ()) -> P
     key = hashlib.sha256(source + " ".join((cc,) + flags).encode() + _cpu_key().encode())
     target = _cache_dir() / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
+        _touch(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:   # build, then rename: atomic
@@ -70,7 +74,32 @@ def _build(cc: str, source_path: Path, headers: tuple, defines: tuple = ()) -> P
             raise KernelBuildError(f"{cc} failed to build {source_path.name} (exit "
                                    f"{run.returncode}): {run.stderr.strip()[-400:]}")
         os.replace(out, target)
+    prune_builds(target.parent, source_path.stem, keep=target)
     return target
+
+
+def _touch(path: Path) -> None:
+    """Mark a build used now (its mtime), so ``prune_builds`` keeps it."""
+    try:
+        os.utime(path)
+    except OSError:   # read-only cache, or pruned by another process: loading decides
+        pass
+
+
+def prune_builds(folder: Path, stem: str, keep: Path, max_age_s: float = STALE_BUILD_AGE_S) -> list:
+    """Delete ``stem``'s builds in ``folder`` not used (loaded or built) for ``max_age_s``:
+    those of older sources, flags or CPUs, which no key names any more. Each process touches
+    the build it loads, so one in use is never that old; a process that loaded a build keeps
+    its mapping when the file goes. Returns the paths removed."""
+    removed, now = [], time.time()
+    for path in folder.glob(f"{stem}-*.so"):
+        try:
+            if path != keep and now - path.stat().st_mtime > max_age_s:
+                path.unlink()
+                removed.append(path)
+        except OSError:   # gone already (another process pruned it), or not ours to delete
+            continue
+    return removed
 
 
 @lru_cache(maxsize=None)
