@@ -179,7 +179,17 @@ class ScaleTable:
         else:
             self.k = torch.tensor(given.k, dtype=torch.float32, device=device)
             self.v = torch.tensor(given.v, dtype=torch.float32, device=device)
-        self.fixed = [given is not None] * num_layers
+        self.given = given is not None
+        self.fixed = [self.given] * num_layers
+
+    def unfix(self) -> None:
+        """Scales fixed at a first write become unfixed again (the next write of each layer
+        fixes them); given ones stay. For a cache whose first writes were a check's, not a
+        request's (the tensor-parallel self-check, runtime/engine/tensor_parallel.py)."""
+        if not self.given:
+            self.k.fill_(1.0)
+            self.v.fill_(1.0)
+            self.fixed = [False] * len(self.fixed)
 
     def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """``k``, ``v`` [..., kv_heads, head_dim] quantized with ``layer``'s scales, fixing

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from vmemkv.runtime.engine.errors import TensorParallelConfigError, TensorParallelError
 from .group import RankGroup, SpawnedRanks, init_group, leave_group, open_activation_group
-from .worker import (MemoryQuery, TPPayload, adapter_upload, agree_started, build_rank,
-                     enter_device, memory_state, spawned_rank_main)
+from .worker import (MemoryQuery, TPPayload, UnfixScales, adapter_upload, agree_started,
+                     build_rank, enter_device, memory_state, spawned_rank_main, unfix_scales)
 
 LAUNCHES = ("spawn", "env")
 
@@ -136,6 +136,16 @@ class TensorParallel:
         reasons = [f"rank {r}: {self.spawned.error_of(r)}" for r in range(1, self.world)
                    if self.spawned is not None and self.spawned.error_of(r)]
         return TensorParallelError(f"{error}; {'; '.join(reasons)}") if reasons else error
+
+    def unfix_scales(self) -> None:
+        """Every rank's first-write 8-bit scales unfixed (worker.UnfixScales; one broadcast).
+        TensorParallelError as ``execute``."""
+        unfix_scales(self.executor.runner.cache)
+        try:
+            self.group.broadcast(UnfixScales())
+        except TensorParallelError:
+            self._failed = True
+            raise
 
     def memory_states(self) -> list:
         """Every rank's ``worker.memory_state``, in rank order (two collectives; between steps).

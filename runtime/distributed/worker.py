@@ -65,6 +65,16 @@ def load_model(model_or_loader):
     return model_or_loader()
 
 
+class UnfixScales:
+    """Broadcast instead of a plan: every rank unfixes its cache's first-write 8-bit scales
+    (``ScaleTable.unfix``), which the sharded self-check's prompt fixed. Nothing is answered."""
+
+
+def unfix_scales(cache) -> None:
+    if cache.kv_scales is not None:
+        cache.kv_scales.unfix()
+
+
 class AdapterUpload:
     """Broadcast before a plan that loads LoRA adapters: their host copies (LoraAdapter) by
     digest. A follower keeps each until a plan evicts it from the pool (rank 0's engine keeps
@@ -212,7 +222,7 @@ def memory_state(cache, host_adapters=None) -> dict:
 def serve_plans(group: RankGroup, executor: RankExecutor) -> None:
     """A follower's loop: execute every plan rank 0 broadcasts until it sends None (close);
     answer a MemoryQuery with this rank's ``memory_state``; keep an AdapterUpload's adapters
-    for the plan that follows it."""
+    for the plan that follows it; apply an UnfixScales."""
     while True:
         plan = group.broadcast(idle=True)
         if plan is None:
@@ -223,6 +233,9 @@ def serve_plans(group: RankGroup, executor: RankExecutor) -> None:
             continue
         if isinstance(plan, AdapterUpload):
             executor.host_adapters.update(plan.adapters)
+            continue
+        if isinstance(plan, UnfixScales):
+            unfix_scales(executor.runner.cache)
             continue
         executor.apply_ops(plan)
         executor.forward(plan)

@@ -34,9 +34,8 @@ from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from .config import (EngineConfig, cache_budget_bytes, cache_config_for, check_engine_arguments,
                      kv_scales_for, resolved_layout)
-from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine,
-                              check_tensor_parallel_scales, kv_heads_per_rank, rank_kv_scales,
-                              start_tensor_parallel)
+from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine, kv_heads_per_rank,
+                              rank_kv_scales, start_tensor_parallel)
 from .errors import EngineConfigError, TensorParallelError
 from .lifecycle import RequestLifecycle
 from .adapters import EngineAdapters
@@ -76,7 +75,6 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         # "user", "checkpoint", "calibrated" or "first-write" (None: unscaled); calibration runs
         # the model once, on its own attention, before anything is built
         scales, self.kv_scales_source = kv_scales_for(model, tokenizer, cfg, param)
-        check_tensor_parallel_scales(cfg, self.kv_scales_source)
         full_config = cache_config_for(model, cfg, param, scales=scales)
         world = cfg.tensor_parallel_size
         self.cache_config = (full_config if world == 1 else cache_config_for(   # rank 0's share

@@ -42,18 +42,6 @@ def rank_kv_scales(scales, config, rank: int, world: int):
     return columns(scales, config, rank, world)
 
 
-def check_tensor_parallel_scales(cfg, scales_source) -> None:
-    """EngineConfigError for 8-bit K/V under tensor parallelism with scales fixed at the first
-    write: the construction's sharded self-check writes the engine's caches first (it would fix
-    them from its own prompt), so the scales must be known before the ranks start."""
-    if cfg.tensor_parallel_size > 1 and scales_source == "first-write":
-        from .errors import EngineConfigError
-        raise EngineConfigError(
-            f"kv_cache_dtype {cfg.kv_cache_dtype!r} with tensor_parallel_size "
-            f"{cfg.tensor_parallel_size} needs scales known before the ranks start, not fixed "
-            f"at the first write: pass kv_scales='calibrate' (--kv-scales calibrate) or KVScales")
-
-
 def check_ranks_fit(cfg, cache_bytes: int, device) -> None:
     """CacheTooLargeError, before any process starts, on the CPU: spawned ranks share this
     machine's memory, so ``tensor_parallel_size`` caches of ``cache_bytes`` each must fit what
@@ -91,6 +79,9 @@ def start_tensor_parallel(model, cfg, cache_config, kv_options: dict, attention:
             reference = (full_config, cfg, get_backend(attention))   # on one process
         try:
             check_shards(model, tp, cache_config.dtype, reference)
+            if full_config is not None and full_config.kv_encoding.scaled \
+                    and full_config.kv_scales is None:
+                tp.unfix_scales()   # first-write scales: the first request's, not the check's
         except BaseException:
             tp.close()
             raise
