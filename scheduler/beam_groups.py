@@ -17,11 +17,12 @@ ends (``prune``: its memory is freed). The group's rules:
   (``_preempt_unit``);
 - it is admitted as one: every waiting member, or none (``_admit_group``); a swapped group comes
   back whole, each member into private memory (``_swapped_unit``; its later forks share again);
-  a group recomputed whole shares again the history all its members have in common, in whole
-  units a fork shares: the first member holds it and computes it once, the others are forked
-  from it, grow by their own tails, and start computing once it has (``_place_sharing``,
-  ``Sequence.shared_from``); with prefix sharing, private memory with each member's own prefix
-  hits is tried first (``_place_private``);
+  a group recomputed whole shares its history again, in whole units a fork shares: the first
+  member holds what all have in common and computes it once, each other member holds what it
+  shares most with an earlier one (its pair's longer history, or the common part), grows by its
+  own tail, and starts computing once what it shares is computed (``_place_sharing``,
+  ``_sharing_tree``, ``Sequence.shared_from``); with prefix sharing, private memory with each
+  member's own prefix hits is tried first (``_place_private``);
 - a step that scheduled nothing while only beams waiting for a sibling run preempts them, so
   the group is admitted whole next step (``_unblock_groups``).
 
@@ -162,11 +163,11 @@ class BeamGroups:
         if len(self.running) + len(members) > self.config.max_running:
             return None
         # with prefix sharing, each beam's own cached units may cover more than the history
-        # they all share: those first
+        # they share: those first
         shared, computed = self._shared_history_tokens(members), None
-        if self.config.enable_prefix_sharing or not shared:
+        if self.config.enable_prefix_sharing or shared is None:
             computed = self._place_private(members, reserve)
-        if computed is None and shared:
+        if computed is None and shared is not None:
             computed = self._place_sharing(members, shared, reserve)
         if computed is None:
             return None
@@ -177,18 +178,40 @@ class BeamGroups:
             self._run_beside(m)       # a child that did not fit joins its running siblings
         return members
 
-    def _shared_history_tokens(self, members: List[Sequence]) -> int:
-        """``_common_history_tokens`` of a group recomputed whole (none of it running)."""
+    def _shared_history_tokens(self, members: List[Sequence]) -> Optional[int]:
+        """``_common_history_tokens`` of a group recomputed whole (none of it running) whose
+        beams share any history, if only in pairs; None when they share none."""
         if self._members(self.running, members[0].request):
-            return 0
-        return self._common_history_tokens(members)
+            return None
+        shared = self._common_history_tokens(members)
+        if shared or any(tokens for _, tokens in self._sharing_tree(members, 0)):
+            return shared
+        return None
 
     def group_floor_tokens(self, members: List[Sequence]) -> int:
         """The fewest tokens of memory a beam group's live ``members`` need to come back now:
-        their common history once and each one's own tail, in whole units a fork shares."""
+        their common history once, and each one's history past what it shares with an
+        earlier member (``_sharing_tree``), in whole units a fork shares."""
         unit = self.manager.fork_unit_tokens or 1
         shared = self._common_history_tokens(members)
-        return shared + sum(-(-(m.length - shared) // unit) * unit for m in members)
+        starts = [shared] + [tokens for _, tokens in self._sharing_tree(members, shared)]
+        return shared + sum(-(-(m.length - start) // unit) * unit
+                            for m, start in zip(members, starts))
+
+    def _sharing_tree(self, members: List[Sequence], shared: int) -> List[tuple]:
+        """For each member after the first: (index of the earlier member whose history it
+        shares most, those tokens), at least the ``shared`` all have in common (the first
+        member's). Beams that diverged late in pairs share their pair's history, not only
+        the group's trunk: in any order this holds each unit of their histories' tree once."""
+        tree = []
+        for j, m in enumerate(members[1:], 1):
+            best = (0, shared)
+            for i in range(j):
+                tokens = self._common_history_tokens([members[i], m])
+                if tokens > best[1]:
+                    best = (i, tokens)
+            tree.append(best)
+        return tree
 
     def _common_history_tokens(self, members: List[Sequence]) -> int:
         """Tokens every member starts with (the prompt and the outputs they all share), in
@@ -224,46 +247,62 @@ class BeamGroups:
 
     def _place_sharing(self, members: List[Sequence], shared: int,
                        reserve: int) -> Optional[List[int]]:
-        """A group preempted out of shared memory comes back sharing its first ``shared``
-        tokens again: the leader (``members[0]``) holds them and computes them once, every
-        other member is forked from it, and each grows by its own tail. The others start
-        after the leader has computed them (``Sequence.shared_from``). The tokens each may
-        skip, or None and nothing held when the group does not fit with ``reserve`` tokens
-        to spare."""
+        """A group preempted out of shared memory comes back sharing its history again: the
+        leader (``members[0]``) holds the first ``shared`` tokens (all members' common
+        history) and computes them once; a member sharing only those is forked from it, one
+        sharing more with an earlier member (``_sharing_tree``) holds that member's units of
+        them; each grows by its own tail and starts after what it shares is computed
+        (``Sequence.shared_from``). The tokens each may skip, or None and nothing held when
+        the group does not fit with ``reserve`` tokens to spare."""
         mgr, share = self.manager, self.config.enable_prefix_sharing
         leader, request = members[0], members[0].request
         ids = [m.token_ids() if share else None for m in members]
+        tree = self._sharing_tree(members, shared)
         tails = self.group_floor_tokens(members) - shared      # each one's, in whole units
         adapter = {} if request.adapter is None else {"adapter": request.adapter}
         if not mgr.can_allocate(shared, ids[0] and ids[0][:shared], request.prefix_scope,
                                 reserve + tails, final_tokens=request.max_total_len, **adapter):
             return None
+        trunk = [(m, i) for m, i, (_, tokens) in zip(members[1:], ids[1:], tree)
+                 if tokens == shared]
         pinned, placed = [], []
         try:
             for m in members:
                 self._pin(m)
                 pinned.append(m)
-            hit = mgr.allocate(leader.seq_id, shared, ids[0] and ids[0][:shared],
+            first = shared or leader.length     # nothing all share: the leader's own
+            hit = mgr.allocate(leader.seq_id, first, ids[0] and ids[0][:first],
                                request.prefix_scope, final_tokens=request.max_total_len)
             placed.append(leader)
-            for m in members[1:]:
-                mgr.fork(leader.seq_id, m.seq_id)
+            for m, i in trunk:
+                if shared:
+                    mgr.fork(leader.seq_id, m.seq_id)
+                else:
+                    mgr.allocate(m.seq_id, m.length, i, request.prefix_scope,
+                                 final_tokens=request.max_total_len)
                 placed.append(m)
-            for m, i in zip(members, ids):
-                mgr.append(m.seq_id, m.length - shared, i and i[shared:])
+            if shared:
+                for m, i in [(leader, ids[0])] + trunk:
+                    mgr.append(m.seq_id, m.length - shared, i and i[shared:])
+            for m, i, (parent, tokens) in zip(members[1:], ids[1:], tree):
+                if tokens > shared:      # after its parent (earlier) holds its own units
+                    mgr.allocate(m.seq_id, m.length, i, request.prefix_scope,
+                                 final_tokens=request.max_total_len,
+                                 share_from=(members[parent].seq_id, tokens))
+                    placed.append(m)
         except OutOfCapacityError:       # rounding the estimate above did not see
             for m in reversed(placed):
                 mgr.free(m.seq_id, computed_tokens=0)
             for m in pinned:
                 self._unpin(m)
             return None
-        for m in members[1:]:
-            m.shared_from = (leader, shared)
+        for m, (parent, tokens) in zip(members[1:], tree):
+            m.shared_from = (members[parent], tokens)
         return [min(hit, leader.length - 1)] + [0] * (len(members) - 1)
 
     def _adopt_shared(self, seq: Sequence) -> bool:
-        """Whether ``seq``, sharing its leader's first tokens (``_place_sharing``), may compute
-        now: once the leader has computed them, they count as computed for it too."""
+        """Whether ``seq``, sharing an earlier member's first tokens (``_place_sharing``), may
+        compute now: once that member has computed them, they count as computed for it too."""
         leader, shared = seq.shared_from
         if leader.num_computed < shared:
             return False

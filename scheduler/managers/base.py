@@ -122,8 +122,8 @@ class MemoryManager(ABC):
         """Hold room for a new sequence's first ``num_tokens`` tokens. ``token_ids`` and
         ``namespace`` enable prefix sharing; ``final_tokens`` is the sequence's final length
         (only reserve-oracle uses it); ``share_from`` = (resident sibling, tokens): hold the
-        sibling's units of those first tokens (whole units a fork shares, computed and equal
-        to this sequence's: the caller knows) instead of prefix hits, as a fork would; only
+        sibling's units of those first tokens (whole units a fork shares, equal to this
+        sequence's and computed before it reads them: the caller knows) instead of prefix hits, as a fork would; only
         managers with ``fork_unit_tokens`` take it. Returns how many leading tokens are
         already cached (a prefix-sharing hit: their K/V need not be computed)."""
 

@@ -5,9 +5,10 @@ The shadow names every unit (a vmem page group, a paged block) by who wrote it: 
 grows into a new unit writes a new one; one that writes into a partial unit another live beam
 also holds copies it first (copy-on-write, a new name); a child branched from a beam holds its
 parent's units; a beam preempted, pruned or finished holds nothing; an admitted (or
-re-admitted) beam holds units of its own, except that a group recomputed whole shares its first
-tokens again: the prompt and the outputs all its beams have in common, in whole units and below
-each one's last token, are the first admitted beam's units. After every schedule and update the managers' tables
+re-admitted) beam holds units of its own, except that a group recomputed whole shares its
+history again: the prompt and the outputs all its beams have in common, in whole units and
+below each one's last token, are the first admitted beam's units, and a beam sharing more with
+an earlier admitted one holds that one's units of it. After every schedule and update the managers' tables
 must name the same sharing: two beams hold one unit at an index exactly when the shadow says so,
 and the distinct units held are the shadow's. And the group rules: a group's beams sample in the
 same steps or not at all, are contiguous in ``running``, and every group ends with nothing held.
@@ -77,9 +78,18 @@ class BeamGroupMachine(RuleBasedStateMachine):
             self._grow(seq.seq_id, seq.held)
             self._held[seq.seq_id] = seq.held
 
+    def _shared_units(self, beams) -> int:
+        """Whole units of history (prompt, then common outputs) all ``beams`` share, below
+        each one's last token."""
+        common = next((i for i, col in enumerate(zip(*(b.output for b in beams)))
+                       if len(set(col)) > 1), min(len(b.output) for b in beams))
+        tokens = min(beams[0].request.prompt_len + common, min(b.length for b in beams) - 1)
+        return tokens // self.unit
+
     def _shared_starts(self, admitted, was_swapped) -> dict:
-        """{beam: (its group's first admitted beam, units they share)} for groups recomputed
-        whole this step (every live beam admitted now, not swapped in)."""
+        """{beam: (the earlier admitted beam of its group it shares most with, those units)}
+        for groups recomputed whole this step (every live beam admitted now, not swapped in):
+        at least the units the whole group shares, which the first beam holds."""
         groups, starts = {}, {}
         for seq in admitted:
             if seq.seq_id not in was_swapped:
@@ -88,11 +98,14 @@ class BeamGroupMachine(RuleBasedStateMachine):
             if len(beams) < 2 or any(s.request.request_id == rid and s not in beams
                                      for s in self.sched.running):
                 continue
-            common = next((i for i, col in enumerate(zip(*(b.output for b in beams)))
-                           if len(set(col)) > 1), min(len(b.output) for b in beams))
-            tokens = min(beams[0].request.prompt_len + common, min(b.length for b in beams) - 1)
-            for b in beams[1:]:
-                starts[b.seq_id] = (beams[0].seq_id, tokens // self.unit)
+            trunk = self._shared_units(beams)
+            for j, b in enumerate(beams[1:], 1):
+                parent, units = beams[0], trunk
+                for earlier in beams[:j]:
+                    pair = self._shared_units([earlier, b])
+                    if pair > units:
+                        parent, units = earlier, pair
+                starts[b.seq_id] = (parent.seq_id, units)
         return starts
 
     # ---- rules ---------------------------------------------------------------------------

@@ -1,8 +1,9 @@
-"""A beam group preempted by recompute comes back sharing the history its beams have in common
-(the prompt and their common outputs, in whole units): its first member computes it once,
-the others are forked from it and start after it. Scripted groups whose beams share long
-histories in pairs (A, B after the first token, each split in two after 12), beside a long
-request that preempts them, on a paged pool of 4-token blocks."""
+"""A beam group preempted by recompute comes back sharing its history again (the prompt and the
+outputs beams have in common, in whole units): its first member computes the group's common
+history once, each other beam holds what it shares most with an earlier one and starts after
+that is computed. Scripted groups whose beams share long histories in pairs (A, B after the
+first token, each split in two after 12), beside a long request that preempts them, on a
+paged pool of 4-token blocks."""
 import pytest
 
 from vmemkv.scheduler.errors import RequestTooLargeError
@@ -51,6 +52,31 @@ def run(cache_tokens: int, other_prompt: int):
     return sched, readmitted
 
 
+def pair_units(a, b) -> int:
+    """Whole 4-token blocks two beams' histories (8 prompt tokens, then outputs) share, below
+    each one's last token."""
+    common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    return min(8 + common, 8 + len(a) - 1) // 4
+
+
+def assert_shares_its_tree(group) -> None:
+    """Each beam after the first holds the blocks of the history it shares most with an
+    earlier beam (at least the group's trunk), waits for them to be computed, and holds every
+    other block alone: the group holds each block of its histories' tree once."""
+    (outputs, _, first), *others = group
+    assert len({len(o) for o, _, _ in group}) == 1     # beams decode in lockstep
+    trunk = min(pair_units(outputs, o) for o, _, _ in others)
+    assert trunk >= 2                                  # the prompt's two blocks at least
+    distinct = len(first)
+    for j, (out, computed, table) in enumerate(others, 1):
+        units, parent = max((pair_units(group[i][0], out), -i) for i in range(j))
+        assert units >= trunk and table[:units] == group[-parent][2][:units]
+        earlier = {b for _, _, t in group[:j] for b in t}
+        assert not set(table[units:]) & earlier and computed == 0   # its own; it waits
+        distinct += len(table) - units
+    assert len({b for _, _, t in group for b in t}) == distinct
+
+
 @pytest.mark.parametrize("cache_tokens, other_prompt", [(96, 24), (96, 16), (88, 32)])
 def test_a_recomputed_group_shares_its_history_again_and_finishes(cache_tokens, other_prompt):
     # as private copies (before) the group needs 28 blocks at 25 tokens, the pool has 22-24:
@@ -59,25 +85,19 @@ def test_a_recomputed_group_shares_its_history_again_and_finishes(cache_tokens, 
     assert not sched.has_unfinished() and readmitted
     assert sched.manager.stats().live_tokens == 0
     for group in readmitted:
-        (outputs, _, first), *others = group
-        assert len({len(o) for o, _, _ in group}) == 1     # beams decode in lockstep
-        common = next((i for i, col in enumerate(zip(*(o for o, _, _ in group)))
-                       if len(set(col)) > 1), len(outputs))
-        units = min(8 + common, 8 + len(outputs) - 1) // 4
-        assert units >= 2                                  # the prompt's two blocks at least
-        for _, computed, table in others:
-            assert table[:units] == first[:units]          # the leader's blocks
-            assert not set(table[units:]) & set(first) and computed == 0   # it waits
-        assert len({b for _, _, t in group for b in t}) == units + sum(
-            len(t) - units for _, _, t in group)
+        assert_shares_its_tree(group)
 
 
-def test_a_group_that_cannot_come_back_even_sharing_fails_by_name():
-    # 16 blocks: the group held 12 at 21 tokens (pairs sharing 12 outputs), comes back with
-    # only the prompt shared: 2 + 4 x 4 blocks
-    with pytest.raises(RequestTooLargeError, match="cannot be admitted to an empty cache") as e:
-        run(64, 4)
-    assert e.value.request_id == 1
+def test_beams_that_shared_more_in_pairs_come_back_sharing_their_pairs_history():
+    # 16 blocks: the group held 12 at 21 tokens (pairs sharing 12 outputs). With only the
+    # common prompt shared again it needed 2 + 4 x 4 blocks and failed by name ("cannot be
+    # admitted to an empty cache"); each pair's history shared, it needs the 12 it held
+    sched, readmitted = run(64, 4)
+    assert not sched.has_unfinished() and sched.manager.stats().live_tokens == 0
+    (group,) = readmitted
+    assert_shares_its_tree(group)
+    outputs = [o for o, _, _ in group]
+    assert sorted(pair_units(outputs[0], o) for o in outputs[1:]) == [2, 2, 5]   # a pair: 5
 
 
 def test_a_resize_that_leaves_a_beam_group_no_room_to_come_back_is_refused():
