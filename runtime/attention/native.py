@@ -6,10 +6,11 @@ seconds, no torch headers. ``-march=native`` is safe because the CPU's model and
 of the key. The attention kernel is built once per (head size, K/V dtype) it is called with
 (``-DVK_ONLY_DT``/``-DVK_ONLY_D``: one copy of the key walk, 3-6 s to build, where the copy of
 every shape took 130-156 s on a 2-core VM). Each new build deletes the builds of its source
-not loaded for 30 days (older versions' keys), so upgrades do not pile them up. ``kernel(head_dim, dtype_code)`` returns that
-shape's loaded attention function, or raises :class:`KernelBuildError` saying why (no
-compiler, a failed build); ``why_unavailable()`` gives that reason without raising. ``library(source)`` builds and loads any other source the same way
-(the yardsticks' native loops, ``benchmarks/yardstick.c``).
+not loaded for 30 days (older versions' keys), so upgrades do not pile them up.
+``kernel(head_dim, dtype_code)`` returns that shape's loaded attention function, or raises
+:class:`KernelBuildError` saying why (no compiler, a failed build); ``why_unavailable()`` gives
+that reason without raising. ``library(source)`` builds and loads any other source the same
+way (the yardsticks' native loops, ``benchmarks/yardstick.c``).
 """
 from __future__ import annotations
 
