@@ -21,7 +21,7 @@ ends (``prune``: its memory is freed). The group's rules:
   member holds what all have in common and computes it once, each other member holds what it
   shares most with an earlier one (its pair's longer history, or the common part), grows by its
   own tail, and starts computing once what it shares is computed (``_place_sharing``,
-  ``_sharing_tree``, ``Sequence.shared_from``); with prefix sharing, private memory with each
+  ``_history_tree``, ``Sequence.shared_from``); with prefix sharing, private memory with each
   member's own prefix hits is tried first (``_place_private``);
 - a step that scheduled nothing while only beams waiting for a sibling run preempts them, so
   the group is admitted whole next step (``_unblock_groups``).
@@ -164,11 +164,11 @@ class BeamGroups:
             return None
         # with prefix sharing, each beam's own cached units may cover more than the history
         # they share: those first
-        shared, computed = self._shared_history_tokens(members), None
-        if self.config.enable_prefix_sharing or shared is None:
+        history, computed = self._shared_history(members), None
+        if self.config.enable_prefix_sharing or history is None:
             computed = self._place_private(members, reserve)
-        if computed is None and shared is not None:
-            computed = self._place_sharing(members, shared, reserve)
+        if computed is None and history is not None:
+            computed = self._place_sharing(members, *history, reserve)
         if computed is None:
             return None
         for m, c in zip(members, computed):
@@ -178,32 +178,33 @@ class BeamGroups:
             self._run_beside(m)       # a child that did not fit joins its running siblings
         return members
 
-    def _shared_history_tokens(self, members: List[Sequence]) -> Optional[int]:
-        """``_common_history_tokens`` of a group recomputed whole (none of it running) whose
-        beams share any history, if only in pairs; None when they share none."""
+    def _shared_history(self, members: List[Sequence]) -> Optional[tuple]:
+        """``_history_tree`` of a group recomputed whole (none of it running) whose beams
+        share any history, if only in pairs; None when they share none."""
         if self._members(self.running, members[0].request):
             return None
-        shared = self._common_history_tokens(members)
-        if shared or any(tokens for _, tokens in self._sharing_tree(members, 0)):
-            return shared
-        return None
+        shared, tree = self._history_tree(members)
+        return (shared, tree) if any(tokens for _, tokens in tree) else None
 
     def group_floor_tokens(self, members: List[Sequence]) -> int:
         """The fewest tokens of memory a beam group's live ``members`` need to come back now:
         their common history once, and each one's history past what it shares with an
-        earlier member (``_sharing_tree``), in whole units a fork shares."""
+        earlier member (``_history_tree``), in whole units a fork shares."""
+        return self._floor_tokens(members, *self._history_tree(members))
+
+    def _floor_tokens(self, members: List[Sequence], shared: int, tree: List[tuple]) -> int:
         unit = self.manager.fork_unit_tokens or 1
-        shared = self._common_history_tokens(members)
-        starts = [shared] + [tokens for _, tokens in self._sharing_tree(members, shared)]
+        starts = [shared] + [tokens for _, tokens in tree]
         return shared + sum(-(-(m.length - start) // unit) * unit
                             for m, start in zip(members, starts))
 
-    def _sharing_tree(self, members: List[Sequence], shared: int) -> List[tuple]:
-        """For each member after the first: (index of the earlier member whose history it
-        shares most, those tokens), at least the ``shared`` all have in common (the first
-        member's). Beams that diverged late in pairs share their pair's history, not only
-        the group's trunk: in any order this holds each unit of their histories' tree once."""
-        tree = []
+    def _history_tree(self, members: List[Sequence]) -> tuple:
+        """(the tokens all ``members`` have in common, and for each member after the first:
+        (index of the earlier member whose history it shares most, those tokens), at least
+        the common ones, which the first member holds). Beams that diverged late in pairs
+        share their pair's history, not only the group's trunk: in any order this holds each
+        unit of their histories' tree once."""
+        shared, tree = self._common_history_tokens(members), []
         for j, m in enumerate(members[1:], 1):
             best = (0, shared)
             for i in range(j):
@@ -211,7 +212,7 @@ class BeamGroups:
                 if tokens > best[1]:
                     best = (i, tokens)
             tree.append(best)
-        return tree
+        return shared, tree
 
     def _common_history_tokens(self, members: List[Sequence]) -> int:
         """Tokens every member starts with (the prompt and the outputs they all share), in
@@ -245,20 +246,19 @@ class BeamGroups:
             hits.append(mgr.allocate(m.seq_id, m.length, ids, scope, final_tokens=final))
         return [min(hit, m.length - 1) for m, hit in zip(members, hits)]
 
-    def _place_sharing(self, members: List[Sequence], shared: int,
+    def _place_sharing(self, members: List[Sequence], shared: int, tree: List[tuple],
                        reserve: int) -> Optional[List[int]]:
         """A group preempted out of shared memory comes back sharing its history again: the
         leader (``members[0]``) holds the first ``shared`` tokens (all members' common
         history) and computes them once; a member sharing only those is forked from it, one
-        sharing more with an earlier member (``_sharing_tree``) holds that member's units of
-        them; each grows by its own tail and starts after what it shares is computed
+        sharing more with an earlier member (``tree``, ``_history_tree``) holds that member's
+        units of them; each grows by its own tail and starts after what it shares is computed
         (``Sequence.shared_from``). The tokens each may skip, or None and nothing held when
         the group does not fit with ``reserve`` tokens to spare."""
         mgr, share = self.manager, self.config.enable_prefix_sharing
         leader, request = members[0], members[0].request
         ids = [m.token_ids() if share else None for m in members]
-        tree = self._sharing_tree(members, shared)
-        tails = self.group_floor_tokens(members) - shared      # each one's, in whole units
+        tails = self._floor_tokens(members, shared, tree) - shared   # each one's, whole units
         adapter = {} if request.adapter is None else {"adapter": request.adapter}
         if not mgr.can_allocate(shared, ids[0] and ids[0][:shared], request.prefix_scope,
                                 reserve + tails, final_tokens=request.max_total_len, **adapter):
