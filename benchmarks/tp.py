@@ -37,8 +37,12 @@ class _Config:
         torch.set_num_threads(threads)
         self.name, self.threads, self.prompts = f"TP={tp} x{threads} thr", threads, prompts
         self.params = SamplingParams(max_new_tokens=new, ignore_eos=True)
-        self.engine = Engine(model, max_batch=16, max_context=512, tensor_parallel_size=tp,
-                             self_check=False, tp_devices=tp_devices)
+        self.start = lambda: Engine(model, max_batch=16, max_context=512, tensor_parallel_size=tp,
+                                    self_check=False, tp_devices=tp_devices)
+        t0 = time.perf_counter()
+        self.engine = self.start()
+        self.start_s = time.perf_counter() - t0     # TP: the first in this process starts the
+                                                    # rank server (group.rank_context)
         self.engine.generate(prompts[:4], self.params)            # warm-up
         self.walls, self.comm, self.steps, self.tokens = [], [], [], None
         self.per_step = 0.0     # collectives per engine step (TP only)
@@ -67,6 +71,21 @@ class _Config:
                 "kv_MiB_per_rank": self.engine.stats().cache_bytes / 2**20}
 
 
+def _restarts(config: _Config, times: int = 3) -> dict:
+    """Seconds to build and to close an engine like ``config``'s once its rank server runs
+    (medians of ``times``), beside the first build, which started that server."""
+    starts, closes = [], []
+    for _ in range(times):
+        t0 = time.perf_counter()
+        engine = config.start()
+        t1 = time.perf_counter()
+        engine.close()
+        starts.append(t1 - t0)
+        closes.append(time.perf_counter() - t1)
+    return {"tp_start_first_s": config.start_s, "tp_start_again_s": statistics.median(starts),
+            "tp_close_s": statistics.median(closes)}
+
+
 def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int = 2,
         device: str = "cpu", tp_devices=None) -> dict:
     """TP=1 (cores threads, then one) and TP=``world`` (cores / world threads per rank, on
@@ -90,15 +109,19 @@ def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int 
     finally:
         for c in configs:
             c.engine.close()
+    restarts = _restarts(configs[2])       # one tensor-parallel engine per process at a time
     print(format_table(rows, ["system", "tok_s", "wall_s", "comm_share", "collectives_per_step",
                               "threads_per_rank", "kv_MiB_per_rank", "agree"]))
     summary = {"tp_vs_tp1": rows[2]["tok_s"] / rows[0]["tok_s"],
                "tp_vs_tp1_one_thread": rows[2]["tok_s"] / rows[1]["tok_s"],
                "tp_comm_share": rows[2]["comm_share"], "tp_size": world,
-               "tp_collectives_per_step": rows[2]["collectives_per_step"]}
+               "tp_collectives_per_step": rows[2]["collectives_per_step"], **restarts}
     print(f"# TP={world} vs TP=1: {summary['tp_vs_tp1']:.2f}x (vs TP=1 on one thread: "
           f"{summary['tp_vs_tp1_one_thread']:.2f}x); communication {summary['tp_comm_share']:.1%} "
           f"of TP={world}'s step time, {summary['tp_collectives_per_step']:.2f} collectives per step")
+    print(f"# TP={world} engine start: {summary['tp_start_first_s']:.2f} s the first (it starts "
+          f"the rank server), {summary['tp_start_again_s']:.2f} s after; close "
+          f"{summary['tp_close_s']:.2f} s")
     payload = {"environment": env, "rows": rows, "summary": summary}
     write_json(out, payload)
     return payload

@@ -12,12 +12,14 @@ next plan waits as long as rank 0 is alive (an idle engine is not a fault).
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import pickle
 import socket
 import threading
 import time
-from typing import Any, Callable, List, Optional
+from multiprocessing import forkserver
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,7 @@ from vmemkv.runtime.engine.errors import TensorParallelError
 
 IDLE = datetime.timedelta(days=7)   # the group's own timeout: a follower waiting for a plan
 INLINE_BYTES = 64 * 1024            # a plan pickle up to this size crosses in one broadcast
+RANK_MODULE = "vmemkv.runtime.distributed.worker"   # a spawned rank's code (its imports)
 
 
 def free_port() -> int:
@@ -143,28 +146,51 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
-def watch_parent(parent_pid: int, interval_s: float = 0.5) -> None:
-    """In a spawned rank: exit at once if rank 0's process is gone (never an orphan)."""
+def watch_parent() -> None:
+    """In a rank rank 0 started: exit at once when rank 0's process is gone, however it ended
+    (never an orphan). multiprocessing holds a pipe from rank 0 open for each child; it reads
+    end-of-file when rank 0 exits (``parent_process().join()`` returns)."""
+    parent = multiprocessing.parent_process()
+
     def loop() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(3)
-            time.sleep(interval_s)
+        parent.join()
+        os._exit(3)
     threading.Thread(target=loop, name="vmemkv-tp-parent-watch", daemon=True).start()
 
 
-class SpawnedRanks:
-    """Ranks 1..world-1 as child processes of rank 0 on this machine (``spawn``), their start
-    and their end. ``target(rank, world, host, port, parent_pid, payload)`` runs in each."""
+def rank_context(preload: Sequence[str] = ()):
+    """The multiprocessing context ranks start in: ``forkserver``. Its server, started once per
+    process by the first engine that spawns ranks and left running until this process exits,
+    imports torch, vmemkv's rank code and ``preload`` (the model's module) once; each rank
+    forks from it, so a rank starts without a fresh interpreter's imports (about 3 s each
+    under ``spawn``). Forking from that server is CUDA-safe: it never touches CUDA. Preloading
+    is an optimization only: once the server runs (or when a module fails to import there) a
+    rank imports what it needs itself."""
+    ctx = torch.multiprocessing.get_context("forkserver")
+    wanted = [RANK_MODULE, *preload]
+    server = getattr(forkserver, "_forkserver", None)     # CPython's one per process
+    current = [m for m in getattr(server, "_preload_modules", [])
+               if m != "__main__"]   # a rank imports the main module itself, as under spawn
+    ctx.set_forkserver_preload(current + [m for m in wanted if m not in current])
+    return ctx
 
-    def __init__(self, world: int, target: Callable, payload: Any, start_timeout_s: float) -> None:
+
+class SpawnedRanks:
+    """Ranks 1..world-1 as child processes of rank 0 on this machine (``rank_context``), their
+    start and their end. ``target(rank, world, host, port, environ, payload)`` runs in each;
+    ``environ`` is rank 0's environment now (a forked rank inherits the server's, from when it
+    started: the target applies this one first)."""
+
+    def __init__(self, world: int, target: Callable, payload: Any, start_timeout_s: float,
+                 preload: Sequence[str] = ()) -> None:
         self.world, self.port = world, free_port()
         self.store = dist.TCPStore("127.0.0.1", self.port, world, is_master=True,
                                    wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=start_timeout_s))
-        ctx = torch.multiprocessing.get_context("spawn")
+        ctx = rank_context(preload)
+        environ = dict(os.environ)
         self.procs: List = [ctx.Process(target=target, name=f"vmemkv-tp-rank{r}", daemon=True,
-                                        args=(r, world, "127.0.0.1", self.port, os.getpid(), payload))
+                                        args=(r, world, "127.0.0.1", self.port, environ, payload))
                             for r in range(1, world)]
         for p in self.procs:
             p.start()
@@ -184,8 +210,8 @@ class SpawnedRanks:
                     raise TensorParallelError(
                         f"rank {r} exited with code {self.procs[r - 1].exitcode} before '{key}' "
                         f"(its output says why; a script that starts a tensor-parallel engine "
-                        f"must guard it with `if __name__ == '__main__':`, as multiprocessing's "
-                        f"spawn re-imports the main module)")
+                        f"must guard it with `if __name__ == '__main__':`, as each rank "
+                        f"re-imports the main module)")
             if pending and time.monotonic() > deadline:
                 raise TensorParallelError(f"rank(s) {sorted(pending)} did not reach '{key}' within "
                                           f"{timeout_s:g} s")

@@ -25,6 +25,14 @@ from .worker import (MemoryQuery, TPPayload, UnfixScales, adapter_upload, agree_
 LAUNCHES = ("spawn", "env")
 
 
+def _defining_module(model) -> tuple:
+    """The module that defines ``model``'s class (or its loader), which each rank imports to
+    unpickle it: the rank server imports it once (group.rank_context)."""
+    name = (type(model).__module__ if isinstance(model, torch.nn.Module)
+            else getattr(model, "__module__", None))
+    return (name,) if isinstance(name, str) and name not in ("__main__", "__mp_main__") else ()
+
+
 class TensorParallel:
     """Ranks 1..N-1 and rank 0's own shard; ``kv`` is rank 0's manager and cache (the scheduler
     plans on it), ``execute`` runs a plan on every rank."""
@@ -57,7 +65,7 @@ class TensorParallel:
     def _join(self, model, payload: TPPayload, launch: str) -> None:
         if launch == "spawn":
             self.spawned = SpawnedRanks(self.world, spawned_rank_main, replace(payload, model=model),
-                                        payload.start_timeout_s)
+                                        payload.start_timeout_s, preload=_defining_module(model))
             self.spawned.wait_for("joined", payload.start_timeout_s)
             self.device = enter_device(payload.placement, 0)
             init_group(0, self.world, store=dist.PrefixStore("pg", self.spawned.store))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import sys
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -264,10 +265,14 @@ def agree_started(group: RankGroup, ok: bool, timeout_s: float) -> bool:
     return group.min_over_ranks(1 if ok else 0, "start agreement", timeout_s) == 1
 
 
-def spawned_rank_main(rank: int, world: int, host: str, port: int, parent_pid: int,
+def spawned_rank_main(rank: int, world: int, host: str, port: int, environ: dict,
                       payload: TPPayload) -> None:
-    """Entry point of a rank rank 0 spawned: join, build, follow; errors go to the store."""
-    watch_parent(parent_pid)
+    """Entry point of a rank rank 0 spawned: take rank 0's environment (``environ``), join,
+    build, follow; errors go to the store. Ends with ``os._exit``: every resource was released
+    in order above, and an interpreter's teardown with torch loaded costs a second a rank."""
+    os.environ.clear()
+    os.environ.update(environ)
+    watch_parent()
     store = dist.TCPStore(host, port, world, is_master=False,
                           timeout=datetime.timedelta(seconds=payload.start_timeout_s))
 
@@ -288,9 +293,16 @@ def spawned_rank_main(rank: int, world: int, host: str, port: int, parent_pid: i
             report(error)
         except Exception:
             pass
-        os._exit(1)
+        _exit(1)
     finally:
         leave_group()
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def follow(model_or_loader, *, step_timeout_s: float = 60.0, start_timeout_s: float = 300.0) -> None:

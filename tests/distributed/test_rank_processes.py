@@ -1,0 +1,85 @@
+"""The processes behind ``tensor_parallel_size > 1`` (runtime/distributed/group.py): ranks fork
+from one multiprocessing forkserver per process, take rank 0's environment as it is when the
+engine starts (not the server's, from when it started), and never outlive rank 0, however it
+ends. The server stays for the process's lifetime; it ends with rank 0's process."""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from vmemkv.runtime.distributed import worker
+from vmemkv.runtime.engine import Engine, SamplingParams
+from vmemkv.runtime.errors import CacheTooLargeError
+
+from ..engine.conftest import model
+from .test_tensor_parallel import _gone
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("PPid:"))
+
+
+def _engine(**kw) -> Engine:
+    return Engine(model(), max_batch=2, max_context=64, cache="paged", cache_bytes=65536,
+                  tensor_parallel_size=2, self_check=False, **kw)
+
+
+def test_ranks_fork_from_one_server_and_see_rank_0s_environment_of_the_moment(monkeypatch):
+    monkeypatch.delenv(worker.FREE_BYTES_HOOK, raising=False)
+    with _engine() as first:
+        (rank_pid,) = first.tp.rank_pids
+        server = _parent_of(rank_pid)
+        assert server != os.getpid()              # forked by the server, not by rank 0
+        tokens = first.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))[0]
+    assert _gone(rank_pid) and not multiprocessing.active_children()
+    # set after the server started: only rank 0's environment passed at start reaches rank 1
+    monkeypatch.setenv(worker.FREE_BYTES_HOOK, "1:4096")
+    with pytest.raises(CacheTooLargeError, match="tensor-parallel rank 1's KV cache on cpu"):
+        _engine()
+    monkeypatch.delenv(worker.FREE_BYTES_HOOK)
+    with _engine() as again:
+        assert _parent_of(again.tp.rank_pids[0]) == server          # the same server
+        assert again.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))[0].outputs[0] \
+            .token_ids == tokens.outputs[0].token_ids
+    assert not multiprocessing.active_children()
+
+
+RANK_0 = """
+import os, sys, time
+from vmemkv.runtime.engine import Engine
+from vmemkv.runtime.models import build_model
+if __name__ == "__main__":
+    engine = Engine(build_model("tiny-llama"), max_batch=2, max_context=64, cache="paged",
+                    cache_bytes=65536, tensor_parallel_size=2, self_check=False)
+    (rank,) = engine.tp.rank_pids
+    server = next(int(l.split()[1]) for l in open(f"/proc/{rank}/status") if l.startswith("PPid:"))
+    print(rank, server, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_killing_rank_0_ends_its_ranks_and_the_server(tmp_path):
+    script = tmp_path / "rank0.py"
+    script.write_text(RANK_0)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            cwd=ROOT)
+    try:
+        rank, server = map(int, proc.stdout.readline().split())
+        proc.send_signal(signal.SIGKILL)       # no finally, no atexit: only the kernel's cleanup
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while not (_gone(rank) and _gone(server)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(rank) and _gone(server)
+    finally:
+        proc.kill()
+        proc.wait()
