@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .errors import OutOfCapacityError, SchedulerError, UnknownSequenceError
+from .errors import OutOfCapacityError, RequestTooLargeError, SchedulerError, UnknownSequenceError
 from .request import Sequence, SeqState
 
 
@@ -43,6 +43,28 @@ class BeamGroups:
     """Beam-group scheduling (a mixin over Scheduler: ``running``, ``waiting``, ``swapped``,
     ``seqs``, ``manager``, ``config``, ``_decoded``, ``_scheduled``, ``_unfinished_samples``,
     ``_preempt``, ``_swappable``, ``_requeue``, ``_fits``, ``_pin``, ``_unpin``)."""
+
+    def _check_beam_group_fits(self, request) -> None:
+        """RequestTooLargeError when a beam request's group could never run: more beams than a
+        step runs, or more memory than the whole cache at its first decode step, where each
+        beam writes its first output token into a unit of its own (a fork shares whole units
+        only) beside the prompt's whole units, held once. Checked where token counts are
+        exact: a fixed pool, forks that share, no window (a hybrid's window parts hold less)."""
+        width, prompt, unit = request.beam_width, request.prompt_len, self.manager.fork_unit_tokens
+        if width > self.config.max_running:
+            raise RequestTooLargeError(
+                f"request {request.request_id}: beam_width {width} exceeds the "
+                f"{self.config.max_running} sequences a step runs (max_running)")
+        if (request.max_tokens < 2 or not unit or self.growable or self.manager.window_tokens
+                or self.manager.cache_bytes == 0):
+            return
+        need = prompt // unit * unit + width * unit
+        if need > self.total_tokens:
+            raise RequestTooLargeError(
+                f"request {request.request_id}: a beam search of {width} beams over a "
+                f"{prompt}-token prompt holds at least {need} tokens from its first decode step "
+                f"(the prompt's whole {unit}-token units once, then a unit of each beam's own), "
+                f"more than the cache's {self.total_tokens} tokens")
 
     # ---- what the beam search says after a step (between schedule and update) -------------
     def branch(self, parent_id: int, count: int) -> List[int]:

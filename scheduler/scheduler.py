@@ -107,10 +107,8 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
             raise RequestTooLargeError(
                 f"request {request.request_id}: {final} tokens can never fit; the cache holds "
                 f"{self.max_fit_tokens} tokens of one sequence at most")
-        if request.beam_width > self.config.max_running:
-            raise RequestTooLargeError(
-                f"request {request.request_id}: beam_width {request.beam_width} exceeds the "
-                f"{self.config.max_running} sequences a step runs (max_running)")
+        if request.beam_width:
+            self._check_beam_group_fits(request)
         if request.adapter is not None:
             check_adapter_fits(request, self.manager, self._fit_pool_bytes)
         if request.request_id in self._unfinished_samples:
@@ -283,8 +281,10 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
     def _never_fits(self, seq: Sequence, what: str) -> None:
         """RequestTooLargeError naming ``seq``'s request, which ``what`` with nothing else
         running (a beam group in private memory after a preemption: each beam its own copy)."""
+        group = (f", one of the {seq.request.beam_width} beams of a beam search, which hold a "
+                 f"unit each and run together" if seq.beam_width else "")
         raise RequestTooLargeError(
-            f"sequence {seq.seq_id} ({seq.length} tokens) {what} of {self.total_tokens} tokens"
+            f"sequence {seq.seq_id} ({seq.length} tokens{group}) {what} of {self.total_tokens} tokens"
             f"{' (its max)' if self.growable else ''} under policy {self.manager.name!r}",
             request_id=seq.request.request_id)
 

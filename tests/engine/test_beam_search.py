@@ -6,7 +6,7 @@ import pytest
 
 from vmemkv.runtime.engine import Engine, SamplingParams
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
-from vmemkv.runtime.engine.errors import BeamSearchParamsError
+from vmemkv.runtime.engine.errors import BeamSearchParamsError, RequestRejectedError
 
 from .beam_reference import beam_mismatches, hf_beams
 from .conftest import model, prompts
@@ -114,8 +114,9 @@ def test_a_request_swapped_or_recomputed_in_a_batch_finishes_where_it_finishes_a
     assert stats.num_swap_preemptions > 0
     assert [o.status for o in out] == [a.status for a in alone]
     for i in [i for i, o in enumerate(out) if o.status == "failed"]:
-        assert out[i].error.type == "RequestTooLargeError" and "(37 tokens) cannot grow in a " \
-            "cache of 56 tokens" in out[i].error.message
+        assert out[i].error.type == "RequestTooLargeError" and "(37 tokens, one of the 4 beams " \
+            "of a beam search, which hold a unit each and run together) cannot grow in a cache " \
+            "of 56 tokens" in out[i].error.message
     finished = [i for i, o in enumerate(out) if o.status == "finished"]
     assert len(finished) == (3 if cache_kib == 28 else 4)
     ref = reference("tiny-llama", batch, params, ())
@@ -164,6 +165,30 @@ def test_beam_width_past_max_batch_is_refused_before_anything_is_queued():
             engine.beam_search([[1, 2, 3], [4, 5]], BeamSearchParams(5, max_new_tokens=4))
         assert error.value.field == "beam_width"
         assert not engine.has_unfinished() and engine.kv.manager.stats().live_tokens == 0
+
+
+@pytest.mark.parametrize("cache,cache_kib", [("vmem", 32), ("paged", 6)])
+def test_a_beam_group_that_cannot_hold_a_unit_per_beam_is_refused_when_added(cache, cache_kib):
+    # each beam writes its first output token into a unit of its own, beside the prompt's
+    # whole units: fp8 K/V on 4 KiB pages makes 128-token page groups, so 3 beams over a
+    # 29-token prompt hold 3 x 128 tokens from their first decode, more than 32 KiB's 256 (paged,
+    # 16-token blocks: 16 + 3 x 16 = 64 > 6 KiB's 48 tokens). Before: accepted, then failed
+    # after its prefill. One more unit's room runs it.
+    options = dict(cache=cache, max_batch=4, max_context=128, kv_cache_dtype="fp8_e4m3",
+                   **({"page_bytes": 4096} if cache == "vmem" else {"block_size": 16}))
+    params, prompt = BeamSearchParams(3, max_new_tokens=4, ignore_eos=True), list(range(3, 32))
+    need, total = (384, 256) if cache == "vmem" else (64, 48)
+    with Engine(model(), cache_bytes=cache_kib * 1024, **options) as engine:
+        assert engine.scheduler.total_tokens == total
+        with pytest.raises(RequestRejectedError, match=f"a beam search of 3 beams over a "
+                                                       f"29-token prompt holds at least {need} "
+                                                       f"tokens .* more than the cache's {total}"):
+            engine.add_beam_request(prompt, params)
+        assert not engine.has_unfinished() and engine.kv.manager.stats().live_tokens == 0
+        assert engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2)) is not None
+    with Engine(model(), cache_bytes=cache_kib * 1024 * need // total, **options) as engine:
+        (out,) = engine.beam_search([prompt], params)
+        assert out.status == "finished" and len(out.outputs) == 3
 
 
 def test_abort_frees_every_beam_and_keeps_the_beams_so_far():
