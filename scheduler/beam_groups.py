@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from .errors import OutOfCapacityError, RequestTooLargeError, SchedulerError, UnknownSequenceError
+from .layout import PoolBacking
 from .request import Sequence, SeqState
 
 
@@ -49,7 +50,9 @@ class BeamGroups:
         step runs, or more memory than the whole cache at its first decode step, where each
         beam writes its first output token into a unit of its own (a fork shares whole units
         only) beside the prompt's whole units, held once. Checked where token counts are
-        exact: a fixed pool, forks that share, no window (a hybrid's window parts hold less)."""
+        exact: a fixed pool of whole units of one layer kind, forks that share, no window (a
+        hybrid's window parts hold less; units straddling pages are backed by the bytes they
+        need)."""
         width, prompt, unit = request.beam_width, request.prompt_len, self.manager.fork_unit_tokens
         if width > self.config.max_running:
             raise RequestTooLargeError(
@@ -57,6 +60,9 @@ class BeamGroups:
                 f"{self.config.max_running} sequences a step runs (max_running)")
         if (request.max_tokens < 2 or not unit or self.growable or self.manager.window_tokens
                 or self.manager.cache_bytes == 0):
+            return
+        layout = self.manager.layout()     # units backed whole, one kind: tokens are whole units
+        if layout.backing is not PoolBacking.WHOLE or len(layout.kinds) > 1 or layout.block_groups:
             return
         need = prompt // unit * unit + width * unit
         if need > self.total_tokens:
