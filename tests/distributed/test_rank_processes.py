@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -73,6 +74,8 @@ def test_killing_rank_0_ends_its_ranks_and_the_server(tmp_path):
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                             cwd=ROOT)
     try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready, "rank 0's script printed nothing in 120 s"
         rank, server = map(int, proc.stdout.readline().split())
         proc.send_signal(signal.SIGKILL)       # no finally, no atexit: only the kernel's cleanup
         proc.wait(10)
