@@ -26,7 +26,7 @@ class EngineAdapters:
     """Adapters by name and by digest for one engine's model and cache."""
 
     def __init__(self, model, manager, in_use: Callable[[], Iterable[str]],
-                 hooked_model=None) -> None:
+                 hooked_model=None, host_copies: int = 1) -> None:
         from vmemkv.runtime.lora.executor import AdapterExecutor
         self._model = model              # adapters are checked against it (the whole model)
         self._manager = manager
@@ -34,6 +34,7 @@ class EngineAdapters:
         self._by_name: Dict[str, object] = {}     # name -> LoraAdapter
         self._by_digest: Dict[str, object] = {}   # digest -> LoraAdapter (named or in use)
         self._orphans = False            # host copies kept only for live requests
+        self._host_copies = host_copies  # processes holding each adapter (tensor-parallel ranks)
         # the forwards run on hooked_model: rank 0's shard under tensor parallelism
         self.executor = AdapterExecutor(hooked_model or model, self.host_copy)
 
@@ -55,7 +56,7 @@ class EngineAdapters:
         if name in self._by_name and not replace:
             raise EngineConfigError(f"add_lora: an adapter named {name!r} is loaded; "
                                     f"remove_lora({name!r}) first, or pass replace=True")
-        adapter = LoraAdapter.load(path, self._model)
+        adapter = LoraAdapter.load(path, self._model, host_copies=self._host_copies)
         ref = AdapterRef(name, adapter.digest, adapter.num_bytes)
         pages = self._manager.adapter_pages(ref.num_bytes)
         most = self._manager.max_adapter_pages()

@@ -161,7 +161,8 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         self._draws: list = []   # the step's generators before it sampled (undone with the step)
         self.plan_failures = 0                       # failed plan executions, all time
         self.adapters = EngineAdapters(model, self.kv.manager, self._live_adapters,
-                                       hooked_model=self.runner.model)   # TP: rank 0's shard
+                                       hooked_model=self.runner.model,   # TP: rank 0's shard
+                                       host_copies=cfg.tensor_parallel_size)
         self.runner.adapters = self.adapters
         if self.tp is not None:      # the other ranks get an adapter's weights with its load
             self.tp.host_adapter = self.adapters.host_copy

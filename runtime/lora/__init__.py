@@ -11,8 +11,8 @@ token row inside the HF model's own forward (``attach_lora``, ``LoraBatch``).
 """
 from .adapter import WEIGHTS_FILE, LoraAdapter
 from .config import CONFIG_FILE, AdapterConfig
-from .errors import (LoraBatchError, LoraBufferError, LoraConfigError, LoraError, LoraTargetError,
-                     LoraWeightsError)
+from .errors import (LoraBatchError, LoraBufferError, LoraConfigError, LoraError, LoraMemoryError,
+                     LoraTargetError, LoraWeightsError)
 from .layers import PROJECTIONS, LoraBatch, LoraSlots, attach_lora, supported_modules
 from .weights import ALIGN_BYTES, AdapterWeights, ModuleLora
 
@@ -20,5 +20,5 @@ __all__ = [
     "LoraAdapter", "AdapterConfig", "AdapterWeights", "ModuleLora", "LoraBatch", "LoraSlots",
     "attach_lora", "supported_modules", "PROJECTIONS", "ALIGN_BYTES", "CONFIG_FILE", "WEIGHTS_FILE",
     "LoraError", "LoraConfigError", "LoraWeightsError", "LoraTargetError", "LoraBufferError",
-    "LoraBatchError",
+    "LoraBatchError", "LoraMemoryError",
 ]

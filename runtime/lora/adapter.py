@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 from typing import Dict, Mapping, Tuple
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from .config import AdapterConfig, read_config
-from .errors import LoraConfigError, LoraTargetError, LoraWeightsError
+from .errors import LoraConfigError, LoraMemoryError, LoraTargetError, LoraWeightsError
 from .layers import PROJECTIONS, supported_modules
 from .weights import AdapterWeights, FlatLayout, ModuleLora
 
@@ -52,13 +53,16 @@ class LoraAdapter:
             b_slot.view(self._image).copy_(b)
 
     @classmethod
-    def load(cls, path, model: nn.Module) -> "LoraAdapter":
+    def load(cls, path, model: nn.Module, host_copies: int = 1) -> "LoraAdapter":
         """Read the adapter at directory ``path`` for ``model``; raise a ``LoraError`` subclass
-        naming the path and the field, tensor or module at fault."""
+        naming the path and the field, tensor or module at fault, and ``LoraMemoryError`` before
+        reading the weights when ``host_copies`` copies of them (one per process that will hold
+        them) would exceed the host's available memory."""
         path = os.fspath(path)
         if not os.path.isdir(path):
             raise LoraConfigError(f"LoRA adapter {path!r}: not a directory")
         config = read_config(path)
+        _check_host_memory(path, model, host_copies)
         pairs = _pairs(path, _read_tensors(path))
         targets = supported_modules(model)
         shapes = {}
@@ -96,6 +100,32 @@ class LoraAdapter:
         buffer = torch.empty(self.num_bytes, dtype=torch.uint8, device=device)
         self.pack_into(buffer)
         return self.views(buffer)
+
+
+def _check_host_memory(path: str, model: nn.Module, host_copies: int) -> None:
+    """LoraMemoryError when ``host_copies`` x (the file's tensors as read + their flat copy in
+    the model's widest float dtype) exceeds the host's MemAvailable; the sizes come from the
+    safetensors header alone. A file that cannot be read is left to ``_read_tensors``."""
+    from safetensors import safe_open
+
+    from vmemkv.runtime import memory
+    file = os.path.join(path, WEIGHTS_FILE)
+    try:
+        with safe_open(file, framework="pt") as weights:
+            numel = sum(math.prod(weights.get_slice(key).get_shape()) for key in weights.keys())
+        file_bytes = os.path.getsize(file)
+    except Exception:   # noqa: BLE001 - missing or malformed: _read_tensors says which
+        return
+    itemsize = max((p.dtype.itemsize for p in model.parameters() if p.is_floating_point()),
+                   default=4)
+    need_bytes = host_copies * (file_bytes + numel * itemsize)
+    available = memory.available_memory_bytes(torch.device("cpu"))
+    if available is not None and need_bytes > available:
+        copies = f" x {host_copies} processes" if host_copies > 1 else ""
+        raise LoraMemoryError(f"LoRA adapter {path!r}: loading it needs {need_bytes} bytes of "
+                              f"host memory ({file_bytes} read + {numel * itemsize} in the "
+                              f"model's dtype{copies}), more than the {available} bytes "
+                              f"available (host MemAvailable)")
 
 
 def _read_tensors(path: str) -> Dict[str, torch.Tensor]:

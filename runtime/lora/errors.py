@@ -24,6 +24,12 @@ class LoraTargetError(LoraError):
     (embeddings, lm_head, ...), or one whose shape differs from the adapter's."""
 
 
+class LoraMemoryError(LoraError, MemoryError):
+    """Loading the adapter would take more host memory than is available (``MemAvailable``):
+    the file's tensors and their copy in the model's dtype, once per process that holds the
+    adapter (every tensor-parallel rank). Raised before a byte of the weights is read."""
+
+
 class LoraBufferError(LoraError):
     """A buffer handed to ``pack_into``/``views`` is not a 1-D uint8 tensor, aligned to 64
     bytes, of at least the adapter's ``num_bytes``."""

@@ -7,6 +7,7 @@ the resident ones only."""
 from __future__ import annotations
 
 import multiprocessing
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +83,23 @@ def test_a_model_that_served_adapters_on_one_process_serves_them_sharded(adapter
         with Engine(model, max_batch=2, max_context=64, tensor_parallel_size=world) as engine:
             engine.add_lora("b8", adapter_dirs["b8"])
             assert tokens(engine.generate([prompt], params)) == expected, f"TP={world}"
+
+
+def test_add_lora_checks_host_memory_for_a_copy_on_every_rank(monkeypatch, adapter_dirs):
+    """Every rank holds the adapter's host copy (rank 0 sends it with the plan that loads it),
+    so two ranks need twice one process's bytes: refused when only one copy fits."""
+    from safetensors.torch import load_file
+
+    from vmemkv.runtime import memory
+    from vmemkv.runtime.lora import LoraMemoryError
+    file = Path(adapter_dirs["a4"]) / "adapter_model.safetensors"
+    one = file.stat().st_size + 4 * sum(t.numel() for t in load_file(file).values())
+    with Engine(build_model(FAMILY, seed=0), max_batch=2, max_context=64,
+                tensor_parallel_size=2, self_check=False) as engine:
+        monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 2 * one - 1)
+        with pytest.raises(LoraMemoryError, match=f"needs {2 * one} bytes .* x 2 processes"):
+            engine.add_lora("a4", adapter_dirs["a4"])
+        assert engine.adapters.names == []
+        monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 2 * one)
+        engine.add_lora("a4", adapter_dirs["a4"])
+        assert engine.adapters.names == ["a4"]

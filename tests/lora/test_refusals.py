@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from vmemkv.runtime.errors import RuntimeKVError
-from vmemkv.runtime.lora import (LoraAdapter, LoraConfigError, LoraError, LoraTargetError,
-                                 LoraWeightsError)
+from vmemkv.runtime import memory
+from vmemkv.runtime.lora import (LoraAdapter, LoraConfigError, LoraError, LoraMemoryError,
+                                 LoraTargetError, LoraWeightsError)
 from vmemkv.runtime.models import build_model
 
 from .adapters import save_adapter
@@ -155,6 +156,45 @@ def test_a_and_b_of_different_ranks_are_refused(model, adapter_dir):
 
 def test_refusals_are_user_errors_of_the_runtime():
     # the CLI and the server report a ValueError as the user's, in one line
-    for error in (LoraConfigError, LoraWeightsError, LoraTargetError):
+    for error in (LoraConfigError, LoraWeightsError, LoraTargetError, LoraMemoryError):
         assert issubclass(error, LoraError) and issubclass(error, ValueError)
         assert issubclass(error, RuntimeKVError)
+    assert issubclass(LoraMemoryError, MemoryError)
+
+
+def _load_bytes(model, path) -> int:
+    """One host copy's bytes: the file's tensors as read, and every weight in the model's dtype."""
+    numel = sum(t.numel() for t in load_file(path / "adapter_model.safetensors").values())
+    return (path / "adapter_model.safetensors").stat().st_size + numel * 4   # fp32 model
+
+
+def test_an_adapter_larger_than_the_hosts_available_memory_is_refused_before_reading(
+        model, adapter_dir, monkeypatch):
+    need = _load_bytes(model, adapter_dir)
+    read = []
+    monkeypatch.setattr("vmemkv.runtime.lora.adapter._read_tensors", lambda p: read.append(p))
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: need - 1)
+    with pytest.raises(LoraMemoryError, match=f"needs {need} bytes of host memory .* more than "
+                                              f"the {need - 1} bytes available"):
+        LoraAdapter.load(adapter_dir, model)
+    # one copy per process that holds it: two tensor-parallel ranks need twice the bytes
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 2 * need - 1)
+    with pytest.raises(LoraMemoryError, match=f"needs {2 * need} bytes .* x 2 processes"):
+        LoraAdapter.load(adapter_dir, model, host_copies=2)
+    assert read == []                                       # refused before reading the weights
+    monkeypatch.undo()
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: need)
+    assert LoraAdapter.load(adapter_dir, model).num_bytes > 0    # exactly fits
+
+
+def test_engine_add_lora_short_of_host_memory_changes_nothing(model, adapter_dir, monkeypatch):
+    from vmemkv.runtime.engine import Engine, SamplingParams
+    with Engine(build_model("tiny-llama"), max_batch=2, max_context=64) as engine:
+        monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 1000)
+        with pytest.raises(LoraMemoryError, match="1000 bytes available"):
+            engine.add_lora("a", adapter_dir)
+        assert engine.adapters.names == [] and not engine.adapters
+        monkeypatch.undo()
+        engine.add_lora("a", adapter_dir)
+        out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, lora="a"))
+        assert out[0].status == "finished"
