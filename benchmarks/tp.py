@@ -73,17 +73,34 @@ class _Config:
 
 def _restarts(config: _Config, times: int = 3) -> dict:
     """Seconds to build and to close an engine like ``config``'s once its rank server runs
-    (medians of ``times``), beside the first build, which started that server."""
-    starts, closes = [], []
-    for _ in range(times):
-        t0 = time.perf_counter()
-        engine = config.start()
-        t1 = time.perf_counter()
-        engine.close()
-        starts.append(t1 - t0)
-        closes.append(time.perf_counter() - t1)
-    return {"tp_start_first_s": config.start_s, "tp_start_again_s": statistics.median(starts),
-            "tp_close_s": statistics.median(closes)}
+    (medians of ``times``), beside the first build, which started that server, and the same
+    with ranks started by ``spawn`` (a fresh interpreter each, the method before the server)."""
+    from vmemkv.runtime.distributed.group import START_METHOD_ENV
+
+    def timed() -> tuple:
+        starts, closes = [], []
+        for _ in range(times):
+            t0 = time.perf_counter()
+            engine = config.start()
+            t1 = time.perf_counter()
+            engine.close()
+            starts.append(t1 - t0)
+            closes.append(time.perf_counter() - t1)
+        return statistics.median(starts), statistics.median(closes)
+
+    again, close = timed()
+    before = os.environ.get(START_METHOD_ENV)
+    os.environ[START_METHOD_ENV] = "spawn"
+    try:
+        spawn_start, spawn_close = timed()
+    finally:
+        if before is None:
+            del os.environ[START_METHOD_ENV]
+        else:
+            os.environ[START_METHOD_ENV] = before
+    return {"tp_start_first_s": config.start_s, "tp_start_again_s": again, "tp_close_s": close,
+            "tp_start_spawn_s": spawn_start, "tp_close_spawn_s": spawn_close,
+            "tp_start_spawn_over_again": spawn_start / again}
 
 
 def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int = 2,
@@ -109,7 +126,7 @@ def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int 
     finally:
         for c in configs:
             c.engine.close()
-    restarts = _restarts(configs[2])       # one tensor-parallel engine per process at a time
+    restarts = _restarts(configs[2], repeats)   # one tensor-parallel engine per process at a time
     print(format_table(rows, ["system", "tok_s", "wall_s", "comm_share", "collectives_per_step",
                               "threads_per_rank", "kv_MiB_per_rank", "agree"]))
     summary = {"tp_vs_tp1": rows[2]["tok_s"] / rows[0]["tok_s"],
@@ -120,8 +137,9 @@ def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int 
           f"{summary['tp_vs_tp1_one_thread']:.2f}x); communication {summary['tp_comm_share']:.1%} "
           f"of TP={world}'s step time, {summary['tp_collectives_per_step']:.2f} collectives per step")
     print(f"# TP={world} engine start: {summary['tp_start_first_s']:.2f} s the first (it starts "
-          f"the rank server), {summary['tp_start_again_s']:.2f} s after; close "
-          f"{summary['tp_close_s']:.2f} s")
+          f"the rank server), {summary['tp_start_again_s']:.2f} s after, close "
+          f"{summary['tp_close_s']:.2f} s; with spawn {summary['tp_start_spawn_s']:.2f} s and "
+          f"{summary['tp_close_spawn_s']:.2f} s ({summary['tp_start_spawn_over_again']:.1f}x)")
     payload = {"environment": env, "rows": rows, "summary": summary}
     write_json(out, payload)
     return payload

@@ -24,11 +24,13 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from vmemkv.runtime.engine.errors import TensorParallelError
+from vmemkv.runtime.engine.errors import TensorParallelConfigError, TensorParallelError
 
 IDLE = datetime.timedelta(days=7)   # the group's own timeout: a follower waiting for a plan
 INLINE_BYTES = 64 * 1024            # a plan pickle up to this size crosses in one broadcast
 RANK_MODULE = "vmemkv.runtime.distributed.worker"   # a spawned rank's code (its imports)
+START_METHOD_ENV = "VMEMKV_TP_START_METHOD"         # how spawned ranks start (rank_context)
+START_METHODS = ("forkserver", "spawn")
 
 
 def free_port() -> int:
@@ -159,19 +161,25 @@ def watch_parent() -> None:
 
 
 def rank_context(preload: Sequence[str] = ()):
-    """The multiprocessing context ranks start in: ``forkserver``. Its server, started once per
+    """The multiprocessing context ranks start in: ``forkserver`` (``START_METHOD_ENV`` set to
+    ``spawn`` chooses a fresh interpreter per rank instead). The server, started once per
     process by the first engine that spawns ranks and left running until this process exits,
     imports torch, vmemkv's rank code and ``preload`` (the model's module) once; each rank
     forks from it, so a rank starts without a fresh interpreter's imports (about 3 s each
     under ``spawn``). Forking from that server is CUDA-safe: it never touches CUDA. Preloading
     is an optimization only: once the server runs (or when a module fails to import there) a
-    rank imports what it needs itself."""
-    ctx = torch.multiprocessing.get_context("forkserver")
-    wanted = [RANK_MODULE, *preload]
-    server = getattr(forkserver, "_forkserver", None)     # CPython's one per process
-    current = [m for m in getattr(server, "_preload_modules", [])
-               if m != "__main__"]   # a rank imports the main module itself, as under spawn
-    ctx.set_forkserver_preload(current + [m for m in wanted if m not in current])
+    rank imports what it needs itself. TensorParallelConfigError for another method."""
+    method = os.environ.get(START_METHOD_ENV, "forkserver")
+    if method not in START_METHODS:
+        raise TensorParallelConfigError(f"{START_METHOD_ENV}={method!r}: ranks start with one of "
+                                        f"{', '.join(START_METHODS)}")
+    ctx = torch.multiprocessing.get_context(method)
+    if method == "forkserver":
+        wanted = [RANK_MODULE, *preload]
+        server = getattr(forkserver, "_forkserver", None)     # CPython's one per process
+        current = [m for m in getattr(server, "_preload_modules", [])
+                   if m != "__main__"]   # a rank imports the main module itself, as under spawn
+        ctx.set_forkserver_preload(current + [m for m in wanted if m not in current])
     return ctx
 
 
@@ -183,11 +191,11 @@ class SpawnedRanks:
 
     def __init__(self, world: int, target: Callable, payload: Any, start_timeout_s: float,
                  preload: Sequence[str] = ()) -> None:
+        ctx = rank_context(preload)
         self.world, self.port = world, free_port()
         self.store = dist.TCPStore("127.0.0.1", self.port, world, is_master=True,
                                    wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=start_timeout_s))
-        ctx = rank_context(preload)
         environ = dict(os.environ)
         self.procs: List = [ctx.Process(target=target, name=f"vmemkv-tp-rank{r}", daemon=True,
                                         args=(r, world, "127.0.0.1", self.port, environ, payload))

@@ -54,6 +54,16 @@ def test_ranks_fork_from_one_server_and_see_rank_0s_environment_of_the_moment(mo
     assert not multiprocessing.active_children()
 
 
+def test_an_unknown_start_method_is_refused_by_name_and_starts_nothing(monkeypatch):
+    from vmemkv.runtime.distributed.group import START_METHOD_ENV
+    from vmemkv.runtime.engine.errors import TensorParallelConfigError
+    monkeypatch.setenv(START_METHOD_ENV, "fork")
+    with pytest.raises(TensorParallelConfigError, match="VMEMKV_TP_START_METHOD='fork': ranks "
+                                                        "start with one of forkserver, spawn"):
+        _engine()
+    assert not multiprocessing.active_children()
+
+
 RANK_0 = """
 import os, sys, time
 from vmemkv.runtime.engine import Engine
