@@ -32,6 +32,7 @@ class EngineAdapters:
         self._manager = manager
         self._in_use = in_use            # digests live requests run with (the engine's)
         self._by_name: Dict[str, object] = {}     # name -> LoraAdapter
+        self._refs: Dict[str, AdapterRef] = {}    # name -> its AdapterRef (bytes: as held)
         self._by_digest: Dict[str, object] = {}   # digest -> LoraAdapter (named or in use)
         self._orphans = False            # host copies kept only for live requests
         self._host_copies = host_copies  # processes holding each adapter (tensor-parallel ranks)
@@ -57,7 +58,7 @@ class EngineAdapters:
             raise EngineConfigError(f"add_lora: an adapter named {name!r} is loaded; "
                                     f"remove_lora({name!r}) first, or pass replace=True")
         adapter = LoraAdapter.load(path, self._model, host_copies=self._host_copies)
-        ref = AdapterRef(name, adapter.digest, adapter.num_bytes)
+        ref = AdapterRef(name, adapter.digest, self.executor.held(adapter).num_bytes)
         pages = self._manager.adapter_pages(ref.num_bytes)
         most = self._manager.max_adapter_pages()
         if pages > most:
@@ -65,9 +66,8 @@ class EngineAdapters:
                 f"add_lora: adapter {name!r} needs {ref.num_bytes} bytes ({pages} pool pages), "
                 f"more than this cache can ever give adapters ({most} pages); build the engine "
                 f"with a larger cache_bytes")
-        self.executor.attach()
         old = self._by_name.get(name)
-        self._by_name[name] = adapter
+        self._by_name[name], self._refs[name] = adapter, ref
         self._by_digest.setdefault(adapter.digest, adapter)
         if old is not None:
             self.collect()
@@ -78,7 +78,7 @@ class EngineAdapters:
         if name not in self._by_name:
             raise EngineConfigError(f"remove_lora: no adapter named {name!r} (loaded: "
                                     f"{self.names or 'none'})")
-        del self._by_name[name]
+        del self._by_name[name], self._refs[name]
         self.collect()
 
     def collect(self) -> None:
@@ -94,12 +94,12 @@ class EngineAdapters:
         """The request's AdapterRef; RequestRejectedError naming ``lora`` when unknown."""
         if name is None:
             return None
-        adapter = self._by_name.get(name)
-        if adapter is None:
+        ref = self._refs.get(name)
+        if ref is None:
             raise RequestRejectedError(f"prompt {index} rejected: SamplingParams.lora names no "
                                        f"loaded adapter: {name!r} (loaded: {self.names or 'none'})",
                                        index)
-        return AdapterRef(name, adapter.digest, adapter.num_bytes)
+        return ref
 
     # ---- executor side: the model runner calls these each step ----------------------------
     def host_copy(self, digest: str):

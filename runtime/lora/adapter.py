@@ -16,7 +16,7 @@ import json
 import math
 import os
 import re
-from typing import Dict, Mapping, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<part>lora_A|lor
 _EMBEDDING_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_embedding_[AB]$")
 
 Pair = Tuple[torch.Tensor, torch.Tensor]   # (A [r, in], B [out, r]) as stored in the file
+Cut = Tuple[Optional[slice], Optional[slice]]   # (B's rows, A's columns) one rank keeps
 
 
 class LoraAdapter:
@@ -40,12 +41,12 @@ class LoraAdapter:
     ``pack_into`` copies in one go; ``views``). Build with ``LoraAdapter.load``."""
 
     def __init__(self, path: str, config: AdapterConfig, pairs: Mapping[str, Pair],
-                 layout: FlatLayout) -> None:
+                 layout: FlatLayout, digest: Optional[str] = None) -> None:
         self.path = path
         self.config = config
         self.layout = layout
         self.scales = {module: config.scale_of(module) for module in sorted(pairs)}
-        self.digest = _digest(config, pairs)
+        self.digest = digest or _digest(config, pairs)
         self._image = torch.zeros(layout.num_bytes, dtype=torch.uint8)   # padding stays zero
         for module, (a, b) in pairs.items():
             a_slot, b_slot = layout.slots[module]
@@ -94,6 +95,23 @@ class LoraAdapter:
         modules = {module: ModuleLora(a_slot.view(buffer), b_slot.view(buffer), self.scales[module])
                    for module, (a_slot, b_slot) in self.layout.slots.items()}
         return AdapterWeights(digest=self.digest, modules=modules)
+
+    def sliced(self, cuts: Mapping[str, Cut]) -> "LoraAdapter":
+        """This adapter as one tensor-parallel rank holds it: per module in ``cuts``, B's rows
+        ``out_rows`` (a column-parallel shard's outputs) and A's columns ``in_cols`` (a
+        row-parallel shard's inputs), either None for whole; same digest, scales and path.
+        Itself when no module it targets is cut."""
+        if not any(cuts.get(module, (None, None)) != (None, None) for module in self.modules):
+            return self
+        whole = self.views(self._image)
+        pairs, shapes = {}, {}
+        for module, lora in whole.modules.items():
+            out_rows, in_cols = cuts.get(module, (None, None))
+            a = lora.a if in_cols is None else lora.a[:, in_cols]
+            b = lora.b if out_rows is None else lora.b[out_rows]
+            pairs[module] = (a, b)
+            shapes[module] = (tuple(a.shape), tuple(b.shape), a.dtype)
+        return LoraAdapter(self.path, self.config, pairs, FlatLayout.plan(shapes), self.digest)
 
     def materialize(self, device="cpu") -> AdapterWeights:
         """The weights in a buffer of their own on ``device`` (for callers without pool pages)."""

@@ -1,6 +1,8 @@
 """The executor side of LoRA adapters on one model (the engine's, or a tensor-parallel rank's
-shard): a ``LoadAdapter`` op's weights are written into the pool pages the cache mapped for it,
-and each step's rows get their adapters' weights as zero-copy views of those pages.
+shard): a ``LoadAdapter`` op's weights (a shard's slice of them: B's rows of its column-parallel
+projections, A's columns of its row-parallel ones) are written into the pool pages the cache
+mapped for it, and each step's rows get their adapters' weights as zero-copy views of those
+pages.
 
     executor = AdapterExecutor(model, host_copy)   # host_copy(digest) -> LoraAdapter or None
     executor.apply(plan.ops, cache)                # after the cache executed the ops
@@ -28,6 +30,8 @@ class AdapterExecutor:
         self._model = model
         self._host_copy = host_copy      # digest -> LoraAdapter (its host image and layout)
         self._slots = None               # runtime.lora.LoraSlots, attached on first use
+        self._cuts: Dict[str, tuple] = {}    # module -> (B's rows, A's columns) a shard keeps
+        self._sliced: Dict[str, object] = {}  # digest -> this model's slice of the adapter
         self._views: Dict[str, tuple] = {}   # digest -> (buffer address, AdapterWeights)
         self.loads = 0                   # LoadAdapter ops executed (weights written)
 
@@ -35,12 +39,23 @@ class AdapterExecutor:
         """Hook the model's projections (idempotent; without a batch they change nothing)."""
         if self._slots is None:
             self._slots = attach_lora(self._model)
+            self._cuts = {name: (getattr(module, "lora_out_rows", None),
+                                 getattr(module, "lora_in_cols", None))
+                          for name, module in self._slots.hooked.items()}
+
+    def held(self, adapter):
+        """``adapter`` as this model holds it in its pool: whole on one process, a
+        tensor-parallel shard's slice of each module (``LoraAdapter.sliced``)."""
+        self.attach()
+        return adapter.sliced(self._cuts)
 
     def apply(self, ops, cache) -> None:
-        """After a plan's ops ran: write each loaded adapter's weights into its pool pages."""
+        """After a plan's ops ran: write each loaded adapter's weights (this model's slice)
+        into its pool pages."""
         for op in ops:
             if isinstance(op, LoadAdapter):
-                adapter = self._host_copy(op.adapter_id)
+                self._sliced.pop(op.adapter_id, None)
+                adapter = self._held(op.adapter_id)
                 if adapter is None:   # a bug: the scheduler pinned an adapter nobody holds
                     raise LoraBatchError(f"adapter {op.adapter_id[:12]} loaded with no weights")
                 adapter.pack_into(cache.adapter_buffer(op.adapter_id))
@@ -48,6 +63,16 @@ class AdapterExecutor:
                 self.loads += 1
             elif isinstance(op, EvictAdapter):
                 self._views.pop(op.adapter_id, None)
+                self._sliced.pop(op.adapter_id, None)
+
+    def _held(self, digest: str):
+        known = self._sliced.get(digest)
+        if known is None:
+            adapter = self._host_copy(digest)
+            if adapter is None:
+                return None
+            known = self._sliced[digest] = self.held(adapter)
+        return known
 
     def batch(self, seqs, cache):
         """A context running the step's rows with their adapters (nullcontext when none)."""
@@ -66,5 +91,5 @@ class AdapterExecutor:
         buffer = cache.adapter_buffer(digest)
         known = self._views.get(digest)
         if known is None or known[0] != buffer.data_ptr():
-            known = self._views[digest] = (buffer.data_ptr(), self._host_copy(digest).views(buffer))
+            known = self._views[digest] = (buffer.data_ptr(), self._held(digest).views(buffer))
         return known[1]

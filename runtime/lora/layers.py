@@ -145,9 +145,10 @@ def attach_lora(model: nn.Module) -> LoraSlots:
 class _LoraHook:
     """Adds ``scale * (x[rows] @ A.T) @ B.T`` of each adapter of the active batch to the
     output rows of module ``name``, in place, in the module's dtype. On a tensor-parallel
-    shard the module holds a slice (runtime/distributed/sharding.py) and so does the adapter:
-    B's rows of a column-parallel module's outputs (``lora_out_rows``), A's columns of a
-    row-parallel one's inputs (``lora_in_cols``), whose partial sums the ranks add."""
+    shard the module holds a slice (runtime/distributed/sharding.py) and so do the weights it
+    is given (``LoraAdapter.sliced``): B's rows of a column-parallel module's outputs
+    (``lora_out_rows``), A's columns of a row-parallel one's inputs (``lora_in_cols``), whose
+    partial sums the ranks add."""
 
     def __init__(self, name: str, slots: LoraSlots) -> None:
         self.name = name
@@ -167,14 +168,7 @@ class _LoraHook:
             lora = weights.modules.get(self.name)
             if lora is None:
                 continue
-            a, b = lora.a, lora.b
-            out_rows_of_b = getattr(module, "lora_out_rows", None)
-            if out_rows_of_b is not None:
-                b = b[out_rows_of_b]
-            in_cols_of_a = getattr(module, "lora_in_cols", None)
-            if in_cols_of_a is not None:
-                a = a[:, in_cols_of_a]
-            delta = ((x_rows[rows] @ a.T) * lora.scale) @ b.T   # [n, r] -> [n, out]
+            delta = ((x_rows[rows] @ lora.a.T) * lora.scale) @ lora.b.T   # [n, r] -> [n, out]
             if isinstance(rows, slice):
                 out_rows[rows] += delta
             else:

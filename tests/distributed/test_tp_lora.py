@@ -1,6 +1,7 @@
-"""LoRA adapters under tensor parallelism (CPU, gloo): every rank holds each adapter in its own
-pool (rank 0 sends the host copy with the plan that loads it) and applies its slice of it, B's
-rows on column-parallel projections and A's columns on row-parallel ones before the ranks' sum.
+"""LoRA adapters under tensor parallelism (CPU, gloo): every rank holds its slice of each adapter
+in its own pool (rank 0 sends the host copy with the plan that loads it; each rank cuts its
+slice), B's rows of column-parallel projections and A's columns of row-parallel ones, applied
+before the ranks' sum.
 Mixed batches under preemption, with adapters evicted for KV and loaded again, give PEFT's
 merged models' tokens; every rank holds the same adapters and a follower keeps host copies of
 the resident ones only."""
@@ -14,6 +15,7 @@ import pytest
 peft = pytest.importorskip("peft")
 
 from vmemkv.runtime.engine import Engine, SamplingParams  # noqa: E402
+from vmemkv.runtime.lora import LoraAdapter  # noqa: E402
 from vmemkv.runtime.models import build_model  # noqa: E402
 
 from ..engine.conftest import prompts, tokens  # noqa: E402
@@ -27,6 +29,22 @@ NEW_TOKENS = 40
 def adapter_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-adapters")
     return {name: make_adapter(FAMILY, root / name, *spec) for name, spec in ADAPTERS.items()}
+
+
+def slice_bytes(shard, path) -> int:
+    """The bytes a rank's slice of the adapter at ``path`` takes: per targeted module, A as
+    [r, the shard's input columns] and B as [the shard's output rows, r], in the module's dtype,
+    each padded to 64 bytes (runtime/lora/weights.py's layout)."""
+    import json
+    config = json.loads((Path(path) / "adapter_config.json").read_text())
+    total = 0
+    for name, module in shard.named_modules():
+        if name.rsplit(".", 1)[-1] not in config["target_modules"]:
+            continue
+        weight = getattr(module, "partial_linear", module).weight    # [out rows, in columns]
+        for numel in (config["r"] * weight.shape[1], weight.shape[0] * config["r"]):
+            total += -(-numel * weight.dtype.itemsize // 64) * 64
+    return total
 
 
 @pytest.mark.parametrize("cache, preemption", [("vmem", "swap"), ("paged", "recompute")])
@@ -46,9 +64,15 @@ def test_tp2_mixed_adapters_under_preemption_match_peft_and_every_rank_holds_the
         stats = engine.kv.manager.adapter_stats()
         preemptions = engine.scheduler.metrics.num_preemptions
         states = engine.tp.memory_states()
+        held = {name: engine.adapters.ref(name).num_bytes for name in adapter_dirs}
+        slices = {name: slice_bytes(engine.runner.model, path) for name, path in adapter_dirs.items()}
     reference = [greedy(base(FAMILY) if n is None else merged(FAMILY, adapter_dirs[n]), p,
                         NEW_TOKENS) for p, n in zip(batch, names)]
     assert tokens(out) == reference
+    # each rank holds its slice: 79% (a4, attention only) to 76% of the whole adapter at TP=2
+    whole = {name: LoraAdapter.load(path, base(FAMILY)).num_bytes
+             for name, path in adapter_dirs.items()}
+    assert held == slices and all(held[n] < 0.8 * whole[n] for n in held)
     assert stats.evictions > 0 and stats.loads > 3 and preemptions > 0
     resident = states[0]["resident_adapters"]
     assert len(resident) == stats.resident > 0

@@ -98,3 +98,19 @@ def test_buffers_that_cannot_hold_the_adapter_are_refused(model, saved):
         adapter.views(torch.empty(adapter.num_bytes, dtype=torch.float32))
     with pytest.raises(LoraBufferError, match="multiple of 64"):
         adapter.pack_into(torch.empty(adapter.num_bytes + 64, dtype=torch.uint8)[1:])
+
+
+def test_a_slice_keeps_the_rows_and_columns_a_rank_holds_and_the_digest(model, saved):
+    adapter = LoraAdapter.load(saved, model)
+    q, o = "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.o_proj"
+    cuts = {q: (slice(32, 64), None), o: (None, slice(0, 32))}       # rank 1's q, rank 0's o
+    part = adapter.sliced(cuts)
+    assert part.digest == adapter.digest and part.scales == adapter.scales
+    whole, mine = adapter.materialize(), part.materialize()
+    for module, lora in whole.modules.items():
+        rows, cols = cuts.get(module, (None, None))
+        assert torch.equal(mine.modules[module].a, lora.a if cols is None else lora.a[:, cols])
+        assert torch.equal(mine.modules[module].b, lora.b if rows is None else lora.b[rows])
+    # q's B loses 32 of 64 rows, o's A 32 of 64 columns: 4 x 32 fp32 values each
+    assert part.num_bytes == adapter.num_bytes - 2 * 4 * 32 * 4
+    assert adapter.sliced({}) is adapter and adapter.sliced({q: (None, None)}) is adapter
