@@ -32,7 +32,7 @@
 #                interleaved's strided per-layer view against per-layer under FlashAttention,
 #                the GPU's TLB on strided views being the open question (issue 28; JSON in
 #                artifacts.tgz)
-#   tp 20        benchmarks/tp.py --quick --device cuda: TP=1 vs TP=2 (JSON in artifacts.tgz),
+#   tp 20        benchmarks/tp.py --quick --device cuda --no-restarts: TP=1 vs TP=2 (JSON in artifacts.tgz),
 #   tp_tests 50  then pytest -m gpu tests/distributed; both only with two or more GPUs (skipped
 #                with a line saying so otherwise; there gpu_rest runs tests/distributed's
 #                one-GPU tests and the two-GPU ones skip "needs 2 CUDA devices"). With two GPUs
@@ -140,7 +140,8 @@ cp "$WORK/artifacts/bench/bench.json" "$OUT_DIR/bench.json" 2>/dev/null
 [ -z "${SKIP_ATTENTION:-}" ] && step layouts 12 "$PYTHON" -m vmemkv.benchmarks.attention \
     "${LAYOUT_ARGS[@]}" --vmem-layout per-layer interleaved --out "$WORK/artifacts/attention_layouts.json"
 if [ "$GPUS" -ge 2 ] && [ -z "${DRY_RUN:-}" ]; then
-    step tp 20 "$PYTHON" -m vmemkv.benchmarks.tp --quick --device cuda --out "$WORK/artifacts/tp.json"
+    step tp 20 "$PYTHON" -m vmemkv.benchmarks.tp --quick --device cuda --no-restarts \
+        --out "$WORK/artifacts/tp.json"
     pytest_group tp_tests 50 tests/distributed
 else
     echo "== tp: skipped: ${GPUS:-0} CUDA device(s) visible; the TP=2 step needs two or more" \

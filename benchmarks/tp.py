@@ -104,9 +104,10 @@ def _restarts(config: _Config, times: int = 3) -> dict:
 
 
 def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int = 2,
-        device: str = "cpu", tp_devices=None) -> dict:
+        device: str = "cpu", tp_devices=None, restarts: bool = True) -> dict:
     """TP=1 (cores threads, then one) and TP=``world`` (cores / world threads per rank, on
-    ``tp_devices``: the engine's ``tp_devices``, None for its default)."""
+    ``tp_devices``: the engine's ``tp_devices``, None for its default); ``restarts``: then time
+    engine starts and closes (``_restarts``)."""
     from vmemkv.runtime.models import build_model
     repeats = 1 if quick else 3
     prompts, new = _prompts(quick)
@@ -126,20 +127,21 @@ def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int 
     finally:
         for c in configs:
             c.engine.close()
-    restarts = _restarts(configs[2], repeats)   # one tensor-parallel engine per process at a time
+    starts = _restarts(configs[2], repeats) if restarts else {}   # one TP engine at a time
     print(format_table(rows, ["system", "tok_s", "wall_s", "comm_share", "collectives_per_step",
                               "threads_per_rank", "kv_MiB_per_rank", "agree"]))
     summary = {"tp_vs_tp1": rows[2]["tok_s"] / rows[0]["tok_s"],
                "tp_vs_tp1_one_thread": rows[2]["tok_s"] / rows[1]["tok_s"],
                "tp_comm_share": rows[2]["comm_share"], "tp_size": world,
-               "tp_collectives_per_step": rows[2]["collectives_per_step"], **restarts}
+               "tp_collectives_per_step": rows[2]["collectives_per_step"], **starts}
     print(f"# TP={world} vs TP=1: {summary['tp_vs_tp1']:.2f}x (vs TP=1 on one thread: "
           f"{summary['tp_vs_tp1_one_thread']:.2f}x); communication {summary['tp_comm_share']:.1%} "
           f"of TP={world}'s step time, {summary['tp_collectives_per_step']:.2f} collectives per step")
-    print(f"# TP={world} engine start: {summary['tp_start_first_s']:.2f} s the first (it starts "
-          f"the rank server), {summary['tp_start_again_s']:.2f} s after, close "
-          f"{summary['tp_close_s']:.2f} s; with spawn {summary['tp_start_spawn_s']:.2f} s and "
-          f"{summary['tp_close_spawn_s']:.2f} s ({summary['tp_start_spawn_over_again']:.1f}x)")
+    if starts:
+        print(f"# TP={world} engine start: {summary['tp_start_first_s']:.2f} s the first (it starts "
+              f"the rank server), {summary['tp_start_again_s']:.2f} s after, close "
+              f"{summary['tp_close_s']:.2f} s; with spawn {summary['tp_start_spawn_s']:.2f} s and "
+              f"{summary['tp_close_spawn_s']:.2f} s ({summary['tp_start_spawn_over_again']:.1f}x)")
     payload = {"environment": env, "rows": rows, "summary": summary}
     write_json(out, payload)
     return payload
@@ -154,9 +156,11 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank)")
     parser.add_argument("--tp-devices", type=tp_device_list, default=None,
                         help="the TP row's devices, comma-separated (e.g. cuda:0,cuda:2)")
+    parser.add_argument("--no-restarts", action="store_true",
+                        help="skip timing engine starts and closes (forkserver and spawn)")
     args = parser.parse_args(argv)
     run(quick=args.quick, out=args.out, cores=args.cores, world=args.tp, device=args.device,
-        tp_devices=args.tp_devices)
+        tp_devices=args.tp_devices, restarts=not args.no_restarts)
     return 0
 
 
