@@ -185,9 +185,12 @@ def rank_context(preload: Sequence[str] = ()):
 
 class SpawnedRanks:
     """Ranks 1..world-1 as child processes of rank 0 on this machine (``rank_context``), their
-    start and their end. ``target(rank, world, host, port, environ, payload)`` runs in each;
-    ``environ`` is rank 0's environment now (a forked rank inherits the server's, from when it
-    started: the target applies this one first)."""
+    start and their end. ``target(rank, world, host, port, environ, payload_reader)`` runs in
+    each: ``environ`` is rank 0's environment now (a forked rank inherits the server's, from
+    when it started: the target applies this one first); ``payload_reader.recv()`` gives the
+    payload. It is sent once the rank runs, not with the start: a model's CPU tensors cross as
+    shared-memory file descriptors, and a forkserver start carries at most 256 of them (a real
+    model has hundreds); sent after, they go through multiprocessing's resource sharer."""
 
     def __init__(self, world: int, target: Callable, payload: Any, start_timeout_s: float,
                  preload: Sequence[str] = ()) -> None:
@@ -197,11 +200,21 @@ class SpawnedRanks:
                                    wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=start_timeout_s))
         environ = dict(os.environ)
+        pipes = [ctx.Pipe(duplex=False) for _ in range(1, world)]    # (reader, writer) a rank
         self.procs: List = [ctx.Process(target=target, name=f"vmemkv-tp-rank{r}", daemon=True,
-                                        args=(r, world, "127.0.0.1", self.port, environ, payload))
-                            for r in range(1, world)]
+                                        args=(r, world, "127.0.0.1", self.port, environ, reader))
+                            for r, (reader, _) in zip(range(1, world), pipes)]
         for p in self.procs:
             p.start()
+        for r, (reader, writer) in zip(range(1, world), pipes):
+            reader.close()                       # the rank's end, a copy of which it holds
+            try:
+                writer.send(payload)
+            except OSError as error:             # the rank died first (BrokenPipeError)
+                raise TensorParallelError(f"rank {r} exited before it received its shard's "
+                                          f"payload: {error}") from error
+            finally:
+                writer.close()
 
     def wait_for(self, key: str, timeout_s: float) -> None:
         """Block until every spawned rank set ``key`` in the store; TensorParallelError naming the

@@ -266,13 +266,20 @@ def agree_started(group: RankGroup, ok: bool, timeout_s: float) -> bool:
 
 
 def spawned_rank_main(rank: int, world: int, host: str, port: int, environ: dict,
-                      payload: TPPayload) -> None:
-    """Entry point of a rank rank 0 spawned: take rank 0's environment (``environ``), join,
-    build, follow; errors go to the store. Ends with ``os._exit``: every resource was released
-    in order above, and an interpreter's teardown with torch loaded costs a second a rank."""
+                      payload_reader) -> None:
+    """Entry point of a rank rank 0 spawned: take rank 0's environment (``environ``) and the
+    TPPayload it sends (``payload_reader``, group.SpawnedRanks), join, build, follow; errors go
+    to the store. Ends with ``os._exit``: every resource was released in order above, and an
+    interpreter's teardown with torch loaded costs a second a rank."""
     os.environ.clear()
     os.environ.update(environ)
     watch_parent()
+    try:
+        payload: TPPayload = payload_reader.recv()
+    except (EOFError, OSError):        # rank 0 failed before sending: it reports why
+        _exit(1)
+    finally:
+        payload_reader.close()
     store = dist.TCPStore(host, port, world, is_master=False,
                           timeout=datetime.timedelta(seconds=payload.start_timeout_s))
 

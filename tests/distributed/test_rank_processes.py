@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from vmemkv.runtime.distributed import worker
 from vmemkv.runtime.engine import Engine, SamplingParams
@@ -52,6 +53,28 @@ def test_ranks_fork_from_one_server_and_see_rank_0s_environment_of_the_moment(mo
         assert again.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))[0].outputs[0] \
             .token_ids == tokens.outputs[0].token_ids
     assert not multiprocessing.active_children()
+
+
+def test_a_model_of_hundreds_of_tensors_reaches_its_ranks(monkeypatch):
+    """A model's CPU tensors cross to a rank as shared-memory file descriptors; a forkserver
+    start message carries at most 256 (the real model's 272 tensors failed "too many fds").
+    The payload goes after the start: 40 layers of Llama, 9 tensors each, on two ranks equal
+    one process."""
+    from transformers import AutoModelForCausalLM
+
+    from vmemkv.runtime.models import model_config
+    monkeypatch.delenv(worker.FREE_BYTES_HOOK, raising=False)
+    config = model_config("tiny-llama")
+    config.num_hidden_layers = 40
+    torch.manual_seed(0)
+    deep = AutoModelForCausalLM.from_config(config).eval()
+    assert sum(1 for _ in deep.parameters()) > 256
+    params, out = SamplingParams(max_new_tokens=4), {}
+    for tp in (1, 2):
+        with Engine(deep, max_batch=2, max_context=64, cache="paged", tensor_parallel_size=tp,
+                    self_check=False) as engine:
+            out[tp] = engine.generate([[1, 2, 3]], params)[0].outputs[0].token_ids
+    assert out[2] == out[1]
 
 
 def test_an_unknown_start_method_is_refused_by_name_and_starts_nothing(monkeypatch):
