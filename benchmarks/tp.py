@@ -104,15 +104,18 @@ def _restarts(config: _Config, times: int = 3) -> dict:
 
 
 def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int = 2,
-        device: str = "cpu", tp_devices=None, restarts: bool = True) -> dict:
+        device: str = "cpu", tp_devices=None, restarts: bool = True,
+        model_name: str = MODEL) -> dict:
     """TP=1 (cores threads, then one) and TP=``world`` (cores / world threads per rank, on
     ``tp_devices``: the engine's ``tp_devices``, None for its default); ``restarts``: then time
     engine starts and closes (``_restarts``)."""
-    from vmemkv.runtime.models import build_model
+    import torch
+
+    from vmemkv.runtime.models import load_model
     repeats = 1 if quick else 3
     prompts, new = _prompts(quick)
-    model = build_model(MODEL, seed=SEED, device=device)
-    env = environment(SEED, 1, repeats, model=MODEL, requests=len(prompts), new_tokens=new,
+    model, _ = load_model(model_name, seed=SEED, dtype=torch.float32, device=device)
+    env = environment(SEED, 1, repeats, model=model_name, requests=len(prompts), new_tokens=new,
                       cores=cores, load_1min=os.getloadavg()[0])
     print_environment(env)
     configs = [_Config(1, cores, model, prompts, new), _Config(1, 1, model, prompts, new),
@@ -138,10 +141,10 @@ def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int 
           f"{summary['tp_vs_tp1_one_thread']:.2f}x); communication {summary['tp_comm_share']:.1%} "
           f"of TP={world}'s step time, {summary['tp_collectives_per_step']:.2f} collectives per step")
     if starts:
-        print(f"# TP={world} engine start: {summary['tp_start_first_s']:.2f} s the first (it starts "
-              f"the rank server), {summary['tp_start_again_s']:.2f} s after, close "
-              f"{summary['tp_close_s']:.2f} s; with spawn {summary['tp_start_spawn_s']:.2f} s and "
-              f"{summary['tp_close_spawn_s']:.2f} s ({summary['tp_start_spawn_over_again']:.1f}x)")
+        print(f"# TP={world} engine start: {starts['tp_start_first_s']:.2f} s the first (it "
+              f"starts the rank server), {starts['tp_start_again_s']:.2f} s after, close "
+              f"{starts['tp_close_s']:.2f} s; with spawn {starts['tp_start_spawn_s']:.2f} s and "
+              f"{starts['tp_close_spawn_s']:.2f} s ({starts['tp_start_spawn_over_again']:.1f}x)")
     payload = {"environment": env, "rows": rows, "summary": summary}
     write_json(out, payload)
     return payload
@@ -156,11 +159,13 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank)")
     parser.add_argument("--tp-devices", type=tp_device_list, default=None,
                         help="the TP row's devices, comma-separated (e.g. cuda:0,cuda:2)")
+    parser.add_argument("--model", default=MODEL,
+                        help="a built-in name, checkpoint directory or packaged GGUF (fp32)")
     parser.add_argument("--no-restarts", action="store_true",
                         help="skip timing engine starts and closes (forkserver and spawn)")
     args = parser.parse_args(argv)
     run(quick=args.quick, out=args.out, cores=args.cores, world=args.tp, device=args.device,
-        tp_devices=args.tp_devices, restarts=not args.no_restarts)
+        tp_devices=args.tp_devices, restarts=not args.no_restarts, model_name=args.model)
     return 0
 
 
