@@ -183,6 +183,19 @@ def rank_context(preload: Sequence[str] = ()):
     return ctx
 
 
+def _send_payloads(writers: list, payload: Any) -> None:
+    """Send each rank its payload, one after another, on a thread of its own: a rank that never
+    reads (stuck importing the main module) leaves rank 0 to time out in ``wait_for`` instead
+    of blocking here; a rank that died first is also ``wait_for``'s to report."""
+    for writer in writers:
+        try:
+            writer.send(payload)
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+
 class SpawnedRanks:
     """Ranks 1..world-1 as child processes of rank 0 on this machine (``rank_context``), their
     start and their end. ``target(rank, world, host, port, environ, payload_reader)`` runs in
@@ -206,15 +219,10 @@ class SpawnedRanks:
                             for r, (reader, _) in zip(range(1, world), pipes)]
         for p in self.procs:
             p.start()
-        for r, (reader, writer) in zip(range(1, world), pipes):
-            reader.close()                       # the rank's end, a copy of which it holds
-            try:
-                writer.send(payload)
-            except OSError as error:             # the rank died first (BrokenPipeError)
-                raise TensorParallelError(f"rank {r} exited before it received its shard's "
-                                          f"payload: {error}") from error
-            finally:
-                writer.close()
+        for reader, _ in pipes:
+            reader.close()                       # the rank's end: it holds its own copy
+        threading.Thread(target=_send_payloads, args=([w for _, w in pipes], payload),
+                         name="vmemkv-tp-payloads", daemon=True).start()
 
     def wait_for(self, key: str, timeout_s: float) -> None:
         """Block until every spawned rank set ``key`` in the store; TensorParallelError naming the

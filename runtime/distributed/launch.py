@@ -59,6 +59,7 @@ class TensorParallel:
             self._join(model, payload, launch)
             self._build(model, payload, driver)
         except BaseException:
+            self._failed = True     # nothing to wind down: close kills the ranks at once
             self.close()
             raise
 

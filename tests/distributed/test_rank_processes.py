@@ -119,3 +119,34 @@ def test_killing_rank_0_ends_its_ranks_and_the_server(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+STUCK_RANK = """
+import sys, time
+if __name__ == "__mp_main__":      # a rank importing this script never reaches its payload
+    time.sleep(600)
+if __name__ == "__main__":
+    from transformers import AutoModelForCausalLM
+    from vmemkv.runtime.engine import Engine, tensor_parallel
+    from vmemkv.runtime.models import model_config
+    tensor_parallel.START_TIMEOUT_S = 2.0
+    config = model_config("tiny-llama")
+    config.num_hidden_layers = 80            # a payload larger than a pipe's buffer
+    model = AutoModelForCausalLM.from_config(config).eval()
+    try:
+        Engine(model, max_batch=2, max_context=64, cache="paged", tensor_parallel_size=2,
+               self_check=False)
+    except Exception as error:
+        print(type(error).__name__, error, flush=True)
+"""
+
+
+def test_a_rank_stuck_before_its_payload_times_out_instead_of_blocking_rank_0(tmp_path):
+    """Rank 0 sends the payload on a thread of its own: a rank that never reads it (stuck
+    importing the main module) made rank 0 block in the send, past every timeout."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_RANK)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert "TensorParallelError rank(s) [1] did not reach 'joined' within 2 s" in done.stdout, \
+        done.stdout + done.stderr[-2000:]
