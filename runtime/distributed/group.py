@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import multiprocessing
+import multiprocessing.reduction
 import os
 import pickle
 import socket
@@ -184,16 +185,39 @@ def rank_context(preload: Sequence[str] = ()):
 
 
 def _send_payloads(writers: list, payload: Any) -> None:
-    """Send each rank its payload, one after another, on a thread of its own: a rank that never
-    reads (stuck importing the main module) leaves rank 0 to time out in ``wait_for`` instead
-    of blocking here; a rank that died first is also ``wait_for``'s to report."""
+    """Send each rank its payload and rank 0's standard output and error as they are now (a
+    forked rank holds the server's, from when it started), one rank after another, on a thread
+    of its own: a rank that never reads (stuck importing the main module) leaves rank 0 to time
+    out in ``wait_for`` instead of blocking here; a rank that died first is also ``wait_for``'s
+    to report."""
     for writer in writers:
         try:
-            writer.send(payload)
+            writer.send((payload, _std_streams()))
         except OSError:
             pass
         finally:
             writer.close()
+
+
+def _std_streams() -> dict:
+    """{1: fd, 2: fd} of this process's stdout and stderr, as descriptors a rank receives
+    (multiprocessing's resource sharer); a closed one is left out."""
+    streams = {}
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        streams[fd] = multiprocessing.reduction.DupFd(fd)
+    return streams
+
+
+def take_std_streams(streams: dict) -> None:
+    """In a rank: write stdout and stderr where rank 0's pointed when it sent ``streams``."""
+    for fd, shared in streams.items():
+        received = shared.detach()
+        os.dup2(received, fd)
+        os.close(received)
 
 
 class SpawnedRanks:
@@ -201,7 +225,7 @@ class SpawnedRanks:
     start and their end. ``target(rank, world, host, port, environ, payload_reader)`` runs in
     each: ``environ`` is rank 0's environment now (a forked rank inherits the server's, from
     when it started: the target applies this one first); ``payload_reader.recv()`` gives the
-    payload. It is sent once the rank runs, not with the start: a model's CPU tensors cross as
+    payload and rank 0's stdout and stderr (``take_std_streams``). It is sent once the rank runs, not with the start: a model's CPU tensors cross as
     shared-memory file descriptors, and a forkserver start carries at most 256 of them (a real
     model has hundreds); sent after, they go through multiprocessing's resource sharer."""
 

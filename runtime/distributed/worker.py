@@ -33,7 +33,8 @@ from vmemkv.runtime.errors import CacheTooLargeError, PlanExecutionError
 from vmemkv.runtime.engine.errors import TensorParallelError
 from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.plan import EvictAdapter, LoadAdapter
-from .group import RankGroup, init_group, leave_group, open_activation_group, watch_parent
+from .group import (RankGroup, init_group, leave_group, open_activation_group, take_std_streams,
+                    watch_parent)
 from .placement import RankPlacement
 from .sharding import rank_kv_scales, shard_model
 
@@ -267,15 +268,16 @@ def agree_started(group: RankGroup, ok: bool, timeout_s: float) -> bool:
 
 def spawned_rank_main(rank: int, world: int, host: str, port: int, environ: dict,
                       payload_reader) -> None:
-    """Entry point of a rank rank 0 spawned: take rank 0's environment (``environ``) and the
-    TPPayload it sends (``payload_reader``, group.SpawnedRanks), join, build, follow; errors go
-    to the store. Ends with ``os._exit``: every resource was released in order above, and an
-    interpreter's teardown with torch loaded costs a second a rank."""
+    """Entry point of a rank rank 0 spawned: take rank 0's environment (``environ``), and the
+    TPPayload and standard streams it sends (``payload_reader``, group.SpawnedRanks); join,
+    build, follow; errors go to the store. Ends with ``os._exit``: every resource was released
+    in order above, and an interpreter's teardown with torch loaded costs a second a rank."""
     os.environ.clear()
     os.environ.update(environ)
     watch_parent()
     try:
-        payload: TPPayload = payload_reader.recv()
+        payload, streams = payload_reader.recv()
+        take_std_streams(streams)
     except (EOFError, OSError):        # rank 0 failed before sending: it reports why
         _exit(1)
     finally:

@@ -55,6 +55,26 @@ def test_ranks_fork_from_one_server_and_see_rank_0s_environment_of_the_moment(mo
     assert not multiprocessing.active_children()
 
 
+def test_a_rank_writes_where_rank_0s_streams_point_when_the_engine_starts(tmp_path):
+    """A forked rank inherits the server's stdout and stderr, from when the server started;
+    rank 0 sends its own as they are now."""
+    with _engine():                       # the server runs from here on
+        pass
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        for fd, name in ((1, "out"), (2, "err")):
+            with open(tmp_path / name, "wb") as f:
+                os.dup2(f.fileno(), fd)
+        with _engine() as engine:
+            (rank,) = engine.tp.rank_pids
+            for fd, name in ((1, "out"), (2, "err")):
+                assert os.readlink(f"/proc/{rank}/fd/{fd}") == str(tmp_path / name)
+    finally:
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+
+
 def test_a_model_of_hundreds_of_tensors_reaches_its_ranks(monkeypatch):
     """A model's CPU tensors cross to a rank as shared-memory file descriptors; a forkserver
     start message carries at most 256 (the real model's 272 tensors failed "too many fds").
