@@ -225,9 +225,10 @@ class SpawnedRanks:
     start and their end. ``target(rank, world, host, port, environ, payload_reader)`` runs in
     each: ``environ`` is rank 0's environment now (a forked rank inherits the server's, from
     when it started: the target applies this one first); ``payload_reader.recv()`` gives the
-    payload and rank 0's stdout and stderr (``take_std_streams``). It is sent once the rank runs, not with the start: a model's CPU tensors cross as
-    shared-memory file descriptors, and a forkserver start carries at most 256 of them (a real
-    model has hundreds); sent after, they go through multiprocessing's resource sharer."""
+    payload and rank 0's stdout and stderr (``take_std_streams``). They are sent once the rank
+    runs, not with the start: a model's CPU tensors cross as shared-memory file descriptors,
+    and a forkserver start carries at most 256 of them (a real model has hundreds); sent after,
+    they go through multiprocessing's resource sharer."""
 
     def __init__(self, world: int, target: Callable, payload: Any, start_timeout_s: float,
                  preload: Sequence[str] = ()) -> None:
