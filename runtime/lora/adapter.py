@@ -11,6 +11,7 @@ Everything we would compute differently from PEFT is refused by name before a by
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -22,7 +23,8 @@ import torch
 from torch import nn
 
 from .config import AdapterConfig, read_config
-from .errors import LoraConfigError, LoraMemoryError, LoraTargetError, LoraWeightsError
+from .errors import (LoraBufferError, LoraConfigError, LoraMemoryError, LoraTargetError,
+                     LoraWeightsError)
 from .layers import PROJECTIONS, supported_modules
 from .weights import AdapterWeights, FlatLayout, ModuleLora
 
@@ -87,6 +89,9 @@ class LoraAdapter:
         """Write every A and B, cast to its module's dtype, into ``buffer`` (1-D uint8, at
         least ``num_bytes``, 64-byte aligned; any device)."""
         self.layout.check(buffer, f"LoRA adapter {self.path!r}")
+        if self._image is None:
+            raise LoraBufferError(f"LoRA adapter {self.path!r}: this copy holds no host image to "
+                                  f"pack (without_image); pack the adapter it came from")
         buffer[:self.num_bytes].copy_(self._image)
 
     def views(self, buffer: torch.Tensor) -> AdapterWeights:
@@ -112,6 +117,13 @@ class LoraAdapter:
             pairs[module] = (a, b)
             shapes[module] = (tuple(a.shape), tuple(b.shape), a.dtype)
         return LoraAdapter(self.path, self.config, pairs, FlatLayout.plan(shapes), self.digest)
+
+    def without_image(self) -> "LoraAdapter":
+        """This adapter without its host image: it still gives ``views`` of a buffer packed
+        already (a rank's slice, once in its pool pages), and holds no weights of its own."""
+        lean = copy.copy(self)
+        lean._image = None
+        return lean
 
     def materialize(self, device="cpu") -> AdapterWeights:
         """The weights in a buffer of their own on ``device`` (for callers without pool pages)."""

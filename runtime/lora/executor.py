@@ -31,7 +31,8 @@ class AdapterExecutor:
         self._host_copy = host_copy      # digest -> LoraAdapter (its host image and layout)
         self._slots = None               # runtime.lora.LoraSlots, attached on first use
         self._cuts: Dict[str, tuple] = {}    # module -> (B's rows, A's columns) a shard keeps
-        self._sliced: Dict[str, object] = {}  # digest -> this model's slice of the adapter
+        self._sliced: Dict[str, object] = {}  # digest -> this model's slice, once packed: its
+                                              # layout (no host image), or the host copy itself
         self._views: Dict[str, tuple] = {}   # digest -> (buffer address, AdapterWeights)
         self.loads = 0                   # LoadAdapter ops executed (weights written)
 
@@ -54,11 +55,13 @@ class AdapterExecutor:
         into its pool pages."""
         for op in ops:
             if isinstance(op, LoadAdapter):
-                self._sliced.pop(op.adapter_id, None)
-                adapter = self._held(op.adapter_id)
-                if adapter is None:   # a bug: the scheduler pinned an adapter nobody holds
+                host = self._host_copy(op.adapter_id)
+                if host is None:   # a bug: the scheduler pinned an adapter nobody holds
                     raise LoraBatchError(f"adapter {op.adapter_id[:12]} loaded with no weights")
-                adapter.pack_into(cache.adapter_buffer(op.adapter_id))
+                mine = self.held(host)
+                mine.pack_into(cache.adapter_buffer(op.adapter_id))
+                # a slice's host image is not needed once packed: keep its layout only
+                self._sliced[op.adapter_id] = mine if mine is host else mine.without_image()
                 self._views.pop(op.adapter_id, None)
                 self.loads += 1
             elif isinstance(op, EvictAdapter):
@@ -66,12 +69,10 @@ class AdapterExecutor:
                 self._sliced.pop(op.adapter_id, None)
 
     def _held(self, digest: str):
+        """The adapter's layout as this model holds it (loaded by ``apply``)."""
         known = self._sliced.get(digest)
         if known is None:
-            adapter = self._host_copy(digest)
-            if adapter is None:
-                return None
-            known = self._sliced[digest] = self.held(adapter)
+            known = self._sliced[digest] = self.held(self._host_copy(digest)).without_image()
         return known
 
     def batch(self, seqs, cache):

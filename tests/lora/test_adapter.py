@@ -114,3 +114,16 @@ def test_a_slice_keeps_the_rows_and_columns_a_rank_holds_and_the_digest(model, s
     # q's B loses 32 of 64 rows, o's A 32 of 64 columns: 4 x 32 fp32 values each
     assert part.num_bytes == adapter.num_bytes - 2 * 4 * 32 * 4
     assert adapter.sliced({}) is adapter and adapter.sliced({q: (None, None)}) is adapter
+
+
+def test_a_copy_without_its_image_gives_views_but_packs_nothing(model, saved):
+    adapter = LoraAdapter.load(saved, model)
+    buffer = torch.zeros(adapter.num_bytes, dtype=torch.uint8)
+    adapter.pack_into(buffer)
+    lean = adapter.without_image()
+    assert lean.digest == adapter.digest and lean.num_bytes == adapter.num_bytes
+    for module, lora in lean.views(buffer).modules.items():
+        assert torch.equal(lora.a, adapter.views(buffer).modules[module].a)
+    with pytest.raises(LoraBufferError, match="holds no host image"):
+        lean.pack_into(buffer)
+    adapter.pack_into(buffer)                            # the original keeps its image
