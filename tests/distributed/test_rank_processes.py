@@ -166,7 +166,9 @@ def test_a_rank_stuck_before_its_payload_times_out_instead_of_blocking_rank_0(tm
     importing the main module) made rank 0 block in the send, past every timeout."""
     script = tmp_path / "stuck.py"
     script.write_text(STUCK_RANK)
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    # spawn: the rank imports this script before anything else and sleeps at once (a forked
+    # rank would too, after the server's own start); the payload's send is the same for both
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120, env=dict(os.environ, VMEMKV_TP_START_METHOD="spawn"))
     assert "TensorParallelError rank(s) [1] did not reach 'joined' within 2 s" in done.stdout, \
         done.stdout + done.stderr[-2000:]
