@@ -50,16 +50,17 @@ class BeamGroups:
         step runs, or more memory than the whole cache at its first decode step, where each
         beam writes its first output token into a unit of its own (a fork shares whole units
         only) beside the prompt's whole units, held once. Checked where token counts are
-        exact: a fixed pool of whole units of one layer kind, forks that share, no window (a
-        hybrid's window parts hold less; units straddling pages are backed by the bytes they
-        need)."""
+        exact: a fixed pool of whole units of one layer kind, forks that share, nothing behind a
+        window yet (the prompt and its first token within it; a hybrid's window parts hold
+        less; units straddling pages are backed by the bytes they need)."""
         width, prompt, unit = request.beam_width, request.prompt_len, self.manager.fork_unit_tokens
         if width > self.config.max_running:
             raise RequestTooLargeError(
                 f"request {request.request_id}: beam_width {width} exceeds the "
                 f"{self.config.max_running} sequences a step runs (max_running)")
-        if (request.max_tokens < 2 or not unit or self.growable or self.manager.window_tokens
-                or self.manager.cache_bytes == 0):
+        window = self.manager.window_tokens
+        if (request.max_tokens < 2 or not unit or self.growable or self.manager.cache_bytes == 0
+                or (window and prompt + 1 > window)):
             return
         layout = self.manager.layout()     # units backed whole, one kind: tokens are whole units
         if layout.backing is not PoolBacking.WHOLE or len(layout.kinds) > 1 or layout.block_groups:
