@@ -31,8 +31,7 @@ class EngineAdapters:
         self._model = model              # adapters are checked against it (the whole model)
         self._manager = manager
         self._in_use = in_use            # digests live requests run with (the engine's)
-        self._by_name: Dict[str, object] = {}     # name -> LoraAdapter
-        self._refs: Dict[str, AdapterRef] = {}    # name -> its AdapterRef (bytes: as held)
+        self._by_name: Dict[str, AdapterRef] = {}  # name -> its AdapterRef (bytes: as held)
         self._by_digest: Dict[str, object] = {}   # digest -> LoraAdapter (named or in use)
         self._orphans = False            # host copies kept only for live requests
         self._host_copies = host_copies  # processes holding each adapter (tensor-parallel ranks)
@@ -67,7 +66,7 @@ class EngineAdapters:
                 f"more than this cache can ever give adapters ({most} pages); build the engine "
                 f"with a larger cache_bytes")
         old = self._by_name.get(name)
-        self._by_name[name], self._refs[name] = adapter, ref
+        self._by_name[name] = ref
         self._by_digest.setdefault(adapter.digest, adapter)
         if old is not None:
             self.collect()
@@ -78,13 +77,13 @@ class EngineAdapters:
         if name not in self._by_name:
             raise EngineConfigError(f"remove_lora: no adapter named {name!r} (loaded: "
                                     f"{self.names or 'none'})")
-        del self._by_name[name], self._refs[name]
+        del self._by_name[name]
         self.collect()
 
     def collect(self) -> None:
         """Drop host copies nothing names and no live request runs with (each step does while
         a removed or replaced adapter's requests are still live)."""
-        named = {a.digest for a in self._by_name.values()}
+        named = {ref.digest for ref in self._by_name.values()}
         keep = named | set(self._in_use())
         for digest in [d for d in self._by_digest if d not in keep]:
             del self._by_digest[digest]
@@ -94,7 +93,7 @@ class EngineAdapters:
         """The request's AdapterRef; RequestRejectedError naming ``lora`` when unknown."""
         if name is None:
             return None
-        ref = self._refs.get(name)
+        ref = self._by_name.get(name)
         if ref is None:
             raise RequestRejectedError(f"prompt {index} rejected: SamplingParams.lora names no "
                                        f"loaded adapter: {name!r} (loaded: {self.names or 'none'})",

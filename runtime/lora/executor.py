@@ -68,7 +68,7 @@ class AdapterExecutor:
                 self._views.pop(op.adapter_id, None)
                 self._sliced.pop(op.adapter_id, None)
 
-    def _held(self, digest: str):
+    def _packed(self, digest: str):
         """The adapter's layout as this model holds it (loaded by ``apply``)."""
         known = self._sliced.get(digest)
         if known is None:
@@ -92,5 +92,5 @@ class AdapterExecutor:
         buffer = cache.adapter_buffer(digest)
         known = self._views.get(digest)
         if known is None or known[0] != buffer.data_ptr():
-            known = self._views[digest] = (buffer.data_ptr(), self._held(digest).views(buffer))
+            known = self._views[digest] = (buffer.data_ptr(), self._packed(digest).views(buffer))
         return known[1]
