@@ -39,7 +39,8 @@ def register(subparsers) -> None:
                    help="read every line as text, even one made only of digits (needs a tokenizer)")
     p.add_argument("--chat", action="store_true",
                    help="prompts are JSONL chats (a list of {role, content} messages, or a string: "
-                        "one user message) rendered by the model's chat template")
+                        "one user message; a line of plain text is one user message too) "
+                        "rendered by the model's chat template")
     p.add_argument("--system", default=None, metavar="TEXT",
                    help="with --chat: the system message of every conversation that has none "
                         "(default: none; the chat template may add its own)")

@@ -4,6 +4,8 @@ In: a text file, one prompt per non-empty line (space-separated token ids, or te
 tokenizer); or JSONL (``--chat``, or a file named ``*.jsonl``): one JSON value per line, which
 can hold newlines. In JSONL a line is a string (text; with ``--chat``, one user message), a list
 of ints (token ids) or, with ``--chat``, a conversation: a list of {"role", "content"} messages.
+With ``--chat`` a line that does not open as JSON does (``[``, ``{`` or ``"``) is plain text, one
+user message, so ``echo 'Hi!' | vmemkv generate --chat`` works.
 ``--system TEXT`` puts a system message first in every conversation that has none.
 
 Out: one line per sample, or, when samples are labelled (``--n`` > 1, ``--chat``, or any text
@@ -61,6 +63,8 @@ def _text_prompt(number: int, line: str, has_tokenizer: bool, text_only: bool) -
 
 def _json_prompt(number: int, line: str, has_tokenizer: bool, chat: bool,
                  system: Optional[str]) -> Prompt:
+    if chat and line[0] not in '[{"':     # plain text: one user message
+        return _conversation([{"role": "user", "content": line}], system)
     try:
         value = json.loads(line)
     except ValueError as error:

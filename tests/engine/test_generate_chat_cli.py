@@ -63,6 +63,24 @@ def test_chat_jsonl_gives_engine_chat_tokens_with_the_system_message(chat_checkp
     assert rendered == "<system>Be brief.\n<user>first\nline two\n<assistant>"
 
 
+def test_a_plain_text_line_is_one_user_message_and_broken_json_is_refused(chat_checkpoint,
+                                                                         tmp_path, capsys):
+    plain, quoted, broken = (tmp_path / n for n in ("plain.txt", "quoted.jsonl", "broken.jsonl"))
+    plain.write_text("What is 2 + 2?\n42\n")
+    quoted.write_text('"What is 2 + 2?"\n"42"\n')
+    broken.write_text('[{"role": "user", "content": "hi"}\n')
+    runs = [_run(capsys, "--model", str(chat_checkpoint), "--chat", "--prompts", str(path),
+                 "--json", "--ignore-eos") for path in (plain, quoted)]
+    assert [code for code, _, _ in runs] == [0, 0]
+    plain_records, quoted_records = ([json.loads(line) for line in out.splitlines()[:-1]]
+                                     for _, out, _ in runs)
+    assert [r["messages"] for r in plain_records] == [
+        [{"role": "user", "content": "What is 2 + 2?"}], [{"role": "user", "content": "42"}]]
+    assert plain_records == quoted_records
+    code, out, err = _run(capsys, "--model", str(chat_checkpoint), "--chat", "--prompts", str(broken))
+    assert code == 2 and out == "" and "prompt line 1 is not JSON" in err
+
+
 def test_samples_are_labelled_and_multi_line_text_indented(chat_checkpoint, tmp_path, capsys):
     newline = {ord("\n"): 100.0}   # every token a newline: text of several lines
     prompts = tmp_path / "p.jsonl"
