@@ -25,6 +25,7 @@ from vmemkv.scheduler.tables import TableTracker, tracker_for
 from .cache import KVCache, PagedKVCache, VMemKVCache
 from .config import CacheConfig
 from .errors import CacheConfigError, CacheStateError
+from .memory import check_swap_fits
 
 CACHE_KINDS = tuple(k.value for k in CacheKind)
 
@@ -146,6 +147,7 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
                                block_size_tokens=block_size, swap_bytes=swap_bytes,
                                prefix_eviction=prefix_eviction,
                                adapter_budget_bytes=adapter_budget_bytes)
+    check_swap_fits(swap_bytes, config.torch_device, cache_bytes)   # validated by the manager
     cache = cache_for(manager, config, driver=driver, background_mapper=background_mapper,
                       grow_pages=grow_pages)
     return KV(manager, cache, tracker_for(kind))

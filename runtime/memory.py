@@ -48,7 +48,8 @@ def _where(device: torch.device, total: bool) -> str:
 
 
 def check_fits_device(what: str, num_bytes: int, device: torch.device,
-                      committed: bool = True, available_bytes: Optional[int] = None) -> None:
+                      committed: bool = True, available_bytes: Optional[int] = None,
+                      remedy: str = "lower cache_bytes (or use memory_utilization)") -> None:
     """Raise CacheTooLargeError, before anything is allocated, when ``num_bytes`` exceeds the
     device's total memory, or (``committed``: the bytes are committed now, not on demand) its
     available memory (``available_bytes`` when the caller has it, else read now). On CUDA it
@@ -65,8 +66,27 @@ def check_fits_device(what: str, num_bytes: int, device: torch.device,
         if limit is not None and num_bytes > limit:
             raise CacheTooLargeError(
                 f"{what} needs {num_bytes} bytes ({num_bytes / 2**30:.2f} GiB) but the "
-                f"{where} is {limit} bytes ({limit / 2**30:.2f} GiB); "
-                f"lower cache_bytes (or use memory_utilization)")
+                f"{where} is {limit} bytes ({limit / 2**30:.2f} GiB); {remedy}")
+
+
+def check_swap_fits(swap_bytes: int, device: torch.device, cache_bytes: int = 0,
+                    copies: int = 1) -> None:
+    """Raise CacheTooLargeError, before anything is allocated, when the swap space does not fit
+    the host: it is host memory (pinned on CUDA) that swapped-out sequences fill on demand, so
+    it is checked as a cache is, against the host's total and available memory, beside the
+    cache's ``cache_bytes`` when the cache is on the host too, times ``copies`` (the
+    tensor-parallel ranks that each hold both on this machine)."""
+    if not swap_bytes:
+        return
+    cache_on_host = torch.device(device).type == "cpu"
+    total = copies * (swap_bytes + (cache_bytes if cache_on_host else 0))
+    each = " each" if copies > 1 else ""
+    what = (f"{copies} tensor-parallel ranks' swap spaces" if copies > 1 else "the swap space")
+    what += f" (swap_bytes={swap_bytes}{each})"
+    if cache_on_host:
+        caches = "their KV caches" if copies > 1 else "the KV cache"
+        what += f" beside {caches} ({cache_bytes} bytes{each})"
+    check_fits_device(what, total, torch.device("cpu"), remedy="lower swap_bytes")
 
 
 def check_fraction(name: str, value) -> None:

@@ -45,12 +45,14 @@ def rank_kv_scales(scales, config, rank: int, world: int):
 def check_ranks_fit(cfg, cache_bytes: int, device) -> None:
     """CacheTooLargeError, before any process starts, on the CPU: spawned ranks share this
     machine's memory, so ``tensor_parallel_size`` caches of ``cache_bytes`` each must fit what
-    is available. On CUDA nothing is read here (rank 0's own device was checked with its
+    is available; their swap spaces (``swap_bytes`` each, host memory on any device) too. On CUDA nothing is read here (rank 0's own device was checked with its
     budget): each rank checks its cache against ITS device's free memory in its own process
     (worker.check_rank_memory), as reading another GPU from rank 0 opens a CUDA context there."""
     if cfg.tensor_parallel_size == 1 or cfg.tp_launch != "spawn":
         return
-    from vmemkv.runtime.memory import check_fits_device
+    from vmemkv.runtime.memory import check_fits_device, check_swap_fits
+    check_swap_fits(cfg.swap_bytes, torch.device(placement_of(cfg, device).device_type),
+                    cache_bytes, copies=cfg.tensor_parallel_size)   # every rank's, in host memory
     if placement_of(cfg, device).device_type == "cuda":
         return
     check_fits_device(f"{cfg.tensor_parallel_size} tensor-parallel ranks' KV caches "
