@@ -26,7 +26,7 @@ class Savepoint:
     are kept."""
 
     __slots__ = ("waiting", "running", "swapped", "sequences", "seqs", "finished_ids",
-                 "unfinished", "step", "admit_counter", "metrics", "latency_lengths", "capacity",
+                 "unfinished", "step", "admit_counter", "metrics", "latency_ends", "capacity",
                  "starved")
 
     def __init__(self, scheduler) -> None:
@@ -41,7 +41,7 @@ class Savepoint:
         self.metrics = (m.num_preemptions, m.num_swap_preemptions, m.recomputed_tokens,
                         m.num_aborted_requests, m.num_failed_requests, m.num_finished_requests,
                         m.generated_tokens)
-        self.latency_lengths = (len(m.ttft_s), len(m.itl_s))
+        self.latency_ends = (m.ttft_s.end, m.itl_s.end)
         self.capacity = (s.total_tokens, s.max_fit_tokens, s.max_fit_bytes,   # resize
                          s.watermark_tokens)
         self.starved = s.starved
@@ -60,7 +60,8 @@ class Savepoint:
         (m.num_preemptions, m.num_swap_preemptions, m.recomputed_tokens,
          m.num_aborted_requests, m.num_failed_requests, m.num_finished_requests,
          m.generated_tokens) = self.metrics
-        del m.ttft_s[self.latency_lengths[0]:], m.itl_s[self.latency_lengths[1]:]
+        m.ttft_s.truncate(self.latency_ends[0])
+        m.itl_s.truncate(self.latency_ends[1])
         s.total_tokens, s.max_fit_tokens, s.max_fit_bytes, s.watermark_tokens = self.capacity
         s.starved = self.starved
         s._decoded, s._scheduled = [], []

@@ -3,12 +3,61 @@
 Gauges (running, waiting, swapped, kv_cache_usage_perc) are read live from the scheduler and its
 manager; counters (num_preemptions, recomputed tokens, prefix cache queries/hits) and latency
 samples (TTFT, inter-token latency, in whatever clock ``Scheduler.update`` is given: simulated
-seconds in the simulator, wall seconds in the engine) accumulate here.
+seconds in the simulator, wall seconds in the engine) accumulate here, in ``SampleLog``s: the
+latest samples only, so an engine serving for weeks does not grow by 32 bytes a token.
 """
 from __future__ import annotations
 
 import math
+from array import array
 from typing import Dict, List, Sequence
+
+SAMPLES_KEPT = 1_000_000   # a SampleLog keeps its latest 1-2 million samples: 8-16 MB
+
+
+class SampleLog:
+    """Samples (floats) in the order they came, the latest ``keep`` to ``2 * keep`` of them kept
+    as 8-byte doubles (a list of floats takes 32 bytes a sample and never stops growing).
+    Positions are absolute: ``end`` counts every sample ever appended, so a position taken
+    before (a mark, a savepoint) still names the same samples after older ones were dropped.
+    ``append`` and ``values.append`` (hot loops, followed by one ``trim()``) add samples."""
+
+    __slots__ = ("values", "_start", "keep")
+
+    def __init__(self, keep: int = SAMPLES_KEPT) -> None:
+        if keep < 1:
+            raise ValueError(f"SampleLog keeps at least 1 sample, got keep={keep!r}")
+        self.values, self._start, self.keep = array("d"), 0, keep
+
+    def append(self, value: float) -> None:
+        self.values.append(value)
+        if len(self.values) >= 2 * self.keep:
+            self.trim()
+
+    def trim(self) -> None:
+        """Drop the oldest samples beyond the latest ``keep``, once twice that many are held."""
+        excess = len(self.values) - self.keep
+        if len(self.values) >= 2 * self.keep:
+            del self.values[:excess]
+            self._start += excess
+
+    @property
+    def end(self) -> int:
+        """The position after the last sample: every sample ever appended."""
+        return self._start + len(self.values)
+
+    @property
+    def dropped(self) -> int:
+        """Samples dropped as older than the kept ones."""
+        return self._start
+
+    def since(self, position: int = 0) -> List[float]:
+        """The kept samples from ``position`` on (those dropped since are not in it)."""
+        return self.values[max(position - self._start, 0):].tolist()
+
+    def truncate(self, position: int) -> None:
+        """Forget the samples from ``position`` on (a rolled-back step's)."""
+        del self.values[max(position - self._start, 0):]
 
 
 class SchedulerMetrics:
@@ -26,8 +75,8 @@ class SchedulerMetrics:
         self.num_aborted_requests = 0   # ended by abort_request(..., ABORTED)
         self.num_failed_requests = 0    # ended by abort_request(..., FAILED)
         self.generated_tokens = 0       # sampled tokens, all sequences
-        self.ttft_s: List[float] = []   # per request: first token time - arrival
-        self.itl_s: List[float] = []    # per token after a sequence's first: gap to previous
+        self.ttft_s = SampleLog()   # per request: first token time - arrival
+        self.itl_s = SampleLog()    # per token after a sequence's first: gap to previous
 
 
 def gauges(scheduler) -> Dict[str, float]:

@@ -34,7 +34,7 @@ class StepRecording:
                 computed(seq.seq_id, seq.num_computed)   # publish on compute
             if sample:
                 self._on_sample(seq, sampled, now, finished)
-        itl = self.metrics.itl_s
+        itl = self.metrics.itl_s.values               # trimmed once, after the loop
         for seq in self._decoded:                     # the hot path, inlined _on_sample
             seq.num_computed += 1
             if stride and not seq.num_computed % stride:
@@ -49,6 +49,7 @@ class StepRecording:
             seq.last_token_s = now
             if len(out) >= seq.max_tokens or (seq.stop_ids and tok in seq.stop_ids):
                 finished.append(seq)
+        self.metrics.itl_s.trim()
         self.metrics.generated_tokens += len(sampled)
         self._scheduled, self._decoded = [], []
         if finished:

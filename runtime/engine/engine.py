@@ -30,6 +30,7 @@ from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
 from vmemkv.runtime.hf.support import check_model_supported
 from vmemkv.runtime.transaction import StepTransaction
+from vmemkv.scheduler.metrics import SampleLog
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from .config import (EngineConfig, cache_budget_bytes, cache_config_for, check_engine_arguments,
@@ -152,7 +153,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         self.runner.prompt_rows = self._prompt_logprobs       # its prompt logprobs
         self._next_request = 0
         self._t0 = time.perf_counter()
-        self._steps, self._step_s, self._kv_usage = 0, 0.0, []
+        self._steps, self._step_s, self._kv_usage = 0, 0.0, SampleLog()   # per step
         self._phase_s = {"schedule": 0.0, "sample": 0.0}   # + runner.phase_s: EngineStats' split
         self._prompt_tokens = 0
         self._computed_tokens = 0                    # tokens whose K/V steps computed

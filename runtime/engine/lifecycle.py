@@ -76,7 +76,7 @@ class RecordingSavepoint:
         self.records = [(record, record.save()) for record in self.samples.values()]
         self.prompt_logprobs = dict(engine._prompt_logprobs)
         self.strikes = dict(engine._strikes)
-        self.counters = (engine._computed_tokens, engine._steps, len(engine._kv_usage))
+        self.counters = (engine._computed_tokens, engine._steps, engine._kv_usage.end)
 
     def restore(self) -> None:
         engine = self.engine
@@ -89,7 +89,7 @@ class RecordingSavepoint:
             live.clear()
             live.update(saved)
         engine._computed_tokens, engine._steps, kv_usage = self.counters
-        del engine._kv_usage[kv_usage:]
+        engine._kv_usage.truncate(kv_usage)
 
 
 class RequestLifecycle:

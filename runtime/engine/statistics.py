@@ -26,9 +26,9 @@ class EngineStatistics:
         m = self.scheduler.metrics
         return dict(t=time.perf_counter(), steps=self._steps, step_s=self._step_s,
                     mapping_s=self.kv.cache.mapping_s, mapping_stall_s=self.kv.cache.mapping_stall_s,
-                    kv=len(self._kv_usage),
+                    kv=self._kv_usage.end,
                     pre=m.num_preemptions, swap=m.num_swap_preemptions, rec=m.recomputed_tokens,
-                    ttft=len(m.ttft_s), itl=len(m.itl_s), gen=m.generated_tokens,
+                    ttft=m.ttft_s.end, itl=m.itl_s.end, gen=m.generated_tokens,
                     done=m.num_finished_requests, prompt=self._prompt_tokens,
                     computed=self._computed_tokens, pq=self.kv.manager.prefix_queries,
                     ph=self.kv.manager.prefix_hits, phases=self._phases(),
@@ -44,7 +44,7 @@ class EngineStatistics:
         b = since or dict(t=self._t0, steps=0, step_s=0.0, mapping_s=0.0, mapping_stall_s=0.0, kv=0, pre=0,
                           swap=0, rec=0, ttft=0, itl=0, gen=0, done=0, prompt=0, computed=0,
                           pq=0, ph=0, phases={}, lora=AdapterStats())
-        m, usage = self.scheduler.metrics, self._kv_usage[b["kv"]:]
+        m, usage = self.scheduler.metrics, self._kv_usage.since(b["kv"])
         lora = self.kv.manager.adapter_stats()
         phases = {f"{k}_s": v - b["phases"].get(k, 0.0) for k, v in self._phases().items()}
         return EngineStats(
@@ -65,7 +65,7 @@ class EngineStatistics:
             lora_adapter_loads=lora.loads - b["lora"].loads,
             lora_adapter_evictions=lora.evictions - b["lora"].evictions,
             lora_adapter_pages=lora.pages,
-            ttft_s=m.ttft_s[b["ttft"]:], itl_s=m.itl_s[b["itl"]:],
+            ttft_s=m.ttft_s.since(b["ttft"]), itl_s=m.itl_s.since(b["itl"]),
             serving=serving_report(request_timings(outputs)) if outputs else {}, **phases)
 
     @property

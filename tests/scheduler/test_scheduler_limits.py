@@ -254,7 +254,7 @@ def test_ttft_and_inter_token_latency_use_the_given_clock():
     sched.add_request(Request(0, 4, 3, arrival_s=1.0))
     for now in (1.5, 1.75, 2.25):
         step(sched, now=now)
-    assert sched.metrics.ttft_s == [0.5] and sched.metrics.itl_s == [0.25, 0.5]
+    assert sched.metrics.ttft_s.since() == [0.5] and sched.metrics.itl_s.since() == [0.25, 0.5]
 
 
 def test_schedule_twice_without_update_is_an_error():
