@@ -36,6 +36,7 @@ mapped, so a real engine spreads (or hides, on a mapper thread) what is charged 
 """
 from __future__ import annotations
 
+from array import array
 import math
 import time
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from .managers.base import ReleasePages
 from .presets import get_device, get_model
 from .report import RequestTiming, serving_report
 from .scheduler import Scheduler, SchedulerConfig
+from .sim_memory import check_simulation_fits
 from .simulator import SimConfig, Simulator, _request_maker, _sharing_config
 from .workload import TraceEntry
 
@@ -173,7 +175,7 @@ class Lane:
         self.scheduler = Scheduler(self.manager, _sharing_config(config.scheduler, self.entries))
         self.share: Optional[BudgetShare] = None
         self._make_request = _request_maker()
-        self.token_times: Dict[int, List[float]] = {}    # first seq id -> its token times
+        self.token_times: Dict[int, array] = {}    # first seq id -> its token times
         self.now, self.nxt, self.after_idle = 0.0, 0, True
         self.preempted = False                 # the last step preempted
         self._ticked = -math.inf               # when it last took a turn without a step
@@ -200,7 +202,7 @@ class Lane:
             self.now, self.after_idle = t, True
         while self.nxt < len(self.entries) and self.entries[self.nxt].arrival_s <= self.now:
             ids = self.scheduler.add_request(self._make_request(self.nxt, self.entries[self.nxt]))
-            self.token_times[ids[0]] = []
+            self.token_times[ids[0]] = array("d")   # 8 bytes a token
             self.nxt += 1
         if self.share is not None:
             self._budget_turn()
@@ -257,7 +259,7 @@ class Lane:
         return plan
 
     def result(self) -> ModelResult:
-        timings = [RequestTiming(e.arrival_s, tuple(times), e.prompt_len)
+        timings = [RequestTiming(e.arrival_s, times, e.prompt_len)
                    for e, times in zip(self.entries, self.token_times.values())]
         serving = serving_report(timings, percentiles=PERCENTILES)
         stats = self.share.stats if self.share is not None else None
@@ -371,4 +373,7 @@ def simulate_shared(workloads: Mapping[str, Sequence[TraceEntry]],
                     on_step: Optional[Callable[[SharedSimulator, Lane], None]] = None,
                     on_finished: Optional[Callable[[int], None]] = None) -> SharedResult:
     """Simulate ``workloads`` ({model name: entries}) sharing one device (SharedSimulator)."""
+    every = [e for entries in workloads.values() for e in entries]
+    check_simulation_fits(len(every), sum(e.output_len for e in every),
+                          "simulate fewer requests")
     return SharedSimulator(workloads, config).run(on_step, on_finished)

@@ -23,6 +23,7 @@ and the rest of ``cache_bytes`` for KV.
 """
 from __future__ import annotations
 
+from array import array
 import random
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -36,6 +37,7 @@ from .report import RequestTiming, serving_report
 from .request import Request
 from .scheduler import Scheduler, SchedulerConfig
 from .sim_config import DEFAULT_H2D_BYTES_PER_S, SimConfig
+from .sim_memory import check_simulation_fits
 from .traces import prompt_token_ids
 from .workload import TraceEntry
 
@@ -189,14 +191,14 @@ class Simulator:
         make_request = _request_maker(self.beams.width if self.beams else 0, self.samples)
         self._sharing = [0, 0]
         whole, steady = _StepSums(), _StepSums()
-        token_times: Dict[int, List[float]] = {}       # seq_id -> its request's token times
+        token_times: Dict[int, array] = {}             # seq_id -> its request's token times
         n, nxt, now, maps, done_reported = len(entries), 0, 0.0, 0, 0
         idle = True                                     # the next step follows idle time
         while True:
             while nxt < n and entries[nxt].arrival_s <= now:
                 e = entries[nxt]
                 ids = sched.add_request(make_request(nxt, e))
-                token_times[ids[0]] = self._times[nxt] = []   # by first seq id, by request id
+                token_times[ids[0]] = self._times[nxt] = array("d")   # by first seq id, request id
                 nxt += 1
             if not sched.has_unfinished():
                 if nxt == n:
@@ -217,7 +219,7 @@ class Simulator:
         if sched.metrics.num_finished_requests != n:
             raise SchedulerError(f"simulation ended with {n - sched.metrics.num_finished_requests} "
                                  f"of {n} requests unfinished")
-        timings = [RequestTiming(e.arrival_s, tuple(times), e.prompt_len)
+        timings = [RequestTiming(e.arrival_s, times, e.prompt_len)
                    for e, times in zip(entries, token_times.values())]
         return self._result(sched, timings, (whole, steady), now, time.perf_counter() - wall0, maps)
 
@@ -255,7 +257,8 @@ class Simulator:
                     times.append(end)
                 if s.fork_ids:                      # n > 1: the samples forked after the prompt
                     sampled.update(dict.fromkeys(s.fork_ids, DUMMY_TOKEN))
-        sched.update(sampled, end)
+        for seq_id in sched.update(sampled, end):   # only live sequences' records are kept,
+            sched.forget(seq_id)                     # as in a server: memory per live token
         return seconds, mapped, len(plan.seqs), len(sampled)
 
     def _beam_step(self, sched: Scheduler, plan, end: float, token_times) -> int:
@@ -279,7 +282,8 @@ class Simulator:
         sched.prune(gone)                  # first: a fork may need a freed slot
         for parent, count in branches:
             sampled.update(dict.fromkeys(sched.branch(parent, count), DUMMY_TOKEN))
-        sched.update(sampled, end)
+        for seq_id in sched.update(sampled, end):   # the finished and the pruned
+            sched.forget(seq_id)
         return len(sampled)
 
     def _result(self, sched: Scheduler, timings: List[RequestTiming], sums: tuple,
@@ -385,6 +389,8 @@ def simulate(entries: Sequence[TraceEntry], config: SimConfig = SimConfig(),
              on_finished: Optional[Callable[[int], None]] = None) -> SimResult:
     """Build the manager and cost model ``config`` names and simulate ``entries`` (the
     scheduler config with ``config.watermark_scope`` applied)."""
+    check_simulation_fits(len(entries), sum(e.output_len for e in entries),
+                          "simulate fewer requests (--requests, or --max-requests of a trace)")
     manager = config.make_manager()
     cost = config.make_cost(manager.pages_per_map_op)
     beams = BeamModel(config.beam_width, config.beam_skew) if config.beam_width else None

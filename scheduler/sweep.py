@@ -33,6 +33,7 @@ import signal
 from typing import Callable, Dict, Iterable, List, Optional
 
 from .errors import ConfigError
+from .sim_memory import set_concurrent_simulations
 from .simulator import simulate
 from .sweep_spec import (DEFAULT_MAX_POINTS, PARAMS, count_points, expand, load_spec,  # noqa: F401
                          point_key, sim_config, unit_tokens, used_params)
@@ -78,9 +79,11 @@ def point_row(point: dict) -> dict:
         return row
 
 
-def _worker_start() -> None:
+def _worker_start(workers: int) -> None:
     """Each worker: Ctrl-C is the parent's to handle (it ends the workers), and a worker
-    whose parent dies (kill -9) is ended too rather than computing on alone (Linux)."""
+    whose parent dies (kill -9) is ended too rather than computing on alone (Linux); its
+    simulations are checked against its share of the host's memory (scheduler/sim_memory.py)."""
+    set_concurrent_simulations(workers)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         import ctypes
@@ -100,7 +103,8 @@ def run_local(points: List[dict], jobs: Optional[int] = None,
         return [_done(point_row(p), on_done) for p in points]
     from concurrent.futures import ProcessPoolExecutor, as_completed
     rows: List[Optional[dict]] = [None] * len(points)
-    pool = ProcessPoolExecutor(max_workers=min(jobs, len(points)), initializer=_worker_start)
+    workers = min(jobs, len(points))
+    pool = ProcessPoolExecutor(max_workers=workers, initializer=_worker_start, initargs=(workers,))
     try:
         futures = {pool.submit(point_row, p): i for i, p in enumerate(points)}
         for future in as_completed(futures):

@@ -107,9 +107,10 @@ def test_json_specs_nested_too_deeply_or_with_nan_are_refused(tmp_path):
 
 def test_ctrl_c_cancels_the_pending_points_and_writes_the_rows_that_finished(tmp_path):
     """A real SIGINT once the first (small) point is journaled: the workers running the big
-    points (minutes each) are ended at once, the table holds the finished row, exit 130."""
+    points (a minute each, about 2 GB: bigger ones are refused by the memory check) are ended at
+    once, the table holds the finished row, exit 130."""
     spec = write(tmp_path, "[base]\nmax_len = 1024\n[grid]\n"
-                           "requests = [20, 3000000, 3000001, 3000002, 3000003]\n")
+                           "requests = [20, 100000, 100001, 100002, 100003]\n")   # 2 GB each
     out = tmp_path / "out"
     out.mkdir()
     (out / "throughput_latency.png").write_text("an earlier run's plot")

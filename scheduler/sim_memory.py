@@ -1,0 +1,66 @@
+"""How much host memory a simulation takes, checked before a workload is drawn and before a run.
+
+A simulation holds each request (its entry, request, sequence and timing records) and the time
+of each output token, and its serving report pools every inter-token gap; measured with
+tracemalloc on the standard workload (2026-12-06; tests/scheduler/test_sim_memory.py checks
+the charge stays above what it measures): about 6 MB fixed and 37 bytes an output token
+(request records included) at the peak, 14-20 KB a request; the process's resident size is
+about 1.2 times that. ``simulation_bytes`` charges 8 MiB, 1 KiB a request and 48 bytes an
+output token. A run that would need more than the host's MemAvailable is refused
+(``SimulationTooLargeError``) before anything is drawn or run, instead of taking the machine
+into the OOM killer (``vmemkv simulate --requests 10000000`` needs about 177 GiB). A sweep's
+worker processes run at once, so each is checked against its share
+(``set_concurrent_simulations``).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .errors import ConfigError
+
+BASE_BYTES = 8 << 20      # the manager's tables (the latency logs: with the tokens)
+REQUEST_BYTES = 1024      # a request's records, kept for the whole run
+TOKEN_BYTES = 48          # an output token: its time, then its gap in the report (pooled, sorted)
+_concurrent = 1           # simulations this process shares the host with (a sweep's workers)
+
+
+class SimulationTooLargeError(ConfigError, MemoryError):
+    """A simulation would need more host memory than is available; nothing was drawn or run.
+    The message gives the requests, the output tokens, both sizes in bytes and what to lower."""
+
+
+def set_concurrent_simulations(count: int) -> None:
+    """This process runs one of ``count`` simulations at once: checks use 1/count of the host."""
+    global _concurrent
+    _concurrent = max(1, int(count))
+
+
+def simulation_bytes(num_requests: int, output_tokens: int) -> int:
+    """Host memory a simulation of ``num_requests`` with ``output_tokens`` in all needs, bytes."""
+    return BASE_BYTES + num_requests * REQUEST_BYTES + output_tokens * TOKEN_BYTES
+
+
+def available_bytes() -> Optional[int]:
+    """The host's MemAvailable in bytes (None when /proc/meminfo cannot be read)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_simulation_fits(num_requests: int, output_tokens: int,
+                          remedy: str = "simulate fewer requests") -> None:
+    """SimulationTooLargeError when the simulation needs more than this process's share of the
+    host's available memory."""
+    need = simulation_bytes(num_requests, output_tokens)
+    available = available_bytes()
+    if available is None or need * _concurrent <= available:
+        return
+    share = (f"a 1/{_concurrent} share ({available // _concurrent} bytes) of "
+             if _concurrent > 1 else "")
+    raise SimulationTooLargeError(
+        f"a simulation of {num_requests:,} requests with {output_tokens:,} output tokens needs "
+        f"about {need} bytes ({need / 2**30:.2f} GiB) of host memory, more than {share}the "
+        f"host MemAvailable of {available} bytes ({available / 2**30:.2f} GiB); {remedy}")

@@ -1,0 +1,86 @@
+"""A simulation's host memory is charged before anything is drawn or run, and refused above the
+host's MemAvailable (scheduler/sim_memory.py): ``vmemkv simulate --requests 10000000`` would
+have needed about 700 GB (72 KB a request at 20,000 requests, resident) and run until the OOM
+killer ended it; it needs about 177 GiB now and is refused here. The charge must
+stay above what a run really takes (else the check lets a machine be taken down) and within
+twice of it (else it refuses runs that fit)."""
+import tracemalloc
+
+import pytest
+
+from vmemkv.cli import main
+from vmemkv.scheduler import sim_memory
+from vmemkv.scheduler.shared_sim import simulate_shared
+from vmemkv.scheduler.sim_memory import SimulationTooLargeError, check_simulation_fits, simulation_bytes
+from vmemkv.scheduler.simulator import SimConfig, simulate
+from vmemkv.scheduler.sweep import _worker_start
+from vmemkv.scheduler.workload import WorkloadSpec, generate
+
+
+@pytest.fixture
+def available_mib(monkeypatch):
+    """Pretend the host has this many MiB available."""
+    def pretend(mib: int) -> None:
+        monkeypatch.setattr(sim_memory, "available_bytes", lambda: mib << 20)
+    return pretend
+
+
+def test_the_charge_covers_a_measured_run_and_stays_within_twice_of_it():
+    simulate(generate(WorkloadSpec(num_requests=20)), SimConfig())   # its imports: not measured
+    tracemalloc.start()
+    try:
+        entries = generate(WorkloadSpec(num_requests=1000, seed=3))
+        result = simulate(entries, SimConfig())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    tokens = sum(e.output_len for e in entries)
+    assert result.output_tokens == tokens and tokens > 300_000
+    charged = simulation_bytes(len(entries), tokens)
+    assert peak <= charged <= 2 * peak, (peak, charged)
+
+
+def test_a_workload_too_large_is_refused_before_a_request_is_drawn(available_mib):
+    available_mib(1024)
+    with pytest.raises(SimulationTooLargeError) as info:
+        generate(WorkloadSpec(num_requests=10_000_000))   # drawing it alone would take GBs
+    assert isinstance(info.value, MemoryError)
+    message = str(info.value)
+    for words in ("10,000,000 requests", "3,740,000,000 output tokens", "host MemAvailable",
+                  str(1024 << 20), "--requests"):
+        assert words in message, message
+    assert len(generate(WorkloadSpec(num_requests=50))) == 50   # 50 requests fit in 1 GiB
+
+
+def test_simulate_and_simulate_shared_check_the_entries_they_are_given(available_mib):
+    entries = generate(WorkloadSpec(num_requests=100, seed=1))
+    tokens = sum(e.output_len for e in entries)
+    need_mib = simulation_bytes(100, tokens) >> 20
+    available_mib(need_mib - 1)
+    with pytest.raises(SimulationTooLargeError, match=f"100 requests with {tokens:,} output"):
+        simulate(entries, SimConfig())
+    with pytest.raises(SimulationTooLargeError, match="200 requests"):
+        simulate_shared({"a": entries, "b": entries})
+    available_mib(need_mib + 1)
+    assert simulate(entries, SimConfig()).num_requests == 100
+
+
+def test_a_sweep_worker_is_checked_against_its_share_of_the_host(available_mib):
+    need_mib = simulation_bytes(1000, 400_000) >> 20
+    available_mib(3 * need_mib)
+    check_simulation_fits(1000, 400_000)
+    try:
+        _worker_start(4)              # one of four workers running at once
+        with pytest.raises(SimulationTooLargeError, match="a 1/4 share"):
+            check_simulation_fits(1000, 400_000)
+    finally:
+        sim_memory.set_concurrent_simulations(1)
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def test_the_cli_refuses_in_one_line_with_exit_2(capsys):
+    code = main(["simulate", "--requests", "100000000", "--no-progress"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert "SimulationTooLargeError" in err and "100,000,000 requests" in err
