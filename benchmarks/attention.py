@@ -45,11 +45,13 @@ from pathlib import Path
 import torch
 
 from vmemkv.benchmarks import yardstick
-from vmemkv.benchmarks.attention_caches import build_caches, labels
+from vmemkv.benchmarks.attention_caches import build_caches, bytes_needed, labels
 from vmemkv.benchmarks.attention_goals import goals, print_goals, speedups, target_check
 from vmemkv.benchmarks.common import environment, print_environment
 from vmemkv.scheduler.result_files import write_json
 from vmemkv.runtime.attention import fastest_backend, get_backend
+from vmemkv.runtime.errors import CacheTooLargeError
+from vmemkv.runtime.memory import check_fits_device
 from vmemkv.runtime.kv_dtype import KV_CACHE_DTYPES
 
 # CPU: 8k contexts at batch 32 alone would take minutes on a small host; 4k is the top here.
@@ -274,6 +276,10 @@ def measure(args, progress=None) -> dict:
     """The yardsticks, then every configuration of ``args``; print the header and one line per
     cache and backend; return JSON."""
     device, dtypes = torch.device(args.device), [DTYPES[d] for d in args.dtype]
+    for dtype, (batch, ctx) in ((d, bc) for d in dtypes for bc in grid(args)):   # before any
+        check_fits_device(f"attention b{batch} ctx{ctx} ({dtype}): its K/V and caches",
+                          bytes_needed(batch, ctx, args, device, dtype), device,
+                          remedy="lower BATCHxCTX (--configs, --batches, --contexts)")
     if args.threads:
         torch.set_num_threads(args.threads)
     gen = torch.Generator(device=device).manual_seed(args.seed)
@@ -355,7 +361,11 @@ def run(quick: bool = False, out: str | None = None, device: str | None = None,
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    payload = measure(args)
+    try:
+        payload = measure(args)
+    except CacheTooLargeError as error:
+        print(f"attention: error: CacheTooLargeError: {error}", file=sys.stderr)
+        return 2
     if args.out:
         write_json(str(args.out), payload)
         print(f"# wrote {args.out}")

@@ -67,6 +67,28 @@ def build_caches(batch, ctx, args, device, dtype, gen, kv_cache_dtype: str = "au
     return tuple(fill(kv, batch, ctx, args.block_size, k, v) for kv in kvs)
 
 
+PROCESS_BYTES = 1 << 30    # torch, the yardsticks' buffers, the flush buffer
+
+
+def bytes_needed(batch: int, ctx: int, args, device, dtype) -> int:
+    """What a configuration holds at its peak, for every kv_cache_dtype of ``args`` at once:
+    the random K/V the caches are filled from, twice (a write's encoded copy), each cache's
+    pool (vmem: whole pages per slot; paged: whole blocks per request) and the process
+    (``PROCESS_BYTES``). b32 ctx4k with four K/V dtypes: 7.0 GiB charged, 6.4 GiB resident."""
+    element_bytes = torch.empty(0, dtype=dtype).element_size()
+    source = 2 * 2 * batch * ctx * args.kv_heads * args.head_dim * element_bytes
+    pools = 0
+    for kv_cache_dtype in args.kv_cache_dtype:
+        for layout in args.vmem_layout:
+            layers = args.layers if layout == "interleaved" else 1
+            config = cache_config(batch, ctx, args, device, dtype, layers, layout, kv_cache_dtype)
+            pools += batch * config.max_context * config.bytes_per_token
+        config = cache_config(batch, ctx, args, device, dtype, kv_cache_dtype=kv_cache_dtype)
+        blocks = -(-ctx // args.block_size)
+        pools += batch * blocks * args.block_size * config.bytes_per_token
+    return PROCESS_BYTES + source + pools
+
+
 def labels(args) -> list[str]:
     """Each cache's row label, in build_caches' order: ``vmem`` (per-layer), ``vmem
     interleaved``, then ``paged``."""
