@@ -40,7 +40,9 @@ class EngineStatistics:
     def stats(self, since: Optional[dict] = None,
               outputs: Sequence[RequestOutput] = ()) -> EngineStats:
         """Statistics since ``since`` (a mark taken by generate/stream), or since creation;
-        ``serving`` is the serving report of ``outputs`` (wall seconds; empty without them)."""
+        ``serving`` is the serving report of ``outputs`` (wall seconds; empty without them).
+        Latency samples and K/V usage are the kept ones (``SampleLog``: the latest 1-2 million;
+        a long-lived engine's oldest are dropped), counters are exact."""
         b = since or dict(t=self._t0, steps=0, step_s=0.0, mapping_s=0.0, mapping_stall_s=0.0, kv=0, pre=0,
                           swap=0, rec=0, ttft=0, itl=0, gen=0, done=0, prompt=0, computed=0,
                           pq=0, ph=0, phases={}, lora=AdapterStats())
