@@ -28,9 +28,13 @@ def test_rank_0_reads_no_other_gpus_memory_before_the_cuda_ranks_start(monkeypat
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(memory, "device_memory_bytes", lambda d: read.append(str(d)) or 2**40)
     monkeypatch.setattr(memory, "available_memory_bytes", lambda d: read.append(str(d)) or 2**40)
-    cfg = SimpleNamespace(tensor_parallel_size=4, tp_launch="spawn", tp_devices=None)
+    cfg = SimpleNamespace(tensor_parallel_size=4, tp_launch="spawn", tp_devices=None,
+                          swap_bytes=0)
     tensor_parallel.check_ranks_fit(cfg, 2**20, torch.device("cuda", 0))
     assert read == []     # before: cuda:0..cuda:3, a CUDA context on each in rank 0's process
+    cfg.swap_bytes = 2**20         # the ranks' swap spaces: host memory, read as the host's
+    tensor_parallel.check_ranks_fit(cfg, 2**20, torch.device("cuda", 0))
+    assert read and set(read) == {"cpu"}
 
 
 def test_a_rank_checks_its_cache_against_its_devices_memory_naming_rank_device_and_bytes(
