@@ -47,31 +47,36 @@ class BeamGroups:
 
     def _check_beam_group_fits(self, request) -> None:
         """RequestTooLargeError when a beam request's group could never run: more beams than a
-        step runs, or more memory than the whole cache at its first decode step, where each
-        beam writes its first output token into a unit of its own (a fork shares whole units
-        only) beside the prompt's whole units, held once. Checked where token counts are
-        exact: a fixed pool of whole units of one layer kind, forks that share, nothing behind a
-        window yet (the prompt and its first token within it; a hybrid's window parts hold
-        less; units straddling pages are backed by the bytes they need)."""
+        step runs, or more memory than the whole cache at a length every beam surely reaches
+        (the first decode step; the last one, ``max_tokens - 1`` past the prompt, when nothing
+        can end the search early). There each beam holds the unit of its newest token on its
+        own (a fork shares whole units only), and at least the whole units before it that the
+        window still reads, held once (``_least_group_tokens``). Checked where token counts
+        are exact: a fixed pool of whole units of one layer kind, forks that share (a hybrid's
+        window parts hold less; units straddling pages are backed by the bytes they need)."""
         width, prompt, unit = request.beam_width, request.prompt_len, self.manager.fork_unit_tokens
         if width > self.config.max_running:
             raise RequestTooLargeError(
                 f"request {request.request_id}: beam_width {width} exceeds the "
                 f"{self.config.max_running} sequences a step runs (max_running)")
-        window = self.manager.window_tokens
-        if (request.max_tokens < 2 or not unit or self.growable or self.manager.cache_bytes == 0
-                or (window and prompt + 1 > window)):
+        if request.max_tokens < 2 or not unit or self.growable or self.manager.cache_bytes == 0:
             return
         layout = self.manager.layout()     # units backed whole, one kind: tokens are whole units
         if layout.backing is not PoolBacking.WHOLE or len(layout.kinds) > 1 or layout.block_groups:
             return
-        need = prompt // unit * unit + width * unit
+        last = prompt + (request.max_tokens - 1 if request.runs_to_max_tokens else 1)
+        window = self.manager.window_tokens
+        need, length = max((_least_group_tokens(n, width, unit, window), n)   # periodic in n
+                           for n in range(max(prompt + 1, last - unit + 1), last + 1))
         if need > self.total_tokens:
+            at = ("its first decode step" if length == prompt + 1 else
+                  f"{length} tokens (it runs to max_tokens {request.max_tokens})")
             raise RequestTooLargeError(
                 f"request {request.request_id}: a beam search of {width} beams over a "
-                f"{prompt}-token prompt holds at least {need} tokens from its first decode step "
-                f"(the prompt's whole {unit}-token units once, then a unit of each beam's own), "
-                f"more than the cache's {self.total_tokens} tokens")
+                f"{prompt}-token prompt holds at least {need} tokens at {at}: the whole "
+                f"{unit}-token units before the newest token"
+                f"{' that the window reads' if window else ''} once, then a unit of each beam's "
+                f"own; more than the cache's {self.total_tokens} tokens")
 
     # ---- what the beam search says after a step (between schedule and update) -------------
     def branch(self, parent_id: int, count: int) -> List[int]:
@@ -367,3 +372,12 @@ class BeamGroups:
             return
         while self.running:      # (a swap would bring back the part that fits: no progress)
             self._preempt_unit(self._tail_unit(), plan, recompute=True)
+
+
+def _least_group_tokens(length: int, width: int, unit: int, window) -> int:
+    """The fewest tokens a beam group of ``width`` beams of ``length`` tokens holds: the unit
+    of each beam's newest token (position ``length - 1``) on its own, and the whole units
+    before it that the next query still reads (from ``length - window``) once, shared."""
+    newest = (length - 1) // unit
+    first_read = max(0, length - window) // unit if window else 0
+    return (newest - first_read) * unit + width * unit

@@ -57,6 +57,8 @@ class Request:
                                                      # beams each step; scheduled as one)
     adapter: Optional[AdapterRef] = None             # the LoRA adapter it runs with (None: the
                                                      # base model); pinned while it runs
+    runs_to_max_tokens: bool = False                 # nothing can end it early (a beam search
+                                                     # without stop ids): checked at full length
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_len, int) or self.prompt_len < 1:

@@ -164,7 +164,8 @@ class BeamSearching:
         ids, text = self._encode(prompt, index)
         rid, arrival_s = self._next_request, self._now()
         request = Request(rid, len(ids), params.max_new_tokens, prompt_token_ids=ids,
-                          arrival_s=arrival_s, beam_width=params.beam_width)
+                          arrival_s=arrival_s, beam_width=params.beam_width,
+                          runs_to_max_tokens=not self._beam_stop_ids(params))   # no early end
         try:
             (seq_id,) = self.scheduler.add_request(request)
         except RequestTooLargeError as error:

@@ -55,3 +55,37 @@ def test_a_refused_beam_search_fails_alone_without_the_check(family, layout, mon
     assert accepted > 0
     # Llama's vmem page groups (16-32 tokens, 128 on fp8) are large enough to refuse some
     assert refused > 0 or family != "tiny-llama" or layout == "paged"
+
+
+def test_a_search_that_runs_to_max_tokens_is_checked_at_its_last_length():
+    """Without stop ids a search runs to max_tokens: 4 beams over 12 tokens on 8-token blocks
+    fit a 48-token cache at their first decode (one shared block, a block each: 40) but not at
+    their last (31 tokens: three shared blocks, a block each: 56). With a stop id the search
+    may end early, so only the first decode step is checked."""
+    with Engine(model("tiny-llama"), max_batch=8, max_context=128, cache_bytes=24 * 1024,
+                **LAYOUTS["paged"]) as engine:
+        assert engine.scheduler.total_tokens == 48
+        prompt = list(range(3, 15))
+        with pytest.raises(RequestRejectedError, match="holds at least 56 tokens at 31 tokens "
+                                                      r"\(it runs to max_tokens 20\)"):
+            engine.add_beam_request(prompt, BeamSearchParams(4, max_new_tokens=20, ignore_eos=True))
+        assert not engine.has_unfinished()
+        rid = engine.add_beam_request(prompt, BeamSearchParams(4, max_new_tokens=20, ignore_eos=True,
+                                                               stop_token_ids=(255,)))
+        engine.run_until_done()
+        assert engine.output(rid, pop=True).status in ("finished", "failed")
+
+
+def test_a_prompt_past_the_window_is_checked_by_the_units_the_window_reads():
+    """Mistral's 32-token window on fp8 page groups of 128 tokens: 2 beams over a 33-token
+    prompt each need a group of their own, 256 tokens, in a 128-token cache. The check skipped
+    prompts past the window and the search failed after its prefill."""
+    with Engine(model("tiny-mistral-swa"), max_batch=8, max_context=128, cache_bytes=24 * 1024,
+                kv_cache_dtype="fp8_e4m3", **LAYOUTS["per-layer"]) as engine:
+        assert engine.scheduler.total_tokens == 128 and engine.kv.manager.window_tokens == 32
+        with pytest.raises(RequestRejectedError, match="holds at least 256 tokens at its first "
+                                                      "decode step.*that the window reads"):
+            engine.add_beam_request(list(range(3, 36)), BeamSearchParams(2, max_new_tokens=2))
+        rid = engine.add_beam_request(list(range(3, 36)), BeamSearchParams(1, max_new_tokens=4))
+        engine.run_until_done()
+        assert engine.output(rid, pop=True).status == "finished"
