@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Iterable, Mapping, Optional, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Dict, Iterable, Mapping, Optional, Sequence
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_PERCENTILES = (90.0, 99.0)
@@ -117,9 +118,10 @@ def _meets(t: RequestTiming, targets_ms: Mapping[str, float]) -> bool:
     return all(values[name] * 1e3 <= limit for name, limit in targets_ms.items())
 
 
-def _pooled_gaps(done: Sequence[RequestTiming]) -> np.ndarray:
+def _pooled_gaps(done: Sequence[RequestTiming]) -> "np.ndarray":
     """Every request's gaps between consecutive tokens, pooled: 8 bytes a gap (a standard
     simulation has about 750,000; a list of Python floats took 32 bytes each, three times over)."""
+    import numpy as np     # the scheduler imports numpy only where it computes with it
     gaps = [np.diff(np.array(t.token_times_s, dtype=np.float64)) for t in done
             if t.output_tokens > 1]
     return np.concatenate(gaps) if gaps else np.empty(0)
@@ -128,6 +130,7 @@ def _pooled_gaps(done: Sequence[RequestTiming]) -> np.ndarray:
 def _summary_ms(name: str, values_s, percentiles: Sequence[float]) -> Dict[str, float]:
     """mean, median, std (population) and percentiles in ms, computed as vLLM's benchmark does
     (numpy's mean, median, std and linear-interpolation percentiles)."""
+    import numpy as np
     xs = np.array(values_s, dtype=np.float64) * 1e3
     keys = [f"mean_{name}_ms", f"median_{name}_ms", f"std_{name}_ms"]
     keys += [f"p{q:g}_{name}_ms" for q in percentiles]

@@ -45,8 +45,9 @@ def rank_kv_scales(scales, config, rank: int, world: int):
 def check_ranks_fit(cfg, cache_bytes: int, device) -> None:
     """CacheTooLargeError, before any process starts, on the CPU: spawned ranks share this
     machine's memory, so ``tensor_parallel_size`` caches of ``cache_bytes`` each must fit what
-    is available; their swap spaces (``swap_bytes`` each, host memory on any device) too. On CUDA nothing is read here (rank 0's own device was checked with its
-    budget): each rank checks its cache against ITS device's free memory in its own process
+    is available; their swap spaces (``swap_bytes`` each, host memory on any device) too. On
+    CUDA no GPU is read here (rank 0's own device was checked with its budget): each rank
+    checks its cache against ITS device's free memory in its own process
     (worker.check_rank_memory), as reading another GPU from rank 0 opens a CUDA context there."""
     if cfg.tensor_parallel_size == 1 or cfg.tp_launch != "spawn":
         return
