@@ -23,6 +23,7 @@ from .report import parse_goodput
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
 from .geometry import LAYOUT_CHOICES
 from .sim_config import DEFAULT_H2D_BYTES_PER_S, WATERMARK_SCOPES, SimConfig
+from .sim_memory import check_simulation_fits
 from .simulator import POLICIES, simulate
 from .traces import fit_to_length, load_trace, trace_names
 from .workload import (WORKLOAD_RNGS, LoraSpec, WorkloadSpec, assign_adapters, generate,
@@ -239,6 +240,8 @@ def _lengths(args, seed: int):
                         prompt_p95=args.prompt_p95, output_mean=args.output_mean,
                         output_p95=args.output_p95, max_total_len=args.max_len,
                         arrival_rate=args.arrival_rate, seed=seed, rng=args.workload_rng)
+    check_simulation_fits(args.requests, int(args.requests * min(args.output_mean, args.max_len)),
+                          "lower --requests")   # the run's estimate, before a request is drawn
     return generate(spec)
 
 

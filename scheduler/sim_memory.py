@@ -6,8 +6,10 @@ tracemalloc on the standard workload (2026-12-06; tests/scheduler/test_sim_memor
 the charge stays above what it measures): about 6 MB fixed and 37 bytes an output token
 (request records included) at the peak, 14-20 KB a request; the process's resident size is
 about 1.2 times that. ``simulation_bytes`` charges 8 MiB, 1 KiB a request and 48 bytes an
-output token. A run that would need more than the host's MemAvailable is refused
-(``SimulationTooLargeError``) before anything is drawn or run, instead of taking the machine
+output token; drawing a workload alone, 512 bytes a request. A run that would need more than
+the host's MemAvailable is refused (``SimulationTooLargeError``: ``vmemkv simulate`` checks its
+estimate before it draws, ``generate`` what it draws, ``simulate`` the entries it is given)
+before anything is drawn or run, instead of taking the machine
 into the OOM killer (``vmemkv simulate --requests 10000000`` needs about 177 GiB). A sweep's
 worker processes run at once, so each is checked against its share
 (``set_concurrent_simulations``).
@@ -21,6 +23,7 @@ from .errors import ConfigError
 BASE_BYTES = 8 << 20      # the manager's tables (the latency logs: with the tokens)
 REQUEST_BYTES = 1024      # a request's records, kept for the whole run
 TOKEN_BYTES = 48          # an output token: its time, then its gap in the report (pooled, sorted)
+ENTRY_BYTES = 512         # a drawn request: its TraceEntry and its share of the draw (270 measured)
 _concurrent = 1           # simulations this process shares the host with (a sweep's workers)
 
 
@@ -54,13 +57,23 @@ def check_simulation_fits(num_requests: int, output_tokens: int,
                           remedy: str = "simulate fewer requests") -> None:
     """SimulationTooLargeError when the simulation needs more than this process's share of the
     host's available memory."""
-    need = simulation_bytes(num_requests, output_tokens)
+    _check(f"a simulation of {num_requests:,} requests with {output_tokens:,} output tokens",
+           simulation_bytes(num_requests, output_tokens), remedy)
+
+
+def check_workload_fits(num_requests: int, remedy: str) -> None:
+    """SimulationTooLargeError when drawing ``num_requests`` (their entries, ``ENTRY_BYTES``
+    each) needs more than this process's share of the host's available memory."""
+    _check(f"drawing a workload of {num_requests:,} requests", num_requests * ENTRY_BYTES, remedy)
+
+
+def _check(what: str, need: int, remedy: str) -> None:
     available = available_bytes()
     if available is None or need * _concurrent <= available:
         return
     share = (f"a 1/{_concurrent} share ({available // _concurrent} bytes) of "
              if _concurrent > 1 else "")
     raise SimulationTooLargeError(
-        f"a simulation of {num_requests:,} requests with {output_tokens:,} output tokens needs "
-        f"about {need} bytes ({need / 2**30:.2f} GiB) of host memory, more than {share}the "
-        f"host MemAvailable of {available} bytes ({available / 2**30:.2f} GiB); {remedy}")
+        f"{what} needs about {need} bytes ({need / 2**30:.2f} GiB) of host memory, more than "
+        f"{share}the host MemAvailable of {available} bytes ({available / 2**30:.2f} GiB); "
+        f"{remedy}")

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Iterable, List, Optional, Sequence, Tuple
 from .errors import ConfigError
 from .presets import ModelSpec
 from .result_files import atomic_open
-from .sim_memory import check_simulation_fits
+from .sim_memory import check_workload_fits
 
 if TYPE_CHECKING:
     from .adapters import AdapterRef
@@ -120,9 +120,7 @@ def generate(spec: WorkloadSpec) -> List[TraceEntry]:
     ``spec.max_total_len`` and both are >= 1. ``spec.rng`` picks the draw (module docstring)."""
     p_mu, p_sigma = lognormal_from_median_p95(spec.prompt_median, spec.prompt_p95, "prompt")
     o_mu, o_sigma = lognormal_from_mean_p95(spec.output_mean, spec.output_p95, "output")
-    expected_output = int(spec.num_requests * min(spec.output_mean, spec.max_total_len))
-    check_simulation_fits(spec.num_requests, expected_output,   # before drawing a request
-                          "lower num_requests (vmemkv simulate --requests)")
+    check_workload_fits(spec.num_requests, "lower num_requests")   # before drawing a request
     if spec.rng == "python":
         return _generate_python(spec, (p_mu, p_sigma), (o_mu, o_sigma))
     import numpy as np

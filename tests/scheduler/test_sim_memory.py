@@ -11,7 +11,8 @@ import pytest
 from vmemkv.cli import main
 from vmemkv.scheduler import sim_memory
 from vmemkv.scheduler.shared_sim import simulate_shared
-from vmemkv.scheduler.sim_memory import SimulationTooLargeError, check_simulation_fits, simulation_bytes
+from vmemkv.scheduler.sim_memory import (SimulationTooLargeError, check_simulation_fits,
+                                         check_workload_fits, simulation_bytes)
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.sweep import _worker_start
 from vmemkv.scheduler.workload import WorkloadSpec, generate
@@ -40,16 +41,17 @@ def test_the_charge_covers_a_measured_run_and_stays_within_twice_of_it():
     assert peak <= charged <= 2 * peak, (peak, charged)
 
 
-def test_a_workload_too_large_is_refused_before_a_request_is_drawn(available_mib):
+def test_drawing_a_workload_is_charged_what_it_draws(available_mib):
     available_mib(1024)
     with pytest.raises(SimulationTooLargeError) as info:
-        generate(WorkloadSpec(num_requests=10_000_000))   # drawing it alone would take GBs
+        generate(WorkloadSpec(num_requests=10_000_000))   # 5 GB of entries, before one is drawn
     assert isinstance(info.value, MemoryError)
     message = str(info.value)
-    for words in ("10,000,000 requests", "3,740,000,000 output tokens", "host MemAvailable",
-                  str(1024 << 20), "--requests"):
+    for words in ("drawing a workload of 10,000,000 requests", "5120000000 bytes",
+                  "host MemAvailable", str(1024 << 20), "lower num_requests"):
         assert words in message, message
-    assert len(generate(WorkloadSpec(num_requests=50))) == 50   # 50 requests fit in 1 GiB
+    check_workload_fits(2_000_000, "")       # a trace to write, 1 GB: not charged a simulation
+    assert len(generate(WorkloadSpec(num_requests=50))) == 50
 
 
 def test_simulate_and_simulate_shared_check_the_entries_they_are_given(available_mib):
@@ -83,4 +85,5 @@ def test_the_cli_refuses_in_one_line_with_exit_2(capsys):
     code = main(["simulate", "--requests", "100000000", "--no-progress"])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
-    assert "SimulationTooLargeError" in err and "100,000,000 requests" in err
+    assert "SimulationTooLargeError" in err and "a simulation of 100,000,000 requests" in err
+    assert "lower --requests" in err
