@@ -60,8 +60,9 @@ class AdapterMachine(RuleBasedStateMachine):
                 sizes=st.lists(st.integers(1, 45), min_size=3, max_size=3))
     def setup(self, geometry, slices, split, evict, sizes):
         policy, model, options, max_tokens = GEOMETRIES[geometry]
-        probe = make_manager(policy, model, 10**6, max_tokens, **options)
         vmem = policy == "vmem"
+        probe = make_manager(policy, model, 1 << 12, max_tokens, **options,   # its geometry
+                             **(dict(max_slots=1) if vmem else {}))
         unit_bytes = probe.page_bytes if vmem else probe.block_bytes
         slice_bytes = probe.page_bytes * probe.geometry.num_members if vmem else \
             probe.block_bytes * len(probe.groups)

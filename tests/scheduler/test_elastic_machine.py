@@ -63,8 +63,8 @@ class ElasticMachine(RuleBasedStateMachine):
                 extra=st.integers(0, 10), evict=st.sampled_from(["lru", "off"]))
     def setup(self, geometry, start, extra, evict):
         model, page_bytes, layout, max_tokens = GEOMETRIES[geometry]
-        probe = make_manager("vmem", model, 10**6, max_tokens, page_bytes=page_bytes,
-                             layout=layout, hybrid_parts=True)
+        probe = make_manager("vmem", model, 256 * page_bytes, max_tokens, page_bytes=page_bytes,
+                             layout=layout, hybrid_parts=True, max_slots=1)   # its geometry
         unit = page_bytes * probe.geometry.num_members   # one page of every member
         self.m = make_manager("vmem", model, start * unit, max_tokens, page_bytes=page_bytes,
                               layout=layout, max_slots=4, prefix_eviction=evict,
