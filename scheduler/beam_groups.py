@@ -51,9 +51,10 @@ class BeamGroups:
         (the first decode step; the last one, ``max_tokens - 1`` past the prompt, when nothing
         can end the search early). There each beam holds the unit of its newest token on its
         own (a fork shares whole units only), and at least the whole units before it that the
-        window still reads, held once (``_least_group_tokens``). Checked where token counts
-        are exact: a fixed pool of whole units of one layer kind, forks that share (a hybrid's
-        window parts hold less; units straddling pages are backed by the bytes they need)."""
+        window still reads, held once (``_least_group_tokens``). Checked on fixed pools of
+        whole units with forks that share: one layer kind by its tokens, a hybrid by the units
+        of every kind each beam holds (``_check_beam_units_fit``); not where units straddle
+        pages (backed by the bytes they need)."""
         width, prompt, unit = request.beam_width, request.prompt_len, self.manager.fork_unit_tokens
         if width > self.config.max_running:
             raise RequestTooLargeError(
@@ -62,8 +63,10 @@ class BeamGroups:
         if request.max_tokens < 2 or not unit or self.growable or self.manager.cache_bytes == 0:
             return
         layout = self.manager.layout()     # units backed whole, one kind: tokens are whole units
-        if layout.backing is not PoolBacking.WHOLE or len(layout.kinds) > 1 or layout.block_groups:
+        if layout.backing is not PoolBacking.WHOLE:
             return
+        if len(layout.kinds) > 1 or layout.block_groups:   # a hybrid: its units, not its tokens
+            return self._check_beam_units_fit(request, layout)
         last = prompt + (request.max_tokens - 1 if request.runs_to_max_tokens else 1)
         window = self.manager.window_tokens
         need, length = max((_least_group_tokens(n, width, unit, window), n)   # periodic in n
@@ -77,6 +80,20 @@ class BeamGroups:
                 f"{unit}-token units before the newest token"
                 f"{' that the window reads' if window else ''} once, then a unit of each beam's "
                 f"own; more than the cache's {self.total_tokens} tokens")
+
+    def _check_beam_units_fit(self, request, layout) -> None:
+        """A hybrid's beams: each writes its newest token into every layer, so from the first
+        decode step each holds a unit of every kind of its own (a vmem page group; a block of
+        every paged block group). RequestTooLargeError when the pool holds fewer."""
+        per_beam, pool, what = ((len(layout.block_groups), layout.num_blocks, "blocks")
+                                if layout.block_groups else (layout.geometry.pages_per_group,
+                                layout.pool_pages - layout.released_pages, "pages"))
+        if request.beam_width * per_beam > pool:
+            raise RequestTooLargeError(
+                f"request {request.request_id}: a beam search of {request.beam_width} beams "
+                f"holds at least {request.beam_width * per_beam} {what} from its first decode "
+                f"step (each beam a unit of every layer kind of its own: {per_beam} {what}), "
+                f"more than the cache's {pool}")
 
     # ---- what the beam search says after a step (between schedule and update) -------------
     def branch(self, parent_id: int, count: int) -> List[int]:

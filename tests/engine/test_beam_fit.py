@@ -52,7 +52,8 @@ def test_a_refused_beam_search_fails_alone_without_the_check(family, layout, mon
                 accepted += 1
                 engine.run_until_done()
                 engine.output(rid, pop=True)
-    assert accepted > 0
+    # the hybrid's per-layer pool holds one 12-page group at 64 KiB: no search of 2 beams fits
+    assert accepted > 0 or (family, layout) == ("tiny-gemma3", "per-layer")
     # Llama's vmem page groups (16-32 tokens, 128 on fp8) are large enough to refuse some
     assert refused > 0 or family != "tiny-llama" or layout == "paged"
 
@@ -89,3 +90,25 @@ def test_a_prompt_past_the_window_is_checked_by_the_units_the_window_reads():
         rid = engine.add_beam_request(list(range(3, 36)), BeamSearchParams(1, max_new_tokens=4))
         engine.run_until_done()
         assert engine.output(rid, pop=True).status == "finished"
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "paged"])
+def test_a_hybrid_pool_with_fewer_units_than_beams_refuses_the_search(layout):
+    """Gemma 3 (five windowed layers, one full): each beam writes its newest token into every
+    layer, so each holds a unit of every kind of its own: a 12-page group on 4 KiB per-layer
+    pages (the 48 KiB pool holds one), a block of each of the six block groups on paged. The
+    hybrid was never checked, and such searches failed after their prefill."""
+    options = dict(LAYOUTS[layout], cache_bytes=48 * 1024 if layout == "per-layer" else 24 * 1024)
+    with Engine(model("tiny-gemma3"), max_batch=8, max_context=128, **options) as engine:
+        layout_value = engine.kv.manager.layout()
+        per_beam, pool = ((12, 12) if layout == "per-layer" else
+                          (len(layout_value.block_groups), layout_value.num_blocks))
+        too_many = pool // per_beam + 1
+        with pytest.raises(RequestRejectedError, match=f"{too_many} beams holds at least "
+                                                      f"{too_many * per_beam} "):
+            engine.add_beam_request([3, 4, 5], BeamSearchParams(too_many, max_new_tokens=4))
+        assert not engine.has_unfinished()
+        rid = engine.add_beam_request([3, 4, 5], BeamSearchParams(pool // per_beam,
+                                                                  max_new_tokens=2))
+        engine.run_until_done()
+        assert engine.output(rid, pop=True).status in ("finished", "failed")
