@@ -31,13 +31,12 @@ class SampleLog:
 
     def append(self, value: float) -> None:
         self.values.append(value)
-        if len(self.values) >= 2 * self.keep:
-            self.trim()
+        self.trim()
 
     def trim(self) -> None:
         """Drop the oldest samples beyond the latest ``keep``, once twice that many are held."""
-        excess = len(self.values) - self.keep
         if len(self.values) >= 2 * self.keep:
+            excess = len(self.values) - self.keep
             del self.values[:excess]
             self._start += excess
 

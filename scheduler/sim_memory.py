@@ -44,7 +44,8 @@ def simulation_bytes(num_requests: int, output_tokens: int) -> int:
 
 
 def available_bytes() -> Optional[int]:
-    """The host's MemAvailable in bytes (None when /proc/meminfo cannot be read)."""
+    """The host's MemAvailable in bytes (None when /proc/meminfo cannot be read). Read here,
+    not through ``vmem.host.meminfo_bytes``: the scheduler depends on no other layer."""
     try:
         with open("/proc/meminfo") as meminfo:
             fields = dict(line.split(":", 1) for line in meminfo)
