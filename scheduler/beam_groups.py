@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .errors import OutOfCapacityError, RequestTooLargeError, SchedulerError, UnknownSequenceError
-from .layout import PoolBacking
+from .errors import OutOfCapacityError, SchedulerError, UnknownSequenceError
+from .beam_fit import check_beam_group_fits
 from .request import Sequence, SeqState
 
 
@@ -46,54 +46,9 @@ class BeamGroups:
     ``_preempt``, ``_swappable``, ``_requeue``, ``_fits``, ``_pin``, ``_unpin``)."""
 
     def _check_beam_group_fits(self, request) -> None:
-        """RequestTooLargeError when a beam request's group could never run: more beams than a
-        step runs, or more memory than the whole cache at a length every beam surely reaches
-        (the first decode step; the last one, ``max_tokens - 1`` past the prompt, when nothing
-        can end the search early). There each beam holds the unit of its newest token on its
-        own (a fork shares whole units only), and at least the whole units before it that the
-        window still reads, held once (``_least_group_tokens``). Checked on fixed pools of
-        whole units with forks that share: one layer kind by its tokens, a hybrid by the units
-        of every kind each beam holds (``_check_beam_units_fit``); not where units straddle
-        pages (backed by the bytes they need)."""
-        width, prompt, unit = request.beam_width, request.prompt_len, self.manager.fork_unit_tokens
-        if width > self.config.max_running:
-            raise RequestTooLargeError(
-                f"request {request.request_id}: beam_width {width} exceeds the "
-                f"{self.config.max_running} sequences a step runs (max_running)")
-        if request.max_tokens < 2 or not unit or self.growable or self.manager.cache_bytes == 0:
-            return
-        layout = self.manager.layout()     # units backed whole, one kind: tokens are whole units
-        if layout.backing is not PoolBacking.WHOLE:
-            return
-        if len(layout.kinds) > 1 or layout.block_groups:   # a hybrid: its units, not its tokens
-            return self._check_beam_units_fit(request, layout)
-        last = prompt + (request.max_tokens - 1 if request.runs_to_max_tokens else 1)
-        window = self.manager.window_tokens
-        need, length = max((_least_group_tokens(n, width, unit, window), n)   # periodic in n
-                           for n in range(max(prompt + 1, last - unit + 1), last + 1))
-        if need > self.total_tokens:
-            at = ("its first decode step" if length == prompt + 1 else
-                  f"{length} tokens (it runs to max_tokens {request.max_tokens})")
-            raise RequestTooLargeError(
-                f"request {request.request_id}: a beam search of {width} beams over a "
-                f"{prompt}-token prompt holds at least {need} tokens at {at}: the whole "
-                f"{unit}-token units before the newest token"
-                f"{' that the window reads' if window else ''} once, then a unit of each beam's "
-                f"own; more than the cache's {self.total_tokens} tokens")
-
-    def _check_beam_units_fit(self, request, layout) -> None:
-        """A hybrid's beams: each writes its newest token into every layer, so from the first
-        decode step each holds a unit of every kind of its own (a vmem page group; a block of
-        every paged block group). RequestTooLargeError when the pool holds fewer."""
-        per_beam, pool, what = ((len(layout.block_groups), layout.num_blocks, "blocks")
-                                if layout.block_groups else (layout.geometry.pages_per_group,
-                                layout.pool_pages - layout.released_pages, "pages"))
-        if request.beam_width * per_beam > pool:
-            raise RequestTooLargeError(
-                f"request {request.request_id}: a beam search of {request.beam_width} beams "
-                f"holds at least {request.beam_width * per_beam} {what} from its first decode "
-                f"step (each beam a unit of every layer kind of its own: {per_beam} {what}), "
-                f"more than the cache's {pool}")
+        """RequestTooLargeError when a beam request's group could never run (scheduler.beam_fit)."""
+        check_beam_group_fits(request, self.manager, max_running=self.config.max_running,
+                              growable=self.growable)
 
     # ---- what the beam search says after a step (between schedule and update) -------------
     def branch(self, parent_id: int, count: int) -> List[int]:
@@ -390,11 +345,3 @@ class BeamGroups:
         while self.running:      # (a swap would bring back the part that fits: no progress)
             self._preempt_unit(self._tail_unit(), plan, recompute=True)
 
-
-def _least_group_tokens(length: int, width: int, unit: int, window) -> int:
-    """The fewest tokens a beam group of ``width`` beams of ``length`` tokens holds: the unit
-    of each beam's newest token (position ``length - 1``) on its own, and the whole units
-    before it that the next query still reads (from ``length - window``) once, shared."""
-    newest = (length - 1) // unit
-    first_read = max(0, length - window) // unit if window else 0
-    return (newest - first_read) * unit + width * unit

@@ -7,8 +7,9 @@ One step:
     scheduler.update(sampled, now)  # append sampled tokens, finish, fork n > 1 children
 
 Order of work inside ``schedule()``:
-  1. running decodes, oldest admission first; each grows by one token. When one cannot grow, the
-     most recently admitted running sequence is preempted (recompute or swap), possibly itself.
+  1. running decodes (all first give back what their windows no longer read), oldest admission
+     first; each grows by one token. When one cannot grow, the most recently admitted running
+     sequence is preempted (recompute or swap), possibly itself.
   2. running prefills (chunked: whatever token budget is left).
   3. swapped sequences come back (FCFS) before any new admission.
   4. waiting sequences are admitted FCFS while the whole sequence fits and the watermark stays
@@ -46,8 +47,7 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
 
     def __init__(self, manager: MemoryManager, config: SchedulerConfig = SchedulerConfig(),
                  tables: Optional[TableTracker] = None):
-        """``tables``: fills each plan's table edits for a real cache (None: the simulator's
-        plans carry none)."""
+        """``tables``: fills each plan's table edits for a real cache (None: the simulator)."""
         self.manager = manager
         self.config = config
         self.tables = tables
@@ -63,8 +63,7 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
         self.running: List[Sequence] = []  # in admission order
         self.swapped: deque = deque()
         self.seqs: Dict[int, Sequence] = {}   # submitted and not yet forgotten, by seq_id
-        self._next_seq_id = 0
-        self._admit_counter = 0
+        self._next_seq_id = self._admit_counter = 0
         # the last plan, for update(): decodes (one token, always sampling) and the rest
         self._decoded: List[Sequence] = []
         self._scheduled: List[Tuple[Sequence, int, bool]] = []
@@ -199,7 +198,10 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
         append, out, decoded = self.manager.append, plan.seqs, self._decoded
         share = self.config.enable_prefix_sharing
         new_entry = tuple.__new__
-        slide = self.manager.release_behind_window if self.manager.window_tokens else None
+        if self.manager.window_tokens:     # memory behind every window goes back first, for
+            for seq in running:            # every decode before any append (a beam copies then)
+                if seq.length - seq.num_computed == 1 and seq.output:
+                    self.manager.release_behind_window(seq.seq_id, seq.num_computed)
         ctx, ready = 0, None
         for seq in running:
             c = seq.num_computed
@@ -210,8 +212,6 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
                 ready = self._ready_groups() if ready is None else ready
                 if not ready[seq.request.request_id]:
                     continue
-            if slide is not None:      # memory behind every layer's window goes back first
-                slide(seq.seq_id, c)
             ids = (seq.output[-1],)
             if seq.held <= c:
                 try:

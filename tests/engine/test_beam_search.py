@@ -170,19 +170,19 @@ def test_beam_width_past_max_batch_is_refused_before_anything_is_queued():
 @pytest.mark.parametrize("cache,cache_kib", [("vmem", 32), ("paged", 6)])
 def test_a_beam_group_that_cannot_hold_a_unit_per_beam_is_refused_when_added(cache, cache_kib):
     # each beam writes its first output token into a unit of its own, beside the prompt's
-    # whole units: fp8 K/V on 4 KiB pages makes 128-token page groups, so 3 beams over a
-    # 29-token prompt hold 3 x 128 tokens from their first decode, more than 32 KiB's 256 (paged,
-    # 16-token blocks: 16 + 3 x 16 = 64 > 6 KiB's 48 tokens). Before: accepted, then failed
-    # after its prefill. One more unit's room runs it.
+    # whole units: fp8 K/V on 4 KiB pages makes 128-token page groups of 4 pages, so 3 beams
+    # over a 29-token prompt hold 3 groups (12 pages) from their first decode, more than 32
+    # KiB's 8 pages (paged, 16-token blocks: 1 + 3 blocks > 6 KiB's 3). Before: accepted, then
+    # failed after its prefill. One more unit's room runs it.
     options = dict(cache=cache, max_batch=4, max_context=128, kv_cache_dtype="fp8_e4m3",
                    **({"page_bytes": 4096} if cache == "vmem" else {"block_size": 16}))
     params, prompt = BeamSearchParams(3, max_new_tokens=4, ignore_eos=True), list(range(3, 32))
-    need, total = (384, 256) if cache == "vmem" else (64, 48)
+    need, total, what = (12, 8, "pages") if cache == "vmem" else (4, 3, "blocks")
     with Engine(model(), cache_bytes=cache_kib * 1024, **options) as engine:
-        assert engine.scheduler.total_tokens == total
+        assert engine.scheduler.total_tokens == (256 if cache == "vmem" else 48)
         with pytest.raises(RequestRejectedError, match=f"a beam search of 3 beams over a "
                                                        f"29-token prompt holds at least {need} "
-                                                       f"tokens .* more than the cache's {total}"):
+                                                       f"{what} .* more than the cache's {total}"):
             engine.add_beam_request(prompt, params)
         assert not engine.has_unfinished() and engine.kv.manager.stats().live_tokens == 0
         assert engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2)) is not None

@@ -1,0 +1,92 @@
+"""The add-time check that a beam search could ever run (``Scheduler.add_request`` calls it).
+
+A beam request is refused (``RequestTooLargeError``) when it asks for more beams than a step runs,
+or when its group holds more than the whole pool at a length every beam surely reaches: the
+first decode step, and the last one (``max_tokens - 1`` past the prompt) when nothing can end the
+search early (``Request.runs_to_max_tokens``). At ``length`` tokens the group holds at least, in
+every layer kind (a paged block group; a vmem layer kind, or every layer where nothing is split):
+
+- the kind's unit of each beam's newest token on its own: every beam writes its newest token
+  into every layer, and a fork shares whole units only, so each beam copies the partial unit;
+- the kind's whole units before it that the next query still reads (from ``length - window``
+  for a windowed kind), once.
+
+Counted in the pool's own units, blocks or pages. A vmem unit (a page group) spans
+``pages_per_member`` pages of each of the kind's members; where groups are backed only as far as
+their bytes need (a token straddles two pages: ``PoolBacking.BYTES``, scheduler/geometry.py) a
+beam's partial copy holds ``member_pages_for(fill)`` pages of each. Beams that diverge hold more
+than this least (each its own copies of the units since they parted): those fail when the pool
+runs out, as any request that outgrows it does.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+from .errors import RequestTooLargeError
+from .layout import CacheKind, PoolBacking
+
+# one layer kind: (its window, pool units per whole unit, pool units of a partial copy of fill)
+KindCost = Tuple[Optional[int], int, Callable[[int], int]]
+
+
+def check_beam_group_fits(request, manager, *, max_running: int, growable: bool) -> None:
+    """RequestTooLargeError, naming the request, when its beam group could never run."""
+    width, unit = request.beam_width, manager.fork_unit_tokens
+    if width > max_running:
+        raise RequestTooLargeError(
+            f"request {request.request_id}: beam_width {width} exceeds the {max_running} "
+            f"sequences a step runs (max_running)")
+    if request.max_tokens < 2 or not unit or growable or manager.cache_bytes == 0:
+        return
+    layout = manager.layout()
+    if layout.kind is CacheKind.PAGED:
+        pool, what, parts = layout.num_blocks, "blocks", "block groups"
+        kinds = [(group.window_tokens, 1, _one) for group in manager.groups]
+    else:
+        geometry = layout.geometry
+        pool, what, parts = layout.pool_pages - layout.released_pages, "pages", "layer kinds"
+        kinds = _vmem_kinds(manager.kinds, geometry, layout.backing)
+    prompt = request.prompt_len
+    last = prompt + (request.max_tokens - 1 if request.runs_to_max_tokens else 1)
+    # at equal positions within a unit the least only grows with the length, so its most over
+    # [prompt + 1, last] lies within the last unit's worth of lengths
+    need, length = max((_least_held(n, width, unit, kinds), n)
+                       for n in range(max(prompt + 1, last - unit + 1), last + 1))
+    if need > pool:
+        at = ("its first decode step" if length == prompt + 1 else
+              f"{length} tokens (it runs to max_tokens {request.max_tokens})")
+        where = f"in each of its {len(kinds)} {parts}, " if len(kinds) > 1 else ""
+        read = " that the window reads" if any(window for window, _, _ in kinds) else ""
+        raise RequestTooLargeError(
+            f"request {request.request_id}: a beam search of {width} beams over a {prompt}-token "
+            f"prompt holds at least {need} {what} at {at}: {where}the whole {unit}-token units "
+            f"before the newest token{read} once, then each beam's own copy of the newest; more "
+            f"than the cache's {pool} {what}")
+
+
+def _one(fill: int) -> int:
+    return 1
+
+
+def _vmem_kinds(kinds, geometry, backing: PoolBacking) -> List[KindCost]:
+    """Each vmem kind's cost: its members (K and V of each of its layers, or of all layers where
+    a page holds every layer) times the pages of one member a whole or partial group holds."""
+    k = geometry.pages_per_member
+    partial = geometry.member_pages_for if backing is PoolBacking.BYTES else (lambda fill: k)
+    costs = []
+    for kind in kinds:
+        members = 2 * len(kind.layers) if geometry.per_layer else 2
+        costs.append((kind.window_tokens, members * k,
+                      lambda fill, m=members: m * partial(fill)))
+    return costs
+
+
+def _least_held(length: int, width: int, unit: int, kinds: List[KindCost]) -> int:
+    """Pool units a group of ``width`` beams of ``length`` tokens holds at least."""
+    newest = (length - 1) // unit
+    fill = length - newest * unit
+    held = 0
+    for window, whole, partial in kinds:
+        first_read = max(0, length - window) // unit if window else 0
+        held += (newest - first_read) * whole + width * partial(fill)
+    return held
