@@ -38,6 +38,7 @@ import time
 
 from vmemkv.benchmarks.common import environment, format_table, median_seconds, print_environment, write_json
 from vmemkv.scheduler.cost import count_map_ops
+from vmemkv.scheduler.cliargs import POSITIVE_INT
 
 KiB, MiB = 2**10, 2**20
 HOST_PAGE_SIZES = (4 * KiB, 64 * KiB, 2 * MiB)
@@ -334,7 +335,7 @@ def run(quick: bool = False, out: str | None = None, pages: int | None = None,
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (seconds, not minutes)")
-    parser.add_argument("--pages", type=int, default=None, help="pages mapped per repeat")
+    parser.add_argument("--pages", type=POSITIVE_INT, default=None, help="pages mapped per repeat")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)

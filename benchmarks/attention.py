@@ -53,6 +53,7 @@ from vmemkv.runtime.attention import fastest_backend, get_backend
 from vmemkv.runtime.errors import CacheTooLargeError
 from vmemkv.runtime.memory import check_fits_device
 from vmemkv.runtime.kv_dtype import KV_CACHE_DTYPES
+from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_INT, thread_count
 
 # CPU: 8k contexts at batch 32 alone would take minutes on a small host; 4k is the top here.
 CPU_DEFAULTS = dict(batches=[1, 8, 32], contexts=[512, 2048, 4096], heads=32, kv_heads=8,
@@ -211,24 +212,24 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="smallest useful run")
-    p.add_argument("--batches", type=int, nargs="+")
-    p.add_argument("--contexts", type=int, nargs="+")
+    p.add_argument("--batches", type=POSITIVE_INT, nargs="+")
+    p.add_argument("--contexts", type=POSITIVE_INT, nargs="+")
     p.add_argument("--configs", type=batch_by_ctx, nargs="+", metavar="BATCHxCTX",
                    help="(batch, context) pairs, e.g. 1x8192 8x2048, instead of the grid "
                         "--batches x --contexts")
     p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
-    p.add_argument("--flush-mib", type=int, default=0,
+    p.add_argument("--flush-mib", type=NON_NEGATIVE_INT, default=0,
                    help="read this many MiB between timed calls (untimed) so every call "
                         "reads K/V from memory; 0 (default): variants alternate, nothing more")
-    p.add_argument("--heads", type=int)
-    p.add_argument("--kv-heads", type=int)
-    p.add_argument("--head-dim", type=int)
-    p.add_argument("--prefill-len", type=int, help="new tokens per request in prefill; 0 = whole ctx")
-    p.add_argument("--block-size", type=int, default=16, help="paged block size in tokens")
+    p.add_argument("--heads", type=POSITIVE_INT)
+    p.add_argument("--kv-heads", type=POSITIVE_INT)
+    p.add_argument("--head-dim", type=POSITIVE_INT)
+    p.add_argument("--prefill-len", type=NON_NEGATIVE_INT, help="new tokens per request in prefill; 0 = whole ctx")
+    p.add_argument("--block-size", type=POSITIVE_INT, default=16, help="paged block size in tokens")
     p.add_argument("--vmem-layout", nargs="+", default=["per-layer"],
                    choices=("per-layer", "interleaved"),
                    help="vmem layouts to time, each beside paged (default: per-layer)")
-    p.add_argument("--layers", type=int, default=2,
+    p.add_argument("--layers", type=POSITIVE_INT, default=2,
                    help="layers of the interleaved cache (its row stride; layer 0 is timed)")
     p.add_argument("--dtype", nargs="+", choices=list(DTYPES),
                    help="q and K/V dtypes, each a pass over the grid (default: float32 on the "
@@ -238,10 +239,10 @@ def parse_args(argv=None):
                         "other ones are labelled 'kv NAME'; the speed-ups between them are printed")
     p.add_argument("--baselines", nargs="*", help="more backends to time on the same views "
                    "(default on the CPU: sdpa, except with --quick; none on CUDA)")
-    p.add_argument("--repeats", type=int)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=POSITIVE_INT)
+    p.add_argument("--warmup", type=NON_NEGATIVE_INT, default=1)
+    p.add_argument("--threads", type=thread_count, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)
     p.add_argument("--out", type=Path, help="write results as JSON here")
     args = p.parse_args(argv)
     defaults = QUICK if args.quick else CUDA_DEFAULTS if args.device.startswith("cuda") else CPU_DEFAULTS

@@ -38,7 +38,7 @@ import argparse
 import torch
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
-from vmemkv.scheduler.cliargs import parse_bytes
+from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, parse_bytes
 
 KiB, MiB = 1024, 2**20
 # the docs' engine table: vmem at 4 KiB and 16 KiB (the run without --page-bytes)
@@ -281,25 +281,25 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama", help="tiny-llama, or a real model "
                         "(smollm2-135m-instruct: the fork/prune pattern of real text)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per beam")
-    parser.add_argument("--prompts", type=int, default=PROMPTS, help="beam requests (8)")
-    parser.add_argument("--widths", type=int, nargs="+", default=list(WIDTHS),
+    parser.add_argument("--new-tokens", type=POSITIVE_INT, default=64, help="tokens per beam")
+    parser.add_argument("--prompts", type=POSITIVE_INT, default=PROMPTS, help="beam requests (8)")
+    parser.add_argument("--widths", type=POSITIVE_INT, nargs="+", default=list(WIDTHS),
                         help="beam widths (2 4 6)")
     parser.add_argument("--page-bytes", type=parse_bytes, nargs="+", default=None,
                         metavar="SIZE", help="vmem page sizes, each run per-layer and "
                         "interleaved (e.g. 4KiB 16KiB 2MiB); default: 4 KiB per-layer, 16 KiB "
                         "per-layer and interleaved")
-    parser.add_argument("--block-sizes", type=int, nargs="*", default=list(BLOCK_SIZES),
+    parser.add_argument("--block-sizes", type=POSITIVE_INT, nargs="*", default=list(BLOCK_SIZES),
                         help="paged block sizes (16 4); none: no paged rows")
     parser.add_argument("--out", default=None, help="JSON output path")
-    parser.add_argument("--simulate", type=int, metavar="REQUESTS", default=0,
+    parser.add_argument("--simulate", type=NON_NEGATIVE_INT, metavar="REQUESTS", default=0,
                         help="instead: the simulator's throughput by beam width and policy on "
                              "this many requests of the standard workload")
-    parser.add_argument("--simulate-memory", type=int, metavar="REQUESTS", default=0,
+    parser.add_argument("--simulate-memory", type=NON_NEGATIVE_INT, metavar="REQUESTS", default=0,
                         help="instead: the simulator's memory saved by sharing (beams and n "
                              "samples of widths 2, 4, 6) on this many requests of the standard "
                              "workload")
-    parser.add_argument("--cache-gb", type=float, default=20.0, help="with --simulate or "
+    parser.add_argument("--cache-gb", type=POSITIVE_FLOAT, default=20.0, help="with --simulate or "
                         "--simulate-memory")
     args = parser.parse_args(argv)
     if args.simulate_memory:

@@ -34,6 +34,7 @@ from vmemkv.runtime.calibrate import write_json_whole
 from vmemkv.scheduler.profile_cost import FITTED, step_features
 from vmemkv.scheduler.profile_fit import design_points, fit_coefficients, fit_profile, \
     fit_steps, point_features
+from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT
 
 # steps a replay makes (batch, new, context, prefill pairs, cold, after idle): decodes warm and
 # cold, single prompts back to back and after idle, a prompt beside four decodes
@@ -213,15 +214,15 @@ def print_table(result: Dict[str, Dict], repeats: int) -> None:
 def main(argv=None) -> int:
     from vmemkv.runtime.calibrate import calibrate
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--calibrations", type=int, default=3)
-    ap.add_argument("--max-repeats", type=int, default=12)
-    ap.add_argument("--join-lengths", type=int, nargs="*", default=[],
+    ap.add_argument("--calibrations", type=POSITIVE_INT, default=3)
+    ap.add_argument("--max-repeats", type=POSITIVE_INT, default=12)
+    ap.add_argument("--join-lengths", type=POSITIVE_INT, nargs="*", default=[],
                     help="also time prompts of these lengths joining running batches of 4 and "
                          "12 (mixed steps; calibrate --join-lengths)")
     ap.add_argument("--hold-out-joins", action="store_true",
                     help="fit the residual table without the joining shapes: how well the "
                          "step-cost form predicts mixed steps it never saw")
-    ap.add_argument("--precision", type=float, default=0.05,
+    ap.add_argument("--precision", type=POSITIVE_FLOAT, default=0.05,
                     help="the precision the noise check is made against")
     ap.add_argument("--json", metavar="FILE", help="also write the result here (whole)")
     ap.add_argument("--from", dest="saved", metavar="FILE", nargs="+",

@@ -40,6 +40,7 @@ import torch
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
 from vmemkv.runtime.attention import native
 from vmemkv.runtime.attention.cpu_varlen import DTYPE_CODES
+from vmemkv.scheduler.cliargs import POSITIVE_INT, thread_count
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "benchmarks" / "decode_profile.c"
@@ -137,9 +138,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=["8x2048", "32x4096"], metavar="BATCHxCTX")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--min-mib", type=int, default=256,
+    p.add_argument("--threads", type=thread_count, default=2)
+    p.add_argument("--rounds", type=POSITIVE_INT, default=3)
+    p.add_argument("--min-mib", type=POSITIVE_INT, default=256,
                    help="K/V copies per run, in MiB at least (more than the last-level cache)")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -151,9 +152,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         configs.append((int(batch), int(ctx)))
     args.configs = list(dict.fromkeys(configs))
     args.dtypes = list(dict.fromkeys(args.dtypes))
-    for name in ("threads", "rounds", "min_mib"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
 
 

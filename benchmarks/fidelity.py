@@ -39,6 +39,7 @@ from vmemkv.scheduler.report import serving_report
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.traces import fit_to_length, load_trace
+from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, thread_count
 
 FIGURES = ("output_throughput", "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")
 GOALS = {"output_throughput": 0.10, "median_ttft_ms": 0.15, "p90_ttft_ms": 0.15,
@@ -188,14 +189,14 @@ def from_submission(timings, lags) -> dict:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default="azure-conv")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--rate-scales", "--rate-scale", dest="rate_scales", type=float, nargs="+",
+    ap.add_argument("--requests", type=POSITIVE_INT, default=64)
+    ap.add_argument("--rate-scales", "--rate-scale", dest="rate_scales", type=POSITIVE_FLOAT, nargs="+",
                     default=[1.0], help="one comparison per value, in turn, each round")
-    ap.add_argument("--repeats", type=int, default=1,
+    ap.add_argument("--repeats", type=POSITIVE_INT, default=1,
                     help="independent calibrate-and-replay rounds")
-    ap.add_argument("--length-scale", type=float, default=0.25)
-    ap.add_argument("--max-context", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--length-scale", type=POSITIVE_FLOAT, default=0.25)
+    ap.add_argument("--max-context", type=POSITIVE_INT, default=512)
+    ap.add_argument("--threads", type=thread_count, default=1)
     ap.add_argument("--profile", default=None,
                     help="one device profile for every round (default: calibrate each round)")
     ap.add_argument("--calibrate-args", default="",
@@ -206,10 +207,7 @@ def parse_args(argv=None):
     ap.add_argument("--refit", metavar="FILE",
                     help="no run: --compare-fits again on an earlier --json (its profiles)")
     ap.add_argument("--json", metavar="FILE", help="also write the result here (whole)")
-    args = ap.parse_args(argv)
-    if args.repeats < 1:
-        ap.error(f"--repeats must be >= 1, got {args.repeats}")
-    return args
+    return ap.parse_args(argv)
 
 
 def calibrated(args, folder: str, index: int) -> str:

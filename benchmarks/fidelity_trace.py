@@ -28,6 +28,7 @@ from vmemkv.scheduler.cost import AfterPrefill, prefill_pairs
 from vmemkv.scheduler.profile_cost import load_profile, profile_cost
 from vmemkv.scheduler.result_files import write_json
 from vmemkv.scheduler.simulator import Simulator
+from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, thread_count
 
 
 def tap_plans(scheduler, steps: List[Dict], clock) -> None:
@@ -141,11 +142,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", required=True)
     ap.add_argument("--trace", default="azure-conv")
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--rate-scale", type=float, default=4.0)
-    ap.add_argument("--length-scale", type=float, default=0.25)
-    ap.add_argument("--max-context", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--requests", type=POSITIVE_INT, default=64)
+    ap.add_argument("--rate-scale", type=POSITIVE_FLOAT, default=4.0)
+    ap.add_argument("--length-scale", type=POSITIVE_FLOAT, default=0.25)
+    ap.add_argument("--max-context", type=POSITIVE_INT, default=512)
+    ap.add_argument("--threads", type=thread_count, default=1)
     ap.add_argument("--out", help="write every request and step here (JSON)")
     args = ap.parse_args(argv)
     entries = workload(args)

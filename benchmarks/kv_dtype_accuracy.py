@@ -33,6 +33,7 @@ import math
 import torch
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.scheduler.cliargs import POSITIVE_INT
 
 NAME = "smollm2-135m-instruct"
 TEXT = (
@@ -138,7 +139,7 @@ def _cpu_backends() -> list:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kv-cache-dtype", nargs="+", default=KV_CACHE_DTYPES, choices=KV_CACHE_DTYPES)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=POSITIVE_INT, default=64)
     p.add_argument("--attention", default="cpu-varlen", choices=_cpu_backends(),
                    help="the engine's attention backend (default cpu-varlen)")
     p.add_argument("--kv-scales", choices=["first-write", "calibrate"], default="first-write",

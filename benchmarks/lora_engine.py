@@ -52,6 +52,7 @@ import tempfile
 import time
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, thread_count
 
 MiB = 2**20
 SEED = 0
@@ -287,13 +288,13 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None,
                         help=f"a built-in, packaged or local model (default {DEFAULT_MODEL} when "
                              f"installed, else {FALLBACK_MODEL})")
-    parser.add_argument("--requests", type=int, default=32, help="requests per run (default 32)")
-    parser.add_argument("--new-tokens", type=int, default=32,
+    parser.add_argument("--requests", type=POSITIVE_INT, default=32, help="requests per run (default 32)")
+    parser.add_argument("--new-tokens", type=POSITIVE_INT, default=32,
                         help="tokens per request (default 32)")
-    parser.add_argument("--max-batch", type=int, default=16, help="running requests (default 16)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds (default 3)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--cache-mib", type=float, default=None,
+    parser.add_argument("--max-batch", type=POSITIVE_INT, default=16, help="running requests (default 16)")
+    parser.add_argument("--repeats", type=POSITIVE_INT, default=3, help="timed rounds (default 3)")
+    parser.add_argument("--threads", type=thread_count, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--cache-mib", type=POSITIVE_FLOAT, default=None,
                         help="pool size per cache (default: max_batch full sequences + adapters)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny-llama, 8 requests of 4 tokens, batch 4, one round (seconds)")

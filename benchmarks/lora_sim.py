@@ -27,6 +27,7 @@ from vmemkv.scheduler.presets import get_model
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.workload import (LoraSpec, WorkloadSpec, generate, lora_adapter_bytes,
                                        lora_workload)
+from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, bounded
 
 TOTAL_BYTES = 20 * 10**9
 MODEL = "llama-3-8b"
@@ -86,15 +87,15 @@ def _row(r, n, arm: str, budget, unit: int, wall_s: float = 0.0) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=2000, help="requests per run")
-    parser.add_argument("--rate", type=float, default=40.0,
+    parser.add_argument("--requests", type=POSITIVE_INT, default=2000, help="requests per run")
+    parser.add_argument("--rate", type=POSITIVE_FLOAT, default=40.0,
                         help="Poisson arrivals, requests/s (default 40: above what 20 GB serves)")
-    parser.add_argument("--adapters", type=int, nargs="+", default=[10, 100, 1000])
-    parser.add_argument("--static-rank64", type=int, nargs="+", default=[8, 32],
+    parser.add_argument("--adapters", type=POSITIVE_INT, nargs="+", default=[10, 100, 1000])
+    parser.add_argument("--static-rank64", type=NON_NEGATIVE_INT, nargs="+", default=[8, 32],
                         help="static arms: adapter memory for this many rank-64 adapters")
-    parser.add_argument("--zipf", type=float, default=1.0, help="popularity exponent")
+    parser.add_argument("--zipf", type=bounded(float, 0), default=1.0, help="popularity exponent")
     parser.add_argument("--policy", choices=("paged", "vmem"), default="paged")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)
     parser.add_argument("--out", default=None, help="JSON file (written whole or not at all)")
     args = parser.parse_args(argv)
     run(args.requests, args.rate, tuple(args.adapters), tuple(args.static_rank64), args.zipf,

@@ -24,6 +24,7 @@ import statistics
 import time
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.scheduler.cliargs import POSITIVE_FLOAT
 
 KiB, MiB = 2**10, 2**20
 PAGED_BLOCKS = (16, 32, 128, 512, 1024)
@@ -100,7 +101,7 @@ def run(quick: bool = False, out: str | None = None, device: str | None = None,
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"first {QUICK_REQUESTS} requests only")
-    parser.add_argument("--cache-gb", type=float, default=20.0, help="simulated KV cache, GB")
+    parser.add_argument("--cache-gb", type=POSITIVE_FLOAT, default=20.0, help="simulated KV cache, GB")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     run(args.quick, args.out, cache_gb=args.cache_gb)

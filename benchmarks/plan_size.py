@@ -21,6 +21,7 @@ from vmemkv.scheduler.presets import get_model
 from vmemkv.scheduler.request import Request
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 from vmemkv.scheduler.tables import tracker_for
+from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_INT
 
 from .common import format_table, write_json
 
@@ -72,9 +73,9 @@ def _whole_tables_bytes(kind: str, mgr, plan) -> int:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqs", type=int, default=256)
-    ap.add_argument("--decodes", type=int, default=32, help="decode steps measured")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seqs", type=POSITIVE_INT, default=256)
+    ap.add_argument("--decodes", type=POSITIVE_INT, default=32, help="decode steps measured")
+    ap.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)
     ap.add_argument("--json", metavar="FILE", help="also write the JSON here")
     args = ap.parse_args(argv)
     rows = [measure(kind, layout, args.seqs, args.decodes, args.seed) for kind, layout in CONFIGS]

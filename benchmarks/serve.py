@@ -12,7 +12,7 @@ import math
 import os
 import sys
 
-from vmemkv.scheduler.cliargs import bounded
+from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, bounded
 from vmemkv.scheduler.report import parse_goodput, serving_report
 from vmemkv.scheduler.traces import trace_names
 
@@ -47,7 +47,7 @@ def register(subparsers) -> None:
                    help="--trace: longer requests are scaled down to this many tokens")
     p.add_argument("--vocab-size", type=bounded(int, 2), default=256,
                    help="prompt token ids are drawn from [0, N)")
-    p.add_argument("--seed", type=int, default=0, help="prompt tokens and Poisson gaps")
+    p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="prompt tokens and Poisson gaps")
     p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
                    help="SLO targets for request_goodput, e.g. ttft:500 tpot:50 (default: none)")
     p.add_argument("--percentiles", type=bounded(float, 0, 100), nargs="+", default=[90.0, 99.0],

@@ -22,6 +22,7 @@ from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.result_files import write_json
 from vmemkv.scheduler.workload import WorkloadSpec, generate
+from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT
 
 CONFIGS = [("reserve-max", "per-layer"), ("reserve-oracle", "per-layer"), ("paged", "per-layer"),
            ("vmem", "per-layer"), ("vmem", "interleaved")]
@@ -45,12 +46,12 @@ def bench(entries, policy: str, layout: str, cache_gb: float, repeats: int) -> d
             "output_tokens_per_s_simulated": result.output_tokens_per_s}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--cache-gb", type=float, nargs="+", default=[60.0, 20.0])
+    ap.add_argument("--repeats", type=POSITIVE_INT, default=3)
+    ap.add_argument("--cache-gb", type=POSITIVE_FLOAT, nargs="+", default=[60.0, 20.0])
     ap.add_argument("--json", metavar="FILE", help="also write the JSON here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     entries = generate(WorkloadSpec())
     print(f"standard workload, 2,000 requests; python {platform.python_version()} on "
           f"{platform.machine()}, {os.cpu_count()} CPUs; median of {args.repeats}")

@@ -33,6 +33,9 @@ from typing import Callable
 import torch
 
 from vmemkv.benchmarks.common import median_seconds
+from vmemkv.runtime.errors import CacheTooLargeError
+from vmemkv.runtime.memory import check_fits_device
+from vmemkv.scheduler.cliargs import POSITIVE_INT, thread_count
 
 NATIVE = Path(__file__).with_name("yardstick.c")
 NATIVE_HEADERS = (Path(__file__).parent.parent / "runtime" / "attention" / "cpu_varlen_math.h",)
@@ -115,6 +118,10 @@ def measure(device="cpu", dtype: torch.dtype = torch.float32, nbytes: int | None
     cuda = device.type == "cuda"
     nbytes = nbytes or (CUDA_BYTES if cuda else CPU_BYTES)
     matmul_n = matmul_n or (8192 if cuda else 1024)
+    # the copy holds two arrays of nbytes at once, the matmul three n x n
+    check_fits_device(f"the yardsticks ({nbytes} bytes read and copied)",
+                      2 * nbytes + 3 * matmul_n ** 2 * max(dtype.itemsize, 4), device,
+                      remedy="lower --mib")
     out = {"device": str(device), "threads": torch.get_num_threads(), "nbytes": nbytes}
     out.update(read_bandwidth(device, nbytes, repeats))
     out["copy_gb_per_s"] = copy_bandwidth(device, nbytes, repeats) / 1e9
@@ -139,15 +146,18 @@ def describe(y: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--mib", type=int, help="MiB read and copied (default: 256 CPU, 1024 CUDA)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=thread_count, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--mib", type=POSITIVE_INT, help="MiB read and copied (default: 256 CPU, 1024 CUDA)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=5)
     p.add_argument("--json", type=Path, help="write the figures as JSON here")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
-    y = measure(args.device, dtype, args.mib and args.mib << 20, repeats=args.repeats)
+    try:
+        y = measure(args.device, dtype, args.mib and args.mib << 20, repeats=args.repeats)
+    except CacheTooLargeError as error:
+        p.error(str(error))
     print(describe(y))
     if args.json:
         args.json.write_text(json.dumps(y, indent=1))

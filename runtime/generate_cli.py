@@ -20,7 +20,8 @@ import json
 import math
 import sys
 
-from vmemkv.scheduler.cliargs import bounded, hold_point, parse_bytes, thread_count
+from vmemkv.scheduler.cliargs import (NON_NEGATIVE_INT, POSITIVE_INT, bounded, hold_point, parse_bytes,
+                                      thread_count)
 from vmemkv.scheduler.managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from vmemkv.scheduler.presets import KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES
 from vmemkv.scheduler.progress import Progress
@@ -69,17 +70,17 @@ def _model_flags(p) -> None:
                    help="model dtype (default: float32 for built-ins, the checkpoint's otherwise)")
     p.add_argument("--threads", type=thread_count, default=None, metavar="N",
                    help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)")
-    p.add_argument("--seed", type=int, default=0, help="weights of built-ins, and sampling")
+    p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="weights of built-ins, and sampling")
 
 
 def _sampling_flags(s) -> None:
-    s.add_argument("--max-new-tokens", type=int, default=16, help="tokens per sample")
+    s.add_argument("--max-new-tokens", type=POSITIVE_INT, default=16, help="tokens per sample")
     s.add_argument("--temperature", type=bounded(float, 0), default=0.0,
                    help="softmax temperature, finite and >= 0 (0: greedy)")
-    s.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens (0: all)")
-    s.add_argument("--top-p", type=bounded(float), default=1.0,
+    s.add_argument("--top-k", type=NON_NEGATIVE_INT, default=0, help="keep the k likeliest tokens (0: all)")
+    s.add_argument("--top-p", type=bounded(float, 0, 1, low_open=True), default=1.0,
                    help="nucleus sampling: keep the smallest set with this probability, in (0, 1]")
-    s.add_argument("--n", type=int, default=1, help="samples per prompt (forked; each labelled)")
+    s.add_argument("--n", type=POSITIVE_INT, default=1, help="samples per prompt (forked; each labelled)")
     s.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="a stop string: the sample ends where its text shows it (not printed); "
                         "repeat for several (needs a tokenizer; default: none)")
@@ -95,10 +96,10 @@ def _cache_flags(c) -> None:
                    help="vmem: one page per layer, or all layers in one page")
     c.add_argument("--page-bytes", type=parse_bytes, default=None, metavar="SIZE",
                    help="vmem page size: 64KiB, 2MiB, 65536, ... (default: the driver's choice)")
-    c.add_argument("--block-size", type=int, default=16,
+    c.add_argument("--block-size", type=POSITIVE_INT, default=16,
                    help="paged: tokens per block, at most --max-context")
-    c.add_argument("--max-batch", type=int, default=8, help="sequences at once")
-    c.add_argument("--max-context", type=int, default=1024, help="tokens per sequence")
+    c.add_argument("--max-batch", type=POSITIVE_INT, default=8, help="sequences at once")
+    c.add_argument("--max-context", type=POSITIVE_INT, default=1024, help="tokens per sequence")
     budget = c.add_mutually_exclusive_group()
     budget.add_argument("--cache-bytes", type=parse_bytes, default=None, metavar="SIZE",
                         help="KV cache budget: 512MiB, 2GiB, ... (default: max-batch x max-context)")
@@ -125,7 +126,7 @@ def _cache_flags(c) -> None:
                    help="what a preempted sequence loses (swap needs --swap-bytes)")
     c.add_argument("--swap-bytes", type=parse_bytes, default=0, metavar="SIZE",
                    help="host swap space: 256MiB, 1GiB, ... (default: 0, none)")
-    c.add_argument("--watermark", type=bounded(float), default=0.0,
+    c.add_argument("--watermark", type=bounded(float, 0, 1), default=0.0,
                    help="fraction of the cache admission keeps free, in [0, 1)")
     c.add_argument("--prefix-sharing", action="store_true", help="share cached prompt prefixes")
     c.add_argument("--prefix-eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,

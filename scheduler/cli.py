@@ -14,7 +14,7 @@ import sys
 
 from . import cli_capacity
 from .cli_table import aggregate, format_table, parse_seeds
-from .cliargs import bounded, hold_point, parse_bytes
+from .cliargs import NON_NEGATIVE_INT, POSITIVE_INT, bounded, hold_point, parse_bytes
 from .errors import ConfigError
 from .managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from .presets import DEVICES, KV_CACHE_DTYPES, MODELS
@@ -31,7 +31,7 @@ from .workload import (WORKLOAD_RNGS, LoraSpec, WorkloadSpec, assign_adapters, g
 
 __all__ = ["parse_bytes", "register", "run", "format_table"]
 
-POSITIVE_INT, TOKENS = bounded(int, 1), bounded(float, 0, low_open=True)
+TOKENS = bounded(float, 0, low_open=True)
 # 10^6 GB (a petabyte) is far above any device or host: a larger value is a typo, and past
 # ~1e299 GB its byte count overflows an int
 MAX_GB = 1e6
@@ -105,7 +105,7 @@ def register(subparsers) -> None:
 
 def _workload_flags(w) -> None:
     w.add_argument("--requests", type=POSITIVE_INT, default=2000, help="number of requests")
-    w.add_argument("--seed", type=int, default=0, help="workload random seed")
+    w.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="workload random seed")
     w.add_argument("--seeds", type=parse_seeds, metavar="0-4", default=None,
                    help="run once per seed (FIRST-LAST or a comma list) and report mean ± std "
                         "(default: one run with --seed)")

@@ -2,7 +2,8 @@
 
 One parser per kind of value, so a flag means the same thing and takes the same syntax in every
 subcommand: sizes (``parse_bytes``: ``65536``, ``64KiB``, ``2 MiB``, ``1GB``), bounded numbers
-(``bounded``: finite, inside a named range) and thread counts (``thread_count``). Each raises
+(``bounded``: finite, inside a named range; ``POSITIVE_INT``, ``NON_NEGATIVE_INT`` and
+``POSITIVE_FLOAT`` the common ones) and thread counts (``thread_count``). Each raises
 argparse.ArgumentTypeError, so a bad value is one line naming the flag, the value and the limit.
 Pure Python (the subcommands of every layer import it; it imports none of them).
 """
@@ -54,6 +55,11 @@ def bounded(kind: type, low: Optional[Number] = None, high: Optional[Number] = N
         return value
     parse.__name__ = kind.__name__      # argparse names the type in its own messages
     return parse
+
+
+POSITIVE_INT = bounded(int, 1)                     # counts: requests, repeats, tokens, pages
+NON_NEGATIVE_INT = bounded(int, 0)                 # seeds, warm-ups, and counts where 0 is off
+POSITIVE_FLOAT = bounded(float, 0, low_open=True)  # sizes (GB, MiB), rates, scales
 
 
 def _range(low, high, low_open: bool) -> str:

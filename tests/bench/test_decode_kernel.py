@@ -81,8 +81,8 @@ def test_copies_make_at_least_the_asked_mebibytes():
 @pytest.mark.parametrize("argv, message", [
     (["--configs", "8by2048"], "--configs: '8by2048' is not BATCHxCTX"),
     (["--configs", "0x2048"], "--configs: '0x2048' is not BATCHxCTX"),
-    (["--rounds", "0"], "--rounds must be >= 1, got 0"),
-    (["--min-mib", "0"], "--min-mib must be >= 1, got 0"),
+    (["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
+    (["--min-mib", "0"], "argument --min-mib: must be >= 1, got 0"),
 ])
 def test_bad_arguments_are_refused_by_name(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

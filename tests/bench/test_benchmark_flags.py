@@ -1,0 +1,99 @@
+"""Every numeric flag of every command line (the benchmarks' and ``vmemkv``'s) is a bounded
+argparse type (scheduler/cliargs.py): a zero, negative or non-finite value is one line naming the
+flag and exit 2, never a traceback from deep inside the run (``--repeats 0`` was "no median for
+empty data", ``yardstick --mib -5`` "zeros: Dimension size must be non-negative")."""
+from __future__ import annotations
+
+import argparse
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py")
+                    if "ArgumentParser(" in p.read_text())
+
+
+class _Captured(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__()
+        self.parser = parser
+
+
+def _parser_of(module_name: str, monkeypatch) -> argparse.ArgumentParser:
+    """The parser the benchmark's ``main([])`` builds, caught at its first parse."""
+    module = importlib.import_module(f"vmemkv.benchmarks.{module_name}")
+
+    def capture(self, args=None, namespace=None):
+        raise _Captured(self)
+    with monkeypatch.context() as patch:
+        patch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
+        with pytest.raises(_Captured) as got:
+            module.main([])
+    return got.value.parser
+
+
+def _numeric_actions(parser: argparse.ArgumentParser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from _numeric_actions(sub)
+        elif action.type in (int, float) or getattr(action.type, "__name__", "") in ("int", "float"):
+            yield parser.prog, action
+
+
+def _check(parser: argparse.ArgumentParser) -> list:
+    actions = list(_numeric_actions(parser))
+    raw = [f"{prog} {action.option_strings}" for prog, action in actions
+           if action.type in (int, float)]
+    assert raw == [], "raw int/float flags: use scheduler.cliargs' bounded types"
+    for prog, action in actions:
+        for bad in ("-1", "nan", "x"):
+            with pytest.raises(argparse.ArgumentTypeError):
+                action.type(bad)
+    return actions
+
+
+@pytest.mark.parametrize("module_name", BENCHMARKS)
+def test_every_numeric_flag_of_a_benchmark_refuses_negative_and_non_finite_values(module_name,
+                                                                                  monkeypatch):
+    _check(_parser_of(module_name, monkeypatch))
+
+
+def test_every_numeric_flag_of_the_vmemkv_command_refuses_negative_and_non_finite_values():
+    from vmemkv.cli import build_parser
+    assert len(_check(build_parser())) >= 40
+
+
+@pytest.mark.parametrize("module_name, argv, message", [
+    ("yardstick", ["--mib", "-5"], "argument --mib: must be >= 1, got -5"),
+    ("yardstick", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+    ("attention", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
+    ("txn", ["--pools", "0"], "argument --pools: must be >= 1, got 0"),
+    ("memory", ["--cache-gb", "-1"], "argument --cache-gb: must be > 0, got -1"),
+    ("lora_sim", ["--zipf", "inf"], "argument --zipf: want a finite number, got 'inf'"),
+])
+def test_a_bad_value_is_one_line_naming_the_flag(module_name, argv, message, capsys):
+    module = importlib.import_module(f"vmemkv.benchmarks.{module_name}")
+    with pytest.raises(SystemExit) as info:
+        module.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("module_name, argv, message", [
+    # 10 TiB read and copied: two arrays of it would have been allocated and touched
+    ("yardstick", ["--mib", str(10 << 20)], "the yardsticks (10995116277760 bytes read and "
+                                             "copied) needs 21990245138432 bytes"),
+    # a billion units: about 4.7 KB each on vmem (tracemalloc), built unit by unit
+    ("txn", ["--pools", "1000", str(10**9)], "--pools 1000000000: a pool of that many units "
+                                             "needs about 7629.4 GiB of host memory"),
+])
+def test_a_size_the_host_cannot_hold_is_refused_before_anything_is_allocated(module_name, argv,
+                                                                            message, capsys):
+    module = importlib.import_module(f"vmemkv.benchmarks.{module_name}")
+    with pytest.raises(SystemExit) as info:
+        module.main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err and "Traceback" not in err
