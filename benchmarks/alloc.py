@@ -339,7 +339,11 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    run(args.quick, args.out, args.pages, args.device)
+    from vmemkv.vmem.errors import InsufficientMemoryError
+    try:
+        run(args.quick, args.out, args.pages, args.device)
+    except InsufficientMemoryError as error:      # --pages the device cannot hold
+        parser.error(str(error))
     return 0
 
 

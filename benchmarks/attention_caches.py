@@ -67,14 +67,15 @@ def build_caches(batch, ctx, args, device, dtype, gen, kv_cache_dtype: str = "au
     return tuple(fill(kv, batch, ctx, args.block_size, k, v) for kv in kvs)
 
 
-PROCESS_BYTES = 1 << 30    # torch, the yardsticks' buffers, the flush buffer
+PROCESS_BYTES = 1 << 30    # torch and the yardsticks' buffers (the flush buffer: --flush-mib)
 
 
 def bytes_needed(batch: int, ctx: int, args, device, dtype) -> int:
     """What a configuration holds at its peak, for every kv_cache_dtype of ``args`` at once:
     the random K/V the caches are filled from, twice (a write's encoded copy), each cache's
-    pool (vmem: whole pages per slot; paged: whole blocks per request) and the process
-    (``PROCESS_BYTES``). b32 ctx4k with four K/V dtypes: 7.0 GiB charged, 6.4 GiB resident."""
+    pool (vmem: whole pages per slot; paged: whole blocks per request), the flush buffer
+    (``--flush-mib``) and the process (``PROCESS_BYTES``). b32 ctx4k with four K/V dtypes: 7.0
+    GiB charged, 6.4 GiB resident."""
     element_bytes = torch.empty(0, dtype=dtype).element_size()
     source = 2 * 2 * batch * ctx * args.kv_heads * args.head_dim * element_bytes
     pools = 0
@@ -86,7 +87,7 @@ def bytes_needed(batch: int, ctx: int, args, device, dtype) -> int:
         config = cache_config(batch, ctx, args, device, dtype, kv_cache_dtype=kv_cache_dtype)
         blocks = -(-ctx // args.block_size)
         pools += batch * blocks * args.block_size * config.bytes_per_token
-    return PROCESS_BYTES + source + pools
+    return PROCESS_BYTES + source + pools + (args.flush_mib << 20)
 
 
 def labels(args) -> list[str]:

@@ -23,9 +23,12 @@ from typing import Any, Iterable, Optional, Union
 
 from . import forks
 from .driver import Driver
-from .errors import ClosedError, PageStateError, PoolExhaustedError, VMemConfigError
+from .errors import (ClosedError, InsufficientMemoryError, PageStateError, PoolExhaustedError,
+                     VMemConfigError)
+from .host import meminfo_bytes
 
 MIN_GROWTH_PAGES = 16
+RECORD_BYTES = 512    # a page's records on the host, any driver (tracemalloc: 280-350 bytes)
 Slot = tuple[int, int]       # (batch, index): where a created page's handle lives
 
 
@@ -44,6 +47,9 @@ class PagePool:
         kept = num_pages if committed_pages is None else committed_pages
         _check_count(kept, "committed_pages must be None or", most=num_pages)
         driver.check_page_bytes(page_bytes)
+        _check_records(num_pages)     # both before any list of num_pages is built
+        if kept and not grow:
+            driver.check_available(kept, page_bytes, "creating")
         self.driver = driver
         self.page_bytes = page_bytes
         self.grow = grow
@@ -357,3 +363,14 @@ def _id_list(pages: Union[int, Iterable[int]]) -> list[int]:
     if len(set(ids)) != len(ids):
         raise PageStateError(f"page ids {ids[:8]} name a page twice")
     return ids
+
+
+def _check_records(num_pages: int) -> None:
+    """InsufficientMemoryError when the pool's records alone (``RECORD_BYTES`` a page, host
+    memory on every driver) would not fit the host's MemAvailable."""
+    need, available = num_pages * RECORD_BYTES, meminfo_bytes("MemAvailable")
+    if available is not None and need > available:
+        raise InsufficientMemoryError(
+            f"a pool of {num_pages} pages keeps about {need} bytes ({need / 2**30:.2f} GiB) of "
+            f"records on the host ({RECORD_BYTES} a page) but only {available} bytes "
+            f"({available / 2**30:.2f} GiB) are available; ask for fewer pages")

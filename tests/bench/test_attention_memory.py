@@ -33,6 +33,19 @@ def test_the_charge_counts_the_source_twice_every_pool_and_the_process():
     assert bytes_needed(32, 4096, args, torch.device("cpu"), torch.float32) == want
 
 
+def test_the_flush_buffer_is_charged_too(capsys):
+    """``--flush-mib`` allocates a buffer read between timed calls: 10 TiB of it was allocated
+    beside a configuration that fits."""
+    code = attention.main(["--device", "cpu", "--configs", "1x64", "--phases", "decode",
+                           "--flush-mib", str(10 << 20)])
+    err = capsys.readouterr().err
+    assert code == 2 and "attention b1 ctx64" in err and "CacheTooLargeError" in err
+    args = attention.parse_args(["--device", "cpu", "--flush-mib", "64"])
+    args_none = attention.parse_args(["--device", "cpu"])
+    assert (bytes_needed(1, 64, args, torch.device("cpu"), torch.float32)
+            - bytes_needed(1, 64, args_none, torch.device("cpu"), torch.float32)) == 64 << 20
+
+
 @pytest.mark.parametrize("argv", [[], ["--quick"]])
 def test_the_default_grids_fit_a_small_machine(argv):
     args = attention.parse_args(["--device", "cpu", *argv])

@@ -86,6 +86,9 @@ def test_a_bad_value_is_one_line_naming_the_flag(module_name, argv, message, cap
     # 10 TiB read and copied: two arrays of it would have been allocated and touched
     ("yardstick", ["--mib", str(10 << 20)], "the yardsticks (10995116277760 bytes read and "
                                              "copied) needs 21990245138432 bytes"),
+    # the pool's pages are checked against the host before any is created
+    ("alloc", ["--pages", str(10**11), "--device", "cpu", "--quick"],
+     "a pool of 100000000000 pages keeps about 51200000000000 bytes"),
     # a billion units: about 4.7 KB each on vmem (tracemalloc), built unit by unit
     ("txn", ["--pools", "1000", str(10**9)], "--pools 1000000000: a pool of that many units "
                                              "needs about 7629.4 GiB of host memory"),

@@ -32,7 +32,7 @@ def test_a_pool_above_available_memory_is_refused_before_any_page(grow):
     if grow:   # on demand, the refusal comes at the first growth past what is available
         driver = LowMemoryDriver(HostDriver(), available=3 * 2 * MiB)
     with pytest.raises(vmem.InsufficientMemoryError) as info:
-        pool = vmem.PagePool(driver, 10**7, 2 * MiB, grow=grow)
+        pool = vmem.PagePool(driver, 10**6, 2 * MiB, grow=grow)
         rng = vmem.VirtualRange(pool, 2 * MiB)
         rng.map(0, pool.allocate(1)[0])
     assert isinstance(info.value, MemoryError)
@@ -40,7 +40,7 @@ def test_a_pool_above_available_memory_is_refused_before_any_page(grow):
     if grow:
         assert "16 pages of 2097152 bytes" in message and "6291456 bytes" in message
     else:
-        assert "10000000 pages of 2097152 bytes" in message and str(10**7 * 2 * MiB) in message
+        assert "1000000 pages of 2097152 bytes" in message and str(10**6 * 2 * MiB) in message
     assert "available" in message
     assert driver.calls["create_pages"] == 0
     if grow:
@@ -48,6 +48,26 @@ def test_a_pool_above_available_memory_is_refused_before_any_page(grow):
         rng.close()
         pool.release(0)
         pool.close()
+
+
+@pytest.mark.parametrize("committed", [None, 0], ids=["eager", "discarded"])
+def test_a_pool_is_refused_before_its_records_are_built(committed):
+    """The pool keeps a few hundred bytes of host records a page (its id's slot, free-list
+    entry and counters) whatever the driver: they were built, a list of ``num_pages`` at a
+    time, before the pages' memory was checked, so a pool of 10**10 4 KiB pages took about 80
+    GB before its refusal (or a MemoryError, or the OOM killer), and a discarded one was never
+    checked. Both are refused now with nothing built: tracemalloc sees under 1 MiB."""
+    import tracemalloc
+    driver = FaultInjectingDriver(HostDriver())
+    tracemalloc.start()
+    try:
+        with pytest.raises(vmem.InsufficientMemoryError, match="a pool of 10000000000 pages "
+                                                             "keeps about 5120000000000 bytes"):
+            vmem.PagePool(driver, 10**10, 4096, committed_pages=committed)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < MiB and driver.calls["create_pages"] == 0
 
 
 def test_an_on_demand_pool_commits_nothing_until_a_page_is_mapped():
