@@ -117,6 +117,15 @@ class SimConfig:
         """``layout`` with ``auto`` resolved for this model and page (geometry.resolve_layout)."""
         return resolve_layout(self.layout, self.model_spec, self.page_bytes, on_cuda=True)
 
+    @property
+    def pool_units(self) -> int:
+        """Pages (vmem) or blocks (paged) the manager's tables keep, for the memory check
+        (sim_memory.py); 0 for the reserve policies and custom ones (tables per sequence)."""
+        if self.policy == "paged":
+            block_bytes = self.block_size * self.model_spec.bytes_per_token
+            return int(self.cache_bytes) // max(1, block_bytes)
+        return int(self.cache_bytes) // max(1, self.page_bytes) if self.policy == "vmem" else 0
+
     def make_manager(self) -> MemoryManager:
         from .managers import make_manager
         options = dict(block_size_tokens=self.block_size, page_bytes=self.page_bytes,

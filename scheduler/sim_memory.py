@@ -6,10 +6,12 @@ tracemalloc on the standard workload (2026-12-06; tests/scheduler/test_sim_memor
 the charge stays above what it measures): about 6 MB fixed and 37 bytes an output token
 (request records included) at the peak, 14-20 KB a request; the process's resident size is
 about 1.2 times that. ``simulation_bytes`` charges 8 MiB, 1 KiB a request and 48 bytes an
-output token; drawing a workload alone, 512 bytes a request. A run that would need more than
-the host's MemAvailable is refused (``SimulationTooLargeError``: ``vmemkv simulate`` checks its
-estimate before it draws, ``generate`` what it draws, ``simulate`` the entries it is given)
-before anything is drawn or run, instead of taking the machine
+output token; drawing a workload alone, 512 bytes a request; the manager's tables, 96 bytes a
+pool page or block (63 resident: ``--cache-gb 120 --page-bytes 4KiB`` keeps 29 million pages,
+2.5 GB). A run that would need more than the host's MemAvailable is refused
+(``SimulationTooLargeError``: ``vmemkv simulate`` checks its estimate before it draws,
+``generate`` what it draws, ``simulate`` the entries and the pool it is given) before anything
+is drawn or run, instead of taking the machine
 into the OOM killer (``vmemkv simulate --requests 10000000`` needs about 177 GiB). A sweep's
 worker processes run at once, so each is checked against its share
 (``set_concurrent_simulations``).
@@ -24,6 +26,7 @@ BASE_BYTES = 8 << 20      # the manager's tables (the latency logs: with the tok
 REQUEST_BYTES = 1024      # a request's records, kept for the whole run
 TOKEN_BYTES = 48          # an output token: its time, then its gap in the report (pooled, sorted)
 ENTRY_BYTES = 512         # a drawn request: its TraceEntry and its share of the draw (270 measured)
+POOL_UNIT_BYTES = 96      # a pool page (vmem) or block (paged) in the manager's tables (63 measured)
 _concurrent = 1           # simulations this process shares the host with (a sweep's workers)
 
 
@@ -38,9 +41,11 @@ def set_concurrent_simulations(count: int) -> None:
     _concurrent = max(1, int(count))
 
 
-def simulation_bytes(num_requests: int, output_tokens: int) -> int:
-    """Host memory a simulation of ``num_requests`` with ``output_tokens`` in all needs, bytes."""
-    return BASE_BYTES + num_requests * REQUEST_BYTES + output_tokens * TOKEN_BYTES
+def simulation_bytes(num_requests: int, output_tokens: int, pool_units: int = 0) -> int:
+    """Host memory a simulation of ``num_requests`` with ``output_tokens`` in all needs, bytes,
+    on a manager of ``pool_units`` pages or blocks."""
+    return (BASE_BYTES + num_requests * REQUEST_BYTES + output_tokens * TOKEN_BYTES
+            + pool_units * POOL_UNIT_BYTES)
 
 
 def available_bytes() -> Optional[int]:
@@ -55,11 +60,12 @@ def available_bytes() -> Optional[int]:
 
 
 def check_simulation_fits(num_requests: int, output_tokens: int,
-                          remedy: str = "simulate fewer requests") -> None:
+                          remedy: str = "simulate fewer requests", pool_units: int = 0) -> None:
     """SimulationTooLargeError when the simulation needs more than this process's share of the
     host's available memory."""
-    _check(f"a simulation of {num_requests:,} requests with {output_tokens:,} output tokens",
-           simulation_bytes(num_requests, output_tokens), remedy)
+    pool = f" on a pool of {pool_units:,} pages or blocks" if pool_units else ""
+    _check(f"a simulation of {num_requests:,} requests with {output_tokens:,} output tokens{pool}",
+           simulation_bytes(num_requests, output_tokens, pool_units), remedy)
 
 
 def check_workload_fits(num_requests: int, remedy: str) -> None:

@@ -390,7 +390,8 @@ def simulate(entries: Sequence[TraceEntry], config: SimConfig = SimConfig(),
     """Build the manager and cost model ``config`` names and simulate ``entries`` (the
     scheduler config with ``config.watermark_scope`` applied)."""
     check_simulation_fits(len(entries), sum(e.output_len for e in entries),
-                          "simulate fewer requests (--requests, or --max-requests of a trace)")
+                          "simulate fewer requests (--requests, or --max-requests of a trace), "
+                          "or on larger pages or blocks", pool_units=config.pool_units)
     manager = config.make_manager()
     cost = config.make_cost(manager.pages_per_map_op)
     beams = BeamModel(config.beam_width, config.beam_skew) if config.beam_width else None

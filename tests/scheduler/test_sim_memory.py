@@ -41,6 +41,31 @@ def test_the_charge_covers_a_measured_run_and_stays_within_twice_of_it():
     assert peak <= charged <= 2 * peak, (peak, charged)
 
 
+def test_a_pool_of_billions_of_pages_is_refused_before_its_manager_is_built():
+    """The manager's tables hold each pool page or block: 29 million 4 KiB pages at --cache-gb
+    120 took 2.5 GB and 17 s to build, and --page-bytes small enough took the host down. A
+    petabyte of them is refused at once."""
+    config = SimConfig(policy="vmem", page_bytes=4096, cache_bytes=10**15)
+    with pytest.raises(SimulationTooLargeError, match="on a pool of 244,140,625,000 pages or "
+                                                      "blocks.*or on larger pages or blocks"):
+        simulate(generate(WorkloadSpec(num_requests=10)), config)
+
+
+@pytest.mark.parametrize("policy, unit_bytes", [("vmem", 4096), ("paged", 16 * 131072)])
+def test_the_pool_charge_covers_the_managers_tables_within_twice(policy, unit_bytes):
+    config = SimConfig(policy=policy, page_bytes=4096, cache_bytes=200_000 * unit_bytes)
+    assert config.pool_units == 200_000
+    tracemalloc.start()
+    try:
+        manager = config.make_manager()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert manager is not None
+    charged = config.pool_units * sim_memory.POOL_UNIT_BYTES
+    assert peak <= charged <= 2 * peak, (peak, charged)
+
+
 def test_drawing_a_workload_is_charged_what_it_draws(available_mib):
     available_mib(1024)
     with pytest.raises(SimulationTooLargeError) as info:
@@ -57,7 +82,7 @@ def test_drawing_a_workload_is_charged_what_it_draws(available_mib):
 def test_simulate_and_simulate_shared_check_the_entries_they_are_given(available_mib):
     entries = generate(WorkloadSpec(num_requests=100, seed=1))
     tokens = sum(e.output_len for e in entries)
-    need_mib = simulation_bytes(100, tokens) >> 20
+    need_mib = simulation_bytes(100, tokens, SimConfig().pool_units) >> 20
     available_mib(need_mib - 1)
     with pytest.raises(SimulationTooLargeError, match=f"100 requests with {tokens:,} output"):
         simulate(entries, SimConfig())
