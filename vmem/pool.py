@@ -47,9 +47,7 @@ class PagePool:
         kept = num_pages if committed_pages is None else committed_pages
         _check_count(kept, "committed_pages must be None or", most=num_pages)
         driver.check_page_bytes(page_bytes)
-        _check_records(num_pages)     # both before any list of num_pages is built
-        if kept and not grow:
-            driver.check_available(kept, page_bytes, "creating")
+        _check_records(num_pages)     # before any list of num_pages is built
         self.driver = driver
         self.page_bytes = page_bytes
         self.grow = grow
