@@ -298,12 +298,28 @@ class PagePool:
                 raise PageStateError(f"cannot close the pool: {self.mapped_pages} page(s) are "
                                      f"still mapped; close the ranges that map them first")
             if not self._forked:
-                dead = {self._slot[page_id] for page_id in self._discarded}
-                for b, batch in enumerate(self._batches):    # never a discarded handle as live
-                    live = [h for i, h in enumerate(batch) if (b, i) not in dead]
-                    gone = [h for i, h in enumerate(batch) if (b, i) in dead]
-                    self.driver.release_pages(live, discarded=gone)
+                self._release_batches()
             self._closed = True
+
+    def _release_batches(self) -> None:
+        dead = {self._slot[page_id] for page_id in self._discarded}
+        for b, batch in enumerate(self._batches):    # never a discarded handle as live
+            live = [h for i, h in enumerate(batch) if (b, i) not in dead]
+            gone = [h for i, h in enumerate(batch) if (b, i) in dead]
+            self.driver.release_pages(live, discarded=gone)
+
+    def __del__(self) -> None:
+        """Dropped without ``close()``: destroy every page. Nothing can map a page any more (a
+        range holds its pool), and a range dropped in the same garbage unmaps its own addresses;
+        both drivers free a page's memory once its last mapping goes (memfd: the mapping keeps
+        the file's pages; cuMemRelease: freed when unmapped). Never raises."""
+        try:
+            if self._closed or self._forked:
+                return
+            self._closed = True
+            self._release_batches()
+        except BaseException:       # interpreter shutdown, a failing driver: nothing to report to
+            pass
 
     def _after_fork_in_child(self) -> None:
         """vmem/forks.py: drop the child's copies of the page files; refuse page uses."""

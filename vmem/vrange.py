@@ -174,6 +174,24 @@ class VirtualRange:
             self._closed = True
             self.pool._ranges.discard(self)
 
+    def __del__(self) -> None:
+        """Dropped without ``close()``: unmap and free the reservation (no view can be alive:
+        each holds this range). The pool may have gone first, in the same garbage: its counts
+        are then left alone. Never raises; a forked child's copy is left to the child's exit."""
+        try:
+            if self._closed or self._forked:
+                return
+            self._closed = True
+            counted = not self.pool._closed
+            for page_index, page_id in self._mapped.items():
+                self.driver.unmap(self._page_address(page_index), self.page_bytes)
+                if counted:
+                    self.pool._count_mapping(page_id, -1)
+            self._mapped.clear()
+            self.driver.free_reservation(self.address, self.size_bytes)
+        except BaseException:       # interpreter shutdown, a failing driver: nothing to report to
+            pass
+
     def _retire(self, detach: bool) -> None:
         """Give every mapping back to the pool's counts; keep the addresses readable until the
         last view dies (pages the driver cannot detach stay listed, to unmap then)."""

@@ -156,10 +156,9 @@ class VMemCache(Cache):
         batch, _, new, _ = key_states.shape
         start = self._written[layer_idx]
         end = start + new
-        if start > self._slid_to and self.config.layer_windows:
-            self._slide(start)
-        if end > self._held() or not self._rows:
-            self._grow(batch, end)
+        slide = start > self._slid_to and bool(self.config.layer_windows)
+        if end > self._held() or not self._rows or slide:
+            self._advance(batch, start, end, slide)
         elif batch != len(self._rows):
             self._raise_batch_changed(batch)
         k_cache, v_cache = self.kv.layer_tensors(layer_idx)   # (max_batch, C, H, D)
@@ -216,10 +215,13 @@ class VMemCache(Cache):
         """Tokens the manager holds for every row (rows share one length)."""
         return self.manager.num_tokens(self._rows[0]) if self._rows else 0
 
-    def _grow(self, batch: int, end: int) -> None:
-        """Make the manager hold ``end`` tokens in each of ``batch`` rows; map the planned pages.
-        All or nothing: the checks run first, and a page map that fails (PlanExecutionError)
-        leaves manager, rows and memory as before, so the next call grows again."""
+    def _advance(self, batch: int, start: int, end: int, slide: bool) -> None:
+        """A forward of queries ``[start, end)``: with ``slide``, give back every row's memory
+        wholly behind the windowed layers' windows (as the scheduler does before a step), then
+        make the manager hold ``end`` tokens in each of ``batch`` rows, and map the planned
+        pages. One StepTransaction, all or nothing: a refused batch or length, a budget too
+        small even after the give-back, or a page map that fails (PlanExecutionError) leaves
+        manager, rows, memory and ``crop``'s bound as before, so the next call runs again."""
         if self._rows and batch != len(self._rows):
             self._raise_batch_changed(batch)
         if batch > self.max_batch:
@@ -229,11 +231,25 @@ class VMemCache(Cache):
             raise ContextOverflowError(f"sequence length {end} exceeds this cache's max_context="
                                        f"{self.max_context} (batch of {batch} rows)")
         held = self._held()
-        need, free, unit = self._room(batch, held, end)
-        if need > free:
-            raise CacheCapacityError(f"growing {batch} rows to {end} tokens needs {need} {unit}; "
-                                     f"the cache_bytes budget has {free} left")
-        self._grow_rows(batch, end, held)
+
+        def advance() -> StepPlan:
+            if slide:
+                for seq_id in self._rows:
+                    self.manager.release_behind_window(seq_id, start)
+            need, free, unit = self._room(batch, held, end)
+            if need > free:
+                raise CacheCapacityError(f"growing {batch} rows to {end} tokens needs {need} "
+                                         f"{unit}; the cache_bytes budget has {free} left")
+            if not self._rows:
+                self._claim_rows(batch)
+            for seq_id in self._rows if end > held else ():
+                self.manager.append(seq_id, end - held)
+            return self._plan()
+
+        rows, next_id = self._rows, self._next_id
+        self._txn.run(advance, lambda: self._put_rows(rows, next_id))
+        if slide:
+            self._slid_to = start
 
     def _room(self, batch: int, held: int, end: int) -> tuple:
         """(needed, free, what they count) to grow ``batch`` rows from ``held`` to ``end``
@@ -248,33 +264,8 @@ class VMemCache(Cache):
         free = (manager.stats().free_tokens + manager.reclaimable_tokens) // tpp
         return need, free, f"page groups of {tpp} tokens"
 
-    def _grow_rows(self, batch: int, end: int, held: int) -> None:
-        """Claim the rows if needed, grow each from ``held`` to ``end`` tokens, map the pages
-        (one StepTransaction: a failed map undoes its pages, the manager and the rows)."""
-        def grow() -> StepPlan:
-            if not self._rows:
-                self._claim_rows(batch)
-            if end > held:
-                for seq_id in self._rows:
-                    self.manager.append(seq_id, end - held)
-            return self._plan()
-
-        rows, next_id = self._rows, self._next_id
-        self._txn.run(grow, lambda: self._put_rows(rows, next_id))
-
     def _put_rows(self, rows: list, next_id: int) -> None:
         self._rows, self._next_id = rows, next_id
-
-    def _slide(self, start: int) -> None:
-        """The forward's queries start at ``start``: the manager gives back every row's memory
-        wholly behind the windowed layers' windows (as the scheduler does before a step)."""
-        def slide() -> StepPlan:
-            for seq_id in self._rows:
-                self.manager.release_behind_window(seq_id, start)
-            return self._plan()
-
-        self._txn.run(slide)
-        self._slid_to = start
 
     def _plan(self, dropped=()) -> StepPlan:
         """This cache's plan: the manager's ops, then the rows' slots (``dropped`` forgotten)."""
@@ -316,7 +307,9 @@ class VMemCache(Cache):
         self._check_open()
         index = beam_idx.to(self.config.torch_device)
         for layer, length in enumerate(self._written):
-            first = window_offset(self.layers[layer].window, length - 1)   # mapped from here
+            # what a later forward may read: ``crop`` goes back as far as ``_slid_to``, and the
+            # memory a query there reads is mapped (the give-back kept it)
+            first = window_offset(self.layers[layer].window, min(self._slid_to, length))
             for cache in self.kv.layer_tensors(layer):
                 rows = cache[:len(self._rows), first:length]
                 rows.copy_(rows.index_select(0, index))
@@ -327,12 +320,38 @@ class VMemCache(Cache):
             raise CacheStateError(f"crop takes a negative count of tokens to remove, "
                                   f"got {tokens_to_remove}")
         written = [max(0, n + tokens_to_remove) for n in self._written]
-        if self.config.layer_windows and min(written) < self._slid_to:
+        # layers that never write (Gemma 3n's KV-shared layers read another layer's) stay at 0
+        kept = [n for n, before in zip(written, self._written) if before]
+        if self.config.layer_windows and kept and min(kept) < self._slid_to:
             raise CacheStateError(
-                f"crop({tokens_to_remove}) would leave {min(written)} tokens, but the windowed "
+                f"crop({tokens_to_remove}) would leave {min(kept)} tokens, but the windowed "
                 f"layers' memory behind a query at {self._slid_to} was given back; crop at most "
                 f"{max(self._written) - self._slid_to} tokens")
         self._written = written
+
+    def __deepcopy__(self, memo) -> "VMemCache":
+        """A cache with memory of its own holding the same rows, for transformers' prompt-reuse
+        recipe (``copy.deepcopy`` of a filled cache): what a later forward can read is copied
+        (a windowed layer's keys from the window at ``crop``'s bound on), the 8-bit scales with
+        it. Its budget is this cache's again; close it as any other."""
+        self._check_open()
+        twin = memo[id(self)] = VMemCache(self.config, layout=self.kv.memory_layout,
+                                          page_bytes=self.kv.page_bytes,
+                                          cache_bytes=self.kv.pool.total_pages * self.kv.page_bytes)
+        batch = len(self._rows)
+        if batch:
+            twin._advance(batch, 0, self._held(), slide=False)
+        if self.kv.cache.kv_scales is not None:
+            mine, its = self.kv.cache.kv_scales, twin.kv.cache.kv_scales
+            its.k.copy_(mine.k)
+            its.v.copy_(mine.v)
+            its.fixed = list(mine.fixed)
+        for index, (layer, end) in enumerate(zip(self.layers, self._written)):
+            first = min(window_offset(layer.window, self._slid_to), end)
+            for mine, its in zip(self.kv.layer_tensors(index), twin.kv.layer_tensors(index)):
+                its[:batch, first:end].copy_(mine[:batch, first:end])
+        twin._written, twin._slid_to = list(self._written), self._slid_to
+        return twin
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise CacheStateError("VMemCache holds one static batch; it cannot be expanded in place")

@@ -9,8 +9,9 @@ Two paths, two sets of needs:
                semantics) and a logit soft-cap (Gemma 2); no sinks, no ALiBi bias, no chunked
                attention, no bidirectional layers, no recurrent/linear-attention state.
     VMemCache  the model's own attention reads K/V from our cache: every layer must keep
-               K/V in the cache (no recurrent/linear-attention state); KV heads must be
-               readable from the config.
+               K/V in the cache (no recurrent/linear-attention state, no latent attention);
+               KV heads and one head size for K and V in every layer must be readable from
+               the config.
 
 Each check raises ``UnsupportedModelError`` naming the feature; an architecture that passes
 them but still computes something else is caught by the engine's self-check
@@ -65,6 +66,30 @@ def check_cache_layers(config, who: str, error: type = UnsupportedModelError) ->
             f"{who} runs layers of type {list(KV_LAYER_TYPES)}; this model "
             f"({getattr(text, 'model_type', '?')}) also has {other} layers, whose state a KV "
             f"cache does not hold")
+    _check_one_head_shape(text, who, error)
+
+
+def _check_one_head_shape(text, who: str, error: type) -> None:
+    """Refuse a model whose cache is not K and V of one head size in every layer: multi-head
+    latent attention (a compressed latent per token), values of another size than keys, or
+    head sizes that differ between layers."""
+    model = getattr(text, "model_type", "?")
+    if getattr(text, "kv_lora_rank", None):
+        raise error(f"{who} caches K and V per KV head; this model ({model}) uses multi-head "
+                    f"latent attention (kv_lora_rank={text.kv_lora_rank}), whose cache holds a "
+                    f"compressed latent per token")
+    try:
+        head_dim = getattr(text, "head_dim", None)
+    except RuntimeError:            # transformers: a per-layer attribute with no one value
+        sizes = sorted({getattr(layer, "head_dim", None)
+                        for layer in getattr(text, "per_layer_config", None) or ()} - {None})
+        raise error(f"{who} holds one head size in every layer; this model ({model}) has "
+                    f"per-layer head sizes {sizes or '(not one value)'}") from None
+    head_dim = head_dim or text.hidden_size // text.num_attention_heads
+    v_head_dim = getattr(text, "v_head_dim", None)
+    if v_head_dim and v_head_dim != head_dim:
+        raise error(f"{who} holds keys and values of one head size; this model ({model}) has "
+                    f"values of v_head_dim={v_head_dim} beside keys of head_dim={head_dim}")
 
 
 def layer_windows_of(config) -> tuple:

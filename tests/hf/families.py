@@ -101,6 +101,13 @@ FAMILIES: Dict[str, Tuple[str, dict]] = {
                           max_position_embeddings=256, **_IDS)),
     "biogpt": ("biogpt", dict(BASE, num_key_value_heads=None)),
     "gpt_neox_japanese": ("gpt_neox_japanese", dict(BASE, num_key_value_heads=None)),
+    "deepseek_v3": ("deepseek_v3", dict(BASE, num_key_value_heads=4, kv_lora_rank=16,
+                                        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                        v_head_dim=12, moe_intermediate_size=32,
+                                        n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                        topk_group=1, first_k_dense_replace=1)),
+    "mimo_v2_flash": ("mimo_v2_flash", dict(BASE, head_dim=16)),
+    "gemma4_text": ("gemma4_text", dict(BASE, head_dim=16, sliding_window=8)),
 }
 
 PROMPT = [5, 17, 33, 9, 41, 77, 12, 100]
@@ -152,7 +159,8 @@ def outcome(family: str) -> Tuple[str, str, str]:
 
 # the feature a refusal names, as docs/models.md quotes it (first match wins)
 FEATURES = ("self-check", "AttentionInterface", "attention sinks", "softcapping", "ALiBi",
-            "sliding window", "linear_attention", "chunked_attention")
+            "sliding window", "linear_attention", "chunked_attention", "latent attention",
+            "v_head_dim", "per-layer head sizes")
 
 
 def cell(result: str) -> str:
@@ -164,6 +172,7 @@ def cell(result: str) -> str:
 
 
 if __name__ == "__main__":
-    for name in FAMILIES:
+    import sys
+    for name in sys.argv[1:] or FAMILIES:
         cls, engine, cache = outcome(name)
         print(f"| {name} | {cls} | {cell(engine)} | {cell(cache)} |")

@@ -255,3 +255,51 @@ def test_failed_map_while_growing_raises_changes_nothing_and_the_next_update_wor
     run = subprocess.run([sys.executable, "-c", GROW_FAULT], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "ok", (run.returncode, run.stderr[-2000:])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_deep_copy_serves_transformers_prompt_reuse_recipe(kv_cache_dtype):
+    """transformers' recipe: fill a cache with a shared prefix once, then ``copy.deepcopy`` it
+    for each continuation. The copy has memory of its own (the original stays as it was) and
+    continues as the original would (8-bit: with the scales its first write fixed)."""
+    import copy
+    model = build("llama")
+    prefix = [5, 17, 33, 9, 41, 77, 12]
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with VMemCache.from_model_config(model.config, max_batch=1, max_context=64,
+                                     kv_cache_dtype=kv_cache_dtype) as prompt_cache, \
+            torch.inference_mode():
+        model(torch.tensor([prefix]), cache=prompt_cache)
+        for suffix in ([4, 6], [10, 11, 2]):
+            ids = torch.tensor([prefix + suffix])
+            with copy.deepcopy(prompt_cache) as past:
+                assert past.kv.range.address != prompt_cache.kv.range.address
+                got = model.generate(ids, cache=past, **options)
+            if kv_cache_dtype == "auto":
+                want = model.generate(ids, **options)
+            else:                                   # the original, continued once at the end
+                want = got if suffix != [10, 11, 2] else model.generate(ids, cache=prompt_cache,
+                                                                         **options)
+            assert got.tolist() == want.tolist()
+            if suffix == [4, 6]:
+                assert prompt_cache.get_seq_length() == len(prefix)    # untouched by the copy
+
+
+def test_a_deep_copy_of_a_windowed_cache_continues_exactly():
+    """Mistral (window 8) on 4 KiB pages: the prefix's early pages were given back; the copy
+    holds what the window still reads and continues as plain generate does."""
+    import copy
+
+    from .window_families import build as build_windowed
+    model = build_windowed("mistral")
+    prefix = list(range(3, 43))                                     # 40 tokens: 5 windows
+    options = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with VMemCache.from_model_config(model.config, max_batch=1, max_context=128,
+                                     page_bytes=4096) as prompt_cache, torch.inference_mode():
+        model(torch.tensor([prefix[:30]]), cache=prompt_cache)
+        model(torch.tensor([prefix[30:]]), cache=prompt_cache)      # slides past page 0
+        ids = torch.tensor([prefix + [50, 60]])
+        with copy.deepcopy(prompt_cache) as past:
+            got = model.generate(ids, cache=past, **options)
+        want = model.generate(ids, **options)
+    assert got.tolist() == want.tolist()

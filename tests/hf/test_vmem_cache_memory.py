@@ -3,6 +3,8 @@ its budget), reports it in ``stats()``, reads each family's KV-head count from i
 refuses use after ``close()`` with a typed error (stats included, and before HF code runs)."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -13,6 +15,8 @@ from vmemkv.runtime.errors import CacheStateError  # noqa: E402
 from vmemkv.runtime.hf import VMemCache  # noqa: E402
 from vmemkv.runtime.hf.cache import cache_config_from_model  # noqa: E402
 from vmemkv.runtime.models import build_model  # noqa: E402
+
+from .. import process_resources  # noqa: E402
 
 # Llama-3-8B's cache shapes: 32 layers, 8 KV heads of 128 dims, fp16 (2 KiB / token / layer)
 LLAMA3_8B = dict(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.float16)
@@ -35,6 +39,23 @@ def test_an_empty_cache_commits_nothing_and_grows_with_its_rows():
         for layer in range(32):
             cache.update(k, k, layer)
         assert cache.stats().committed_bytes == s.committed_bytes
+
+
+def test_a_cache_dropped_without_close_gives_its_memory_back():
+    """As a dropped DynamicCache does: after ``generate``, a VMemCache nobody closed and nobody
+    holds leaves no page file, mapping or reservation once collected (it is in a cycle with
+    its layers, so the cycle collector frees it)."""
+    model = build_model("tiny-llama")
+    ids = torch.tensor([[1, 5, 9, 12, 7]])
+    with process_resources.watch() as watch:
+        before = watch.snapshot()
+        for _ in range(3):
+            cache = VMemCache.from_model_config(model.config, max_batch=1, max_context=64)
+            model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache, pad_token_id=0)
+            assert watch.snapshot().memfd_fds == before.memfd_fds + 1
+            del cache
+            gc.collect()
+            assert watch.snapshot() == before
 
 
 def test_closed_cache_refuses_stats_and_generate_with_a_typed_error():

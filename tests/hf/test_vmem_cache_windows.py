@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vmemkv.runtime.errors import CacheStateError
+from vmemkv.runtime.hf.cache import ContextOverflowError
 from vmemkv.runtime.hf import VMemCache
 
 from .test_window_models import prompts
@@ -67,3 +68,73 @@ def test_a_windowed_layer_reports_the_mask_of_its_window():
         assert windowed.get_mask_sizes(1) == (WINDOW, 39 - WINDOW + 1)
         assert full.get_mask_sizes(1) == (40, 0)
         cache.reorder_cache(torch.tensor([0]))               # only mapped tokens are touched
+
+
+def test_reorder_after_a_crop_to_the_last_forwards_start_reads_only_mapped_memory():
+    """crop may go back to where the last forward's queries began; a beam reorder then copies
+    what a query there reads (mapped), not the token before it (given back: a segfault)."""
+    model = build("mistral")
+    seq = torch.tensor(prompts(1, 10, 10, seed=3) * 2)
+    seq[1] = seq[1].flip(0)
+    cache = VMemCache.from_model_config(model.config, max_batch=2, max_context=128,
+                                        page_bytes=4 * KiB)
+    with cache, torch.inference_mode():
+        out = model(seq, cache=cache)
+        for _ in range(30):                                   # 40 tokens: a page given back
+            token = out.logits[:, -1:].argmax(-1)
+            seq = torch.cat([seq, token], 1)
+            out = model(token, cache=cache)
+        assert cache.stats().mapped_pages == 2 * 2 * 2        # page 1 of both rows' group
+        cache.crop(-1)                                        # back to 39: the last forward's
+        cache.reorder_cache(torch.tensor([1, 0]))
+        got = model(seq[[1, 0], -1:], cache=cache).logits[:, -1]
+        want = model(seq[[1, 0]]).logits[:, -1]
+    torch.testing.assert_close(got, want)
+
+
+def test_a_refused_update_gives_nothing_back():
+    """The window's give-back and the growth are one transaction: an update refused for its
+    length or batch leaves the memory, and how far crop may go, as they were."""
+    model = build("mistral")
+    cache = VMemCache.from_model_config(model.config, max_batch=2, max_context=71,
+                                        page_bytes=4 * KiB)
+    heads, dims = cache.config.num_kv_heads, cache.config.head_dim
+
+    def update_all(batch: int, tokens: int) -> None:
+        for layer in range(cache.config.num_layers):
+            states = torch.randn(batch, heads, tokens, dims)
+            cache.update(states, states, layer)
+
+    with cache:
+        update_all(1, 70)
+        update_all(1, 1)                                      # 71 tokens: max_context
+        before = cache.stats()
+        for batch, tokens, error in ((1, 1, ContextOverflowError), (2, 1, CacheStateError)):
+            with pytest.raises(error):
+                update_all(batch, tokens)
+            assert cache.stats() == before and cache.get_seq_length() == 71
+        cache.crop(-1)                                        # as allowed as before
+        assert cache.get_seq_length() == 70
+
+
+def test_a_model_whose_shared_layers_never_write_crops_and_runs_prompt_lookup():
+    """Gemma 3n's KV-shared layers read another layer's K/V and never call update: crop's bound
+    counts only the layers that write, so prompt-lookup decoding runs as on transformers' cache."""
+    from transformers import AutoModelForCausalLM, Gemma3nTextConfig
+    config = Gemma3nTextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_hidden_layers=4, sliding_window=WINDOW,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
+        laurel_rank=4, activation_sparsity_pattern=[0.0] * 4, altup_num_inputs=2,
+        pad_token_id=0, eos_token_id=None, layer_types=["sliding_attention", "full_attention"] * 2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ids = torch.tensor([prompts(1, 6, 6, seed=2)[0] * 5])              # repeats to look up
+    options = dict(max_new_tokens=10, do_sample=False, prompt_lookup_num_tokens=4)
+    with VMemCache.from_model_config(model.config, max_batch=1, max_context=128) as cache, \
+            torch.inference_mode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = model.generate(ids, cache=cache, **options)
+        want = model.generate(ids, **options)
+    assert got.tolist() == want.tolist()

@@ -1,4 +1,5 @@
 """Host driver: reservations cost no memory, unmapped memory faults, cycles leak nothing."""
+import gc
 import os
 import subprocess
 import sys
@@ -86,6 +87,30 @@ def test_pools_and_ranges_created_and_closed_leave_nothing_behind():
                     assert (live.memfd_mappings, live.memfd_fds, live.live_reservations) == \
                         (before.memfd_mappings + 1, before.memfd_fds + 1, 1)
         assert watch.snapshot() == before and len(watch.reserved) == 200
+
+
+def test_pools_and_ranges_dropped_without_close_leave_nothing_behind():
+    """As a dropped torch tensor frees its memory: a range unmaps and frees its reservation, a
+    pool destroys its pages, whether dropped one by one, in one garbage cycle, or with the pool
+    finalized first while the range still maps it (the cycle collector picks the order)."""
+    driver = vmem.open_driver("host")
+    with process_resources.watch() as watch:
+        before = watch.snapshot()
+        for way in ("refcount", "cycle", "pool first"):
+            pool = vmem.PagePool(driver, 4, 4096)
+            rng = vmem.VirtualRange(pool, 4 * 4096)
+            for index, page in enumerate(pool.allocate(3)):
+                rng.map(index, page)
+            rng.tensor(0, 3 * 4096).fill_(1)
+            pool.discard(pool.allocate(1))
+            if way == "cycle":
+                pool.cycle = rng
+            elif way == "pool first":
+                pool.__del__()
+                assert pool.closed and rng.num_mapped_pages == 3   # nothing else touched
+            del pool, rng
+            gc.collect()
+            assert watch.snapshot() == before, way
 
 
 def test_the_watch_counts_a_reservation_beside_a_foreign_prot_none_mapping_and_not_its_reuse():
