@@ -4,10 +4,11 @@
       -> tokenizer.apply_chat_template(messages, add_generation_prompt=True) -> token ids
 
 A message is a dict with ``role`` (system, user or assistant) and ``content``: a string, or a
-list of OpenAI content parts of type "text" (joined). The template is the tokenizer's own (a
-GGUF file carries one, as ``tokenizer.chat_template``) unless ``chat_template`` overrides it;
-a model without one (the random-weight built-ins) is refused with ``ChatTemplateError``, as is
-a template that fails to render. Nothing is queued before every conversation has rendered.
+list of OpenAI content parts of type "text" (joined), and optionally ``name`` (handed to the
+template, which may render it); any other key (``tool_calls``, ...) is refused by name. The
+template is the tokenizer's own (a GGUF file carries one, as ``tokenizer.chat_template``)
+unless ``chat_template`` overrides it; a model without one (the random-weight built-ins) is
+refused with ``ChatTemplateError``, as is a template that is empty or fails to render. Nothing is queued before every conversation has rendered.
 """
 from __future__ import annotations
 
@@ -48,15 +49,32 @@ def _message(message, i: int, index: int) -> dict:
     if role not in ROLES:
         raise ChatMessageError(f"conversation {index}: {where}.role must be one of "
                                f"{', '.join(ROLES)}, got {role!r}", index, f"{where}.role")
-    return {"role": role, "content": _text(message.get("content"), f"{where}.content", index)}
+    other = sorted(set(message) - {"role", "content", "name"}, key=str)
+    if other:      # tool calls, tool call ids, ...: not rendered, so refused, never dropped
+        raise ChatMessageError(f"conversation {index}: {where}.{other[0]} is not supported (a "
+                               f"message takes role, content and name)", index,
+                               f"{where}.{other[0]}")
+    checked = {"role": role, "content": _text(message.get("content"), f"{where}.content", index)}
+    if "name" in message:
+        if not isinstance(message["name"], str):
+            raise ChatMessageError(f"conversation {index}: {where}.name must be a string, got "
+                                   f"{str(message['name'])[:60]!r}", index, f"{where}.name")
+        checked["name"] = message["name"]   # the template's to render (or not), as vLLM's
+    return checked
 
 
 def _text(content, where: str, index: int) -> str:
-    if isinstance(content, str):
-        return content
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        content = "".join(p["text"] for p in content)
+    if isinstance(content, str):
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ChatMessageError(f"conversation {index}: {where} holds a lone surrogate "
+                                   f"(\\ud800-\\udfff without its pair): not Unicode text",
+                                   index, where) from None
+        return content
     raise ChatMessageError(f"conversation {index}: {where} must be a string or a list of "
                            f"{{'type': 'text', 'text': ...}} parts (only text is supported), "
                            f"got {str(content)[:60]!r}", index, where)
@@ -80,6 +98,9 @@ def chat_prompt_ids(tokenizer, messages, chat_template: Optional[str] = None,
         raise ChatTemplateError(f"conversation {index}: chat needs a tokenizer with a chat "
                                 f"template; this engine has no tokenizer (a built-in random-"
                                 f"weight model): send token ids or text prompts", index)
+    if chat_template is not None and not chat_template.strip():
+        raise ChatTemplateError(f"conversation {index}: chat_template is empty; omit it to use "
+                                f"the model's", index)
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
     if not template:
         raise ChatTemplateError(f"conversation {index}: the model's tokenizer has no chat "

@@ -105,7 +105,7 @@ async def _complete(request: Request, server: EngineThread, served: ServedModel,
                     drain: Drain) -> Response:
     arrival_s = time.perf_counter()
     req = salted(protocol.parse_completion_request(await request.body()), request.scope)
-    batch = prompt_token_ids(req, served)
+    batch = await asyncio.to_thread(prompt_token_ids, req, served)   # off the event loop
     params = served.with_adapter(req.sampling_params(), req.model)
     submission = Submission(server, batch, params, arrival_s, "cmpl", served.tokenizer is not None)
     fmt = CompletionFormat(req, served, req.prompts(), batch, submission)
@@ -116,7 +116,7 @@ async def _chat(request: Request, server: EngineThread, served: ServedModel,
                 drain: Drain) -> Response:
     arrival_s = time.perf_counter()
     req = salted(parse_chat_request(await request.body()), request.scope)
-    ids, max_tokens = chat_token_ids(req, served)
+    ids, max_tokens = await asyncio.to_thread(chat_token_ids, req, served)   # off the loop
     params = served.with_adapter(req.sampling_params(max_tokens), req.model)
     submission = Submission(server, [ids], params, arrival_s, "chatcmpl", True)
     return await _respond(request, submission, ChatFormat(req, served, submission),

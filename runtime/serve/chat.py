@@ -1,9 +1,10 @@
 """``/v1/chat/completions``: messages rendered by the served model's chat template, and choices
 shaped as OpenAI's chat completion objects and ``delta`` chunks.
 
-The template is the tokenizer's (a GGUF checkpoint carries one) unless the request's
-``chat_template`` overrides it; a model without one is a 400 naming ``messages`` (the
-random-weight built-ins have no tokenizer). ``max_completion_tokens`` (or the older
+The template is the tokenizer's (a GGUF checkpoint carries one); a request's own
+``chat_template`` replaces it only on a server started with ``--trust-request-chat-template``
+(else a 400 naming it: a template is code the server runs). A model without one is a 400
+naming ``messages`` (the random-weight built-ins have no tokenizer). ``max_completion_tokens`` (or the older
 ``max_tokens``) defaults to what the context leaves after the prompt. ``logprobs: true`` with
 ``top_logprobs`` k gives each token's logprob and the k likeliest (the model's raw distribution).
 A stream opens every choice with a ``{"role": "assistant"}`` delta.
@@ -55,15 +56,20 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
 def chat_token_ids(req: ChatCompletionRequest, served: ServedModel) -> tuple:
     """(the prompt's token ids, max tokens), or ApiError 400 naming the field."""
     served.check_model(req.model)
-    if req.stop is not None and served.tokenizer is None:
+    if req.stop_strings() and served.tokenizer is None:
         raise ApiError(400, "stop strings need a tokenizer; send stop_token_ids instead", "stop")
+    if req.chat_template is not None and not served.trust_request_chat_template:
+        raise ApiError(400, "this server renders messages with the model's chat template only; "
+                            "a request's own chat_template needs the server started with "
+                            "--trust-request-chat-template", "chat_template")
     try:
         ids = chat_prompt_ids(served.tokenizer, req.messages, req.chat_template,
                               req.add_generation_prompt)
     except ChatMessageError as error:
         raise ApiError(400, str(error), error.field) from None
     except ChatTemplateError as error:
-        raise ApiError(400, str(error), "chat_template" if req.chat_template else "messages") from None
+        raise ApiError(400, str(error), "messages" if req.chat_template is None
+                       else "chat_template") from None
     bad = [t for t in ids if not 0 <= t < served.vocab_size]
     if bad:
         raise ApiError(400, f"the rendered messages hold token ids {bad[:5]} outside the "

@@ -74,6 +74,10 @@ def _security_flags(g) -> None:
     g.add_argument("--max-connections", type=bounded(int, 1), default=None, metavar="N",
                    help="open connections at most; one more gets 503 and is closed (default: "
                         "256, or half of ulimit -n when that is less)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a chat request bring its own chat_template (Jinja run on this "
+                        "server's CPU; trusted clients only) (default: the model's template "
+                        "only, a request's is a 400)")
     g.add_argument("--shutdown-timeout", type=bounded(float, 0), default=10.0, metavar="S",
                    help="on SIGTERM / Ctrl-C: seconds requests in flight may run on before "
                         "they are ended")
@@ -92,7 +96,8 @@ def _limits_and_auth(args):
     from .limits import ServeLimits
     limits = ServeLimits(max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout,
                          body_timeout_s=args.body_timeout, max_connections=args.max_connections,
-                         shutdown_timeout_s=args.shutdown_timeout)
+                         shutdown_timeout_s=args.shutdown_timeout,
+                         trust_request_chat_template=args.trust_request_chat_template)
     return limits, AuthConfig.of(args.api_key, args.metrics_key, args.salt_per_key)
 
 

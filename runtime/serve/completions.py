@@ -28,13 +28,16 @@ class ServedModel:
     max_sequence_tokens: int   # prompt + max_tokens one sequence can hold
     max_n: int                 # choices per request: the engine's max_batch
     loras: Callable[[], List[str]] = list   # the engine's adapter names, read at each request
+    trust_request_chat_template: bool = False   # ServeLimits'
+    max_requests: int = 256    # engine requests in flight at most: the server's --max-queue
 
     @classmethod
-    def of(cls, engine, name: str) -> "ServedModel":
+    def of(cls, engine, name: str, limits=None, max_requests: int = 256) -> "ServedModel":
         sched = engine.scheduler
         limit = min(x for x in (sched.max_seq_len, sched.max_fit_tokens) if x)
         return cls(name, engine.tokenizer, engine.vocab_size, limit, engine.config.max_batch,
-                   lambda: engine.loras)
+                   lambda: engine.loras,
+                   bool(limits and limits.trust_request_chat_template), max_requests)
 
     def check_model(self, model: Optional[str]) -> Optional[str]:
         """The LoRA adapter ``model`` names (None: the base model), or ApiError 400."""
@@ -72,10 +75,14 @@ def prompt_token_ids(req: CompletionRequest, served: ServedModel) -> List[List[i
     """Each prompt as token ids, or ApiError 400 naming ``model``, ``prompt``, ``max_tokens``,
     ``n`` or ``stop``."""
     served.check_model(req.model)
+    if len(req.prompts()) > served.max_requests:     # never fits: a 503 would be retried forever
+        raise ApiError(400, f"prompt: {len(req.prompts())} prompts, but this server takes at "
+                            f"most {served.max_requests} requests in flight (--max-queue); "
+                            f"send fewer at a time", "prompt")
     batch = [_ids(p, served) for p in req.prompts()]
     for ids in batch:
         served.check_lengths(len(ids), req.max_tokens, req.n)
-    if req.stop is not None and served.tokenizer is None:
+    if req.stop_strings() and served.tokenizer is None:
         raise ApiError(400, "stop strings need a tokenizer; send stop_token_ids instead", "stop")
     return batch
 
@@ -85,6 +92,9 @@ def _ids(prompt, served: ServedModel) -> List[int]:
         if served.tokenizer is None:
             raise ApiError(400, "prompt is text but the served model has no tokenizer; send "
                                 "token ids (a list of ints)", "prompt")
+        if not _is_unicode_text(prompt):
+            raise ApiError(400, "prompt holds a lone surrogate (\\ud800-\\udfff escaped in JSON "
+                                "without its pair): not Unicode text", "prompt")
         ids = list(served.tokenizer(prompt)["input_ids"])
         if not ids:
             raise ApiError(400, "prompt encodes to no tokens", "prompt")
@@ -95,6 +105,16 @@ def _ids(prompt, served: ServedModel) -> List[int]:
         raise ApiError(400, f"prompt has token ids {bad[:5]} outside the vocabulary "
                             f"[0, {served.vocab_size})", "prompt")
     return ids
+
+
+def _is_unicode_text(text: str) -> bool:
+    """Whether ``text`` is Unicode text (JSON's escapes can make a lone surrogate, which no
+    tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class CompletionFormat:
@@ -111,8 +131,8 @@ class CompletionFormat:
         self._offsets: dict = {}   # choice -> text_offset of its next streamed token
 
     def _decoded(self, served: ServedModel, ids: Sequence[int]) -> str:
-        if served.tokenizer is None:
-            return " ".join(map(str, ids))
+        if served.tokenizer is None:        # the ids in decimal, a space before the output's
+            return " ".join(map(str, ids)) + " "
         return served.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def _prompt_part(self, index: int) -> Optional[dict]:
@@ -139,9 +159,12 @@ class CompletionFormat:
             self._offsets[delta.index] = len(echo)
         logprobs = None
         if self.want_logprobs:
-            out = completion_logprobs(self.strings, delta.token_ids, delta.logprobs,
-                                      self._offsets[delta.index])
-            self._offsets[delta.index] += sum(len(t) for t in out["tokens"])
+            start, sep = self._offsets[delta.index], self.strings.separator
+            if sep and delta.text.startswith(sep):    # ids as text: " 223" after the first
+                start += len(sep)
+            out = completion_logprobs(self.strings, delta.token_ids, delta.logprobs, start)
+            if out["tokens"]:
+                self._offsets[delta.index] = out["text_offset"][-1] + len(out["tokens"][-1])
             logprobs = merge_completion_logprobs(parts + [out])
         return {"index": delta.index, "text": echo + delta.text, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason, "token_ids": delta.token_ids}

@@ -93,6 +93,7 @@ class EngineThread:
         self._asleep = False                  # asleep or going to sleep (guarded by _lock)
         self._closed = False                  # no more commands are run (guarded by _lock)
         self._live: Dict[int, _Live] = {}     # engine thread only
+        self._ends_held: Optional[list] = None   # inside a step: the ends it made, held
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="vmemkv-engine", daemon=True)
 
@@ -251,14 +252,23 @@ class EngineThread:
         future.set_result(result)
 
     def _step(self) -> None:
+        """One engine step. The ends of the requests it finished reach their clients after the
+        gauges count them gone: a client that has its answer and reads /metrics sees them so."""
+        self._ends_held = []
         try:
-            self.engine.step()
-        except Exception as error:   # noqa: BLE001 -- the server stays up; the log keeps it
-            log.exception("an engine step failed; aborting the %d live requests", len(self._live))
-            for request_id in list(self._live):
-                self._abort(request_id, "failed", f"{type(error).__name__}: {error}")
-        self._end_failed()
-        self._refresh_gauges()
+            try:
+                self.engine.step()
+            except Exception as error:   # noqa: BLE001 -- the server stays up; the log keeps it
+                log.exception("an engine step failed; aborting the %d live requests",
+                              len(self._live))
+                for request_id in list(self._live):
+                    self._abort(request_id, "failed", f"{type(error).__name__}: {error}")
+            self._end_failed()
+            self._refresh_gauges()
+        finally:
+            held, self._ends_held = self._ends_held, None
+            for sink, item in held:
+                _deliver(sink, item)
 
     def _on_token(self, event: TokenEvent) -> None:
         live = self._live.get(event.request_id)
@@ -300,7 +310,11 @@ class EngineThread:
         self.engine.output(request_id, pop=True)
         self.metrics.observe_request(live.arrival_s, live.token_times_s, live.prompt_tokens, status)
         self._ended_unqueued()
-        _deliver(live.sink, Ended(status, error, alone, error_type))
+        ended = Ended(status, error, alone, error_type)
+        if self._ends_held is not None:      # inside a step: after its gauges (_step)
+            self._ends_held.append((live.sink, ended))
+        else:
+            _deliver(live.sink, ended)
 
     def _ended_unqueued(self) -> None:
         with self._lock:

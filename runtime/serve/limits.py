@@ -9,6 +9,10 @@ request reaches the engine, each refusal one log line naming the client.
                   reading, a longer chunked body 413 as soon as it passes the limit; the whole
                   body within ``body_timeout_s`` of the headers, else 408
     JSON          at most ``MAX_JSON_DEPTH`` levels of nesting: 400 before it is parsed
+    templates     a request's own ``chat_template`` (Jinja: any loop a client writes runs on
+                  the server's CPU) only with ``trust_request_chat_template``, else a 400
+                  naming it (vLLM's ``--trust-request-chat-template``); prompts are rendered
+                  and tokenized off the event loop, so a long one never stalls other clients
 
 ``GuardedH11Protocol`` is uvicorn's h11 protocol with the connection and header rules (a
 subclass: the h11 one is the only one whose hooks those rules need); ``BodyLimits`` wraps an
@@ -41,6 +45,7 @@ class ServeLimits:
     body_timeout_s: float = 30.0
     max_connections: Optional[int] = None
     shutdown_timeout_s: float = 10.0
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("max_body_bytes", 1), ("max_connections", 1)):

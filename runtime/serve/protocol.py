@@ -142,12 +142,13 @@ def _token_biases(bias: Optional[Dict[str, float]]) -> dict:
     if len(bias) > MAX_LOGIT_BIAS:
         raise ApiError(400, f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
                        "logit_bias")
-    try:
-        return {int(k): v for k, v in bias.items()}
-    except ValueError:
-        raise ApiError(400, f"logit_bias: keys must be token ids (decimal strings), got "
-                            f"{next(k for k in bias if not k.lstrip('-').isdigit())!r}",
-                       "logit_bias") from None
+    # a key is a token id as OpenAI writes it: ASCII digits, no sign, space, "_" or leading
+    # zero ("0504" beside "504" would be one token given two biases)
+    odd = next((k for k in bias if not (k.isascii() and k.isdigit() and str(int(k)) == k)), None)
+    if odd is not None:
+        raise ApiError(400, f"logit_bias: keys must be token ids in decimal (ASCII digits, no "
+                            f"sign or leading zero), got {odd[:20]!r}", "logit_bias")
+    return {int(k): v for k, v in bias.items()}
 
 
 class CompletionRequest(SamplingFields):
@@ -190,6 +191,8 @@ def parse_model(body: bytes, model: Type[BaseModel]) -> BaseModel:
 def parse_request(body: bytes, model: Type[BaseModel]) -> BaseModel:
     """The request in ``body``, or ApiError 400 naming what is wrong with it."""
     request = parse_model(body, model)
+    if request.stream_options is not None and not request.stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
     stops = request.stop_strings()
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings, got "

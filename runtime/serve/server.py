@@ -55,7 +55,7 @@ class Server:
         self.metrics = ServeMetrics(model_name)
         self.engine_thread = EngineThread(engine, self.metrics, max_pending_requests=max_queue)
         self.drain = Drain()
-        app = Guard(create_app(self.engine_thread, self.metrics, ServedModel.of(engine, model_name),
+        app = Guard(create_app(self.engine_thread, self.metrics, ServedModel.of(engine, model_name, self.limits, max_queue),
                                self.drain, lora_root), self.limits, self.auth)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
                                 http=guarded_protocol(self.limits))

@@ -31,12 +31,12 @@ def model():
 
 
 @contextlib.contextmanager
-def serving(options: dict, max_queue: int = 256, tokenizer=None, auth=None):
+def serving(options: dict, max_queue: int = 256, tokenizer=None, auth=None, limits=None):
     """(server, engine): the engine of ``options`` served on a free loopback port (``auth``:
-    an AuthConfig, API keys)."""
+    an AuthConfig, API keys; ``limits``: a ServeLimits)."""
     with Engine(model(), tokenizer, **options) as engine:
         with Server(engine, NAME, host="127.0.0.1", port=0, max_queue=max_queue,
-                    auth=auth).start() as server:
+                    auth=auth, limits=limits).start() as server:
             yield server, engine
 
 

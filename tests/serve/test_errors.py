@@ -56,6 +56,15 @@ BAD_REQUESTS = [
     ("min-tokens-past-max-tokens", {**OK, "min_tokens": 5}, "min_tokens", "[0, max_tokens]"),
     ("logprobs-too-many", {**OK, "logprobs": 21}, "logprobs", "[0, 20]"),
     ("logit-bias-key-not-a-token", {**OK, "logit_bias": {"a": 1.0}}, "logit_bias", "token ids"),
+    # int() takes these, and "²" once made the message's own search raise (a 500)
+    ("logit-bias-key-superscript", {**OK, "logit_bias": {"²": 1.0}}, "logit_bias", "'²'"),
+    ("logit-bias-key-underscore", {**OK, "logit_bias": {"1_0": 1.0}}, "logit_bias", "'1_0'"),
+    ("logit-bias-key-arabic-digit", {**OK, "logit_bias": {"٣": 1.0}}, "logit_bias", "ASCII"),
+    ("logit-bias-key-leading-zero", {**OK, "logit_bias": {"5": 1.0, "05": -1.0}}, "logit_bias",
+     "'05'"),
+    ("logit-bias-key-spaces", {**OK, "logit_bias": {" 7 ": 1.0}}, "logit_bias", "' 7 '"),
+    ("stream-options-without-stream", {**OK, "stream_options": {"include_usage": True}},
+     "stream_options", "stream: true"),
     ("logit-bias-too-large", {**OK, "logit_bias": {"5": 101.0}}, "logit_bias", "[-100, 100]"),
     ("logit-bias-outside-vocab", {**OK, "logit_bias": {"999": 1.0}}, "logit_bias", "outside"),
     ("best-of-above-n", {**OK, "best_of": 2}, "best_of", "not supported"),
@@ -97,6 +106,40 @@ def test_bad_request_is_400_naming_the_field(served, case, body, param, words):
 def test_wrong_path_or_method_is_openai_shaped(served, method, path, status):
     response = httpx.request(method, served[0].url + path)
     assert response.status_code == status and error_of(response)["param"] is None
+
+
+def test_an_empty_stop_list_needs_no_tokenizer(served):
+    response = httpx.post(served[0].url + "/v1/completions", json={**OK, "stop": []})
+    assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) == 4
+
+
+def test_a_text_prompt_with_a_lone_surrogate_is_400_naming_the_prompt():
+    from ..engine.byte_tokenizer import byte_tokenizer
+    with serving(VMEM, tokenizer=byte_tokenizer()) as (server, engine):
+        for prompt in ("a\ud800", ["ok", "b\udfff"]):
+            response = httpx.post(server.url + "/v1/completions",
+                                  content=json.dumps({**OK, "prompt": prompt}),   # escaped
+                                  headers={"Content-Type": "application/json"})
+            assert response.status_code == 400
+            error = error_of(response)
+            assert error["param"] == "prompt" and "lone surrogate" in error["message"]
+        assert server.engine_thread.pending_requests == 0
+        assert_memory_at_baseline(engine)
+
+
+def test_more_prompts_than_the_queue_holds_is_400_and_queues_nothing():
+    """A 503 says "retry": for a batch that can never fit, a retrying client looped forever,
+    each try queueing and aborting the prompts that fitted."""
+    with serving(VMEM, max_queue=2) as (server, engine):
+        response = httpx.post(server.url + "/v1/completions", json={**OK, "prompt": [[1], [2], [3]]})
+        assert response.status_code == 400
+        error = error_of(response)
+        assert error["param"] == "prompt" and "--max-queue" in error["message"]
+        assert 'vmemkv:num_aborted_requests_total{model_name="tiny-llama"} 0.0' in \
+            httpx.get(server.url + "/metrics").text
+        assert server.engine_thread.pending_requests == 0
+        ok = httpx.post(server.url + "/v1/completions", json={**OK, "prompt": [[1], [2]]})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
 
 
 def test_full_queue_is_503_with_retry_after(monkeypatch):

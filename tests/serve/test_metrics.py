@@ -68,3 +68,27 @@ def test_histogram_buckets_are_cumulative_upper_bounds():
                          'vmemkv:x_seconds_bucket{model_name="m",le="+Inf"} 4',
                          'vmemkv:x_seconds_sum{model_name="m"} 3.65',
                          'vmemkv:x_seconds_count{model_name="m"} 4']
+
+
+def test_a_client_with_its_answer_reads_its_request_gone_from_the_gauges(monkeypatch):
+    """The request ends inside an engine step; its client hears of it only after that step's
+    gauges were refreshed. Here each refresh once no request is live is slowed by up to a
+    second: before, the client had its answer while the gauges still counted the request."""
+    import threading
+    with serving(dict(PAGED)) as (server, _):
+        thread, read = server.engine_thread, threading.Event()
+        refresh = thread._refresh_gauges
+
+        def slow_refresh() -> None:
+            if not thread._live:
+                read.wait(1.0)
+            refresh()
+
+        monkeypatch.setattr(thread, "_refresh_gauges", slow_refresh)
+        body = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+        values, _ = parse(httpx.get(server.url + "/metrics").text)
+        read.set()
+        assert values["vmemkv:num_requests_running"] == 0
+        assert values["vmemkv:num_requests_waiting"] == 0
+        assert values["vmemkv:kv_cache_usage_perc"] == 0
