@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 from typing import Type
@@ -37,6 +38,34 @@ def check_policy(policy: str) -> None:
     elif policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)} or module:Class, "
                           f"got {policy!r}")
+
+
+BUILT_WITH = ("model", "cache_bytes", "max_seq_len_tokens")   # its positional arguments
+
+
+def check_constructor(spec: str, options: dict) -> None:
+    """ConfigError, before anything is built, unless the class ``spec`` names can be built as
+    ``Class(model, cache_bytes, max_seq_len_tokens, **options)``: it is abstract, or its
+    constructor does not take these arguments. The message names the class and the call."""
+    cls = load_policy_class(spec)
+    if inspect.isabstract(cls):
+        raise ConfigError(f"custom policy {spec!r}: {cls.__name__} is abstract: it does not "
+                          f"implement {', '.join(sorted(cls.__abstractmethods__))}")
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):      # no signature to read (a C type): building will tell
+        return
+    try:
+        signature.bind(*BUILT_WITH, **options)
+    except TypeError as error:
+        raise ConfigError(f"custom policy {spec!r}: {cls.__name__} is built as "
+                          f"{built_as(cls, options)} and its constructor does not take that "
+                          f"({error}); take **options to ignore the keywords it does not use") from None
+
+
+def built_as(cls: type, options: dict) -> str:
+    """How a custom manager is called: ``Class(model, cache_bytes, ..., layout='per-layer')``."""
+    return f"{cls.__name__}({', '.join(BUILT_WITH + tuple(f'{k}={v!r}' for k, v in options.items()))})"
 
 
 def load_policy_class(spec: str) -> Type[MemoryManager]:

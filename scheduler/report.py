@@ -64,14 +64,22 @@ class RequestTiming:
 
 def parse_goodput(specs: Sequence[str]) -> Dict[str, float]:
     """``["ttft:2000", "tpot:200"]`` (the ``--goodput`` flag) as ``{"ttft": 2000.0, ...}`` in ms;
-    ``ConfigError`` naming the bad item and the metrics allowed."""
+    ``ConfigError`` naming the flag, the bad item and the metrics allowed: one target per item
+    (``ttft:2000,tpot:200`` is refused with the spaced form), each metric once."""
     out: Dict[str, float] = {}
     for spec in specs:
         name, sep, value = spec.partition(":")
+        if "," in spec:
+            raise ConfigError(f"--goodput target {spec!r}: give one METRIC:MS per target, "
+                              f"separated by spaces (--goodput ttft:2000 tpot:200)")
         if not sep or name not in ("ttft", "tpot", "e2el"):
-            raise ConfigError(f"goodput target {spec!r} must be METRIC:MS with METRIC one of "
+            raise ConfigError(f"--goodput target {spec!r} must be METRIC:MS with METRIC one of "
                               f"ttft, tpot, e2el")
-        out[name] = target_ms(value, f"goodput target {spec!r}")
+        ms = target_ms(value, f"--goodput target {spec!r}")
+        if name in out:
+            raise ConfigError(f"--goodput names {name} twice ({out[name]:g} and {ms:g} ms): "
+                              f"give each metric once")
+        out[name] = ms
     return out
 
 

@@ -5,14 +5,14 @@ and the factories that build its memory manager, its scheduler settings and its 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 from .cost import CostModel
 from .errors import ConfigError
 from .geometry import LAYOUT_CHOICES, resolve_layout
 from .managers.base import MemoryManager
 from .managers.eviction import DEFAULT_EVICTION, make_eviction
-from .policies import check_policy, is_custom, load_policy_class
+from .policies import check_constructor, check_policy, is_custom, load_policy_class
 from .presets import ModelSpec, get_device, get_model, with_kv_cache_dtype
 from .profile_cost import load_profile, profile_cost, profile_model
 from .scheduler import SchedulerConfig
@@ -104,6 +104,11 @@ class SimConfig:
                                    or not 0 < budget < self.cache_bytes):
             raise ConfigError(f"adapter_budget_bytes must be None (a unified pool) or an int in "
                               f"(0, cache_bytes {self.cache_bytes}), got {budget!r}")
+        if not (isinstance(self.paged_slowdown, (int, float)) and 1 <= self.paged_slowdown < 1e300):
+            raise ConfigError(f"paged_slowdown must be a finite number >= 1 (a KV read-time "
+                              f"multiplier), got {self.paged_slowdown!r}")
+        if is_custom(self.policy):            # built with these, only when the run starts
+            check_constructor(self.policy, self._options())
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -126,13 +131,18 @@ class SimConfig:
             return int(self.cache_bytes) // max(1, block_bytes)
         return int(self.cache_bytes) // max(1, self.page_bytes) if self.policy == "vmem" else 0
 
-    def make_manager(self) -> MemoryManager:
-        from .managers import make_manager
+    def _options(self) -> dict:
+        """The keywords every manager is built with (a custom one too: policies.py)."""
         options = dict(block_size_tokens=self.block_size, page_bytes=self.page_bytes,
                        layout=self.resolved_layout, swap_bytes=int(self.swap_bytes))
         if self.adapter_budget_bytes is not None:
             options["adapter_budget_bytes"] = self.adapter_budget_bytes
-        if is_custom(self.policy):
+        return options
+
+    def make_manager(self) -> MemoryManager:
+        from .managers import make_manager
+        options = self._options()
+        if is_custom(self.policy):               # its signature was checked when made
             return load_policy_class(self.policy)(self.model_spec, int(self.cache_bytes),
                                                   self.max_seq_len, **options)
         return make_manager(self.policy, self.model_spec, int(self.cache_bytes),
@@ -155,3 +165,26 @@ class SimConfig:
         return CostModel(self.model_spec, get_device(self.device), prefill_mfu=self.prefill_mfu,
                          map_latency_s=self.map_latency_s, pages_per_map_op=pages_per_map_op,
                          kv_slowdown=self.paged_slowdown if self.policy == "paged" else 1.0)
+
+
+def check_deployment(*, model: str, gpu: str, cache_gb: float, preemption: str, swap_gb: float,
+                     policy: str, block_size: int, max_len: int, profile: Optional[str] = None,
+                     name: Callable[[str], str] = str) -> None:
+    """Refuse what the cost model would accept silently but no machine could run: a cache that
+    with the weights exceeds the GPU's memory (unless a profile measured the device), swap
+    preemption without swap space (it would silently recompute), a block longer than any
+    sequence. ``vmemkv simulate`` and every point of ``vmemkv sweep`` run it; ConfigError names
+    each setting as ``name(key)`` writes it (a flag, a spec key), the values and the limits."""
+    device, spec = get_device(gpu), get_model(model)
+    if profile is None and cache_gb * 1e9 + spec.weight_bytes > device.memory_bytes:
+        raise ConfigError(
+            f"{name('cache_gb')} {cache_gb:g} plus {spec.name}'s {spec.weight_bytes / 1e9:.1f} GB "
+            f"of weights exceeds {device.name}'s {device.memory_bytes / 1e9:.1f} GB of memory; "
+            f"at most {name('cache_gb')} {(device.memory_bytes - spec.weight_bytes) / 1e9:.1f} fits")
+    if preemption == "swap" and swap_gb <= 0:
+        raise ConfigError(f"{name('preemption')} swap needs host swap space: give "
+                          f"{name('swap_gb')} > 0")
+    if policy == "paged" and block_size > max_len:
+        raise ConfigError(f"{name('block_size')} {block_size} tokens is longer than "
+                          f"{name('max_len')} {max_len}: a block holds at most one sequence's "
+                          f"tokens")

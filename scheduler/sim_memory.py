@@ -8,7 +8,9 @@ the charge stays above what it measures): about 6 MB fixed and 37 bytes an outpu
 about 1.2 times that. ``simulation_bytes`` charges 8 MiB, 1 KiB a request and 48 bytes an
 output token; drawing a workload alone, 512 bytes a request; the manager's tables, 96 bytes a
 pool page or block (63 resident: ``--cache-gb 120 --page-bytes 4KiB`` keeps 29 million pages,
-2.5 GB). A run that would need more than the host's MemAvailable is refused
+2.5 GB); drawing LoRA adapters for a workload, 512 bytes an adapter of the population (372 at
+the peak, tracemalloc, 2026-12-06: its name, digest and popularity weight; ``--lora-adapters
+1000000`` held 455 MB resident). A run that would need more than the host's MemAvailable is refused
 (``SimulationTooLargeError``: ``vmemkv simulate`` checks its estimate before it draws,
 ``generate`` what it draws, ``simulate`` the entries and the pool it is given) before anything
 is drawn or run, instead of taking the machine
@@ -27,6 +29,7 @@ REQUEST_BYTES = 1024      # a request's records, kept for the whole run
 TOKEN_BYTES = 48          # an output token: its time, then its gap in the report (pooled, sorted)
 ENTRY_BYTES = 512         # a drawn request: its TraceEntry and its share of the draw (270 measured)
 POOL_UNIT_BYTES = 96      # a pool page (vmem) or block (paged) in the manager's tables (63 measured)
+ADAPTER_BYTES = 512       # a LoRA adapter of the population drawn from (372 measured)
 _concurrent = 1           # simulations this process shares the host with (a sweep's workers)
 
 
@@ -72,6 +75,12 @@ def check_workload_fits(num_requests: int, remedy: str) -> None:
     """SimulationTooLargeError when drawing ``num_requests`` (their entries, ``ENTRY_BYTES``
     each) needs more than this process's share of the host's available memory."""
     _check(f"drawing a workload of {num_requests:,} requests", num_requests * ENTRY_BYTES, remedy)
+
+
+def check_adapters_fit(num_adapters: int, remedy: str) -> None:
+    """SimulationTooLargeError when drawing from ``num_adapters`` LoRA adapters (``ADAPTER_BYTES``
+    each) needs more than this process's share of the host's available memory."""
+    _check(f"drawing from {num_adapters:,} LoRA adapters", num_adapters * ADAPTER_BYTES, remedy)
 
 
 def _check(what: str, need: int, remedy: str) -> None:

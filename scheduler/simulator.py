@@ -5,7 +5,12 @@ sample a dummy token for every sampling sequence, ``update()``, and record the m
 accounting and every request's token times. Nothing is approximated on the scheduling side;
 only the model's run time is. Step means come twice: over the whole run, and over the
 steady-state steps (those after which requests were still waiting: the queue, not the drain
-tail, sets the batch). Latencies come from ``report.serving_report`` (vllm bench serve's names).
+tail, sets the batch; absent, None, when no step had a queue). The whole run's output tokens
+per second is over simulated seconds, idle time between arrivals included; the steady state's
+over its steps' time. Latencies come from ``report.serving_report`` (vllm bench serve's names).
+
+Swap preemption: a step pays for the ``SwapOut`` / ``SwapIn`` ops in its plan, their K/V bytes
+(``MemoryManager.swapped_bytes``) at the host-to-device bandwidth, as adapter loads are.
 
 With ``beam_width`` every request is a beam search of that width (a beam group in the
 scheduler): each step ``BeamModel`` picks every new beam's parent among the live ones, the
@@ -31,15 +36,16 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from .cost import AfterPrefill, CostModel, count_map_ops, prefill_pairs
 from .errors import SchedulerError
-from .managers.base import EvictAdapter, LoadAdapter, MemoryManager
+from .managers.base import MemoryManager
 from .profile_cost import ProfileCost
 from .report import RequestTiming, serving_report
 from .request import Request
 from .scheduler import Scheduler, SchedulerConfig
 from .sim_config import DEFAULT_H2D_BYTES_PER_S, SimConfig
 from .sim_memory import check_simulation_fits
+from .sim_sums import AdapterSums, StepSums, step_figures
 from .traces import prompt_token_ids
-from .workload import TraceEntry
+from .workload import TraceEntry, check_arrivals
 
 POLICIES = ("reserve-max", "reserve-oracle", "paged", "vmem")
 REPORT_PERCENTILES = (50.0, 90.0, 99.0)
@@ -56,7 +62,7 @@ class SimResult:
     output_tokens: int
     simulated_seconds: float
     wall_seconds: float
-    output_tokens_per_s: float     # output tokens / simulated seconds
+    output_tokens_per_s: float     # output tokens / simulated seconds (idle time included)
     mean_batch: float              # sequences computed per step, mean over steps
     kv_utilization: float          # live / allocated, mean over steps
     held_utilization: float        # live / (live + end waste), mean over steps: memory held by
@@ -70,6 +76,8 @@ class SimResult:
     prefix_cache_hits: int
     mapped_page_ops: int           # page groups mapped (vmem, cost.count_map_ops)
     copied_kv_bytes: int = 0       # K/V bytes moved by copy ops (block hits, copy-on-write)
+    swapped_kv_bytes: int = 0      # K/V bytes swap preemption moved (SwapOut + SwapIn)
+    swap_seconds: float = 0.0      # their time at h2d_bytes_per_s, charged to the steps
     adapter_loads: int = 0         # LoRA: LoadAdapter ops (host to device copies)
     adapter_evictions: int = 0     # EvictAdapter ops (an idle adapter's pages given to others)
     adapter_load_bytes: int = 0    # bytes the loads copied
@@ -102,46 +110,6 @@ class SimResult:
         return d
 
 
-class _StepSums:
-    """Sums over steps of the per-step figures SimResult reports as means."""
-
-    __slots__ = ("steps", "batch", "util", "held", "usage", "waste", "seconds", "tokens")
-
-    def __init__(self) -> None:
-        self.steps = self.batch = self.tokens = 0
-        self.util = self.held = self.usage = self.waste = self.seconds = 0.0
-
-    def add(self, batch: int, figures: tuple, seconds: float, tokens: int) -> None:
-        util, held, usage, waste = figures
-        self.steps += 1
-        self.batch += batch
-        self.util += util
-        self.held += held
-        self.usage += usage
-        self.waste += waste
-        self.seconds += seconds
-        self.tokens += tokens
-
-    def means(self) -> Dict[str, float]:
-        div = max(self.steps, 1)
-        return {"mean_batch": self.batch / div, "kv_utilization": self.util / div,
-                "held_utilization": self.held / div, "kv_cache_usage_perc": self.usage / div,
-                "mean_end_waste_tokens": self.waste / div,
-                "output_tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0}
-
-
-def _step_figures(manager: MemoryManager, running: int) -> tuple:
-    """(utilisation, held utilisation, usage, end waste per running sequence) of one step;
-    usage is vLLM's kv_cache_usage_perc (``manager.kv_cache_usage()``: cached, evictable
-    memory counts as free, as the engine's metrics count it)."""
-    stats = manager.stats()
-    held = stats.live_tokens + stats.end_waste_tokens
-    return (stats.live_tokens / stats.allocated_tokens if stats.allocated_tokens else 1.0,
-            stats.live_tokens / held if held else 1.0,
-            manager.kv_cache_usage(),
-            stats.end_waste_tokens / running if running else 0.0)
-
-
 class BeamModel:
     """How beams fork and die in simulation: each step, each of a group's ``width`` new beams
     picks its parent among the live beams, the one at rank r (best first, the scheduler's
@@ -167,7 +135,7 @@ class Simulator:
                  h2d_bytes_per_s: float = DEFAULT_H2D_BYTES_PER_S):
         self.manager, self.cost, self.config, self.beams = manager, cost, config, beams
         self.h2d_bytes_per_s = h2d_bytes_per_s
-        self._lora: Optional[_AdapterSums] = None
+        self._lora: Optional[AdapterSums] = None
         self.samples = samples                 # n per request (beams: 1)
         self._sharing = [0, 0]                 # (distinct, per-sequence) units, summed over steps
         self._after_prefill = AfterPrefill()
@@ -176,21 +144,23 @@ class Simulator:
         self.copy_bytes_per_s = copy_bytes_per_s or (
             device.memory_bandwidth_bytes_per_s / 2 if device is not None else None)
         self.read_bytes_per_s = device.memory_bandwidth_bytes_per_s if device is not None else None
-        self.copied_bytes = 0
+        self.copied_bytes = self.swapped_bytes = 0
+        self.swap_seconds = 0.0
 
     def run(self, entries: Sequence[TraceEntry],
             on_finished: Optional[Callable[[int], None]] = None) -> SimResult:
         """Simulate ``entries`` to completion. ``on_finished(n)`` is called with the number of
         requests finished since the last call (for a progress bar). Every request finishes."""
+        check_arrivals(entries, "arrival_s")      # past it the float clock loses milliseconds
         wall0 = time.perf_counter()
         self._after_prefill = AfterPrefill()
         self._times: Dict[int, List[float]] = {}
         entries = sorted(entries, key=lambda e: e.arrival_s)
         sched = Scheduler(self.manager, _sharing_config(self.config, entries))
-        self._lora = _AdapterSums(entries) if any(e.adapter is not None for e in entries) else None
+        self._lora = AdapterSums(entries) if any(e.adapter is not None for e in entries) else None
         make_request = _request_maker(self.beams.width if self.beams else 0, self.samples)
         self._sharing = [0, 0]
-        whole, steady = _StepSums(), _StepSums()
+        whole, steady = StepSums(), StepSums()
         token_times: Dict[int, array] = {}             # seq_id -> its request's token times
         n, nxt, now, maps, done_reported = len(entries), 0, 0.0, 0, 0
         idle = True                                     # the next step follows idle time
@@ -209,7 +179,7 @@ class Simulator:
             idle = False
             now += seconds
             maps += mapped
-            figures = _step_figures(self.manager, len(sched.running))
+            figures = step_figures(self.manager, len(sched.running))
             whole.add(batch, figures, seconds, tokens)
             if sched.waiting:
                 steady.add(batch, figures, seconds, tokens)
@@ -243,6 +213,11 @@ class Simulator:
             self.copied_bytes += copied
             if self.copy_bytes_per_s:
                 seconds += copied / self.copy_bytes_per_s
+        swapped = self.manager.swapped_bytes(plan.ops) if plan.ops else 0
+        if swapped:
+            self.swapped_bytes += swapped
+            self.swap_seconds += swapped / self.h2d_bytes_per_s
+            seconds += swapped / self.h2d_bytes_per_s
         if self._lora is not None:
             seconds += self._lora.step(plan, self.h2d_bytes_per_s, self.read_bytes_per_s)
         end = now + seconds
@@ -291,73 +266,22 @@ class Simulator:
         m, (whole, steady) = sched.metrics, sums
         steady_means = {f"steady_{k}": v for k, v in steady.means().items()}
         steady_means.update(steady_steps=steady.steps, steady_seconds=steady.seconds)
+        whole_means = dict(whole.means(), output_tokens_per_s=whole.tokens / sim_s if sim_s else 0.0)
         return SimResult(
             policy=self.manager.name, num_requests=len(timings), num_steps=whole.steps,
             output_tokens=m.generated_tokens, simulated_seconds=sim_s, wall_seconds=wall_s,
-            **whole.means(),
+            **whole_means,
             num_preemptions=m.num_preemptions, num_swap_preemptions=m.num_swap_preemptions,
             recomputed_tokens=m.recomputed_tokens,
             prefix_cache_queries=self.manager.prefix_queries,
             prefix_cache_hits=self.manager.prefix_hits, mapped_page_ops=maps,
-            copied_kv_bytes=self.copied_bytes,
+            copied_kv_bytes=self.copied_bytes, swapped_kv_bytes=self.swapped_bytes,
+            swap_seconds=self.swap_seconds,
             sharing_saved=(1 - self._sharing[0] / self._sharing[1] if self._sharing[1] else
                            0.0) if self.beams is not None or self.samples > 1 else None,
             **(self._lora.figures() if self._lora is not None else {}),
             steady=steady_means, serving=serving_report(timings, percentiles=REPORT_PERCENTILES),
             timings=timings)
-
-
-class _AdapterSums:
-    """A LoRA run's adapter figures, from the plans' ops: loads and evictions, what is resident
-    after each step (loaded and not evicted), the distinct adapters each step computes; and the
-    seconds each step pays for them (``step``)."""
-
-    def __init__(self, entries: Sequence[TraceEntry]) -> None:
-        self.bytes_of = {e.adapter.digest: e.adapter.num_bytes for e in entries
-                         if e.adapter is not None}
-        self.resident: Dict[str, int] = {}      # adapter id -> pool pages it holds
-        self.pages = self.loads = self.evictions = self.load_bytes = 0
-        self.load_s = self.read_s = 0.0
-        self.steps = self.sum_resident = self.sum_pages = self.sum_batched = 0
-        self.peak_resident = self.peak_pages = 0
-
-    def step(self, plan, h2d_bytes_per_s: float, read_bytes_per_s: Optional[float]) -> float:
-        """Account one plan; returns the seconds its adapter loads and reads add to the step."""
-        seconds = 0.0
-        for op in plan.ops:
-            kind = type(op)
-            if kind is LoadAdapter:
-                self.loads += 1
-                self.load_bytes += op.num_bytes
-                seconds += op.num_bytes / h2d_bytes_per_s
-                self.resident[op.adapter_id] = len(op.pool_pages)
-                self.pages += len(op.pool_pages)
-            elif kind is EvictAdapter:
-                self.evictions += 1
-                self.pages -= self.resident.pop(op.adapter_id, 0)
-        self.load_s += seconds
-        batched = {s.adapter_id for s in plan.seqs} - {None}
-        if batched and read_bytes_per_s:
-            read = sum(self.bytes_of.get(a, 0) for a in batched) / read_bytes_per_s
-            self.read_s += read
-            seconds += read
-        self.steps += 1
-        self.sum_batched += len(batched)
-        self.sum_resident += len(self.resident)
-        self.sum_pages += self.pages
-        self.peak_resident = max(self.peak_resident, len(self.resident))
-        self.peak_pages = max(self.peak_pages, self.pages)
-        return seconds
-
-    def figures(self) -> Dict[str, float]:
-        div = max(self.steps, 1)
-        return dict(adapter_loads=self.loads, adapter_evictions=self.evictions,
-                    adapter_load_bytes=self.load_bytes, adapter_load_seconds=self.load_s,
-                    adapter_read_seconds=self.read_s,
-                    mean_adapters_resident=self.sum_resident / div,
-                    peak_adapters_resident=self.peak_resident,
-                    mean_adapter_pages=self.sum_pages / div, peak_adapter_pages=self.peak_pages,
-                    mean_step_adapters=self.sum_batched / div)
 
 
 def _sharing_config(config: SchedulerConfig, entries: Sequence[TraceEntry]) -> SchedulerConfig:

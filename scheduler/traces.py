@@ -29,9 +29,9 @@ from importlib import resources
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from .errors import ConfigError
-from .workload import TraceEntry, parse_entry, parse_trace_object, scale_to_length
-
-MOONCAKE_BLOCK_TOKENS = 512   # tokens per Mooncake hash block
+from .workload import (MAX_ARRIVAL_S, MAX_TRACE_TOKENS, MOONCAKE_BLOCK_TOKENS,  # noqa: F401
+                       TraceEntry, check_arrivals, parse_entry, parse_trace_object,
+                       scale_to_length, shown_int)
 
 
 @dataclass(frozen=True)
@@ -64,12 +64,15 @@ def trace_names() -> Tuple[str, ...]:
 
 
 def load_trace(name_or_path: str, *, rate_scale: float = 1.0,
-               max_requests: Optional[int] = None) -> List[TraceEntry]:
+               max_requests: Optional[int] = None,
+               rate_name: str = "rate_scale") -> List[TraceEntry]:
     """The trace named (bundled) or at a path, sorted by arrival.
 
     ``rate_scale`` X divides every arrival time by X (X = 2 replays twice as fast); ``max_requests``
-    keeps the first N by arrival. Bad values raise ``ConfigError`` naming the value and the limit;
-    a bad file raises ``ConfigError`` naming the file and line."""
+    keeps the first N by arrival. Bad values raise ``ConfigError`` naming the value and the limit
+    (``rate_name``: how the caller calls the rate, ``--rate-scale`` on the command line; a
+    rate so low that an arrival passes ``MAX_ARRIVAL_S`` is refused); a bad file raises
+    ``ConfigError`` naming the file and line."""
     if isinstance(rate_scale, bool) or not (isinstance(rate_scale, (int, float))
                                             and 0 < rate_scale < math.inf):
         raise ConfigError(f"rate_scale must be a finite number > 0, got {rate_scale!r}")
@@ -84,6 +87,7 @@ def load_trace(name_or_path: str, *, rate_scale: float = 1.0,
         entries = entries[:max_requests]
     if rate_scale != 1.0:
         entries = [replace(e, arrival_s=e.arrival_s / rate_scale) for e in entries]
+        check_arrivals(entries, f"trace {name_or_path} at {rate_name} {rate_scale:g}")
     return entries
 
 
@@ -125,6 +129,7 @@ def _parse(text: str, file_name: str, where: str) -> List[TraceEntry]:
     if azure:
         first = min(e.arrival_s for e in entries)
         entries = [replace(e, arrival_s=e.arrival_s - first) for e in entries]
+        check_arrivals(entries, f"trace {where} (TIMESTAMP after its first)")
     entries.sort(key=lambda e: e.arrival_s)
     return entries
 
@@ -160,12 +165,15 @@ def _azure_seconds(stamp: str, where: str) -> float:
 
 
 def _positive_int(text: str, name: str, where: str) -> int:
+    """A token count of an Azure row: an int in [1, MAX_TRACE_TOKENS], as JSONL lengths are."""
+    want = f"{where}: {name} must be an int in [1, {MAX_TRACE_TOKENS:,}], got"
     try:
         value = int(text)
-    except ValueError:
-        raise ConfigError(f"{where}: {name} must be an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise ConfigError(f"{where}: {name} must be an int >= 1, got {value}")
+    except ValueError:       # not an int, or more digits than Python converts
+        shown = text if len(text) <= 40 else f"{text[:20]}... ({len(text):,} characters)"
+        raise ConfigError(f"{want} {shown!r}") from None
+    if not 1 <= value <= MAX_TRACE_TOKENS:
+        raise ConfigError(f"{want} {shown_int(value)}")
     return value
 
 
@@ -190,7 +198,8 @@ def _jsonl_rows(text: str, where: str) -> Iterator[TraceEntry]:
 
 def _mooncake_entry(obj: dict, where: str) -> TraceEntry:
     return parse_entry(obj, where, ("input_length", "output_length", "timestamp"),
-                       units_per_second=1000.0, time_unit="ms", block_tokens=MOONCAKE_BLOCK_TOKENS)
+                       units_per_second=1000.0, time_unit="ms", block_tokens=MOONCAKE_BLOCK_TOKENS,
+                       required=True)
 
 
 def prompt_token_ids(entry: TraceEntry, vocab_size: int, *, seed: int = 0,

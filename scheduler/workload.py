@@ -39,13 +39,19 @@ from typing import TYPE_CHECKING, Iterable, List, Optional, Sequence, Tuple
 from .errors import ConfigError
 from .presets import ModelSpec
 from .result_files import atomic_open
-from .sim_memory import check_workload_fits
+from .sim_memory import check_adapters_fit, check_workload_fits
 
 if TYPE_CHECKING:
     from .adapters import AdapterRef
 
 WORKLOAD_RNGS = ("numpy", "python")
 Z95 = 1.6448536269514722  # standard normal 95th percentile
+# The latest arrival a workload may have, seconds. The simulated clock is a float: at 1e10 s
+# (317 years) it steps by 2 microseconds, past it a step's milliseconds round away and every
+# latency with them (epoch times given as seconds are ~1.7e9; in ms, 1.7e12, are refused).
+MAX_ARRIVAL_S = 1e10
+MAX_TRACE_TOKENS = 10**9     # a request longer than this is a corrupt line, not a request
+MOONCAKE_BLOCK_TOKENS = 512   # tokens per hash id block (Mooncake traces, our JSONL's hash_ids)
 
 
 @dataclass(frozen=True)
@@ -82,9 +88,18 @@ class WorkloadSpec:
             raise ConfigError(f"WorkloadSpec.max_total_len must be an int >= 2, got {self.max_total_len!r}")
         if not self.arrival_rate >= 0:
             raise ConfigError(f"WorkloadSpec.arrival_rate must be >= 0 requests/s, got {self.arrival_rate!r}")
+        if self.arrival_rate and self.num_requests > MAX_ARRIVAL_S * self.arrival_rate:
+            raise ConfigError(f"WorkloadSpec.arrival_rate {self.arrival_rate:g} requests/s puts "
+                              f"{self.num_requests:,} requests past {MAX_ARRIVAL_S:.0e} s (317 "
+                              f"years): give at least {self.num_requests / MAX_ARRIVAL_S:.3g}")
         if self.rng not in WORKLOAD_RNGS:
             raise ConfigError(f"WorkloadSpec.rng must be one of {', '.join(WORKLOAD_RNGS)}, "
                               f"got {self.rng!r}")
+        for name in ("prompt_median", "prompt_p95", "output_mean", "output_p95"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 1 <= value <= MAX_TRACE_TOKENS):
+                raise ConfigError(f"WorkloadSpec.{name} must be a number of tokens in [1, "
+                                  f"{MAX_TRACE_TOKENS:,}], got {value!r}")
         lognormal_from_median_p95(self.prompt_median, self.prompt_p95, "prompt")
         lognormal_from_mean_p95(self.output_mean, self.output_p95, "output")
 
@@ -126,8 +141,10 @@ def generate(spec: WorkloadSpec) -> List[TraceEntry]:
     import numpy as np
     rng = np.random.default_rng(spec.seed)
     n = spec.num_requests
-    prompts = np.maximum(1, np.rint(rng.lognormal(p_mu, p_sigma, n))).astype(np.int64)
-    outputs = np.maximum(1, np.rint(rng.lognormal(o_mu, o_sigma, n))).astype(np.int64)
+    # clipped to MAX_TRACE_TOKENS before the int64 cast (a wide sigma draws past 2^63), then
+    # scaled to max_total_len as any long request is
+    prompts = np.clip(np.rint(rng.lognormal(p_mu, p_sigma, n)), 1, MAX_TRACE_TOKENS).astype(np.int64)
+    outputs = np.clip(np.rint(rng.lognormal(o_mu, o_sigma, n)), 1, MAX_TRACE_TOKENS).astype(np.int64)
     arrivals = (np.cumsum(rng.exponential(1.0 / spec.arrival_rate, n)) if spec.arrival_rate > 0
                 else np.zeros(n))
     entries = []
@@ -142,8 +159,8 @@ def _generate_python(spec: WorkloadSpec, prompt_params, output_params) -> List[T
     rng = random.Random(spec.seed)
     entries, t = [], 0.0
     for _ in range(spec.num_requests):
-        prompt = min(max(1, round(rng.lognormvariate(*prompt_params))), spec.max_total_len - 1)
-        output = min(max(1, round(rng.lognormvariate(*output_params))), spec.max_total_len - prompt)
+        prompt = round(min(max(1.0, rng.lognormvariate(*prompt_params)), spec.max_total_len - 1))
+        output = round(min(max(1.0, rng.lognormvariate(*output_params)), spec.max_total_len - prompt))
         if spec.arrival_rate > 0:
             t += rng.expovariate(spec.arrival_rate)
         entries.append(TraceEntry(prompt, output, t))
@@ -173,14 +190,20 @@ def write_trace(path: str, entries: Iterable[TraceEntry]) -> None:
             f.write(json.dumps(obj) + "\n")
 
 
-MAX_TRACE_TOKENS = 10**9     # a request longer than this is a corrupt line, not a request
+def check_arrivals(entries: Sequence[TraceEntry], what: str = "the workload") -> None:
+    """ConfigError naming ``what`` when an arrival time is past ``MAX_ARRIVAL_S``."""
+    last = max((e.arrival_s for e in entries), default=0.0)
+    if not last <= MAX_ARRIVAL_S:
+        raise ConfigError(f"{what}: an arrival at {last:.4g} s is past {MAX_ARRIVAL_S:.0e} s (317 "
+                          f"years), where the simulated float clock loses a step's milliseconds")
 
 
 def parse_trace_object(obj, where: str) -> TraceEntry:
     """One decoded line of the project's JSONL format; ``ConfigError`` naming ``where`` if bad.
     A line naming an ``adapter`` (and its ``adapter_bytes``) gives a synthetic ``AdapterRef``
     (``synthetic_adapter``: its digest is the SHA-256 of the name)."""
-    entry = parse_entry(obj, where, ("prompt_len", "output_len", "arrival_s"))
+    entry = parse_entry(obj, where, ("prompt_len", "output_len", "arrival_s"),
+                        block_tokens=MOONCAKE_BLOCK_TOKENS)
     if not isinstance(obj, dict) or ("adapter" not in obj and "adapter_bytes" not in obj):
         return entry
     name, size = obj.get("adapter"), obj.get("adapter_bytes")
@@ -193,33 +216,55 @@ def parse_trace_object(obj, where: str) -> TraceEntry:
 
 
 def parse_entry(obj, where: str, keys: Tuple[str, str, str], units_per_second: float = 1.0,
-                time_unit: str = "", block_tokens: Optional[int] = None) -> TraceEntry:
+                time_unit: str = "", block_tokens: Optional[int] = None,
+                required: bool = False) -> TraceEntry:
     """A ``TraceEntry`` from a decoded JSON object whose prompt, output and arrival fields are
-    named ``keys`` (arrival times in ``1 / units_per_second`` s; missing: 0) with optional ``hash_ids``,
-    exactly one per ``block_tokens``-token prompt block when that is given. ``ConfigError``
-    naming ``where``, the field and the value otherwise."""
+    named ``keys`` (arrival times in ``1 / units_per_second`` s, at most ``MAX_ARRIVAL_S``;
+    missing: 0) with ``hash_ids`` (``required``, or optional), exactly one per
+    ``block_tokens``-token prompt block when that is given. ``ConfigError`` naming ``where``,
+    the field and the value otherwise."""
     if not isinstance(obj, dict):
         raise ConfigError(f"{where}: expected an object, got {type(obj).__name__}")
     values = []
     for key in keys[:2]:
         v = obj.get(key)
         if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_TRACE_TOKENS:
-            shown = repr(v) if not isinstance(v, int) or v < 10**12 else f"{float(v):.3g}"
+            shown = shown_int(v) if isinstance(v, int) else _short(v)
             raise ConfigError(f"{where}: {key} must be an int in [1, {MAX_TRACE_TOKENS:,}], got {shown}")
         values.append(v)
     arrival = obj.get(keys[2], 0)
+    unit = f" of {time_unit}" if time_unit else ""
     if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:
-        unit = f" of {time_unit}" if time_unit else ""
         raise ConfigError(f"{where}: {keys[2]} must be a finite number{unit} >= 0, got {arrival!r}")
+    if arrival / units_per_second > MAX_ARRIVAL_S:
+        raise ConfigError(f"{where}: {keys[2]} {arrival:g}{unit} is past {MAX_ARRIVAL_S:.0e} s "
+                          f"(317 years), where the simulated float clock loses a step's "
+                          f"milliseconds: give {time_unit or 'seconds'} since the trace's start, "
+                          f"not since the epoch")
     hash_ids = obj.get("hash_ids", [])
-    blocks = -(-values[0] // block_tokens) if block_tokens else None
+    blocks = -(-values[0] // block_tokens) if block_tokens and (hash_ids or required) else None
     if (not isinstance(hash_ids, list) or (blocks is not None and len(hash_ids) != blocks)
             or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids)):
         if blocks is None:
-            raise ConfigError(f"{where}: hash_ids must be a list of ints >= 0, got {hash_ids!r}")
+            raise ConfigError(f"{where}: hash_ids must be a list of ints >= 0, got {_short(hash_ids)}")
         raise ConfigError(f"{where}: hash_ids must list {blocks} ints >= 0 (one per "
-                          f"{block_tokens}-token block of {keys[0]} {values[0]})")
+                          f"{block_tokens}-token block of {keys[0]} {values[0]}), got "
+                          f"{_short(hash_ids)}")
     return TraceEntry(values[0], values[1], arrival / units_per_second, tuple(hash_ids))
+
+
+def shown_int(value: int) -> str:
+    """An int for a message: as written up to 12 digits, else ``1e+20`` (or its digit count,
+    where a float cannot hold it)."""
+    if abs(value) < 10**12:
+        return str(value)
+    digits = len(str(abs(value)))
+    return f"{float(value):.3g}" if digits < 300 else f"a {digits:,}-digit number"
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # --- LoRA adapters (issue 31) -------------------------------------------------------------------
@@ -321,6 +366,7 @@ def assign_adapters(entries: Sequence[TraceEntry], lora: LoraSpec,
     """``entries`` with an adapter each, drawn Zipf(``lora.zipf_alpha``) from
     ``make_adapters(lora, model)`` (the same stream, after the ranks), in the entries' order."""
     import numpy as np
+    check_adapters_fit(lora.num_adapters, "lower num_adapters")   # before any is drawn
     rng = _lora_rng(lora)
     adapters = _draw_adapters(rng, lora, model)
     picks = rng.choice(lora.num_adapters, size=len(entries),

@@ -81,6 +81,7 @@ class MemoryManager(ABC):
 
     name: str = "abstract"   # the policy, as make_manager names it ("paged", "vmem", ...)
     max_seq_len: int         # tokens one sequence may reach (prompt + output), as configured
+    bytes_per_token: int     # K/V bytes of one token of every layer (swap space counts these)
     prefix_queries: int = 0  # tokens offered to allocate with token ids (0: no prefix sharing)
     prefix_hits: int = 0     # of those, tokens found cached
     holds_final_length: bool = False  # True: a sequence holds its final length from admission,
@@ -266,6 +267,13 @@ class MemoryManager(ABC):
         """K/V bytes the copy ops among ``ops`` (this manager's) move on the device (what the
         simulator charges at the copy bandwidth); 0 for a manager that emits none."""
         return 0
+
+    def swapped_bytes(self, ops: list) -> int:
+        """K/V bytes the ``SwapOut`` / ``SwapIn`` ops among ``ops`` move between host and
+        device (what the simulator charges at the host-to-device bandwidth): each op's tokens
+        at ``bytes_per_token``, as swap space counts them."""
+        return sum(op.num_tokens for op in ops
+                   if type(op) is SwapOut or type(op) is SwapIn) * self.bytes_per_token
 
     # -- LoRA adapters (vmem and paged, managers/adapters.py; the others refuse by name) --
     # An adapter is held by use counts: ``acquire_adapter`` pins it (loading it into pages
