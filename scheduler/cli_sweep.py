@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .cliargs import bounded, max_threads
+from .cliargs import bounded, max_threads, write_stdout
 from .progress import Progress
 from .result_files import StaleMarker
 from .sweep import DEFAULT_MAX_POINTS, expand, load_spec, point_key, run_local, run_ray
@@ -93,16 +93,16 @@ def _run_points(args, todo, rows: dict, journal: RowJournal, total: int) -> bool
 
 
 def _report(rows, written, resumed: int) -> None:
-    for row in rows:
-        sys.stdout.write(_line(row) + "\n")
+    """One line per row, then the files written, on stdout (a reader that closes it early,
+    ``| head``, ends the listing quietly: the files are written already); failures on stderr."""
+    lines = [_line(row) for row in rows]
     if resumed:
-        sys.stdout.write(f"# {resumed} rows kept from the journal (--resume)\n")
+        lines.append(f"# {resumed} rows kept from the journal (--resume)")
     failed = [r for r in rows if r.get("error")]
     if failed:
         sys.stderr.write(f"vmemkv sweep: {len(failed)} of {len(rows)} points failed; their rows "
                          f"carry the error\n")
-    for path in written:
-        sys.stdout.write(f"# wrote {path}\n")
+    write_stdout("".join(line + "\n" for line in lines + [f"# wrote {p}" for p in written]))
 
 
 def _line(row: dict) -> str:

@@ -3,7 +3,8 @@
 One parser per kind of value, so a flag means the same thing and takes the same syntax in every
 subcommand: sizes (``parse_bytes``: ``65536``, ``64KiB``, ``2 MiB``, ``1GB``), bounded numbers
 (``bounded``: finite, inside a named range; ``POSITIVE_INT``, ``NON_NEGATIVE_INT`` and
-``POSITIVE_FLOAT`` the common ones) and thread counts (``thread_count``). Each raises
+``POSITIVE_FLOAT`` the common ones) and thread counts (``thread_count``); and stdout for a
+reader that may close it early (``write_stdout``). Each raises
 argparse.ArgumentTypeError, so a bad value is one line naming the flag, the value and the limit.
 Pure Python (the subcommands of every layer import it; it imports none of them).
 """
@@ -37,9 +38,10 @@ def parse_bytes(text: str) -> int:
 
 
 def bounded(kind: type, low: Optional[Number] = None, high: Optional[Number] = None,
-            low_open: bool = False) -> Callable[[str], Number]:
+            low_open: bool = False, high_open: bool = False) -> Callable[[str], Number]:
     """An argparse type: ``kind`` (int or float) parsed from the text, finite (no inf or nan),
-    at least ``low`` (above it when ``low_open``) and at most ``high``."""
+    at least ``low`` (above it when ``low_open``) and at most ``high`` (below it when
+    ``high_open``)."""
     name = "an integer" if kind is int else "a number"
 
     def parse(text: str) -> Number:
@@ -50,8 +52,10 @@ def bounded(kind: type, low: Optional[Number] = None, high: Optional[Number] = N
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"want a finite number, got {text!r}")
         too_low = low is not None and (value <= low if low_open else value < low)
-        if too_low or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {_range(low, high, low_open)}, got {text}")
+        too_high = high is not None and (value >= high if high_open else value > high)
+        if too_low or too_high:
+            raise argparse.ArgumentTypeError(
+                f"must be {_range(low, high, low_open, high_open)}, got {text}")
         return value
     parse.__name__ = kind.__name__      # argparse names the type in its own messages
     return parse
@@ -62,12 +66,12 @@ NON_NEGATIVE_INT = bounded(int, 0)                 # seeds, warm-ups, and counts
 POSITIVE_FLOAT = bounded(float, 0, low_open=True)  # sizes (GB, MiB), rates, scales
 
 
-def _range(low, high, low_open: bool) -> str:
+def _range(low, high, low_open: bool, high_open: bool = False) -> str:
     if high is None:
         return f"{'>' if low_open else '>='} {low}"
     if low is None:
-        return f"<= {high}"
-    return f"in {'(' if low_open else '['}{low}, {high}]"
+        return f"{'<' if high_open else '<='} {high}"
+    return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
 
 
 def max_threads() -> int:
@@ -82,6 +86,21 @@ def thread_count(text: str) -> int:
         return bounded(int, 1, max_threads())(text)
     except argparse.ArgumentTypeError as error:
         raise argparse.ArgumentTypeError(f"{error} (this machine has {max_threads()} CPUs)") from None
+
+
+def write_stdout(text: str) -> bool:
+    """Write ``text`` on stdout and flush it; False when the reader has gone (``vmemkv sweep |
+    head`` closed the pipe): stdout is pointed at /dev/null so that nothing more, and not
+    Python's flush at exit, raises BrokenPipeError; what is left to print is dropped."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return True
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return False
 
 
 HOLD_ENV = "VMEMKV_TEST_HOLD"

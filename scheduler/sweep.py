@@ -36,9 +36,9 @@ from .errors import ConfigError
 from .sim_memory import set_concurrent_simulations
 from .simulator import simulate
 from .sweep_spec import (DEFAULT_MAX_POINTS, PARAMS, count_points, expand, load_spec,  # noqa: F401
-                         point_key, sim_config, unit_tokens, used_params)
+                         point_key, sim_config, unit_tokens, used_params, workload_spec)
 from .traces import fit_to_length, load_trace
-from .workload import WorkloadSpec, generate
+from .workload import generate
 
 OnDone = Callable[[dict], None]
 
@@ -49,9 +49,7 @@ def entries_of(point: dict) -> list:
         entries = load_trace(point["trace"], rate_scale=point["rate_scale"],
                              max_requests=point["max_requests"])
         return fit_to_length(entries, point["max_len"])[0]
-    return generate(WorkloadSpec(num_requests=point["requests"], max_total_len=point["max_len"],
-                                 arrival_rate=point["arrival_rate"], seed=point["seed"],
-                                 rng=point["workload_rng"]))
+    return generate(workload_spec(point))
 
 
 def run_point(point: dict) -> dict:

@@ -5,7 +5,10 @@ shares) and ``[grid]`` (lists; every combination is one point); the format is in
 ``scheduler/sweep.py`` and docs/simulation.md. Every value is checked against ``KINDS`` when
 the file is read (a string where a number goes, ``nan``, ``1e308`` GB, a float count: a
 ``ConfigError`` naming ``table.key[index]`` and the allowed range), an empty spec is refused,
-and ``count_points`` bounds the grid before anything is expanded.
+workload keys that apply to no point are refused (``check_workload_keys``: they would run one
+simulation under several labels), and ``count_points`` bounds the grid before anything is
+expanded. Each point is then checked as ``vmemkv simulate`` checks its flags: the SimConfig,
+the generated workload, and the deployment (``sim_config.check_deployment``).
 """
 from __future__ import annotations
 
@@ -18,10 +21,12 @@ from typing import Dict, List, Optional
 
 from .cliargs import parse_bytes
 from .errors import ConfigError
-from .geometry import PageGeometry
-from .presets import get_model
-from .scheduler import SchedulerConfig
+from .geometry import LAYOUT_CHOICES, PageGeometry
+from .presets import DEVICES, MODELS, get_model
+from .scheduler import PREEMPTION_MODES, SchedulerConfig
+from .sim_config import WATERMARK_SCOPES, check_deployment
 from .simulator import SimConfig
+from .workload import WORKLOAD_RNGS, WorkloadSpec
 
 PARAMS: Dict[str, object] = {
     "policy": "paged", "model": "llama-3-8b", "gpu": "h100", "cache_gb": 60.0,
@@ -32,8 +37,14 @@ PARAMS: Dict[str, object] = {
     "workload_rng": "numpy", "arrival_rate": 0.0, "trace": None, "rate_scale": 1.0,
     "max_requests": None,
 }
-_UNUSED = {"block_size": lambda p: p != "paged", "page_bytes": lambda p: p != "vmem",
-           "layout": lambda p: p != "vmem"}
+GENERATED_ONLY = ("requests", "arrival_rate", "seed", "workload_rng")   # a generated workload's
+TRACE_ONLY = ("rate_scale", "max_requests")                              # a trace's
+# keys a point does not use, normalised away (a spec where no point uses one is refused)
+_UNUSED = {"block_size": lambda p: p["policy"] != "paged",
+           "page_bytes": lambda p: p["policy"] != "vmem",
+           "layout": lambda p: p["policy"] != "vmem",
+           **{k: lambda p: p["trace"] is not None for k in GENERATED_ONLY},
+           **{k: lambda p: p["trace"] is None for k in TRACE_ONLY}}
 DEFAULT_MAX_POINTS = 10_000
 
 
@@ -48,6 +59,7 @@ class Kind:
     low_open: bool = False
     optional: bool = False
     size: bool = False
+    choices: tuple = ()
 
     def check(self, value, where: str) -> None:
         if value is None and self.optional:
@@ -55,6 +67,8 @@ class Kind:
         if self.type == "str" or (self.size and isinstance(value, str)):
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{where} must be a non-empty string, got {value!r}")
+            if self.choices and value not in self.choices:
+                raise ConfigError(f"{where} must be one of {', '.join(self.choices)}, got {value!r}")
             return
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
         if not numeric or (self.type == "int" and not isinstance(value, int)):
@@ -78,12 +92,15 @@ def _num(value: float) -> str:
 
 _GB, _COUNT = 1e6, 10**7      # a petabyte; ten million requests, tokens or sequences
 KINDS: Dict[str, Kind] = {
-    **{k: Kind("str") for k in ("policy", "model", "gpu", "layout", "watermark_scope",
-                                "preemption", "workload_rng")},
+    "policy": Kind("str"), "model": Kind("str", choices=tuple(sorted(MODELS))),
+    "gpu": Kind("str", choices=tuple(sorted(DEVICES))), "layout": Kind("str", choices=LAYOUT_CHOICES),
+    "watermark_scope": Kind("str", choices=WATERMARK_SCOPES),
+    "preemption": Kind("str", choices=PREEMPTION_MODES),
+    "workload_rng": Kind("str", choices=WORKLOAD_RNGS),
     "trace": Kind("str", optional=True),
     "cache_gb": Kind("float", 0, _GB, low_open=True), "swap_gb": Kind("float", 0, _GB),
     "watermark": Kind("float", 0, 1), "prefill_mfu": Kind("float", 0, 1, True, optional=True),
-    "map_latency_us": Kind("float", 0, 1e9), "paged_slowdown": Kind("float", 0, 1e6, True),
+    "map_latency_us": Kind("float", 0, 1e9), "paged_slowdown": Kind("float", 1, 1e6),
     "arrival_rate": Kind("float", 0, 1e9), "rate_scale": Kind("float", 0, 1e9, True),
     "block_size": Kind("int", 1, 2**20), "page_bytes": Kind("int", 1, 2**40, size=True),
     "max_running": Kind("int", 1, _COUNT), "max_tokens_per_step": Kind("int", 1, 10**9),
@@ -130,6 +147,29 @@ def check_spec(spec: dict) -> None:
                 raise ConfigError(f"grid.{key} must be a non-empty list, got {value!r}")
             for i, item in enumerate(value):
                 KINDS[key].check(item, f"grid.{key}[{i}]")
+    check_workload_keys(spec)
+
+
+def check_workload_keys(spec: dict) -> None:
+    """ConfigError when the spec gives a workload key no point uses: ``rate_scale`` or
+    ``max_requests`` without a trace, ``requests``, ``arrival_rate``, ``seed`` or
+    ``workload_rng`` when every point replays one (``vmemkv simulate`` refuses --rate-scale
+    without --trace the same way). A grid of traces and generated workloads keeps each key
+    for the points it applies to."""
+    traces = spec["grid"].get("trace") or [spec["base"].get("trace")]
+    if all(t is None for t in traces):
+        unused, why = TRACE_ONLY, ("apply to a trace, and no point replays one", "arrival_rate "
+                                   "and requests")
+    elif all(t is not None for t in traces):
+        unused, why = GENERATED_ONLY, (f"apply to a generated workload, and every point replays a "
+                                       f"trace ({', '.join(map(str, traces))})",
+                                       "rate_scale and max_requests")
+    else:
+        return
+    given = [f"{table}.{key}" for table in ("base", "grid") for key in unused if key in spec[table]]
+    if given:
+        raise ConfigError(f"{', '.join(given)} {why[0]}: the points would be one simulation under "
+                          f"several labels; leave them out (the workload's knobs are {why[1]})")
 
 
 def count_points(spec: dict) -> int:
@@ -159,14 +199,37 @@ def expand(spec: dict, max_points: int = DEFAULT_MAX_POINTS) -> List[dict]:
         if isinstance(point["page_bytes"], str):
             point["page_bytes"] = _size(point["page_bytes"])
         for key, unused in _UNUSED.items():
-            if unused(point["policy"]):
+            if unused(point):
                 point[key] = PARAMS[key]
         frozen = point_key(point)
         if frozen not in seen:
             seen.add(frozen)
-            sim_config(point)
+            check_point(point, dict(zip(keys, values)))
             points.append(point)
     return points
+
+
+def check_point(point: dict, label: dict) -> None:
+    """What ``vmemkv simulate`` checks before it runs: the SimConfig, the generated workload,
+    the deployment; ConfigError naming the point by its ``label`` (its grid values)."""
+    try:
+        sim_config(point)
+        if point["trace"] is None:
+            workload_spec(point)
+        check_deployment(model=point["model"], gpu=point["gpu"], cache_gb=point["cache_gb"],
+                         preemption=point["preemption"], swap_gb=point["swap_gb"],
+                         policy=point["policy"], block_size=point["block_size"],
+                         max_len=point["max_len"])
+    except ConfigError as error:
+        where = ", ".join(f"{k} = {v!r}" for k, v in label.items()) or "[base]"
+        raise ConfigError(f"point {where}: {error}") from None
+
+
+def workload_spec(point: dict) -> WorkloadSpec:
+    """The generated workload a point without a trace names."""
+    return WorkloadSpec(num_requests=point["requests"], max_total_len=point["max_len"],
+                        arrival_rate=point["arrival_rate"], seed=point["seed"],
+                        rng=point["workload_rng"])
 
 
 def point_key(point: dict) -> str:
@@ -210,4 +273,4 @@ def unit_tokens(point: dict) -> Optional[int]:
 
 def used_params(point: dict) -> List[str]:
     """The parameters that matter to the point's policy (PARAMS less the normalised ones)."""
-    return [k for k in PARAMS if not (k in _UNUSED and _UNUSED[k](point["policy"]))]
+    return [k for k in PARAMS if not (k in _UNUSED and _UNUSED[k](point))]
