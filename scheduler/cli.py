@@ -9,12 +9,12 @@ and cpu/cuda in the other subcommands, so simulate refuses them with the new nam
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from . import cli_capacity
-from .cli_table import aggregate, format_table, parse_seeds
-from .cliargs import NON_NEGATIVE_INT, POSITIVE_INT, bounded, hold_point, parse_bytes
+from .cli_checks import check_flags, check_lora
+from .cli_table import aggregate, format_table, parse_seeds, to_json
+from .cliargs import NON_NEGATIVE_INT, POSITIVE_INT, bounded, hold_point, parse_bytes, write_stdout
 from .errors import ConfigError
 from .managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from .presets import DEVICES, KV_CACHE_DTYPES, MODELS
@@ -23,15 +23,15 @@ from .report import parse_goodput
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
 from .geometry import LAYOUT_CHOICES
 from .sim_config import DEFAULT_H2D_BYTES_PER_S, WATERMARK_SCOPES, SimConfig
-from .sim_memory import check_simulation_fits
+from .sim_memory import check_adapters_fit, check_simulation_fits
 from .simulator import POLICIES, simulate
 from .traces import fit_to_length, load_trace, trace_names
-from .workload import (WORKLOAD_RNGS, LoraSpec, WorkloadSpec, assign_adapters, generate,
-                       write_trace)
+from .workload import (MAX_TRACE_TOKENS, WORKLOAD_RNGS, LoraSpec, WorkloadSpec, assign_adapters,
+                       check_arrivals, generate, write_trace)
 
 __all__ = ["parse_bytes", "register", "run", "format_table"]
 
-TOKENS = bounded(float, 0, low_open=True)
+TOKENS = bounded(float, 1, MAX_TRACE_TOKENS)   # a length distribution's median, mean or p95
 # 10^6 GB (a petabyte) is far above any device or host: a larger value is a typo, and past
 # ~1e299 GB its byte count overflows an int
 MAX_GB = 1e6
@@ -90,10 +90,10 @@ def register(subparsers) -> None:
                         "model replaces --model-preset; default: the roofline)")
     c.add_argument("--h2d-gbps", type=bounded(float, 0, low_open=True),
                    default=DEFAULT_H2D_BYTES_PER_S / 1e9,
-                   help="host-to-device bandwidth for LoRA adapter loads, GB/s (default: 25, "
-                        "PCIe 4.0 x16 in practice)")
-    c.add_argument("--paged-slowdown", type=bounded(float, 0, low_open=True), default=1.0,
-                   help="KV read-time multiplier for paged kernels (1: as fast as vmem)")
+                   help="host-device bandwidth for LoRA adapter loads and swap preemption's "
+                        "copies, GB/s (default: 25, PCIe 4.0 x16 in practice)")
+    c.add_argument("--paged-slowdown", type=bounded(float, 1, 1e6), default=1.0,
+                   help="KV read-time multiplier for paged kernels, >= 1 (1: as fast as vmem)")
     cli_capacity.add_flags(p.add_argument_group("capacity search"))
     o = p.add_argument_group("output")
     o.add_argument("--goodput", nargs="+", metavar="METRIC:MS", default=None,
@@ -115,7 +115,7 @@ def _workload_flags(w) -> None:
     w.add_argument("--prompt-p95", type=TOKENS, default=2155.0, help="prompt length p95, tokens")
     w.add_argument("--output-mean", type=TOKENS, default=374.0, help="output length mean, tokens")
     w.add_argument("--output-p95", type=TOKENS, default=1118.0, help="output length p95, tokens")
-    w.add_argument("--max-len", type=POSITIVE_INT, default=4096,
+    w.add_argument("--max-len", type=bounded(int, 2), default=4096,
                    help="max tokens per sequence (prompt + output clipped to it; longer trace "
                         "requests are scaled down to it, prompt and output in proportion)")
     w.add_argument("--beam-width", type=bounded(int, 0), default=0,
@@ -185,38 +185,10 @@ def _deployment_flags(m) -> None:
                         "off keeps none (prefixes are shared when a trace has hash ids)")
 
 
-def check_deployment(args) -> None:
-    """Refuse what the cost model would accept silently but no machine could run: a cache that
-    with the weights exceeds the GPU's memory, swap preemption without swap space, a block
-    longer than any sequence. ConfigError names the flags, values and limits."""
-    gpu, model = DEVICES[args.gpu], MODELS[args.model_preset]
-    cache_bytes = args.cache_gb * 1e9
-    if args.profile is None and cache_bytes + model.weight_bytes > gpu.memory_bytes:
-        raise ConfigError(
-            f"--cache-gb {args.cache_gb:g} plus {model.name}'s {model.weight_bytes / 1e9:.1f} GB of "
-            f"weights exceeds {gpu.name}'s {gpu.memory_bytes / 1e9:.1f} GB of memory; at most "
-            f"--cache-gb {(gpu.memory_bytes - model.weight_bytes) / 1e9:.1f} fits")
-    if args.preemption == "swap" and args.swap_gb <= 0:
-        raise ConfigError("--preemption swap needs host swap space: give --swap-gb > 0")
-    if args.policy == "paged" and args.block_size > args.max_len:
-        raise ConfigError(f"--block-size {args.block_size} tokens is longer than --max-len "
-                          f"{args.max_len}: a block holds at most one sequence's tokens")
-
-
-def check_lora(args) -> None:
-    """--lora-budget-gb needs adapters and must leave KV memory in --cache-gb."""
-    if args.lora_budget_gb is None:
-        return
-    if not args.lora_adapters:
-        raise ConfigError("--lora-budget-gb splits the cache between adapters and KV: give "
-                          "--lora-adapters N > 0")
-    if args.lora_budget_gb >= args.cache_gb:
-        raise ConfigError(f"--lora-budget-gb {args.lora_budget_gb:g} leaves no KV memory in "
-                          f"--cache-gb {args.cache_gb:g}: give less than it")
-
-
 def _entries(args, seed: int):
     """The workload: a trace, or generated; with --lora-adapters an adapter per request."""
+    if args.lora_adapters:                    # the adapters are drawn after the lengths
+        check_adapters_fit(args.lora_adapters, "lower --lora-adapters")
     entries = _lengths(args, seed)
     if args.lora_adapters:
         entries = assign_adapters(entries, LoraSpec(args.lora_adapters, args.lora_zipf, seed=seed),
@@ -226,23 +198,23 @@ def _entries(args, seed: int):
 
 def _lengths(args, seed: int):
     if args.trace:
-        entries = load_trace(args.trace, rate_scale=args.rate_scale, max_requests=args.max_requests)
+        entries = load_trace(args.trace, rate_scale=args.rate_scale, max_requests=args.max_requests,
+                             rate_name="--rate-scale")
         entries, scaled = fit_to_length(entries, args.max_len)
         if scaled and not args.find_max_rate:     # once, not once per probe
             sys.stderr.write(f"vmemkv simulate: {scaled:,} of {len(entries):,} trace requests were "
                              f"longer than --max-len {args.max_len} tokens and were scaled down "
                              f"to it\n")
         return entries
-    if args.rate_scale != 1.0 or args.max_requests is not None:
-        raise ConfigError("--rate-scale and --max-requests apply to --trace; for a generated "
-                          "workload use --arrival-rate and --requests")
     spec = WorkloadSpec(num_requests=args.requests, prompt_median=args.prompt_median,
                         prompt_p95=args.prompt_p95, output_mean=args.output_mean,
                         output_p95=args.output_p95, max_total_len=args.max_len,
                         arrival_rate=args.arrival_rate, seed=seed, rng=args.workload_rng)
     check_simulation_fits(args.requests, int(args.requests * min(args.output_mean, args.max_len)),
                           "lower --requests")   # the run's estimate, before a request is drawn
-    return generate(spec)
+    entries = generate(spec)
+    check_arrivals(entries, f"--arrival-rate {args.arrival_rate:g}")
+    return entries
 
 
 def _config(args) -> SimConfig:
@@ -287,42 +259,51 @@ def _simulate(entries, config: SimConfig, args):
 def run(args) -> int:
     check_lora(args)                # before the config's check of the same, naming the flags
     config = _config(args)          # field checks first: they name the flag the user gave
-    check_deployment(args)
+    check_flags(args)               # then the flags together, before anything is drawn
     goodput = parse_goodput(args.goodput) if args.goodput else None
     if args.find_max_rate:
         return cli_capacity.run(args, config, lambda a: _entries(a, a.seed))
     seeds = args.seeds or [args.seed]
-    if args.seeds and args.trace:
-        raise ConfigError("--seeds draws generated workloads; a --trace replays one fixed workload")
     runs = []
     for seed in seeds:
         entries = _entries(args, seed)
-        if args.write_trace and seed == seeds[0]:
-            write_trace(args.write_trace, entries)
+        if args.write_trace is not None and seed == seeds[0]:
+            _write_trace(args.write_trace, entries)
         result = _simulate(entries, config, args)
         out = result.to_dict()
         if goodput:
             out.update(result.report(goodput))
-        out["config"] = _echo(args)
+        out["config"] = _echo(args, seed)
         runs.append(out)
     _print(runs, seeds, args)
     return 0
 
 
-def _echo(args) -> dict:
-    return {k: getattr(args, k) for k in (
+def _write_trace(path: str, entries) -> None:
+    try:
+        write_trace(path, entries)
+    except OSError as error:      # checked before the draw; a full disk is still possible
+        raise ConfigError(f"--write-trace {path}: {error.strerror or error}") from None
+
+
+def _echo(args, seed: int) -> dict:
+    """The flags of one run, ``seed`` the one it drew its workload with."""
+    echo = {k: getattr(args, k) for k in (
         "model_preset", "gpu", "cache_gb", "policy", "block_size", "page_size", "layout",
         "watermark", "watermark_scope", "preemption", "swap_gb", "max_running",
         "max_tokens_per_step", "seed", "workload_rng", "trace", "goodput", "profile",
         "prefix_eviction", "lora_adapters", "lora_zipf", "lora_budget_gb", "h2d_gbps")}
+    echo["seed"] = seed
+    return echo
 
 
 def _print(runs: list, seeds: list, args) -> None:
     if len(runs) == 1:
-        text = json.dumps(runs[0]) if args.json else format_table(runs[0])
+        text = to_json(runs[0]) if args.json else format_table(runs[0])
     else:
         stats = aggregate(runs)
-        summary = dict(stats["mean"], policy=runs[0]["policy"], config=runs[0]["config"])
-        text = (json.dumps({"seeds": seeds, **stats, "runs": runs}) if args.json
-                else format_table(summary, stats["std"], seeds))
-    sys.stdout.write(text.rstrip("\n") + "\n")
+        config = {k: v for k, v in runs[0]["config"].items() if k != "seed"}
+        summary = dict(stats["mean"], policy=runs[0]["policy"], config=config)
+        text = (to_json({"seeds": seeds, **stats, "runs": runs}) if args.json
+                else format_table(summary, stats["std"], seeds, stats.get("counts")))
+    write_stdout(text.rstrip("\n") + "\n")

@@ -8,12 +8,11 @@ bar step per simulation; the table lists every probe.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from typing import Callable
 
 from .capacity import CapacityResult, Probe, find_max_load, parse_slo, report_key
-from .cliargs import bounded
+from .cli_table import to_json
+from .cliargs import bounded, write_stdout
 from .progress import Progress
 
 DEFAULT_START_RATE = 4.0   # requests/s: a generated workload's first probe without --arrival-rate
@@ -26,8 +25,8 @@ def add_flags(group) -> None:
     group.add_argument("--slo", type=_slo, default=None, metavar="TARGETS",
                        help="latency targets in ms, e.g. ttft_p90=2000,tpot_p99=200 (default: none; "
                             "--find-max-rate needs it)")
-    group.add_argument("--search-tolerance", type=bounded(float, 0, 1, low_open=True),
-                       default=0.02, help="stop when the bracket is this close (relative)")
+    group.add_argument("--search-tolerance", type=bounded(float, 0, 1, low_open=True, high_open=True),
+                       default=0.02, help="stop when the bracket is this close (relative), in (0, 1)")
     group.add_argument("--max-probes", type=bounded(int, 2), default=24,
                        help="at most this many simulations")
 
@@ -57,7 +56,7 @@ def run(args, config, entries_for: Callable[[argparse.Namespace], list]) -> int:
                                rel_tol=args.search_tolerance, max_probes=args.max_probes,
                                on_probe=lambda probe: bar.update(1))
     out = _summary(result, knob)
-    sys.stdout.write(json.dumps(out) + "\n" if args.json else format_search(out))
+    write_stdout(to_json(out) + "\n" if args.json else format_search(out))
     return 0 if result.max_load is not None else 1
 
 

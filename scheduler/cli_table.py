@@ -2,15 +2,19 @@
 
 A run's figures are one flat dict (``SimResult.to_dict()`` plus ``config``). ``--seeds 0-4``
 runs the workload once per seed and reports, for every numeric figure, the mean and the
-population standard deviation over the seeds (``aggregate``); the table then shows
-"mean ± std".
+population standard deviation over the seeds (``aggregate``; a figure a run does not have,
+None, such as steady-state means without a steady step, is left out of them); the table then
+shows "mean ± std". ``to_json`` writes a figure that is not a finite number as null (strict
+JSON has no NaN).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
-from typing import Dict, List, Sequence
+from collections import Counter
+from typing import Dict, List, Optional, Sequence
 
 # label, whole-run key, steady-state key (or None), format of one value
 _ROWS = [
@@ -25,6 +29,7 @@ _ROWS = [
     ("simulated seconds", "simulated_seconds", "steady_seconds", "{:,.2f}"),
     ("preemptions", "num_preemptions", None, "{:,.0f}"),
     ("  of which swapped", "num_swap_preemptions", None, "{:,.0f}"),
+    ("  swap copy seconds", "swap_seconds", None, "{:,.3f}"),
     ("recomputed tokens", "recomputed_tokens", None, "{:,.0f}"),
     ("prefix cache hits", "prefix_cache_hits", None, "{:,.0f}"),
     ("memory saved by sharing", "sharing_saved", None, "{:.1%}"),
@@ -48,7 +53,8 @@ _LORA_ROWS = [   # a run with LoRA adapters (--lora-adapters) only
 
 
 def parse_seeds(text: str) -> List[int]:
-    """``0-4`` -> [0, 1, 2, 3, 4]; ``1,5,9`` -> [1, 5, 9] (argparse type; each seed >= 0)."""
+    """``0-4`` -> [0, 1, 2, 3, 4]; ``1,5,9`` -> [1, 5, 9] (argparse type; each seed >= 0,
+    none twice: a repeated seed is the same run again, and would shrink the std)."""
     seeds: List[int] = []
     try:
         for part in text.split(","):
@@ -60,18 +66,53 @@ def parse_seeds(text: str) -> List[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"want seeds as FIRST-LAST or a comma list of ints >= 0 (0-4, 1,5,9), got {text!r}") from None
+    repeated = sorted(s for s, n in Counter(seeds).items() if n > 1)
+    if repeated:
+        raise argparse.ArgumentTypeError(
+            f"seed {', '.join(map(str, repeated))} given twice in {text!r}: each seed once")
     return seeds
 
 
+def seeds_text(seeds: Sequence[int]) -> str:
+    """``[0, 1, 2]`` -> ``0-2``; ``[1, 5, 9]`` -> ``1, 5, 9`` (as the seeds ran)."""
+    if len(seeds) > 2 and list(seeds) == list(range(seeds[0], seeds[0] + len(seeds))):
+        return f"{seeds[0]}-{seeds[-1]}"
+    return ", ".join(map(str, seeds))
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def aggregate(runs: Sequence[dict]) -> Dict[str, Dict[str, float]]:
-    """``{"mean": {...}, "std": {...}}`` of every numeric figure present in every run (std:
-    population standard deviation over the runs; 0 for one run)."""
-    keys = [k for k, v in runs[0].items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and all(isinstance(r.get(k), (int, float)) for r in runs)]
-    mean = {k: statistics.fmean(r[k] for r in runs) for k in keys}
-    std = {k: statistics.pstdev([r[k] for r in runs]) if len(runs) > 1 else 0.0 for k in keys}
-    return {"mean": mean, "std": std}
+    """``{"mean": {...}, "std": {...}}`` of every numeric figure (std: population standard
+    deviation over the runs; 0 for one run). A figure that is None in some runs (a steady-state
+    mean where a run had no steady step) is over the runs that have it, and ``"counts"`` says
+    over how many; one that no run has is left out."""
+    keys = [k for k in runs[0]
+            if all(_number(r.get(k)) or r.get(k) is None for r in runs)
+            and any(_number(r.get(k)) for r in runs)]
+    values = {k: [r[k] for r in runs if _number(r.get(k))] for k in keys}
+    mean = {k: statistics.fmean(v) for k, v in values.items()}
+    std = {k: statistics.pstdev(v) if len(v) > 1 else 0.0 for k, v in values.items()}
+    counts = {k: len(v) for k, v in values.items() if len(v) < len(runs)}
+    return {"mean": mean, "std": std, **({"counts": counts} if counts else {})}
+
+
+def to_json(obj) -> str:
+    """``obj`` as strict JSON: a float that is not finite (a TPOT of requests with one output
+    token is NaN) is written null."""
+    return json.dumps(_finite(obj), allow_nan=False)
+
+
+def _finite(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
 
 
 def _value(fmt: str, d: dict, key: str, std: dict) -> str:
@@ -81,10 +122,12 @@ def _value(fmt: str, d: dict, key: str, std: dict) -> str:
     return f"{text} ± {fmt.format(std[key]).lstrip('-')}" if key in std else text
 
 
-def format_table(d: dict, std: Dict[str, float] = None, seeds: Sequence[int] = ()) -> str:
-    """The run ``d`` (or the mean of several, with their ``std``) as an aligned table."""
+def format_table(d: dict, std: Optional[Dict[str, float]] = None, seeds: Sequence[int] = (),
+                 counts: Optional[Dict[str, int]] = None) -> str:
+    """The run ``d`` (or the mean of several, with their ``std`` and, for figures only some
+    runs have, their ``counts``) as an aligned table; "-" for a figure the run does not have."""
     std, c = std or {}, d["config"]
-    over = f", mean ± std over seeds {seeds[0]}..{seeds[-1]}" if len(seeds) > 1 else ""
+    over = f", mean ± std over seeds {seeds_text(seeds)}" if len(seeds) > 1 else ""
     where = (f"profile {c['profile']}" if c.get("profile")
              else f"{c['model_preset']} on {c['gpu']}")
     lines = [f"vmemkv simulate: {d['policy']}, {where}, "
@@ -98,4 +141,8 @@ def format_table(d: dict, std: Dict[str, float] = None, seeds: Sequence[int] = (
             lines.append(f"  {label:<28} {_value(fmt, d, key, std) + ' / ' + right:>41}")
             continue
         lines.append(f"  {label:<28} {_value(fmt, d, key, std):>20} {right:>20}")
+    steady = (counts or {}).get("steady_mean_batch")
+    if steady is not None:
+        lines.append(f"  steady state over the {steady} of {len(seeds)} seeds whose runs had "
+                     f"a queue")
     return "\n".join(lines) + "\n"

@@ -16,9 +16,10 @@ A spec is TOML (``.toml``) or JSON (``.json``) with two tables:
 Keys (``PARAMS``, defaults as ``vmemkv simulate``'s): policy, model, gpu, cache_gb, block_size,
 page_bytes, layout, watermark, watermark_scope, preemption, swap_gb, max_running,
 max_tokens_per_step, prefill_mfu, map_latency_us, paged_slowdown, max_len, requests, seed,
-workload_rng, arrival_rate, trace, rate_scale, max_requests. A key a policy does not use
-(block_size for vmem, page_bytes and layout for the others) is normalised away, so the grid
-never runs the same simulation twice. ``run_point`` is a plain top-level function of a dict, so
+workload_rng, arrival_rate, trace, rate_scale, max_requests. A key a point does not use
+(block_size for vmem, page_bytes and layout for the others; the generated workload's keys for a
+trace and the trace's for a generated workload) is normalised away, so the grid never runs the
+same simulation twice; a workload key no point uses is refused (``sweep_spec.py``). ``run_point`` is a plain top-level function of a dict, so
 a process pool or a Ray cluster can run it.
 
 Values are checked when the spec is read (``scheduler/sweep_spec.py``). A point that fails
