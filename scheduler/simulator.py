@@ -92,7 +92,8 @@ class SimResult:
                                    # units the running sequences hold / the units they would
                                    # hold each with a private copy, both summed over steps (the
                                    # PagedAttention paper's memory saving)
-    steady: Dict[str, float] = field(default_factory=dict)    # steady_* (module docstring)
+    steady: Dict[str, Optional[float]] = field(default_factory=dict)   # steady_* (module
+                                   # docstring; the means None without a steady step)
     serving: Dict[str, float] = field(default_factory=dict)   # report.serving_report, ms
     timings: List[RequestTiming] = field(default_factory=list, repr=False)
 
