@@ -8,7 +8,8 @@ same way. ``discard`` gives pages' memory back (ids stay allocated or free, byte
 mapping one again, or ``recommit``, re-creates exactly that page (a map whose driver call then
 fails leaves it re-created); ``committed_pages=k`` starts ids k.. discarded. Every creation is
 checked against the device's available memory first (``InsufficientMemoryError``, nothing
-created). The pool counts each page's mappings; a page mapped somewhere cannot be released or
+created). A page's mappings are counted from its open ranges' records (one truth, so no
+interrupt can part a count from a record); a page mapped somewhere cannot be released or
 discarded.
 
 Threads: a pool and its ranges share one lock (``threading.RLock``) held across every call
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import Counter
 from typing import Any, Iterable, Optional, Union
 
 from . import forks
@@ -36,7 +38,7 @@ class PagePool:
     """``total_pages`` physical pages of ``page_bytes`` each on ``driver``.
 
     Invariants (``check_integrity``): free + allocated == total; a free page has no mappings;
-    each page's mapping count equals the open ranges' mappings of it; every id is committed
+    every id is committed
     (its memory exists), discarded (mapped nowhere) or never created; each created page is
     bound to one id or in stock, never both.
     """
@@ -71,7 +73,6 @@ class PagePool:
         # LIFO free list: the most recently released page is reused first (warm in caches/TLB).
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._is_free = [True] * num_pages
-        self._map_counts = [0] * num_pages
         self._closed = self._forked = False
         self._lock = threading.RLock()                  # this pool's and its ranges' state
         self._ranges: "weakref.WeakSet" = weakref.WeakSet()   # open ranges mapping from it
@@ -133,11 +134,11 @@ class PagePool:
     @property
     def mapped_pages(self) -> int:
         """Pages mapped at one address or more."""
-        return sum(1 for count in self._map_counts if count)
+        return len(self._mapping_counts())
 
     def mapping_count(self, page_id: int) -> int:
         self._check_id(page_id)
-        return self._map_counts[page_id]
+        return self._mapping_counts()[page_id]
 
     def is_free(self, page_id: int) -> bool:
         self._check_id(page_id)
@@ -173,10 +174,11 @@ class PagePool:
         ids = _id_list(pages)
         with self._lock:
             self._check_open()
+            counts = self._mapping_counts()
             for page_id in ids:
                 if self.is_free(page_id):
                     raise PageStateError(f"page {page_id} is already free (released twice?)")
-                self._check_unmapped(page_id)
+                self._check_unmapped(page_id, counts)
             for page_id in ids:
                 self._is_free[page_id] = True
                 self._free.append(page_id)
@@ -190,20 +192,21 @@ class PagePool:
         ids = _id_list(pages)
         with self._lock:
             self._check_usable()
+            counts = self._mapping_counts()
             for page_id in ids:
-                self._check_discardable(page_id)
+                self._check_discardable(page_id, counts)
             for page_id in ids:
                 self.driver.discard_pages([self._handle_of(page_id)], self.page_bytes)
                 self._discarded.add(page_id)
 
-    def _check_discardable(self, page_id: int) -> None:
+    def _check_discardable(self, page_id: int, counts: Counter) -> None:
         self._check_id(page_id)
         if self._slot[page_id] is None:
             raise PageStateError(f"page {page_id} was never created (an on-demand pool creates "
                                  f"it on first mapping); there is no memory to discard")
         if page_id in self._discarded:
             raise PageStateError(f"page {page_id} is already discarded (discarded twice?)")
-        self._check_unmapped(page_id)
+        self._check_unmapped(page_id, counts)
 
     def recommit(self, pages: Union[int, Iterable[int]]) -> None:
         """Re-create the memory of discarded page ids, all or none (one driver call): each must
@@ -232,7 +235,6 @@ class PagePool:
                 self._create(num_pages)
             self._slot.extend([None] * num_pages)
             self._is_free.extend([True] * num_pages)
-            self._map_counts.extend([0] * num_pages)
             if not self.grow:
                 self._bind(new)
             self._free[:0] = reversed(new)      # under the warm pages: reused after them
@@ -254,8 +256,14 @@ class PagePool:
             self._recreate([page_id])
         return self._handle_of(page_id)
 
-    def _count_mapping(self, page_id: int, delta: int) -> None:
-        self._map_counts[page_id] += delta
+    def _mapping_counts(self) -> Counter:
+        """page id -> the addresses mapping it, read from the open ranges' own records (one
+        truth: a range records a mapping in one write, so an interrupt between two updates
+        cannot leave the pool's count and the range's record apart)."""
+        counts: Counter = Counter()
+        for vrange in list(self._ranges):
+            counts.update(vrange._mapped.values())
+        return counts
 
     def _handle_of(self, page_id: int) -> Any:
         batch, index = self._slot[page_id]
@@ -268,16 +276,9 @@ class PagePool:
         with self._lock:
             assert len(self._free) == len(set(self._free)), "duplicate page on the free list"
             assert sum(self._is_free) == len(self._free), "free flags disagree with the free list"
+            counts = self._mapping_counts()
             for page_id in self._free:
-                assert self._map_counts[page_id] == 0, f"free page {page_id} is mapped"
-            assert all(count >= 0 for count in self._map_counts), "negative mapping count"
-            counted = [0] * len(self._map_counts)
-            for vrange in list(self._ranges):
-                for page_id in vrange.mapped_pages().values():
-                    counted[page_id] += 1
-            drifted = [i for i, (a, b) in enumerate(zip(counted, self._map_counts)) if a != b]
-            assert not drifted, (f"mapping counts of pages {drifted[:8]} disagree with the "
-                                 f"ranges' mappings")
+                assert counts[page_id] == 0, f"free page {page_id} is mapped"
             never = {i for i, slot in enumerate(self._slot) if slot is None}
             slots = [slot for slot in self._slot if slot is not None] + self._stock
             assert len(set(slots)) == len(slots) == self._created \
@@ -286,7 +287,7 @@ class PagePool:
             assert self.committed_pages - len(self._stock) + self.discarded_pages + len(never) \
                 == self.total_pages, "ids: committed + discarded + never created != total"
             for page_id in self._discarded | never:
-                assert self._map_counts[page_id] == 0, f"page {page_id} is mapped, no memory"
+                assert counts[page_id] == 0, f"page {page_id} is mapped, no memory"
 
     def close(self) -> None:
         """Destroy every page. Refused while any page is still mapped (close ranges first).
@@ -294,7 +295,7 @@ class PagePool:
         with self._lock:
             if self._closed:
                 return
-            if any(self._map_counts):
+            if self._mapping_counts():
                 raise PageStateError(f"cannot close the pool: {self.mapped_pages} page(s) are "
                                      f"still mapped; close the ranges that map them first")
             if not self._forked:
@@ -347,10 +348,11 @@ class PagePool:
             raise PageStateError(f"page id {page_id!r} outside the pool's "
                                  f"0..{len(self._slot) - 1}")
 
-    def _check_unmapped(self, page_id: int) -> None:
-        if self._map_counts[page_id]:
-            raise PageStateError(f"page {page_id} is still mapped at "
-                                 f"{self._map_counts[page_id]} address(es); unmap it first")
+    @staticmethod
+    def _check_unmapped(page_id: int, counts: Counter) -> None:
+        if counts[page_id]:
+            raise PageStateError(f"page {page_id} is still mapped at {counts[page_id]} "
+                                 f"address(es); unmap it first")
 
     def __enter__(self) -> "PagePool":
         return self

@@ -60,8 +60,7 @@ class VirtualRange:
                                          f"{self._mapped[page_index]} mapped; unmap it first")
             handle = self.pool._handle_for_mapping(page_id)
             self.driver.map(self._page_address(page_index), handle, self.page_bytes)
-            self._mapped[page_index] = page_id
-            self.pool._count_mapping(page_id, +1)
+            self._mapped[page_index] = page_id     # one write: the pool counts from it
 
     def unmap(self, page_index: int) -> int:
         """Unmap ``page_index``; returns the pool page that was there (still allocated)."""
@@ -69,10 +68,36 @@ class VirtualRange:
             self._check_index(page_index, use=True)
             if page_index not in self._mapped:
                 raise NotMappedError(f"page index {page_index} has nothing mapped")
-            self.driver.unmap(self._page_address(page_index), self.page_bytes)
-            page_id = self._mapped.pop(page_index)
-            self.pool._count_mapping(page_id, -1)
+            page_id = self._mapped.pop(page_index)   # first: never recorded yet unmapped
+            try:
+                self.driver.unmap(self._page_address(page_index), self.page_bytes)
+            except BaseException:
+                self._mapped[page_index] = page_id
+                raise
             return page_id
+
+    # -- undoing a map or an unmap that may have stopped anywhere (an interrupt) --
+    def undo_map(self, page_index: int) -> None:
+        """After ``map(page_index, ...)`` however far it got: nothing mapped there (a mapping
+        the driver made but the range had not yet recorded is unmapped too)."""
+        with self._lock:
+            if page_index in self._mapped:
+                self.unmap(page_index)
+            else:
+                self._unmap_unrecorded(page_index)
+
+    def undo_unmap(self, page_index: int, page_id: int) -> None:
+        """After ``unmap(page_index)`` of ``page_id`` however far it got: mapped again."""
+        with self._lock:
+            if self._mapped.get(page_index) != page_id:
+                self._unmap_unrecorded(page_index)
+                self.map(page_index, page_id)
+
+    def _unmap_unrecorded(self, page_index: int) -> None:
+        try:        # host: any address can be made PROT_NONE; CUDA refuses an unmapped one
+            self.driver.unmap(self._page_address(page_index), self.page_bytes)
+        except VMemError:
+            pass
 
     def page_at(self, page_index: int) -> int | None:
         """The pool page mapped at ``page_index``, or None."""
@@ -176,17 +201,14 @@ class VirtualRange:
 
     def __del__(self) -> None:
         """Dropped without ``close()``: unmap and free the reservation (no view can be alive:
-        each holds this range). The pool may have gone first, in the same garbage: its counts
-        are then left alone. Never raises; a forked child's copy is left to the child's exit."""
+        each holds this range; the pool may have gone first, in the same garbage). Never
+        raises; a forked child's copy is left to the child's exit."""
         try:
             if self._closed or self._forked:
                 return
             self._closed = True
-            counted = not self.pool._closed
-            for page_index, page_id in self._mapped.items():
+            for page_index in self._mapped:
                 self.driver.unmap(self._page_address(page_index), self.page_bytes)
-                if counted:
-                    self.pool._count_mapping(page_id, -1)
             self._mapped.clear()
             self.driver.free_reservation(self.address, self.size_bytes)
         except BaseException:       # interpreter shutdown, a failing driver: nothing to report to
@@ -199,8 +221,7 @@ class VirtualRange:
         for page_index, page_id in sorted(self._mapped.items()):
             if detach and not self._detach(page_index, page_id):
                 aliased.append(page_index)
-            self.pool._count_mapping(page_id, -1)
-        self._mapped.clear()
+        self._mapped.clear()                  # the pool counts no mapping of them any more
         if self._views:
             self._aliased = aliased
         else:

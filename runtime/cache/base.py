@@ -134,10 +134,7 @@ class KVCache(ABC):
 
     def _fail_plan(self, journal: PlanJournal, error: BaseException) -> PlanExecutionError:
         """Undo a partly applied plan and build the error to raise (chained by the caller)."""
-        undo_error = journal.undo()
-        self._swapped = journal.swapped_before
-        for undo in reversed(journal.replica_undo):
-            undo()
+        undo_error = self._undo_plan(journal)
         where = f"op {journal.op_index}" if journal.op_index is not None else "binding"
         if undo_error is not None:
             self._broken = f"undoing a failed plan failed: {undo_error}"
@@ -148,6 +145,15 @@ class KVCache(ABC):
         return PlanExecutionError(f"plan failed at {where} and was undone: "
                                   f"{type(error).__name__}: {error}",
                                   op_index=journal.op_index, rolled_back=True)
+
+    def _undo_plan(self, journal: PlanJournal) -> Optional[BaseException]:
+        """Memory, swap space and replica as before the plan; idempotent (an interrupt may
+        reach this twice). Returns the first error an undo action raised."""
+        undo_error = journal.undo()
+        self._swapped = journal.swapped_before
+        while journal.replica_undo:
+            journal.replica_undo.pop()()
+        return undo_error
 
     # -- steps --
     def begin_step(self, seqs: Sequence[tuple[int, int, int]]) -> StepBatch:

@@ -68,6 +68,12 @@ class BackgroundMapper:
             self._groups_done = 0
             self._cond.notify_all()
 
+    def holds(self, plan) -> bool:
+        """Whether ``plan`` was handed over (``submit`` set it; applying or undoing it is this
+        thread's from then on)."""
+        with self._cond:
+            return plan is not None and self._pending is plan
+
     def wait_group(self, group: int) -> None:
         """Block until group ``group`` of the current plan is applied."""
         self._wait(lambda: self._groups_done > group)

@@ -17,6 +17,7 @@ checks every op and step against it, and never asks a manager.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Optional, Sequence
 
@@ -30,7 +31,7 @@ from vmemkv.scheduler.plan import (CopyExtent, DropSwapped, MapExtent, ReleasePa
                                    SwapIn, SwapOut, UnmapExtent)
 
 from ..config import CacheConfig
-from ..errors import CacheConfigError, CacheStateError
+from ..errors import CacheConfigError, CacheStateError, MapperError
 from ..memory import check_fits_device
 from .base import KVCache, StepBatch
 from .journal import PlanJournal
@@ -85,14 +86,10 @@ class VMemKVCache(VMemOps, AdapterReplica, KVCache):
         self.pages_per_slot = config.max_context // self.tokens_per_page
         self.pages_per_group = geometry.pages_per_group
         self.num_groups = num_groups
-        if isinstance(released_pages, bool) or not isinstance(released_pages, int) or \
-                not 0 <= released_pages <= pool_pages:
-            raise CacheConfigError(f"released_pages must be in 0..{pool_pages}, got "
-                                   f"{released_pages!r}")
-        if isinstance(adapter_pool_pages, bool) or not isinstance(adapter_pool_pages, int) or \
-                adapter_pool_pages < 0:
-            raise CacheConfigError(f"adapter_pool_pages must be an int >= 0, got "
-                                   f"{adapter_pool_pages!r}")
+        for name, value, most in (("released_pages", released_pages, pool_pages),
+                                  ("adapter_pool_pages", adapter_pool_pages, float("inf"))):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+                raise CacheConfigError(f"{name} must be an int in [0, {most}], got {value!r}")
         self.adapter_pool_pages = adapter_pool_pages
         self._in_service = in_service = pool_pages - released_pages   # the rest: no memory yet
         check_fits_device(f"VMemKVCache pool of {in_service + adapter_pool_pages} pages of "
@@ -175,18 +172,25 @@ class VMemKVCache(VMemOps, AdapterReplica, KVCache):
         bound = self._bind_swaps(ops)
         if not bound:
             return
-        journal = PlanJournal(self._swapped_before)
-        bound = self._bind_ops(bound, journal)
-        plan = (bound, journal)
-        if self._mapper is not None:
-            self._mapper.submit(plan)
-            return
-        start = time.perf_counter()
+        journal, plan = PlanJournal(self._swapped_before), None
         try:
-            for group in range(self.geometry.num_op_groups):
-                self._apply_logged(plan, group)
-        finally:
-            self._inline_mapping_s += time.perf_counter() - start
+            bound = self._bind_ops(bound, journal)
+            plan = (bound, journal)
+            if self._mapper is not None:
+                self._mapper.submit(plan)
+                return
+            start = time.perf_counter()
+            try:
+                for group in range(self.geometry.num_op_groups):
+                    self._apply_logged(plan, group)
+            finally:
+                self._inline_mapping_s += time.perf_counter() - start
+        except BaseException:      # an interrupt before this returned: as if never sent
+            if self._mapper is not None and self._mapper.holds(plan):
+                with contextlib.suppress(MapperError):
+                    self._mapper.wait_all()    # applied whole, or failed and undone there
+            self._undo_plan(journal)           # idempotent
+            raise
 
     def wait_for_plan(self) -> None:
         self.wait_for_mapper()

@@ -65,11 +65,13 @@ class VMemOps:
         try:
             for op, buffer in bound:
                 out.append((op, self._bind_op(op, buffer, undo)))
-        except CacheStateError as error:
+        except BaseException as error:       # a refusal, or a KeyboardInterrupt part way
             for action in reversed(journal.replica_undo):
                 action()
             journal.replica_undo.clear()
             self._swapped = journal.swapped_before
+            if not isinstance(error, CacheStateError):
+                raise
             raise CacheStateError(f"plan refused at op {len(out)}, nothing changed: {error}") from None
         return out
 
@@ -168,6 +170,9 @@ class VMemOps:
     def _set_extent(self, slot: int, page_index: int, kind: str, pages: tuple, undo) -> None:
         spots = self._spots[slot]
         old = spots.get(page_index)
+        # the undo first: it restores ``old`` whether or not an interrupt let the write happen
+        undo(lambda: spots.__setitem__(page_index, old) if old is not None else
+             spots.pop(page_index, None))
         new = {k: v for k, v in (old or {}).items() if k != kind}
         if pages:
             new[kind] = pages
@@ -175,8 +180,6 @@ class VMemOps:
             spots[page_index] = new
         else:
             spots.pop(page_index, None)
-        undo(lambda: spots.__setitem__(page_index, old) if old is not None else
-             spots.pop(page_index, None))
 
     def _bind_map(self, op: MapExtent, undo) -> dict:
         kind = self._kind(op)
@@ -238,13 +241,15 @@ class VMemOps:
             if isinstance(op, MapExtent):
                 for j in members:
                     for page_index, pool_page in payload.get(j, ()):
+                        # the undo first: it undoes the map however far an interrupt let it go
+                        journal.add(lambda pi=page_index: rng.undo_map(pi))
                         rng.map(page_index, self._pool_pages[pool_page])
-                        journal.add(lambda pi=page_index: rng.unmap(pi))
             elif isinstance(op, UnmapExtent):
                 for j in members:
                     for page_index, _ in payload.get(j, ()):
-                        page_id = rng.unmap(page_index)
-                        journal.add(lambda pi=page_index, pid=page_id: rng.map(pi, pid))
+                        page_id = rng.page_at(page_index)
+                        journal.add(lambda pi=page_index, pid=page_id: rng.undo_unmap(pi, pid))
+                        rng.unmap(page_index)
             elif isinstance(op, CopyExtent) and op.num_tokens is not None:
                 for j in members:
                     if j in payload:

@@ -216,6 +216,8 @@ class RequestLifecycle:
             self._txn.rollback()
             return False
         self._txn.forget_step()
+        if self._txn.tables is not None:   # the edits may not have reached the replica (an
+            self._txn.tables.resend()      # interrupt in apply_tables): the next plan's are full
         return True
 
     # ---- ending requests early -----------------------------------------------------------

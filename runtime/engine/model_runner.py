@@ -64,10 +64,10 @@ class ModelRunner:
         start = time.perf_counter()
         try:
             self.cache.execute(plan.ops)
+            self.ops_applied = True        # from here a failure keeps the memory (lifecycle)
             self.cache.apply_tables(plan.tables)
         finally:
             start = self._add("plan", start)
-        self.ops_applied = True
         if self.adapters is not None:   # weights into the pages LoadAdapter ops mapped
             self.adapters.apply(plan.ops, self.cache)
         if not plan.seqs:

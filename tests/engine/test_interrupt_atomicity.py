@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
+import vmemkv.runtime.cache.vmem_cache as vmem_cache_module
 import vmemkv.runtime.engine.engine as engine_module
+import vmemkv.vmem.vrange as vrange_module
 import vmemkv.scheduler.scheduler as scheduler_module
 from vmemkv.runtime.engine import Engine, SamplingParams
 
@@ -37,13 +39,19 @@ ENGINE = dict(max_batch=4, max_context=64)
 
 
 class Interrupter:
-    """Raises KeyboardInterrupt at the k-th ``kind`` event ("call" or "line") of traced code."""
+    """Raises KeyboardInterrupt at the k-th ``kind`` event ("call" or "line") of traced code
+    (``traced``: source folders or files, the engine's and the scheduler's by default).
+    ``as_signals``: at the first function entry after the k-th line, anywhere, which is where
+    CPython raises a signal's KeyboardInterrupt (at calls and backward jumps, never at a
+    ``try:`` or a ``return`` inside one, whose instructions lie outside every enclosing
+    handler's range: raised there, as a tracer can, it escapes them all)."""
 
-    def __init__(self, kind: str) -> None:
-        self.kind, self.left, self.where = kind, 0, None
+    def __init__(self, kind: str, traced: tuple = TRACED, as_signals: bool = False) -> None:
+        self.kind, self.left, self.where, self.traced = kind, 0, None, traced
+        self.as_signals, self.pending = as_signals, None
 
     def arm(self, k: int) -> None:
-        self.left, self.where = k, None
+        self.left, self.where, self.pending = k, None, None
         sys.settrace(self._enter)
 
     def disarm(self) -> bool:
@@ -52,8 +60,11 @@ class Interrupter:
         return self.where is not None
 
     def _enter(self, frame, event, arg):
+        if self.pending is not None:          # a function entry after the chosen line
+            self.where, self.pending = f"{self.pending}, raised entering {frame.f_code.co_name}", None
+            raise KeyboardInterrupt
         name = frame.f_code.co_filename
-        if not name.startswith(TRACED) or name == PURE:
+        if not name.startswith(self.traced) or name == PURE:
             return None
         return self._event(frame, event, arg)
 
@@ -61,7 +72,11 @@ class Interrupter:
         if event == self.kind and self.left:
             self.left -= 1
             if not self.left:
-                self.where = f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}"
+                where = f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}"
+                if self.as_signals:
+                    self.pending = where
+                    return self._event
+                self.where = where
                 raise KeyboardInterrupt
         return self._event
 
@@ -73,16 +88,18 @@ def results(outputs) -> list:
               for c in o.outputs]) for o in outputs]
 
 
-def sweep(engine, batch, params, kind: str, stride: int = 1, first: int = 1) -> int:
+def sweep(engine, batch, params, kind: str, stride: int = 1, first: int = 1,
+          traced: tuple = TRACED, fresh=lambda: None, as_signals: bool = False) -> int:
     """Interrupt a run of ``batch`` at event ``first``, ``first + stride``, ... until a run
     ends without reaching that event; after each, resume and compare with an uninterrupted
     run. Returns the number of interrupts."""
     before = engine.scheduler.metrics.generated_tokens
     want = results(engine.generate(batch, params))
     sampled = engine.scheduler.metrics.generated_tokens - before
-    interrupter, k, interrupts = Interrupter(kind), first, 0
+    interrupter, k, interrupts = Interrupter(kind, traced, as_signals), first, 0
     while True:
         before = engine.scheduler.metrics.generated_tokens
+        fresh()
         ids = [engine.add_request(p, s) for p, s in zip(batch, params)]
         interrupter.arm(k)
         try:
@@ -131,6 +148,28 @@ def test_an_interrupt_at_lines_of_every_cache_kind_drops_and_duplicates_nothing(
     low, high = (36, 44) if name == "tiny-mistral-swa" else (5, 12)
     with Engine(model(name), byte_tokenizer(), **options, **ENGINE) as engine:
         assert sweep(engine, prompts(4, low, high, seed=4), RICH, "line", stride=331, first=first) >= 15
+
+
+@pytest.mark.parametrize("options, first", [(dict(layout="per-layer"), 1),
+                                            (dict(layout="interleaved"), 5),
+                                            (dict(layout="per-layer", background_mapper=True), 9)],
+                         ids=["per-layer", "interleaved", "mapper"])
+def test_an_interrupt_at_lines_of_the_vmem_executor_drops_and_duplicates_nothing(options, first):
+    """Lines of what executes a vmem plan: binding it to the replica, mapping and unmapping
+    pages, the page pool's bookkeeping (a Ctrl-C there once left a page recorded as mapped
+    twice, or counted -1 mappings, and every later step refused)."""
+    traced = tuple(os.path.join(os.path.dirname(f), name) for f, name in (
+        (vmem_cache_module.__file__, "vmem_ops.py"), (vmem_cache_module.__file__, "vmem_cache.py"),
+        (vrange_module.__file__, "vrange.py"), (vrange_module.__file__, "pool.py")))
+    with Engine(model(), cache="vmem", page_bytes=4096, **options, **ENGINE) as engine:
+        params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (20, 9)]
+
+        def unmapped() -> None:        # every run maps its pages: none kept from the last
+            engine.sleep()
+            engine.wake()
+
+        assert sweep(engine, prompts(2, 5, 12, seed=6), params, "line", stride=13, first=first,
+                     traced=traced, fresh=unmapped, as_signals=True) >= 150
 
 
 def test_the_issue_repro_an_interrupt_entering_emit_loses_no_token(monkeypatch):
