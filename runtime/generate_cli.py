@@ -70,7 +70,8 @@ def _model_flags(p) -> None:
                    help="model dtype (default: float32 for built-ins, the checkpoint's otherwise)")
     p.add_argument("--threads", type=thread_count, default=None, metavar="N",
                    help="torch CPU threads, 1 to this machine's CPU count (default: torch's choice)")
-    p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="weights of built-ins, and sampling")
+    p.add_argument("--seed", type=bounded(int, 0, 2**63 - 1), default=0,
+                   help="weights of built-ins, and sampling (0 to 2**63 - 1)")
 
 
 def _sampling_flags(s) -> None:
@@ -80,7 +81,8 @@ def _sampling_flags(s) -> None:
     s.add_argument("--top-k", type=NON_NEGATIVE_INT, default=0, help="keep the k likeliest tokens (0: all)")
     s.add_argument("--top-p", type=bounded(float, 0, 1, low_open=True), default=1.0,
                    help="nucleus sampling: keep the smallest set with this probability, in (0, 1]")
-    s.add_argument("--n", type=POSITIVE_INT, default=1, help="samples per prompt (forked; each labelled)")
+    s.add_argument("--n", type=POSITIVE_INT, default=1,
+                   help="samples per prompt, at most 1024 (forked; each labelled)")
     s.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="a stop string: the sample ends where its text shows it (not printed); "
                         "repeat for several (needs a tokenizer; default: none)")

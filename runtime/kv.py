@@ -25,7 +25,7 @@ from vmemkv.scheduler.tables import TableTracker, tracker_for
 from .cache import KVCache, PagedKVCache, VMemKVCache
 from .config import CacheConfig
 from .errors import CacheConfigError, CacheStateError
-from .memory import check_swap_fits
+from .memory import check_swap_fits, check_tables_fit
 
 CACHE_KINDS = tuple(k.value for k in CacheKind)
 
@@ -135,6 +135,12 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
     model = config.model_spec()
     if CacheKind(kind) is CacheKind.VMEM:
         page_bytes = page_bytes or default_page_bytes(config, layout)
+        largest = max(cache_bytes, max_cache_bytes) if isinstance(max_cache_bytes, int) \
+            else cache_bytes
+        if isinstance(largest, int) and isinstance(page_bytes, int) and page_bytes > 0:
+            check_tables_fit(largest // page_bytes, f"{largest} bytes of {page_bytes}-byte "
+                                                    f"pages: the larger of cache_bytes and "
+                                                    f"max_cache_bytes or a budget's total")
         manager = make_manager("vmem", model, cache_bytes, config.max_context, page_bytes=page_bytes,
                                layout=layout, max_slots=config.max_batch, swap_bytes=swap_bytes,
                                prefix_eviction=prefix_eviction, hybrid_parts=hybrid_parts,

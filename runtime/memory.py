@@ -69,6 +69,20 @@ def check_fits_device(what: str, num_bytes: int, device: torch.device,
                 f"{where} is {limit} bytes ({limit / 2**30:.2f} GiB); {remedy}")
 
 
+# a vmem pool page's tables on the host: the manager's ledger and slot tables, the PagePool's
+# records (tracemalloc: 550-620 bytes a page for pools of 30,000-120,000 pages, 2026-12-06)
+TABLE_BYTES_PER_POOL_PAGE = 1024
+
+
+def check_tables_fit(pool_pages: int, why: str) -> None:
+    """Raise CacheTooLargeError before a vmem manager or pool of ``pool_pages`` page ids is
+    built when their host tables (``TABLE_BYTES_PER_POOL_PAGE`` a page) would not fit the
+    host: they are built for every page id at once, up to ``max_cache_bytes``."""
+    check_fits_device(f"the host tables of {pool_pages} pool pages ({why})",
+                      pool_pages * TABLE_BYTES_PER_POOL_PAGE, torch.device("cpu"),
+                      remedy="lower max_cache_bytes / cache_bytes, or use larger pages")
+
+
 def check_swap_fits(swap_bytes: int, device: torch.device, cache_bytes: int = 0,
                     copies: int = 1) -> None:
     """Raise CacheTooLargeError, before anything is allocated, when the swap space does not fit
@@ -105,4 +119,9 @@ def bytes_from_fraction(fraction: float, device: torch.device) -> int:
     if available is None:
         raise CacheConfigError(f"memory_utilization needs the available memory of {device}, "
                                f"which cannot be read here; pass cache_bytes instead")
-    return int(available * fraction)
+    granted = int(available * fraction)
+    if granted < 1:
+        raise CacheConfigError(f"memory_utilization={fraction} of the {available} bytes "
+                               f"available on {device} is less than a byte; give a larger "
+                               f"fraction or cache_bytes")
+    return granted

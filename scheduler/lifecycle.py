@@ -86,6 +86,21 @@ def end_request(scheduler, request_id: int, status: SeqState) -> List[int]:
     return [q.seq_id for q in seqs]
 
 
+def withdraw_request(scheduler, request_id: int) -> None:
+    """Take back a request ``add_request`` queued that no step has seen (a batch refused part
+    way: its earlier prompts), as if it had never been added: no counter moves, nothing is
+    reported ended."""
+    s = scheduler
+    seqs = [q for q in s.seqs.values() if q.request.request_id == request_id]
+    if not seqs or any(q.state is not SeqState.WAITING or q not in s.waiting for q in seqs):
+        raise SchedulerError(f"request {request_id} cannot be withdrawn: only a request no "
+                             f"step has scheduled can")
+    for seq in seqs:
+        s.waiting.remove(seq)
+        del s.seqs[seq.seq_id]
+    del s._unfinished_samples[request_id]
+
+
 def resize_pool(scheduler, cache_bytes: int, preempt: bool, check_fit: bool, partial: bool):
     """``Scheduler.resize``: the manager's pool set to ``cache_bytes``, preempting from the
     tail of ``running`` (swap or recompute, as a step would) while running sequences hold what

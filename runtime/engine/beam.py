@@ -131,8 +131,8 @@ class BeamSearching:
         self.check_admissible(prompts, [SamplingParams(max_new_tokens=p.max_new_tokens)
                                         for p in per])
         mark = self._mark()
-        ids = [self.add_beam_request(prompt, p, index=i)
-               for i, (prompt, p) in enumerate(zip(prompts, per))]
+        ids = self.add_all(lambda i: self.add_beam_request(prompts[i], per[i], index=i),
+                           len(prompts))
         self.run_until_done()
         outputs = [self.output(rid, pop=True) for rid in ids]
         self.last_stats = self.stats(since=mark, outputs=outputs)

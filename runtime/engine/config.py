@@ -115,9 +115,10 @@ class EngineConfig:
                 self.max_cache_bytes < self.cache_bytes:
             raise EngineConfigError(f"EngineConfig.max_cache_bytes ({self.max_cache_bytes}) is "
                                     f"below cache_bytes ({self.cache_bytes})")
-        if not isinstance(self.self_check, bool):
-            raise EngineConfigError(f"EngineConfig.self_check must be True or False, got "
-                                    f"{self.self_check!r}")
+        for name in ("self_check", "prefix_sharing", "background_mapper", "check_integrity"):
+            if not isinstance(getattr(self, name), bool):
+                raise EngineConfigError(f"EngineConfig.{name} must be True or False, got "
+                                        f"{getattr(self, name)!r}")
         if self.preemption == "swap" and self.swap_bytes == 0:
             raise EngineConfigError("EngineConfig.swap_bytes must be > 0 when preemption='swap'")
         self._check_tensor_parallel()

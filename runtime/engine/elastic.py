@@ -71,6 +71,8 @@ class ElasticMemory:
         EngineSleepingError while asleep (``wake`` first)."""
         self._check_resizable()
         self._check_awake()
+        if not isinstance(preempt, bool):
+            raise CacheResizeError(f"preempt must be True or False, got {preempt!r}")
         if (cache_bytes is None) == (memory_utilization is None):
             raise CacheResizeError("resize_cache takes one of cache_bytes and "
                                    "memory_utilization")
@@ -124,6 +126,8 @@ class ElasticMemory:
     def wake(self) -> int:
         """Take back the memory ``sleep`` gave (with a budget: what it grants, at least this
         engine's minimum) and serve again; returns the cache bytes. Idempotent."""
+        if self._closed:
+            raise EngineClosedError("the engine is closed; its cache is released")
         if not self.is_sleeping:
             return self.cache_bytes
         target = self._asleep_bytes

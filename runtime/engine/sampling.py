@@ -22,6 +22,8 @@ MAX_STOP_TOKEN_IDS = 1024    # stop_token_ids entries at most
 MAX_STOP_STRINGS = 16        # stop strings at most
 MAX_STOP_STRING_CHARS = 1024  # characters per stop string at most
 MAX_LOGIT_BIAS = 1024        # logit_bias entries at most
+MAX_SAMPLES = 1024           # n at most: each sample is a sequence every step copies on its
+                             # savepoint (n=4,000 took 4 s for 2 tokens; send more requests)
 LOGIT_BIAS_RANGE = 100.0     # each bias in [-100, 100], as OpenAI
 PENALTY_RANGE = 2.0          # frequency / presence penalties in [-2, 2], as OpenAI
 FP32_MAX = 3.4028234663852886e38   # temperature and repetition_penalty must stay finite in fp32
@@ -141,7 +143,7 @@ _RULES = (
      and all(_is_int(t) and t >= 0 for t in p.stop_token_ids),
      f"a sequence of at most {MAX_STOP_TOKEN_IDS} int token ids >= 0"),
     ("ignore_eos", lambda p: isinstance(p.ignore_eos, bool), "a bool"),
-    ("n", lambda p: _is_int(p.n) and p.n >= 1, "an int >= 1"),
+    ("n", lambda p: _is_int(p.n) and 1 <= p.n <= MAX_SAMPLES, f"an int in [1, {MAX_SAMPLES}]"),
     ("cache_salt", lambda p: p.cache_salt is None or isinstance(p.cache_salt, str), "a str or None"),
     ("stop", _stops_ok, f"at most {MAX_STOP_STRINGS} non-empty strings of at most "
                         f"{MAX_STOP_STRING_CHARS} characters"),

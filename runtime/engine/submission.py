@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import Iterator, List, Optional, Sequence, Union
 
 from vmemkv.scheduler.errors import RequestTooLargeError
+from vmemkv.scheduler.lifecycle import withdraw_request
 from vmemkv.scheduler.request import Request
 
 from .chat import chat_prompts
-from .errors import EngineClosedError, RequestRejectedError
+from .errors import EngineClosedError, EngineConfigError, RequestRejectedError
 from .outputs import CompletionOutput, RequestOutput, TokenEvent
 from .prompts import check_prompt_batch, check_request_params, encode_prompt
 from .request_state import OnToken, new_request, new_samples
@@ -39,7 +40,12 @@ class RequestSubmission:
         if self._closed:
             raise EngineClosedError("add_request after close(): this engine's cache is released; "
                                     "build a new Engine")
-        params = sampling or SamplingParams()
+        params = SamplingParams() if sampling is None else sampling
+        if not isinstance(params, SamplingParams):
+            raise EngineConfigError(f"sampling must be a SamplingParams or None, got "
+                                    f"{type(params).__name__} {str(params)[:60]}")
+        if on_token is not None and not callable(on_token):
+            raise EngineConfigError(f"on_token must be callable or None, got {on_token!r}")
         ids, text = self._encode(prompt, index)
         check_request_params(params, self.tokenizer, self.vocab_size, index)
         stops = params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
@@ -74,6 +80,7 @@ class RequestSubmission:
         for i, (prompt, params) in enumerate(zip(prompts, per_prompt(prompts, sampling))):
             self.adapters.ref(params.lora, i)    # a name no adapter has: refused, nothing runs
             ids, _ = self._encode(prompt, i)
+            check_request_params(params, self.tokenizer, self.vocab_size, i)
             if len(ids) + params.max_new_tokens > limit:
                 raise RequestRejectedError(
                     f"prompt {i} rejected: {len(ids)} prompt + {params.max_new_tokens} new tokens "
@@ -117,4 +124,31 @@ class RequestSubmission:
         check_prompt_batch(prompts)
         params = per_prompt(prompts, sampling)
         self.check_admissible(prompts, params)
-        return [self.add_request(p, s, on_token, index=i) for i, (p, s) in enumerate(zip(prompts, params))]
+        return self.add_all(lambda i: self.add_request(prompts[i], params[i], on_token, index=i),
+                            len(prompts))
+
+    def add_all(self, add, count: int) -> List[int]:
+        """``add(i)`` for i in range(count), all or nothing: what only the scheduler can tell
+        (a beam group or an adapter that never fits beside its prompt) refuses a later prompt
+        after earlier ones were queued, and those are withdrawn (as is everything on an
+        interrupt) before the error goes on."""
+        ids: List[int] = []
+        try:
+            for i in range(count):
+                ids.append(add(i))
+        except BaseException:
+            for rid in ids:
+                self._withdraw(rid)
+            raise
+        return ids
+
+    def _withdraw(self, rid: int) -> None:
+        """Forget a request no step has seen, as if never added."""
+        withdraw_request(self.scheduler, rid)
+        state = self._requests.pop(rid)
+        for seq_id in state.seq_ids:
+            self._samples.pop(seq_id, None)
+            self._prompt_logprobs.pop(seq_id, None)
+            self._beams.group_of.pop(seq_id, None)
+        self._beams.groups.pop(rid, None)
+        self._prompt_tokens -= len(state.output.prompt_token_ids)

@@ -52,6 +52,8 @@ GENERATE_CLI_CASES = [
     ("top-k", ["--prompts", "{good}", "--top-k", "-1"], ["argument --top-k: must be >= 0, got -1"]),
     ("top-p", ["--prompts", "{good}", "--top-p", "0"], ["argument --top-p: must be in (0, 1], got 0"]),
     ("n", ["--prompts", "{good}", "--n", "0"], ["argument --n: must be >= 1, got 0"]),
+    ("seed-past-int64", ["--prompts", "{good}", "--seed", "100000000000000000000000"],
+     ["argument --seed: must be in [0, 9223372036854775807]"]),
     ("max-batch", ["--prompts", "{good}", "--max-batch", "0"], ["argument --max-batch: must be >= 1, got 0"]),
     ("max-context", ["--prompts", "{good}", "--max-context", "1"], ["EngineConfig.max_context", ">= 2", "1"]),
     ("block-size", ["--prompts", "{good}", "--cache", "paged", "--block-size", "0"],

@@ -13,7 +13,7 @@ import torch
 
 from vmemkv.runtime.engine import Engine, EngineConfig, SamplingParams
 from vmemkv.runtime.engine.errors import EngineConfigError, EngineError, RequestRejectedError
-from vmemkv.runtime.errors import CacheTooLargeError, RuntimeKVError
+from vmemkv.runtime.errors import CacheConfigError, CacheTooLargeError, RuntimeKVError
 from vmemkv.runtime.attention.errors import UnknownBackendError
 from vmemkv.scheduler.errors import ConfigError
 
@@ -76,7 +76,8 @@ SAMPLING_CASES = [
     ("top-k-type", dict(top_k=1.5), ["SamplingParams.top_k", "an int >= 0", "1.5"]),
     ("top-p-zero", dict(top_p=0.0), ["SamplingParams.top_p", "(0, 1]", "0.0"]),
     ("top-p-above-one", dict(top_p=1.5), ["SamplingParams.top_p", "(0, 1]", "1.5"]),
-    ("n", dict(n=0), ["SamplingParams.n", "an int >= 1", "got 0"]),
+    ("n", dict(n=0), ["SamplingParams.n", "an int in [1, 1024]", "got 0"]),
+    ("n-huge", dict(n=10**20), ["SamplingParams.n", "an int in [1, 1024]", "got 100000000000000000000"]),
     ("seed", dict(seed=1.5), ["SamplingParams.seed", "an int or None", "1.5"]),
     ("temperature-type", dict(temperature="hot"), ["SamplingParams.temperature", "'hot'"]),
     ("stop-token-type", dict(stop_token_ids=("eos",)), ["SamplingParams.stop_token_ids", "'eos'"]),
@@ -294,6 +295,28 @@ def test_a_budget_far_above_the_host_is_refused_with_the_numbers_before_any_page
     assert driver.calls["create_pages"] == 0 and driver.calls["reserve"] == 0
 
 
+@pytest.mark.parametrize("how", ["max_cache_bytes", "a memory budget"])
+def test_a_pool_ceiling_far_above_the_host_is_refused_before_any_table(model, how):
+    """The vmem manager and pool build tables for every page id up to ``max_cache_bytes`` (or
+    a shared budget's total) at once, about 600 bytes a page: 10 TB of 64 KiB pages was an OOM
+    kill at 24 GB. Now refused first, naming the ceiling, having built nothing."""
+    import tracemalloc
+
+    from vmemkv.scheduler.budget import MemoryBudget
+    options = (dict(max_cache_bytes=10**13) if how == "max_cache_bytes" else
+               dict(memory_budget=MemoryBudget(total_bytes=10**13), cache_bytes=2**20))
+    tracemalloc.start()
+    try:
+        with pytest.raises(CacheTooLargeError) as info:
+            Engine(model, page_bytes=65536, **options)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert_words(info.value, ["host tables of 152587890 pool pages", "max_cache_bytes",
+                              str(mem_total())])
+    assert peak < 64 * 2**20
+
+
 @pytest.fixture
 def available_40k(monkeypatch):
     """Pretend the host has 40,000 bytes available (its total is untouched)."""
@@ -328,6 +351,9 @@ MEMORY_UTILIZATION_CASES = [
     ("with-cache-bytes", dict(memory_utilization=0.5, cache_bytes=1 << 20),
      ["cache_bytes (1048576)", "memory_utilization (0.5)", "exclusive"]),
     ("self-check-not-bool", dict(self_check="no"), ["EngineConfig.self_check", "'no'"]),
+    ("prefix-sharing-not-bool", dict(prefix_sharing="yes"), ["EngineConfig.prefix_sharing", "'yes'"]),
+    ("mapper-not-bool", dict(background_mapper=1), ["EngineConfig.background_mapper", "1"]),
+    ("integrity-not-bool", dict(check_integrity="x"), ["EngineConfig.check_integrity", "'x'"]),
 ]
 
 
@@ -336,6 +362,25 @@ def test_memory_utilization_and_self_check_are_validated(fields, words):
     with pytest.raises(EngineConfigError) as info:
         EngineConfig(**fields)
     assert_words(info.value, words)
+
+
+def test_a_memory_utilization_of_less_than_a_byte_names_it(model):
+    with pytest.raises(CacheConfigError) as info:
+        Engine(model, memory_utilization=1e-300)
+    assert_words(info.value, ["memory_utilization=1e-300", "less than a byte"])
+
+
+def test_add_request_arguments_of_the_wrong_type_are_refused_and_change_nothing(engine):
+    """A dict for the SamplingParams was an AttributeError; a non-callable on_token was
+    accepted and then raised out of every step."""
+    before = engine_state(engine)
+    for args, words in ((([1, 2], {"max_new_tokens": 4}), ["sampling must be a SamplingParams",
+                                                          "dict"]),
+                        (([1, 2], None, 5), ["on_token must be callable", "5"])):
+        with pytest.raises(EngineConfigError) as info:
+            engine.add_request(*args)
+        assert_words(info.value, words)
+        assert engine_state(engine) == before
 
 
 def test_generate_cli_refuses_a_cache_far_above_the_host(tmp_path, capsys):
