@@ -144,6 +144,10 @@ class BeamSearching:
             raise BeamSearchParamsError(
                 f"BeamSearchParams.beam_width {params.beam_width} exceeds max_batch "
                 f"{self.config.max_batch}: a beam group runs its beams in one step", "beam_width")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise BeamSearchParamsError(f"BeamSearchParams.stop_token_ids {bad[:5]} lie outside "
+                                        f"the vocabulary [0, {self.vocab_size})", "stop_token_ids")
         keep = candidates_per_step(params.beam_width, len(self._beam_stop_ids(params)))
         if keep > self.vocab_size:
             raise BeamSearchParamsError(

@@ -77,11 +77,14 @@ def check_prompt_batch(prompts) -> None:
 
 def check_request_params(params, tokenizer, vocab_size: int, index: int) -> None:
     """RequestRejectedError naming the field when ``params`` asks for what this engine cannot
-    give: stop strings without a tokenizer, a logit_bias on ids outside the vocabulary."""
+    give: stop strings without a tokenizer, a logit_bias or stop_token_ids on ids outside the
+    vocabulary."""
     if params.stop and tokenizer is None:
         raise RequestRejectedError(f"prompt {index}: stop strings need a tokenizer and the engine "
                                    f"has none; use stop_token_ids", index, "stop")
-    bad = [t for t, _ in params.logit_bias if t >= vocab_size]
-    if bad:
-        raise RequestRejectedError(f"prompt {index}: logit_bias names token ids {bad[:5]} outside "
-                                   f"the vocabulary [0, {vocab_size})", index, "logit_bias")
+    for field, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                       ("stop_token_ids", params.stop_token_ids)):
+        bad = [t for t in ids if t >= vocab_size]    # (a stop id past it could never match)
+        if bad:
+            raise RequestRejectedError(f"prompt {index}: {field} names token ids {bad[:5]} "
+                                       f"outside the vocabulary [0, {vocab_size})", index, field)

@@ -10,7 +10,8 @@ import stat
 import pytest
 
 from vmemkv.runtime.engine import Engine, SamplingParams
-from vmemkv.runtime.engine.errors import EngineConfigError, EngineSleepingError
+from vmemkv.runtime.engine.errors import (EngineClosedError, EngineConfigError,
+                                          EngineSleepingError)
 from vmemkv.scheduler.budget import MemoryBudget
 from vmemkv.scheduler.errors import CacheResizeError
 
@@ -81,6 +82,8 @@ def test_a_refused_resize_changes_nothing_and_names_the_bytes():
             engine.resize_cache(256 * KiB)
         with pytest.raises(CacheResizeError, match="one of cache_bytes and memory_utilization"):
             engine.resize_cache()
+        with pytest.raises(CacheResizeError, match="preempt must be True or False, got 'no'"):
+            engine.resize_cache(0, preempt="no")          # was true: it preempted
         assert engine_state(engine) == before and engine.cache_bytes == 128 * KiB
         # a waiting request that would no longer fit refuses the shrink too
         engine.add_request(list(range(60)), SamplingParams(max_new_tokens=4))
@@ -122,6 +125,9 @@ def test_sleep_gives_every_page_back_and_wake_serves_the_same_tokens():
         engine.run_until_done()
         out = [engine.output(r, pop=True) for r in ids + [late]]
     assert tokens(out) == hf_greedy("tiny-llama", batch + [batch[0]], 24, ignore_eos=True)
+    for call in (engine.sleep, engine.wake):           # wake() answered a closed engine
+        with pytest.raises(EngineClosedError):
+            call()
 
 
 def test_two_models_share_one_budget_and_the_idle_one_gives_pages_back():

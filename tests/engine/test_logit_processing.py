@@ -101,3 +101,18 @@ def test_logit_bias_outside_the_vocabulary_is_refused():
         with pytest.raises(RequestRejectedError, match="logit_bias"):
             engine.add_request([1, 2], SamplingParams(logit_bias={VOCAB: 1.0}))
         assert not engine.has_unfinished()
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused():
+    """A stop id past the vocabulary can never be sampled: a client's mistake, refused by name
+    as logit_bias's is (it was taken silently), for sampling and beam search alike."""
+    from vmemkv.runtime.engine import BeamSearchParams, RequestRejectedError
+    from vmemkv.runtime.engine.errors import BeamSearchParamsError
+    with Engine(model(), max_batch=2, max_context=32) as engine:
+        with pytest.raises(RequestRejectedError, match=r"stop_token_ids names token ids \[256\]") as info:
+            engine.add_request([1, 2], SamplingParams(stop_token_ids=[5, VOCAB]))
+        assert info.value.field == "stop_token_ids"
+        with pytest.raises(BeamSearchParamsError, match="stop_token_ids"):
+            engine.beam_search([[1, 2]], BeamSearchParams(2, max_new_tokens=2,
+                                                          stop_token_ids=(10**23,)))
+        assert not engine.has_unfinished()
