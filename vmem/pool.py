@@ -3,14 +3,13 @@ given back to the device and re-created page by page.
 
 Eager (the default): every page is created with the pool (one ``create_pages`` call), so
 mapping never pays for creation. ``grow=True``: a page is created when first mapped, in chunks
-(a quarter of what was created, at least 16 pages). ``extend`` adds ids at the end, created the
-same way. ``discard`` gives pages' memory back (ids stay allocated or free, bytes are lost);
-mapping one again, or ``recommit``, re-creates exactly that page (a map whose driver call then
-fails leaves it re-created); ``committed_pages=k`` starts ids k.. discarded. Every creation is
-checked against the device's available memory first (``InsufficientMemoryError``, nothing
-created). A page's mappings are counted from its open ranges' records (one truth, so no
-interrupt can part a count from a record); a page mapped somewhere cannot be released or
-discarded.
+(a quarter of what was created, at least 16 pages; the page alone when a chunk does not fit).
+``extend`` adds ids at the end, created the same way. ``discard`` gives pages' memory back (ids
+stay allocated or free, bytes are lost); mapping one again, or ``recommit``, re-creates exactly
+that page; ``committed_pages=k`` starts ids k.. discarded. Every creation is checked against
+the device's available memory first (``InsufficientMemoryError``, nothing created). A page's
+mappings are counted from its open ranges' records (one truth: no interrupt can part a count
+from a record); a page mapped somewhere cannot be released or discarded.
 
 Threads: a pool and its ranges share one lock (``threading.RLock``) held across every call
 (its cost, map + unmap with and without it, is a ratio ``benchmarks/alloc.py`` prints: 1.02x
@@ -27,7 +26,7 @@ from . import forks
 from .driver import Driver
 from .errors import (ClosedError, InsufficientMemoryError, PageStateError, PoolExhaustedError,
                      VMemConfigError)
-from .host import meminfo_bytes
+from .host import address_space_left_bytes, meminfo_bytes
 
 MIN_GROWTH_PAGES = 16
 RECORD_BYTES = 512    # a page's records on the host, any driver (tracemalloc: 280-350 bytes)
@@ -178,7 +177,7 @@ class PagePool:
             for page_id in ids:
                 if self.is_free(page_id):
                     raise PageStateError(f"page {page_id} is already free (released twice?)")
-                self._check_unmapped(page_id, counts)
+                _check_unmapped(page_id, counts)
             for page_id in ids:
                 self._is_free[page_id] = True
                 self._free.append(page_id)
@@ -206,7 +205,7 @@ class PagePool:
                                  f"it on first mapping); there is no memory to discard")
         if page_id in self._discarded:
             raise PageStateError(f"page {page_id} is already discarded (discarded twice?)")
-        self._check_unmapped(page_id, counts)
+        _check_unmapped(page_id, counts)
 
     def recommit(self, pages: Union[int, Iterable[int]]) -> None:
         """Re-create the memory of discarded page ids, all or none (one driver call): each must
@@ -230,6 +229,7 @@ class PagePool:
         with self._lock:
             self._check_usable()
             _check_count(num_pages, "extend takes a page count")
+            _check_records(num_pages)     # before any list of num_pages is built
             new = list(range(self.total_pages, self.total_pages + num_pages))
             if new and not self.grow:
                 self._create(num_pages)
@@ -250,7 +250,13 @@ class PagePool:
         if self._slot[page_id] is None:     # on demand: create (a chunk) on first mapping
             if not self._stock:
                 left = self.total_pages - self._created
-                self._create(min(left, max(MIN_GROWTH_PAGES, self._created // 4)))
+                chunk = min(left, max(MIN_GROWTH_PAGES, self._created // 4))
+                try:
+                    self._create(chunk)
+                except InsufficientMemoryError:
+                    if chunk == 1:
+                        raise
+                    self._create(1)       # the chunk does not fit: this page alone
             self._bind([page_id])
         elif page_id in self._discarded:    # exactly this page, not a chunk
             self._recreate([page_id])
@@ -310,15 +316,12 @@ class PagePool:
             self.driver.release_pages(live, discarded=gone)
 
     def __del__(self) -> None:
-        """Dropped without ``close()``: destroy every page. Nothing can map a page any more (a
-        range holds its pool), and a range dropped in the same garbage unmaps its own addresses;
-        both drivers free a page's memory once its last mapping goes (memfd: the mapping keeps
-        the file's pages; cuMemRelease: freed when unmapped). Never raises."""
+        """Dropped without ``close()``: destroy every page (a range in the same garbage unmaps
+        its own; memfd and cuMemRelease free memory at its last unmap). Never raises."""
         try:
-            if self._closed or self._forked:
-                return
-            self._closed = True
-            self._release_batches()
+            if not (self._closed or self._forked):
+                self._closed = True
+                self._release_batches()
         except BaseException:       # interpreter shutdown, a failing driver: nothing to report to
             pass
 
@@ -344,15 +347,10 @@ class PagePool:
             raise forks.forked_error("page pool")
 
     def _check_id(self, page_id: int) -> None:
-        if not isinstance(page_id, int) or not 0 <= page_id < len(self._slot):
+        if isinstance(page_id, bool) or not isinstance(page_id, int) or \
+                not 0 <= page_id < len(self._slot):
             raise PageStateError(f"page id {page_id!r} outside the pool's "
                                  f"0..{len(self._slot) - 1}")
-
-    @staticmethod
-    def _check_unmapped(page_id: int, counts: Counter) -> None:
-        if counts[page_id]:
-            raise PageStateError(f"page {page_id} is still mapped at {counts[page_id]} "
-                                 f"address(es); unmap it first")
 
     def __enter__(self) -> "PagePool":
         return self
@@ -369,13 +367,23 @@ class PagePool:
 def _check_count(num_pages: int, what: str, least: int = 0, most: Optional[int] = None) -> None:
     if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < least \
             or (most is not None and num_pages > most):
-        bound = f">= {least}" if most is None else f"in {least}..{most}"
-        raise VMemConfigError(f"{what} {bound}, got {num_pages!r}")
+        raise VMemConfigError(f"{what} {f'>= {least}' if most is None else f'in {least}..{most}'}"
+                              f", got {num_pages!r}")
+
+
+def _check_unmapped(page_id: int, counts: Counter) -> None:
+    if counts[page_id]:
+        raise PageStateError(f"page {page_id} is still mapped at {counts[page_id]} address(es); "
+                             f"unmap it first")
 
 
 def _id_list(pages: Union[int, Iterable[int]]) -> list[int]:
     """One id or an iterable of them, as a list; PageStateError when one is named twice."""
-    ids = [pages] if isinstance(pages, int) else list(pages)
+    try:
+        ids = [pages] if isinstance(pages, int) else list(pages)
+    except TypeError:
+        raise PageStateError(f"pages must be a page id or an iterable of them, got "
+                             f"{pages!r}") from None
     if len(set(ids)) != len(ids):
         raise PageStateError(f"page ids {ids[:8]} name a page twice")
     return ids
@@ -383,8 +391,10 @@ def _id_list(pages: Union[int, Iterable[int]]) -> list[int]:
 
 def _check_records(num_pages: int) -> None:
     """InsufficientMemoryError when the pool's records alone (``RECORD_BYTES`` a page, host
-    memory on every driver) would not fit the host's MemAvailable."""
-    need, available = num_pages * RECORD_BYTES, meminfo_bytes("MemAvailable")
+    memory on every driver) would not fit what the host has available."""
+    need, available = num_pages * RECORD_BYTES, min(   # MemAvailable, and ulimit -v's bound
+        (b for b in (meminfo_bytes("MemAvailable"), address_space_left_bytes()) if b is not None),
+        default=None)
     if available is not None and need > available:
         raise InsufficientMemoryError(
             f"a pool of {num_pages} pages keeps about {need} bytes ({need / 2**30:.2f} GiB) of "

@@ -81,6 +81,9 @@ class VirtualRange:
         """After ``map(page_index, ...)`` however far it got: nothing mapped there (a mapping
         the driver made but the range had not yet recorded is unmapped too)."""
         with self._lock:
+            self._check_index(page_index)
+            if self._forked:      # a forked child's map was refused before it did anything
+                return
             if page_index in self._mapped:
                 self.unmap(page_index)
             else:
@@ -89,6 +92,9 @@ class VirtualRange:
     def undo_unmap(self, page_index: int, page_id: int) -> None:
         """After ``unmap(page_index)`` of ``page_id`` however far it got: mapped again."""
         with self._lock:
+            self._check_index(page_index)
+            if self._forked:      # as was its unmap
+                return
             if self._mapped.get(page_index) != page_id:
                 self._unmap_unrecorded(page_index)
                 self.map(page_index, page_id)
@@ -266,7 +272,8 @@ class VirtualRange:
         self._check_open()
         if use:
             self._check_not_forked()
-        if not isinstance(page_index, int) or not 0 <= page_index < self.num_pages:
+        if isinstance(page_index, bool) or not isinstance(page_index, int) or \
+                not 0 <= page_index < self.num_pages:
             raise PageIndexError(f"page index {page_index!r} outside the range's "
                                  f"0..{self.num_pages - 1}")
 

@@ -29,16 +29,16 @@ class LowMemoryDriver(FaultInjectingDriver):
 @pytest.mark.parametrize("grow", [False, True], ids=["eager", "on-demand"])
 def test_a_pool_above_available_memory_is_refused_before_any_page(grow):
     driver = FaultInjectingDriver(HostDriver())
-    if grow:   # on demand, the refusal comes at the first growth past what is available
-        driver = LowMemoryDriver(HostDriver(), available=3 * 2 * MiB)
+    if grow:   # on demand, the refusal comes at the first page past what is available
+        driver = LowMemoryDriver(HostDriver(), available=1 * MiB)
     with pytest.raises(vmem.InsufficientMemoryError) as info:
         pool = vmem.PagePool(driver, 10**6, 2 * MiB, grow=grow)
         rng = vmem.VirtualRange(pool, 2 * MiB)
         rng.map(0, pool.allocate(1)[0])
     assert isinstance(info.value, MemoryError)
     message = str(info.value)
-    if grow:
-        assert "16 pages of 2097152 bytes" in message and "6291456 bytes" in message
+    if grow:   # the 16-page chunk did not fit, nor did the page alone
+        assert "1 pages of 2097152 bytes" in message and "1048576 bytes" in message
     else:
         assert "1000000 pages of 2097152 bytes" in message and str(10**6 * 2 * MiB) in message
     assert "available" in message
@@ -48,6 +48,20 @@ def test_a_pool_above_available_memory_is_refused_before_any_page(grow):
         rng.close()
         pool.release(0)
         pool.close()
+
+
+def test_a_growth_chunk_that_does_not_fit_creates_the_page_alone():
+    """On demand, a first mapping creates a chunk of 16 pages; with room for three it was
+    refused ("creating 16 pages ... ask for fewer pages", for one page asked); now the page
+    alone is created, and only a page that does not fit is refused."""
+    driver = LowMemoryDriver(HostDriver(), available=3 * 2 * MiB)
+    with vmem.PagePool(driver, 64, 2 * MiB, grow=True) as pool, \
+            vmem.VirtualRange(pool, 2 * MiB) as rng:
+        page = pool.allocate(1)[0]
+        rng.map(0, page)
+        assert pool.committed_pages == 1 and rng.is_mapped(0)
+        rng.unmap(0)
+        pool.release(page)
 
 
 @pytest.mark.parametrize("committed", [None, 0], ids=["eager", "discarded"])
@@ -68,6 +82,24 @@ def test_a_pool_is_refused_before_its_records_are_built(committed):
     finally:
         tracemalloc.stop()
     assert peak < MiB and driver.calls["create_pages"] == 0
+
+
+def test_extending_a_pool_checks_the_new_records_first():
+    """``extend(10**8)`` on a one-page pool built its lists first (856 MiB, then a bare
+    MemoryError under a ulimit; without one it kept allocating): refused as a new pool is."""
+    import tracemalloc
+    with vmem.PagePool(HostDriver(), 1, 4096, grow=True) as pool:
+        tracemalloc.start()
+        try:
+            with pytest.raises(vmem.InsufficientMemoryError, match="a pool of 10000000000 pages"):
+                pool.extend(10**10)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < MiB and pool.total_pages == 1
+        for bad in (True, None, 1.0):       # True was page 1; None and 1.0 a raw TypeError
+            with pytest.raises(vmem.PageStateError):
+                pool.release(bad)
 
 
 def test_an_on_demand_pool_commits_nothing_until_a_page_is_mapped():

@@ -90,6 +90,13 @@ def test_a_map_interrupted_after_its_driver_call_leaves_pool_and_range_agreeing(
         rng.unmap(0)
         rng.unmap(1)
         pool.release([page, other])
+        for bad in (4, -1, True):          # past the range: another range's page, once
+            with pytest.raises(vmem.PageIndexError):
+                rng.undo_map(bad)
+            with pytest.raises(vmem.PageIndexError):
+                rng.undo_unmap(bad, page)
+    with pytest.raises(vmem.ClosedError):  # its address may be another range's by now
+        rng.undo_map(0)
 
 
 def _read_after_close() -> str:
