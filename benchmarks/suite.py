@@ -199,8 +199,13 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
         bar.close()
     marker.wrote(os.path.join(out_dir, "bench.log"))   # in place, whole, however it ended
     payload["wall_s"] = time.perf_counter() - start
-    payload["plots"] = [marker.wrote(p) for p in _plots(payload, out_dir)] \
-        if plots and not payload["interrupted"] else []
+    payload["plots"] = []
+    if plots and not payload["interrupted"]:
+        try:          # a Ctrl-C while plotting still writes bench.json, every section in it
+            for path in _plots(payload, out_dir):
+                payload["plots"].append(marker.wrote(path))
+        except KeyboardInterrupt:
+            payload["interrupted"] = True
     marker.wrote(_finish(payload, sections, out_dir))
     marker.finish("interrupted" if payload["interrupted"] else None)
     if payload["interrupted"]:

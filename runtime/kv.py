@@ -25,7 +25,7 @@ from vmemkv.scheduler.tables import TableTracker, tracker_for
 from .cache import KVCache, PagedKVCache, VMemKVCache
 from .config import CacheConfig
 from .errors import CacheConfigError, CacheStateError
-from .memory import check_swap_fits, check_tables_fit
+from .memory import TABLE_BYTES_PER_BLOCK, check_swap_fits, check_tables_fit
 
 CACHE_KINDS = tuple(k.value for k in CacheKind)
 
@@ -149,6 +149,11 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
     else:
         if max_cache_bytes not in (None, cache_bytes):
             raise CacheConfigError("max_cache_bytes needs the vmem cache (only its pool resizes)")
+        block_bytes = block_size * config.bytes_per_token if isinstance(block_size, int) else 0
+        if isinstance(cache_bytes, int) and block_bytes > 0:
+            check_tables_fit(cache_bytes // block_bytes, f"{cache_bytes} bytes of "
+                             f"{block_bytes}-byte blocks: cache_bytes",
+                             TABLE_BYTES_PER_BLOCK, "blocks")
         manager = make_manager("paged", model, cache_bytes, config.max_context,
                                block_size_tokens=block_size, swap_bytes=swap_bytes,
                                prefix_eviction=prefix_eviction,

@@ -72,15 +72,17 @@ def check_fits_device(what: str, num_bytes: int, device: torch.device,
 # a vmem pool page's tables on the host: the manager's ledger and slot tables, the PagePool's
 # records (tracemalloc: 550-620 bytes a page for pools of 30,000-120,000 pages, 2026-12-06)
 TABLE_BYTES_PER_POOL_PAGE = 1024
+TABLE_BYTES_PER_BLOCK = 256   # a paged manager's block (tracemalloc: 64-72 bytes, 2026-12-06)
 
 
-def check_tables_fit(pool_pages: int, why: str) -> None:
-    """Raise CacheTooLargeError before a vmem manager or pool of ``pool_pages`` page ids is
-    built when their host tables (``TABLE_BYTES_PER_POOL_PAGE`` a page) would not fit the
-    host: they are built for every page id at once, up to ``max_cache_bytes``."""
-    check_fits_device(f"the host tables of {pool_pages} pool pages ({why})",
-                      pool_pages * TABLE_BYTES_PER_POOL_PAGE, torch.device("cpu"),
-                      remedy="lower max_cache_bytes / cache_bytes, or use larger pages")
+def check_tables_fit(units: int, why: str, unit_bytes: int = TABLE_BYTES_PER_POOL_PAGE,
+                     unit: str = "pool pages") -> None:
+    """Raise CacheTooLargeError before a manager (and pool) of ``units`` page ids or blocks
+    is built when their host tables (``unit_bytes`` each) would not fit the host: they are
+    built for every id at once, up to ``max_cache_bytes`` (vmem)."""
+    check_fits_device(f"the host tables of {units} {unit} ({why})", units * unit_bytes,
+                      torch.device("cpu"), remedy="lower max_cache_bytes / cache_bytes, or use "
+                                                  "larger pages or blocks")
 
 
 def check_swap_fits(swap_bytes: int, device: torch.device, cache_bytes: int = 0,

@@ -15,7 +15,7 @@ from typing import Optional
 from vmemkv.runtime.memory import available_memory_bytes, bytes_from_fraction, check_fits_device
 from vmemkv.scheduler.errors import CacheResizeError
 
-from .errors import EngineClosedError, EngineSleepingError
+from .errors import EngineClosedError, EngineSleepingError, TensorParallelError
 
 
 def budget_share_for(budget, cfg, cache_bytes: int, name: str):
@@ -103,7 +103,11 @@ class ElasticMemory:
                                   self.cache_config.torch_device)
             except Exception as error:
                 raise CacheResizeError(str(error)) from None
-        self._txn.run(lambda: self.scheduler.resize(cache_bytes, preempt, check_fit, partial))
+        try:
+            self._txn.run(lambda: self.scheduler.resize(cache_bytes, preempt, check_fit, partial))
+        except TensorParallelError:
+            self.close()          # a rank died or hung, as in step (run rolled back first)
+            raise
         self.resizes += 1
         if self.memory_share is not None:
             self.memory_share.settle(mgr.cache_bytes)

@@ -37,7 +37,7 @@ from .config import (EngineConfig, cache_budget_bytes, cache_config_for, check_e
                      kv_scales_for, resolved_layout)
 from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine, kv_heads_per_rank,
                               rank_kv_scales, start_tensor_parallel)
-from .errors import EngineConfigError, TensorParallelError
+from .errors import EngineClosedError, EngineConfigError, TensorParallelError
 from .lifecycle import RequestLifecycle
 from .adapters import EngineAdapters
 from .beam import BeamSearches, BeamSearching
@@ -170,7 +170,20 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
 
     # ---- running -------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a step has work to do (never after ``close``)."""
+        return not self._closed and self.scheduler.has_unfinished()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def abandon(self) -> None:
+        """A tensor-parallel rank died or hung: the open step is rolled back here and the
+        engine closed (every rank's memory and process go)."""
+        try:
+            self._txn.rollback()
+        finally:
+            self.close()
 
     def step(self) -> List[TokenEvent]:
         """Run one scheduler step as a transaction; returns the tokens it produced, in plan order.
@@ -186,6 +199,9 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         ``RequestOutput.error`` set) and the step returns normally. Otherwise the exception
         (PlanExecutionError for a plan) is raised with every request intact. ``on_token``
         callbacks run after the step is recorded (``request_state.deliver``)."""
+        if self._closed:
+            raise EngineClosedError("step after close(): this engine's cache is released (a "
+                                    "tensor-parallel rank that died closes it)")
         if self.is_sleeping:
             return []                          # asleep: requests wait for wake()
         self.rebalance_memory()
@@ -208,7 +224,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
                 return []
             raise
         except TensorParallelError:
-            self.close()   # a rank died or hung: every rank's memory and process go now
+            self.abandon()   # a rank died or hung: every rank's memory and process go now
             raise
         except BaseException as error:
             if self._step_failed(plan, logits, drawing, error):
@@ -333,7 +349,9 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         ``SamplingParams.lora``. Its weights go into the KV cache's pool when a request needs
         them and leave it when idle and KV needs the pages. Refused by name (EngineConfigError
         or a LoraError, nothing changed): a taken name without ``replace``, an unsupported
-        adapter, one larger than the pool."""
+        adapter, one larger than the pool; EngineClosedError after ``close``."""
+        if self._closed:
+            raise EngineClosedError("add_lora after close(): this engine's cache is released")
         self.adapters.add(name, path, replace=replace)
 
     def remove_lora(self, name: str) -> None:

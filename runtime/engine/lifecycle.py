@@ -48,7 +48,8 @@ from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.plan import StepPlan
 from vmemkv.scheduler.request import SeqState
 
-from .errors import RequestEndedError, TensorParallelError, UnknownRequestError
+from .errors import (EngineClosedError, RequestEndedError, TensorParallelError,
+                     UnknownRequestError)
 from .outputs import RequestError, RequestOutput, TokenEvent
 from .sampler import restore_generators
 
@@ -232,6 +233,9 @@ class RequestLifecycle:
         if not state.remaining:
             raise RequestEndedError(f"request {request_id} has already ended "
                                     f"({state.output.status}); there is nothing to abort")
+        if self._closed:
+            raise EngineClosedError(f"abort({request_id}) after close(): this engine's cache "
+                                    f"is released")
         self._end_request(request_id, SeqState.ABORTED)
         return state.output
 

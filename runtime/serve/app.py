@@ -85,7 +85,7 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
                              lambda: _chat(request, server, served, drain))
 
     add_admin_routes(app, server)
-    add_lora_routes(app, server, lora_root)
+    add_lora_routes(app, server, lora_root, served.name)
     return app
 
 

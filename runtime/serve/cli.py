@@ -120,6 +120,10 @@ def run(args) -> int:
     name = args.served_model_name or served_model_name(args.model)
     if args.lora_root is not None and not os.path.isdir(args.lora_root):
         raise generate_cli.GenerateUsageError(f"--lora-root {args.lora_root!r} is not a folder")
+    taken = [lora_name for lora_name, _ in args.lora if lora_name == name]
+    if taken:        # its requests would get the base model
+        raise generate_cli.GenerateUsageError(f"--lora {taken[0]}=...: {taken[0]!r} is the "
+                                              f"served model's id; name the adapter otherwise")
     with generate_cli._engine(Engine, model, tokenizer, args) as engine:
         for lora_name, lora_path in args.lora:
             engine.add_lora(lora_name, lora_path)

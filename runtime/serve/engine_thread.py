@@ -263,6 +263,9 @@ class EngineThread:
                               len(self._live))
                 for request_id in list(self._live):
                     self._abort(request_id, "failed", f"{type(error).__name__}: {error}")
+                if self.engine.closed:   # a rank died and closed it: nothing left to serve
+                    self._stopping = True
+                    return
             self._end_failed()
             self._refresh_gauges()
         finally:
@@ -292,7 +295,9 @@ class EngineThread:
             self.engine.abort(request_id)
         except RequestEndedError:   # it ended in the step that just ran
             pass
-        self._end(request_id, status, error)
+        except Exception:   # noqa: BLE001 -- the engine is closed (a tensor-parallel rank died)
+            log.debug("abort of request %d on a closed engine", request_id, exc_info=True)
+        self._end(request_id, status, error)   # its client hears of it whatever happened
 
     def _end_failed(self) -> None:
         """Requests the engine ended "failed" by themselves end here too."""

@@ -44,6 +44,8 @@ class UnloadLoraRequest(BaseModel):
 
 def adapter_path(root: Optional[Path], lora_path: str) -> Path:
     """``lora_path`` resolved inside ``root`` (links followed), or ApiError 400 naming it."""
+    if "\x00" in lora_path:          # (resolve raised ValueError on it: a 500)
+        raise ApiError(400, "lora_path holds a NUL byte", "lora_path")
     path = (root / lora_path).resolve()
     if path != root and root not in path.parents:
         raise ApiError(400, f"lora_path must lie inside the server's --lora-root; "
@@ -51,8 +53,10 @@ def adapter_path(root: Optional[Path], lora_path: str) -> Path:
     return path
 
 
-def add_lora_routes(app: FastAPI, server: EngineThread, lora_root: Optional[Path]) -> None:
-    """The routes above on ``app`` (``lora_root``: None turns runtime loading off)."""
+def add_lora_routes(app: FastAPI, server: EngineThread, lora_root: Optional[Path],
+                    served_name: str = "") -> None:
+    """The routes above on ``app`` (``lora_root``: None turns runtime loading off;
+    ``served_name``: the base model's id, which no adapter may take)."""
     root = None if lora_root is None else Path(lora_root).resolve()
 
     def enabled() -> Path:
@@ -65,6 +69,9 @@ def add_lora_routes(app: FastAPI, server: EngineThread, lora_root: Optional[Path
     async def load(request: Request) -> dict:
         req = parse_model(await request.body(), LoadLoraRequest)
         path = adapter_path(enabled(), req.lora_path)
+        if req.lora_name == served_name:     # its requests would get the base model
+            raise ApiError(400, f"lora_name {req.lora_name!r} is the served model's id; give "
+                                f"the adapter another name", "lora_name")
 
         def work(engine) -> None:
             if req.lora_name in engine.loras and not req.replace:

@@ -217,3 +217,21 @@ def test_an_idle_machine_gets_no_warning(tmp_path, monkeypatch):
     payload = suite.run_suite(out_dir=str(tmp_path), device="cpu", sections=("engine",),
                               plots=False, progress=False)
     assert payload["warnings"] == [] and payload["interrupted"] is False
+
+
+def test_a_ctrl_c_while_drawing_the_plots_still_writes_bench_json(tmp_path, monkeypatch):
+    """Every section finished, then Ctrl-C landed in matplotlib: bench.json was lost (only
+    bench.log written); now it is written whole, marked interrupted, every section in it."""
+    import json
+
+    from vmemkv.benchmarks import plots
+
+    def interrupted(payload, out_dir):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plots, "write_all", interrupted)
+    code = cli.main(["bench", "--smoke", "--only", "memory", "--out", str(tmp_path),
+                     "--no-progress"])
+    assert code == 130
+    payload = json.loads((tmp_path / "bench.json").read_text())
+    assert payload["interrupted"] and "memory" in payload and payload["plots"] == []

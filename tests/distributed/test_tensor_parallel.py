@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from vmemkv.runtime.distributed import TensorParallelConfigError, TensorParallelError, shard_model
+from vmemkv.runtime.engine.errors import EngineClosedError
 from vmemkv.runtime.engine import Engine, EngineConfigError, SamplingParams
 from vmemkv.runtime.errors import CacheStateError
 
@@ -183,7 +184,7 @@ def test_a_rank_that_dies_or_hangs_raises_and_leaves_no_process_or_memory(fault)
     engine = Engine(model(), max_batch=2, max_context=128, tensor_parallel_size=2, self_check=False,
                     tp_timeout_s=3.0)
     pids = engine.tp.rank_pids
-    engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=50))
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=50))
     engine.step()
     os.kill(pids[0], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
     with pytest.raises(TensorParallelError, match="rank 0: .* failed or waited past"):
@@ -192,6 +193,12 @@ def test_a_rank_that_dies_or_hangs_raises_and_leaves_no_process_or_memory(fault)
     assert all(_gone(p) for p in pids) and not multiprocessing.active_children()
     with pytest.raises(CacheStateError, match="after close"):
         engine.kv.cache.execute([])      # rank 0's memory is released too
+    # closed with its step rolled back: typed refusals (abort was a TransactionStateError, and
+    # the server's engine thread died on it, leaving every stream without an end)
+    assert engine.closed and not engine.has_unfinished()
+    for call in (lambda: engine.abort(rid), engine.step):
+        with pytest.raises(EngineClosedError):
+            call()
     engine.close()   # idempotent after the fault
 
 

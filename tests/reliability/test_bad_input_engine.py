@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from vmemkv.runtime.engine import Engine, EngineConfig, SamplingParams
-from vmemkv.runtime.engine.errors import EngineConfigError, EngineError, RequestRejectedError
+from vmemkv.runtime.engine.errors import (EngineClosedError, EngineConfigError, EngineError,
+                                          RequestRejectedError)
 from vmemkv.runtime.errors import CacheConfigError, CacheTooLargeError, RuntimeKVError
 from vmemkv.runtime.attention.errors import UnknownBackendError
 from vmemkv.scheduler.errors import ConfigError
@@ -420,3 +421,31 @@ def test_a_paged_cache_past_ulimit_v_is_refused_before_anything_is_allocated(mod
                    cache_bytes=4 * 2**30)
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_add_lora_after_close_is_refused_as_every_other_call(model):
+    """add_lora loaded an adapter into a closed engine (add_request and sleep refused)."""
+    eng = Engine(model, max_batch=1, max_context=32)
+    eng.close()
+    with pytest.raises(EngineClosedError):
+        eng.add_lora("a", "/nonexistent")
+    assert eng.loras == []
+
+
+def test_make_kv_refuses_paged_tables_past_the_host_before_building_them():
+    """make_kv("paged", cache_bytes=10**12) built 122 million blocks' lists (2.1 GB, then a
+    bare MemoryError) before anything looked at the host; now refused, nothing built."""
+    import tracemalloc
+
+    from vmemkv.runtime.config import CacheConfig
+    from vmemkv.runtime.kv import make_kv
+    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, max_batch=4, max_context=256)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CacheTooLargeError) as info:
+            make_kv(config, "paged", cache_bytes=10**12)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert_words(info.value, ["host tables of 122070312 blocks", "8192-byte blocks"])
+    assert peak < 16 * 2**20

@@ -27,6 +27,7 @@ class FakeEngine:
         self.scheduler = SimpleNamespace(gauges=lambda: {"num_requests_running": len(self.live)})
         self.adapters = SimpleNamespace(gauges=lambda: {"lora_adapters_loaded": 0})
         self.cache_bytes, self.is_sleeping, self.looks = 4096, False, 0
+        self.closed = False      # Engine.closed: a tensor-parallel rank died and closed it
 
     def sleep(self) -> int:
         released, self.cache_bytes, self.is_sleeping = self.cache_bytes, 0, True
@@ -173,3 +174,30 @@ def test_asleep_the_thread_waits_without_stepping_or_spinning_and_serves_the_que
     thread.stop()
     with pytest.raises(ApiError, match="not running"):
         thread.call(lambda e: None)
+
+
+def test_a_step_that_closed_the_engine_ends_every_live_request_and_stops_the_thread():
+    """A tensor-parallel rank that dies closes the engine inside its step: every live request
+    ends "failed" (its stream gets an error and [DONE]) though the closed engine refuses the
+    abort, and the thread stops, so /health and new requests answer 503 instead of a stream
+    that never ends (the thread used to die on the abort)."""
+    engine = FakeEngine()
+    thread = EngineThread(engine, ServeMetrics("fake"), idle_wait_s=0.01)
+    ended, items = threading.Event(), []
+
+    def rank_died():
+        engine.closed = True
+        raise RuntimeError("rank 1: activation all_reduce failed")
+
+    def closed_abort(request_id):
+        raise RuntimeError("abort after close()")
+
+    engine.step, engine.abort = rank_died, closed_abort
+    thread.start()
+    thread.submit([1], SamplingParams(max_new_tokens=3),
+                  lambda item: (items.append(item), isinstance(item, Ended) and ended.set()), 0.0)
+    assert ended.wait(10)
+    assert items == [Ended("failed", "RuntimeError: rank 1: activation all_reduce failed")]
+    thread._thread.join(10)
+    assert not thread.alive and thread.pending_requests == 0
+    thread.stop()

@@ -121,6 +121,11 @@ def test_load_use_replace_unload_and_every_mistake(adapter_root, tmp_path):
                      key), 400, "lora_path")
         refused(post(server, "/v1/load_lora_adapter", {"lora_name": "y"}, key), 400, "lora_path")
         refused(post(server, "/v1/load_lora_adapter", {**load, "extra": 1}, key), 400, "extra")
+        refused(post(server, "/v1/load_lora_adapter", {"lora_name": "y", "lora_path": "o\x00ne"},
+                     key), 400, "lora_path")                  # a NUL byte: was a 500
+        refused(post(server, "/v1/load_lora_adapter", {"lora_name": "tiny-llama",
+                                                       "lora_path": "one"}, key),
+                400, "lora_name")   # the served model's id: its requests got the base model
         assert post(server, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "two",
                                                       "replace": True}, key).status_code == 200
         second = tokens_of(post(server, "/v1/completions",
