@@ -38,7 +38,7 @@ import time
 
 from vmemkv.benchmarks.common import environment, format_table, median_seconds, print_environment, write_json
 from vmemkv.scheduler.cost import count_map_ops
-from vmemkv.scheduler.cliargs import POSITIVE_INT
+from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
 
 KiB, MiB = 2**10, 2**20
 HOST_PAGE_SIZES = (4 * KiB, 64 * KiB, 2 * MiB)
@@ -336,10 +336,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (seconds, not minutes)")
     parser.add_argument("--pages", type=POSITIVE_INT, default=None, help="pages mapped per repeat")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                        help="cpu or cuda (default: cuda when present)")
+    parser.add_argument("--out", default=None, type=result_file, help="write the results as JSON here")
     args = parser.parse_args(argv)
     from vmemkv.vmem.errors import InsufficientMemoryError
+    import torch
+    if args.device == "cuda" and not torch.cuda.is_available():    # before the host section runs
+        parser.error("--device cuda: no CUDA device is visible to torch here")
     try:
         run(args.quick, args.out, args.pages, args.device)
     except InsufficientMemoryError as error:      # --pages the device cannot hold

@@ -53,7 +53,7 @@ from vmemkv.runtime.attention import fastest_backend, get_backend
 from vmemkv.runtime.errors import CacheTooLargeError
 from vmemkv.runtime.memory import check_fits_device
 from vmemkv.runtime.kv_dtype import KV_CACHE_DTYPES
-from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_INT, thread_count
+from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_INT, thread_count, result_file
 
 # CPU: 8k contexts at batch 32 alone would take minutes on a small host; 4k is the top here.
 CPU_DEFAULTS = dict(batches=[1, 8, 32], contexts=[512, 2048, 4096], heads=32, kv_heads=8,
@@ -243,7 +243,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=NON_NEGATIVE_INT, default=1)
     p.add_argument("--threads", type=thread_count, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)
-    p.add_argument("--out", type=Path, help="write results as JSON here")
+    p.add_argument("--out", type=result_file, help="write results as JSON here")
     args = p.parse_args(argv)
     defaults = QUICK if args.quick else CUDA_DEFAULTS if args.device.startswith("cuda") else CPU_DEFAULTS
     if args.baselines is None:

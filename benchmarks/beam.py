@@ -38,7 +38,7 @@ import argparse
 import torch
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
-from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, parse_bytes
+from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, parse_bytes, result_file
 
 KiB, MiB = 1024, 2**20
 # the docs' engine table: vmem at 4 KiB and 16 KiB (the run without --page-bytes)
@@ -291,7 +291,7 @@ def main(argv=None) -> None:
                         "per-layer and interleaved")
     parser.add_argument("--block-sizes", type=POSITIVE_INT, nargs="*", default=list(BLOCK_SIZES),
                         help="paged block sizes (16 4); none: no paged rows")
-    parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument("--out", default=None, type=result_file, help="JSON output path")
     parser.add_argument("--simulate", type=NON_NEGATIVE_INT, metavar="REQUESTS", default=0,
                         help="instead: the simulator's throughput by beam width and policy on "
                              "this many requests of the standard workload")

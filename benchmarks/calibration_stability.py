@@ -34,7 +34,7 @@ from vmemkv.runtime.calibrate import write_json_whole
 from vmemkv.scheduler.profile_cost import FITTED, step_features
 from vmemkv.scheduler.profile_fit import design_points, fit_coefficients, fit_profile, \
     fit_steps, point_features
-from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT
+from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, result_file
 
 # steps a replay makes (batch, new, context, prefill pairs, cold, after idle): decodes warm and
 # cold, single prompts back to back and after idle, a prompt beside four decodes
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
                          "step-cost form predicts mixed steps it never saw")
     ap.add_argument("--precision", type=POSITIVE_FLOAT, default=0.05,
                     help="the precision the noise check is made against")
-    ap.add_argument("--json", metavar="FILE", help="also write the result here (whole)")
+    ap.add_argument("--json", metavar="FILE", type=result_file, help="also write the result here (whole)")
     ap.add_argument("--from", dest="saved", metavar="FILE", nargs="+",
                     help="compare saved calibrations instead of running: an earlier --json, "
                          "or device profiles (vmemkv calibrate --out)")

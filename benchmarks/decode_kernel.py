@@ -40,7 +40,7 @@ import torch
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
 from vmemkv.runtime.attention import native
 from vmemkv.runtime.attention.cpu_varlen import DTYPE_CODES
-from vmemkv.scheduler.cliargs import POSITIVE_INT, thread_count
+from vmemkv.scheduler.cliargs import POSITIVE_INT, thread_count, result_file
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "benchmarks" / "decode_profile.c"
@@ -142,7 +142,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=POSITIVE_INT, default=3)
     p.add_argument("--min-mib", type=POSITIVE_INT, default=256,
                    help="K/V copies per run, in MiB at least (more than the last-level cache)")
-    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--out", type=result_file, help="write the results as JSON here")
     args = p.parse_args(argv)
     configs = []
     for text in args.configs:

@@ -33,7 +33,7 @@ import random
 import time
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
-from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT
+from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, result_file
 
 KiB = 2**10
 MODELS = ("tiny-llama", "tiny-qwen2")
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small workload (seconds)")
     parser.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)
-    parser.add_argument("--out", default=None, help="JSON file (written whole or not at all)")
+    parser.add_argument("--out", default=None, type=result_file, help="JSON file (written whole or not at all)")
     args = parser.parse_args(argv)
     payload = run(args.quick, args.seed, args.out)
     return 0 if payload["tokens_identical"] else 1

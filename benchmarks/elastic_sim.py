@@ -21,7 +21,7 @@ import time
 from vmemkv.benchmarks.common import format_table, write_json
 from vmemkv.scheduler.shared_sim import SharedConfig, kv_bytes_after_weights, simulate_shared
 from vmemkv.scheduler.shared_workloads import BurstySpec, bursty_workload
-from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_FLOAT
+from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_FLOAT, result_file
 
 FULL = dict(duration_s=240.0, rates=(60.0, 90.0))
 QUICK = dict(duration_s=60.0, rates=(60.0,))
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rates", type=POSITIVE_FLOAT, nargs="+", default=None,
                         help="burst arrival rates, requests/s (default: 60 90)")
     parser.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)
-    parser.add_argument("--out", default=None, help="JSON file (written whole or not at all)")
+    parser.add_argument("--out", default=None, type=result_file, help="JSON file (written whole or not at all)")
     args = parser.parse_args(argv)
     run(args.quick, args.rates, args.seed, args.out)
     return 0

@@ -34,7 +34,7 @@ import time
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
 from vmemkv.scheduler.presets import KV_CACHE_DTYPES
-from vmemkv.scheduler.cliargs import thread_count
+from vmemkv.scheduler.cliargs import thread_count, result_file
 
 KiB, MiB = 2**10, 2**20
 MODEL = "small-llama"
@@ -328,7 +328,7 @@ def _real_model(device: str) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 new tokens, short prompts, 1 repeat")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--out", default=None, type=result_file, help="write the results as JSON here")
     parser.add_argument("--threads", type=thread_count, default=1, help="torch intra-op threads")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",

@@ -39,7 +39,7 @@ from vmemkv.scheduler.report import serving_report
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.traces import fit_to_length, load_trace
-from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, thread_count
+from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, thread_count, result_file
 
 FIGURES = ("output_throughput", "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")
 GOALS = {"output_throughput": 0.10, "median_ttft_ms": 0.15, "p90_ttft_ms": 0.15,
@@ -206,7 +206,7 @@ def parse_args(argv=None):
                          "calibration (benchmarks/calibration_stability.py's)")
     ap.add_argument("--refit", metavar="FILE",
                     help="no run: --compare-fits again on an earlier --json (its profiles)")
-    ap.add_argument("--json", metavar="FILE", help="also write the result here (whole)")
+    ap.add_argument("--json", metavar="FILE", type=result_file, help="also write the result here (whole)")
     return ap.parse_args(argv)
 
 

@@ -28,7 +28,7 @@ from vmemkv.scheduler.cost import AfterPrefill, prefill_pairs
 from vmemkv.scheduler.profile_cost import load_profile, profile_cost
 from vmemkv.scheduler.result_files import write_json
 from vmemkv.scheduler.simulator import Simulator
-from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, thread_count
+from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, result_file, thread_count
 
 
 def tap_plans(scheduler, steps: List[Dict], clock) -> None:
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     ap.add_argument("--length-scale", type=POSITIVE_FLOAT, default=0.25)
     ap.add_argument("--max-context", type=POSITIVE_INT, default=512)
     ap.add_argument("--threads", type=thread_count, default=1)
-    ap.add_argument("--out", help="write every request and step here (JSON)")
+    ap.add_argument("--out", type=result_file, help="write every request and step here (JSON)")
     args = ap.parse_args(argv)
     entries = workload(args)
     eng_reqs, eng_steps, lags, config = run_engine(args, entries)

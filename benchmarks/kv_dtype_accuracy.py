@@ -33,7 +33,7 @@ import math
 import torch
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
-from vmemkv.scheduler.cliargs import POSITIVE_INT
+from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
 
 NAME = "smollm2-135m-instruct"
 TEXT = (
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-scales", choices=["first-write", "calibrate"], default="first-write",
                    help="8-bit scales: fixed at the first prefill (the text's; default) or "
                         "calibrated at start-up on the engine's fixed input")
-    p.add_argument("--out", default=None)
+    p.add_argument("--out", default=None, type=result_file)
     args = p.parse_args(argv)
     env = environment(0, 0, 1, device="cpu", threads=1, attention=args.attention)
     print_environment(env)

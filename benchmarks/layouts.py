@@ -21,7 +21,7 @@ import argparse
 import sys
 
 from vmemkv.benchmarks.common import format_table, write_json
-from vmemkv.scheduler.cliargs import POSITIVE_INT
+from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
 
 PAGES = ("64KiB", "256KiB", "512KiB", "2MiB")
 PRESETS = ("llama-3-8b", "phi-2", "gemma-3-27b")
@@ -60,7 +60,7 @@ def run(requests: int, model: str, page: str, policy: list) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=POSITIVE_INT, default=300)
-    p.add_argument("--out", help="also write JSON here")
+    p.add_argument("--out", type=result_file, help="also write JSON here")
     args = p.parse_args(argv)
     runs = [("pages", "llama-3-8b", page, POLICIES[lay]) for page in PAGES
             for lay in ("per-layer", "interleaved")]

@@ -52,7 +52,7 @@ import tempfile
 import time
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
-from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, thread_count
+from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, thread_count, result_file
 
 MiB = 2**20
 SEED = 0
@@ -298,7 +298,7 @@ def main(argv=None) -> int:
                         help="pool size per cache (default: max_batch full sequences + adapters)")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny-llama, 8 requests of 4 tokens, batch 4, one round (seconds)")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--out", default=None, type=result_file, help="write the results as JSON here")
     args = parser.parse_args(argv)
     options = dict(model_name=args.model, requests=args.requests, new_tokens=args.new_tokens,
                    max_batch=args.max_batch, repeats=args.repeats)

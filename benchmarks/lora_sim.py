@@ -27,7 +27,7 @@ from vmemkv.scheduler.presets import get_model
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.workload import (LoraSpec, WorkloadSpec, generate, lora_adapter_bytes,
                                        lora_workload)
-from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, bounded
+from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, bounded, result_file
 
 TOTAL_BYTES = 20 * 10**9
 MODEL = "llama-3-8b"
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("--zipf", type=bounded(float, 0), default=1.0, help="popularity exponent")
     parser.add_argument("--policy", choices=("paged", "vmem"), default="paged")
     parser.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)
-    parser.add_argument("--out", default=None, help="JSON file (written whole or not at all)")
+    parser.add_argument("--out", default=None, type=result_file, help="JSON file (written whole or not at all)")
     args = parser.parse_args(argv)
     run(args.requests, args.rate, tuple(args.adapters), tuple(args.static_rank64), args.zipf,
         args.policy, args.seed, args.out)

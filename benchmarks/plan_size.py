@@ -21,7 +21,7 @@ from vmemkv.scheduler.presets import get_model
 from vmemkv.scheduler.request import Request
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 from vmemkv.scheduler.tables import tracker_for
-from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_INT
+from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_INT, result_file
 
 from .common import format_table, write_json
 
@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seqs", type=POSITIVE_INT, default=256)
     ap.add_argument("--decodes", type=POSITIVE_INT, default=32, help="decode steps measured")
     ap.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)
-    ap.add_argument("--json", metavar="FILE", help="also write the JSON here")
+    ap.add_argument("--json", metavar="FILE", type=result_file, help="also write the JSON here")
     args = ap.parse_args(argv)
     rows = [measure(kind, layout, args.seqs, args.decodes, args.seed) for kind, layout in CONFIGS]
     print(f"pickled StepPlan of a {args.seqs}-sequence decode step (llama-3-8b, 2 MiB pages, "

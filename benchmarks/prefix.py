@@ -26,7 +26,7 @@ import random
 
 from vmemkv.benchmarks.common import (environment, format_table, median_seconds,
                                       print_environment, write_json)
-from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT
+from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, result_file
 
 MODEL = "small-llama"
 SEED = 0
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="a smaller workload (seconds)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--repeats", type=POSITIVE_INT, default=3)
-    p.add_argument("--out", help="also write JSON here")
+    p.add_argument("--out", type=result_file, help="also write JSON here")
     p.add_argument("--trace", type=POSITIVE_INT, metavar="N", help="the simulator's table over N requests")
     p.add_argument("--cache-gb", type=POSITIVE_FLOAT, nargs="+", default=[60.0, 8.0])
     args = p.parse_args(argv)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
-from vmemkv.scheduler.cliargs import POSITIVE_INT
+from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
 
 NAME = "smollm2-135m-instruct"
 QUESTIONS = [
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=POSITIVE_INT, default=64, help="tokens per request (default 64)")
     parser.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs per system (default 2)")
-    parser.add_argument("--out", default=None, help="write the results as JSON here (default: none)")
+    parser.add_argument("--out", default=None, type=result_file, help="write the results as JSON here (default: none)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     args = parser.parse_args(argv)
     import torch

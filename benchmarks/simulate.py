@@ -22,7 +22,7 @@ from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.result_files import write_json
 from vmemkv.scheduler.workload import WorkloadSpec, generate
-from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT
+from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, result_file
 
 CONFIGS = [("reserve-max", "per-layer"), ("reserve-oracle", "per-layer"), ("paged", "per-layer"),
            ("vmem", "per-layer"), ("vmem", "interleaved")]
@@ -50,7 +50,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=POSITIVE_INT, default=3)
     ap.add_argument("--cache-gb", type=POSITIVE_FLOAT, nargs="+", default=[60.0, 20.0])
-    ap.add_argument("--json", metavar="FILE", help="also write the JSON here")
+    ap.add_argument("--json", metavar="FILE", type=result_file, help="also write the JSON here")
     args = ap.parse_args(argv)
     entries = generate(WorkloadSpec())
     print(f"standard workload, 2,000 requests; python {platform.python_version()} on "

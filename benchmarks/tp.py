@@ -19,7 +19,7 @@ import time
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
 from vmemkv.runtime.generate_cli import tp_device_list
-from vmemkv.scheduler.cliargs import POSITIVE_INT, thread_count
+from vmemkv.scheduler.cliargs import POSITIVE_INT, thread_count, result_file
 
 MODEL, SEED = "small-llama", 0
 QUICK, FULL = (16, 8, 64, 8), (32, 16, 256, 32)   # requests, shortest, longest prompt, new tokens
@@ -154,7 +154,7 @@ def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 short requests, 8 tokens, 1 repeat")
-    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--out", default=None, type=result_file, help="write the results as JSON here")
     parser.add_argument("--cores", type=thread_count, default=2, help="cores shared by all ranks")
     parser.add_argument("--tp", type=POSITIVE_INT, default=2, help="ranks of the tensor-parallel row")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank)")

@@ -28,7 +28,7 @@ import time
 from vmemkv.benchmarks.common import format_table, write_json
 from vmemkv.scheduler.managers import make_manager
 from vmemkv.scheduler.presets import get_model
-from vmemkv.scheduler.cliargs import POSITIVE_INT
+from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
 from vmemkv.scheduler.sim_memory import available_bytes
 
 MODEL = get_model("llama-3-8b")
@@ -148,7 +148,7 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=POSITIVE_INT, default=30)
     ap.add_argument("--before-python", help="interpreter whose vmemkv is the code before")
     ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--json", type=result_file, help="write the rows here")
     args = ap.parse_args(argv)
     need, available = max(args.pools) * UNIT_HOST_BYTES, available_bytes()
     if available is not None and need > available:

@@ -27,7 +27,7 @@ import argparse
 import torch
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
-from vmemkv.scheduler.cliargs import POSITIVE_INT
+from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
 
 KiB = 2**10
 LAYOUTS = (("vmem", "per-layer"), ("vmem", "interleaved"), ("paged", "per-layer"))
@@ -99,7 +99,7 @@ def measure(window: int = 512, page_bytes: int = 64 * KiB, block_size: int = 16,
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--window", type=POSITIVE_INT, default=512, help="sliding window in tokens")
-    parser.add_argument("--out", default=None, help="JSON output path")
+    parser.add_argument("--out", default=None, type=result_file, help="JSON output path")
     parser.add_argument("--straddling", action="store_true",
                         help="add the hybrid on pages that hold no whole token (vmem per-layer)")
     args = parser.parse_args(argv)

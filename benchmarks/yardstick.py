@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import sys
 from pathlib import Path
 from typing import Callable
@@ -35,7 +34,8 @@ import torch
 from vmemkv.benchmarks.common import median_seconds
 from vmemkv.runtime.errors import CacheTooLargeError
 from vmemkv.runtime.memory import check_fits_device
-from vmemkv.scheduler.cliargs import POSITIVE_INT, thread_count
+from vmemkv.scheduler.cliargs import POSITIVE_INT, thread_count, result_file
+from vmemkv.scheduler import result_files
 
 NATIVE = Path(__file__).with_name("yardstick.c")
 NATIVE_HEADERS = (Path(__file__).parent.parent / "runtime" / "attention" / "cpu_varlen_math.h",)
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=thread_count, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--mib", type=POSITIVE_INT, help="MiB read and copied (default: 256 CPU, 1024 CUDA)")
     p.add_argument("--repeats", type=POSITIVE_INT, default=5)
-    p.add_argument("--json", type=Path, help="write the figures as JSON here")
+    p.add_argument("--json", type=result_file, help="write the figures as JSON here (whole)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
         p.error(str(error))
     print(describe(y))
     if args.json:
-        args.json.write_text(json.dumps(y, indent=1))
+        result_files.write_json(args.json, y, indent=1)
     return 0
 
 

@@ -61,6 +61,23 @@ def bounded(kind: type, low: Optional[Number] = None, high: Optional[Number] = N
     return parse
 
 
+def result_file(text: str) -> str:
+    """An argparse type for a file a run writes when it ends, checked before it starts (a run
+    of minutes ended in a FileExistsError traceback): not empty, not a folder, and the nearest
+    folder above it that exists is a writable folder (the rest is created)."""
+    path = os.path.abspath(text) if text else ""
+    if not path or os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"want a file to write, got {text!r}"
+                                         + (" (a folder)" if path else ""))
+    folder = os.path.dirname(path)
+    while not os.path.lexists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {folder!r} is not a "
+                                         f"writable folder")
+    return text
+
+
 POSITIVE_INT = bounded(int, 1)                     # counts: requests, repeats, tokens, pages
 NON_NEGATIVE_INT = bounded(int, 0)                 # seeds, warm-ups, and counts where 0 is off
 POSITIVE_FLOAT = bounded(float, 0, low_open=True)  # sizes (GB, MiB), rates, scales

@@ -100,3 +100,38 @@ def test_a_size_the_host_cannot_hold_is_refused_before_anything_is_allocated(mod
         module.main(argv)
     err = capsys.readouterr().err
     assert info.value.code == 2 and message in err and "Traceback" not in err
+
+
+RESULT_FLAGS = ("--out", "--json")
+FOLDER_FLAGS = {("plots", "--out"), ("serve", "--out")}     # these name folders
+
+
+@pytest.mark.parametrize("module_name", BENCHMARKS)
+def test_every_result_file_flag_is_checked_before_the_run(module_name, monkeypatch, tmp_path):
+    """A result file the run writes at its end is checked when parsed (``result_file``): a
+    path under a file, or a folder, was a FileExistsError traceback after the whole run."""
+    parser = _parser_of(module_name, monkeypatch)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for action in parser._actions:
+        flag = next((f for f in action.option_strings if f in RESULT_FLAGS), None)
+        if flag is None or (module_name, flag) in FOLDER_FLAGS:
+            continue
+        assert getattr(action.type, "__name__", "") == "result_file", (module_name, flag)
+        for bad in (str(a_file / "x.json"), str(tmp_path), ""):
+            with pytest.raises(argparse.ArgumentTypeError):
+                action.type(bad)
+        assert action.type(str(tmp_path / "new" / "x.json")) == str(tmp_path / "new" / "x.json")
+
+
+@pytest.mark.parametrize("module_name, argv, words", [
+    ("memory", ["--quick", "--cache-gb", "200"], "at most --cache-gb 69.8 fits"),   # ran: a table
+    ("memory", ["--quick", "--cache-gb", "0.01"], "cannot hold one 4096-token"),   # a traceback
+    ("alloc", ["--quick", "--pages", "4", "--device", "foo"], "invalid choice"),
+])
+def test_a_benchmark_refuses_what_no_run_could_use_before_running(module_name, argv, words,
+                                                                   capsys):
+    module = importlib.import_module(f"vmemkv.benchmarks.{module_name}")
+    with pytest.raises(SystemExit) as info:
+        module.main(argv)
+    assert info.value.code == 2 and words in capsys.readouterr().err
