@@ -97,7 +97,7 @@ class EngineAdapters:
         if ref is None:
             raise RequestRejectedError(f"prompt {index} rejected: SamplingParams.lora names no "
                                        f"loaded adapter: {name!r} (loaded: {self.names or 'none'})",
-                                       index)
+                                       index, "lora")
         return ref
 
     # ---- executor side: the model runner calls these each step ----------------------------

@@ -47,9 +47,11 @@ def adapter_path(root: Optional[Path], lora_path: str) -> Path:
     if "\x00" in lora_path:          # (resolve raised ValueError on it: a 500)
         raise ApiError(400, "lora_path holds a NUL byte", "lora_path")
     path = (root / lora_path).resolve()
-    if path != root and root not in path.parents:
-        raise ApiError(400, f"lora_path must lie inside the server's --lora-root; "
-                            f"{lora_path!r} leaves it", "lora_path")
+    inside = [path] + (sorted(f.resolve() for f in path.iterdir()) if path.is_dir() else [])
+    for target in inside:          # the folder, and each file in it (a link to a file too)
+        if target != root and root not in target.parents:
+            raise ApiError(400, f"lora_path must lie inside the server's --lora-root; "
+                                f"{lora_path!r} leaves it", "lora_path")
     return path
 
 

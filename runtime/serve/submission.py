@@ -82,6 +82,9 @@ class Submission:
                 await asyncio.wrap_future(future)
         except (RequestRejectedError, BeamSearchParamsError) as error:
             self.close()
+            if error.field == "lora":   # unloaded after the request was checked: its "model"
+                raise ApiError(400, str(error).replace("SamplingParams.lora", "model"),
+                               "model") from None
             raise ApiError(400, str(error), error.field) from None
 
     async def events(self) -> AsyncIterator[Delta]:

@@ -109,9 +109,10 @@ def test_mixed_adapters_under_preemption(cache, mode, adapter_dirs):
 def test_unknown_adapter_is_refused_before_anything_runs(adapter_dirs):
     with Engine(build_model("tiny-llama", seed=0), max_batch=2, max_context=64) as engine:
         engine.add_lora("a4", adapter_dirs[("tiny-llama", "a4")])
-        with pytest.raises(RequestRejectedError, match="lora.*'nope'"):
+        with pytest.raises(RequestRejectedError, match="lora.*'nope'") as info:
             engine.generate([[1, 2], [3, 4]], [SamplingParams(lora="a4"),
                                                SamplingParams(lora="nope")])
+        assert info.value.field == "lora"     # the server's 400 names "model", not "prompt"
         assert not engine.has_unfinished()
         with pytest.raises(EngineConfigError, match="replace=True"):
             engine.add_lora("a4", adapter_dirs[("tiny-llama", "b8")])

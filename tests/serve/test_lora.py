@@ -123,6 +123,16 @@ def test_load_use_replace_unload_and_every_mistake(adapter_root, tmp_path):
         refused(post(server, "/v1/load_lora_adapter", {**load, "extra": 1}, key), 400, "extra")
         refused(post(server, "/v1/load_lora_adapter", {"lora_name": "y", "lora_path": "o\x00ne"},
                      key), 400, "lora_path")                  # a NUL byte: was a 500
+        outside = tmp_path / "outside"                        # files linked from inside the
+        outside.mkdir()                                       # root, to an adapter outside it
+        linked = adapter_root / "linked"
+        linked.mkdir(exist_ok=True)
+        for f in (adapter_root / "one").iterdir():
+            (outside / f.name).write_bytes(f.read_bytes())
+            if not (linked / f.name).exists():
+                (linked / f.name).symlink_to(outside / f.name)
+        refused(post(server, "/v1/load_lora_adapter", {"lora_name": "y", "lora_path": "linked"},
+                     key), 400, "lora_path")                  # was loaded: 200
         refused(post(server, "/v1/load_lora_adapter", {"lora_name": "tiny-llama",
                                                        "lora_path": "one"}, key),
                 400, "lora_name")   # the served model's id: its requests got the base model
