@@ -35,11 +35,11 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from .cost import AfterPrefill, CostModel, count_map_ops, prefill_pairs
-from .errors import SchedulerError
+from .errors import RequestTooLargeError, SchedulerError
 from .managers.base import MemoryManager
 from .profile_cost import ProfileCost
 from .report import RequestTiming, serving_report
-from .request import Request
+from .request import Request, SeqState
 from .scheduler import Scheduler, SchedulerConfig
 from .sim_config import DEFAULT_H2D_BYTES_PER_S, SimConfig
 from .sim_memory import check_simulation_fits
@@ -51,6 +51,12 @@ POLICIES = ("reserve-max", "reserve-oracle", "paged", "vmem")
 REPORT_PERCENTILES = (50.0, 90.0, 99.0)
 DUMMY_TOKEN = 1   # the simulator's sampled token; never a stop token
 TRACE_VOCAB_SIZE = 32000   # made-up prompt tokens from trace hash ids are in [1, this)
+
+
+class _FailedAlone(Exception):
+    def __init__(self, request_id: int) -> None:
+        super().__init__(request_id)
+        self.request_id = request_id
 
 
 @dataclass
@@ -78,6 +84,8 @@ class SimResult:
     copied_kv_bytes: int = 0       # K/V bytes moved by copy ops (block hits, copy-on-write)
     swapped_kv_bytes: int = 0      # K/V bytes swap preemption moved (SwapOut + SwapIn)
     swap_seconds: float = 0.0      # their time at h2d_bytes_per_s, charged to the steps
+    failed_requests: int = 0       # beam searches that stopped fitting, ended "failed" alone
+                                   # (left out of num_requests and the latencies)
     adapter_loads: int = 0         # LoRA: LoadAdapter ops (host to device copies)
     adapter_evictions: int = 0     # EvictAdapter ops (an idle adapter's pages given to others)
     adapter_load_bytes: int = 0    # bytes the loads copied
@@ -165,6 +173,7 @@ class Simulator:
         token_times: Dict[int, array] = {}             # seq_id -> its request's token times
         n, nxt, now, maps, done_reported = len(entries), 0, 0.0, 0, 0
         idle = True                                     # the next step follows idle time
+        failed_ids: set = set()                         # requests ended "failed" (beams only)
         while True:
             while nxt < n and entries[nxt].arrival_s <= now:
                 e = entries[nxt]
@@ -176,7 +185,11 @@ class Simulator:
                     break
                 now, idle = entries[nxt].arrival_s, True
                 continue
-            seconds, mapped, batch, tokens = self._step(sched, now, token_times, idle)
+            try:
+                seconds, mapped, batch, tokens = self._guarded_step(sched, now, token_times, idle)
+            except _FailedAlone as failed:
+                failed_ids.add(failed.request_id)
+                continue
             idle = False
             now += seconds
             maps += mapped
@@ -187,12 +200,43 @@ class Simulator:
             if on_finished is not None and sched.metrics.num_finished_requests != done_reported:
                 on_finished(sched.metrics.num_finished_requests - done_reported)
                 done_reported = sched.metrics.num_finished_requests
-        if sched.metrics.num_finished_requests != n:
-            raise SchedulerError(f"simulation ended with {n - sched.metrics.num_finished_requests} "
-                                 f"of {n} requests unfinished")
-        timings = [RequestTiming(e.arrival_s, times, e.prompt_len)
-                   for e, times in zip(entries, token_times.values())]
-        return self._result(sched, timings, (whole, steady), now, time.perf_counter() - wall0, maps)
+        ended = sched.metrics.num_finished_requests + len(failed_ids)
+        if ended != n:
+            raise SchedulerError(f"simulation ended with {n - ended} of {n} requests unfinished")
+        timings = [RequestTiming(e.arrival_s, times, e.prompt_len) for i, (e, times)
+                   in enumerate(zip(entries, token_times.values())) if i not in failed_ids]
+        result = self._result(sched, timings, (whole, steady), now, time.perf_counter() - wall0,
+                              maps)
+        result.failed_requests = len(failed_ids)
+        return result
+
+    def _guarded_step(self, sched: Scheduler, now: float, token_times, idle: bool) -> tuple:
+        """``_step``; with beam search, in a transaction: a beam group that stops fitting at
+        run time (diverging beams each copy their newest page; RequestTooLargeError naming its
+        request) ends "failed" alone, its memory released, as the engine ends it, and the
+        others go on (_FailedAlone). Without beams no request can stop fitting once admitted."""
+        if self.beams is None:
+            return self._step(sched, now, token_times, idle)
+        sched.begin()
+        self.manager.begin()
+        try:
+            out = self._step(sched, now, token_times, idle)
+        except RequestTooLargeError as error:
+            sched.rollback()
+            self.manager.rollback()
+            if error.request_id is None:
+                raise
+            for seq_id in sched.abort_request(error.request_id, SeqState.FAILED):
+                sched.forget(seq_id)
+            self.manager.take_ops()                # a simulation executes no plan
+            raise _FailedAlone(error.request_id) from error
+        except BaseException:
+            sched.rollback()
+            self.manager.rollback()
+            raise
+        sched.commit()
+        self.manager.commit()
+        return out
 
     def _step(self, sched: Scheduler, now: float, token_times: Dict[int, List[float]],
               after_idle: bool = False) -> tuple:

@@ -76,3 +76,19 @@ def test_n_is_refused_by_name_when_it_cannot_be_computed():
         SimConfig(n=0)
     with pytest.raises(ConfigError, match="n must be 1 with beam_width"):
         SimConfig(n=2, beam_width=2)
+
+
+def test_a_beam_search_that_stops_fitting_fails_alone_and_the_run_goes_on():
+    """Diverging beams each copy their newest page: a group can outgrow a small cache at run
+    time, which no add-time check can foresee. The whole simulation used to end there
+    (RequestTooLargeError, no results); now that request ends "failed", as the engine ends it,
+    and the others finish. The same workload without it: none fails."""
+    from vmemkv.scheduler.scheduler import SchedulerConfig
+    config = SimConfig(policy="vmem", cache_bytes=10**9, beam_width=4,
+                       scheduler=SchedulerConfig(watermark=0.01))
+    entries = generate(WorkloadSpec(num_requests=20))
+    result = simulate(entries, config)
+    assert result.failed_requests == 2 and result.num_requests == 18
+    assert result.serving["completed"] == 18
+    again = simulate(entries, config)                      # reproducible
+    assert (again.failed_requests, again.output_tokens) == (2, result.output_tokens)
