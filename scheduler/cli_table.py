@@ -33,6 +33,7 @@ _ROWS = [
     ("recomputed tokens", "recomputed_tokens", None, "{:,.0f}"),
     ("prefix cache hits", "prefix_cache_hits", None, "{:,.0f}"),
     ("memory saved by sharing", "sharing_saved", None, "{:.1%}"),
+    ("requests failed (beams outgrew the cache)", "failed_requests", None, "{:,.0f}"),
     ("output tokens", "output_tokens", None, "{:,.0f}"),
     ("request throughput (req/s)", "request_throughput", None, "{:,.2f}"),
     ("total token throughput", "total_token_throughput", None, "{:,.1f}"),
