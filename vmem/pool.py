@@ -263,9 +263,8 @@ class PagePool:
         return self._handle_of(page_id)
 
     def _mapping_counts(self) -> Counter:
-        """page id -> the addresses mapping it, read from the open ranges' own records (one
-        truth: a range records a mapping in one write, so an interrupt between two updates
-        cannot leave the pool's count and the range's record apart)."""
+        """page id -> the addresses mapping it, from the open ranges' records (one truth: no
+        interrupt can part a count from a record)."""
         counts: Counter = Counter()
         for vrange in list(self._ranges):
             counts.update(vrange._mapped.values())
@@ -340,8 +339,7 @@ class PagePool:
         if self._closed:
             raise ClosedError("page pool used after close()")
 
-    def _check_usable(self) -> None:
-        """For what touches pages: open, and not a forked child's copy."""
+    def _check_usable(self) -> None:     # what touches pages: open, not a forked child's copy
         self._check_open()
         if self._forked:
             raise forks.forked_error("page pool")
