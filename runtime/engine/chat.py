@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import List, Optional, Sequence
 
 from .errors import RequestRejectedError
+from .prompts import is_unicode_text
 
 ROLES = ("system", "user", "assistant")
 
@@ -68,12 +69,10 @@ def _text(content, where: str, index: int) -> str:
                                          and isinstance(p.get("text"), str) for p in content):
         content = "".join(p["text"] for p in content)
     if isinstance(content, str):
-        try:
-            content.encode("utf-8")
-        except UnicodeEncodeError:
+        if not is_unicode_text(content):
             raise ChatMessageError(f"conversation {index}: {where} holds a lone surrogate "
                                    f"(\\ud800-\\udfff without its pair): not Unicode text",
-                                   index, where) from None
+                                   index, where)
         return content
     raise ChatMessageError(f"conversation {index}: {where} must be a string or a list of "
                            f"{{'type': 'text', 'text': ...}} parts (only text is supported), "

@@ -16,6 +16,16 @@ from .errors import EngineConfigError, RequestRejectedError
 _ARRAYS = {"ndarray": "numpy array", "Tensor": "tensor"}   # known without importing them
 
 
+def is_unicode_text(text: str) -> bool:
+    """Whether ``text`` is Unicode text: JSON's escapes (or Python's) can make a lone surrogate,
+    which no tokenizer takes (the Rust tokenizers raise a TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def encode_prompt(prompt, index: int, tokenizer,
                   vocab_size: int) -> Tuple[Tuple[int, ...], Optional[str]]:
     """(token ids, text or None) of one prompt: text through ``tokenizer``, or a list / tuple
@@ -24,6 +34,9 @@ def encode_prompt(prompt, index: int, tokenizer,
         if tokenizer is None:
             raise RequestRejectedError(f"prompt {index} is text but the engine has no "
                                        f"tokenizer; pass token ids or a tokenizer", index)
+        if not is_unicode_text(prompt):
+            raise RequestRejectedError(f"prompt {index} holds a lone surrogate (\\ud800-\\udfff "
+                                       f"without its pair): not Unicode text", index)
         ids = tuple(tokenizer(prompt)["input_ids"])
         text = prompt
     else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Sequence
 
+from vmemkv.runtime.engine.prompts import is_unicode_text
 from vmemkv.runtime.engine.sampling import SamplingParams
 
 from .errors import ApiError
@@ -92,7 +93,7 @@ def _ids(prompt, served: ServedModel) -> List[int]:
         if served.tokenizer is None:
             raise ApiError(400, "prompt is text but the served model has no tokenizer; send "
                                 "token ids (a list of ints)", "prompt")
-        if not _is_unicode_text(prompt):
+        if not is_unicode_text(prompt):
             raise ApiError(400, "prompt holds a lone surrogate (\\ud800-\\udfff escaped in JSON "
                                 "without its pair): not Unicode text", "prompt")
         ids = list(served.tokenizer(prompt)["input_ids"])
@@ -105,16 +106,6 @@ def _ids(prompt, served: ServedModel) -> List[int]:
         raise ApiError(400, f"prompt has token ids {bad[:5]} outside the vocabulary "
                             f"[0, {served.vocab_size})", "prompt")
     return ids
-
-
-def _is_unicode_text(text: str) -> bool:
-    """Whether ``text`` is Unicode text (JSON's escapes can make a lone surrogate, which no
-    tokenizer takes)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 class CompletionFormat:

@@ -262,3 +262,13 @@ def test_cli_text_flag_reads_a_digits_only_line_as_text(checkpoint, tokenizer, m
     assert cli(checkpoint, "--json", "--text") == 0
     record = json.loads(capsys.readouterr().out.splitlines()[0])
     assert record["prompt"] == "7 11" and record["prompt_token_ids"] == tokenizer("7 11")["input_ids"]
+
+
+def test_a_text_prompt_with_a_lone_surrogate_is_refused_naming_it():
+    """The tokenizer raised a TypeError on it; the engine refuses it by index, queueing nothing
+    (the server's 400 and chat's message check share the test: prompts.is_unicode_text)."""
+    from .byte_tokenizer import byte_tokenizer
+    with Engine(build_model("tiny-llama"), byte_tokenizer(), max_batch=1, max_context=32) as engine:
+        with pytest.raises(RequestRejectedError, match="prompt 1 holds a lone surrogate"):
+            engine.generate(["ok", "a\ud800"], SamplingParams(max_new_tokens=2))
+        assert not engine.has_unfinished()
