@@ -10,7 +10,7 @@ where the two are compared (tests, and the engine's integrity checks).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional
 
 from vmemkv import vmem
@@ -116,6 +116,7 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
 
     cache_bytes: device memory for K/V (default: room for every slot at full length).
     vmem: ``layout`` per-layer | interleaved, ``page_bytes`` (default: see default_page_bytes);
+    each slot holds ``config.max_context`` rounded up to whole pages (as the engine's);
     ``grow_pages``: create physical pages on first mapping, up to ``cache_bytes``
     (vmem.PagePool(grow=True)); default: all created up front.
     ``hybrid_parts``: a hybrid model (full and windowed layers) in the per-layer layout splits
@@ -130,11 +131,14 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
     """
     if kind not in CACHE_KINDS:
         raise CacheConfigError(f"cache must be 'vmem' or 'paged', got {kind!r}")
+    if CacheKind(kind) is CacheKind.VMEM:
+        page_bytes = page_bytes or default_page_bytes(config, layout)
+        config = replace(config, max_context=vmem_geometry(config, layout, page_bytes)
+                         .round_up_tokens(config.max_context))
     if cache_bytes is None:
         cache_bytes = config.max_batch * config.max_context * config.bytes_per_token
     model = config.model_spec()
     if CacheKind(kind) is CacheKind.VMEM:
-        page_bytes = page_bytes or default_page_bytes(config, layout)
         largest = max(cache_bytes, max_cache_bytes) if isinstance(max_cache_bytes, int) \
             else cache_bytes
         if isinstance(largest, int) and isinstance(page_bytes, int) and page_bytes > 0:

@@ -28,6 +28,11 @@ class RequestTooLargeError(SchedulerError, ValueError):
         return type(self), (str(self), self.request_id)
 
 
+class CacheShrunkError(RequestTooLargeError):
+    """A request fits the pool at its largest (``max_cache_bytes``) but not at the size it was
+    resized down to: it can be admitted once the pool grows again."""
+
+
 class UnknownSequenceError(SchedulerError, KeyError):
     """A sequence id the manager or scheduler does not hold (never added, or already freed)."""
 

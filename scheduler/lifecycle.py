@@ -14,8 +14,8 @@ from collections import deque
 from typing import List
 
 from .adapters import check_adapter_fits
-from .errors import (CacheResizeError, ConfigError, RequestTooLargeError, SchedulerError,
-                     UnknownRequestError)
+from .errors import (CacheResizeError, CacheShrunkError, ConfigError, RequestTooLargeError,
+                     SchedulerError, UnknownRequestError)
 from .plan import StepPlan
 from .request import Sequence, SeqState
 
@@ -84,6 +84,26 @@ def end_request(scheduler, request_id: int, status: SeqState) -> List[int]:
     else:
         s.metrics.num_failed_requests += 1
     return [q.seq_id for q in seqs]
+
+
+def check_length(scheduler, prompt_tokens: int, max_tokens: int, who: str = "") -> None:
+    """RequestTooLargeError when ``prompt_tokens + max_tokens`` could never fit one sequence;
+    CacheShrunkError when it fits only once the pool is resized back up. ``who`` starts the
+    message ("request 7: ")."""
+    s, final = scheduler, prompt_tokens + max_tokens
+    asks = f"{who}{prompt_tokens} prompt + {max_tokens} new tokens = {final} tokens"
+    if s.max_seq_len is not None and final > s.max_seq_len:
+        raise RequestTooLargeError(f"{asks} exceed the {s.max_seq_len} tokens one sequence may "
+                                   f"hold (max_seq_len {s.max_seq_len})")
+    if final <= s.max_fit_tokens:
+        return
+    if final <= s.max_fit_tokens_at_max:
+        raise CacheShrunkError(
+            f"{asks} do not fit the cache at its current size ({s.manager.cache_bytes} bytes, "
+            f"{s.max_fit_tokens} tokens of one sequence at most); resized back up it holds "
+            f"{s.max_fit_tokens_at_max}")
+    raise RequestTooLargeError(f"{asks} can never fit; the cache holds "
+                               f"{s.max_fit_tokens_at_max} tokens of one sequence at most")
 
 
 def withdraw_request(scheduler, request_id: int) -> None:

@@ -33,7 +33,7 @@ from .managers.base import MemoryManager
 from .metrics import SchedulerMetrics, gauges
 from .plan import PREEMPTION_MODES, ScheduledSeq, SchedulerConfig, StepPlan  # noqa: F401 (re-exported)
 from .request import Request, Sequence, SeqState
-from .lifecycle import Savepoint, StepTransactions, end_request, resize_pool
+from .lifecycle import Savepoint, StepTransactions, check_length, end_request, resize_pool
 from .beam_groups import BeamGroups
 from .recording import StepRecording
 from .adapters import check_adapter_fits
@@ -83,6 +83,14 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
         self.max_fit_tokens, self.max_fit_bytes = fit, held
         self.watermark_tokens = int(self.config.watermark * total)
 
+    @property
+    def max_fit_tokens_at_max(self) -> int:
+        """The longest sequence the pool could hold resized up to ``max_cache_bytes``;
+        ``max_fit_tokens`` where only a MemoryBudget resizes it (``growable``)."""
+        if self.growable:
+            return self.max_fit_tokens
+        return max(self.max_fit_tokens, self.manager.max_sequence_tokens_at_max)
+
     def resize(self, cache_bytes: int, preempt: bool = False, check_fit: bool = True,
                partial: bool = False):
         """Set the manager's pool to ``cache_bytes`` (vmem only) and return the plan that does
@@ -97,15 +105,7 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
     def add_request(self, request: Request) -> List[int]:
         """Queue a request; returns the seq ids of its n samples (the first prefills the prompt,
         the rest are forked from it). Raises RequestTooLargeError when it could never fit."""
-        final = request.max_total_len
-        if self.max_seq_len is not None and final > self.max_seq_len:
-            raise RequestTooLargeError(
-                f"request {request.request_id}: prompt {request.prompt_len} + max_tokens "
-                f"{request.max_tokens} = {final} tokens exceeds max_seq_len {self.max_seq_len}")
-        if final > self.max_fit_tokens:
-            raise RequestTooLargeError(
-                f"request {request.request_id}: {final} tokens can never fit; the cache holds "
-                f"{self.max_fit_tokens} tokens of one sequence at most")
+        check_length(self, request.prompt_len, request.max_tokens, f"request {request.request_id}: ")
         if request.beam_width:
             self._check_beam_group_fits(request)
         if request.adapter is not None:

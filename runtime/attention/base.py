@@ -13,6 +13,7 @@ import torch
 
 from vmemkv.scheduler.layout import CacheKind
 
+from .checks import check_scalars
 from .errors import UnsupportedError
 from .views import SUPPORTED_DTYPES, LayerView, PagedLayerView, VMemLayerView
 
@@ -69,6 +70,7 @@ class AttentionBackend(ABC):
             raise UnsupportedError(f"attention backend {self.name!r} does not implement kv_starts "
                                    f"(a per-sequence first key); got {list(view.lens.kv_starts)}")
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+        check_scalars(scale, None)
         if view.kind is CacheKind.VMEM:
             out = self._forward_vmem(q, view, scale)
         else:

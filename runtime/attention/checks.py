@@ -3,6 +3,7 @@ strides, the query against the cache and the per-request metadata (lens, kv_star
 :class:`AttentionShapeError` naming the shapes or values."""
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,9 +18,35 @@ def check_cache_pair(k: torch.Tensor, v: torch.Tensor, kn: str, vn: str) -> None
     if k.dim() != 4 or k.shape != v.shape:
         raise AttentionShapeError(f"{kn} {tuple(k.shape)} and {vn} {tuple(v.shape)} must be "
                                   f"equal 4-d shapes")
+    if k.dtype != v.dtype:   # a kernel reads both with one element type
+        raise AttentionShapeError(f"{kn} ({k.dtype}) and {vn} ({v.dtype}) must share a dtype")
+    if 0 in k.shape[2:]:
+        raise AttentionShapeError(f"{kn} {tuple(k.shape)} needs kv_heads and head_dim >= 1")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise AttentionShapeError(f"{kn}/{vn} need a contiguous last dim; strides "
                                   f"{k.stride()} / {v.stride()}")
+
+
+def check_int_tensor(t: torch.Tensor, name: str) -> None:
+    """AttentionShapeError unless ``t`` holds integers (a float slot 1.9 was read as slot 1)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise AttentionShapeError(f"{name} must be an integer tensor, got {t.dtype}")
+
+
+def host_ints(t: torch.Tensor, name: str) -> list:
+    """An integer tensor's values as a Python list (``check_int_tensor`` first)."""
+    check_int_tensor(t, name)
+    return t.tolist()
+
+
+def check_scalars(scale: float, softcap) -> None:
+    """The attention scale and logit soft-cap: finite, scale non-zero, soft-cap > 0 (an infinite
+    one made every output NaN)."""
+    if not math.isfinite(scale) or scale == 0:
+        raise AttentionShapeError(f"scale must be finite and non-zero, got {scale!r}")
+    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
+        raise AttentionShapeError(f"a layer's logit softcap must be finite and > 0 or None, "
+                                  f"got {softcap!r}")
 
 
 def check_query(q: torch.Tensor, k: torch.Tensor, lens: BatchLens, batch_shape, what: str) -> None:

@@ -35,7 +35,7 @@ import torch
 
 from vmemkv.scheduler.layout import CacheKind
 
-from .checks import check_cache_pair, check_query
+from .checks import check_cache_pair, check_int_tensor, check_query, check_scalars, host_ints
 from .errors import AttentionShapeError
 
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -56,8 +56,8 @@ class BatchLens(NamedTuple):
     @classmethod
     def from_tensors(cls, context_lens: torch.Tensor, query_lens: torch.Tensor,
                      kv_starts=()) -> "BatchLens":
-        ctx = tuple(int(x) for x in context_lens.tolist())
-        ql = tuple(int(x) for x in query_lens.tolist())
+        ctx = tuple(int(x) for x in host_ints(context_lens, "context_lens"))
+        ql = tuple(int(x) for x in host_ints(query_lens, "query_lens"))
         starts = tuple(int(s) for s in _exclusive_cumsum(ql))
         return cls(ctx, ql, starts, tuple(int(s) for s in kv_starts))
 
@@ -165,9 +165,10 @@ class _StepData:
         """Raise :class:`AttentionShapeError` unless q, caches and metadata fit together; each
         distinct shape is checked once per step."""
         _check_layer_features(self.window, self.softcap)
-        k = self._cache_tensor()
+        k, v = self._cache_pair()
         _check_scales(k, self.k_scale, self.v_scale)
-        key = ("validated", tuple(q.shape), q.dtype, q.device, tuple(k.shape), k.stride(), k.dtype)
+        key = ("validated", tuple(q.shape), q.dtype, q.device, tuple(k.shape), k.stride(), k.dtype,
+               tuple(v.shape), v.stride(), v.dtype)
         self.memo(key, lambda: self._validate(q) or True)
 
 
@@ -201,10 +202,13 @@ class VMemLayerView(_StepData):
     def host_slots(self) -> tuple[int, ...]:
         if self.meta is not None and self.meta.host_slots is not None:
             return self.meta.host_slots
-        return tuple(int(s) for s in self.slots.tolist())
+        return tuple(int(s) for s in host_ints(self.slots, "slots"))
 
     def _cache_tensor(self) -> torch.Tensor:
         return self.k_cache
+
+    def _cache_pair(self) -> tuple:
+        return self.k_cache, self.v_cache
 
     @property
     def max_context(self) -> int:
@@ -251,6 +255,9 @@ class PagedLayerView(_StepData):
     def _cache_tensor(self) -> torch.Tensor:
         return self.k_pool
 
+    def _cache_pair(self) -> tuple:
+        return self.k_pool, self.v_pool
+
     @property
     def block_size(self) -> int:
         return self.k_pool.shape[1]
@@ -267,6 +274,7 @@ class PagedLayerView(_StepData):
         check_cache_pair(self.k_pool, self.v_pool, "k_pool", "v_pool")
         check_query(q, self.k_pool, self.lens, self.block_tables.shape[:1], "block_tables")
         bt = self.block_tables
+        check_int_tensor(bt, "block_tables")
         if bt.dim() != 2:
             raise AttentionShapeError(f"block_tables must be [batch, max_blocks], got {tuple(bt.shape)}")
         need = max((self.num_blocks_of(i) for i in range(len(self.lens.context_lens))), default=0)
@@ -289,8 +297,8 @@ LayerView = Union[VMemLayerView, PagedLayerView]
 def _check_layer_features(window, softcap) -> None:
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise AttentionShapeError(f"a layer's sliding window must be an int >= 1 or None, got {window!r}")
-    if softcap is not None and not softcap > 0:
-        raise AttentionShapeError(f"a layer's logit softcap must be > 0 or None, got {softcap!r}")
+    if softcap is not None:
+        check_scalars(1.0, softcap)
 
 
 def _check_scales(k: torch.Tensor, k_scale, v_scale) -> None:

@@ -34,6 +34,7 @@ from .errors import BeamSearchParamsError, EngineClosedError, RequestRejectedErr
 from .outputs import CompletionOutput, RequestOutput, TokenEvent
 from .prompts import check_prompt_batch
 from .request_state import RequestState
+from .sampler import check_finite
 from .sampling import SamplingParams
 
 
@@ -71,6 +72,7 @@ class BeamSearches:
         for rid in dict.fromkeys(self.group_of[s] for s in rows):
             group = self.groups[rid]
             live = [rows[b.seq_id] for b in group.beams]   # the scheduler runs a group whole
+            check_finite(torch.isfinite(logits[live].amax(dim=-1)).tolist(), live)
             logprobs = torch.log_softmax(logits[live].float(), dim=-1).cpu()   # (beams, vocab)
             picked[rid] = select(group, logprobs)
         return picked

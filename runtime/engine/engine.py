@@ -86,9 +86,9 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
             log.info("kv_cache_dtype %s: scales from %s", cfg.kv_cache_dtype,
                      self.kv_scales_source)
         kv_dtype = self.cache_config.storage_dtype   # kv_cache_dtype
-        self.attention = cfg.attention or fastest_backend(cfg.cache, self.device.type, cfg.block_size,
-                                                          dtype=self.cache_config.dtype,
-                                                          kv_dtype=kv_dtype)
+        self.attention = cfg.attention if cfg.attention is not None else fastest_backend(
+            cfg.cache, self.device.type, cfg.block_size, dtype=self.cache_config.dtype,
+            kv_dtype=kv_dtype)                      # "" is an unknown name, not the default
         backend = get_backend(self.attention)
         # refuse, before any memory is built, a backend that cannot run this model's attention
         backend.check_runs(cfg.cache, self.device.type, self.cache_config.dtype, what="the model",

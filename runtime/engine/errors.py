@@ -20,6 +20,18 @@ class RequestRejectedError(EngineError, ValueError):
         self.index, self.field = index, field
 
 
+class CacheShrunkRequestError(RequestRejectedError):
+    """A request that fits the KV cache at ``max_cache_bytes`` but not at the size
+    ``resize_cache`` left it: refused (nothing queued) until the cache is resized up (the
+    server's 503 + Retry-After, where a request that can never fit is a 400)."""
+
+
+class NonFiniteLogitsError(EngineError, FloatingPointError):
+    """The model's logits for a sequence hold NaN or +inf (or are all -inf): no token can be
+    chosen from them. The engine runs the step's rows one at a time to fail the request(s)
+    they belong to (``RequestOutput.error``); the others go on."""
+
+
 class EngineClosedError(EngineError, RuntimeError):
     """The engine was used after ``close()`` (``add_request``): its cache is released; nothing
     is queued."""

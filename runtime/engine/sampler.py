@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .errors import NonFiniteLogitsError
 from .logprobs import TokenLogprobs, token_logprobs
 from .sampling import SamplingParams
 
@@ -61,12 +62,18 @@ class Sampler:
     """Turns a step's logits ``[rows, vocab]`` into one token per SampleState."""
 
     def sample(self, logits: torch.Tensor, samples: Sequence[SampleState]) -> List[int]:
+        """NonFiniteLogitsError when a row a sample reads holds NaN or +inf or is all -inf
+        (argmax took the first NaN: a silent token 0)."""
+        rows = [s.logits_row for s in samples]
+        finite = torch.isfinite(logits.amax(dim=-1))             # one pass: NaN propagates
         if all(s.params.plain_greedy for s in samples):
-            rows = [s.logits_row for s in samples]
-            picked = logits.argmax(dim=-1)                      # (rows,)
+            picked = torch.stack([logits.argmax(dim=-1), finite.long()])   # one host copy
             if rows != list(range(logits.shape[0])):
-                picked = picked[torch.tensor(rows, device=logits.device)]
-            return picked.tolist()
+                picked = picked[:, torch.tensor(rows, device=logits.device)]
+            tokens, ok = picked.tolist()
+            check_finite(ok, rows)
+            return tokens
+        check_finite([finite.tolist()[r] for r in rows], rows)
         return [self._one(logits[s.logits_row], s) for s in samples]
 
     @staticmethod
@@ -78,6 +85,15 @@ class Sampler:
         if p.logprobs is not None:
             sample.logprobs = token_logprobs(raw, token, p.logprobs)
         return token
+
+
+def check_finite(ok: Sequence, rows: Sequence[int]) -> None:
+    """NonFiniteLogitsError naming the logits rows whose ``ok`` is false."""
+    bad = [r for r, good in zip(rows, ok) if not good]
+    if bad:
+        raise NonFiniteLogitsError(f"the model's logits hold NaN or inf (or are all -inf) in "
+                                   f"rows {bad[:8]} of this step: no token can be chosen (a "
+                                   f"numeric overflow in the model? fp16 overflows first)")
 
 
 def processed_scores(raw: torch.Tensor, sample: SampleState) -> torch.Tensor:

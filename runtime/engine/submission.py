@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from typing import Iterator, List, Optional, Sequence, Union
 
-from vmemkv.scheduler.errors import RequestTooLargeError
-from vmemkv.scheduler.lifecycle import withdraw_request
+from vmemkv.scheduler.errors import CacheShrunkError, RequestTooLargeError
+from vmemkv.scheduler.lifecycle import check_length, withdraw_request
 from vmemkv.scheduler.request import Request
 
 from .chat import chat_prompts
-from .errors import EngineClosedError, EngineConfigError, RequestRejectedError
+from .errors import (CacheShrunkRequestError, EngineClosedError, EngineConfigError,
+                     RequestRejectedError)
 from .outputs import CompletionOutput, RequestOutput, TokenEvent
 from .prompts import check_prompt_batch, check_request_params, encode_prompt
 from .request_state import OnToken, new_request, new_samples
@@ -59,7 +60,7 @@ class RequestSubmission:
         try:
             seq_ids = self.scheduler.add_request(request)
         except RequestTooLargeError as error:
-            raise RequestRejectedError(f"prompt {index} rejected: {error}", index) from None
+            raise rejected(error, index) from None
         self._next_request += 1
         self._prompt_tokens += len(ids)
         out = RequestOutput(rid, ids, [CompletionOutput(i, []) for i in range(params.n)], text,
@@ -76,15 +77,14 @@ class RequestSubmission:
 
     def check_admissible(self, prompts: Sequence[Prompt], sampling) -> None:
         """Raise RequestRejectedError for the first prompt that ``add_request`` would reject."""
-        limit = min(x for x in (self.scheduler.max_seq_len, self.scheduler.max_fit_tokens) if x)
         for i, (prompt, params) in enumerate(zip(prompts, per_prompt(prompts, sampling))):
             self.adapters.ref(params.lora, i)    # a name no adapter has: refused, nothing runs
             ids, _ = self._encode(prompt, i)
             check_request_params(params, self.tokenizer, self.vocab_size, i)
-            if len(ids) + params.max_new_tokens > limit:
-                raise RequestRejectedError(
-                    f"prompt {i} rejected: {len(ids)} prompt + {params.max_new_tokens} new tokens "
-                    f"exceed the {limit} tokens one sequence can hold in this cache", i)
+            try:
+                check_length(self.scheduler, len(ids), params.max_new_tokens)
+            except RequestTooLargeError as error:
+                raise rejected(error, i) from None
 
     # ---- batch API -----------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt],
@@ -152,3 +152,10 @@ class RequestSubmission:
             self._beams.group_of.pop(seq_id, None)
         self._beams.groups.pop(rid, None)
         self._prompt_tokens -= len(state.output.prompt_token_ids)
+
+
+def rejected(error: RequestTooLargeError, index: int) -> RequestRejectedError:
+    """The scheduler's refusal of prompt ``index`` as the engine's (CacheShrunkRequestError
+    where the cache, resized back up, would hold it)."""
+    kind = CacheShrunkRequestError if isinstance(error, CacheShrunkError) else RequestRejectedError
+    return kind(f"prompt {index} rejected: {error}", index)

@@ -35,7 +35,8 @@ class ServedModel:
     @classmethod
     def of(cls, engine, name: str, limits=None, max_requests: int = 256) -> "ServedModel":
         sched = engine.scheduler
-        limit = min(x for x in (sched.max_seq_len, sched.max_fit_tokens) if x)
+        # the cache at max_cache_bytes: a request that fits only once /resize grows it is a 503
+        limit = min(x for x in (sched.max_seq_len, sched.max_fit_tokens_at_max) if x)
         return cls(name, engine.tokenizer, engine.vocab_size, limit, engine.config.max_batch,
                    lambda: engine.loras,
                    bool(limits and limits.trust_request_chat_template), max_requests)

@@ -54,6 +54,13 @@ class EngineAsleepError(ApiError):
                          headers={"Retry-After": str(retry_after_s)})
 
 
+def cache_shrunk(message: str, retry_after_s: int = 5) -> ApiError:
+    """503: the request fits the KV cache at its largest, not at the size POST /resize left."""
+    return ApiError(503, f"{message} (the KV cache is below its max_cache_bytes: POST /resize "
+                         f"grows it); retry after {retry_after_s} s",
+                    headers={"Retry-After": str(retry_after_s)})
+
+
 def internal_error() -> ApiError:
     """What a client sees of an unexpected failure: no traceback, no internals."""
     return ApiError(500, "internal server error; the server log has the details")

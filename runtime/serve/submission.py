@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, List, Optional, Sequence
 
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
-from vmemkv.runtime.engine.errors import BeamSearchParamsError, RequestRejectedError
+from vmemkv.runtime.engine.errors import (BeamSearchParamsError, CacheShrunkRequestError,
+                                         RequestRejectedError)
 from vmemkv.runtime.engine.logprobs import TokenLogprobs
 from vmemkv.runtime.engine.sampling import SamplingParams
 
 from .engine_thread import Ended, EngineThread, Token, choices_per_prompt
-from .errors import ApiError, cannot_hold, internal_error, request_failed
+from .errors import ApiError, cache_shrunk, cannot_hold, internal_error, request_failed
 
 
 @dataclass
@@ -80,6 +81,9 @@ class Submission:
         try:
             for future in self._futures:
                 await asyncio.wrap_future(future)
+        except CacheShrunkRequestError as error:
+            self.close()
+            raise cache_shrunk(str(error)) from None
         except (RequestRejectedError, BeamSearchParamsError) as error:
             self.close()
             if error.field == "lora":   # unloaded after the request was checked: its "model"

@@ -97,6 +97,12 @@ class MemoryManager(ABC):
         cache); the scheduler rejects longer requests at submission."""
 
     @property
+    def max_sequence_tokens_at_max(self) -> int:
+        """``max_sequence_tokens`` with the pool at ``max_cache_bytes`` (a pool that never
+        resizes: the same)."""
+        return self.max_sequence_tokens
+
+    @property
     def pages_per_map_op(self) -> int:
         """Physical pages a whole page group's mapping maps (the cost model charges map latency
         per page). 1 unless the manager maps page groups (vmem: its pages_per_group)."""

@@ -57,6 +57,10 @@ class ElasticPool:
     def max_cache_bytes(self) -> int:
         return self.pool_pages * self.page_bytes
 
+    @property
+    def max_sequence_tokens_at_max(self) -> int:
+        return min(self.max_seq_len, self._tokens_in_units(self.pool_pages))
+
     def resize(self, cache_bytes: int) -> int:
         """As :meth:`MemoryManager.resize`; the bytes returned are whole pages."""
         check_int("cache_bytes", cache_bytes, 0)

@@ -10,7 +10,8 @@ import stat
 import pytest
 
 from vmemkv.runtime.engine import Engine, SamplingParams
-from vmemkv.runtime.engine.errors import (EngineClosedError, EngineConfigError,
+from vmemkv.runtime.engine.errors import (CacheShrunkRequestError, EngineClosedError,
+                                          EngineConfigError, RequestRejectedError,
                                           EngineSleepingError)
 from vmemkv.scheduler.budget import MemoryBudget
 from vmemkv.scheduler.errors import CacheResizeError
@@ -179,3 +180,30 @@ def test_an_engine_given_back_to_nothing_while_idle_grows_again_for_the_next_req
         out = e.generate(batch, SP)                  # admitted (the budget can grow it back)
         assert e.cache_bytes > 0
     assert tokens(out) == hf_greedy("tiny-llama", batch, 24, ignore_eos=True)
+
+
+def test_a_request_that_fits_only_a_larger_cache_is_refused_as_shrunk_until_it_grows():
+    # per-layer 4 KiB pages of 32 tokens, 4 members: 16 KiB holds 32 tokens of a sequence,
+    # 32 KiB (the max) 64 (max_context); what fits at max_cache_bytes is not "can never fit"
+    with Engine(model(), max_batch=2, max_context=64, cache_bytes=16 * KiB,
+                max_cache_bytes=32 * KiB, **LAYOUTS["per-layer"]) as engine:
+        assert engine.scheduler.max_fit_tokens == 32
+        assert engine.scheduler.max_fit_tokens_at_max == 64
+        before = engine_state(engine)
+        long = list(range(1, 41))
+        for submit in (lambda: engine.add_request(long, SP, index=2),
+                       lambda: engine.generate([[1, 2], long], SP)):
+            with pytest.raises(CacheShrunkRequestError, match=r"40 prompt \+ 24 new tokens = 64 "
+                               r"tokens do not fit the cache at its current size \(16384 bytes, "
+                               r"32 tokens .*resized back up it holds 64"):
+                submit()
+            assert engine_state(engine) == before
+        with pytest.raises(RequestRejectedError, match="65 tokens exceed the 64 tokens") as never:
+            engine.add_request(long + [7], SP)
+        assert type(never.value) is RequestRejectedError
+        engine.resize_cache(0)
+        with pytest.raises(CacheShrunkRequestError, match=r"\(0 bytes, 0 tokens"):
+            engine.add_request([1, 2], SamplingParams(max_new_tokens=2))
+        engine.resize_cache(32 * KiB)
+        assert tokens(engine.generate([long], SP)) == hf_greedy("tiny-llama", [long], 24,
+                                                                   ignore_eos=True)

@@ -132,3 +132,30 @@ def test_a_transient_forward_fault_is_raised_then_the_run_resumes_exactly(monkey
         out = [engine.output(rid, pop=True) for rid in ids]
         assert_released(engine)
     assert [o.status for o in out] == ["finished"] * 4 and samples(out) == want
+
+
+@pytest.mark.parametrize("victim", [GOOD[0], GOOD[1]], ids=["greedy", "sampled-n2"])
+def test_nan_logits_fail_their_request_alone_not_as_token_0(monkeypatch, victim):
+    """Logits holding NaN (a model's numeric overflow) were argmax'ed to token 0, silently:
+    the rows are refused (NonFiniteLogitsError) and their request alone fails."""
+    m = model()
+    victim_prompt = [7, 8, *PATTERN]          # its first sampled row ends with the pattern
+    forward = m.forward
+
+    def nan_rows(*args, input_ids=None, logits_to_keep=None, **kwargs):
+        out = forward(*args, input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
+        ids = input_ids[0].tolist()
+        for i, row in enumerate(logits_to_keep.tolist()):
+            if row >= 2 and tuple(ids[row - 2:row + 1]) == PATTERN:
+                out.logits[0, i, 5] = float("nan")
+        return out
+
+    with Engine(m, cache="vmem", **ENGINE) as engine:
+        want = samples(engine.generate(others(), GOOD))
+        monkeypatch.setattr(m, "forward", nan_rows)
+        out = engine.generate([victim_prompt] + others(), [victim] + GOOD)
+        assert_released(engine)
+    assert out[0].status == "failed" and out[0].error.type == "NonFiniteLogitsError"
+    assert "logits hold NaN or inf" in out[0].error.message
+    assert all(c.token_ids == [] for c in out[0].outputs)
+    assert [o.status for o in out[1:]] == ["finished"] * 3 and samples(out[1:]) == want

@@ -146,9 +146,9 @@ def engine(request, model):
 
 ADD_REQUEST_CASES = [
     ("longer-than-max-context", [1] * 60, SamplingParams(max_new_tokens=5),
-     ["prompt 0 rejected", "prompt 60 + max_tokens 5 = 65 tokens", "max_seq_len 64"]),
+     ["prompt 0 rejected", "60 prompt + 5 new tokens = 65 tokens", "max_seq_len 64"]),
     ("prompt-alone-too-long", [1] * 65, SamplingParams(max_new_tokens=1),
-     ["prompt 65", "66 tokens", "max_seq_len 64"]),
+     ["65 prompt", "66 tokens", "max_seq_len 64"]),
     ("empty", [], None, ["prompt 0 is empty"]),
     ("token-above-vocab", [1, 256, 300], None, ["[256, 300]", "outside the vocabulary [0, 256)"]),
     ("negative-token", [-1, 5], None, ["[-1]", "[0, 256)"]),
@@ -185,7 +185,7 @@ def test_a_prompt_that_can_never_fit_the_cache_is_rejected(model):
         with pytest.raises(RequestRejectedError) as info:    # generate checks every prompt first
             eng.generate([[1, 2], [1] * 30], SamplingParams(max_new_tokens=4))
         assert info.value.index == 1
-        assert_words(info.value, ["prompt 1 rejected", "30 prompt + 4 new tokens", "the 32 tokens"])
+        assert_words(info.value, ["prompt 1 rejected", "30 prompt + 4 new tokens", "holds 32 tokens"])
         assert engine_state(eng) == before
         eng.cache.manager.check_integrity()
 

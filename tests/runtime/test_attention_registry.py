@@ -96,3 +96,43 @@ def test_fastest_backend_skips_backends_without_the_dtype(monkeypatch):
     assert fastest_backend("vmem", "cuda", dtype=torch.float16) == "flash-attn"
     assert fastest_backend("paged", "cuda", block_size=16, dtype=torch.bfloat16) == "flash"
     assert fastest_backend("paged", "cuda", block_size=256) == "flash-attn"
+
+
+@pytest.mark.parametrize("name", ["reference", "sdpa", "cpu-varlen"])
+def test_inputs_a_kernel_would_misread_are_refused_by_name(name):
+    # cpu-varlen read V with K's element type (fp32 K, bf16 V: NaN, or past V's end: SIGSEGV);
+    # zero heads were a ZeroDivisionError; float lens and slots were truncated (slot 1.9 read
+    # as slot 1); an infinite soft-cap or a NaN scale made every output NaN
+    backend = get_backend(name)
+    k, v = torch.randn(2, 10, 2, 16), torch.randn(2, 10, 2, 16)
+    one, q = (lambda x: torch.tensor([x])), torch.randn(1, 4, 16)
+    cases = [
+        (q, VMemLayerView(k, v.bfloat16(), one(0), one(3), one(1)), {}, "must share a dtype"),
+        (torch.randn(1, 4, 0), VMemLayerView(k[..., :0], v[..., :0], one(0), one(3), one(1)), {},
+         "head_dim >= 1"),
+        (torch.randn(1, 0, 16), VMemLayerView(k[:, :, :0], v[:, :, :0], one(0), one(3), one(1)),
+         {}, "kv_heads and head_dim >= 1"),
+        (q, VMemLayerView(k, v, one(0), one(3.7), one(1)), {}, "context_lens must be an integer"),
+        (q, VMemLayerView(k, v, one(0), one(3), one(1.0)), {}, "query_lens must be an integer"),
+        (q, VMemLayerView(k, v, one(1.9), one(3), one(1)), {}, "slots must be an integer"),
+        (q, VMemLayerView(k, v, one(0), one(3), one(1)), dict(softcap=float("inf")),
+         "softcap must be finite"),
+        (q, VMemLayerView(k, v, one(0), one(3), one(1)), dict(scale=float("nan")),
+         "scale must be finite"),
+    ]
+    for query, view, kwargs, words in cases:
+        with pytest.raises(AttentionShapeError, match=words):
+            backend.forward(query, view, **kwargs)
+    case = make_case(SPECS["decode"])
+    p = paged_view(case)
+    floats = type(p)(p.k_pool, p.v_pool, p.block_tables.float() + 0.5, p.context_lens,
+                     p.query_lens)
+    with pytest.raises(AttentionShapeError, match="block_tables must be an integer"):
+        backend.forward(case.q, floats)
+
+
+def test_an_empty_attention_name_is_unknown_not_the_default():
+    from vmemkv.runtime.engine import Engine
+    from vmemkv.runtime.models import build_model
+    with pytest.raises(UnknownBackendError, match="unknown attention backend ''"):
+        Engine(build_model("tiny-llama"), attention="")

@@ -150,3 +150,23 @@ def test_random_mix_on_cuda_matches_shadow_and_dense_attention(cache_kind, optio
         assert {"sdpa", "flash"} <= names, names       # the flash backend really ran
     finally:
         run.cache.close()
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "interleaved"])
+@pytest.mark.parametrize("max_context", [100, 256, 1000])
+def test_make_kv_rounds_a_slot_up_to_its_default_pages_as_the_engine_does(layout, max_context):
+    # the default 64 KiB host page holds 512 tokens per layer of this model (128 B each), 256
+    # interleaved: a max_context that is no multiple of that was refused by the default itself
+    from vmemkv.runtime.kv import make_kv
+    cfg = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=16, max_batch=2,
+                      max_context=max_context)
+    kv = make_kv(cfg, layout=layout)
+    try:
+        per_page = {"per-layer": 512, "interleaved": 256}[layout]
+        slot_tokens = -(-max_context // per_page) * per_page
+        assert kv.manager.page_bytes == 64 * KiB
+        assert kv.manager.max_seq_len == kv.cache.config.max_context == slot_tokens
+        assert kv.manager.max_sequence_tokens == slot_tokens        # every slot fits whole
+        kv.check_integrity()
+    finally:
+        kv.cache.close()

@@ -115,7 +115,7 @@ def test_bad_window_or_softcap_on_a_view_is_a_typed_error():
                          view.query_lens, window=window)
         with pytest.raises(AttentionShapeError, match="sliding window must be an int >= 1"):
             get_backend("sdpa").forward(case.q, bad)
-    with pytest.raises(AttentionShapeError, match="softcap must be > 0"):
+    with pytest.raises(AttentionShapeError, match="softcap must be finite and > 0"):
         get_backend("sdpa").forward(case.q, view, softcap=-1.0)
 
 

@@ -336,3 +336,27 @@ def test_an_idle_server_gives_its_budget_share_back_without_any_request():
             wait_for(lambda: gauges(server)["kv_cache_bytes"] == 16 * PAGE)
             assert budget.held_bytes == 16 * PAGE
             tokens_of(complete(server))                 # and it grows back for a request
+
+
+def test_a_request_that_fits_only_a_grown_cache_is_503_and_200_after_resize():
+    # started at 4 pages (32 tokens of a sequence), max 128 (64: max_context): /v1/models and
+    # the length check use the cache at its max, so the first request is a 503 (retry), not a
+    # 400; once /resize grows the cache it runs; shrunk to 0, even a short one is a 503
+    start = dict(ELASTIC, cache_bytes=4 * PAGE, max_cache_bytes=128 * PAGE)
+    with serving(start) as (server, engine):
+        models = httpx.get(server.url + "/v1/models", timeout=30).json()
+        assert models["data"][0]["max_model_len"] == 64
+        long = {"prompt": list(range(1, 41)), "max_tokens": 20}
+        refused = complete(server, **long)
+        assert refused.status_code == 503 and refused.headers["Retry-After"] == "5"
+        error = error_of(refused)
+        assert "60 tokens do not fit the cache at its current size" in error["message"]
+        assert "POST /resize" in error["message"]
+        assert post(server, "/resize", {"cache_bytes": 128 * PAGE}).status_code == 200
+        assert len(tokens_of(complete(server, **long))) == 20
+        assert post(server, "/resize", {"cache_bytes": 0}).json() == {"cache_bytes": 0}
+        assert complete(server, max_tokens=2).status_code == 503
+        too_long = complete(server, prompt=list(range(1, 61)), max_tokens=5)   # 65 > 64: never
+        assert too_long.status_code == 400 and error_of(too_long)["param"] == "max_tokens"
+        wait_until_idle(server)
+        assert_memory_at_baseline(engine)
