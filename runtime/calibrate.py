@@ -43,12 +43,14 @@ UNITS = {"base_s": ("ms", 1e3), "per_seq_s": ("us", 1e6), "per_new_token_s": ("u
 
 
 def model_entry(model, name: str) -> dict:
-    """The ModelSpec fields of a torch model (what the simulator's managers size memory for)."""
-    from vmemkv.runtime.hf.support import kv_shape_of
+    """The ModelSpec fields of a torch model (what the simulator's managers size memory for),
+    its sliding windows too (per layer, tokens or None: full attention)."""
+    from vmemkv.runtime.hf.support import kv_shape_of, layer_windows_of
     param = next(model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return dict(name=name, dtype_bytes=param.element_size(), weight_bytes=weight_bytes,
-                num_params=sum(p.numel() for p in model.parameters()), **kv_shape_of(model.config))
+                num_params=sum(p.numel() for p in model.parameters()), **kv_shape_of(model.config),
+                layer_windows=list(layer_windows_of(model.config)))
 
 
 def time_steps(engine, prompts: List[List[int]], new_tokens: int, idle_s: float = 0.0,

@@ -19,45 +19,60 @@ slower after idle than back to back). Cold: 1 for the first ``cost.COLD_STEPS`` 
 steps after a prefill, ``cost.AfterPrefill``.) by a robust fit on the median of each design
 point's repeats (``profile_fit``), and writes a device profile, JSON:
 
-    {"format": "vmemkv-device-profile", "version": 3,
+    {"format": "vmemkv-device-profile", "version": 4,
      "model": {"name": "small-llama", "num_layers": 4, "num_kv_heads": 2, "head_dim": 32,
-               "dtype_bytes": 4, "weight_bytes": 6291456},
+               "dtype_bytes": 4, "weight_bytes": 6291456,
+               "layer_windows": [null, null, null, null]},   # version 4: per layer, the
+                                                   # sliding window in tokens, or null (full)
+     "engine": {"cache": "vmem", "layout": "per-layer", "page_bytes": 65536, "max_batch": 16,
+                "max_context": 512, "max_tokens_per_step": 2048},  # the engine timed
      "device": "cpu: <processor>, 1 threads",
      "coefficients": {"base_s": ..., "per_seq_s": ..., "per_new_token_s": ...,
                       "per_context_token_s": ..., "per_prefill_pair_s": ...,
                       "per_step_token_sq_s": ..., "per_prefill_step_s": ...,
                       "per_cold_step_s": ..., "per_idle_wake_s": ...},
-     "coefficient_intervals": {"base_s": [lo, hi], ...},          # version 3: 95% intervals
+     "coefficient_intervals": {"base_s": [lo, hi], ...},   # version 3: 95% intervals (null:
+                                                           # too few repeats to resample)
      "calibration": {"precision": 0.05, "repeats": ..., "noise": {...}, ...},   # version 3
      "points": [{"batch": 4, "context_tokens": 1030, "new_tokens": 4, "prefill_pairs": 0,
                  "cold_step": 1, "after_idle": 0, "shape": 3, "repeat": 0, "seconds": ...}, ...],
      "fit": {"median_rel_error": ..., "max_rel_error": ...}}
 
 ``vmemkv simulate --profile FILE`` (``SimConfig.profile``) uses it in place of the roofline;
-the profile's model is the model the simulation's managers size memory for. A profile written
+the profile's model is the model the simulation's managers size memory for, and its ``engine``
+the settings ``vmemkv simulate --profile`` defaults to (``profile_engine``). A profile written
 before the ``OPTIONAL_COEFFICIENTS`` existed (version 1) loads with them 0: prefill cost linear
-in tokens, every decode warm. Version 2 has them; version 3 adds the coefficients' intervals, the
-calibration's repeats and noise check (``profile_fit``), each point's shape and repeat, and its
-``fit`` errors are over the design points' medians (version 2: over every timed step). A
-version this code does not know (``READABLE_VERSIONS``) is refused by name.
+in tokens, every decode warm. Version 2 has them all (one missing is refused by name, as is a
+coefficient no version has); version 3 adds the coefficients' intervals, the calibration's
+repeats and noise check (``profile_fit``), each point's shape and repeat, and its ``fit`` errors
+are over the design points' medians (version 2: over every timed step); version 4 adds the
+model's ``layer_windows`` (versions 1-3: every layer full attention, unless given). A version
+this code does not know (``READABLE_VERSIONS``) is refused by name. A coefficient must be a
+finite number in [0, ``MAX_COEFFICIENT_S``): seconds per unit of its term.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Dict
 
 from .errors import ConfigError
+from .geometry import LAYOUT_CHOICES
 from .presets import ModelSpec
 
 PROFILE_FORMAT = "vmemkv-device-profile"
-PROFILE_VERSION = 3                 # what vmemkv calibrate writes
-READABLE_VERSIONS = (1, 2, 3)       # what load_profile reads
+PROFILE_VERSION = 4                 # what vmemkv calibrate writes
+READABLE_VERSIONS = (1, 2, 3, 4)    # what load_profile reads
+WINDOWS_VERSION = 4                 # the first whose model entry must have layer_windows
 COEFFICIENTS = ("base_s", "per_seq_s", "per_new_token_s", "per_context_token_s")
 OPTIONAL_COEFFICIENTS = ("per_prefill_pair_s", "per_step_token_sq_s",   # 0 where a (version 1)
                          "per_prefill_step_s", "per_cold_step_s",        # profile lacks them
                          "per_idle_wake_s")
 FITTED = COEFFICIENTS + OPTIONAL_COEFFICIENTS
+MAX_COEFFICIENT_S = 3600.0          # an hour per unit of a term: no step measured costs that
+ENGINE_CACHES = ("vmem", "paged")
+ENGINE_COUNTS = ("max_batch", "max_context", "max_tokens_per_step")
 
 
 @dataclass(frozen=True)
@@ -78,8 +93,11 @@ class ProfileCost:
     def __post_init__(self) -> None:
         for name in FITTED + ("map_latency_s",):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ConfigError(f"profile coefficient {name} must be a number >= 0, got {value!r}")
+            top = MAX_COEFFICIENT_S if name in FITTED else math.inf
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 <= value < top:
+                raise ConfigError(f"profile coefficient {name} must be a number in [0, "
+                                  f"{top:g}) seconds, got {value!r}")
 
     def step_seconds(self, context_tokens: int, new_tokens: int, mapped_pages: int = 0,
                      num_seqs: int = 0, prefill_pairs: int = 0, cold_step: bool = False,
@@ -124,19 +142,55 @@ def load_profile(path: str) -> Dict:
                           f"reads ({', '.join(map(str, READABLE_VERSIONS))}): rerun vmemkv "
                           f"calibrate, or use the vmemkv that wrote it")
     coeffs = profile.get("coefficients")
-    if not isinstance(coeffs, dict) or set(COEFFICIENTS) - set(coeffs):
-        raise ConfigError(f"device profile {path}: coefficients must have {', '.join(COEFFICIENTS)}")
-    ProfileCost(**fitted_coefficients(coeffs))
+    if not isinstance(coeffs, dict):
+        raise ConfigError(f"device profile {path}: coefficients must be an object of "
+                          f"{', '.join(FITTED)}")
+    required = COEFFICIENTS if version == 1 else FITTED      # version 1: the rest are 0
+    missing = [k for k in required if k not in coeffs]
+    unknown = sorted(map(repr, set(coeffs) - set(FITTED)))
+    if missing or unknown:
+        raise ConfigError(f"device profile {path}: version {version} coefficients must have "
+                          f"{', '.join(required)}" + (f"; missing {', '.join(missing)}" if missing
+                                                      else f"; unknown {', '.join(unknown)}"))
+    try:
+        ProfileCost(**fitted_coefficients(coeffs))
+    except ConfigError as error:
+        raise ConfigError(f"device profile {path}: {error}") from None
     profile_model(profile, path)
+    profile_engine(profile, path)
     return profile
 
 
 def profile_model(profile: Dict, path: str = "profile") -> ModelSpec:
-    """The ModelSpec the profile was measured on."""
+    """The ModelSpec the profile was measured on (``layer_windows`` from a JSON list)."""
     try:
-        return ModelSpec(**profile["model"])
-    except (KeyError, TypeError) as error:
+        entry = dict(profile["model"])
+        if profile.get("version", 1) >= WINDOWS_VERSION and "layer_windows" not in entry:
+            raise KeyError("layer_windows")
+        if isinstance(entry.get("layer_windows"), list):
+            entry["layer_windows"] = tuple(entry["layer_windows"])
+        return ModelSpec(**entry)
+    except (KeyError, TypeError, ValueError) as error:
         raise ConfigError(f"device profile {path}: bad model entry: {error}") from None
+
+
+def profile_engine(profile: Dict, path: str = "profile") -> Dict:
+    """The settings of the engine the profile timed (``engine``; {} in a profile without one):
+    ``cache`` (vmem or paged), ``layout``, ``page_bytes`` (vmem), ``max_batch``,
+    ``max_context``, ``max_tokens_per_step``; ConfigError naming the file and a bad one."""
+    engine = profile.get("engine", {})
+    if not isinstance(engine, dict):
+        raise ConfigError(f"device profile {path}: engine must be an object, got {engine!r}")
+    out = {k: v for k, v in engine.items() if v is not None}
+    choices = {"cache": ENGINE_CACHES, "layout": LAYOUT_CHOICES}
+    for key, value in out.items():
+        if key in choices and value not in choices[key]:
+            raise ConfigError(f"device profile {path}: engine {key} {value!r} is not one of "
+                              f"{', '.join(choices[key])}")
+        if key in ENGINE_COUNTS + ("page_bytes",) and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"device profile {path}: engine {key} {value!r} is not an int >= 1")
+    return out
 
 
 def profile_cost(profile: Dict, map_latency_s: float = 0.0, pages_per_map_op: int = 1) -> ProfileCost:
@@ -146,6 +200,7 @@ def profile_cost(profile: Dict, map_latency_s: float = 0.0, pages_per_map_op: in
 
 
 def fitted_coefficients(coeffs: Dict) -> Dict:
-    """The required coefficients and the optional ones (0 where absent), nothing else."""
+    """The required coefficients and the optional ones (0 where absent: ``load_profile`` lets
+    only a version 1 profile lack them), nothing else."""
     return {**dict.fromkeys(OPTIONAL_COEFFICIENTS, 0.0),
             **{k: coeffs[k] for k in FITTED if k in coeffs}}

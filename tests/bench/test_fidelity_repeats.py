@@ -95,7 +95,7 @@ def test_the_old_single_rate_flag_still_works():
 def test_on_exact_steps_every_fit_simulates_the_same_replay(tmp_path):
     from vmemkv.benchmarks.calibration_stability import FITS
     from vmemkv.benchmarks.fidelity_stats import fit_lines
-    from vmemkv.scheduler.profile_cost import PROFILE_FORMAT, ProfileCost
+    from vmemkv.scheduler.profile_cost import FITTED, PROFILE_FORMAT, ProfileCost
     from vmemkv.scheduler.simulator import SimConfig, simulate
     from vmemkv.scheduler.workload import WorkloadSpec, generate
     cost = ProfileCost(base_s=1e-3, per_seq_s=2e-5, per_new_token_s=5e-5,
@@ -111,9 +111,7 @@ def test_on_exact_steps_every_fit_simulates_the_same_replay(tmp_path):
     path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 3, "points": points,
                                 "model": dict(name="toy", num_layers=2, num_kv_heads=2,
                                               head_dim=32, dtype_bytes=4, weight_bytes=10**6),
-                                "coefficients": {k: getattr(cost, k) for k in (
-                                    "base_s", "per_seq_s", "per_new_token_s",
-                                    "per_context_token_s", "per_prefill_pair_s")}}))
+                                "coefficients": {k: getattr(cost, k) for k in FITTED}}))
     entries = generate(WorkloadSpec(num_requests=12, max_total_len=64, seed=3))
     config = SimConfig(policy="vmem", profile=str(path), page_bytes=4096, cache_bytes=2 * 10**6,
                        max_seq_len=64)

@@ -25,12 +25,13 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
     # one repeat cannot bound a median: the calibration says so, on stderr
     assert "warning:" in printed.err and "spread is not measured" in printed.err
     profile = load_profile(str(out))
-    assert profile["version"] == 3 and profile["calibration"]["repeats"] == [1] * 8
+    assert profile["version"] == 4 and profile["calibration"]["repeats"] == [1] * 8
     assert profile["calibration"]["noise"]["noisy"]
     for name in FITTED:
         lo, hi = profile["coefficient_intervals"][name]
         assert 0 <= lo <= hi, name
     assert profile["model"]["num_layers"] == 2 and profile["model"]["dtype_bytes"] == 4
+    assert profile["model"]["layer_windows"] == [None, None]
     # each point: one prefill step and (decode_steps - 1) decodes, at least
     assert len(profile["points"]) >= 4 * 2
     assert all(p["seconds"] > 0 and p["new_tokens"] >= p["batch"] for p in profile["points"])
@@ -100,3 +101,16 @@ def test_a_result_file_is_written_whole_or_not_at_all(tmp_path):
         write_json_whole(str(path), {"a": 2, "b": {1, 2}})        # fails half-way through
     assert json.loads(path.read_text()) == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
+
+
+@pytest.mark.parametrize("name", ["tiny-mistral-swa", "tiny-gemma3"])
+def test_the_profile_records_a_sliding_window_models_windows(name):
+    from vmemkv.runtime.hf.support import layer_windows_of
+    from vmemkv.runtime.models import build_model
+    from vmemkv.scheduler.profile_cost import profile_model
+    model = build_model(name)
+    entry = calibrate_module.model_entry(model, name)
+    assert entry["layer_windows"] == list(layer_windows_of(model.config))
+    assert any(w is not None for w in entry["layer_windows"])
+    spec = profile_model({"version": 4, "model": json.loads(json.dumps(entry))})
+    assert spec.layer_windows == layer_windows_of(model.config)   # what the engine attends with

@@ -42,7 +42,7 @@ def test_profile_cost_charges_a_cold_step():
 
 def test_simulated_token_times_charge_the_three_decodes_after_the_prefill(tmp_path):
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 2, "model": MODEL,
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 1, "model": MODEL,
                                 "coefficients": {**LINEAR, "per_cold_step_s": COLD_S}}))
     r = simulate([TraceEntry(10, 6, 0.0)],
                  SimConfig(policy="paged", profile=str(path), cache_bytes=8 * 10**6,
@@ -62,7 +62,7 @@ def test_the_first_step_after_idle_time_costs_the_wake_up(tmp_path):
     """Requests at 0 s and 1 s: each one's prefill follows idle time; a request arriving
     while one runs is stepped without it."""
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 2, "model": MODEL,
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 1, "model": MODEL,
                                 "coefficients": {**LINEAR, "per_idle_wake_s": WAKE_S}}))
     r = simulate([TraceEntry(10, 1, 0.0), TraceEntry(10, 1, 1.0), TraceEntry(10, 1, 1.001)],
                  SimConfig(policy="paged", profile=str(path), cache_bytes=8 * 10**6,

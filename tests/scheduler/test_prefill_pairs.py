@@ -27,7 +27,7 @@ def seq(computed: int, new: int) -> ScheduledSeq:
 
 def write_profile(tmp_path, coefficients) -> str:
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 2, "model": MODEL,
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 1, "model": MODEL,
                                 "coefficients": coefficients}))
     return str(path)
 
