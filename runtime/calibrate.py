@@ -117,7 +117,8 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
     max_repeats = max(repeats, MAX_REPEATS) if max_repeats is None else max_repeats
     check_points(batches, contexts, decode_steps, max_batch, max_context)
     if join_lengths:
-        check_points(join_batches, [min(contexts)], decode_steps, max_batch - 1, max_context)
+        check_joins(join_batches, join_lengths, min(contexts), decode_steps, max_batch,
+                    max_context)
     check_repeats(repeats, max_repeats, precision)
     import torch
     from vmemkv.runtime.engine import Engine, SamplingParams
@@ -128,12 +129,14 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
     load_before = os.getloadavg()[0]
     with Engine(model, max_batch=max_batch, max_context=max_context,
                 **(engine_options or {})) as engine:
-        engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))       # warm-up
+        warm_up = [1, 2, 3][:max(1, max_context - 2)]      # 3 + 2 tokens, fewer in a short context
+        engine.generate([warm_up], SamplingParams(
+            max_new_tokens=min(2, max_context - len(warm_up))))
         singles = [n for n in prefill_lengths if n < max_context]
         shapes = ([(b, c, decode_steps, 0.0, 0) for b in batches for c in contexts]
                   + [(1, n, 1, 0.0, 0) for n in singles] + [(1, n, 1, IDLE_S, 0) for n in singles]
                   + [(b, min(contexts), decode_steps, 0.0, n) for b in join_batches
-                     for n in join_lengths if n + min(contexts) < max_context])
+                     for n in join_lengths])
         points = timed_rounds(engine, shapes, repeats, max_repeats, precision, seed,
                               progress or (lambda line: None))
         engine_figures = {"cache": engine.config.cache, "layout": engine.config.layout,
@@ -169,6 +172,26 @@ def check_points(batches, contexts, decode_steps: int, max_batch: int, max_conte
             f"{max(contexts)} + {decode_steps} tokens")
 
 
+def check_joins(join_batches, join_lengths, context: int, decode_steps: int, max_batch: int,
+                max_context: int) -> None:
+    """EngineConfigError naming the flag and its limit when a joining prompt would not join:
+    its batch must leave it a slot, be decoding still after ``JOIN_AFTER`` steps, and the
+    prompt must stay below ``max_context`` beside the batch's (shortest) ``context``."""
+    from vmemkv.runtime.engine.errors import EngineConfigError
+    if max(join_batches) > max_batch - 1:
+        raise EngineConfigError(f"--join-batches {max(join_batches)} leaves the joining prompt no "
+                                f"room in --max-batch {max_batch}: give --join-batches at most "
+                                f"{max_batch - 1}, or a larger --max-batch")
+    if decode_steps <= JOIN_AFTER:
+        raise EngineConfigError(f"--join-lengths needs --decode-steps above {JOIN_AFTER} (a "
+                                f"prompt joins after {JOIN_AFTER} steps of its batch); got "
+                                f"--decode-steps {decode_steps}")
+    if max(join_lengths) + context >= max_context:
+        raise EngineConfigError(f"--join-lengths {max(join_lengths)} plus the shortest --contexts "
+                                f"({context}) must stay below --max-context {max_context}: give "
+                                f"--join-lengths at most {max_context - context - 1}")
+
+
 def check_repeats(repeats: int, max_repeats: int, precision: float) -> None:
     """EngineConfigError naming the value when the repeats or the precision cannot work."""
     from vmemkv.runtime.engine.errors import EngineConfigError
@@ -200,7 +223,9 @@ def timed_rounds(engine, shapes, repeats: int, max_repeats: int, precision: floa
             points.extend({**p, "shape": s, "repeat": done[s]}
                           for p in time_steps(engine, prompts, new_tokens, idle_s, joining))
             done[s] += 1
-        if min(done) < repeats:
+        if min(done) < repeats:          # no median is bounded yet: just the round
+            progress(f"calibrate: round {rounds}: {len(pending)} shapes timed, {min(done)} of "
+                     f"at least {repeats} repeats")
             continue
         dps = design_points(points)
         within = shape_precisions(dps, median_half_widths(dps.samples()))
@@ -219,7 +244,7 @@ def write_json_whole(path: str, obj) -> None:
 
 
 def register(subparsers) -> None:
-    from vmemkv.scheduler.cliargs import bounded, thread_count
+    from vmemkv.scheduler.cliargs import bounded, result_file, thread_count
     p = subparsers.add_parser("calibrate", help="time the engine on this machine and write a "
                                                 "device profile for the simulator",
                               description="Time the real engine's steps on this machine "
@@ -240,11 +265,14 @@ def register(subparsers) -> None:
                    default=list(PREFILL_LENGTHS),
                    help="single prompts timed alone as well, tokens (those below --max-context)")
     p.add_argument("--join-lengths", type=bounded(int, 1), nargs="*", default=[],
-                   help="prompts of these lengths also join running --join-batches (mixed "
-                        "steps, as a replay's arrivals make; left out by default: held out, "
-                        "they were predicted within 4%% all the same, docs/simulation.md)")
+                   help=f"prompts of these lengths also join running --join-batches (mixed "
+                        f"steps, as a replay's arrivals make; left out by default: held out, "
+                        f"they were predicted within 4%% all the same, docs/simulation.md); "
+                        f"each below --max-context minus the shortest --contexts, with "
+                        f"--decode-steps above {JOIN_AFTER} (they join after {JOIN_AFTER} steps)")
     p.add_argument("--join-batches", type=bounded(int, 1), nargs="+", default=[4, 12],
-                   help="sequences decoding when a --join-lengths prompt arrives")
+                   help="sequences decoding when a --join-lengths prompt arrives, each below "
+                        "--max-batch")
     p.add_argument("--decode-steps", type=bounded(int, 1), default=24,
                    help="tokens generated per sequence per point (the first decodes after a "
                         "prefill run slow: enough of them that most are not those)")
@@ -263,8 +291,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-context", type=bounded(int, 2), default=512,
                    help="the engine's max context, tokens (vmem attention may read whole slots)")
     p.add_argument("--threads", type=thread_count, default=1, help="torch CPU threads")
-    p.add_argument("--out", default="profile.json", metavar="FILE",
-                   help="where to write the device profile (JSON)")
+    p.add_argument("--out", type=result_file, default="profile.json", metavar="FILE",
+                   help="where to write the device profile (JSON; checked before the timing)")
 
 
 def run(args) -> int:
@@ -294,9 +322,10 @@ def summary(profile: Dict, model_name: str) -> str:
              f"  {'coefficient':<22}{'value':>10}  95% interval"]
     for name in FITTED:
         unit, scale = UNITS[name]
-        lo, hi = profile["coefficient_intervals"][name]
+        interval = profile["coefficient_intervals"][name]
         lines.append(f"  {name:<22}{profile['coefficients'][name] * scale:>10.4g}  "
-                     f"[{lo * scale:.4g}, {hi * scale:.4g}] {unit}")
+                     + (f"[{interval[0] * scale:.4g}, {interval[1] * scale:.4g}] {unit}"
+                        if interval else "n/a (fewer than 6 repeats)"))
     lines.append(f"  fit error over {fit['design_points']} design points' medians: median "
                  f"{fit['median_rel_error']:.1%}, max {fit['max_rel_error']:.1%}")
     lines.append(f"  noise: {cal['noise']['message']}")

@@ -11,10 +11,12 @@ Pure Python (the subcommands of every layer import it; it imports none of them).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import re
 import sys
+import tempfile
 import time
 from typing import Callable, Optional, Union
 
@@ -63,19 +65,39 @@ def bounded(kind: type, low: Optional[Number] = None, high: Optional[Number] = N
 
 def result_file(text: str) -> str:
     """An argparse type for a file a run writes when it ends, checked before it starts (a run
-    of minutes ended in a FileExistsError traceback): not empty, not a folder, and the nearest
-    folder above it that exists is a writable folder (the rest is created)."""
-    path = os.path.abspath(text) if text else ""
-    if not path or os.path.isdir(path):
-        raise argparse.ArgumentTypeError(f"want a file to write, got {text!r}"
-                                         + (" (a folder)" if path else ""))
-    folder = os.path.dirname(path)
-    while not os.path.lexists(folder):
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {folder!r} is not a "
-                                         f"writable folder")
+    of minutes ended in a FileExistsError traceback, or timed everything and then could not
+    write it): ``file_problem``."""
+    problem = file_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return text
+
+
+def file_problem(path: str) -> Optional[str]:
+    """Why no result file can be written at ``path`` (whole, by a temporary file beside it),
+    or None: it must be a file name, not a folder or a device, in a folder we may create files
+    in (the folders missing above it are created when it is written). Tried with a real
+    temporary file, removed at once (root may write anywhere ``os.access`` says, /proc too)."""
+    if path and os.path.isdir(path):
+        return f"{path} is a folder: give a file name"
+    if not path or os.path.basename(path) in ("", ".", ".."):
+        return f"needs a file name, got {path!r}"
+    if os.path.exists(path) and not os.path.isfile(path):
+        return (f"{path} is not a regular file (a device or a pipe would be replaced): give a "
+                f"file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"{path}: {folder} is not a folder"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".vmemkv-write-check.", dir=folder)
+    except OSError as error:
+        return f"{path}: cannot write a file in {folder}: {error.strerror}"
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return None
 
 
 POSITIVE_INT = bounded(int, 1)                     # counts: requests, repeats, tokens, pages

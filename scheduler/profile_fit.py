@@ -21,7 +21,8 @@ step under load.
 A design point's median is bounded by a distribution-free 95% interval (order statistics of
 its repeats, which needs 6 of them); the coefficients' 95% intervals are percentile bootstrap
 intervals, resampling each shape's repeats whole (the steps of one run share its moment of load,
-so they are not independent) and refitting.
+so they are not independent) and refitting; with fewer than 6 repeats of a shape there are
+none (too few to resample).
 """
 from __future__ import annotations
 
@@ -203,12 +204,17 @@ def fit_steps(dps: DesignPoints, loss: str = "huber") -> Dict[str, float]:
 
 
 def coefficient_intervals(dps: DesignPoints, coefficients: Dict[str, float], loss: str = "huber",
-                          resamples: int = 200, seed: int = 0) -> Dict[str, List[float]]:
+                          resamples: int = 200, seed: int = 0
+                          ) -> Dict[str, Optional[List[float]]]:
     """95% percentile intervals of each coefficient: ``resamples`` refits (``fit_medians``),
-    each after drawing every shape's repeats (whole runs) with replacement."""
+    each after drawing every shape's repeats (whole runs) with replacement. None for every
+    coefficient when a shape has fewer than 6 repeats (``median_rank``: too few to resample;
+    one repeat gave zero-width intervals that missed their own estimate)."""
+    shape_runs = [np.flatnonzero(dps.run_shape == s) for s in np.unique(dps.run_shape)]
+    if not median_rank(min(map(len, shape_runs), default=0)):
+        return dict.fromkeys(FITTED)
     rng = np.random.default_rng(seed)
     start = np.array([coefficients[k] for k in FITTED])
-    shape_runs = [np.flatnonzero(dps.run_shape == s) for s in np.unique(dps.run_shape)]
     fits = []
     for _ in range(resamples):
         count = np.zeros(len(dps.run_shape), dtype=int)
@@ -293,10 +299,12 @@ class NoiseCheck:
     max_repeats: int        # the cap on repeats per shape
     design_points: int
     outside: int            # design points whose median is known only to worse than precision
-    spread: float           # relative spread of a step's time: median over design points
+    spread: float           # relative spread of a step's time: median over the design points
+                            # measured more than once (``measured`` of them)
     spread_p90: float       # ... its 90th percentile (NaN: one repeat, not measured)
     achieved: float         # 90th percentile of the design points' half-widths reached
     needed_repeats: int     # repeats that bring 90% of design points within precision
+    measured: int = 0       # design points with 2 samples or more (whose spread is measured)
 
     @property
     def noisy(self) -> bool:
@@ -307,8 +315,9 @@ class NoiseCheck:
         if math.isnan(self.spread_p90):
             return ("one repeat per design point: the step time's spread is not measured "
                     "(--repeats 6 or more)")
-        head = (f"the step time's relative spread is {self.spread:.1%} (median over "
-                f"{self.design_points} design points, {self.spread_p90:.1%} at the 90th "
+        head = (f"the step time's relative spread is {self.spread:.1%} (median over the "
+                f"{self.measured} of {self.design_points} design points measured more than "
+                f"once, {self.spread_p90:.1%} at the 90th "
                 f"percentile); +-{self.precision:.1%} on 90% of the design points' medians "
                 f"needs about {self.needed_repeats} repeats")
         if not self.noisy:
@@ -336,7 +345,7 @@ def noise_check(dps: DesignPoints, half_widths: np.ndarray, precision: float,
                           if len(measured) else (math.nan, math.nan))
     needed = repeats_for(spread_p90, precision) if math.isfinite(spread_p90) else 0
     return NoiseCheck(precision, max_repeats, len(dps.rows), int((half_widths > precision).sum()),
-                      spread, spread_p90, p90(half_widths), needed)
+                      spread, spread_p90, p90(half_widths), needed, len(measured))
 
 
 def fit_profile(points: Sequence[Dict], precision: float, max_repeats: int,

@@ -27,9 +27,9 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
     profile = load_profile(str(out))
     assert profile["version"] == 4 and profile["calibration"]["repeats"] == [1] * 8
     assert profile["calibration"]["noise"]["noisy"]
-    for name in FITTED:
-        lo, hi = profile["coefficient_intervals"][name]
-        assert 0 <= lo <= hi, name
+    # nor can one repeat be resampled: no interval (it was a zero-width one missing its estimate)
+    assert profile["coefficient_intervals"] == dict.fromkeys(FITTED)
+    assert printed.out.count("n/a (fewer than 6 repeats)") == len(FITTED)
     assert profile["model"]["num_layers"] == 2 and profile["model"]["dtype_bytes"] == 4
     assert profile["model"]["layer_windows"] == [None, None]
     # each point: one prefill step and (decode_steps - 1) decodes, at least
@@ -81,7 +81,9 @@ def test_repeats_stop_where_the_medians_are_bounded_and_go_on_to_the_cap_where_n
                                            precision=0.05, seed=0, progress=lines.append)
     runs = {s: len({p["repeat"] for p in points if p["shape"] == s}) for s in range(4)}
     assert runs == {0: 6, 1: 9, 2: 6, 3: 6}
-    assert len(lines) == 4 and "3 of 4 shapes within" in lines[0] and "1 again" in lines[0]
+    # one line a round: 5 before any median is bounded, then 4 of the precision reached
+    assert len(lines) == 9 and "round 1: 4 shapes timed, 1 of at least 6 repeats" in lines[0]
+    assert "3 of 4 shapes within" in lines[5] and "1 again" in lines[5]
 
 
 def test_calibration_repeats_and_precision_out_of_range_are_refused():
@@ -114,3 +116,70 @@ def test_the_profile_records_a_sliding_window_models_windows(name):
     assert any(w is not None for w in entry["layer_windows"])
     spec = profile_model({"version": 4, "model": json.loads(json.dumps(entry))})
     assert spec.layer_windows == layer_windows_of(model.config)   # what the engine attends with
+
+
+def test_every_round_says_how_far_it_got(monkeypatch):
+    monkeypatch.setattr(calibrate_module, "time_steps",
+                        lambda engine, prompts, new_tokens, idle_s=0.0, joining=None: [dict(
+                            batch=1, new_tokens=1, context_tokens=1, prefill_pairs=0,
+                            cold_step=0, after_idle=0, seconds=1e-3)])
+    lines = []
+    calibrate_module.timed_rounds(type("E", (), {"vocab_size": 9})(), [(1, 4, 1, 0.0, 0)] * 2,
+                                  repeats=3, max_repeats=3, precision=0.05, seed=0,
+                                  progress=lines.append)
+    assert [line.split(":")[1] for line in lines] == [" round 1", " round 2", " round 3"]
+
+
+@pytest.mark.parametrize("out,words", [(".", "is a folder"),
+                                       ("/proc/p.json", "cannot write a file in /proc")])
+def test_an_out_that_cannot_be_written_is_refused_before_anything_is_timed(
+        monkeypatch, capsys, out, words):
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda *a, **k: pytest.fail("timed"))
+    with pytest.raises(SystemExit) as exit_:
+        main(["calibrate", "--model", "tiny-llama", "--out", out])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert "argument --out" in err and words in err
+
+
+JOIN = ["calibrate", "--model", "tiny-llama", "--batches", "2", "--contexts", "16",
+        "--repeats", "1", "--max-repeats", "1", "--prefill-lengths", "--max-context", "64",
+        "--max-batch", "4", "--resamples", "10"]
+
+
+@pytest.mark.parametrize("flags,words", [
+    # nothing joined: the batch had finished before a prompt could join
+    (["--decode-steps", "5", "--join-lengths", "8", "--join-batches", "2"],
+     "--join-lengths needs --decode-steps above 5 (a prompt joins after 5 steps of its batch); "
+     "got --decode-steps 5"),
+    # the join shape was dropped silently
+    (["--decode-steps", "6", "--join-lengths", "8", "48", "--join-batches", "2"],
+     "--join-lengths 48 plus the shortest --contexts (16) must stay below --max-context 64: "
+     "give --join-lengths at most 47"),
+    # named max_batch (3), a value the user never gave
+    (["--decode-steps", "6", "--join-lengths", "8", "--join-batches", "4"],
+     "--join-batches 4 leaves the joining prompt no room in --max-batch 4: give --join-batches "
+     "at most 3"),
+])
+def test_joins_that_would_not_join_are_refused_naming_the_flags(monkeypatch, tmp_path, capsys,
+                                                                flags, words):
+    monkeypatch.setattr(calibrate_module, "timed_rounds", lambda *a: pytest.fail("timed"))
+    assert main(JOIN + flags + ["--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err, err
+
+
+def test_the_join_limits_are_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "each below --max-context minus the shortest --contexts" in text
+    assert "--decode-steps above 5" in text and "each below --max-batch" in text
+
+
+def test_a_context_of_a_few_tokens_calibrates(tmp_path):
+    # --max-context 4 passed every check, then the 3-token warm-up + 2 tokens was refused
+    profile = calibrate_module.calibrate("tiny-llama", batches=(1,), contexts=(1,),
+                                         decode_steps=1, repeats=1, max_repeats=1, max_batch=1,
+                                         max_context=4, prefill_lengths=(), resamples=10)
+    assert profile["engine"]["max_context"] == 4 and profile["points"]

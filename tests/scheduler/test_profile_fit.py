@@ -205,3 +205,28 @@ def test_right_skewed_noise_does_not_pull_the_fit_below_the_typical_step():
              for name, f in fits.items()}
     assert 0.95 < ratio["medians"] < 1.05 and 0.95 < ratio["steps"] < 1.15, ratio
     assert ratio["own time"] < 0.8, ratio
+
+
+@pytest.mark.parametrize("repeats", [1, 2, 5])
+def test_too_few_repeats_to_resample_give_no_interval(repeats):
+    # one repeat: every bootstrap draw was the same data, a zero-width "interval" that by float
+    # noise missed its own estimate; below 6 the draws are too few to bound a coefficient
+    profile = fit_profile(synthetic(repeats=repeats, noise=0.05, seed=4), 0.05, repeats,
+                          resamples=20)
+    assert profile["coefficient_intervals"] == dict.fromkeys(FITTED)
+    six = fit_profile(synthetic(repeats=6, noise=0.05, seed=4), 0.05, 6, resamples=20)
+    assert all(lo <= six["coefficients"][k] <= hi
+               for k, (lo, hi) in six["coefficient_intervals"].items())
+
+
+def test_the_spread_is_counted_over_the_design_points_measured_more_than_once():
+    # shape 0 timed twice, every other shape once: the spread is measured on shape 0's points
+    points = [p for p in synthetic(repeats=2, noise=0.05, seed=5)
+              if p["repeat"] == 0 or p["shape"] == 0]
+    dps = design_points(points)
+    twice = sum(len(s) >= 2 for s in dps.samples())
+    assert 0 < twice < len(dps.rows)
+    noise = fit_profile(points, 0.05, 2, resamples=20)["noise"]
+    assert noise["measured"] == twice and noise["design_points"] == len(dps.rows)
+    assert (f"median over the {twice} of {len(dps.rows)} design points measured more than once"
+            in noise["message"])
