@@ -21,12 +21,12 @@ import math
 import sys
 
 from vmemkv.scheduler.cliargs import (NON_NEGATIVE_INT, POSITIVE_INT, bounded, hold_point, parse_bytes,
-                                      thread_count)
+                                      thread_count, write_stdout)
 from vmemkv.scheduler.managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from vmemkv.scheduler.presets import KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES
 from vmemkv.scheduler.progress import Progress
 
-from .generate_io import GenerateUsageError, needs_labels, print_output, read_prompts
+from .generate_io import GenerateUsageError, format_output, needs_labels, read_prompts
 
 
 def register(subparsers) -> None:
@@ -224,13 +224,14 @@ def run(args) -> int:
                             stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
                             ignore_eos=args.ignore_eos)
     with _engine(Engine, model, tokenizer, args) as engine:
-        outputs = _generate(engine, prompts, params, args)
+        outputs = _generate(engine, prompts, params, args, messages)
     labelled = needs_labels(outputs, args.n, args.chat)
-    for i, out in enumerate(outputs):
-        print_output(out, args.json, labelled, messages[i] if messages else None)
     stats = engine.last_stats
+    texts = [format_output(out, args.json, labelled, messages[i] if messages else None)
+             for i, out in enumerate(outputs)]
     if args.json:
-        print(json.dumps({"stats": _finite(stats.as_dict())}))
+        texts.append(json.dumps({"stats": _finite(stats.as_dict())}) + "\n")
+    all(write_stdout(text) for text in texts)      # a reader gone (| head): the rest dropped
     sys.stderr.write(f"vmemkv generate: {stats.summary()}\n")
     return 0
 
@@ -252,7 +253,7 @@ def _engine(engine_class, model, tokenizer, args):
                         tp_devices=args.tp_devices)
 
 
-def _generate(engine, prompts, params, args):
+def _generate(engine, prompts, params, args, messages=None):
     """engine.generate with the progress bar. On Ctrl-C the samples that had finished are
     printed (labelled), the caller's ``with engine`` releases the cache, and the interrupt goes
     on up with a note of how many finished."""
@@ -269,17 +270,21 @@ def _generate(engine, prompts, params, args):
         try:
             return engine.generate(prompts, params, on_token=on_token)
         except KeyboardInterrupt:
-            _print_finished(engine, finished, args.json)
+            _print_finished(engine, finished, args.json, messages)
             raise KeyboardInterrupt(f"printed the {len(finished)} of {len(prompts) * args.n} "
                                     f"samples that had finished; the cache is released") from None
 
 
-def _print_finished(engine, finished, as_json: bool) -> None:
-    """Print the ``finished`` (request_id, index) samples, labelled, in request order."""
+def _print_finished(engine, finished, as_json: bool, messages=None) -> None:
+    """Print the ``finished`` (request_id, index) samples, labelled, in request order (with
+    ``--chat --json``, each request's conversation, as a whole run prints it)."""
     for request_id in sorted({rid for rid, _ in finished}):
         out = engine.output(request_id)
         done = [o for o in out.outputs if (request_id, o.index) in finished]
-        print_output(dataclasses.replace(out, outputs=done), as_json, labelled=True)
+        conversation = messages[request_id] if messages else None  # fresh engine: ids 0..
+        if not write_stdout(format_output(dataclasses.replace(out, outputs=done), as_json,
+                                          labelled=True, messages=conversation)):
+            return
 
 
 def _finite(stats: dict) -> dict:

@@ -41,7 +41,11 @@ def read_prompts(path: str, has_tokenizer: bool, text_only: bool = False, chat: 
         text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
     except OSError as error:
         raise GenerateUsageError(f"cannot read prompts from {path!r}: {error.strerror}") from None
-    lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    # a byte-order mark (Windows editors) is no part of the first prompt; lines end at "\n"
+    # only (splitlines also split at form feeds and U+2028, which JSON strings may hold raw)
+    text = text.removeprefix("\ufeff")
+    lines = [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1)
+             if line.strip()]
     if chat or path.endswith(".jsonl"):
         prompts = [_json_prompt(n, line, has_tokenizer, chat, system) for n, line in lines]
     else:
@@ -52,8 +56,10 @@ def read_prompts(path: str, has_tokenizer: bool, text_only: bool = False, chat: 
 
 
 def _text_prompt(number: int, line: str, has_tokenizer: bool, text_only: bool) -> Prompt:
+    """Token ids when every word is ASCII digits (fullwidth "１２３" is text); else the line,
+    spaces included (they are tokens too)."""
     parts = line.split()
-    if not text_only and all(p.isdigit() for p in parts):
+    if not text_only and all(p.isascii() and p.isdigit() for p in parts):
         return [int(p) for p in parts]
     if has_tokenizer:
         return line
@@ -63,6 +69,7 @@ def _text_prompt(number: int, line: str, has_tokenizer: bool, text_only: bool) -
 
 def _json_prompt(number: int, line: str, has_tokenizer: bool, chat: bool,
                  system: Optional[str]) -> Prompt:
+    line = line.strip()                   # JSON's own spaces; a text line's are kept
     if chat and line[0] not in '[{"':     # plain text: one user message
         return _conversation([{"role": "user", "content": line}], system)
     try:
@@ -88,8 +95,9 @@ def _conversation(messages: List[dict], system: Optional[str]) -> List[dict]:
     return with_system(messages, system)
 
 
-def print_output(out, as_json: bool, labelled: bool = False, messages=None) -> None:
-    """One JSON object per request, or its samples as text (labelled: see the docstring)."""
+def format_output(out, as_json: bool, labelled: bool = False, messages=None) -> str:
+    """One JSON object per request, or its samples as text (labelled: see the docstring); each
+    line ends with a newline."""
     if as_json:
         record = {"request_id": out.request_id, "prompt": out.prompt,
                   "prompt_token_ids": list(out.prompt_token_ids),
@@ -97,14 +105,13 @@ def print_output(out, as_json: bool, labelled: bool = False, messages=None) -> N
                                "finish_reason": o.finish_reason} for o in out.outputs]}
         if messages is not None:
             record["messages"] = messages
-        print(json.dumps(record, ensure_ascii=False))
-        return
+        return json.dumps(record, ensure_ascii=False) + "\n"
+    lines = []
     for o in out.outputs:
         text = o.text if o.text is not None else " ".join(map(str, o.token_ids))
-        if labelled:
-            print(f"[prompt {out.request_id} sample {o.index}] " + text.replace("\n", "\n" + INDENT))
-        else:
-            print(text)
+        lines.append(f"[prompt {out.request_id} sample {o.index}] " + text.replace("\n", "\n" + INDENT)
+                     if labelled else text)
+    return "".join(line + "\n" for line in lines)
 
 
 def needs_labels(outputs, n: int, chat: bool) -> bool:

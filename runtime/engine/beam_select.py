@@ -100,11 +100,13 @@ def select(group: GroupState, logprobs: torch.Tensor) -> GroupState:
 
 def _stops_early(p: BeamSearchParams, best_running: float, hyps: Tuple[Hypothesis, ...],
                  generated: int) -> bool:
-    """transformers' ``_check_early_stop_heuristic`` and ``early_stopping=True``."""
+    """transformers' ``_check_early_stop_heuristic`` and ``early_stopping=True``. One beam is
+    greedy decoding (transformers' ``generate(num_beams=1)`` runs greedy, whatever
+    ``early_stopping`` says): it ends at its first hypothesis."""
     full = len(hyps) == p.beam_width
     if not full:
         return False
-    if p.early_stopping is True:
+    if p.early_stopping is True or p.beam_width == 1:
         return True
     length = (p.max_new_tokens if p.early_stopping == "never" and p.length_penalty > 0
               else generated)

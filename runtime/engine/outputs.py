@@ -169,9 +169,10 @@ class EngineStats:
 
     def summary(self) -> str:
         d = self.as_dict()
+        ms = lambda s, digits: "n/a" if s != s else f"{s * 1e3:.{digits}f} ms"  # noqa: E731 (NaN: none)
         return (f"{self.requests} requests, {self.output_tokens} output tokens in {self.wall_s:.2f} s "
                 f"= {self.tokens_per_s:.1f} tok/s ({self.steps} steps) | TTFT p50 "
-                f"{d['ttft_p50_s'] * 1e3:.1f} ms, ITL p50 {d['itl_p50_s'] * 1e3:.2f} ms | "
+                f"{ms(d['ttft_p50_s'], 1)}, ITL p50 {ms(d['itl_p50_s'], 2)} | "
                 f"KV {self.cache} {self.cache_bytes / 2**20:.1f} MiB, usage mean "
                 f"{self.kv_usage_mean:.0%} peak {self.kv_usage_peak:.0%} | preemptions "
                 f"{self.num_preemptions} ({self.num_swap_preemptions} swap) | mapping "

@@ -6,7 +6,7 @@ import pytest
 
 from vmemkv.runtime.engine import Engine, SamplingParams
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
-from vmemkv.runtime.engine.errors import BeamSearchParamsError, RequestRejectedError
+from vmemkv.runtime.engine.errors import RequestRejectedError
 
 from .beam_reference import beam_mismatches, hf_beams
 from .conftest import model, prompts
@@ -144,27 +144,6 @@ def test_windowed_model_beams_equal_transformers(cache):
     out, _ = run("tiny-mistral-swa", batch, params, **{**CACHES[cache], "block_size": 4},
                  page_bytes=4096)
     assert not beam_mismatches(out, reference("tiny-mistral-swa", batch, params, ()))
-
-
-
-@pytest.mark.parametrize("fields,field", [
-    (dict(beam_width=0), "beam_width"), (dict(beam_width=2, num_return_beams=3), "num_return_beams"),
-    (dict(beam_width=2, temperature=0.8), "temperature"),
-    (dict(beam_width=2, early_stopping="sometimes"), "early_stopping"),
-    (dict(beam_width=2, max_new_tokens=0), "max_new_tokens"),
-    (dict(beam_width=2, length_penalty=float("nan")), "length_penalty")])
-def test_bad_params_raise_naming_the_field(fields, field):
-    with pytest.raises(BeamSearchParamsError) as error:
-        BeamSearchParams(**fields)
-    assert error.value.field == field
-
-
-def test_beam_width_past_max_batch_is_refused_before_anything_is_queued():
-    with Engine(model(), max_batch=4, max_context=64) as engine:
-        with pytest.raises(BeamSearchParamsError, match="max_batch") as error:
-            engine.beam_search([[1, 2, 3], [4, 5]], BeamSearchParams(5, max_new_tokens=4))
-        assert error.value.field == "beam_width"
-        assert not engine.has_unfinished() and engine.kv.manager.stats().live_tokens == 0
 
 
 @pytest.mark.parametrize("cache,cache_kib", [("vmem", 32), ("paged", 6)])

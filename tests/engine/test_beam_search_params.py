@@ -1,0 +1,46 @@
+"""Beam search parameters: one beam is greedy decoding, whatever ``early_stopping`` says
+(transformers' generate(num_beams=1)); bad parameters are refused by field before anything is
+queued."""
+from __future__ import annotations
+
+import pytest
+
+from vmemkv.runtime.engine import Engine, SamplingParams
+from vmemkv.runtime.engine.beam_params import BeamSearchParams
+from vmemkv.runtime.engine.errors import BeamSearchParamsError
+
+from .conftest import model, prompts
+from .test_beam_search import run
+
+
+@pytest.mark.parametrize("early_stopping", [True, False, "never"])
+def test_one_beam_is_greedy_decoding_whatever_early_stopping_says(early_stopping):
+    # transformers' generate(num_beams=1) is greedy; with "never" and a positive length
+    # penalty one beam went on past its end-of-sequence token (20 tokens against greedy's 1)
+    batch = [[9, 2, 6]] + prompts(2, 3, 20, seed=11)   # the first's greedy token is the EOS
+    params = BeamSearchParams(1, max_new_tokens=20, early_stopping=early_stopping)
+    out, _ = run("tiny-llama", batch, params, cache="paged", block_size=4)
+    with Engine(model("tiny-llama"), max_context=128, cache="paged", block_size=4) as engine:
+        greedy = engine.generate(batch, SamplingParams(max_new_tokens=20))
+    assert [o.outputs[0].token_ids for o in out] == [g.outputs[0].token_ids for g in greedy]
+    assert len(greedy[0].outputs[0].token_ids) == 1
+
+
+@pytest.mark.parametrize("fields,field", [
+    (dict(beam_width=0), "beam_width"), (dict(beam_width=2, num_return_beams=3), "num_return_beams"),
+    (dict(beam_width=2, temperature=0.8), "temperature"),
+    (dict(beam_width=2, early_stopping="sometimes"), "early_stopping"),
+    (dict(beam_width=2, max_new_tokens=0), "max_new_tokens"),
+    (dict(beam_width=2, length_penalty=float("nan")), "length_penalty")])
+def test_bad_params_raise_naming_the_field(fields, field):
+    with pytest.raises(BeamSearchParamsError) as error:
+        BeamSearchParams(**fields)
+    assert error.value.field == field
+
+
+def test_beam_width_past_max_batch_is_refused_before_anything_is_queued():
+    with Engine(model(), max_batch=4, max_context=64) as engine:
+        with pytest.raises(BeamSearchParamsError, match="max_batch") as error:
+            engine.beam_search([[1, 2, 3], [4, 5]], BeamSearchParams(5, max_new_tokens=4))
+        assert error.value.field == "beam_width"
+        assert not engine.has_unfinished() and engine.kv.manager.stats().live_tokens == 0
