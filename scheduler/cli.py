@@ -12,12 +12,13 @@ import argparse
 import sys
 
 from . import cli_capacity
-from .cli_checks import check_flags, check_lora
+from .cli_checks import check_flags, check_lora, profile_defaults
 from .cli_table import aggregate, format_table, parse_seeds, to_json
 from .cliargs import NON_NEGATIVE_INT, POSITIVE_INT, bounded, hold_point, parse_bytes, write_stdout
 from .errors import ConfigError
 from .managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from .presets import DEVICES, KV_CACHE_DTYPES, MODELS
+from .profile_cost import load_profile, profile_model
 from .progress import Progress
 from .report import parse_goodput
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
@@ -36,6 +37,18 @@ TOKENS = bounded(float, 1, MAX_TRACE_TOKENS)   # a length distribution's median,
 # ~1e299 GB its byte count overflows an int
 MAX_GB = 1e6
 GB, FRACTION = bounded(float, 0, MAX_GB), bounded(float, 0, 1)
+
+
+TIMED = "with --profile: the profile's engine's"    # help: where a profile run's default is
+
+
+class _Given(argparse.Action):
+    """A flag stored as usual and noted in ``args.given``: with --profile, the engine settings
+    of the flags not given come from the profile (cli_checks.profile_defaults)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
 
 
 class _Renamed(argparse.Action):
@@ -73,9 +86,10 @@ def register(subparsers) -> None:
                    help="what a preempted sequence loses: recompute its tokens, or swap them "
                         "to host memory (needs --swap-gb > 0)")
     s.add_argument("--swap-gb", type=GB, default=0.0, help="host swap space, GB (10^9 bytes)")
-    s.add_argument("--max-running", type=POSITIVE_INT, default=1024, help="sequences per step")
-    s.add_argument("--max-tokens-per-step", type=POSITIVE_INT, default=8192,
-                   help="new tokens per step")
+    s.add_argument("--max-running", type=POSITIVE_INT, default=1024, action=_Given,
+                   help=f"sequences per step (default: 1024; {TIMED} max_batch)")
+    s.add_argument("--max-tokens-per-step", type=POSITIVE_INT, default=8192, action=_Given,
+                   help=f"new tokens per step (default: 8192; {TIMED} max_tokens_per_step)")
     c = p.add_argument_group("cost model")
     c.add_argument("--prefill-mfu", type=bounded(float, 0, 1, low_open=True), default=None,
                    help="cost prefill as compute-bound at this model-FLOPs utilisation, in "
@@ -87,7 +101,9 @@ def register(subparsers) -> None:
                         "copy-on-write), GB/s (default: half the GPU's memory bandwidth)")
     c.add_argument("--profile", metavar="FILE", default=None,
                    help="a device profile from vmemkv calibrate in place of the roofline (its "
-                        "model replaces --model-preset; default: the roofline)")
+                        "model replaces --model-preset and --gpu, the engine it timed gives the "
+                        "defaults of --policy, --page-size, --layout, --max-running, "
+                        "--max-tokens-per-step and --max-len; default: the roofline)")
     c.add_argument("--h2d-gbps", type=bounded(float, 0, low_open=True),
                    default=DEFAULT_H2D_BYTES_PER_S / 1e9,
                    help="host-device bandwidth for LoRA adapter loads and swap preemption's "
@@ -115,9 +131,10 @@ def _workload_flags(w) -> None:
     w.add_argument("--prompt-p95", type=TOKENS, default=2155.0, help="prompt length p95, tokens")
     w.add_argument("--output-mean", type=TOKENS, default=374.0, help="output length mean, tokens")
     w.add_argument("--output-p95", type=TOKENS, default=1118.0, help="output length p95, tokens")
-    w.add_argument("--max-len", type=bounded(int, 2), default=4096,
-                   help="max tokens per sequence (prompt + output clipped to it; longer trace "
-                        "requests are scaled down to it, prompt and output in proportion)")
+    w.add_argument("--max-len", type=bounded(int, 2), default=4096, action=_Given,
+                   help=f"max tokens per sequence (prompt + output clipped to it; longer trace "
+                        f"requests are scaled down to it, prompt and output in proportion; "
+                        f"default: 4096; {TIMED} max_context, vmem: in whole page groups)")
     w.add_argument("--beam-width", type=bounded(int, 0), default=0,
                    help="every request a beam search of this many beams (0: plain decoding)")
     w.add_argument("--n", type=bounded(int, 1), default=1,
@@ -163,18 +180,21 @@ def _deployment_flags(m) -> None:
                    default=None,
                    help="with --lora-adapters: a static split, this many GB of --cache-gb for "
                         "adapters and the rest for KV (default: one pool both share)")
-    m.add_argument("--policy", type=policy_name, default="paged",
+    m.add_argument("--policy", type=policy_name, default="paged", action=_Given,
                    help=f"KV memory policy: {', '.join(POLICIES)}, or module:Class / "
-                        f"file.py:Class for your own manager (docs/simulation.md)")
+                        f"file.py:Class for your own manager (docs/simulation.md; default: "
+                        f"paged; {TIMED} cache)")
     m.add_argument("--block-size", type=POSITIVE_INT, default=16,
                    help="tokens per block (paged), at most --max-len")
     m.add_argument("--page-bytes", "--page-size", dest="page_size", type=parse_bytes, metavar="SIZE",
-                   default=2 * 2**20,
-                   help="bytes per physical page (vmem): 2MiB, 64KiB, 65536, ... (default: 2MiB)")
-    m.add_argument("--layout", choices=LAYOUT_CHOICES, default="per-layer",
-                   help="vmem: one page per layer (per-layer), all layers in one (interleaved), "
-                        "or auto: per-layer while its page group holds <= 128 tokens, else the "
-                        "layout with the smaller group (docs/usage.md)")
+                   default=2 * 2**20, action=_Given,
+                   help=f"bytes per physical page (vmem): 2MiB, 64KiB, 65536, ... (default: "
+                        f"2MiB; {TIMED} page_bytes)")
+    m.add_argument("--layout", choices=LAYOUT_CHOICES, default="per-layer", action=_Given,
+                   help=f"vmem: one page per layer (per-layer), all layers in one (interleaved), "
+                        f"or auto: per-layer while its page group holds <= 128 tokens, else the "
+                        f"layout with the smaller group (docs/usage.md; default: per-layer; "
+                        f"{TIMED} layout)")
     m.add_argument("--prefix-block-tokens", type=bounded(int, 0), default=16, metavar="N",
                    help="vmem: prefix hits in blocks of N tokens whatever a page holds, the "
                         "hit's part of a page copied into the new sequence's page (0: whole "
@@ -258,8 +278,11 @@ def _simulate(entries, config: SimConfig, args):
 
 def run(args) -> int:
     check_lora(args)                # before the config's check of the same, naming the flags
+    outside = profile_defaults(args)   # the profile's engine fills the flags not given
     config = _config(args)          # field checks first: they name the flag the user gave
     check_flags(args)               # then the flags together, before anything is drawn
+    for line in outside:
+        sys.stderr.write(f"vmemkv simulate: warning: {line}\n")
     goodput = parse_goodput(args.goodput) if args.goodput else None
     if args.find_max_rate:
         return cli_capacity.run(args, config, lambda a: _entries(a, a.seed))
@@ -291,9 +314,12 @@ def _echo(args, seed: int) -> dict:
     echo = {k: getattr(args, k) for k in (
         "model_preset", "gpu", "cache_gb", "policy", "block_size", "page_size", "layout",
         "watermark", "watermark_scope", "preemption", "swap_gb", "max_running",
-        "max_tokens_per_step", "seed", "workload_rng", "trace", "goodput", "profile",
+        "max_tokens_per_step", "max_len", "seed", "workload_rng", "trace", "goodput", "profile",
         "prefix_eviction", "lora_adapters", "lora_zipf", "lora_budget_gb", "h2d_gbps")}
     echo["seed"] = seed
+    if args.profile:                # its model was simulated, on no preset GPU
+        echo.update(model_preset=None, gpu=None,
+                    profile_model=profile_model(load_profile(args.profile)).name)
     return echo
 
 

@@ -4,14 +4,14 @@ Each refuses, with a ConfigError naming the flags (one line, exit 2), what would
 and be silently wrong or fail late: flags that do not apply together, a Poisson rate too low
 for the float clock, a ``--write-trace`` path that cannot be written, LoRA budgets that leave no
 KV memory. The deployment's own check (``sim_config.check_deployment``) is shared with the sweep.
+``profile_defaults`` gives a ``--profile`` run the engine settings the profile was timed with.
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
-
+from .cliargs import file_problem
 from .errors import ConfigError
+from .geometry import PageGeometry, resolve_layout
+from .profile_cost import load_profile, profile_engine, profile_model
 from .sim_config import check_deployment
 from .workload import MAX_ARRIVAL_S
 
@@ -32,6 +32,42 @@ def check_flags(args) -> None:
     check_arrival_rate(args)
     if args.write_trace is not None:
         check_writable(args.write_trace, "--write-trace")
+
+
+# a flag's dest -> the profile engine's setting it defaults to, and whether a value above the
+# setting (True) or any other value (False) is outside what the profile timed
+PROFILE_FLAGS = {"policy": ("cache", False), "page_size": ("page_bytes", False),
+                 "layout": ("layout", False), "max_running": ("max_batch", True),
+                 "max_tokens_per_step": ("max_tokens_per_step", True),
+                 "max_len": ("max_context", True)}
+
+
+def profile_defaults(args) -> list:
+    """With ``--profile``: each engine flag the user did not give (``args.given``) set to the
+    setting of the engine the profile timed (``profile_engine``; --page-size and --layout only
+    for vmem, --max-len its max_context rounded up to whole page groups as the engine's vmem
+    slot is); the flags given outside what was timed, one line each (the caller warns)."""
+    if not args.profile:
+        return []
+    profile = load_profile(args.profile)
+    engine, given = profile_engine(profile, args.profile), vars(args).get("given", ())
+    outside = []
+    for dest, (key, above) in PROFILE_FLAGS.items():      # --policy first, --max-len last
+        if key not in engine or (key in ("page_bytes", "layout") and args.policy != "vmem"):
+            continue
+        value, timed, what = getattr(args, dest), engine[key], f"{key} {engine[key]}"
+        if dest == "max_len" and args.policy == "vmem":    # the slot: whole page groups
+            spec = profile_model(profile, args.profile)
+            layout = resolve_layout(args.layout, spec, args.page_size, on_cuda=True)
+            timed = PageGeometry.of(spec, args.page_size, layout).round_up_tokens(timed)
+            what += f" ({timed} in whole page groups)" if timed != engine[key] else ""
+        if dest not in given:
+            setattr(args, dest, timed)
+        elif value > timed if above else value != timed:
+            outside.append(f"{flag(dest)} {value} is {'above' if above else 'not'} the {what} "
+                           f"that {args.profile} timed: its step costs are "
+                           f"{'extrapolated' if above else 'not measured'} there")
+    return outside
 
 
 def check_lora(args) -> None:
@@ -76,26 +112,9 @@ def check_arrival_rate(args) -> None:
 
 
 def check_writable(path: str, name: str) -> None:
-    """ConfigError naming ``name`` unless a result file can be written at ``path`` (whole, by
-    a temporary file beside it): a file name, not a folder or a device, in a folder we may
-    create files in. Tried with a real temporary file, removed at once."""
-    if path and os.path.isdir(path):
-        raise ConfigError(f"{name} {path} is a folder: give a file name")
-    if not path or os.path.basename(path) in ("", ".", ".."):
-        raise ConfigError(f"{name} needs a file name, got {path!r}")
-    if os.path.exists(path) and not os.path.isfile(path):
-        raise ConfigError(f"{name} {path} is not a regular file (a device or a pipe would be "
-                          f"replaced): give a file name")
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)      # the folders are created when it is written
-    if not os.path.isdir(folder):
-        raise ConfigError(f"{name} {path}: {folder} is not a folder")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".vmemkv-write-check.", dir=folder)
-    except OSError as error:
-        raise ConfigError(f"{name} {path}: cannot write a file in {folder}: "
-                          f"{error.strerror}") from None
-    os.close(fd)
-    with contextlib.suppress(OSError):
-        os.unlink(probe)
+    """ConfigError naming ``name`` unless a result file can be written at ``path``
+    (``cliargs.file_problem``: a file name, not a folder or a device, in a folder we may create
+    files in)."""
+    problem = file_problem(path)
+    if problem:
+        raise ConfigError(f"{name} {problem}")

@@ -76,10 +76,8 @@ class SimConfig:
         if not self.cache_bytes > 0:
             raise ConfigError(f"cache_bytes must be > 0, got {self.cache_bytes!r}")
         with_kv_cache_dtype(get_model(self.model), self.kv_cache_dtype)   # names an unknown one
-        if self.profile is not None and self.kv_cache_dtype != "auto":
-            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} with a profile: the "
-                              f"profile's step costs were measured in its model's dtype; "
-                              f"calibrate with that cache instead")
+        if self.profile is not None:
+            self._check_roofline_only()
         get_device(self.device)
         make_eviction(self.prefix_eviction)
         if not isinstance(self.beam_width, int) or self.beam_width < 0:
@@ -109,6 +107,20 @@ class SimConfig:
                               f"multiplier), got {self.paged_slowdown!r}")
         if is_custom(self.policy):            # built with these, only when the run starts
             check_constructor(self.policy, self._options())
+
+    def _check_roofline_only(self) -> None:
+        """Refuse, by name, the fields a profile's measured step cost would silently ignore."""
+        if self.kv_cache_dtype != "auto":
+            raise ConfigError(f"kv_cache_dtype {self.kv_cache_dtype!r} with a profile: the "
+                              f"profile's step costs were measured in its model's dtype (vmemkv "
+                              f"calibrate times no other); leave it auto, or simulate that cache "
+                              f"on the roofline (no profile)")
+        for name, value, default in (("prefill_mfu", self.prefill_mfu, None),
+                                     ("paged_slowdown", self.paged_slowdown, 1.0)):
+            if value != default:
+                raise ConfigError(f"{name} {value!r} with a profile: it tunes the roofline, "
+                                  f"and the profile's measured step costs replace the roofline; "
+                                  f"leave it out, or simulate without the profile")
 
     @property
     def model_spec(self) -> ModelSpec:
