@@ -131,9 +131,9 @@ def search_max_load(meets: Callable[[float], bool], start: float, rel_tol: float
 
 def _bracket(probe: Callable[[float], bool], start: float, max_probes: int):
     """(lo, hi): lo met the SLO (None: none did), hi did not (None: all did), adjacent powers
-    of two times ``start``; at most ``max_probes`` // 2 probes."""
+    of two times ``start``; at most ``max_probes`` probes (the bisection gets what is left)."""
     load, meets = start, probe(start)
-    for _ in range(max(max_probes // 2 - 1, 1)):
+    for _ in range(max_probes - 1):
         nxt = load * 2 if meets else load / 2
         if probe(nxt) != meets:
             return (nxt, load) if not meets else (load, nxt)

@@ -50,20 +50,31 @@ def run(args, config, entries_for: Callable[[argparse.Namespace], list]) -> int:
     def make_entries(load: float):
         return entries_for(argparse.Namespace(**{**vars(args), knob: load}))
 
-    enabled = False if args.no_progress else None
+    enabled, probes, result = False if args.no_progress else None, [], None
+
+    def on_probe(probe: Probe) -> None:
+        probes.append(probe)
+        bar.update(1)
+
     with Progress(args.max_probes, f"find-max-rate {args.policy}", enabled=enabled) as bar:
-        result = find_max_load(make_entries, config, args.slo, start=start,
-                               rel_tol=args.search_tolerance, max_probes=args.max_probes,
-                               on_probe=lambda probe: bar.update(1))
-    out = _summary(result, knob)
+        try:
+            result = find_max_load(make_entries, config, args.slo, start=start,
+                                   rel_tol=args.search_tolerance, max_probes=args.max_probes,
+                                   on_probe=on_probe)
+        except KeyboardInterrupt:       # Ctrl-C: the probes that finished, then the note
+            pass
+    out = _summary(result or CapacityResult(None, args.slo, probes), knob, result is None)
     write_stdout(to_json(out) + "\n" if args.json else format_search(out))
+    if result is None:
+        raise KeyboardInterrupt(f"{len(probes)} of at most {args.max_probes} probes had finished, "
+                                f"listed above; the search has no answer")
     return 0 if result.max_load is not None else 1
 
 
-def _summary(result: CapacityResult, knob: str) -> dict:
+def _summary(result: CapacityResult, knob: str, interrupted: bool = False) -> dict:
     best = result.best
     return {"searched": knob, "slo_ms": result.slo, "max_load": result.max_load,
-            "bounded": result.bounded,
+            "bounded": result.bounded, **({"interrupted": True} if interrupted else {}),
             "max_request_rate": best.figures["request_throughput"] if best else None,
             "probes": [_probe_row(p, result.slo) for p in result.probes]}
 
@@ -88,7 +99,9 @@ def format_search(out: dict) -> str:
                      f"{row['output_throughput']:>10,.0f} "
                      + " ".join(f"{row[k]:>14,.1f}" for k in keys)
                      + f"  {'yes' if row['meets'] else 'no'}")
-    if out["max_load"] is None:
+    if out.get("interrupted"):
+        lines.append(f"  interrupted after {len(out['probes'])} probes: no answer")
+    elif out["max_load"] is None:
         lines.append("  no probed load meets the SLO")
     else:
         lines.append(f"  max {out['searched']} meeting the SLO: {out['max_load']:.4g} "

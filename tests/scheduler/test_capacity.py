@@ -82,5 +82,27 @@ def test_search_brackets_any_threshold_within_the_tolerance(threshold, start, to
 
 
 def test_search_that_runs_out_of_probes_reports_an_open_bracket():
-    lo, hi = search_max_load(lambda load: True, 1.0, 0.02, max_probes=6)
-    assert hi is None and lo == 4.0     # 1, 2, 4: max_probes // 2 bracket steps
+    seen = []
+    lo, hi = search_max_load(lambda load: seen.append(load) or True, 1.0, 0.02, max_probes=6)
+    # every probe given doubles the load (it stopped at 3 of 6, then advised more probes)
+    assert hi is None and lo == 32.0 and seen == [1, 2, 4, 8, 16, 32]
+
+
+def test_an_interrupted_search_prints_the_probes_that_finished(monkeypatch, capsys):
+    from vmemkv.scheduler import capacity
+    calls, real = [], capacity.simulate
+
+    def simulate(entries, config):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(entries, config)
+
+    monkeypatch.setattr(capacity, "simulate", simulate)
+    assert main(["simulate", "--requests", "50", "--cache-gb", "2", "--no-progress",
+                 "--find-max-rate", "--slo", "ttft_p90=500", "--max-probes", "8"]) == 130
+    out, err = capsys.readouterr()
+    assert "interrupted after 2 probes: no answer" in out
+    assert [line.split()[0] for line in out.splitlines()[2:4]] == ["4", "8"]   # the two loads
+    assert err == ("vmemkv simulate: interrupted; 2 of at most 8 probes had finished, listed "
+                   "above; the search has no answer\n")
