@@ -150,11 +150,18 @@ def noise_lines(calibrations: List[List[Dict]], loads, precision: float) -> List
     for k, (points, load) in enumerate(zip(calibrations, loads)):
         fitted = fit_profile(points, precision=precision, max_repeats=12)
         noise, c, iv = fitted["noise"], fitted["coefficients"], fitted["coefficient_intervals"]
-        width = np.median([(iv[n][1] - iv[n][0]) / c[n] for n in FITTED if c[n] > 0])
-        lines.append(f"{k + 1:<12}{f'{load[0]:.2f} -> {load[1]:.2f}':>14}{noise['spread']:>8.1%}"
-                     f"{noise['achieved']:>11.1%} {width:>15.0%}  "
+        widths = [(iv[n][1] - iv[n][0]) / c[n] for n in FITTED if c[n] > 0 and iv[n] is not None]
+        width = np.median(widths) if widths else None          # none below 6 repeats
+        lines.append(f"{k + 1:<12}{f'{load[0]:.2f} -> {load[1]:.2f}':>14}"
+                     f"{_percent(noise['spread'], 8, 1)}{_percent(noise['achieved'], 11, 1)} "
+                     f"{_percent(width, 15, 0)}  "
                      f"{'yes' if noise['noisy'] else 'no'}")
     return lines
+
+
+def _percent(value, width: int, digits: int) -> str:
+    """``value`` as a percentage right-aligned in ``width``; n/a for None (not measured)."""
+    return f"{'n/a':>{width}}" if value is None else f"{value:>{width}.{digits}%}"
 
 
 def step_kind(point: Dict) -> str:

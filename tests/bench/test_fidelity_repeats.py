@@ -125,3 +125,14 @@ def test_on_exact_steps_every_fit_simulates_the_same_replay(tmp_path):
             assert fit["rel_error"][k] == pytest.approx(1 / 1.1 - 1, rel=1e-5)
     lines = fit_lines([{"comparisons": [{"rate_scale": 2.0, "fits": fits}]}], fidelity.FIGURES)
     assert len(lines) == 1 + len(FITS) and "-9.1%" in lines[1]
+
+
+def test_the_noise_table_says_n_a_for_intervals_too_few_repeats_cannot_give():
+    # fit_profile gives no interval below 6 repeats (a zero-width one missed its estimate);
+    # the stability table read it as a pair: a TypeError
+    from tests.scheduler.test_profile_fit import synthetic
+    from vmemkv.benchmarks.calibration_stability import noise_lines
+    few, many = synthetic(repeats=2, noise=0.02, seed=1), synthetic(repeats=6, noise=0.02, seed=1)
+    header, short, full = noise_lines([few, many], [(0.1, 0.2), (0.1, 0.2)], precision=0.05)
+    assert "interval width" in header
+    assert short.split()[-2] == "n/a" and full.split()[-2].endswith("%")
