@@ -119,6 +119,25 @@ def check_model_supported(model, max_context: int) -> None:
             f"(_supports_attention_backend=False), so the Engine cannot run its attention; "
             f"docs/models.md lists the families that run (model.generate with a VMemCache runs some)")
     _check_bias_features(model, config)
+    _check_position_table(model, max_context)
+
+
+POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")   # GPT-2, OPT, GPT-Neo ...
+
+
+def _check_position_table(model, max_context: int) -> None:
+    """A learned position table has a row per position: a context past it was an IndexError in
+    the middle of a step (rotary positions are computed, at any length)."""
+    import torch
+    for module_name, module in model.named_modules():
+        if module_name.rsplit(".", 1)[-1] in POSITION_TABLES and \
+                isinstance(module, torch.nn.Embedding):
+            rows = module.num_embeddings - getattr(module, "offset", 0)   # OPT's table starts at 2
+            if max_context > rows:
+                raise UnsupportedModelError(
+                    f"max_context={max_context} exceeds the {rows} positions of "
+                    f"{type(model).__name__}'s learned position table ({module_name}); "
+                    f"use max_context <= {rows}")
 
 
 def _check_bias_features(model, config) -> None:

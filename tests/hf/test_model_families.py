@@ -61,3 +61,20 @@ def test_the_self_check_is_what_refuses_an_architecture_no_named_check_knows():
     with Engine(model, max_batch=1, max_context=64, self_check=False) as engine:
         out = engine.generate([PROMPT], SamplingParams(max_new_tokens=len(expected), ignore_eos=True))
     assert out[0].outputs[0].token_ids != expected
+
+
+@pytest.mark.parametrize("family", ["gpt2", "gpt_bigcode (multi-query)", "opt"])
+def test_a_context_past_a_learned_position_table_is_refused_before_anything_runs(family):
+    """GPT-2 and OPT learn a row per position: max_context past the table was an IndexError in
+    the middle of a step (the whole generate failed); it is refused naming the table."""
+    from vmemkv.runtime.engine import Engine, SamplingParams
+    from vmemkv.runtime.hf.attention import UnsupportedModelError
+    from .families import build
+    model = build(family)
+    rows = model.config.max_position_embeddings
+    with pytest.raises(UnsupportedModelError, match=rf"max_context={rows + 1} exceeds the {rows} "
+                                                    r"positions of .* learned position table"):
+        Engine(model, max_batch=1, max_context=rows + 1)
+    with Engine(model, max_batch=1, max_context=rows) as engine:      # the whole table runs
+        out = engine.generate([[1] * (rows - 2)], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert out[0].status == "finished" and len(out[0].outputs[0].token_ids) == 2
