@@ -281,7 +281,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-repeats", type=bounded(int, 1), default=None,
                    help=f"runs of a shape at most, while its design points are not within "
                         f"--precision (default: the larger of --repeats and {MAX_REPEATS})")
-    p.add_argument("--precision", type=bounded(float, 0, 1, low_open=True), default=PRECISION,
+    p.add_argument("--precision", type=bounded(float, 0, 1, low_open=True, high_open=True),
+                   default=PRECISION,
                    help="half-width of each design point's median's 95%% interval, relative, "
                         "that 90%% of them must reach")
     p.add_argument("--resamples", type=bounded(int, 10), default=RESAMPLES,

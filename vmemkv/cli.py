@@ -37,6 +37,8 @@ examples (with the project's virtual environment active):
   vmemkv bench --quick                          VMM against paged, summary + bench_out/
   echo "1 2 3 4" | vmemkv generate --model tiny-llama --max-new-tokens 8
   vmemkv simulate --requests 500 --cache-gb 20 --policy vmem --gpu h100
+  vmemkv sweep docs/examples/sweep.toml --out sweep_out   a grid of simulations in parallel
+  vmemkv calibrate --model tiny-llama --out profile.json  a device profile for simulate --profile
   vmemkv serve --model tiny-llama --port 8000   an OpenAI-compatible server ('serve' extra)
 
 'vmemkv COMMAND --help' lists a command's flags with their units and defaults.

@@ -95,6 +95,17 @@ def test_calibration_repeats_and_precision_out_of_range_are_refused():
         calibrate("tiny-llama", precision=0.0)
 
 
+@pytest.mark.parametrize("value", ["0", "1", "nan"])
+def test_the_cli_refuses_a_precision_outside_0_1_before_timing(value, capsys):
+    # 1 passed the flag's check, then calibrate() refused it after loading the model
+    from vmemkv.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["calibrate", "--precision", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "argument --precision" in err
+
+
 def test_a_result_file_is_written_whole_or_not_at_all(tmp_path):
     from vmemkv.runtime.calibrate import write_json_whole
     path = tmp_path / "out.json"

@@ -132,3 +132,12 @@ def test_8_bit_scales_are_calibrated_so_a_prompts_tokens_do_not_depend_on_its_ba
     assert [_kv_scales(Namespace(kv_cache_dtype=d, kv_scales=f)) for d, f in (
         ("int8", None), ("int8", "first-write"), ("fp8_e4m3", "calibrate"), ("auto", None))] == [
         "calibrate", None, "calibrate", None]
+
+
+def test_the_model_flags_help_names_every_built_in_model(capsys):
+    from vmemkv.runtime.models import TINY_CONFIGS
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())       # argparse wraps at hyphens
+    for name in TINY_CONFIGS:
+        assert name in help_text.replace("- ", "-"), name
