@@ -10,8 +10,11 @@
         --kv-cache-dtype auto bf16 fp8_e4m3        # K/V stored 4, 2, 1 bytes; fp32 queries
 
 One line per configuration: cache | phase | backend | batch | ctx | q | ms | GB/s | GFLOP/s |
-% limit | % copy | % FMA peak. Each row reports its share of the machine's limit for its phase, measured
-first in the same run (``benchmarks/yardstick.py``): decode against the **read** bandwidth
+% yardstick | % copy | % FMA peak. Each row reports its share of a yardstick for its phase, measured
+first in the same run (``benchmarks/yardstick.py``; a measurement of this run, not a hardware
+limit: it moves between runs and drops when other jobs share the machine; a decode row above
+100% of it is flagged UNRELIABLE, and a 1-minute load >= half the cores ends the run with a
+``# WARNING``, both also in ``warnings`` in the JSON): decode against the **read** bandwidth
 (decode only reads K/V; GB/s counts every live token's K and V once, so a paged gather shows
 up as lower GB/s for the same bytes), prefill against fp32 (CUDA: fp16) **matmul** FLOP/s
 (GFLOP/s counts 2 x 2 flops per visible query-key pair and head dim: q.k and p.v). "% copy"
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -46,7 +50,8 @@ import torch
 
 from vmemkv.benchmarks import yardstick
 from vmemkv.benchmarks.attention_caches import build_caches, bytes_needed, labels
-from vmemkv.benchmarks.attention_goals import goals, print_goals, speedups, target_check
+from vmemkv.benchmarks.attention_goals import (goals, over_yardstick, print_goals, run_warnings,
+                                               speedups, target_check)
 from vmemkv.benchmarks.common import environment, print_environment
 from vmemkv.scheduler.result_files import write_json
 from vmemkv.runtime.attention import fastest_backend, get_backend
@@ -187,11 +192,12 @@ def fmt(r) -> str:
     return (f"{cache:<16}| {r['phase']:<8}| {r['backend']:<10}| {r['batch']:>5} | {r['ctx']:>6} | "
             f"{r['query_len']:>5} | {r['ms']:>9.3f} | {r['kv_gb_per_s']:>7.2f} | {r['gflop_per_s']:>7.1f} | "
             f"{r['pct_limit']:>5.1f}% {r['limit']:<6} | {r['pct_copy']:>6.1f}% | "
-            + (f"{r['pct_fma_peak']:>5.1f}%" if r["pct_fma_peak"] is not None else ""))
+            + (f"{r['pct_fma_peak']:>5.1f}%" if r["pct_fma_peak"] is not None else "")
+            + ("  UNRELIABLE: > 100% of the measured read" if over_yardstick(r) else ""))
 
 
 HEADER = ("cache           | phase   | backend   | batch |    ctx |     q |        ms |    GB/s | "
-          "GFLOP/s | % limit      | % copy  | % FMA peak")
+          "GFLOP/s | % yardstick  | % copy  | % FMA peak")
 
 
 def ratio_line(now: list[dict]) -> str:
@@ -313,6 +319,7 @@ def measure(args, progress=None) -> dict:
                             device=device).to(dtype)
             now = run_configs(caches, names, phase, batch, ctx, qlen, q, args, device, limits)
             for row in now:
+                row["unreliable"] = over_yardstick(row)
                 (baselines if row["baseline"] else rows).append(row)
                 print(fmt(row), flush=True)
             print(ratio_line(now), flush=True)
@@ -327,7 +334,10 @@ def measure(args, progress=None) -> dict:
     for r in by_kv:
         print(f"# {r['cache']} {r['phase']} b{r['batch']} ctx{r['ctx']} {r['dtype']}: "
               + ", ".join(f"kv {k} {v:.2f}x" for k, v in r["speedup_over"].items()))
-    return {"benchmark": "attention", "environment": env, "yardsticks": limits,
+    warnings = run_warnings(rows + baselines, max(env.get("load_1min", 0.0), os.getloadavg()[0]))
+    for warning in warnings:
+        print(f"# WARNING: {warning}")
+    return {"benchmark": "attention", "environment": env, "yardsticks": limits, "warnings": warnings,
             "copy_gb_per_s": limits["copy_gb_per_s"], "results": rows, "speedups": ratios,
             "target": target, "goals": met, "baselines": baselines,
             "baseline_ratios": vs_baselines, "kv_cache_dtype_speedups": by_kv}

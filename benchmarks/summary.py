@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from vmemkv.benchmarks.attention_goals import over_yardstick
+
 SUMMARY_COLUMNS = ("section", "what", "vmem", "paged", "transformers", "unit", "min-max", "note")
 NUMERIC = ("vmem", "paged", "transformers")
 TRANSFORMERS_LABEL = "transformers generate_batch"
@@ -42,16 +44,18 @@ def _alloc_summary(data: dict) -> list[dict]:
              "unit": "µs/page", "min-max": _spread((r.get("map_unmap_us_min"), r.get("map_unmap_us_max")))}
             for r in data.get("results", [])]
     for r in data.get("mapper", []):
+        saved = r.get("wait_saved_pct")
         rows.append({"what": f"mapper wait, {r['mode']}", "vmem": r["wait_ms"], "unit": "ms",
                      "min-max": _spread((r.get("wait_ms_min"), r.get("wait_ms_max"))),
-                     "note": f"of {r['mapping_ms']:.1f} ms mapping, {r['steps']} steps"})
+                     "note": (f"{saved:.0f}% of inline's wait saved; "
+                              if saved is not None and r["mode"] != "inline" else "") + f"of {r['mapping_ms']:.1f} ms mapping, {r['steps']} steps"})
     return rows
 
 
 def _attention_summary(data: dict) -> list[dict]:
     """The yardsticks of the run, then per (phase, batch, ctx) vmem vs paged ms with each one's
-    share of its limit (decode: read bandwidth; prefill: matmul FLOP/s), and vmem interleaved
-    where the run timed it."""
+    share of its yardstick (decode: the read bandwidth measured in this run; prefill: its matmul
+    FLOP/s), and vmem interleaved where the run timed it."""
     rows = _yardstick_summary(data.get("yardsticks") or {})
     by_key = {(r["phase"], r["batch"], r["ctx"], r.get("dtype", "float32"), r["cache"]): r
               for r in data["results"]}
@@ -74,14 +78,18 @@ def _attention_summary(data: dict) -> list[dict]:
 
 
 def _share(row: dict) -> str:
-    """'62% of read bw' (or matmul); rows from before the yardsticks: '% of copy bw'."""
+    """'62% of measured read bw' (or matmul), flagged UNRELIABLE above 100% of the measured read
+    (attention_goals.over_yardstick); rows from before the yardsticks: '% of copy bw'."""
     if "pct_limit" in row:
-        return f"{row['pct_limit']:.0f}% of {row['limit']}" + (" bw" if row["limit"] == "read" else "")
+        return (f"{row['pct_limit']:.0f}% of measured {row['limit']}"
+                + (" bw" if row["limit"] == "read" else "")
+                + (" UNRELIABLE (> 100%)" if over_yardstick(row) else ""))
     return f"{row['pct_copy']:.0f}% of copy bw"
 
 
 def _yardstick_summary(y: dict) -> list[dict]:
-    """The machine's limits the attention rows are divided by (benchmarks/yardstick.py)."""
+    """The yardsticks the attention rows are divided by, measured in this run
+    (benchmarks/yardstick.py): not hardware limits."""
     if not y:
         return []
     read = [f"{name} {y[f'read_{name}_gb_per_s']:.1f}" for name in ("torch", "native", "numpy")
@@ -109,7 +117,7 @@ def _memory_summary(data: dict) -> list[dict]:
 
 def engine_column(label: str) -> str:
     """Which column a system's tokens/s go in: transformers' own engine has its own; the
-    forward-only limit replays the vmem run's batches, so it goes with vmem."""
+    packed forward-only row replays the vmem run's batches, so it goes with vmem."""
     if label.startswith("transformers") or " transformers " in label:   # also "<model> transformers ..."
         return "transformers"
     return "vmem" if "vmem" in label or label.startswith("model forward") else "paged"
@@ -126,7 +134,8 @@ def _engine_summary(data: dict) -> list[dict]:
         note = [f"{k} {r[k]:.1%}" for k in ("map_share", "attn", "overhead")
                 if isinstance(r.get(k), float)]
         note += [f"{r['vs_hf']:.2f}x transformers"] if isinstance(r.get("vs_hf"), float) else []
-        note += ["the limit: the model's forward alone"] if label.startswith("model forward") else []
+        note += ["not a bound: the model's forward on [1, T] packed ids, T^2 attention"] \
+            if label.startswith("model forward") else []
         runs = r.get("tok_s_runs") or []
         rows.append({"what": f"engine {label}", engine_column(label): float(value),
                      "unit": "tok/s", "min-max": _spread((min(runs), max(runs))) if len(runs) > 1 else "",
@@ -160,14 +169,19 @@ _SUMMARISERS = {"alloc": _alloc_summary, "attention": _attention_summary,
                 "memory": _memory_summary, "engine": _engine_summary, "tp": _tp_summary}
 
 
+BUSY_LOAD_PER_CORE = 0.5   # a 1-minute load of half the cores already moves the timings
+
+
 def busy_warning(load_1min: float, cores: Optional[int] = None) -> Optional[str]:
-    """A warning when the 1-minute load average was above the core count (timings then
-    shared the CPU with other work, and ratios between systems are unreliable); else None."""
+    """A warning when the 1-minute load average was at least BUSY_LOAD_PER_CORE x the core
+    count (timings then shared the CPU with other work, and so did the bandwidth yardsticks:
+    ratios and shares of them are unreliable); else None."""
     cores = cores or os.cpu_count() or 1
-    if load_1min <= cores:
+    if load_1min < BUSY_LOAD_PER_CORE * cores:
         return None
-    return (f"the machine was busy (1-min load average {load_1min:.2f} > {cores} cores): "
-            f"timings shared the CPU, ratios are unreliable; rerun on an idle machine")
+    return (f"the machine was busy (1-min load average {load_1min:.2f} >= {BUSY_LOAD_PER_CORE} x "
+            f"{cores} cores): timings and the measured yardsticks shared the CPU, ratios and "
+            f"shares are unreliable; rerun on an idle machine")
 
 
 def format_summary(rows: list[dict]) -> str:

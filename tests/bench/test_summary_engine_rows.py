@@ -1,4 +1,4 @@
-"""The bench summary's engine rows: step-split notes, the forward-only limit, long-prompt ITL."""
+"""The bench summary's engine rows: step-split notes, the packed forward-only row, long-prompt ITL."""
 import pytest
 
 from vmemkv.benchmarks.summary import engine_column, format_summary, summary_rows
@@ -14,12 +14,12 @@ ENGINE = {"rows": [
                      "paged_over_vmem_itl": {"cpu-varlen": 2.1}}}
 
 
-def test_engine_rows_carry_the_step_split_and_the_limit_goes_with_vmem():
+def test_engine_rows_carry_the_step_split_and_the_packed_forward_goes_with_vmem():
     rows = {r["what"]: r for r in summary_rows({"engine": ENGINE}, ["engine"])}
     vmem = rows["engine vmem per-layer"]
     assert vmem["vmem"] == 2000.0 and "attn 25.0%" in vmem["note"] and "overhead 4.0%" in vmem["note"]
-    limit = rows["engine model forward only (packed batch)"]
-    assert limit["vmem"] == 2600.0 and "limit" in limit["note"]
+    packed = rows["engine model forward only (packed batch)"]   # no bound: [1, T] packed ids
+    assert packed["vmem"] == 2600.0 and "not a bound" in packed["note"]
     assert engine_column("model forward only (packed batch)") == "vmem"
     assert rows["engine transformers generate_batch"]["transformers"] == 400.0
 
