@@ -4,30 +4,56 @@ draw pages from it at run time. Pure Python: the engine and the simulator run th
     budget = MemoryBudget(total_bytes=8 * 2**30, idle_release_s=2.0)
     a = budget.register("llama", min_bytes=2 * 2**30, max_bytes=6 * 2**30, initial_bytes=4 * 2**30)
     target = a.decide(scheduler, now)       # before a step: the cache size this share wants
-    ...resize the cache to target (Scheduler.resize, partial), then: a.settle(new_bytes)
+    ...resize the cache to target (Scheduler.resize, partial, preempt=a.preempts), then:
+    a.settle(new_bytes)                     # always, even when the resize failed or was skipped
 
-Each share holds ``held_bytes`` (what its cache may use). Guarantees: the shares' held bytes
-never exceed ``total_bytes``; a share's ``min_bytes`` is reserved for it (no other share can
-take it, even while it is below it or asleep), so it can always grow back to its minimum; a
-share never holds more than ``max_bytes``. The rule ``decide`` applies, once per step:
+Each share holds ``held_bytes`` (what its cache may use). Guarantees: the shares' held bytes,
+with what ``decide``/``grant`` reserved for a resize under way, never exceed ``total_bytes``
+(a grow is reserved under the lock when it is decided and the unused part given back at
+``settle``, so two engine threads growing at once cannot both take the same bytes); a share's
+``min_bytes`` is reserved for it (no other share can take it, even while it is below it or
+asleep), so it can always grow back to its minimum; a share never holds more than ``max_bytes``.
+The rule ``decide`` applies, once per step:
 
     grow     the scheduler's head waiting request does not fit, with its LoRA adapter's pages
              when that is not resident (or the last step preempted, or admitted nothing into an
              idle pool: a beam group that must come back into private memory):
              ask for what it needs, at least ``grow_fraction`` of max, from the unclaimed
-             bytes; what is missing is posted as PRESSURE on the other shares
+             bytes older BLOCKED shares do not wait for (below); what is missing is posted as
+             PRESSURE on the other shares
+    yield    another share is BLOCKED and older (below): give it what it still misses, down to
+             ``min_bytes``, free and cached pages first, then preempting this share's running
+             sequences from the newest (``preempts``: recompute or swap, as its preemption
+             setting says), even while this share has requests of its own waiting
     give     idle (nothing unfinished) for ``idle_release_s``: shrink to ``min_bytes`` (free
              and cached pages; the caller resizes with ``partial``: no preemption); or
              pressure posted on this share while it needs nothing (no request waiting,
              swapped or just preempted): give what nobody uses past one grow step of headroom
 
-Threads: one lock guards the counts; ``decide`` and ``settle`` may run on each engine's thread.
+Liveness, one rule (first come, first served across the shares): a share is BLOCKED when it
+asks to grow and has nothing running (its head request, a sequence preempted back to the queue,
+a swapped one or a beam group cannot run before it grows: no step of its own frees memory). The
+first time a blocked share's head sequence is seen blocked, the budget stamps it from one
+counter for all shares; a share's AGE is its oldest stamp among its unfinished sequences
+(running ones included: a sequence keeps its stamp through its preemptions), none: youngest of
+all. Every share younger than a blocked one yields to it; bytes unclaimed go to the oldest
+blocked share first. So the oldest stamped sequence always progresses (it runs, or every other
+share gives it memory down to their minimums), stamps only grow, and every accepted request
+eventually runs, none below its minimum: a request is accepted when it fits the most its pool
+has held, which the others' minimums leave room for (a share registered later with a minimum
+that takes that room can still starve it). A share with something running is never blocked:
+its own steps free memory; so a busy neighbour is preempted only for a share that cannot run
+at all. Explicit ``grant``s (resize_cache, wake) take what is unclaimed, outside this order.
+
+Threads: one lock guards the counts; ``decide``, ``grant`` and ``settle`` may run on each
+engine's thread.
 The design for several processes (not built): the same counts in a shared-memory segment
 under a process-shared lock, each process one share; pages are per process (CUDA VMM handles
 are not shared here), so only bytes move between them, as in this in-process budget.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -54,6 +80,7 @@ class ShareStats:
     gives: int = 0
     grown_bytes: int = 0
     given_bytes: int = 0
+    yields: int = 0                # decisions to give to an older blocked share
 
 
 class BudgetShare:
@@ -64,36 +91,50 @@ class BudgetShare:
         self.budget, self.name = budget, name
         self.min_bytes, self.max_bytes = min_bytes, max_bytes
         self.held_bytes = held_bytes
-        self.pressure_bytes = 0            # bytes other shares wait for
+        self.reserved_bytes = 0            # granted by decide/grant, not settled yet
+        self.pressure_by: Dict[str, int] = {}   # asking share's name -> bytes it waits for
         self.idle_since: Optional[float] = None
+        self.stamps: Dict[int, int] = {}   # seq id -> when the budget first saw it blocked
+        self.age = math.inf                # its oldest stamp among unfinished sequences
+        self.blocked = False               # asks to grow with nothing running
+        self.ask_bytes = 0                 # what it asked beyond held_bytes, while blocked
+        self.preempts = False              # the last decision may preempt (a yield)
         self.stats = ShareStats(name, held_bytes, min_bytes, max_bytes, 0)
+
+    @property
+    def pressure_bytes(self) -> int:
+        """Bytes other shares wait for from this one (the largest ask posted on it)."""
+        return max(self.pressure_by.values(), default=0)
+
+    @property
+    def _claim(self) -> int:
+        """What the others cannot take: held and reserved bytes, at least the minimum."""
+        return max(self.min_bytes, self.held_bytes + self.reserved_bytes)
 
     # -- the rule, before a step --
     def decide(self, scheduler, now: Optional[float] = None, preempted: bool = False) -> Optional[int]:
         """The cache size (bytes) this share wants before its next step, None for no change.
-        ``preempted``: the last step preempted (running sequences are short of memory)."""
+        ``preempted``: the last step preempted (running sequences are short of memory). A grow
+        is reserved until ``settle``; ``preempts`` says whether the resize may preempt."""
         b = self.budget
         now = b.clock() if now is None else now
         with b.lock:
+            self.reserved_bytes, self.preempts = 0, False
             if scheduler.has_unfinished():
                 self.idle_since = None
             elif self.idle_since is None:
                 self.idle_since = now
             want = self._wanted_bytes(scheduler, preempted)
-            if want > self.held_bytes:
-                grant = min(want, self.max_bytes) - self.held_bytes
-                grant = max(grant, min(self.max_bytes - self.held_bytes,
-                                       int(b.grow_fraction * self.max_bytes)))
-                # a grant the pool would round down to nothing never grows it (a step of
-                # the budget below one of the pool's, a group of several pages)
-                step = scheduler.manager.resize_step_bytes
-                if step:
-                    grant = min(-(-(self.held_bytes + grant) // step) * step,
-                                self.max_bytes) - self.held_bytes
-                free = b._unclaimed_for(self)
-                if grant > free:
-                    b._post_pressure(self, grant - free)
-                return self.held_bytes + min(grant, free) if free > 0 else None
+            asking = want > self.held_bytes and self.held_bytes < self.max_bytes
+            blocked_now = asking and not scheduler.running
+            self._stamp(scheduler, blocked_now)
+            yielded = self._yield_target()
+            if yielded is not None:
+                return yielded
+            if blocked_now or (asking and not self.blocked):
+                return self._grow(scheduler, want)
+            if self.blocked:       # still owed its last ask: takes what is free of it
+                return self._take(min(self.ask_bytes, self.max_bytes - self.held_bytes))
             idle = self.idle_since is not None and now - self.idle_since >= b.idle_release_s
             if self.held_bytes <= self.min_bytes:
                 return None
@@ -108,6 +149,65 @@ class BudgetShare:
                 if give > 0:
                     return max(self.min_bytes, self.held_bytes - give)
             return None
+
+    def _stamp(self, scheduler, blocked: bool) -> None:
+        """Stamps the blocked head sequence (first time only), forgets ended ones, sets
+        ``age`` and ``blocked`` (the module docstring's liveness rule). A share stays blocked
+        until it got what it asked or its stamped sequences ended, though it runs meanwhile (a
+        sequence swapped in, then out again for want of its last pages, must not lose the
+        pages yielded to it in between)."""
+        seqs = scheduler.seqs
+        for seq_id in [i for i in self.stamps if i not in seqs or seqs[i].state.is_ended]:
+            del self.stamps[seq_id]
+        self.blocked = blocked or (self.blocked and self.ask_bytes > 0 and bool(self.stamps))
+        if not self.blocked:
+            self.ask_bytes = 0
+        elif blocked:
+            head = scheduler.swapped[0] if scheduler.swapped else \
+                scheduler.waiting[0] if scheduler.waiting else None
+            if head is not None and head.seq_id not in self.stamps:
+                self.stamps[head.seq_id] = self.budget._next_stamp()
+        self.age = min(self.stamps.values(), default=math.inf)
+
+    def _yield_target(self) -> Optional[int]:
+        """The smaller size that gives the oldest blocked share older than this one what it
+        still misses (down to ``min_bytes``, preempting if need be); None: nobody to yield to."""
+        if self.held_bytes <= self.min_bytes:
+            return None
+        b = self.budget
+        for older in sorted((s for s in b._shares.values() if s is not self and s.blocked
+                             and s.age < self.age), key=lambda s: s.age):
+            need = older.ask_bytes - older.reserved_bytes - max(0, b._free_for(older))
+            if need > 0:
+                self.preempts = True
+                self.stats.yields += 1
+                return max(self.min_bytes, self.held_bytes - need)
+        return None
+
+    def _grow(self, scheduler, want: int) -> Optional[int]:
+        b = self.budget
+        grant = min(want, self.max_bytes) - self.held_bytes
+        grant = max(grant, min(self.max_bytes - self.held_bytes,
+                               int(b.grow_fraction * self.max_bytes)))
+        # a grant the pool would round down to nothing never grows it (a step of
+        # the budget below one of the pool's, a group of several pages)
+        step = scheduler.manager.resize_step_bytes
+        if step:
+            grant = min(-(-(self.held_bytes + grant) // step) * step,
+                        self.max_bytes) - self.held_bytes
+        self.ask_bytes = grant if self.blocked else 0
+        return self._take(grant)
+
+    def _take(self, grant: int) -> Optional[int]:
+        """Reserve what is free of ``grant`` bytes (the rest posted as pressure); the size."""
+        b = self.budget
+        free = b._free_for(self)
+        if grant > free:
+            b._post_pressure(self, grant - free)
+        if free <= 0 or grant <= 0:
+            return None
+        self.reserved_bytes = min(grant, free)
+        return self.held_bytes + self.reserved_bytes
 
     @staticmethod
     def _unused_bytes(scheduler) -> int:
@@ -141,37 +241,60 @@ class BudgetShare:
         return self.held_bytes
 
     def settle(self, new_bytes: int) -> None:
-        """The cache now uses ``new_bytes`` (after the resize ``decide`` asked for, done in
-        whole or in part): the difference goes to or comes from the budget."""
+        """The cache now uses ``new_bytes`` (after the resize ``decide`` or ``grant`` asked
+        for, done in whole, in part or not at all): the difference goes to or comes from the
+        budget and what was reserved and not used goes back. A share unregistered meanwhile
+        (its engine closed) settles nothing."""
         b = self.budget
         with b.lock:
+            if b._shares.get(self.name) is not self:
+                self.reserved_bytes = 0
+                return
             delta = new_bytes - self.held_bytes
-            if delta > b._unclaimed_for(self):
+            if delta > self.reserved_bytes + b._unclaimed_for(self):
                 raise ConfigError(f"share {self.name!r}: settling {new_bytes} bytes takes "
                                   f"{delta} more than the budget has unclaimed")
-            self.held_bytes = new_bytes
+            self.held_bytes, self.reserved_bytes = new_bytes, 0
             self.stats.held_bytes = new_bytes
             if delta > 0:
                 self.stats.grows += 1
                 self.stats.grown_bytes += delta
+                self.ask_bytes = max(0, self.ask_bytes - delta)
             elif delta < 0:
                 self.stats.gives += 1
                 self.stats.given_bytes -= delta
-                self.pressure_bytes = max(0, self.pressure_bytes + delta)
+                self.pressure_by = {k: v + delta for k, v in self.pressure_by.items()
+                                    if v + delta > 0}
             self.stats.pressure_bytes = self.pressure_bytes
 
     def grant(self, new_bytes: int) -> int:
-        """An explicit resize's part (``Engine.resize_cache``): the most of ``new_bytes`` the
-        budget allows this share now (its max, what the others leave unclaimed)."""
+        """An explicit resize's part (``Engine.resize_cache``, ``wake``): the most of
+        ``new_bytes`` the budget allows this share now (its max, what the others leave
+        unclaimed), reserved until ``settle`` (call it after the resize, done or not)."""
         with self.budget.lock:
-            return min(new_bytes, self.max_bytes,
-                       self.held_bytes + max(0, self.budget._unclaimed_for(self)))
+            self.reserved_bytes = 0
+            granted = min(new_bytes, self.max_bytes,
+                          self.held_bytes + max(0, self.budget._unclaimed_for(self)))
+            self.reserved_bytes = max(0, granted - self.held_bytes)
+            return granted
+
+    def withdraw(self) -> None:
+        """Stop asking (an engine going to sleep): no share yields to it until it asks again."""
+        with self.budget.lock:
+            self.blocked, self.ask_bytes = False, 0
 
     def unregister(self) -> None:
-        """Give everything back and leave the budget (an engine closed)."""
-        with self.budget.lock:
-            self.budget._shares.pop(self.name, None)
-            self.held_bytes = 0
+        """Give everything back and leave the budget (an engine closed or collected); the
+        pressure it posted on the others goes with it. Idempotent."""
+        b = self.budget
+        with b.lock:
+            if b._shares.get(self.name) is self:
+                del b._shares[self.name]
+            self.held_bytes = self.reserved_bytes = self.ask_bytes = 0
+            self.blocked = False
+            for share in b._shares.values():
+                if share.pressure_by.pop(self.name, None) is not None:
+                    share.stats.pressure_bytes = share.pressure_bytes
 
 
 class MemoryBudget:
@@ -189,6 +312,7 @@ class MemoryBudget:
         self.idle_release_s, self.grow_fraction, self.clock = idle_release_s, grow_fraction, clock
         self.lock = threading.RLock()
         self._shares: Dict[str, BudgetShare] = {}
+        self._stamps = 0
 
     def register(self, name: str, min_bytes: int, max_bytes: int,
                  initial_bytes: Optional[int] = None) -> BudgetShare:
@@ -203,7 +327,7 @@ class MemoryBudget:
         with self.lock:
             if name in self._shares:
                 raise ConfigError(f"a share named {name!r} is already registered")
-            reserved = sum(max(s.min_bytes, s.held_bytes) for s in self._shares.values())
+            reserved = sum(s._claim for s in self._shares.values())
             if reserved + initial > self.total_bytes:
                 raise ConfigError(
                     f"share {name!r}: {initial} bytes do not fit the budget of "
@@ -212,12 +336,22 @@ class MemoryBudget:
             share = self._shares[name] = BudgetShare(self, name, min_bytes, max_bytes, initial)
             return share
 
+    def _next_stamp(self) -> int:
+        self._stamps += 1
+        return self._stamps
+
     def _unclaimed_for(self, share: BudgetShare) -> int:
-        """Bytes ``share`` may take: the total less what the others hold or reserve (their
-        minimums) and what it holds."""
-        others = sum(max(s.min_bytes, s.held_bytes) for s in self._shares.values()
-                     if s is not share)
-        return self.total_bytes - others - share.held_bytes
+        """Bytes ``share`` may take: the total less what the others hold, reserve for a resize
+        under way or keep as their minimums, and what it holds and reserved."""
+        others = sum(s._claim for s in self._shares.values() if s is not share)
+        return self.total_bytes - others - share.held_bytes - share.reserved_bytes
+
+    def _free_for(self, share: BudgetShare) -> int:
+        """What ``share`` may grow into now: the unclaimed bytes less what the blocked shares
+        older than it still miss (first come, first served)."""
+        waited = sum(max(0, s.ask_bytes - s.reserved_bytes) for s in self._shares.values()
+                     if s is not share and s.blocked and s.age < share.age)
+        return self._unclaimed_for(share) - waited
 
     def _post_pressure(self, asking: BudgetShare, missing_bytes: int) -> None:
         """Ask the others that hold more than their minimum for ``missing_bytes`` in all."""
@@ -227,7 +361,8 @@ class MemoryBudget:
                 continue
             spare = share.held_bytes - share.min_bytes
             if spare > 0:
-                share.pressure_bytes = max(share.pressure_bytes, min(spare, left))
+                share.pressure_by[asking.name] = max(share.pressure_by.get(asking.name, 0),
+                                                     min(spare, left))
                 share.stats.pressure_bytes = share.pressure_bytes
                 left -= min(spare, left)
 
@@ -237,9 +372,11 @@ class MemoryBudget:
             return sum(s.held_bytes for s in self._shares.values())
 
     def stats(self) -> dict:
-        """{"total_bytes", "held_bytes", "unclaimed_bytes", "shares": {name: ShareStats}}."""
+        """{"total_bytes", "held_bytes", "unclaimed_bytes" (what no share holds, reserves for a
+        resize under way or keeps as its minimum), "shares": {name: ShareStats}}."""
         with self.lock:
             held = sum(s.held_bytes for s in self._shares.values())
             return {"total_bytes": self.total_bytes, "held_bytes": held,
-                    "unclaimed_bytes": self.total_bytes - held,
+                    "unclaimed_bytes": self.total_bytes - sum(s._claim
+                                                              for s in self._shares.values()),
                     "shares": {n: ShareStats(**vars(s.stats)) for n, s in self._shares.items()}}

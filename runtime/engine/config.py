@@ -115,6 +115,11 @@ class EngineConfig:
                 self.max_cache_bytes < self.cache_bytes:
             raise EngineConfigError(f"EngineConfig.max_cache_bytes ({self.max_cache_bytes}) is "
                                     f"below cache_bytes ({self.cache_bytes})")
+        for name in ("cache_bytes", "max_cache_bytes"):   # what a MemoryBudget share starts at
+            limit = getattr(self, name)                    # and may reach
+            if None not in (limit, self.min_cache_bytes) and self.min_cache_bytes > limit:
+                raise EngineConfigError(f"EngineConfig.min_cache_bytes ({self.min_cache_bytes}) "
+                                        f"is above {name} ({limit})")
         for name in ("self_check", "prefix_sharing", "background_mapper", "check_integrity"):
             if not isinstance(getattr(self, name), bool):
                 raise EngineConfigError(f"EngineConfig.{name} must be True or False, got "

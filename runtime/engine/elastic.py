@@ -10,6 +10,7 @@ created when it is next mapped).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 from vmemkv.runtime.memory import available_memory_bytes, bytes_from_fraction, check_fits_device
@@ -18,24 +19,37 @@ from vmemkv.scheduler.errors import CacheResizeError
 from .errors import EngineClosedError, EngineSleepingError, TensorParallelError
 
 
-def budget_share_for(budget, cfg, cache_bytes: int, name: str):
+def budget_share_for(budget, cfg, cache_bytes: int, name: str, register: bool = True):
     """The engine's share of ``budget`` (None without one): ``cache_bytes`` held now,
     ``min_cache_bytes`` (default: those) reserved, up to ``max_cache_bytes`` (default: the
-    budget's total). EngineConfigError when the budget cannot hold it."""
+    budget's total). EngineConfigError when the budget cannot hold it, when
+    ``min_cache_bytes`` is above ``cache_bytes`` or the max, or given without a budget.
+    ``register=False``: only the checks (before anything is built); returns None."""
+    from .errors import EngineConfigError
+    low = cache_bytes if cfg.min_cache_bytes is None else cfg.min_cache_bytes
     if budget is None:
+        if cfg.min_cache_bytes is not None:
+            raise EngineConfigError(f"min_cache_bytes={cfg.min_cache_bytes} needs a "
+                                    f"memory_budget (the bytes it reserves are the budget's)")
         return None
     from vmemkv.scheduler.budget import MemoryBudget
     from vmemkv.scheduler.errors import ConfigError
-    from .errors import EngineConfigError
     if not isinstance(budget, MemoryBudget):
         raise EngineConfigError(f"memory_budget must be a MemoryBudget, got {type(budget).__name__}")
     if cfg.cache != "vmem":
         raise EngineConfigError(f"a MemoryBudget needs cache='vmem' (only its pool resizes), "
                                 f"got {cfg.cache!r}")
-    low = cache_bytes if cfg.min_cache_bytes is None else cfg.min_cache_bytes
     high = budget.total_bytes if cfg.max_cache_bytes is None else cfg.max_cache_bytes
+    for what, limit in ((f"cache_bytes ({cache_bytes})", cache_bytes),
+                        (f"the share's max ({high}: max_cache_bytes, else the budget's total)",
+                         high)):
+        if low > limit:
+            raise EngineConfigError(f"min_cache_bytes ({low}) is above {what}: the engine "
+                                    f"starts at cache_bytes and may hold no more than its max")
+    if not register:
+        return None
     try:
-        return budget.register(name, min(low, cache_bytes), high, cache_bytes)
+        return budget.register(name, low, high, cache_bytes)
     except ConfigError as error:
         raise EngineConfigError(f"memory_budget: {error}") from None
 
@@ -45,6 +59,10 @@ class ElasticMemory:
 
     def _init_elastic(self, budget_share) -> None:
         self.memory_share = budget_share      # a MemoryBudget share, or None
+        # an engine dropped without close() leaves the budget when it is collected (the
+        # finalizer holds the share, not the engine); close() runs it at once
+        self._leave_budget = (weakref.finalize(self, budget_share.unregister)
+                              if budget_share is not None else lambda: None)
         self._asleep_bytes: Optional[int] = None   # the size to wake to; None: awake
         self._preempted_last = 0                   # scheduler preemptions seen at the last step
         self.resizes = 0
@@ -81,8 +99,9 @@ class ElasticMemory:
         if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise CacheResizeError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
         if self.memory_share is not None:
-            granted = self.memory_share.grant(cache_bytes)
+            granted = self.memory_share.grant(cache_bytes)   # reserved until _resize settles
             if granted < cache_bytes:
+                self.memory_share.settle(self.cache_bytes)      # gives the reservation back
                 raise CacheResizeError(
                     f"resize_cache({cache_bytes}): the memory budget grants this engine "
                     f"{granted} bytes (its max_bytes {self.memory_share.max_bytes}, what the "
@@ -91,6 +110,14 @@ class ElasticMemory:
 
     def _resize(self, cache_bytes: int, preempt: bool, partial: bool = False,
                 check_fit: bool = True) -> int:
+        try:
+            return self._resize_pool(cache_bytes, preempt, partial, check_fit)
+        finally:        # done, refused or failed: what decide/grant reserved is settled
+            if self.memory_share is not None:
+                self.memory_share.settle(self.kv.manager.cache_bytes)
+
+    def _resize_pool(self, cache_bytes: int, preempt: bool, partial: bool,
+                     check_fit: bool) -> int:
         mgr = self.kv.manager
         if cache_bytes > mgr.max_cache_bytes:
             raise CacheResizeError(f"cache_bytes={cache_bytes} exceeds max_cache_bytes="
@@ -109,8 +136,8 @@ class ElasticMemory:
             self.close()          # a rank died or hung, as in step (run rolled back first)
             raise
         self.resizes += 1
-        if self.memory_share is not None:
-            self.memory_share.settle(mgr.cache_bytes)
+        # its preemptions (sleep, resize_cache(preempt=True), a yield) are not a step's
+        self._preempted_last = self.scheduler.metrics.num_preemptions
         return mgr.cache_bytes
 
     def sleep(self) -> int:
@@ -123,6 +150,8 @@ class ElasticMemory:
         if self.is_sleeping:
             return 0
         before = self.cache_bytes
+        if self.memory_share is not None:
+            self.memory_share.withdraw()      # asleep, it asks nobody to yield to it
         self._resize(0, preempt=True, check_fit=False)
         self._asleep_bytes = before
         return before
@@ -156,8 +185,9 @@ class ElasticMemory:
     def rebalance_memory(self) -> None:
         """With a MemoryBudget (``step`` calls it first; an idle engine's owner calls it now and
         then so its pages go back): grow for a waiting request that does not fit, give back
-        what nobody running holds when asked or idle (``BudgetShare.decide``). A shrink that
-        would refuse a waiting request is skipped."""
+        what nobody running holds when asked or idle, yield to an older blocked engine, with
+        preemption if need be (``BudgetShare.decide``). A shrink that would refuse a waiting
+        request is skipped."""
         share = self.memory_share
         if share is None or self.is_sleeping:
             return
@@ -165,13 +195,14 @@ class ElasticMemory:
         preempted, self._preempted_last = preemptions > self._preempted_last, preemptions
         target = share.decide(self.scheduler, preempted=preempted)
         if target is None or target == self.cache_bytes:
+            share.settle(self.cache_bytes)         # nothing reserved stays reserved
             return
         target = min(target, self.kv.manager.max_cache_bytes)
         if target > self.cache_bytes:
             avail = available_memory_bytes(self.cache_config.torch_device)
             if avail is not None:
                 target = min(target, self.cache_bytes + avail)
-        try:
-            self._resize(target, preempt=False, partial=True)
+        try:          # a yield to an older blocked engine may preempt (share.preempts)
+            self._resize(target, preempt=share.preempts, partial=True)
         except CacheResizeError:
             pass       # a waiting request would no longer fit: keep the pages (rolled back)

@@ -95,35 +95,37 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
                            kv_dtype=kv_dtype)
         cache_bytes = cache_budget_bytes(cfg, self.cache_config)   # fits available memory
         check_ranks_fit(cfg, cache_bytes, self.cache_config.torch_device)   # all ranks, too
-        share = budget_share_for(memory_budget, cfg, cache_bytes,   # before building
-                                 f"{model.config.model_type}-{id(self):x}")
+        budget_share_for(memory_budget, cfg, cache_bytes, "", register=False)   # checks only
         self._model_attn = model.config._attn_implementation   # restored by close()
         self._holds_attention = False
         if cfg.self_check:   # the model is back on its own attention afterwards, pass or fail
             self_check(model, full_config, cfg, backend, self._model_attn)
-        kv_options = dict(cache_bytes=cache_bytes, layout=cfg.layout, page_bytes=cfg.page_bytes,
-                          block_size=cfg.block_size, swap_bytes=cfg.swap_bytes,
-                          background_mapper=cfg.background_mapper,   # vmem only: paged ignores it
-                          prefix_eviction=cfg.prefix_eviction,
-                          max_cache_bytes=share.max_bytes if share else cfg.max_cache_bytes)
-        self.tp = None
-        try:
+        self.tp, share = None, None
+        try:   # registered last, left on every failure below (Ctrl-C included)
+            share = budget_share_for(memory_budget, cfg, cache_bytes,
+                                     f"{model.config.model_type}-{id(self):x}")
+            kv_options = dict(cache_bytes=cache_bytes, layout=cfg.layout,
+                              page_bytes=cfg.page_bytes, block_size=cfg.block_size,
+                              swap_bytes=cfg.swap_bytes, prefix_eviction=cfg.prefix_eviction,
+                              background_mapper=cfg.background_mapper,   # vmem only
+                              max_cache_bytes=share.max_bytes if share else cfg.max_cache_bytes)
             if cfg.tensor_parallel_size > 1:   # every rank builds its shard and cache; rank 0 here
                 self.tp = start_tensor_parallel(model, cfg, self.cache_config, kv_options,
                                                 self.attention, driver, full_config)
                 self.kv = self.tp.kv
             else:
                 self.kv = make_kv(self.cache_config, cfg.cache, driver=driver, **kv_options)
+            self._init_elastic(share)
         except BaseException:
             if share is not None:
                 share.unregister()
             raise
         self.cache = self.kv       # the cache (self.kv.cache) with its manager, for callers
-        self._init_elastic(share)
         try:
             self._build_rest(model, backend)
         except BaseException:
             self._close_memory()   # a failed construction leaves no memory behind
+            self._leave_budget()
             model.set_attn_implementation(self._model_attn)
             raise
         self.scheduler.growable = share is not None   # a budget may grow it back
@@ -374,8 +376,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         stops every rank (each frees its cache). Idempotent."""
         self._closed = True
         self._close_memory()
-        if getattr(self, "memory_share", None) is not None:
-            self.memory_share.unregister()
+        self._leave_budget()       # the share's finalizer: unregisters once
         if self._holds_attention:   # the last engine on this model restores its attention
             self._holds_attention = False
             release_vmemkv_attention(self.model)

@@ -8,22 +8,39 @@ refused is one that could never fit: past the most its pool has held (beside its
 takes pages from the same pool). At the end, with no more submissions, both are stepped while
 the clock runs: every request accepted finishes (none waits for ever: the budget grows a pool
 for its head request's tokens and adapter, and an idle pool gives its memory back).
+
+Both pools have held 256 of the budget's 384 tokens before the first request, so a request may
+need up to 256 tokens: two of them cannot run at once. Before the budget's liveness rule (an
+older blocked share is yielded to, preempting if need be) the machine's requests never needed
+more than 64 tokens and missed the deadlock two such requests made: each pool grew part way,
+each waited for the other's pages, and neither gave (each had a request waiting).
 """
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from vmemkv.scheduler.budget import MemoryBudget
 from vmemkv.scheduler.errors import RequestTooLargeError
+from vmemkv.scheduler.managers import make_manager
 from vmemkv.scheduler.request import Request, SeqState
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from ..hypothesis_budget import examples
-from .adapter_sched import TINY, check_pins, manager, ref
-from .test_adapter_elastic import resize
+from .adapter_sched import PAGE, TINY, check_pins, ref
 
 BPT = TINY.bytes_per_token
 ADAPTERS = (None, ref("s", "s-1", 8 * BPT), ref("m", "m-1", 24 * BPT), ref("l", "l-1", 48 * BPT))
 LANES = (("per-layer", "recompute"), ("interleaved", "swap"))
+MAX_LEN = 256                      # tokens of one sequence: two of them overflow the budget
+
+
+def resize(sched, share, cache_bytes: int, preempt: bool = False) -> None:
+    """One budget resize as the engine does it: partial, in a transaction, then settled."""
+    sched.begin()
+    sched.manager.begin()
+    sched.resize(cache_bytes, preempt, partial=True)
+    sched.manager.commit()
+    sched.commit()
+    share.settle(sched.manager.cache_bytes)
 
 
 class BudgetLiveness(RuleBasedStateMachine):
@@ -33,14 +50,19 @@ class BudgetLiveness(RuleBasedStateMachine):
         self.budget = MemoryBudget(384 * BPT, idle_release_s=1.0, clock=lambda: self.now)
         self.lanes, self.accepted = [], []
         for i, (layout, preemption) in enumerate(LANES):
-            mgr = manager("vmem", layout, tokens=128, swap_tokens=256,
-                          max_cache_bytes=256 * BPT)
-            share = self.budget.register(f"lane{i}", 32 * BPT, 256 * BPT, 128 * BPT)
-            sched = Scheduler(mgr, SchedulerConfig(max_running=4, max_seq_len=64,
+            mgr = make_manager("vmem", TINY, 256 * BPT, MAX_LEN, page_bytes=PAGE,
+                               layout=layout, swap_bytes=512 * BPT, max_cache_bytes=256 * BPT)
+            share = self.budget.register(f"lane{i}", 32 * BPT, 256 * BPT, (256 - 128 * i) * BPT)
+            sched = Scheduler(mgr, SchedulerConfig(max_running=4, max_seq_len=MAX_LEN,
                                                    preemption=preemption))
             sched.growable = True
             self.lanes.append((sched, share))
             self.accepted.append([])
+        (first, a), (second, b) = self.lanes       # each has held 256 tokens, both hold 128
+        resize(first, a, 128 * BPT)
+        resize(second, b, 256 * BPT)
+        resize(second, b, 128 * BPT)
+        assert first.max_fit_tokens == second.max_fit_tokens == MAX_LEN
         self.next_id = 0
         self.preempted = [False] * len(LANES)   # the lane's last step preempted
 
@@ -50,7 +72,9 @@ class BudgetLiveness(RuleBasedStateMachine):
         preempted = sched.metrics.num_preemptions
         target = share.decide(sched, preempted=self.preempted[lane])
         if target is not None and target != sched.manager.cache_bytes:
-            resize(sched, share, min(target, sched.manager.max_cache_bytes))
+            resize(sched, share, min(target, sched.manager.max_cache_bytes), share.preempts)
+        else:
+            share.settle(sched.manager.cache_bytes)      # what decide reserved goes back
         if sched.has_unfinished():
             plan = sched.schedule()
             sched.update({s.seq_id: 1 for s in plan.seqs if s.sample})
@@ -68,8 +92,9 @@ class BudgetLiveness(RuleBasedStateMachine):
             assert self.lanes[lane][0].manager.cache_bytes == 32 * BPT
 
     @rule(lane=st.integers(0, 1), prompt=st.integers(1, 40), new=st.integers(1, 24),
-          adapter=st.sampled_from(ADAPTERS))
-    def submit(self, lane, prompt, new, adapter):
+          adapter=st.sampled_from(ADAPTERS), large=st.integers(0, 4))
+    def submit(self, lane, prompt, new, adapter, large):
+        prompt += 44 * large              # large 4: up to 216 + 24 tokens, past half the budget
         sched, _ = self.lanes[lane]
         request = Request(self.next_id, prompt_len=prompt, max_tokens=new, adapter=adapter)
         self.next_id += 1
@@ -103,8 +128,9 @@ class BudgetLiveness(RuleBasedStateMachine):
     def teardown(self):
         """Step both while the clock runs, until nothing is unfinished or nothing moved for
         40 rounds (10 s of clock, ten times ``idle_release_s``): a request waiting for ever."""
-        progress, still = None, 0
-        while any(s.has_unfinished() for s, _ in self.lanes) and still < 40:
+        progress, still, rounds = None, 0, 0
+        while any(s.has_unfinished() for s, _ in self.lanes) and still < 40 and rounds < 4000:
+            rounds += 1
             for lane in range(len(self.lanes)):
                 self._turn(lane)
             self.now += 0.25
