@@ -10,11 +10,13 @@ runs in both arms; only who may hold which bytes differs.
 
 One model's turn, at its own clock (the model whose next event is earliest goes first):
 
-    arrivals up to now join its queue
+    arrivals up to now join its queue (one longer than its pool has held fails alone, as the
+             engine refuses it: ``ModelResult.failed_requests``)
     elastic: target = share.decide(scheduler, now, preempted_last_step)
-             target -> Scheduler.resize(target, partial=True) in a transaction (undone on
-             CacheResizeError), share.settle(manager.cache_bytes); the resize's page cost
-             (below) keeps its stream busy before the step
+             target -> Scheduler.resize(target, share.preempts, partial=True) in a
+             transaction (undone on CacheResizeError; ``preempts``: a yield to an older
+             blocked model, budget.py's liveness rule), share.settle(manager.cache_bytes);
+             the resize's page cost (below) keeps its stream busy before the step
     one step (simulator.Simulator's: the cost model's time, dummy tokens, update)
 
 A model with nothing to run takes a turn without a step (a budget tick) when it becomes idle,
@@ -31,131 +33,30 @@ latencies of either are optimistic whenever both models are busy at once.
 Resize cost, charged to the model's next step (its stream is busy that long first): each page
 taken back into service on growth costs one cuMemCreate + cuMemMap + cuMemSetAccess, each page
 released one cuMemUnmap (published A100 figures, 2 MiB pages: ``GROW_PAGE_S``,
-``RELEASE_PAGE_S``). Pessimistic for growth: the executor creates a page when it is first
-mapped, so a real engine spreads (or hides, on a mapper thread) what is charged here at once.
+``RELEASE_PAGE_S``); a yield's swap preemptions copy at ``h2d_bytes_per_s``. Pessimistic for
+growth: the executor creates a page when it is first mapped, so a real engine spreads (or
+hides, on a mapper thread) what is charged here at once.
 """
 from __future__ import annotations
 
 from array import array
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from .budget import BudgetShare, MemoryBudget
-from .errors import CacheResizeError, ConfigError, SchedulerError
+from .errors import CacheResizeError, ConfigError, RequestTooLargeError, SchedulerError
 from .managers import make_manager
 from .managers.base import ReleasePages
-from .presets import get_device, get_model
 from .report import RequestTiming, serving_report
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler
+from .shared_config import (GROW_PAGE_S, RELEASE_PAGE_S, ModelResult, SharedConfig,  # noqa: F401
+                            SharedResult, SimulationStalledError, kv_bytes_after_weights)
 from .sim_memory import check_simulation_fits
-from .simulator import SimConfig, Simulator, _request_maker, _sharing_config
-from .workload import TraceEntry
+from .simulator import Simulator, _request_maker, _sharing_config
+from .workload import MAX_ARRIVAL_S, TraceEntry
 
-# Published A100 figures, per 2 MiB page (the CUDA VMM calls a vmem cache makes)
-PAGE_CREATE_S = 193e-6        # cuMemCreate
-PAGE_MAP_S = 1.45e-6          # cuMemMap
-PAGE_SET_ACCESS_S = 36e-6     # cuMemSetAccess
-PAGE_UNMAP_S = 26e-6          # cuMemUnmap
-GROW_PAGE_S = PAGE_CREATE_S + PAGE_MAP_S + PAGE_SET_ACCESS_S   # a page taken into service
-RELEASE_PAGE_S = PAGE_UNMAP_S                                  # a page given back
 PERCENTILES = (50.0, 90.0, 99.0)
-
-
-def kv_bytes_after_weights(device: str, models: Sequence[str]) -> int:
-    """The device's memory less every model's weights (bytes): the KV memory of all of them
-    together. No headroom for activations or the CUDA context: an upper bound."""
-    left = get_device(device).memory_bytes - sum(get_model(m).weight_bytes for m in models)
-    if left <= 0:
-        raise ConfigError(f"the weights of {', '.join(models)} do not fit {device}'s "
-                          f"{get_device(device).memory_bytes} bytes")
-    return left
-
-
-@dataclass(frozen=True)
-class SharedConfig:
-    """One device shared by several models (one per workload, in the workloads' order)."""
-    elastic: bool = True                  # a shared MemoryBudget; False: total / N each, fixed
-    model: str = "llama-3-8b"             # every model's preset, unless ``models`` names each
-    models: Tuple[str, ...] = ()
-    device: str = "h100"
-    total_bytes: Optional[int] = None     # KV bytes of all models; None: kv_bytes_after_weights
-    min_fraction: float = 0.25            # elastic: each share's min_bytes, of total_bytes
-    idle_release_s: float = 2.0           # elastic: simulated seconds idle before giving back
-    grow_fraction: float = 0.125          # elastic: the least a grow asks, of max_bytes
-    grow_page_s: float = GROW_PAGE_S      # seconds per page taken into service
-    release_page_s: float = RELEASE_PAGE_S   # seconds per page given back
-    page_bytes: int = 2 * 2**20
-    layout: str = "interleaved"           # vmem layout (interleaved: no per-layer end waste)
-    max_seq_len: int = 4096
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-
-    def __post_init__(self) -> None:
-        for name in ("min_fraction", "grow_fraction"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError(f"{name} must be in [0, 1], got {getattr(self, name)!r}")
-        for name in ("grow_page_s", "release_page_s"):
-            if not getattr(self, name) >= 0:
-                raise ConfigError(f"{name} must be seconds >= 0, got {getattr(self, name)!r}")
-        if self.total_bytes is not None and not self.total_bytes > 0:
-            raise ConfigError(f"total_bytes must be > 0, got {self.total_bytes!r}")
-
-    def model_names(self, count: int) -> Tuple[str, ...]:
-        if not self.models:
-            return (self.model,) * count
-        if len(self.models) != count:
-            raise ConfigError(f"models names {len(self.models)} presets for {count} workloads")
-        return self.models
-
-    def sim_config(self, model: str, cache_bytes: int) -> SimConfig:
-        """The single-model config of one lane (its cost model, its scheduler config)."""
-        return SimConfig(policy="vmem", model=model, device=self.device, cache_bytes=cache_bytes,
-                         max_seq_len=self.max_seq_len, page_bytes=self.page_bytes,
-                         layout=self.layout, scheduler=self.scheduler)
-
-
-@dataclass
-class ModelResult:
-    """One model's run. Times in simulated seconds, memory in bytes."""
-    name: str
-    model: str
-    num_requests: int
-    output_tokens: int
-    ttft_p50_s: float
-    ttft_p90_s: float
-    output_tokens_per_s: float     # output tokens / (its last token - its first arrival)
-    num_preemptions: int
-    final_cache_bytes: int
-    peak_cache_bytes: int
-    grows: int
-    gives: int
-    pages_created: int             # pages taken into service by growth
-    pages_released: int            # pages given back (ReleasePages)
-    resize_seconds: float          # the resizes' page cost, charged to its steps
-    num_steps: int
-    serving: Dict[str, float] = field(default_factory=dict, repr=False)
-    timings: List[RequestTiming] = field(default_factory=list, repr=False)
-
-    def to_dict(self) -> dict:
-        return {k: v for k, v in vars(self).items() if k != "timings"}
-
-
-@dataclass
-class SharedResult:
-    """Every model's result and the device's: ``overall`` pools the requests of all."""
-    elastic: bool
-    total_bytes: int
-    peak_held_bytes: int           # the most the models held at once (<= total_bytes, checked)
-    models: Dict[str, ModelResult]
-    overall: Dict[str, float]
-    wall_seconds: float
-
-    def to_dict(self) -> dict:
-        return {"elastic": self.elastic, "total_bytes": self.total_bytes,
-                "peak_held_bytes": self.peak_held_bytes, "overall": self.overall,
-                "wall_seconds": self.wall_seconds,
-                "models": {n: m.to_dict() for n, m in self.models.items()}}
 
 
 class Lane:
@@ -176,6 +77,8 @@ class Lane:
         self.share: Optional[BudgetShare] = None
         self._make_request = _request_maker()
         self.token_times: Dict[int, array] = {}    # first seq id -> its token times
+        self.admitted: List[int] = []              # entry indices, in token_times' order
+        self.failed: List[str] = []                # why each request refused at arrival was
         self.now, self.nxt, self.after_idle = 0.0, 0, True
         self.preempted = False                 # the last step preempted
         self._ticked = -math.inf               # when it last took a turn without a step
@@ -201,8 +104,14 @@ class Lane:
         if t > self.now:                       # only an idle lane waits for its next event
             self.now, self.after_idle = t, True
         while self.nxt < len(self.entries) and self.entries[self.nxt].arrival_s <= self.now:
-            ids = self.scheduler.add_request(self._make_request(self.nxt, self.entries[self.nxt]))
-            self.token_times[ids[0]] = array("d")   # 8 bytes a token
+            try:   # longer than the pool has held: refused alone, as the engine's 503
+                ids = self.scheduler.add_request(self._make_request(self.nxt,
+                                                                    self.entries[self.nxt]))
+            except RequestTooLargeError as error:
+                self.failed.append(str(error))
+            else:
+                self.token_times[ids[0]] = array("d")   # 8 bytes a token
+                self.admitted.append(self.nxt)
             self.nxt += 1
         if self.share is not None:
             self._budget_turn()
@@ -224,9 +133,10 @@ class Lane:
     def _budget_turn(self) -> None:
         target = self.share.decide(self.scheduler, self.now, self.preempted)
         if target is None or target == self.manager.cache_bytes:
+            self.share.settle(self.manager.cache_bytes)    # nothing reserved stays reserved
             return
         before = self.manager.cache_bytes
-        plan = self._resize(min(target, self.manager.max_cache_bytes))
+        plan = self._resize(min(target, self.manager.max_cache_bytes), self.share.preempts)
         after = self.manager.cache_bytes
         self.share.settle(after)
         if self.share.held_bytes != after:
@@ -236,20 +146,23 @@ class Lane:
         released = sum(len(op.pool_pages) for op in plan.ops if type(op) is ReleasePages) \
             if plan is not None else 0
         cost = created * self.config.grow_page_s + released * self.config.release_page_s
+        swapped = self.manager.swapped_bytes(plan.ops) if plan is not None and plan.ops else 0
+        cost += swapped / self.sim.h2d_bytes_per_s   # a yield's swap preemptions
         self.pages_created += created
         self.pages_released += released
         self.resize_seconds += cost
         self.now += cost                       # the stream is busy resizing first
         self.peak_cache_bytes = max(self.peak_cache_bytes, after)
 
-    def _resize(self, target: int):
-        """``Scheduler.resize(target, partial=True)`` as one transaction; None when it raised
-        CacheResizeError (a live request that would no longer fit): nothing changed."""
+    def _resize(self, target: int, preempt: bool):
+        """``Scheduler.resize(target, preempt, partial=True)`` as one transaction (``preempt``:
+        a yield to an older blocked lane); None when it raised CacheResizeError: nothing
+        changed."""
         mgr, sched = self.manager, self.scheduler
         mgr.begin()
         sched.begin()
         try:
-            plan = sched.resize(target, partial=True)
+            plan = sched.resize(target, preempt, partial=True)
         except CacheResizeError:
             sched.rollback()
             mgr.rollback()
@@ -259,8 +172,8 @@ class Lane:
         return plan
 
     def result(self) -> ModelResult:
-        timings = [RequestTiming(e.arrival_s, times, e.prompt_len)
-                   for e, times in zip(self.entries, self.token_times.values())]
+        timings = [RequestTiming(self.entries[i].arrival_s, times, self.entries[i].prompt_len)
+                   for i, times in zip(self.admitted, self.token_times.values())]
         serving = serving_report(timings, percentiles=PERCENTILES)
         stats = self.share.stats if self.share is not None else None
         return ModelResult(
@@ -272,8 +185,27 @@ class Lane:
             final_cache_bytes=self.manager.cache_bytes, peak_cache_bytes=self.peak_cache_bytes,
             grows=stats.grows if stats else 0, gives=stats.gives if stats else 0,
             pages_created=self.pages_created, pages_released=self.pages_released,
-            resize_seconds=self.resize_seconds, num_steps=self.steps, serving=serving,
-            timings=timings)
+            resize_seconds=self.resize_seconds, num_steps=self.steps,
+            failed_requests=len(self.failed), serving=serving, timings=timings)
+
+    def progress(self) -> tuple:
+        """What only grows while the lane moves: arrivals taken, tokens, requests ended."""
+        m = self.scheduler.metrics
+        return (self.nxt, m.generated_tokens, m.num_finished_requests)
+
+    def waits_for(self) -> str:
+        """Its state in words, for a stalled run's message."""
+        s, share = self.scheduler, self.share
+        head = s.swapped[0] if s.swapped else s.waiting[0] if s.waiting else None
+        text = (f"{self.name}: {len(s.waiting)} waiting, {len(s.running)} running, "
+                f"{len(s.swapped)} swapped, cache {self.manager.cache_bytes} bytes")
+        if head is not None:
+            text += f", head sequence {head.seq_id} of {head.length} tokens"
+        if share is not None:
+            text += (f"; share min {share.min_bytes} max {share.max_bytes}, "
+                     f"{'blocked asking ' + str(share.ask_bytes) if share.blocked else 'not blocked'}"
+                     f", pressure on it {share.pressure_bytes}")
+        return text
 
 
 def _deadline(idle_since: float, idle_release_s: float) -> float:
@@ -289,16 +221,29 @@ class SharedSimulator:
     """The lanes of ``workloads`` ({name: entries}) on one device as ``config`` says.
     Guarantees, checked every turn (SchedulerError otherwise): the shares' held bytes never
     exceed ``total_bytes`` and each manager's ``cache_bytes`` equals its share's after every
-    settle; every request finishes."""
+    settle; every request finishes or, refused at arrival, fails alone; a run in which no lane
+    moves (no arrival, token or ending) for ``stall_turns`` turns stops with
+    SimulationStalledError naming each lane's state, never loops for ever."""
 
     def __init__(self, workloads: Mapping[str, Sequence[TraceEntry]],
                  config: SharedConfig = SharedConfig()) -> None:
         if not workloads:
             raise ConfigError("simulate_shared needs at least one workload")
+        for name, entries in workloads.items():
+            late = next((e.arrival_s for e in entries
+                         if not 0 <= e.arrival_s <= MAX_ARRIVAL_S), None)
+            if late is not None:
+                raise ConfigError(f"workload {name!r}: an arrival at {late!r} s; arrivals must "
+                                  f"be in [0, {MAX_ARRIVAL_S:.0e}] s")
         self.config = config
         models = config.model_names(len(workloads))
         total = config.total_bytes or kv_bytes_after_weights(config.device, models)
         self.total_bytes, n = total, len(workloads)
+        if total // n < config.page_bytes:
+            raise ConfigError(f"total_bytes={total} leaves {n} models less than one page "
+                              f"(page_bytes={config.page_bytes}) each")
+        per_lane = max(1, config.max_seq_len // max(1, config.scheduler.max_tokens_per_step))
+        self.stall_turns = 10_000 + 64 * n * (per_lane + 1)   # turns without progress
         self.budget = MemoryBudget(total, config.idle_release_s, config.grow_fraction,
                                    clock=lambda: self.now) if config.elastic else None
         self.now = 0.0
@@ -323,6 +268,7 @@ class SharedSimulator:
         """Every lane to completion, turns in global time order. ``on_step(self, lane)`` after
         each turn (tests); ``on_finished(n)``: requests finished since the last call."""
         wall0, done = time.perf_counter(), 0
+        progress, still = None, 0
         while True:
             lane = min(self.lanes, key=Lane.next_time)
             t = lane.next_time()
@@ -331,6 +277,12 @@ class SharedSimulator:
             self.now = t
             lane.act(t)
             self._check()
+            now = tuple(q.progress() for q in self.lanes)
+            progress, still = now, (still + 1 if now == progress else 0)
+            if still >= self.stall_turns:
+                raise SimulationStalledError(
+                    f"no model made progress in {still} turns (simulated time {self.now:.6g} "
+                    f"s): " + "; ".join(q.waits_for() for q in self.lanes))
             if on_step is not None:
                 on_step(self, lane)
             finished = sum(q.scheduler.metrics.num_finished_requests for q in self.lanes)
@@ -338,7 +290,8 @@ class SharedSimulator:
                 on_finished(finished - done)
                 done = finished
         for lane in self.lanes:
-            left = len(lane.entries) - lane.scheduler.metrics.num_finished_requests
+            left = len(lane.entries) - lane.scheduler.metrics.num_finished_requests - \
+                len(lane.failed)
             if left:
                 raise SchedulerError(f"{lane.name}: {left} of {len(lane.entries)} requests "
                                      f"unfinished")
@@ -362,6 +315,7 @@ class SharedSimulator:
                    "ttft_p90_s": serving["p90_ttft_ms"] / 1e3,
                    "output_tokens_per_s": serving["output_throughput"],
                    "num_preemptions": sum(m.num_preemptions for m in models.values()),
+                   "failed_requests": sum(m.failed_requests for m in models.values()),
                    "grows": sum(m.grows for m in models.values()),
                    "gives": sum(m.gives for m in models.values())}
         return SharedResult(self.config.elastic, self.total_bytes, self.peak_held_bytes, models,

@@ -7,12 +7,26 @@ traces replayed each a little later than the one before.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Mapping, Optional, Tuple
 
 from .errors import ConfigError
+from .sim_memory import check_workload_fits
 from .traces import fit_to_length, load_trace
-from .workload import TraceEntry, WorkloadSpec, generate
+from .workload import MAX_ARRIVAL_S, TraceEntry, WorkloadSpec, generate
+
+MAX_PERIODS = 100_000          # burst + quiet cycles in duration_s (each a segment per model)
+MAX_ARRIVALS = 10_000_000      # expected arrivals of every model together
+
+
+def _seconds(owner: str, name: str, value, positive: bool = True) -> float:
+    """``value`` as finite seconds (> 0, or >= 0), else ConfigError naming ``owner.name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or not (value > 0 if positive else value >= 0):
+        raise ConfigError(f"{owner}.{name} must be finite seconds {'> 0' if positive else '>= 0'}"
+                          f", got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -30,17 +44,41 @@ class BurstySpec:
     lengths: WorkloadSpec = field(default_factory=WorkloadSpec)   # its count/rate/seed unused
 
     def __post_init__(self) -> None:
-        if not self.models or len(set(self.models)) != len(self.models):
-            raise ConfigError(f"BurstySpec.models must be distinct names, got {self.models!r}")
-        if not (self.duration_s > 0 and self.period_s > 0):
-            raise ConfigError(f"BurstySpec duration_s and period_s must be > 0, got "
-                              f"{self.duration_s!r}, {self.period_s!r}")
-        if not 0 < self.burst_fraction <= 1:
-            raise ConfigError(f"BurstySpec.burst_fraction must be in (0, 1], got "
-                              f"{self.burst_fraction!r}")
-        if not (self.burst_rate >= 0 and self.quiet_rate >= 0):
-            raise ConfigError(f"BurstySpec rates must be >= 0 requests/s, got "
-                              f"{self.burst_rate!r}, {self.quiet_rate!r}")
+        if not isinstance(self.models, tuple) or not self.models or \
+                len(set(self.models)) != len(self.models) or \
+                not all(isinstance(m, str) and m for m in self.models):
+            raise ConfigError(f"BurstySpec.models must be a tuple of distinct names, got "
+                              f"{self.models!r}")
+        _seconds("BurstySpec", "duration_s", self.duration_s)
+        _seconds("BurstySpec", "period_s", self.period_s)
+        if self.duration_s > MAX_ARRIVAL_S:
+            raise ConfigError(f"BurstySpec.duration_s must be <= {MAX_ARRIVAL_S:.0e} s, got "
+                              f"{self.duration_s!r}")
+        if self.duration_s / self.period_s > MAX_PERIODS:
+            raise ConfigError(f"BurstySpec.period_s={self.period_s!r} makes "
+                              f"{self.duration_s / self.period_s:.3g} periods in duration_s="
+                              f"{self.duration_s!r}; at most {MAX_PERIODS:,}")
+        fraction = self.burst_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or \
+                not 0 < fraction <= 1:
+            raise ConfigError(f"BurstySpec.burst_fraction must be in (0, 1], got {fraction!r}")
+        for name in ("burst_rate", "quiet_rate"):
+            rate = getattr(self, name)
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or \
+                    not 0 <= rate < math.inf:
+                raise ConfigError(f"BurstySpec.{name} must be finite requests/s >= 0, got "
+                                  f"{rate!r}")
+        expected = len(self.models) * self.duration_s * max(self.burst_rate, self.quiet_rate)
+        if expected > MAX_ARRIVALS:
+            raise ConfigError(f"BurstySpec: burst_rate={self.burst_rate!r}, quiet_rate="
+                              f"{self.quiet_rate!r} over duration_s={self.duration_s!r} for "
+                              f"{len(self.models)} models may draw {expected:.3g} arrivals; at "
+                              f"most {MAX_ARRIVALS:,}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"BurstySpec.seed must be an int >= 0, got {self.seed!r}")
+        if not isinstance(self.lengths, WorkloadSpec):
+            raise ConfigError(f"BurstySpec.lengths must be a WorkloadSpec, got "
+                              f"{type(self.lengths).__name__}")
 
     def phases(self, k: int) -> List[Tuple[float, float, float]]:
         """Model ``k``'s (start, end, rate) segments covering [0, duration_s): its bursts
@@ -65,6 +103,8 @@ def bursty_workload(spec: BurstySpec) -> Dict[str, List[TraceEntry]]:
     uniform in it (a Poisson process of that rate), then the seed of its lengths, drawn as
     ``workload.generate`` draws the standard workload's."""
     import numpy as np
+    expected = len(spec.models) * spec.duration_s * max(spec.burst_rate, spec.quiet_rate)
+    check_workload_fits(int(expected), "draw fewer arrivals (duration_s, burst_rate)")
     out = {}
     for k, name in enumerate(spec.models):
         rng = np.random.default_rng([spec.seed, k])
@@ -86,7 +126,12 @@ def shifted_traces(traces: Mapping[str, str], shift_s: float, *, max_requests: O
                    = None, rate_scale: float = 1.0, max_total_len: int = 4096
                    ) -> Dict[str, List[TraceEntry]]:
     """{model name: entries} replaying ``traces`` ({model name: bundled trace or path}), the
-    k-th shifted ``k * shift_s`` seconds later; lengths fitted to ``max_total_len``."""
+    k-th shifted ``k * shift_s`` seconds later (finite, >= 0, the last arrival at most
+    ``MAX_ARRIVAL_S``); lengths fitted to ``max_total_len``."""
+    _seconds("shifted_traces", "shift_s", shift_s, positive=False)
+    if shift_s * max(0, len(traces) - 1) > MAX_ARRIVAL_S:
+        raise ConfigError(f"shifted_traces.shift_s={shift_s!r} shifts the last of {len(traces)} "
+                          f"traces past {MAX_ARRIVAL_S:.0e} s")
     out = {}
     for k, (name, trace) in enumerate(traces.items()):
         entries, _ = fit_to_length(load_trace(trace, rate_scale=rate_scale,

@@ -13,7 +13,7 @@ from vmemkv.scheduler.shared_sim import SharedConfig, kv_bytes_after_weights, si
 from vmemkv.scheduler.shared_workloads import BurstySpec, bursty_workload, shifted_traces
 from vmemkv.scheduler.simulator import simulate
 from vmemkv.scheduler.traces import load_trace
-from vmemkv.scheduler.workload import WorkloadSpec
+from vmemkv.scheduler.workload import TraceEntry, WorkloadSpec
 
 GB = 10**9
 SMALL = WorkloadSpec(prompt_median=300, prompt_p95=1200, output_mean=200, output_p95=600,
@@ -101,3 +101,58 @@ def test_shifted_traces_replay_each_trace_later_than_the_one_before_and_fit_its_
     assert all(e.total_len <= 1024 for lane in lanes.values() for e in lane)
     with pytest.raises(ConfigError, match="max_total_len"):
         shifted_traces({"a": "azure-code"}, shift_s=1.0, max_total_len=1)
+
+
+def _two_long_requests_after_bursts():
+    """Each model first bursts alone (so each has held most of the 1 GiB: 8,192 tokens of
+    Llama-3-8B), then both get one request of 5,500 tokens at the same moment."""
+    burst = lambda t0: [TraceEntry(1000, 500, t0 + 0.01 * i) for i in range(12)]   # noqa: E731
+    return {"a": burst(0.0) + [TraceEntry(100, 5400, 200.0)],
+            "b": burst(100.0) + [TraceEntry(100, 5400, 200.0)]}
+
+
+def test_two_models_each_needing_more_than_half_the_budget_both_finish():
+    """Both grew part way and each waited for the other's pages for ever (simulate_shared
+    never returned); now the younger yields to the older (budget.py's liveness rule)."""
+    config = SharedConfig(elastic=True, total_bytes=1 << 30, min_fraction=0.05,
+                          idle_release_s=2.0, max_seq_len=8192)
+    result = _checked(_two_long_requests_after_bursts(), config)
+    assert {n: (m.output_tokens, m.failed_requests) for n, m in result.models.items()} == \
+        {"a": (11400, 0), "b": (11400, 0)}
+    assert max(m.peak_cache_bytes for m in result.models.values()) > (1 << 30) // 2
+
+
+def test_a_run_that_stops_moving_is_a_stall_error_naming_each_lane(monkeypatch):
+    """The budget's rule made to never grow (as the deadlock did): the run ends by a typed
+    error naming what each lane waits for, within ``stall_turns``, not an endless loop."""
+    from vmemkv.scheduler.budget import BudgetShare
+    from vmemkv.scheduler.shared_sim import SharedSimulator, SimulationStalledError
+    decide = BudgetShare.decide
+
+    def never_grows(self, *args, **kwargs):
+        target = decide(self, *args, **kwargs)
+        return None if target is not None and target > self.held_bytes else target
+    monkeypatch.setattr(BudgetShare, "decide", never_grows)
+    sim = SharedSimulator(_two_long_requests_after_bursts(),
+                          SharedConfig(elastic=True, total_bytes=1 << 30, min_fraction=0.05,
+                                       max_seq_len=8192))
+    turns = []
+    with pytest.raises(SimulationStalledError, match=r"no model made progress in \d+ turns .*"
+                       r"a: 0 waiting, 0 running, 0 swapped, .*; b: 12 waiting, 0 running, 0 "
+                       r"swapped, cache \d+ bytes, head sequence 0 of 1000 tokens; share min "
+                       r"\d+ max 1073741824, blocked asking \d+"):
+        sim.run(on_step=lambda s, lane: turns.append(1))
+    assert sim.stall_turns <= len(turns) <= 20 * sim.stall_turns
+
+
+def test_a_request_longer_than_its_pool_has_held_fails_alone_and_the_run_goes_on():
+    """6,000 tokens fit the device (8,192) but not the 4,096 a's pool has held: the whole run
+    ended in RequestTooLargeError; now it is refused alone, as the engine refuses it."""
+    workloads = {"a": [TraceEntry(100, 5900, 0.0), TraceEntry(100, 20, 1.0)],
+                 "b": [TraceEntry(100, 10, 0.0)]}
+    result = simulate_shared(workloads, SharedConfig(elastic=True, total_bytes=1 << 30,
+                                                     min_fraction=0.05, max_seq_len=8192))
+    a, b = result.models["a"], result.models["b"]
+    assert (a.failed_requests, a.num_requests, a.output_tokens) == (1, 1, 20)
+    assert (b.failed_requests, b.num_requests, b.output_tokens) == (0, 1, 10)
+    assert result.overall["failed_requests"] == 1 and result.overall["num_requests"] == 2
