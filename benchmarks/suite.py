@@ -44,7 +44,7 @@ def versions(device_type: str = "cpu") -> dict:
     """Driver and library versions every benchmark prints beside the device."""
     import torch
     out = {"kernel": platform.release(), "vmem_driver": "cuda" if device_type == "cuda" else "host",
-           "load_1min": round(os.getloadavg()[0], 2)}   # > cores: timings shared the CPU
+           "load_1min": round(os.getloadavg()[0], 2)}   # >= cores / 2: timings shared the CPU
     if device_type == "cuda":
         out["cuda_runtime"] = torch.version.cuda
         out["cuda_driver"] = _cuda_driver_version()
@@ -226,11 +226,13 @@ def _run_sections(payload: dict, sections, quick: bool, device: str, bar: Progre
 
 
 def _finish(payload: dict, sections, out_dir: str) -> str:
-    """The summary rows, the busy-machine warning (load at the end vs the core count) and
-    bench.json; sets ``payload["json"]`` and returns it."""
+    """The summary rows, the warnings (busy machine: the load at the start or the end >= half
+    the cores; attention rows above 100% of their run's measured read) and bench.json; sets
+    ``payload["json"]`` and returns it."""
+    from vmemkv.benchmarks.attention_goals import run_warnings
     payload["summary"] = summary_rows(payload, sections)
     load = max(payload["environment"].get("load_1min", 0.0), os.getloadavg()[0])
-    payload["warnings"] = [w for w in (busy_warning(load),) if w]
+    payload["warnings"] = run_warnings((payload.get("attention") or {}).get("results", []), load)
     payload["json"] = write_json(os.path.join(out_dir, "bench.json"), payload, default=str)
     return payload["json"]
 

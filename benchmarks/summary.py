@@ -81,9 +81,9 @@ def _share(row: dict) -> str:
     """'62% of measured read bw' (or matmul), flagged UNRELIABLE above 100% of the measured read
     (attention_goals.over_yardstick); rows from before the yardsticks: '% of copy bw'."""
     if "pct_limit" in row:
-        return (f"{row['pct_limit']:.0f}% of measured {row['limit']}"
-                + (" bw" if row["limit"] == "read" else "")
-                + (" UNRELIABLE (> 100%)" if over_yardstick(row) else ""))
+        over = over_yardstick(row)
+        return (f"{row['pct_limit']:.{1 if over else 0}f}% of measured {row['limit']}"
+                + (" bw" if row["limit"] == "read" else "") + (" UNRELIABLE" if over else ""))
     return f"{row['pct_copy']:.0f}% of copy bw"
 
 

@@ -1,7 +1,10 @@
 """The benchmarks' honesty checks, on given numbers (no timing): a decode row above 100% of its
 run's measured read bandwidth is flagged, a load of half the cores is warned about, the mapper's
 saving is measured against inline mapping, and the packed forward-only row is not called a limit."""
-from vmemkv.benchmarks import alloc, attention, summary
+import json
+import os
+
+from vmemkv.benchmarks import alloc, attention, suite, summary
 from vmemkv.benchmarks.attention_goals import over_yardstick, run_warnings
 
 
@@ -23,6 +26,7 @@ def test_the_summary_flags_the_row_too():
     payload = {"attention": {"results": [row(199.0), row(120.0, cache="paged", ms=20.0)]}}
     (line,) = summary.summary_rows(payload, ("attention",))
     assert line["note"].count("UNRELIABLE") == 2 and "measured read" in line["note"]
+    assert "199.0% of measured read bw UNRELIABLE" in line["note"]   # 100.3% is not shown as 100%
 
 
 def test_load_of_half_the_cores_is_warned_about_and_below_it_is_not():
@@ -56,3 +60,14 @@ def test_the_packed_forward_row_is_not_called_a_limit():
     rows = summary.summary_rows({"engine": {"rows": [
         {"system": "model forward only (packed batch)", "tok_s": 2800.0}]}}, ("engine",))
     assert "limit" not in rows[0]["note"] and "not a bound" in rows[0]["note"]
+
+
+def test_the_suite_warns_of_attention_rows_above_the_measured_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(suite.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    payload = {"environment": {"load_1min": 0.0}, "attention": {"results": [row(199.0), row(95.0)]}}
+    suite._finish(payload, ("attention",), str(tmp_path))
+    (warning,) = json.loads((tmp_path / "bench.json").read_text())["warnings"]
+    assert warning.startswith("1 decode row(s) above 100%")
+    monkeypatch.setattr(suite.os, "getloadavg", lambda: (0.5 * os.cpu_count(), 0.0, 0.0))
+    suite._finish(payload, ("attention",), str(tmp_path))
+    assert len(json.loads((tmp_path / "bench.json").read_text())["warnings"]) == 2
