@@ -95,7 +95,13 @@ def find_max_load(make_entries: Callable[[float], Sequence[TraceEntry]], config:
     qs = percentiles_of(slo)
 
     def probe(load: float) -> bool:
-        report = simulate(make_entries(load), config).report(percentiles=qs)
+        try:
+            entries = make_entries(load)
+        except ConfigError as error:     # a load the workload cannot take: the search's edge
+            if load == start:
+                raise
+            raise LoadOutOfRange(str(error)) from None
+        report = simulate(entries, config).report(percentiles=qs)
         meets = all(report[report_key(t)] <= ms for t, ms in slo.items())
         result.probes.append(Probe(load, meets, report))
         if on_probe is not None:
@@ -129,13 +135,22 @@ def search_max_load(meets: Callable[[float], bool], start: float, rel_tol: float
     return lo, hi
 
 
+class LoadOutOfRange(ConfigError):
+    """A load past what the workload can take (halved until an arrival passes the clock's
+    range, doubled past its limits): the bracket ends there, as if probes had run out."""
+
+
 def _bracket(probe: Callable[[float], bool], start: float, max_probes: int):
     """(lo, hi): lo met the SLO (None: none did), hi did not (None: all did), adjacent powers
-    of two times ``start``; at most ``max_probes`` probes (the bisection gets what is left)."""
+    of two times ``start``; at most ``max_probes`` probes (the bisection gets what is left),
+    fewer where the workload refuses the next load (``LoadOutOfRange``)."""
     load, meets = start, probe(start)
     for _ in range(max_probes - 1):
         nxt = load * 2 if meets else load / 2
-        if probe(nxt) != meets:
-            return (nxt, load) if not meets else (load, nxt)
+        try:
+            if probe(nxt) != meets:
+                return (nxt, load) if not meets else (load, nxt)
+        except LoadOutOfRange:
+            break
         load = nxt
     return (load, None) if meets else (None, load)

@@ -131,10 +131,10 @@ def _workload_flags(w) -> None:
     w.add_argument("--prompt-p95", type=TOKENS, default=2155.0, help="prompt length p95, tokens")
     w.add_argument("--output-mean", type=TOKENS, default=374.0, help="output length mean, tokens")
     w.add_argument("--output-p95", type=TOKENS, default=1118.0, help="output length p95, tokens")
-    w.add_argument("--max-len", type=bounded(int, 2), default=4096, action=_Given,
+    w.add_argument("--max-len", type=bounded(int, 2, 10**7), default=4096, action=_Given,
                    help=f"max tokens per sequence (prompt + output clipped to it; longer trace "
                         f"requests are scaled down to it, prompt and output in proportion; "
-                        f"default: 4096; {TIMED} max_context, vmem: in whole page groups)")
+                        f"default: 4096; {TIMED} max_context; vmem slots hold it in whole pages)")
     w.add_argument("--beam-width", type=bounded(int, 0), default=0,
                    help="every request a beam search of this many beams (0: plain decoding)")
     w.add_argument("--n", type=bounded(int, 1), default=1,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .cliargs import file_problem
 from .errors import ConfigError
-from .geometry import PageGeometry, resolve_layout
+from .geometry import resolve_layout
 from .profile_cost import load_profile, profile_engine, profile_model
 from .sim_config import check_deployment
 from .workload import MAX_ARRIVAL_S
@@ -27,7 +27,8 @@ def check_flags(args) -> None:
     check_deployment(model=args.model_preset, gpu=args.gpu, cache_gb=args.cache_gb,
                      preemption=args.preemption, swap_gb=args.swap_gb, policy=args.policy,
                      block_size=args.block_size, max_len=args.max_len, profile=args.profile,
-                     name=flag)
+                     name=lambda key: flag(key) + (f" (from {args.profile})" if key in
+                                                   vars(args).get("from_profile", ()) else ""))
     check_together(args)
     check_arrival_rate(args)
     if args.write_trace is not None:
@@ -45,26 +46,33 @@ PROFILE_FLAGS = {"policy": ("cache", False), "page_size": ("page_bytes", False),
 def profile_defaults(args) -> list:
     """With ``--profile``: each engine flag the user did not give (``args.given``) set to the
     setting of the engine the profile timed (``profile_engine``; --page-size and --layout only
-    for vmem, --max-len its max_context rounded up to whole page groups as the engine's vmem
-    slot is); the flags given outside what was timed, one line each (the caller warns)."""
+    for vmem; --max-len its max_context: what the engine admits, its vmem slots rounded up to
+    whole pages as SimConfig.slot_tokens does); the flags given outside what was timed, one line
+    each (the caller warns)."""
     if not args.profile:
         return []
     profile = load_profile(args.profile)
     engine, given = profile_engine(profile, args.profile), vars(args).get("given", ())
     outside = []
+    args.from_profile = set()
     for dest, (key, above) in PROFILE_FLAGS.items():      # --policy first, --max-len last
         if key not in engine or (key in ("page_bytes", "layout") and args.policy != "vmem"):
             continue
         value, timed, what = getattr(args, dest), engine[key], f"{key} {engine[key]}"
-        if dest == "max_len" and args.policy == "vmem":    # the slot: whole page groups
-            spec = profile_model(profile, args.profile)
-            layout = resolve_layout(args.layout, spec, args.page_size, on_cuda=True)
-            timed = PageGeometry.of(spec, args.page_size, layout).round_up_tokens(timed)
-            what += f" ({timed} in whole page groups)" if timed != engine[key] else ""
+        shown = value
+        if dest == "max_tokens_per_step" and dest not in given and args.max_running > timed:
+            given, value = (*given, dest), args.max_running   # a step must hold every sequence
+            setattr(args, dest, value)
+            shown = value
+        if dest == "layout" and dest in given:       # auto as it resolves for this model
+            value = resolve_layout(value, profile_model(profile, args.profile), args.page_size,
+                                   on_cuda=True)
+            shown = value if value == shown else f"{shown} ({value} here)"
         if dest not in given:
             setattr(args, dest, timed)
+            args.from_profile.add(dest)
         elif value > timed if above else value != timed:
-            outside.append(f"{flag(dest)} {value} is {'above' if above else 'not'} the {what} "
+            outside.append(f"{flag(dest)} {shown} is {'above' if above else 'not'} the {what} "
                            f"that {args.profile} timed: its step costs are "
                            f"{'extrapolated' if above else 'not measured'} there")
     return outside

@@ -42,8 +42,9 @@ point's repeats (``profile_fit``), and writes a device profile, JSON:
 the profile's model is the model the simulation's managers size memory for, and its ``engine``
 the settings ``vmemkv simulate --profile`` defaults to (``profile_engine``). A profile written
 before the ``OPTIONAL_COEFFICIENTS`` existed (version 1) loads with them 0: prefill cost linear
-in tokens, every decode warm. Version 2 has them all (one missing is refused by name, as is a
-coefficient no version has); version 3 adds the coefficients' intervals, the calibration's
+in tokens, every decode warm; version 2 and 3 files load with the ones they lack 0 as well
+(calibrate added them one at a time); version 4 must have them all (one missing is refused by
+name); a coefficient no version has is refused by name in every version. Version 3 adds the coefficients' intervals, the calibration's
 repeats and noise check (``profile_fit``), each point's shape and repeat, and its ``fit`` errors
 are over the design points' medians (version 2: over every timed step); version 4 adds the
 model's ``layer_windows`` (versions 1-3: every layer full attention, unless given). A version
@@ -65,6 +66,7 @@ PROFILE_FORMAT = "vmemkv-device-profile"
 PROFILE_VERSION = 4                 # what vmemkv calibrate writes
 READABLE_VERSIONS = (1, 2, 3, 4)    # what load_profile reads
 WINDOWS_VERSION = 4                 # the first whose model entry must have layer_windows
+ALL_COEFFICIENTS_VERSION = 4        # the first that must have every coefficient
 COEFFICIENTS = ("base_s", "per_seq_s", "per_new_token_s", "per_context_token_s")
 OPTIONAL_COEFFICIENTS = ("per_prefill_pair_s", "per_step_token_sq_s",   # 0 where a (version 1)
                          "per_prefill_step_s", "per_cold_step_s",        # profile lacks them
@@ -73,6 +75,8 @@ FITTED = COEFFICIENTS + OPTIONAL_COEFFICIENTS
 MAX_COEFFICIENT_S = 3600.0          # an hour per unit of a term: no step measured costs that
 ENGINE_CACHES = ("vmem", "paged")
 ENGINE_COUNTS = ("max_batch", "max_context", "max_tokens_per_step")
+ENGINE_COUNT_MAX = {"max_batch": 10**7, "max_context": 10**7, "max_tokens_per_step": 10**9,
+                    "page_bytes": 2**40}     # vmemkv sweep's limits on the same settings
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,9 @@ def load_profile(path: str) -> Dict:
     if not isinstance(coeffs, dict):
         raise ConfigError(f"device profile {path}: coefficients must be an object of "
                           f"{', '.join(FITTED)}")
-    required = COEFFICIENTS if version == 1 else FITTED      # version 1: the rest are 0
+    # versions 1-3 load as they always did: what they lack is 0 (calibrates of version 2 wrote
+    # some of the optional ones, as they were added); version 4 (today's calibrate) has them all
+    required = FITTED if version >= ALL_COEFFICIENTS_VERSION else COEFFICIENTS
     missing = [k for k in required if k not in coeffs]
     unknown = sorted(map(repr, set(coeffs) - set(FITTED)))
     if missing or unknown:
@@ -190,6 +196,9 @@ def profile_engine(profile: Dict, path: str = "profile") -> Dict:
         if key in ENGINE_COUNTS + ("page_bytes",) and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"device profile {path}: engine {key} {value!r} is not an int >= 1")
+        if key in ENGINE_COUNT_MAX and value > ENGINE_COUNT_MAX[key]:   # 10**12 hung building
+            raise ConfigError(f"device profile {path}: engine {key} {value} is above "
+                              f"{ENGINE_COUNT_MAX[key]:,}, more than any engine runs")
     return out
 
 
@@ -201,6 +210,6 @@ def profile_cost(profile: Dict, map_latency_s: float = 0.0, pages_per_map_op: in
 
 def fitted_coefficients(coeffs: Dict) -> Dict:
     """The required coefficients and the optional ones (0 where absent: ``load_profile`` lets
-    only a version 1 profile lack them), nothing else."""
+    only a profile before version 4 lack them), nothing else."""
     return {**dict.fromkeys(OPTIONAL_COEFFICIENTS, 0.0),
             **{k: coeffs[k] for k in FITTED if k in coeffs}}

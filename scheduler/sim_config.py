@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 from .cost import CostModel
 from .errors import ConfigError
-from .geometry import LAYOUT_CHOICES, resolve_layout
+from .geometry import LAYOUT_CHOICES, PageGeometry, resolve_layout
 from .managers.base import MemoryManager
 from .managers.eviction import DEFAULT_EVICTION, make_eviction
 from .policies import check_constructor, check_policy, is_custom, load_policy_class
@@ -158,16 +158,29 @@ class SimConfig:
             return load_policy_class(self.policy)(self.model_spec, int(self.cache_bytes),
                                                   self.max_seq_len, **options)
         return make_manager(self.policy, self.model_spec, int(self.cache_bytes),
-                            self.max_seq_len, max_slots=None,
+                            self.slot_tokens, max_slots=None,
                             prefix_eviction=self.prefix_eviction,
                             hybrid_parts=self.hybrid_parts,
                             prefix_block_tokens=self.prefix_block_tokens, **options)
 
+    @property
+    def slot_tokens(self) -> int:
+        """The manager's longest sequence: ``max_seq_len``, rounded up to whole pages on vmem
+        (the engine builds its slots so, and still admits only ``max_seq_len``)."""
+        if self.policy != "vmem":
+            return self.max_seq_len
+        return PageGeometry.of(self.model_spec, self.page_bytes, self.resolved_layout) \
+            .round_up_tokens(self.max_seq_len)
+
     def scheduler_for(self, manager: MemoryManager) -> SchedulerConfig:
-        """The scheduler config with ``watermark_scope`` applied to ``manager``'s policy."""
+        """The scheduler config with ``watermark_scope`` applied to ``manager``'s policy; it
+        admits ``max_seq_len`` tokens a sequence whatever the manager's slots hold."""
+        config = self.scheduler
+        if config.max_seq_len is None and self.slot_tokens != self.max_seq_len:
+            config = replace(config, max_seq_len=self.max_seq_len)
         if self.watermark_scope == "growing" and manager.holds_final_length:
-            return replace(self.scheduler, watermark=0.0)
-        return self.scheduler
+            return replace(config, watermark=0.0)
+        return config
 
     def make_cost(self, pages_per_map_op: int = 1):
         """The cost model (CostModel, or ProfileCost with ``profile``); ``pages_per_map_op`` is

@@ -106,3 +106,19 @@ def test_an_interrupted_search_prints_the_probes_that_finished(monkeypatch, caps
     assert [line.split()[0] for line in out.splitlines()[2:4]] == ["4", "8"]   # the two loads
     assert err == ("vmemkv simulate: interrupted; 2 of at most 8 probes had finished, listed "
                    "above; the search has no answer\n")
+
+
+def test_halving_to_a_rate_the_workload_refuses_ends_the_bracket_not_the_run(capsys):
+    # an SLO nothing meets halves the rate until the last arrival passes the clock's range:
+    # that ConfigError ended the run (exit 2) and dropped every finished probe
+    code = main(["simulate", "--requests", "20", "--find-max-rate", "--arrival-rate", "0.01",
+                 "--slo", "ttft_p90=0.001", "--no-progress", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 1 and out["max_load"] is None and len(out["probes"]) >= 12
+    assert all(not p["meets"] for p in out["probes"])
+    with pytest.raises(ConfigError, match="arrival_rate"):     # the start itself: a user error
+        find_max_load(lambda load: make_entries_refusing(load), SimConfig(), {"ttft_p90": 1.0})
+
+
+def make_entries_refusing(load: float):
+    raise ConfigError(f"WorkloadSpec.arrival_rate {load} is refused")

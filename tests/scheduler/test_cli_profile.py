@@ -36,8 +36,9 @@ def test_the_profiles_engine_is_the_default_of_every_flag_not_given(profile, cap
     assert err == ""            # the defaults were 1,024 running, 8,192 tokens, paged, 4,096
     assert (config["policy"], config["page_size"], config["layout"], config["max_running"],
             config["max_tokens_per_step"]) == ("vmem", 65536, "per-layer", 4, 2048)
-    # max_context 128 in whole page groups, as the engine's vmem slot was built; paged: 128
-    assert config["max_len"] == 256
+    # max_context 128: what the engine admits (its vmem slots hold 256 in whole pages; the
+    # default was the slot, so requests drawn up to 256 tokens ran that the engine refuses)
+    assert config["max_len"] == 128
     assert run(RUN + ["--profile", profile, "--policy", "paged"], capsys)[0]["max_len"] == 128
 
 
@@ -87,3 +88,42 @@ def test_a_coefficient_past_any_measurement_is_one_line_exit_2(profile, capsys, 
     assert main(RUN + ["--profile", profile]) == 2       # inf ran; 10**400 was a traceback
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "base_s must be a number in [0, 3600) seconds" in err
+
+
+def test_the_simulator_admits_max_len_in_slots_rounded_up_to_whole_pages():
+    from vmemkv.scheduler.simulator import SimConfig, simulate
+    from vmemkv.scheduler.workload import WorkloadSpec, generate
+    config = SimConfig(policy="vmem", cache_bytes=10**8, max_seq_len=100, page_bytes=65536)
+    manager = config.make_manager()
+    assert config.slot_tokens == manager.max_seq_len > 100          # whole pages a slot
+    assert config.scheduler_for(manager).max_seq_len == 100         # the engine's admission
+    result = simulate(generate(WorkloadSpec(num_requests=20, max_total_len=100, seed=1)), config)
+    assert result.report()["completed"] == 20
+
+
+def test_a_larger_max_running_raises_the_profiles_tokens_per_step_and_warns(profile, capsys):
+    config, err = run(RUN + ["--profile", profile, "--max-running", "4096"], capsys)
+    assert config["max_tokens_per_step"] == 4096     # was exit 2 naming a 2048 nobody gave
+    assert "--max-tokens-per-step 4096 is above the max_tokens_per_step 2048" in err
+
+
+def test_auto_is_compared_as_it_resolves_and_a_profiles_value_is_named_so(profile, capsys,
+                                                                          tmp_path):
+    # on the toy's 64 KiB pages auto resolves to interleaved: a warning against a per-layer
+    # profile, none against an interleaved one (it warned "auto is not interleaved")
+    _, err = run(RUN + ["--profile", profile, "--layout", "auto"], capsys)
+    assert "--layout auto (interleaved here) is not the layout per-layer" in err
+    interleaved = tmp_path / "interleaved.json"
+    interleaved.write_text(open(profile).read().replace('"per-layer"', '"interleaved"'))
+    _, err = run(RUN + ["--profile", str(interleaved), "--layout", "auto"], capsys)
+    assert err == ""
+    assert main(RUN + ["--profile", profile, "--policy", "paged", "--block-size", "256"]) == 2
+    assert "--block-size 256 tokens is longer than --max-len (from " in capsys.readouterr().err
+
+
+def test_a_profile_asking_for_an_absurd_engine_is_refused_not_built(profile, capsys, tmp_path):
+    path = tmp_path / "huge.json"
+    text = open(profile).read().replace('"max_context": 128', '"max_context": 1000000000000')
+    path.write_text(text)
+    assert main(RUN + ["--profile", str(path)]) == 2          # it hung building the slots
+    assert "engine max_context 1000000000000 is above 10,000,000" in capsys.readouterr().err

@@ -43,7 +43,7 @@ def test_write_trace_then_replay_gives_the_same_result(tmp_path, capsys):
     ["--page-size", "3XB"], ["--page-size", "0"], ["--watermark", "1.5"], ["--cache-gb", "-1"],
     ["--swap-gb", "-2"], ["--policy", "lru"], ["--layout", "diagonal"], ["--requests", "ten"],
     ["--requests", "0"], ["--output-mean", "500", "--output-p95", "400"],
-    ["--preemption", "drop"], ["--max-len", "1000", "--policy", "vmem"],
+    ["--preemption", "drop"], ["--max-len", "10000001"],
     ["--max-running", "64", "--max-tokens-per-step", "32"], ["--trace", "/no/such/file.jsonl"],
     ["--policy", "reserve-max", "--cache-gb", "0.1"],
 ])

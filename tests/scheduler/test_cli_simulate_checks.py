@@ -44,7 +44,7 @@ def refused(argv, capsys) -> str:
     (["--output-p95", "0.5"], ["--output-p95", "got 0.5"]),
     (["--paged-slowdown", "0.5"], ["--paged-slowdown", "got 0.5"]),
     (FIND + ["--search-tolerance", "1"], ["--search-tolerance", "(0, 1)", "got 1"]),
-    (["--max-len", "1", "--block-size", "1"], ["--max-len", ">= 2", "got 1"]),
+    (["--max-len", "1", "--block-size", "1"], ["--max-len", "[2, 10000000]", "got 1"]),
     # a Poisson rate whose arrivals pass the float clock's millisecond range
     (["--arrival-rate", "5e-324"], ["--arrival-rate 4.94066e-324", "1e+10 s",
                                     "--arrival-rate >= 2e-09"]),

@@ -120,26 +120,33 @@ def test_a_coefficient_not_finite_or_absurd_is_refused_naming_it_and_the_file(tm
         load_profile(path)
 
 
-@pytest.mark.parametrize("version", [2, 3])
+V4_MODEL = {**MODEL, "layer_windows": [None] * MODEL["num_layers"]}
+
+
 @pytest.mark.parametrize("change,words", [
     (lambda c: c.pop("per_cold_step_s"), "missing per_cold_step_s"),
     (lambda c: c.update(per_prefil_step_s=c.pop("per_prefill_step_s")),
      "missing per_prefill_step_s"),
     (lambda c: c.update(bogus_s=1.0), "unknown 'bogus_s'"),
 ])
-def test_a_version_2_or_3_coefficient_missing_or_misspelled_is_refused_by_name(
-        tmp_path, version, change, words):
+def test_a_version_4_coefficient_missing_or_misspelled_is_refused_by_name(tmp_path, change,
+                                                                          words):
     coeffs = dict(ALL_COEFFS)
     change(coeffs)
-    with pytest.raises(ConfigError, match=f"version {version} coefficients must have .*{words}"):
-        load_profile(write_profile(tmp_path, version=version, coefficients=coeffs))
+    with pytest.raises(ConfigError, match=f"version 4 coefficients must have .*{words}"):
+        load_profile(write_profile(tmp_path, version=4, model=V4_MODEL, coefficients=coeffs))
 
 
-def test_only_version_1_defaults_the_coefficients_it_did_not_have(tmp_path):
-    cost = profile_cost(load_profile(write_profile(tmp_path, version=1)))
-    assert cost.per_prefill_pair_s == cost.per_idle_wake_s == 0.0
-    with pytest.raises(ConfigError, match="unknown 'per_prefil_pair_s'"):   # a typo still is not
-        load_profile(write_profile(tmp_path, version=1,
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_profiles_before_version_4_load_as_they_did_with_what_they_lack_0(tmp_path, version):
+    # calibrates of version 2 wrote the optional coefficients as they were added ({pair},
+    # {pair, cold}, ...): requiring them all refused the files they wrote; a typo still is not
+    # taken for a coefficient (it was charged as 0)
+    cost = profile_cost(load_profile(write_profile(
+        tmp_path, version=version, coefficients={**COEFFS, "per_prefill_pair_s": 1e-8})))
+    assert cost.per_prefill_pair_s == 1e-8 and cost.per_idle_wake_s == cost.per_cold_step_s == 0.0
+    with pytest.raises(ConfigError, match="unknown 'per_prefil_pair_s'"):
+        load_profile(write_profile(tmp_path, version=version,
                                    coefficients={**COEFFS, "per_prefil_pair_s": 1e-8}))
 
 
