@@ -73,7 +73,8 @@ class Sampler:
             tokens, ok = picked.tolist()
             check_finite(ok, rows)
             return tokens
-        check_finite([finite.tolist()[r] for r in rows], rows)
+        ok = finite.tolist()                                       # one host copy
+        check_finite([ok[r] for r in rows], rows)
         return [self._one(logits[s.logits_row], s) for s in samples]
 
     @staticmethod
