@@ -8,20 +8,19 @@ draw pages from it at run time. Pure Python: the engine and the simulator run th
     a.settle(new_bytes)                     # always, even when the resize failed or was skipped
 
 Each share holds ``held_bytes`` (what its cache may use). Guarantees: the shares' held bytes,
-with what ``decide``/``grant`` reserved for a resize under way, never exceed ``total_bytes``
-(a grow is reserved under the lock when it is decided and the unused part given back at
-``settle``, so two engine threads growing at once cannot both take the same bytes); a share's
-``min_bytes`` is reserved for it (no other share can take it, even while it is below it or
-asleep), so it can always grow back to its minimum; a share never holds more than ``max_bytes``.
-The rule ``decide`` applies, once per step:
+with what ``decide``/``grant`` reserved for a resize under way (under the lock, the unused part
+given back at ``settle``: two engine threads cannot take the same bytes), never exceed
+``total_bytes``; a share's ``min_bytes`` is reserved for it (no other share can take it, even
+while it is below it or asleep); a share never holds more than ``max_bytes``. Once per step:
 
     grow     the scheduler's head waiting request does not fit, with its LoRA adapter's pages
              when that is not resident (or the last step preempted, or admitted nothing into an
-             idle pool: a beam group that must come back into private memory):
-             ask for what it needs, at least ``grow_fraction`` of max, from the unclaimed
-             bytes older BLOCKED shares do not wait for (below); what is missing is posted as
-             PRESSURE on the other shares
-    yield    another share is BLOCKED and older (below): give it what it still misses, down to
+             idle pool: a beam group that must come back into private memory): its NEED is
+             what the head lacks (its tokens, room to decode up to one grow step, adapter);
+             take at least ``grow_fraction`` of max from the unclaimed bytes older BLOCKED
+             shares do not wait for (below); the need missing is posted as PRESSURE on the
+             other shares (withdrawn when it no longer asks)
+    yield    another share is BLOCKED and older (below): give it the need it still misses, down to
              ``min_bytes``, free and cached pages first, then preempting this share's running
              sequences from the newest (``preempts``: recompute or swap, as its preemption
              setting says), even while this share has requests of its own waiting
@@ -37,19 +36,14 @@ first time a blocked share's head sequence is seen blocked, the budget stamps it
 counter for all shares; a share's AGE is its oldest stamp among its unfinished sequences
 (running ones included: a sequence keeps its stamp through its preemptions), none: youngest of
 all. Every share younger than a blocked one yields to it; bytes unclaimed go to the oldest
-blocked share first. So the oldest stamped sequence always progresses (it runs, or every other
-share gives it memory down to their minimums), stamps only grow, and every accepted request
-eventually runs, none below its minimum: a request is accepted when it fits the most its pool
-has held, which the others' minimums leave room for (a share registered later with a minimum
-that takes that room can still starve it). A share with something running is never blocked:
-its own steps free memory; so a busy neighbour is preempted only for a share that cannot run
-at all. Explicit ``grant``s (resize_cache, wake) take what is unclaimed, outside this order.
-
-Threads: one lock guards the counts; ``decide``, ``grant`` and ``settle`` may run on each
-engine's thread.
-The design for several processes (not built): the same counts in a shared-memory segment
-under a process-shared lock, each process one share; pages are per process (CUDA VMM handles
-are not shared here), so only bytes move between them, as in this in-process budget.
+blocked share first. So the oldest stamped sequence always progresses, stamps only grow, and
+every accepted request eventually runs (accepted: it fits the most its pool has held, which the
+others' minimums leave room for; a share registered later whose minimum takes that room can
+still starve it). A share with something running never becomes blocked (its own steps free
+memory): a busy neighbour is preempted only for the need of a share that cannot run at all, and
+a share whose stamped sequences ended (aborted) holds nobody back even before it decides again.
+Explicit ``grant``s (resize_cache, wake) take what is unclaimed, outside this order. One lock
+guards the counts: ``decide``, ``grant``, ``settle`` may run on each engine's thread.
 """
 from __future__ import annotations
 
@@ -95,9 +89,9 @@ class BudgetShare:
         self.pressure_by: Dict[str, int] = {}   # asking share's name -> bytes it waits for
         self.idle_since: Optional[float] = None
         self.stamps: Dict[int, int] = {}   # seq id -> when the budget first saw it blocked
+        self._seqs: Dict[int, object] = {}  # its scheduler's sequences (at its last decide)
         self.age = math.inf                # its oldest stamp among unfinished sequences
-        self.blocked = False               # asks to grow with nothing running
-        self.ask_bytes = 0                 # what it asked beyond held_bytes, while blocked
+        self.blocked, self.ask_bytes = False, 0   # asks to grow with nothing running; its need
         self.preempts = False              # the last decision may preempt (a yield)
         self.stats = ShareStats(name, held_bytes, min_bytes, max_bytes, 0)
 
@@ -134,7 +128,10 @@ class BudgetShare:
             if blocked_now or (asking and not self.blocked):
                 return self._grow(scheduler, want)
             if self.blocked:       # still owed its last ask: takes what is free of it
-                return self._take(min(self.ask_bytes, self.max_bytes - self.held_bytes))
+                owed = min(self.ask_bytes, self.max_bytes - self.held_bytes)
+                return self._take(owed, owed)
+            if not asking:         # what it posted when it asked is no longer wanted
+                b._withdraw_pressure(self)
             idle = self.idle_since is not None and now - self.idle_since >= b.idle_release_s
             if self.held_bytes <= self.min_bytes:
                 return None
@@ -156,7 +153,7 @@ class BudgetShare:
         until it got what it asked or its stamped sequences ended, though it runs meanwhile (a
         sequence swapped in, then out again for want of its last pages, must not lose the
         pages yielded to it in between)."""
-        seqs = scheduler.seqs
+        seqs = self._seqs = scheduler.seqs
         for seq_id in [i for i in self.stamps if i not in seqs or seqs[i].state.is_ended]:
             del self.stamps[seq_id]
         self.blocked = blocked or (self.blocked and self.ask_bytes > 0 and bool(self.stamps))
@@ -169,14 +166,24 @@ class BudgetShare:
                 self.stamps[head.seq_id] = self.budget._next_stamp()
         self.age = min(self.stamps.values(), default=math.inf)
 
+    def _blocked_age(self) -> float:
+        """Its age while blocked for a sequence that has not ended, else inf (what the others
+        read: an engine whose request was aborted is not stepped again to decide)."""
+        if not self.blocked:
+            return math.inf
+        seqs = self._seqs
+        return min((stamp for seq_id, stamp in self.stamps.items()
+                    if (seq := seqs.get(seq_id)) is not None and not seq.state.is_ended),
+                   default=math.inf)
+
     def _yield_target(self) -> Optional[int]:
         """The smaller size that gives the oldest blocked share older than this one what it
         still misses (down to ``min_bytes``, preempting if need be); None: nobody to yield to."""
         if self.held_bytes <= self.min_bytes:
             return None
         b = self.budget
-        for older in sorted((s for s in b._shares.values() if s is not self and s.blocked
-                             and s.age < self.age), key=lambda s: s.age):
+        ages = {s: s._blocked_age() for s in b._shares.values() if s is not self}
+        for older in sorted((s for s, age in ages.items() if age < self.age), key=ages.get):
             need = older.ask_bytes - older.reserved_bytes - max(0, b._free_for(older))
             if need > 0:
                 self.preempts = True
@@ -186,24 +193,28 @@ class BudgetShare:
 
     def _grow(self, scheduler, want: int) -> Optional[int]:
         b = self.budget
-        grant = min(want, self.max_bytes) - self.held_bytes
-        grant = max(grant, min(self.max_bytes - self.held_bytes,
-                               int(b.grow_fraction * self.max_bytes)))
+        need = min(want, self.max_bytes) - self.held_bytes
+        grant = max(need, min(self.max_bytes - self.held_bytes,
+                              int(b.grow_fraction * self.max_bytes)))
         # a grant the pool would round down to nothing never grows it (a step of
         # the budget below one of the pool's, a group of several pages)
         step = scheduler.manager.resize_step_bytes
         if step:
-            grant = min(-(-(self.held_bytes + grant) // step) * step,
-                        self.max_bytes) - self.held_bytes
-        self.ask_bytes = grant if self.blocked else 0
-        return self._take(grant)
+            need, grant = (min(-(-(self.held_bytes + n) // step) * step, self.max_bytes)
+                           - self.held_bytes for n in (need, grant))
+        # the others yield only what it cannot run without: the grow step beyond it is
+        # taken when free, never preempted for (a share running on the bytes yielded to it
+        # would stay blocked for the rest, and its neighbours preempted for it, step after step)
+        self.ask_bytes = need if self.blocked else 0
+        return self._take(grant, need)
 
-    def _take(self, grant: int) -> Optional[int]:
-        """Reserve what is free of ``grant`` bytes (the rest posted as pressure); the size."""
+    def _take(self, grant: int, need: int) -> Optional[int]:
+        """Reserve what is free of ``grant`` bytes; what is missing of the ``need`` within it
+        is posted as pressure; the size."""
         b = self.budget
         free = b._free_for(self)
-        if grant > free:
-            b._post_pressure(self, grant - free)
+        if need > free:
+            b._post_pressure(self, need - free)
         if free <= 0 or grant <= 0:
             return None
         self.reserved_bytes = min(grant, free)
@@ -232,7 +243,11 @@ class BudgetShare:
             if not mgr.can_allocate(head.length, None, None, 0,
                                     final_tokens=head.request.max_total_len, **with_adapter):
                 free = mgr.stats().free_tokens + getattr(mgr, "reclaimable_tokens", 0)
-                missing = max(head.length - free, 1) * mgr.bytes_per_token
+                # with room to decode, up to one grow step: not preempted at its next token
+                decode = min(head.request.max_total_len - head.length,
+                             int(self.budget.grow_fraction * self.max_bytes)
+                             // mgr.bytes_per_token)
+                missing = max(head.length + max(0, decode) - free, 1) * mgr.bytes_per_token
                 if adapter is not None and adapter.digest not in mgr.resident_adapters():
                     missing += adapter.num_bytes
                 return self.held_bytes + missing
@@ -292,9 +307,7 @@ class BudgetShare:
                 del b._shares[self.name]
             self.held_bytes = self.reserved_bytes = self.ask_bytes = 0
             self.blocked = False
-            for share in b._shares.values():
-                if share.pressure_by.pop(self.name, None) is not None:
-                    share.stats.pressure_bytes = share.pressure_bytes
+            b._withdraw_pressure(self)
 
 
 class MemoryBudget:
@@ -350,8 +363,13 @@ class MemoryBudget:
         """What ``share`` may grow into now: the unclaimed bytes less what the blocked shares
         older than it still miss (first come, first served)."""
         waited = sum(max(0, s.ask_bytes - s.reserved_bytes) for s in self._shares.values()
-                     if s is not share and s.blocked and s.age < share.age)
+                     if s is not share and s._blocked_age() < share.age)
         return self._unclaimed_for(share) - waited
+
+    def _withdraw_pressure(self, asking: BudgetShare) -> None:
+        for share in (s for s in self._shares.values() if asking.name in s.pressure_by):
+            del share.pressure_by[asking.name]
+            share.stats.pressure_bytes = share.pressure_bytes
 
     def _post_pressure(self, asking: BudgetShare, missing_bytes: int) -> None:
         """Ask the others that hold more than their minimum for ``missing_bytes`` in all."""

@@ -20,9 +20,11 @@ One model's turn, at its own clock (the model whose next event is earliest goes 
     one step (simulator.Simulator's: the cost model's time, dummy tokens, update)
 
 A model with nothing to run takes a turn without a step (a budget tick) when it becomes idle,
-when ``idle_release_s`` of idleness is up, and when another model posts pressure on it: an
-idle engine's serving loop ticking its share (runtime/engine/elastic.py's rule, run by
-whoever polls it). The budget's idle clock is simulated time.
+when ``idle_release_s`` of idleness is up, and at once when another model posts pressure on it:
+an idle engine's serving loop ticking its share (runtime/engine/elastic.py's rule, run by
+whoever polls it). A BLOCKED model (budget.py) whose turn moved nothing waits for another
+model's turn (or its next arrival) instead of stepping empty: a run in which every model waits
+and no event is left is a stall, raised at once. The budget's idle clock is simulated time.
 
 The model's limit, stated plainly: COMPUTE IS NOT CONTENDED, ONLY MEMORY IS. Each model's
 steps run on their own stream at their own roofline cost, as if each had the device's whole
@@ -82,27 +84,43 @@ class Lane:
         self.now, self.nxt, self.after_idle = 0.0, 0, True
         self.preempted = False                 # the last step preempted
         self._ticked = -math.inf               # when it last took a turn without a step
+        self._ticked_pressure = 0              # the pressure on its share after that turn
+        self.waits = False                     # blocked, its last turn moved nothing: it waits
+        self.resume_s = 0.0                    # for another lane's turn (then at its time)
         self.steps = self.pages_created = self.pages_released = 0
         self.resize_seconds = 0.0
         self.peak_cache_bytes = self.manager.cache_bytes
 
     # -- when this lane acts next --
     def next_time(self) -> float:
-        """Its next event: now while it has work; else its next arrival, or a budget tick."""
-        if self.scheduler.has_unfinished():
-            return self.now
+        """Its next event: now while it has work (blocked and waiting: its next arrival or
+        another lane's turn); else its next arrival, or a budget tick."""
         t = self.entries[self.nxt].arrival_s if self.nxt < len(self.entries) else math.inf
+        if self.waits:
+            return max(t, self.now)
+        if self.scheduler.has_unfinished():
+            return max(self.now, self.resume_s)
         share = self.share
         if share is not None and share.held_bytes > share.min_bytes:
-            if (share.idle_since is None or share.pressure_bytes) and self._ticked != self.now:
-                return self.now                # becoming idle, or asked to give: tick now
+            if share.idle_since is None and self._ticked != self.now:
+                return self.now                # becoming idle: tick now
+            if share.pressure_bytes and share.pressure_bytes != self._ticked_pressure:
+                return max(self.now, share.budget.clock())   # asked to give: tick now
             t = min(t, _deadline(share.idle_since, self.config.idle_release_s))
         return max(t, self.now)
 
+    def wake(self, t: float) -> None:
+        """Another lane took a turn at ``t``: a waiting lane tries again, at ``t`` or later."""
+        if self.waits:
+            self.waits, self.resume_s = False, t
+
     def act(self, t: float) -> None:
         """Its turn at ``t`` (its ``next_time``): admit, resize, step (or only tick)."""
-        if t > self.now:                       # only an idle lane waits for its next event
+        if t > self.now:              # only an idle or waiting lane waits for its next event
             self.now, self.after_idle = t, True
+        s = self.scheduler
+        before = (self.progress(), self.manager.cache_bytes, s.metrics.num_preemptions,
+                  len(s.waiting), len(s.swapped))
         while self.nxt < len(self.entries) and self.entries[self.nxt].arrival_s <= self.now:
             try:   # longer than the pool has held: refused alone, as the engine's 503
                 ids = self.scheduler.add_request(self._make_request(self.nxt,
@@ -115,10 +133,18 @@ class Lane:
             self.nxt += 1
         if self.share is not None:
             self._budget_turn()
-        if self.scheduler.has_unfinished():
+        blocked = self.share is not None and self.share.blocked and not s.running
+        if s.has_unfinished():
             self._step()
         else:
             self._ticked = self.now            # one tick per instant: never spins in place
+        if self.share is not None:
+            self._ticked_pressure = self.share.pressure_bytes
+        # a blocked lane whose turn moved nothing can move only after another lane's turn
+        # (a yield, a give, a request ending): it waits for one, not spinning on empty steps
+        self.waits = blocked and not s.running and before == (
+            self.progress(), self.manager.cache_bytes, s.metrics.num_preemptions,
+            len(s.waiting), len(s.swapped))
 
     def _step(self) -> None:
         before = self.scheduler.metrics.num_preemptions
@@ -273,9 +299,20 @@ class SharedSimulator:
             lane = min(self.lanes, key=Lane.next_time)
             t = lane.next_time()
             if t == math.inf:
+                if any(q.waits for q in self.lanes):     # nobody left to give to them
+                    raise SimulationStalledError(
+                        f"every model waits and none has an event left (simulated time "
+                        f"{self.now:.6g} s): " + "; ".join(q.waits_for() for q in self.lanes))
                 break
             self.now = t
+            before = self._budget_state()
             lane.act(t)
+            # a turn that moved nothing wakes nobody (two waiting lanes woke each other for
+            # ever); one that only blocked (a stamp, an ask) wakes the younger, to yield to it
+            if not lane.waits or self._budget_state() != before:
+                for other in self.lanes:
+                    if other is not lane:
+                        other.wake(t)
             self._check()
             now = tuple(q.progress() for q in self.lanes)
             progress, still = now, (still + 1 if now == progress else 0)
@@ -296,6 +333,11 @@ class SharedSimulator:
                 raise SchedulerError(f"{lane.name}: {left} of {len(lane.entries)} requests "
                                      f"unfinished")
         return self._result(time.perf_counter() - wall0)
+
+    def _budget_state(self) -> tuple:
+        """What another lane's decide reads of the budget: each share's bytes, ask and age."""
+        return tuple((q.share.held_bytes, q.share.blocked, q.share.ask_bytes, q.share.age)
+                     for q in self.lanes if q.share is not None)
 
     def _check(self) -> None:
         held = self.held_bytes()

@@ -5,8 +5,8 @@ and a partial resize, as the engine and the simulator run them) and the idle clo
 After every rule: the budget's bytes are the two pools' and never exceed its total; each
 adapter's uses are its running sequences; each manager's integrity check holds. A submission
 refused is one that could never fit: past the most its pool has held (beside its adapter, which
-takes pages from the same pool). At the end, with no more submissions, both are stepped while
-the clock runs: every request accepted finishes (none waits for ever: the budget grows a pool
+takes pages from the same pool). Clients abort requests at any point. At the end, with no more submissions, both
+are stepped while the clock runs: every request accepted and not aborted finishes (none waits for ever: the budget grows a pool
 for its head request's tokens and adapter, and an idle pool gives its memory back).
 
 Both pools have held 256 of the budget's 384 tokens before the first request, so a request may
@@ -48,7 +48,7 @@ class BudgetLiveness(RuleBasedStateMachine):
         super().__init__()
         self.now = 0.0
         self.budget = MemoryBudget(384 * BPT, idle_release_s=1.0, clock=lambda: self.now)
-        self.lanes, self.accepted = [], []
+        self.lanes, self.accepted, self.aborted = [], [], set()
         for i, (layout, preemption) in enumerate(LANES):
             mgr = make_manager("vmem", TINY, 256 * BPT, MAX_LEN, page_bytes=PAGE,
                                layout=layout, swap_bytes=512 * BPT, max_cache_bytes=256 * BPT)
@@ -105,7 +105,18 @@ class BudgetLiveness(RuleBasedStateMachine):
                 sched.manager.max_sequence_tokens_with_adapter(adapter, sched.max_fit_bytes)
             assert prompt + new > min(fit, sched.max_seq_len), (prompt, new, fit)
             return
-        self.accepted[lane].extend(ids)
+        self.accepted[lane].extend((request.request_id, i) for i in ids)
+
+    @rule(lane=st.integers(0, 1), pick=st.integers(0, 10**6))
+    def abort(self, lane, pick):
+        """A client goes away: its request ends wherever it is (waiting, running, swapped, or
+        the one its share is blocked for)."""
+        sched, _ = self.lanes[lane]
+        live = sorted({r for r, i in self.accepted[lane] if not sched.seqs[i].state.is_ended})
+        if live:
+            request_id = live[pick % len(live)]
+            sched.abort_request(request_id)
+            self.aborted.add(request_id)
 
     @rule(lane=st.integers(0, 1), count=st.integers(1, 6))
     def step(self, lane, count):
@@ -137,7 +148,8 @@ class BudgetLiveness(RuleBasedStateMachine):
             now = tuple((s.metrics.generated_tokens, s.manager.cache_bytes) for s, _ in self.lanes)
             progress, still = now, (still + 1 if now == progress else 0)
         for (sched, _), ids in zip(self.lanes, self.accepted):
-            stuck = [i for i in ids if sched.seqs[i].state is not SeqState.FINISHED]
+            stuck = [i for r, i in ids if r not in self.aborted
+                     and sched.seqs[i].state is not SeqState.FINISHED]
             assert not stuck, (f"never finished: {stuck}, pool "
                                f"{sched.manager.cache_bytes // BPT} tokens")
 

@@ -60,11 +60,12 @@ def test_the_younger_blocked_share_yields_to_the_older_preempting_if_need_be():
     for _ in range(12):
         sa.update({s.seq_id: 1 for s in sa.schedule().seqs if s.sample})
     assert not sa.has_unfinished()
-    target = a.decide(sa)                      # a's stamped request ended: a yields b's ask
-    assert a.age == float("inf") and a.preempts and target == 128 * BPT
+    target = a.decide(sa)                      # a's stamped request ended: a yields b's ask:
+    # what b's 250 tokens miss, not b's whole grow step (that is taken only when free)
+    assert a.age == float("inf") and a.preempts and target == (256 - 122) * BPT
     resize(sa, a, target)
     resize(sb, b, b.decide(sb))
-    assert sb.manager.cache_bytes == 256 * BPT > 250 * BPT
+    assert sb.manager.cache_bytes == 250 * BPT
     assert budget.stats()["shares"]["a"].yields == 1
 
 
@@ -75,9 +76,71 @@ def test_unclaimed_bytes_leave_out_minimums_and_a_closed_share_takes_its_pressur
     assert budget.stats()["unclaimed_bytes"] == 64 * BPT      # b's minimum is not unclaimed
     assert budget.stats()["held_bytes"] == 256 * BPT
     sb.add_request(Request(0, prompt_len=200, max_tokens=10))
-    resize(sb, b, b.decide(sb))               # grows to 128: the rest is pressure on a
-    assert sb.manager.cache_bytes == 128 * BPT and a.pressure_bytes == 72 * BPT
+    resize(sb, b, b.decide(sb))               # grows to 128: the rest of its 210 tokens
+    assert sb.manager.cache_bytes == 128 * BPT and a.pressure_bytes == 82 * BPT   # on a
     b.unregister()
     assert a.pressure_bytes == 0 and budget.stats()["shares"]["a"].pressure_bytes == 0
     b.settle(64 * BPT)                        # a closed engine's late settle changes nothing
     assert budget.held_bytes == 256 * BPT and b.held_bytes == 0
+
+
+def _run_turn(sched, share, preempted=False):
+    """decide, resize if asked (partial, preempting as the share says), one step."""
+    before = sched.metrics.num_preemptions
+    target = share.decide(sched, preempted=preempted)
+    if target is not None and target != sched.manager.cache_bytes:
+        resize(sched, share, min(target, sched.manager.max_cache_bytes), share.preempts)
+    else:
+        share.settle(sched.manager.cache_bytes)
+    if sched.has_unfinished():
+        sched.update({s.seq_id: 1 for s in sched.schedule().seqs if s.sample})
+    return sched.metrics.num_preemptions > before
+
+
+def test_a_busy_share_is_preempted_only_for_what_a_blocked_one_cannot_run_without():
+    """a needs 8 tokens past its 32 and 8 are free: it runs at once. Its grow step (48 tokens,
+    grow_fraction of its max) was its ask, and a stayed blocked while running on the free
+    bytes: b, busy, yielded the other 40, preempting its two running requests."""
+    budget = MemoryBudget(384 * BPT, idle_release_s=1.0, grow_fraction=0.125,
+                          clock=lambda: 0.0)
+    sa, a = lane(budget, "a", 32, min_tokens=32, max_tokens=384, peak=40)
+    sb, b = lane(budget, "b", 344, min_tokens=0, max_tokens=384, peak=344)
+    for i in range(2):
+        sb.add_request(Request(100 + i, prompt_len=120, max_tokens=50))
+    for _ in range(3):
+        _run_turn(sb, b)
+    assert len(sb.running) == 2 and budget.stats()["unclaimed_bytes"] == 8 * BPT
+    sa.add_request(Request(1, prompt_len=36, max_tokens=4))
+    preempted = {"a": False, "b": False}
+    for _ in range(60):
+        preempted["a"] = _run_turn(sa, a, preempted["a"])
+        preempted["b"] = _run_turn(sb, b, preempted["b"])
+        assert sa.running or sa.has_unfinished() is False or a.blocked
+    assert not sa.has_unfinished() and not sb.has_unfinished()
+    assert sb.metrics.num_preemptions == 0 and b.stats.yields == 0 and b.stats.gives == 0
+    assert a.stats.grown_bytes == 8 * BPT and b.pressure_bytes == 0
+
+
+def test_a_blocked_share_whose_request_was_aborted_holds_nobody_back():
+    """a blocks for a 210-token request, b yields to it, then a's request is aborted and a,
+    with nothing left, is not stepped again: b (younger) waited for ever for the bytes a
+    still 'asked' (b finished only after a's next decide)."""
+    budget = MemoryBudget(256 * BPT, idle_release_s=1.0, grow_fraction=0.125,
+                          clock=lambda: 0.0)
+    sa, a = lane(budget, "a", 32, min_tokens=32, max_tokens=224, peak=224)
+    sb, b = lane(budget, "b", 224, min_tokens=32, max_tokens=224, peak=224)
+    sb.add_request(Request(0, prompt_len=60, max_tokens=150))
+    for _ in range(5):
+        _run_turn(sb, b)
+    sa.add_request(Request(1, prompt_len=200, max_tokens=10))
+    _run_turn(sa, a)
+    assert a.blocked and not sa.running
+    assert _run_turn(sb, b) and b.stats.yields == 1        # b yields to a, preempting
+    sa.abort_request(1)
+    assert not sa.has_unfinished()
+    preempted = False
+    for _ in range(400):                                   # only b is stepped
+        preempted = _run_turn(sb, b, preempted)
+        if not sb.has_unfinished():
+            break
+    assert not sb.has_unfinished() and sb.metrics.generated_tokens == 150
