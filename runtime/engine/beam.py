@@ -171,6 +171,7 @@ class BeamSearching:
         rid, arrival_s = self._next_request, self._now()
         request = Request(rid, len(ids), params.max_new_tokens, prompt_token_ids=ids,
                           arrival_s=arrival_s, beam_width=params.beam_width,
+                          cache_salt=params.cache_salt,
                           runs_to_max_tokens=not self._beam_stop_ids(params))   # no early end
         try:
             (seq_id,) = self.scheduler.add_request(request)

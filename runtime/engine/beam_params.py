@@ -29,6 +29,8 @@ class BeamSearchParams:
     ignore_eos: bool = False               # True: the model's EOS ids do not end a beam
     stop_token_ids: Tuple[int, ...] = ()   # more ids that end a beam (kept in its tokens)
     temperature: float = 0.0               # vLLM's field; only 0 (deterministic) runs
+    cache_salt: Optional[str] = None       # as SamplingParams': prefixes shared only between
+                                           # requests with the same salt (None: the default)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
@@ -66,4 +68,5 @@ _RULES = (
     ("temperature", lambda p: p.temperature == 0 and not isinstance(p.temperature, bool),
      "0: beam search here is deterministic (transformers' do_sample=False); sampled beam "
      "search is not supported"),
+    ("cache_salt", lambda p: p.cache_salt is None or isinstance(p.cache_salt, str), "a str or None"),
 )

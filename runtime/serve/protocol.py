@@ -119,7 +119,8 @@ class SamplingFields(BaseModel):
             return BeamSearchParams(self.beam_width or self.n, max_new_tokens=max_tokens,
                                     length_penalty=self.length_penalty, num_return_beams=self.n,
                                     ignore_eos=self.ignore_eos,
-                                    stop_token_ids=tuple(self.stop_token_ids))
+                                    stop_token_ids=tuple(self.stop_token_ids),
+                                    cache_salt=self.cache_salt)
         except BeamSearchParamsError as error:
             name = {"num_return_beams": "n", "max_new_tokens": self.api_name("max_new_tokens")
                     }.get(error.field, error.field)

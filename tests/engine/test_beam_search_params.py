@@ -31,7 +31,8 @@ def test_one_beam_is_greedy_decoding_whatever_early_stopping_says(early_stopping
     (dict(beam_width=2, temperature=0.8), "temperature"),
     (dict(beam_width=2, early_stopping="sometimes"), "early_stopping"),
     (dict(beam_width=2, max_new_tokens=0), "max_new_tokens"),
-    (dict(beam_width=2, length_penalty=float("nan")), "length_penalty")])
+    (dict(beam_width=2, length_penalty=float("nan")), "length_penalty"),
+    (dict(beam_width=2, cache_salt=3), "cache_salt")])
 def test_bad_params_raise_naming_the_field(fields, field):
     with pytest.raises(BeamSearchParamsError) as error:
         BeamSearchParams(**fields)
@@ -44,3 +45,16 @@ def test_beam_width_past_max_batch_is_refused_before_anything_is_queued():
             engine.beam_search([[1, 2, 3], [4, 5]], BeamSearchParams(5, max_new_tokens=4))
         assert error.value.field == "beam_width"
         assert not engine.has_unfinished() and engine.kv.manager.stats().live_tokens == 0
+
+
+def test_beam_searches_with_different_cache_salts_never_share_a_prefix():
+    # the salt was dropped: a beam search hit every cached unit of another tenant's prompt
+    prompt = list(range(10, 58))
+    with Engine(model(), cache="paged", block_size=4, max_batch=8, max_context=128,
+                prefix_sharing=True) as engine:
+        def hits(salt):
+            engine.beam_search([prompt], BeamSearchParams(2, max_new_tokens=2, cache_salt=salt))
+            return engine.last_stats.prefix_cache_hits
+        assert hits("tenant-a") == 0
+        assert hits("tenant-b") == 0 and hits(None) == 0
+        assert hits("tenant-a") >= len(prompt) - 4        # the same salt still shares

@@ -104,3 +104,30 @@ def test_beams_the_cache_can_never_hold_are_a_400_and_the_other_requests_finish(
         assert "sequence" not in error["message"]
         wait_until_idle(server)
         assert_memory_at_baseline(engine)
+
+
+def test_beam_searches_of_two_api_keys_never_share_a_prefix_with_salt_per_key():
+    """--salt-per-key: tenant B's beam search of tenant A's prompt hits nothing (it hit every
+    cached unit: the key's salt and the request's cache_salt were dropped for beam search);
+    a key's own beam searches still share."""
+    from vmemkv.runtime.serve.auth import AuthConfig
+    keys = AuthConfig(api_keys=("key-a", "key-b"), metrics_key="ops", salt_per_key=True)
+    body = dict(prompt=list(range(10, 58)), max_tokens=2, use_beam_search=True, n=2)
+    with serving(dict(PAGED, prefix_sharing=True), auth=keys) as (server, engine):
+        def hits(key, **extra):
+            before = prefix_hits(server)
+            r = httpx.post(server.url + "/v1/completions", json={**body, **extra}, timeout=60,
+                           headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200, r.text
+            return prefix_hits(server) - before
+        assert hits("key-a") == 0
+        assert hits("key-b") == 0
+        assert hits("key-a", cache_salt="mine") == 0     # a client's own salt is honoured
+        assert hits("key-a") >= 40
+
+
+def prefix_hits(server) -> float:
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer ops"},
+                     timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vmemkv:prefix_cache_hits_total"))
