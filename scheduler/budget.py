@@ -18,7 +18,7 @@ while it is below it or asleep); a share never holds more than ``max_bytes``. On
              idle pool: a beam group that must come back into private memory): its NEED is
              what the head lacks (its tokens, room to decode up to one grow step, adapter);
              take at least ``grow_fraction`` of max from the unclaimed bytes older BLOCKED
-             shares do not wait for (below); the need missing is posted as PRESSURE on the
+             shares do not wait for (below); what is missing is posted as PRESSURE on the
              other shares (withdrawn when it no longer asks)
     yield    another share is BLOCKED and older (below): give it the need it still misses, down to
              ``min_bytes``, free and cached pages first, then preempting this share's running
@@ -27,7 +27,8 @@ while it is below it or asleep); a share never holds more than ``max_bytes``. On
     give     idle (nothing unfinished) for ``idle_release_s``: shrink to ``min_bytes`` (free
              and cached pages; the caller resizes with ``partial``: no preemption); or
              pressure posted on this share while it needs nothing (no request waiting,
-             swapped or just preempted): give what nobody uses past one grow step of headroom
+             swapped or just preempted): give what its running sequences will not grow into
+             (to their max lengths), keeping at least one grow step
 
 Liveness, one rule (first come, first served across the shares): a share is BLOCKED when it
 asks to grow and has nothing running (its head request, a sequence preempted back to the queue,
@@ -53,6 +54,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional
 
+from .budget_needs import growth_bytes, unused_bytes, wanted_bytes
 from .errors import ConfigError
 
 
@@ -118,7 +120,8 @@ class BudgetShare:
                 self.idle_since = None
             elif self.idle_since is None:
                 self.idle_since = now
-            want = self._wanted_bytes(scheduler, preempted)
+            want = wanted_bytes(scheduler, self.held_bytes,
+                                int(b.grow_fraction * self.max_bytes), preempted)
             asking = want > self.held_bytes and self.held_bytes < self.max_bytes
             blocked_now = asking and not scheduler.running
             self._stamp(scheduler, blocked_now)
@@ -128,8 +131,7 @@ class BudgetShare:
             if blocked_now or (asking and not self.blocked):
                 return self._grow(scheduler, want)
             if self.blocked:       # still owed its last ask: takes what is free of it
-                owed = min(self.ask_bytes, self.max_bytes - self.held_bytes)
-                return self._take(owed, owed)
+                return self._take(min(self.ask_bytes, self.max_bytes - self.held_bytes))
             if not asking:         # what it posted when it asked is no longer wanted
                 b._withdraw_pressure(self)
             idle = self.idle_since is not None and now - self.idle_since >= b.idle_release_s
@@ -139,10 +141,10 @@ class BudgetShare:
                 return self.min_bytes
             needy = preempted or scheduler.waiting or scheduler.swapped
             if self.pressure_bytes and not needy:
-                # only what nobody uses, past a grow step of headroom for the running ones:
-                # giving away what they are about to grow into would preempt them (thrash)
-                give = min(self.pressure_bytes, self._unused_bytes(scheduler)
-                           - int(b.grow_fraction * self.max_bytes))
+                # only what nobody uses nor will: giving what the running ones grow into
+                # preempts them (thrash); at least a grow step of headroom stays
+                give = min(self.pressure_bytes, unused_bytes(scheduler)
+                           - max(int(b.grow_fraction * self.max_bytes), growth_bytes(scheduler)))
                 if give > 0:
                     return max(self.min_bytes, self.held_bytes - give)
             return None
@@ -206,54 +208,18 @@ class BudgetShare:
         # taken when free, never preempted for (a share running on the bytes yielded to it
         # would stay blocked for the rest, and its neighbours preempted for it, step after step)
         self.ask_bytes = need if self.blocked else 0
-        return self._take(grant, need)
+        return self._take(grant)
 
-    def _take(self, grant: int, need: int) -> Optional[int]:
-        """Reserve what is free of ``grant`` bytes; what is missing of the ``need`` within it
-        is posted as pressure; the size."""
+    def _take(self, grant: int) -> Optional[int]:
+        """Reserve what is free of ``grant`` bytes, the rest posted as pressure; the size."""
         b = self.budget
         free = b._free_for(self)
-        if need > free:
-            b._post_pressure(self, need - free)
+        if grant > free:
+            b._post_pressure(self, grant - free)
         if free <= 0 or grant <= 0:
             return None
         self.reserved_bytes = min(grant, free)
         return self.held_bytes + self.reserved_bytes
-
-    @staticmethod
-    def _unused_bytes(scheduler) -> int:
-        """Bytes of the cache no running sequence holds (free, unused and cached pages)."""
-        mgr = scheduler.manager
-        tokens = mgr.stats().free_tokens + getattr(mgr, "reclaimable_tokens", 0)
-        return tokens * mgr.bytes_per_token
-
-    def _wanted_bytes(self, scheduler, preempted: bool) -> int:
-        """What the head waiting request needs beside what is held (its adapter's bytes too,
-        when that is not resident), or one more grow step after a preemption; else what is
-        held."""
-        mgr = scheduler.manager
-        if preempted:
-            return self.held_bytes + 1
-        if scheduler.swapped and not scheduler.running:
-            return self.held_bytes + 1
-        if scheduler.waiting and len(scheduler.running) < scheduler.config.max_running:
-            head = scheduler.waiting[0]
-            adapter = head.request.adapter      # its pages come from the same pool
-            with_adapter = {} if adapter is None else {"adapter": adapter}
-            if not mgr.can_allocate(head.length, None, None, 0,
-                                    final_tokens=head.request.max_total_len, **with_adapter):
-                free = mgr.stats().free_tokens + getattr(mgr, "reclaimable_tokens", 0)
-                # with room to decode, up to one grow step: not preempted at its next token
-                decode = min(head.request.max_total_len - head.length,
-                             int(self.budget.grow_fraction * self.max_bytes)
-                             // mgr.bytes_per_token)
-                missing = max(head.length + max(0, decode) - free, 1) * mgr.bytes_per_token
-                if adapter is not None and adapter.digest not in mgr.resident_adapters():
-                    missing += adapter.num_bytes
-                return self.held_bytes + missing
-        if scheduler.starved:     # the head fits alone, not as its beam group: one grow step
-            return self.held_bytes + 1
-        return self.held_bytes
 
     def settle(self, new_bytes: int) -> None:
         """The cache now uses ``new_bytes`` (after the resize ``decide`` or ``grant`` asked

@@ -1,0 +1,46 @@
+"""What a budget share reads of its scheduler (scheduler/budget.py's rule, per step): the bytes
+its head request lacks, what no running sequence holds, what the running ones will grow into.
+All in bytes of the scheduler's manager (its ``bytes_per_token``)."""
+from __future__ import annotations
+
+
+def wanted_bytes(scheduler, held_bytes: int, grow_step_bytes: int, preempted: bool) -> int:
+    """What the head waiting request needs beside ``held_bytes``: its tokens with room to
+    decode up to ``grow_step_bytes`` (not preempted at its next token), its adapter's bytes
+    when that is not resident; one byte more after a preemption, with only swapped sequences,
+    or a beam group that fits alone but not as a group (one grow step); else ``held_bytes``."""
+    mgr = scheduler.manager
+    if preempted or (scheduler.swapped and not scheduler.running):
+        return held_bytes + 1
+    if scheduler.waiting and len(scheduler.running) < scheduler.config.max_running:
+        head = scheduler.waiting[0]
+        adapter = head.request.adapter      # its pages come from the same pool
+        with_adapter = {} if adapter is None else {"adapter": adapter}
+        if not mgr.can_allocate(head.length, None, None, 0,
+                                final_tokens=head.request.max_total_len, **with_adapter):
+            decode = min(head.request.max_total_len - head.length,
+                         grow_step_bytes // mgr.bytes_per_token)
+            missing = max(head.length + max(0, decode) - unused_bytes(scheduler)
+                          // mgr.bytes_per_token, 1) * mgr.bytes_per_token
+            if adapter is not None and adapter.digest not in mgr.resident_adapters():
+                missing += adapter.num_bytes
+            return held_bytes + missing
+    if scheduler.starved:
+        return held_bytes + 1
+    return held_bytes
+
+
+def unused_bytes(scheduler) -> int:
+    """Bytes of the cache no running sequence holds (free, unused and cached pages)."""
+    mgr = scheduler.manager
+    return (mgr.stats().free_tokens + getattr(mgr, "reclaimable_tokens", 0)) * mgr.bytes_per_token
+
+
+def growth_bytes(scheduler) -> int:
+    """What the running sequences may still grow by (to their requests' max lengths, in whole
+    pages: a sequence holds its last page's tokens already)."""
+    mgr = scheduler.manager
+    tpp = getattr(mgr, "tokens_per_page", 1)
+    pages = sum(max(0, -(-q.request.max_total_len // tpp) - -(-mgr.num_tokens(q.seq_id) // tpp))
+                for q in scheduler.running)
+    return pages * tpp * mgr.bytes_per_token
