@@ -40,19 +40,9 @@ from ..errors import CacheConfigError, CacheStateError
 from ..kv import KV, make_kv, vmem_geometry
 from ..transaction import StepTransaction, cache_executor
 from .cache_layer import VMemLayer, window_offset
-from .support import check_cache_layers, kv_shape_of, layer_windows_of, text_config
-
-
-class BatchTooLargeError(CacheStateError):
-    """A batch has more rows than the cache's ``max_batch`` slots."""
-
-
-class ContextOverflowError(CacheStateError):
-    """A sequence would grow past the cache's ``max_context`` tokens."""
-
-
-class CacheCapacityError(CacheStateError, MemoryError):
-    """The physical page budget (``cache_bytes``) cannot hold the batch at the asked length."""
+from .errors import BatchTooLargeError, CacheCapacityError, ContextOverflowError  # noqa: F401
+from .support import (check_cache_layers, check_generate_feeds_new_tokens, kv_shape_of,
+                      layer_windows_of, text_config)
 
 
 @dataclass(frozen=True)
@@ -78,6 +68,7 @@ def cache_config_from_model(config, max_batch: int, max_context: int, dtype=None
     """The CacheConfig of an HF model config (its decoder's text config for multimodal ones)."""
     text = text_config(config)
     check_cache_layers(text, "VMemCache", CacheConfigError)
+    check_generate_feeds_new_tokens(config, "VMemCache", CacheConfigError)
     dtype = parse_dtype(dtype if dtype is not None else (getattr(text, "dtype", None) or torch.float32))
     return CacheConfig(**kv_shape_of(text), dtype=dtype, device=str(device), max_batch=max_batch,
                        max_context=max_context, layer_windows=layer_windows_of(text),
@@ -124,7 +115,9 @@ class VMemCache(Cache):
         """A cache for an HF model config. ``dtype`` defaults to the config's (else float32) and
         must match the model's; ``page_bytes``/``cache_bytes`` as in ``runtime.kv.make_kv``
         (default budget: every slot at full length); ``kv_cache_dtype``: how K/V are stored
-        (``runtime.kv_dtype``; other than the model's dtype, update returns decoded copies)."""
+        (``runtime.kv_dtype``; other than the model's dtype, update returns decoded copies).
+        Refused (CacheConfigError, naming it): a config with ``use_cache=False`` or
+        ``is_encoder_decoder`` (``support.check_generate_feeds_new_tokens``)."""
         return cls(cache_config_from_model(config, max_batch, max_context, dtype, device,
                                            kv_cache_dtype),
                    layout=layout, page_bytes=page_bytes, cache_bytes=cache_bytes)

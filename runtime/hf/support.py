@@ -69,6 +69,36 @@ def check_cache_layers(config, who: str, error: type = UnsupportedModelError) ->
     _check_one_head_shape(text, who, error)
 
 
+def check_generate_feeds_new_tokens(config, who: str, error: type) -> None:
+    """Refuse a config with which transformers' ``generate`` would not hand a cache passed to
+    it only the decoder self-attention's new tokens (a cache of ours appends what it is given):
+
+    - ``is_encoder_decoder`` (BART, T5, Whisper, ...): transformers wraps in an
+      EncoderDecoderCache only the caches it builds; a cache the user passes receives the
+      cross-attention's K/V (the encoder's tokens, each step) in the self-attention's rows;
+    - ``use_cache=False`` (MPT's default; configs saved from training with gradient
+      checkpointing often carry it): a model built from it generates with
+      ``generation_config.use_cache=False``, re-feeding the whole sequence every step, which a
+      cache would hold twice. (A config saying False beside a generation config saying True
+      would run; it is refused all the same, as the cache sees only the config.)"""
+    text = text_config(config)
+    model = getattr(text, "model_type", None) or getattr(config, "model_type", "?")
+    if getattr(config, "is_encoder_decoder", False) or getattr(text, "is_encoder_decoder", False):
+        raise error(
+            f"{who} holds one decoder-only stack's self-attention K/V; this model ({model}) sets "
+            f"is_encoder_decoder=True, and generate would write its cross-attention K/V into the "
+            f"same rows. Wrap a cache of the decoder's self-attention shape instead: "
+            f"EncoderDecoderCache(VMemCache(CacheConfig(num_layers=<decoder layers>, "
+            f"num_kv_heads=<decoder heads>, head_dim=<per-head dim>, ...)), DynamicCache()) "
+            f"(docs/models.md)")
+    if getattr(config, "use_cache", True) is False or getattr(text, "use_cache", True) is False:
+        raise error(
+            f"this model's config ({model}) sets use_cache=False: generate then re-feeds the whole "
+            f"sequence every step and {who} would hold it twice (wrong tokens); set "
+            f"model.config.use_cache = True before building the cache, and generate with "
+            f"use_cache=True (model.generation_config.use_cache = True, or pass it)")
+
+
 def _check_one_head_shape(text, who: str, error: type) -> None:
     """Refuse a model whose cache is not K and V of one head size in every layer: multi-head
     latent attention (a compressed latent per token), values of another size than keys, or

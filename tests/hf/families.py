@@ -23,6 +23,7 @@ GPT = dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=256,
            tie_word_embeddings=False, **_IDS)
 FALCON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, **_IDS)
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+MPT = dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=256, **_IDS)
 
 # family label -> (transformers model_type, config fields)
 FAMILIES: Dict[str, Tuple[str, dict]] = {
@@ -41,9 +42,7 @@ FAMILIES: Dict[str, Tuple[str, dict]] = {
     "olmo": ("olmo", BASE),
     "olmo2": ("olmo2", BASE),
     "cohere": ("cohere", BASE),
-    # eos moved off token 2: this prompt's argmax is 2 at one step, which generate's
-    # min_new_tokens would suppress and the engine (ignore_eos) would not
-    "cohere2 (window 8)": ("cohere2", dict(BASE, sliding_window=8, eos_token_id=255)),
+    "cohere2 (window 8)": ("cohere2", dict(BASE, sliding_window=8)),
     "cohere2 (window 100)": ("cohere2", dict(BASE, sliding_window=100)),   # > max_context 64
     "granite": ("granite", BASE),
     "glm": ("glm", BASE),
@@ -62,7 +61,9 @@ FAMILIES: Dict[str, Tuple[str, dict]] = {
     "gpt_neo": ("gpt_neo", dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
                                 attention_types=[[["global", "local"], 1]], window_size=256,
                                 max_position_embeddings=256, **_IDS)),
-    "mpt": ("mpt", dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=256, **_IDS)),
+    # MptConfig defaults to use_cache=False: generate then re-feeds the whole sequence each step
+    "mpt (use_cache=True)": ("mpt", dict(MPT, use_cache=True)),
+    "mpt (use_cache=False, its default)": ("mpt", MPT),
     "gpt_oss": ("gpt_oss", dict(BASE, head_dim=16, sliding_window=128, **MOE,
                                 layer_types=["full_attention", "full_attention"])),
     "qwen3_next": ("qwen3_next", dict(BASE, head_dim=16, num_experts=4, num_experts_per_tok=2,
@@ -111,7 +112,7 @@ FAMILIES: Dict[str, Tuple[str, dict]] = {
 }
 
 PROMPT = [5, 17, 33, 9, 41, 77, 12, 100]
-NEW_TOKENS = 5
+NEW_TOKENS = 24     # 5 let MPT's re-fed sequence pass by coincidence (its 9th token differed)
 EXACT = "exact"
 
 
@@ -128,8 +129,10 @@ def build(family: str) -> torch.nn.Module:
 def _reference(model, ids, mask, **kwargs):
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        # no EOS: not suppressed (min_new_tokens would make generate take the runner-up where
+        # the engine, ignoring EOS, samples it) and not stopping
         out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, **kwargs)
+                             do_sample=False, eos_token_id=None, **kwargs)
     return out[0, len(PROMPT):].tolist()
 
 
@@ -160,7 +163,7 @@ def outcome(family: str) -> Tuple[str, str, str]:
 # the feature a refusal names, as docs/models.md quotes it (first match wins)
 FEATURES = ("self-check", "AttentionInterface", "attention sinks", "softcapping", "ALiBi",
             "sliding window", "linear_attention", "chunked_attention", "latent attention",
-            "v_head_dim", "per-layer head sizes")
+            "v_head_dim", "per-layer head sizes", "use_cache=False")
 
 
 def cell(result: str) -> str:
