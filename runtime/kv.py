@@ -36,6 +36,25 @@ def default_page_bytes(config: CacheConfig, layout: str) -> int:
                                on_cuda=config.torch_device.type == "cuda")
 
 
+def in_model_dtype(config: CacheConfig) -> CacheConfig:
+    """``config`` with K/V stored in the model's dtype (``kv_cache_dtype="auto"``)."""
+    return replace(config, kv_cache_dtype="auto", kv_scales=None)
+
+
+def same_tokens_page_bytes(config: CacheConfig, layout: str) -> int:
+    """On the host, the default page of ``config`` in the model's dtype, scaled by the stored
+    dtype's bytes: a page holds the same tokens whatever ``kv_cache_dtype``, so a cache whose
+    rows round up to whole pages saves the bytes the dtype saves (the default page holds 4x the
+    tokens in int8 of an fp32 model, and a small ``max_context`` committed fp32's bytes). A
+    multiple of 16 KiB (a multiple of 64 KiB, divided by at most 4). CUDA keeps 2 MiB (its VMM
+    granularity). VMemCache's default; the engine keeps ``default_page_bytes``."""
+    plain = in_model_dtype(config)
+    page = default_page_bytes(plain, layout)
+    if config.torch_device.type == "cuda":
+        return page
+    return page * config.element_bytes // plain.element_bytes
+
+
 def vmem_geometry(config: CacheConfig, layout: str = "per-layer",
                   page_bytes: Optional[int] = None) -> PageGeometry:
     """The page geometry of a vmem cache of ``config`` (default page size: see above)."""

@@ -37,7 +37,7 @@ from vmemkv.scheduler.plan import StepPlan
 
 from ..config import CacheConfig, parse_dtype
 from ..errors import CacheConfigError, CacheStateError
-from ..kv import KV, make_kv, vmem_geometry
+from ..kv import KV, in_model_dtype, make_kv, same_tokens_page_bytes, vmem_geometry
 from ..transaction import StepTransaction, cache_executor
 from .cache_layer import VMemLayer, window_offset
 from .errors import BatchTooLargeError, CacheCapacityError, ContextOverflowError  # noqa: F401
@@ -88,9 +88,10 @@ class VMemCache(Cache):
 
     def __init__(self, config: CacheConfig, layout: str = "per-layer",
                  page_bytes: Optional[int] = None, cache_bytes: Optional[int] = None) -> None:
-        layout = resolve_layout(layout, config, page_bytes,
+        plain = in_model_dtype(config)    # a page holds what it would in the model's dtype
+        layout = resolve_layout(layout, plain if page_bytes is None else config, page_bytes,
                                 on_cuda=config.torch_device.type == "cuda")   # "auto" resolved
-        geometry = vmem_geometry(config, layout, page_bytes)
+        geometry = vmem_geometry(config, layout, page_bytes or same_tokens_page_bytes(config, layout))
         capacity = geometry.round_up_tokens(config.max_context)  # whole pages; limit stays max_context
         self.kv: KV = make_kv(dataclasses.replace(config, max_context=capacity), "vmem",
                               layout=layout, page_bytes=geometry.page_bytes, cache_bytes=cache_bytes,
@@ -114,7 +115,8 @@ class VMemCache(Cache):
                           kv_cache_dtype: str = "auto") -> "VMemCache":
         """A cache for an HF model config. ``dtype`` defaults to the config's (else float32) and
         must match the model's; ``page_bytes``/``cache_bytes`` as in ``runtime.kv.make_kv``
-        (default budget: every slot at full length); ``kv_cache_dtype``: how K/V are stored
+        (default budget: every slot at full length; default page: ``same_tokens_page_bytes``,
+        as many tokens whatever the stored dtype); ``kv_cache_dtype``: how K/V are stored
         (``runtime.kv_dtype``; other than the model's dtype, update returns decoded copies).
         Refused (CacheConfigError, naming it): a config with ``use_cache=False`` or
         ``is_encoder_decoder`` (``support.check_generate_feeds_new_tokens``)."""

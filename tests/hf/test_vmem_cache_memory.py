@@ -105,3 +105,27 @@ def test_growth_past_available_memory_is_refused_and_commits_nothing(monkeypatch
         assert isinstance(info.value.__cause__, vmem.InsufficientMemoryError)
         assert "100 bytes" in str(info.value) and "available" in str(info.value)
         assert cache.stats().committed_bytes == 0 and cache.stats().mapped_pages == 0
+
+
+# SmolLM2-135M's cache shapes: 30 layers, 3 KV heads of 64 dims, fp32 (768 bytes / token / layer)
+SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, max_batch=2, max_context=256)
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "interleaved", "auto"])
+def test_a_narrower_kv_cache_dtype_commits_fewer_bytes_its_pages_holding_the_same_tokens(layout):
+    """The default page holds what it would in the model's dtype, so storing K/V in bf16 or int8
+    commits half or a quarter of fp32's bytes (one 192 KiB page held 1,024 int8 tokens, and a
+    256-token row committed fp32's 22.5 MiB whatever the dtype)."""
+    stats, layouts = {}, set()
+    for kv_dtype in ("auto", "bf16", "int8"):
+        with VMemCache(CacheConfig(**SMOLLM2, kv_cache_dtype=kv_dtype), layout=layout) as cache:
+            k = torch.zeros(2, 3, 30, 64)
+            for layer in range(30):
+                cache.update(k, k, layer)
+            stats[kv_dtype] = cache.stats()
+            layouts.add(cache.manager.layout().geometry.layout)
+    fp32, bf16, int8 = stats["auto"], stats["bf16"], stats["int8"]
+    assert len(layouts) == 1                         # "auto" resolves as for the model's dtype
+    assert (fp32.page_bytes, fp32.committed_bytes) == (2 * bf16.page_bytes, 2 * bf16.committed_bytes)
+    assert (fp32.page_bytes, fp32.committed_bytes) == (4 * int8.page_bytes, 4 * int8.committed_bytes)
+    assert fp32.budget_bytes == 4 * int8.budget_bytes
