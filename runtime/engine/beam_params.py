@@ -22,6 +22,7 @@ class BeamSearchParams:
     beam_width: int                        # beams kept each step (transformers' num_beams)
     max_new_tokens: int = 16               # tokens per beam at most
     length_penalty: float = 1.0            # a hypothesis scores logprob_sum / tokens ** this
+                                           # (any finite value; -0.0 past float32's range)
     early_stopping: Union[bool, str] = False   # True: stop once beam_width hypotheses are done;
                                            # False: when none can improve at today's length;
                                            # "never": ... at max_new_tokens (length_penalty > 0)
@@ -49,13 +50,21 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_finite_float(value) -> bool:
+    """A finite float, or an int a float holds (10**400 raised OverflowError in isfinite)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 _RULES = (
     ("beam_width", lambda p: _is_int(p.beam_width) and p.beam_width >= 1, "an int >= 1"),
     ("max_new_tokens", lambda p: _is_int(p.max_new_tokens) and p.max_new_tokens >= 1,
      "an int >= 1"),
     ("length_penalty", lambda p: isinstance(p.length_penalty, (int, float))
-     and not isinstance(p.length_penalty, bool) and math.isfinite(p.length_penalty),
-     "a finite number"),
+     and not isinstance(p.length_penalty, bool) and _is_finite_float(p.length_penalty),
+     "a finite number (a float)"),
     ("early_stopping", lambda p: isinstance(p.early_stopping, bool) or p.early_stopping == "never",
      'True, False or "never"'),
     ("num_return_beams", lambda p: p.num_return_beams is None or (

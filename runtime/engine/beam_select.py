@@ -17,9 +17,14 @@ prompt, scores in fp32 as there:
 
 The first step has one beam (the prompt): transformers' other beams start at -1e9, so their
 candidates never rank while K <= vocab (checked when the request is submitted).
+
+Every finite length_penalty runs: ``tokens ** length_penalty`` past a float's range is +inf
+(``length_divisor``) where Python raises OverflowError. The fp32 scores divided by it are -0.0,
+as they already are for any divisor past fp32's 3.4e38, which float32 rounds to +inf too.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import List, Tuple
 
@@ -89,7 +94,7 @@ def select(group: GroupState, logprobs: torch.Tensor) -> GroupState:
                                                 values.tolist())]
     hits = [at_length or c.token_ids[-1] in group.stop_ids for c in candidates]
     running = tuple(c for c, hit in zip(candidates, hits) if not hit)[:k]
-    penalised = (values[:k] / (generated ** p.length_penalty)).tolist()
+    penalised = (values[:k] / length_divisor(generated, p.length_penalty)).tolist()
     new = [Hypothesis(c.token_ids, c.logprobs, s,
                       "stop" if c.token_ids[-1] in group.stop_ids else "length")
            for c, hit, s in zip(candidates[:k], hits[:k], penalised) if hit]
@@ -110,8 +115,19 @@ def _stops_early(p: BeamSearchParams, best_running: float, hyps: Tuple[Hypothesi
         return True
     length = (p.max_new_tokens if p.early_stopping == "never" and p.length_penalty > 0
               else generated)
-    best = torch.tensor(best_running, dtype=torch.float32) / (length ** p.length_penalty)
+    best = torch.tensor(best_running, dtype=torch.float32) / length_divisor(length,
+                                                                            p.length_penalty)
     return not bool(best > torch.tensor(min(h.score for h in hyps), dtype=torch.float32))
+
+
+def length_divisor(tokens: int, length_penalty: float) -> float:
+    """``tokens ** length_penalty`` (transformers' divisor of a hypothesis' score), +inf where
+    it passes a float's range: an fp32 score divided by it is -0.0, as by any divisor past
+    fp32's range (a Python float pow raised OverflowError there: length_penalty=2000)."""
+    try:
+        return float(tokens) ** float(length_penalty)
+    except OverflowError:
+        return math.inf
 
 
 def returned(group: GroupState) -> List[Hypothesis]:

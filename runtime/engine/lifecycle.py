@@ -26,8 +26,9 @@ Whom a failed step is blamed on:
 
   After ``max_plan_retries + 1`` failed steps in a row blamed on one request, the engine ends
   it "failed" and goes on.
-- the model's forward or the sampler raised (an ``Exception``): the step's work is run again
-  one sequence at a time (its forward alone, or its row of the logits sampled alone). The
+- the model's forward, the sampler or a beam selection raised (an ``Exception``): the step's
+  work is run again one sequence at a time (its forward alone, its row of the logits sampled
+  alone, a beam group's selection alone: beam requests are candidates as samples are). The
   requests whose work fails alone, ``max_plan_retries + 1`` times in a row, end "failed"; the
   others' tokens are computed again by the next step, exactly as if the failed request had
   never been there. Unattributable (nothing fails alone, every request fails alone, or tensor
@@ -40,6 +41,7 @@ Whom a failed step is blamed on:
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Dict, Iterable, List, Optional, Set
 
 from vmemkv.runtime.errors import PlanExecutionError
@@ -95,8 +97,8 @@ class RecordingSavepoint:
 
 class RequestLifecycle:
     """The Engine's failure contract and early ends (a mixin over Engine's fields: scheduler,
-    cache, runner, config, _requests, _samples, _strikes; the step's StepTransaction ``_txn``
-    and ``_draws``): recording or undoing a step, blaming and failing a request, ``abort`` and
+    cache, runner, config, _requests, _samples, _beams, _strikes; the step's StepTransaction
+    ``_txn``, ``_draws`` and ``_beam_rows``): recording or undoing a step, blaming and failing a request, ``abort`` and
     ``status``."""
 
     def _record_step(self, plan, sampled: Dict[int, int]) -> List[TokenEvent]:
@@ -150,34 +152,55 @@ class RequestLifecycle:
         if plan is None or not kept or not isinstance(error, Exception) or self.tp is not None:
             return False
         if logits is None:   # the forward raised: run each sequence's part alone
-            units = {s.seq_id: s for s in plan.seqs}
-            probe = self._forward_alone
-        elif drawing is not None:   # the sampler raised: sample each row alone
-            units = drawing
-            probe = lambda sample: self._sample_alone(logits, sample)   # noqa: E731
+            units = {s.seq_id: partial(self._execute, StepPlan([s], [])) for s in plan.seqs}
+        elif drawing is not None:   # the sampler or a beam selection raised: each row alone,
+            units = {seq_id: partial(self.sampler.sample, logits, [sample])   # each beam
+                     for seq_id, sample in drawing.items()}                   # group alone
+            units.update(self._beam_selections(logits))
         else:
             return False
-        return self._fail_culprits(units, probe)
+        return self._fail_culprits(units)
 
-    def _fail_culprits(self, units: dict, probe) -> bool:
-        """``units``: {seq_id: its work}; ``probe(work)``: the exception it raises alone, or
-        None. Requests whose work fails alone ``max_plan_retries + 1`` times in a row end
-        "failed"; True if any did. Nobody is blamed when no request's work fails alone, or
-        every request's does (the fault is then the engine's, not a request's)."""
+    def _beam_selections(self, logits) -> dict:
+        """{a beam's seq id: its group's selection of this step, run alone}, one per group."""
+        rows: Dict[int, Dict[int, int]] = {}
+        for seq_id, row in self._beam_rows.items():
+            rows.setdefault(self._beams.group_of[seq_id], {})[seq_id] = row
+        return {next(iter(group)): partial(self._beams.select, logits, group)
+                for group in rows.values()}
+
+    def _fail_culprits(self, units: dict) -> bool:
+        """``units``: {seq_id: its part of the failed step, to run alone}. Requests whose part
+        fails alone ``max_plan_retries + 1`` times in a row end "failed"; True if any did.
+        Nobody is blamed when no request's part fails alone, or every request's does (the
+        fault is then the engine's, not a request's)."""
         request_of = {seq_id: self._request_id_of(seq_id) for seq_id in units}
         failing = {seq_id: error for seq_id, work in units.items()
-                   if (error := probe(work)) is not None}
+                   if (error := self._fails_alone(work)) is not None}
         culprits = {request_of[seq_id] for seq_id in failing}
         if not culprits or culprits == set(request_of.values()):
             return False
         doomed: Dict[int, BaseException] = {}
         for seq_id, error in failing.items():
-            retries = (probe(units[seq_id]) for _ in range(self.config.max_plan_retries))
+            retries = (self._fails_alone(units[seq_id])
+                       for _ in range(self.config.max_plan_retries))
             if all(again is not None for again in retries):
                 doomed.setdefault(request_of[seq_id], error)
         for rid in sorted(doomed):
             self._end_request(rid, SeqState.FAILED, doomed[rid])
         return bool(doomed)
+
+    def _fails_alone(self, work) -> Optional[Exception]:
+        """What ``work()`` (one sequence's forward, one row's sampling, one beam group's
+        selection, with its memory in place) raises, or None; the sample generators are left
+        as before the step."""
+        try:
+            work()
+        except Exception as error:   # noqa: BLE001 -- the probe's answer
+            return error
+        finally:
+            restore_generators(self._draws)
+        return None
 
     def _request_id_of(self, seq_id: int) -> Optional[int]:
         """The request a live sample or beam belongs to (None: neither)."""
@@ -185,24 +208,6 @@ class RequestLifecycle:
         if record is not None:
             return record.request.output.request_id
         return self._beams.group_of.get(seq_id)
-
-    def _forward_alone(self, seq) -> Optional[Exception]:
-        """Run one sequence's part of the failed step alone (its memory is in place)."""
-        try:
-            self._execute(StepPlan([seq], []))
-        except Exception as error:   # noqa: BLE001 -- the probe's answer
-            return error
-        return None
-
-    def _sample_alone(self, logits, sample) -> Optional[Exception]:
-        """Sample one row of the failed step's logits alone (generators as before the step)."""
-        try:
-            self.sampler.sample(logits, [sample])
-        except Exception as error:   # noqa: BLE001 -- the probe's answer
-            return error
-        finally:
-            restore_generators(self._draws)
-        return None
 
     def _keep_applied_memory(self) -> bool:
         """The model or the sampler raised: if the plan's memory ops were applied, keep them

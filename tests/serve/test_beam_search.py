@@ -131,3 +131,20 @@ def prefix_hits(server) -> float:
                      timeout=30).text
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("vmemkv:prefix_cache_hits_total"))
+
+
+def test_a_large_length_penalty_is_answered_and_a_concurrent_stream_finishes():
+    """length_penalty 2000 (finite, accepted) raised OverflowError in the engine step: the
+    server aborted every live request (the concurrent stream ended with a 500 event)."""
+    with serving(VMEM) as (server, engine):
+        url = server.url + "/v1/completions"
+        with httpx.stream("POST", url, timeout=60, json={
+                "prompt": [1, 2, 3], "max_tokens": 60, "ignore_eos": True, "stream": True}) as s:
+            beams = httpx.post(url, timeout=60, json={**BODY, "prompt": [4, 5, 6],
+                                                      "length_penalty": 2000.0})
+            lines = [line for line in s.iter_lines() if line.startswith("data: {")]
+        assert beams.status_code == 200, beams.text
+        assert len(beams.json()["choices"]) == 2
+        assert '"finish_reason": "length"' in lines[-1] and '"error"' not in "".join(lines)
+        wait_until_idle(server)
+        assert_memory_at_baseline(engine)
