@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .errors import NonFiniteLogitsError
+from .errors import NonFiniteLogitsError, RequestRejectedError
 from .logprobs import TokenLogprobs, token_logprobs
 from .sampling import SamplingParams
 
@@ -97,14 +97,32 @@ def check_finite(ok: Sequence, rows: Sequence[int]) -> None:
                                    f"numeric overflow in the model? fp16 overflows first)")
 
 
+def check_min_tokens(params: SamplingParams, stop_ids: Sequence[int], vocab_size: int,
+                     index: Optional[int] = None) -> None:
+    """RequestRejectedError (field ``min_tokens``) when ``min_tokens`` masks every token of the
+    vocabulary: ``stop_ids`` (the request's stop_token_ids, and the EOS ids unless ignore_eos)
+    cover all of it, so no token could be drawn before ``min_tokens`` (sampled: the draw had
+    no candidate; greedy: token 0, a stop id, ended the sample at once). ``index``: the
+    prompt's in its batch, named in the message."""
+    masked = {t for t in stop_ids if 0 <= t < vocab_size}
+    if params.min_tokens and len(masked) >= vocab_size:
+        raise RequestRejectedError(
+            ("" if index is None else f"prompt {index}: ") + f"min_tokens {params.min_tokens} "
+            f"masks every stop id until then, and the stop ids (stop_token_ids, and EOS unless "
+            f"ignore_eos) cover all {vocab_size} tokens of the vocabulary: no token could be "
+            f"chosen; drop a stop id or set min_tokens to 0", index or 0, "min_tokens")
+
+
 def processed_scores(raw: torch.Tensor, sample: SampleState) -> torch.Tensor:
-    """``raw`` (vocab,) after logit_bias, the min_tokens mask and the penalties (a new tensor)."""
+    """``raw`` (vocab,) after logit_bias, the min_tokens mask and the penalties (a new tensor);
+    RequestRejectedError when the min_tokens mask would leave no token (``check_min_tokens``)."""
     p, device = sample.params, raw.device
     scores = raw.clone()
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias], device=device)
         scores.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=device))
     if len(sample.output_ids) < p.min_tokens and sample.stop_ids:
+        check_min_tokens(p, sample.stop_ids, scores.shape[0])
         stops = [t for t in sample.stop_ids if t < scores.shape[0]]
         scores[torch.tensor(stops, dtype=torch.long, device=device)] = float("-inf")
     if p.repetition_penalty != 1.0:

@@ -106,7 +106,7 @@ async def _complete(request: Request, server: EngineThread, served: ServedModel,
     arrival_s = time.perf_counter()
     req = salted(protocol.parse_completion_request(await request.body()), request.scope)
     batch = await asyncio.to_thread(prompt_token_ids, req, served)   # off the event loop
-    params = served.with_adapter(req.sampling_params(), req.model)
+    params = served.engine_params(req.sampling_params(), req.model)
     submission = Submission(server, batch, params, arrival_s, "cmpl", served.tokenizer is not None)
     fmt = CompletionFormat(req, served, req.prompts(), batch, submission)
     return await _respond(request, submission, fmt, req.model or served.name, req, drain)
@@ -117,7 +117,7 @@ async def _chat(request: Request, server: EngineThread, served: ServedModel,
     arrival_s = time.perf_counter()
     req = salted(parse_chat_request(await request.body()), request.scope)
     ids, max_tokens = await asyncio.to_thread(chat_token_ids, req, served)   # off the loop
-    params = served.with_adapter(req.sampling_params(max_tokens), req.model)
+    params = served.engine_params(req.sampling_params(max_tokens), req.model)
     submission = Submission(server, [ids], params, arrival_s, "chatcmpl", True)
     return await _respond(request, submission, ChatFormat(req, served, submission),
                           req.model or served.name, req, drain)

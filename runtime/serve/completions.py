@@ -9,9 +9,11 @@ rides on each choice's first chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
+from vmemkv.runtime.engine.errors import RequestRejectedError
 from vmemkv.runtime.engine.prompts import is_unicode_text
+from vmemkv.runtime.engine.sampler import check_min_tokens
 from vmemkv.runtime.engine.sampling import SamplingParams
 
 from .errors import ApiError
@@ -31,6 +33,7 @@ class ServedModel:
     loras: Callable[[], List[str]] = list   # the engine's adapter names, read at each request
     trust_request_chat_template: bool = False   # ServeLimits'
     max_requests: int = 256    # engine requests in flight at most: the server's --max-queue
+    eos_ids: Tuple[int, ...] = ()   # the engine's: stop ids unless ignore_eos
 
     @classmethod
     def of(cls, engine, name: str, limits=None, max_requests: int = 256) -> "ServedModel":
@@ -39,7 +42,8 @@ class ServedModel:
         limit = min(x for x in (sched.max_seq_len, sched.max_fit_tokens_at_max) if x)
         return cls(name, engine.tokenizer, engine.vocab_size, limit, engine.config.max_batch,
                    lambda: engine.loras,
-                   bool(limits and limits.trust_request_chat_template), max_requests)
+                   bool(limits and limits.trust_request_chat_template), max_requests,
+                   tuple(engine.eos_ids))
 
     def check_model(self, model: Optional[str]) -> Optional[str]:
         """The LoRA adapter ``model`` names (None: the base model), or ApiError 400."""
@@ -49,6 +53,18 @@ class ServedModel:
             return model
         raise ApiError(400, f"model {model!r} is not served here; this server serves "
                             f"{[self.name] + self.loras()}", "model")
+
+    def engine_params(self, params, model: Optional[str]):
+        """``params`` as the engine will run them (``with_adapter``), or ApiError 400 naming
+        the field where the engine would take them and fail them in their first step."""
+        params = self.with_adapter(params, model)
+        if isinstance(params, SamplingParams):
+            stops = params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
+            try:
+                check_min_tokens(params, stops, self.vocab_size)
+            except RequestRejectedError as error:
+                raise ApiError(400, str(error), error.field) from None
+        return params
 
     def with_adapter(self, params, model: Optional[str]):
         """``params`` running on the adapter ``model`` names; beam search runs none (400)."""

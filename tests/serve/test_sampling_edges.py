@@ -79,3 +79,25 @@ def test_the_issue_values_are_greedy_answers(field, value):
         got = httpx.post(server.url + "/v1/completions", json=body)
     assert got.status_code == 200
     assert got.json()["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_min_tokens_with_every_token_a_stop_id_is_a_400_naming_min_tokens(temperature):
+    """stop_token_ids (with EOS) covering the whole vocabulary and min_tokens > 0 left no token
+    to draw: sampled, a 500 (torch.multinomial on all -inf); greedy, token 0 (a stop id) ended
+    the choice at once despite min_tokens. Refused before anything is queued; one id left
+    free, min_tokens holds."""
+    body = {"prompt": [1, 2], "max_tokens": 4, "min_tokens": 2, "temperature": temperature}
+    everything_but_eos = [t for t in range(256) if t != 2]   # tiny-llama's EOS is 2
+    with serving(VMEM) as (server, engine):
+        url = server.url + "/v1/completions"
+        for stops, extra in [(list(range(256)), {}), (everything_but_eos, {})]:
+            r = httpx.post(url, json={**body, **extra, "stop_token_ids": stops}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+        r = httpx.post(url, timeout=60, json={**body, "stop_token_ids": everything_but_eos,
+                                              "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        (choice,) = r.json()["choices"]
+        assert choice["token_ids"][:2] == [2, 2] and choice["finish_reason"] == "stop"
+        wait_until_idle(server)
+        assert_memory_at_baseline(engine)
