@@ -13,12 +13,16 @@ of the app.
 """
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
 from typing import Callable, Optional
 
 from .errors import ServeConfigError
+
+log = logging.getLogger("vmemkv.serve")
+STOP_MARGIN_S = 5.0   # stop(): past the drain and its grace, for uvicorn to close its sockets
 
 
 def require_serve_extra() -> None:
@@ -112,10 +116,16 @@ class Server:
         return self
 
     def stop(self) -> None:
-        """Close the socket, abort live requests, join both threads. Idempotent."""
+        """Close the socket, let the requests in flight drain for ``shutdown_timeout_s`` (then
+        they are ended: shutdown.py), abort what is still live, join both threads.
+        Idempotent."""
+        from .shutdown import GRACE_S
         self._uvicorn.should_exit = True
-        if self._thread is not None:
-            self._thread.join(10.0)
+        if self._thread is not None:   # the drain, the handlers' last word, then a margin
+            self._thread.join(self.limits.shutdown_timeout_s + GRACE_S + STOP_MARGIN_S)
+            if self._thread.is_alive():
+                log.warning("the HTTP thread outlived its %g s drain; stopping the engine "
+                            "thread under it", self.limits.shutdown_timeout_s)
             self._thread = None
         self.engine_thread.stop()
 

@@ -23,6 +23,7 @@ from vmemkv.runtime.engine.sampling import SamplingParams
 
 from .engine_thread import Ended, EngineThread, Token, choices_per_prompt
 from .errors import ApiError, cache_shrunk, cannot_hold, internal_error, request_failed
+from .shutdown import shutting_down
 
 
 @dataclass
@@ -108,6 +109,8 @@ class Submission:
         mine = self.choices[prompt * self.n:(prompt + 1) * self.n]
         if item.status != "finished" and not all(c.finished for c in mine):
             self.close()
+            if item.status == "aborted":   # by the engine thread stopping: the server's end
+                raise shutting_down()
             if item.alone and item.error_type == "RequestTooLargeError":
                 raise cannot_hold(self._too_large_param)
             raise request_failed() if item.alone else internal_error()
