@@ -52,9 +52,9 @@ def _message(message, i: int, index: int) -> dict:
                                f"{', '.join(ROLES)}, got {role!r}", index, f"{where}.role")
     other = sorted(set(message) - {"role", "content", "name"}, key=str)
     if other:      # tool calls, tool call ids, ...: not rendered, so refused, never dropped
-        raise ChatMessageError(f"conversation {index}: {where}.{other[0]} is not supported (a "
-                               f"message takes role, content and name)", index,
-                               f"{where}.{other[0]}")
+        key = _shown_key(other[0])
+        raise ChatMessageError(f"conversation {index}: {where}.{key} is not supported (a "
+                               f"message takes role, content and name)", index, f"{where}.{key}")
     checked = {"role": role, "content": _text(message.get("content"), f"{where}.content", index)}
     if "name" in message:
         if not isinstance(message["name"], str):
@@ -62,6 +62,15 @@ def _message(message, i: int, index: int) -> dict:
                                    f"{str(message['name'])[:60]!r}", index, f"{where}.name")
         checked["name"] = message["name"]   # the template's to render (or not), as vLLM's
     return checked
+
+
+def _shown_key(key) -> str:
+    """A message's key as an error names it: as sent when it is Unicode text, else escaped
+    (a lone surrogate, "\\ud800" in JSON, could not be encoded into the server's answer: a 500
+    instead of the 400)."""
+    if isinstance(key, str) and is_unicode_text(key):
+        return key
+    return ascii(key)
 
 
 def _text(content, where: str, index: int) -> str:

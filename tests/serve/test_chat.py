@@ -118,6 +118,8 @@ def test_a_list_of_prompts_with_echo_and_logprobs_equals_engine_generate():
     ("chat", {"messages": CHATS[0], "chat_template": " "}, "chat_template", "empty"),
     ("chat", {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
      "messages[0].tool_calls", "not supported"),
+    ("chat", {"messages": [{"role": "user", "content": "x", "\ud800": 1}]},   # was a 500
+     "messages[0].'\\ud800'", "not supported"),
     ("chat", {"messages": [{"role": "user", "content": "x", "name": 3}]}, "messages[0].name",
      "a string"),
     ("chat", {"messages": [{"role": "user", "content": "a\ud800"}]}, "messages[0].content",
