@@ -46,8 +46,13 @@ def adapter_path(root: Optional[Path], lora_path: str) -> Path:
     """``lora_path`` resolved inside ``root`` (links followed), or ApiError 400 naming it."""
     if "\x00" in lora_path:          # (resolve raised ValueError on it: a 500)
         raise ApiError(400, "lora_path holds a NUL byte", "lora_path")
-    path = (root / lora_path).resolve()
-    inside = [path] + (sorted(f.resolve() for f in path.iterdir()) if path.is_dir() else [])
+    try:                             # a name over NAME_MAX, a loop of links, no permission
+        path = (root / lora_path).resolve()
+        inside = [path] + (sorted(f.resolve() for f in path.iterdir()) if path.is_dir() else [])
+    except OSError as error:         # (ENAMETOOLONG from is_dir was a 500)
+        raise unreadable(lora_path, error.strerror or type(error).__name__) from None
+    except RuntimeError:             # Python < 3.13's resolve() on a loop of links
+        raise unreadable(lora_path, "a loop of symbolic links") from None
     for target in inside:          # the folder, and each file in it (a link to a file too)
         if target != root and root not in target.parents:
             raise ApiError(400, f"lora_path must lie inside the server's --lora-root; "
@@ -90,6 +95,12 @@ def add_lora_routes(app: FastAPI, server: EngineThread, lora_root: Optional[Path
         await _on_engine(server.call(lambda engine: engine.remove_lora(req.lora_name)),
                          "lora_name")
         return {"lora_name": req.lora_name}
+
+
+def unreadable(lora_path: str, reason: str) -> ApiError:
+    """400 naming lora_path: the server's disk cannot read it (the OS's reason, no traceback)."""
+    return ApiError(400, f"lora_path {lora_path[:80]!r}{'...' if len(lora_path) > 80 else ''} "
+                         f"cannot be read: {reason}", "lora_path")
 
 
 class _Conflict(Exception):

@@ -123,6 +123,11 @@ def test_load_use_replace_unload_and_every_mistake(adapter_root, tmp_path):
         refused(post(server, "/v1/load_lora_adapter", {**load, "extra": 1}, key), 400, "extra")
         refused(post(server, "/v1/load_lora_adapter", {"lora_name": "y", "lora_path": "o\x00ne"},
                      key), 400, "lora_path")                  # a NUL byte: was a 500
+        (adapter_root / "loop").symlink_to("loop")             # was a 500 (RuntimeError)
+        for path, reason in [("a" * 300, "too long"), ("x/" * 2000, ""), ("loop", "loop")]:
+            message = refused(post(server, "/v1/load_lora_adapter",      # a name over NAME_MAX
+                                   {"lora_name": "y", "lora_path": path}, key), 400, "lora_path")
+            assert reason in message                                     # was a 500 (OSError)
         outside = tmp_path / "outside"                        # files linked from inside the
         outside.mkdir()                                       # root, to an adapter outside it
         linked = adapter_root / "linked"
