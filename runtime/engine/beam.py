@@ -26,6 +26,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 
 from vmemkv.scheduler.errors import RequestTooLargeError
+from vmemkv.scheduler.lifecycle import check_length
 from vmemkv.scheduler.request import Request
 
 from .beam_params import BeamSearchParams
@@ -36,6 +37,7 @@ from .prompts import check_prompt_batch
 from .request_state import RequestState
 from .sampler import check_finite
 from .sampling import SamplingParams
+from .submission import rejected
 
 
 class BeamSearches:
@@ -174,9 +176,15 @@ class BeamSearching:
                           cache_salt=params.cache_salt,
                           runs_to_max_tokens=not self._beam_stop_ids(params))   # no early end
         try:
-            (seq_id,) = self.scheduler.add_request(request)
+            check_length(self.scheduler, len(ids), params.max_new_tokens)   # one beam fits,
         except RequestTooLargeError as error:
-            raise RequestRejectedError(f"prompt {index} rejected: {error}", index) from None
+            raise rejected(error, index) from None
+        try:
+            (seq_id,) = self.scheduler.add_request(request)
+        except RequestTooLargeError as error:                            # its group does not
+            why = str(error).removeprefix(f"request {rid}: ")   # an id the client never saw
+            raise RequestRejectedError(f"prompt {index} rejected: {why}", index,
+                                       "beam_width") from None
         self._next_request += 1
         self._prompt_tokens += len(ids)
         out = RequestOutput(rid, ids, [], text, arrival_s=arrival_s)

@@ -218,9 +218,9 @@ def _field_error(error: ValidationError, model: Type[BaseModel]) -> ApiError:
     loc = [str(p) for p in first["loc"]]
     param = loc[0] if loc else None
     if first["type"] == "extra_forbidden":
-        known = ", ".join(model.model_fields)
-        return ApiError(400, f"unknown field {'.'.join(loc)!r}; the fields this server takes: "
-                             f"{known}", param)
+        takes = (f"the fields this server takes: {', '.join(model.model_fields)}"
+                 if model.model_fields else "this route takes no fields (send {} or no body)")
+        return ApiError(400, f"unknown field {'.'.join(loc)!r}; {takes}", param)
     given = first.get("input")
     shown = "" if isinstance(given, dict) else f", got {json.dumps(given, default=str)[:60]}"
     return ApiError(400, f"{param}: {first['msg']}{shown}", param)

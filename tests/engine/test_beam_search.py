@@ -161,8 +161,11 @@ def test_a_beam_group_that_cannot_hold_a_unit_per_beam_is_refused_when_added(cac
         assert engine.scheduler.total_tokens == (256 if cache == "vmem" else 48)
         with pytest.raises(RequestRejectedError, match=f"a beam search of 3 beams over a "
                                                        f"29-token prompt holds at least {need} "
-                                                       f"{what} .* more than the cache's {total}"):
+                                                       f"{what} .* more than the cache's {total}"
+                           ) as refused:
             engine.add_beam_request(prompt, params)
+        assert refused.value.field == "beam_width"       # was "prompt", on either cache,
+        assert "request " not in str(refused.value)      # naming an id nobody was given
         assert not engine.has_unfinished() and engine.kv.manager.stats().live_tokens == 0
         assert engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=2)) is not None
     with Engine(model(), cache_bytes=cache_kib * 1024 * need // total, **options) as engine:
