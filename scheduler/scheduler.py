@@ -343,11 +343,16 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
         while self.swapped and len(self.running) < self.config.max_running and budget > 0:
             group = self._swapped_unit()
             ids, adapter = [m.seq_id for m in group], group[0].request.adapter
-            fits = self.manager.can_swap_in_all(
-                ids, **({} if adapter is None else {"adapter": adapter}))
+            with_adapter = {} if adapter is None else {"adapter": adapter}
+            fits = self.manager.can_swap_in_all(ids, **with_adapter)
+            if fits and self.growable and not self.manager.can_swap_in_all(
+                    ids, extra_tokens=1, **with_adapter):
+                # it fits, not with its next token: swapped in, it would be swapped out again
+                # at once, step after step, until a MemoryBudget grows the pool; wait for that
+                fits = None
             if len(self.running) + len(group) > self.config.max_running or not fits:
-                if not self.running:       # an empty cache: it never will (a beam group
-                    self._recompute_swapped(group)   # shared memory it cannot share now)
+                if not self.running and fits is False:   # an empty cache: it never will (a
+                    self._recompute_swapped(group)   # beam group shared memory it cannot now)
                     continue
                 break
             for seq in group:

@@ -225,10 +225,11 @@ class MemoryManager(ABC):
         stores its own copy of the units they share, so the swap space must hold them all)."""
 
     @abstractmethod
-    def can_swap_in_all(self, seq_ids, adapter: Optional[AdapterRef] = None) -> bool:
+    def can_swap_in_all(self, seq_ids, adapter: Optional[AdapterRef] = None,
+                        extra_tokens: int = 0) -> bool:
         """Whether every one of ``seq_ids`` (swapped out) can be swapped in in one go (a beam
-        group comes back whole: each its own private memory); ``adapter``: after
-        ``acquire_adapter(adapter)``."""
+        group comes back whole: each its own private memory), each with room for
+        ``extra_tokens`` more; ``adapter``: after ``acquire_adapter(adapter)``."""
 
     # -- transactions (the one failure mechanism: a failed step is undone exactly) --
     @abstractmethod

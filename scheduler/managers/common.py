@@ -238,12 +238,12 @@ class ManagerCore(MemoryManager):
         return (all(s is not None and self.can_swap_out(i) for i, s in zip(seq_ids, seqs))
                 and sum(s.num_tokens for s in seqs) * self.bytes_per_token <= self.swap_free_bytes)
 
-    def can_swap_in_all(self, seq_ids, adapter=None) -> bool:
+    def can_swap_in_all(self, seq_ids, adapter=None, extra_tokens: int = 0) -> bool:
         seqs = [self._swapped.get(i) for i in seq_ids]
         if any(s is None for s in seqs) or not self._places_for(len(seqs)):
             return False
         cost = self._adapter_admission_cost(adapter)
-        needs = [self._fresh_units(s) for s in seqs]
+        needs = [self._fresh_units(s, extra_tokens) for s in seqs]
         return None not in needs and cost is not None and \
             sum(needs) + cost <= self._available_units()
 
@@ -283,8 +283,9 @@ class ManagerCore(MemoryManager):
         """Give back everything resident ``seq`` holds (its record stays for the caller)."""
 
     @abstractmethod
-    def _fresh_units(self, seq: HeldSeq) -> Optional[int]:
-        """Free units placing ``seq`` privately would take; None when it cannot be placed now."""
+    def _fresh_units(self, seq: HeldSeq, extra_tokens: int = 0) -> Optional[int]:
+        """Free units placing ``seq`` privately would take (with room for ``extra_tokens``
+        more); None when it cannot be placed now."""
 
     @abstractmethod
     def _available_units(self) -> int:

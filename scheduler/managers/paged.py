@@ -198,8 +198,8 @@ class PagedManager(AdapterTenancy, UnitOps, ManagerCore):
         revived = sum(1 for t in hits for b in t if b is not None and self._refs[b] == 0)
         return (blocks - len(hits[0])) * len(self.groups) + revived
 
-    def _fresh_units(self, seq: HeldSeq) -> Optional[int]:
-        return -(-seq.num_tokens // self.block_size) * len(self.groups)
+    def _fresh_units(self, seq: HeldSeq, extra_tokens: int = 0) -> Optional[int]:
+        return -(-(seq.num_tokens + extra_tokens) // self.block_size) * len(self.groups)
 
     def _publish(self, seq: HeldSeq, computed_tokens: int) -> None:
         if not self._hybrid:

@@ -123,8 +123,8 @@ class ReserveManager(ManagerCore):
         self._held -= seq.reserved
         self._live -= seq.num_tokens
 
-    def _fresh_units(self, seq: HeldSeq) -> Optional[int]:
-        return seq.reserved
+    def _fresh_units(self, seq: HeldSeq, extra_tokens: int = 0) -> Optional[int]:
+        return seq.reserved          # its whole length, reserved at admission
 
     def _available_units(self) -> int:
         return self.total_tokens - self._held

@@ -384,10 +384,11 @@ class VmemManager(ElasticPool, KindRules, AdapterTenancy, UnitOps, ManagerCore):
         seq.units, seq.slot = [], -1
 
     # -- swap hooks --
-    def _fresh_units(self, seq: HeldSeq) -> Optional[int]:
+    def _fresh_units(self, seq: HeldSeq, extra_tokens: int = 0) -> Optional[int]:
         if not self.slots.free:
             return None
-        return self.geometry.num_members * self.geometry.slot_member_pages(seq.num_tokens)
+        return self.geometry.num_members * self.geometry.slot_member_pages(seq.num_tokens
+                                                                           + extra_tokens)
 
     def _places_for(self, count: int) -> bool:
         return len(self.slots.free) >= count
