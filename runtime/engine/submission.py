@@ -22,6 +22,7 @@ from .errors import (CacheShrunkRequestError, EngineClosedError, EngineConfigErr
 from .outputs import CompletionOutput, RequestOutput, TokenEvent
 from .prompts import check_prompt_batch, check_request_params, encode_prompt
 from .request_state import OnToken, new_request, new_samples
+from .sampler import check_min_tokens
 from .sampling import SamplingParams, per_prompt
 
 Prompt = Union[Sequence[int], str]
@@ -50,6 +51,7 @@ class RequestSubmission:
         ids, text = self._encode(prompt, index)
         check_request_params(params, self.tokenizer, self.vocab_size, index)
         stops = params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
+        check_min_tokens(params, stops, self.vocab_size, index)     # before anything is queued
         rid, arrival_s = self._next_request, self._now()
         # prompt logprobs need every prompt row computed: such a request reads no prefix cache
         scope = None if params.prompt_logprobs is None else f"prompt-logprobs-{rid}"
@@ -81,6 +83,8 @@ class RequestSubmission:
             self.adapters.ref(params.lora, i)    # a name no adapter has: refused, nothing runs
             ids, _ = self._encode(prompt, i)
             check_request_params(params, self.tokenizer, self.vocab_size, i)
+            check_min_tokens(params, params.stop_token_ids
+                             + (() if params.ignore_eos else self.eos_ids), self.vocab_size, i)
             try:
                 check_length(self.scheduler, len(ids), params.max_new_tokens)
             except RequestTooLargeError as error:

@@ -35,15 +35,21 @@ def test_check_min_tokens_counts_ids_in_the_vocabulary_and_only_with_min_tokens(
         check_min_tokens(params, EVERY_ID + EVERY_ID, VOCAB)
 
 
-def test_such_a_request_fails_alone_with_the_refusal_and_the_others_are_exact():
-    """Greedy, it 'finished' after one token 0 (a stop id) with min_tokens 2."""
+def test_such_a_request_is_refused_at_submission_naming_min_tokens_and_nothing_changes():
+    """Greedy, it 'finished' after one token 0 (a stop id) with min_tokens 2; then the sampler
+    failed it in its first step. add_request and generate refuse it before anything is
+    queued (generate's batch is all or nothing), and the engine serves the next batch exactly."""
     bad = SamplingParams(max_new_tokens=4, min_tokens=2, stop_token_ids=EVERY_ID)
     good = SamplingParams(max_new_tokens=6, ignore_eos=True)
     batch = prompts(3, 4, 9, seed=41)
     with Engine(model(), cache="vmem", **ENGINE) as engine:
         want = engine.generate(batch[1:], good)
-        out = engine.generate(batch, [bad, good, good])
+        with pytest.raises(RequestRejectedError, match="prompt 1: min_tokens 2") as error:
+            engine.generate(batch, [good, bad, good])
+        assert error.value.field == "min_tokens" and error.value.index == 1
+        with pytest.raises(RequestRejectedError, match="min_tokens"):
+            engine.add_request(batch[0], bad)
+        assert not engine.has_unfinished()
         assert_released(engine)
-    assert out[0].status == "failed" and out[0].error.type == "RequestRejectedError"
-    assert "min_tokens" in out[0].error.message and out[0].outputs[0].token_ids == []
-    assert [o.outputs[0].token_ids for o in out[1:]] == [w.outputs[0].token_ids for w in want]
+        out = engine.generate(batch[1:], good)
+    assert [o.outputs[0].token_ids for o in out] == [w.outputs[0].token_ids for w in want]
