@@ -157,7 +157,9 @@ POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")   # GPT-2, O
 
 def _check_position_table(model, max_context: int) -> None:
     """A learned position table has a row per position: a context past it was an IndexError in
-    the middle of a step (rotary positions are computed, at any length)."""
+    the middle of a step. Rotary positions are computed at any length: past the config's
+    ``max_position_embeddings`` the model runs as transformers runs it, untrained there
+    (a warning says so)."""
     import torch
     for module_name, module in model.named_modules():
         if module_name.rsplit(".", 1)[-1] in POSITION_TABLES and \
@@ -168,6 +170,14 @@ def _check_position_table(model, max_context: int) -> None:
                     f"max_context={max_context} exceeds the {rows} positions of "
                     f"{type(model).__name__}'s learned position table ({module_name}); "
                     f"use max_context <= {rows}")
+            return
+    trained = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(trained, int) and not isinstance(trained, bool) and 0 < trained < max_context:
+        import warnings
+        warnings.warn(f"max_context={max_context} is past the {trained} positions "
+                      f"{type(model).__name__} was configured for (max_position_embeddings): "
+                      f"its rotary positions are computed there as transformers computes them, "
+                      f"but the model was not trained on them", UserWarning, stacklevel=4)
 
 
 def _check_bias_features(model, config) -> None:

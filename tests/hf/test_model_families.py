@@ -78,3 +78,19 @@ def test_a_context_past_a_learned_position_table_is_refused_before_anything_runs
     with Engine(model, max_batch=1, max_context=rows) as engine:      # the whole table runs
         out = engine.generate([[1] * (rows - 2)], SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert out[0].status == "finished" and len(out[0].outputs[0].token_ids) == 2
+
+
+def test_a_context_past_a_rotary_models_configured_positions_warns_and_runs():
+    """Rotary positions are computed at any length, so such a context runs, as transformers
+    runs it; nothing said the model was never trained there."""
+    import warnings
+    from vmemkv.runtime.engine import Engine
+    from .families import build
+    model = build("llama")
+    trained = model.config.max_position_embeddings
+    with pytest.warns(UserWarning, match=rf"max_context={trained + 64} is past the {trained} "
+                                         r"positions .* \(max_position_embeddings\)"):
+        Engine(model, max_batch=1, max_context=trained + 64).close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Engine(model, max_batch=1, max_context=trained).close()
