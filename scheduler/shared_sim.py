@@ -268,6 +268,11 @@ class SharedSimulator:
         if total // n < config.page_bytes:
             raise ConfigError(f"total_bytes={total} leaves {n} models less than one page "
                               f"(page_bytes={config.page_bytes}) each")
+        every = [e for entries in workloads.values() for e in entries]   # each lane's page
+        check_simulation_fits(len(every), sum(e.output_len for e in every),   # tables: up to
+                              "simulate fewer requests, or lower total_bytes or raise page_bytes",
+                              pool_units=n * (total if config.elastic else total // n)
+                              // config.page_bytes)                           # its max
         per_lane = max(1, config.max_seq_len // max(1, config.scheduler.max_tokens_per_step))
         self.stall_turns = 10_000 + 64 * n * (per_lane + 1)   # turns without progress
         self.budget = MemoryBudget(total, config.idle_release_s, config.grow_fraction,
@@ -369,7 +374,4 @@ def simulate_shared(workloads: Mapping[str, Sequence[TraceEntry]],
                     on_step: Optional[Callable[[SharedSimulator, Lane], None]] = None,
                     on_finished: Optional[Callable[[int], None]] = None) -> SharedResult:
     """Simulate ``workloads`` ({model name: entries}) sharing one device (SharedSimulator)."""
-    every = [e for entries in workloads.values() for e in entries]
-    check_simulation_fits(len(every), sum(e.output_len for e in every),
-                          "simulate fewer requests")
     return SharedSimulator(workloads, config).run(on_step, on_finished)

@@ -46,6 +46,19 @@ def test_a_budget_below_a_page_per_model_and_arrivals_out_of_range_are_refused()
                             SharedConfig(total_bytes=4 * GB))
 
 
+@pytest.mark.parametrize("elastic", [True, False])
+def test_a_budget_whose_page_tables_exceed_the_host_is_refused_naming_the_pages(elastic):
+    """10**15 bytes of 4 KiB pages: each model's manager builds a table entry per page up to
+    its max, and the run was a bare MemoryError (or the OOM killer) before any turn."""
+    from vmemkv.scheduler.sim_memory import SimulationTooLargeError
+    pages = 2 * (10**15 if elastic else 10**15 // 2) // 4096
+    with pytest.raises(SimulationTooLargeError, match=rf"on a pool of {pages:,} pages .* lower "
+                                                      r"total_bytes or raise page_bytes"):
+        simulate_shared({"a": [TraceEntry(10, 5, 0.0)], "b": [TraceEntry(10, 5, 0.0)]},
+                        SharedConfig(total_bytes=10**15, page_bytes=4096, model="tiny",
+                                     elastic=elastic))
+
+
 @pytest.mark.parametrize("fields, message", [
     (dict(duration_s=INF), r"BurstySpec.duration_s must be finite seconds > 0, got inf"),
     (dict(duration_s=True), r"BurstySpec.duration_s .* got True"),
