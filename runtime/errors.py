@@ -43,3 +43,10 @@ class CacheTooLargeError(CacheConfigError, MemoryError):
     """A cache asks for more memory than the device has (total), or than it has available now
     (host MemAvailable, CUDA free memory); raised before anything is allocated, the message
     gives both sizes in bytes."""
+
+
+class NonFiniteKVError(RuntimeKVError, FloatingPointError):
+    """K or V written to an 8-bit cache hold NaN: int8 has no NaN (it stored code 0 and the
+    request went on with made-up tokens), and a first write's NaN would fix the layer's scale
+    to NaN for every later request. Raised before anything is stored; the engine runs the
+    step's requests one at a time and fails the one whose forward made it."""

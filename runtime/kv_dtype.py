@@ -35,7 +35,7 @@ import torch
 
 from vmemkv.scheduler.presets import KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES
 
-from .errors import CacheConfigError
+from .errors import CacheConfigError, NonFiniteKVError
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class KVEncoding:
 
     def quantize(self, x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x`` [..., kv_heads, head_dim] in the storage dtype; ``scale`` [kv_heads] fp32 for a
-        scaled encoding (saturating at +-max_value; NaN stays NaN for fp8)."""
+        scaled encoding (saturating at +-max_value; NaN is refused before: ScaleTable.encode)."""
         if not self.scaled:
             return x.to(self.storage)
         y = x.float() / scale.unsqueeze(-1)
@@ -194,7 +194,13 @@ class ScaleTable:
     def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """``k``, ``v`` [..., kv_heads, head_dim] quantized with ``layer``'s scales, fixing
         them from this write when it is the layer's first. A step rolled back after its writes
-        keeps them: they name the cache's encoding, which every later write shares."""
+        keeps them: they name the cache's encoding, which every later write shares.
+        NonFiniteKVError, nothing stored or fixed, when ``k`` or ``v`` holds NaN."""
+        for name, x in (("K", k), ("V", v)):
+            if torch.isnan(x).any():
+                raise NonFiniteKVError(f"layer {layer}'s {name} holds NaN, which a "
+                                       f"{self.encoding.name} cache cannot store (the model's "
+                                       f"forward made it: an overflow, NaN weights)")
         if not self.fixed[layer]:
             self.k[layer] = first_write_scales(k, self.encoding)
             self.v[layer] = first_write_scales(v, self.encoding)

@@ -1,0 +1,50 @@
+"""K/V holding NaN (a LoRA adapter with NaN weights here; an overflow in a model does the same)
+on an 8-bit cache: int8 has no NaN and stored code 0, so the request finished 'length' with
+made-up tokens where every other encoding failed it; and a first write's NaN would have fixed
+the layer's scale to NaN for every later request. The write is refused (NonFiniteKVError)
+before anything is stored or fixed: the request fails alone, the others are exact."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vmemkv.runtime.engine import Engine, SamplingParams
+from vmemkv.runtime.kv_dtype import KVScales
+from vmemkv.runtime.models import build_model
+
+from ..lora.adapters import save_adapter
+
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]
+PLAIN = SamplingParams(max_new_tokens=4, ignore_eos=True)
+
+
+def _nan_adapter(model, folder) -> str:
+    from safetensors.torch import load_file, save_file
+    path = save_adapter(model, folder, seed=2, target_modules=("v_proj",))
+    weights = load_file(f"{path}/adapter_model.safetensors")
+    save_file({k: torch.full_like(v, float("nan")) for k, v in weights.items()},
+              f"{path}/adapter_model.safetensors")
+    return path
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("given_scales", [True, False])
+@pytest.mark.parametrize("cache", ["vmem", "paged"])
+def test_nan_kv_on_an_8bit_cache_fails_its_request_alone(tmp_path, kv_cache_dtype, given_scales,
+                                                         cache):
+    model = build_model("tiny-llama", seed=0)
+    scales = {"kv_scales": KVScales.of([[0.05, 0.07]] * 2, [[0.03, 0.04]] * 2)} \
+        if given_scales else {}
+    options = dict(cache=cache, max_batch=4, max_context=64, kv_cache_dtype=kv_cache_dtype,
+                   **scales)
+    with Engine(model, **options) as reference:       # the base requests alone, in order
+        want = [o.outputs[0].token_ids for o in reference.generate(PROMPTS[1:2], PLAIN)]
+        want += [o.outputs[0].token_ids for o in reference.generate(PROMPTS[2:], PLAIN)]
+    with Engine(model, **options) as engine:
+        engine.add_lora("nan", _nan_adapter(model, tmp_path / "nan"))
+        first = engine.generate(PROMPTS[:2], [SamplingParams(max_new_tokens=4, ignore_eos=True,
+                                                             lora="nan"), PLAIN])
+        later = engine.generate(PROMPTS[2:], PLAIN)      # the scales are not NaN
+    assert first[0].status == "failed" and first[0].error.type == "NonFiniteKVError"
+    assert "holds NaN" in first[0].error.message and first[0].outputs[0].token_ids == []
+    assert [first[1].outputs[0].token_ids, later[0].outputs[0].token_ids] == want
