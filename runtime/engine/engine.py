@@ -35,8 +35,9 @@ from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from .config import (EngineConfig, cache_budget_bytes, cache_config_for, check_engine_arguments,
                      kv_scales_for, resolved_layout)
-from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine, kv_heads_per_rank,
-                              rank_kv_scales, start_tensor_parallel)
+from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine,
+                              interrupts_between_steps, kv_heads_per_rank, rank_kv_scales,
+                              start_tensor_parallel)
 from .errors import EngineClosedError, EngineConfigError, TensorParallelError
 from .lifecycle import RequestLifecycle
 from .adapters import EngineAdapters
@@ -191,16 +192,20 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         """Run one scheduler step as a transaction; returns the tokens it produced, in plan order.
 
         All or nothing: the step's tokens reach the scheduler and the outputs together, or, if
-        anything raises first (KeyboardInterrupt included), neither does and the next
-        ``step()`` computes the same tokens again (``lifecycle``). If the step's memory plan
-        fails (a driver call, an out-of-memory), the cache has undone it and the scheduler and
-        manager are rolled back: queues, tables and memory are exactly as before the step. A
+        anything raises first (KeyboardInterrupt included; with tensor parallelism a Ctrl-C
+        lands after the step), neither does and the next ``step()`` computes the same tokens
+        again (``lifecycle``). If the step's memory plan fails (a driver call, out of memory),
+        the cache has undone it and the scheduler and manager are rolled back as they were. A
         failure is blamed on the request it belongs to (the failed op's, or the one whose
         forward or sampling fails alone); the ``max_plan_retries + 1``-th failure in a row
         blamed on one request ends that request "failed" (memory released,
         ``RequestOutput.error`` set) and the step returns normally. Otherwise the exception
         (PlanExecutionError for a plan) is raised with every request intact. ``on_token``
         callbacks run after the step is recorded (``request_state.deliver``)."""
+        with interrupts_between_steps(self.tp is not None):
+            return self._step()
+
+    def _step(self) -> List[TokenEvent]:
         if self._closed:
             raise EngineClosedError("step after close(): this engine's cache is released (a "
                                     "tensor-parallel rank that died closes it)")
