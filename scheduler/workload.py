@@ -236,8 +236,9 @@ def parse_entry(obj, where: str, keys: Tuple[str, str, str], units_per_second: f
     unit = f" of {time_unit}" if time_unit else ""
     if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:
         raise ConfigError(f"{where}: {keys[2]} must be a finite number{unit} >= 0, got {arrival!r}")
-    if arrival / units_per_second > MAX_ARRIVAL_S:
-        raise ConfigError(f"{where}: {keys[2]} {arrival:g}{unit} is past {MAX_ARRIVAL_S:.0e} s "
+    if arrival > MAX_ARRIVAL_S * units_per_second:   # not arrival / units: an int past a
+        shown = shown_int(arrival) if isinstance(arrival, int) else f"{arrival:g}"   # float's range
+        raise ConfigError(f"{where}: {keys[2]} {shown}{unit} is past {MAX_ARRIVAL_S:.0e} s "
                           f"(317 years), where the simulated float clock loses a step's "
                           f"milliseconds: give {time_unit or 'seconds'} since the trace's start, "
                           f"not since the epoch")

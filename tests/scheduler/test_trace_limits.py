@@ -38,6 +38,12 @@ AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,37
     ("mooncake.jsonl", '{"timestamp": 1.7e15, "input_length": 6, "output_length": 2, '
                        '"hash_ids": [1]}\n',
      r"mooncake.jsonl line 1: timestamp 1.7e\+15 of ms is past 1e\+10 s"),
+    # an int arrival past a float's range was an OverflowError traceback (arrival / unit)
+    ("huge.jsonl", '{"prompt_len": 10, "output_len": 5, "arrival_s": 1' + "0" * 400 + '}\n',
+     r"huge.jsonl line 1: arrival_s a 401-digit number is past 1e\+10 s"),
+    ("huge_mooncake.jsonl", '{"timestamp": 1' + "0" * 400 + ', "input_length": 10, '
+                            '"output_length": 5, "hash_ids": [0]}\n',
+     r"huge_mooncake.jsonl line 1: timestamp a 401-digit number of ms is past 1e\+10 s"),
     ("years.csv", AZURE + "9999-11-16 18:15:47.0,4,2\n",
      r"years.csv \(TIMESTAMP after its first\): an arrival at 2.517e\+11 s is past 1e\+10 s"),
 ])
