@@ -231,7 +231,8 @@ def _lengths(args, seed: int):
                         output_p95=args.output_p95, max_total_len=args.max_len,
                         arrival_rate=args.arrival_rate, seed=seed, rng=args.workload_rng)
     check_simulation_fits(args.requests, int(args.requests * min(args.output_mean, args.max_len)),
-                          "lower --requests")   # the run's estimate, before a request is drawn
+                          "lower --requests, --n or --beam-width", n=args.n,
+                          beam_width=args.beam_width)   # the run's estimate, before a draw
     entries = generate(spec)
     check_arrivals(entries, f"--arrival-rate {args.arrival_rate:g}")
     return entries

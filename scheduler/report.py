@@ -6,7 +6,8 @@ seconds) and ``vmemkv bench serve`` (client-side wall seconds), so their figures
 Definitions (vLLM's ``benchmark_serving``; goodput as DistServe defines it):
 
 - ``request_throughput``: completed requests / duration (requests/s); ``output_throughput``:
-  output tokens / duration; ``total_token_throughput``: (prompt + output tokens) / duration.
+  output tokens / duration (every sample's or beam's, ``RequestTiming.sequences``; latencies are
+  the first's); ``total_token_throughput``: (prompt + output tokens) / duration.
 - TTFT: first token time - arrival. E2EL: last token time - arrival. TPOT, per request with
   more than one output token: (E2EL - TTFT) / (output tokens - 1). ITL: every gap between two
   consecutive tokens of one request, pooled over requests.
@@ -38,10 +39,18 @@ class RequestTiming:
     token_times_s: Sequence[float]   # when each output token was produced, in order (a tuple,
     #                                  or the simulator's array of doubles: 8 bytes a token)
     prompt_tokens: int
+    sequences: int = 1               # sequences that each made a token at every one of these
+    #                                  times: the simulator's n samples or beams, timed by the first
 
     @property
     def output_tokens(self) -> int:
+        """The timed sequence's output tokens (TTFT, TPOT and ITL are its)."""
         return len(self.token_times_s)
+
+    @property
+    def all_output_tokens(self) -> int:
+        """Every sequence's output tokens (what the throughputs count)."""
+        return len(self.token_times_s) * self.sequences
 
     @property
     def ttft_s(self) -> float:
@@ -107,7 +116,7 @@ def serving_report(timings: Sequence[RequestTiming], *, duration_s: Optional[flo
         raise ConfigError(f"duration_s must be >= 0, got {duration_s!r}")
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: math.nan)
     prompt = sum(t.prompt_tokens for t in done)
-    output = sum(t.output_tokens for t in done)
+    output = sum(t.all_output_tokens for t in done)
     out: Dict[str, float] = {
         "completed": len(done), "total_input_tokens": prompt, "total_output_tokens": output,
         "duration": duration_s, "request_throughput": per_s(len(done)),

@@ -10,7 +10,10 @@ output token; drawing a workload alone, 512 bytes a request; the manager's table
 pool page or block (63 resident: ``--cache-gb 120 --page-bytes 4KiB`` keeps 29 million pages,
 2.5 GB); drawing LoRA adapters for a workload, 512 bytes an adapter of the population (372 at
 the peak, tracemalloc, 2026-12-06: its name, digest and popularity weight; ``--lora-adapters
-1000000`` held 455 MB resident). A run that would need more than the host's MemAvailable is refused
+1000000`` held 455 MB resident). A request's extra samples (``--n``) or beams
+(``--beam-width``) are charged 16 bytes an output token each (8.5 measured at n=16: only the first
+is timed) and 1 KiB a sample (450 measured) or 8 KiB a beam (6 KB measured with 500 beams live at
+once; 1.4 KB at width 16, so the charge is up to 5 times what beams of 16 take). A run that would need more than the host's MemAvailable is refused
 (``SimulationTooLargeError``: ``vmemkv simulate`` checks its estimate before it draws,
 ``generate`` what it draws, ``simulate`` the entries and the pool it is given) before anything
 is drawn or run, instead of taking the machine
@@ -29,6 +32,9 @@ REQUEST_BYTES = 1024      # a request's records, kept for the whole run
 TOKEN_BYTES = 48          # an output token: its time, then its gap in the report (pooled, sorted)
 ENTRY_BYTES = 512         # a drawn request: its TraceEntry and its share of the draw (270 measured)
 POOL_UNIT_BYTES = 96      # a pool page (vmem) or block (paged) in the manager's tables (63 measured)
+SAMPLE_TOKEN_BYTES = 16  # an output token of a sample or beam after the first (untimed)
+SAMPLE_BYTES = 1024      # a request's sample after the first (--n): its sequence's records
+BEAM_BYTES = 8192        # a beam after the first: its sequence's records, forks and prunes
 ADAPTER_BYTES = 512       # a LoRA adapter of the population drawn from (372 measured)
 _concurrent = 1           # simulations this process shares the host with (a sweep's workers)
 
@@ -44,10 +50,15 @@ def set_concurrent_simulations(count: int) -> None:
     _concurrent = max(1, int(count))
 
 
-def simulation_bytes(num_requests: int, output_tokens: int, pool_units: int = 0) -> int:
-    """Host memory a simulation of ``num_requests`` with ``output_tokens`` in all needs, bytes,
-    on a manager of ``pool_units`` pages or blocks."""
+def simulation_bytes(num_requests: int, output_tokens: int, pool_units: int = 0,
+                     n: int = 1, beam_width: int = 0) -> int:
+    """Host memory a simulation of ``num_requests`` with ``output_tokens`` in all (one sequence
+    each) needs, bytes, on a manager of ``pool_units`` pages or blocks; each request running
+    ``n`` samples or ``beam_width`` beams (0: none) of that many tokens each."""
+    extra = (beam_width or n) - 1           # sequences per request after the first
+    per_sequence = BEAM_BYTES if beam_width else SAMPLE_BYTES
     return (BASE_BYTES + num_requests * REQUEST_BYTES + output_tokens * TOKEN_BYTES
+            + extra * (num_requests * per_sequence + output_tokens * SAMPLE_TOKEN_BYTES)
             + pool_units * POOL_UNIT_BYTES)
 
 
@@ -63,12 +74,17 @@ def available_bytes() -> Optional[int]:
 
 
 def check_simulation_fits(num_requests: int, output_tokens: int,
-                          remedy: str = "simulate fewer requests", pool_units: int = 0) -> None:
-    """SimulationTooLargeError when the simulation needs more than this process's share of the
-    host's available memory."""
+                          remedy: str = "simulate fewer requests", pool_units: int = 0,
+                          n: int = 1, beam_width: int = 0) -> None:
+    """SimulationTooLargeError when the simulation (``simulation_bytes``) needs more than this
+    process's share of the host's available memory."""
     pool = f" on a pool of {pool_units:,} pages or blocks" if pool_units else ""
-    _check(f"a simulation of {num_requests:,} requests with {output_tokens:,} output tokens{pool}",
-           simulation_bytes(num_requests, output_tokens, pool_units), remedy)
+    width = beam_width or n
+    each = (f", run as {width:,} {'beams' if beam_width else 'samples'} each "
+            f"({width * output_tokens:,} tokens)" if width > 1 else "")
+    _check(f"a simulation of {num_requests:,} requests with {output_tokens:,} output tokens"
+           f"{each}{pool}",
+           simulation_bytes(num_requests, output_tokens, pool_units, n, beam_width), remedy)
 
 
 def check_workload_fits(num_requests: int, remedy: str) -> None:

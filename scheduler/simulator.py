@@ -203,7 +203,8 @@ class Simulator:
         ended = sched.metrics.num_finished_requests + len(failed_ids)
         if ended != n:
             raise SchedulerError(f"simulation ended with {n - ended} of {n} requests unfinished")
-        timings = [RequestTiming(e.arrival_s, times, e.prompt_len) for i, (e, times)
+        width = self.beams.width if self.beams else self.samples   # sequences a request runs
+        timings = [RequestTiming(e.arrival_s, times, e.prompt_len, width) for i, (e, times)
                    in enumerate(zip(entries, token_times.values())) if i not in failed_ids]
         result = self._result(sched, timings, (whole, steady), now, time.perf_counter() - wall0,
                               maps)
@@ -360,7 +361,9 @@ def simulate(entries: Sequence[TraceEntry], config: SimConfig = SimConfig(),
     scheduler config with ``config.watermark_scope`` applied)."""
     check_simulation_fits(len(entries), sum(e.output_len for e in entries),
                           "simulate fewer requests (--requests, or --max-requests of a trace), "
-                          "or on larger pages or blocks", pool_units=config.pool_units)
+                          "fewer samples or beams (--n, --beam-width), or on larger pages or "
+                          "blocks", pool_units=config.pool_units, n=config.n,
+                          beam_width=config.beam_width)
     manager = config.make_manager()
     cost = config.make_cost(manager.pages_per_map_op)
     beams = BeamModel(config.beam_width, config.beam_skew) if config.beam_width else None

@@ -112,3 +112,33 @@ def test_the_cli_refuses_in_one_line_with_exit_2(capsys):
     assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
     assert "SimulationTooLargeError" in err and "a simulation of 100,000,000 requests" in err
     assert "lower --requests" in err
+
+
+@pytest.mark.parametrize("flag, extra", [("--n", {"n": 256}), ("--beam-width", {"beam_width": 256})])
+def test_samples_and_beams_are_charged_in_both_checks(available_mib, capsys, flag, extra):
+    """--requests 10 --n 200000 ran on past 60 s, growing, where --requests 100000000 was
+    refused at once: both checks counted one sequence a request. Here the host has 2 MiB more
+    than one sequence a request needs; 256 each need about 10 MB more."""
+    entries = generate(WorkloadSpec(num_requests=10, seed=1))
+    tokens = sum(e.output_len for e in entries)
+    available_mib((simulation_bytes(10, tokens, SimConfig().pool_units) >> 20) + 2)
+    assert simulate(entries, SimConfig()).num_requests == 10
+    with pytest.raises(SimulationTooLargeError, match="run as 256 (samples|beams) each"):
+        simulate(entries, SimConfig(**extra))
+    code = main(["simulate", "--requests", "10", flag, "256", "--no-progress", "--seed", "1"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and "SimulationTooLargeError" in err and "--n" in err
+
+
+@pytest.mark.parametrize("extra", [{"n": 8}, {"beam_width": 8}])
+def test_the_charge_covers_a_measured_run_of_samples_or_beams(extra):
+    simulate(generate(WorkloadSpec(num_requests=5)), SimConfig(**extra))   # imports: not measured
+    entries = generate(WorkloadSpec(num_requests=60, seed=3, max_total_len=1024))
+    tracemalloc.start()
+    try:
+        simulate(entries, SimConfig(**extra))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    charged = simulation_bytes(len(entries), sum(e.output_len for e in entries), **extra)
+    assert peak <= charged, (peak, charged)
