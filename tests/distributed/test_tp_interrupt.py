@@ -17,7 +17,16 @@ PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 OPTIONS = dict(max_batch=4, max_context=128, tp_timeout_s=20, self_check=False)
 
 
-def test_a_ctrl_c_inside_a_tensor_parallel_step_lands_after_it_and_the_run_resumes():
+@pytest.fixture
+def python_sigint_handler():
+    """Python's own SIGINT handler, as a program has it (a test before may have set another)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_ctrl_c_inside_a_tensor_parallel_step_lands_after_it_and_the_run_resumes(
+        python_sigint_handler):
     model = build_model("tiny-llama", seed=0)
     with Engine(model, **OPTIONS) as alone:
         want = [o.outputs[0].token_ids for o in alone.generate(PROMPTS, PARAMS)]
