@@ -11,7 +11,8 @@ Order of work inside ``schedule()``:
      first; each grows by one token. When one cannot grow, the most recently admitted running
      sequence is preempted (recompute or swap), possibly itself.
   2. running prefills (chunked: whatever token budget is left).
-  3. swapped sequences come back (FCFS) before any new admission.
+  3. swapped sequences come back (FCFS) before any new admission (a growable pool's with room
+     for their next token).
   4. waiting sequences are admitted FCFS while the whole sequence fits and the watermark stays
      free; the first that does not fit blocks the ones behind it (no overtaking).
 A request with a LoRA adapter (``Request.adapter``, scheduler/adapters.py) pins it while a
@@ -48,9 +49,7 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
     def __init__(self, manager: MemoryManager, config: SchedulerConfig = SchedulerConfig(),
                  tables: Optional[TableTracker] = None):
         """``tables``: fills each plan's table edits for a real cache (None: the simulator)."""
-        self.manager = manager
-        self.config = config
-        self.tables = tables
+        self.manager, self.config, self.tables = manager, config, tables
         self.max_seq_len = config.max_seq_len or manager.max_seq_len
         self.growable = False           # True: a MemoryBudget resizes the pool step by step
         self.starved = False            # the last step admitted nothing into an idle pool
@@ -63,12 +62,11 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
         self.running: List[Sequence] = []  # in admission order
         self.swapped: deque = deque()
         self.seqs: Dict[int, Sequence] = {}   # submitted and not yet forgotten, by seq_id
-        self._next_seq_id = self._admit_counter = 0
+        self._next_seq_id = self._admit_counter = self._step = 0
         # the last plan, for update(): decodes (one token, always sampling) and the rest
         self._decoded: List[Sequence] = []
         self._scheduled: List[Tuple[Sequence, int, bool]] = []
         self._finished_ids: List[int] = []
-        self._step = 0
         self._unfinished_samples: Dict[int, int] = {}   # request_id -> sequences not finished
         self._savepoint: Optional[Savepoint] = None   # open transaction (begin), else None
 
@@ -343,13 +341,10 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
         while self.swapped and len(self.running) < self.config.max_running and budget > 0:
             group = self._swapped_unit()
             ids, adapter = [m.seq_id for m in group], group[0].request.adapter
-            with_adapter = {} if adapter is None else {"adapter": adapter}
-            fits = self.manager.can_swap_in_all(ids, **with_adapter)
-            if fits and self.growable and not self.manager.can_swap_in_all(
-                    ids, extra_tokens=1, **with_adapter):
-                # it fits, not with its next token: swapped in, it would be swapped out again
-                # at once, step after step, until a MemoryBudget grows the pool; wait for that
-                fits = None
+            kw = {} if adapter is None else {"adapter": adapter}
+            fits = self.manager.can_swap_in_all(ids, **kw) and (      # None: not with its next
+                not self.growable or self.manager.can_swap_in_all(ids, extra_tokens=1, **kw)
+                or None)       # token (swapped out at once, step after step): wait for growth
             if len(self.running) + len(group) > self.config.max_running or not fits:
                 if not self.running and fits is False:   # an empty cache: it never will (a
                     self._recompute_swapped(group)   # beam group shared memory it cannot now)
