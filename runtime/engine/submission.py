@@ -50,7 +50,7 @@ class RequestSubmission:
             raise EngineConfigError(f"on_token must be callable or None, got {on_token!r}")
         ids, text = self._encode(prompt, index)
         check_request_params(params, self.tokenizer, self.vocab_size, index)
-        stops = params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
+        stops = self._stop_ids(params)
         check_min_tokens(params, stops, self.vocab_size, index)     # before anything is queued
         rid, arrival_s = self._next_request, self._now()
         # prompt logprobs need every prompt row computed: such a request reads no prefix cache
@@ -74,6 +74,10 @@ class RequestSubmission:
             self._prompt_logprobs[seq_ids[0]] = state
         return rid
 
+    def _stop_ids(self, params: SamplingParams) -> tuple:
+        """The ids that end a sample of ``params``: its stop_token_ids, and EOS unless ignored."""
+        return params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
+
     def _encode(self, prompt: Prompt, index: int):
         return encode_prompt(prompt, index, self.tokenizer, self.vocab_size)
 
@@ -83,8 +87,7 @@ class RequestSubmission:
             self.adapters.ref(params.lora, i)    # a name no adapter has: refused, nothing runs
             ids, _ = self._encode(prompt, i)
             check_request_params(params, self.tokenizer, self.vocab_size, i)
-            check_min_tokens(params, params.stop_token_ids
-                             + (() if params.ignore_eos else self.eos_ids), self.vocab_size, i)
+            check_min_tokens(params, self._stop_ids(params), self.vocab_size, i)
             try:
                 check_length(self.scheduler, len(ids), params.max_new_tokens)
             except RequestTooLargeError as error:
