@@ -372,5 +372,10 @@ class PagedManager(AdapterTenancy, UnitOps, ManagerCore):
                            end_waste_tokens=self._cap_sum - self._tok_sum,
                            bytes_per_token=self.block_bytes // self.block_size)
 
+    def kv_cache_usage(self) -> float:
+        """Held blocks over the cache: free, cached and idle adapters' blocks count as free
+        (KV takes them when it needs them), pinned adapters' as held (as vmem counts pages)."""
+        return 1 - self._available_units() / max(self.num_blocks, 1)
+
     def check_integrity(self) -> None:
         check_paged(self)

@@ -127,11 +127,12 @@ class KindRules:
         return self._tokens(self._idle + self._cached_pages())
 
     def kv_cache_usage(self) -> float:
-        """vLLM's kv_cache_usage_perc (a fraction): pages bound to used groups over the pool
-        (free, cached and still-mapped unused groups count as free, as vLLM counts its cached
-        blocks)."""
+        """vLLM's kv_cache_usage_perc (a fraction): pages bound to used groups, plus pinned
+        adapters' pages in a shared pool, over the pool (free, cached and still-mapped unused
+        groups and idle adapters count as free: KV takes them when it needs them)."""
         unused = len(self._free) * self.pages_per_group + self._cached_pages() + self._idle
-        return (self.bound_pages - unused) / max(self.capacity_pages, 1)
+        pinned_adapter_pages = self._kv_adapter_pages - self._kv_idle_adapter_pages
+        return (self.bound_pages - unused + pinned_adapter_pages) / max(self.capacity_pages, 1)
 
     def stats(self) -> MemoryStats:
         """Tokens as the pages hold them (bytes = tokens * bytes_per_token, rounded down):

@@ -258,3 +258,18 @@ def test_the_longest_sequence_beside_an_adapter(policy, layout):
     assert mgr.adapter_pages(unit_bytes(mgr) + 1) == 2
     with pytest.raises(ConfigError, match="num_bytes"):
         mgr.adapter_pages(0)
+
+
+@pytest.mark.parametrize("policy,layout", POLICIES)
+def test_kv_cache_usage_counts_pinned_adapters_as_held_and_idle_ones_as_free(policy, layout):
+    """Both layouts give the same gauge: a pinned adapter holds its share of a shared pool, an
+    idle one is free (KV takes it when it needs it); in a static split adapters are not KV's."""
+    adapter = ref("a", "a1", 16 * TINY.bytes_per_token)          # 1/8 of the 128-token cache
+    mgr = manager(policy, layout, tokens=128)
+    mgr.acquire_adapter(adapter)
+    assert mgr.kv_cache_usage() == pytest.approx(1 / 8)
+    mgr.release_adapter(adapter)
+    assert mgr.adapter_stats().idle_pages and mgr.kv_cache_usage() == 0.0
+    split = manager(policy, layout, tokens=128, adapter_budget_bytes=32 * TINY.bytes_per_token)
+    split.acquire_adapter(adapter)
+    assert split.kv_cache_usage() == 0.0
