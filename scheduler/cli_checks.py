@@ -4,7 +4,8 @@ Each refuses, with a ConfigError naming the flags (one line, exit 2), what would
 and be silently wrong or fail late: flags that do not apply together, a Poisson rate too low
 for the float clock, a ``--write-trace`` path that cannot be written, LoRA budgets that leave no
 KV memory. The deployment's own check (``sim_config.check_deployment``) is shared with the sweep.
-``profile_defaults`` gives a ``--profile`` run the engine settings the profile was timed with.
+``profile_defaults`` gives a ``--profile`` run the engine settings the profile was timed with,
+after ``check_profile_model`` refused a ``--gpu`` or another ``--model-preset`` beside it.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from .cliargs import file_problem
 from .errors import ConfigError
 from .geometry import resolve_layout
 from .profile_cost import load_profile, profile_engine, profile_model
-from .sim_config import check_deployment
+from .sim_config import SimConfig, check_deployment
 from .workload import MAX_ARRIVAL_S
 
 
@@ -52,6 +53,7 @@ def profile_defaults(args) -> list:
     if not args.profile:
         return []
     profile = load_profile(args.profile)
+    check_profile_model(args, profile)
     engine, given = profile_engine(profile, args.profile), vars(args).get("given", ())
     outside = []
     args.from_profile = set()
@@ -76,6 +78,26 @@ def profile_defaults(args) -> list:
                            f"that {args.profile} timed: its step costs are "
                            f"{'extrapolated' if above else 'not measured'} there")
     return outside
+
+
+def check_profile_model(args, profile: dict) -> None:
+    """With ``--profile``: a ``--model-preset`` other than the profile's model (memory is
+    sized, and the steps were timed, for the profile's model: the preset would be dropped, a
+    different model's results under its name) and any ``--gpu`` (the profile's measured step
+    costs replace the GPU's roofline, as for --prefill-mfu) are refused by flag. A flag counts
+    as given when ``args.given`` names it or its value is not the simulator's default."""
+    given = vars(args).get("given", ())
+    model = profile_model(profile, args.profile).name
+    if ("model_preset" in given or args.model_preset != SimConfig.model) \
+            and args.model_preset != model:
+        raise ConfigError(f"--model-preset {args.model_preset} is not the model {model} that "
+                          f"--profile {args.profile} measured: a profile run simulates its own "
+                          f"model; leave --model-preset out, or simulate {args.model_preset} "
+                          f"without the profile")
+    if "gpu" in given or args.gpu != SimConfig.device:
+        raise ConfigError(f"--gpu {args.gpu} with --profile {args.profile}: the profile's "
+                          f"measured step costs replace the GPU's roofline; leave --gpu out, or "
+                          f"simulate without the profile")
 
 
 def check_lora(args) -> None:

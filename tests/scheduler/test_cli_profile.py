@@ -127,3 +127,37 @@ def test_a_profile_asking_for_an_absurd_engine_is_refused_not_built(profile, cap
     path.write_text(text)
     assert main(RUN + ["--profile", str(path)]) == 2          # it hung building the slots
     assert "engine max_context 1000000000000 is above 10,000,000" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--model-preset", "mistral-7b-v0.1"],
+     "--model-preset mistral-7b-v0.1 is not the model toy that --profile"),
+    (["--gpu", "h200"], "--gpu h200 with --profile"),
+    (["--model-preset", "phi-2", "--gpu", "h200"], "--model-preset phi-2 is not the model toy"),
+])
+def test_a_model_or_gpu_beside_a_profile_is_refused_by_flag_not_dropped(profile, capsys, flags,
+                                                                        words):
+    # both ran the profile's model silently, the JSON naming neither the preset nor the GPU
+    assert main(RUN + ["--profile", profile] + flags) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and words in err, err
+
+
+def test_the_profiles_own_model_named_as_the_preset_is_allowed(profile, capsys, tmp_path):
+    path = tmp_path / "tiny.json"
+    path.write_text(open(profile).read().replace('"name": "toy"', '"name": "tiny"'))
+    config, err = run(RUN + ["--profile", str(path), "--model-preset", "tiny"], capsys)
+    assert err == "" and config["profile_model"] == "tiny"
+
+
+def test_the_check_counts_a_flag_given_at_its_default_as_given(profile):
+    import argparse
+    from vmemkv.scheduler.cli_checks import check_profile_model
+    from vmemkv.scheduler.errors import ConfigError
+    from vmemkv.scheduler.profile_cost import load_profile
+    args = argparse.Namespace(profile=profile, model_preset="llama-3-8b", gpu="h100",
+                              given=frozenset({"model_preset"}))
+    with pytest.raises(ConfigError, match="--model-preset llama-3-8b is not the model toy"):
+        check_profile_model(args, load_profile(profile))
+    check_profile_model(argparse.Namespace(**{**vars(args), "given": frozenset()}),
+                        load_profile(profile))       # the defaults, not given: the profile's
