@@ -8,7 +8,9 @@ OUT/throughput_latency.png and OUT/utilisation_unit.png (matplotlib), each whole
 and prints one line per point. A point that fails is a row with its ``error`` (exit 1, the
 others kept); Ctrl-C cancels the pending points, writes the table of those that finished and
 exits 130; ``--resume`` runs only the points the journal does not hold. A grid of more than
-``--max-points`` combinations is refused before it is expanded.
+``--max-points`` combinations is refused before it is expanded; every check (the spec, each
+point, ``--out``, ``--ray``) runs before the output folder is touched, so a refused run leaves
+an earlier run's journal and files as they were.
 """
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ import os
 import sys
 
 from .cliargs import bounded, max_threads, write_stdout
+from .errors import ConfigError
 from .progress import Progress
-from .result_files import StaleMarker
-from .sweep import DEFAULT_MAX_POINTS, expand, load_spec, point_key, run_local, run_ray
+from .result_files import StaleMarker, folder_problem
+from .sweep import (DEFAULT_MAX_POINTS, connect_ray, expand, load_spec, point_key, run_local,
+                    run_ray)
 from .sweep_journal import RowJournal
 from .sweep_output import write_plots, write_table
 
@@ -51,6 +55,11 @@ def register(subparsers) -> None:
 def run(args) -> int:
     spec = load_spec(args.spec)
     points = expand(spec, args.max_points)     # every point is checked before any runs
+    problem = folder_problem(args.out)
+    if problem:
+        raise ConfigError(f"--out {problem}")
+    if args.ray:
+        connect_ray(args.ray)        # Ray missing or unreachable: refused, the folder untouched
     marker = StaleMarker(args.out, OUTPUTS, "vmemkv sweep").begin()
     with RowJournal(args.out, points, args.resume) as journal:
         rows = dict(journal.kept)

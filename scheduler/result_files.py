@@ -25,7 +25,7 @@ import tempfile
 import time
 from typing import Callable, Iterable, Iterator, Optional
 
-from .cliargs import hold_point
+from .cliargs import file_problem, hold_point
 
 STALE_NAME = "STALE.txt"
 
@@ -102,6 +102,16 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def folder_problem(path: str) -> Optional[str]:
+    """Why a run cannot write its files into the folder ``path`` (created with the folders
+    above it when missing), or None: not a file or a device, in a folder we may write in
+    (``cliargs.file_problem`` of a file inside it)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{path} is not a folder (a file is there): give a folder"
+    problem = file_problem(os.path.join(path, STALE_NAME))
+    return problem and f"{path}: {problem}"
 
 
 class StaleMarker:

@@ -19,8 +19,10 @@ max_tokens_per_step, prefill_mfu, map_latency_us, paged_slowdown, max_len, reque
 workload_rng, arrival_rate, trace, rate_scale, max_requests. A key a point does not use
 (block_size for vmem, page_bytes and layout for the others; the generated workload's keys for a
 trace and the trace's for a generated workload) is normalised away, so the grid never runs the
-same simulation twice; a workload key no point uses is refused (``sweep_spec.py``). ``run_point`` is a plain top-level function of a dict, so
-a process pool or a Ray cluster can run it.
+same simulation twice; a workload key no point uses, a key in both tables and a value a grid
+list repeats (4 and 4.0) are refused (``sweep_spec.py``). A trace file's row carries its resolved
+path and sha256 (``trace_path``, ``trace_sha256``). ``run_point`` is a plain top-level function
+of a dict, so a process pool or a Ray cluster can run it.
 
 Values are checked when the spec is read (``scheduler/sweep_spec.py``). A point that fails
 while it runs becomes a row with its parameters and an ``error`` column, and the others go on.
@@ -37,7 +39,8 @@ from .errors import ConfigError
 from .sim_memory import set_concurrent_simulations
 from .simulator import simulate
 from .sweep_spec import (DEFAULT_MAX_POINTS, PARAMS, count_points, expand, load_spec,  # noqa: F401
-                         point_key, sim_config, unit_tokens, used_params, workload_spec)
+                         point_key, point_params, sim_config, unit_tokens, used_params,
+                         workload_spec)
 from .traces import fit_to_length, load_trace
 from .workload import generate
 
@@ -54,10 +57,11 @@ def entries_of(point: dict) -> list:
 
 
 def run_point(point: dict) -> dict:
-    """One simulation: the point's parameters, then every figure of its result (one row)."""
+    """One simulation: the point's parameters (and trace file), then every figure of its
+    result (one row)."""
     figures = simulate(entries_of(point), sim_config(point)).to_dict()
     figures["policy_name"] = figures.pop("policy")      # the manager's name; "policy" is the spec's
-    row = {k: point[k] for k in PARAMS}
+    row = point_params(point)
     row["unit_tokens"] = unit_tokens(point)
     row.update(figures)
     return row
@@ -69,7 +73,7 @@ def point_row(point: dict) -> dict:
     try:
         return run_point(point)
     except Exception as error:   # noqa: BLE001 -- reported in its row, the sweep goes on
-        row = {k: point[k] for k in PARAMS}
+        row = point_params(point)
         try:
             row["unit_tokens"] = unit_tokens(point)
         except Exception:   # noqa: BLE001
@@ -131,15 +135,23 @@ def _stop(pool) -> None:
         process.join(10)
 
 
-def run_ray(points: List[dict], address: str, on_done: OnDone = lambda row: None) -> List[dict]:
-    """Rows of ``points`` run as Ray tasks on the cluster at ``address`` (``ray.init``'s
-    address: ``auto``, ``ray://host:10001``, or ``local`` for a new local instance); an
-    interrupt cancels the tasks not finished."""
+def connect_ray(address: str):
+    """The ``ray`` module, connected to the cluster at ``address`` (``ray.init``'s address:
+    ``auto``, ``ray://host:10001``, or ``local`` for a new local instance; again: the same
+    connection); ConfigError naming the extra when Ray is not installed. ``vmemkv sweep``
+    calls it before it touches its output folder."""
     try:
         import ray
     except ImportError:
         raise ConfigError("--ray needs Ray: pip install 'vmemkv[ray]'") from None
     ray.init(address=address, ignore_reinit_error=True, log_to_driver=False)
+    return ray
+
+
+def run_ray(points: List[dict], address: str, on_done: OnDone = lambda row: None) -> List[dict]:
+    """Rows of ``points`` run as Ray tasks on the cluster at ``address`` (``connect_ray``); an
+    interrupt cancels the tasks not finished."""
+    ray = connect_ray(address)
     task = ray.remote(point_row)
     pending = {task.remote(p): i for i, p in enumerate(points)}
     rows: List[Optional[dict]] = [None] * len(points)

@@ -3,9 +3,10 @@ flushed to disk as each point finishes, so a Ctrl-C, a failing point or a kill k
 that finished, and ``vmemkv sweep --resume`` runs only the points still missing.
 
 Rows keep their types (the CSV would not). A resumed sweep keeps the journal's finished rows of
-points that are in its grid (a row is matched to its point by every parameter, ``point_key``),
-drops rows with an error (those points run again) and a last line a kill cut short, rewrites
-the journal with what it kept (atomically) and appends from there. A sweep without
+points that are in its grid (a row is matched to its point by every parameter and, for a trace
+file, its resolved path and the sha256 of its bytes: ``point_key``; a trace that changed runs
+again), drops rows with an error (those points run again) and a last line a kill cut short,
+rewrites the journal with what it kept (atomically) and appends from there. A sweep without
 ``--resume`` starts a new journal.
 """
 from __future__ import annotations

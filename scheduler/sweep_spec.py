@@ -7,25 +7,37 @@ the file is read (a string where a number goes, ``nan``, ``1e308`` GB, a float c
 ``ConfigError`` naming ``table.key[index]`` and the allowed range), an empty spec is refused,
 workload keys that apply to no point are refused (``check_workload_keys``: they would run one
 simulation under several labels), and ``count_points`` bounds the grid before anything is
-expanded. Each point is then checked as ``vmemkv simulate`` checks its flags: the SimConfig,
-the generated workload, and the deployment (``sim_config.check_deployment``).
+expanded. A key in both tables is refused (the grid would silently win), and so is a grid list
+that repeats a value (``4`` and ``4.0`` GB are one simulation: float keys are keyed as floats,
+sizes in bytes; the point keeps the value as given). Each point is then checked as ``vmemkv
+simulate`` checks its flags: the SimConfig, the generated workload, the deployment
+(``sim_config.check_deployment``) and its memory manager, built once per distinct SimConfig.
+A point that replays a trace file is keyed by the file's resolved path and the sha256 of its
+bytes (``TRACE_ID``, read once per file per sweep), so ``--resume`` runs again the points of a
+trace that changed.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
+import os
 import tomllib
 from dataclasses import dataclass
+from importlib import resources
 from typing import Dict, List, Optional
 
 from .cliargs import parse_bytes
 from .errors import ConfigError
 from .geometry import LAYOUT_CHOICES, PageGeometry
-from .presets import DEVICES, MODELS, get_model
+from .policies import is_custom
+from .presets import DEVICES, MODELS
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
 from .sim_config import WATERMARK_SCOPES, check_deployment
+from .sim_memory import check_simulation_fits
 from .simulator import SimConfig
+from .traces import BUNDLED
 from .workload import WORKLOAD_RNGS, WorkloadSpec
 
 PARAMS: Dict[str, object] = {
@@ -39,6 +51,7 @@ PARAMS: Dict[str, object] = {
 }
 GENERATED_ONLY = ("requests", "arrival_rate", "seed", "workload_rng")   # a generated workload's
 TRACE_ONLY = ("rate_scale", "max_requests")                              # a trace's
+TRACE_ID = ("trace_path", "trace_sha256")   # a trace point's file, in its key and its row
 # keys a point does not use, normalised away (a spec where no point uses one is refused)
 _UNUSED = {"block_size": lambda p: p["policy"] != "paged",
            "page_bytes": lambda p: p["policy"] != "vmem",
@@ -142,12 +155,43 @@ def check_spec(spec: dict) -> None:
                 raise ConfigError(f"unknown key {table}.{key}; known: {', '.join(PARAMS)}")
             if table == "base":
                 KINDS[key].check(value, f"base.{key}")
+                normal(key, value, f"base.{key}")          # a size with a unit parses
                 continue
             if not isinstance(value, list) or not value:
                 raise ConfigError(f"grid.{key} must be a non-empty list, got {value!r}")
-            for i, item in enumerate(value):
-                KINDS[key].check(item, f"grid.{key}[{i}]")
+            check_grid_list(key, value)
+    for key in spec["base"]:
+        if key in spec["grid"]:
+            raise ConfigError(f"{key} is in both [base] and [grid]: the grid's values would "
+                              f"replace base.{key} = {spec['base'][key]!r} at every point; "
+                              f"give it in one table")
     check_workload_keys(spec)
+
+
+def check_grid_list(key: str, values: list) -> None:
+    """Each value of ``grid.key`` checked, and none repeated as the point keys it (``normal``:
+    ``4`` and ``4.0`` GB, ``"2MiB"`` and ``2097152`` bytes would run one simulation twice)."""
+    seen: Dict[str, int] = {}
+    for i, item in enumerate(values):
+        where = f"grid.{key}[{i}]"
+        KINDS[key].check(item, where)
+        value = json.dumps(normal(key, item, where))
+        if value in seen:
+            first = seen[value]
+            raise ConfigError(f"{where} {item!r} repeats grid.{key}[{first}] {values[first]!r}: "
+                              f"one simulation twice; list each value once")
+        seen[value] = i
+
+
+def normal(key: str, value, where: Optional[str] = None):
+    """``value`` as a point holds and keys it: a float key's int as a float, a size with a unit
+    in bytes (ConfigError naming ``where`` when it is not one); anything else as it is."""
+    kind = KINDS[key]
+    if kind.type == "float" and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind.size and isinstance(value, str):
+        return _size(value, where or key)
+    return value
 
 
 def check_workload_keys(spec: dict) -> None:
@@ -193,36 +237,58 @@ def expand(spec: dict, max_points: int = DEFAULT_MAX_POINTS) -> List[dict]:
     check_spec(spec)
     check_size(spec, max_points)
     keys = list(spec["grid"])
-    points, seen = [], set()
+    traces = trace_ids(spec)                  # each trace file read once, not once per point
+    points, seen, built = [], set(), set()
     for values in itertools.product(*(spec["grid"][k] for k in keys)):
         point = {**PARAMS, **spec["base"], **dict(zip(keys, values))}
-        if isinstance(point["page_bytes"], str):
-            point["page_bytes"] = _size(point["page_bytes"])
+        point["page_bytes"] = normal("page_bytes", point["page_bytes"])     # "2MiB": bytes
         for key, unused in _UNUSED.items():
             if unused(point):
                 point[key] = PARAMS[key]
+        point.update(traces.get(point["trace"], dict.fromkeys(TRACE_ID)))
         frozen = point_key(point)
         if frozen not in seen:
             seen.add(frozen)
-            check_point(point, dict(zip(keys, values)))
+            check_point(point, dict(zip(keys, values)), built)
             points.append(point)
     return points
 
 
-def check_point(point: dict, label: dict) -> None:
+def check_point(point: dict, label: dict, built: set) -> None:
     """What ``vmemkv simulate`` checks before it runs: the SimConfig, the generated workload,
-    the deployment; ConfigError naming the point by its ``label`` (its grid values)."""
+    the deployment, the memory manager (built, as ``simulate`` builds it before its first
+    step, once per SimConfig in ``built``: its host memory checked first), the unit; ConfigError
+    naming the point by its ``label`` (its grid values)."""
     try:
-        sim_config(point)
+        config = sim_config(point)
         if point["trace"] is None:
             workload_spec(point)
         check_deployment(model=point["model"], gpu=point["gpu"], cache_gb=point["cache_gb"],
                          preemption=point["preemption"], swap_gb=point["swap_gb"],
                          policy=point["policy"], block_size=point["block_size"],
                          max_len=point["max_len"])
+        if config not in built:
+            check_simulation_fits(0, 0, "give larger pages or blocks, or a smaller cache_gb",
+                                  pool_units=config.pool_units)
+            _build(config)
+            built.add(config)
+        unit_tokens(point)
     except ConfigError as error:
         where = ", ".join(f"{k} = {v!r}" for k, v in label.items()) or "[base]"
         raise ConfigError(f"point {where}: {error}") from None
+
+
+def _build(config: SimConfig) -> None:
+    """Build the point's manager for its ConfigError (what ``simulate`` refuses, exit 2). A
+    custom manager that raises anything else fails when its point runs: a row with the error,
+    the other points kept (scheduler/sweep.py)."""
+    try:
+        config.make_manager()
+    except ConfigError:
+        raise
+    except Exception:   # noqa: BLE001 -- the user's class: its point's row will carry it
+        if not is_custom(config.policy):
+            raise
 
 
 def workload_spec(point: dict) -> WorkloadSpec:
@@ -232,17 +298,50 @@ def workload_spec(point: dict) -> WorkloadSpec:
                         rng=point["workload_rng"])
 
 
+def point_params(point: dict) -> dict:
+    """A point's row before its figures: every parameter, then its trace file's ``TRACE_ID``
+    (None without one)."""
+    return {k: point.get(k) for k in (*PARAMS, *TRACE_ID)}
+
+
 def point_key(point: dict) -> str:
-    """A point's (or its row's) parameters as one string: equal keys, equal simulations."""
-    return json.dumps({k: point[k] for k in PARAMS}, sort_keys=True)
+    """A point's (or its row's) parameters and trace file as one string, each value ``normal``
+    (``cache_gb`` 4 keys as 4.0): equal keys, equal simulations."""
+    return json.dumps({k: normal(k, v) if k in KINDS else v
+                       for k, v in point_params(point).items()}, sort_keys=True)
 
 
-def _size(text: str) -> int:
+def trace_ids(spec: dict) -> Dict[str, dict]:
+    """Each trace the spec names -> its ``TRACE_ID``: the resolved absolute path (a bundled
+    trace: ``bundled:NAME``, as ``load_trace`` prefers the name) and the sha256 of its bytes;
+    ConfigError naming the key of one that cannot be read."""
+    named = [("base.trace", spec["base"].get("trace"))] + \
+        [(f"grid.trace[{i}]", t) for i, t in enumerate(spec["grid"].get("trace", []))]
+    ids: Dict[str, dict] = {}
+    for where, trace in named:
+        if trace is None or trace in ids:
+            continue
+        if trace in BUNDLED:
+            path, file = f"bundled:{trace}", resources.files(__package__).joinpath(
+                "data", "traces", BUNDLED[trace].file)
+        else:
+            path = file = os.path.realpath(trace)
+        try:
+            with open(file, "rb") if isinstance(file, str) else file.open("rb") as f:
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as error:
+            raise ConfigError(f"{where}: cannot read trace {trace!r} ({path}): "
+                              f"{error.strerror or error}") from None
+        ids[trace] = {"trace_path": path, "trace_sha256": digest}
+    return ids
+
+
+def _size(text: str, where: str) -> int:
     import argparse
     try:
         return parse_bytes(text)
     except argparse.ArgumentTypeError as error:
-        raise ConfigError(f"sweep spec: page_bytes {error}") from None
+        raise ConfigError(f"{where} {error}") from None
 
 
 def sim_config(point: dict) -> SimConfig:
@@ -265,9 +364,10 @@ def unit_tokens(point: dict) -> Optional[int]:
     policies (a reservation is per sequence, not a fixed unit)."""
     if point["policy"] == "paged":
         return point["block_size"]
-    if point["policy"] == "vmem":
-        return PageGeometry.of(get_model(point["model"]), point["page_bytes"],
-                               point["layout"]).tokens_per_page
+    if point["policy"] == "vmem":      # layout "auto" as the simulation resolves it
+        config = sim_config(point)
+        return PageGeometry.of(config.model_spec, config.page_bytes,
+                               config.resolved_layout).tokens_per_page
     return None
 
 
