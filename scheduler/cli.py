@@ -100,8 +100,9 @@ def register(subparsers) -> None:
                    help="device copy bandwidth for copy ops (block-granular prefix hits, "
                         "copy-on-write), GB/s (default: half the GPU's memory bandwidth)")
     c.add_argument("--profile", metavar="FILE", default=None,
-                   help="a device profile from vmemkv calibrate in place of the roofline (its "
-                        "model replaces --model-preset and --gpu, the engine it timed gives the "
+                   help="a device profile from vmemkv calibrate in place of the roofline (it "
+                        "simulates its own model: --gpu and another --model-preset are "
+                        "refused; the engine it timed gives the "
                         "defaults of --policy, --page-size, --layout, --max-running, "
                         "--max-tokens-per-step and --max-len; default: the roofline)")
     c.add_argument("--h2d-gbps", type=bounded(float, 0, low_open=True),
@@ -163,9 +164,9 @@ def _workload_flags(w) -> None:
 
 
 def _deployment_flags(m) -> None:
-    m.add_argument("--model-preset", choices=sorted(MODELS), default="llama-3-8b",
+    m.add_argument("--model-preset", choices=sorted(MODELS), default="llama-3-8b", action=_Given,
                    help="the model's shapes and weight bytes for the cost model")
-    m.add_argument("--gpu", choices=sorted(DEVICES), default="h100",
+    m.add_argument("--gpu", choices=sorted(DEVICES), default="h100", action=_Given,
                    help="the GPU's bandwidth, FLOP/s and memory for the cost model")
     m.add_argument("--model", action=_Renamed, new="--model-preset",
                    why="elsewhere --model names a built-in model or a checkpoint")

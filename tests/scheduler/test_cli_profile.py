@@ -134,6 +134,8 @@ def test_a_profile_asking_for_an_absurd_engine_is_refused_not_built(profile, cap
      "--model-preset mistral-7b-v0.1 is not the model toy that --profile"),
     (["--gpu", "h200"], "--gpu h200 with --profile"),
     (["--model-preset", "phi-2", "--gpu", "h200"], "--model-preset phi-2 is not the model toy"),
+    (["--model-preset", "llama-3-8b"], "--model-preset llama-3-8b is not the model toy"),
+    (["--gpu", "h100"], "--gpu h100 with --profile"),       # given at their defaults
 ])
 def test_a_model_or_gpu_beside_a_profile_is_refused_by_flag_not_dropped(profile, capsys, flags,
                                                                         words):
