@@ -29,14 +29,16 @@ from .layout import CacheKind, PoolBacking
 KindCost = Tuple[Optional[int], int, Callable[[int], int]]
 
 
-def check_beam_group_fits(request, manager, *, max_running: int, growable: bool) -> None:
-    """RequestTooLargeError, naming the request, when its beam group could never run."""
+def check_beam_group_fits(request, manager, *, max_running: int,
+                          reach_bytes: Optional[int] = None) -> None:
+    """RequestTooLargeError, naming the request, when its beam group could never run: in the
+    pool as it is, or (``reach_bytes``: a pool a MemoryBudget resizes) grown to that size."""
     width, unit = request.beam_width, manager.fork_unit_tokens
     if width > max_running:
         raise RequestTooLargeError(
             f"request {request.request_id}: beam_width {width} exceeds the {max_running} "
             f"sequences a step runs (max_running)")
-    if request.max_tokens < 2 or not unit or growable or manager.cache_bytes == 0:
+    if request.max_tokens < 2 or not unit or manager.cache_bytes == 0:
         return
     layout = manager.layout()
     if layout.kind is CacheKind.PAGED:
@@ -45,6 +47,8 @@ def check_beam_group_fits(request, manager, *, max_running: int, growable: bool)
     else:
         geometry = layout.geometry
         pool, what, parts = layout.pool_pages - layout.released_pages, "pages", "layer kinds"
+        if reach_bytes is not None:
+            pool = min(layout.pool_pages, reach_bytes // geometry.page_bytes)
         kinds = _vmem_kinds(manager.kinds, geometry, layout.backing)
     prompt = request.prompt_len
     last = prompt + (request.max_tokens - 1 if request.runs_to_max_tokens else 1)
@@ -61,7 +65,8 @@ def check_beam_group_fits(request, manager, *, max_running: int, growable: bool)
             f"request {request.request_id}: a beam search of {width} beams over a {prompt}-token "
             f"prompt holds at least {need} {what} at {at}: {where}the whole {unit}-token units "
             f"before the newest token{read} once, then each beam's own copy of the newest; more "
-            f"than the cache's {pool} {what}")
+            f"than the cache's {pool} {what}"
+            f"{'' if reach_bytes is None else ' (the most its MemoryBudget share can hold)'}")
 
 
 def _one(fill: int) -> int:

@@ -103,6 +103,14 @@ class BudgetShare:
         return max(self.pressure_by.values(), default=0)
 
     @property
+    def reachable_bytes(self) -> int:
+        """The most this share can hold now: its max, less than the total by the other shares'
+        minimums (reserved for them even while they hold less)."""
+        with self.budget.lock:
+            others = sum(s.min_bytes for s in self.budget._shares.values() if s is not self)
+        return max(0, min(self.max_bytes, self.budget.total_bytes - others))
+
+    @property
     def _claim(self) -> int:
         """What the others cannot take: held and reserved bytes, at least the minimum."""
         return max(self.min_bytes, self.held_bytes + self.reserved_bytes)

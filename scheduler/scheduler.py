@@ -34,24 +34,27 @@ from .managers.base import MemoryManager
 from .metrics import SchedulerMetrics, gauges
 from .plan import PREEMPTION_MODES, ScheduledSeq, SchedulerConfig, StepPlan  # noqa: F401 (re-exported)
 from .request import Request, Sequence, SeqState
-from .lifecycle import Savepoint, StepTransactions, check_length, end_request, resize_pool
+from .lifecycle import Savepoint, StepTransactions, check_length, end_request
 from .beam_groups import BeamGroups
+from .pool_reach import PoolReach
 from .recording import StepRecording
 from .adapters import check_adapter_fits
 from .tables import TableTracker
 
 
-class Scheduler(StepTransactions, BeamGroups, StepRecording):
+class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
     """FCFS iteration-level scheduler. Owns every Sequence; the manager owns the memory. A beam
     request's sequences are a group (``beam_groups.py``: scheduled, preempted, admitted as one);
-    ``update`` records a step's samples (``recording.py``)."""
+    ``update`` records a step's samples (``recording.py``); the pool's size and how far it can
+    grow are ``pool_reach.py``'s."""
 
     def __init__(self, manager: MemoryManager, config: SchedulerConfig = SchedulerConfig(),
                  tables: Optional[TableTracker] = None):
         """``tables``: fills each plan's table edits for a real cache (None: the simulator)."""
         self.manager, self.config, self.tables = manager, config, tables
         self.max_seq_len = config.max_seq_len or manager.max_seq_len
-        self.growable = False           # True: a MemoryBudget resizes the pool step by step
+        self.growable = False           # True: a MemoryBudget resizes it (use_budget)
+        self.budget_share = None        # that budget's share: how far it can grow
         self.starved = False            # the last step admitted nothing into an idle pool
         self.max_fit_tokens = self.max_fit_bytes = 0
         self._refresh_capacity()
@@ -69,35 +72,6 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
         self._finished_ids: List[int] = []
         self._unfinished_samples: Dict[int, int] = {}   # request_id -> sequences not finished
         self._savepoint: Optional[Savepoint] = None   # open transaction (begin), else None
-
-    def _refresh_capacity(self) -> None:
-        self.total_tokens = total = self.manager.stats().total_tokens
-        # the longest sequence the manager could ever hold (a reservation may need more than the
-        # tokens it caches) and the pool's size, checked at submission; a pool a MemoryBudget
-        # resizes (``growable``) keeps the most it has held, which it grows back to on demand
-        fit, held = self.manager.max_sequence_tokens, self.manager.cache_bytes
-        if self.growable:
-            fit, held = max(fit, self.max_fit_tokens), max(held, self.max_fit_bytes)
-        self.max_fit_tokens, self.max_fit_bytes = fit, held
-        self.watermark_tokens = int(self.config.watermark * total)
-
-    @property
-    def max_fit_tokens_at_max(self) -> int:
-        """The longest sequence the pool could hold resized up to ``max_cache_bytes``;
-        ``max_fit_tokens`` where only a MemoryBudget resizes it (``growable``)."""
-        if self.growable:
-            return self.max_fit_tokens
-        return max(self.max_fit_tokens, self.manager.max_sequence_tokens_at_max)
-
-    def resize(self, cache_bytes: int, preempt: bool = False, check_fit: bool = True,
-               partial: bool = False):
-        """Set the manager's pool to ``cache_bytes`` (vmem only) and return the plan that does
-        it: grown at once; shrunk by giving back free, then unused, then cached pages, then
-        (``preempt``) preempting running sequences from the tail. CacheResizeError when it
-        cannot (bytes still held, unless ``partial``: then it shrinks as far as it can; or,
-        ``check_fit``, a live request that would no longer fit): call it inside a transaction
-        (``begin``, and the manager's) to undo that."""
-        return resize_pool(self, cache_bytes, preempt, check_fit, partial)
 
     # ---- submission ----------------------------------------------------------------------
     def add_request(self, request: Request) -> List[int]:
@@ -271,20 +245,6 @@ class Scheduler(StepTransactions, BeamGroups, StepRecording):
                     if alone and self._cannot_grow():      # way and preempt itself for ever
                         self._never_fits(seq, "cannot grow in a cache")
                     return False
-
-    def _cannot_grow(self) -> bool:
-        """The pool is as large as it will ever be (fixed, or a budget's at its max)."""
-        return not self.growable or self.manager.cache_bytes >= self.manager.max_cache_bytes
-
-    def _never_fits(self, seq: Sequence, what: str) -> None:
-        """RequestTooLargeError naming ``seq``'s request, which ``what`` with nothing else
-        running (a beam group in private memory after a preemption: each beam its own copy)."""
-        group = (f", one of the {seq.request.beam_width} beams of a beam search, which hold a "
-                 f"unit each and run together" if seq.beam_width else "")
-        raise RequestTooLargeError(
-            f"sequence {seq.seq_id} ({seq.length} tokens{group}) {what} of {self.total_tokens} tokens"
-            f"{' (its max)' if self.growable else ''} under policy {self.manager.name!r}",
-            request_id=seq.request.request_id)
 
     def _emit(self, plan: StepPlan, seq: Sequence, new: int) -> None:
         c = seq.num_computed

@@ -286,7 +286,7 @@ class SharedSimulator:
                 held = lane.manager.cache_bytes
                 lane.share = self.budget.register(name, min(int(config.min_fraction * total),
                                                             held), total, held)
-                lane.scheduler.growable = True   # admission waits for the budget to grow it
+                lane.scheduler.use_budget(lane.share)   # admission waits for it to grow
             self.lanes.append(lane)
         self.peak_held_bytes = self.held_bytes()
 

@@ -129,7 +129,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
             self._leave_budget()
             model.set_attn_implementation(self._model_attn)
             raise
-        self.scheduler.growable = share is not None   # a budget may grow it back
+        self.scheduler.use_budget(share)   # None: fixed; a budget grows it up to its reach
         if self.tp is None:        # with TP the ranks run shard copies; the model is untouched
             hold_vmemkv_attention(model, self._model_attn)
             self._holds_attention = True

@@ -318,13 +318,16 @@ def test_an_interrupt_at_calls_of_a_beam_search_drops_and_duplicates_nothing():
 
 
 @pytest.mark.parametrize("max_kib,prompt_len,new_tokens,status", [
-    (256, 30, 60, "finished"), (160, 40, 80, "finished"), (96, 40, 80, "failed")])
+    (256, 30, 60, "finished"), (160, 40, 80, "finished"), (112, 40, 80, "failed"),
+    (96, 40, 80, "refused")])
 def test_a_beam_group_on_a_memory_budget_grows_its_pool_to_come_back_or_fails_at_its_max(
         max_kib, prompt_len, new_tokens, status):
     """A group preempted out of shared memory comes back with each beam's own copy: on a pool a
     MemoryBudget resizes, its head fits alone but the group does not, and nothing runs. The
     budget grows the pool until the group fits (tokens as transformers'), or, at the pool's
-    max, the request fails alone. Before, the budget saw only the head, the pool stayed put
+    max, the request fails alone (at 96 KiB even the least the group holds, 28 pages, is past
+    the max: refused when added, as on a fixed pool). Before, the budget saw only the head, the
+    pool stayed put
     and the request waited for ever (2,000 steps at 96 KiB and 80 KiB of these maxes); then
     the budget's grow step (12 KiB of 96) was below the pool's (16 KiB, 4 pages), which
     rounded it to nothing (stuck at 64 KiB); and a group came back as private copies, which
@@ -337,6 +340,11 @@ def test_a_beam_group_on_a_memory_budget_grows_its_pool_to_come_back_or_fails_at
                 min_cache_bytes=32 * 1024, max_cache_bytes=max_kib * 1024, max_batch=8,
                 max_context=128, cache="vmem", layout="per-layer", page_bytes=4096,
                 preemption="recompute", check_integrity=True) as engine:
+        if status == "refused":
+            with pytest.raises(RequestRejectedError, match="more than the cache's 24 pages"):
+                engine.add_beam_request(prompt, params)
+            assert not engine.has_unfinished()
+            return
         rid = engine.add_beam_request(prompt, params)
         for _ in range(500):
             if not engine.has_unfinished():

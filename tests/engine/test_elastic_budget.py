@@ -210,3 +210,55 @@ def test_min_cache_bytes_past_the_cache_or_its_max_or_without_a_budget_is_refuse
     with pytest.raises(EngineConfigError, match=r"min_cache_bytes=4096 needs a memory_budget"):
         _engine(None, cache_bytes=64 * KiB, min_cache_bytes=4096)
     assert budget.held_bytes == 0
+
+
+def _beam_engines(first_only: bool = False):
+    """tiny-llama on a 64 KiB budget, 4 KiB pages per-layer (a page group: 16 KiB, 32 tokens);
+    a neighbour reserving 16 KiB leaves it 48 KiB, though its max is the whole budget."""
+    budget = MemoryBudget(64 * KiB, idle_release_s=0.0)
+    opts = dict(page_bytes=4096, max_context=128, self_check=False, min_cache_bytes=16 * KiB)
+    a = Engine(model("tiny-llama"), memory_budget=budget, cache_bytes=32 * KiB, **opts)
+    a.rebalance_memory()                                  # idle: down to its minimum
+    make_b = lambda: Engine(model("tiny-qwen2"), memory_budget=budget,    # noqa: E731
+                            cache_bytes=32 * KiB, **opts)
+    return budget, a, (make_b if first_only else make_b())
+
+
+def test_a_beam_group_past_what_the_neighbours_minimums_leave_is_refused_when_added():
+    """3 beams over 32 tokens need 4 page groups (64 KiB) from their first decode; the share
+    can reach 48. It was accepted (a growable pool skipped the check) and waited for ever,
+    holding 48 KiB, and the neighbour starved beside it."""
+    from vmemkv.runtime.engine import BeamSearchParams
+    from vmemkv.runtime.engine.errors import RequestRejectedError
+    budget, a, b = _beam_engines()
+    assert a.scheduler.reach_bytes == 48 * KiB
+    with pytest.raises(RequestRejectedError, match="the most its MemoryBudget share can hold"):
+        a.add_beam_request(list(range(1, 33)), BeamSearchParams(3, max_new_tokens=4,
+                                                                ignore_eos=True))
+    assert not a.has_unfinished()
+    rid = b.add_request(list(range(1, 41)), SamplingParams(max_new_tokens=10, ignore_eos=True))
+    for _ in range(50):
+        if not b.has_unfinished():
+            break
+        a.step()
+        b.step()
+    assert b.output(rid).status == "finished" and len(b.output(rid).outputs[0].token_ids) == 10
+
+
+def test_a_beam_group_the_reach_shrank_under_ends_failed_instead_of_waiting_for_ever():
+    """Added while the engine had the budget alone (it fitted 64 KiB), then a neighbour
+    registered with a 16 KiB minimum: the group can no longer grow by a token and ends
+    'failed' by name; the neighbour's request runs."""
+    from vmemkv.runtime.engine import BeamSearchParams
+    budget, a, make_b = _beam_engines(first_only=True)
+    rid = a.add_beam_request(list(range(1, 33)), BeamSearchParams(3, max_new_tokens=4,
+                                                                  ignore_eos=True))
+    b = make_b()
+    for _ in range(200):
+        if not a.has_unfinished():
+            break
+        a.step()
+        b.rebalance_memory()
+    out = a.output(rid)
+    assert out.status == "failed" and out.error.type == "RequestTooLargeError", out.error
+    assert a.scheduler.manager.stats().live_tokens == 0

@@ -1,0 +1,72 @@
+"""How large a scheduler's pool is and how far it can grow (a mixin over Scheduler): the
+capacity figures submission checks (``_refresh_capacity``), ``resize``, a MemoryBudget's reach
+(``use_budget``: the share's max, less the other shares' minimums) and the verdict on a sequence
+that cannot fit even with the pool grown as far as it can (``_never_fits``)."""
+from __future__ import annotations
+
+from .errors import RequestTooLargeError
+from .lifecycle import resize_pool
+from .request import Sequence
+
+
+class PoolReach:
+    """Mixed into Scheduler (its ``manager``, ``config``, ``growable``, ``budget_share``,
+    ``max_fit_tokens``, ``max_fit_bytes``)."""
+
+    def use_budget(self, share) -> None:
+        """A MemoryBudget ``share`` resizes the pool step by step: admission waits for it to
+        grow, up to ``reach_bytes`` (None: no budget, the pool stays as it is sized)."""
+        self.growable, self.budget_share = share is not None, share
+
+    def _refresh_capacity(self) -> None:
+        self.total_tokens = total = self.manager.stats().total_tokens
+        # the longest sequence the manager could ever hold (a reservation may need more than the
+        # tokens it caches) and the pool's size, checked at submission; a pool a MemoryBudget
+        # resizes (``growable``) keeps the most it has held, which it grows back to on demand
+        fit, held = self.manager.max_sequence_tokens, self.manager.cache_bytes
+        if self.growable:
+            fit, held = max(fit, self.max_fit_tokens), max(held, self.max_fit_bytes)
+        self.max_fit_tokens, self.max_fit_bytes = fit, held
+        self.watermark_tokens = int(self.config.watermark * total)
+
+    @property
+    def max_fit_tokens_at_max(self) -> int:
+        """The longest sequence the pool could hold resized up to ``max_cache_bytes``;
+        ``max_fit_tokens`` where only a MemoryBudget resizes it (``growable``)."""
+        if self.growable:
+            return self.max_fit_tokens
+        return max(self.max_fit_tokens, self.manager.max_sequence_tokens_at_max)
+
+    def resize(self, cache_bytes: int, preempt: bool = False, check_fit: bool = True,
+               partial: bool = False):
+        """Set the manager's pool to ``cache_bytes`` (vmem only) and return the plan that does
+        it: grown at once; shrunk by giving back free, then unused, then cached pages, then
+        (``preempt``) preempting running sequences from the tail. CacheResizeError when it
+        cannot (bytes still held, unless ``partial``: then it shrinks as far as it can; or,
+        ``check_fit``, a live request that would no longer fit): call it inside a transaction
+        (``begin``, and the manager's) to undo that."""
+        return resize_pool(self, cache_bytes, preempt, check_fit, partial)
+
+    @property
+    def reach_bytes(self) -> int:
+        """The most the pool can grow to now: its max, and on a budget what the other shares'
+        minimums leave (a share's max defaults to the whole budget)."""
+        limit = self.manager.max_cache_bytes
+        return limit if self.budget_share is None else \
+            min(limit, self.budget_share.reachable_bytes)
+
+    def _cannot_grow(self) -> bool:
+        """The pool is as large as it can grow (fixed, or a budget's at its reach)."""
+        return not self.growable or \
+            self.manager.cache_bytes + self.manager.resize_step_bytes > self.reach_bytes
+
+    def _never_fits(self, seq: Sequence, what: str) -> None:
+        """RequestTooLargeError naming ``seq``'s request, which ``what`` with nothing else
+        running (a beam group in private memory after a preemption: each beam its own copy)."""
+        group = (f", one of the {seq.request.beam_width} beams of a beam search, which hold a "
+                 f"unit each and run together" if seq.beam_width else "")
+        raise RequestTooLargeError(
+            f"sequence {seq.seq_id} ({seq.length} tokens{group}) {what} of {self.total_tokens} tokens"
+            f"{' (its max)' if self.growable else ''} under policy {self.manager.name!r}",
+            request_id=seq.request.request_id)
+
