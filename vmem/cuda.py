@@ -29,6 +29,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Sequence
 
+from . import checks
 from .dlpack import DLPACK_CUDA, tensor_at
 from .driver import Driver
 from .errors import ClosedError, DriverCallError, DriverUnavailableError
@@ -166,19 +167,20 @@ class CudaDriver(Driver):
         return int(free)
 
     def reserve(self, size_bytes: int) -> int:
-        self.check_page_bytes(size_bytes)
+        size_bytes = self.check_bytes(size_bytes, "reserve size_bytes")
         with self._with_context():
             address = self._check("cuMemAddressReserve",
                                   self._cu.cuMemAddressReserve(size_bytes, self._granularity, 0, 0))
         return int(address)
 
     def free_reservation(self, address: int, size_bytes: int) -> None:
+        size_bytes = self.check_bytes(size_bytes, "free_reservation size_bytes")
         with self._with_context():
             self._check("cuMemAddressFree", self._cu.cuMemAddressFree(address, size_bytes))
 
     def create_pages(self, num_pages: int, page_bytes: int,
                      discarded: bool = False) -> Sequence[Any]:
-        self.check_page_bytes(page_bytes)
+        num_pages, page_bytes = self._check_pages(num_pages, page_bytes)
         if discarded:                # nothing to name yet: recreate_pages makes real ones
             return [None] * num_pages
         handles = []
@@ -204,6 +206,7 @@ class CudaDriver(Driver):
         return self.create_pages(len(handles), page_bytes)
 
     def map(self, address: int, handle: Any, page_bytes: int) -> None:
+        page_bytes = self.check_bytes(page_bytes)
         with self._with_context():
             self._check("cuMemMap", self._cu.cuMemMap(address, page_bytes, 0, handle, 0))
             try:
@@ -229,6 +232,7 @@ class CudaDriver(Driver):
         return self._credits
 
     def unmap(self, address: int, page_bytes: int) -> None:
+        page_bytes = self.check_bytes(page_bytes)
         credit = self._unmap_credit()
         left = getattr(credit, "left", 0)
         # an unmap while an exception is handled is a rollback: it may undo pages kernels
@@ -242,6 +246,7 @@ class CudaDriver(Driver):
 
     def tensor(self, address: int, num_bytes: int, on_release=None):
         import torch
+        num_bytes = checks.check_count(num_bytes, "tensor takes num_bytes", most=checks.MAX_BYTES)
         self._check_not_forked()
         if num_bytes == 0:
             return torch.empty(0, dtype=torch.uint8, device=self.device)

@@ -2,16 +2,16 @@
 
 A driver is stateless bookkeeping-wise: it hands out raw addresses and physical-page handles
 and never remembers what is mapped where (``PagePool`` and ``VirtualRange`` do). Addresses are
-ints; sizes and offsets are bytes and must be multiples of ``granularity_bytes``.
+ints; sizes and offsets are bytes and must be multiples of ``granularity_bytes``, at most
+``checks.MAX_BYTES`` (2**47), checked as ints before any system or CUDA call (``check_bytes``).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from typing import Any, Sequence
 
-from . import forks
-from .errors import (AlignmentError, DriverUnavailableError, InsufficientMemoryError,
-                     VMemConfigError)
+from . import checks, forks
+from .errors import DriverUnavailableError, InsufficientMemoryError, VMemConfigError
 
 __all__ = ["Driver", "open_driver", "available_drivers"]
 
@@ -139,13 +139,21 @@ class Driver(ABC):
     def close(self) -> None:
         """Release driver-wide resources (ranges and pools are closed by their owners)."""
 
-    def check_page_bytes(self, page_bytes: int) -> None:
-        """Raise AlignmentError unless ``page_bytes`` is a positive multiple of the granularity."""
-        gran = self.granularity_bytes
-        if not isinstance(page_bytes, int) or page_bytes <= 0 or page_bytes % gran:
-            raise AlignmentError(
-                f"page size {page_bytes!r} bytes is not a positive multiple of the "
-                f"{self.name} driver's granularity of {gran} bytes")
+    def check_bytes(self, value, name: str = "page_bytes") -> int:
+        """``value`` as an int: a positive multiple of the granularity, at most
+        ``checks.MAX_BYTES`` (VMemConfigError past it or not an int, AlignmentError off the
+        granularity), the error naming ``name``. Every size a driver call takes is checked
+        here before any system or CUDA call."""
+        return checks.check_bytes(value, name, self.granularity_bytes, self.name)
+
+    def _check_pages(self, num_pages, page_bytes) -> tuple[int, int]:
+        """``create_pages``' arguments as ints: a count >= 0 and a page size (``check_bytes``),
+        together at most ``checks.MAX_BYTES``."""
+        num_pages = checks.check_count(num_pages, "create_pages takes num_pages")
+        page_bytes = self.check_bytes(page_bytes)
+        checks.check_ceiling(num_pages * page_bytes, f"create_pages of {num_pages} pages of "
+                                                     f"{page_bytes} bytes:")
+        return num_pages, page_bytes
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device!r}, granularity_bytes={self.granularity_bytes})"

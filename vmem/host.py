@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
+from . import checks
 from .dlpack import DLPACK_CPU, tensor_at
 from .driver import Driver
 from .errors import DriverCallError, DriverUnavailableError
@@ -129,18 +130,19 @@ class HostDriver(Driver):
         return result
 
     def reserve(self, size_bytes: int) -> int:
-        self.check_page_bytes(size_bytes)
+        size_bytes = self.check_bytes(size_bytes, "reserve size_bytes")
         return self._mmap("reserve", None, size_bytes, PROT_NONE,
                           MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
 
     def free_reservation(self, address: int, size_bytes: int) -> None:
+        size_bytes = self.check_bytes(size_bytes, "free_reservation size_bytes")
         if self._libc.munmap(address, size_bytes) != 0:
             errno = ctypes.get_errno()
             raise DriverCallError(f"free_reservation: munmap failed: {os.strerror(errno)}")
 
     def create_pages(self, num_pages: int, page_bytes: int,
                      discarded: bool = False) -> Sequence[HostPage]:
-        self.check_page_bytes(page_bytes)
+        num_pages, page_bytes = self._check_pages(num_pages, page_bytes)
         self._check_not_forked()
         try:
             fd = os.memfd_create("vmemkv-pages", os.MFD_CLOEXEC)
@@ -165,6 +167,7 @@ class HostDriver(Driver):
             os.close(fd)
 
     def discard_pages(self, handles: Sequence[HostPage], page_bytes: int) -> None:
+        page_bytes = self.check_bytes(page_bytes)
         self._check_not_forked()
         for page in handles:
             self._punch(page, page_bytes)
@@ -178,6 +181,7 @@ class HostDriver(Driver):
                                   f"{os.strerror(errno)} (errno {errno})")
 
     def recreate_pages(self, handles: Sequence[HostPage], page_bytes: int) -> Sequence[HostPage]:
+        page_bytes = self.check_bytes(page_bytes)
         self._check_not_forked()
         done: list[HostPage] = []
         try:
@@ -192,10 +196,12 @@ class HostDriver(Driver):
         return list(handles)
 
     def map(self, address: int, handle: HostPage, page_bytes: int) -> None:
+        page_bytes = self.check_bytes(page_bytes)
         self._mmap("map", address, page_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
                    handle.fd, handle.offset_bytes)
 
     def unmap(self, address: int, page_bytes: int) -> None:
+        page_bytes = self.check_bytes(page_bytes)
         self._mmap("unmap", address, page_bytes, PROT_NONE,
                    MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
 
@@ -212,6 +218,7 @@ class HostDriver(Driver):
                 pass
 
     def tensor(self, address: int, num_bytes: int, on_release=None):
+        num_bytes = checks.check_count(num_bytes, "tensor takes num_bytes", most=checks.MAX_BYTES)
         self._check_not_forked()
         if num_bytes == 0:
             import torch

@@ -23,9 +23,9 @@ from collections import Counter
 from typing import Any, Iterable, Optional, Union
 
 from . import forks
+from .checks import check_count
 from .driver import Driver
-from .errors import (ClosedError, InsufficientMemoryError, PageStateError, PoolExhaustedError,
-                     VMemConfigError)
+from .errors import ClosedError, InsufficientMemoryError, PageStateError, PoolExhaustedError
 from .host import address_space_left_bytes, meminfo_bytes
 
 MIN_GROWTH_PAGES = 16
@@ -44,10 +44,10 @@ class PagePool:
 
     def __init__(self, driver: Driver, num_pages: int, page_bytes: int, grow: bool = False,
                  committed_pages: Optional[int] = None) -> None:
-        _check_count(num_pages, "a page pool needs num_pages", least=1)
+        num_pages = check_count(num_pages, "a page pool needs num_pages", least=1)
         kept = num_pages if committed_pages is None else committed_pages
-        _check_count(kept, "committed_pages must be None or", most=num_pages)
-        driver.check_page_bytes(page_bytes)
+        kept = check_count(kept, "committed_pages must be None or", most=num_pages)
+        page_bytes = driver.check_bytes(page_bytes)
         _check_records(num_pages)     # before any list of num_pages is built
         self.driver = driver
         self.page_bytes = page_bytes
@@ -157,7 +157,7 @@ class PagePool:
         """Take ``num_pages`` free pages (all or none)."""
         with self._lock:
             self._check_usable()
-            _check_count(num_pages, "allocate takes a page count")
+            num_pages = check_count(num_pages, "allocate takes a page count")
             if num_pages > len(self._free):
                 raise PoolExhaustedError(f"page pool exhausted: asked for {num_pages} pages, "
                                          f"{len(self._free)} of {self.total_pages} free")
@@ -228,7 +228,7 @@ class PagePool:
         available memory (InsufficientMemoryError, nothing added); ``grow`` on first mapping."""
         with self._lock:
             self._check_usable()
-            _check_count(num_pages, "extend takes a page count")
+            num_pages = check_count(num_pages, "extend takes a page count")
             _check_records(num_pages)     # before any list of num_pages is built
             new = list(range(self.total_pages, self.total_pages + num_pages))
             if new and not self.grow:
@@ -360,13 +360,6 @@ class PagePool:
         return (f"PagePool(page_bytes={self.page_bytes}, total={self.total_pages}, "
                 f"committed={self.committed_pages}, discarded={self.discarded_pages}, "
                 f"free={self.free_pages}, mapped={self.mapped_pages})")
-
-
-def _check_count(num_pages: int, what: str, least: int = 0, most: Optional[int] = None) -> None:
-    if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < least \
-            or (most is not None and num_pages > most):
-        raise VMemConfigError(f"{what} {f'>= {least}' if most is None else f'in {least}..{most}'}"
-                              f", got {num_pages!r}")
 
 
 def _check_unmapped(page_id: int, counts: Counter) -> None:

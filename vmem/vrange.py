@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from . import forks
+from .checks import MAX_BYTES, as_int
 from .errors import (AlignmentError, AlreadyMappedError, ClosedError, NotMappedError,
                      PageIndexError, VMemConfigError, VMemError)
 from .pool import PagePool
@@ -32,13 +33,11 @@ class VirtualRange:
     """``size_bytes`` (rounded up to whole pages) of reserved address space on ``pool``'s driver."""
 
     def __init__(self, pool: PagePool, size_bytes: int) -> None:
-        if not isinstance(size_bytes, int) or size_bytes < 1:
-            raise VMemConfigError(f"a virtual range needs size_bytes >= 1, got {size_bytes!r}")
+        self.num_pages = _page_count(size_bytes, pool.page_bytes)
         pool._check_usable()
         self.pool = pool
         self.driver = pool.driver
         self.page_bytes = pool.page_bytes
-        self.num_pages = -(-size_bytes // self.page_bytes)
         self.size_bytes = self.num_pages * self.page_bytes
         self._lock = pool._lock
         self._mapped: dict[int, int] = {}  # page index -> pool page id
@@ -286,3 +285,18 @@ class VirtualRange:
     def __repr__(self) -> str:
         return (f"VirtualRange(address={self.address:#x}, size_bytes={self.size_bytes}, "
                 f"page_bytes={self.page_bytes}, mapped={len(self._mapped)}/{self.num_pages})")
+
+
+def _page_count(size_bytes, page_bytes: int) -> int:
+    """Whole pages of ``page_bytes`` covering ``size_bytes``; VMemConfigError naming it unless
+    it is an int >= 1 whose pages span at most ``MAX_BYTES`` (vmem/checks.py)."""
+    try:
+        size = as_int(size_bytes, "size_bytes")
+    except VMemConfigError:
+        size = 0
+    pages = -(-size // page_bytes)
+    if size < 1 or pages * page_bytes > MAX_BYTES:
+        raise VMemConfigError(f"a virtual range needs size_bytes >= 1 and, in whole pages of "
+                              f"{page_bytes} bytes, at most {MAX_BYTES} (128 TiB, the address "
+                              f"space vmem allows), got {size_bytes!r}")
+    return pages
