@@ -96,12 +96,15 @@ class Driver(ABC):
         """A zero-copy uint8 torch tensor over ``num_bytes`` at ``address``; ``on_release()``
         is called once when the last tensor sharing its storage dies (vmem/dlpack.py)."""
 
-    def detach(self, address: int, handle: Any, page_bytes: int) -> bool:
-        """Make the mapping of ``handle`` at ``address`` this process's own copy, readable and
-        writable, no longer showing or changing the pool page: True when done (host: a private
-        copy-on-write mapping of the page), False when the driver cannot (default, and CUDA:
-        the address still maps the pool page). Used for views that outlive their range and in
-        a forked child."""
+    def detach(self, address: int, handle: Any, page_bytes: int, copy: bool = True) -> bool:
+        """Make the mapping of ``handle`` at ``address`` this process's own, readable and
+        writable, never changing the pool page again: True when done, False when the driver
+        cannot (default, and CUDA: the address still maps the pool page).
+        ``copy=True`` (a view outliving its range): the page's bytes as they are now, in memory
+        of the address's own, so what the pool page holds later never shows there (host: a
+        copy moved over the address by one mremap). ``copy=False`` (a forked child, where
+        copying every page would double the cache): copy-on-write, the pool page shows through
+        until the address is written (host: a private mapping of the memfd page)."""
         return False
 
     def close_inherited(self, handles: Sequence[Any]) -> None:

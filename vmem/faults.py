@@ -145,8 +145,8 @@ class FaultInjectingDriver(Driver):
     def tensor(self, address: int, num_bytes: int, on_release=None):
         return self.inner.tensor(address, num_bytes, on_release=on_release)
 
-    def detach(self, address: int, handle: Any, page_bytes: int) -> bool:
-        detached = self.inner.detach(address, handle, page_bytes)
+    def detach(self, address: int, handle: Any, page_bytes: int, copy: bool = True) -> bool:
+        detached = self.inner.detach(address, handle, page_bytes, copy)
         if detached:             # no longer a mapping of a pool page
             with self._lock:
                 self._mapped.discard(address)

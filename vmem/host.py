@@ -8,8 +8,10 @@
     map            mmap(addr, page, PROT_READ|PROT_WRITE, MAP_SHARED|MAP_FIXED, memfd, offset)
     unmap          mmap(addr, page, PROT_NONE, MAP_FIXED|MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)
     free range     munmap(addr, size)
-    detach         mmap(addr, page, PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_FIXED, memfd, offset):
-                   copy-on-write, the pool page is never written through it again
+    detach         copy: the page's bytes copied into fresh anonymous memory, moved over addr
+                   by mremap(MREMAP_FIXED) (one step: the address never shows anything else);
+                   in a forked child, mmap(addr, page, PROT_READ|PROT_WRITE,
+                   MAP_PRIVATE|MAP_FIXED, memfd, offset): copy-on-write, nothing copied
     tensor         a DLPack capsule naming the CPU (vmem/dlpack.py), zero copy
 
 Unmapping replaces the page with a fresh PROT_NONE reservation rather than calling munmap, so the
@@ -34,6 +36,7 @@ PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
 MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANONYMOUS, MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
 MAP_FAILED = ctypes.c_void_p(-1).value
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+MREMAP_MAYMOVE, MREMAP_FIXED = 0x1, 0x2
 
 
 def host_unavailable_reason() -> str | None:
@@ -76,6 +79,9 @@ def _load_libc() -> ctypes.CDLL:
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                           ctypes.c_int, ctypes.c_long]
+    libc.mremap.restype = ctypes.c_void_p
+    libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int,
+                            ctypes.c_void_p]
     libc.munmap.restype = ctypes.c_int
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.fallocate.restype = ctypes.c_int
@@ -205,9 +211,24 @@ class HostDriver(Driver):
         self._mmap("unmap", address, page_bytes, PROT_NONE,
                    MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
 
-    def detach(self, address: int, handle: HostPage, page_bytes: int) -> bool:
-        self._mmap("detach", address, page_bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED,
-                   handle.fd, handle.offset_bytes)
+    def detach(self, address: int, handle: HostPage, page_bytes: int, copy: bool = True) -> bool:
+        page_bytes = self.check_bytes(page_bytes)
+        if not copy:
+            self._mmap("detach", address, page_bytes, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_FIXED, handle.fd, handle.offset_bytes)
+            return True
+        # A private mapping of the memfd would still show the page where it was never
+        # written: the next owner's bytes, or zeros after a discard. So copy, then move.
+        scratch = self._mmap("detach", None, page_bytes, PROT_READ | PROT_WRITE,
+                             MAP_PRIVATE | MAP_ANONYMOUS)
+        ctypes.memmove(scratch, address, page_bytes)
+        moved = self._libc.mremap(scratch, page_bytes, page_bytes,
+                                  MREMAP_MAYMOVE | MREMAP_FIXED, address)
+        if moved != address:
+            errno = ctypes.get_errno()
+            self._libc.munmap(scratch, page_bytes)
+            raise DriverCallError(f"detach: mremap({page_bytes} bytes) failed: "
+                                  f"{os.strerror(errno)} (errno {errno})")
         return True
 
     def close_inherited(self, handles: Sequence[HostPage]) -> None:

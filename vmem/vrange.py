@@ -13,9 +13,11 @@ A view may outlive the range. The range counts its live views (each view's DLPac
 tells it when the last tensor on that storage dies, vmem/dlpack.py); ``close()`` with views
 alive *retires* it: the pages go back to the pool's counts at once, but the address range stays
 reserved and each mapped page stays readable, detached from the pool page where the driver can
-(host: a private copy-on-write mapping, so a stale view never writes a page the pool hands out
-again; CUDA: it still shows the pool page), and the reservation is freed when the last view
-dies. So a tensor read after ``close()`` sees the bytes it held, never a segfault.
+(host: a copy of the page's bytes moved over its address, so a stale view neither sees nor
+writes what the pool page holds for its next owner, nor the zeros of a discard; it costs that
+memory until the last view dies; CUDA: it still shows the pool page), and the reservation is
+freed when the last view dies. So a tensor read after ``close()`` sees the bytes it held, never
+a segfault.
 Threads: the pool's lock guards every call (vmem/pool.py). Fork: vmem/forks.py.
 """
 from __future__ import annotations
@@ -224,7 +226,7 @@ class VirtualRange:
         last view dies (pages the driver cannot detach stay listed, to unmap then)."""
         aliased = []
         for page_index, page_id in sorted(self._mapped.items()):
-            if detach and not self._detach(page_index, page_id):
+            if detach and not self._detach(page_index, page_id, copy=True):
                 aliased.append(page_index)
         self._mapped.clear()                  # the pool counts no mapping of them any more
         if self._views:
@@ -232,10 +234,10 @@ class VirtualRange:
         else:
             self._free_retired(aliased)
 
-    def _detach(self, page_index: int, page_id: int) -> bool:
+    def _detach(self, page_index: int, page_id: int, copy: bool) -> bool:
         try:
             return self.driver.detach(self._page_address(page_index),
-                                      self.pool._handle_of(page_id), self.page_bytes)
+                                      self.pool._handle_of(page_id), self.page_bytes, copy)
         except VMemError:   # out of mappings, say: the page stays as it is, unmapped at the end
             return False
 
@@ -253,7 +255,7 @@ class VirtualRange:
         """vmem/forks.py: detach every mapped page from the parent's; refuse page uses."""
         self._forked = True
         for page_index, page_id in self._mapped.items():
-            self._detach(page_index, page_id)
+            self._detach(page_index, page_id, copy=False)
 
     @property
     def closed(self) -> bool:

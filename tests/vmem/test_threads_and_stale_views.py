@@ -141,3 +141,32 @@ def test_views_read_after_close_see_their_bytes_and_never_segfault():
     """In a forked child: on main this read segfaults, which must fail this test, not the run."""
     pytest.importorskip("transformers")
     assert child_result(*in_child(_read_after_close)) == "'ok'"
+
+
+def test_a_view_kept_after_close_reads_its_own_bytes_whatever_the_page_holds_next():
+    """close() with a view alive remapped each page private over the memfd without copying,
+    so a page the view had never written after close still showed the pool page: the next
+    owner's bytes, then zeros once discarded. Now the view holds a copy taken at close()."""
+    driver = vmem.open_driver("host")
+    with vmem.PagePool(driver, 1, PAGE) as pool:
+        (page,) = pool.allocate(1)
+        old = vmem.VirtualRange(pool, 2 * PAGE)
+        old.map(1, page)
+        view = old.tensor(PAGE, PAGE)
+        view.fill_(0xAA)                     # written through the shared page, before close
+        old.close()
+        assert old.live_views == 1 and pool.mapping_count(page) == 0
+        pool.release(page)
+        (again,) = pool.allocate(1)
+        with vmem.VirtualRange(pool, PAGE) as new:
+            new.map(0, again)                # the next owner of the same pool page
+            new.tensor(0, PAGE).fill_(0x55)
+            assert view.eq(0xAA).all()
+            view[:8] = 1                     # and the view's writes stay its own
+            assert new.tensor(0, PAGE).eq(0x55).all()
+            new.unmap(0)
+        pool.discard(again)                  # the page's memory given back
+        assert view[8:].eq(0xAA).all() and view[:8].eq(1).all()
+        del view
+        assert old.live_views == 0
+        pool.release(again)
