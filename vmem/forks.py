@@ -15,6 +15,8 @@ of a parent's range would write the parent's KV. ``os.register_at_fork`` runs, a
                     and every driver, pool and range refuses what touches pages or mappings
                     (``ForkedError``); bookkeeping queries, ``release`` and ``close`` still work
                     and free only the child's copies
+    in a grandchild nothing more: its parent cut them off already, and the fd numbers of
+                    the memfds it closed may name its other files now
 
 The parent is never affected: the child's views read the pages as they are until the child
 writes one (then that page is the child's own).

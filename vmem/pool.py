@@ -325,7 +325,10 @@ class PagePool:
             pass
 
     def _after_fork_in_child(self) -> None:
-        """vmem/forks.py: drop the child's copies of the page files; refuse page uses."""
+        """vmem/forks.py: drop the child's copies of the page files; refuse page uses. Once:
+        in a fork from a forked child the fd numbers may name the child's other files now."""
+        if self._forked:
+            return
         self._forked = True
         if not self._closed:
             for batch in self._batches:

@@ -252,7 +252,11 @@ class VirtualRange:
             pass
 
     def _after_fork_in_child(self) -> None:
-        """vmem/forks.py: detach every mapped page from the parent's; refuse page uses."""
+        """vmem/forks.py: detach every mapped page from the parent's; refuse page uses. Once:
+        a fork from a forked child finds the pages detached, their memfds closed (the fd
+        numbers may name other files by then)."""
+        if self._forked:
+            return
         self._forked = True
         for page_index, page_id in self._mapped.items():
             self._detach(page_index, page_id, copy=False)

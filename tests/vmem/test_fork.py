@@ -116,3 +116,48 @@ def test_an_engine_forked_mid_generation_keeps_the_parents_tokens(tmp_path):
             engine.run_until_done()
             assert engine.output(rid).outputs[0].token_ids == solo, f"child_first={child_first}"
             os.close(go_read), os.close(go_write)
+
+
+def memfd_fds() -> set:
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.add(int(fd)) if "memfd:vmemkv-pages" in os.readlink(f"/proc/self/fd/{fd}") else None
+        except OSError:
+            pass
+    return found
+
+
+def test_a_fork_from_a_forked_child_never_closes_or_maps_the_childs_other_files(tmp_path):
+    """The child closes its copies of the pool's memfds at the fork; a grandchild forked from it
+    closed those fd numbers again, by then another file of the child's, and remapped the stale
+    range over that file. Now a pool and a range are cut off once, in the first child."""
+    before = memfd_fds()
+    driver = vmem.open_driver("host")
+    pool = vmem.PagePool(driver, 1, PAGE)
+    (memfd,) = memfd_fds() - before
+    rng = vmem.VirtualRange(pool, PAGE)
+    rng.map(0, pool.allocate(1)[0])
+    log = tmp_path / "child.log"
+
+    def grandchild():
+        with open("/proc/self/maps") as maps:
+            at_range = [line for line in maps if int(line.split("-")[0], 16) == rng.address]
+        try:
+            inode = os.fstat(memfd).st_ino
+        except OSError:                             # closed by the grandchild's fork
+            inode = None
+        return inode, str(log) in "".join(at_range)
+
+    def child():
+        fd = os.open(log, os.O_RDWR | os.O_CREAT)    # a file of the child's, at the memfd's number
+        if fd != memfd:
+            os.dup2(fd, memfd)
+            os.close(fd)
+        inode = os.fstat(memfd).st_ino
+        seen = child_result(*in_child(grandchild))
+        return seen == repr((inode, False)), seen, os.fstat(memfd).st_ino == inode
+    assert child_result(*in_child(child)).startswith("(True,")
+    rng.close()
+    pool.release(0)
+    pool.close()
