@@ -53,10 +53,13 @@ def step_figures(manager: MemoryManager, running: int) -> tuple:
     memory counts as free, as the engine's metrics count it)."""
     stats = manager.stats()
     held = stats.live_tokens + stats.end_waste_tokens
+    # waste in whole tokens (every layer's bytes): a paged hybrid's stats count block-group
+    # tokens, one per group, which read as tokens were the groups' count times too many
+    waste = stats.end_waste_tokens * stats.bytes_per_token / manager.bytes_per_token
     return (stats.live_tokens / stats.allocated_tokens if stats.allocated_tokens else 1.0,
             stats.live_tokens / held if held else 1.0,
             manager.kv_cache_usage(),
-            stats.end_waste_tokens / running if running else 0.0)
+            waste / running if running else 0.0)
 
 
 class AdapterSums:

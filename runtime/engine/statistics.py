@@ -60,7 +60,7 @@ class EngineStatistics:
             num_preemptions=m.num_preemptions - b["pre"], num_swap_preemptions=m.num_swap_preemptions - b["swap"],
             recomputed_tokens=m.recomputed_tokens - b["rec"],
             kv_usage_mean=sum(usage) / len(usage) if usage else 0.0, kv_usage_peak=max(usage, default=0.0),
-            cache_bytes=self.kv.manager.stats().total_tokens * self.cache_config.bytes_per_token,
+            cache_bytes=self._pool_bytes(),
             computed_tokens=self._computed_tokens - b["computed"],
             prefix_cache_queries=self.kv.manager.prefix_queries - b["pq"],
             prefix_cache_hits=self.kv.manager.prefix_hits - b["ph"],
@@ -69,6 +69,12 @@ class EngineStatistics:
             lora_adapter_pages=lora.pages,
             ttft_s=m.ttft_s.since(b["ttft"]), itl_s=m.itl_s.since(b["itl"]),
             serving=serving_report(request_timings(outputs)) if outputs else {}, **phases)
+
+    def _pool_bytes(self) -> int:
+        """The pool's bytes as its stats count them (a paged hybrid's: block-group tokens at a
+        group's bytes; it was counted at a whole token's, the layers over)."""
+        stats = self.kv.manager.stats()
+        return stats.total_tokens * stats.bytes_per_token
 
     @property
     def tp_comm_s(self) -> float:

@@ -102,6 +102,17 @@ class MemoryManager(ABC):
         resizes: the same)."""
         return self.max_sequence_tokens
 
+    def pool_units(self, cache_bytes: int) -> int:
+        """The pool's units (paged blocks, vmem pages: what a ``fork_unit_tokens`` unit is
+        counted in) ``cache_bytes`` buys, at most the pool's max (0: no such units)."""
+        return 0
+
+    @property
+    def pool_sequence_tokens(self) -> int:
+        """Tokens of one sequence the pool holds now, whole in every layer (not capped by
+        ``max_seq_len``; a paged hybrid's ``stats`` count tokens of one block group)."""
+        return self.stats().total_tokens
+
     @property
     def pages_per_map_op(self) -> int:
         """Physical pages a whole page group's mapping maps (the cost model charges map latency
@@ -343,8 +354,10 @@ class MemoryManager(ABC):
     # -- elastic memory (vmem only; the others refuse by name) --
     @property
     def cache_bytes(self) -> int:
-        """Bytes of device memory the pool may use now (what ``resize`` last set)."""
-        return self.stats().total_tokens * self.bytes_per_token
+        """Bytes of device memory the pool may use now (what ``resize`` last set; a paged
+        hybrid's stats count tokens of one block group, at that group's bytes)."""
+        stats = self.stats()
+        return stats.total_tokens * stats.bytes_per_token
 
     @property
     def max_cache_bytes(self) -> int:

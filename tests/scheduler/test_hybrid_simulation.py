@@ -84,3 +84,10 @@ def test_the_scheduler_finishes_everything_over_a_hybrid_manager(preemption, sha
     s = drive_hybrid_workload(m, preemption, share)
     assert s.metrics.num_finished_requests == 30 and s.metrics.num_preemptions > 0
     assert m.stats().live_tokens == 0 and m.bound_pages <= m.pool_pages
+
+
+def test_paged_end_waste_is_in_whole_tokens_below_a_block_per_sequence(runs):
+    """A paged hybrid's stats count block-group tokens (one per group); the end waste was read
+    as whole tokens, 62 groups' worth per sequence (232.5 tokens per sequence of 16-token
+    blocks). In whole tokens a sequence wastes under a block."""
+    assert 0 < runs["paged"].mean_end_waste_tokens < 16
