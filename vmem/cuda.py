@@ -29,7 +29,7 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Sequence
 
-from . import checks
+from . import checks, commits
 from .dlpack import DLPACK_CUDA, tensor_at
 from .driver import Driver
 from .errors import ClosedError, DriverCallError, DriverUnavailableError
@@ -78,6 +78,7 @@ class CudaDriver(Driver):
         """Keep the bindings module and build the allocation and access descriptors for
         device ``index`` (pinned device memory, read/write for this device). No driver call."""
         self._cu, self._index = cu, index
+        self.recent_commits = commits.of_device(f"cuda:{index}")
         self._prop = cu.CUmemAllocationProp()
         self._prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
         self._prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE

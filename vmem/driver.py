@@ -8,12 +8,13 @@ ints; sizes and offsets are bytes and must be multiples of ``granularity_bytes``
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
-from . import checks, forks
+from . import checks, commits, forks
 from .errors import DriverUnavailableError, InsufficientMemoryError, VMemConfigError
 
 __all__ = ["Driver", "open_driver", "available_drivers"]
+Made = TypeVar("Made")
 
 
 class Driver(ABC):
@@ -29,6 +30,10 @@ class Driver(ABC):
 
     def __new__(cls, *args, **kwargs):
         driver = super().__new__(cls)
+        # what this process committed lately that available_bytes() may not show yet: this
+        # driver's own unless it shares a memory's (HostDriver, CudaDriver); tests put one
+        # with their own clock here
+        driver.recent_commits = commits.RecentCommits()
         forks.track_driver(driver)
         return driver
 
@@ -128,16 +133,29 @@ class Driver(ABC):
         CUDA: the device's free memory), None when unknown. Pools check it before creating."""
         return None
 
-    def check_available(self, num_pages: int, page_bytes: int, verb: str = "creating") -> None:
-        """InsufficientMemoryError (both sizes in bytes) unless ``num_pages`` pages of
-        ``page_bytes`` fit in ``available_bytes()``; nothing when that is unknown."""
+    def commit(self, num_pages: int, page_bytes: int, create: Callable[[], Made],
+               verb: str = "creating") -> Made:
+        """``create()`` (the driver call that commits ``num_pages`` pages of ``page_bytes``)
+        once they fit in ``available_bytes()`` less ``recent_commits``' unseen bytes, else
+        InsufficientMemoryError (both sizes in bytes) and nothing created; unchecked when the
+        available memory is unknown. Reading, check and commit hold the process-wide commit
+        lock (vmem/commits.py): two pools at once never both pass against the same memory."""
         need = num_pages * page_bytes
-        available = self.available_bytes()
-        if available is not None and need > available:
-            raise InsufficientMemoryError(
-                f"{verb} {num_pages} pages of {page_bytes} bytes needs {need} bytes "
-                f"({need / 2**30:.2f} GiB) but the {self.name} driver reports only "
-                f"{available} bytes ({available / 2**30:.2f} GiB) available; ask for fewer pages")
+        with commits.LOCK:
+            available = self.available_bytes()
+            if available is not None:
+                unseen = self.recent_commits.unseen(available)
+                if need > available - unseen:
+                    raise InsufficientMemoryError(
+                        f"{verb} {num_pages} pages of {page_bytes} bytes needs {need} bytes "
+                        f"({need / 2**30:.2f} GiB) but the {self.name} driver reports only "
+                        f"{available} bytes ({available / 2**30:.2f} GiB) available"
+                        f"{_unseen_note(unseen, self.recent_commits.window_s)}; "
+                        f"ask for fewer pages")
+            made = create()
+            if available is not None:
+                self.recent_commits.committed(need, available)
+            return made
 
     def close(self) -> None:
         """Release driver-wide resources (ranges and pools are closed by their owners)."""
@@ -160,6 +178,11 @@ class Driver(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device!r}, granularity_bytes={self.granularity_bytes})"
+
+
+def _unseen_note(unseen: int, window_s: float) -> str:
+    return (f", {unseen} bytes of it committed by this process in the last {window_s:g} s and "
+            f"not shown yet") if unseen else ""
 
 
 def open_driver(kind: str = "auto", device_index: int | None = None) -> Driver:

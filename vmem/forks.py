@@ -27,6 +27,7 @@ import os
 import weakref
 from typing import List
 
+from . import commits
 from .errors import ForkedError
 
 _drivers: "weakref.WeakSet" = weakref.WeakSet()
@@ -68,6 +69,7 @@ def _release_held() -> None:
 
 def _after_fork_in_child() -> None:
     _release_held()
+    commits._after_fork_in_child()
     for vrange in list(_ranges):            # ranges first: remapping needs the page files open
         vrange._after_fork_in_child()
     for pool in list(_pools):

@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from typing import Sequence
 
-from . import checks
+from . import checks, commits
 from .dlpack import DLPACK_CPU, tensor_at
 from .driver import Driver
 from .errors import DriverCallError, DriverUnavailableError
@@ -107,6 +107,7 @@ class HostDriver(Driver):
             raise DriverUnavailableError(reason)
         self._libc = _load_libc()
         self._page_size = os.sysconf("SC_PAGE_SIZE")
+        self.recent_commits = commits.HOST      # one host memory, whichever driver commits
 
     @property
     def granularity_bytes(self) -> int:

@@ -82,8 +82,8 @@ class PagePool:
         if discarded:
             batch = list(self.driver.create_pages(num_pages, self.page_bytes, discarded=True))
         else:
-            self.driver.check_available(num_pages, self.page_bytes, "creating")
-            batch = list(self.driver.create_pages(num_pages, self.page_bytes))
+            batch = list(self.driver.commit(num_pages, self.page_bytes, lambda: self.driver
+                                            .create_pages(num_pages, self.page_bytes)))
         self._batches.append(batch)
         self._created += len(batch)
         self._stock.extend((len(self._batches) - 1, i) for i in reversed(range(len(batch))))
@@ -94,9 +94,9 @@ class PagePool:
 
     def _recreate(self, page_ids: list[int]) -> None:
         """Memory again for discarded ``page_ids`` (all or none, one driver call)."""
-        self.driver.check_available(len(page_ids), self.page_bytes, "re-creating")
         old = [self._handle_of(page_id) for page_id in page_ids]
-        handles = list(self.driver.recreate_pages(old, self.page_bytes))
+        handles = list(self.driver.commit(len(old), self.page_bytes, lambda: self.driver
+                                          .recreate_pages(old, self.page_bytes), "re-creating"))
         assert len(handles) == len(page_ids), "recreate_pages returned a handle per page"
         for page_id, handle in zip(page_ids, handles):
             batch, index = self._slot[page_id]
@@ -197,6 +197,7 @@ class PagePool:
             for page_id in ids:
                 self.driver.discard_pages([self._handle_of(page_id)], self.page_bytes)
                 self._discarded.add(page_id)
+                self.driver.recent_commits.released(self.page_bytes)
 
     def _check_discardable(self, page_id: int, counts: Counter) -> None:
         self._check_id(page_id)
@@ -313,6 +314,7 @@ class PagePool:
             live = [h for i, h in enumerate(batch) if (b, i) not in dead]
             gone = [h for i, h in enumerate(batch) if (b, i) in dead]
             self.driver.release_pages(live, discarded=gone)
+            self.driver.recent_commits.released(len(live) * self.page_bytes)
 
     def __del__(self) -> None:
         """Dropped without ``close()``: destroy every page (a range in the same garbage unmaps

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vmemkv import vmem
+from vmemkv.vmem.commits import RecentCommits
 from vmemkv.vmem.faults import FaultInjectingDriver
 from vmemkv.vmem.host import HostDriver
 
@@ -161,3 +162,76 @@ def test_release_takes_what_allocate_returns_all_or_none():
         pool.release(pages)
         assert pool.free_pages == 4
         pool.check_integrity()
+
+
+class MeteredDriver(FaultInjectingDriver):
+    """A real driver whose available memory is ``reading`` bytes: set by the test (a reading
+    that lags), or, with ``exact``, ``reading`` less what it created so far (no lag). Its
+    recent commits run on the test's clock ``now``."""
+
+    def __init__(self, reading: int, exact: bool = False) -> None:
+        super().__init__(HostDriver())
+        self.reading, self.exact, self.created, self.now = reading, exact, 0, 0.0
+        self.recent_commits = RecentCommits(window_s=5.0, clock=lambda: self.now)
+        self.hold = None            # an Event the first create_pages waits on
+
+    def available_bytes(self):
+        return self.reading - (self.created if self.exact else 0)
+
+    def create_pages(self, num_pages, page_bytes, discarded=False):
+        hold, self.hold = self.hold, None
+        if hold is not None:
+            self.creating.set()
+            hold.wait(timeout=5)
+        handles = super().create_pages(num_pages, page_bytes, discarded)
+        self.created += num_pages * page_bytes
+        return handles
+
+
+def test_two_pools_created_at_once_never_both_pass_against_the_same_memory():
+    """Each pool read the available memory, then committed, with nothing between two pools: the
+    second read the memory the first was committing and passed too. Reading, check and commit
+    are one step under a process-wide lock now: the second reads what the first left."""
+    import threading
+    page = 64 * 1024
+    driver = MeteredDriver(reading=4 * page, exact=True)
+    driver.hold, driver.creating = threading.Event(), threading.Event()
+    hold, pools, refused = driver.hold, [], []
+
+    def build():
+        try:
+            pools.append(vmem.PagePool(driver, 3, page))
+        except vmem.InsufficientMemoryError as error:
+            refused.append(str(error))
+    first, second = threading.Thread(target=build), threading.Thread(target=build)
+    first.start()
+    assert driver.creating.wait(timeout=5)     # the first is committing its 3 pages
+    second.start()
+    second.join(timeout=0.3)                   # before: it passed and committed meanwhile
+    hold.set()
+    first.join(), second.join()
+    assert len(pools) == 1 and driver.created == 3 * page
+    assert refused and f"reports only {page} bytes" in refused[0]
+    pools[0].close()
+
+
+def test_a_pool_right_after_another_counts_what_the_reading_does_not_show_yet():
+    """MemAvailable lags a large memfd commit, so a pool created right after another passed
+    against memory the first had taken. The commits of the last few seconds count until the
+    reading drops by them; pages given back stop counting."""
+    page = 64 * 1024
+    driver = MeteredDriver(reading=4 * page)   # a reading that shows nothing yet
+    first = vmem.PagePool(driver, 3, page)
+    with pytest.raises(vmem.InsufficientMemoryError, match=f"{3 * page} bytes of it committed "
+                                                          f"by this process in the last 5 s"):
+        vmem.PagePool(driver, 2, page)
+    driver.reading -= 2 * page                 # it shows two of the three pages
+    with pytest.raises(vmem.InsufficientMemoryError, match=f"{page} bytes of it committed"):
+        vmem.PagePool(driver, 2, page)
+    vmem.PagePool(driver, 1, page).close()     # what is left: one page
+    first.close()                              # given back: they count no more
+    driver.reading = 4 * page
+    second = vmem.PagePool(driver, 4, page)
+    driver.now += 6                            # past the window: the reading is trusted
+    vmem.PagePool(driver, 4, page).close()
+    second.close()
