@@ -37,10 +37,7 @@ def read_prompts(path: str, has_tokenizer: bool, text_only: bool = False, chat: 
     if chat and not has_tokenizer:
         raise GenerateUsageError("--chat needs a model with a tokenizer and a chat template; "
                                  "this one has no tokenizer")
-    try:
-        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8").read()
-    except OSError as error:
-        raise GenerateUsageError(f"cannot read prompts from {path!r}: {error.strerror}") from None
+    text = _read_text(path)
     # a byte-order mark (Windows editors) is no part of the first prompt; lines end at "\n"
     # only (splitlines also split at form feeds and U+2028, which JSON strings may hold raw)
     text = text.removeprefix("\ufeff")
@@ -53,6 +50,28 @@ def read_prompts(path: str, has_tokenizer: bool, text_only: bool = False, chat: 
     if not prompts:
         raise GenerateUsageError(f"no prompts in {'stdin' if path == '-' else path!r}")
     return prompts
+
+
+def _read_text(path: str) -> str:
+    """The text of ``path`` (or stdin), UTF-8, "\r\n" and "\r" read as "\n" (text mode's
+    newlines); GenerateUsageError naming the file and the line of a byte that is not UTF-8."""
+    try:
+        if path == "-":
+            return sys.stdin.read()
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as error:
+        raise GenerateUsageError(f"cannot read prompts from {path!r}: {error.strerror}") from None
+    except UnicodeDecodeError as error:      # stdin's own decoder: no reliable line number
+        raise GenerateUsageError(f"prompts on stdin are not UTF-8 text: {error.reason} "
+                                 f"(byte {error.object[error.start]:#04x})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw.count(b"\n", 0, error.start) + 1
+        raise GenerateUsageError(f"prompts file {path!r} is not UTF-8 text: line {line} holds "
+                                 f"byte {raw[error.start]:#04x} ({error.reason})") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _text_prompt(number: int, line: str, has_tokenizer: bool, text_only: bool) -> Prompt:

@@ -45,6 +45,15 @@ def test_lines_end_at_newlines_only_and_text_keeps_its_spaces(tmp_path):
     assert prompts_of(tmp_path, line, name="p.jsonl") == ["one\u2028two"]
 
 
+
+def test_a_file_that_is_not_utf8_is_a_usage_error_naming_it_and_the_line(tmp_path):
+    # a bare UnicodeDecodeError ("byte 0xff in position 6") named neither file nor line
+    with pytest.raises(GenerateUsageError, match=r"prompts file '.*p\.txt' is not UTF-8 text: "
+                                                 r"line 3 holds byte 0xff"):
+        prompts_of(tmp_path, "héllo\n1 2\n".encode() + b"bad \xff\xfe\n")
+    # text mode's newlines are kept: "\r\n" and a lone "\r" end a line
+    assert prompts_of(tmp_path, b"1 2\r\n3\r4\n") == [[1, 2], [3], [4]]
+
 def test_a_reader_that_closes_stdout_ends_generate_quietly(tmp_path):
     """`vmemkv generate ... | head -1` printed "error: BrokenPipeError" and exit 2; the pipe is
     closed before generate writes a line."""
