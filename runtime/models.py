@@ -16,6 +16,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from typing import Optional, Tuple
 
@@ -48,6 +50,10 @@ TINY_CONFIGS = {
                                         query_pre_attn_scalar=16)),
 }
 
+# what AutoTokenizer reads; a checkpoint with none of them has no tokenizer
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json",
+                   "merges.txt", "vocab.txt", "spiece.model", "special_tokens_map.json")
+
 
 class ModelLoadError(RuntimeKVError, ValueError):
     """Not a built-in name, a local checkpoint directory, a GGUF file, a packaged checkpoint or
@@ -78,29 +84,101 @@ def load_model(name_or_path: str, seed: int = 0, dtype: Optional[torch.dtype] = 
                device: str = "cpu") -> Tuple[torch.nn.Module, object]:
     """(model, tokenizer or None) of a built-in name, a local checkpoint directory, a ``.gguf``
     file or a packaged GGUF by name (both converted once and cached: runtime/gguf.py), or a hub
-    id already in the local hub cache (never downloaded)."""
+    id already in the local hub cache (never downloaded). A checkpoint whose tensors do not
+    cover the model, or that holds tensors the model has no place for, is refused (never
+    filled with random weights); so is a tokenizer whose files exist but do not load."""
     if name_or_path in TINY_CONFIGS:
         return build_model(name_or_path, seed, dtype or torch.float32, device), None
     source = checkpoint_source(name_or_path)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+    with quiet_transformers():
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype or "auto", local_files_only=True, output_loading_info=True)
+        except load_errors() as error:
+            raise ModelLoadError(f"--model {name_or_path!r} is not a loadable causal-LM "
+                                 f"checkpoint: {first_line(error)}") from None
+    gaps = weight_gaps(info)
+    if gaps:
+        raise ModelLoadError(f"--model {name_or_path!r}: the checkpoint's tensors do not match "
+                             f"the model ({gaps}); nothing was loaded")
+    return model.to(device).eval(), load_tokenizer(source)
+
+
+def load_errors() -> tuple:
+    """What transformers raises for a checkpoint it cannot read: a truncated safetensors file is
+    a SafetensorError (an Exception), a size mismatch a RuntimeError."""
+    from safetensors import SafetensorError
+    return (OSError, ValueError, KeyError, RuntimeError, EOFError, SafetensorError)
+
+
+def first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def weight_gaps(info: dict, shown: int = 4) -> str:
+    """What ``from_pretrained(output_loading_info=True)`` says did not load, in words ("" when
+    every tensor did). Tied weights (lm_head on the embeddings) are no gap: transformers leaves
+    them out of ``missing_keys``."""
+    parts = []
+    for key, words in (("missing_keys", "missing"), ("unexpected_keys", "unused"),
+                       ("mismatched_keys", "of the wrong shape")):
+        names = sorted(str(k if isinstance(k, str) else k[0]) for k in info.get(key) or ())
+        if names:
+            more = f" and {len(names) - shown} more" if len(names) > shown else ""
+            parts.append(f"{len(names)} {words}: {', '.join(names[:shown])}{more}")
+    return "; ".join(parts)
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """No progress bars (they would ignore --no-progress) and no load report (what it reports is
+    refused here with a typed error) while transformers loads."""
     from transformers.utils import logging as hf_logging
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()   # its "Loading weights" bar would ignore --no-progress
+    bars, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or "auto",
-                                                     local_files_only=True)
-    except (OSError, ValueError, KeyError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ModelLoadError(f"--model {name_or_path!r} is not a loadable causal-LM "
-                             f"checkpoint: {first}") from None
+        yield
     finally:
+        hf_logging.set_verbosity(verbosity)
         if bars:
             hf_logging.enable_progress_bar()
+
+
+def load_tokenizer(source: str):
+    """The tokenizer of checkpoint ``source``; None only where it has no tokenizer files. Files
+    that exist but do not load are a ModelLoadError naming them (they were taken for no
+    tokenizer: prompts read as ids, text refused as if the model had none)."""
+    files = _tokenizer_files(source)
+    if not files:
+        return None
+    from transformers import AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None
-    return model.to(device).eval(), tokenizer
+        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except Exception as error:   # the tokenizers library raises bare Exceptions too
+        broken = [f for f in files if f.endswith(".json") and not _parses(source, f)] or files
+        raise ModelLoadError(f"the tokenizer of {source} does not load ({', '.join(broken)}): "
+                             f"{first_line(error)}") from None
+
+
+def _tokenizer_files(source: str) -> list:
+    if os.path.isdir(source):
+        return [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(source, f))]
+    from huggingface_hub import try_to_load_from_cache
+    return [f for f in TOKENIZER_FILES if isinstance(try_to_load_from_cache(source, f), str)]
+
+
+def _parses(source: str, name: str) -> bool:
+    if not os.path.isdir(source):
+        return True                     # a hub cache entry: the error alone says what is wrong
+    try:
+        with open(os.path.join(source, name), encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def checkpoint_source(name_or_path: str) -> str:
