@@ -156,17 +156,19 @@ class HostDriver(Driver):
         except OSError as error:     # EMFILE (ulimit -n), ENFILE, ENOMEM
             raise DriverCallError(f"create_pages: memfd_create failed: {error.strerror} "
                                   f"(errno {error.errno}; a file-descriptor limit, ulimit -n?)") from None
-        try:
+        try:                         # the memfd goes again on any failure, typed or not
             os.ftruncate(fd, num_pages * page_bytes)
             # Commit the whole budget now (shmem blocks), as cuMemCreate would: mapping
             # latency then never includes page creation, and an over-budget pool fails here.
             if num_pages and not discarded:
                 os.posix_fallocate(fd, 0, num_pages * page_bytes)
-        except OSError as error:
+            return [HostPage(fd, i * page_bytes) for i in range(num_pages)]
+        except BaseException as error:
             os.close(fd)
-            raise DriverCallError(f"create_pages: could not back {num_pages} pages of "
-                                  f"{page_bytes} bytes: {error}") from None
-        return [HostPage(fd, i * page_bytes) for i in range(num_pages)]
+            if isinstance(error, OSError):
+                raise DriverCallError(f"create_pages: could not back {num_pages} pages of "
+                                      f"{page_bytes} bytes: {error}") from None
+            raise
 
     def release_pages(self, handles: Sequence[HostPage],
                       discarded: Sequence[HostPage] = ()) -> None:

@@ -23,3 +23,28 @@ def test_a_size_past_the_address_space_is_refused_before_any_reservation(size):
             driver.inner.reserve(size)
         with vmem.VirtualRange(pool, 2**40) as rng:     # 1 TiB: well inside
             assert rng.num_pages == 2**40 // PAGE
+
+
+def test_a_pool_too_large_to_size_is_refused_naming_the_page_size_and_keeps_no_memfd(monkeypatch):
+    """4 pages of 2**62 bytes started discarded, so no memory check ran: os.ftruncate raised a
+    bare OverflowError, which create_pages (catching OSError only) let out past its memfd, one
+    descriptor leaked a try. Now the page size is refused first, and any failure after the
+    memfd is made (typed or not) closes it."""
+    from .. import process_resources
+    driver = HostDriver()
+    with process_resources.watch() as watch:
+        before = watch.snapshot().memfd_fds
+        for _ in range(3):
+            with pytest.raises(vmem.VMemConfigError, match=f"page_bytes {2**62} bytes is past"):
+                vmem.PagePool(driver, 4, 2**62, committed_pages=0)
+        too_many = MAX_BYTES // PAGE + 1
+        with pytest.raises(vmem.VMemConfigError, match=f"create_pages of {too_many} pages"):
+            driver.create_pages(too_many, PAGE, discarded=True)
+
+        def interrupted(fd, size):
+            raise KeyboardInterrupt
+        monkeypatch.setattr("vmemkv.vmem.host.os.ftruncate", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            vmem.PagePool(driver, 4, PAGE)
+        monkeypatch.undo()
+        assert watch.snapshot().memfd_fds == before
