@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from typing import Any, Callable, Sequence, TypeVar
 
 from . import checks, commits, forks
-from .errors import DriverUnavailableError, InsufficientMemoryError, VMemConfigError
+from .errors import DriverUnavailableError, InsufficientMemoryError, VMemConfigError, VMemError
 
 __all__ = ["Driver", "open_driver", "available_drivers"]
 Made = TypeVar("Made")
@@ -89,6 +89,17 @@ class Driver(ABC):
     @abstractmethod
     def unmap(self, address: int, page_bytes: int) -> None:
         """Unmap ``page_bytes`` at ``address``; the addresses stay reserved and fault again."""
+
+    def unmap_if_mapped(self, address: int, page_bytes: int) -> bool:
+        """Unmap ``page_bytes`` at ``address`` when they are mapped: whether they were. Undoes a
+        map an interrupt stopped before or after its driver call. Default: try, a refusal
+        meaning nothing was there (CUDA's cuMemUnmap refuses and changes nothing); the host
+        driver asks its records instead."""
+        try:
+            self.unmap(address, page_bytes)
+        except VMemError:
+            return False
+        return True
 
     def prepare_unmap(self, num_unmaps: int) -> None:
         """Called once per plan (per op group) before its ``num_unmaps`` unmaps on this thread:

@@ -70,12 +70,12 @@ def _release_held() -> None:
 def _after_fork_in_child() -> None:
     _release_held()
     commits._after_fork_in_child()
-    for vrange in list(_ranges):            # ranges first: remapping needs the page files open
+    for driver in list(_drivers):           # first: a driver's lock is new before ranges use it
+        driver._after_fork_in_child()
+    for vrange in list(_ranges):            # before pools: remapping needs the page files open
         vrange._after_fork_in_child()
     for pool in list(_pools):
         pool._after_fork_in_child()
-    for driver in list(_drivers):
-        driver._after_fork_in_child()
 
 
 if hasattr(os, "register_at_fork"):

@@ -16,6 +16,10 @@
 
 Unmapping replaces the page with a fresh PROT_NONE reservation rather than calling munmap, so the
 address range stays ours (no other allocation can land in the hole) and touching it faults.
+The driver keeps what CUDA's keeps (its reservations, what is mapped where, each page's size,
+whether it is closed) and refuses what cuMemMap, cuMemUnmap and cuMemAddressFree refuse, before
+any system call (vmem/host_records.py); after ``close()`` it makes nothing new (ClosedError) but
+still unmaps, frees and releases what was made with it, so nothing leaks.
 """
 from __future__ import annotations
 
@@ -23,13 +27,15 @@ import ctypes
 import ctypes.util
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Sequence
 
 from . import checks, commits
 from .dlpack import DLPACK_CPU, tensor_at
 from .driver import Driver
-from .errors import DriverCallError, DriverUnavailableError
+from .errors import ClosedError, DriverCallError, DriverUnavailableError
+from .host_records import HostRecords
 
 # Linux values, identical on x86_64 and aarch64.
 PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
@@ -94,6 +100,7 @@ class HostPage:
     """A physical page: a page-sized byte range of a memfd."""
     fd: int
     offset_bytes: int
+    page_bytes: int
 
 
 class HostDriver(Driver):
@@ -108,6 +115,9 @@ class HostDriver(Driver):
         self._libc = _load_libc()
         self._page_size = os.sysconf("SC_PAGE_SIZE")
         self.recent_commits = commits.HOST      # one host memory, whichever driver commits
+        self._records = HostRecords()
+        self._lock = threading.RLock()          # the records and the calls that change them
+        self._closed = False
 
     @property
     def granularity_bytes(self) -> int:
@@ -136,20 +146,41 @@ class HostDriver(Driver):
             raise DriverCallError(f"{call}: mmap placed {result:#x}, asked for {address:#x}")
         return result
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this HostDriver is closed")
+
+    def close(self) -> None:
+        """Make nothing new from now on; what was made can still be given back."""
+        self._closed = True
+
+    def _after_fork_in_child(self) -> None:
+        super()._after_fork_in_child()
+        self._lock = threading.RLock()    # one another thread held at the fork stays held
+
     def reserve(self, size_bytes: int) -> int:
         size_bytes = self.check_bytes(size_bytes, "reserve size_bytes")
-        return self._mmap("reserve", None, size_bytes, PROT_NONE,
-                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
+        self._check_open()
+        with self._lock:
+            address = self._mmap("reserve", None, size_bytes, PROT_NONE,
+                                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
+            self._records.reserved(address, size_bytes)
+            return address
 
     def free_reservation(self, address: int, size_bytes: int) -> None:
+        address = checks.as_int(address, "free_reservation address")
         size_bytes = self.check_bytes(size_bytes, "free_reservation size_bytes")
-        if self._libc.munmap(address, size_bytes) != 0:
-            errno = ctypes.get_errno()
-            raise DriverCallError(f"free_reservation: munmap failed: {os.strerror(errno)}")
+        with self._lock:
+            self._records.check_free(address, size_bytes)
+            if self._libc.munmap(address, size_bytes) != 0:
+                errno = ctypes.get_errno()
+                raise DriverCallError(f"free_reservation: munmap failed: {os.strerror(errno)}")
+            self._records.freed(address)
 
     def create_pages(self, num_pages: int, page_bytes: int,
                      discarded: bool = False) -> Sequence[HostPage]:
         num_pages, page_bytes = self._check_pages(num_pages, page_bytes)
+        self._check_open()
         self._check_not_forked()
         try:
             fd = os.memfd_create("vmemkv-pages", os.MFD_CLOEXEC)
@@ -162,7 +193,7 @@ class HostDriver(Driver):
             # latency then never includes page creation, and an over-budget pool fails here.
             if num_pages and not discarded:
                 os.posix_fallocate(fd, 0, num_pages * page_bytes)
-            return [HostPage(fd, i * page_bytes) for i in range(num_pages)]
+            return [HostPage(fd, i * page_bytes, page_bytes) for i in range(num_pages)]
         except BaseException as error:
             os.close(fd)
             if isinstance(error, OSError):
@@ -191,6 +222,7 @@ class HostDriver(Driver):
 
     def recreate_pages(self, handles: Sequence[HostPage], page_bytes: int) -> Sequence[HostPage]:
         page_bytes = self.check_bytes(page_bytes)
+        self._check_open()
         self._check_not_forked()
         done: list[HostPage] = []
         try:
@@ -205,21 +237,47 @@ class HostDriver(Driver):
         return list(handles)
 
     def map(self, address: int, handle: HostPage, page_bytes: int) -> None:
+        address = checks.as_int(address, "map address")
         page_bytes = self.check_bytes(page_bytes)
-        self._mmap("map", address, page_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
-                   handle.fd, handle.offset_bytes)
+        self._check_open()
+        if page_bytes > handle.page_bytes:
+            raise DriverCallError(f"map({address:#x}, {page_bytes} bytes): the page holds "
+                                  f"{handle.page_bytes} bytes (CUDA's cuMemMap refuses it too)")
+        with self._lock:
+            self._records.check_map(address, page_bytes)
+            self._mmap("map", address, page_bytes, PROT_READ | PROT_WRITE,
+                       MAP_SHARED | MAP_FIXED, handle.fd, handle.offset_bytes)
+            self._records.mapped(address, page_bytes)
 
     def unmap(self, address: int, page_bytes: int) -> None:
+        address = checks.as_int(address, "unmap address")
         page_bytes = self.check_bytes(page_bytes)
-        self._mmap("unmap", address, page_bytes, PROT_NONE,
-                   MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
+        with self._lock:
+            self._records.check_mapped("unmap", address, page_bytes)
+            self._mmap("unmap", address, page_bytes, PROT_NONE,
+                       MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
+            self._records.unmapped(address, page_bytes)
+
+    def unmap_if_mapped(self, address: int, page_bytes: int) -> bool:
+        with self._lock:      # the records know: no unmap of an address never mapped
+            if not self._records.is_mapped(address, page_bytes):
+                return False
+            self.unmap(address, page_bytes)
+            return True
 
     def detach(self, address: int, handle: HostPage, page_bytes: int, copy: bool = True) -> bool:
         page_bytes = self.check_bytes(page_bytes)
+        with self._lock:
+            self._records.check_mapped("detach", address, page_bytes)
+            self._detach(address, handle, page_bytes, copy)
+            self._records.unmapped(address, page_bytes)    # no mapping of a page any more
+            return True
+
+    def _detach(self, address: int, handle: HostPage, page_bytes: int, copy: bool) -> None:
         if not copy:
             self._mmap("detach", address, page_bytes, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_FIXED, handle.fd, handle.offset_bytes)
-            return True
+            return
         # A private mapping of the memfd would still show the page where it was never
         # written: the next owner's bytes, or zeros after a discard. So copy, then move.
         scratch = self._mmap("detach", None, page_bytes, PROT_READ | PROT_WRITE,
@@ -232,7 +290,6 @@ class HostDriver(Driver):
             self._libc.munmap(scratch, page_bytes)
             raise DriverCallError(f"detach: mremap({page_bytes} bytes) failed: "
                                   f"{os.strerror(errno)} (errno {errno})")
-        return True
 
     def close_inherited(self, handles: Sequence[HostPage]) -> None:
         for fd in {page.fd for page in handles}:

@@ -87,8 +87,8 @@ class VirtualRange:
                 return
             if page_index in self._mapped:
                 self.unmap(page_index)
-            else:
-                self._unmap_unrecorded(page_index)
+            else:      # the driver may have mapped it before the interrupt: ask it
+                self.driver.unmap_if_mapped(self._page_address(page_index), self.page_bytes)
 
     def undo_unmap(self, page_index: int, page_id: int) -> None:
         """After ``unmap(page_index)`` of ``page_id`` however far it got: mapped again."""
@@ -97,14 +97,8 @@ class VirtualRange:
             if self._forked:      # as was its unmap
                 return
             if self._mapped.get(page_index) != page_id:
-                self._unmap_unrecorded(page_index)
+                self.driver.unmap_if_mapped(self._page_address(page_index), self.page_bytes)
                 self.map(page_index, page_id)
-
-    def _unmap_unrecorded(self, page_index: int) -> None:
-        try:        # host: any address can be made PROT_NONE; CUDA refuses an unmapped one
-            self.driver.unmap(self._page_address(page_index), self.page_bytes)
-        except VMemError:
-            pass
 
     def page_at(self, page_index: int) -> int | None:
         """The pool page mapped at ``page_index``, or None."""
