@@ -17,7 +17,7 @@ from __future__ import annotations
 import operator
 from typing import Optional
 
-from .errors import AlignmentError, VMemConfigError
+from .errors import AlignmentError, PageStateError, VMemConfigError
 
 MAX_BYTES = 2**47
 
@@ -30,6 +30,32 @@ def as_int(value, name: str, error: type = VMemConfigError) -> int:
         except TypeError:
             pass
     raise error(f"{name} must be an int, got {type(value).__name__} {value!r}")
+
+
+def check_index(value, bound: int, name: str, owner: str, error: type) -> int:
+    """``value`` as an int in ``0..bound - 1``, else ``error``: its message names the type of
+    a value that is no int (a float, a bool), the range of one outside it ("page id 4 outside
+    the pool's 0..3": ``name`` "page id", ``owner`` "the pool's")."""
+    index = as_int(value, name, error)
+    if not 0 <= index < bound:
+        raise error(f"{name} {index} outside {owner} 0..{bound - 1}")
+    return index
+
+
+def id_list(pages) -> list:
+    """One page id, or an iterable of them, as a list (each still to check); PageStateError
+    when ``pages`` is neither."""
+    if isinstance(pages, bool):
+        return [pages]            # refused by the id check, as a bool, not as an iterable
+    try:
+        return [operator.index(pages)]
+    except TypeError:
+        pass
+    try:
+        return list(pages)
+    except TypeError:
+        raise PageStateError(f"pages must be a page id or an iterable of them, got "
+                             f"{pages!r}") from None
 
 
 def check_bytes(value, name: str, granularity: int, driver: str) -> int:

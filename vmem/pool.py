@@ -23,7 +23,7 @@ from collections import Counter
 from typing import Any, Iterable, Optional, Union
 
 from . import forks
-from .checks import check_count
+from .checks import check_count, check_index, id_list
 from .driver import Driver
 from .errors import ClosedError, InsufficientMemoryError, PageStateError, PoolExhaustedError
 from .host import address_space_left_bytes, meminfo_bytes
@@ -136,20 +136,20 @@ class PagePool:
         return len(self._mapping_counts())
 
     def mapping_count(self, page_id: int) -> int:
-        self._check_id(page_id)
+        page_id = self._check_id(page_id)
         return self._mapping_counts()[page_id]
 
     def is_free(self, page_id: int) -> bool:
-        self._check_id(page_id)
+        page_id = self._check_id(page_id)
         return self._is_free[page_id]
 
     def is_discarded(self, page_id: int) -> bool:
-        self._check_id(page_id)
+        page_id = self._check_id(page_id)
         return page_id in self._discarded
 
     def has_memory(self, page_id: int) -> bool:
         """Whether ``page_id``'s physical memory exists now (created, not discarded)."""
-        self._check_id(page_id)
+        page_id = self._check_id(page_id)
         return self._slot[page_id] is not None and page_id not in self._discarded
 
     # -- allocation --
@@ -170,9 +170,9 @@ class PagePool:
         """Return one page id, or every id of a list (what ``allocate`` returns), to the free
         list; each must be allocated and mapped nowhere. All or none: every id is checked first.
         Bookkeeping only, so a forked child may release too."""
-        ids = _id_list(pages)
         with self._lock:
             self._check_open()
+            ids = self._ids(pages)
             counts = self._mapping_counts()
             for page_id in ids:
                 if self.is_free(page_id):
@@ -188,9 +188,9 @@ class PagePool:
         or free as it was, and its bytes are lost. All or none: each must be committed and
         mapped nowhere (else PageStateError, nothing changed). One driver call per page, so a
         DriverCallError part way leaves exactly the pages before the failing one discarded."""
-        ids = _id_list(pages)
         with self._lock:
             self._check_usable()
+            ids = self._ids(pages)
             counts = self._mapping_counts()
             for page_id in ids:
                 self._check_discardable(page_id, counts)
@@ -200,7 +200,6 @@ class PagePool:
                 self.driver.recent_commits.released(self.page_bytes)
 
     def _check_discardable(self, page_id: int, counts: Counter) -> None:
-        self._check_id(page_id)
         if self._slot[page_id] is None:
             raise PageStateError(f"page {page_id} was never created (an on-demand pool creates "
                                  f"it on first mapping); there is no memory to discard")
@@ -212,11 +211,10 @@ class PagePool:
         """Re-create the memory of discarded page ids, all or none (one driver call): each must
         be discarded (else PageStateError), all must fit in the available memory (else
         InsufficientMemoryError). Their bytes are unspecified (host: zeros)."""
-        ids = _id_list(pages)
         with self._lock:
             self._check_usable()
+            ids = self._ids(pages)
             for page_id in ids:
-                self._check_id(page_id)
                 if page_id not in self._discarded:
                     raise PageStateError(f"page {page_id} is not discarded; only discarded "
                                          f"pages can be recommitted")
@@ -244,7 +242,7 @@ class PagePool:
     # -- used by VirtualRange, under self._lock --
     def _handle_for_mapping(self, page_id: int) -> Any:
         self._check_usable()
-        self._check_id(page_id)
+        page_id = self._check_id(page_id)
         if self._is_free[page_id]:
             raise PageStateError(f"page {page_id} is free; allocate it from the pool before "
                                  f"mapping")
@@ -349,11 +347,17 @@ class PagePool:
         if self._forked:
             raise forks.forked_error("page pool")
 
-    def _check_id(self, page_id: int) -> None:
-        if isinstance(page_id, bool) or not isinstance(page_id, int) or \
-                not 0 <= page_id < len(self._slot):
-            raise PageStateError(f"page id {page_id!r} outside the pool's "
-                                 f"0..{len(self._slot) - 1}")
+    def _check_id(self, page_id: int) -> int:
+        """``page_id`` as an int (numpy integers too) in the pool, else PageStateError."""
+        return check_index(page_id, len(self._slot), "page id", "the pool's", PageStateError)
+
+    def _ids(self, pages: Union[int, Iterable[int]]) -> list[int]:
+        """One id or an iterable of them, as checked ints; PageStateError when one is named
+        twice."""
+        ids = [self._check_id(page_id) for page_id in id_list(pages)]
+        if len(set(ids)) != len(ids):
+            raise PageStateError(f"page ids {ids[:8]} name a page twice")
+        return ids
 
     def __enter__(self) -> "PagePool":
         return self
@@ -371,18 +375,6 @@ def _check_unmapped(page_id: int, counts: Counter) -> None:
     if counts[page_id]:
         raise PageStateError(f"page {page_id} is still mapped at {counts[page_id]} address(es); "
                              f"unmap it first")
-
-
-def _id_list(pages: Union[int, Iterable[int]]) -> list[int]:
-    """One id or an iterable of them, as a list; PageStateError when one is named twice."""
-    try:
-        ids = [pages] if isinstance(pages, int) else list(pages)
-    except TypeError:
-        raise PageStateError(f"pages must be a page id or an iterable of them, got "
-                             f"{pages!r}") from None
-    if len(set(ids)) != len(ids):
-        raise PageStateError(f"page ids {ids[:8]} name a page twice")
-    return ids
 
 
 def _check_records(num_pages: int) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import List, Optional
 
 from . import forks
-from .checks import MAX_BYTES, as_int
+from .checks import MAX_BYTES, as_int, check_index
 from .errors import (AlignmentError, AlreadyMappedError, ClosedError, NotMappedError,
                      PageIndexError, VMemConfigError, VMemError)
 from .pool import PagePool
@@ -55,10 +55,11 @@ class VirtualRange:
     def map(self, page_index: int, page_id: int) -> None:
         """Map pool page ``page_id`` at ``page_index``."""
         with self._lock:
-            self._check_index(page_index, use=True)
+            page_index = self._check_index(page_index, use=True)
             if page_index in self._mapped:
                 raise AlreadyMappedError(f"page index {page_index} already has pool page "
                                          f"{self._mapped[page_index]} mapped; unmap it first")
+            page_id = self.pool._check_id(page_id)
             handle = self.pool._handle_for_mapping(page_id)
             self.driver.map(self._page_address(page_index), handle, self.page_bytes)
             self._mapped[page_index] = page_id     # one write: the pool counts from it
@@ -66,7 +67,7 @@ class VirtualRange:
     def unmap(self, page_index: int) -> int:
         """Unmap ``page_index``; returns the pool page that was there (still allocated)."""
         with self._lock:
-            self._check_index(page_index, use=True)
+            page_index = self._check_index(page_index, use=True)
             if page_index not in self._mapped:
                 raise NotMappedError(f"page index {page_index} has nothing mapped")
             page_id = self._mapped.pop(page_index)   # first: never recorded yet unmapped
@@ -82,7 +83,7 @@ class VirtualRange:
         """After ``map(page_index, ...)`` however far it got: nothing mapped there (a mapping
         the driver made but the range had not yet recorded is unmapped too)."""
         with self._lock:
-            self._check_index(page_index)
+            page_index = self._check_index(page_index)
             if self._forked:      # a forked child's map was refused before it did anything
                 return
             if page_index in self._mapped:
@@ -93,7 +94,7 @@ class VirtualRange:
     def undo_unmap(self, page_index: int, page_id: int) -> None:
         """After ``unmap(page_index)`` of ``page_id`` however far it got: mapped again."""
         with self._lock:
-            self._check_index(page_index)
+            page_index = self._check_index(page_index)
             if self._forked:      # as was its unmap
                 return
             if self._mapped.get(page_index) != page_id:
@@ -103,8 +104,7 @@ class VirtualRange:
     def page_at(self, page_index: int) -> int | None:
         """The pool page mapped at ``page_index``, or None."""
         with self._lock:
-            self._check_index(page_index)
-            return self._mapped.get(page_index)
+            return self._mapped.get(self._check_index(page_index))
 
     def is_mapped(self, page_index: int) -> bool:
         return self.page_at(page_index) is not None
@@ -141,8 +141,9 @@ class VirtualRange:
         with self._lock:
             self._check_open()
             self._check_not_forked()
-            if num_bytes is None:
-                num_bytes = self.size_bytes - offset_bytes
+            offset_bytes = as_int(offset_bytes, "offset_bytes")
+            num_bytes = self.size_bytes - offset_bytes if num_bytes is None else \
+                as_int(num_bytes, "num_bytes")
             self._check_view(offset_bytes, num_bytes, dtype, torch.empty(0, dtype=dtype).element_size())
             counted = num_bytes > 0
             self._views += counted
@@ -267,14 +268,13 @@ class VirtualRange:
         if self._forked:
             raise forks.forked_error("virtual range")
 
-    def _check_index(self, page_index: int, use: bool = False) -> None:
+    def _check_index(self, page_index: int, use: bool = False) -> int:
+        """``page_index`` as an int (numpy integers too) in the range, else PageIndexError."""
         self._check_open()
         if use:
             self._check_not_forked()
-        if isinstance(page_index, bool) or not isinstance(page_index, int) or \
-                not 0 <= page_index < self.num_pages:
-            raise PageIndexError(f"page index {page_index!r} outside the range's "
-                                 f"0..{self.num_pages - 1}")
+        return check_index(page_index, self.num_pages, "page index", "the range's",
+                           PageIndexError)
 
     def __enter__(self) -> "VirtualRange":
         return self

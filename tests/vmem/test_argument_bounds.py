@@ -48,3 +48,37 @@ def test_a_pool_too_large_to_size_is_refused_naming_the_page_size_and_keeps_no_m
             vmem.PagePool(driver, 4, PAGE)
         monkeypatch.undo()
         assert watch.snapshot().memfd_fds == before
+
+
+def test_numpy_integers_are_page_ids_and_indexes_and_other_types_are_refused_by_type():
+    """np.int64 ids and indexes were refused as "outside the pool" / "outside the range" (they
+    are no ``int``), and a float offset was a bare TypeError from inside the check."""
+    np = pytest.importorskip("numpy")
+    with vmem.PagePool(HostDriver(), 4, PAGE) as pool, vmem.VirtualRange(pool, 4 * PAGE) as rng:
+        ids = pool.allocate(2)
+        rng.map(np.int64(1), np.int64(ids[0]))
+        assert rng.mapped_pages() == {1: ids[0]} and pool.mapping_count(np.int32(ids[0])) == 1
+        assert type(rng.page_at(1)) is int
+        assert rng.tensor(np.int64(PAGE), np.int64(PAGE)).numel() == PAGE
+        with pytest.raises(vmem.PageIndexError, match="page index must be an int, got float 2.0"):
+            rng.map(2.0, ids[1])
+        with pytest.raises(vmem.PageStateError, match="page id must be an int, got float 1.0"):
+            rng.map(2, 1.0)
+        with pytest.raises(vmem.VMemConfigError, match="offset_bytes must be an int, got float"):
+            rng.tensor(1.5)
+        with pytest.raises(vmem.VMemConfigError, match="num_bytes must be an int, got float"):
+            rng.tensor(0, 8.0)
+        assert rng.unmap(np.int64(1)) == ids[0]
+        pool.release(np.array(ids))
+        assert pool.free_pages == 4 and pool.allocate(1)[0] in ids
+        pool.check_integrity()
+
+
+def test_driver_calls_name_the_argument_they_refuse():
+    driver = HostDriver()
+    with pytest.raises(vmem.AlignmentError, match="reserve size_bytes 100 bytes"):
+        driver.reserve(100)                        # said "page size 100 bytes"
+    with pytest.raises(vmem.VMemConfigError, match="create_pages takes num_pages >= 0, got -1"):
+        driver.create_pages(-1, PAGE)              # a DriverCallError from ftruncate
+    with pytest.raises(vmem.VMemConfigError, match="page_bytes must be an int, got float"):
+        driver.create_pages(1, float(PAGE))

@@ -98,7 +98,7 @@ def test_a_refused_discard_is_typed_and_changes_nothing(driver, page_bytes, case
     if case == "bad-id":
         name, pages = "page id 4 outside", [ids[2], 4]
     elif case == "not-an-int":
-        name, pages = "page id 'x' outside", ["x"]
+        name, pages = "page id must be an int, got str 'x'", ["x"]
     elif case == "twice":
         name, pages = "page 1 is already discarded", [ids[2], ids[1]]
     elif case == "duplicate":
