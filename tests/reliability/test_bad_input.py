@@ -79,8 +79,10 @@ VMEM_CASES = [
     ("unknown-driver", lambda d, p, r: vmem.open_driver("tpu"), vmem.VMemConfigError, ["'tpu'", "'host'", "'cuda'"]),
     ("fault-kind", lambda d, p, r: FaultInjectingDriver(d).fail_at("mmap", 0), vmem.VMemConfigError,
      ["'mmap'", "map, unmap"]),
-    ("reserve-too-much", lambda d, p, r: d.reserve(1 << 62), vmem.DriverCallError,
-     [str(1 << 62), "reserve", "errno"]),
+    ("reserve-too-much", lambda d, p, r: d.reserve(1 << 47), vmem.DriverCallError,
+     [str(1 << 47), "reserve", "errno"]),
+    ("reserve-past-address-space", lambda d, p, r: d.reserve(1 << 62), vmem.VMemConfigError,
+     [str(1 << 62), "size_bytes", "128 TiB"]),
 ]
 
 
