@@ -1,4 +1,6 @@
-"""The add-time check that a beam search could ever run (``Scheduler.add_request`` calls it).
+"""What a sequence or beam group holds at least, per layer kind: the add-time check that a beam
+search could ever run (``Scheduler.add_request`` calls it), and ``sequence_need``, the most one
+sequence holds alone on its way to a length (what submission checks: ``PoolReach.fit_tokens``).
 
 A beam request is refused (``RequestTooLargeError``) when it asks for more beams than a step runs,
 or when its group holds more than the whole pool at a length every beam surely reaches: the
@@ -41,15 +43,13 @@ def check_beam_group_fits(request, manager, *, max_running: int,
     if request.max_tokens < 2 or not unit or manager.cache_bytes == 0:
         return
     layout = manager.layout()
+    what, parts, kinds = unit_costs(manager)
     if layout.kind is CacheKind.PAGED:
-        pool, what, parts = layout.num_blocks, "blocks", "block groups"
-        kinds = [(group.window_tokens, 1, _one) for group in manager.groups]
+        pool = layout.num_blocks
     else:
-        geometry = layout.geometry
-        pool, what, parts = layout.pool_pages - layout.released_pages, "pages", "layer kinds"
+        pool = layout.pool_pages - layout.released_pages
         if reach_bytes is not None:
-            pool = min(layout.pool_pages, reach_bytes // geometry.page_bytes)
-        kinds = _vmem_kinds(manager.kinds, geometry, layout.backing)
+            pool = min(layout.pool_pages, reach_bytes // layout.geometry.page_bytes)
     prompt = request.prompt_len
     last = prompt + (request.max_tokens - 1 if request.runs_to_max_tokens else 1)
     # at equal positions within a unit the least only grows with the length, so its most over
@@ -67,6 +67,46 @@ def check_beam_group_fits(request, manager, *, max_running: int,
             f"before the newest token{read} once, then each beam's own copy of the newest; more "
             f"than the cache's {pool} {what}"
             f"{'' if reach_bytes is None else ' (the most its MemoryBudget share can hold)'}")
+
+
+def unit_costs(manager) -> Tuple[str, str, List[KindCost]]:
+    """What one sequence holds per layer kind, in the pool's units: ("blocks", "block groups",
+    a cost per block group) paged, ("pages", "layer kinds", a cost per kind) vmem."""
+    layout = manager.layout()
+    if layout.kind is CacheKind.PAGED:
+        return "blocks", "block groups", [(group.window_tokens, 1, _one) for group in manager.groups]
+    return "pages", "layer kinds", _vmem_kinds(manager.kinds, layout.geometry, layout.backing)
+
+
+def sequence_need(prompt: int, final: int, unit: int, kinds: List[KindCost]) -> int:
+    """Pool units one sequence holds at most, alone, on its way from a ``prompt``-token prompt
+    to ``final`` tokens: the prompt whole in every kind (allocated at admission, before any
+    window gives back), then at each length past it what ``_least_held`` counts for one beam
+    (per windowed kind the whole units its window still reads and the newest, as
+    ``release_behind_window`` leaves them before each step's append)."""
+    need = _least_held(prompt, 1, unit, [(None, whole, part) for _, whole, part in kinds])
+    # over lengths where the newest unit and every kind's first unit read stay the same, the
+    # units held only grow with the fill of the newest: its most lies at one of those runs'
+    # ends, and (as for beams) within the last unit's worth of lengths
+    lo = max(prompt + 1, final - unit + 1)
+    ends = {final, final - final % unit}
+    ends.update(final - (final - window + 1) % unit for window, _, _ in kinds if window)
+    return max([need] + [_least_held(n, 1, unit, kinds) for n in ends if n >= lo])
+
+
+def longest_sequence(prompt: int, pool: int, unit: int, kinds: List[KindCost],
+                     limit: int) -> int:
+    """The most tokens (at most ``limit``) a sequence of a ``prompt``-token prompt may reach
+    with ``sequence_need`` within ``pool`` units; 0 when the prompt alone does not fit."""
+    if sequence_need(prompt, prompt, unit, kinds) > pool:
+        return 0
+    low, high = prompt, limit        # need grows with the final length: low fits, find the most
+    if sequence_need(prompt, high, unit, kinds) <= pool:
+        return high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if sequence_need(prompt, mid, unit, kinds) <= pool else (low, mid)
+    return low
 
 
 def _one(fill: int) -> int:

@@ -86,24 +86,28 @@ def end_request(scheduler, request_id: int, status: SeqState) -> List[int]:
     return [q.seq_id for q in seqs]
 
 
-def check_length(scheduler, prompt_tokens: int, max_tokens: int, who: str = "") -> None:
-    """RequestTooLargeError when ``prompt_tokens + max_tokens`` could never fit one sequence;
-    CacheShrunkError when it fits only once the pool is resized back up. ``who`` starts the
-    message ("request 7: ")."""
+def check_length(scheduler, prompt_tokens: int, max_tokens: int, who: str = "",
+                 whole: bool = False) -> None:
+    """RequestTooLargeError when ``prompt_tokens + max_tokens`` could never fit one sequence
+    alone (``fit_tokens``: behind a window, what each layer kind holds; ``whole``: the whole
+    length in every layer, as a beam group's is counted); CacheShrunkError when it fits only
+    once the pool is resized back up. ``who`` starts the message ("request 7: ")."""
     s, final = scheduler, prompt_tokens + max_tokens
     asks = f"{who}{prompt_tokens} prompt + {max_tokens} new tokens = {final} tokens"
     if s.max_seq_len is not None and final > s.max_seq_len:
         raise RequestTooLargeError(f"{asks} exceed the {s.max_seq_len} tokens one sequence may "
                                    f"hold (max_seq_len {s.max_seq_len})")
-    if final <= s.max_fit_tokens:
+    fit, most = (s.max_fit_tokens, s.max_fit_tokens_at_max) if whole else \
+        s.fit_tokens(prompt_tokens)
+    if final <= fit:
         return
-    if final <= s.max_fit_tokens_at_max:
+    after = f" after a {prompt_tokens}-token prompt" if most > s.max_fit_tokens_at_max else ""
+    if final <= most:
         raise CacheShrunkError(
             f"{asks} do not fit the cache at its current size ({s.manager.cache_bytes} bytes, "
-            f"{s.max_fit_tokens} tokens of one sequence at most); resized back up it holds "
-            f"{s.max_fit_tokens_at_max}")
+            f"{fit} tokens of one sequence at most{after}); resized back up it holds {most}")
     raise RequestTooLargeError(f"{asks} can never fit; the cache holds "
-                               f"{s.max_fit_tokens_at_max} tokens of one sequence at most")
+                               f"{most} tokens of one sequence at most{after}")
 
 
 def withdraw_request(scheduler, request_id: int) -> None:
@@ -145,12 +149,14 @@ def resize_pool(scheduler, cache_bytes: int, preempt: bool, check_fit: bool, par
         s._refresh_capacity()      # are checked against the pool they will wake to
     if check_fit:
         live = [q for q in s.seqs.values() if not q.state.is_ended]
-        longest = max(live, key=lambda q: q.request.max_total_len, default=None)
-        if longest is not None and longest.request.max_total_len > s.max_fit_tokens:
-            raise CacheResizeError(
-                f"resizing the cache to {cache_bytes} bytes: request "
-                f"{longest.request.request_id} needs {longest.request.max_total_len} tokens, "
-                f"the cache would hold {s.max_fit_tokens} tokens of one sequence")
+        for q in sorted(live, key=lambda q: -q.request.max_total_len):   # the longest first
+            req = q.request
+            fit = s.max_fit_tokens if req.beam_width else s.fit_tokens(req.prompt_len)[0]
+            if req.max_total_len > fit:
+                raise CacheResizeError(
+                    f"resizing the cache to {cache_bytes} bytes: request {req.request_id} "
+                    f"needs {req.max_total_len} tokens, the cache would hold {fit} tokens of "
+                    f"one sequence")
         groups: dict = {}           # a beam group as it would come back (beam_groups.py)
         for q in live:
             if q.beam_width:

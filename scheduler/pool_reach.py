@@ -1,9 +1,16 @@
 """How large a scheduler's pool is and how far it can grow (a mixin over Scheduler): the
 capacity figures submission checks (``_refresh_capacity``), ``resize``, a MemoryBudget's reach
 (``use_budget``: the share's max, less the other shares' minimums) and the verdict on a sequence
-that cannot fit even with the pool grown as far as it can (``_never_fits``)."""
+that cannot fit even with the pool grown as far as it can (``_never_fits``).
+
+A model whose windowed kinds give back what lies behind the window (paged block groups, vmem
+kinds) holds less than its whole length: ``fit_tokens`` counts, per kind, what it holds at each
+length (``beam_fit.sequence_need``), so how long a sequence may grow depends on its prompt."""
 from __future__ import annotations
 
+from typing import Tuple
+
+from .beam_fit import longest_sequence, unit_costs
 from .errors import RequestTooLargeError
 from .lifecycle import resize_pool
 from .request import Sequence
@@ -17,6 +24,35 @@ class PoolReach:
         """A MemoryBudget ``share`` resizes the pool step by step: admission waits for it to
         grow, up to ``reach_bytes`` (None: no budget, the pool stays as it is sized)."""
         self.growable, self.budget_share = share is not None, share
+
+    def _init_reach(self) -> None:
+        """The per-kind costs of one sequence where a kind gives back behind its window (None
+        where none does: every kind holds a sequence's whole length)."""
+        unit, self._window_costs = self.manager.fork_unit_tokens, None
+        if unit and self.manager.window_tokens:
+            self._window_costs = unit_costs(self.manager)[2]
+
+    def fit_tokens(self, prompt_tokens: int) -> Tuple[int, int]:
+        """The longest sequence of a ``prompt_tokens`` prompt the pool holds alone: as it is
+        (``max_fit_tokens``'s pool) and resized to its largest (``max_fit_tokens_at_max``'s).
+        Never below those full-length figures; past them where windows give memory back."""
+        full = (self.max_fit_tokens, self.max_fit_tokens_at_max)
+        if self._window_costs is None:
+            return full
+        units = self.manager.pool_units
+        now = units(self.max_fit_bytes)
+        most = now if self.growable else units(self.manager.max_cache_bytes)
+        unit, limit = self.manager.fork_unit_tokens, self.manager.max_seq_len
+        return tuple(max(f, longest_sequence(prompt_tokens, pool, unit, self._window_costs, limit))
+                     for f, pool in zip(full, (now, most)))
+
+    def window_step_end(self, seq: Sequence) -> int:
+        """The furthest a prefill chunk of ``seq`` growing past what it holds may end holding
+        no more than a decode at that length holds: the window released before the chunk reads
+        from one unit earlier, so the chunk stops before any kind's first unit read moves."""
+        c, unit = seq.num_computed, self.manager.fork_unit_tokens
+        return min(w - 1 + (max(0, c - w + 1) // unit + 1) * unit
+                   for w, _, _ in self._window_costs if w)
 
     def _refresh_capacity(self) -> None:
         self.total_tokens = total = self.manager.stats().total_tokens
@@ -66,7 +102,8 @@ class PoolReach:
         group = (f", one of the {seq.request.beam_width} beams of a beam search, which hold a "
                  f"unit each and run together" if seq.beam_width else "")
         raise RequestTooLargeError(
-            f"sequence {seq.seq_id} ({seq.length} tokens{group}) {what} of {self.total_tokens} tokens"
+            f"sequence {seq.seq_id} ({seq.length} tokens{group}) {what} of "
+            f"{self.manager.pool_sequence_tokens} tokens of one sequence"
             f"{' (its max)' if self.growable else ''} under policy {self.manager.name!r}",
             request_id=seq.request.request_id)
 

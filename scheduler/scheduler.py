@@ -13,8 +13,9 @@ Order of work inside ``schedule()``:
   2. running prefills (chunked: whatever token budget is left).
   3. swapped sequences come back (FCFS) before any new admission (a growable pool's with room
      for their next token).
-  4. waiting sequences are admitted FCFS while the whole sequence fits and the watermark stays
-     free; the first that does not fit blocks the ones behind it (no overtaking).
+  4. waiting sequences are admitted FCFS while the whole sequence fits (one recomputed past
+     what the pool holds whole, behind a window: its prompt) and the watermark stays free;
+     the first that does not fit blocks the ones behind it (no overtaking).
 A request with a LoRA adapter (``Request.adapter``, scheduler/adapters.py) pins it while a
 sequence of it runs: the adapter is acquired before the sequence's memory (admission, swap-in,
 fork; admitted only when both fit) and released whenever it stops running (finished, aborted,
@@ -57,6 +58,7 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
         self.budget_share = None        # that budget's share: how far it can grow
         self.starved = False            # the last step admitted nothing into an idle pool
         self.max_fit_tokens = self.max_fit_bytes = 0
+        self._init_reach()
         self._refresh_capacity()
         # tell the manager what is computed whenever a shareable unit may have filled
         self._publish_stride = manager.prefix_unit_tokens if config.enable_prefix_sharing else 0
@@ -77,7 +79,8 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
     def add_request(self, request: Request) -> List[int]:
         """Queue a request; returns the seq ids of its n samples (the first prefills the prompt,
         the rest are forked from it). Raises RequestTooLargeError when it could never fit."""
-        check_length(self, request.prompt_len, request.max_tokens, f"request {request.request_id}: ")
+        check_length(self, request.prompt_len, request.max_tokens, f"request {request.request_id}: ",
+                     whole=bool(request.beam_width))
         if request.beam_width:
             self._check_beam_group_fits(request)
         if request.adapter is not None:
@@ -107,13 +110,24 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
         if seq.adapter_id is not None:
             self.manager.release_adapter(seq.request.adapter)
 
-    def _fits(self, seq: Sequence, ids, reserve: int, share=None) -> bool:
-        """Whether ``seq`` can be allocated now (its adapter acquired first, when it has one;
-        ``share``: ``_sibling_share``'s) leaving ``reserve`` tokens free."""
+    def _fits(self, seq: Sequence, ids, reserve: int, share=None,
+              tokens: Optional[int] = None) -> bool:
+        """Whether ``seq`` (its first ``tokens``; None: all) can be allocated now (its adapter
+        acquired first, when it has one; ``share``: ``_sibling_share``'s) leaving ``reserve``
+        tokens free."""
         req = seq.request   # (a user's policy without adapters need not take ``adapter``)
         options = dict(share or {}, **({} if req.adapter is None else {"adapter": req.adapter}))
-        return self.manager.can_allocate(seq.length, ids, req.prefix_scope, reserve,
+        return self.manager.can_allocate(seq.length if tokens is None else tokens, ids,
+                                         req.prefix_scope, reserve,
                                          final_tokens=req.max_total_len, **options)
+
+    def _admit_tokens(self, seq: Sequence) -> int:
+        """Tokens ``seq`` is allocated at admission: all of them, unless whole they could never
+        fit (a recomputed sequence grown past that behind a window: its prompt, which
+        submission checked whole; the rest grows chunk by chunk, ``_schedule_prefill``)."""
+        if seq.length <= self.manager.max_sequence_tokens or self._window_costs is None:
+            return seq.length
+        return seq.request.prompt_len
 
     # ---- queries -------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -219,7 +233,13 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
         if self.manager.window_tokens:
             self.manager.release_behind_window(seq.seq_id, seq.num_computed)
         if not self._grow(seq, new, plan, may_preempt):
-            return budget
+            # a recomputed sequence growing past its prompt behind a window: a chunk that
+            # holds no more than a decode would at its end (fit_tokens counts those)
+            short = self.window_step_end(seq) - seq.num_computed \
+                if self._window_costs is not None else new
+            if short >= new or not self._grow(seq, short, plan, may_preempt):
+                return budget
+            new = short
         self._emit(plan, seq, new)
         return budget - new
 
@@ -334,11 +354,13 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
                     budget = self._schedule_prefill(plan, member, budget, may_preempt=False)
                 continue
             share = self._sibling_share(seq) if ids is None else {}
-            if not self._fits(seq, ids, reserve, share):
+            tokens = self._admit_tokens(seq)
+            ids = ids if ids is None else ids[:tokens]
+            if not self._fits(seq, ids, reserve, share, tokens):
                 break
             self._pin(seq)             # both or neither: the adapter, then the sequence
             try:
-                hit = mgr.allocate(seq.seq_id, seq.length, ids, req.prefix_scope,
+                hit = mgr.allocate(seq.seq_id, tokens, ids, req.prefix_scope,
                                    final_tokens=req.max_total_len, **share)
             except OutOfCapacityError:
                 if seq.adapter_id is None:
@@ -346,7 +368,7 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
                 self._unpin(seq)       # (its prefix hits went to load the adapter)
                 break
             self.waiting.popleft()
-            seq.held = seq.length
+            seq.held = tokens
             seq.num_computed = min(hit, seq.length - 1)   # the last token is always computed
             self._make_running(seq)
             # a hit names only units whose K/V are written (managers publish on compute, told

@@ -123,6 +123,13 @@ class AdapterTenancy:
         left = self._kv_capacity_units(cache_bytes) - pages
         return 0 if left < 0 else min(self.max_seq_len, self._tokens_in_units(left))
 
+    def pool_units(self, cache_bytes: int) -> int:
+        return self._kv_capacity_units(cache_bytes)
+
+    @property
+    def pool_sequence_tokens(self) -> int:
+        return self._tokens_in_units(self._kv_capacity_units())
+
     @property
     def _kv_adapter_pages(self) -> int:
         """Pages adapters hold in the KV ledger (0 in a static split)."""
