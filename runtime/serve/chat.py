@@ -75,7 +75,7 @@ def chat_token_ids(req: ChatCompletionRequest, served: ServedModel) -> tuple:
         raise ApiError(400, f"the rendered messages hold token ids {bad[:5]} outside the "
                             f"model's vocabulary [0, {served.vocab_size})", "messages")
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = given if given is not None else max(1, served.max_sequence_tokens - len(ids))
+    max_tokens = given if given is not None else max(1, served.limit_for(len(ids)) - len(ids))
     served.check_lengths(len(ids), max_tokens, req.n, req.max_param)
     return ids, max_tokens
 

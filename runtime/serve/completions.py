@@ -34,16 +34,26 @@ class ServedModel:
     trust_request_chat_template: bool = False   # ServeLimits'
     max_requests: int = 256    # engine requests in flight at most: the server's --max-queue
     eos_ids: Tuple[int, ...] = ()   # the engine's: stop ids unless ignore_eos
+    fit: Optional[Callable[[int], int]] = None   # prompt tokens -> prompt + max_tokens limit
+    #                                              (a windowed model's grows past the full one)
 
     @classmethod
     def of(cls, engine, name: str, limits=None, max_requests: int = 256) -> "ServedModel":
         sched = engine.scheduler
-        # the cache at max_cache_bytes: a request that fits only once /resize grows it is a 503
-        limit = min(x for x in (sched.max_seq_len, sched.max_fit_tokens_at_max) if x)
-        return cls(name, engine.tokenizer, engine.vocab_size, limit, engine.config.max_batch,
+
+        def fit(prompt_tokens: int) -> int:
+            # the cache at max_cache_bytes: a request that fits only once /resize grows it
+            # is a 503; a windowed model's layers give memory back, so its limit is per prompt
+            most = sched.fit_tokens(max(1, prompt_tokens))[1]
+            return min(x for x in (sched.max_seq_len, most) if x)
+        return cls(name, engine.tokenizer, engine.vocab_size, fit(1), engine.config.max_batch,
                    lambda: engine.loras,
                    bool(limits and limits.trust_request_chat_template), max_requests,
-                   tuple(engine.eos_ids))
+                   tuple(engine.eos_ids), fit)
+
+    def limit_for(self, prompt_tokens: int) -> int:
+        """prompt + max_tokens a request of ``prompt_tokens`` may ask for at most."""
+        return self.max_sequence_tokens if self.fit is None else self.fit(prompt_tokens)
 
     def check_model(self, model: Optional[str]) -> Optional[str]:
         """The LoRA adapter ``model`` names (None: the base model), or ApiError 400."""
@@ -78,7 +88,7 @@ class ServedModel:
 
     def check_lengths(self, prompt_tokens: int, max_tokens: int, n: int,
                       max_param: str = "max_tokens") -> None:
-        limit = self.max_sequence_tokens
+        limit = self.limit_for(prompt_tokens)
         if prompt_tokens + max_tokens > limit:
             param = "prompt" if prompt_tokens >= limit else max_param
             raise ApiError(400, f"this model's context is {limit} tokens; the request asks for "

@@ -46,7 +46,7 @@ def test_windowed_family_is_greedy_exact_over_several_windows(label, cache):
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_windowed_family_stays_exact_under_preemption(label, cache, preemption):
     # Mistral on paged gives back every block behind its window, so it needs a far smaller
-    # cache (and prompts that fit it whole: admission counts a request's full length) to be
+    # cache (and prompts that fit it whole: admission allocates a prompt at full size) to be
     # preempted; on vmem its slots (one per page group) still run out
     short = label == "mistral" and cache == "paged"
     batch = prompts(6, 4, 8, seed=2) if short else prompts(6, 8, 30, seed=2)
