@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .beam_fit import longest_sequence, unit_costs
 from .errors import ConfigError, RequestTooLargeError, SchedulerError
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -82,8 +83,19 @@ def check_adapter_fits(request, manager, cache_bytes=None) -> None:
             f"request {request.request_id}: adapter {ref} can never fit: it needs {pages} "
             f"pool units, adapters can hold {most} at most (policy {manager.name!r})")
     fit = manager.max_sequence_tokens_with_adapter(ref, cache_bytes)
+    if final > fit > 0 and manager.window_tokens and manager.fork_unit_tokens:
+        fit = max(fit, _windowed_fit(request, manager, cache_bytes))
     if final > fit:
         at = "" if cache_bytes is None else f" in the {cache_bytes} bytes it has held at most"
         raise RequestTooLargeError(
             f"request {request.request_id}: {final} tokens beside adapter {ref} can never "
             f"fit; the cache holds {fit} tokens of one sequence beside it{at}")
+
+
+def _windowed_fit(request, manager, cache_bytes) -> int:
+    """Behind a window a sequence holds less than its whole length: the longest one of
+    ``request``'s prompt the units left beside its adapter hold (``beam_fit.sequence_need``,
+    as ``Scheduler.fit_tokens`` counts without an adapter)."""
+    units = manager.kv_units_beside_adapter(request.adapter, cache_bytes)
+    return longest_sequence(request.prompt_len, units, manager.fork_unit_tokens,
+                            unit_costs(manager)[2], manager.max_seq_len)

@@ -116,12 +116,21 @@ class AdapterTenancy:
 
     def max_sequence_tokens_with_adapter(self, adapter: AdapterRef,
                                          cache_bytes: Optional[int] = None) -> int:
+        left = self.kv_units_beside_adapter(adapter, cache_bytes)
+        if left < 0 or not self._adapters_share_kv:
+            return 0 if left < 0 else self.max_sequence_tokens
+        return min(self.max_seq_len, self._tokens_in_units(left))
+
+    def kv_units_beside_adapter(self, adapter: AdapterRef,
+                                cache_bytes: Optional[int] = None) -> int:
+        """Pool units KV may hold while ``adapter`` is resident, in a pool of ``cache_bytes``
+        (None: as it is); -1 when the adapter can never load."""
         ref = self._check_ref(adapter)
         pages = self.adapter_pages(ref.num_bytes)
         if not self._adapters_share_kv:
-            return self.max_sequence_tokens if pages <= self._adapter_ledger.num_pages else 0
-        left = self._kv_capacity_units(cache_bytes) - pages
-        return 0 if left < 0 else min(self.max_seq_len, self._tokens_in_units(left))
+            return -1 if pages > self._adapter_ledger.num_pages else \
+                self._kv_capacity_units(cache_bytes)
+        return max(-1, self._kv_capacity_units(cache_bytes) - pages)
 
     def pool_units(self, cache_bytes: int) -> int:
         return self._kv_capacity_units(cache_bytes)

@@ -318,6 +318,12 @@ class MemoryManager(ABC):
         that never resizes has one size)."""
         self._no_adapters()
 
+    def kv_units_beside_adapter(self, adapter: AdapterRef,
+                                cache_bytes: Optional[int] = None) -> int:
+        """Pool units KV may hold while ``adapter`` is resident, in a pool of ``cache_bytes``
+        (None: as it is); -1 when the adapter can never load."""
+        self._no_adapters()
+
     def can_acquire_adapter(self, adapter: AdapterRef) -> bool:
         """Whether ``acquire_adapter(adapter)`` would succeed."""
         self._no_adapters()

@@ -2,12 +2,15 @@
 kind, what the kind holds at each length (the units its window still reads and the newest),
 not the whole length in every layer. Every request that bound admits runs to completion alone,
 and beside others preempted by recompute; one past it is refused by name."""
+import hashlib
 import random
 
 import pytest
 from hypothesis import assume, given, settings, strategies as st
 
+from vmemkv.scheduler.adapters import AdapterRef
 from vmemkv.scheduler.errors import ConfigError, RequestTooLargeError
+from vmemkv.scheduler.lifecycle import withdraw_request
 from vmemkv.scheduler.managers import make_manager
 from vmemkv.scheduler.presets import ModelSpec
 from vmemkv.scheduler.request import Request, SeqState
@@ -160,3 +163,56 @@ def test_a_sequence_preempted_past_the_whole_length_bound_comes_back(window, blo
         sched.update({s.seq_id: rng.randrange(50) for s in plan.seqs if s.sample})
     assert sched.max_fit_tokens == old and most == longest
     assert sched.metrics.num_finished_requests == 3
+
+
+def adapter(pages: int, unit_bytes: int = 4096) -> AdapterRef:
+    return AdapterRef("a", hashlib.sha256(b"a").hexdigest(), pages * unit_bytes)
+
+
+@pytest.mark.parametrize("policy,layout,whole,longest", [("vmem", "per-layer", 64, 128),
+                                                         ("paged", "per-layer", 64, 224),
+                                                         ("vmem", "interleaved", 74, 74)])
+def test_beside_an_adapter_the_bound_counts_what_each_kind_holds(policy, layout, whole, longest):
+    # an adapter of 3 units takes them from the pool KV holds: the bound beside it is what
+    # the units left hold of a windowed sequence, not of its whole length in every layer
+    sched, ref = tiny_gemma3_like(policy, layout), adapter(3)
+    assert sched.manager.max_sequence_tokens_with_adapter(ref) == whole
+    sched.add_request(Request(0, 20, longest - 20, adapter=ref))
+    run(sched, [], random.Random(0))
+    assert [s.length for s in sched.seqs.values()] == [longest]
+    assert sched.metrics.num_finished_requests == 1
+    with pytest.raises(RequestTooLargeError, match=rf"{longest + 1} tokens beside adapter 'a'"):
+        sched.add_request(Request(1, 20, longest - 19, adapter=ref))
+
+
+@settings(max_examples=40, deadline=None)
+@given(layout=st.sampled_from(LAYOUTS), window=st.integers(2, 40),
+       kinds=st.sampled_from([(0, 1), (1, 1), (1, 3)]), units=st.integers(8, 40),
+       adapter_units=st.integers(1, 6), prompt=st.integers(1, 60), seed=st.integers(0, 2**16))
+def test_every_adapter_request_the_bound_admits_runs_alone(layout, window, kinds, units,
+                                                          adapter_units, prompt, seed):
+    (policy, lay), unit = layout, 1024
+    try:
+        sched = scheduler(spec(window, *kinds), policy, lay, units * unit, unit,
+                          max_tokens_per_step=64, max_running=4)
+    except ConfigError:
+        assume(False)
+    ref = adapter(adapter_units, unit)
+    fits = [final for final in (prompt + 1, MAX_LEN) if _admits(sched, prompt, final, ref)]
+    assume(fits)
+    low, high = prompt + 1, MAX_LEN       # the longest admitted (admission grows with length)
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if _admits(sched, prompt, mid, ref) else (low, mid - 1)
+    sched.add_request(Request(0, prompt, low - prompt, adapter=ref))
+    run(sched, [], random.Random(seed))
+    assert [s.state for s in sched.seqs.values()] == [SeqState.FINISHED]
+
+
+def _admits(sched, prompt, final, ref) -> bool:
+    try:
+        sched.add_request(Request(99, prompt, final - prompt, adapter=ref))
+    except RequestTooLargeError:
+        return False
+    withdraw_request(sched, 99)
+    return True
