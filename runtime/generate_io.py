@@ -55,22 +55,31 @@ def read_prompts(path: str, has_tokenizer: bool, text_only: bool = False, chat: 
 def _read_text(path: str) -> str:
     """The text of ``path`` (or stdin), UTF-8, "\r\n" and "\r" read as "\n" (text mode's
     newlines); GenerateUsageError naming the file and the line of a byte that is not UTF-8."""
+    where = "prompts on stdin are" if path == "-" else f"prompts file {path!r} is"
     try:
         if path == "-":
-            return sys.stdin.read()
-        with open(path, "rb") as f:
-            raw = f.read()
+            # stdin's bytes, decoded here: its own decoder lets bad bytes through as lone
+            # surrogates under a C locale (surrogateescape); a stdin of text alone (a
+            # StringIO) is read as it is
+            stream = getattr(sys.stdin, "buffer", None)
+            if stream is None:
+                return _newlines(sys.stdin.read())
+            raw = stream.read()
+        else:
+            with open(path, "rb") as f:
+                raw = f.read()
     except OSError as error:
         raise GenerateUsageError(f"cannot read prompts from {path!r}: {error.strerror}") from None
-    except UnicodeDecodeError as error:      # stdin's own decoder: no reliable line number
-        raise GenerateUsageError(f"prompts on stdin are not UTF-8 text: {error.reason} "
-                                 f"(byte {error.object[error.start]:#04x})") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         line = raw.count(b"\n", 0, error.start) + 1
-        raise GenerateUsageError(f"prompts file {path!r} is not UTF-8 text: line {line} holds "
+        raise GenerateUsageError(f"{where} not UTF-8 text: line {line} holds "
                                  f"byte {raw[error.start]:#04x} ({error.reason})") from None
+    return _newlines(text)
+
+
+def _newlines(text: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 

@@ -54,6 +54,21 @@ def test_a_file_that_is_not_utf8_is_a_usage_error_naming_it_and_the_line(tmp_pat
     # text mode's newlines are kept: "\r\n" and a lone "\r" end a line
     assert prompts_of(tmp_path, b"1 2\r\n3\r4\n") == [[1, 2], [3], [4]]
 
+
+def test_stdin_that_is_not_utf8_names_the_line_and_byte(monkeypatch):
+    # stdin's own decoder (surrogateescape under a C locale) let 0xff through as a lone
+    # surrogate: "prompt 1 holds a lone surrogate", the wrong line named, the byte not
+    stdin = io.TextIOWrapper(io.BytesIO(b"hello\r\nwor\xffld\n"), encoding="utf-8",
+                             errors="surrogateescape")
+    monkeypatch.setattr("sys.stdin", stdin)
+    with pytest.raises(GenerateUsageError, match=r"prompts on stdin are not UTF-8 text: line 2 "
+                                                 r"holds byte 0xff \(invalid start byte\)"):
+        read_prompts("-", True)
+    stdin = io.TextIOWrapper(io.BytesIO("héllo\r\n1 2\r".encode()), encoding="utf-8")
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert read_prompts("-", True) == ["héllo", [1, 2]]
+
+
 def test_a_reader_that_closes_stdout_ends_generate_quietly(tmp_path):
     """`vmemkv generate ... | head -1` printed "error: BrokenPipeError" and exit 2; the pipe is
     closed before generate writes a line."""
