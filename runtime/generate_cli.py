@@ -26,7 +26,8 @@ from vmemkv.scheduler.managers.eviction import DEFAULT_EVICTION, EVICTION_POLICI
 from vmemkv.scheduler.presets import KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES
 from vmemkv.scheduler.progress import Progress
 
-from .generate_io import GenerateUsageError, format_output, needs_labels, read_prompts
+from .generate_io import (GenerateUsageError, format_output, name_prompt_line, needs_labels,
+                          read_numbered_prompts)
 
 
 def register(subparsers) -> None:
@@ -205,7 +206,7 @@ def _kv_scales(args):
 def run(args) -> int:
     import torch
 
-    from vmemkv.runtime.engine import Engine, SamplingParams
+    from vmemkv.runtime.engine import RequestRejectedError
     from vmemkv.runtime.models import load_model
 
     _check_device(args.device)
@@ -214,8 +215,19 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tokenizer = load_model(args.model, seed=args.seed, dtype=dtype, device=args.device)
-    prompts = read_prompts(args.prompts, tokenizer is not None, args.text, args.chat, args.system)
+    numbered = read_numbered_prompts(args.prompts, tokenizer is not None, args.text, args.chat,
+                                     args.system)
+    line_numbers, prompts = [n for n, _ in numbered], [p for _, p in numbered]
     messages = [p if p and isinstance(p[0], dict) else None for p in prompts] if args.chat else None
+    try:
+        return _run(args, model, tokenizer, prompts, messages)
+    except RequestRejectedError as error:   # "prompt 3": the 4th non-blank line; name the line
+        raise name_prompt_line(error, line_numbers) from None
+
+
+def _run(args, model, tokenizer, prompts, messages) -> int:
+    from vmemkv.runtime.engine import Engine, SamplingParams
+
     if args.chat:   # every conversation renders (ChatTemplateError, exit 2) before any runs
         from vmemkv.runtime.engine.chat import chat_prompt_ids
         prompts = [chat_prompt_ids(tokenizer, p, index=i) if m is not None else p

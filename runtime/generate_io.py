@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import List, Optional, Union
+from typing import List, Optional, Tuple, Union
 
 INDENT = "    "
 Prompt = Union[List[int], str, List[dict]]
@@ -29,6 +29,14 @@ class GenerateUsageError(ValueError):
 def read_prompts(path: str, has_tokenizer: bool, text_only: bool = False, chat: bool = False,
                  system: Optional[str] = None) -> List[Prompt]:
     """The prompts of ``path`` (or stdin), as the module docstring says."""
+    return [prompt for _, prompt in
+            read_numbered_prompts(path, has_tokenizer, text_only, chat, system)]
+
+
+def read_numbered_prompts(path: str, has_tokenizer: bool, text_only: bool = False,
+                          chat: bool = False, system: Optional[str] = None
+                          ) -> List[Tuple[int, Prompt]]:
+    """``read_prompts``' prompts, each with the number of the line it was read from."""
     if text_only and not has_tokenizer:
         raise GenerateUsageError("--text needs a model with a tokenizer; this one has none")
     if system is not None and not chat:
@@ -44,9 +52,9 @@ def read_prompts(path: str, has_tokenizer: bool, text_only: bool = False, chat: 
     lines = [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1)
              if line.strip()]
     if chat or path.endswith(".jsonl"):
-        prompts = [_json_prompt(n, line, has_tokenizer, chat, system) for n, line in lines]
+        prompts = [(n, _json_prompt(n, line, has_tokenizer, chat, system)) for n, line in lines]
     else:
-        prompts = [_text_prompt(n, line, has_tokenizer, text_only) for n, line in lines]
+        prompts = [(n, _text_prompt(n, line, has_tokenizer, text_only)) for n, line in lines]
     if not prompts:
         raise GenerateUsageError(f"no prompts in {'stdin' if path == '-' else path!r}")
     return prompts
@@ -144,3 +152,19 @@ def format_output(out, as_json: bool, labelled: bool = False, messages=None) -> 
 
 def needs_labels(outputs, n: int, chat: bool) -> bool:
     return n > 1 or chat or any(o.text and "\n" in o.text for out in outputs for o in out.outputs)
+
+
+def name_prompt_line(error: Exception, line_numbers: List[int]) -> Exception:
+    """``error`` (RequestRejectedError: "prompt I ..." or "conversation I ...", I the prompt's
+    place in the batch) naming the line its prompt was read from instead, as the file's own
+    errors do ("prompt line N ..."): blank lines are skipped, so I is no line a user can find."""
+    index = getattr(error, "index", None)
+    message = str(error)
+    if index is None or not 0 <= index < len(line_numbers) or not error.args:
+        return error
+    for start in (f"prompt {index}", f"conversation {index}"):
+        if message.startswith(start) and message[len(start):len(start) + 1] in (" ", ":"):
+            error.args = (f"prompt line {line_numbers[index]}" + message[len(start):],
+                          ) + error.args[1:]
+            break
+    return error

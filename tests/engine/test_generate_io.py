@@ -105,3 +105,26 @@ def test_the_summary_says_n_a_for_a_latency_nothing_measured(monkeypatch, capsys
     assert main(["generate", "--max-new-tokens", "1", "--no-progress"]) == 0
     err = capsys.readouterr().err
     assert "ITL p50 n/a" in err and "nan" not in err
+
+
+def test_a_refused_prompt_is_named_by_its_line(monkeypatch, capsys):
+    # the engine names a prompt by its place in the batch ("prompt 1"): blank lines are
+    # skipped, so that was no line a user could find; generate names the line, as its own
+    # file errors do
+    monkeypatch.setattr("sys.stdin", io.StringIO("1 2 3\n\n\n1 2 3 4 5 6 7 8 9 10\n"))
+    assert main(["generate", "--max-new-tokens", "2", "--max-context", "8", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "RequestRejectedError: prompt line 4 rejected: 10 prompt + 2 new tokens" in err
+    assert "prompt 1" not in err
+
+
+def test_name_prompt_line_rewrites_only_the_prompts_own_name():
+    from vmemkv.runtime.engine.chat import ChatMessageError
+    from vmemkv.runtime.generate_io import name_prompt_line
+    lines = [1, 4, 9]
+    error = name_prompt_line(ChatMessageError("conversation 2: messages[0].role ...", 2), lines)
+    assert str(error) == "prompt line 9: messages[0].role ..." and error.index == 2
+    for untouched in [ChatMessageError("conversation 21: x", 2),    # another number
+                      ChatMessageError("min_tokens 3 masks every stop id", 0),
+                      ChatMessageError("prompt 7 is empty", 7)]:   # no such prompt
+        assert str(name_prompt_line(untouched, lines)) == untouched.args[0]
