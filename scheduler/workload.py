@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterable, List, Optional, Sequence, Tuple
 
 from .errors import ConfigError
+from .field_checks import check_int, check_number, check_seed
 from .presets import ModelSpec
 from .result_files import atomic_open
 from .sim_memory import check_adapters_fit, check_workload_fits
@@ -82,12 +83,10 @@ class WorkloadSpec:
     rng: str = "numpy"             # "numpy" (the documented recipe) or "python" (the old draw)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_requests, int) or self.num_requests < 1:
-            raise ConfigError(f"WorkloadSpec.num_requests must be an int >= 1, got {self.num_requests!r}")
-        if not isinstance(self.max_total_len, int) or self.max_total_len < 2:
-            raise ConfigError(f"WorkloadSpec.max_total_len must be an int >= 2, got {self.max_total_len!r}")
-        if not self.arrival_rate >= 0:
-            raise ConfigError(f"WorkloadSpec.arrival_rate must be >= 0 requests/s, got {self.arrival_rate!r}")
+        check_int("WorkloadSpec.num_requests", self.num_requests, 1)
+        check_int("WorkloadSpec.max_total_len", self.max_total_len, 2)
+        check_number("WorkloadSpec.arrival_rate", self.arrival_rate, unit="requests/s")
+        check_seed("WorkloadSpec", self.seed)
         if self.arrival_rate and self.num_requests > MAX_ARRIVAL_S * self.arrival_rate:
             raise ConfigError(f"WorkloadSpec.arrival_rate {self.arrival_rate:g} requests/s puts "
                               f"{self.num_requests:,} requests past {MAX_ARRIVAL_S:.0e} s (317 "
@@ -191,11 +190,20 @@ def write_trace(path: str, entries: Iterable[TraceEntry]) -> None:
 
 
 def check_arrivals(entries: Sequence[TraceEntry], what: str = "the workload") -> None:
-    """ConfigError naming ``what`` when an arrival time is past ``MAX_ARRIVAL_S``."""
-    last = max((e.arrival_s for e in entries), default=0.0)
-    if not last <= MAX_ARRIVAL_S:
-        raise ConfigError(f"{what}: an arrival at {last:.4g} s is past {MAX_ARRIVAL_S:.0e} s (317 "
-                          f"years), where the simulated float clock loses a step's milliseconds")
+    """ConfigError naming ``what`` and an entry (its index in ``entries``): the first whose
+    arrival is not a finite number of seconds >= 0 (each is looked at: max() skipped a NaN that
+    was not first, and the run loop waited for it for ever), or the latest, past
+    ``MAX_ARRIVAL_S``."""
+    for i, e in enumerate(entries):
+        t = e.arrival_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
+            raise ConfigError(f"{what}: entry {i} arrives at {t!r} s; an arrival must be a "
+                              f"finite number of seconds >= 0")
+    i, t = max(enumerate(e.arrival_s for e in entries), key=lambda it: it[1], default=(0, 0.0))
+    if t > MAX_ARRIVAL_S:                                   # the latest names the scale
+        raise ConfigError(f"{what}: an arrival at {t:.4g} s is past {MAX_ARRIVAL_S:.0e} s "
+                          f"(entry {i}; 317 years), where the simulated float clock loses "
+                          f"a step's milliseconds")
 
 
 def parse_trace_object(obj, where: str) -> TraceEntry:
@@ -306,6 +314,7 @@ class LoraSpec:
         if not self.ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1
                                      for r in self.ranks):
             raise ConfigError(f"LoraSpec.ranks must be ints >= 1, got {self.ranks!r}")
+        check_seed("LoraSpec", self.seed)
 
 
 def lora_adapter_bytes(model: ModelSpec, rank: int) -> int:
