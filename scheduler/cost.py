@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .errors import ConfigError
+from .field_checks import check_fraction_or_none, check_int, check_number
 from .managers.base import MapExtent
 from .presets import DeviceSpec, ModelSpec
 
@@ -30,14 +30,10 @@ class CostModel:
     kv_slowdown: float = 1.0              # multiplier on KV read time (paged-kernel overhead)
 
     def __post_init__(self) -> None:
-        if self.prefill_mfu is not None and not 0 < self.prefill_mfu <= 1:
-            raise ConfigError(f"prefill_mfu must be in (0, 1], got {self.prefill_mfu!r}")
-        if not self.map_latency_s >= 0:
-            raise ConfigError(f"map_latency_s must be >= 0 seconds, got {self.map_latency_s!r}")
-        if not isinstance(self.pages_per_map_op, int) or self.pages_per_map_op < 1:
-            raise ConfigError(f"pages_per_map_op must be an int >= 1, got {self.pages_per_map_op!r}")
-        if not self.kv_slowdown >= 1.0:
-            raise ConfigError(f"kv_slowdown must be >= 1.0, got {self.kv_slowdown!r}")
+        check_fraction_or_none("prefill_mfu", self.prefill_mfu)
+        check_number("map_latency_s", self.map_latency_s, unit="seconds")   # inf: NaN durations
+        check_int("pages_per_map_op", self.pages_per_map_op, 1)
+        check_number("kv_slowdown", self.kv_slowdown, 1.0)
 
     def step_seconds(self, context_tokens: int, new_tokens: int, mapped_pages: int = 0,
                      num_seqs: int = 0, prefill_pairs: int = 0, cold_step: bool = False,

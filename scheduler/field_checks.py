@@ -23,9 +23,16 @@ def check_number(field: str, value, minimum: float = 0.0, unit: str = "",
           and -math.inf < value < math.inf   # not isfinite: an int past a float's range raises
           and (value >= minimum if inclusive else value > minimum))
     if not ok:
-        shown = f" {unit}" if unit else ""
+        shown = f" of {unit}" if unit else ""
         raise ConfigError(f"{field} must be a finite number{shown} {'>=' if inclusive else '>'} "
                           f"{minimum:g}, got {value!r}")
+
+
+def check_fraction_or_none(field: str, value) -> None:
+    """``value`` is None (off) or a number in (0, 1] (a share of a peak: prefill_mfu)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not 0 < value <= 1):
+        raise ConfigError(f"{field} must be None or a number in (0, 1], got {value!r}")
 
 
 def check_seed(owner: str, value) -> None:

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 from .cost import CostModel
 from .errors import ConfigError
+from .field_checks import check_fraction_or_none, check_int, check_number
 from .geometry import LAYOUT_CHOICES, PageGeometry, resolve_layout
 from .managers.base import MemoryManager
 from .managers.eviction import DEFAULT_EVICTION, make_eviction
@@ -73,8 +74,7 @@ class SimConfig:
         if self.layout not in LAYOUT_CHOICES:
             raise ConfigError(f"layout must be one of {', '.join(LAYOUT_CHOICES)}, "
                               f"got {self.layout!r}")
-        if not self.cache_bytes > 0:
-            raise ConfigError(f"cache_bytes must be > 0, got {self.cache_bytes!r}")
+        self._check_sizes()
         with_kv_cache_dtype(get_model(self.model), self.kv_cache_dtype)   # names an unknown one
         if self.profile is not None:
             self._check_roofline_only()
@@ -87,16 +87,14 @@ class SimConfig:
         if self.n > 1 and self.beam_width:
             raise ConfigError(f"n must be 1 with beam_width {self.beam_width} (a beam search "
                               f"returns its beams), got {self.n}")
-        if not self.beam_skew >= 0:
-            raise ConfigError(f"beam_skew must be >= 0, got {self.beam_skew!r}")
+        check_number("beam_skew", self.beam_skew)
         if isinstance(self.prefix_block_tokens, bool) or not isinstance(
                 self.prefix_block_tokens, int) or self.prefix_block_tokens < 0:
             raise ConfigError(f"prefix_block_tokens must be an int >= 0, got "
                               f"{self.prefix_block_tokens!r}")
-        if self.copy_bytes_per_s is not None and not self.copy_bytes_per_s > 0:
-            raise ConfigError(f"copy_bytes_per_s must be > 0, got {self.copy_bytes_per_s!r}")
-        if not (isinstance(self.h2d_bytes_per_s, (int, float)) and self.h2d_bytes_per_s > 0):
-            raise ConfigError(f"h2d_bytes_per_s must be > 0, got {self.h2d_bytes_per_s!r}")
+        if self.copy_bytes_per_s is not None:
+            check_number("copy_bytes_per_s", self.copy_bytes_per_s, unit="bytes/s", inclusive=False)
+        check_number("h2d_bytes_per_s", self.h2d_bytes_per_s, unit="bytes/s", inclusive=False)
         budget = self.adapter_budget_bytes
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
                                    or not 0 < budget < self.cache_bytes):
@@ -107,6 +105,18 @@ class SimConfig:
                               f"multiplier), got {self.paged_slowdown!r}")
         if is_custom(self.policy):            # built with these, only when the run starts
             check_constructor(self.policy, self._options())
+
+    def _check_sizes(self) -> None:
+        """The pool's sizes and the cost's knobs by type and range, before anything is built
+        from them (a block or page of 0 was refused as a host-memory error; an infinite cache
+        as OverflowError; map_latency_s inf ran, then failed on a NaN duration)."""
+        check_number("cache_bytes", self.cache_bytes, unit="bytes", inclusive=False)
+        check_number("swap_bytes", self.swap_bytes, unit="bytes")
+        check_int("max_seq_len", self.max_seq_len, 1)
+        check_int("block_size", self.block_size, 1)
+        check_int("page_bytes", self.page_bytes, 1)
+        check_fraction_or_none("prefill_mfu", self.prefill_mfu)
+        check_number("map_latency_s", self.map_latency_s, unit="seconds")
 
     def _check_roofline_only(self) -> None:
         """Refuse, by name, the fields a profile's measured step cost would silently ignore."""

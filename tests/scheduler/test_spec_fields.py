@@ -38,7 +38,7 @@ def test_a_seed_that_names_no_single_workload_is_refused(seed):
 @pytest.mark.parametrize("field, value, match", [
     ("num_requests", True, r"WorkloadSpec.num_requests must be an int >= 1, got True"),
     ("max_total_len", 4096.0, r"WorkloadSpec.max_total_len must be an int >= 2, got 4096.0"),
-    ("arrival_rate", "5", r"WorkloadSpec.arrival_rate must be a finite number requests/s "
+    ("arrival_rate", "5", r"WorkloadSpec.arrival_rate must be a finite number of requests/s "
                           r">= 0, got '5'"),
     ("arrival_rate", None, r"WorkloadSpec.arrival_rate must be .* got None"),
     ("arrival_rate", math.inf, r"WorkloadSpec.arrival_rate must be .* got inf"),
