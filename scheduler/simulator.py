@@ -289,12 +289,15 @@ class Simulator:
         for s in plan.seqs:
             if s.sample:
                 groups.setdefault(sched.seqs[s.seq_id].request.request_id, []).append(s.seq_id)
-        sampled, gone, branches = {}, [], []
+        sampled, gone, branches, unforked = {}, [], [], 0
         for members in groups.values():
             first = sched.seqs[members[0]]
             self._times[first.request.request_id].append(end)
             if len(first.output) + 1 >= first.max_tokens:   # the last token: update finishes
                 sampled.update(dict.fromkeys(members, DUMMY_TOKEN))   # every beam
+                # output_len 1: the lone prompt's step is the last; the engine returns width
+                # one-token hypotheses from it (beam_select: every candidate hits), never forked
+                unforked += self.beams.width - len(members)
                 continue
             ranks = self.beams.parents(len(members))
             gone += [m for r, m in enumerate(members) if r not in ranks]
@@ -305,7 +308,8 @@ class Simulator:
             sampled.update(dict.fromkeys(sched.branch(parent, count), DUMMY_TOKEN))
         for seq_id in sched.update(sampled, end):   # the finished and the pruned
             sched.forget(seq_id)
-        return len(sampled)
+        sched.metrics.generated_tokens += unforked
+        return len(sampled) + unforked
 
     def _result(self, sched: Scheduler, timings: List[RequestTiming], sums: tuple,
                 sim_s: float, wall_s: float, maps: int) -> SimResult:
