@@ -2,7 +2,8 @@
 
 Each refuses, with a ConfigError naming the flags (one line, exit 2), what would otherwise run
 and be silently wrong or fail late: flags that do not apply together, a Poisson rate too low
-for the float clock, a ``--write-trace`` path that cannot be written, LoRA budgets that leave no
+for the float clock, a ``--write-trace`` path that cannot be written or would be read back
+as another format, LoRA budgets that leave no
 KV memory. The deployment's own check (``sim_config.check_deployment``) is shared with the sweep.
 ``profile_defaults`` gives a ``--profile`` run the engine settings the profile was timed with,
 after ``check_profile_model`` refused a ``--gpu`` or another ``--model-preset`` beside it.
@@ -14,6 +15,7 @@ from .errors import ConfigError
 from .geometry import resolve_layout
 from .profile_cost import load_profile, profile_engine, profile_model
 from .sim_config import SimConfig, check_deployment
+from .trace_entry import check_trace_name
 from .workload import MAX_ARRIVAL_S
 
 
@@ -34,6 +36,7 @@ def check_flags(args) -> None:
     check_arrival_rate(args)
     if args.write_trace is not None:
         check_writable(args.write_trace, "--write-trace")
+        check_trace_name(args.write_trace, "--write-trace")   # what --trace would misread
 
 
 # a flag's dest -> the profile engine's setting it defaults to, and whether a value above the

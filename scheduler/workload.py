@@ -22,15 +22,12 @@ second seeded stream, ``numpy.random.default_rng((seed, 31))``: first the N rank
 adapter per request. An adapter's bytes (``lora_adapter_bytes``): LoRA A and B on the q, k, v and
 o projections of every layer, fp16.
 
-Traces are JSONL, one object per line: ``{"prompt_len": 584, "output_len": 374, "arrival_s": 0.0}``
-(plus ``"hash_ids"`` when the entry has them, ``"adapter"`` and ``"adapter_bytes"`` when it
-names a LoRA adapter). ``scheduler/traces.py`` reads the bundled real
-traces (Azure, Mooncake) by name and every supported file format by path.
+``TraceEntry`` and the project's JSONL trace format (``write_trace``, ``parse_trace_object``)
+live in ``scheduler/trace_entry.py`` and are re-exported here; ``scheduler/traces.py`` reads
+the bundled real traces (Azure, Mooncake) by name and every supported file format by path.
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import random
 from dataclasses import dataclass, replace
@@ -39,7 +36,9 @@ from typing import TYPE_CHECKING, Iterable, List, Optional, Sequence, Tuple
 from .errors import ConfigError
 from .field_checks import check_int, check_number, check_seed
 from .presets import ModelSpec
-from .result_files import atomic_open
+from .trace_entry import (MAX_ARRIVAL_S, MAX_TRACE_TOKENS, MOONCAKE_BLOCK_TOKENS,  # noqa: F401
+                          TraceEntry, check_arrivals, parse_entry, parse_trace_object,
+                          shown_int, synthetic_adapter, write_trace)
 from .sim_memory import check_adapters_fit, check_workload_fits
 
 if TYPE_CHECKING:
@@ -47,26 +46,6 @@ if TYPE_CHECKING:
 
 WORKLOAD_RNGS = ("numpy", "python")
 Z95 = 1.6448536269514722  # standard normal 95th percentile
-# The latest arrival a workload may have, seconds. The simulated clock is a float: at 1e10 s
-# (317 years) it steps by 2 microseconds, past it a step's milliseconds round away and every
-# latency with them (epoch times given as seconds are ~1.7e9; in ms, 1.7e12, are refused).
-MAX_ARRIVAL_S = 1e10
-MAX_TRACE_TOKENS = 10**9     # a request longer than this is a corrupt line, not a request
-MOONCAKE_BLOCK_TOKENS = 512   # tokens per hash id block (Mooncake traces, our JSONL's hash_ids)
-
-
-@dataclass(frozen=True)
-class TraceEntry:
-    """One request of a workload, in tokens and seconds."""
-    prompt_len: int     # tokens in the prompt, >= 1
-    output_len: int     # tokens to generate, >= 1
-    arrival_s: float    # seconds after the start of the run, >= 0
-    hash_ids: Tuple[int, ...] = ()   # Mooncake traces: ids of the prompt's 512-token blocks
-    adapter: Optional["AdapterRef"] = None   # the LoRA adapter the request runs with, if any
-
-    @property
-    def total_len(self) -> int:
-        return self.prompt_len + self.output_len
 
 
 @dataclass(frozen=True)
@@ -177,105 +156,6 @@ def scale_to_length(prompt_len: int, output_len: int, max_total_len: int) -> Tup
     return prompt, max(1, min(round(output_len * factor), max_total_len - prompt))
 
 
-def write_trace(path: str, entries: Iterable[TraceEntry]) -> None:
-    """Write ``entries`` as JSONL (one object per line), whole or not at all."""
-    with atomic_open(path, "w", encoding="utf-8") as f:
-        for e in entries:
-            obj = {"prompt_len": e.prompt_len, "output_len": e.output_len, "arrival_s": e.arrival_s}
-            if e.hash_ids:
-                obj["hash_ids"] = list(e.hash_ids)
-            if e.adapter is not None:
-                obj["adapter"], obj["adapter_bytes"] = e.adapter.name, e.adapter.num_bytes
-            f.write(json.dumps(obj) + "\n")
-
-
-def check_arrivals(entries: Sequence[TraceEntry], what: str = "the workload") -> None:
-    """ConfigError naming ``what`` and an entry (its index in ``entries``): the first whose
-    arrival is not a finite number of seconds >= 0 (each is looked at: max() skipped a NaN that
-    was not first, and the run loop waited for it for ever), or the latest, past
-    ``MAX_ARRIVAL_S``."""
-    for i, e in enumerate(entries):
-        t = e.arrival_s
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
-            raise ConfigError(f"{what}: entry {i} arrives at {t!r} s; an arrival must be a "
-                              f"finite number of seconds >= 0")
-    i, t = max(enumerate(e.arrival_s for e in entries), key=lambda it: it[1], default=(0, 0.0))
-    if t > MAX_ARRIVAL_S:                                   # the latest names the scale
-        raise ConfigError(f"{what}: an arrival at {t:.4g} s is past {MAX_ARRIVAL_S:.0e} s "
-                          f"(entry {i}; 317 years), where the simulated float clock loses "
-                          f"a step's milliseconds")
-
-
-def parse_trace_object(obj, where: str) -> TraceEntry:
-    """One decoded line of the project's JSONL format; ``ConfigError`` naming ``where`` if bad.
-    A line naming an ``adapter`` (and its ``adapter_bytes``) gives a synthetic ``AdapterRef``
-    (``synthetic_adapter``: its digest is the SHA-256 of the name)."""
-    entry = parse_entry(obj, where, ("prompt_len", "output_len", "arrival_s"),
-                        block_tokens=MOONCAKE_BLOCK_TOKENS)
-    if not isinstance(obj, dict) or ("adapter" not in obj and "adapter_bytes" not in obj):
-        return entry
-    name, size = obj.get("adapter"), obj.get("adapter_bytes")
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"{where}: adapter must be a non-empty string, got {name!r}")
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-        raise ConfigError(f"{where}: adapter_bytes must be an int >= 1 with adapter {name!r}, "
-                          f"got {size!r}")
-    return replace(entry, adapter=synthetic_adapter(name, size))
-
-
-def parse_entry(obj, where: str, keys: Tuple[str, str, str], units_per_second: float = 1.0,
-                time_unit: str = "", block_tokens: Optional[int] = None,
-                required: bool = False) -> TraceEntry:
-    """A ``TraceEntry`` from a decoded JSON object whose prompt, output and arrival fields are
-    named ``keys`` (arrival times in ``1 / units_per_second`` s, at most ``MAX_ARRIVAL_S``;
-    missing: 0) with ``hash_ids`` (``required``, or optional), exactly one per
-    ``block_tokens``-token prompt block when that is given. ``ConfigError`` naming ``where``,
-    the field and the value otherwise."""
-    if not isinstance(obj, dict):
-        raise ConfigError(f"{where}: expected an object, got {type(obj).__name__}")
-    values = []
-    for key in keys[:2]:
-        v = obj.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_TRACE_TOKENS:
-            shown = shown_int(v) if isinstance(v, int) else _short(v)
-            raise ConfigError(f"{where}: {key} must be an int in [1, {MAX_TRACE_TOKENS:,}], got {shown}")
-        values.append(v)
-    arrival = obj.get(keys[2], 0)
-    unit = f" of {time_unit}" if time_unit else ""
-    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:
-        raise ConfigError(f"{where}: {keys[2]} must be a finite number{unit} >= 0, got {arrival!r}")
-    if arrival > MAX_ARRIVAL_S * units_per_second:   # not arrival / units: an int past a
-        shown = shown_int(arrival) if isinstance(arrival, int) else f"{arrival:g}"   # float's range
-        raise ConfigError(f"{where}: {keys[2]} {shown}{unit} is past {MAX_ARRIVAL_S:.0e} s "
-                          f"(317 years), where the simulated float clock loses a step's "
-                          f"milliseconds: give {time_unit or 'seconds'} since the trace's start, "
-                          f"not since the epoch")
-    hash_ids = obj.get("hash_ids", [])
-    blocks = -(-values[0] // block_tokens) if block_tokens and (hash_ids or required) else None
-    if (not isinstance(hash_ids, list) or (blocks is not None and len(hash_ids) != blocks)
-            or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids)):
-        if blocks is None:
-            raise ConfigError(f"{where}: hash_ids must be a list of ints >= 0, got {_short(hash_ids)}")
-        raise ConfigError(f"{where}: hash_ids must list {blocks} ints >= 0 (one per "
-                          f"{block_tokens}-token block of {keys[0]} {values[0]}), got "
-                          f"{_short(hash_ids)}")
-    return TraceEntry(values[0], values[1], arrival / units_per_second, tuple(hash_ids))
-
-
-def shown_int(value: int) -> str:
-    """An int for a message: as written up to 12 digits, else ``1e+20`` (or its digit count,
-    where a float cannot hold it)."""
-    if abs(value) < 10**12:
-        return str(value)
-    digits = len(str(abs(value)))
-    return f"{float(value):.3g}" if digits < 300 else f"a {digits:,}-digit number"
-
-
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 # --- LoRA adapters (issue 31) -------------------------------------------------------------------
 
 LORA_RANKS = (8, 16, 32, 64)      # S-LoRA's synthetic experiments draw ranks from these
@@ -333,12 +213,6 @@ def lora_adapter_bytes(model: ModelSpec, rank: int) -> int:
     q_out, kv_out = heads * model.head_dim, model.num_kv_heads * model.head_dim
     per_layer = rank * ((hidden + q_out) + 2 * (hidden + kv_out) + (q_out + hidden))
     return per_layer * model.num_layers * LORA_DTYPE_BYTES
-
-
-def synthetic_adapter(name: str, num_bytes: int) -> "AdapterRef":
-    """An adapter the simulator makes up: its digest is the SHA-256 of its name."""
-    from .adapters import AdapterRef
-    return AdapterRef(name, hashlib.sha256(name.encode()).hexdigest(), num_bytes)
 
 
 def zipf_weights(n: int, alpha: float) -> List[float]:

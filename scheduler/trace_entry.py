@@ -1,0 +1,172 @@
+"""One request of a workload (``TraceEntry``) and the project's JSONL trace format: a line
+parsed and checked against the limits (tokens, hash ids, arrival times), and a file written.
+
+A trace file is JSONL, one object per line: ``{"prompt_len": 584, "output_len": 374,
+"arrival_s": 0.0}`` (plus ``"hash_ids"`` when the entry has them, ``"adapter"`` and
+``"adapter_bytes"`` when it names a LoRA adapter), gzip-compressed when its name ends in
+``.gz``. ``scheduler/traces.py`` reads a path by its name the same way (``.csv``: Azure's
+columns, so ``write_trace`` refuses a ``.csv`` name rather than write what would be misread).
+"""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import math
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Tuple
+
+from .errors import ConfigError
+from .result_files import atomic_open
+
+if TYPE_CHECKING:
+    from .adapters import AdapterRef
+
+# The latest arrival a workload may have, seconds. The simulated clock is a float: at 1e10 s
+# (317 years) it steps by 2 microseconds, past it a step's milliseconds round away and every
+# latency with them (epoch times given as seconds are ~1.7e9; in ms, 1.7e12, are refused).
+MAX_ARRIVAL_S = 1e10
+MAX_TRACE_TOKENS = 10**9     # a request longer than this is a corrupt line, not a request
+MOONCAKE_BLOCK_TOKENS = 512   # tokens per hash id block (Mooncake traces, our JSONL's hash_ids)
+
+
+@dataclass(frozen=True)
+class TraceEntry:
+    """One request of a workload, in tokens and seconds."""
+    prompt_len: int     # tokens in the prompt, >= 1
+    output_len: int     # tokens to generate, >= 1
+    arrival_s: float    # seconds after the start of the run, >= 0
+    hash_ids: Tuple[int, ...] = ()   # Mooncake traces: ids of the prompt's 512-token blocks
+    adapter: Optional["AdapterRef"] = None   # the LoRA adapter the request runs with, if any
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + self.output_len
+
+
+def write_trace(path: str, entries: Iterable[TraceEntry]) -> None:
+    """Write ``entries`` as JSONL (one object per line), gzip-compressed when ``path`` ends in
+    ``.gz``, whole or not at all; ``load_trace(path)`` reads back the same entries. A name the
+    reader would read as another format (``check_trace_name``) is refused first."""
+    check_trace_name(path)
+    lines = []
+    for e in entries:
+        obj = {"prompt_len": e.prompt_len, "output_len": e.output_len, "arrival_s": e.arrival_s}
+        if e.hash_ids:
+            obj["hash_ids"] = list(e.hash_ids)
+        if e.adapter is not None:
+            obj["adapter"], obj["adapter_bytes"] = e.adapter.name, e.adapter.num_bytes
+        lines.append(json.dumps(obj) + "\n")
+    data = "".join(lines).encode("utf-8")
+    with atomic_open(path, "wb") as f:
+        f.write(gzip.compress(data, mtime=0) if path.endswith(".gz") else data)
+
+
+def check_trace_name(path: str, name: str = "write_trace") -> None:
+    """ConfigError naming ``name`` when ``path``'s suffix makes the trace reader read it as
+    another format than the JSONL ``write_trace`` writes: ``.csv`` (or ``.csv.gz``) is read as
+    Azure's columns; a bundled trace's name (``azure-code``) is read as the bundled trace. The
+    reader's rules, exactly: the bundled names, then ``.gz`` (no other case is decompressed),
+    then ``.csv``."""
+    from .traces import BUNDLED        # traces.py reads what this module writes
+    if path in BUNDLED:
+        raise ConfigError(f"{name} {path}: --trace {path} replays the bundled trace of that "
+                          f"name, not this file; give another name ({path}.jsonl)")
+    base = path[:-3] if path.endswith(".gz") else path
+    if base.endswith(".csv"):
+        raise ConfigError(f"{name} {path}: a .csv trace is read as Azure's columns "
+                          f"(TIMESTAMP,ContextTokens,GeneratedTokens), and the trace written "
+                          f"is JSONL; name it .jsonl (or .jsonl.gz)")
+
+
+def check_arrivals(entries: Sequence[TraceEntry], what: str = "the workload") -> None:
+    """ConfigError naming ``what`` and an entry (its index in ``entries``): the first whose
+    arrival is not a finite number of seconds >= 0 (each is looked at: max() skipped a NaN that
+    was not first, and the run loop waited for it for ever), or the latest, past
+    ``MAX_ARRIVAL_S``."""
+    for i, e in enumerate(entries):
+        t = e.arrival_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
+            raise ConfigError(f"{what}: entry {i} arrives at {t!r} s; an arrival must be a "
+                              f"finite number of seconds >= 0")
+    i, t = max(enumerate(e.arrival_s for e in entries), key=lambda it: it[1], default=(0, 0.0))
+    if t > MAX_ARRIVAL_S:                                   # the latest names the scale
+        raise ConfigError(f"{what}: an arrival at {t:.4g} s is past {MAX_ARRIVAL_S:.0e} s "
+                          f"(entry {i}; 317 years), where the simulated float clock loses "
+                          f"a step's milliseconds")
+
+
+def parse_trace_object(obj, where: str) -> TraceEntry:
+    """One decoded line of the project's JSONL format; ``ConfigError`` naming ``where`` if bad.
+    A line naming an ``adapter`` (and its ``adapter_bytes``) gives a synthetic ``AdapterRef``
+    (``synthetic_adapter``: its digest is the SHA-256 of the name)."""
+    entry = parse_entry(obj, where, ("prompt_len", "output_len", "arrival_s"),
+                        block_tokens=MOONCAKE_BLOCK_TOKENS)
+    if not isinstance(obj, dict) or ("adapter" not in obj and "adapter_bytes" not in obj):
+        return entry
+    name, size = obj.get("adapter"), obj.get("adapter_bytes")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}: adapter must be a non-empty string, got {name!r}")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ConfigError(f"{where}: adapter_bytes must be an int >= 1 with adapter {name!r}, "
+                          f"got {size!r}")
+    return replace(entry, adapter=synthetic_adapter(name, size))
+
+
+def parse_entry(obj, where: str, keys: Tuple[str, str, str], units_per_second: float = 1.0,
+                time_unit: str = "", block_tokens: Optional[int] = None,
+                required: bool = False) -> TraceEntry:
+    """A ``TraceEntry`` from a decoded JSON object whose prompt, output and arrival fields are
+    named ``keys`` (arrival times in ``1 / units_per_second`` s, at most ``MAX_ARRIVAL_S``;
+    missing: 0) with ``hash_ids`` (``required``, or optional), exactly one per
+    ``block_tokens``-token prompt block when that is given. ``ConfigError`` naming ``where``,
+    the field and the value otherwise."""
+    if not isinstance(obj, dict):
+        raise ConfigError(f"{where}: expected an object, got {type(obj).__name__}")
+    values = []
+    for key in keys[:2]:
+        v = obj.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_TRACE_TOKENS:
+            shown = shown_int(v) if isinstance(v, int) else _short(v)
+            raise ConfigError(f"{where}: {key} must be an int in [1, {MAX_TRACE_TOKENS:,}], got {shown}")
+        values.append(v)
+    arrival = obj.get(keys[2], 0)
+    unit = f" of {time_unit}" if time_unit else ""
+    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:
+        raise ConfigError(f"{where}: {keys[2]} must be a finite number{unit} >= 0, got {arrival!r}")
+    if arrival > MAX_ARRIVAL_S * units_per_second:   # not arrival / units: an int past a
+        shown = shown_int(arrival) if isinstance(arrival, int) else f"{arrival:g}"   # float's range
+        raise ConfigError(f"{where}: {keys[2]} {shown}{unit} is past {MAX_ARRIVAL_S:.0e} s "
+                          f"(317 years), where the simulated float clock loses a step's "
+                          f"milliseconds: give {time_unit or 'seconds'} since the trace's start, "
+                          f"not since the epoch")
+    hash_ids = obj.get("hash_ids", [])
+    blocks = -(-values[0] // block_tokens) if block_tokens and (hash_ids or required) else None
+    if (not isinstance(hash_ids, list) or (blocks is not None and len(hash_ids) != blocks)
+            or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids)):
+        if blocks is None:
+            raise ConfigError(f"{where}: hash_ids must be a list of ints >= 0, got {_short(hash_ids)}")
+        raise ConfigError(f"{where}: hash_ids must list {blocks} ints >= 0 (one per "
+                          f"{block_tokens}-token block of {keys[0]} {values[0]}), got "
+                          f"{_short(hash_ids)}")
+    return TraceEntry(values[0], values[1], arrival / units_per_second, tuple(hash_ids))
+
+
+def shown_int(value: int) -> str:
+    """An int for a message: as written up to 12 digits, else ``1e+20`` (or its digit count,
+    where a float cannot hold it)."""
+    if abs(value) < 10**12:
+        return str(value)
+    digits = len(str(abs(value)))
+    return f"{float(value):.3g}" if digits < 300 else f"a {digits:,}-digit number"
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def synthetic_adapter(name: str, num_bytes: int) -> "AdapterRef":
+    """An adapter the simulator makes up: its digest is the SHA-256 of its name."""
+    from .adapters import AdapterRef
+    return AdapterRef(name, hashlib.sha256(name.encode()).hexdigest(), num_bytes)
