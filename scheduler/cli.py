@@ -292,7 +292,7 @@ def run(args) -> int:
     runs = []
     for seed in seeds:
         entries = _entries(args, seed)
-        if args.write_trace is not None and seed == seeds[0]:
+        if args.write_trace is not None:      # one seed (check_together)
             _write_trace(args.write_trace, entries)
         result = _simulate(entries, config, args)
         out = result.to_dict()

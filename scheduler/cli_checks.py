@@ -127,6 +127,10 @@ def check_together(args) -> None:
                               f"--slo): run them without --find-max-rate, at the load it finds")
     if args.trace and args.seeds:
         raise ConfigError("--seeds draws generated workloads; a --trace replays one fixed workload")
+    if args.seeds and len(args.seeds) > 1 and args.write_trace is not None:
+        raise ConfigError(f"--write-trace writes one workload and --seeds draws "
+                          f"{len(args.seeds)} (only the first seed's was written): give one "
+                          f"--seed with --write-trace")
     if not args.trace and (args.rate_scale != 1.0 or args.max_requests is not None):
         raise ConfigError("--rate-scale and --max-requests apply to --trace; for a generated "
                           "workload use --arrival-rate and --requests")

@@ -77,3 +77,24 @@ def test_simulate_refuses_a_csv_write_trace_before_simulating(tmp_path, capsys, 
     assert out == "" and err.count("\n") == 1
     assert f"--write-trace {tmp_path / name}: a .csv trace is read as Azure's columns" in err
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("seeds, count", [("0-2", 3), ("0,5", 2)])
+def test_simulate_refuses_write_trace_with_several_seeds_before_running(tmp_path, capsys, seeds,
+                                                                        count):
+    # it wrote the first seed's workload only, silently, and simulated them all
+    with pytest.raises(SystemExit) as exc:
+        raise SystemExit(main(FAST + ["--seeds", seeds, "--write-trace", str(tmp_path / "t")]))
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert f"--write-trace writes one workload and --seeds draws {count} " in err
+    assert os.listdir(tmp_path) == []
+
+
+def test_one_seed_of_seeds_is_written(tmp_path, capsys):
+    trace = str(tmp_path / "t.jsonl")
+    written = result_of(FAST + ["--seeds", "3", "--write-trace", trace], capsys)
+    replayed = result_of(["simulate", "--trace", trace, "--cache-gb", "4", "--json",
+                          "--no-progress"], capsys)
+    assert written == replayed
