@@ -311,14 +311,27 @@ def _write_trace(path: str, entries) -> None:
         raise ConfigError(f"--write-trace {path}: {error.strerror or error}") from None
 
 
+# the flags echoed under their own names in a run's "config" (units in the name where the flag
+# has them); page_size, the one in bytes whose flag does not say so, is echoed as page_size_bytes
+ECHOED_FLAGS = (
+    "model_preset", "gpu", "cache_gb", "policy", "block_size", "layout", "watermark",
+    "watermark_scope", "preemption", "swap_gb", "max_running", "max_tokens_per_step", "max_len",
+    "seed", "workload_rng", "trace", "goodput", "profile", "prefix_eviction", "prefix_block_tokens",
+    "lora_adapters", "lora_zipf", "lora_budget_gb", "h2d_gbps", "kv_cache_dtype", "n",
+    "beam_width", "beam_skew", "prefill_mfu", "map_latency_us", "copy_gbps", "paged_slowdown")
+
+
 def _echo(args, seed: int) -> dict:
-    """The flags of one run, ``seed`` the one it drew its workload with."""
-    echo = {k: getattr(args, k) for k in (
-        "model_preset", "gpu", "cache_gb", "policy", "block_size", "page_size", "layout",
-        "watermark", "watermark_scope", "preemption", "swap_gb", "max_running",
-        "max_tokens_per_step", "max_len", "seed", "workload_rng", "trace", "goodput", "profile",
-        "prefix_eviction", "lora_adapters", "lora_zipf", "lora_budget_gb", "h2d_gbps")}
-    echo["seed"] = seed
+    """Every flag that shaped one run, ``seed`` the one it drew its workload with; the
+    generated workload's flags are None with --trace (ignored), the trace's without it."""
+    echo = {k: getattr(args, k) for k in ECHOED_FLAGS}
+    echo.update(seed=seed, page_size_bytes=args.page_size)
+    generated = {"requests": args.requests, "arrival_rate_per_s": args.arrival_rate,
+                 "prompt_median_tokens": args.prompt_median, "prompt_p95_tokens": args.prompt_p95,
+                 "output_mean_tokens": args.output_mean, "output_p95_tokens": args.output_p95}
+    replayed = {"rate_scale": args.rate_scale, "max_requests": args.max_requests}
+    echo.update(dict.fromkeys(generated) if args.trace else generated)
+    echo.update(replayed if args.trace else dict.fromkeys(replayed))
     if args.profile:                # its model was simulated, on no preset GPU
         echo.update(model_preset=None, gpu=None,
                     profile_model=profile_model(load_profile(args.profile)).name)

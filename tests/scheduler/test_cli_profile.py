@@ -34,7 +34,7 @@ def run(argv, capsys):
 def test_the_profiles_engine_is_the_default_of_every_flag_not_given(profile, capsys):
     config, err = run(RUN + ["--profile", profile], capsys)
     assert err == ""            # the defaults were 1,024 running, 8,192 tokens, paged, 4,096
-    assert (config["policy"], config["page_size"], config["layout"], config["max_running"],
+    assert (config["policy"], config["page_size_bytes"], config["layout"], config["max_running"],
             config["max_tokens_per_step"]) == ("vmem", 65536, "per-layer", 4, 2048)
     # max_context 128: what the engine admits (its vmem slots hold 256 in whole pages; the
     # default was the slot, so requests drawn up to 256 tokens ran that the engine refuses)

@@ -87,7 +87,7 @@ def test_deployment_flags_name_the_preset_and_the_gpu(capsys):
     assert main(FAST + ["--model-preset", "tiny", "--gpu", "h200", "--page-bytes", "64KiB",
                         "--policy", "vmem", "--json"]) == 0
     config = json.loads(capsys.readouterr().out)["config"]
-    assert (config["model_preset"], config["gpu"], config["page_size"]) == ("tiny", "h200", 64 * 2**10)
+    assert (config["model_preset"], config["gpu"], config["page_size_bytes"]) == ("tiny", "h200", 64 * 2**10)
 
 
 def test_bad_trace_line_names_the_line(tmp_path, capsys):
