@@ -135,12 +135,12 @@ def _parse(text: str, file_name: str, where: str) -> List[TraceEntry]:
 
 
 def _azure_rows(text: str, where: str) -> Iterator[TraceEntry]:
-    reader = csv.reader(io.StringIO(text))
-    header = [h.strip() for h in next(reader, [])]
+    rows = _csv_lines(text, where)
+    header = [h.strip() for h in next(rows, (1, []))[1]]
     if header != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
         raise ConfigError(f"{where}: expected the Azure columns TIMESTAMP,ContextTokens,"
                           f"GeneratedTokens, got {','.join(header)!r}")
-    for lineno, row in enumerate(reader, 2):
+    for lineno, row in rows:
         if not row:
             continue
         at = f"{where} line {lineno}"
@@ -149,6 +149,27 @@ def _azure_rows(text: str, where: str) -> Iterator[TraceEntry]:
         prompt, output = (_positive_int(v, name, at) for v, name in
                           ((row[1], "ContextTokens"), (row[2], "GeneratedTokens")))
         yield TraceEntry(prompt, output, _azure_seconds(row[0], at))
+
+
+def _csv_lines(text: str, where: str) -> Iterator[Tuple[int, List[str]]]:
+    """(the file line a row is on, the row), counted from the csv reader's ``line_num`` (file
+    lines, not rows). An Azure row is one line: a quoted field holding a line break (``"396``
+    then ``"`` on the next line read as 396, and every later line was named one too early) or
+    text that is not CSV is a ConfigError naming its line."""
+    reader, end = csv.reader(io.StringIO(text)), 0
+    while True:
+        try:
+            row = next(reader, None)
+        except csv.Error as error:      # a field past csv's limit, a bare carriage return
+            raise ConfigError(f"{where} line {reader.line_num}: not CSV ({error})") from None
+        if row is None:
+            return
+        start, end = end + 1, reader.line_num
+        if start != end or any("\n" in field or "\r" in field for field in row):
+            how = f"the row runs on to line {end}" if end > start else "its quote never closes"
+            raise ConfigError(f"{where} line {start}: a quoted field holds a line break "
+                              f"({how}); an Azure row is one line")
+        yield start, row
 
 
 def _azure_seconds(stamp: str, where: str) -> float:
