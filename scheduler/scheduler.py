@@ -56,7 +56,9 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
         self.max_seq_len = config.max_seq_len or manager.max_seq_len
         self.growable = False           # True: a MemoryBudget resizes it (use_budget)
         self.budget_share = None        # that budget's share: how far it can grow
-        self.starved = False            # the last step admitted nothing into an idle pool
+        self._denied_room: Optional[Sequence] = None   # this step: a running chunk got no room
+        self.starved = False    # the last step ran nothing: admitted nothing to an idle pool,
+                                # or none running got room (the pool must grow)
         self.max_fit_tokens = self.max_fit_bytes = 0
         self._init_reach()
         self._refresh_capacity()
@@ -159,7 +161,7 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
             raise SchedulerError("schedule() called twice without update() in between")
         self._step += 1
         plan = StepPlan([], [], finished=self._finished_ids)
-        self._finished_ids = []
+        self._finished_ids, self._denied_room = [], None
         budget = self._schedule_decodes(plan, self.config.max_tokens_per_step)
         if not plan.preempted:
             budget = self._swap_in(plan, budget)
@@ -170,6 +172,12 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
         if self.starved and self._cannot_grow():
             self._never_fits(self.waiting[0], "cannot be admitted to an empty cache")
         self._unblock_groups(plan)
+        if self._denied_room is not None and not (plan.seqs or plan.preempted):
+            # a chunk of a running sequence got no room (in a pool a budget shrank below what
+            # it holds) and nothing ran: nothing would change step after step; it must grow
+            self.starved = True
+            if self._cannot_grow():
+                self._never_fits(self._denied_room, "gets no room to grow in a cache")
         plan.ops = self.manager.take_ops()
         if self.tables is not None:
             self.tables.fill(plan, self.manager)
@@ -238,6 +246,7 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
             short = self.window_step_end(seq) - seq.num_computed \
                 if self._window_costs is not None else new
             if short >= new or not self._grow(seq, short, plan, may_preempt):
+                self._denied_room = seq
                 return budget
             new = short
         self._emit(plan, seq, new)

@@ -2,6 +2,9 @@
 import pytest
 
 from vmemkv.scheduler.budget import MemoryBudget
+from vmemkv.scheduler.errors import RequestTooLargeError
+from vmemkv.scheduler.managers import make_manager
+from vmemkv.scheduler.presets import ModelSpec
 from vmemkv.scheduler.request import Request, SeqState
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -9,6 +12,7 @@ from .adapter_sched import TINY, manager
 from .test_adapter_elastic import resize, run_with_budget
 
 BPT = TINY.bytes_per_token
+KIB = 1024
 
 
 @pytest.mark.parametrize("layout, step_tokens", [("per-layer", 8), ("interleaved", 2)])
@@ -35,3 +39,60 @@ def test_a_grow_step_below_the_pools_own_still_grows_it(layout, step_tokens):
     assert sched.seqs[0].state is SeqState.FINISHED
     assert mgr.cache_bytes % mgr.resize_step_bytes == 0 and mgr.cache_bytes >= 38 * BPT
     assert share.held_bytes == mgr.cache_bytes
+
+
+def _hybrid_chunking_after_recompute():
+    """One full and one windowed layer (window 8, 4 tokens a 1 KiB page), a 32 KiB pool: 32
+    tokens whole, 52 behind the window. A 52-token request preempted by recompute at 41 tokens
+    comes back with its prompt and grows chunk by chunk; then a budget's partial shrink leaves
+    the pool at what it holds (12 of 41 tokens computed), so its next chunk gets no room."""
+    model = ModelSpec("w", 2, 4, 32, 2, weight_bytes=0, layer_windows=(8, None))
+    mgr = make_manager("vmem", model, 32 * KIB, 512, page_bytes=KIB, layout="per-layer",
+                       hybrid_parts=True, max_cache_bytes=32 * KIB)
+    sched = Scheduler(mgr, SchedulerConfig(max_running=4, max_seq_len=512, max_tokens_per_step=4,
+                                           preemption="recompute", check_every_step=True))
+    sched.add_request(Request(0, prompt_len=4, max_tokens=48))
+    seq = sched.seqs[0]
+    while seq.length <= 40:
+        _step(sched)
+    _in_transaction(sched, lambda: sched.resize(4 * KIB, preempt=True, check_fit=False))
+    _in_transaction(sched, lambda: sched.resize(32 * KIB))
+    for _ in range(3):
+        _step(sched)
+    _in_transaction(sched, lambda: sched.resize(4 * KIB, partial=True))
+    assert (seq.state, seq.num_computed, mgr.cache_bytes) == (SeqState.RUNNING, 12, 12 * KIB)
+    return sched, seq
+
+
+def test_a_running_chunk_that_gets_no_room_asks_the_budget_to_grow():
+    # the chunk got no room, nothing was preempted or waiting: the budget saw no need and the
+    # sequence stayed running at 12 of 41 tokens for ever (two tiny-gemma3 engines on one
+    # budget: 2,000 rounds, 56 KiB of the budget unclaimed); now the step is starved
+    sched, seq = _hybrid_chunking_after_recompute()
+    budget = MemoryBudget(32 * KIB, idle_release_s=1.0, clock=lambda: 0.0)
+    share = budget.register("a", 4 * KIB, 32 * KIB, 12 * KIB)
+    sched.growable = True
+    steps = run_with_budget(sched, share)
+    assert seq.state is SeqState.FINISHED and seq.length == 52 and steps < 100
+
+
+def test_a_running_chunk_that_can_never_get_room_fails_by_name():
+    # a pool that cannot grow: nothing would change step after step; the request fails
+    sched, seq = _hybrid_chunking_after_recompute()
+    with pytest.raises(RequestTooLargeError, match=r"sequence 0 \(41 tokens\) gets no room to "
+                                                   r"grow in a cache") as error:
+        sched.schedule()
+    assert error.value.request_id == 0
+
+
+def _step(sched) -> None:
+    plan = sched.schedule()
+    sched.update({s.seq_id: 1 for s in plan.seqs if s.sample})
+
+
+def _in_transaction(sched, action) -> None:
+    sched.begin()
+    sched.manager.begin()
+    action()
+    sched.manager.commit()
+    sched.commit()
