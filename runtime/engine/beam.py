@@ -85,6 +85,9 @@ class BeamSearches:
         token goes into ``sampled``. Returns the request ids of the groups now done."""
         done = []
         for rid, new in picked.items():
+            # a token that ends a hypothesis is sampled but never appended to a sequence:
+            # counted here (the continuing beams' are, by the scheduler's update)
+            scheduler.metrics.generated_tokens += new.ended_now
             live = self.live_seq_ids(rid)
             continued = {b.seq_id for b in new.beams}
             gone = [s for s in live if s not in continued]
@@ -207,6 +210,7 @@ class BeamSearching:
                                        enumerate(returned(picked[rid]))]
             state.remaining, state.output.status = 0, "finished"
             for c in state.output.outputs:   # the beam's text rides on its last token
+                c.token_times_s = [now] * len(c.token_ids)   # every token arrives now
                 last = len(c.token_ids) - 1
                 events += [TokenEvent(rid, c.index, t, j == last, c.finish_reason if j == last
                                       else None, c.text or "" if j == last else "", c.logprobs[j])

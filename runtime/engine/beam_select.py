@@ -63,6 +63,8 @@ class GroupState:
     beams: Tuple[Beam, ...]
     hyps: Tuple[Hypothesis, ...] = ()
     done: bool = False
+    ended_now: int = 0      # candidates the last step ended as hypotheses (tokens sampled
+                            # that no beam goes on from; kept or not)
 
     @property
     def candidates(self) -> int:
@@ -100,7 +102,8 @@ def select(group: GroupState, logprobs: torch.Tensor) -> GroupState:
            for c, hit, s in zip(candidates[:k], hits[:k], penalised) if hit]
     hyps = tuple(sorted(group.hyps + tuple(new), key=lambda h: -h.score)[:k])   # stable: old first
     done = at_length or not running or _stops_early(p, running[0].score, hyps, generated)
-    return replace(group, beams=() if done else running, hyps=hyps, done=done)
+    return replace(group, beams=() if done else running, hyps=hyps, done=done,
+                   ended_now=len(new))
 
 
 def _stops_early(p: BeamSearchParams, best_running: float, hyps: Tuple[Hypothesis, ...],

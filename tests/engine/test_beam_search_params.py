@@ -58,3 +58,18 @@ def test_beam_searches_with_different_cache_salts_never_share_a_prefix():
         assert hits("tenant-a") == 0
         assert hits("tenant-b") == 0 and hits(None) == 0
         assert hits("tenant-a") >= len(prompt) - 4        # the same salt still shares
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 3])
+def test_a_beam_searchs_stats_count_every_beams_tokens(max_new_tokens):
+    # the tokens that end hypotheses are never appended to a sequence: output_tokens missed
+    # them (0 for one-token beams, 16 of 24 for three-token ones), and the serving report
+    # skipped beam outputs, which had no token times ('completed': 0)
+    params = BeamSearchParams(4, max_new_tokens=max_new_tokens, ignore_eos=True)
+    out, stats = run("tiny-llama", [[1, 2, 3], [4, 5, 6]], params)
+    tokens = sum(len(c.token_ids) for o in out for c in o.outputs)
+    assert tokens == 2 * 4 * max_new_tokens == stats.output_tokens
+    assert stats.serving["completed"] == 8 and stats.serving["total_output_tokens"] == tokens
+    for o in out:      # outputs arrive whole: every token at the step its group is done
+        times = {t for c in o.outputs for t in c.token_times_s}
+        assert len(times) == 1 and times.pop() >= o.arrival_s
