@@ -320,11 +320,11 @@ def summary(profile: Dict, model_name: str) -> str:
     lines = [f"vmemkv calibrate: {model_name} on {profile['device']}, {len(profile['points'])} "
              f"steps, {min(cal['repeats'])}-{max(cal['repeats'])} repeats of "
              f"{len(cal['repeats'])} shapes (1-minute load {load[0]:.2f} -> {load[1]:.2f})",
-             f"  {'coefficient':<22}{'value':>10}  95% interval"]
+             f"  {'coefficient':<22}{'value':>10}     95% interval"]
     for name in FITTED:
         unit, scale = UNITS[name]
         interval = profile["coefficient_intervals"][name]
-        lines.append(f"  {name:<22}{profile['coefficients'][name] * scale:>10.4g}  "
+        lines.append(f"  {name:<22}{profile['coefficients'][name] * scale:>10.4g} {unit:<3} "
                      + (f"[{interval[0] * scale:.4g}, {interval[1] * scale:.4g}] {unit}"
                         if interval else "n/a (fewer than 6 repeats)"))
     lines.append(f"  fit error over {fit['design_points']} design points' medians: median "

@@ -30,6 +30,10 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
     # nor can one repeat be resampled: no interval (it was a zero-width one missing its estimate)
     assert profile["coefficient_intervals"] == dict.fromkeys(FITTED)
     assert printed.out.count("n/a (fewer than 6 repeats)") == len(FITTED)
+    # each value with its unit, interval or not ('base_s 4.39' read as seconds: it was ms)
+    rows = {line.split()[0]: line.split()[2] for line in printed.out.splitlines()
+            if line.strip().split(" ")[0] in FITTED}
+    assert rows == {name: calibrate_module.UNITS[name][0] for name in FITTED}
     assert profile["model"]["num_layers"] == 2 and profile["model"]["dtype_bytes"] == 4
     assert profile["model"]["layer_windows"] == [None, None]
     # each point: one prefill step and (decode_steps - 1) decodes, at least
