@@ -11,16 +11,18 @@ def wanted_bytes(scheduler, held_bytes: int, grow_step_bytes: int, preempted: bo
     or a beam group that fits alone but not as a group (one grow step); else ``held_bytes``."""
     mgr = scheduler.manager
     if scheduler.swapped and not scheduler.running:     # it swaps in whole, then decodes
-        return held_bytes + _lacked_bytes(scheduler, scheduler.swapped[0], grow_step_bytes)
+        head = scheduler.swapped[0]
+        return held_bytes + _lacked_bytes(scheduler, head, head.length, grow_step_bytes)
     if preempted:
         return held_bytes + 1
     if scheduler.waiting and len(scheduler.running) < scheduler.config.max_running:
         head = scheduler.waiting[0]
         adapter = head.request.adapter      # its pages come from the same pool
         with_adapter = {} if adapter is None else {"adapter": adapter}
-        if not mgr.can_allocate(head.length, None, None, 0,
+        admitted = scheduler._admit_tokens(head)   # a recomputed windowed one: its prompt
+        if not mgr.can_allocate(admitted, None, None, 0,
                                 final_tokens=head.request.max_total_len, **with_adapter):
-            missing = _lacked_bytes(scheduler, head, grow_step_bytes)
+            missing = _lacked_bytes(scheduler, head, admitted, grow_step_bytes)
             if adapter is not None and adapter.digest not in mgr.resident_adapters():
                 missing += adapter.num_bytes
             return held_bytes + missing
@@ -29,12 +31,13 @@ def wanted_bytes(scheduler, held_bytes: int, grow_step_bytes: int, preempted: bo
     return held_bytes
 
 
-def _lacked_bytes(scheduler, head, grow_step_bytes: int) -> int:
-    """What ``head`` lacks beside the unused bytes: its tokens and room to decode, up to one
-    grow step (at least one byte: the pool's next resize step)."""
+def _lacked_bytes(scheduler, head, tokens: int, grow_step_bytes: int) -> int:
+    """What ``head`` lacks beside the unused bytes: its ``tokens`` (what admission or a swap-in
+    allocates it) and room to decode, up to one grow step (at least one byte: the pool's next
+    resize step)."""
     mgr = scheduler.manager
     decode = min(head.request.max_total_len - head.length, grow_step_bytes // mgr.bytes_per_token)
-    return max(head.length + max(0, decode) - unused_bytes(scheduler) // mgr.bytes_per_token,
+    return max(tokens + max(0, decode) - unused_bytes(scheduler) // mgr.bytes_per_token,
                1) * mgr.bytes_per_token
 
 

@@ -2,6 +2,7 @@
 import pytest
 
 from vmemkv.scheduler.budget import MemoryBudget
+from vmemkv.scheduler.budget_needs import wanted_bytes
 from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.managers import make_manager
 from vmemkv.scheduler.presets import ModelSpec
@@ -96,3 +97,23 @@ def _in_transaction(sched, action) -> None:
     action()
     sched.manager.commit()
     sched.commit()
+
+
+def test_the_budget_asks_for_what_admission_allocates_a_recomputed_windowed_sequence():
+    # preempted by recompute at 41 tokens, past the 32 the pool holds whole: admission
+    # allocates its 4-token prompt and grows it chunk by chunk; the budget asked for all 41
+    # (41 KiB, past the 32 KiB the share may reach), taking memory from other shares for
+    # nothing
+    model = ModelSpec("w", 2, 4, 32, 2, weight_bytes=0, layer_windows=(8, None))
+    mgr = make_manager("vmem", model, 32 * KIB, 512, page_bytes=KIB, layout="per-layer",
+                       hybrid_parts=True, max_cache_bytes=32 * KIB)
+    sched = Scheduler(mgr, SchedulerConfig(max_running=4, max_seq_len=512, max_tokens_per_step=4,
+                                           preemption="recompute"))
+    sched.add_request(Request(0, prompt_len=4, max_tokens=48))
+    seq = sched.seqs[0]
+    while seq.length <= 40:
+        _step(sched)
+    _in_transaction(sched, lambda: sched.resize(4 * KIB, preempt=True, check_fit=False))
+    assert seq.state is SeqState.WAITING and seq.length == 41 and sched._admit_tokens(seq) == 4
+    held = mgr.cache_bytes
+    assert wanted_bytes(sched, held, grow_step_bytes=0, preempted=False) <= held + 4 * KIB
