@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 
 from .beam_fit import longest_sequence, unit_costs
-from .errors import ConfigError, RequestTooLargeError, SchedulerError
+from .errors import ConfigError, RequestTooLargeError, SchedulerError, length_field
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -81,21 +81,27 @@ def check_adapter_fits(request, manager, cache_bytes=None) -> None:
     if pages > most:
         raise RequestTooLargeError(
             f"request {request.request_id}: adapter {ref} can never fit: it needs {pages} "
-            f"pool units, adapters can hold {most} at most (policy {manager.name!r})")
-    fit = manager.max_sequence_tokens_with_adapter(ref, cache_bytes)
-    if final > fit > 0 and manager.window_tokens and manager.fork_unit_tokens:
-        fit = max(fit, _windowed_fit(request, manager, cache_bytes))
+            f"pool units, adapters can hold {most} at most (policy {manager.name!r})", None,
+            "adapter")
+    fit = adapter_fit_tokens(request.prompt_len, ref, manager, cache_bytes)
     if final > fit:
         at = "" if cache_bytes is None else f" in the {cache_bytes} bytes it has held at most"
         raise RequestTooLargeError(
             f"request {request.request_id}: {final} tokens beside adapter {ref} can never "
-            f"fit; the cache holds {fit} tokens of one sequence beside it{at}")
+            f"fit; the cache holds {fit} tokens of one sequence beside it{at}", None,
+            "adapter" if fit == 0 else length_field(request.prompt_len, fit))
 
 
-def _windowed_fit(request, manager, cache_bytes) -> int:
-    """Behind a window a sequence holds less than its whole length: the longest one of
-    ``request``'s prompt the units left beside its adapter hold (``beam_fit.sequence_need``,
-    as ``Scheduler.fit_tokens`` counts without an adapter)."""
-    units = manager.kv_units_beside_adapter(request.adapter, cache_bytes)
-    return longest_sequence(request.prompt_len, units, manager.fork_unit_tokens,
-                            unit_costs(manager)[2], manager.max_seq_len)
+def adapter_fit_tokens(prompt_tokens: int, adapter: AdapterRef, manager,
+                       cache_bytes=None) -> int:
+    """The longest sequence of a ``prompt_tokens`` prompt ``manager``'s pool holds beside
+    ``adapter``, in a pool of ``cache_bytes`` (None: as it is); 0 when the adapter can never
+    load. Behind a window a sequence holds less than its whole length: the units left beside
+    the adapter are counted as ``Scheduler.fit_tokens`` counts the pool
+    (``beam_fit.sequence_need``)."""
+    fit = manager.max_sequence_tokens_with_adapter(adapter, cache_bytes)
+    if fit > 0 and manager.window_tokens and manager.fork_unit_tokens:
+        units = manager.kv_units_beside_adapter(adapter, cache_bytes)
+        fit = max(fit, longest_sequence(prompt_tokens, units, manager.fork_unit_tokens,
+                                        unit_costs(manager)[2], manager.max_seq_len))
+    return fit

@@ -39,7 +39,7 @@ def check_beam_group_fits(request, manager, *, max_running: int,
     if width > max_running:
         raise RequestTooLargeError(
             f"request {request.request_id}: beam_width {width} exceeds the {max_running} "
-            f"sequences a step runs (max_running)")
+            f"sequences a step runs (max_running)", None, "beam_width")
     if request.max_tokens < 2 or not unit or manager.cache_bytes == 0:
         return
     layout = manager.layout()
@@ -66,7 +66,8 @@ def check_beam_group_fits(request, manager, *, max_running: int,
             f"prompt holds at least {need} {what} at {at}: {where}the whole {unit}-token units "
             f"before the newest token{read} once, then each beam's own copy of the newest; more "
             f"than the cache's {pool} {what}"
-            f"{'' if reach_bytes is None else ' (the most its MemoryBudget share can hold)'}")
+            f"{'' if reach_bytes is None else ' (the most its MemoryBudget share can hold)'}",
+            None, "beam_width")
 
 
 def unit_costs(manager) -> Tuple[str, str, List[KindCost]]:

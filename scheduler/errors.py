@@ -18,14 +18,22 @@ class RequestTooLargeError(SchedulerError, ValueError):
     """A request can never fit: longer than the maximum length or the whole cache.
     ``request_id``: the request a step found an empty cache cannot admit (a beam group that
     must come back into private memory), so a caller can end it alone; None where the
-    request was refused at submission, or for a manager's call."""
+    request was refused at submission, or for a manager's call. ``field``: the Request field
+    a submission refusal asks to change ("prompt_len" when the prompt alone is too long,
+    "max_tokens", "adapter", "beam_width"; None: not said)."""
 
-    def __init__(self, message: str = "", request_id=None) -> None:
+    def __init__(self, message: str = "", request_id=None, field=None) -> None:
         super().__init__(message)
-        self.request_id = request_id
+        self.request_id, self.field = request_id, field
 
     def __reduce__(self):
-        return type(self), (str(self), self.request_id)
+        return type(self), (str(self), self.request_id, self.field)
+
+
+def length_field(prompt_tokens: int, limit_tokens: int) -> str:
+    """The field a request past ``limit_tokens`` must change: its prompt when the prompt with
+    one new token does not fit, else max_tokens."""
+    return "prompt_len" if prompt_tokens >= limit_tokens else "max_tokens"
 
 
 class CacheShrunkError(RequestTooLargeError):

@@ -15,7 +15,7 @@ from typing import List
 
 from .adapters import check_adapter_fits
 from .errors import (CacheResizeError, CacheShrunkError, ConfigError, RequestTooLargeError,
-                     SchedulerError, UnknownRequestError)
+                     SchedulerError, UnknownRequestError, length_field)
 from .plan import StepPlan
 from .request import Sequence, SeqState
 
@@ -96,7 +96,8 @@ def check_length(scheduler, prompt_tokens: int, max_tokens: int, who: str = "",
     asks = f"{who}{prompt_tokens} prompt + {max_tokens} new tokens = {final} tokens"
     if s.max_seq_len is not None and final > s.max_seq_len:
         raise RequestTooLargeError(f"{asks} exceed the {s.max_seq_len} tokens one sequence may "
-                                   f"hold (max_seq_len {s.max_seq_len})")
+                                   f"hold (max_seq_len {s.max_seq_len})", None,
+                                   length_field(prompt_tokens, s.max_seq_len))
     fit, most = (s.max_fit_tokens, s.max_fit_tokens_at_max) if whole else \
         s.fit_tokens(prompt_tokens)
     if final <= fit:
@@ -105,9 +106,11 @@ def check_length(scheduler, prompt_tokens: int, max_tokens: int, who: str = "",
     if final <= most:
         raise CacheShrunkError(
             f"{asks} do not fit the cache at its current size ({s.manager.cache_bytes} bytes, "
-            f"{fit} tokens of one sequence at most{after}); resized back up it holds {most}")
+            f"{fit} tokens of one sequence at most{after}); resized back up it holds {most}",
+            None, length_field(prompt_tokens, fit))
     raise RequestTooLargeError(f"{asks} can never fit; the cache holds "
-                               f"{most} tokens of one sequence at most{after}")
+                               f"{most} tokens of one sequence at most{after}", None,
+                               length_field(prompt_tokens, most))
 
 
 def withdraw_request(scheduler, request_id: int) -> None:

@@ -184,10 +184,8 @@ class BeamSearching:
             raise rejected(error, index) from None
         try:
             (seq_id,) = self.scheduler.add_request(request)
-        except RequestTooLargeError as error:                            # its group does not
-            why = str(error).removeprefix(f"request {rid}: ")   # an id the client never saw
-            raise RequestRejectedError(f"prompt {index} rejected: {why}", index,
-                                       "beam_width") from None
+        except RequestTooLargeError as error:   # its group does not, or all at full length
+            raise rejected(error, index, "beam_width") from None
         self._next_request += 1
         self._prompt_tokens += len(ids)
         out = RequestOutput(rid, ids, [], text, arrival_s=arrival_s)

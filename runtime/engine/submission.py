@@ -10,6 +10,8 @@ request's seed, else the engine's ``seed``) and, with prompt logprobs, a private
 """
 from __future__ import annotations
 
+import re
+
 from typing import Iterator, List, Optional, Sequence, Union
 
 from vmemkv.scheduler.errors import CacheShrunkError, RequestTooLargeError
@@ -161,8 +163,21 @@ class RequestSubmission:
         self._prompt_tokens -= len(state.output.prompt_token_ids)
 
 
-def rejected(error: RequestTooLargeError, index: int) -> RequestRejectedError:
+def rejected(error: RequestTooLargeError, index: int,
+             default_field: str = "prompt") -> RequestRejectedError:
     """The scheduler's refusal of prompt ``index`` as the engine's (CacheShrunkRequestError
-    where the cache, resized back up, would hold it)."""
+    where the cache, resized back up, would hold it), naming the field it names
+    (``default_field`` where it names none)."""
     kind = CacheShrunkRequestError if isinstance(error, CacheShrunkError) else RequestRejectedError
-    return kind(f"prompt {index} rejected: {error}", index)
+    field = ENGINE_FIELDS.get(error.field, default_field)
+    return kind(f"prompt {index} rejected: {without_request_id(error)}", index, field)
+
+
+# the scheduler's Request fields a refusal names -> the engine's request fields
+ENGINE_FIELDS = {"prompt_len": "prompt", "max_tokens": "max_new_tokens", "adapter": "lora",
+                 "beam_width": "beam_width"}
+
+
+def without_request_id(error: RequestTooLargeError) -> str:
+    """The scheduler's message without its "request N: " (an id the caller never saw)."""
+    return re.sub(r"^request \d+: ", "", str(error))

@@ -65,10 +65,11 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
 
     @app.get("/v1/models")
     async def models() -> dict:
-        base = {"object": "model", "created": created, "owned_by": "vmemkv",
-                "max_model_len": served.max_sequence_tokens}
-        return {"object": "list", "data": [{"id": served.name, **base}] + [
-            {"id": name, **base, "parent": served.name} for name in served.loras()]}
+        base = {"object": "model", "created": created, "owned_by": "vmemkv"}
+        return {"object": "list", "data": [
+            {"id": served.name, **base, "max_model_len": served.model_limit()}] + [
+            {"id": name, **base, "max_model_len": served.model_limit(name), "parent": served.name}
+            for name in served.loras()]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -55,7 +55,7 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
 
 def chat_token_ids(req: ChatCompletionRequest, served: ServedModel) -> tuple:
     """(the prompt's token ids, max tokens), or ApiError 400 naming the field."""
-    served.check_model(req.model)
+    adapter = served.check_model(req.model)
     if req.stop_strings() and served.tokenizer is None:
         raise ApiError(400, "stop strings need a tokenizer; send stop_token_ids instead", "stop")
     if req.chat_template is not None and not served.trust_request_chat_template:
@@ -75,8 +75,9 @@ def chat_token_ids(req: ChatCompletionRequest, served: ServedModel) -> tuple:
         raise ApiError(400, f"the rendered messages hold token ids {bad[:5]} outside the "
                             f"model's vocabulary [0, {served.vocab_size})", "messages")
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = given if given is not None else max(1, served.limit_for(len(ids)) - len(ids))
-    served.check_lengths(len(ids), max_tokens, req.n, req.max_param)
+    max_tokens = given if given is not None else \
+        max(1, served.limit_for(len(ids), adapter) - len(ids))
+    served.check_lengths(len(ids), max_tokens, req.n, req.max_param, "messages", adapter)
     return ids, max_tokens
 
 

@@ -15,6 +15,7 @@ from vmemkv.runtime.engine.errors import RequestRejectedError
 from vmemkv.runtime.engine.prompts import is_unicode_text
 from vmemkv.runtime.engine.sampler import check_min_tokens
 from vmemkv.runtime.engine.sampling import SamplingParams
+from vmemkv.scheduler.adapters import adapter_fit_tokens
 
 from .errors import ApiError
 from .logprobs_format import TokenStrings, completion_logprobs, merge_completion_logprobs
@@ -28,32 +29,51 @@ class ServedModel:
     name: str
     tokenizer: object
     vocab_size: int
-    max_sequence_tokens: int   # prompt + max_tokens one sequence can hold
+    max_sequence_tokens: int   # prompt + max_tokens any request may ask for: max_model_len
     max_n: int                 # choices per request: the engine's max_batch
     loras: Callable[[], List[str]] = list   # the engine's adapter names, read at each request
     trust_request_chat_template: bool = False   # ServeLimits'
     max_requests: int = 256    # engine requests in flight at most: the server's --max-queue
     eos_ids: Tuple[int, ...] = ()   # the engine's: stop ids unless ignore_eos
-    fit: Optional[Callable[[int], int]] = None   # prompt tokens -> prompt + max_tokens limit
-    #                                              (a windowed model's grows past the full one)
+    fit: Optional[Callable[[int, Optional[str]], int]] = None
+    #   (prompt tokens, adapter name or None) -> prompt + max_tokens that request may ask for
+    #   (a windowed model's grows past max_sequence_tokens after a short prompt; an
+    #   adapter's pages take from the pool)
+    whole_tokens: Optional[int] = None   # a beam search's limit: every beam at full length
 
     @classmethod
     def of(cls, engine, name: str, limits=None, max_requests: int = 256) -> "ServedModel":
-        sched = engine.scheduler
+        sched, mgr = engine.scheduler, engine.scheduler.manager
 
-        def fit(prompt_tokens: int) -> int:
+        def fit(prompt_tokens: int, adapter: Optional[str] = None) -> int:
             # the cache at max_cache_bytes: a request that fits only once /resize grows it
             # is a 503; a windowed model's layers give memory back, so its limit is per prompt
-            most = sched.fit_tokens(max(1, prompt_tokens))[1]
+            prompt_tokens = max(1, prompt_tokens)
+            if adapter is None:
+                most = sched.fit_tokens(prompt_tokens)[1]
+            else:
+                most = adapter_fit_tokens(prompt_tokens, engine.adapters.ref(adapter), mgr,
+                                          mgr.max_cache_bytes)
             return min(x for x in (sched.max_seq_len, most) if x)
-        return cls(name, engine.tokenizer, engine.vocab_size, fit(1), engine.config.max_batch,
-                   lambda: engine.loras,
+        whole = min(x for x in (sched.max_seq_len, sched.max_fit_tokens_at_max) if x)
+        return cls(name, engine.tokenizer, engine.vocab_size, any_prompt_limit(fit),
+                   engine.config.max_batch, lambda: engine.loras,
                    bool(limits and limits.trust_request_chat_template), max_requests,
-                   tuple(engine.eos_ids), fit)
+                   tuple(engine.eos_ids), fit, whole)
 
-    def limit_for(self, prompt_tokens: int) -> int:
-        """prompt + max_tokens a request of ``prompt_tokens`` may ask for at most."""
-        return self.max_sequence_tokens if self.fit is None else self.fit(prompt_tokens)
+    def limit_for(self, prompt_tokens: int, adapter: Optional[str] = None,
+                  beams: bool = False) -> int:
+        """prompt + max_tokens a request of ``prompt_tokens`` (on ``adapter``; a beam search:
+        ``beams``) may ask for at most."""
+        if beams and self.whole_tokens is not None:
+            return self.whole_tokens
+        return self.max_sequence_tokens if self.fit is None else self.fit(prompt_tokens, adapter)
+
+    def model_limit(self, adapter: Optional[str] = None) -> int:
+        """/v1/models' max_model_len of the base model or ``adapter``: what any prompt may ask."""
+        if adapter is None or self.fit is None:
+            return self.max_sequence_tokens
+        return any_prompt_limit(lambda p: self.fit(p, adapter))
 
     def check_model(self, model: Optional[str]) -> Optional[str]:
         """The LoRA adapter ``model`` names (None: the base model), or ApiError 400."""
@@ -87,13 +107,23 @@ class ServedModel:
         return replace(params, lora=lora)
 
     def check_lengths(self, prompt_tokens: int, max_tokens: int, n: int,
-                      max_param: str = "max_tokens") -> None:
-        limit = self.limit_for(prompt_tokens)
+                      max_param: str = "max_tokens", prompt_param: str = "prompt",
+                      adapter: Optional[str] = None, beams: bool = False) -> None:
+        """ApiError 400 naming ``prompt_param`` when the prompt alone fills the context, or
+        ``max_param`` when the two together pass it; or ``n`` past the engine's max_batch."""
+        limit = self.limit_for(prompt_tokens, adapter, beams)
         if prompt_tokens + max_tokens > limit:
-            param = "prompt" if prompt_tokens >= limit else max_param
-            raise ApiError(400, f"this model's context is {limit} tokens; the request asks for "
-                                f"{prompt_tokens + max_tokens} ({prompt_tokens} in the prompt, "
-                                f"{max_tokens} {max_param})", param)
+            context = f"this model's context is {limit} tokens"
+            if limit != self.model_limit(adapter) and not beams:
+                context += f" after a {prompt_tokens}-token prompt"
+            elif adapter is not None:
+                context += f" beside adapter {adapter!r}"
+            if prompt_tokens >= limit:
+                raise ApiError(400, f"{context}; the prompt alone holds {prompt_tokens} tokens",
+                               prompt_param)
+            raise ApiError(400, f"{context}; the request asks for {prompt_tokens + max_tokens} "
+                                f"({prompt_tokens} in the prompt, {max_tokens} {max_param})",
+                           max_param)
         if n > self.max_n:
             raise ApiError(400, f"n must be at most {self.max_n} (the server's --max-batch), "
                                 f"got {n}", "n")
@@ -102,14 +132,20 @@ class ServedModel:
 def prompt_token_ids(req: CompletionRequest, served: ServedModel) -> List[List[int]]:
     """Each prompt as token ids, or ApiError 400 naming ``model``, ``prompt``, ``max_tokens``,
     ``n`` or ``stop``."""
-    served.check_model(req.model)
+    adapter = served.check_model(req.model)
     if len(req.prompts()) > served.max_requests:     # never fits: a 503 would be retried forever
         raise ApiError(400, f"prompt: {len(req.prompts())} prompts, but this server takes at "
                             f"most {served.max_requests} requests in flight (--max-queue); "
                             f"send fewer at a time", "prompt")
     batch = [_ids(p, served) for p in req.prompts()]
-    for ids in batch:
-        served.check_lengths(len(ids), req.max_tokens, req.n)
+    for i, ids in enumerate(batch):
+        try:
+            served.check_lengths(len(ids), req.max_tokens, req.n, adapter=adapter,
+                                 beams=req.use_beam_search)
+        except ApiError as error:        # which of several prompts, as the engine's say
+            if len(batch) > 1 and error.param != "n":
+                error.message = f"prompt {i}: {error.message}"
+            raise
     if req.stop_strings() and served.tokenizer is None:
         raise ApiError(400, "stop strings need a tokenizer; send stop_token_ids instead", "stop")
     return batch
@@ -189,3 +225,14 @@ class CompletionFormat:
 
     def first_chunks(self) -> List[dict]:
         return []
+
+
+def any_prompt_limit(fit: Callable[[int], int]) -> int:
+    """The most prompt + max_tokens that every prompt may ask for, ``fit`` giving each
+    prompt's limit: the largest L with fit(L - 1) >= L (a longer prompt is allocated whole
+    in every layer, so ``fit`` never grows with the prompt)."""
+    low, high = 1, max(1, fit(1))             # fit(0) == fit(1): L = 1 always holds
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fit(mid - 1) >= mid else (low, mid - 1)
+    return low

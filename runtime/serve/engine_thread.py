@@ -125,9 +125,10 @@ class EngineThread:
             self._thread.join(timeout_s)
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink,
-               arrival_s: float) -> Future:
-        """Queue a request; the future gets its engine request id, or the RequestRejectedError
-        the engine raised (nothing queued). ServerOverloadedError at once when full,
+               arrival_s: float, index: int = 0) -> Future:
+        """Queue a request (``index``: its prompt's place in the client's request, which the
+        engine's refusal names); the future gets its engine request id, or the
+        RequestRejectedError the engine raised (nothing queued). ServerOverloadedError at once when full,
         EngineAsleepError while asleep (``sleep``); ApiError 503 once the thread has stopped."""
         self._check_running()
         future: Future = Future()
@@ -139,7 +140,8 @@ class EngineThread:
             if self._pending >= self.max_pending_requests:
                 raise ServerOverloadedError(self.max_pending_requests)
             self._pending += 1
-            self._commands.append(("add", (tuple(prompt_ids), params, sink, arrival_s), future))
+            self._commands.append(("add", (tuple(prompt_ids), params, sink, arrival_s, index),
+                                   future))
         self._wake.set()
         return future
 
@@ -229,11 +231,11 @@ class EngineThread:
         self._refresh_gauges()
 
     def _add(self, payload, future: Future) -> None:
-        prompt_ids, params, sink, arrival_s = payload
+        prompt_ids, params, sink, arrival_s, index = payload
         beams = isinstance(params, BeamSearchParams)
         add = self.engine.add_beam_request if beams else self.engine.add_request
         try:
-            request_id = add(list(prompt_ids), params, on_token=self._on_token)
+            request_id = add(list(prompt_ids), params, index=index, on_token=self._on_token)
         except Exception as error:   # noqa: BLE001 -- handed to the submitter, who answers it
             self._ended_unqueued()
             future.set_exception(error)

@@ -44,7 +44,7 @@ GAUGES = {   # Scheduler.gauges() key -> (kind, help)
 }
 COUNTERS = {
     "request_success": "Requests that finished (a stop token or max_tokens).",
-    "num_aborted_requests": "Requests aborted (a client disconnected, or a stop string).",
+    "num_aborted_requests": "Requests aborted (a client disconnected, or the server stopped).",
     "num_failed_requests": "Requests failed (their memory plans kept failing, or a step raised).",
     "prompt_tokens": "Prompt tokens of ended requests.",
     "generation_tokens": "Generated tokens of ended requests.",

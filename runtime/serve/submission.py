@@ -72,7 +72,7 @@ class Submission:
         try:
             for i, ids in enumerate(prompts):
                 sink = (lambda item, i=i: loop.call_soon_threadsafe(self._queue.put_nowait, (i, item)))
-                self._futures.append(server.submit(ids, params, sink, arrival_s))
+                self._futures.append(server.submit(ids, params, sink, arrival_s, index=i))
         except ApiError:   # full (503) part-way: what was queued goes again
             self.close()
             raise

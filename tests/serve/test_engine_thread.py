@@ -40,7 +40,7 @@ class FakeEngine:
         self.cache_bytes, self.is_sleeping = 4096, False
         return self.cache_bytes
 
-    def add_request(self, prompt, params, on_token):
+    def add_request(self, prompt, params, on_token, index=0):
         if prompt == [0]:
             raise RequestRejectedError("prompt 0 rejected")
         rid, self.next_id = self.next_id, self.next_id + 1

@@ -8,6 +8,7 @@ import contextlib
 import copy
 import functools
 import json
+import re
 
 import httpx
 import pytest
@@ -152,3 +153,23 @@ def test_load_use_replace_unload_and_every_mistake(adapter_root, tmp_path):
         refused(post(server, "/v1/completions", {**GREEDY, "prompt": PROMPT, "model": "x"}, key),
                 400, "model")
         assert engine.loras == []
+
+
+def test_an_adapters_limit_counts_the_pages_it_takes(adapter_root):
+    # /v1/models listed an adapter with the base model's max_model_len, and a request within
+    # it was refused by the engine ('request 2: 449 tokens beside adapter ...', param prompt)
+    with Engine(model(), **{**VMEM, "max_context": 256, "cache_bytes": 64 * 1024}) as engine:
+        engine.add_lora("one", str(adapter_root / "one"))
+        with Server(engine, NAME, host="127.0.0.1", port=0).start() as server:
+            listed = {m["id"]: m["max_model_len"]
+                      for m in httpx.get(server.url + "/v1/models").json()["data"]}
+            assert listed == {NAME: 128, "one": 96}
+            body = {**GREEDY, "model": "one", "prompt": [1], "max_tokens": 95}
+            answer = post(server, "/v1/completions", body)
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 95
+            answer = post(server, "/v1/completions", {**body, "max_tokens": 96})
+            assert answer.status_code == 400
+            error = answer.json()["error"]
+            assert error["param"] == "max_tokens" and not re.search(r"request \d", error["message"])
+            assert error["message"].startswith("this model's context is 96 tokens beside "
+                                               "adapter 'one'")
