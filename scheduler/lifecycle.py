@@ -103,11 +103,12 @@ def check_length(scheduler, prompt_tokens: int, max_tokens: int, who: str = "",
     if final <= fit:
         return
     after = f" after a {prompt_tokens}-token prompt" if most > s.max_fit_tokens_at_max else ""
-    if final <= most:
+    if final <= most:       # (at its current size "after" only where the window helps there)
+        now_after = after if fit > s.max_fit_tokens else ""
         raise CacheShrunkError(
             f"{asks} do not fit the cache at its current size ({s.manager.cache_bytes} bytes, "
-            f"{fit} tokens of one sequence at most{after}); resized back up it holds {most}",
-            None, length_field(prompt_tokens, fit))
+            f"{fit} tokens of one sequence at most{now_after}); resized back up it holds "
+            f"{most}{after}", None, length_field(prompt_tokens, fit))
     raise RequestTooLargeError(f"{asks} can never fit; the cache holds "
                                f"{most} tokens of one sequence at most{after}", None,
                                length_field(prompt_tokens, most))

@@ -216,3 +216,18 @@ def _admits(sched, prompt, final, ref) -> bool:
         return False
     withdraw_request(sched, 99)
     return True
+
+
+def test_a_shrunk_pool_says_after_a_prompt_only_where_the_window_helps():
+    # at 8 KiB a 20-token prompt does not fit whole: it read '8 tokens of one sequence at
+    # most after a 20-token prompt' (a prompt longer than that); resized up, 52 after it
+    from vmemkv.scheduler.errors import CacheShrunkError
+    model = ModelSpec("w", 2, 4, 32, 2, weight_bytes=0, layer_windows=(8, None))
+    mgr = make_manager("vmem", model, 8 * 1024, MAX_LEN, page_bytes=1024, layout="per-layer",
+                       hybrid_parts=True, max_cache_bytes=32 * 1024)
+    sched = Scheduler(mgr, SchedulerConfig())
+    with pytest.raises(CacheShrunkError, match=r"\(8192 bytes, 8 tokens of one sequence at "
+                                               r"most\); resized back up it holds 52 after a "
+                                               r"20-token prompt$") as error:
+        sched.add_request(Request(0, 20, 20))
+    assert error.value.field == "prompt_len"
