@@ -32,13 +32,13 @@ import torch
 from transformers.cache_utils import Cache
 
 from vmemkv.scheduler.geometry import resolve_layout
-from vmemkv.scheduler.layout import PoolBacking
 from vmemkv.scheduler.plan import StepPlan
 
 from ..config import CacheConfig, parse_dtype
 from ..errors import CacheConfigError, CacheStateError
 from ..kv import KV, in_model_dtype, make_kv, same_tokens_page_bytes, vmem_geometry
 from ..transaction import StepTransaction, cache_executor
+from .cache_copy import copy_cache, growth_room, needs_contiguous_kv, unfix_layer
 from .cache_layer import VMemLayer, window_offset
 from .errors import BatchTooLargeError, CacheCapacityError, ContextOverflowError  # noqa: F401
 from .support import (check_cache_layers, check_generate_feeds_new_tokens, kv_shape_of,
@@ -81,13 +81,21 @@ class VMemCache(Cache):
     Guarantees: returned K/V are views of the virtual tensors (no copy; with a
     ``kv_cache_dtype`` other than the model's, decoded copies of them); physical pages are
     mapped only when a row grows into them; an update that raises (BatchTooLargeError,
-    ContextOverflowError, CacheCapacityError, CacheStateError) changes nothing. Inference only:
-    writes are not recorded by autograd. Call ``reset()`` before reusing the cache for new prompts
+    ContextOverflowError, CacheCapacityError, CacheStateError, NonFiniteKVError) changes nothing
+    (a write that fails in the copy gives back the rows it claimed; a later one's grown pages stay
+    held, for its retry). Inference only: writes are not recorded by autograd (built under
+    ``torch.inference_mode`` too). Call ``reset()`` before reusing the cache for new prompts
     (as with HF's StaticCache; without it ``generate`` continues the cached sequences).
     """
 
     def __init__(self, config: CacheConfig, layout: str = "per-layer",
                  page_bytes: Optional[int] = None, cache_bytes: Optional[int] = None) -> None:
+        with torch.inference_mode(False):   # tensors a later plain forward may write in place
+            self._build(config, layout, page_bytes, cache_bytes)
+        self._contiguous = False    # update returns contiguous copies at batch >= 2 (a family)
+
+    def _build(self, config: CacheConfig, layout: str, page_bytes: Optional[int],
+               cache_bytes: Optional[int]) -> None:
         plain = in_model_dtype(config)    # a page holds what it would in the model's dtype
         layout = resolve_layout(layout, plain if page_bytes is None else config, page_bytes,
                                 on_cuda=config.torch_device.type == "cuda")   # "auto" resolved
@@ -120,9 +128,11 @@ class VMemCache(Cache):
         (``runtime.kv_dtype``; other than the model's dtype, update returns decoded copies).
         Refused (CacheConfigError, naming it): a config with ``use_cache=False`` or
         ``is_encoder_decoder`` (``support.check_generate_feeds_new_tokens``)."""
-        return cls(cache_config_from_model(config, max_batch, max_context, dtype, device,
-                                           kv_cache_dtype),
-                   layout=layout, page_bytes=page_bytes, cache_bytes=cache_bytes)
+        cache = cls(cache_config_from_model(config, max_batch, max_context, dtype, device,
+                                            kv_cache_dtype),
+                    layout=layout, page_bytes=page_bytes, cache_bytes=cache_bytes)
+        cache._contiguous = needs_contiguous_kv(config)
+        return cache
 
     # -- what HF asks --
     @property
@@ -152,21 +162,34 @@ class VMemCache(Cache):
         start = self._written[layer_idx]
         end = start + new
         slide = start > self._slid_to and bool(self.config.layer_windows)
-        if end > self._held() or not self._rows or slide:
-            self._advance(batch, start, end, slide)
-        elif batch != len(self._rows):
-            self._raise_batch_changed(batch)
-        k_cache, v_cache = self.kv.layer_tensors(layer_idx)   # (max_batch, C, H, D)
-        with torch.no_grad():
+        scales = self.kv.cache.kv_scales
+        fixed = scales is not None and scales.fixed[layer_idx]
+        with torch.no_grad():      # encoded first: a NonFiniteKVError leaves the cache as it was
             k_new, v_new = self.kv.cache.encode(layer_idx, key_states.transpose(1, 2),
                                                 value_states.transpose(1, 2))
-            k_cache[:batch, start:end].copy_(k_new)
-            v_cache[:batch, start:end].copy_(v_new)
+        claims = not self._rows
+        try:
+            if end > self._held() or claims or slide:
+                self._advance(batch, start, end, slide)
+            elif batch != len(self._rows):
+                self._raise_batch_changed(batch)
+            k_cache, v_cache = self.kv.layer_tensors(layer_idx)   # (max_batch, C, H, D)
+            with torch.no_grad():
+                k_cache[:batch, start:end].copy_(k_new)
+                v_cache[:batch, start:end].copy_(v_new)
+        except BaseException:          # as before: rows this write claimed go back, its scales
+            if claims and self._rows:
+                self._drop_rows()
+            if scales is not None and not fixed:
+                unfix_layer(scales, layer_idx)
+            raise
         self._written[layer_idx] = end
         layer = self.layers[layer_idx]
         first = window_offset(layer.window, start)      # a windowed layer: keys (p - window, p]
         k, v = self._values(layer_idx, k_cache[:batch, first:end], v_cache[:batch, first:end])
         layer.keys, layer.values = k.transpose(1, 2), v.transpose(1, 2)
+        if self._contiguous and batch > 1:    # a family that views the keys (B*H, L, D)
+            return layer.keys.contiguous(), layer.values.contiguous()
         return layer.keys, layer.values
 
     def _values(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -231,7 +254,7 @@ class VMemCache(Cache):
             if slide:
                 for seq_id in self._rows:
                     self.manager.release_behind_window(seq_id, start)
-            need, free, unit = self._room(batch, held, end)
+            need, free, unit = growth_room(self, batch, held, end)
             if need > free:
                 raise CacheCapacityError(f"growing {batch} rows to {end} tokens needs {need} "
                                          f"{unit}; the cache_bytes budget has {free} left")
@@ -245,19 +268,6 @@ class VMemCache(Cache):
         self._txn.run(advance, lambda: self._put_rows(rows, next_id))
         if slide:
             self._slid_to = start
-
-    def _room(self, batch: int, held: int, end: int) -> tuple:
-        """(needed, free, what they count) to grow ``batch`` rows from ``held`` to ``end``
-        tokens: page groups, or page slices where groups are backed by their bytes."""
-        geometry, manager = self.kv.geometry, self.manager
-        if manager.layout().backing is PoolBacking.BYTES:
-            need = batch * (geometry.slot_member_pages(end) - geometry.slot_member_pages(held))
-            return need, manager.available_member_pages, \
-                f"page slices of {geometry.num_members} pages"
-        tpp = self.kv.tokens_per_page
-        need = batch * (-(-end // tpp) - -(-held // tpp))            # page groups
-        free = (manager.stats().free_tokens + manager.reclaimable_tokens) // tpp
-        return need, free, f"page groups of {tpp} tokens"
 
     def _put_rows(self, rows: list, next_id: int) -> None:
         self._rows, self._next_id = rows, next_id
@@ -281,9 +291,20 @@ class VMemCache(Cache):
 
     # -- HF hooks --
     def reset(self) -> None:
-        """Drop every row (ready for a new batch). Pages stay mapped for the next batch to reuse."""
+        """Drop every row (ready for a new batch), as a fresh cache would take it: 8-bit scales
+        fixed by a first write are unfixed (given ones stay). Pages stay mapped for the next
+        batch to reuse."""
         self._check_open()
+        self._drop_rows()
+        self._written = [0] * self.config.num_layers
+        self._slid_to = 0
+        for layer in self.layers:
+            layer.keys = layer.values = None
+        if self.kv.cache.kv_scales is not None:
+            self.kv.cache.kv_scales.unfix()
 
+    def _drop_rows(self) -> None:
+        """Free the rows (one StepTransaction); their pages stay mapped."""
         def free() -> StepPlan:
             for seq_id in self._rows:
                 self.manager.free(seq_id)
@@ -292,10 +313,6 @@ class VMemCache(Cache):
 
         rows, next_id = self._rows, self._next_id
         self._txn.run(free, lambda: self._put_rows(rows, next_id))
-        self._written = [0] * self.config.num_layers
-        self._slid_to = 0
-        for layer in self.layers:
-            layer.keys = layer.values = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row b takes the tokens of row ``beam_idx[b]`` (in place, every layer)."""
@@ -325,28 +342,10 @@ class VMemCache(Cache):
         self._written = written
 
     def __deepcopy__(self, memo) -> "VMemCache":
-        """A cache with memory of its own holding the same rows, for transformers' prompt-reuse
-        recipe (``copy.deepcopy`` of a filled cache): what a later forward can read is copied
-        (a windowed layer's keys from the window at ``crop``'s bound on), the 8-bit scales with
-        it. Its budget is this cache's again; close it as any other."""
+        """A cache with memory of its own holding the same rows and pages, for transformers'
+        prompt-reuse recipe (``copy.deepcopy`` of a filled cache): ``cache_copy.copy_cache``."""
         self._check_open()
-        twin = memo[id(self)] = VMemCache(self.config, layout=self.kv.memory_layout,
-                                          page_bytes=self.kv.page_bytes,
-                                          cache_bytes=self.kv.pool.total_pages * self.kv.page_bytes)
-        batch = len(self._rows)
-        if batch:
-            twin._advance(batch, 0, self._held(), slide=False)
-        if self.kv.cache.kv_scales is not None:
-            mine, its = self.kv.cache.kv_scales, twin.kv.cache.kv_scales
-            its.k.copy_(mine.k)
-            its.v.copy_(mine.v)
-            its.fixed = list(mine.fixed)
-        for index, (layer, end) in enumerate(zip(self.layers, self._written)):
-            first = min(window_offset(layer.window, self._slid_to), end)
-            for mine, its in zip(self.kv.layer_tensors(index), twin.kv.layer_tensors(index)):
-                its[:batch, first:end].copy_(mine[:batch, first:end])
-        twin._written, twin._slid_to = list(self._written), self._slid_to
-        return twin
+        return copy_cache(self, memo)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         raise CacheStateError("VMemCache holds one static batch; it cannot be expanded in place")

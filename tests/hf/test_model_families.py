@@ -55,7 +55,7 @@ def test_the_self_check_is_what_refuses_an_architecture_no_named_check_knows():
     import torch
     model = build("diffllama")
     ids = torch.tensor([PROMPT])
-    expected = _reference(model, ids, torch.ones_like(ids))
+    expected = _reference(model, ids, torch.ones_like(ids))[0]
     with pytest.raises(UnsupportedModelError, match="self-check"):
         Engine(model, max_batch=1, max_context=64)
     with Engine(model, max_batch=1, max_context=64, self_check=False) as engine:
