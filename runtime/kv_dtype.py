@@ -182,14 +182,18 @@ class ScaleTable:
         self.given = given is not None
         self.fixed = [self.given] * num_layers
 
-    def unfix(self) -> None:
-        """Scales fixed at a first write become unfixed again (the next write of each layer
-        fixes them); given ones stay. For a cache whose first writes were a check's, not a
-        request's (the tensor-parallel self-check, runtime/engine/tensor_parallel.py)."""
-        if not self.given:
-            self.k.fill_(1.0)
-            self.v.fill_(1.0)
-            self.fixed = [False] * len(self.fixed)
+    def unfix(self, layer: Optional[int] = None) -> None:
+        """Scales fixed at a first write become unfixed again (the next write of each layer, or
+        of ``layer`` alone, fixes them); given ones stay. For a cache whose first writes were a
+        check's, not a request's (the tensor-parallel self-check,
+        runtime/engine/tensor_parallel.py), or did not land (runtime/hf/cache.py)."""
+        if self.given:
+            return
+        layers = range(len(self.fixed)) if layer is None else (layer,)
+        for index in layers:
+            self.k[index] = 1.0
+            self.v[index] = 1.0
+            self.fixed[index] = False
 
     def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """``k``, ``v`` [..., kv_heads, head_dim] quantized with ``layer``'s scales, fixing

@@ -38,7 +38,7 @@ from ..config import CacheConfig, parse_dtype
 from ..errors import CacheConfigError, CacheStateError
 from ..kv import KV, in_model_dtype, make_kv, same_tokens_page_bytes, vmem_geometry
 from ..transaction import StepTransaction, cache_executor
-from .cache_copy import copy_cache, growth_room, needs_contiguous_kv, unfix_layer
+from .cache_copy import copy_cache, growth_room, needs_contiguous_kv
 from .cache_layer import VMemLayer, window_offset
 from .errors import BatchTooLargeError, CacheCapacityError, ContextOverflowError  # noqa: F401
 from .support import (check_cache_layers, check_generate_feeds_new_tokens, kv_shape_of,
@@ -181,7 +181,7 @@ class VMemCache(Cache):
             if claims and self._rows:
                 self._drop_rows()
             if scales is not None and not fixed:
-                unfix_layer(scales, layer_idx)
+                scales.unfix(layer_idx)
             raise
         self._written[layer_idx] = end
         layer = self.layers[layer_idx]

@@ -1,6 +1,5 @@
 """VMemCache's copy (``copy.deepcopy``) and helpers of its update: the room a growth needs,
-which families need contiguous K/V, a layer's 8-bit scales unfixed after a write that did not
-land."""
+which families need contiguous K/V."""
 from __future__ import annotations
 
 from vmemkv.scheduler.layout import PoolBacking
@@ -16,13 +15,6 @@ CONTIGUOUS_KV_FAMILIES = ("gpt_neox_japanese",)
 def needs_contiguous_kv(config) -> bool:
     """Whether the model of ``config`` needs ``update`` to return contiguous K/V."""
     return getattr(text_config(config), "model_type", None) in CONTIGUOUS_KV_FAMILIES
-
-
-def unfix_layer(scales, layer: int) -> None:
-    """``layer``'s scales as before a first write that fixed them (unfixed, 1.0)."""
-    scales.k[layer] = 1.0
-    scales.v[layer] = 1.0
-    scales.fixed[layer] = False
 
 
 def growth_room(cache, batch: int, held: int, end: int) -> tuple:
