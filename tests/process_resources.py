@@ -78,8 +78,11 @@ class Watch:
     def __init__(self) -> None:
         self.reserved: List[Tuple[int, int]] = []
 
-    def snapshot(self) -> Resources:
-        gc.collect()   # a dropped cache's finalizer releases its memory
+    def snapshot(self, collect: bool = True) -> Resources:
+        """What the process holds now; ``collect``: after the cycle collector has run (a
+        dropped cache's finalizer releases its memory), else as reference counts left it."""
+        if collect:
+            gc.collect()
         with open("/proc/self/maps") as maps:
             memfd_mappings = sum(MEMFD_NAME in line for line in maps)
         fds = os.listdir("/proc/self/fd")

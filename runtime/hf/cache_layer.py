@@ -8,9 +8,12 @@ the pages the manager gave back behind the window are never read.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 from transformers.cache_utils import CacheLayerMixin
+
+from ..errors import CacheStateError
 
 
 def window_offset(window: Optional[int], cached_tokens: int) -> int:
@@ -27,9 +30,20 @@ class VMemLayer(CacheLayerMixin):
 
     def __init__(self, owner, index: int, window: Optional[int]) -> None:
         super().__init__()
-        self.owner, self.index, self.window = owner, index, window
+        # weak: the cache holds its layers, so a strong reference back would keep a dropped
+        # cache (and its mapped memory) alive until the cycle collector runs
+        self._owner, self.index, self.window = weakref.ref(owner), index, window
         self.is_sliding = window is not None
         self.is_initialized = True
+
+    @property
+    def owner(self):
+        """The VMemCache this layer belongs to; CacheStateError once it has been dropped."""
+        cache = self._owner()
+        if cache is None:
+            raise CacheStateError("this layer's VMemCache was dropped (nothing held it); a "
+                                  "layer is used through its cache")
+        return cache
 
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
