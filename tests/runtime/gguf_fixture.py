@@ -5,6 +5,7 @@ out (q and k rows permuted per head, which transformers undoes), with a byte-lev
     write_tiny_gguf(path)                               # every tensor, lm_head its own
     write_tiny_gguf(path, skip={"blk.1.ffn_norm.weight"})   # one tensor left out
     write_tiny_gguf(path, tied=True)                    # no output.weight: lm_head tied
+    write_tiny_gguf(path, extra={"rope_freqs.weight": a})   # a tensor the model has no place for
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def byte_tokens() -> list:
     return list(bytes_to_unicode().values())
 
 
-def write_tiny_gguf(path, skip=(), tied: bool = False):
+def write_tiny_gguf(path, skip=(), tied: bool = False, extra=None):
     """Write tiny-llama (seed 0) to ``path`` as an F32 GGUF; returns the model written."""
     import gguf
     model = build_model("tiny-llama")
@@ -72,6 +73,8 @@ def write_tiny_gguf(path, skip=(), tied: bool = False):
         elif name.endswith("attn_k.weight"):
             w = _permute(w, c.num_key_value_heads)
         writer.add_tensor(name, np.ascontiguousarray(w))
+    for name, w in (extra or {}).items():
+        writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

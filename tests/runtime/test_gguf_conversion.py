@@ -1,12 +1,13 @@
 """GGUF conversion of a real (small) file, tests/runtime/gguf_fixture.py: the converted
 checkpoint is the file's own (its weights, its tokenizer, whatever lies beside it); a file whose
-tensors do not cover the model, or that is cut short, is a GgufError (exit 2) and caches
-nothing; a conversion is quiet and leaves only its directory in the cache."""
+tensors do not cover the model, that holds tensors transformers would leave out, or that is cut
+short, is a GgufError (exit 2) and caches nothing; a conversion is quiet and leaves only its directory in the cache."""
 from __future__ import annotations
 
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,6 +66,20 @@ def test_a_gguf_whose_tensors_do_not_cover_the_model_is_refused_and_nothing_cach
         assert _entries(cache) == []
 
 
+def test_a_gguf_with_tensors_transformers_leaves_out_is_refused_and_nothing_cached(cache,
+                                                                                    tmp_path):
+    # transformers' loader skipped, without a word, every tensor the model has no place for:
+    # Llama 3's rope_freqs (its long-context frequency scaling) and a q bias were dropped, and
+    # the model converted and ran with default rotary frequencies and no bias
+    path = tmp_path / "extra.gguf"
+    write_tiny_gguf(path, extra={"rope_freqs.weight": np.full(8, 8.0, dtype=np.float32),
+                                 "blk.0.attn_q.bias": np.ones(64, dtype=np.float32)})
+    with pytest.raises(gguf.GgufError, match=r"2 in the file left out by transformers: "
+                       r"blk\.0\.attn_q\.bias, rope_freqs\.weight\); nothing was converted"):
+        gguf.gguf_checkpoint(path)
+    assert _entries(cache) == []
+
+
 def test_a_gguf_with_its_lm_head_tied_to_the_embeddings_converts(cache, tmp_path):
     # no output.weight in the file is no gap: the head is the embedding matrix (SmolLM2's case)
     path = tmp_path / "tied.gguf"
@@ -97,7 +112,7 @@ def test_a_conversion_is_quiet_and_leaves_only_its_directory(cache, tmp_path, ca
     capfd.readouterr()
     target = gguf.gguf_checkpoint(path)
     assert capfd.readouterr().err == ""
-    assert _entries(cache) == [target.name] and target.name.startswith("v2-")
+    assert _entries(cache) == [target.name] and target.name.startswith("v3-")
 
 
 def test_holders_of_the_conversion_lock_never_overlap_and_it_is_removed(tmp_path):
