@@ -53,20 +53,33 @@ _LORA_ROWS = [   # a run with LoRA adapters (--lora-adapters) only
 ]
 
 
+# seeds one ``--seeds`` may give: each is a whole simulation run (about 2 s for the standard
+# workload, 2026-12-06), so 10,000 is hours of runs, while the seed list and its Counter stay
+# about 1 MB
+MAX_SEEDS = 10_000
+
+
 def parse_seeds(text: str) -> List[int]:
     """``0-4`` -> [0, 1, 2, 3, 4]; ``1,5,9`` -> [1, 5, 9] (argparse type; each seed >= 0,
-    none twice: a repeated seed is the same run again, and would shrink the std)."""
-    seeds: List[int] = []
+    none twice: a repeated seed is the same run again, and would shrink the std; at most
+    ``MAX_SEEDS`` in all, counted before any range is expanded)."""
+    bounds: List[tuple] = []
     try:
         for part in text.split(","):
             lo, sep, hi = part.partition("-")
             first, last = int(lo), int(hi) if sep else int(lo)
             if first < 0 or last < first:
                 raise ValueError
-            seeds.extend(range(first, last + 1))
+            bounds.append((first, last))
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"want seeds as FIRST-LAST or a comma list of ints >= 0 (0-4, 1,5,9), got {text!r}") from None
+    count = sum(last - first + 1 for first, last in bounds)
+    if count > MAX_SEEDS:     # 0-400000000 built 400 M ints and a Counter: a MemoryError traceback
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is {count:,} seeds, more than {MAX_SEEDS:,} (each seed is a whole "
+            f"simulation run); give fewer seeds")
+    seeds = [seed for first, last in bounds for seed in range(first, last + 1)]
     repeated = sorted(s for s, n in Counter(seeds).items() if n > 1)
     if repeated:
         raise argparse.ArgumentTypeError(

@@ -1,10 +1,12 @@
 """Steady-state figures beside whole-run ones, the watermark's scope, and mean ± std over seeds."""
+import argparse
 import json
 
 import pytest
 
 from vmemkv.cli import main
-from vmemkv.scheduler.cli_table import aggregate, parse_seeds
+from vmemkv.scheduler import cli_table
+from vmemkv.scheduler.cli_table import MAX_SEEDS, aggregate, parse_seeds
 from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
@@ -62,6 +64,25 @@ def test_every_request_reports_its_output_tokens_with_times():
                                         ("3", [3]), ("0-1,7", [0, 1, 7])])
 def test_seed_lists_parse(text, seeds):
     assert parse_seeds(text) == seeds
+
+
+@pytest.mark.parametrize("text, count", [("0-10000", "10,001"), ("0-5000,6000-11000", "10,002")])
+def test_more_seeds_than_the_bound_are_refused_naming_the_count(text, count):
+    assert len(parse_seeds("0-9999")) == MAX_SEEDS == 10_000
+    with pytest.raises(argparse.ArgumentTypeError,
+                       match=f"'{text}' is {count} seeds, more than 10,000"):
+        parse_seeds(text)
+
+
+def test_a_huge_seed_range_is_a_usage_error_before_anything_is_built(capsys, monkeypatch):
+    # 0-400000000 built 400 M ints and a Counter: a MemoryError traceback, exit 1
+    monkeypatch.setattr(cli_table, "Counter", None)     # refused before the list is counted
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "--requests", "10", "--seeds", "0-400000000", "--no-progress"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --seeds: '0-400000000' is 400,000,001 seeds, more than 10,000" in err
+    assert "Traceback" not in err
 
 
 def test_aggregate_is_the_mean_and_population_std_of_each_figure():
