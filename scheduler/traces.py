@@ -13,22 +13,23 @@ blocks, equal ids meaning equal blocks (``prompt_token_ids`` makes tokens up fro
 ids give equal tokens and prefix caching sees the trace's real sharing). A path is read by its
 format: ``.csv`` (Azure columns), JSONL with Mooncake keys, or the project's own JSONL
 (``prompt_len``, ``output_len``, ``arrival_s``, optional ``hash_ids``); ``.gz`` is decompressed.
+Files are inflated and parsed line by line as they are read, what they may hold checked against
+available memory as it grows (``trace_stream``), and reading stops at ``max_requests``.
 """
 from __future__ import annotations
 
 import csv
-import gzip
-import io
+import itertools
 import json
 import math
 import random
-import zlib
 from dataclasses import dataclass, replace
 from datetime import datetime
 from importlib import resources
 from typing import Dict, Iterator, List, Optional, Tuple
 
 from .errors import ConfigError
+from .trace_stream import text_lines
 from .workload import (MAX_ARRIVAL_S, MAX_TRACE_TOKENS, MOONCAKE_BLOCK_TOKENS,  # noqa: F401
                        TraceEntry, check_arrivals, parse_entry, parse_trace_object,
                        scale_to_length, shown_int)
@@ -69,10 +70,13 @@ def load_trace(name_or_path: str, *, rate_scale: float = 1.0,
     """The trace named (bundled) or at a path, sorted by arrival.
 
     ``rate_scale`` X divides every arrival time by X (X = 2 replays twice as fast); ``max_requests``
-    keeps the first N by arrival. Bad values raise ``ConfigError`` naming the value and the limit
-    (``rate_name``: how the caller calls the rate, ``--rate-scale`` on the command line; a
-    rate so low that an arrival passes ``MAX_ARRIVAL_S`` is refused); a bad file raises
-    ``ConfigError`` naming the file and line."""
+    keeps the first N requests of the file (a trace lists them in arrival order, as the bundled
+    ones and ``write_trace``'s do; reading stops there), sorted by arrival. Bad values raise
+    ``ConfigError`` naming the value and the limit (``rate_name``: how the caller calls the
+    rate, ``--rate-scale`` on the command line; a rate so low that an arrival passes
+    ``MAX_ARRIVAL_S`` is refused); a bad file raises ``ConfigError`` naming the file and line,
+    and one whose text read so far does not fit in available memory ``SimulationTooLargeError``
+    (``trace_stream``), before it is parsed."""
     if isinstance(rate_scale, bool) or not (isinstance(rate_scale, (int, float))
                                             and 0 < rate_scale < math.inf):
         raise ConfigError(f"rate_scale must be a finite number > 0, got {rate_scale!r}")
@@ -80,50 +84,45 @@ def load_trace(name_or_path: str, *, rate_scale: float = 1.0,
                                      or not isinstance(max_requests, int) or max_requests < 1):
         raise ConfigError(f"max_requests must be an int >= 1, got {max_requests!r}")
     if name_or_path in BUNDLED:
-        entries = _read_bundled(BUNDLED[name_or_path])
+        entries = _read_bundled(BUNDLED[name_or_path], max_requests)
     else:
-        entries = _read_path(name_or_path)
-    if max_requests is not None:
-        entries = entries[:max_requests]
+        entries = _read_path(name_or_path, max_requests)
     if rate_scale != 1.0:
         entries = [replace(e, arrival_s=e.arrival_s / rate_scale) for e in entries]
         check_arrivals(entries, f"trace {name_or_path} at {rate_name} {rate_scale:g}")
     return entries
 
 
-def _read_bundled(trace: BundledTrace) -> List[TraceEntry]:
-    data = resources.files(__package__).joinpath("data", "traces", trace.file).read_bytes()
-    text = gzip.decompress(data).decode("utf-8")
-    return _parse(text, trace.file.removesuffix(".gz"), trace.name)
+def _read_bundled(trace: BundledTrace, max_requests: Optional[int]) -> List[TraceEntry]:
+    with resources.files(__package__).joinpath("data", "traces", trace.file).open("rb") as raw:
+        name = trace.file.removesuffix(".gz")
+        return _parse(text_lines(raw, trace.name, True, name.endswith(".csv")), name,
+                      trace.name, max_requests)
 
 
-def _read_path(path: str) -> List[TraceEntry]:
+def _read_path(path: str, max_requests: Optional[int]) -> List[TraceEntry]:
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        raw = open(path, "rb")
     except FileNotFoundError:
         raise ConfigError(f"trace {path!r} is neither a bundled trace ({', '.join(BUNDLED)}) "
                           f"nor an existing file") from None
     except OSError as error:
         raise ConfigError(f"cannot read trace {path!r}: {error.strerror}") from None
-    if path.endswith(".gz"):
-        try:
-            data = gzip.decompress(data)
-        except (OSError, EOFError, zlib.error) as error:   # not gzip, truncated, corrupt
-            raise ConfigError(f"trace {path}: not a whole gzip file ({error})") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(f"trace {path}: not UTF-8 text") from None
-    name = path[:-3] if path.endswith(".gz") else path
-    return _parse(text, name, path)
+    gz = path.endswith(".gz")
+    name = path[:-3] if gz else path
+    with raw:
+        return _parse(text_lines(raw, path, gz, name.endswith(".csv")), name, path,
+                      max_requests)
 
 
-def _parse(text: str, file_name: str, where: str) -> List[TraceEntry]:
-    """Entries sorted by arrival (stable). Azure stamps are wall-clock times: they become
-    seconds after the trace's first request; JSONL arrivals are kept as written."""
+def _parse(lines: Iterator[str], file_name: str, where: str,
+           max_requests: Optional[int]) -> List[TraceEntry]:
+    """The first ``max_requests`` entries of the file's ``lines`` (all with None; no line past
+    the last is read), sorted by arrival (stable). Azure stamps are wall-clock times: they
+    become seconds after the first of them; JSONL arrivals are kept as written."""
     azure = file_name.endswith(".csv")
-    entries = list(_azure_rows(text, where) if azure else _jsonl_rows(text, where))
+    rows = _azure_rows(lines, where) if azure else _jsonl_rows(lines, where)
+    entries = list(itertools.islice(rows, max_requests))
     if not entries:
         raise ConfigError(f"trace {where} has no requests")
     if azure:
@@ -134,8 +133,8 @@ def _parse(text: str, file_name: str, where: str) -> List[TraceEntry]:
     return entries
 
 
-def _azure_rows(text: str, where: str) -> Iterator[TraceEntry]:
-    rows = _csv_lines(text, where)
+def _azure_rows(lines: Iterator[str], where: str) -> Iterator[TraceEntry]:
+    rows = _csv_lines(lines, where)
     header = [h.strip() for h in next(rows, (1, []))[1]]
     if header != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
         raise ConfigError(f"{where}: expected the Azure columns TIMESTAMP,ContextTokens,"
@@ -151,12 +150,12 @@ def _azure_rows(text: str, where: str) -> Iterator[TraceEntry]:
         yield TraceEntry(prompt, output, _azure_seconds(row[0], at))
 
 
-def _csv_lines(text: str, where: str) -> Iterator[Tuple[int, List[str]]]:
+def _csv_lines(lines: Iterator[str], where: str) -> Iterator[Tuple[int, List[str]]]:
     """(the file line a row is on, the row), counted from the csv reader's ``line_num`` (file
     lines, not rows). An Azure row is one line: a quoted field holding a line break (``"396``
     then ``"`` on the next line read as 396, and every later line was named one too early) or
     text that is not CSV is a ConfigError naming its line."""
-    reader, end = csv.reader(io.StringIO(text)), 0
+    reader, end = csv.reader(lines), 0
     while True:
         try:
             row = next(reader, None)
@@ -198,23 +197,33 @@ def _positive_int(text: str, name: str, where: str) -> int:
     return value
 
 
-def _jsonl_rows(text: str, where: str) -> Iterator[TraceEntry]:
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
+def _jsonl_rows(lines: Iterator[str], where: str) -> Iterator[TraceEntry]:
+    """Entries of JSONL text (blocks of whole lines; a run of empty lines may come as one string
+    of newlines), lines numbered as ``str.splitlines`` numbers the whole text (a form feed or a
+    lone carriage return ends a line too)."""
+    lineno = 0
+    for piece in lines:
+        if piece[:1] == "\n" and not piece.strip("\n"):      # a run of empty lines
+            lineno += len(piece)
             continue
-        at = f"{where} line {lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{at}: not JSON ({error.msg})") from None
-        except ValueError as error:        # an int of more digits than Python converts
-            raise ConfigError(f"{at}: not a trace line ({error})") from None
-        except RecursionError:
-            raise ConfigError(f"{at}: JSON nested too deeply to be a trace line") from None
-        if isinstance(obj, dict) and "input_length" in obj:
-            yield _mooncake_entry(obj, at)
-        else:
-            yield parse_trace_object(obj, at)
+        for line in piece.splitlines():
+            lineno += 1
+            if line.strip():
+                yield _jsonl_entry(line, f"{where} line {lineno}")
+
+
+def _jsonl_entry(line: str, at: str) -> TraceEntry:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{at}: not JSON ({error.msg})") from None
+    except ValueError as error:        # an int of more digits than Python converts
+        raise ConfigError(f"{at}: not a trace line ({error})") from None
+    except RecursionError:
+        raise ConfigError(f"{at}: JSON nested too deeply to be a trace line") from None
+    if isinstance(obj, dict) and "input_length" in obj:
+        return _mooncake_entry(obj, at)
+    return parse_trace_object(obj, at)
 
 
 def _mooncake_entry(obj: dict, where: str) -> TraceEntry:
