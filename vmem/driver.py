@@ -118,7 +118,9 @@ class Driver(ABC):
         cannot (default, and CUDA: the address still maps the pool page).
         ``copy=True`` (a view outliving its range): the page's bytes as they are now, in memory
         of the address's own, so what the pool page holds later never shows there (host: a
-        copy moved over the address by one mremap). ``copy=False`` (a forked child, where
+        copy moved over the address by one mremap). That memory is not checked here: the
+        caller checks the copies first through ``commit`` (VirtualRange.close: all its pages
+        as one commit, vmem/vrange.py). ``copy=False`` (a forked child, where
         copying every page would double the cache): copy-on-write, the pool page shows through
         until the address is written (host: a private mapping of the memfd page)."""
         return False

@@ -9,7 +9,8 @@
     unmap          mmap(addr, page, PROT_NONE, MAP_FIXED|MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE)
     free range     munmap(addr, size)
     detach         copy: the page's bytes copied into fresh anonymous memory, moved over addr
-                   by mremap(MREMAP_FIXED) (one step: the address never shows anything else);
+                   by mremap(MREMAP_FIXED) (one step: the address never shows anything else;
+                   its memory checked by the caller first: VirtualRange.close's commit);
                    in a forked child, mmap(addr, page, PROT_READ|PROT_WRITE,
                    MAP_PRIVATE|MAP_FIXED, memfd, offset): copy-on-write, nothing copied
     tensor         a DLPack capsule naming the CPU (vmem/dlpack.py), zero copy

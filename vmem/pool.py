@@ -9,11 +9,11 @@ stay allocated or free, bytes are lost); mapping one again, or ``recommit``, re-
 that page; ``committed_pages=k`` starts ids k.. discarded. Every creation is checked against
 the device's available memory first (``InsufficientMemoryError``, nothing created). A page's
 mappings are counted from its open ranges' records (one truth: no interrupt can part a count
-from a record); a page mapped somewhere cannot be released or discarded.
-
-Threads: a pool and its ranges share one lock (``threading.RLock``) held across every call
-(its cost, map + unmap with and without it, is a ratio ``benchmarks/alloc.py`` prints: 1.02x
-for 4 KiB host pages). Fork: see vmem/forks.py.
+from a record); a page mapped somewhere cannot be released or discarded. One *held* by a closed
+range's view (vmem/vrange.py) is never mapped, discarded or freed (``release`` parks it) until
+the view dies. Threads: a pool and its ranges share one lock (``threading.RLock``) held across
+every call (its cost, map + unmap with and without it, is a ratio ``benchmarks/alloc.py``
+prints: 1.02x for 4 KiB host pages). Fork: see vmem/forks.py.
 """
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ class PagePool:
     """``total_pages`` physical pages of ``page_bytes`` each on ``driver``.
 
     Invariants (``check_integrity``): free + allocated == total; a free page has no mappings;
-    every id is committed
-    (its memory exists), discarded (mapped nowhere) or never created; each created page is
-    bound to one id or in stock, never both.
+    every id is committed (its memory exists), discarded (mapped nowhere) or never created;
+    each created page is bound to one id or in stock, never both. A held page released
+    (flagged free) is *parked*: off the free list until its view dies.
     """
 
     def __init__(self, driver: Driver, num_pages: int, page_bytes: int, grow: bool = False,
@@ -49,9 +49,7 @@ class PagePool:
         kept = check_count(kept, "committed_pages must be None or", most=num_pages)
         page_bytes = driver.check_bytes(page_bytes)
         _check_records(num_pages)     # before any list of num_pages is built
-        self.driver = driver
-        self.page_bytes = page_bytes
-        self.grow = grow
+        self.driver, self.page_bytes, self.grow = driver, page_bytes, grow
         self._batches: list[list[Any]] = []     # one per create_pages call (release unit)
         self._created = 0                        # pages in _batches (discarded ones included)
         self._stock: list[Slot] = []             # created, not yet bound to an id
@@ -75,6 +73,7 @@ class PagePool:
         self._closed = self._forked = False
         self._lock = threading.RLock()                  # this pool's and its ranges' state
         self._ranges: "weakref.WeakSet" = weakref.WeakSet()   # open ranges mapping from it
+        self._holders: set = set()      # closed ranges whose views hold pages (vmem/vrange.py)
         forks.track_pool(self)
 
     def _create(self, num_pages: int, discarded: bool = False) -> None:
@@ -135,17 +134,18 @@ class PagePool:
         """Pages mapped at one address or more."""
         return len(self._mapping_counts())
 
+    @property
+    def held_pages(self) -> int:     # shown by a closed range's view (vmem/vrange.py)
+        return len(self._mapping_counts(held=True))
+
     def mapping_count(self, page_id: int) -> int:
-        page_id = self._check_id(page_id)
-        return self._mapping_counts()[page_id]
+        return self._mapping_counts()[self._check_id(page_id)]
 
     def is_free(self, page_id: int) -> bool:
-        page_id = self._check_id(page_id)
-        return self._is_free[page_id]
+        return self._is_free[self._check_id(page_id)]
 
     def is_discarded(self, page_id: int) -> bool:
-        page_id = self._check_id(page_id)
-        return page_id in self._discarded
+        return self._check_id(page_id) in self._discarded
 
     def has_memory(self, page_id: int) -> bool:
         """Whether ``page_id``'s physical memory exists now (created, not discarded)."""
@@ -168,19 +168,20 @@ class PagePool:
 
     def release(self, pages: Union[int, Iterable[int]]) -> None:
         """Return one page id, or every id of a list (what ``allocate`` returns), to the free
-        list; each must be allocated and mapped nowhere. All or none: every id is checked first.
-        Bookkeeping only, so a forked child may release too."""
+        list; each allocated and mapped nowhere (one a closed range's view holds is *parked*:
+        flagged free, listed free as the view dies). All or none. A forked child may too."""
         with self._lock:
             self._check_open()
             ids = self._ids(pages)
-            counts = self._mapping_counts()
+            counts, held = self._mapping_counts(), self._mapping_counts(held=True)
             for page_id in ids:
                 if self.is_free(page_id):
                     raise PageStateError(f"page {page_id} is already free (released twice?)")
                 _check_unmapped(page_id, counts)
             for page_id in ids:
                 self._is_free[page_id] = True
-                self._free.append(page_id)
+                if not held[page_id]:     # else parked: listed free as its view dies
+                    self._free.append(page_id)
 
     # -- elastic memory --
     def discard(self, pages: Union[int, Iterable[int]]) -> None:
@@ -206,6 +207,12 @@ class PagePool:
         if page_id in self._discarded:
             raise PageStateError(f"page {page_id} is already discarded (discarded twice?)")
         _check_unmapped(page_id, counts)
+        self._check_not_held(page_id)
+
+    def _check_not_held(self, page_id: int) -> None:    # its view shows exactly its bytes
+        if self._holders and self._mapping_counts(held=True)[page_id]:
+            raise PageStateError(f"page {page_id} is held by a tensor view of a closed range "
+                                 f"(no memory to copy it at close()); drop the view first")
 
     def recommit(self, pages: Union[int, Iterable[int]]) -> None:
         """Re-create the memory of discarded page ids, all or none (one driver call): each must
@@ -246,6 +253,7 @@ class PagePool:
         if self._is_free[page_id]:
             raise PageStateError(f"page {page_id} is free; allocate it from the pool before "
                                  f"mapping")
+        self._check_not_held(page_id)
         if self._slot[page_id] is None:     # on demand: create (a chunk) on first mapping
             if not self._stock:
                 left = self.total_pages - self._created
@@ -261,12 +269,12 @@ class PagePool:
             self._recreate([page_id])
         return self._handle_of(page_id)
 
-    def _mapping_counts(self) -> Counter:
+    def _mapping_counts(self, held: bool = False) -> Counter:
         """page id -> the addresses mapping it, from the open ranges' records (one truth: no
-        interrupt can part a count from a record)."""
+        interrupt can part a count from a record); ``held``: the pages closed ranges hold."""
         counts: Counter = Counter()
-        for vrange in list(self._ranges):
-            counts.update(vrange._mapped.values())
+        for vrange in list(self._holders if held else self._ranges):
+            counts.update((vrange._held if held else vrange._mapped).values())
         return counts
 
     def _handle_of(self, page_id: int) -> Any:
@@ -279,10 +287,11 @@ class PagePool:
         what the open ranges map)."""
         with self._lock:
             assert len(self._free) == len(set(self._free)), "duplicate page on the free list"
-            assert sum(self._is_free) == len(self._free), "free flags disagree with the free list"
-            counts = self._mapping_counts()
+            counts, held = self._mapping_counts(), self._mapping_counts(held=True)
+            parked = sum(self._is_free[page_id] for page_id in held)
+            assert sum(self._is_free) == len(self._free) + parked, "free flags, free list"
             for page_id in self._free:
-                assert counts[page_id] == 0, f"free page {page_id} is mapped"
+                assert counts[page_id] == held[page_id] == 0, f"free page {page_id} is mapped"
             never = {i for i, slot in enumerate(self._slot) if slot is None}
             slots = [slot for slot in self._slot if slot is not None] + self._stock
             assert len(set(slots)) == len(slots) == self._created \
@@ -294,8 +303,8 @@ class PagePool:
                 assert counts[page_id] == 0, f"page {page_id} is mapped, no memory"
 
     def close(self) -> None:
-        """Destroy every page. Refused while any page is still mapped (close ranges first).
-        In a forked child it only forgets them (the child's copies went at the fork)."""
+        """Destroy every page (a held one's memory goes when its view dies); refused while
+        any is mapped (close ranges first). A forked child only forgets them (its copies went)."""
         with self._lock:
             if self._closed:
                 return
@@ -308,11 +317,13 @@ class PagePool:
 
     def _release_batches(self) -> None:
         dead = {self._slot[page_id] for page_id in self._discarded}
+        held = len(self._mapping_counts(held=True))   # given back as their views die
         for b, batch in enumerate(self._batches):    # never a discarded handle as live
             live = [h for i, h in enumerate(batch) if (b, i) not in dead]
             gone = [h for i, h in enumerate(batch) if (b, i) in dead]
             self.driver.release_pages(live, discarded=gone)
-            self.driver.recent_commits.released(len(live) * self.page_bytes)
+            released, held = max(0, len(live) - held), max(0, held - len(live))
+            self.driver.recent_commits.released(released * self.page_bytes)
 
     def __del__(self) -> None:
         """Dropped without ``close()``: destroy every page (a range in the same garbage unmaps
@@ -352,8 +363,7 @@ class PagePool:
         return check_index(page_id, len(self._slot), "page id", "the pool's", PageStateError)
 
     def _ids(self, pages: Union[int, Iterable[int]]) -> list[int]:
-        """One id or an iterable of them, as checked ints; PageStateError when one is named
-        twice."""
+        """One id or an iterable of them, as checked ints; PageStateError naming one twice."""
         ids = [self._check_id(page_id) for page_id in id_list(pages)]
         if len(set(ids)) != len(ids):
             raise PageStateError(f"page ids {ids[:8]} name a page twice")

@@ -11,23 +11,37 @@ that is not mapped faults (a caller bug), as it should.
 
 A view may outlive the range. The range counts its live views (each view's DLPack deleter
 tells it when the last tensor on that storage dies, vmem/dlpack.py); ``close()`` with views
-alive *retires* it: the pages go back to the pool's counts at once, but the address range stays
-reserved and each mapped page stays readable, detached from the pool page where the driver can
-(host: a copy of the page's bytes moved over its address, so a stale view neither sees nor
-writes what the pool page holds for its next owner, nor the zeros of a discard; it costs that
-memory until the last view dies; CUDA: it still shows the pool page), and the reservation is
-freed when the last view dies. So a tensor read after ``close()`` sees the bytes it held, never
-a segfault.
+alive *retires* it: the address range stays reserved and each mapped page stays readable until
+the last view dies, then the reservation is freed. So a tensor read after ``close()`` sees the
+bytes it held, never a segfault, and never what the pool page holds for its next owner, nor the
+zeros of a discard. Each mapped page is either
+
+    copied    (host) its bytes copied into memory of the address's own, moved over it; the pool
+              page goes back to the pool's counts at once. The copies (mapped pages x
+              page_bytes) are checked first, all together, as one commit (``Driver.commit``:
+              refused when the memory is not available, recorded in ``RecentCommits`` when it
+              is), so close() never commits memory the device does not have
+    held      when the copies do not fit, a copy fails, or the driver cannot detach (CUDA):
+              the view keeps showing the pool page, costing no new memory, and the page is
+              frozen for it until its last view dies: mapping it anywhere or discarding it is
+              refused (PageStateError naming the view), ``pool.release`` parks it (flagged
+              free, off the free list: no next owner; ``pool.held_pages`` counts it), a pool
+              closed meanwhile destroys it (its memory goes with the view's mapping); when the
+              last view dies it is unmapped and, if released, listed free
+
+Holding, not refusing ``close()`` with InsufficientMemoryError: a close that raised would leave
+its caller (a cache's ``close()``, ``__exit__``) half done with nothing to do but drop its
+views, and on CUDA, which cannot detach, every close under a view would be refused.
 Threads: the pool's lock guards every call (vmem/pool.py). Fork: vmem/forks.py.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List
 
 from . import forks
 from .checks import MAX_BYTES, as_int, check_index
-from .errors import (AlignmentError, AlreadyMappedError, ClosedError, NotMappedError,
-                     PageIndexError, VMemConfigError, VMemError)
+from .errors import (AlignmentError, AlreadyMappedError, ClosedError, InsufficientMemoryError,
+                     NotMappedError, PageIndexError, VMemConfigError, VMemError)
 from .pool import PagePool
 
 
@@ -45,7 +59,8 @@ class VirtualRange:
         self._mapped: dict[int, int] = {}  # page index -> pool page id
         self._closed = self._forked = False
         self._views = 0                    # live tensor storages over this range
-        self._aliased: Optional[List[int]] = None   # retired: indices still showing pool pages
+        self._held: dict[int, int] = {}    # retired: page index -> pool page its views show
+        self._copied_pages = 0             # retired: pages copied for its views (host)
         with self._lock:
             self.address = self.driver.reserve(self.size_bytes)
             pool._ranges.add(self)
@@ -169,10 +184,9 @@ class VirtualRange:
         """The DLPack deleter of a view's storage: any thread, never raises."""
         with self._lock:
             self._views -= 1
-            if self._views or self._aliased is None:
+            if self._views or not self._closed:
                 return
-            aliased, self._aliased = self._aliased, None
-        self._free_retired(aliased)
+        self._free_retired()
 
     def copy_page(self, dst_page_index: int, src_page_index: int) -> None:
         """Copy the bytes of one mapped page to another mapped page of this range."""
@@ -200,6 +214,8 @@ class VirtualRange:
                 self.driver.free_reservation(self.address, self.size_bytes)
             self._closed = True
             self.pool._ranges.discard(self)
+            if self._held:                    # until its last view dies (_free_retired)
+                self.pool._holders.add(self)
 
     def __del__(self) -> None:
         """Dropped without ``close()``: unmap and free the reservation (no view can be alive:
@@ -217,34 +233,60 @@ class VirtualRange:
             pass
 
     def _retire(self, detach: bool) -> None:
-        """Give every mapping back to the pool's counts; keep the addresses readable until the
-        last view dies (pages the driver cannot detach stay listed, to unmap then)."""
-        aliased = []
-        for page_index, page_id in sorted(self._mapped.items()):
-            if detach and not self._detach(page_index, page_id, copy=True):
-                aliased.append(page_index)
+        """Keep the addresses readable until the last view dies: copy each mapped page when
+        the copies fit (one ``Driver.commit`` of them all), else hold it (module docstring). A
+        forked child's pages were detached at the fork: they go back, nothing to hold."""
+        pages = sorted(self._mapped.items())
+        if detach and pages:
+            try:
+                self._copied_pages = self.driver.commit(
+                    len(pages), self.page_bytes, lambda: self._copy_pages(pages), "copying")
+            except InsufficientMemoryError:
+                pass                          # nothing copied: every page is held
+            else:                             # not copied (CUDA, a failed copy): not committed
+                self.driver.recent_commits.released(len(self._mapped) * self.page_bytes)
+            self._held = dict(self._mapped)
         self._mapped.clear()                  # the pool counts no mapping of them any more
-        if self._views:
-            self._aliased = aliased
-        else:
-            self._free_retired(aliased)
+        if not self._views:
+            self._free_retired()
+
+    def _copy_pages(self, pages: List[tuple]) -> int:
+        """Detach each of ``pages`` (index, pool page) with a copy; returns how many were."""
+        for page_index, page_id in pages:
+            if self._detach(page_index, page_id, copy=True):
+                del self._mapped[page_index]  # its own memory now: nothing of the pool's
+        return len(pages) - len(self._mapped)
 
     def _detach(self, page_index: int, page_id: int, copy: bool) -> bool:
         try:
             return self.driver.detach(self._page_address(page_index),
                                       self.pool._handle_of(page_id), self.page_bytes, copy)
-        except VMemError:   # out of mappings, say: the page stays as it is, unmapped at the end
+        except VMemError:   # out of mappings, say: the page stays as it is (held)
             return False
 
-    def _free_retired(self, aliased: List[int]) -> None:
-        """Unmap what still shows pool pages, free the reservation. Never raises: it runs from
-        a tensor's deleter (a forked CUDA child can call nothing and frees nothing)."""
-        try:
-            for page_index in aliased:
+    def _free_retired(self) -> None:
+        """Unmap the held pages, free the reservation, give the held pages back to the pool
+        and the copies' bytes to ``RecentCommits``. Never raises: it runs from a tensor's
+        deleter (a forked CUDA child can call nothing and frees nothing)."""
+        for page_index in self._held:
+            try:
                 self.driver.unmap(self._page_address(page_index), self.page_bytes)
+            except VMemError:
+                pass
+        try:
             self.driver.free_reservation(self.address, self.size_bytes)
+            self.driver.recent_commits.released(self._copied_pages * self.page_bytes)
         except VMemError:
             pass
+        pool = self.pool
+        with self._lock:        # held pages released meanwhile, held nowhere else: free now
+            pages, self._held = set(self._held.values()), {}
+            pool._holders.discard(self)
+            for page_id in pages - set(pool._mapping_counts(held=True)):
+                if pool._closed:    # destroyed at its close(): the memory is gone only now
+                    self.driver.recent_commits.released(self.page_bytes)
+                elif pool._is_free[page_id]:     # released meanwhile (parked)
+                    pool._free.append(page_id)
 
     def _after_fork_in_child(self) -> None:
         """vmem/forks.py: detach every mapped page from the parent's; refuse page uses. Once:
@@ -253,7 +295,7 @@ class VirtualRange:
         if self._forked:
             return
         self._forked = True
-        for page_index, page_id in self._mapped.items():
+        for page_index, page_id in {**self._mapped, **self._held}.items():
             self._detach(page_index, page_id, copy=False)
 
     @property
