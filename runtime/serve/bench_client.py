@@ -6,7 +6,9 @@ bundled trace's own times), whether or not earlier ones have answered, as ``vllm
 does. Every request streams (``stream: true``); each SSE chunk that carries tokens is stamped
 on the client's clock when it arrives, so TTFT, TPOT, ITL and E2EL are what a client sees.
 Prompts are token ids (the OpenAI API takes them, so no tokenizer is needed on either side);
-``ignore_eos`` makes each request produce exactly its output length.
+``ignore_eos`` makes each request produce exactly its output length. Every prompt is built before
+the first is sent, so their tokens (``PROMPT_TOKEN_BYTES`` each) are checked against the host's
+available memory first: a load that does not fit is a ``ServeConfigError`` naming the flags.
 """
 from __future__ import annotations
 
@@ -18,10 +20,18 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
+from vmemkv.scheduler import sim_memory
 from vmemkv.scheduler.report import RequestTiming
 from vmemkv.scheduler.traces import fit_to_length, load_trace, prompt_token_ids
 
 from .errors import ServeConfigError
+
+
+# host bytes a prompt token takes until its request is sent: 36 in the prompt's tuple (an int
+# and its slot; tracemalloc, 2026-12-06, ids below 32,000), 8 in the list its body is built
+# from and about 7 of the body's JSON, as much again while it is encoded (at rate inf every
+# body is built at once), rounded up
+PROMPT_TOKEN_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,9 @@ def poisson_requests(rate: float, num_prompts: int, input_len: int, output_len: 
             raise ServeConfigError(f"{name} must be an int >= {low}, got {value!r}")
     if not rate > 0:
         raise ServeConfigError(f"rate must be > 0 requests/s (inf: all at once), got {rate!r}")
+    check_prompts_fit(num_prompts * input_len,
+                      f"num_prompts {num_prompts:,} x input_len {input_len:,} "
+                      f"(--num-prompts x --input-len)", "lower --num-prompts or --input-len")
     rng = random.Random(seed)
     out, t = [], 0.0
     for _ in range(num_prompts):
@@ -67,6 +80,10 @@ def trace_requests(name: str, max_requests: int, rate_scale: float, max_total_le
     keep their shared blocks (equal hash ids, equal tokens); others are random tokens."""
     entries, _ = fit_to_length(load_trace(name, rate_scale=rate_scale, max_requests=max_requests),
                                max_total_len)
+    check_prompts_fit(sum(e.prompt_len for e in entries),
+                      f"the {len(entries):,} requests of trace {name} (--max-requests "
+                      f"{max_requests}, --max-total-len {max_total_len:,})",
+                      "lower --max-requests or --max-total-len")
     rng, start = random.Random(seed), entries[0].arrival_s if entries else 0.0
     out = []
     for e in entries:
@@ -74,6 +91,19 @@ def trace_requests(name: str, max_requests: int, rate_scale: float, max_total_le
                else tuple(rng.randrange(vocab_size) for _ in range(e.prompt_len)))
         out.append(BenchRequest(ids, e.output_len, e.arrival_s - start))
     return out
+
+
+def check_prompts_fit(prompt_tokens: int, what: str, remedy: str) -> None:
+    """ServeConfigError, before any prompt is built, when ``prompt_tokens`` prompt tokens
+    (``PROMPT_TOKEN_BYTES`` each) need more than the host's available memory."""
+    need_bytes = prompt_tokens * PROMPT_TOKEN_BYTES
+    available_bytes = sim_memory.available_bytes()
+    if available_bytes is not None and need_bytes > available_bytes:
+        raise ServeConfigError(
+            f"{what} is {prompt_tokens:,} prompt tokens, built before the first request is sent: "
+            f"about {need_bytes} bytes ({need_bytes / 2**30:.2f} GiB) of host memory, more than "
+            f"the host MemAvailable of {available_bytes} bytes ({available_bytes / 2**30:.2f} "
+            f"GiB); {remedy}")
 
 
 async def stream_completion(client, url: str, body: dict,
