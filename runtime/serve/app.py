@@ -105,7 +105,8 @@ async def _answer(request: Request, path: str, drain: Drain, work) -> Response:
 async def _complete(request: Request, server: EngineThread, served: ServedModel,
                     drain: Drain) -> Response:
     arrival_s = time.perf_counter()
-    req = salted(protocol.parse_completion_request(await request.body()), request.scope)
+    req = salted(await asyncio.to_thread(protocol.parse_completion_request, await request.body()),
+                 request.scope)                                     # parsed off the event loop
     batch = await asyncio.to_thread(prompt_token_ids, req, served)   # off the event loop
     params = served.engine_params(req.sampling_params(), req.model)
     submission = Submission(server, batch, params, arrival_s, "cmpl", served.tokenizer is not None)
@@ -116,7 +117,8 @@ async def _complete(request: Request, server: EngineThread, served: ServedModel,
 async def _chat(request: Request, server: EngineThread, served: ServedModel,
                 drain: Drain) -> Response:
     arrival_s = time.perf_counter()
-    req = salted(parse_chat_request(await request.body()), request.scope)
+    req = salted(await asyncio.to_thread(parse_chat_request, await request.body()),
+                 request.scope)
     ids, max_tokens = await asyncio.to_thread(chat_token_ids, req, served)   # off the loop
     params = served.engine_params(req.sampling_params(max_tokens), req.model)
     submission = Submission(server, [ids], params, arrival_s, "chatcmpl", True)

@@ -5,8 +5,12 @@
     1. Bearer auth    with API keys (``--api-key``, repeatable, or ``VMEMKV_API_KEY``, comma
                       separated) every route but ``/health`` needs ``Authorization: Bearer KEY``
                       (401 otherwise); ``/metrics`` needs ``--metrics-key`` when one is set (else
-                      an API key). Keys are compared in constant time (``hmac.compare_digest``,
-                      every key every time).
+                      an API key); the operator routes (``ADMIN_PATHS``: sleep, wake, resize,
+                      load and unload adapters) need ``--admin-key`` when one is set, else an
+                      API key, but never a tenant's: with ``--salt-per-key`` (each key a tenant)
+                      and no admin key they answer 403. Keys are visible ASCII (what an HTTP
+                      header carries) compared in constant time (``hmac.compare_digest``, every
+                      key every time).
     2. Content-Type   a POST must say ``application/json`` (415 otherwise): a browser's simple
                       ``text/plain`` request from a foreign page (cross-site request forgery,
                       DNS rebinding) never reaches the engine.
@@ -32,40 +36,66 @@ from .limits import BodyLimits, ServeLimits, client_name, too_large
 
 log = logging.getLogger("vmemkv.serve")
 
-API_KEY_ENV, METRICS_KEY_ENV = "VMEMKV_API_KEY", "VMEMKV_METRICS_KEY"
+API_KEY_ENV, METRICS_KEY_ENV, ADMIN_KEY_ENV = "VMEMKV_API_KEY", "VMEMKV_METRICS_KEY", "VMEMKV_ADMIN_KEY"
 SALT_SCOPE_KEY = "vmemkv.key_salt"
 OPEN_PATHS = ("/health",)
+# routes that change the server for every client: an operator's, never a tenant's
+ADMIN_PATHS = ("/sleep", "/wake_up", "/resize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 @dataclass(frozen=True)
 class AuthConfig:
     """API keys (none: no auth), the metrics key (None: /metrics takes an API key, or nothing
-    without keys) and whether each key gets its own prefix-cache salt."""
+    without keys), the admin key (None: the operator routes take an API key, none with
+    ``salt_per_key``) and whether each key gets its own prefix-cache salt."""
     api_keys: Tuple[str, ...] = ()
     metrics_key: Optional[str] = None
     salt_per_key: bool = False
+    admin_key: Optional[str] = None
 
     def __post_init__(self) -> None:
-        for name, key in [("api key", k) for k in self.api_keys] + [("metrics key", self.metrics_key)]:
-            if key is not None and (not isinstance(key, str) or not key.isprintable()
-                                    or not key or any(c.isspace() for c in key)):
-                raise ServeConfigError(f"an {name} must be a non-empty string without spaces")
+        for name, key in ([("--api-key", k) for k in self.api_keys]
+                          + [("--metrics-key", self.metrics_key), ("--admin-key", self.admin_key)]):
+            if key is not None and (not isinstance(key, str) or not key
+                                    or not all(33 <= ord(c) <= 126 for c in key)):
+                # the key itself is never shown: it may be a real one with a typo
+                raise ServeConfigError(f"{name}: a key must be a non-empty string of visible "
+                                       f"ASCII characters (no spaces; an HTTP header carries "
+                                       f"nothing else, so no client could send it)")
         if self.salt_per_key and not self.api_keys:
             raise ServeConfigError("--salt-per-key needs API keys (--api-key or VMEMKV_API_KEY)")
 
     @classmethod
     def of(cls, api_keys: Sequence[str] = (), metrics_key: Optional[str] = None,
-           salt_per_key: bool = False, environ=os.environ) -> "AuthConfig":
+           salt_per_key: bool = False, environ=os.environ,
+           admin_key: Optional[str] = None) -> "AuthConfig":
         """Flags first, the environment added (``VMEMKV_API_KEY`` may list keys, commas)."""
         keys = list(api_keys) + [k for k in environ.get(API_KEY_ENV, "").split(",") if k.strip()]
-        return cls(tuple(k.strip() for k in keys), metrics_key or environ.get(METRICS_KEY_ENV)
-                   or None, salt_per_key)
+        # a flag given empty is refused (AuthConfig); an empty variable counts as unset
+        return cls(tuple(k.strip() for k in keys),
+                   metrics_key if metrics_key is not None else environ.get(METRICS_KEY_ENV) or None,
+                   salt_per_key,
+                   admin_key if admin_key is not None else environ.get(ADMIN_KEY_ENV) or None)
+
+    def wanted(self, path: str) -> Tuple[Optional[Tuple[str, ...]], str]:
+        """(the keys ``path`` takes: () when it is open, None when no key opens it, and their
+        name for a refusal)."""
+        if path in OPEN_PATHS:
+            return (), ""
+        if path == "/metrics" and self.metrics_key:
+            return (self.metrics_key,), "the metrics key (--metrics-key)"
+        if path in ADMIN_PATHS:
+            if self.admin_key:
+                return (self.admin_key,), "the admin key (--admin-key)"
+            if self.salt_per_key:
+                return None, "the admin key (--admin-key): with --salt-per-key each API key is a tenant's"
+        return self.api_keys, "a valid API key"
 
     def key_for(self, path: str, authorization: str) -> Tuple[bool, Optional[str]]:
         """(allowed, the API key that matched) for a request to ``path``."""
-        if path in OPEN_PATHS:
-            return True, None
-        wanted = (self.metrics_key,) if path == "/metrics" and self.metrics_key else self.api_keys
+        wanted, _ = self.wanted(path)
+        if wanted is None:
+            return False, None
         if not wanted:
             return True, None
         scheme, _, token = authorization.partition(" ")
@@ -112,9 +142,13 @@ class Guard:
     def _check(self, scope, headers: dict) -> None:
         allowed, key = self.auth.key_for(scope["path"], headers.get("authorization", ""))
         if not allowed:
-            log.info("refused %s: %s %s without a valid API key", client_name(scope),
-                     scope["method"], scope["path"])
-            raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY",
+            wanted, who = self.auth.wanted(scope["path"])
+            log.info("refused %s: %s %s without %s", client_name(scope), scope["method"],
+                     scope["path"], who)
+            if wanted is None:
+                raise ApiError(403, f"{scope['path']} changes the server for every client; it "
+                                    f"is open only with {who} (not set on this server)")
+            raise ApiError(401, f"{scope['path']} needs {who}: Authorization: Bearer KEY",
                            headers={"WWW-Authenticate": "Bearer"})
         if key is not None and self.auth.salt_per_key:
             scope[SALT_SCOPE_KEY] = key_salt(key)

@@ -33,10 +33,11 @@ def register(subparsers) -> None:
                                           "/health, /metrics); "
                                           "needs the 'serve' extra.\n\n" + _EXAMPLES)
     generate_cli._model_flags(p)
-    p.add_argument("--served-model-name", default=None, metavar="NAME",
+    p.add_argument("--served-model-name", default=None, metavar="NAME", type=_not_empty,
                    help="the model id clients send and /v1/models lists (default: --model's "
                         "name: a directory's last component, a .gguf file's name)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--host", default="127.0.0.1", type=_not_empty,
+                   help="address to listen on (0.0.0.0: every interface; set --api-key then)")
     p.add_argument("--port", type=bounded(int, 0, 65535), default=8000,
                    help="TCP port, 0 to 65535 (0: a free one, printed at start)")
     p.add_argument("--max-queue", type=bounded(int, 1), default=256, metavar="N",
@@ -48,8 +49,8 @@ def register(subparsers) -> None:
                       help="load a PEFT LoRA adapter at start under NAME (clients send it as "
                            "'model'); repeat for several")
     lora.add_argument("--lora-root", default=None, metavar="DIR",
-                      help="allow POST /v1/load_lora_adapter (behind the API key) to load "
-                           "adapters from folders inside DIR (default: off)")
+                      help="allow POST /v1/load_lora_adapter (an operator route, see "
+                           "--admin-key) to load adapters from folders inside DIR (default: off)")
     _security_flags(p.add_argument_group("security and limits (docs/usage.md, Security)"))
     generate_cli._cache_flags(p.add_argument_group("cache and scheduling"))
 
@@ -59,9 +60,13 @@ def _security_flags(g) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /health; "
                         "repeat for several keys; VMEMKV_API_KEY (comma-separated) adds more "
                         "and keeps them out of ps (default: no auth)")
-    g.add_argument("--metrics-key", default=None, metavar="KEY",
+    g.add_argument("--metrics-key", default=None, metavar="KEY", type=_not_empty,
                    help="the key /metrics needs (also VMEMKV_METRICS_KEY) (default: an API key, "
                         "or none without API keys)")
+    g.add_argument("--admin-key", default=None, metavar="KEY", type=_not_empty,
+                   help="the key the operator routes need (/sleep, /wake_up, /resize, "
+                        "/v1/load_lora_adapter, /v1/unload_lora_adapter; also VMEMKV_ADMIN_KEY) "
+                        "(default: an API key; with --salt-per-key none: they answer 403)")
     g.add_argument("--salt-per-key", action="store_true",
                    help="give each API key its own prefix-cache salt, so tenants never share "
                         "cached prefixes (default: shared, cache_salt per request)")
@@ -83,6 +88,15 @@ def _security_flags(g) -> None:
                         "they are ended")
 
 
+def _not_empty(text: str) -> str:
+    """An empty value (an unset shell variable, "$HOST") meant "every interface" for --host and
+    "no key" for --metrics-key: refused, as an empty --api-key is."""
+    import argparse
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def _lora_flag(text: str) -> tuple:
     import argparse
     name, sep, path = text.partition("=")
@@ -98,7 +112,8 @@ def _limits_and_auth(args):
                          body_timeout_s=args.body_timeout, max_connections=args.max_connections,
                          shutdown_timeout_s=args.shutdown_timeout,
                          trust_request_chat_template=args.trust_request_chat_template)
-    return limits, AuthConfig.of(args.api_key, args.metrics_key, args.salt_per_key)
+    return limits, AuthConfig.of(args.api_key, args.metrics_key, args.salt_per_key,
+                                 admin_key=args.admin_key)
 
 
 def run(args) -> int:

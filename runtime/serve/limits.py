@@ -8,7 +8,9 @@ request reaches the engine, each refusal one log line naming the client.
     body          ``max_body_bytes`` at most: a larger Content-Length is refused 413 before
                   reading, a longer chunked body 413 as soon as it passes the limit; the whole
                   body within ``body_timeout_s`` of the headers, else 408
-    JSON          at most ``MAX_JSON_DEPTH`` levels of nesting: 400 before it is parsed
+    JSON          at most ``MAX_JSON_DEPTH`` levels of nesting: 400 before it is parsed;
+                  bodies are parsed and checked off the event loop, list fields' lengths
+                  before their entries (protocol.FIELD_ENTRIES)
     templates     a request's own ``chat_template`` (Jinja: any loop a client writes runs on
                   the server's CPU) only with ``trust_request_chat_template``, else a 400
                   naming it (vLLM's ``--trust-request-chat-template``); prompts are rendered
@@ -92,11 +94,11 @@ def _depth_over(obj, limit: int) -> bool:
     stack = [(obj, 1)] if isinstance(obj, (list, dict)) else []
     while stack:
         item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
-        nested = [c for c in children if isinstance(c, (list, dict))]
-        if nested and depth + 1 > limit:
-            return True
-        stack.extend((c, depth + 1) for c in nested)
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, (list, dict)):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
     return False
 
 

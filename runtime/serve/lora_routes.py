@@ -5,9 +5,9 @@ unloads them at run time.
     POST /v1/load_lora_adapter    {"lora_name": "sql", "lora_path": "sql-v2"}   -> {"lora_name": ..}
     POST /v1/unload_lora_adapter  {"lora_name": "sql"}                          -> {"lora_name": ..}
 
-Both are behind the API key (auth.Guard) and run on the engine thread between steps. Loading
-reads files on the server's disk, so it is off unless the server was started with
-``--lora-root DIR``: ``lora_path`` is then a path inside DIR (a relative one is taken from DIR;
+Both are operator routes (auth.ADMIN_PATHS: the admin key when set) and run on the engine thread
+between steps. Loading reads files on the server's disk, so it is off unless the server was
+started with ``--lora-root DIR``: ``lora_path`` is then a path inside DIR (a relative one is taken from DIR;
 one that leaves DIR, through ``..`` or a link, is a 400). Without it both routes answer 403.
 A name already loaded is a 409 unless ``"replace": true``; what the adapter files get wrong
 (unsupported, too large for the pool) is a 400 naming ``lora_path``. Requests running with an

@@ -25,12 +25,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
 from vmemkv.runtime.engine.errors import BeamSearchParamsError, EngineConfigError
-from vmemkv.runtime.engine.sampling import MAX_LOGIT_BIAS, MAX_STOP_STRINGS, SamplingParams
+from vmemkv.runtime.engine.prompts import is_unicode_text
+from vmemkv.runtime.engine.sampling import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                            SamplingParams)
 
 from .errors import ApiError
 from .limits import loads_json
 
 MAX_PROMPTS = 256    # prompts in one completions request at most (each is an engine request)
+MAX_MESSAGES = 16384  # chat messages in one request at most
+# entries a list or object field may hold, checked before validation, which costs time and
+# memory per entry (a 4 MiB body of a million wrong stop values took seconds and a GiB);
+# "prompt" may hold more only as one prompt's token ids
+FIELD_ENTRIES = {"stop": MAX_STOP_STRINGS, "stop_token_ids": MAX_STOP_TOKEN_IDS,
+                 "logit_bias": MAX_LOGIT_BIAS, "messages": MAX_MESSAGES, "prompt": MAX_PROMPTS}
 
 Prompts = Union[str, List[int], List[str], List[List[int]]]
 
@@ -145,7 +153,9 @@ def _token_biases(bias: Optional[Dict[str, float]]) -> dict:
                        "logit_bias")
     # a key is a token id as OpenAI writes it: ASCII digits, no sign, space, "_" or leading
     # zero ("0504" beside "504" would be one token given two biases)
-    odd = next((k for k in bias if not (k.isascii() and k.isdigit() and str(int(k)) == k)), None)
+    # (and at most 19 digits: past int64 no id exists, and int() refuses 4,300 digits)
+    odd = next((k for k in bias if not (k.isascii() and k.isdigit() and len(k) <= 19
+                                        and str(int(k)) == k)), None)
     if odd is not None:
         raise ApiError(400, f"logit_bias: keys must be token ids in decimal (ASCII digits, no "
                             f"sign or leading zero), got {odd[:20]!r}", "logit_bias")
@@ -183,10 +193,29 @@ def parse_model(body: bytes, model: Type[BaseModel]) -> BaseModel:
     obj = loads_json(body)      # 400: not JSON, or nested too deeply (limits.py)
     if not isinstance(obj, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(obj).__name__}")
+    _check_entries(obj, model)
+    odd = next((name for name in obj if not is_unicode_text(name)), None)
+    if odd is not None:      # pydantic's message named no field (loc is empty)
+        raise ApiError(400, f"the request body has a field name that is not Unicode text (a lone "
+                            f"surrogate): {odd.encode('utf-8', 'backslashreplace').decode()[:40]!r}")
     try:
         return model.model_validate(obj)
     except ValidationError as error:
         raise _field_error(error, model) from None
+
+
+def _check_entries(obj: dict, model: Type[BaseModel]) -> None:
+    """ApiError 400 naming the first field of ``model`` holding more entries than
+    ``FIELD_ENTRIES`` allows (a list of token ids as ``prompt`` excepted)."""
+    for name, most in FIELD_ENTRIES.items():
+        value = obj.get(name)
+        if name not in model.model_fields or not isinstance(value, (list, dict)) \
+                or len(value) <= most:
+            continue
+        if name == "prompt" and all(type(v) is int for v in value):
+            continue
+        what = "prompts in one request" if name == "prompt" else "entries"
+        raise ApiError(400, f"{name}: at most {most} {what}, got {len(value)}", name)
 
 
 def parse_request(body: bytes, model: Type[BaseModel]) -> BaseModel:
@@ -198,6 +227,9 @@ def parse_request(body: bytes, model: Type[BaseModel]) -> BaseModel:
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} non-empty strings, got "
                             f"{str(stops)[:80]}", "stop")
+    if not all(is_unicode_text(s) for s in stops):     # it could never match decoded text
+        raise ApiError(400, "stop: a stop string holds a lone surrogate: it is not Unicode text",
+                       "stop")
     return request
 
 

@@ -71,6 +71,14 @@ BAD_REQUESTS = [
     ("echo-not-bool", {**OK, "echo": "yes"}, "echo", "valid boolean"),
     ("stop-token-ids-strings", {**OK, "stop_token_ids": ["1"]}, "stop_token_ids", "valid integer"),
     ("other-model", {**OK, "model": "gpt-4"}, "model", "not served here"),
+    # int() refuses 4,300 digits: a 500 (ValueError) before keys were capped at 19 digits
+    ("logit-bias-key-4301-digits", {**OK, "logit_bias": {"1" * 4301: 1.0}}, "logit_bias",
+     "token ids"),
+    # a stop string that is not Unicode text can never match: it was accepted and ignored
+    ("stop-lone-surrogate", '{"prompt": [1], "stop": ["ok", "\\ud800"]}', "stop",
+     "lone surrogate"),
+    # pydantic's error had no field: "None: Input should be a valid string..."
+    ("field-name-lone-surrogate", '{"prompt": [1], "\\ud800": 1}', None, "not Unicode text"),
 ]
 
 
@@ -100,6 +108,46 @@ def test_bad_request_is_400_naming_the_field(served, case, body, param, words):
     assert server.engine_thread.pending_requests == 0
     assert_memory_at_baseline(engine)
     assert httpx.post(server.url + "/v1/completions", json=OK).status_code == 200
+
+
+# a list field of a million entries: validating them one by one took 15 s on the event loop
+# (every other client stalled) and 1.4 GiB; the counts are checked before any entry is read
+HUGE_LISTS = [("/v1/completions", {"prompt": [1], "stop": [[]] * 10**6}, "stop",
+               "stop: at most 16 entries, got 1000000"),
+              ("/v1/completions", {"prompt": [None] * 300_000}, "prompt",
+               "at most 256 prompts in one request, got 300000"),
+              ("/v1/chat/completions", {"messages": [1] * 10**6}, "messages",
+               "messages: at most 16384 entries, got 1000000")]
+
+
+@pytest.mark.parametrize("path,body,param,words", HUGE_LISTS, ids=[c[2] for c in HUGE_LISTS])
+def test_huge_list_fields_are_400_without_stalling_other_clients(served, monkeypatch, path, body,
+                                                                 param, words):
+    from vmemkv.runtime.serve import app, protocol
+    server, engine = served
+    module, name = (protocol, "parse_completion_request") if "chat" not in path else \
+        (app, "parse_chat_request")
+    parse, parsing, release = getattr(module, name), threading.Event(), threading.Event()
+
+    def held(body_bytes):            # the parse waits until another client has been answered
+        parsing.set()
+        release.wait(60)
+        return parse(body_bytes)
+    monkeypatch.setattr(module, name, held)
+    got = {}
+    worker = threading.Thread(target=lambda: got.update(r=httpx.post(
+        server.url + path, json=body, timeout=120)))
+    worker.start()
+    assert parsing.wait(60)
+    try:   # parsed on the event loop, /health waited for the parse: a timeout, not a 200
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+    finally:
+        release.set()
+        worker.join(120)
+    assert got["r"].status_code == 400
+    error = error_of(got["r"])
+    assert error["param"] == param and words in error["message"], error["message"]
+    assert_memory_at_baseline(engine)
 
 
 @pytest.mark.parametrize("method,path,status", [("GET", "/v1/chat", 404), ("GET", "/v1/completions", 405)])

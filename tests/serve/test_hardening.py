@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from .conftest import PAGED, serving
+from .conftest import PAGED, VMEM, serving
 from .real_server import RealServer, raw_connection, read_until_closed
 
 K1, K2, METRICS = "key-one-aaaaaaaa", "key-two-bbbbbbbb", "metrics-cccccccc"
@@ -65,6 +65,58 @@ def test_every_route_but_health_needs_a_valid_key(server):
     assert get("/metrics", **auth(K1)).status_code == 401            # /metrics has its own key
     assert get("/metrics", **auth(METRICS)).text.count("vmemkv:") > 10
     assert httpx.post(server.url + "/v1/completions", json={"prompt": [1]}).status_code == 401
+
+
+def test_operator_routes_take_the_admin_key_and_never_a_tenants(server):
+    # any tenant's key could put the engine to sleep for all (503 for every other tenant),
+    # resize the cache to 0 bytes, or replace another tenant's adapter under its name
+    for path, body in (("/sleep", {}), ("/wake_up", {}), ("/resize", {"cache_bytes": 0}),
+                       ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "x"}),
+                       ("/v1/unload_lora_adapter", {"lora_name": "x"})):
+        refused = httpx.post(server.url + path, json=body, headers=auth(K1), timeout=30)
+        assert refused.status_code == 403, (path, refused.text)
+        assert "--admin-key" in refused.json()["error"]["message"]
+    assert post(server, {"prompt": [1, 2], "max_tokens": 2}).status_code == 200   # still awake
+    named = httpx.get(server.url + "/metrics", headers=auth(K1), timeout=30)
+    assert named.status_code == 401 and "metrics key (--metrics-key)" in named.text
+    from vmemkv.runtime.serve.auth import AuthConfig
+    keys = AuthConfig(("tenant-a",), salt_per_key=True, admin_key="operator-z")
+    with serving(VMEM, auth=keys) as (served, engine):
+        def call(path, key):
+            return httpx.post(served.url + path, json={}, headers=auth(key), timeout=30)
+        refused = call("/sleep", "tenant-a")
+        assert refused.status_code == 401 and "the admin key (--admin-key)" in refused.text
+        assert not engine.is_sleeping
+        assert call("/sleep", "operator-z").status_code == 200 and engine.is_sleeping
+        assert call("/wake_up", "operator-z").status_code == 200 and not engine.is_sleeping
+        body = {"prompt": [1, 2], "max_tokens": 2}        # the admin key is no API key
+        assert httpx.post(served.url + "/v1/completions", json=body, headers=auth("operator-z"),
+                          timeout=30).status_code == 401
+
+
+@pytest.mark.parametrize("flags", [["--api-key", "ключ-секрет"], ["--api-key", "kéy"],
+                                   ["--metrics-key", "tab\there"], ["--admin-key", "a b"]],
+                         ids=["cyrillic", "latin-1", "control", "space"])
+def test_keys_no_header_can_carry_are_refused_at_start(flags, capsys, monkeypatch):
+    # accepted, they locked every client out: httpx (the openai client) cannot send them, curl
+    # sends UTF-8 that never matched
+    from vmemkv.cli import main
+    from vmemkv.runtime.serve.server import Server
+    monkeypatch.setattr(Server, "run", lambda self: "served")   # a regression returns, not hangs
+    assert main(["serve", "--port", "0", "--max-context", "64", *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{flags[0]}: a key must be a non-empty string of visible ASCII" in err
+    assert flags[1] not in err                           # a key is never shown
+
+
+@pytest.mark.parametrize("flag", ["--host", "--metrics-key", "--admin-key", "--served-model-name"])
+def test_empty_values_are_refused_rather_than_meaning_everyone(flag, capsys):
+    # an unset "$HOST" listened on every interface, an unset "$KEY" left /metrics open
+    from vmemkv.cli import main
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", flag, ""])
+    assert exited.value.code == 2
+    assert f"argument {flag}: must not be empty" in capsys.readouterr().err
 
 
 def test_a_post_must_say_it_is_json(server):

@@ -24,9 +24,10 @@ def queued(thread, count: int) -> None:
 
 
 def test_stop_lets_a_request_in_flight_finish_within_shutdown_timeout_s():
-    """The request is held past 10 s (the engine thread is busy), inside a 30 s drain: it is
-    answered 200, before stop() returns."""
-    with serving(VMEM, limits=ServeLimits(shutdown_timeout_s=30)) as (server, engine):
+    """The request is held past 10 s (the engine thread is busy), inside a 300 s drain: it is
+    answered 200, before stop() returns. (The drain is long so that a loaded machine, where the
+    request takes a while after the gate opens, cannot end it first: a 30 s drain failed so.)"""
+    with serving(VMEM, limits=ServeLimits(shutdown_timeout_s=300)) as (server, engine):
         thread, gate = server.engine_thread, threading.Event()
         thread.call(lambda _: gate.wait(60))
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
