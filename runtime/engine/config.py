@@ -16,6 +16,7 @@ from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 
 from .errors import EngineConfigError
+from .logprobs import step_logits_bytes
 
 CACHES = ("vmem", "paged")
 PREEMPTION = ("recompute", "swap")
@@ -157,20 +158,32 @@ class EngineConfig:
                                     f"got {getattr(self, name)!r}")
 
 
-def cache_budget_bytes(cfg: EngineConfig, cache_config) -> int:
+def cache_budget_bytes(cfg: EngineConfig, cache_config, vocab_size: int) -> int:
     """The K/V budget of an engine in bytes: ``cache_bytes``, else ``memory_utilization`` of the
     device's available memory, else room for every slot at full length. Checked against the
-    device's total and available memory (CacheTooLargeError) before anything is built."""
+    device's total and available memory (CacheTooLargeError) before anything is built, alone
+    and beside the working memory of one step's logits (``logprobs.step_logits_bytes``:
+    ``max_tokens_per_step`` rows of ``vocab_size`` fp32 logits when every new token is a prompt
+    row whose logprobs are asked, the sampled rows' copy and the slice being scored)."""
     device = cache_config.torch_device
     if cfg.memory_utilization is not None:
-        return bytes_from_fraction(cfg.memory_utilization, device)
-    budget = cfg.cache_bytes
-    what = f"the engine's KV cache (cache_bytes={budget})"
-    if budget is None:
-        budget = cache_config.max_batch * cache_config.max_context * cache_config.bytes_per_token
-        what = (f"the engine's KV cache ({cache_config.max_batch} slots of "
-                f"{cache_config.max_context} tokens; cache_bytes=None)")
-    check_fits_device(what, budget, device)
+        budget = bytes_from_fraction(cfg.memory_utilization, device)
+        what = (f"the engine's KV cache ({budget} bytes: "
+                f"memory_utilization={cfg.memory_utilization})")
+    else:
+        budget = cfg.cache_bytes
+        what = f"the engine's KV cache (cache_bytes={budget})"
+        if budget is None:
+            c = cache_config
+            budget = c.max_batch * c.max_context * c.bytes_per_token
+            what = (f"the engine's KV cache ({cache_config.max_batch} slots of "
+                    f"{cache_config.max_context} tokens; cache_bytes=None)")
+        check_fits_device(what, budget, device)
+    logits_bytes = step_logits_bytes(cfg.max_tokens_per_step, cfg.max_batch, vocab_size)
+    check_fits_device(f"{what} beside one step's logits ({logits_bytes} bytes: "
+                      f"max_tokens_per_step={cfg.max_tokens_per_step} rows of a {vocab_size}-token "
+                      f"vocabulary in fp32, and their scoring)", budget + logits_bytes, device,
+                      remedy="lower cache_bytes (or memory_utilization) or max_tokens_per_step")
     return budget
 
 

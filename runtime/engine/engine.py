@@ -94,7 +94,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         # refuse, before any memory is built, a backend that cannot run this model's attention
         backend.check_runs(cfg.cache, self.device.type, self.cache_config.dtype, what="the model",
                            kv_dtype=kv_dtype)
-        cache_bytes = cache_budget_bytes(cfg, self.cache_config)   # fits available memory
+        cache_bytes = cache_budget_bytes(cfg, self.cache_config, self.vocab_size)   # fits, + logits
         check_ranks_fit(cfg, cache_bytes, self.cache_config.torch_device)   # all ranks, too
         budget_share_for(memory_budget, cfg, cache_bytes, "", register=False)   # checks only
         self._model_attn = model.config._attn_implementation   # restored by close()

@@ -4,7 +4,9 @@
     input_ids  [t t t t t | t | t t t]                      (1, T=9)
     positions  [0 1 2 3 4 | 17 | 8 9 10]                    each token's index in its sequence
     keep       [4, 5]                                       rows whose logits are sampled
-               (+ every row of a sequence in ``prompt_rows``: prompt logprobs, only those)
+               (+ every row of a sequence in ``prompt_rows``: prompt logprobs, only those;
+               at most max_tokens_per_step rows of fp32 logits, checked beside the cache when
+               the engine is built, and scored in slices: logprobs.step_logits_bytes)
 
 Everything per step is built once (ids, positions, keep rows); the per-layer work is the HF
 layer itself plus one cache write and one backend call (runtime.hf.attention).
