@@ -5,6 +5,7 @@ replica (CacheStateError) and builds every layer's view once: one host sync per 
 """
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -18,6 +19,7 @@ from vmemkv.scheduler.plan import DropSwapped, DropTable, SwapIn, SwapOut
 from ..config import CacheConfig
 from ..errors import CacheStateError, PlanExecutionError
 from ..kv_dtype import ScaleTable
+from ..memory import check_fits_device
 from .journal import PlanJournal
 
 
@@ -266,20 +268,52 @@ class KVCache(ABC):
         is applied layer by layer. All or nothing: on an error (a bad op, no memory for a
         buffer) the swap space is as before. ``self._swapped_before`` keeps the swap space as
         it was, for undoing the plan.
+
+        Each SwapOut's buffer (with the plan's earlier ones) is checked against the host's
+        available memory before it is allocated: one the host cannot provide now (memory
+        taken since construction checked ``swap_bytes``) is refused as PlanExecutionError
+        naming that op, its cause a CacheTooLargeError giving both sizes; the engine rolls the
+        step back, nothing allocated, and retries it (the request fails after
+        ``max_plan_retries`` refusals in a row).
         """
         before = dict(self._swapped)
+        planned_bytes = 0   # this plan's swap-out buffers so far: not written, not yet counted
         try:
-            bound = [(op, self._bind_one(op)) for op in ops]
+            bound = []
+            for index, op in enumerate(ops):
+                if isinstance(op, SwapOut):
+                    planned_bytes += self._check_swap_buffer(op, index, planned_bytes)
+                bound.append((op, self._bind_one(op)))
         except BaseException:
             self._swapped = before
             raise
         self._swapped_before = before
         return [pair for pair in bound if not isinstance(pair[0], DropSwapped)]
 
+    def _swap_buffer_shape(self, num_tokens: int) -> tuple:
+        c = self.config
+        return (c.num_layers, 2, num_tokens, c.num_kv_heads, c.head_dim)
+
+    def _check_swap_buffer(self, op: SwapOut, index: int, planned_bytes: int) -> int:
+        """The bytes of ``op``'s host buffer, after checking them (beside ``planned_bytes``,
+        the plan's earlier buffers) against the host's memory; PlanExecutionError if not."""
+        num_bytes = (math.prod(self._swap_buffer_shape(op.num_tokens))
+                     * self.config.storage_dtype.itemsize)
+        try:
+            check_fits_device(f"swapping out sequence {op.seq_id} ({op.num_tokens} tokens, "
+                              f"{num_bytes} bytes, beside {planned_bytes} bytes of this plan's "
+                              f"other swap-outs)", num_bytes + planned_bytes, torch.device("cpu"),
+                              remedy="the host has less free memory than when swap_bytes was "
+                                     "checked; nothing was allocated")
+        except MemoryError as error:
+            raise PlanExecutionError(f"plan refused at op {index} ({type(op).__name__}): "
+                                     f"{error}", op_index=index) from error
+        return num_bytes
+
     def _bind_one(self, op) -> Optional[torch.Tensor]:
         if isinstance(op, SwapOut):
             c = self.config
-            buffer = torch.empty((c.num_layers, 2, op.num_tokens, c.num_kv_heads, c.head_dim),
+            buffer = torch.empty(self._swap_buffer_shape(op.num_tokens),
                                  dtype=c.storage_dtype, pin_memory=c.torch_device.type == "cuda")
             self._swapped[op.seq_id] = buffer
             return buffer

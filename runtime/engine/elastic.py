@@ -6,14 +6,17 @@ so every tensor-parallel rank applies it).
 Only the vmem cache resizes (pages are mapped one by one); paged is refused by name. The pool's
 page ids are reserved at construction for ``EngineConfig.max_cache_bytes``; growing past it is
 refused. Growing is checked against the device's available memory first (a page's memory is
-created when it is next mapped).
+created when it is next mapped), less, with the cache on the host, the swap space promised at
+construction that swapped-out sequences have not filled yet (``unfilled_swap_bytes``): swap-outs
+fill it on demand, so a pool grown into it would over-commit the host.
 """
 from __future__ import annotations
 
 import weakref
 from typing import Optional
 
-from vmemkv.runtime.memory import available_memory_bytes, bytes_from_fraction, check_fits_device
+from vmemkv.runtime import memory
+from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device
 from vmemkv.scheduler.errors import CacheResizeError
 
 from .errors import EngineClosedError, EngineSleepingError, TensorParallelError
@@ -79,13 +82,15 @@ class ElasticMemory:
     def resize_cache(self, cache_bytes: Optional[int] = None, *,
                      memory_utilization: Optional[float] = None, preempt: bool = False) -> int:
         """Let the KV pool use ``cache_bytes`` (or ``memory_utilization``: that fraction of
-        the device's available memory plus what the pool uses now); returns the bytes it uses
+        the device's available memory less ``unfilled_swap_bytes``, plus what the pool uses
+        now); returns the bytes it uses
         after (rounded down to whole pages). Growing creates pages as they are mapped; shrinking
         gives back free and cached pages, then, with ``preempt``, preempts running requests
         from the newest (swapped or recomputed as ``preemption`` says: none is dropped).
         CacheResizeError, nothing changed, when it cannot: bytes running requests hold
         (without ``preempt``), a waiting request that would no longer fit, past
-        ``max_cache_bytes``, the budget's share, or the device's available memory;
+        ``max_cache_bytes``, the budget's share, or the device's available memory less the
+        unfilled swap space;
         EngineSleepingError while asleep (``wake`` first)."""
         self._check_resizable()
         self._check_awake()
@@ -95,7 +100,8 @@ class ElasticMemory:
             raise CacheResizeError("resize_cache takes one of cache_bytes and "
                                    "memory_utilization")
         if memory_utilization is not None:
-            cache_bytes = bytes_from_fraction(memory_utilization, self.device) + self.cache_bytes
+            cache_bytes = max(0, bytes_from_fraction(memory_utilization, self.device) - int(
+                memory_utilization * self.unfilled_swap_bytes)) + self.cache_bytes
         if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise CacheResizeError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
         if self.memory_share is not None:
@@ -125,9 +131,14 @@ class ElasticMemory:
                                    f"pool's page ids are reserved at construction)")
         growth = cache_bytes - mgr.cache_bytes
         if growth > 0:
+            swap = self.unfilled_swap_bytes   # host memory promised to swap-outs
+            what = f"growing the KV cache by {growth} bytes"
+            if swap:
+                what += (f" beside the {swap} bytes of swap space (swap_bytes) swapped-out "
+                         f"sequences have not filled yet")
             try:
-                check_fits_device(f"growing the KV cache by {growth} bytes", growth,
-                                  self.cache_config.torch_device)
+                check_fits_device(what, growth + swap, self.cache_config.torch_device,
+                                  remedy="grow less, or build the engine with less swap_bytes")
             except Exception as error:
                 raise CacheResizeError(str(error)) from None
         try:
@@ -139,6 +150,22 @@ class ElasticMemory:
         # its preemptions (sleep, resize_cache(preempt=True), a yield) are not a step's
         self._preempted_last = self.scheduler.metrics.num_preemptions
         return mgr.cache_bytes
+
+    @property
+    def unfilled_swap_bytes(self) -> int:
+        """Host memory promised to the swap space (``swap_bytes``, checked beside the cache at
+        construction) that swapped-out sequences have not filled yet, once per tensor-parallel
+        rank spawned on this machine; 0 when the cache is not on the host (the pool grows in
+        device memory, the swap space is host memory)."""
+        if self.cache_config.torch_device.type != "cpu":
+            return 0
+        ranks = self.config.tensor_parallel_size if self.config.tp_launch == "spawn" else 1
+        return ranks * self.kv.manager.swap_free_bytes
+
+    def _available_for_pool(self) -> Optional[int]:
+        """The device's available memory less ``unfilled_swap_bytes`` (None: unreadable)."""
+        avail = memory.available_memory_bytes(self.cache_config.torch_device)
+        return None if avail is None else max(0, avail - self.unfilled_swap_bytes)
 
     def sleep(self) -> int:
         """Give every physical KV page back to the device: running requests are preempted
@@ -199,7 +226,7 @@ class ElasticMemory:
             return
         target = min(target, self.kv.manager.max_cache_bytes)
         if target > self.cache_bytes:
-            avail = available_memory_bytes(self.cache_config.torch_device)
+            avail = self._available_for_pool()     # less the swap space not yet filled
             if avail is not None:
                 target = min(target, self.cache_bytes + avail)
         try:          # a yield to an older blocked engine may preempt (share.preempts)
