@@ -26,6 +26,9 @@ from vmemkv.scheduler.managers.eviction import DEFAULT_EVICTION, EVICTION_POLICI
 from vmemkv.scheduler.presets import KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES
 from vmemkv.scheduler.progress import Progress
 
+from .generate_checks import FLAG_DEFAULTS, check_page_bytes, check_tp_devices  # noqa: F401
+from .generate_checks import check_device as _check_device   # serve's, too
+from .generate_checks import check_flags as _check_flags
 from .generate_io import (GenerateUsageError, format_output, name_prompt_line, needs_labels,
                           read_numbered_prompts)
 
@@ -84,7 +87,8 @@ def _sampling_flags(s) -> None:
     s.add_argument("--top-p", type=bounded(float, 0, 1, low_open=True), default=1.0,
                    help="nucleus sampling: keep the smallest set with this probability, in (0, 1]")
     s.add_argument("--n", type=POSITIVE_INT, default=1,
-                   help="samples per prompt, at most 1024 (forked; each labelled)")
+                   help="samples per prompt, at most 1024 (forked; each labelled; checked before "
+                        "the model loads)")
     s.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="a stop string: the sample ends where its text shows it (not printed); "
                         "repeat for several (needs a tokenizer; default: none)")
@@ -95,15 +99,22 @@ def _sampling_flags(s) -> None:
 
 
 def _cache_flags(c) -> None:
+    """The cache and scheduling flags (``vmemkv generate`` and ``vmemkv serve``). Those that
+    apply to one cache, or only with another flag, default to None ("not given": _check_flags
+    refuses them where they do not apply, then puts in ``FLAG_DEFAULTS``)."""
     c.add_argument("--cache", choices=["vmem", "paged"], default="vmem", help="KV cache layout")
-    c.add_argument("--layout", choices=["per-layer", "interleaved", "auto"], default="per-layer",
-                   help="vmem: one page per layer, or all layers in one page")
+    c.add_argument("--layout", choices=["per-layer", "interleaved", "auto"], default=None,
+                   help="vmem only: one page per layer, or all layers in one page "
+                        "(default: per-layer)")
     c.add_argument("--page-bytes", type=parse_bytes, default=None, metavar="SIZE",
-                   help="vmem page size: 64KiB, 2MiB, 65536, ... (default: the driver's choice)")
-    c.add_argument("--block-size", type=POSITIVE_INT, default=16,
-                   help="paged: tokens per block, at most --max-context")
+                   help="vmem only: page size, 64KiB, 2MiB, 65536, ... (default: the driver's "
+                        "choice); a slot is whole pages, so --max-context is rounded up to them")
+    c.add_argument("--block-size", type=POSITIVE_INT, default=None,
+                   help="paged: tokens per block, at most --max-context; vmem with "
+                        "--prefix-sharing: tokens per prefix-hit block (default: 16)")
     c.add_argument("--max-batch", type=POSITIVE_INT, default=8, help="sequences at once")
-    c.add_argument("--max-context", type=POSITIVE_INT, default=1024, help="tokens per sequence")
+    c.add_argument("--max-context", type=POSITIVE_INT, default=1024,
+                   help="tokens per sequence, at most the cache's limit (CacheConfig)")
     budget = c.add_mutually_exclusive_group()
     budget.add_argument("--cache-bytes", type=parse_bytes, default=None, metavar="SIZE",
                         help="KV cache budget: 512MiB, 2GiB, ... (default: max-batch x max-context)")
@@ -130,14 +141,15 @@ def _cache_flags(c) -> None:
                    help="what a preempted sequence loses (swap needs --swap-bytes)")
     c.add_argument("--swap-bytes", type=parse_bytes, default=0, metavar="SIZE",
                    help="host swap space: 256MiB, 1GiB, ... (default: 0, none)")
-    c.add_argument("--watermark", type=bounded(float, 0, 1), default=0.0,
+    c.add_argument("--watermark", type=bounded(float, 0, 1, high_open=True), default=0.0,
                    help="fraction of the cache admission keeps free, in [0, 1)")
     c.add_argument("--prefix-sharing", action="store_true", help="share cached prompt prefixes")
-    c.add_argument("--prefix-eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,
-                   help="with --prefix-sharing: keep computed prefixes after their requests end, "
-                        "evicting lru (vLLM's order) or hits (often-shared ones last); off: none")
-    c.add_argument("--background-mapper", action="store_true",
-                   help="vmem: map pages on a thread, ahead of the step that needs them")
+    c.add_argument("--prefix-eviction", choices=EVICTION_POLICIES, default=None,
+                   help=f"with --prefix-sharing only: keep computed prefixes after their requests "
+                        f"end, evicting lru (vLLM's order) or hits (often-shared ones last); off: "
+                        f"none (default: {DEFAULT_EVICTION})")
+    c.add_argument("--background-mapper", action="store_true", default=None,
+                   help="vmem only: map pages on a thread, ahead of the step that needs them")
     c.add_argument("--tp", dest="tensor_parallel_size", type=bounded(int, 1), default=1, metavar="N",
                    help="tensor-parallel ranks (processes on this machine: gloo on the CPU, "
                         "one GPU each over NCCL on CUDA); --cache-bytes is then per rank")
@@ -153,47 +165,6 @@ def tp_device_list(text: str) -> tuple:
     return tuple(int(e) if e.strip().isdigit() else e.strip() for e in text.split(","))
 
 
-def check_tp_devices(tp_devices, tp_size, device: str, error=None) -> None:
-    """Before any model is loaded: ``error`` (default GenerateUsageError) naming the value when
-    ``--tp-devices`` comes without ``--tp`` N > 1 (``tp_size`` None: no --tp) or for a model not
-    on a GPU; then the API's own rules and messages for ``tp_devices`` (placement.place_ranks:
-    TensorParallelConfigError) against the GPUs visible here."""
-    if tp_devices is None:
-        return
-    error, shown = error or GenerateUsageError, ",".join(map(str, tp_devices))
-    if tp_size is None or tp_size < 2:
-        raise error(f"--tp-devices {shown} sets the devices of tensor-parallel ranks but "
-                    f"{'--tp is not given' if tp_size is None else f'--tp is {tp_size}'}: give "
-                    f"--tp N with N > 1, one device per rank")
-    import torch
-    if torch.device(device).type != "cuda":
-        raise error(f"--tp-devices {shown} places ranks on GPUs but the model runs on {device}, "
-                    f"where every rank runs on the cpu: drop --tp-devices or use --device cuda")
-    from vmemkv.runtime.distributed.placement import place_ranks
-    place_ranks(device, tp_size, tp_devices, visible_cuda=torch.cuda.device_count())
-
-
-def _check_device(device: str) -> None:
-    import torch
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, TypeError):
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        raise GenerateUsageError(f"--device must be 'cpu' or 'cuda[:i]', got {device!r}")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise GenerateUsageError(f"--device {device!r} asked for, but no CUDA GPU is visible to torch")
-
-
-def _check_flags(args) -> None:
-    if args.cache == "paged" and args.block_size > args.max_context:
-        raise GenerateUsageError(f"--block-size {args.block_size} tokens is longer than "
-                                 f"--max-context {args.max_context}: a block holds at most one "
-                                 f"sequence's tokens")
-    check_tp_devices(args.tp_devices, args.tensor_parallel_size, args.device)
-    if args.kv_scales is not None and KV_CACHE_DTYPE_BYTES[args.kv_cache_dtype] != 1:
-        raise GenerateUsageError(f"--kv-scales applies to an 8-bit --kv-cache-dtype (fp8_e4m3, "
-                                 f"fp8_e5m2, int8), not {args.kv_cache_dtype}")
 
 
 def _kv_scales(args):
@@ -215,6 +186,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tokenizer = load_model(args.model, seed=args.seed, dtype=dtype, device=args.device)
+    check_page_bytes(args, model)
     numbered = read_numbered_prompts(args.prompts, tokenizer is not None, args.text, args.chat,
                                      args.system)
     line_numbers, prompts = [n for n, _ in numbered], [p for _, p in numbered]
@@ -250,12 +222,16 @@ def _run(args, model, tokenizer, prompts, messages) -> int:
 
 
 def _engine(engine_class, model, tokenizer, args):
-    """The engine the cache and scheduling flags describe."""
+    """The engine the cache and scheduling flags describe; a step takes at least --max-batch
+    tokens (EngineConfig's default budget, raised so that every sequence decodes each step:
+    no flag sets it, and --max-batch above it was refused naming max_tokens_per_step)."""
+    from vmemkv.runtime.engine import EngineConfig
+    tokens_per_step = max(EngineConfig.max_tokens_per_step, args.max_batch)
     return engine_class(model, tokenizer, cache=args.cache, layout=args.layout,
                         page_bytes=args.page_bytes, block_size=args.block_size,
                         max_batch=args.max_batch, max_context=args.max_context,
                         cache_bytes=args.cache_bytes, attention=args.attention,
-                        max_cache_bytes=args.max_cache_bytes,
+                        max_cache_bytes=args.max_cache_bytes, max_tokens_per_step=tokens_per_step,
                         memory_utilization=args.memory_utilization,
                         preemption=args.preemption, swap_bytes=args.swap_bytes,
                         watermark=args.watermark, prefix_sharing=args.prefix_sharing,

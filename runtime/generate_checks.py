@@ -1,0 +1,149 @@
+"""The checks of ``vmemkv generate``'s and ``vmemkv serve``'s flags (runtime/generate_cli.py):
+the refusals the flags alone decide, before the model loads, and --page-bytes against the loaded
+model's pages, before the engine is built. Each raises GenerateUsageError naming the flag (one
+line, exit 2), or the typed error of the library check it runs (TensorParallelConfigError,
+CacheTooLargeError)."""
+from __future__ import annotations
+
+import dataclasses
+
+from vmemkv.scheduler.managers.eviction import DEFAULT_EVICTION
+from vmemkv.scheduler.presets import KV_CACHE_DTYPE_BYTES
+
+from .generate_io import GenerateUsageError
+
+
+def check_tp_devices(tp_devices, tp_size, device: str, error=None) -> None:
+    """Before any model is loaded: ``error`` (default GenerateUsageError) naming the value when
+    ``--tp-devices`` comes without ``--tp`` N > 1 (``tp_size`` None: no --tp) or for a model not
+    on a GPU; then the API's own rules and messages for ``tp_devices`` (placement.place_ranks:
+    TensorParallelConfigError) against the GPUs visible here."""
+    if tp_devices is None:
+        return
+    error, shown = error or GenerateUsageError, ",".join(map(str, tp_devices))
+    if tp_size is None or tp_size < 2:
+        raise error(f"--tp-devices {shown} sets the devices of tensor-parallel ranks but "
+                    f"{'--tp is not given' if tp_size is None else f'--tp is {tp_size}'}: give "
+                    f"--tp N with N > 1, one device per rank")
+    import torch
+    if torch.device(device).type != "cuda":
+        raise error(f"--tp-devices {shown} places ranks on GPUs but the model runs on {device}, "
+                    f"where every rank runs on the cpu: drop --tp-devices or use --device cuda")
+    from vmemkv.runtime.distributed.placement import place_ranks
+    place_ranks(device, tp_size, tp_devices, visible_cuda=torch.cuda.device_count())
+
+
+def check_device(device: str) -> None:
+    import torch
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise GenerateUsageError(f"--device must be 'cpu' or 'cuda[:i]', got {device!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise GenerateUsageError(f"--device {device!r} asked for, but no CUDA GPU is visible to torch")
+
+
+# what the flags that default to None ("not given") mean when they are not given
+FLAG_DEFAULTS = {"layout": "per-layer", "block_size": 16, "background_mapper": False,
+                 "prefix_eviction": DEFAULT_EVICTION}
+
+
+def check_flags(args) -> None:
+    """Every refusal the flags alone decide (GenerateUsageError naming the flag, exit 2), before
+    the model loads; then the flags not given take their ``FLAG_DEFAULTS``."""
+    _check_applies(args)
+    for name, value in FLAG_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.cache == "paged" and args.block_size > args.max_context:
+        raise GenerateUsageError(f"--block-size {args.block_size} tokens is longer than "
+                                 f"--max-context {args.max_context}: a block holds at most one "
+                                 f"sequence's tokens")
+    _check_limits(args)
+    check_tp_devices(args.tp_devices, args.tensor_parallel_size, args.device)
+    if args.kv_scales is not None and KV_CACHE_DTYPE_BYTES[args.kv_cache_dtype] != 1:
+        raise GenerateUsageError(f"--kv-scales applies to an 8-bit --kv-cache-dtype (fp8_e4m3, "
+                                 f"fp8_e5m2, int8), not {args.kv_cache_dtype}")
+    if args.preemption == "swap" and not args.swap_bytes:
+        raise GenerateUsageError("--preemption swap moves preempted sequences to host swap "
+                                 "space: give --swap-bytes SIZE (> 0)")
+    if args.background_mapper and args.tensor_parallel_size > 1:
+        raise GenerateUsageError(f"--background-mapper is not supported with --tp "
+                                 f"{args.tensor_parallel_size} (every rank applies each plan "
+                                 f"inline so that all or none do)")
+
+
+def _check_applies(args) -> None:
+    """A flag given where it has no effect (it was accepted and ignored): refused by name."""
+    if args.cache == "paged":
+        for flag, value in (("--layout", args.layout), ("--page-bytes", args.page_bytes),
+                            ("--background-mapper", args.background_mapper),
+                            ("--max-cache-bytes", args.max_cache_bytes)):
+            if value is not None:
+                raise GenerateUsageError(f"{flag} applies to --cache vmem only; with --cache "
+                                         f"paged it would do nothing: drop it")
+    elif args.block_size is not None and not args.prefix_sharing:
+        raise GenerateUsageError(f"--block-size {args.block_size} sets a paged cache's blocks, or "
+                                 f"with --prefix-sharing a vmem cache's prefix-hit blocks; "
+                                 f"--cache vmem without --prefix-sharing has none: drop it")
+    if args.prefix_eviction is not None and not args.prefix_sharing:
+        raise GenerateUsageError(f"--prefix-eviction {args.prefix_eviction} applies with "
+                                 f"--prefix-sharing only (no prefix is kept without it): add "
+                                 f"--prefix-sharing or drop it")
+
+
+def _check_limits(args) -> None:
+    """The engine's own limits on --max-context (CacheConfig's) and generate's --n (SamplingParams'),
+    checked against its classes before the model is built, the messages naming the flag."""
+    from vmemkv.runtime.config import CacheConfig
+    from vmemkv.runtime.engine.sampling import MAX_SAMPLES
+    from vmemkv.runtime.errors import CacheConfigError
+    try:    # a one-head probe: only max_context is in question
+        CacheConfig(num_layers=1, num_kv_heads=1, head_dim=1, max_context=args.max_context)
+    except CacheConfigError as error:
+        raise GenerateUsageError(f"--max-context {args.max_context} tokens is more than a cache "
+                                 f"holds ({error})") from None
+    if getattr(args, "n", 1) > MAX_SAMPLES:      # generate's flag (serve's requests say theirs)
+        raise GenerateUsageError(f"--n {args.n} samples per prompt is more than the "
+                                 f"{MAX_SAMPLES} a request may fork")
+
+
+def check_page_bytes(args, model) -> None:
+    """With --page-bytes on a vmem cache, after the model loads and before the engine is built:
+    a slot is whole pages, so --max-context is built rounded up to them. A page so large that
+    the rounded context passes the cache's limit, or (no --cache-bytes or
+    --memory-utilization) that --max-batch slots of it need more than the device has, is
+    refused naming --page-bytes (the engine would blame max_context or cache_bytes, values the
+    user never gave). Configurations the engine refuses for other reasons are left to it."""
+    if args.cache != "vmem" or args.page_bytes is None:
+        return
+    from vmemkv.runtime.engine import EngineConfig, EngineConfigError
+    from vmemkv.runtime.engine.config import cache_config_for, page_rounded_context, resolved_layout
+    from vmemkv.runtime.engine.tensor_parallel import kv_heads_per_rank
+    from vmemkv.runtime.errors import CacheConfigError
+    from vmemkv.runtime.memory import check_fits_device
+    param, world = next(model.parameters()), args.tensor_parallel_size
+    try:   # one rank's cache (the whole one without --tp), on the default page: no rounding yet
+        cfg = EngineConfig(cache="vmem", layout=args.layout, max_batch=args.max_batch,
+                           max_context=args.max_context, kv_cache_dtype=args.kv_cache_dtype)
+        probe = cache_config_for(model, cfg, param, kv_heads_per_rank(model.config, world)
+                                 if world > 1 else None)
+        cfg = resolved_layout(dataclasses.replace(cfg, page_bytes=args.page_bytes), probe)
+        rounded = page_rounded_context(probe, cfg, args.max_context)
+    except (CacheConfigError, EngineConfigError, ValueError):
+        return
+    if rounded == args.max_context:
+        return
+    what = (f"--page-bytes {args.page_bytes} rounds each slot's --max-context "
+            f"{args.max_context} tokens up to {rounded} (a slot is whole {cfg.layout} pages)")
+    try:
+        rounded_config = dataclasses.replace(probe, max_context=rounded)
+    except CacheConfigError as error:
+        raise GenerateUsageError(f"{what}, more than a cache holds ({error}): give a smaller "
+                                 f"--page-bytes") from None
+    if args.cache_bytes is None and args.memory_utilization is None:
+        check_fits_device(f"the KV cache of {what}, for --max-batch {args.max_batch} slots",
+                          args.max_batch * rounded * rounded_config.bytes_per_token, param.device,
+                          remedy="give a smaller --page-bytes, or --cache-bytes")
