@@ -153,7 +153,8 @@ def _workload_flags(w) -> None:
     w.add_argument("--max-requests", type=POSITIVE_INT, default=None,
                    help="with --trace: keep the first N requests by arrival (default: all)")
     w.add_argument("--write-trace", metavar="FILE",
-                   help="also write the workload as a JSONL trace (default: don't)")
+                   help="also write the workload as a JSONL trace, once the run has finished "
+                        "(a refused or interrupted run leaves FILE as it was) (default: don't)")
     w.add_argument("--lora-adapters", type=bounded(int, 0), default=0, metavar="N",
                    help="every request runs with one of N LoRA adapters (ranks 8-64, fp16, on "
                         "q/k/v/o), loaded into device memory on demand (0: no adapters; also "
@@ -292,9 +293,9 @@ def run(args) -> int:
     runs = []
     for seed in seeds:
         entries = _entries(args, seed)
-        if args.write_trace is not None:      # one seed (check_together)
-            _write_trace(args.write_trace, entries)
         result = _simulate(entries, config, args)
+        if args.write_trace is not None:      # one seed (check_together); once the run has
+            _write_trace(args.write_trace, entries)   # passed simulate's checks and finished
         out = result.to_dict()
         if goodput:
             out.update(result.report(goodput))

@@ -98,3 +98,19 @@ def test_one_seed_of_seeds_is_written(tmp_path, capsys):
     replayed = result_of(["simulate", "--trace", trace, "--cache-gb", "4", "--json",
                           "--no-progress"], capsys)
     assert written == replayed
+
+
+@pytest.mark.parametrize("refused", [
+    ["--policy", "vmem", "--page-bytes", "1"],   # the pool's tables past host memory
+    ["--beam-width", "2000"],                    # a request past max_running
+])
+def test_a_refused_simulation_leaves_an_existing_write_trace_file_as_it_was(tmp_path, capsys,
+                                                                            refused):
+    path = tmp_path / "keep.jsonl"
+    path.write_text("precious\n")
+    assert main(["simulate", "--requests", "3", "--no-progress", "--write-trace", str(path)]
+                + refused) == 2
+    assert "error" in capsys.readouterr().err
+    assert path.read_text() == "precious\n"
+    assert main(FAST + ["--write-trace", str(path)]) == 0     # a run that passes writes it
+    assert len(load_trace(str(path))) == 30
