@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Optional
 
 from .cliargs import bounded, max_threads, write_stdout
 from .errors import ConfigError
@@ -55,7 +56,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     spec = load_spec(args.spec)
     points = expand(spec, args.max_points)     # every point is checked before any runs
-    problem = folder_problem(args.out)
+    problem = out_folder_problem(args.out)
     if problem:
         raise ConfigError(f"--out {problem}")
     if args.ray:
@@ -79,6 +80,13 @@ def run(args) -> int:
                                 f"{journal.path}); --resume runs the rest")
     _report(done, written, len(points) - len(todo))
     return 1 if len(finished) < len(done) else 0
+
+
+def out_folder_problem(path: str) -> Optional[str]:
+    """Why a run cannot write its files into the folder ``path`` (``result_files.folder_problem``),
+    or None; an empty name is refused too (it passed the check as the current folder, then the
+    run ended in ``FileNotFoundError: ... ''``). ``vmemkv bench --out`` checks the same."""
+    return "needs a folder name, got ''" if not path else folder_problem(path)
 
 
 def _run_points(args, todo, rows: dict, journal: RowJournal, total: int) -> bool:

@@ -35,7 +35,8 @@ from .policies import is_custom
 from .presets import DEVICES, MODELS
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
 from .sim_config import WATERMARK_SCOPES, check_deployment
-from .sim_memory import check_simulation_fits
+from .sim_memory import _check as check_host_need   # the pool alone: no request drawn yet
+from .sim_memory import simulation_bytes
 from .simulator import SimConfig
 from .traces import BUNDLED
 from .workload import WORKLOAD_RNGS, WorkloadSpec
@@ -268,8 +269,10 @@ def check_point(point: dict, label: dict, built: set) -> None:
                          policy=point["policy"], block_size=point["block_size"],
                          max_len=point["max_len"])
         if config not in built:
-            check_simulation_fits(0, 0, "give larger pages or blocks, or a smaller cache_gb",
-                                  pool_units=config.pool_units)
+            check_host_need(f"a pool of {config.pool_units:,} pages or blocks (the manager's "
+                            f"tables, before any request is drawn)",
+                            simulation_bytes(0, 0, config.pool_units),
+                            "give larger pages or blocks, or a smaller cache_gb")
             _build(config)
             built.add(config)
         unit_tokens(point)

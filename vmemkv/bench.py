@@ -80,10 +80,33 @@ def _prefix(args: argparse.Namespace, device_name: str) -> None:
     write_json(os.path.join(args.out, "prefix.json"), {"device": device_name, "rows": rows})
 
 
+def _check_out_and_tp(args: argparse.Namespace) -> None:
+    """Before any section runs: --out must be a folder the suite can write in (``''`` ran the
+    suite, then ended in a FileNotFoundError), and --tp a rank count the tensor-parallel
+    section's model can be sharded into (TP=3 on its 8 heads ran the whole suite, then failed
+    the section: exit 1); UsageError naming the flag (exit 2)."""
+    from vmemkv.scheduler.cli_sweep import out_folder_problem
+    problem = out_folder_problem(args.out)
+    if problem:
+        raise UsageError(f"--out {problem}")
+    if args.tp is None:
+        return
+    from vmemkv.benchmarks import tp
+    from vmemkv.runtime.distributed import TensorParallelConfigError
+    from vmemkv.runtime.distributed.sharding import check_tensor_parallel
+    from vmemkv.runtime.models import build_model
+    try:
+        check_tensor_parallel(build_model(tp.MODEL, seed=tp.SEED), args.tp)
+    except TensorParallelConfigError as error:
+        raise UsageError(f"--tp {args.tp}: the tensor-parallel section's model ({tp.MODEL}) "
+                         f"cannot run {args.tp} ranks: {error}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "bench_command", None) == "serve":
         from vmemkv.benchmarks import serve
         return serve.run(args)
+    _check_out_and_tp(args)
     if args.tp_devices is not None:     # before the GPU check: a CPU run names the flag
         import torch
         check_tp_devices(args.tp_devices, args.tp, args.device or (

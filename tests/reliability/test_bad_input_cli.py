@@ -86,6 +86,12 @@ BENCH_CLI_CASES = [
     ("threads-too-many", ["--threads", "100000"], ["--threads", "got 100000", "CPUs"]),
     ("threads-not-int", ["--threads", "x"], ["--threads", "want an integer, got 'x'"]),
     ("device-choice", ["--device", "tpu"], ["--device", "invalid choice: 'tpu'"]),
+    # before any section runs (the suite ran, then failed: FileNotFoundError / exit 1)
+    ("out-empty", ["--out", ""], ["--out needs a folder name, got ''"]),
+    ("tp-not-dividing-heads", ["--tp", "3"],
+     ["--tp 3: the tensor-parallel section's model (small-llama) cannot run 3 ranks",
+      "does not divide the model's 8 attention heads"]),
+    ("tp-past-heads", ["--tp", "1000"], ["--tp 1000", "exceeds the model's 8 attention heads"]),
 ]
 
 

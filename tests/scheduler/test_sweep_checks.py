@@ -89,3 +89,15 @@ def test_a_reader_that_closes_stdout_ends_the_listing_quietly(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert (out / "sweep.csv").exists()
+
+
+def test_a_pool_past_host_memory_is_named_as_the_pool_not_as_zero_requests(tmp_path, monkeypatch):
+    from vmemkv.scheduler import sim_memory
+    monkeypatch.setattr(sim_memory, "available_bytes", lambda: 2**30)   # the host faked: 1 GiB
+    spec = '[base]\nrequests = 4\npolicy = "vmem"\npage_bytes = "1"\n'
+    with pytest.raises(ConfigError) as error:
+        expand(load_spec(spec_file(tmp_path, spec)))
+    text = str(error.value)
+    assert "a pool of 60,000,000,000 pages or blocks (the manager's tables, before any request " \
+           "is drawn) needs about 5760008388608 bytes" in text, text
+    assert "0 requests" not in text and "give larger pages or blocks, or a smaller cache_gb" in text

@@ -122,6 +122,15 @@ def test_out_naming_a_file_is_one_line_naming_out(tmp_path, capsys):
     assert "FileExistsError" not in err and afile.read_text() == "mine"
 
 
+def test_an_empty_out_is_one_line_naming_out(tmp_path, capsys, monkeypatch):
+    spec = write(tmp_path, "[base]\nrequests = 10\ncache_gb = 2\n[grid]\npolicy = ['paged']\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["sweep", spec, "--out", ""] + SWEEP) == 2
+    err = capsys.readouterr().err
+    assert err == "vmemkv sweep: error: ConfigError: --out needs a folder name, got ''\n", err
+    assert os.listdir(tmp_path) == ["spec.toml"]     # nothing written, here or anywhere
+
+
 def test_ray_missing_leaves_the_journal_and_files_of_the_last_run(tmp_path, monkeypatch, capsys):
     spec = write(tmp_path, "[base]\nrequests = 10\ncache_gb = 2\n[grid]\npolicy = ['paged']\n")
     out = tmp_path / "out"
