@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -123,6 +125,17 @@ COLUMNS = ["manager", "units", "cache", "cached_units", "begin_commit_us", "deco
 TIMES = COLUMNS[4:]
 
 
+def interpreter(text: str) -> str:
+    """``--before-python``'s argparse type: an executable file (a path, or a command on PATH);
+    a missing one ran the timing, then ended in a FileNotFoundError traceback."""
+    found = shutil.which(text) if text else None
+    if found is None or os.path.isdir(found):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an executable file or a command on "
+                                         f"PATH: give the interpreter whose vmemkv is the code "
+                                         f"before (e.g. /path/to/old/.venv/bin/python)")
+    return text
+
+
 def compare(before_python: str, pools, repeats: int) -> list:
     """Old and new, each run twice in turn as a subprocess; the faster run of each figure."""
     args = ["--pools", *map(str, pools), "--repeats", str(repeats), "--rows-only"]
@@ -146,7 +159,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pools", type=POSITIVE_INT, nargs="+", default=[1000, 10_000, 100_000])
     ap.add_argument("--repeats", type=POSITIVE_INT, default=30)
-    ap.add_argument("--before-python", help="interpreter whose vmemkv is the code before")
+    ap.add_argument("--before-python", type=interpreter,
+                    help="interpreter whose vmemkv is the code before (checked when parsed)")
     ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=result_file, help="write the rows here")
     args = ap.parse_args(argv)

@@ -71,6 +71,10 @@ def test_every_numeric_flag_of_the_vmemkv_command_refuses_negative_and_non_finit
     ("yardstick", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
     ("attention", ["--repeats", "0"], "argument --repeats: must be >= 1, got 0"),
     ("txn", ["--pools", "0"], "argument --pools: must be >= 1, got 0"),
+    # a FileNotFoundError traceback after the parse (compare ran the missing interpreter)
+    ("txn", ["--before-python", "/nonexistent/python"],
+     "argument --before-python: '/nonexistent/python' is not an executable file"),
+    ("txn", ["--before-python", "/"], "argument --before-python: '/' is not an executable file"),
     ("memory", ["--cache-gb", "-1"], "argument --cache-gb: must be > 0, got -1"),
     ("lora_sim", ["--zipf", "inf"], "argument --zipf: want a finite number, got 'inf'"),
 ])
