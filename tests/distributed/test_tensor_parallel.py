@@ -210,5 +210,5 @@ def test_ranks_whose_caches_together_exceed_free_memory_are_refused_before_start
     before = multiprocessing.active_children()
     with pytest.raises(CacheTooLargeError, match="2 tensor-parallel ranks' KV caches"):
         Engine(model(), max_batch=2, max_context=128, tensor_parallel_size=2, self_check=False,
-               cache_bytes=2 * 2**20)
+               cache_bytes=2 * 2**20, max_tokens_per_step=2)
     assert multiprocessing.active_children() == before

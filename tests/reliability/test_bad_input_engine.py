@@ -315,7 +315,8 @@ def test_memory_utilization_sizes_the_cache_from_available_memory(model, monkeyp
     from vmemkv.runtime import memory
     monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 1 << 20)
     with Engine(model, cache=cache, max_batch=2, max_context=64, page_bytes=4096,
-                block_size=8, memory_utilization=0.25) as eng:
+                block_size=8, memory_utilization=0.25, max_tokens_per_step=2) as eng:   # its
+        # logits (max_tokens_per_step + max_batch rows) must fit beside the cache too
         budget = eng.stats().cache_bytes
         assert (1 << 18) - 16 * 1024 < budget <= 1 << 18      # a quarter, whole groups / blocks
         eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))

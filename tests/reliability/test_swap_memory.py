@@ -36,7 +36,7 @@ def test_swap_and_cache_together_above_available_memory_are_refused(model, monke
     # 140,000 bytes available: the 64 KiB cache fits beside a 64 KiB swap space, not a 128 KiB one
     monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 140_000)
     kwargs = dict(cache=cache, max_batch=4, max_context=64, page_bytes=4096, block_size=8,
-                  cache_bytes=65536, preemption="swap")
+                  cache_bytes=65536, preemption="swap", max_tokens_per_step=4)   # small logits
     with pytest.raises(CacheTooLargeError) as info:
         Engine(model, swap_bytes=131072, **kwargs)
     assert_words(info.value, ["swap_bytes=131072", "beside the KV cache (65536 bytes)",
@@ -77,7 +77,7 @@ def test_tensor_parallel_ranks_swap_spaces_together_are_refused_before_starting(
     before = multiprocessing.active_children()
     with pytest.raises(CacheTooLargeError, match="2 tensor-parallel ranks' swap spaces"):
         Engine(model, max_batch=2, max_context=128, tensor_parallel_size=2, self_check=False,
-               cache_bytes=2**20, preemption="swap", swap_bytes=2**19)
+               cache_bytes=2**20, preemption="swap", swap_bytes=2**19, max_tokens_per_step=2)
     assert multiprocessing.active_children() == before
 
 
