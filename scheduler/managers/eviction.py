@@ -14,7 +14,8 @@ to the unit added first); every change is undone by a rollback of the manager's 
 
     off    no retention: the managers drop a unit's content when its last holder lets go
     lru    vLLM's free queue: least recently released first; a finished request releases its
-           units last-first, so its tail is evicted before its prefix
+           units last-first (a paged hybrid: block k of every group before any block k-1), so
+           its tail is evicted before its prefix
     hits   greedy-dual by reuse (this project's): each unit's priority is the eviction clock at
            its release plus its value: the prefix hits it has served, +1 if it holds prompt
            tokens (generated tokens come back only if a client resends them verbatim, which

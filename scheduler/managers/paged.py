@@ -334,11 +334,15 @@ class PagedManager(AdapterTenancy, UnitOps, ManagerCore):
         return {"blocks": tuple(b for table in self._tables(seq) for b in table)}
 
     def _release(self, seq: HeldSeq) -> None:
-        bs = self.block_size
-        for units in self._tables(seq):
+        bs, tables = self.block_size, self._tables(seq)
+        # tail first in the LRU (evicted before the prefix): block k of every group before any
+        # block k-1, so a hybrid's prefix outlives every group's tail (not group after group)
+        for k in range(max(map(len, tables), default=0) - 1, -1, -1):
+            for units in tables:
+                if k < len(units) and units[k] is not None:
+                    self._unhold(units[k])
+        for units in tables:
             gone = dropped_in(units)
-            for b in reversed(units[gone:]):   # tail blocks first in LRU: evicted before the prefix
-                self._unhold(b)
             self._cap_sum -= (len(units) - gone) * bs
             self._tok_sum -= seq.num_tokens - gone * bs
         if self._hybrid:

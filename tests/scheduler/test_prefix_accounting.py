@@ -1,0 +1,44 @@
+"""Prefix-cache accounting in the managers: ``cached_tokens`` counts the computed tokens each
+cached unit holds (a vmem group cached for its published blocks: those blocks, not its page);
+an allocation with ``lookup=False`` (prompt logprobs) reads no cache and counts no query but
+publishes for later requests; a paged hybrid's finished request enters the LRU block index by
+block index (block k of every group before block k-1), so its prefix outlives its tail."""
+import pytest
+
+from vmemkv.scheduler.errors import ConfigError
+from vmemkv.scheduler.managers import PagedManager, VmemManager, make_manager
+from vmemkv.scheduler.presets import ModelSpec
+from vmemkv.scheduler.request import Request
+
+from .test_paged_hybrid_prefix import BS, PROMPT, manager as hybrid_manager, serve
+
+# 2 layers, one KV head of 8 fp16 dims: 16 bytes a layer-token; 512-byte pages hold 32 tokens
+MODEL = ModelSpec("t", 2, 1, 8, 2, 0)
+IDS = list(range(1000, 1100))
+
+
+def vmem(eviction="lru", block_tokens=4):
+    return make_manager("vmem", MODEL, 64 * 2048, 256, page_bytes=512, prefix_eviction=eviction,
+                        prefix_block_tokens=block_tokens)
+
+
+def finish(m, seq_id, ids, computed):
+    m.allocate(seq_id, len(ids), ids)
+    m.mark_computed(seq_id, computed)
+    m.free(seq_id, computed_tokens=computed)
+    m.check_integrity()
+
+
+def test_a_paged_hybrids_finished_request_enters_the_lru_by_block_index():
+    m = hybrid_manager(blocks=12)        # 12 blocks over both groups
+    serve(m, 0, PROMPT, window=False)
+    tables = m.block_tables(0)
+    label = {b: (g, k) for g, t in enumerate(tables) for k, b in enumerate(t)}
+    m.free(0)
+    assert [label[b] for b in m.cached_units()] == \
+        [(g, k) for k in range(4, -1, -1) for g in (0, 1)]     # (was group 0's, then group 1's)
+    # an unrelated 12-token request takes 3 blocks x 2 groups: 2 free + 4 evicted (blocks 4, 3)
+    finish(m, 1, list(range(500, 512)), 12)
+    # the prefix's blocks 0..2 of both groups are still there (was 1 block: group 0's 1..4 gone)
+    assert m.allocate(2, len(PROMPT), PROMPT) == 3 * BS
+    m.check_integrity()
