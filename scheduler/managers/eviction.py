@@ -3,13 +3,15 @@ page group that nobody holds any more) is overwritten when memory is needed.
 
 A policy only orders units; the manager owns their state. The manager calls
 
-    add(unit)      the unit's last holder let go and its content stays findable (it is cached)
+    add(unit, tokens)  the unit's last holder let go and its content stays findable (it is
+                   cached), ``tokens`` computed, findable tokens of it (``tokens`` sums them)
     remove(unit)   the unit is held again (a prefix hit) or its content is dropped
     pop()          memory is needed: the unit to evict (the manager then drops its content)
 
 Guarantees of every policy: ``pop`` returns a unit that was added and not removed since (never a
 held one); ``len`` counts exactly those units; iteration and ``pop`` are deterministic (ties go
-to the unit added first); every change is undone by a rollback of the manager's transaction
+to the unit added first); ``tokens`` is the sum of the cached units' tokens, kept at add,
+remove and pop (O(1) to read); every change is undone by a rollback of the manager's transaction
 (every container logs to the manager's journal, journal.py, ``hits``'s heap included).
 
     off    no retention: the managers drop a unit's content when its last holder lets go
@@ -44,6 +46,8 @@ class EvictionPolicy:
     def __init__(self, cell: Optional[TxnCell] = None) -> None:
         self._cell = TxnCell() if cell is None else cell
         self._order = OrderedUnits(self._cell)   # oldest release first
+        self._tokens_of = JDict(self._cell)      # cached unit -> its computed, findable tokens
+        self.tokens = 0                          # their sum (changes through TxnCell.set)
 
     def journaled_fields(self) -> bool:
         """Every container field is undone by a rollback (journal.journaled); scalar fields
@@ -55,11 +59,20 @@ class EvictionPolicy:
         """Whether released units stay cached (False only for ``off``)."""
         return True
 
-    def add(self, unit: int) -> None:
+    def _weigh(self, unit: int, tokens: int) -> None:
+        self._tokens_of[unit] = tokens
+        self._cell.set(self, "tokens", self.tokens + tokens)
+
+    def _unweigh(self, unit: int) -> None:
+        self._cell.set(self, "tokens", self.tokens - self._tokens_of.pop(unit))
+
+    def add(self, unit: int, tokens: int) -> None:
         self._order.add(unit)
+        self._weigh(unit, tokens)
 
     def remove(self, unit: int) -> None:
         self._order.remove(unit)
+        self._unweigh(unit)
 
     def note_hit(self, unit: int) -> None:
         """``unit`` (cached or held) served a prefix hit."""
@@ -71,7 +84,9 @@ class EvictionPolicy:
         """``unit``'s content was dropped (whatever the policy learnt about it starts again)."""
 
     def pop(self) -> int:
-        return self._order.pop_first()
+        unit = self._order.pop_first()
+        self._unweigh(unit)
+        return unit
 
     def __len__(self) -> int:
         return len(self._order)
@@ -92,7 +107,7 @@ class NoRetention(EvictionPolicy):
     def retains(self) -> bool:
         return False
 
-    def add(self, unit: int) -> None:
+    def add(self, unit: int, tokens: int) -> None:
         raise AssertionError("off retains nothing: the manager must drop the unit instead")
 
 
@@ -134,7 +149,8 @@ class HitsPolicy(EvictionPolicy):
         heapq._siftup(heap, 0)
         return top
 
-    def add(self, unit: int) -> None:
+    def add(self, unit: int, tokens: int) -> None:
+        self._weigh(unit, tokens)
         if len(self._heap) > 2 * len(self._entry) + 64:     # drop stale entries now and then
             live = JList(self._cell, (e for e in self._heap if self._entry.get(e[2]) == e[1]))
             heapq.heapify(live)                 # a new list: the old one comes back on rollback
@@ -146,6 +162,7 @@ class HitsPolicy(EvictionPolicy):
 
     def remove(self, unit: int) -> None:
         del self._entry[unit]            # its heap entry is now stale (skipped by pop)
+        self._unweigh(unit)
 
     def note_hit(self, unit: int) -> None:
         self._hits[unit] = self._hits.get(unit, 0) + 1
@@ -159,6 +176,7 @@ class HitsPolicy(EvictionPolicy):
             if self._entry.get(unit) == serial:
                 break
         del self._entry[unit]
+        self._unweigh(unit)
         self.forget(unit)
         self._cell.set(self, "_clock", priority)
         return unit

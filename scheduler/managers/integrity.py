@@ -45,6 +45,7 @@ def check_vmem(m) -> None:
     cached = set(m._cache)
     assert len(cached) == len(m._cache)
     assert cached == {g for g in registered if not refs[g]}, "cached: retained, unheld"
+    assert m.cached_tokens == sum(m._retained(g) for g in cached), "cached tokens: kept ones"
     held = sum(1 for g in range(m.num_groups) if refs[g])
     assert held + len(free) + len(m._reclaimable) + len(cached) + len(spare) == \
         m.num_groups, "free + reclaimable + cached + held + spare == total"
@@ -135,7 +136,7 @@ def check_paged(m) -> None:
     held = sum(1 for r in refs if r)
     assert held + len(free) + len(cached) + m._kv_adapter_pages == m.num_blocks, \
         "free + held + cached + adapters == total"
-    assert len(cached) == len(m._cache)
+    assert len(cached) == len(m._cache) and m.cached_tokens == len(cached) * bs
     assert all(refs[b] or b in cached for b in m.prefix.by_unit), "registered: held or cached"
     assert m._live == sum(m._fill[b] for b in range(m.num_blocks) if refs[b])
     assert m._cap_sum == cap and m._tok_sum == tok, "capacity and token sums"

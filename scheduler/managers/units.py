@@ -62,9 +62,9 @@ class UnitOps:
 
     @property
     def cached_tokens(self) -> int:
-        """Tokens in cached units: computed, findable by a prefix hit, held by nobody (memory
-        that admission may take back by evicting them)."""
-        return len(self._cache) * self.unit_tokens
+        """Computed tokens of cached units, findable, held by nobody (admission may evict them):
+        each unit's ``_retained`` tokens when it was cached (O(1): the policy keeps the sum)."""
+        return self._cache.tokens
 
     def cached_units(self) -> list:
         """The cached units, first to be evicted first."""
@@ -80,8 +80,7 @@ class UnitOps:
         self._refs[unit] += 1
 
     def _revive(self, unit: int) -> None:
-        """``unit`` nobody held is held again: take it out of the cache."""
-        self._cache.remove(unit)
+        self._cache.remove(unit)      # nobody held it: held again, out of the cache
 
     def _unhold(self, unit: int) -> None:
         """One holder fewer; the last one leaves the unit cached (registered, retention on) or
@@ -90,16 +89,17 @@ class UnitOps:
         self._refs[unit] -= 1
         if self._refs[unit] == 0:
             self._live -= self._fill[unit]
-            if self._retained(unit) and self._cache.retains:
-                self._cache.add(unit)
+            kept_tokens = self._retained(unit)
+            if kept_tokens and self._cache.retains:
+                self._cache.add(unit, kept_tokens)
             else:
                 self.prefix.drop(unit)
                 self._cache.forget(unit)
                 self._unheld(unit)
 
-    def _retained(self, unit: int) -> bool:
-        """Whether an unheld ``unit``'s content is worth keeping cached (registered)."""
-        return unit in self.prefix.by_unit
+    def _retained(self, unit: int) -> int:
+        """Computed, findable tokens an unheld ``unit`` keeps cached (registered: all; 0: none)."""
+        return self.unit_tokens if unit in self.prefix.by_unit else 0
 
     @abstractmethod
     def _unheld(self, unit: int) -> None:

@@ -292,17 +292,17 @@ class VmemManager(ElasticPool, KindRules, AdapterTenancy, UnitOps, ManagerCore):
         if self.blocks is not None:
             self.blocks.drop(g)
 
-    # blocks live only on held and cached groups (check_integrity): they go where a cached
-    # group's content goes (evicted) and where an unheld one is not retained
+    # blocks live only on held and cached groups (check_integrity): evicted or unretained, gone
     def _evict(self) -> int:
         g = super()._evict()
         self._forget_blocks(g)
         return g
 
-    def _retained(self, g: int) -> bool:
-        """A group nobody holds stays cached while it holds a registered full page or
-        published blocks (a partial page): the eviction policy orders both, by group."""
-        return g in self.prefix.by_unit or (self.blocks is not None and g in self.blocks.by_group)
+    def _retained(self, g: int) -> int:
+        """A group nobody holds stays cached while it holds a registered full page or published
+        blocks (a partial page; those count as its tokens): the policy orders both, by group."""
+        return self.tokens_per_page if g in self.prefix.by_unit else \
+            self.blocks.blocks_of(g) * self.block_tokens if self.blocks is not None else 0
 
     def _unheld(self, g: int) -> None:
         """As KindRules' (not retained: its content goes, blocks included)."""

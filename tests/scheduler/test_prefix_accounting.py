@@ -29,6 +29,29 @@ def finish(m, seq_id, ids, computed):
     m.check_integrity()
 
 
+@pytest.mark.parametrize("eviction", ["lru", "hits"])
+def test_vmem_cached_tokens_count_published_blocks_not_whole_pages(eviction):
+    m = vmem(eviction)
+    assert m.tokens_per_page == 32
+    finish(m, 0, IDS[:25], 24)           # 20-token prompt + 5 new: 24 computed, 6 blocks
+    assert len(m.cached_units()) == 1 and m.cached_tokens == 24        # (was 32: the page)
+    other = list(range(5000, 5040))
+    finish(m, 1, other, 40)              # page 0 registered (32) + 2 blocks of page 1 (8)
+    assert m.cached_tokens == 24 + 40
+    hit = m.allocate(2, 33, other[:32] + [1])   # page 0 held again: it leaves the cache
+    assert hit == 32 and m.cached_tokens == 24 + 8
+    m.free(2)
+    assert m.cached_tokens == 24 + 40 + 0        # (seq 2's own page 1: nothing computed)
+    assert m.reset_prefix_cache() == 3 and m.cached_tokens == 0
+    m.check_integrity()
+
+
+def test_vmem_cached_tokens_without_blocks_are_whole_pages():
+    m = vmem(block_tokens=0)
+    finish(m, 0, IDS[:70], 70)           # pages 0, 1 registered; page 2 (6 tokens) not cached
+    assert m.cached_tokens == 64 and len(m.cached_units()) == 2
+
+
 def test_a_paged_hybrids_finished_request_enters_the_lru_by_block_index():
     m = hybrid_manager(blocks=12)        # 12 blocks over both groups
     serve(m, 0, PROMPT, window=False)
