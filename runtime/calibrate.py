@@ -121,14 +121,17 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
                     max_context)
     check_repeats(repeats, max_repeats, precision)
     import torch
-    from vmemkv.runtime.engine import Engine, SamplingParams
+    from vmemkv.runtime.engine import Engine, EngineConfig, SamplingParams
     from vmemkv.runtime.models import build_model
     from vmemkv.scheduler.profile_fit import fit_profile
     torch.set_num_threads(threads)
     model = build_model(model_name, seed=seed)
     load_before = os.getloadavg()[0]
-    with Engine(model, max_batch=max_batch, max_context=max_context,
-                **(engine_options or {})) as engine:
+    options = dict(engine_options or {})
+    # a step holds every batch row (--max-batch above the default 2048 was always refused,
+    # naming max_tokens_per_step, which no flag sets; generate_cli does the same)
+    options.setdefault("max_tokens_per_step", max(EngineConfig.max_tokens_per_step, max_batch))
+    with Engine(model, max_batch=max_batch, max_context=max_context, **options) as engine:
         warm_up = [1, 2, 3][:max(1, max_context - 2)]      # 3 + 2 tokens, fewer in a short context
         engine.generate([warm_up], SamplingParams(
             max_new_tokens=min(2, max_context - len(warm_up))))

@@ -82,24 +82,28 @@ def check_simulation_fits(num_requests: int, output_tokens: int,
     width = beam_width or n
     each = (f", run as {width:,} {'beams' if beam_width else 'samples'} each "
             f"({width * output_tokens:,} tokens)" if width > 1 else "")
-    _check(f"a simulation of {num_requests:,} requests with {output_tokens:,} output tokens"
-           f"{each}{pool}",
-           simulation_bytes(num_requests, output_tokens, pool_units, n, beam_width), remedy)
+    check_host_need(f"a simulation of {num_requests:,} requests with {output_tokens:,} output "
+                    f"tokens{each}{pool}",
+                    simulation_bytes(num_requests, output_tokens, pool_units, n, beam_width), remedy)
 
 
 def check_workload_fits(num_requests: int, remedy: str) -> None:
     """SimulationTooLargeError when drawing ``num_requests`` (their entries, ``ENTRY_BYTES``
     each) needs more than this process's share of the host's available memory."""
-    _check(f"drawing a workload of {num_requests:,} requests", num_requests * ENTRY_BYTES, remedy)
+    check_host_need(f"drawing a workload of {num_requests:,} requests",
+                    num_requests * ENTRY_BYTES, remedy)
 
 
 def check_adapters_fit(num_adapters: int, remedy: str) -> None:
     """SimulationTooLargeError when drawing from ``num_adapters`` LoRA adapters (``ADAPTER_BYTES``
     each) needs more than this process's share of the host's available memory."""
-    _check(f"drawing from {num_adapters:,} LoRA adapters", num_adapters * ADAPTER_BYTES, remedy)
+    check_host_need(f"drawing from {num_adapters:,} LoRA adapters",
+                    num_adapters * ADAPTER_BYTES, remedy)
 
 
-def _check(what: str, need: int, remedy: str) -> None:
+def check_host_need(what: str, need: int, remedy: str) -> None:
+    """SimulationTooLargeError when ``need`` bytes for ``what`` pass this process's share of the
+    host's available memory (the check every figure above goes through)."""
     available = available_bytes()
     if available is None or need * _concurrent <= available:
         return

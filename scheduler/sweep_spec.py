@@ -35,7 +35,7 @@ from .policies import is_custom
 from .presets import DEVICES, MODELS
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
 from .sim_config import WATERMARK_SCOPES, check_deployment
-from .sim_memory import _check as check_host_need   # the pool alone: no request drawn yet
+from .sim_memory import check_host_need   # the pool alone: no request drawn yet
 from .sim_memory import simulation_bytes
 from .simulator import SimConfig
 from .traces import BUNDLED

@@ -10,8 +10,8 @@ of newlines is refused as well) plus ``TEXT_BYTE_CHARGE`` bytes a byte of text. 
 tracemalloc (2026-12-06), a loaded request holds 170-200 bytes on the bundled Azure traces
 (37 bytes of text a line) and 1,060-1,280 on the Mooncake ones (250-285 bytes of text a line: a
 hash id is about 7 characters and 36 bytes held, a tuple slot and an int); the charge is 660
-and 1,520-1,650. When the charge passes what was last checked, ``sim_memory._check`` checks it
-plus ``CHECK_STEP_BYTES`` against the host's MemAvailable, so a file too big is refused
+and 1,520-1,650. When the charge passes what was last checked, ``sim_memory.check_host_need``
+checks it plus ``CHECK_STEP_BYTES`` against the host's MemAvailable, so a file too big is refused
 (``SimulationTooLargeError``, naming the file, the lines and bytes read and the bytes needed)
 with at most a chunk read past what fits and nothing parsed from it: a gzip of 512 MiB of
 newlines was refused in 0.8 s at 30 MB resident on a host with 21 GB available.
@@ -26,7 +26,7 @@ import zlib
 from typing import BinaryIO, Iterator
 
 from .errors import ConfigError
-from .sim_memory import ENTRY_BYTES, _check
+from .sim_memory import ENTRY_BYTES, check_host_need
 
 READ_CHUNK_BYTES = 1 << 20     # most inflated bytes read at once; a longer line comes in pieces
 CHECK_STEP_BYTES = 1 << 20     # memory is checked this far ahead of the charge
@@ -50,9 +50,9 @@ class TraceCharge:
         self.need_bytes += lines * ENTRY_BYTES + text_bytes * TEXT_BYTE_CHARGE
         if self.need_bytes > self.checked_bytes:
             self.checked_bytes = self.need_bytes + CHECK_STEP_BYTES
-            _check(f"reading trace {self.where} ({self.lines:,} lines and {self.text_bytes:,} "
-                   f"bytes of text read so far, and {CHECK_STEP_BYTES:,} bytes more)",
-                   self.checked_bytes, REMEDY)
+            check_host_need(f"reading trace {self.where} ({self.lines:,} lines and "
+                            f"{self.text_bytes:,} bytes of text read so far, and "
+                            f"{CHECK_STEP_BYTES:,} bytes more)", self.checked_bytes, REMEDY)
 
 
 def text_lines(raw: BinaryIO, where: str, gz: bool, one_line_each: bool) -> Iterator[str]:

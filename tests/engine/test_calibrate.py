@@ -198,3 +198,23 @@ def test_a_context_of_a_few_tokens_calibrates(tmp_path):
                                          decode_steps=1, repeats=1, max_repeats=1, max_batch=1,
                                          max_context=4, prefill_lengths=(), resamples=10)
     assert profile["engine"]["max_context"] == 4 and profile["points"]
+
+
+@pytest.mark.parametrize("max_batch,step_tokens", [(16, 2048), (3000, 3000)])
+def test_a_max_batch_past_the_default_step_budget_raises_the_budget(monkeypatch, max_batch,
+                                                                   step_tokens):
+    # --max-batch above 2048 was always refused, naming max_tokens_per_step (no flag sets it)
+    import vmemkv.runtime.engine as engine_package
+    built = {}
+
+    class Built(Exception):
+        pass
+
+    def engine(model, **options):
+        built.update(options)
+        raise Built
+    monkeypatch.setattr(engine_package, "Engine", engine)
+    with pytest.raises(Built):
+        calibrate_module.calibrate("tiny-llama", batches=[1], contexts=[8], decode_steps=1,
+                                   max_batch=max_batch, max_context=64, prefill_lengths=())
+    assert built["max_tokens_per_step"] == step_tokens and built["max_batch"] == max_batch
