@@ -59,6 +59,9 @@ class Request:
                                                      # base model); pinned while it runs
     runs_to_max_tokens: bool = False                 # nothing can end it early (a beam search
                                                      # without stop ids): checked at full length
+    prefix_lookup: bool = True                       # False: reads no prefix cache, counts no
+                                                     # query (prompt logprobs: every row
+                                                     # computed); still publishes under its scope
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_len, int) or self.prompt_len < 1:
@@ -85,6 +88,8 @@ class Request:
             if value is not None and not isinstance(value, str):
                 raise ConfigError(f"Request.{name} must be a str or None, got {value!r}")
         check_adapter(self.adapter, "Request.adapter")
+        if not isinstance(self.prefix_lookup, bool):
+            raise ConfigError(f"Request.prefix_lookup must be a bool, got {self.prefix_lookup!r}")
         if self.namespace is not None and self.namespace.startswith(SALT_MARK):
             raise ConfigError(f"Request.namespace may not start with {SALT_MARK!r} (reserved "
                               f"for cache salts), got {self.namespace!r}")

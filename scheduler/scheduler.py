@@ -118,10 +118,17 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
         acquired first, when it has one; ``share``: ``_sibling_share``'s) leaving ``reserve``
         tokens free."""
         req = seq.request   # (a user's policy without adapters need not take ``adapter``)
-        options = dict(share or {}, **({} if req.adapter is None else {"adapter": req.adapter}))
+        options = dict(share or {}, **({} if req.adapter is None else {"adapter": req.adapter}),
+                       **self._lookup(req))
         return self.manager.can_allocate(seq.length if tokens is None else tokens, ids,
                                          req.prefix_scope, reserve,
                                          final_tokens=req.max_total_len, **options)
+
+    @staticmethod
+    def _lookup(req) -> dict:
+        """``lookup=False`` for a request that reads no prefix cache (passed only then, as
+        ``adapter``: a user's policy need not take it)."""
+        return {} if req.prefix_lookup else {"lookup": False}
 
     def _admit_tokens(self, seq: Sequence) -> int:
         """Tokens ``seq`` is allocated at admission: all of them, unless whole they could never
@@ -370,7 +377,7 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
             self._pin(seq)             # both or neither: the adapter, then the sequence
             try:
                 hit = mgr.allocate(seq.seq_id, tokens, ids, req.prefix_scope,
-                                   final_tokens=req.max_total_len, **share)
+                                   final_tokens=req.max_total_len, **share, **self._lookup(req))
             except OutOfCapacityError:
                 if seq.adapter_id is None:
                     raise

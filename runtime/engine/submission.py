@@ -5,8 +5,9 @@ A prompt is token ids or text (``prompts.py``), its parameters checked against t
 (``check_request_params``); a batch is all or nothing: every prompt is checked first
 (``check_admissible``), so a prompt that could never fit is refused (RequestRejectedError naming
 its index) before any of them runs. A request gets its sample states (seeded from the
-request's seed, else the engine's ``seed``) and, with prompt logprobs, a private prefix scope
-(every prompt row computed, no prefix hit).
+request's seed, else the engine's ``seed``); with prompt logprobs it skips the prefix-cache
+lookup (every prompt row computed and scored; no hit, no query counted, as vLLM v1), while its
+computed full blocks are cached under its usual scope for later requests.
 """
 from __future__ import annotations
 
@@ -56,10 +57,10 @@ class RequestSubmission:
         check_min_tokens(params, stops, self.vocab_size, index)     # before anything is queued
         rid, arrival_s = self._next_request, self._now()
         # prompt logprobs need every prompt row computed: such a request reads no prefix cache
-        scope = None if params.prompt_logprobs is None else f"prompt-logprobs-{rid}"
         request = Request(rid, len(ids), params.max_new_tokens, prompt_token_ids=ids,
                           stop_token_ids=stops, arrival_s=arrival_s, n=params.n,
-                          cache_salt=params.cache_salt, namespace=scope,
+                          cache_salt=params.cache_salt,
+                          prefix_lookup=params.prompt_logprobs is None,
                           adapter=self.adapters.ref(params.lora, index))
         try:
             seq_ids = self.scheduler.add_request(request)

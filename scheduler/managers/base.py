@@ -125,20 +125,22 @@ class MemoryManager(ABC):
                      namespace: Optional[str] = None, reserve_tokens: int = 0,
                      final_tokens: Optional[int] = None,
                      adapter: Optional[AdapterRef] = None,
-                     share_from: Optional[Tuple[int, int]] = None) -> bool:
+                     share_from: Optional[Tuple[int, int]] = None, lookup: bool = True) -> bool:
         """Whether ``allocate`` of ``num_tokens`` would succeed while leaving at least
         ``reserve_tokens`` of capacity free (the scheduler's admission watermark).
         ``final_tokens`` is the sequence's final length: reserve-oracle needs it (and raises
         ConfigError without it), the other managers ignore it. ``adapter``: whether
         ``acquire_adapter(adapter)`` and then this allocation would both succeed (the pages
-        the adapter takes are not the allocation's). ``share_from``: as ``allocate``'s."""
+        the adapter takes are not the allocation's). ``share_from``, ``lookup``: as ``allocate``'s."""
 
     @abstractmethod
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                  namespace: Optional[str] = None, final_tokens: Optional[int] = None,
-                 share_from: Optional[Tuple[int, int]] = None) -> int:
+                 share_from: Optional[Tuple[int, int]] = None, lookup: bool = True) -> int:
         """Hold room for a new sequence's first ``num_tokens`` tokens. ``token_ids`` and
-        ``namespace`` enable prefix sharing; ``final_tokens`` is the sequence's final length
+        ``namespace`` enable prefix sharing; ``lookup`` False: no prefix hit and no query
+        counted (every token computed: prompt logprobs), its units still published under
+        ``namespace`` for later requests; ``final_tokens`` is the sequence's final length
         (only reserve-oracle uses it); ``share_from`` = (resident sibling, tokens): hold the
         sibling's units of those first tokens (whole units a fork shares, equal to this
         sequence's and computed before it reads them: the caller knows) instead of prefix hits, as a fork would; only

@@ -218,10 +218,10 @@ class PagedManager(AdapterTenancy, UnitOps, ManagerCore):
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                  namespace: Optional[str] = None, final_tokens: Optional[int] = None,
-                 share_from: Optional[tuple] = None) -> int:
+                 share_from: Optional[tuple] = None, lookup: bool = True) -> int:
         self._check_new(seq_id)
         self._check_length(num_tokens)
-        hits = self._hits(num_tokens, token_ids, namespace, share_from)
+        hits = self._hits(num_tokens, token_ids if lookup else None, namespace, share_from)
         need = self._need(num_tokens, hits)
         if need > self._available_units():
             raise OutOfCapacityError(f"sequence {seq_id} needs {need} blocks of "
@@ -250,7 +250,7 @@ class PagedManager(AdapterTenancy, UnitOps, ManagerCore):
         self._put_seq(seq_id, seq)
         self._register_prompt(seq, hits)
         seq.published = hit_blocks        # (a hybrid's hits: every group's blocks)
-        if token_ids is not None:
+        if token_ids is not None and lookup:      # (no lookup: no query counted)
             self.prefix_queries += num_tokens
             self.prefix_hits += hit_blocks * bs
         return hit_blocks * bs

@@ -60,7 +60,7 @@ class ReserveManager(ManagerCore):
     # -- admission and growth --
     def can_allocate(self, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                      namespace: Optional[str] = None, reserve_tokens: int = 0,
-                     final_tokens: Optional[int] = None, adapter=None) -> bool:
+                     final_tokens: Optional[int] = None, adapter=None, lookup: bool = True) -> bool:
         if adapter is not None:
             self._no_adapters()
         try:
@@ -70,7 +70,8 @@ class ReserveManager(ManagerCore):
         return self.total_tokens - self._held - need >= reserve_tokens
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
-                 namespace: Optional[str] = None, final_tokens: Optional[int] = None) -> int:
+                 namespace: Optional[str] = None, final_tokens: Optional[int] = None,
+                 lookup: bool = True) -> int:
         self._check_new(seq_id)
         need = self._reservation(num_tokens, final_tokens)
         if need > self.total_tokens - self._held:
@@ -81,7 +82,7 @@ class ReserveManager(ManagerCore):
         self._put_seq(seq_id, seq)
         self._held += need
         self._live += num_tokens
-        if token_ids is not None:
+        if token_ids is not None and lookup:
             self.prefix_queries += num_tokens
         return 0
 

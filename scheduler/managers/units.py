@@ -185,14 +185,15 @@ class UnitOps:
 
     def can_allocate(self, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                      namespace: Optional[str] = None, reserve_tokens: int = 0,
-                     final_tokens: Optional[int] = None, adapter=None, share_from=None) -> bool:
+                     final_tokens: Optional[int] = None, adapter=None, share_from=None,
+                     lookup: bool = True) -> bool:
         if num_tokens > self.max_sequence_tokens or not self._can_place():
             return False
         cost = self._adapter_admission_cost(adapter)
         if cost is None:
             return False
-        spare = self._available_units() - cost - \
-            self._need(num_tokens, self._hits(num_tokens, token_ids, namespace, share_from))
+        hits = self._hits(num_tokens, token_ids if lookup else None, namespace, share_from)
+        spare = self._available_units() - cost - self._need(num_tokens, hits)
         return spare >= 0 and self._units_as_tokens(spare) >= reserve_tokens
 
     def _units_as_tokens(self, units: int) -> int:

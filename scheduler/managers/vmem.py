@@ -255,24 +255,26 @@ class VmemManager(ElasticPool, KindRules, AdapterTenancy, UnitOps, ManagerCore):
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Optional[Sequence[int]] = None,
                  namespace: Optional[str] = None, final_tokens: Optional[int] = None,
-                 slot: Optional[int] = None, share_from: Optional[tuple] = None) -> int:
+                 slot: Optional[int] = None, share_from: Optional[tuple] = None,
+                 lookup: bool = True) -> int:
         """As :meth:`MemoryManager.allocate`; ``slot`` places the sequence on that free slot
         (e.g. batch row b on slot b) instead of the one with the most pages still mapped."""
+        found = token_ids if lookup else None      # (no lookup: no hit, no query counted)
         self._check_new(seq_id)
         self._check_length(num_tokens)
         if slot is not None:
             self.slots.check_free(seq_id, slot)
         elif not self.slots.free:
             raise OutOfCapacityError(f"sequence {seq_id}: all {self.num_slots} slots are in use")
-        hits = self._hits(num_tokens, token_ids, namespace, share_from)
+        hits = self._hits(num_tokens, found, namespace, share_from)
         need = self._need(num_tokens, hits)
         if need > self._available_units():
             self._raise_no_room(f"sequence {seq_id} needs {self._units_text(need)}")
-        copy = block_hit(self, num_tokens, token_ids, namespace, hits, need)
+        copy = block_hit(self, num_tokens, found, namespace, hits, need)
         seq = self._new_seq(num_tokens, token_ids, namespace)
         self._place(seq_id, seq, hits, slot, copy)
         self._register_prompt(seq, hits)
-        hit_tokens = self._count_prefix(token_ids, num_tokens, hits)
+        hit_tokens = self._count_prefix(found, num_tokens, hits)
         if copy is not None:
             self.prefix_hits += copy[1]
             self.block_hit_tokens += copy[1]

@@ -52,6 +52,40 @@ def test_vmem_cached_tokens_without_blocks_are_whole_pages():
     assert m.cached_tokens == 64 and len(m.cached_units()) == 2
 
 
+@pytest.mark.parametrize("kind", ["paged", "vmem", "hybrid"])
+def test_an_allocation_without_lookup_reads_nothing_counts_nothing_and_publishes(kind):
+    m = {"paged": lambda: PagedManager(MODEL, 64 * 2048, 256, block_size_tokens=4),
+         "vmem": vmem, "hybrid": hybrid_manager}[kind]()
+    prompt = PROMPT                      # 22 tokens: 5 full 4-token blocks
+    finish(m, 0, prompt, len(prompt))
+    queries, hits = m.prefix_queries, m.prefix_hits
+    assert m.can_allocate(len(prompt), prompt, lookup=False)
+    assert m.allocate(1, len(prompt), prompt, lookup=False) == 0          # no hit though cached
+    assert (m.prefix_queries, m.prefix_hits) == (queries, hits)           # no query counted
+    m.mark_computed(1, len(prompt))
+    m.free(1)
+    m.reset_prefix_cache()
+    assert m.cached_tokens == 0
+    assert m.allocate(2, len(prompt), prompt, lookup=False) == 0
+    m.mark_computed(2, len(prompt))
+    m.free(2)                            # computed without a lookup: published, cached ...
+    assert m.allocate(3, len(prompt), prompt) == 5 * 4     # ... and found by a plain request
+    assert (m.prefix_queries, m.prefix_hits) == (queries + len(prompt), hits + 20)
+    m.check_integrity()
+
+
+def test_reserve_oracle_counts_no_query_without_lookup():
+    m = make_manager("reserve-oracle", MODEL, 64 * 2048, 256)
+    m.allocate(0, 8, IDS[:8], final_tokens=8, lookup=False)
+    m.allocate(1, 8, IDS[:8], final_tokens=8)
+    assert m.prefix_queries == 8
+
+
+def test_prefix_lookup_must_be_a_bool():
+    with pytest.raises(ConfigError, match="prefix_lookup"):
+        Request(0, 4, 1, prefix_lookup=0)
+
+
 def test_a_paged_hybrids_finished_request_enters_the_lru_by_block_index():
     m = hybrid_manager(blocks=12)        # 12 blocks over both groups
     serve(m, 0, PROMPT, window=False)
