@@ -97,6 +97,34 @@ def _not_empty(text: str) -> str:
     return text
 
 
+def _check_before_loading(args) -> None:
+    """What the flags alone say is wrong, before the model loads (10 to 25 s): an adapter folder
+    without a readable adapter_config.json, a --lora-root that is no folder, and an address
+    this machine cannot listen on (the same words as Server's, which meets them last)."""
+    import socket
+
+    from vmemkv.runtime.lora import LoraError
+    from vmemkv.runtime.lora.config import read_config
+
+    from .errors import ServeConfigError
+    for lora_name, lora_path in args.lora:
+        try:
+            read_config(lora_path)
+        except LoraError as error:
+            raise generate_cli.GenerateUsageError(f"--lora {lora_name}={lora_path}: {error}") from None
+    if args.lora_root is not None and not os.path.isdir(args.lora_root):
+        raise generate_cli.GenerateUsageError(f"--lora-root {args.lora_root!r} is not a folder")
+    try:
+        for family, kind, proto, _, address in socket.getaddrinfo(
+                args.host, args.port, type=socket.SOCK_STREAM):
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn does
+                probe.bind(address)
+    except OSError as error:    # gaierror included: a name or address that is no address here
+        raise ServeConfigError(f"could not listen on {args.host}:{args.port} (taken, or not an "
+                               f"address of this machine: {error.strerror or error})") from None
+
+
 def _lora_flag(text: str) -> tuple:
     import argparse
     name, sep, path = text.partition("=")
@@ -128,13 +156,12 @@ def run(args) -> int:
     limits, auth = _limits_and_auth(args)     # refused before the model loads
     generate_cli._check_device(args.device)
     generate_cli._check_flags(args)
+    _check_before_loading(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tokenizer = load_model(args.model, seed=args.seed, dtype=dtype, device=args.device)
     name = args.served_model_name or served_model_name(args.model)
-    if args.lora_root is not None and not os.path.isdir(args.lora_root):
-        raise generate_cli.GenerateUsageError(f"--lora-root {args.lora_root!r} is not a folder")
     taken = [lora_name for lora_name, _ in args.lora if lora_name == name]
     if taken:        # its requests would get the base model
         raise generate_cli.GenerateUsageError(f"--lora {taken[0]}=...: {taken[0]!r} is the "

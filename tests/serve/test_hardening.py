@@ -119,6 +119,24 @@ def test_empty_values_are_refused_rather_than_meaning_everyone(flag, capsys):
     assert f"argument {flag}: must not be empty" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags,words", [
+    (["--lora", "a=/nonexistent"], "--lora a=/nonexistent: LoRA adapter '/nonexistent': no "
+                                   "adapter_config.json"),
+    (["--lora-root", "/nonexistent"], "--lora-root '/nonexistent' is not a folder"),
+    (["--host", "999.1.1.1"], "could not listen on 999.1.1.1:8000")], ids=["lora", "root", "host"])
+def test_what_the_flags_alone_get_wrong_is_refused_before_the_model_loads(flags, words, capsys,
+                                                                         monkeypatch):
+    # each was refused only after loading the model (17 s for --lora, 25 s for --host)
+    import vmemkv.runtime.models as models
+    from vmemkv.cli import main
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr(models, "load_model", loaded)
+    assert main(["serve", *flags]) == 2
+    assert words in capsys.readouterr().err
+
+
 def test_a_post_must_say_it_is_json(server):
     forged = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": [1]}),
                         headers={**auth(), "Content-Type": "text/plain",
