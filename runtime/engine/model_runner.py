@@ -11,6 +11,12 @@
 Everything per step is built once (ids, positions, keep rows); the per-layer work is the HF
 layer itself plus one cache write and one backend call (runtime.hf.attention).
 
+Each forward holds the model's ``model_lock`` (one uncontended RLock per step): another engine
+on the same model object, built on another thread, switches the model-wide attention
+implementation for its self-check (and calibration) under that lock, so it waits for this
+forward, and this one for its switch. Under the lock the forward first puts the model back on
+our attention if something switched it since (one string compare when nothing did).
+
 ``phase_s`` adds up, in host seconds (``time.perf_counter``), where execute() spends its time:
 "plan" (memory ops and table edits), "metadata" (begin_step and the step's input tensors),
 "model" (the model's forward minus attention: its own math, HF's per-layer Python, the K/V
@@ -24,7 +30,8 @@ from typing import Collection, Dict, List, Optional, Tuple
 
 import torch
 
-from vmemkv.runtime.hf.attention import STEP_KWARG, StepContext, use_vmemkv_attention
+from vmemkv.runtime.hf.attention import (STEP_KWARG, StepContext, model_lock,
+                                         use_vmemkv_attention)
 
 from .errors import EngineConfigError
 
@@ -39,6 +46,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, cache, backend) -> None:
         use_vmemkv_attention(model)
         self.model = model.eval()
+        self._lock = model_lock(model)      # held for each forward (see the module's doc)
+        self._attn = model.config._attn_implementation   # what ours reads as on this model
         self.cache = cache
         self.backend = backend
         self.device = next(model.parameters()).device
@@ -83,7 +92,9 @@ class ModelRunner:
         lora = (self.adapters.batch(plan.seqs, self.cache) if self.adapters is not None
                 else nullcontext())
         try:
-            with torch.inference_mode(), lora:
+            with self._lock, torch.inference_mode(), lora:
+                if self.model.config._attn_implementation != self._attn:
+                    use_vmemkv_attention(self.model)   # switched by another engine's thread
                 out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
                                  logits_to_keep=keep_rows, **{STEP_KWARG: self._ctx})
         finally:

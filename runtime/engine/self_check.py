@@ -14,10 +14,12 @@ unsharded model on rank 0.
 The decode steps are what catch a model whose attention never reaches our function (each step
 would attend only to its own token); the prefill alone would look right. A mismatch, or an
 error raised inside the model on our path, refuses the model (UnsupportedModelError) before the
-engine's cache is built. Cost: 4 model forwards of at most 42 tokens (docs/models.md). The
-40 prompt tokens fill cpu-varlen's items of 64 query rows at any heads-per-KV-head ratio, so a
-kernel computing some rows wrong (it once did on 8-lane CPUs, from row 32 on, and 6 tokens
-passed) is refused here instead of answering wrong.
+engine's cache is built. The whole check holds the model's ``model_lock``: another engine
+already running this model on another thread waits for it between forwards (it switches the
+model-wide attention implementation). Cost: 4 model forwards of at most 42 tokens
+(docs/models.md). The 40 prompt tokens fill cpu-varlen's items of 64 query rows at any
+heads-per-KV-head ratio, so a kernel computing some rows wrong (it once did on 8-lane CPUs,
+from row 32 on, and 6 tokens passed) is refused here instead of answering wrong.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import torch
 
 from vmemkv.runtime.kv import make_kv
 from vmemkv.runtime.errors import RuntimeKVError
-from vmemkv.runtime.hf.attention import UnsupportedModelError, own_attention
+from vmemkv.runtime.hf.attention import UnsupportedModelError, model_lock, own_attention
 from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.request import Request
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -49,11 +51,13 @@ def self_check(model, cache_config, cfg, backend, original_attn: str) -> None:
     # the wiring is checked in the model's own dtype: a kv_cache_dtype's rounding is measured
     # apart (benchmarks/kv_dtype_accuracy.py), its kernel against the reference in the tests
     cache_config = dataclasses.replace(cache_config, kv_cache_dtype="auto", kv_scales=None)
-    try:
-        ours, tokens = _our_logits(model, cache_config, cfg, backend, prompt)
-        err, allowed = _difference(model, ours, tokens, prompt, original_attn, cache_config.dtype)
-    finally:
-        model.set_attn_implementation(original_attn)
+    with model_lock(model):   # its switches wait for (and hold off) other engines' forwards
+        try:
+            ours, tokens = _our_logits(model, cache_config, cfg, backend, prompt)
+            err, allowed = _difference(model, ours, tokens, prompt, original_attn,
+                                       cache_config.dtype)
+        finally:
+            model.set_attn_implementation(original_attn)
     if not err <= allowed:
         raise UnsupportedModelError(
             f"{type(model).__name__} failed the engine's self-check: its logits on vmemkv "
@@ -69,17 +73,18 @@ def sharded_difference(model, kv, execute, dtype, reference=None) -> Tuple[float
     rank 0, on its own attention (left as it was). ``reference`` (cache_config, engine config,
     backend): instead, ``model`` on our path on one process, on a throwaway cache of that
     config: with a kv_cache_dtype that rounds K/V, the same rounding on both sides."""
-    prompt, attn = _prompt(model), model.config._attn_implementation
-    try:
-        ours, tokens = _greedy(execute, kv, prompt)
-        if reference is None:
-            return _difference(model, ours, tokens, prompt, attn, dtype)
-        theirs, _ = _our_logits(model, reference[0], reference[1], reference[2], prompt)
-        ours, theirs = torch.stack(ours), torch.stack(theirs).to(ours[0].device)
-        scale = theirs.abs().max().item() or 1.0
-        return (ours - theirs).abs().max().item(), RTOL.get(dtype, HALF_RTOL) * scale
-    finally:
-        model.set_attn_implementation(attn)
+    with model_lock(model):
+        prompt, attn = _prompt(model), model.config._attn_implementation
+        try:
+            ours, tokens = _greedy(execute, kv, prompt)
+            if reference is None:
+                return _difference(model, ours, tokens, prompt, attn, dtype)
+            theirs, _ = _our_logits(model, reference[0], reference[1], reference[2], prompt)
+            ours, theirs = torch.stack(ours), torch.stack(theirs).to(ours[0].device)
+            scale = theirs.abs().max().item() or 1.0
+            return (ours - theirs).abs().max().item(), RTOL.get(dtype, HALF_RTOL) * scale
+        finally:
+            model.set_attn_implementation(attn)
 
 
 def _prompt(model) -> List[int]:

@@ -19,6 +19,7 @@ HF forwards from ``model(...)`` down to every attention call.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -94,13 +95,31 @@ def register_attention() -> str:
 
 
 def use_vmemkv_attention(model) -> None:
-    """Switch an HF model (every submodule) to the vmemkv attention function."""
+    """Switch an HF model (every submodule) to the vmemkv attention function (under its
+    ``model_lock``)."""
     register_attention()
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    with model_lock(model):
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
 # model -> [engines holding it on our attention, the implementation it had before the first]
 _HOLDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# model -> the RLock that serializes its forwards with switches of its attention implementation
+_LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model) -> "threading.RLock":
+    """The reentrant lock of ``model`` (one per model object). The attention implementation is
+    model-wide state read by every layer of every forward, so whoever switches it (an engine's
+    self-check, kv-scale calibration, the last engine's close) holds this lock for the switch
+    and its forward, and each engine's ModelRunner holds it for each forward: a forward never
+    sees another thread's switch half-way (it would skip the KV cache)."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
 
 
 def hold_vmemkv_attention(model, own: str) -> None:
@@ -118,19 +137,22 @@ def release_vmemkv_attention(model) -> None:
     entry[0] -= 1
     if entry[0] == 0:
         del _HOLDERS[model]
-        model.set_attn_implementation(entry[1])
+        with model_lock(model):
+            model.set_attn_implementation(entry[1])
 
 
 @contextlib.contextmanager
 def own_attention(model, own: Optional[str] = None):
     """``model`` on its own attention implementation for the block (``own``, else the one it
-    had before any engine; sdpa where that is ours), then back as it was."""
-    now = model.config._attn_implementation
-    if own is None:
-        entry = _HOLDERS.get(model)
-        own = entry[1] if entry is not None else now
-    model.set_attn_implementation(own if own != ATTN_IMPLEMENTATION else "sdpa")
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(now)
+    had before any engine; sdpa where that is ours), then back as it was. Holds the model's
+    ``model_lock`` for the block: other threads' engines on this model wait for it."""
+    with model_lock(model):
+        now = model.config._attn_implementation
+        if own is None:
+            entry = _HOLDERS.get(model)
+            own = entry[1] if entry is not None else now
+        model.set_attn_implementation(own if own != ATTN_IMPLEMENTATION else "sdpa")
+        try:
+            yield model
+        finally:
+            model.set_attn_implementation(now)
