@@ -1,7 +1,7 @@
 """A second Engine built on the same model object on another thread while the first generates.
 
-B's self-check switches the model-wide attention implementation (sdpa for its reference
-forward). Without a lock A's forward ran while the model was on sdpa: it skipped the KV cache
+B's self-check (or, without one, its kv-scale calibration) switches the model-wide attention
+implementation (to sdpa for its reference forward). Without a lock A's forward ran while the model was on sdpa: it skipped the KV cache
 and its tokens changed, with no error. The overlap is forced, not timed: A's third forward waits
 (inside its forward) until B asks for the model's lock (or, with no lock, switches the model),
 and B's reference forward waits until A's forward is over.
@@ -22,6 +22,9 @@ from .conftest import prompts
 WAIT_S = 60.0   # only a guard against hanging: each wait is released by the other thread's event
 OPTIONS = {"vmem": dict(cache="vmem", page_bytes=4096, max_batch=4, max_context=64),
            "paged": dict(cache="paged", block_size=8, max_batch=4, max_context=64)}
+# B: the self-check's switch, or (no self-check) kv-scale calibration's switch alone
+B_OPTIONS = {"self-check": {}, "calibration": dict(self_check=False, kv_cache_dtype="int8",
+                                                  kv_scales="calibrate")}
 
 
 class _SignalingLock:
@@ -40,8 +43,10 @@ class _SignalingLock:
         self._lock.release()
 
 
+@pytest.mark.parametrize("b_switch", sorted(B_OPTIONS))
 @pytest.mark.parametrize("cache", ["vmem", "paged"])
-def test_engine_built_on_another_thread_leaves_a_running_engines_tokens_alone(cache, monkeypatch):
+def test_engine_built_on_another_thread_leaves_a_running_engines_tokens_alone(cache, b_switch,
+                                                                              monkeypatch):
     model = build_model("tiny-llama", seed=0)
     b_switching, a_forward_done = threading.Event(), threading.Event()
     monkeypatch.setattr(attention, "_LOCKS", {model: _SignalingLock(b_switching)}, raising=False)
@@ -61,7 +66,7 @@ def test_engine_built_on_another_thread_leaves_a_running_engines_tokens_alone(ca
 
     def build_b():
         try:
-            Engine(model, **OPTIONS[cache]).close()
+            Engine(model, **OPTIONS[cache], **B_OPTIONS[b_switch]).close()
             built.append(True)
         except Exception as error:   # reported by the assert below
             b_errors.append(error)
