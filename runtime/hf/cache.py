@@ -39,6 +39,7 @@ from ..errors import CacheConfigError, CacheStateError
 from ..kv import KV, in_model_dtype, make_kv, same_tokens_page_bytes, vmem_geometry
 from ..transaction import StepTransaction, cache_executor
 from .cache_copy import copy_cache, growth_room, needs_contiguous_kv
+from .cache_guard import ForwardGuard
 from .cache_layer import VMemLayer, window_offset
 from .errors import BatchTooLargeError, CacheCapacityError, ContextOverflowError  # noqa: F401
 from .support import (check_cache_layers, check_generate_feeds_new_tokens, kv_shape_of,
@@ -114,6 +115,7 @@ class VMemCache(Cache):
         self._next_id = 0
         self._slid_to = 0     # memory behind the window of a query here has been given back
         self._closed = False
+        self._guard = ForwardGuard(config.num_layers)   # one thread's forward at a time
 
     @classmethod
     def from_model_config(cls, config, max_batch: int, max_context: int, dtype=None,
@@ -154,7 +156,12 @@ class VMemCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``key_states``/``value_states`` (B, kv_heads, q, head_dim) after the cached tokens
-        of ``layer_idx``; return all of them as (B, kv_heads, L, head_dim) views of the cache."""
+        of ``layer_idx``; return all of them as (B, kv_heads, L, head_dim) views of the cache.
+        CacheStateError while another thread's forward is writing it (cache_guard)."""
+        with self._guard.writing(layer_idx):
+            return self._update(key_states, value_states, layer_idx)
+
+    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         self._check_open()
         self._check_layer(layer_idx)
         self._check_states(key_states, value_states)
@@ -296,6 +303,7 @@ class VMemCache(Cache):
         batch to reuse."""
         self._check_open()
         self._drop_rows()
+        self._guard.reset()
         self._written = [0] * self.config.num_layers
         self._slid_to = 0
         for layer in self.layers:

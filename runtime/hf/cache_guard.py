@@ -1,0 +1,65 @@
+"""Which thread's forward is writing a VMemCache: one cache serves one ``generate`` at a time.
+
+A forward writes layer 0, 1, ... in order, every layer at the same positions; a second thread's
+forward on the same cache, interleaved with it, would append its K/V to the first one's rows and
+both would get wrong tokens. ``ForwardGuard.writing(layer)`` around each update refuses
+(CacheStateError, nothing written) an update from a thread other than the one whose forward is
+open: from its first update until it writes the top layer (or the cache is ``reset()``); after
+such a clash every update, of either thread, is refused until ``reset()`` (the rows may mix both
+calls' tokens), so neither generate goes on with wrong tokens. Cheap: one non-blocking lock and
+a few compares per layer. A cache may still pass from thread to thread between forwards (a
+generate finished in one, continued in another); so two generate calls whose forwards happen to
+alternate whole, never overlapping, are not told apart from such a hand-over.
+
+The top layer is the last of the cache's layers until a forward by the same thread starts over
+below it (Gemma 3n's KV-shared layers never write): then the layer it stopped at. A forward that
+raised part-way keeps the cache for its thread (its rows hold a partial step) until that thread's
+next forward or ``reset()``.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from ..errors import CacheStateError
+
+
+class ForwardGuard:
+    def __init__(self, num_layers: int) -> None:
+        self._busy = threading.Lock()
+        self._owner = None            # thread ident of the open forward, None between forwards
+        self._last_layer = -1         # the last layer it wrote
+        self._top_layer = num_layers - 1
+        self._mixed = None            # why every update is refused until reset(), after a clash
+
+    @contextlib.contextmanager
+    def writing(self, layer_idx: int):
+        me = threading.get_ident()
+        if not self._busy.acquire(blocking=False):
+            raise self._refuse(layer_idx, "is writing it now")
+        try:
+            if self._mixed is not None:
+                raise CacheStateError(self._mixed)
+            if self._owner is not None and self._owner != me:
+                raise self._refuse(layer_idx, f"is at layer {self._last_layer}")
+            if self._owner == me and layer_idx <= self._last_layer:   # it started over below
+                self._top_layer = self._last_layer
+            yield
+            self._owner, self._last_layer = me, layer_idx
+            if layer_idx >= self._top_layer:
+                self._owner = None
+        finally:
+            self._busy.release()
+
+    def reset(self) -> None:
+        self._owner, self._last_layer, self._mixed = None, -1, None
+
+    def _refuse(self, layer_idx: int, where: str) -> CacheStateError:
+        """The refusal of this update; every later one (either thread's) is refused too, until
+        ``reset()``: the cache's rows may hold both threads' tokens."""
+        self._mixed = ("this cache was written by two threads' forwards at once, so its rows may "
+                       "mix both calls' tokens; call reset() before using it again")
+        return CacheStateError(
+            f"this cache is in use by another thread's forward (it {where}; this update was for "
+            f"layer {layer_idx}); one VMemCache serves one generate at a time: give each thread "
+            f"its own cache (or reset() it after a forward that raised part-way)")
