@@ -28,7 +28,7 @@ WINDOW_S = 5.0      # a few times the lag measured (module docstring)
 class RecentCommits:
     """Bytes committed on one memory in the last ``window_s`` seconds (by ``clock``, seconds)
     that its available-memory reading may not show yet. ``unseen`` and ``committed`` are
-    called under ``LOCK``; ``released`` takes it."""
+    called under ``LOCK``; ``released`` takes it when it is free, and never waits for it."""
 
     def __init__(self, window_s: float = WINDOW_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -36,9 +36,11 @@ class RecentCommits:
         self._clock = clock
         self._commits: List[list] = []          # [when, bytes], oldest first
         self._before: Optional[int] = None      # the reading before the oldest of them
+        self._given_back: List[int] = []        # released while LOCK was held: forgotten next
 
     def unseen(self, available: int) -> int:
         """Bytes of the recent commits that ``available`` (read now) does not show yet."""
+        self._forget_given_back()
         now = self._clock()
         self._commits = [c for c in self._commits if now - c[0] <= self.window_s]
         pending = sum(num_bytes for _, num_bytes in self._commits)
@@ -54,9 +56,21 @@ class RecentCommits:
         self._commits.append([self._clock(), num_bytes])
 
     def released(self, num_bytes: int) -> None:
-        """``num_bytes`` were given back: they no longer count, newest commits first."""
-        with LOCK:
-            self._forget(num_bytes)
+        """``num_bytes`` were given back: they no longer count, newest commits first. Never
+        waits for ``LOCK``: a view's deleter calls this (vmem/vrange.py), and the collector can
+        run one inside a commit on the same thread (reading MemAvailable allocates), where
+        waiting deadlocked the process. When ``LOCK`` is held the bytes are queued and
+        forgotten at the next reading (until then a check errs towards refusing)."""
+        self._given_back.append(num_bytes)      # one atomic append, whoever holds the lock
+        if LOCK.acquire(blocking=False):
+            try:
+                self._forget_given_back()
+            finally:
+                LOCK.release()
+
+    def _forget_given_back(self) -> None:
+        while self._given_back:
+            self._forget(self._given_back.pop())
 
     def _forget(self, num_bytes: int) -> None:
         while num_bytes > 0 and self._commits:

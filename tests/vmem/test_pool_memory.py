@@ -235,3 +235,21 @@ def test_a_pool_right_after_another_counts_what_the_reading_does_not_show_yet():
     driver.now += 6                            # past the window: the reading is trusted
     vmem.PagePool(driver, 4, page).close()
     second.close()
+
+
+def test_bytes_given_back_while_the_commit_lock_is_held_never_wait_for_it():
+    # a view's deleter, run by the collector inside Driver.commit on the same thread (reading
+    # MemAvailable allocates), waited for the lock that thread held: the process hung (CI did)
+    import threading
+
+    from vmemkv.vmem import commits
+    ledger = RecentCommits(window_s=5.0, clock=lambda: 0.0)
+    ledger.committed(4096, available_before=1 << 20)
+    done = threading.Event()
+    with commits.LOCK:
+        worker = threading.Thread(target=lambda: (ledger.released(4096), done.set()))
+        worker.start()
+        finished = done.wait(30)     # microseconds when it does not wait; forever when it does
+    worker.join()
+    assert finished
+    assert ledger.unseen(available=1 << 20) == 0    # forgotten at the next reading
