@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional
@@ -49,11 +50,12 @@ from .outputs import RequestOutput, TokenEvent
 from .request_state import RequestState, SampleRecord, deliver
 from .sampler import SampleState, Sampler, save_generators
 from .self_check import self_check
-from .submission import RequestSubmission
+from .submission import RequestSubmission, single_threaded
 
 log = logging.getLogger("vmemkv.engine")
 
 
+@single_threaded
 class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearching, ElasticMemory):
     """Runs ``model`` (an HF causal LM, e.g. LlamaForCausalLM, Qwen2ForCausalLM) with the
     scheduler on a vmem or paged cache. See EngineConfig for every option; keyword arguments
@@ -70,6 +72,9 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
             raise EngineConfigError(f"unknown engine option: {error}") from None
         self.model, self.tokenizer = model, tokenizer
         self._closed = False     # close() sets it; add_request then refuses (EngineClosedError)
+        # one thread at a time; open streams' events; requests close() ended (submission.py)
+        self._guard, self._sinks, self._ended_by_close = threading.RLock(), {}, set()
+        self._stepping = False   # a step under way (lifecycle._one_step)
         param = next(model.parameters())
         self.device, self.vocab_size = param.device, model.config.get_text_config().vocab_size
         check_model_supported(model, cfg.max_context)   # before anything is built
@@ -202,7 +207,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         ``RequestOutput.error`` set) and the step returns normally. Otherwise the exception
         (PlanExecutionError for a plan) is raised with every request intact. ``on_token``
         callbacks run after the step is recorded (``request_state.deliver``)."""
-        with interrupts_between_steps(self.tp is not None):
+        with interrupts_between_steps(self.tp is not None), self._one_step():
             return self._step()
 
     def _step(self) -> List[TokenEvent]:
@@ -239,6 +244,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
                 return []
             raise
         self._step_s += time.perf_counter() - start
+        self._to_streams(events)
         deliver(events, self._requests)
         return events
 
@@ -314,33 +320,18 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
                                      reason, text, logprobs))
         return events
 
-    def _end_sample(self, seq_id: int, reason: str) -> None:
-        sample = self._samples.pop(seq_id)
-        sample.end(reason)
-        sample.request.remaining -= 1
-        self._prompt_logprobs.pop(seq_id, None)
-
-    def _step_with_retries(self) -> List[TokenEvent]:
-        """``step()``, retried while its plan fails, at most ``max_plan_retries`` times in a row."""
-        self._check_awake()        # asleep, a loop over step() would never end
-        failures = 0
-        while True:
-            try:
-                return self.step()
-            except PlanExecutionError as error:
-                failures += 1
-                if failures > self.config.max_plan_retries or not error.rolled_back:
-                    raise
-
     def run_until_done(self, on_step: Optional[Callable[[List[TokenEvent]], None]] = None) -> None:
         """Step until every request has ended. A failed memory plan is retried up to
         ``config.max_plan_retries`` times in a row before its PlanExecutionError reaches the
         caller (the engine stays usable: calling this again resumes); a request that keeps
-        failing ends "failed" and the others go on."""
-        while self.has_unfinished():
-            events = self._step_with_retries()
-            if on_step is not None:
-                on_step(events)
+        failing ends "failed" and the others go on. EngineClosedError if ``close()`` (from a
+        callback) ended requests meanwhile."""
+        with self._driving([rid for rid, s in self._requests.items() if s.remaining],
+                           "run_until_done"):
+            while self.has_unfinished():
+                events = self._step_with_retries()
+                if on_step is not None:
+                    on_step(events)
 
     def output(self, request_id: int, pop: bool = False) -> RequestOutput:
         """The (possibly partial) output of a request; ``pop`` forgets an ended one.
@@ -376,9 +367,12 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
 
     # ---- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:
-        """Release the cache (unmaps and frees every page) and switch the model back to the
-        attention implementation it had before this engine. With tensor parallelism, also
-        stops every rank (each frees its cache). Idempotent."""
+        """End every live request "aborted" (``lifecycle``: a batch call running them raises
+        EngineClosedError), release the cache (unmaps and frees every page) and switch the
+        model back to the attention implementation it had before this engine. With tensor
+        parallelism, also stops every rank (each frees its cache). Idempotent."""
+        if not self._closed:
+            self._abort_for_close()
         self._closed = True
         self._close_memory()
         self._leave_budget()       # the share's finalizer: unregisters once

@@ -34,7 +34,8 @@ class NonFiniteLogitsError(EngineError, FloatingPointError):
 
 class EngineClosedError(EngineError, RuntimeError):
     """The engine was used after ``close()`` (``add_request``): its cache is released; nothing
-    is queued."""
+    is queued. Also raised by a batch call (``generate``, ``stream``, ``run_until_done``) whose
+    requests ``close()`` ended "aborted" while it ran (``request_ids``: the call's requests)."""
 
 
 class UnknownRequestError(EngineError, KeyError):
@@ -79,3 +80,10 @@ class BeamSearchParamsError(EngineConfigError):
 class EngineSleepingError(EngineError, RuntimeError):
     """The engine is asleep (``Engine.sleep``): its KV memory is given back; ``wake()`` it
     first. Requests added meanwhile wait."""
+
+
+class EngineBusyError(EngineError, RuntimeError):
+    """A thread called a state-changing method (``step``, ``generate``, ``abort``, ``close``,
+    ...) while another thread was inside one: an engine is single-threaded, driven from one
+    thread at a time (as the server's EngineThread does). The message names the call; nothing
+    changed. The thread inside a call may call back in (an ``on_token`` callback may)."""

@@ -41,6 +41,7 @@ Whom a failed step is blamed on:
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 from typing import Dict, Iterable, List, Optional, Set
 
@@ -50,7 +51,7 @@ from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.plan import StepPlan
 from vmemkv.scheduler.request import SeqState
 
-from .errors import (EngineClosedError, RequestEndedError, TensorParallelError,
+from .errors import (EngineBusyError, EngineClosedError, RequestEndedError, TensorParallelError,
                      UnknownRequestError)
 from .outputs import RequestError, RequestOutput, TokenEvent
 from .sampler import restore_generators
@@ -127,6 +128,20 @@ class RequestLifecycle:
             del self._strikes[rid]
             self._end_request(rid, SeqState.FAILED, error)
         return bool(doomed)
+
+    @contextmanager
+    def _one_step(self):
+        """A step that is not inside another: ``step()`` called from within a step (the model,
+        the sampler, a memory op) is EngineBusyError, before its ``begin()`` could fail and
+        roll back the step under way (it did, leaving a vmem cache broken for good)."""
+        if self._stepping:
+            raise EngineBusyError("step() inside a step under way: the engine is single-threaded "
+                                  "and a step is not re-entrant (call it from on_token instead)")
+        self._stepping = True
+        try:
+            yield
+        finally:
+            self._stepping = False
 
     def _step_failed(self, plan, logits, drawing, error: BaseException) -> bool:
         """Something raised (an interrupt included) in ``step``: finish or undo what the step
@@ -233,7 +248,8 @@ class RequestLifecycle:
         the tokens produced so far with status "aborted" (unfinished samples get finish_reason
         "abort"). Raises UnknownRequestError for an id the engine does not know (never
         submitted, or popped) and RequestEndedError for one that has already ended; nothing
-        changes then. Call it between steps (an ``on_token`` callback is between steps)."""
+        changes then. Call it between steps (an ``on_token`` callback is between steps), from the
+        thread driving the engine: another thread's call while one runs is EngineBusyError."""
         state = self._request(request_id)
         if not state.remaining:
             raise RequestEndedError(f"request {request_id} has already ended "
@@ -289,6 +305,27 @@ class RequestLifecycle:
         state.output.status = status.value
         if error is not None:
             state.output.error = RequestError(type(error).__name__, str(error))
+
+    def _end_sample(self, seq_id: int, reason: str) -> None:
+        sample = self._samples.pop(seq_id)
+        sample.end(reason)
+        sample.request.remaining -= 1
+        self._prompt_logprobs.pop(seq_id, None)
+
+    def _abort_for_close(self) -> None:
+        """``close()``: every live request ends "aborted" (unfinished samples finish_reason
+        "abort"), its output kept; no plan runs (the cache is released whole next, even when a
+        tensor-parallel rank is dead). Their batch calls raise EngineClosedError."""
+        for rid, state in self._requests.items():
+            if not state.remaining:
+                continue
+            for seq_id in state.seq_ids:
+                if seq_id in self._samples:
+                    self._end_sample(seq_id, "abort")
+            self._end_beams(rid, "abort")
+            state.remaining = 0
+            state.output.status = SeqState.ABORTED.value
+            self._ended_by_close.add(rid)
 
     def _ending_plan(self, request_id: int, status: SeqState) -> StepPlan:
         seq_ids = self.scheduler.abort_request(request_id, status)

@@ -11,17 +11,20 @@ computed full blocks are cached under its usual scope for later requests.
 """
 from __future__ import annotations
 
+import functools
 import re
-
+from collections import deque
+from contextlib import contextmanager
 from typing import Iterator, List, Optional, Sequence, Union
 
+from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.scheduler.errors import CacheShrunkError, RequestTooLargeError
 from vmemkv.scheduler.lifecycle import check_length, withdraw_request
 from vmemkv.scheduler.request import Request
 
 from .chat import chat_prompts
-from .errors import (CacheShrunkRequestError, EngineClosedError, EngineConfigError,
-                     RequestRejectedError)
+from .errors import (CacheShrunkRequestError, EngineBusyError, EngineClosedError,
+                     EngineConfigError, RequestRejectedError)
 from .outputs import CompletionOutput, RequestOutput, TokenEvent
 from .prompts import check_prompt_batch, check_request_params, encode_prompt
 from .request_state import OnToken, new_request, new_samples
@@ -101,12 +104,17 @@ class RequestSubmission:
                  sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None,
                  on_token: Optional[OnToken] = None) -> List[RequestOutput]:
         """Generate for every prompt; outputs in prompt order. All prompts are checked first:
-        if any would be rejected, RequestRejectedError is raised and nothing runs. Statistics
-        of the call: ``engine.last_stats``."""
+        if any would be rejected, RequestRejectedError is raised and nothing runs. Steps until
+        these requests end. An exception from a step or an ``on_token`` callback reaches the
+        caller with its ``request_ids`` set (these requests, left intact: ``run_until_done()``
+        resumes them, ``output(rid, pop=True)`` collects them); EngineClosedError if
+        ``close()`` (from a callback) ended them. Statistics of the call: ``engine.last_stats``."""
         self._check_awake()
         mark = self._mark()
         ids = self._submit_all(prompts, sampling, on_token)
-        self.run_until_done()
+        with self._driving(ids, "generate"):
+            while self._live(ids):
+                self._step_with_retries()
         outputs = [self.output(rid, pop=True) for rid in ids]
         self.last_stats = self.stats(since=mark, outputs=outputs)
         return outputs
@@ -121,14 +129,89 @@ class RequestSubmission:
     def stream(self, prompts: Sequence[Prompt],
                sampling: Union[SamplingParams, Sequence[SamplingParams], None] = None
                ) -> Iterator[TokenEvent]:
-        """Yield tokens as they are produced (all requests interleaved, step by step)."""
-        self._check_awake()
-        mark = self._mark()
-        ids = self._submit_all(prompts, sampling, None)
-        while self.has_unfinished():
-            yield from self._step_with_retries()
-        self.last_outputs = [self.output(rid, pop=True) for rid in ids]
-        self.last_stats = self.stats(since=mark, outputs=self.last_outputs)
+        """Yield this call's tokens as they are produced (its requests interleaved, step by
+        step), and only its own: a step run meanwhile by another call (``generate``, another
+        stream) keeps this stream's tokens for it. Closed early (``break``, ``close()``,
+        garbage collection), it aborts its unfinished requests. An exception carries
+        ``request_ids`` as in ``generate``; EngineClosedError after the tokens produced before
+        ``close()`` ended its requests."""
+        pending: deque = deque()
+        with self._guarded("stream"):
+            self._check_awake()
+            mark = self._mark()
+            ids = self._submit_all(prompts, sampling, None)
+            self._sinks.update(dict.fromkeys(ids, pending))
+        try:
+            with self._driving(ids, "stream"):
+                while True:
+                    while pending:
+                        yield pending.popleft()
+                    with self._guarded("stream"):
+                        if not self._live(ids):
+                            break
+                        self._step_with_retries()
+            with self._guarded("stream"):
+                self.last_outputs = [self.output(rid, pop=True) for rid in ids]
+                self.last_stats = self.stats(since=mark, outputs=self.last_outputs)
+        except GeneratorExit:   # closed early: its requests are nobody's, aborted and forgotten
+            for rid in ids:
+                if self._live([rid]):
+                    self.abort(rid)
+                self._requests.pop(rid, None)
+            raise
+        finally:
+            for rid in ids:
+                self._sinks.pop(rid, None)
+
+    def _live(self, ids: Sequence[int]) -> bool:
+        """Whether any of these requests has not ended (one popped has)."""
+        return any(rid in self._requests and self._requests[rid].remaining for rid in ids)
+
+    @contextmanager
+    def _driving(self, ids: List[int], call: str):
+        """A batch call stepping its requests ``ids``: an exception leaving it carries
+        ``request_ids``; EngineClosedError if ``close()`` ended some of them meanwhile."""
+        with tagged(ids):
+            yield
+            cut = [rid for rid in ids if rid in self._ended_by_close]
+            if cut:
+                raise EngineClosedError(
+                    f"{call}: close() ended {len(cut)} of its {len(ids)} requests \"aborted\" "
+                    f"before they finished (ids {cut}); their partial outputs stay readable "
+                    f"(engine.output(rid, pop=True))")
+
+    def _to_streams(self, events: List[TokenEvent]) -> None:
+        """An open stream's tokens, kept for it whoever stepped (before ``on_token``)."""
+        for event in events:
+            sink = self._sinks.get(event.request_id)
+            if sink is not None:
+                sink.append(event)
+
+    def _step_with_retries(self) -> List[TokenEvent]:
+        """``step()``, retried while its plan fails, at most ``max_plan_retries`` times in a row."""
+        self._check_awake()        # asleep, a loop over step() would never end
+        failures = 0
+        while True:
+            try:
+                return self.step()
+            except PlanExecutionError as error:
+                failures += 1
+                if failures > self.config.max_plan_retries or not error.rolled_back:
+                    raise
+
+    @contextmanager
+    def _guarded(self, call: str):
+        """Hold the engine for ``call``: the thread inside may re-enter, another thread gets
+        EngineBusyError before anything is touched."""
+        if not self._guard.acquire(blocking=False):
+            raise EngineBusyError(
+                f"{call}() while another thread is inside this engine: an engine is "
+                f"single-threaded; drive it from one thread (as the server's EngineThread "
+                f"does) and hand other threads' work to it")
+        try:
+            yield
+        finally:
+            self._guard.release()
 
     def _submit_all(self, prompts, sampling, on_token) -> List[int]:
         check_prompt_batch(prompts)
@@ -162,6 +245,40 @@ class RequestSubmission:
             self._beams.group_of.pop(seq_id, None)
         self._beams.groups.pop(rid, None)
         self._prompt_tokens -= len(state.output.prompt_token_ids)
+
+
+@contextmanager
+def tagged(ids: List[int]):
+    """An exception leaving a batch call carries ``request_ids``: the call's requests, which
+    it leaves in the engine (the innermost call's ids are kept)."""
+    try:
+        yield
+    except BaseException as error:
+        if not hasattr(error, "request_ids"):
+            try:
+                error.request_ids = list(ids)
+            except AttributeError:   # an exception type that takes no attribute
+                pass
+        raise
+
+
+# every public call that changes an engine: one thread at a time (EngineBusyError); the thread
+# inside may call back in (an on_token callback). ``stream`` holds it while it steps.
+GUARDED = ("step", "generate", "chat", "run_until_done", "beam_search", "add_request",
+           "add_beam_request", "abort", "close", "abandon", "sleep", "wake", "resize_cache",
+           "rebalance_memory", "add_lora", "remove_lora")
+
+
+def single_threaded(cls):
+    """Class decorator: wrap each of ``cls``'s methods GUARDED in ``_guarded``."""
+    for name in GUARDED:
+        method = getattr(cls, name)
+
+        def call(self, *args, _method=method, _name=name, **kwargs):
+            with self._guarded(_name):
+                return _method(self, *args, **kwargs)
+        setattr(cls, name, functools.wraps(method)(call))
+    return cls
 
 
 def rejected(error: RequestTooLargeError, index: int,
