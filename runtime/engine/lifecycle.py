@@ -251,12 +251,12 @@ class RequestLifecycle:
         changes then. Call it between steps (an ``on_token`` callback is between steps), from the
         thread driving the engine: another thread's call while one runs is EngineBusyError."""
         state = self._request(request_id)
+        if self._closed:   # close() ended every request "aborted": this is the truer refusal
+            raise EngineClosedError(f"abort({request_id}) after close(): this engine's cache "
+                                    f"is released")
         if not state.remaining:
             raise RequestEndedError(f"request {request_id} has already ended "
                                     f"({state.output.status}); there is nothing to abort")
-        if self._closed:
-            raise EngineClosedError(f"abort({request_id}) after close(): this engine's cache "
-                                    f"is released")
         self._end_request(request_id, SeqState.ABORTED)
         return state.output
 
