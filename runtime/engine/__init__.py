@@ -7,16 +7,17 @@
 
 Modules: config (EngineConfig), engine (Engine), model_runner (one packed step through the
 model), sampling (SamplingParams, Sampler), outputs (TokenEvent, RequestOutput, EngineStats),
-errors (EngineError, EngineConfigError, RequestRejectedError, CacheShrunkRequestError), beam (beam search: BeamSearchParams).
+errors (EngineError, EngineConfigError, RequestRejectedError, CacheShrunkRequestError,
+EngineClosedError, EngineBusyError: another thread's call), beam (beam search: BeamSearchParams).
 """
 from .beam_params import BeamSearchParams
 from .config import EngineConfig
 from .engine import Engine
-from .errors import (BeamSearchParamsError, CacheShrunkRequestError, EngineConfigError, EngineError,
-                     RequestRejectedError)
+from .errors import (BeamSearchParamsError, CacheShrunkRequestError, EngineBusyError,
+                     EngineClosedError, EngineConfigError, EngineError, RequestRejectedError)
 from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
 from .sampling import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "SamplingParams", "BeamSearchParams", "BeamSearchParamsError", "RequestOutput", "CompletionOutput",
            "TokenEvent", "EngineStats", "EngineError", "EngineConfigError", "RequestRejectedError",
-           "CacheShrunkRequestError"]
+           "CacheShrunkRequestError", "EngineClosedError", "EngineBusyError"]
