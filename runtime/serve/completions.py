@@ -18,7 +18,8 @@ from vmemkv.runtime.engine.sampling import SamplingParams
 from vmemkv.scheduler.adapters import adapter_fit_tokens
 
 from .errors import ApiError
-from .logprobs_format import TokenStrings, completion_logprobs, merge_completion_logprobs
+from .logprobs_format import (TextOffsets, TokenStrings, completion_logprobs, echo_offsets,
+                              merge_completion_logprobs)
 from .protocol import CompletionRequest
 from .submission import Choice, Delta, Submission
 
@@ -172,7 +173,11 @@ def _ids(prompt, served: ServedModel) -> List[int]:
 
 
 class CompletionFormat:
-    """Choices of a Submission as completion objects (``choice``) and stream chunks (``chunk``)."""
+    """Choices of a Submission as completion objects (``choice``) and stream chunks (``chunk``).
+    ``text_offset`` indexes the choice's text (echo + output), the same streamed and not:
+    ``echo_offsets`` for the prompt, ``TextOffsets`` for the output (the engine's text skips
+    special tokens as the request says; a last token past a stop string's cut points at the
+    text's end)."""
     kind = "text_completion"
 
     def __init__(self, req: CompletionRequest, served: ServedModel, prompts: Sequence,
@@ -180,45 +185,61 @@ class CompletionFormat:
         self.submission, self.batch, self.n = submission, batch, req.n
         self.want_logprobs = req.logprobs is not None
         self.strings = TokenStrings(served.tokenizer)
+        self.skip_special_tokens = req.skip_special_tokens
         self.echo = ([p if isinstance(p, str) else self._decoded(served, ids)
                       for p, ids in zip(prompts, batch)] if req.echo else None)
-        self._offsets: dict = {}   # choice -> text_offset of its next streamed token
+        self._echo_offsets: dict = {}   # prompt -> its tokens' text_offset in its echo
+        self._streamed: dict = {}       # choice -> (TextOffsets of its output, chars sent)
 
     def _decoded(self, served: ServedModel, ids: Sequence[int]) -> str:
         if served.tokenizer is None:        # the ids in decimal, a space before the output's
             return " ".join(map(str, ids)) + " "
         return served.tokenizer.decode(list(ids), skip_special_tokens=False)
 
+    def _echo(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo is not None else ""
+
+    def _output_offsets(self, index: int) -> TextOffsets:
+        return TextOffsets(self.strings.tokenizer, len(self._echo(index)),
+                           self.skip_special_tokens)
+
     def _prompt_part(self, index: int) -> Optional[dict]:
         prompt = index // self.n
         entries = self.submission.prompt_logprobs[prompt] or [None] * len(self.batch[prompt])
-        return completion_logprobs(self.strings, self.batch[prompt], entries)
+        if prompt not in self._echo_offsets:      # n choices share it
+            self._echo_offsets[prompt] = echo_offsets(self.strings.tokenizer, self.batch[prompt],
+                                                      self.echo[prompt])
+        return completion_logprobs(self.strings, self.batch[prompt], entries,
+                                   self._echo_offsets[prompt])
 
     def choice(self, choice: Choice) -> dict:
-        echo = self.echo[choice.index // self.n] if self.echo is not None else ""
+        text = self._echo(choice.index) + choice.text
         logprobs = None
         if self.want_logprobs:
-            out = completion_logprobs(self.strings, choice.token_ids, choice.logprobs, len(echo))
+            offsets = self._output_offsets(choice.index)
+            out = completion_logprobs(self.strings, choice.token_ids, choice.logprobs,
+                                      [min(offsets.add(t), len(text)) for t in choice.token_ids])
             logprobs = merge_completion_logprobs([self._prompt_part(choice.index), out]
                                                  if self.echo is not None else [out])
-        return {"index": choice.index, "text": echo + choice.text, "logprobs": logprobs,
+        return {"index": choice.index, "text": text, "logprobs": logprobs,
                 "finish_reason": choice.finish_reason, "token_ids": choice.token_ids}
 
     def chunk(self, delta: Delta) -> dict:
         echo, parts = "", []
-        if delta.index not in self._offsets:   # the choice's first chunk carries the echo
+        if delta.index not in self._streamed:   # the choice's first chunk carries the echo
+            echo = self._echo(delta.index)
             if self.echo is not None:
-                echo = self.echo[delta.index // self.n]
                 parts.append(self._prompt_part(delta.index))
-            self._offsets[delta.index] = len(echo)
+            self._streamed[delta.index] = (self._output_offsets(delta.index), 0)
+        offsets, sent_chars = self._streamed[delta.index]
+        sent_chars += len(echo) + len(delta.text)
+        self._streamed[delta.index] = (offsets, sent_chars)
         logprobs = None
         if self.want_logprobs:
-            start, sep = self._offsets[delta.index], self.strings.separator
-            if sep and delta.text.startswith(sep):    # ids as text: " 223" after the first
-                start += len(sep)
-            out = completion_logprobs(self.strings, delta.token_ids, delta.logprobs, start)
-            if out["tokens"]:
-                self._offsets[delta.index] = out["text_offset"][-1] + len(out["tokens"][-1])
+            found = [offsets.add(t) for t in delta.token_ids]
+            if delta.finish_reason is not None:      # the text is whole: as ``choice`` cuts
+                found = [min(o, sent_chars) for o in found]
+            out = completion_logprobs(self.strings, delta.token_ids, delta.logprobs, found)
             logprobs = merge_completion_logprobs(parts + [out])
         return {"index": delta.index, "text": echo + delta.text, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason, "token_ids": delta.token_ids}

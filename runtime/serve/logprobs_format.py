@@ -8,16 +8,19 @@ distribution: ``runtime/engine/logprobs.py``).
 
 A token's string is ``tokenizer.decode([id])`` (the token id in decimal without a tokenizer,
 the text then being the ids with a space between two, which ``text_offset`` counts); a token
-holding part of a character decodes as U+FFFD there. Its ``bytes`` are the token's own (as
-OpenAI's: a character split over tokens is rebuilt by joining them) where the tokenizer says
-what they are: a byte-level BPE's pieces (GPT-2's byte alphabet), a byte-fallback piece
-(``<0xE2>``); else the UTF-8 of its string.
+holding part of a character decodes as U+FFFD there. Its ``text_offset`` is where it starts in
+the choice's text (``TextOffsets``): the length of the text its predecessors decode to, so a
+token inside a character split over tokens points at that character, never past the text.
+Its ``bytes`` are the token's own (as OpenAI's: a character split over tokens is rebuilt by
+joining them) where the tokenizer says what they are: a byte-level BPE's pieces (GPT-2's byte
+alphabet), a byte-fallback piece (``<0xE2>``); else the UTF-8 of its string.
 """
 from __future__ import annotations
 
 import re
 from typing import List, Optional, Sequence
 
+from vmemkv.runtime.engine.detokenize import REPLACEMENT
 from vmemkv.runtime.engine.logprobs import TokenLogprobs
 
 
@@ -26,7 +29,6 @@ class TokenStrings:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self._cache = tokenizer, {}
-        self.separator = " " if tokenizer is None else ""   # between two tokens' strings
         self._bytes: dict = {}
         self._decoder: Optional[str] = None if tokenizer is not None else "text"
 
@@ -78,15 +80,70 @@ def _decoder_kind(tokenizer) -> str:
             "byte-fallback" if "ByteFallback(" in decoder else "text")
 
 
+class TextOffsets:
+    """``text_offset`` of one sequence's tokens, one ``add`` per token, from ``start_chars`` on:
+    the length of the text the tokens before it decode to, complete characters only (a token
+    that continues a character split over tokens, U+FFFD alone, points at that character), so
+    the offsets never go back and never pass the text. The engine's detokenizer's windows
+    (``runtime/engine/detokenize.py``): each token decodes a few tokens, never the prefix.
+
+        "Emoji party: 🎉🎉"   SmolLM2's tokens  Em  oji  ␣party  :   ␣F0 9F  8E  89  F0 9F  8E  89
+        text_offset                            0   2     5     11    12    13  13    14  14  14
+
+    Without a tokenizer a token's string is its id in decimal and a space follows each."""
+
+    def __init__(self, tokenizer, start_chars: int = 0, skip_special_tokens: bool = False) -> None:
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.chars = start_chars       # text of the tokens up to the window's unread ones
+        self._pending_chars = 0        # complete characters the unread ones add so far
+        self._last_offset = start_chars
+        self._ids: List[int] = []      # the window: context tokens, then unread ones
+        self._read = 0                 # the window's first unread token
+
+    def add(self, token_id: int) -> int:
+        """The offset of ``token_id``, the sequence's next token."""
+        offset = self._last_offset = max(self._last_offset, self.chars + self._pending_chars)
+        if self.tokenizer is None:
+            self.chars += len(str(token_id)) + 1
+            return offset
+        self._ids.append(token_id)
+        shown = self._decode(self._ids[:self._read])
+        full = self._decode(self._ids)
+        if len(full) > len(shown) and not full.endswith(REPLACEMENT):
+            self.chars += len(full) - len(shown)
+            self._pending_chars = 0
+            del self._ids[:self._read]        # the tokens just read are the next context
+            self._read = len(self._ids)
+        else:
+            self._pending_chars = max(0, len(full.rstrip(REPLACEMENT)) - len(shown))
+        return offset
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
+
+
+def echo_offsets(tokenizer, token_ids: Sequence[int], echo: str) -> List[int]:
+    """A prompt's ``text_offset`` in its ``echo`` (the prompt as sent, or its ids decoded with
+    special tokens): ``TextOffsets``' less what the decoded ids hold in front of the echo (a
+    BOS the tokenizer adds, ``<s>``), within ``[0, len(echo)]``."""
+    offsets = TextOffsets(tokenizer)
+    found = [offsets.add(t) for t in token_ids]
+    if tokenizer is None:
+        return found
+    decoded = tokenizer.decode(list(token_ids), skip_special_tokens=False)
+    before = len(decoded) - len(echo) if decoded.endswith(echo) else 0
+    return [min(max(o - before, 0), len(echo)) for o in found]
+
+
 def completion_logprobs(strings: TokenStrings, token_ids: Sequence[int],
-                        entries: Sequence[Optional[TokenLogprobs]], text_offset: int = 0) -> dict:
-    """The completions shape for ``token_ids`` (an entry None: a prompt's first token)."""
+                        entries: Sequence[Optional[TokenLogprobs]],
+                        text_offsets: Sequence[int]) -> dict:
+    """The completions shape for ``token_ids`` (an entry None: a prompt's first token) at
+    ``text_offsets`` (``TextOffsets``, ``echo_offsets``)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for token_id, entry in zip(token_ids, entries):
-        text = strings(token_id)
-        out["tokens"].append(text)
+    for token_id, entry, text_offset in zip(token_ids, entries, text_offsets):
+        out["tokens"].append(strings(token_id))
         out["text_offset"].append(text_offset)
-        text_offset += len(text) + len(strings.separator)
         if entry is None:
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
