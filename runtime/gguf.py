@@ -108,11 +108,28 @@ def gguf_checkpoint(path) -> Path:
     target = root / key
     if (target / "source.json").is_file():
         return target
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _unusable_cache(root, e) from e
     with _locked(root / f"{key}.lock"):
         if not (target / "source.json").is_file():   # another process may have finished it
+            _remove_killed_conversions(root, key)
             _convert_into(path, digest, target)
     return target
+
+
+def _unusable_cache(root: Path, error: OSError) -> GgufError:
+    setting = os.environ.get("VMEMKV_CACHE_DIR") or "unset"
+    return GgufError(f"the GGUF cache {root} cannot be used ({error.strerror or error}): set "
+                     f"$VMEMKV_CACHE_DIR (now {setting}) to a writable folder")
+
+
+def _remove_killed_conversions(root: Path, key: str) -> None:
+    """Temporary folders of conversions of this file that were killed (SIGKILL skips their
+    clean-up); the caller holds the file's lock, so none of them is still being written."""
+    for stale in root.glob(f".{key}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 def cache_key(digest: str) -> str:
@@ -127,7 +144,10 @@ def _locked(lock_path: Path):
     before it was removed finds, once it holds the lock, that the path names another file (or
     none) and locks again, so two holders never overlap."""
     while True:
-        lock = open(lock_path, "a")
+        try:
+            lock = open(lock_path, "a")
+        except OSError as e:
+            raise _unusable_cache(lock_path.parent, e) from e
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             if os.path.samestat(os.fstat(lock.fileno()), os.stat(lock_path)):

@@ -76,3 +76,37 @@ def test_the_cache_is_keyed_by_the_files_hash_and_found_again(cache, tmp_path, m
 def test_neither_name_nor_path_is_a_model_load_error_listing_the_choices():
     with pytest.raises(ModelLoadError, match="a .gguf file, nor a hub id in the local hub cache"):
         load_model("no/such-model")
+
+
+def test_a_killed_conversions_temporary_folder_is_removed_by_the_next(cache, tmp_path, monkeypatch):
+    """SIGKILL skips a conversion's clean-up: its temporary folder (and lock file) stay until
+    the next conversion of the same file, which holds the lock and removes them."""
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"weights")
+    key = gguf.cache_key(gguf.file_sha256(path))
+    root = cache / "gguf"
+    (root / f".{key}-abc123").mkdir(parents=True)                 # a killed conversion's
+    (root / f".{key}-abc123" / "model.safetensors").write_bytes(b"x" * 1000)
+    (root / f"{key}.lock").write_text("")
+    (root / ".v0-otherfile-zz").mkdir()                           # another file's: not ours
+
+    def convert(src, digest, target):
+        target.mkdir()
+        (target / "source.json").write_text(json.dumps({"sha256": digest}))
+    monkeypatch.setattr(gguf, "_convert_into", convert)
+    assert gguf.gguf_checkpoint(path) == root / key
+    assert _entries(cache) == [".v0-otherfile-zz", key]
+
+
+@pytest.mark.parametrize("setting", ["a-file", "under-a-file"])
+def test_an_unusable_cache_folder_is_a_gguf_error_naming_the_setting(setting, tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("not a folder")
+    folder = tmp_path / "a-file" if setting == "a-file" else tmp_path / "a-file" / "cache"
+    monkeypatch.setenv("VMEMKV_CACHE_DIR", str(folder))
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"weights")
+    with pytest.raises(gguf.GgufError, match=r"the GGUF cache .*a-file.* cannot be used .*"
+                                             r"\$VMEMKV_CACHE_DIR \(now .*a-file"):
+        gguf.gguf_checkpoint(path)
+    with pytest.raises(ModelLoadError, match="VMEMKV_CACHE_DIR"):   # load_model says the same
+        load_model(str(path))
