@@ -76,8 +76,10 @@ def result_file(text: str) -> str:
 def file_problem(path: str) -> Optional[str]:
     """Why no result file can be written at ``path`` (whole, by a temporary file beside it),
     or None: it must be a file name, not a folder or a device, in a folder we may create files
-    in (the folders missing above it are created when it is written). Tried with a real
-    temporary file, removed at once (root may write anywhere ``os.access`` says, /proc too)."""
+    in (the folders missing above it are created when it is written: each name no longer than
+    the file system allows, none a link to a missing folder). Tried with a real temporary file
+    of the writer's shape (``temp_prefix``), removed at once (root may write anywhere
+    ``os.access`` says, /proc too)."""
     if path and os.path.isdir(path):
         return f"{path} is a folder: give a file name"
     if not path or os.path.basename(path) in ("", ".", ".."):
@@ -85,19 +87,48 @@ def file_problem(path: str) -> Optional[str]:
     if os.path.exists(path) and not os.path.isfile(path):
         return (f"{path} is not a regular file (a device or a pipe would be replaced): give a "
                 f"file name")
+    missing = [os.path.basename(path)]
     folder = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(folder):
+        if os.path.islink(folder):
+            return f"{path}: {folder} is a link to a missing folder ({os.readlink(folder)})"
+        missing.append(os.path.basename(folder))
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder):
         return f"{path}: {folder} is not a folder"
+    longest_bytes = name_max_bytes(folder)
+    for name in missing:
+        if len(os.fsencode(name)) > longest_bytes:
+            return (f"{path}: the name {name[:40]}... is {len(os.fsencode(name))} bytes, this "
+                    f"file system allows at most {longest_bytes}")
     try:
-        fd, probe = tempfile.mkstemp(prefix=".vmemkv-write-check.", dir=folder)
+        fd, probe = tempfile.mkstemp(prefix=temp_prefix(path, longest_bytes), suffix=".tmp",
+                                     dir=folder)
     except OSError as error:
         return f"{path}: cannot write a file in {folder}: {error.strerror}"
     os.close(fd)
     with contextlib.suppress(OSError):
         os.unlink(probe)
     return None
+
+
+def name_max_bytes(folder: str) -> int:
+    """The longest file name (bytes) the file system of ``folder`` takes (255 when unknown)."""
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
+TEMP_EXTRA_BYTES = len(".") + len(".") + 8 + len(".tmp")    # mkstemp draws 8 characters
+
+
+def temp_prefix(path: str, longest_bytes: int = 255) -> str:
+    """The prefix of the temporary file a result is written to before it replaces ``path``:
+    ``.NAME.`` (``.NAME.XXXXXXXX.tmp`` with mkstemp's suffix), NAME cut so that the whole
+    name fits ``longest_bytes``: any name the file system takes can be written."""
+    name = os.fsencode(os.path.basename(path))[:max(1, longest_bytes - TEMP_EXTRA_BYTES)]
+    return "." + os.fsdecode(name) + "."
 
 
 POSITIVE_INT = bounded(int, 1)                     # counts: requests, repeats, tokens, pages

@@ -25,7 +25,7 @@ import tempfile
 import time
 from typing import Callable, Iterable, Iterator, Optional
 
-from .cliargs import file_problem, hold_point
+from .cliargs import file_problem, hold_point, name_max_bytes, temp_prefix
 
 STALE_NAME = "STALE.txt"
 
@@ -36,7 +36,8 @@ def _replacing(path: str) -> Iterator[str]:
     replaces ``path``, when it raises (KeyboardInterrupt too) it is removed."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path, name_max_bytes(folder)), suffix=".tmp",
+                               dir=folder)
     os.close(fd)
     try:
         yield tmp

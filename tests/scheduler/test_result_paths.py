@@ -1,0 +1,31 @@
+"""Result paths are checked before a run's work (scheduler/cliargs.file_problem,
+result_files.folder_problem): a path the check passes can be written, a path that cannot be
+written is refused naming it, and a write that fails later names its path."""
+import os
+
+from vmemkv.scheduler.cliargs import file_problem
+from vmemkv.scheduler.result_files import write_text
+
+
+def test_a_name_the_file_system_takes_passes_and_is_written(tmp_path):
+    path = str(tmp_path / ("b" * 245 + ".json"))       # 250 bytes: legal, but .NAME.XXXXXXXX.tmp is not
+    assert file_problem(path) is None
+    assert write_text(path, "whole") == path
+    assert open(path).read() == "whole"
+    assert os.listdir(tmp_path) == [os.path.basename(path)]     # no temporary file left
+
+
+def test_a_missing_folder_with_a_name_too_long_is_refused_naming_it(tmp_path):
+    path = str(tmp_path / ("d" * 300) / "out.jsonl")
+    problem = file_problem(path)
+    assert problem is not None and problem.startswith(path)
+    assert "300 bytes" in problem and "at most 255" in problem
+    assert file_problem(str(tmp_path / ("f" * 256))) is not None       # the file's own name too
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_folder_that_is_a_link_to_nowhere_is_refused_naming_it(tmp_path):
+    os.symlink("/nonexistent/zz", tmp_path / "dl")
+    problem = file_problem(str(tmp_path / "dl" / "out.jsonl"))
+    assert problem is not None
+    assert f"{tmp_path / 'dl'} is a link to a missing folder (/nonexistent/zz)" in problem
