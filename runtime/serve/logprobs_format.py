@@ -87,8 +87,8 @@ class TextOffsets:
     the offsets never go back and never pass the text. The engine's detokenizer's windows
     (``runtime/engine/detokenize.py``): each token decodes a few tokens, never the prefix.
 
-        "Emoji party: 🎉🎉"   SmolLM2's tokens  Em  oji  ␣party  :   ␣F0 9F  8E  89  F0 9F  8E  89
-        text_offset                            0   2     5     11    12    13  13    14  14  14
+        "Emoji party: 🎉🎉"  Em  oji  ␣party  :   ␣F0 9F  8E  89  F0 9F  8E  89   (SmolLM2's)
+        text_offset          0   2     5     11    12    13  13    14  14  14
 
     Without a tokenizer a token's string is its id in decimal and a space follows each."""
 

@@ -72,7 +72,8 @@ def test_a_bos_the_echo_lacks_is_not_counted():
     text = "the quick brown fox"
     ids = tok(text)["input_ids"]
     assert tok.decode(ids) == "<s> " + text
-    assert logprobs_format.echo_offsets(tok, ids, text) == [0, 0, 3, 9, 15]   # the words' own or their space
+    # each word at itself or at the space before it, as GPT-2's " party"
+    assert logprobs_format.echo_offsets(tok, ids, text) == [0, 0, 3, 9, 15]
 
 
 def test_echoed_emoji_offsets_index_the_text_streamed_and_not():
