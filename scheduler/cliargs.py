@@ -77,7 +77,8 @@ def file_problem(path: str) -> Optional[str]:
     """Why no result file can be written at ``path`` (whole, by a temporary file beside it),
     or None: it must be a file name, not a folder or a device, in a folder we may create files
     in (the folders missing above it are created when it is written: each name no longer than
-    the file system allows, none a link to a missing folder). Tried with a real temporary file
+    the file system allows, none a link to a missing folder), on a file system with space
+    left. Tried with a real temporary file
     of the writer's shape (``temp_prefix``), removed at once (root may write anywhere
     ``os.access`` says, /proc too)."""
     if path and os.path.isdir(path):
@@ -96,6 +97,9 @@ def file_problem(path: str) -> Optional[str]:
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder):
         return f"{path}: {folder} is not a folder"
+    if _free_blocks(folder) == 0:
+        return (f"{path}: the file system of {folder} has no space left (0 bytes free): the "
+                f"run's results could not be written")
     longest_bytes = name_max_bytes(folder)
     for name in missing:
         if len(os.fsencode(name)) > longest_bytes:
@@ -110,6 +114,16 @@ def file_problem(path: str) -> Optional[str]:
     with contextlib.suppress(OSError):
         os.unlink(probe)
     return None
+
+
+def _free_blocks(folder: str) -> Optional[int]:
+    """Blocks of ``folder``'s file system this process may still fill (root: the reserved
+    ones too), None when unknown. An empty probe file fits a full file system."""
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return None
+    return stat.f_bfree if os.geteuid() == 0 else stat.f_bavail
 
 
 def name_max_bytes(folder: str) -> int:

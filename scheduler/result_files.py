@@ -4,7 +4,8 @@
                                  so the same file system); it is flushed to disk, then
                                  os.replace(tmp, path) swaps it in. A kill at any moment leaves
                                  the old file or the new one, never a mix; on an exception the
-                                 temporary file is removed and the old file stays
+                                 temporary file is removed and the old file stays (a write's
+                                 OSError with no file name, ENOSPC say, is raised naming path)
     atomic_open(path, mode)      the same as a context manager around an open file
     streamed_open(path)          a log written as the run goes: ``path.partial`` until it ends
     write_json / write_text      the usual cases
@@ -46,10 +47,18 @@ def _replacing(path: str) -> Iterator[str]:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())     # mkstemp's 0600 would make results private
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(error, OSError) and error.filename is None:
+            raise naming(error, path) from error
         raise
+
+
+def naming(error: OSError, path: str) -> OSError:
+    """``error`` (a write's ENOSPC, EIO, EDQUOT: no file name) as the same OSError naming
+    ``path``, so that a run's last line says which result was lost."""
+    return OSError(error.errno, error.strerror, path)
 
 
 def write_atomic(path: str, writer: Callable[[str], None]) -> str:
@@ -78,8 +87,13 @@ def streamed_open(path: str, mode: str = "w", **kwargs) -> Iterator:
     try:
         with open(partial, mode, **kwargs) as f:
             yield f
-            f.flush()
-            os.fsync(f.fileno())
+            try:
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError as error:
+                if error.filename is None:
+                    raise naming(error, partial) from error
+                raise
     finally:
         if os.path.exists(partial):
             os.replace(partial, path)

@@ -1,10 +1,13 @@
 """Result paths are checked before a run's work (scheduler/cliargs.file_problem,
 result_files.folder_problem): a path the check passes can be written, a path that cannot be
 written is refused naming it, and a write that fails later names its path."""
+import errno
 import os
 
+import pytest
+
 from vmemkv.scheduler.cliargs import file_problem
-from vmemkv.scheduler.result_files import write_text
+from vmemkv.scheduler.result_files import folder_problem, streamed_open, write_text
 
 
 def test_a_name_the_file_system_takes_passes_and_is_written(tmp_path):
@@ -29,3 +32,35 @@ def test_a_folder_that_is_a_link_to_nowhere_is_refused_naming_it(tmp_path):
     problem = file_problem(str(tmp_path / "dl" / "out.jsonl"))
     assert problem is not None
     assert f"{tmp_path / 'dl'} is a link to a missing folder (/nonexistent/zz)" in problem
+
+
+class _Full:
+    """os.statvfs of a file system with no block left."""
+    f_bavail = f_bfree = 0
+
+
+def test_a_file_system_with_no_space_left_is_refused_naming_the_path(tmp_path, monkeypatch):
+    path = str(tmp_path / "sub" / "r.json")
+    monkeypatch.setattr(os, "statvfs", lambda folder: _Full())
+    problem = file_problem(path)
+    assert problem == (f"{path}: the file system of {tmp_path} has no space left (0 bytes "
+                       f"free): the run's results could not be written")
+    assert folder_problem(str(tmp_path / "out")).startswith(f"{tmp_path / 'out'}: ")
+
+
+def test_a_write_that_runs_out_of_space_names_its_path_and_leaves_the_old_file(tmp_path,
+                                                                              monkeypatch):
+    path = str(tmp_path / "r.json")
+    write_text(path, "old")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as caught:
+        write_text(path, "new")
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == path
+    assert str(caught.value) == f"[Errno 28] No space left on device: '{path}'"
+    with pytest.raises(OSError) as caught, streamed_open(str(tmp_path / "run.log")) as log:
+        log.write("line\n")
+    assert caught.value.filename == str(tmp_path / "run.log.partial")
+    assert open(path).read() == "old" and sorted(os.listdir(tmp_path)) == ["r.json", "run.log"]
