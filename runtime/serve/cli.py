@@ -72,6 +72,11 @@ def _security_flags(g) -> None:
                         "cached prefixes (default: shared, cache_salt per request)")
     g.add_argument("--max-body-bytes", type=parse_bytes, default=4 * 2**20, metavar="SIZE",
                    help="largest request body; larger: 413 (default: 4 MiB)")
+    g.add_argument("--max-response-bytes", type=parse_bytes, default=64 * 2**20, metavar="SIZE",
+                   help="largest response a request may ask for (prompts x n x max_tokens, "
+                        "with logprobs and echo; estimated before it is queued); larger: 400 "
+                        "naming the field to lower; checked against the host's available "
+                        "memory at start (default: 64 MiB)")
     g.add_argument("--header-timeout", type=bounded(float, 0, low_open=True), default=10.0,
                    metavar="S", help="seconds a connection has to send its request headers")
     g.add_argument("--body-timeout", type=bounded(float, 0, low_open=True), default=30.0,
@@ -139,7 +144,8 @@ def _limits_and_auth(args):
     limits = ServeLimits(max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout,
                          body_timeout_s=args.body_timeout, max_connections=args.max_connections,
                          shutdown_timeout_s=args.shutdown_timeout,
-                         trust_request_chat_template=args.trust_request_chat_template)
+                         trust_request_chat_template=args.trust_request_chat_template,
+                         max_response_bytes=args.max_response_bytes)
     return limits, AuthConfig.of(args.api_key, args.metrics_key, args.salt_per_key,
                                  admin_key=args.admin_key)
 

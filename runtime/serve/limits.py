@@ -15,6 +15,10 @@ request reaches the engine, each refusal one log line naming the client.
                   the server's CPU) only with ``trust_request_chat_template``, else a 400
                   naming it (vLLM's ``--trust-request-chat-template``); prompts are rendered
                   and tokenized off the event loop, so a long one never stalls other clients
+    response      ``max_response_bytes`` at most, estimated before anything is queued
+                  (``check_response_bytes``: prompts x choices x tokens, each token
+                  ``token_response_bytes``): a 400 naming the field to lower; the limit itself
+                  is checked against the host's MemAvailable when the limits are made
 
 ``GuardedH11Protocol`` is uvicorn's h11 protocol with the connection and header rules (a
 subclass: the h11 one is the only one whose hooks those rules need); ``BodyLimits`` wraps an
@@ -26,8 +30,10 @@ import asyncio
 import json
 import logging
 import resource
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
+
+from vmemkv.vmem.host import meminfo_bytes
 
 from .errors import ApiError, ServeConfigError
 
@@ -35,6 +41,16 @@ log = logging.getLogger("vmemkv.serve")
 
 CLOSE = {"Connection": "close"}   # the rest of a refused body is never read
 MAX_JSON_DEPTH = 32          # a completions body is 3 deep; 32 leaves room, refuses bombs
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 2**20
+# A response's JSON, per token (2026-12-06, tiny-llama, 1- to 3-character tokens): 8-9 bytes
+# without logprobs (its text and id); with logprobs k, k + 1 entries (its own and the top k) of
+# 16-26 bytes each in a completion, 60-85 in a chat completion (which adds each token's bytes).
+# Real tokenizers' longer tokens add a few bytes an entry: the estimate rounds both up.
+RESPONSE_BYTES_PER_TOKEN = 16
+RESPONSE_BYTES_PER_LOGPROB = 80
+# Building a JSON response holds its TokenLogprobs, the dicts and the text at once: a
+# completion with logprobs 20 took 4.4 KiB of RSS a token, 2.6 x its estimate (2026-12-06)
+HELD_BYTES_PER_RESPONSE_BYTE = 4
 
 
 @dataclass(frozen=True)
@@ -48,9 +64,11 @@ class ServeLimits:
     max_connections: Optional[int] = None
     shutdown_timeout_s: float = 10.0
     trust_request_chat_template: bool = False
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
 
     def __post_init__(self) -> None:
-        for name, low in (("max_body_bytes", 1), ("max_connections", 1)):
+        for name, low in (("max_body_bytes", 1), ("max_connections", 1),
+                          ("max_response_bytes", 1)):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < low):
@@ -68,11 +86,82 @@ class ServeLimits:
             raise ServeConfigError(f"max_connections {self.max_connections} needs more file "
                                    f"descriptors than ulimit -n {fds} leaves (32 are kept for "
                                    f"the process); lower it or raise ulimit -n")
+        held_bytes = self.max_response_bytes * HELD_BYTES_PER_RESPONSE_BYTE
+        available_bytes = meminfo_bytes("MemAvailable")
+        if available_bytes is not None and held_bytes > available_bytes:
+            raise ServeConfigError(
+                f"max_response_bytes {self.max_response_bytes} (--max-response-bytes): building "
+                f"a response that large holds about {held_bytes} bytes "
+                f"({HELD_BYTES_PER_RESPONSE_BYTE} x), more than the host MemAvailable of "
+                f"{available_bytes} bytes; lower it to at most "
+                f"{available_bytes // HELD_BYTES_PER_RESPONSE_BYTE}")
 
 
 def _fd_limit() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return soft if soft != resource.RLIM_INFINITY else 2**20
+
+
+def token_response_bytes(logprobs: Optional[int]) -> int:
+    """The estimated JSON bytes one token adds to a response: its text and id, and with
+    ``logprobs`` k (None: none asked for) k + 1 logprob entries."""
+    entries = 0 if logprobs is None else logprobs + 1
+    return RESPONSE_BYTES_PER_TOKEN + entries * RESPONSE_BYTES_PER_LOGPROB
+
+
+@dataclass(frozen=True)
+class ResponseSize:
+    """What bounds one request's response: ``prompts`` prompts, ``n`` choices each of at most
+    ``max_tokens`` tokens with ``logprobs`` top entries a token (None: no logprobs), and
+    ``echo_tokens`` prompt tokens in all echoed with their logprobs before each choice."""
+    prompts: int
+    n: int
+    max_tokens: int
+    logprobs: Optional[int]
+    echo_tokens: int = 0
+
+    @property
+    def estimate_bytes(self) -> int:
+        per_token = token_response_bytes(self.logprobs)
+        return self.n * (self.prompts * self.max_tokens + self.echo_tokens) * per_token
+
+
+def check_response_bytes(size: ResponseSize, max_response_bytes: int, chat: bool = False) -> None:
+    """ApiError 400 when ``size``'s response could pass ``max_response_bytes``: the message
+    gives both numbers, ``param`` the field to lower (logprobs first, the strongest lever, then
+    n, then max_tokens, else the prompts), with the most of it that fits."""
+    need_bytes = size.estimate_bytes
+    if need_bytes <= max_response_bytes:
+        return
+    field, fits = _lever(size, max_response_bytes, chat)
+    echo = f" + {size.echo_tokens} echoed prompt tokens" if size.echo_tokens else ""
+    asked = "" if size.logprobs is None else f" with logprobs {size.logprobs}"
+    raise ApiError(400, f"{field}: the response could reach about {need_bytes:,} bytes (n "
+                        f"{size.n} x ({size.prompts} prompt(s) x {size.max_tokens} tokens{echo}) "
+                        f"at about {token_response_bytes(size.logprobs)} bytes a token{asked}), "
+                        f"more than this server's limit of {max_response_bytes:,} bytes "
+                        f"(--max-response-bytes); {fits}", field)
+
+
+def _lever(size: ResponseSize, limit_bytes: int, chat: bool):
+    """(the field to lower, what of it fits) for a response over ``limit_bytes``."""
+    if size.logprobs is not None:
+        for k in range(size.logprobs - 1, -1, -1):
+            if replace(size, logprobs=k).estimate_bytes <= limit_bytes:
+                name = "top_logprobs" if chat else "logprobs"
+                return name, f"{name} {k} or less fits"
+        if replace(size, logprobs=None).estimate_bytes <= limit_bytes:
+            return "logprobs", "it fits without logprobs"
+    per_choice_bytes = size.estimate_bytes // size.n
+    if size.n > 1 and per_choice_bytes <= limit_bytes:
+        return "n", f"n {limit_bytes // per_choice_bytes} or less fits"
+    per_token = token_response_bytes(size.logprobs)
+    most_tokens = (limit_bytes - size.n * size.echo_tokens * per_token) \
+        // (size.n * size.prompts * per_token)
+    if most_tokens >= 1:
+        name = "max_tokens (or max_completion_tokens)" if chat else "max_tokens"
+        return "max_tokens", f"{name} {most_tokens} or less fits"
+    return "prompt", "send fewer prompts at a time (or shorter ones, with echo)"
 
 
 def loads_json(body: bytes):

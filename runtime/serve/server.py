@@ -9,7 +9,8 @@ socket, lets the requests in flight run for ``limits.shutdown_timeout_s``, ends 
 error event and ``[DONE]`` for a stream, 503 for a JSON request: shutdown.py), aborts what is
 still live (its memory is released) and joins the engine thread; the engine itself stays open
 for its owner to close. Client limits (limits.py) and API keys (auth.py) are enforced in front
-of the app.
+of the app; a request whose response could pass ``limits.max_response_bytes`` is refused before
+it is queued (submission.py).
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ class Server:
         self.limits, self.auth = limits or ServeLimits(), auth or AuthConfig()
         self.metrics = ServeMetrics(model_name)
         self.engine_thread = EngineThread(engine, self.metrics, max_pending_requests=max_queue)
+        # each Submission reads its response limit here (submission.py, limits.py)
+        self.engine_thread.max_response_bytes = self.limits.max_response_bytes
         self.drain = Drain()
         app = Guard(create_app(self.engine_thread, self.metrics, ServedModel.of(engine, model_name, self.limits, max_queue),
                                self.drain, lora_root), self.limits, self.auth)

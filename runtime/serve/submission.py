@@ -7,6 +7,10 @@ text is the engine's (``TokenEvent.text``: incremental detokenization and stop s
 same as ``Engine.generate``'s); without a tokenizer it is the token ids in decimal, space-
 separated. A submission that leaves early (the client disconnected) aborts every request still
 live on the engine thread, which releases its memory before the next step.
+
+Before anything is queued, the response's worst case (``limits.check_response_bytes``: prompts x
+choices x max_tokens, plus the echoed prompts with logprobs) is checked against the server's
+``max_response_bytes``: past it, ApiError 400 naming the field to lower.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from vmemkv.runtime.engine.sampling import SamplingParams
 
 from .engine_thread import Ended, EngineThread, Token, choices_per_prompt
 from .errors import ApiError, cache_shrunk, cannot_hold, internal_error, request_failed
+from .limits import DEFAULT_MAX_RESPONSE_BYTES, ResponseSize, check_response_bytes
 from .shutdown import shutting_down
 
 
@@ -52,11 +57,16 @@ class Delta:
 
 class Submission:
     """Every engine request of one HTTP request. ``events()`` yields a Delta per token;
-    ``close()`` aborts whatever has not ended."""
+    ``close()`` aborts whatever has not ended. ``max_response_bytes`` None: ``server``'s
+    (``Server`` sets it from its limits), else ``DEFAULT_MAX_RESPONSE_BYTES``."""
 
     def __init__(self, server: EngineThread, prompts: Sequence[Sequence[int]],
                  params: SamplingParams, arrival_s: float, prefix: str = "cmpl",
-                 has_tokenizer: bool = True) -> None:
+                 has_tokenizer: bool = True, max_response_bytes: Optional[int] = None) -> None:
+        if max_response_bytes is None:
+            max_response_bytes = getattr(server, "max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES)
+        check_response_bytes(response_size(prompts, params), max_response_bytes,
+                             chat=prefix == "chatcmpl")      # before anything is queued
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.n, self._ids_as_text = choices_per_prompt(params), not has_tokenizer
@@ -141,3 +151,13 @@ class Submission:
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
+
+
+def response_size(prompts: Sequence[Sequence[int]], params) -> ResponseSize:
+    """What bounds the response of ``prompts`` run with ``params``: a beam search's returned
+    beams carry no logprobs; echoed prompts count when their logprobs are asked for."""
+    if isinstance(params, BeamSearchParams):
+        return ResponseSize(len(prompts), params.returned_beams, params.max_new_tokens, None)
+    echo_tokens = sum(len(p) for p in prompts) if params.prompt_logprobs is not None else 0
+    return ResponseSize(len(prompts), params.n, params.max_new_tokens, params.logprobs,
+                        echo_tokens)
