@@ -5,8 +5,11 @@ sequence holds alone on its way to a length (what submission checks: ``PoolReach
 A beam request is refused (``RequestTooLargeError``) when it asks for more beams than a step runs,
 or when its group holds more than the whole pool at a length every beam surely reaches: the
 first decode step, and the last one (``max_tokens - 1`` past the prompt) when nothing can end the
-search early (``Request.runs_to_max_tokens``). At ``length`` tokens the group holds at least, in
-every layer kind (a paged block group; a vmem layer kind, or every layer where nothing is split):
+search early (``Request.runs_to_max_tokens``); ``CacheShrunkError`` where only the pool resized
+back up to its max holds it (the pool is counted as it is now, not as it was built; a resize
+checks every live beam request so too, ``lifecycle.resize_pool``). At ``length`` tokens the
+group holds at least, in every layer kind (a paged block group; a vmem layer kind, or every
+layer where nothing is split):
 
 - the kind's unit of each beam's newest token on its own: every beam writes its newest token
   into every layer, and a fork shares whole units only, so each beam copies the partial unit;
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Tuple
 
-from .errors import RequestTooLargeError
+from .errors import CacheShrunkError, RequestTooLargeError
 from .layout import CacheKind, PoolBacking
 
 # one layer kind: (its window, pool units per whole unit, pool units of a partial copy of fill)
@@ -34,7 +37,9 @@ KindCost = Tuple[Optional[int], int, Callable[[int], int]]
 def check_beam_group_fits(request, manager, *, max_running: int,
                           reach_bytes: Optional[int] = None) -> None:
     """RequestTooLargeError, naming the request, when its beam group could never run: in the
-    pool as it is, or (``reach_bytes``: a pool a MemoryBudget resizes) grown to that size."""
+    pool as it is now (resized: its size since; CacheShrunkError where it fits the pool resized
+    back up to its max), or (``reach_bytes``: a pool a MemoryBudget resizes) grown to that
+    size. ``Scheduler.resize`` checks every live beam request so too."""
     width, unit = request.beam_width, manager.fork_unit_tokens
     if width > max_running:
         raise RequestTooLargeError(
@@ -46,10 +51,13 @@ def check_beam_group_fits(request, manager, *, max_running: int,
     what, parts, kinds = unit_costs(manager)
     if layout.kind is CacheKind.PAGED:
         pool = layout.num_blocks
-    else:
-        pool = layout.pool_pages - layout.released_pages
+    else:   # the pages in service now (the layout's released_pages are construction's)
+        pool = manager.pool_units(manager.cache_bytes) or \
+            layout.pool_pages - layout.released_pages   # (a policy that counts no units)
         if reach_bytes is not None:
             pool = min(layout.pool_pages, reach_bytes // layout.geometry.page_bytes)
+    most = pool if reach_bytes is not None else max(pool, manager.pool_units(
+        manager.max_cache_bytes))                       # resized back up to its max
     prompt = request.prompt_len
     last = prompt + (request.max_tokens - 1 if request.runs_to_max_tokens else 1)
     # at equal positions within a unit the least only grows with the length, so its most over
@@ -61,12 +69,14 @@ def check_beam_group_fits(request, manager, *, max_running: int,
               f"{length} tokens (it runs to max_tokens {request.max_tokens})")
         where = f"in each of its {len(kinds)} {parts}, " if len(kinds) > 1 else ""
         read = " that the window reads" if any(window for window, _, _ in kinds) else ""
-        raise RequestTooLargeError(
+        shrunk = need <= most     # fits once the pool is resized back up (check_length's rule)
+        raise (CacheShrunkError if shrunk else RequestTooLargeError)(
             f"request {request.request_id}: a beam search of {width} beams over a {prompt}-token "
             f"prompt holds at least {need} {what} at {at}: {where}the whole {unit}-token units "
             f"before the newest token{read} once, then each beam's own copy of the newest; more "
             f"than the cache's {pool} {what}"
-            f"{'' if reach_bytes is None else ' (the most its MemoryBudget share can hold)'}",
+            f"{'' if reach_bytes is None else ' (the most its MemoryBudget share can hold)'}"
+            f"{f' at its current size; resized back up it holds {most}' if shrunk else ''}",
             None, "beam_width")
 
 
