@@ -133,7 +133,10 @@ def resize_pool(scheduler, cache_bytes: int, preempt: bool, check_fit: bool, par
     """``Scheduler.resize``: the manager's pool set to ``cache_bytes``, preempting from the
     tail of ``running`` (swap or recompute, as a step would) while running sequences hold what
     must go and ``preempt`` allows it; ``partial``: what could not be freed stays (no error).
-    Returns the plan (ops, preemptions, table edits)."""
+    ``check_fit``: CacheResizeError when a live request would no longer fit: a sequence's
+    longest, a beam group as it would come back now and by ``add_request``'s rule
+    (``beam_fit.check_beam_group_fits``: at the lengths it surely reaches), an adapter beside
+    its request. Returns the plan (ops, preemptions, table edits)."""
     s = scheduler
     plan = StepPlan([], [], finished=[])
     try:
@@ -172,6 +175,11 @@ def resize_pool(scheduler, cache_bytes: int, preempt: bool, check_fit: bool, par
                     f"resizing the cache to {cache_bytes} bytes: beam search request {rid} "
                     f"({len(members)} beams of {members[0].length} tokens) needs {need} tokens "
                     f"to come back, the cache would hold {s.total_tokens}")
+            try:                    # and add_request's rule: at the lengths it surely reaches
+                s._check_beam_group_fits(members[0].request)
+            except RequestTooLargeError as error:
+                raise CacheResizeError(f"resizing the cache to {cache_bytes} bytes: "
+                                       f"{error}") from None
         for q in live:              # and beside its adapter (the pages it takes from KV)
             if q.request.adapter is not None:
                 try:
