@@ -10,7 +10,8 @@ live on the engine thread, which releases its memory before the next step.
 
 Before anything is queued, the response's worst case (``limits.check_response_bytes``: prompts x
 choices x max_tokens, plus the echoed prompts with logprobs) is checked against the server's
-``max_response_bytes``: past it, ApiError 400 naming the field to lower.
+``max_response_bytes``: past it, ApiError 400 naming the field to lower. A streamed submission
+(``stream``) keeps no logprobs in its choices: each token's travel in its Delta only.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from .shutdown import shutting_down
 
 @dataclass
 class Choice:
-    """One choice as it grows: ``text`` and ``token_ids`` so far, logprobs when asked for."""
+    """One choice as it grows: ``text`` and ``token_ids`` so far, logprobs when asked for (and
+    the response is not streamed)."""
     index: int
     text: str = ""
     token_ids: List[int] = field(default_factory=list)
@@ -62,11 +64,13 @@ class Submission:
 
     def __init__(self, server: EngineThread, prompts: Sequence[Sequence[int]],
                  params: SamplingParams, arrival_s: float, prefix: str = "cmpl",
-                 has_tokenizer: bool = True, max_response_bytes: Optional[int] = None) -> None:
+                 has_tokenizer: bool = True, stream: bool = False,
+                 max_response_bytes: Optional[int] = None) -> None:
         if max_response_bytes is None:
             max_response_bytes = getattr(server, "max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES)
         check_response_bytes(response_size(prompts, params), max_response_bytes,
                              chat=prefix == "chatcmpl")      # before anything is queued
+        self._keep_logprobs = not stream    # a stream's were sent: holding them is all cost
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.n, self._ids_as_text = choices_per_prompt(params), not has_tokenizer
@@ -133,7 +137,8 @@ class Submission:
         choice.text += text
         choice.token_ids.append(event.token_id)
         logprobs = [event.logprobs] if event.logprobs is not None else []
-        choice.logprobs.extend(logprobs)
+        if self._keep_logprobs:
+            choice.logprobs.extend(logprobs)
         choice.finish_reason = event.finish_reason
         return Delta(choice.index, text, [event.token_id], logprobs, event.finish_reason)
 

@@ -1,7 +1,8 @@
 """A request's response is bounded before it is queued (``--max-response-bytes``, limits.py):
 a 272-byte body (32 one-token prompts, n 8, max_tokens 255, logprobs 20, echo) made the server
 build a 36 MB response and grow by 260 MiB; at the defaults one ~3 KB body could ask for ~8 GiB.
-The limit itself is checked against the host's available memory at start (faked here)."""
+The limit itself is checked against the host's available memory at start (faked here), and a
+stream keeps no logprobs once they are sent."""
 from __future__ import annotations
 
 import asyncio
@@ -12,8 +13,11 @@ import pytest
 
 from vmemkv.cli import build_parser, main
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
+from vmemkv.runtime.engine.logprobs import TokenLogprobs
+from vmemkv.runtime.engine.outputs import TokenEvent
 from vmemkv.runtime.engine.sampling import SamplingParams
 from vmemkv.runtime.serve import limits
+from vmemkv.runtime.serve.engine_thread import Ended, Token
 from vmemkv.runtime.serve.errors import ApiError, ServeConfigError
 from vmemkv.runtime.serve.limits import (DEFAULT_MAX_RESPONSE_BYTES, ResponseSize, ServeLimits,
                                          check_response_bytes)
@@ -134,3 +138,23 @@ def test_a_submission_is_refused_before_anything_is_submitted():
     assert default.sinks == []
     asyncio.run(submit(default, 39_000))                      # 66,144,000 bytes
     assert len(default.sinks) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stream_keeps_no_logprobs_once_they_are_sent(stream):
+    top = TokenLogprobs(5, -0.5, 1, ((5, -0.5), (6, -1.5)))
+
+    async def run():
+        server = _FakeEngineThread()
+        submission = Submission(server, [[1, 2]], SamplingParams(max_new_tokens=2, logprobs=2),
+                                0.0, stream=stream)
+        await submission.started()
+        server.sinks[0](Token(TokenEvent(1, 0, 5, False, logprobs=top), 0.0))
+        server.sinks[0](Token(TokenEvent(1, 0, 6, True, "length", logprobs=top), 0.0))
+        server.sinks[0](Ended("finished"))
+        return [delta async for delta in submission.events()], submission.choices[0]
+
+    deltas, choice = asyncio.run(run())
+    assert [d.logprobs for d in deltas] == [[top], [top]]     # every token's are sent
+    assert choice.token_ids == [5, 6] and choice.finish_reason == "length"
+    assert choice.logprobs == ([] if stream else [top, top])
