@@ -119,14 +119,45 @@ def _umask() -> int:
     return mask
 
 
-def folder_problem(path: str) -> Optional[str]:
+def folder_problem(path: str, names: Iterable[str] = ()) -> Optional[str]:
     """Why a run cannot write its files into the folder ``path`` (created with the folders
     above it when missing), or None: not a file or a device, in a folder we may write in
-    (``cliargs.file_problem`` of a file inside it)."""
+    (``cliargs.file_problem`` of a file inside it), and each of ``names`` (the files the run
+    writes there; ``*.png``-style patterns: the files there they match) a regular file or
+    absent (a folder at ``sweep.csv`` was found by os.replace after the whole run)."""
     if os.path.exists(path) and not os.path.isdir(path):
         return f"{path} is not a folder (a file is there): give a folder"
     problem = file_problem(os.path.join(path, STALE_NAME))
-    return problem and f"{path}: {problem}"
+    if problem:
+        return f"{path}: {problem}"
+    for name in names:
+        for member in _members(path, name):
+            if os.path.lexists(member) and not os.path.isfile(member):
+                return (f"{path}: {member} is not a regular file (a folder, a device or a "
+                        f"broken link), and the run writes its {os.path.basename(member)} "
+                        f"there: move it or give another folder")
+            problem = file_problem(member)
+            if problem:
+                return f"{path}: {problem}"
+    return None
+
+
+def _members(folder: str, name: str) -> list:
+    """The paths in ``folder`` that ``name`` stands for: itself, or for a pattern the entries
+    there it matches."""
+    import fnmatch
+    if not any(c in name for c in "*?["):
+        return [os.path.join(folder, name)]
+    entries = os.listdir(folder) if os.path.isdir(folder) else []
+    return [os.path.join(folder, n) for n in sorted(entries) if fnmatch.fnmatch(n, name)]
+
+
+def refuse_folder(folder: str, names: Iterable[str]) -> None:
+    """ConfigError naming what in ``folder`` the run could not write (``folder_problem``)."""
+    problem = folder_problem(folder, names)
+    if problem:
+        from .errors import ConfigError
+        raise ConfigError(problem)
 
 
 class StaleMarker:
@@ -142,6 +173,9 @@ class StaleMarker:
         self._running = ""
 
     def begin(self) -> "StaleMarker":
+        """Before the run's work: its names are checked (``folder_problem``: ConfigError, the
+        folder untouched), then the marker lists what an earlier run left."""
+        refuse_folder(self.folder, self.patterns)
         os.makedirs(self.folder, exist_ok=True)
         self.stale = sorted(n for n in os.listdir(self.folder) if self._owned(n))
         started = time.strftime("%Y-%m-%d %H:%M:%S")

@@ -15,7 +15,7 @@ import json
 import os
 from typing import Dict, List
 
-from .result_files import atomic_open
+from .result_files import refuse_folder, atomic_open
 from .sweep_spec import PARAMS, point_key
 
 JOURNAL_NAME = "sweep.rows.jsonl"
@@ -28,6 +28,7 @@ class RowJournal:
         self.path = os.path.join(out_dir, JOURNAL_NAME)
         wanted = {point_key(p) for p in points}
         self.kept: Dict[str, dict] = {}
+        refuse_folder(out_dir, [JOURNAL_NAME])     # before any point runs
         if resume:
             for row in _read_rows(self.path):
                 key = point_key(row) if all(k in row for k in PARAMS) else None
