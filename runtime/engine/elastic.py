@@ -6,9 +6,13 @@ so every tensor-parallel rank applies it).
 Only the vmem cache resizes (pages are mapped one by one); paged is refused by name. The pool's
 page ids are reserved at construction for ``EngineConfig.max_cache_bytes``; growing past it is
 refused. Growing is checked against the device's available memory first (a page's memory is
-created when it is next mapped), less, with the cache on the host, the swap space promised at
-construction that swapped-out sequences have not filled yet (``unfilled_swap_bytes``): swap-outs
-fill it on demand, so a pool grown into it would over-commit the host.
+created when it is next mapped, so the memory a grow needs is the new size less the pool's
+``committed_bytes``: the pages promised by earlier grows and not created yet count too), beside,
+with the cache on the host, the swap space promised at construction that swapped-out sequences
+have not filled yet (``unfilled_swap_bytes``): both are filled on demand, so a pool grown into
+them would over-commit the host. With the cache on the host and spawned tensor-parallel ranks,
+every rank's pool is in this machine's memory: each byte of a rank's size counts once per rank,
+as at construction (``check_ranks_fit``). On CUDA rank 0 checks its own GPU only.
 """
 from __future__ import annotations
 
@@ -82,15 +86,18 @@ class ElasticMemory:
     def resize_cache(self, cache_bytes: Optional[int] = None, *,
                      memory_utilization: Optional[float] = None, preempt: bool = False) -> int:
         """Let the KV pool use ``cache_bytes`` (or ``memory_utilization``: that fraction of
-        the device's available memory less ``unfilled_swap_bytes``, plus what the pool uses
-        now); returns the bytes it uses
+        the device's available memory less ``unfilled_swap_bytes``, plus the pool's
+        ``committed_bytes``, so the same call again changes nothing; per rank, as at
+        construction: with spawned tensor-parallel ranks on the host, a fraction above
+        1 / ``tensor_parallel_size`` is refused); returns the bytes it uses
         after (rounded down to whole pages). Growing creates pages as they are mapped; shrinking
         gives back free and cached pages, then, with ``preempt``, preempts running requests
         from the newest (swapped or recomputed as ``preemption`` says: none is dropped).
         CacheResizeError, nothing changed, when it cannot: bytes running requests hold
         (without ``preempt``), a waiting request that would no longer fit, past
-        ``max_cache_bytes``, the budget's share, or the device's available memory less the
-        unfilled swap space;
+        ``max_cache_bytes``, the budget's share, or the device's available memory (what the
+        grow needs beyond ``committed_bytes``, once per rank spawned on the host, beside the
+        unfilled swap space);
         EngineSleepingError while asleep (``wake`` first)."""
         self._check_resizable()
         self._check_awake()
@@ -100,8 +107,7 @@ class ElasticMemory:
             raise CacheResizeError("resize_cache takes one of cache_bytes and "
                                    "memory_utilization")
         if memory_utilization is not None:
-            cache_bytes = max(0, bytes_from_fraction(memory_utilization, self.device) - int(
-                memory_utilization * self.unfilled_swap_bytes)) + self.cache_bytes
+            cache_bytes = self._bytes_for_utilization(memory_utilization)
         if isinstance(cache_bytes, bool) or not isinstance(cache_bytes, int) or cache_bytes < 0:
             raise CacheResizeError(f"cache_bytes must be an int >= 0, got {cache_bytes!r}")
         if self.memory_share is not None:
@@ -131,16 +137,7 @@ class ElasticMemory:
                                    f"pool's page ids are reserved at construction)")
         growth = cache_bytes - mgr.cache_bytes
         if growth > 0:
-            swap = self.unfilled_swap_bytes   # host memory promised to swap-outs
-            what = f"growing the KV cache by {growth} bytes"
-            if swap:
-                what += (f" beside the {swap} bytes of swap space (swap_bytes) swapped-out "
-                         f"sequences have not filled yet")
-            try:
-                check_fits_device(what, growth + swap, self.cache_config.torch_device,
-                                  remedy="grow less, or build the engine with less swap_bytes")
-            except Exception as error:
-                raise CacheResizeError(str(error)) from None
+            self._check_growth_fits(growth, cache_bytes)
         try:
             self._txn.run(lambda: self.scheduler.resize(cache_bytes, preempt, check_fit, partial))
         except TensorParallelError:
@@ -151,6 +148,58 @@ class ElasticMemory:
         self._preempted_last = self.scheduler.metrics.num_preemptions
         return mgr.cache_bytes
 
+    def _check_growth_fits(self, growth: int, cache_bytes: int) -> None:
+        """CacheResizeError, before anything changes, when the memory growing each rank's pool
+        to ``cache_bytes`` needs (``cache_bytes`` less its ``committed_bytes``, once per rank
+        whose pool is in this device's memory) beside ``unfilled_swap_bytes`` exceeds the
+        device's total or available memory."""
+        ranks, swap = self._pool_copies(), self.unfilled_swap_bytes   # swap: every rank's
+        committed = self.committed_bytes
+        unbacked = max(0, cache_bytes - committed)     # earlier grows' pages not created yet too
+        what = f"growing the KV cache by {growth} bytes"
+        if ranks > 1:
+            what += f" on each of {ranks} tensor-parallel ranks spawned on this host"
+        what += (f" (to {cache_bytes} bytes a rank, {unbacked} of them beyond the "
+                 f"{committed} bytes whose pages exist: created when first mapped)")
+        if swap:
+            what += (f" beside the {swap} bytes of swap space (swap_bytes) swapped-out "
+                     f"sequences have not filled yet")
+        try:
+            check_fits_device(what, ranks * unbacked + swap, self.cache_config.torch_device,
+                              remedy="grow less" + (", or build the engine with less swap_bytes"
+                                                    if swap else ""))
+        except Exception as error:
+            raise CacheResizeError(str(error)) from None
+
+    def _bytes_for_utilization(self, fraction: float) -> int:
+        """``resize_cache(memory_utilization=fraction)``'s size a rank: that fraction of the
+        available memory less ``unfilled_swap_bytes``, plus ``committed_bytes`` (what the pool
+        has created; a size promised beyond it is not in the available memory yet)."""
+        grant = max(0, bytes_from_fraction(fraction, self.device)
+                    - int(fraction * self.unfilled_swap_bytes))
+        ranks = self._pool_copies()
+        if ranks * fraction > 1:
+            raise CacheResizeError(
+                f"memory_utilization={fraction} is per rank, as at construction: "
+                f"{ranks} tensor-parallel ranks spawned on this host would take "
+                f"{ranks * fraction:.2f} of its available memory ({ranks} x {grant} bytes); "
+                f"give at most 1/{ranks}")
+        return grant + self.committed_bytes
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of the pool (rank 0's; every rank's maps the same pages) whose memory exists
+        now; ``cache_bytes`` past it is promised, created when first mapped."""
+        return self.kv.cache.pool.committed_bytes
+
+    def _pool_copies(self) -> int:
+        """Pools in this device's memory: ``tensor_parallel_size`` with the cache on the host
+        and spawned ranks (they share this machine), else 1 (on CUDA each rank has its own
+        GPU, and rank 0 reads only its own)."""
+        if self.cache_config.torch_device.type != "cpu" or self.config.tp_launch != "spawn":
+            return 1
+        return self.config.tensor_parallel_size
+
     @property
     def unfilled_swap_bytes(self) -> int:
         """Host memory promised to the swap space (``swap_bytes``, checked beside the cache at
@@ -159,13 +208,17 @@ class ElasticMemory:
         device memory, the swap space is host memory)."""
         if self.cache_config.torch_device.type != "cpu":
             return 0
-        ranks = self.config.tensor_parallel_size if self.config.tp_launch == "spawn" else 1
-        return ranks * self.kv.manager.swap_free_bytes
+        return self._pool_copies() * self.kv.manager.swap_free_bytes
 
-    def _available_for_pool(self) -> Optional[int]:
-        """The device's available memory less ``unfilled_swap_bytes`` (None: unreadable)."""
+    def _pool_room_bytes(self) -> Optional[int]:
+        """The most a rank's pool may grow to now (None: the available memory is unreadable):
+        ``committed_bytes`` plus its share of the available memory less
+        ``unfilled_swap_bytes``."""
         avail = memory.available_memory_bytes(self.cache_config.torch_device)
-        return None if avail is None else max(0, avail - self.unfilled_swap_bytes)
+        if avail is None:
+            return None
+        room = max(0, avail - self.unfilled_swap_bytes) // self._pool_copies()
+        return self.committed_bytes + room
 
     def sleep(self) -> int:
         """Give every physical KV page back to the device: running requests are preempted
@@ -226,9 +279,12 @@ class ElasticMemory:
             return
         target = min(target, self.kv.manager.max_cache_bytes)
         if target > self.cache_bytes:
-            avail = self._available_for_pool()     # less the swap space not yet filled
-            if avail is not None:
-                target = min(target, self.cache_bytes + avail)
+            room = self._pool_room_bytes()   # per rank, less the swap and pages not created
+            if room is not None and room <= self.cache_bytes:
+                share.settle(self.cache_bytes)      # no room to grow: nothing stays reserved
+                return
+            if room is not None:
+                target = min(target, room)
         try:          # a yield to an older blocked engine may preempt (share.preempts)
             self._resize(target, preempt=share.preempts, partial=True)
         except CacheResizeError:
