@@ -1,6 +1,7 @@
 """``vmemkv bench serve``: load an OpenAI-compatible server open-loop and report what
 ``vllm bench serve`` reports, with its names, through ``scheduler/report.py`` (the same code as
-the simulator and ``vmemkv bench``): a table, DIR/serve.json and DIR/serve.png.
+the simulator and ``vmemkv bench``): a table, DIR/serve.json and DIR/serve.png (``--out DIR``
+checked before any request is sent: a folder we can write both files in).
 
     vmemkv bench serve --url http://127.0.0.1:8000 --rate 4 --num-prompts 64
     vmemkv bench serve --url http://127.0.0.1:8000 --trace azure-conv --max-requests 100
@@ -11,15 +12,18 @@ import argparse
 import math
 import os
 import sys
+from typing import Optional
 
 from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, bounded
 from vmemkv.scheduler.report import parse_goodput, serving_report
+from vmemkv.scheduler.result_files import folder_problem
 from vmemkv.scheduler.traces import trace_names
 
 from .common import format_table, write_json
 from .plots import _pyplot, _save
 
 TABLE_METRICS = ("ttft", "tpot", "itl", "e2el")
+OUTPUTS = ("serve.json", "serve.png")     # what a run writes in --out
 
 
 def register(subparsers) -> None:
@@ -65,6 +69,10 @@ def _rate(text: str) -> float:
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
+    problem = out_problem(args.out)     # before the load: its figures were lost after it
+    if problem:
+        from vmemkv.cli import UsageError
+        raise UsageError(f"--out {problem}")
     from vmemkv.runtime.serve import bench_client as client
     from vmemkv.runtime.serve.server import require_serve_extra
     require_serve_extra()
@@ -94,6 +102,12 @@ def run(args: argparse.Namespace) -> int:
                          f"first: {errors[0]}\n")
         return 1
     return 0
+
+
+def out_problem(path: str) -> Optional[str]:
+    """Why serve.json and serve.png cannot be written into the folder ``path``, or None
+    (``result_files.folder_problem``; an empty name too)."""
+    return "needs a folder name, got ''" if not path else folder_problem(path, OUTPUTS)
 
 
 def format_report(payload: dict, percentiles) -> str:
