@@ -18,7 +18,10 @@ reports come from ``scheduler/report.py``; the error is (simulated - measured) /
 comparison per rate scale; every figure's error is then reported as its median, min-max and
 p90 of |error| over the rounds, beside the engine floor (the N engine replays of each rate
 predicting each other, ``fidelity_stats``). Progress goes to stderr; ``--json`` is rewritten
-whole after every round (a temporary file, then ``os.replace``).
+whole after every round (a temporary file, then ``os.replace``). ``--compare-fits`` also writes
+one profile per fit beside the calibration's (``--profile sub/cal.json``: ``sub/cal.fit0.json``,
+``sub/cal.fit1.json``, ...), replacing earlier ones of those names; with ``--profile`` they are
+checked before anything runs.
 """
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ from vmemkv.scheduler.report import serving_report
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.traces import fit_to_length, load_trace
-from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, thread_count, result_file
+from vmemkv.scheduler.cliargs import (POSITIVE_FLOAT, POSITIVE_INT, file_problem, result_file,
+                                      thread_count)
 
 FIGURES = ("output_throughput", "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")
 GOALS = {"output_throughput": 0.10, "median_ttft_ms": 0.15, "p90_ttft_ms": 0.15,
@@ -163,19 +167,28 @@ def measure(args, profile_path: str) -> dict:
 def other_fits(entries, config: SimConfig, measured: Dict) -> Dict[str, Dict]:
     """The same replay simulated with each fit of ``calibration_stability.FITS`` made on the
     same calibration's steps (``--compare-fits``): which fit predicts the engine best, on
-    identical data. Each variant profile is written beside the calibration's."""
+    identical data. Each variant profile is written beside the calibration's (``fit_paths``)."""
     from vmemkv.benchmarks.calibration_stability import FITS
     with open(config.profile, encoding="utf-8") as f:
         profile = json.load(f)
     out = {}
-    for i, (name, fit) in enumerate(FITS.items()):
-        path = f"{config.profile[:-len('.json')]}.fit{i}.json"
+    for path, (name, fit) in zip(fit_paths(config.profile), FITS.items()):
         write_json_whole(path, {**profile, "coefficients": fit(profile["points"])})
         simulated = simulate(entries, replace(config, profile=path)).report()
         out[name] = {"simulated": {k: simulated[k] for k in FIGURES},
                      "rel_error": {k: (simulated[k] - measured[k]) / measured[k]
                                    for k in FIGURES}}
     return out
+
+
+def fit_paths(profile_path: str) -> List[str]:
+    """The variant profiles ``--compare-fits`` writes, one per fit: in the profile's folder,
+    its name less its extension then ``.fitN.json`` (``sub/cal.json`` -> ``sub/cal.fit0.json``;
+    ``sub/cal`` -> ``sub/cal.fit0.json``: ``[:-5]`` made it ``su.fit0.json``, in another folder,
+    over a user's file)."""
+    from vmemkv.benchmarks.calibration_stability import FITS
+    stem = os.path.splitext(profile_path)[0]
+    return [f"{stem}.fit{i}.json" for i in range(len(FITS))]
 
 
 def from_submission(timings, lags) -> dict:
@@ -207,7 +220,12 @@ def parse_args(argv=None):
     ap.add_argument("--refit", metavar="FILE",
                     help="no run: --compare-fits again on an earlier --json (its profiles)")
     ap.add_argument("--json", metavar="FILE", type=result_file, help="also write the result here (whole)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for path in fit_paths(args.profile) if args.compare_fits and args.profile else []:
+        problem = file_problem(path)     # before the replays: they were lost after them
+        if problem:
+            ap.error(f"--compare-fits writes each fit's profile beside --profile: {problem}")
+    return args
 
 
 def calibrated(args, folder: str, index: int) -> str:
