@@ -11,7 +11,7 @@ A stream opens every choice with a ``{"role": "assistant"}`` delta.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import ClassVar, FrozenSet, List, Optional
 
 from pydantic import Field
 
@@ -27,6 +27,8 @@ from .submission import Choice, Delta
 
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
+    NULLABLE: ClassVar[FrozenSet[str]] = SamplingFields.NULLABLE | {
+        "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"}
     messages: List[dict] = Field(min_length=1)   # [{"role", "content"}], checked by the engine's chat
     max_tokens: Optional[int] = Field(None, ge=1)               # OpenAI's older name
     max_completion_tokens: Optional[int] = Field(None, ge=1)

@@ -8,7 +8,10 @@ queued: malformed JSON, a body that is not an object, an unknown field, a value 
 type or out of range (the ranges are ``SamplingParams``' own: one rule, one message). Beyond
 OpenAI's fields, the server takes vLLM's extensions (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
-``include_stop_str_in_output``, ``skip_special_tokens``); every choice carries its
+``include_stop_str_in_output``, ``skip_special_tokens``). A field OpenAI types "X or null"
+(``temperature``, ``top_p``, ``n``, penalties, ``stream``, ``max_tokens``, ``echo``, ...: each
+model's ``NULLABLE``) takes JSON null as "the default", as if it were not sent; null anywhere
+else is a 400 naming the field. Every choice carries its
 ``token_ids`` (as vLLM's ``return_token_ids`` does), so clients without a tokenizer can read what
 was generated. ``best_of`` is taken only when it equals ``n``: ranking hidden samples is not
 implemented, and a silent substitute would be wrong. ``use_beam_search`` (vLLM's extension, with
@@ -19,9 +22,9 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Dict, List, Optional, Type, Union
+from typing import ClassVar, Dict, FrozenSet, List, Optional, Type, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
 from vmemkv.runtime.engine.errors import BeamSearchParamsError, EngineConfigError
@@ -52,6 +55,11 @@ class SamplingFields(BaseModel):
     """The fields both APIs share. Strict: a number is never read from a string, a bool is never
     an int, NaN and infinities are refused, unknown fields are refused (naming them)."""
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    # the fields OpenAI types "X or null": JSON null is their default (not sent, not in
+    # model_fields_set); subclasses add their own
+    NULLABLE: ClassVar[FrozenSet[str]] = frozenset({
+        "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "user",
+        "frequency_penalty", "presence_penalty", "logit_bias"})
 
     model: Optional[str] = None           # must be the served model's id when given
     temperature: float = Field(1.0, ge=0.0)   # OpenAI's default; 0 is greedy
@@ -78,6 +86,14 @@ class SamplingFields(BaseModel):
     use_beam_search: bool = False         # vLLM's extension: beam search, the n best beams
     beam_width: Optional[int] = Field(None, ge=1)   # beams kept each step (default: n)
     length_penalty: float = 1.0           # vLLM's: a beam scores logprob sum / tokens ** this
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, obj):
+        """A nullable field sent as JSON null is dropped: it takes its default."""
+        if isinstance(obj, dict):
+            return {k: v for k, v in obj.items() if not (v is None and k in cls.NULLABLE)}
+        return obj
 
     def stop_strings(self) -> List[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -164,6 +180,8 @@ def _token_biases(bias: Optional[Dict[str, float]]) -> dict:
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
+    NULLABLE: ClassVar[FrozenSet[str]] = SamplingFields.NULLABLE | {
+        "max_tokens", "logprobs", "echo", "best_of"}
     prompt: Prompts                        # text (needs a tokenizer) or token ids, or a list
     max_tokens: int = Field(16, ge=1)      # output tokens per choice
     logprobs: Optional[int] = None         # top logprobs per token (0..20), the chosen one's too

@@ -1,0 +1,70 @@
+"""OpenAI compatibility: JSON null is the default of every field OpenAI types "X or null"."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from vmemkv.runtime.serve.chat import parse_chat_request
+from vmemkv.runtime.serve.errors import ApiError
+from vmemkv.runtime.serve.protocol import parse_completion_request
+
+from ..engine.byte_tokenizer import byte_tokenizer
+from .conftest import VMEM, serving
+
+COMPLETION = {"prompt": [1, 2, 3], "max_tokens": 4, "seed": 7, "ignore_eos": True}
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4, "seed": 7,
+        "ignore_eos": True}
+# the fields OpenAI's API reference types "X or null" (its default when null), per API
+SHARED_NULLABLE = ("temperature", "top_p", "n", "stop", "seed", "stream", "stream_options",
+                   "frequency_penalty", "presence_penalty", "logit_bias", "max_tokens", "logprobs")
+COMPLETION_NULLABLE = SHARED_NULLABLE + ("echo", "best_of")
+CHAT_NULLABLE = SHARED_NULLABLE + ("max_completion_tokens", "top_logprobs")
+
+
+def _parsed(parse, body: dict):
+    request = parse(json.dumps(body).encode())
+    return request.model_dump(), request.model_fields_set
+
+
+@pytest.mark.parametrize("parse, base, fields", [
+    (parse_completion_request, COMPLETION, COMPLETION_NULLABLE),
+    (parse_chat_request, CHAT, CHAT_NULLABLE)], ids=["completions", "chat"])
+def test_null_in_a_nullable_field_is_the_field_left_out(parse, base, fields):
+    for field in fields:
+        without = {k: v for k, v in base.items() if k != field}
+        assert _parsed(parse, {**without, field: None}) == _parsed(parse, without), field
+
+
+@pytest.mark.parametrize("parse, base", [(parse_completion_request, COMPLETION),
+                                         (parse_chat_request, CHAT)], ids=["completions", "chat"])
+@pytest.mark.parametrize("field, value", [
+    ("temperature", "1"), ("n", 1.5), ("stream", 1), ("logprobs", "yes"),
+    ("ignore_eos", None), ("top_k", None), ("stop_token_ids", None), ("min_tokens", None)])
+def test_a_wrong_type_or_null_in_a_field_that_is_not_nullable_is_a_400_naming_it(
+        parse, base, field, value):
+    with pytest.raises(ApiError) as caught:
+        parse(json.dumps({**base, field: value}).encode())
+    assert (caught.value.status, caught.value.param) == (400, field)
+
+
+def test_null_fields_over_http_answer_what_the_defaults_answer():
+    nulls = {f: None for f in ("temperature", "top_p", "n", "presence_penalty",
+                               "frequency_penalty", "stream", "echo", "logprobs", "best_of",
+                               "stop", "user", "logit_bias", "stream_options")}
+    chat_nulls = {f: None for f in ("temperature", "top_p", "n", "stream", "logprobs",
+                                    "top_logprobs", "max_tokens", "presence_penalty")}
+    with serving(VMEM, tokenizer=byte_tokenizer(chat_template=True)) as (server, _):
+        for path, body, null in (("/v1/completions", COMPLETION, nulls),
+                                 ("/v1/chat/completions", CHAT, chat_nulls)):
+            plain = httpx.post(server.url + path, json=body, timeout=60)
+            nulled = httpx.post(server.url + path, json={**body, **null}, timeout=60)
+            assert plain.status_code == nulled.status_code == 200, nulled.text
+            assert [c["token_ids"] for c in nulled.json()["choices"]] == \
+                [c["token_ids"] for c in plain.json()["choices"]]
+            assert len(plain.json()["choices"][0]["token_ids"]) == 4
+        # completions' max_tokens: null is its default, 16
+        done = httpx.post(server.url + "/v1/completions",
+                          json={**COMPLETION, "max_tokens": None}, timeout=60).json()
+        assert done["usage"]["completion_tokens"] == 16
