@@ -2,7 +2,9 @@
 flushed to disk as each point finishes, so a Ctrl-C, a failing point or a kill keeps every row
 that finished, and ``vmemkv sweep --resume`` runs only the points still missing.
 
-Rows keep their types (the CSV would not). A resumed sweep keeps the journal's finished rows of
+Rows keep their types (the CSV would not), as strict JSON: a figure that is not finite (the TPOT
+of requests with one output token is NaN) is null, as in ``simulate --json`` (it was a bare
+``NaN``, which JSON readers other than Python's refuse). A resumed sweep keeps the journal's finished rows of
 points that are in its grid (a row is matched to its point by every parameter and, for a trace
 file, its resolved path and the sha256 of its bytes: ``point_key``; a trace that changed runs
 again), drops rows with an error (those points run again) and a last line a kill cut short,
@@ -15,7 +17,8 @@ import json
 import os
 from typing import Dict, List
 
-from .result_files import refuse_folder, atomic_open
+from .cli_table import to_json
+from .result_files import atomic_open, refuse_folder
 from .sweep_spec import PARAMS, point_key
 
 JOURNAL_NAME = "sweep.rows.jsonl"
@@ -36,12 +39,12 @@ class RowJournal:
                     self.kept[key] = row
         with atomic_open(self.path, "w", encoding="utf-8") as f:
             for row in self.kept.values():
-                f.write(json.dumps(row) + "\n")
+                f.write(to_json(row) + "\n")
         self._file = open(self.path, "a", encoding="utf-8")
 
     def append(self, row: dict) -> None:
         """One finished row, on disk before this returns."""
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(to_json(row) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
 
