@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -104,43 +104,46 @@ async def _answer(request: Request, path: str, drain: Drain, work) -> Response:
 
 async def _complete(request: Request, server: EngineThread, served: ServedModel,
                     drain: Drain) -> Response:
-    arrival_s = time.perf_counter()
+    arrival_s, created_s = time.perf_counter(), int(time.time())
     req = salted(await asyncio.to_thread(protocol.parse_completion_request, await request.body()),
                  request.scope)                                     # parsed off the event loop
     batch = await asyncio.to_thread(prompt_token_ids, req, served)   # off the event loop
     params = served.engine_params(req.sampling_params(), req.model)
     submission = Submission(server, batch, params, arrival_s, "cmpl", served.tokenizer is not None)
     fmt = CompletionFormat(req, served, req.prompts(), batch, submission)
-    return await _respond(request, submission, fmt, req.model or served.name, req, drain)
+    return await _respond(request, submission, fmt, (req.model or served.name, created_s), req,
+                          drain)
 
 
 async def _chat(request: Request, server: EngineThread, served: ServedModel,
                 drain: Drain) -> Response:
-    arrival_s = time.perf_counter()
+    arrival_s, created_s = time.perf_counter(), int(time.time())
     req = salted(await asyncio.to_thread(parse_chat_request, await request.body()),
                  request.scope)
     ids, max_tokens = await asyncio.to_thread(chat_token_ids, req, served)   # off the loop
     params = served.engine_params(req.sampling_params(max_tokens), req.model)
     submission = Submission(server, [ids], params, arrival_s, "chatcmpl", True)
     return await _respond(request, submission, ChatFormat(req, served, submission),
-                          req.model or served.name, req, drain)
+                          (req.model or served.name, created_s), req, drain)
 
 
-async def _respond(request: Request, submission: Submission, fmt, model: str, req,
+async def _respond(request: Request, submission: Submission, fmt, stamp: Tuple[str, int], req,
                    drain: Drain) -> Response:
+    """``stamp``: (the model named in every envelope, the Unix time the request was accepted:
+    its ``created``, the same in every chunk)."""
     try:
         await submission.started()
     except asyncio.CancelledError:
         submission.close()
         raise
     if req.stream:
-        return StreamingResponse(_stream(submission, fmt, model, req.include_usage, drain),
+        return StreamingResponse(_stream(submission, fmt, stamp, req.include_usage, drain),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-    return await _collect(request, submission, fmt, model, drain)
+    return await _collect(request, submission, fmt, stamp, drain)
 
 
-async def _stream(submission: Submission, fmt, model: str, include_usage: bool,
+async def _stream(submission: Submission, fmt, stamp: Tuple[str, int], include_usage: bool,
                   drain: Drain) -> AsyncIterator[str]:
     """SSE chunks, one per token; ``[DONE]`` last. A disconnect cancels this generator, which
     aborts the requests; a shutdown past its drain ends it with an error event."""
@@ -148,11 +151,11 @@ async def _stream(submission: Submission, fmt, model: str, include_usage: bool,
     try:
         first = fmt.first_chunks()
         if first:
-            yield protocol.sse(protocol.envelope(submission.id, kind, model, first))
+            yield protocol.sse(protocol.envelope(submission.id, kind, *stamp, first))
         async for delta in drain.guard(submission.events()):
-            yield protocol.sse(protocol.envelope(submission.id, kind, model, [fmt.chunk(delta)]))
+            yield protocol.sse(protocol.envelope(submission.id, kind, *stamp, [fmt.chunk(delta)]))
         if include_usage:
-            yield protocol.sse(protocol.envelope(submission.id, kind, model, [], protocol.usage(
+            yield protocol.sse(protocol.envelope(submission.id, kind, *stamp, [], protocol.usage(
                 submission.prompt_tokens, submission.completion_tokens)))
     except ApiError as error:   # the status line is gone: the error travels as an event
         yield protocol.sse(error.body())
@@ -161,7 +164,7 @@ async def _stream(submission: Submission, fmt, model: str, include_usage: bool,
     yield protocol.sse("[DONE]")
 
 
-async def _collect(request: Request, submission: Submission, fmt, model: str,
+async def _collect(request: Request, submission: Submission, fmt, stamp: Tuple[str, int],
                    drain: Drain) -> Response:
     """Wait for every choice; a client that disconnects first aborts the requests, a shutdown
     past its drain answers 503."""
@@ -187,7 +190,7 @@ async def _collect(request: Request, submission: Submission, fmt, model: str,
         return Response(status_code=499)   # nobody reads it; nginx's "client closed request"
     work.result()   # raises the ApiError of a failed request
     choices = [fmt.choice(c) for c in submission.choices]
-    return JSONResponse(protocol.envelope(submission.id, fmt.kind, model, choices, protocol.usage(
+    return JSONResponse(protocol.envelope(submission.id, fmt.kind, *stamp, choices, protocol.usage(
         submission.prompt_tokens, submission.completion_tokens)))
 
 

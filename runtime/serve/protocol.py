@@ -21,7 +21,6 @@ best beams are the choices; fields that shape sampling are refused by name with 
 from __future__ import annotations
 
 import json
-import time
 from typing import ClassVar, Dict, FrozenSet, List, Optional, Type, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -282,10 +281,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def envelope(object_id: str, kind: str, model: str, choices: List[dict],
+def envelope(object_id: str, kind: str, model: str, created_s: int, choices: List[dict],
              usage_: Optional[dict] = None) -> dict:
-    """A response or stream chunk of ``kind`` ("text_completion", "chat.completion", ...)."""
-    body = {"id": object_id, "object": kind, "created": int(time.time()), "model": model,
+    """A response or stream chunk of ``kind`` ("text_completion", "chat.completion", ...).
+    ``created_s``: the Unix time the request was accepted, the same in every chunk of it."""
+    body = {"id": object_id, "object": kind, "created": created_s, "model": model,
             "choices": choices}
     if usage_ is not None:
         body["usage"] = usage_

@@ -1,7 +1,11 @@
-"""OpenAI compatibility: JSON null is the default of every field OpenAI types "X or null"."""
+"""OpenAI compatibility: JSON null is the default of every field OpenAI types "X or null";
+``created`` is one timestamp per request, in every chunk of a stream."""
 from __future__ import annotations
 
+import itertools
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -68,3 +72,28 @@ def test_null_fields_over_http_answer_what_the_defaults_answer():
         done = httpx.post(server.url + "/v1/completions",
                           json={**COMPLETION, "max_tokens": None}, timeout=60).json()
         assert done["usage"]["completion_tokens"] == 16
+
+
+def test_created_is_stamped_once_per_request_streamed_or_not(monkeypatch):
+    """A clock that moves one second per reading: every envelope of a request still carries
+    the one ``created`` (the old code read the clock per chunk: 7 values for 6 tokens)."""
+    ticks, lock, real = itertools.count(1_800_000_000), threading.Lock(), time.time
+
+    def clock() -> float:
+        with lock:
+            return float(next(ticks))
+    with serving(VMEM) as (server, _):
+        monkeypatch.setattr(time, "time", clock)
+        try:
+            body = {**COMPLETION, "max_tokens": 6, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                              timeout=60) as r:
+                chunks = [json.loads(line[5:]) for line in r.iter_lines()
+                          if line.startswith("data:") and line != "data: [DONE]"]
+            done = httpx.post(server.url + "/v1/completions", json=COMPLETION, timeout=60).json()
+        finally:
+            monkeypatch.setattr(time, "time", real)
+    assert len(chunks) == 7 and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert len({c["created"] for c in chunks}) == 1
+    assert chunks[0]["created"] >= 1_800_000_000 and done["created"] > chunks[0]["created"]
