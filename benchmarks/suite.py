@@ -35,7 +35,11 @@ from vmemkv.benchmarks.summary import busy_warning, format_summary, summary_rows
 from vmemkv.scheduler.cliargs import hold_point
 from vmemkv.scheduler.result_files import StaleMarker, streamed_open, write_json
 
-OUTPUTS = ("bench.json", "bench.log", "*.png")    # what a run owns in its folder
+# what a run owns in its folder, by exact name: its plots (plots.write_all's) and
+# --prefix-eviction's prefix.json, not ``vmemkv bench serve``'s serve.json and serve.png
+# ("*.png" called serve.png stale after every bench run, and missed prefix.json)
+OUTPUTS = ("bench.json", "bench.log", "prefix.json", "attention_latency.png",
+           "memory_utilisation.png", "mapper_overlap.png")
 
 SECTIONS = ("alloc", "attention", "memory", "engine")
 

@@ -12,7 +12,7 @@
 
 A run that writes several files into one folder marks what is stale (``StaleMarker``): at its
 start it lists the files an earlier run left there in ``STALE.txt``; each file it rewrites
-leaves the list; at its end the marker is removed, or kept naming what the run did not rewrite
+leaves the list (any write here of a listed name does, after the run too: ``unlist``); at its end the marker is removed, or kept naming what the run did not rewrite
 (a run cut short by Ctrl-C draws no plots, so the old PNGs are still there). After a kill -9 the
 marker names every old file beside the new run's partial ones (written as ``*.partial``).
 Pure Python (scheduler, runtime and benchmarks all use it).
@@ -47,12 +47,33 @@ def _replacing(path: str) -> Iterator[str]:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())     # mkstemp's 0600 would make results private
         os.replace(tmp, path)
+        unlist(path)
     except BaseException as error:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         if isinstance(error, OSError) and error.filename is None:
             raise naming(error, path) from error
         raise
+
+
+def unlist(path: str) -> None:
+    """``path`` was just written: if its folder's ``STALE.txt`` names it, it leaves the list
+    (the marker goes with the last name). A file a command writes after its run's marker has
+    finished (``vmemkv bench --prefix-eviction``'s prefix.json) is then not called stale."""
+    folder, name = os.path.split(os.path.abspath(path))
+    marker = os.path.join(folder, STALE_NAME)
+    if name == STALE_NAME or not os.path.isfile(marker):
+        return
+    with open(marker, encoding="utf-8") as f:
+        head, *names = f.read().splitlines()
+    if name not in names:
+        return
+    names = [n for n in names if n != name]
+    if not names:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(marker)
+        return
+    write_text(marker, head + "\n" + "".join(f"{n}\n" for n in names))
 
 
 def naming(error: OSError, path: str) -> OSError:
@@ -97,6 +118,7 @@ def streamed_open(path: str, mode: str = "w", **kwargs) -> Iterator:
     finally:
         if os.path.exists(partial):
             os.replace(partial, path)
+            unlist(path)
 
 
 def write_json(path: str, payload, **dump_kwargs) -> str:
