@@ -5,7 +5,8 @@
                                  os.replace(tmp, path) swaps it in. A kill at any moment leaves
                                  the old file or the new one, never a mix; on an exception the
                                  temporary file is removed and the old file stays (a write's
-                                 OSError with no file name, ENOSPC say, is raised naming path)
+                                 OSError with no file name, ENOSPC say, is raised naming path);
+                                 a file rewritten keeps its permissions
     atomic_open(path, mode)      the same as a context manager around an open file
     streamed_open(path)          a log written as the run goes: ``path.partial`` until it ends
     write_json / write_text      the usual cases
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
 import time
 from typing import Callable, Iterable, Iterator, Optional
@@ -45,7 +47,7 @@ def _replacing(path: str) -> Iterator[str]:
         hold_point(f"write:{os.path.basename(path)}")   # tests: a kill between write and replace
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())     # mkstemp's 0600 would make results private
+        os.chmod(tmp, _mode(path))
         os.replace(tmp, path)
         unlist(path)
     except BaseException as error:
@@ -133,6 +135,16 @@ def write_text(path: str, text: str) -> str:
     with atomic_open(path, "w", encoding="utf-8") as f:
         f.write(text)
     return path
+
+
+def _mode(path: str) -> int:
+    """The permissions a rewritten ``path`` keeps (an existing file's own: a 0600 result stayed
+    private only until it was rewritten as 0644), else the umask's (mkstemp's 0600 would make
+    new results private)."""
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
 
 
 def _umask() -> int:

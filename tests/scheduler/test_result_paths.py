@@ -64,3 +64,18 @@ def test_a_write_that_runs_out_of_space_names_its_path_and_leaves_the_old_file(t
         log.write("line\n")
     assert caught.value.filename == str(tmp_path / "run.log.partial")
     assert open(path).read() == "old" and sorted(os.listdir(tmp_path)) == ["r.json", "run.log"]
+
+
+def test_a_rewritten_file_keeps_its_permissions_and_a_new_one_follows_the_umask(tmp_path):
+    private, new = str(tmp_path / "private.json"), str(tmp_path / "new.json")
+    write_text(private, "old")
+    os.chmod(private, 0o600)
+    mask = os.umask(0o022)
+    try:
+        write_text(private, "rewritten")
+        write_text(new, "new")
+    finally:
+        os.umask(mask)
+    assert open(private).read() == "rewritten"
+    assert oct(os.stat(private).st_mode & 0o777) == oct(0o600)       # it became 0644
+    assert oct(os.stat(new).st_mode & 0o777) == oct(0o644)
