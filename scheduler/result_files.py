@@ -194,6 +194,26 @@ def refuse_folder(folder: str, names: Iterable[str]) -> None:
         raise ConfigError(problem)
 
 
+def remove_leftovers(folder: str, names: Iterable[str]) -> list:
+    """Remove the temporary files (``.NAME.XXXXXXXX.tmp``) of ``names`` (exact, or patterns)
+    in ``folder`` that a run killed between a write and its ``os.replace`` left (a kill -9
+    skips the clean-up, and they stayed for ever); returns the names removed. Two runs must not
+    share a folder: the other's file being written would go too."""
+    import fnmatch
+    longest_bytes = name_max_bytes(folder)
+    removed = []
+    for entry in sorted(os.listdir(folder)):
+        stem, dot, drawn = entry[:-len(".tmp")].rpartition(".")
+        if not (entry.startswith(".") and entry.endswith(".tmp") and dot and len(drawn) == 8):
+            continue
+        if any(fnmatch.fnmatch(stem[1:], name) or temp_prefix(name, longest_bytes) == stem + "."
+               for name in names):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(folder, entry))
+            removed.append(entry)
+    return removed
+
+
 class StaleMarker:
     """``STALE.txt`` in ``folder`` while a run rewrites files there (see the module docstring).
 
@@ -208,9 +228,11 @@ class StaleMarker:
 
     def begin(self) -> "StaleMarker":
         """Before the run's work: its names are checked (``folder_problem``: ConfigError, the
-        folder untouched), then the marker lists what an earlier run left."""
+        folder untouched), the temporary files a killed run left of them are removed
+        (``remove_leftovers``), then the marker lists what an earlier run left."""
         refuse_folder(self.folder, self.patterns)
         os.makedirs(self.folder, exist_ok=True)
+        remove_leftovers(self.folder, self.patterns)
         self.stale = sorted(n for n in os.listdir(self.folder) if self._owned(n))
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         self._running = f"{self.run} (pid {os.getpid()}) started {started} and has not finished"

@@ -18,7 +18,7 @@ import os
 from typing import Dict, List
 
 from .cli_table import to_json
-from .result_files import atomic_open, refuse_folder
+from .result_files import atomic_open, refuse_folder, remove_leftovers
 from .sweep_spec import PARAMS, point_key
 
 JOURNAL_NAME = "sweep.rows.jsonl"
@@ -32,6 +32,8 @@ class RowJournal:
         wanted = {point_key(p) for p in points}
         self.kept: Dict[str, dict] = {}
         refuse_folder(out_dir, [JOURNAL_NAME])     # before any point runs
+        if os.path.isdir(out_dir):
+            remove_leftovers(out_dir, [JOURNAL_NAME])  # a killed rewrite's temporary file
         if resume:
             for row in _read_rows(self.path):
                 key = point_key(row) if all(k in row for k in PARAMS) else None
