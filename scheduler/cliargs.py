@@ -118,10 +118,13 @@ def file_problem(path: str) -> Optional[str]:
 
 def _free_blocks(folder: str) -> Optional[int]:
     """Blocks of ``folder``'s file system this process may still fill (root: the reserved
-    ones too), None when unknown. An empty probe file fits a full file system."""
+    ones too), None when unknown or not counted (/proc has no blocks: the probe decides). An
+    empty probe file fits a full file system."""
     try:
         stat = os.statvfs(folder)
     except OSError:
+        return None
+    if stat.f_blocks == 0:
         return None
     return stat.f_bfree if os.geteuid() == 0 else stat.f_bavail
 

@@ -35,8 +35,8 @@ def test_a_folder_that_is_a_link_to_nowhere_is_refused_naming_it(tmp_path):
 
 
 class _Full:
-    """os.statvfs of a file system with no block left."""
-    f_bavail = f_bfree = 0
+    """os.statvfs of a file system with no block left (of 4,096)."""
+    f_blocks, f_bavail, f_bfree = 4096, 0, 0
 
 
 def test_a_file_system_with_no_space_left_is_refused_naming_the_path(tmp_path, monkeypatch):
