@@ -5,6 +5,8 @@
     POST /v1/chat/completions   messages through the model's chat template; the same fields,
                                 max_completion_tokens, logprobs / top_logprobs, delta chunks
     GET  /v1/models             the served model, and each LoRA adapter (its ``parent``)
+    GET  /v1/models/{model}     one of them (the client's ``models.retrieve``); 404 naming an
+                                id not served
     GET  /health                200 while the engine thread runs, else 503
     GET  /metrics               Prometheus text, vLLM's names under "vmemkv:"
     POST /sleep, /wake_up, /resize, GET /is_sleeping
@@ -63,13 +65,23 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
             return _error(ApiError(503, "the engine thread is not running"))
         return Response(status_code=200)
 
+    def model_objects() -> list:
+        base = {"object": "model", "created": created, "owned_by": "vmemkv"}
+        return [{"id": served.name, **base, "max_model_len": served.model_limit()}] + [
+            {"id": name, **base, "max_model_len": served.model_limit(name), "parent": served.name}
+            for name in served.loras()]
+
     @app.get("/v1/models")
     async def models() -> dict:
-        base = {"object": "model", "created": created, "owned_by": "vmemkv"}
-        return {"object": "list", "data": [
-            {"id": served.name, **base, "max_model_len": served.model_limit()}] + [
-            {"id": name, **base, "max_model_len": served.model_limit(name), "parent": served.name}
-            for name in served.loras()]}
+        return {"object": "list", "data": model_objects()}
+
+    @app.get("/v1/models/{model_id:path}")     # ":path": an id may hold "/" (org/name)
+    async def model(model_id: str) -> Response:
+        found = next((m for m in model_objects() if m["id"] == model_id), None)
+        if found is None:
+            return _error(ApiError(404, f"model {model_id!r} is not served here; this server "
+                                        f"serves {[served.name] + served.loras()}", "model"))
+        return JSONResponse(found)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

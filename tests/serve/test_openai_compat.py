@@ -1,7 +1,9 @@
 """OpenAI compatibility: JSON null is the default of every field OpenAI types "X or null";
-``created`` is one timestamp per request, in every chunk of a stream."""
+``created`` is one timestamp per request, in every chunk of a stream; ``GET /v1/models/{model}``
+(the client's ``models.retrieve``) answers the list's object, a 404 naming an id not served."""
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import threading
@@ -9,13 +11,15 @@ import time
 
 import httpx
 import pytest
+import torch
 
+from vmemkv.runtime.serve.auth import AuthConfig
 from vmemkv.runtime.serve.chat import parse_chat_request
 from vmemkv.runtime.serve.errors import ApiError
 from vmemkv.runtime.serve.protocol import parse_completion_request
 
 from ..engine.byte_tokenizer import byte_tokenizer
-from .conftest import VMEM, serving
+from .conftest import NAME, VMEM, serving
 
 COMPLETION = {"prompt": [1, 2, 3], "max_tokens": 4, "seed": 7, "ignore_eos": True}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4, "seed": 7,
@@ -97,3 +101,33 @@ def test_created_is_stamped_once_per_request_streamed_or_not(monkeypatch):
     assert len(chunks) == 7 and chunks[-1]["usage"]["completion_tokens"] == 6
     assert len({c["created"] for c in chunks}) == 1
     assert chunks[0]["created"] >= 1_800_000_000 and done["created"] > chunks[0]["created"]
+
+
+def test_models_retrieve_answers_the_listed_object_and_a_404_naming_an_unknown_id(tmp_path):
+    peft = pytest.importorskip("peft")
+    from vmemkv.runtime.engine import Engine
+    from vmemkv.runtime.models import build_model
+    from vmemkv.runtime.serve import Server
+    import openai
+    base = build_model(NAME, seed=0)
+    torch.manual_seed(1)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False)
+    peft.get_peft_model(copy.deepcopy(base), config).save_pretrained(str(tmp_path / "one"))
+    with Engine(base, **VMEM) as engine:
+        engine.add_lora("org/one", str(tmp_path / "one"))
+        with Server(engine, NAME, host="127.0.0.1", port=0,
+                    auth=AuthConfig(("k1",))).start() as server:
+            key = {"Authorization": "Bearer k1"}
+            listed = httpx.get(server.url + "/v1/models", headers=key).json()["data"]
+            assert [m["id"] for m in listed] == [NAME, "org/one"]
+            for entry in listed:
+                got = httpx.get(f"{server.url}/v1/models/{entry['id']}", headers=key)
+                assert (got.status_code, got.json()) == (200, entry)
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="k1", max_retries=0)
+            assert client.models.retrieve(NAME).max_model_len == listed[0]["max_model_len"]
+            missing = httpx.get(server.url + "/v1/models/gpt-4", headers=key)
+            assert missing.status_code == 404
+            assert missing.json()["error"]["param"] == "model"
+            assert missing.json()["error"]["type"] == "not_found_error"
+            assert "'gpt-4'" in missing.json()["error"]["message"]
+            assert httpx.get(f"{server.url}/v1/models/{NAME}").status_code == 401
