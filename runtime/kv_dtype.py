@@ -14,7 +14,10 @@ Scales (``KVScales``): fp32, one per (layer, KV head) for K and one for V, store
 cache. Given by the user, or computed at the first write of each layer (``first_write_scales``:
 per KV head, amax of |x| over that write's tokens and head_dim, divided by the encoding's max,
 as vLLM's ``calculate_kv_scales`` does per tensor) and fixed from then on, so every token of a
-layer, forks and prefix hits included, shares one encoding. The engine takes, in this order,
+layer, forks and prefix hits included, shares one encoding. K or V holding NaN or +-inf is
+refused (NonFiniteKVError) before anything is fixed or stored. Scales fixed by an engine step
+that is rolled back are unfixed with it (``ScaleTable.unfix_unsettled``): only kept writes fix
+them. The engine takes, in this order,
 the user's ``kv_scales``, the checkpoint's (``checkpoint_kv_scales``: ``k_scale`` / ``v_scale``
 or one ``kv_scale`` on each attention module, as compressed-tensors / vLLM fp8 checkpoints carry
 them, stored = x / scale like ours), those of a fixed input at start-up (``kv_scales=
@@ -56,7 +59,8 @@ class KVEncoding:
 
     def quantize(self, x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x`` [..., kv_heads, head_dim] in the storage dtype; ``scale`` [kv_heads] fp32 for a
-        scaled encoding (saturating at +-max_value; NaN is refused before: ScaleTable.encode)."""
+        scaled encoding (saturating at +-max_value; NaN and +-inf are refused before:
+        ScaleTable.encode)."""
         if not self.scaled:
             return x.to(self.storage)
         y = x.float() / scale.unsqueeze(-1)
@@ -157,17 +161,29 @@ def _fp32(s: float) -> float:
 
 def first_write_scales(x: torch.Tensor, encoding: KVEncoding) -> torch.Tensor:
     """Per KV head of ``x`` [..., tokens, kv_heads, head_dim]: amax(|x|) / max_value (fp32
-    [kv_heads]); a head whose amax is 0 or not finite gets 1.0 (a scale must be finite > 0)."""
+    [kv_heads]); a head whose amax is 0 gets 1.0 (a scale must be finite > 0).
+    NonFiniteKVError when ``x`` holds NaN or +-inf (no scale would encode it)."""
     amax = x.detach().reshape(-1, *x.shape[-2:]).abs().float().amax(dim=(0, 2))
-    scale = amax / encoding.max_value
-    return torch.where(torch.isfinite(scale) & (scale > 0), scale, torch.ones_like(scale))
+    return scales_of_amax(amax, encoding)
+
+
+def scales_of_amax(amax: torch.Tensor, encoding: KVEncoding) -> torch.Tensor:
+    """``first_write_scales`` from per-KV-head amax(|x|) (fp32 [kv_heads]): amax / max_value,
+    1.0 where it is 0; NonFiniteKVError where it is not finite."""
+    if not bool(torch.isfinite(amax).all()):
+        raise NonFiniteKVError(f"K or V holds NaN or +-inf (per KV head amax {amax.tolist()}), "
+                               f"which no {encoding.name} scale encodes")
+    scale = amax.float() / encoding.max_value
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
 class ScaleTable:
     """The scales of one cache: fp32 ``k``, ``v`` [num_layers, kv_heads] on its device, and which
     layers' are fixed (given up front, or at their first write). Views hand attention rows of
     these tensors, which are filled in place, so a view built before the first write reads the
-    fixed values."""
+    fixed values. ``unsettled``: the layers first writes fixed since ``settle``, which
+    ``unfix_unsettled`` unfixes (an engine step settles them when it commits and unfixes them
+    when it is rolled back, so a failed request's writes fix nobody's scales)."""
 
     def __init__(self, encoding: KVEncoding, num_layers: int, num_kv_heads: int,
                  device: torch.device, given: Optional[KVScales] = None) -> None:
@@ -181,6 +197,7 @@ class ScaleTable:
             self.v = torch.tensor(given.v, dtype=torch.float32, device=device)
         self.given = given is not None
         self.fixed = [self.given] * num_layers
+        self.unsettled: list = []   # layer indices, in the order their first writes fixed them
 
     def unfix(self, layer: Optional[int] = None) -> None:
         """Scales fixed at a first write become unfixed again (the next write of each layer, or
@@ -194,21 +211,40 @@ class ScaleTable:
             self.k[index] = 1.0
             self.v[index] = 1.0
             self.fixed[index] = False
+            if index in self.unsettled:
+                self.unsettled.remove(index)
+
+    def settle(self) -> None:
+        """The writes that fixed scales since the last ``settle`` are kept (an engine step
+        committed them): ``unfix_unsettled`` leaves those layers fixed."""
+        self.unsettled.clear()
+
+    def unfix_unsettled(self) -> list:
+        """Unfix the layers first writes fixed since ``settle`` (their writes are not kept: an
+        engine step rolled back, or one request's forward run alone to find a culprit), so the
+        next kept write fixes them; returns those layers."""
+        layers = list(self.unsettled)
+        for layer in layers:
+            self.unfix(layer)
+        return layers
 
     def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """``k``, ``v`` [..., kv_heads, head_dim] quantized with ``layer``'s scales, fixing
-        them from this write when it is the layer's first. A step rolled back after its writes
-        keeps them: they name the cache's encoding, which every later write shares.
-        NonFiniteKVError, nothing stored or fixed, when ``k`` or ``v`` holds NaN."""
+        them from this write when it is the layer's first (the layer joins ``unsettled``).
+        NonFiniteKVError, nothing stored or fixed, when ``k`` or ``v`` holds NaN or +-inf
+        (int8 stored NaN as 0 and both fp8s clamped inf to their max: made-up tokens; a first
+        write's inf gave the head scale 1.0 for every later request)."""
         for name, x in (("K", k), ("V", v)):
-            if torch.isnan(x).any():
-                raise NonFiniteKVError(f"layer {layer}'s {name} holds NaN, which a "
+            if not bool(torch.isfinite(x).all()):
+                what = "NaN" if bool(torch.isnan(x).any()) else "+-inf"
+                raise NonFiniteKVError(f"layer {layer}'s {name} holds {what}, which a "
                                        f"{self.encoding.name} cache cannot store (the model's "
                                        f"forward made it: an overflow, NaN weights)")
         if not self.fixed[layer]:
             self.k[layer] = first_write_scales(k, self.encoding)
             self.v[layer] = first_write_scales(v, self.encoding)
             self.fixed[layer] = True
+            self.unsettled.append(layer)
         return (self.encoding.quantize(k, self.k[layer]),
                 self.encoding.quantize(v, self.v[layer]))
 

@@ -31,7 +31,9 @@ Whom a failed step is blamed on:
   alone, a beam group's selection alone: beam requests are candidates as samples are). The
   requests whose work fails alone, ``max_plan_retries + 1`` times in a row, end "failed"; the
   others' tokens are computed again by the next step, exactly as if the failed request had
-  never been there. Unattributable (nothing fails alone, every request fails alone, or tensor
+  never been there: 8-bit scales that the failed step's writes or a lone run fixed are
+  unfixed again (``ScaleTable.unfix_unsettled``), so the next kept write fixes them from the
+  requests that go on, not from the failed one. Unattributable (nothing fails alone, every request fails alone, or tensor
   parallelism, whose ranks cannot run one sequence alone): the exception reaches the caller
   with every request intact, as any exception does.
 - planning found a request can never run: its head cannot be admitted even to an empty cache,
@@ -109,13 +111,25 @@ class RequestLifecycle:
         self._txn.executed(RecordingSavepoint(self, sampled).restore)
         events = self._record(plan, sampled)
         self._txn.commit()
+        self._settle_scales(keep=True)
         return events
+
+    def _settle_scales(self, keep: bool) -> None:
+        """8-bit scales fixed by first writes since the last committed step: kept with the
+        step's commit (``keep``), else unfixed (the step, or a lone run of one sequence, is not
+        kept: the next kept write fixes them). Not with tensor parallelism: each rank's cache
+        holds its own table, which rank 0 cannot undo alone (a failed step is not blamed on
+        a request there: it is recomputed with the same batch, and the same scales)."""
+        scales = None if self.tp is not None else self.kv.cache.kv_scales
+        if scales is not None:
+            scales.settle() if keep else scales.unfix_unsettled()
 
     def _plan_failed(self, plan, error: PlanExecutionError) -> bool:
         """Roll the step back; True when the failure ended a request (the step then returns)."""
         restore_generators(self._draws)
         culprits = culprit_seq_ids(plan.ops, error.op_index)
         self._txn.rollback()
+        self._settle_scales(keep=False)
         self.plan_failures += 1
         if not error.rolled_back:
             return False
@@ -152,8 +166,10 @@ class RequestLifecycle:
         phase = self._txn.phase
         if phase in (Phase.IDLE, Phase.RECORDED):   # before begin, or the step is recorded
             self._txn.rollback()                     # (RECORDED: completes the commit)
+            self._settle_scales(keep=phase is Phase.RECORDED)
             return False
         restore_generators(self._draws)
+        self._settle_scales(keep=False)   # the lone runs below fix none from the failed batch
         if phase is Phase.EXECUTED:
             self._txn.rollback()
             return False
@@ -207,14 +223,16 @@ class RequestLifecycle:
 
     def _fails_alone(self, work) -> Optional[Exception]:
         """What ``work()`` (one sequence's forward, one row's sampling, one beam group's
-        selection, with its memory in place) raises, or None; the sample generators are left
-        as before the step."""
+        selection, with its memory in place) raises, or None; the sample generators and the
+        8-bit scales are left as before the step (each lone run fixes its own, then unfixes
+        them: none reach the next step, and no run depends on the order of the others)."""
         try:
             work()
         except Exception as error:   # noqa: BLE001 -- the probe's answer
             return error
         finally:
             restore_generators(self._draws)
+            self._settle_scales(keep=False)
         return None
 
     def _request_id_of(self, seq_id: int) -> Optional[int]:

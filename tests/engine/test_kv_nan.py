@@ -2,7 +2,10 @@
 on an 8-bit cache: int8 has no NaN and stored code 0, so the request finished 'length' with
 made-up tokens where every other encoding failed it; and a first write's NaN would have fixed
 the layer's scale to NaN for every later request. The write is refused (NonFiniteKVError)
-before anything is stored or fixed: the request fails alone, the others are exact."""
+before anything is stored or fixed: the request fails alone, the others are exact. The same
+for +-inf (an adapter whose layer-0 V overflows): int8 and both fp8s clamped it to their max
+and the request finished with made-up tokens where auto/bf16/fp16 failed it, and a first
+write's inf gave the head the scale 1.0 for every later request."""
 from __future__ import annotations
 
 import pytest
@@ -18,20 +21,23 @@ PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]
 PLAIN = SamplingParams(max_new_tokens=4, ignore_eos=True)
 
 
-def _nan_adapter(model, folder) -> str:
+def _nan_adapter(model, folder, bad: str = "nan") -> str:
+    """Every V weight NaN ("nan"), or layer 0's 1e25 and the others 0 ("inf": V = +-inf)."""
     from safetensors.torch import load_file, save_file
     path = save_adapter(model, folder, seed=2, target_modules=("v_proj",))
     weights = load_file(f"{path}/adapter_model.safetensors")
-    save_file({k: torch.full_like(v, float("nan")) for k, v in weights.items()},
+    value = {"nan": lambda k: float("nan"), "inf": lambda k: 1e25 if "layers.0." in k else 0.0}
+    save_file({k: torch.full_like(v, value[bad](k)) for k, v in weights.items()},
               f"{path}/adapter_model.safetensors")
     return path
 
 
+@pytest.mark.parametrize("bad, what", [("nan", "NaN"), ("inf", "+-inf")])
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("given_scales", [True, False])
 @pytest.mark.parametrize("cache", ["vmem", "paged"])
 def test_nan_kv_on_an_8bit_cache_fails_its_request_alone(tmp_path, kv_cache_dtype, given_scales,
-                                                         cache):
+                                                         cache, bad, what):
     model = build_model("tiny-llama", seed=0)
     scales = {"kv_scales": KVScales.of([[0.05, 0.07]] * 2, [[0.03, 0.04]] * 2)} \
         if given_scales else {}
@@ -40,11 +46,13 @@ def test_nan_kv_on_an_8bit_cache_fails_its_request_alone(tmp_path, kv_cache_dtyp
     with Engine(model, **options) as reference:       # the base requests alone, in order
         want = [o.outputs[0].token_ids for o in reference.generate(PROMPTS[1:2], PLAIN)]
         want += [o.outputs[0].token_ids for o in reference.generate(PROMPTS[2:], PLAIN)]
+        want_v = reference.kv.cache.kv_scales.v.clone()
     with Engine(model, **options) as engine:
-        engine.add_lora("nan", _nan_adapter(model, tmp_path / "nan"))
+        engine.add_lora("nan", _nan_adapter(model, tmp_path / "nan", bad))
         first = engine.generate(PROMPTS[:2], [SamplingParams(max_new_tokens=4, ignore_eos=True,
                                                              lora="nan"), PLAIN])
-        later = engine.generate(PROMPTS[2:], PLAIN)      # the scales are not NaN
+        later = engine.generate(PROMPTS[2:], PLAIN)      # the scales are not NaN nor 1.0
+        assert torch.equal(engine.kv.cache.kv_scales.v, want_v)
     assert first[0].status == "failed" and first[0].error.type == "NonFiniteKVError"
-    assert "holds NaN" in first[0].error.message and first[0].outputs[0].token_ids == []
+    assert f"holds {what}" in first[0].error.message and first[0].outputs[0].token_ids == []
     assert [first[1].outputs[0].token_ids, later[0].outputs[0].token_ids] == want
