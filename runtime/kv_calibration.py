@@ -5,8 +5,10 @@ First-write scales (``kv_dtype.first_write_scales``) come from whichever prompt 
 first. On a server that is one client's prompt, and it sets every later request's precision;
 in a batch, a prompt's tokens depend on what was batched beside it at start-up. Calibrated
 scales apply the same rule (per KV head, amax of |x| over the tokens and head_dim, over the
-encoding's max) to the K and V the model writes for ``CALIBRATION_CONVERSATION``, run once on
-the model's own attention before the engine takes it over:
+encoding's max) to every K and V the model writes for ``CALIBRATION_CONVERSATION`` (read as
+each layer's cache update receives them, so sliding-window layers count all the tokens, not
+the last window - 1 their transformers cache keeps), run once on the model's own attention
+before the engine takes it over:
 
 * through the tokenizer's chat template when it has one (so the template's special tokens,
   whose K/V are often the largest, are in range), else (or when the template refuses it) its
@@ -21,10 +23,11 @@ only.
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
 from .errors import CacheConfigError
 from .hf.attention import own_attention
-from .kv_dtype import KVEncoding, KVScales, first_write_scales
+from .kv_dtype import KVEncoding, KVScales, scales_of_amax
 
 CALIBRATION_CONVERSATION = (
     {"role": "user", "content":
@@ -64,27 +67,56 @@ def calibration_ids(tokenizer, vocab_size: int, max_tokens: int) -> list:
     return [int(i) for i in tokenizer(text)["input_ids"]][:max_tokens]
 
 
+class _AmaxCache(DynamicCache):
+    """The cache the model would make itself (``DynamicCache(config=...)``: sliding layers keep
+    their window), which also keeps, per layer, the amax of |x| per KV head over every K and V
+    written to it, and the shape of the last write ([batch, kv_heads, tokens, head_dim])."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config=config)
+        self.amax: dict = {}    # layer -> [K amax [kv_heads], V amax [kv_heads]]
+        self.shapes: dict = {}  # layer -> the shape of its last K write
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.shapes[layer_idx] = tuple(key_states.shape)
+        if key_states.dim() == 4:
+            new = [x.detach().abs().float().amax(dim=(0, 2, 3))
+                   for x in (key_states, value_states)]
+            old = self.amax.setdefault(layer_idx, new)
+            if old is not new:    # NaN propagates (refused below), as it does in amax
+                self.amax[layer_idx] = [torch.maximum(a, b) for a, b in zip(old, new)]
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
 @torch.inference_mode()
 def calibrated_kv_scales(model: torch.nn.Module, tokenizer, encoding: KVEncoding,
                          num_layers: int, num_kv_heads: int, max_tokens: int) -> KVScales:
-    """The scales of each (layer, KV head) from the K and V ``model`` writes for the
+    """The scales of each (layer, KV head) from every K and V ``model`` writes for the
     calibration input (one forward pass on its own attention, with a fresh transformers
-    cache). CacheConfigError naming the model when its cache does not hold ``num_layers``
-    layers of ``num_kv_heads`` heads (K/V this engine would not store the same way)."""
+    cache whose updates are read as they come: the amax of all the input's tokens, sliding
+    layers included). CacheConfigError naming the model when it does not write ``num_layers``
+    layers of ``num_kv_heads`` heads (K/V this engine would not store the same way), or
+    naming the layer whose K or V holds NaN or +-inf (no scale encodes them)."""
     vocab = model.config.get_text_config().vocab_size
     ids = calibration_ids(tokenizer, vocab, max_tokens)
     device = next(model.parameters()).device
+    cache = _AmaxCache(model.config)
     with own_attention(model):
-        out = model(torch.tensor([ids], device=device), use_cache=True)
-    past = out["cache"] if "cache" in out else out["past_key_values"]   # transformers 5 / 4
-    layers = getattr(past, "layers", None)
-    shapes = [tuple(layer.keys.shape) for layer in layers or ()]
-    if len(shapes) != num_layers or any(len(s) != 4 or s[1] != num_kv_heads for s in shapes):
-        raise CacheConfigError(f"kv_scales='calibrate': {type(model).__name__}'s cache holds "
-                               f"K of shapes {shapes[:2]}... for {len(shapes)} layers, not "
+        model(torch.tensor([ids], device=device), use_cache=True, cache=cache)
+    shapes = [cache.shapes[i] for i in sorted(cache.shapes)]
+    if sorted(cache.amax) != list(range(num_layers)) \
+            or any(len(s) != 4 or s[1] != num_kv_heads for s in shapes):
+        raise CacheConfigError(f"kv_scales='calibrate': {type(model).__name__} writes K of "
+                               f"shapes {shapes[:2]}... for {len(shapes)} layers, not "
                                f"{num_layers} layers of [1, {num_kv_heads}, tokens, head_dim]; "
                                f"give kv_scales instead")
-    # [1, kv_heads, tokens, head_dim] -> [tokens, kv_heads, head_dim], as the cache is written
-    k = [first_write_scales(layer.keys[0].transpose(0, 1), encoding) for layer in layers]
-    v = [first_write_scales(layer.values[0].transpose(0, 1), encoding) for layer in layers]
+    for layer in range(num_layers):
+        for name, amax in zip("KV", cache.amax[layer]):
+            if not bool(torch.isfinite(amax).all()):
+                raise CacheConfigError(f"kv_scales='calibrate': {type(model).__name__}'s "
+                                       f"layer {layer} {name} holds NaN or +-inf on the "
+                                       f"calibration input (per KV head amax {amax.tolist()}); "
+                                       f"give kv_scales instead")
+    k = [scales_of_amax(cache.amax[layer][0], encoding) for layer in range(num_layers)]
+    v = [scales_of_amax(cache.amax[layer][1], encoding) for layer in range(num_layers)]
     return KVScales.of(torch.stack(k), torch.stack(v))
