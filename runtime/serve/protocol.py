@@ -11,7 +11,8 @@ OpenAI's fields, the server takes vLLM's extensions (``top_k``, ``min_p``,
 ``include_stop_str_in_output``, ``skip_special_tokens``). A field OpenAI types "X or null"
 (``temperature``, ``top_p``, ``n``, penalties, ``stream``, ``max_tokens``, ``echo``, ...: each
 model's ``NULLABLE``) takes JSON null as "the default", as if it were not sent; null anywhere
-else is a 400 naming the field. Every choice carries its
+else is a 400 naming the field. ``seed`` is an int64, as OpenAI's (a 400 outside
+[-2**63, 2**63 - 1]: wider seeds would alias narrower ones). Every choice carries its
 ``token_ids`` (as vLLM's ``return_token_ids`` does), so clients without a tokenizer can read what
 was generated. ``best_of`` is taken only when it equals ``n``: ranking hidden samples is not
 implemented, and a silent substitute would be wrong. ``use_beam_search`` (vLLM's extension, with
@@ -43,6 +44,7 @@ FIELD_ENTRIES = {"stop": MAX_STOP_STRINGS, "stop_token_ids": MAX_STOP_TOKEN_IDS,
                  "logit_bias": MAX_LOGIT_BIAS, "messages": MAX_MESSAGES, "prompt": MAX_PROMPTS}
 
 Prompts = Union[str, List[int], List[str], List[List[int]]]
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1   # OpenAI's seed is an int64
 
 
 class StreamOptions(BaseModel):
@@ -68,7 +70,7 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1)
     stop: Union[str, List[str], None] = None   # stop strings, not in the text (unless asked)
     stop_token_ids: List[int] = Field(default_factory=list)   # vLLM's extension
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False              # vLLM's extension: keep going past EOS
@@ -270,8 +272,9 @@ def _field_error(error: ValidationError, model: Type[BaseModel]) -> ApiError:
         takes = (f"the fields this server takes: {', '.join(model.model_fields)}"
                  if model.model_fields else "this route takes no fields (send {} or no body)")
         return ApiError(400, f"unknown field {'.'.join(loc)!r}; {takes}", param)
-    given = first.get("input")
-    shown = "" if isinstance(given, dict) else f", got {json.dumps(given, default=str)[:60]}"
+    given = json.dumps(first.get("input"), default=str)
+    shown = "" if isinstance(first.get("input"), dict) else \
+        f", got {given if len(given) <= 60 else given[:57] + '...'}"   # cut: marked, not a value
     return ApiError(400, f"{param}: {first['msg']}{shown}", param)
 
 

@@ -1,6 +1,7 @@
 """OpenAI compatibility: JSON null is the default of every field OpenAI types "X or null";
-``created`` is one timestamp per request, in every chunk of a stream; ``GET /v1/models/{model}``
-(the client's ``models.retrieve``) answers the list's object, a 404 naming an id not served."""
+``created`` is one timestamp per request, in every chunk of a stream; ``seed`` is an int64 (a
+400 naming it outside); ``GET /v1/models/{model}`` (the client's ``models.retrieve``) answers
+the list's object, a 404 naming an id not served."""
 from __future__ import annotations
 
 import copy
@@ -101,6 +102,21 @@ def test_created_is_stamped_once_per_request_streamed_or_not(monkeypatch):
     assert len(chunks) == 7 and chunks[-1]["usage"]["completion_tokens"] == 6
     assert len({c["created"] for c in chunks}) == 1
     assert chunks[0]["created"] >= 1_800_000_000 and done["created"] > chunks[0]["created"]
+
+
+def test_a_seed_outside_int64_is_a_400_naming_seed_and_the_edges_are_taken():
+    with serving(VMEM) as (server, _):
+        for seed in (2**63 - 1, -2**63):
+            r = httpx.post(server.url + "/v1/completions", json={**COMPLETION, "seed": seed},
+                           timeout=60)
+            assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
+        for seed in (2**63, -2**63 - 1, 2**200):
+            r = httpx.post(server.url + "/v1/completions", json={**COMPLETION, "seed": seed},
+                           timeout=60)
+            assert (r.status_code, r.json()["error"]["param"]) == (400, "seed"), r.text
+            assert "9223372036854775" in r.json()["error"]["message"]
+        # a value cut to fit the message is marked, never shown as another number
+        assert r.json()["error"]["message"].endswith(str(2**200)[:57] + "...")
 
 
 def test_models_retrieve_answers_the_listed_object_and_a_404_naming_an_unknown_id(tmp_path):
