@@ -46,7 +46,8 @@ class CacheTooLargeError(CacheConfigError, MemoryError):
 
 
 class NonFiniteKVError(RuntimeKVError, FloatingPointError):
-    """K or V written to an 8-bit cache hold NaN: int8 has no NaN (it stored code 0 and the
-    request went on with made-up tokens), and a first write's NaN would fix the layer's scale
-    to NaN for every later request. Raised before anything is stored; the engine runs the
-    step's requests one at a time and fails the one whose forward made it."""
+    """K or V written to an 8-bit cache hold NaN or +-inf: int8 has no NaN (it stored code 0)
+    and 8-bit codes saturate inf to the largest value, so the request went on with made-up
+    tokens, and a first write's non-finite amax would fix the layer's scale for every later
+    request. Raised before anything is stored or fixed; the engine runs the step's requests one
+    at a time and fails the one whose forward made it."""
