@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
+from typing import Iterable, Optional
 
 from .cliargs import bounded, max_threads, write_stdout
 from .errors import ConfigError
@@ -24,7 +24,7 @@ from .progress import Progress
 from .result_files import StaleMarker, folder_problem
 from .sweep import (DEFAULT_MAX_POINTS, connect_ray, expand, load_spec, point_key, run_local,
                     run_ray)
-from .sweep_journal import RowJournal
+from .sweep_journal import JOURNAL_NAME, RowJournal
 from .sweep_output import write_plots, write_table
 
 OUTPUTS = ("sweep.csv", "sweep.parquet", "*.png")
@@ -56,7 +56,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     spec = load_spec(args.spec)
     points = expand(spec, args.max_points)     # every point is checked before any runs
-    problem = out_folder_problem(args.out)
+    problem = out_folder_problem(args.out, OUTPUTS + (JOURNAL_NAME,))
     if problem:
         raise ConfigError(f"--out {problem}")
     if args.ray:
@@ -82,11 +82,12 @@ def run(args) -> int:
     return 1 if len(finished) < len(done) else 0
 
 
-def out_folder_problem(path: str) -> Optional[str]:
-    """Why a run cannot write its files into the folder ``path`` (``result_files.folder_problem``),
-    or None; an empty name is refused too (it passed the check as the current folder, then the
-    run ended in ``FileNotFoundError: ... ''``). ``vmemkv bench --out`` checks the same."""
-    return "needs a folder name, got ''" if not path else folder_problem(path)
+def out_folder_problem(path: str, names: Iterable[str] = ()) -> Optional[str]:
+    """Why a run cannot write its files ``names`` into the folder ``path``
+    (``result_files.folder_problem``), or None; an empty name is refused too (it passed the
+    check as the current folder, then the run ended in ``FileNotFoundError: ... ''``).
+    ``vmemkv bench --out`` checks the same, with its own names."""
+    return "needs a folder name, got ''" if not path else folder_problem(path, names)
 
 
 def _run_points(args, todo, rows: dict, journal: RowJournal, total: int) -> bool:

@@ -85,8 +85,9 @@ def _check_out_and_tp(args: argparse.Namespace) -> None:
     suite, then ended in a FileNotFoundError), and --tp a rank count the tensor-parallel
     section's model can be sharded into (TP=3 on its 8 heads ran the whole suite, then failed
     the section: exit 1); UsageError naming the flag (exit 2)."""
+    from vmemkv.benchmarks.suite import OUTPUTS
     from vmemkv.scheduler.cli_sweep import out_folder_problem
-    problem = out_folder_problem(args.out)
+    problem = out_folder_problem(args.out, OUTPUTS)
     if problem:
         raise UsageError(f"--out {problem}")
     if args.tp is None:

@@ -1,6 +1,7 @@
 """--out DIR: every file a run writes there is checked before its work (result_files.
 folder_problem), not only DIR/STALE.txt: a folder at DIR/sweep.csv or DIR/bench.json was found
 by os.replace after every point or section had run (IsADirectoryError)."""
+import argparse
 import os
 
 import pytest
@@ -25,11 +26,10 @@ def test_sweep_refuses_a_folder_at_an_output_name_before_any_point_runs(tmp_path
     err = capsys.readouterr().err
     assert code == 2
     assert f"{out}: {out / member} is not a regular file" in err and "another folder" in err
-    left = sorted(os.listdir(out))
-    if member == "sweep.rows.jsonl":     # checked by the journal, after STALE.txt named parquet
-        assert left == ["STALE.txt", "sweep.parquet", member] and os.listdir(out / member) == []
-    else:                                # checked before the folder is touched
-        assert left == sorted([member, "sweep.parquet"])
+    # checked before the folder is touched (the journal's name too: it was found after
+    # STALE.txt had named sweep.parquet stale)
+    assert sorted(os.listdir(out)) == sorted([member, "sweep.parquet"])
+    assert os.listdir(out / member) == []
 
 
 def test_bench_refuses_a_folder_at_bench_json_before_any_section(tmp_path):
@@ -37,6 +37,15 @@ def test_bench_refuses_a_folder_at_bench_json_before_any_section(tmp_path):
     with pytest.raises(ConfigError, match="bench.json is not a regular file"):
         StaleMarker(str(tmp_path), BENCH_OUTPUTS, "vmemkv bench").begin()
     assert os.listdir(tmp_path) == ["bench.json"]
+
+
+def test_bench_out_is_checked_with_the_suites_names_before_anything(tmp_path):
+    from vmemkv.bench import _check_out_and_tp
+    from vmemkv.cli import UsageError
+    (tmp_path / "prefix.json").mkdir()
+    with pytest.raises(UsageError, match=r"--out .*prefix.json is not a regular file"):
+        _check_out_and_tp(argparse.Namespace(out=str(tmp_path), tp=None))
+    assert os.listdir(tmp_path) == ["prefix.json"]
 
 
 def test_output_files_that_are_files_or_absent_pass(tmp_path):
