@@ -4,7 +4,10 @@ request reaches the engine, each refusal one log line naming the client.
     connections   at most ``max_connections`` open at once; one more is answered 503 and
                   closed at once (half-open connections cannot use up the file descriptors)
     headers       a connection must finish its request line and headers within
-                  ``header_timeout_s`` of opening (or of its previous response): else closed
+                  ``header_timeout_s`` of opening (or of its previous response): else closed.
+                  An answer that starts before its request's body is all in says
+                  ``Connection: close`` and ends the connection (the rest is never read: a
+                  client trickling it kept the connection open for good, with no timer)
     body          ``max_body_bytes`` at most: a larger Content-Length is refused 413 before
                   reading, a longer chunked body 413 as soon as it passes the limit; the whole
                   body within ``body_timeout_s`` of the headers, else 408
@@ -27,6 +30,7 @@ ASGI ``receive`` with the body rules.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import resource
@@ -260,12 +264,23 @@ def guarded_protocol(limits: ServeLimits):
                 return
             self._arm_header_timer()
 
+        def handle_events(self) -> None:
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle:   # a new request: its answer may have to say close
+                self.cycle.send = _closing_send(self.cycle, self.conn)
+
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:   # the request line and headers are in
+            if self._serving():          # the request line and headers are in: the app's turn
                 self._disarm_header_timer()
 
         def on_response_complete(self) -> None:
+            if self.conn.their_state is not h11.DONE and not self.transport.is_closing():
+                # the rest of its body never read: nothing would bound how long it may trickle
+                with contextlib.suppress(h11.LocalProtocolError):
+                    self.conn.send(h11.ConnectionClosed())
+                self.transport.close()
             super().on_response_complete()
             self._arm_header_timer()      # the next request on this connection has as long
 
@@ -283,14 +298,34 @@ def guarded_protocol(limits: ServeLimits):
                 timer.cancel()
                 self._header_timer = None
 
+        def _serving(self) -> bool:
+            """Whether a request's answer is under way (the app's own limits bound it); else
+            the server waits on the client, and the header timer must be armed."""
+            return self.cycle is not None and not self.cycle.response_complete \
+                and self.conn.their_state is not h11.IDLE
+
         def _headers_late(self) -> None:
             self._header_timer = None
-            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            if self.transport.is_closing() or self._serving():
                 return
             what = "incomplete" if self.conn.trailing_data[0] else "not sent"
             log.warning("dropped %s: request headers %s within %g s", _peer(self.client), what,
                         limits.header_timeout_s)
             self.transport.close()
+
+    def _closing_send(cycle, conn):
+        """``cycle.send``, whose response says ``Connection: close`` when it starts before the
+        request's body is all in: the rest is never read, the connection ends with the answer."""
+        send = cycle.send
+
+        async def closing_send(message) -> None:
+            if message["type"] == "http.response.start" and conn.their_state is not h11.DONE:
+                headers = list(message.get("headers", []))
+                if (b"connection", b"close") not in [(k.lower(), v.lower()) for k, v in headers]:
+                    message = {**message, "headers": headers + [(b"connection", b"close")]}
+            await send(message)
+
+        return closing_send
 
     return GuardedH11Protocol
 
