@@ -7,6 +7,9 @@ pending JSON request with 503; nothing is cut without a word.
     drain                     requests in flight run on, up to shutdown_timeout_s
     expire                    ``Drain.expired`` fires: streams send an error event and [DONE],
                               JSON requests answer 503; each request is aborted (memory back)
+    grace                     GRACE_S later, a request still running is one whose client does
+                              not read its answer: each is counted in ``Drain.cut``, its
+                              connection dropped (one log line), which ends it without a traceback
     exit                      SIGTERM: exit 0 with one line; Ctrl-C: 130 (the CLI's interrupt)
 
 ``DrainingServer`` is uvicorn's server with that shutdown, and signals that are not re-raised
@@ -19,6 +22,7 @@ import contextlib
 import logging
 import signal
 import threading
+import weakref
 from typing import AsyncIterator, Callable, List, Optional
 
 from .errors import ApiError
@@ -39,6 +43,8 @@ class Drain:
         self.draining = False
         self.cut = 0                     # requests ended by the expiry
         self._expired: Optional[asyncio.Event] = None
+        self._counted: "weakref.WeakSet[asyncio.Task]" = weakref.WeakSet()  # guard's cuts' tasks
+        self._settled = False            # every request left is counted: nothing adds more
 
     @property
     def expired(self) -> asyncio.Event:
@@ -56,7 +62,7 @@ class Drain:
                 step = asyncio.ensure_future(iterator.__anext__())
                 await asyncio.wait({step, expired}, return_when=asyncio.FIRST_COMPLETED)
                 if not step.done():
-                    self.cut += 1
+                    self._count_cut()
                     raise shutting_down()
                 try:
                     item = step.result()
@@ -69,6 +75,25 @@ class Drain:
                 step.cancel()
             elif step is not None and not step.cancelled():
                 step.exception()         # retrieved: never "exception was never retrieved"
+
+
+    def _count_cut(self) -> None:
+        if self._settled:                # counted when its connection was dropped
+            return
+        self.cut += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._counted.add(task)
+
+    def settle(self, stuck: List[asyncio.Task]) -> int:
+        """Count ``stuck`` (the requests still running after the grace) in ``cut``, each once:
+        those whose guard already counted it still run (their last event not sent), the
+        rest were not counted. Later cuts count nothing. Returns how many were added."""
+        already = sum(1 for task in self._counted if not task.done())
+        added = max(0, len(stuck) - already)
+        self.cut += added
+        self._settled = True
+        return added
 
 
 def draining_server(config, drain: Drain, shutdown_timeout_s: float,
@@ -118,10 +143,24 @@ def draining_server(config, drain: Drain, shutdown_timeout_s: float,
             if not await _wait_for(self.server_state.tasks, shutdown_timeout_s):
                 drain.expired.set()
                 if not await _wait_for(self.server_state.tasks, GRACE_S):
-                    for task in list(self.server_state.tasks):
-                        task.cancel()
+                    self._drop_stuck()
+                    if not await _wait_for(self.server_state.tasks, GRACE_S):
+                        for task in list(self.server_state.tasks):
+                            task.cancel()   # counted above; never seen in tests
             for server in self.servers:
                 await server.wait_closed()
+
+        def _drop_stuck(self) -> None:
+            """The requests still running: their clients do not read (a write waits on them).
+            Each is counted, and its connection aborted (close would wait for the unread
+            bytes): uvicorn then ends the request as a disconnect, no CancelledError logged."""
+            stuck = list(self.server_state.tasks)
+            drain.settle(stuck)
+            log.warning("dropped %d connection(s) whose client did not read its answer within "
+                        "%g s of the drain's end", len(stuck), GRACE_S)
+            for connection in list(self.server_state.connections):
+                if connection.transport is not None:
+                    connection.transport.abort()
 
     return DrainingServer(config)
 
