@@ -9,7 +9,8 @@ One step:
 Order of work inside ``schedule()``:
   1. running decodes (all first give back what their windows no longer read), oldest admission
      first; each grows by one token. When one cannot grow, the most recently admitted running
-     sequence is preempted (recompute or swap), possibly itself.
+     sequence is preempted (recompute or swap), possibly itself (alone in a cache that cannot
+     grow: failed, unless a beam group swapped in: recomputed once, its beams sharing again).
   2. running prefills (chunked: whatever token budget is left).
   3. swapped sequences come back (FCFS) before any new admission (a growable pool's with room
      for their next token).
@@ -76,6 +77,7 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
         self._finished_ids: List[int] = []
         self._unfinished_samples: Dict[int, int] = {}   # request_id -> sequences not finished
         self._savepoint: Optional[Savepoint] = None   # open transaction (begin), else None
+        self._private_orders: set = set()   # admit orders of running beams swapped in (_grow)
 
     # ---- submission ----------------------------------------------------------------------
     def add_request(self, request: Request) -> List[int]:
@@ -114,9 +116,8 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
 
     def _fits(self, seq: Sequence, ids, reserve: int, share=None,
               tokens: Optional[int] = None) -> bool:
-        """Whether ``seq`` (its first ``tokens``; None: all) can be allocated now (its adapter
-        acquired first, when it has one; ``share``: ``_sibling_share``'s) leaving ``reserve``
-        tokens free."""
+        """Whether ``seq`` (its first ``tokens``; None: all) can be allocated now leaving
+        ``reserve`` tokens free (its adapter acquired first; ``share``: ``_sibling_share``'s)."""
         req = seq.request   # (a user's policy without adapters need not take ``adapter``)
         options = dict(share or {}, **({} if req.adapter is None else {"adapter": req.adapter}),
                        **self._lookup(req))
@@ -144,10 +145,9 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
                     or self._scheduled)
 
     def state_of(self, seq_id: int) -> SeqState:
-        try:
+        if seq_id in self.seqs:
             return self.seqs[seq_id].state
-        except KeyError:
-            raise UnknownSequenceError(f"unknown sequence id {seq_id}") from None
+        raise UnknownSequenceError(f"unknown sequence id {seq_id}")
 
     # ---- ending a request early -------------------------------------------------------
     def abort_request(self, request_id: int, status: SeqState = SeqState.ABORTED) -> List[int]:
@@ -176,7 +176,7 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
             self._admit(plan, budget)
         # nothing runs, the head (a beam group) cannot be admitted: a growable pool asks for more
         self.starved = bool(self.waiting) and not (plan.seqs or self.running or self.swapped)
-        if self.starved and self._cannot_grow():
+        if self.starved and not plan.preempted and self._cannot_grow():   # (admission was tried)
             self._never_fits(self.waiting[0], "cannot be admitted to an empty cache")
         self._unblock_groups(plan)
         if self._denied_room is not None and not (plan.seqs or plan.preempted):
@@ -275,19 +275,21 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
                 if not may_preempt:
                     return False
                 victims = self._tail_unit()
-                alone = len(victims) == len(self.running)
-                self._preempt_unit(victims, plan)
-                if seq in victims:   # it preempted itself: alone, it would come back the same
-                    if alone and self._cannot_grow():      # way and preempt itself for ever
+                # alone, it would come back the same way for ever (the cache cannot grow); not
+                # a group swapped in (each beam its own copy): recomputed once, it shares again
+                stuck = seq in victims and len(victims) == len(self.running) and self._cannot_grow()
+                private = stuck and any(m.admit_order in self._private_orders for m in victims)
+                self._preempt_unit(victims, plan, recompute=private)
+                if seq in victims:
+                    if stuck and not private:
                         self._never_fits(seq, "cannot grow in a cache")
                     return False
 
     def _emit(self, plan: StepPlan, seq: Sequence, new: int) -> None:
         c = seq.num_computed
         sample = c + new == seq.length
-        forks = seq.pending_forks if sample else ()
         plan.seqs.append(ScheduledSeq(seq.seq_id, c, new, seq.new_token_ids(c, c + new), sample,
-                                      forks, seq.adapter_id))
+                                      seq.pending_forks if sample else (), seq.adapter_id))
         plan.num_new_tokens += new
         plan.num_context_tokens += c + new
         self._scheduled.append((seq, new, sample))
@@ -301,8 +303,7 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
         plan.preempted.append(seq.seq_id)
         swap = self._swappable(seq) if swap is None else swap
         if swap and self._try_swap_out(seq):
-            seq.state = SeqState.SWAPPED
-            seq.held = 0
+            seq.state, seq.held = SeqState.SWAPPED, 0
             self.swapped.appendleft(seq)
             plan.swapped_out.append(seq.seq_id)
             self.metrics.num_swap_preemptions += 1
@@ -353,6 +354,9 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
                 seq.held = self.manager.num_tokens(seq.seq_id)
                 self._run_beside(seq)
                 budget = self._schedule_prefill(plan, seq, budget, may_preempt=False)
+            if group[0].beam_width:   # each member its own copy of what they share (_grow)
+                self._private_orders = {s.admit_order for s in self.running} & (
+                    self._private_orders | {m.admit_order for m in group})
         return budget
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
@@ -384,15 +388,13 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
                 self._unpin(seq)       # (its prefix hits went to load the adapter)
                 break
             self.waiting.popleft()
-            seq.held = tokens
-            seq.num_computed = min(hit, seq.length - 1)   # the last token is always computed
+            seq.held, seq.num_computed = tokens, min(hit, seq.length - 1)   # the last is computed
             self._make_running(seq)
             # a hit names only units whose K/V are written (managers publish on compute, told
             # by update), so the sequence reads them at once
             budget = self._schedule_prefill(plan, seq, budget, may_preempt=False)
 
     def _make_running(self, seq: Sequence) -> None:
-        seq.state = SeqState.RUNNING
-        seq.admit_order = self._admit_counter
+        seq.state, seq.admit_order = SeqState.RUNNING, self._admit_counter
         self._admit_counter += 1
         self.running.append(seq)
