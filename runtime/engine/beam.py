@@ -30,7 +30,8 @@ from vmemkv.scheduler.lifecycle import check_length
 from vmemkv.scheduler.request import Request
 
 from .beam_params import BeamSearchParams
-from .beam_select import Beam, GroupState, Hypothesis, candidates_per_step, returned, select
+from .beam_select import (Beam, GroupState, Hypothesis, candidates_per_step, length_divisor,
+                          returned, select)
 from .errors import BeamSearchParamsError, EngineClosedError, RequestRejectedError
 from .outputs import CompletionOutput, RequestOutput, TokenEvent
 from .prompts import check_prompt_batch
@@ -223,14 +224,26 @@ class BeamSearching:
                                 logprobs=list(h.logprobs), beam_score=h.score)
 
     def _end_beams(self, request_id: int, reason: str) -> None:
-        """A beam request ended early (aborted, failed): its output holds what it has, finished
-        hypotheses first, then live beams (finish_reason ``reason``), at most num_return_beams."""
+        """A beam request ended early (aborted, failed, closed): its output holds what it has,
+        the finished hypotheses and the live beams (finish_reason ``reason``) scored alike
+        (``_live_score``), best first (a finished one first on a tie), at most
+        num_return_beams."""
         group = self._beams.groups.pop(request_id, None)
         if group is None:
             return
         for beam in group.beams:
             self._beams.group_of.pop(beam.seq_id, None)
-        live = [Hypothesis(b.token_ids, b.logprobs, b.score, reason) for b in group.beams]
-        kept = (list(group.hyps) + live)[:group.params.returned_beams]
-        self._requests[request_id].output.outputs[:] = [self._completion(i, h)
-                                                        for i, h in enumerate(kept)]
+        live = [Hypothesis(b.token_ids, b.logprobs, _live_score(b, group.params.length_penalty),
+                           reason) for b in group.beams]
+        ranked = sorted(list(group.hyps) + live, key=lambda h: -h.score)   # stable
+        self._requests[request_id].output.outputs[:] = [
+            self._completion(i, h) for i, h in enumerate(ranked[:group.params.returned_beams])]
+
+
+def _live_score(beam: Beam, length_penalty: float) -> float:
+    """A live beam's ``beam_score`` as a finished hypothesis' is scored: its fp32 cumulative
+    logprob over tokens ** length_penalty (0.0 with no token yet: nothing to divide)."""
+    if not beam.token_ids:
+        return beam.score
+    score = torch.tensor(beam.score, dtype=torch.float32)
+    return (score / length_divisor(len(beam.token_ids), length_penalty)).item()
