@@ -121,7 +121,8 @@ async def _complete(request: Request, server: EngineThread, served: ServedModel,
                  request.scope)                                     # parsed off the event loop
     batch = await asyncio.to_thread(prompt_token_ids, req, served)   # off the event loop
     params = served.engine_params(req.sampling_params(), req.model)
-    submission = Submission(server, batch, params, arrival_s, "cmpl", served.tokenizer is not None)
+    submission = Submission(server, batch, params, arrival_s, "cmpl", served.tokenizer is not None,
+                            stream=req.stream)
     fmt = CompletionFormat(req, served, req.prompts(), batch, submission)
     return await _respond(request, submission, fmt, (req.model or served.name, created_s), req,
                           drain)
@@ -134,7 +135,7 @@ async def _chat(request: Request, server: EngineThread, served: ServedModel,
                  request.scope)
     ids, max_tokens = await asyncio.to_thread(chat_token_ids, req, served)   # off the loop
     params = served.engine_params(req.sampling_params(max_tokens), req.model)
-    submission = Submission(server, [ids], params, arrival_s, "chatcmpl", True)
+    submission = Submission(server, [ids], params, arrival_s, "chatcmpl", True, stream=req.stream)
     return await _respond(request, submission, ChatFormat(req, served, submission),
                           (req.model or served.name, created_s), req, drain)
 
