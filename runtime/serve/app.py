@@ -122,7 +122,7 @@ async def _complete(request: Request, server: EngineThread, served: ServedModel,
     batch = await asyncio.to_thread(prompt_token_ids, req, served)   # off the event loop
     params = served.engine_params(req.sampling_params(), req.model)
     submission = Submission(server, batch, params, arrival_s, "cmpl", served.tokenizer is not None,
-                            stream=req.stream)
+                            stream=req.stream, echo=req.echo)   # the limit counts the echo
     fmt = CompletionFormat(req, served, req.prompts(), batch, submission)
     return await _respond(request, submission, fmt, (req.model or served.name, created_s), req,
                           drain)

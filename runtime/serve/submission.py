@@ -9,9 +9,12 @@ separated. A submission that leaves early (the client disconnected) aborts every
 live on the engine thread, which releases its memory before the next step.
 
 Before anything is queued, the response's worst case (``limits.check_response_bytes``: prompts x
-choices x max_tokens, plus the echoed prompts with logprobs) is checked against the server's
-``max_response_bytes``: past it, ApiError 400 naming the field to lower. A streamed submission
-(``stream``) keeps no logprobs in its choices: each token's travel in its Delta only.
+choices x max_tokens, plus each choice's echoed prompt with ``echo``, with or without logprobs)
+is checked against the server's ``max_response_bytes``: past it, ApiError 400 naming the field
+to lower. An echoed prompt token counts as a generated one (``limits.token_response_bytes``: 16
+bytes, plus its logprob entries): its text, or its id in decimal and a space without a
+tokenizer (at most 7 bytes for ids below 10**6; measured 3.7 bytes a token). A streamed
+submission (``stream``) keeps no logprobs in its choices: each token's travel in its Delta only.
 """
 from __future__ import annotations
 
@@ -60,15 +63,16 @@ class Delta:
 class Submission:
     """Every engine request of one HTTP request. ``events()`` yields a Delta per token;
     ``close()`` aborts whatever has not ended. ``max_response_bytes`` None: ``server``'s
-    (``Server`` sets it from its limits), else ``DEFAULT_MAX_RESPONSE_BYTES``."""
+    (``Server`` sets it from its limits), else ``DEFAULT_MAX_RESPONSE_BYTES``; ``echo``: each
+    choice's text starts with its prompt (completions' ``echo``), which the limit counts."""
 
     def __init__(self, server: EngineThread, prompts: Sequence[Sequence[int]],
                  params: SamplingParams, arrival_s: float, prefix: str = "cmpl",
                  has_tokenizer: bool = True, stream: bool = False,
-                 max_response_bytes: Optional[int] = None) -> None:
+                 max_response_bytes: Optional[int] = None, echo: bool = False) -> None:
         if max_response_bytes is None:
             max_response_bytes = getattr(server, "max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES)
-        check_response_bytes(response_size(prompts, params), max_response_bytes,
+        check_response_bytes(response_size(prompts, params, echo), max_response_bytes,
                              chat=prefix == "chatcmpl")      # before anything is queued
         self._keep_logprobs = not stream    # a stream's were sent: holding them is all cost
         self.id = f"{prefix}-{uuid.uuid4().hex}"
@@ -158,11 +162,15 @@ class Submission:
         return sum(len(c.token_ids) for c in self.choices)
 
 
-def response_size(prompts: Sequence[Sequence[int]], params) -> ResponseSize:
+def response_size(prompts: Sequence[Sequence[int]], params, echo: bool = False) -> ResponseSize:
     """What bounds the response of ``prompts`` run with ``params``: a beam search's returned
-    beams carry no logprobs; echoed prompts count when their logprobs are asked for."""
-    if isinstance(params, BeamSearchParams):
-        return ResponseSize(len(prompts), params.returned_beams, params.max_new_tokens, None)
-    echo_tokens = sum(len(p) for p in prompts) if params.prompt_logprobs is not None else 0
+    beams carry no logprobs; with ``echo`` (or prompt logprobs) every choice repeats its
+    prompt's tokens, each counted as a generated token with the same logprobs."""
+    beams = isinstance(params, BeamSearchParams)
+    echoed = echo or (not beams and params.prompt_logprobs is not None)
+    echo_tokens = sum(len(p) for p in prompts) if echoed else 0
+    if beams:
+        return ResponseSize(len(prompts), params.returned_beams, params.max_new_tokens, None,
+                            echo_tokens)
     return ResponseSize(len(prompts), params.n, params.max_new_tokens, params.logprobs,
                         echo_tokens)

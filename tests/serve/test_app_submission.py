@@ -1,7 +1,8 @@
 """What the routes hand their Submission, driven through the app in process (no socket, no
 engine: a fake engine thread answers each request with two tokens at once): a streamed
 request's Submission keeps no per-choice logprobs (they travel in the chunks), a JSON one
-keeps them for its body."""
+keeps them for its body; an echoed prompt counts against --max-response-bytes with or
+without logprobs."""
 from __future__ import annotations
 
 import asyncio
@@ -11,13 +12,17 @@ from concurrent.futures import Future
 import httpx
 import pytest
 
+from vmemkv.runtime.engine.beam_params import BeamSearchParams
 from vmemkv.runtime.engine.logprobs import TokenLogprobs
 from vmemkv.runtime.engine.outputs import TokenEvent
+from vmemkv.runtime.engine.sampling import SamplingParams
 from vmemkv.runtime.serve import app as app_module
 from vmemkv.runtime.serve.app import create_app
 from vmemkv.runtime.serve.completions import ServedModel
 from vmemkv.runtime.serve.engine_thread import Ended, Token
+from vmemkv.runtime.serve.limits import ResponseSize
 from vmemkv.runtime.serve.metrics import ServeMetrics
+from vmemkv.runtime.serve.submission import response_size
 
 from ..engine.byte_tokenizer import byte_tokenizer
 
@@ -45,7 +50,7 @@ class TwoTokenEngineThread:
         pass
 
 
-def post(path: str, body: dict, monkeypatch):
+def post(path: str, body: dict, monkeypatch, engine_thread=None, max_sequence_tokens=64):
     """(the response, the Submissions the app made) for ``body`` posted to ``path``."""
     made = []
 
@@ -55,8 +60,8 @@ def post(path: str, body: dict, monkeypatch):
             made.append(self)
 
     monkeypatch.setattr(app_module, "Submission", Recorded)
-    served = ServedModel("m", byte_tokenizer(chat_template=True), 256, 64, 8)
-    app = create_app(TwoTokenEngineThread(), ServeMetrics("m"), served)
+    served = ServedModel("m", byte_tokenizer(chat_template=True), 256, max_sequence_tokens, 8)
+    app = create_app(engine_thread or TwoTokenEngineThread(), ServeMetrics("m"), served)
 
     async def run():
         transport = httpx.ASGITransport(app=app)
@@ -87,3 +92,31 @@ def test_a_streamed_requests_submission_keeps_no_logprobs(path, body, stream, mo
         assert len(sent) == 2
     else:
         assert got.json()["choices"][0]["logprobs"] is not None
+
+
+def test_echo_without_logprobs_counts_each_choices_prompt_against_the_limit(monkeypatch):
+    # 16 prompts x 1,000 ids, n 8, max_tokens 1, echo: 8 x (16 x 1 + 16,000) x 16 bytes =
+    # 2,050,048 bytes (the real answer was 467,688 bytes); echo was not counted without
+    # logprobs, so it was estimated at 2,048 bytes and served under a 64 KiB limit
+    engine_thread = TwoTokenEngineThread()
+    engine_thread.max_response_bytes = 64 * 1024
+    body = {"prompt": [[1 + i % 250 for i in range(1000)]] * 16, "n": 8, "max_tokens": 1,
+            "echo": True}
+    got, made = post("/v1/completions", body, monkeypatch, engine_thread, 2048)
+    assert got.status_code == 400 and made == [] and engine_thread.submitted == []
+    error = got.json()["error"]
+    assert error["param"] == "prompt"
+    assert "about 2,050,048 bytes" in error["message"] and "16000 echoed" in error["message"]
+    assert "limit of 65,536 bytes (--max-response-bytes)" in error["message"]
+    body["echo"] = False          # 8 x 16 x 1 x 16 = 2,048 bytes: served
+    got, made = post("/v1/completions", body, monkeypatch, engine_thread, 2048)
+    assert got.status_code == 200 and len(engine_thread.submitted) == 16
+
+
+def test_what_bounds_a_response_counts_an_echo_without_logprobs():
+    assert response_size([[1, 2], [3]], SamplingParams(n=3, max_new_tokens=5), echo=True) \
+        == ResponseSize(2, 3, 5, None, echo_tokens=3)
+    assert ResponseSize(2, 3, 5, None, echo_tokens=3).estimate_bytes == 3 * 13 * 16
+    beams = BeamSearchParams(beam_width=4, max_new_tokens=10, num_return_beams=2)
+    assert response_size([[1, 2], [3]], beams, echo=True) == ResponseSize(2, 2, 10, None, 3)
+    assert response_size([[1, 2], [3]], beams) == ResponseSize(2, 2, 10, None)
