@@ -6,8 +6,10 @@
          else:   (x - max) / temperature -> top_k -> top_p -> min_p -> one draw
 
 Reproducibility: every sequence owns a ``torch.Generator``. With ``seed`` set, sample i of a
-request draws from ``seed`` mixed with i, so results do not depend on what else is in the
-batch, on preemption, or on the cache layout. Greedy rows skip the generator entirely.
+request draws from output i of a SplitMix64 stream seeded with ``seed`` (an int64; its 64 bits
+as given), so results do not depend on what else is in the batch, on preemption, or on the
+cache layout, and two distinct int64 seeds never give one sample index the same generator
+seed (each step of the mix is a bijection of 64 bits). Greedy rows skip the generator entirely.
 
 Numerics: the scores are shifted by their maximum before the division by the temperature (at
 least ``SAMPLING_EPS``), so they are <= 0 and never overflow; top_p keeps the likeliest token
@@ -25,10 +27,24 @@ from .logprobs import TokenLogprobs, token_logprobs
 from .sampling import SamplingParams
 
 
+_MASK_64 = 2**64 - 1
+_GOLDEN_64 = 0x9E3779B97F4A7C15     # SplitMix64's increment
+
+
+def splitmix64(seed: int, index: int) -> int:
+    """Output ``index`` (0, 1, ...) of a SplitMix64 stream seeded with ``seed``'s low 64 bits:
+    an unsigned 64-bit int. For a fixed ``index`` it is a bijection of 64-bit seeds."""
+    z = (seed + (index + 1) * _GOLDEN_64) & _MASK_64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return z ^ (z >> 31)
+
+
 def make_generator(seed: int, sample_index: int, device: torch.device) -> torch.Generator:
-    """The generator of sample ``sample_index`` of a request seeded with ``seed``."""
+    """The generator of sample ``sample_index`` of a request seeded with ``seed`` (an int64:
+    wider ints are taken modulo 2**64), seeded with ``splitmix64(seed, sample_index)``."""
     gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + sample_index) % (2**63))
+    gen.manual_seed(splitmix64(seed, sample_index))
     return gen
 
 

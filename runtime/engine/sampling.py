@@ -137,7 +137,8 @@ _RULES = (
     ("top_k", lambda p: _is_int(p.top_k) and p.top_k >= 0, "an int >= 0"),
     ("top_p", lambda p: _is_finite(p.top_p) and 0.0 < p.top_p <= 1.0, "a number in (0, 1]"),
     ("min_p", lambda p: _in(0.0, 1.0)(p.min_p), "a number in [0, 1]"),
-    ("seed", lambda p: p.seed is None or _is_int(p.seed), "an int or None"),
+    ("seed", lambda p: p.seed is None or (_is_int(p.seed) and -2**63 <= p.seed < 2**63),
+     "an int or None, in [-2**63, 2**63 - 1] (an int64: wider seeds would alias narrower ones)"),
     ("stop_token_ids", lambda p: isinstance(p.stop_token_ids, tuple)
      and len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS
      and all(_is_int(t) and t >= 0 for t in p.stop_token_ids),

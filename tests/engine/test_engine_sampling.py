@@ -117,3 +117,19 @@ def test_late_samples_hold_a_siblings_prompt_blocks_and_decode_exactly(family):
     assert sum(shared) >= 10
     want = hf_greedy(family, batch, 24, ignore_eos=True)
     assert [[c.token_ids for c in o.outputs] for o in out] == [[w] * 3 for w in want]
+
+
+@pytest.mark.parametrize("seed", [2**63, -2**63 - 1, 2**200])
+def test_a_seed_outside_int64_is_refused_by_name(seed):
+    """The generator takes 64 bits: a wider seed aliased a narrower one (2**200 drew seed 0's)."""
+    from vmemkv.runtime.engine import EngineConfigError
+    with pytest.raises(EngineConfigError, match=r"seed .*\[-2\*\*63, 2\*\*63 - 1\]"):
+        SamplingParams(seed=seed)
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1 and SamplingParams(seed=-2**63).seed
+
+
+def test_distinct_int64_seeds_draw_distinct_samples():
+    """Seeds that collided under the old mix ((seed * 1_000_003 + i) mod 2**63): -1 and
+    2**63 - 1, 0 and -2**63."""
+    for a, b in ((-1, 2**63 - 1), (0, -2**63)):
+        assert _sampled(CACHES[0], seed=a, n=1) != _sampled(CACHES[0], seed=b, n=1)

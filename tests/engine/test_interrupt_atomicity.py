@@ -28,7 +28,7 @@ PURE = os.path.join(os.path.dirname(scheduler_module.__file__), "geometry.py")
 X = ord("x")
 # one request that reaches every kind of recording: two forked, seeded, sampled samples with
 # logprobs and prompt logprobs, both ending at token 2: one by a stop string ("xx"), one by length
-LEAN = [SamplingParams(max_new_tokens=2, temperature=0.8, seed=2, n=2, logprobs=1, prompt_logprobs=1,
+LEAN = [SamplingParams(max_new_tokens=2, temperature=0.8, seed=4, n=2, logprobs=1, prompt_logprobs=1,
                        logit_bias={X: 5.0}, stop=["xx"], ignore_eos=True)]
 RICH = [SamplingParams(max_new_tokens=2, temperature=0.8, seed=1, n=2, logprobs=1, ignore_eos=True),
         SamplingParams(max_new_tokens=5, logit_bias={X: 100.0}, stop=["xx"], prompt_logprobs=1,

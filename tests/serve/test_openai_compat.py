@@ -1,7 +1,7 @@
 """OpenAI compatibility: JSON null is the default of every field OpenAI types "X or null";
 ``created`` is one timestamp per request, in every chunk of a stream; ``seed`` is an int64 (a
-400 naming it outside); ``GET /v1/models/{model}`` (the client's ``models.retrieve``) answers
-the list's object, a 404 naming an id not served."""
+400 naming it outside) and distinct seeds draw distinct tokens; ``GET /v1/models/{model}`` (the
+client's ``models.retrieve``) answers the list's object, a 404 naming an id not served."""
 from __future__ import annotations
 
 import copy
@@ -14,6 +14,7 @@ import httpx
 import pytest
 import torch
 
+from vmemkv.runtime.engine import sampler
 from vmemkv.runtime.serve.auth import AuthConfig
 from vmemkv.runtime.serve.chat import parse_chat_request
 from vmemkv.runtime.serve.errors import ApiError
@@ -25,6 +26,7 @@ from .conftest import NAME, VMEM, serving
 COMPLETION = {"prompt": [1, 2, 3], "max_tokens": 4, "seed": 7, "ignore_eos": True}
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4, "seed": 7,
         "ignore_eos": True}
+CPU = torch.device("cpu")
 # the fields OpenAI's API reference types "X or null" (its default when null), per API
 SHARED_NULLABLE = ("temperature", "top_p", "n", "stop", "seed", "stream", "stream_options",
                    "frequency_penalty", "presence_penalty", "logit_bias", "max_tokens", "logprobs")
@@ -117,6 +119,27 @@ def test_a_seed_outside_int64_is_a_400_naming_seed_and_the_edges_are_taken():
             assert "9223372036854775" in r.json()["error"]["message"]
         # a value cut to fit the message is marked, never shown as another number
         assert r.json()["error"]["message"].endswith(str(2**200)[:57] + "...")
+
+
+def test_distinct_int64_seeds_draw_distinct_tokens_and_a_seed_is_deterministic():
+    # the old mix, (seed * 1_000_003 + i) % 2**63, gave each pair one generator seed
+    for a, b in ((-1, 2**63 - 1), (0, -2**63), (1, 1 - 2**63)):
+        assert sampler.make_generator(a, 0, CPU).initial_seed() != \
+            sampler.make_generator(b, 0, CPU).initial_seed()
+    # SplitMix64's published vector: seed 1234567 gives 6457827717110365317, 3203168211198807973
+    assert [sampler.make_generator(1234567, i, CPU).initial_seed() for i in (0, 1)] == [
+        6457827717110365317, 3203168211198807973]
+    draw = lambda seed, i: torch.randint(2**30, (4,),
+                                         generator=sampler.make_generator(seed, i, CPU))
+    assert torch.equal(draw(5, 0), draw(5, 0)) and not torch.equal(draw(5, 0), draw(5, 1))
+    with serving(VMEM) as (server, _):
+        def tokens(seed: int) -> list:
+            body = {**COMPLETION, "max_tokens": 8, "temperature": 1.0, "seed": seed}
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+        assert tokens(-1) != tokens(2**63 - 1) and tokens(0) != tokens(-2**63)
+        assert tokens(-2**63) == tokens(-2**63)
 
 
 def test_models_retrieve_answers_the_listed_object_and_a_404_naming_an_unknown_id(tmp_path):
