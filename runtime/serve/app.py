@@ -22,6 +22,11 @@ wrong path or method, 409 for a resize or sleep the engine refuses, 503 with Ret
 the queue is full, the engine is asleep or the server is shutting down, 500 with no traceback
 (the traceback goes to the server log). A client that disconnects aborts its requests; a
 shutdown past its drain ends them (shutdown.py).
+
+A request's part of the server's response budget (``submission.ResponseBudget``, 503 +
+Retry-After when spent) is given back once its response is out: after its last body message
+the connection's buffer has drained below its low-water mark (``send`` waits on it), or the
+connection is gone (``--send-timeout`` drops one whose client stopped reading: server.py).
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ from .shutdown import Drain, shutting_down
 from .submission import Submission
 
 log = logging.getLogger("vmemkv.serve")
+HELD_SCOPE_KEY = "vmemkv.held_responses"   # the request's budget Reservations (_ReleaseWhenSent)
 
 
 def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
@@ -56,6 +62,7 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
     ``lora_root``: the folder runtime adapter loading may read (None: off; lora_routes.py)."""
     drain = drain or Drain()
     app = FastAPI(title="vmemkv", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_ReleaseWhenSent)
     _error_handlers(app)
     created = int(time.time())
 
@@ -121,8 +128,9 @@ async def _complete(request: Request, server: EngineThread, served: ServedModel,
                  request.scope)                                     # parsed off the event loop
     batch = await asyncio.to_thread(prompt_token_ids, req, served)   # off the event loop
     params = served.engine_params(req.sampling_params(), req.model)
-    submission = Submission(server, batch, params, arrival_s, "cmpl", served.tokenizer is not None,
-                            stream=req.stream, echo=req.echo)   # the limit counts the echo
+    submission = _held(request, Submission(server, batch, params, arrival_s, "cmpl",
+                                           served.tokenizer is not None, stream=req.stream,
+                                           echo=req.echo))   # the limit counts the echo
     fmt = CompletionFormat(req, served, req.prompts(), batch, submission)
     return await _respond(request, submission, fmt, (req.model or served.name, created_s), req,
                           drain)
@@ -135,9 +143,46 @@ async def _chat(request: Request, server: EngineThread, served: ServedModel,
                  request.scope)
     ids, max_tokens = await asyncio.to_thread(chat_token_ids, req, served)   # off the loop
     params = served.engine_params(req.sampling_params(max_tokens), req.model)
-    submission = Submission(server, [ids], params, arrival_s, "chatcmpl", True, stream=req.stream)
+    submission = _held(request, Submission(server, [ids], params, arrival_s, "chatcmpl", True,
+                                           stream=req.stream))
     return await _respond(request, submission, ChatFormat(req, served, submission),
                           (req.model or served.name, created_s), req, drain)
+
+
+def _held(request: Request, submission: Submission) -> Submission:
+    """``submission``, its budget Reservation given back when its response is out."""
+    if submission.reservation is not None:
+        request.scope[HELD_SCOPE_KEY].append(submission.reservation)
+    return submission
+
+
+class _ReleaseWhenSent:
+    """ASGI middleware: the Reservations a request took (``HELD_SCOPE_KEY``) are released
+    when its exchange is over. Its last body message goes as two: the body, then an empty
+    last one, which the server's ``send`` holds until the connection's buffer has drained
+    (uvicorn waits on its flow control) or the connection is gone."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        held = scope[HELD_SCOPE_KEY] = []
+
+        async def sending(message) -> None:
+            if held and message["type"] == "http.response.body" \
+                    and not message.get("more_body", False):
+                await send({**message, "more_body": True})
+                message = {"type": "http.response.body", "body": b"", "more_body": False}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            for reservation in held:
+                reservation.release()
 
 
 async def _respond(request: Request, submission: Submission, fmt, stamp: Tuple[str, int], req,

@@ -77,6 +77,16 @@ def _security_flags(g) -> None:
                         "with logprobs and echo; estimated before it is queued); larger: 400 "
                         "naming the field to lower; checked against the host's available "
                         "memory at start (default: 64 MiB)")
+    g.add_argument("--max-response-memory-bytes", type=parse_bytes, default=None, metavar="SIZE",
+                   help="the responses all requests may hold at once, each counted at its "
+                        "--max-response-bytes estimate from when it is taken until its client "
+                        "has read it (or is gone); past it: 503 + Retry-After; checked against "
+                        "the host's available memory at start (default: 4 x --max-response-bytes, "
+                        "less where memory is short)")
+    g.add_argument("--send-timeout", type=bounded(float, 0, low_open=True), default=60.0,
+                   metavar="S", help="seconds a client may read nothing of its answer (the "
+                                     "connection's send buffer stays full); then the "
+                                     "connection is dropped and its request aborted")
     g.add_argument("--header-timeout", type=bounded(float, 0, low_open=True), default=10.0,
                    metavar="S", help="seconds a connection has to send its request headers")
     g.add_argument("--body-timeout", type=bounded(float, 0, low_open=True), default=30.0,
@@ -160,6 +170,8 @@ def run(args) -> int:
 
     require_serve_extra()
     limits, auth = _limits_and_auth(args)     # refused before the model loads
+    from .submission import ResponseBudget
+    ResponseBudget.of(limits.max_response_bytes, args.max_response_memory_bytes)   # as Server
     generate_cli._check_device(args.device)
     generate_cli._check_flags(args)
     _check_before_loading(args)
@@ -183,7 +195,9 @@ def run(args) -> int:
             sys.stderr.flush()
         server = Server(engine, name, host=args.host, port=args.port, max_queue=args.max_queue,
                         log_level=args.log_level, limits=limits, auth=auth, on_started=started,
-                        lora_root=args.lora_root)
+                        lora_root=args.lora_root,
+                        max_response_memory_bytes=args.max_response_memory_bytes,
+                        send_timeout_s=args.send_timeout)
         line = server.run()   # Ctrl-C: KeyboardInterrupt carrying the line, exit 130
     sys.stderr.write(f"vmemkv serve: {line}\n")
     return 0

@@ -10,7 +10,10 @@ error event and ``[DONE]`` for a stream, 503 for a JSON request: shutdown.py), a
 still live (its memory is released) and joins the engine thread; the engine itself stays open
 for its owner to close. Client limits (limits.py) and API keys (auth.py) are enforced in front
 of the app; a request whose response could pass ``limits.max_response_bytes`` is refused before
-it is queued (submission.py).
+it is queued (submission.py), and one past the responses all requests may hold at once
+(``max_response_memory_bytes``: submission.ResponseBudget) is a 503 + Retry-After. A
+connection whose client reads nothing of its answer for ``send_timeout_s`` (its transport
+stays write-paused) is dropped, its request aborted and its response's memory given back.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from .errors import ServeConfigError
 
 log = logging.getLogger("vmemkv.serve")
 STOP_MARGIN_S = 5.0   # stop(): past the drain and its grace, for uvicorn to close its sockets
+DEFAULT_SEND_TIMEOUT_S = 60.0   # a client may read nothing of its answer this long
 
 
 def require_serve_extra() -> None:
@@ -43,7 +47,8 @@ class Server:
                  max_queue: int = 256, log_level: str = "warning",
                  limits: Optional["ServeLimits"] = None, auth: Optional["AuthConfig"] = None,
                  on_started: Callable[[int], None] = lambda port: None,
-                 lora_root=None) -> None:
+                 lora_root=None, max_response_memory_bytes: Optional[int] = None,
+                 send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S) -> None:
         require_serve_extra()
         import uvicorn
 
@@ -54,18 +59,22 @@ class Server:
         from .completions import ServedModel
         from .engine_thread import EngineThread
         from .metrics import ServeMetrics
+        from .submission import ResponseBudget
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ServeConfigError(f"max_queue must be an int >= 1, got {max_queue!r}")
+        check_send_timeout(send_timeout_s)
         self.limits, self.auth = limits or ServeLimits(), auth or AuthConfig()
         self.metrics = ServeMetrics(model_name)
         self.engine_thread = EngineThread(engine, self.metrics, max_pending_requests=max_queue)
-        # each Submission reads its response limit here (submission.py, limits.py)
+        # each Submission reads its response limit and budget here (submission.py, limits.py)
         self.engine_thread.max_response_bytes = self.limits.max_response_bytes
+        self.engine_thread.response_budget = ResponseBudget.of(self.limits.max_response_bytes,
+                                                               max_response_memory_bytes)
         self.drain = Drain()
         app = Guard(create_app(self.engine_thread, self.metrics, ServedModel.of(engine, model_name, self.limits, max_queue),
                                self.drain, lora_root), self.limits, self.auth)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
-                                http=guarded_protocol(self.limits))
+                                http=send_timed(guarded_protocol(self.limits), send_timeout_s))
         self._uvicorn = draining_server(config, self.drain, self.limits.shutdown_timeout_s,
                                         on_started=lambda: on_started(self.port))
         self._thread: Optional[threading.Thread] = None
@@ -137,3 +146,46 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def check_send_timeout(send_timeout_s) -> None:
+    if isinstance(send_timeout_s, bool) or not isinstance(send_timeout_s, (int, float)) \
+            or not 0 < send_timeout_s < float("inf"):
+        raise ServeConfigError(f"send_timeout_s (--send-timeout) must be a finite number of "
+                               f"seconds > 0, got {send_timeout_s!r}")
+
+
+def send_timed(protocol, send_timeout_s: float):
+    """``protocol`` (uvicorn's h11 one, or a subclass) that aborts a connection whose transport
+    stays write-paused (its buffer over the high-water mark: the client reads nothing) for
+    ``send_timeout_s``: uvicorn ends its request as a disconnect (a stream's requests are
+    aborted, a JSON answer's budget is given back). ``abort``: ``close`` would wait for the
+    unread bytes."""
+    class SendTimedProtocol(protocol):
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            self._disarm_send_timer()
+            self._send_timer = self.loop.call_later(send_timeout_s, self._send_stalled)
+
+        def resume_writing(self) -> None:
+            self._disarm_send_timer()
+            super().resume_writing()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_send_timer()
+            super().connection_lost(exc)
+
+        def _disarm_send_timer(self) -> None:
+            timer = getattr(self, "_send_timer", None)
+            if timer is not None:
+                timer.cancel()
+                self._send_timer = None
+
+        def _send_stalled(self) -> None:
+            self._send_timer = None
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else "a client"
+            log.warning("dropped %s: it read nothing of its answer for %g s (--send-timeout)",
+                        client, send_timeout_s)
+            self.transport.abort()
+
+    return SendTimedProtocol

@@ -15,6 +15,12 @@ to lower. An echoed prompt token counts as a generated one (``limits.token_respo
 bytes, plus its logprob entries): its text, or its id in decimal and a space without a
 tokenizer (at most 7 bytes for ids below 10**6; measured 3.7 bytes a token). A streamed
 submission (``stream``) keeps no logprobs in its choices: each token's travel in its Delta only.
+
+Past that, the server's ``ResponseBudget`` bounds the responses of every request at once: each
+reserves its estimate before it is queued (ApiError 503 + Retry-After when the budget is spent:
+transient) and gives it back only once its response is out or its connection gone (app.py), as
+a client that never reads holds its response in the server (a JSON body in the connection's
+buffer, a stream's tokens in ``events``' queue) after the engine has finished it.
 """
 from __future__ import annotations
 
@@ -31,8 +37,14 @@ from vmemkv.runtime.engine.sampling import SamplingParams
 
 from .engine_thread import Ended, EngineThread, Token, choices_per_prompt
 from .errors import ApiError, cache_shrunk, cannot_hold, internal_error, request_failed
-from .limits import DEFAULT_MAX_RESPONSE_BYTES, ResponseSize, check_response_bytes
+from vmemkv.vmem.host import meminfo_bytes
+
+from .errors import ServeConfigError
+from .limits import (DEFAULT_MAX_RESPONSE_BYTES, HELD_BYTES_PER_RESPONSE_BYTE, ResponseSize,
+                     check_response_bytes)
 from .shutdown import shutting_down
+
+RESPONSES_IN_BUDGET = 4   # the default ResponseBudget: 4 responses at --max-response-bytes
 
 
 @dataclass
@@ -72,8 +84,10 @@ class Submission:
                  max_response_bytes: Optional[int] = None, echo: bool = False) -> None:
         if max_response_bytes is None:
             max_response_bytes = getattr(server, "max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES)
-        check_response_bytes(response_size(prompts, params, echo), max_response_bytes,
-                             chat=prefix == "chatcmpl")      # before anything is queued
+        size = response_size(prompts, params, echo)
+        check_response_bytes(size, max_response_bytes, chat=prefix == "chatcmpl")
+        budget = getattr(server, "response_budget", None)    # before anything is queued
+        self.reservation = budget.reserve(size.estimate_bytes) if budget is not None else None
         self._keep_logprobs = not stream    # a stream's were sent: holding them is all cost
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.prompt_tokens = sum(len(p) for p in prompts)
@@ -93,6 +107,8 @@ class Submission:
                 self._futures.append(server.submit(ids, params, sink, arrival_s, index=i))
         except ApiError:   # full (503) part-way: what was queued goes again
             self.close()
+            if self.reservation is not None:
+                self.reservation.release()
             raise
 
     async def started(self) -> None:
@@ -174,3 +190,60 @@ def response_size(prompts: Sequence[Sequence[int]], params, echo: bool = False) 
                             echo_tokens)
     return ResponseSize(len(prompts), params.n, params.max_new_tokens, params.logprobs,
                         echo_tokens)
+
+
+class ResponseBudget:
+    """The response bytes (``ResponseSize.estimate_bytes``) the server's requests may hold at
+    once, ``total_bytes``; used on the event loop only. ``reserve`` past it: ApiError 503 with
+    Retry-After, nothing reserved."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self.total_bytes, self.held_bytes = total_bytes, 0
+
+    @classmethod
+    def of(cls, max_response_bytes: int, total_bytes: Optional[int] = None) -> "ResponseBudget":
+        """``total_bytes`` (None: ``RESPONSES_IN_BUDGET`` x ``max_response_bytes``, less where
+        the host's MemAvailable holds less, never under one response), or ServeConfigError
+        when it is under ``max_response_bytes`` or past MemAvailable (responses are built at
+        about ``HELD_BYTES_PER_RESPONSE_BYTE`` x their size)."""
+        available_bytes, per = meminfo_bytes("MemAvailable"), HELD_BYTES_PER_RESPONSE_BYTE
+        if total_bytes is None:
+            total_bytes = RESPONSES_IN_BUDGET * max_response_bytes
+            if available_bytes is not None:
+                total_bytes = max(max_response_bytes, min(total_bytes, available_bytes // per))
+            return cls(total_bytes)
+        name = f"max_response_memory_bytes {total_bytes!r} (--max-response-memory-bytes)"
+        if isinstance(total_bytes, bool) or not isinstance(total_bytes, int) \
+                or total_bytes < max_response_bytes:
+            raise ServeConfigError(f"{name} must be an int >= max_response_bytes "
+                                   f"{max_response_bytes} (--max-response-bytes): a response "
+                                   f"the limit takes must fit the budget alone")
+        if available_bytes is not None and total_bytes * per > available_bytes:
+            raise ServeConfigError(f"{name}: building that much response holds about "
+                                   f"{total_bytes * per} bytes ({per} x), more than the host "
+                                   f"MemAvailable of {available_bytes} bytes; lower it to at "
+                                   f"most {available_bytes // per}")
+        return cls(total_bytes)
+
+    def reserve(self, size_bytes: int, retry_after_s: int = 1) -> "Reservation":
+        if self.held_bytes + size_bytes > self.total_bytes:
+            raise ApiError(503, f"the server holds {self.held_bytes:,} bytes of responses being "
+                                f"made or not yet read by their clients; this one could take "
+                                f"{size_bytes:,} more, past its budget of "
+                                f"{self.total_bytes:,} bytes (--max-response-memory-bytes); "
+                                f"retry after {retry_after_s} s",
+                           headers={"Retry-After": str(retry_after_s)})
+        self.held_bytes += size_bytes
+        return Reservation(self, size_bytes)
+
+
+class Reservation:
+    """One request's part of a ResponseBudget; ``release`` gives it back (once)."""
+
+    def __init__(self, budget: ResponseBudget, size_bytes: int) -> None:
+        self._budget, self.size_bytes = budget, size_bytes
+
+    def release(self) -> None:
+        if self._budget is not None:
+            self._budget.held_bytes -= self.size_bytes
+            self._budget = None
