@@ -74,7 +74,6 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         self._closed = False     # close() sets it; add_request then refuses (EngineClosedError)
         # one thread at a time; open streams' events; requests close() ended (submission.py)
         self._guard, self._sinks, self._ended_by_close = threading.RLock(), {}, set()
-        self._stepping = False   # a step under way (lifecycle._one_step)
         param = next(model.parameters())
         self.device, self.vocab_size = param.device, model.config.get_text_config().vocab_size
         check_model_supported(model, cfg.max_context)   # before anything is built
@@ -207,7 +206,8 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         ``RequestOutput.error`` set) and the step returns normally. Otherwise the exception
         (PlanExecutionError for a plan) is raised with every request intact. ``on_token``
         callbacks run after the step is recorded (``request_state.deliver``)."""
-        with interrupts_between_steps(self.tp is not None), self._one_step():
+        self._refuse_step_inside_step()
+        with interrupts_between_steps(self.tp is not None):
             return self._step()
 
     def _step(self) -> List[TokenEvent]:

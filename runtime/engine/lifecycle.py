@@ -43,7 +43,7 @@ Whom a failed step is blamed on:
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+import sys
 from functools import partial
 from typing import Dict, Iterable, List, Optional, Set
 
@@ -143,19 +143,21 @@ class RequestLifecycle:
             self._end_request(rid, SeqState.FAILED, error)
         return bool(doomed)
 
-    @contextmanager
-    def _one_step(self):
-        """A step that is not inside another: ``step()`` called from within a step (the model,
-        the sampler, a memory op) is EngineBusyError, before its ``begin()`` could fail and
-        roll back the step under way (it did, leaving a vmem cache broken for good)."""
-        if self._stepping:
-            raise EngineBusyError("step() inside a step under way: the engine is single-threaded "
-                                  "and a step is not re-entrant (call it from on_token instead)")
-        self._stepping = True
-        try:
-            yield
-        finally:
-            self._stepping = False
+    def _refuse_step_inside_step(self) -> None:
+        """``step()`` called from within a step (the model, the sampler, a memory op) is
+        EngineBusyError, before its ``begin()`` could fail and roll back the step under way (it
+        did, leaving a vmem cache broken for good). Read from the call stack, not from a flag:
+        a KeyboardInterrupt landing between a step's end and the flag's reset (at that line,
+        or in the context manager's exit before it) left the flag set, and every later step
+        of the engine was refused."""
+        step_code = type(self)._step.__code__
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is step_code and frame.f_locals.get("self") is self:
+                raise EngineBusyError("step() inside a step under way: the engine is "
+                                      "single-threaded and a step is not re-entrant (call it "
+                                      "from on_token instead)")
+            frame = frame.f_back
 
     def _step_failed(self, plan, logits, drawing, error: BaseException) -> bool:
         """Something raised (an interrupt included) in ``step``: finish or undo what the step

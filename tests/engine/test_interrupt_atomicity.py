@@ -215,3 +215,19 @@ def test_a_raising_callback_loses_no_token_and_stops_no_other_callback():
         engine.run_until_done()
         got = [engine.output(rid, pop=True).outputs[0].token_ids for rid in ids]
     assert got == want and [seen[rid] for rid in ids] == want
+
+
+def test_an_interrupt_at_each_of_a_runs_last_engine_lines_leaves_the_engine_steppable():
+    """Every one of the last 40 lines a run executes in the engine's own step code, the end of
+    its last step included: the step-inside-a-step guard once reset a flag there, and an
+    interrupt at that line left it set, so every later step was EngineBusyError."""
+    folder = os.path.dirname(engine_module.__file__)
+    files = tuple(os.path.join(folder, name) for name in ("engine.py", "lifecycle.py"))
+    batch = prompts(1, 5, 9, seed=3)
+    with Engine(model(), byte_tokenizer(), cache="vmem", **ENGINE) as engine:
+        counter = Interrupter("line", files)
+        counter.arm(10**9)
+        engine.generate(batch, LEAN)
+        counter.disarm()
+        lines = 10**9 - counter.left
+        assert sweep(engine, batch, LEAN, "line", first=lines - 40, traced=files) >= 40
