@@ -144,7 +144,7 @@ async def _chat(request: Request, server: EngineThread, served: ServedModel,
     ids, max_tokens = await asyncio.to_thread(chat_token_ids, req, served)   # off the loop
     params = served.engine_params(req.sampling_params(max_tokens), req.model)
     submission = _held(request, Submission(server, [ids], params, arrival_s, "chatcmpl", True,
-                                           stream=req.stream))
+                                           stream=req.stream, max_param=req.max_param))
     return await _respond(request, submission, ChatFormat(req, served, submission),
                           (req.model or served.name, created_s), req, drain)
 

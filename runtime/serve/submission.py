@@ -76,12 +76,15 @@ class Submission:
     """Every engine request of one HTTP request. ``events()`` yields a Delta per token;
     ``close()`` aborts whatever has not ended. ``max_response_bytes`` None: ``server``'s
     (``Server`` sets it from its limits), else ``DEFAULT_MAX_RESPONSE_BYTES``; ``echo``: each
-    choice's text starts with its prompt (completions' ``echo``), which the limit counts."""
+    choice's text starts with its prompt (completions' ``echo``), which the limit counts;
+    ``max_param``: the request field an engine refusal of ``max_new_tokens`` names (chat's
+    ``max_completion_tokens`` or ``max_tokens``)."""
 
     def __init__(self, server: EngineThread, prompts: Sequence[Sequence[int]],
                  params: SamplingParams, arrival_s: float, prefix: str = "cmpl",
                  has_tokenizer: bool = True, stream: bool = False,
-                 max_response_bytes: Optional[int] = None, echo: bool = False) -> None:
+                 max_response_bytes: Optional[int] = None, echo: bool = False,
+                 max_param: str = "max_tokens") -> None:
         if max_response_bytes is None:
             max_response_bytes = getattr(server, "max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES)
         size = response_size(prompts, params, echo)
@@ -92,8 +95,9 @@ class Submission:
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.n, self._ids_as_text = choices_per_prompt(params), not has_tokenizer
+        self._max_param = max_param     # the engine's max_new_tokens, as the client named it
         self._too_large_param = "beam_width" if isinstance(params, BeamSearchParams) \
-            else "max_tokens"       # what a request the cache can never hold should shrink
+            else max_param          # what a request the cache can never hold should shrink
         self.choices = [Choice(i) for i in range(len(prompts) * self.n)]
         self.prompt_logprobs: List[Optional[list]] = [None] * len(prompts)   # when asked for
         self._server, self._live = server, len(prompts)
@@ -124,7 +128,8 @@ class Submission:
             if error.field == "lora":   # unloaded after the request was checked: its "model"
                 raise ApiError(400, str(error).replace("SamplingParams.lora", "model"),
                                "model") from None
-            raise ApiError(400, str(error), error.field) from None
+            field = self._max_param if error.field == "max_new_tokens" else error.field
+            raise ApiError(400, str(error), field) from None
 
     async def events(self) -> AsyncIterator[Delta]:
         while self._live:
