@@ -15,7 +15,8 @@ cache. Given by the user, or computed at the first write of each layer (``first_
 per KV head, amax of |x| over that write's tokens and head_dim, divided by the encoding's max,
 as vLLM's ``calculate_kv_scales`` does per tensor) and fixed from then on, so every token of a
 layer, forks and prefix hits included, shares one encoding. K or V holding NaN or +-inf is
-refused (NonFiniteKVError) before anything is fixed or stored. Scales fixed by an engine step
+refused (NonFiniteKVError) before anything is fixed or stored (on a tensor-parallel rank:
+stored as 0 and refused after the forward, on every rank together). Scales fixed by an engine step
 that is rolled back are unfixed with it (``ScaleTable.unfix_unsettled``): only kept writes fix
 them. The engine takes, in this order,
 the user's ``kv_scales``, the checkpoint's (``checkpoint_kv_scales``: ``k_scale`` / ``v_scale``
@@ -198,6 +199,11 @@ class ScaleTable:
         self.given = given is not None
         self.fixed = [self.given] * num_layers
         self.unsettled: list = []   # layer indices, in the order their first writes fixed them
+        # a tensor-parallel rank's cache (worker.build_rank): encode records non-finite K/V in
+        # ``non_finite`` and stores zeros instead of raising inside a forward whose collectives
+        # the other ranks are in; the ranks agree on it after the forward (RankExecutor.forward)
+        self.defer_non_finite = False
+        self.non_finite: Optional[str] = None   # the first such write's message, until taken
 
     def unfix(self, layer: Optional[int] = None) -> None:
         """Scales fixed at a first write become unfixed again (the next write of each layer, or
@@ -233,13 +239,20 @@ class ScaleTable:
         them from this write when it is the layer's first (the layer joins ``unsettled``).
         NonFiniteKVError, nothing stored or fixed, when ``k`` or ``v`` holds NaN or +-inf
         (int8 stored NaN as 0 and both fp8s clamped inf to their max: made-up tokens; a first
-        write's inf gave the head scale 1.0 for every later request)."""
+        write's inf gave the head scale 1.0 for every later request). With
+        ``defer_non_finite`` (tensor parallelism) nothing is raised: the first message is kept
+        in ``non_finite``, the non-finite elements are stored as 0, and the step is refused
+        after its forward, on every rank together."""
         for name, x in (("K", k), ("V", v)):
             if not bool(torch.isfinite(x).all()):
                 what = "NaN" if bool(torch.isnan(x).any()) else "+-inf"
-                raise NonFiniteKVError(f"layer {layer}'s {name} holds {what}, which a "
-                                       f"{self.encoding.name} cache cannot store (the model's "
-                                       f"forward made it: an overflow, NaN weights)")
+                message = (f"layer {layer}'s {name} holds {what}, which a "
+                           f"{self.encoding.name} cache cannot store (the model's "
+                           f"forward made it: an overflow, NaN weights)")
+                if not self.defer_non_finite:
+                    raise NonFiniteKVError(message)
+                self.non_finite = self.non_finite or message
+                k, v = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (k, v))
         if not self.fixed[layer]:
             self.k[layer] = first_write_scales(k, self.encoding)
             self.v[layer] = first_write_scales(v, self.encoding)

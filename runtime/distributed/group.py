@@ -78,6 +78,13 @@ class RankGroup:
                    self.step_timeout_s if timeout_s is None else timeout_s)
         return int(t.item())
 
+    def ranks_flagging(self, flag: bool, what: str) -> List[int]:
+        """The ranks that passed ``flag`` True, on every rank (one all_reduce of world int32s)."""
+        t = torch.zeros(self.world, dtype=torch.int32)
+        t[self.rank] = int(bool(flag))
+        self._wait(dist.all_reduce(t, async_op=True), what, self.step_timeout_s)
+        return [r for r, f in enumerate(t.tolist()) if f]
+
     def broadcast(self, obj: Any = None, *, idle: bool = False) -> Any:
         """Rank 0 sends ``obj`` (pickled); every other rank returns it. ``idle``: a follower
         waiting for work, which may wait as long as rank 0 lives. One collective when the

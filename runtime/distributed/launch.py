@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 
 from vmemkv.runtime.engine.errors import TensorParallelConfigError, TensorParallelError
+from vmemkv.runtime.errors import NonFiniteKVError
 from .group import RankGroup, SpawnedRanks, init_group, leave_group, open_activation_group
-from .worker import (MemoryQuery, TPPayload, UnfixScales, adapter_upload, agree_started,
-                     build_rank, enter_device, memory_state, spawned_rank_main, unfix_scales)
+from .worker import (MemoryQuery, TPPayload, UnfixScales, UnfixUnsettled, adapter_upload,
+                     agree_started, build_rank, enter_device, memory_state, spawned_rank_main,
+                     unfix_scales)
 
 LAUNCHES = ("spawn", "env")
 
@@ -127,7 +129,10 @@ class TensorParallel:
         adapters it loads, ``host_adapter``), run it on every rank; returns
         ``ModelRunner.execute``'s result. PlanExecutionError: rank 0's ops failed and were rolled
         back before anything was sent (the engine retries as on one process).
-        TensorParallelError: a rank died, hung or failed (the caller must close)."""
+        NonFiniteKVError: a rank's forward made NaN/inf K/V for an 8-bit cache; every rank
+        raised it together and is in step (the engine blames it as on one process).
+        TensorParallelError: a rank died, hung or failed, or rank 0's forward raised anything
+        else, leaving the others inside the step's collectives (the caller must close)."""
         upload = adapter_upload(plan, self.host_adapter)
         self.executor.apply_ops(plan)
         try:
@@ -135,9 +140,16 @@ class TensorParallel:
                 self.group.broadcast(upload)
             self.group.broadcast(plan)
             return self.executor.forward(plan)
+        except NonFiniteKVError:
+            raise
         except TensorParallelError as error:
             self._failed = True    # close() then kills the ranks at once: one may be hung
             raise self._with_rank_errors(error) from error.__cause__
+        except Exception as error:
+            self._failed = True    # the other ranks are in a collective this rank left
+            raise self._with_rank_errors(TensorParallelError(
+                f"rank 0: the forward raised {type(error).__name__}: {str(error)[:300]}; the "
+                f"other ranks can no longer be in step with it")) from error
 
     def _with_rank_errors(self, error: TensorParallelError) -> TensorParallelError:
         """``error`` with what each spawned rank that failed reported before it exited (a rank
@@ -152,6 +164,19 @@ class TensorParallel:
         unfix_scales(self.executor.runner.cache)
         try:
             self.group.broadcast(UnfixScales())
+        except TensorParallelError:
+            self._failed = True
+            raise
+
+    def unfix_unsettled(self) -> None:
+        """Every rank's first-write 8-bit scales fixed since they were last settled unfixed
+        (worker.UnfixUnsettled; one broadcast, sent only when rank 0's journal names a layer:
+        every rank's writes fix the same layers). TensorParallelError as ``execute``."""
+        scales = self.executor.runner.cache.kv_scales
+        if scales is None or not scales.unfix_unsettled() or self._failed:
+            return   # (failed: the ranks are closing, none would answer)
+        try:
+            self.group.broadcast(UnfixUnsettled())
         except TensorParallelError:
             self._failed = True
             raise

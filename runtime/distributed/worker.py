@@ -10,11 +10,20 @@ the same ``TPPayload``, so the same plan means the same memory ops on every rank
     ranks 1..N-1: cache.execute(plan.ops)       a failure here is fatal (TensorParallelError):
                                                 that rank's cache could no longer match rank 0's
     model(plan's tokens)                        two activation all_reduces per layer
+    8-bit cache: ranks_flagging(non-finite K/V) one all_reduce: any rank's NaN/inf K/V is
+                                                NonFiniteKVError on every rank, together
     rank 0 samples (followers' logits are unused), so ranks never disagree on tokens
 
-So a step makes 1 + 2 * layers collectives and no separate agreement: every rank builds the
-same caches from the same payload, with every physical page created up front, so ops that
-succeed on rank 0 fail elsewhere only on a driver fault, which ends the engine.
+So a step makes 1 + 2 * layers collectives (one more on an 8-bit cache) and no other
+agreement: every rank builds the same caches from the same payload, with every physical page
+created up front, so ops that succeed on rank 0 fail elsewhere only on a driver fault, which
+ends the engine. A rank whose forward raises anything else has left the step's collectives
+(the others wait in them): that ends the engine too (TensorParallelError on rank 0).
+
+8-bit first-write scales: each rank's ScaleTable journals the layers its writes fixed. A
+follower settles them (keeps them) when the next plan's forward starts; when rank 0 drops a
+step or a lone re-run (the engine's ``_settle_scales(keep=False)``) it sends UnfixUnsettled
+first, and a refused forward unfixes them on every rank at its agreement.
 """
 from __future__ import annotations
 
@@ -28,7 +37,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from vmemkv.runtime.errors import CacheTooLargeError, PlanExecutionError
+from vmemkv.runtime.errors import CacheTooLargeError, NonFiniteKVError, PlanExecutionError
 
 from vmemkv.runtime.engine.errors import TensorParallelError
 from vmemkv.scheduler.layout import CacheKind
@@ -75,6 +84,12 @@ class UnfixScales:
 def unfix_scales(cache) -> None:
     if cache.kv_scales is not None:
         cache.kv_scales.unfix()
+
+
+class UnfixUnsettled:
+    """Broadcast instead of a plan: every rank unfixes the first-write 8-bit scales fixed since
+    they were last settled (``ScaleTable.unfix_unsettled``: rank 0 dropped the step or lone run
+    whose forward fixed them). Nothing is answered."""
 
 
 class AdapterUpload:
@@ -131,11 +146,33 @@ class RankExecutor:
     def forward(self, plan):
         """The model on ``plan``'s tokens (its ops already applied on every rank); returns
         ``ModelRunner.execute``'s result. A PlanExecutionError here becomes TensorParallelError:
-        the other ranks have applied the plan, so it cannot be rolled back on one."""
+        the other ranks have applied the plan, so it cannot be rolled back on one. On an 8-bit
+        cache the ranks then agree on whether any stored non-finite K/V (one all_reduce): if
+        one did, every rank unfixes the scales this forward fixed and raises the same
+        NonFiniteKVError, all still in step."""
+        scales = self.runner.cache.kv_scales
+        if scales is not None and self.group.rank != 0:
+            scales.settle()   # rank 0 kept the last forward's (else it sent UnfixUnsettled)
         try:
-            return self.runner.execute(replace(plan, ops=[]))
+            result = self.runner.execute(replace(plan, ops=[]))
         except PlanExecutionError as error:
             raise TensorParallelError(f"rank {self.group.rank}: {error}") from error
+        if scales is not None and plan.seqs:
+            self._agree_finite(scales)
+        return result
+
+    def _agree_finite(self, scales) -> None:
+        """NonFiniteKVError on every rank (scales fixed since the last settle unfixed) when any
+        rank's forward wrote non-finite K/V (``ScaleTable.non_finite``); one collective."""
+        mine, scales.non_finite = scales.non_finite, None
+        flagged = self.group.ranks_flagging(mine is not None, "non-finite K/V agreement")
+        if not flagged:
+            return
+        scales.unfix_unsettled()
+        where = ", ".join(str(r) for r in flagged)
+        raise NonFiniteKVError(f"tensor-parallel rank(s) {where}: "
+                               + (mine or "K or V holds NaN or +-inf, which an 8-bit cache "
+                                          "cannot store"))
 
 
 def enter_device(placement: RankPlacement, rank: int, local_rank=None) -> torch.device:
@@ -163,6 +200,8 @@ def build_rank(payload: TPPayload, group: RankGroup, model, device: torch.device
         config = replace(config, kv_scales=rank_kv_scales(payload.kv_scales, shard.config,
                                                           group.rank, group.world))
     kv = make_kv(config, payload.kind, driver=driver, **payload.kv_options)
+    if kv.cache.kv_scales is not None:   # non-finite K/V: refused after the forward, together
+        kv.cache.kv_scales.defer_non_finite = True
     try:
         runner = ModelRunner(shard, kv.cache, get_backend(payload.attention))
         executor = RankExecutor(group, runner)
@@ -204,14 +243,19 @@ class MemoryQuery:
 
 def memory_state(cache, host_adapters=None) -> dict:
     """What one rank's cache holds, as plain data that is equal on ranks that applied the same
-    plans (except ``swapped_bytes``: a rank's share of the KV heads): the replica's placements,
+    plans (except ``swapped_bytes`` and ``kv_scales``: a rank's share of the KV heads; the
+    latter its 8-bit scales, k, v, fixed and unsettled layers, or None): the replica's placements,
     the host copies' tokens and bytes, the resident LoRA adapters ({digest: (units, bytes)}),
     and on vmem every slot's mapped extents ({page_index: {kind: pool pages}}) and how many
     pool pages they map. A follower adds the digests of the adapters' host copies it keeps
     (``host_adapters``: those resident, no others)."""
     state = {"placements": {s: cache.placement(s) for s in cache.placed_seq_ids},
              "swapped_tokens": cache.swapped_tokens(), "swapped_bytes": cache.swapped_bytes,
-             "resident_adapters": cache.resident_adapters()}
+             "resident_adapters": cache.resident_adapters(), "kv_scales": None}
+    table = cache.kv_scales
+    if table is not None:
+        state["kv_scales"] = {"k": table.k.tolist(), "v": table.v.tolist(),
+                              "fixed": list(table.fixed), "unsettled": list(table.unsettled)}
     if host_adapters is not None:
         state["adapter_host_copies"] = sorted(host_adapters)
     if cache.kind is CacheKind.VMEM:
@@ -224,7 +268,9 @@ def memory_state(cache, host_adapters=None) -> dict:
 def serve_plans(group: RankGroup, executor: RankExecutor) -> None:
     """A follower's loop: execute every plan rank 0 broadcasts until it sends None (close);
     answer a MemoryQuery with this rank's ``memory_state``; keep an AdapterUpload's adapters
-    for the plan that follows it; apply an UnfixScales."""
+    for the plan that follows it; apply an UnfixScales or UnfixUnsettled. An agreed
+    NonFiniteKVError leaves this rank in step: it waits for the next plan; anything else a
+    plan raises ends this rank (rank 0 then closes)."""
     while True:
         plan = group.broadcast(idle=True)
         if plan is None:
@@ -239,8 +285,14 @@ def serve_plans(group: RankGroup, executor: RankExecutor) -> None:
         if isinstance(plan, UnfixScales):
             unfix_scales(executor.runner.cache)
             continue
+        if isinstance(plan, UnfixUnsettled):
+            executor.runner.cache.kv_scales.unfix_unsettled()
+            continue
         executor.apply_ops(plan)
-        executor.forward(plan)
+        try:
+            executor.forward(plan)
+        except NonFiniteKVError:
+            continue   # every rank raised it at the agreement: rank 0's engine handles it
 
 
 def _follow(group: RankGroup, payload: TPPayload, model, device, on_error=None) -> None:

@@ -33,9 +33,12 @@ Whom a failed step is blamed on:
   others' tokens are computed again by the next step, exactly as if the failed request had
   never been there: 8-bit scales that the failed step's writes or a lone run fixed are
   unfixed again (``ScaleTable.unfix_unsettled``), so the next kept write fixes them from the
-  requests that go on, not from the failed one. Unattributable (nothing fails alone, every request fails alone, or tensor
-  parallelism, whose ranks cannot run one sequence alone): the exception reaches the caller
-  with every request intact, as any exception does.
+  requests that go on, not from the failed one. With tensor parallelism the lone forwards
+  run on every rank (a plan of one sequence, broadcast as any plan): of a forward's
+  failures only NonFiniteKVError, which the ranks agree on, gets here; any other is
+  TensorParallelError, which closes the engine. Unattributable (nothing fails alone, or every
+  request fails alone): the exception reaches the caller with every request intact, as any
+  exception does.
 - planning found a request can never run: its head cannot be admitted even to an empty cache,
   or it cannot grow with the cache to itself (a beam group preempted out of shared memory
   that must come back into private memory, each beam its own copy): that request ends
@@ -117,12 +120,23 @@ class RequestLifecycle:
     def _settle_scales(self, keep: bool) -> None:
         """8-bit scales fixed by first writes since the last committed step: kept with the
         step's commit (``keep``), else unfixed (the step, or a lone run of one sequence, is not
-        kept: the next kept write fixes them). Not with tensor parallelism: each rank's cache
-        holds its own table, which rank 0 cannot undo alone (a failed step is not blamed on
-        a request there: it is recomputed with the same batch, and the same scales)."""
-        scales = None if self.tp is not None else self.kv.cache.kv_scales
-        if scales is not None:
-            scales.settle() if keep else scales.unfix_unsettled()
+        kept: the next kept write fixes them). With tensor parallelism each rank's cache holds
+        its own table: rank 0 settles its own (the others settle theirs at the next forward)
+        or has every rank unfix theirs (one broadcast, only when rank 0's journal names a
+        layer: ``TensorParallel.unfix_unsettled``)."""
+        scales = self.kv.cache.kv_scales
+        if scales is None:
+            return
+        if keep:
+            scales.settle()
+        elif self.tp is not None:
+            try:
+                self.tp.unfix_unsettled()
+            except TensorParallelError:
+                self.abandon()   # a rank died or hung: every rank's memory and process go now
+                raise
+        else:
+            scales.unfix_unsettled()
 
     def _plan_failed(self, plan, error: PlanExecutionError) -> bool:
         """Roll the step back; True when the failure ended a request (the step then returns)."""
@@ -182,7 +196,7 @@ class RequestLifecycle:
             # it alone ends "failed" (its memory released), the others go on
             self._end_request(error.request_id, SeqState.FAILED, error)
             return True
-        if plan is None or not kept or not isinstance(error, Exception) or self.tp is not None:
+        if plan is None or not kept or not isinstance(error, Exception):
             return False
         if logits is None:   # the forward raised: run each sequence's part alone
             units = {s.seq_id: partial(self._execute, StepPlan([s], [])) for s in plan.seqs}
@@ -230,6 +244,9 @@ class RequestLifecycle:
         them: none reach the next step, and no run depends on the order of the others)."""
         try:
             work()
+        except TensorParallelError:
+            self.abandon()   # a rank died, hung or left the forward: not the request's fault
+            raise
         except Exception as error:   # noqa: BLE001 -- the probe's answer
             return error
         finally:
