@@ -117,7 +117,8 @@ def token_response_bytes(logprobs: Optional[int]) -> int:
 class ResponseSize:
     """What bounds one request's response: ``prompts`` prompts, ``n`` choices each of at most
     ``max_tokens`` tokens with ``logprobs`` top entries a token (None: no logprobs), and
-    ``echo_tokens`` prompt tokens in all echoed with their logprobs before each choice."""
+    ``echo_tokens`` prompt tokens in all echoed before each choice (with ``echo``, logprobs
+    or not: each at the same per-token bound)."""
     prompts: int
     n: int
     max_tokens: int
