@@ -120,7 +120,8 @@ class TensorParallel:
     @property
     def collectives(self) -> int:
         """Collectives rank 0 has made (a step: one plan broadcast, two per layer in the model,
-        one more broadcast for a plan over 64 KiB, one or two more when it loads LoRA adapters;
+        one more on an 8-bit cache (the non-finite K/V agreement), one more broadcast for a
+        plan over 64 KiB, one or two more when it loads LoRA adapters;
         a request ending early: one broadcast)."""
         return self.group.collectives
 
