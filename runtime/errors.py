@@ -49,5 +49,6 @@ class NonFiniteKVError(RuntimeKVError, FloatingPointError):
     """K or V written to an 8-bit cache hold NaN or +-inf: int8 has no NaN (it stored code 0)
     and 8-bit codes saturate inf to the largest value, so the request went on with made-up
     tokens, and a first write's non-finite amax would fix the layer's scale for every later
-    request. Raised before anything is stored or fixed; the engine runs the step's requests one
-    at a time and fails the one whose forward made it."""
+    request. Raised before anything is stored or fixed (a tensor-parallel rank stores zeros
+    instead and the ranks raise it together after the forward's collectives); the engine runs
+    the step's requests one at a time and fails the one whose forward made it."""
