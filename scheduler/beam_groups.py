@@ -236,20 +236,24 @@ class BeamGroups:
         return tokens // unit * unit
 
     def _place_private(self, members: List[Sequence], reserve: int) -> Optional[List[int]]:
-        """Allocate each member its own memory: the tokens each may skip (its prefix hits), or
-        None and nothing held when they do not all fit."""
+        """Allocate each member its own memory: the tokens each may skip (its prefix hits, or
+        a member joining running siblings, a child forked into no room: the units of the
+        history it shares with one, held once, ``_sibling_share``), or None and nothing held
+        when they do not all fit."""
         mgr, share = self.manager, self.config.enable_prefix_sharing
         scope, final = members[0].request.prefix_scope, members[0].request.max_total_len
         hits = []
         for m in members:
             ids = m.token_ids() if share else None
-            if not self._fits(m, ids, reserve):      # (with its adapter, pinned per member)
+            sibling = {} if share else self._sibling_share(m)
+            if not self._fits(m, ids, reserve, sibling):   # (its adapter, pinned per member)
                 for done in members[:len(hits)]:
                     mgr.free(done.seq_id, computed_tokens=0)
                     self._unpin(done)
                 return None
             self._pin(m)
-            hits.append(mgr.allocate(m.seq_id, m.length, ids, scope, final_tokens=final))
+            hits.append(mgr.allocate(m.seq_id, m.length, ids, scope, final_tokens=final,
+                                     **sibling))
         return [min(hit, m.length - 1) for m, hit in zip(members, hits)]
 
     def _place_sharing(self, members: List[Sequence], shared: int, tree: List[tuple],

@@ -95,8 +95,19 @@ class BeamGroupMachine(RuleBasedStateMachine):
             if seq.seq_id not in was_swapped:
                 groups.setdefault(seq.request.request_id, []).append(seq)
         for rid, beams in groups.items():
-            if len(beams) < 2 or any(s.request.request_id == rid and s not in beams
-                                     for s in self.sched.running):
+            siblings = [s for s in self.sched.running
+                        if s.request.request_id == rid and s not in beams]
+            if siblings:       # joining running siblings: the one it shares most with's units
+                for b in beams:
+                    best = (None, 0)
+                    for sib in siblings if b.output else ():
+                        units = min(self._shared_units([b, sib]), sib.num_computed // self.unit)
+                        if units > best[1]:
+                            best = (sib.seq_id, units)
+                    if best[0] is not None:
+                        starts[b.seq_id] = best
+                continue
+            if len(beams) < 2:
                 continue
             trunk = self._shared_units(beams)
             for j, b in enumerate(beams[1:], 1):
