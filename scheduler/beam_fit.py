@@ -35,24 +35,26 @@ KindCost = Tuple[Optional[int], int, Callable[[int], int]]
 
 
 def check_beam_group_fits(request, manager, *, max_running: int,
-                          reach_bytes: Optional[int] = None) -> None:
+                          reach_bytes: Optional[int] = None, wake_bytes: int = 0) -> None:
     """RequestTooLargeError, naming the request, when its beam group could never run: in the
     pool as it is now (resized: its size since; CacheShrunkError where it fits the pool resized
-    back up to its max), or (``reach_bytes``: a pool a MemoryBudget resizes) grown to that
-    size. ``Scheduler.resize`` checks every live beam request so too."""
+    back up to its max; asleep, 0 bytes: ``wake_bytes``, the size it wakes to), or
+    (``reach_bytes``: a pool a MemoryBudget resizes) grown to that size. ``Scheduler.resize``
+    checks every live beam request so too."""
     width, unit = request.beam_width, manager.fork_unit_tokens
     if width > max_running:
         raise RequestTooLargeError(
             f"request {request.request_id}: beam_width {width} exceeds the {max_running} "
             f"sequences a step runs (max_running)", None, "beam_width")
-    if request.max_tokens < 2 or not unit or manager.cache_bytes == 0:
+    now_bytes = manager.cache_bytes or wake_bytes     # asleep: the pool it wakes to
+    if request.max_tokens < 2 or not unit or now_bytes == 0:
         return
     layout = manager.layout()
     what, parts, kinds = unit_costs(manager)
     if layout.kind is CacheKind.PAGED:
         pool = layout.num_blocks
     else:   # the pages in service now (the layout's released_pages are construction's)
-        pool = manager.pool_units(manager.cache_bytes) or \
+        pool = manager.pool_units(now_bytes) or \
             layout.pool_pages - layout.released_pages   # (a policy that counts no units)
         if reach_bytes is not None:
             pool = min(layout.pool_pages, reach_bytes // layout.geometry.page_bytes)
@@ -75,6 +77,7 @@ def check_beam_group_fits(request, manager, *, max_running: int,
             f"prompt holds at least {need} {what} at {at}: {where}the whole {unit}-token units "
             f"before the newest token{read} once, then each beam's own copy of the newest; more "
             f"than the cache's {pool} {what}"
+            f"{'' if manager.cache_bytes else ' (the size it wakes to; it is asleep)'}"
             f"{'' if reach_bytes is None else ' (the most its MemoryBudget share can hold)'}"
             f"{f' at its current size; resized back up it holds {most}' if shrunk else ''}",
             None, "beam_width")

@@ -48,7 +48,8 @@ class BeamGroups:
     def _check_beam_group_fits(self, request) -> None:
         """RequestTooLargeError when a beam request's group could never run (scheduler.beam_fit)."""
         check_beam_group_fits(request, self.manager, max_running=self.config.max_running,
-                              reach_bytes=self.reach_bytes if self.growable else None)
+                              reach_bytes=self.reach_bytes if self.growable else None,
+                              wake_bytes=self.max_fit_bytes)   # (asleep: kept from before)
 
     # ---- what the beam search says after a step (between schedule and update) -------------
     def branch(self, parent_id: int, count: int) -> List[int]:
