@@ -23,7 +23,8 @@ import re
 from dataclasses import dataclass
 
 from .beam_fit import longest_sequence, unit_costs
-from .errors import ConfigError, RequestTooLargeError, SchedulerError, length_field
+from .errors import (CacheShrunkError, ConfigError, RequestTooLargeError, SchedulerError,
+                     length_field)
 
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -71,10 +72,22 @@ def check_adapter(value, what: str = "adapter"):
     return value
 
 
-def check_adapter_fits(request, manager, cache_bytes=None) -> None:
+def adapter_pool_bytes(scheduler) -> tuple:
+    """(The pool size a request's adapter is checked at now, None: the pool as it is; the
+    largest it may be resized to): a pool a MemoryBudget resizes, the most it has held (which
+    it grows back to) for both; asleep (0 bytes), the size it wakes to, which the scheduler
+    kept from before sleep; the largest: ``max_cache_bytes``."""
+    s, held = scheduler, scheduler.max_fit_bytes
+    if s.growable:
+        return held, held
+    return (held if s.manager.cache_bytes == 0 else None), max(held, s.manager.max_cache_bytes)
+
+
+def check_adapter_fits(request, manager, cache_bytes=None, most_bytes=None) -> None:
     """RequestTooLargeError naming ``request``'s adapter when it, or it and the request's
-    tokens, could never be held at once by ``manager``, in a pool of ``cache_bytes`` (None: as
-    it is; a pool a MemoryBudget resizes: the most it has held, which it grows back to);
+    tokens, could never be held at once by ``manager``: in a pool of ``cache_bytes`` (None: as
+    it is) and of ``most_bytes`` (the largest it may be resized to; None: ``cache_bytes``);
+    CacheShrunkError when they fit only at ``most_bytes`` (``adapter_pool_bytes``);
     ConfigError from a policy that holds no adapters."""
     ref, final = request.adapter, request.max_total_len
     pages, most = manager.adapter_pages(ref.num_bytes), manager.max_adapter_pages()
@@ -84,12 +97,24 @@ def check_adapter_fits(request, manager, cache_bytes=None) -> None:
             f"pool units, adapters can hold {most} at most (policy {manager.name!r})", None,
             "adapter")
     fit = adapter_fit_tokens(request.prompt_len, ref, manager, cache_bytes)
-    if final > fit:
-        at = "" if cache_bytes is None else f" in the {cache_bytes} bytes it has held at most"
-        raise RequestTooLargeError(
-            f"request {request.request_id}: {final} tokens beside adapter {ref} can never "
-            f"fit; the cache holds {fit} tokens of one sequence beside it{at}", None,
+    if final <= fit:
+        return
+    asks = f"request {request.request_id}: {final} tokens beside adapter {ref}"
+    grown = most_bytes is not None and most_bytes != cache_bytes
+    most = max(fit, adapter_fit_tokens(request.prompt_len, ref, manager, most_bytes)) \
+        if grown else fit
+    if final <= most:       # (as check_length's rule: fits once resized back up)
+        now = manager.cache_bytes if cache_bytes is None else cache_bytes
+        raise CacheShrunkError(
+            f"{asks} do not fit the cache at its current size ({now} bytes"
+            f"{'' if manager.cache_bytes else ', the size it wakes to'}, {fit} tokens of one "
+            f"sequence beside it); resized back up it holds {most}", None,
             "adapter" if fit == 0 else length_field(request.prompt_len, fit))
+    at = f" resized up to {most_bytes} bytes" if grown else \
+        "" if cache_bytes is None else f" in the {cache_bytes} bytes it has held at most"
+    raise RequestTooLargeError(
+        f"{asks} can never fit; the cache holds {most} tokens of one sequence beside it{at}",
+        None, "adapter" if most == 0 else length_field(request.prompt_len, most))
 
 
 def adapter_fit_tokens(prompt_tokens: int, adapter: AdapterRef, manager,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from typing import List
 
-from .adapters import check_adapter_fits
+from .adapters import adapter_pool_bytes, check_adapter_fits
 from .errors import (CacheResizeError, CacheShrunkError, ConfigError, RequestTooLargeError,
                      SchedulerError, UnknownRequestError, length_field)
 from .plan import StepPlan
@@ -183,7 +183,7 @@ def resize_pool(scheduler, cache_bytes: int, preempt: bool, check_fit: bool, par
         for q in live:              # and beside its adapter (the pages it takes from KV)
             if q.request.adapter is not None:
                 try:
-                    check_adapter_fits(q.request, s.manager, s._fit_pool_bytes)
+                    check_adapter_fits(q.request, s.manager, *adapter_pool_bytes(s))
                 except RequestTooLargeError as error:
                     raise CacheResizeError(f"resizing the cache to {cache_bytes} bytes: "
                                            f"{error}") from None

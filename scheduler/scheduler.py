@@ -40,7 +40,7 @@ from .lifecycle import Savepoint, StepTransactions, check_length, end_request
 from .beam_groups import BeamGroups
 from .pool_reach import PoolReach
 from .recording import StepRecording
-from .adapters import check_adapter_fits
+from .adapters import adapter_pool_bytes, check_adapter_fits
 from .tables import TableTracker
 
 
@@ -88,7 +88,7 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
         if request.beam_width:
             self._check_beam_group_fits(request)
         if request.adapter is not None:
-            check_adapter_fits(request, self.manager, self._fit_pool_bytes)
+            check_adapter_fits(request, self.manager, *adapter_pool_bytes(self))
         if request.request_id in self._unfinished_samples:
             raise DuplicateSequenceError(f"request {request.request_id} is already queued")
         ids = list(range(self._next_seq_id, self._next_seq_id + request.n))
@@ -101,11 +101,6 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
         return ids
 
     # ---- adapters: a running sequence pins its request's adapter (module docstring) -------
-    @property
-    def _fit_pool_bytes(self):
-        """The pool size a request's adapter is checked at (None: the pool as it is)."""
-        return self.max_fit_bytes if self.growable else None
-
     def _pin(self, seq: Sequence) -> None:
         if seq.adapter_id is not None:
             self.manager.acquire_adapter(seq.request.adapter, seq.seq_id)
