@@ -294,10 +294,7 @@ def guarded_protocol(limits: ServeLimits):
             self._header_timer = self.loop.call_later(limits.header_timeout_s, self._headers_late)
 
         def _disarm_header_timer(self) -> None:
-            timer = getattr(self, "_header_timer", None)
-            if timer is not None:
-                timer.cancel()
-                self._header_timer = None
+            cancel_timer(self, "_header_timer")
 
         def _serving(self) -> bool:
             """Whether a request's answer is under way (the app's own limits bound it); else
@@ -329,6 +326,15 @@ def guarded_protocol(limits: ServeLimits):
         return closing_send
 
     return GuardedH11Protocol
+
+
+def cancel_timer(owner, name: str) -> None:
+    """Cancel the timer ``owner.<name>`` (a loop's ``call_later`` handle) if one is armed,
+    and forget it."""
+    timer = getattr(owner, name, None)
+    if timer is not None:
+        timer.cancel()
+        setattr(owner, name, None)
 
 
 def _peer(client) -> str:

@@ -24,6 +24,7 @@ import time
 from typing import Callable, Optional
 
 from .errors import ServeConfigError
+from .limits import cancel_timer
 
 log = logging.getLogger("vmemkv.serve")
 STOP_MARGIN_S = 5.0   # stop(): past the drain and its grace, for uvicorn to close its sockets
@@ -176,10 +177,7 @@ def send_timed(protocol, send_timeout_s: float):
             super().connection_lost(exc)
 
         def _disarm_send_timer(self) -> None:
-            timer = getattr(self, "_send_timer", None)
-            if timer is not None:
-                timer.cancel()
-                self._send_timer = None
+            cancel_timer(self, "_send_timer")
 
         def _send_stalled(self) -> None:
             self._send_timer = None
