@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
 from vmemkv.runtime.engine.errors import RequestEndedError
@@ -35,7 +35,11 @@ from vmemkv.runtime.engine.outputs import TokenEvent
 from vmemkv.runtime.engine.sampling import SamplingParams
 
 from .errors import ApiError, EngineAsleepError, ServerOverloadedError
+from .limits import DEFAULT_MAX_RESPONSE_BYTES
 from .metrics import ServeMetrics
+
+if TYPE_CHECKING:
+    from .submission import ResponseBudget
 
 log = logging.getLogger("vmemkv.serve")
 
@@ -71,6 +75,7 @@ class _Live:
     samples_left: int
     token_times_s: Dict[int, List[float]] = field(default_factory=dict)   # sample -> times
     prompt_logprobs: bool = False   # asked for: they travel with the first token
+    finish_reasons: List[str] = field(default_factory=list)   # of the samples finished so far
 
 
 def choices_per_prompt(params) -> int:
@@ -79,12 +84,18 @@ def choices_per_prompt(params) -> int:
 
 
 class EngineThread:
-    """Runs ``engine`` on a daemon thread; ``submit`` and ``abort`` may be called from any thread."""
+    """Runs ``engine`` on a daemon thread; ``submit`` and ``abort`` may be called from any thread.
+    Each Submission reads the response limits here: ``max_response_bytes`` (one response's
+    worst case, ``limits.check_response_bytes``) and ``response_budget`` (what all responses
+    may hold at once; None: unbounded), which Server sets from its limits."""
 
     def __init__(self, engine, metrics: ServeMetrics, max_pending_requests: int = 256,
-                 idle_wait_s: float = 0.5) -> None:
+                 idle_wait_s: float = 0.5,
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+                 response_budget: Optional["ResponseBudget"] = None) -> None:
         self.engine, self.metrics = engine, metrics
         self.max_pending_requests = max_pending_requests
+        self.max_response_bytes, self.response_budget = max_response_bytes, response_budget
         self._idle_wait_s = idle_wait_s
         self._commands: collections.deque = collections.deque()
         self._wake = threading.Event()
@@ -286,6 +297,7 @@ class EngineThread:
         live.token_times_s.setdefault(event.index, []).append(now)
         _deliver(live.sink, Token(event, now, prompt_logprobs))
         if event.finished:
+            live.finish_reasons.append(event.finish_reason)
             live.samples_left -= 1
             if not live.samples_left:
                 self._end(event.request_id, "finished")
@@ -315,7 +327,8 @@ class EngineThread:
              alone: bool = False, error_type: Optional[str] = None) -> None:
         live = self._live.pop(request_id)
         self.engine.output(request_id, pop=True)
-        self.metrics.observe_request(live.arrival_s, live.token_times_s, live.prompt_tokens, status)
+        self.metrics.observe_request(live.arrival_s, live.token_times_s, live.prompt_tokens, status,
+                                     live.finish_reasons)
         self._ended_unqueued()
         ended = Ended(status, error, alone, error_type)
         if self._ends_held is not None:      # inside a step: after its gauges (_step)

@@ -5,13 +5,16 @@ Gauges come from ``Scheduler.gauges()`` after every step and command, with the e
 ``kv_cache_bytes`` and ``is_sleeping`` (0/1; ours: vLLM has no such gauges); counters and the
 TTFT / TPOT / E2E histograms are observed on the server's clock when a request ends (TTFT:
 first token - arrival at the HTTP handler; E2E: last token - arrival; TPOT per sample with
-more than one token). Thread-safe: the engine thread observes, HTTP handlers render.
+more than one token). ``request_success_total`` carries vLLM's ``finished_reason`` label,
+"stop" or "length" (``finished_reason``), each series shown from the start at 0; a request
+counts once whatever its ``n`` (vLLM counts each sample), and aborted and failed requests in
+their own counters. Thread-safe: the engine thread observes, HTTP handlers render.
 """
 from __future__ import annotations
 
 import bisect
 import threading
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 from vmemkv.scheduler.report import RequestTiming
 
@@ -42,15 +45,23 @@ GAUGES = {   # Scheduler.gauges() key -> (kind, help)
     "prefix_cache_queries": ("counter", "Prefix-cache queries, in tokens."),
     "prefix_cache_hits": ("counter", "Prefix-cache hits, in tokens."),
 }
+SUCCESS = "request_success"
+SUCCESS_HELP = ("Requests that finished, by finished_reason: stop (a stop token or string ended "
+                "every sample) or length (a sample reached max_tokens).")
+FINISHED_REASONS = ("stop", "length")   # the finished_reason values a finished request takes
 COUNTERS = {
-    "request_success": "Requests that finished (a stop token or max_tokens).",
     "num_aborted_requests": "Requests aborted (a client disconnected, or the server stopped).",
     "num_failed_requests": "Requests failed (their memory plans kept failing, or a step raised).",
     "prompt_tokens": "Prompt tokens of ended requests.",
     "generation_tokens": "Generated tokens of ended requests.",
 }
-STATUS_COUNTER = {"finished": "request_success", "aborted": "num_aborted_requests",
-                  "failed": "num_failed_requests"}
+STATUS_COUNTER = {"aborted": "num_aborted_requests", "failed": "num_failed_requests"}
+
+
+def finished_reason(sample_reasons: Sequence[str]) -> str:
+    """A finished request's ``finished_reason`` from its samples' finish reasons: "length" when
+    any sample reached max_tokens (the answer was cut), else "stop"."""
+    return "length" if "length" in sample_reasons else "stop"
 
 
 class Histogram:
@@ -85,6 +96,7 @@ class ServeMetrics:
         self.labels = f'model_name="{_escape(model_name)}"'
         self._lock = threading.Lock()
         self._gauges: Dict[str, float] = {}
+        self._successes = {reason: 0 for reason in FINISHED_REASONS}
         self._counters = {name: 0 for name in COUNTERS}
         self._histograms = {
             "ttft": Histogram("time_to_first_token_seconds", "Time to first token in seconds.",
@@ -99,12 +111,16 @@ class ServeMetrics:
             self._gauges = {k: v for k, v in gauges.items() if k in GAUGES}
 
     def observe_request(self, arrival_s: float, token_times_s: Dict[int, List[float]],
-                        prompt_tokens: int, status: str) -> None:
-        """Count an ended request; its latencies go into the histograms when it finished."""
+                        prompt_tokens: int, status: str, sample_reasons: Sequence[str]) -> None:
+        """Count an ended request (finished: under ``finished_reason(sample_reasons)``, its
+        samples' finish reasons); its latencies go into the histograms when it finished."""
         samples = [RequestTiming(arrival_s, tuple(times), prompt_tokens)
                    for times in token_times_s.values() if times]
         with self._lock:
-            self._counters[STATUS_COUNTER[status]] += 1
+            if status == "finished":
+                self._successes[finished_reason(sample_reasons)] += 1
+            else:
+                self._counters[STATUS_COUNTER[status]] += 1
             self._counters["prompt_tokens"] += prompt_tokens
             self._counters["generation_tokens"] += sum(s.output_tokens for s in samples)
             if status != "finished" or not samples:
@@ -121,18 +137,23 @@ class ServeMetrics:
             lines: List[str] = []
             for key, value in self._gauges.items():
                 kind, help_ = GAUGES[key]
-                lines += _sample(key + ("_total" if kind == "counter" else ""), kind, help_,
-                                 self.labels, value)
+                lines += _family(key + ("_total" if kind == "counter" else ""), kind, help_,
+                                 [(self.labels, value)])
+            lines += _family(SUCCESS + "_total", "counter", SUCCESS_HELP,
+                             [(f'{self.labels},finished_reason="{reason}"', n)
+                              for reason, n in self._successes.items()])
             for key, value in self._counters.items():
-                lines += _sample(key + "_total", "counter", COUNTERS[key], self.labels, value)
+                lines += _family(key + "_total", "counter", COUNTERS[key], [(self.labels, value)])
             for histogram in self._histograms.values():
                 lines += histogram.render(self.labels)
         return "\n".join(lines) + "\n"
 
 
-def _sample(key: str, kind: str, help_: str, labels: str, value: float) -> List[str]:
+def _family(key: str, kind: str, help_: str, series: List[Tuple[str, float]]) -> List[str]:
+    """One metric's HELP and TYPE lines and a sample per (labels, value) of ``series``."""
     name = PREFIX + key
-    return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{labels}}} {float(value)!r}"]
+    return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"] + \
+        [f"{name}{{{labels}}} {float(value)!r}" for labels, value in series]
 
 
 def _escape(value: str) -> str:

@@ -66,11 +66,11 @@ class Server:
         check_send_timeout(send_timeout_s)
         self.limits, self.auth = limits or ServeLimits(), auth or AuthConfig()
         self.metrics = ServeMetrics(model_name)
-        self.engine_thread = EngineThread(engine, self.metrics, max_pending_requests=max_queue)
-        # each Submission reads its response limit and budget here (submission.py, limits.py)
-        self.engine_thread.max_response_bytes = self.limits.max_response_bytes
-        self.engine_thread.response_budget = ResponseBudget.of(self.limits.max_response_bytes,
-                                                               max_response_memory_bytes)
+        # each Submission reads its response limit and budget there (submission.py, limits.py)
+        budget = ResponseBudget.of(self.limits.max_response_bytes, max_response_memory_bytes)
+        self.engine_thread = EngineThread(engine, self.metrics, max_pending_requests=max_queue,
+                                          max_response_bytes=self.limits.max_response_bytes,
+                                          response_budget=budget)
         self.drain = Drain()
         app = Guard(create_app(self.engine_thread, self.metrics, ServedModel.of(engine, model_name, self.limits, max_queue),
                                self.drain, lora_root), self.limits, self.auth)

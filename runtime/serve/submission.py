@@ -40,8 +40,7 @@ from .errors import ApiError, cache_shrunk, cannot_hold, internal_error, request
 from vmemkv.vmem.host import meminfo_bytes
 
 from .errors import ServeConfigError
-from .limits import (DEFAULT_MAX_RESPONSE_BYTES, HELD_BYTES_PER_RESPONSE_BYTE, ResponseSize,
-                     check_response_bytes)
+from .limits import HELD_BYTES_PER_RESPONSE_BYTE, ResponseSize, check_response_bytes
 from .shutdown import shutting_down
 
 RESPONSES_IN_BUDGET = 4   # the default ResponseBudget: 4 responses at --max-response-bytes
@@ -75,7 +74,7 @@ class Delta:
 class Submission:
     """Every engine request of one HTTP request. ``events()`` yields a Delta per token;
     ``close()`` aborts whatever has not ended. ``max_response_bytes`` None: ``server``'s
-    (``Server`` sets it from its limits), else ``DEFAULT_MAX_RESPONSE_BYTES``; ``echo``: each
+    (``Server`` sets it from its limits; ``DEFAULT_MAX_RESPONSE_BYTES`` without); ``echo``: each
     choice's text starts with its prompt (completions' ``echo``), which the limit counts;
     ``max_param``: the request field an engine refusal of ``max_new_tokens`` names (chat's
     ``max_completion_tokens`` or ``max_tokens``)."""
@@ -86,10 +85,10 @@ class Submission:
                  max_response_bytes: Optional[int] = None, echo: bool = False,
                  max_param: str = "max_tokens") -> None:
         if max_response_bytes is None:
-            max_response_bytes = getattr(server, "max_response_bytes", DEFAULT_MAX_RESPONSE_BYTES)
+            max_response_bytes = server.max_response_bytes
         size = response_size(prompts, params, echo)
         check_response_bytes(size, max_response_bytes, chat=prefix == "chatcmpl")
-        budget = getattr(server, "response_budget", None)    # before anything is queued
+        budget = server.response_budget    # reserved before anything is queued
         self.reservation = budget.reserve(size.estimate_bytes) if budget is not None else None
         self._keep_logprobs = not stream    # a stream's were sent: holding them is all cost
         self.id = f"{prefix}-{uuid.uuid4().hex}"

@@ -20,7 +20,7 @@ from vmemkv.runtime.serve import app as app_module
 from vmemkv.runtime.serve.app import create_app
 from vmemkv.runtime.serve.completions import ServedModel
 from vmemkv.runtime.serve.engine_thread import Ended, Token
-from vmemkv.runtime.serve.limits import ResponseSize
+from vmemkv.runtime.serve.limits import DEFAULT_MAX_RESPONSE_BYTES, ResponseSize
 from vmemkv.runtime.serve.metrics import ServeMetrics
 from vmemkv.runtime.serve.submission import response_size
 
@@ -35,6 +35,7 @@ class TwoTokenEngineThread:
 
     def __init__(self) -> None:
         self.submitted = []
+        self.max_response_bytes, self.response_budget = DEFAULT_MAX_RESPONSE_BYTES, None
 
     def submit(self, ids, params, sink, arrival_s, index=0) -> Future:
         self.submitted.append((list(ids), params))

@@ -18,6 +18,7 @@ from vmemkv.runtime.serve.app import create_app
 from vmemkv.runtime.serve.chat import chat_token_ids, parse_chat_request
 from vmemkv.runtime.serve.completions import ServedModel
 from vmemkv.runtime.serve.errors import ApiError
+from vmemkv.runtime.serve.limits import DEFAULT_MAX_RESPONSE_BYTES
 from vmemkv.runtime.serve.metrics import ServeMetrics
 
 from ..engine.byte_tokenizer import byte_tokenizer
@@ -60,6 +61,7 @@ class RefusingEngineThread:
 
     def __init__(self, error: Exception) -> None:
         self.error = error
+        self.max_response_bytes, self.response_budget = DEFAULT_MAX_RESPONSE_BYTES, None
 
     def submit(self, ids, params, sink, arrival_s, index=0) -> Future:
         future: Future = Future()

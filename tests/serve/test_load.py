@@ -23,8 +23,10 @@ SWAP_PAGED = dict(PAGED, max_batch=16, cache_bytes=48 * KiB, preemption="swap",
 
 
 def metric(text: str, name: str) -> float:
-    (value,) = re.findall(rf"^vmemkv:{name}\{{[^}}]*\}} (\S+)$", text, re.M)
-    return float(value)
+    """``name``'s value, summed over its series (request_success_total's finished_reasons)."""
+    values = re.findall(rf"^vmemkv:{name}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert values, name
+    return sum(map(float, values))
 
 
 async def load(url: str, batch) -> list:

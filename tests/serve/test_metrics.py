@@ -10,7 +10,8 @@ from vmemkv.runtime.serve.metrics import Histogram
 
 from .conftest import PAGED, prompts, serving, wait_until_idle
 
-SAMPLE = re.compile(r'^(vmemkv:\w+)\{model_name="tiny-llama"(?:,le="([^"]+)")?\} (\S+)$')
+SAMPLE = re.compile(r'^(vmemkv:\w+)\{model_name="tiny-llama"'
+                    r'(?:,le="([^"]+)"|(,finished_reason="\w+"))?\} (\S+)$')
 VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
               "num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
               "time_to_first_token_seconds", "time_per_output_token_seconds",
@@ -19,15 +20,18 @@ VLLM_NAMES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_pe
 
 
 def parse(text: str) -> dict:
-    """{name: value} and {histogram_bucket: [(le, count), ...]}; every line is a comment,
-    a TYPE/HELP line or a sample."""
+    """{name: value} ({'name{finished_reason="x"}': value} for request_success_total) and
+    {histogram_bucket: [(le, count), ...]}; every line is a comment, a TYPE/HELP line or a
+    sample."""
     values, buckets = {}, {}
     for line in text.splitlines():
         if line.startswith("# "):
             assert re.match(r"# (HELP|TYPE) vmemkv:\w+ ", line), line
             continue
-        name, le, value = SAMPLE.match(line).groups()
-        if le is None:
+        name, le, reason, value = SAMPLE.match(line).groups()
+        if reason is not None:
+            values[f"{name}{{{reason[1:]}}}"] = float(value)
+        elif le is None:
             values[name] = float(value)
         else:
             buckets.setdefault(name, []).append((float(le), float(value)))
@@ -46,7 +50,8 @@ def test_metrics_count_what_was_served_with_vllm_names():
     values, buckets = parse(response.text)
     for name in VLLM_NAMES:
         assert any(key.startswith(f"vmemkv:{name}") for key in list(values) + list(buckets)), name
-    assert values["vmemkv:request_success_total"] == 5
+    assert values['vmemkv:request_success_total{finished_reason="length"}'] == 5   # max_tokens
+    assert values['vmemkv:request_success_total{finished_reason="stop"}'] == 0
     assert values["vmemkv:prompt_tokens_total"] == sum(map(len, batch))
     assert values["vmemkv:generation_tokens_total"] == 20
     assert values["vmemkv:prefix_cache_queries_total"] >= sum(map(len, batch))

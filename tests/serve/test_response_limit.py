@@ -12,18 +12,20 @@ import httpx
 import pytest
 
 from vmemkv.cli import build_parser, main
+from vmemkv.runtime.engine import Engine
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
 from vmemkv.runtime.engine.logprobs import TokenLogprobs
 from vmemkv.runtime.engine.outputs import TokenEvent
 from vmemkv.runtime.engine.sampling import SamplingParams
-from vmemkv.runtime.serve import limits
-from vmemkv.runtime.serve.engine_thread import Ended, Token
+from vmemkv.runtime.serve import Server, limits
+from vmemkv.runtime.serve.engine_thread import Ended, EngineThread, Token
 from vmemkv.runtime.serve.errors import ApiError, ServeConfigError
 from vmemkv.runtime.serve.limits import (DEFAULT_MAX_RESPONSE_BYTES, ResponseSize, ServeLimits,
                                          check_response_bytes)
+from vmemkv.runtime.serve.metrics import ServeMetrics
 from vmemkv.runtime.serve.submission import Submission, response_size
 
-from .conftest import VMEM, assert_memory_at_baseline, serving
+from .conftest import VMEM, assert_memory_at_baseline, model, serving
 
 MiB = 2**20
 
@@ -109,10 +111,9 @@ def test_a_limit_past_available_memory_is_refused_at_start(monkeypatch, capsys):
 class _FakeEngineThread:
     """Takes submissions (their sinks kept), never runs them."""
 
-    def __init__(self, max_response_bytes=None) -> None:
+    def __init__(self, max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES) -> None:
         self.sinks = []
-        if max_response_bytes is not None:
-            self.max_response_bytes = max_response_bytes
+        self.max_response_bytes, self.response_budget = max_response_bytes, None
 
     def submit(self, ids, params, sink, arrival_s, index=0) -> Future:
         self.sinks.append(sink)
@@ -132,7 +133,7 @@ def test_a_submission_is_refused_before_anything_is_submitted():
     with pytest.raises(ApiError) as refused:
         asyncio.run(submit(server, 1))                        # 1,696 bytes
     assert refused.value.param == "logprobs" and server.sinks == []
-    default = _FakeEngineThread()                             # none: 64 MiB
+    default = _FakeEngineThread()                             # the default: 64 MiB
     with pytest.raises(ApiError):
         asyncio.run(submit(default, 40_000))                  # 67,840,000 bytes
     assert default.sinks == []
@@ -158,3 +159,15 @@ def test_a_stream_keeps_no_logprobs_once_they_are_sent(stream):
     assert [d.logprobs for d in deltas] == [[top], [top]]     # every token's are sent
     assert choice.token_ids == [5, 6] and choice.finish_reason == "length"
     assert choice.logprobs == ([] if stream else [top, top])
+
+
+def test_the_engine_thread_declares_the_response_limit_and_budget_each_submission_reads():
+    # a Submission read them with getattr and a default, so a server that never set them
+    # and one that set them were alike to it; they are now the engine thread's own
+    bare = EngineThread(engine=None, metrics=ServeMetrics("m"))
+    assert bare.max_response_bytes == DEFAULT_MAX_RESPONSE_BYTES and bare.response_budget is None
+    with Engine(model(), None, **VMEM) as engine:
+        server = Server(engine, "m", port=0, limits=ServeLimits(max_response_bytes=MiB),
+                        max_response_memory_bytes=3 * MiB)        # built, never started
+        assert server.engine_thread.max_response_bytes == MiB
+        assert server.engine_thread.response_budget.total_bytes == 3 * MiB
