@@ -90,7 +90,7 @@ def gauges(scheduler) -> Dict[str, float]:
         "prefix_cache_queries": mgr.prefix_queries,      # tokens
         "prefix_cache_hits": mgr.prefix_hits,            # tokens
         "prefix_cache_hit_rate": prefix_hit_rate(mgr.prefix_hits, mgr.prefix_queries),
-        "prefix_cache_cached_tokens": mgr.cached_tokens,  # held only by the prefix cache
+        "prefix_cache_cached_tokens": mgr.cached_tokens,  # held only by the cache, each once
     }
 
 

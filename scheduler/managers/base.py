@@ -179,8 +179,9 @@ class MemoryManager(ABC):
 
     @property
     def cached_tokens(self) -> int:
-        """Tokens held only by the prefix cache: computed, findable, held by no sequence; they
-        count as free for ``kv_cache_usage`` and are evicted when memory is needed."""
+        """Tokens held only by the prefix cache: computed, findable, held by no sequence, each
+        counted once (a paged hybrid's cached prefix block once, not once per block group);
+        they count as free for ``kv_cache_usage`` and are evicted when memory is needed."""
         return 0
 
     def reset_prefix_cache(self) -> int:

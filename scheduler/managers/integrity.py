@@ -4,6 +4,7 @@ counts, per-kind extents, prefix cache and running sums; paged: block tables per
 reference counts, the free / held / cached / adapter split, running sums."""
 from __future__ import annotations
 
+from .paged_groups import anchor_groups
 from .window import dropped_in, dropped_units, held_units
 
 
@@ -136,7 +137,8 @@ def check_paged(m) -> None:
     held = sum(1 for r in refs if r)
     assert held + len(free) + len(cached) + m._kv_adapter_pages == m.num_blocks, \
         "free + held + cached + adapters == total"
-    assert len(cached) == len(m._cache) and m.cached_tokens == len(cached) * bs
+    assert len(cached) == len(m._cache)
+    assert m.cached_tokens == _cached_prefix_tokens(m, cached), "cached tokens: once a prefix"
     assert all(refs[b] or b in cached for b in m.prefix.by_unit), "registered: held or cached"
     assert m._live == sum(m._fill[b] for b in range(m.num_blocks) if refs[b])
     assert m._cap_sum == cap and m._tok_sum == tok, "capacity and token sums"
@@ -146,3 +148,14 @@ def check_paged(m) -> None:
             "registered under another group"
     m._swap_integrity()
     m._check_adapters(lambda tenant: type(tenant) is int and 0 <= tenant < len(m.groups))
+
+
+def _cached_prefix_tokens(m, cached: set) -> int:
+    """Tokens a paged manager's cache keeps, each once: a block's; a hybrid's, a prefix node's
+    while the block of every anchor group registered under it is cached."""
+    if not m._hybrid:
+        return len(cached) * m.block_size
+    anchors = anchor_groups(m.groups)
+    whole = [s for s in m.prefix.nodes
+             if all(m.prefix.blocks.get((s, g)) in cached for g in anchors)]
+    return len(whole) * m.block_size

@@ -17,8 +17,9 @@ Hybrid models (full layers beside windowed ones) have one block table per block 
 (paged_groups.py: a block holds G layers of one group; vLLM v1's hybrid allocator). Every
 group's table has one entry per block_size tokens; a windowed group gives back its blocks
 wholly behind its window (a None prefix), full groups keep theirs. Tokens in ``stats`` are
-group tokens (``bytes_per_token`` is one group's). Prefix hits are whole blocks, exact, by
-vLLM v1's hybrid rule (``GroupPrefixIndex.hit_tables``). A hybrid sequence swaps every group's
+group tokens (``bytes_per_token`` is one group's); ``cached_tokens`` counts a cached prefix
+once, not once per group (``NodeCountedCache``). Prefix hits are whole blocks, exact, by vLLM
+v1's hybrid rule (``GroupPrefixIndex.hit_tables``). A hybrid sequence swaps every group's
 blocks, group after group, until a windowed group gave blocks back (then ``WindowSwapError``:
 preempt by recompute, as vmem does).
 """
@@ -34,7 +35,7 @@ from .adapters import AdapterTenancy, adapter_budget_units
 from .common import ManagerCore, check_int
 from .eviction import DEFAULT_EVICTION
 from .ledger import PageLedger
-from .paged_groups import GroupPrefixIndex, PagedSeq, block_groups
+from .paged_groups import GroupPrefixIndex, NodeCountedCache, PagedSeq, block_groups
 from .prefix import HeldSeq
 from .units import UnitOps
 from .integrity import check_paged
@@ -73,7 +74,8 @@ class PagedManager(AdapterTenancy, UnitOps, ManagerCore):
         self._hybrid = len(self.groups) > 1
         self._plain_append = not self._hybrid     # (UnitOps: one table, counters-only append)
         if self._hybrid:      # each group's blocks registered apart (paged_groups.py)
-            self.prefix = GroupPrefixIndex(self._cell)
+            self.prefix = GroupPrefixIndex(self._cell)   # and a cached prefix counted once
+            self._cache = NodeCountedCache(self._cache, self.prefix, self.groups, bs, self._cell)
         windows = [g.window_tokens for g in self.groups if g.window_tokens]
         self._init_window(max(windows) if windows else None)
         self._init_adapters(self._ledger, self.block_bytes, budget_units, self.num_blocks, "block")

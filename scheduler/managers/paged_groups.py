@@ -16,7 +16,8 @@ layers: a block of every layer, exactly the single block table it always had.
 
 A hybrid's prefix index (``GroupPrefixIndex``) names each group's blocks apart under the same
 verified chain of prefix nodes, so a windowed group's blocks stay findable after the blocks
-behind its window are gone, and a block of one group never serves another.
+behind its window are gone, and a block of one group never serves another. Its prefix cache
+(``NodeCountedCache``) counts a cached prefix node's tokens once, not once per group.
 """
 from __future__ import annotations
 
@@ -275,3 +276,84 @@ class GroupPrefixIndex:
             uses[s] += 1
         assert len(self.by_unit) == len(self.blocks)
         assert uses == dict(self.uses) and all(uses.values()), "node uses"
+
+
+def anchor_groups(groups: Sequence[BlockGroup]) -> frozenset:
+    """The block groups whose blocks make a prefix node's tokens cached: the full groups (every
+    hit reads each of their blocks); a hybrid without full layers, its widest window's."""
+    full = frozenset(g for g, group in enumerate(groups) if group.window_tokens is None)
+    if full:
+        return full
+    widest = max(group.window_tokens for group in groups)
+    return frozenset(g for g, group in enumerate(groups) if group.window_tokens == widest)
+
+
+class NodeCountedCache:
+    """A paged hybrid's prefix cache: ``policy`` (eviction.py) orders and holds its blocks, and
+    ``tokens`` counts a cached prefix ONCE, not once per block group: a node's ``block_size``
+    tokens count while the block of every anchor group (``anchor_groups``) registered under it
+    is cached, i.e. held by no sequence and findable for a hit. (The policy's own sum counts
+    a block of each group: tiny-gemma3's six groups, six times the tokens.) The manager calls
+    ``add``, ``remove`` and ``pop`` while the block is registered (it drops the registration
+    after ``pop``); every other call is the policy's. Changes log to ``cell``'s journal."""
+
+    def __init__(self, policy, index: GroupPrefixIndex, groups: Sequence[BlockGroup],
+                 block_size_tokens: int, cell: TxnCell) -> None:
+        self.policy = policy
+        self._index = index
+        self._anchors = anchor_groups(groups)
+        self._block_tokens = block_size_tokens
+        self._cell = cell
+        self._anchored: dict = JDict(cell)    # node serial -> its anchor blocks now cached
+        self.tokens = 0                        # block_size per node with all of them cached
+
+    def journaled_fields(self) -> bool:
+        return all(journaled(v) for v in vars(self).values())
+
+    def _count(self, unit: int, step: int) -> None:
+        reg = self._index.by_unit[unit]
+        if reg.group not in self._anchors:
+            return
+        before = self._anchored.get(reg.node, 0)
+        after, whole = before + step, len(self._anchors)
+        if whole in (before, after):
+            self._cell.set(self, "tokens", self.tokens + step * self._block_tokens)
+        if after:
+            self._anchored[reg.node] = after
+        else:
+            del self._anchored[reg.node]
+
+    def add(self, unit: int, tokens: int) -> None:
+        self.policy.add(unit, tokens)
+        self._count(unit, 1)
+
+    def remove(self, unit: int) -> None:
+        self._count(unit, -1)
+        self.policy.remove(unit)
+
+    def pop(self) -> int:
+        unit = self.policy.pop()
+        self._count(unit, -1)
+        return unit
+
+    @property
+    def retains(self) -> bool:
+        return self.policy.retains
+
+    def note_hit(self, unit: int) -> None:
+        self.policy.note_hit(unit)
+
+    def note_generated(self, unit: int) -> None:
+        self.policy.note_generated(unit)
+
+    def forget(self, unit: int) -> None:
+        self.policy.forget(unit)
+
+    def __len__(self) -> int:
+        return len(self.policy)
+
+    def __contains__(self, unit: int) -> bool:
+        return unit in self.policy
+
+    def __iter__(self):
+        return iter(self.policy)

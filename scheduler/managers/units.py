@@ -62,8 +62,8 @@ class UnitOps:
 
     @property
     def cached_tokens(self) -> int:
-        """Computed tokens of cached units, findable, held by nobody (admission may evict them):
-        each unit's ``_retained`` tokens when it was cached (O(1): the policy keeps the sum)."""
+        """Computed tokens of cached units, findable, held by nobody (admission may evict them),
+        each once: the policy's O(1) sum of ``_retained`` (a paged hybrid's: NodeCountedCache)."""
         return self._cache.tokens
 
     def cached_units(self) -> list:
