@@ -1,6 +1,7 @@
 """What a sequence or beam group holds at least, per layer kind: the add-time check that a beam
-search could ever run (``Scheduler.add_request`` calls it), and ``sequence_need``, the most one
-sequence holds alone on its way to a length (what submission checks: ``PoolReach.fit_tokens``).
+search could ever run (``Scheduler.add_request`` calls it; ``beam_fit_tokens``, the longest it
+accepts, is the server's limit for a beam search), and ``sequence_need``, the most one sequence
+holds alone on its way to a length (what submission checks: ``PoolReach.fit_tokens``).
 
 A beam request is refused (``RequestTooLargeError``) when it asks for more beams than a step runs,
 or when its group holds more than the whole pool at a length every beam surely reaches: the
@@ -46,26 +47,14 @@ def check_beam_group_fits(request, manager, *, max_running: int,
         raise RequestTooLargeError(
             f"request {request.request_id}: beam_width {width} exceeds the {max_running} "
             f"sequences a step runs (max_running)", None, "beam_width")
-    now_bytes = manager.cache_bytes or wake_bytes     # asleep: the pool it wakes to
-    if request.max_tokens < 2 or not unit or now_bytes == 0:
+    pools = _pools(manager, reach_bytes, wake_bytes)
+    if request.max_tokens < 2 or pools is None:
         return
-    layout = manager.layout()
+    pool, most = pools
     what, parts, kinds = unit_costs(manager)
-    if layout.kind is CacheKind.PAGED:
-        pool = layout.num_blocks
-    else:   # the pages in service now (the layout's released_pages are construction's)
-        pool = manager.pool_units(now_bytes) or \
-            layout.pool_pages - layout.released_pages   # (a policy that counts no units)
-        if reach_bytes is not None:
-            pool = min(layout.pool_pages, reach_bytes // layout.geometry.page_bytes)
-    most = pool if reach_bytes is not None else max(pool, manager.pool_units(
-        manager.max_cache_bytes))                       # resized back up to its max
     prompt = request.prompt_len
-    last = prompt + (request.max_tokens - 1 if request.runs_to_max_tokens else 1)
-    # at equal positions within a unit the least only grows with the length, so its most over
-    # [prompt + 1, last] lies within the last unit's worth of lengths
-    need, length = max((_least_held(n, width, unit, kinds), n)
-                       for n in range(max(prompt + 1, last - unit + 1), last + 1))
+    need, length = _group_need(prompt, request.max_tokens, width, request.runs_to_max_tokens,
+                               unit, kinds)
     if need > pool:
         at = ("its first decode step" if length == prompt + 1 else
               f"{length} tokens (it runs to max_tokens {request.max_tokens})")
@@ -81,6 +70,60 @@ def check_beam_group_fits(request, manager, *, max_running: int,
             f"{'' if reach_bytes is None else ' (the most its MemoryBudget share can hold)'}"
             f"{f' at its current size; resized back up it holds {most}' if shrunk else ''}",
             None, "beam_width")
+
+
+def beam_fit_tokens(prompt: int, width: int, runs_to_max_tokens: bool, manager, limit: int, *,
+                    reach_bytes: Optional[int] = None, wake_bytes: int = 0) -> int:
+    """The most ``prompt + max_tokens`` (at most ``limit``) a search of ``width`` beams over a
+    ``prompt``-token prompt may ask for that ``check_beam_group_fits`` (the same pools, the same
+    count) does not refuse as RequestTooLargeError; one it refuses as CacheShrunkError (fits the
+    pool resized back up) counts as fitting. At least ``prompt + 1``: one new token is never
+    checked. The most the group holds only grows with ``max_tokens`` (``_group_need``)."""
+    pools, unit = _pools(manager, reach_bytes, wake_bytes), manager.fork_unit_tokens
+    if pools is None or limit < prompt + 2:
+        return limit
+    kinds = unit_costs(manager)[2]
+
+    def fits(final: int) -> bool:
+        return _group_need(prompt, final - prompt, width, runs_to_max_tokens, unit,
+                           kinds)[0] <= pools[1]
+    low, high = prompt + 1, limit        # low always fits; find the most that does
+    if fits(high):
+        return high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def _pools(manager, reach_bytes: Optional[int], wake_bytes: int) -> Optional[Tuple[int, int]]:
+    """(the pool's units as ``check_beam_group_fits`` counts it now, the most it may count
+    resized back up), or None where it checks nothing (no fork unit; asleep with no size kept)."""
+    now_bytes = manager.cache_bytes or wake_bytes     # asleep: the pool it wakes to
+    if not manager.fork_unit_tokens or now_bytes == 0:
+        return None
+    layout = manager.layout()
+    if layout.kind is CacheKind.PAGED:
+        pool = layout.num_blocks
+    else:   # the pages in service now (the layout's released_pages are construction's)
+        pool = manager.pool_units(now_bytes) or \
+            layout.pool_pages - layout.released_pages   # (a policy that counts no units)
+        if reach_bytes is not None:
+            pool = min(layout.pool_pages, reach_bytes // layout.geometry.page_bytes)
+    most = pool if reach_bytes is not None else max(pool, manager.pool_units(
+        manager.max_cache_bytes))                       # resized back up to its max
+    return pool, most
+
+
+def _group_need(prompt: int, max_tokens: int, width: int, runs_to_max_tokens: bool, unit: int,
+                kinds: List[KindCost]) -> Tuple[int, int]:
+    """(the most pool units the group surely holds, the length it holds them at): at its first
+    decode step and, where nothing ends it early, its last (``max_tokens - 1`` past the prompt)."""
+    last = prompt + (max_tokens - 1 if runs_to_max_tokens else 1)
+    # at equal positions within a unit the least only grows with the length, so its most over
+    # [prompt + 1, last] lies within the last unit's worth of lengths
+    return max((_least_held(n, width, unit, kinds), n)
+               for n in range(max(prompt + 1, last - unit + 1), last + 1))
 
 
 def unit_costs(manager) -> Tuple[str, str, List[KindCost]]:

@@ -43,13 +43,13 @@ from .request import Sequence, SeqState
 class BeamGroups:
     """Beam-group scheduling (a mixin over Scheduler: ``running``, ``waiting``, ``swapped``,
     ``seqs``, ``manager``, ``config``, ``_decoded``, ``_scheduled``, ``_unfinished_samples``,
-    ``_preempt``, ``_swappable``, ``_requeue``, ``_fits``, ``_pin``, ``_unpin``)."""
+    ``_preempt``, ``_swappable``, ``_requeue``, ``_fits``, ``_pin``, ``_unpin``,
+    ``beam_pool_bytes``)."""
 
     def _check_beam_group_fits(self, request) -> None:
         """RequestTooLargeError when a beam request's group could never run (scheduler.beam_fit)."""
         check_beam_group_fits(request, self.manager, max_running=self.config.max_running,
-                              reach_bytes=self.reach_bytes if self.growable else None,
-                              wake_bytes=self.max_fit_bytes)   # (asleep: kept from before)
+                              **self.beam_pool_bytes())
 
     # ---- what the beam search says after a step (between schedule and update) -------------
     def branch(self, parent_id: int, count: int) -> List[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Tuple
 
-from .beam_fit import longest_sequence, unit_costs
+from .beam_fit import beam_fit_tokens, longest_sequence, unit_costs
 from .errors import RequestTooLargeError
 from .lifecycle import resize_pool
 from .request import Sequence
@@ -45,6 +45,23 @@ class PoolReach:
         unit, limit = self.manager.fork_unit_tokens, self.manager.max_seq_len
         return tuple(max(f, longest_sequence(prompt_tokens, pool, unit, self._window_costs, limit))
                      for f, pool in zip(full, (now, most)))
+
+    def beam_fit_tokens(self, prompt_tokens: int, beam_width: int,
+                        runs_to_max_tokens: bool) -> int:
+        """The most prompt + max_tokens ``add_request`` accepts for a search of ``beam_width``
+        beams over a ``prompt_tokens`` prompt (``runs_to_max_tokens``: no stop id can end it):
+        every beam at full length (``max_fit_tokens_at_max``, ``max_seq_len``), and the group's
+        least held within the pool (``beam_fit.check_beam_group_fits``). One that fits only the
+        pool resized back up (CacheShrunkError) counts."""
+        limit = min(x for x in (self.max_seq_len, self.max_fit_tokens_at_max) if x)
+        return beam_fit_tokens(prompt_tokens, beam_width, runs_to_max_tokens, self.manager,
+                               limit, **self.beam_pool_bytes())
+
+    def beam_pool_bytes(self) -> dict:
+        """The pool sizes a beam group is checked at (``check_beam_group_fits``' keywords):
+        a MemoryBudget's reach, and asleep the size kept from before sleep."""
+        return dict(reach_bytes=self.reach_bytes if self.growable else None,
+                    wake_bytes=self.max_fit_bytes)
 
     def window_step_end(self, seq: Sequence) -> int:
         """The furthest a prefill chunk of ``seq`` growing past what it holds may end holding
@@ -98,7 +115,11 @@ class PoolReach:
 
     def _never_fits(self, seq: Sequence, what: str) -> None:
         """RequestTooLargeError naming ``seq``'s request, which ``what`` with nothing else
-        running (a beam group in private memory after a preemption: each beam its own copy)."""
+        running and the pool as large as it can grow (``_cannot_grow``): the next step would
+        be the same. A beam member's message names its group (its beams run together, each
+        holding its own unit). A group that cannot grow alone because it was swapped back in
+        (each beam its own copy of the history) is not failed so: ``_grow`` first recomputes
+        it once, sharing that history again, and fails it only if it still cannot grow."""
         group = (f", one of the {seq.request.beam_width} beams of a beam search, which hold a "
                  f"unit each and run together" if seq.beam_width else "")
         raise RequestTooLargeError(

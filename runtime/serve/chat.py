@@ -6,7 +6,7 @@ The template is the tokenizer's (a GGUF checkpoint carries one); a request's own
 (else a 400 naming it: a template is code the server runs). A model without one is a 400
 naming ``messages`` (the random-weight built-ins have no tokenizer). ``max_completion_tokens`` (or the older
 ``max_tokens``) defaults to what the context leaves after the prompt (with ``use_beam_search``,
-what it leaves a beam search: ``ServedModel.limit_for(beams=True)``, less on a windowed model).
+what it leaves a beam search of its beam_width: ``ServedModel.limit_for(beams=...)``).
 ``logprobs: true`` with ``top_logprobs`` k gives each token's logprob and the k likeliest (the
 model's raw distribution). A stream opens every choice with a ``{"role": "assistant"}`` delta.
 """
@@ -78,7 +78,7 @@ def chat_token_ids(req: ChatCompletionRequest, served: ServedModel) -> tuple:
         raise ApiError(400, f"the rendered messages hold token ids {bad[:5]} outside the "
                             f"model's vocabulary [0, {served.vocab_size})", "messages")
     given = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    beams = req.use_beam_search     # a beam search's limit: every beam at full length
+    beams = served.beam_shape(req)     # a beam search's limit: the engine's for its beams
     max_tokens = given if given is not None else \
         max(1, served.limit_for(len(ids), adapter, beams) - len(ids))
     served.check_lengths(len(ids), max_tokens, req.n, req.max_param, "messages", adapter, beams)

@@ -25,6 +25,14 @@ from .submission import Choice, Delta, Submission
 
 
 @dataclass(frozen=True)
+class BeamShape:
+    """What a beam search's limit depends on besides its prompt: its ``width`` (beam_width)
+    and whether it runs to max_tokens (no stop id can end it early), as the engine checks it."""
+    width: int
+    runs_to_max_tokens: bool
+
+
+@dataclass(frozen=True)
 class ServedModel:
     """What a request is checked against: the model's id, its tokenizer and the engine's limits."""
     name: str
@@ -40,7 +48,10 @@ class ServedModel:
     #   (prompt tokens, adapter name or None) -> prompt + max_tokens that request may ask for
     #   (a windowed model's grows past max_sequence_tokens after a short prompt; an
     #   adapter's pages take from the pool)
-    whole_tokens: Optional[int] = None   # a beam search's limit: every beam at full length
+    beam_fit: Optional[Callable[[int, BeamShape], int]] = None
+    #   (prompt tokens, the search) -> prompt + max_tokens a beam search may ask for: the
+    #   engine's own rule (Scheduler.beam_fit_tokens: every beam at full length, and each
+    #   beam's own units beside what the group shares within the pool)
 
     @classmethod
     def of(cls, engine, name: str, limits=None, max_requests: int = 256) -> "ServedModel":
@@ -56,18 +67,29 @@ class ServedModel:
                 most = adapter_fit_tokens(prompt_tokens, engine.adapters.ref(adapter), mgr,
                                           mgr.max_cache_bytes)
             return min(x for x in (sched.max_seq_len, most) if x)
-        whole = min(x for x in (sched.max_seq_len, sched.max_fit_tokens_at_max) if x)
+
+        def beam_fit(prompt_tokens: int, beams: BeamShape) -> int:
+            return sched.beam_fit_tokens(max(1, prompt_tokens), beams.width,
+                                         beams.runs_to_max_tokens)
         return cls(name, engine.tokenizer, engine.vocab_size, any_prompt_limit(fit),
                    engine.config.max_batch, lambda: engine.loras,
                    bool(limits and limits.trust_request_chat_template), max_requests,
-                   tuple(engine.eos_ids), fit, whole)
+                   tuple(engine.eos_ids), fit, beam_fit)
+
+    def beam_shape(self, req) -> Optional[BeamShape]:
+        """The beam search a request (``SamplingFields``) asks for, as its limit depends on it;
+        None without ``use_beam_search``."""
+        if not req.use_beam_search:
+            return None
+        stops = tuple(req.stop_token_ids) + (() if req.ignore_eos else self.eos_ids)
+        return BeamShape(req.beam_width or req.n, runs_to_max_tokens=not stops)
 
     def limit_for(self, prompt_tokens: int, adapter: Optional[str] = None,
-                  beams: bool = False) -> int:
+                  beams: Optional[BeamShape] = None) -> int:
         """prompt + max_tokens a request of ``prompt_tokens`` (on ``adapter``; a beam search:
         ``beams``) may ask for at most."""
-        if beams and self.whole_tokens is not None:
-            return self.whole_tokens
+        if beams is not None and self.beam_fit is not None:
+            return self.beam_fit(prompt_tokens, beams)
         return self.max_sequence_tokens if self.fit is None else self.fit(prompt_tokens, adapter)
 
     def model_limit(self, adapter: Optional[str] = None) -> int:
@@ -109,13 +131,16 @@ class ServedModel:
 
     def check_lengths(self, prompt_tokens: int, max_tokens: int, n: int,
                       max_param: str = "max_tokens", prompt_param: str = "prompt",
-                      adapter: Optional[str] = None, beams: bool = False) -> None:
+                      adapter: Optional[str] = None, beams: Optional[BeamShape] = None) -> None:
         """ApiError 400 naming ``prompt_param`` when the prompt alone fills the context, or
         ``max_param`` when the two together pass it; or ``n`` past the engine's max_batch."""
         limit = self.limit_for(prompt_tokens, adapter, beams)
         if prompt_tokens + max_tokens > limit:
             context = f"this model's context is {limit} tokens"
-            if limit != self.model_limit(adapter) and not beams:
+            if beams is not None and limit < self.model_limit(adapter):
+                context += (f" for a beam search of beam_width {beams.width} after a "
+                            f"{prompt_tokens}-token prompt")
+            elif limit != self.model_limit(adapter) and not beams:
                 context += f" after a {prompt_tokens}-token prompt"
             elif adapter is not None:
                 context += f" beside adapter {adapter!r}"
@@ -142,7 +167,7 @@ def prompt_token_ids(req: CompletionRequest, served: ServedModel) -> List[List[i
     for i, ids in enumerate(batch):
         try:
             served.check_lengths(len(ids), req.max_tokens, req.n, adapter=adapter,
-                                 beams=req.use_beam_search)
+                                 beams=served.beam_shape(req))
         except ApiError as error:        # which of several prompts, as the engine's say
             if len(batch) > 1 and error.param != "n":
                 error.message = f"prompt {i}: {error.message}"

@@ -182,3 +182,30 @@ def test_the_window_gives_memory_back_before_a_beam_copies_its_partial_unit(layo
             assert out.status == "finished", out.error
             tokens[cache_kib] = [o.token_ids for o in out.outputs]
     assert tokens[32] == tokens[256]
+
+
+@pytest.mark.parametrize("family, layout", [
+    ("tiny-llama", "per-layer"), ("tiny-gemma3", "interleaved"), ("tiny-gemma3", "paged"),
+    ("tiny-mistral-swa", "paged")])
+def test_the_longest_search_the_check_accepts_is_beam_fit_tokens(family, layout):
+    """``Scheduler.beam_fit_tokens`` (the server's limit for a beam search) is the check's own
+    bound: prompt + max_tokens at it is accepted, one more refused, per width and stop rule."""
+    with Engine(model(family), max_batch=8, max_context=128, cache_bytes=24 * 1024,
+                **LAYOUTS[layout]) as engine:
+        below_full = 0
+        for prompt_len, width, runs in itertools.product([3, 20], [2, 3, 4], [True, False]):
+            prompt, stops = list(range(3, 3 + prompt_len)), () if runs else (255,)
+            limit = engine.scheduler.beam_fit_tokens(prompt_len, width, runs)
+            below_full += limit < engine.scheduler.max_fit_tokens
+            for final, accepted in ((limit, True), (limit + 1, False)):
+                if final <= prompt_len:      # (the prompt alone past the full-length bound)
+                    continue
+                params = BeamSearchParams(width, max_new_tokens=final - prompt_len,
+                                          ignore_eos=True, stop_token_ids=stops)
+                try:
+                    engine.abort(engine.add_beam_request(prompt, params))
+                    engine.run_until_done()
+                    assert accepted, (prompt_len, width, runs, final)
+                except RequestRejectedError:
+                    assert not accepted, (prompt_len, width, runs, final)
+        assert below_full > 0      # the full-length bound alone let these through

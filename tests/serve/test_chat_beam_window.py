@@ -30,7 +30,8 @@ BEAM = {"use_beam_search": True, "n": 2, "beam_width": 2, "ignore_eos": True}
 def windowed() -> ServedModel:
     """chat_beam_window.py's limits: 256 tokens after any short prompt, 96 for a beam search."""
     return ServedModel("swa", byte_tokenizer(chat_template=True), 256, 97, 2,
-                       fit=lambda prompt_tokens, adapter=None: 256, whole_tokens=96)
+                       fit=lambda prompt_tokens, adapter=None: 256,
+                       beam_fit=lambda prompt_tokens, beams: 96)
 
 
 def ids_and_max_tokens(body: dict):
@@ -50,8 +51,9 @@ def test_a_chat_beam_search_past_its_limit_is_400_naming_the_clients_field(field
     with pytest.raises(ApiError) as refused:
         ids_and_max_tokens({"messages": MESSAGES, field: 200, **BEAM})
     assert refused.value.status == 400 and refused.value.param == field
-    assert refused.value.message == (f"this model's context is 96 tokens; the request asks for "
-                                      f"220 (20 in the prompt, 200 {field})")
+    assert refused.value.message == (f"this model's context is 96 tokens for a beam search of "
+                                      f"beam_width 2 after a 20-token prompt; the request asks "
+                                      f"for 220 (20 in the prompt, 200 {field})")
     assert ids_and_max_tokens({"messages": MESSAGES, field: 76, **BEAM})[1] == 76   # fits
 
 

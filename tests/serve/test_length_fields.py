@@ -1,5 +1,5 @@
 """A request past the context is a 400 naming the field that must change, for chat
-(``messages``), beam search (its whole-length limit: ``max_tokens``, whatever the width) and
+(``messages``), beam search (the engine's limit for its width: ``max_tokens``) and
 one prompt of several (named by its index); a refusal the engine makes names the prompt's
 index in the request and no internal request id."""
 from __future__ import annotations
@@ -80,11 +80,15 @@ def _sampling(max_new_tokens: int):
 
 
 def test_the_servers_engine_refusal_names_the_prompt_of_several():
-    # every prompt of a request reached the engine as its prompt 0
+    # every prompt of a request reached the engine as its prompt 0. The engine refused this
+    # search's group (2 beams over 39 tokens) naming beam_width; the server now holds a beam
+    # search to the engine's limit for its width (tests/serve/test_beam_fit_limit.py), so it
+    # refuses it first, naming the prompt and max_tokens (1 new token is never checked)
     with serving({**VMEM, "cache_bytes": 32 * KiB}) as (server, _):
         body = {"prompt": [[1, 2, 3], list(range(1, 40))], "max_tokens": 8, "n": 1,
                 "use_beam_search": True, "beam_width": 2}
         error = error_of(httpx.post(server.url + "/v1/completions", json=body, timeout=60))
-        assert error["param"] == "beam_width"
-        assert error["message"].startswith("prompt 1 rejected: a beam search of 2 beams over a "
-                                           "39-token prompt")
+        assert error["param"] == "max_tokens"
+        assert error["message"] == ("prompt 1: this model's context is 40 tokens for a beam "
+                                    "search of beam_width 2 after a 39-token prompt; the request "
+                                    "asks for 47 (39 in the prompt, 8 max_tokens)")
