@@ -37,10 +37,10 @@ mapping time: that thread maps more slowly while it shares the cores with the co
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 from vmemkv.benchmarks.common import environment, format_table, median_seconds, print_environment, write_json
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cost import count_map_ops
 from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
 
@@ -355,7 +355,7 @@ def run(quick: bool = False, out: str | None = None, pages: int | None = None,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (seconds, not minutes)")
     parser.add_argument("--pages", type=POSITIVE_INT, default=None, help="pages mapped per repeat")
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"],

@@ -53,6 +53,7 @@ from vmemkv.benchmarks.attention_caches import build_caches, bytes_needed, label
 from vmemkv.benchmarks.attention_goals import (goals, over_yardstick, print_goals, run_warnings,
                                                speedups, target_check)
 from vmemkv.benchmarks.common import environment, print_environment
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.result_files import write_json
 from vmemkv.runtime.attention import fastest_backend, get_backend
 from vmemkv.runtime.errors import CacheTooLargeError
@@ -215,7 +216,7 @@ def ratio_line(now: list[dict]) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineArgumentParser(description=__doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--quick", action="store_true", help="smallest useful run")
     p.add_argument("--batches", type=POSITIVE_INT, nargs="+")

@@ -33,11 +33,11 @@ per-layer, 16 KiB per-layer and interleaved. ``--block-sizes``: paged (16 4). Ev
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, parse_bytes, result_file
 
 KiB, MiB = 1024, 2**20
@@ -278,7 +278,7 @@ def simulate_memory_rows(requests: int, cache_gb: float, widths=(2, 4, 6), seed:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-llama", help="tiny-llama, or a real model "
                         "(smollm2-135m-instruct: the fork/prune pattern of real text)")
     parser.add_argument("--new-tokens", type=POSITIVE_INT, default=64, help="tokens per beam")

@@ -22,7 +22,6 @@ median over the coefficients) and whether it warned.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -30,6 +29,7 @@ from typing import Callable, Dict, List
 
 import numpy as np
 
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.calibrate import write_json_whole
 from vmemkv.scheduler.profile_cost import FITTED, step_features
 from vmemkv.scheduler.profile_fit import design_points, fit_coefficients, fit_profile, \
@@ -220,7 +220,7 @@ def print_table(result: Dict[str, Dict], repeats: int) -> None:
 
 def main(argv=None) -> int:
     from vmemkv.runtime.calibrate import calibrate
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calibrations", type=POSITIVE_INT, default=3)
     ap.add_argument("--max-repeats", type=POSITIVE_INT, default=12)
     ap.add_argument("--join-lengths", type=POSITIVE_INT, nargs="*", default=[],
@@ -251,8 +251,7 @@ def main(argv=None) -> int:
     for k in range(0 if args.saved else args.calibrations):
         print(f"calibration {k + 1}/{args.calibrations} (1-minute load "
               f"{os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
-        profile = calibrate(max_repeats=args.max_repeats, join_batches=(4, 12),
-                            join_lengths=args.join_lengths)
+        profile = calibrate(max_repeats=args.max_repeats, join_lengths=args.join_lengths)
         calibrations.append(profile["points"])
         joins.append(join_shapes(profile))
         loads.append(profile["calibration"]["load_1min"])

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.attention import native
 from vmemkv.runtime.attention.cpu_varlen import DTYPE_CODES
 from vmemkv.scheduler.cliargs import POSITIVE_INT, thread_count, result_file
@@ -134,8 +135,7 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", nargs="+", default=["8x2048", "32x4096"], metavar="BATCHxCTX")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     p.add_argument("--threads", type=thread_count, default=2)

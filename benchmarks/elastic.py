@@ -28,11 +28,11 @@ arm's wall time on this machine, for scale only.
 """
 from __future__ import annotations
 
-import argparse
 import random
 import time
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, result_file
 
 KiB = 2**10
@@ -186,7 +186,7 @@ def run(quick: bool = False, seed: int = 0, out: str | None = None) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small workload (seconds)")
     parser.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)
     parser.add_argument("--out", default=None, type=result_file, help="JSON file (written whole or not at all)")

@@ -15,10 +15,10 @@ simulator's stated limit): the difference between the arms is the memory policy'
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 from vmemkv.benchmarks.common import format_table, write_json
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.shared_sim import SharedConfig, kv_bytes_after_weights, simulate_shared
 from vmemkv.scheduler.shared_workloads import BurstySpec, bursty_workload
 from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_FLOAT, result_file
@@ -69,7 +69,7 @@ def run(quick: bool = False, rates=None, seed: int = 0, out=None) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="60 s of arrivals at one rate")
     parser.add_argument("--rates", type=POSITIVE_FLOAT, nargs="+", default=None,
                         help="burst arrival rates, requests/s (default: 60 90)")

@@ -29,13 +29,13 @@ it is installed (the reason it is not, otherwise).
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import random
 import statistics
 import time
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.presets import KV_CACHE_DTYPES
 from vmemkv.scheduler.cliargs import thread_count, result_file
 
@@ -331,7 +331,7 @@ def _real_model(device: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 new tokens, short prompts, 1 repeat")
     parser.add_argument("--out", default=None, type=result_file, help="write the results as JSON here")
     parser.add_argument("--threads", type=thread_count, default=1, help="torch intra-op threads")

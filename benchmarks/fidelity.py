@@ -37,6 +37,7 @@ from dataclasses import replace
 from typing import Dict, List, Optional
 
 from vmemkv.benchmarks.fidelity_stats import fit_lines, summarize, table_lines
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.calibrate import write_json_whole
 from vmemkv.scheduler.report import serving_report
 from vmemkv.scheduler.scheduler import SchedulerConfig
@@ -200,7 +201,7 @@ def from_submission(timings, lags) -> dict:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default="azure-conv")
     ap.add_argument("--requests", type=POSITIVE_INT, default=64)
     ap.add_argument("--rate-scales", "--rate-scale", dest="rate_scales", type=POSITIVE_FLOAT, nargs="+",

@@ -16,7 +16,6 @@ warm decodes.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,6 +23,7 @@ import time
 from typing import Dict, List
 
 from vmemkv.benchmarks.fidelity import MAX_BATCH, MODEL, SEED, replay_engine, sim_config, workload
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cost import AfterPrefill, prefill_pairs
 from vmemkv.scheduler.profile_cost import load_profile, profile_cost
 from vmemkv.scheduler.result_files import write_json
@@ -139,7 +139,7 @@ def step_errors(steps: List[Dict], cost) -> Dict[str, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", required=True)
     ap.add_argument("--trace", default="azure-conv")
     ap.add_argument("--requests", type=POSITIVE_INT, default=64)

@@ -27,12 +27,12 @@ to see how far (docs/benchmarks.md).
 """
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
 
 NAME = "smollm2-135m-instruct"
@@ -137,7 +137,7 @@ def _cpu_backends() -> list:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kv-cache-dtype", nargs="+", default=KV_CACHE_DTYPES, choices=KV_CACHE_DTYPES)
     p.add_argument("--new-tokens", type=POSITIVE_INT, default=64)
     p.add_argument("--attention", default="cpu-varlen", choices=_cpu_backends(),

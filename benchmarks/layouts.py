@@ -21,6 +21,7 @@ import argparse
 import sys
 
 from vmemkv.benchmarks.common import format_table, write_json
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
 
 PAGES = ("64KiB", "256KiB", "512KiB", "2MiB")
@@ -58,7 +59,7 @@ def run(requests: int, model: str, page: str, policy: list) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=POSITIVE_INT, default=300)
     p.add_argument("--out", type=result_file, help="also write JSON here")
     args = p.parse_args(argv)

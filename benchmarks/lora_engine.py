@@ -43,7 +43,6 @@ tokens, batch 4, one round (seconds; tests/bench/test_lora_engine_bench.py runs 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -52,6 +51,7 @@ import tempfile
 import time
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, thread_count, result_file
 
 MiB = 2**20
@@ -284,7 +284,7 @@ def run(model_name: str | None = None, requests: int = 32, new_tokens: int = 32,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None,
                         help=f"a built-in, packaged or local model (default {DEFAULT_MODEL} when "
                              f"installed, else {FALLBACK_MODEL})")

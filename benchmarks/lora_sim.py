@@ -18,11 +18,11 @@ front as a server that preallocates adapter slots does, whatever the adapters in
 """
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import replace
 
 from vmemkv.benchmarks.common import format_table, write_json
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.presets import get_model
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.workload import (LoraSpec, WorkloadSpec, generate, lora_adapter_bytes,
@@ -86,7 +86,7 @@ def _row(r, n, arm: str, budget, unit: int, wall_s: float = 0.0) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=POSITIVE_INT, default=2000, help="requests per run")
     parser.add_argument("--rate", type=POSITIVE_FLOAT, default=40.0,
                         help="Poisson arrivals, requests/s (default 40: above what 20 GB serves)")

@@ -19,11 +19,11 @@ policy (so they differ only in allocation). ``--quick`` simulates the first 400 
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, result_file
 
 KiB, MiB = 2**10, 2**20
@@ -99,7 +99,7 @@ def run(quick: bool = False, out: str | None = None, device: str | None = None,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"first {QUICK_REQUESTS} requests only")
     parser.add_argument("--cache-gb", type=POSITIVE_FLOAT, default=20.0, help="simulated KV cache, GB")
     parser.add_argument("--out", default=None, type=result_file, help="write the results as JSON here")

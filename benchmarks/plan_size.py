@@ -11,11 +11,11 @@ A figure, not a timed test.
 """
 from __future__ import annotations
 
-import argparse
 import pickle
 import random
 import statistics
 
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.managers import make_manager
 from vmemkv.scheduler.presets import get_model
 from vmemkv.scheduler.request import Request
@@ -72,7 +72,7 @@ def _whole_tables_bytes(kind: str, mgr, plan) -> int:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=POSITIVE_INT, default=256)
     ap.add_argument("--decodes", type=POSITIVE_INT, default=32, help="decode steps measured")
     ap.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)

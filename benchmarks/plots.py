@@ -11,10 +11,10 @@
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.result_files import write_atomic
 
 COLOURS = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
@@ -139,7 +139,7 @@ def write_all(payload: dict, out_dir: str) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("json", help="a bench.json written by vmemkv bench")
     parser.add_argument("--out", default=None, help="folder for the PNGs (default: the JSON's)")
     args = parser.parse_args(argv)

@@ -21,11 +21,11 @@ wall time with retention off over this row's, for the same cache.
 """
 from __future__ import annotations
 
-import argparse
 import random
 
 from vmemkv.benchmarks.common import (environment, format_table, median_seconds,
                                       print_environment, write_json)
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, result_file
 
 MODEL = "small-llama"
@@ -137,7 +137,7 @@ def trace_rows(requests: int, cache_gbs) -> list:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a smaller workload (seconds)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--repeats", type=POSITIVE_INT, default=3)

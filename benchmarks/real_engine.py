@@ -14,9 +14,9 @@ when the model is installed, and records why not otherwise.
 """
 from __future__ import annotations
 
-import argparse
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
 
 NAME = "smollm2-135m-instruct"
@@ -93,7 +93,7 @@ TABLE = ["system", "tok_s", "vs_hf", "wall_s", "steps", "kv_MiB", "agree", "over
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=POSITIVE_INT, default=64, help="tokens per request (default 64)")
     parser.add_argument("--repeats", type=POSITIVE_INT, default=2, help="timed runs per system (default 2)")
     parser.add_argument("--out", default=None, type=result_file, help="write the results as JSON here (default: none)")

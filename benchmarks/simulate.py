@@ -10,7 +10,6 @@ it is the figure that does not grow with other jobs' load.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -18,6 +17,7 @@ import statistics
 import sys
 import time
 
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.result_files import write_json
@@ -47,7 +47,7 @@ def bench(entries, policy: str, layout: str, cache_gb: float, repeats: int) -> d
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=POSITIVE_INT, default=3)
     ap.add_argument("--cache-gb", type=POSITIVE_FLOAT, nargs="+", default=[60.0, 20.0])
     ap.add_argument("--json", metavar="FILE", type=result_file, help="also write the JSON here")

@@ -11,13 +11,13 @@ times round-robin; the figure is the median. ``agree``: requests whose tokens eq
 """
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
 import time
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.generate_cli import tp_device_list
 from vmemkv.scheduler.cliargs import POSITIVE_INT, thread_count, result_file
 
@@ -152,7 +152,7 @@ def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="16 short requests, 8 tokens, 1 repeat")
     parser.add_argument("--out", default=None, type=result_file, help="write the results as JSON here")
     parser.add_argument("--cores", type=thread_count, default=2, help="cores shared by all ranks")

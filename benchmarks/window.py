@@ -22,11 +22,11 @@ window kind given back.
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
 
 KiB = 2**10
@@ -97,7 +97,7 @@ def measure(window: int = 512, page_bytes: int = 64 * KiB, block_size: int = 16,
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--window", type=POSITIVE_INT, default=512, help="sliding window in tokens")
     parser.add_argument("--out", default=None, type=result_file, help="JSON output path")
     parser.add_argument("--straddling", action="store_true",

@@ -23,7 +23,6 @@ Every figure is the median of ``repeats`` calls after a warm-up. ``measure()`` i
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import sys
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Callable
 import torch
 
 from vmemkv.benchmarks.common import median_seconds
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.errors import CacheTooLargeError
 from vmemkv.runtime.memory import check_fits_device
 from vmemkv.scheduler.cliargs import POSITIVE_INT, thread_count, result_file
@@ -144,7 +144,7 @@ def describe(y: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineArgumentParser(description=__doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=thread_count, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--mib", type=POSITIVE_INT, help="MiB read and copied (default: 256 CPU, 1024 CUDA)")

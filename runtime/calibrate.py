@@ -32,6 +32,7 @@ PREFILL_LENGTHS = (32, 64, 96, 128, 192, 256, 320, 384, 448)   # single prompts 
                                                                # the grid, tokens
 IDLE_S = 0.02       # sleep before the second run of each single prompt (after_idle)
 JOIN_AFTER = 5      # steps of a batch's decoding before a joining prompt arrives (past cold)
+JOIN_BATCHES = (4, 12)   # batches the join_lengths prompts join when none are given
 PRECISION = 0.05    # requested half-width of each design point's median, relative
 MIN_REPEATS, MAX_REPEATS = 6, 12      # repeats of every shape (6: the fewest that bound a
                                       # median, profile_fit.median_rank); the cap
@@ -103,7 +104,8 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
               prefill_lengths: Sequence[int] = PREFILL_LENGTHS, precision: float = PRECISION,
               max_repeats: Optional[int] = None, resamples: int = RESAMPLES,
               progress: Optional[Callable[[str], None]] = None,
-              join_batches: Sequence[int] = (), join_lengths: Sequence[int] = ()) -> Dict:
+              join_batches: Optional[Sequence[int]] = None,
+              join_lengths: Sequence[int] = ()) -> Dict:
     """The device profile (a dict, ``profile_cost``'s format) for this machine. Every shape
     runs ``repeats`` times, then again while its design points' medians are not known to
     +-``precision``, at most ``max_repeats`` (default: ``max(repeats, MAX_REPEATS)``) times;
@@ -113,9 +115,12 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
     context grid, one prompt of each of ``prefill_lengths`` tokens (those below
     ``max_context``) is prefilled alone, right after the previous step and again after
     ``IDLE_S`` of sleep: the single prompts a replay's arrivals make, where prefill's quadratic
-    term and the cost of waking from idle show."""
+    term and the cost of waking from idle show. Prompts of each of ``join_lengths`` tokens
+    also join running batches of each of ``join_batches`` (default ``JOIN_BATCHES``) sequences;
+    ``join_batches`` without ``join_lengths`` is refused (nothing would join)."""
     max_repeats = max(repeats, MAX_REPEATS) if max_repeats is None else max_repeats
     check_points(batches, contexts, decode_steps, max_batch, max_context)
+    join_batches = joined_batches(join_batches, join_lengths)
     if join_lengths:
         check_joins(join_batches, join_lengths, min(contexts), decode_steps, max_batch,
                     max_context)
@@ -173,6 +178,20 @@ def check_points(batches, contexts, decode_steps: int, max_batch: int, max_conte
             f"calibration points need batch <= max_batch ({max_batch}) and context + "
             f"decode steps <= max_context ({max_context}); got batch {max(batches)}, "
             f"{max(contexts)} + {decode_steps} tokens")
+
+
+def joined_batches(join_batches: Optional[Sequence[int]], join_lengths: Sequence[int]) -> tuple:
+    """The batches prompts join: ``join_batches``, ``JOIN_BATCHES`` when None; EngineConfigError
+    naming --join-batches when it is given without ``join_lengths`` (it was ignored)."""
+    if join_batches is None:
+        return JOIN_BATCHES
+    if not join_lengths:
+        from vmemkv.runtime.engine.errors import EngineConfigError
+        shown = " ".join(map(str, join_batches))
+        raise EngineConfigError(f"--join-batches {shown} sets the batches --join-lengths prompts "
+                                f"join, and no --join-lengths is given (nothing would join): "
+                                f"add --join-lengths or drop --join-batches")
+    return tuple(join_batches)
 
 
 def check_joins(join_batches, join_lengths, context: int, decode_steps: int, max_batch: int,
@@ -273,9 +292,10 @@ def register(subparsers) -> None:
                         f"they were predicted within 4%% all the same, docs/simulation.md); "
                         f"each below --max-context minus the shortest --contexts, with "
                         f"--decode-steps above {JOIN_AFTER} (they join after {JOIN_AFTER} steps)")
-    p.add_argument("--join-batches", type=bounded(int, 1), nargs="+", default=[4, 12],
-                   help="sequences decoding when a --join-lengths prompt arrives, each below "
-                        "--max-batch")
+    p.add_argument("--join-batches", type=bounded(int, 1), nargs="+", default=None,
+                   help=f"with --join-lengths only: sequences decoding when a --join-lengths "
+                        f"prompt arrives, each below --max-batch (default: "
+                        f"{' '.join(map(str, JOIN_BATCHES))})")
     p.add_argument("--decode-steps", type=bounded(int, 1), default=24,
                    help="tokens generated per sequence per point (the first decodes after a "
                         "prefill run slow: enough of them that most are not those)")

@@ -92,6 +92,11 @@ def _check_applies(args) -> None:
         raise GenerateUsageError(f"--prefix-eviction {args.prefix_eviction} applies with "
                                  f"--prefix-sharing only (no prefix is kept without it): add "
                                  f"--prefix-sharing or drop it")
+    if args.swap_bytes and args.preemption != "swap":
+        raise GenerateUsageError(f"--swap-bytes {args.swap_bytes} is the host swap space of "
+                                 f"--preemption swap; with --preemption {args.preemption} no "
+                                 f"sequence swaps and it would only hold host memory aside: add "
+                                 f"--preemption swap or drop it")
 
 
 def _check_limits(args) -> None:

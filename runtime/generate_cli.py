@@ -107,8 +107,10 @@ def _cache_flags(c) -> None:
                    help="vmem only: one page per layer, or all layers in one page "
                         "(default: per-layer)")
     c.add_argument("--page-bytes", type=parse_bytes, default=None, metavar="SIZE",
-                   help="vmem only: page size, 64KiB, 2MiB, 65536, ... (default: the driver's "
-                        "choice); a slot is whole pages, so --max-context is rounded up to them")
+                   help="vmem only: page size, 64KiB, 2MiB, 65536, ... (default: 2MiB on CUDA, "
+                        "its VMM granularity; on the host the smallest multiple of 64KiB holding "
+                        "whole tokens of the layout); a slot is whole pages, so --max-context is "
+                        "rounded up to them")
     c.add_argument("--block-size", type=POSITIVE_INT, default=None,
                    help="paged: tokens per block, at most --max-context; vmem with "
                         "--prefix-sharing: tokens per prefix-hit block (default: 16)")
@@ -140,7 +142,8 @@ def _cache_flags(c) -> None:
     c.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
                    help="what a preempted sequence loses (swap needs --swap-bytes)")
     c.add_argument("--swap-bytes", type=parse_bytes, default=0, metavar="SIZE",
-                   help="host swap space: 256MiB, 1GiB, ... (default: 0, none)")
+                   help="host swap space of --preemption swap (refused without it): 256MiB, "
+                        "1GiB, ... (default: 0, none)")
     c.add_argument("--watermark", type=bounded(float, 0, 1, high_open=True), default=0.0,
                    help="fraction of the cache admission keeps free, in [0, 1)")
     c.add_argument("--prefix-sharing", action="store_true", help="share cached prompt prefixes")

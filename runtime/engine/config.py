@@ -28,7 +28,8 @@ class EngineConfig:
     cache: str = "vmem"                  # "vmem" (contiguous per request) or "paged" (blocks)
     layout: str = "per-layer"            # vmem: "per-layer", "interleaved" (all layers per page)
                                          # or "auto" (resolved at construction: resolve_layout)
-    page_bytes: Optional[int] = None     # vmem page size; None: 2 MiB on CUDA, 64 KiB-ish on host
+    page_bytes: Optional[int] = None     # vmem page size; None: 2 MiB on CUDA, on the host the
+                                         # least multiple of 64 KiB holding whole tokens
     block_size: int = 16                 # paged: tokens per block; vmem: prefix-hit block
     max_batch: int = 8                   # sequences running at once (vmem: slots)
     max_context: int = 1024              # tokens per sequence, prompt + output (vmem: rounded
@@ -45,7 +46,7 @@ class EngineConfig:
     max_tokens_per_step: int = 2048      # new tokens per step (prefill chunking budget)
     attention: Optional[str] = None      # backend name; None: fastest for the layout and device
     preemption: str = "recompute"        # when a running sequence cannot grow: recompute | swap
-    swap_bytes: int = 0                  # host swap space for preemption="swap"
+    swap_bytes: int = 0                  # host swap space for preemption="swap" (only)
     watermark: float = 0.0               # fraction of the cache admission keeps free
     prefix_sharing: bool = False         # share cached prompt prefixes across requests (opt-in:
                                          # hashing every prompt costs time when nothing repeats)
@@ -127,6 +128,11 @@ class EngineConfig:
                                         f"{getattr(self, name)!r}")
         if self.preemption == "swap" and self.swap_bytes == 0:
             raise EngineConfigError("EngineConfig.swap_bytes must be > 0 when preemption='swap'")
+        if self.preemption != "swap" and self.swap_bytes > 0:
+            raise EngineConfigError(f"EngineConfig.swap_bytes ({self.swap_bytes}) is the host "
+                                    f"swap space of preemption='swap'; with preemption="
+                                    f"{self.preemption!r} no sequence swaps and it would only be "
+                                    f"held aside: set preemption='swap' or swap_bytes=0")
         self._check_tensor_parallel()
 
     def _check_tensor_parallel(self) -> None:

@@ -77,13 +77,25 @@ def test_every_numeric_flag_of_the_vmemkv_command_refuses_negative_and_non_finit
     ("txn", ["--before-python", "/"], "argument --before-python: '/' is not an executable file"),
     ("memory", ["--cache-gb", "-1"], "argument --cache-gb: must be > 0, got -1"),
     ("lora_sim", ["--zipf", "inf"], "argument --zipf: want a finite number, got 'inf'"),
+    ("memory", ["--cache-gb", "inf"], "argument --cache-gb: want a finite number, got 'inf'"),
 ])
 def test_a_bad_value_is_one_line_naming_the_flag(module_name, argv, message, capsys):
+    # one line: argparse's usage block (1 to 3 lines) came before it
     module = importlib.import_module(f"vmemkv.benchmarks.{module_name}")
     with pytest.raises(SystemExit) as info:
         module.main(argv)
     err = capsys.readouterr().err
-    assert info.value.code == 2 and message in err and "Traceback" not in err
+    assert info.value.code == 2 and err.count("\n") == 1
+    assert f": error: {message}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("module_name", BENCHMARKS)
+def test_every_benchmarks_flag_mistake_is_one_line_and_exit_2(module_name, monkeypatch, capsys):
+    parser = _parser_of(module_name, monkeypatch)
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--no-such-flag"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1 and err.startswith(f"{parser.prog}: error: ")
 
 
 @pytest.mark.parametrize("module_name, argv, message", [

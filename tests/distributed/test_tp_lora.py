@@ -56,7 +56,7 @@ def test_tp2_mixed_adapters_under_preemption_match_peft_and_every_rank_holds_the
     names = [None, "a4", "b8", "c16"] * 2
     with Engine(build_model(FAMILY, seed=0), max_batch=8, max_context=128, **CACHES[cache],
                 tensor_parallel_size=2, cache_bytes=136 * 1024, preemption=preemption,
-                swap_bytes=1 << 20, check_integrity=True) as engine:
+                swap_bytes=1 << 20 if preemption == "swap" else 0, check_integrity=True) as engine:
         for name, path in adapter_dirs.items():
             engine.add_lora(name, path)
         out = engine.generate(batch, [SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True,

@@ -175,6 +175,10 @@ JOIN = ["calibrate", "--model", "tiny-llama", "--batches", "2", "--contexts", "1
     (["--decode-steps", "6", "--join-lengths", "8", "--join-batches", "4"],
      "--join-batches 4 leaves the joining prompt no room in --max-batch 4: give --join-batches "
      "at most 3"),
+    # nothing joined: the batches were ignored without --join-lengths
+    (["--decode-steps", "6", "--join-batches", "2", "3"],
+     "--join-batches 2 3 sets the batches --join-lengths prompts join, and no --join-lengths is "
+     "given (nothing would join): add --join-lengths or drop --join-batches"),
 ])
 def test_joins_that_would_not_join_are_refused_naming_the_flags(monkeypatch, tmp_path, capsys,
                                                                 flags, words):

@@ -33,7 +33,8 @@ def test_two_engines_each_needing_more_than_half_the_budget_both_finish(preempti
     rule each then waited for the other's pages for ever (3,000 steps, 197 tokens each)."""
     clock = [0.0]
     budget = MemoryBudget(256 * KiB, idle_release_s=1.0, clock=lambda: clock[0])
-    opts = dict(OPTS, max_context=512, max_batch=2, preemption=preemption, swap_bytes=1 << 20)
+    opts = dict(OPTS, max_context=512, max_batch=2, preemption=preemption,
+                swap_bytes=1 << 20 if preemption == "swap" else 0)
     a = Engine(model("tiny-llama"), memory_budget=budget, cache_bytes=224 * KiB,
                min_cache_bytes=32 * KiB, **opts)
     _idle_to_min(a, clock)

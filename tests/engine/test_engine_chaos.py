@@ -51,6 +51,8 @@ def engine_options(rng: random.Random) -> dict:
                    prefix_sharing=rng.random() < 0.5,
                    kv_cache_dtype=rng.choice(["auto", "auto", "bf16", "int8", "fp8_e4m3"]),
                    check_integrity=True)
+    if options["preemption"] != "swap":      # the swap space is preemption="swap"'s only
+        del options["swap_bytes"]
     if rng.random() < 0.3:
         options["max_tokens_per_step"] = rng.choice([8, 32])
     if cache == "vmem":

@@ -41,7 +41,8 @@ class EngineLifecycle(RuleBasedStateMachine):
         self.driver = FaultInjectingDriver(vmem.open_driver("host"))
         extra = dict(driver=self.driver) if kind == "vmem" else {}
         self.engine = Engine(model(), max_batch=3, max_tokens_per_step=24, max_plan_retries=1,
-                             preemption="swap" if swap else "recompute", swap_bytes=1 << 20,
+                             preemption="swap" if swap else "recompute",
+                             swap_bytes=1 << 20 if swap else 0,
                              prefix_sharing=sharing, check_integrity=True,
                              **CACHES[kind], **extra)
         self.prompts, self.max_new = {}, {}

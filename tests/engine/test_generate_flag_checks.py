@@ -30,6 +30,8 @@ def _checked(argv, command="generate"):
     (["--cache", "vmem", "--block-size", "32"], "--block-size 32 sets a paged cache's blocks"),
     (["--prefix-eviction", "hits"], "--prefix-eviction hits applies with --prefix-sharing only"),
     (["--preemption", "swap"], "--preemption swap moves preempted sequences to host swap space"),
+    (["--swap-bytes", "1GiB"], "--swap-bytes 1073741824 is the host swap space of --preemption "
+                               "swap; with --preemption recompute no sequence swaps"),
     (["--tp", "2", "--background-mapper"], "--background-mapper is not supported with --tp 2"),
     (["--max-context", str(2**24 + 1)], f"--max-context {2**24 + 1} tokens is more than a cache"),
 ])

@@ -121,7 +121,8 @@ def test_engine_requests_aborted_at_random_points_leak_nothing(preemption):
     fds_before = process_resources.Watch().snapshot().fds
     with Engine(build_model("tiny-llama"), cache="vmem", page_bytes=4096, max_batch=4,
                 max_context=64, cache_bytes=5 * 16 * 1024, preemption=preemption,
-                swap_bytes=1 << 20, prefix_sharing=True) as engine:
+                swap_bytes=1 << 20 if preemption == "swap" else 0,
+                prefix_sharing=True) as engine:
         live, statuses = [], set()
         for _ in range(ENGINE_REQUESTS):
             prompt = [rng.randrange(3) for _ in range(rng.randint(1, 40))]
