@@ -78,14 +78,14 @@ def test_a_rank_writes_where_rank_0s_streams_point_when_the_engine_starts(tmp_pa
 def test_a_model_of_hundreds_of_tensors_reaches_its_ranks(monkeypatch):
     """A model's CPU tensors cross to a rank as shared-memory file descriptors; a forkserver
     start message carries at most 256 (the real model's 272 tensors failed "too many fds").
-    The payload goes after the start: 40 layers of Llama, 9 tensors each, on two ranks equal
-    one process."""
+    The payload goes after the start: 30 layers of Llama, 9 tensors each (273 tensors, about the
+    real model's), on two ranks equal one process."""
     from transformers import AutoModelForCausalLM
 
     from vmemkv.runtime.models import model_config
     monkeypatch.delenv(worker.FREE_BYTES_HOOK, raising=False)
     config = model_config("tiny-llama")
-    config.num_hidden_layers = 40
+    config.num_hidden_layers = 30
     torch.manual_seed(0)
     deep = AutoModelForCausalLM.from_config(config).eval()
     assert sum(1 for _ in deep.parameters()) > 256
@@ -107,11 +107,30 @@ def test_an_unknown_start_method_is_refused_by_name_and_starts_nothing(monkeypat
     assert not multiprocessing.active_children()
 
 
-RANK_0 = """
+SCRIPT = """
 import os, sys, time
-from vmemkv.runtime.engine import Engine
-from vmemkv.runtime.models import build_model
+if __name__ == "__mp_main__" and os.environ.get("VMEMKV_TP_START_METHOD") == "spawn":
+    time.sleep(600)   # a spawned rank importing this script never reaches its payload
 if __name__ == "__main__":
+    from transformers import AutoModelForCausalLM
+    from vmemkv.runtime.engine import Engine, tensor_parallel
+    from vmemkv.runtime.models import build_model, model_config
+    # spawn: the rank imports this script before anything else and sleeps at once (the guard
+    # above names spawn, so the forked rank below runs); the payload's send is the same for both
+    os.environ["VMEMKV_TP_START_METHOD"] = "spawn"
+    tensor_parallel.START_TIMEOUT_S = 2.0
+    config = model_config("tiny-llama")
+    config.num_hidden_layers = 80            # a payload larger than a pipe's buffer
+    model = AutoModelForCausalLM.from_config(config).eval()
+    try:
+        Engine(model, max_batch=2, max_context=64, cache="paged", tensor_parallel_size=2,
+               self_check=False)
+        print("the engine started", flush=True)
+    except Exception as error:
+        print(type(error).__name__, error, flush=True)
+    # then ranks forked from the rank server, as by default
+    del os.environ["VMEMKV_TP_START_METHOD"]
+    tensor_parallel.START_TIMEOUT_S = 300.0
     engine = Engine(build_model("tiny-llama"), max_batch=2, max_context=64, cache="paged",
                     cache_bytes=65536, tensor_parallel_size=2, self_check=False)
     (rank,) = engine.tp.rank_pids
@@ -121,15 +140,28 @@ if __name__ == "__main__":
 """
 
 
-def test_killing_rank_0_ends_its_ranks_and_the_server(tmp_path):
+def _line(proc: subprocess.Popen, what: str) -> str:
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    assert ready, f"the script printed nothing in 120 s, waiting for {what}"
+    return proc.stdout.readline()
+
+
+def test_a_stuck_rank_times_out_and_killing_rank_0_ends_its_ranks_and_the_server(tmp_path):
+    """One script (one interpreter's start for both) in a process of its own, rank 0:
+    first a spawned rank stuck before its payload (importing the main module) times out
+    instead of blocking rank 0 (it sent the payload on a thread of its own; before, rank 0
+    blocked in the send, past every timeout). Then an engine with ranks forked from the rank
+    server; rank 0 is killed: its rank and the server end."""
     script = tmp_path / "rank0.py"
-    script.write_text(RANK_0)
+    script.write_text(SCRIPT)
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            cwd=ROOT)
+                            cwd=ROOT, env={k: v for k, v in os.environ.items()
+                                           if k != "VMEMKV_TP_START_METHOD"})
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 120)
-        assert ready, "rank 0's script printed nothing in 120 s"
-        rank, server = map(int, proc.stdout.readline().split())
+        stuck = _line(proc, "the stuck rank's error")
+        assert "TensorParallelError rank(s) [1] did not reach 'joined' within 2 s" in stuck, stuck
+        rank, server = map(int, _line(proc, "the rank and server ids").split())
+        assert server != proc.pid                # forked by the rank server, not by rank 0
         proc.send_signal(signal.SIGKILL)       # no finally, no atexit: only the kernel's cleanup
         proc.wait(10)
         deadline = time.monotonic() + 10
@@ -139,36 +171,3 @@ def test_killing_rank_0_ends_its_ranks_and_the_server(tmp_path):
     finally:
         proc.kill()
         proc.wait()
-
-
-STUCK_RANK = """
-import sys, time
-if __name__ == "__mp_main__":      # a rank importing this script never reaches its payload
-    time.sleep(600)
-if __name__ == "__main__":
-    from transformers import AutoModelForCausalLM
-    from vmemkv.runtime.engine import Engine, tensor_parallel
-    from vmemkv.runtime.models import model_config
-    tensor_parallel.START_TIMEOUT_S = 2.0
-    config = model_config("tiny-llama")
-    config.num_hidden_layers = 80            # a payload larger than a pipe's buffer
-    model = AutoModelForCausalLM.from_config(config).eval()
-    try:
-        Engine(model, max_batch=2, max_context=64, cache="paged", tensor_parallel_size=2,
-               self_check=False)
-    except Exception as error:
-        print(type(error).__name__, error, flush=True)
-"""
-
-
-def test_a_rank_stuck_before_its_payload_times_out_instead_of_blocking_rank_0(tmp_path):
-    """Rank 0 sends the payload on a thread of its own: a rank that never reads it (stuck
-    importing the main module) made rank 0 block in the send, past every timeout."""
-    script = tmp_path / "stuck.py"
-    script.write_text(STUCK_RANK)
-    # spawn: the rank imports this script before anything else and sleeps at once (a forked
-    # rank would too, after the server's own start); the payload's send is the same for both
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120, env=dict(os.environ, VMEMKV_TP_START_METHOD="spawn"))
-    assert "TensorParallelError rank(s) [1] did not reach 'joined' within 2 s" in done.stdout, \
-        done.stdout + done.stderr[-2000:]

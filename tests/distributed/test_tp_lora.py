@@ -31,6 +31,18 @@ def adapter_dirs(tmp_path_factory):
     return {name: make_adapter(FAMILY, root / name, *spec) for name, spec in ADAPTERS.items()}
 
 
+# the mixed batch: 8 prompts of 3 to 30 tokens, each with one of the three adapters or none
+BATCH, NAMES = prompts(8, 3, 30, seed=11), [None, "a4", "b8", "c16"] * 2
+
+
+@pytest.fixture(scope="module")
+def peft_tokens(adapter_dirs):
+    """PEFT's merged models' greedy tokens for BATCH (each prompt on its adapter's model), once
+    for both caches' runs."""
+    return [greedy(base(FAMILY) if n is None else merged(FAMILY, adapter_dirs[n]), p, NEW_TOKENS)
+            for p, n in zip(BATCH, NAMES)]
+
+
 def slice_bytes(shard, path) -> int:
     """The bytes a rank's slice of the adapter at ``path`` takes: per targeted module, A as
     [r, the shard's input columns] and B as [the shard's output rows, r], in the module's dtype,
@@ -49,11 +61,10 @@ def slice_bytes(shard, path) -> int:
 
 @pytest.mark.parametrize("cache, preemption", [("vmem", "swap"), ("paged", "recompute")])
 def test_tp2_mixed_adapters_under_preemption_match_peft_and_every_rank_holds_the_same(
-        cache, preemption, adapter_dirs):
+        cache, preemption, adapter_dirs, peft_tokens):
     # per rank: the three adapters take 130 KiB while they run (whole, on every rank), the KV
     # of 8 sequences of up to 70 tokens half of one process's: preemptions and evictions
-    batch = prompts(8, 3, 30, seed=11)
-    names = [None, "a4", "b8", "c16"] * 2
+    batch, names = [list(p) for p in BATCH], NAMES
     with Engine(build_model(FAMILY, seed=0), max_batch=8, max_context=128, **CACHES[cache],
                 tensor_parallel_size=2, cache_bytes=136 * 1024, preemption=preemption,
                 swap_bytes=1 << 20 if preemption == "swap" else 0, check_integrity=True) as engine:
@@ -66,9 +77,7 @@ def test_tp2_mixed_adapters_under_preemption_match_peft_and_every_rank_holds_the
         states = engine.tp.memory_states()
         held = {name: engine.adapters.ref(name).num_bytes for name in adapter_dirs}
         slices = {name: slice_bytes(engine.runner.model, path) for name, path in adapter_dirs.items()}
-    reference = [greedy(base(FAMILY) if n is None else merged(FAMILY, adapter_dirs[n]), p,
-                        NEW_TOKENS) for p, n in zip(batch, names)]
-    assert tokens(out) == reference
+    assert tokens(out) == peft_tokens
     # each rank holds its slice: 79% (a4, attention only) to 76% of the whole adapter at TP=2
     whole = {name: LoraAdapter.load(path, base(FAMILY)).num_bytes
              for name, path in adapter_dirs.items()}

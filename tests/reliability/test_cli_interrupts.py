@@ -57,8 +57,8 @@ def interrupted(tmp_path_factory):
     (cwd / "b").mkdir()
     for name in ("bench.json", "bench.log", "memory_utilisation.png"):
         (cwd / "b" / name).write_text(f"old {name}")
-    procs = {
-        "bench": start("bench:engine", ["bench", "--quick", "--only", "memory", "engine", "--out", "b",
+    procs = {   # bench --smoke: the memory section at toy sizes (40 requests), as quick's plumbing
+        "bench": start("bench:engine", ["bench", "--smoke", "--only", "memory", "engine", "--out", "b",
                                         "--no-plots", "--no-progress"], cwd),
         "simulate": start("simulate", ["simulate", "--requests", "300", "--no-progress"], cwd),
         "generate": start("generate", ["generate", "--max-new-tokens", "3", "--no-progress"], cwd,
