@@ -23,7 +23,7 @@ from functools import lru_cache
 from typing import NamedTuple, Optional, Sequence
 
 from ..errors import ConfigError
-from .journal import JDict, TxnCell, journaled
+from .journal import JDict, JSet, TxnCell, journaled
 
 TOKEN_BYTES = 8   # each token id is hashed and stored as one int64
 
@@ -158,6 +158,69 @@ class PrefixIndex:
         assert len(self.by_digest) == len(self.by_unit)
         for digest, reg in self.by_digest.items():
             assert reg.key.digest == digest and self.by_unit[reg.unit] is reg, (digest, reg.unit)
+
+
+class ChainedPrefixIndex(PrefixIndex):
+    """A PrefixIndex where no registration outlives the one it is chained on: ``drop`` forgets
+    a unit's registration with every one chained below it, however deep. A match walks a chain
+    from its first unit, so below a dropped registration nothing could be reached again, and a
+    stale registration would hold its digest against a later sequence registering that
+    content. So every registration is reachable: what the index names, some prompt can hit."""
+
+    def __init__(self, cell: Optional[TxnCell] = None) -> None:
+        super().__init__(cell)
+        self.children: dict = JDict(self._cell)   # serial -> JSet of units chained on it
+
+    def register(self, unit: int, key: UnitKey, parent_unit: Optional[int]) -> None:
+        serials_before = self.serials        # (a new registration takes the next serial)
+        super().register(unit, key, parent_unit)
+        parent = self.by_unit[unit].parent_serial if self.serials != serials_before else None
+        if parent is not None:
+            kids = self.children.get(parent)
+            if kids is None:
+                kids = self.children[parent] = JSet(self._cell)
+            kids.add(unit)
+
+    def drop(self, unit: int) -> list:
+        """Forget ``unit``'s registration and every one chained below it; returns the units
+        below it whose registrations went, nearest first ([] when ``unit`` had none)."""
+        reg = self.by_unit.get(unit)
+        if reg is None:
+            return []
+        super().drop(unit)
+        if reg.parent_serial is not None:
+            kids = self.children[reg.parent_serial]
+            kids.discard(unit)
+            if not kids:
+                del self.children[reg.parent_serial]
+        below, serials = [], [reg.serial]
+        for serial in serials:                        # (grows as it goes: breadth first)
+            for child in sorted(self.children.pop(serial, ())):
+                serials.append(self.by_unit[child].serial)
+                PrefixIndex.drop(self, child)         # (its parent's entry went just above)
+                below.append(child)
+        return below
+
+    def check(self) -> None:
+        super().check()
+        serials = {reg.serial for reg in self.by_unit.values()}
+        chained = {(reg.parent_serial, reg.unit) for reg in self.by_unit.values()
+                   if reg.parent_serial is not None}
+        assert all(parent in serials for parent, _ in chained), "outlived its parent"
+        assert all(self.children.values()), "an empty child set"
+        assert chained == {(s, u) for s, kids in self.children.items() for u in kids}, "children"
+
+
+def drop_cached_chain(index: ChainedPrefixIndex, unit: int, refs: list, cache,
+                      give_back) -> None:
+    """Drop ``unit``'s registration and those below it (``index.drop``); each unit below that
+    nobody holds (``refs``) was cached only to be found: it leaves ``cache`` (the eviction
+    policy) and goes to ``give_back``, the manager's place for units without content."""
+    for below in index.drop(unit):
+        if not refs[below]:
+            cache.remove(below)
+            cache.forget(below)
+            give_back(below)
 
 
 class HeldSeq:

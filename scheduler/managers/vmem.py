@@ -295,21 +295,21 @@ class VmemManager(ElasticPool, KindRules, AdapterTenancy, UnitOps, ManagerCore):
             self.blocks.drop(g)
 
     # blocks live only on held and cached groups (check_integrity): evicted or unretained, gone
-    def _evict(self) -> int:
-        g = super()._evict()
-        self._forget_blocks(g)
-        return g
-
+    # (KindRules' _evict and _unheld)
     def _retained(self, g: int) -> int:
         """A group nobody holds stays cached while it holds a registered full page or published
         blocks (a partial page; those count as its tokens): the policy orders both, by group."""
         return self.tokens_per_page if g in self.prefix.by_unit else \
             self.blocks.blocks_of(g) * self.block_tokens if self.blocks is not None else 0
 
-    def _unheld(self, g: int) -> None:
-        """As KindRules' (not retained: its content goes, blocks included)."""
-        self._forget_blocks(g)
-        super()._unheld(g)
+    def reset_prefix_cache(self) -> int:
+        """As UnitOps', where evicting a group may give back cached ones chained below it."""
+        evicted = len(self._cache)
+        while self._cache:
+            g = self._evict()
+            self._cache.forget(g)
+            self._unheld(g)
+        return evicted
 
     def check_integrity(self) -> None:
         check_vmem(self)

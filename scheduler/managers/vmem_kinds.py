@@ -17,7 +17,9 @@ Release rule (the kinds; ``_win``: the windowed kinds beside a full one):
     A group's windowed kinds are released (pages back to the ledger, prefix registration
     dropped: an incomplete group is never a hit) as soon as every holder dropped them
     (``_win_drop[g] == refs[g]``), after unmapping their whole mappings elsewhere; a partial
-    group (``_partial``) whose last holder goes gives back the rest and becomes spare.
+    group (``_partial``) whose last holder goes gives back the rest and becomes spare. Hits
+    run from a prompt's first page, so the registrations chained below it go with its own
+    (``ChainedPrefixIndex``), as below an evicted group: cached groups among them are given back.
 
 Ops (a split hybrid: kind 0 "full", kind 1 "window-W"; each names the kind's pool pages):
     MapExtent(s, pi, "full", pages) + MapExtent(s, pi, "window-W", pages)   a whole mapping
@@ -33,7 +35,7 @@ from ..layout import PoolBacking
 from ..errors import OutOfCapacityError
 from .base import MapExtent, MemoryStats, UnmapExtent
 from .journal import JList, JSet
-from .prefix import HeldSeq
+from .prefix import ChainedPrefixIndex, HeldSeq, drop_cached_chain
 from .units import UnitOps
 from .window import dropped_units
 
@@ -50,6 +52,7 @@ class KindRules:
         self._partial = JSet(cell)                       # held, windowed kinds released
         self._win_drop = JList(cell, [0] * self.num_groups)  # holders of g, windowed unmapped
         self._win_gone = JList(cell, [0] * self.num_slots)   # slot -> leading pages, windowed gone
+        self.prefix = ChainedPrefixIndex(cell)          # a registration never outlives its parent
         if self._whole and not self._win:     # groups never give pages back: bound for good
             bound = min(self.num_groups, self.ledger.free_pages // self.pages_per_group)
             self._spare = JList(cell, range(self.num_groups - 1, bound - 1, -1))  # released
@@ -299,6 +302,7 @@ class KindRules:
         return g
 
     def _unheld(self, g: int) -> None:
+        self._forget_blocks(g)        # not retained: its content goes, blocks included
         if g in self._partial:        # mapped nowhere: its last full-only mapping went
             self._partial.remove(g)
             self._to_spare(g)
@@ -306,6 +310,14 @@ class KindRules:
             self._enter_reclaimable(g)     # still mapped where it was used
         else:
             self._to_free(g)
+
+    def _evict(self) -> int:
+        """The cached group the policy names, its content forgotten (registration, blocks);
+        the cached groups chained below it can no longer be reached: given back with it."""
+        g = self._cache.pop()
+        drop_cached_chain(self.prefix, g, self._refs, self._cache, self._unheld)
+        self._forget_blocks(g)
+        return g
 
     def _revive(self, g: int) -> None:
         if g in self._reclaimable:
@@ -347,11 +359,12 @@ class KindRules:
 
     def _release_window(self, g: int) -> None:
         """No holder reads g's windowed kinds: unmap its whole mappings (none is a holder's)
-        and give their pages back; the group can no longer serve a prefix hit."""
+        and give their pages back; the group can no longer serve a prefix hit, nor can any
+        registered below it (``drop_cached_chain``): the cached ones among those are given back."""
         for slot, pi in sorted(self.slots.maps[g]):
             if pi >= self._win_gone[slot]:
                 self._unmap(slot, pi)
-        self.prefix.drop(g)
+        drop_cached_chain(self.prefix, g, self._refs, self._cache, self._unheld)
         self._cache.forget(g)
         self._partial.add(g)
         for k in self._win:

@@ -25,3 +25,27 @@ def test_cached_tokens_count_each_token_once_and_are_what_the_next_request_hits(
         hits = engine.last_stats.prefix_cache_hits
     assert cached == 32 == hits      # one whole 32-token unit (paged before: 6 x 32 = 192)
     assert warm == cold
+
+
+def test_vmem_caches_only_what_a_later_request_can_hit_once_the_window_passed_page_zero():
+    """A 70-token prompt (+ 3: 72 computed) slides the window past page 0 (70 - 32 + 1 = 39),
+    which can no longer serve a hit, so its page 1 cannot be reached either: nothing is cached
+    (before: 32 tokens, that page) and the same request again hits nothing, with the same
+    tokens. Its first 40 tokens then (the window still reading page 0) register page 0: the
+    gauge is 32, and the next such request hits exactly those 32, with the tokens of the run
+    that computed them."""
+    long_prompt = list(range(1, 71))
+    with Engine(model("tiny-gemma3"), cache_bytes=384 * KiB, max_context=256, prefix_sharing=True,
+                prefix_eviction="lru", self_check=True, **CACHES["vmem"]) as engine:
+        def run(prompt):
+            tokens = engine.generate([prompt], PARAMS)[0].outputs[0].token_ids
+            return (tokens, engine.last_stats.prefix_cache_hits,
+                    engine.scheduler.gauges()["prefix_cache_cached_tokens"])
+        first, _, cached_after_first = run(long_prompt)
+        again, hits_again, cached_after_again = run(long_prompt)
+        short, hits_short, cached_after_short = run(PROMPT)
+        warm, hits_warm, _ = run(PROMPT)
+    assert cached_after_first == 0 == hits_again == cached_after_again
+    assert again == first
+    assert hits_short == 0 and cached_after_short == 32 == hits_warm
+    assert warm == short

@@ -94,10 +94,13 @@ def test_a_paged_hybrid_counts_nothing_while_a_request_holds_the_prefix():
 def test_vmem_hybrid_drops_pages_released_behind_the_window_and_the_prefix_after_them():
     """What docs/models.md states: a vmem page group whose windowed kind was released can no
     longer serve a hit (its full kind is given back with it at the request's end), and the
-    pages after it in that prompt cannot be reached (hits run from the first page), though
-    they stay cached until evicted: a later request with the prompt computes all of it."""
+    pages after it in that prompt cannot be reached (hits run from the first page), so they
+    are not cached either: given back like any page nobody can reuse, they count for nothing
+    in ``cached_tokens``, and a later request with the prompt computes all of it in them."""
     m = vmem()
+    baseline_free_pages = m.free_pages
     serve_and_free(m, 0, PROMPT, window=True)      # pages 0..2 released: 22 - 8 + 1 = 15
-    assert m.cached_tokens == 2 * BS               # pages 3 and 4, unreachable
+    assert m.cached_tokens == 0 and m.cached_units() == []   # pages 3, 4: were cached (8)
     assert m.allocate(1, len(LATER), LATER) == 0
-    m.check_integrity()
+    m.check_integrity()                             # 7 pages held, none kept beside them
+    assert m.free_pages == baseline_free_pages - 7 * m.pages_per_group
