@@ -78,7 +78,9 @@ class Interrupter:
                     return self._event
                 self.where = where
                 raise KeyboardInterrupt
-        return self._event
+        # a "call" count needs no line events: CPython sends every frame's call (a generator's
+        # resumption too) to the global tracer (_enter), whatever the frame's local one is
+        return None if self.kind == "call" and not self.pending else self._event
 
 
 def results(outputs) -> list:

@@ -23,7 +23,7 @@ peft = pytest.importorskip("peft")
 
 QUESTIONS = ["What is the capital of France?", "Name three fruits.", "Why is the sky blue?",
              "Write a haiku about autumn."]
-NEW_TOKENS = 16
+NEW_TOKENS = 8      # the adapter changes 3 of the 4 answers in 8 tokens (the haiku at its 9th)
 B_FACTOR = 0.3      # lora_B scaled: answers change, and stay sentences
 NAME = "qv8"
 CACHES = {"vmem": dict(cache="vmem"), "paged": dict(cache="paged", block_size=16)}
