@@ -38,8 +38,13 @@ def test_search_brackets_the_capacity_within_the_tolerance():
     assert all(p.meets for p in result.probes if p.load <= result.max_load)
 
 
+def short_requests(rate: float):
+    """20 requests of at most 64 tokens: enough where no SLO is met at any load."""
+    return generate(WorkloadSpec(num_requests=20, max_total_len=64, arrival_rate=rate, seed=1))
+
+
 def test_search_reports_no_load_when_even_the_lowest_probe_fails():
-    result = find_max_load(poisson, CONFIG, {"ttft_p90": 1e-6}, start=1.0, max_probes=4)
+    result = find_max_load(short_requests, CONFIG, {"ttft_p90": 1e-6}, start=1.0, max_probes=4)
     assert result.max_load is None and not any(p.meets for p in result.probes)
     assert len(result.probes) <= 4
 
@@ -110,9 +115,13 @@ def test_an_interrupted_search_prints_the_probes_that_finished(monkeypatch, caps
 
 def test_halving_to_a_rate_the_workload_refuses_ends_the_bracket_not_the_run(capsys):
     # an SLO nothing meets halves the rate until the last arrival passes the clock's range:
-    # that ConfigError ended the run (exit 2) and dropped every finished probe
+    # that ConfigError ended the run (exit 2) and dropped every finished probe. The refusal
+    # depends only on --requests and the rate (23 halvings from 0.01 for 20 requests), so short
+    # requests (--max-len 64) on a small pool (--cache-gb 2) reach it: at the default 60 GB and
+    # 4,096 tokens the 23 probes took 8 s, mostly checking the idle pool's integrity
     code = main(["simulate", "--requests", "20", "--find-max-rate", "--arrival-rate", "0.01",
-                 "--slo", "ttft_p90=0.001", "--no-progress", "--json"])
+                 "--slo", "ttft_p90=0.001", "--cache-gb", "2", "--max-len", "64",
+                 "--no-progress", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert code == 1 and out["max_load"] is None and len(out["probes"]) >= 12
     assert all(not p["meets"] for p in out["probes"])

@@ -14,6 +14,7 @@ from vmemkv.scheduler.errors import SchedulerError
 from vmemkv.scheduler.managers import make_manager
 from vmemkv.scheduler.presets import ModelSpec
 
+from ..hypothesis_budget import examples
 from .shadow import dump, full_only_pages, group_extents
 
 TWO = ModelSpec("t2", 2, 1, 1, 1, weight_bytes=0)                        # 4 bytes a token
@@ -134,8 +135,10 @@ def observe(m):
     return out
 
 
+# 60 examples each, through tests/hypothesis_budget.py as every other machine's count: half in
+# the ci profile, all 60 under HYPOTHESIS_PROFILE=thorough
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(data=st.data())
 def test_rollback_restores_the_whole_state_taken_at_begin(name, data):
     m = build(name)
@@ -153,7 +156,7 @@ def test_rollback_restores_the_whole_state_taken_at_begin(name, data):
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(data=st.data())
 def test_commit_is_as_if_the_calls_ran_without_a_transaction(name, data):
     m, plain = build(name), build(name)
