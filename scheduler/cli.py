@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from . import cli_capacity
-from .cli_checks import check_flags, check_lora, profile_defaults
+from .cli_checks import Given, check_flags, check_lora, profile_defaults
 from .cli_table import aggregate, format_table, parse_seeds, to_json
 from .cliargs import NON_NEGATIVE_INT, POSITIVE_INT, bounded, hold_point, parse_bytes, write_stdout
 from .errors import ConfigError
@@ -42,15 +42,6 @@ GB, FRACTION = bounded(float, 0, MAX_GB), bounded(float, 0, 1)
 TIMED = "with --profile: the profile's engine's"    # help: where a profile run's default is
 
 
-class _Given(argparse.Action):
-    """A flag stored as usual and noted in ``args.given``: with --profile, the engine settings
-    of the flags not given come from the profile (cli_checks.profile_defaults)."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        setattr(namespace, self.dest, values)
-        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
-
-
 class _Renamed(argparse.Action):
     """A flag that means something else in the other subcommands: refused with its new name."""
 
@@ -74,28 +65,30 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("simulate", help="simulate a workload under a KV memory policy",
                               description="Run a workload through a KV memory policy on the "
                                           "roofline cost model; defaults: the standard workload.")
-    _workload_flags(p.add_argument_group("workload (ignored with --trace)"))
+    _workload_flags(p.add_argument_group("workload (a generated one's flags are refused with --trace)"))
     _deployment_flags(p.add_argument_group("deployment"))
     s = p.add_argument_group("scheduler")
-    s.add_argument("--watermark", type=FRACTION, default=0.01,
+    s.add_argument("--watermark", type=FRACTION, default=0.01, action=Given,
                    help="fraction of the cache admission keeps free, in [0, 1)")
     s.add_argument("--watermark-scope", choices=WATERMARK_SCOPES, default="growing",
+                   action=Given,
                    help="policies the watermark applies to: growing (paged, vmem: their "
                         "sequences grow into free memory; default) or all (reserve too)")
     s.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute",
                    help="what a preempted sequence loses: recompute its tokens, or swap them "
                         "to host memory (needs --swap-gb > 0)")
-    s.add_argument("--swap-gb", type=GB, default=0.0, help="host swap space, GB (10^9 bytes)")
-    s.add_argument("--max-running", type=POSITIVE_INT, default=1024, action=_Given,
+    s.add_argument("--swap-gb", type=GB, default=0.0, action=Given,
+                   help="host swap space, GB (10^9 bytes)")
+    s.add_argument("--max-running", type=POSITIVE_INT, default=1024, action=Given,
                    help=f"sequences per step (default: 1024; {TIMED} max_batch)")
-    s.add_argument("--max-tokens-per-step", type=POSITIVE_INT, default=8192, action=_Given,
+    s.add_argument("--max-tokens-per-step", type=POSITIVE_INT, default=8192, action=Given,
                    help=f"new tokens per step (default: 8192; {TIMED} max_tokens_per_step)")
     c = p.add_argument_group("cost model")
     c.add_argument("--prefill-mfu", type=bounded(float, 0, 1, low_open=True), default=None,
                    help="cost prefill as compute-bound at this model-FLOPs utilisation, in "
                         "(0, 1] (default: bandwidth only)")
     c.add_argument("--map-latency-us", type=bounded(float, 0), default=0.0,
-                   help="microseconds per physical page mapped (vmem)")
+                   action=Given, help="microseconds per physical page mapped (vmem)")
     c.add_argument("--copy-gbps", type=bounded(float, 0, low_open=True), default=None,
                    help="device copy bandwidth for copy ops (block-granular prefix hits, "
                         "copy-on-write), GB/s (default: half the GPU's memory bandwidth)")
@@ -107,9 +100,11 @@ def register(subparsers) -> None:
                         "--max-tokens-per-step and --max-len; default: the roofline)")
     c.add_argument("--h2d-gbps", type=bounded(float, 0, low_open=True),
                    default=DEFAULT_H2D_BYTES_PER_S / 1e9,
+                   action=Given,
                    help="host-device bandwidth for LoRA adapter loads and swap preemption's "
                         "copies, GB/s (default: 25, PCIe 4.0 x16 in practice)")
     c.add_argument("--paged-slowdown", type=bounded(float, 1, 1e6), default=1.0,
+                   action=Given,
                    help="KV read-time multiplier for paged kernels, >= 1 (1: as fast as vmem)")
     cli_capacity.add_flags(p.add_argument_group("capacity search"))
     o = p.add_argument_group("output")
@@ -121,18 +116,25 @@ def register(subparsers) -> None:
 
 
 def _workload_flags(w) -> None:
-    w.add_argument("--requests", type=POSITIVE_INT, default=2000, help="number of requests")
-    w.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="workload random seed")
+    w.add_argument("--requests", type=POSITIVE_INT, default=2000, action=Given,
+                   help="number of requests")
+    w.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, action=Given,
+                   help="workload random seed")
     w.add_argument("--seeds", type=parse_seeds, metavar="0-4", default=None,
                    help="run once per seed (FIRST-LAST or a comma list) and report mean ± std "
                         "(default: one run with --seed)")
     w.add_argument("--workload-rng", choices=WORKLOAD_RNGS, default="numpy",
+                   action=Given,
                    help="numpy: the documented draw (default); python: the draw before issue 13")
-    w.add_argument("--prompt-median", type=TOKENS, default=584.0, help="prompt length median, tokens")
-    w.add_argument("--prompt-p95", type=TOKENS, default=2155.0, help="prompt length p95, tokens")
-    w.add_argument("--output-mean", type=TOKENS, default=374.0, help="output length mean, tokens")
-    w.add_argument("--output-p95", type=TOKENS, default=1118.0, help="output length p95, tokens")
-    w.add_argument("--max-len", type=bounded(int, 2, 10**7), default=4096, action=_Given,
+    w.add_argument("--prompt-median", type=TOKENS, default=584.0, action=Given,
+                   help="prompt length median, tokens")
+    w.add_argument("--prompt-p95", type=TOKENS, default=2155.0, action=Given,
+                   help="prompt length p95, tokens")
+    w.add_argument("--output-mean", type=TOKENS, default=374.0, action=Given,
+                   help="output length mean, tokens")
+    w.add_argument("--output-p95", type=TOKENS, default=1118.0, action=Given,
+                   help="output length p95, tokens")
+    w.add_argument("--max-len", type=bounded(int, 2, 10**7), default=4096, action=Given,
                    help=f"max tokens per sequence (prompt + output clipped to it; longer trace "
                         f"requests are scaled down to it, prompt and output in proportion; "
                         f"default: 4096; {TIMED} max_context; vmem slots hold it in whole pages)")
@@ -141,9 +143,10 @@ def _workload_flags(w) -> None:
     w.add_argument("--n", type=bounded(int, 1), default=1,
                    help="samples per request (parallel sampling: they share the prompt's memory)")
     w.add_argument("--beam-skew", type=bounded(float, 0), default=1.0,
+                   action=Given,
                    help="how strongly a step's new beams descend from the best ones (0: evenly)")
     w.add_argument("--arrival-rate", type=bounded(float, 0), default=0.0,
-                   help="Poisson arrivals, requests/s (0: all at time 0)")
+                   action=Given, help="Poisson arrivals, requests/s (0: all at time 0)")
     w.add_argument("--trace", metavar="NAME|FILE",
                    help=f"a bundled trace ({', '.join(trace_names())}) or a trace file "
                         f"(.csv Azure, .jsonl Mooncake or prompt_len/output_len/arrival_s, .gz) "
@@ -160,14 +163,15 @@ def _workload_flags(w) -> None:
                         "q/k/v/o), loaded into device memory on demand (0: no adapters; also "
                         "applies to --trace)")
     w.add_argument("--lora-zipf", type=bounded(float, 0), default=1.0, metavar="ALPHA",
+                   action=Given,
                    help="adapter popularity: the i-th most popular is picked with weight "
                         "i^-ALPHA (0: uniform; default 1, S-LoRA's power law)")
 
 
 def _deployment_flags(m) -> None:
-    m.add_argument("--model-preset", choices=sorted(MODELS), default="llama-3-8b", action=_Given,
+    m.add_argument("--model-preset", choices=sorted(MODELS), default="llama-3-8b", action=Given,
                    help="the model's shapes and weight bytes for the cost model")
-    m.add_argument("--gpu", choices=sorted(DEVICES), default="h100", action=_Given,
+    m.add_argument("--gpu", choices=sorted(DEVICES), default="h100", action=Given,
                    help="the GPU's bandwidth, FLOP/s and memory for the cost model")
     m.add_argument("--model", action=_Renamed, new="--model-preset",
                    why="elsewhere --model names a built-in model or a checkpoint")
@@ -182,26 +186,28 @@ def _deployment_flags(m) -> None:
                    default=None,
                    help="with --lora-adapters: a static split, this many GB of --cache-gb for "
                         "adapters and the rest for KV (default: one pool both share)")
-    m.add_argument("--policy", type=policy_name, default="paged", action=_Given,
+    m.add_argument("--policy", type=policy_name, default="paged", action=Given,
                    help=f"KV memory policy: {', '.join(POLICIES)}, or module:Class / "
                         f"file.py:Class for your own manager (docs/simulation.md; default: "
                         f"paged; {TIMED} cache)")
     m.add_argument("--block-size", type=POSITIVE_INT, default=16,
-                   help="tokens per block (paged), at most --max-len")
+                   action=Given, help="tokens per block (paged), at most --max-len")
     m.add_argument("--page-bytes", "--page-size", dest="page_size", type=parse_bytes, metavar="SIZE",
-                   default=2 * 2**20, action=_Given,
+                   default=2 * 2**20, action=Given,
                    help=f"bytes per physical page (vmem): 2MiB, 64KiB, 65536, ... (default: "
                         f"2MiB; {TIMED} page_bytes)")
-    m.add_argument("--layout", choices=LAYOUT_CHOICES, default="per-layer", action=_Given,
+    m.add_argument("--layout", choices=LAYOUT_CHOICES, default="per-layer", action=Given,
                    help=f"vmem: one page per layer (per-layer), all layers in one (interleaved), "
                         f"or auto: per-layer while its page group holds <= 128 tokens, else the "
                         f"layout with the smaller group (docs/usage.md; default: per-layer; "
                         f"{TIMED} layout)")
     m.add_argument("--prefix-block-tokens", type=bounded(int, 0), default=16, metavar="N",
+                   action=Given,
                    help="vmem: prefix hits in blocks of N tokens whatever a page holds, the "
                         "hit's part of a page copied into the new sequence's page (0: whole "
                         "page groups only)")
     m.add_argument("--prefix-eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,
+                   action=Given,
                    help="paged, vmem: keep computed prompt prefixes after their requests end "
                         "and evict them lru (vLLM's order) or hits (often-shared ones last); "
                         "off keeps none (prefixes are shared when a trace has hash ids)")

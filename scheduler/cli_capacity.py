@@ -11,6 +11,7 @@ import argparse
 from typing import Callable
 
 from .capacity import CapacityResult, Probe, find_max_load, parse_slo, report_key
+from .cli_checks import Given
 from .cli_table import to_json
 from .cliargs import bounded, write_stdout
 from .progress import Progress
@@ -23,12 +24,14 @@ def add_flags(group) -> None:
                        help="search the highest load meeting --slo (trace: --rate-scale; "
                             "generated: --arrival-rate)")
     group.add_argument("--slo", type=_slo, default=None, metavar="TARGETS",
+                       action=Given,
                        help="latency targets in ms, e.g. ttft_p90=2000,tpot_p99=200 (default: none; "
                             "--find-max-rate needs it)")
     group.add_argument("--search-tolerance", type=bounded(float, 0, 1, low_open=True, high_open=True),
-                       default=0.02, help="stop when the bracket is this close (relative), in (0, 1)")
+                       default=0.02, action=Given,
+                       help="stop when the bracket is this close (relative), in (0, 1)")
     group.add_argument("--max-probes", type=bounded(int, 2), default=24,
-                       help="at most this many simulations")
+                       action=Given, help="at most this many simulations")
 
 
 def _slo(text: str):

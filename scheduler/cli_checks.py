@@ -1,7 +1,8 @@
 """``vmemkv simulate``'s checks of its flags together, run before a workload is drawn or run.
 
 Each refuses, with a ConfigError naming the flags (one line, exit 2), what would otherwise run
-and be silently wrong or fail late: flags that do not apply together, a Poisson rate too low
+and be silently wrong or fail late: flags that do not apply together or would do nothing in
+the run the others choose (``check_applies``, the flags ``Given`` records), a Poisson rate too low
 for the float clock, a ``--write-trace`` path that cannot be written or would be read back
 as another format, LoRA budgets that leave no
 KV memory. The deployment's own check (``sim_config.check_deployment``) is shared with the sweep.
@@ -9,6 +10,8 @@ KV memory. The deployment's own check (``sim_config.check_deployment``) is share
 after ``check_profile_model`` refused a ``--gpu`` or another ``--model-preset`` beside it.
 """
 from __future__ import annotations
+
+import argparse
 
 from .cliargs import file_problem
 from .errors import ConfigError
@@ -24,9 +27,82 @@ def flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+class Given(argparse.Action):
+    """A flag stored as usual and noted in ``args.given``: with --profile, the engine settings
+    of the flags not given come from the profile (``profile_defaults``), and a flag given where
+    the others leave it nothing to do is refused (``check_applies``)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
+
+
+GENERATED_WORKLOAD = ("requests", "prompt_median", "prompt_p95", "output_mean", "output_p95",
+                      "arrival_rate", "workload_rng")
+
+
+def _applies_where(args) -> tuple:
+    """(flag dests, whether they do anything in this run, where they do, what this run chose
+    instead) for every flag that only some configurations use. A custom --policy
+    (module:Class) is built with --block-size, --page-bytes, --layout and --swap-gb and may
+    map pages, so those apply to it."""
+    policy, custom = args.policy, ":" in args.policy
+    reserve = policy.startswith("reserve-")      # they hold each sequence's final length
+    as_policy = f"--policy {policy}"
+    return (
+        (("swap_gb",), args.preemption == "swap", "with --preemption swap (its host swap space)",
+         f"--preemption {args.preemption}"),
+        (("h2d_gbps",), args.lora_adapters > 0 or args.preemption == "swap",
+         "to --lora-adapters' loads and --preemption swap's copies",
+         f"--lora-adapters 0 and --preemption {args.preemption}"),
+        (("lora_zipf",), args.lora_adapters > 0, "with --lora-adapters N > 0",
+         "--lora-adapters 0"),
+        (("beam_skew",), args.beam_width > 0, "with --beam-width > 0",
+         "--beam-width 0"),
+        (("slo", "search_tolerance", "max_probes"), args.find_max_rate, "with --find-max-rate",
+         "no --find-max-rate"),
+        (("watermark",), args.watermark_scope == "all" or not reserve,
+         "to paged and vmem (their sequences grow), and with --watermark-scope all to the reserve "
+         "policies", f"{as_policy} and --watermark-scope {args.watermark_scope}"),
+        (("watermark_scope",), args.watermark > 0 and (reserve or custom),
+         "with --watermark above 0 to a policy holding each sequence's final length (reserve-max, "
+         "reserve-oracle)", f"--watermark {args.watermark:g} and {as_policy}"),
+        (GENERATED_WORKLOAD, not args.trace, "to a generated workload",
+         f"--trace {args.trace} (it replays its own requests and arrivals)"),
+        (("seed",), args.seeds is None, "without --seeds (each run draws with its own seed)",
+         "--seeds"),
+        (("seed",), not args.trace or args.lora_adapters > 0,
+         "to a generated workload, and with --trace to --lora-adapters' draw",
+         f"--trace {args.trace} and --lora-adapters 0"),
+        (("block_size",), policy == "paged" or custom, "to --policy paged (its blocks)", as_policy),
+        (("paged_slowdown",), policy == "paged", "to --policy paged (its kernels)", as_policy),
+        (("page_size", "layout", "map_latency_us"), policy == "vmem" or custom,
+         "to --policy vmem (its pages)", as_policy),
+        (("prefix_block_tokens",), policy == "vmem", "to --policy vmem (its prefix hits)",
+         as_policy),
+        (("prefix_eviction",), policy in ("paged", "vmem"), "to --policy paged and vmem",
+         as_policy),
+    )
+
+
+def check_applies(args) -> None:
+    """A flag given (``args.given``) where the other flags leave it nothing to do, which would
+    be accepted and ignored (docs/usage.md: refused, not ignored): ConfigError naming it, what it
+    applies to and what this run chose instead."""
+    given = vars(args).get("given", ())
+    for dests, applies, where, chosen in _applies_where(args):
+        for dest in (d for d in dests if d in given and not applies):
+            value = getattr(args, dest)
+            shown = f" {value:g}" if isinstance(value, float) else (
+                f" {value}" if isinstance(value, (int, str)) else "")
+            raise ConfigError(f"{flag(dest)}{shown} applies {where}; with {chosen} it would "
+                              f"do nothing: drop it")
+
+
 def check_flags(args) -> None:
     """Every check below, in the order the user would fix them."""
     check_lora(args)
+    check_applies(args)
     check_deployment(model=args.model_preset, gpu=args.gpu, cache_gb=args.cache_gb,
                      preemption=args.preemption, swap_gb=args.swap_gb, policy=args.policy,
                      block_size=args.block_size, max_len=args.max_len, profile=args.profile,

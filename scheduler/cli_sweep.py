@@ -40,7 +40,8 @@ def register(subparsers) -> None:
                    help="folder for sweep.rows.jsonl, sweep.csv, sweep.parquet (with pyarrow) "
                         "and the PNGs")
     p.add_argument("--jobs", type=bounded(int, 1), default=None,
-                   help=f"local worker processes (default: the CPU count, {max_threads()} here)")
+                   help=f"local worker processes, not with --ray (default: the CPU count, "
+                        f"{max_threads()} here)")
     p.add_argument("--ray", metavar="ADDRESS", default=None,
                    help="run on the Ray cluster at ADDRESS (auto, ray://host:10001, local) "
                         "instead of local processes (default: local; needs vmemkv[ray])")
@@ -54,6 +55,9 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
+    if args.ray and args.jobs is not None:
+        raise ConfigError(f"--jobs {args.jobs} sets the local worker processes and --ray "
+                          f"{args.ray} runs the points on the Ray cluster instead: drop --jobs")
     spec = load_spec(args.spec)
     points = expand(spec, args.max_points)     # every point is checked before any runs
     problem = out_folder_problem(args.out, OUTPUTS + (JOURNAL_NAME,))

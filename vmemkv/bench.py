@@ -103,7 +103,30 @@ def _check_out_and_tp(args: argparse.Namespace) -> None:
                          f"cannot run {args.tp} ranks: {error}") from None
 
 
+# the suite's flags that ``bench serve`` does not read, with the value that means "not given"
+SUITE_ONLY_FLAGS = {"quick": False, "smoke": False, "device": None, "only": None, "threads": None,
+                    "tp": None, "tp_devices": None, "prefix_eviction": None,
+                    "kv_cache_dtype": "auto", "no_progress": False}
+
+
+def _check_applies(args: argparse.Namespace) -> None:
+    """A flag given where it would do nothing (docs/usage.md: refused, not ignored):
+    UsageError naming it (exit 2), before anything runs. ``bench serve`` loads a server and
+    runs no suite; --kv-cache-dtype sets the engine section's cache only."""
+    if getattr(args, "bench_command", None) == "serve":
+        for dest, absent in SUITE_ONLY_FLAGS.items():
+            if getattr(args, dest) != absent:
+                raise UsageError(f"--{dest.replace('_', '-')} is a flag of the suite; 'vmemkv "
+                                 f"bench serve' runs no suite and would ignore it: drop it, or "
+                                 f"give serve's own flags after 'serve'")
+    elif args.kv_cache_dtype != "auto" and args.only is not None and "engine" not in args.only:
+        raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype} sets the engine section's cache "
+                         f"and --only {' '.join(args.only)} runs no engine section: add engine "
+                         f"to --only or drop it")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_applies(args)
     if getattr(args, "bench_command", None) == "serve":
         from vmemkv.benchmarks import serve
         return serve.run(args)
