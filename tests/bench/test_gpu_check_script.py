@@ -20,7 +20,7 @@ import pytest
 
 from vmemkv.benchmarks.gpu_check import gate_problems, read_results
 
-from .gpu_check_dry_runs import DRY_RUNS_KEY, VENV_PYTHON, DryRuns
+from .gpu_check_dry_runs import DRY_RUNS_KEY, PARTIAL_BENCH_TIMEOUT_S, VENV_PYTHON, DryRuns
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,11 @@ def test_the_digest_lists_counts_skip_reasons_and_versions(dry_runs):
     assert "skipped x" in digest and "no CUDA" in digest
     assert "bench sections:" in digest and "errors: none" in digest
     assert "attention backends:" in digest and "paged/vmem" in digest and "total " in digest
-    assert "torch " in digest and "cuda.bindings " in digest and "transformers " in digest
+    # versions: the whole dry run's from its env step; a run without that step (STEPS) asks
+    # Python at its end, as a real run's summary does
+    for run in ("whole", "require_gpu"):
+        summary = (dry_runs[run][2] / "summary.txt").read_text()
+        assert "torch " in summary and "cuda.bindings " in summary and "transformers " in summary
 
 
 def test_gpu_tests_that_skipped_for_a_missing_gpu_make_the_run_fail(dry_runs):
@@ -118,7 +122,7 @@ def test_a_step_past_its_timeout_is_reported_and_fails_the_run(dry_runs):
     rc, stdout, out = dry_runs["partial"]
     assert rc == 1 and "gpu_check: FAILED (dry run on the CPU)" in stdout
     assert _steps(out)["bench"] == 124
-    assert "== bench: timed out after 5 s" in (out / "steps.log").read_text()
+    assert f"== bench: timed out after {PARTIAL_BENCH_TIMEOUT_S} s" in (out / "steps.log").read_text()
 
 
 def test_partial_rerun_selections_reach_their_steps(dry_runs):
