@@ -25,8 +25,6 @@ only their window's keys (cache_layer.VMemLayer).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Optional
 
 import torch
 from transformers.cache_utils import Cache
@@ -42,11 +40,12 @@ from .cache_copy import copy_cache, growth_room, needs_contiguous_kv
 from .cache_guard import ForwardGuard
 from .cache_layer import VMemLayer, window_offset
 from .errors import BatchTooLargeError, CacheCapacityError, ContextOverflowError  # noqa: F401
+from .cache_checks import check_beam_index, check_crop_count
 from .support import (check_cache_layers, check_generate_feeds_new_tokens, kv_shape_of,
                       layer_windows_of, text_config)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class VMemCacheStats:
     """Memory of a VMemCache. Pages are the driver's physical pages (all layers' K and V)."""
     batch: int             # rows in use
@@ -90,13 +89,13 @@ class VMemCache(Cache):
     """
 
     def __init__(self, config: CacheConfig, layout: str = "per-layer",
-                 page_bytes: Optional[int] = None, cache_bytes: Optional[int] = None) -> None:
+                 page_bytes: int | None = None, cache_bytes: int | None = None) -> None:
         with torch.inference_mode(False):   # tensors a later plain forward may write in place
             self._build(config, layout, page_bytes, cache_bytes)
         self._contiguous = False    # update returns contiguous copies at batch >= 2 (a family)
 
-    def _build(self, config: CacheConfig, layout: str, page_bytes: Optional[int],
-               cache_bytes: Optional[int]) -> None:
+    def _build(self, config: CacheConfig, layout: str, page_bytes: int | None,
+               cache_bytes: int | None) -> None:
         plain = in_model_dtype(config)    # a page holds what it would in the model's dtype
         layout = resolve_layout(layout, plain if page_bytes is None else config, page_bytes,
                                 on_cuda=config.torch_device.type == "cuda")   # "auto" resolved
@@ -120,8 +119,7 @@ class VMemCache(Cache):
     @classmethod
     def from_model_config(cls, config, max_batch: int, max_context: int, dtype=None,
                           device: str = "cpu", layout: str = "per-layer",
-                          page_bytes: Optional[int] = None,
-                          cache_bytes: Optional[int] = None,
+                          page_bytes: int | None = None, cache_bytes: int | None = None,
                           kv_cache_dtype: str = "auto") -> "VMemCache":
         """A cache for an HF model config. ``dtype`` defaults to the config's (else float32) and
         must match the model's; ``page_bytes``/``cache_bytes`` as in ``runtime.kv.make_kv``
@@ -144,10 +142,7 @@ class VMemCache(Cache):
     @property
     def max_context(self) -> int:
         return self.config.max_context
-
-    @property
-    def max_cache_len(self) -> int:
-        return self.config.max_context
+    max_cache_len = max_context     # transformers' name for it
 
     @property
     def batch_size(self) -> int:
@@ -299,8 +294,7 @@ class VMemCache(Cache):
     # -- HF hooks --
     def reset(self) -> None:
         """Drop every row (ready for a new batch), as a fresh cache would take it: 8-bit scales
-        fixed by a first write are unfixed (given ones stay). Pages stay mapped for the next
-        batch to reuse."""
+        fixed by a first write are unfixed (given ones stay); pages stay mapped, for reuse."""
         self._check_open()
         self._drop_rows()
         self._guard.reset()
@@ -323,22 +317,24 @@ class VMemCache(Cache):
         self._txn.run(free, lambda: self._put_rows(rows, next_id))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: row b takes the tokens of row ``beam_idx[b]`` (in place, every layer)."""
+        """Beam search: row b takes the tokens of row ``beam_idx[b]`` (in place, every layer).
+        Refused first: anything but one row in ``[0, batch)`` per row (``check_beam_index``)."""
         self._check_open()
+        batch = len(self._rows)
+        check_beam_index(beam_idx, batch)
         index = beam_idx.to(self.config.torch_device)
         for layer, length in enumerate(self._written):
             # what a later forward may read: ``crop`` goes back as far as ``_slid_to``, and the
             # memory a query there reads is mapped (the give-back kept it)
             first = window_offset(self.layers[layer].window, min(self._slid_to, length))
             for cache in self.kv.layer_tensors(layer):
-                rows = cache[:len(self._rows), first:length]
+                rows = cache[:batch, first:length]
                 rows.copy_(rows.index_select(0, index))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens of every row (their pages stay held)."""
-        if tokens_to_remove > 0:
-            raise CacheStateError(f"crop takes a negative count of tokens to remove, "
-                                  f"got {tokens_to_remove}")
+        self._check_open()
+        check_crop_count(tokens_to_remove)
         written = [max(0, n + tokens_to_remove) for n in self._written]
         # layers that never write (Gemma 3n's KV-shared layers read another layer's) stay at 0
         kept = [n for n, before in zip(written, self._written) if before]
