@@ -74,7 +74,7 @@ class PagedManager(AdapterTenancy, UnitOps, ManagerCore):
         self._hybrid = len(self.groups) > 1
         self._plain_append = not self._hybrid     # (UnitOps: one table, counters-only append)
         if self._hybrid:      # each group's blocks registered apart (paged_groups.py)
-            self.prefix = GroupPrefixIndex(self._cell)   # and a cached prefix counted once
+            self.prefix = GroupPrefixIndex(self._cell, self.groups)   # a prefix counted once
             self._cache = NodeCountedCache(self._cache, self.prefix, self.groups, bs, self._cell)
         windows = [g.window_tokens for g in self.groups if g.window_tokens]
         self._init_window(max(windows) if windows else None)

@@ -27,7 +27,7 @@ from typing import NamedTuple, Optional, Sequence
 from ..presets import ModelSpec
 from .journal import JDict, TxnCell, journaled
 from .kinds import kinds_of
-from .prefix import HeldSeq, UnitKey
+from .prefix import HeldSeq, UnitKey, add_child, discard_child
 
 
 class BlockGroup(NamedTuple):
@@ -112,16 +112,20 @@ class GroupPrefixIndex:
     A node lives while a block is registered under it or a child node does, so a windowed
     group's block stays verifiable after the blocks before it (every group's) are gone: a
     hit's window blocks are matched through the nodes, never through the blocks behind the
-    window. A block of group A is never found for group B (``blocks`` is keyed by group).
-    Every change logs to ``cell``'s open journal."""
+    window. A hit reads each full group's block of every node it passes, so every node holds
+    one (``drop``). A block of group A is never found for group B (``blocks`` is keyed by
+    group). Every change logs to ``cell``'s open journal."""
 
-    def __init__(self, cell: TxnCell) -> None:
+    def __init__(self, cell: TxnCell, groups: Sequence[BlockGroup]) -> None:
         self._cell = cell
+        self._num_groups = len(groups)
+        self._full = frozenset(g for g, group in enumerate(groups) if group.window_tokens is None)
         self.nodes: dict = JDict(cell)       # serial -> PrefixNode
         self.by_digest: dict = JDict(cell)   # digest -> serial
         self.by_unit: dict = JDict(cell)     # block -> GroupReg
         self.blocks: dict = JDict(cell)      # (serial, group) -> block
         self.uses: dict = JDict(cell)        # serial -> registered blocks + child nodes
+        self.children: dict = JDict(cell)    # serial -> JSet of its child nodes' serials
         self.serials = 0
 
     def journaled_fields(self) -> bool:
@@ -157,6 +161,8 @@ class GroupPrefixIndex:
             missing = keys[len(found):k + 1]
             if any(key.digest in self.by_digest for key in missing):
                 return                     # another prefix holds that digest: cannot verify
+            if self._full and (len(missing) > 1 or group not in self._full):
+                return                     # a node without full blocks: no hit reaches it
             parent = found[-1] if found else None
             for key in missing:
                 parent = self._new_node(key, parent)
@@ -165,6 +171,8 @@ class GroupPrefixIndex:
         key = keys[k]
         s = self.by_digest.get(key.digest)
         if s is None:
+            if self._full and group not in self._full:
+                return                     # (as above)
             s = self._new_node(key, parent)
         else:
             node = self.nodes[s]
@@ -233,6 +241,7 @@ class GroupPrefixIndex:
         self.uses[s] = 0
         if parent is not None:
             self.uses[parent] += 1
+            add_child(self.children, self._cell, parent, s)
         return s
 
     def _attach(self, unit: int, group: int, s: int) -> None:
@@ -247,11 +256,28 @@ class GroupPrefixIndex:
         reg = self.by_unit.get(unit)
         return None if reg is None else reg.node
 
-    def drop(self, unit: int) -> None:
-        """Forget ``unit``'s content; nodes left with no block and no child go too."""
-        reg = self.by_unit.pop(unit, None)
+    def drop(self, unit: int) -> list:
+        """Forget ``unit``'s content (nodes left with no block and no child go too); a full
+        group's block takes every block at its node and below (no hit reads them again): returns
+        those, nearest first. A windowed one goes alone (hits whose window starts past it)."""
+        reg = self.by_unit.get(unit)
         if reg is None:
-            return
+            return []
+        self._forget(reg)
+        if reg.group not in self._full:
+            return []
+        below, nodes = [], [reg.node]
+        for s in nodes:                      # (grows as it goes: breadth first)
+            nodes.extend(sorted(self.children.get(s, ())))   # (before its blocks: may prune it)
+            for g in range(self._num_groups):
+                b = self.blocks.get((s, g))
+                if b is not None:
+                    below.append(b)
+                    self._forget(self.by_unit[b])
+        return below
+
+    def _forget(self, reg: GroupReg) -> None:
+        del self.by_unit[reg.unit]
         del self.blocks[(reg.node, reg.group)]
         s: Optional[int] = reg.node
         while s is not None:
@@ -262,6 +288,8 @@ class GroupPrefixIndex:
             node = self.nodes.pop(s)
             del self.uses[s]
             del self.by_digest[node.key.digest]
+            if node.parent is not None:
+                discard_child(self.children, node.parent, s)
             s = node.parent
 
     def check(self) -> None:
@@ -276,6 +304,11 @@ class GroupPrefixIndex:
             uses[s] += 1
         assert len(self.by_unit) == len(self.blocks)
         assert uses == dict(self.uses) and all(uses.values()), "node uses"
+        assert {(node.parent, s) for s, node in self.nodes.items() if node.parent is not None} \
+            == {(p, s) for p, kids in self.children.items() for s in kids}, "children"
+        assert all(self.children.values()), "an empty child set"
+        assert all((s, g) in self.blocks for s in self.nodes for g in self._full), \
+            "a node without a full group's block: nothing at or below it can be hit"
 
 
 def anchor_groups(groups: Sequence[BlockGroup]) -> frozenset:
@@ -294,8 +327,9 @@ class NodeCountedCache:
     tokens count while the block of every anchor group (``anchor_groups``) registered under it
     is cached, i.e. held by no sequence and findable for a hit. (The policy's own sum counts
     a block of each group: tiny-gemma3's six groups, six times the tokens.) The manager calls
-    ``add``, ``remove`` and ``pop`` while the block is registered (it drops the registration
-    after ``pop``); every other call is the policy's. Changes log to ``cell``'s journal."""
+    ``add`` while the block is registered (``remove`` and ``pop`` may come after its
+    registration went: ``GroupPrefixIndex.drop``'s blocks below); every other call is the
+    policy's. Changes log to ``cell``'s journal."""
 
     def __init__(self, policy, index: GroupPrefixIndex, groups: Sequence[BlockGroup],
                  block_size_tokens: int, cell: TxnCell) -> None:
@@ -305,23 +339,30 @@ class NodeCountedCache:
         self._block_tokens = block_size_tokens
         self._cell = cell
         self._anchored: dict = JDict(cell)    # node serial -> its anchor blocks now cached
+        self._node_of: dict = JDict(cell)     # cached anchor block -> its node serial
         self.tokens = 0                        # block_size per node with all of them cached
 
     def journaled_fields(self) -> bool:
         return all(journaled(v) for v in vars(self).values())
 
     def _count(self, unit: int, step: int) -> None:
-        reg = self._index.by_unit[unit]
-        if reg.group not in self._anchors:
-            return
-        before = self._anchored.get(reg.node, 0)
+        if step > 0:
+            reg = self._index.by_unit[unit]
+            if reg.group not in self._anchors:
+                return
+            node = self._node_of[unit] = reg.node
+        else:
+            node = self._node_of.pop(unit, None)
+            if node is None:
+                return
+        before = self._anchored.get(node, 0)
         after, whole = before + step, len(self._anchors)
         if whole in (before, after):
             self._cell.set(self, "tokens", self.tokens + step * self._block_tokens)
         if after:
-            self._anchored[reg.node] = after
+            self._anchored[node] = after
         else:
-            del self._anchored[reg.node]
+            del self._anchored[node]
 
     def add(self, unit: int, tokens: int) -> None:
         self.policy.add(unit, tokens)

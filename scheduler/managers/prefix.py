@@ -223,6 +223,22 @@ def drop_cached_chain(index: ChainedPrefixIndex, unit: int, refs: list, cache,
             give_back(below)
 
 
+def add_child(children: dict, cell: TxnCell, parent: int, child: int) -> None:
+    """Note ``child`` under ``parent`` in ``children`` (a JDict of parent -> JSet, journaled)."""
+    kids = children.get(parent)
+    if kids is None:
+        kids = children[parent] = JSet(cell)
+    kids.add(child)
+
+
+def discard_child(children: dict, parent: int, child: int) -> None:
+    """Undo ``add_child``; a parent left with no child leaves ``children``."""
+    kids = children[parent]
+    kids.discard(child)
+    if not kids:
+        del children[parent]
+
+
 class HeldSeq:
     """A manager's record of one sequence it holds (mutable, slotted: no per-step allocation).
     ``units`` is the block table (paged) or page-index -> group list (vmem). ``ids`` and

@@ -16,7 +16,8 @@ from ..errors import ConfigError, RequestTooLargeError
 from .common import ManagerCore
 from .eviction import make_eviction
 from .journal import JList
-from .prefix import HeldSeq, PrefixIndex, namespace_root, token_bytes, unit_keys
+from .prefix import (ChainedPrefixIndex, HeldSeq, drop_cached_chain, namespace_root,
+                     token_bytes, unit_keys)
 from .window import WindowSwapError, dropped_units
 
 
@@ -24,8 +25,7 @@ class UnitOps:
     """Mixed into managers whose memory is ``num_units`` units of ``unit_tokens`` tokens.
     ``prefix_queries``/``prefix_hits`` count TOKENS, as vLLM's prefix-cache metrics do."""
 
-    # False: appends skip the counters-only path below and go to ``_append_other`` (a paged
-    # hybrid's several tables; a vmem pool backed by bytes, which must check its backing)
+    # False: appends go to ``_append_other`` (a paged hybrid's tables; a byte-backed vmem pool)
     _plain_append = True
 
     def _init_units(self, num_units: int, unit_tokens: int, eviction: str,
@@ -35,7 +35,7 @@ class UnitOps:
         cell = self._cell
         self._refs = [0] * num_units                 # holders of each unit   } plain lists,
         self._fill = [0] * num_units                 # tokens in each unit    } see _touch
-        self.prefix = PrefixIndex(cell)
+        self.prefix = ChainedPrefixIndex(cell)      # none outlives its parent (hits: from unit 0)
         self._live = self._cap_sum = self._tok_sum = 0
         self._memo = (None, None, [])                # last (namespace, token ids, their keys)
         if free_list:      # (paged keeps its free blocks in a PageLedger instead)
@@ -106,17 +106,17 @@ class UnitOps:
         """``unit`` (refs 0, no content kept) goes where the layout keeps such units."""
 
     def _evict(self) -> int:
-        """Drop the content of the cached unit the policy names; returns it (refs 0)."""
-        unit = self._cache.pop()
-        self.prefix.drop(unit)
+        """Drop the cached unit the policy names, and those chained below it; returns it."""
+        unit = self._cache.pop()        # (below it, unreachable: given back, drop_cached_chain)
+        drop_cached_chain(self.prefix, unit, self._refs, self._cache, self._unheld)
         return unit
 
     def reset_prefix_cache(self) -> int:
-        """Evict every cached unit (vLLM's reset_prefix_cache); held units keep their content
-        and registrations. Returns the units evicted. With nothing held, memory is then back
-        at its baseline (nothing cached; vmem: only still-mapped groups besides free ones)."""
+        """Evict every cached unit (vLLM's reset_prefix_cache); held units keep their content (and
+        registrations, but those below an evicted one). Returns the units evicted. With nothing
+        held, memory is back at its baseline (none cached; vmem: free or still-mapped groups)."""
         evicted = len(self._cache)
-        for _ in range(evicted):
+        while self._cache:          # (an eviction may give back units chained below it too)
             unit = self._evict()
             self._cache.forget(unit)
             self._unheld(unit)

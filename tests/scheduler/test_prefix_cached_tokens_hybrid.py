@@ -64,15 +64,16 @@ def test_behind_the_window_a_paged_hybrids_full_blocks_still_count():
 
 def test_a_node_whose_full_block_was_evicted_no_longer_counts():
     """37 blocks: a 20-token prompt holds 5 per group (30). Finished, every block is cached;
-    an 8-token request (2 blocks per group) takes the 7 free ones and evicts five, tail
-    first, the full group's first: node 4 keeps one windowed block, which no hit can use, and
-    no longer counts."""
+    an 8-token request (2 blocks per group) takes the 7 free ones and evicts node 4's full
+    block (tail first, the full group's first): no hit can use node 4's windowed blocks any
+    more, so they are given back with it (before: one stayed cached) and node 4 no longer
+    counts."""
     m = paged(blocks=37)
     serve_and_free(m, 0, PROMPT[:20])
     assert m.cached_tokens == 5 * BS
     m.allocate(1, 8)
     m.check_integrity()
-    assert len(m.cached_units()) == 4 * 6 + 1      # node 4: one windowed block left
+    assert len(m.cached_units()) == 4 * 6          # nothing of node 4 left
     assert m.cached_tokens == 4 * BS
     m.free(1)
     assert m.allocate(2, 21, PROMPT[:20] + [7]) == 4 * BS
