@@ -176,10 +176,7 @@ class ChainedPrefixIndex(PrefixIndex):
         super().register(unit, key, parent_unit)
         parent = self.by_unit[unit].parent_serial if self.serials != serials_before else None
         if parent is not None:
-            kids = self.children.get(parent)
-            if kids is None:
-                kids = self.children[parent] = JSet(self._cell)
-            kids.add(unit)
+            add_child(self.children, self._cell, parent, unit)
 
     def drop(self, unit: int) -> list:
         """Forget ``unit``'s registration and every one chained below it; returns the units
@@ -189,10 +186,7 @@ class ChainedPrefixIndex(PrefixIndex):
             return []
         super().drop(unit)
         if reg.parent_serial is not None:
-            kids = self.children[reg.parent_serial]
-            kids.discard(unit)
-            if not kids:
-                del self.children[reg.parent_serial]
+            discard_child(self.children, reg.parent_serial, unit)
         below, serials = [], [reg.serial]
         for serial in serials:                        # (grows as it goes: breadth first)
             for child in sorted(self.children.pop(serial, ())):

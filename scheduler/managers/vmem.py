@@ -302,15 +302,6 @@ class VmemManager(ElasticPool, KindRules, AdapterTenancy, UnitOps, ManagerCore):
         return self.tokens_per_page if g in self.prefix.by_unit else \
             self.blocks.blocks_of(g) * self.block_tokens if self.blocks is not None else 0
 
-    def reset_prefix_cache(self) -> int:
-        """As UnitOps', where evicting a group may give back cached ones chained below it."""
-        evicted = len(self._cache)
-        while self._cache:
-            g = self._evict()
-            self._cache.forget(g)
-            self._unheld(g)
-        return evicted
-
     def check_integrity(self) -> None:
         check_vmem(self)
 

@@ -13,16 +13,12 @@ from __future__ import annotations
 import pytest
 
 from vmemkv.scheduler.managers import make_manager
-from vmemkv.scheduler.presets import ModelSpec
+
+from .prefix_reach_helpers import (B_TOKENS, FULL_ONLY, GEMMA3_LIKE, SHARED_UNIT,
+                                   cache_a_and_b_chained_on_it)
 
 BS = 4                                            # tokens per block
-WINDOW = 8
-GEMMA3_LIKE = ModelSpec("g3", 6, 1, 1, 1, weight_bytes=0,
-                        layer_windows=(WINDOW,) * 5 + (None,))   # 6 groups: 1 full, 5 windowed
-FULL_ONLY = ModelSpec("llama", 6, 1, 1, 1, weight_bytes=0)       # 1 group
-GROUPS = {FULL_ONLY: 1, GEMMA3_LIKE: 6}
-PROMPT = list(range(100, 104))
-B_TOKENS = PROMPT + [50, 51, 52, 53]
+GROUPS = {FULL_ONLY: 1, GEMMA3_LIKE: 6}           # block groups: 1 full (+ 5 windowed)
 OTHER = list(range(900, 904))                     # shares nothing
 
 
@@ -39,13 +35,8 @@ def duplicates_cached(model):
     groups = GROUPS[model]
     m = paged(model, 3 * groups)
     for sid in (0, 1):
-        assert m.allocate(sid, 4, PROMPT) == 0         # (the last token is always computed)
-    m.mark_computed(0, 4)
-    m.mark_computed(1, 4)
-    m.append(1, 4, B_TOKENS[4:])
-    m.mark_computed(1, 8)
-    m.free(0)
-    m.free(1)
+        assert m.allocate(sid, 4, SHARED_UNIT) == 0    # (the last token is always computed)
+    cache_a_and_b_chained_on_it(m)
     assert m.cached_tokens == 2 * BS and len(m.cached_units()) == 2 * groups
     m.check_integrity()
     return m
@@ -136,9 +127,9 @@ def test_a_held_block_chained_on_an_evicted_one_is_not_cached_when_its_request_e
     block 1 (held) loses its registration with it, so B's end caches nothing (before: its 4
     tokens, which no request could hit; the hypothesis machine found this path)."""
     m = paged(model, 5 * GROUPS[model])
-    m.allocate(0, 4, PROMPT)
+    m.allocate(0, 4, SHARED_UNIT)
     m.free(0)
-    assert m.allocate(1, 4, PROMPT) == 0
+    assert m.allocate(1, 4, SHARED_UNIT) == 0
     m.mark_computed(1, 4)
     m.append(1, 4, B_TOKENS[4:])
     m.mark_computed(1, 8)

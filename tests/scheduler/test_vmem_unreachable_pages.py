@@ -11,13 +11,11 @@ from __future__ import annotations
 import pytest
 
 from vmemkv.scheduler.managers import make_manager
-from vmemkv.scheduler.presets import ModelSpec
+
+from .prefix_reach_helpers import (B_TOKENS, FULL_ONLY, GEMMA3_LIKE, SHARED_UNIT, WINDOW,
+                                   cache_a_and_b_chained_on_it)
 
 TPP = 4                                          # tokens per page (1-byte token-layers)
-WINDOW = 8
-GEMMA3_LIKE = ModelSpec("g3", 6, 1, 1, 1, weight_bytes=0,
-                        layer_windows=(WINDOW,) * 5 + (None,))   # 5 windowed : 1 full
-FULL_ONLY = ModelSpec("llama", 6, 1, 1, 1, weight_bytes=0)
 PROMPT = list(range(100, 114))                   # 14 tokens: 3 full pages
 WINDOW_PASSES_PAGE_0_AT = WINDOW + TPP - 1       # 11 computed tokens
 
@@ -135,20 +133,12 @@ def test_a_rolled_back_window_release_keeps_the_cached_page_it_gave_back():
     assert m.cached_tokens == 0
 
 
-B_TOKENS = PROMPT[:4] + [50, 51, 52, 53]
-
-
 def duplicates_cached():
     """A 5-group one-kind pool where A's page 0 and B's page 1 (chained on it) are cached."""
     m = make_manager("vmem", FULL_ONLY, 5 * 12 * TPP, 64, page_bytes=TPP, max_slots=4)
-    m.allocate(0, 4, PROMPT[:4], slot=0)
-    m.allocate(1, 4, PROMPT[:4], slot=1)
-    m.mark_computed(0, 4)
-    m.mark_computed(1, 4)
-    m.append(1, 4, B_TOKENS[4:])
-    m.mark_computed(1, 8)
-    m.free(0)
-    m.free(1)
+    m.allocate(0, 4, SHARED_UNIT, slot=0)
+    m.allocate(1, 4, SHARED_UNIT, slot=1)
+    cache_a_and_b_chained_on_it(m)
     assert m.cached_tokens == 2 * TPP
     return m
 
