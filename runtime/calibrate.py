@@ -101,8 +101,8 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
               contexts: Sequence[int] = (16, 64, 256), decode_steps: int = 24, threads: int = 1,
               engine_options: Dict = None, seed: int = 0, repeats: int = MIN_REPEATS,
               max_batch: int = 16, max_context: int = 512,
-              prefill_lengths: Sequence[int] = PREFILL_LENGTHS, precision: float = PRECISION,
-              max_repeats: Optional[int] = None, resamples: int = RESAMPLES,
+              prefill_lengths: Optional[Sequence[int]] = None, precision: Optional[float] = None,
+              max_repeats: Optional[int] = None, resamples: Optional[int] = None,
               progress: Optional[Callable[[str], None]] = None,
               join_batches: Optional[Sequence[int]] = None,
               join_lengths: Sequence[int] = ()) -> Dict:
@@ -112,14 +112,21 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
     ``progress`` gets one line per round. The engine is built with ``max_batch`` and
     ``max_context`` as the engine the profile stands for: a vmem step's attention may read the
     whole slot, so its cost depends on them, not only on the tokens cached. Besides the batch x
-    context grid, one prompt of each of ``prefill_lengths`` tokens (those below
-    ``max_context``) is prefilled alone, right after the previous step and again after
-    ``IDLE_S`` of sleep: the single prompts a replay's arrivals make, where prefill's quadratic
-    term and the cost of waking from idle show. Prompts of each of ``join_lengths`` tokens
-    also join running batches of each of ``join_batches`` (default ``JOIN_BATCHES``) sequences;
-    ``join_batches`` without ``join_lengths`` is refused (nothing would join)."""
+    context grid, one prompt of each of ``prefill_lengths`` tokens (default: those of
+    ``PREFILL_LENGTHS`` below ``max_context``) is prefilled alone, right after the previous
+    step and again after ``IDLE_S`` of sleep: the single prompts a replay's arrivals make,
+    where prefill's quadratic term and the cost of waking from idle show. Prompts of each of
+    ``join_lengths`` tokens also join running batches of each of ``join_batches`` (default
+    ``JOIN_BATCHES``) sequences; ``join_batches`` without ``join_lengths`` is refused (nothing
+    would join), as are ``prefill_lengths`` at or above ``max_context`` and ``precision`` and
+    ``resamples`` given where nothing would use them (``check_applies``; None: ``PRECISION``,
+    ``RESAMPLES``)."""
     max_repeats = max(repeats, MAX_REPEATS) if max_repeats is None else max_repeats
     check_points(batches, contexts, decode_steps, max_batch, max_context)
+    singles = single_prompts(prefill_lengths, max_context)
+    check_applies(precision, resamples, max_repeats)
+    precision = PRECISION if precision is None else precision
+    resamples = RESAMPLES if resamples is None else resamples
     join_batches = joined_batches(join_batches, join_lengths)
     if join_lengths:
         check_joins(join_batches, join_lengths, min(contexts), decode_steps, max_batch,
@@ -140,7 +147,6 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
         warm_up = [1, 2, 3][:max(1, max_context - 2)]      # 3 + 2 tokens, fewer in a short context
         engine.generate([warm_up], SamplingParams(
             max_new_tokens=min(2, max_context - len(warm_up))))
-        singles = [n for n in prefill_lengths if n < max_context]
         shapes = ([(b, c, decode_steps, 0.0, 0) for b in batches for c in contexts]
                   + [(1, n, 1, 0.0, 0) for n in singles] + [(1, n, 1, IDLE_S, 0) for n in singles]
                   + [(b, min(contexts), decode_steps, 0.0, n) for b in join_batches
@@ -214,6 +220,38 @@ def check_joins(join_batches, join_lengths, context: int, decode_steps: int, max
                                 f"--join-lengths at most {max_context - context - 1}")
 
 
+def single_prompts(prefill_lengths: Optional[Sequence[int]], max_context: int) -> List[int]:
+    """The single prompts' lengths, tokens: those of ``PREFILL_LENGTHS`` below ``max_context``
+    when None; EngineConfigError naming --prefill-lengths when one given would not fit beside
+    its one new token (it was dropped silently)."""
+    if prefill_lengths is None:
+        return [n for n in PREFILL_LENGTHS if n < max_context]
+    if prefill_lengths and max(prefill_lengths) >= max_context:
+        from vmemkv.runtime.engine.errors import EngineConfigError
+        raise EngineConfigError(f"--prefill-lengths {max(prefill_lengths)} must stay below "
+                                f"--max-context {max_context} (a single prompt and its one new "
+                                f"token): give --prefill-lengths at most {max_context - 1}, or "
+                                f"a larger --max-context")
+    return list(prefill_lengths)
+
+
+def check_applies(precision: Optional[float], resamples: Optional[int], max_repeats: int) -> None:
+    """EngineConfigError naming --precision given with one repeat (no spread is measured, no
+    median bounded: nothing is held to it), and --resamples given with fewer than
+    ``MIN_REPEATS`` (no interval is drawn); None: not given."""
+    from vmemkv.runtime.engine.errors import EngineConfigError
+    if precision is not None and max_repeats == 1:
+        raise EngineConfigError(f"--precision {precision:g} with --max-repeats 1: one repeat "
+                                f"measures no spread and bounds no median, so nothing is held "
+                                f"to it: give --max-repeats 2 or more ({MIN_REPEATS} bound a "
+                                f"median), or drop --precision")
+    if resamples is not None and max_repeats < MIN_REPEATS:
+        raise EngineConfigError(f"--resamples {resamples} with --max-repeats {max_repeats}: the "
+                                f"coefficients' intervals need {MIN_REPEATS} repeats of every "
+                                f"shape, so none is resampled: give --max-repeats {MIN_REPEATS} "
+                                f"or more, or drop --resamples")
+
+
 def check_repeats(repeats: int, max_repeats: int, precision: float) -> None:
     """EngineConfigError naming the value when the repeats or the precision cannot work."""
     from vmemkv.runtime.engine.errors import EngineConfigError
@@ -283,9 +321,9 @@ def register(subparsers) -> None:
                    help="sequences per point")
     p.add_argument("--contexts", type=bounded(int, 1), nargs="+", default=[16, 64, 256],
                    help="prompt tokens per sequence per point")
-    p.add_argument("--prefill-lengths", type=bounded(int, 1), nargs="*",
-                   default=list(PREFILL_LENGTHS),
-                   help="single prompts timed alone as well, tokens (those below --max-context)")
+    p.add_argument("--prefill-lengths", type=bounded(int, 1), nargs="*", default=None,
+                   help=f"single prompts timed alone as well, tokens, each below --max-context "
+                        f"(default: those of {' '.join(map(str, PREFILL_LENGTHS))} below it)")
     p.add_argument("--join-lengths", type=bounded(int, 1), nargs="*", default=[],
                    help=f"prompts of these lengths also join running --join-batches (mixed "
                         f"steps, as a replay's arrivals make; left out by default: held out, "
@@ -305,11 +343,14 @@ def register(subparsers) -> None:
                    help=f"runs of a shape at most, while its design points are not within "
                         f"--precision (default: the larger of --repeats and {MAX_REPEATS})")
     p.add_argument("--precision", type=bounded(float, 0, 1, low_open=True, high_open=True),
-                   default=PRECISION,
-                   help="half-width of each design point's median's 95%% interval, relative, "
-                        "that 90%% of them must reach")
-    p.add_argument("--resamples", type=bounded(int, 10), default=RESAMPLES,
-                   help="bootstrap refits for the coefficients' 95%% intervals")
+                   default=None,
+                   help=f"half-width of each design point's median's 95%% interval, relative, "
+                        f"that 90%% of them must reach: the repeats past --repeats run for it "
+                        f"and the noise check holds them to it (default {PRECISION}; needs "
+                        f"--max-repeats 2 or more)")
+    p.add_argument("--resamples", type=bounded(int, 10), default=None,
+                   help=f"bootstrap refits for the coefficients' 95%% intervals (default "
+                        f"{RESAMPLES}; needs --max-repeats {MIN_REPEATS} or more)")
     p.add_argument("--max-batch", type=bounded(int, 1), default=16,
                    help="the engine's max batch (as in the engine the profile stands for)")
     p.add_argument("--max-context", type=bounded(int, 2), default=512,

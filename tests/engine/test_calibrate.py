@@ -18,8 +18,8 @@ def test_calibrate_writes_a_profile_the_simulator_loads(tmp_path, capsys):
     out = tmp_path / "profile.json"
     assert main(["calibrate", "--model", "tiny-llama", "--batches", "1", "2", "--contexts", "8",
                  "16", "--decode-steps", "2", "--repeats", "1", "--max-repeats", "1",
-                 "--prefill-lengths", "12", "40", "100", "--max-context", "64",
-                 "--resamples", "20", "--out", str(out)]) == 0
+                 "--prefill-lengths", "12", "40", "--max-context", "64",
+                 "--out", str(out)]) == 0
     printed = capsys.readouterr()
     assert "# wrote" in printed.out and "95% interval" in printed.out
     # one repeat cannot bound a median: the calibration says so, on stderr
@@ -159,7 +159,7 @@ def test_an_out_that_cannot_be_written_is_refused_before_anything_is_timed(
 
 JOIN = ["calibrate", "--model", "tiny-llama", "--batches", "2", "--contexts", "16",
         "--repeats", "1", "--max-repeats", "1", "--prefill-lengths", "--max-context", "64",
-        "--max-batch", "4", "--resamples", "10"]
+        "--max-batch", "4"]
 
 
 @pytest.mark.parametrize("flags,words", [
@@ -200,7 +200,7 @@ def test_a_context_of_a_few_tokens_calibrates(tmp_path):
     # --max-context 4 passed every check, then the 3-token warm-up + 2 tokens was refused
     profile = calibrate_module.calibrate("tiny-llama", batches=(1,), contexts=(1,),
                                          decode_steps=1, repeats=1, max_repeats=1, max_batch=1,
-                                         max_context=4, prefill_lengths=(), resamples=10)
+                                         max_context=4, prefill_lengths=())
     assert profile["engine"]["max_context"] == 4 and profile["points"]
 
 
@@ -222,3 +222,52 @@ def test_a_max_batch_past_the_default_step_budget_raises_the_budget(monkeypatch,
         calibrate_module.calibrate("tiny-llama", batches=[1], contexts=[8], decode_steps=1,
                                    max_batch=max_batch, max_context=64, prefill_lengths=())
     assert built["max_tokens_per_step"] == step_tokens and built["max_batch"] == max_batch
+
+
+@pytest.mark.parametrize("flags,words", [
+    # --prefill-lengths 64 was dropped silently ("those below --max-context")
+    (["--prefill-lengths", "12", "64"],
+     "--prefill-lengths 64 must stay below --max-context 64 (a single prompt and its one new "
+     "token): give --prefill-lengths at most 63, or a larger --max-context"),
+    # one repeat: no spread measured, no median bounded, nothing held to the precision
+    (["--precision", "0.02"],
+     "--precision 0.02 with --max-repeats 1: one repeat measures no spread and bounds no "
+     "median, so nothing is held to it: give --max-repeats 2 or more (6 bound a median), or "
+     "drop --precision"),
+    # fewer than 6 repeats: no interval is drawn, the refits were never made
+    (["--repeats", "5", "--max-repeats", "5", "--resamples", "50"],
+     "--resamples 50 with --max-repeats 5: the coefficients' intervals need 6 repeats of every "
+     "shape, so none is resampled: give --max-repeats 6 or more, or drop --resamples"),
+])
+def test_a_flag_that_would_do_nothing_is_refused_by_name(monkeypatch, tmp_path, capsys, flags,
+                                                         words):
+    monkeypatch.setattr(calibrate_module, "timed_rounds", lambda *a: pytest.fail("timed"))
+    args = JOIN[:JOIN.index("--prefill-lengths")] + ["--max-context", "64", "--decode-steps", "2"]
+    assert main(args + flags + ["--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_the_default_prefill_lengths_are_those_below_max_context_and_given_ones_all_run():
+    assert calibrate_module.single_prompts(None, 64) == [32]
+    assert calibrate_module.single_prompts(None, 512) == list(calibrate_module.PREFILL_LENGTHS)
+    assert calibrate_module.single_prompts([12, 63], 64) == [12, 63]
+    assert calibrate_module.single_prompts([], 64) == []
+
+
+def test_with_fixed_repeats_precision_is_what_the_noise_check_holds_the_medians_to(monkeypatch):
+    # --max-repeats equal to --repeats runs no more repeats, yet --precision still sets the
+    # noise check's verdict (so it is not refused): the same 10%-noisy steps reach +-50%, not 1%
+    rng = np.random.default_rng(0)
+    monkeypatch.setattr(calibrate_module, "time_steps",
+                        lambda engine, prompts, new_tokens, idle_s=0.0, joining=None: [dict(
+                            batch=len(prompts), new_tokens=len(prompts[0]), context_tokens=0,
+                            prefill_pairs=0, cold_step=0, after_idle=0,
+                            seconds=1e-3 * len(prompts) * rng.lognormal(0, 0.1))])
+    noise = {precision: calibrate_module.calibrate(
+        "tiny-llama", batches=(1, 2), contexts=(8,), decode_steps=1, repeats=6, max_repeats=6,
+        max_batch=2, max_context=16, prefill_lengths=(), precision=precision,
+        resamples=10)["calibration"]["noise"] for precision in (0.5, 0.01)}
+    assert not noise[0.5]["noisy"] and noise[0.5]["precision"] == 0.5
+    assert noise[0.01]["noisy"] and "+-1.0%" in noise[0.01]["message"]
