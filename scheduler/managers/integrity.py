@@ -62,30 +62,36 @@ def check_vmem(m) -> None:
 
 
 def _check_extents(m, refs: list, maps: list, spare: set) -> None:
-    """Each group's extents as the backing and release rules say."""
-    table, geo, cached = m.table, m.geometry, set(m._cache)
+    """Each group's extents as the backing and release rules say: kind by kind over whole
+    columns of backed member pages (this runs after every step in tests, over every group)."""
+    table, geo, cached, partial = m.table, m.geometry, set(m._cache), m._partial
     table.check_integrity()
     assert m.bound_pages <= m.pool_pages, "pages bound"
     assert m._idle == sum(table.pages_of(g) for g in m._reclaimable), "idle pages"
-    k_max = geo.pages_per_member
-    for g in range(m.num_groups):
-        backed = [table.backed(k, g) for k in range(len(m.kinds))]
-        kept = [b for k, b in enumerate(backed) if k not in m._win]
-        window = [b for k, b in enumerate(backed) if k in m._win]
-        if g in spare:
-            assert not any(backed), ("spare group keeps pages", g, backed)
+    backed = [[n // members for n in map(len, extents)]       # backed[k][g]: member pages
+              for extents, members in zip(table._extents, table.members)]
+    first = next(col for k, col in enumerate(backed) if k not in m._win)   # a kept kind's
+    for k, col in enumerate(backed):
+        assert not any(col[g] for g in spare), ("spare group keeps pages", k)
+        if col is first:
             continue
-        assert all(b == 0 for b in window) if g in m._partial else \
-            len(set(backed)) == 1, ("kinds backed alike", g, backed)
-        kept_pages = kept[0]
+        windowed = k in m._win
+        for g, (pages, kept_pages) in enumerate(zip(col, first)):
+            if g in partial:
+                assert not (windowed and pages), ("partial group's window backed", g, k)
+            else:
+                assert pages == kept_pages or g in spare, ("kinds backed alike", g, k)
+    k_max, fill, registered = geo.pages_per_member, m._fill, m.prefix.by_unit
+    for g, kept_pages in enumerate(first):
+        if g in spare:
+            continue
         if m._whole:
             assert kept_pages == k_max, ("whole backing", g, kept_pages)
         elif refs[g]:
-            assert kept_pages == geo.member_pages_for(m._fill[g]), ("held backing", g, kept_pages)
+            assert kept_pages == geo.member_pages_for(fill[g]), ("held backing", g, kept_pages)
         elif g in cached:
-            full = g in m.prefix.by_unit
-            assert kept_pages == k_max if full else kept_pages >= geo.member_pages_for(m._fill[g]), \
-                ("cached backing", g, kept_pages)
+            assert kept_pages == k_max if g in registered else \
+                kept_pages >= geo.member_pages_for(fill[g]), ("cached backing", g, kept_pages)
         else:
             assert maps[g] and 1 <= kept_pages <= k_max, ("reclaimable backing", g, kept_pages)
 

@@ -18,6 +18,9 @@ so ``rollback`` puts back the free list in order, each page's holder and the cou
 """
 from __future__ import annotations
 
+from collections import Counter
+from itertools import compress, repeat
+from operator import is_
 from typing import Hashable, Iterable, Optional
 
 from ..errors import ConfigError, OutOfCapacityError
@@ -159,15 +162,14 @@ class PageLedger:
 
     def check_integrity(self) -> None:
         """Every page free or held exactly once; the counts match the holders."""
-        free = list(self._free)
-        assert len(set(free)) == len(free), "a page is free twice"
-        counts: dict = {}
+        free, holders = list(self._free), self._holder   # whole columns: runs every step
         free_set = set(free)
-        for page, tenant in enumerate(self._holder):
-            if tenant is None:
-                assert page in free_set, f"page {page} is neither free nor held"
-            else:
-                counts[tenant] = counts.get(tenant, 0) + 1
+        assert len(free_set) == len(free), "a page is free twice"
+        unheld = set(compress(range(len(holders)), map(is_, holders, repeat(None))))
+        lost = unheld - free_set
+        assert not lost, f"page {min(lost)} is neither free nor held"
+        counts = dict(Counter(holders))
+        counts.pop(None, None)
         assert len(free) + sum(counts.values()) == self.num_pages, "pages lost or doubled"
         assert counts == dict(self._held), "per-tenant counts"
         released = list(self._released)
