@@ -30,9 +30,9 @@ E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                  60.0, 120.0, 240.0, 480.0)
 
 GAUGES = {   # Scheduler.gauges() key -> (kind, help)
-    "num_requests_running": ("gauge", "Number of requests in model execution batches."),
-    "num_requests_waiting": ("gauge", "Number of requests waiting to be processed."),
-    "num_requests_swapped": ("gauge", "Number of requests swapped out to host memory."),
+    "num_requests_running": ("gauge", "Sequences in model execution batches (each sample or beam once)."),
+    "num_requests_waiting": ("gauge", "Sequences waiting to be processed (each sample or beam once)."),
+    "num_requests_swapped": ("gauge", "Sequences swapped out to host memory (each sample or beam once)."),
     "kv_cache_usage_perc": ("gauge", "KV-cache usage. 1 means 100 percent usage."),
     "kv_cache_bytes": ("gauge", "Bytes of device memory the KV cache may use now (POST /resize)."),
     "is_sleeping": ("gauge", "1 while the engine is asleep (POST /sleep), else 0."),
