@@ -16,6 +16,11 @@ characters are held back, so a delta never shows the start of a stop string the 
 completes. The sample's ``text`` ends at the first stop string (kept with
 ``include_stop_str_in_output``). On the sample's last token everything is flushed: the text is
 then ``tokenizer.decode(tokens, skip_special_tokens=...)`` cut at the first stop string.
+
+``min_tokens``, as vLLM: no stop string is looked for while the sample has at most
+``min_tokens`` tokens, and a stop string found later must end after the text those tokens
+decoded to (one that was complete by then does not count). The held-back characters stay held,
+so a stop string that starts within the first ``min_tokens`` tokens and ends after them is found.
 """
 from __future__ import annotations
 
@@ -28,14 +33,16 @@ class IncrementalText:
     """Text of one sample; ``add`` takes a token and returns the delta a client may see now."""
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self.tokenizer, self.stop, self.include_stop = tokenizer, tuple(stop), include_stop
-        self.skip_special_tokens = skip_special_tokens
+        self.skip_special_tokens, self.min_tokens = skip_special_tokens, min_tokens
         self.token_ids: List[int] = []
         self.text = ""              # what has been shown (the deltas so far)
         self.stopped = False        # a stop string ended the text
         self._decoded = ""          # complete characters decoded so far
         self._prefix = self._read = 0
+        self._min_tokens_chars = 0  # len(_decoded) after the first min_tokens tokens: a stop
+                                    # string must end beyond it
         self._hold = max((len(s) for s in self.stop), default=1) - 1
 
     def add(self, token_id: int, last: bool = False) -> str:
@@ -59,10 +66,11 @@ class IncrementalText:
     def save(self) -> tuple:
         """What ``add`` and ``finish`` change, for ``restore`` (a step that was not recorded)."""
         return (len(self.token_ids), self.text, self.stopped, self._decoded, self._prefix,
-                self._read)
+                self._read, self._min_tokens_chars)
 
     def restore(self, saved: tuple) -> None:
-        tokens, self.text, self.stopped, self._decoded, self._prefix, self._read = saved
+        (tokens, self.text, self.stopped, self._decoded, self._prefix, self._read,
+         self._min_tokens_chars) = saved
         del self.token_ids[tokens:]
 
     def _decode(self, ids: Sequence[int]) -> str:
@@ -96,10 +104,15 @@ class IncrementalText:
         return delta
 
     def _stop_at(self) -> Optional[int]:
-        """Where the text ends at the first stop string (None: none yet). A stop string starts
-        at or after the shown text: one starting earlier would have been found before."""
-        start = len(self.text)
-        hits = [(i, s) for i, s in ((self._decoded.find(s, start), s) for s in self.stop) if i >= 0]
+        """Where the text ends at the first stop string (None: none yet, or the sample has at
+        most ``min_tokens`` tokens). A stop string starts at or after the shown text (one
+        starting earlier would have been found before) and ends after ``_min_tokens_chars``."""
+        if len(self.token_ids) <= self.min_tokens:
+            self._min_tokens_chars = len(self._decoded)
+            return None
+        shown, after = len(self.text), self._min_tokens_chars
+        hits = [(i, s) for i, s in ((self._decoded.find(s, max(shown, after - len(s) + 1)), s)
+                                    for s in self.stop) if i >= 0]
         if not hits:
             return None
         at, stop = min(hits)

@@ -122,7 +122,8 @@ def new_samples(state: RequestState, stop_ids: Tuple[int, ...], seed: int, devic
         sampling = SampleState(0, params, gen, prompt_ids=out.prompt_token_ids,
                                output_ids=completion.token_ids, stop_ids=stop_ids)
         text = (IncrementalText(tokenizer, params.stop, params.include_stop_str_in_output,
-                                params.skip_special_tokens) if tokenizer is not None else None)
+                                params.skip_special_tokens, params.min_tokens)
+                if tokenizer is not None else None)
         samples[seq_id] = SampleRecord(state, i, sampling, text)
     return samples
 

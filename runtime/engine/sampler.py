@@ -5,6 +5,8 @@
       -> greedy: argmax
          else:   (x - max) / temperature -> top_k -> top_p -> min_p -> one draw
 
+The order is transformers' (and vLLM v0's); vLLM v1 applies min_p before top_k and top_p.
+
 Reproducibility: every sequence owns a ``torch.Generator``. With ``seed`` set, sample i of a
 request draws from output i of a SplitMix64 stream seeded with ``seed`` (an int64; its 64 bits
 as given), so results do not depend on what else is in the batch, on preemption, or on the
@@ -14,6 +16,9 @@ seed (each step of the mix is a bijection of 64 bits). Greedy rows skip the gene
 Numerics: the scores are shifted by their maximum before the division by the temperature (at
 least ``SAMPLING_EPS``), so they are <= 0 and never overflow; top_p keeps the likeliest token
 whatever its value rounds to in fp32; processed scores are clamped below fp32's largest value.
+A row whose processed scores are all -inf (a huge repetition_penalty times a negative score
+overflows fp32) is refused (``check_some_finite``), never clamped: clamping the bottom would
+tie every token (argmax: token 0, not the exact ordering) and would lift min_tokens' mask.
 """
 from __future__ import annotations
 
@@ -148,7 +153,26 @@ def processed_scores(raw: torch.Tensor, sample: SampleState) -> torch.Tensor:
     if (p.frequency_penalty or p.presence_penalty) and sample.output_ids:
         ids, counts = torch.unique(torch.tensor(sample.output_ids, device=device), return_counts=True)
         scores.index_add_(0, ids, -(p.frequency_penalty * counts.float() + p.presence_penalty))
-    return scores.clamp(max=torch.finfo(torch.float32).max)
+    scores = scores.clamp(max=torch.finfo(torch.float32).max)
+    check_some_finite(scores, p, masked=len(sample.output_ids) < p.min_tokens)
+    return scores
+
+
+def check_some_finite(scores: torch.Tensor, params: SamplingParams, masked: bool) -> None:
+    """RequestRejectedError when every processed score is -inf, so neither argmax nor a draw
+    has a candidate: ``repetition_penalty`` times a negative score overflowed fp32 (the exact
+    ordering cannot be kept in fp32), or the min_tokens mask (``masked``) hid every token the
+    model's logits left finite. The field named is the first of those the request set."""
+    if bool(torch.isfinite(scores.max())):
+        return
+    field = ("repetition_penalty" if params.repetition_penalty != 1.0
+             else "min_tokens" if masked else "logit_bias")
+    why = (f"repetition_penalty {params.repetition_penalty:g} times a negative score "
+           f"overflows float32" if field == "repetition_penalty" else
+           "the model's logits are -inf everywhere else")
+    raise RequestRejectedError(
+        f"every token's score is -inf after logit_bias, the min_tokens mask and the penalties "
+        f"({why}): no token can be chosen exactly; change {field}", 0, field)
 
 
 def _draw(scores: torch.Tensor, sample: SampleState) -> int:

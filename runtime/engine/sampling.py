@@ -11,6 +11,7 @@ stop strings, logit biases) are capped (``MAX_*``), so one request cannot slow e
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import List, Mapping, Optional, Tuple
 
@@ -33,10 +34,11 @@ FP32_TINY = 1.1754943508222875e-38  # ... and nonzero (the smallest normal fp32)
 @dataclass(frozen=True)
 class SamplingParams:
     """How to decode one request. A temperature below ``SAMPLING_EPS`` is greedy (top_k,
-    top_p and min_p unused). Processing order (vLLM's): logit_bias, min_tokens (stop tokens
-    masked), repetition / frequency / presence penalties, then greedy argmax or temperature,
-    top_k, top_p, min_p and a draw. Logprobs are of the model's raw distribution (see
-    ``logprobs``)."""
+    top_p and min_p unused). Processing order (transformers' and vLLM v0's; vLLM v1 applies
+    min_p before top_k / top_p): logit_bias, min_tokens (stop tokens masked), repetition /
+    frequency / presence penalties, then greedy argmax or temperature, top_k, top_p, min_p and
+    a draw. Logprobs are of the model's raw distribution (see ``logprobs``). Numbers may be
+    numpy scalars: they are stored as Python ints and floats."""
     max_new_tokens: int = 16          # output tokens at most, per sample
     temperature: float = 0.0          # < 1e-5: greedy (argmax); else softmax(logits / temperature)
     top_k: int = 0                    # keep the k most likely tokens; 0: all
@@ -52,7 +54,8 @@ class SamplingParams:
                                       # ends "stop" where one appears; cut from the text unless
     include_stop_str_in_output: bool = False   # this is set
     skip_special_tokens: bool = True  # leave special tokens (EOS, chat markers) out of the text
-    min_tokens: int = 0               # no stop token (EOS, stop_token_ids) before this many
+    min_tokens: int = 0               # no stop token (EOS, stop_token_ids) nor stop string
+                                      # before this many
     repetition_penalty: float = 1.0   # > 0; logits of tokens in prompt or output: / p if > 0, * p if < 0
     frequency_penalty: float = 0.0    # [-2, 2]: minus this x the token's count in the output
     presence_penalty: float = 0.0     # [-2, 2]: minus this once if the token is in the output
@@ -84,20 +87,38 @@ class SamplingParams:
         return self.greedy and not self.penalised and self.logprobs is None
 
 
+_NUMBER_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "n",
+                  "min_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty",
+                  "logprobs", "prompt_logprobs")
+
+
+def _plain_number(value):
+    """A number (numpy's int64, float32, ...) as a Python int (numbers.Integral) or float
+    (numbers.Real); anything else (bools, non-numbers) as given, for _RULES to refuse."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return value
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
 def _normalise(p: SamplingParams) -> None:
-    """Lists to tuples, a logit_bias mapping to sorted pairs (each checked by _RULES)."""
+    """Numbers to Python ints / floats, lists to tuples, a logit_bias mapping to sorted pairs
+    (each checked by _RULES)."""
+    for name in _NUMBER_FIELDS:
+        object.__setattr__(p, name, _plain_number(getattr(p, name)))
     for name in ("stop_token_ids", "stop"):
         value = getattr(p, name)
         if isinstance(value, str) and name == "stop":
             value = (value,)
         if isinstance(value, (list, tuple)):
-            object.__setattr__(p, name, tuple(value))
+            object.__setattr__(p, name, tuple(map(_plain_number, value)))
     bias = p.logit_bias
     if isinstance(bias, Mapping):
-        bias = tuple(sorted(bias.items(), key=lambda kv: (str(type(kv[0])), kv[0])))
+        bias = tuple(sorted(((_plain_number(t), b) for t, b in bias.items()),
+                            key=lambda kv: (str(type(kv[0])), kv[0])))
     if isinstance(bias, (list, tuple)):
-        object.__setattr__(p, "logit_bias", tuple(tuple(e) if isinstance(e, (list, tuple))
-                                                  else e for e in bias))
+        object.__setattr__(p, "logit_bias", tuple(tuple(map(_plain_number, e))
+                                                  if isinstance(e, (list, tuple)) else e
+                                                  for e in bias))
 
 
 def _is_int(value) -> bool:
