@@ -56,8 +56,8 @@ from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.plan import StepPlan
 from vmemkv.scheduler.request import SeqState
 
-from .errors import (EngineBusyError, EngineClosedError, RequestEndedError, TensorParallelError,
-                     UnknownRequestError)
+from .errors import (EngineBusyError, EngineClosedError, RequestEndedError, RequestRejectedError,
+                     TensorParallelError, UnknownRequestError)
 from .outputs import RequestError, RequestOutput, TokenEvent
 from .sampler import restore_generators
 
@@ -220,12 +220,17 @@ class RequestLifecycle:
         """``units``: {seq_id: its part of the failed step, to run alone}. Requests whose part
         fails alone ``max_plan_retries + 1`` times in a row end "failed"; True if any did.
         Nobody is blamed when no request's part fails alone, or every request's does (the
-        fault is then the engine's, not a request's)."""
+        fault is then the engine's, not a request's), unless a part was refused for its own
+        parameters (a RequestRejectedError, e.g. every processed score -inf): that request is
+        at fault wherever it runs, alone in its step too."""
         request_of = {seq_id: self._request_id_of(seq_id) for seq_id in units}
         failing = {seq_id: error for seq_id, work in units.items()
                    if (error := self._fails_alone(work)) is not None}
         culprits = {request_of[seq_id] for seq_id in failing}
-        if not culprits or culprits == set(request_of.values()):
+        if culprits and culprits == set(request_of.values()):
+            failing = {seq_id: error for seq_id, error in failing.items()
+                       if isinstance(error, RequestRejectedError)}
+        if not failing:
             return False
         doomed: Dict[int, BaseException] = {}
         for seq_id, error in failing.items():

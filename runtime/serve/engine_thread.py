@@ -57,11 +57,13 @@ class Token:
 class Ended:
     """The request ended: "finished", "aborted" or "failed" (``error`` says why, for the log;
     ``alone``: the engine failed this request by itself and went on with the others;
-    ``error_type``: then the engine's error's type name, for the client's status code)."""
+    ``error_type`` and ``error_message``: then the engine's error's type name and message, for
+    the client's status code and, when its own parameters are at fault, its answer)."""
     status: str
     error: Optional[str] = None
     alone: bool = False
     error_type: Optional[str] = None
+    error_message: Optional[str] = None
 
 
 Sink = Callable[[object], None]   # receives Token and, last, Ended; called on the engine thread
@@ -302,7 +304,9 @@ class EngineThread:
             if not live.samples_left:
                 self._end(event.request_id, "finished")
 
-    def _abort(self, request_id: int, status: str, error: Optional[str] = None) -> None:
+    def _abort(self, request_id: int, status: str, error: Optional[str] = None,
+               alone: bool = False, error_type: Optional[str] = None,
+               error_message: Optional[str] = None) -> None:
         if request_id not in self._live:
             return
         try:
@@ -311,7 +315,8 @@ class EngineThread:
             pass
         except Exception:   # noqa: BLE001 -- the engine is closed (a tensor-parallel rank died)
             log.debug("abort of request %d on a closed engine", request_id, exc_info=True)
-        self._end(request_id, status, error)   # its client hears of it whatever happened
+        self._end(request_id, status, error, alone, error_type,   # its client hears of it
+                  error_message)                                # whatever happened
 
     def _end_failed(self) -> None:
         """Requests the engine ended "failed" by themselves end here too."""
@@ -321,16 +326,18 @@ class EngineThread:
                 error = f"{out.error.type}: {out.error.message}" if out.error else None
                 log.error("request %d failed alone (the others go on): %s", request_id, error)
                 self._end(request_id, "failed", error, alone=True,
-                          error_type=out.error.type if out.error else None)
+                          error_type=out.error.type if out.error else None,
+                          error_message=out.error.message if out.error else None)
 
     def _end(self, request_id: int, status: str, error: Optional[str] = None,
-             alone: bool = False, error_type: Optional[str] = None) -> None:
+             alone: bool = False, error_type: Optional[str] = None,
+             error_message: Optional[str] = None) -> None:
         live = self._live.pop(request_id)
         self.engine.output(request_id, pop=True)
         self.metrics.observe_request(live.arrival_s, live.token_times_s, live.prompt_tokens, status,
                                      live.finish_reasons)
         self._ended_unqueued()
-        ended = Ended(status, error, alone, error_type)
+        ended = Ended(status, error, alone, error_type, error_message)
         if self._ends_held is not None:      # inside a step: after its gauges (_step)
             self._ends_held.append((live.sink, ended))
         else:

@@ -81,3 +81,11 @@ def request_failed() -> ApiError:
     others' did not): an internal error of that request only, the other requests went on."""
     return ApiError(500, "internal error in this request only (the engine failed it and went on "
                          "with the others); the server log has the details")
+
+
+def rejected_running(message: str) -> ApiError:
+    """400: the engine failed this request alone, in a step, with a RequestRejectedError: its
+    own parameters cannot be computed exactly (every processed score -inf: a huge
+    repetition_penalty); the engine's message names the field to change, the others went on."""
+    return ApiError(400, f"this request cannot be computed (it failed alone; other requests are "
+                         f"unaffected): {message}")

@@ -36,7 +36,8 @@ from vmemkv.runtime.engine.logprobs import TokenLogprobs
 from vmemkv.runtime.engine.sampling import SamplingParams
 
 from .engine_thread import Ended, EngineThread, Token, choices_per_prompt
-from .errors import ApiError, cache_shrunk, cannot_hold, internal_error, request_failed
+from .errors import (ApiError, cache_shrunk, cannot_hold, internal_error, rejected_running,
+                     request_failed)
 from vmemkv.vmem.host import meminfo_bytes
 
 from .errors import ServeConfigError
@@ -151,6 +152,8 @@ class Submission:
                 raise shutting_down()
             if item.alone and item.error_type == "RequestTooLargeError":
                 raise cannot_hold(self._too_large_param)
+            if item.alone and item.error_type == RequestRejectedError.__name__:
+                raise rejected_running(item.error_message)
             raise request_failed() if item.alone else internal_error()
 
     def _add(self, prompt: int, event) -> Delta:

@@ -125,3 +125,18 @@ def test_numpy_scalars_are_taken_as_python_numbers():
         field = next(iter(bad))
         with pytest.raises(EngineConfigError, match=f"SamplingParams.{field} must be"):
             SamplingParams(**bad)
+
+
+def test_a_refused_request_alone_in_its_step_fails_alone_and_the_queue_goes_on():
+    """max_batch 1: the refused request runs alone in its step. 'Every request's part fails
+    alone' used to mean the engine's fault: the step raised, and a server failed every live
+    request with a 500. A RequestRejectedError is the request's own: it fails alone."""
+    bad = SamplingParams(max_new_tokens=3, ignore_eos=True, repetition_penalty=1e38,
+                         logit_bias={t: -100.0 for t in range(VOCAB)})
+    plain = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    with Engine(model(), max_batch=1, max_context=300) as engine:
+        failed, after = engine.generate([list(range(VOCAB)), [5, 6, 7]], [bad, plain])
+        alone = engine.generate([[5, 6, 7]], plain)[0]
+    assert failed.status == "failed" and failed.error.type == "RequestRejectedError"
+    assert after.status == "finished"
+    assert after.outputs[0].token_ids == alone.outputs[0].token_ids
