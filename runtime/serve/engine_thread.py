@@ -304,9 +304,7 @@ class EngineThread:
             if not live.samples_left:
                 self._end(event.request_id, "finished")
 
-    def _abort(self, request_id: int, status: str, error: Optional[str] = None,
-               alone: bool = False, error_type: Optional[str] = None,
-               error_message: Optional[str] = None) -> None:
+    def _abort(self, request_id: int, status: str, error: Optional[str] = None) -> None:
         if request_id not in self._live:
             return
         try:
@@ -315,8 +313,7 @@ class EngineThread:
             pass
         except Exception:   # noqa: BLE001 -- the engine is closed (a tensor-parallel rank died)
             log.debug("abort of request %d on a closed engine", request_id, exc_info=True)
-        self._end(request_id, status, error, alone, error_type,   # its client hears of it
-                  error_message)                                # whatever happened
+        self._end(request_id, status, error)   # its client hears of it whatever happened
 
     def _end_failed(self) -> None:
         """Requests the engine ended "failed" by themselves end here too."""
