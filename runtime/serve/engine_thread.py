@@ -259,12 +259,17 @@ class EngineThread:
         future.set_result(request_id)
 
     def _call(self, work, future: Future) -> None:
+        """``work(engine)``; its answer reaches the caller after the gauges it changed (a
+        client with its /resize, /sleep or /wake_up answer that reads /metrics sees them)."""
         try:
-            result = work(self.engine)
-        except Exception as error:   # noqa: BLE001 -- handed to the caller, who answers it
+            result, error = work(self.engine), None
+        except Exception as caught:   # noqa: BLE001 -- handed to the caller, who answers it
+            result, error = None, caught
+        self._refresh_gauges()
+        if error is None:
+            future.set_result(result)
+        else:
             future.set_exception(error)
-            return
-        future.set_result(result)
 
     def _step(self) -> None:
         """One engine step. The ends of the requests it finished reach their clients after the

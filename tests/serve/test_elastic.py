@@ -41,7 +41,10 @@ def tokens_of(response: httpx.Response) -> list[int]:
 
 
 def gauges(server) -> dict:
-    text = httpx.get(server.url + "/metrics", timeout=30).text
+    return metric_values(httpx.get(server.url + "/metrics", timeout=30).text)
+
+
+def metric_values(text: str) -> dict:
     return {m[1]: float(m[2]) for m in re.finditer(r'^vmemkv:(\w+)\{[^}]*\} (\S+)$', text, re.M)}
 
 
@@ -176,6 +179,27 @@ def test_resize_shrinks_and_grows_to_the_bytes_it_reports_and_refuses_past_the_m
             assert engine.cache_bytes == 2 * CACHE
         wait_until_idle(server)
         assert_memory_at_baseline(engine)
+
+
+@pytest.mark.parametrize("call", ["resize", "sleep", "wake_up"])
+def test_an_admin_answer_comes_after_the_gauges_that_show_it(call):
+    """A client with its /resize, /sleep or /wake_up answer that reads /metrics sees the change,
+    as one with a finished request sees it gone: the call's future completes (its done-callback
+    runs on the engine thread) only once the gauges are refreshed."""
+    with serving(ELASTIC) as (server, engine):
+        thread = server.engine_thread
+        if call == "wake_up":
+            thread.sleep().result(60)
+        release = threading.Event()     # the engine thread waits on it: the callback is
+        thread.call(lambda _: release.wait(60))     # added before the call can complete
+        future = {"resize": lambda: thread.call(lambda e: e.resize_cache(CACHE // 2)),
+                  "sleep": thread.sleep, "wake_up": thread.wake_up}[call]()
+        seen = []
+        future.add_done_callback(lambda _: seen.append(metric_values(server.metrics.render())))
+        release.set()
+        future.result(60)
+        want = {"resize": (CACHE // 2, 0), "sleep": (0, 1), "wake_up": (CACHE, 0)}[call]
+        assert (seen[0]["kv_cache_bytes"], seen[0]["is_sleeping"]) == want
 
 
 @pytest.mark.parametrize("grow", ["resize", "wake_up"])
