@@ -20,6 +20,7 @@ from vmemkv.runtime.serve import Server
 from vmemkv.runtime.serve.chat import chat_token_ids, parse_chat_request
 from vmemkv.runtime.serve.completions import BeamShape, ServedModel
 
+from . import local_http
 from ..engine.byte_tokenizer import byte_tokenizer
 
 OPTIONS = dict(cache="paged", block_size=8, cache_bytes=24 * 1024, max_context=256,
@@ -75,7 +76,7 @@ def test_a_chat_beam_search_without_max_tokens_defaults_to_what_the_engine_accep
 def test_a_completion_beam_search_past_its_width_limit_is_a_400_naming_max_tokens(server):
     running, _ = server
     body = {"prompt": PROMPT, "use_beam_search": True, "n": 3, "ignore_eos": True}
-    answer = httpx.post(running.url + "/v1/completions", json=dict(body, max_tokens=14), timeout=60)
+    answer = local_http.post(running.url + "/v1/completions", json=dict(body, max_tokens=14), timeout=60)
     assert answer.status_code == 400
     error = answer.json()["error"]
     assert error["param"] == "max_tokens"                 # was beam_width, from the engine

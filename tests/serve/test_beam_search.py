@@ -10,6 +10,7 @@ import pytest
 
 from vmemkv.runtime.engine import BeamSearchParams, Engine
 
+from . import local_http
 from ..engine.byte_tokenizer import byte_tokenizer
 from .conftest import (PAGED, VMEM, assert_memory_at_baseline, model, prompts, serving,
                        wait_until_idle)
@@ -24,19 +25,19 @@ def test_completions_choices_are_the_engines_beams_and_the_field_errors_name_it(
             batch, BeamSearchParams(3, max_new_tokens=6, num_return_beams=2, ignore_eos=True))]
     with serving(PAGED) as (server, engine):
         url = server.url + "/v1/completions"
-        r = httpx.post(url, json={**BODY, "prompt": batch}, timeout=60)
+        r = local_http.post(url, json={**BODY, "prompt": batch}, timeout=60)
         assert r.status_code == 200, r.text
         choices = sorted(r.json()["choices"], key=lambda c: c["index"])
         assert [c["token_ids"] for c in choices] == [t for beams in want for t in beams]
-        with httpx.stream("POST", url, json={**BODY, "prompt": batch[0], "stream": True},
-                          timeout=60) as streamed:
+        with local_http.stream("POST", url, json={**BODY, "prompt": batch[0], "stream": True},
+                               timeout=60) as streamed:
             assert streamed.status_code == 200
             assert sum(line.startswith("data: {") for line in streamed.iter_lines()) == 12
         for extra, param in [(dict(temperature=0.7), "temperature"), (dict(top_p=0.5), "top_p"),
                              (dict(logprobs=1), "logprobs"), (dict(n=4), "n"),
                              (dict(beam_width=9), "beam_width"),
                              (dict(use_beam_search=False), "beam_width")]:
-            bad = httpx.post(url, json={**BODY, **extra, "prompt": batch[0]}, timeout=60)
+            bad = local_http.post(url, json={**BODY, **extra, "prompt": batch[0]}, timeout=60)
             assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
         wait_until_idle(server)
         assert_memory_at_baseline(engine)
@@ -50,13 +51,13 @@ def test_chat_choices_are_the_engines_beams_with_their_text():
     with serving(VMEM, tokenizer=byte_tokenizer(chat_template=True)) as (server, engine):
         body = {**BODY, "messages": chat, "max_completion_tokens": 6}
         del body["max_tokens"]
-        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        r = local_http.post(server.url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         got = sorted(r.json()["choices"], key=lambda c: c["index"])
         assert [c["token_ids"] for c in got] == [c.token_ids for c in want.outputs]
         assert [c["message"]["content"] for c in got] == [c.text for c in want.outputs]
-        bad = httpx.post(server.url + "/v1/chat/completions", timeout=60,
-                         json={**body, "logprobs": True})
+        bad = local_http.post(server.url + "/v1/chat/completions", timeout=60,
+                              json={**body, "logprobs": True})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
 
 
@@ -116,8 +117,8 @@ def test_beam_searches_of_two_api_keys_never_share_a_prefix_with_salt_per_key():
     with serving(dict(PAGED, prefix_sharing=True), auth=keys) as (server, engine):
         def hits(key, **extra):
             before = prefix_hits(server)
-            r = httpx.post(server.url + "/v1/completions", json={**body, **extra}, timeout=60,
-                           headers={"Authorization": f"Bearer {key}"})
+            r = local_http.post(server.url + "/v1/completions", json={**body, **extra}, timeout=60,
+                                headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 200, r.text
             return prefix_hits(server) - before
         assert hits("key-a") == 0
@@ -127,8 +128,8 @@ def test_beam_searches_of_two_api_keys_never_share_a_prefix_with_salt_per_key():
 
 
 def prefix_hits(server) -> float:
-    text = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer ops"},
-                     timeout=30).text
+    text = local_http.get(server.url + "/metrics", headers={"Authorization": "Bearer ops"},
+                          timeout=30).text
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("vmemkv:prefix_cache_hits_total"))
 
@@ -138,9 +139,9 @@ def test_a_large_length_penalty_is_answered_and_a_concurrent_stream_finishes():
     server aborted every live request (the concurrent stream ended with a 500 event)."""
     with serving(VMEM) as (server, engine):
         url = server.url + "/v1/completions"
-        with httpx.stream("POST", url, timeout=60, json={
+        with local_http.stream("POST", url, timeout=60, json={
                 "prompt": [1, 2, 3], "max_tokens": 60, "ignore_eos": True, "stream": True}) as s:
-            beams = httpx.post(url, timeout=60, json={**BODY, "prompt": [4, 5, 6],
+            beams = local_http.post(url, timeout=60, json={**BODY, "prompt": [4, 5, 6],
                                                       "length_penalty": 2000.0})
             lines = [line for line in s.iter_lines() if line.startswith("data: {")]
         assert beams.status_code == 200, beams.text

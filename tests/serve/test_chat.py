@@ -12,6 +12,7 @@ import pytest
 from vmemkv.runtime.engine import Engine, SamplingParams
 from vmemkv.runtime.serve.limits import ServeLimits
 
+from . import local_http
 from ..engine.byte_tokenizer import byte_tokenizer
 from .conftest import VMEM, assert_memory_at_baseline, model, prompts, serving, wait_until_idle
 
@@ -38,7 +39,7 @@ def test_chat_completions_equal_engine_chat_streamed_and_not():
         url = server.url + "/v1/chat/completions"
         for messages, out in zip(CHATS, want):
             body = {**BODY, "messages": messages, "logprobs": True, "top_logprobs": 2}
-            done = httpx.post(url, json=body).json()
+            done = local_http.post(url, json=body).json()
             assert done["object"] == "chat.completion" and done["usage"]["completion_tokens"] == 16
             for choice, sample in zip(done["choices"], out.outputs):
                 assert choice["message"] == {"role": "assistant", "content": sample.text}
@@ -51,7 +52,7 @@ def test_chat_completions_equal_engine_chat_streamed_and_not():
                 assert [c["bytes"] for c in content] == [[t] for t in sample.token_ids]
                 assert all(t["bytes"] == list(t["token"].encode()) or len(t["bytes"]) == 1
                            for c in content for t in c["top_logprobs"])
-            with httpx.stream("POST", url, json={**body, "stream": True,
+            with local_http.stream("POST", url, json={**body, "stream": True,
                                                  "stream_options": {"include_usage": True}}) as r:
                 chunks = _chunks(r)
             assert all(c["object"] == "chat.completion.chunk" for c in chunks)
@@ -75,7 +76,7 @@ def test_a_list_of_prompts_with_echo_and_logprobs_equals_engine_generate():
     with serving(VMEM) as (server, engine):
         body = dict(prompt=batch, max_tokens=5, temperature=0.9, seed=8, n=2, ignore_eos=True,
                     logprobs=1, echo=True, frequency_penalty=0.0, presence_penalty=0.0, best_of=2)
-        done = httpx.post(server.url + "/v1/completions", json=body).json()
+        done = local_http.post(server.url + "/v1/completions", json=body).json()
         assert [c["index"] for c in done["choices"]] == list(range(6))
         for i, choice in enumerate(done["choices"]):
             out, sample = want[i // 2], want[i // 2].outputs[i % 2]
@@ -138,8 +139,8 @@ def test_a_list_of_prompts_with_echo_and_logprobs_equals_engine_generate():
 def test_chat_mistakes_are_400_naming_the_field(tokenizer, body, param, words):
     tok = {None: None, "plain": byte_tokenizer(), "chat": byte_tokenizer(chat_template=True)}[tokenizer]
     with serving(VMEM, tokenizer=tok, limits=TRUSTED) as (server, engine):
-        response = httpx.post(server.url + "/v1/chat/completions", content=json.dumps(body),
-                              headers={"Content-Type": "application/json"})   # \ud800 escaped
+        response = local_http.post(server.url + "/v1/chat/completions", content=json.dumps(body),
+                                   headers={"Content-Type": "application/json"})   # \ud800 escaped
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == param and words in error["message"], error
@@ -152,7 +153,7 @@ def test_a_chat_template_in_the_request_is_refused_unless_the_server_trusts_them
     for 36 s): refused by name unless started with --trust-request-chat-template."""
     with serving(VMEM, tokenizer=byte_tokenizer(chat_template=True)) as (server, engine):
         body = {"messages": CHATS[0], "chat_template": "{% for i in range(9) %}x{% endfor %}"}
-        response = httpx.post(server.url + "/v1/chat/completions", json=body)
+        response = local_http.post(server.url + "/v1/chat/completions", json=body)
         assert response.status_code == 400
         error = response.json()["error"]
         assert error["param"] == "chat_template" and "--trust-request-chat-template" in error["message"]
@@ -177,11 +178,11 @@ def test_prompts_are_rendered_off_the_event_loop(monkeypatch):
     with serving(VMEM, tokenizer=byte_tokenizer(chat_template=True)) as (server, _):
         body = {"messages": CHATS[0], "max_tokens": 2}
         worker = threading.Thread(target=lambda: results.append(
-            httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)))
+            local_http.post(server.url + "/v1/chat/completions", json=body, timeout=120)))
         results: list = []
         worker.start()
         assert rendering.wait(60)
-        assert httpx.get(server.url + "/health", timeout=120).status_code == 200
+        assert local_http.get(server.url + "/health", timeout=120).status_code == 200
         health_answered.set()
         worker.join(120)
         assert results and results[0].status_code == 200
@@ -191,7 +192,7 @@ def test_a_chat_template_in_the_request_replaces_the_models():
     with serving(VMEM, tokenizer=byte_tokenizer(), limits=TRUSTED) as (server, _):
         body = {"messages": CHATS[0], "chat_template": "{{ messages[0]['content'] }}!",
                 "max_tokens": 3, "temperature": 0, "ignore_eos": True}
-        done = httpx.post(server.url + "/v1/chat/completions", json=body).json()
+        done = local_http.post(server.url + "/v1/chat/completions", json=body).json()
     with Engine(model(), byte_tokenizer(), **VMEM) as engine:
         want = engine.generate([list(b"hello!")], SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert done["choices"][0]["token_ids"] == want[0].outputs[0].token_ids

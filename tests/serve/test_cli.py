@@ -10,12 +10,12 @@ import socket
 import subprocess
 import sys
 
-import httpx
 import pytest
 
 from vmemkv.cli import main
 from vmemkv.runtime.serve.bench_client import poisson_requests
 
+from . import local_http
 from ..signals import sigint_as_ctrl_c
 from .conftest import VMEM, serving
 
@@ -33,7 +33,7 @@ def test_serve_answers_and_ctrl_c_exits_130():
                 break
         assert port, "the server never said where it listens"
         body = {"prompt": [1, 2, 3], "max_tokens": 3, "temperature": 0}
-        got = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30).json()
+        got = local_http.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30).json()
         assert len(got["choices"][0]["token_ids"]) == 3
         proc.send_signal(signal.SIGINT)
         rest = proc.communicate(timeout=30)[1]

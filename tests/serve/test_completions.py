@@ -12,6 +12,7 @@ import pytest
 from vmemkv.runtime.engine import Engine, SamplingParams
 from vmemkv.runtime.serve.bench_client import stream_completion
 
+from . import local_http
 from .conftest import NAME, PAGED, VMEM, assert_memory_at_baseline, model, prompts, serving, wait_until_idle
 
 GREEDY = dict(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -75,7 +76,7 @@ def test_stream_usage_chunk_counts_the_tokens():
     with serving(VMEM) as (server, _):
         body = {**GREEDY, "prompt": [5, 6, 7], "stream": True,
                 "stream_options": {"include_usage": True}}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body) as response:
+        with local_http.stream("POST", server.url + "/v1/completions", json=body) as response:
             chunks = [json.loads(line[5:]) for line in response.iter_lines()
                       if line.startswith("data:") and line != "data: [DONE]"]
     assert [len(c["choices"]) for c in chunks] == [1] * 10 + [0]
@@ -103,9 +104,9 @@ def test_the_openai_client_reads_completions_and_streams():
 
 def test_models_and_health():
     with serving(PAGED) as (server, _):
-        models = httpx.get(server.url + "/v1/models").json()
+        models = local_http.get(server.url + "/v1/models").json()
         assert models["data"][0]["id"] == NAME and models["data"][0]["max_model_len"] == 64
-        assert httpx.get(server.url + "/health").status_code == 200
+        assert local_http.get(server.url + "/health").status_code == 200
 
 
 def test_bench_client_stream_reads_every_token():

@@ -15,6 +15,7 @@ import pytest
 
 from vmemkv.runtime.serve.auth import AuthConfig
 
+from . import local_http
 from .conftest import KiB, PAGED, VMEM, assert_memory_at_baseline, serving, wait_until_idle
 
 PAGE = 4 * KiB
@@ -26,9 +27,9 @@ PROMPT = [5, 17, 101, 33, 2, 250, 9]
 
 def post(server, path: str, body=None, **kwargs) -> httpx.Response:
     content = b"" if body is None else body if isinstance(body, (str, bytes)) else json.dumps(body)
-    return httpx.post(server.url + path, content=content, timeout=60,
-                      headers={"Content-Type": "application/json", **kwargs.pop("headers", {})},
-                      **kwargs)
+    return local_http.post(server.url + path, content=content, timeout=60,
+                           headers={"Content-Type": "application/json", **kwargs.pop("headers", {})},
+                           **kwargs)
 
 
 def complete(server, prompt=PROMPT, **fields) -> httpx.Response:
@@ -41,7 +42,7 @@ def tokens_of(response: httpx.Response) -> list[int]:
 
 
 def gauges(server) -> dict:
-    return metric_values(httpx.get(server.url + "/metrics", timeout=30).text)
+    return metric_values(local_http.get(server.url + "/metrics", timeout=30).text)
 
 
 def metric_values(text: str) -> dict:
@@ -55,7 +56,7 @@ def error_of(response: httpx.Response) -> dict:
 
 
 def is_sleeping(server) -> bool:
-    return httpx.get(server.url + "/is_sleeping", timeout=30).json()["is_sleeping"]
+    return local_http.get(server.url + "/is_sleeping", timeout=30).json()["is_sleeping"]
 
 
 class HeldStep:
@@ -324,14 +325,14 @@ def test_with_an_api_key_every_admin_route_needs_it():
                   ("POST", "/resize", {"cache_bytes": 2 * CACHE})]
         for method, path, body in routes:
             for headers in ({}, {"Authorization": f"Bearer {key}x"}, {"Authorization": key}):
-                refused = httpx.request(method, server.url + path, json=body, headers=headers)
+                refused = local_http.request(method, server.url + path, json=body, headers=headers)
                 assert refused.status_code == 401, (path, headers)
                 assert error_of(refused)["type"] == "authentication_error"
         assert engine.cache_bytes == CACHE and not engine.is_sleeping     # nothing ran
         bearer = {"Authorization": f"Bearer {key}"}
         for method, path, body in routes:
-            assert httpx.request(method, server.url + path, json=body, headers=bearer,
-                                 timeout=60).status_code == 200, path
+            assert local_http.request(method, server.url + path, json=body, headers=bearer,
+                                      timeout=60).status_code == 200, path
         assert engine.cache_bytes == 2 * CACHE and not engine.is_sleeping
 
 
@@ -368,7 +369,7 @@ def test_a_request_that_fits_only_a_grown_cache_is_503_and_200_after_resize():
     # 400; once /resize grows the cache it runs; shrunk to 0, even a short one is a 503
     start = dict(ELASTIC, cache_bytes=4 * PAGE, max_cache_bytes=128 * PAGE)
     with serving(start) as (server, engine):
-        models = httpx.get(server.url + "/v1/models", timeout=30).json()
+        models = local_http.get(server.url + "/v1/models", timeout=30).json()
         assert models["data"][0]["max_model_len"] == 64
         long = {"prompt": list(range(1, 41)), "max_tokens": 20}
         refused = complete(server, **long)

@@ -10,6 +10,7 @@ import threading
 import httpx
 import pytest
 
+from . import local_http
 from .conftest import VMEM, assert_memory_at_baseline, serving, wait_until_idle
 
 OK = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
@@ -99,15 +100,15 @@ def error_of(response: httpx.Response) -> dict:
 def test_bad_request_is_400_naming_the_field(served, case, body, param, words):
     server, engine = served
     content = body if isinstance(body, str) else json.dumps(body)
-    response = httpx.post(server.url + "/v1/completions", content=content,
-                          headers={"Content-Type": "application/json"})
+    response = local_http.post(server.url + "/v1/completions", content=content,
+                               headers={"Content-Type": "application/json"})
     assert response.status_code == 400
     error = error_of(response)
     assert error["type"] == "invalid_request_error" and error["param"] == param
     assert words in error["message"], error["message"]
     assert server.engine_thread.pending_requests == 0
     assert_memory_at_baseline(engine)
-    assert httpx.post(server.url + "/v1/completions", json=OK).status_code == 200
+    assert local_http.post(server.url + "/v1/completions", json=OK).status_code == 200
 
 
 # a list field of a million entries: validating them one by one took 15 s on the event loop
@@ -135,12 +136,12 @@ def test_huge_list_fields_are_400_without_stalling_other_clients(served, monkeyp
         return parse(body_bytes)
     monkeypatch.setattr(module, name, held)
     got = {}
-    worker = threading.Thread(target=lambda: got.update(r=httpx.post(
+    worker = threading.Thread(target=lambda: got.update(r=local_http.post(
         server.url + path, json=body, timeout=120)))
     worker.start()
     assert parsing.wait(60)
     try:   # parsed on the event loop, /health waited for the parse: a timeout, not a 200
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert local_http.get(server.url + "/health", timeout=30).status_code == 200
     finally:
         release.set()
         worker.join(120)
@@ -152,12 +153,12 @@ def test_huge_list_fields_are_400_without_stalling_other_clients(served, monkeyp
 
 @pytest.mark.parametrize("method,path,status", [("GET", "/v1/chat", 404), ("GET", "/v1/completions", 405)])
 def test_wrong_path_or_method_is_openai_shaped(served, method, path, status):
-    response = httpx.request(method, served[0].url + path)
+    response = local_http.request(method, served[0].url + path)
     assert response.status_code == status and error_of(response)["param"] is None
 
 
 def test_an_empty_stop_list_needs_no_tokenizer(served):
-    response = httpx.post(served[0].url + "/v1/completions", json={**OK, "stop": []})
+    response = local_http.post(served[0].url + "/v1/completions", json={**OK, "stop": []})
     assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) == 4
 
 
@@ -165,9 +166,9 @@ def test_a_text_prompt_with_a_lone_surrogate_is_400_naming_the_prompt():
     from ..engine.byte_tokenizer import byte_tokenizer
     with serving(VMEM, tokenizer=byte_tokenizer()) as (server, engine):
         for prompt in ("a\ud800", ["ok", "b\udfff"]):
-            response = httpx.post(server.url + "/v1/completions",
-                                  content=json.dumps({**OK, "prompt": prompt}),   # escaped
-                                  headers={"Content-Type": "application/json"})
+            response = local_http.post(server.url + "/v1/completions",
+                                       content=json.dumps({**OK, "prompt": prompt}),   # escaped
+                                       headers={"Content-Type": "application/json"})
             assert response.status_code == 400
             error = error_of(response)
             assert error["param"] == "prompt" and "lone surrogate" in error["message"]
@@ -179,14 +180,14 @@ def test_more_prompts_than_the_queue_holds_is_400_and_queues_nothing():
     """A 503 says "retry": for a batch that can never fit, a retrying client looped forever,
     each try queueing and aborting the prompts that fitted."""
     with serving(VMEM, max_queue=2) as (server, engine):
-        response = httpx.post(server.url + "/v1/completions", json={**OK, "prompt": [[1], [2], [3]]})
+        response = local_http.post(server.url + "/v1/completions", json={**OK, "prompt": [[1], [2], [3]]})
         assert response.status_code == 400
         error = error_of(response)
         assert error["param"] == "prompt" and "--max-queue" in error["message"]
         assert 'vmemkv:num_aborted_requests_total{model_name="tiny-llama"} 0.0' in \
-            httpx.get(server.url + "/metrics").text
+            local_http.get(server.url + "/metrics").text
         assert server.engine_thread.pending_requests == 0
-        ok = httpx.post(server.url + "/v1/completions", json={**OK, "prompt": [[1], [2]]})
+        ok = local_http.post(server.url + "/v1/completions", json={**OK, "prompt": [[1], [2]]})
         assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
 
 
@@ -197,11 +198,11 @@ def test_full_queue_is_503_with_retry_after(monkeypatch):
         monkeypatch.setattr(engine, "step", lambda: gate.wait(30) and step())   # hold step 1
         first = {}
         worker = threading.Thread(target=lambda: first.update(
-            r=httpx.post(server.url + "/v1/completions", json=OK, timeout=60)))
+            r=local_http.post(server.url + "/v1/completions", json=OK, timeout=60)))
         worker.start()
         while server.engine_thread.pending_requests < 1:   # the first is in flight
             worker.join(0.01)
-        second = httpx.post(server.url + "/v1/completions", json=OK)
+        second = local_http.post(server.url + "/v1/completions", json=OK)
         assert second.status_code == 503 and second.headers["Retry-After"] == "1"
         assert error_of(second)["type"] == "server_overloaded"
         assert "limit of 1 requests" in error_of(second)["message"]
@@ -219,7 +220,7 @@ def test_a_failing_step_is_500_without_traceback_and_the_server_stays_up(monkeyp
         def broken():
             raise RuntimeError("secret internals at 0xdeadbeef")
         monkeypatch.setattr(engine, "step", broken)
-        response = httpx.post(server.url + "/v1/completions", json={**OK, "stream": stream})
+        response = local_http.post(server.url + "/v1/completions", json={**OK, "stream": stream})
         if stream:   # the status line was sent: the error is the last event before [DONE]
             events = [line for line in response.text.splitlines() if line.startswith("data:")]
             assert events[-1] == "data: [DONE]"
@@ -232,8 +233,8 @@ def test_a_failing_step_is_500_without_traceback_and_the_server_stays_up(monkeyp
         wait_until_idle(server)
         assert_memory_at_baseline(engine)
         monkeypatch.setattr(engine, "step", step)
-        assert httpx.get(server.url + "/health").status_code == 200
-        assert httpx.post(server.url + "/v1/completions", json=OK).status_code == 200
+        assert local_http.get(server.url + "/health").status_code == 200
+        assert local_http.post(server.url + "/v1/completions", json=OK).status_code == 200
 
 
 def test_serving_without_the_extra_names_it(monkeypatch):
@@ -272,14 +273,14 @@ def test_a_request_whose_sampling_fails_is_its_own_500_and_a_live_stream_goes_on
 
     gate = threading.Event()
     with serving(VMEM) as (server, engine):
-        solo = httpx.post(server.url + "/v1/completions", json={**other, "stream": False})
+        solo = local_http.post(server.url + "/v1/completions", json={**other, "stream": False})
         want = solo.json()["choices"][0]["token_ids"]
         monkeypatch.setattr(Sampler, "_one", staticmethod(faulty))
         unfinished = engine.has_unfinished     # the engine thread idles until both are queued
         monkeypatch.setattr(engine, "has_unfinished", lambda: gate.is_set() and unfinished())
         got = {}
         threads = [threading.Thread(target=lambda key=key, body=body: got.update(
-            {key: httpx.post(server.url + "/v1/completions", json=body, timeout=60)}))
+            {key: local_http.post(server.url + "/v1/completions", json=body, timeout=60)}))
             for key, body in (("victim", victim), ("other", other))]
         for thread in threads:
             thread.start()

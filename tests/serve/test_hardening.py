@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from . import local_http
 from .conftest import PAGED, VMEM, serving
 from .real_server import RealServer, raw_connection, read_until_closed
 
@@ -42,18 +43,18 @@ def auth(key=K1) -> dict:
 
 
 def post(server, body, key=K1, **kwargs) -> httpx.Response:
-    return httpx.post(server.url + "/v1/completions", json=body, headers=auth(key), timeout=60,
-                      **kwargs)
+    return local_http.post(server.url + "/v1/completions", json=body, headers=auth(key), timeout=60,
+                           **kwargs)
 
 
 def hits(server) -> float:
-    text = httpx.get(server.url + "/metrics", headers=auth(METRICS), timeout=30).text
+    text = local_http.get(server.url + "/metrics", headers=auth(METRICS), timeout=30).text
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith("vmemkv:prefix_cache_hits_total"))
 
 
 def test_every_route_but_health_needs_a_valid_key(server):
-    get = lambda path, **h: httpx.get(server.url + path, headers=h, timeout=30)  # noqa: E731
+    get = lambda path, **h: local_http.get(server.url + path, headers=h, timeout=30)  # noqa: E731
     assert get("/health").status_code == 200
     refused = get("/v1/models")
     assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
@@ -64,7 +65,7 @@ def test_every_route_but_health_needs_a_valid_key(server):
     assert get("/v1/models", **auth(K2)).status_code == 200          # from VMEMKV_API_KEY
     assert get("/metrics", **auth(K1)).status_code == 401            # /metrics has its own key
     assert get("/metrics", **auth(METRICS)).text.count("vmemkv:") > 10
-    assert httpx.post(server.url + "/v1/completions", json={"prompt": [1]}).status_code == 401
+    assert local_http.post(server.url + "/v1/completions", json={"prompt": [1]}).status_code == 401
 
 
 def test_operator_routes_take_the_admin_key_and_never_a_tenants(server):
@@ -73,25 +74,25 @@ def test_operator_routes_take_the_admin_key_and_never_a_tenants(server):
     for path, body in (("/sleep", {}), ("/wake_up", {}), ("/resize", {"cache_bytes": 0}),
                        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "x"}),
                        ("/v1/unload_lora_adapter", {"lora_name": "x"})):
-        refused = httpx.post(server.url + path, json=body, headers=auth(K1), timeout=30)
+        refused = local_http.post(server.url + path, json=body, headers=auth(K1), timeout=30)
         assert refused.status_code == 403, (path, refused.text)
         assert "--admin-key" in refused.json()["error"]["message"]
     assert post(server, {"prompt": [1, 2], "max_tokens": 2}).status_code == 200   # still awake
-    named = httpx.get(server.url + "/metrics", headers=auth(K1), timeout=30)
+    named = local_http.get(server.url + "/metrics", headers=auth(K1), timeout=30)
     assert named.status_code == 401 and "metrics key (--metrics-key)" in named.text
     from vmemkv.runtime.serve.auth import AuthConfig
     keys = AuthConfig(("tenant-a",), salt_per_key=True, admin_key="operator-z")
     with serving(VMEM, auth=keys) as (served, engine):
         def call(path, key):
-            return httpx.post(served.url + path, json={}, headers=auth(key), timeout=30)
+            return local_http.post(served.url + path, json={}, headers=auth(key), timeout=30)
         refused = call("/sleep", "tenant-a")
         assert refused.status_code == 401 and "the admin key (--admin-key)" in refused.text
         assert not engine.is_sleeping
         assert call("/sleep", "operator-z").status_code == 200 and engine.is_sleeping
         assert call("/wake_up", "operator-z").status_code == 200 and not engine.is_sleeping
         body = {"prompt": [1, 2], "max_tokens": 2}        # the admin key is no API key
-        assert httpx.post(served.url + "/v1/completions", json=body, headers=auth("operator-z"),
-                          timeout=30).status_code == 401
+        assert local_http.post(served.url + "/v1/completions", json=body, headers=auth("operator-z"),
+                               timeout=30).status_code == 401
 
 
 @pytest.mark.parametrize("flags", [["--api-key", "ключ-секрет"], ["--api-key", "kéy"],
@@ -138,12 +139,12 @@ def test_what_the_flags_alone_get_wrong_is_refused_before_the_model_loads(flags,
 
 
 def test_a_post_must_say_it_is_json(server):
-    forged = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": [1]}),
-                        headers={**auth(), "Content-Type": "text/plain",
+    forged = local_http.post(server.url + "/v1/completions", content=json.dumps({"prompt": [1]}),
+                             headers={**auth(), "Content-Type": "text/plain",
                                  "Origin": "http://evil.example"}, timeout=30)
     assert forged.status_code == 415 and "application/json" in forged.json()["error"]["message"]
-    bare = httpx.post(server.url + "/v1/completions", content=b'{"prompt": [1]}',
-                      headers=auth(), timeout=30)
+    bare = local_http.post(server.url + "/v1/completions", content=b'{"prompt": [1]}',
+                           headers=auth(), timeout=30)
     assert bare.status_code == 415
 
 
@@ -155,8 +156,8 @@ def test_bodies_over_the_limit_are_413_before_or_as_they_are_read(server):
     def chunks():                       # no Content-Length: counted as it streams in
         for _ in range(10):
             yield b" " * 16384
-    streamed = httpx.post(server.url + "/v1/completions", content=chunks(),
-                          headers={**auth(), "Content-Type": "application/json"}, timeout=30)
+    streamed = local_http.post(server.url + "/v1/completions", content=chunks(),
+                               headers={**auth(), "Content-Type": "application/json"}, timeout=30)
     assert streamed.status_code == 413 and "65536 bytes" in streamed.json()["error"]["message"]
 
 
@@ -195,8 +196,8 @@ def test_connections_past_the_limit_get_503_and_are_closed(server):
     b"[" * 30000 + b"]" * 30000,
 ])
 def test_json_nested_too_deeply_is_400(server, body):
-    answer = httpx.post(server.url + "/v1/completions", content=body,
-                        headers={**auth(), "Content-Type": "application/json"}, timeout=30)
+    answer = local_http.post(server.url + "/v1/completions", content=body,
+                             headers={**auth(), "Content-Type": "application/json"}, timeout=30)
     assert answer.status_code == 400 and "nests deeper than 32" in answer.text
 
 
@@ -243,7 +244,7 @@ BODIES = st.fixed_dictionaries(
 def answer_of(url: str, body: dict, headers: dict) -> tuple:
     """(status, stream lines or JSON) of one request to the server at ``url``; a stream is read
     to its end."""
-    with httpx.Client(base_url=url, timeout=60, headers=headers) as client:
+    with httpx.Client(base_url=url, timeout=60, headers=headers, verify=False) as client:
         content = json.dumps(body).encode()
         headers = {"Content-Type": "application/json"}
         if body.get("stream") is True:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 
-import httpx
 
 from vmemkv.runtime.engine import Engine
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
@@ -14,6 +13,7 @@ from vmemkv.runtime.engine.errors import RequestRejectedError
 from vmemkv.runtime.models import build_model
 from vmemkv.runtime.serve import Server
 
+from . import local_http
 from ..engine.byte_tokenizer import byte_tokenizer
 from .conftest import VMEM, serving
 
@@ -31,7 +31,7 @@ def test_a_conversation_past_the_context_names_messages():
     # the chat API has no prompt field: it was named, with "1 max_tokens" the server's default
     with serving(VMEM, tokenizer=byte_tokenizer(chat_template=True)) as (server, _):
         body = {"messages": [{"role": "user", "content": "x" * 80}]}
-        error = error_of(httpx.post(server.url + "/v1/chat/completions", json=body))
+        error = error_of(local_http.post(server.url + "/v1/chat/completions", json=body))
         assert error["param"] == "messages"
         assert error["message"].startswith("this model's context is 64 tokens; the prompt alone "
                                            "holds")
@@ -47,15 +47,15 @@ def test_a_beam_search_is_checked_at_its_whole_length_and_names_max_tokens():
             for width in (1, 2):
                 body = {"prompt": list(range(1, 21)), "max_tokens": 150, "use_beam_search": True,
                         "beam_width": width, "n": 1}
-                error = error_of(httpx.post(url, json=body, timeout=60))
+                error = error_of(local_http.post(url, json=body, timeout=60))
                 assert error["param"] == "max_tokens" and "context is 64 tokens" in error["message"]
             body = {"prompt": [[1, 2, 3, 4], list(range(1, 62))], "max_tokens": 5,
                     "use_beam_search": True, "n": 1}
-            error = error_of(httpx.post(url, json=body, timeout=60))
+            error = error_of(local_http.post(url, json=body, timeout=60))
             assert error["message"].startswith("prompt 1: this model's context is 64 tokens")
             body = {"prompt": list(range(1, 21)), "max_tokens": 44, "use_beam_search": True,
                     "n": 1, "ignore_eos": True}
-            answer = httpx.post(url, json=body, timeout=120)
+            answer = local_http.post(url, json=body, timeout=120)
             assert answer.status_code == 200 and answer.json()["usage"]["total_tokens"] == 64
 
 
@@ -87,7 +87,7 @@ def test_the_servers_engine_refusal_names_the_prompt_of_several():
     with serving({**VMEM, "cache_bytes": 32 * KiB}) as (server, _):
         body = {"prompt": [[1, 2, 3], list(range(1, 40))], "max_tokens": 8, "n": 1,
                 "use_beam_search": True, "beam_width": 2}
-        error = error_of(httpx.post(server.url + "/v1/completions", json=body, timeout=60))
+        error = error_of(local_http.post(server.url + "/v1/completions", json=body, timeout=60))
         assert error["param"] == "max_tokens"
         assert error["message"] == ("prompt 1: this model's context is 40 tokens for a beam "
                                     "search of beam_width 2 after a 39-token prompt; the request "

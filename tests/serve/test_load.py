@@ -13,6 +13,7 @@ import pytest
 from vmemkv.runtime.engine import Engine, SamplingParams
 from vmemkv.runtime.serve.bench_client import stream_completion
 
+from . import local_http
 from .conftest import KiB, PAGED, VMEM, assert_memory_at_baseline, model, prompts, serving, wait_until_idle
 
 REQUESTS, EVERY = 200, 10        # every 10th client disconnects
@@ -56,14 +57,14 @@ def test_200_streams_with_disconnects_end_exact_and_release_everything(options):
                 assert result.finish_reason == "length"
             else:
                 assert len(result.token_ids) == 2
-        text = httpx.get(server.url + "/metrics").text
+        text = local_http.get(server.url + "/metrics").text
         aborted, finished = metric(text, "num_aborted_requests_total"), metric(text, "request_success_total")
         assert aborted + finished == REQUESTS and aborted >= 1
         assert metric(text, "num_requests_running") == metric(text, "num_requests_waiting") == 0
         assert_memory_at_baseline(engine)
-        assert httpx.get(server.url + "/health").status_code == 200
-        again = httpx.post(server.url + "/v1/completions", json={"prompt": batch[1], "max_tokens":
-                           NEW_TOKENS, "temperature": 0, "ignore_eos": True}).json()
+        assert local_http.get(server.url + "/health").status_code == 200
+        again = local_http.post(server.url + "/v1/completions", json={"prompt": batch[1], "max_tokens":
+                                NEW_TOKENS, "temperature": 0, "ignore_eos": True}).json()
         assert again["choices"][0]["token_ids"] == want[1].outputs[0].token_ids
 
 
@@ -77,7 +78,7 @@ def test_a_disconnect_aborts_the_request_and_returns_its_memory():
                                                stop_after_tokens=1)
         assert len(asyncio.run(leave_after_one()).token_ids) == 1
         wait_until_idle(server)
-        text = httpx.get(server.url + "/metrics").text
+        text = local_http.get(server.url + "/metrics").text
         assert metric(text, "num_aborted_requests_total") == 1
         assert metric(text, "request_success_total") == 0
         assert metric(text, "generation_tokens_total") < 1000

@@ -22,6 +22,7 @@ from vmemkv.runtime.serve.auth import AuthConfig  # noqa: E402
 
 from vmemkv.runtime.models import build_model  # noqa: E402
 
+from . import local_http
 from .conftest import NAME, VMEM  # noqa: E402
 
 GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
@@ -56,8 +57,8 @@ def serving(lora_root=None, auth=None, loras=()):
 
 
 def post(server, path: str, body, headers=None) -> httpx.Response:
-    return httpx.post(server.url + path, content=json.dumps(body), timeout=60,
-                      headers={"Content-Type": "application/json", **(headers or {})})
+    return local_http.post(server.url + path, content=json.dumps(body), timeout=60,
+                           headers={"Content-Type": "application/json", **(headers or {})})
 
 
 def tokens_of(response) -> list:
@@ -74,7 +75,7 @@ def refused(response, status: int, param) -> str:
 
 def test_model_field_picks_the_adapter_and_models_lists_it(adapter_root):
     with serving(loras=[("one", str(adapter_root / "one"))]) as (server, engine):
-        listed = httpx.get(server.url + "/v1/models", timeout=30).json()["data"]
+        listed = local_http.get(server.url + "/v1/models", timeout=30).json()["data"]
         assert [(m["id"], m.get("parent")) for m in listed] == [(NAME, None), ("one", NAME)]
         base = tokens_of(post(server, "/v1/completions", {**GREEDY, "prompt": PROMPT}))
         response = post(server, "/v1/completions", {**GREEDY, "prompt": PROMPT, "model": "one"})
@@ -162,7 +163,7 @@ def test_an_adapters_limit_counts_the_pages_it_takes(adapter_root):
         engine.add_lora("one", str(adapter_root / "one"))
         with Server(engine, NAME, host="127.0.0.1", port=0).start() as server:
             listed = {m["id"]: m["max_model_len"]
-                      for m in httpx.get(server.url + "/v1/models").json()["data"]}
+                      for m in local_http.get(server.url + "/v1/models").json()["data"]}
             assert listed == {NAME: 128, "one": 96}
             body = {**GREEDY, "model": "one", "prompt": [1], "max_tokens": 95}
             answer = post(server, "/v1/completions", body)

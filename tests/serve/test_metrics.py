@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 
-import httpx
 
 from vmemkv.runtime.serve.metrics import Histogram
 
+from . import local_http
 from .conftest import PAGED, prompts, serving, wait_until_idle
 
 SAMPLE = re.compile(r'^(vmemkv:\w+)\{model_name="tiny-llama"'
@@ -43,9 +43,9 @@ def test_metrics_count_what_was_served_with_vllm_names():
     with serving(dict(PAGED, prefix_sharing=True)) as (server, _):
         for p in batch:
             body = {"prompt": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-            assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+            assert local_http.post(server.url + "/v1/completions", json=body).status_code == 200
         wait_until_idle(server)
-        response = httpx.get(server.url + "/metrics")
+        response = local_http.get(server.url + "/metrics")
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     values, buckets = parse(response.text)
     for name in VLLM_NAMES:
@@ -91,8 +91,8 @@ def test_a_client_with_its_answer_reads_its_request_gone_from_the_gauges(monkeyp
 
         monkeypatch.setattr(thread, "_refresh_gauges", slow_refresh)
         body = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "ignore_eos": True}
-        assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
-        values, _ = parse(httpx.get(server.url + "/metrics").text)
+        assert local_http.post(server.url + "/v1/completions", json=body).status_code == 200
+        values, _ = parse(local_http.get(server.url + "/metrics").text)
         read.set()
         assert values["vmemkv:num_requests_running"] == 0
         assert values["vmemkv:num_requests_waiting"] == 0

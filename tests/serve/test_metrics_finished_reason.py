@@ -3,10 +3,10 @@
 answers cut at max_tokens from the ones that stopped found no series to split."""
 from __future__ import annotations
 
-import httpx
 
 from vmemkv.runtime.serve.metrics import ServeMetrics
 
+from . import local_http
 from .conftest import PAGED, VOCAB, serving, wait_until_idle
 
 STOP = 'vmemkv:request_success_total{model_name="%s",finished_reason="stop"} %r'
@@ -39,12 +39,12 @@ def test_each_finished_request_counts_once_under_its_finished_reason():
 def test_the_server_counts_a_stopped_and_a_cut_request_under_their_reasons():
     with serving(dict(PAGED)) as (server, _):
         url = server.url + "/v1/completions"
-        stopped = httpx.post(url, json={"prompt": [1, 2, 3], "max_tokens": 8, "n": 2,
+        stopped = local_http.post(url, json={"prompt": [1, 2, 3], "max_tokens": 8, "n": 2,
                                         "stop_token_ids": list(range(VOCAB))}, timeout=60)
-        cut = httpx.post(url, json={"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True},
-                         timeout=60)
+        cut = local_http.post(url, json={"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True},
+                              timeout=60)
         assert [c["finish_reason"] for c in stopped.json()["choices"]] == ["stop", "stop"]
         assert [c["finish_reason"] for c in cut.json()["choices"]] == ["length"]
         wait_until_idle(server)
-        lines = success_lines(httpx.get(server.url + "/metrics", timeout=30).text)
+        lines = success_lines(local_http.get(server.url + "/metrics", timeout=30).text)
     assert lines[2:] == [STOP % ("tiny-llama", 1.0), LENGTH % ("tiny-llama", 1.0)]

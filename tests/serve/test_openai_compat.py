@@ -10,7 +10,6 @@ import json
 import threading
 import time
 
-import httpx
 import pytest
 import torch
 
@@ -20,6 +19,7 @@ from vmemkv.runtime.serve.chat import parse_chat_request
 from vmemkv.runtime.serve.errors import ApiError
 from vmemkv.runtime.serve.protocol import parse_completion_request
 
+from . import local_http
 from ..engine.byte_tokenizer import byte_tokenizer
 from .conftest import NAME, VMEM, serving
 
@@ -69,15 +69,15 @@ def test_null_fields_over_http_answer_what_the_defaults_answer():
     with serving(VMEM, tokenizer=byte_tokenizer(chat_template=True)) as (server, _):
         for path, body, null in (("/v1/completions", COMPLETION, nulls),
                                  ("/v1/chat/completions", CHAT, chat_nulls)):
-            plain = httpx.post(server.url + path, json=body, timeout=60)
-            nulled = httpx.post(server.url + path, json={**body, **null}, timeout=60)
+            plain = local_http.post(server.url + path, json=body, timeout=60)
+            nulled = local_http.post(server.url + path, json={**body, **null}, timeout=60)
             assert plain.status_code == nulled.status_code == 200, nulled.text
             assert [c["token_ids"] for c in nulled.json()["choices"]] == \
                 [c["token_ids"] for c in plain.json()["choices"]]
             assert len(plain.json()["choices"][0]["token_ids"]) == 4
         # completions' max_tokens: null is its default, 16
-        done = httpx.post(server.url + "/v1/completions",
-                          json={**COMPLETION, "max_tokens": None}, timeout=60).json()
+        done = local_http.post(server.url + "/v1/completions",
+                               json={**COMPLETION, "max_tokens": None}, timeout=60).json()
         assert done["usage"]["completion_tokens"] == 16
 
 
@@ -94,11 +94,11 @@ def test_created_is_stamped_once_per_request_streamed_or_not(monkeypatch):
         try:
             body = {**COMPLETION, "max_tokens": 6, "stream": True,
                     "stream_options": {"include_usage": True}}
-            with httpx.stream("POST", server.url + "/v1/completions", json=body,
-                              timeout=60) as r:
+            with local_http.stream("POST", server.url + "/v1/completions", json=body,
+                                   timeout=60) as r:
                 chunks = [json.loads(line[5:]) for line in r.iter_lines()
                           if line.startswith("data:") and line != "data: [DONE]"]
-            done = httpx.post(server.url + "/v1/completions", json=COMPLETION, timeout=60).json()
+            done = local_http.post(server.url + "/v1/completions", json=COMPLETION, timeout=60).json()
         finally:
             monkeypatch.setattr(time, "time", real)
     assert len(chunks) == 7 and chunks[-1]["usage"]["completion_tokens"] == 6
@@ -109,12 +109,12 @@ def test_created_is_stamped_once_per_request_streamed_or_not(monkeypatch):
 def test_a_seed_outside_int64_is_a_400_naming_seed_and_the_edges_are_taken():
     with serving(VMEM) as (server, _):
         for seed in (2**63 - 1, -2**63):
-            r = httpx.post(server.url + "/v1/completions", json={**COMPLETION, "seed": seed},
-                           timeout=60)
+            r = local_http.post(server.url + "/v1/completions", json={**COMPLETION, "seed": seed},
+                                timeout=60)
             assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4
         for seed in (2**63, -2**63 - 1, 2**200):
-            r = httpx.post(server.url + "/v1/completions", json={**COMPLETION, "seed": seed},
-                           timeout=60)
+            r = local_http.post(server.url + "/v1/completions", json={**COMPLETION, "seed": seed},
+                                timeout=60)
             assert (r.status_code, r.json()["error"]["param"]) == (400, "seed"), r.text
             assert "9223372036854775" in r.json()["error"]["message"]
         # a value cut to fit the message is marked, never shown as another number
@@ -135,7 +135,7 @@ def test_distinct_int64_seeds_draw_distinct_tokens_and_a_seed_is_deterministic()
     with serving(VMEM) as (server, _):
         def tokens(seed: int) -> list:
             body = {**COMPLETION, "max_tokens": 8, "temperature": 1.0, "seed": seed}
-            r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+            r = local_http.post(server.url + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
             return r.json()["choices"][0]["token_ids"]
         assert tokens(-1) != tokens(2**63 - 1) and tokens(0) != tokens(-2**63)
@@ -157,16 +157,16 @@ def test_models_retrieve_answers_the_listed_object_and_a_404_naming_an_unknown_i
         with Server(engine, NAME, host="127.0.0.1", port=0,
                     auth=AuthConfig(("k1",))).start() as server:
             key = {"Authorization": "Bearer k1"}
-            listed = httpx.get(server.url + "/v1/models", headers=key).json()["data"]
+            listed = local_http.get(server.url + "/v1/models", headers=key).json()["data"]
             assert [m["id"] for m in listed] == [NAME, "org/one"]
             for entry in listed:
-                got = httpx.get(f"{server.url}/v1/models/{entry['id']}", headers=key)
+                got = local_http.get(f"{server.url}/v1/models/{entry['id']}", headers=key)
                 assert (got.status_code, got.json()) == (200, entry)
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="k1", max_retries=0)
             assert client.models.retrieve(NAME).max_model_len == listed[0]["max_model_len"]
-            missing = httpx.get(server.url + "/v1/models/gpt-4", headers=key)
+            missing = local_http.get(server.url + "/v1/models/gpt-4", headers=key)
             assert missing.status_code == 404
             assert missing.json()["error"]["param"] == "model"
             assert missing.json()["error"]["type"] == "not_found_error"
             assert "'gpt-4'" in missing.json()["error"]["message"]
-            assert httpx.get(f"{server.url}/v1/models/{NAME}").status_code == 401
+            assert local_http.get(f"{server.url}/v1/models/{NAME}").status_code == 401

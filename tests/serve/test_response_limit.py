@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Future
 
-import httpx
 import pytest
 
 from vmemkv.cli import build_parser, main
@@ -25,6 +24,7 @@ from vmemkv.runtime.serve.limits import (DEFAULT_MAX_RESPONSE_BYTES, ResponseSiz
 from vmemkv.runtime.serve.metrics import ServeMetrics
 from vmemkv.runtime.serve.submission import Submission, response_size
 
+from . import local_http
 from .conftest import VMEM, assert_memory_at_baseline, model, serving
 
 MiB = 2**20
@@ -43,7 +43,7 @@ def test_a_small_body_asking_for_a_huge_response_is_400_naming_logprobs_and_noth
     body = {"prompt": [[i % 200 + 1] for i in range(100)], "n": 8, "max_tokens": 60,
             "logprobs": 20, "echo": True, "ignore_eos": True}
     with serving(VMEM) as (server, engine):
-        got = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        got = local_http.post(server.url + "/v1/completions", json=body, timeout=60)
         assert got.status_code == 400
         error = got.json()["error"]
         assert error["param"] == "logprobs"
@@ -52,8 +52,8 @@ def test_a_small_body_asking_for_a_huge_response_is_400_naming_logprobs_and_noth
         assert error["message"].endswith("logprobs 15 or less fits")   # 16 x 80 + 16 a token
         assert server.engine_thread.pending_requests == 0
         assert_memory_at_baseline(engine)
-        normal = httpx.post(server.url + "/v1/completions", timeout=60,
-                            json={"prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 20})
+        normal = local_http.post(server.url + "/v1/completions", timeout=60,
+                                 json={"prompt": [1, 2, 3], "max_tokens": 4, "logprobs": 20})
         assert normal.status_code == 200
         choice = normal.json()["choices"][0]
         assert len(choice["token_ids"]) == 4 and len(choice["logprobs"]["top_logprobs"]) == 4

@@ -10,6 +10,7 @@ import json
 import httpx
 import pytest
 
+from . import local_http
 from ..engine.byte_tokenizer import byte_tokenizer
 from .conftest import VMEM, assert_memory_at_baseline, serving, wait_until_idle
 
@@ -72,11 +73,11 @@ def test_edge_floats_are_200_or_400_and_leave_a_victim_untouched():
                                          ("top_p", 1e-300)])
 def test_the_issue_values_are_greedy_answers(field, value):
     with serving(VMEM) as (server, _):
-        greedy = httpx.post(server.url + "/v1/completions", json={
+        greedy = local_http.post(server.url + "/v1/completions", json={
             "prompt": [3, 1, 4], "max_tokens": 6, "temperature": 0, "ignore_eos": True}).json()
         body = {"prompt": [3, 1, 4], "max_tokens": 6, "temperature": 1.0, "ignore_eos": True,
                 field: value}
-        got = httpx.post(server.url + "/v1/completions", json=body)
+        got = local_http.post(server.url + "/v1/completions", json=body)
     assert got.status_code == 200
     assert got.json()["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
 
@@ -92,9 +93,9 @@ def test_min_tokens_with_every_token_a_stop_id_is_a_400_naming_min_tokens(temper
     with serving(VMEM) as (server, engine):
         url = server.url + "/v1/completions"
         for stops, extra in [(list(range(256)), {}), (everything_but_eos, {})]:
-            r = httpx.post(url, json={**body, **extra, "stop_token_ids": stops}, timeout=60)
+            r = local_http.post(url, json={**body, **extra, "stop_token_ids": stops}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
-        r = httpx.post(url, timeout=60, json={**body, "stop_token_ids": everything_but_eos,
+        r = local_http.post(url, timeout=60, json={**body, "stop_token_ids": everything_but_eos,
                                               "ignore_eos": True})
         assert r.status_code == 200, r.text
         (choice,) = r.json()["choices"]

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 
 from vmemkv.runtime.engine import Engine, SamplingParams
 
+from . import local_http
 from ..engine.byte_tokenizer import byte_tokenizer
 from .conftest import NAME, VMEM, VOCAB, assert_memory_at_baseline, model, serving, wait_until_idle
 
@@ -28,13 +28,13 @@ def assert_refused_naming_the_field(error: dict) -> None:
 def test_all_inf_request_alone_is_a_400_naming_the_field_and_nothing_held():
     with serving(OPTIONS, tokenizer=byte_tokenizer()) as (server, engine):
         for temperature in (0.0, 1.0):
-            r = httpx.post(server.url + "/v1/completions", timeout=60,
-                           json=dict(ALL_INF, temperature=temperature, seed=1))
+            r = local_http.post(server.url + "/v1/completions", timeout=60,
+                                json=dict(ALL_INF, temperature=temperature, seed=1))
             assert r.status_code == 400, r.text
             assert_refused_naming_the_field(r.json()["error"])
         wait_until_idle(server)
         assert_memory_at_baseline(engine)
-        after = httpx.post(server.url + "/v1/completions", json=NEIGHBOUR, timeout=60)
+        after = local_http.post(server.url + "/v1/completions", json=NEIGHBOUR, timeout=60)
         assert after.status_code == 200 and len(after.json()["choices"][0]["token_ids"]) == 40
 
 
@@ -44,12 +44,12 @@ def test_all_inf_request_beside_a_stream_fails_alone_streamed_and_not():
             max_new_tokens=40, ignore_eos=True))[0].outputs[0].token_ids
     with serving(OPTIONS, tokenizer=byte_tokenizer()) as (server, engine):
         url = server.url + "/v1/completions"
-        with httpx.stream("POST", url, json=dict(NEIGHBOUR, stream=True), timeout=60) as good:
+        with local_http.stream("POST", url, json=dict(NEIGHBOUR, stream=True), timeout=60) as good:
             lines = good.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
-            refused = httpx.post(url, json=ALL_INF, timeout=60)
-            streamed = httpx.post(url, json=dict(ALL_INF, stream=True, temperature=1.0),
-                                  timeout=60)
+            refused = local_http.post(url, json=ALL_INF, timeout=60)
+            streamed = local_http.post(url, json=dict(ALL_INF, stream=True, temperature=1.0),
+                                       timeout=60)
             chunks = [first] + [line for line in lines if line.startswith("data: ")]
         assert refused.status_code == 400, refused.text
         assert_refused_naming_the_field(refused.json()["error"])

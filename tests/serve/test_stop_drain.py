@@ -11,6 +11,7 @@ import httpx
 
 from vmemkv.runtime.serve.limits import ServeLimits
 
+from . import local_http
 from .conftest import VMEM, assert_memory_at_baseline, serving
 
 BODY = {"prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True, "temperature": 0}
@@ -100,6 +101,6 @@ def test_a_request_cut_by_the_engine_thread_stopping_is_a_503_not_a_500():
 
 
 def streamed(url: str) -> list:
-    with httpx.stream("POST", url + "/v1/completions", json={**BODY, "stream": True},
-                      timeout=120) as r:
+    with local_http.stream("POST", url + "/v1/completions", json={**BODY, "stream": True},
+                           timeout=120) as r:
         return [line for line in r.iter_lines() if line]

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 
 from vmemkv.runtime.engine import Engine, SamplingParams
 
+from . import local_http
 from ..engine.byte_tokenizer import byte_tokenizer
 from .conftest import NAME, VMEM, model, serving
 
@@ -54,8 +54,8 @@ def test_streamed_stop_strings_with_min_tokens_equal_whole_answers_and_the_engin
                 else:
                     want = engine.generate(["ab"], sampling)[0].outputs
                     url, body = "/v1/completions", dict(wire, prompt="ab", max_tokens=12)
-                whole = httpx.post(server.url + url, json=body, timeout=60)
-                stream = httpx.post(server.url + url, json=dict(body, stream=True), timeout=60)
+                whole = local_http.post(server.url + url, json=body, timeout=60)
+                stream = local_http.post(server.url + url, json=dict(body, stream=True), timeout=60)
                 assert whole.status_code == stream.status_code == 200, whole.text
                 texts, reasons = streamed(stream, chat)
                 for i, out in enumerate(want):

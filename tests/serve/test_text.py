@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-import httpx
 from vmemkv.runtime.engine import Engine, SamplingParams
+from . import local_http
 from ..engine.byte_tokenizer import byte_tokenizer
 from ..engine.test_text_prompts import TEXTS, make_tokenizer
 from .conftest import VMEM, assert_memory_at_baseline, model, serving, wait_until_idle
@@ -22,7 +22,7 @@ def reference_texts(tokenizer) -> list[str]:
 
 
 def streamed_text(url: str, body: dict) -> tuple[str, str]:
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+    with local_http.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
         chunks = [json.loads(line[5:]) for line in r.iter_lines()
                   if line.startswith("data:") and line != "data: [DONE]"]
     return "".join(c["choices"][0]["text"] for c in chunks), chunks[-1]["choices"][0]["finish_reason"]
@@ -33,13 +33,13 @@ def test_text_prompts_give_the_engines_text_and_stop_strings_cut_it():
     want = reference_texts(tokenizer)
     with serving(VMEM, tokenizer=tokenizer) as (server, engine):
         for prompt, text in zip(TEXTS, want):
-            got = httpx.post(server.url + "/v1/completions", json={**BODY, "prompt": prompt}).json()
+            got = local_http.post(server.url + "/v1/completions", json={**BODY, "prompt": prompt}).json()
             assert got["choices"][0]["text"] == text
             assert streamed_text(server.url, {**BODY, "prompt": prompt}) == (text, "length")
             stop = text.split()[2]            # a word the greedy output reaches
             cut = text[:text.index(stop)]
             body = {**BODY, "prompt": prompt, "stop": [stop]}
-            got = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]
+            got = local_http.post(server.url + "/v1/completions", json=body).json()["choices"][0]
             assert (got["text"], got["finish_reason"]) == (cut, "stop")
             assert streamed_text(server.url, body) == (cut, "stop")
         wait_until_idle(server)
@@ -55,7 +55,7 @@ def test_multibyte_text_round_trips_streamed_and_not():
     with serving(VMEM, tokenizer=tok) as (server, engine):
         for seed in range(4):
             request = {**body, "prompt": "日本の首都は", "seed": seed}
-            done = httpx.post(server.url + "/v1/completions", json=request).json()["choices"][0]
+            done = local_http.post(server.url + "/v1/completions", json=request).json()["choices"][0]
             assert done["text"] == tok.decode(done["token_ids"])
             assert streamed_text(server.url, request) == (done["text"], "length")
         wait_until_idle(server)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-import httpx
 import pytest
 
 from vmemkv.runtime.engine.logprobs import TokenLogprobs
@@ -18,6 +17,7 @@ from vmemkv.runtime.serve import logprobs_format
 from vmemkv.runtime.serve.protocol import CompletionRequest
 from vmemkv.runtime.serve.submission import Choice, Delta
 
+from . import local_http
 from ..engine.byte_tokenizer import byte_tokenizer
 from ..engine.test_text_prompts import make_tokenizer
 from .conftest import VMEM, assert_memory_at_baseline, serving, wait_until_idle
@@ -84,7 +84,7 @@ def test_echoed_emoji_offsets_index_the_text_streamed_and_not():
             "logprobs": 1, "echo": True}
     with serving(VMEM, tokenizer=tok) as (server, engine):
         request = {**body, "seed": 0}
-        done = httpx.post(server.url + "/v1/completions", json=request).json()["choices"][0]
+        done = local_http.post(server.url + "/v1/completions", json=request).json()["choices"][0]
         text, lp = done["text"], done["logprobs"]
         assert REPLACEMENT in text[len(EMOJI):]   # what the old offsets counted one per token
         ids = list(EMOJI.encode()) + done["token_ids"]
@@ -101,7 +101,7 @@ def test_echoed_emoji_offsets_index_the_text_streamed_and_not():
 
 def streamed(url: str, request: dict) -> tuple:
     text, tokens, offsets = "", [], []
-    with httpx.stream("POST", url + "/v1/completions", json={**request, "stream": True}) as r:
+    with local_http.stream("POST", url + "/v1/completions", json={**request, "stream": True}) as r:
         for line in r.iter_lines():
             if line.startswith("data:") and line != "data: [DONE]":
                 for c in json.loads(line[5:])["choices"]:

@@ -3,12 +3,12 @@ holds (tiny-mistral-swa in 48 KiB: the full-length bound was 96 tokens, the engi
 after a short prompt). The server refused with a 400 what the engine would run. /v1/models'
 max_model_len is what ANY prompt may ask for (a longer prompt is allocated whole in every
 layer): it said 256 for a while, and a 129-token prompt + 1 was refused well inside it."""
-import httpx
 import pytest
 
 from vmemkv.runtime.engine import Engine
 from vmemkv.runtime.models import build_model
 from vmemkv.runtime.serve import Server
+from . import local_http
 
 KiB = 1024
 OPTIONS = dict(cache="vmem", cache_bytes=48 * KiB, page_bytes=4 * KiB, max_context=256,
@@ -23,23 +23,23 @@ def server():
 
 
 def test_the_window_aware_limit_is_served_and_reported(server):
-    models = httpx.get(server.url + "/v1/models").json()
+    models = local_http.get(server.url + "/v1/models").json()
     assert models["data"][0]["max_model_len"] == 97
     for prompt_tokens in (1, 50, 96):        # any prompt within it runs to it
         body = {"model": "swa", "prompt": list(range(1, prompt_tokens + 1)), "temperature": 0,
                 "max_tokens": 97 - prompt_tokens, "ignore_eos": True}
-        answer = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        answer = local_http.post(server.url + "/v1/completions", json=body, timeout=120)
         assert answer.status_code == 200, answer.text
     body = {"model": "swa", "prompt": list(range(1, 21)), "max_tokens": 200,
             "temperature": 0, "ignore_eos": True}
-    answer = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    answer = local_http.post(server.url + "/v1/completions", json=body, timeout=120)
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] == 200
 
 
 def test_past_the_window_aware_limit_is_a_400_naming_max_tokens(server):
     body = {"model": "swa", "prompt": list(range(1, 21)), "max_tokens": 240, "temperature": 0}
-    answer = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    answer = local_http.post(server.url + "/v1/completions", json=body, timeout=60)
     assert answer.status_code == 400
     error = answer.json()["error"]
     assert error["param"] == "max_tokens" and "256 tokens after a 20-token prompt" in error["message"]
@@ -47,7 +47,7 @@ def test_past_the_window_aware_limit_is_a_400_naming_max_tokens(server):
 
 def test_a_prompt_past_its_own_limit_is_a_400_naming_the_prompt(server):
     body = {"model": "swa", "prompt": list(range(1, 131)), "max_tokens": 1, "temperature": 0}
-    answer = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    answer = local_http.post(server.url + "/v1/completions", json=body, timeout=60)
     assert answer.status_code == 400
     error = answer.json()["error"]
     assert error["param"] == "prompt"
