@@ -27,9 +27,12 @@ from .submission import Choice, Delta, Submission
 @dataclass(frozen=True)
 class BeamShape:
     """What a beam search's limit depends on besides its prompt: its ``width`` (beam_width)
-    and whether it runs to max_tokens (no stop id can end it early), as the engine checks it."""
+    and whether it runs to max_tokens (no stop id can end it early), as the engine checks it;
+    ``width_param``: the request field that set the width (``n`` where beam_width defaults
+    to it), named when the width is at fault."""
     width: int
     runs_to_max_tokens: bool
+    width_param: str = "beam_width"
 
 
 @dataclass(frozen=True)
@@ -78,11 +81,21 @@ class ServedModel:
 
     def beam_shape(self, req) -> Optional[BeamShape]:
         """The beam search a request (``SamplingFields``) asks for, as its limit depends on it;
-        None without ``use_beam_search``."""
+        None without ``use_beam_search``. ApiError 400 naming ``beam_width`` (or ``n``, its
+        default) past the engine's max_batch: a step runs all of a group's beams together."""
         if not req.use_beam_search:
             return None
+        param = "beam_width" if req.beam_width is not None else "n"
+        width = req.beam_width if req.beam_width is not None else req.n
+        self.check_max_batch(param, width, ": a step runs all the beams of a search together")
         stops = tuple(req.stop_token_ids) + (() if req.ignore_eos else self.eos_ids)
-        return BeamShape(req.beam_width or req.n, runs_to_max_tokens=not stops)
+        return BeamShape(width, runs_to_max_tokens=not stops, width_param=param)
+
+    def check_max_batch(self, param: str, value: int, why: str = "") -> None:
+        """ApiError 400 naming ``param`` when ``value`` sequences pass the engine's max_batch."""
+        if value > self.max_n:
+            raise ApiError(400, f"{param} must be at most {self.max_n} (the server's "
+                                f"--max-batch{why}), got {value}", param)
 
     def limit_for(self, prompt_tokens: int, adapter: Optional[str] = None,
                   beams: Optional[BeamShape] = None) -> int:
@@ -133,9 +146,13 @@ class ServedModel:
                       max_param: str = "max_tokens", prompt_param: str = "prompt",
                       adapter: Optional[str] = None, beams: Optional[BeamShape] = None) -> None:
         """ApiError 400 naming ``prompt_param`` when the prompt alone fills the context, or
-        ``max_param`` when the two together pass it; or ``n`` past the engine's max_batch."""
+        ``max_param`` when the two together pass it (a beam search that cannot make its first
+        decode step while a narrower one can: its width's field); or ``n`` past the engine's
+        max_batch."""
         limit = self.limit_for(prompt_tokens, adapter, beams)
         if prompt_tokens + max_tokens > limit:
+            if beams is not None and max_tokens > 1 and limit <= prompt_tokens + 1:
+                self._check_first_beam_step(prompt_tokens, adapter, beams)
             context = f"this model's context is {limit} tokens"
             if beams is not None and limit < self.model_limit(adapter):
                 context += (f" for a beam search of beam_width {beams.width} after a "
@@ -150,26 +167,47 @@ class ServedModel:
             raise ApiError(400, f"{context}; the request asks for {prompt_tokens + max_tokens} "
                                 f"({prompt_tokens} in the prompt, {max_tokens} {max_param})",
                            max_param)
-        if n > self.max_n:
-            raise ApiError(400, f"n must be at most {self.max_n} (the server's --max-batch), "
-                                f"got {n}", "n")
+        self.check_max_batch("n", n)
+
+    def _check_first_beam_step(self, prompt_tokens: int, adapter: Optional[str],
+                               beams: BeamShape) -> None:
+        """ApiError 400 naming the width's field when a search of ``beams`` cannot make its
+        first decode step after the prompt (each beam's own copy of its newest unit does not
+        fit beside the prompt's) and a narrower one can: no smaller max_tokens that still
+        decodes (2 or more) would fit, a smaller width would. Nothing where one beam cannot
+        either (the prompt or max_tokens is at fault, as ``check_lengths`` says)."""
+        def decodes(width: int) -> bool:
+            shape = replace(beams, width=width)
+            return self.limit_for(prompt_tokens, adapter, shape) >= prompt_tokens + 2
+        low, high = 0, beams.width - 1     # the widest that decodes (0: none) is in [low, high]
+        while low < high:                  # the need only grows with the width
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if decodes(mid) else (low, mid - 1)
+        if low == 0:                       # one beam cannot decode either: not the width
+            return
+        raise ApiError(400, f"the server's KV cache cannot hold a beam search of "
+                            f"{beams.width} beams ({beams.width_param}) over a "
+                            f"{prompt_tokens}-token prompt at its first decode step, where each "
+                            f"beam holds its own copy of its newest token's cache unit; the most "
+                            f"beams that can decode after this prompt: {low}", beams.width_param)
 
 
 def prompt_token_ids(req: CompletionRequest, served: ServedModel) -> List[List[int]]:
     """Each prompt as token ids, or ApiError 400 naming ``model``, ``prompt``, ``max_tokens``,
-    ``n`` or ``stop``."""
+    ``n``, ``beam_width`` or ``stop``."""
     adapter = served.check_model(req.model)
     if len(req.prompts()) > served.max_requests:     # never fits: a 503 would be retried forever
         raise ApiError(400, f"prompt: {len(req.prompts())} prompts, but this server takes at "
                             f"most {served.max_requests} requests in flight (--max-queue); "
                             f"send fewer at a time", "prompt")
     batch = [_ids(p, served) for p in req.prompts()]
+    beams = served.beam_shape(req)      # these two hold whatever the prompts
+    served.check_max_batch("n", req.n)
     for i, ids in enumerate(batch):
         try:
-            served.check_lengths(len(ids), req.max_tokens, req.n, adapter=adapter,
-                                 beams=served.beam_shape(req))
+            served.check_lengths(len(ids), req.max_tokens, req.n, adapter=adapter, beams=beams)
         except ApiError as error:        # which of several prompts, as the engine's say
-            if len(batch) > 1 and error.param != "n":
+            if len(batch) > 1:
                 error.message = f"prompt {i}: {error.message}"
             raise
     if req.stop_strings() and served.tokenizer is None:

@@ -10,14 +10,15 @@ OpenAI's fields, the server takes vLLM's extensions (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``stop_token_ids``, ``ignore_eos``,
 ``include_stop_str_in_output``, ``skip_special_tokens``). A field OpenAI types "X or null"
 (``temperature``, ``top_p``, ``n``, penalties, ``stream``, ``max_tokens``, ``echo``, ...: each
-model's ``NULLABLE``) takes JSON null as "the default", as if it were not sent; null anywhere
-else is a 400 naming the field. ``seed`` is an int64, as OpenAI's (a 400 outside
-[-2**63, 2**63 - 1]: wider seeds would alias narrower ones). Every choice carries its
-``token_ids`` (as vLLM's ``return_token_ids`` does), so clients without a tokenizer can read what
-was generated. ``best_of`` is taken only when it equals ``n``: ranking hidden samples is not
-implemented, and a silent substitute would be wrong. ``use_beam_search`` (vLLM's extension, with
-``beam_width``, default ``n``, and ``length_penalty``) runs ``Engine.beam_search``: the ``n``
-best beams are the choices; fields that shape sampling are refused by name with it.
+model's ``NULLABLE``; and vLLM's ``beam_width``, with or without ``use_beam_search``) takes JSON
+null as "the default", as if it were not sent; null anywhere else is a 400 naming the field.
+``seed`` is an int64, as OpenAI's (a 400 outside [-2**63, 2**63 - 1]: wider seeds would alias
+narrower ones). Every choice carries its ``token_ids`` (as vLLM's ``return_token_ids`` does),
+so clients without a tokenizer can read what was generated. ``best_of`` is taken only when it
+equals ``n``: ranking hidden samples is not implemented, and a silent substitute would be
+wrong. ``use_beam_search`` (vLLM's extension, with ``beam_width``, default ``n``, and
+``length_penalty``) runs ``Engine.beam_search``: the ``n`` best beams are the choices; fields
+that shape sampling are refused by name with it.
 """
 from __future__ import annotations
 
@@ -56,11 +57,11 @@ class SamplingFields(BaseModel):
     """The fields both APIs share. Strict: a number is never read from a string, a bool is never
     an int, NaN and infinities are refused, unknown fields are refused (naming them)."""
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-    # the fields OpenAI types "X or null": JSON null is their default (not sent, not in
-    # model_fields_set); subclasses add their own
+    # the fields OpenAI types "X or null", and beam_width (optional: its default is n): JSON
+    # null is their default (not sent, not in model_fields_set); subclasses add their own
     NULLABLE: ClassVar[FrozenSet[str]] = frozenset({
         "temperature", "top_p", "n", "stop", "seed", "stream", "stream_options", "user",
-        "frequency_penalty", "presence_penalty", "logit_bias"})
+        "frequency_penalty", "presence_penalty", "logit_bias", "beam_width"})
 
     model: Optional[str] = None           # must be the served model's id when given
     temperature: float = Field(1.0, ge=0.0)   # OpenAI's default; 0 is greedy

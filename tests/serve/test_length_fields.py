@@ -83,12 +83,14 @@ def test_the_servers_engine_refusal_names_the_prompt_of_several():
     # every prompt of a request reached the engine as its prompt 0. The engine refused this
     # search's group (2 beams over 39 tokens) naming beam_width; the server now holds a beam
     # search to the engine's limit for its width (tests/serve/test_beam_fit_limit.py), so it
-    # refuses it first, naming the prompt and max_tokens (1 new token is never checked)
+    # refuses it first, naming the prompt and beam_width: these 2 beams cannot make their first
+    # decode step after 39 tokens, whatever max_tokens, and one beam could
     with serving({**VMEM, "cache_bytes": 32 * KiB}) as (server, _):
         body = {"prompt": [[1, 2, 3], list(range(1, 40))], "max_tokens": 8, "n": 1,
                 "use_beam_search": True, "beam_width": 2}
         error = error_of(local_http.post(server.url + "/v1/completions", json=body, timeout=60))
-        assert error["param"] == "max_tokens"
-        assert error["message"] == ("prompt 1: this model's context is 40 tokens for a beam "
-                                    "search of beam_width 2 after a 39-token prompt; the request "
-                                    "asks for 47 (39 in the prompt, 8 max_tokens)")
+        assert error["param"] == "beam_width"
+        assert error["message"] == ("prompt 1: the server's KV cache cannot hold a beam search of 2 "
+                                    "beams (beam_width) over a 39-token prompt at its first decode "
+                                    "step, where each beam holds its own copy of its newest token's "
+                                    "cache unit; the most beams that can decode after this prompt: 1")
