@@ -90,8 +90,10 @@ def register(subparsers) -> None:
     c.add_argument("--map-latency-us", type=bounded(float, 0), default=0.0,
                    action=Given, help="microseconds per physical page mapped (vmem)")
     c.add_argument("--copy-gbps", type=bounded(float, 0, low_open=True), default=None,
-                   help="device copy bandwidth for copy ops (block-granular prefix hits, "
-                        "copy-on-write), GB/s (default: half the GPU's memory bandwidth)")
+                   action=Given,
+                   help="device copy bandwidth for copy ops (a --trace's block-granular prefix "
+                        "hits, copy-on-write after --n or --beam-width forks), GB/s (default: "
+                        "half the GPU's memory bandwidth)")
     c.add_argument("--profile", metavar="FILE", default=None,
                    help="a device profile from vmemkv calibrate in place of the roofline (it "
                         "simulates its own model: --gpu and another --model-preset are "
@@ -210,7 +212,8 @@ def _deployment_flags(m) -> None:
                    action=Given,
                    help="paged, vmem: keep computed prompt prefixes after their requests end "
                         "and evict them lru (vLLM's order) or hits (often-shared ones last); "
-                        "off keeps none (prefixes are shared when a trace has hash ids)")
+                        "off keeps none (prefixes are shared only when a --trace has hash "
+                        "ids)")
 
 
 def _entries(args, seed: int):

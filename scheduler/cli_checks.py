@@ -82,7 +82,29 @@ def _applies_where(args) -> tuple:
          as_policy),
         (("prefix_eviction",), policy in ("paged", "vmem"), "to --policy paged and vmem",
          as_policy),
+        # a generated workload's prompts share nothing (no hash ids: prefix sharing stays off,
+        # simulator._sharing_config), so nothing is kept for eviction and no prefix hit copied
+        (("prefix_eviction",), bool(args.trace), "to a --trace whose requests name their "
+         "prompt blocks (hash ids: the prefixes shared)", "a generated workload (its prompts "
+         "share no prefix, --n and --beam-width forks included)"),
+        (("copy_gbps",), not reserve, "to --policy paged, vmem and module:Class (their copy "
+         "ops)", as_policy),
+        (("copy_gbps",), bool(args.trace) or args.n > 1 or args.beam_width > 0,
+         "to copy-on-write after --n > 1 or --beam-width > 0 forks and to a --trace's prefix "
+         "hits", "a generated workload, --n 1 and --beam-width 0 (nothing is copied)"),
     )
+
+
+def unused_flags(args) -> dict:
+    """Each flag dest that does nothing in the run ``args`` describes -> (where it applies,
+    what this run chose instead), from the first rule of ``_applies_where`` that leaves it
+    nothing to do; ``vmemkv sweep`` reads its points' keys through it too."""
+    unused: dict = {}
+    for dests, applies, where, chosen in _applies_where(args):
+        if not applies:
+            for dest in dests:
+                unused.setdefault(dest, (where, chosen))
+    return unused
 
 
 def check_applies(args) -> None:
@@ -90,8 +112,8 @@ def check_applies(args) -> None:
     be accepted and ignored (docs/usage.md: refused, not ignored): ConfigError naming it, what it
     applies to and what this run chose instead."""
     given = vars(args).get("given", ())
-    for dests, applies, where, chosen in _applies_where(args):
-        for dest in (d for d in dests if d in given and not applies):
+    for dest, (where, chosen) in unused_flags(args).items():
+        if dest in given:
             value = getattr(args, dest)
             shown = f" {value:g}" if isinstance(value, float) else (
                 f" {value}" if isinstance(value, (int, str)) else "")

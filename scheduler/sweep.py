@@ -16,11 +16,12 @@ A spec is TOML (``.toml``) or JSON (``.json``) with two tables:
 Keys (``PARAMS``, defaults as ``vmemkv simulate``'s): policy, model, gpu, cache_gb, block_size,
 page_bytes, layout, watermark, watermark_scope, preemption, swap_gb, max_running,
 max_tokens_per_step, prefill_mfu, map_latency_us, paged_slowdown, max_len, requests, seed,
-workload_rng, arrival_rate, trace, rate_scale, max_requests. A key a point does not use
-(block_size for vmem, page_bytes and layout for the others; the generated workload's keys for a
-trace and the trace's for a generated workload) is normalised away, so the grid never runs the
-same simulation twice; a workload key no point uses, a key in both tables and a value a grid
-list repeats (4 and 4.0) are refused (``sweep_spec.py``). A trace file's row carries its resolved
+workload_rng, arrival_rate, trace, rate_scale, max_requests. A key a point does not use, by
+``vmemkv simulate``'s rules for its flag (``unused_keys``: block_size outside paged, swap_gb
+without swap preemption, the generated workload's keys for a trace, ...), is set to its default
+there (``normalise``), so the grid never runs the same simulation twice; a key no point uses
+(``check_used``), a key in both tables and a value a grid list repeats (4 and 4.0) are
+refused (``sweep_spec.py``). A trace file's row carries its resolved
 path and sha256 (``trace_path``, ``trace_sha256``). ``run_point`` is a plain top-level function
 of a dict, so a process pool or a Ray cluster can run it.
 
@@ -31,20 +32,100 @@ themselves, so the interrupt reaches only the parent, which ends them).
 """
 from __future__ import annotations
 
+import argparse
+import itertools
 import os
 import signal
 from typing import Callable, Dict, Iterable, List, Optional
 
+from .cli_checks import unused_flags
 from .errors import ConfigError
 from .sim_memory import set_concurrent_simulations
 from .simulator import simulate
-from .sweep_spec import (DEFAULT_MAX_POINTS, PARAMS, count_points, expand, load_spec,  # noqa: F401
-                         point_key, point_params, sim_config, unit_tokens, used_params,
+from .sweep_spec import (DEFAULT_MAX_POINTS, PARAMS, TRACE_ID, TRACE_ONLY,  # noqa: F401
+                         check_point, check_size, check_spec, count_points, load_spec, normal,
+                         point_key, point_params, sim_config, trace_ids, unit_tokens,
                          workload_spec)
 from .traces import fit_to_length, load_trace
 from .workload import generate
 
 OnDone = Callable[[dict], None]
+# a key's ``vmemkv simulate`` flag (its dest), where the names differ; and the flags
+# ``check_applies``' rules read that no sweep key sets, at simulate's defaults
+FLAG_DEST = {"model": "model_preset", "page_bytes": "page_size"}
+SIMULATE_ONLY = {"lora_adapters": 0, "beam_width": 0, "n": 1, "find_max_rate": False,
+                 "seeds": None}
+
+
+def expand(spec: dict, max_points: int = DEFAULT_MAX_POINTS) -> List[dict]:
+    """Every point of the grid (full parameter dicts, each key a point does not use set to its
+    default: ``normalise``; duplicates dropped), in grid order; the grid's size is bounded
+    first, a key no point uses is refused (``check_used``), then each point is checked
+    (``sweep_spec.check_point``) before anything runs."""
+    check_spec(spec)
+    check_size(spec, max_points)
+    keys = list(spec["grid"])
+    traces = trace_ids(spec)                  # each trace file read once, not once per point
+    points, seen, used, where = [], set(), set(), {}
+    for values in itertools.product(*(spec["grid"][k] for k in keys)):
+        point = {**PARAMS, **spec["base"], **dict(zip(keys, values))}
+        point["page_bytes"] = normal("page_bytes", point["page_bytes"])     # "2MiB": bytes
+        unused = normalise(point)
+        used.update(k for k in PARAMS if k not in unused)
+        where.update(unused)
+        point.update(traces.get(point["trace"], dict.fromkeys(TRACE_ID)))
+        frozen = point_key(point)
+        if frozen not in seen:
+            seen.add(frozen)
+            points.append((point, dict(zip(keys, values))))
+    check_used(spec, used, where)
+    built: set = set()
+    for point, label in points:
+        check_point(point, label, built)
+    return [point for point, _ in points]
+
+
+def unused_keys(point: dict) -> Dict[str, str]:
+    """Each key that does nothing at ``point`` -> where it applies: ``vmemkv simulate``'s rules
+    for the key's flag (``cli_checks.unused_flags``: swap_gb without swap preemption, layout
+    outside vmem, a generated workload's keys with a trace, ...), and the trace's keys
+    (``TRACE_ONLY``) without one."""
+    flags = {FLAG_DEST.get(k, k): point[k] for k in PARAMS}
+    unused = unused_flags(argparse.Namespace(**SIMULATE_ONLY, **flags))
+    keys = {k: unused[FLAG_DEST.get(k, k)][0] for k in PARAMS if FLAG_DEST.get(k, k) in unused}
+    if point["trace"] is None:
+        keys.update(dict.fromkeys(TRACE_ONLY, "to a trace"))
+    return keys
+
+
+def normalise(point: dict) -> Dict[str, str]:
+    """Set each key ``point`` does not use to its default, so equal simulations have equal keys
+    and rows, until none is left (a default can leave another key unused: watermark_scope for
+    a reserve policy at watermark 0, then the watermark); ``unused_keys`` of the point as given."""
+    unused = unused_keys(point)
+    while True:
+        changed = {k: PARAMS[k] for k in unused_keys(point) if point[k] != PARAMS[k]}
+        if not changed:
+            return unused
+        point.update(changed)
+
+
+def check_used(spec: dict, used: set, where: Dict[str, str]) -> None:
+    """ConfigError naming each key the spec gives that no point uses, and where it applies
+    (``vmemkv simulate`` refuses its flag in each of those runs; the points would be one
+    simulation under several labels). A key some points use is kept at those and set to its
+    default at the others (their rows say so)."""
+    given = [f"{table}.{key} applies {where[key]}" for table in ("base", "grid")
+             for key in spec[table] if key not in used]
+    if given:
+        raise ConfigError(f"{'; '.join(given)}: no point of the grid is such a run, so it "
+                          f"would do nothing; leave it out")
+
+
+def used_params(point: dict) -> List[str]:
+    """The parameters that matter to the point (PARAMS less its ``unused_keys``)."""
+    unused = unused_keys(point)
+    return [k for k in PARAMS if k not in unused]
 
 
 def entries_of(point: dict) -> list:

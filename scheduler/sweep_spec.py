@@ -1,4 +1,4 @@
-"""A sweep spec: its file, every value's type and range, the grid's size and its points.
+"""A sweep spec: its file, every value's type and range, the grid's size, each point's checks.
 
 A spec is TOML (``.toml``) or JSON (``.json``) with two tables, ``[base]`` (values every point
 shares) and ``[grid]`` (lists; every combination is one point); the format is in
@@ -9,9 +9,10 @@ workload keys that apply to no point are refused (``check_workload_keys``: they 
 simulation under several labels), and ``count_points`` bounds the grid before anything is
 expanded. A key in both tables is refused (the grid would silently win), and so is a grid list
 that repeats a value (``4`` and ``4.0`` GB are one simulation: float keys are keyed as floats,
-sizes in bytes; the point keeps the value as given). Each point is then checked as ``vmemkv
-simulate`` checks its flags: the SimConfig, the generated workload, the deployment
-(``sim_config.check_deployment``) and its memory manager, built once per distinct SimConfig.
+sizes in bytes; the point keeps the value as given). Each point (``sweep.expand``) is then
+checked as ``vmemkv simulate`` checks its flags: the SimConfig, the generated workload, the
+deployment (``sim_config.check_deployment``) and its memory manager, built once per distinct
+SimConfig.
 A point that replays a trace file is keyed by the file's resolved path and the sha256 of its
 bytes (``TRACE_ID``, read once per file per sweep), so ``--resume`` runs again the points of a
 trace that changed.
@@ -19,14 +20,13 @@ trace that changed.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import math
 import os
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from .cliargs import parse_bytes
 from .errors import ConfigError
@@ -53,12 +53,6 @@ PARAMS: Dict[str, object] = {
 GENERATED_ONLY = ("requests", "arrival_rate", "seed", "workload_rng")   # a generated workload's
 TRACE_ONLY = ("rate_scale", "max_requests")                              # a trace's
 TRACE_ID = ("trace_path", "trace_sha256")   # a trace point's file, in its key and its row
-# keys a point does not use, normalised away (a spec where no point uses one is refused)
-_UNUSED = {"block_size": lambda p: p["policy"] != "paged",
-           "page_bytes": lambda p: p["policy"] != "vmem",
-           "layout": lambda p: p["policy"] != "vmem",
-           **{k: lambda p: p["trace"] is not None for k in GENERATED_ONLY},
-           **{k: lambda p: p["trace"] is None for k in TRACE_ONLY}}
 DEFAULT_MAX_POINTS = 10_000
 
 
@@ -231,30 +225,6 @@ def check_size(spec: dict, max_points: int) -> None:
                           f"{max_points:,}; split it or raise --max-points")
 
 
-def expand(spec: dict, max_points: int = DEFAULT_MAX_POINTS) -> List[dict]:
-    """Every point of the grid (full parameter dicts, normalised, duplicates dropped), in
-    grid order; the grid's size is bounded first, then each point is checked (SimConfig)
-    before anything runs."""
-    check_spec(spec)
-    check_size(spec, max_points)
-    keys = list(spec["grid"])
-    traces = trace_ids(spec)                  # each trace file read once, not once per point
-    points, seen, built = [], set(), set()
-    for values in itertools.product(*(spec["grid"][k] for k in keys)):
-        point = {**PARAMS, **spec["base"], **dict(zip(keys, values))}
-        point["page_bytes"] = normal("page_bytes", point["page_bytes"])     # "2MiB": bytes
-        for key, unused in _UNUSED.items():
-            if unused(point):
-                point[key] = PARAMS[key]
-        point.update(traces.get(point["trace"], dict.fromkeys(TRACE_ID)))
-        frozen = point_key(point)
-        if frozen not in seen:
-            seen.add(frozen)
-            check_point(point, dict(zip(keys, values)), built)
-            points.append(point)
-    return points
-
-
 def check_point(point: dict, label: dict, built: set) -> None:
     """What ``vmemkv simulate`` checks before it runs: the SimConfig, the generated workload,
     the deployment, the memory manager (built, as ``simulate`` builds it before its first
@@ -372,8 +342,3 @@ def unit_tokens(point: dict) -> Optional[int]:
         return PageGeometry.of(config.model_spec, config.page_bytes,
                                config.resolved_layout).tokens_per_page
     return None
-
-
-def used_params(point: dict) -> List[str]:
-    """The parameters that matter to the point's policy (PARAMS less the normalised ones)."""
-    return [k for k in PARAMS if not (k in _UNUSED and _UNUSED[k](point))]
