@@ -207,7 +207,8 @@ def _deployment_flags(m) -> None:
                    action=Given,
                    help="vmem: prefix hits in blocks of N tokens whatever a page holds, the "
                         "hit's part of a page copied into the new sequence's page (0: whole "
-                        "page groups only)")
+                        "page groups only; with a --trace: a generated workload shares no "
+                        "prefix)")
     m.add_argument("--prefix-eviction", choices=EVICTION_POLICIES, default=DEFAULT_EVICTION,
                    action=Given,
                    help="paged, vmem: keep computed prompt prefixes after their requests end "

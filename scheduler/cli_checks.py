@@ -84,7 +84,8 @@ def _applies_where(args) -> tuple:
          as_policy),
         # a generated workload's prompts share nothing (no hash ids: prefix sharing stays off,
         # simulator._sharing_config), so nothing is kept for eviction and no prefix hit copied
-        (("prefix_eviction",), bool(args.trace), "to a --trace whose requests name their "
+        (("prefix_eviction", "prefix_block_tokens"), bool(args.trace), "to a --trace whose "
+         "requests name their "
          "prompt blocks (hash ids: the prefixes shared)", "a generated workload (its prompts "
          "share no prefix, --n and --beam-width forks included)"),
         (("copy_gbps",), not reserve, "to --policy paged, vmem and module:Class (their copy "

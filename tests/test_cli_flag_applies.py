@@ -32,6 +32,8 @@ IGNORED = [
     (SIM + ["--page-bytes", "64KiB"], "--page-size 65536"),
     (SIM + ["--map-latency-us", "5"], "--map-latency-us 5"),
     (SIM + ["--prefix-block-tokens", "32"], "--prefix-block-tokens 32"),
+    (SIM + ["--policy", "vmem", "--prefix-block-tokens", "32"],     # nothing shared without a
+     "--prefix-block-tokens 32"),                                   # trace's hash ids
     (SIM + ["--policy", "reserve-oracle", "--prefix-eviction", "hits"], "--prefix-eviction hits"),
     (TRACE + ["--requests", "7"], "--requests 7"),                  # the trace's own requests
     (TRACE + ["--arrival-rate", "3"], "--arrival-rate 3"),
@@ -64,9 +66,8 @@ APPLIED = [
      {"lora_zipf": 0.5, "h2d_gbps": 10.0}),
     (["--beam-width", "2", "--beam-skew", "0.5"], {"beam_skew": 0.5}),
     (["--policy", "vmem", "--page-bytes", "64KiB", "--layout", "interleaved", "--watermark",
-      "0.05", "--prefix-block-tokens", "32", "--map-latency-us", "5"],
-     {"page_size_bytes": 65536, "layout": "interleaved", "prefix_block_tokens": 32,
-      "map_latency_us": 5.0}),
+      "0.05", "--map-latency-us", "5"],
+     {"page_size_bytes": 65536, "layout": "interleaved", "map_latency_us": 5.0}),
     (["--policy", "reserve-max", "--watermark", "0.05", "--watermark-scope", "all"],
      {"watermark": 0.05, "watermark_scope": "all"}),
 ]
@@ -78,3 +79,12 @@ def test_the_same_flags_are_accepted_where_they_apply(extra, echoed, capsys):
     assert main(SIM + extra) == 0, capsys.readouterr().err
     config = json.loads(capsys.readouterr().out)["config"]
     assert {key: config[key] for key in echoed} == echoed
+
+
+def test_the_prefix_flags_are_accepted_with_a_trace_that_shares_prefixes(capsys):
+    argv = ["simulate", "--trace", "mooncake-conversation", "--max-requests", "5", "--cache-gb",
+            "2", "--no-progress", "--json", "--policy", "vmem", "--prefix-block-tokens", "32",
+            "--prefix-eviction", "hits"]
+    assert main(argv) == 0, capsys.readouterr().err
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert (config["prefix_block_tokens"], config["prefix_eviction"]) == (32, "hits")

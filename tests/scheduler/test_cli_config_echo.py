@@ -33,12 +33,10 @@ def test_every_flag_that_shapes_a_generated_run_is_echoed(capsys):
         "prompt_p95_tokens": 900.0, "copy_gbps": 800.0, "paged_slowdown": 1.2,
         "rate_scale": None, "max_requests": None}      # --trace's: not this run's
     vmem = config_of(["--requests", "12", "--policy", "vmem", "--map-latency-us", "5",
-                      "--prefix-block-tokens", "32", "--page-size", "64KiB",
-                      "--beam-width", "2", "--beam-skew", "0.5"], capsys)
-    assert {k: vmem[k] for k in ("map_latency_us", "prefix_block_tokens", "page_size_bytes",
-                                 "beam_width", "beam_skew")} == {
-        "map_latency_us": 5.0, "prefix_block_tokens": 32, "page_size_bytes": 64 * 2**10,
-        "beam_width": 2, "beam_skew": 0.5}
+                      "--page-size", "64KiB", "--beam-width", "2", "--beam-skew", "0.5"], capsys)
+    assert {k: vmem[k] for k in ("map_latency_us", "page_size_bytes", "beam_width",
+                                 "beam_skew")} == {
+        "map_latency_us": 5.0, "page_size_bytes": 64 * 2**10, "beam_width": 2, "beam_skew": 0.5}
     assert "page_size" not in vmem                    # bytes, under a name that says so
 
 
