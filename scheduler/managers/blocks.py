@@ -9,6 +9,11 @@ leading blocks of a group's page: block b of the group at page index p of a sequ
                                                  chain), or the namespace root for p = 0
 
 (T tokens a page, B a block), so equal digests name equal whole prefixes up to that block. A
+prompt reaches page p's blocks only through whole-page hits on pages 0..p-1, so an entry of a
+page p > 0 is chained on the registration of digest(p-1) (prefix.py): it goes when that
+registration goes (``drop_chained_on``, from ``drop_cached_chain``), as the registrations below
+it do, and a group's last holder drops one published while no registration held its parent
+(``drop_orphaned``). So a cached group's blocks are blocks some prompt can hit. A
 hit copies those tokens from the group into the new sequence's own page (``CopyExtent`` with
 ``num_tokens``): shared pages are never written by a sequence that does not own all their
 tokens. An entry keeps the parent digest and the ids it was built from, and a match checks
@@ -36,7 +41,8 @@ from typing import NamedTuple, Optional
 
 from .journal import JDict, TxnCell, journaled
 from .ops import CopyExtent
-from .prefix import TOKEN_BYTES, HeldSeq, namespace_root, token_bytes
+from .prefix import (TOKEN_BYTES, HeldSeq, add_child, discard_child, namespace_root,
+                     token_bytes)
 
 
 class GroupBlocks(NamedTuple):
@@ -54,13 +60,15 @@ class BlockIndex:
 
     Guarantees: ``match`` returns only groups whose parent digest and ids equal the query's
     for every block matched; ``publish`` only extends a group's entry (same parent, ids that
-    start with what it held); ``drop`` of a group with no entry is a no-op."""
+    start with what it held); ``drop`` of a group with no entry is a no-op; an entry published
+    as ``chained`` (a page after the first) is named in ``chained_on`` under its parent."""
 
     def __init__(self, block_tokens: int, cell: Optional[TxnCell] = None) -> None:
         self.block_tokens = block_tokens
         self._cell = TxnCell() if cell is None else cell
         self.by_digest: dict = JDict(self._cell)    # digest -> tuple of groups
         self.by_group: dict = JDict(self._cell)     # group -> GroupBlocks
+        self.chained_on: dict = JDict(self._cell)   # page digest -> JSet of groups after it
 
     def journaled_fields(self) -> bool:
         return all(journaled(v) for v in vars(self).values())
@@ -69,11 +77,12 @@ class BlockIndex:
         entry = self.by_group.get(group)
         return 0 if entry is None else len(entry.digests)
 
-    def publish(self, group: int, parent: bytes, tokens: bytes) -> None:
+    def publish(self, group: int, parent: bytes, tokens: bytes, chained: bool = False) -> None:
         """``group``'s page holds ``tokens`` (int64 bytes, from the page's first token) after
-        ``parent``: index its whole blocks not indexed yet. A group indexed under another
-        parent or other ids is left as it is (its entry was dropped before any rewrite, so
-        this cannot happen; checked by ``check``'s callers)."""
+        ``parent`` (``chained``: a page's digest, else a namespace root): index its whole
+        blocks not indexed yet. A group indexed under another parent or other ids is left as
+        it is (its entry was dropped before any rewrite, so this cannot happen; checked by
+        ``check``'s callers)."""
         width = self.block_tokens * TOKEN_BYTES
         entry = self.by_group.get(group)
         old = 0 if entry is None else len(entry.digests)
@@ -91,6 +100,8 @@ class BlockIndex:
             digests.append(digest)
             self.by_digest[digest] = self.by_digest.get(digest, ()) + (group,)
         self.by_group[group] = GroupBlocks(parent, tokens[:new * width], tuple(digests), state)
+        if chained and entry is None:
+            add_child(self.chained_on, self._cell, parent, group)
 
     def publish_pages(self, seq, first_page: int, computed_tokens: int, tokens_per_page: int,
                       root: bytes) -> None:
@@ -104,7 +115,7 @@ class BlockIndex:
             if g is None or (p and len(seq.keys) < p) or n <= self.blocks_of(g) * bt:
                 continue
             parent = seq.keys[p - 1].digest if p else root
-            self.publish(g, parent, token_bytes(ids[p * tpp:p * tpp + n]))
+            self.publish(g, parent, token_bytes(ids[p * tpp:p * tpp + n]), chained=p > 0)
 
     def match_page(self, keys: list, ids: list, page: int, limit_tokens: int,
                    tokens_per_page: int, root: bytes) -> tuple:
@@ -139,6 +150,8 @@ class BlockIndex:
         entry = self.by_group.pop(group, None)
         if entry is None:
             return
+        if group in self.chained_on.get(entry.parent, ()):
+            discard_child(self.chained_on, entry.parent, group)
         for digest in entry.digests:
             rest = tuple(g for g in self.by_digest[digest] if g != group)
             if rest:
@@ -146,11 +159,29 @@ class BlockIndex:
             else:
                 del self.by_digest[digest]
 
+    def drop_chained_on(self, digest: bytes) -> list:
+        """Forget the blocks of every group chained on the page registration ``digest`` names
+        (it went: no prompt reaches them now); returns those groups, lowest first."""
+        groups = sorted(self.chained_on.get(digest, ()))
+        for group in groups:
+            self.drop(group)
+        return groups
+
+    def drop_orphaned(self, group: int, registered) -> None:
+        """Forget ``group``'s blocks if they are chained on a page digest not in
+        ``registered`` (published after that page's registration went: none reaches them)."""
+        entry = self.by_group.get(group)
+        if entry is not None and entry.parent not in registered and \
+                group in self.chained_on.get(entry.parent, ()):
+            self.drop(group)
+
     def check(self) -> None:
-        """Both maps agree."""
+        """The maps agree; ``chained_on`` names only entries under their own parent."""
         for group, entry in self.by_group.items():
             for digest in entry.digests:
                 assert group in self.by_digest.get(digest, ()), (group, digest)
+        for parent, groups in self.chained_on.items():
+            assert groups and all(self.by_group[g].parent == parent for g in groups), parent
         for digest, groups in self.by_digest.items():
             assert groups and len(set(groups)) == len(groups), (digest, groups)
             for g in groups:

@@ -181,19 +181,23 @@ class ChainedPrefixIndex(PrefixIndex):
     def drop(self, unit: int) -> list:
         """Forget ``unit``'s registration and every one chained below it; returns the units
         below it whose registrations went, nearest first ([] when ``unit`` had none)."""
+        return [reg.unit for reg in self.drop_chain(unit)[1:]]
+
+    def drop_chain(self, unit: int) -> list:
+        """As ``drop``; returns every registration that went, ``unit``'s first, then those
+        below it nearest first ([] when ``unit`` had none)."""
         reg = self.by_unit.get(unit)
         if reg is None:
             return []
         super().drop(unit)
         if reg.parent_serial is not None:
             discard_child(self.children, reg.parent_serial, unit)
-        below, serials = [], [reg.serial]
-        for serial in serials:                        # (grows as it goes: breadth first)
-            for child in sorted(self.children.pop(serial, ())):
-                serials.append(self.by_unit[child].serial)
+        gone = [reg]
+        for dropped in gone:                          # (grows as it goes: breadth first)
+            for child in sorted(self.children.pop(dropped.serial, ())):
+                gone.append(self.by_unit[child])
                 PrefixIndex.drop(self, child)         # (its parent's entry went just above)
-                below.append(child)
-        return below
+        return gone
 
     def check(self) -> None:
         super().check()
@@ -206,11 +210,20 @@ class ChainedPrefixIndex(PrefixIndex):
 
 
 def drop_cached_chain(index: ChainedPrefixIndex, unit: int, refs: list, cache,
-                      give_back) -> None:
-    """Drop ``unit``'s registration and those below it (``index.drop``); each unit below that
-    nobody holds (``refs``) was cached only to be found: it leaves ``cache`` (the eviction
-    policy) and goes to ``give_back``, the manager's place for units without content."""
-    for below in index.drop(unit):
+                      give_back, followers=None) -> None:
+    """Drop ``unit``'s registration and those below it (``index.drop``), and what
+    ``followers`` (vmem's BlockIndex; None: nothing else) chained on any of them
+    (``drop_chained_on``). Each unit left with nothing findable (below, or every block gone)
+    that nobody holds (``refs``) was cached only to be found: it leaves ``cache`` (the
+    eviction policy) and goes to ``give_back``, the manager's place for units without content."""
+    if followers is None:
+        unreachable = index.drop(unit)
+    else:
+        gone = index.drop_chain(unit)
+        unreachable = [reg.unit for reg in gone[1:]] + [
+            u for reg in gone for u in followers.drop_chained_on(reg.key.digest)
+            if u not in index.by_unit]                # (one still registered stays findable)
+    for below in dict.fromkeys(unreachable):          # (a unit below may follow its parent)
         if not refs[below]:
             cache.remove(below)
             cache.forget(below)

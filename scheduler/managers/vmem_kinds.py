@@ -315,7 +315,7 @@ class KindRules:
         """The cached group the policy names, its content forgotten (registration, blocks);
         the cached groups chained below it can no longer be reached: given back with it."""
         g = self._cache.pop()
-        drop_cached_chain(self.prefix, g, self._refs, self._cache, self._unheld)
+        drop_cached_chain(self.prefix, g, self._refs, self._cache, self._unheld, self.blocks)
         self._forget_blocks(g)
         return g
 
@@ -327,6 +327,8 @@ class KindRules:
 
     # -- the release rule --
     def _unhold(self, g: int) -> None:
+        if self._refs[g] == 1 and self.blocks is not None:   # cached next: reachable blocks only
+            self.blocks.drop_orphaned(g, self.prefix.by_digest)
         super()._unhold(g)
         if self._win and self._refs[g] and g not in self._partial and \
                 self._win_drop[g] == self._refs[g]:
@@ -358,13 +360,12 @@ class KindRules:
                 self._release_window(g)
 
     def _release_window(self, g: int) -> None:
-        """No holder reads g's windowed kinds: unmap its whole mappings (none is a holder's)
-        and give their pages back; the group can no longer serve a prefix hit, nor can any
-        registered below it (``drop_cached_chain``): the cached ones among those are given back."""
+        """No holder reads g's windowed kinds: unmap its whole mappings (none is a holder's),
+        give their pages back; no prompt reaches it, nor below it (``drop_cached_chain``)."""
         for slot, pi in sorted(self.slots.maps[g]):
             if pi >= self._win_gone[slot]:
                 self._unmap(slot, pi)
-        drop_cached_chain(self.prefix, g, self._refs, self._cache, self._unheld)
+        drop_cached_chain(self.prefix, g, self._refs, self._cache, self._unheld, self.blocks)
         self._cache.forget(g)
         self._partial.add(g)
         for k in self._win:
