@@ -73,10 +73,12 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
         return Response(status_code=200)
 
     def model_objects() -> list:
+        """The served model, then each adapter loaded as this reads (adapter_limits: one
+        the engine thread unloads meanwhile is left out)."""
         base = {"object": "model", "created": created, "owned_by": "vmemkv"}
         return [{"id": served.name, **base, "max_model_len": served.model_limit()}] + [
-            {"id": name, **base, "max_model_len": served.model_limit(name), "parent": served.name}
-            for name in served.loras()]
+            {"id": name, **base, "max_model_len": limit, "parent": served.name}
+            for name, limit in served.adapter_limits().items()]
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -86,8 +88,7 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
     async def model(model_id: str) -> Response:
         found = next((m for m in model_objects() if m["id"] == model_id), None)
         if found is None:
-            return _error(ApiError(404, f"model {model_id!r} is not served here; this server "
-                                        f"serves {[served.name] + served.loras()}", "model"))
+            return _error(served.not_served(model_id, 404))
         return JSONResponse(found)
 
     @app.get("/metrics")

@@ -9,7 +9,7 @@ rides on each choice's first chunk.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from vmemkv.runtime.engine.errors import RequestRejectedError
 from vmemkv.runtime.engine.prompts import is_unicode_text
@@ -22,6 +22,15 @@ from .logprobs_format import (TextOffsets, TokenStrings, completion_logprobs, ec
                               merge_completion_logprobs)
 from .protocol import CompletionRequest
 from .submission import Choice, Delta, Submission
+
+
+class ModelNotServedError(ApiError):
+    """``model`` names neither the served model nor a loaded adapter: 400 naming ``model``
+    (404 for ``GET /v1/models/{model}``). ``served_ids``: what the server serves now."""
+
+    def __init__(self, model: str, served_ids: List[str], status: int = 400) -> None:
+        super().__init__(status, f"model {model!r} is not served here; this server serves "
+                                 f"{served_ids}", "model")
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,8 @@ class ServedModel:
     max_sequence_tokens: int   # prompt + max_tokens any request may ask for: max_model_len
     max_n: int                 # choices per request: the engine's max_batch
     loras: Callable[[], List[str]] = list   # the engine's adapter names, read at each request
+    #   (the engine thread may unload one at any moment after: ``fit`` then raises
+    #   ModelNotServedError, the 400 ``check_model`` gives a name not loaded)
     trust_request_chat_template: bool = False   # ServeLimits'
     max_requests: int = 256    # engine requests in flight at most: the server's --max-queue
     eos_ids: Tuple[int, ...] = ()   # the engine's: stop ids unless ignore_eos
@@ -60,6 +71,12 @@ class ServedModel:
     def of(cls, engine, name: str, limits=None, max_requests: int = 256) -> "ServedModel":
         sched, mgr = engine.scheduler, engine.scheduler.manager
 
+        def adapter_ref(adapter: str):
+            try:
+                return engine.adapters.ref(adapter)
+            except RequestRejectedError:   # unloaded on the engine thread since check_model
+                raise ModelNotServedError(adapter, [name] + engine.loras) from None
+
         def fit(prompt_tokens: int, adapter: Optional[str] = None) -> int:
             # the cache at max_cache_bytes: a request that fits only once /resize grows it
             # is a 503; a windowed model's layers give memory back, so its limit is per prompt
@@ -67,7 +84,7 @@ class ServedModel:
             if adapter is None:
                 most = sched.fit_tokens(prompt_tokens)[1]
             else:
-                most = adapter_fit_tokens(prompt_tokens, engine.adapters.ref(adapter), mgr,
+                most = adapter_fit_tokens(prompt_tokens, adapter_ref(adapter), mgr,
                                           mgr.max_cache_bytes)
             return min(x for x in (sched.max_seq_len, most) if x)
 
@@ -111,14 +128,30 @@ class ServedModel:
             return self.max_sequence_tokens
         return any_prompt_limit(lambda p: self.fit(p, adapter))
 
+    def adapter_limits(self) -> Dict[str, int]:
+        """Each loaded adapter's ``model_limit``, by name; one the engine thread unloads while
+        this reads is left out (as a read a moment later would leave it)."""
+        limits = {}
+        for adapter in self.loras():
+            try:
+                limits[adapter] = self.model_limit(adapter)
+            except ModelNotServedError:
+                continue
+        return limits
+
+    def not_served(self, model: str, status: int = 400) -> ModelNotServedError:
+        """The error for a ``model`` that names nothing served here (the served ids now)."""
+        return ModelNotServedError(model, [self.name] + self.loras(), status)
+
     def check_model(self, model: Optional[str]) -> Optional[str]:
-        """The LoRA adapter ``model`` names (None: the base model), or ApiError 400."""
+        """The LoRA adapter ``model`` names (None: the base model), or ModelNotServedError 400.
+        The adapter may be unloaded right after: the limits then raise the same 400 (``fit``),
+        or the engine refuses the request (400 naming ``model``: Submission.started)."""
         if model is None or model == self.name:
             return None
         if model in self.loras():
             return model
-        raise ApiError(400, f"model {model!r} is not served here; this server serves "
-                            f"{[self.name] + self.loras()}", "model")
+        raise self.not_served(model)
 
     def engine_params(self, params, model: Optional[str]):
         """``params`` as the engine will run them (``with_adapter``), or ApiError 400 naming
