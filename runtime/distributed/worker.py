@@ -39,7 +39,13 @@ import torch.distributed as dist
 
 from vmemkv.runtime.errors import CacheTooLargeError, NonFiniteKVError, PlanExecutionError
 
+# build_rank's imports (LoRA's among them) at module level: the rank server imports this module
+# (group.rank_context), so a rank forked from it finds them loaded
+from vmemkv.runtime.attention import get_backend
 from vmemkv.runtime.engine.errors import TensorParallelError
+from vmemkv.runtime.engine.model_runner import ModelRunner
+from vmemkv.runtime.kv import make_kv
+from vmemkv.runtime.lora.executor import AdapterExecutor
 from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.plan import EvictAdapter, LoadAdapter
 from .group import (RankGroup, init_group, leave_group, open_activation_group, take_std_streams,
@@ -188,10 +194,6 @@ def build_rank(payload: TPPayload, group: RankGroup, model, device: torch.device
     sliced, activations summed over ``group``) on a cache built exactly as every other rank
     builds its own, on ``device`` (``driver``: this rank's vmem driver; None: the cache opens
     its own, ``vmem.open_driver("cuda", device.index)`` on a GPU)."""
-    from vmemkv.runtime.attention import get_backend
-    from vmemkv.runtime.engine.model_runner import ModelRunner
-    from vmemkv.runtime.kv import make_kv
-    from vmemkv.runtime.lora.executor import AdapterExecutor
     shard = shard_model(model, group.rank, group.world, group.all_reduce_,
                         copy_first=group.rank == 0, device=device)
     check_rank_memory(group.rank, payload.kv_options.get("cache_bytes"), device)
