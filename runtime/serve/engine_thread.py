@@ -17,11 +17,15 @@ every live request, logs the error and goes on).
 Sleep: from the moment ``sleep`` is called until a ``wake_up`` has run, ``submit`` refuses with
 EngineAsleepError (503 + Retry-After); requests queued before keep waiting (the engine runs no
 step while asleep, and this thread waits for a command as when idle, never spinning) and are
-served after the wake-up.
+served after the wake-up (a ``wake_up`` queued before the ``sleep`` does not count).
+
+Every ``Ended`` reaches its sink after the gauges and ``max_pending_requests`` count its request
+gone: a client answered on it finds the request gone from /metrics and from the queue.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -42,6 +46,7 @@ if TYPE_CHECKING:
     from .submission import ResponseBudget
 
 log = logging.getLogger("vmemkv.serve")
+STOP_WARNING_S = 10.0   # stop(): one warning line when the step under way lasts past this
 
 
 @dataclass(frozen=True)
@@ -104,9 +109,10 @@ class EngineThread:
         self._lock = threading.Lock()
         self._pending = 0                     # accepted and not yet ended (guarded by _lock)
         self._asleep = False                  # asleep or going to sleep (guarded by _lock)
+        self._sleeps_queued = 0               # sleep() calls not yet run (guarded by _lock)
         self._closed = False                  # no more commands are run (guarded by _lock)
         self._live: Dict[int, _Live] = {}     # engine thread only
-        self._ends_held: Optional[list] = None   # inside a step: the ends it made, held
+        self._ends_held: Optional[list] = None   # in a step or a drain: its ends, held
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="vmemkv-engine", daemon=True)
 
@@ -130,12 +136,21 @@ class EngineThread:
         self._refresh_gauges()
         self._thread.start()
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Abort every live request (each gets Ended("aborted")) and join the thread."""
+    def stop(self, warn_after_s: float = STOP_WARNING_S) -> None:
+        """Abort every live request (each gets Ended("aborted")) and join the thread: once this
+        returns nothing is inside the engine, which its owner may close. A step under way is
+        not cut short (its forward uses the cache): stop waits for it, with one warning line
+        after ``warn_after_s`` (a step is bounded by its forward; under tensor parallelism a
+        hung rank fails it after ``EngineConfig.tp_timeout_s``)."""
         self._stopping = True
         self._wake.set()
+        if not self._thread.is_alive():
+            return
+        self._thread.join(warn_after_s)
         if self._thread.is_alive():
-            self._thread.join(timeout_s)
+            log.warning("the engine thread is still inside a step %g s after stop; waiting for "
+                        "the step to end before the engine may be closed", warn_after_s)
+            self._thread.join()
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink,
                arrival_s: float, index: int = 0) -> Future:
@@ -173,32 +188,37 @@ class EngineThread:
         """``Engine.sleep()`` between steps (the future: the bytes given back). New requests are
         refused (EngineAsleepError) from now on, until ``wake_up`` has run; if the sleep fails
         (a paged cache cannot give its memory back), they are taken again."""
-        return self._enqueue(self._settled(lambda engine: engine.sleep()), asleep=True)
+        return self._enqueue(self._settled(lambda engine: engine.sleep(), sleep=True), sleep=True)
 
     def wake_up(self) -> Future:
         """``Engine.wake()`` between steps (the future: the cache bytes after); new requests
         are taken once it has run."""
         return self._enqueue(self._settled(lambda engine: engine.wake()))
 
-    def _enqueue(self, work, asleep: bool = False) -> Future:
+    def _enqueue(self, work, sleep: bool = False) -> Future:
         self._check_running()
         future: Future = Future()
         with self._lock:
             if self._closed:
                 raise _not_running()
-            self._asleep = self._asleep or asleep
+            if sleep:   # refused from now on, whatever runs before it (a queued wake_up)
+                self._sleeps_queued += 1
+                self._asleep = True
             self._commands.append(("call", work, future))
         self._wake.set()
         return future
 
-    def _settled(self, work):
-        """``work``, after which new requests are refused exactly while the engine sleeps."""
+    def _settled(self, work, sleep: bool = False):
+        """``work`` (``sleep``: a queued sleep's), after which new requests are refused exactly
+        while the engine sleeps or a sleep is still queued."""
         def run(engine):
             try:
                 return work(engine)
             finally:
                 with self._lock:
-                    self._asleep = engine.is_sleeping
+                    if sleep:
+                        self._sleeps_queued -= 1
+                    self._asleep = engine.is_sleeping or self._sleeps_queued > 0
         return run
 
     def _check_running(self) -> None:
@@ -207,19 +227,21 @@ class EngineThread:
 
     # ---- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stopping:
-            self._wake.clear()
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                self._drain_commands()
+                if self.engine.has_unfinished() and not self.engine.is_sleeping:
+                    self._step()
+                else:   # idle, or asleep with requests waiting: wait for a command or a request
+                    self._rebalance()
+                    self._wake.wait(self._idle_wait_s)
+        finally:   # even after an unexpected error: every request and command still ends
+            with self._lock:
+                self._closed = True   # a command from now on is refused, none waits forever
             self._drain_commands()
-            if self.engine.has_unfinished() and not self.engine.is_sleeping:
-                self._step()
-            else:   # idle, or asleep with requests waiting: wait for a command or a request
-                self._rebalance()
-                self._wake.wait(self._idle_wait_s)
-        with self._lock:
-            self._closed = True   # a command from now on is refused, none waits forever
-        self._drain_commands()
-        for request_id in list(self._live):
-            self._abort(request_id, "aborted")
+            for request_id in list(self._live):
+                self._abort(request_id, "aborted")
 
     def _rebalance(self) -> None:
         """An idle engine that shares a MemoryBudget gives its pages back after the budget's
@@ -233,15 +255,18 @@ class EngineThread:
             self._refresh_gauges()
 
     def _drain_commands(self) -> None:
-        while self._commands:
-            kind, payload, future = self._commands.popleft()
-            if kind == "add":
-                self._add(payload, future)
-            elif kind == "call":
-                self._call(payload, future)
-            else:
-                self._abort(payload, "aborted")
-        self._refresh_gauges()
+        """Every queued command; the ends of the requests it aborted reach their clients after
+        the gauges count them gone."""
+        with self._ends_after_gauges():
+            while self._commands:
+                kind, payload, future = self._commands.popleft()
+                if kind == "add":
+                    self._add(payload, future)
+                elif kind == "call":
+                    self._call(payload, future)
+                else:
+                    self._abort(payload, "aborted")
+            self._refresh_gauges()
 
     def _add(self, payload, future: Future) -> None:
         prompt_ids, params, sink, arrival_s, index = payload
@@ -274,8 +299,7 @@ class EngineThread:
     def _step(self) -> None:
         """One engine step. The ends of the requests it finished reach their clients after the
         gauges count them gone: a client that has its answer and reads /metrics sees them so."""
-        self._ends_held = []
-        try:
+        with self._ends_after_gauges():
             try:
                 self.engine.step()
             except Exception as error:   # noqa: BLE001 -- the server stays up; the log keeps it
@@ -288,6 +312,14 @@ class EngineThread:
                     return
             self._end_failed()
             self._refresh_gauges()
+
+    @contextlib.contextmanager
+    def _ends_after_gauges(self):
+        """The Ended items made inside are held (``_end``) and delivered on leaving, after
+        the gauge refresh that ends the block."""
+        self._ends_held = []
+        try:
+            yield
         finally:
             held, self._ends_held = self._ends_held, None
             for sink, item in held:
@@ -340,7 +372,7 @@ class EngineThread:
                                      live.finish_reasons)
         self._ended_unqueued()
         ended = Ended(status, error, alone, error_type, error_message)
-        if self._ends_held is not None:      # inside a step: after its gauges (_step)
+        if self._ends_held is not None:      # after the gauges (_ends_after_gauges)
             self._ends_held.append((live.sink, ended))
         else:
             _deliver(live.sink, ended)

@@ -7,13 +7,14 @@
 Stopping (``stop``, leaving the ``with``, SIGTERM or Ctrl-C on ``run``) closes the listening
 socket, lets the requests in flight run for ``limits.shutdown_timeout_s``, ends the rest (an
 error event and ``[DONE]`` for a stream, 503 for a JSON request: shutdown.py), aborts what is
-still live (its memory is released) and joins the engine thread; the engine itself stays open
-for its owner to close. Client limits (limits.py) and API keys (auth.py) are enforced in front
-of the app; a request whose response could pass ``limits.max_response_bytes`` is refused before
-it is queued (submission.py), and one past the responses all requests may hold at once
-(``max_response_memory_bytes``: submission.ResponseBudget) is a 503 + Retry-After. A
-connection whose client reads nothing of its answer for ``send_timeout_s`` (its transport
-stays write-paused) is dropped, its request aborted and its response's memory given back.
+still live (its memory is released) and joins the engine thread, after the step under way
+(``EngineThread.stop``); the engine itself stays open for its owner to close. Client limits
+(limits.py) and API keys (auth.py) are enforced in front of the app; a request whose response
+could pass ``limits.max_response_bytes`` is refused before it is queued (submission.py), and one
+past the responses all requests may hold at once (``max_response_memory_bytes``:
+submission.ResponseBudget) is a 503 + Retry-After. A connection whose client reads nothing of
+its answer for ``send_timeout_s`` (its transport stays write-paused) is dropped, its request
+aborted and its response's memory given back.
 """
 from __future__ import annotations
 

@@ -6,7 +6,10 @@ Choice ``prompt * n + sample`` is sample ``sample`` of prompt ``prompt`` (OpenAI
 text is the engine's (``TokenEvent.text``: incremental detokenization and stop strings, the
 same as ``Engine.generate``'s); without a tokenizer it is the token ids in decimal, space-
 separated. A submission that leaves early (the client disconnected) aborts every request still
-live on the engine thread, which releases its memory before the next step.
+live on the engine thread, which releases its memory before the next step. One answered with an
+error (a prompt refused or failed; the queue full part-way, which ``started`` raises) raises it
+once the requests it aborted have ended there: the client that has the error finds them gone
+(/metrics, ``--max-queue``).
 
 Before anything is queued, the response's worst case (``limits.check_response_bytes``: prompts x
 choices x max_tokens, plus each choice's echoed prompt with ``echo``, with or without logprobs)
@@ -105,26 +108,32 @@ class Submission:
         self._queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._futures = []
+        self._refused: Optional[ApiError] = None   # full part-way: raised by started()
         try:
             for i, ids in enumerate(prompts):
                 sink = (lambda item, i=i: loop.call_soon_threadsafe(self._queue.put_nowait, (i, item)))
                 self._futures.append(server.submit(ids, params, sink, arrival_s, index=i))
-        except ApiError:   # full (503) part-way: what was queued goes again
-            self.close()
+        except ApiError as error:   # full (503): what was queued goes again
             if self.reservation is not None:
                 self.reservation.release()
-            raise
+            if not self._futures:
+                raise
+            self._refused = error
 
     async def started(self) -> None:
-        """Wait until the engine has queued every request; ApiError 400 if it refused one."""
+        """Wait until the engine has queued every request; ApiError 400 if it refused one (503
+        if the queue was full part-way), once the others are aborted."""
+        if self._refused is not None:
+            await self._aborted()
+            raise self._refused
         try:
             for future in self._futures:
                 await asyncio.wrap_future(future)
         except CacheShrunkRequestError as error:
-            self.close()
+            await self._aborted()
             raise cache_shrunk(str(error)) from None
         except (RequestRejectedError, BeamSearchParamsError) as error:
-            self.close()
+            await self._aborted()
             if error.field == "lora":   # unloaded after the request was checked: its "model"
                 raise ApiError(400, str(error).replace("SamplingParams.lora", "model"),
                                "model") from None
@@ -135,26 +144,30 @@ class Submission:
         while self._live:
             prompt, item = await self._queue.get()
             if isinstance(item, Ended):
-                self._end(prompt, item)
+                error = self._end(prompt, item)
+                if error is not None:
+                    await self._aborted()
+                    raise error
                 continue
             assert isinstance(item, Token)
             if item.prompt_logprobs is not None:
                 self.prompt_logprobs[prompt] = item.prompt_logprobs
             yield self._add(prompt, item.event)
 
-    def _end(self, prompt: int, item: Ended) -> None:
+    def _end(self, prompt: int, item: Ended) -> Optional[ApiError]:
+        """What the request answers when prompt ``prompt``'s end cuts it short, else None."""
         self._ended[prompt] = True
         self._live -= 1
         mine = self.choices[prompt * self.n:(prompt + 1) * self.n]
-        if item.status != "finished" and not all(c.finished for c in mine):
-            self.close()
-            if item.status == "aborted":   # by the engine thread stopping: the server's end
-                raise shutting_down()
-            if item.alone and item.error_type == "RequestTooLargeError":
-                raise cannot_hold(self._too_large_param)
-            if item.alone and item.error_type == RequestRejectedError.__name__:
-                raise rejected_running(item.error_message)
-            raise request_failed() if item.alone else internal_error()
+        if item.status == "finished" or all(c.finished for c in mine):
+            return None
+        if item.status == "aborted":   # by the engine thread stopping: the server's end
+            return shutting_down()
+        if item.alone and item.error_type == "RequestTooLargeError":
+            return cannot_hold(self._too_large_param)
+        if item.alone and item.error_type == RequestRejectedError.__name__:
+            return rejected_running(item.error_message)
+        return request_failed() if item.alone else internal_error()
 
     def _add(self, prompt: int, event) -> Delta:
         choice = self.choices[prompt * self.n + event.index]
@@ -179,6 +192,21 @@ class Submission:
     def _abort_when_queued(self, future) -> None:
         if not future.cancelled() and future.exception() is None:
             self._server.abort(future.result())
+
+    async def _aborted(self) -> None:
+        """``close()``, then wait for the Ended of every request it aborted (one the engine
+        queued: each gets exactly one, after the engine thread's gauges count it gone)."""
+        waiting = {prompt for prompt in range(len(self._futures)) if not self._ended[prompt]}
+        self.close()
+        for prompt in list(waiting):
+            try:
+                await asyncio.wrap_future(self._futures[prompt])
+            except Exception:   # noqa: BLE001 -- refused by the engine: nothing was queued
+                waiting.discard(prompt)
+        while waiting:
+            prompt, item = await self._queue.get()
+            if isinstance(item, Ended):
+                waiting.discard(prompt)
 
     @property
     def completion_tokens(self) -> int:
