@@ -346,7 +346,8 @@ class RequestLifecycle:
         state.remaining = 0
         state.output.status = status.value
         if error is not None:
-            state.output.error = RequestError(type(error).__name__, str(error))
+            field = error.field if isinstance(error, RequestRejectedError) else None
+            state.output.error = RequestError(type(error).__name__, str(error), field)
 
     def _end_sample(self, seq_id: int, reason: str) -> None:
         sample = self._samples.pop(seq_id)

@@ -59,9 +59,12 @@ class CompletionOutput:
 
 @dataclass(frozen=True)
 class RequestError:
-    """Why a request failed: the exception's type name and message (the engine went on)."""
+    """Why a request failed: the exception's type name and message (the engine went on);
+    ``field``: the request field at fault when its own parameters were (a RequestRejectedError's,
+    e.g. ``repetition_penalty``), else None."""
     type: str
     message: str
+    field: Optional[str] = None
 
 
 @dataclass

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
 
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
 from vmemkv.runtime.engine.errors import RequestEndedError
-from vmemkv.runtime.engine.outputs import TokenEvent
+from vmemkv.runtime.engine.outputs import RequestError, TokenEvent
 from vmemkv.runtime.engine.sampling import SamplingParams
 
 from .errors import ApiError, EngineAsleepError, ServerOverloadedError
@@ -62,13 +62,12 @@ class Token:
 class Ended:
     """The request ended: "finished", "aborted" or "failed" (``error`` says why, for the log;
     ``alone``: the engine failed this request by itself and went on with the others;
-    ``error_type`` and ``error_message``: then the engine's error's type name and message, for
-    the client's status code and, when its own parameters are at fault, its answer)."""
+    ``cause``: then the engine's RequestError (type name, message, the field at fault), for the
+    client's status code and, when its own parameters are at fault, its answer)."""
     status: str
     error: Optional[str] = None
     alone: bool = False
-    error_type: Optional[str] = None
-    error_message: Optional[str] = None
+    cause: Optional[RequestError] = None
 
 
 Sink = Callable[[object], None]   # receives Token and, last, Ended; called on the engine thread
@@ -359,19 +358,16 @@ class EngineThread:
             if out.status == "failed":
                 error = f"{out.error.type}: {out.error.message}" if out.error else None
                 log.error("request %d failed alone (the others go on): %s", request_id, error)
-                self._end(request_id, "failed", error, alone=True,
-                          error_type=out.error.type if out.error else None,
-                          error_message=out.error.message if out.error else None)
+                self._end(request_id, "failed", error, alone=True, cause=out.error)
 
     def _end(self, request_id: int, status: str, error: Optional[str] = None,
-             alone: bool = False, error_type: Optional[str] = None,
-             error_message: Optional[str] = None) -> None:
+             alone: bool = False, cause: Optional[RequestError] = None) -> None:
         live = self._live.pop(request_id)
         self.engine.output(request_id, pop=True)
         self.metrics.observe_request(live.arrival_s, live.token_times_s, live.prompt_tokens, status,
                                      live.finish_reasons)
         self._ended_unqueued()
-        ended = Ended(status, error, alone, error_type, error_message)
+        ended = Ended(status, error, alone, cause)
         if self._ends_held is not None:      # after the gauges (_ends_after_gauges)
             self._ends_held.append((live.sink, ended))
         else:

@@ -83,9 +83,10 @@ def request_failed() -> ApiError:
                          "with the others); the server log has the details")
 
 
-def rejected_running(message: str) -> ApiError:
-    """400: the engine failed this request alone, in a step, with a RequestRejectedError: its
-    own parameters cannot be computed exactly (every processed score -inf: a huge
-    repetition_penalty); the engine's message names the field to change, the others went on."""
+def rejected_running(message: str, param: Optional[str]) -> ApiError:
+    """400 naming ``param``: the engine failed this request alone, in a step, with a
+    RequestRejectedError: its own parameters cannot be computed exactly (every processed score
+    -inf: a huge repetition_penalty); the engine's message names the field to change too, the
+    others went on."""
     return ApiError(400, f"this request cannot be computed (it failed alone; other requests are "
-                         f"unaffected): {message}")
+                         f"unaffected): {message}", param)

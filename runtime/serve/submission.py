@@ -137,8 +137,7 @@ class Submission:
             if error.field == "lora":   # unloaded after the request was checked: its "model"
                 raise ApiError(400, str(error).replace("SamplingParams.lora", "model"),
                                "model") from None
-            field = self._max_param if error.field == "max_new_tokens" else error.field
-            raise ApiError(400, str(error), field) from None
+            raise ApiError(400, str(error), self._param_of(error.field)) from None
 
     async def events(self) -> AsyncIterator[Delta]:
         while self._live:
@@ -163,10 +162,11 @@ class Submission:
             return None
         if item.status == "aborted":   # by the engine thread stopping: the server's end
             return shutting_down()
-        if item.alone and item.error_type == "RequestTooLargeError":
+        cause = item.cause if item.alone else None
+        if cause is not None and cause.type == "RequestTooLargeError":
             return cannot_hold(self._too_large_param)
-        if item.alone and item.error_type == RequestRejectedError.__name__:
-            return rejected_running(item.error_message)
+        if cause is not None and cause.type == RequestRejectedError.__name__:
+            return rejected_running(cause.message, self._param_of(cause.field))
         return request_failed() if item.alone else internal_error()
 
     def _add(self, prompt: int, event) -> Delta:
@@ -192,6 +192,11 @@ class Submission:
     def _abort_when_queued(self, future) -> None:
         if not future.cancelled() and future.exception() is None:
             self._server.abort(future.result())
+
+    def _param_of(self, field: Optional[str]) -> Optional[str]:
+        """The request field an engine error's ``field`` is (``max_new_tokens``: the API's
+        max_tokens or max_completion_tokens; the others share their names)."""
+        return self._max_param if field == "max_new_tokens" else field
 
     async def _aborted(self) -> None:
         """``close()``, then wait for the Ended of every request it aborted (one the engine

@@ -88,7 +88,7 @@ def test_scores_all_overflowing_to_minus_inf_fail_the_request_naming_the_field(t
         failed, neighbour = engine.generate([list(range(VOCAB)), [5, 6, 7]], [bad, plain])
         alone = engine.generate([[5, 6, 7]], plain)[0]
     assert failed.status == "failed" and failed.outputs[0].token_ids == []
-    assert failed.error.type == "RequestRejectedError"
+    assert (failed.error.type, failed.error.field) == ("RequestRejectedError", "repetition_penalty")
     assert "repetition_penalty" in failed.error.message
     assert neighbour.status == "finished"
     assert neighbour.outputs[0].token_ids == alone.outputs[0].token_ids

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from vmemkv.runtime.engine.outputs import RequestError
 from vmemkv.runtime.engine.sampling import SamplingParams
 from vmemkv.runtime.serve import ApiError, EngineAsleepError
 from vmemkv.runtime.serve.engine_thread import Ended, EngineThread
@@ -42,8 +43,8 @@ class FailsAloneEngine(FakeEngine):
     def step(self) -> None:
         for request_id in self.failing & set(self.live):
             del self.live[request_id]
-            self.outputs[request_id] = SimpleNamespace(status="failed", error=SimpleNamespace(
-                type="RequestRejectedError", message="every score is -inf"))
+            self.outputs[request_id] = SimpleNamespace(status="failed", error=RequestError(
+                "RequestRejectedError", "every score is -inf", "repetition_penalty"))
         super().step()
 
 

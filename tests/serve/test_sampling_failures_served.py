@@ -21,7 +21,7 @@ NEIGHBOUR = dict(model=NAME, prompt=[5, 6, 7], max_tokens=40, ignore_eos=True, t
 
 
 def assert_refused_naming_the_field(error: dict) -> None:
-    assert error["type"] == "invalid_request_error", error
+    assert error["type"] == "invalid_request_error" and error["param"] == "repetition_penalty", error
     assert "repetition_penalty" in error["message"] and "-inf" in error["message"], error
 
 
