@@ -13,7 +13,9 @@ does) the error is a MapperPlanError, which is both.
 
 Shutdown: ``close()`` finishes the plan in flight and joins the thread; mappers still open at
 interpreter exit are closed by one atexit hook (the thread is also a daemon, so a mapper whose
-owner died in an exception never keeps the process alive).
+owner died in an exception never keeps the process alive). A wait never returns for a group
+that is not applied: one under way when ``close()`` comes waits for the plan to finish; a plan
+submitted after ``close()`` is refused (MapperError), so nothing is written to unmapped memory.
 """
 from __future__ import annotations
 
@@ -51,7 +53,8 @@ class BackgroundMapper:
         self._pending: list | None = None     # the plan being applied (or queued)
         self._groups_done = num_groups         # groups of the current plan already applied
         self._error: BaseException | None = None
-        self._stop = False
+        self._stop = False                     # close() asked: finish the plan, then exit
+        self._exited = False                   # the thread has left _run: nothing more applied
         self.wait_s = 0.0                # step thread blocked on the mapper
         self.busy_s = 0.0                # mapper thread applying ops
         self._thread = threading.Thread(target=self._run, name="vmemkv-mapper", daemon=True)
@@ -60,10 +63,14 @@ class BackgroundMapper:
 
     def submit(self, plan) -> None:
         """Queue a plan (handed to ``apply`` as is, so the caller must not change it); returns
-        as soon as the previous plan has been fully applied."""
+        as soon as the previous plan has been fully applied. MapperError after ``close()``
+        (no thread would apply it), with the plan not taken."""
         self.wait_all()
         with self._cond:
             self._raise_if_failed()
+            if self._stop:
+                raise MapperError("plan submitted after the background mapper was closed; "
+                                  "nothing of it was applied")
             self._pending = plan
             self._groups_done = 0
             self._cond.notify_all()
@@ -75,19 +82,24 @@ class BackgroundMapper:
             return plan is not None and self._pending is plan
 
     def wait_group(self, group: int) -> None:
-        """Block until group ``group`` of the current plan is applied."""
-        self._wait(lambda: self._groups_done > group)
+        """Block until group ``group`` of the current plan is applied (also across ``close()``,
+        which finishes the plan); MapperError if it failed or never will be applied."""
+        self._wait(lambda: self._groups_done > group, f"group {group} of")
 
     def wait_all(self) -> None:
-        self._wait(lambda: self._groups_done >= self._num_groups)
+        """Block until the current plan is applied whole; MapperError as ``wait_group``."""
+        self._wait(lambda: self._groups_done >= self._num_groups, "all groups of")
 
-    def _wait(self, ready: Callable[[], bool]) -> None:
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
         with self._cond:
             if not ready() and self._error is None:
                 start = time.perf_counter()
-                self._cond.wait_for(lambda: ready() or self._error is not None or self._stop)
+                self._cond.wait_for(lambda: ready() or self._error is not None or self._exited)
                 self.wait_s += time.perf_counter() - start
             self._raise_if_failed()
+            if not ready():   # never return as if mapped: the caller would write unmapped memory
+                raise MapperError(f"the background mapper stopped before {what} the plan "
+                                  f"({self._groups_done} of {self._num_groups} groups) was applied")
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -107,6 +119,8 @@ class BackgroundMapper:
             with self._cond:
                 self._cond.wait_for(lambda: self._stop or self._groups_done < self._num_groups)
                 if self._stop and self._groups_done >= self._num_groups:
+                    self._exited = True
+                    self._cond.notify_all()
                     return
                 ops, group = self._pending, self._groups_done
             start = time.perf_counter()
@@ -125,7 +139,8 @@ class BackgroundMapper:
                 self._cond.notify_all()
 
     def close(self) -> None:
-        """Finish the plan in flight, then stop the thread. Idempotent."""
+        """Finish the plan in flight, then stop the thread; a later ``submit`` raises
+        MapperError. Idempotent."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
