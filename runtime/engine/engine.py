@@ -19,6 +19,7 @@ import logging
 import random
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional
 
@@ -74,6 +75,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         self._closed = False     # close() sets it; add_request then refuses (EngineClosedError)
         # one thread at a time; open streams' events; requests close() ended (submission.py)
         self._guard, self._sinks, self._ended_by_close = threading.RLock(), {}, set()
+        self._forgotten: List[int] = []   # closed streams' requests, to drop (submission.py)
         param = next(model.parameters())
         self.device, self.vocab_size = param.device, model.config.get_text_config().vocab_size
         check_model_supported(model, cfg.max_context)   # before anything is built
@@ -101,12 +103,14 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         cache_bytes = cache_budget_bytes(cfg, self.cache_config, self.vocab_size)   # fits, + logits
         check_ranks_fit(cfg, cache_bytes, self.cache_config.torch_device)   # all ranks, too
         budget_share_for(memory_budget, cfg, cache_bytes, "", register=False)   # checks only
-        self._model_attn = model.config._attn_implementation   # restored by close()
-        self._holds_attention = False
-        if cfg.self_check:   # the model is back on its own attention afterwards, pass or fail
-            self_check(model, full_config, cfg, backend, self._model_attn)
+        # the model's own attention, read and counted under its lock (TP: ranks run shard copies)
+        self._holds_attention = cfg.tensor_parallel_size == 1
+        own = hold_vmemkv_attention(model) if self._holds_attention else None
         self.tp, share = None, None
         try:   # registered last, left on every failure below (Ctrl-C included)
+            if cfg.self_check:   # the model is back on its own attention afterwards
+                self_check(model, full_config, cfg, backend,
+                           own or model.config._attn_implementation)
             share = budget_share_for(memory_budget, cfg, cache_bytes,
                                      f"{model.config.model_type}-{id(self):x}")
             kv_options = dict(cache_bytes=cache_bytes, layout=cfg.layout,
@@ -124,6 +128,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         except BaseException:
             if share is not None:
                 share.unregister()
+            self._release_attention()
             raise
         self.cache = self.kv       # the cache (self.kv.cache) with its manager, for callers
         try:
@@ -131,12 +136,9 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         except BaseException:
             self._close_memory()   # a failed construction leaves no memory behind
             self._leave_budget()
-            model.set_attn_implementation(self._model_attn)
+            self._release_attention()
             raise
         self.scheduler.use_budget(share)   # None: fixed; a budget grows it up to its reach
-        if self.tp is None:        # with TP the ranks run shard copies; the model is untouched
-            hold_vmemkv_attention(model, self._model_attn)
-            self._holds_attention = True
 
     def _build_rest(self, model: torch.nn.Module, backend) -> None:
         cfg = self.config
@@ -207,6 +209,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         (PlanExecutionError for a plan) is raised with every request intact. ``on_token``
         callbacks run after the step is recorded (``request_state.deliver``)."""
         self._refuse_step_inside_step()
+        self._drop_forgotten()     # streams closed by other threads meanwhile (submission.py)
         with interrupts_between_steps(self.tp is not None):
             return self._step()
 
@@ -334,12 +337,13 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
                     on_step(events)
 
     def output(self, request_id: int, pop: bool = False) -> RequestOutput:
-        """The (possibly partial) output of a request; ``pop`` forgets an ended one.
-        UnknownRequestError for an id the engine does not know."""
-        state = self._request(request_id)
-        if pop and not state.remaining:
-            del self._requests[request_id]
-        return state.output
+        """The (possibly partial) output of a request; ``pop`` forgets an ended one (a change:
+        one thread at a time, as the GUARDED calls). UnknownRequestError for an unknown id."""
+        with self._guarded("output") if pop else nullcontext():
+            state = self._request(request_id)
+            if pop and not state.remaining:
+                del self._requests[request_id]
+            return state.output
 
     # ---- LoRA adapters (runtime/engine/adapters.py) ----------------------------------------
     def add_lora(self, name: str, path, replace: bool = False) -> None:
@@ -368,23 +372,24 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
     # ---- lifecycle -----------------------------------------------------------------------
     def close(self) -> None:
         """End every live request "aborted" (``lifecycle``: a batch call running them raises
-        EngineClosedError), release the cache (unmaps and frees every page) and switch the
-        model back to the attention implementation it had before this engine. With tensor
-        parallelism, also stops every rank (each frees its cache). Idempotent."""
+        EngineClosedError), drop closed streams' requests, release the cache (unmaps and frees
+        every page) and, the last engine on the model, switch it back to its own attention. With
+        tensor parallelism, also stops every rank (each frees its cache). Idempotent."""
         if not self._closed:
             self._abort_for_close()
         self._closed = True
         self._close_memory()
         self._leave_budget()       # the share's finalizer: unregisters once
-        if self._holds_attention:   # the last engine on this model restores its attention
+        self._release_attention()
+
+    def _release_attention(self) -> None:
+        """Count this engine off its model, once (the last one restores the model's own)."""
+        if self._holds_attention:
             self._holds_attention = False
             release_vmemkv_attention(self.model)
 
-    def _close_memory(self) -> None:
-        if self.tp is not None:
-            self.tp.close()      # stops ranks 1..N-1, then frees rank 0's cache
-        else:
-            self.cache.close()
+    def _close_memory(self) -> None:   # TP: stops ranks 1..N-1, then frees rank 0's cache
+        (self.tp if self.tp is not None else self.cache).close()
 
     def __enter__(self) -> "Engine":
         return self

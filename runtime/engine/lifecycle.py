@@ -168,9 +168,10 @@ class RequestLifecycle:
         frame = sys._getframe(1)
         while frame is not None:
             if frame.f_code is step_code and frame.f_locals.get("self") is self:
-                raise EngineBusyError("step() inside a step under way: the engine is "
-                                      "single-threaded and a step is not re-entrant (call it "
-                                      "from on_token instead)")
+                raise EngineBusyError("step() inside a step under way (from an on_token callback, "
+                                      "the model or a memory op): a step is not re-entrant; "
+                                      "return and let the caller's loop step (a callback may "
+                                      "call add_request, abort or close)")
             frame = frame.f_back
 
     def _step_failed(self, plan, logits, drawing, error: BaseException) -> bool:
@@ -358,7 +359,8 @@ class RequestLifecycle:
     def _abort_for_close(self) -> None:
         """``close()``: every live request ends "aborted" (unfinished samples finish_reason
         "abort"), its output kept; no plan runs (the cache is released whole next, even when a
-        tensor-parallel rank is dead). Their batch calls raise EngineClosedError."""
+        tensor-parallel rank is dead). Their batch calls raise EngineClosedError; closed
+        streams' requests are dropped (submission.py)."""
         for rid, state in self._requests.items():
             if not state.remaining:
                 continue
@@ -369,6 +371,7 @@ class RequestLifecycle:
             state.remaining = 0
             state.output.status = SeqState.ABORTED.value
             self._ended_by_close.add(rid)
+        self._drop_forgotten()     # all ended above: dropped only
 
     def _ending_plan(self, request_id: int, status: SeqState) -> StepPlan:
         seq_ids = self.scheduler.abort_request(request_id, status)

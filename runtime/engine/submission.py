@@ -38,7 +38,7 @@ class RequestSubmission:
     """Submission and the batch API (a mixin over Engine: ``scheduler``, ``adapters``,
     ``tokenizer``, ``vocab_size``, ``eos_ids``, ``device``, ``_requests``, ``_samples``,
     ``_prompt_logprobs``, ``_rng``, ``_next_request``, ``_prompt_tokens``, ``_closed``,
-    ``run_until_done``, ``output``, ``stats``)."""
+    ``_guard``, ``_sinks``, ``_forgotten``, ``run_until_done``, ``output``, ``stats``)."""
 
     def add_request(self, prompt: Prompt, sampling: Optional[SamplingParams] = None,
                     on_token: Optional[OnToken] = None, index: int = 0) -> int:
@@ -154,14 +154,30 @@ class RequestSubmission:
                 self.last_outputs = [self.output(rid, pop=True) for rid in ids]
                 self.last_stats = self.stats(since=mark, outputs=self.last_outputs)
         except GeneratorExit:   # closed early: its requests are nobody's, aborted and forgotten
-            for rid in ids:
-                if self._live([rid]):
-                    self.abort(rid)
-                self._requests.pop(rid, None)
+            self._forget(ids)
             raise
         finally:
             for rid in ids:
                 self._sinks.pop(rid, None)
+
+    def _forget(self, ids: Sequence[int]) -> None:
+        """A closed stream's requests, aborted (where live) and dropped: now when this thread
+        may touch the engine; else (closed or garbage-collected on a thread other than the one
+        inside the engine) by the thread driving it, at its next ``step()`` or ``close()``."""
+        self._forgotten.extend(ids)
+        if self._guard.acquire(blocking=False):   # else the thread inside will drop them
+            try:
+                self._drop_forgotten()
+            finally:
+                self._guard.release()
+
+    def _drop_forgotten(self) -> None:
+        """Abort and drop the requests of closed streams (``_forget``), holding the engine."""
+        while self._forgotten:
+            rid = self._forgotten.pop(0)
+            if self._live([rid]):
+                self.abort(rid)
+            self._requests.pop(rid, None)
 
     def _live(self, ids: Sequence[int]) -> bool:
         """Whether any of these requests has not ended (one popped has)."""
@@ -264,9 +280,10 @@ def tagged(ids: List[int]):
 
 # every public call that changes an engine: one thread at a time (EngineBusyError); the thread
 # inside may call back in (an on_token callback). ``stream`` holds it while it steps.
+# (``output`` guards itself when it pops)
 GUARDED = ("step", "generate", "chat", "run_until_done", "beam_search", "add_request",
-           "add_beam_request", "abort", "close", "abandon", "sleep", "wake", "resize_cache",
-           "rebalance_memory", "add_lora", "remove_lora")
+           "add_beam_request", "add_all", "abort", "close", "abandon", "sleep", "wake",
+           "resize_cache", "rebalance_memory", "add_lora", "remove_lora")
 
 
 def single_threaded(cls):

@@ -122,22 +122,30 @@ def model_lock(model) -> "threading.RLock":
         return lock
 
 
-def hold_vmemkv_attention(model, own: str) -> None:
-    """Count one more engine running ``model`` on our attention; ``own`` (its implementation
-    before any engine) is what the last ``release_vmemkv_attention`` restores."""
-    _HOLDERS.setdefault(model, [0, own])[0] += 1
+def hold_vmemkv_attention(model) -> str:
+    """Count one more engine running ``model`` on our attention; returns the model's own
+    implementation (the one it had before the first engine holding it), which the last
+    ``release_vmemkv_attention`` restores. Reading it and counting are one step under the
+    model's ``model_lock``: read apart, an engine built while another closed read "vmemkv" (the
+    other's) as the model's own and left the model on it for good."""
+    with model_lock(model):
+        entry = _HOLDERS.get(model)
+        if entry is None:
+            entry = _HOLDERS[model] = [0, model.config._attn_implementation]
+        entry[0] += 1
+        return entry[1]
 
 
 def release_vmemkv_attention(model) -> None:
     """One engine fewer; the last one switches the model back to its own implementation (so a
     second engine on the same model keeps running on ours until it closes too)."""
-    entry = _HOLDERS.get(model)
-    if entry is None:
-        return
-    entry[0] -= 1
-    if entry[0] == 0:
-        del _HOLDERS[model]
-        with model_lock(model):
+    with model_lock(model):
+        entry = _HOLDERS.get(model)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del _HOLDERS[model]
             model.set_attn_implementation(entry[1])
 
 
