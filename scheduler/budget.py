@@ -44,15 +44,18 @@ still starve it). A share with something running never becomes blocked (its own 
 memory): a busy neighbour is preempted only for the need of a share that cannot run at all, and
 a share whose stamped sequences ended (aborted) holds nobody back even before it decides again.
 Explicit ``grant``s (resize_cache, wake) take what is unclaimed, outside this order. One lock
-guards the counts: ``decide``, ``grant``, ``settle`` may run on each engine's thread.
+guards the counts: ``decide``, ``grant``, ``settle`` may run on each engine's thread. A collected
+engine's share leaves (``unregister_later``) as the next call takes the lock, never inside a call.
 """
 from __future__ import annotations
 
 import math
 import threading
 import time
+from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Deque, Dict, Iterator, Optional
 
 from .budget_needs import growth_bytes, unused_bytes, wanted_bytes
 from .errors import ConfigError
@@ -106,7 +109,7 @@ class BudgetShare:
     def reachable_bytes(self) -> int:
         """The most this share can hold now: its max, less than the total by the other shares'
         minimums (reserved for them even while they hold less)."""
-        with self.budget.lock:
+        with self.budget._locked():
             others = sum(s.min_bytes for s in self.budget._shares.values() if s is not self)
         return max(0, min(self.max_bytes, self.budget.total_bytes - others))
 
@@ -122,7 +125,7 @@ class BudgetShare:
         is reserved until ``settle``; ``preempts`` says whether the resize may preempt."""
         b = self.budget
         now = b.clock() if now is None else now
-        with b.lock:
+        with b._locked():
             self.reserved_bytes, self.preempts = 0, False
             if scheduler.has_unfinished():
                 self.idle_since = None
@@ -235,7 +238,7 @@ class BudgetShare:
         budget and what was reserved and not used goes back. A share unregistered meanwhile
         (its engine closed) settles nothing."""
         b = self.budget
-        with b.lock:
+        with b._locked():
             if b._shares.get(self.name) is not self:
                 self.reserved_bytes = 0
                 return
@@ -260,7 +263,7 @@ class BudgetShare:
         """An explicit resize's part (``Engine.resize_cache``, ``wake``): the most of
         ``new_bytes`` the budget allows this share now (its max, what the others leave
         unclaimed), reserved until ``settle`` (call it after the resize, done or not)."""
-        with self.budget.lock:
+        with self.budget._locked():
             self.reserved_bytes = 0
             granted = min(new_bytes, self.max_bytes,
                           self.held_bytes + max(0, self.budget._unclaimed_for(self)))
@@ -268,20 +271,28 @@ class BudgetShare:
             return granted
 
     def withdraw(self) -> None:
-        """Stop asking (an engine going to sleep): no share yields to it until it asks again."""
-        with self.budget.lock:
+        """Stop asking (an engine going to sleep), its pressure withdrawn: no share yields nor
+        gives to it until it asks again."""
+        with self.budget._locked():
             self.blocked, self.ask_bytes = False, 0
+            self.budget._withdraw_pressure(self)
 
     def unregister(self) -> None:
         """Give everything back and leave the budget (an engine closed or collected); the
         pressure it posted on the others goes with it. Idempotent."""
         b = self.budget
-        with b.lock:
+        with b._locked():
             if b._shares.get(self.name) is self:
                 del b._shares[self.name]
             self.held_bytes = self.reserved_bytes = self.ask_bytes = 0
             self.blocked = False
             b._withdraw_pressure(self)
+
+    def unregister_later(self) -> None:
+        """``unregister`` at the budget's next call (a GC finalizer's: it runs wherever the GC
+        does, maybe inside a budget call on this thread, which re-enters the lock, reading the
+        shares): changes nothing now and takes no lock (its holder may wait on this thread)."""
+        self.budget._leaving.append(self)
 
 
 class MemoryBudget:
@@ -297,9 +308,24 @@ class MemoryBudget:
                 or not 0 <= grow_fraction <= 1:
             raise ConfigError(f"grow_fraction must be in [0, 1], got {grow_fraction!r}")
         self.idle_release_s, self.grow_fraction, self.clock = idle_release_s, grow_fraction, clock
-        self.lock = threading.RLock()
+        self._lock = threading.RLock()  # taken through _locked() only
         self._shares: Dict[str, BudgetShare] = {}
+        self._leaving: Deque[BudgetShare] = deque()   # unregister_later's, for the next call
+        self._lock_depth = 0                           # its holder's nested acquisitions
         self._stamps = 0
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The lock. Taken from outside (not re-entered), it first unregisters the shares
+        ``unregister_later`` queued: nobody holding the lock sees the shares change under it."""
+        with self._lock:
+            self._lock_depth += 1
+            try:
+                while self._lock_depth == 1 and self._leaving:
+                    self._leaving.popleft().unregister()
+                yield
+            finally:
+                self._lock_depth -= 1
 
     def register(self, name: str, min_bytes: int, max_bytes: int,
                  initial_bytes: Optional[int] = None) -> BudgetShare:
@@ -311,7 +337,7 @@ class MemoryBudget:
         if not min_bytes <= initial <= max_bytes:
             raise ConfigError(f"share {name!r}: needs min_bytes <= initial_bytes <= max_bytes, "
                               f"got {min_bytes}, {initial}, {max_bytes}")
-        with self.lock:
+        with self._locked():
             if name in self._shares:
                 raise ConfigError(f"a share named {name!r} is already registered")
             reserved = sum(s._claim for s in self._shares.values())
@@ -360,13 +386,13 @@ class MemoryBudget:
 
     @property
     def held_bytes(self) -> int:
-        with self.lock:
+        with self._locked():
             return sum(s.held_bytes for s in self._shares.values())
 
     def stats(self) -> dict:
         """{"total_bytes", "held_bytes", "unclaimed_bytes" (what no share holds, reserves for a
         resize under way or keeps as its minimum), "shares": {name: ShareStats}}."""
-        with self.lock:
+        with self._locked():
             held = sum(s.held_bytes for s in self._shares.values())
             return {"total_bytes": self.total_bytes, "held_bytes": held,
                     "unclaimed_bytes": self.total_bytes - sum(s._claim

@@ -66,13 +66,20 @@ class ElasticMemory:
 
     def _init_elastic(self, budget_share) -> None:
         self.memory_share = budget_share      # a MemoryBudget share, or None
-        # an engine dropped without close() leaves the budget when it is collected (the
-        # finalizer holds the share, not the engine); close() runs it at once
-        self._leave_budget = (weakref.finalize(self, budget_share.unregister)
-                              if budget_share is not None else lambda: None)
+        # an engine dropped without close() leaves the budget at the budget's next call after
+        # it is collected (the finalizer holds the share, not the engine, and may run inside
+        # another engine's budget call: it only queues); close() leaves at once
+        self._budget_finalizer = (weakref.finalize(self, budget_share.unregister_later)
+                                  if budget_share is not None else None)
         self._asleep_bytes: Optional[int] = None   # the size to wake to; None: awake
         self._preempted_last = 0                   # scheduler preemptions seen at the last step
         self.resizes = 0
+
+    def _leave_budget(self) -> None:
+        """Leave the budget now (close, a construction that failed). Idempotent."""
+        if self._budget_finalizer is not None:
+            self._budget_finalizer.detach()
+            self.memory_share.unregister()
 
     @property
     def cache_bytes(self) -> int:

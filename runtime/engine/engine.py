@@ -379,7 +379,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
             self._abort_for_close()
         self._closed = True
         self._close_memory()
-        self._leave_budget()       # the share's finalizer: unregisters once
+        self._leave_budget()       # once: detaches the finalizer and unregisters
         self._release_attention()
 
     def _release_attention(self) -> None:

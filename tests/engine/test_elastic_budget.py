@@ -244,6 +244,8 @@ def test_a_beam_group_past_what_the_neighbours_minimums_leave_is_refused_when_ad
         a.step()
         b.step()
     assert b.output(rid).status == "finished" and len(b.output(rid).outputs[0].token_ids) == 10
+    a.close()
+    b.close()
 
 
 def test_a_beam_group_the_reach_shrank_under_ends_failed_instead_of_waiting_for_ever():
@@ -263,3 +265,5 @@ def test_a_beam_group_the_reach_shrank_under_ends_failed_instead_of_waiting_for_
     out = a.output(rid)
     assert out.status == "failed" and out.error.type == "RequestTooLargeError", out.error
     assert a.scheduler.manager.stats().live_tokens == 0
+    a.close()
+    b.close()

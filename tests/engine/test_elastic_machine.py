@@ -12,6 +12,8 @@ greedy tokens for its model (up to a near-tie: the prompts are drawn at random).
 """
 from __future__ import annotations
 
+import gc
+
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -34,6 +36,7 @@ class ElasticEngines(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = [0.0]
+        gc.collect()   # engines other tests dropped unclosed free their memfds now, not mid-run
         self.base_fd = memfd_bytes()
         self.budget = MemoryBudget(24 * GROUP, idle_release_s=1.0, clock=lambda: self.clock[0])
         opts = dict(max_batch=4, max_context=64, layout="per-layer", page_bytes=4 * KiB,
