@@ -257,10 +257,16 @@ class ElasticMemory:
         self._asleep_bytes = None
         return self.cache_bytes
 
+    @property
+    def resizable(self) -> bool:
+        """Whether this engine's cache can be resized, put to sleep and woken (vmem: pages mapped
+        one by one; a paged block pool is one tensor); fixed at construction."""
+        return self.config.cache == "vmem"
+
     def _check_resizable(self) -> None:
         if self._closed:
             raise EngineClosedError("the engine is closed; its cache is released")
-        if self.config.cache != "vmem":
+        if not self.resizable:
             raise CacheResizeError(f"resizing needs cache='vmem' (pages mapped one by one); "
                                    f"this engine's cache is {self.config.cache!r}, whose block "
                                    f"pool is one tensor")

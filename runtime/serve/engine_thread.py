@@ -186,8 +186,11 @@ class EngineThread:
     def sleep(self) -> Future:
         """``Engine.sleep()`` between steps (the future: the bytes given back). New requests are
         refused (EngineAsleepError) from now on, until ``wake_up`` has run; if the sleep fails
-        (a paged cache cannot give its memory back), they are taken again."""
-        return self._enqueue(self._settled(lambda engine: engine.sleep(), sleep=True), sleep=True)
+        (a paged cache cannot give its memory back), they are taken again; an engine that cannot
+        sleep (``Engine.resizable``) refuses it without turning requests away meanwhile."""
+        turns_away = self.engine.resizable
+        return self._enqueue(self._settled(lambda engine: engine.sleep(), sleep=turns_away),
+                             sleep=turns_away)
 
     def wake_up(self) -> Future:
         """``Engine.wake()`` between steps (the future: the cache bytes after); new requests

@@ -28,6 +28,7 @@ class FakeEngine:
         self.adapters = SimpleNamespace(gauges=lambda: {"lora_adapters_loaded": 0})
         self.cache_bytes, self.is_sleeping, self.looks = 4096, False, 0
         self.closed = False      # Engine.closed: a tensor-parallel rank died and closed it
+        self.resizable = True    # Engine.resizable: it can sleep
 
     def sleep(self) -> int:
         released, self.cache_bytes, self.is_sleeping = self.cache_bytes, 0, True
