@@ -163,9 +163,10 @@ class RequestSubmission:
     def _forget(self, ids: Sequence[int]) -> None:
         """A closed stream's requests, aborted (where live) and dropped: now when this thread
         may touch the engine; else (closed or garbage-collected on a thread other than the one
-        inside the engine) by the thread driving it, at its next ``step()`` or ``close()``."""
+        inside the engine, or inside a step on this one: an abort there failed the step) by the
+        thread driving it, at its next ``step()`` or ``close()``."""
         self._forgotten.extend(ids)
-        if self._guard.acquire(blocking=False):   # else the thread inside will drop them
+        if not self._inside_step() and self._guard.acquire(blocking=False):
             try:
                 self._drop_forgotten()
             finally:

@@ -149,3 +149,27 @@ def test_step_from_on_token_is_refused_with_what_a_callback_may_do():
     assert "return and let the caller's loop step" in refusals[0]
     assert "add_request, abort or close" in refusals[0]
     engine.close()
+
+
+def test_a_stream_closed_inside_a_step_on_its_thread_is_dropped_after_the_step():
+    """A stream closed (or garbage-collected) on the engine's own thread inside a step (here a
+    forward hook) aborted its request there and then: the step under way failed with
+    TransactionStateError ("begin() in phase planning"). It is dropped after the step now."""
+    net = model()
+    with Engine(net, **VMEM) as engine:
+        stream = engine.stream([[5, 6, 7, 8]], P)
+        next(stream)
+        other = engine.add_request([9, 10, 11], P)
+        closed = []
+        hook = net.model.layers[0].register_forward_pre_hook(
+            lambda module, args: None if closed else closed.append(stream.close()))
+        try:
+            engine.step()
+        finally:
+            hook.remove()
+        assert closed and engine.status(other) == "running"
+        engine.run_until_done()
+        assert engine.output(other).outputs[0].token_ids == \
+            engine.generate([[9, 10, 11]], P)[0].outputs[0].token_ids
+        assert list(engine._requests) == [other]      # the stream's request was dropped
+        engine.scheduler.manager.check_integrity()
