@@ -76,6 +76,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         # one thread at a time; open streams' events; requests close() ended (submission.py)
         self._guard, self._sinks, self._ended_by_close = threading.RLock(), {}, set()
         self._forgotten: List[int] = []   # closed streams' requests, to drop (submission.py)
+        self._calls_inside = 0            # guarded calls under way on the thread inside
         param = next(model.parameters())
         self.device, self.vocab_size = param.device, model.config.get_text_config().vocab_size
         check_model_supported(model, cfg.max_context)   # before anything is built

@@ -162,13 +162,16 @@ class RequestSubmission:
 
     def _forget(self, ids: Sequence[int]) -> None:
         """A closed stream's requests, aborted (where live) and dropped: now when this thread
-        may touch the engine; else (closed or garbage-collected on a thread other than the one
-        inside the engine, or inside a step on this one: an abort there failed the step) by the
-        thread driving it, at its next ``step()`` or ``close()``."""
+        may touch the engine and no engine call is under way on it; else (closed or
+        garbage-collected on a thread other than the one inside the engine, or inside one of
+        the engine's own calls on this thread: a step, close, abort, resize, where an abort
+        failed the call or changed what it iterated) by the thread driving it, at its next
+        ``step()`` or ``close()``."""
         self._forgotten.extend(ids)
-        if not self._inside_step() and self._guard.acquire(blocking=False):
+        if self._guard.acquire(blocking=False):
             try:
-                self._drop_forgotten()
+                if not self._calls_inside:
+                    self._drop_forgotten()
             finally:
                 self._guard.release()
 
@@ -225,9 +228,11 @@ class RequestSubmission:
                 f"{call}() while another thread is inside this engine: an engine is "
                 f"single-threaded; drive it from one thread (as the server's EngineThread "
                 f"does) and hand other threads' work to it")
+        self._calls_inside += 1
         try:
             yield
         finally:
+            self._calls_inside -= 1
             self._guard.release()
 
     def _submit_all(self, prompts, sampling, on_token) -> List[int]:

@@ -12,6 +12,7 @@
 Overlaps are forced with threading.Event at real points (no sleeps)."""
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -172,4 +173,37 @@ def test_a_stream_closed_inside_a_step_on_its_thread_is_dropped_after_the_step()
         assert engine.output(other).outputs[0].token_ids == \
             engine.generate([[9, 10, 11]], P)[0].outputs[0].token_ids
         assert list(engine._requests) == [other]      # the stream's request was dropped
+        engine.scheduler.manager.check_integrity()
+
+
+@pytest.mark.parametrize("call", ["close", "abort"])
+def test_a_stream_collected_inside_another_engine_call_is_dropped_after_it(call, monkeypatch):
+    """The garbage collector closing a stream inside close() or abort(other) on the engine's
+    thread: its abort ran there and then (close: RuntimeError "dictionary changed size during
+    iteration", the engine left open; abort: TransactionStateError swallowed by the collector
+    and the request left running for nobody, kept for ever). It waits for the call to end."""
+    with Engine(model(), **VMEM) as engine:
+        other = engine.add_request([9, 10, 11], P)
+        stream = engine.stream([[5, 6, 7, 8]], P)
+        next(stream)
+        mine = max(engine._requests)
+        cycle = [stream]
+        cycle.append(cycle)
+        del stream, cycle                          # only the cyclic collector frees it
+        target = engine if call == "close" else engine.scheduler
+        name = "_end_beams" if call == "close" else "abort_request"
+        original = getattr(target, name)
+        monkeypatch.setattr(target, name, lambda *a: (gc.collect(), original(*a))[1])
+        gc.disable()
+        try:
+            getattr(engine, call)(*(() if call == "close" else (other,)))
+        finally:
+            gc.enable()
+            monkeypatch.undo()
+        if call == "close":
+            assert engine.closed and not engine._requests.get(mine)
+            return
+        assert engine._forgotten == [mine] and engine.status(mine) == "running"
+        engine.step()                              # the thread inside drops it at its next step
+        assert mine not in engine._requests and engine._forgotten == []
         engine.scheduler.manager.check_integrity()
