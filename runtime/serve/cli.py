@@ -8,7 +8,9 @@ The cache and scheduling flags are ``vmemkv generate``'s (its flag and check hel
 so the two commands cannot drift). It listens on 127.0.0.1 unless
 ``--host`` says otherwise. SIGTERM or Ctrl-C stops accepting, lets the requests in flight run
 for ``--shutdown-timeout`` seconds, ends the rest (streams: an error event and [DONE]; JSON:
-503), releases the cache and exits 0 (SIGTERM) or 130 (Ctrl-C) with one line. The client
+503), releases the cache and exits 0 (SIGTERM) or 130 (Ctrl-C) with one line; a second Ctrl-C
+while the engine finishes its step under way exits 130 at once, the engine left to the OS
+(never closed under the step; one more line says so). The client
 limits and API-key flags are in docs/usage.md ("Security").
 """
 from __future__ import annotations
@@ -184,7 +186,8 @@ def run(args) -> int:
     if taken:        # its requests would get the base model
         raise generate_cli.GenerateUsageError(f"--lora {taken[0]}=...: {taken[0]!r} is the "
                                               f"served model's id; name the adapter otherwise")
-    with generate_cli._engine(Engine, model, tokenizer, args) as engine:
+    engine, server = generate_cli._engine(Engine, model, tokenizer, args), None
+    try:
         for lora_name, lora_path in args.lora:
             engine.add_lora(lora_name, lora_path)
         def started(port: int) -> None:     # the port it bound (the one picked, for --port 0)
@@ -199,5 +202,18 @@ def run(args) -> int:
                         max_response_memory_bytes=args.max_response_memory_bytes,
                         send_timeout_s=args.send_timeout)
         line = server.run()   # Ctrl-C: KeyboardInterrupt carrying the line, exit 130
+    finally:
+        _close_unless_inside(engine, server)
     sys.stderr.write(f"vmemkv serve: {line}\n")
     return 0
+
+
+def _close_unless_inside(engine, server) -> None:
+    """Close the engine, unless the server's engine thread may still be inside it (a second
+    Ctrl-C ended the wait for its step): closing it under the step would fail (EngineBusyError)
+    or free the cache the step uses. The process is exiting; the OS reclaims the memory."""
+    if server is not None and server.engine_thread_abandoned:
+        sys.stderr.write("vmemkv serve: the engine thread was still inside a step; the engine is "
+                         "left open and the OS reclaims its memory at exit\n")
+        return
+    engine.close()

@@ -81,6 +81,11 @@ class Server:
                                         on_started=lambda: on_started(self.port))
         self._thread: Optional[threading.Thread] = None
         self.host = host
+        # a second Ctrl-C cut run()'s wait for the step under way: the engine thread may still
+        # be inside the engine, which must not be closed then (its step uses the cache); the
+        # process exits and the OS reclaims the memory. Not the thread's is_alive(): Python
+        # 3.11's interrupted join() marks a running thread stopped.
+        self.engine_thread_abandoned = False
 
     @property
     def port(self) -> int:
@@ -93,12 +98,19 @@ class Server:
 
     def run(self) -> str:
         """Serve until SIGTERM, Ctrl-C (or ``stop`` from another thread), then stop everything;
-        returns one line saying how it stopped (KeyboardInterrupt carrying it on Ctrl-C)."""
+        returns one line saying how it stopped (KeyboardInterrupt carrying it on Ctrl-C). A
+        second Ctrl-C while the engine thread finishes its step ends that wait (KeyboardInterrupt
+        saying so) and sets ``engine_thread_abandoned``."""
         self.engine_thread.start()
         try:
             self._serve()
         finally:
-            self.engine_thread.stop()
+            try:
+                self.engine_thread.stop()
+            except KeyboardInterrupt:   # the wait for the step under way, cut short
+                self.engine_thread_abandoned = True
+                raise KeyboardInterrupt("a second Ctrl-C while the engine thread finished its "
+                                        "step: exited without waiting for it") from None
         received = self._uvicorn.received
         how = ("SIGTERM" if signal.SIGTERM in received else "Ctrl-C" if received else "stop()")
         line = (f"stopped on {how}: stopped accepting, {self.drain.cut} request(s) still running "
