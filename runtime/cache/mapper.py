@@ -13,9 +13,13 @@ does) the error is a MapperPlanError, which is both.
 
 Shutdown: ``close()`` finishes the plan in flight and joins the thread; mappers still open at
 interpreter exit are closed by one atexit hook (the thread is also a daemon, so a mapper whose
-owner died in an exception never keeps the process alive). A wait never returns for a group
-that is not applied: one under way when ``close()`` comes waits for the plan to finish; a plan
-submitted after ``close()`` is refused (MapperError), so nothing is written to unmapped memory.
+owner died in an exception never keeps the process alive). The thread holds the mapper only
+while it applies a group, never while idle: a mapper dropped without ``close()`` (with its owner,
+e.g. a VMemKVCache, whose ``apply`` it holds) is collected as it would be without a thread, and
+the thread then ends (woken by a weakref callback that only signals it). A wait never returns
+for a group that is not applied: one under way when ``close()`` comes waits for the plan to
+finish; a plan submitted after ``close()`` is refused (MapperError), so nothing is written to
+unmapped memory.
 """
 from __future__ import annotations
 
@@ -28,6 +32,23 @@ from typing import Callable
 from ..errors import MapperError, MapperPlanError, PlanExecutionError
 
 _LIVE: "weakref.WeakSet[BackgroundMapper]" = weakref.WeakSet()
+# An idle thread re-checks that its mapper lives this often: the backstop for a drop whose
+# wake-up could not take the lock (_wake_on_drop never waits).
+_IDLE_RECHECK_S = 1.0
+
+
+def _wake_on_drop(cond: threading.Condition) -> Callable[[object], None]:
+    """The callback of the thread's weak reference to its mapper: wake the thread so that it
+    sees the mapper gone and ends. It may run on any thread, inside any operation (a garbage
+    collection), so it only signals: it never waits for the lock nor changes the mapper's state
+    (a signal it cannot send is caught by the thread's _IDLE_RECHECK_S timeout)."""
+    def wake(_dead_ref: object) -> None:
+        if cond.acquire(blocking=False):
+            try:
+                cond.notify_all()
+            finally:
+                cond.release()
+    return wake
 
 
 class DeferredUndo(Exception):
@@ -57,7 +78,9 @@ class BackgroundMapper:
         self._exited = False                   # the thread has left _run: nothing more applied
         self.wait_s = 0.0                # step thread blocked on the mapper
         self.busy_s = 0.0                # mapper thread applying ops
-        self._thread = threading.Thread(target=self._run, name="vmemkv-mapper", daemon=True)
+        self._thread = threading.Thread(  # a weak reference: the thread never keeps us alive
+            target=BackgroundMapper._run, name="vmemkv-mapper", daemon=True,
+            args=(weakref.ref(self, _wake_on_drop(self._cond)), self._cond))
         self._thread.start()
         _LIVE.add(self)
 
@@ -114,29 +137,44 @@ class BackgroundMapper:
                                       rolled_back=error.rolled_back) from error
             raise MapperError(f"background mapping failed: {error}") from error
 
-    def _run(self) -> None:
+    @staticmethod
+    def _run(mapper_ref: "weakref.ref[BackgroundMapper]", cond: threading.Condition) -> None:
+        """The thread's loop. It holds the mapper (and so its owner) only while it applies a
+        group: when the mapper is dropped without ``close()`` it returns."""
         while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._stop or self._groups_done < self._num_groups)
-                if self._stop and self._groups_done >= self._num_groups:
-                    self._exited = True
-                    self._cond.notify_all()
+            with cond:
+                mapper = mapper_ref()
+                if mapper is None:
                     return
-                ops, group = self._pending, self._groups_done
-            start = time.perf_counter()
-            try:
-                self._apply(ops, group)
-            except BaseException as error:  # handed to the step thread
-                with self._cond:
-                    self._error = error
-                    self._groups_done = self._num_groups
-                    self._cond.notify_all()
-                continue
-            finally:
-                self.busy_s += time.perf_counter() - start
+                if mapper._groups_done >= mapper._num_groups:   # nothing to apply
+                    if mapper._stop:
+                        mapper._exited = True
+                        cond.notify_all()
+                        return
+                    del mapper      # idle: hold nothing, so a dropped mapper can be collected
+                    if mapper_ref() is not None:   # (it may have died just now, on this thread)
+                        cond.wait(_IDLE_RECHECK_S)  # woken by submit, close or _wake_on_drop
+                    continue
+                plan, group = mapper._pending, mapper._groups_done
+            mapper._apply_group(plan, group)
+            del mapper, plan
+
+    def _apply_group(self, plan, group: int) -> None:
+        """Apply one group on the mapper thread; a failure is kept for the step thread."""
+        start = time.perf_counter()
+        try:
+            self._apply(plan, group)
+        except BaseException as error:  # handed to the step thread
             with self._cond:
-                self._groups_done = group + 1
+                self._error = error
+                self._groups_done = self._num_groups
                 self._cond.notify_all()
+            return
+        finally:
+            self.busy_s += time.perf_counter() - start
+        with self._cond:
+            self._groups_done = group + 1
+            self._cond.notify_all()
 
     def close(self) -> None:
         """Finish the plan in flight, then stop the thread; a later ``submit`` raises
