@@ -102,12 +102,13 @@ def normalise(point: dict) -> Dict[str, str]:
     """Set each key ``point`` does not use to its default, so equal simulations have equal keys
     and rows, until none is left (a default can leave another key unused: watermark_scope for
     a reserve policy at watermark 0, then the watermark); ``unused_keys`` of the point as given."""
-    unused = unused_keys(point)
+    unused = given = unused_keys(point)
     while True:
-        changed = {k: PARAMS[k] for k in unused_keys(point) if point[k] != PARAMS[k]}
+        changed = {k: PARAMS[k] for k in unused if point[k] != PARAMS[k]}
         if not changed:
-            return unused
+            return given
         point.update(changed)
+        unused = unused_keys(point)
 
 
 def check_used(spec: dict, used: set, where: Dict[str, str]) -> None:

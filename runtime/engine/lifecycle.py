@@ -164,21 +164,15 @@ class RequestLifecycle:
         a KeyboardInterrupt landing between a step's end and the flag's reset (at that line,
         or in the context manager's exit before it) left the flag set, and every later step
         of the engine was refused."""
-        if self._inside_step():
-            raise EngineBusyError("step() inside a step under way (from an on_token callback, "
-                                  "the model or a memory op): a step is not re-entrant; "
-                                  "return and let the caller's loop step (a callback may "
-                                  "call add_request, abort or close)")
-
-    def _inside_step(self) -> bool:
-        """Whether the caller runs inside this engine's ``_step`` (on this thread)."""
         step_code = type(self)._step.__code__
         frame = sys._getframe(1)
         while frame is not None:
             if frame.f_code is step_code and frame.f_locals.get("self") is self:
-                return True
+                raise EngineBusyError("step() inside a step under way (from an on_token callback, "
+                                      "the model or a memory op): a step is not re-entrant; "
+                                      "return and let the caller's loop step (a callback may "
+                                      "call add_request, abort or close)")
             frame = frame.f_back
-        return False
 
     def _step_failed(self, plan, logits, drawing, error: BaseException) -> bool:
         """Something raised (an interrupt included) in ``step``: finish or undo what the step
