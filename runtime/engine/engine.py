@@ -106,7 +106,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         budget_share_for(memory_budget, cfg, cache_bytes, "", register=False)   # checks only
         # the model's own attention, read and counted under its lock (TP: ranks run shard copies)
         self._holds_attention = cfg.tensor_parallel_size == 1
-        own = hold_vmemkv_attention(model) if self._holds_attention else None
+        own = hold_vmemkv_attention(model, self) if self._holds_attention else None
         self.tp, share = None, None
         try:   # registered last, left on every failure below (Ctrl-C included)
             if cfg.self_check:   # the model is back on its own attention afterwards
@@ -387,7 +387,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         """Count this engine off its model, once (the last one restores the model's own)."""
         if self._holds_attention:
             self._holds_attention = False
-            release_vmemkv_attention(self.model)
+            release_vmemkv_attention(self.model, self)
 
     def _close_memory(self) -> None:   # TP: stops ranks 1..N-1, then frees rank 0's cache
         (self.tp if self.tp is not None else self.cache).close()

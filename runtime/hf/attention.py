@@ -19,6 +19,7 @@ HF forwards from ``model(...)`` down to every attention call.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import weakref
 from dataclasses import dataclass
@@ -102,11 +103,17 @@ def use_vmemkv_attention(model) -> None:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
-# model -> [engines holding it on our attention, the implementation it had before the first]
+# model -> [engines holding it on our attention, the implementation it had before the first,
+#           {id(engine): its finalizer}, the handle of the forward pre-hook]
 _HOLDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # model -> the RLock that serializes its forwards with switches of its attention implementation
 _LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
+# (weakref to a model, id of an engine collected without close()): releases still to apply. The
+# collector may run a finalizer anywhere, even inside a forward of this model on our attention,
+# so a finalizer only queues; the queue is applied by the next hold, release or switch, and by a
+# forward of the model that is not a vmemkv step (_release_dropped_engines).
+_RELEASE_LATER: list = []
 
 
 def model_lock(model) -> "threading.RLock":
@@ -122,31 +129,65 @@ def model_lock(model) -> "threading.RLock":
         return lock
 
 
-def hold_vmemkv_attention(model) -> str:
-    """Count one more engine running ``model`` on our attention; returns the model's own
+def hold_vmemkv_attention(model, engine) -> str:
+    """Count ``engine`` as one more running ``model`` on our attention; returns the model's own
     implementation (the one it had before the first engine holding it), which the last
     ``release_vmemkv_attention`` restores. Reading it and counting are one step under the
     model's ``model_lock``: read apart, an engine built while another closed read "vmemkv" (the
-    other's) as the model's own and left the model on it for good."""
+    other's) as the model's own and left the model on it for good. An engine collected without
+    releasing is released later (a finalizer that only queues): the model is not left on our
+    attention for good by an engine dropped without ``close()``."""
+    _apply_later_releases()
     with model_lock(model):
         entry = _HOLDERS.get(model)
         if entry is None:
-            entry = _HOLDERS[model] = [0, model.config._attn_implementation]
+            hook = model.register_forward_pre_hook(_release_dropped_engines, with_kwargs=True)
+            entry = _HOLDERS[model] = [0, model.config._attn_implementation, {}, hook]
+        finalizer = weakref.finalize(engine, _RELEASE_LATER.append, (weakref.ref(model), id(engine)))
+        finalizer.atexit = False       # at interpreter exit nobody runs the model again
         entry[0] += 1
+        entry[2][id(engine)] = finalizer
         return entry[1]
 
 
-def release_vmemkv_attention(model) -> None:
-    """One engine fewer; the last one switches the model back to its own implementation (so a
-    second engine on the same model keeps running on ours until it closes too)."""
+def release_vmemkv_attention(model, engine) -> None:
+    """``engine`` off ``model``; the last one switches the model back to its own implementation
+    (so a second engine on the same model keeps running on ours until it closes too)."""
+    _apply_later_releases()
+    _release(model, id(engine), collected=False)
+
+
+def _release(model, engine_id: int, collected: bool) -> None:
     with model_lock(model):
         entry = _HOLDERS.get(model)
-        if entry is None:
-            return
+        finalizer = entry[2].get(engine_id) if entry is not None else None
+        if finalizer is None or finalizer.alive == collected:
+            return                     # released already (or the id is a newer engine's)
+        finalizer.detach()
+        del entry[2][engine_id]
         entry[0] -= 1
         if entry[0] == 0:
             del _HOLDERS[model]
+            entry[3].remove()
             model.set_attn_implementation(entry[1])
+
+
+def _apply_later_releases() -> None:
+    while _RELEASE_LATER:
+        model_ref, engine_id = _RELEASE_LATER.pop()
+        model = model_ref()
+        if model is not None:
+            _release(model, engine_id, collected=True)
+
+
+def _release_dropped_engines(model, args, kwargs) -> None:
+    """The forward pre-hook of a model an engine holds: a forward that is not a vmemkv step
+    (the user's own call, ``generate``) on our attention, which would fail, first collects
+    engines dropped without ``close()`` and applies their releases, so the model runs on its
+    own attention when none is left (with a live engine it still fails, naming the cause)."""
+    if STEP_KWARG not in kwargs and model.config._attn_implementation == ATTN_IMPLEMENTATION:
+        gc.collect()                   # a dropped engine in a reference cycle is found here
+        _apply_later_releases()
 
 
 @contextlib.contextmanager
@@ -154,6 +195,7 @@ def own_attention(model, own: Optional[str] = None):
     """``model`` on its own attention implementation for the block (``own``, else the one it
     had before any engine; sdpa where that is ours), then back as it was. Holds the model's
     ``model_lock`` for the block: other threads' engines on this model wait for it."""
+    _apply_later_releases()
     with model_lock(model):
         now = model.config._attn_implementation
         if own is None:

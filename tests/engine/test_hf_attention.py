@@ -86,3 +86,32 @@ def test_closing_one_of_two_engines_on_a_model_leaves_the_other_exact():
     assert second.generate([[5, 17, 33, 9]], params)[0].outputs[0].token_ids == expected
     second.close()
     assert model.config._attn_implementation == before
+
+
+@pytest.mark.parametrize("cycle", [False, True])
+def test_an_engine_dropped_without_close_gives_the_model_back_to_its_own_attention(cycle):
+    """Before, the model stayed on our attention for good: a plain call raised "needs
+    vmemkv_step". A dropped engine is released at the model's next plain call (also one kept
+    alive by a reference cycle until the collector runs); a live one still holds it."""
+    model = build_model("tiny-llama")
+    before = model.config._attn_implementation
+    ids = torch.tensor([[5, 17, 33, 9]])
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    kept = Engine(model, max_batch=2, max_context=64)
+    dropped = Engine(model, max_batch=2, max_context=64)
+    dropped.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+    if cycle:
+        dropped.myself = dropped
+    del dropped
+    with pytest.raises(UnsupportedModelError), torch.no_grad():   # `kept` still runs on ours
+        model(input_ids=ids)
+    assert model.config._attn_implementation == ATTN_IMPLEMENTATION
+    assert kept.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))[0].outputs[0].token_ids
+    del kept
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, expected)
+    assert model.config._attn_implementation == before
+    again = Engine(model, max_batch=2, max_context=64)             # counted from zero again
+    again.close()
+    assert model.config._attn_implementation == before
