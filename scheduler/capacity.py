@@ -13,7 +13,9 @@ queues), as Vidur's capacity search does:
 An SLO is ``{"ttft_p90": 2000, "tpot_p99": 200}`` (milliseconds), written on the command line
 as ``ttft_p90=2000,tpot_p99=200``: METRIC_STAT with METRIC one of ttft, tpot, itl, e2el and
 STAT ``p<q>`` (a percentile), ``mean`` or ``median``; each names a figure of
-``report.serving_report`` (``p90_ttft_ms``...).
+``report.serving_report`` (``p90_ttft_ms``...). A target whose figure the workload does not
+have (NaN: TPOT or ITL when every request has one output token) is refused by name at the first
+probe (``UndefinedSloTarget``); compared as a number it would read as "no load meets it".
 """
 from __future__ import annotations
 
@@ -102,6 +104,7 @@ def find_max_load(make_entries: Callable[[float], Sequence[TraceEntry]], config:
                 raise
             raise LoadOutOfRange(str(error)) from None
         report = simulate(entries, config).report(percentiles=qs)
+        check_defined(slo, report)
         meets = all(report[report_key(t)] <= ms for t, ms in slo.items())
         result.probes.append(Probe(load, meets, report))
         if on_probe is not None:
@@ -111,6 +114,30 @@ def find_max_load(make_entries: Callable[[float], Sequence[TraceEntry]], config:
     lo, hi = search_max_load(probe, start, rel_tol, max_probes)
     result.max_load, result.bounded = lo, hi is not None
     return result
+
+
+class UndefinedSloTarget(ConfigError):
+    """An SLO target whose figure the workload does not have (NaN in the serving report):
+    no load can meet it or fail it, so the search has no answer to give."""
+
+
+def check_defined(slo: Dict[str, float], report: Dict[str, float]) -> None:
+    """``UndefinedSloTarget`` naming the first target of ``slo`` whose figure in ``report`` is
+    NaN, and why (a NaN compared with the target is False: it read as "no load meets it")."""
+    for target in slo:
+        key, metric = report_key(target), target.split("_", 1)[0]
+        if not math.isnan(report[key]):
+            continue
+        if not report["completed"]:
+            why = "no request completed"
+        elif metric in ("tpot", "itl"):
+            why = (f"no request has two output tokens or more, and {metric} is measured "
+                   f"between a request's tokens")
+        else:
+            why = "the serving report gives NaN"
+        raise UndefinedSloTarget(f"SLO target {target}: {key} is undefined on this workload "
+                                 f"({why}), so no load meets or fails it; leave {target} out "
+                                 f"of the SLO")
 
 
 def search_max_load(meets: Callable[[float], bool], start: float, rel_tol: float,

@@ -11,15 +11,19 @@ docstring) and is built as
 (``model`` a ``ModelSpec``, sizes in bytes and tokens; take ``**options`` to ignore the keywords
 it does not use). Set ``holds_final_length = True`` on it when a sequence holds its final length
 from admission (then the default watermark scope exempts it, as it does the reserve policies).
+A policy file is one module per resolved path and content (the sha256 of its bytes): two files
+named alike are two classes, and a file edited in a running session is loaded again when it is
+next named.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
 import os
 import sys
-from typing import Type
+from typing import Optional, Type
 
 from .errors import ConfigError
 from .managers import POLICIES
@@ -99,17 +103,33 @@ def _import(module_name: str, spec: str):
                           f"{type(error).__name__}: {error}") from None
 
 
+def policy_file(spec: str) -> Optional[str]:
+    """The resolved path of the file a ``file.py:Class`` spec names, None for a built-in or a
+    ``module:Class`` (nothing is loaded or read)."""
+    module_name = spec.rpartition(":")[0]
+    return os.path.realpath(module_name) if module_name.endswith(".py") else None
+
+
 def _import_file(path: str):
-    name = "vmemkv_user_policy_" + os.path.splitext(os.path.basename(path))[0]
+    """The module of the policy file ``path``, keyed in ``sys.modules`` by its resolved path
+    and the sha256 of its bytes: two files with one basename (``v1/policy.py``,
+    ``v2/policy.py``) are two modules, and a file edited since it was loaded is loaded again
+    (the old key was the basename alone: both ran the first one loaded, silently). The module
+    runs the very bytes that were hashed (no bytecode cache: it is keyed by mtime, which an
+    edit within a second can leave unchanged)."""
+    resolved = os.path.realpath(path)
+    if not os.path.isfile(resolved):
+        raise ImportError(f"no file {path}")
+    with open(resolved, "rb") as f:
+        source = f.read()
+    identity = hashlib.sha256(resolved.encode() + b"\0" + source).hexdigest()[:16]
+    name = f"vmemkv_user_policy_{os.path.splitext(os.path.basename(resolved))[0]}_{identity}"
     if name in sys.modules:
         return sys.modules[name]
-    loader_spec = importlib.util.spec_from_file_location(name, path)
-    if loader_spec is None or not os.path.isfile(path):
-        raise ImportError(f"no file {path}")
-    module = importlib.util.module_from_spec(loader_spec)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, resolved))
     sys.modules[name] = module
     try:
-        loader_spec.loader.exec_module(module)
+        exec(compile(source, resolved, "exec"), module.__dict__)   # noqa: S102 -- the user's policy
     except BaseException:
         del sys.modules[name]      # a failed import is not cached: fixing the file is enough
         raise

@@ -15,7 +15,9 @@ deployment (``sim_config.check_deployment``) and its memory manager, built once 
 SimConfig.
 A point that replays a trace file is keyed by the file's resolved path and the sha256 of its
 bytes (``TRACE_ID``, read once per file per sweep), so ``--resume`` runs again the points of a
-trace that changed.
+trace that changed; a point whose policy is a file (``file.py:Class``) likewise by the file's
+resolved path and sha256 (``POLICY_ID``), so an edited policy runs again (a journal row from
+before these were keyed has none, and its point runs again too).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from typing import Dict, Optional
 from .cliargs import parse_bytes
 from .errors import ConfigError
 from .geometry import LAYOUT_CHOICES, PageGeometry
-from .policies import is_custom
+from .policies import is_custom, policy_file
 from .presets import DEVICES, MODELS
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
 from .sim_config import WATERMARK_SCOPES, check_deployment
@@ -53,6 +55,7 @@ PARAMS: Dict[str, object] = {
 GENERATED_ONLY = ("requests", "arrival_rate", "seed", "workload_rng")   # a generated workload's
 TRACE_ONLY = ("rate_scale", "max_requests")                              # a trace's
 TRACE_ID = ("trace_path", "trace_sha256")   # a trace point's file, in its key and its row
+POLICY_ID = ("policy_path", "policy_sha256")   # a policy file's, in its key and its row
 DEFAULT_MAX_POINTS = 10_000
 
 
@@ -229,8 +232,10 @@ def check_point(point: dict, label: dict, built: set) -> None:
     """What ``vmemkv simulate`` checks before it runs: the SimConfig, the generated workload,
     the deployment, the memory manager (built, as ``simulate`` builds it before its first
     step, once per SimConfig in ``built``: its host memory checked first), the unit; ConfigError
-    naming the point by its ``label`` (its grid values)."""
+    naming the point by its ``label`` (its grid values). Records the point's ``POLICY_ID`` in
+    it first (``policy_id``): the file it is keyed by and checked against when it runs."""
     try:
+        point.update(policy_id(point["policy"]))
         config = sim_config(point)
         if point["trace"] is None:
             workload_spec(point)
@@ -273,13 +278,13 @@ def workload_spec(point: dict) -> WorkloadSpec:
 
 def point_params(point: dict) -> dict:
     """A point's row before its figures: every parameter, then its trace file's ``TRACE_ID``
-    (None without one)."""
-    return {k: point.get(k) for k in (*PARAMS, *TRACE_ID)}
+    and its policy file's ``POLICY_ID`` (None without one)."""
+    return {k: point.get(k) for k in (*PARAMS, *TRACE_ID, *POLICY_ID)}
 
 
 def point_key(point: dict) -> str:
-    """A point's (or its row's) parameters and trace file as one string, each value ``normal``
-    (``cache_gb`` 4 keys as 4.0): equal keys, equal simulations."""
+    """A point's (or its row's) parameters, trace file and policy file as one string, each
+    value ``normal`` (``cache_gb`` 4 keys as 4.0): equal keys, equal simulations."""
     return json.dumps({k: normal(k, v) if k in KINDS else v
                        for k, v in point_params(point).items()}, sort_keys=True)
 
@@ -309,6 +314,37 @@ def trace_ids(spec: dict) -> Dict[str, dict]:
     return ids
 
 
+def policy_id(policy: str) -> dict:
+    """The ``POLICY_ID`` of a ``file.py:Class`` policy: the file's resolved path and the sha256
+    of its bytes (``policies`` keys the module it loads by the same path and bytes); None for a
+    built-in or a ``module:Class``. ConfigError naming the file when it cannot be read."""
+    path = policy_file(policy)
+    if path is None:
+        return dict.fromkeys(POLICY_ID)
+    try:
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as error:
+        raise ConfigError(f"custom policy {policy!r}: cannot read {path}: "
+                          f"{error.strerror or error}") from None
+    return {"policy_path": path, "policy_sha256": digest}
+
+
+def check_policy_unchanged(point: dict) -> None:
+    """ConfigError when the point was keyed by its policy file's sha256 (``check_point``) and
+    the file has changed since: the point would run code its row does not name (an edit while
+    the sweep runs). ``--resume`` runs it again with the file as it is then."""
+    keyed = point.get("policy_sha256")
+    if keyed is None:            # a built-in or module:Class policy, or a point not yet keyed
+        return
+    now = policy_id(point["policy"])["policy_sha256"]
+    if now != keyed:
+        raise ConfigError(f"custom policy {point['policy']!r}: {point['policy_path']} changed "
+                          f"since the sweep read it (sha256 {keyed[:12]}..., now {now[:12]}...): "
+                          f"this point would run code its row does not name; run it again "
+                          f"(--resume runs the points whose policy changed)")
+
+
 def _size(text: str, where: str) -> int:
     import argparse
     try:
@@ -318,7 +354,9 @@ def _size(text: str, where: str) -> int:
 
 
 def sim_config(point: dict) -> SimConfig:
-    """The SimConfig a point names (ConfigError naming the field when a value is bad)."""
+    """The SimConfig a point names (ConfigError naming the field when a value is bad, or when
+    its policy file changed since the point was keyed: ``check_policy_unchanged``)."""
+    check_policy_unchanged(point)
     sched = SchedulerConfig(max_running=point["max_running"],
                             max_tokens_per_step=point["max_tokens_per_step"],
                             watermark=point["watermark"], preemption=point["preemption"])
