@@ -73,7 +73,11 @@ class EngineAdapters:
         return ref
 
     def remove(self, name: str) -> None:
-        """Forget ``name``; requests already running with it finish with it."""
+        """Forget ``name``; requests already running with it finish with it. EngineConfigError
+        naming ``name`` for one that is no str (a list was a raw TypeError) or not loaded."""
+        if not isinstance(name, str):
+            raise EngineConfigError(f"remove_lora: name must be a str, got "
+                                    f"{type(name).__name__} {str(name)[:60]!r}")
         if name not in self._by_name:
             raise EngineConfigError(f"remove_lora: no adapter named {name!r} (loaded: "
                                     f"{self.names or 'none'})")

@@ -21,7 +21,8 @@ step it is done, none before.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Dict, List, Optional, Sequence, Union
+from functools import partial
+from typing import Dict, List, Sequence, Union
 
 import torch
 
@@ -32,6 +33,8 @@ from vmemkv.scheduler.request import Request
 from .beam_params import BeamSearchParams
 from .beam_select import (Beam, GroupState, Hypothesis, candidates_per_step, length_divisor,
                           returned, select)
+from .call_checks import check_callback
+from .detokenize import decode_at_end
 from .errors import BeamSearchParamsError, EngineClosedError, RequestRejectedError
 from .outputs import CompletionOutput, RequestOutput, TokenEvent
 from .prompts import check_prompt_batch
@@ -147,7 +150,11 @@ class BeamSearching:
         return outputs
 
     def check_beam_params(self, params: BeamSearchParams) -> None:
-        """BeamSearchParamsError when this engine cannot run ``params`` exactly."""
+        """BeamSearchParamsError when this engine cannot run ``params`` exactly (or it is not
+        a BeamSearchParams: the error names ``params``)."""
+        if not isinstance(params, BeamSearchParams):
+            raise BeamSearchParamsError(f"params must be a BeamSearchParams, got "
+                                        f"{type(params).__name__} {str(params)[:60]!r}", "params")
         if params.beam_width > self.config.max_batch:
             raise BeamSearchParamsError(
                 f"BeamSearchParams.beam_width {params.beam_width} exceeds max_batch "
@@ -169,9 +176,11 @@ class BeamSearching:
     def add_beam_request(self, prompt, params: BeamSearchParams, index: int = 0,
                          on_token=None) -> int:
         """Queue one beam-search prompt; returns its request id (its output: ``output``).
-        ``on_token`` gets the returned beams' tokens in the step the search is done."""
+        ``on_token`` (callable or None, else EngineConfigError: nothing queued) gets the
+        returned beams' tokens in the step the search is done."""
         if self._closed:
             raise EngineClosedError("add_beam_request after close(): build a new Engine")
+        check_callback("on_token", on_token)
         self.check_beam_params(params)
         ids, text = self._encode(prompt, index)
         rid, arrival_s = self._next_request, self._now()
@@ -216,11 +225,15 @@ class BeamSearching:
                            for j, t in enumerate(c.token_ids)]
         return events
 
-    def _completion(self, index: int, h: Hypothesis, reason: Optional[str] = None
-                    ) -> CompletionOutput:
-        text = (self.tokenizer.decode(list(h.token_ids), skip_special_tokens=True)
-                if self.tokenizer is not None else None)
-        return CompletionOutput(index, list(h.token_ids), reason or h.finish_reason, text,
+    def _completion(self, index: int, h: Hypothesis, ending: bool = False) -> CompletionOutput:
+        """``h`` as output ``index``. ``ending`` (the request ended early: aborted, failed,
+        closed): no text when the tokenizer raises (``decode_at_end``); otherwise (a done
+        group, inside its step) a decode that raises fails the step as any recording error."""
+        text = None
+        if self.tokenizer is not None:
+            decode = partial(self.tokenizer.decode, list(h.token_ids), skip_special_tokens=True)
+            text = decode_at_end(decode) if ending else decode()
+        return CompletionOutput(index, list(h.token_ids), h.finish_reason, text,
                                 logprobs=list(h.logprobs), beam_score=h.score)
 
     def _end_beams(self, request_id: int, reason: str) -> None:
@@ -237,7 +250,8 @@ class BeamSearching:
                            reason) for b in group.beams]
         ranked = sorted(list(group.hyps) + live, key=lambda h: -h.score)   # stable
         self._requests[request_id].output.outputs[:] = [
-            self._completion(i, h) for i, h in enumerate(ranked[:group.params.returned_beams])]
+            self._completion(i, h, ending=True)
+            for i, h in enumerate(ranked[:group.params.returned_beams])]
 
 
 def _live_score(beam: Beam, length_penalty: float) -> float:

@@ -24,9 +24,25 @@ so a stop string that starts within the first ``min_tokens`` tokens and ends aft
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import logging
+from typing import Callable, List, Optional, Sequence, TypeVar
 
 REPLACEMENT = "\ufffd"
+T = TypeVar("T")
+log = logging.getLogger("vmemkv.engine")
+
+
+def decode_at_end(decode: Callable[[], T]) -> Optional[T]:
+    """``decode()`` where a sample or beam request ends early (aborted, failed, closed), or None
+    when the tokenizer raises: an ending never fails on its text (its status, tokens and the
+    memory it releases do not depend on it, and ``close`` must release everything); the error
+    is logged and the text stays what was shown before."""
+    try:
+        return decode()
+    except Exception as error:   # noqa: BLE001 -- the tokenizer's own, logged
+        log.warning("a request's text was not finished: the tokenizer's decode raised %s: %s",
+                    type(error).__name__, error)
+        return None
 
 
 class IncrementalText:
@@ -57,10 +73,11 @@ class IncrementalText:
         return self._show(last)
 
     def finish(self) -> str:
-        """Flush what is held (the sample ended without a new token: aborted, failed)."""
+        """Flush what is held (the sample ended without a new token: aborted, failed, closed);
+        a tokenizer that raises leaves what was decoded before (``decode_at_end``)."""
         if self.stopped:
             return ""
-        self._flush()
+        decode_at_end(self._flush)   # changes nothing when a decode raises
         return self._show(True)
 
     def save(self) -> tuple:

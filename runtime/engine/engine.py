@@ -19,7 +19,6 @@ import logging
 import random
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import replace
 from typing import Callable, Dict, List, Optional
 
@@ -40,6 +39,7 @@ from .config import (EngineConfig, cache_budget_bytes, cache_config_for, check_e
 from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine,
                               interrupts_between_steps, kv_heads_per_rank, rank_kv_scales,
                               start_tensor_parallel)
+from .call_checks import check_callback, check_tokenizer
 from .errors import EngineClosedError, EngineConfigError, TensorParallelError
 from .lifecycle import RequestLifecycle
 from .adapters import EngineAdapters
@@ -47,7 +47,7 @@ from .beam import BeamSearches, BeamSearching
 from .elastic import ElasticMemory, budget_share_for
 from .statistics import EngineStatistics
 from .model_runner import ModelRunner
-from .outputs import RequestOutput, TokenEvent
+from .outputs import TokenEvent
 from .request_state import RequestState, SampleRecord, deliver
 from .sampler import SampleState, Sampler, save_generators
 from .self_check import self_check
@@ -67,6 +67,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
     def __init__(self, model: torch.nn.Module, tokenizer=None, config: Optional[EngineConfig] = None,
                  driver=None, memory_budget=None, **options) -> None:
         check_engine_arguments(model, config)
+        check_tokenizer(tokenizer)   # a name ("gpt2") was taken, then failed inside a step
         try:
             self.config = cfg = replace(config or EngineConfig(), **options)
         except TypeError as error:
@@ -329,22 +330,15 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         ``config.max_plan_retries`` times in a row before its PlanExecutionError reaches the
         caller (the engine stays usable: calling this again resumes); a request that keeps
         failing ends "failed" and the others go on. EngineClosedError if ``close()`` (from a
-        callback) ended requests meanwhile."""
+        callback) ended requests meanwhile; EngineConfigError, before any step, for an ``on_step``
+        neither callable nor None."""
+        check_callback("on_step", on_step)
         with self._driving([rid for rid, s in self._requests.items() if s.remaining],
                            "run_until_done"):
             while self.has_unfinished():
                 events = self._step_with_retries()
                 if on_step is not None:
                     on_step(events)
-
-    def output(self, request_id: int, pop: bool = False) -> RequestOutput:
-        """The (possibly partial) output of a request; ``pop`` forgets an ended one (a change:
-        one thread at a time, as the GUARDED calls). UnknownRequestError for an unknown id."""
-        with self._guarded("output") if pop else nullcontext():
-            state = self._request(request_id)
-            if pop and not state.remaining:
-                del self._requests[request_id]
-            return state.output
 
     # ---- LoRA adapters (runtime/engine/adapters.py) ----------------------------------------
     def add_lora(self, name: str, path, replace: bool = False) -> None:
@@ -375,13 +369,16 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         """End every live request "aborted" (``lifecycle``: a batch call running them raises
         EngineClosedError), drop closed streams' requests, release the cache (unmaps and frees
         every page) and, the last engine on the model, switch it back to its own attention. With
-        tensor parallelism, also stops every rank (each frees its cache). Idempotent."""
-        if not self._closed:
-            self._abort_for_close()
-        self._closed = True
-        self._close_memory()
-        self._leave_budget()       # once: detaches the finalizer and unregisters
-        self._release_attention()
+        tensor parallelism, also stops every rank (each frees its cache). Idempotent; whatever
+        ending the requests raises, everything is released (and the engine closed) first."""
+        try:
+            if not self._closed:
+                self._abort_for_close()
+        finally:
+            self._closed = True
+            self._close_memory()
+            self._leave_budget()       # once: detaches the finalizer and unregisters
+            self._release_attention()
 
     def _release_attention(self) -> None:
         """Count this engine off its model, once (the last one restores the model's own)."""

@@ -47,6 +47,7 @@ Whom a failed step is blamed on:
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from functools import partial
 from typing import Dict, Iterable, List, Optional, Set
 
@@ -56,6 +57,7 @@ from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.plan import StepPlan
 from vmemkv.scheduler.request import SeqState
 
+from .call_checks import check_request_id
 from .errors import (EngineBusyError, EngineClosedError, RequestEndedError, RequestRejectedError,
                      TensorParallelError, UnknownRequestError)
 from .outputs import RequestError, RequestOutput, TokenEvent
@@ -104,8 +106,8 @@ class RecordingSavepoint:
 class RequestLifecycle:
     """The Engine's failure contract and early ends (a mixin over Engine's fields: scheduler,
     cache, runner, config, _requests, _samples, _beams, _strikes; the step's StepTransaction
-    ``_txn``, ``_draws`` and ``_beam_rows``): recording or undoing a step, blaming and failing a request, ``abort`` and
-    ``status``."""
+    ``_txn``, ``_draws`` and ``_beam_rows``): recording or undoing a step, blaming and failing
+    a request, ``abort``, ``status`` and ``output``."""
 
     def _record_step(self, plan, sampled: Dict[int, int]) -> List[TokenEvent]:
         """The plan ran: its memory is kept (``executed``); then its tokens are recorded
@@ -317,7 +319,21 @@ class RequestLifecycle:
                 return seq_state.value
         return SeqState.WAITING.value
 
+    def output(self, request_id: int, pop: bool = False) -> RequestOutput:
+        """The (possibly partial) output of a request; ``pop`` forgets an ended one (a change:
+        one thread at a time, as the GUARDED calls). UnknownRequestError for an unknown id,
+        EngineConfigError for one that is no int (``_request``)."""
+        with self._guarded("output") if pop else nullcontext():
+            state = self._request(request_id)
+            if pop and not state.remaining:
+                del self._requests[request_id]
+            return state.output
+
     def _request(self, request_id: int) -> RequestState:
+        """The state of request ``request_id`` (``abort``, ``status``, ``output``):
+        EngineConfigError for an id that is no int (``check_request_id``: nothing is read),
+        UnknownRequestError for an unknown one."""
+        check_request_id(request_id)
         state = self._requests.get(request_id)
         if state is None:
             raise UnknownRequestError(f"unknown request id {request_id!r}: never returned by "

@@ -22,6 +22,7 @@ from vmemkv.scheduler.errors import CacheShrunkError, RequestTooLargeError
 from vmemkv.scheduler.lifecycle import check_length, withdraw_request
 from vmemkv.scheduler.request import Request
 
+from .call_checks import check_callback
 from .chat import chat_prompts
 from .errors import (CacheShrunkRequestError, EngineBusyError, EngineClosedError,
                      EngineConfigError, RequestRejectedError)
@@ -52,8 +53,7 @@ class RequestSubmission:
         if not isinstance(params, SamplingParams):
             raise EngineConfigError(f"sampling must be a SamplingParams or None, got "
                                     f"{type(params).__name__} {str(params)[:60]}")
-        if on_token is not None and not callable(on_token):
-            raise EngineConfigError(f"on_token must be callable or None, got {on_token!r}")
+        check_callback("on_token", on_token)
         ids, text = self._encode(prompt, index)
         check_request_params(params, self.tokenizer, self.vocab_size, index)
         stops = self._stop_ids(params)
