@@ -34,15 +34,10 @@ def check_tp_devices(tp_devices, tp_size, device: str, error=None) -> None:
 
 
 def check_device(device: str) -> None:
-    import torch
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, TypeError):
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        raise GenerateUsageError(f"--device must be 'cpu' or 'cuda[:i]', got {device!r}")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise GenerateUsageError(f"--device {device!r} asked for, but no CUDA GPU is visible to torch")
+    """--device by the rule ``load_model`` checks its ``device`` by (``models.checked_device``:
+    cpu, or a CUDA GPU torch sees), GenerateUsageError naming the flag."""
+    from .models import checked_device
+    checked_device(device, "--device", GenerateUsageError)
 
 
 # what the flags that default to None ("not given") mean when they are not given
@@ -57,10 +52,9 @@ def check_flags(args) -> None:
     for name, value in FLAG_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.cache == "paged" and args.block_size > args.max_context:
-        raise GenerateUsageError(f"--block-size {args.block_size} tokens is longer than "
-                                 f"--max-context {args.max_context}: a block holds at most one "
-                                 f"sequence's tokens")
+    from .engine.config import check_block_size      # the engine's own rule, named by flag
+    check_block_size(args.cache, args.block_size, args.max_context,
+                     ("--block-size", "--max-context"), GenerateUsageError)
     _check_limits(args)
     check_tp_devices(args.tp_devices, args.tensor_parallel_size, args.device)
     if args.kv_scales is not None and KV_CACHE_DTYPE_BYTES[args.kv_cache_dtype] != 1:

@@ -60,9 +60,14 @@ class ModelLoadError(RuntimeKVError, ValueError):
     a hub id in the local hub cache; or a checkpoint transformers cannot load."""
 
 
+# what a model is built or loaded in (8-bit floats have no storage to build one in)
+MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+MAX_SEED = 2**64 - 1            # torch.manual_seed's largest
+
+
 def model_config(name: str):
     """The transformers config of built-in model ``name``."""
-    if name not in TINY_CONFIGS:
+    if not isinstance(name, str) or name not in TINY_CONFIGS:
         raise ModelLoadError(f"unknown built-in model {name!r}; built-ins: {', '.join(TINY_CONFIGS)}")
     family, fields = TINY_CONFIGS[name]
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -71,9 +76,12 @@ def model_config(name: str):
 
 def build_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float32,
                 device: str = "cpu") -> torch.nn.Module:
-    """A built-in model with random weights drawn from ``seed`` (same seed -> same weights)."""
+    """A built-in model with random weights drawn from ``seed`` (same seed -> same weights),
+    in ``dtype`` on ``device``. ModelLoadError naming the argument, before anything is built,
+    for a name that is not built-in or an argument ``check_model_arguments`` refuses."""
     from transformers import AutoModelForCausalLM
     config = model_config(name)
+    check_model_arguments(seed, dtype, device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -86,7 +94,15 @@ def load_model(name_or_path: str, seed: int = 0, dtype: Optional[torch.dtype] = 
     file or a packaged GGUF by name (both converted once and cached: runtime/gguf.py), or a hub
     id already in the local hub cache (never downloaded). A checkpoint whose tensors do not
     cover the model, or that holds tensors the model has no place for, is refused (never
-    filled with random weights); so is a tokenizer whose files exist but do not load."""
+    filled with random weights); so is a tokenizer whose files exist but do not load. Every
+    argument is checked first (``check_model_arguments``; ``name_or_path`` a str or a path),
+    ModelLoadError naming it."""
+    if isinstance(name_or_path, os.PathLike):
+        name_or_path = os.fspath(name_or_path)
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise ModelLoadError(f"load_model's name_or_path must be a model name or a path (a "
+                             f"non-empty str), got {name_or_path!r}")
+    check_model_arguments(seed, dtype, device, dtype_may_be_none=True)
     if name_or_path in TINY_CONFIGS:
         return build_model(name_or_path, seed, dtype or torch.float32, device), None
     source = checkpoint_source(name_or_path)
@@ -103,6 +119,43 @@ def load_model(name_or_path: str, seed: int = 0, dtype: Optional[torch.dtype] = 
         raise ModelLoadError(f"--model {name_or_path!r}: the checkpoint's tensors do not match "
                              f"the model ({gaps}); nothing was loaded")
     return model.to(device).eval(), load_tokenizer(source)
+
+
+def check_model_arguments(seed, dtype, device, dtype_may_be_none: bool = False) -> None:
+    """ModelLoadError naming the argument: ``seed`` not an int (no bool) in [0, 2**64 - 1]
+    (2.5 was seed 2), ``dtype`` not one of ``MODEL_DTYPES`` (None too: the checkpoint's, where
+    ``dtype_may_be_none``; "fp16" was an AttributeError), ``device`` refused by
+    ``checked_device``."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ModelLoadError(f"seed must be an int in [0, 2**64 - 1] (it seeds the random "
+                             f"weights of a built-in model), got {seed!r}")
+    if not (dtype is None and dtype_may_be_none) and dtype not in MODEL_DTYPES:
+        allowed = ", ".join(map(str, MODEL_DTYPES)) + (" or None" if dtype_may_be_none else "")
+        raise ModelLoadError(f"dtype must be one of {allowed}, got {dtype!r}")
+    checked_device(device)
+
+
+def checked_device(device, argument: str = "device", error: type = ModelLoadError) -> torch.device:
+    """``device`` as a torch.device: a str ("cpu", "cuda", "cuda:1"), a torch.device, or an
+    int, a CUDA index as torch takes one; only the cpu, or a CUDA GPU this process sees.
+    ``error`` naming ``argument`` otherwise (True was taken for a dtype, "cuda:5" on one GPU
+    was an AssertionError). ``vmemkv generate``/``serve`` check --device with it."""
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise error(f"{argument} must be a str ('cpu', 'cuda[:i]'), a torch.device or a CUDA "
+                    f"index, got {device!r}")
+    try:
+        parsed = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (RuntimeError, TypeError, ValueError, OverflowError):   # torch's words vary by kind
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise error(f"{argument} must be 'cpu' or 'cuda[:i]', got {device!r}")
+    visible = torch.cuda.device_count() if parsed.type == "cuda" else 0
+    if parsed.type == "cuda" and not visible:
+        raise error(f"{argument} {device!r} asked for, but no CUDA GPU is visible to torch")
+    if parsed.type == "cuda" and (parsed.index or 0) >= visible:
+        raise error(f"{argument} {device!r} names a GPU this process does not see: torch sees "
+                    f"{visible} (cuda:0 to cuda:{visible - 1})")
+    return parsed
 
 
 def load_errors() -> tuple:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import List, NamedTuple, Optional, Tuple, Union
 
 from .errors import ConfigError
+from .field_checks import check_int
 from .managers.base import (CopyBlock, CopyExtent, DropSwapped, MapExtent, ReleasePages,  # noqa: F401
                             MemoryOp, SwapIn, SwapOut, UnmapExtent,  # the ops a plan carries
                             LoadAdapter, EvictAdapter)
@@ -24,17 +25,30 @@ class SchedulerConfig:
     max_seq_len: Optional[int] = None    # tokens; None = the manager's max_seq_len
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_running, int) or self.max_running < 1:
-            raise ConfigError(f"max_running must be an int >= 1, got {self.max_running!r}")
-        if not isinstance(self.max_tokens_per_step, int) or self.max_tokens_per_step < self.max_running:
-            raise ConfigError(f"max_tokens_per_step must be an int >= max_running "
-                              f"({self.max_running}) so every decode fits a step, "
+        """ConfigError naming ``SchedulerConfig.<field>``, the value and the allowed range: a
+        bool is no count, a str no bool (``enable_prefix_sharing="no"`` turned sharing on)."""
+        check_int("SchedulerConfig.max_running", self.max_running, 1)
+        check_int("SchedulerConfig.max_tokens_per_step", self.max_tokens_per_step, 1)
+        if self.max_tokens_per_step < self.max_running:
+            raise ConfigError(f"SchedulerConfig.max_tokens_per_step must be an int >= "
+                              f"max_running ({self.max_running}) so every decode fits a step, "
                               f"got {self.max_tokens_per_step!r}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise ConfigError(f"watermark must be a fraction in [0, 1), got {self.watermark!r}")
-        if self.preemption not in PREEMPTION_MODES:
-            raise ConfigError(f"preemption must be one of {', '.join(PREEMPTION_MODES)}, "
-                              f"got {self.preemption!r}")
+        w = self.watermark
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < 1.0:
+            raise ConfigError(f"SchedulerConfig.watermark must be a fraction in [0, 1), got {w!r}")
+        if not isinstance(self.preemption, str) or self.preemption not in PREEMPTION_MODES:
+            raise ConfigError(f"SchedulerConfig.preemption must be one of "
+                              f"{', '.join(PREEMPTION_MODES)}, got {self.preemption!r}")
+        for name in ("enable_prefix_sharing", "check_every_step"):
+            _check_bool(f"SchedulerConfig.{name}", getattr(self, name))
+        if self.max_seq_len is not None:    # None: the manager's
+            check_int("SchedulerConfig.max_seq_len", self.max_seq_len, 1)
+
+
+def _check_bool(field: str, value) -> None:
+    """``value`` is True or False: a truthy str ("no") or 1 is not taken for one."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"{field} must be True or False, got {value!r}")
 
 
 class ScheduledSeq(NamedTuple):

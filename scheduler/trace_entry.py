@@ -39,6 +39,12 @@ class TraceEntry:
     hash_ids: Tuple[int, ...] = ()   # Mooncake traces: ids of the prompt's 512-token blocks
     adapter: Optional["AdapterRef"] = None   # the LoRA adapter the request runs with, if any
 
+    def __post_init__(self) -> None:
+        """The token counts are checked here (``True`` ran as 1 token, NaN was blamed on the
+        simulation's memory); arrivals by ``check_arrivals``, which names the entry's index."""
+        for name in ("prompt_len", "output_len"):
+            check_token_count(f"TraceEntry.{name}", getattr(self, name))
+
     @property
     def total_len(self) -> int:
         return self.prompt_len + self.output_len
@@ -126,9 +132,7 @@ def parse_entry(obj, where: str, keys: Tuple[str, str, str], units_per_second: f
     values = []
     for key in keys[:2]:
         v = obj.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_TRACE_TOKENS:
-            shown = shown_int(v) if isinstance(v, int) else _short(v)
-            raise ConfigError(f"{where}: {key} must be an int in [1, {MAX_TRACE_TOKENS:,}], got {shown}")
+        check_token_count(f"{where}: {key}", v)
         values.append(v)
     arrival = obj.get(keys[2], 0)
     unit = f" of {time_unit}" if time_unit else ""
@@ -150,6 +154,14 @@ def parse_entry(obj, where: str, keys: Tuple[str, str, str], units_per_second: f
                           f"{block_tokens}-token block of {keys[0]} {values[0]}), got "
                           f"{_short(hash_ids)}")
     return TraceEntry(values[0], values[1], arrival / units_per_second, tuple(hash_ids))
+
+
+def check_token_count(field: str, value) -> None:
+    """``value`` is a request's count of tokens: an int (not a bool) in [1,
+    ``MAX_TRACE_TOKENS``]; ConfigError naming ``field``, the value and the range otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_TRACE_TOKENS:
+        shown = shown_int(value) if isinstance(value, int) else _short(value)
+        raise ConfigError(f"{field} must be an int in [1, {MAX_TRACE_TOKENS:,}], got {shown}")
 
 
 def shown_int(value: int) -> str:

@@ -93,6 +93,7 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise EngineConfigError(f"EngineConfig.{name} must be an int >= {low}, got {value!r}")
+        check_block_size(self.cache, self.block_size, self.max_context)
         if self.min_cache_bytes is not None and (isinstance(self.min_cache_bytes, bool) or not
                                                  isinstance(self.min_cache_bytes, int) or
                                                  self.min_cache_bytes < 0):
@@ -162,6 +163,18 @@ class EngineConfig:
         if getattr(self, name) not in allowed:
             raise EngineConfigError(f"EngineConfig.{name} must be one of {', '.join(allowed)}, "
                                     f"got {getattr(self, name)!r}")
+
+
+def check_block_size(cache: str, block_size: int, max_context: int,
+                     names: tuple = ("EngineConfig.block_size", "max_context"),
+                     error: type = EngineConfigError) -> None:
+    """A paged block holds at most one sequence's tokens: ``error`` naming ``names`` (the two
+    fields, or the CLI's flags) when ``block_size`` is longer than ``max_context`` (the API
+    blamed cache_bytes, which nobody gave, or CacheConfig.max_context). A vmem cache's
+    block_size is only its prefix-hit granularity, not checked here."""
+    if cache == "paged" and block_size > max_context:
+        raise error(f"{names[0]} {block_size} tokens is longer than {names[1]} {max_context}: "
+                    f"a block holds at most one sequence's tokens")
 
 
 def cache_budget_bytes(cfg: EngineConfig, cache_config, vocab_size: int) -> int:

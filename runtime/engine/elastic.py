@@ -22,6 +22,7 @@ from typing import Optional
 from vmemkv.runtime import memory
 from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device
 from vmemkv.scheduler.errors import CacheResizeError
+from vmemkv.scheduler.layout import CacheKind
 
 from .errors import EngineClosedError, EngineSleepingError, TensorParallelError
 
@@ -196,8 +197,13 @@ class ElasticMemory:
     @property
     def committed_bytes(self) -> int:
         """Bytes of the pool (rank 0's; every rank's maps the same pages) whose memory exists
-        now; ``cache_bytes`` past it is promised, created when first mapped."""
-        return self.kv.cache.pool.committed_bytes
+        now. vmem: pages are created when first mapped, so ``cache_bytes`` past it is promised;
+        paged: the block pool is one tensor made whole at construction, and this is its bytes
+        (a resident LoRA adapter's bytes are a buffer beside it)."""
+        cache = self.kv.cache
+        if cache.kind is CacheKind.PAGED:
+            return cache.pools.nbytes
+        return cache.pool.committed_bytes
 
     def _pool_copies(self) -> int:
         """Pools in this device's memory: ``tensor_parallel_size`` with the cache on the host
