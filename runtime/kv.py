@@ -124,6 +124,16 @@ class KV:
         self.close()
 
 
+def full_length_tokens(max_context: int, kind: str, block_size) -> int:
+    """The tokens a slot's share of a default cache (``cache_bytes=None``: every slot at full
+    length) must hold: paged, ``max_context`` in whole blocks (every block group's last block
+    is whole: unrounded, a request of ``max_context`` tokens could never fit); vmem,
+    ``max_context`` as given (the caller rounds it to whole pages)."""
+    if kind == "paged" and isinstance(block_size, int) and block_size > 0:
+        return -(-max_context // block_size) * block_size
+    return max_context
+
+
 def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[int] = None,
             layout: str = "per-layer", page_bytes: Optional[int] = None,
             block_size: int = 16, swap_bytes: int = 0, background_mapper: bool = False,
@@ -155,7 +165,8 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
         config = replace(config, max_context=vmem_geometry(config, layout, page_bytes)
                          .round_up_tokens(config.max_context))
     if cache_bytes is None:
-        cache_bytes = config.max_batch * config.max_context * config.bytes_per_token
+        cache_bytes = config.max_batch * full_length_tokens(config.max_context, kind, block_size) \
+            * config.bytes_per_token
     model = config.model_spec()
     if CacheKind(kind) is CacheKind.VMEM:
         largest = max(cache_bytes, max_cache_bytes) if isinstance(max_cache_bytes, int) \

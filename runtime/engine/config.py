@@ -6,7 +6,7 @@ from typing import Optional, Union
 
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.hf.support import kv_shape_of, layer_windows_of
-from vmemkv.runtime.kv import vmem_geometry
+from vmemkv.runtime.kv import full_length_tokens, vmem_geometry
 from vmemkv.runtime.kv_calibration import calibrated_kv_scales
 from vmemkv.runtime.kv_dtype import (KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES, KVScales,
                                      checkpoint_kv_scales, kv_encoding)
@@ -194,7 +194,8 @@ def cache_budget_bytes(cfg: EngineConfig, cache_config, vocab_size: int) -> int:
         what = f"the engine's KV cache (cache_bytes={budget})"
         if budget is None:
             c = cache_config
-            budget = c.max_batch * c.max_context * c.bytes_per_token
+            budget = c.max_batch * full_length_tokens(c.max_context, cfg.cache, cfg.block_size) \
+                * c.bytes_per_token
             what = (f"the engine's KV cache ({cache_config.max_batch} slots of "
                     f"{cache_config.max_context} tokens; cache_bytes=None)")
         check_fits_device(what, budget, device)
