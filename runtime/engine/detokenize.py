@@ -15,7 +15,10 @@ Stop strings are searched in the text; while they are asked for, the last ``long
 characters are held back, so a delta never shows the start of a stop string the next token
 completes. The sample's ``text`` ends at the first stop string (kept with
 ``include_stop_str_in_output``). On the sample's last token everything is flushed: the text is
-then ``tokenizer.decode(tokens, skip_special_tokens=...)`` cut at the first stop string.
+then ``tokenizer.decode(tokens, skip_special_tokens=...)`` cut at the first stop string, looked
+for before the U+FFFD that ends it where the last tokens leave a character incomplete (that
+stands for bytes the model did not finish: a stop string "\ufffd" never turns a sample that
+max_tokens cut mid-character into a "stop"; a U+FFFD the model wrote last reads the same).
 
 ``min_tokens``, as vLLM: no stop string is looked for while the sample has at most
 ``min_tokens`` tokens, and a stop string found later must end after the text those tokens
@@ -111,7 +114,9 @@ class IncrementalText:
         self._prefix = self._read = len(self.token_ids)
 
     def _show(self, last: bool) -> str:
-        cut = self._stop_at()
+        # flushed, the text may end in U+FFFD standing for a character the last token left
+        # incomplete (max_tokens cut it): no stop string matches what the model never wrote
+        cut = self._stop_at(len(self._decoded.rstrip(REPLACEMENT)) if last else len(self._decoded))
         if cut is not None:
             self.stopped, end = True, cut
         else:
@@ -120,15 +125,17 @@ class IncrementalText:
         self.text += delta
         return delta
 
-    def _stop_at(self) -> Optional[int]:
-        """Where the text ends at the first stop string (None: none yet, or the sample has at
-        most ``min_tokens`` tokens). A stop string starts at or after the shown text (one
-        starting earlier would have been found before) and ends after ``_min_tokens_chars``."""
+    def _stop_at(self, written_chars: int) -> Optional[int]:
+        """Where the text ends at the first stop string within its first ``written_chars``
+        (None: none yet, or the sample has at most ``min_tokens`` tokens). A stop string starts
+        at or after the shown text (one starting earlier would have been found before) and ends
+        after ``_min_tokens_chars``."""
         if len(self.token_ids) <= self.min_tokens:
             self._min_tokens_chars = len(self._decoded)
             return None
         shown, after = len(self.text), self._min_tokens_chars
-        hits = [(i, s) for i, s in ((self._decoded.find(s, max(shown, after - len(s) + 1)), s)
+        hits = [(i, s) for i, s in ((self._decoded.find(s, max(shown, after - len(s) + 1),
+                                                         written_chars), s)
                                     for s in self.stop) if i >= 0]
         if not hits:
             return None

@@ -18,8 +18,8 @@ from vmemkv.runtime.engine.sampling import SamplingParams
 from vmemkv.scheduler.adapters import adapter_fit_tokens
 
 from .errors import ApiError
-from .logprobs_format import (TextOffsets, TokenStrings, completion_logprobs, echo_offsets,
-                              merge_completion_logprobs)
+from .logprobs_format import (StreamedTokens, TextOffsets, TokenStrings, completion_logprobs,
+                              echo_offsets, merge_completion_logprobs)
 from .protocol import CompletionRequest
 from .submission import Choice, Delta, Submission
 
@@ -272,8 +272,8 @@ class CompletionFormat:
     """Choices of a Submission as completion objects (``choice``) and stream chunks (``chunk``).
     ``text_offset`` indexes the choice's text (echo + output), the same streamed and not:
     ``echo_offsets`` for the prompt, ``TextOffsets`` for the output (the engine's text skips
-    special tokens as the request says; a last token past a stop string's cut points at the
-    text's end)."""
+    special tokens as the request says; a token past a stop string's cut points at the text's
+    end; streamed, a token waits until its first character is sent: ``StreamedTokens``)."""
     kind = "text_completion"
 
     def __init__(self, req: CompletionRequest, served: ServedModel, prompts: Sequence,
@@ -285,7 +285,7 @@ class CompletionFormat:
         self.echo = ([p if isinstance(p, str) else self._decoded(served, ids)
                       for p, ids in zip(prompts, batch)] if req.echo else None)
         self._echo_offsets: dict = {}   # prompt -> its tokens' text_offset in its echo
-        self._streamed: dict = {}       # choice -> (TextOffsets of its output, chars sent)
+        self._streamed: Dict[int, StreamedTokens] = {}   # choice -> its output's tokens
 
     def _decoded(self, served: ServedModel, ids: Sequence[int]) -> str:
         if served.tokenizer is None:        # the ids in decimal, a space before the output's
@@ -321,24 +321,23 @@ class CompletionFormat:
                 "finish_reason": choice.finish_reason, "token_ids": choice.token_ids}
 
     def chunk(self, delta: Delta) -> dict:
+        """With logprobs a chunk's ``token_ids`` are its logprobs' tokens: those it sends the
+        first character of (``StreamedTokens``), the rest held back."""
         echo, parts = "", []
         if delta.index not in self._streamed:   # the choice's first chunk carries the echo
             echo = self._echo(delta.index)
             if self.echo is not None:
                 parts.append(self._prompt_part(delta.index))
-            self._streamed[delta.index] = (self._output_offsets(delta.index), 0)
-        offsets, sent_chars = self._streamed[delta.index]
-        sent_chars += len(echo) + len(delta.text)
-        self._streamed[delta.index] = (offsets, sent_chars)
-        logprobs = None
+            self._streamed[delta.index] = StreamedTokens(self._output_offsets(delta.index))
+        token_ids, logprobs = delta.token_ids, None
         if self.want_logprobs:
-            found = [offsets.add(t) for t in delta.token_ids]
-            if delta.finish_reason is not None:      # the text is whole: as ``choice`` cuts
-                found = [min(o, sent_chars) for o in found]
-            out = completion_logprobs(self.strings, delta.token_ids, delta.logprobs, found)
+            token_ids, entries, found = self._streamed[delta.index].send(
+                echo + delta.text, delta.token_ids, delta.logprobs,
+                last=delta.finish_reason is not None)
+            out = completion_logprobs(self.strings, token_ids, entries, found)
             logprobs = merge_completion_logprobs(parts + [out])
         return {"index": delta.index, "text": echo + delta.text, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason, "token_ids": delta.token_ids}
+                "finish_reason": delta.finish_reason, "token_ids": token_ids}
 
     def first_chunks(self) -> List[dict]:
         return []

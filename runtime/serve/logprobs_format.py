@@ -18,7 +18,7 @@ alphabet), a byte-fallback piece (``<0xE2>``); else the UTF-8 of its string.
 from __future__ import annotations
 
 import re
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from vmemkv.runtime.engine.detokenize import REPLACEMENT
 from vmemkv.runtime.engine.logprobs import TokenLogprobs
@@ -120,6 +120,38 @@ class TextOffsets:
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
+
+
+class StreamedTokens:
+    """One streamed choice's output tokens, each with its ``text_offset``, sent with the chunk
+    that sends the character the token starts at: the engine holds text back while it may be
+    the start of a stop string (``runtime/engine/detokenize.py``), and a token is held with it
+    (one that adds no character, a skipped special token, waits for the next that does). The
+    last chunk sends every token held, its offset cut at the text's end as
+    ``CompletionFormat.choice`` cuts, so the entries streamed are the non-streamed ones, in
+    order, and never point past the text sent so far (``sent_chars``: the echo's included)."""
+
+    def __init__(self, offsets: TextOffsets) -> None:
+        self.offsets = offsets
+        self.sent_chars = 0
+        self._held: List[Tuple[int, Optional[TokenLogprobs], int]] = []   # (id, entry, offset)
+
+    def send(self, text: str, token_ids: Sequence[int],
+             entries: Sequence[Optional[TokenLogprobs]], last: bool
+             ) -> Tuple[List[int], List[Optional[TokenLogprobs]], List[int]]:
+        """The token ids, entries and offsets a chunk of ``text`` (all of it, an echo too)
+        carries; ``token_ids`` and ``entries``: the tokens the engine gave with that text;
+        ``last``: the choice ends with it, so every held token goes."""
+        self.sent_chars += len(text)
+        self._held += zip(token_ids, entries, [self.offsets.add(t) for t in token_ids],
+                          strict=True)
+        ready = len(self._held)      # the offsets only grow: the first not sent holds the rest
+        if not last:
+            ready = next((i for i, (_, _, offset) in enumerate(self._held)
+                          if offset >= self.sent_chars), ready)
+        out, self._held = self._held[:ready], self._held[ready:]
+        return ([t for t, _, _ in out], [e for _, e, _ in out],
+                [min(offset, self.sent_chars) for _, _, offset in out])
 
 
 def echo_offsets(tokenizer, token_ids: Sequence[int], echo: str) -> List[int]:
