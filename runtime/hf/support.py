@@ -150,6 +150,7 @@ def check_model_supported(model, max_context: int) -> None:
             f"docs/models.md lists the families that run (model.generate with a VMemCache runs some)")
     _check_bias_features(model, config)
     _check_position_table(model, max_context)
+    _check_length_dependent_rope(model, config, max_context)
 
 
 POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")   # GPT-2, OPT, GPT-Neo ...
@@ -178,6 +179,54 @@ def _check_position_table(model, max_context: int) -> None:
                       f"{type(model).__name__} was configured for (max_position_embeddings): "
                       f"its rotary positions are computed there as transformers computes them, "
                       f"but the model was not trained on them", UserWarning, stacklevel=4)
+
+
+def _rope_parameters(config) -> list:
+    """The config's rotary parameter dicts: one, or one per layer type (Gemma 3)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return []
+    if "rope_type" in params or "type" in params:
+        return [params]
+    return [p for p in params.values() if isinstance(p, dict)]
+
+
+def _check_length_dependent_rope(model, config, max_context: int) -> None:
+    """Dynamic-NTK (a rope_type containing "dynamic") and longrope pick their rotary
+    frequencies from the largest position in each forward pass (transformers'
+    ``dynamic_rope_update``), and the engine packs several sequences and prompt chunks into one
+    pass: a short request would take a long neighbour's frequencies, a prompt chunk below the
+    threshold the short ones its whole prompt did not. Exact only while no position reaches the
+    threshold (the original frequencies throughout): refused above it, by name. A dynamic model
+    whose rotary state grew in an earlier call (transformers keeps it) is refused too."""
+    for params in _rope_parameters(config):
+        rope_type = str(params.get("rope_type", params.get("type", "default")))
+        if "dynamic" in rope_type:
+            threshold = getattr(config, "max_position_embeddings", None)
+            what = "max_position_embeddings"
+        elif rope_type == "longrope":
+            threshold = params.get("original_max_position_embeddings",
+                                   getattr(config, "original_max_position_embeddings", None))
+            what = "original_max_position_embeddings"
+        else:
+            continue
+        if not isinstance(threshold, int) or max_context > threshold:
+            raise UnsupportedModelError(
+                f"rope_type {rope_type!r} picks its rotary frequencies from the longest position "
+                f"in each forward pass, and the Engine packs several sequences and prompt chunks "
+                f"into one pass, so past {what}={threshold} it would not compute what the model "
+                f"computes alone; use max_context <= {threshold} (got {max_context})")
+    for module_name, module in model.named_modules():
+        if "dynamic" not in str(getattr(module, "rope_type", "")):
+            continue
+        cached = getattr(module, "max_seq_len_cached", None)    # an int, a tensor once grown
+        original = getattr(module, "original_max_seq_len", None)
+        if cached is not None and original is not None and int(cached) > int(original):
+            cached = int(cached)
+            raise UnsupportedModelError(
+                f"{module_name} ({type(module).__name__}) ran on {cached} positions before and "
+                f"keeps the rotary frequencies it grew to (dynamic NTK); the Engine needs the "
+                f"original ones: load the model again")
 
 
 def _check_bias_features(model, config) -> None:
