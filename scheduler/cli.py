@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from . import cli_capacity
 from .cli_checks import Given, check_flags, check_lora, profile_defaults
@@ -303,7 +304,7 @@ def run(args) -> int:
     runs = []
     for seed in seeds:
         entries = _entries(args, seed)
-        result = _simulate(entries, config, args)
+        result = _simulate(entries, replace(config, beam_seed=seed), args)   # beams: per seed
         if args.write_trace is not None:      # one seed (check_together); once the run has
             _write_trace(args.write_trace, entries)   # passed simulate's checks and finished
         out = result.to_dict()

@@ -14,6 +14,15 @@ class ConfigError(SchedulerError, ValueError):
     """A configuration value is out of its allowed range (message names field, value, range)."""
 
 
+class PolicyError(SchedulerError, ValueError):
+    """A custom memory policy (``module:Class``, ``file.py:Class``) failed while it was built
+    or run: it raised, or it broke the manager interface (kept memory its ``free`` should
+    have released). The message names the spec, the method and the exception (type, message,
+    file:line in the policy's code). Not a ConfigError: the configuration was valid (a sweep
+    refuses its grid on a ConfigError, while a policy failing at one point fails that point's
+    row alone); a ValueError, so the command line prints it as one line (exit 2)."""
+
+
 class RequestTooLargeError(SchedulerError, ValueError):
     """A request can never fit: longer than the maximum length or the whole cache.
     ``request_id``: the request a step found an empty cache cannot admit (a beam group that

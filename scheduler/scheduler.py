@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 
 from .errors import (DuplicateSequenceError, OutOfCapacityError, SchedulerError,
                      RequestTooLargeError, SwapSpaceExhaustedError, UnknownSequenceError)
-from .managers.base import MemoryManager
+from .managers.base import ManagerContractError, MemoryManager, check_hit
 from .metrics import SchedulerMetrics, gauges
 from .plan import PREEMPTION_MODES, ScheduledSeq, SchedulerConfig, StepPlan  # noqa: F401 (re-exported)
 from .request import Request, Sequence, SeqState
@@ -377,11 +377,16 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
             try:
                 hit = mgr.allocate(seq.seq_id, tokens, ids, req.prefix_scope,
                                    final_tokens=req.max_total_len, **share, **self._lookup(req))
+                check_hit(mgr, hit, tokens, ids, req.prefix_lookup, **share)
             except OutOfCapacityError:
                 if seq.adapter_id is None:
                     raise
                 self._unpin(seq)       # (its prefix hits went to load the adapter)
                 break
+            except ManagerContractError:   # a user's policy: undone, then refused by name
+                mgr.free(seq.seq_id, computed_tokens=0)
+                self._unpin(seq)
+                raise
             self.waiting.popleft()
             seq.held, seq.num_computed = tokens, min(hit, seq.length - 1)   # the last is computed
             self._make_running(seq)

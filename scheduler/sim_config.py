@@ -1,17 +1,27 @@
 """What one simulation runs: ``SimConfig``, a deployment (model, device, cache, memory policy,
 scheduler and cost options), checked whole when it is made (``ConfigError`` naming the field),
 and the factories that build its memory manager, its scheduler settings and its cost model.
+
+A custom policy's failures are blamed on it (``policy_blamed``): what its class raises while
+being built or run is a ``PolicyError`` naming the spec, the method and the exception with its
+file:line in the policy's code; the built-in managers' errors pass unchanged.
 """
 from __future__ import annotations
 
+import inspect
+import os
+import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from .cost import CostModel
-from .errors import ConfigError
+from .errors import ConfigError, PolicyError, RequestTooLargeError
 from .field_checks import check_fraction_or_none, check_int, check_number
 from .geometry import LAYOUT_CHOICES, PageGeometry, resolve_layout
+from .managers import POLICIES, PagedManager, VmemManager
 from .managers.base import MemoryManager
+from .managers.common import ManagerCore
 from .managers.eviction import DEFAULT_EVICTION, make_eviction
 from .policies import check_constructor, check_policy, is_custom, load_policy_class
 from .presets import ModelSpec, get_device, get_model, with_kv_cache_dtype
@@ -59,13 +69,22 @@ class SimConfig:
     n: int = 1                            # samples per request (parallel sampling: forks share
                                           # the prompt's memory); 1 with beam_width
     beam_skew: float = 1.0                # BeamModel: how strongly children pile on the best beams
+    beam_seed: int = 0                    # BeamModel: its draws are keyed by this, the request
+                                          # and the step (the CLI: the workload's --seed)
     adapter_budget_bytes: Optional[int] = None   # LoRA: None, adapters and KV share the pool
                                           # (unified); bytes: a static split, that many for
                                           # adapters, the rest of cache_bytes for KV
     h2d_bytes_per_s: float = DEFAULT_H2D_BYTES_PER_S   # adapter loads (LoadAdapter ops)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.policy, str):
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)} or module:Class, "
+                              f"got {self.policy!r}")
         check_policy(self.policy)
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ConfigError(f"scheduler must be a SchedulerConfig, got {self.scheduler!r}")
+        if not isinstance(self.hybrid_parts, bool):
+            raise ConfigError(f"hybrid_parts must be True or False, got {self.hybrid_parts!r}")
         if self.profile is not None:
             load_profile(self.profile)
         if self.watermark_scope not in WATERMARK_SCOPES:
@@ -80,14 +99,14 @@ class SimConfig:
             self._check_roofline_only()
         get_device(self.device)
         make_eviction(self.prefix_eviction)
-        if not isinstance(self.beam_width, int) or self.beam_width < 0:
-            raise ConfigError(f"beam_width must be an int >= 0, got {self.beam_width!r}")
+        check_int("beam_width", self.beam_width, 0)
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise ConfigError(f"n must be an int >= 1, got {self.n!r}")
         if self.n > 1 and self.beam_width:
             raise ConfigError(f"n must be 1 with beam_width {self.beam_width} (a beam search "
                               f"returns its beams), got {self.n}")
         check_number("beam_skew", self.beam_skew)
+        check_int("beam_seed", self.beam_seed, 0)
         if isinstance(self.prefix_block_tokens, bool) or not isinstance(
                 self.prefix_block_tokens, int) or self.prefix_block_tokens < 0:
             raise ConfigError(f"prefix_block_tokens must be an int >= 0, got "
@@ -147,11 +166,25 @@ class SimConfig:
     @property
     def pool_units(self) -> int:
         """Pages (vmem) or blocks (paged) the manager's tables keep, for the memory check
-        (sim_memory.py); 0 for the reserve policies and custom ones (tables per sequence)."""
-        if self.policy == "paged":
+        (sim_memory.py), before it is built. A custom class that subclasses the paged or vmem
+        manager is counted as its base, at this config's ``block_size`` or ``page_bytes`` (a
+        class that hands its base other sizes is counted at these); 0 for the reserve
+        policies (tables per sequence) and for other custom classes (their tables are their
+        own: not checked)."""
+        if self._pool_base is PagedManager:
             block_bytes = self.block_size * self.model_spec.bytes_per_token
             return int(self.cache_bytes) // max(1, block_bytes)
-        return int(self.cache_bytes) // max(1, self.page_bytes) if self.policy == "vmem" else 0
+        return int(self.cache_bytes) // max(1, self.page_bytes) \
+            if self._pool_base is VmemManager else 0
+
+    @property
+    def _pool_base(self) -> Optional[type]:
+        """PagedManager or VmemManager when the policy is one of them or subclasses one."""
+        if is_custom(self.policy):
+            cls = load_policy_class(self.policy)
+            return next((base for base in (VmemManager, PagedManager) if issubclass(cls, base)),
+                        None)
+        return {"paged": PagedManager, "vmem": VmemManager}.get(self.policy)
 
     def _options(self) -> dict:
         """The keywords every manager is built with (a custom one too: policies.py)."""
@@ -162,16 +195,43 @@ class SimConfig:
         return options
 
     def make_manager(self) -> MemoryManager:
+        """The manager ``policy`` names; a custom class that raises while it is built is a
+        PolicyError naming it. ConfigError for a swap run (``scheduler.preemption`` "swap")
+        on a manager with no host swap space: every preemption would silently recompute."""
         from .managers import make_manager
         options = self._options()
         if is_custom(self.policy):               # its signature was checked when made
-            return load_policy_class(self.policy)(self.model_spec, int(self.cache_bytes),
-                                                  self.max_seq_len, **options)
-        return make_manager(self.policy, self.model_spec, int(self.cache_bytes),
-                            self.slot_tokens, max_slots=None,
-                            prefix_eviction=self.prefix_eviction,
-                            hybrid_parts=self.hybrid_parts,
-                            prefix_block_tokens=self.prefix_block_tokens, **options)
+            cls = load_policy_class(self.policy)
+            with policy_blamed(self.policy, cls):
+                manager = cls(self.model_spec, int(self.cache_bytes), self.max_seq_len, **options)
+        else:
+            manager = make_manager(self.policy, self.model_spec, int(self.cache_bytes),
+                                   self.slot_tokens, max_slots=None,
+                                   prefix_eviction=self.prefix_eviction,
+                                   hybrid_parts=self.hybrid_parts,
+                                   prefix_block_tokens=self.prefix_block_tokens, **options)
+        self._check_swap_space(manager)
+        return manager
+
+    def _check_swap_space(self, manager: MemoryManager) -> None:
+        """Swap preemption needs swap space the manager holds (``swap_bytes``: a subclass of a
+        built-in manager must pass it on to its base; a manager of another kind is trusted)."""
+        if self.scheduler.preemption != "swap" or not isinstance(manager, ManagerCore) \
+                or manager.swap_bytes > 0:
+            return
+        dropped = (f"; swap_bytes is {int(self.swap_bytes):,} here, and the class does not pass "
+                   f"it on to its base (swap_bytes=options['swap_bytes'])"
+                   if self.swap_bytes and is_custom(self.policy) else "; give swap_bytes > 0")
+        raise ConfigError(f"preemption 'swap' with policy {self.policy!r}: its manager has no "
+                          f"host swap space (swap_bytes 0), so every preemption would "
+                          f"silently recompute{dropped}")
+
+    def policy_name(self, manager: MemoryManager) -> str:
+        """The policy a result is labelled with: the manager's ``name``; for a custom class
+        that keeps a built-in's name (inherited, not set), its spec."""
+        if is_custom(self.policy) and manager.name in POLICIES + (MemoryManager.name,):
+            return self.policy
+        return manager.name
 
     @property
     def slot_tokens(self) -> int:
@@ -223,3 +283,81 @@ def check_deployment(*, model: str, gpu: str, cache_gb: float, preemption: str, 
         raise ConfigError(f"{name('block_size')} {block_size} tokens is longer than "
                           f"{name('max_len')} {max_len}: a block holds at most one sequence's "
                           f"tokens")
+
+
+@contextmanager
+def policy_blamed(spec: str, cls: type, manager: Optional[MemoryManager] = None,
+                  running: Callable[[], Iterable[int]] = tuple) -> Iterator[None]:
+    """Re-raise what custom policy ``spec`` (class ``cls``) raises inside as a PolicyError
+    naming it, the method and the exception with its file:line in the policy's code: while
+    ``cls`` is built (``manager`` None: its ``__init__``), or while ``manager`` runs. In a
+    run, a ConfigError or RequestTooLargeError names the value to change and passes unchanged;
+    but a request too large while the manager counts more live tokens than the sequences
+    ``running()`` (the scheduler's, by id) hold is the policy's: its ``free`` kept memory."""
+    try:
+        yield
+    except PolicyError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- the user's code: any type at all
+        if manager is not None and isinstance(error, (ConfigError, RequestTooLargeError)):
+            kept = _unreleased_tokens(manager, running()) \
+                if isinstance(error, RequestTooLargeError) else 0
+            if not kept:
+                raise
+            raise PolicyError(
+                f"custom policy {spec!r}: its stats() count {kept:,} live tokens more than the "
+                f"running sequences hold: {cls.__name__}.free kept the memory of sequences "
+                f"that ended or were preempted; the run then failed with "
+                f"{type(error).__name__}: {error}") from error
+        raise PolicyError(f"custom policy {spec!r}: {_blamed_call(cls, manager, error)}") from error
+
+
+def _unreleased_tokens(manager: MemoryManager, running: Iterable[int]) -> int:
+    """Live tokens ``manager`` counts beyond those of the ``running`` sequences (0 for a
+    manager that frees what it is told to, or one whose own calls fail here)."""
+    try:
+        return max(0, manager.stats().live_tokens - sum(map(manager.num_tokens, running)))
+    except Exception:  # noqa: BLE001 -- the user's code: blame what it raised first
+        return 0
+
+
+def _blamed_call(cls: type, manager: Optional[MemoryManager], error: Exception) -> str:
+    """"Class.method raised Type: message (file.py:line)": the method is the outermost frame
+    running on ``manager`` (``__init__`` while it is built), the line the innermost in the
+    policy's own files; code it inherits from this package is named as such."""
+    frames = list(traceback.walk_tb(error.__traceback__))
+    method = "__init__" if manager is None else next(
+        (frame.f_code.co_name for frame, _ in frames if frame.f_locals.get("self") is manager),
+        None)
+    own = _policy_files(cls)
+    mine = [(f, line) for f, line in frames if os.path.realpath(f.f_code.co_filename) in own]
+    raised = f"{type(error).__name__}: {error}"
+    frame, line = (mine or frames)[-1]        # frames: at least this module's own
+    where = f"{frame.f_code.co_filename}:{line}" if mine else \
+        f"{_package_path(frame.f_code.co_filename)}:{line}, no line of the policy's own code " \
+        f"in the traceback"
+    if method is None:
+        return (f"the run raised {raised} ({where}) outside {cls.__name__}'s methods: a value "
+                f"one of them returned breaks what MemoryManager's docstrings promise")
+    return f"{cls.__name__}.{method} raised {raised} ({where})"
+
+
+def _policy_files(cls: type) -> set:
+    """Real paths of the source files of ``cls`` and of its bases below MemoryManager that
+    are not this package's: the policy's own code."""
+    package = os.path.dirname(os.path.realpath(__file__))
+    mro = cls.__mro__
+    files = set()
+    for base in mro[:mro.index(MemoryManager)]:      # load_policy_class: a subclass
+        try:
+            path = os.path.realpath(inspect.getsourcefile(base) or "")
+        except TypeError:        # a class with no source file
+            continue
+        if not path.startswith(package + os.sep):
+            files.add(path)
+    return files
+
+
+def _package_path(path: str) -> str:
+    """``path`` relative to the folder above this package (``scheduler/managers/paged.py``)."""
+    return os.path.relpath(path, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))

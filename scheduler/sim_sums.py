@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Sequence
 
-from .managers.base import EvictAdapter, LoadAdapter, MemoryManager
+from .managers.base import EvictAdapter, LoadAdapter, MemoryManager, check_stats
 from .workload import TraceEntry
 
 
@@ -50,15 +50,18 @@ class StepSums:
 def step_figures(manager: MemoryManager, running: int) -> tuple:
     """(utilisation, held utilisation, usage, end waste per running sequence) of one step;
     usage is vLLM's kv_cache_usage_perc (``manager.kv_cache_usage()``: cached, evictable
-    memory counts as free, as the engine's metrics count it)."""
-    stats = manager.stats()
+    memory counts as free, as the engine's metrics count it). ManagerContractError naming
+    the policy when its ``stats()`` or usage is impossible (``check_stats``: a user's policy's
+    impossible figures are refused, never averaged)."""
+    stats, usage = manager.stats(), manager.kv_cache_usage()
+    check_stats(manager, stats, usage)
     held = stats.live_tokens + stats.end_waste_tokens
     # waste in whole tokens (every layer's bytes): a paged hybrid's stats count block-group
     # tokens, one per group, which read as tokens were the groups' count times too many
     waste = stats.end_waste_tokens * stats.bytes_per_token / manager.bytes_per_token
     return (stats.live_tokens / stats.allocated_tokens if stats.allocated_tokens else 1.0,
             stats.live_tokens / held if held else 1.0,
-            manager.kv_cache_usage(),
+            usage,
             waste / running if running else 0.0)
 
 

@@ -29,19 +29,21 @@ and the rest of ``cache_bytes`` for KV.
 from __future__ import annotations
 
 from array import array
+from contextlib import nullcontext
 import random
 import time
 from dataclasses import dataclass, field, fields, replace
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from .cost import AfterPrefill, CostModel, count_map_ops, prefill_pairs
-from .errors import RequestTooLargeError, SchedulerError
+from .errors import ConfigError, RequestTooLargeError, SchedulerError
 from .managers.base import MemoryManager
 from .profile_cost import ProfileCost
 from .report import RequestTiming, serving_report
 from .request import Request, SeqState
 from .scheduler import Scheduler, SchedulerConfig
-from .sim_config import DEFAULT_H2D_BYTES_PER_S, SimConfig
+from .policies import is_custom
+from .sim_config import DEFAULT_H2D_BYTES_PER_S, SimConfig, policy_blamed
 from .sim_memory import check_simulation_fits
 from .sim_sums import AdapterSums, StepSums, step_figures
 from .traces import prompt_token_ids
@@ -123,15 +125,18 @@ class BeamModel:
     """How beams fork and die in simulation: each step, each of a group's ``width`` new beams
     picks its parent among the live beams, the one at rank r (best first, the scheduler's
     order) with weight (r + 1) ** -skew (skew 0: evenly; large: all children of the best).
-    Seeded: a run is reproducible."""
+    A request's draw after an output step comes from a generator keyed by (``seed``, request
+    id, step), not one stream read in scheduling order: every policy sees the same forks."""
 
     def __init__(self, width: int, skew: float = 1.0, seed: int = 0) -> None:
-        self.width, self.skew, self._rng = width, skew, random.Random(seed)
+        self.width, self.skew, self.seed = width, skew, seed
 
-    def parents(self, live: int) -> List[int]:
-        """Ranks (0 = best) of the parents of the next ``width`` beams, sorted."""
+    def parents(self, live: int, request_id: int = 0, step: int = 0) -> List[int]:
+        """Ranks (0 = best) of the parents of request ``request_id``'s next ``width`` beams
+        after its output token ``step``, sorted."""
         weights = [(r + 1) ** -self.skew for r in range(live)]
-        return sorted(self._rng.choices(range(live), weights=weights, k=self.width))
+        draws = random.Random(f"{self.seed}/{request_id}/{step}")
+        return sorted(draws.choices(range(live), weights=weights, k=self.width))
 
 
 class Simulator:
@@ -155,6 +160,11 @@ class Simulator:
         self.read_bytes_per_s = device.memory_bandwidth_bytes_per_s if device is not None else None
         self.copied_bytes = self.swapped_bytes = 0
         self.swap_seconds = 0.0
+        self._sched: Optional[Scheduler] = None   # the last run's
+
+    def running_ids(self) -> List[int]:
+        """The sequences the last run's scheduler runs (where it stopped, if it failed)."""
+        return [] if self._sched is None else [s.seq_id for s in self._sched.running]
 
     def run(self, entries: Sequence[TraceEntry],
             on_finished: Optional[Callable[[int], None]] = None) -> SimResult:
@@ -165,7 +175,7 @@ class Simulator:
         self._after_prefill = AfterPrefill()
         self._times: Dict[int, List[float]] = {}
         entries = sorted(entries, key=lambda e: e.arrival_s)
-        sched = Scheduler(self.manager, _sharing_config(self.config, entries))
+        sched = self._sched = Scheduler(self.manager, _sharing_config(self.config, entries))
         self._lora = AdapterSums(entries) if any(e.adapter is not None for e in entries) else None
         make_request = _request_maker(self.beams.width if self.beams else 0, self.samples)
         self._sharing = [0, 0]
@@ -299,7 +309,7 @@ class Simulator:
                 # one-token hypotheses from it (beam_select: every candidate hits), never forked
                 unforked += self.beams.width - len(members)
                 continue
-            ranks = self.beams.parents(len(members))
+            ranks = self.beams.parents(len(members), first.request.request_id, len(first.output))
             gone += [m for r, m in enumerate(members) if r not in ranks]
             branches += [(members[r], ranks.count(r) - 1) for r in dict.fromkeys(ranks)]
             sampled.update(dict.fromkeys((members[r] for r in ranks), DUMMY_TOKEN))
@@ -361,16 +371,29 @@ def _request_maker(beam_width: int = 0, n: int = 1) -> Callable[[int, TraceEntry
 
 def simulate(entries: Sequence[TraceEntry], config: SimConfig = SimConfig(),
              on_finished: Optional[Callable[[int], None]] = None) -> SimResult:
-    """Build the manager and cost model ``config`` names and simulate ``entries`` (the
-    scheduler config with ``config.watermark_scope`` applied)."""
+    """Build the manager and cost model ``config`` names and simulate ``entries``, a list or
+    tuple of TraceEntry (else ConfigError naming ``entries``; ``traces.load_trace`` reads a
+    file), on the scheduler config with ``config.watermark_scope`` applied. A custom policy
+    that fails is a PolicyError naming it (``sim_config.policy_blamed``)."""
+    bad = -1 if not isinstance(entries, (list, tuple)) else next(   # -1: not a list at all
+        (i for i, e in enumerate(entries) if not isinstance(e, TraceEntry)), None)
+    if bad is not None:
+        what = f" holding a {type(entries[bad]).__name__} at {bad}" if bad >= 0 else ""
+        raise ConfigError(f"simulate's entries must be a list or tuple of TraceEntry (traces."
+                          f"load_trace reads a trace file), got {type(entries).__name__}{what}")
     check_simulation_fits(len(entries), sum(e.output_len for e in entries),
                           "simulate fewer requests (--requests, or --max-requests of a trace), "
                           "fewer samples or beams (--n, --beam-width), or on larger pages or "
                           "blocks", pool_units=config.pool_units, n=config.n,
                           beam_width=config.beam_width)
-    manager = config.make_manager()
-    cost = config.make_cost(manager.pages_per_map_op)
-    beams = BeamModel(config.beam_width, config.beam_skew) if config.beam_width else None
-    return Simulator(manager, cost, config.scheduler_for(manager), beams,
-                     config.copy_bytes_per_s, config.n,
-                     config.h2d_bytes_per_s).run(entries, on_finished)
+    manager, sim = config.make_manager(), None
+    with (policy_blamed(config.policy, type(manager), manager, lambda: sim.running_ids() if sim
+                        else []) if is_custom(config.policy) else nullcontext()):
+        beams = BeamModel(config.beam_width, config.beam_skew, config.beam_seed) \
+            if config.beam_width else None
+        sim = Simulator(manager, config.make_cost(manager.pages_per_map_op),
+                        config.scheduler_for(manager), beams, config.copy_bytes_per_s, config.n,
+                        config.h2d_bytes_per_s)
+        result = sim.run(entries, on_finished)
+    result.policy = config.policy_name(manager)
+    return result

@@ -1,4 +1,4 @@
-"""The memory-manager interface (and the memory ops of ops.py, re-exported).
+"""The memory-manager interface (and the memory ops of ops.py, the stats of stats.py, re-exported).
 
 A manager is the ONE place where KV allocation is decided. It is pure bookkeeping over ints: it
 never touches memory. Every change it makes to what is mapped, copied or swapped is appended to
@@ -7,62 +7,62 @@ it (the runtime cache on real memory, or the simulator, which only counts).
 
 Sequences are identified by caller-chosen ints (``seq_id``). Operations come in pairs that ask
 before they commit (``can_allocate``/``allocate``, ``can_append``/``append``, ...); a commit
-without room raises ``OutOfCapacityError`` and leaves state unchanged.
+without room raises ``OutOfCapacityError`` and leaves state unchanged. What a user's manager
+returns is checked against this interface (``check_hit``, ``check_stats``: ManagerContractError).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 from ..adapters import AdapterRef
-from ..errors import ConfigError
+from ..errors import ConfigError, PolicyError
 from ..layout import CacheLayout
 from .ops import (CopyBlock, CopyExtent, DropSwapped, EvictAdapter, LoadAdapter,  # noqa: F401
                   MapExtent, MemoryOp, ReleasePages, SwapIn, SwapOut, UnmapExtent)
+from .stats import AdapterStats, MemoryStats  # noqa: F401 (re-exported)
 
 
-@dataclass(frozen=True)
-class AdapterStats:
-    """A manager's adapters: resident ones (``pinned`` by running sequences, the rest idle),
-    the pool pages (vmem) or blocks (paged) they hold, and loads/evictions since construction."""
-    resident: int = 0
-    pinned: int = 0
-    pages: int = 0
-    idle_pages: int = 0
-    loads: int = 0
-    evictions: int = 0
-
-    @property
-    def idle(self) -> int:
-        return self.resident - self.pinned
+class ManagerContractError(PolicyError):
+    """A manager returned what this interface rules out (a user's policy: the built-in managers
+    never do): the message names the class, the method and the value. Raised before the value
+    is used, so no figure is ever computed from it."""
 
 
-@dataclass(frozen=True)
-class MemoryStats:
-    """A snapshot of a manager's accounting, in tokens (bytes = tokens * bytes_per_token)."""
-    total_tokens: int        # capacity of the whole cache
-    allocated_tokens: int    # total - free: held by sequences, plus (vmem) pages still mapped
-                             # under freed slots (reclaimable)
-    live_tokens: int         # tokens actually cached, summed over sequences (shared counted once)
-    free_tokens: int         # paged: free + cached blocks (as vLLM counts them); vmem: unmapped
-                             # page groups only (admission may also reclaim reclaimable ones)
-    end_waste_tokens: int    # held by live sequences but past their last token
-    bytes_per_token: int
+def _culprit(manager: "MemoryManager", method: str) -> str:
+    return f"policy {manager.name!r}: {type(manager).__name__}.{method}"
 
-    @property
-    def allocated_bytes(self) -> int:
-        return self.allocated_tokens * self.bytes_per_token
 
-    @property
-    def utilization(self) -> float:
-        """live / allocated; 1.0 when nothing is allocated."""
-        return self.live_tokens / self.allocated_tokens if self.allocated_tokens else 1.0
+def check_hit(manager: "MemoryManager", hit, num_tokens: int,
+              token_ids: Optional[Sequence[int]] = None, lookup: bool = True, share_from: Optional[Tuple[int, int]] = None) -> None:
+    """ManagerContractError unless ``hit``, what ``manager.allocate`` returned for these
+    arguments, is what its docstring allows: an int (not a bool) from 0 to the tokens it could
+    hit: ``share_from``'s (at most ``num_tokens``); else, with ``token_ids`` and ``lookup``,
+    at most ``num_tokens`` and ``len(token_ids)``; else none (0)."""
+    if share_from is not None:
+        limit, why = min(num_tokens, share_from[1]), f"sharing {share_from[1]} tokens"
+    elif token_ids is not None and lookup:
+        limit, why = min(num_tokens, len(token_ids)), f"{len(token_ids)} token ids"
+    else:
+        limit, why = 0, "no token ids" if token_ids is None else "lookup=False"
+    if type(hit) is not int or not 0 <= hit <= limit:
+        raise ManagerContractError(
+            f"{_culprit(manager, 'allocate')} returned {hit!r} ({type(hit).__name__}) for "
+            f"{num_tokens} tokens with {why}: it must return the leading tokens already cached, "
+            f"an int from 0 to {limit}")
 
-    @property
-    def usage_fraction(self) -> float:
-        """What vLLM calls kv_cache_usage_perc (as a fraction): 1 - free / total."""
-        return 1.0 - self.free_tokens / self.total_tokens if self.total_tokens else 0.0
+
+def check_stats(manager: "MemoryManager", stats, usage) -> None:
+    """ManagerContractError naming the method and the broken invariant unless ``stats``, what
+    ``manager.stats()`` returned, is a MemoryStats that keeps its invariants and ``usage``,
+    its ``kv_cache_usage()``, a fraction in [0, 1] (O(1): the simulator reads them every step)."""
+    broken = stats.broken_invariant() if isinstance(stats, MemoryStats) else "a MemoryStats"
+    if broken is not None:
+        raise ManagerContractError(f"{_culprit(manager, 'stats()')} returned {stats!r}; "
+                                   f"required: {broken}")
+    if type(usage) not in (float, int) or not 0.0 <= usage <= 1.0:
+        raise ManagerContractError(f"{_culprit(manager, 'kv_cache_usage()')} returned "
+                                   f"{usage!r}; required: a fraction in [0, 1]")
 
 
 class MemoryManager(ABC):
@@ -145,7 +145,9 @@ class MemoryManager(ABC):
         sibling's units of those first tokens (whole units a fork shares, equal to this
         sequence's and computed before it reads them: the caller knows) instead of prefix hits, as a fork would; only
         managers with ``fork_unit_tokens`` take it. Returns how many leading tokens are
-        already cached (a prefix-sharing hit: their K/V need not be computed)."""
+        already cached (a prefix-sharing hit: their K/V need not be computed), an int from 0
+        to ``num_tokens``: at most ``share_from``'s tokens with it, else ``len(token_ids)``;
+        0 without either or with ``lookup`` False (``check_hit``: the scheduler refuses others)."""
 
     @abstractmethod
     def can_append(self, seq_id: int, num_tokens: int = 1) -> bool:

@@ -41,7 +41,8 @@ def test_a_failing_point_is_a_row_with_its_error_and_the_others_are_kept(tmp_pat
     with open(out / "sweep.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["cache_gb"] for r in rows] == ["1", "2", "0.5"]              # grid order
-    assert rows[1]["error"].startswith("RuntimeError: no support for 2000000000 bytes")
+    assert rows[1]["error"].startswith("PolicyError: ") and "BrokenAboveOneGB.__init__ raised " \
+        "RuntimeError: no support for 2000000000 bytes" in rows[1]["error"]
     assert rows[0]["error"] == rows[2]["error"] == "" and float(rows[0]["p90_ttft_ms"]) > 0
     assert "1 of 3 points failed" in capsys.readouterr().err
     assert len(journal(out)) == 3
