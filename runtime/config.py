@@ -56,7 +56,7 @@ class CacheConfig:
                                        f"got {value!r}")
         try:
             device = torch.device(self.device)
-        except (RuntimeError, TypeError):
+        except (RuntimeError, TypeError, ValueError):   # ValueError: an index past int64
             device = None
         if device is None or device.type not in ("cpu", "cuda"):
             raise CacheConfigError(f"CacheConfig.device must be 'cpu' or 'cuda[:i]', got {self.device!r}")
@@ -152,3 +152,13 @@ class CacheConfig:
         return ModelSpec(name, self.num_layers, self.num_kv_heads, self.head_dim,
                          self.element_bytes, weight_bytes=weight_bytes,
                          layer_windows=self.layer_windows, kv_encoding=self.prefix_tag)
+
+
+def check_cache_config(config, who: str) -> CacheConfig:
+    """``config`` when it is a CacheConfig, else CacheConfigError naming ``who``'s argument (a
+    name or None failed inside as an AttributeError or dataclasses' TypeError)."""
+    if not isinstance(config, CacheConfig):
+        raise CacheConfigError(f"{who} needs config, a CacheConfig (the cache's shape: "
+                               f"CacheConfig(num_layers=..., num_kv_heads=..., head_dim=...)), "
+                               f"got {type(config).__name__} {repr(config)[:60]}")
+    return config

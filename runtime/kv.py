@@ -21,9 +21,11 @@ from vmemkv.scheduler.managers import DEFAULT_EVICTION, make_manager
 from vmemkv.scheduler.managers.ledger import RELEASED
 from vmemkv.scheduler.plan import SwapOut
 from vmemkv.scheduler.tables import TableTracker, tracker_for
+from vmemkv.vmem.checks import check_flag
+from vmemkv.vmem.driver import check_driver
 
 from .cache import KVCache, PagedKVCache, VMemKVCache
-from .config import CacheConfig
+from .config import CacheConfig, check_cache_config
 from .errors import CacheConfigError, CacheStateError
 from .memory import TABLE_BYTES_PER_BLOCK, check_swap_fits, check_tables_fit
 
@@ -134,6 +136,25 @@ def full_length_tokens(max_context: int, kind: str, block_size) -> int:
     return max_context
 
 
+def check_kv_arguments(who: str, config, *, page_bytes=None, driver=None,
+                       background_mapper=False, grow_pages=False) -> None:
+    """CacheConfigError naming the argument of ``who`` (make_kv, VMemCache, cache_from_layout)
+    that is not what it must be, before anything is built: ``config`` no CacheConfig,
+    ``page_bytes`` neither None (the default page) nor an int >= 1 (0 and {} were read as the
+    default, which EngineConfig refuses), ``driver`` neither None nor a vmem Driver (``"host"``
+    failed deep in the pool; 0 was read as the default driver), a flag not True or False (a
+    truthy "no" turned it on)."""
+    check_cache_config(config, who)
+    if page_bytes is not None and (isinstance(page_bytes, bool) or not isinstance(page_bytes, int)
+                                   or page_bytes < 1):
+        raise CacheConfigError(f"{who}: page_bytes must be an int >= 1 or None (the default "
+                               f"page), got {type(page_bytes).__name__} {repr(page_bytes)[:60]}")
+    if driver is not None:
+        check_driver(driver, f"{who}: driver", CacheConfigError)
+    for name, value in (("background_mapper", background_mapper), ("grow_pages", grow_pages)):
+        check_flag(value, f"{who}: {name}", CacheConfigError)
+
+
 def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[int] = None,
             layout: str = "per-layer", page_bytes: Optional[int] = None,
             block_size: int = 16, swap_bytes: int = 0, background_mapper: bool = False,
@@ -157,11 +178,15 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
     ``manager.resize`` may grow the pool to (default ``cache_bytes``).
     ``adapter_budget_bytes`` (None: LoRA adapters share the pool with KV): a static split, that
     many of the ``cache_bytes`` for adapters only (scheduler/managers/adapters.py).
+    Arguments of the wrong kind are refused first, by name (``check_kv_arguments``).
     """
+    check_kv_arguments("make_kv", config, page_bytes=page_bytes, driver=driver,
+                       background_mapper=background_mapper, grow_pages=grow_pages)
     if kind not in CACHE_KINDS:
         raise CacheConfigError(f"cache must be 'vmem' or 'paged', got {kind!r}")
     if CacheKind(kind) is CacheKind.VMEM:
-        page_bytes = page_bytes or default_page_bytes(config, layout)
+        if page_bytes is None:
+            page_bytes = default_page_bytes(config, layout)
         config = replace(config, max_context=vmem_geometry(config, layout, page_bytes)
                          .round_up_tokens(config.max_context))
     if cache_bytes is None:
@@ -216,7 +241,10 @@ def cache_from_layout(layout: CacheLayout, config: CacheConfig, *,
                       grow_pages: bool = False) -> KVCache:
     """The cache (vmem or paged) a manager declared in ``layout``, built from it alone (in any
     process: a tensor-parallel rank, a replay); raises CacheConfigError when it does not fit
-    ``config``. ``background_mapper``/``grow_pages``/``driver``: vmem only, ignored for paged."""
+    ``config``. ``background_mapper``/``grow_pages``/``driver``: vmem only, ignored for paged
+    (checked for both: ``check_kv_arguments``)."""
+    check_kv_arguments("cache_from_layout", config, driver=driver,
+                       background_mapper=background_mapper, grow_pages=grow_pages)
     if not isinstance(layout, CacheLayout):
         raise CacheConfigError(f"a cache is built from a CacheLayout (manager.layout()), "
                                f"got {layout!r}")

@@ -32,6 +32,15 @@ def as_int(value, name: str, error: type = VMemConfigError) -> int:
     raise error(f"{name} must be an int, got {type(value).__name__} {value!r}")
 
 
+def check_flag(value, name: str, error: type = VMemConfigError) -> bool:
+    """``value`` when it is True or False, else ``error`` naming ``name`` (a truthy "no" or 1
+    switched the option on)."""
+    if not isinstance(value, bool):
+        raise error(f"{name} must be True or False, got {type(value).__name__} "
+                    f"{repr(value)[:60]}")
+    return value
+
+
 def check_index(value, bound: int, name: str, owner: str, error: type) -> int:
     """``value`` as an int in ``0..bound - 1``, else ``error``: its message names the type of
     a value that is no int (a float, a bool), the range of one outside it ("page id 4 outside

@@ -13,7 +13,7 @@ from typing import Any, Callable, Sequence, TypeVar
 from . import checks, commits, forks
 from .errors import DriverUnavailableError, InsufficientMemoryError, VMemConfigError, VMemError
 
-__all__ = ["Driver", "open_driver", "available_drivers"]
+__all__ = ["Driver", "open_driver", "available_drivers", "check_driver"]
 Made = TypeVar("Made")
 
 
@@ -193,6 +193,17 @@ class Driver(ABC):
         return f"{type(self).__name__}(device={self.device!r}, granularity_bytes={self.granularity_bytes})"
 
 
+def check_driver(driver, name: str = "driver", error: type = VMemConfigError) -> Driver:
+    """``driver`` when it is an open ``Driver``, else ``error`` naming ``name``: a driver's name
+    (``"host"``) failed deep inside as "'str' object has no attribute 'check_bytes'", and a
+    falsy value (0) was read as "no driver given"."""
+    if not isinstance(driver, Driver):
+        hint = f": open it first, open_driver({driver!r})" if isinstance(driver, str) else ""
+        raise error(f"{name} must be a vmem Driver (from open_driver('host' | 'cuda' | 'auto')), "
+                    f"got {type(driver).__name__} {repr(driver)[:60]}{hint}")
+    return driver
+
+
 def _unseen_note(unseen: int, window_s: float) -> str:
     return (f", {unseen} bytes of it committed by this process in the last {window_s:g} s and "
             f"not shown yet") if unseen else ""
@@ -201,7 +212,14 @@ def _unseen_note(unseen: int, window_s: float) -> str:
 def open_driver(kind: str = "auto", device_index: int | None = None) -> Driver:
     """Open a driver: ``"host"`` (Linux mmap/memfd), ``"cuda"`` (CUDA VMM through cuda-python),
     or ``"auto"`` (cuda when a GPU and cuda-python are present and the device supports virtual
-    memory management, else host)."""
+    memory management, else host). ``device_index``: the CUDA device (None: the current one),
+    an int >= 0; ``"host"`` has no devices and refuses one (it was ignored, "x" included)."""
+    if device_index is not None:
+        device_index = checks.check_count(device_index, "open_driver takes device_index None "
+                                                        "or an int")
+        if kind == "host":
+            raise VMemConfigError(f"open_driver('host') takes no device_index (the host driver "
+                                  f"has no devices), got {device_index}; pass None")
     if kind == "host":
         from .host import HostDriver
         return HostDriver()

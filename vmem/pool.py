@@ -23,8 +23,8 @@ from collections import Counter
 from typing import Any, Iterable, Optional, Union
 
 from . import forks
-from .checks import check_count, check_index, id_list
-from .driver import Driver
+from .checks import check_count, check_flag, check_index, id_list
+from .driver import Driver, check_driver
 from .errors import ClosedError, InsufficientMemoryError, PageStateError, PoolExhaustedError
 from .host import address_space_left_bytes, meminfo_bytes
 
@@ -47,9 +47,9 @@ class PagePool:
         num_pages = check_count(num_pages, "a page pool needs num_pages", least=1)
         kept = num_pages if committed_pages is None else committed_pages
         kept = check_count(kept, "committed_pages must be None or", most=num_pages)
-        page_bytes = driver.check_bytes(page_bytes)
+        page_bytes = check_driver(driver).check_bytes(page_bytes)   # "host" is no driver
         _check_records(num_pages)     # before any list of num_pages is built
-        self.driver, self.page_bytes, self.grow = driver, page_bytes, grow
+        self.driver, self.page_bytes, self.grow = driver, page_bytes, check_flag(grow, "grow")
         self._batches: list[list[Any]] = []     # one per create_pages call (release unit)
         self._created = 0                        # pages in _batches (discarded ones included)
         self._stock: list[Slot] = []             # created, not yet bound to an id

@@ -49,6 +49,9 @@ class VirtualRange:
     """``size_bytes`` (rounded up to whole pages) of reserved address space on ``pool``'s driver."""
 
     def __init__(self, pool: PagePool, size_bytes: int) -> None:
+        if not isinstance(pool, PagePool):    # a driver or its name failed on pool.page_bytes
+            raise VMemConfigError(f"a virtual range needs pool, a PagePool (its pages are mapped "
+                                  f"there), got {type(pool).__name__} {repr(pool)[:60]}")
         self.num_pages = _page_count(size_bytes, pool.page_bytes)
         pool._check_usable()
         self.pool = pool

@@ -15,9 +15,11 @@ Host copies are kept while a name refers to them or a live request runs with the
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Dict, Iterable, Optional
 
 from vmemkv.scheduler.adapters import AdapterRef
+from vmemkv.vmem.checks import check_flag
 
 from .errors import EngineConfigError, RequestRejectedError
 
@@ -48,11 +50,16 @@ class EngineAdapters:
     def add(self, name: str, path, replace: bool = False) -> AdapterRef:
         """Load ``path`` under ``name``; refused by name (nothing changed) when the name is
         taken (unless ``replace``), the files are not a supported adapter, or its weights could
-        never fit in this cache's pool."""
-        from vmemkv.runtime.lora import LoraAdapter
+        never fit in this cache's pool; a ``path`` that is no str or os.PathLike is a
+        LoraConfigError as a missing directory is (3 or None was a raw TypeError)."""
+        from vmemkv.runtime.lora import LoraAdapter, LoraConfigError
         if not isinstance(name, str) or not 0 < len(name) <= 256:
             raise EngineConfigError(f"add_lora: name must be a str of 1-256 characters, got "
                                     f"{name!r}")
+        if not isinstance(path, (str, os.PathLike)):
+            raise LoraConfigError(f"add_lora: path must be the adapter's directory (a str or "
+                                  f"os.PathLike), got {type(path).__name__} {repr(path)[:60]}")
+        check_flag(replace, "add_lora: replace", EngineConfigError)   # a truthy "no" replaced
         if name in self._by_name and not replace:
             raise EngineConfigError(f"add_lora: an adapter named {name!r} is loaded; "
                                     f"remove_lora({name!r}) first, or pass replace=True")

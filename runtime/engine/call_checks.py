@@ -1,7 +1,7 @@
 """Checks of what a caller hands the engine's public calls besides its configuration: the
-tokenizer, callbacks, request ids. Each raises EngineConfigError naming the argument, before
-anything is built, queued or changed (a wrong type was taken and failed later: a step ran, a
-request was left running, or another id was read)."""
+tokenizer, callbacks, request ids, counts and lists. Each raises EngineConfigError naming the
+argument, before anything is built, queued or changed (a wrong type was taken and failed
+later: a step ran, a request was left running, or another id was read)."""
 from __future__ import annotations
 
 from .errors import EngineConfigError
@@ -26,10 +26,27 @@ def check_tokenizer(tokenizer) -> None:
                                 f"{' and '.join(lacking)}{hint}")
 
 
-def check_callback(name: str, callback) -> None:
-    """``callback`` (the argument ``name``: ``on_token``, ``on_step``) is callable or None."""
-    if callback is not None and not callable(callback):
-        raise EngineConfigError(f"{name} must be callable or None, got {callback!r}")
+def check_callback(name: str, callback, required: bool = False) -> None:
+    """``callback`` (the argument ``name``: ``on_token``, ``on_step``, add_all's ``add``) is
+    callable, or None unless ``required``."""
+    if not callable(callback) and (required or callback is not None):
+        raise EngineConfigError(f"{name} must be callable{'' if required else ' or None'}, got "
+                                f"{callback!r}")
+
+
+def check_count(name: str, count) -> None:
+    """``count`` (the argument ``name``) is an int >= 0: not a bool, float or numpy integer."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        raise EngineConfigError(f"{name} must be an int >= 0, got {type(count).__name__} "
+                                f"{repr(count)[:60]}")
+
+
+def check_list_of(name: str, values, kind: type, what: str) -> None:
+    """``values`` (the argument ``name``) is a list or tuple of ``kind``; ``what`` says where
+    such values come from."""
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, kind) for v in values):
+        raise EngineConfigError(f"{name} must be a list of {kind.__name__} ({what}), got "
+                                f"{type(values).__name__} {repr(values)[:60]}")
 
 
 def check_request_id(request_id) -> None:

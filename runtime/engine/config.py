@@ -81,6 +81,11 @@ class EngineConfig:
         self._one_of("preemption", PREEMPTION)
         self._one_of("prefix_eviction", EVICTION_POLICIES)
         self._one_of("kv_cache_dtype", KV_CACHE_DTYPES)
+        # a backend name: ["sdpa"] was a raw "unhashable type" TypeError at construction
+        if self.attention is not None and not isinstance(self.attention, str):
+            raise EngineConfigError(f"EngineConfig.attention must be a backend name (str) or "
+                                    f"None, got {type(self.attention).__name__} "
+                                    f"{repr(self.attention)[:60]}")
         if isinstance(self.kv_scales, str) and self.kv_scales != "calibrate":
             raise EngineConfigError(f"EngineConfig.kv_scales must be a KVScales, None or "
                                     f"'calibrate', got {self.kv_scales!r}")

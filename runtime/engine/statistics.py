@@ -13,7 +13,14 @@ from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.managers.base import AdapterStats
 from vmemkv.scheduler.report import serving_report
 
+from .call_checks import check_list_of
+from .errors import EngineConfigError
 from .outputs import EngineStats, RequestOutput, request_timings
+
+
+class StatsMark(dict):
+    """The engine's counters at one moment, which ``stats(since=mark)`` counts from (taken by
+    ``generate``, ``stream`` and ``beam_search``); a dict of another kind is refused by name."""
 
 
 class EngineStatistics:
@@ -22,27 +29,35 @@ class EngineStatistics:
     def _now(self) -> float:
         return time.perf_counter() - self._t0
 
-    def _mark(self) -> dict:
+    def _mark(self) -> StatsMark:
         m = self.scheduler.metrics
-        return dict(t=time.perf_counter(), steps=self._steps, step_s=self._step_s,
-                    mapping_s=self.kv.cache.mapping_s, mapping_stall_s=self.kv.cache.mapping_stall_s,
-                    kv=self._kv_usage.end,
-                    pre=m.num_preemptions, swap=m.num_swap_preemptions, rec=m.recomputed_tokens,
-                    ttft=m.ttft_s.end, itl=m.itl_s.end, gen=m.generated_tokens,
-                    done=m.num_finished_requests, prompt=self._prompt_tokens,
-                    computed=self._computed_tokens, pq=self.kv.manager.prefix_queries,
-                    ph=self.kv.manager.prefix_hits, phases=self._phases(),
-                    lora=self.kv.manager.adapter_stats())
+        return StatsMark(t=time.perf_counter(), steps=self._steps, step_s=self._step_s,
+                         mapping_s=self.kv.cache.mapping_s,
+                         mapping_stall_s=self.kv.cache.mapping_stall_s, kv=self._kv_usage.end,
+                         pre=m.num_preemptions, swap=m.num_swap_preemptions,
+                         rec=m.recomputed_tokens,
+                         ttft=m.ttft_s.end, itl=m.itl_s.end, gen=m.generated_tokens,
+                         done=m.num_finished_requests, prompt=self._prompt_tokens,
+                         computed=self._computed_tokens, pq=self.kv.manager.prefix_queries,
+                         ph=self.kv.manager.prefix_hits, phases=self._phases(),
+                         lora=self.kv.manager.adapter_stats())
 
     def _phases(self) -> dict:
         return {**self._phase_s, **self.runner.phase_s}
 
-    def stats(self, since: Optional[dict] = None,
+    def stats(self, since: Optional[StatsMark] = None,
               outputs: Sequence[RequestOutput] = ()) -> EngineStats:
         """Statistics since ``since`` (a mark taken by generate/stream), or since creation;
         ``serving`` is the serving report of ``outputs`` (wall seconds; empty without them).
         Latency samples and K/V usage are the kept ones (``SampleLog``: the latest 1-2 million;
-        a long-lived engine's oldest are dropped), counters are exact."""
+        a long-lived engine's oldest are dropped), counters are exact. EngineConfigError naming
+        the argument for a ``since`` that is no mark (a dict was a KeyError) or ``outputs``
+        that are not RequestOutputs."""
+        if since is not None and not isinstance(since, StatsMark):
+            raise EngineConfigError(f"stats: since must be None or a StatsMark (taken by "
+                                    f"generate/stream), got {type(since).__name__} "
+                                    f"{repr(since)[:60]}")
+        check_list_of("stats: outputs", outputs, RequestOutput, "as generate returns them")
         b = since or dict(t=self._t0, steps=0, step_s=0.0, mapping_s=0.0, mapping_stall_s=0.0, kv=0, pre=0,
                           swap=0, rec=0, ttft=0, itl=0, gen=0, done=0, prompt=0, computed=0,
                           pq=0, ph=0, phases={}, lora=AdapterStats())

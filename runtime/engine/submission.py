@@ -22,7 +22,7 @@ from vmemkv.scheduler.errors import CacheShrunkError, RequestTooLargeError
 from vmemkv.scheduler.lifecycle import check_length, withdraw_request
 from vmemkv.scheduler.request import Request
 
-from .call_checks import check_callback
+from .call_checks import check_callback, check_count
 from .chat import chat_prompts
 from .errors import (CacheShrunkRequestError, EngineBusyError, EngineClosedError,
                      EngineConfigError, RequestRejectedError)
@@ -88,7 +88,10 @@ class RequestSubmission:
         return encode_prompt(prompt, index, self.tokenizer, self.vocab_size)
 
     def check_admissible(self, prompts: Sequence[Prompt], sampling) -> None:
-        """Raise RequestRejectedError for the first prompt that ``add_request`` would reject."""
+        """Raise RequestRejectedError for the first prompt that ``add_request`` would reject;
+        EngineConfigError when ``prompts`` is no batch (``check_prompt_batch``: None was a raw
+        TypeError) or ``sampling`` not one SamplingParams or one per prompt."""
+        check_prompt_batch(prompts)
         for i, (prompt, params) in enumerate(zip(prompts, per_prompt(prompts, sampling))):
             self.adapters.ref(params.lora, i)    # a name no adapter has: refused, nothing runs
             ids, _ = self._encode(prompt, i)
@@ -236,9 +239,8 @@ class RequestSubmission:
             self._guard.release()
 
     def _submit_all(self, prompts, sampling, on_token) -> List[int]:
-        check_prompt_batch(prompts)
+        self.check_admissible(prompts, sampling)   # the batch first, then each prompt
         params = per_prompt(prompts, sampling)
-        self.check_admissible(prompts, params)
         return self.add_all(lambda i: self.add_request(prompts[i], params[i], on_token, index=i),
                             len(prompts))
 
@@ -246,7 +248,10 @@ class RequestSubmission:
         """``add(i)`` for i in range(count), all or nothing: what only the scheduler can tell
         (a beam group or an adapter that never fits beside its prompt) refuses a later prompt
         after earlier ones were queued, and those are withdrawn (as is everything on an
-        interrupt) before the error goes on."""
+        interrupt) before the error goes on. EngineConfigError, nothing added, unless ``add`` is
+        callable and ``count`` an int >= 0."""
+        check_callback("add_all: add", add, required=True)
+        check_count("add_all: count", count)
         ids: List[int] = []
         try:
             for i in range(count):

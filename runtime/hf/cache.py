@@ -34,7 +34,8 @@ from vmemkv.scheduler.plan import StepPlan
 
 from ..config import CacheConfig, parse_dtype
 from ..errors import CacheConfigError, CacheStateError
-from ..kv import KV, in_model_dtype, make_kv, same_tokens_page_bytes, vmem_geometry
+from ..kv import (KV, check_kv_arguments, in_model_dtype, make_kv, same_tokens_page_bytes,
+                  vmem_geometry)
 from ..transaction import StepTransaction, cache_executor
 from .cache_copy import copy_cache, growth_room, needs_contiguous_kv
 from .cache_guard import ForwardGuard
@@ -90,6 +91,7 @@ class VMemCache(Cache):
 
     def __init__(self, config: CacheConfig, layout: str = "per-layer",
                  page_bytes: int | None = None, cache_bytes: int | None = None) -> None:
+        check_kv_arguments("VMemCache", config, page_bytes=page_bytes)   # 0: not the default
         with torch.inference_mode(False):   # tensors a later plain forward may write in place
             self._build(config, layout, page_bytes, cache_bytes)
         self._contiguous = False    # update returns contiguous copies at batch >= 2 (a family)
