@@ -37,6 +37,7 @@ from typing import Dict, List, Optional
 
 from .errors import OutOfCapacityError, SchedulerError, UnknownSequenceError
 from .beam_fit import check_beam_group_fits
+from .managers.base import ManagerContractError, check_hit
 from .request import Sequence, SeqState
 
 
@@ -248,14 +249,22 @@ class BeamGroups:
             ids = m.token_ids() if share else None
             sibling = {} if share else self._sibling_share(m)
             if not self._fits(m, ids, reserve, sibling):   # (its adapter, pinned per member)
-                for done in members[:len(hits)]:
-                    mgr.free(done.seq_id, computed_tokens=0)
-                    self._unpin(done)
+                self._release_placed(members[:len(hits)])
                 return None
             self._pin(m)
             hits.append(mgr.allocate(m.seq_id, m.length, ids, scope, final_tokens=final,
                                      **sibling))
+            try:   # a user's manager may return any hit: one it could not have is refused
+                check_hit(mgr, hits[-1], m.length, ids, share_from=sibling.get("share_from"))
+            except ManagerContractError:
+                self._release_placed(members[:len(hits)])
+                raise
         return [min(hit, m.length - 1) for m, hit in zip(members, hits)]
+
+    def _release_placed(self, placed: List[Sequence]) -> None:
+        for m in placed:
+            self.manager.free(m.seq_id, computed_tokens=0)
+            self._unpin(m)
 
     def _place_sharing(self, members: List[Sequence], shared: int, tree: List[tuple],
                        reserve: int) -> Optional[List[int]]:
@@ -285,6 +294,7 @@ class BeamGroups:
             hit = mgr.allocate(leader.seq_id, first, ids[0] and ids[0][:first],
                                request.prefix_scope, final_tokens=request.max_total_len)
             placed.append(leader)
+            check_hit(mgr, hit, first, ids[0] and ids[0][:first])
             for m, i in trunk:
                 if shared:
                     mgr.fork(leader.seq_id, m.seq_id)
@@ -301,11 +311,13 @@ class BeamGroups:
                                  final_tokens=request.max_total_len,
                                  share_from=(members[parent].seq_id, tokens))
                     placed.append(m)
-        except OutOfCapacityError:       # rounding the estimate above did not see
-            for m in reversed(placed):
+        except (OutOfCapacityError, ManagerContractError) as error:   # OutOfCapacity: rounding
+            for m in reversed(placed):                                 # the estimate did not see
                 mgr.free(m.seq_id, computed_tokens=0)
             for m in pinned:
                 self._unpin(m)
+            if isinstance(error, ManagerContractError):
+                raise
             return None
         for m, (parent, tokens) in zip(members[1:], tree):
             m.shared_from = (members[parent], tokens)
