@@ -124,6 +124,11 @@ class SimConfig:
                               f"multiplier), got {self.paged_slowdown!r}")
         if is_custom(self.policy):            # built with these, only when the run starts
             check_constructor(self.policy, self._options())
+        if self.paged_slowdown != 1.0 and self._pool_base is not PagedManager:
+            raise ConfigError(f"paged_slowdown {self.paged_slowdown!r} with policy "
+                              f"{self.policy!r}: it slows paged kernels' KV reads, and this "
+                              f"policy is not the paged manager or a subclass of it (it was "
+                              f"ignored); leave it at 1")
 
     def _check_sizes(self) -> None:
         """The pool's sizes and the cost's knobs by type and range, before anything is built
@@ -259,7 +264,8 @@ class SimConfig:
             return profile_cost(load_profile(self.profile), self.map_latency_s, pages_per_map_op)
         return CostModel(self.model_spec, get_device(self.device), prefill_mfu=self.prefill_mfu,
                          map_latency_s=self.map_latency_s, pages_per_map_op=pages_per_map_op,
-                         kv_slowdown=self.paged_slowdown if self.policy == "paged" else 1.0)
+                         kv_slowdown=self.paged_slowdown if self._pool_base is PagedManager
+                         else 1.0)   # a subclass of the paged manager reads its blocks too
 
 
 def check_deployment(*, model: str, gpu: str, cache_gb: float, preemption: str, swap_gb: float,
