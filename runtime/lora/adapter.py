@@ -17,7 +17,7 @@ import json
 import math
 import os
 import re
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -31,7 +31,9 @@ from .weights import AdapterWeights, FlatLayout, ModuleLora
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PICKLE_FILE = "adapter_model.bin"
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.(?P<part>lora_A|lora_B)\.weight$")
-_EMBEDDING_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_embedding_[AB]$")
+# any tensor PEFT keeps for a module it adapts: lora_* (A, B, embedding A/B, DoRA's magnitude, ..)
+# and, with save_embedding_layers, the module's base_layer weight
+_MODULE_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+?)\.(?:lora_|base_layer\.)")
 
 Pair = Tuple[torch.Tensor, torch.Tensor]   # (A [r, in], B [out, r]) as stored in the file
 Cut = Tuple[Optional[slice], Optional[slice]]   # (B's rows, A's columns) one rank keeps
@@ -66,11 +68,15 @@ class LoraAdapter:
             raise LoraConfigError(f"LoRA adapter {path!r}: not a directory")
         config = read_config(path)
         _check_host_memory(path, model, host_copies)
-        pairs = _pairs(path, _read_tensors(path))
+        tensors = _read_tensors(path)
         targets = supported_modules(model)
+        # every module the file names, its base_layer copies too, is checked as a target first:
+        # an embedding or lm_head target is refused as such, not by its first odd tensor
+        found = {module: _target(path, model, module, targets) for module in _modules(tensors)}
+        pairs = _pairs(path, tensors)
         shapes = {}
         for module, (a, b) in pairs.items():
-            weight = _target(path, model, module, targets).weight      # [out, in]
+            weight = found[module].weight                               # [out, in]
             _check_shapes(path, module, a, b, tuple(weight.shape), config.rank_of(module))
             shapes[module] = (tuple(a.shape), tuple(b.shape), weight.dtype)
         return cls(path, config, pairs, FlatLayout.plan(shapes))
@@ -174,14 +180,15 @@ def _read_tensors(path: str) -> Dict[str, torch.Tensor]:
                                f"{error}") from error
 
 
+def _modules(tensors: Mapping[str, torch.Tensor]) -> List[str]:
+    """The modules the file's keys adapt, sorted (keys of no module are left to ``_pairs``)."""
+    return sorted({match["module"] for match in map(_MODULE_KEY.match, tensors) if match})
+
+
 def _pairs(path: str, tensors: Mapping[str, torch.Tensor]) -> Dict[str, Pair]:
     """``{module: (A, B)}`` from the file's keys; anything but LoRA A/B weights refused."""
     parts: Dict[str, Dict[str, torch.Tensor]] = {}
     for key in sorted(tensors):
-        embedding = _EMBEDDING_KEY.match(key)
-        if embedding:
-            raise LoraTargetError(f"LoRA adapter {path!r}: target_modules includes the embedding "
-                                  f"{embedding['module']!r}; embeddings are not adapted")
         match = _KEY.match(key)
         if match is None:
             raise LoraWeightsError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds {key!r}, not a "

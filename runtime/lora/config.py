@@ -4,6 +4,10 @@ every field we do not run, refused by name.
 Scale of a module of rank r (PEFT's rule): alpha / r, or alpha / sqrt(r) with ``use_rslora``;
 ``rank_pattern`` / ``alpha_pattern`` give some modules their own r / alpha (the first pattern
 key, in file order, that matches the end of the module's name, as PEFT matches them).
+
+The weights are added to the model's own: an ``init_lora_weights`` after which PEFT trains on a
+changed copy of them (PiSSA, OLoRA, CorDA, LoRA-GA: W minus the initial B @ A; LoftQ: W
+quantized) is refused, pointing to PEFT's conversion to a plain LoRA of W.
 """
 from __future__ import annotations
 
@@ -34,7 +38,14 @@ _REFUSED_FIELDS = {
     "kasa_config": "KaSA (a singular-value diagonal between A and B)",
     "monteclora_config": "MonteCLoRA (sampled adapters)",
     "arrow_config": "Arrow routing over adapters",
+    "velora_config": "VeLoRA (extra per-module projection buffers)",
 }
+
+# init_lora_weights values that leave the base weights as they are (PEFT's LoraLayer.update_layer)
+_EXACT_INITS = ("gaussian", "eva", "orthogonal", "mica")
+_CONVERTED = ("save it as a plain LoRA of the original weights with PEFT's "
+              "save_pretrained(..., path_initial_model_for_weight_conversion=...), which writes "
+              "init_lora_weights: true")
 
 
 @dataclass(frozen=True)
@@ -61,9 +72,14 @@ class AdapterConfig:
 def _pattern_key(patterns: Dict[str, object], module: str) -> str:
     """PEFT's ``get_pattern_key``: the first key matching a dotted suffix of ``module``."""
     for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module):
+        if re.match(_suffix_regex(key), module):
             return key
     return module
+
+
+def _suffix_regex(key: str) -> str:
+    """The regex PEFT matches a pattern key with: ``key`` ending the module's name at a dot."""
+    return rf"(.*\.)?({key})$"
 
 
 def read_config(path: str) -> AdapterConfig:
@@ -95,6 +111,9 @@ def _checked(path: str, raw: dict) -> AdapterConfig:
     for name, why in _REFUSED_FIELDS.items():
         if raw.get(name) not in (None, False, [], {}, ""):
             raise refuse(name, why)
+    why = _init_refusal(raw.get("init_lora_weights", True))
+    if why:
+        raise refuse("init_lora_weights", why)
     r, alpha = raw.get("r"), raw.get("lora_alpha")
     if not _is_rank(r):
         raise refuse("r", "a rank is a positive integer")
@@ -105,11 +124,36 @@ def _checked(path: str, raw: dict) -> AdapterConfig:
         raise refuse("rank_pattern", "a mapping of module patterns to positive integer ranks")
     if not (isinstance(alphas, dict) and all(_is_number(v) for v in alphas.values())):
         raise refuse("alpha_pattern", "a mapping of module patterns to numbers")
+    for name, patterns in (("rank_pattern", ranks), ("alpha_pattern", alphas)):
+        for key in patterns:
+            try:
+                re.compile(_suffix_regex(key))
+            except re.error as error:
+                why = f"key {key!r} is not a regular expression: {error.msg}"
+                raise refuse(name, why) from None
     use_rslora = raw.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise refuse("use_rslora", "true or false")
     return AdapterConfig(r=r, lora_alpha=alpha, use_rslora=use_rslora,
                          rank_pattern=dict(ranks), alpha_pattern=dict(alphas))
+
+
+def _init_refusal(init) -> str:
+    """Why an adapter initialised with ``init`` cannot be added to the model's own weights
+    (PEFT trained it on a changed copy of them), or "" when it can."""
+    if init is None or isinstance(init, bool) or init in _EXACT_INITS:
+        return ""
+    if not isinstance(init, str):
+        return "true, false or the name of one of PEFT's initialisations"
+    if init.startswith(("pissa", "corda")) or init.lower() == "olora" or init == "lora_ga":
+        return ("the adapter was trained on the base weights minus their initial low-rank part, "
+                f"not on the model's own weights; {_CONVERTED}")
+    if init == "loftq":
+        return ("the adapter was trained on LoftQ's quantized copy of the base weights, not on "
+                "the model's own weights; serve that copy as the model, with "
+                "init_lora_weights: true in the adapter's config")
+    return ("not one of PEFT's initialisations that leave the base weights as they are: true, "
+            f"false, {', '.join(map(repr, _EXACT_INITS))}")
 
 
 def _is_rank(value) -> bool:
