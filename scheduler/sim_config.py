@@ -124,11 +124,6 @@ class SimConfig:
                               f"multiplier), got {self.paged_slowdown!r}")
         if is_custom(self.policy):            # built with these, only when the run starts
             check_constructor(self.policy, self._options())
-        if self.paged_slowdown != 1.0 and self._pool_base is not PagedManager:
-            raise ConfigError(f"paged_slowdown {self.paged_slowdown!r} with policy "
-                              f"{self.policy!r}: it slows paged kernels' KV reads, and this "
-                              f"policy is not the paged manager or a subclass of it (it was "
-                              f"ignored); leave it at 1")
 
     def _check_sizes(self) -> None:
         """The pool's sizes and the cost's knobs by type and range, before anything is built

@@ -1,11 +1,10 @@
 """``paged_slowdown`` applies to the paged manager and to a user's subclass of it (a subclass
-read its blocks at the built-in's speed, silently), and is refused, by name, for a policy it
-cannot apply to (it was ignored)."""
+read its blocks at the built-in's speed, silently). Other policies do not read blocks and take
+it as 1 (``SimConfig.paged_slowdown``; the CLI refuses the flag for them by name)."""
 from pathlib import Path
 
 import pytest
 
-from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.workload import WorkloadSpec, generate
 
@@ -22,9 +21,3 @@ def test_a_subclass_of_paged_is_slowed_as_the_paged_manager_is():
     built_in = _tok_s("paged", 2.0, block_size=64) / _tok_s("paged", 1.0, block_size=64)
     subclass = _tok_s(SUBCLASS, 2.0) / _tok_s(SUBCLASS, 1.0)
     assert built_in < 0.99 and subclass == pytest.approx(built_in, rel=1e-9)
-
-
-@pytest.mark.parametrize("policy", ["vmem", "reserve-max"])
-def test_a_policy_it_cannot_apply_to_is_refused_naming_it(policy):
-    with pytest.raises(ConfigError, match=rf"paged_slowdown 2.0 with policy '{policy}'"):
-        SimConfig(policy=policy, paged_slowdown=2.0)

@@ -94,8 +94,9 @@ def test_map_latency_makes_vmem_slower_and_counts_map_ops():
 
 
 def test_paged_slowdown_applies_only_to_paged():
-    """(Other policies refuse it: test_paged_slowdown_policy.py; they ignored it.)"""
     assert run(SMALL, paged_slowdown=1.3).simulated_seconds > run(SMALL).simulated_seconds
+    assert (run(SMALL, policy="reserve-oracle", paged_slowdown=1.3).simulated_seconds
+            == run(SMALL, policy="reserve-oracle").simulated_seconds)
 
 
 def test_result_has_the_documented_keys():
