@@ -96,12 +96,25 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     write_json(os.path.join(args.out, "serve.json"), _finite(payload))
     if not args.no_plots and timings:
-        print(f"# wrote {plot(payload, os.path.join(args.out, 'serve.png'))}")
+        _plot_or_skip(payload, os.path.join(args.out, "serve.png"))
     if errors:
         sys.stderr.write(f"vmemkv bench serve: {len(errors)} of {len(requests)} requests failed; "
                          f"first: {errors[0]}\n")
         return 1
     return 0
+
+
+def _plot_or_skip(payload: dict, path: str) -> None:
+    """serve.png, or one line naming the bench extra when matplotlib is missing (serve.json is
+    written already: the load is not lost to a missing plotting library)."""
+    from vmemkv.cli import missing_extra
+    try:
+        print(f"# wrote {plot(payload, path)}")
+    except ModuleNotFoundError as error:
+        line = missing_extra(error)
+        if line is None:
+            raise
+        print(f"# plots skipped: {line}")
 
 
 def out_problem(path: str) -> Optional[str]:

@@ -166,8 +166,8 @@ def _locked(lock_path: Path):
 def _require_extra() -> None:
     missing = [m for m in ("gguf", "accelerate", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
-        raise GgufError(f"reading GGUF files needs {', '.join(missing)}: pip install -c "
-                        f"constraints.txt -e '.[hf,real]'")
+        raise GgufError(f"reading GGUF files needs {', '.join(missing)}: pip install "
+                        f"'vmemkv[hf,real]'")
 
 
 def _check_memory(path: Path) -> None:

@@ -4,8 +4,9 @@ Local processes by default (``--jobs``, default the CPU count); ``--ray ADDRESS`
 points as tasks on a Ray cluster instead (the ``ray`` extra). The spec format is in
 ``scheduler/sweep.py`` and docs/simulation.md. Writes OUT/sweep.rows.jsonl as points finish
 (scheduler/sweep_journal.py), then OUT/sweep.csv (and sweep.parquet with pyarrow),
-OUT/throughput_latency.png and OUT/utilisation_unit.png (matplotlib), each whole or not at all,
-and prints one line per point. A point that fails is a row with its ``error`` (exit 1, the
+OUT/throughput_latency.png and OUT/utilisation_unit.png (matplotlib: without it, a line says
+the plots were skipped and names the extra), each whole or not at all, and prints one line per
+point. A point that fails is a row with its ``error`` (exit 1, the
 others kept); Ctrl-C cancels the pending points, writes the table of those that finished and
 exits 130; ``--resume`` runs only the points the journal does not hold. A grid of more than
 ``--max-points`` combinations is refused before it is expanded; every check (the spec, each
@@ -25,7 +26,7 @@ from .result_files import StaleMarker, folder_problem
 from .sweep import (DEFAULT_MAX_POINTS, connect_ray, expand, load_spec, point_key, run_local,
                     run_ray)
 from .sweep_journal import JOURNAL_NAME, RowJournal
-from .sweep_output import write_plots, write_table
+from .sweep_output import plots_unavailable, write_plots, write_table
 
 OUTPUTS = ("sweep.csv", "sweep.parquet", "*.png")
 
@@ -38,7 +39,7 @@ def register(subparsers) -> None:
     p.add_argument("spec", metavar="SPEC", help="the sweep spec, .toml or .json (no default: required)")
     p.add_argument("--out", default="sweep_out", metavar="DIR",
                    help="folder for sweep.rows.jsonl, sweep.csv, sweep.parquet (with pyarrow) "
-                        "and the PNGs")
+                        "and the PNGs (with matplotlib, the bench extra)")
     p.add_argument("--jobs", type=bounded(int, 1), default=None,
                    help=f"local worker processes, not with --ray (default: the CPU count, "
                         f"{max_threads()} here)")
@@ -73,8 +74,10 @@ def run(args) -> int:
     done = [rows[point_key(p)] for p in points if point_key(p) in rows]   # grid order
     written = write_table(done, args.out) if done else []
     finished = [r for r in done if not r.get("error")]
+    plots_skipped = None
     if not (args.no_plots or interrupted) and finished:
-        written += write_plots(finished, args.out)
+        plots_skipped = plots_unavailable()
+        written += [] if plots_skipped else write_plots(finished, args.out)
     for path in written:
         marker.wrote(path)
     marker.finish("interrupted" if interrupted else None)
@@ -82,7 +85,7 @@ def run(args) -> int:
         raise KeyboardInterrupt(f"wrote {len(done)} of {len(points)} rows to "
                                 f"{os.path.join(args.out, 'sweep.csv')} (and "
                                 f"{journal.path}); --resume runs the rest")
-    _report(done, written, len(points) - len(todo))
+    _report(done, written, len(points) - len(todo), plots_skipped)
     return 1 if len(finished) < len(done) else 0
 
 
@@ -114,12 +117,15 @@ def _run_points(args, todo, rows: dict, journal: RowJournal, total: int) -> bool
     return False
 
 
-def _report(rows, written, resumed: int) -> None:
-    """One line per row, then the files written, on stdout (a reader that closes it early,
-    ``| head``, ends the listing quietly: the files are written already); failures on stderr."""
+def _report(rows, written, resumed: int, plots_skipped: Optional[str] = None) -> None:
+    """One line per row, then the files written (and why there are no plots, when that was
+    not asked for), on stdout (a reader that closes it early, ``| head``, ends the listing
+    quietly: the files are written already); failures on stderr."""
     lines = [_line(row) for row in rows]
     if resumed:
         lines.append(f"# {resumed} rows kept from the journal (--resume)")
+    if plots_skipped:
+        lines.append(f"# plots skipped: {plots_skipped}")
     failed = [r for r in rows if r.get("error")]
     if failed:
         sys.stderr.write(f"vmemkv sweep: {len(failed)} of {len(rows)} points failed; their rows "

@@ -5,15 +5,17 @@
 - ``utilisation_unit.png``: held utilisation (live / (live + end waste)) against the allocation
   unit in tokens (paged block, vmem page group), log x, one line per series (every varying
   parameter but the load and the unit sizes).
-Plots need matplotlib (the ``bench`` extra); without it the table is still written. Every file
-is written whole or not at all (scheduler/result_files.py). Rows with an ``error`` are in the
-table (their figures empty) and left out of the plots.
+Plots need matplotlib (the ``bench`` extra); without it the table is still written and
+``plots_unavailable`` says why there are no plots. Every file is written whole or not at all
+(scheduler/result_files.py). Rows with an ``error`` are in the table (their figures empty) and
+left out of the plots.
 """
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .result_files import atomic_open, write_atomic
 from .sweep import PARAMS, tidy_columns, used_params
@@ -54,14 +56,20 @@ def series(rows: Sequence[dict], ignore: Tuple[str, ...]) -> Dict[str, List[dict
     return groups
 
 
+def plots_unavailable() -> Optional[str]:
+    """Why ``write_plots`` cannot draw here (matplotlib is missing: the line names the bench
+    extra), or None."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return "matplotlib is not installed: pip install 'vmemkv[bench]'"
+    return None
+
+
 def write_plots(rows: Sequence[dict], out_dir: str) -> List[str]:
-    """The PNGs described above (those the rows can draw); [] without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
+    """The PNGs described above (those the rows can draw); needs matplotlib
+    (``plots_unavailable``)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     written = [_throughput_latency(plt, rows, os.path.join(out_dir, "throughput_latency.png"))]
     unit_rows = [r for r in rows if r.get("unit_tokens")]
     if unit_rows:

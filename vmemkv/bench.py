@@ -4,20 +4,22 @@ Runs vmemkv.benchmarks.suite on the default device (CUDA when present, else the 
 allocation, attention, memory, engine. Writes every figure to DIR/bench.json, what each section
 printed to DIR/bench.log and PNG plots to DIR; prints an aligned summary table at the end (with
 a warning when the machine was busy). Ctrl-C writes bench.json and bench.log with the sections
-that finished and exits 130. The command line sits above the layers, so importing the
-benchmarks here is no upward import.
+that finished and exits 130. Without the hf extra (transformers), a run that includes an engine
+section is refused before any section runs, naming the extra (exit 2). The command line sits
+above the layers, so importing the benchmarks here is no upward import.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from vmemkv.cli import UsageError
+from vmemkv.cli import UsageError, missing_extra
 from vmemkv.runtime.generate_cli import check_tp_devices, tp_device_list
 from vmemkv.scheduler.cliargs import bounded, thread_count
 from vmemkv.scheduler.presets import KV_CACHE_DTYPES
 
 SECTIONS = ("alloc", "attention", "memory", "engine")
+ENGINE_SECTIONS = ("engine", "tp")     # run vmemkv.runtime.engine (transformers: the hf extra)
 
 
 def register(subparsers) -> None:
@@ -78,6 +80,25 @@ def _prefix(args: argparse.Namespace, device_name: str) -> None:
                       policies=[args.prefix_eviction])
     print(format_table(rows, prefix.COLUMNS))
     write_json(os.path.join(args.out, "prefix.json"), {"device": device_name, "rows": rows})
+
+
+def _check_engine_importable(args: argparse.Namespace, sections) -> None:
+    """The engine sections (and --prefix-eviction) need vmemkv.runtime.engine, which needs
+    the hf extra: without it, UsageError naming the extra (exit 2) before any section runs,
+    not a row ``engine | not run | ModuleNotFoundError`` after the others."""
+    needing = [s for s in sections if s in ENGINE_SECTIONS]
+    needing += ["--prefix-eviction"] if args.prefix_eviction else []
+    if not needing:
+        return
+    try:
+        import vmemkv.runtime.engine  # noqa: F401
+    except ModuleNotFoundError as error:
+        line = missing_extra(error)
+        if line is None:
+            raise
+        runnable = " ".join(s for s in sections if s not in ENGINE_SECTIONS)
+        hint = f"; --only {runnable} runs without it" if runnable else ""
+        raise UsageError(f"{line} ({', '.join(needing)} needs it{hint})") from None
 
 
 def _check_out_and_tp(args: argparse.Namespace) -> None:
@@ -148,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
     sections = tuple(s for s in SECTIONS if s in (args.only or SECTIONS))
     if args.tp is not None:
         sections += ("tp",)
+    _check_engine_importable(args, sections)
     payload = suite.run_suite(quick=args.quick or args.smoke, out_dir=args.out, device=args.device,
                               sections=sections, plots=not args.no_plots,
                               progress=not args.no_progress,

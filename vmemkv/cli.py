@@ -2,7 +2,8 @@
 
 The ``vmemkv`` command line: one subcommand per job, each registered by the module that owns it.
 Errors a user can make (a bad flag value, a missing file) exit with status 2 and one line on
-stderr, never a traceback; Ctrl-C exits with status 130 and one line, after the subcommand has
+stderr, never a traceback (a module of an optional extra that is not installed too: one line
+naming the extra, ``missing_extra``); Ctrl-C exits with status 130 and one line, after the subcommand has
 released its memory and written what finished. Heavy imports (torch) happen inside the
 subcommand that needs them.
 """
@@ -45,6 +46,16 @@ examples (with the project's virtual environment active):
 """
 
 INTERRUPTED_EXIT = 130   # 128 + SIGINT, what a shell reports for Ctrl-C
+
+# a module an optional extra installs -> the extras to ask for (pyproject.toml's
+# [project.optional-dependencies]; GGUF files are read through transformers, hence hf,real)
+EXTRA_OF_MODULE = {
+    "transformers": "hf", "safetensors": "hf",
+    "gguf": "hf,real", "accelerate": "hf,real",
+    "matplotlib": "bench", "tqdm": "bench",
+    "fastapi": "serve", "uvicorn": "serve", "httpx": "serve",
+    "ray": "ray", "cuda": "cuda", "flash_attn": "flash",
+}
 
 
 class UsageError(Exception):
@@ -103,10 +114,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stderr.write(f"vmemkv {args.command}: error: {error}\n")
         return 2
     except Exception as error:  # noqa: BLE001 -- re-raised below unless it is the user's to fix
-        if not _users_to_fix(error):
+        line = missing_extra(error)
+        if line is None and not _users_to_fix(error):
             raise
-        sys.stderr.write(f"vmemkv {args.command}: error: {type(error).__name__}: {error}\n")
+        sys.stderr.write(f"vmemkv {args.command}: error: "
+                         f"{line or f'{type(error).__name__}: {error}'}\n")
         return 2
+
+
+def missing_extra(error: BaseException) -> Optional[str]:
+    """``"<module> is not installed: pip install 'vmemkv[<extra>]'"`` when ``error`` is the
+    ModuleNotFoundError of a module that an optional extra installs (``EXTRA_OF_MODULE``), else
+    None (a module of no extra -- torch, a typo -- is a bug or a broken install, not a hint)."""
+    if not isinstance(error, ModuleNotFoundError) or not error.name:
+        return None
+    module = error.name.partition(".")[0]
+    extra = EXTRA_OF_MODULE.get(module)
+    return None if extra is None else f"{module} is not installed: pip install 'vmemkv[{extra}]'"
 
 
 def _users_to_fix(error: Exception) -> bool:

@@ -163,14 +163,14 @@ def _limits_and_auth(args):
 
 
 def run(args) -> int:
-    import torch
-
-    from vmemkv.runtime.engine import Engine
-    from vmemkv.runtime.models import load_model, served_model_name
-
     from .server import Server, require_serve_extra
 
-    require_serve_extra()
+    require_serve_extra()       # before the engine: without either extra, name this one first
+    import torch
+
+    from vmemkv.runtime.engine import Engine   # needs transformers: cli.main names the hf extra
+    from vmemkv.runtime.models import load_model, served_model_name
+
     limits, auth = _limits_and_auth(args)     # refused before the model loads
     from .submission import ResponseBudget
     ResponseBudget.of(limits.max_response_bytes, args.max_response_memory_bytes)   # as Server

@@ -42,7 +42,7 @@ def test_gguf_errors_name_what_to_install_and_leave_no_cache(case, cache, tmp_pa
         real = importlib.util.find_spec
         monkeypatch.setattr(importlib.util, "find_spec",
                             lambda name, *a: None if name == "gguf" else real(name, *a))
-        words = r"needs gguf: pip install -c constraints.txt -e '\.\[hf,real\]'"
+        words = r"needs gguf: pip install 'vmemkv\[hf,real\]'"
     elif case == "no-memory":
         monkeypatch.setattr("vmemkv.runtime.memory.available_memory_bytes", lambda device: 100)
         words = r"needs about .* GiB .* but the host has 0\.0 GiB available"
