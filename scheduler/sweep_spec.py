@@ -25,10 +25,15 @@ import hashlib
 import json
 import math
 import os
-import tomllib
+import sys
 from dataclasses import dataclass
 from importlib import resources
-from typing import Dict, Optional
+from typing import BinaryIO, Dict, Optional
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:                        # Python 3.10: the same parser, as the tomli dependency
+    import tomli as tomllib
 
 from .cliargs import parse_bytes
 from .errors import ConfigError
@@ -289,6 +294,15 @@ def point_key(point: dict) -> str:
                        for k, v in point_params(point).items()}, sort_keys=True)
 
 
+def sha256_of(f: BinaryIO, chunk_bytes: int = 2**20) -> str:
+    """The hex sha256 of the rest of the open binary file ``f``, read ``chunk_bytes`` at a
+    time (``hashlib.file_digest`` is Python 3.11+; this package supports 3.10)."""
+    digest = hashlib.sha256()
+    while chunk := f.read(chunk_bytes):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
 def trace_ids(spec: dict) -> Dict[str, dict]:
     """Each trace the spec names -> its ``TRACE_ID``: the resolved absolute path (a bundled
     trace: ``bundled:NAME``, as ``load_trace`` prefers the name) and the sha256 of its bytes;
@@ -306,7 +320,7 @@ def trace_ids(spec: dict) -> Dict[str, dict]:
             path = file = os.path.realpath(trace)
         try:
             with open(file, "rb") if isinstance(file, str) else file.open("rb") as f:
-                digest = hashlib.file_digest(f, "sha256").hexdigest()
+                digest = sha256_of(f)
         except OSError as error:
             raise ConfigError(f"{where}: cannot read trace {trace!r} ({path}): "
                               f"{error.strerror or error}") from None
@@ -323,7 +337,7 @@ def policy_id(policy: str) -> dict:
         return dict.fromkeys(POLICY_ID)
     try:
         with open(path, "rb") as f:
-            digest = hashlib.file_digest(f, "sha256").hexdigest()
+            digest = sha256_of(f)
     except OSError as error:
         raise ConfigError(f"custom policy {policy!r}: cannot read {path}: "
                           f"{error.strerror or error}") from None

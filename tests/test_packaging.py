@@ -6,10 +6,14 @@ import ast
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERIC = ("vmem", "scheduler", "runtime", "benchmarks")
