@@ -26,7 +26,7 @@ from vmemkv.runtime.serve import Server
 
 from ..serve import local_http
 from .adapters import save_adapter
-from .test_refusals import edit_config, refused
+from .test_refusals import adapter_dir, edit_config, original, refused  # noqa: F401 (fixtures)
 
 IDS = torch.tensor([[1, 5, 9, 13, 17, 21, 40, 7]])
 CONVERSION = "path_initial_model_for_weight_conversion"
@@ -37,16 +37,6 @@ def model():
     return build_model("tiny-llama").eval()
 
 
-@pytest.fixture(scope="module")
-def plain(model, tmp_path_factory):
-    return save_adapter(model, tmp_path_factory.mktemp("init") / "plain", seed=1, r=4,
-                        target_modules=("q_proj", "down_proj"))
-
-
-@pytest.fixture
-def adapter_dir(plain, tmp_path):
-    """A fresh copy of a plain adapter, to edit."""
-    return shutil.copytree(plain, tmp_path / "adapter")
 
 
 def trained(model, directory, init: str):
@@ -165,11 +155,11 @@ def serving(model, root):
             yield server, engine
 
 
-def test_over_http_both_refusals_are_a_400_naming_lora_path_and_change_nothing(model, plain,
+def test_over_http_both_refusals_are_a_400_naming_lora_path_and_change_nothing(model, original,
                                                                                tmp_path):
     for name, fields in (("pissa", {"init_lora_weights": "pissa"}),
                          ("regex", {"alpha_pattern": {"q_proj(": 16}}), ("ok", {})):
-        edit_config(shutil.copytree(plain, tmp_path / name), **fields)
+        edit_config(shutil.copytree(original, tmp_path / name), **fields)
     with serving(model, tmp_path) as (server, engine):
         for name, field in (("pissa", "init_lora_weights"), ("regex", "alpha_pattern")):
             answer = local_http.post(server.url + "/v1/load_lora_adapter", timeout=60,
