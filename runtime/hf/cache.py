@@ -134,6 +134,7 @@ class VMemCache(Cache):
                                             kv_cache_dtype),
                     layout=layout, page_bytes=page_bytes, cache_bytes=cache_bytes)
         cache._contiguous = needs_contiguous_kv(config)
+        cache._guard.bind_model(config)    # its top writing layer; its attention checked
         return cache
 
     # -- what HF asks --

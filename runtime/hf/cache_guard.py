@@ -11,10 +11,16 @@ a few compares per layer. A cache may still pass from thread to thread between f
 generate finished in one, continued in another); so two generate calls whose forwards happen to
 alternate whole, never overlapping, are not told apart from such a hand-over.
 
-The top layer is the last of the cache's layers until a forward by the same thread starts over
-below it (Gemma 3n's KV-shared layers never write): then the layer it stopped at. A forward that
-raised part-way keeps the cache for its thread (its rows hold a partial step) until that thread's
-next forward or ``reset()``.
+The top layer (the last one a forward writes) is, for a cache built from a model's config
+(``bind_model``), the last layer below Gemma 3n's KV-shared ones (``num_kv_shared_layers``: they
+read another layer's K/V and never write); without a config, the last of the cache's layers until
+a forward by the same thread starts over below it, then the layer it stopped at, until
+``reset()``. (Learnt only so: a retry after a forward interrupted part-way looks the same, and
+once left the guard blind to a second thread's forward above that layer: wrong logits.) A forward
+that raised part-way keeps the cache for its thread (its rows hold a partial step) until that
+thread's next forward or ``reset()``. A model switched to the ``"vmemkv"`` attention (an Engine
+holds it) is refused before its first layer writes: that attention reads the engine's cache, not
+this one.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import contextlib
 import threading
 
 from ..errors import CacheStateError
+from .attention import ATTN_IMPLEMENTATION
 
 
 class ForwardGuard:
@@ -29,8 +36,18 @@ class ForwardGuard:
         self._busy = threading.Lock()
         self._owner = None            # thread ident of the open forward, None between forwards
         self._last_layer = -1         # the last layer it wrote
-        self._top_layer = num_layers - 1
+        self._top_layer = self._top_of_cache = num_layers - 1
+        self._learn_top = True        # no model config: the top layer is learnt (see above)
+        self._model_config = None     # the HF config whose _attn_implementation is checked
         self._mixed = None            # why every update is refused until reset(), after a clash
+
+    def bind_model(self, config) -> None:
+        """The cache serves the model of this HF ``config``: its top writing layer is known,
+        and its attention implementation is checked before each forward's first write."""
+        text = getattr(config, "get_text_config", lambda: config)()
+        shared = getattr(text, "num_kv_shared_layers", 0) or 0
+        self._top_layer = self._top_of_cache = self._top_of_cache - shared
+        self._learn_top, self._model_config = False, config
 
     @contextlib.contextmanager
     def writing(self, layer_idx: int):
@@ -42,8 +59,15 @@ class ForwardGuard:
                 raise CacheStateError(self._mixed)
             if self._owner is not None and self._owner != me:
                 raise self._refuse(layer_idx, f"is at layer {self._last_layer}")
-            if self._owner == me and layer_idx <= self._last_layer:   # it started over below
-                self._top_layer = self._last_layer
+            if self._owner is None and self._model_config is not None and \
+                    self._model_config._attn_implementation == ATTN_IMPLEMENTATION:
+                raise CacheStateError(
+                    f"the model runs on the {ATTN_IMPLEMENTATION!r} attention (an Engine holds "
+                    f"it), which reads the engine's cache, not this one; close the engine, or "
+                    f"pass the model another attn_implementation, before generate with a "
+                    f"VMemCache (nothing was written)")
+            if self._learn_top and self._owner == me and layer_idx <= self._last_layer:
+                self._top_layer = self._last_layer     # it started over below (see above)
             yield
             self._owner, self._last_layer = me, layer_idx
             if layer_idx >= self._top_layer:
@@ -53,6 +77,7 @@ class ForwardGuard:
 
     def reset(self) -> None:
         self._owner, self._last_layer, self._mixed = None, -1, None
+        self._top_layer = self._top_of_cache
 
     def _refuse(self, layer_idx: int, where: str) -> CacheStateError:
         """The refusal of this update; every later one (either thread's) is refused too, until
