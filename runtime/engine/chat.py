@@ -4,15 +4,17 @@
       -> tokenizer.apply_chat_template(messages, add_generation_prompt=True) -> token ids
 
 A message is a dict with ``role`` (system, user or assistant) and ``content``: a string, or a
-list of OpenAI content parts of type "text" (joined), and optionally ``name`` (handed to the
-template, which may render it); any other key (``tool_calls``, ...) is refused by name. The
+list of OpenAI content parts ``{"type": "text", "text": ...}`` (their texts joined with "\n", as
+vLLM's and TensorRT-LLM's), and optionally ``name`` (handed to the template, which may render
+it); any other key (``tool_calls``, a part's ``cache_control``, ...) or part type
+(``image_url``, ...) is refused by name, never dropped. The
 template is the tokenizer's own (a GGUF file carries one, as ``tokenizer.chat_template``)
 unless ``chat_template`` overrides it; a model without one (the random-weight built-ins) is
 refused with ``ChatTemplateError``, as is a template that is empty or fails to render. Nothing is queued before every conversation has rendered.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from .errors import RequestRejectedError
 from .prompts import is_unicode_text
@@ -74,9 +76,9 @@ def _shown_key(key) -> str:
 
 
 def _text(content, where: str, index: int) -> str:
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        content = "".join(p["text"] for p in content)
+    if isinstance(content, list):
+        content = "\n".join(_part_text(part, f"{where}[{j}]", index)
+                            for j, part in enumerate(content))
     if isinstance(content, str):
         if not is_unicode_text(content):
             raise ChatMessageError(f"conversation {index}: {where} holds a lone surrogate "
@@ -86,6 +88,29 @@ def _text(content, where: str, index: int) -> str:
     raise ChatMessageError(f"conversation {index}: {where} must be a string or a list of "
                            f"{{'type': 'text', 'text': ...}} parts (only text is supported), "
                            f"got {str(content)[:60]!r}", index, where)
+
+
+def _part_text(part, where: str, index: int) -> str:
+    """The text of one content part, or ChatMessageError naming ``where`` (the part), its
+    ``.type`` (only "text" is supported), its ``.text`` or a key it may not have."""
+    if not isinstance(part, dict):
+        raise ChatMessageError(f"conversation {index}: {where} must be a {{'type': 'text', "
+                               f"'text': ...}} part, got {str(part)[:60]!r}", index, where)
+    kind = part.get("type")
+    if kind != "text":
+        shown = repr(kind[:60]) if isinstance(kind, str) else repr(kind)[:60]
+        raise ChatMessageError(f"conversation {index}: {where}.type {shown} is not supported "
+                               f"(only text is supported: {{'type': 'text', 'text': ...}})",
+                               index, f"{where}.type")
+    other = sorted(set(part) - {"type", "text"}, key=str)
+    if other:      # cache_control, ...: not rendered, so refused, never dropped
+        key = _shown_key(other[0])
+        raise ChatMessageError(f"conversation {index}: {where}.{key} is not supported (a text "
+                               f"part takes type and text)", index, f"{where}.{key}")
+    if not isinstance(part.get("text"), str):
+        raise ChatMessageError(f"conversation {index}: {where}.text must be a string, got "
+                               f"{str(part.get('text'))[:60]!r}", index, f"{where}.text")
+    return part["text"]
 
 
 def with_system(messages: Sequence[dict], system: Optional[str]) -> List[dict]:
@@ -98,9 +123,12 @@ def with_system(messages: Sequence[dict], system: Optional[str]) -> List[dict]:
 
 
 def chat_prompt_ids(tokenizer, messages, chat_template: Optional[str] = None,
-                    add_generation_prompt: bool = True, index: int = 0) -> List[int]:
+                    add_generation_prompt: bool = True, index: int = 0,
+                    check_text: Optional[Callable[[str], None]] = None) -> List[int]:
     """Token ids of one conversation, rendered by the template (``chat_template`` or the
-    tokenizer's); ChatTemplateError / ChatMessageError when it cannot be."""
+    tokenizer's); ChatTemplateError / ChatMessageError when it cannot be. ``check_text`` (the
+    server's length bound) sees the rendered text before it is tokenized; what it raises
+    passes through."""
     checked = check_messages(messages, index)
     if tokenizer is None:
         raise ChatTemplateError(f"conversation {index}: chat needs a tokenizer with a chat "
@@ -114,16 +142,25 @@ def chat_prompt_ids(tokenizer, messages, chat_template: Optional[str] = None,
         raise ChatTemplateError(f"conversation {index}: the model's tokenizer has no chat "
                                 f"template; pass chat_template (a Jinja template) or send a "
                                 f"text prompt", index)
-    try:
-        ids = tokenizer.apply_chat_template(checked, chat_template=template, tokenize=True,
-                                            return_dict=False,
-                                            add_generation_prompt=add_generation_prompt)
-    except Exception as error:  # noqa: BLE001 -- a template (maybe the user's) failed on input
-        raise ChatTemplateError(f"conversation {index}: the chat template does not render "
-                                f"these messages: {type(error).__name__}: {error}", index) from None
+    if check_text is not None:    # rendered alone first: the text may be refused untokenized
+        check_text(_rendered(tokenizer, checked, template, add_generation_prompt, index, False))
+    ids = _rendered(tokenizer, checked, template, add_generation_prompt, index, True)
     if not ids:
         raise ChatTemplateError(f"conversation {index}: the chat template rendered nothing", index)
     return list(ids)
+
+
+def _rendered(tokenizer, checked: List[dict], template: str, add_generation_prompt: bool,
+              index: int, tokenize: bool):
+    """The conversation rendered by ``template``: its token ids, or (``tokenize`` False) its
+    text; ChatTemplateError when the template fails on it."""
+    try:
+        return tokenizer.apply_chat_template(checked, chat_template=template, tokenize=tokenize,
+                                             return_dict=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as error:  # noqa: BLE001 -- a template (maybe the user's) failed on input
+        raise ChatTemplateError(f"conversation {index}: the chat template does not render "
+                                f"these messages: {type(error).__name__}: {error}", index) from None
 
 
 def is_conversation(value) -> bool:

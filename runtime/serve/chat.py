@@ -7,11 +7,14 @@ The template is the tokenizer's (a GGUF checkpoint carries one); a request's own
 naming ``messages`` (the random-weight built-ins have no tokenizer). ``max_completion_tokens`` (or the older
 ``max_tokens``) defaults to what the context leaves after the prompt (with ``use_beam_search``,
 what it leaves a beam search of its beam_width: ``ServedModel.limit_for(beams=...)``).
+A rendered conversation provably too long for the context (``text_bounds``: more characters
+than the context's tokens can cover) is a 400 naming ``messages`` before it is tokenized.
 ``logprobs: true`` with ``top_logprobs`` k gives each token's logprob and the k likeliest (the
 model's raw distribution). A stream opens every choice with a ``{"role": "assistant"}`` delta.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import ClassVar, FrozenSet, List, Optional
 
 from pydantic import Field
@@ -67,7 +70,9 @@ def chat_token_ids(req: ChatCompletionRequest, served: ServedModel) -> tuple:
                             "--trust-request-chat-template", "chat_template")
     try:
         ids = chat_prompt_ids(served.tokenizer, req.messages, req.chat_template,
-                              req.add_generation_prompt)
+                              req.add_generation_prompt,
+                              check_text=partial(served.check_text_fits, adapter=adapter,
+                                                 field="messages"))
     except ChatMessageError as error:
         raise ApiError(400, str(error), error.field) from None
     except ChatTemplateError as error:

@@ -8,6 +8,7 @@ rides on each choice's first chunk.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -22,6 +23,7 @@ from .logprobs_format import (StreamedTokens, TextOffsets, TokenStrings, complet
                               echo_offsets, merge_completion_logprobs)
 from .protocol import CompletionRequest
 from .submission import Choice, Delta, Submission
+from .text_bounds import check_text_fits
 
 
 class ModelNotServedError(ApiError):
@@ -121,6 +123,12 @@ class ServedModel:
         if beams is not None and self.beam_fit is not None:
             return self.beam_fit(prompt_tokens, beams)
         return self.max_sequence_tokens if self.fit is None else self.fit(prompt_tokens, adapter)
+
+    def check_text_fits(self, text: str, adapter: Optional[str], field: str) -> None:
+        """ApiError 400 naming ``field`` when ``text`` provably holds more tokens than any
+        request on ``adapter`` may: found before tokenizing it (``text_bounds``)."""
+        check_text_fits(text, self.tokenizer, lambda tokens: self.limit_for(tokens, adapter),
+                        field)
 
     def model_limit(self, adapter: Optional[str] = None) -> int:
         """/v1/models' max_model_len of the base model or ``adapter``: what any prompt may ask."""
@@ -233,19 +241,30 @@ def prompt_token_ids(req: CompletionRequest, served: ServedModel) -> List[List[i
         raise ApiError(400, f"prompt: {len(req.prompts())} prompts, but this server takes at "
                             f"most {served.max_requests} requests in flight (--max-queue); "
                             f"send fewer at a time", "prompt")
+    for i, prompt in enumerate(req.prompts()):   # too long to be worth tokenizing
+        if isinstance(prompt, str):
+            with _which_prompt(i, len(req.prompts())):
+                served.check_text_fits(prompt, adapter, "prompt")
     batch = [_ids(p, served) for p in req.prompts()]
     beams = served.beam_shape(req)      # these two hold whatever the prompts
     served.check_max_batch("n", req.n)
     for i, ids in enumerate(batch):
-        try:
+        with _which_prompt(i, len(batch)):
             served.check_lengths(len(ids), req.max_tokens, req.n, adapter=adapter, beams=beams)
-        except ApiError as error:        # which of several prompts, as the engine's say
-            if len(batch) > 1:
-                error.message = f"prompt {i}: {error.message}"
-            raise
     if req.stop_strings() and served.tokenizer is None:
         raise ApiError(400, "stop strings need a tokenizer; send stop_token_ids instead", "stop")
     return batch
+
+
+@contextlib.contextmanager
+def _which_prompt(i: int, count: int):
+    """An ApiError raised inside names prompt ``i`` when there are several, as the engine's do."""
+    try:
+        yield
+    except ApiError as error:
+        if count > 1:
+            error.message = f"prompt {i}: {error.message}"
+        raise
 
 
 def _ids(prompt, served: ServedModel) -> List[int]:

@@ -129,7 +129,7 @@ def test_a_list_of_prompts_with_echo_and_logprobs_equals_engine_generate():
      "stream: true"),
     ("chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "one of"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages[0].content", "only text"),
+     "messages[0].content[0].type", "only text"),
     ("chat", {"messages": []}, "messages", "at least 1"),
     ("chat", {"messages": CHATS[0], "top_logprobs": 2}, "top_logprobs", "logprobs: true"),
     ("chat", {"messages": CHATS[0], "logprobs": True, "top_logprobs": 50}, "top_logprobs", "[0, 20]"),
