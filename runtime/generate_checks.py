@@ -109,6 +109,46 @@ def _check_limits(args) -> None:
                                  f"{MAX_SAMPLES} a request may fork")
 
 
+# SamplingParams' fields, as generate's flags name them
+SAMPLING_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
+                  "top_k": "--top-k", "top_p": "--top-p", "n": "--n", "stop": "--stop",
+                  "stop_token_ids": "--stop-token-id", "ignore_eos": "--ignore-eos"}
+# the flags that only shape a draw, with the value that leaves it as it is
+SAMPLING_ONLY_FLAGS = (("top_k", 0), ("top_p", 1.0))
+
+
+def sampling_params(args):
+    """generate's SamplingParams, built from its flags before the model loads: a value the
+    engine refuses, or a sampling-only flag (--top-k, --top-p) at a greedy --temperature (the
+    default 0, where it would do nothing), is GenerateUsageError naming the flag."""
+    from .engine.errors import EngineConfigError
+    from .engine.sampling import SAMPLING_EPS, SamplingParams
+    try:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                top_k=args.top_k, top_p=args.top_p, n=args.n, seed=None,
+                                stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
+                                ignore_eos=args.ignore_eos)
+    except EngineConfigError as error:
+        raise GenerateUsageError(_named_by_flag(str(error))) from None
+    for field, unchanged in SAMPLING_ONLY_FLAGS:
+        value = getattr(params, field)
+        if params.greedy and value != unchanged:
+            raise GenerateUsageError(
+                f"{SAMPLING_FLAGS[field]} {value:g} applies when sampling, and --temperature "
+                f"{params.temperature:g} (below {SAMPLING_EPS:g}) decodes greedily, where it "
+                f"would do nothing: give --temperature above 0 or drop it")
+    return params
+
+
+def _named_by_flag(message: str) -> str:
+    """SamplingParams' "SamplingParams.FIELD must be ..." naming the flag that set FIELD."""
+    for field, flag in SAMPLING_FLAGS.items():
+        start = f"SamplingParams.{field} "
+        if message.startswith(start):
+            return flag + message[len(start) - 1:]
+    return message
+
+
 def check_page_bytes(args, model) -> None:
     """With --page-bytes on a vmem cache, after the model loads and before the engine is built:
     a slot is whole pages, so --max-context is built rounded up to them. A page so large that

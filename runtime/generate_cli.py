@@ -11,14 +11,17 @@ prompt order; with ``--n`` > 1, ``--chat`` or text spanning lines each sample st
 ``[prompt P sample S]`` and its further lines are indented (``--json``: one JSON object per
 request, then one ``{"stats": ...}`` object: tok/s, TTFT, ITL, preemptions, memory); the
 progress bar and the summary go to stderr. Ctrl-C prints the samples that had finished,
-releases the cache and exits with status 130.
+releases the cache and exits with status 130; SIGTERM (``timeout``, systemd, Slurm, Kubernetes)
+does the same and exits with status 143.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import signal
 import sys
+import threading
 
 from vmemkv.scheduler.cliargs import (NON_NEGATIVE_INT, POSITIVE_INT, bounded, hold_point, parse_bytes,
                                       thread_count, write_stdout)
@@ -29,8 +32,16 @@ from vmemkv.scheduler.progress import Progress
 from .generate_checks import FLAG_DEFAULTS, check_page_bytes, check_tp_devices  # noqa: F401
 from .generate_checks import check_device as _check_device   # serve's, too
 from .generate_checks import check_flags as _check_flags
-from .generate_io import (GenerateUsageError, format_output, name_prompt_line, needs_labels,
-                          read_numbered_prompts)
+from .generate_checks import sampling_params
+from .generate_io import (GenerateUsageError, check_prompt_flags, format_output, name_prompt_line,
+                          needs_labels, parse_prompt_lines, read_prompt_lines)
+
+TERMINATED_EXIT = 143   # 128 + SIGTERM, what a shell reports for a job stopped by SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during ``vmemkv generate``: it takes Ctrl-C's way out (the samples that had
+    finished printed, the cache released), then exits with ``TERMINATED_EXIT``."""
 
 
 def register(subparsers) -> None:
@@ -41,11 +52,13 @@ def register(subparsers) -> None:
     p.add_argument("--prompts", default="-", help="prompt file, one per line ('-': stdin); a line "
                    "of space-separated integers is token ids, any other line is text")
     p.add_argument("--text", action="store_true",
-                   help="read every line as text, even one made only of digits (needs a tokenizer)")
+                   help="read every line of a plain-text prompts file as text, even one made only of "
+                        "digits (needs a tokenizer; not with --chat or a *.jsonl file)")
     p.add_argument("--chat", action="store_true",
                    help="prompts are JSONL chats (a list of {role, content} messages, or a string: "
                         "one user message; a line of plain text is one user message too) "
-                        "rendered by the model's chat template")
+                        "rendered by the model's chat template (a list of token ids is sent as "
+                        "it is, untemplated)")
     p.add_argument("--system", default=None, metavar="TEXT",
                    help="with --chat: the system message of every conversation that has none "
                         "(default: none; the chat template may add its own)")
@@ -83,9 +96,11 @@ def _sampling_flags(s) -> None:
     s.add_argument("--max-new-tokens", type=POSITIVE_INT, default=16, help="tokens per sample")
     s.add_argument("--temperature", type=bounded(float, 0), default=0.0,
                    help="softmax temperature, finite and >= 0 (0: greedy)")
-    s.add_argument("--top-k", type=NON_NEGATIVE_INT, default=0, help="keep the k likeliest tokens (0: all)")
+    s.add_argument("--top-k", type=NON_NEGATIVE_INT, default=0,
+                   help="keep the k likeliest tokens (0: all; needs --temperature above 0)")
     s.add_argument("--top-p", type=bounded(float, 0, 1, low_open=True), default=1.0,
-                   help="nucleus sampling: keep the smallest set with this probability, in (0, 1]")
+                   help="nucleus sampling: keep the smallest set with this probability, in (0, 1] "
+                        "(needs --temperature above 0)")
     s.add_argument("--n", type=POSITIVE_INT, default=1,
                    help="samples per prompt, at most 1024 (forked; each labelled; checked before "
                         "the model loads)")
@@ -178,6 +193,26 @@ def _kv_scales(args):
 
 
 def run(args) -> int:
+    """The command, with SIGTERM handled as Ctrl-C is (one line, exit 143); the handler that
+    was there before is put back after."""
+    if threading.current_thread() is not threading.main_thread():   # no signals off it
+        return _run_command(args)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _run_command(args)
+    except Terminated as stop:
+        note = f"; {stop}" if str(stop) else ""
+        sys.stderr.write(f"vmemkv generate: terminated (SIGTERM){note}\n")
+        return TERMINATED_EXIT
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+def _run_command(args) -> int:
     import torch
 
     from vmemkv.runtime.engine import RequestRejectedError
@@ -185,32 +220,38 @@ def run(args) -> int:
 
     _check_device(args.device)
     _check_flags(args)
+    params = sampling_params(args)           # the flags and the prompts file: before the load
+    check_prompt_flags(args.prompts, args.text, args.chat, args.system)
+    # a file's lines now (missing, unreadable, not UTF-8: refused before the load); stdin's
+    # after it, as a pipe's writer may still be at work
+    lines = None if args.prompts == "-" else read_prompt_lines(args.prompts)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tokenizer = load_model(args.model, seed=args.seed, dtype=dtype, device=args.device)
+    if args.stop and tokenizer is None:
+        raise GenerateUsageError(f"--stop {args.stop[0]!r}: stop strings need a tokenizer and "
+                                 f"this model has none; use --stop-token-id ID")
     check_page_bytes(args, model)
-    numbered = read_numbered_prompts(args.prompts, tokenizer is not None, args.text, args.chat,
-                                     args.system)
+    if lines is None:
+        lines = read_prompt_lines(args.prompts)
+    numbered = parse_prompt_lines(lines, args.prompts, tokenizer is not None, args.text, args.chat,
+                                  args.system)
     line_numbers, prompts = [n for n, _ in numbered], [p for _, p in numbered]
     messages = [p if p and isinstance(p[0], dict) else None for p in prompts] if args.chat else None
     try:
-        return _run(args, model, tokenizer, prompts, messages)
+        return _run(args, model, tokenizer, prompts, messages, params)
     except RequestRejectedError as error:   # "prompt 3": the 4th non-blank line; name the line
         raise name_prompt_line(error, line_numbers) from None
 
 
-def _run(args, model, tokenizer, prompts, messages) -> int:
-    from vmemkv.runtime.engine import Engine, SamplingParams
+def _run(args, model, tokenizer, prompts, messages, params) -> int:
+    from vmemkv.runtime.engine import Engine
 
     if args.chat:   # every conversation renders (ChatTemplateError, exit 2) before any runs
         from vmemkv.runtime.engine.chat import chat_prompt_ids
         prompts = [chat_prompt_ids(tokenizer, p, index=i) if m is not None else p
                    for i, (p, m) in enumerate(zip(prompts, messages))]
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, n=args.n, seed=None,
-                            stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
-                            ignore_eos=args.ignore_eos)
     with _engine(Engine, model, tokenizer, args) as engine:
         outputs = _generate(engine, prompts, params, args, messages)
     labelled = needs_labels(outputs, args.n, args.chat)
@@ -246,7 +287,7 @@ def _engine(engine_class, model, tokenizer, args):
 
 
 def _generate(engine, prompts, params, args, messages=None):
-    """engine.generate with the progress bar. On Ctrl-C the samples that had finished are
+    """engine.generate with the progress bar. On Ctrl-C (or SIGTERM) the samples that had finished are
     printed (labelled), the caller's ``with engine`` releases the cache, and the interrupt goes
     on up with a note of how many finished."""
     finished = []                       # (request_id, sample index), in the order they ended
@@ -261,9 +302,9 @@ def _generate(engine, prompts, params, args, messages=None):
                   enabled=False if args.no_progress else None) as bar:
         try:
             return engine.generate(prompts, params, on_token=on_token)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:    # Ctrl-C, or SIGTERM (Terminated)
             _print_finished(engine, finished, args.json, messages)
-            raise KeyboardInterrupt(f"printed the {len(finished)} of {len(prompts) * args.n} "
+            raise type(interrupt)(f"printed the {len(finished)} of {len(prompts) * args.n} "
                                     f"samples that had finished; the cache is released") from None
 
 

@@ -6,7 +6,10 @@ can hold newlines. In JSONL a line is a string (text; with ``--chat``, one user 
 of ints (token ids) or, with ``--chat``, a conversation: a list of {"role", "content"} messages.
 With ``--chat`` a line that does not open as JSON does (``[``, ``{`` or ``"``) is plain text, one
 user message, so ``echo 'Hi!' | vmemkv generate --chat`` works.
-``--system TEXT`` puts a system message first in every conversation that has none.
+``--system TEXT`` puts a system message first in every conversation that has none. A line of
+token ids is sent as it is, without the chat template, so ``--system`` refuses one; ``--text``
+applies to plain-text files only (JSON says itself what a line is), so ``--chat`` or a
+``*.jsonl`` file refuses it.
 
 Out: one line per sample, or, when samples are labelled (``--n`` > 1, ``--chat``, or any text
 spanning lines), ``[prompt P sample S]`` then the text with every further line indented by four
@@ -37,20 +40,42 @@ def read_numbered_prompts(path: str, has_tokenizer: bool, text_only: bool = Fals
                           chat: bool = False, system: Optional[str] = None
                           ) -> List[Tuple[int, Prompt]]:
     """``read_prompts``' prompts, each with the number of the line it was read from."""
-    if text_only and not has_tokenizer:
-        raise GenerateUsageError("--text needs a model with a tokenizer; this one has none")
+    check_prompt_flags(path, text_only, chat, system)
+    return parse_prompt_lines(read_prompt_lines(path), path, has_tokenizer, text_only, chat, system)
+
+
+def check_prompt_flags(path: str, text_only: bool, chat: bool, system: Optional[str]) -> None:
+    """The refusals --prompts, --text, --chat and --system decide together, with no model."""
     if system is not None and not chat:
         raise GenerateUsageError("--system sets the system message of chat conversations: give "
                                  "--chat too")
-    if chat and not has_tokenizer:
-        raise GenerateUsageError("--chat needs a model with a tokenizer and a chat template; "
-                                 "this one has no tokenizer")
+    if text_only and (chat or path.endswith(".jsonl")):
+        given = "--chat" if chat else f"--prompts {path!r} (a *.jsonl file)"
+        raise GenerateUsageError(f"--text reads the lines of a plain-text prompts file as text; "
+                                 f"with {given} every line is JSON, which says itself whether it "
+                                 f"is text or token ids, so --text would do nothing: drop it")
+
+
+def read_prompt_lines(path: str) -> List[Tuple[int, str]]:
+    """The non-blank lines of ``path`` (or stdin) with their numbers (generate reads a file's
+    before the model loads: a missing file or bad UTF-8 is refused at once)."""
     text = _read_text(path)
     # a byte-order mark (Windows editors) is no part of the first prompt; lines end at "\n"
     # only (splitlines also split at form feeds and U+2028, which JSON strings may hold raw)
     text = text.removeprefix("\ufeff")
-    lines = [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1)
-             if line.strip()]
+    return [(n, line.removesuffix("\r")) for n, line in enumerate(text.split("\n"), 1)
+            if line.strip()]
+
+
+def parse_prompt_lines(lines: List[Tuple[int, str]], path: str, has_tokenizer: bool,
+                       text_only: bool = False, chat: bool = False,
+                       system: Optional[str] = None) -> List[Tuple[int, Prompt]]:
+    """``read_prompt_lines``' lines as prompts, once the model (and its tokenizer) is known."""
+    if text_only and not has_tokenizer:
+        raise GenerateUsageError("--text needs a model with a tokenizer; this one has none")
+    if chat and not has_tokenizer:
+        raise GenerateUsageError("--chat needs a model with a tokenizer and a chat template; "
+                                 "this one has no tokenizer")
     if chat or path.endswith(".jsonl"):
         prompts = [(n, _json_prompt(n, line, has_tokenizer, chat, system)) for n, line in lines]
     else:
@@ -110,6 +135,9 @@ def _json_prompt(number: int, line: str, has_tokenizer: bool, chat: bool,
         return _conversation([{"role": "user", "content": line}], system)
     try:
         value = json.loads(line)
+    except RecursionError:               # the parser's own depth limit: no prompt nests so deep
+        raise GenerateUsageError(f"prompt line {number} nests too deeply to be a prompt: "
+                                 f"{line[:40]!r}") from None
     except ValueError as error:
         raise GenerateUsageError(f"prompt line {number} is not JSON ({error}): {line[:40]!r}") from None
     if isinstance(value, str):
@@ -118,6 +146,10 @@ def _json_prompt(number: int, line: str, has_tokenizer: bool, chat: bool,
         return _conversation([{"role": "user", "content": value}], system) if chat else value
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool)
                                                  for t in value):
+        if system is not None:
+            raise GenerateUsageError(f"prompt line {number} is token ids, sent as they are "
+                                     f"without the chat template, so --system cannot apply to "
+                                     f"it: give the line as text or a conversation")
         return value
     if chat and isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
         return _conversation(value, system)

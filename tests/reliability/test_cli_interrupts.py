@@ -33,8 +33,8 @@ def start(hold: str, argv: list, cwd, stdin: str = "") -> subprocess.Popen:
     return proc
 
 
-def interrupt(proc: subprocess.Popen):
-    """Wait for the hold marker on stderr, send SIGINT; (rc, stdout, stderr after the marker)."""
+def interrupt(proc: subprocess.Popen, sig: int = signal.SIGINT):
+    """Wait for the hold marker on stderr, send ``sig``; (rc, stdout, stderr after the marker)."""
     before = []
     for line in proc.stderr:            # blocks until the hold point is reached (or EOF)
         if line.startswith(MARKER):
@@ -43,7 +43,7 @@ def interrupt(proc: subprocess.Popen):
     else:
         proc.kill()
         return None, "", f"never reached the hold point: {''.join(before)[-2000:]}"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     out, err = proc.stdout.read(), proc.stderr.read()
     return proc.wait(timeout=120), out, err
 
