@@ -6,8 +6,8 @@ seconds) and ``vmemkv bench serve`` (client-side wall seconds), so their figures
 Definitions (vLLM's ``benchmark_serving``; goodput as DistServe defines it):
 
 - ``request_throughput``: completed requests / duration (requests/s); ``output_throughput``:
-  output tokens / duration (every sample's or beam's, ``RequestTiming.sequences``; latencies are
-  the first's); ``total_token_throughput``: (prompt + output tokens) / duration.
+  output tokens / duration (every sample's or beam's, ``RequestTiming.sequences`` and
+  ``other_output_tokens``; latencies are the first's: a request counts once); ``total_token_throughput``: (prompt + output tokens) / duration.
 - TTFT: first token time - arrival. E2EL: last token time - arrival. TPOT, per request with
   more than one output token: (E2EL - TTFT) / (output tokens - 1). ITL: every gap between two
   consecutive tokens of one request, pooled over requests.
@@ -41,6 +41,8 @@ class RequestTiming:
     prompt_tokens: int
     sequences: int = 1               # sequences that each made a token at every one of these
     #                                  times: the simulator's n samples or beams, timed by the first
+    other_output_tokens: int = 0     # tokens of the request's other samples, timed apart (the
+    #                                  engine's n > 1: each ends at its own length)
 
     @property
     def output_tokens(self) -> int:
@@ -50,7 +52,7 @@ class RequestTiming:
     @property
     def all_output_tokens(self) -> int:
         """Every sequence's output tokens (what the throughputs count)."""
-        return len(self.token_times_s) * self.sequences
+        return len(self.token_times_s) * self.sequences + self.other_output_tokens
 
     @property
     def ttft_s(self) -> float:
