@@ -139,7 +139,20 @@ class EngineConfig:
                                     f"swap space of preemption='swap'; with preemption="
                                     f"{self.preemption!r} no sequence swaps and it would only be "
                                     f"held aside: set preemption='swap' or swap_bytes=0")
+        self._check_applies()
         self._check_tensor_parallel()
+
+    def _check_applies(self) -> None:
+        """An option given where it does nothing (it was accepted and ignored) is refused by
+        name, as ``vmemkv generate`` refuses its flag (generate_checks._check_applies)."""
+        if self.prefix_eviction != DEFAULT_EVICTION and not self.prefix_sharing:
+            raise EngineConfigError(f"EngineConfig.prefix_eviction {self.prefix_eviction!r} "
+                                    f"applies with prefix_sharing=True only (no prefix is kept "
+                                    f"without it): set prefix_sharing=True or drop it")
+        if self.cache == "paged" and self.layout != EngineConfig.layout:
+            raise EngineConfigError(f"EngineConfig.layout {self.layout!r} applies to "
+                                    f"cache='vmem' only; with cache='paged' it would do "
+                                    f"nothing: drop it")
 
     def _check_tensor_parallel(self) -> None:
         self._one_of("tp_launch", ("spawn", "env"))
@@ -283,4 +296,25 @@ def cache_config_for(model, cfg: EngineConfig, param, kv_heads: Optional[int] = 
     # a vmem slot is whole pages: the cache is built rounded up, admission uses max_context
     probe = CacheConfig(**shape, max_context=cfg.max_context)
     cfg = resolved_layout(cfg, probe)
+    check_prefix_blocks(cfg, probe)
     return CacheConfig(**shape, max_context=page_rounded_context(probe, cfg, cfg.max_context))
+
+
+def check_prefix_blocks(cfg: EngineConfig, cache_config) -> None:
+    """vmem prefix hits are found in ``block_size``-token blocks of a page (not behind a
+    window: every layer windowed, or a hybrid's windowed kind in the per-layer layout): a
+    block size that does not divide a page's tokens would leave only whole pages findable,
+    silently, so it is refused naming both (``cfg``'s layout resolved)."""
+    windows = [w for w in cache_config.layer_windows if w is not None]
+    behind_window = bool(windows) and (len(windows) == len(cache_config.layer_windows)
+                                       or cfg.layout == "per-layer")
+    if cfg.cache != "vmem" or not cfg.prefix_sharing or behind_window:
+        return
+    tokens_per_page = vmem_geometry(cache_config, cfg.layout, cfg.page_bytes).tokens_per_page
+    if tokens_per_page > cfg.block_size and tokens_per_page % cfg.block_size:
+        dividing = next(d for d in range(cfg.block_size, 0, -1) if not tokens_per_page % d)
+        raise EngineConfigError(
+            f"EngineConfig.block_size {cfg.block_size} does not divide a vmem page's "
+            f"{tokens_per_page} tokens ({cfg.layout} layout): prefix hits are found in blocks of "
+            f"block_size tokens of a page, and with this one only whole pages would be: give a "
+            f"block_size that divides {tokens_per_page} (e.g. {dividing})")
