@@ -287,6 +287,8 @@ def run(quick: bool = False, out: str | None = None, threads: int = 1, device: s
     """Run every configuration, print the table, return (and optionally write) the results;
     ``kv_cache_dtype``: every engine system's K/V storage."""
     import torch
+
+    from vmemkv.benchmarks.suite import versions
     torch.set_num_threads(threads)
     warmup, repeats = 1, (1 if quick else 3)
     work = workload(quick)
@@ -298,7 +300,7 @@ def run(quick: bool = False, out: str | None = None, threads: int = 1, device: s
                       prompt_tokens=sum(map(len, work["prompts"])), new_tokens=work["new_tokens"],
                       threads=torch.get_num_threads(), backends=_backends(device),
                       kv_cache_dtype=kv_cache_dtype,
-                      kv_MiB_every_system=work["kv_bytes"] / MiB)
+                      kv_MiB_every_system=work["kv_bytes"] / MiB, **versions(device))
     print_environment(env)
     rows = measure_systems(work, configs, device, repeats, packed=not quick)
     print(format_table(rows, TABLE))

@@ -74,6 +74,7 @@ def run(quick: bool = False, out: str | None = None, device: str | None = None,
         progress=None, cache_gb: float = 20.0, requests: int | None = None) -> dict:
     """``device`` is accepted for the suite's sake: this section is pure Python on the CPU.
     ``requests``: simulate only the workload's first N requests (default: by ``quick``)."""
+    from vmemkv.benchmarks.suite import versions
     from vmemkv.scheduler.workload import WorkloadSpec, generate
     num_requests = requests or (QUICK_REQUESTS if quick else FULL_REQUESTS)
     repeats = 1   # the figures are deterministic (fixed seed); only sim_wall_s varies
@@ -81,7 +82,8 @@ def run(quick: bool = False, out: str | None = None, device: str | None = None,
     env = environment(seed=0, warmup=0, repeats=repeats, workload="standard log-normal",
                       requests=num_requests, cache_gb=cache_gb, model="llama-3-8b",
                       sim_device="h100", watermark=WATERMARK,
-                      backends="none (simulated allocation; no attention runs)")
+                      backends="none (simulated allocation; no attention runs)",
+                      **versions("cpu"))   # kernel, load_1min: every section's header has them
     print_environment(env)
     rows = []
     for cfg in configs(quick):

@@ -95,6 +95,8 @@ def test_memory_rows_per_unit_with_utilisation_and_end_waste(tiny):
         assert finite_numbers(r, ["mean_end_waste_tokens", "mean_batch", "output_tokens_per_s"])
     assert rows[0]["mean_end_waste_tokens"] < rows[1]["mean_end_waste_tokens"]  # bigger unit, more waste
     assert payload["environment"]["requests"] == 40
+    # every section's header names the kernel, the driver and the load (memory lacked them)
+    assert {"kernel", "vmem_driver", "load_1min"} <= payload["environment"].keys()
 
 
 def test_bench_quick_writes_one_json_with_every_section_plots_and_a_summary(tiny, tmp_path, monkeypatch, capsys):

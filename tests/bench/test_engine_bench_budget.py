@@ -52,3 +52,4 @@ def test_the_cuda_configurations_share_one_budget_in_the_run(monkeypatch):
     payload = bench.run(quick=True, device="cpu")
     assert len(seen) == len(bench.configurations(True, "cpu")) + 1 and len(set(seen)) == 1
     assert payload["environment"]["kv_MiB_every_system"] == seen[0] / MiB
+    assert {"kernel", "vmem_driver", "load_1min"} <= payload["environment"].keys()   # as alloc's
