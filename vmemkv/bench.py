@@ -33,7 +33,7 @@ def register(subparsers) -> None:
     parser.add_argument("--smoke", action="store_true",
                         help="toy sizes that only check the plumbing (JSON, log, plots, summary) "
                              "in seconds; the figures mean nothing; implies --quick")
-    parser.add_argument("--out", default="bench_out", metavar="DIR",
+    parser.add_argument("--out", dest="suite_out", default="bench_out", metavar="DIR",
                         help="output folder for bench.json, bench.log and the PNGs")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="torch device (default: cuda when a GPU is visible, else cpu)")
@@ -59,7 +59,8 @@ def register(subparsers) -> None:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                         help="the engine section's K/V storage (auto: the model's dtype; 8-bit: "
                              "CPU only), every engine system alike; transformers keeps its own")
-    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--no-plots", dest="suite_no_plots", action="store_true",
+                        help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     from vmemkv.benchmarks import serve   # ``vmemkv bench serve``: load an HTTP server
     serve.register(parser.add_subparsers(dest="bench_command", metavar="serve", required=False,
@@ -79,7 +80,7 @@ def _prefix(args: argparse.Namespace, device_name: str) -> None:
     rows = prefix.run(quick=True, device=device, warmup=1, repeats=1,
                       policies=[args.prefix_eviction])
     print(format_table(rows, prefix.COLUMNS))
-    write_json(os.path.join(args.out, "prefix.json"), {"device": device_name, "rows": rows})
+    write_json(os.path.join(args.suite_out, "prefix.json"), {"device": device_name, "rows": rows})
 
 
 def _check_engine_importable(args: argparse.Namespace, sections) -> None:
@@ -108,7 +109,7 @@ def _check_out_and_tp(args: argparse.Namespace) -> None:
     the section: exit 1); UsageError naming the flag (exit 2)."""
     from vmemkv.benchmarks.suite import OUTPUTS
     from vmemkv.scheduler.cli_sweep import out_folder_problem
-    problem = out_folder_problem(args.out, OUTPUTS)
+    problem = out_folder_problem(args.suite_out, OUTPUTS)
     if problem:
         raise UsageError(f"--out {problem}")
     if args.tp is None:
@@ -127,7 +128,10 @@ def _check_out_and_tp(args: argparse.Namespace) -> None:
 # the suite's flags that ``bench serve`` does not read, with the value that means "not given"
 SUITE_ONLY_FLAGS = {"quick": False, "smoke": False, "device": None, "only": None, "threads": None,
                     "tp": None, "tp_devices": None, "prefix_eviction": None,
-                    "kv_cache_dtype": "auto", "no_progress": False}
+                    "kv_cache_dtype": "auto", "no_progress": False,
+                    # stored apart from serve's own --out / --no-plots, which argparse's
+                    # subcommand defaults overwrote: given before 'serve', they were dropped
+                    "suite_out": "bench_out", "suite_no_plots": False}
 
 
 def _check_applies(args: argparse.Namespace) -> None:
@@ -137,7 +141,8 @@ def _check_applies(args: argparse.Namespace) -> None:
     if getattr(args, "bench_command", None) == "serve":
         for dest, absent in SUITE_ONLY_FLAGS.items():
             if getattr(args, dest) != absent:
-                raise UsageError(f"--{dest.replace('_', '-')} is a flag of the suite; 'vmemkv "
+                flag = dest.removeprefix("suite_").replace("_", "-")
+                raise UsageError(f"--{flag} is a flag of the suite; 'vmemkv "
                                  f"bench serve' runs no suite and would ignore it: drop it, or "
                                  f"give serve's own flags after 'serve'")
     elif args.kv_cache_dtype != "auto" and args.only is not None and "engine" not in args.only:
@@ -170,8 +175,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tp is not None:
         sections += ("tp",)
     _check_engine_importable(args, sections)
-    payload = suite.run_suite(quick=args.quick or args.smoke, out_dir=args.out, device=args.device,
-                              sections=sections, plots=not args.no_plots,
+    payload = suite.run_suite(quick=args.quick or args.smoke, out_dir=args.suite_out, device=args.device,
+                              sections=sections, plots=not args.suite_no_plots,
                               progress=not args.no_progress,
                               options={"tp": dict(world=args.tp or 2, tp_devices=args.tp_devices),
                                        # only when asked: engine.run may be a stand-in
@@ -189,6 +194,6 @@ def run(args: argparse.Namespace) -> int:
         _prefix(args, payload["environment"]["device"])
     failed = [s for s in sections if "error" in payload.get(s, {})]
     if failed:
-        sys.stderr.write(f"vmemkv bench: sections failed: {', '.join(failed)} (see {args.out}/bench.log)\n")
+        sys.stderr.write(f"vmemkv bench: sections failed: {', '.join(failed)} (see {args.suite_out}/bench.log)\n")
         return 1
     return 0
