@@ -44,7 +44,7 @@ def test_bench_out_is_checked_with_the_suites_names_before_anything(tmp_path):
     from vmemkv.cli import UsageError
     (tmp_path / "prefix.json").mkdir()
     with pytest.raises(UsageError, match=r"--out .*prefix.json is not a regular file"):
-        _check_out_and_tp(argparse.Namespace(out=str(tmp_path), tp=None))
+        _check_out_and_tp(argparse.Namespace(suite_out=str(tmp_path), tp=None))
     assert os.listdir(tmp_path) == ["prefix.json"]
 
 
