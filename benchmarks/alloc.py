@@ -354,6 +354,13 @@ def run(quick: bool = False, out: str | None = None, pages: int | None = None,
     return payload
 
 
+def refuse_missing_cuda(parser, device: str | None) -> None:
+    """``parser.error`` (one line, exit 2) for ``--device cuda`` when torch sees no GPU."""
+    import torch
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to torch here")
+
+
 def main(argv=None) -> int:
     parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (seconds, not minutes)")
@@ -363,9 +370,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, type=result_file, help="write the results as JSON here")
     args = parser.parse_args(argv)
     from vmemkv.vmem.errors import InsufficientMemoryError
-    import torch
-    if args.device == "cuda" and not torch.cuda.is_available():    # before the host section runs
-        parser.error("--device cuda: no CUDA device is visible to torch here")
+    refuse_missing_cuda(parser, args.device)     # before the host section runs
     try:
         run(args.quick, args.out, args.pages, args.device)
     except InsufficientMemoryError as error:      # --pages the device cannot hold

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from vmemkv.benchmarks import yardstick
+from vmemkv.benchmarks.alloc import refuse_missing_cuda
 from vmemkv.benchmarks.attention_caches import build_caches, bytes_needed, labels
 from vmemkv.benchmarks.attention_goals import (goals, over_yardstick, print_goals, run_warnings,
                                                speedups, target_check)
@@ -217,7 +218,8 @@ def ratio_line(now: list[dict]) -> str:
 
 def parse_args(argv=None):
     p = OneLineArgumentParser(description=__doc__)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   choices=("cpu", "cuda"), help="cpu or cuda (default: cuda when present)")
     p.add_argument("--quick", action="store_true", help="smallest useful run")
     p.add_argument("--batches", type=POSITIVE_INT, nargs="+")
     p.add_argument("--contexts", type=POSITIVE_INT, nargs="+")
@@ -252,6 +254,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)
     p.add_argument("--out", type=result_file, help="write results as JSON here")
     args = p.parse_args(argv)
+    refuse_missing_cuda(p, args.device)
     defaults = QUICK if args.quick else CUDA_DEFAULTS if args.device.startswith("cuda") else CPU_DEFAULTS
     if args.baselines is None:
         args.baselines = [] if args.quick or args.device.startswith("cuda") else ["sdpa"]

@@ -143,10 +143,21 @@ def main(argv=None) -> int:
     parser.add_argument("json", help="a bench.json written by vmemkv bench")
     parser.add_argument("--out", default=None, help="folder for the PNGs (default: the JSON's)")
     args = parser.parse_args(argv)
-    with open(args.json) as f:
-        payload = json.load(f)
-    for path in write_all(payload, args.out or os.path.dirname(os.path.abspath(args.json))):
+    try:
+        with open(args.json, encoding="utf-8") as f:
+            payload = json.load(f)
+    except OSError as error:
+        parser.error(f"{args.json}: {error.strerror or error}")
+    except ValueError as error:                  # json.JSONDecodeError, UnicodeDecodeError
+        parser.error(f"{args.json}: not JSON ({error})")
+    if not isinstance(payload, dict) or payload.get("benchmark") != "vmemkv bench":
+        parser.error(f"{args.json}: not a bench.json written by vmemkv bench")
+    written = write_all(payload, args.out or os.path.dirname(os.path.abspath(args.json)))
+    for path in written:
         print(f"# wrote {path}")
+    if not written:
+        print(f"# no plots: {args.json} has no data for any of them "
+              "(attention, memory, alloc missing, failed or empty)")
     return 0
 
 

@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from vmemkv.benchmarks.alloc import refuse_missing_cuda
 from vmemkv.benchmarks.common import median_seconds
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.errors import CacheTooLargeError
@@ -145,12 +146,14 @@ def describe(y: dict) -> str:
 
 def main(argv=None) -> int:
     p = OneLineArgumentParser(description=__doc__)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   choices=("cpu", "cuda"), help="cpu or cuda (default: cuda when present)")
     p.add_argument("--threads", type=thread_count, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--mib", type=POSITIVE_INT, help="MiB read and copied (default: 256 CPU, 1024 CUDA)")
     p.add_argument("--repeats", type=POSITIVE_INT, default=5)
     p.add_argument("--json", type=result_file, help="write the figures as JSON here (whole)")
     args = p.parse_args(argv)
+    refuse_missing_cuda(p, args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = torch.float16 if args.device.startswith("cuda") else torch.float32

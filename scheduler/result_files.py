@@ -107,8 +107,10 @@ def streamed_open(path: str, mode: str = "w", **kwargs) -> Iterator:
     is whole). A kill leaves the ``.partial`` file and the old ``path`` as they were."""
     partial = path + ".partial"
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    opened = False   # only a file this call opened becomes ``path`` (not, say, a folder)
     try:
         with open(partial, mode, **kwargs) as f:
+            opened = True
             yield f
             try:
                 f.flush()
@@ -118,7 +120,7 @@ def streamed_open(path: str, mode: str = "w", **kwargs) -> Iterator:
                     raise naming(error, partial) from error
                 raise
     finally:
-        if os.path.exists(partial):
+        if opened and os.path.exists(partial):
             os.replace(partial, path)
             unlist(path)
 
