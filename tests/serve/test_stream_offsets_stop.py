@@ -5,7 +5,6 @@ stream sent a token whose text was held with its uncut offset and cut only the l
 [0, 6, 7, 8, 9, 12, 19, 7] for the text " Paris." (non-streamed [0, 6, 7, 7, 7, 7, 7, 7])."""
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +18,7 @@ from vmemkv.runtime.serve.submission import Choice, Delta
 from . import local_http
 from ..engine.byte_tokenizer import byte_tokenizer
 from .conftest import VMEM, assert_memory_at_baseline, serving, wait_until_idle
+from .test_text_offset import streamed_choices
 
 PROMPT = "ab"
 
@@ -100,14 +100,11 @@ def test_the_answer_is_stop_holds_the_tokens_it_cuts():
 
 def streamed_offsets(url: str, request: dict) -> tuple:
     text, token_ids, offsets = "", [], []
-    with local_http.stream("POST", url + "/v1/completions", json={**request, "stream": True}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data:") and line != "data: [DONE]":
-                for c in json.loads(line[5:])["choices"]:
-                    text += c["text"]
-                    assert all(o <= len(text) for o in c["logprobs"]["text_offset"])
-                    token_ids += c["token_ids"]
-                    offsets += c["logprobs"]["text_offset"]
+    for c in streamed_choices(url, request):
+        text += c["text"]
+        assert all(o <= len(text) for o in c["logprobs"]["text_offset"])
+        token_ids += c["token_ids"]
+        offsets += c["logprobs"]["text_offset"]
     return text, token_ids, offsets
 
 

@@ -99,15 +99,20 @@ def test_echoed_emoji_offsets_index_the_text_streamed_and_not():
         assert_memory_at_baseline(engine)
 
 
-def streamed(url: str, request: dict) -> tuple:
-    text, tokens, offsets = "", [], []
+def streamed_choices(url: str, request: dict):
+    """Each choice of each chunk of ``request`` streamed from /v1/completions, in order."""
     with local_http.stream("POST", url + "/v1/completions", json={**request, "stream": True}) as r:
         for line in r.iter_lines():
             if line.startswith("data:") and line != "data: [DONE]":
-                for c in json.loads(line[5:])["choices"]:
-                    text += c["text"]
-                    tokens += c["logprobs"]["tokens"]
-                    offsets += c["logprobs"]["text_offset"]
+                yield from json.loads(line[5:])["choices"]
+
+
+def streamed(url: str, request: dict) -> tuple:
+    text, tokens, offsets = "", [], []
+    for c in streamed_choices(url, request):
+        text += c["text"]
+        tokens += c["logprobs"]["tokens"]
+        offsets += c["logprobs"]["text_offset"]
     return text, tokens, offsets
 
 
