@@ -39,12 +39,11 @@ anything is timed. Each timed call is ``backend.forward(q, cache.layer_view(0))`
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -53,7 +52,7 @@ from vmemkv.benchmarks.alloc import refuse_missing_cuda
 from vmemkv.benchmarks.attention_caches import build_caches, bytes_needed, labels
 from vmemkv.benchmarks.attention_goals import (goals, over_yardstick, print_goals, run_warnings,
                                                speedups, target_check)
-from vmemkv.benchmarks.common import environment, print_environment
+from vmemkv.benchmarks.common import DistinctValues, environment, exit_status, print_environment
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.result_files import write_json
 from vmemkv.runtime.attention import fastest_backend, get_backend
@@ -84,11 +83,6 @@ def timer(device: torch.device):
         t0 = time.perf_counter(); fn()
         return time.perf_counter() - t0
     return run
-
-
-def median_times(fns, device, warmup: int, repeats: int) -> list[float]:
-    """Median seconds of each fn; the fns alternate so a noisy neighbour hits them alike."""
-    return [statistics.median(s) for s in sample_times(fns, device, warmup, repeats)]
 
 
 def sample_times(fns, device, warmup: int, repeats: int, between=None) -> list[list[float]]:
@@ -221,12 +215,12 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    choices=("cpu", "cuda"), help="cpu or cuda (default: cuda when present)")
     p.add_argument("--quick", action="store_true", help="smallest useful run")
-    p.add_argument("--batches", type=POSITIVE_INT, nargs="+")
-    p.add_argument("--contexts", type=POSITIVE_INT, nargs="+")
-    p.add_argument("--configs", type=batch_by_ctx, nargs="+", metavar="BATCHxCTX",
+    p.add_argument("--batches", type=POSITIVE_INT, nargs="+", action=DistinctValues)
+    p.add_argument("--contexts", type=POSITIVE_INT, nargs="+", action=DistinctValues)
+    p.add_argument("--configs", type=batch_by_ctx, nargs="+", metavar="BATCHxCTX", action=DistinctValues,
                    help="(batch, context) pairs, e.g. 1x8192 8x2048, instead of the grid "
                         "--batches x --contexts")
-    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    p.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES), action=DistinctValues)
     p.add_argument("--flush-mib", type=NON_NEGATIVE_INT, default=0,
                    help="read this many MiB between timed calls (untimed) so every call "
                         "reads K/V from memory; 0 (default): variants alternate, nothing more")
@@ -235,18 +229,18 @@ def parse_args(argv=None):
     p.add_argument("--head-dim", type=POSITIVE_INT)
     p.add_argument("--prefill-len", type=NON_NEGATIVE_INT, help="new tokens per request in prefill; 0 = whole ctx")
     p.add_argument("--block-size", type=POSITIVE_INT, default=16, help="paged block size in tokens")
-    p.add_argument("--vmem-layout", nargs="+", default=["per-layer"],
+    p.add_argument("--vmem-layout", nargs="+", default=["per-layer"], action=DistinctValues,
                    choices=("per-layer", "interleaved"),
                    help="vmem layouts to time, each beside paged (default: per-layer)")
     p.add_argument("--layers", type=POSITIVE_INT, default=2,
                    help="layers of the interleaved cache (its row stride; layer 0 is timed)")
-    p.add_argument("--dtype", nargs="+", choices=list(DTYPES),
+    p.add_argument("--dtype", nargs="+", choices=list(DTYPES), action=DistinctValues,
                    help="q and K/V dtypes, each a pass over the grid (default: float32 on the "
                         "CPU, float16 on CUDA)")
-    p.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES, default=["auto"],
+    p.add_argument("--kv-cache-dtype", nargs="+", choices=KV_CACHE_DTYPES, default=["auto"], action=DistinctValues,
                    help="K/V storage of the caches, all timed in turns (auto: --dtype); rows of "
                         "other ones are labelled 'kv NAME'; the speed-ups between them are printed")
-    p.add_argument("--baselines", nargs="*", help="more backends to time on the same views "
+    p.add_argument("--baselines", nargs="*", action=DistinctValues, help="more backends to time on the same views "
                    "(default on the CPU: sdpa, except with --quick; none on CUDA)")
     p.add_argument("--repeats", type=POSITIVE_INT)
     p.add_argument("--warmup", type=NON_NEGATIVE_INT, default=1)
@@ -265,12 +259,20 @@ def parse_args(argv=None):
     return args
 
 
-def batch_by_ctx(text: str) -> tuple[int, int]:
+class BatchByCtx(NamedTuple):   # one --configs point, shown as typed (8x2048) in messages
+    batch: int
+    ctx: int
+
+    def __str__(self) -> str:
+        return f"{self.batch}x{self.ctx}"
+
+
+def batch_by_ctx(text: str) -> BatchByCtx:
     """``8x2048`` -> (8, 2048)."""
     batch, sep, ctx = text.partition("x")
     if not sep or not batch.isdigit() or not ctx.isdigit():
         raise argparse.ArgumentTypeError(f"expected BATCHxCTX such as 8x2048; got {text!r}")
-    return int(batch), int(ctx)
+    return BatchByCtx(int(batch), int(ctx))
 
 
 def grid(args) -> list[tuple[int, int]]:
@@ -375,13 +377,19 @@ def run(quick: bool = False, out: str | None = None, device: str | None = None,
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    """Ctrl-C: exit 130 and one line (``exit_status``); --out is then written whole or not at all."""
+    return exit_status("attention", lambda: measure_and_write(parse_args(argv)))
+
+
+def measure_and_write(args) -> int:
     try:
         payload = measure(args)
     except CacheTooLargeError as error:
         print(f"attention: error: CacheTooLargeError: {error}", file=sys.stderr)
         return 2
-    if args.out:
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(f"{args.out} not written" if args.out else "") from None
+    if args.out:   # write_json is atomic: a Ctrl-C inside it leaves no file, or the old one
         write_json(str(args.out), payload)
         print(f"# wrote {args.out}")
     return 0

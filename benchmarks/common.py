@@ -1,12 +1,15 @@
-"""Shared benchmark plumbing: the environment header, median timing, aligned tables, JSON."""
+"""Shared benchmark plumbing: the environment header, median timing, aligned tables, JSON,
+list flags that refuse a repeated value, and Ctrl-C as one line and exit status 130."""
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
 import time
 from typing import Callable, Sequence
 
+from vmemkv.cli import interrupted_exit
 from vmemkv.scheduler import result_files
 
 
@@ -63,3 +66,28 @@ def write_json(path: str | None, payload: dict) -> None:
         return
     result_files.write_json(path, payload, indent=2)
     print(f"# wrote {path}")
+
+
+class DistinctValues(argparse.Action):
+    """``action=DistinctValues`` on a list flag (``nargs="+"`` or ``"*"``): a value given twice
+    (``--batches 1 1``, which would time the same point twice and write duplicate rows) is
+    refused while parsing, before anything runs: one line naming the flag and the value
+    (``parser.error``, exit 2 with ``OneLineArgumentParser``). Values are shown with ``str``."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        for index, value in enumerate(values):
+            if value in values[:index]:
+                flag = "/".join(self.option_strings)   # as argparse names it, not as abbreviated
+                parser.error(f"argument {flag}: {value} is given twice; give each value once")
+        setattr(namespace, self.dest, values)
+
+
+def exit_status(prog: str, body: Callable[[], int]) -> int:
+    """``body()``'s exit status; Ctrl-C (KeyboardInterrupt) ends it as ``vmemkv``'s commands do
+    (vmemkv/cli.py): status 130 (``INTERRUPTED_EXIT``) and one line on stderr, ``PROG:
+    interrupted; NOTE``, no traceback. The note is the interrupt's text: ``body`` catches
+    KeyboardInterrupt where it knows what it wrote and raises one saying so."""
+    try:
+        return body()
+    except KeyboardInterrupt as interrupt:
+        return interrupted_exit(prog, interrupt)

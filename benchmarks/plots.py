@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Callable
 
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.result_files import write_atomic
@@ -122,8 +123,11 @@ def _save(fig, plt, path: str) -> str:
     return path
 
 
-def write_all(payload: dict, out_dir: str) -> list[str]:
-    """Every plot the payload has data for; returns the paths written."""
+def write_all(payload: dict, out_dir: str,
+              on_written: Callable[[str], None] = lambda path: None) -> list[str]:
+    """Every plot the payload has data for; returns the paths written. ``on_written(path)`` is
+    called as each file is in place, so a caller cut short (Ctrl-C) by a later plot still knows
+    which files this run rewrote."""
     os.makedirs(out_dir, exist_ok=True)
     jobs = [(attention_latency, "attention", "attention_latency.png"),
             (memory_utilisation, "memory", "memory_utilisation.png"),
@@ -135,6 +139,7 @@ def write_all(payload: dict, out_dir: str) -> list[str]:
             path = plot(data, os.path.join(out_dir, name))
             if path:
                 written.append(path)
+                on_written(path)
     return written
 
 

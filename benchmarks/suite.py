@@ -205,9 +205,9 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
     payload["wall_s"] = time.perf_counter() - start
     payload["plots"] = []
     if plots and not payload["interrupted"]:
-        try:          # a Ctrl-C while plotting still writes bench.json, every section in it
-            for path in _plots(payload, out_dir):
-                payload["plots"].append(marker.wrote(path))
+        try:          # a Ctrl-C while plotting still writes bench.json, every section in it,
+            # and the plots already rewritten (each recorded as it is written, not at the end)
+            _plots(payload, out_dir, lambda path: payload["plots"].append(marker.wrote(path)))
         except KeyboardInterrupt:
             payload["interrupted"] = True
     marker.wrote(_finish(payload, sections, out_dir))
@@ -241,10 +241,10 @@ def _finish(payload: dict, sections, out_dir: str) -> str:
     return payload["json"]
 
 
-def _plots(payload: dict, out_dir: str) -> list[str]:
+def _plots(payload: dict, out_dir: str, on_written: Callable[[str], None]) -> None:
+    """The PNGs (plots.write_all), ``on_written(path)`` as each is in place."""
     try:
         from vmemkv.benchmarks import plots
-        return plots.write_all(payload, out_dir)
+        plots.write_all(payload, out_dir, on_written)
     except ImportError as error:
         print(f"# plots skipped: {error}")
-        return []

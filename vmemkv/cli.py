@@ -100,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def interrupted_exit(prog: str, interrupt: KeyboardInterrupt) -> int:
+    """Ctrl-C as every command ends on it: one line on stderr, ``PROG: interrupted; NOTE`` (the
+    note is the interrupt's text, saying what was written), and status 130, no traceback."""
+    note = f"; {interrupt}" if str(interrupt) else ""
+    sys.stderr.write(f"{prog}: interrupted{note}\n")
+    return INTERRUPTED_EXIT
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -107,9 +115,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt as interrupt:   # the subcommand has cleaned up; its note says what it wrote
-        note = f"; {interrupt}" if str(interrupt) else ""
-        sys.stderr.write(f"vmemkv {args.command}: interrupted{note}\n")
-        return INTERRUPTED_EXIT
+        return interrupted_exit(f"vmemkv {args.command}", interrupt)
     except UsageError as error:
         sys.stderr.write(f"vmemkv {args.command}: error: {error}\n")
         return 2

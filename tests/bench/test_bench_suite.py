@@ -228,7 +228,7 @@ def test_a_ctrl_c_while_drawing_the_plots_still_writes_bench_json(tmp_path, monk
 
     from vmemkv.benchmarks import plots
 
-    def interrupted(payload, out_dir):
+    def interrupted(payload, out_dir, on_written):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(plots, "write_all", interrupted)
