@@ -59,8 +59,10 @@ def run_one(kind: str, layout: str, layers: int, windowed, window: int, aware: b
     marks, ctx = (4 * window, 16 * window), 16 * window
     config = _config(layers, windowed, window, aware, ctx, kv_heads)
     out = {}
-    with make_kv(config, kind, layout=layout, page_bytes=page_bytes, block_size=block_size,
-                 grow_pages=kind == "vmem") as kv:
+    # a paged cache has blocks, no pages: it refuses the vmem-only options (make_kv)
+    vmem_only = dict(layout=layout, page_bytes=page_bytes, grow_pages=True) \
+        if kind == "vmem" else {}
+    with make_kv(config, kind, block_size=block_size, **vmem_only) as kv:
         m = kv.manager
         m.allocate(0, 1)
         kv.execute(m.take_ops())

@@ -36,7 +36,8 @@ class CacheConfig:
     num_kv_heads: int          # KV heads (query heads are a multiple of this under GQA)
     head_dim: int              # elements per head
     dtype: torch.dtype = torch.float32   # the model's: what is written, what attention returns
-    device: str = "cpu"        # "cpu" or "cuda[:i]"; the vmem driver follows it
+    device: str = "cpu"        # "cpu" or "cuda[:i]" (or a torch.device); the vmem driver
+                               # follows it
     max_batch: int = 8         # concurrent requests (vmem: slots, batch rows)
     max_context: int = 2048    # tokens per request, prompt and output together
     layer_windows: tuple = ()  # per layer: sliding window in tokens, or None (full); () = all full
@@ -45,6 +46,11 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", parse_dtype(self.dtype))
+        if not isinstance(self.device, (str, torch.device)):   # b"cpu" was taken by torch
+            raise CacheConfigError(f"CacheConfig.device must be 'cpu' or 'cuda[:i]', got "
+                                   f"{repr(self.device)[:60]} of type "
+                                   f"{type(self.device).__name__} (a str or torch.device "
+                                   f"is taken)")
         self._check_encoding()
         object.__setattr__(self, "layer_windows", self._checked_windows())
         limits = {"num_layers": 1024, "num_kv_heads": 1024, "head_dim": 1024,

@@ -136,6 +136,31 @@ def full_length_tokens(max_context: int, kind: str, block_size) -> int:
     return max_context
 
 
+# the options of make_kv only a vmem cache reads, at their defaults (EngineConfig's too): a
+# paged cache given another value would ignore it, so it is refused (``vmem_only_given``)
+VMEM_ONLY_DEFAULTS = dict(layout="per-layer", page_bytes=None, background_mapper=False,
+                          driver=None, grow_pages=False, hybrid_parts=True)
+
+
+def vmem_only_given(kind, **options) -> dict:
+    """Those of ``options`` (vmem-only options by name, see ``VMEM_ONLY_DEFAULTS``) that a
+    ``kind`` cache would ignore: any not at its default when ``kind`` is paged, else none."""
+    if CacheKind(kind) is not CacheKind.PAGED:
+        return {}
+    return {name: value for name, value in options.items()
+            if value != VMEM_ONLY_DEFAULTS[name]}
+
+
+def check_vmem_only(who: str, kind: str, **options) -> None:
+    """CacheConfigError naming the first of ``options`` a ``kind`` cache would ignore (a vmem
+    option given to a paged cache was accepted and did nothing)."""
+    ignored = vmem_only_given(kind, **options)
+    if ignored:
+        name, value = next(iter(ignored.items()))
+        raise CacheConfigError(f"{who}: {name} {repr(value)[:60]} applies to kind='vmem' only; "
+                               f"with kind='paged' it would do nothing: drop it")
+
+
 def check_kv_arguments(who: str, config, *, page_bytes=None, driver=None,
                        background_mapper=False, grow_pages=False) -> None:
     """CacheConfigError naming the argument of ``who`` (make_kv, VMemCache, cache_from_layout)
@@ -178,12 +203,16 @@ def make_kv(config: CacheConfig, kind: str = "vmem", *, cache_bytes: Optional[in
     ``manager.resize`` may grow the pool to (default ``cache_bytes``).
     ``adapter_budget_bytes`` (None: LoRA adapters share the pool with KV): a static split, that
     many of the ``cache_bytes`` for adapters only (scheduler/managers/adapters.py).
-    Arguments of the wrong kind are refused first, by name (``check_kv_arguments``).
+    Arguments of the wrong kind are refused first, by name (``check_kv_arguments``), then a
+    vmem-only option given to a paged cache, which would ignore it (``check_vmem_only``).
     """
     check_kv_arguments("make_kv", config, page_bytes=page_bytes, driver=driver,
                        background_mapper=background_mapper, grow_pages=grow_pages)
     if kind not in CACHE_KINDS:
         raise CacheConfigError(f"cache must be 'vmem' or 'paged', got {kind!r}")
+    check_vmem_only("make_kv", kind, layout=layout, page_bytes=page_bytes,
+                    background_mapper=background_mapper, driver=driver, grow_pages=grow_pages,
+                    hybrid_parts=hybrid_parts)
     if CacheKind(kind) is CacheKind.VMEM:
         if page_bytes is None:
             page_bytes = default_page_bytes(config, layout)
@@ -241,13 +270,15 @@ def cache_from_layout(layout: CacheLayout, config: CacheConfig, *,
                       grow_pages: bool = False) -> KVCache:
     """The cache (vmem or paged) a manager declared in ``layout``, built from it alone (in any
     process: a tensor-parallel rank, a replay); raises CacheConfigError when it does not fit
-    ``config``. ``background_mapper``/``grow_pages``/``driver``: vmem only, ignored for paged
-    (checked for both: ``check_kv_arguments``)."""
+    ``config``. ``background_mapper``/``grow_pages``/``driver``: vmem only, refused for paged
+    (``check_vmem_only``; their types checked for both: ``check_kv_arguments``)."""
     check_kv_arguments("cache_from_layout", config, driver=driver,
                        background_mapper=background_mapper, grow_pages=grow_pages)
     if not isinstance(layout, CacheLayout):
         raise CacheConfigError(f"a cache is built from a CacheLayout (manager.layout()), "
                                f"got {layout!r}")
+    check_vmem_only("cache_from_layout", layout.kind.value, driver=driver,
+                    background_mapper=background_mapper, grow_pages=grow_pages)
     if layout.kind is CacheKind.PAGED:
         return PagedKVCache(config, layout.block_size_tokens, layout.num_blocks,
                             layout.block_groups, adapter_blocks=layout.adapter_pool_pages)

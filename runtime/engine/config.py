@@ -6,7 +6,7 @@ from typing import Optional, Union
 
 from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.hf.support import kv_shape_of, layer_windows_of
-from vmemkv.runtime.kv import full_length_tokens, vmem_geometry
+from vmemkv.runtime.kv import full_length_tokens, vmem_geometry, vmem_only_given
 from vmemkv.runtime.kv_calibration import calibrated_kv_scales
 from vmemkv.runtime.kv_dtype import (KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES, KVScales,
                                      checkpoint_kv_scales, kv_encoding)
@@ -28,8 +28,9 @@ class EngineConfig:
     cache: str = "vmem"                  # "vmem" (contiguous per request) or "paged" (blocks)
     layout: str = "per-layer"            # vmem: "per-layer", "interleaved" (all layers per page)
                                          # or "auto" (resolved at construction: resolve_layout)
-    page_bytes: Optional[int] = None     # vmem page size; None: 2 MiB on CUDA, on the host the
-                                         # least multiple of 64 KiB holding whole tokens
+    page_bytes: Optional[int] = None     # vmem page size (paged: None only); None: 2 MiB on
+                                         # CUDA, on the host the least multiple of 64 KiB
+                                         # holding whole tokens
     block_size: int = 16                 # paged: tokens per block; vmem: prefix-hit block
     max_batch: int = 8                   # sequences running at once (vmem: slots)
     max_context: int = 1024              # tokens per sequence, prompt + output (vmem: rounded
@@ -53,7 +54,7 @@ class EngineConfig:
     prefix_eviction: str = DEFAULT_EVICTION   # with prefix_sharing: keep computed prefixes after
                                          # their requests end, evicting lru (vLLM's order) or
                                          # hits (often-shared last); "off" keeps none
-    background_mapper: bool = False      # vmem: map pages on a thread, overlapping compute
+    background_mapper: bool = False      # vmem only: map pages on a thread, overlapping compute
     seed: int = 0                        # seeds the generators of requests without a seed
     check_integrity: bool = False        # run the manager's integrity check after every step
     max_plan_retries: int = 3            # a failed memory plan is retried this many times in a
@@ -149,10 +150,12 @@ class EngineConfig:
             raise EngineConfigError(f"EngineConfig.prefix_eviction {self.prefix_eviction!r} "
                                     f"applies with prefix_sharing=True only (no prefix is kept "
                                     f"without it): set prefix_sharing=True or drop it")
-        if self.cache == "paged" and self.layout != EngineConfig.layout:
-            raise EngineConfigError(f"EngineConfig.layout {self.layout!r} applies to "
-                                    f"cache='vmem' only; with cache='paged' it would do "
-                                    f"nothing: drop it")
+        ignored = vmem_only_given(self.cache, layout=self.layout, page_bytes=self.page_bytes,
+                                  background_mapper=self.background_mapper)
+        if ignored:   # (max_cache_bytes / min_cache_bytes: refused above, naming both)
+            name, value = next(iter(ignored.items()))
+            raise EngineConfigError(f"EngineConfig.{name} {value!r} applies to cache='vmem' "
+                                    f"only; with cache='paged' it would do nothing: drop it")
 
     def _check_tensor_parallel(self) -> None:
         self._one_of("tp_launch", ("spawn", "env"))

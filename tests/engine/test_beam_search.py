@@ -8,6 +8,7 @@ from vmemkv.runtime.engine import Engine, SamplingParams
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
 from vmemkv.runtime.engine.errors import RequestRejectedError
 
+from ..vmem_only_options import options_for
 from .beam_reference import beam_mismatches, hf_beams
 from .conftest import model, prompts
 
@@ -77,8 +78,9 @@ def test_beams_equal_transformers_under_recompute_preemption(cache, cache_kib):
     # for 16 beams: children that find no row wait, so groups are split when preempted
     batch = prompts(4, 20, 30, seed=5)
     params = BeamSearchParams(4, max_new_tokens=10, ignore_eos=True)
-    out, stats = run("tiny-llama", batch, params, cache=cache, block_size=4, page_bytes=4096,
-                     cache_bytes=cache_kib * 1024, preemption="recompute")
+    out, stats = run("tiny-llama", batch, params, cache=cache, block_size=4,
+                     cache_bytes=cache_kib * 1024, preemption="recompute",
+                     **options_for(cache, page_bytes=4096))
     assert stats.num_preemptions > 0 and stats.num_swap_preemptions == 0
     assert not beam_mismatches(out, reference("tiny-llama", batch, params, ()))
 
@@ -91,8 +93,8 @@ def test_beams_equal_transformers_under_swap_preemption(cache, cache_kib):
     batch = prompts(4, 20, 30, seed=5)
     params = BeamSearchParams(4, max_new_tokens=10, ignore_eos=True)
     out, stats = run("tiny-llama", batch, params, **{**CACHES[cache], "block_size": 4},
-                     page_bytes=4096, cache_bytes=cache_kib * 1024, max_batch=16,
-                     preemption="swap", swap_bytes=256 * 1024)
+                     cache_bytes=cache_kib * 1024, max_batch=16, preemption="swap",
+                     swap_bytes=256 * 1024, **options_for(CACHES[cache]["cache"], page_bytes=4096))
     assert stats.num_swap_preemptions > 0 and stats.num_swap_preemptions % 4 == 0  # whole groups
     assert not beam_mismatches(out, reference("tiny-llama", batch, params, ()))
 
@@ -142,7 +144,7 @@ def test_windowed_model_beams_equal_transformers(cache):
     batch = prompts(2, 40, 52, seed=6)
     params = BeamSearchParams(2, max_new_tokens=14, ignore_eos=True)   # to 66 tokens
     out, _ = run("tiny-mistral-swa", batch, params, **{**CACHES[cache], "block_size": 4},
-                 page_bytes=4096)
+                 **options_for(CACHES[cache]["cache"], page_bytes=4096))
     assert not beam_mismatches(out, reference("tiny-mistral-swa", batch, params, ()))
 
 
@@ -268,8 +270,9 @@ def test_beam_and_plain_requests_share_an_engine_with_prefix_sharing(cache):
 
     batch = prompts(3, 16, 24, seed=4)
     beams = BeamSearchParams(3, max_new_tokens=8, ignore_eos=True)
-    with Engine(model(), cache=cache, block_size=4, page_bytes=4096, max_batch=8,
-                max_context=64, prefix_sharing=True, check_integrity=True) as engine:
+    with Engine(model(), cache=cache, block_size=4, max_batch=8, max_context=64,
+                prefix_sharing=True, check_integrity=True,
+                **options_for(cache, page_bytes=4096)) as engine:
         plain = [engine.add_request(batch[0], SamplingParams(max_new_tokens=8, n=2,
                                                               ignore_eos=True))]
         searched = [engine.add_beam_request(p, beams) for p in batch[1:] + batch[:1]]

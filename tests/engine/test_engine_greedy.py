@@ -5,6 +5,7 @@ import pytest
 
 from vmemkv.runtime.engine import Engine, SamplingParams
 
+from ..vmem_only_options import options_for
 from .conftest import FAMILIES, hf_greedy, model, prompts, tokens
 
 CACHES = {
@@ -49,8 +50,8 @@ def test_prefix_sharing_on_identical_prompts_match_transformers(cache):
     base = prompts(1, 32, 32, seed=4)[0]
     batch = [base, base + [7, 8, 9], base, base[:16] + [1, 2, 3]]
     with Engine(model(), max_batch=4, max_context=128, cache=cache, block_size=4,
-                max_tokens_per_step=32, page_bytes=4096, prefix_sharing=True,
-                check_integrity=True) as engine:
+                max_tokens_per_step=32, prefix_sharing=True, check_integrity=True,
+                **options_for(cache, page_bytes=4096)) as engine:
         out = engine.generate(batch, SamplingParams(max_new_tokens=6))
         assert engine.scheduler.gauges()["prefix_cache_hits"] > 0
     assert tokens(out) == hf_greedy("tiny-llama", batch, 6)

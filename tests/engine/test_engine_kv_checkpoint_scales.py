@@ -13,6 +13,7 @@ from vmemkv.runtime.kv_dtype import KVScales
 from vmemkv.runtime.models import build_model
 from vmemkv.scheduler.managers.prefix import namespace_root
 
+from ..vmem_only_options import options_for
 from .conftest import model, prompts, tokens
 
 OPTIONS = dict(max_batch=2, max_context=64, block_size=4, page_bytes=4096, self_check=False)
@@ -106,7 +107,7 @@ def test_different_checkpoint_scales_never_share_a_prefix_key(cache):
     for s in (0.03, 0.04):
         m = with_scales(l0={"kv_scale": s}, l1={"kv_scale": s})
         with Engine(m, cache=cache, kv_cache_dtype="fp8_e4m3", prefix_sharing=True,
-                    **OPTIONS) as engine:
+                    **options_for(cache, **OPTIONS)) as engine:
             tag = engine.kv.manager.model.kv_encoding
             assert tag == f"fp8_e4m3/{KVScales.of([[s, s]] * 2, [[s, s]] * 2).digest}"
             roots[s] = namespace_root(None, tag)

@@ -9,6 +9,7 @@ from vmemkv.runtime.engine import Engine, SamplingParams
 from vmemkv.runtime.engine.errors import EngineConfigError
 from vmemkv.runtime.errors import CacheConfigError
 
+from ..vmem_only_options import options_for
 from .conftest import model, prompts, tokens
 
 OPTIONS = dict(max_batch=4, max_context=128, block_size=4, page_bytes=4096, self_check=False)
@@ -21,7 +22,7 @@ def test_fp8_holds_4x_fp32s_tokens_and_bf16_2x_in_the_same_cache_bytes(cache):
     held = {}
     for kv in ("auto", "bf16", "fp8_e4m3"):
         with Engine(model(), cache=cache, cache_bytes=2 ** 18, kv_cache_dtype=kv,
-                    **OPTIONS) as engine:
+                    **options_for(cache, **OPTIONS)) as engine:
             held[kv] = engine.kv.manager.stats().total_tokens
             assert engine.cache_config.bytes_per_token * held[kv] <= 2 ** 18
     assert held["fp8_e4m3"] == 2 * held["bf16"] == 4 * held["auto"]
@@ -38,7 +39,7 @@ def test_prefix_hits_on_fp8_reproduce_the_tokens_computed_without_them(cache, un
     for sharing in (False, True):
         with Engine(model(), cache=cache, kv_cache_dtype="fp8_e4m3", max_tokens_per_step=length,
                     prefix_sharing=sharing, check_integrity=True,
-                    **{**OPTIONS, "max_context": 2 * length + 64}) as engine:
+                    **{**options_for(cache, **OPTIONS), "max_context": 2 * length + 64}) as engine:
             outs.append(tokens(engine.generate(batch, SamplingParams(max_new_tokens=6))))
             scales = engine.kv.cache.kv_scales
             assert scales.fixed == [True] * len(scales.fixed)

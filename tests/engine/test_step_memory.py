@@ -19,6 +19,7 @@ from vmemkv.runtime.errors import CacheTooLargeError, PlanExecutionError
 from vmemkv.scheduler.budget import MemoryBudget
 from vmemkv.scheduler.errors import CacheResizeError
 
+from ..vmem_only_options import options_for
 from .conftest import model, prompts, tokens
 
 KiB = 1024
@@ -128,9 +129,9 @@ def test_rebalance_does_not_grow_into_the_unfilled_swap_space(monkeypatch):
 def test_a_swap_out_the_host_cannot_hold_now_is_refused_and_undone(monkeypatch, cache):
     available = [1 << 20]
     monkeypatch.setattr(memory, "available_memory_bytes", lambda device: available[0])
-    opts = dict(cache=cache, max_batch=4, max_context=64, page_bytes=4096, block_size=8,
+    opts = dict(cache=cache, max_batch=4, max_context=64, block_size=8,
                 cache_bytes=64 * KiB, preemption="swap", swap_bytes=64 * KiB,
-                max_tokens_per_step=4, self_check=False)
+                max_tokens_per_step=4, self_check=False, **options_for(cache, page_bytes=4096))
     batch, params = [[1, 2, 3]] * 4, SamplingParams(max_new_tokens=40, ignore_eos=True)
     with Engine(model(), **opts) as engine:
         reference = engine.generate(batch, params)

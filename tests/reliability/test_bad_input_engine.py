@@ -18,6 +18,7 @@ from vmemkv.runtime.attention.errors import UnknownBackendError
 from vmemkv.scheduler.errors import ConfigError
 
 from .. import process_resources
+from ..vmem_only_options import options_for
 from .conftest import assert_words, mem_total
 
 BYTES_PER_TOKEN = 512          # tiny-llama: 2 layers x K,V x 2 kv heads x 16 x fp32
@@ -306,7 +307,8 @@ def available_40k(monkeypatch):
 def test_a_budget_above_available_memory_is_refused_though_below_total(model, available_40k, cache):
     # 2 slots x 64 tokens x 512 bytes = 65536 bytes: below MemTotal, above "available"
     with pytest.raises(CacheTooLargeError) as info:
-        Engine(model, cache=cache, max_batch=2, max_context=64, page_bytes=4096)
+        Engine(model, cache=cache, max_batch=2, max_context=64,
+               **options_for(cache, page_bytes=4096))
     assert_words(info.value, ["65536 bytes", "MemAvailable", "40000 bytes", "cache_bytes"])
 
 
@@ -314,8 +316,9 @@ def test_a_budget_above_available_memory_is_refused_though_below_total(model, av
 def test_memory_utilization_sizes_the_cache_from_available_memory(model, monkeypatch, cache):
     from vmemkv.runtime import memory
     monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 1 << 20)
-    with Engine(model, cache=cache, max_batch=2, max_context=64, page_bytes=4096,
-                block_size=8, memory_utilization=0.25, max_tokens_per_step=2) as eng:   # its
+    with Engine(model, cache=cache, max_batch=2, max_context=64, block_size=8,
+                memory_utilization=0.25, max_tokens_per_step=2,
+                **options_for(cache, page_bytes=4096)) as eng:   # its
         # logits (max_tokens_per_step + max_batch rows) must fit beside the cache too
         budget = eng.stats().cache_bytes
         assert (1 << 18) - 16 * 1024 < budget <= 1 << 18      # a quarter, whole groups / blocks

@@ -15,6 +15,7 @@ from vmemkv.runtime.engine import Engine, SamplingParams
 from vmemkv.runtime.errors import CacheTooLargeError
 from vmemkv.runtime.kv import make_kv
 
+from ..vmem_only_options import options_for
 from .conftest import assert_words, mem_total
 
 
@@ -35,8 +36,9 @@ def test_a_swap_space_larger_than_the_host_is_refused_before_any_page(model):
 def test_swap_and_cache_together_above_available_memory_are_refused(model, monkeypatch, cache):
     # 140,000 bytes available: the 64 KiB cache fits beside a 64 KiB swap space, not a 128 KiB one
     monkeypatch.setattr(memory, "available_memory_bytes", lambda device: 140_000)
-    kwargs = dict(cache=cache, max_batch=4, max_context=64, page_bytes=4096, block_size=8,
-                  cache_bytes=65536, preemption="swap", max_tokens_per_step=4)   # small logits
+    kwargs = dict(cache=cache, max_batch=4, max_context=64, block_size=8, cache_bytes=65536,
+                  preemption="swap", max_tokens_per_step=4,   # small logits
+                  **options_for(cache, page_bytes=4096))
     with pytest.raises(CacheTooLargeError) as info:
         Engine(model, swap_bytes=131072, **kwargs)
     assert_words(info.value, ["swap_bytes=131072", "beside the KV cache (65536 bytes)",

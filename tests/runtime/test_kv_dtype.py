@@ -16,6 +16,8 @@ from vmemkv.runtime.kv import make_kv
 from vmemkv.runtime.kv_dtype import KVScales, kv_encoding
 from vmemkv.scheduler.managers.prefix import namespace_root
 
+from ..vmem_only_options import options_for
+
 # |decoded - x| for |x| <= max * scale: (relative bound of a normal, absolute bound near 0 / s)
 BOUNDS = {"fp8_e4m3": (2.0 ** -4, 2.0 ** -10), "fp8_e5m2": (2.0 ** -3, 2.0 ** -17),
           "int8": (0.0, 0.5), "bf16": (2.0 ** -8, 0.0), "fp16": (2.0 ** -11, 2.0 ** -25)}
@@ -56,7 +58,7 @@ def test_int8_rounds_to_nearest_and_clamps_to_127():
 def test_scales_are_fixed_by_a_layers_first_write_and_given_ones_are_kept(kind):
     """First write: per KV head amax / max (fp8_e4m3: 448); later writes reuse them (larger
     values saturate); given scales are used as they are."""
-    kv = make_kv(config(kv_cache_dtype="fp8_e4m3"), kind, page_bytes=4096)
+    kv = make_kv(config(kv_cache_dtype="fp8_e4m3"), kind, **options_for(kind, page_bytes=4096))
     kv.manager.allocate(0, 4)
     kv.execute(kv.manager.take_ops())
     kv.begin_step([(0, 0, 2)])
@@ -71,7 +73,8 @@ def test_scales_are_fixed_by_a_layers_first_write_and_given_ones_are_kept(kind):
     assert stored[2:].float().abs().max().item() == 448.0   # saturated, not inf / NaN
     assert kv.kv_scales.fixed == [True, False]
     given = KVScales.of([[0.5, 0.25]] * 2, [[1.0, 2.0]] * 2)
-    cache = make_kv(config(kv_cache_dtype="int8", kv_scales=given), kind, page_bytes=4096).cache
+    cache = make_kv(config(kv_cache_dtype="int8", kv_scales=given), kind,
+                    **options_for(kind, page_bytes=4096)).cache
     assert cache.kv_scales.fixed == [True, True] and cache.kv_scales.v[1].tolist() == [1.0, 2.0]
 
 
@@ -107,8 +110,8 @@ def test_the_same_cache_bytes_hold_4x_fp32s_and_2x_fp16s_tokens_in_fp8(kind):
                             (torch.float32, "fp8_e4m3"), (torch.float16, "int8")):
         c = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, dtype=model_dtype,
                         max_batch=64, max_context=1024, kv_cache_dtype=kv)
-        manager = make_kv(c, kind, cache_bytes=cache_bytes, page_bytes=64 * 2 ** 10,
-                          block_size=16).manager
+        manager = make_kv(c, kind, cache_bytes=cache_bytes, block_size=16,
+                          **options_for(kind, page_bytes=64 * 2 ** 10)).manager
         held[model_dtype, kv] = manager.stats().total_tokens
     fp32, fp16 = held[torch.float32, "auto"], held[torch.float16, "auto"]
     assert held[torch.float32, "fp8_e4m3"] == 4 * fp32 == 2 * fp16 == held[torch.float16, "int8"]

@@ -24,6 +24,7 @@ from vmemkv.runtime.attention.errors import AttentionShapeError, UnsupportedErro
 from vmemkv.runtime.attention.flash import FlashBackend, VarlenCaps, call_varlen
 from vmemkv.runtime.attention.reference import dense_attention
 
+from ..vmem_only_options import options_for
 from .test_attention_backends import NAN_PADDING_BLOCK, make_case, paged_view, vmem_view
 
 SPECS = {
@@ -289,7 +290,7 @@ def test_each_layer_view_carries_its_layers_window(kind):
     from vmemkv.runtime.config import CacheConfig
     from vmemkv.runtime.kv import make_kv
     config = CacheConfig(3, 2, 16, max_batch=2, max_context=64, layer_windows=(8, None, 4))  # 32 tok/page
-    with make_kv(config, kind, block_size=4, page_bytes=4096) as kv:
+    with make_kv(config, kind, block_size=4, **options_for(kind, page_bytes=4096)) as kv:
         kv.manager.allocate(0, 20)
         kv.execute(kv.manager.take_ops())
         kv.begin_step([(0, 19, 1)])

@@ -14,6 +14,7 @@ from vmemkv.runtime.kv import make_kv
 
 from ..hf.window_families import WINDOW, build, hf_greedy
 from ..hf.test_window_models import prompts
+from ..vmem_only_options import options_for
 
 KiB = 1024
 LAYOUT_TPP = {"per-layer": 32, "interleaved": 16, "paged": 4}   # tokens per page / block
@@ -47,7 +48,7 @@ def test_memory_behind_the_window_is_given_back_while_tokens_stay_exact(layout):
 
 def _kv(kind="vmem"):
     config = CacheConfig(2, 2, 16, max_batch=2, max_context=128, layer_windows=(8, 8))
-    return make_kv(config, kind, page_bytes=4 * KiB, block_size=32)
+    return make_kv(config, kind, block_size=32, **options_for(kind, page_bytes=4 * KiB))
 
 
 @pytest.mark.parametrize("kind", ["vmem", "paged"])
