@@ -43,7 +43,6 @@ import os
 import statistics
 import sys
 import time
-from typing import NamedTuple
 
 import torch
 
@@ -52,14 +51,15 @@ from vmemkv.benchmarks.alloc import refuse_missing_cuda
 from vmemkv.benchmarks.attention_caches import build_caches, bytes_needed, labels
 from vmemkv.benchmarks.attention_goals import (goals, over_yardstick, print_goals, run_warnings,
                                                speedups, target_check)
-from vmemkv.benchmarks.common import DistinctValues, environment, exit_status, print_environment
+from vmemkv.benchmarks.common import environment, exit_status, print_environment
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.result_files import write_json
 from vmemkv.runtime.attention import fastest_backend, get_backend
 from vmemkv.runtime.errors import CacheTooLargeError
 from vmemkv.runtime.memory import check_fits_device
 from vmemkv.runtime.kv_dtype import KV_CACHE_DTYPES
-from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_INT, thread_count, result_file
+from vmemkv.scheduler.cliargs import (NON_NEGATIVE_INT, POSITIVE_INT, DistinctValues, batch_by_ctx, result_file,
+                                      thread_count)
 
 # CPU: 8k contexts at batch 32 alone would take minutes on a small host; 4k is the top here.
 CPU_DEFAULTS = dict(batches=[1, 8, 32], contexts=[512, 2048, 4096], heads=32, kv_heads=8,
@@ -257,22 +257,6 @@ def parse_args(argv=None):
             setattr(args, key, value)
     args.dtype = args.dtype or ["float16" if args.device.startswith("cuda") else "float32"]
     return args
-
-
-class BatchByCtx(NamedTuple):   # one --configs point, shown as typed (8x2048) in messages
-    batch: int
-    ctx: int
-
-    def __str__(self) -> str:
-        return f"{self.batch}x{self.ctx}"
-
-
-def batch_by_ctx(text: str) -> BatchByCtx:
-    """``8x2048`` -> (8, 2048)."""
-    batch, sep, ctx = text.partition("x")
-    if not sep or not batch.isdigit() or not ctx.isdigit():
-        raise argparse.ArgumentTypeError(f"expected BATCHxCTX such as 8x2048; got {text!r}")
-    return BatchByCtx(int(batch), int(ctx))
 
 
 def grid(args) -> list[tuple[int, int]]:

@@ -38,7 +38,8 @@ import torch
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
 from vmemkv.cli import OneLineArgumentParser
-from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, parse_bytes, result_file
+from vmemkv.scheduler.cliargs import (NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT,
+                                      DistinctValues, parse_bytes, result_file)
 
 KiB, MiB = 1024, 2**20
 # the docs' engine table: vmem at 4 KiB and 16 KiB (the run without --page-bytes)
@@ -284,12 +285,14 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=POSITIVE_INT, default=64, help="tokens per beam")
     parser.add_argument("--prompts", type=POSITIVE_INT, default=PROMPTS, help="beam requests (8)")
     parser.add_argument("--widths", type=POSITIVE_INT, nargs="+", default=list(WIDTHS),
-                        help="beam widths (2 4 6)")
+                        action=DistinctValues, help="beam widths (2 4 6)")
     parser.add_argument("--page-bytes", type=parse_bytes, nargs="+", default=None,
-                        metavar="SIZE", help="vmem page sizes, each run per-layer and "
-                        "interleaved (e.g. 4KiB 16KiB 2MiB); default: 4 KiB per-layer, 16 KiB "
-                        "per-layer and interleaved")
+                        action=DistinctValues, metavar="SIZE",
+                        help="vmem page sizes, each run per-layer and interleaved (e.g. 4KiB "
+                             "16KiB 2MiB); default: 4 KiB per-layer, 16 KiB per-layer and "
+                             "interleaved")
     parser.add_argument("--block-sizes", type=POSITIVE_INT, nargs="*", default=list(BLOCK_SIZES),
+                        action=DistinctValues,
                         help="paged block sizes (16 4); none: no paged rows")
     parser.add_argument("--out", default=None, type=result_file, help="JSON output path")
     parser.add_argument("--simulate", type=NON_NEGATIVE_INT, metavar="REQUESTS", default=0,

@@ -34,7 +34,7 @@ from vmemkv.runtime.calibrate import write_json_whole
 from vmemkv.scheduler.profile_cost import FITTED, step_features
 from vmemkv.scheduler.profile_fit import design_points, fit_coefficients, fit_profile, \
     fit_steps, point_features
-from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, result_file
+from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, DistinctValues, result_file
 
 # steps a replay makes (batch, new, context, prefill pairs, cold, after idle): decodes warm and
 # cold, single prompts back to back and after idle, a prompt beside four decodes
@@ -224,6 +224,7 @@ def main(argv=None) -> int:
     ap.add_argument("--calibrations", type=POSITIVE_INT, default=3)
     ap.add_argument("--max-repeats", type=POSITIVE_INT, default=12)
     ap.add_argument("--join-lengths", type=POSITIVE_INT, nargs="*", default=[],
+                    action=DistinctValues,
                     help="also time prompts of these lengths joining running batches of 4 and "
                          "12 (mixed steps; calibrate --join-lengths)")
     ap.add_argument("--hold-out-joins", action="store_true",
@@ -232,7 +233,7 @@ def main(argv=None) -> int:
     ap.add_argument("--precision", type=POSITIVE_FLOAT, default=0.05,
                     help="the precision the noise check is made against")
     ap.add_argument("--json", metavar="FILE", type=result_file, help="also write the result here (whole)")
-    ap.add_argument("--from", dest="saved", metavar="FILE", nargs="+",
+    ap.add_argument("--from", dest="saved", metavar="FILE", nargs="+", action=DistinctValues,
                     help="compare saved calibrations instead of running: an earlier --json, "
                          "or device profiles (vmemkv calibrate --out)")
     args = ap.parse_args(argv)

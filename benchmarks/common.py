@@ -1,8 +1,8 @@
 """Shared benchmark plumbing: the environment header, median timing, aligned tables, JSON,
-list flags that refuse a repeated value, and Ctrl-C as one line and exit status 130."""
+and Ctrl-C as one line and exit status 130. ``DistinctValues`` (list flags that refuse a
+repeated value) lives in scheduler/cliargs.py, beside the flag types, and is re-exported here."""
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -11,6 +11,7 @@ from typing import Callable, Sequence
 
 from vmemkv.cli import interrupted_exit
 from vmemkv.scheduler import result_files
+from vmemkv.scheduler.cliargs import DistinctValues  # noqa: F401 (re-exported: it lives there)
 
 
 def environment(seed: int, warmup: int, repeats: int, device: str = "cpu", **extra) -> dict:
@@ -66,20 +67,6 @@ def write_json(path: str | None, payload: dict) -> None:
         return
     result_files.write_json(path, payload, indent=2)
     print(f"# wrote {path}")
-
-
-class DistinctValues(argparse.Action):
-    """``action=DistinctValues`` on a list flag (``nargs="+"`` or ``"*"``): a value given twice
-    (``--batches 1 1``, which would time the same point twice and write duplicate rows) is
-    refused while parsing, before anything runs: one line naming the flag and the value
-    (``parser.error``, exit 2 with ``OneLineArgumentParser``). Values are shown with ``str``."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        for index, value in enumerate(values):
-            if value in values[:index]:
-                flag = "/".join(self.option_strings)   # as argparse names it, not as abbreviated
-                parser.error(f"argument {flag}: {value} is given twice; give each value once")
-        setattr(namespace, self.dest, values)
 
 
 def exit_status(prog: str, body: Callable[[], int]) -> int:

@@ -41,7 +41,8 @@ from vmemkv.benchmarks.common import environment, format_table, print_environmen
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.attention import native
 from vmemkv.runtime.attention.cpu_varlen import DTYPE_CODES
-from vmemkv.scheduler.cliargs import POSITIVE_INT, thread_count, result_file
+from vmemkv.scheduler.cliargs import (POSITIVE_INT, DistinctValues, batch_by_ctx, result_file,
+                                      thread_count)
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "benchmarks" / "decode_profile.c"
@@ -136,23 +137,16 @@ def ratios(rows: list[dict]) -> list[dict]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", nargs="+", default=["8x2048", "32x4096"], metavar="BATCHxCTX")
-    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    p.add_argument("--configs", type=batch_by_ctx, nargs="+", metavar="BATCHxCTX",
+                   default=[batch_by_ctx("8x2048"), batch_by_ctx("32x4096")], action=DistinctValues)
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES,
+                   action=DistinctValues)
     p.add_argument("--threads", type=thread_count, default=2)
     p.add_argument("--rounds", type=POSITIVE_INT, default=3)
     p.add_argument("--min-mib", type=POSITIVE_INT, default=256,
                    help="K/V copies per run, in MiB at least (more than the last-level cache)")
     p.add_argument("--out", type=result_file, help="write the results as JSON here")
-    args = p.parse_args(argv)
-    configs = []
-    for text in args.configs:
-        batch, sep, ctx = text.partition("x")
-        if not sep or not batch.isdigit() or not ctx.isdigit() or int(batch) < 1 or int(ctx) < 1:
-            p.error(f"--configs: {text!r} is not BATCHxCTX (e.g. 8x2048)")
-        configs.append((int(batch), int(ctx)))
-    args.configs = list(dict.fromkeys(configs))
-    args.dtypes = list(dict.fromkeys(args.dtypes))
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:

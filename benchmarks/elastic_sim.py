@@ -21,7 +21,7 @@ from vmemkv.benchmarks.common import format_table, write_json
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.shared_sim import SharedConfig, kv_bytes_after_weights, simulate_shared
 from vmemkv.scheduler.shared_workloads import BurstySpec, bursty_workload
-from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_FLOAT, result_file
+from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_FLOAT, DistinctValues, result_file
 
 FULL = dict(duration_s=240.0, rates=(60.0, 90.0))
 QUICK = dict(duration_s=60.0, rates=(60.0,))
@@ -72,6 +72,7 @@ def main(argv=None) -> int:
     parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="60 s of arrivals at one rate")
     parser.add_argument("--rates", type=POSITIVE_FLOAT, nargs="+", default=None,
+                        action=DistinctValues,
                         help="burst arrival rates, requests/s (default: 60 90)")
     parser.add_argument("--seed", type=NON_NEGATIVE_INT, default=0)
     parser.add_argument("--out", default=None, type=result_file, help="JSON file (written whole or not at all)")

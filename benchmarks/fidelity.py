@@ -43,8 +43,8 @@ from vmemkv.scheduler.report import serving_report
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.traces import fit_to_length, load_trace
-from vmemkv.scheduler.cliargs import (POSITIVE_FLOAT, POSITIVE_INT, file_problem, result_file,
-                                      thread_count)
+from vmemkv.scheduler.cliargs import (POSITIVE_FLOAT, POSITIVE_INT, DistinctValues, file_problem,
+                                      result_file, thread_count)
 
 FIGURES = ("output_throughput", "median_ttft_ms", "p90_ttft_ms", "median_tpot_ms")
 GOALS = {"output_throughput": 0.10, "median_ttft_ms": 0.15, "p90_ttft_ms": 0.15,
@@ -205,7 +205,8 @@ def parse_args(argv=None):
     ap.add_argument("--trace", default="azure-conv")
     ap.add_argument("--requests", type=POSITIVE_INT, default=64)
     ap.add_argument("--rate-scales", "--rate-scale", dest="rate_scales", type=POSITIVE_FLOAT, nargs="+",
-                    default=[1.0], help="one comparison per value, in turn, each round")
+                    default=[1.0], action=DistinctValues,
+                    help="one comparison per value, in turn, each round")
     ap.add_argument("--repeats", type=POSITIVE_INT, default=1,
                     help="independent calibrate-and-replay rounds")
     ap.add_argument("--length-scale", type=POSITIVE_FLOAT, default=0.25)

@@ -33,7 +33,7 @@ import torch
 
 from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
 from vmemkv.cli import OneLineArgumentParser
-from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
+from vmemkv.scheduler.cliargs import POSITIVE_INT, DistinctValues, result_file
 
 NAME = "smollm2-135m-instruct"
 TEXT = (
@@ -138,7 +138,8 @@ def _cpu_backends() -> list:
 
 def main(argv=None) -> int:
     p = OneLineArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kv-cache-dtype", nargs="+", default=KV_CACHE_DTYPES, choices=KV_CACHE_DTYPES)
+    p.add_argument("--kv-cache-dtype", nargs="+", default=KV_CACHE_DTYPES, choices=KV_CACHE_DTYPES,
+                   action=DistinctValues)
     p.add_argument("--new-tokens", type=POSITIVE_INT, default=64)
     p.add_argument("--attention", default="cpu-varlen", choices=_cpu_backends(),
                    help="the engine's attention backend (default cpu-varlen)")

@@ -27,7 +27,8 @@ from vmemkv.scheduler.presets import get_model
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.workload import (LoraSpec, WorkloadSpec, generate, lora_adapter_bytes,
                                        lora_workload)
-from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, bounded, result_file
+from vmemkv.scheduler.cliargs import (NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT,
+                                      DistinctValues, bounded, result_file)
 
 TOTAL_BYTES = 20 * 10**9
 MODEL = "llama-3-8b"
@@ -90,8 +91,10 @@ def main(argv=None) -> int:
     parser.add_argument("--requests", type=POSITIVE_INT, default=2000, help="requests per run")
     parser.add_argument("--rate", type=POSITIVE_FLOAT, default=40.0,
                         help="Poisson arrivals, requests/s (default 40: above what 20 GB serves)")
-    parser.add_argument("--adapters", type=POSITIVE_INT, nargs="+", default=[10, 100, 1000])
+    parser.add_argument("--adapters", type=POSITIVE_INT, nargs="+", default=[10, 100, 1000],
+                        action=DistinctValues)
     parser.add_argument("--static-rank64", type=NON_NEGATIVE_INT, nargs="+", default=[8, 32],
+                        action=DistinctValues,
                         help="static arms: adapter memory for this many rank-64 adapters")
     parser.add_argument("--zipf", type=bounded(float, 0), default=1.0, help="popularity exponent")
     parser.add_argument("--policy", choices=("paged", "vmem"), default="paged")

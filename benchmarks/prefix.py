@@ -26,7 +26,7 @@ import random
 from vmemkv.benchmarks.common import (environment, format_table, median_seconds,
                                       print_environment, write_json)
 from vmemkv.cli import OneLineArgumentParser
-from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, result_file
+from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, DistinctValues, result_file
 
 MODEL = "small-llama"
 SEED = 0
@@ -143,7 +143,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=POSITIVE_INT, default=3)
     p.add_argument("--out", type=result_file, help="also write JSON here")
     p.add_argument("--trace", type=POSITIVE_INT, metavar="N", help="the simulator's table over N requests")
-    p.add_argument("--cache-gb", type=POSITIVE_FLOAT, nargs="+", default=[60.0, 8.0])
+    p.add_argument("--cache-gb", type=POSITIVE_FLOAT, nargs="+", default=[60.0, 8.0],
+                   action=DistinctValues)
     args = p.parse_args(argv)
     if args.trace:
         rows = trace_rows(args.trace, args.cache_gb)

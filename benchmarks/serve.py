@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Optional
 
-from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, bounded
+from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, DistinctValues, bounded
 from vmemkv.scheduler.report import parse_goodput, serving_report
 from vmemkv.scheduler.result_files import folder_problem
 from vmemkv.scheduler.traces import trace_names
@@ -52,9 +52,10 @@ def register(subparsers) -> None:
     p.add_argument("--vocab-size", type=bounded(int, 2), default=256,
                    help="prompt token ids are drawn from [0, N)")
     p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="prompt tokens and Poisson gaps")
-    p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS",
+    p.add_argument("--goodput", nargs="+", default=[], metavar="METRIC:MS", action=DistinctValues,
                    help="SLO targets for request_goodput, e.g. ttft:500 tpot:50 (default: none)")
     p.add_argument("--percentiles", type=bounded(float, 0, 100), nargs="+", default=[90.0, 99.0],
+                   action=DistinctValues,
                    help="percentiles to report")
     p.add_argument("--label", default=None, help="a name for this run in the JSON and the plot, e.g. vmem (default: none)")
     p.add_argument("--out", default="bench_out", metavar="DIR", help="folder for serve.json and serve.png")

@@ -22,7 +22,7 @@ from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.result_files import write_json
 from vmemkv.scheduler.workload import WorkloadSpec, generate
-from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, result_file
+from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, DistinctValues, result_file
 
 CONFIGS = [("reserve-max", "per-layer"), ("reserve-oracle", "per-layer"), ("paged", "per-layer"),
            ("vmem", "per-layer"), ("vmem", "interleaved")]
@@ -49,7 +49,8 @@ def bench(entries, policy: str, layout: str, cache_gb: float, repeats: int) -> d
 def main(argv=None) -> None:
     ap = OneLineArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=POSITIVE_INT, default=3)
-    ap.add_argument("--cache-gb", type=POSITIVE_FLOAT, nargs="+", default=[60.0, 20.0])
+    ap.add_argument("--cache-gb", type=POSITIVE_FLOAT, nargs="+", default=[60.0, 20.0],
+                    action=DistinctValues)
     ap.add_argument("--json", metavar="FILE", type=result_file, help="also write the JSON here")
     args = ap.parse_args(argv)
     entries = generate(WorkloadSpec())

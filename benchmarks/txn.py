@@ -31,7 +31,7 @@ from vmemkv.benchmarks.common import format_table, write_json
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.managers import make_manager
 from vmemkv.scheduler.presets import get_model
-from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
+from vmemkv.scheduler.cliargs import POSITIVE_INT, DistinctValues, result_file
 from vmemkv.scheduler.sim_memory import available_bytes
 
 MODEL = get_model("llama-3-8b")
@@ -158,7 +158,8 @@ def compare(before_python: str, pools, repeats: int) -> list:
 
 def main(argv=None) -> None:
     ap = OneLineArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pools", type=POSITIVE_INT, nargs="+", default=[1000, 10_000, 100_000])
+    ap.add_argument("--pools", type=POSITIVE_INT, nargs="+", default=[1000, 10_000, 100_000],
+                    action=DistinctValues)
     ap.add_argument("--repeats", type=POSITIVE_INT, default=30)
     ap.add_argument("--before-python", type=interpreter,
                     help="interpreter whose vmemkv is the code before (checked when parsed)")

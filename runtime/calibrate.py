@@ -304,7 +304,7 @@ def write_json_whole(path: str, obj) -> None:
 
 
 def register(subparsers) -> None:
-    from vmemkv.scheduler.cliargs import bounded, result_file, thread_count
+    from vmemkv.scheduler.cliargs import DistinctValues, bounded, result_file, thread_count
     p = subparsers.add_parser("calibrate", help="time the engine on this machine and write a "
                                                 "device profile for the simulator",
                               description="Time the real engine's steps on this machine "
@@ -318,19 +318,20 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="small-llama",
                    help="built-in random-weight model to time (tiny-llama, small-llama, ...)")
     p.add_argument("--batches", type=bounded(int, 1), nargs="+", default=[1, 4, 16],
-                   help="sequences per point")
+                   action=DistinctValues, help="sequences per point")
     p.add_argument("--contexts", type=bounded(int, 1), nargs="+", default=[16, 64, 256],
-                   help="prompt tokens per sequence per point")
-    p.add_argument("--prefill-lengths", type=bounded(int, 1), nargs="*", default=None,
+                   action=DistinctValues, help="prompt tokens per sequence per point")
+    p.add_argument("--prefill-lengths", type=bounded(int, 1), nargs="*", action=DistinctValues,
                    help=f"single prompts timed alone as well, tokens, each below --max-context "
                         f"(default: those of {' '.join(map(str, PREFILL_LENGTHS))} below it)")
     p.add_argument("--join-lengths", type=bounded(int, 1), nargs="*", default=[],
+                   action=DistinctValues,
                    help=f"prompts of these lengths also join running --join-batches (mixed "
                         f"steps, as a replay's arrivals make; left out by default: held out, "
                         f"they were predicted within 4%% all the same, docs/simulation.md); "
                         f"each below --max-context minus the shortest --contexts, with "
                         f"--decode-steps above {JOIN_AFTER} (they join after {JOIN_AFTER} steps)")
-    p.add_argument("--join-batches", type=bounded(int, 1), nargs="+", default=None,
+    p.add_argument("--join-batches", type=bounded(int, 1), nargs="+", action=DistinctValues,
                    help=f"with --join-lengths only: sequences decoding when a --join-lengths "
                         f"prompt arrives, each below --max-batch (default: "
                         f"{' '.join(map(str, JOIN_BATCHES))})")

@@ -15,7 +15,8 @@ from dataclasses import replace
 from . import cli_capacity
 from .cli_checks import Given, check_flags, check_lora, profile_defaults
 from .cli_table import aggregate, format_table, parse_seeds, to_json
-from .cliargs import NON_NEGATIVE_INT, POSITIVE_INT, bounded, hold_point, parse_bytes, write_stdout
+from .cliargs import (NON_NEGATIVE_INT, POSITIVE_INT, DistinctValues, bounded, hold_point,
+                      parse_bytes, write_stdout)
 from .errors import ConfigError
 from .managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from .presets import DEVICES, KV_CACHE_DTYPES, MODELS
@@ -111,7 +112,7 @@ def register(subparsers) -> None:
                    help="KV read-time multiplier for paged kernels, >= 1 (1: as fast as vmem)")
     cli_capacity.add_flags(p.add_argument_group("capacity search"))
     o = p.add_argument_group("output")
-    o.add_argument("--goodput", nargs="+", metavar="METRIC:MS", default=None,
+    o.add_argument("--goodput", nargs="+", metavar="METRIC:MS", default=None, action=DistinctValues,
                    help="latency targets for request_goodput, e.g. ttft:2000 tpot:200 "
                         "(DistServe's goodput: requests/s meeting every target; default: none)")
     o.add_argument("--json", action="store_true", help="one JSON object on stdout")

@@ -3,8 +3,9 @@
 One parser per kind of value, so a flag means the same thing and takes the same syntax in every
 subcommand: sizes (``parse_bytes``: ``65536``, ``64KiB``, ``2 MiB``, ``1GB``), bounded numbers
 (``bounded``: finite, inside a named range; ``POSITIVE_INT``, ``NON_NEGATIVE_INT`` and
-``POSITIVE_FLOAT`` the common ones) and thread counts (``thread_count``); and stdout for a
-reader that may close it early (``write_stdout``). Each raises
+``POSITIVE_FLOAT`` the common ones) and thread counts (``thread_count``); list flags that take
+each value once (``DistinctValues``); and stdout for a reader that may close it early
+(``write_stdout``). Each raises
 argparse.ArgumentTypeError, so a bad value is one line naming the flag, the value and the limit.
 Pure Python (the subcommands of every layer import it; it imports none of them).
 """
@@ -18,7 +19,7 @@ import re
 import sys
 import tempfile
 import time
-from typing import Callable, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 Number = Union[int, float]
 
@@ -151,6 +152,38 @@ def temp_prefix(path: str, longest_bytes: int = 255) -> str:
 POSITIVE_INT = bounded(int, 1)                     # counts: requests, repeats, tokens, pages
 NON_NEGATIVE_INT = bounded(int, 0)                 # seeds, warm-ups, and counts where 0 is off
 POSITIVE_FLOAT = bounded(float, 0, low_open=True)  # sizes (GB, MiB), rates, scales
+
+
+class DistinctValues(argparse.Action):
+    """``action=DistinctValues`` on a list flag (``nargs="+"`` or ``"*"``): a value given twice
+    (``--batches 1 1``, which would time the same point twice and write duplicate rows) is
+    refused while parsing, before anything runs: one line naming the flag and the value
+    (``parser.error``, exit 2 with ``OneLineArgumentParser``). Values are compared after the
+    flag's type has parsed them (``--page-bytes 4KiB 4096`` is a repeat) and shown with ``str``."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        for index, value in enumerate(values):
+            if value in values[:index]:
+                flag = "/".join(self.option_strings)   # as argparse names it, not as abbreviated
+                parser.error(f"argument {flag}: {value} is given twice; give each value once")
+        setattr(namespace, self.dest, values)
+
+
+class BatchByCtx(NamedTuple):
+    """One (batch, context) point of a benchmark grid, shown as typed (``8x2048``) in messages."""
+    batch: int
+    ctx: int
+
+    def __str__(self) -> str:
+        return f"{self.batch}x{self.ctx}"
+
+
+def batch_by_ctx(text: str) -> BatchByCtx:
+    """``8x2048`` -> (8, 2048): the type of a ``BATCHxCTX`` flag; both at least 1."""
+    batch, sep, ctx = text.partition("x")
+    if not sep or not batch.isdigit() or not ctx.isdigit() or int(batch) < 1 or int(ctx) < 1:
+        raise argparse.ArgumentTypeError(f"expected BATCHxCTX such as 8x2048, both >= 1; got {text!r}")
+    return BatchByCtx(int(batch), int(ctx))
 
 
 def _range(low, high, low_open: bool, high_open: bool = False) -> str:

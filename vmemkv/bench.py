@@ -15,7 +15,7 @@ import sys
 
 from vmemkv.cli import UsageError, missing_extra
 from vmemkv.runtime.generate_cli import check_tp_devices, tp_device_list
-from vmemkv.scheduler.cliargs import bounded, thread_count
+from vmemkv.scheduler.cliargs import DistinctValues, bounded, thread_count
 from vmemkv.scheduler.presets import KV_CACHE_DTYPES
 
 SECTIONS = ("alloc", "attention", "memory", "engine")
@@ -38,6 +38,7 @@ def register(subparsers) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="torch device (default: cuda when a GPU is visible, else cpu)")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=None, metavar="SECTION",
+                        action=DistinctValues,
                         help=f"run only these sections ({', '.join(SECTIONS)}) (default: all)")
     parser.add_argument("--threads", type=thread_count, default=None, metavar="N",
                         help="torch CPU threads for the whole suite, 1 to this machine's CPU count "

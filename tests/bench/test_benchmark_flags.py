@@ -1,7 +1,8 @@
 """Every numeric flag of every command line (the benchmarks' and ``vmemkv``'s) is a bounded
 argparse type (scheduler/cliargs.py): a zero, negative or non-finite value is one line naming the
 flag and exit 2, never a traceback from deep inside the run (``--repeats 0`` was "no median for
-empty data", ``yardstick --mib -5`` "zeros: Dimension size must be non-negative")."""
+empty data", ``yardstick --mib -5`` "zeros: Dimension size must be non-negative"). Every list
+flag refuses a value given twice the same way (``DistinctValues``)."""
 from __future__ import annotations
 
 import argparse
@@ -151,3 +152,56 @@ def test_a_benchmark_refuses_what_no_run_could_use_before_running(module_name, a
     with pytest.raises(SystemExit) as info:
         module.main(argv)
     assert info.value.code == 2 and words in capsys.readouterr().err
+
+
+def _list_flags(parser: argparse.ArgumentParser, command: tuple = ()):
+    """(subcommand words, action) for every list flag (nargs "+" or "*") of ``parser`` and of
+    its subcommands, found in the parser itself: a new list flag is checked without a new case."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _list_flags(sub, command + (name,))
+        elif action.option_strings and action.nargs in ("+", "*"):
+            yield command, action
+
+
+SAMPLE_VALUES = ("1", "1x1", "x")    # a number, a BATCHxCTX pair, a name
+
+
+def _one_valid_value(action: argparse.Action) -> tuple:
+    """A value the flag accepts, as typed on the command line and as parsed: its first choice,
+    else its first default, else the first of SAMPLE_VALUES its type takes."""
+    if action.choices:
+        typed = [str(next(iter(action.choices)))]
+    else:
+        typed = [str(v) for v in (action.default or [])[:1]] + list(SAMPLE_VALUES)
+    for text in typed:
+        try:
+            return text, action.type(text) if action.type else text
+        except argparse.ArgumentTypeError:
+            continue
+    raise AssertionError(f"no value found for {action.option_strings}")
+
+
+@pytest.mark.parametrize("module_name", BENCHMARKS + ["vmemkv"])
+def test_every_list_flag_given_a_value_twice_is_one_line_naming_it_and_exit_2(module_name,
+                                                                             monkeypatch, capsys):
+    """``--batches 1 1`` timed the same point twice, ``--configs 8x2048 8x2048`` was dropped in
+    silence, ``--from a.json a.json`` counted one calibration twice: refused while parsing."""
+    if module_name == "vmemkv":
+        from vmemkv.cli import build_parser
+        parser = build_parser()
+    else:
+        parser = _parser_of(module_name, monkeypatch)
+    flags = list(_list_flags(parser))
+    assert module_name != "vmemkv" or len(flags) >= 8    # calibrate's, bench --only, --goodput
+    for command, action in flags:
+        typed, parsed = _one_valid_value(action)
+        flag = action.option_strings[0]
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args([*command, flag, typed, typed])
+        err = capsys.readouterr().err
+        named = "/".join(action.option_strings)
+        assert info.value.code == 2 and err.count("\n") == 1, (command, flag, err)
+        assert err.endswith(f": error: argument {named}: {parsed} is given twice; "
+                            f"give each value once\n"), (command, flag, err)

@@ -14,7 +14,7 @@ def test_a_small_run_times_each_dtype_and_derives_the_ratios_from_its_rows(tmp_p
     if native._compiler() is None:
         pytest.skip("no C compiler (cc/gcc, or $CC)")
     out = tmp_path / "kernel.json"
-    assert decode_kernel.main(["--configs", "2x64", "--dtypes", "f32", "e4m3", "e4m3",
+    assert decode_kernel.main(["--configs", "2x64", "--dtypes", "f32", "e4m3",
                                "--threads", "1", "--rounds", "2", "--min-mib", "1",
                                "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -79,8 +79,9 @@ def test_copies_make_at_least_the_asked_mebibytes():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--configs", "8by2048"], "--configs: '8by2048' is not BATCHxCTX"),
-    (["--configs", "0x2048"], "--configs: '0x2048' is not BATCHxCTX"),
+    (["--configs", "8by2048"], "argument --configs: expected BATCHxCTX such as 8x2048, both >= 1; got '8by2048'"),
+    (["--configs", "0x2048"], "argument --configs: expected BATCHxCTX such as 8x2048, both >= 1; got '0x2048'"),
+    (["--configs", "8x2048", "08x2048"], "argument --configs: 8x2048 is given twice"),
     (["--rounds", "0"], "argument --rounds: must be >= 1, got 0"),
     (["--min-mib", "0"], "argument --min-mib: must be >= 1, got 0"),
 ])
