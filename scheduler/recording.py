@@ -77,7 +77,7 @@ class StepRecording:
                        now: float) -> None:
         """Children share the parent's memory (n > 1: the prompt's; a beam's branch: all of its
         tokens) and its output before this step's token; one that does not fit waits to
-        recompute."""
+        recompute, what it would have shared counted in ``recomputed_tokens``."""
         for child_id in parent.pending_forks:
             tok = sampled.get(child_id, parent_tok)
             child = Sequence(child_id, parent.request, parent.output[:-1] + [tok])
@@ -93,6 +93,8 @@ class StepRecording:
                 self.waiting.appendleft(child)
             if len(child.output) >= child.max_tokens or tok in child.stop_ids:
                 self._finish([child])
+            elif not fits:            # it computes again what it would have shared
+                self.metrics.recomputed_tokens += parent.num_computed
         parent.pending_forks = ()
 
     def finish(self, seq_id: int) -> None:

@@ -22,8 +22,9 @@ without swap preemption, the generated workload's keys for a trace, ...), is set
 there (``normalise``), so the grid never runs the same simulation twice; a key no point uses
 (``check_used``), a key in both tables and a value a grid list repeats (4 and 4.0) are
 refused (``sweep_spec.py``). A trace file's row carries its resolved
-path and sha256 (``trace_path``, ``trace_sha256``). ``run_point`` is a plain top-level function
-of a dict, so a process pool or a Ray cluster can run it.
+path and sha256 (``trace_path``, ``trace_sha256``), a custom policy's those of its file or its
+module's file (``policy_path``, ``policy_sha256``: ``sweep_policy.py``). ``run_point`` is a
+plain top-level function of a dict, so a process pool or a Ray cluster can run it.
 
 Values are checked when the spec is read (``scheduler/sweep_spec.py``). A point that fails
 while it runs becomes a row with its parameters and an ``error`` column, and the others go on.

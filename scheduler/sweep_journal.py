@@ -2,14 +2,15 @@
 flushed to disk as each point finishes, so a Ctrl-C, a failing point or a kill keeps every row
 that finished, and ``vmemkv sweep --resume`` runs only the points still missing.
 
-Rows keep their types (the CSV would not), as strict JSON: a figure that is not finite (the TPOT
-of requests with one output token is NaN) is null, as in ``simulate --json`` (it was a bare
-``NaN``, which JSON readers other than Python's refuse). A resumed sweep keeps the journal's finished rows of
-points that are in its grid (a row is matched to its point by every parameter and, for a trace
-file or a policy file, its resolved path and the sha256 of its bytes: ``point_key``; a trace or
-policy that changed runs again), drops rows with an error (those points run again) and a last line a kill cut short,
-rewrites the journal with what it kept (atomically) and appends from there. A sweep without
-``--resume`` starts a new journal.
+Rows keep their types (the CSV would not), as strict JSON: a figure that is not finite (the TPOT of
+requests with one output token is NaN) is null, as in ``simulate --json`` (it was a bare ``NaN``,
+which JSON readers other than Python's refuse). A resumed sweep keeps the journal's finished rows
+of points that are in its grid (a row is matched to its point by every parameter and, for a trace
+file or a custom policy (``file.py:Class``, or ``module:Class``'s module file), its resolved path
+and the sha256 of its bytes: ``point_key``; a trace or policy that changed runs again), drops rows
+with an error (those points run again) and a last line a kill cut short, rewrites the journal with
+what it kept (atomically) and appends from there. A sweep without ``--resume`` starts a new
+journal.
 """
 from __future__ import annotations
 

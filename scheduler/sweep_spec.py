@@ -15,20 +15,20 @@ deployment (``sim_config.check_deployment``) and its memory manager, built once 
 SimConfig.
 A point that replays a trace file is keyed by the file's resolved path and the sha256 of its
 bytes (``TRACE_ID``, read once per file per sweep), so ``--resume`` runs again the points of a
-trace that changed; a point whose policy is a file (``file.py:Class``) likewise by the file's
-resolved path and sha256 (``POLICY_ID``), so an edited policy runs again (a journal row from
-before these were keyed has none, and its point runs again too).
+trace that changed; a point whose policy is custom (``file.py:Class`` or ``module:Class``) likewise
+by its file's resolved path and sha256 (``POLICY_ID``, scheduler/sweep_policy.py), so an edited
+policy runs again (a journal row from before these were keyed has none, and its point runs
+again too).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import sys
 from dataclasses import dataclass
 from importlib import resources
-from typing import BinaryIO, Dict, Optional
+from typing import Dict, Optional
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -38,13 +38,14 @@ else:                        # Python 3.10: the same parser, as the tomli depend
 from .cliargs import parse_bytes
 from .errors import ConfigError
 from .geometry import LAYOUT_CHOICES, PageGeometry
-from .policies import is_custom, policy_file
+from .policies import is_custom
 from .presets import DEVICES, MODELS
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
 from .sim_config import WATERMARK_SCOPES, check_deployment
 from .sim_memory import check_host_need   # the pool alone: no request drawn yet
 from .sim_memory import simulation_bytes
 from .simulator import SimConfig
+from .sweep_policy import POLICY_ID, check_policy_unchanged, policy_id, sha256_of  # noqa: F401
 from .traces import BUNDLED
 from .workload import WORKLOAD_RNGS, WorkloadSpec
 
@@ -60,7 +61,6 @@ PARAMS: Dict[str, object] = {
 GENERATED_ONLY = ("requests", "arrival_rate", "seed", "workload_rng")   # a generated workload's
 TRACE_ONLY = ("rate_scale", "max_requests")                              # a trace's
 TRACE_ID = ("trace_path", "trace_sha256")   # a trace point's file, in its key and its row
-POLICY_ID = ("policy_path", "policy_sha256")   # a policy file's, in its key and its row
 DEFAULT_MAX_POINTS = 10_000
 
 
@@ -294,15 +294,6 @@ def point_key(point: dict) -> str:
                        for k, v in point_params(point).items()}, sort_keys=True)
 
 
-def sha256_of(f: BinaryIO, chunk_bytes: int = 2**20) -> str:
-    """The hex sha256 of the rest of the open binary file ``f``, read ``chunk_bytes`` at a
-    time (``hashlib.file_digest`` is Python 3.11+; this package supports 3.10)."""
-    digest = hashlib.sha256()
-    while chunk := f.read(chunk_bytes):
-        digest.update(chunk)
-    return digest.hexdigest()
-
-
 def trace_ids(spec: dict) -> Dict[str, dict]:
     """Each trace the spec names -> its ``TRACE_ID``: the resolved absolute path (a bundled
     trace: ``bundled:NAME``, as ``load_trace`` prefers the name) and the sha256 of its bytes;
@@ -326,37 +317,6 @@ def trace_ids(spec: dict) -> Dict[str, dict]:
                               f"{error.strerror or error}") from None
         ids[trace] = {"trace_path": path, "trace_sha256": digest}
     return ids
-
-
-def policy_id(policy: str) -> dict:
-    """The ``POLICY_ID`` of a ``file.py:Class`` policy: the file's resolved path and the sha256
-    of its bytes (``policies`` keys the module it loads by the same path and bytes); None for a
-    built-in or a ``module:Class``. ConfigError naming the file when it cannot be read."""
-    path = policy_file(policy)
-    if path is None:
-        return dict.fromkeys(POLICY_ID)
-    try:
-        with open(path, "rb") as f:
-            digest = sha256_of(f)
-    except OSError as error:
-        raise ConfigError(f"custom policy {policy!r}: cannot read {path}: "
-                          f"{error.strerror or error}") from None
-    return {"policy_path": path, "policy_sha256": digest}
-
-
-def check_policy_unchanged(point: dict) -> None:
-    """ConfigError when the point was keyed by its policy file's sha256 (``check_point``) and
-    the file has changed since: the point would run code its row does not name (an edit while
-    the sweep runs). ``--resume`` runs it again with the file as it is then."""
-    keyed = point.get("policy_sha256")
-    if keyed is None:            # a built-in or module:Class policy, or a point not yet keyed
-        return
-    now = policy_id(point["policy"])["policy_sha256"]
-    if now != keyed:
-        raise ConfigError(f"custom policy {point['policy']!r}: {point['policy_path']} changed "
-                          f"since the sweep read it (sha256 {keyed[:12]}..., now {now[:12]}...): "
-                          f"this point would run code its row does not name; run it again "
-                          f"(--resume runs the points whose policy changed)")
 
 
 def _size(text: str, where: str) -> int:

@@ -197,7 +197,6 @@ class BeamSearching:
         except RequestTooLargeError as error:   # its group does not, or all at full length
             raise rejected(error, index, "beam_width") from None
         self._next_request += 1
-        self._prompt_tokens += len(ids)
         out = RequestOutput(rid, ids, [], text, arrival_s=arrival_s)
         limits = SamplingParams(max_new_tokens=params.max_new_tokens)   # what RequestState reads
         self._requests[rid] = RequestState(out, limits, on_token, 1, (seq_id,))

@@ -166,7 +166,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         self._t0 = time.perf_counter()
         self._steps, self._step_s, self._kv_usage = 0, 0.0, SampleLog()   # per step
         self._phase_s = {"schedule": 0.0, "sample": 0.0}   # + runner.phase_s: EngineStats' split
-        self._prompt_tokens = 0
+        self._prompt_tokens = 0                      # of the requests that finished (stats)
         self._computed_tokens = 0                    # tokens whose K/V steps computed
         self._strikes: Dict[int, int] = {}          # request_id -> failed steps in a row
         self._txn = StepTransaction(self.kv.manager, self._execute, scheduler=self.scheduler)
@@ -296,6 +296,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
                 del self._prompt_logprobs[seq_id]
         events = self._emit(sampled, finished, now)
         events += self._beam_events(done, self._beam_picked, now)
+        self._count_finished(events)
         self._computed_tokens += plan.num_new_tokens
         self._strikes.clear()
         self._steps += 1

@@ -87,7 +87,8 @@ class RecordingSavepoint:
         self.records = [(record, record.save()) for record in self.samples.values()]
         self.prompt_logprobs = dict(engine._prompt_logprobs)
         self.strikes = dict(engine._strikes)
-        self.counters = (engine._computed_tokens, engine._steps, engine._kv_usage.end)
+        self.counters = (engine._computed_tokens, engine._prompt_tokens, engine._steps,
+                         engine._kv_usage.end)
 
     def restore(self) -> None:
         engine = self.engine
@@ -99,7 +100,8 @@ class RecordingSavepoint:
                             (engine._strikes, self.strikes)):                  # runner: in place
             live.clear()
             live.update(saved)
-        engine._computed_tokens, engine._steps, kv_usage = self.counters
+        engine._computed_tokens, engine._prompt_tokens, engine._steps, kv_usage = \
+            self.counters
         engine._kv_usage.truncate(kv_usage)
 
 

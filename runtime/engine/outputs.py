@@ -108,9 +108,9 @@ class EngineStats:
     """Figures of one ``generate`` (or any window of steps). Seconds, tokens, bytes as named."""
     cache: str
     attention: str
-    requests: int
-    prompt_tokens: int
-    output_tokens: int
+    requests: int                 # requests that finished (not aborted or failed), each once
+    prompt_tokens: int            # the prompt tokens of those requests, each prompt once
+    output_tokens: int            # tokens sampled, every sample and beam of every request
     steps: int
     wall_s: float
     step_s: float                 # time inside step(): ops + model + sampling + bookkeeping
@@ -119,7 +119,8 @@ class EngineStats:
                                   # for the background mapper)
     num_preemptions: int
     num_swap_preemptions: int
-    recomputed_tokens: int
+    recomputed_tokens: int        # computed tokens thrown away by recompute: a preempted
+                                  # sequence's, a forked sample's that found no room
     kv_usage_mean: float          # kv_cache_usage_perc as a fraction (1 - free / total), mean over steps
     kv_usage_peak: float
     cache_bytes: int

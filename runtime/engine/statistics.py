@@ -15,7 +15,7 @@ from vmemkv.scheduler.report import serving_report
 
 from .call_checks import check_list_of
 from .errors import EngineConfigError
-from .outputs import EngineStats, RequestOutput, request_timings
+from .outputs import EngineStats, RequestOutput, TokenEvent, request_timings
 
 
 class StatsMark(dict):
@@ -44,6 +44,16 @@ class EngineStatistics:
 
     def _phases(self) -> dict:
         return {**self._phase_s, **self.runner.phase_s}
+
+    def _count_finished(self, events: Sequence[TokenEvent]) -> None:
+        """Add the prompt tokens of each request a step's ``events`` finished, once (n samples,
+        beams): ``prompt_tokens`` counts the requests ``requests`` counts, the scheduler's
+        finished ones (an aborted or failed request's prompt is in neither). Called while the
+        step is recorded, so a step undone takes its count back (``RecordingSavepoint``)."""
+        for rid in {event.request_id for event in events if event.finished}:
+            output = self._requests[rid].output
+            if output.status == "finished":
+                self._prompt_tokens += len(output.prompt_token_ids)
 
     def stats(self, since: Optional[StatsMark] = None,
               outputs: Sequence[RequestOutput] = ()) -> EngineStats:

@@ -38,7 +38,7 @@ Prompt = Union[Sequence[int], str]
 class RequestSubmission:
     """Submission and the batch API (a mixin over Engine: ``scheduler``, ``adapters``,
     ``tokenizer``, ``vocab_size``, ``eos_ids``, ``device``, ``_requests``, ``_samples``,
-    ``_prompt_logprobs``, ``_rng``, ``_next_request``, ``_prompt_tokens``, ``_closed``,
+    ``_prompt_logprobs``, ``_rng``, ``_next_request``, ``_closed``,
     ``_guard``, ``_sinks``, ``_forgotten``, ``run_until_done``, ``output``, ``stats``)."""
 
     def add_request(self, prompt: Prompt, sampling: Optional[SamplingParams] = None,
@@ -70,7 +70,6 @@ class RequestSubmission:
         except RequestTooLargeError as error:
             raise rejected(error, index) from None
         self._next_request += 1
-        self._prompt_tokens += len(ids)
         out = RequestOutput(rid, ids, [CompletionOutput(i, []) for i in range(params.n)], text,
                             arrival_s=arrival_s)
         state = self._requests[rid] = new_request(out, params, on_token, seq_ids)
@@ -271,7 +270,6 @@ class RequestSubmission:
             self._prompt_logprobs.pop(seq_id, None)
             self._beams.group_of.pop(seq_id, None)
         self._beams.groups.pop(rid, None)
-        self._prompt_tokens -= len(state.output.prompt_token_ids)
 
 
 @contextmanager

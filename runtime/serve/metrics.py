@@ -8,7 +8,9 @@ first token - arrival at the HTTP handler; E2E: last token - arrival; TPOT per s
 more than one token). ``request_success_total`` carries vLLM's ``finished_reason`` label,
 "stop" or "length" (``finished_reason``), each series shown from the start at 0; a request
 counts once whatever its ``n`` (vLLM counts each sample), and aborted and failed requests in
-their own counters. Thread-safe: the engine thread observes, HTTP handlers render.
+their own counters (``num_failed_requests``: whether the engine failed the request alone, a 400
+or a 500 to its client, or with every live request when a step raised; its HELP says which).
+Thread-safe: the engine thread observes, HTTP handlers render.
 """
 from __future__ import annotations
 
@@ -51,7 +53,12 @@ SUCCESS_HELP = ("Requests that finished, by finished_reason: stop (a stop token 
 FINISHED_REASONS = ("stop", "length")   # the finished_reason values a finished request takes
 COUNTERS = {
     "num_aborted_requests": "Requests aborted (a client disconnected, or the server stopped).",
-    "num_failed_requests": "Requests failed (their memory plans kept failing, or a step raised).",
+    "num_failed_requests": ("Requests that ended failed: failed alone by the engine, for their own "
+                            "parameters (a 400 naming the field: every score -inf after penalties "
+                            "and logit_bias, or a request the KV cache can never hold) or because "
+                            "their memory plans, forward or sampling kept failing (a 500), or with "
+                            "every live request when a step raised that no request could be "
+                            "blamed for (a 500)."),
     "prompt_tokens": "Prompt tokens of ended requests.",
     "generation_tokens": "Generated tokens of ended requests.",
 }
