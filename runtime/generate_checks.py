@@ -186,3 +186,23 @@ def check_page_bytes(args, model) -> None:
         check_fits_device(f"the KV cache of {what}, for --max-batch {args.max_batch} slots",
                           args.max_batch * rounded * rounded_config.bytes_per_token, param.device,
                           remedy="give a smaller --page-bytes, or --cache-bytes")
+
+
+def check_prompt_text_fits(text: str, tokenizer, max_context: int, max_new_tokens: int,
+                           index: int) -> None:
+    """Before prompt ``index``'s ``text`` (a text line, or a conversation rendered by the chat
+    template) is tokenized: RequestRejectedError, the engine's own refusal of its length, when
+    it provably holds more tokens than --max-context leaves beside --max-new-tokens (the
+    engine admits prompt + max_new_tokens <= max_context: ``serve/text_bounds``' fewest
+    tokens, a byte-level BPE's bound). Nothing when the tokenizer gives no bound or the text
+    may fit: it is tokenized and checked by the engine as before."""
+    from vmemkv.runtime.engine.errors import RequestRejectedError
+    from vmemkv.runtime.serve.text_bounds import fewest_tokens, most_chars_per_token
+    fewest = fewest_tokens(text, tokenizer)
+    if fewest is None or fewest + max_new_tokens <= max_context:
+        return
+    raise RequestRejectedError(
+        f"prompt {index} rejected: at least {fewest} prompt tokens ({len(text):,} characters, "
+        f"at most {most_chars_per_token(tokenizer)} a token; found without tokenizing it) + "
+        f"{max_new_tokens} new tokens exceed the {max_context} tokens one sequence may hold "
+        f"(--max-context {max_context})", index)

@@ -17,6 +17,7 @@ does the same and exits with status 143.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import signal
@@ -32,7 +33,7 @@ from vmemkv.scheduler.progress import Progress
 from .generate_checks import FLAG_DEFAULTS, check_page_bytes, check_tp_devices  # noqa: F401
 from .generate_checks import check_device as _check_device   # serve's, too
 from .generate_checks import check_flags as _check_flags
-from .generate_checks import sampling_params
+from .generate_checks import check_prompt_text_fits, sampling_params
 from .generate_io import (GenerateUsageError, check_prompt_flags, format_output, name_prompt_line,
                           needs_labels, parse_prompt_lines, read_prompt_lines)
 
@@ -248,10 +249,7 @@ def _run_command(args) -> int:
 def _run(args, model, tokenizer, prompts, messages, params) -> int:
     from vmemkv.runtime.engine import Engine
 
-    if args.chat:   # every conversation renders (ChatTemplateError, exit 2) before any runs
-        from vmemkv.runtime.engine.chat import chat_prompt_ids
-        prompts = [chat_prompt_ids(tokenizer, p, index=i) if m is not None else p
-                   for i, (p, m) in enumerate(zip(prompts, messages))]
+    prompts = _checked_prompts(args, tokenizer, prompts, messages, params.max_new_tokens)
     with _engine(Engine, model, tokenizer, args) as engine:
         outputs = _generate(engine, prompts, params, args, messages)
     labelled = needs_labels(outputs, args.n, args.chat)
@@ -263,6 +261,27 @@ def _run(args, model, tokenizer, prompts, messages, params) -> int:
     all(write_stdout(text) for text in texts)      # a reader gone (| head): the rest dropped
     sys.stderr.write(f"vmemkv generate: {stats.summary()}\n")
     return 0
+
+
+def _checked_prompts(args, tokenizer, prompts, messages, max_new_tokens: int) -> list:
+    """The prompts as the engine takes them, before it is built: with --chat every conversation
+    rendered by the chat template (ChatTemplateError, exit 2, before any runs); a text prompt
+    or a rendered conversation provably too long for --max-context refused before it is
+    tokenized (``check_prompt_text_fits``: a 4 MiB line took seconds to tokenize only to be
+    refused for its length)."""
+    from vmemkv.runtime.engine.chat import chat_prompt_ids
+
+    checked = []
+    for index, prompt in enumerate(prompts):
+        fits = functools.partial(check_prompt_text_fits, tokenizer=tokenizer,
+                                 max_context=args.max_context, max_new_tokens=max_new_tokens,
+                                 index=index)
+        if messages is not None and messages[index] is not None:
+            prompt = chat_prompt_ids(tokenizer, prompt, index=index, check_text=fits)
+        elif isinstance(prompt, str):
+            fits(prompt)
+        checked.append(prompt)
+    return checked
 
 
 def _engine(engine_class, model, tokenizer, args):
