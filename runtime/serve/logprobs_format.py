@@ -82,10 +82,16 @@ def _decoder_kind(tokenizer) -> str:
 
 class TextOffsets:
     """``text_offset`` of one sequence's tokens, one ``add`` per token, from ``start_chars`` on:
-    the length of the text the tokens before it decode to, complete characters only (a token
-    that continues a character split over tokens, U+FFFD alone, points at that character), so
-    the offsets never go back and never pass the text. The engine's detokenizer's windows
-    (``runtime/engine/detokenize.py``): each token decodes a few tokens, never the prefix.
+    where it starts in the text it decodes with the tokens before it: their text as far as it
+    leaves it, less a U+FFFD run that still ends the text (a token that continues a character
+    split over tokens, U+FFFD alone, points at that character; a U+FFFD it leaves behind, a
+    broken character, as after a prompt of token ids that ended inside one, is text it starts
+    after), so the offsets never go back and never pass the text. A token that starts a
+    character right after a broken one reads, until that character is whole, as part of one
+    trailing U+FFFD run (in text the same as one partial character: a byte-fallback tokenizer
+    decodes e6 97 as two U+FFFD), so it points at the run's start. The engine's detokenizer's
+    windows (``runtime/engine/detokenize.py``): each token decodes a few tokens, never the
+    prefix.
 
         "Emoji party: 🎉🎉"  Em  oji  ␣party  :   ␣F0 9F  8E  89  F0 9F  8E  89   (SmolLM2's)
         text_offset          0   2     5     11    12    13  13    14  14  14
@@ -95,31 +101,36 @@ class TextOffsets:
     def __init__(self, tokenizer, start_chars: int = 0, skip_special_tokens: bool = False) -> None:
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.chars = start_chars       # text of the tokens up to the window's unread ones
-        self._pending_chars = 0        # complete characters the unread ones add so far
         self._last_offset = start_chars
         self._ids: List[int] = []      # the window: context tokens, then unread ones
         self._read = 0                 # the window's first unread token
 
     def add(self, token_id: int) -> int:
         """The offset of ``token_id``, the sequence's next token."""
-        offset = self._last_offset = max(self._last_offset, self.chars + self._pending_chars)
         if self.tokenizer is None:
+            offset = self._last_offset = max(self._last_offset, self.chars)
             self.chars += len(str(token_id)) + 1
             return offset
+        before = self._decode(self._ids)          # the window before this token
         self._ids.append(token_id)
         shown = self._decode(self._ids[:self._read])
         full = self._decode(self._ids)
+        starts = min(_common_prefix_chars(before, full), len(full.rstrip(REPLACEMENT)))
+        offset = self._last_offset = max(self._last_offset, self.chars + starts - len(shown))
         if len(full) > len(shown) and not full.endswith(REPLACEMENT):
             self.chars += len(full) - len(shown)
-            self._pending_chars = 0
             del self._ids[:self._read]        # the tokens just read are the next context
             self._read = len(self._ids)
-        else:
-            self._pending_chars = max(0, len(full.rstrip(REPLACEMENT)) - len(shown))
         return offset
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
+
+
+def _common_prefix_chars(a: str, b: str) -> int:
+    """How many characters ``a`` and ``b`` start with alike."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 class StreamedTokens:

@@ -28,9 +28,21 @@ CJK = "日本語で「こんにちは」は"
 
 
 def decoded_prefix_offsets(tokenizer, ids, skip_special_tokens=False) -> list:
-    """The definition the slow way: what ids[:i] decode to, less a trailing partial character."""
-    return [len(tokenizer.decode(list(ids[:i]), skip_special_tokens=skip_special_tokens)
-                .rstrip(REPLACEMENT)) for i in range(len(ids))]
+    """The definition the slow way: where token i starts in what ids[:i + 1] decode to: the
+    text of ids[:i] as far as token i leaves it, less a trailing partial character (a U+FFFD
+    run that still ends the text with token i: a character it may continue). A U+FFFD that
+    token i leaves behind (a broken character: a prompt's token ids ended inside it, or the
+    model never finished it) is text it starts after."""
+    def decoded(end: int) -> str:
+        return tokenizer.decode(list(ids[:end]), skip_special_tokens=skip_special_tokens)
+
+    offsets = []
+    for i in range(len(ids)):
+        before, after = decoded(i), decoded(i + 1)
+        kept = next((c for c, (x, y) in enumerate(zip(before, after)) if x != y),
+                    min(len(before), len(after)))
+        offsets.append(min(kept, len(after.rstrip(REPLACEMENT))))
+    return offsets
 
 
 class LongestDecode:
