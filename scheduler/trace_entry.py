@@ -3,9 +3,11 @@ parsed and checked against the limits (tokens, hash ids, arrival times), and a f
 
 A trace file is JSONL, one object per line: ``{"prompt_len": 584, "output_len": 374,
 "arrival_s": 0.0}`` (plus ``"hash_ids"`` when the entry has them, ``"adapter"`` and
-``"adapter_bytes"`` when it names a LoRA adapter), gzip-compressed when its name ends in
-``.gz``. ``scheduler/traces.py`` reads a path by its name the same way (``.csv``: Azure's
-columns, so ``write_trace`` refuses a ``.csv`` name rather than write what would be misread).
+``"adapter_bytes"`` when it names a LoRA adapter; any other key is refused, naming it: a
+misspelt ``"arrival"`` was ignored and the request replayed at 0 s), gzip-compressed when its
+name ends in ``.gz``. ``scheduler/traces.py`` reads a path by its name the same way (``.csv``:
+Azure's columns, so ``write_trace`` refuses a ``.csv`` name rather than write what would be
+misread).
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
 MAX_ARRIVAL_S = 1e10
 MAX_TRACE_TOKENS = 10**9     # a request longer than this is a corrupt line, not a request
 MOONCAKE_BLOCK_TOKENS = 512   # tokens per hash id block (Mooncake traces, our JSONL's hash_ids)
+# The keys a line of the project's JSONL may hold: the first three in every line, then optional.
+TRACE_LINE_KEYS = ("prompt_len", "output_len", "arrival_s", "hash_ids", "adapter", "adapter_bytes")
 
 
 @dataclass(frozen=True)
@@ -103,28 +107,40 @@ def check_arrivals(entries: Sequence[TraceEntry], what: str = "the workload") ->
 
 
 def parse_trace_object(obj, where: str) -> TraceEntry:
-    """One decoded line of the project's JSONL format; ``ConfigError`` naming ``where`` if bad.
-    A line naming an ``adapter`` (and its ``adapter_bytes``) gives a synthetic ``AdapterRef``
+    """One decoded line of the project's JSONL format; ``ConfigError`` naming ``where`` if bad,
+    or if it holds a key not in ``TRACE_LINE_KEYS`` (naming the key). A line naming an
+    ``adapter`` (and its ``adapter_bytes``) gives a synthetic ``AdapterRef``
     (``synthetic_adapter``: its digest is the SHA-256 of the name)."""
-    entry = parse_entry(obj, where, ("prompt_len", "output_len", "arrival_s"),
-                        block_tokens=MOONCAKE_BLOCK_TOKENS)
+    if isinstance(obj, dict):
+        unknown = [key for key in obj if key not in TRACE_LINE_KEYS]
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {_short(unknown[0])}; a trace line holds "
+                              f"{', '.join(TRACE_LINE_KEYS[:3])} and may hold "
+                              f"{', '.join(TRACE_LINE_KEYS[3:])}")
+    adapter = _parse_adapter(obj, where)
+    entry = parse_entry(obj, where, TRACE_LINE_KEYS[:3], block_tokens=MOONCAKE_BLOCK_TOKENS)
+    return entry if adapter is None else replace(entry, adapter=adapter)
+
+
+def _parse_adapter(obj, where: str) -> Optional["AdapterRef"]:
+    """The adapter a project line names, or None where it names none."""
     if not isinstance(obj, dict) or ("adapter" not in obj and "adapter_bytes" not in obj):
-        return entry
+        return None
     name, size = obj.get("adapter"), obj.get("adapter_bytes")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where}: adapter must be a non-empty string, got {name!r}")
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ConfigError(f"{where}: adapter_bytes must be an int >= 1 with adapter {name!r}, "
                           f"got {size!r}")
-    return replace(entry, adapter=synthetic_adapter(name, size))
+    return synthetic_adapter(name, size)
 
 
 def parse_entry(obj, where: str, keys: Tuple[str, str, str], units_per_second: float = 1.0,
                 time_unit: str = "", block_tokens: Optional[int] = None,
                 required: bool = False) -> TraceEntry:
     """A ``TraceEntry`` from a decoded JSON object whose prompt, output and arrival fields are
-    named ``keys`` (arrival times in ``1 / units_per_second`` s, at most ``MAX_ARRIVAL_S``;
-    missing: 0) with ``hash_ids`` (``required``, or optional), exactly one per
+    named ``keys``, all three required (arrival times in ``1 / units_per_second`` s, at most
+    ``MAX_ARRIVAL_S``) with ``hash_ids`` (``required``, or optional), exactly one per
     ``block_tokens``-token prompt block when that is given. ``ConfigError`` naming ``where``,
     the field and the value otherwise."""
     if not isinstance(obj, dict):
@@ -134,26 +150,45 @@ def parse_entry(obj, where: str, keys: Tuple[str, str, str], units_per_second: f
         v = obj.get(key)
         check_token_count(f"{where}: {key}", v)
         values.append(v)
-    arrival = obj.get(keys[2], 0)
-    unit = f" of {time_unit}" if time_unit else ""
-    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:
-        raise ConfigError(f"{where}: {keys[2]} must be a finite number{unit} >= 0, got {arrival!r}")
-    if arrival > MAX_ARRIVAL_S * units_per_second:   # not arrival / units: an int past a
-        shown = shown_int(arrival) if isinstance(arrival, int) else f"{arrival:g}"   # float's range
-        raise ConfigError(f"{where}: {keys[2]} {shown}{unit} is past {MAX_ARRIVAL_S:.0e} s "
-                          f"(317 years), where the simulated float clock loses a step's "
-                          f"milliseconds: give {time_unit or 'seconds'} since the trace's start, "
-                          f"not since the epoch")
+    hash_ids = _parse_hash_ids(obj, where, keys[0], values[0], block_tokens, required)
+    arrival_s = _parse_arrival_s(obj, where, keys[2], units_per_second, time_unit)
+    return TraceEntry(values[0], values[1], arrival_s, hash_ids)
+
+
+def _parse_hash_ids(obj: dict, where: str, prompt_key: str, prompt_len: int,
+                    block_tokens: Optional[int], required: bool) -> Tuple[int, ...]:
+    """A line's ``hash_ids`` (none where it has none and they are not ``required``), one per
+    ``block_tokens``-token block of its ``prompt_len``-token prompt when that is given."""
     hash_ids = obj.get("hash_ids", [])
-    blocks = -(-values[0] // block_tokens) if block_tokens and (hash_ids or required) else None
+    blocks = -(-prompt_len // block_tokens) if block_tokens and (hash_ids or required) else None
     if (not isinstance(hash_ids, list) or (blocks is not None and len(hash_ids) != blocks)
             or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids)):
         if blocks is None:
             raise ConfigError(f"{where}: hash_ids must be a list of ints >= 0, got {_short(hash_ids)}")
         raise ConfigError(f"{where}: hash_ids must list {blocks} ints >= 0 (one per "
-                          f"{block_tokens}-token block of {keys[0]} {values[0]}), got "
+                          f"{block_tokens}-token block of {prompt_key} {prompt_len}), got "
                           f"{_short(hash_ids)}")
-    return TraceEntry(values[0], values[1], arrival / units_per_second, tuple(hash_ids))
+    return tuple(hash_ids)
+
+
+def _parse_arrival_s(obj: dict, where: str, key: str, units_per_second: float,
+                     time_unit: str) -> float:
+    """A line's arrival, ``obj[key]`` in ``1 / units_per_second`` s, as seconds: required (a
+    missing one was read as 0 s, silently), finite, >= 0 and at most ``MAX_ARRIVAL_S``."""
+    unit = f" of {time_unit}" if time_unit else ""
+    if key not in obj:
+        raise ConfigError(f"{where}: no {key}; every line needs its arrival, a number"
+                          f"{unit or ' of seconds'} >= 0 after the trace's start")
+    arrival = obj[key]
+    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)) or not 0 <= arrival < math.inf:
+        raise ConfigError(f"{where}: {key} must be a finite number{unit} >= 0, got {arrival!r}")
+    if arrival > MAX_ARRIVAL_S * units_per_second:   # not arrival / units: an int past a
+        shown = shown_int(arrival) if isinstance(arrival, int) else f"{arrival:g}"   # float's range
+        raise ConfigError(f"{where}: {key} {shown}{unit} is past {MAX_ARRIVAL_S:.0e} s "
+                          f"(317 years), where the simulated float clock loses a step's "
+                          f"milliseconds: give {time_unit or 'seconds'} since the trace's start, "
+                          f"not since the epoch")
+    return arrival / units_per_second
 
 
 def check_token_count(field: str, value) -> None:

@@ -13,8 +13,11 @@ blocks, equal ids meaning equal blocks (``prompt_token_ids`` makes tokens up fro
 ids give equal tokens and prefix caching sees the trace's real sharing). A path is read by its
 format: ``.csv`` (Azure columns), JSONL with Mooncake keys, or the project's own JSONL
 (``prompt_len``, ``output_len``, ``arrival_s``, optional ``hash_ids``); ``.gz`` is decompressed.
-Files are inflated and parsed line by line as they are read, what they may hold checked against
-available memory as it grows (``trace_stream``), and reading stops at ``max_requests``.
+A JSONL file's format is its first line's, and a later line of the other format is refused (a
+mix read one line's ms beside another's seconds). Files are inflated and parsed line by line as
+they are read, what they may hold checked against available memory as it grows
+(``trace_stream``), and reading stops at ``max_requests``, whose lines must then be in arrival
+order.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import random
 from dataclasses import dataclass, replace
 from datetime import datetime
 from importlib import resources
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from .errors import ConfigError
 from .trace_stream import text_lines
@@ -70,8 +73,10 @@ def load_trace(name_or_path: str, *, rate_scale: float = 1.0,
     """The trace named (bundled) or at a path, sorted by arrival.
 
     ``rate_scale`` X divides every arrival time by X (X = 2 replays twice as fast); ``max_requests``
-    keeps the first N requests of the file (a trace lists them in arrival order, as the bundled
-    ones and ``write_trace``'s do; reading stops there), sorted by arrival. Bad values raise
+    keeps the first N requests of the file, reading no further (a huge trace need not fit in
+    memory), so they are the first N by arrival only in a file in arrival order (the bundled
+    traces and ``write_trace``'s are): a line among them arriving before the line above it is
+    refused, naming both (it kept the first N lines silently). Bad values raise
     ``ConfigError`` naming the value and the limit (``rate_name``: how the caller calls the
     rate, ``--rate-scale`` on the command line; a rate so low that an arrival passes
     ``MAX_ARRIVAL_S`` is refused); a bad file raises ``ConfigError`` naming the file and line,
@@ -115,14 +120,21 @@ def _read_path(path: str, max_requests: Optional[int]) -> List[TraceEntry]:
                       max_requests)
 
 
+# A request read from a trace: where it is ("FILE line N") and the entry.
+Row = Tuple[str, TraceEntry]
+
+
 def _parse(lines: Iterator[str], file_name: str, where: str,
            max_requests: Optional[int]) -> List[TraceEntry]:
     """The first ``max_requests`` entries of the file's ``lines`` (all with None; no line past
-    the last is read), sorted by arrival (stable). Azure stamps are wall-clock times: they
-    become seconds after the first of them; JSONL arrivals are kept as written."""
+    the last is read; with a number, each line must arrive no earlier than the one above it),
+    sorted by arrival (stable). Azure stamps are wall-clock times: they become seconds after the
+    first of them; JSONL arrivals are kept as written."""
     azure = file_name.endswith(".csv")
     rows = _azure_rows(lines, where) if azure else _jsonl_rows(lines, where)
-    entries = list(itertools.islice(rows, max_requests))
+    if max_requests is not None:
+        rows = _in_arrival_order(rows)
+    entries = [entry for _, entry in itertools.islice(rows, max_requests)]
     if not entries:
         raise ConfigError(f"trace {where} has no requests")
     if azure:
@@ -133,7 +145,24 @@ def _parse(lines: Iterator[str], file_name: str, where: str,
     return entries
 
 
-def _azure_rows(lines: Iterator[str], where: str) -> Iterator[TraceEntry]:
+def _in_arrival_order(rows: Iterator[Row]) -> Iterator[Row]:
+    """``rows``, each checked to arrive no earlier than the one before it: ``max_requests``
+    keeps the first N lines, the first N by arrival only in a file in arrival order (reading the
+    whole file to find them would be charged all of it, ``trace_stream``, where keeping fewer
+    requests is the remedy for a trace too big)."""
+    previous: Optional[Row] = None
+    for at, entry in rows:
+        if previous is not None and entry.arrival_s < previous[1].arrival_s:
+            early_s = previous[1].arrival_s - entry.arrival_s
+            raise ConfigError(f"{at}: arrives {early_s:g} s before the line above it "
+                              f"({previous[0]}); max_requests (--max-requests) keeps the first "
+                              f"N lines, the first N by arrival only in a trace in arrival "
+                              f"order: sort the file by arrival, or read it all (no max_requests)")
+        previous = at, entry
+        yield at, entry
+
+
+def _azure_rows(lines: Iterator[str], where: str) -> Iterator[Row]:
     rows = _csv_lines(lines, where)
     header = [h.strip() for h in next(rows, (1, []))[1]]
     if header != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
@@ -147,7 +176,7 @@ def _azure_rows(lines: Iterator[str], where: str) -> Iterator[TraceEntry]:
             raise ConfigError(f"{at}: expected 3 columns, got {len(row)}")
         prompt, output = (_positive_int(v, name, at) for v, name in
                           ((row[1], "ContextTokens"), (row[2], "GeneratedTokens")))
-        yield TraceEntry(prompt, output, _azure_seconds(row[0], at))
+        yield at, TraceEntry(prompt, output, _azure_seconds(row[0], at))
 
 
 def _csv_lines(lines: Iterator[str], where: str) -> Iterator[Tuple[int, List[str]]]:
@@ -197,10 +226,58 @@ def _positive_int(text: str, name: str, where: str) -> int:
     return value
 
 
-def _jsonl_rows(lines: Iterator[str], where: str) -> Iterator[TraceEntry]:
-    """Entries of JSONL text (blocks of whole lines; a run of empty lines may come as one string
-    of newlines), lines numbered as ``str.splitlines`` numbers the whole text (a form feed or a
-    lone carriage return ends a line too)."""
+def _mooncake_entry(obj: dict, where: str) -> TraceEntry:
+    return parse_entry(obj, where, ("input_length", "output_length", "timestamp"),
+                       units_per_second=1000.0, time_unit="ms", block_tokens=MOONCAKE_BLOCK_TOKENS,
+                       required=True)
+
+
+@dataclass(frozen=True)
+class JsonlFormat:
+    """One of the JSONL formats a trace file is written in; a file holds one."""
+    name: str                                   # for messages: whose, keys and time unit
+    marker: str                                 # a key that only this format's lines hold
+    parse: Callable[[object, str], TraceEntry]  # (decoded line, "FILE line N") -> entry
+
+
+MOONCAKE_JSONL = JsonlFormat("Mooncake (input_length, output_length, timestamp in ms)",
+                             "input_length", _mooncake_entry)
+PROJECT_JSONL = JsonlFormat("project (prompt_len, output_len, arrival_s in s)",
+                            "prompt_len", parse_trace_object)
+
+
+def _jsonl_rows(lines: Iterator[str], where: str) -> Iterator[Row]:
+    """Entries of JSONL text, each line read in the format of the file's first line (the
+    project's where that line has neither format's marker); a later line holding the other
+    format's marker is refused, naming it and the first line."""
+    file_format: Optional[JsonlFormat] = None
+    first_at = ""
+    for lineno, line in _numbered_lines(lines):
+        at = f"{where} line {lineno}"
+        obj = _json_line(line, at)
+        line_format = _format_of(obj)
+        if file_format is None:
+            file_format, first_at = line_format or PROJECT_JSONL, at
+        elif line_format not in (None, file_format):
+            raise ConfigError(f"{at}: a line of the {line_format.name} format in a trace "
+                              f"whose first line ({first_at}) is of the {file_format.name} "
+                              f"format; a file holds one format")
+        yield at, file_format.parse(obj, at)
+
+
+def _format_of(obj) -> Optional[JsonlFormat]:
+    """The format whose marker a decoded line holds (Mooncake's first), or None."""
+    if isinstance(obj, dict):
+        for trace_format in (MOONCAKE_JSONL, PROJECT_JSONL):
+            if trace_format.marker in obj:
+                return trace_format
+    return None
+
+
+def _numbered_lines(lines: Iterator[str]) -> Iterator[Tuple[int, str]]:
+    """The non-empty lines of JSONL text (blocks of whole lines; a run of empty lines may come
+    as one string of newlines) and their numbers, as ``str.splitlines`` numbers the whole text
+    (a form feed or a lone carriage return ends a line too)."""
     lineno = 0
     for piece in lines:
         if piece[:1] == "\n" and not piece.strip("\n"):      # a run of empty lines
@@ -209,27 +286,19 @@ def _jsonl_rows(lines: Iterator[str], where: str) -> Iterator[TraceEntry]:
         for line in piece.splitlines():
             lineno += 1
             if line.strip():
-                yield _jsonl_entry(line, f"{where} line {lineno}")
+                yield lineno, line
 
 
-def _jsonl_entry(line: str, at: str) -> TraceEntry:
+def _json_line(line: str, at: str):
+    """The decoded JSON of one trace line; ConfigError naming ``at`` if it is not JSON."""
     try:
-        obj = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as error:
         raise ConfigError(f"{at}: not JSON ({error.msg})") from None
     except ValueError as error:        # an int of more digits than Python converts
         raise ConfigError(f"{at}: not a trace line ({error})") from None
     except RecursionError:
         raise ConfigError(f"{at}: JSON nested too deeply to be a trace line") from None
-    if isinstance(obj, dict) and "input_length" in obj:
-        return _mooncake_entry(obj, at)
-    return parse_trace_object(obj, at)
-
-
-def _mooncake_entry(obj: dict, where: str) -> TraceEntry:
-    return parse_entry(obj, where, ("input_length", "output_length", "timestamp"),
-                       units_per_second=1000.0, time_unit="ms", block_tokens=MOONCAKE_BLOCK_TOKENS,
-                       required=True)
 
 
 def prompt_token_ids(entry: TraceEntry, vocab_size: int, *, seed: int = 0,

@@ -92,7 +92,7 @@ def test_deployment_flags_name_the_preset_and_the_gpu(capsys):
 
 def test_bad_trace_line_names_the_line(tmp_path, capsys):
     trace = tmp_path / "bad.jsonl"
-    trace.write_text('{"prompt_len": 5, "output_len": 5}\n{"prompt_len": -5, "output_len": 5}\n')
+    trace.write_text('{"prompt_len": 5, "output_len": 5, "arrival_s": 0}\n{"prompt_len": -5, "output_len": 5}\n')
     assert main(["simulate", "--trace", str(trace), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "line 2" in err and err.count("\n") == 1

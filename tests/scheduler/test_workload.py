@@ -72,9 +72,9 @@ def test_trace_round_trip(tmp_path):
     assert load_trace(str(path)) == entries
 
 
-def test_trace_skips_blank_lines_and_defaults_arrival(tmp_path):
+def test_trace_skips_blank_lines(tmp_path):
     path = tmp_path / "t.jsonl"
-    path.write_text('{"prompt_len": 3, "output_len": 4}\n\n{"prompt_len": 1, "output_len": 1, "arrival_s": 0.5}\n')
+    path.write_text('{"prompt_len": 3, "output_len": 4, "arrival_s": 0}\n\n{"prompt_len": 1, "output_len": 1, "arrival_s": 0.5}\n')
     assert load_trace(str(path)) == [TraceEntry(3, 4, 0.0), TraceEntry(1, 1, 0.5)]
 
 
@@ -90,7 +90,7 @@ def test_trace_skips_blank_lines_and_defaults_arrival(tmp_path):
 ])
 def test_bad_trace_line_is_a_config_error_naming_the_line(tmp_path, bad):
     path = tmp_path / "t.jsonl"
-    path.write_text(json.dumps({"prompt_len": 2, "output_len": 2}) + "\n" + bad + "\n")
+    path.write_text(json.dumps({"prompt_len": 2, "output_len": 2, "arrival_s": 0}) + "\n" + bad + "\n")
     with pytest.raises(ConfigError, match="line 2"):
         load_trace(str(path))
 
