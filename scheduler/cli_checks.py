@@ -7,7 +7,11 @@ for the float clock, a ``--write-trace`` path that cannot be written or would be
 as another format, LoRA budgets that leave no
 KV memory. The deployment's own check (``sim_config.check_deployment``) is shared with the sweep.
 ``profile_defaults`` gives a ``--profile`` run the engine settings the profile was timed with,
-after ``check_profile_model`` refused a ``--gpu`` or another ``--model-preset`` beside it.
+after ``check_profile_model`` refused a ``--gpu`` or another ``--model-preset`` beside it, and
+``check_profile_copies`` refuses one that copies K/V without ``--copy-gbps`` (a profile has no
+GPU to default it from). What depends on a ``--trace``'s hash ids (``trace_shares_prefixes``)
+reads the trace only where the answer decides something: a prefix or copy flag given
+(``check_trace_sharing``), or a profile run without ``--copy-gbps``.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from .geometry import resolve_layout
 from .profile_cost import load_profile, profile_engine, profile_model
 from .sim_config import SimConfig, check_deployment
 from .trace_entry import check_trace_name
+from .traces import load_trace
 from .workload import MAX_ARRIVAL_S
 
 
@@ -37,6 +42,12 @@ class Given(argparse.Action):
         namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
 
 
+# where the prefix and copy flags apply (``_applies_where``; ``check_trace_sharing`` for a trace
+# that names no prompt blocks)
+PREFIX_SHARED = ("to a --trace whose requests name their prompt blocks (hash ids: the prefixes "
+                 "shared)")
+COPIES = ("to copy-on-write after --n > 1 or --beam-width > 0 forks and to a --trace's prefix "
+          "hits")
 GENERATED_WORKLOAD = ("requests", "prompt_median", "prompt_p95", "output_mean", "output_p95",
                       "arrival_rate", "workload_rng")
 
@@ -84,15 +95,13 @@ def _applies_where(args) -> tuple:
          as_policy),
         # a generated workload's prompts share nothing (no hash ids: prefix sharing stays off,
         # simulator._sharing_config), so nothing is kept for eviction and no prefix hit copied
-        (("prefix_eviction", "prefix_block_tokens"), bool(args.trace), "to a --trace whose "
-         "requests name their "
-         "prompt blocks (hash ids: the prefixes shared)", "a generated workload (its prompts "
-         "share no prefix, --n and --beam-width forks included)"),
+        (("prefix_eviction", "prefix_block_tokens"), bool(args.trace), PREFIX_SHARED,
+         "a generated workload (its prompts share no prefix, --n and --beam-width forks "
+         "included)"),
         (("copy_gbps",), not reserve, "to --policy paged, vmem and module:Class (their copy "
          "ops)", as_policy),
-        (("copy_gbps",), bool(args.trace) or args.n > 1 or args.beam_width > 0,
-         "to copy-on-write after --n > 1 or --beam-width > 0 forks and to a --trace's prefix "
-         "hits", "a generated workload, --n 1 and --beam-width 0 (nothing is copied)"),
+        (("copy_gbps",), bool(args.trace) or args.n > 1 or args.beam_width > 0, COPIES,
+         "a generated workload, --n 1 and --beam-width 0 (nothing is copied)"),
     )
 
 
@@ -115,17 +124,62 @@ def check_applies(args) -> None:
     given = vars(args).get("given", ())
     for dest, (where, chosen) in unused_flags(args).items():
         if dest in given:
-            value = getattr(args, dest)
-            shown = f" {value:g}" if isinstance(value, float) else (
-                f" {value}" if isinstance(value, (int, str)) else "")
-            raise ConfigError(f"{flag(dest)}{shown} applies {where}; with {chosen} it would "
-                              f"do nothing: drop it")
+            _refuse_unused(args, dest, where, chosen)
+
+
+def _refuse_unused(args, dest: str, where: str, chosen: str) -> None:
+    value = getattr(args, dest)
+    shown = f" {value:g}" if isinstance(value, float) else (
+        f" {value}" if isinstance(value, (int, str)) else "")
+    raise ConfigError(f"{flag(dest)}{shown} applies {where}; with {chosen} it would "
+                      f"do nothing: drop it")
+
+
+def trace_shares_prefixes(args) -> bool:
+    """Whether a request of ``--trace`` (its first ``--max-requests``) names its prompt blocks
+    (hash ids): only then does the run share prefixes (simulator._sharing_config). Reads the
+    trace: the callers ask only when a flag depends on it."""
+    return any(e.hash_ids for e in load_trace(args.trace, max_requests=args.max_requests))
+
+
+def check_trace_sharing(args) -> None:
+    """--prefix-eviction, --prefix-block-tokens, and --copy-gbps without --n or --beam-width
+    forks, given (``args.given``) with a --trace none of whose requests has hash ids (Azure's):
+    it shares no prefix, so they would do nothing; refused as with a generated workload
+    (``check_applies``)."""
+    given = vars(args).get("given", ())
+    forks = args.n > 1 or args.beam_width > 0      # they copy on a trace of any kind
+    wheres = {"prefix_eviction": PREFIX_SHARED, "prefix_block_tokens": PREFIX_SHARED,
+              **({} if forks else {"copy_gbps": COPIES})}
+    dest = next((d for d in wheres if d in given), None)
+    if args.trace and dest and not trace_shares_prefixes(args):
+        copies = ", and --n 1 and --beam-width 0 copy nothing" if dest == "copy_gbps" else ""
+        _refuse_unused(args, dest, wheres[dest], f"--trace {args.trace} (no request has hash "
+                                                 f"ids: it shares no prefix{copies})")
+
+
+def check_profile_copies(args) -> None:
+    """With --profile and no --copy-gbps, a run that copies K/V on the device (copy-on-write
+    after --n > 1 or --beam-width > 0 forks, a --trace's prefix hits) on a policy that copies:
+    ConfigError naming --copy-gbps. Its default is half the --gpu's memory bandwidth; a profile
+    measured no copy bandwidth, and the copies would silently cost 0 s."""
+    if args.copy_gbps is not None or args.policy.startswith("reserve-"):
+        return
+    copies = (f"--n {args.n} (copy-on-write after its forks)" if args.n > 1 else
+              f"--beam-width {args.beam_width} (copy-on-write after its forks)"
+              if args.beam_width else f"--trace {args.trace} (its prefix hits are copied)"
+              if args.trace and trace_shares_prefixes(args) else None)
+    if copies:
+        raise ConfigError(f"--profile {args.profile} measured no device copy bandwidth, and "
+                          f"{copies} copies K/V: give --copy-gbps (GB/s; without --profile it "
+                          f"defaults to half the --gpu's memory bandwidth)")
 
 
 def check_flags(args) -> None:
     """Every check below, in the order the user would fix them."""
     check_lora(args)
     check_applies(args)
+    check_trace_sharing(args)
     check_deployment(model=args.model_preset, gpu=args.gpu, cache_gb=args.cache_gb,
                      preemption=args.preemption, swap_gb=args.swap_gb, policy=args.policy,
                      block_size=args.block_size, max_len=args.max_len, profile=args.profile,
@@ -179,6 +233,7 @@ def profile_defaults(args) -> list:
             outside.append(f"{flag(dest)} {shown} is {'above' if above else 'not'} the {what} "
                            f"that {args.profile} timed: its step costs are "
                            f"{'extrapolated' if above else 'not measured'} there")
+    check_profile_copies(args)          # the policy from the profile's engine, if not given
     return outside
 
 

@@ -6,10 +6,10 @@ points as tasks on a Ray cluster instead (the ``ray`` extra). The spec format is
 (scheduler/sweep_journal.py), then OUT/sweep.csv (and sweep.parquet with pyarrow),
 OUT/throughput_latency.png and OUT/utilisation_unit.png (matplotlib: without it, a line says
 the plots were skipped and names the extra), each whole or not at all, and prints one line per
-point. A point that fails is a row with its ``error`` (exit 1, the
-others kept); Ctrl-C cancels the pending points, writes the table of those that finished and
-exits 130; ``--resume`` runs only the points the journal does not hold. A grid of more than
-``--max-points`` combinations is refused before it is expanded; every check (the spec, each
+point. A point that fails is a row with its ``error`` (exit 1, the others kept); Ctrl-C
+cancels the pending points, writes the table of those that finished (none: no table, and says
+so) and exits 130; ``--resume`` runs only the points the journal does not hold. A grid of more
+than ``--max-points`` combinations is refused before it is expanded; every check (the spec, each
 point, ``--out``, ``--ray``) runs before the output folder is touched, so a refused run leaves
 an earlier run's journal and files as they were.
 """
@@ -22,7 +22,7 @@ from typing import Iterable, Optional
 from .cliargs import bounded, max_threads, write_stdout
 from .errors import ConfigError
 from .progress import Progress
-from .result_files import StaleMarker, folder_problem
+from .result_files import STALE_NAME, StaleMarker, folder_problem
 from .sweep import (DEFAULT_MAX_POINTS, connect_ray, expand, load_spec, point_key, run_local,
                     run_ray)
 from .sweep_journal import JOURNAL_NAME, RowJournal
@@ -82,11 +82,22 @@ def run(args) -> int:
         marker.wrote(path)
     marker.finish("interrupted" if interrupted else None)
     if interrupted:
-        raise KeyboardInterrupt(f"wrote {len(done)} of {len(points)} rows to "
-                                f"{os.path.join(args.out, 'sweep.csv')} (and "
-                                f"{journal.path}); --resume runs the rest")
+        raise KeyboardInterrupt(_interrupted(args.out, len(done), len(points), journal.path,
+                                             marker.stale))
     _report(done, written, len(points) - len(todo), plots_skipped)
     return 1 if len(finished) < len(done) else 0
+
+
+def _interrupted(out: str, done: int, total: int, journal: str, stale: Iterable[str]) -> str:
+    """What an interrupted sweep wrote: its rows' table and journal, or, when no point had
+    finished, no table at all (an earlier run's files stay, listed in STALE.txt)."""
+    if done:
+        return (f"wrote {done} of {total} rows to {os.path.join(out, 'sweep.csv')} (and "
+                f"{journal}); --resume runs the rest")
+    earlier = (f": {' and '.join(stale)} in {out} are an earlier run's (listed in "
+               f"{os.path.join(out, STALE_NAME)})" if stale else "")
+    return (f"no point had finished, so no table was written{earlier}; run the sweep again "
+            f"to run its {total} points")
 
 
 def out_folder_problem(path: str, names: Iterable[str] = ()) -> Optional[str]:
@@ -120,12 +131,20 @@ def _run_points(args, todo, rows: dict, journal: RowJournal, total: int) -> bool
 def _report(rows, written, resumed: int, plots_skipped: Optional[str] = None) -> None:
     """One line per row, then the files written (and why there are no plots, when that was
     not asked for), on stdout (a reader that closes it early, ``| head``, ends the listing
-    quietly: the files are written already); failures on stderr."""
+    quietly: the files are written already); failures, and each trace point's requests scaled
+    down to its max_len (``scaled_requests``, as ``vmemkv simulate`` says them), on stderr."""
     lines = [_line(row) for row in rows]
     if resumed:
         lines.append(f"# {resumed} rows kept from the journal (--resume)")
     if plots_skipped:
         lines.append(f"# plots skipped: {plots_skipped}")
+    for i, row in enumerate(rows, 1):          # old journals' rows have no scaled_requests
+        if row.get("scaled_requests"):
+            requests = row["num_requests"] + row["failed_requests"]   # every one ends
+            sys.stderr.write(f"vmemkv sweep: point {i} ({' '.join(_head(row).split())}): "
+                             f"{row['scaled_requests']:,} of {requests:,} trace requests were "
+                             f"longer than max_len {row['max_len']} tokens and were scaled "
+                             f"down to it\n")
     failed = [r for r in rows if r.get("error")]
     if failed:
         sys.stderr.write(f"vmemkv sweep: {len(failed)} of {len(rows)} points failed; their rows "
@@ -133,9 +152,14 @@ def _report(rows, written, resumed: int, plots_skipped: Optional[str] = None) ->
     write_stdout("".join(line + "\n" for line in lines + [f"# wrote {p}" for p in written]))
 
 
-def _line(row: dict) -> str:
+def _head(row: dict) -> str:
+    """A row's policy, cache and allocation unit, as its line starts."""
     unit = f"unit {row['unit_tokens']:>5} tok" if row["unit_tokens"] else "unit     - tok"
-    head = f"{row['policy']:<16} {row['cache_gb']:>6g} GB {unit}  "
+    return f"{row['policy']:<16} {row['cache_gb']:>6g} GB {unit}  "
+
+
+def _line(row: dict) -> str:
+    head = _head(row)
     if row.get("error"):
         return head + f"FAILED: {row['error']}"
     return (head + f"{row['output_tokens_per_s']:>9,.0f} tok/s  p90 TTFT {row['p90_ttft_ms']:>9,.0f} ms  "

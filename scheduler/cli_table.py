@@ -36,7 +36,7 @@ _ROWS = [
     ("requests failed (beams outgrew the cache)", "failed_requests", None, "{:,.0f}"),
     ("output tokens", "output_tokens", None, "{:,.0f}"),
     ("request throughput (req/s)", "request_throughput", None, "{:,.2f}"),
-    ("total token throughput", "total_token_throughput", None, "{:,.1f}"),
+    ("total token throughput (tok/s)", "total_token_throughput", None, "{:,.1f}"),
     ("TTFT median / p99 (ms)", "median_ttft_ms", "p99_ttft_ms", "{:,.0f}"),
     ("TPOT median / p99 (ms)", "median_tpot_ms", "p99_tpot_ms", "{:,.2f}"),
     ("ITL median / p99 (ms)", "median_itl_ms", "p99_itl_ms", "{:,.2f}"),
@@ -44,6 +44,8 @@ _ROWS = [
     ("request goodput (req/s)", "request_goodput", None, "{:,.2f}"),
     ("wall seconds", "wall_seconds", None, "{:.3f}"),
 ]
+# the labels' column: "total token throughput (tok/s)" wide (longer ones push their row right)
+LABEL_WIDTH = 30
 _LORA_ROWS = [   # a run with LoRA adapters (--lora-adapters) only
     ("adapters resident mean / peak", "mean_adapters_resident", "peak_adapters_resident",
      "{:,.1f}"),
@@ -146,15 +148,15 @@ def format_table(d: dict, std: Optional[Dict[str, float]] = None, seeds: Sequenc
              else f"{c['model_preset']} on {c['gpu']}")
     lines = [f"vmemkv simulate: {d['policy']}, {where}, "
              f"{c['cache_gb']:g} GB cache, {d['num_requests']:,.0f} requests{over}",
-             f"  {'':<28} {'whole run':>20} {'steady state':>20}"]
+             f"  {'':<{LABEL_WIDTH}} {'whole run':>20} {'steady state':>20}"]
     for label, key, second, fmt in _ROWS + (_LORA_ROWS if d.get("adapter_loads") else []):
         if key not in d:
             continue
         right = _value(fmt, d, second, std) if second else ""
         if second and " / " in label:        # median / p99 pairs share the first column
-            lines.append(f"  {label:<28} {_value(fmt, d, key, std) + ' / ' + right:>41}")
+            lines.append(f"  {label:<{LABEL_WIDTH}} {_value(fmt, d, key, std) + ' / ' + right:>41}")
             continue
-        lines.append(f"  {label:<28} {_value(fmt, d, key, std):>20} {right:>20}")
+        lines.append(f"  {label:<{LABEL_WIDTH}} {_value(fmt, d, key, std):>20} {right:>20}")
     steady = (counts or {}).get("steady_mean_batch")
     if steady is not None:
         lines.append(f"  steady state over the {steady} of {len(seeds)} seeds whose runs had "

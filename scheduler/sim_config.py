@@ -13,7 +13,7 @@ import os
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 from .cost import CostModel
 from .errors import ConfigError, PolicyError, RequestTooLargeError
@@ -124,6 +124,7 @@ class SimConfig:
                               f"multiplier), got {self.paged_slowdown!r}")
         if is_custom(self.policy):            # built with these, only when the run starts
             check_constructor(self.policy, self._options())
+        self.check_copy_bandwidth()           # forks; simulate() checks its entries' hash ids
 
     def _check_sizes(self) -> None:
         """The pool's sizes and the cost's knobs by type and range, before anything is built
@@ -150,6 +151,25 @@ class SimConfig:
                 raise ConfigError(f"{name} {value!r} with a profile: it tunes the roofline, "
                                   f"and the profile's measured step costs replace the roofline; "
                                   f"leave it out, or simulate without the profile")
+
+    def check_copy_bandwidth(self, entries: Sequence = ()) -> None:
+        """With a profile and no ``copy_bytes_per_s``, a run that copies K/V on the device
+        (copy-on-write after ``n`` > 1 or ``beam_width`` forks; prefix hits of ``entries``
+        with hash ids) on a policy that copies (paged, vmem, a custom class): ConfigError
+        naming it. Without a profile it defaults to half the device's memory bandwidth; a
+        profile measured no copy bandwidth, and its copies would silently cost 0 s."""
+        if self.profile is None or self.copy_bytes_per_s is not None \
+                or not (is_custom(self.policy) or self._pool_base is not None):
+            return
+        copies = (f"n {self.n} (copy-on-write after its forks)" if self.n > 1 else
+                  f"beam_width {self.beam_width} (copy-on-write after its forks)"
+                  if self.beam_width else "entries with hash ids (their prefix hits are copied)"
+                  if any(e.hash_ids for e in entries) else None)
+        if copies:
+            raise ConfigError(f"copy_bytes_per_s None with profile {self.profile!r} and "
+                              f"{copies}: the profile measured no device copy bandwidth (the "
+                              f"default, half the device's memory bandwidth, needs a device), "
+                              f"so every copy would cost 0 s; give copy_bytes_per_s")
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -261,6 +281,17 @@ class SimConfig:
                          map_latency_s=self.map_latency_s, pages_per_map_op=pages_per_map_op,
                          kv_slowdown=self.paged_slowdown if self._pool_base is PagedManager
                          else 1.0)   # a subclass of the paged manager reads its blocks too
+
+
+def copy_seconds(copied_bytes: int, copy_bytes_per_s: Optional[float]) -> float:
+    """Seconds to copy ``copied_bytes`` of K/V on the device at ``copy_bytes_per_s``;
+    ConfigError naming it when it is None (a cost model with no device, as a profile's, and no
+    bandwidth given): charging the copy 0 s would be silently wrong."""
+    if copy_bytes_per_s is None:
+        raise ConfigError(f"copy_bytes_per_s None, and the run copied {copied_bytes:,} bytes of "
+                          f"K/V on a cost model with no device (a profile) to default it from: "
+                          f"give copy_bytes_per_s")
+    return copied_bytes / copy_bytes_per_s
 
 
 def check_deployment(*, model: str, gpu: str, cache_gb: float, preemption: str, swap_gb: float,

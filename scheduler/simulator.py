@@ -43,7 +43,7 @@ from .report import RequestTiming, serving_report
 from .request import Request, SeqState
 from .scheduler import Scheduler, SchedulerConfig
 from .policies import is_custom
-from .sim_config import DEFAULT_H2D_BYTES_PER_S, SimConfig, policy_blamed
+from .sim_config import DEFAULT_H2D_BYTES_PER_S, SimConfig, copy_seconds, policy_blamed
 from .sim_memory import check_simulation_fits
 from .sim_sums import AdapterSums, StepSums, step_figures
 from .traces import prompt_token_ids
@@ -267,8 +267,7 @@ class Simulator:
         copied = self.manager.copied_bytes(plan.ops) if plan.ops else 0
         if copied:
             self.copied_bytes += copied
-            if self.copy_bytes_per_s:
-                seconds += copied / self.copy_bytes_per_s
+            seconds += copy_seconds(copied, self.copy_bytes_per_s)
         swapped = self.manager.swapped_bytes(plan.ops) if plan.ops else 0
         if swapped:
             self.swapped_bytes += swapped
@@ -386,6 +385,7 @@ def simulate(entries: Sequence[TraceEntry], config: SimConfig = SimConfig(),
                           "fewer samples or beams (--n, --beam-width), or on larger pages or "
                           "blocks", pool_units=config.pool_units, n=config.n,
                           beam_width=config.beam_width)
+    config.check_copy_bandwidth(entries)        # a profile's trace with hash ids: copies
     manager, sim = config.make_manager(), None
     with (policy_blamed(config.policy, type(manager), manager, lambda: sim.running_ids() if sim
                         else []) if is_custom(config.policy) else nullcontext()):

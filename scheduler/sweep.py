@@ -26,6 +26,9 @@ path and sha256 (``trace_path``, ``trace_sha256``), a custom policy's those of i
 module's file (``policy_path``, ``policy_sha256``: ``sweep_policy.py``). ``run_point`` is a
 plain top-level function of a dict, so a process pool or a Ray cluster can run it.
 
+A trace point's row counts, in ``scaled_requests``, the trace's requests longer than its
+max_len, scaled down to it as ``vmemkv simulate`` does (None for a generated workload).
+
 Values are checked when the spec is read (``scheduler/sweep_spec.py``). A point that fails
 while it runs becomes a row with its parameters and an ``error`` column, and the others go on.
 Ctrl-C cancels every pending point at once and stops the workers running (they ignore SIGINT
@@ -37,7 +40,7 @@ import argparse
 import itertools
 import os
 import signal
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 from .cli_checks import unused_flags
 from .errors import ConfigError
@@ -130,22 +133,26 @@ def used_params(point: dict) -> List[str]:
     return [k for k in PARAMS if k not in unused]
 
 
-def entries_of(point: dict) -> list:
-    """The workload a point names: its trace (rate-scaled, fitted to max_len) or a generated one."""
+def entries_of(point: dict) -> Tuple[list, Optional[int]]:
+    """The workload a point names, its trace (rate-scaled, fitted to max_len) or a generated
+    one, and how many of the trace's requests were longer than max_len and scaled down to it
+    (``traces.fit_to_length``; None for a generated workload)."""
     if point["trace"]:
         entries = load_trace(point["trace"], rate_scale=point["rate_scale"],
                              max_requests=point["max_requests"])
-        return fit_to_length(entries, point["max_len"])[0]
-    return generate(workload_spec(point))
+        return fit_to_length(entries, point["max_len"])
+    return generate(workload_spec(point)), None
 
 
 def run_point(point: dict) -> dict:
-    """One simulation: the point's parameters (and trace file), then every figure of its
-    result (one row)."""
-    figures = simulate(entries_of(point), sim_config(point)).to_dict()
+    """One simulation: the point's parameters (and trace file), its ``unit_tokens`` and
+    ``scaled_requests`` (``entries_of``), then every figure of its result (one row)."""
+    entries, scaled = entries_of(point)
+    figures = simulate(entries, sim_config(point)).to_dict()
     figures["policy_name"] = figures.pop("policy")      # the manager's name; "policy" is the spec's
     row = point_params(point)
     row["unit_tokens"] = unit_tokens(point)
+    row["scaled_requests"] = scaled
     row.update(figures)
     return row
 

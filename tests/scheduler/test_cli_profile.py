@@ -17,12 +17,18 @@ ENGINE = dict(cache="vmem", layout="per-layer", page_bytes=65536, max_batch=4, m
 RUN = ["simulate", "--requests", "20", "--cache-gb", "0.01", "--no-progress", "--json"]
 
 
+def write_profile(tmp_path, model=MODEL, engine=ENGINE, coefficients=COEFFS) -> str:
+    """A version-4 device profile of ``model`` timed on ``engine``, as ``vmemkv calibrate``
+    writes one; its path."""
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 4, "model": model,
+                                "coefficients": coefficients, "engine": engine}))
+    return str(path)
+
+
 @pytest.fixture
 def profile(tmp_path):
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": 4, "model": MODEL,
-                                "coefficients": COEFFS, "engine": ENGINE}))
-    return str(path)
+    return write_profile(tmp_path)
 
 
 def run(argv, capsys):
