@@ -7,11 +7,19 @@
 A request above *total* could never be built; one above *available* would push the machine
 into swap or the OOM killer. Both are refused with ``CacheTooLargeError`` (a MemoryError and a
 CacheConfigError) before anything is allocated, the message giving both sizes in bytes.
+
+A vmem pool grown by ``resize_cache`` creates its pages only when they are first mapped: the
+bytes it may use and has not created yet are *promised*, and not in the available memory yet.
+Every resizable engine in this process is tracked (``track_promises``), and every check of a
+request against the available memory here subtracts the other pools' promises on that device
+(``promised_bytes``), so several engines in one process never promise more than it has.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+import threading
+import weakref
+from typing import Optional, Protocol
 
 import torch
 
@@ -41,6 +49,75 @@ def _memory_bytes(device: torch.device, total: bool) -> Optional[int]:
     return meminfo_bytes("MemTotal" if total else "MemAvailable")
 
 
+class PromisesMemory(Protocol):
+    """An owner of memory created on demand (a resizable engine's vmem pool)."""
+
+    def promised_bytes(self, device: torch.device) -> int:
+        """Bytes of ``device`` memory it may fill on demand and has not created yet (0 on
+        another device, or once closed)."""
+
+
+# the live owners (weak: one collected stops counting); PROMISES_LOCK is held by a resize
+# across its check and the size change, so two threads never both pass against the same bytes
+_promisers: "weakref.WeakSet[PromisesMemory]" = weakref.WeakSet()
+_promisers_lock = threading.Lock()
+PROMISES_LOCK = threading.RLock()
+
+
+def track_promises(owner: PromisesMemory) -> None:
+    """Count ``owner``'s promises in every check from now on (until ``forget_promises`` or its
+    collection)."""
+    with _promisers_lock:
+        _promisers.add(owner)
+
+
+def forget_promises(owner: PromisesMemory) -> None:
+    """Stop counting ``owner``'s promises (closed, or its construction failed). Idempotent."""
+    with _promisers_lock:
+        _promisers.discard(owner)
+
+
+def promised_bytes(device: torch.device, excluding: Optional[PromisesMemory] = None) -> int:
+    """Bytes of ``device`` memory the tracked owners but ``excluding`` (whose request counts
+    its own) have promised and not created yet."""
+    with _promisers_lock:
+        owners = [owner for owner in _promisers if owner is not excluding]
+    return sum(owner.promised_bytes(device) for owner in owners)
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` name one device's memory ("cuda" is the current GPU)."""
+    return _device_key(a) == _device_key(b)
+
+
+def _device_key(device: torch.device) -> tuple:
+    device = torch.device(device)
+    if device.type == "cpu":
+        return ("cpu",)
+    if device.type == "cuda" and device.index is None:
+        return ("cuda", torch.cuda.current_device())
+    return (device.type, device.index)
+
+
+def unpromised_available_bytes(device: torch.device,
+                               excluding: Optional[PromisesMemory] = None) -> Optional[int]:
+    """``available_memory_bytes`` less ``promised_bytes`` (at least 0): what a new request may
+    take now; None when the available memory cannot be read."""
+    return _available_check(device, excluding)[1]
+
+
+def _available_check(device: torch.device,
+                     excluding: Optional[PromisesMemory]) -> tuple[str, Optional[int]]:
+    """(what the limit is called, the limit): the available memory less the promises."""
+    available = available_memory_bytes(device)
+    promised = promised_bytes(device, excluding) if available is not None else 0
+    if not promised:
+        return _where(device, False), available
+    return (f"{_where(device, False)} ({available} bytes) less the {promised} bytes other KV "
+            f"pools in this process promised and have not created yet",
+            max(0, available - promised))
+
+
 def _where(device: torch.device, total: bool) -> str:
     if device.type == "cpu":
         return "host MemTotal" if total else "host MemAvailable"
@@ -49,17 +126,19 @@ def _where(device: torch.device, total: bool) -> str:
 
 def check_fits_device(what: str, num_bytes: int, device: torch.device,
                       committed: bool = True, available_bytes: Optional[int] = None,
-                      remedy: str = "lower cache_bytes (or use memory_utilization)") -> None:
+                      remedy: str = "lower cache_bytes (or use memory_utilization)",
+                      promiser: Optional[PromisesMemory] = None) -> None:
     """Raise CacheTooLargeError, before anything is allocated, when ``num_bytes`` exceeds the
     device's total memory, or (``committed``: the bytes are committed now, not on demand) its
-    available memory (``available_bytes`` when the caller has it, else read now). On CUDA it
+    available memory (``available_bytes`` when the caller has it, else read now, less what the
+    tracked pools but ``promiser``, whose own promise ``num_bytes`` counts, promised). On CUDA it
     reads ``device`` from this process: call it where ``device`` is in use (a check of another
     GPU opens a CUDA context there, hundreds of MiB, until the process ends)."""
     device = torch.device(device)
     checks = [(_where(device, True), device_memory_bytes(device))]
     if committed:
-        checks.append((_where(device, False), available_memory_bytes(device)
-                       if available_bytes is None else available_bytes))
+        checks.append(_available_check(device, promiser) if available_bytes is None
+                      else (_where(device, False), available_bytes))
     if device.type == "cpu":   # ulimit -v bounds what can be mapped at all, committed or not
         checks.append(("address space left under ulimit -v (RLIMIT_AS)", address_space_left_bytes()))
     for where, limit in checks:
@@ -112,12 +191,14 @@ def check_fraction(name: str, value) -> None:
         raise CacheConfigError(f"{name} must be a fraction in (0, 1], got {value!r}")
 
 
-def bytes_from_fraction(fraction: float, device: torch.device) -> int:
+def bytes_from_fraction(fraction: float, device: torch.device,
+                        promiser: Optional[PromisesMemory] = None) -> int:
     """``fraction`` of the device's available memory, in bytes (vLLM's gpu_memory_utilization,
-    but of what is free now, on the host as on a GPU)."""
+    but of what is free now, on the host as on a GPU), less what the tracked pools but
+    ``promiser`` promised (``unpromised_available_bytes``)."""
     check_fraction("memory_utilization", fraction)
     device = torch.device(device)
-    available = available_memory_bytes(device)
+    available = unpromised_available_bytes(device, promiser)
     if available is None:
         raise CacheConfigError(f"memory_utilization needs the available memory of {device}, "
                                f"which cannot be read here; pass cache_bytes instead")

@@ -12,7 +12,9 @@ with the cache on the host, the swap space promised at construction that swapped
 have not filled yet (``unfilled_swap_bytes``): both are filled on demand, so a pool grown into
 them would over-commit the host. With the cache on the host and spawned tensor-parallel ranks,
 every rank's pool is in this machine's memory: each byte of a rank's size counts once per rank,
-as at construction (``check_ranks_fit``). On CUDA rank 0 checks its own GPU only.
+as at construction (``check_ranks_fit``). On CUDA rank 0 checks its own GPU only. What the other
+engines in this process have promised and not created (``promised_bytes``, tracked in
+runtime/memory.py) is not available to this one: every check leaves it out.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import weakref
 from typing import Optional
 
 from vmemkv.runtime import memory
-from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device
+from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device, same_device
 from vmemkv.scheduler.errors import CacheResizeError
 from vmemkv.scheduler.layout import CacheKind
 
@@ -66,6 +68,8 @@ class ElasticMemory:
     """Mixed into Engine (its ``_txn``, ``scheduler``, ``kv``, ``config``)."""
 
     def _init_elastic(self, budget_share) -> None:
+        if budget_share is not None:
+            self._check_budget_fits_device(budget_share.budget.total_bytes)
         self.memory_share = budget_share      # a MemoryBudget share, or None
         # an engine dropped without close() leaves the budget at the budget's next call after
         # it is collected (the finalizer holds the share, not the engine, and may run inside
@@ -75,9 +79,37 @@ class ElasticMemory:
         self._asleep_bytes: Optional[int] = None   # the size to wake to; None: awake
         self._preempted_last = 0                   # scheduler preemptions seen at the last step
         self.resizes = 0
+        if self.resizable:       # its pages past committed_bytes are promised (tracked weakly)
+            memory.track_promises(self)
+
+    def _check_budget_fits_device(self, total_bytes: int) -> None:
+        """EngineConfigError, the cache just built closed, when the budget's ``total_bytes``
+        (one device's memory, and the share's max by default) exceeds the device's total
+        memory: no engine may be promised memory the device does not have."""
+        from .errors import EngineConfigError
+        device = self.cache_config.torch_device
+        device_bytes = memory.device_memory_bytes(device)
+        if device_bytes is None or total_bytes <= device_bytes:
+            return
+        # Engine's failure path leaves the budget and the model's attention, not the cache
+        (self.tp if self.tp is not None else self.kv).close()
+        where = "host MemTotal" if device.type == "cpu" else f"{device} total memory"
+        raise EngineConfigError(f"memory_budget: its total_bytes ({total_bytes}) exceeds the "
+                                f"{where} ({device_bytes} bytes); give the MemoryBudget at "
+                                f"most the memory of the device its engines share")
+
+    def promised_bytes(self, device) -> int:
+        """Bytes of ``device`` memory the pool may use and has not created yet: ``cache_bytes``
+        less ``committed_bytes``, once per rank spawned on the host (runtime/memory.py's
+        ``PromisesMemory``); 0 on another device, asleep (nothing promised) or closed."""
+        if self._closed or not same_device(device, self.cache_config.torch_device):
+            return 0
+        return self._pool_copies() * max(0, self.cache_bytes - self.committed_bytes)
 
     def _leave_budget(self) -> None:
-        """Leave the budget now (close, a construction that failed). Idempotent."""
+        """Leave the budget and stop counting the pool's promise now (close, a construction
+        that failed). Idempotent."""
+        memory.forget_promises(self)
         if self._budget_finalizer is not None:
             self._budget_finalizer.detach()
             self.memory_share.unregister()
@@ -144,10 +176,12 @@ class ElasticMemory:
                                    f"{mgr.max_cache_bytes} (EngineConfig.max_cache_bytes: the "
                                    f"pool's page ids are reserved at construction)")
         growth = cache_bytes - mgr.cache_bytes
-        if growth > 0:
-            self._check_growth_fits(growth, cache_bytes)
-        try:
-            self._txn.run(lambda: self.scheduler.resize(cache_bytes, preempt, check_fit, partial))
+        try:   # no other engine's check runs between this one's and the size it promises
+            with memory.PROMISES_LOCK:
+                if growth > 0:
+                    self._check_growth_fits(growth, cache_bytes)
+                self._txn.run(lambda: self.scheduler.resize(cache_bytes, preempt, check_fit,
+                                                            partial))
         except TensorParallelError:
             self.close()          # a rank died or hung, as in step (run rolled back first)
             raise
@@ -160,7 +194,8 @@ class ElasticMemory:
         """CacheResizeError, before anything changes, when the memory growing each rank's pool
         to ``cache_bytes`` needs (``cache_bytes`` less its ``committed_bytes``, once per rank
         whose pool is in this device's memory) beside ``unfilled_swap_bytes`` exceeds the
-        device's total or available memory."""
+        device's total memory, or its available memory less what the other engines' pools
+        promised and have not created."""
         ranks, swap = self._pool_copies(), self.unfilled_swap_bytes   # swap: every rank's
         committed = self.committed_bytes
         unbacked = max(0, cache_bytes - committed)     # earlier grows' pages not created yet too
@@ -175,15 +210,16 @@ class ElasticMemory:
         try:
             check_fits_device(what, ranks * unbacked + swap, self.cache_config.torch_device,
                               remedy="grow less" + (", or build the engine with less swap_bytes"
-                                                    if swap else ""))
+                                                    if swap else ""), promiser=self)
         except Exception as error:
             raise CacheResizeError(str(error)) from None
 
     def _bytes_for_utilization(self, fraction: float) -> int:
         """``resize_cache(memory_utilization=fraction)``'s size a rank: that fraction of the
-        available memory less ``unfilled_swap_bytes``, plus ``committed_bytes`` (what the pool
-        has created; a size promised beyond it is not in the available memory yet)."""
-        grant = max(0, bytes_from_fraction(fraction, self.device)
+        available memory (less the other engines' promises) less ``unfilled_swap_bytes``, plus
+        ``committed_bytes`` (what the pool has created; a size promised beyond it is not in the
+        available memory yet)."""
+        grant = max(0, bytes_from_fraction(fraction, self.device, promiser=self)
                     - int(fraction * self.unfilled_swap_bytes))
         ranks = self._pool_copies()
         if ranks * fraction > 1:
@@ -225,9 +261,9 @@ class ElasticMemory:
 
     def _pool_room_bytes(self) -> Optional[int]:
         """The most a rank's pool may grow to now (None: the available memory is unreadable):
-        ``committed_bytes`` plus its share of the available memory less
-        ``unfilled_swap_bytes``."""
-        avail = memory.available_memory_bytes(self.cache_config.torch_device)
+        ``committed_bytes`` plus its share of the available memory less the other engines'
+        promises and ``unfilled_swap_bytes``."""
+        avail = memory.unpromised_available_bytes(self.cache_config.torch_device, self)
         if avail is None:
             return None
         room = max(0, avail - self.unfilled_swap_bytes) // self._pool_copies()
