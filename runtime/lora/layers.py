@@ -24,6 +24,7 @@ from .weights import AdapterWeights
 # the attention and MLP projections of Llama, Qwen2, Mistral, Gemma (and Phi-3's fused ones)
 PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj",
                          "gate_proj", "up_proj", "down_proj", "gate_up_proj"})
+KV_PROJECTIONS = frozenset({"k_proj", "v_proj", "qkv_proj"})   # those whose outputs are K or V
 _SLOTS_ATTRIBUTE = "_vmemkv_lora_slots"
 
 Segment = Tuple[int, int, Optional[AdapterWeights]]

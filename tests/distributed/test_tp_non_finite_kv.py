@@ -10,59 +10,44 @@ non-finite K/V, stores zeros, finishes the forward's collectives, and the ranks 
 (one all_reduce): all raise NonFiniteKVError together and unfix what the step fixed, and the
 engine re-runs the step's sequences one at a time on every rank, failing the one that fails
 alone. A forward that raises anything else on rank 0 closes the engine (TensorParallelError).
+
+The NaN comes from poison tokens in the bad requests' prompts (tests/kv_fault_injection.py: an
+overflow in the model); their hooks travel with the pickled model to every rank and hook each
+rank's own v_proj shard, so a fault in one KV head is in that head's rank only.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vmemkv.runtime.engine import Engine, SamplingParams
+from vmemkv.runtime.engine import Engine
 from vmemkv.runtime.engine.errors import TensorParallelError
 from vmemkv.runtime.models import build_model
 
-from ..engine.test_kv_scales_failed_request import PLAIN, PROMPTS, _huge_then_nan_adapter
-from ..lora.adapters import save_adapter
-
-
-def _nan_in_head_adapter(model, folder, head: int) -> str:
-    """Layer 1's V NaN in KV head ``head`` only (rank ``head``'s at TP=2); the rest finite."""
-    from safetensors.torch import load_file, save_file
-    path = save_adapter(model, folder, seed=2, target_modules=("v_proj",))
-    weights = load_file(f"{path}/adapter_model.safetensors")
-    for name, w in weights.items():
-        if "layers.1." in name and "lora_B" in name:
-            half = w.shape[0] // 2
-            w[head * half:(head + 1) * half] = float("nan")
-    save_file(weights, f"{path}/adapter_model.safetensors")
-    return path
+from ..engine.test_kv_scales_failed_request import HUGE_THEN_NAN, PLAIN, PROMPTS
+from ..kv_fault_injection import NAN, POISON, VFault, poison_v
 
 
 BAD_PROMPT = [20, 21, 22, 23, 24, 25, 26]
+FAULTS = {"huge_then_nan": (POISON, HUGE_THEN_NAN),         # name: (poison token, its V faults)
+          "nan_rank0": (POISON - 1, (VFault(layer=1, factor=NAN, kv_heads=(0,)),)),   # layer 1's
+          "nan_rank1": (POISON - 2, (VFault(layer=1, factor=NAN, kv_heads=(1,)),))}   # V, 1 head
 
 
-def _bad(lora: str) -> SamplingParams:
-    return SamplingParams(max_new_tokens=6, ignore_eos=True, lora=lora)
-
-
-def test_nan_kv_under_tp_fails_its_request_alone_and_keeps_every_rank_in_step(tmp_path):
-    model = build_model("tiny-llama", seed=0)
+def test_nan_kv_under_tp_fails_its_request_alone_and_keeps_every_rank_in_step():
+    model = poison_v(build_model("tiny-llama", seed=0), dict(FAULTS.values()))
     options = dict(cache="vmem", max_batch=4, max_context=64, kv_cache_dtype="int8")
     with Engine(model, **options) as reference:       # the plain requests alone, in order
         want = [reference.generate([p], PLAIN)[0].outputs[0].token_ids for p in PROMPTS]
         want_k, want_v = (t.clone() for t in (reference.kv.cache.kv_scales.k,
                                               reference.kv.cache.kv_scales.v))
-    adapters = {"huge_then_nan": _huge_then_nan_adapter(model, tmp_path / "a"),
-                "nan_rank0": _nan_in_head_adapter(model, tmp_path / "b", 0),
-                "nan_rank1": _nan_in_head_adapter(model, tmp_path / "c", 1)}
     with Engine(model, tensor_parallel_size=2, tp_timeout_s=60, **options) as engine:
-        for name, path in adapters.items():
-            engine.add_lora(name, path)
         pids = engine.tp.rank_pids
-        for prompt, lora, want_tokens in zip(PROMPTS, adapters, want):
-            bad, good = engine.generate([BAD_PROMPT, prompt], [_bad(lora), PLAIN])
-            assert bad.status == "failed" and bad.error.type == "NonFiniteKVError", lora
+        for prompt, (fault, (poison, _)), want_tokens in zip(PROMPTS, FAULTS.items(), want):
+            bad, good = engine.generate([BAD_PROMPT + [poison], prompt], PLAIN)
+            assert bad.status == "failed" and bad.error.type == "NonFiniteKVError", fault
             assert "holds NaN" in bad.error.message
-            assert good.status == "finished" and good.outputs[0].token_ids == want_tokens, lora
+            assert good.status == "finished" and good.outputs[0].token_ids == want_tokens, fault
         states = engine.tp.memory_states()             # both ranks answer: alive, in step
         assert engine.tp.rank_pids == pids and not engine.closed
         manager = engine.kv.manager                    # nothing live; every rank maps what

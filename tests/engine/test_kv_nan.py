@@ -1,11 +1,12 @@
-"""K/V holding NaN (a LoRA adapter with NaN weights here; an overflow in a model does the same)
-on an 8-bit cache: int8 has no NaN and stored code 0, so the request finished 'length' with
-made-up tokens where every other encoding failed it; and a first write's NaN would have fixed
-the layer's scale to NaN for every later request. The write is refused (NonFiniteKVError)
-before anything is stored or fixed: the request fails alone, the others are exact. The same
-for +-inf (an adapter whose layer-0 V overflows): int8 and both fp8s clamped it to their max
-and the request finished with made-up tokens where auto/bf16/fp16 failed it, and a first
-write's inf gave the head the scale 1.0 for every later request."""
+"""K/V holding NaN (an overflow in the model: a poison token whose V is NaN in every layer,
+injected by tests/kv_fault_injection.py) on an 8-bit cache: int8 has no NaN and stored code 0,
+so the request finished 'length' with made-up tokens where every other encoding failed it; and
+a first write's NaN would have fixed the layer's scale to NaN for every later request. The
+write is refused (NonFiniteKVError) before anything is stored or fixed: the request fails
+alone, the others are exact. The same for +-inf (a poison token whose layer-0 V overflows):
+int8 and both fp8s clamped it to their max and the request finished with made-up tokens where
+auto/bf16/fp16 failed it, and a first write's inf gave the head the scale 1.0 for every later
+request."""
 from __future__ import annotations
 
 import pytest
@@ -15,30 +16,23 @@ from vmemkv.runtime.engine import Engine, SamplingParams
 from vmemkv.runtime.kv_dtype import KVScales
 from vmemkv.runtime.models import build_model
 
-from ..lora.adapters import save_adapter
+from ..kv_fault_injection import INF, NAN, POISON, VFault, poison_v
 
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]
 PLAIN = SamplingParams(max_new_tokens=4, ignore_eos=True)
 
 
-def _nan_adapter(model, folder, bad: str = "nan") -> str:
-    """Every V weight NaN ("nan"), or layer 0's 1e25 and the others 0 ("inf": V = +-inf)."""
-    from safetensors.torch import load_file, save_file
-    path = save_adapter(model, folder, seed=2, target_modules=("v_proj",))
-    weights = load_file(f"{path}/adapter_model.safetensors")
-    value = {"nan": lambda k: float("nan"), "inf": lambda k: 1e25 if "layers.0." in k else 0.0}
-    save_file({k: torch.full_like(v, value[bad](k)) for k, v in weights.items()},
-              f"{path}/adapter_model.safetensors")
-    return path
+FAULTS = {"nan": (VFault(layer=0, factor=NAN), VFault(layer=1, factor=NAN)),   # every V row
+          "inf": (VFault(layer=0, factor=INF),)}                                 # V = +-inf
 
 
 @pytest.mark.parametrize("bad, what", [("nan", "NaN"), ("inf", "+-inf")])
 @pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("given_scales", [True, False])
 @pytest.mark.parametrize("cache", ["vmem", "paged"])
-def test_nan_kv_on_an_8bit_cache_fails_its_request_alone(tmp_path, kv_cache_dtype, given_scales,
-                                                         cache, bad, what):
-    model = build_model("tiny-llama", seed=0)
+def test_nan_kv_on_an_8bit_cache_fails_its_request_alone(kv_cache_dtype, given_scales, cache,
+                                                         bad, what):
+    model = poison_v(build_model("tiny-llama", seed=0), {POISON: FAULTS[bad]})
     scales = {"kv_scales": KVScales.of([[0.05, 0.07]] * 2, [[0.03, 0.04]] * 2)} \
         if given_scales else {}
     options = dict(cache=cache, max_batch=4, max_context=64, kv_cache_dtype=kv_cache_dtype,
@@ -48,9 +42,7 @@ def test_nan_kv_on_an_8bit_cache_fails_its_request_alone(tmp_path, kv_cache_dtyp
         want += [o.outputs[0].token_ids for o in reference.generate(PROMPTS[2:], PLAIN)]
         want_v = reference.kv.cache.kv_scales.v.clone()
     with Engine(model, **options) as engine:
-        engine.add_lora("nan", _nan_adapter(model, tmp_path / "nan", bad))
-        first = engine.generate(PROMPTS[:2], [SamplingParams(max_new_tokens=4, ignore_eos=True,
-                                                             lora="nan"), PLAIN])
+        first = engine.generate([PROMPTS[0] + [POISON], PROMPTS[1]], PLAIN)
         later = engine.generate(PROMPTS[2:], PLAIN)      # the scales are not NaN nor 1.0
         assert torch.equal(engine.kv.cache.kv_scales.v, want_v)
     assert first[0].status == "failed" and first[0].error.type == "NonFiniteKVError"

@@ -1,6 +1,7 @@
-"""A request that ends "failed" fixes no 8-bit first-write scales: B (a LoRA adapter making
-layer 0's V huge but finite and layer 1's V NaN) batched with plain A fixed layer 0's V scales
-from B's values (1339.86 instead of 0.027 on int8) before layer 1 refused its NaN, and the
+"""A request that ends "failed" fixes no 8-bit first-write scales: B (a poison token in its
+prompt whose layer-0 V is 300x the model's, huge but finite, and whose layer-1 V is NaN: an
+overflow in the model, injected by tests/kv_fault_injection.py) batched with plain A fixed layer
+0's V scales from B's values (far above A's 0.027 on int8) before layer 1 refused its NaN, and the
 failed step's scales were kept by the rollback and by the lone re-runs, so A's tokens and every
 later request's differed from a run without B (docs/errors.md 'failed'). Scales that a step
 rolled back or a lone run fixed are unfixed: the next kept write fixes them."""
@@ -12,25 +13,18 @@ import torch
 from vmemkv.runtime.engine import Engine, SamplingParams
 from vmemkv.runtime.models import build_model
 
-from ..lora.adapters import save_adapter
+from ..kv_fault_injection import NAN, POISON, VFault, poison_v
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], [5, 6, 7, 8, 9, 10, 11, 12], [9, 10, 11, 12, 13]]
 PLAIN = SamplingParams(max_new_tokens=6, ignore_eos=True)
 
 
-def _huge_then_nan_adapter(model, folder) -> str:
-    """Layer 0's V finite, 300x a random adapter's (its amax far above A's); layer 1's NaN."""
-    from safetensors.torch import load_file, save_file
-    path = save_adapter(model, folder, seed=2, target_modules=("v_proj",))
-    weights = load_file(f"{path}/adapter_model.safetensors")
-    save_file({k: v * 300.0 if "layers.0." in k else torch.full_like(v, float("nan"))
-               for k, v in weights.items()}, f"{path}/adapter_model.safetensors")
-    return path
+HUGE_THEN_NAN = (VFault(layer=0, factor=300.0), VFault(layer=1, factor=NAN))   # per V row
 
 
 @pytest.mark.parametrize("kv_cache_dtype, cache", [("int8", "vmem"), ("fp8_e4m3", "paged")])
-def test_a_failed_requests_kv_fixes_no_scales(tmp_path, kv_cache_dtype, cache):
-    model = build_model("tiny-llama", seed=0)
+def test_a_failed_requests_kv_fixes_no_scales(kv_cache_dtype, cache):
+    model = poison_v(build_model("tiny-llama", seed=0), {POISON: HUGE_THEN_NAN})
     options = dict(cache=cache, max_batch=4, max_context=64, kv_cache_dtype=kv_cache_dtype)
     with Engine(model, **options) as reference:       # the plain requests alone, in order
         want = [o.outputs[0].token_ids for o in reference.generate(PROMPTS[1:2], PLAIN)]
@@ -38,9 +32,7 @@ def test_a_failed_requests_kv_fixes_no_scales(tmp_path, kv_cache_dtype, cache):
         want_k, want_v = (t.clone() for t in (reference.kv.cache.kv_scales.k,
                                               reference.kv.cache.kv_scales.v))
     with Engine(model, **options) as engine:
-        engine.add_lora("bad", _huge_then_nan_adapter(model, tmp_path / "bad"))
-        first = engine.generate(PROMPTS[:2], [SamplingParams(max_new_tokens=6, ignore_eos=True,
-                                                             lora="bad"), PLAIN])
+        first = engine.generate([PROMPTS[0] + [POISON], PROMPTS[1]], PLAIN)
         later = engine.generate(PROMPTS[2:], PLAIN)
         scales = engine.kv.cache.kv_scales
     assert first[0].status == "failed" and first[0].error.type == "NonFiniteKVError"
