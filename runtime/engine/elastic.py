@@ -29,12 +29,14 @@ from vmemkv.scheduler.layout import CacheKind
 from .errors import EngineClosedError, EngineSleepingError, TensorParallelError
 
 
-def budget_share_for(budget, cfg, cache_bytes: int, name: str, register: bool = True):
+def budget_share_for(budget, cfg, cache_bytes: int, name: str, register: bool = True,
+                     device=None):
     """The engine's share of ``budget`` (None without one): ``cache_bytes`` held now,
     ``min_cache_bytes`` (default: those) reserved, up to ``max_cache_bytes`` (default: the
     budget's total). EngineConfigError when the budget cannot hold it, when
     ``min_cache_bytes`` is above ``cache_bytes`` or the max, or given without a budget.
-    ``register=False``: only the checks (before anything is built); returns None."""
+    ``register=False``: only the checks (before anything is built); returns None. ``device``:
+    the cache's, whose total memory the budget's total may not exceed."""
     from .errors import EngineConfigError
     low = cache_bytes if cfg.min_cache_bytes is None else cfg.min_cache_bytes
     if budget is None:
@@ -56,6 +58,8 @@ def budget_share_for(budget, cfg, cache_bytes: int, name: str, register: bool = 
         if low > limit:
             raise EngineConfigError(f"min_cache_bytes ({low}) is above {what}: the engine "
                                     f"starts at cache_bytes and may hold no more than its max")
+    if device is not None:
+        _check_budget_fits_device(budget.total_bytes, device)
     if not register:
         return None
     try:
@@ -64,12 +68,24 @@ def budget_share_for(budget, cfg, cache_bytes: int, name: str, register: bool = 
         raise EngineConfigError(f"memory_budget: {error}") from None
 
 
+def _check_budget_fits_device(total_bytes: int, device) -> None:
+    """EngineConfigError when the budget's ``total_bytes`` (one device's memory, and a share's
+    max by default) exceeds ``device``'s total memory: no engine may be promised memory the
+    device does not have. Checked before anything is built."""
+    from .errors import EngineConfigError
+    device_bytes = memory.device_memory_bytes(device)
+    if device_bytes is None or total_bytes <= device_bytes:
+        return
+    where = "host MemTotal" if device.type == "cpu" else f"{device} total memory"
+    raise EngineConfigError(f"memory_budget: its total_bytes ({total_bytes}) exceeds the "
+                            f"{where} ({device_bytes} bytes); give the MemoryBudget at "
+                            f"most the memory of the device its engines share")
+
+
 class ElasticMemory:
     """Mixed into Engine (its ``_txn``, ``scheduler``, ``kv``, ``config``)."""
 
     def _init_elastic(self, budget_share) -> None:
-        if budget_share is not None:
-            self._check_budget_fits_device(budget_share.budget.total_bytes)
         self.memory_share = budget_share      # a MemoryBudget share, or None
         # an engine dropped without close() leaves the budget at the budget's next call after
         # it is collected (the finalizer holds the share, not the engine, and may run inside
@@ -81,22 +97,6 @@ class ElasticMemory:
         self.resizes = 0
         if self.resizable:       # its pages past committed_bytes are promised (tracked weakly)
             memory.track_promises(self)
-
-    def _check_budget_fits_device(self, total_bytes: int) -> None:
-        """EngineConfigError, the cache just built closed, when the budget's ``total_bytes``
-        (one device's memory, and the share's max by default) exceeds the device's total
-        memory: no engine may be promised memory the device does not have."""
-        from .errors import EngineConfigError
-        device = self.cache_config.torch_device
-        device_bytes = memory.device_memory_bytes(device)
-        if device_bytes is None or total_bytes <= device_bytes:
-            return
-        # Engine's failure path leaves the budget and the model's attention, not the cache
-        (self.tp if self.tp is not None else self.kv).close()
-        where = "host MemTotal" if device.type == "cpu" else f"{device} total memory"
-        raise EngineConfigError(f"memory_budget: its total_bytes ({total_bytes}) exceeds the "
-                                f"{where} ({device_bytes} bytes); give the MemoryBudget at "
-                                f"most the memory of the device its engines share")
 
     def promised_bytes(self, device) -> int:
         """Bytes of ``device`` memory the pool may use and has not created yet: ``cache_bytes``

@@ -104,7 +104,8 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
                            kv_dtype=kv_dtype)
         cache_bytes = cache_budget_bytes(cfg, self.cache_config, self.vocab_size)   # fits, + logits
         check_ranks_fit(cfg, cache_bytes, self.cache_config.torch_device)   # all ranks, too
-        budget_share_for(memory_budget, cfg, cache_bytes, "", register=False)   # checks only
+        budget_share_for(memory_budget, cfg, cache_bytes, "", register=False,   # checks only
+                         device=self.cache_config.torch_device)
         # the model's own attention, read and counted under its lock (TP: ranks run shard copies)
         self._holds_attention = cfg.tensor_parallel_size == 1
         own = hold_vmemkv_attention(model, self) if self._holds_attention else None

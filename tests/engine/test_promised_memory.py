@@ -102,12 +102,17 @@ def test_rebalance_grows_only_into_what_no_other_engine_promised(host_of_1_mib):
 
 def test_a_budget_larger_than_the_device_is_refused_naming_both(host_of_1_mib, monkeypatch):
     """A 1 TiB budget on a 23.5 GiB host was accepted, each engine's max its total: the first
-    grow step (1/8 of it) asked for all the available memory. Refused, as the docs have the
-    budget: one device's memory."""
+    grow step (1/8 of it) asked for all the available memory. Refused before anything is
+    built, as the docs have the budget: one device's memory."""
+    from vmemkv.runtime.engine import engine as engine_module
     monkeypatch.setattr(memory, "device_memory_bytes", lambda device: 2048 * KiB)
     budget = MemoryBudget(3072 * KiB)       # its page ids' tables: 768 KiB, within the 1 MiB
+    built, real_make_kv = [], engine_module.make_kv
+    monkeypatch.setattr(engine_module, "make_kv",
+                        lambda *args, **kwargs: built.append(1) or real_make_kv(*args, **kwargs))
     with pytest.raises(EngineConfigError) as info:
         Engine(model(), memory_budget=budget, cache_bytes=64 * KiB, **OPTS)
+    assert built == []                      # refused before any cache or page table is built
     for words in ("total_bytes (3145728)", "host MemTotal (2097152 bytes)"):
         assert words in str(info.value), (words, str(info.value))
     assert budget.held_bytes == 0 and budget.stats()["shares"] == {}
