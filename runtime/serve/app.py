@@ -47,6 +47,7 @@ from .chat import ChatFormat, chat_token_ids, parse_chat_request
 from .completions import CompletionFormat, ServedModel, prompt_token_ids
 from .engine_thread import EngineThread
 from .errors import ApiError, internal_error
+from .limits import ResponseBounds
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .shutdown import Drain, shutting_down
 from .submission import Submission
@@ -61,6 +62,7 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
     ``drain``: the shutdown's (shutdown.py); auth and body limits wrap the app (auth.Guard).
     ``lora_root``: the folder runtime adapter loading may read (None: off; lora_routes.py)."""
     drain = drain or Drain()
+    bounds = ResponseBounds.of(served.tokenizer, served.vocab_size)   # its tokens' JSON bytes
     app = FastAPI(title="vmemkv", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(_ReleaseWhenSent)
     _error_handlers(app)
@@ -98,12 +100,12 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _answer(request, "/v1/completions", drain,
-                             lambda: _complete(request, server, served, drain))
+                             lambda: _complete(request, server, served, drain, bounds))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await _answer(request, "/v1/chat/completions", drain,
-                             lambda: _chat(request, server, served, drain))
+                             lambda: _chat(request, server, served, drain, bounds))
 
     add_admin_routes(app, server)
     add_lora_routes(app, server, lora_root, served.name)
@@ -123,7 +125,7 @@ async def _answer(request: Request, path: str, drain: Drain, work) -> Response:
 
 
 async def _complete(request: Request, server: EngineThread, served: ServedModel,
-                    drain: Drain) -> Response:
+                    drain: Drain, bounds: ResponseBounds) -> Response:
     arrival_s, created_s = time.perf_counter(), int(time.time())
     req = salted(await asyncio.to_thread(protocol.parse_completion_request, await request.body()),
                  request.scope)                                     # parsed off the event loop
@@ -131,21 +133,23 @@ async def _complete(request: Request, server: EngineThread, served: ServedModel,
     params = served.engine_params(req.sampling_params(), req.model)
     submission = _held(request, Submission(server, batch, params, arrival_s, "cmpl",
                                            served.tokenizer is not None, stream=req.stream,
-                                           echo=req.echo))   # the limit counts the echo
+                                           echo=req.echo,    # the limit counts the echo
+                                           bound=bounds.completion))
     fmt = CompletionFormat(req, served, req.prompts(), batch, submission)
     return await _respond(request, submission, fmt, (req.model or served.name, created_s), req,
                           drain)
 
 
 async def _chat(request: Request, server: EngineThread, served: ServedModel,
-                drain: Drain) -> Response:
+                drain: Drain, bounds: ResponseBounds) -> Response:
     arrival_s, created_s = time.perf_counter(), int(time.time())
     req = salted(await asyncio.to_thread(parse_chat_request, await request.body()),
                  request.scope)
     ids, max_tokens = await asyncio.to_thread(chat_token_ids, req, served)   # off the loop
     params = served.engine_params(req.sampling_params(max_tokens), req.model)
     submission = _held(request, Submission(server, [ids], params, arrival_s, "chatcmpl", True,
-                                           stream=req.stream, max_param=req.max_param))
+                                           stream=req.stream, max_param=req.max_param,
+                                           bound=bounds.chat))
     return await _respond(request, submission, ChatFormat(req, served, submission),
                           (req.model or served.name, created_s), req, drain)
 

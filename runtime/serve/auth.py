@@ -5,7 +5,9 @@
     1. Bearer auth    with API keys (``--api-key``, repeatable, or ``VMEMKV_API_KEY``, comma
                       separated) every route but ``/health`` needs ``Authorization: Bearer KEY``
                       (401 otherwise); ``/metrics`` needs ``--metrics-key`` when one is set (else
-                      an API key); the operator routes (``ADMIN_PATHS``: sleep, wake, resize,
+                      an API key; with ``--salt-per-key`` the admin key, never a tenant's: it
+                      counts every tenant's tokens and prefix hits, so a tenant's key is 403);
+                      the operator routes (``ADMIN_PATHS``: sleep, wake, resize,
                       load and unload adapters) need ``--admin-key`` when one is set, else an
                       API key, but never a tenant's: with ``--salt-per-key`` (each key a tenant)
                       and no admin key they answer 403. Keys are visible ASCII (what an HTTP
@@ -46,8 +48,9 @@ ADMIN_PATHS = ("/sleep", "/wake_up", "/resize", "/v1/load_lora_adapter", "/v1/un
 @dataclass(frozen=True)
 class AuthConfig:
     """API keys (none: no auth), the metrics key (None: /metrics takes an API key, or nothing
-    without keys), the admin key (None: the operator routes take an API key, none with
-    ``salt_per_key``) and whether each key gets its own prefix-cache salt."""
+    without keys; with ``salt_per_key`` the admin key, or none), the admin key (None: the
+    operator routes take an API key, none with ``salt_per_key``) and whether each key gets its
+    own prefix-cache salt."""
     api_keys: Tuple[str, ...] = ()
     metrics_key: Optional[str] = None
     salt_per_key: bool = False
@@ -84,12 +87,20 @@ class AuthConfig:
             return (), ""
         if path == "/metrics" and self.metrics_key:
             return (self.metrics_key,), "the metrics key (--metrics-key)"
+        if path == "/metrics" and self.salt_per_key:
+            return ((self.admin_key,) if self.admin_key else None), \
+                "the metrics key (--metrics-key) or the admin key (--admin-key)"
         if path in ADMIN_PATHS:
             if self.admin_key:
                 return (self.admin_key,), "the admin key (--admin-key)"
             if self.salt_per_key:
                 return None, "the admin key (--admin-key): with --salt-per-key each API key is a tenant's"
         return self.api_keys, "a valid API key"
+
+    def closed_to_tenants(self, path: str) -> bool:
+        """Whether ``path`` tells one tenant about the others, so that with ``salt_per_key`` no
+        API key (each a tenant's) opens it: /metrics without a metrics key."""
+        return self.salt_per_key and path == "/metrics" and not self.metrics_key
 
     def key_for(self, path: str, authorization: str) -> Tuple[bool, Optional[str]]:
         """(allowed, the API key that matched) for a request to ``path``."""
@@ -98,13 +109,22 @@ class AuthConfig:
             return False, None
         if not wanted:
             return True, None
-        scheme, _, token = authorization.partition(" ")
-        token = token.strip() if scheme.lower() == "bearer" else ""
-        matched = None
-        for key in wanted:                  # every key, every time: no early exit to time
-            if hmac.compare_digest(token.encode(), key.encode()):
-                matched = key
+        matched = _matching(authorization, wanted)
         return matched is not None, matched
+
+    def is_api_key(self, authorization: str) -> bool:
+        return _matching(authorization, self.api_keys) is not None
+
+
+def _matching(authorization: str, keys: Sequence[str]) -> Optional[str]:
+    """The key of ``keys`` an Authorization header's bearer token is, else None."""
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip() if scheme.lower() == "bearer" else ""
+    matched = None
+    for key in keys:                        # every key, every time: no early exit to time
+        if hmac.compare_digest(token.encode(), key.encode()):
+            matched = key
+    return matched
 
 
 def key_salt(key: str) -> str:
@@ -140,15 +160,22 @@ class Guard:
         await self.app(scope, BodyLimits(receive, scope, self.limits), send)
 
     def _check(self, scope, headers: dict) -> None:
-        allowed, key = self.auth.key_for(scope["path"], headers.get("authorization", ""))
+        path, authorization = scope["path"], headers.get("authorization", "")
+        allowed, key = self.auth.key_for(path, authorization)
         if not allowed:
-            wanted, who = self.auth.wanted(scope["path"])
+            wanted, who = self.auth.wanted(path)
             log.info("refused %s: %s %s without %s", client_name(scope), scope["method"],
-                     scope["path"], who)
+                     path, who)
+            if self.auth.closed_to_tenants(path) and (wanted is None
+                                                      or self.auth.is_api_key(authorization)):
+                raise ApiError(403, f"{path} counts every tenant's tokens and prefix-cache hits; "
+                                    f"with --salt-per-key (each API key a tenant's) it is open "
+                                    f"only with {who}, never an API key"
+                                    + ("" if wanted else " (neither is set on this server)"))
             if wanted is None:
-                raise ApiError(403, f"{scope['path']} changes the server for every client; it "
+                raise ApiError(403, f"{path} changes the server for every client; it "
                                     f"is open only with {who} (not set on this server)")
-            raise ApiError(401, f"{scope['path']} needs {who}: Authorization: Bearer KEY",
+            raise ApiError(401, f"{path} needs {who}: Authorization: Bearer KEY",
                            headers={"WWW-Authenticate": "Bearer"})
         if key is not None and self.auth.salt_per_key:
             scope[SALT_SCOPE_KEY] = key_salt(key)

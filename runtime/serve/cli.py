@@ -64,7 +64,8 @@ def _security_flags(g) -> None:
                         "and keeps them out of ps (default: no auth)")
     g.add_argument("--metrics-key", default=None, metavar="KEY", type=_not_empty,
                    help="the key /metrics needs (also VMEMKV_METRICS_KEY) (default: an API key, "
-                        "or none without API keys)")
+                        "or none without API keys; with --salt-per-key the admin key, never a "
+                        "tenant's)")
     g.add_argument("--admin-key", default=None, metavar="KEY", type=_not_empty,
                    help="the key the operator routes need (/sleep, /wake_up, /resize, "
                         "/v1/load_lora_adapter, /v1/unload_lora_adapter; also VMEMKV_ADMIN_KEY) "

@@ -18,10 +18,10 @@ request reaches the engine, each refusal one log line naming the client.
                   the server's CPU) only with ``trust_request_chat_template``, else a 400
                   naming it (vLLM's ``--trust-request-chat-template``); prompts are rendered
                   and tokenized off the event loop, so a long one never stalls other clients
-    response      ``max_response_bytes`` at most, estimated before anything is queued
-                  (``check_response_bytes``: prompts x choices x tokens, each token
-                  ``token_response_bytes``): a 400 naming the field to lower; the limit itself
-                  is checked against the host's MemAvailable when the limits are made
+    response      ``max_response_bytes`` at most, bounded before anything is queued
+                  (``check_response_bytes``: prompts x choices x tokens, each token at the
+                  served tokenizer's ``TokenBytes``): a 400 naming the field to lower; the limit
+                  itself is checked against the host's MemAvailable when the limits are made
 
 ``GuardedH11Protocol`` is uvicorn's h11 protocol with the connection and header rules (a
 subclass: the h11 one is the only one whose hooks those rules need); ``BodyLimits`` wraps an
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import resource
@@ -46,12 +47,14 @@ log = logging.getLogger("vmemkv.serve")
 CLOSE = {"Connection": "close"}   # the rest of a refused body is never read
 MAX_JSON_DEPTH = 32          # a completions body is 3 deep; 32 leaves room, refuses bombs
 DEFAULT_MAX_RESPONSE_BYTES = 64 * 2**20
-# A response's JSON, per token (2026-12-06, tiny-llama, 1- to 3-character tokens): 8-9 bytes
-# without logprobs (its text and id); with logprobs k, k + 1 entries (its own and the top k) of
-# 16-26 bytes each in a completion, 60-85 in a chat completion (which adds each token's bytes).
-# Real tokenizers' longer tokens add a few bytes an entry: the estimate rounds both up.
+# A response's JSON a token without a tokenizer (2026-12-06, tiny-llama: ids 0-255): 8-9 bytes,
+# and 16-26 for each of its k + 1 logprob entries; a tokenizer's: ``ResponseBounds``
 RESPONSE_BYTES_PER_TOKEN = 16
 RESPONSE_BYTES_PER_LOGPROB = 80
+FLOAT_JSON_BYTES = 24        # the longest repr of a float: -1.2345678901234567e-308
+OFFSET_JSON_BYTES = 12       # a text_offset: under 10**12 characters
+CHOICE_JSON_BYTES = 256      # a choice's keys, index, finish_reason and empty lists
+ENVELOPE_JSON_BYTES = 1024   # id, object, created, usage and a model id of up to ~800 bytes
 # Building a JSON response holds its TokenLogprobs, the dicts and the text at once: a
 # completion with logprobs 20 took 4.4 KiB of RSS a token, 2.6 x its estimate (2026-12-06)
 HELD_BYTES_PER_RESPONSE_BYTE = 4
@@ -106,29 +109,84 @@ def _fd_limit() -> int:
     return soft if soft != resource.RLIM_INFINITY else 2**20
 
 
-def token_response_bytes(logprobs: Optional[int]) -> int:
-    """The estimated JSON bytes one token adds to a response: its text and id, and with
-    ``logprobs`` k (None: none asked for) k + 1 logprob entries."""
-    entries = 0 if logprobs is None else logprobs + 1
-    return RESPONSE_BYTES_PER_TOKEN + entries * RESPONSE_BYTES_PER_LOGPROB
+@dataclass(frozen=True)
+class TokenBytes:
+    """Upper bounds on one response shape's JSON (starlette's: UTF-8, no spaces), in bytes: a
+    token's text and id, with logprobs k ``logprobs_bytes`` more and k + 1 ``entry_bytes`` (its
+    own and the top k); a choice's and the envelope's. Defaults: no tokenizer's, no overhead."""
+    token_bytes: int = RESPONSE_BYTES_PER_TOKEN
+    entry_bytes: int = RESPONSE_BYTES_PER_LOGPROB
+    logprobs_bytes: int = 0
+    choice_bytes: int = 0
+    envelope_bytes: int = 0
+
+    def per_token(self, logprobs: Optional[int]) -> int:
+        """One token's bytes with ``logprobs`` k (None: none asked for)."""
+        extra = 0 if logprobs is None else self.logprobs_bytes + (logprobs + 1) * self.entry_bytes
+        return self.token_bytes + extra
+
+
+@dataclass(frozen=True)
+class ResponseBounds:
+    """The ``TokenBytes`` of a completion and a chat completion from the served tokenizer's
+    longest token: S, a token string's JSON bytes (``decode([id])``; without a tokenizer its id),
+    B, its chat ``bytes``, D, its id's digits. A token adds at most S + 1 to a text (a character
+    split over tokens is no longer than their U+FFFD; the 1: a SentencePiece "▁" back)."""
+    completion: TokenBytes
+    chat: TokenBytes
+
+    @classmethod
+    def of(cls, tokenizer, vocab_size: int) -> "ResponseBounds":
+        """Measured once per tokenizer (SmolLM2's 49,152 tokens: about 0.3 s), then cached."""
+        d = len(str(max(vocab_size - 1, 0)))
+        if tokenizer is None:        # ids in, ids out: today's constants, or the ids' digits
+            return cls._of(d, d, d, RESPONSE_BYTES_PER_TOKEN, RESPONSE_BYTES_PER_LOGPROB)
+        return cls._of(*_longest_token(tokenizer, vocab_size), d)
+
+    @classmethod
+    def _of(cls, s: int, raw_bytes: int, digits: int, least_token_bytes: int = 0,
+            least_entry_bytes: int = 0) -> "ResponseBounds":
+        f, o, fixed = FLOAT_JSON_BYTES, OFFSET_JSON_BYTES, (CHOICE_JSON_BYTES, ENVELOPE_JSON_BYTES)
+        token = max(least_token_bytes, (s + 1) + (digits + 1))     # its text; its id and ","
+        # "tokens" "S",  "token_logprobs" F,  "text_offset" O,  "top_logprobs" {"S":F, ...},
+        completion = TokenBytes(token, max(least_entry_bytes, s + f + 4), s + f + o + 8, *fixed)
+        # {"token":"S","logprob":F,"bytes":[255,...]},   (its own: ,"top_logprobs":[] more)
+        chat_entry = s + f + max(4 * raw_bytes + 1, 2) + 34
+        return cls(completion, TokenBytes(token, max(least_entry_bytes, chat_entry), 18, *fixed))
+
+
+@functools.lru_cache(maxsize=8)
+def _longest_token(tokenizer, vocab_size: int):
+    """(S, B) of ``ResponseBounds``; B as ``TokenStrings.token_bytes`` takes it: a byte-level
+    piece's (a byte a character), a byte-fallback piece's one, else its string's UTF-8."""
+    from .logprobs_format import TokenStrings
+    strings, ids = TokenStrings(tokenizer), list(range(vocab_size))
+    texts = [strings(i) for i in ids]
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    return (max(len(json.dumps(t, ensure_ascii=False).encode()) - 2 for t in texts),
+            max(max(len(p or ""), len(t.encode())) for p, t in zip(pieces, texts)))
 
 
 @dataclass(frozen=True)
 class ResponseSize:
     """What bounds one request's response: ``prompts`` prompts, ``n`` choices each of at most
-    ``max_tokens`` tokens with ``logprobs`` top entries a token (None: no logprobs), and
-    ``echo_tokens`` prompt tokens in all echoed before each choice (with ``echo``, logprobs
-    or not: each at the same per-token bound)."""
+    ``max_tokens`` tokens with ``logprobs`` top entries a token (None: none), ``echo_tokens``
+    prompt tokens in all echoed before each choice (``echo``), each at most ``bound``'s bytes."""
     prompts: int
     n: int
     max_tokens: int
     logprobs: Optional[int]
     echo_tokens: int = 0
+    bound: TokenBytes = TokenBytes()
 
     @property
     def estimate_bytes(self) -> int:
-        per_token = token_response_bytes(self.logprobs)
-        return self.n * (self.prompts * self.max_tokens + self.echo_tokens) * per_token
+        tokens = self.n * (self.prompts * self.max_tokens + self.echo_tokens)
+        return tokens * self.bound.per_token(self.logprobs) + self.fixed_bytes
+
+    @property
+    def fixed_bytes(self) -> int:      # its envelope and choices, whatever their tokens
+        return self.bound.envelope_bytes + self.n * self.prompts * self.bound.choice_bytes
 
 
 def check_response_bytes(size: ResponseSize, max_response_bytes: int, chat: bool = False) -> None:
@@ -143,7 +201,7 @@ def check_response_bytes(size: ResponseSize, max_response_bytes: int, chat: bool
     asked = "" if size.logprobs is None else f" with logprobs {size.logprobs}"
     raise ApiError(400, f"{field}: the response could reach about {need_bytes:,} bytes (n "
                         f"{size.n} x ({size.prompts} prompt(s) x {size.max_tokens} tokens{echo}) "
-                        f"at about {token_response_bytes(size.logprobs)} bytes a token{asked}), "
+                        f"at about {size.bound.per_token(size.logprobs)} bytes a token{asked}), "
                         f"more than this server's limit of {max_response_bytes:,} bytes "
                         f"(--max-response-bytes); {fits}", field)
 
@@ -157,11 +215,12 @@ def _lever(size: ResponseSize, limit_bytes: int, chat: bool):
                 return name, f"{name} {k} or less fits"
         if replace(size, logprobs=None).estimate_bytes <= limit_bytes:
             return "logprobs", "it fits without logprobs"
-    per_choice_bytes = size.estimate_bytes // size.n
-    if size.n > 1 and per_choice_bytes <= limit_bytes:
-        return "n", f"n {limit_bytes // per_choice_bytes} or less fits"
-    per_token = token_response_bytes(size.logprobs)
-    most_tokens = (limit_bytes - size.n * size.echo_tokens * per_token) \
+    most_n = (limit_bytes - size.bound.envelope_bytes) * size.n \
+        // (size.estimate_bytes - size.bound.envelope_bytes)        # choices cost alike
+    if 1 <= most_n < size.n:
+        return "n", f"n {most_n} or less fits"
+    per_token = size.bound.per_token(size.logprobs)
+    most_tokens = (limit_bytes - size.fixed_bytes - size.n * size.echo_tokens * per_token) \
         // (size.n * size.prompts * per_token)
     if most_tokens >= 1:
         name = "max_tokens (or max_completion_tokens)" if chat else "max_tokens"

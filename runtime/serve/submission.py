@@ -14,20 +14,23 @@ once the requests it aborted have ended there: the client that has the error fin
 Before anything is queued, the response's worst case (``limits.check_response_bytes``: prompts x
 choices x max_tokens, plus each choice's echoed prompt with ``echo``, with or without logprobs)
 is checked against the server's ``max_response_bytes``: past it, ApiError 400 naming the field
-to lower. An echoed prompt token counts as a generated one (``limits.token_response_bytes``: 16
-bytes, plus its logprob entries): its text, or its id in decimal and a space without a
-tokenizer (at most 7 bytes for ids below 10**6; measured 3.7 bytes a token). A streamed
-submission (``stream``) keeps no logprobs in its choices: each token's travel in its Delta only.
+to lower. Each token, an echoed prompt token too, counts at the served tokenizer's bound
+(``bound``: ``limits.ResponseBounds``, from its longest token; its text, id and logprob entries).
+A streamed submission (``stream``) keeps no logprobs in its choices: each token's travel in its
+Delta only.
 
 Past that, the server's ``ResponseBudget`` bounds the responses of every request at once: each
 reserves its estimate before it is queued (ApiError 503 + Retry-After when the budget is spent:
-transient) and gives it back only once its response is out or its connection gone (app.py), as
-a client that never reads holds its response in the server (a JSON body in the connection's
-buffer, a stream's tokens in ``events``' queue) after the engine has finished it.
+transient; the message names this request's estimate and the budget, never what the others
+hold, which the server's log says) and gives it back only once its response is out or its
+connection gone (app.py), as a client that never reads holds its response in the server (a
+JSON body in the connection's buffer, a stream's tokens in ``events``' queue) after the engine
+has finished it.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, List, Optional, Sequence
@@ -44,9 +47,10 @@ from .errors import (ApiError, cache_shrunk, cannot_hold, internal_error, reject
 from vmemkv.vmem.host import meminfo_bytes
 
 from .errors import ServeConfigError
-from .limits import HELD_BYTES_PER_RESPONSE_BYTE, ResponseSize, check_response_bytes
+from .limits import HELD_BYTES_PER_RESPONSE_BYTE, ResponseSize, TokenBytes, check_response_bytes
 from .shutdown import shutting_down
 
+log = logging.getLogger("vmemkv.serve")
 RESPONSES_IN_BUDGET = 4   # the default ResponseBudget: 4 responses at --max-response-bytes
 
 
@@ -81,16 +85,17 @@ class Submission:
     (``Server`` sets it from its limits; ``DEFAULT_MAX_RESPONSE_BYTES`` without); ``echo``: each
     choice's text starts with its prompt (completions' ``echo``), which the limit counts;
     ``max_param``: the request field an engine refusal of ``max_new_tokens`` names (chat's
-    ``max_completion_tokens`` or ``max_tokens``)."""
+    ``max_completion_tokens`` or ``max_tokens``); ``bound``: the bytes a token may add to this
+    response (the served tokenizer's ``ResponseBounds``; None: ``TokenBytes()``, no tokenizer's)."""
 
     def __init__(self, server: EngineThread, prompts: Sequence[Sequence[int]],
                  params: SamplingParams, arrival_s: float, prefix: str = "cmpl",
                  has_tokenizer: bool = True, stream: bool = False,
                  max_response_bytes: Optional[int] = None, echo: bool = False,
-                 max_param: str = "max_tokens") -> None:
+                 max_param: str = "max_tokens", bound: Optional[TokenBytes] = None) -> None:
         if max_response_bytes is None:
             max_response_bytes = server.max_response_bytes
-        size = response_size(prompts, params, echo)
+        size = response_size(prompts, params, echo, bound or TokenBytes())
         check_response_bytes(size, max_response_bytes, chat=prefix == "chatcmpl")
         budget = server.response_budget    # reserved before anything is queued
         self.reservation = budget.reserve(size.estimate_bytes) if budget is not None else None
@@ -218,24 +223,27 @@ class Submission:
         return sum(len(c.token_ids) for c in self.choices)
 
 
-def response_size(prompts: Sequence[Sequence[int]], params, echo: bool = False) -> ResponseSize:
-    """What bounds the response of ``prompts`` run with ``params``: a beam search's returned
-    beams carry no logprobs; with ``echo`` (or prompt logprobs) every choice repeats its
-    prompt's tokens, each counted as a generated token with the same logprobs."""
+def response_size(prompts: Sequence[Sequence[int]], params, echo: bool = False,
+                  bound: TokenBytes = TokenBytes()) -> ResponseSize:
+    """What bounds the response of ``prompts`` run with ``params``, each token at ``bound``: a
+    beam search's returned beams carry no logprobs; with ``echo`` (or prompt logprobs) every
+    choice repeats its prompt's tokens, each counted as a generated token with the same
+    logprobs."""
     beams = isinstance(params, BeamSearchParams)
     echoed = echo or (not beams and params.prompt_logprobs is not None)
     echo_tokens = sum(len(p) for p in prompts) if echoed else 0
     if beams:
         return ResponseSize(len(prompts), params.returned_beams, params.max_new_tokens, None,
-                            echo_tokens)
+                            echo_tokens, bound)
     return ResponseSize(len(prompts), params.n, params.max_new_tokens, params.logprobs,
-                        echo_tokens)
+                        echo_tokens, bound)
 
 
 class ResponseBudget:
     """The response bytes (``ResponseSize.estimate_bytes``) the server's requests may hold at
     once, ``total_bytes``; used on the event loop only. ``reserve`` past it: ApiError 503 with
-    Retry-After, nothing reserved."""
+    Retry-After, nothing reserved; its message never says what the others hold (with
+    ``--salt-per-key`` one tenant would read another's request size there): the log does."""
 
     def __init__(self, total_bytes: int) -> None:
         self.total_bytes, self.held_bytes = total_bytes, 0
@@ -267,11 +275,13 @@ class ResponseBudget:
 
     def reserve(self, size_bytes: int, retry_after_s: int = 1) -> "Reservation":
         if self.held_bytes + size_bytes > self.total_bytes:
-            raise ApiError(503, f"the server holds {self.held_bytes:,} bytes of responses being "
-                                f"made or not yet read by their clients; this one could take "
-                                f"{size_bytes:,} more, past its budget of "
-                                f"{self.total_bytes:,} bytes (--max-response-memory-bytes); "
-                                f"retry after {retry_after_s} s",
+            log.warning("refused a response of up to %d bytes: %d of the %d-byte response budget "
+                        "(--max-response-memory-bytes) are held", size_bytes, self.held_bytes,
+                        self.total_bytes)
+            raise ApiError(503, f"the server's response budget of {self.total_bytes:,} bytes "
+                                f"(--max-response-memory-bytes: responses being made or not yet "
+                                f"read by their clients) is too full now for this one, which "
+                                f"could take {size_bytes:,}; retry after {retry_after_s} s",
                            headers={"Retry-After": str(retry_after_s)})
         self.held_bytes += size_bytes
         return Reservation(self, size_bytes)

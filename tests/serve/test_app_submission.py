@@ -96,9 +96,10 @@ def test_a_streamed_requests_submission_keeps_no_logprobs(path, body, stream, mo
 
 
 def test_echo_without_logprobs_counts_each_choices_prompt_against_the_limit(monkeypatch):
-    # 16 prompts x 1,000 ids, n 8, max_tokens 1, echo: 8 x (16 x 1 + 16,000) x 16 bytes =
-    # 2,050,048 bytes (the real answer was 467,688 bytes); echo was not counted without
-    # logprobs, so it was estimated at 2,048 bytes and served under a 64 KiB limit
+    # 16 prompts x 1,000 ids, n 8, max_tokens 1, echo: 8 x (16 x 1 + 16,000) x 11 bytes (the
+    # byte tokenizer's bound) + 128 choices x 256 + 1,024 = 1,443,200 bytes (the real answer was
+    # 467,688 bytes); echo was not counted without logprobs, so it was estimated at 2,048 bytes
+    # and served under a 64 KiB limit
     engine_thread = TwoTokenEngineThread()
     engine_thread.max_response_bytes = 64 * 1024
     body = {"prompt": [[1 + i % 250 for i in range(1000)]] * 16, "n": 8, "max_tokens": 1,
@@ -107,9 +108,9 @@ def test_echo_without_logprobs_counts_each_choices_prompt_against_the_limit(monk
     assert got.status_code == 400 and made == [] and engine_thread.submitted == []
     error = got.json()["error"]
     assert error["param"] == "prompt"
-    assert "about 2,050,048 bytes" in error["message"] and "16000 echoed" in error["message"]
+    assert "about 1,443,200 bytes" in error["message"] and "16000 echoed" in error["message"]
     assert "limit of 65,536 bytes (--max-response-bytes)" in error["message"]
-    body["echo"] = False          # 8 x 16 x 1 x 16 = 2,048 bytes: served
+    body["echo"] = False          # 8 x 16 x 1 x 11 + 128 x 256 + 1,024 = 35,200 bytes: served
     got, made = post("/v1/completions", body, monkeypatch, engine_thread, 2048)
     assert got.status_code == 200 and len(engine_thread.submitted) == 16
 

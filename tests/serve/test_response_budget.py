@@ -35,9 +35,10 @@ def test_a_reservation_past_the_budget_is_503_with_retry_after_and_reserves_noth
     with pytest.raises(ApiError) as refused:
         budget.reserve(37)
     assert refused.value.status == 503 and refused.value.headers == {"Retry-After": "1"}
-    assert ("holds 64 bytes of responses being made or not yet read by their clients; this one "
-            "could take 37 more, past its budget of 100 bytes (--max-response-memory-bytes)"
-            in refused.value.message)
+    # never what the others hold: with --salt-per-key that was another tenant's request size
+    assert ("response budget of 100 bytes (--max-response-memory-bytes: responses being made "
+            "or not yet read by their clients) is too full now for this one, which could take "
+            "37" in refused.value.message) and "64" not in refused.value.message
     assert budget.held_bytes == 64
     second = budget.reserve(36)                      # exactly to the budget: taken
     assert budget.held_bytes == 100
@@ -124,21 +125,23 @@ def _app(budget_bytes: int):
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_response_holds_its_budget_until_its_client_has_read_it(stream):
-    # max_tokens 4: 4 x 16 = 64 bytes reserved of a 100-byte budget
+    # max_tokens 4: 4 x 11 (the byte tokenizer's bound) + 256 (a choice) + 1,024 (the
+    # envelope) = 1,324 bytes reserved of a 2,000-byte budget
     body = {"prompt": [1, 2], "max_tokens": 4, "stream": stream}
 
     async def run():
-        app, engine_thread = _app(100)
+        app, engine_thread = _app(2000)
         budget = engine_thread.response_budget
         unread = Exchange(app, "/v1/completions", body)
         await asyncio.wait_for(unread.waiting.wait(), 30)   # its answer waits on the client
         assert not unread.task.done() and unread.status == 200 and b"66]" in unread.body
-        assert budget.held_bytes == 64        # the engine has finished; the client has not read
+        assert budget.held_bytes == 1324      # the engine has finished; the client has not read
         refused = Exchange(app, "/v1/completions", body)
         await refused.task
         assert refused.status == 503 and (b"retry-after", b"1") in refused.messages[0]["headers"]
         error = json.loads(refused.body)["error"]
-        assert "this one could take 64 more, past its budget of 100 bytes" in error["message"]
+        assert "budget of 2,000 bytes" in error["message"] \
+            and "this one, which could take 1,324;" in error["message"]
         assert len(engine_thread.submitted) == 1          # nothing queued for it
         unread.drained.set()                  # the client reads: its budget comes back
         await unread.task

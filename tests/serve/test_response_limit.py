@@ -39,7 +39,8 @@ def test_the_default_limit_is_64_mib_in_the_limits_and_the_cli():
 
 def test_a_small_body_asking_for_a_huge_response_is_400_naming_logprobs_and_nothing_is_queued():
     # 100 one-token prompts x n 8 x (60 tokens + the echoed prompt) x 21 logprob entries:
-    # 8 x 6,100 tokens x 1,696 bytes = 82,764,800 bytes, past the default 67,108,864
+    # 8 x 6,100 tokens x 1,743 bytes (no tokenizer: 16 + 47 + 21 x 80) + 800 choices x 256
+    # + 1,024 = 85,264,224 bytes, past the default 67,108,864
     body = {"prompt": [[i % 200 + 1] for i in range(100)], "n": 8, "max_tokens": 60,
             "logprobs": 20, "echo": True, "ignore_eos": True}
     with serving(VMEM) as (server, engine):
@@ -47,9 +48,9 @@ def test_a_small_body_asking_for_a_huge_response_is_400_naming_logprobs_and_noth
         assert got.status_code == 400
         error = got.json()["error"]
         assert error["param"] == "logprobs"
-        assert "82,764,800 bytes" in error["message"]
+        assert "85,264,224 bytes" in error["message"]
         assert "limit of 67,108,864 bytes (--max-response-bytes)" in error["message"]
-        assert error["message"].endswith("logprobs 15 or less fits")   # 16 x 80 + 16 a token
+        assert error["message"].endswith("logprobs 15 or less fits")   # 16 x 80 + 63 a token
         assert server.engine_thread.pending_requests == 0
         assert_memory_at_baseline(engine)
         normal = local_http.post(server.url + "/v1/completions", timeout=60,
