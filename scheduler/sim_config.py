@@ -23,6 +23,7 @@ from .managers import POLICIES, PagedManager, VmemManager
 from .managers.base import MemoryManager
 from .managers.common import ManagerCore
 from .managers.eviction import DEFAULT_EVICTION, make_eviction
+from .managers.paged_groups import block_groups
 from .policies import check_constructor, check_policy, is_custom, load_policy_class
 from .presets import ModelSpec, get_device, get_model, with_kv_cache_dtype
 from .profile_cost import load_profile, profile_cost, profile_model
@@ -191,8 +192,10 @@ class SimConfig:
         class that hands its base other sizes is counted at these); 0 for the reserve
         policies (tables per sequence) and for other custom classes (their tables are their
         own: not checked)."""
-        if self._pool_base is PagedManager:
-            block_bytes = self.block_size * self.model_spec.bytes_per_token
+        if self._pool_base is PagedManager:     # a block of one block group's layers
+            spec = self.model_spec
+            block_bytes = (self.block_size * 2 * len(block_groups(spec)[0].layers)
+                           * spec.layer_bytes_per_token)
             return int(self.cache_bytes) // max(1, block_bytes)
         return int(self.cache_bytes) // max(1, self.page_bytes) \
             if self._pool_base is VmemManager else 0

@@ -2,24 +2,35 @@
 
 A simulation holds each request (its entry, request, sequence and timing records) and the time
 of each output token, and its serving report pools every inter-token gap; measured with
-tracemalloc on the standard workload (2026-12-06; tests/scheduler/test_sim_memory.py checks
-the charge stays above what it measures): about 6 MB fixed and 37 bytes an output token
-(request records included) at the peak, 14-20 KB a request; the process's resident size is
-about 1.2 times that. ``simulation_bytes`` charges 8 MiB, 1 KiB a request and 48 bytes an
-output token; drawing a workload alone, 512 bytes a request; the manager's tables, 96 bytes a
-pool page or block (63 resident: ``--cache-gb 120 --page-bytes 4KiB`` keeps 29 million pages,
-2.5 GB); drawing LoRA adapters for a workload, 512 bytes an adapter of the population (372 at
-the peak, tracemalloc, 2026-12-06: its name, digest and popularity weight; ``--lora-adapters
-1000000`` held 455 MB resident). A request's extra samples (``--n``) or beams
-(``--beam-width``) are charged 16 bytes an output token each (8.5 measured at n=16: only the first
-is timed) and 1 KiB a sample (450 measured) or 8 KiB a beam (6 KB measured with 500 beams live at
-once; 1.4 KB at width 16, so the charge is up to 5 times what beams of 16 take). A run that would need more than the host's MemAvailable is refused
-(``SimulationTooLargeError``: ``vmemkv simulate`` checks its estimate before it draws,
-``generate`` what it draws, ``simulate`` the entries and the pool it is given) before anything
-is drawn or run, instead of taking the machine
-into the OOM killer (``vmemkv simulate --requests 10000000`` needs about 177 GiB). A sweep's
-worker processes run at once, so each is checked against its share
+tracemalloc on the standard workload (2026-12-06; tests/scheduler/test_sim_memory.py checks the
+charge stays above what it measures): about 6 MB fixed and 37 bytes an output token (request
+records included) at the peak, 14-20 KB a request; the process's resident size is about 1.2
+times that. ``simulation_bytes`` charges 8 MiB, 1 KiB a request and 48 bytes an output token;
+drawing a workload alone, 512 bytes a request; the manager's tables, ``POOL_UNIT_BYTES`` a pool
+page or block (below); drawing LoRA adapters for a workload, 512 bytes an adapter of the
+population (372 at the peak, tracemalloc, 2026-12-06: its name, digest and popularity weight;
+``--lora-adapters 1000000`` held 455 MB resident). A request's extra samples (``--n``) or beams
+(``--beam-width``) are charged 16 bytes an output token each (8.5 measured at n=16: only the
+first is timed) and 1 KiB a sample (450 measured) or 8 KiB a beam (6 KB measured with 500 beams
+live at once; 1.4 KB at width 16, so the charge is up to 5 times what beams of 16 take). A run
+that would need more than the host's MemAvailable is refused (``SimulationTooLargeError``:
+``vmemkv simulate`` checks its estimate before it draws, ``generate`` what it draws,
+``simulate`` the entries and the pool it is given) before anything is drawn or run, instead of
+taking the machine into the OOM killer (``vmemkv simulate --requests 10000000`` needs about 177
+GiB). A sweep's worker processes run at once, so each is checked against its share
 (``set_concurrent_simulations``).
+
+A pool page or block is charged 1,152 bytes, what the worst geometry takes with a margin: a
+page's ledger records and unit counts, and a page group and a slot to every two pages at most
+(a group holds a page of each member, two at the fewest: the interleaved layout's K and V),
+each table copied once more while an idle manager checks its integrity. A run on tiny's
+interleaved pool of one-token pages takes 882 bytes a page at its peak (tracemalloc, per page
+beyond a pool a quarter the size; 928 resident at a million pages); a paged block takes 247, a
+per-layer page 80 (llama-3-8b) to 261 (tiny), charged up to 14 times that: ``--cache-gb 120
+--page-bytes 4KiB`` on llama-3-8b (29 million pages, 2.5 GB) is charged 34 GB. The charge was
+96 bytes, measured on llama-3-8b alone, and let ``--model-preset tiny --cache-gb 130
+--page-bytes 1024`` start towards 34 GB (tests/scheduler/test_sim_memory_presets.py measures
+every preset and policy family).
 """
 from __future__ import annotations
 
@@ -31,7 +42,7 @@ BASE_BYTES = 8 << 20      # the manager's tables (the latency logs: with the tok
 REQUEST_BYTES = 1024      # a request's records, kept for the whole run
 TOKEN_BYTES = 48          # an output token: its time, then its gap in the report (pooled, sorted)
 ENTRY_BYTES = 512         # a drawn request: its TraceEntry and its share of the draw (270 measured)
-POOL_UNIT_BYTES = 96      # a pool page (vmem) or block (paged) in the manager's tables (63 measured)
+POOL_UNIT_BYTES = 1152    # a pool page (vmem) or block (paged) in the manager's tables (882 max)
 SAMPLE_TOKEN_BYTES = 16  # an output token of a sample or beam after the first (untimed)
 SAMPLE_BYTES = 1024      # a request's sample after the first (--n): its sequence's records
 BEAM_BYTES = 8192        # a beam after the first: its sequence's records, forks and prunes

@@ -99,5 +99,5 @@ def test_a_pool_past_host_memory_is_named_as_the_pool_not_as_zero_requests(tmp_p
         expand(load_spec(spec_file(tmp_path, spec)))
     text = str(error.value)
     assert "a pool of 60,000,000,000 pages or blocks (the manager's tables, before any request " \
-           "is drawn) needs about 5760008388608 bytes" in text, text
+           "is drawn) needs about 69120008388608 bytes" in text, text
     assert "0 requests" not in text and "give larger pages or blocks, or a smaller cache_gb" in text
