@@ -14,15 +14,78 @@ pool created right after another passed against memory the first had already tak
 
 It errs towards refusing: memory another process frees in those seconds hides as much of ours
 from the drop, so for a few seconds at most a pool may be refused that would just have fit.
+
+``Deferred`` (and ``DrainingLock``, its lock for ``with``): what a tensor's deleter must do under
+a lock it may never wait for (``RecentCommits.released`` under ``LOCK``; a view's count under
+its pool's lock, vmem/vrange.py), run now when the lock is free, else by the holder's next call.
 """
 from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 LOCK = threading.Lock()
 WINDOW_S = 5.0      # a few times the lag measured (module docstring)
+
+
+class Deferred:
+    """Work a thread that must never wait hands in (a tensor's deleter; the collector can run
+    one on any thread, inside any call, holding any lock) that has to run under ``lock``: run
+    at once when ``lock`` is free (or held by this thread), else queued and run by the next
+    ``drain``, which the lock's holders call under it. Waiting instead deadlocked the process:
+    the holder could be waiting for a lock the deleter's thread holds."""
+
+    def __init__(self, run: Callable[[Any], None]) -> None:
+        self._run = run
+        self._queue: List[Any] = []
+
+    def submit(self, item: Any, lock) -> None:
+        """``run(item)`` now under ``lock`` if it is free, else queued; never waits, never
+        raises what ``run`` raises later in a drain."""
+        self._queue.append(item)         # one atomic append, whoever holds the lock
+        if lock.acquire(blocking=False):
+            try:
+                self.drain()
+            finally:
+                lock.release()
+
+    def drain(self) -> None:
+        """Run every queued item, oldest first; the caller holds the lock."""
+        while True:
+            try:               # a collection inside run() may drain too (same thread)
+                item = self._queue.pop(0)
+            except IndexError:
+                return
+            self._run(item)
+
+    @property
+    def pending(self) -> int:
+        """Items queued and not run yet."""
+        return len(self._queue)
+
+
+class DrainingLock:
+    """``lock`` for ``with``, draining ``deferred`` under it on entry and on exit: what a thread
+    queued while another held ``lock`` runs at the holder's next call (vmem/vrange.py)."""
+
+    def __init__(self, lock, deferred: Deferred) -> None:
+        self.lock, self._deferred = lock, deferred
+
+    def __enter__(self) -> "DrainingLock":
+        self.lock.acquire()
+        try:
+            self._deferred.drain()
+        except BaseException:
+            self.lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._deferred.drain()
+        finally:
+            self.lock.release()
 
 
 class RecentCommits:
@@ -36,11 +99,11 @@ class RecentCommits:
         self._clock = clock
         self._commits: List[list] = []          # [when, bytes], oldest first
         self._before: Optional[int] = None      # the reading before the oldest of them
-        self._given_back: List[int] = []        # released while LOCK was held: forgotten next
+        self._given_back = Deferred(self._forget)   # bytes released while LOCK was held
 
     def unseen(self, available: int) -> int:
         """Bytes of the recent commits that ``available`` (read now) does not show yet."""
-        self._forget_given_back()
+        self._given_back.drain()
         now = self._clock()
         self._commits = [c for c in self._commits if now - c[0] <= self.window_s]
         pending = sum(num_bytes for _, num_bytes in self._commits)
@@ -61,16 +124,7 @@ class RecentCommits:
         run one inside a commit on the same thread (reading MemAvailable allocates), where
         waiting deadlocked the process. When ``LOCK`` is held the bytes are queued and
         forgotten at the next reading (until then a check errs towards refusing)."""
-        self._given_back.append(num_bytes)      # one atomic append, whoever holds the lock
-        if LOCK.acquire(blocking=False):
-            try:
-                self._forget_given_back()
-            finally:
-                LOCK.release()
-
-    def _forget_given_back(self) -> None:
-        while self._given_back:
-            self._forget(self._given_back.pop())
+        self._given_back.submit(num_bytes, LOCK)
 
     def _forget(self, num_bytes: int) -> None:
         while num_bytes > 0 and self._commits:

@@ -32,13 +32,20 @@ zeros of a discard. Each mapped page is either
 Holding, not refusing ``close()`` with InsufficientMemoryError: a close that raised would leave
 its caller (a cache's ``close()``, ``__exit__``) half done with nothing to do but drop its
 views, and on CUDA, which cannot detach, every close under a view would be refused.
-Threads: the pool's lock guards every call (vmem/pool.py). Fork: vmem/forks.py.
+Threads: the pool's lock guards every call (vmem/pool.py). A view's deleter never waits for
+it: the collector runs deleters inside any call (``Driver.commit`` holding the commit lock, a
+host driver call holding its lock) while the pool lock's holder may wait for that lock (a hang).
+A view dying while another thread holds the pool's lock is queued (``commits.Deferred``),
+counted, and its retired range freed, by the next call of any range of that pool. Fork:
+vmem/forks.py.
 """
 from __future__ import annotations
 
+from contextlib import suppress
 from typing import List
+from weakref import WeakKeyDictionary
 
-from . import forks
+from . import commits, forks
 from .checks import MAX_BYTES, as_int, check_index
 from .errors import (AlignmentError, AlreadyMappedError, ClosedError, InsufficientMemoryError,
                      NotMappedError, PageIndexError, VMemConfigError, VMemError)
@@ -58,7 +65,8 @@ class VirtualRange:
         self.driver = pool.driver
         self.page_bytes = pool.page_bytes
         self.size_bytes = self.num_pages * self.page_bytes
-        self._lock = pool._lock
+        self._releases = _RELEASES.setdefault(pool, commits.Deferred(_one_view_fewer))
+        self._lock = commits.DrainingLock(pool._lock, self._releases)
         self._mapped: dict[int, int] = {}  # page index -> pool page id
         self._closed = self._forked = False
         self._views = 0                    # live tensor storages over this range
@@ -71,15 +79,23 @@ class VirtualRange:
 
     # -- mapping --
     def map(self, page_index: int, page_id: int) -> None:
-        """Map pool page ``page_id`` at ``page_index``."""
+        """Map pool page ``page_id`` at ``page_index``. A map the driver refuses leaves a
+        discarded page discarded; a grow pool's chunk made for it stays (docs/errors.md)."""
         with self._lock:
             page_index = self._check_index(page_index, use=True)
             if page_index in self._mapped:
                 raise AlreadyMappedError(f"page index {page_index} already has pool page "
                                          f"{self._mapped[page_index]} mapped; unmap it first")
             page_id = self.pool._check_id(page_id)
-            handle = self.pool._handle_for_mapping(page_id)
-            self.driver.map(self._page_address(page_index), handle, self.page_bytes)
+            was_discarded = self.pool.is_discarded(page_id)
+            handle = self.pool._handle_for_mapping(page_id)    # re-creates a discarded page
+            try:
+                self.driver.map(self._page_address(page_index), handle, self.page_bytes)
+            except VMemError:     # its memory back, committed bytes as they were (a discard
+                if was_discarded:  # failing too leaves it committed: committed_pages says so)
+                    with suppress(VMemError):
+                        self.pool.discard(page_id)
+                raise
             self._mapped[page_index] = page_id     # one write: the pool counts from it
 
     def unmap(self, page_index: int) -> int:
@@ -115,9 +131,15 @@ class VirtualRange:
             page_index = self._check_index(page_index)
             if self._forked:      # as was its unmap
                 return
-            if self._mapped.get(page_index) != page_id:
-                self.driver.unmap_if_mapped(self._page_address(page_index), self.page_bytes)
-                self.map(page_index, page_id)
+            mapped_now = self._mapped.get(page_index)
+            if mapped_now == page_id:
+                return
+            if mapped_now is not None:     # refused before any driver call: nothing changes
+                raise AlreadyMappedError(f"cannot undo the unmap of pool page {page_id} at page "
+                                         f"index {page_index}: pool page {mapped_now} is mapped "
+                                         f"there now; unmap it first")
+            self.driver.unmap_if_mapped(self._page_address(page_index), self.page_bytes)
+            self.map(page_index, page_id)
 
     def page_at(self, page_index: int) -> int | None:
         """The pool page mapped at ``page_index``, or None."""
@@ -140,7 +162,8 @@ class VirtualRange:
     @property
     def live_views(self) -> int:
         """Tensor storages made by ``tensor`` that are still alive (views of one count once)."""
-        return self._views
+        with self._lock:      # counts the views that died while another thread held it
+            return self._views
 
     def _page_address(self, page_index: int) -> int:
         return self.address + page_index * self.page_bytes
@@ -151,18 +174,24 @@ class VirtualRange:
 
         ``offset_bytes`` and ``num_bytes`` must be multiples of the dtype's element size and lie
         inside the range. Reading bytes that are not mapped faults (host: SIGSEGV), so map
-        before you touch. ``shape`` defaults to 1-D. The view keeps what is mapped under it
-        readable after ``close()`` (see the module docstring).
+        before you touch. ``dtype``: a ``torch.dtype`` (default uint8); ``shape`` (default 1-D)
+        must hold exactly ``num_bytes`` of it, else VMemConfigError naming it. The view keeps
+        what is mapped under it readable after ``close()`` (see the module docstring).
         """
         import torch
-        dtype = dtype or torch.uint8
+        dtype = torch.uint8 if dtype is None else dtype
+        if not isinstance(dtype, torch.dtype):
+            raise VMemConfigError(f"tensor takes dtype, a torch.dtype (torch.float16, ...), got "
+                                  f"{type(dtype).__name__} {dtype!r}")
         with self._lock:
             self._check_open()
             self._check_not_forked()
             offset_bytes = as_int(offset_bytes, "offset_bytes")
             num_bytes = self.size_bytes - offset_bytes if num_bytes is None else \
                 as_int(num_bytes, "num_bytes")
-            self._check_view(offset_bytes, num_bytes, dtype, torch.empty(0, dtype=dtype).element_size())
+            element_bytes = torch.empty(0, dtype=dtype).element_size()
+            self._check_view(offset_bytes, num_bytes, dtype, element_bytes)
+            _check_shape(shape, num_bytes // element_bytes, dtype)
             counted = num_bytes > 0
             self._views += counted
         try:
@@ -184,12 +213,9 @@ class VirtualRange:
                                  f"multiples of the {dtype} element size {element_bytes}")
 
     def _view_released(self) -> None:
-        """The DLPack deleter of a view's storage: any thread, never raises."""
-        with self._lock:
-            self._views -= 1
-            if self._views or not self._closed:
-                return
-        self._free_retired()
+        """The DLPack deleter of a view's storage: any thread, never raises, never waits for
+        the pool's lock (module docstring: counted now, or by the lock holder's next call)."""
+        self._releases.submit(self, self._lock.lock)
 
     def copy_page(self, dst_page_index: int, src_page_index: int) -> None:
         """Copy the bytes of one mapped page to another mapped page of this range."""
@@ -269,8 +295,8 @@ class VirtualRange:
 
     def _free_retired(self) -> None:
         """Unmap the held pages, free the reservation, give the held pages back to the pool
-        and the copies' bytes to ``RecentCommits``. Never raises: it runs from a tensor's
-        deleter (a forked CUDA child can call nothing and frees nothing)."""
+        and the copies' bytes to ``RecentCommits``. Under the pool's lock; never raises: it runs
+        from a tensor's deleter (a forked CUDA child can call nothing and frees nothing)."""
         for page_index in self._held:
             try:
                 self.driver.unmap(self._page_address(page_index), self.page_bytes)
@@ -281,15 +307,14 @@ class VirtualRange:
             self.driver.recent_commits.released(self._copied_pages * self.page_bytes)
         except VMemError:
             pass
-        pool = self.pool
-        with self._lock:        # held pages released meanwhile, held nowhere else: free now
-            pages, self._held = set(self._held.values()), {}
-            pool._holders.discard(self)
-            for page_id in pages - set(pool._mapping_counts(held=True)):
-                if pool._closed:    # destroyed at its close(): the memory is gone only now
-                    self.driver.recent_commits.released(self.page_bytes)
-                elif pool._is_free[page_id]:     # released meanwhile (parked)
-                    pool._free.append(page_id)
+        pool = self.pool        # held pages released meanwhile, held nowhere else: free now
+        pages, self._held = set(self._held.values()), {}
+        pool._holders.discard(self)
+        for page_id in pages - set(pool._mapping_counts(held=True)):
+            if pool._closed:    # destroyed at its close(): the memory is gone only now
+                self.driver.recent_commits.released(self.page_bytes)
+            elif pool._is_free[page_id]:     # released meanwhile (parked)
+                pool._free.append(page_id)
 
     def _after_fork_in_child(self) -> None:
         """vmem/forks.py: detach every mapped page from the parent's; refuse page uses. Once:
@@ -330,6 +355,31 @@ class VirtualRange:
     def __repr__(self) -> str:
         return (f"VirtualRange(address={self.address:#x}, size_bytes={self.size_bytes}, "
                 f"page_bytes={self.page_bytes}, mapped={len(self._mapped)}/{self.num_pages})")
+
+
+def _check_shape(shape, num_elements: int, dtype) -> None:
+    """VMemConfigError naming ``shape`` unless it is None or views ``num_elements`` of
+    ``dtype`` (torch's own rule, one -1 included, on a meta tensor: no memory)."""
+    if shape is None:
+        return
+    import torch
+    try:
+        torch.empty(num_elements, dtype=dtype, device="meta").view(shape)
+    except (TypeError, RuntimeError) as error:
+        raise VMemConfigError(f"tensor shape {shape!r} does not hold the view's {num_elements} "
+                              f"{dtype} elements exactly ({error}); give a shape whose sizes "
+                              f"multiply to {num_elements}") from None
+
+
+def _one_view_fewer(vrange: VirtualRange) -> None:
+    """Under the pool's lock: one view fewer; the last one of a closed range frees it."""
+    vrange._views -= 1
+    if not vrange._views and vrange._closed:
+        vrange._free_retired()
+
+
+# pool -> its ranges whose views died while another thread held its lock (not yet counted)
+_RELEASES: "WeakKeyDictionary[PagePool, commits.Deferred]" = WeakKeyDictionary()
 
 
 def _page_count(size_bytes, page_bytes: int) -> int:
