@@ -26,6 +26,7 @@ class Driver(ABC):
     """
 
     name: str = "abstract"
+    pages_in_host_memory = False   # its pages and the pools' records share one memory (host)
     _forked = False          # set in a forked child (vmem/forks.py): page calls then refuse
 
     def __new__(cls, *args, **kwargs):
@@ -147,22 +148,32 @@ class Driver(ABC):
         return None
 
     def commit(self, num_pages: int, page_bytes: int, create: Callable[[], Made],
-               verb: str = "creating") -> Made:
+               verb: str = "creating", records_bytes: int = 0) -> Made:
         """``create()`` (the driver call that commits ``num_pages`` pages of ``page_bytes``)
         once they fit in ``available_bytes()`` less ``recent_commits``' unseen bytes, else
-        InsufficientMemoryError (both sizes in bytes) and nothing created; unchecked when the
-        available memory is unknown. Reading, check and commit hold the process-wide commit
-        lock (vmem/commits.py): two pools at once never both pass against the same memory."""
-        need = num_pages * page_bytes
+        InsufficientMemoryError (every size in bytes) and nothing created; unchecked when the
+        available memory is unknown. ``records_bytes``: host memory the caller builds with the
+        pages (a pool's records), checked with them when the pages are host memory too
+        (``pages_in_host_memory``: checked apart, pages taking 97% and records 7% both passed).
+        Both go to ``recent_commits``: its reading's whole drop counts as its commits seen,
+        and records (heap) show in MemAvailable at once, so left out they passed for pages seen
+        while a memfd's lag hid the pages. A pool gives back only its pages' bytes there: its
+        records (freed when it dies) count to the window's end, erring towards refusing.
+        Reading, check and commit hold the process-wide commit lock (vmem/commits.py): two
+        pools at once never both pass against the same memory."""
+        records_bytes = records_bytes if self.pages_in_host_memory else 0
+        need = num_pages * page_bytes + records_bytes
         with commits.LOCK:
             available = self.available_bytes()
             if available is not None:
                 unseen = self.recent_commits.unseen(available)
                 if need > available - unseen:
+                    records = (f" ({need - records_bytes} bytes) and {records_bytes} bytes of "
+                               f"records" if records_bytes else "")
                     raise InsufficientMemoryError(
-                        f"{verb} {num_pages} pages of {page_bytes} bytes needs {need} bytes "
-                        f"({need / 2**30:.2f} GiB) but the {self.name} driver reports only "
-                        f"{available} bytes ({available / 2**30:.2f} GiB) available"
+                        f"{verb} {num_pages} pages of {page_bytes} bytes{records} needs {need} "
+                        f"bytes ({need / 2**30:.2f} GiB) but the {self.name} driver reports "
+                        f"only {available} bytes ({available / 2**30:.2f} GiB) available"
                         f"{_unseen_note(unseen, self.recent_commits.window_s)}; "
                         f"ask for fewer pages")
             made = create()

@@ -89,6 +89,10 @@ class FaultInjectingDriver(Driver):
     def device(self) -> str:
         return self.inner.device
 
+    @property
+    def pages_in_host_memory(self) -> bool:
+        return self.inner.pages_in_host_memory
+
     def available_bytes(self) -> Optional[int]:
         return self.inner.available_bytes()
 

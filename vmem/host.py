@@ -108,6 +108,7 @@ class HostDriver(Driver):
     """Virtual memory of this process, backed by memfd pools. Tensors live on the CPU."""
 
     name = "host"
+    pages_in_host_memory = True
 
     def __init__(self) -> None:
         reason = host_unavailable_reason()

@@ -56,8 +56,8 @@ class PagePool:
         self._slot: list[Optional[Slot]] = [None] * num_pages    # id -> its page (None: none)
         self._discarded: set[int] = set()        # ids whose memory was given back
         try:                                     # checked and created before any other list
-            if kept and not grow:
-                self._create(kept)
+            if kept and not grow:       # the records (built next) checked with the pages
+                self._create(kept, records_bytes=num_pages * RECORD_BYTES)
                 self._bind(range(kept))
             if kept < num_pages:                 # the rest start discarded: no memory yet
                 self._create(num_pages - kept, discarded=True)
@@ -76,13 +76,13 @@ class PagePool:
         self._holders: set = set()      # closed ranges whose views hold pages (vmem/vrange.py)
         forks.track_pool(self)
 
-    def _create(self, num_pages: int, discarded: bool = False) -> None:
+    def _create(self, num_pages: int, discarded: bool = False, records_bytes: int = 0) -> None:
         """Create ``num_pages`` pages into the stock (memory checked first, unless discarded)."""
         if discarded:
             batch = list(self.driver.create_pages(num_pages, self.page_bytes, discarded=True))
         else:
             batch = list(self.driver.commit(num_pages, self.page_bytes, lambda: self.driver
-                                            .create_pages(num_pages, self.page_bytes)))
+                         .create_pages(num_pages, self.page_bytes), records_bytes=records_bytes))
         self._batches.append(batch)
         self._created += len(batch)
         self._stock.extend((len(self._batches) - 1, i) for i in reversed(range(len(batch))))
@@ -238,7 +238,7 @@ class PagePool:
             _check_records(num_pages)     # before any list of num_pages is built
             new = list(range(self.total_pages, self.total_pages + num_pages))
             if new and not self.grow:
-                self._create(num_pages)
+                self._create(num_pages, records_bytes=num_pages * RECORD_BYTES)
             self._slot.extend([None] * num_pages)
             self._is_free.extend([True] * num_pages)
             if not self.grow:

@@ -9,6 +9,7 @@ import torch
 
 from vmemkv import vmem
 from vmemkv.vmem.host import HostDriver
+from vmemkv.vmem.pool import RECORD_BYTES
 
 from .elastic_pages import ElasticDriver, counts
 from .forking import child_result, in_child
@@ -274,7 +275,8 @@ def test_on_demand_growth_counts_pages_created_not_committed(host):
 @pytest.mark.parametrize("grow", [False, True], ids=["eager", "on-demand"])
 def test_committed_pages_starts_the_rest_discarded_and_maps_them_one_by_one(host, grow):
     driver, page = host
-    driver.available = 3 * page               # the 8 pages would not fit; the 3 do
+    driver.available = 3 * page + 8 * RECORD_BYTES   # the 8 pages would not fit; the 3 and
+    # the records of the 8 ids (checked with the 3 pages) do
     with vmem.PagePool(driver, 8, page, grow=grow, committed_pages=3) as pool, \
             vmem.VirtualRange(pool, page) as rng:
         ids = pool.allocate(8)

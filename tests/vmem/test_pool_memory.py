@@ -12,6 +12,7 @@ from vmemkv import vmem
 from vmemkv.vmem.commits import RecentCommits
 from vmemkv.vmem.faults import FaultInjectingDriver
 from vmemkv.vmem.host import HostDriver
+from vmemkv.vmem.pool import RECORD_BYTES
 
 MiB = 1 << 20
 
@@ -218,19 +219,24 @@ def test_two_pools_created_at_once_never_both_pass_against_the_same_memory():
 def test_a_pool_right_after_another_counts_what_the_reading_does_not_show_yet():
     """MemAvailable lags a large memfd commit, so a pool created right after another passed
     against memory the first had taken. The commits of the last few seconds count until the
-    reading drops by them; pages given back stop counting."""
-    page = 64 * 1024
-    driver = MeteredDriver(reading=4 * page)   # a reading that shows nothing yet
+    reading drops by them; pages given back stop counting. A pool's records (heap) count with
+    its pages, and show in the reading at once: never taken for its pages seen."""
+    page, records = 64 * 1024, RECORD_BYTES     # a page, its records
+    driver = MeteredDriver(reading=4 * (page + records))   # a reading that shows nothing yet
     first = vmem.PagePool(driver, 3, page)
-    with pytest.raises(vmem.InsufficientMemoryError, match=f"{3 * page} bytes of it committed "
-                                                          f"by this process in the last 5 s"):
+    with pytest.raises(vmem.InsufficientMemoryError, match=f"{3 * (page + records)} bytes of "
+                                                          f"it committed by this process in "
+                                                          f"the last 5 s"):
         vmem.PagePool(driver, 2, page)
-    driver.reading -= 2 * page                 # it shows two of the three pages
-    with pytest.raises(vmem.InsufficientMemoryError, match=f"{page} bytes of it committed"):
+    driver.reading -= 3 * records + 2 * page   # it shows the records, two of the three pages
+    with pytest.raises(vmem.InsufficientMemoryError, match=f" {page} bytes of it committed"):
         vmem.PagePool(driver, 2, page)
-    vmem.PagePool(driver, 1, page).close()     # what is left: one page
-    first.close()                              # given back: they count no more
-    driver.reading = 4 * page
+    vmem.PagePool(driver, 1, page).close()     # what is left: one page and its records
+    first.close()                              # given back: the pages count no more, ...
+    driver.reading = 4 * (page + records)
+    with pytest.raises(vmem.InsufficientMemoryError, match=f" {4 * records} bytes of it"):
+        vmem.PagePool(driver, 4, page)         # ... the records (gone with the pools) until
+    driver.now += 6                            # the window ends
     second = vmem.PagePool(driver, 4, page)
     driver.now += 6                            # past the window: the reading is trusted
     vmem.PagePool(driver, 4, page).close()
