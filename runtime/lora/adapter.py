@@ -162,13 +162,15 @@ def _check_host_memory(path: str, model: nn.Module, host_copies: int) -> None:
     itemsize = max((p.dtype.itemsize for p in model.parameters() if p.is_floating_point()),
                    default=4)
     need_bytes = host_copies * (file_bytes + numel * itemsize)
-    available = memory.available_memory_bytes(torch.device("cpu"))
+    # what KV pools in this process promised and have not created yet is not available
+    available = memory.unpromised_available_bytes(torch.device("cpu"))
     if available is not None and need_bytes > available:
         copies = f" x {host_copies} processes" if host_copies > 1 else ""
         raise LoraMemoryError(f"LoRA adapter {path!r}: loading it needs {need_bytes} bytes of "
                               f"host memory ({file_bytes} read + {numel * itemsize} in the "
                               f"model's dtype{copies}), more than the {available} bytes "
-                              f"available (host MemAvailable)")
+                              f"available (host MemAvailable less what KV pools in this "
+                              f"process promised and have not created yet)")
 
 
 def _read_tensors(path: str) -> Dict[str, torch.Tensor]:

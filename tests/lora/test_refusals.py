@@ -182,6 +182,11 @@ def test_an_adapter_larger_than_the_hosts_available_memory_is_refused_before_rea
     with pytest.raises(LoraMemoryError, match=f"needs {2 * need} bytes .* x 2 processes"):
         LoraAdapter.load(adapter_dir, model, host_copies=2)
     assert read == []                                       # refused before reading the weights
+    # what a grown KV pool promised and has not created is not available to the adapter
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: need + 100)
+    monkeypatch.setattr(memory, "promised_bytes", lambda device, excluding=None: 101)
+    with pytest.raises(LoraMemoryError, match=f"more than the {need - 1} bytes available"):
+        LoraAdapter.load(adapter_dir, model)
     monkeypatch.undo()
     monkeypatch.setattr(memory, "available_memory_bytes", lambda device: need)
     assert LoraAdapter.load(adapter_dir, model).num_bytes > 0    # exactly fits
