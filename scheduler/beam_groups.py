@@ -36,7 +36,7 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 from .errors import OutOfCapacityError, SchedulerError, UnknownSequenceError
-from .beam_fit import check_beam_group_fits
+from .beam_fit import check_beam_group_fits, unit_costs
 from .managers.base import ManagerContractError, check_hit
 from .request import Sequence, SeqState
 
@@ -197,14 +197,39 @@ class BeamGroups:
     def group_floor_tokens(self, members: List[Sequence]) -> int:
         """The fewest tokens of memory a beam group's live ``members`` need to come back now:
         their common history once, and each one's history past what it shares with an
-        earlier member (``_history_tree``), in whole units a fork shares."""
+        earlier member (``_history_tree``), as the pool backs it (``_backed_tokens``)."""
         return self._floor_tokens(members, *self._history_tree(members))
 
     def _floor_tokens(self, members: List[Sequence], shared: int, tree: List[tuple]) -> int:
-        unit = self.manager.fork_unit_tokens or 1
         starts = [shared] + [tokens for _, tokens in tree]
-        return shared + sum(-(-(m.length - start) // unit) * unit
-                            for m, start in zip(members, starts))
+        backed = self._backed_tokens()
+        return shared + sum(backed(m.length - start) for m, start in zip(members, starts))
+
+    def _backed_tokens(self):
+        """A function: the tokens of a history's tail (starting at a unit boundary) -> the
+        tokens the pool's units backing it hold: whole units a fork shares, then the partial
+        last unit rounded up only as far as its pages reach, by the rule the add-time check
+        sizes a group with (``beam_fit.unit_costs``: a vmem group backed by its bytes holds a
+        partial unit in ``member_pages_for(fill)`` pages of each member, not whole; paged and
+        whole-backed units are whole). So a group's floor is what it held while it ran, never
+        more: a search the add-time check accepted can come back after a preemption."""
+        unit = self.manager.fork_unit_tokens
+        if not unit:
+            return lambda tokens: tokens
+        kinds = unit_costs(self.manager)[2]
+
+        def backed(tokens: int) -> int:
+            whole, fill = divmod(tokens, unit)
+            if not fill:
+                return tokens
+            held = [partial(fill) for _, _, partial in kinds]
+            low, high = fill, unit       # the most fill the same pages back (bisected: a
+            while high > low:            # partial unit's cost only grows with its fill)
+                mid = (low + high + 1) // 2
+                same = all(partial(mid) <= h for (_, _, partial), h in zip(kinds, held))
+                low, high = (mid, high) if same else (low, mid - 1)
+            return whole * unit + low
+        return backed
 
     def _history_tree(self, members: List[Sequence]) -> tuple:
         """(the tokens all ``members`` have in common, and for each member after the first:
@@ -278,7 +303,7 @@ class BeamGroups:
         mgr, share = self.manager, self.config.enable_prefix_sharing
         leader, request = members[0], members[0].request
         ids = [m.token_ids() if share else None for m in members]
-        tails = self._floor_tokens(members, shared, tree) - shared   # each one's, whole units
+        tails = self._floor_tokens(members, shared, tree) - shared   # each one's, as backed
         adapter = {} if request.adapter is None else {"adapter": request.adapter}
         if not mgr.can_allocate(shared, ids[0] and ids[0][:shared], request.prefix_scope,
                                 reserve + tails, final_tokens=request.max_total_len, **adapter):

@@ -213,7 +213,7 @@ class BeamSearching:
         events = []
         for rid in done:
             state = self._requests[rid]
-            state.output.outputs[:] = [self._completion(i, h) for i, h in
+            state.output.outputs[:] = [self._completion(i, h, picked[rid].params) for i, h in
                                        enumerate(returned(picked[rid]))]
             state.remaining, state.output.status = 0, "finished"
             for c in state.output.outputs:   # the beam's text rides on its last token
@@ -224,13 +224,16 @@ class BeamSearching:
                            for j, t in enumerate(c.token_ids)]
         return events
 
-    def _completion(self, index: int, h: Hypothesis, ending: bool = False) -> CompletionOutput:
-        """``h`` as output ``index``. ``ending`` (the request ended early: aborted, failed,
-        closed): no text when the tokenizer raises (``decode_at_end``); otherwise (a done
-        group, inside its step) a decode that raises fails the step as any recording error."""
+    def _completion(self, index: int, h: Hypothesis, params: BeamSearchParams,
+                    ending: bool = False) -> CompletionOutput:
+        """``h`` as output ``index``, its text decoded as ``params.skip_special_tokens`` says.
+        ``ending`` (the request ended early: aborted, failed, closed): no text when the
+        tokenizer raises (``decode_at_end``); otherwise (a done group, inside its step) a
+        decode that raises fails the step as any recording error."""
         text = None
         if self.tokenizer is not None:
-            decode = partial(self.tokenizer.decode, list(h.token_ids), skip_special_tokens=True)
+            decode = partial(self.tokenizer.decode, list(h.token_ids),
+                             skip_special_tokens=params.skip_special_tokens)
             text = decode_at_end(decode) if ending else decode()
         return CompletionOutput(index, list(h.token_ids), h.finish_reason, text,
                                 logprobs=list(h.logprobs), beam_score=h.score)
@@ -249,7 +252,7 @@ class BeamSearching:
                            reason) for b in group.beams]
         ranked = sorted(list(group.hyps) + live, key=lambda h: -h.score)   # stable
         self._requests[request_id].output.outputs[:] = [
-            self._completion(i, h, ending=True)
+            self._completion(i, h, group.params, ending=True)
             for i, h in enumerate(ranked[:group.params.returned_beams])]
 
 

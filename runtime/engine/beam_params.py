@@ -32,6 +32,8 @@ class BeamSearchParams:
     temperature: float = 0.0               # vLLM's field; only 0 (deterministic) runs
     cache_salt: Optional[str] = None       # as SamplingParams': prefixes shared only between
                                            # requests with the same salt (None: the default)
+    skip_special_tokens: bool = True       # as SamplingParams': special tokens (EOS, chat
+                                           # markers) left out of each beam's text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
@@ -78,4 +80,5 @@ _RULES = (
      "0: beam search here is deterministic (transformers' do_sample=False); sampled beam "
      "search is not supported"),
     ("cache_salt", lambda p: p.cache_salt is None or isinstance(p.cache_salt, str), "a str or None"),
+    ("skip_special_tokens", lambda p: isinstance(p.skip_special_tokens, bool), "a bool"),
 )

@@ -146,16 +146,22 @@ class SamplingFields(BaseModel):
                                     length_penalty=self.length_penalty, num_return_beams=self.n,
                                     ignore_eos=self.ignore_eos,
                                     stop_token_ids=tuple(self.stop_token_ids),
-                                    cache_salt=self.cache_salt)
+                                    cache_salt=self.cache_salt,
+                                    skip_special_tokens=self.skip_special_tokens)
         except BeamSearchParamsError as error:
             name = {"num_return_beams": "n", "max_new_tokens": self.api_name("max_new_tokens")
                     }.get(error.field, error.field)
-            raise ApiError(400, str(error).replace("BeamSearchParams.num_return_beams", "n"),
-                           name) from None
+            raise ApiError(400, beam_message(error, name), name) from None
 
     def api_name(self, field: str) -> str:
         """The request field a SamplingParams field comes from."""
         return {"max_new_tokens": "max_tokens", "prompt_logprobs": "echo"}.get(field, field)
+
+
+def beam_message(error: BeamSearchParamsError, param: str) -> str:
+    """``error``'s message naming its field as the client sent it (``param``), not as the
+    engine's ``BeamSearchParams`` calls it."""
+    return str(error).replace(f"BeamSearchParams.{error.field}", param)
 
 
 # fields a beam search request may not set (they shape sampling, which beam search does not do)

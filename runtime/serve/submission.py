@@ -48,6 +48,7 @@ from vmemkv.vmem.host import meminfo_bytes
 
 from .errors import ServeConfigError
 from .limits import HELD_BYTES_PER_RESPONSE_BYTE, ResponseSize, TokenBytes, check_response_bytes
+from .protocol import beam_message
 from .shutdown import shutting_down
 
 log = logging.getLogger("vmemkv.serve")
@@ -142,7 +143,10 @@ class Submission:
             if error.field == "lora":   # unloaded after the request was checked: its "model"
                 raise ApiError(400, str(error).replace("SamplingParams.lora", "model"),
                                "model") from None
-            raise ApiError(400, str(error), self._param_of(error.field)) from None
+            param = self._param_of(error.field)     # (a beam field as the client named it)
+            message = beam_message(error, param) if isinstance(error, BeamSearchParamsError) \
+                else str(error)
+            raise ApiError(400, message, param) from None
 
     async def events(self) -> AsyncIterator[Delta]:
         while self._live:
