@@ -23,6 +23,7 @@ that shape sampling are refused by name with it.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import ClassVar, Dict, FrozenSet, List, Optional, Type, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -138,24 +139,36 @@ class SamplingFields(BaseModel):
             self.api_name(f) for f in ("logprobs", "prompt_logprobs") if extra.get(f) is not None]
         if "temperature" in self.model_fields_set and self.temperature != 0:
             unused.insert(0, "temperature")
+        if self.include_stop_str_in_output:      # no stop strings to include (false: a no-op)
+            unused.append("include_stop_str_in_output")
         if unused:
             raise ApiError(400, f"{unused[0]} is not supported with use_beam_search (beam search "
                                 f"is deterministic and returns whole beams)", unused[0])
+        width_param = "beam_width" if self.beam_width is not None else "n"
         try:
-            return BeamSearchParams(self.beam_width or self.n, max_new_tokens=max_tokens,
+            return RequestBeamParams(self.beam_width or self.n, max_new_tokens=max_tokens,
                                     length_penalty=self.length_penalty, num_return_beams=self.n,
                                     ignore_eos=self.ignore_eos,
                                     stop_token_ids=tuple(self.stop_token_ids),
                                     cache_salt=self.cache_salt,
-                                    skip_special_tokens=self.skip_special_tokens)
+                                    skip_special_tokens=self.skip_special_tokens,
+                                    width_param=width_param)
         except BeamSearchParamsError as error:
-            name = {"num_return_beams": "n", "max_new_tokens": self.api_name("max_new_tokens")
-                    }.get(error.field, error.field)
+            name = {"num_return_beams": "n", "max_new_tokens": self.api_name("max_new_tokens"),
+                    "beam_width": width_param}.get(error.field, error.field)
             raise ApiError(400, beam_message(error, name), name) from None
 
     def api_name(self, field: str) -> str:
         """The request field a SamplingParams field comes from."""
         return {"max_new_tokens": "max_tokens", "prompt_logprobs": "echo"}.get(field, field)
+
+
+@dataclass(frozen=True)
+class RequestBeamParams(BeamSearchParams):
+    """``BeamSearchParams`` that know the request field that set ``beam_width``: "n" where the
+    client left beam_width out and it defaulted to n, so an engine refusal of the width names
+    the field the client sent (``Submission.started``)."""
+    width_param: str = "beam_width"
 
 
 def beam_message(error: BeamSearchParamsError, param: str) -> str:
@@ -303,5 +316,8 @@ def envelope(object_id: str, kind: str, model: str, created_s: int, choices: Lis
 
 
 def sse(data: Union[dict, str]) -> str:
-    """One server-sent event (``data: ...`` and a blank line)."""
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+    """One server-sent event (``data: ...`` and a blank line); its JSON's strings in UTF-8, as a
+    JSON response's are (``limits.ResponseBounds`` measures them so; ``response_bounds``
+    counts the spaces after its separators)."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {text}\n\n"

@@ -17,7 +17,7 @@ is checked against the server's ``max_response_bytes``: past it, ApiError 400 na
 to lower. Each token, an echoed prompt token too, counts at the served tokenizer's bound
 (``bound``: ``limits.ResponseBounds``, from its longest token; its text, id and logprob entries).
 A streamed submission (``stream``) keeps no logprobs in its choices: each token's travel in its
-Delta only.
+Delta only; its bound counts each token's SSE chunk envelope too (``response_bounds``).
 
 Past that, the server's ``ResponseBudget`` bounds the responses of every request at once: each
 reserves its estimate before it is queued (ApiError 503 + Retry-After when the budget is spent:
@@ -48,7 +48,8 @@ from vmemkv.vmem.host import meminfo_bytes
 
 from .errors import ServeConfigError
 from .limits import HELD_BYTES_PER_RESPONSE_BYTE, ResponseSize, TokenBytes, check_response_bytes
-from .protocol import beam_message
+from .protocol import RequestBeamParams, beam_message
+from .response_bounds import stream_bound
 from .shutdown import shutting_down
 
 log = logging.getLogger("vmemkv.serve")
@@ -87,17 +88,23 @@ class Submission:
     choice's text starts with its prompt (completions' ``echo``), which the limit counts;
     ``max_param``: the request field an engine refusal of ``max_new_tokens`` names (chat's
     ``max_completion_tokens`` or ``max_tokens``); ``bound``: the bytes a token may add to this
-    response (the served tokenizer's ``ResponseBounds``; None: ``TokenBytes()``, no tokenizer's)."""
+    response (the served tokenizer's ``ResponseBounds``; None: ``TokenBytes()``, no tokenizer's);
+    with ``stream`` each token's SSE chunk envelope more (``response_bounds.stream_bound``:
+    ``model_id``, the id each chunk names; None: the longest adapter name's)."""
 
     def __init__(self, server: EngineThread, prompts: Sequence[Sequence[int]],
                  params: SamplingParams, arrival_s: float, prefix: str = "cmpl",
                  has_tokenizer: bool = True, stream: bool = False,
                  max_response_bytes: Optional[int] = None, echo: bool = False,
-                 max_param: str = "max_tokens", bound: Optional[TokenBytes] = None) -> None:
+                 max_param: str = "max_tokens", bound: Optional[TokenBytes] = None,
+                 model_id: Optional[str] = None) -> None:
         if max_response_bytes is None:
             max_response_bytes = server.max_response_bytes
-        size = response_size(prompts, params, echo, bound or TokenBytes())
-        check_response_bytes(size, max_response_bytes, chat=prefix == "chatcmpl")
+        chat, bound = prefix == "chatcmpl", bound or TokenBytes()
+        if stream:
+            bound = stream_bound(bound, chat, model_id)
+        size = response_size(prompts, params, echo, bound)
+        check_response_bytes(size, max_response_bytes, chat=chat)
         budget = server.response_budget    # reserved before anything is queued
         self.reservation = budget.reserve(size.estimate_bytes) if budget is not None else None
         self._keep_logprobs = not stream    # a stream's were sent: holding them is all cost
@@ -105,6 +112,8 @@ class Submission:
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.n, self._ids_as_text = choices_per_prompt(params), not has_tokenizer
         self._max_param = max_param     # the engine's max_new_tokens, as the client named it
+        self._width_param = params.width_param if isinstance(params, RequestBeamParams) \
+            else "beam_width"       # the field that set a beam search's width (n: its default)
         self._too_large_param = "beam_width" if isinstance(params, BeamSearchParams) \
             else max_param          # what a request the cache can never hold should shrink
         self.choices = [Choice(i) for i in range(len(prompts) * self.n)]
@@ -204,8 +213,10 @@ class Submission:
 
     def _param_of(self, field: Optional[str]) -> Optional[str]:
         """The request field an engine error's ``field`` is (``max_new_tokens``: the API's
-        max_tokens or max_completion_tokens; the others share their names)."""
-        return self._max_param if field == "max_new_tokens" else field
+        max_tokens or max_completion_tokens; ``beam_width``: n where it defaulted to n; the
+        others share their names)."""
+        return {"max_new_tokens": self._max_param, "beam_width": self._width_param}.get(
+            field, field)
 
     async def _aborted(self) -> None:
         """``close()``, then wait for the Ended of every request it aborted (one the engine

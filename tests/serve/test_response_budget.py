@@ -123,25 +123,28 @@ def _app(budget_bytes: int):
     return create_app(engine_thread, ServeMetrics("m"), served), engine_thread
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_response_holds_its_budget_until_its_client_has_read_it(stream):
+@pytest.mark.parametrize("stream, reserved_bytes", [(False, 1324), (True, 3246)])
+def test_a_response_holds_its_budget_until_its_client_has_read_it(stream, reserved_bytes):
     # max_tokens 4: 4 x 11 (the byte tokenizer's bound) + 256 (a choice) + 1,024 (the
-    # envelope) = 1,324 bytes reserved of a 2,000-byte budget
+    # envelope) = 1,324 bytes reserved; streamed, each token's chunk (its envelope, naming
+    # the model "m", 149, its choice's keys, 256, and a space, 1) more, and two envelopes
+    # once: 1,324 + 4 x 406 + 2 x 149 = 3,246. The budget holds one of them and not two
+    budget_bytes = reserved_bytes + 676
     body = {"prompt": [1, 2], "max_tokens": 4, "stream": stream}
 
     async def run():
-        app, engine_thread = _app(2000)
+        app, engine_thread = _app(budget_bytes)
         budget = engine_thread.response_budget
         unread = Exchange(app, "/v1/completions", body)
         await asyncio.wait_for(unread.waiting.wait(), 30)   # its answer waits on the client
         assert not unread.task.done() and unread.status == 200 and b"66]" in unread.body
-        assert budget.held_bytes == 1324      # the engine has finished; the client has not read
+        assert budget.held_bytes == reserved_bytes   # the engine has finished; the client has not
         refused = Exchange(app, "/v1/completions", body)
         await refused.task
         assert refused.status == 503 and (b"retry-after", b"1") in refused.messages[0]["headers"]
         error = json.loads(refused.body)["error"]
-        assert "budget of 2,000 bytes" in error["message"] \
-            and "this one, which could take 1,324;" in error["message"]
+        assert f"budget of {budget_bytes:,} bytes" in error["message"] \
+            and f"this one, which could take {reserved_bytes:,};" in error["message"]
         assert len(engine_thread.submitted) == 1          # nothing queued for it
         unread.drained.set()                  # the client reads: its budget comes back
         await unread.task
