@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from concurrent.futures import Future
 
 import httpx
 import pytest
@@ -28,10 +27,10 @@ from vmemkv.runtime.serve.app import create_app
 from vmemkv.runtime.serve.chat import parse_chat_request
 from vmemkv.runtime.serve.completions import ServedModel
 from vmemkv.runtime.serve.errors import ApiError
-from vmemkv.runtime.serve.limits import DEFAULT_MAX_RESPONSE_BYTES
 from vmemkv.runtime.serve.metrics import ServeMetrics
 from vmemkv.runtime.serve.protocol import parse_completion_request
 
+from .test_chat_beam_window import RefusingEngineThread
 from .test_tenant_hunt_fixes import (LONG_IDS, LongTokenEngineThread, MESSAGES, PROMPT,
                                      long_token_tokenizer)
 
@@ -53,23 +52,6 @@ def test_include_stop_str_in_output_true_with_beam_search_is_400_naming_it(api):
     taken = params(parse(json.dumps({**base, **BEAMS,
                                      "include_stop_str_in_output": False}).encode()))
     assert (taken.beam_width, taken.returned_beams) == (2, 2)     # false does nothing: taken
-
-
-class RefusingEngineThread:
-    """The engine thread refuses every request as ``error``."""
-    alive = True
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-        self.max_response_bytes, self.response_budget = DEFAULT_MAX_RESPONSE_BYTES, None
-
-    def submit(self, ids, params, sink, arrival_s, index=0) -> Future:
-        future: Future = Future()
-        future.set_exception(self.error)
-        return future
-
-    def abort(self, request_id) -> None:
-        pass
 
 
 def _post(engine_thread, path: str, body: dict) -> httpx.Response:
