@@ -11,11 +11,13 @@ next plan waits as long as rank 0 is alive (an idle engine is not a fault).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
 import multiprocessing.reduction
 import os
 import pickle
+import signal
 import socket
 import threading
 import time
@@ -61,8 +63,8 @@ class RankGroup:
                 work.wait(datetime.timedelta(seconds=timeout_s))
         except Exception as error:
             raise TensorParallelError(
-                f"rank {self.rank}: {what} failed or waited past {timeout_s or IDLE.days * 86400} s "
-                f"(a rank died or hung): {type(error).__name__}: {str(error)[:200]}") from error
+                f"rank {self.rank}: {what} {_how_it_ended(time.perf_counter() - start, timeout_s)}"
+                f": {type(error).__name__}: {str(error)[:200]}") from error
         finally:
             self.comm_s += time.perf_counter() - start
 
@@ -128,6 +130,15 @@ class RankGroup:
             out.append(pickle.loads(f[8:8 + size].numpy().tobytes()))
         return out
 
+def _how_it_ended(elapsed_s: float, timeout_s: Optional[float]) -> str:
+    """A failed wait in words: timed out (``elapsed_s`` reached ``timeout_s``, less 5% for the
+    backend's own clock) or failed before it, which is a rank that died or raised, not a hang."""
+    limit_s = IDLE.total_seconds() if timeout_s is None else timeout_s
+    if elapsed_s >= 0.95 * limit_s:
+        return f"waited past {limit_s:g} s (a rank died or hung)"
+    return f"failed after {elapsed_s:.2f} s, before its {limit_s:g} s timeout (a rank died or failed)"
+
+
 def init_group(rank: int, world: int, *, init_method: Optional[str] = None,
                store=None) -> None:
     """Join the default gloo group (``env://`` when neither is given, as torchrun sets it up)."""
@@ -166,6 +177,23 @@ def watch_parent() -> None:
         parent.join()
         os._exit(3)
     threading.Thread(target=loop, name="vmemkv-tp-parent-watch", daemon=True).start()
+
+
+@contextlib.contextmanager
+def rank_0_takes_interrupts():
+    """In a follower rank (on the main thread; elsewhere nothing changes): SIGINT ignored for the
+    block. A terminal's Ctrl-C reaches every process in its foreground group, ranks included;
+    rank 0 alone decides what it means (docs/usage.md: it lands after the step under way), and
+    a follower ends when rank 0 closes or exits. Before, it killed the follower mid-step and
+    the engine closed with every request aborted."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def rank_context(preload: Sequence[str] = ()):
@@ -225,6 +253,13 @@ def take_std_streams(streams: dict) -> None:
         received = shared.detach()
         os.dup2(received, fd)
         os.close(received)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:    # a real-time signal has no name
+        return f"signal {number}"
 
 
 class SpawnedRanks:
@@ -295,6 +330,23 @@ class SpawnedRanks:
         except Exception:   # the store may be gone with rank 0's group
             return None
         return None
+
+    def fate_of(self, rank: int) -> Optional[str]:
+        """How ``rank``'s process ended (its exit code, or the signal that killed it), or that
+        it is stopped (SIGSTOP, a debugger: /proc state T or t); None while it runs."""
+        proc = self.procs[rank - 1]
+        if proc.is_alive():       # (else it has exited: is_alive reaped it, exitcode is set)
+            try:
+                with open(f"/proc/{proc.pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                return None
+            return f"rank {rank} (pid {proc.pid}) is stopped" if state in ("T", "t") else None
+        if proc.exitcode is None:  # never started
+            return None
+        if proc.exitcode < 0:
+            return f"rank {rank} (pid {proc.pid}) was killed by {_signal_name(-proc.exitcode)}"
+        return f"rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Join every rank; terminate, then kill, any still alive after ``grace_s``."""

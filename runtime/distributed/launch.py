@@ -12,6 +12,8 @@ current before joining the group, and on CUDA the activation sums go over NCCL.
 """
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import replace
 
 import torch
@@ -25,6 +27,28 @@ from .worker import (MemoryQuery, TPPayload, UnfixScales, UnfixUnsettled, adapte
                      unfix_scales)
 
 LAUNCHES = ("spawn", "env")
+ENV_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")   # torchrun sets them
+FATE_SETTLE_S = 0.5   # a collective failed: how long to look for a rank that exited
+
+
+def check_env_launch(world: int) -> None:
+    """TensorParallelConfigError, before anything starts, when this process was not started as
+    rank 0 of ``world`` by an ``env://`` launcher: a variable missing (naming each), RANK not 0,
+    or WORLD_SIZE not ``world``."""
+    missing = [name for name in ENV_LAUNCH_VARIABLES if not os.environ.get(name)]
+    if missing:
+        raise TensorParallelConfigError(
+            f"tp_launch='env' joins ranks an env:// launcher started, but {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not set: run this script under torchrun "
+            f"(torchrun --nproc-per-node {world} script.py), or use tp_launch='spawn'")
+    if os.environ["RANK"] != "0":
+        raise TensorParallelConfigError(
+            f"tp_launch='env' builds the Engine on rank 0, but RANK is {os.environ['RANK']}: "
+            f"ranks 1..N-1 run vmemkv.runtime.distributed.follow(model)")
+    if os.environ["WORLD_SIZE"] != str(world):
+        raise TensorParallelConfigError(
+            f"tensor_parallel_size {world} differs from the launcher's WORLD_SIZE "
+            f"{os.environ['WORLD_SIZE']}")
 
 
 def _defining_module(model) -> tuple:
@@ -44,6 +68,8 @@ class TensorParallel:
         if launch not in LAUNCHES:
             raise TensorParallelConfigError(f"tp_launch must be one of {', '.join(LAUNCHES)}, "
                                             f"got {launch!r}")
+        if launch == "env":
+            check_env_launch(world)
         if launch == "spawn" and dist.is_initialized():
             raise TensorParallelConfigError(
                 "this process already belongs to a torch.distributed group (torchrun?): use "
@@ -73,11 +99,7 @@ class TensorParallel:
             self.device = enter_device(payload.placement, 0)
             init_group(0, self.world, store=dist.PrefixStore("pg", self.spawned.store))
         else:
-            init_group(0, self.world)
-            if dist.get_world_size() != self.world:
-                raise TensorParallelConfigError(
-                    f"tensor_parallel_size {self.world} differs from the launcher's WORLD_SIZE "
-                    f"{dist.get_world_size()}")
+            init_group(0, self.world)   # check_env_launch found its variables
             self.group.broadcast(replace(payload, model=None))
             self.device = enter_device(payload.placement, 0)
         self._open = True
@@ -144,20 +166,41 @@ class TensorParallel:
         except NonFiniteKVError:
             raise
         except TensorParallelError as error:
-            self._failed = True    # close() then kills the ranks at once: one may be hung
-            raise self._with_rank_errors(error) from error.__cause__
+            raise self._failed_with(error) from error.__cause__
         except Exception as error:
             self._failed = True    # the other ranks are in a collective this rank left
             raise self._with_rank_errors(TensorParallelError(
                 f"rank 0: the forward raised {type(error).__name__}: {str(error)[:300]}; the "
                 f"other ranks can no longer be in step with it")) from error
 
-    def _with_rank_errors(self, error: TensorParallelError) -> TensorParallelError:
+    def _failed_with(self, error: TensorParallelError) -> TensorParallelError:
+        """``error`` naming the ranks that failed (``_with_rank_errors``), the group marked
+        failed: close() then kills the ranks at once, as one may be hung."""
+        self._failed = True
+        return self._with_rank_errors(error, FATE_SETTLE_S)
+
+    def _with_rank_errors(self, error: TensorParallelError,
+                          settle_s: float = 0.0) -> TensorParallelError:
         """``error`` with what each spawned rank that failed reported before it exited (a rank
-        that raised says why; one that hung or was killed says nothing)."""
-        reasons = [f"rank {r}: {self.spawned.error_of(r)}" for r in range(1, self.world)
-                   if self.spawned is not None and self.spawned.error_of(r)]
+        that raised says why) and how each one that exited ended, or that it is stopped
+        (``SpawnedRanks.fate_of``: its exit code or the signal that killed it). ``settle_s``:
+        how long to look for such a rank when none is seen yet (a killed rank's sockets close,
+        failing rank 0's collective, a moment before its exit can be read)."""
+        if self.spawned is None:
+            return error
+        deadline = time.monotonic() + settle_s
+        reasons = self._rank_reasons()
+        while not reasons and time.monotonic() < deadline:
+            time.sleep(0.02)
+            reasons = self._rank_reasons()
         return TensorParallelError(f"{error}; {'; '.join(reasons)}") if reasons else error
+
+    def _rank_reasons(self) -> list:
+        reasons = []
+        for r in range(1, self.world):
+            reported, fate = self.spawned.error_of(r), self.spawned.fate_of(r)
+            reasons += ([f"rank {r}: {reported}"] if reported else []) + ([fate] if fate else [])
+        return reasons
 
     def unfix_scales(self) -> None:
         """Every rank's first-write 8-bit scales unfixed (worker.UnfixScales; one broadcast).
@@ -165,9 +208,8 @@ class TensorParallel:
         unfix_scales(self.executor.runner.cache)
         try:
             self.group.broadcast(UnfixScales())
-        except TensorParallelError:
-            self._failed = True
-            raise
+        except TensorParallelError as error:
+            raise self._failed_with(error) from error.__cause__
 
     def unfix_unsettled(self) -> None:
         """Every rank's first-write 8-bit scales fixed since they were last settled unfixed
@@ -178,9 +220,8 @@ class TensorParallel:
             return   # (failed: the ranks are closing, none would answer)
         try:
             self.group.broadcast(UnfixUnsettled())
-        except TensorParallelError:
-            self._failed = True
-            raise
+        except TensorParallelError as error:
+            raise self._failed_with(error) from error.__cause__
 
     def memory_states(self) -> list:
         """Every rank's ``worker.memory_state``, in rank order (two collectives; between steps).
@@ -188,9 +229,8 @@ class TensorParallel:
         try:
             self.group.broadcast(MemoryQuery())
             return self.group.gather(memory_state(self.executor.runner.cache), "memory state gather")
-        except TensorParallelError:
-            self._failed = True
-            raise
+        except TensorParallelError as error:
+            raise self._failed_with(error) from error.__cause__
 
     def close(self) -> None:
         """Stop every rank (a final broadcast when they are reachable; kill otherwise), leave the

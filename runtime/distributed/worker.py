@@ -30,6 +30,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import signal
 import sys
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -48,8 +49,8 @@ from vmemkv.runtime.kv import make_kv
 from vmemkv.runtime.lora.executor import AdapterExecutor
 from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.plan import EvictAdapter, LoadAdapter
-from .group import (RankGroup, init_group, leave_group, open_activation_group, take_std_streams,
-                    watch_parent)
+from .group import (RankGroup, init_group, leave_group, open_activation_group,
+                    rank_0_takes_interrupts, take_std_streams, watch_parent)
 from .placement import RankPlacement
 from .sharding import rank_kv_scales, shard_model
 
@@ -325,7 +326,9 @@ def spawned_rank_main(rank: int, world: int, host: str, port: int, environ: dict
     """Entry point of a rank rank 0 spawned: take rank 0's environment (``environ``), and the
     TPPayload and standard streams it sends (``payload_reader``, group.SpawnedRanks); join,
     build, follow; errors go to the store. Ends with ``os._exit``: every resource was released
-    in order above, and an interpreter's teardown with torch loaded costs a second a rank."""
+    in order above, and an interpreter's teardown with torch loaded costs a second a rank.
+    SIGINT is ignored: rank 0 decides what a terminal's Ctrl-C means (rank_0_takes_interrupts)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.clear()
     os.environ.update(environ)
     watch_parent()
@@ -373,7 +376,8 @@ def follow(model_or_loader, *, step_timeout_s: float = 60.0, start_timeout_s: fl
     ``Engine(..., tensor_parallel_size=WORLD_SIZE, tp_launch="env")``, for processes started by
     torchrun (or any launcher that sets the ``env://`` variables). Returns when rank 0's engine
     closes; raises TensorParallelError when a rank dies or hangs. On CUDA this rank runs on
-    cuda:LOCAL_RANK (torchrun's convention)."""
+    cuda:LOCAL_RANK (torchrun's convention). Once rank 0's payload arrived, SIGINT is ignored
+    (on the main thread) until it returns: rank 0 decides what a Ctrl-C means."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank == 0:
         raise TensorParallelError("follow() runs ranks 1..N-1; rank 0 builds the Engine")
@@ -384,6 +388,7 @@ def follow(model_or_loader, *, step_timeout_s: float = 60.0, start_timeout_s: fl
                                      start_timeout_s=start_timeout_s)
         device = enter_device(payload.placement, rank, int(os.environ.get("LOCAL_RANK", rank)))
         open_activation_group(group, payload.placement.activation_backend, device)
-        _follow(group, payload, load_model(model_or_loader), device)
+        with rank_0_takes_interrupts():
+            _follow(group, payload, load_model(model_or_loader), device)
     finally:
         leave_group()

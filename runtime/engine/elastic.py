@@ -182,8 +182,8 @@ class ElasticMemory:
                     self._check_growth_fits(growth, cache_bytes)
                 self._txn.run(lambda: self.scheduler.resize(cache_bytes, preempt, check_fit,
                                                             partial))
-        except TensorParallelError:
-            self.close()          # a rank died or hung, as in step (run rolled back first)
+        except TensorParallelError as error:   # a rank died or hung, as in step: requests
+            self.abandon(error)                # fail (run rolled back: abandon's finds nothing)
             raise
         self.resizes += 1
         # its preemptions (sleep, resize_cache(preempt=True), a yield) are not a step's

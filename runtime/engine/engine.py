@@ -190,14 +190,6 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
     def closed(self) -> bool:
         return self._closed
 
-    def abandon(self) -> None:
-        """A tensor-parallel rank died or hung: the open step is rolled back here and the
-        engine closed (every rank's memory and process go)."""
-        try:
-            self._txn.rollback()
-        finally:
-            self.close()
-
     def step(self) -> List[TokenEvent]:
         """Run one scheduler step as a transaction; returns the tokens it produced, in plan order.
 
@@ -242,8 +234,8 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
                 self._step_s += time.perf_counter() - start   # its phases were counted too
                 return []
             raise
-        except TensorParallelError:
-            self.abandon()   # a rank died or hung: every rank's memory and process go now
+        except TensorParallelError as error:
+            self.abandon(error)   # a rank died or hung: requests fail, every rank's memory goes
             raise
         except BaseException as error:
             if self._step_failed(plan, logits, drawing, error):
@@ -332,10 +324,12 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         """Step until every request has ended. A failed memory plan is retried up to
         ``config.max_plan_retries`` times in a row before its PlanExecutionError reaches the
         caller (the engine stays usable: calling this again resumes); a request that keeps
-        failing ends "failed" and the others go on. EngineClosedError if ``close()`` (from a
-        callback) ended requests meanwhile; EngineConfigError, before any step, for an ``on_step``
-        neither callable nor None."""
+        failing ends "failed" and the others go on. EngineClosedError on a closed engine (a
+        rank that died closes it) or if ``close()`` (from a callback) ended requests meanwhile;
+        EngineConfigError, before any step, for an ``on_step`` neither callable nor None."""
         check_callback("on_step", on_step)
+        if self._closed:   # has_unfinished() is False once closed: this would return silently
+            raise EngineClosedError("run_until_done after close(): this engine's cache is released")
         with self._driving([rid for rid, s in self._requests.items() if s.remaining],
                            "run_until_done"):
             while self.has_unfinished():
@@ -376,7 +370,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         ending the requests raises, everything is released (and the engine closed) first."""
         try:
             if not self._closed:
-                self._abort_for_close()
+                self._end_live_requests()   # "aborted" (lifecycle)
         finally:
             self._closed = True
             self._close_memory()

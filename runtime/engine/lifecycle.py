@@ -107,9 +107,8 @@ class RecordingSavepoint:
 
 class RequestLifecycle:
     """The Engine's failure contract and early ends (a mixin over Engine's fields: scheduler,
-    cache, runner, config, _requests, _samples, _beams, _strikes; the step's StepTransaction
-    ``_txn``, ``_draws`` and ``_beam_rows``): recording or undoing a step, blaming and failing
-    a request, ``abort``, ``status`` and ``output``."""
+    cache, runner, config, _requests, _samples, _beams, _strikes; the step's ``_txn``, ``_draws``
+    and ``_beam_rows``): recording or undoing a step, failing a request, abort, status, output."""
 
     def _record_step(self, plan, sampled: Dict[int, int]) -> List[TokenEvent]:
         """The plan ran: its memory is kept (``executed``); then its tokens are recorded
@@ -123,11 +122,10 @@ class RequestLifecycle:
 
     def _settle_scales(self, keep: bool) -> None:
         """8-bit scales fixed by first writes since the last committed step: kept with the
-        step's commit (``keep``), else unfixed (the step, or a lone run of one sequence, is not
-        kept: the next kept write fixes them). With tensor parallelism each rank's cache holds
-        its own table: rank 0 settles its own (the others settle theirs at the next forward)
-        or has every rank unfix theirs (one broadcast, only when rank 0's journal names a
-        layer: ``TensorParallel.unfix_unsettled``)."""
+        step's commit (``keep``), else unfixed (the next kept write fixes them). With tensor
+        parallelism each rank's cache holds its own table: rank 0 settles its own (the others
+        at the next forward) or has every rank unfix theirs (one broadcast, only when rank 0's
+        journal names a layer: ``TensorParallel.unfix_unsettled``)."""
         scales = self.kv.cache.kv_scales
         if scales is None:
             return
@@ -136,8 +134,8 @@ class RequestLifecycle:
         elif self.tp is not None:
             try:
                 self.tp.unfix_unsettled()
-            except TensorParallelError:
-                self.abandon()   # a rank died or hung: every rank's memory and process go now
+            except TensorParallelError as error:
+                self.abandon(error)   # a rank died or hung: every rank's memory and process go
                 raise
         else:
             scales.unfix_unsettled()
@@ -163,11 +161,9 @@ class RequestLifecycle:
 
     def _refuse_step_inside_step(self) -> None:
         """``step()`` called from within a step (the model, the sampler, a memory op) is
-        EngineBusyError, before its ``begin()`` could fail and roll back the step under way (it
-        did, leaving a vmem cache broken for good). Read from the call stack, not from a flag:
-        a KeyboardInterrupt landing between a step's end and the flag's reset (at that line,
-        or in the context manager's exit before it) left the flag set, and every later step
-        of the engine was refused."""
+        EngineBusyError, before its ``begin()`` could roll back the step under way (leaving a
+        vmem cache broken for good). Read from the call stack, not a flag: an interrupt between
+        a step's end and a flag's reset left it set, and every later step was refused."""
         step_code = type(self)._step.__code__
         frame = sys._getframe(1)
         while frame is not None:
@@ -249,13 +245,12 @@ class RequestLifecycle:
 
     def _fails_alone(self, work) -> Optional[Exception]:
         """What ``work()`` (one sequence's forward, one row's sampling, one beam group's
-        selection, with its memory in place) raises, or None; the sample generators and the
-        8-bit scales are left as before the step (each lone run fixes its own, then unfixes
-        them: none reach the next step, and no run depends on the order of the others)."""
+        selection, with its memory in place) raises, or None; sample generators and 8-bit
+        scales are left as before the step (no lone run depends on the order of the others)."""
         try:
             work()
-        except TensorParallelError:
-            self.abandon()   # a rank died, hung or left the forward: not the request's fault
+        except TensorParallelError as error:
+            self.abandon(error)   # a rank died, hung or left the forward: not the request's fault
             raise
         except Exception as error:   # noqa: BLE001 -- the probe's answer
             return error
@@ -272,9 +267,8 @@ class RequestLifecycle:
         return self._beams.group_of.get(seq_id)
 
     def _keep_applied_memory(self) -> bool:
-        """The model or the sampler raised: if the plan's memory ops were applied, keep them
-        (tables and memory agree) and drop the step's progress, so the next step computes the
-        same tokens again (True); if they were not (or were undone), roll the step back."""
+        """The model or the sampler raised: keep the plan's memory ops if applied (tables and
+        memory agree) and drop the step's progress (True); if not (or undone), roll it back."""
         try:
             if self.runner.ops_applied:
                 self.kv.cache.wait_for_plan()
@@ -291,12 +285,11 @@ class RequestLifecycle:
     # ---- ending requests early -----------------------------------------------------------
     def abort(self, request_id: int) -> RequestOutput:
         """End a request that has not ended, wherever it is (waiting, running, preempted,
-        swapped): its memory, blocks and swap space are released now, and its output keeps
-        the tokens produced so far with status "aborted" (unfinished samples get finish_reason
-        "abort"). Raises UnknownRequestError for an id the engine does not know (never
-        submitted, or popped) and RequestEndedError for one that has already ended; nothing
-        changes then. Call it between steps (an ``on_token`` callback is between steps), from the
-        thread driving the engine: another thread's call while one runs is EngineBusyError."""
+        swapped): its memory, blocks and swap space are released now; its output keeps its
+        tokens, status "aborted" (unfinished samples finish_reason "abort"). UnknownRequestError
+        for an id never submitted or popped, RequestEndedError for one ended (nothing changes).
+        Call it between steps (an ``on_token`` callback is), from the thread driving the
+        engine: another thread's call while one runs is EngineBusyError."""
         state = self._request(request_id)
         if self._closed:   # close() ended every request "aborted": this is the truer refusal
             raise EngineClosedError(f"abort({request_id}) after close(): this engine's cache "
@@ -332,9 +325,8 @@ class RequestLifecycle:
             return state.output
 
     def _request(self, request_id: int) -> RequestState:
-        """The state of request ``request_id`` (``abort``, ``status``, ``output``):
-        EngineConfigError for an id that is no int (``check_request_id``: nothing is read),
-        UnknownRequestError for an unknown one."""
+        """The state of request ``request_id``: EngineConfigError for an id that is no int
+        (``check_request_id``: nothing is read), UnknownRequestError for an unknown one."""
         check_request_id(request_id)
         state = self._requests.get(request_id)
         if state is None:
@@ -346,18 +338,21 @@ class RequestLifecycle:
                      error: Optional[BaseException] = None) -> None:
         """End a live request ``status`` (ABORTED or FAILED) in one transaction: the scheduler
         releases its sequences and what that frees (swap buffers included) leaves the manager
-        as a plan of no sequences, its ops and the dropped placements, run the way a step's
-        plan is (``_execute``: with tensor parallelism on every rank). A rank that dies or hangs
-        meanwhile closes the engine, as in ``step``."""
+        as a plan of no sequences run as a step's is (``_execute``: with tensor parallelism on
+        every rank). A rank that dies or hangs meanwhile closes the engine (``abandon``)."""
         try:
             plan, _ = self._txn.run(lambda: self._ending_plan(request_id, status))
-        except TensorParallelError:
-            self.close()
+        except TensorParallelError as tp_error:
+            self.abandon(tp_error)   # run() rolled back: abandon's rollback finds nothing
             raise
-        state = self._requests[request_id]
-        reason = "abort" if status is SeqState.ABORTED else "error"
         for seq_id in plan.finished:
             self.scheduler.forget(seq_id)
+        self._mark_ended(request_id, status, error)
+
+    def _mark_ended(self, request_id: int, status: SeqState, error: BaseException | None) -> None:
+        """Request ``request_id``'s records end ``status``; its memory is the caller's to free."""
+        state = self._requests[request_id]
+        reason = "abort" if status is SeqState.ABORTED else "error"
         for seq_id in state.seq_ids:
             if seq_id in self._samples:
                 self._end_sample(seq_id, reason)
@@ -374,22 +369,30 @@ class RequestLifecycle:
         sample.request.remaining -= 1
         self._prompt_logprobs.pop(seq_id, None)
 
-    def _abort_for_close(self) -> None:
-        """``close()``: every live request ends "aborted" (unfinished samples finish_reason
-        "abort"), its output kept; no plan runs (the cache is released whole next, even when a
-        tensor-parallel rank is dead). Their batch calls raise EngineClosedError; closed
-        streams' requests are dropped (submission.py)."""
+    def abandon(self, error: TensorParallelError) -> None:
+        """A tensor-parallel rank died or hung (``error``): the open step is rolled back, every
+        live request ends "failed" with ``error`` (not "aborted": nobody asked) and the engine
+        closes (every rank's memory and process go)."""
+        try:
+            self._txn.rollback()
+        finally:
+            try:
+                if not self._closed:
+                    self._end_live_requests(error)
+            finally:
+                self.close()
+
+    def _end_live_requests(self, error: Optional[TensorParallelError] = None) -> None:
+        """Every live request ends, output kept: "failed" with ``error`` (``abandon``), or "aborted"
+        (``close()``: their batch calls raise EngineClosedError). No plan runs (the cache is freed
+        whole next, even when a tensor-parallel rank is dead); closed streams' requests drop."""
+        status = SeqState.ABORTED if error is None else SeqState.FAILED
         for rid, state in self._requests.items():
-            if not state.remaining:
-                continue
-            for seq_id in state.seq_ids:
-                if seq_id in self._samples:
-                    self._end_sample(seq_id, "abort")
-            self._end_beams(rid, "abort")
-            state.remaining = 0
-            state.output.status = SeqState.ABORTED.value
-            self._ended_by_close.add(rid)
-        self._drop_forgotten()     # all ended above: dropped only
+            if state.remaining:
+                self._mark_ended(rid, status, error)
+                if error is None:
+                    self._ended_by_close.add(rid)
+        self._drop_forgotten()     # all ended above: dropped only (submission.py)
 
     def _ending_plan(self, request_id: int, status: SeqState) -> StepPlan:
         seq_ids = self.scheduler.abort_request(request_id, status)

@@ -128,8 +128,8 @@ class EngineThread:
         return len(self._commands)
 
     @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
+    def alive(self) -> bool:   # /health: a rank that died closes the engine before the thread ends
+        return self._thread.is_alive() and not self.engine.closed
 
     def start(self) -> None:
         self._refresh_gauges()

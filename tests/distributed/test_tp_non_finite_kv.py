@@ -73,7 +73,8 @@ def test_nan_kv_under_tp_fails_its_request_alone_and_keeps_every_rank_in_step():
         request = engine.add_request(PROMPTS[1], PLAIN)
         with pytest.raises(TensorParallelError, match="RuntimeError: a bug in rank 0's forward"):
             engine.step()
-        assert engine.closed and engine.status(request) == "aborted"
+        assert engine.closed and engine.status(request) == "failed"   # not a user's "aborted"
+        assert engine.output(request).error.type == "TensorParallelError"
 
 
 def test_a_deferring_scale_table_stores_zeros_and_keeps_the_first_message():
