@@ -16,6 +16,8 @@ from vmemkv.scheduler.managers.journal import TxnCell
 from vmemkv.scheduler.managers.slots import FreeSlots
 from vmemkv.scheduler.presets import ModelSpec
 
+from .test_journal_interrupts import LineInterrupt
+
 TINY = ModelSpec("t1", 1, 1, 1, 1, weight_bytes=0)       # 1 byte per layer-token
 BUCKET_BYTES = 900             # what one bucket (an empty OrderedUnits) took, tracemalloc
 PAGES_PER_SLOT = 50_000
@@ -143,24 +145,10 @@ def test_choice_order_and_rollback_match_the_shadow():
             assert free.pick() == shadow.pick()
 
 
-class Interrupt:
+class Interrupt(LineInterrupt):
     """KeyboardInterrupt at the k-th line run inside slots.py or journal.py."""
 
     FILES = (journal.__file__, slots_module.__file__)
-
-    def __init__(self, k: int) -> None:
-        self.left, self.fired = k, False
-
-    def __call__(self, frame, event, arg):
-        return self._line if frame.f_code.co_filename in self.FILES else None
-
-    def _line(self, frame, event, arg):
-        if event == "line":
-            self.left -= 1
-            if not self.left:
-                self.fired = True
-                raise KeyboardInterrupt
-        return self._line
 
 
 CHANGES = [lambda f: f.add(5, 3), lambda f: f.add(5, 2), lambda f: f.remove(4),

@@ -44,15 +44,15 @@ CHANGES = {
 
 
 class LineInterrupt:
-    """KeyboardInterrupt at the k-th line run inside journal.py."""
+    """KeyboardInterrupt at the k-th line run inside journal.py (inside ``FILES``)."""
+
+    FILES = (journal.__file__,)
 
     def __init__(self, k: int) -> None:
         self.left, self.fired = k, False
 
     def __call__(self, frame, event, arg):
-        if frame.f_code.co_filename != journal.__file__:
-            return None
-        return self._line
+        return self._line if frame.f_code.co_filename in self.FILES else None
 
     def _line(self, frame, event, arg):
         if event == "line":
