@@ -189,28 +189,33 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
     from vmemkv.benchmarks.common import environment
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     marker = StaleMarker(out_dir, OUTPUTS, "vmemkv bench").begin()
-    bar = Progress(sum(_units(s, quick, device) for s in sections), enabled=progress)
-    start = time.perf_counter()
-    env = environment(seed=0, warmup=None, repeats=None, device=device, **versions(device), quick=quick)
-    env["warmup"] = env["repeats"] = "per section (see each section's environment)"
-    payload = {"benchmark": "vmemkv bench", "environment": env, "sections": list(sections),
-               "interrupted": False}
-    try:
-        _run_sections(payload, sections, quick, device, bar, out_dir, options)
-    except KeyboardInterrupt:
-        payload["interrupted"] = True
-    finally:
-        bar.close()
-    marker.wrote(os.path.join(out_dir, "bench.log"))   # in place, whole, however it ended
-    payload["wall_s"] = time.perf_counter() - start
-    payload["plots"] = []
-    if plots and not payload["interrupted"]:
-        try:          # a Ctrl-C while plotting still writes bench.json, every section in it,
-            # and the plots already rewritten (each recorded as it is written, not at the end)
-            _plots(payload, out_dir, lambda path: payload["plots"].append(marker.wrote(path)))
+    try:        # an error (a full disk) ends the run: STALE.txt says so (Ctrl-C: below)
+        bar = Progress(sum(_units(s, quick, device) for s in sections), enabled=progress)
+        start = time.perf_counter()
+        env = environment(seed=0, warmup=None, repeats=None, device=device, **versions(device),
+                          quick=quick)
+        env["warmup"] = env["repeats"] = "per section (see each section's environment)"
+        payload = {"benchmark": "vmemkv bench", "environment": env, "sections": list(sections),
+                   "interrupted": False}
+        try:
+            _run_sections(payload, sections, quick, device, bar, out_dir, options)
         except KeyboardInterrupt:
             payload["interrupted"] = True
-    marker.wrote(_finish(payload, sections, out_dir))
+        finally:
+            bar.close()
+        marker.wrote(os.path.join(out_dir, "bench.log"))   # in place, whole, however it ended
+        payload["wall_s"] = time.perf_counter() - start
+        payload["plots"] = []
+        if plots and not payload["interrupted"]:
+            try:          # a Ctrl-C while plotting still writes bench.json, every section in it,
+                # and the plots already rewritten (each recorded as it is written, not at the end)
+                _plots(payload, out_dir, lambda path: payload["plots"].append(marker.wrote(path)))
+            except KeyboardInterrupt:
+                payload["interrupted"] = True
+        marker.wrote(_finish(payload, sections, out_dir))
+    except Exception as error:
+        marker.failed(error)
+        raise
     marker.finish("interrupted" if payload["interrupted"] else None)
     if payload["interrupted"]:
         done = [s for s in sections if s in payload]

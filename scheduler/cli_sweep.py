@@ -67,19 +67,23 @@ def run(args) -> int:
     if args.ray:
         connect_ray(args.ray)        # Ray missing or unreachable: refused, the folder untouched
     marker = StaleMarker(args.out, OUTPUTS, "vmemkv sweep").begin()
-    with RowJournal(args.out, points, args.resume) as journal:
-        rows = dict(journal.kept)
-        todo = [p for p in points if point_key(p) not in rows]
-        interrupted = _run_points(args, todo, rows, journal, len(points))
-    done = [rows[point_key(p)] for p in points if point_key(p) in rows]   # grid order
-    written = write_table(done, args.out) if done else []
-    finished = [r for r in done if not r.get("error")]
-    plots_skipped = None
-    if not (args.no_plots or interrupted) and finished:
-        plots_skipped = plots_unavailable()
-        written += [] if plots_skipped else write_plots(finished, args.out)
-    for path in written:
-        marker.wrote(path)
+    try:            # an error (a full disk) ends the run: STALE.txt says so (Ctrl-C: below)
+        with RowJournal(args.out, points, args.resume) as journal:
+            rows = dict(journal.kept)
+            todo = [p for p in points if point_key(p) not in rows]
+            interrupted = _run_points(args, todo, rows, journal, len(points))
+        done = [rows[point_key(p)] for p in points if point_key(p) in rows]   # grid order
+        written = write_table(done, args.out) if done else []
+        finished = [r for r in done if not r.get("error")]
+        plots_skipped = None
+        if not (args.no_plots or interrupted) and finished:
+            plots_skipped = plots_unavailable()
+            written += [] if plots_skipped else write_plots(finished, args.out)
+        for path in written:
+            marker.wrote(path)
+    except Exception as error:
+        marker.failed(error)
+        raise
     marker.finish("interrupted" if interrupted else None)
     if interrupted:
         raise KeyboardInterrupt(_interrupted(args.out, len(done), len(points), journal.path,

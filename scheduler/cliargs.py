@@ -79,7 +79,8 @@ def file_problem(path: str) -> Optional[str]:
     or None: it must be a file name, not a folder or a device, in a folder we may create files
     in (the folders missing above it are created when it is written: each name no longer than
     the file system allows, none a link to a missing folder), on a file system with space
-    left. Tried with a real temporary file
+    left; a link is judged by its target (written through: a dangling link is fine when its
+    target's folder exists, refused naming it when not). Tried with a real temporary file
     of the writer's shape (``temp_prefix``), removed at once (root may write anywhere
     ``os.access`` says, /proc too)."""
     if path and os.path.isdir(path):
@@ -89,6 +90,12 @@ def file_problem(path: str) -> Optional[str]:
     if os.path.exists(path) and not os.path.isfile(path):
         return (f"{path} is not a regular file (a device or a pipe would be replaced): give a "
                 f"file name")
+    if os.path.islink(path):     # written through to its target (result_files' docstring)
+        target = os.path.realpath(path)
+        if not os.path.isdir(os.path.dirname(target)):
+            return (f"{path} is a link to {target}, whose folder {os.path.dirname(target)} "
+                    f"does not exist: create it or give another file name")
+        path = target
     missing = [os.path.basename(path)]
     folder = os.path.dirname(os.path.abspath(path))
     while not os.path.exists(folder):

@@ -11,6 +11,11 @@
     streamed_open(path)          a log written as the run goes: ``path.partial`` until it ends
     write_json / write_text      the usual cases
 
+A link is written through: every writer here resolves ``path`` (os.path.realpath) first, so the
+temporary file sits beside the link's target and the target is what is replaced (the link
+stays a link). A dangling link is the same: its target is created, when the target's folder
+exists (``cliargs.file_problem`` refuses one whose target folder is missing, naming it).
+
 A run that writes several files into one folder marks what is stale (``StaleMarker``): at its
 start it lists the files an earlier run left there in ``STALE.txt``; each file it rewrites
 leaves the list (any write here of a listed name does, after the run too: ``unlist``); at its end the marker is removed, or kept naming what the run did not rewrite
@@ -37,9 +42,9 @@ STALE_NAME = "STALE.txt"
 def _replacing(path: str) -> Iterator[str]:
     """A temporary path beside ``path``; when the block ends normally it is flushed to disk and
     replaces ``path``, when it raises (KeyboardInterrupt too) it is removed."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path, name_max_bytes(folder)), suffix=".tmp",
+    target = _target(path)
+    folder = os.path.dirname(target)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(target, name_max_bytes(folder)), suffix=".tmp",
                                dir=folder)
     os.close(fd)
     try:
@@ -47,8 +52,8 @@ def _replacing(path: str) -> Iterator[str]:
         hold_point(f"write:{os.path.basename(path)}")   # tests: a kill between write and replace
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
-        os.chmod(tmp, _mode(path))
-        os.replace(tmp, path)
+        os.chmod(tmp, _mode(target))
+        os.replace(tmp, target)
         unlist(path)
     except BaseException as error:
         with contextlib.suppress(OSError):
@@ -56,6 +61,13 @@ def _replacing(path: str) -> Iterator[str]:
         if isinstance(error, OSError) and error.filename is None:
             raise naming(error, path) from error
         raise
+
+
+def _target(path: str) -> str:
+    """The file a write of ``path`` replaces: ``path`` itself, or the file a link there points
+    to (a link's target is written, the link kept); the folder of ``path`` is created."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return os.path.realpath(path)
 
 
 def unlist(path: str) -> None:
@@ -102,27 +114,38 @@ def atomic_open(path: str, mode: str = "w", **kwargs) -> Iterator:
 
 @contextlib.contextmanager
 def streamed_open(path: str, mode: str = "w", **kwargs) -> Iterator:
-    """A file written as the run goes (a log): it grows as ``path + ".partial"`` and becomes
-    ``path`` when the block ends, however it ends (an exception or Ctrl-C too: what was logged
-    is whole). A kill leaves the ``.partial`` file and the old ``path`` as they were."""
-    partial = path + ".partial"
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    opened = False   # only a file this call opened becomes ``path`` (not, say, a folder)
+    """A file written as the run goes (a log): it grows as ``path + ".partial"`` (beside a
+    link's target) and becomes ``path`` when the block ends, however it ends (an exception or
+    Ctrl-C too: what was logged is whole). When writing the log itself fails (an OSError naming
+    no file or the ``.partial``: ENOSPC, EFBIG, EIO) the log is cut short: the ``.partial`` is
+    removed, the old ``path`` stays as it was, and the error is raised naming ``path``. A kill
+    leaves the ``.partial`` file and the old ``path`` as they were."""
+    target = _target(path)
+    partial = target + ".partial"
+    log = open(partial, mode, **kwargs)   # a folder or a device there: raised, nothing replaced
     try:
-        with open(partial, mode, **kwargs) as f:
-            opened = True
-            yield f
-            try:
-                f.flush()
-                os.fsync(f.fileno())
-            except OSError as error:
-                if error.filename is None:
-                    raise naming(error, partial) from error
-                raise
-    finally:
-        if opened and os.path.exists(partial):
-            os.replace(partial, path)
-            unlist(path)
+        with log:
+            yield log
+            log.flush()
+            os.fsync(log.fileno())
+    except OSError as error:
+        if error.filename not in (None, partial):   # not the log's own write: the log is whole
+            _settle(partial, target, path)
+            raise
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
+        raise naming(error, path) from error
+    except BaseException:
+        _settle(partial, target, path)
+        raise
+    _settle(partial, target, path)
+
+
+def _settle(partial: str, target: str, path: str) -> None:
+    """A whole log ``partial`` replaces ``target`` (``path``, or its link's target)."""
+    if os.path.exists(partial):
+        os.replace(partial, target)
+        unlist(path)
 
 
 def write_json(path: str, payload, **dump_kwargs) -> str:
@@ -160,7 +183,8 @@ def folder_problem(path: str, names: Iterable[str] = ()) -> Optional[str]:
     above it when missing), or None: not a file or a device, in a folder we may write in
     (``cliargs.file_problem`` of a file inside it), and each of ``names`` (the files the run
     writes there; ``*.png``-style patterns: the files there they match) a regular file or
-    absent (a folder at ``sweep.csv`` was found by os.replace after the whole run)."""
+    absent (a folder at ``sweep.csv`` was found by os.replace after the whole run); a link
+    is judged by ``file_problem`` (written through, see the module docstring)."""
     if os.path.exists(path) and not os.path.isdir(path):
         return f"{path} is not a folder (a file is there): give a folder"
     problem = file_problem(os.path.join(path, STALE_NAME))
@@ -168,10 +192,11 @@ def folder_problem(path: str, names: Iterable[str] = ()) -> Optional[str]:
         return f"{path}: {problem}"
     for name in names:
         for member in _members(path, name):
-            if os.path.lexists(member) and not os.path.isfile(member):
-                return (f"{path}: {member} is not a regular file (a folder, a device or a "
-                        f"broken link), and the run writes its {os.path.basename(member)} "
-                        f"there: move it or give another folder")
+            if os.path.lexists(member) and not (os.path.isfile(member)
+                                                 or os.path.islink(member)):
+                return (f"{path}: {member} is not a regular file (a folder or a device), and "
+                        f"the run writes its {os.path.basename(member)} there: move it or "
+                        f"give another folder")
             problem = file_problem(member)
             if problem:
                 return f"{path}: {problem}"
@@ -258,6 +283,13 @@ class StaleMarker:
             return
         self._note(f"{self.run} ended {time.strftime('%Y-%m-%d %H:%M:%S')}"
                    f"{' (' + why + ')' if why else ''} without rewriting them")
+
+    def failed(self, error: BaseException) -> None:
+        """The run ended with ``error`` (not Ctrl-C): the marker says so, not "has not
+        finished"; a marker that cannot be written (the disk that failed the run) is let be,
+        so that ``error`` is what the run reports."""
+        with contextlib.suppress(OSError):
+            self.finish(f"it failed: {type(error).__name__}: {error}".replace("\n", " "))
 
     def _owned(self, name: str) -> bool:
         import fnmatch

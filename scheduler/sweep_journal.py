@@ -46,13 +46,25 @@ class RowJournal:
         self._file = open(self.path, "a", encoding="utf-8")
 
     def append(self, row: dict) -> None:
-        """One finished row, on disk before this returns."""
-        self._file.write(to_json(row) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        """One finished row, on disk before this returns (an OSError: ``_failed``)."""
+        try:
+            self._file.write(to_json(row) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as error:
+            raise self._failed(error) from error
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError as error:
+            raise self._failed(error) from error
+
+    def _failed(self, error: OSError) -> OSError:
+        """A write of the journal that failed (ENOSPC, EFBIG: no file name) as an OSError
+        naming it, and what still holds: its whole rows, which ``--resume`` keeps."""
+        return OSError(error.errno, f"{error.strerror} (writing the sweep's journal; its "
+                                    f"whole rows are kept: --resume runs the rest)", self.path)
 
     def __enter__(self) -> "RowJournal":
         return self

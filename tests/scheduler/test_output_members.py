@@ -50,10 +50,11 @@ def test_bench_out_is_checked_with_the_suites_names_before_anything(tmp_path):
 
 def test_output_files_that_are_files_or_absent_pass(tmp_path):
     (tmp_path / "sweep.csv").write_text("old")
-    os.symlink(tmp_path / "sweep.csv", tmp_path / "a.png")           # a link to a file: replaced
+    os.symlink(tmp_path / "sweep.csv", tmp_path / "a.png")   # a link to a file: written through
     assert folder_problem(str(tmp_path), ["sweep.csv", "sweep.parquet", "*.png"]) is None
-    os.symlink("/nonexistent", tmp_path / "b.png")
-    assert "b.png is not a regular file" in folder_problem(str(tmp_path), ["*.png"])
+    os.symlink("/nonexistent/b.png", tmp_path / "b.png")
+    assert ("b.png is a link to /nonexistent/b.png, whose folder /nonexistent does not exist"
+            in folder_problem(str(tmp_path), ["*.png"]))
     with pytest.raises(ConfigError, match="sweep.rows.jsonl is not a regular file"):
         (tmp_path / "sweep.rows.jsonl").mkdir()
         RowJournal(str(tmp_path), [], resume=False)
