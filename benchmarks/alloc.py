@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import time
 
-from vmemkv.benchmarks.common import environment, format_table, median_seconds, print_environment, write_json
+from vmemkv.benchmarks.common import (environment, exit_status, format_table, median_seconds,
+                                      print_environment, write_json)
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cost import count_map_ops
 from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
@@ -379,4 +380,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status("alloc", main))

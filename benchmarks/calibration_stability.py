@@ -29,6 +29,7 @@ from typing import Callable, Dict, List
 
 import numpy as np
 
+from vmemkv.benchmarks.common import exit_status
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.calibrate import write_json_whole
 from vmemkv.scheduler.profile_cost import FITTED, step_features
@@ -268,4 +269,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status("calibration_stability", main))

@@ -1,6 +1,10 @@
-"""Shared benchmark plumbing: the environment header, median timing, aligned tables, JSON,
-and Ctrl-C as one line and exit status 130. ``DistinctValues`` (list flags that refuse a
-repeated value) lives in scheduler/cliargs.py, beside the flag types, and is re-exported here."""
+"""Shared benchmark plumbing: the environment header, median timing, aligned tables, JSON.
+Each script ends as ``vmemkv``'s commands do: its ``__main__`` line is
+``exit_status(PROG, main)`` (vmemkv/cli.py ``command_status``): Ctrl-C one line and status 130,
+SIGTERM one line and 143, a user's error (an ``--out`` that cannot be written: the OSError
+names the path; a ConfigError; a missing extra) one line ``PROG: error: ...`` and status 2, no
+traceback. ``DistinctValues`` (list flags that refuse a repeated value) lives in
+scheduler/cliargs.py, beside the flag types, and is re-exported here."""
 from __future__ import annotations
 
 import os
@@ -9,7 +13,7 @@ import statistics
 import time
 from typing import Callable, Sequence
 
-from vmemkv.cli import interrupted_exit
+from vmemkv.cli import command_status as exit_status  # noqa: F401 (each script's __main__ line)
 from vmemkv.scheduler import result_files
 from vmemkv.scheduler.cliargs import DistinctValues  # noqa: F401 (re-exported: it lives there)
 
@@ -67,14 +71,3 @@ def write_json(path: str | None, payload: dict) -> None:
         return
     result_files.write_json(path, payload, indent=2)
     print(f"# wrote {path}")
-
-
-def exit_status(prog: str, body: Callable[[], int]) -> int:
-    """``body()``'s exit status; Ctrl-C (KeyboardInterrupt) ends it as ``vmemkv``'s commands do
-    (vmemkv/cli.py): status 130 (``INTERRUPTED_EXIT``) and one line on stderr, ``PROG:
-    interrupted; NOTE``, no traceback. The note is the interrupt's text: ``body`` catches
-    KeyboardInterrupt where it knows what it wrote and raises one saying so."""
-    try:
-        return body()
-    except KeyboardInterrupt as interrupt:
-        return interrupted_exit(prog, interrupt)

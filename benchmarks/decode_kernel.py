@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.benchmarks.common import environment, exit_status, format_table, print_environment, write_json
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.attention import native
 from vmemkv.runtime.attention.cpu_varlen import DTYPE_CODES
@@ -199,4 +199,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status("decode_kernel", main))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 
-from vmemkv.benchmarks.common import format_table, write_json
+from vmemkv.benchmarks.common import exit_status, format_table, write_json
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.shared_sim import SharedConfig, kv_bytes_after_weights, simulate_shared
 from vmemkv.scheduler.shared_workloads import BurstySpec, bursty_workload
@@ -82,4 +82,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status("elastic_sim", main))

@@ -34,7 +34,7 @@ import random
 import statistics
 import time
 
-from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.benchmarks.common import environment, exit_status, format_table, print_environment, write_json
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.presets import KV_CACHE_DTYPES
 from vmemkv.scheduler.cliargs import thread_count, result_file
@@ -347,4 +347,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status("engine", main))

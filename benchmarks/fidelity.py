@@ -37,6 +37,7 @@ from dataclasses import replace
 from typing import Dict, List, Optional
 
 from vmemkv.benchmarks.fidelity_stats import fit_lines, summarize, table_lines
+from vmemkv.benchmarks.common import exit_status
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.calibrate import write_json_whole
 from vmemkv.scheduler.report import serving_report
@@ -323,4 +324,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status("fidelity", main))

@@ -23,6 +23,7 @@ import time
 from typing import Dict, List
 
 from vmemkv.benchmarks.fidelity import MAX_BATCH, MODEL, SEED, replay_engine, sim_config, workload
+from vmemkv.benchmarks.common import exit_status
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cost import AfterPrefill, prefill_pairs
 from vmemkv.scheduler.profile_cost import load_profile, profile_cost
@@ -169,4 +170,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status("fidelity_trace", main))

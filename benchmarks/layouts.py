@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vmemkv.benchmarks.common import format_table, write_json
+from vmemkv.benchmarks.common import exit_status, format_table, write_json
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
 
@@ -79,4 +79,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status("layouts", main))

@@ -50,7 +50,7 @@ import statistics
 import tempfile
 import time
 
-from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.benchmarks.common import environment, exit_status, format_table, print_environment, write_json
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, thread_count, result_file
 
@@ -314,4 +314,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status("lora_engine", main))

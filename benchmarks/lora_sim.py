@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from vmemkv.benchmarks.common import format_table, write_json
+from vmemkv.benchmarks.common import exit_status, format_table, write_json
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.presets import get_model
 from vmemkv.scheduler.simulator import SimConfig, simulate
@@ -107,4 +107,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status("lora_sim", main))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.benchmarks.common import environment, exit_status, format_table, print_environment, write_json
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, result_file
 
@@ -131,4 +131,4 @@ def _check_cache(parser, cache_gb: float) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status("memory", main))

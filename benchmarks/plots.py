@@ -15,6 +15,7 @@ import json
 import os
 from typing import Callable
 
+from vmemkv.benchmarks.common import exit_status
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.result_files import write_atomic
 
@@ -167,4 +168,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status("plots", main))

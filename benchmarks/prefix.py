@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import random
 
-from vmemkv.benchmarks.common import (environment, format_table, median_seconds,
+from vmemkv.benchmarks.common import (environment, exit_status, format_table, median_seconds,
                                       print_environment, write_json)
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, DistinctValues, result_file
@@ -162,4 +162,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status("prefix", main))

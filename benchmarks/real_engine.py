@@ -15,7 +15,7 @@ when the model is installed, and records why not otherwise.
 from __future__ import annotations
 
 
-from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.benchmarks.common import environment, exit_status, format_table, print_environment, write_json
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
 
@@ -115,4 +115,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status("real_engine", main))

@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 
+from vmemkv.benchmarks.common import exit_status
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
@@ -76,4 +77,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status("simulate", main))

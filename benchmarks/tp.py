@@ -16,7 +16,7 @@ import random
 import statistics
 import time
 
-from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.benchmarks.common import environment, exit_status, format_table, print_environment, write_json
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.generate_cli import tp_device_list
 from vmemkv.scheduler.cliargs import POSITIVE_INT, thread_count, result_file
@@ -171,4 +171,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(exit_status("tp", main))

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 
-from vmemkv.benchmarks.common import format_table, write_json
+from vmemkv.benchmarks.common import exit_status, format_table, write_json
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.managers import make_manager
 from vmemkv.scheduler.presets import get_model
@@ -184,4 +184,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status("txn", main))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from vmemkv.benchmarks.common import environment, format_table, print_environment, write_json
+from vmemkv.benchmarks.common import environment, exit_status, format_table, print_environment, write_json
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
 
@@ -114,4 +114,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(exit_status("window", main))

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from vmemkv.benchmarks.alloc import refuse_missing_cuda
-from vmemkv.benchmarks.common import median_seconds
+from vmemkv.benchmarks.common import exit_status, median_seconds
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.errors import CacheTooLargeError
 from vmemkv.runtime.memory import check_fits_device
@@ -168,4 +168,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_status("yardstick", main))

@@ -20,9 +20,7 @@ import dataclasses
 import functools
 import json
 import math
-import signal
 import sys
-import threading
 
 from vmemkv.scheduler.cliargs import (NON_NEGATIVE_INT, POSITIVE_INT, bounded, hold_point, parse_bytes,
                                       thread_count, write_stdout)
@@ -36,13 +34,6 @@ from .generate_checks import check_flags as _check_flags
 from .generate_checks import check_prompt_text_fits, sampling_params
 from .generate_io import (GenerateUsageError, check_prompt_flags, format_output, name_prompt_line,
                           needs_labels, parse_prompt_lines, read_prompt_lines)
-
-TERMINATED_EXIT = 143   # 128 + SIGTERM, what a shell reports for a job stopped by SIGTERM
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM during ``vmemkv generate``: it takes Ctrl-C's way out (the samples that had
-    finished printed, the cache released), then exits with ``TERMINATED_EXIT``."""
 
 
 def register(subparsers) -> None:
@@ -195,26 +186,8 @@ def _kv_scales(args):
 
 
 def run(args) -> int:
-    """The command, with SIGTERM handled as Ctrl-C is (one line, exit 143); the handler that
-    was there before is put back after."""
-    if threading.current_thread() is not threading.main_thread():   # no signals off it
-        return _run_command(args)
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        return _run_command(args)
-    except Terminated as stop:
-        note = f"; {stop}" if str(stop) else ""
-        sys.stderr.write(f"vmemkv generate: terminated (SIGTERM){note}\n")
-        return TERMINATED_EXIT
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise Terminated
-
-
-def _run_command(args) -> int:
+    """The command; SIGTERM takes Ctrl-C's way out of it (vmemkv/cli.py ``SigtermAsInterrupt``:
+    the finished samples printed, the cache released, then one line and status 143)."""
     import torch
 
     from vmemkv.runtime.engine import RequestRejectedError
@@ -322,7 +295,7 @@ def _generate(engine, prompts, params, args, messages=None):
                   enabled=False if args.no_progress else None) as bar:
         try:
             return engine.generate(prompts, params, on_token=on_token)
-        except KeyboardInterrupt as interrupt:    # Ctrl-C, or SIGTERM (Terminated)
+        except KeyboardInterrupt as interrupt:    # Ctrl-C, or SIGTERM (cli.Terminated)
             _print_finished(engine, finished, args.json, messages)
             raise type(interrupt)(f"printed the {len(finished)} of {len(prompts) * args.n} "
                                     f"samples that had finished; the cache is released") from None

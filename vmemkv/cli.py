@@ -4,15 +4,20 @@ The ``vmemkv`` command line: one subcommand per job, each registered by the modu
 Errors a user can make (a bad flag value, a missing file) exit with status 2 and one line on
 stderr, never a traceback (a module of an optional extra that is not installed too: one line
 naming the extra, ``missing_extra``); Ctrl-C exits with status 130 and one line, after the subcommand has
-released its memory and written what finished. Heavy imports (torch) happen inside the
-subcommand that needs them.
+released its memory and written what finished; SIGTERM (``timeout``, systemd, Slurm,
+Kubernetes) takes the same way out and exits with status 143 (``SigtermAsInterrupt``). Heavy
+imports (torch) happen inside the subcommand that needs them.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
+import signal
 import sys
-from typing import Optional, Sequence
+import threading
+from typing import Callable, Iterator, Optional, Sequence
 
 from vmemkv import __version__
 
@@ -46,6 +51,7 @@ examples (with the project's virtual environment active):
 """
 
 INTERRUPTED_EXIT = 130   # 128 + SIGINT, what a shell reports for Ctrl-C
+TERMINATED_EXIT = 143    # 128 + SIGTERM, what a shell reports for a job stopped by SIGTERM
 
 # a module an optional extra installs -> the extras to ask for (pyproject.toml's
 # [project.optional-dependencies]; GGUF files are read through transformers, hence hf,real)
@@ -100,10 +106,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def interrupted_exit(prog: str, interrupt: KeyboardInterrupt) -> int:
+class Terminated(KeyboardInterrupt):
+    """SIGTERM during a command (``SigtermAsInterrupt``): it takes Ctrl-C's way out (what
+    finished written, memory released), then the command exits with ``TERMINATED_EXIT``."""
+
+
+class SigtermAsInterrupt:
+    """SIGTERM as a command takes it: during ``installed()``, on the main thread (elsewhere no
+    signal can be handled: nothing changes), SIGTERM raises ``Terminated``, and ``received``
+    remembers that it came (a command that re-raises its own KeyboardInterrupt with a note of
+    what it wrote still ends as terminated). The handler that was there before is put back after.
+    A process forked meanwhile (a sweep's worker pool) is ended by SIGTERM as before
+    (``_default_sigterm_in_child``)."""
+
+    def __init__(self) -> None:
+        self.received = False
+
+    def __call__(self, signum, frame) -> None:
+        self.received = True
+        raise Terminated
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGTERM, self)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _default_sigterm_in_child() -> None:
+    """A forked child runs no command: its parent ends it with SIGTERM (a pool's terminate, a
+    worker's parent-death signal), which must kill it, not raise in whatever it computes."""
+    if isinstance(signal.getsignal(signal.SIGTERM), SigtermAsInterrupt):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_default_sigterm_in_child)
+
+
+def interrupted_exit(prog: str, interrupt: KeyboardInterrupt, terminated: bool) -> int:
     """Ctrl-C as every command ends on it: one line on stderr, ``PROG: interrupted; NOTE`` (the
-    note is the interrupt's text, saying what was written), and status 130, no traceback."""
+    note is the interrupt's text, saying what was written), and status 130, no traceback;
+    ``terminated`` (SIGTERM came): ``PROG: terminated (SIGTERM); NOTE`` and status 143."""
     note = f"; {interrupt}" if str(interrupt) else ""
+    if terminated:
+        sys.stderr.write(f"{prog}: terminated (SIGTERM){note}\n")
+        return TERMINATED_EXIT
     sys.stderr.write(f"{prog}: interrupted{note}\n")
     return INTERRUPTED_EXIT
 
@@ -112,20 +164,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     module = importlib.import_module(SUBCOMMANDS[args.command])
+    return command_status(f"vmemkv {args.command}", lambda: module.run(args))
+
+
+def command_status(prog: str, body: Callable[[], Optional[int]]) -> int:
+    """``body()``'s exit status (None: 0), the command ended as every command ends, with no
+    traceback for what is not a bug: Ctrl-C and SIGTERM (``SigtermAsInterrupt``) by
+    ``interrupted_exit`` (``body`` has cleaned up; its note says what it wrote), an error the
+    user fixes (``user_error_line``) by one line, ``PROG: error: LINE``, and status 2. Any other
+    exception is re-raised (a bug keeps its traceback)."""
+    sigterm = SigtermAsInterrupt()
     try:
-        return int(module.run(args) or 0)
-    except KeyboardInterrupt as interrupt:   # the subcommand has cleaned up; its note says what it wrote
-        return interrupted_exit(f"vmemkv {args.command}", interrupt)
-    except UsageError as error:
-        sys.stderr.write(f"vmemkv {args.command}: error: {error}\n")
-        return 2
+        with sigterm.installed():
+            return int(body() or 0)
+    except KeyboardInterrupt as interrupt:
+        return interrupted_exit(prog, interrupt, terminated=sigterm.received)
     except Exception as error:  # noqa: BLE001 -- re-raised below unless it is the user's to fix
-        line = missing_extra(error)
-        if line is None and not _users_to_fix(error):
+        line = user_error_line(error)
+        if line is None:
             raise
-        sys.stderr.write(f"vmemkv {args.command}: error: "
-                         f"{line or f'{type(error).__name__}: {error}'}\n")
+        sys.stderr.write(f"{prog}: error: {line}\n")
         return 2
+
+
+def user_error_line(error: Exception) -> Optional[str]:
+    """The one line that reports ``error`` when the user fixes it by changing the command (a
+    ``UsageError``: its text; a missing extra: ``missing_extra``; a typed library error,
+    ``_users_to_fix``: ``TYPE: TEXT``, an OSError's naming its path), else None: a bug, whose
+    traceback the caller keeps."""
+    if isinstance(error, UsageError):
+        return str(error)
+    line = missing_extra(error)
+    if line is None and _users_to_fix(error):
+        line = f"{type(error).__name__}: {error}"
+    return line
 
 
 def missing_extra(error: BaseException) -> Optional[str]:
@@ -150,5 +222,5 @@ def _users_to_fix(error: Exception) -> bool:
     return any(base is not None and isinstance(error, base) for base in bases)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":   # python -m vmemkv.cli: the imported module's main, whose UsageError is
+    sys.exit(importlib.import_module("vmemkv.cli").main())   # the one subcommands raise

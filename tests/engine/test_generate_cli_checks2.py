@@ -12,8 +12,7 @@ import signal
 
 import pytest
 
-from vmemkv.cli import build_parser, main
-from vmemkv.runtime import generate_cli
+from vmemkv.cli import TERMINATED_EXIT, build_parser, main
 from vmemkv.runtime.generate_checks import sampling_params
 from vmemkv.runtime.generate_io import GenerateUsageError, read_prompts
 
@@ -117,7 +116,7 @@ def test_sigterm_prints_what_finished_releases_the_cache_and_restores_the_handle
         assert signal.getsignal(signal.SIGTERM) is before
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert code == generate_cli.TERMINATED_EXIT == 143 and _memfds() == baseline
+    assert code == TERMINATED_EXIT == 143 and _memfds() == baseline
     assert err == ("vmemkv generate: terminated (SIGTERM); printed the 1 of 2 samples that had "
                    "finished; the cache is released\n")
     (line,) = out.splitlines()
