@@ -135,7 +135,8 @@ async def _complete(request: Request, server: EngineThread, served: ServedModel,
                                            served.tokenizer is not None, stream=req.stream,
                                            echo=req.echo,    # the limit counts the echo
                                            bound=bounds.completion,
-                                           model_id=req.model or served.name))
+                                           model_id=req.model or served.name,
+                                           width_param=req.width_param))
     fmt = CompletionFormat(req, served, req.prompts(), batch, submission)
     return await _respond(request, submission, fmt, (req.model or served.name, created_s), req,
                           drain)
@@ -150,7 +151,8 @@ async def _chat(request: Request, server: EngineThread, served: ServedModel,
     params = served.engine_params(req.sampling_params(max_tokens), req.model)
     submission = _held(request, Submission(server, [ids], params, arrival_s, "chatcmpl", True,
                                            stream=req.stream, max_param=req.max_param,
-                                           bound=bounds.chat, model_id=req.model or served.name))
+                                           bound=bounds.chat, model_id=req.model or served.name,
+                                           width_param=req.width_param))
     return await _respond(request, submission, ChatFormat(req, served, submission),
                           (req.model or served.name, created_s), req, drain)
 

@@ -104,8 +104,7 @@ class ServedModel:
         default) past the engine's max_batch: a step runs all of a group's beams together."""
         if not req.use_beam_search:
             return None
-        param = "beam_width" if req.beam_width is not None else "n"
-        width = req.beam_width if req.beam_width is not None else req.n
+        param, width = req.width_param, req.beam_width if req.beam_width is not None else req.n
         self.check_max_batch(param, width, ": a step runs all the beams of a search together")
         stops = tuple(req.stop_token_ids) + (() if req.ignore_eos else self.eos_ids)
         return BeamShape(width, runs_to_max_tokens=not stops, width_param=param)

@@ -23,7 +23,6 @@ that shape sampling are refused by name with it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import ClassVar, Dict, FrozenSet, List, Optional, Type, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -144,31 +143,27 @@ class SamplingFields(BaseModel):
         if unused:
             raise ApiError(400, f"{unused[0]} is not supported with use_beam_search (beam search "
                                 f"is deterministic and returns whole beams)", unused[0])
-        width_param = "beam_width" if self.beam_width is not None else "n"
         try:
-            return RequestBeamParams(self.beam_width or self.n, max_new_tokens=max_tokens,
+            return BeamSearchParams(self.beam_width or self.n, max_new_tokens=max_tokens,
                                     length_penalty=self.length_penalty, num_return_beams=self.n,
                                     ignore_eos=self.ignore_eos,
                                     stop_token_ids=tuple(self.stop_token_ids),
                                     cache_salt=self.cache_salt,
-                                    skip_special_tokens=self.skip_special_tokens,
-                                    width_param=width_param)
+                                    skip_special_tokens=self.skip_special_tokens)
         except BeamSearchParamsError as error:
             name = {"num_return_beams": "n", "max_new_tokens": self.api_name("max_new_tokens"),
-                    "beam_width": width_param}.get(error.field, error.field)
+                    "beam_width": self.width_param}.get(error.field, error.field)
             raise ApiError(400, beam_message(error, name), name) from None
+
+    @property
+    def width_param(self) -> str:
+        """The request field that sets a beam search's width: ``n`` where ``beam_width`` was
+        left out and defaults to it (an engine refusal of the width names what was sent)."""
+        return "beam_width" if self.beam_width is not None else "n"
 
     def api_name(self, field: str) -> str:
         """The request field a SamplingParams field comes from."""
         return {"max_new_tokens": "max_tokens", "prompt_logprobs": "echo"}.get(field, field)
-
-
-@dataclass(frozen=True)
-class RequestBeamParams(BeamSearchParams):
-    """``BeamSearchParams`` that know the request field that set ``beam_width``: "n" where the
-    client left beam_width out and it defaulted to n, so an engine refusal of the width names
-    the field the client sent (``Submission.started``)."""
-    width_param: str = "beam_width"
 
 
 def beam_message(error: BeamSearchParamsError, param: str) -> str:

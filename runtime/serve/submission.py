@@ -48,7 +48,7 @@ from vmemkv.vmem.host import meminfo_bytes
 
 from .errors import ServeConfigError
 from .limits import HELD_BYTES_PER_RESPONSE_BYTE, ResponseSize, TokenBytes, check_response_bytes
-from .protocol import RequestBeamParams, beam_message
+from .protocol import beam_message
 from .response_bounds import stream_bound
 from .shutdown import shutting_down
 
@@ -90,14 +90,15 @@ class Submission:
     ``max_completion_tokens`` or ``max_tokens``); ``bound``: the bytes a token may add to this
     response (the served tokenizer's ``ResponseBounds``; None: ``TokenBytes()``, no tokenizer's);
     with ``stream`` each token's SSE chunk envelope more (``response_bounds.stream_bound``:
-    ``model_id``, the id each chunk names; None: the longest adapter name's)."""
+    ``model_id``, the id each chunk names; None: the longest adapter name's); ``width_param``:
+    the request field that set a beam search's width, which an engine refusal of it names."""
 
     def __init__(self, server: EngineThread, prompts: Sequence[Sequence[int]],
                  params: SamplingParams, arrival_s: float, prefix: str = "cmpl",
                  has_tokenizer: bool = True, stream: bool = False,
                  max_response_bytes: Optional[int] = None, echo: bool = False,
                  max_param: str = "max_tokens", bound: Optional[TokenBytes] = None,
-                 model_id: Optional[str] = None) -> None:
+                 model_id: Optional[str] = None, width_param: str = "beam_width") -> None:
         if max_response_bytes is None:
             max_response_bytes = server.max_response_bytes
         chat, bound = prefix == "chatcmpl", bound or TokenBytes()
@@ -112,8 +113,7 @@ class Submission:
         self.prompt_tokens = sum(len(p) for p in prompts)
         self.n, self._ids_as_text = choices_per_prompt(params), not has_tokenizer
         self._max_param = max_param     # the engine's max_new_tokens, as the client named it
-        self._width_param = params.width_param if isinstance(params, RequestBeamParams) \
-            else "beam_width"       # the field that set a beam search's width (n: its default)
+        self._width_param = width_param   # the field that set a beam search's width
         self._too_large_param = "beam_width" if isinstance(params, BeamSearchParams) \
             else max_param          # what a request the cache can never hold should shrink
         self.choices = [Choice(i) for i in range(len(prompts) * self.n)]
