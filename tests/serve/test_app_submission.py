@@ -29,6 +29,15 @@ from ..engine.byte_tokenizer import byte_tokenizer
 TOP = TokenLogprobs(65, -0.5, 1, ((65, -0.5), (66, -1.5)))
 
 
+def finished(sink, request_id: int) -> Future:
+    """A fake engine thread's end of a request it has sent every token of: ``Ended`` to its
+    sink, and the submission's future done with its id."""
+    sink(Ended("finished"))
+    future: Future = Future()
+    future.set_result(request_id)
+    return future
+
+
 class TwoTokenEngineThread:
     """Answers every submitted request at once: tokens 65 and 66 ("AB"), with logprobs."""
     alive = True
@@ -42,10 +51,7 @@ class TwoTokenEngineThread:
         request_id = len(self.submitted)
         sink(Token(TokenEvent(request_id, 0, 65, False, text="A", logprobs=TOP), 0.0))
         sink(Token(TokenEvent(request_id, 0, 66, True, "length", "B", logprobs=TOP), 0.0))
-        sink(Ended("finished"))
-        future: Future = Future()
-        future.set_result(request_id)
-        return future
+        return finished(sink, request_id)
 
     def abort(self, request_id) -> None:
         pass

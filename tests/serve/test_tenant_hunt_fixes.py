@@ -29,13 +29,14 @@ from vmemkv.runtime.engine.outputs import TokenEvent
 from vmemkv.runtime.serve.app import create_app
 from vmemkv.runtime.serve.auth import AuthConfig, Guard
 from vmemkv.runtime.serve.completions import ServedModel
-from vmemkv.runtime.serve.engine_thread import Ended, Token
+from vmemkv.runtime.serve.engine_thread import Token
 from vmemkv.runtime.serve.errors import ApiError
 from vmemkv.runtime.serve.limits import ServeLimits
 from vmemkv.runtime.serve.metrics import ServeMetrics
 from vmemkv.runtime.serve.submission import ResponseBudget
 
 from ..engine.byte_tokenizer import CHAT_TEMPLATE, _byte_chars
+from .test_app_submission import finished
 
 LOGPROB = -1.2345678901234567e-300     # the longest float JSON writes: 24 bytes
 CHARS = _byte_chars()
@@ -86,10 +87,7 @@ class LongTokenEngineThread:
                 event = TokenEvent(request_id, sample, token_id, last, "length" if last else None,
                                    tokenizer.decode([token_id]), entry(token_id))
                 sink(Token(event, 0.0, prompt if sample == i == 0 else None))
-        sink(Ended("finished"))
-        future: Future = Future()
-        future.set_result(request_id)
-        return future
+        return finished(sink, request_id)
 
     def abort(self, request_id) -> None:
         pass
