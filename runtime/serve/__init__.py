@@ -5,9 +5,9 @@ optional extra ``serve``), and the client side of ``vmemkv bench serve``.
     with Server(engine, "tiny-llama", port=0).start() as server:
         ...   # POST server.url + "/v1/completions"
 """
-from .errors import (ApiError, EngineAsleepError, ServeConfigError, ServeError,
-                     ServerOverloadedError)
+from .errors import (ApiError, EngineAsleepError, KeyAtLimitError, ServeConfigError,
+                     ServeError, ServerOverloadedError)
 from .server import Server
 
-__all__ = ["ApiError", "EngineAsleepError", "Server", "ServeConfigError", "ServeError",
-           "ServerOverloadedError"]
+__all__ = ["ApiError", "EngineAsleepError", "KeyAtLimitError", "Server", "ServeConfigError",
+           "ServeError", "ServerOverloadedError"]

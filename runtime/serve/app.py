@@ -19,7 +19,8 @@ with that adapter).
 
 Every error is OpenAI's JSON shape (``errors.ApiError``): 400 naming the field, 404/405 for a
 wrong path or method, 409 for a resize or sleep the engine refuses, 503 with Retry-After when
-the queue is full, the engine is asleep or the server is shutting down, 500 with no traceback
+the queue is full, the engine is asleep or the server is shutting down, 429 with Retry-After
+when the client's API key has its --max-requests-per-key in flight, 500 with no traceback
 (the traceback goes to the server log). A client that disconnects aborts its requests; a
 shutdown past its drain ends them (shutdown.py).
 
@@ -42,7 +43,7 @@ from starlette.exceptions import HTTPException
 from . import protocol
 from .admin import add_admin_routes
 from .lora_routes import add_lora_routes
-from .auth import salted
+from .auth import KEY_SCOPE_KEY, salted
 from .chat import ChatFormat, chat_token_ids, parse_chat_request
 from .completions import CompletionFormat, ServedModel, prompt_token_ids
 from .engine_thread import EngineThread
@@ -136,7 +137,8 @@ async def _complete(request: Request, server: EngineThread, served: ServedModel,
                                            echo=req.echo,    # the limit counts the echo
                                            bound=bounds.completion,
                                            model_id=req.model or served.name,
-                                           width_param=req.width_param))
+                                           width_param=req.width_param,
+                                           key=request.scope.get(KEY_SCOPE_KEY)))
     fmt = CompletionFormat(req, served, req.prompts(), batch, submission)
     return await _respond(request, submission, fmt, (req.model or served.name, created_s), req,
                           drain)
@@ -152,7 +154,8 @@ async def _chat(request: Request, server: EngineThread, served: ServedModel,
     submission = _held(request, Submission(server, [ids], params, arrival_s, "chatcmpl", True,
                                            stream=req.stream, max_param=req.max_param,
                                            bound=bounds.chat, model_id=req.model or served.name,
-                                           width_param=req.width_param))
+                                           width_param=req.width_param,
+                                           key=request.scope.get(KEY_SCOPE_KEY)))
     return await _respond(request, submission, ChatFormat(req, served, submission),
                           (req.model or served.name, created_s), req, drain)
 

@@ -19,6 +19,9 @@
     3. body limits    a Content-Length over the limit is 413 before a byte is read; the rest is
                       ``limits.BodyLimits`` around ``receive``.
 
+The API key that opened a request goes in the ASGI scope (``KEY_SCOPE_KEY``): the app counts its
+requests in flight against it (``--max-requests-per-key``: in_flight.py).
+
 With ``salt_per_key`` each key's requests get a prefix-cache salt derived from the key
 (``SALT_SCOPE_KEY`` in the ASGI scope, combined with the request's own ``cache_salt`` by
 ``salted``), so tenants never share cached prefixes: no timing side channel between them.
@@ -40,6 +43,7 @@ log = logging.getLogger("vmemkv.serve")
 
 API_KEY_ENV, METRICS_KEY_ENV, ADMIN_KEY_ENV = "VMEMKV_API_KEY", "VMEMKV_METRICS_KEY", "VMEMKV_ADMIN_KEY"
 SALT_SCOPE_KEY = "vmemkv.key_salt"
+KEY_SCOPE_KEY = "vmemkv.api_key"     # the API key that opened the request (never sent anywhere)
 OPEN_PATHS = ("/health",)
 # routes that change the server for every client: an operator's, never a tenant's
 ADMIN_PATHS = ("/sleep", "/wake_up", "/resize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
@@ -177,8 +181,10 @@ class Guard:
                                     f"is open only with {who} (not set on this server)")
             raise ApiError(401, f"{path} needs {who}: Authorization: Bearer KEY",
                            headers={"WWW-Authenticate": "Bearer"})
-        if key is not None and self.auth.salt_per_key:
-            scope[SALT_SCOPE_KEY] = key_salt(key)
+        if key is not None:
+            scope[KEY_SCOPE_KEY] = key
+            if self.auth.salt_per_key:
+                scope[SALT_SCOPE_KEY] = key_salt(key)
         if scope["method"] in ("POST", "PUT", "PATCH"):
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
             if kind != "application/json":

@@ -73,6 +73,10 @@ def _security_flags(g) -> None:
     g.add_argument("--salt-per-key", action="store_true",
                    help="give each API key its own prefix-cache salt, so tenants never share "
                         "cached prefixes (default: shared, cache_salt per request)")
+    g.add_argument("--max-requests-per-key", type=bounded(int, 1), default=None, metavar="N",
+                   help="requests in flight at most per API key (each prompt counts one, as "
+                        "against --max-queue); past it: 429 + Retry-After; needs --api-key "
+                        "(default: no per-key cap, one key may take all of --max-queue)")
     g.add_argument("--max-body-bytes", type=parse_bytes, default=4 * 2**20, metavar="SIZE",
                    help="largest request body; larger: 413 (default: 4 MiB)")
     g.add_argument("--max-response-bytes", type=parse_bytes, default=64 * 2**20, metavar="SIZE",
@@ -175,6 +179,8 @@ def run(args) -> int:
     limits, auth = _limits_and_auth(args)     # refused before the model loads
     from .submission import ResponseBudget
     ResponseBudget.of(limits.max_response_bytes, args.max_response_memory_bytes)   # as Server
+    from .in_flight import check_max_requests_per_key
+    check_max_requests_per_key(args.max_requests_per_key, auth.api_keys)          # as Server
     generate_cli._check_device(args.device)
     generate_cli._check_flags(args)
     _check_before_loading(args)
@@ -201,7 +207,8 @@ def run(args) -> int:
                         log_level=args.log_level, limits=limits, auth=auth, on_started=started,
                         lora_root=args.lora_root,
                         max_response_memory_bytes=args.max_response_memory_bytes,
-                        send_timeout_s=args.send_timeout)
+                        send_timeout_s=args.send_timeout,
+                        max_requests_per_key=args.max_requests_per_key)
         line = server.run()   # Ctrl-C: KeyboardInterrupt carrying the line, exit 130
     finally:
         _close_unless_inside(engine, server)

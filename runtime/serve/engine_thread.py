@@ -8,7 +8,8 @@
     sink(Token | Ended)       <─ call ── on_token / request end
 
 Back-pressure: at most ``max_pending_requests`` requests are in flight (queued, waiting or
-running); ``submit`` past that raises ServerOverloadedError (503 + Retry-After) at once, so the
+running), ``max_requests_per_key`` of one API key (in_flight.py); ``submit`` past either raises
+ServerOverloadedError (503) or KeyAtLimitError (429) at once, with Retry-After, so the
 backlog is bounded. Every accepted request ends exactly once with ``Ended``: "finished",
 "aborted" (``abort``, e.g. on a client disconnect: its pages, blocks and swap space are released
 before the next step) or "failed" (its plans kept failing, or a step raised: the engine aborts
@@ -38,7 +39,8 @@ from vmemkv.runtime.engine.errors import RequestEndedError
 from vmemkv.runtime.engine.outputs import RequestError, TokenEvent
 from vmemkv.runtime.engine.sampling import SamplingParams
 
-from .errors import ApiError, EngineAsleepError, ServerOverloadedError
+from .errors import ApiError, EngineAsleepError
+from .in_flight import RequestsInFlight
 from .limits import DEFAULT_MAX_RESPONSE_BYTES
 from .metrics import ServeMetrics
 
@@ -79,6 +81,7 @@ class _Live:
     arrival_s: float
     prompt_tokens: int
     samples_left: int
+    key: Optional[str]              # the API key it counts against in RequestsInFlight
     token_times_s: Dict[int, List[float]] = field(default_factory=dict)   # sample -> times
     prompt_logprobs: bool = False   # asked for: they travel with the first token
     finish_reasons: List[str] = field(default_factory=list)   # of the samples finished so far
@@ -98,15 +101,15 @@ class EngineThread:
     def __init__(self, engine, metrics: ServeMetrics, max_pending_requests: int = 256,
                  idle_wait_s: float = 0.5,
                  max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
-                 response_budget: Optional["ResponseBudget"] = None) -> None:
+                 response_budget: Optional["ResponseBudget"] = None,
+                 max_requests_per_key: Optional[int] = None) -> None:
         self.engine, self.metrics = engine, metrics
-        self.max_pending_requests = max_pending_requests
+        self.in_flight = RequestsInFlight(max_pending_requests, max_requests_per_key)
         self.max_response_bytes, self.response_budget = max_response_bytes, response_budget
         self._idle_wait_s = idle_wait_s
         self._commands: collections.deque = collections.deque()
         self._wake = threading.Event()
         self._lock = threading.Lock()
-        self._pending = 0                     # accepted and not yet ended (guarded by _lock)
         self._asleep = False                  # asleep or going to sleep (guarded by _lock)
         self._sleeps_queued = 0               # sleep() calls not yet run (guarded by _lock)
         self._closed = False                  # no more commands are run (guarded by _lock)
@@ -119,8 +122,7 @@ class EngineThread:
     @property
     def pending_requests(self) -> int:
         """Requests accepted by ``submit`` that have not ended yet."""
-        with self._lock:
-            return self._pending
+        return self.in_flight.total
 
     @property
     def queued_commands(self) -> int:
@@ -152,11 +154,12 @@ class EngineThread:
             self._thread.join()
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink,
-               arrival_s: float, index: int = 0) -> Future:
+               arrival_s: float, index: int = 0, key: Optional[str] = None) -> Future:
         """Queue a request (``index``: its prompt's place in the client's request, which the
-        engine's refusal names); the future gets its engine request id, or the
-        RequestRejectedError the engine raised (nothing queued). ServerOverloadedError at once when full,
-        EngineAsleepError while asleep (``sleep``); ApiError 503 once the thread has stopped."""
+        engine's refusal names; ``key``: its API key); the future gets its engine request id, or
+        the RequestRejectedError the engine raised (nothing queued). At once: ServerOverloadedError
+        or KeyAtLimitError (``in_flight.take``), EngineAsleepError while asleep (``sleep``);
+        ApiError 503 once the thread has stopped."""
         self._check_running()
         future: Future = Future()
         with self._lock:
@@ -164,11 +167,9 @@ class EngineThread:
                 raise _not_running()
             if self._asleep:
                 raise EngineAsleepError()
-            if self._pending >= self.max_pending_requests:
-                raise ServerOverloadedError(self.max_pending_requests)
-            self._pending += 1
-            self._commands.append(("add", (tuple(prompt_ids), params, sink, arrival_s, index),
-                                   future))
+            self.in_flight.take(key)
+            self._commands.append(("add", (tuple(prompt_ids), params, sink, arrival_s, index,
+                                           key), future))
         self._wake.set()
         return future
 
@@ -271,17 +272,17 @@ class EngineThread:
             self._refresh_gauges()
 
     def _add(self, payload, future: Future) -> None:
-        prompt_ids, params, sink, arrival_s, index = payload
+        prompt_ids, params, sink, arrival_s, index, key = payload
         beams = isinstance(params, BeamSearchParams)
         add = self.engine.add_beam_request if beams else self.engine.add_request
         try:
             request_id = add(list(prompt_ids), params, index=index, on_token=self._on_token)
         except Exception as error:   # noqa: BLE001 -- handed to the submitter, who answers it
-            self._ended_unqueued()
+            self.in_flight.give_back(key)
             future.set_exception(error)
             return
         self._live[request_id] = _Live(sink, arrival_s, len(prompt_ids), choices_per_prompt(params),
-                                       prompt_logprobs=not beams
+                                       key, prompt_logprobs=not beams
                                        and params.prompt_logprobs is not None)
         future.set_result(request_id)
 
@@ -369,16 +370,12 @@ class EngineThread:
         self.engine.output(request_id, pop=True)
         self.metrics.observe_request(live.arrival_s, live.token_times_s, live.prompt_tokens, status,
                                      live.finish_reasons)
-        self._ended_unqueued()
+        self.in_flight.give_back(live.key)
         ended = Ended(status, error, alone, cause)
         if self._ends_held is not None:      # after the gauges (_ends_after_gauges)
             self._ends_held.append((live.sink, ended))
         else:
             _deliver(live.sink, ended)
-
-    def _ended_unqueued(self) -> None:
-        with self._lock:
-            self._pending -= 1
 
     def _refresh_gauges(self) -> None:
         engine = self.engine

@@ -7,8 +7,8 @@ from ..errors import RuntimeKVError
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 408: "timeout_error", 409: "conflict_error",
-               413: "invalid_request_error",
-               415: "invalid_request_error", 500: "internal_server_error", 503: "server_overloaded"}
+               413: "invalid_request_error", 415: "invalid_request_error",
+               429: "rate_limit_exceeded", 500: "internal_server_error", 503: "server_overloaded"}
 
 
 class ServeError(RuntimeKVError):
@@ -42,6 +42,18 @@ class ServerOverloadedError(ApiError):
         super().__init__(503, f"the server is at its limit of {live_requests} requests in flight "
                               f"(--max-queue); retry after {retry_after_s} s",
                          headers={"Retry-After": str(retry_after_s)})
+
+
+class KeyAtLimitError(ApiError):
+    """429: this API key has its ``--max-requests-per-key`` requests in flight; the message
+    names this key's own count only (never another key's, nor the server's)."""
+
+    def __init__(self, in_flight: int, count: int, max_per_key: int,
+                 retry_after_s: int = 1) -> None:
+        super().__init__(429, f"this API key has {in_flight} requests in flight and this request "
+                              f"would add {count}, past its limit of {max_per_key} "
+                              f"(--max-requests-per-key); retry after {retry_after_s} s, once "
+                              f"some have finished", headers={"Retry-After": str(retry_after_s)})
 
 
 class EngineAsleepError(ApiError):

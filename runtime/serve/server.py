@@ -12,7 +12,8 @@ still live (its memory is released) and joins the engine thread, after the step 
 (limits.py) and API keys (auth.py) are enforced in front of the app; a request whose response
 could pass ``limits.max_response_bytes`` is refused before it is queued (submission.py), and one
 past the responses all requests may hold at once (``max_response_memory_bytes``:
-submission.ResponseBudget) is a 503 + Retry-After. A connection whose client reads nothing of
+submission.ResponseBudget) is a 503 + Retry-After; one past its API key's
+``max_requests_per_key`` in flight (in_flight.py) a 429 + Retry-After. A connection whose client reads nothing of
 its answer for ``send_timeout_s`` (its transport stays write-paused) is dropped, its request
 aborted and its response's memory given back.
 """
@@ -50,7 +51,8 @@ class Server:
                  limits: Optional["ServeLimits"] = None, auth: Optional["AuthConfig"] = None,
                  on_started: Callable[[int], None] = lambda port: None,
                  lora_root=None, max_response_memory_bytes: Optional[int] = None,
-                 send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S) -> None:
+                 send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S,
+                 max_requests_per_key: Optional[int] = None) -> None:
         require_serve_extra()
         import uvicorn
 
@@ -60,18 +62,21 @@ class Server:
         from .shutdown import Drain, draining_server
         from .completions import ServedModel
         from .engine_thread import EngineThread
+        from .in_flight import check_max_requests_per_key
         from .metrics import ServeMetrics
         from .submission import ResponseBudget
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 1:
             raise ServeConfigError(f"max_queue must be an int >= 1, got {max_queue!r}")
         check_send_timeout(send_timeout_s)
         self.limits, self.auth = limits or ServeLimits(), auth or AuthConfig()
+        check_max_requests_per_key(max_requests_per_key, self.auth.api_keys)
         self.metrics = ServeMetrics(model_name)
         # each Submission reads its response limit and budget there (submission.py, limits.py)
         budget = ResponseBudget.of(self.limits.max_response_bytes, max_response_memory_bytes)
         self.engine_thread = EngineThread(engine, self.metrics, max_pending_requests=max_queue,
                                           max_response_bytes=self.limits.max_response_bytes,
-                                          response_budget=budget)
+                                          response_budget=budget,
+                                          max_requests_per_key=max_requests_per_key)
         self.drain = Drain()
         app = Guard(create_app(self.engine_thread, self.metrics, ServedModel.of(engine, model_name, self.limits, max_queue),
                                self.drain, lora_root), self.limits, self.auth)

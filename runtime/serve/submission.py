@@ -26,6 +26,10 @@ hold, which the server's log says) and gives it back only once its response is o
 connection gone (app.py), as a client that never reads holds its response in the server (a
 JSON body in the connection's buffer, a stream's tokens in ``events``' queue) after the engine
 has finished it.
+
+With an API ``key`` its prompts are checked against the key's share of the requests in flight
+first (``--max-requests-per-key``: in_flight.py), all of them at once: past it, KeyAtLimitError
+429 + Retry-After, with nothing reserved or queued (a prompt count past the cap alone: 400).
 """
 from __future__ import annotations
 
@@ -91,14 +95,16 @@ class Submission:
     response (the served tokenizer's ``ResponseBounds``; None: ``TokenBytes()``, no tokenizer's);
     with ``stream`` each token's SSE chunk envelope more (``response_bounds.stream_bound``:
     ``model_id``, the id each chunk names; None: the longest adapter name's); ``width_param``:
-    the request field that set a beam search's width, which an engine refusal of it names."""
+    the request field that set a beam search's width, which an engine refusal of it names;
+    ``key``: the client's API key (None: the server has none), each prompt counted against it."""
 
     def __init__(self, server: EngineThread, prompts: Sequence[Sequence[int]],
                  params: SamplingParams, arrival_s: float, prefix: str = "cmpl",
                  has_tokenizer: bool = True, stream: bool = False,
                  max_response_bytes: Optional[int] = None, echo: bool = False,
                  max_param: str = "max_tokens", bound: Optional[TokenBytes] = None,
-                 model_id: Optional[str] = None, width_param: str = "beam_width") -> None:
+                 model_id: Optional[str] = None, width_param: str = "beam_width",
+                 key: Optional[str] = None) -> None:
         if max_response_bytes is None:
             max_response_bytes = server.max_response_bytes
         chat, bound = prefix == "chatcmpl", bound or TokenBytes()
@@ -106,6 +112,8 @@ class Submission:
             bound = stream_bound(bound, chat, model_id)
         size = response_size(prompts, params, echo, bound)
         check_response_bytes(size, max_response_bytes, chat=chat)
+        if key is not None:         # every prompt fits the key's share, or none is queued
+            server.in_flight.check_key_room(key, len(prompts))
         budget = server.response_budget    # reserved before anything is queued
         self.reservation = budget.reserve(size.estimate_bytes) if budget is not None else None
         self._keep_logprobs = not stream    # a stream's were sent: holding them is all cost
@@ -127,8 +135,8 @@ class Submission:
         try:
             for i, ids in enumerate(prompts):
                 sink = (lambda item, i=i: loop.call_soon_threadsafe(self._queue.put_nowait, (i, item)))
-                self._futures.append(server.submit(ids, params, sink, arrival_s, index=i))
-        except ApiError as error:   # full (503): what was queued goes again
+                self._futures.append(server.submit(ids, params, sink, arrival_s, index=i, key=key))
+        except ApiError as error:   # full (503, 429): what was queued goes again
             if self.reservation is not None:
                 self.reservation.release()
             if not self._futures:

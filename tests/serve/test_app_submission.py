@@ -46,7 +46,7 @@ class TwoTokenEngineThread:
         self.submitted = []
         self.max_response_bytes, self.response_budget = DEFAULT_MAX_RESPONSE_BYTES, None
 
-    def submit(self, ids, params, sink, arrival_s, index=0) -> Future:
+    def submit(self, ids, params, sink, arrival_s, index=0, key=None) -> Future:
         self.submitted.append((list(ids), params))
         request_id = len(self.submitted)
         sink(Token(TokenEvent(request_id, 0, 65, False, text="A", logprobs=TOP), 0.0))

@@ -65,7 +65,7 @@ class RefusingEngineThread:
         self.error = error
         self.max_response_bytes, self.response_budget = DEFAULT_MAX_RESPONSE_BYTES, None
 
-    def submit(self, ids, params, sink, arrival_s, index=0) -> Future:
+    def submit(self, ids, params, sink, arrival_s, index=0, key=None) -> Future:
         future: Future = Future()
         future.set_exception(self.error)
         return future

@@ -58,12 +58,12 @@ class HeldEngineThread(EngineThread):
         self.release, self.abort_asked = threading.Event(), threading.Event()
         self._hold_after_failure = hold_after_failure
 
-    def submit(self, prompt_ids, params, sink, arrival_s, index=0):
+    def submit(self, prompt_ids, params, sink, arrival_s, index=0, key=None):
         def held(item) -> None:
             sink(item)
             if self._hold_after_failure and isinstance(item, Ended) and item.status == "failed":
                 self.release.wait(30)
-        return super().submit(prompt_ids, params, held, arrival_s, index)
+        return super().submit(prompt_ids, params, held, arrival_s, index, key)
 
     def abort(self, request_id: int) -> None:
         super().abort(request_id)

@@ -161,7 +161,7 @@ def test_a_response_holds_its_budget_until_its_client_has_read_it(stream, reserv
 def test_a_refused_request_gives_its_reservation_back():
     # over --max-queue part-way (the fake refuses the second prompt): nothing stays held
     class FullAfterOne(TwoTokenEngineThread):
-        def submit(self, ids, params, sink, arrival_s, index=0):
+        def submit(self, ids, params, sink, arrival_s, index=0, key=None):
             if self.submitted:
                 raise ApiError(503, "full", headers={"Retry-After": "1"})
             return super().submit(ids, params, sink, arrival_s, index)

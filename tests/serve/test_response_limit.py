@@ -116,7 +116,7 @@ class _FakeEngineThread:
         self.sinks = []
         self.max_response_bytes, self.response_budget = max_response_bytes, None
 
-    def submit(self, ids, params, sink, arrival_s, index=0) -> Future:
+    def submit(self, ids, params, sink, arrival_s, index=0, key=None) -> Future:
         self.sinks.append(sink)
         future: Future = Future()
         future.set_result(len(self.sinks))

@@ -71,7 +71,7 @@ class LongTokenEngineThread:
         self.max_response_bytes, self.response_budget = max_response_bytes, None
         self.submitted = []
 
-    def submit(self, ids, params, sink, arrival_s, index=0) -> Future:
+    def submit(self, ids, params, sink, arrival_s, index=0, key=None) -> Future:
         self.submitted.append(list(ids))
         request_id, k = len(self.submitted), params.logprobs
         tokenizer = long_token_tokenizer()
