@@ -8,11 +8,14 @@ A request above *total* could never be built; one above *available* would push t
 into swap or the OOM killer. Both are refused with ``CacheTooLargeError`` (a MemoryError and a
 CacheConfigError) before anything is allocated, the message giving both sizes in bytes.
 
-A vmem pool grown by ``resize_cache`` creates its pages only when they are first mapped: the
-bytes it may use and has not created yet are *promised*, and not in the available memory yet.
-Every resizable engine in this process is tracked (``track_promises``), and every check of a
-request against the available memory here subtracts the other pools' promises on that device
+A vmem pool grown by ``resize_cache`` creates its pages only when they are first mapped, and a
+swap space (``swap_bytes``) is host memory each swap-out allocates its buffer from: the bytes an
+engine may use and has not created yet are *promised*, and not out of the available memory yet.
+Every engine in this process is tracked (``track_promises``), and every check of a request
+against the available memory here subtracts the other engines' promises on that device
 (``promised_bytes``), so several engines in one process never promise more than it has.
+``PROMISES_LOCK`` makes each check and what it admits one step: a resize holds it across its
+check and the size change, a construction from its first check until the engine is tracked.
 """
 from __future__ import annotations
 
@@ -50,7 +53,8 @@ def _memory_bytes(device: torch.device, total: bool) -> Optional[int]:
 
 
 class PromisesMemory(Protocol):
-    """An owner of memory created on demand (a resizable engine's vmem pool)."""
+    """An owner of memory created on demand (an engine: its resizable vmem pool on the cache's
+    device, its swap space on the host)."""
 
     def promised_bytes(self, device: torch.device) -> int:
         """Bytes of ``device`` memory it may fill on demand and has not created yet (0 on
@@ -58,7 +62,9 @@ class PromisesMemory(Protocol):
 
 
 # the live owners (weak: one collected stops counting); PROMISES_LOCK is held by a resize
-# across its check and the size change, so two threads never both pass against the same bytes
+# across its check and the size change, and by a construction from its first check until its
+# engine is tracked (or the construction failed), so two threads never both pass against the
+# same bytes
 _promisers: "weakref.WeakSet[PromisesMemory]" = weakref.WeakSet()
 _promisers_lock = threading.Lock()
 PROMISES_LOCK = threading.RLock()
@@ -114,8 +120,8 @@ def _available_check(device: torch.device,
     if not promised:
         return _where(device, False), available
     return (f"{_where(device, False)} ({available} bytes) less the {promised} bytes other KV "
-            f"pools in this process promised and have not created yet",
-            max(0, available - promised))
+            f"pools in this process promised and have not created yet (grown pools' pages not "
+            f"mapped yet, swap spaces not filled yet)", max(0, available - promised))
 
 
 def _where(device: torch.device, total: bool) -> str:

@@ -6,6 +6,7 @@ replica (CacheStateError) and builds every layer's view once: one host sync per 
 from __future__ import annotations
 
 import math
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -19,7 +20,7 @@ from vmemkv.scheduler.plan import DropSwapped, DropTable, SwapIn, SwapOut
 from ..config import CacheConfig
 from ..errors import CacheStateError, PlanExecutionError
 from ..kv_dtype import ScaleTable
-from ..memory import check_fits_device
+from ..memory import PromisesMemory, check_fits_device
 from .journal import PlanJournal
 
 
@@ -77,6 +78,7 @@ class KVCache(ABC):
         self._views: list = []                         # per layer, built once per step
         self._placements: dict = {}                    # seq_id -> slot (vmem) / block table (paged)
         self._swapped: dict[int, torch.Tensor] = {}   # seq_id -> [layers, 2, tokens, kv_heads, head_dim]
+        self._swap_owner: Optional[weakref.ref] = None  # whose promise counts the swap space
         self._broken: Optional[str] = None            # why the cache is unusable (failed undo)
         enc = config.kv_encoding                      # 8-bit: scales beside the cache
         self.kv_scales = ScaleTable(enc, config.num_layers, config.num_kv_heads,
@@ -224,6 +226,13 @@ class KVCache(ABC):
             raise CacheStateError(f"sequence {seq_id} holds {held} tokens, asked to read {num_tokens}")
 
     # -- swap space (host memory) --
+    def swap_promised_by(self, owner: PromisesMemory) -> None:
+        """``owner`` (the engine, held weakly) counts this swap space's unfilled bytes in its
+        promise (runtime/memory.py): a swap-out fills what its owner promised (its promises
+        were checked beside each other when made), so its check leaves out only the other
+        owners' promises."""
+        self._swap_owner = weakref.ref(owner)
+
     @property
     def swapped_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._swapped.values())
@@ -270,8 +279,9 @@ class KVCache(ABC):
         it was, for undoing the plan.
 
         Each SwapOut's buffer (with the plan's earlier ones) is checked against the host's
-        available memory before it is allocated: one the host cannot provide now (memory
-        taken since construction checked ``swap_bytes``) is refused as PlanExecutionError
+        available memory, less what the other engines promised (``swap_promised_by``), before
+        it is allocated: one the host cannot provide now (memory taken since construction
+        checked ``swap_bytes``) is refused as PlanExecutionError
         naming that op, its cause a CacheTooLargeError giving both sizes; the engine rolls the
         step back, nothing allocated, and retries it (the request fails after
         ``max_plan_retries`` refusals in a row).
@@ -304,7 +314,8 @@ class KVCache(ABC):
                               f"{num_bytes} bytes, beside {planned_bytes} bytes of this plan's "
                               f"other swap-outs)", num_bytes + planned_bytes, torch.device("cpu"),
                               remedy="the host has less free memory than when swap_bytes was "
-                                     "checked; nothing was allocated")
+                                     "checked; nothing was allocated",
+                              promiser=self._swap_owner() if self._swap_owner else None)
         except MemoryError as error:
             raise PlanExecutionError(f"plan refused at op {index} ({type(op).__name__}): "
                                      f"{error}", op_index=index) from error

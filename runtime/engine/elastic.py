@@ -14,7 +14,8 @@ them would over-commit the host. With the cache on the host and spawned tensor-p
 every rank's pool is in this machine's memory: each byte of a rank's size counts once per rank,
 as at construction (``check_ranks_fit``). On CUDA rank 0 checks its own GPU only. What the other
 engines in this process have promised and not created (``promised_bytes``, tracked in
-runtime/memory.py) is not available to this one: every check leaves it out.
+runtime/memory.py: a grown pool's unmapped pages, a swap space's unfilled bytes) is not
+available to this one: every check leaves it out.
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device, same_d
 from vmemkv.scheduler.errors import CacheResizeError
 from vmemkv.scheduler.layout import CacheKind
 
+from .config import cache_budget_bytes
 from .errors import EngineClosedError, EngineSleepingError, TensorParallelError
+from .tensor_parallel import check_ranks_fit
 
 
 def budget_share_for(budget, cfg, cache_bytes: int, name: str, register: bool = True,
@@ -85,6 +88,17 @@ def _check_budget_fits_device(total_bytes: int, device) -> None:
 class ElasticMemory:
     """Mixed into Engine (its ``_txn``, ``scheduler``, ``kv``, ``config``)."""
 
+    def _checked_cache_bytes(self, memory_budget) -> int:
+        """The KV budget in bytes (``cache_budget_bytes``), checked before anything is built
+        against the device's memory less the other engines' promises (beside one step's
+        logits; every spawned rank's, swap spaces too) and ``memory_budget``'s rules. The
+        construction holds ``PROMISES_LOCK`` from here until ``_init_elastic`` tracks it."""
+        cfg, device = self.config, self.cache_config.torch_device
+        cache_bytes = cache_budget_bytes(cfg, self.cache_config, self.vocab_size)   # + logits
+        check_ranks_fit(cfg, cache_bytes, device)   # all ranks, too
+        budget_share_for(memory_budget, cfg, cache_bytes, "", register=False, device=device)
+        return cache_bytes
+
     def _init_elastic(self, budget_share) -> None:
         self.memory_share = budget_share      # a MemoryBudget share, or None
         # an engine dropped without close() leaves the budget at the budget's next call after
@@ -95,19 +109,28 @@ class ElasticMemory:
         self._asleep_bytes: Optional[int] = None   # the size to wake to; None: awake
         self._preempted_last = 0                   # scheduler preemptions seen at the last step
         self.resizes = 0
-        if self.resizable:       # its pages past committed_bytes are promised (tracked weakly)
-            memory.track_promises(self)
+        # its pool's pages past committed_bytes and its unfilled swap space are promised: every
+        # engine is tracked (weakly); a swap-out leaves this engine's promises out of its check
+        memory.track_promises(self)
+        self.kv.cache.swap_promised_by(self)
 
     def promised_bytes(self, device) -> int:
-        """Bytes of ``device`` memory the pool may use and has not created yet: ``cache_bytes``
-        less ``committed_bytes``, once per rank spawned on the host (runtime/memory.py's
-        ``PromisesMemory``); 0 on another device, asleep (nothing promised) or closed."""
-        if self._closed or not same_device(device, self.cache_config.torch_device):
+        """Bytes of ``device`` memory this engine may fill on demand and has not created yet
+        (runtime/memory.py's ``PromisesMemory``): on the cache's device, a resizable pool's
+        ``cache_bytes`` less ``committed_bytes`` (nothing asleep), once per rank spawned on the
+        host; on the host, also the swap space swap-outs have not filled yet
+        (``_host_swap_unfilled_bytes``, wherever the cache is); 0 once closed."""
+        if self._closed:
             return 0
-        return self._pool_copies() * max(0, self.cache_bytes - self.committed_bytes)
+        promised = 0
+        if self.resizable and same_device(device, self.cache_config.torch_device):
+            promised += self._pool_copies() * max(0, self.cache_bytes - self.committed_bytes)
+        if same_device(device, "cpu"):
+            promised += self._host_swap_unfilled_bytes()
+        return promised
 
     def _leave_budget(self) -> None:
-        """Leave the budget and stop counting the pool's promise now (close, a construction
+        """Leave the budget and stop counting the engine's promises now (close, a construction
         that failed). Idempotent."""
         memory.forget_promises(self)
         if self._budget_finalizer is not None:
@@ -251,13 +274,20 @@ class ElasticMemory:
 
     @property
     def unfilled_swap_bytes(self) -> int:
-        """Host memory promised to the swap space (``swap_bytes``, checked beside the cache at
-        construction) that swapped-out sequences have not filled yet, once per tensor-parallel
-        rank spawned on this machine; 0 when the cache is not on the host (the pool grows in
-        device memory, the swap space is host memory)."""
+        """The swap space swap-outs have not filled yet (``_host_swap_unfilled_bytes``), beside
+        which the pool grows: 0 when the cache is not on the host (the pool grows in device
+        memory, the swap space is host memory)."""
         if self.cache_config.torch_device.type != "cpu":
             return 0
-        return self._pool_copies() * self.kv.manager.swap_free_bytes
+        return self._host_swap_unfilled_bytes()
+
+    def _host_swap_unfilled_bytes(self) -> int:
+        """Host memory promised to the swap space (``swap_bytes``, checked at construction) that
+        swapped-out sequences have not filled yet (each swap-out allocates its buffer), once per
+        tensor-parallel rank spawned on this machine (each holds its own, wherever its cache
+        is); 0 without swap space."""
+        copies = self.config.tensor_parallel_size if self.config.tp_launch == "spawn" else 1
+        return copies * self.kv.manager.swap_free_bytes
 
     def _pool_room_bytes(self) -> Optional[int]:
         """The most a rank's pool may grow to now (None: the available memory is unreadable):

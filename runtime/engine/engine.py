@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from vmemkv.runtime import memory
 from vmemkv.runtime.attention import fastest_backend, get_backend
 from vmemkv.runtime.kv import make_kv
 from vmemkv.runtime.models import eos_token_ids
@@ -34,11 +35,10 @@ from vmemkv.runtime.transaction import StepTransaction
 from vmemkv.scheduler.metrics import SampleLog
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
-from .config import (EngineConfig, cache_budget_bytes, cache_config_for, check_engine_arguments,
-                     kv_scales_for, resolved_layout)
-from .tensor_parallel import (check_ranks_fit, check_tensor_parallel_engine,
-                              interrupts_between_steps, kv_heads_per_rank, rank_kv_scales,
-                              start_tensor_parallel)
+from .config import (EngineConfig, cache_config_for, check_engine_arguments, kv_scales_for,
+                     resolved_layout)
+from .tensor_parallel import (check_tensor_parallel_engine, interrupts_between_steps,
+                              kv_heads_per_rank, rank_kv_scales, start_tensor_parallel)
 from .call_checks import check_callback, check_tokenizer
 from .errors import EngineClosedError, EngineConfigError, TensorParallelError
 from .lifecycle import RequestLifecycle
@@ -102,10 +102,21 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         # refuse, before any memory is built, a backend that cannot run this model's attention
         backend.check_runs(cfg.cache, self.device.type, self.cache_config.dtype, what="the model",
                            kv_dtype=kv_dtype)
-        cache_bytes = cache_budget_bytes(cfg, self.cache_config, self.vocab_size)   # fits, + logits
-        check_ranks_fit(cfg, cache_bytes, self.cache_config.torch_device)   # all ranks, too
-        budget_share_for(memory_budget, cfg, cache_bytes, "", register=False,   # checks only
-                         device=self.cache_config.torch_device)
+        with memory.PROMISES_LOCK:   # no other engine's check or resize runs from the first check
+            share = self._build_kv(model, backend, full_config, driver, memory_budget)  # to tracked
+        self.cache = self.kv       # the cache (self.kv.cache) with its manager, for callers
+        try:
+            self._build_rest(model, backend)
+        except BaseException:
+            self._close_memory()   # a failed construction leaves no memory behind
+            self._leave_budget()
+            self._release_attention()
+            raise
+        self.scheduler.use_budget(share)   # None: fixed; a budget grows it up to its reach
+
+    def _build_kv(self, model: torch.nn.Module, backend, full_config, driver, memory_budget):
+        """Check the memory, build the KV cache (every rank's), track its promises; the share."""
+        cfg, cache_bytes = self.config, self._checked_cache_bytes(memory_budget)
         # the model's own attention, read and counted under its lock (TP: ranks run shard copies)
         self._holds_attention = cfg.tensor_parallel_size == 1
         own = hold_vmemkv_attention(model, self) if self._holds_attention else None
@@ -133,15 +144,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
                 share.unregister()
             self._release_attention()
             raise
-        self.cache = self.kv       # the cache (self.kv.cache) with its manager, for callers
-        try:
-            self._build_rest(model, backend)
-        except BaseException:
-            self._close_memory()   # a failed construction leaves no memory behind
-            self._leave_budget()
-            self._release_attention()
-            raise
-        self.scheduler.use_budget(share)   # None: fixed; a budget grows it up to its reach
+        return share
 
     def _build_rest(self, model: torch.nn.Module, backend) -> None:
         cfg = self.config
