@@ -168,6 +168,11 @@ def _cache_flags(c) -> None:
                    help="with --tp N on a GPU: rank r's device, comma-separated, the model's "
                         "first (e.g. cuda:0,cuda:2) (default: the model's GPU, then the other "
                         "visible ones in order)")
+    c.add_argument("--tp-timeout-s", type=bounded(float, 0, 1e6, low_open=True, high_open=True),
+                   default=None, metavar="SECONDS",
+                   help="with --tp N: a step's collectives wait at most this for a rank, in "
+                        "(0, 1e6), before the engine closes with TensorParallelError (default: "
+                        "EngineConfig.tp_timeout_s, 60)")
 
 
 def tp_device_list(text: str) -> tuple:
@@ -276,7 +281,9 @@ def _engine(engine_class, model, tokenizer, args):
                         prefix_eviction=args.prefix_eviction,
                         kv_cache_dtype=args.kv_cache_dtype, kv_scales=_kv_scales(args),
                         tensor_parallel_size=args.tensor_parallel_size,
-                        tp_devices=args.tp_devices)
+                        tp_devices=args.tp_devices,
+                        tp_timeout_s=EngineConfig.tp_timeout_s if args.tp_timeout_s is None
+                        else args.tp_timeout_s)
 
 
 def _generate(engine, prompts, params, args, messages=None):

@@ -160,7 +160,7 @@ class SimConfig:
         naming it. Without a profile it defaults to half the device's memory bandwidth; a
         profile measured no copy bandwidth, and its copies would silently cost 0 s."""
         if self.profile is None or self.copy_bytes_per_s is not None \
-                or not (is_custom(self.policy) or self._pool_base is not None):
+                or not (is_custom(self.policy) or self.pool_base is not None):
             return
         copies = (f"n {self.n} (copy-on-write after its forks)" if self.n > 1 else
                   f"beam_width {self.beam_width} (copy-on-write after its forks)"
@@ -192,16 +192,16 @@ class SimConfig:
         class that hands its base other sizes is counted at these); 0 for the reserve
         policies (tables per sequence) and for other custom classes (their tables are their
         own: not checked)."""
-        if self._pool_base is PagedManager:     # a block of one block group's layers
+        if self.pool_base is PagedManager:     # a block of one block group's layers
             spec = self.model_spec
             block_bytes = (self.block_size * 2 * len(block_groups(spec)[0].layers)
                            * spec.layer_bytes_per_token)
             return int(self.cache_bytes) // max(1, block_bytes)
         return int(self.cache_bytes) // max(1, self.page_bytes) \
-            if self._pool_base is VmemManager else 0
+            if self.pool_base is VmemManager else 0
 
     @property
-    def _pool_base(self) -> Optional[type]:
+    def pool_base(self) -> Optional[type]:
         """PagedManager or VmemManager when the policy is one of them or subclasses one."""
         if is_custom(self.policy):
             cls = load_policy_class(self.policy)
@@ -282,7 +282,7 @@ class SimConfig:
             return profile_cost(load_profile(self.profile), self.map_latency_s, pages_per_map_op)
         return CostModel(self.model_spec, get_device(self.device), prefill_mfu=self.prefill_mfu,
                          map_latency_s=self.map_latency_s, pages_per_map_op=pages_per_map_op,
-                         kv_slowdown=self.paged_slowdown if self._pool_base is PagedManager
+                         kv_slowdown=self.paged_slowdown if self.pool_base is PagedManager
                          else 1.0)   # a subclass of the paged manager reads its blocks too
 
 

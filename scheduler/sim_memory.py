@@ -6,7 +6,7 @@ tracemalloc on the standard workload (2026-12-06; tests/scheduler/test_sim_memor
 charge stays above what it measures): about 6 MB fixed and 37 bytes an output token (request
 records included) at the peak, 14-20 KB a request; the process's resident size is about 1.2
 times that. ``simulation_bytes`` charges 8 MiB, 1 KiB a request and 48 bytes an output token;
-drawing a workload alone, 512 bytes a request; the manager's tables, ``POOL_UNIT_BYTES`` a pool
+drawing a workload alone, 512 bytes a request; the manager's tables, ``pool_unit_bytes`` a pool
 page or block (below); drawing LoRA adapters for a workload, 512 bytes an adapter of the
 population (372 at the peak, tracemalloc, 2026-12-06: its name, digest and popularity weight;
 ``--lora-adapters 1000000`` held 455 MB resident). A request's extra samples (``--n``) or beams
@@ -20,29 +20,58 @@ taking the machine into the OOM killer (``vmemkv simulate --requests 10000000`` 
 GiB). A sweep's worker processes run at once, so each is checked against its share
 (``set_concurrent_simulations``).
 
-A pool page or block is charged 1,152 bytes, what the worst geometry takes with a margin: a
-page's ledger records and unit counts, and a page group and a slot to every two pages at most
-(a group holds a page of each member, two at the fewest: the interleaved layout's K and V),
-each table copied once more while an idle manager checks its integrity. A run on tiny's
-interleaved pool of one-token pages takes 882 bytes a page at its peak (tracemalloc, per page
-beyond a pool a quarter the size; 928 resident at a million pages); a paged block takes 247, a
-per-layer page 80 (llama-3-8b) to 261 (tiny), charged up to 14 times that: ``--cache-gb 120
---page-bytes 4KiB`` on llama-3-8b (29 million pages, 2.5 GB) is charged 34 GB. The charge was
-96 bytes, measured on llama-3-8b alone, and let ``--model-preset tiny --cache-gb 130
---page-bytes 1024`` start towards 34 GB (tests/scheduler/test_sim_memory_presets.py measures
-every preset and policy family).
+A pool page or block is charged by its geometry (``pool_unit_bytes``): what its tables take,
+measured with tracemalloc per unit beyond a pool a quarter the size (the manager built and its
+integrity checked, which copies each table once more; 2026-12-07), with a margin. A vmem page
+takes about 56 bytes of its own (ledger records, its place in its group's extent), 80-115 more
+where a member spans several pages (byte-mapped), and a share of its group's tables (about
+830 a group and a layer kind it has extents in; 2,600 a hybrid's split group of two kinds) and
+of its slot's (about 830): a pool has a group per pages a group keeps (2 in the interleaved
+layout, 2 x layers per-layer, 2 x full-attention layers in a hybrid's split group) and a slot
+per pages of one of each member. A page is charged ``PAGE_BYTES`` (128),
+``BYTE_MAPPED_PAGE_BYTES`` (128) more when byte-mapped, and (``GROUP_KIND_BYTES`` x kinds +
+``SLOT_BYTES``) / pages a group keeps, 1,024 each (a split group's slot share is charged over
+its fewer kept pages, which covers its groups' 2,600):
+
+    geometry                                     measured  charged   (bytes a page or block)
+    interleaved, byte-mapped (tiny, 3 KiB)         1,094     1,280   the presets' worst
+    interleaved, a token a page (tiny, llama)        898     1,152   1,036 with a full pool
+    per-layer, byte-mapped (tiny, 768 B)             385       512
+    per-layer (tiny, 512 B)                          265       384
+    per-layer, hybrid split (gemma-3-27b, 4 KiB)     193       282   169 with a full pool
+    per-layer, byte-mapped (phi-2, 8 KiB, 2 MiB)     161-176   288
+    per-layer (llama-3-8b, 4 KiB)                     82       160   87 with a full pool
+    paged block (any model, block size)              247       320
+
+so ``vmemkv simulate`` of llama-3-8b with ``--cache-gb 120 --page-bytes 4KiB`` (29 million
+pages) is charged 4.7 GB. Until 2026-12-07 every unit was charged 1,152 bytes, the interleaved
+page's, which charged that run 34 GB and refused it on a 23 GiB host; before that 96 bytes,
+measured on llama-3-8b alone, which let ``--model-preset tiny --cache-gb 130 --page-bytes
+1024`` start towards 34 GB (tests/scheduler/test_sim_memory_presets.py measures every preset
+and policy family, tests/scheduler/test_sim_memory_charge.py each geometry above).
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import TYPE_CHECKING, Optional
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .geometry import PageGeometry
+    from .sim_config import SimConfig
 
 BASE_BYTES = 8 << 20      # the manager's tables (the latency logs: with the tokens)
 REQUEST_BYTES = 1024      # a request's records, kept for the whole run
 TOKEN_BYTES = 48          # an output token: its time, then its gap in the report (pooled, sorted)
 ENTRY_BYTES = 512         # a drawn request: its TraceEntry and its share of the draw (270 measured)
-POOL_UNIT_BYTES = 1152    # a pool page (vmem) or block (paged) in the manager's tables (882 max)
+PAGE_BYTES = 128          # a vmem pool page's own records (56 measured)
+BYTE_MAPPED_PAGE_BYTES = 128   # more a page where a member spans several pages (80-115 measured)
+GROUP_KIND_BYTES = 1024   # a page group's tables, per layer kind it has extents in (830 measured)
+SLOT_BYTES = 1024         # a slot's tables (830 measured)
+BLOCK_BYTES = 320         # a paged block's tables (247 measured)
+POOL_UNIT_BYTES = 1152    # a unit charged without its geometry (shared_sim's lanes): an
+                          # interleaved page of one token's (1,094 the most measured)
 SAMPLE_TOKEN_BYTES = 16  # an output token of a sample or beam after the first (untimed)
 SAMPLE_BYTES = 1024      # a request's sample after the first (--n): its sequence's records
 BEAM_BYTES = 8192        # a beam after the first: its sequence's records, forks and prunes
@@ -62,15 +91,39 @@ def set_concurrent_simulations(count: int) -> None:
 
 
 def simulation_bytes(num_requests: int, output_tokens: int, pool_units: int = 0,
-                     n: int = 1, beam_width: int = 0) -> int:
+                     n: int = 1, beam_width: int = 0,
+                     unit_bytes: int = POOL_UNIT_BYTES) -> int:
     """Host memory a simulation of ``num_requests`` with ``output_tokens`` in all (one sequence
-    each) needs, bytes, on a manager of ``pool_units`` pages or blocks; each request running
-    ``n`` samples or ``beam_width`` beams (0: none) of that many tokens each."""
+    each) needs, bytes, on a manager of ``pool_units`` pages or blocks of ``unit_bytes`` each
+    (``pool_unit_bytes``); each request running ``n`` samples or ``beam_width`` beams (0: none)
+    of that many tokens each."""
     extra = (beam_width or n) - 1           # sequences per request after the first
     per_sequence = BEAM_BYTES if beam_width else SAMPLE_BYTES
     return (BASE_BYTES + num_requests * REQUEST_BYTES + output_tokens * TOKEN_BYTES
             + extra * (num_requests * per_sequence + output_tokens * SAMPLE_TOKEN_BYTES)
-            + pool_units * POOL_UNIT_BYTES)
+            + pool_units * unit_bytes)
+
+
+def pool_unit_bytes(config: "SimConfig") -> int:
+    """Bytes of host memory a page (vmem) or block (paged) of ``config``'s pool is charged for
+    the manager's tables (see the module docstring); 0 for a pool of no such units."""
+    from .managers import PagedManager, VmemManager
+    if config.pool_base is PagedManager:
+        return BLOCK_BYTES
+    if config.pool_base is not VmemManager:
+        return 0
+    from .geometry import PageGeometry
+    geometry = PageGeometry.of(config.model_spec, config.page_bytes, config.resolved_layout)
+    return vmem_page_bytes(geometry, config.hybrid_parts and geometry.split)
+
+
+def vmem_page_bytes(geometry: "PageGeometry", split: bool) -> int:
+    """Bytes a vmem pool page of ``geometry`` is charged: its own, and its share of its group's
+    and its slot's tables among the pages a group keeps (``split``: groups split by layer kind,
+    keeping the full-attention layers' pages; scheduler.managers.kinds.VmemShape)."""
+    kinds, kept = (2, 2 * len(geometry.full_layers)) if split else (1, geometry.num_members)
+    own = PAGE_BYTES + (0 if geometry.exact else BYTE_MAPPED_PAGE_BYTES)
+    return own + math.ceil((GROUP_KIND_BYTES * kinds + SLOT_BYTES) / kept)
 
 
 def available_bytes() -> Optional[int]:
@@ -86,7 +139,8 @@ def available_bytes() -> Optional[int]:
 
 def check_simulation_fits(num_requests: int, output_tokens: int,
                           remedy: str = "simulate fewer requests", pool_units: int = 0,
-                          n: int = 1, beam_width: int = 0) -> None:
+                          n: int = 1, beam_width: int = 0,
+                          unit_bytes: int = POOL_UNIT_BYTES) -> None:
     """SimulationTooLargeError when the simulation (``simulation_bytes``) needs more than this
     process's share of the host's available memory."""
     pool = f" on a pool of {pool_units:,} pages or blocks" if pool_units else ""
@@ -95,7 +149,8 @@ def check_simulation_fits(num_requests: int, output_tokens: int,
             f"({width * output_tokens:,} tokens)" if width > 1 else "")
     check_host_need(f"a simulation of {num_requests:,} requests with {output_tokens:,} output "
                     f"tokens{each}{pool}",
-                    simulation_bytes(num_requests, output_tokens, pool_units, n, beam_width), remedy)
+                    simulation_bytes(num_requests, output_tokens, pool_units, n, beam_width,
+                                     unit_bytes), remedy)
 
 
 def check_workload_fits(num_requests: int, remedy: str) -> None:

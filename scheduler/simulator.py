@@ -44,7 +44,7 @@ from .request import Request, SeqState
 from .scheduler import Scheduler, SchedulerConfig
 from .policies import is_custom
 from .sim_config import DEFAULT_H2D_BYTES_PER_S, SimConfig, copy_seconds, policy_blamed
-from .sim_memory import check_simulation_fits
+from .sim_memory import check_simulation_fits, pool_unit_bytes
 from .sim_sums import AdapterSums, StepSums, step_figures
 from .traces import prompt_token_ids
 from .workload import TraceEntry, check_arrivals
@@ -384,7 +384,7 @@ def simulate(entries: Sequence[TraceEntry], config: SimConfig = SimConfig(),
                           "simulate fewer requests (--requests, or --max-requests of a trace), "
                           "fewer samples or beams (--n, --beam-width), or on larger pages or "
                           "blocks", pool_units=config.pool_units, n=config.n,
-                          beam_width=config.beam_width)
+                          beam_width=config.beam_width, unit_bytes=pool_unit_bytes(config))
     config.check_copy_bandwidth(entries)        # a profile's trace with hash ids: copies
     manager, sim = config.make_manager(), None
     with (policy_blamed(config.policy, type(manager), manager, lambda: sim.running_ids() if sim

@@ -43,7 +43,7 @@ from .presets import DEVICES, MODELS
 from .scheduler import PREEMPTION_MODES, SchedulerConfig
 from .sim_config import WATERMARK_SCOPES, check_deployment
 from .sim_memory import check_host_need   # the pool alone: no request drawn yet
-from .sim_memory import simulation_bytes
+from .sim_memory import pool_unit_bytes, simulation_bytes
 from .simulator import SimConfig
 from .sweep_policy import POLICY_ID, check_policy_unchanged, policy_id, sha256_of  # noqa: F401
 from .traces import BUNDLED
@@ -251,7 +251,8 @@ def check_point(point: dict, label: dict, built: set) -> None:
         if config not in built:
             check_host_need(f"a pool of {config.pool_units:,} pages or blocks (the manager's "
                             f"tables, before any request is drawn)",
-                            simulation_bytes(0, 0, config.pool_units),
+                            simulation_bytes(0, 0, config.pool_units,
+                                             unit_bytes=pool_unit_bytes(config)),
                             "give larger pages or blocks, or a smaller cache_gb")
             _build(config)
             built.add(config)

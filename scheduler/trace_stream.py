@@ -4,17 +4,18 @@
 and kept ``max_requests`` only after parsing them all: a 6 MB gzip of newlines that inflates to
 6 GiB committed 3.75 GB before a MemoryError. ``text_lines`` inflates and reads at most
 ``READ_CHUNK_BYTES`` at a time (a longer line is gathered in pieces), and the loader stops
-asking at ``max_requests``. The lines of each chunk are charged before any is parsed:
-``ENTRY_BYTES`` a line (any line may become a request; an empty one is charged too, so a file
-of newlines is refused as well) plus ``TEXT_BYTE_CHARGE`` bytes a byte of text. Measured with
-tracemalloc (2026-12-06), a loaded request holds 170-200 bytes on the bundled Azure traces
-(37 bytes of text a line) and 1,060-1,280 on the Mooncake ones (250-285 bytes of text a line: a
-hash id is about 7 characters and 36 bytes held, a tuple slot and an int); the charge is 660
-and 1,520-1,650. When the charge passes what was last checked, ``sim_memory.check_host_need``
-checks it plus ``CHECK_STEP_BYTES`` against the host's MemAvailable, so a file too big is refused
-(``SimulationTooLargeError``, naming the file, the lines and bytes read and the bytes needed)
-with at most a chunk read past what fits and nothing parsed from it: a gzip of 512 MiB of
-newlines was refused in 0.8 s at 30 MB resident on a host with 21 GB available.
+asking at the line after the first ``max_requests`` (``traces._parse``). The lines of each chunk
+are charged before any is parsed: ``ENTRY_BYTES`` a line (any line may become a request; an
+empty one is charged too, so a file of newlines is refused as well) plus ``TEXT_BYTE_CHARGE``
+bytes a byte of text. Measured with tracemalloc (2026-12-06), a loaded request holds 170-200
+bytes on the bundled Azure traces (37 bytes of text a line) and 1,060-1,280 on the Mooncake ones
+(250-285 bytes of text a line: a hash id is about 7 characters and 36 bytes held, a tuple slot
+and an int); the charge is 660 and 1,520-1,650. When the charge passes what was last checked,
+``sim_memory.check_host_need`` checks it plus ``CHECK_STEP_BYTES`` against the host's
+MemAvailable, so a file too big is refused (``SimulationTooLargeError``, naming the file, the
+lines and bytes read and the bytes needed) with at most a chunk read past what fits and nothing
+parsed from it: a gzip of 512 MiB of newlines was refused in 0.8 s at 30 MB resident on a host
+with 21 GB available.
 """
 from __future__ import annotations
 

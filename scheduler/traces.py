@@ -16,8 +16,9 @@ format: ``.csv`` (Azure columns), JSONL with Mooncake keys, or the project's own
 A JSONL file's format is its first line's, and a later line of the other format is refused (a
 mix read one line's ms beside another's seconds). Files are inflated and parsed line by line as
 they are read, what they may hold checked against available memory as it grows
-(``trace_stream``), and reading stops at ``max_requests``, whose lines must then be in arrival
-order.
+(``trace_stream``), and reading stops at the line after the first ``max_requests``: those lines
+must then be in arrival order (the line after them too: arriving earlier, it would be among
+the first N by arrival), and the file is trusted to be in order past them.
 """
 from __future__ import annotations
 
@@ -73,11 +74,12 @@ def load_trace(name_or_path: str, *, rate_scale: float = 1.0,
     """The trace named (bundled) or at a path, sorted by arrival.
 
     ``rate_scale`` X divides every arrival time by X (X = 2 replays twice as fast); ``max_requests``
-    keeps the first N requests of the file, reading no further (a huge trace need not fit in
-    memory), so they are the first N by arrival only in a file in arrival order (the bundled
-    traces and ``write_trace``'s are): a line among them arriving before the line above it is
-    refused, naming both (it kept the first N lines silently). Bad values raise
-    ``ConfigError`` naming the value and the limit (``rate_name``: how the caller calls the
+    keeps the first N requests of the file, reading one line further and no more (a huge trace
+    need not fit in memory), so they are the first N by arrival only in a file in arrival order
+    (the bundled traces and ``write_trace``'s are): a line among them, or the one after them,
+    arriving before the line above it is refused, naming both (it kept the first N lines
+    silently; lines past the one after them are not read, so their order is trusted). Bad values
+    raise ``ConfigError`` naming the value and the limit (``rate_name``: how the caller calls the
     rate, ``--rate-scale`` on the command line; a rate so low that an arrival passes
     ``MAX_ARRIVAL_S`` is refused); a bad file raises ``ConfigError`` naming the file and line,
     and one whose text read so far does not fit in available memory ``SimulationTooLargeError``
@@ -126,15 +128,18 @@ Row = Tuple[str, TraceEntry]
 
 def _parse(lines: Iterator[str], file_name: str, where: str,
            max_requests: Optional[int]) -> List[TraceEntry]:
-    """The first ``max_requests`` entries of the file's ``lines`` (all with None; no line past
-    the last is read; with a number, each line must arrive no earlier than the one above it),
-    sorted by arrival (stable). Azure stamps are wall-clock times: they become seconds after the
-    first of them; JSONL arrivals are kept as written."""
+    """The first ``max_requests`` entries of the file's ``lines`` (all with None), sorted by
+    arrival (stable). With a number N, N + 1 lines are read (no line past them), each arriving
+    no earlier than the one above it (``_in_arrival_order``); the N kept are then the first N by
+    arrival of a file in arrival order. Azure stamps are wall-clock times: they become seconds
+    after the first of them; JSONL arrivals are kept as written."""
     azure = file_name.endswith(".csv")
     rows = _azure_rows(lines, where) if azure else _jsonl_rows(lines, where)
     if max_requests is not None:
-        rows = _in_arrival_order(rows)
+        rows = _in_arrival_order(rows, max_requests)
     entries = [entry for _, entry in itertools.islice(rows, max_requests)]
+    if max_requests is not None and len(entries) == max_requests:
+        next(rows, None)    # the line after the N-th: one arriving before it is refused
     if not entries:
         raise ConfigError(f"trace {where} has no requests")
     if azure:
@@ -145,21 +150,36 @@ def _parse(lines: Iterator[str], file_name: str, where: str,
     return entries
 
 
-def _in_arrival_order(rows: Iterator[Row]) -> Iterator[Row]:
-    """``rows``, each checked to arrive no earlier than the one before it: ``max_requests``
-    keeps the first N lines, the first N by arrival only in a file in arrival order (reading the
-    whole file to find them would be charged all of it, ``trace_stream``, where keeping fewer
-    requests is the remedy for a trace too big)."""
+def _in_arrival_order(rows: Iterator[Row], max_requests: int) -> Iterator[Row]:
+    """``rows``, each checked to arrive no earlier than the one before it: ``max_requests`` N
+    keeps the first N lines, the first N by arrival only in a file in arrival order. The line
+    after the N-th is checked too (``_parse`` reads it): arriving before the N-th, it is among
+    the first N by arrival and was left out silently. Lines past it are not read, so order is
+    trusted there (finding the first N of an unsorted file takes reading it all, and reading
+    it all would be charged all of it, ``trace_stream``, where keeping fewer requests is the
+    remedy for a trace too big)."""
     previous: Optional[Row] = None
-    for at, entry in rows:
+    for index, (at, entry) in enumerate(rows, 1):
         if previous is not None and entry.arrival_s < previous[1].arrival_s:
-            early_s = previous[1].arrival_s - entry.arrival_s
-            raise ConfigError(f"{at}: arrives {early_s:g} s before the line above it "
-                              f"({previous[0]}); max_requests (--max-requests) keeps the first "
-                              f"N lines, the first N by arrival only in a trace in arrival "
-                              f"order: sort the file by arrival, or read it all (no max_requests)")
+            raise ConfigError(_out_of_order(at, previous, entry, max_requests, index))
         previous = at, entry
         yield at, entry
+
+
+def _out_of_order(at: str, previous: Row, entry: TraceEntry, max_requests: int,
+                  index: int) -> str:
+    """Why the ``index``-th request read (``at``, ``entry``) is refused: it arrives before the
+    one above it (``previous``)."""
+    early_s = previous[1].arrival_s - entry.arrival_s
+    why = f"{at}: arrives {early_s:g} s before the line above it ({previous[0]})"
+    if index > max_requests:         # the line after the N kept
+        why += (f", the last of the {max_requests:,} that max_requests (--max-requests) "
+                f"{max_requests} keeps: it is among the first {max_requests:,} by arrival and "
+                f"would be left out, and finding them in a trace not in arrival order takes "
+                f"reading all of it")
+    return (f"{why}; max_requests (--max-requests) keeps the first N lines, the first N by "
+            f"arrival only in a trace in arrival order: sort the file by arrival, or read it "
+            f"all (no max_requests)")
 
 
 def _azure_rows(lines: Iterator[str], where: str) -> Iterator[Row]:

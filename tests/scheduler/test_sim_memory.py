@@ -12,7 +12,8 @@ from vmemkv.cli import main
 from vmemkv.scheduler import sim_memory
 from vmemkv.scheduler.shared_sim import simulate_shared
 from vmemkv.scheduler.sim_memory import (SimulationTooLargeError, check_simulation_fits,
-                                         check_workload_fits, simulation_bytes)
+                                         check_workload_fits, pool_unit_bytes,
+                                         simulation_bytes)
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.sweep import _worker_start
 from vmemkv.scheduler.workload import WorkloadSpec, generate
@@ -90,7 +91,8 @@ def test_drawing_a_workload_is_charged_what_it_draws(available_mib):
 def test_simulate_and_simulate_shared_check_the_entries_they_are_given(available_mib):
     entries = generate(WorkloadSpec(num_requests=100, seed=1))
     tokens = sum(e.output_len for e in entries)
-    need_mib = simulation_bytes(100, tokens, SimConfig().pool_units) >> 20
+    need_mib = simulation_bytes(100, tokens, SimConfig().pool_units,
+                                unit_bytes=pool_unit_bytes(SimConfig())) >> 20
     available_mib(need_mib - 1)
     with pytest.raises(SimulationTooLargeError, match=f"100 requests with {tokens:,} output"):
         simulate(entries, SimConfig())
@@ -129,7 +131,8 @@ def test_samples_and_beams_are_charged_in_both_checks(available_mib, capsys, fla
     than one sequence a request needs; 256 each need about 10 MB more."""
     entries = generate(WorkloadSpec(num_requests=10, seed=1))
     tokens = sum(e.output_len for e in entries)
-    available_mib((simulation_bytes(10, tokens, SimConfig().pool_units) >> 20) + 2)
+    available_mib((simulation_bytes(10, tokens, SimConfig().pool_units,
+                                   unit_bytes=pool_unit_bytes(SimConfig())) >> 20) + 2)
     assert simulate(entries, SimConfig()).num_requests == 10
     with pytest.raises(SimulationTooLargeError, match="run as 256 (samples|beams) each"):
         simulate(entries, SimConfig(**extra))

@@ -94,10 +94,10 @@ def test_a_reader_that_closes_stdout_ends_the_listing_quietly(tmp_path):
 def test_a_pool_past_host_memory_is_named_as_the_pool_not_as_zero_requests(tmp_path, monkeypatch):
     from vmemkv.scheduler import sim_memory
     monkeypatch.setattr(sim_memory, "available_bytes", lambda: 2**30)   # the host faked: 1 GiB
-    spec = '[base]\nrequests = 4\npolicy = "vmem"\npage_bytes = "1"\n'
+    spec = '[base]\nrequests = 4\npolicy = "vmem"\npage_bytes = "2048"\n'   # llama's 1 token
     with pytest.raises(ConfigError) as error:
         expand(load_spec(spec_file(tmp_path, spec)))
     text = str(error.value)
-    assert "a pool of 60,000,000,000 pages or blocks (the manager's tables, before any request " \
-           "is drawn) needs about 69120008388608 bytes" in text, text
+    assert "a pool of 29,296,875 pages or blocks (the manager's tables, before any request " \
+           "is drawn) needs about 4695888608 bytes" in text, text     # 160 bytes a page
     assert "0 requests" not in text and "give larger pages or blocks, or a smaller cache_gb" in text

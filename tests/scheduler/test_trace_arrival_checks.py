@@ -98,13 +98,16 @@ def test_max_requests_refuses_a_line_arriving_before_the_line_above_it(tmp_path)
         f"{path} line 3: arrives 40 s before the line above it ({path} line 2); max_requests "
         f"(--max-requests) keeps the first N lines, the first N by arrival only in a trace in "
         f"arrival order: sort the file by arrival, or read it all (no max_requests)")
-    assert [e.prompt_len for e in load_trace(path, max_requests=2)] == [100, 200]
+    # line 3 is among the first 2 by arrival, so 2 is refused too (it kept [100, 200])
+    assert refusal(path, max_requests=2).startswith(
+        f"{path} line 3: arrives 40 s before the line above it ({path} line 2), the last of ")
+    assert [e.prompt_len for e in load_trace(path, max_requests=1)] == [100]
     assert [e.prompt_len for e in load_trace(path)] == [100, 300, 200, 400]
 
 
-def test_max_requests_keeps_ties_in_file_order_and_reads_no_further(tmp_path):
+def test_max_requests_keeps_ties_in_file_order_and_reads_one_line_further(tmp_path):
     path = tmp_path / "t.jsonl"
-    path.write_text("".join(json.dumps(project(n, 5.0)) + "\n" for n in (300, 100, 200))
+    path.write_text("".join(json.dumps(project(n, 5.0)) + "\n" for n in (300, 100, 200, 400))
                     + "not json\n")
     assert [e.prompt_len for e in load_trace(str(path), max_requests=3)] == [300, 100, 200]
 

@@ -1,0 +1,36 @@
+"""``--tp-timeout-s SECONDS`` (``vmemkv generate`` and ``serve``, beside ``--tp``) sets
+``EngineConfig.tp_timeout_s``, which had no flag: a hung rank was waited for 60 s whatever the
+command line said. A value the config would refuse is refused by argparse, naming the flag."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from vmemkv.cli import build_parser
+from vmemkv.runtime import generate_checks, generate_cli
+from vmemkv.runtime.engine import EngineConfig
+
+
+def engine_config(argv, command):
+    """The EngineConfig ``generate_cli._engine`` builds the engine with for ``argv``."""
+    args = build_parser().parse_args([command, *argv])
+    generate_checks.check_flags(args)
+    return generate_cli._engine(lambda model, tokenizer, **options:
+                                replace(EngineConfig(), **options), None, None, args)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_the_flag_reaches_the_engine_config(command):
+    assert engine_config(["--tp", "2", "--tp-timeout-s", "2.5"], command).tp_timeout_s == 2.5
+    assert engine_config(["--tp", "2"], command).tp_timeout_s == EngineConfig.tp_timeout_s == 60
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("value", ["0", "-1", "1e6", "inf", "nan", "soon"])
+def test_a_value_out_of_the_configs_range_is_refused_naming_the_flag(command, value, capsys):
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args([command, "--tp", "2", "--tp-timeout-s", value])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert f"vmemkv {command}: error: argument --tp-timeout-s: " in err and err.count("\n") <= 2
