@@ -57,6 +57,10 @@ def check_flags(args) -> None:
                      ("--block-size", "--max-context"), GenerateUsageError)
     _check_limits(args)
     check_tp_devices(args.tp_devices, args.tensor_parallel_size, args.device)
+    if args.tp_timeout_s is not None and (args.tensor_parallel_size or 1) < 2:
+        raise GenerateUsageError(f"--tp-timeout-s {args.tp_timeout_s:g} bounds how long a step "
+                                 f"waits for tensor-parallel ranks, but there are none without "
+                                 f"--tp N (N > 1): give --tp N or drop --tp-timeout-s")
     if args.kv_scales is not None and KV_CACHE_DTYPE_BYTES[args.kv_cache_dtype] != 1:
         raise GenerateUsageError(f"--kv-scales applies to an 8-bit --kv-cache-dtype (fp8_e4m3, "
                                  f"fp8_e5m2, int8), not {args.kv_cache_dtype}")

@@ -158,9 +158,9 @@ def _workload_flags(w) -> None:
     w.add_argument("--rate-scale", type=bounded(float, 0, low_open=True), default=1.0,
                    help="with --trace: replay X times as fast (arrival times divided by X)")
     w.add_argument("--max-requests", type=POSITIVE_INT, default=None,
-                   help="with --trace: keep the first N requests of the file, reading no "
-                        "further; they must be in arrival order (a line arriving before the "
-                        "one above it is refused) (default: all)")
+                   help="with --trace: keep the first N requests of the file, reading one "
+                        "line further; those N+1 must be in arrival order (a line arriving "
+                        "before the one above it is refused) (default: all)")
     w.add_argument("--write-trace", metavar="FILE",
                    help="also write the workload as a JSONL trace, once the run has finished "
                         "(a refused or interrupted run leaves FILE as it was) (default: don't)")

@@ -54,7 +54,7 @@ from .report import RequestTiming, serving_report
 from .scheduler import Scheduler
 from .shared_config import (GROW_PAGE_S, RELEASE_PAGE_S, ModelResult, SharedConfig,  # noqa: F401
                             SharedResult, SimulationStalledError, kv_bytes_after_weights)
-from .sim_memory import check_simulation_fits
+from .sim_memory import check_simulation_fits, pool_unit_bytes
 from .simulator import Simulator, _request_maker, _sharing_config
 from .workload import MAX_ARRIVAL_S, TraceEntry
 
@@ -272,7 +272,9 @@ class SharedSimulator:
         check_simulation_fits(len(every), sum(e.output_len for e in every),   # tables: up to
                               "simulate fewer requests, or lower total_bytes or raise page_bytes",
                               pool_units=n * (total if config.elastic else total // n)
-                              // config.page_bytes)                           # its max
+                              // config.page_bytes,                           # its max, each
+                              unit_bytes=max(pool_unit_bytes(config.sim_config(m, total // n))
+                                             for m in models))            # the most a page's
         per_lane = max(1, config.max_seq_len // max(1, config.scheduler.max_tokens_per_step))
         self.stall_turns = 10_000 + 64 * n * (per_lane + 1)   # turns without progress
         self.budget = MemoryBudget(total, config.idle_release_s, config.grow_fraction,

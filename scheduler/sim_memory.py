@@ -70,7 +70,7 @@ BYTE_MAPPED_PAGE_BYTES = 128   # more a page where a member spans several pages 
 GROUP_KIND_BYTES = 1024   # a page group's tables, per layer kind it has extents in (830 measured)
 SLOT_BYTES = 1024         # a slot's tables (830 measured)
 BLOCK_BYTES = 320         # a paged block's tables (247 measured)
-POOL_UNIT_BYTES = 1152    # a unit charged without its geometry (shared_sim's lanes): an
+POOL_UNIT_BYTES = 1152    # a unit charged without its geometry: an
                           # interleaved page of one token's (1,094 the most measured)
 SAMPLE_TOKEN_BYTES = 16  # an output token of a sample or beam after the first (untimed)
 SAMPLE_BYTES = 1024      # a request's sample after the first (--n): its sequence's records

@@ -34,3 +34,12 @@ def test_a_value_out_of_the_configs_range_is_refused_naming_the_flag(command, va
     assert refused.value.code == 2
     err = capsys.readouterr().err
     assert f"vmemkv {command}: error: argument --tp-timeout-s: " in err and err.count("\n") <= 2
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("tp", [[], ["--tp", "1"]])
+def test_the_flag_without_tensor_parallel_ranks_is_refused_naming_it(command, tp):
+    """It did nothing without --tp N > 1 and was accepted (as --tp-devices is refused there)."""
+    args = build_parser().parse_args([command, *tp, "--tp-timeout-s", "5"])
+    with pytest.raises(generate_checks.GenerateUsageError, match=r"--tp-timeout-s 5 .*--tp N"):
+        generate_checks.check_flags(args)

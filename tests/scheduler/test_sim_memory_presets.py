@@ -1,5 +1,5 @@
-"""The memory check's charge for a manager's tables (scheduler/sim_memory.py POOL_UNIT_BYTES, a
-pool page or block) covers what every preset's pool takes under every policy family, measured
+"""The memory check's charge for a manager's tables (scheduler/sim_memory.py pool_unit_bytes, a
+pool page or block, by its geometry) covers what every preset's pool takes under every policy family, measured
 with tracemalloc while the manager is built and a short simulation runs. It was 96 bytes,
 measured on llama-3-8b alone: tiny's pool of 4 KiB pages took 270 bytes a page (1.3 GB resident
 at 20 GB of cache, charged 0.47 GB) and its interleaved pool 880, so ``vmemkv simulate
@@ -13,7 +13,7 @@ import pytest
 
 from vmemkv.scheduler.managers.paged_groups import block_groups
 from vmemkv.scheduler.presets import MODELS
-from vmemkv.scheduler.sim_memory import POOL_UNIT_BYTES, simulation_bytes
+from vmemkv.scheduler.sim_memory import pool_unit_bytes, simulation_bytes
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.workload import WorkloadSpec, generate
 
@@ -70,8 +70,10 @@ def test_the_charge_covers_each_presets_pool_per_unit_and_in_all(model, family):
     assert large.pool_units == (0 if family == "reserve-max" else UNITS)   # what is charged
     simulate(ENTRIES, small)                      # its imports and caches: not measured
     small_peak, peak = _run_peak_bytes(small), _run_peak_bytes(large)
-    units = large.pool_units - small.pool_units
+    units, unit_bytes = large.pool_units - small.pool_units, pool_unit_bytes(large)
     # 4 KiB: a run's own jitter (reserve: its tables are per sequence, the same in both)
-    assert peak - small_peak <= units * POOL_UNIT_BYTES + 4096, (
-        f"{(peak - small_peak) / max(1, units):.0f} bytes a unit", peak, small_peak)
-    assert peak <= simulation_bytes(len(ENTRIES), TOKENS, large.pool_units), peak
+    assert peak - small_peak <= units * unit_bytes + 4096, (
+        f"{(peak - small_peak) / max(1, units):.0f} bytes a unit, charged {unit_bytes}", peak,
+        small_peak)
+    assert peak <= simulation_bytes(len(ENTRIES), TOKENS, large.pool_units,
+                                    unit_bytes=unit_bytes), peak

@@ -130,5 +130,5 @@ def test_simulate_max_requests_on_an_unsorted_trace_is_one_line_naming_it(tmp_pa
     with pytest.raises(SystemExit):
         main(["simulate", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "keep the first N requests of the file, reading no further" in help_text
+    assert "keep the first N requests of the file, reading one line further" in help_text
     assert "by arrival" not in help_text
