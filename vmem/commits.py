@@ -15,9 +15,11 @@ pool created right after another passed against memory the first had already tak
 It errs towards refusing: memory another process frees in those seconds hides as much of ours
 from the drop, so for a few seconds at most a pool may be refused that would just have fit.
 
-``Deferred`` (and ``DrainingLock``, its lock for ``with``): what a tensor's deleter must do under
-a lock it may never wait for (``RecentCommits.released`` under ``LOCK``; a view's count under
-its pool's lock, vmem/vrange.py), run now when the lock is free, else by the holder's next call.
+``Deferred``: what a tensor's deleter must do under a lock it may never wait for
+(``RecentCommits.released`` under ``LOCK``), run now when the lock is free, else by the holder's
+next call. ``DrainingLock``: a pool's lock (vmem/pool.py), whose queue (a view's count,
+vmem/vrange.py) runs as each thread's outermost call under it returns, so no call of the pool
+or its ranges ever sees a count a dead view left stale.
 """
 from __future__ import annotations
 
@@ -43,12 +45,16 @@ class Deferred:
     def submit(self, item: Any, lock) -> None:
         """``run(item)`` now under ``lock`` if it is free, else queued; never waits, never
         raises what ``run`` raises later in a drain."""
-        self._queue.append(item)         # one atomic append, whoever holds the lock
+        self.queue(item)
         if lock.acquire(blocking=False):
             try:
                 self.drain()
             finally:
                 lock.release()
+
+    def queue(self, item: Any) -> None:
+        """Add ``item`` to run at the next ``drain``; never waits (one atomic append)."""
+        self._queue.append(item)
 
     def drain(self) -> None:
         """Run every queued item, oldest first; the caller holds the lock."""
@@ -66,26 +72,58 @@ class Deferred:
 
 
 class DrainingLock:
-    """``lock`` for ``with``, draining ``deferred`` under it on entry and on exit: what a thread
-    queued while another held ``lock`` runs at the holder's next call (vmem/vrange.py)."""
+    """A re-entrant lock (``with``) with a queue of work a thread that must never wait hands
+    in (``submit``: a view's deleter, vmem/vrange.py). The work runs under the lock, never in
+    the middle of a call holding it (a collection inside a call on its thread would change
+    what the call had just read): at once when the lock is free, else as the holder's
+    outermost ``with`` ends, else at the next one's start. Each outermost exit drains again
+    after letting the lock go (work queued while it held it), so nothing waits in the queue
+    while no thread holds the lock (``forks`` takes ``lock`` itself: drained at the next
+    call)."""
 
-    def __init__(self, lock, deferred: Deferred) -> None:
-        self.lock, self._deferred = lock, deferred
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._work = Deferred(lambda work: work())
+        self._depth = 0          # the holder's nested ``with``s (written by the holder only)
 
     def __enter__(self) -> "DrainingLock":
         self.lock.acquire()
-        try:
-            self._deferred.drain()
-        except BaseException:
-            self.lock.release()
-            raise
+        self._depth += 1
+        if self._depth == 1:
+            try:
+                self._work.drain()
+            except BaseException:
+                self._depth -= 1
+                self.lock.release()
+                raise
         return self
 
     def __exit__(self, *exc) -> None:
-        try:
-            self._deferred.drain()
-        finally:
-            self.lock.release()
+        self._depth -= 1
+        outermost = not self._depth
+        self.lock.release()
+        if outermost:
+            self._drain_pending()
+
+    def submit(self, work: Callable[[], None]) -> None:
+        """Run ``work()`` under the lock, now or when its holder's call returns; never waits."""
+        self._work.queue(work)
+        self._drain_pending()
+
+    def _drain_pending(self) -> None:
+        """Run the queue under the lock if it is free and this thread is in no call under it
+        (else the call drains as it ends; another thread's, or the next call). Never waits."""
+        while self._work.pending and self.lock.acquire(blocking=False):
+            try:
+                if self._depth:          # held by this thread's own call
+                    return
+                self._depth = 1
+                try:
+                    self._work.drain()
+                finally:
+                    self._depth = 0
+            finally:
+                self.lock.release()
 
 
 class RecentCommits:

@@ -57,14 +57,14 @@ def forked_error(what: str) -> ForkedError:
 def _before_fork() -> None:
     pools = sorted(_pools, key=id)          # one order for every fork: no lock cycles
     for pool in pools:
-        pool._lock.acquire()
+        pool._lock.lock.acquire()
     _held[:] = pools
 
 
 def _release_held() -> None:
     pools, _held[:] = list(_held), []
     for pool in reversed(pools):
-        pool._lock.release()
+        pool._lock.lock.release()
 
 
 def _after_fork_in_child() -> None:

@@ -35,7 +35,7 @@ from typing import Sequence
 from . import checks, commits
 from .dlpack import DLPACK_CPU, tensor_at
 from .driver import Driver
-from .errors import ClosedError, DriverCallError, DriverUnavailableError
+from .errors import ClosedError, DriverCallError, DriverUnavailableError, InsufficientMemoryError
 from .host_records import HostRecords
 
 # Linux values, identical on x86_64 and aarch64.
@@ -79,6 +79,22 @@ def address_space_left_bytes() -> int | None:
     except (ImportError, OSError, StopIteration, ValueError):
         return None
     return max(0, soft - used)
+
+
+RECORD_BYTES = 512    # a page's records on the host, any driver (tracemalloc: 280-350 bytes)
+
+
+def check_pool_records(num_pages: int) -> None:
+    """InsufficientMemoryError when a page pool's records alone (vmem/pool.py: ``RECORD_BYTES``
+    a page, host memory on every driver) would not fit what the host has available."""
+    need, available = num_pages * RECORD_BYTES, min(   # MemAvailable, and ulimit -v's bound
+        (b for b in (meminfo_bytes("MemAvailable"), address_space_left_bytes()) if b is not None),
+        default=None)
+    if available is not None and need > available:
+        raise InsufficientMemoryError(
+            f"a pool of {num_pages} pages keeps about {need} bytes ({need / 2**30:.2f} GiB) of "
+            f"records on the host ({RECORD_BYTES} a page) but only {available} bytes "
+            f"({available / 2**30:.2f} GiB) are available; ask for fewer pages")
 
 
 def _load_libc() -> ctypes.CDLL:

@@ -11,25 +11,25 @@ the device's available memory first (``InsufficientMemoryError``, nothing create
 mappings are counted from its open ranges' records (one truth: no interrupt can part a count
 from a record); a page mapped somewhere cannot be released or discarded. One *held* by a closed
 range's view (vmem/vrange.py) is never mapped, discarded or freed (``release`` parks it) until
-the view dies. Threads: a pool and its ranges share one lock (``threading.RLock``) held across
-every call (its cost, map + unmap with and without it, is a ratio ``benchmarks/alloc.py``
-prints: 1.02x for 4 KiB host pages). Fork: see vmem/forks.py.
+the view dies. Threads: a pool and its ranges share one lock held across every call, counters
+included (its cost, map + unmap with and without it, is a ratio ``benchmarks/alloc.py`` prints:
+1.02x for 4 KiB host pages); a view dying while another thread holds it is counted as that
+thread's call returns (``commits.DrainingLock``), so no call sees pages of a dead view still
+held. Fork: see vmem/forks.py.
 """
 from __future__ import annotations
 
-import threading
 import weakref
 from collections import Counter
 from typing import Any, Iterable, Optional, Union
 
-from . import forks
+from . import commits, forks
 from .checks import check_count, check_flag, check_index, id_list
 from .driver import Driver, check_driver
 from .errors import ClosedError, InsufficientMemoryError, PageStateError, PoolExhaustedError
-from .host import address_space_left_bytes, meminfo_bytes
+from .host import RECORD_BYTES, check_pool_records
 
 MIN_GROWTH_PAGES = 16
-RECORD_BYTES = 512    # a page's records on the host, any driver (tracemalloc: 280-350 bytes)
 Slot = tuple[int, int]       # (batch, index): where a created page's handle lives
 
 
@@ -48,7 +48,7 @@ class PagePool:
         kept = num_pages if committed_pages is None else committed_pages
         kept = check_count(kept, "committed_pages must be None or", most=num_pages)
         page_bytes = check_driver(driver).check_bytes(page_bytes)   # "host" is no driver
-        _check_records(num_pages)     # before any list of num_pages is built
+        check_pool_records(num_pages)     # before any list of num_pages is built
         self.driver, self.page_bytes, self.grow = driver, page_bytes, check_flag(grow, "grow")
         self._batches: list[list[Any]] = []     # one per create_pages call (release unit)
         self._created = 0                        # pages in _batches (discarded ones included)
@@ -71,7 +71,7 @@ class PagePool:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))
         self._is_free = [True] * num_pages
         self._closed = self._forked = False
-        self._lock = threading.RLock()                  # this pool's and its ranges' state
+        self._lock = commits.DrainingLock()             # this pool's and its ranges' state
         self._ranges: "weakref.WeakSet" = weakref.WeakSet()   # open ranges mapping from it
         self._holders: set = set()      # closed ranges whose views hold pages (vmem/vrange.py)
         forks.track_pool(self)
@@ -110,7 +110,8 @@ class PagePool:
     @property
     def committed_pages(self) -> int:
         """Pages whose physical memory exists now (created, not discarded; stock included)."""
-        return self._created - len(self._discarded)
+        with self._lock:
+            return self._created - len(self._discarded)
 
     @property
     def committed_bytes(self) -> int:
@@ -119,11 +120,13 @@ class PagePool:
     @property
     def discarded_pages(self) -> int:
         """Ids whose memory ``discard`` gave back and nothing has re-created yet."""
-        return len(self._discarded)
+        with self._lock:
+            return len(self._discarded)
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        with self._lock:      # counts the views that died while another thread held it
+            return len(self._free)
 
     @property
     def allocated_pages(self) -> int:
@@ -132,25 +135,31 @@ class PagePool:
     @property
     def mapped_pages(self) -> int:
         """Pages mapped at one address or more."""
-        return len(self._mapping_counts())
+        with self._lock:
+            return len(self._mapping_counts())
 
     @property
     def held_pages(self) -> int:     # shown by a closed range's view (vmem/vrange.py)
-        return len(self._mapping_counts(held=True))
+        with self._lock:
+            return len(self._mapping_counts(held=True))
 
     def mapping_count(self, page_id: int) -> int:
-        return self._mapping_counts()[self._check_id(page_id)]
+        with self._lock:
+            return self._mapping_counts()[self._check_id(page_id)]
 
     def is_free(self, page_id: int) -> bool:
-        return self._is_free[self._check_id(page_id)]
+        with self._lock:
+            return self._is_free[self._check_id(page_id)]
 
     def is_discarded(self, page_id: int) -> bool:
-        return self._check_id(page_id) in self._discarded
+        with self._lock:
+            return self._check_id(page_id) in self._discarded
 
     def has_memory(self, page_id: int) -> bool:
         """Whether ``page_id``'s physical memory exists now (created, not discarded)."""
-        page_id = self._check_id(page_id)
-        return self._slot[page_id] is not None and page_id not in self._discarded
+        with self._lock:
+            page_id = self._check_id(page_id)
+            return self._slot[page_id] is not None and page_id not in self._discarded
 
     # -- allocation --
     def allocate(self, num_pages: int = 1) -> list[int]:
@@ -235,7 +244,7 @@ class PagePool:
         with self._lock:
             self._check_usable()
             num_pages = check_count(num_pages, "extend takes a page count")
-            _check_records(num_pages)     # before any list of num_pages is built
+            check_pool_records(num_pages)     # before any list of num_pages is built
             new = list(range(self.total_pages, self.total_pages + num_pages))
             if new and not self.grow:
                 self._create(num_pages, records_bytes=num_pages * RECORD_BYTES)
@@ -386,15 +395,3 @@ def _check_unmapped(page_id: int, counts: Counter) -> None:
         raise PageStateError(f"page {page_id} is still mapped at {counts[page_id]} address(es); "
                              f"unmap it first")
 
-
-def _check_records(num_pages: int) -> None:
-    """InsufficientMemoryError when the pool's records alone (``RECORD_BYTES`` a page, host
-    memory on every driver) would not fit what the host has available."""
-    need, available = num_pages * RECORD_BYTES, min(   # MemAvailable, and ulimit -v's bound
-        (b for b in (meminfo_bytes("MemAvailable"), address_space_left_bytes()) if b is not None),
-        default=None)
-    if available is not None and need > available:
-        raise InsufficientMemoryError(
-            f"a pool of {num_pages} pages keeps about {need} bytes ({need / 2**30:.2f} GiB) of "
-            f"records on the host ({RECORD_BYTES} a page) but only {available} bytes "
-            f"({available / 2**30:.2f} GiB) are available; ask for fewer pages")

@@ -35,17 +35,16 @@ views, and on CUDA, which cannot detach, every close under a view would be refus
 Threads: the pool's lock guards every call (vmem/pool.py). A view's deleter never waits for
 it: the collector runs deleters inside any call (``Driver.commit`` holding the commit lock, a
 host driver call holding its lock) while the pool lock's holder may wait for that lock (a hang).
-A view dying while another thread holds the pool's lock is queued (``commits.Deferred``),
-counted, and its retired range freed, by the next call of any range of that pool. Fork:
-vmem/forks.py.
+A view dying while another thread holds the pool's lock, or inside a call on its own thread (the
+collector), is queued on that lock (``commits.DrainingLock``): counted, and its retired range
+freed, as the call holding it returns, never in its middle. Fork: vmem/forks.py.
 """
 from __future__ import annotations
 
 from contextlib import suppress
 from typing import List
-from weakref import WeakKeyDictionary
 
-from . import commits, forks
+from . import forks
 from .checks import MAX_BYTES, as_int, check_index
 from .errors import (AlignmentError, AlreadyMappedError, ClosedError, InsufficientMemoryError,
                      NotMappedError, PageIndexError, VMemConfigError, VMemError)
@@ -65,8 +64,7 @@ class VirtualRange:
         self.driver = pool.driver
         self.page_bytes = pool.page_bytes
         self.size_bytes = self.num_pages * self.page_bytes
-        self._releases = _RELEASES.setdefault(pool, commits.Deferred(_one_view_fewer))
-        self._lock = commits.DrainingLock(pool._lock, self._releases)
+        self._lock = pool._lock            # one lock: the pool's state and its ranges'
         self._mapped: dict[int, int] = {}  # page index -> pool page id
         self._closed = self._forked = False
         self._views = 0                    # live tensor storages over this range
@@ -214,8 +212,14 @@ class VirtualRange:
 
     def _view_released(self) -> None:
         """The DLPack deleter of a view's storage: any thread, never raises, never waits for
-        the pool's lock (module docstring: counted now, or by the lock holder's next call)."""
-        self._releases.submit(self, self._lock.lock)
+        the pool's lock (module docstring: counted now, or as the lock holder's call returns)."""
+        self._lock.submit(self._one_view_fewer)
+
+    def _one_view_fewer(self) -> None:
+        """Under the pool's lock: one view fewer; the last one of a closed range frees it."""
+        self._views -= 1
+        if not self._views and self._closed:
+            self._free_retired()
 
     def copy_page(self, dst_page_index: int, src_page_index: int) -> None:
         """Copy the bytes of one mapped page to another mapped page of this range."""
@@ -369,17 +373,6 @@ def _check_shape(shape, num_elements: int, dtype) -> None:
         raise VMemConfigError(f"tensor shape {shape!r} does not hold the view's {num_elements} "
                               f"{dtype} elements exactly ({error}); give a shape whose sizes "
                               f"multiply to {num_elements}") from None
-
-
-def _one_view_fewer(vrange: VirtualRange) -> None:
-    """Under the pool's lock: one view fewer; the last one of a closed range frees it."""
-    vrange._views -= 1
-    if not vrange._views and vrange._closed:
-        vrange._free_retired()
-
-
-# pool -> its ranges whose views died while another thread held its lock (not yet counted)
-_RELEASES: "WeakKeyDictionary[PagePool, commits.Deferred]" = WeakKeyDictionary()
 
 
 def _page_count(size_bytes, page_bytes: int) -> int:
