@@ -247,9 +247,11 @@ def _finish(payload: dict, sections, out_dir: str) -> str:
 
 
 def _plots(payload: dict, out_dir: str, on_written: Callable[[str], None]) -> None:
-    """The PNGs (plots.write_all), ``on_written(path)`` as each is in place."""
+    """The PNGs (plots.write_all), ``on_written(path)`` as each is in place; without
+    matplotlib, one line naming the bench extra (``missing_extra``), and the run goes on."""
+    from vmemkv.cli import missing_extra
     try:
         from vmemkv.benchmarks import plots
         plots.write_all(payload, out_dir, on_written)
     except ImportError as error:
-        print(f"# plots skipped: {error}")
+        print(f"# plots skipped: {missing_extra(error) or error}")

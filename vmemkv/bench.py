@@ -34,7 +34,8 @@ def register(subparsers) -> None:
                         help="toy sizes that only check the plumbing (JSON, log, plots, summary) "
                              "in seconds; the figures mean nothing; implies --quick")
     parser.add_argument("--out", dest="suite_out", default="bench_out", metavar="DIR",
-                        help="output folder for bench.json, bench.log and the PNGs")
+                        help="output folder for bench.json, bench.log and the PNGs "
+                             "(matplotlib: the bench extra)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="torch device (default: cuda when a GPU is visible, else cpu)")
     parser.add_argument("--only", nargs="+", choices=SECTIONS, default=None, metavar="SECTION",

@@ -1,12 +1,14 @@
 """Build and load ``cpu_varlen.c`` (the ``cpu-varlen`` backend's kernel) through ctypes.
 
 A C source is compiled once per (source and its headers, compiler flags, CPU) into a per-user
-cache folder (``$VMEMKV_CACHE_DIR`` or ``~/.cache/vmemkv``) with the system C compiler: a few
-seconds, no torch headers. ``-march=native`` is safe because the CPU's model and flags are part
-of the key. The attention kernel is built once per (head size, K/V dtype) it is called with
-(``-DVK_ONLY_DT``/``-DVK_ONLY_D``: one copy of the key walk, 3-6 s to build, where the copy of
-every shape took 130-156 s on a 2-core VM). Each new build deletes the builds of its source
-not loaded for 30 days (older versions' keys), so upgrades do not pile them up.
+cache folder (``runtime/cache_dir.py``: ``$VMEMKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/vmemkv``,
+else ``~/.cache/vmemkv``; one that cannot be written is a :class:`KernelBuildError` naming
+``$VMEMKV_CACHE_DIR``) with the system C compiler: a few seconds, no torch headers.
+``-march=native`` is safe because the CPU's model and flags are part of the key. The attention
+kernel is built once per (head size, K/V dtype) it is called with (``-DVK_ONLY_DT``/
+``-DVK_ONLY_D``: one copy of the key walk, 3-6 s to build, where the copy of every shape took
+130-156 s on a 2-core VM). Each new build deletes the builds of its source not loaded for 30
+days (older versions' keys), so upgrades do not pile them up.
 ``kernel(head_dim, dtype_code)`` returns that shape's loaded attention function, or raises
 :class:`KernelBuildError` saying why (no compiler, a failed build); ``why_unavailable()`` gives
 that reason without raising. ``library(source)`` builds and loads any other source the same
@@ -25,6 +27,7 @@ import time
 from functools import lru_cache
 from pathlib import Path
 
+from ..cache_dir import cache_root, unusable_cache
 from .errors import AttentionError
 
 SOURCE = Path(__file__).with_name("cpu_varlen.c")
@@ -53,21 +56,20 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("VMEMKV_CACHE_DIR") or Path.home() / ".cache" / "vmemkv"
-    return Path(root)
-
-
 def _build(cc: str, source_path: Path, headers: tuple, defines: tuple = ()) -> Path:
     source = source_path.read_bytes() + b"".join(h.read_bytes() for h in headers)
     flags = FLAGS + defines
     key = hashlib.sha256(source + " ".join((cc,) + flags).encode() + _cpu_key().encode())
-    target = _cache_dir() / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
+    target = cache_root() / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         _touch(target)
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:   # build, then rename: atomic
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        build_dir = tempfile.TemporaryDirectory(dir=target.parent)
+    except OSError as error:   # a file in its place, a read-only home: the user's to move
+        raise KernelBuildError(unusable_cache("the kernel cache", target.parent, error)) from error
+    with build_dir as tmp:   # build, then rename: atomic
         out = Path(tmp) / target.name
         run = subprocess.run([cc, *flags, str(source_path), "-o", str(out), "-lm"],
                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
