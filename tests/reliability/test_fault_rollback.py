@@ -8,13 +8,16 @@ every sequence's contents exactly as before, and the same step retried then succ
 import os
 
 import pytest
+import torch
 
+from vmemkv.runtime.cache.paged_cache import PagedKVCache
 from vmemkv.runtime.kv import make_kv
 from tests.runtime.run_plan import run_plan
 from vmemkv.runtime.errors import MapperPlanError, PlanExecutionError
 from vmemkv.scheduler.errors import OutOfCapacityError
 from vmemkv.scheduler.managers import make_manager
 from vmemkv.scheduler.managers.common import TransactionStateError
+from vmemkv.scheduler.plan import CopyBlock
 from vmemkv.vmem import DriverCallError
 from vmemkv.vmem.faults import FaultInjectingDriver
 from vmemkv.vmem.host import HostDriver
@@ -136,6 +139,29 @@ def test_failure_after_each_op_of_a_plan_is_undone(layout, monkeypatch):
     after_big_step(m, ops)
     m.check()
     m.close()
+
+
+def test_a_failed_plan_gives_a_copy_on_write_destination_its_bytes_back(monkeypatch):
+    """PagedKVCache.execute is all or nothing: a plan [CopyBlock(0, 1), an op that fails] leaves
+    block 1 (overwritten by the copy) with its own bytes again, and every other block as it was."""
+    cache = PagedKVCache(small_config(), block_size=8, num_blocks=4)
+    cache.pools.copy_(torch.arange(cache.pools.numel()).reshape(cache.pools.shape))  # all differ
+    before = cache.pools.clone()
+    original, applied = PagedKVCache._apply, []
+
+    def fail_second_op(self, op, buffer, journal):
+        if applied:
+            raise MemoryError("injected OOM at op 1")
+        original(self, op, buffer, journal)
+        applied.append(op)
+    monkeypatch.setattr(PagedKVCache, "_apply", fail_second_op)
+    with pytest.raises(PlanExecutionError) as info:
+        cache.execute([CopyBlock(0, 1), CopyBlock(2, 3)])
+    assert info.value.rolled_back and applied == [CopyBlock(0, 1)]
+    assert torch.equal(cache.pools, before)
+    monkeypatch.undo()
+    cache.execute([CopyBlock(0, 1)])                  # the cache is usable: the copy happens
+    assert torch.equal(cache.pools[:, :, 1], before[:, :, 0])
 
 
 def test_manager_error_inside_the_unit_rolls_back_earlier_calls():

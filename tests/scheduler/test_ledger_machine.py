@@ -1,7 +1,9 @@
 """PageLedger against a shadow (a dict page -> tenant): random takes and gives, each inside a
 transaction that is committed or rolled back at random; after every rule the ledger equals the
-shadow (free pages, each page's holder, the per-tenant counts) and its integrity check holds.
-A take of more than is free raises OutOfCapacityError and changes nothing."""
+shadow (free pages, each page's holder, the per-tenant counts, the released pages in order) and
+its integrity check holds. A take or release of more than is free, or a restore of more than was
+released, raises OutOfCapacityError and changes nothing; restore gives back the last released
+first."""
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -9,7 +11,7 @@ import pytest
 
 from vmemkv.scheduler.errors import ConfigError, OutOfCapacityError
 from vmemkv.scheduler.managers.journal import TxnCell
-from vmemkv.scheduler.managers.ledger import PageLedger
+from vmemkv.scheduler.managers.ledger import RELEASED, PageLedger
 
 from ..hypothesis_budget import examples
 from .shadow import in_transaction
@@ -24,11 +26,20 @@ class LedgerMachine(RuleBasedStateMachine):
         self.cell = TxnCell()
         self.ledger = PageLedger(self.cell, PAGES)
         self.shadow: dict = {}            # page -> tenant, taken pages only
+        self.released: list = []          # pages given back to the device, in release order
 
     def _txn(self, change, commit: bool) -> None:
-        before = dict(self.shadow)
+        before = dict(self.shadow), list(self.released)
         if not in_transaction(self.cell, change, commit):
-            self.shadow = before
+            self.shadow, self.released = before
+
+    def _held_by_tenants(self) -> list:
+        """Taken pages a tenant may give back (a released page goes back only by restore)."""
+        return sorted(p for p, tenant in self.shadow.items() if tenant != RELEASED)
+
+    def _refused(self, call, count: int) -> None:
+        with pytest.raises(OutOfCapacityError):
+            call(count)
 
     @rule(count=st.integers(0, PAGES + 2), tenant=st.sampled_from(TENANTS), commit=st.booleans())
     def take(self, count, tenant, commit):
@@ -47,7 +58,7 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), commit=st.booleans())
     def give(self, data, commit):
-        held = sorted(self.shadow)
+        held = self._held_by_tenants()
         pages = data.draw(st.lists(st.sampled_from(held), unique=True) if held else st.just([]))
 
         def change():
@@ -71,9 +82,9 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @rule(data=st.data(), commit=st.booleans())
     def give_one(self, data, commit):
-        if not self.shadow:
+        if not self._held_by_tenants():
             return
-        page = data.draw(st.sampled_from(sorted(self.shadow)))
+        page = data.draw(st.sampled_from(self._held_by_tenants()))
 
         def change():
             self.ledger.give_one(page)
@@ -82,10 +93,40 @@ class LedgerMachine(RuleBasedStateMachine):
             self.ledger.give_one(page)
         self._txn(change, commit)
 
+    @rule(count=st.integers(0, PAGES + 2), commit=st.booleans())
+    def release(self, count, commit):
+        def change():
+            if count > PAGES - len(self.shadow):
+                self._refused(self.ledger.release, count)
+                return
+            pages = self.ledger.release(count)
+            assert not set(pages) & self.shadow.keys()
+            self.shadow.update((p, RELEASED) for p in pages)
+            self.released.extend(pages)
+        self._txn(change, commit)
+
+    @rule(beyond=st.integers(-4, 2), commit=st.booleans())
+    def restore(self, beyond, commit):
+        """``beyond`` pages more than were released (the boundary is where bugs live)."""
+        count = max(0, len(self.released) + beyond)
+
+        def change():
+            if count > len(self.released):
+                self._refused(self.ledger.restore, count)
+                return
+            pages = self.ledger.restore(count)
+            assert list(pages) == self.released[::-1][:count]     # the last released first
+            del self.released[len(self.released) - count:]
+            for p in pages:
+                del self.shadow[p]
+        self._txn(change, commit)
+
     @invariant()
     def matches_shadow(self):
         ledger = self.ledger
         ledger.check_integrity()
+        assert ledger.released_pages == len(self.released)
+        assert ledger.in_service_pages == PAGES - len(self.released)
         assert ledger.free_pages == PAGES - len(self.shadow)
         assert [ledger.holder(p) for p in range(PAGES)] == [self.shadow.get(p) for p in range(PAGES)]
         counts: dict = {}

@@ -4,7 +4,7 @@ import pstats
 
 import pytest
 
-from vmemkv.scheduler.errors import ConfigError
+from vmemkv.scheduler.errors import ConfigError, OutOfCapacityError
 from vmemkv.scheduler.managers import (POLICIES, CopyBlock, CopyExtent, MapExtent, PagedManager, SwapIn,
                                 SwapOut, UnmapExtent, VmemManager, make_manager)
 
@@ -21,6 +21,8 @@ def unmap_full(slot, pi, g=None):
 def copy_full(src_slot, src_pi, dst_slot, dst_pi):
     return CopyExtent(src_slot, src_pi, dst_slot, dst_pi, "full")
 from vmemkv.scheduler.presets import ModelSpec, get_model
+
+from .test_managers_state_machine import fingerprint
 
 LLAMA = get_model("llama-3-8b")
 TINY = ModelSpec("t1", 1, 1, 1, 1, weight_bytes=0)       # 1 byte per layer-token
@@ -142,6 +144,26 @@ def test_vmem_fork_shares_groups_and_writer_copies_partial_page():
     assert m.take_ops() == [] and m._refs[0] == 2 and m._refs[1] == 1
 
 
+@pytest.mark.parametrize("policy", ["vmem", "paged"])
+def test_a_write_into_a_shared_partial_unit_needs_room_for_its_copy(policy):
+    """Copy-on-write takes a unit: with none free, ``can_append`` says no and ``append`` is
+    refused, changing nothing; once a unit is free the write copies into it."""
+    m = _vmem(groups=4, slots=3) if policy == "vmem" else \
+        PagedManager(TINY, 4 * 2 * 2, 8, block_size_tokens=2)     # 4 units of 2 tokens each
+    m.allocate(0, 3)                  # 2 units, the second partial (1 of 2 tokens)
+    m.fork(0, 1)                      # both shared
+    m.allocate(2, 4)                  # the other 2 units: none free
+    assert not m.can_append(1, 1) and not m.can_append(0, 1)
+    before = fingerprint(m)
+    with pytest.raises(OutOfCapacityError):
+        m.append(1, 1)
+    assert fingerprint(m) == before
+    m.free(2)
+    assert m.can_append(1, 1)
+    m.append(1, 1)
+    m.check_integrity()
+
+
 def test_vmem_prefix_hit_maps_the_cached_group_under_the_new_slot():
     m = _vmem(groups=8, slots=3)
     prompt = [5, 6, 7, 8, 9]
@@ -206,6 +228,27 @@ def test_swap_out_then_in_emits_swap_ops_around_release_and_reallocation(policy)
         assert len(out.blocks) == 2 and len(back.blocks) == 2   # 5 tokens in blocks of 4
     if policy == "vmem":
         assert out.slot is not None and back.slot == m.slot_of(0)
+    m.check_integrity()
+
+
+def test_vmem_swapping_in_a_group_needs_a_free_slot_for_each_and_can_swap_in_all_agrees():
+    m = make_manager("vmem", TINY, 2 * 64, 16, page_bytes=4, max_slots=2, swap_bytes=2 * 32)
+    m.allocate(0, 3)
+    m.allocate(1, 3)
+    m.swap_out(0)
+    m.swap_out(1)
+    m.allocate(2, 3)                  # one of the 2 slots taken: memory for both, a slot for one
+    assert m.can_swap_in_all([0]) and not m.can_swap_in_all([0, 1])
+    m.begin()
+    m.swap_in(0)
+    with pytest.raises(OutOfCapacityError):
+        m.swap_in(1)                  # what can_swap_in_all foresaw
+    m.rollback()
+    m.free(2)
+    assert m.can_swap_in_all([0, 1])
+    m.swap_in(0)
+    m.swap_in(1)
+    assert {m.slot_of(0), m.slot_of(1)} == {0, 1}
     m.check_integrity()
 
 

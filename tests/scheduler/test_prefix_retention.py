@@ -2,11 +2,13 @@
 eviction by policy, cache salts, and the vLLM-named accounting. Both layouts."""
 import pytest
 
-from vmemkv.scheduler.errors import ConfigError
+from vmemkv.scheduler.errors import ConfigError, OutOfCapacityError
 from vmemkv.scheduler.managers import (EVICTION_POLICIES, CopyExtent, MapExtent, PagedManager,
                                        VmemManager, make_manager)
 from vmemkv.scheduler.presets import ModelSpec
 from vmemkv.scheduler.request import Request
+
+from .test_managers_state_machine import fingerprint
 
 ONE_LAYER = ModelSpec("t1", 1, 1, 1, 1, weight_bytes=0)   # 2 bytes per token
 UNIT = 4                                                  # tokens per block / page
@@ -77,16 +79,37 @@ def test_cached_units_count_as_free_in_kv_cache_usage_and_are_evicted_when_neede
     assert run(m, 2, P + [9]) == 0                         # P's content is gone
 
 
-def test_lru_evicts_a_finished_requests_last_unit_first():
-    m = manager("paged", units=4)
+@KINDS
+def test_lru_evicts_a_finished_requests_last_unit_first(kind):
+    m = manager(kind, units=4)
     run(m, 0, P + [1, 2, 3, 4, 9])                         # 4 blocks, 3 full
-    m.free(0)                                              # partial block 3 goes free at once
+    m.free(0)                                              # partial unit 3 is not cached
     run(m, 1, [7, 7])                                      # the free block: nothing evicted
-    run(m, 2, [8, 8])                                      # evicts the deepest cached block
+    run(m, 2, [8, 8])                                      # evicts the deepest cached unit
     assert m.cached_tokens == 2 * UNIT
     m.free(1)
     m.free(2)
     assert run(m, 3, P + [1, 2, 3, 4, 9]) == 2 * UNIT      # P is still whole
+
+
+@KINDS
+def test_a_hit_on_cached_units_takes_their_room_and_can_allocate_agrees(kind):
+    """Cached units a hit revives were counted as available: reviving them uses that room.
+    P + [1, 2, 3, 4, 9] is 4 units of which 3 are cached; with the fourth unit held by another
+    request only those 3 are available, so the same prompt (3 hit + 1 new) does not fit."""
+    m = manager(kind, units=4)
+    prompt = P + [1, 2, 3, 4, 9]
+    run(m, 0, prompt)
+    m.free(0)
+    run(m, 1, [7, 7])                                      # the one unit not cached
+    assert not m.can_allocate(len(prompt), prompt)
+    before = fingerprint(m)
+    with pytest.raises(OutOfCapacityError):
+        m.allocate(2, len(prompt), prompt)
+    assert fingerprint(m) == before
+    m.free(1)
+    assert m.can_allocate(len(prompt), prompt)
+    assert run(m, 2, prompt) == 3 * UNIT
 
 
 @KINDS

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from vmemkv import vmem
+from vmemkv.vmem.faults import FaultInjectingDriver
 def snapshot(pool, *ranges):
     return (pool.free_pages, pool.mapped_pages,
             [pool.mapping_count(p) for p in range(pool.total_pages)],
@@ -99,6 +100,28 @@ def test_pool_close_refused_while_mapped(setup):
     with pytest.raises(vmem.PageStateError, match="still mapped"):
         pool.close()
     assert not pool.closed
+
+
+def test_an_unmap_the_driver_refuses_leaves_the_page_mapped(driver, page_bytes):
+    """The driver raised before unmapping: the range still records the page there, so the pool
+    refuses to release it (its memory is still mapped), and a later unmap succeeds."""
+    faulty = FaultInjectingDriver(driver)
+    pool = vmem.PagePool(faulty, 2, page_bytes)
+    rng = vmem.VirtualRange(pool, 4 * page_bytes)
+    page = pool.allocate(1)[0]
+    rng.map(1, page)
+    before = snapshot(pool, rng)
+    faulty.fail_at("unmap", 0)
+    with pytest.raises(vmem.DriverCallError, match="injected fault"):
+        rng.unmap(1)
+    assert rng.is_mapped(1) and snapshot(pool, rng) == before
+    with pytest.raises(vmem.PageStateError):
+        pool.release(page)
+    assert rng.unmap(1) == page
+    pool.release(page)
+    assert pool.free_pages == 2
+    rng.close()
+    pool.close()
 
 
 def test_use_after_close(driver, page_bytes):
