@@ -21,7 +21,8 @@ class SchedulerConfig:
     watermark: float = 0.0               # fraction of total capacity admission keeps free
     preemption: str = "recompute"        # "recompute" (free, re-prefill) or "swap" (to host)
     enable_prefix_sharing: bool = False  # pass token ids to the manager to share prefixes
-    check_every_step: bool = False       # manager.check_integrity() after every update (tests)
+    check_every_step: bool = False       # manager.check_integrity() after every update (tests;
+                                         # idle steps always run its O(1) check_idle)
     max_seq_len: Optional[int] = None    # tokens; None = the manager's max_seq_len
 
     def __post_init__(self) -> None:

@@ -54,8 +54,10 @@ class StepRecording:
         self._scheduled, self._decoded = [], []
         if finished:
             self._finish(finished)
-        if self.config.check_every_step or not (self.running or self.swapped):
-            self.manager.check_integrity()
+        if self.config.check_every_step:
+            self.manager.check_integrity()    # every table recomputed (tests)
+        if not (self.running or self.swapped):   # idle: a leak shows in counters, O(1)
+            self.manager.check_idle()
         return self._finished_ids
 
     def _on_sample(self, seq: Sequence, sampled: Dict[int, int], now: float,

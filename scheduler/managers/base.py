@@ -282,6 +282,10 @@ class MemoryManager(ABC):
     def check_integrity(self) -> None:
         """Assert internal invariants (AssertionError on a bug)."""
 
+    def check_idle(self) -> None:
+        """``check_integrity`` with no sequence resident or swapped (a manager may check less)."""
+        self.check_integrity()
+
     @abstractmethod
     def take_ops(self) -> list:
         """Drain and return the pending memory ops, in execution order."""
@@ -345,8 +349,7 @@ class MemoryManager(ABC):
         self._no_adapters()
 
     def evict_idle_adapter(self) -> bool:
-        """Unload the least recently idle adapter (``EvictAdapter``; its pages free); False
-        when no adapter is idle."""
+        """Unload the least recently idle adapter (``EvictAdapter``); False when none is idle."""
         return False
 
     def adapter_uses(self, adapter: AdapterRef) -> int:

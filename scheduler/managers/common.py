@@ -264,6 +264,21 @@ class ManagerCore(MemoryManager):
         slots)."""
         return True
 
+    def check_idle(self) -> None:
+        """What must hold with no sequence resident or swapped (the scheduler's idle steps),
+        from the counters the manager keeps where ``check_integrity`` recomputes every table:
+        no sequence record or swap space left (one would be a sequence nobody runs or frees),
+        then ``_check_idle_memory``."""
+        assert not self._seqs and not self._swapped, \
+            ("sequences held at idle", sorted(self._seqs)[:8], sorted(self._swapped)[:8])
+        assert self._swap_used_tokens == 0, ("swap space used at idle", self._swap_used_tokens)
+        self._check_idle_memory()
+
+    def _check_idle_memory(self) -> None:
+        """``check_idle``'s part over the manager's own memory: every unit free or held by
+        what outlives sequences (prefix cache, idle adapters). Default: ``check_integrity``."""
+        self.check_integrity()
+
     def _swap_integrity(self) -> None:
         assert not (self._seqs.keys() & self._swapped.keys())
         assert self._swap_used_tokens == sum(s.num_tokens for s in self._swapped.values())

@@ -1,7 +1,13 @@
 """The managers' integrity checks, functions of a manager's state (they change nothing): every
 invariant recomputed from scratch and compared. vmem: slots, page groups, mappings, reference
 counts, per-kind extents, prefix cache and running sums; paged: block tables per group,
-reference counts, the free / held / cached / adapter split, running sums."""
+reference counts, the free / held / cached / adapter split, running sums.
+
+The idle checks (``idle_vmem``, ``idle_paged``) are what must hold once no sequence is resident
+or swapped, read from counters the managers keep (O(1), but for a byte-backed vmem pool's
+cached groups): nothing held, every unit and page accounted to what outlives sequences (free,
+the prefix cache, idle adapters). The scheduler runs them at every idle step; the full check
+runs where asked (``SchedulerConfig.check_every_step``, tests)."""
 from __future__ import annotations
 
 from .paged_groups import anchor_groups
@@ -165,3 +171,36 @@ def _cached_prefix_tokens(m, cached: set) -> int:
     whole = [s for s in m.prefix.nodes
              if all(m.prefix.blocks.get((s, g)) in cached for g in anchors)]
     return len(whole) * m.block_size
+
+
+def idle_vmem(m) -> None:
+    """``VmemManager.check_idle``: every group free, reclaimable, cached or spare, every slot
+    free, and the pages bound to groups exactly the unheld groups' (a leak: a group or page held
+    with no sequence to give it back)."""
+    _idle_units(m)
+    unheld = len(m._free) + len(m._reclaimable) + len(m._cache) + len(m._spare)
+    assert unheld == m.num_groups and not m._partial, \
+        ("page groups held with no sequence", m.num_groups - unheld)
+    assert len(m.slots.free) == m.num_slots, ("slots occupied", m.num_slots - len(m.slots.free))
+    unused = len(m._free) * m.pages_per_group + m._cached_pages() + m._idle
+    assert m.bound_pages == unused, ("pages bound to no unheld group", m.bound_pages - unused)
+    kinds_pages = sum(m.ledger.held(kind.name) for kind in m.kinds)
+    assert kinds_pages == m.bound_pages, ("kinds' pages against the ledger", kinds_pages)
+
+
+def idle_paged(m) -> None:
+    """``PagedManager.check_idle``: the blocks the block groups hold are the cached ones, and
+    free + cached + adapters' == all (a leak: a block held with no sequence to give it back)."""
+    _idle_units(m)
+    ledger, cached = m._ledger, len(m._cache)
+    kv_blocks = sum(ledger.held(g) for g in range(len(m.groups)))
+    assert kv_blocks == cached, ("blocks held with no sequence", kv_blocks - cached)
+    assert ledger.free_pages + cached + m._kv_adapter_pages == m.num_blocks, \
+        "free + cached + adapters == total"
+
+
+def _idle_units(m) -> None:
+    """No sequence, so no live token, held capacity or pinned adapter."""
+    assert m._live == m._cap_sum == m._tok_sum == 0, ("tokens held", m._live, m._cap_sum)
+    assert m._adapter_idle_pages == m._adapter_pages_held and \
+        len(m._idle_adapters) == len(m._resident), "an adapter pinned with nothing running"

@@ -38,7 +38,7 @@ from .ledger import PageLedger
 from .paged_groups import GroupPrefixIndex, NodeCountedCache, PagedSeq, block_groups
 from .prefix import HeldSeq
 from .units import UnitOps
-from .integrity import check_paged
+from .integrity import check_paged, idle_paged
 from .window import dropped_in
 
 
@@ -385,3 +385,6 @@ class PagedManager(AdapterTenancy, UnitOps, ManagerCore):
 
     def check_integrity(self) -> None:
         check_paged(self)
+
+    def _check_idle_memory(self) -> None:
+        idle_paged(self)

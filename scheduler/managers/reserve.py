@@ -151,3 +151,6 @@ class ReserveManager(ManagerCore):
         assert all(0 <= s.num_tokens <= s.reserved <= self.max_seq_len for s in seqs)
         assert 0 <= self._held <= self.total_tokens
         self._swap_integrity()
+
+    def _check_idle_memory(self) -> None:
+        assert self._held == self._live == 0, ("tokens reserved at idle", self._held, self._live)

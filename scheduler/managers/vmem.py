@@ -39,7 +39,7 @@ from .base import CopyExtent
 from .blocks import BlockIndex, block_hit, copy_tokens
 from .adapters import AdapterTenancy
 from .common import ManagerCore, check_int
-from .integrity import check_vmem
+from .integrity import check_vmem, idle_vmem
 from .elastic import ElasticPool
 from .eviction import DEFAULT_EVICTION
 from .journal import OrderedUnits
@@ -304,6 +304,9 @@ class VmemManager(ElasticPool, KindRules, AdapterTenancy, UnitOps, ManagerCore):
 
     def check_integrity(self) -> None:
         check_vmem(self)
+
+    def _check_idle_memory(self) -> None:
+        idle_vmem(self)
 
     # -- growth --
     def can_append(self, seq_id: int, num_tokens: int = 1) -> bool:

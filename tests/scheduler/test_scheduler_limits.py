@@ -243,7 +243,7 @@ def test_plan_carries_the_managers_ops_for_vmem():
 def test_integrity_is_checked_whenever_the_scheduler_is_idle(monkeypatch):
     sched = make(check_every_step=False)
     calls = []
-    monkeypatch.setattr(sched.manager, "check_integrity", lambda: calls.append(1))
+    monkeypatch.setattr(sched.manager, "check_idle", lambda: calls.append(1))
     sched.add_request(Request(0, 4, 3))
     drain(sched)
     assert calls == [1]
