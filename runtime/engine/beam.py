@@ -34,7 +34,7 @@ from .beam_params import BeamSearchParams
 from .beam_select import (Beam, GroupState, Hypothesis, candidates_per_step, length_divisor,
                           returned, select)
 from .call_checks import check_callback
-from .detokenize import decode_at_end
+from .detokenize import decode_at_end, decode_tokens
 from .errors import BeamSearchParamsError, EngineClosedError, RequestRejectedError
 from .outputs import CompletionOutput, RequestOutput, TokenEvent
 from .prompts import check_prompt_batch
@@ -213,8 +213,8 @@ class BeamSearching:
         events = []
         for rid in done:
             state = self._requests[rid]
-            state.output.outputs[:] = [self._completion(i, h, picked[rid].params) for i, h in
-                                       enumerate(returned(picked[rid]))]
+            state.output.outputs[:] = [self._completion(rid, i, h, picked[rid].params)
+                                       for i, h in enumerate(returned(picked[rid]))]
             state.remaining, state.output.status = 0, "finished"
             for c in state.output.outputs:   # the beam's text rides on its last token
                 c.token_times_s = [now] * len(c.token_ids)   # every token arrives now
@@ -224,16 +224,16 @@ class BeamSearching:
                            for j, t in enumerate(c.token_ids)]
         return events
 
-    def _completion(self, index: int, h: Hypothesis, params: BeamSearchParams,
+    def _completion(self, request_id: int, index: int, h: Hypothesis, params: BeamSearchParams,
                     ending: bool = False) -> CompletionOutput:
-        """``h`` as output ``index``, its text decoded as ``params.skip_special_tokens`` says.
-        ``ending`` (the request ended early: aborted, failed, closed): no text when the
-        tokenizer raises (``decode_at_end``); otherwise (a done group, inside its step) a
-        decode that raises fails the step as any recording error."""
+        """``h`` as output ``index`` of request ``request_id``, its text decoded as
+        ``params.skip_special_tokens`` says. ``ending`` (the request ended early: aborted,
+        failed, closed): no text when the tokenizer fails (``decode_at_end``); otherwise (a
+        done group, inside its step) a TokenDecodeError, which fails this request alone."""
         text = None
         if self.tokenizer is not None:
-            decode = partial(self.tokenizer.decode, list(h.token_ids),
-                             skip_special_tokens=params.skip_special_tokens)
+            decode = partial(decode_tokens, self.tokenizer, h.token_ids,
+                             params.skip_special_tokens, request_id)
             text = decode_at_end(decode) if ending else decode()
         return CompletionOutput(index, list(h.token_ids), h.finish_reason, text,
                                 logprobs=list(h.logprobs), beam_score=h.score)
@@ -252,7 +252,7 @@ class BeamSearching:
                            reason) for b in group.beams]
         ranked = sorted(list(group.hyps) + live, key=lambda h: -h.score)   # stable
         self._requests[request_id].output.outputs[:] = [
-            self._completion(i, h, group.params, ending=True)
+            self._completion(request_id, i, h, group.params, ending=True)
             for i, h in enumerate(ranked[:group.params.returned_beams])]
 
 

@@ -24,15 +24,59 @@ max_tokens cut mid-character into a "stop"; a U+FFFD the model wrote last reads 
 ``min_tokens`` tokens, and a stop string found later must end after the text those tokens
 decoded to (one that was complete by then does not count). The held-back characters stay held,
 so a stop string that starts within the first ``min_tokens`` tokens and ends after them is found.
+
+A tokenizer whose ``decode`` raises, or returns anything but a str, on a request's tokens while
+its step is recorded fails that request alone (``TokenDecodeError`` naming it and the tokens;
+lifecycle.py): the step is undone, the request ends "failed" and the others' tokens are
+computed again. Where a request ends early, its text is what was shown (``decode_at_end``).
 """
 from __future__ import annotations
 
 import logging
 from typing import Callable, List, Optional, Sequence, TypeVar
 
+from .errors import EngineError
+
 REPLACEMENT = "\ufffd"
+SHOWN_TOKENS = 8   # a TokenDecodeError lists at most the last 8 token ids it decoded
 T = TypeVar("T")
 log = logging.getLogger("vmemkv.engine")
+
+
+class TokenDecodeError(EngineError, ValueError):
+    """The tokenizer's ``decode`` raised, or returned no str, on request ``request_id``'s output
+    token ids ``token_ids`` (``token_id``: the last of them; decoding a sample's new token, its
+    newest) while its step was recorded: that request ends "failed" with it
+    (``RequestOutput.error``), the others go on: a step never raises it."""
+
+    def __init__(self, message: str, request_id: Optional[int], token_ids: Sequence[int]) -> None:
+        super().__init__(message)
+        self.request_id, self.token_ids = request_id, tuple(token_ids)
+        self.token_id = self.token_ids[-1] if self.token_ids else None
+
+
+def decode_tokens(tokenizer, token_ids: Sequence[int], skip_special_tokens: bool,
+                  request_id: Optional[int]) -> str:
+    """``tokenizer.decode(token_ids)``, checked: TokenDecodeError naming ``request_id`` and the
+    ids when the tokenizer raises (its exception chained) or returns anything but a str."""
+    ids = list(token_ids)
+    try:
+        text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    except Exception as error:   # noqa: BLE001 -- the tokenizer's own, named and chained
+        raise TokenDecodeError(_decode_failure(request_id, ids, f"raised {type(error).__name__}: "
+                                               f"{error}"), request_id, ids) from error
+    if not isinstance(text, str):
+        raise TokenDecodeError(_decode_failure(request_id, ids, f"returned {type(text).__name__}"
+                                               f", not a str"), request_id, ids)
+    return text
+
+
+def _decode_failure(request_id: Optional[int], ids: List[int], what: str) -> str:
+    shown = ("..., " if len(ids) > SHOWN_TOKENS else "") + ", ".join(map(str, ids[-SHOWN_TOKENS:]))
+    last = f", ending with token {ids[-1]}" if ids else ""
+    whose = "" if request_id is None else f"request {request_id}: "
+    return (f"{whose}the tokenizer's decode of output token ids [{shown}] ({len(ids)} ids{last}) "
+            f"{what}; the text of these tokens cannot be computed")
 
 
 def decode_at_end(decode: Callable[[], T]) -> Optional[T]:
@@ -52,9 +96,11 @@ class IncrementalText:
     """Text of one sample; ``add`` takes a token and returns the delta a client may see now."""
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop: bool = False,
-                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0,
+                 request_id: Optional[int] = None) -> None:
         self.tokenizer, self.stop, self.include_stop = tokenizer, tuple(stop), include_stop
         self.skip_special_tokens, self.min_tokens = skip_special_tokens, min_tokens
+        self.request_id = request_id   # named by a TokenDecodeError
         self.token_ids: List[int] = []
         self.text = ""              # what has been shown (the deltas so far)
         self.stopped = False        # a stop string ended the text
@@ -66,7 +112,8 @@ class IncrementalText:
 
     def add(self, token_id: int, last: bool = False) -> str:
         """Take the sample's next token (``last``: it ends the sample, flush everything).
-        After a stop string, further tokens change nothing and return ""."""
+        After a stop string, further tokens change nothing and return "". TokenDecodeError when
+        the tokenizer cannot decode them (``restore`` a ``save`` from before to undo it)."""
         if self.stopped:
             return ""
         self.token_ids.append(token_id)
@@ -94,7 +141,7 @@ class IncrementalText:
         del self.token_ids[tokens:]
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
+        return decode_tokens(self.tokenizer, ids, self.skip_special_tokens, self.request_id)
 
     def _advance(self) -> None:
         ids = self.token_ids

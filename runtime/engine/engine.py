@@ -203,10 +203,10 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         the cache has undone it and the scheduler and manager are rolled back as they were. A
         failure is blamed on the request it belongs to (the failed op's, or the one whose
         forward or sampling fails alone); the ``max_plan_retries + 1``-th failure in a row
-        blamed on one request ends that request "failed" (memory released,
-        ``RequestOutput.error`` set) and the step returns normally. Otherwise the exception
-        (PlanExecutionError for a plan) is raised with every request intact. ``on_token``
-        callbacks run after the step is recorded (``request_state.deliver``)."""
+        blamed on one request, or its first TokenDecodeError (the tokenizer cannot decode its
+        tokens), ends it "failed" (memory released, ``RequestOutput.error`` set) and the step
+        returns normally. Otherwise the exception (PlanExecutionError for a plan) is raised
+        with every request intact. ``on_token`` callbacks run after the step is recorded."""
         self._refuse_step_inside_step()
         self._drop_forgotten()     # streams closed by other threads meanwhile (submission.py)
         with interrupts_between_steps(self.tp is not None):

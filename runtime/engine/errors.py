@@ -32,6 +32,13 @@ class NonFiniteLogitsError(EngineError, FloatingPointError):
     they belong to (``RequestOutput.error``); the others go on."""
 
 
+class LogitsShapeError(EngineError, RuntimeError):
+    """The model's forward returned logits the engine cannot sample from exactly: not floating
+    point, or not of shape (1, rows kept, vocab_size) (the message names the expected and the
+    actual). The model's fault, handled as a forward that raised: the step's sequences are run
+    one at a time and the request(s) whose forward fails alone end "failed"."""
+
+
 class EngineClosedError(EngineError, RuntimeError):
     """The engine was used after ``close()`` (``add_request``): its cache is released; nothing
     is queued. Also raised by a batch call (``generate``, ``stream``, ``run_until_done``) whose

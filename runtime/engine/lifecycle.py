@@ -41,8 +41,9 @@ Whom a failed step is blamed on:
   exception does.
 - planning found a request can never run: its head cannot be admitted even to an empty cache,
   or it cannot grow with the cache to itself (a beam group preempted out of shared memory
-  that must come back into private memory, each beam its own copy): that request ends
-  "failed" at once (RequestTooLargeError naming it); the others go on.
+  that must come back into private memory, each beam its own copy; RequestTooLargeError), or
+  recording the step found the tokenizer cannot decode its tokens (detokenize.TokenDecodeError):
+  that request ends "failed" at once, its error naming it; the others go on.
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ from vmemkv.scheduler.plan import StepPlan
 from vmemkv.scheduler.request import SeqState
 
 from .call_checks import check_request_id
+from .detokenize import TokenDecodeError
+from .ending import ending_plan
 from .errors import (EngineBusyError, EngineClosedError, RequestEndedError, RequestRejectedError,
                      TensorParallelError, UnknownRequestError)
 from .outputs import RequestError, RequestOutput, TokenEvent
@@ -187,14 +190,12 @@ class RequestLifecycle:
             return False
         restore_generators(self._draws)
         self._settle_scales(keep=False)   # the lone runs below fix none from the failed batch
-        if phase is Phase.EXECUTED:
+        if phase is Phase.EXECUTED:   # the recording raised: undone, the plan's memory kept
             self._txn.rollback()
-            return False
-        kept = self._keep_applied_memory()
+        kept = phase is Phase.PLANNING and self._keep_applied_memory()
         never_fits = isinstance(error, RequestTooLargeError) and error.request_id is not None
-        if plan is None and never_fits:
-            # schedule() found its head request can never be admitted, even to an empty cache:
-            # it alone ends "failed" (its memory released), the others go on
+        if (plan is None and never_fits) or isinstance(error, TokenDecodeError):
+            # a request at fault by itself (module docstring): it alone ends "failed"
             self._end_request(error.request_id, SeqState.FAILED, error)
             return True
         if plan is None or not kept or not isinstance(error, Exception):
@@ -315,14 +316,14 @@ class RequestLifecycle:
         return SeqState.WAITING.value
 
     def output(self, request_id: int, pop: bool = False) -> RequestOutput:
-        """The (possibly partial) output of a request; ``pop`` forgets an ended one (a change:
-        one thread at a time, as the GUARDED calls). UnknownRequestError for an unknown id,
-        EngineConfigError for one that is no int (``_request``)."""
+        """The (possibly partial) output of a request (a live one's: a snapshot, its lists
+        copies); ``pop`` forgets an ended one (a change: one thread at a time, as the GUARDED
+        calls). UnknownRequestError for an unknown id, EngineConfigError for a non-int id."""
         with self._guarded("output") if pop else nullcontext():
             state = self._request(request_id)
             if pop and not state.remaining:
                 del self._requests[request_id]
-            return state.output
+            return state.output_for_caller()
 
     def _request(self, request_id: int) -> RequestState:
         """The state of request ``request_id``: EngineConfigError for an id that is no int
@@ -341,7 +342,8 @@ class RequestLifecycle:
         as a plan of no sequences run as a step's is (``_execute``: with tensor parallelism on
         every rank). A rank that dies or hangs meanwhile closes the engine (``abandon``)."""
         try:
-            plan, _ = self._txn.run(lambda: self._ending_plan(request_id, status))
+            plan, _ = self._txn.run(lambda: ending_plan(self.scheduler, self.kv, request_id,
+                                                        status))
         except TensorParallelError as tp_error:
             self.abandon(tp_error)   # run() rolled back: abandon's rollback finds nothing
             raise
@@ -393,8 +395,3 @@ class RequestLifecycle:
                 if error is None:
                     self._ended_by_close.add(rid)
         self._drop_forgotten()     # all ended above: dropped only (submission.py)
-
-    def _ending_plan(self, request_id: int, status: SeqState) -> StepPlan:
-        seq_ids = self.scheduler.abort_request(request_id, status)
-        return StepPlan([], self.kv.manager.take_ops(), finished=list(seq_ids),
-                        tables=self.kv.tables.drop(seq_ids))

@@ -33,7 +33,7 @@ import torch
 from vmemkv.runtime.hf.attention import (STEP_KWARG, StepContext, model_lock,
                                          use_vmemkv_attention)
 
-from .errors import EngineConfigError
+from .errors import EngineConfigError, LogitsShapeError
 
 
 PHASES = ("plan", "metadata", "model", "attention")
@@ -51,6 +51,7 @@ class ModelRunner:
         self.cache = cache
         self.backend = backend
         self.device = next(model.parameters()).device
+        self.vocab_size = model.config.get_text_config().vocab_size   # each logits row's width
         self._ctx = StepContext(cache, backend)
         self.ops_applied = False   # the last execute() got past its memory ops (engine rollback)
         self.phase_s: Dict[str, float] = dict.fromkeys(PHASES, 0.0)
@@ -101,12 +102,26 @@ class ModelRunner:
             attention = self.backend.forward_s - attention_before
             self.phase_s["attention"] += attention
             self.phase_s["model"] += time.perf_counter() - start - attention
-        logits = out.logits[0]                             # (kept rows, vocab)
+        logits = self._checked_logits(out.logits, len(keep_rows))   # (kept rows, vocab)
         if prompt:
             logits = self._split_prompt_rows(logits, prompt)
         if not sampling:
             return None, []
         return logits, sampling                            # (sampled rows, vocab)
+
+    def _checked_logits(self, logits, rows: int) -> torch.Tensor:
+        """The forward's ``logits`` (1, rows, vocab_size) as (rows, vocab_size), or
+        LogitsShapeError naming what came back: narrower rows would pick other tokens, wider
+        ones ids past the vocabulary, fewer rows another sequence's (nothing is sampled)."""
+        want = (1, rows, self.vocab_size)
+        if isinstance(logits, torch.Tensor) and logits.is_floating_point() and \
+                tuple(logits.shape) == want:
+            return logits[0]
+        got = (f"{tuple(logits.shape)} {logits.dtype}" if isinstance(logits, torch.Tensor)
+               else type(logits).__name__)
+        raise LogitsShapeError(f"the model's forward returned logits {got}; the engine needs a "
+                               f"floating-point tensor of shape {want} (batch 1, rows kept this "
+                               f"step {rows}, vocab_size {self.vocab_size})")
 
     def _split_prompt_rows(self, logits: torch.Tensor, prompt: dict) -> torch.Tensor:
         """Keep the prompt sequences' rows in ``prompt_logits``; return the sampled rows."""

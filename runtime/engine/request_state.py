@@ -9,7 +9,7 @@ the one that computes the prompt (forked samples share it).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -39,6 +39,21 @@ class RequestState:
         self.prompt_logprobs.add(first_position, logits)
         if self.prompt_logprobs.complete:
             self.output.prompt_logprobs = self.prompt_logprobs.entries()
+
+    def output_for_caller(self) -> RequestOutput:
+        """The output to hand a caller (``Engine.output``): once the request has ended, the
+        output itself (the engine no longer touches it); while it runs, a snapshot whose lists
+        are copies (the samples; each one's token ids, times and logprobs; the prompt
+        logprobs), so an edit to it changes nothing the engine reads (its samples' penalties
+        read their token ids) or writes. O(the request's tokens), on this call only."""
+        out = self.output
+        if not self.remaining:
+            return out
+        samples = [replace(c, token_ids=list(c.token_ids), token_times_s=list(c.token_times_s),
+                           logprobs=None if c.logprobs is None else list(c.logprobs))
+                   for c in out.outputs]
+        prompt = None if out.prompt_logprobs is None else list(out.prompt_logprobs)
+        return replace(out, outputs=samples, prompt_logprobs=prompt)
 
 
 @dataclass
@@ -122,7 +137,7 @@ def new_samples(state: RequestState, stop_ids: Tuple[int, ...], seed: int, devic
         sampling = SampleState(0, params, gen, prompt_ids=out.prompt_token_ids,
                                output_ids=completion.token_ids, stop_ids=stop_ids)
         text = (IncrementalText(tokenizer, params.stop, params.include_stop_str_in_output,
-                                params.skip_special_tokens, params.min_tokens)
+                                params.skip_special_tokens, params.min_tokens, out.request_id)
                 if tokenizer is not None else None)
         samples[seq_id] = SampleRecord(state, i, sampling, text)
     return samples

@@ -154,8 +154,9 @@ class VMemCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``key_states``/``value_states`` (B, kv_heads, q, head_dim) after the cached tokens
-        of ``layer_idx``; return all of them as (B, kv_heads, L, head_dim) views of the cache.
-        CacheStateError while another thread's forward is writing it (cache_guard)."""
+        of ``layer_idx``; return all of them as (B, kv_heads, L, head_dim) views of the pool
+        (``layers[i].keys`` too, as a StaticCache's are its buffers): kept past ``reset()``, they
+        show the next batch's K/V (clone them). CacheStateError while another forward writes."""
         with self._guard.writing(layer_idx):
             return self._update(key_states, value_states, layer_idx)
 

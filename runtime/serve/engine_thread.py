@@ -357,9 +357,9 @@ class EngineThread:
 
     def _end_failed(self) -> None:
         """Requests the engine ended "failed" by themselves end here too."""
-        for request_id in list(self._live):
-            out = self.engine.output(request_id)
-            if out.status == "failed":
+        for request_id in list(self._live):   # status: a live output() is a copy
+            if self.engine.status(request_id) == "failed":
+                out = self.engine.output(request_id)
                 error = f"{out.error.type}: {out.error.message}" if out.error else None
                 log.error("request %d failed alone (the others go on): %s", request_id, error)
                 self._end(request_id, "failed", error, alone=True, cause=out.error)

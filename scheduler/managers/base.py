@@ -98,8 +98,7 @@ class MemoryManager(ABC):
 
     @property
     def max_sequence_tokens_at_max(self) -> int:
-        """``max_sequence_tokens`` with the pool at ``max_cache_bytes`` (a pool that never
-        resizes: the same)."""
+        """``max_sequence_tokens`` with the pool at ``max_cache_bytes`` (a fixed pool: the same)."""
         return self.max_sequence_tokens
 
     def pool_units(self, cache_bytes: int) -> int:
@@ -174,10 +173,13 @@ class MemoryManager(ABC):
         shared through the prefix cache."""
 
     def mark_computed(self, seq_id: int, num_tokens: int) -> None:
-        """The first ``num_tokens`` tokens of resident ``seq_id`` have their K/V written (the
-        scheduler says so after each step): only now may its full units serve prefix hits
-        ("publish on compute"). ``free`` publishes what it is told was computed. No-op for
-        managers that share nothing."""
+        """The first ``num_tokens`` tokens of resident ``seq_id`` have their K/V written (said
+        after each step): only now may its full units serve prefix hits ("publish on compute");
+        ``free`` publishes what it is told was computed. No-op for managers that share nothing."""
+
+    def unpublish(self, seq_id: int) -> None:
+        """Resident or swapped ``seq_id``'s K/V may be wrong (its request failed): no later
+        prompt finds what it published or hit, nor what it computes next (``free`` included)."""
 
     @property
     def cached_tokens(self) -> int:
@@ -200,14 +202,12 @@ class MemoryManager(ABC):
     def window_tokens(self) -> Optional[int]:
         """The window (tokens) behind which this manager gives memory back, or None (it keeps
         every token: no model window, a layer without one, or a policy that cannot). A hybrid
-        vmem manager (vmem_kinds.py) names its windowed layers' window and gives back only their
-        part of each page group."""
+        vmem manager names its windowed layers' window, giving back their part of each group."""
         return None
 
     def release_behind_window(self, seq_id: int, computed_tokens: int) -> None:
-        """The next step's earliest query of ``seq_id`` is at ``computed_tokens``: give back
-        the memory of units wholly behind every layer's window (tokens before
-        ``computed_tokens - window_tokens + 1``). A no-op without ``window_tokens``."""
+        """The next step's earliest query of ``seq_id`` is at ``computed_tokens``: give back units
+        wholly behind every layer's window (before ``computed_tokens - window_tokens + 1``)."""
 
     # -- swap --
     @abstractmethod

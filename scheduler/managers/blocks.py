@@ -262,3 +262,15 @@ def _site_past_a_sequence(m) -> Optional[tuple]:
                 if q not in pages:
                     return s, q
     return None
+
+
+def reached_groups(m, seq: HeldSeq) -> list:
+    """The groups a prompt of swapped ``seq``'s published keys reaches (``unpublish``): its
+    whole-page hits, then the groups holding blocks of the page after them."""
+    pages = m.prefix.match(seq.keys[:seq.published])
+    if m.blocks is None or seq.ids is None:
+        return pages
+    root = namespace_root(seq.namespace, m.model.kv_encoding)
+    groups, _ = m.blocks.match_page(seq.keys, seq.ids, len(pages), seq.num_tokens,
+                                    m.tokens_per_page, root)
+    return pages + list(groups)

@@ -209,6 +209,13 @@ class PagedManager(AdapterTenancy, UnitOps, ManagerCore):
         upto = min(computed_tokens // self.block_size, len(seq.keys), len(seq.units))
         self.prefix.publish(seq, upto, self._cache.note_generated)
 
+    def _reached(self, seq: HeldSeq) -> list:
+        if not self._hybrid:
+            return super()._reached(seq)
+        blocks = self.prefix.blocks      # every group's block at each node of its chain
+        return [blocks[(s, g)] for s in self.prefix.chain(seq.keys[:seq.published])
+                for g in range(len(self.groups)) if (s, g) in blocks]
+
     def _windowed_tables(self, seq: HeldSeq) -> tuple:
         if not self._hybrid:
             return super()._windowed_tables(seq)

@@ -16,17 +16,16 @@ from ..errors import ConfigError, RequestTooLargeError
 from .common import ManagerCore
 from .eviction import make_eviction
 from .journal import JList
-from .prefix import (ChainedPrefixIndex, HeldSeq, drop_cached_chain, namespace_root,
-                     token_bytes, unit_keys)
+from .prefix import ChainedPrefixIndex, HeldSeq, namespace_root, token_bytes, unit_keys
+from .unpublish import Unpublishing
 from .window import WindowSwapError, dropped_units
 
 
-class UnitOps:
+class UnitOps(Unpublishing):
     """Mixed into managers whose memory is ``num_units`` units of ``unit_tokens`` tokens.
     ``prefix_queries``/``prefix_hits`` count TOKENS, as vLLM's prefix-cache metrics do."""
 
-    # False: appends go to ``_append_other`` (a paged hybrid's tables; a byte-backed vmem pool)
-    _plain_append = True
+    _plain_append = True   # False: appends go to _append_other (paged hybrid; byte-backed vmem)
 
     def _init_units(self, num_units: int, unit_tokens: int, eviction: str,
                     free_list: bool = True) -> None:
@@ -108,7 +107,7 @@ class UnitOps:
     def _evict(self) -> int:
         """Drop the cached unit the policy names, and those chained below it; returns it."""
         unit = self._cache.pop()        # (below it, unreachable: given back, drop_cached_chain)
-        drop_cached_chain(self.prefix, unit, self._refs, self._cache, self._unheld)
+        self._drop_findable(unit)
         return unit
 
     def reset_prefix_cache(self) -> int:

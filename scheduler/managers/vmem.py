@@ -36,7 +36,7 @@ from ..geometry import LAYOUTS, PageGeometry  # noqa: F401 (LAYOUTS re-exported)
 from ..layout import CacheKind, CacheLayout, PoolBacking
 from ..presets import ModelSpec
 from .base import CopyExtent
-from .blocks import BlockIndex, block_hit, copy_tokens
+from .blocks import BlockIndex, block_hit, copy_tokens, reached_groups
 from .adapters import AdapterTenancy
 from .common import ManagerCore, check_int
 from .integrity import check_vmem, idle_vmem
@@ -293,6 +293,9 @@ class VmemManager(ElasticPool, KindRules, AdapterTenancy, UnitOps, ManagerCore):
     def _forget_blocks(self, g: int) -> None:
         if self.blocks is not None:
             self.blocks.drop(g)
+
+    def _reached(self, seq: HeldSeq) -> list:      # (unpublish.py) and its page's blocks
+        return reached_groups(self, seq)
 
     # blocks live only on held and cached groups (check_integrity): evicted or unretained, gone
     # (KindRules' _evict and _unheld)

@@ -311,13 +311,11 @@ class KindRules:
         else:
             self._to_free(g)
 
-    def _evict(self) -> int:
-        """The cached group the policy names, its content forgotten (registration, blocks);
-        the cached groups chained below it can no longer be reached: given back with it."""
-        g = self._cache.pop()
+    def _drop_findable(self, g: int) -> None:
+        """g's content forgotten (registration, blocks); the cached groups chained below it
+        can no longer be reached: given back (``_evict``, ``unpublish``)."""
         drop_cached_chain(self.prefix, g, self._refs, self._cache, self._unheld, self.blocks)
         self._forget_blocks(g)
-        return g
 
     def _revive(self, g: int) -> None:
         if g in self._reclaimable:

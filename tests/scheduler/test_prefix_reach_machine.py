@@ -11,7 +11,7 @@ finds for its own keys."""
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from vmemkv.scheduler.managers import make_manager
+from vmemkv.scheduler.managers import PagedManager, VmemManager, make_manager
 from vmemkv.scheduler.presets import ModelSpec
 
 from ..hypothesis_budget import examples
@@ -111,6 +111,42 @@ class ReachRules(RuleBasedStateMachine):
     def reset(self):
         self.m.reset_prefix_cache()
         assert self.m.cached_units() == [] and self.m.cached_tokens == 0
+
+    @rule(i=PICK, rolled_back=st.booleans())
+    def fail(self, i, rolled_back):
+        """A sequence's request fails: ``unpublish`` then ``free`` (some rolled back: every
+        registration, block entry and cached unit as before). No unit it held stays findable
+        (a registration, a vmem group's blocks), nor anything chained below one."""
+        sid = self._pick(i)
+        if sid is None:
+            return
+        held, before = self._held(sid), self._findable()
+        cached, tokens = self.m.cached_units(), self.m.cached_tokens
+        self.m.begin()
+        self.m.unpublish(sid)
+        assert not held & self._findable(), "a failed sequence's unit is findable"
+        self.m.free(sid)
+        assert not held & self._findable(), "a failed sequence's unit is findable after free"
+        if rolled_back:
+            self.m.rollback()
+            assert self._findable() == before and self.m.cached_units() == cached
+            assert self.m.cached_tokens == tokens
+            return
+        self.m.commit()
+        del self.ids[sid]
+
+    def _held(self, sid) -> set:
+        m = self.m
+        if isinstance(m, PagedManager):
+            return {b for table in m.block_tables(sid) for b in table if b is not None}
+        pages = m.mapped_pages(m.slot_of(sid))
+        return {pages[p] for p in range(-(-len(self.ids[sid]) // m.tokens_per_page))
+                if p in pages}
+
+    def _findable(self) -> set:
+        """Units a prompt may find: registered, or (vmem) holding blocks."""
+        blocks = self.m.blocks if isinstance(self.m, VmemManager) else None
+        return set(self.m.prefix.by_unit) | (set(blocks.by_group) if blocks else set())
 
 
 class VmemReach(ReachRules):

@@ -118,6 +118,35 @@ class RetentionMachine(RuleBasedStateMachine):
         del self.live[sid]
         self.replay()
 
+    @precondition(lambda self: self.live)
+    @rule(i=PICK, k=st.integers(0, 12))
+    def fail_after_a_bad_write(self, i, k):
+        """A step writes wrong K/V for up to ``k`` pending tokens (a NaN no check saw) and is
+        recorded (published); then its request fails: ``unpublish``, then ``free``. No later
+        hit reads what it wrote (``allocate``'s read-back); what others hold stays theirs."""
+        sid = self.pick(self.live, i)
+        s, old = self.live.pop(sid), self.computed.pop(sid)
+        new = min(s.num_tokens, old + k)
+        for pos in range(old, new):
+            self.mem.write(sid, pos, ("wrong", s.contents[pos]))
+        self.m.mark_computed(sid, new)
+        self.m.unpublish(sid)
+        self.m.free(sid, computed_tokens=new)
+        self.replay()
+        self.hit_reads_back(s)
+
+    def hit_reads_back(self, s):
+        """Allocate ``s``'s tokens once more and read its hit back, then undo it all (the
+        manager's transaction, the shadow's copy): a prefix the failed one wrote reads wrong."""
+        n, saved = s.num_tokens, self.mem.save()
+        self.m.begin()
+        if self.m.can_allocate(n, s.ids[:n], s.namespace):
+            hit = self.m.allocate(self.next_id, n, s.ids[:n], s.namespace)
+            self.mem.replay(self.m.take_ops(), {})
+            assert self.mem.read(self.next_id, hit) == s.contents[:hit], "a failed one's K/V hit"
+        self.m.rollback()
+        self.mem.load(saved)
+
     @precondition(lambda self: not self.live and self.m.cached_tokens)
     @rule()
     def everything_evicted_is_the_baseline(self):

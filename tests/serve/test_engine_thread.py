@@ -76,6 +76,9 @@ class FakeEngine:
     def output(self, rid, pop=False):
         return self.outputs.pop(rid) if pop else self.outputs[rid]
 
+    def status(self, rid) -> str:
+        return self.outputs[rid].status
+
 
 REQUEST = st.tuples(st.integers(1, 6), st.one_of(st.none(), st.integers(1, 6)), st.booleans())
 

@@ -1,0 +1,26 @@
+"""A request ended early (aborted or failed) as a plan: what its sequences held leaves the
+manager as ops, run as a step's are (``RequestLifecycle._end_request``, one transaction).
+
+A failed request's K/V may be why it failed (a NaN an earlier step wrote that no check saw):
+its sequences are unpublished first (``MemoryManager.unpublish``), so no later request with
+the same prefix is served them and fails in turn; an aborted one's K/V were computed as any
+other's and stay findable.
+"""
+from __future__ import annotations
+
+from vmemkv.scheduler.plan import StepPlan
+from vmemkv.scheduler.request import SeqState
+
+HELD_STATES = (SeqState.RUNNING, SeqState.SWAPPED)   # what the manager holds a record of
+
+
+def ending_plan(scheduler, kv, request_id: int, status: SeqState) -> StepPlan:
+    """End request ``request_id`` ``status`` in the scheduler (its sequences released) and
+    return the plan of no sequences that carries what that frees and the table drops."""
+    if status is SeqState.FAILED:
+        for seq in scheduler.seqs.values():
+            if seq.request.request_id == request_id and seq.state in HELD_STATES:
+                kv.manager.unpublish(seq.seq_id)
+    seq_ids = scheduler.abort_request(request_id, status)
+    return StepPlan([], kv.manager.take_ops(), finished=list(seq_ids),
+                    tables=kv.tables.drop(seq_ids))

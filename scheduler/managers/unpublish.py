@@ -1,0 +1,52 @@
+"""Unpublish: a sequence's content made unfindable, for a request that failed.
+
+A request fails when its work keeps failing (runtime/engine/lifecycle.py): a forward whose
+logits were NaN, say, after an earlier step wrote non-finite K/V that no check saw. Publish on
+compute (units.py) has by then made its computed full units findable; if they stayed, every
+later request with that prefix would read them and fail too (a shared system prompt: every
+tenant). So a failed sequence is unpublished before it is freed:
+
+    resident   every unit it holds (its hits and its own) loses its registration (a vmem
+               group its blocks too), with every registration chained below it
+    swapped    the same for the units its published keys reach (cached, or held by others)
+    then       it publishes nothing more (``free`` included): its ids and keys are forgotten
+
+A unit others still hold stays theirs, unfindable, and goes back to the pool when the last
+holder lets go; one nobody holds goes back now. Every change logs to the manager's journal.
+"""
+from __future__ import annotations
+
+from .prefix import HeldSeq, drop_cached_chain
+
+
+class Unpublishing:
+    """Mixed into UnitOps (over its fields: ``prefix``, ``_refs``, ``_cache``, ``_cell``,
+    ``_swapped`` and its ``_unheld``)."""
+
+    def unpublish(self, seq_id: int) -> None:
+        """As ``MemoryManager.unpublish``: nothing ``seq_id`` (resident or swapped) published or
+        hit can be found again, and it publishes nothing more. UnknownSequenceError (nothing
+        changed) for a sequence neither resident nor swapped."""
+        seq = self._swapped.get(seq_id)
+        if seq is None:
+            seq = self._changing(seq_id)
+            units = [u for u in self._unit_ids(seq) if u is not None]
+        else:
+            self._cell.record(seq)
+            units = self._reached(seq)
+        for unit in units:
+            self._drop_findable(unit)
+            if not self._refs[unit] and unit in self._cache:   # cached: nobody needs it now
+                self._cache.remove(unit)
+                self._cache.forget(unit)
+                self._unheld(unit)
+        seq.keys, seq.ids = [], None      # its content unknown: never published again
+
+    def _reached(self, seq: HeldSeq) -> list:
+        """The units a prompt of swapped ``seq``'s published keys reaches in the index."""
+        return self.prefix.match(seq.keys[:seq.published])
+
+    def _drop_findable(self, unit: int) -> None:
+        """``unit``'s registration goes, with every one chained below it (those below that
+        nobody holds go back to the pool)."""
+        drop_cached_chain(self.prefix, unit, self._refs, self._cache, self._unheld)
