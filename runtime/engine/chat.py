@@ -62,7 +62,8 @@ def _message(message, i: int, index: int) -> dict:
         if not isinstance(message["name"], str):
             raise ChatMessageError(f"conversation {index}: {where}.name must be a string, got "
                                    f"{str(message['name'])[:60]!r}", index, f"{where}.name")
-        checked["name"] = message["name"]   # the template's to render (or not), as vLLM's
+        # the template's to render (or not), as vLLM's: Unicode text, as content must be
+        checked["name"] = _unicode(message["name"], f"{where}.name", index)
     return checked
 
 
@@ -80,14 +81,19 @@ def _text(content, where: str, index: int) -> str:
         content = "\n".join(_part_text(part, f"{where}[{j}]", index)
                             for j, part in enumerate(content))
     if isinstance(content, str):
-        if not is_unicode_text(content):
-            raise ChatMessageError(f"conversation {index}: {where} holds a lone surrogate "
-                                   f"(\\ud800-\\udfff without its pair): not Unicode text",
-                                   index, where)
-        return content
+        return _unicode(content, where, index)
     raise ChatMessageError(f"conversation {index}: {where} must be a string or a list of "
                            f"{{'type': 'text', 'text': ...}} parts (only text is supported), "
                            f"got {str(content)[:60]!r}", index, where)
+
+
+def _unicode(text: str, where: str, index: int) -> str:
+    """``text``, or ChatMessageError naming ``where`` when it holds a lone surrogate."""
+    if not is_unicode_text(text):
+        raise ChatMessageError(f"conversation {index}: {where} holds a lone surrogate "
+                               f"(\\ud800-\\udfff without its pair): not Unicode text",
+                               index, where)
+    return text
 
 
 def _part_text(part, where: str, index: int) -> str:

@@ -23,15 +23,13 @@ request reaches the engine, each refusal one log line naming the client.
                   served tokenizer's ``TokenBytes``): a 400 naming the field to lower; the limit
                   itself is checked against the host's MemAvailable when the limits are made
 
-``GuardedH11Protocol`` is uvicorn's h11 protocol with the connection and header rules (a
-subclass: the h11 one is the only one whose hooks those rules need); ``BodyLimits`` wraps an
-ASGI ``receive`` with the body rules.
+``GuardedH11Protocol``: uvicorn's h11 protocol (the only one with the hooks they need) with the
+connection and header rules; ``BodyLimits`` wraps an ASGI ``receive`` with the body rules.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import resource
@@ -130,41 +128,32 @@ class TokenBytes:
 class ResponseBounds:
     """The ``TokenBytes`` of a completion and a chat completion from the served tokenizer's
     longest token: S, a token string's JSON bytes (``decode([id])``; without a tokenizer its id),
-    B, its chat ``bytes``, D, its id's digits. A token adds at most S + 1 to a text (a character
-    split over tokens is no longer than their U+FFFD; the 1: a SentencePiece "▁" back)."""
+    N, S or its name's in a completion's logprobs, B, its chat ``bytes``, D, its id's digits. A
+    token adds at most S + 1 to a text (a character split over tokens is no longer than their
+    U+FFFD; the 1: a SentencePiece "▁" back)."""
     completion: TokenBytes
     chat: TokenBytes
 
     @classmethod
     def of(cls, tokenizer, vocab_size: int) -> "ResponseBounds":
-        """Measured once per tokenizer (SmolLM2's 49,152 tokens: about 0.3 s), then cached."""
+        """Measured once per tokenizer (SmolLM2's 49,152 tokens: about 0.85 s), then cached."""
         d = len(str(max(vocab_size - 1, 0)))
         if tokenizer is None:        # ids in, ids out: today's constants, or the ids' digits
-            return cls._of(d, d, d, RESPONSE_BYTES_PER_TOKEN, RESPONSE_BYTES_PER_LOGPROB)
-        return cls._of(*_longest_token(tokenizer, vocab_size), d)
+            return cls._of(d, d, d, d, RESPONSE_BYTES_PER_TOKEN, RESPONSE_BYTES_PER_LOGPROB)
+        from .logprobs_format import longest_token_json   # (it needs TokenBytes' module)
+        return cls._of(*longest_token_json(tokenizer, vocab_size), d)
 
     @classmethod
-    def _of(cls, s: int, raw_bytes: int, digits: int, least_token_bytes: int = 0,
+    def _of(cls, s: int, raw_bytes: int, name: int, digits: int, least_token_bytes: int = 0,
             least_entry_bytes: int = 0) -> "ResponseBounds":
         f, o, fixed = FLOAT_JSON_BYTES, OFFSET_JSON_BYTES, (CHOICE_JSON_BYTES, ENVELOPE_JSON_BYTES)
         token = max(least_token_bytes, (s + 1) + (digits + 1))     # its text; its id and ","
-        # "tokens" "S",  "token_logprobs" F,  "text_offset" O,  "top_logprobs" {"S":F, ...},
-        completion = TokenBytes(token, max(least_entry_bytes, s + f + 4), s + f + o + 8, *fixed)
+        # "tokens" "N",  "token_logprobs" F,  "text_offset" O,  "top_logprobs" {"N":F, ...},
+        completion = TokenBytes(token, max(least_entry_bytes, name + f + 4), name + f + o + 8,
+                                *fixed)
         # {"token":"S","logprob":F,"bytes":[255,...]},   (its own: ,"top_logprobs":[] more)
         chat_entry = s + f + max(4 * raw_bytes + 1, 2) + 34
         return cls(completion, TokenBytes(token, max(least_entry_bytes, chat_entry), 18, *fixed))
-
-
-@functools.lru_cache(maxsize=8)
-def _longest_token(tokenizer, vocab_size: int):
-    """(S, B) of ``ResponseBounds``; B as ``TokenStrings.token_bytes`` takes it: a byte-level
-    piece's (a byte a character), a byte-fallback piece's one, else its string's UTF-8."""
-    from .logprobs_format import TokenStrings
-    strings, ids = TokenStrings(tokenizer), list(range(vocab_size))
-    texts = [strings(i) for i in ids]
-    pieces = tokenizer.convert_ids_to_tokens(ids)
-    return (max(len(json.dumps(t, ensure_ascii=False).encode()) - 2 for t in texts),
-            max(max(len(p or ""), len(t.encode())) for p, t in zip(pieces, texts)))
 
 
 @dataclass(frozen=True)

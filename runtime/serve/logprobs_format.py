@@ -14,11 +14,20 @@ token inside a character split over tokens points at that character, never past 
 Its ``bytes`` are the token's own (as OpenAI's: a character split over tokens is rebuilt by
 joining them) where the tokenizer says what they are: a byte-level BPE's pieces (GPT-2's byte
 alphabet), a byte-fallback piece (``<0xE2>``); else the UTF-8 of its string.
+
+Completions name a token (``tokens``, ``top_logprobs``' keys) by ``TokenStrings.key``: its
+string where its bytes are whole characters, else OpenAI's ``bytes:\\xNN...`` of its bytes, so
+the byte pieces of an emoji, each U+FFFD, are told apart; where two ids of one position still
+share a key, each is named ``token_id:N`` there (vLLM's form): k distinct tokens are k keys,
+each holding its own token's logprob (keyed by string, the likelier's value stood under both).
 """
 from __future__ import annotations
 
+import functools
+import json
 import re
-from typing import List, Optional, Sequence, Tuple
+from collections import Counter
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from vmemkv.runtime.engine.detokenize import REPLACEMENT
 from vmemkv.runtime.engine.logprobs import TokenLogprobs
@@ -30,6 +39,7 @@ class TokenStrings:
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self._cache = tokenizer, {}
         self._bytes: dict = {}
+        self._keys: Dict[int, str] = {}
         self._decoder: Optional[str] = None if tokenizer is not None else "text"
 
     def token_bytes(self, token_id: int) -> List[int]:
@@ -51,6 +61,21 @@ class TokenStrings:
             if self._decoder == "byte-fallback" and match:
                 return bytes([int(match.group(1), 16)])
         return self(token_id).encode("utf-8")
+
+    def key(self, token_id: int) -> str:
+        """How completions name the token (module docstring), memoised: its string where its
+        bytes (``token_bytes``) are whole UTF-8 characters, else ``bytes:`` and each byte as
+        ``\\xNN`` (OpenAI's legacy form: "bytes:\\xf0\\x9f" for an emoji's first two)."""
+        key = self._keys.get(token_id)
+        if key is None:
+            raw = bytes(self.token_bytes(token_id))
+            try:
+                raw.decode("utf-8")
+                key = self(token_id)
+            except UnicodeDecodeError:
+                key = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            self._keys[token_id] = key
+        return key
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -185,18 +210,32 @@ def completion_logprobs(strings: TokenStrings, token_ids: Sequence[int],
     ``text_offsets`` (``TextOffsets``, ``echo_offsets``)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, entry, text_offset in zip(token_ids, entries, text_offsets):
-        out["tokens"].append(strings(token_id))
         out["text_offset"].append(text_offset)
         if entry is None:
+            out["tokens"].append(strings.key(token_id))
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             continue
+        keys = _position_keys(strings, [t for t, _ in entry.top] + [entry.token_id])
+        top = {keys[t]: lp for t, lp in entry.top}     # likeliest first, then the chosen
+        top[keys[entry.token_id]] = entry.logprob
+        out["tokens"].append(keys[entry.token_id])
         out["token_logprobs"].append(entry.logprob)
-        top: dict = {}
-        for t, lp in entry.top + ((entry.token_id, entry.logprob),):   # likeliest first: two
-            top.setdefault(strings(t), lp)     # tokens with one string keep the likelier's value
         out["top_logprobs"].append(top)
     return out
+
+
+def _position_keys(strings: TokenStrings, token_ids: Sequence[int]) -> Dict[int, str]:
+    """Each distinct id of one position (its top k and the chosen) -> its own key: its
+    ``strings.key``, or ``token_id:N`` where another id there has that key too (two tokens a
+    tokenizer decodes alike whose bytes it does not tell: two partial characters, each U+FFFD,
+    of a tokenizer without byte pieces), so no key names two tokens."""
+    keys = {t: strings.key(t) for t in token_ids}
+    shared = Counter(keys.values())
+    named = {t: key if shared[key] == 1 else f"token_id:{t}" for t, key in keys.items()}
+    if len(set(named.values())) < len(named):     # a token whose text is "token_id:N" itself
+        return {t: f"token_id:{t}" for t in keys}
+    return named
 
 
 def merge_completion_logprobs(parts: List[dict]) -> dict:
@@ -215,3 +254,18 @@ def chat_logprobs(strings: TokenStrings, entries: Sequence[TokenLogprobs]) -> di
                 "bytes": strings.token_bytes(token_id)}
     return {"content": [dict(one(e.token_id, e.logprob), top_logprobs=[one(t, lp) for t, lp in e.top])
                         for e in entries]}
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token_json(tokenizer, vocab_size: int):
+    """(S, B, N) of ``limits.ResponseBounds``, measured once per tokenizer: the longest JSON
+    string of a token's text, its bytes as ``TokenStrings.token_bytes`` counts them, and of its
+    text or completions' name of it (``key``: "bytes:\\xNN" for part of a character, "token_id:N"
+    where two share one)."""
+    strings, ids = TokenStrings(tokenizer), list(range(vocab_size))
+    texts = [strings(i) for i in ids]
+    names = [strings.key(i) for i in ids] + [f"token_id:{max(vocab_size - 1, 0)}"]
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    s, n = (max(len(json.dumps(t, ensure_ascii=False).encode()) - 2 for t in group)
+            for group in (texts, texts + names))
+    return s, max(max(len(p or ""), len(t.encode())) for p, t in zip(pieces, texts)), n

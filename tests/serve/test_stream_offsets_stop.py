@@ -12,6 +12,7 @@ import pytest
 from vmemkv.runtime.engine.detokenize import IncrementalText
 from vmemkv.runtime.engine.logprobs import TokenLogprobs
 from vmemkv.runtime.serve.completions import CompletionFormat, ServedModel
+from vmemkv.runtime.serve.logprobs_format import TokenStrings
 from vmemkv.runtime.serve.protocol import CompletionRequest
 from vmemkv.runtime.serve.submission import Choice, Delta
 
@@ -73,7 +74,7 @@ def test_streamed_offsets_equal_the_non_streamed_ones(output, stop, include_stop
         lp = chunk["logprobs"]
         assert all(o <= len(text) for o in lp["text_offset"])   # never past what was sent
         echoed = len(PROMPT) if echo and i == 0 else 0          # the prompt's tokens first
-        assert lp["tokens"][echoed:] == [tok.decode([t]) for t in chunk["token_ids"]]
+        assert lp["tokens"][echoed:] == [TokenStrings(tok).key(t) for t in chunk["token_ids"]]
         streamed_ids += chunk["token_ids"]
         for key in streamed:
             streamed[key] += lp[key]
