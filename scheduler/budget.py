@@ -19,7 +19,7 @@ while it is below it or asleep); a share never holds more than ``max_bytes``. On
              what the head lacks (its tokens, room to decode up to one grow step, adapter);
              take at least ``grow_fraction`` of max from the unclaimed bytes older BLOCKED
              shares do not wait for (below); what is missing is posted as PRESSURE on the
-             other shares (withdrawn when it no longer asks)
+             other shares, the most spare first, then by name (withdrawn when it no longer asks)
     yield    another share is BLOCKED and older (below): give it the need it still misses, down to
              ``min_bytes``, free and cached pages first, then preempting this share's running
              sequences from the newest (``preempts``: recompute or swap, as its preemption
@@ -43,12 +43,14 @@ others' minimums leave room for; a share registered later whose minimum takes th
 still starve it). A share with something running never becomes blocked (its own steps free
 memory): a busy neighbour is preempted only for the need of a share that cannot run at all, and
 a share whose stamped sequences ended (aborted) holds nobody back even before it decides again.
-Explicit ``grant``s (resize_cache, wake) take what is unclaimed, outside this order. One lock
-guards the counts: ``decide``, ``grant``, ``settle`` may run on each engine's thread. A collected
+Explicit ``grant``s (resize_cache, wake) take what is unclaimed, outside this order. No rule
+reads the order the shares registered in (ties go by name; names are unique). One lock guards
+the counts: ``decide``, ``grant``, ``settle`` may run on each engine's thread. A collected
 engine's share leaves (``unregister_later``) as the next call takes the lock, never inside a call.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -176,7 +178,7 @@ class BudgetShare:
             head = scheduler.swapped[0] if scheduler.swapped else \
                 scheduler.waiting[0] if scheduler.waiting else None
             if head is not None and head.seq_id not in self.stamps:
-                self.stamps[head.seq_id] = self.budget._next_stamp()
+                self.stamps[head.seq_id] = next(self.budget._stamps)
         self.age = min(self.stamps.values(), default=math.inf)
 
     def _blocked_age(self) -> float:
@@ -312,7 +314,7 @@ class MemoryBudget:
         self._shares: Dict[str, BudgetShare] = {}
         self._leaving: Deque[BudgetShare] = deque()   # unregister_later's, for the next call
         self._lock_depth = 0                           # its holder's nested acquisitions
-        self._stamps = 0
+        self._stamps = itertools.count(1)              # the blocked sequences' stamps
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -349,10 +351,6 @@ class MemoryBudget:
             share = self._shares[name] = BudgetShare(self, name, min_bytes, max_bytes, initial)
             return share
 
-    def _next_stamp(self) -> int:
-        self._stamps += 1
-        return self._stamps
-
     def _unclaimed_for(self, share: BudgetShare) -> int:
         """Bytes ``share`` may take: the total less what the others hold, reserve for a resize
         under way or keep as their minimums, and what it holds and reserved."""
@@ -372,9 +370,11 @@ class MemoryBudget:
             share.stats.pressure_bytes = share.pressure_bytes
 
     def _post_pressure(self, asking: BudgetShare, missing_bytes: int) -> None:
-        """Ask the others that hold more than their minimum for ``missing_bytes`` in all."""
+        """Ask the others above their minimum for ``missing_bytes`` in all: most spare first,
+        equally spare ones by name (never by registration order)."""
         left = missing_bytes
-        for share in sorted(self._shares.values(), key=lambda s: s.min_bytes - s.held_bytes):
+        for share in sorted(self._shares.values(),
+                            key=lambda s: (s.min_bytes - s.held_bytes, s.name)):
             if share is asking or left <= 0:
                 continue
             spare = share.held_bytes - share.min_bytes
