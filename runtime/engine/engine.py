@@ -15,6 +15,7 @@ sequences come back by the scheduler's rules.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import threading
@@ -54,6 +55,7 @@ from .self_check import self_check
 from .submission import RequestSubmission, single_threaded
 
 log = logging.getLogger("vmemkv.engine")
+_ENGINE_NUMBERS = itertools.count(1)   # budget share names (a tie between shares goes by name)
 
 
 @single_threaded
@@ -126,7 +128,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
                 self_check(model, full_config, cfg, backend,
                            own or model.config._attn_implementation)
             share = budget_share_for(memory_budget, cfg, cache_bytes,
-                                     f"{model.config.model_type}-{id(self):x}")
+                                     f"{model.config.model_type}-{next(_ENGINE_NUMBERS)}")
             kv_options = dict(cache_bytes=cache_bytes, layout=cfg.layout,
                               page_bytes=cfg.page_bytes, block_size=cfg.block_size,
                               swap_bytes=cfg.swap_bytes, prefix_eviction=cfg.prefix_eviction,

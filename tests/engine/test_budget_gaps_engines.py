@@ -87,3 +87,21 @@ def test_a_sleeping_engine_leaves_no_pressure_on_its_neighbour():
     assert tokens([a.output(ra)]) == hf_greedy("tiny-llama", [prompt], 200, ignore_eos=True)
     a.close()
     b.close()
+
+
+def test_engines_on_one_budget_are_named_in_the_order_they_were_built_not_by_address():
+    """A tie between equally spare shares goes by name (scheduler/budget.py): an engine's share
+    was named by its object's address, so which engine gave first could change from run to
+    run; it is numbered in this process's construction order."""
+    budget = MemoryBudget(512 * KiB, idle_release_s=100.0)
+    a, b = (Engine(model(), memory_budget=budget, cache_bytes=64 * KiB,
+                   min_cache_bytes=32 * KiB, max_context=256, max_batch=2, **OPTS)
+            for _ in range(2))
+    try:
+        (kind_a, number_a), (kind_b, number_b) = (e.memory_share.name.rsplit("-", 1)
+                                                  for e in (a, b))
+        assert kind_a == kind_b == a.model.config.model_type
+        assert int(number_b) == int(number_a) + 1
+    finally:
+        a.close()
+        b.close()
