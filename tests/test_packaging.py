@@ -79,7 +79,21 @@ def test_every_package_folder_is_installed_under_vmemkv():
         for init in (ROOT / top).rglob("__init__.py"):
             folder = init.parent.relative_to(ROOT).parts
             on_disk.add(".".join([mapped[folder[0]], *folder[1:]]))
-    assert on_disk == set(setuptools["packages"])
+    # a folder of data files only is a package of its own (setuptools ignores data in a
+    # subfolder no package names): it has package data and no Python
+    folder_of = setuptools["package-dir"]
+    data_only = {package for package in setuptools["package-data"]
+                 if not (ROOT / package_folder(package, folder_of) / "__init__.py").exists()}
+    assert data_only == {"vmemkv.scheduler.data.traces"}
+    assert on_disk | data_only == set(setuptools["packages"])
+
+
+def package_folder(package: str, package_dir: dict) -> Path:
+    """The repository folder of installed ``package`` (``package_dir``: pyproject's, a package
+    to its folder)."""
+    parts = package.split(".")
+    size = max(n for n in range(1, len(parts) + 1) if ".".join(parts[:n]) in package_dir)
+    return Path(package_dir[".".join(parts[:size])], *parts[size:])
 
 
 def python_sources():
