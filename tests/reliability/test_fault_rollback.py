@@ -257,6 +257,29 @@ def test_undo_that_fails_marks_the_cache_unusable():
     m.close()
 
 
+def test_an_interrupt_whose_undo_fails_marks_the_cache_unusable(monkeypatch):
+    """As above with a KeyboardInterrupt at the second map: the interrupt goes on, and a cache
+    whose undo failed refuses every later call rather than run over memory it got wrong."""
+    m = scenario("vmem-per-layer")
+    real_map, maps = m.driver.map, []
+
+    def interrupted_map(address, handle, page_bytes):
+        maps.append(address)
+        if len(maps) == 2:
+            raise KeyboardInterrupt
+        if len(maps) > 2:
+            raise DriverCallError("map: injected fault (the undo's)")
+        real_map(address, handle, page_bytes)
+
+    monkeypatch.setattr(m.driver, "map", interrupted_map)
+    with pytest.raises(KeyboardInterrupt):
+        run_plan(m.manager, m.cache, big_step(m))
+    with pytest.raises(Exception, match="cache unusable"):
+        m.cache.execute([])
+    monkeypatch.undo()
+    m.cache._broken = None      # let close() release what it can
+    m.close()
+
 @pytest.mark.parametrize("policy,layout", [("paged", "per-layer"), ("vmem", "per-layer"),
                                            ("vmem", "interleaved"), ("reserve-max", "per-layer")])
 def test_rollback_after_random_calls_restores_the_exact_state(policy, layout):

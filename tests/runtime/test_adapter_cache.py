@@ -18,7 +18,7 @@ from vmemkv.runtime.errors import CacheStateError, PlanExecutionError
 from vmemkv.runtime.kv import cache_from_layout, check_matches, make_kv
 from vmemkv.scheduler.adapters import AdapterRef
 from vmemkv.scheduler.plan import (CopyBlock, EvictAdapter, LoadAdapter, MapExtent,
-                                   ReleasePages, SchedulerConfig)
+                                   ReleasePages, SchedulerConfig, SwapIn)
 from vmemkv.scheduler.request import Request
 from vmemkv.scheduler.scheduler import Scheduler
 from vmemkv.vmem.faults import FaultInjectingDriver
@@ -122,6 +122,7 @@ def test_a_refused_adapter_op_changes_nothing(kind):
         (LoadAdapter("x" * 64, (free_units[0],), 0), "num_bytes"),
         (EvictAdapter("y" * 64, (0,)), "not resident"),
         (EvictAdapter(adapter.digest, load.pool_pages[::-1]), "not resident as named"),
+        (SwapIn(7, 4, slot=1, blocks=(free_units[0],)), "sequence 7 has no swapped-out data"),
     ]
     if kind != "paged":
         kind_name = cache.kinds[0][0]
@@ -168,6 +169,22 @@ def test_a_plan_failing_after_a_load_is_undone_whole(kind):
     assert torch.equal(cache.adapter_buffer(old.digest), pattern(old)), "the old one is back"
     assert cache.range.mapped_pages() == mappings
     check_matches(m, cache)
+    kv.close()
+
+
+@pytest.mark.parametrize("kind", list(VMEM))
+def test_a_load_failing_part_way_unmaps_the_pages_its_own_range_mapped(kind):
+    driver = FaultInjectingDriver(vmem.open_driver("host"))
+    kv = kv_for(kind, driver=driver)
+    m, cache = kv.manager, kv.cache
+    m.acquire_adapter(ref("a", 2 * 4 * KiB + 1))      # three pages
+    ops = m.take_ops()
+    mapped = driver.mapped_addresses
+    driver.fail_at("map", 2)            # its third page: two are mapped in its range
+    with pytest.raises(PlanExecutionError, match="undone") as info:
+        cache.execute(ops)
+    assert driver.mapped_addresses == mapped, info.value   # (info keeps the failed call's frames)
+    assert cache.resident_adapters() == {}
     kv.close()
 
 

@@ -129,3 +129,32 @@ def test_bad_table_edits_raise_and_change_nothing():
                 assert cache.placement(0) == before and cache.placed_seq_ids == [0]
             with pytest.raises(CacheStateError, match="sequence 7 has no placement"):
                 cache.begin_step([(7, 0, 1)])
+
+
+def test_a_swap_naming_the_slot_past_the_last_is_refused_before_touching_memory():
+    import pytest
+    from vmemkv.runtime.errors import CacheStateError
+    from vmemkv.scheduler.managers import SwapIn, SwapOut
+    manager, cache = build("vmem")
+    with cache:
+        manager.allocate(0, 5)
+        cache.execute(manager.take_ops())
+        for op in (SwapOut(0, 5, slot=4), SwapIn(0, 5, slot=4)):
+            with pytest.raises(CacheStateError, match=r"names slot 4 outside 0\.\.3"):
+                cache.execute([op])
+            assert cache.swapped_tokens() == {}
+        cache.check_integrity()
+
+
+def test_two_sequences_placed_on_one_slot_are_refused_at_the_step():
+    import pytest
+    from vmemkv.runtime.errors import CacheStateError
+    manager, cache = build("vmem")
+    with cache:
+        manager.allocate(0, 5)
+        cache.execute(manager.take_ops())
+        slot = manager.slot_of(0)
+        cache.apply_tables([SetSlot(0, slot), SetSlot(1, slot)])    # a broken tracker's edits
+        shared = rf"sequences \[0, 1\] share slots \[{slot}, {slot}\]"
+        with pytest.raises(CacheStateError, match=shared):
+            cache.begin_step([(0, 0, 1), (1, 0, 1)])

@@ -74,6 +74,17 @@ def test_a_step_that_would_read_behind_the_given_back_memory_is_refused(kind):
         kv.check_integrity()
 
 
+def test_a_paged_read_of_one_key_in_a_given_back_block_is_refused():
+    with _kv("paged") as kv:
+        kv.manager.allocate(0, 100)
+        kv.manager.release_behind_window(0, 100)          # blocks 0, 1 (tokens 0..63) go
+        kv.execute(kv.manager.take_ops())
+        kv.begin_step([(0, 71, 1)])                        # keys 64..71: the first block held
+        with pytest.raises(CacheStateError, match="reads keys from token 63 but the plans gave "
+                                                  "back its blocks before token 64"):
+            kv.begin_step([(0, 70, 1)])
+        kv.check_integrity()
+
 @pytest.mark.parametrize("kind", ["vmem", "paged"])
 def test_a_sequence_that_gave_memory_back_is_recomputed_not_swapped(kind):
     from vmemkv.scheduler.managers.window import WindowSwapError

@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from vmemkv.scheduler.errors import OutOfCapacityError
 from vmemkv.scheduler.request import Request, SeqState
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -112,3 +113,24 @@ def test_a_swapped_out_sequence_does_not_pin_its_adapter():
     assert swapped_idle, "the adapter's sequence was never swapped out"
     assert sched.state_of(1) is SeqState.FINISHED and sched.metrics.num_swap_preemptions
     assert mgr.adapter_stats().loads >= 1 and mgr.adapter_uses(adapter) == 0
+
+
+def test_an_admission_refused_after_its_adapter_was_pinned_gives_the_pin_back():
+    """Both or neither: a manager whose room estimate was optimistic refuses the allocation
+    after ``acquire_adapter`` pinned the adapter; the request waits and pins nothing."""
+    mgr = manager("paged", tokens=64)
+    adapter = ref("a", "a", 8 * TINY.bytes_per_token)
+    allocate = mgr.allocate
+
+    def refuse_sequence_1(seq_id, *args, **kw):
+        if seq_id == 1:
+            raise OutOfCapacityError("no room after all (a test manager)")
+        return allocate(seq_id, *args, **kw)
+
+    mgr.allocate = refuse_sequence_1
+    sched = Scheduler(mgr, SchedulerConfig())
+    sched.add_request(Request(0, 4, 4))
+    sched.add_request(Request(1, 4, 4, adapter=adapter))
+    plan = sched.schedule()
+    assert [s.seq_id for s in plan.seqs] == [0] and sched.state_of(1) is SeqState.WAITING
+    assert mgr.adapter_uses(adapter) == 0 and mgr.adapter_stats().pinned == 0

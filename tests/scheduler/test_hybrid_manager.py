@@ -183,3 +183,64 @@ def test_rollback_restores_window_parts_exactly():
 def test_geometry_window_layers_are_checked(layout, layers):
     with pytest.raises(ConfigError, match=r"window_layers must be \(\) or increasing layer"):
         PageGeometry(layout, 4096, 3, 64, layers)
+
+
+@pytest.mark.parametrize("tokens, whole_pages", [(1534, 3), (1535, 2)])
+def test_a_page_the_next_query_still_reads_keeps_its_window_part(tokens, whole_pages):
+    """At 1,534 tokens the next query reads from token 1534 - 1024 + 1 = 511, the last of
+    page 0: every page stays whole; one token later page 0's window part goes."""
+    m = gemma(4 * GROUP)
+    m.allocate(0, tokens)
+    m.release_behind_window(0, tokens)
+    assert m.bound_pages == held_pages(tokens) == 3 * FULL + whole_pages * WINDOW
+    m.check_integrity()
+
+
+def test_growing_a_byte_mapped_group_reclaims_until_every_member_page_is_free():
+    """3-byte tokens on 4-byte pages, one full layer and three windowed: a page of growth is
+    2 full and 6 window pool pages. Four are unbound; the freed sequence's 24 are reclaimed
+    for the window kind's 6, not taken from the 2 left after the full kind's."""
+    model = ModelSpec("h3", 4, 3, 1, 1, weight_bytes=0, layer_windows=(None, 4, 4, 4))
+    m = make_manager("vmem", model, 36 * 4, 16, page_bytes=4, max_slots=3, hybrid_parts=True)
+    assert m.backing is PoolBacking.BYTES and m.table.members == (2, 6)
+    m.allocate(0, 4)
+    m.allocate(1, 1)
+    m.free(0)                              # its 24 pages stay mapped, reclaimable
+    assert (m.bound_pages, m.free_pages) == (32, 4)
+    assert m.can_append(1, 1)
+    m.append(1, 1)                         # 1 -> 2 tokens: 2 pages a member, 8 more pages
+    assert (m.bound_pages, m.free_pages) == (16, 20)
+    m.check_integrity()
+
+
+def test_a_window_part_released_by_a_fork_unmaps_the_freed_parents_deferred_mappings():
+    """The parent's whole mappings outlive it (deferred reclamation); once its fork, the last
+    holder, leaves the window behind, the pages go back and no mapping may still show them."""
+    m = gemma(4 * 8 * GROUP)
+    m.allocate(0, 2048)
+    m.fork(0, 1)
+    parent, child = m.slot_of(0), m.slot_of(1)
+    m.free(0)
+    m.take_ops()
+    m.release_behind_window(1, 2048)
+    window = m.kinds[1].name
+    assert m.take_ops() == [op for pi in range(2) for op in (
+        UnmapExtent(child, pi, window), UnmapExtent(parent, pi, "full"),
+        UnmapExtent(parent, pi, window))]
+    assert m.bound_pages == held_pages(2048)
+    m.check_integrity()
+
+
+def test_a_cached_prefix_is_evicted_only_when_no_unbound_pages_are_left():
+    """Three groups: a 2-page prompt cached, then a 1-page one takes the last unbound group
+    (exactly a group's pages), not a cached one: the prompt still hits both its pages."""
+    m = gemma(3 * GROUP)
+    prompt = list(range(2 * TPP))
+    m.allocate(0, 2 * TPP, prompt)
+    m.mark_computed(0, 2 * TPP)
+    m.free(0)
+    m.allocate(1, TPP, [5] * TPP)
+    assert m.free_pages == 0
+    m.free(1)
+    assert m.allocate(2, 2 * TPP + 1, prompt + [1]) == 2 * TPP
+    m.check_integrity()

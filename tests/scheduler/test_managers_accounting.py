@@ -293,3 +293,22 @@ def test_prefill_preempted_part_way_never_shares_its_uncomputed_units(policy):
     m.free(1)                                     # fully computed: everything stays findable
     assert m.allocate(2, len(prompt), token_ids=prompt) == 3 * unit
     m.check_integrity()
+
+
+def test_paged_reviving_cached_blocks_costs_room_so_can_allocate_agrees_with_allocate():
+    """A hit on a cached block takes it out of the cache: 4 revived hits and 1 new block need
+    5 blocks of the 4 cached + 0 free. Refused, changing nothing; with 4 more free it fits."""
+    m = PagedManager(TINY, 8 * 4 * 2, 32, block_size_tokens=4)      # 8 blocks of 4 tokens
+    prompt = list(range(16))
+    m.allocate(0, 16, prompt)
+    m.mark_computed(0, 16)
+    m.free(0)                         # its 4 blocks cached
+    m.allocate(1, 16, [99] * 16)      # the other 4: none free
+    assert not m.can_allocate(17, prompt + [7])
+    before = fingerprint(m)
+    with pytest.raises(OutOfCapacityError, match="needs 5 blocks"):
+        m.allocate(2, 17, prompt + [7])
+    assert fingerprint(m) == before
+    m.free(1)
+    assert m.can_allocate(17, prompt + [7]) and m.allocate(2, 17, prompt + [7]) == 16
+    m.check_integrity()

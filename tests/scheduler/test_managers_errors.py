@@ -135,3 +135,19 @@ def test_bad_arguments_are_config_errors(policy):
     _unchanged(m, ConfigError, "num_tokens", m.allocate, 4, -1, final_tokens=1)
     if policy in ("paged", "vmem"):
         _unchanged(m, ConfigError, "token_ids has 2 ids for num_tokens=1", m.append, 0, 1, [1, 2])
+
+
+def test_a_vmem_pool_whose_max_cache_bytes_is_one_byte_below_cache_bytes_is_refused():
+    with pytest.raises(ConfigError, match="max_cache_bytes=63 is below cache_bytes=64"):
+        make_manager("vmem", TINY, 64, 16, page_bytes=4, max_slots=4, max_cache_bytes=63)
+    m = make_manager("vmem", TINY, 64, 16, page_bytes=4, max_slots=4, max_cache_bytes=64)
+    assert m.stats().total_tokens == 32         # the same size: accepted, nothing to grow into
+
+
+def test_reserve_oracle_refuses_a_final_length_one_token_short_and_takes_an_exact_one():
+    m = _manager("reserve-oracle")
+    _unchanged(m, ConfigError, "final_tokens=3 is below num_tokens=4", m.allocate, 4, 4,
+               final_tokens=3)
+    m.allocate(4, 4, final_tokens=4)
+    assert m.num_tokens(4) == 4
+    m.check_integrity()

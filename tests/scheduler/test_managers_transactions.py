@@ -109,3 +109,20 @@ def test_only_the_journal_module_reads_the_journal():
     items.append(2)
     assert cell.active and cell.size() == 2      # one saved field, one logged append
     assert cell.rollback([], []) == {"x": 1} and items == [1] and not cell.active
+
+
+@pytest.mark.parametrize("policy", ["paged", "vmem"])
+def test_an_append_inside_the_last_unit_then_one_taking_a_unit_both_roll_back(policy):
+    """The first append stays in the last unit (the journal saves only the record's length);
+    the second takes a new unit, so the whole record is saved then: rollback undoes both."""
+    m, twin = twins(policy)
+    for manager in (m, twin):
+        manager.allocate(9, 5, final_tokens=12)    # no ids: its appends may take the hot path
+        manager.take_ops()
+    m.begin()
+    m.append(9, 1)                             # 6 tokens: inside its second unit
+    m.append(9, 3)                             # 9 tokens: a third unit
+    m.rollback()
+    assert dump(m) == dump(twin)
+    m.check_integrity()
+    assert follow_up(m) == follow_up(twin)

@@ -82,3 +82,17 @@ def test_driver_calls_name_the_argument_they_refuse():
         driver.create_pages(-1, PAGE)              # a DriverCallError from ftruncate
     with pytest.raises(vmem.VMemConfigError, match="page_bytes must be an int, got float"):
         driver.create_pages(1, float(PAGE))
+
+
+def test_a_view_one_byte_past_the_range_end_is_refused_and_one_up_to_it_is_not():
+    with vmem.PagePool(HostDriver(), 2, PAGE) as pool, vmem.VirtualRange(pool, 2 * PAGE) as rng:
+        for index, page_id in enumerate(pool.allocate(2)):
+            rng.map(index, page_id)
+        assert rng.tensor(PAGE, PAGE).numel() == PAGE          # the last byte is in
+        for offset, num_bytes in ((PAGE, PAGE + 1), (PAGE + 1, PAGE), (2 * PAGE, 1)):
+            outside = rf"bytes \[{offset}, {offset + num_bytes}\) lie outside the range of " \
+                rf"{2 * PAGE} bytes"
+            with pytest.raises(vmem.PageIndexError, match=outside):
+                rng.tensor(offset, num_bytes)
+        assert len(rng.mapped_pages()) == 2           # nothing changed
+        pool.check_integrity()
