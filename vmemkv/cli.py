@@ -92,7 +92,7 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # noqa: D401 (argparse API)
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
+        write_error_line(f"{self.prog}: error: {message}")
         raise SystemExit(2)
 
 
@@ -154,10 +154,19 @@ def interrupted_exit(prog: str, interrupt: KeyboardInterrupt, terminated: bool) 
     ``terminated`` (SIGTERM came): ``PROG: terminated (SIGTERM); NOTE`` and status 143."""
     note = f"; {interrupt}" if str(interrupt) else ""
     if terminated:
-        sys.stderr.write(f"{prog}: terminated (SIGTERM){note}\n")
+        write_error_line(f"{prog}: terminated (SIGTERM){note}")
         return TERMINATED_EXIT
-    sys.stderr.write(f"{prog}: interrupted{note}\n")
+    write_error_line(f"{prog}: interrupted{note}")
     return INTERRUPTED_EXIT
+
+
+def write_error_line(line: str) -> None:
+    """``line`` and a newline on stderr, each lone surrogate in it written as its escape
+    (``\\ud800``): error text quotes what a user or a template gave (a chat template's
+    ``raise_exception`` text, a path or flag of non-UTF-8 bytes under a C locale), and a stderr
+    whose errors are strict (a wrapper's, an embedding's) raised UnicodeEncodeError, a
+    traceback in place of the one line."""
+    sys.stderr.write(line.encode("utf-8", "backslashreplace").decode("utf-8") + "\n")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -183,7 +192,7 @@ def command_status(prog: str, body: Callable[[], Optional[int]]) -> int:
         line = user_error_line(error)
         if line is None:
             raise
-        sys.stderr.write(f"{prog}: error: {line}\n")
+        write_error_line(f"{prog}: error: {line}")
         return 2
 
 

@@ -102,8 +102,7 @@ class MemoryManager(ABC):
         return self.max_sequence_tokens
 
     def pool_units(self, cache_bytes: int) -> int:
-        """The pool's units (paged blocks, vmem pages: what a ``fork_unit_tokens`` unit is
-        counted in) ``cache_bytes`` buys, at most the pool's max (0: no such units)."""
+        """Units (paged blocks, vmem pages) ``cache_bytes`` buys, at most the max (0: none)."""
         return 0
 
     @property
@@ -114,8 +113,7 @@ class MemoryManager(ABC):
 
     @property
     def pages_per_map_op(self) -> int:
-        """Physical pages a whole page group's mapping maps (the cost model charges map latency
-        per page). 1 unless the manager maps page groups (vmem: its pages_per_group)."""
+        """Pages one group's mapping maps (map latency is per page): 1, vmem its pages_per_group."""
         return 1
 
     # -- admission and growth --
@@ -181,6 +179,10 @@ class MemoryManager(ABC):
         """Resident or swapped ``seq_id``'s K/V may be wrong (its request failed): no later
         prompt finds what it published or hit, nor what it computes next (``free`` included)."""
 
+    def unpublish_tokens(self, token_ids: Sequence[int], namespace: Optional[str]) -> None:
+        """``unpublish`` for a sequence held no more (preempted for recompute, then failed while
+        waiting): no later prompt finds the units ``token_ids`` under ``namespace`` reach."""
+
     @property
     def cached_tokens(self) -> int:
         """Tokens held only by the prefix cache: computed, findable, held by no sequence, each
@@ -193,8 +195,7 @@ class MemoryManager(ABC):
         return 0
 
     def kv_cache_usage(self) -> float:
-        """vLLM's kv_cache_usage_perc as a fraction: held memory over the cache, cached-but-free
-        units counted as free."""
+        """vLLM's kv_cache_usage_perc as a fraction: held memory over the cache (cached: free)."""
         return self.stats().usage_fraction
 
     # -- sliding windows --
@@ -323,8 +324,7 @@ class MemoryManager(ABC):
     def max_sequence_tokens_with_adapter(self, adapter: AdapterRef,
                                          cache_bytes: Optional[int] = None) -> int:
         """``max_sequence_tokens`` while ``adapter`` is resident (0: it can never load), in a
-        pool of ``cache_bytes`` (one ``resize`` could set; None: the pool as it is now; a pool
-        that never resizes has one size)."""
+        pool of ``cache_bytes`` (one ``resize`` could set; None: as it is; a fixed pool: one)."""
         self._no_adapters()
 
     def kv_units_beside_adapter(self, adapter: AdapterRef,

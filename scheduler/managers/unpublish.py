@@ -10,18 +10,23 @@ tenant). So a failed sequence is unpublished before it is freed:
                group its blocks too), with every registration chained below it
     swapped    the same for the units its published keys reach (cached, or held by others)
     then       it publishes nothing more (``free`` included): its ids and keys are forgotten
+    forgotten  (preempted for recompute, then failed while waiting: the manager holds no
+               record) the same for the units its token ids reach under its namespace, keyed
+               as ``allocate`` keys them (``unpublish_tokens``)
 
 A unit others still hold stays theirs, unfindable, and goes back to the pool when the last
 holder lets go; one nobody holds goes back now. Every change logs to the manager's journal.
 """
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 from .prefix import HeldSeq, drop_cached_chain
 
 
 class Unpublishing:
     """Mixed into UnitOps (over its fields: ``prefix``, ``_refs``, ``_cache``, ``_cell``,
-    ``_swapped`` and its ``_unheld``)."""
+    ``_swapped``, its ``_unheld`` and ``_prompt_keys``)."""
 
     def unpublish(self, seq_id: int) -> None:
         """As ``MemoryManager.unpublish``: nothing ``seq_id`` (resident or swapped) published or
@@ -34,13 +39,28 @@ class Unpublishing:
         else:
             self._cell.record(seq)
             units = self._reached(seq)
+        self._drop_reached(units)
+        seq.keys, seq.ids = [], None      # its content unknown: never published again
+
+    def unpublish_tokens(self, token_ids: Sequence[int], namespace: Optional[str]) -> None:
+        """As ``MemoryManager.unpublish_tokens``: the units a prompt of ``token_ids`` under
+        ``namespace`` reaches in the index lose their registrations, as a swapped sequence's
+        do (``_reached`` over a record of those tokens, keyed as ``allocate`` keys them)."""
+        ids = list(token_ids)
+        gone = HeldSeq(len(ids), ids, namespace)
+        gone.keys = list(self._prompt_keys(ids, namespace))
+        gone.published = len(gone.keys)
+        self._drop_reached(self._reached(gone))
+
+    def _drop_reached(self, units: list) -> None:
+        """Each of ``units`` loses its registration (``_drop_findable``); a cached one nobody
+        holds goes back to the pool now."""
         for unit in units:
             self._drop_findable(unit)
             if not self._refs[unit] and unit in self._cache:   # cached: nobody needs it now
                 self._cache.remove(unit)
                 self._cache.forget(unit)
                 self._unheld(unit)
-        seq.keys, seq.ids = [], None      # its content unknown: never published again
 
     def _reached(self, seq: HeldSeq) -> list:
         """The units a prompt of swapped ``seq``'s published keys reaches in the index."""
