@@ -19,7 +19,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from vmemkv.runtime.engine.errors import TensorParallelConfigError, TensorParallelError
+from vmemkv.runtime.engine.errors import (LogitsShapeError, TensorParallelConfigError,
+                                            TensorParallelError)
 from vmemkv.runtime.errors import NonFiniteKVError
 from .group import RankGroup, SpawnedRanks, init_group, leave_group, open_activation_group
 from .worker import (MemoryQuery, TPPayload, UnfixScales, UnfixUnsettled, adapter_upload,
@@ -153,8 +154,9 @@ class TensorParallel:
         ``ModelRunner.execute``'s result. PlanExecutionError: rank 0's ops failed and were rolled
         back before anything was sent (the engine retries as on one process).
         NonFiniteKVError: a rank's forward made NaN/inf K/V for an 8-bit cache; every rank
-        raised it together and is in step (the engine blames it as on one process).
-        TensorParallelError: a rank died, hung or failed, or rank 0's forward raised anything
+        raised it together and is in step (the engine blames it as on one process), as with
+        LogitsShapeError (checked after the forward's collectives, on the same logits on every
+        rank). TensorParallelError: a rank died, hung or failed, or rank 0's forward raised anything
         else, leaving the others inside the step's collectives (the caller must close)."""
         upload = adapter_upload(plan, self.host_adapter)
         self.executor.apply_ops(plan)
@@ -163,7 +165,7 @@ class TensorParallel:
                 self.group.broadcast(upload)
             self.group.broadcast(plan)
             return self.executor.forward(plan)
-        except NonFiniteKVError:
+        except (NonFiniteKVError, LogitsShapeError):   # every rank raised it, in step
             raise
         except TensorParallelError as error:
             raise self._failed_with(error) from error.__cause__

@@ -43,7 +43,7 @@ from vmemkv.runtime.errors import CacheTooLargeError, NonFiniteKVError, PlanExec
 # build_rank's imports (LoRA's among them) at module level: the rank server imports this module
 # (group.rank_context), so a rank forked from it finds them loaded
 from vmemkv.runtime.attention import get_backend
-from vmemkv.runtime.engine.errors import TensorParallelError
+from vmemkv.runtime.engine.errors import LogitsShapeError, TensorParallelError
 from vmemkv.runtime.engine.model_runner import ModelRunner
 from vmemkv.runtime.kv import make_kv
 from vmemkv.runtime.lora.executor import AdapterExecutor
@@ -272,8 +272,8 @@ def serve_plans(group: RankGroup, executor: RankExecutor) -> None:
     """A follower's loop: execute every plan rank 0 broadcasts until it sends None (close);
     answer a MemoryQuery with this rank's ``memory_state``; keep an AdapterUpload's adapters
     for the plan that follows it; apply an UnfixScales or UnfixUnsettled. An agreed
-    NonFiniteKVError leaves this rank in step: it waits for the next plan; anything else a
-    plan raises ends this rank (rank 0 then closes)."""
+    NonFiniteKVError or a LogitsShapeError leaves this rank in step: it waits for the next plan;
+    anything else a plan raises ends this rank (rank 0 then closes)."""
     while True:
         plan = group.broadcast(idle=True)
         if plan is None:
@@ -294,8 +294,9 @@ def serve_plans(group: RankGroup, executor: RankExecutor) -> None:
         executor.apply_ops(plan)
         try:
             executor.forward(plan)
-        except NonFiniteKVError:
-            continue   # every rank raised it at the agreement: rank 0's engine handles it
+        except (NonFiniteKVError, LogitsShapeError):
+            continue   # every rank raised it (the agreement; the same logits, after the
+                       # forward's collectives): rank 0's engine handles it
 
 
 def _follow(group: RankGroup, payload: TPPayload, model, device, on_error=None) -> None:
