@@ -2,7 +2,10 @@
 threads decided the same unclaimed bytes), the older blocked share is yielded to (first come,
 first served across shares), the unclaimed bytes leave out the minimums, and a closed share's
 pressure goes with it."""
+import pytest
+
 from vmemkv.scheduler.budget import MemoryBudget
+from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.managers import make_manager
 from vmemkv.scheduler.request import Request
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -84,6 +87,40 @@ def test_unclaimed_bytes_leave_out_minimums_and_a_closed_share_takes_its_pressur
     assert budget.held_bytes == 256 * BPT and b.held_bytes == 0
 
 
+def test_what_a_share_gives_counts_against_the_pressure_posted_on_it():
+    """b waits for 82 tokens from a; a gives 50: b still waits for 32, then for nothing."""
+    budget = MemoryBudget(384 * BPT, clock=lambda: 0.0)
+    (sa, a), (sb, b) = lane(budget, "a", 256, min_tokens=0), lane(budget, "b", 64, min_tokens=64)
+    resize(sb, b, 0)
+    sb.add_request(Request(0, prompt_len=200, max_tokens=10))
+    resize(sb, b, b.decide(sb))
+    assert a.pressure_bytes == 82 * BPT
+    resize(sa, a, 206 * BPT)
+    assert a.pressure_bytes == 32 * BPT and a.stats.given_bytes == 50 * BPT
+    resize(sa, a, 150 * BPT)
+    assert a.pressure_bytes == 0 and budget.stats()["shares"]["a"].pressure_bytes == 0
+
+
+def test_pressure_asks_the_others_for_the_missing_bytes_in_all_not_each():
+    """c misses 146 tokens, none unclaimed: a (160 spare) is asked for all of them first, and
+    b (64 spare) for none; asking each for 146 had both give for one need."""
+    budget = MemoryBudget(384 * BPT, clock=lambda: 0.0)
+    sa, a = lane(budget, "a", 160, min_tokens=0, max_tokens=384, peak=160)
+    sb, b = lane(budget, "b", 160, min_tokens=96, max_tokens=384, peak=160)
+    sc, c = lane(budget, "c", 64, min_tokens=64, max_tokens=256, peak=256)
+    sc.add_request(Request(0, prompt_len=200, max_tokens=10))
+    assert c.decide(sc) is None and c.blocked
+    assert (a.pressure_bytes, b.pressure_bytes) == (146 * BPT, 0)
+
+
+def test_a_share_one_byte_past_the_total_is_refused():
+    budget = MemoryBudget(1000, clock=lambda: 0.0)
+    budget.register("a", 0, 1000, 1000)
+    with pytest.raises(ConfigError, match=r"share 'b': 1 bytes do not fit the budget of 1000"):
+        budget.register("b", 0, 10, 1)
+    assert budget.held_bytes == 1000 and list(budget.stats()["shares"]) == ["a"]
+
+
 def _run_turn(sched, share, preempted=False):
     """decide, resize if asked (partial, preempting as the share says), one step."""
     before = sched.metrics.num_preemptions
@@ -122,6 +159,22 @@ def test_a_busy_share_is_preempted_only_for_what_a_blocked_one_cannot_run_withou
     assert sb.metrics.num_preemptions == 0 and b.stats.yields == 0
     assert b.stats.given_bytes == 4 * BPT and a.stats.grown_bytes == 8 * BPT
     assert b.pressure_bytes == 0              # withdrawn: a no longer asks
+
+
+def test_a_share_yields_to_an_older_blocked_one_down_to_its_minimum_only():
+    """a, blocked, misses 178 tokens; b holds 224 with a minimum of 64: b yields down to 64
+    (preempting), never below it, though a misses more than b's 160 spare."""
+    budget = MemoryBudget(256 * BPT, idle_release_s=1.0, grow_fraction=0.125,
+                          clock=lambda: 0.0)
+    sa, a = lane(budget, "a", 32, min_tokens=32, max_tokens=256, peak=256)
+    sb, b = lane(budget, "b", 224, min_tokens=64, max_tokens=224, peak=224)
+    sb.add_request(Request(0, prompt_len=60, max_tokens=150))
+    for _ in range(3):
+        _run_turn(sb, b)
+    sa.add_request(Request(1, prompt_len=200, max_tokens=10))
+    assert a.decide(sa) is None and a.blocked and a.ask_bytes == 178 * BPT
+    a.settle(sa.manager.cache_bytes)
+    assert b.decide(sb) == 64 * BPT and b.preempts
 
 
 def test_a_blocked_share_whose_request_was_aborted_holds_nobody_back():

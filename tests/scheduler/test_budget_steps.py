@@ -2,15 +2,15 @@
 import pytest
 
 from vmemkv.scheduler.budget import MemoryBudget
-from vmemkv.scheduler.budget_needs import wanted_bytes
+from vmemkv.scheduler.budget_needs import growth_bytes, unused_bytes, wanted_bytes
 from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.managers import make_manager
 from vmemkv.scheduler.presets import ModelSpec
 from vmemkv.scheduler.request import Request, SeqState
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
-from .adapter_sched import TINY, manager
-from .test_adapter_elastic import resize, run_with_budget
+from .adapter_sched import TINY, manager, ref
+from .test_adapter_elastic import resize, run_with_budget, shrunk_growable
 
 BPT = TINY.bytes_per_token
 KIB = 1024
@@ -117,3 +117,49 @@ def test_the_budget_asks_for_what_admission_allocates_a_recomputed_windowed_sequ
     assert seq.state is SeqState.WAITING and seq.length == 41 and sched._admit_tokens(seq) == 4
     held = mgr.cache_bytes
     assert wanted_bytes(sched, held, grow_step_bytes=0, preempted=False) <= held + 4 * KIB
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "interleaved"])
+def test_one_grow_asks_for_the_head_requests_tokens_decode_room_and_adapter_at_once(layout):
+    """The need is what the head lacks: its 40 tokens with its 8 to decode, and its adapter's
+    48 tokens of pages, not resident (budget.py); a grow for the tokens alone left the adapter
+    to later steps' grow fractions."""
+    sched, share = shrunk_growable(layout)             # 16 tokens held, all free
+    sched.add_request(Request(0, prompt_len=40, max_tokens=8, adapter=ref("big", "b", 48 * BPT)))
+    assert share.decide(sched) >= (40 + 8 + 48) * BPT
+
+
+def test_what_running_sequences_will_grow_into_counts_whole_pages():
+    """growth_bytes: to its final 20 tokens a sequence of 8 (one whole page of 8 tokens) still
+    needs 2 pages (16 tokens), its last page's tokens held already."""
+    mgr = manager("vmem", "per-layer", tokens=128)
+    assert mgr.tokens_per_page == 8
+    sched = Scheduler(mgr, SchedulerConfig(max_running=4, max_seq_len=64))
+    sched.add_request(Request(0, prompt_len=8, max_tokens=12))       # 20 tokens at most: 3 pages
+    sched.add_request(Request(1, prompt_len=9, max_tokens=6))        # 15 at most: its 2 pages
+    _step(sched)
+    assert [mgr.num_tokens(q.seq_id) for q in sched.running] == [8, 9]
+    assert growth_bytes(sched) == 16 * BPT
+
+
+@pytest.mark.parametrize("layout", ["per-layer", "interleaved"])
+def test_pages_a_finished_request_left_mapped_count_as_unused(layout):
+    """unused_bytes: what no running sequence holds, the unused pages still mapped (counted
+    allocated by stats(), reclaimable) included: with nothing running, the whole cache."""
+    mgr = manager("vmem", layout, tokens=128)
+    sched = Scheduler(mgr, SchedulerConfig(max_running=4, max_seq_len=64))
+    sched.add_request(Request(0, prompt_len=20, max_tokens=3))
+    while sched.has_unfinished():
+        _step(sched)
+    assert mgr.reclaimable_tokens > 0
+    assert unused_bytes(sched) == mgr.cache_bytes == 128 * BPT
+
+
+def test_a_share_whose_last_step_preempted_asks_to_grow_with_nothing_waiting():
+    """decide(preempted=True): running sequences were short of memory, so the share grows (a
+    grow fraction) though no request waits and the head fits."""
+    sched, share = shrunk_growable("per-layer")        # 16 tokens held of 256
+    sched.add_request(Request(0, prompt_len=4, max_tokens=2))
+    _step(sched)
+    assert not sched.waiting and share.decide(sched) is None
+    assert share.decide(sched, preempted=True) > share.held_bytes

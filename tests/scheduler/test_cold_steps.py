@@ -29,6 +29,15 @@ def test_the_three_decode_steps_after_a_prefill_are_cold():
     assert COLD_STEPS == 3
 
 
+def test_a_step_with_no_sequences_uses_up_no_cold_step():
+    """Idle steps between a prefill and its decodes are not decode steps: the three decodes
+    after them are still the cold ones."""
+    after = AfterPrefill()
+    steps = [(120, 1), (0, 0), (0, 0), (0, 1), (0, 1), (0, 1), (0, 1)]
+    assert [after.cold(p, n) for p, n in steps] == [
+        False, False, False, True, True, True, False]
+
+
 def test_decodes_before_any_prefill_are_warm():
     after = AfterPrefill()
     assert [after.cold(0, 1) for _ in range(4)] == [False] * 4

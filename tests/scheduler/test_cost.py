@@ -46,6 +46,13 @@ def test_count_map_ops_counts_page_groups_mapped():
     assert count_map_ops(both) == 1
 
 
+def test_a_place_mapped_again_after_another_op_counts_as_a_second_map():
+    """Only consecutive ops at one (slot, page_index) are one group's mapping: the same place
+    mapped again after another op (its extent unmapped, then mapped afresh) costs a second map."""
+    again = [MapExtent(0, 0, "full", (0, 1)), CopyBlock(1, 2), MapExtent(0, 0, "full", (2, 3))]
+    assert count_map_ops(again) == 2
+
+
 @pytest.mark.parametrize("kwargs,field", [
     (dict(prefill_mfu=0.0), "prefill_mfu"), (dict(prefill_mfu=1.5), "prefill_mfu"),
     (dict(map_latency_s=-1.0), "map_latency_s"), (dict(pages_per_map_op=0), "pages_per_map_op"),

@@ -5,7 +5,10 @@ import hashlib
 import json
 import os
 
+import pytest
+
 from vmemkv.cli import main
+from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.policies import load_policy_class
 from vmemkv.scheduler.simulator import SimConfig
 from vmemkv.scheduler.sweep import expand, point_key, run_local
@@ -98,3 +101,17 @@ def test_a_policy_file_edited_while_the_sweep_runs_fails_its_point_by_name(tmp_p
     (row,) = run_local([point], jobs=1)
     assert "changed since the sweep read it" in row["error"]
     assert row["policy_sha256"] == point["policy_sha256"] and "policy_name" not in row
+
+
+def test_a_policy_file_whose_import_failed_is_imported_again_when_next_named(tmp_path,
+                                                                              monkeypatch):
+    """A failed import is not cached: the same bytes, once what they import is there, load
+    (the half-run module kept in sys.modules had no class, named as missing)."""
+    path = tmp_path / "flaky.py"
+    path.write_text("import os\nif not os.environ.get('VMEMKV_TEST_POLICY_READY'):\n"
+                    "    raise RuntimeError('not ready')\n" + POLICY.format(block=32))
+    monkeypatch.delenv("VMEMKV_TEST_POLICY_READY", raising=False)
+    with pytest.raises(ConfigError, match=r"flaky\.py raised RuntimeError: not ready"):
+        load_policy_class(f"{path}:Mine")
+    monkeypatch.setenv("VMEMKV_TEST_POLICY_READY", "1")
+    assert load_policy_class(f"{path}:Mine").__name__ == "Mine"

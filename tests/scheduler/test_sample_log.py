@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from vmemkv.runtime.engine import Engine, SamplingParams
-from vmemkv.scheduler.metrics import SAMPLES_KEPT, SampleLog
+from vmemkv.scheduler.metrics import SAMPLES_KEPT, SampleLog, latency_summary, percentile
 
 from vmemkv.runtime.models import build_model
 
@@ -111,3 +111,16 @@ def test_a_long_running_engine_keeps_bounded_samples_and_exact_stats_of_the_last
         assert engine.scheduler.metrics.itl_s.dropped >= 20 * 44 - 100
         whole = engine.stats()            # since creation: the kept samples
         assert len(whole.itl_s) == len(logs[1].values) and whole.output_tokens == 20 * 48
+
+
+@pytest.mark.parametrize("q", [0, 10, 50, 90, 99, 100])
+@pytest.mark.parametrize("values", [[3.0], [5.0, 1.0], [0.4, 9.0, 2.5, 7.25, 1.0, 3.5, 8.0]])
+def test_percentiles_interpolate_as_numpy_does_by_default(values, q):
+    """metrics.percentile and the engine's latency_summary (ttft/itl p50, p90, p99) are numpy's
+    default linear interpolation; no samples: NaN, not 0."""
+    np = pytest.importorskip("numpy")
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12)
+    summary = latency_summary("itl", values)
+    assert summary["itl_mean_s"] == pytest.approx(sum(values) / len(values))
+    assert summary["itl_p90_s"] == pytest.approx(float(np.percentile(values, 90)), rel=1e-12)
+    assert all(v != v for v in latency_summary("itl", []).values())

@@ -9,6 +9,7 @@ import pytest
 
 from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.presets import get_device, get_model
+from vmemkv.scheduler.report import serving_report
 from vmemkv.scheduler.shared_sim import SharedConfig, kv_bytes_after_weights, simulate_shared
 from vmemkv.scheduler.shared_workloads import BurstySpec, bursty_workload, shifted_traces
 from vmemkv.scheduler.simulator import simulate
@@ -51,6 +52,43 @@ def test_a_model_bursting_while_the_other_is_idle_gets_its_tokens_sooner_from_a_
     assert shared.overall["ttft_p90_s"] < static.overall["ttft_p90_s"] / 10   # 3.26 -> 0.06 s
     assert shared.models["a"].ttft_p90_s < static.models["a"].ttft_p90_s
     assert shared.overall["output_tokens"] == static.overall["output_tokens"]
+
+
+def test_resizes_count_the_pages_each_way_and_keep_the_models_stream_busy():
+    """pages_created counts what each grow took into service and pages_released what each
+    give returned (never netted against each other), and their time runs before the model's
+    next step: a slower page creation delays b's first tokens."""
+    spec = BurstySpec(duration_s=10, period_s=10, burst_fraction=0.25, burst_rate=30,
+                      quiet_rate=0.0, seed=3, lengths=SMALL)
+    workloads = bursty_workload(spec)
+    common = dict(total_bytes=4 * GB, min_fraction=0.1, idle_release_s=1.0, max_seq_len=2048)
+    initial = simulate_shared(workloads, SharedConfig(elastic=False, **common)).models
+    fast = simulate_shared(workloads, SharedConfig(elastic=True, **common)).models
+    slow = simulate_shared(workloads, SharedConfig(elastic=True, grow_page_s=0.01, **common)).models
+    page = SharedConfig().page_bytes
+    assert fast["b"].pages_created > 0 and fast["a"].pages_released > 0
+    for name, model in fast.items():
+        start = initial[name].final_cache_bytes
+        assert model.pages_created * page >= model.peak_cache_bytes - start
+        net_bytes = model.final_cache_bytes - start
+        assert (model.pages_created - model.pages_released) * page == net_bytes
+    assert slow["b"].resize_seconds > fast["b"].resize_seconds + 1
+    assert slow["b"].ttft_p90_s > fast["b"].ttft_p90_s + 1
+
+
+def test_the_overall_figures_are_the_models_counts_summed_and_latencies_pooled_in_seconds():
+    spec = BurstySpec(duration_s=10, period_s=10, burst_fraction=0.25, burst_rate=30,
+                      quiet_rate=0.0, seed=3, lengths=SMALL)
+    result = simulate_shared(bursty_workload(spec), SharedConfig(
+        elastic=True, total_bytes=GB, min_fraction=0.1, idle_release_s=1.0, max_seq_len=2048))
+    models = result.models.values()
+    assert all(m.num_preemptions > 0 for m in models)
+    for key in ("num_requests", "output_tokens", "num_preemptions", "failed_requests", "grows",
+                "gives"):
+        assert result.overall[key] == sum(getattr(m, key) for m in models), key
+    pooled = serving_report([t for m in models for t in m.timings], percentiles=(50.0, 90.0))
+    for q in (50, 90):
+        assert result.overall[f"ttft_p{q}_s"] == pytest.approx(pooled[f"p{q}_ttft_ms"] / 1e3)
 
 
 def test_one_model_on_a_budget_that_never_moves_is_the_plain_simulator():

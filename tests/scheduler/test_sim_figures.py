@@ -8,6 +8,7 @@ import pytest
 
 from vmemkv.cli import main
 from vmemkv.scheduler.cli_table import aggregate, format_table
+from vmemkv.scheduler.presets import get_device
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.workload import TraceEntry, WorkloadSpec, generate, write_trace
@@ -73,6 +74,20 @@ def test_a_run_without_swaps_is_charged_no_swap_time():
     r = simulate(generate(WorkloadSpec(num_requests=100)),
                  replace(SWAP, scheduler=SchedulerConfig(preemption="recompute")))
     assert r.num_preemptions > 0 and r.swapped_kv_bytes == 0 and r.swap_seconds == 0.0
+
+
+def test_copies_default_to_half_the_device_memory_bandwidth():
+    """copy_bytes_per_s None (--copy-gbps left out): a device copy reads and writes each byte,
+    so it runs at half the memory bandwidth (docs/simulation.md), not the whole of it."""
+    entries = generate(WorkloadSpec(num_requests=20, max_total_len=512, seed=3))
+    config = SimConfig(policy="paged", cache_bytes=10**9, n=2)   # copy-on-write after the fork
+    half = get_device(config.device).memory_bandwidth_bytes_per_s / 2
+    default = simulate(entries, config)
+    assert default.copied_kv_bytes > 0
+    assert default.simulated_seconds == simulate(entries, replace(
+        config, copy_bytes_per_s=half)).simulated_seconds
+    assert default.simulated_seconds > simulate(entries, replace(
+        config, copy_bytes_per_s=2 * half)).simulated_seconds
 
 
 def test_steady_figures_are_absent_when_no_step_had_a_queue():

@@ -79,6 +79,16 @@ def test_the_worst_geometry_is_charged_the_most_and_others_less():
     assert pool_unit_bytes(SimConfig(policy="reserve-max")) == 0
 
 
+def test_a_vmem_page_is_charged_the_documented_bytes_its_table_shares_rounded_up():
+    """The module docstring's charged column: a page's own 128 (256 byte-mapped) and its
+    share of (1,024 x kinds + 1,024) over the pages a group keeps, rounded up (3,072 / 20 kept
+    pages of gemma's split group: 153.6 -> 154, so 282; rounding down under-charged it)."""
+    charges = {name: pool_unit_bytes(make(GROUPS)) for name, make in GEOMETRIES.items()}
+    assert charges["per-layer, hybrid split"] == 282
+    assert charges["per-layer, byte-mapped"] == 512 and charges["per-layer, a token a page"] == 384
+    assert charges["per-layer, sliding window"] == 160
+
+
 def test_llama_with_120_gb_of_4_kib_pages_is_not_refused_by_the_charge(monkeypatch):
     config = SimConfig(model="llama-3-8b", policy="vmem", page_bytes=4096,
                        cache_bytes=120 * 10**9)

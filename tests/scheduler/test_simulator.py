@@ -4,7 +4,7 @@ import pytest
 from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
-from vmemkv.scheduler.workload import WorkloadSpec, generate
+from vmemkv.scheduler.workload import TraceEntry, WorkloadSpec, generate
 
 STANDARD = generate(WorkloadSpec())        # 2,000 requests at time 0, seed 0
 # Its first 600 requests on half the memory: at 10 GB the mean batch is 17 (reserve-max), 37
@@ -84,6 +84,17 @@ def test_poisson_arrivals_idle_until_the_next_request():
     r = run(entries)
     assert r.simulated_seconds > entries[-1].arrival_s
     assert r.serving["median_ttft_ms"] > 0 and r.num_preemptions == 0
+
+
+def test_requests_join_at_their_arrival_whatever_their_order_in_the_list():
+    """A list not in arrival order runs as the sorted one: each request is queued at its own
+    arrival and its latencies count from it, not from the later arrival listed before it."""
+    entries = [TraceEntry(300, 20, 2.0), TraceEntry(100, 10, 0.0), TraceEntry(200, 5, 1.0)]
+    shuffled, ordered = (run(e, cache_bytes=GB).to_dict() for e in
+                         (entries, sorted(entries, key=lambda e: e.arrival_s)))
+    shuffled.pop("wall_seconds"), ordered.pop("wall_seconds")
+    assert shuffled == ordered
+    assert ordered["simulated_seconds"] > 2.0
 
 
 def test_map_latency_makes_vmem_slower_and_counts_map_ops():

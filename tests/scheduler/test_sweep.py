@@ -11,7 +11,7 @@ from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
 from vmemkv.scheduler.sweep import expand, load_spec, run_local, run_point
-from vmemkv.scheduler.workload import WorkloadSpec, generate
+from vmemkv.scheduler.workload import TraceEntry, WorkloadSpec, generate, write_trace
 
 CUSTOM = f"{Path(__file__).parent / 'custom_policy.py'}:CoarseBlocks"
 SMALL = {"requests": 60, "cache_gb": 2}
@@ -60,6 +60,12 @@ def test_process_pool_rows_equal_in_process_rows():
         row.pop("wall_seconds")
     assert pooled == serial and len(pooled) == 4
     assert [r["policy"] for r in pooled] == ["paged", "paged", "vmem", "vmem"]
+
+
+def test_pool_rows_come_in_point_order_whatever_order_they_finish_in():
+    points = expand({"base": {"cache_gb": 2}, "grid": {"requests": [300, 3]}})
+    rows = run_local(points, jobs=2)             # the 3-request point finishes first
+    assert [(r["requests"], r["num_requests"]) for r in rows] == [(300, 300), (3, 3)]
 
 
 def test_custom_policy_plugs_into_the_simulator():
@@ -126,6 +132,18 @@ def test_run_point_row_carries_parameters_then_figures():
     row = run_point(expand({"base": SMALL, "grid": {"policy": ["vmem"]}})[0])
     assert row["policy"] == "vmem" and row["unit_tokens"] == 1024
     assert row["output_tokens"] > 0 and "median_tpot_ms" in row
+
+
+def test_a_trace_points_row_counts_its_requests_scaled_to_max_len(tmp_path):
+    """scaled_requests: the trace's requests longer than max_len (None for a generated one)."""
+    trace = str(tmp_path / "t.jsonl")
+    write_trace(trace, [TraceEntry(3000, 10, 0.0), TraceEntry(100, 10, 0.5),
+                        TraceEntry(2000, 100, 1.0)])
+    row = run_point(expand({"base": {"trace": trace, "max_len": 2048, "cache_gb": 2},
+                            "grid": {"policy": ["vmem"]}})[0])
+    assert row["scaled_requests"] == 2 and row["num_requests"] == 3
+    assert run_point(expand({"base": SMALL, "grid": {"policy": ["paged"]}})[0])[
+        "scaled_requests"] is None
 
 
 def test_ray_cluster_runs_the_same_rows_as_the_pool():

@@ -60,6 +60,29 @@ def test_a_line_with_no_end_is_read_in_pieces_and_refused(tmp_path, small_host):
     assert 4 * text_bytes + STEP_BYTES > AVAILABLE_BYTES >= 4 * text_bytes - STEP_BYTES
 
 
+def test_a_last_line_with_no_newline_is_charged_as_a_line(tmp_path, monkeypatch):
+    path = tmp_path / "one.jsonl"
+    path.write_bytes(LINE.rstrip(b"\n"))
+    monkeypatch.setattr(trace_stream, "CHECK_STEP_BYTES", 0)
+    monkeypatch.setattr(sim_memory, "available_bytes", lambda: charge(1, len(LINE) - 1) - 1)
+    with pytest.raises(SimulationTooLargeError) as error:
+        load_trace(str(path))
+    assert read_so_far(error.value) == (1, len(LINE) - 1)
+
+
+def test_memory_is_checked_a_step_ahead_of_the_charge(tmp_path, small_host):
+    """1,400 lines are charged 1,008,000 bytes, under the 1 MiB available, but not with the
+    64 KiB step more that each check asks for: refused, though what was read fits."""
+    path = tmp_path / "near.jsonl"
+    path.write_bytes(LINE * 1400)
+    assert charge(1400, 1400 * len(LINE)) < AVAILABLE_BYTES < charge(1400, 1400 * len(LINE)) \
+        + STEP_BYTES
+    with pytest.raises(SimulationTooLargeError) as error:
+        load_trace(str(path))
+    lines, text_bytes = read_so_far(error.value)
+    assert charge(lines, text_bytes) <= AVAILABLE_BYTES < charge(lines, text_bytes) + STEP_BYTES
+
+
 def test_a_plain_file_of_requests_is_refused_and_max_requests_reads_only_its_lines(
         tmp_path, small_host):
     path = tmp_path / "many.jsonl"

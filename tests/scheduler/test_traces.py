@@ -165,6 +165,12 @@ def test_fit_to_length_scales_long_requests_in_proportion_and_keeps_short_ones()
     assert (tiny[0].prompt_len, tiny[0].output_len) == (1, 1)
 
 
+def test_a_request_exactly_max_len_long_is_kept_and_not_counted_as_scaled():
+    """Only requests longer than max_len are scaled (the count a run reports)."""
+    exact = [TraceEntry(1500, 500, 0.0, (7, 8, 9)), TraceEntry(1999, 1, 1.0)]
+    assert fit_to_length(exact, 2000) == (exact, 0)
+
+
 def test_simulate_replays_a_bundled_trace_by_name(capsys):
     from vmemkv.cli import main
     assert main(["simulate", "--trace", "azure-conv", "--max-requests", "150", "--rate-scale", "2",

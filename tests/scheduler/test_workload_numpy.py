@@ -47,6 +47,16 @@ def test_standard_workload_token_totals_are_pinned():
     assert sum(e.output_len for e in entries) == 746_172
 
 
+def test_scaled_lengths_never_pass_the_max_total_len_and_keep_a_token_each():
+    """Both rounded up could pass the limit (1 + 100 tokens into 2: 1 and round(1.98) = 2)."""
+    assert scale_to_length(1, 100, 2) == (1, 1)
+    for max_total_len in range(2, 12):
+        for prompt_len in range(1, 30):
+            for output_len in range(1, 30):
+                p, o = scale_to_length(prompt_len, output_len, max_total_len)
+                assert p >= 1 and o >= 1 and p + o <= max_total_len, (prompt_len, output_len)
+
+
 def test_too_long_requests_are_scaled_in_proportion():
     assert scale_to_length(3000, 3000, 4096) == (2048, 2048)
     assert scale_to_length(9000, 1000, 1000) == (900, 100)
