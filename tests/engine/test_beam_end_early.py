@@ -58,3 +58,33 @@ def test_finished_hypotheses_and_live_beams_are_ranked_together_best_first(close
     for c in out.outputs:
         assert c.beam_score == pytest.approx(c.cumulative_logprob / len(c.token_ids), rel=1e-5)
 
+
+
+def test_an_interrupt_in_the_step_a_beam_search_is_done_undoes_its_end(monkeypatch):
+    """The step that finishes a beam search is interrupted while it is recorded (after its
+    output is filled): the step is undone whole, the request live again (not "finished" with
+    no beams), and the resumed run returns an uninterrupted run's beams."""
+    from vmemkv.runtime.engine.engine import Engine as EngineClass
+
+    params = BeamSearchParams(2, max_new_tokens=4, ignore_eos=True)
+    prompt = [1, 2, 3, 4, 5]
+    with Engine(model(), cache="vmem", max_batch=4, max_context=64) as engine:
+        (want,) = engine.beam_search([prompt], params)
+        count_finished, interrupted = EngineClass._count_finished, []
+
+        def interrupted_count(self, events):
+            if any(event.finished for event in events) and not interrupted:
+                interrupted.append(1)
+                raise KeyboardInterrupt
+            return count_finished(self, events)
+
+        monkeypatch.setattr(EngineClass, "_count_finished", interrupted_count)
+        rid = engine.add_beam_request(prompt, params)
+        with pytest.raises(KeyboardInterrupt):
+            engine.run_until_done()
+        assert engine.status(rid) == "running" and engine.output(rid).outputs == []
+        engine.run_until_done()
+        got = engine.output(rid, pop=True)
+    assert got.status == "finished"
+    assert [(c.token_ids, c.beam_score) for c in got.outputs] == \
+        [(c.token_ids, c.beam_score) for c in want.outputs]

@@ -115,3 +115,30 @@ def test_reclaiming_ops_name_nobody_and_owners_survive_pickling_without_changing
     assert back == ops and MapExtent(1, 2, "full", (3,), owner=7) == MapExtent(1, 2, "full", (3,))
     # a reclaiming op's owner is a class constant: its pickle is as before
     assert b"owner" not in pickle.dumps(UnmapExtent(1, 2, "full"))
+
+
+def test_a_request_failed_while_swapped_out_leaves_nothing_in_the_prefix_cache():
+    """A request ended "failed" while its sequence is swapped out (its SwapIn keeps failing) is
+    unpublished as a resident one is (ending.py): the same prompt later finds none of its units
+    (its swapped-out units stay cached until then)."""
+    batch = [p[:21] for p in prompts(3, 21, 30, seed=31)]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    with Engine(model(), max_plan_retries=RETRIES, self_check=False, prefix_sharing=True,
+                **TIGHT_SWAP) as engine:
+        fault = OwnerFault(engine, SwapIn)
+        rids = [engine.add_request(p, params) for p in batch]
+        owner_of = {s: rid for rid in rids for s in engine._requests[rid].seq_ids}
+        while fault.victim is None or engine.status(owner_of[fault.victim]) != "failed":
+            try:
+                engine.step()
+            except PlanExecutionError:   # a failed step, raised until its request is failed
+                pass
+        victim = rids.index(owner_of[fault.victim])
+        for rid in rids:          # the others end now: nothing they free evicts the failed one's
+            if engine.status(rid) not in ("failed", "finished"):
+                engine.abort(rid)
+        engine.kv.cache.execute = fault.execute            # the fault is gone
+        hits = engine.kv.manager.prefix_hits
+        again = engine.generate([batch[victim]], params)[0]
+        assert engine.kv.manager.prefix_hits == hits       # nothing of the failed one is found
+    assert again.status == "finished" and len(again.outputs[0].token_ids) == 24

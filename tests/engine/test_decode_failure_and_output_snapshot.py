@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from vmemkv.runtime.engine import BeamSearchParams, Engine, SamplingParams
+from vmemkv.runtime.engine.errors import UnknownRequestError
 
 from .conftest import model, prompts
 from .test_request_fault_isolation import assert_released, samples
@@ -93,7 +94,8 @@ def test_a_beam_search_whose_text_cannot_be_decoded_fails_alone():
 
 
 def test_an_edit_to_a_live_requests_output_changes_nothing_the_engine_does():
-    params = SamplingParams(max_new_tokens=8, ignore_eos=True, repetition_penalty=1.5)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, repetition_penalty=1.5,
+                            logprobs=1)
     with Engine(model(), **ENGINE) as engine:
         (want,) = engine.generate([[1, 2, 3]], params)
         rid = engine.add_request([1, 2, 3], params)
@@ -103,9 +105,30 @@ def test_an_edit_to_a_live_requests_output_changes_nothing_the_engine_does():
         assert mid.outputs[0].token_ids == want.outputs[0].token_ids[:2]
         mid.outputs[0].token_ids.append(42)    # the caller edits what it was handed
         mid.outputs[0].token_times_s.clear()
+        mid.outputs[0].logprobs.clear()
         mid.outputs.clear()
         engine.run_until_done()
         out = engine.output(rid, pop=True)
     assert out.status == "finished" and len(out.outputs) == 1
     assert out.outputs[0].token_ids == want.outputs[0].token_ids   # penalties read no 42
     assert len(out.outputs[0].token_times_s) == 8
+    assert out.outputs[0].logprobs == want.outputs[0].logprobs      # the engine's, not cleared
+
+
+def test_popping_a_live_requests_output_forgets_nothing():
+    """``output(rid, pop=True)`` forgets an ended request only: a live one's pop is a snapshot,
+    and the request runs on to its whole output, which a later pop then forgets."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    with Engine(model(), **ENGINE) as engine:
+        (want,) = engine.generate([[1, 2, 3]], params)
+        rid = engine.add_request([1, 2, 3], params)
+        engine.step()
+        engine.step()
+        mid = engine.output(rid, pop=True)
+        assert mid.outputs[0].token_ids == want.outputs[0].token_ids[:2]
+        assert engine.status(rid) == "running"
+        engine.run_until_done()
+        out = engine.output(rid, pop=True)
+        with pytest.raises(UnknownRequestError):
+            engine.output(rid)
+    assert out.status == "finished" and out.outputs[0].token_ids == want.outputs[0].token_ids

@@ -33,6 +33,7 @@ def finish_and_check(engine, ids, batch, aborted):
             assert o.status == "finished" and tokens([o])[0] == want[i], i
     stats = engine.cache.manager.stats()
     assert stats.live_tokens == 0 and engine.cache.swapped_bytes == 0
+    assert engine.scheduler.seqs == {}   # no record of an ended sequence is kept, aborted too
     engine.cache.check_integrity()
     return out
 
@@ -140,3 +141,20 @@ def test_abort_a_request_whose_prefix_another_sequence_hit():
         engine.abort(ids[1])
         finish_and_check(engine, ids, batch, aborted=1)
         assert engine.cache.manager.prefix_hits >= 64
+
+
+def test_status_is_the_furthest_along_of_a_requests_samples():
+    """A request whose samples are one running and one swapped out is "running" (its
+    furthest along), not "swapped"; it finishes every sample."""
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True, n=2, temperature=1.0, seed=1)
+    # 2 page groups of 32 tokens: two samples of 20 + 30 tokens cannot both stay
+    with Engine(model(), preemption="swap", swap_bytes=1 << 20,
+                **dict(VMEM, cache_bytes=2 * 16 * KiB)) as engine:
+        rid = engine.add_request(prompts(1, 20, 20, seed=3)[0], params)
+        while not (engine.scheduler.running and engine.scheduler.swapped):
+            assert engine.has_unfinished(), "no sample was ever swapped out beside a running one"
+            engine.step()
+        assert engine.status(rid) == "running"
+        engine.run_until_done()
+        out = engine.output(rid, pop=True)
+    assert out.status == "finished" and [len(c.token_ids) for c in out.outputs] == [30, 30]

@@ -233,3 +233,83 @@ def test_an_interrupt_at_each_of_a_runs_last_engine_lines_leaves_the_engine_step
         counter.disarm()
         lines = 10**9 - counter.left
         assert sweep(engine, batch, LEAN, "line", first=lines - 40, traced=files) >= 40
+
+
+def test_an_interrupted_steps_kv_usage_sample_is_undone_with_it(monkeypatch):
+    """A step interrupted as it commits is undone whole, its K/V usage sample too: the stats
+    of the resumed run (usage mean and peak, steps, tokens) are an uninterrupted run's."""
+    from vmemkv.runtime.transaction import Phase, StepTransaction
+
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    batch = prompts(2, 5, 30, seed=8)
+    with Engine(model(), cache="vmem", **ENGINE) as engine:
+        engine.generate(batch, params)
+        want = engine.stats()
+    commit, recorded = StepTransaction.commit, []
+
+    def interrupted_commit(self):
+        if self.phase is Phase.EXECUTED:
+            recorded.append(1)
+            if len(recorded) == 2:      # the second step's recording, before its commit point
+                raise KeyboardInterrupt
+        commit(self)
+
+    monkeypatch.setattr(StepTransaction, "commit", interrupted_commit)
+    with Engine(model(), cache="vmem", **ENGINE) as engine:
+        for prompt in batch:
+            engine.add_request(prompt, params)
+        with pytest.raises(KeyboardInterrupt):
+            engine.run_until_done()
+        engine.run_until_done()
+        got = engine.stats()
+    assert len(recorded) > 2
+    assert (got.steps, got.output_tokens, got.kv_usage_peak) == \
+        (want.steps, want.output_tokens, want.kv_usage_peak)
+    assert got.kv_usage_mean == want.kv_usage_mean
+
+
+def test_callbacks_raising_in_one_step_raise_the_first_ones_error_after_all_ran():
+    """Two callbacks raise in the same step: both get their token, and the step raises the
+    first one's error (in delivery order), not the last."""
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with Engine(model(), cache="vmem", **ENGINE) as engine:
+        seen = []
+
+        def raising(name):
+            def on_token(event):
+                seen.append(name)
+                raise ValueError(f"callback {name} failed")
+            return on_token
+
+        for name, prompt in zip("ab", prompts(2, 5, 9, seed=5)):
+            engine.add_request(prompt, params, on_token=raising(name))
+        with pytest.raises(ValueError, match="callback a failed"):
+            engine.run_until_done()
+    assert seen == ["a", "b"]
+
+
+@pytest.mark.parametrize("cache", ["vmem", "paged"])
+def test_an_interrupt_before_a_plans_table_edits_reach_the_cache_loses_none(cache):
+    """An interrupt as the cache is about to take a plan's table edits (its memory ops done):
+    the step is forgotten, the memory kept, and the next plan sends the tables in full, so the
+    resumed run has an uninterrupted run's tokens."""
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    batch = prompts(2, 5, 12, seed=9)
+    with Engine(model(), cache=cache, **ENGINE) as engine:
+        want = results(engine.generate(batch, params))
+        apply_tables, calls = engine.runner.cache.apply_tables, []
+
+        def interrupted(edits):
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            return apply_tables(edits)
+
+        engine.runner.cache.apply_tables = interrupted
+        ids = [engine.add_request(p, params) for p in batch]
+        with pytest.raises(KeyboardInterrupt):
+            engine.run_until_done()
+        engine.run_until_done()
+        got = results([engine.output(rid, pop=True) for rid in ids])
+        engine.cache.check_integrity()
+    assert got == want

@@ -40,3 +40,34 @@ def test_a_failed_requests_kv_fixes_no_scales(kv_cache_dtype, cache):
     assert torch.equal(scales.k, want_k) and torch.equal(scales.v, want_v)   # A's, not B's
     assert scales.v[0].max().item() < 0.1 and scales.unsettled == []
     assert [first[1].outputs[0].token_ids, later[0].outputs[0].token_ids] == want
+
+
+def test_scales_a_recorded_step_fixed_stay_fixed_when_its_commit_is_interrupted(monkeypatch):
+    """An interrupt inside a step's commit, past its commit point, leaves the step recorded:
+    the 8-bit scales its writes fixed are kept (not unfixed for the next write to fix from other
+    values), so the resumed run has the tokens and scales of an uninterrupted one."""
+    from vmemkv.runtime.transaction import Phase, StepTransaction
+
+    options = dict(cache="vmem", max_batch=4, max_context=64, kv_cache_dtype="int8")
+    with Engine(build_model("tiny-llama", seed=0), **options) as reference:
+        want = reference.generate(PROMPTS[:1], PLAIN)[0].outputs[0].token_ids
+        want_k, want_v = (t.clone() for t in (reference.kv.cache.kv_scales.k,
+                                              reference.kv.cache.kv_scales.v))
+    close, interrupted = StepTransaction._close, []
+
+    def interrupted_close(self, keep):
+        if self.phase is Phase.RECORDED and not interrupted:   # the first step's commit
+            interrupted.append(1)
+            raise KeyboardInterrupt
+        close(self, keep)
+
+    monkeypatch.setattr(StepTransaction, "_close", interrupted_close)
+    with Engine(build_model("tiny-llama", seed=0), **options) as engine:
+        rid = engine.add_request(PROMPTS[0], PLAIN)
+        with pytest.raises(KeyboardInterrupt):
+            engine.run_until_done()
+        engine.run_until_done()
+        got = engine.output(rid, pop=True).outputs[0].token_ids
+        scales = engine.kv.cache.kv_scales
+        assert torch.equal(scales.k, want_k) and torch.equal(scales.v, want_v)
+    assert got == want

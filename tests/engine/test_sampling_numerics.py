@@ -46,6 +46,28 @@ def test_a_tiny_top_p_keeps_exactly_the_likeliest_token():
             assert tokens(engine.generate(batch, params)) == want
 
 
+
+def test_top_p_keeps_every_token_until_the_mass_before_it_reaches_top_p():
+    """Probabilities 0.5, 0.3, 0.2 and top_p 0.7: the mass before the second token (0.5) is
+    under 0.7, so it is kept although it takes the sum past 0.7; the third (0.8 before) is not."""
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    params = SamplingParams(temperature=1.0, top_p=0.7, seed=0)
+    sample = SampleState(0, params, make_generator(0, 0, torch.device("cpu")))
+    drawn = [Sampler().sample(logits, [sample])[0] for _ in range(400)]
+    assert set(drawn) == {0, 1}
+    assert 0.25 < drawn.count(1) / len(drawn) < 0.5          # 0.3 / 0.8 = 0.375 of the draws
+
+
+def test_a_temperature_under_one_sharpens_the_distribution():
+    """Scores are divided by the temperature: probabilities 0.6 and 0.4 at temperature 0.25
+    become 0.6**4 : 0.4**4, so the second token is drawn about 16.5% of the time (not 47.5%,
+    as multiplying by it would flatten them)."""
+    logits = torch.tensor([[0.6, 0.4]]).log()
+    sample = SampleState(0, SamplingParams(temperature=0.25, seed=0),
+                         make_generator(0, 0, torch.device("cpu")))
+    drawn = [Sampler().sample(logits, [sample])[0] for _ in range(400)]
+    assert 0.1 < drawn.count(1) / len(drawn) < 0.25
+
 @pytest.mark.parametrize("name", FLOAT_FIELDS)
 @pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
 def test_non_finite_values_are_refused_naming_the_field(name, value):

@@ -189,6 +189,23 @@ def test_a_failed_one_phase_run_undoes_planners_and_the_callers_state():
     assert (scheduler.values, manager.values, executor.memory) == ([1], [2], [2])
 
 
+
+def test_an_interrupted_one_phase_run_is_undone_as_a_failed_one():
+    """``run`` is all or nothing for any exception: a KeyboardInterrupt while the plan is made
+    rolls the planners and the caller's state back and leaves no transaction open."""
+    txn, scheduler, manager, executor = parts()
+    undone = []
+
+    def make_plan():
+        scheduler.values.append(1)
+        manager.values.append(2)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        txn.run(make_plan, lambda: undone.append(1))
+    assert (scheduler.values, manager.values, executor.memory, undone) == ([], [], [], [1])
+    assert txn.phase is Phase.IDLE and not scheduler.in_transaction and not manager.in_transaction
+
 class LineInterrupter:
     """KeyboardInterrupt at the k-th line event of ``function`` in runtime/transaction.py."""
 

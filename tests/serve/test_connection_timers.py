@@ -138,3 +138,35 @@ def test_a_request_being_served_is_not_cut_by_the_header_timer(connect):
     protocol.data_received(b"bc")
     settle()
     assert transport.written.startswith(b"HTTP/1.1 200 OK") and not transport.closed
+
+
+def _read_body(chunks, max_body_bytes: int) -> bytes:
+    """The body ``chunks`` (one ASGI message each) as ``BodyLimits`` lets the app read it."""
+    from vmemkv.runtime.serve.limits import BodyLimits
+
+    messages = iter([{"type": "http.request", "body": chunk, "more_body": i < len(chunks) - 1}
+                     for i, chunk in enumerate(chunks)])
+
+    async def receive():
+        return next(messages)
+
+    async def read() -> bytes:
+        body = BodyLimits(receive, {"client": ("10.0.0.1", 5)},
+                          ServeLimits(max_body_bytes=max_body_bytes))
+        got = b""
+        while True:
+            message = await body()
+            got += message["body"]
+            if not message["more_body"]:
+                return got
+    return asyncio.run(read())
+
+
+def test_a_chunked_body_of_exactly_max_body_bytes_is_read_and_one_byte_more_is_413():
+    from vmemkv.runtime.serve.errors import ApiError
+
+    chunks = [b"a" * 6, b"b" * 4]
+    assert _read_body(chunks, 10) == b"aaaaaabbbb"
+    with pytest.raises(ApiError) as refused:
+        _read_body(chunks, 9)
+    assert refused.value.status == 413 and "9 bytes" in str(refused.value.body())

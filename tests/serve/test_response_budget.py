@@ -235,3 +235,29 @@ def test_a_connection_write_paused_for_the_send_timeout_is_aborted(caplog):
 def test_a_send_timeout_that_is_not_a_positive_finite_number_is_refused(value):
     with pytest.raises(ServeConfigError, match=r"send_timeout_s \(--send-timeout\) must be"):
         check_send_timeout(value)
+
+
+def test_a_submission_the_queue_refuses_gives_its_reservation_back():
+    """The queue full at the first prompt (503): the submission raises it and holds none of
+    the response budget it reserved (else each refusal would shrink the budget for good)."""
+    from vmemkv.runtime.engine import SamplingParams
+    from vmemkv.runtime.serve.errors import ServerOverloadedError
+    from vmemkv.runtime.serve.submission import Submission
+
+    class FullEngineThread:
+        max_response_bytes = limits.DEFAULT_MAX_RESPONSE_BYTES
+
+        def __init__(self) -> None:
+            self.response_budget = ResponseBudget(MiB)
+
+        def submit(self, *args, **kwargs):
+            raise ServerOverloadedError(1)
+
+    thread = FullEngineThread()
+
+    async def submit():
+        Submission(thread, [[1, 2, 3]], SamplingParams(max_new_tokens=4), arrival_s=0.0)
+
+    with pytest.raises(ServerOverloadedError):
+        asyncio.run(submit())
+    assert thread.response_budget.held_bytes == 0

@@ -114,3 +114,29 @@ def test_a_stream_never_passes_the_limit_that_admitted_it(name):
     assert len(answered.content) <= estimate_bytes, (len(answered.content), estimate_bytes)
     one_less = _post(LongTokenEngineThread(estimate_bytes - 1), path, body)
     assert one_less.status_code == 400, one_less.text[:300]
+
+
+def test_a_streamed_chat_logprobs_entry_of_the_longest_token_fits_its_bound(monkeypatch):
+    """A stream's JSON has a space after every "," and ":": a chat logprobs entry of the
+    tokenizer's longest token, its ``bytes`` list one space a byte, with the longest logprob,
+    fits the stream bound's ``entry_bytes`` (and the compact one the JSON response's). The
+    token: 60 "é", each of its 120 bytes three digits in ``bytes``, its JSON string as long."""
+    from vmemkv.runtime.engine.logprobs import TokenLogprobs
+    from vmemkv.runtime.serve.limits import ResponseBounds
+    from vmemkv.runtime.serve.logprobs_format import TokenStrings, chat_logprobs
+    from vmemkv.runtime.serve.response_bounds import stream_bound
+
+    from . import test_tenant_hunt_fixes
+
+    monkeypatch.setattr(test_tenant_hunt_fixes, "LONG_TEXTS", ["é" * 60])
+    tokenizer = long_token_tokenizer.__wrapped__()        # not the cached one: this vocabulary
+    bound = ResponseBounds.of(tokenizer, len(tokenizer)).chat
+    strings = TokenStrings(tokenizer)
+    assert len(strings.token_bytes(256)) == 120
+    logprob = -1.2345678901234567e-308          # the longest float repr
+    (entry,) = chat_logprobs(strings, [TokenLogprobs(256, logprob, 1)])["content"]
+    top = {k: v for k, v in entry.items() if k != "top_logprobs"}     # as a top-k entry
+    assert len(json.dumps(top, ensure_ascii=False, separators=(",", ":")).encode()) \
+        <= bound.entry_bytes
+    assert len(json.dumps(top, ensure_ascii=False).encode()) \
+        <= stream_bound(bound, True, "m").entry_bytes
