@@ -34,13 +34,13 @@ class ApiError(ServeError):
         """The JSON body; text that is not Unicode (a lone surrogate a request sent, "\\ud800"
         in JSON, quoted back in the message) is backslash-escaped, so the answer can be encoded
         (it was a 500 in place of the 400)."""
-        return {"error": {"message": _encodable(self.message),
+        return {"error": {"message": escape_surrogates(self.message),
                           "type": ERROR_TYPES.get(self.status, "error"),
-                          "param": None if self.param is None else _encodable(self.param),
+                          "param": None if self.param is None else escape_surrogates(self.param),
                           "code": None}}
 
 
-def _encodable(text: str) -> str:
+def escape_surrogates(text: str) -> str:
     """``text`` with each lone surrogate written as its escape (``\\ud800``): valid UTF-8."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 

@@ -33,7 +33,7 @@ from vmemkv.runtime.engine.prompts import is_unicode_text
 from vmemkv.runtime.engine.sampling import (MAX_LOGIT_BIAS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                             SamplingParams)
 
-from .errors import ApiError
+from .errors import ApiError, escape_surrogates
 from .limits import loads_json
 
 MAX_PROMPTS = 256    # prompts in one completions request at most (each is an engine request)
@@ -231,7 +231,7 @@ def parse_model(body: bytes, model: Type[BaseModel]) -> BaseModel:
     odd = next((name for name in obj if not is_unicode_text(name)), None)
     if odd is not None:      # pydantic's message named no field (loc is empty)
         raise ApiError(400, f"the request body has a field name that is not Unicode text (a lone "
-                            f"surrogate): {odd.encode('utf-8', 'backslashreplace').decode()[:40]!r}")
+                            f"surrogate): {escape_surrogates(odd)[:40]!r}")
     try:
         return model.model_validate(obj)
     except ValidationError as error:
