@@ -48,7 +48,9 @@ pages) is charged 4.7 GB. Until 2026-12-07 every unit was charged 1,152 bytes, t
 page's, which charged that run 34 GB and refused it on a 23 GiB host; before that 96 bytes,
 measured on llama-3-8b alone, which let ``--model-preset tiny --cache-gb 130 --page-bytes
 1024`` start towards 34 GB (tests/scheduler/test_sim_memory_presets.py measures every preset
-and policy family, tests/scheduler/test_sim_memory_charge.py each geometry above).
+and policy family, tests/scheduler/test_sim_memory_charge.py each geometry above). A count of
+units given without their size is refused (TypeError), not charged a default: the 1,152 bytes
+kept for that under-charged a byte-mapped interleaved page (1,280) by a tenth.
 """
 from __future__ import annotations
 
@@ -70,8 +72,6 @@ BYTE_MAPPED_PAGE_BYTES = 128   # more a page where a member spans several pages 
 GROUP_KIND_BYTES = 1024   # a page group's tables, per layer kind it has extents in (830 measured)
 SLOT_BYTES = 1024         # a slot's tables (830 measured)
 BLOCK_BYTES = 320         # a paged block's tables (247 measured)
-POOL_UNIT_BYTES = 1152    # a unit charged without its geometry: an
-                          # interleaved page of one token's (1,094 the most measured)
 SAMPLE_TOKEN_BYTES = 16  # an output token of a sample or beam after the first (untimed)
 SAMPLE_BYTES = 1024      # a request's sample after the first (--n): its sequence's records
 BEAM_BYTES = 8192        # a beam after the first: its sequence's records, forks and prunes
@@ -92,16 +92,20 @@ def set_concurrent_simulations(count: int) -> None:
 
 def simulation_bytes(num_requests: int, output_tokens: int, pool_units: int = 0,
                      n: int = 1, beam_width: int = 0,
-                     unit_bytes: int = POOL_UNIT_BYTES) -> int:
+                     unit_bytes: Optional[int] = None) -> int:
     """Host memory a simulation of ``num_requests`` with ``output_tokens`` in all (one sequence
     each) needs, bytes, on a manager of ``pool_units`` pages or blocks of ``unit_bytes`` each
     (``pool_unit_bytes``); each request running ``n`` samples or ``beam_width`` beams (0: none)
-    of that many tokens each."""
+    of that many tokens each. Units without their size are refused (TypeError): no one size
+    is right for every geometry, and a guess would under-charge some."""
+    if pool_units and unit_bytes is None:
+        raise TypeError(f"simulation_bytes: pool_units={pool_units} given without unit_bytes; "
+                        f"a unit's charge depends on its geometry (pass pool_unit_bytes(config))")
     extra = (beam_width or n) - 1           # sequences per request after the first
     per_sequence = BEAM_BYTES if beam_width else SAMPLE_BYTES
     return (BASE_BYTES + num_requests * REQUEST_BYTES + output_tokens * TOKEN_BYTES
             + extra * (num_requests * per_sequence + output_tokens * SAMPLE_TOKEN_BYTES)
-            + pool_units * unit_bytes)
+            + pool_units * (unit_bytes or 0))
 
 
 def pool_unit_bytes(config: "SimConfig") -> int:
@@ -140,9 +144,10 @@ def available_bytes() -> Optional[int]:
 def check_simulation_fits(num_requests: int, output_tokens: int,
                           remedy: str = "simulate fewer requests", pool_units: int = 0,
                           n: int = 1, beam_width: int = 0,
-                          unit_bytes: int = POOL_UNIT_BYTES) -> None:
+                          unit_bytes: Optional[int] = None) -> None:
     """SimulationTooLargeError when the simulation (``simulation_bytes``) needs more than this
-    process's share of the host's available memory."""
+    process's share of the host's available memory; TypeError for ``pool_units`` without
+    ``unit_bytes``, as there."""
     pool = f" on a pool of {pool_units:,} pages or blocks" if pool_units else ""
     width = beam_width or n
     each = (f", run as {width:,} {'beams' if beam_width else 'samples'} each "

@@ -1,7 +1,8 @@
 """MemoryBudget's counts (scheduler/budget.py): a grow is reserved from decide to settle (two
 threads decided the same unclaimed bytes), the older blocked share is yielded to (first come,
-first served across shares), the unclaimed bytes leave out the minimums, and a closed share's
-pressure goes with it."""
+first served across shares; the oldest first, and never a share whose stamped requests
+ended), the unclaimed bytes leave out the minimums, a closed share's pressure goes with it, and
+a share left with only swapped sequences asks at least one resize step."""
 import pytest
 
 from vmemkv.scheduler.budget import MemoryBudget
@@ -16,12 +17,13 @@ from .test_budget_liveness_machine import resize
 BPT = TINY.bytes_per_token
 
 
-def lane(budget, name, held, min_tokens=32, max_tokens=256, peak=256):
+def lane(budget, name, held, min_tokens=32, max_tokens=256, peak=256, swap_tokens=0):
     """A growable scheduler whose pool has held ``peak`` tokens, holding ``held`` now, and its
-    share of ``budget``."""
+    share of ``budget``; with ``swap_tokens`` of swap space it preempts by swapping."""
     mgr = make_manager("vmem", TINY, peak * BPT, 256, page_bytes=PAGE, layout="interleaved",
-                       max_cache_bytes=max_tokens * BPT)
-    sched = Scheduler(mgr, SchedulerConfig(max_running=4, max_seq_len=256))
+                       max_cache_bytes=max_tokens * BPT, swap_bytes=swap_tokens * BPT)
+    sched = Scheduler(mgr, SchedulerConfig(max_running=4, max_seq_len=256,
+                                           preemption="swap" if swap_tokens else "recompute"))
     sched.growable = True
     sched.resize(held * BPT)
     mgr.take_ops()
@@ -161,17 +163,25 @@ def test_a_busy_share_is_preempted_only_for_what_a_blocked_one_cannot_run_withou
     assert b.pressure_bytes == 0              # withdrawn: a no longer asks
 
 
+def _a_waits_beside_busy_b(a_max_tokens, b_min_tokens, b_turns):
+    """A budget of 256 tokens: b holds 224 and has run a 60-token request (150 to generate) for
+    ``b_turns`` turns; a holds 32 (its minimum, up to ``a_max_tokens``) and has a 200-token
+    request (10 to generate) just added. ((a's scheduler, share), (b's scheduler, share))."""
+    budget = MemoryBudget(256 * BPT, idle_release_s=1.0, grow_fraction=0.125,
+                          clock=lambda: 0.0)
+    sa, a = lane(budget, "a", 32, min_tokens=32, max_tokens=a_max_tokens, peak=a_max_tokens)
+    sb, b = lane(budget, "b", 224, min_tokens=b_min_tokens, max_tokens=224, peak=224)
+    sb.add_request(Request(0, prompt_len=60, max_tokens=150))
+    for _ in range(b_turns):
+        _run_turn(sb, b)
+    sa.add_request(Request(1, prompt_len=200, max_tokens=10))
+    return (sa, a), (sb, b)
+
+
 def test_a_share_yields_to_an_older_blocked_one_down_to_its_minimum_only():
     """a, blocked, misses 178 tokens; b holds 224 with a minimum of 64: b yields down to 64
     (preempting), never below it, though a misses more than b's 160 spare."""
-    budget = MemoryBudget(256 * BPT, idle_release_s=1.0, grow_fraction=0.125,
-                          clock=lambda: 0.0)
-    sa, a = lane(budget, "a", 32, min_tokens=32, max_tokens=256, peak=256)
-    sb, b = lane(budget, "b", 224, min_tokens=64, max_tokens=224, peak=224)
-    sb.add_request(Request(0, prompt_len=60, max_tokens=150))
-    for _ in range(3):
-        _run_turn(sb, b)
-    sa.add_request(Request(1, prompt_len=200, max_tokens=10))
+    (sa, a), (sb, b) = _a_waits_beside_busy_b(a_max_tokens=256, b_min_tokens=64, b_turns=3)
     assert a.decide(sa) is None and a.blocked and a.ask_bytes == 178 * BPT
     a.settle(sa.manager.cache_bytes)
     assert b.decide(sb) == 64 * BPT and b.preempts
@@ -181,14 +191,7 @@ def test_a_blocked_share_whose_request_was_aborted_holds_nobody_back():
     """a blocks for a 210-token request, b yields to it, then a's request is aborted and a,
     with nothing left, is not stepped again: b (younger) waited for ever for the bytes a
     still 'asked' (b finished only after a's next decide)."""
-    budget = MemoryBudget(256 * BPT, idle_release_s=1.0, grow_fraction=0.125,
-                          clock=lambda: 0.0)
-    sa, a = lane(budget, "a", 32, min_tokens=32, max_tokens=224, peak=224)
-    sb, b = lane(budget, "b", 224, min_tokens=32, max_tokens=224, peak=224)
-    sb.add_request(Request(0, prompt_len=60, max_tokens=150))
-    for _ in range(5):
-        _run_turn(sb, b)
-    sa.add_request(Request(1, prompt_len=200, max_tokens=10))
+    (sa, a), (sb, b) = _a_waits_beside_busy_b(a_max_tokens=224, b_min_tokens=32, b_turns=5)
     _run_turn(sa, a)
     assert a.blocked and not sa.running
     assert _run_turn(sb, b) and b.stats.yields == 1        # b yields to a, preempting
@@ -200,3 +203,51 @@ def test_a_blocked_share_whose_request_was_aborted_holds_nobody_back():
         if not sb.has_unfinished():
             break
     assert not sb.has_unfinished() and sb.metrics.generated_tokens == 150
+
+
+def test_a_share_left_with_only_swapped_sequences_asks_at_least_one_resize_step():
+    """With only swapped sequences a share asks at least one byte more (budget_needs: what its
+    head lacks is at least one byte, the pool's next resize step), even where the head's tokens
+    and its room to decode fit the unused bytes: the scheduler may still not swap it in (a beam
+    group needs more than its head). a's request (41 tokens, 19 to go) is swapped out by a
+    shrink to 32 tokens and the pool grown back to 128: it asks, and grows by its grow step."""
+    budget = MemoryBudget(384 * BPT, grow_fraction=0.125, clock=lambda: 0.0)
+    sa, a = lane(budget, "a", 128, swap_tokens=256)
+    sa.add_request(Request(0, prompt_len=40, max_tokens=20))
+    sa.update({s.seq_id: 1 for s in sa.schedule().seqs if s.sample})
+    resize(sa, a, 32 * BPT, preempt=True)
+    resize(sa, a, a.grant(128 * BPT))
+    assert (len(sa.running), len(sa.swapped), sa.swapped[0].length) == (0, 1, 41)
+    assert sa.manager.stats().free_tokens >= 41 + 19
+    assert a.decide(sa) == (128 + 32) * BPT and a.blocked and a.ask_bytes == 2 * BPT
+
+
+def test_a_share_whose_stamped_request_ended_before_anyone_yielded_is_yielded_nothing():
+    """Ages tie only at 'none' (no stamped sequence alive), and a share of no age is older than
+    nobody: a blocks for its 210-token request, which is aborted before b decides; b, of no age
+    either, yields nothing: it gives a's pressure only the 14 tokens its running request will
+    never use, preempting nothing (read as an equal's, a's leftover ask had b yield down to its
+    minimum, preempting its running request for a share that wants nothing)."""
+    (sa, a), (sb, b) = _a_waits_beside_busy_b(a_max_tokens=224, b_min_tokens=32, b_turns=5)
+    _run_turn(sa, a)
+    assert a.blocked and a.ask_bytes > 0 and not sa.running and b.age == float("inf")
+    sa.abort_request(1)
+    assert b.decide(sb) == 210 * BPT and not b.preempts and b.stats.yields == 0
+
+
+def test_a_share_yields_first_to_the_oldest_of_the_blocked_shares_older_than_it():
+    """a blocks first (stamp 1, missing 178 tokens), then c (stamp 2, missing 78): b, busy with
+    320 tokens, yields what a misses (down to 142), not what c, younger, misses (242)."""
+    budget = MemoryBudget(384 * BPT, idle_release_s=1.0, grow_fraction=0.125,
+                          clock=lambda: 0.0)
+    sb, b = lane(budget, "b", 320, min_tokens=32, max_tokens=320, peak=320)
+    (sa, a), (sc, c) = (lane(budget, name, 32) for name in "ac")
+    sb.add_request(Request(0, prompt_len=60, max_tokens=150))
+    for _ in range(3):
+        _run_turn(sb, b)
+    sa.add_request(Request(1, prompt_len=200, max_tokens=10))
+    sc.add_request(Request(2, prompt_len=100, max_tokens=10))
+    _run_turn(sa, a)
+    _run_turn(sc, c)
+    assert (a.age, a.ask_bytes, c.age, c.ask_bytes) == (1, 178 * BPT, 2, 78 * BPT)
+    assert b.decide(sb) == (320 - 178) * BPT and b.preempts

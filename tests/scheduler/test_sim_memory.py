@@ -53,13 +53,13 @@ def test_a_pool_of_billions_of_pages_is_refused_before_its_manager_is_built():
 
 
 @pytest.mark.parametrize("policy, layout, page_bytes, unit_bytes, units", [
-    ("vmem", "interleaved", 131072, 131072, 20_000),   # a token a page, two a group: the worst
-    ("vmem", "per-layer", 4096, 4096, 200_000),        # 64 pages a group: charged 14 times
+    ("vmem", "interleaved", 131072, 131072, 20_000),   # a token a page, two a group: 1,152
+    ("vmem", "per-layer", 4096, 4096, 200_000),        # 64 pages a group: 160 bytes a page
     ("paged", "per-layer", 4096, 16 * 131072, 200_000)])    # (a paged pool's unit: a block)
-def test_the_pool_charge_covers_the_managers_tables_within_twice_of_the_worst(
+def test_each_units_charge_covers_the_managers_tables_within_twice_for_a_token_page(
         policy, layout, page_bytes, unit_bytes, units):
-    """Only the pool's unit count reaches the check, so every unit is charged what the
-    worst geometry's takes: within twice of that, more than the others."""
+    """Each unit is charged its geometry's ``pool_unit_bytes``: at least what the manager's
+    tables take, and within twice of it for the interleaved page of a token."""
     config = SimConfig(policy=policy, layout=layout, page_bytes=page_bytes,
                        cache_bytes=units * unit_bytes)
     assert config.pool_units == units
@@ -70,7 +70,7 @@ def test_the_pool_charge_covers_the_managers_tables_within_twice_of_the_worst(
     finally:
         tracemalloc.stop()
     assert manager is not None
-    charged = config.pool_units * sim_memory.POOL_UNIT_BYTES
+    charged = config.pool_units * pool_unit_bytes(config)
     assert peak <= charged, (peak, charged)
     assert layout != "interleaved" or charged <= 2 * peak, (peak, charged)
 

@@ -1,9 +1,10 @@
 """The memory check charges a pool page (vmem) or block (paged) by its geometry
 (scheduler/sim_memory.py ``pool_unit_bytes``), at least what the manager's tables take: each
 geometry's tables are measured here with tracemalloc on a small pool (the manager built and its
-integrity checked, per unit beyond a pool a quarter the size). Every unit was charged the
-worst geometry's 1,152 bytes, so llama-3-8b with 120 GB of cache at 4 KiB pages (29 million
-pages, 2.4 GB of tables) was charged 34 GB and refused on a 23 GiB host."""
+integrity checked, per unit beyond a pool a quarter the size). Every unit was charged an
+interleaved token page's 1,152 bytes, so llama-3-8b with 120 GB of cache at 4 KiB pages (29
+million pages, 2.4 GB of tables) was charged 34 GB and refused on a 23 GiB host; a byte-mapped
+interleaved page (1,280) was charged a tenth short."""
 import gc
 import tracemalloc
 
@@ -87,6 +88,21 @@ def test_a_vmem_page_is_charged_the_documented_bytes_its_table_shares_rounded_up
     assert charges["per-layer, hybrid split"] == 282
     assert charges["per-layer, byte-mapped"] == 512 and charges["per-layer, a token a page"] == 384
     assert charges["per-layer, sliding window"] == 160
+
+
+def test_pool_units_without_their_size_are_refused_not_charged_a_default():
+    """A count of units reaching the check without ``unit_bytes`` was charged 1,152 bytes each,
+    a tenth short of a byte-mapped interleaved page's 1,280: a silently low charge."""
+    config = GEOMETRIES["interleaved, byte-mapped"](GROUPS)
+    units, unit_bytes = config.pool_units, pool_unit_bytes(config)
+    assert (units, unit_bytes) == (1600, 1280)            # the worst geometry
+    for charge in (lambda: simulation_bytes(10, 100, units),
+                   lambda: check_simulation_fits(10, 100, pool_units=units)):
+        with pytest.raises(TypeError, match=f"pool_units={units} given without unit_bytes"):
+            charge()
+    assert simulation_bytes(10, 100, units, unit_bytes=unit_bytes) == \
+        simulation_bytes(10, 100) + units * 1280
+    assert simulation_bytes(10, 100, 0) == simulation_bytes(10, 100)     # no units: no size
 
 
 def test_llama_with_120_gb_of_4_kib_pages_is_not_refused_by_the_charge(monkeypatch):
