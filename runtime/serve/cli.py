@@ -76,7 +76,8 @@ def _security_flags(g) -> None:
     g.add_argument("--max-requests-per-key", type=bounded(int, 1), default=None, metavar="N",
                    help="requests in flight at most per API key (each prompt counts one, as "
                         "against --max-queue); past it: 429 + Retry-After; needs --api-key "
-                        "(default: no per-key cap, one key may take all of --max-queue)")
+                        "and must be less than --max-queue and --max-connections (default: no "
+                        "per-key cap, one key may take all of --max-queue)")
     g.add_argument("--max-body-bytes", type=parse_bytes, default=4 * 2**20, metavar="SIZE",
                    help="largest request body; larger: 413 (default: 4 MiB)")
     g.add_argument("--max-response-bytes", type=parse_bytes, default=64 * 2**20, metavar="SIZE",
@@ -180,7 +181,8 @@ def run(args) -> int:
     from .submission import ResponseBudget
     ResponseBudget.of(limits.max_response_bytes, args.max_response_memory_bytes)   # as Server
     from .in_flight import check_max_requests_per_key
-    check_max_requests_per_key(args.max_requests_per_key, auth.api_keys)          # as Server
+    check_max_requests_per_key(args.max_requests_per_key, auth.api_keys, args.max_queue,
+                               limits.max_connections)     # as Server
     generate_cli._check_device(args.device)
     generate_cli._check_flags(args)
     _check_before_loading(args)

@@ -66,6 +66,22 @@ class KeyAtLimitError(ApiError):
                               f"some have finished", headers={"Retry-After": str(retry_after_s)})
 
 
+class KeyBudgetError(ApiError):
+    """429: the responses this API key holds (being made, or not yet read by its clients) and
+    this one would pass its share of the server's response budget; the message names this
+    key's own figures only (never another key's, nor what the whole budget holds)."""
+
+    def __init__(self, held_bytes: int, size_bytes: int, share_bytes: int,
+                 retry_after_s: int = 1) -> None:
+        super().__init__(429, f"this API key's responses (being made or not yet read) hold "
+                              f"{held_bytes:,} bytes and this one could take {size_bytes:,}, "
+                              f"past its share of {share_bytes:,} bytes of the server's response "
+                              f"budget (--max-response-memory-bytes x --max-requests-per-key / "
+                              f"--max-queue, at least --max-response-bytes); retry after "
+                              f"{retry_after_s} s, once some have been read",
+                         headers={"Retry-After": str(retry_after_s)})
+
+
 class EngineAsleepError(ApiError):
     """503: the engine is asleep (``POST /sleep``); a new request is refused until
     ``POST /wake_up`` (the requests queued before the sleep wait and are served after it)."""

@@ -69,7 +69,8 @@ class Server:
             raise ServeConfigError(f"max_queue must be an int >= 1, got {max_queue!r}")
         check_send_timeout(send_timeout_s)
         self.limits, self.auth = limits or ServeLimits(), auth or AuthConfig()
-        check_max_requests_per_key(max_requests_per_key, self.auth.api_keys)
+        check_max_requests_per_key(max_requests_per_key, self.auth.api_keys, max_queue,
+                                   self.limits.max_connections)
         self.metrics = ServeMetrics(model_name)
         # each Submission reads its response limit and budget there (submission.py, limits.py)
         budget = ResponseBudget.of(self.limits.max_response_bytes, max_response_memory_bytes)

@@ -30,6 +30,10 @@ has finished it.
 With an API ``key`` its prompts are checked against the key's share of the requests in flight
 first (``--max-requests-per-key``: in_flight.py), all of them at once: past it, KeyAtLimitError
 429 + Retry-After, with nothing reserved or queued (a prompt count past the cap alone: 400).
+Then its estimate against the key's share of the response budget (the same share as of the
+queue, at least one response at ``max_response_bytes``: ``RequestsInFlight.key_share_bytes``):
+past it, KeyBudgetError 429 + Retry-After, nothing reserved: one key within its requests in
+flight could hold the whole budget, and every other key got 503 until its clients read.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, List, Optional, Sequence
+from typing import AsyncIterator, Dict, List, Optional, Sequence
 
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
 from vmemkv.runtime.engine.errors import (BeamSearchParamsError, CacheShrunkRequestError,
@@ -46,8 +50,8 @@ from vmemkv.runtime.engine.logprobs import TokenLogprobs
 from vmemkv.runtime.engine.sampling import SamplingParams
 
 from .engine_thread import Ended, EngineThread, Token, choices_per_prompt
-from .errors import (ApiError, cache_shrunk, cannot_hold, internal_error, rejected_running,
-                     request_failed)
+from .errors import (ApiError, KeyBudgetError, cache_shrunk, cannot_hold, internal_error,
+                     rejected_running, request_failed)
 from vmemkv.vmem.host import meminfo_bytes
 
 from .errors import ServeConfigError
@@ -115,7 +119,11 @@ class Submission:
         if key is not None:         # every prompt fits the key's share, or none is queued
             server.in_flight.check_key_room(key, len(prompts))
         budget = server.response_budget    # reserved before anything is queued
-        self.reservation = budget.reserve(size.estimate_bytes) if budget is not None else None
+        self.reservation = None
+        if budget is not None:             # a key: within its share of the budget too
+            share_bytes = None if key is None else server.in_flight.key_share_bytes(
+                budget.total_bytes, max_response_bytes)
+            self.reservation = budget.reserve(size.estimate_bytes, key, share_bytes)
         self._keep_logprobs = not stream    # a stream's were sent: holding them is all cost
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.prompt_tokens = sum(len(p) for p in prompts)
@@ -266,10 +274,13 @@ class ResponseBudget:
     """The response bytes (``ResponseSize.estimate_bytes``) the server's requests may hold at
     once, ``total_bytes``; used on the event loop only. ``reserve`` past it: ApiError 503 with
     Retry-After, nothing reserved; its message never says what the others hold (with
-    ``--salt-per-key`` one tenant would read another's request size there): the log does."""
+    ``--salt-per-key`` one tenant would read another's request size there): the log does.
+    Past an API key's ``key_share_bytes`` (checked first): KeyBudgetError 429, nothing
+    reserved, naming that key's own figures only."""
 
     def __init__(self, total_bytes: int) -> None:
         self.total_bytes, self.held_bytes = total_bytes, 0
+        self._held_by_key: Dict[str, int] = {}     # keys holding some bytes only
 
     @classmethod
     def of(cls, max_response_bytes: int, total_bytes: Optional[int] = None) -> "ResponseBudget":
@@ -296,7 +307,21 @@ class ResponseBudget:
                                    f"most {available_bytes // per}")
         return cls(total_bytes)
 
-    def reserve(self, size_bytes: int, retry_after_s: int = 1) -> "Reservation":
+    def held_by(self, key: str) -> int:
+        """The bytes ``key``'s reservations hold."""
+        return self._held_by_key.get(key, 0)
+
+    def reserve(self, size_bytes: int, key: Optional[str] = None,
+                key_share_bytes: Optional[int] = None, retry_after_s: int = 1) -> "Reservation":
+        """``size_bytes`` of the budget for a request of ``key`` (None: no API key), which may
+        hold ``key_share_bytes`` at most (None: no share)."""
+        held_by_key = 0 if key is None else self.held_by(key)
+        if key is not None and key_share_bytes is not None \
+                and held_by_key + size_bytes > key_share_bytes:
+            log.info("refused a response of up to %d bytes of an API key holding %d of its "
+                     "%d-byte share of the response budget", size_bytes, held_by_key,
+                     key_share_bytes)
+            raise KeyBudgetError(held_by_key, size_bytes, key_share_bytes, retry_after_s)
         if self.held_bytes + size_bytes > self.total_bytes:
             log.warning("refused a response of up to %d bytes: %d of the %d-byte response budget "
                         "(--max-response-memory-bytes) are held", size_bytes, self.held_bytes,
@@ -307,16 +332,25 @@ class ResponseBudget:
                                 f"could take {size_bytes:,}; retry after {retry_after_s} s",
                            headers={"Retry-After": str(retry_after_s)})
         self.held_bytes += size_bytes
-        return Reservation(self, size_bytes)
+        if key is not None:
+            self._held_by_key[key] = held_by_key + size_bytes
+        return Reservation(self, size_bytes, key)
+
+    def give_back(self, size_bytes: int, key: Optional[str]) -> None:
+        self.held_bytes -= size_bytes
+        if key is not None:
+            left_bytes = self._held_by_key.pop(key) - size_bytes
+            if left_bytes:
+                self._held_by_key[key] = left_bytes
 
 
 class Reservation:
-    """One request's part of a ResponseBudget; ``release`` gives it back (once)."""
+    """One request's part of a ResponseBudget (of ``key``); ``release`` gives it back (once)."""
 
-    def __init__(self, budget: ResponseBudget, size_bytes: int) -> None:
-        self._budget, self.size_bytes = budget, size_bytes
+    def __init__(self, budget: ResponseBudget, size_bytes: int, key: Optional[str] = None) -> None:
+        self._budget, self.size_bytes, self.key = budget, size_bytes, key
 
     def release(self) -> None:
         if self._budget is not None:
-            self._budget.held_bytes -= self.size_bytes
+            self._budget.give_back(self.size_bytes, self.key)
             self._budget = None
