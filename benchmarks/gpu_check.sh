@@ -20,7 +20,7 @@
 #   info 15      vmemkv info --json
 #   gpu_<group>  pytest -m gpu in three processes (vmem+reliability 50, runtime 80, the rest
 #                55) so one sticky CUDA error cannot poison the others; per-test timeout
-#                (pytest-timeout when installed, else the plugin's faulthandler exit)
+#                GPU_CHECK_TEST_TIMEOUT (the gpu_check plugin's faulthandler exit)
 #   gpu_gate 10  FAIL unless some GPU test passed, none failed, none skipped for a missing
 #                GPU or binding (dry run: unless every one skipped cleanly)
 #   profile 30   benchmarks/gpu_smoke.py profile: FlashAttention kernels per layer per step
@@ -115,10 +115,10 @@ step() {  # step NAME TIMEOUT COMMAND...: run, append to steps.log, remember fai
 
 pytest_group() {  # pytest_group NAME TIMEOUT PATHS...: one pytest process over GPU tests
     local name=$1 limit=$2; shift 2
-    local per_test=()
-    "$PYTHON" -c "import pytest_timeout" 2>/dev/null && per_test=(-p pytest_timeout --timeout "$GPU_CHECK_TEST_TIMEOUT")
+    # the per-test limit is the gpu_check plugin's GPU_CHECK_TEST_TIMEOUT (faulthandler: a hung
+    # CUDA call cannot block it); -o timeout=0 turns the suite's own (pytest-timeout, 300 s) off
     step "$name" "$limit" "$PYTHON" -m pytest -q -m gpu "$@" -p no:cacheprovider -rs \
-        -p vmemkv.benchmarks.gpu_check -o faulthandler_timeout=40 "${per_test[@]}" \
+        -p vmemkv.benchmarks.gpu_check -o faulthandler_timeout=40 -o timeout=0 \
         "${PYTEST_ARGS[@]}" --junitxml "$WORK/artifacts/$name.xml"
 }
 

@@ -1,5 +1,6 @@
 """Shared test set-up: GPU tests skip cleanly without CUDA; hypothesis profiles; the cyclic
-garbage collector tuned for a long test session; the real model's fixtures (``real_model``).
+garbage collector tuned for a long test session; the real model's fixtures (``real_model``); the
+per-test time limit's backstop (tests/hang_limit.py).
 
 Profiles: ``ci`` (default: each state machine at half its named example count, which keeps CI's
 budget), ``thorough`` (every machine at its named count) and ``long`` (for local soak runs:
@@ -10,6 +11,9 @@ import os
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# every test's time limit (pyproject's timeout) and its backstop for hangs inside C code
+pytest_plugins = ["tests.hang_limit"]
 
 settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", deadline=None, suppress_health_check=[HealthCheck.too_slow])
