@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -179,6 +180,25 @@ def _gone(pid: int) -> bool:
         return True
 
 
+STOPPED_RANK_TIMEOUT_S = 0.2   # a step's wait on a rank already seen stopped: it never answers
+
+
+def stop_rank(engine: Engine, pid: int) -> None:
+    """SIGSTOP rank ``pid`` and wait until the kernel shows it stopped (/proc state T); then
+    rank 0's collectives wait ``STOPPED_RANK_TIMEOUT_S``: they wait on a rank known to be
+    stopped, which answers after no timeout at all, so a shorter one changes no outcome (the
+    engine's own ``tp_timeout_s`` bounded the steps before, while the rank ran)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                engine.tp.group.step_timeout_s = STOPPED_RANK_TIMEOUT_S
+                return
+        time.sleep(0.005)
+    raise AssertionError(f"rank pid {pid} not stopped 60 s after SIGSTOP")
+
+
 @pytest.mark.parametrize("fault", ["kill", "hang"])
 def test_a_rank_that_dies_or_hangs_raises_and_leaves_no_process_or_memory(fault):
     engine = Engine(model(), max_batch=2, max_context=128, tensor_parallel_size=2, self_check=False,
@@ -186,7 +206,10 @@ def test_a_rank_that_dies_or_hangs_raises_and_leaves_no_process_or_memory(fault)
     pids = engine.tp.rank_pids
     rid = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=50))
     engine.step()
-    os.kill(pids[0], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+    if fault == "kill":
+        os.kill(pids[0], signal.SIGKILL)
+    else:
+        stop_rank(engine, pids[0])
     with pytest.raises(TensorParallelError, match="rank 0: .* (failed after|waited past)"):
         for _ in range(50):
             engine.step()
