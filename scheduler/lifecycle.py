@@ -90,16 +90,17 @@ def check_length(scheduler, prompt_tokens: int, max_tokens: int, who: str = "",
                  whole: bool = False) -> None:
     """RequestTooLargeError when ``prompt_tokens + max_tokens`` could never fit one sequence
     alone (``fit_tokens``: behind a window, what each layer kind holds; ``whole``: the whole
-    length in every layer, as a beam group's is counted); CacheShrunkError when it fits only
-    once the pool is resized back up. ``who`` starts the message ("request 7: ")."""
+    length in every layer, as a beam group's is counted), or on a MemoryBudget does not fit
+    what the pool can grow to while the other shares keep their minimums (its reach, which it
+    grows to on demand); CacheShrunkError when it fits only once the pool is resized back up.
+    ``who`` starts the message ("request 7: ")."""
     s, final = scheduler, prompt_tokens + max_tokens
     asks = f"{who}{prompt_tokens} prompt + {max_tokens} new tokens = {final} tokens"
     if s.max_seq_len is not None and final > s.max_seq_len:
         raise RequestTooLargeError(f"{asks} exceed the {s.max_seq_len} tokens one sequence may "
                                    f"hold (max_seq_len {s.max_seq_len})", None,
                                    length_field(prompt_tokens, s.max_seq_len))
-    fit, most = (s.max_fit_tokens, s.max_fit_tokens_at_max) if whole else \
-        s.fit_tokens(prompt_tokens)
+    fit, most = s.fit_tokens(prompt_tokens, whole)
     if final <= fit:
         return
     after = f" after a {prompt_tokens}-token prompt" if most > s.max_fit_tokens_at_max else ""
@@ -109,9 +110,18 @@ def check_length(scheduler, prompt_tokens: int, max_tokens: int, who: str = "",
             f"{asks} do not fit the cache at its current size ({s.manager.cache_bytes} bytes, "
             f"{fit} tokens of one sequence at most{now_after}); resized back up it holds "
             f"{most}{after}", None, length_field(prompt_tokens, fit))
+    full, ever = s.ever_fit_tokens(prompt_tokens, whole)
+    if final <= ever:       # on a MemoryBudget, past what the others' minimums leave it
+        raise RequestTooLargeError(
+            f"{asks} do not fit the {most} tokens of one sequence{after} its cache holds grown "
+            f"to the {s.reach_bytes} bytes its MemoryBudget share can reach now (the budget's "
+            f"{s.budget_share.budget.total_bytes} less the other shares' minimums; at its max, "
+            f"{s.most_bytes} bytes, it would hold {ever})", None,
+            length_field(prompt_tokens, most))
+    after = f" after a {prompt_tokens}-token prompt" if ever > full else ""
     raise RequestTooLargeError(f"{asks} can never fit; the cache holds "
-                               f"{most} tokens of one sequence at most{after}", None,
-                               length_field(prompt_tokens, most))
+                               f"{ever} tokens of one sequence at most{after}", None,
+                               length_field(prompt_tokens, ever))
 
 
 def withdraw_request(scheduler, request_id: int) -> None:

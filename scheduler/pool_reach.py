@@ -32,19 +32,42 @@ class PoolReach:
         if unit and self.manager.window_tokens:
             self._window_costs = unit_costs(self.manager)[2]
 
-    def fit_tokens(self, prompt_tokens: int) -> Tuple[int, int]:
+    def fit_tokens(self, prompt_tokens: int, whole: bool = False) -> Tuple[int, int]:
         """The longest sequence of a ``prompt_tokens`` prompt the pool holds alone: as it is
-        (``max_fit_tokens``'s pool) and resized to its largest (``max_fit_tokens_at_max``'s).
-        Never below those full-length figures; past them where windows give memory back."""
-        full = (self.max_fit_tokens, self.max_fit_tokens_at_max)
-        if self._window_costs is None:
-            return full
-        units = self.manager.pool_units
-        now = units(self.max_fit_bytes)
-        most = now if self.growable else units(self.manager.max_cache_bytes)
+        (``max_fit_tokens``'s pool) and grown as far as it can (``max_fit_tokens_at_max``'s).
+        A pool a MemoryBudget resizes (``growable``) grows on demand: both are its reach's.
+        Never below those full-length figures; past them where windows give memory back
+        (not ``whole``: the whole length in every layer, as a beam group's is counted)."""
+        most = self.longest_at(prompt_tokens, self.reach_bytes, self.max_fit_tokens_at_max, whole)
+        if self.growable:
+            return most, most
+        return self.longest_at(prompt_tokens, self.max_fit_bytes, self.max_fit_tokens, whole), most
+
+    def longest_at(self, prompt_tokens: int, cache_bytes: int, full_tokens: int,
+                   whole: bool = False) -> int:
+        """The longest sequence of a ``prompt_tokens`` prompt a pool of ``cache_bytes`` holds
+        alone: ``full_tokens`` (its whole length in every layer), or past it where windows give
+        memory back (unless ``whole``)."""
+        if self._window_costs is None or whole:
+            return full_tokens
         unit, limit = self.manager.fork_unit_tokens, self.manager.max_seq_len
-        return tuple(max(f, longest_sequence(prompt_tokens, pool, unit, self._window_costs, limit))
-                     for f, pool in zip(full, (now, most)))
+        return max(full_tokens, longest_sequence(prompt_tokens, self.manager.pool_units(
+            cache_bytes), unit, self._window_costs, limit))
+
+    def ever_fit_tokens(self, prompt_tokens: int, whole: bool = False) -> Tuple[int, int]:
+        """(Whole in every layer, of a ``prompt_tokens`` prompt as ``fit_tokens`` counts it) the
+        longest sequence the pool could ever hold: ``max_fit_tokens_at_max``'s pool, on a
+        MemoryBudget its reach with no other share's minimum beside it (``most_bytes``). Past
+        it a request can never fit."""
+        if not self.growable:
+            return self.max_fit_tokens_at_max, self.fit_tokens(prompt_tokens, whole)[1]
+        full = self.tokens_at(self.most_bytes)
+        return full, self.longest_at(prompt_tokens, self.most_bytes, full, whole)
+
+    def tokens_at(self, cache_bytes: int) -> int:
+        """The longest sequence a pool resized to ``cache_bytes`` holds whole in every layer
+        (as ``max_sequence_tokens`` counts the pool as it is; a budget's pool is vmem's)."""
+        return self.manager.max_sequence_tokens_at(cache_bytes)
 
     def beam_fit_tokens(self, prompt_tokens: int, beam_width: int,
                         runs_to_max_tokens: bool) -> int:
@@ -84,10 +107,11 @@ class PoolReach:
 
     @property
     def max_fit_tokens_at_max(self) -> int:
-        """The longest sequence the pool could hold resized up to ``max_cache_bytes``;
-        ``max_fit_tokens`` where only a MemoryBudget resizes it (``growable``)."""
+        """The longest sequence the pool could hold grown as far as it can: resized up to
+        ``max_cache_bytes``, or where a MemoryBudget resizes it (``growable``, on demand) to
+        its reach (``reach_bytes``), which the others' minimums may hold below its max."""
         if self.growable:
-            return self.max_fit_tokens
+            return self.tokens_at(self.reach_bytes)
         return max(self.max_fit_tokens, self.manager.max_sequence_tokens_at_max)
 
     def resize(self, cache_bytes: int, preempt: bool = False, check_fit: bool = True,
@@ -107,6 +131,13 @@ class PoolReach:
         limit = self.manager.max_cache_bytes
         return limit if self.budget_share is None else \
             min(limit, self.budget_share.reachable_bytes)
+
+    @property
+    def most_bytes(self) -> int:
+        """The most the pool may ever grow to: its max, and on a budget its share's max (its
+        reach with no other share's minimum beside it)."""
+        limit = self.manager.max_cache_bytes
+        return limit if self.budget_share is None else min(limit, self.budget_share.max_bytes)
 
     def _cannot_grow(self) -> bool:
         """The pool is as large as it can grow (fixed, or a budget's at its reach)."""

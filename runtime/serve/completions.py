@@ -130,8 +130,9 @@ class ServedModel:
                         field)
 
     def model_limit(self, adapter: Optional[str] = None) -> int:
-        """/v1/models' max_model_len of the base model or ``adapter``: what any prompt may ask."""
-        if adapter is None or self.fit is None:
+        """/v1/models' max_model_len of the base model or ``adapter``: what any prompt may ask,
+        read now (on a MemoryBudget it follows the share's reach, as ``limit_for`` does)."""
+        if self.fit is None:
             return self.max_sequence_tokens
         return any_prompt_limit(lambda p: self.fit(p, adapter))
 

@@ -61,6 +61,11 @@ class ElasticPool:
     def max_sequence_tokens_at_max(self) -> int:
         return min(self.max_seq_len, self._tokens_in_units(self.pool_pages))
 
+    def max_sequence_tokens_at(self, cache_bytes: int) -> int:
+        """``max_sequence_tokens`` with the pool resized to ``cache_bytes`` (whole pages, at
+        most its max): what a MemoryBudget's reach lets one sequence hold."""
+        return min(self.max_seq_len, self._tokens_in_units(self.pool_units(cache_bytes)))
+
     def resize(self, cache_bytes: int) -> int:
         """As :meth:`MemoryManager.resize`; the bytes returned are whole pages."""
         check_int("cache_bytes", cache_bytes, 0)

@@ -163,7 +163,8 @@ def test_two_models_each_needing_more_than_half_the_budget_both_finish():
 def test_a_run_that_stops_moving_is_a_stall_error_naming_each_lane(monkeypatch):
     """The budget's rule made to never grow (as the deadlock did): the run ends by a typed
     error naming what each lane waits for, at once (every lane waits and no event is left),
-    not an endless loop."""
+    not an endless loop. Each lane's 5,500-token request waits within its reach (it was
+    refused as "can never fit" against the most its pool had held: a's 0 waiting, b's 12)."""
     from vmemkv.scheduler.budget import BudgetShare
     from vmemkv.scheduler.shared_sim import SharedSimulator, SimulationStalledError
     decide = BudgetShare.decide
@@ -178,7 +179,8 @@ def test_a_run_that_stops_moving_is_a_stall_error_naming_each_lane(monkeypatch):
     turns = []
     with pytest.raises(SimulationStalledError, match=r"every model waits and none has an "
                        r"event left .*"
-                       r"a: 0 waiting, 0 running, 0 swapped, .*; b: 12 waiting, 0 running, 0 "
+                       r"a: 1 waiting, 0 running, 0 swapped, cache \d+ bytes, head sequence "
+                       r"12 of \d+ tokens; .*; b: 13 waiting, 0 running, 0 "
                        r"swapped, cache \d+ bytes, head sequence 0 of 1000 tokens; share min "
                        r"\d+ max 1073741824, blocked asking \d+"):
         sim.run(on_step=lambda s, lane: turns.append(1))
@@ -203,14 +205,18 @@ def test_an_idle_model_gives_at_once_to_pressure_and_a_blocked_one_waits_without
     assert a.ttft_p50_s < 0.1 and len(turns) < 300
 
 
-def test_a_request_longer_than_its_pool_has_held_fails_alone_and_the_run_goes_on():
-    """6,000 tokens fit the device (8,192) but not the 4,096 a's pool has held: the whole run
-    ended in RequestTooLargeError; now it is refused alone, as the engine refuses it."""
-    workloads = {"a": [TraceEntry(100, 5900, 0.0), TraceEntry(100, 20, 1.0)],
+@pytest.mark.parametrize("new_tokens,a_counts", [(5900, (0, 2, 5920)), (7900, (1, 1, 20))])
+def test_a_request_longer_than_its_pool_has_held_runs_within_its_reach_else_fails_alone(
+        new_tokens, a_counts):
+    """6,000 tokens fit what a's share can reach (1 GiB less b's 5% minimum: 7,782 tokens)
+    though a's pool has held 4,096: it runs (it was refused against those 4,096). 8,000 are
+    past the reach though within the device (8,192): refused alone, the run goes on (the whole
+    run had ended in RequestTooLargeError)."""
+    workloads = {"a": [TraceEntry(100, new_tokens, 0.0), TraceEntry(100, 20, 1.0)],
                  "b": [TraceEntry(100, 10, 0.0)]}
     result = simulate_shared(workloads, SharedConfig(elastic=True, total_bytes=1 << 30,
                                                      min_fraction=0.05, max_seq_len=8192))
     a, b = result.models["a"], result.models["b"]
-    assert (a.failed_requests, a.num_requests, a.output_tokens) == (1, 1, 20)
+    assert (a.failed_requests, a.num_requests, a.output_tokens) == a_counts
     assert (b.failed_requests, b.num_requests, b.output_tokens) == (0, 1, 10)
-    assert result.overall["failed_requests"] == 1 and result.overall["num_requests"] == 2
+    assert result.overall["failed_requests"] == a_counts[0]
