@@ -74,21 +74,48 @@ def check_adapter(value, what: str = "adapter"):
 
 def adapter_pool_bytes(scheduler) -> tuple:
     """(The pool size a request's adapter is checked at now, None: the pool as it is; the
-    largest it may be resized to): a pool a MemoryBudget resizes, the most it has held (which
-    it grows back to) for both; asleep (0 bytes), the size it wakes to, which the scheduler
-    kept from before sleep; the largest: ``max_cache_bytes``."""
+    largest it may be resized to; on a MemoryBudget the scheduler's ``reach_note``, else None):
+    the keywords of ``check_adapter_fits``. A pool a MemoryBudget resizes is checked at its
+    reach (which it grows to on demand; the share's max, less the other shares' minimums), as
+    ``Scheduler.fit_tokens`` checks a request without one, and past it at its share's max
+    (``most_bytes``); asleep (0 bytes), the size it wakes to, which the scheduler kept from
+    before sleep; the largest: ``max_cache_bytes``."""
     s, held = scheduler, scheduler.max_fit_bytes
     if s.growable:
-        return held, held
-    return (held if s.manager.cache_bytes == 0 else None), max(held, s.manager.max_cache_bytes)
+        return s.reach_bytes, s.most_bytes, s.reach_note
+    return (held if s.manager.cache_bytes == 0 else None), \
+        max(held, s.manager.max_cache_bytes), None
 
 
-def check_adapter_fits(request, manager, cache_bytes=None, most_bytes=None) -> None:
+def adapter_limit_tokens(scheduler, prompt_tokens: int, adapter: AdapterRef) -> int:
+    """The most prompt + max_tokens a request of a ``prompt_tokens`` prompt on ``adapter`` may
+    ask for without ``check_adapter_fits`` refusing it as too large (past it:
+    RequestTooLargeError; up to it, at worst CacheShrunkError): the server's limit."""
+    return _fit_beside(prompt_tokens, adapter, scheduler.manager,
+                       *adapter_pool_bytes(scheduler))[1]
+
+
+def _fit_beside(prompt_tokens: int, adapter: AdapterRef, manager, cache_bytes, most_bytes,
+                reach_note) -> tuple:
+    """(The longest sequence beside ``adapter`` at ``cache_bytes``; the longest at which it is
+    not too large: ``most_bytes``' on a pool resized back up, ``cache_bytes``' on a
+    MemoryBudget's reach (``reach_note``); the longest at ``most_bytes``)."""
+    fit = adapter_fit_tokens(prompt_tokens, adapter, manager, cache_bytes)
+    grown = most_bytes is not None and most_bytes != cache_bytes
+    ever = max(fit, adapter_fit_tokens(prompt_tokens, adapter, manager, most_bytes)) \
+        if grown else fit
+    return fit, (fit if reach_note is not None else ever), ever
+
+
+def check_adapter_fits(request, manager, cache_bytes=None, most_bytes=None,
+                       reach_note=None) -> None:
     """RequestTooLargeError naming ``request``'s adapter when it, or it and the request's
     tokens, could never be held at once by ``manager``: in a pool of ``cache_bytes`` (None: as
     it is) and of ``most_bytes`` (the largest it may be resized to; None: ``cache_bytes``);
-    CacheShrunkError when they fit only at ``most_bytes`` (``adapter_pool_bytes``);
-    ConfigError from a policy that holds no adapters."""
+    CacheShrunkError when they fit only at ``most_bytes`` (``adapter_pool_bytes``), except on a
+    MemoryBudget (``reach_note``: ``cache_bytes`` is its reach, ``most_bytes`` its share's
+    max), where that is RequestTooLargeError naming the reach; ConfigError from a policy that
+    holds no adapters."""
     ref, final = request.adapter, request.max_total_len
     pages, most = manager.adapter_pages(ref.num_bytes), manager.max_adapter_pages()
     if pages > most:
@@ -96,21 +123,24 @@ def check_adapter_fits(request, manager, cache_bytes=None, most_bytes=None) -> N
             f"request {request.request_id}: adapter {ref} can never fit: it needs {pages} "
             f"pool units, adapters can hold {most} at most (policy {manager.name!r})", None,
             "adapter")
-    fit = adapter_fit_tokens(request.prompt_len, ref, manager, cache_bytes)
+    fit, _, most = _fit_beside(request.prompt_len, ref, manager, cache_bytes, most_bytes,
+                               reach_note)
     if final <= fit:
         return
     asks = f"request {request.request_id}: {final} tokens beside adapter {ref}"
-    grown = most_bytes is not None and most_bytes != cache_bytes
-    most = max(fit, adapter_fit_tokens(request.prompt_len, ref, manager, most_bytes)) \
-        if grown else fit
+    field = "adapter" if fit == 0 else length_field(request.prompt_len, fit)
+    if final <= most and reach_note is not None:
+        raise RequestTooLargeError(f"{asks} do not fit the {fit} tokens of one sequence its "
+                                   f"cache holds beside it {reach_note(most)}", None, field)
     if final <= most:       # (as check_length's rule: fits once resized back up)
         now = manager.cache_bytes if cache_bytes is None else cache_bytes
         raise CacheShrunkError(
             f"{asks} do not fit the cache at its current size ({now} bytes"
             f"{'' if manager.cache_bytes else ', the size it wakes to'}, {fit} tokens of one "
-            f"sequence beside it); resized back up it holds {most}", None,
-            "adapter" if fit == 0 else length_field(request.prompt_len, fit))
-    at = f" resized up to {most_bytes} bytes" if grown else \
+            f"sequence beside it); resized back up it holds {most}", None, field)
+    grown = most_bytes is not None and most_bytes != cache_bytes
+    at = f" at its max ({most_bytes} bytes)" if reach_note is not None else \
+        f" resized up to {most_bytes} bytes" if grown else \
         "" if cache_bytes is None else f" in the {cache_bytes} bytes it has held at most"
     raise RequestTooLargeError(
         f"{asks} can never fit; the cache holds {most} tokens of one sequence beside it{at}",

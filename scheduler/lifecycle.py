@@ -113,10 +113,8 @@ def check_length(scheduler, prompt_tokens: int, max_tokens: int, who: str = "",
     full, ever = s.ever_fit_tokens(prompt_tokens, whole)
     if final <= ever:       # on a MemoryBudget, past what the others' minimums leave it
         raise RequestTooLargeError(
-            f"{asks} do not fit the {most} tokens of one sequence{after} its cache holds grown "
-            f"to the {s.reach_bytes} bytes its MemoryBudget share can reach now (the budget's "
-            f"{s.budget_share.budget.total_bytes} less the other shares' minimums; at its max, "
-            f"{s.most_bytes} bytes, it would hold {ever})", None,
+            f"{asks} do not fit the {most} tokens of one sequence{after} its cache holds "
+            f"{s.reach_note(ever)}", None,
             length_field(prompt_tokens, most))
     after = f" after a {prompt_tokens}-token prompt" if ever > full else ""
     raise RequestTooLargeError(f"{asks} can never fit; the cache holds "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Tuple
 
+from .adapters import adapter_fit_tokens
 from .beam_fit import beam_fit_tokens, longest_sequence, unit_costs
 from .errors import RequestTooLargeError
 from .lifecycle import resize_pool
@@ -139,6 +140,14 @@ class PoolReach:
         limit = self.manager.max_cache_bytes
         return limit if self.budget_share is None else min(limit, self.budget_share.max_bytes)
 
+    def reach_note(self, most_tokens: int) -> str:
+        """How far a pool a MemoryBudget resizes can grow now, in words: its reach (the budget
+        less the other shares' minimums) and its share's max, where it would hold
+        ``most_tokens`` (of the sequence a message is about)."""
+        return (f"grown to the {self.reach_bytes} bytes its MemoryBudget share can reach now "
+                f"(the budget's {self.budget_share.budget.total_bytes} less the other shares' "
+                f"minimums; at its max, {self.most_bytes} bytes, it would hold {most_tokens})")
+
     def _cannot_grow(self) -> bool:
         """The pool is as large as it can grow (fixed, or a budget's at its reach)."""
         return not self.growable or \
@@ -153,9 +162,22 @@ class PoolReach:
         it once, sharing that history again, and fails it only if it still cannot grow."""
         group = (f", one of the {seq.request.beam_width} beams of a beam search, which hold a "
                  f"unit each and run together" if seq.beam_width else "")
+        ref = seq.request.adapter
+        beside = "" if ref is None else f" beside adapter {ref}"
+        bound = "" if not self.growable else " (its max)" if \
+            self.reach_bytes >= self.most_bytes else \
+            f" {self.reach_note(self._sequence_tokens(seq, self.most_bytes))}"   # its reach
         raise RequestTooLargeError(
             f"sequence {seq.seq_id} ({seq.length} tokens{group}) {what} of "
-            f"{self.manager.pool_sequence_tokens} tokens of one sequence"
-            f"{' (its max)' if self.growable else ''} under policy {self.manager.name!r}",
-            request_id=seq.request.request_id)
+            f"{self._sequence_tokens(seq)} tokens of one sequence{beside}{bound} under policy "
+            f"{self.manager.name!r}", request_id=seq.request.request_id)
 
+    def _sequence_tokens(self, seq: Sequence, cache_bytes=None) -> int:
+        """The longest sequence the pool holds whole, as it is or resized to ``cache_bytes``
+        (None); with ``seq``'s adapter, whose pages are not the sequence's, what it holds beside
+        it (``adapter_fit_tokens``, as its request was checked)."""
+        ref = seq.request.adapter
+        if ref is not None:
+            return adapter_fit_tokens(seq.request.prompt_len, ref, self.manager, cache_bytes)
+        return self.manager.pool_sequence_tokens if cache_bytes is None else \
+            self.tokens_at(cache_bytes)

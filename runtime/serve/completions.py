@@ -16,7 +16,7 @@ from vmemkv.runtime.engine.errors import RequestRejectedError
 from vmemkv.runtime.engine.prompts import is_unicode_text
 from vmemkv.runtime.engine.sampler import check_min_tokens
 from vmemkv.runtime.engine.sampling import SamplingParams
-from vmemkv.scheduler.adapters import adapter_fit_tokens
+from vmemkv.scheduler.adapters import adapter_limit_tokens
 
 from .errors import ApiError
 from .logprobs_format import (StreamedTokens, TextOffsets, TokenStrings, completion_logprobs,
@@ -71,7 +71,7 @@ class ServedModel:
 
     @classmethod
     def of(cls, engine, name: str, limits=None, max_requests: int = 256) -> "ServedModel":
-        sched, mgr = engine.scheduler, engine.scheduler.manager
+        sched = engine.scheduler
 
         def adapter_ref(adapter: str):
             try:
@@ -80,14 +80,14 @@ class ServedModel:
                 raise ModelNotServedError(adapter, [name] + engine.loras) from None
 
         def fit(prompt_tokens: int, adapter: Optional[str] = None) -> int:
-            # the cache at max_cache_bytes: a request that fits only once /resize grows it
-            # is a 503; a windowed model's layers give memory back, so its limit is per prompt
+            # the cache at max_cache_bytes (on a MemoryBudget its reach): a request that fits
+            # only once /resize grows it is a 503; a windowed model's layers give memory back,
+            # so its limit is per prompt; beside an adapter, the engine's own check's
             prompt_tokens = max(1, prompt_tokens)
             if adapter is None:
                 most = sched.fit_tokens(prompt_tokens)[1]
             else:
-                most = adapter_fit_tokens(prompt_tokens, adapter_ref(adapter), mgr,
-                                          mgr.max_cache_bytes)
+                most = adapter_limit_tokens(sched, prompt_tokens, adapter_ref(adapter))
             return min(x for x in (sched.max_seq_len, most) if x)
 
         def beam_fit(prompt_tokens: int, beams: BeamShape) -> int:

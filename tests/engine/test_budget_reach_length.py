@@ -29,7 +29,11 @@ def _budgeted(total_kib: int, max_context: int = 512) -> Engine:
 
 
 def _run(engine: Engine, prompt, params) -> tuple:
-    rid = engine.add_request(prompt, params)
+    return _run_to_end(engine, engine.add_request(prompt, params))
+
+
+def _run_to_end(engine: Engine, rid: int) -> tuple:
+    """(status, error, token ids) of request ``rid`` once the engine has run out of work."""
     for _ in range(300):
         if not engine.has_unfinished():
             break

@@ -1,6 +1,6 @@
 """LoRA adapters in a pool that resizes (issues 31 and 32): an adapter's pages come from the KV
 pool, so a MemoryBudget grows the pool for a waiting request's adapter too, a request is
-checked beside its adapter at the most the pool has held (it grows back to that), and a resize
+checked beside its adapter at the pool grown to its reach (it grows to that on demand), and a resize
 that would leave a live request no room beside its adapter is refused.
 
 On main before this, the budget asked only for the head request's KV: a pool shrunk while idle
@@ -71,18 +71,18 @@ def test_the_budget_grows_the_pool_for_a_waiting_requests_adapter(layout):
     mgr.check_integrity()
 
 
-def test_a_request_is_checked_beside_its_adapter_at_the_most_the_pool_held():
+def test_a_request_is_checked_beside_its_adapter_at_the_pools_reach():
     sched, _ = shrunk_growable("per-layer")
     adapter = ref("big", "big-1", 48 * BPT)
-    # 48 tokens beside 48 of adapter: no room in the 16 tokens held now, room in the 128 held
-    # before, to which the budget grows it back
+    # 48 tokens beside 48 of adapter: no room in the 16 tokens held now, room in the pool grown
+    # to its reach (here its max: no budget's other shares), to which it grows on demand
     assert sched.manager.max_sequence_tokens_with_adapter(adapter) == 0
     assert sched.manager.max_sequence_tokens_with_adapter(adapter, 128 * BPT) == 64
     sched.add_request(Request(0, prompt_len=40, max_tokens=8, adapter=adapter))
-    huge = ref("huge", "huge-1", 100 * BPT)       # 28 tokens beside it at 128: never 48
-    with pytest.raises(RequestTooLargeError, match=r"adapter 'huge'.*can never fit.*"
-                                                   r"524288 bytes it has held at most"):
-        sched.add_request(Request(1, prompt_len=40, max_tokens=8, adapter=huge))
+    vast = ref("vast", "vast-1", 220 * BPT)   # 32 tokens beside it at the 256-token max: never 48
+    with pytest.raises(RequestTooLargeError, match=r"adapter 'vast'.*can never fit; the cache "
+                       r"holds 32 tokens of one sequence beside it at its max \(1048576 bytes\)"):
+        sched.add_request(Request(1, prompt_len=40, max_tokens=8, adapter=vast))
     assert [s.seq_id for s in sched.waiting] == [0] and 1 not in sched._unfinished_samples
 
 
