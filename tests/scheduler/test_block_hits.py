@@ -90,6 +90,8 @@ def test_a_colliding_digest_is_a_miss():
     forged = index.by_group[5]
     index.by_group[5] = forged._replace(tokens=bytes(32))   # same digests, other ids
     assert index.match(parent, tokens, 2) == ((), 0)
+    index.by_group[5] = forged._replace(parent=hashlib.sha256(b"other").digest())
+    assert index.match(parent, tokens, 2) == ((), 0)        # same digests and ids, other prefix
     index.by_group[5] = forged
     assert index.match(hashlib.sha256(b"other").digest(), tokens, 2) == ((), 0)
     index.drop(5)
