@@ -11,19 +11,26 @@ belongs to no device, so that query fails. ``at::fromDLPack`` takes the device f
 and never asks.
 
 Ownership: each capsule's ``DLManagedTensor`` (with its shape) is one block from libc
-``malloc``; torch calls its deleter when the last tensor sharing the storage dies. Plain
-``tensor_at`` uses libc ``free`` as the deleter: no Python runs then. With ``on_release`` the
-deleter is a ctypes callback that frees the block and calls ``on_release()`` once (with the GIL,
-on whichever thread dropped the last reference; it never raises): that is how a
-``VirtualRange`` learns its last view is gone, so a range closed under a live view keeps the
-view's memory readable until then (vmem/vrange.py), as a torch storage keeps its own memory.
-The callback object is never freed and reads no module globals, so a tensor that dies during
-interpreter shutdown is still safe.
+``malloc``; its deleter is libc ``free``, which torch calls when the last tensor sharing the
+storage dies: no Python runs then. ``on_release`` is called once at that moment through a
+``weakref.finalize`` on the tensor's storage, not from the deleter: torch keeps a storage's
+Python object for as long as any tensor shares the storage (PyObject preservation, torch
+>= 2.1; a release that came early would show as ``live_views`` 0 under a view), and
+CPython runs weakref callbacks with a pending exception saved and restored, so the last view
+may die while an exception propagates (a frame unwinding drops it) and the exception arrives
+intact. A deleter that ran Python instead (a ctypes callback) failed in that state: the user's
+exception became a SystemError, the release never ran, and the interpreter could crash
+(tests/vmem/test_dlpack_exception.py). The callback runs with the GIL, on whichever thread
+dropped the last reference; that is how a ``VirtualRange`` learns its last view is gone, so a
+range closed under a live view keeps the view's memory readable until then (vmem/vrange.py),
+as a torch storage keeps its own memory. It is not called at interpreter exit, and must not
+raise (CPython would report it as an ignored exception).
 """
 from __future__ import annotations
 
 import ctypes
-from typing import Callable, Dict, Optional
+import weakref
+from typing import Callable, Optional
 
 __all__ = ["DLPACK_CPU", "DLPACK_CUDA", "tensor_at"]
 
@@ -57,22 +64,6 @@ _libc.malloc.argtypes = [ctypes.c_size_t]
 _libc.free.restype = None
 _libc.free.argtypes = [ctypes.c_void_p]
 _FREE_ADDRESS = ctypes.cast(_libc.free, ctypes.c_void_p).value
-_releases: Dict[int, Callable[[], None]] = {}   # block address -> its on_release
-
-
-def _free_and_release(block, _pop=_releases.pop, _free=_libc.free, _base=BaseException) -> None:
-    release = _pop(block, None)
-    _free(block)
-    if release is not None:
-        try:
-            release()
-        except _base:   # noqa: BLE001 -- a deleter must never raise into torch
-            pass
-
-
-_RELEASING_DELETER = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_free_and_release)
-ctypes.pythonapi.Py_IncRef(ctypes.py_object(_RELEASING_DELETER))    # never freed, even at exit
-_RELEASING_ADDRESS = ctypes.cast(_RELEASING_DELETER, ctypes.c_void_p).value
 _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = ctypes.py_object
 _capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
@@ -109,20 +100,21 @@ def tensor_at(address: int, num_bytes: int, device_type: int, device_id: int = 0
         managed.dl_tensor.strides = None   # compact row-major
         managed.dl_tensor.byte_offset = 0
         managed.manager_ctx = None
-        managed.deleter = _FREE_ADDRESS if on_release is None else _RELEASING_ADDRESS
+        managed.deleter = _FREE_ADDRESS
         capsule = _capsule_new(block, b"dltensor", None)
     except BaseException:
         _libc.free(block)
         raise
-    if on_release is not None:
-        _releases[block] = on_release
     try:
-        return torch.utils.dlpack.from_dlpack(capsule)
+        tensor = torch.utils.dlpack.from_dlpack(capsule)
     except BaseException:
         if _capsule_unconsumed(capsule):  # torch renames the capsule once it owns the block
-            _releases.pop(block, None)
             _libc.free(block)
         raise
+    if on_release is not None:
+        release = weakref.finalize(tensor.untyped_storage(), on_release)
+        release.atexit = False           # a view alive at exit is not released
+    return tensor
 
 
 _capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid

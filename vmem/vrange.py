@@ -9,8 +9,8 @@ Page ``i`` covers bytes [i * page_bytes, (i + 1) * page_bytes). The range rememb
 page is mapped at each index; pools count mappings. Tensor views are zero copy; reading a page
 that is not mapped faults (a caller bug), as it should.
 
-A view may outlive the range. The range counts its live views (each view's DLPack deleter
-tells it when the last tensor on that storage dies, vmem/dlpack.py); ``close()`` with views
+A view may outlive the range. The range counts its live views (each view's storage
+finalizer tells it when the last tensor on that storage dies, vmem/dlpack.py); ``close()`` with views
 alive *retires* it: the address range stays reserved and each mapped page stays readable until
 the last view dies, then the reservation is freed. So a tensor read after ``close()`` sees the
 bytes it held, never a segfault, and never what the pool page holds for its next owner, nor the
@@ -32,8 +32,8 @@ zeros of a discard. Each mapped page is either
 Holding, not refusing ``close()`` with InsufficientMemoryError: a close that raised would leave
 its caller (a cache's ``close()``, ``__exit__``) half done with nothing to do but drop its
 views, and on CUDA, which cannot detach, every close under a view would be refused.
-Threads: the pool's lock guards every call (vmem/pool.py). A view's deleter never waits for
-it: the collector runs deleters inside any call (``Driver.commit`` holding the commit lock, a
+Threads: the pool's lock guards every call (vmem/pool.py). A view's release never waits for
+it: the collector runs releases inside any call (``Driver.commit`` holding the commit lock, a
 host driver call holding its lock) while the pool lock's holder may wait for that lock (a hang).
 A view dying while another thread holds the pool's lock, or inside a call on its own thread (the
 collector), is queued on that lock (``commits.DrainingLock``): counted, and its retired range
@@ -211,7 +211,7 @@ class VirtualRange:
                                  f"multiples of the {dtype} element size {element_bytes}")
 
     def _view_released(self) -> None:
-        """The DLPack deleter of a view's storage: any thread, never raises, never waits for
+        """The release of a view's storage (its finalizer): any thread, never raises, never waits for
         the pool's lock (module docstring: counted now, or as the lock holder's call returns)."""
         self._lock.submit(self._one_view_fewer)
 
