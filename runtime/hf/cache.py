@@ -41,7 +41,8 @@ from .cache_copy import copy_cache, growth_room, needs_contiguous_kv
 from .cache_guard import ForwardGuard
 from .cache_layer import VMemLayer, window_offset
 from .errors import BatchTooLargeError, CacheCapacityError, ContextOverflowError  # noqa: F401
-from .cache_checks import check_beam_index, check_crop_count
+from .cache_checks import (check_beam_index, check_crop_count, check_crop_keeps_window,
+                           check_update_states, crop_floor_tokens, given_back_tokens)
 from .support import (check_cache_layers, check_generate_feeds_new_tokens, kv_shape_of,
                       layer_windows_of, text_config)
 
@@ -84,9 +85,12 @@ class VMemCache(Cache):
     mapped only when a row grows into them; an update that raises (BatchTooLargeError,
     ContextOverflowError, CacheCapacityError, CacheStateError, NonFiniteKVError) changes nothing
     (a write that fails in the copy gives back the rows it claimed; a later one's grown pages stay
-    held, for its retry). Inference only: writes are not recorded by autograd (built under
-    ``torch.inference_mode`` too). Call ``reset()`` before reusing the cache for new prompts
-    (as with HF's StaticCache; without it ``generate`` continues the cached sequences).
+    held, for its retry). Inference only: writes are in place, so an update whose states require
+    grad with grad mode on is refused (CacheStateError) before writing (a cache built under
+    ``torch.inference_mode`` serves a plain ``generate`` too). ``crop`` goes back as far as the
+    memory given back behind a window allows (``cache_checks.crop_floor_tokens``). Call
+    ``reset()`` before reusing the cache for new prompts (as with HF's StaticCache; without it
+    ``generate`` continues the cached sequences).
     """
 
     def __init__(self, config: CacheConfig, layout: str = "per-layer",
@@ -114,7 +118,7 @@ class VMemCache(Cache):
         self._rows: list[int] = []                  # seq id of batch row b (its slot is b)
         self._written = [0] * config.num_layers     # tokens per row written in each layer
         self._next_id = 0
-        self._slid_to = 0     # memory behind the window of a query here has been given back
+        self._slid_to = 0     # crop's bound: a query here reads no key whose memory was given back
         self._closed = False
         self._guard = ForwardGuard(config.num_layers)   # one thread's forward at a time
 
@@ -163,11 +167,11 @@ class VMemCache(Cache):
     def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         self._check_open()
         self._check_layer(layer_idx)
-        self._check_states(key_states, value_states)
+        check_update_states(self.config, key_states, value_states)
         batch, _, new, _ = key_states.shape
         start = self._written[layer_idx]
         end = start + new
-        slide = start > self._slid_to and bool(self.config.layer_windows)
+        slide = self._crop_bound_from(start) > self._slid_to     # memory to give back
         scales = self.kv.cache.kv_scales
         fixed = scales is not None and scales.fixed[layer_idx]
         with torch.no_grad():      # encoded first: a NonFiniteKVError leaves the cache as it was
@@ -213,27 +217,6 @@ class VMemCache(Cache):
             raise CacheStateError(f"layer_idx must be an int in [0, {layers}) for this "
                                   f"{layers}-layer cache, got {layer_idx!r}")
 
-    def _check_states(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        c = self.config
-        want = (c.num_kv_heads, c.head_dim)
-        for name, t in (("key", k), ("value", v)):
-            if t.dim() != 4:
-                raise CacheStateError(f"{name} states must be (batch, {want[0]}, tokens, {want[1]}), "
-                                      f"got {tuple(t.shape)}")
-            if (t.shape[1], t.shape[3]) != want:
-                raise CacheStateError(
-                    f"the model writes {name} states {tuple(t.shape)} of {t.shape[1]} KV heads x "
-                    f"{t.shape[3]} dims, but this cache holds (batch, {want[0]}, tokens, {want[1]}), "
-                    f"built from the model config "
-                    f"(num_kv_heads={want[0]}, head_dim={want[1]}): the config does not describe "
-                    f"this model's attention; build the cache from the model's own config")
-            if t.dtype != c.dtype or t.device != c.torch_device:
-                raise CacheStateError(f"{name} states are {t.dtype} on {t.device}; this cache holds "
-                                      f"{c.dtype} on {c.torch_device} (build it with the model's "
-                                      f"dtype and device)")
-        if k.shape[0] != v.shape[0] or k.shape[2] != v.shape[2]:
-            raise CacheStateError(f"key {tuple(k.shape)} and value {tuple(v.shape)} states differ")
-
     # -- growth through the manager --
     def _held(self) -> int:
         """Tokens the manager holds for every row (rows share one length)."""
@@ -246,6 +229,7 @@ class VMemCache(Cache):
         pages. One StepTransaction, all or nothing: a refused batch or length, a budget too
         small even after the give-back, or a page map that fails (PlanExecutionError) leaves
         manager, rows, memory and ``crop``'s bound as before, so the next call runs again."""
+        bound = max(self._slid_to, self._crop_bound_from(start)) if slide else self._slid_to
         if self._rows and batch != len(self._rows):
             self._raise_batch_changed(batch)
         if batch > self.max_batch:
@@ -272,8 +256,14 @@ class VMemCache(Cache):
 
         rows, next_id = self._rows, self._next_id
         self._txn.run(advance, lambda: self._put_rows(rows, next_id))
-        if slide:
-            self._slid_to = start
+        self._slid_to = bound
+
+    def _crop_bound_from(self, start: int) -> int:
+        """``crop``'s bound once a forward from ``start`` gave back the rows' memory wholly
+        behind the windowed layers' windows (the page boundary the manager unmaps)."""
+        window = self.manager.window_tokens
+        return crop_floor_tokens(window, given_back_tokens(window, self.kv.tokens_per_page,
+                                                           start, self._held()))
 
     def _put_rows(self, rows: list, next_id: int) -> None:
         self._rows, self._next_id = rows, next_id
@@ -342,11 +332,9 @@ class VMemCache(Cache):
         written = [max(0, n + tokens_to_remove) for n in self._written]
         # layers that never write (Gemma 3n's KV-shared layers read another layer's) stay at 0
         kept = [n for n, before in zip(written, self._written) if before]
-        if self.config.layer_windows and kept and min(kept) < self._slid_to:
-            raise CacheStateError(
-                f"crop({tokens_to_remove}) would leave {min(kept)} tokens, but the windowed "
-                f"layers' memory behind a query at {self._slid_to} was given back; crop at most "
-                f"{max(self._written) - self._slid_to} tokens")
+        if kept:
+            check_crop_keeps_window(tokens_to_remove, min(kept), max(self._written),
+                                    self._slid_to, self.manager.window_tokens)
         self._written = written
 
     def __deepcopy__(self, memo) -> "VMemCache":

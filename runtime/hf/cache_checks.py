@@ -1,10 +1,14 @@
 """Arguments of VMemCache's transformers hooks, refused before anything changes: a wrong one
-would corrupt every layer's rows or lengths silently (CacheStateError names what was expected)."""
+would corrupt every layer's rows or lengths silently (CacheStateError names what was expected);
+and how far back a windowed cache's rows may be cropped, from the memory really given back."""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from ..errors import CacheStateError
+from .cache_layer import window_offset
 
 
 def check_crop_count(tokens_to_remove) -> None:
@@ -25,3 +29,71 @@ def check_beam_index(beam_idx, batch: int) -> None:
             and bool(((beam_idx >= 0) & (beam_idx < batch)).all())):
         raise CacheStateError(f"reorder_cache takes a 1-D int64 or int32 tensor of one row in "
                               f"[0, {batch}) for each of the {batch} rows held, got {beam_idx!r}")
+
+
+def check_update_states(config, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``update``'s key/value states (B, kv_heads, q, head_dim): the shape, dtype and device of
+    the cache's ``config`` (a CacheConfig), and no autograd (``check_states_without_grad``)."""
+    want = (config.num_kv_heads, config.head_dim)
+    for name, t in (("key", k), ("value", v)):
+        if t.dim() != 4:
+            raise CacheStateError(f"{name} states must be (batch, {want[0]}, tokens, {want[1]}), "
+                                  f"got {tuple(t.shape)}")
+        if (t.shape[1], t.shape[3]) != want:
+            raise CacheStateError(
+                f"the model writes {name} states {tuple(t.shape)} of {t.shape[1]} KV heads x "
+                f"{t.shape[3]} dims, but this cache holds (batch, {want[0]}, tokens, {want[1]}), "
+                f"built from the model config "
+                f"(num_kv_heads={want[0]}, head_dim={want[1]}): the config does not describe "
+                f"this model's attention; build the cache from the model's own config")
+        if t.dtype != config.dtype or t.device != config.torch_device:
+            raise CacheStateError(f"{name} states are {t.dtype} on {t.device}; this cache holds "
+                                  f"{config.dtype} on {config.torch_device} (build it with the "
+                                  f"model's dtype and device)")
+    if k.shape[0] != v.shape[0] or k.shape[2] != v.shape[2]:
+        raise CacheStateError(f"key {tuple(k.shape)} and value {tuple(v.shape)} states differ")
+    check_states_without_grad(k, v)
+
+
+def check_states_without_grad(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """``update``'s states under autograd: refused (inference only). The cache writes them in
+    place into one shared pool and returns views of it, so a backward through them would fail
+    in torch ("modified by an inplace operation") after the forward ran."""
+    if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+        raise CacheStateError(
+            "VMemCache is inference only: the key/value states require grad with grad mode on, "
+            "and the cache writes them in place into shared memory, so no backward could run "
+            "through it; run the forward under torch.no_grad() or torch.inference_mode() "
+            "(generate does), or use transformers' DynamicCache to train (nothing was written)")
+
+
+def given_back_tokens(window_tokens: Optional[int], tokens_per_page: int, start: int,
+                      held_tokens: int) -> int:
+    """Tokens ``[0, n)`` of a row holding ``held_tokens`` whose memory the manager's
+    ``release_behind_window(row, start)`` gives back: the whole pages before the first key a
+    query at ``start`` reads (``start - window_tokens + 1``), never the row's last page
+    (scheduler/managers/window.py); 0 where the manager keeps every token (``None``)."""
+    if window_tokens is None:
+        return 0
+    held_pages = -(-held_tokens // tokens_per_page)
+    pages = min(window_offset(window_tokens, start) // tokens_per_page, max(held_pages - 1, 0))
+    return pages * tokens_per_page
+
+
+def crop_floor_tokens(window_tokens: Optional[int], given_back: int) -> int:
+    """The fewest tokens a row may keep after ``crop`` (its bound): a query there reads keys
+    from ``bound - window_tokens + 1 = given_back`` on, none given back; 0 while nothing was."""
+    return given_back + window_tokens - 1 if given_back else 0
+
+
+def check_crop_keeps_window(tokens_to_remove: int, kept_tokens: int, cached_tokens: int,
+                            bound_tokens: int, window_tokens: Optional[int]) -> None:
+    """``crop`` to ``kept_tokens`` (of ``cached_tokens``): refused below ``bound_tokens``
+    (``crop_floor_tokens``), where the next query would read keys whose memory was given back,
+    naming how far it may go."""
+    if kept_tokens < bound_tokens:
+        raise CacheStateError(
+            f"crop({tokens_to_remove}) would leave {kept_tokens} tokens, but the windowed layers' "
+            f"memory of tokens [0, {bound_tokens - window_tokens + 1}) was given back and a "
+            f"query at {kept_tokens} would read it (window {window_tokens}); crop at most "
+            f"{cached_tokens - bound_tokens} tokens")

@@ -82,7 +82,8 @@ def test_past_key_values_keyword_works(llama):
 def test_returned_kv_are_views_of_the_virtual_range(llama):
     ids, mask = batch([6, 4])
     with vmem_cache(llama) as cache:
-        llama(input_ids=ids, attention_mask=mask, cache=cache)
+        with torch.no_grad():                                        # inference only
+            llama(input_ids=ids, attention_mask=mask, cache=cache)
         lo, hi = cache.kv.range.address, cache.kv.range.address + cache.kv.range.size_bytes
         for layer in range(LAYERS):
             keys, values = cache.layers[layer].keys, cache.layers[layer].values

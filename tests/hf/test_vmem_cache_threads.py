@@ -97,7 +97,8 @@ def _forward_paused_in_layer(model, cache, layer, ids):
 
     def a_forward():
         try:
-            model(ids, cache=cache, use_cache=True)
+            with torch.no_grad():          # grad mode is per thread: the caller's is not A's
+                model(ids, cache=cache, use_cache=True)
             outcome["A"] = "ran"
         except CacheStateError as error:
             outcome["A"] = error

@@ -52,13 +52,17 @@ def test_generate_gives_back_the_memory_behind_the_window_and_stays_exact(label)
 
 
 def test_crop_into_the_given_back_memory_is_refused_and_changes_nothing():
+    """The last query, at 78, read keys from 71 on: pages 0-1 (tokens [0, 64)) were given back,
+    so a query at 71 (keys 64..71) is the earliest one left: crop at most 8 tokens."""
     _, cache = generate("mistral", prompts(1, 20, 20, seed=7)[0], 60)     # 79 tokens cached
     with cache:
-        with pytest.raises(CacheStateError, match="given back; crop at most 1 tokens"):
-            cache.crop(-40)
-        assert cache.get_seq_length() == 79
-        cache.crop(-1)
-        assert cache.get_seq_length() == 78
+        for count in (-40, -9):
+            with pytest.raises(CacheStateError,
+                               match=r"tokens \[0, 64\) was given back.*crop at most 8 tokens"):
+                cache.crop(count)
+            assert cache.get_seq_length() == 79
+        cache.crop(-8)
+        assert cache.get_seq_length() == 71
 
 
 def test_a_windowed_layer_reports_the_mask_of_its_window():
