@@ -2,7 +2,8 @@
 the background as soon as the session knows it will run those tests (tests/conftest.py).
 
 They are subprocesses and take about 45-55 s of CPU (2026-12-07, down from 70-85 s: the script's
-dry-run economies and a 1 s partial bench), most of it Python start-ups importing torch.
+dry-run economies, a 1 s partial bench, one GPU-test pytest for the two partial runs, not two),
+most of it Python start-ups importing torch.
 A serial suite runs on one core (tests/conftest.py sets one torch thread), so on two cores the
 runs overlap the rest of the suite instead of adding to it (under pytest-xdist, see
 ``run_order``): they run one after another (one
@@ -48,10 +49,13 @@ def run_envs() -> dict:
         "whole": dict(PYTHON=sys.executable),
         # env, smoke, info, the gate and profile are the whole run's: here only the steps these
         # runs check, plus gpu_vmem and attention, which their selections must keep out
+        # (GPU_TESTS gpu_vmem in require_gpu's, SKIP_ATTENTION attention in partial's). The GPU
+        # tests run only in require_gpu, whose gate needs them; with the same GPU_TESTS there, a
+        # pytest in partial too (~2 s of CPU) would check nothing more
         "partial": dict(BENCH_TIMEOUT=str(PARTIAL_BENCH_TIMEOUT_S), VMEMKV_TEST_HOLD="bench:memory",
-                        STEPS="gpu_tests gpu_vmem bench attention", **quick, **partial_python),
-        "require_gpu": dict(REQUIRE_GPU="1", PYTHON=sys.executable, STEPS="gpu_tests gpu_gate",
-                            **quick),
+                        STEPS="bench attention", **quick, **partial_python),
+        "require_gpu": dict(REQUIRE_GPU="1", PYTHON=sys.executable,
+                            STEPS="gpu_tests gpu_vmem gpu_gate", **quick),
     }
 
 

@@ -6,10 +6,10 @@ runs them in the background while the rest of the suite runs; these tests run la
 - the whole script (env, smoke, info, three GPU-test groups, the gate, profile, `bench --smoke`,
   the attention grid at toy sizes): every step exits 0, every GPU test is collected and skips
   cleanly, at most 8 plain files land in the output folder, the step timeouts sum under 420 s;
-- a partial rerun (GPU_TESTS, BENCH_ONLY, SKIP_ATTENTION, STEPS) whose bench is held by the
+- a partial rerun (BENCH_ONLY, SKIP_ATTENTION, STEPS) whose bench is held by the
   VMEMKV_TEST_HOLD hook until BENCH_TIMEOUT: the timeout is reported and fails the run;
-- REQUIRE_GPU=1 (only the GPU tests and the gate): the GPU tests skip as they must on a CPU, and
-  the gate makes that FAILED.
+- REQUIRE_GPU=1 (GPU_TESTS, STEPS: only the GPU tests and the gate): the GPU tests skip as they
+  must on a CPU, and the gate makes that FAILED.
 """
 import json
 import subprocess
@@ -126,12 +126,14 @@ def test_a_step_past_its_timeout_is_reported_and_fails_the_run(dry_runs):
 
 
 def test_partial_rerun_selections_reach_their_steps(dry_runs):
+    # STEPS names attention (partial) and gpu_vmem (require_gpu) too: SKIP_ATTENTION and
+    # GPU_TESTS keep them out; the GPU tests run in require_gpu's run, with the same GPU_TESTS
     _, _, out = dry_runs["partial"]
-    steps = _steps(out)
-    # STEPS names gpu_vmem and attention too: GPU_TESTS and SKIP_ATTENTION keep them out
-    assert set(steps) == {"gpu_tests", "bench"}
+    assert set(_steps(out)) == {"bench"}
     bench_line = next(l for l in (out / "steps.log").read_text().splitlines() if l.startswith("== bench:"))
     assert "--only memory" in bench_line                                    # BENCH_ONLY
+    _, _, out = dry_runs["require_gpu"]
+    assert set(_steps(out)) == {"gpu_tests", "gpu_gate"}
     tests = read_results(out)
     assert tests and {t.split("::")[0] for t in tests} == {"tests/vmem/test_errors.py"}
 
