@@ -62,13 +62,8 @@ class PoolReach:
         it a request can never fit."""
         if not self.growable:
             return self.max_fit_tokens_at_max, self.fit_tokens(prompt_tokens, whole)[1]
-        full = self.tokens_at(self.most_bytes)
+        full = self.manager.max_sequence_tokens_at(self.most_bytes)
         return full, self.longest_at(prompt_tokens, self.most_bytes, full, whole)
-
-    def tokens_at(self, cache_bytes: int) -> int:
-        """The longest sequence a pool resized to ``cache_bytes`` holds whole in every layer
-        (as ``max_sequence_tokens`` counts the pool as it is; a budget's pool is vmem's)."""
-        return self.manager.max_sequence_tokens_at(cache_bytes)
 
     def beam_fit_tokens(self, prompt_tokens: int, beam_width: int,
                         runs_to_max_tokens: bool) -> int:
@@ -112,7 +107,7 @@ class PoolReach:
         ``max_cache_bytes``, or where a MemoryBudget resizes it (``growable``, on demand) to
         its reach (``reach_bytes``), which the others' minimums may hold below its max."""
         if self.growable:
-            return self.tokens_at(self.reach_bytes)
+            return self.manager.max_sequence_tokens_at(self.reach_bytes)
         return max(self.max_fit_tokens, self.manager.max_sequence_tokens_at_max)
 
     def resize(self, cache_bytes: int, preempt: bool = False, check_fit: bool = True,
@@ -180,4 +175,4 @@ class PoolReach:
         if ref is not None:
             return adapter_fit_tokens(seq.request.prompt_len, ref, self.manager, cache_bytes)
         return self.manager.pool_sequence_tokens if cache_bytes is None else \
-            self.tokens_at(cache_bytes)
+            self.manager.max_sequence_tokens_at(cache_bytes)
