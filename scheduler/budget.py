@@ -59,7 +59,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, Iterator, Optional
 
-from .budget_needs import growth_bytes, unused_bytes, wanted_bytes
+from .budget_needs import check_resizes, growth_bytes, unused_bytes, wanted_bytes
 from .errors import ConfigError
 
 
@@ -125,8 +125,8 @@ class BudgetShare:
         """The cache size (bytes) this share wants before its next step, None for no change.
         ``preempted``: the last step preempted (running sequences are short of memory). A grow
         is reserved until ``settle``; ``preempts`` says whether the resize may preempt."""
-        b = self.budget
-        now = b.clock() if now is None else now
+        check_resizes(scheduler.manager)                  # before any state changes
+        b, now = self.budget, (self.budget.clock() if now is None else now)
         with b._locked():
             self.reserved_bytes, self.preempts = 0, False
             if scheduler.has_unfinished():

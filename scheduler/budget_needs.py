@@ -1,7 +1,18 @@
 """What a budget share reads of its scheduler (scheduler/budget.py's rule, per step): the bytes
 its head request lacks, what no running sequence holds, what the running ones will grow into.
-All in bytes of the scheduler's manager (its ``bytes_per_token``)."""
+All in bytes of the scheduler's manager (its ``bytes_per_token``): a vmem one, the only pool
+that resizes (the engine and the simulator refuse a budget for any other)."""
 from __future__ import annotations
+
+from .errors import ConfigError
+
+
+def check_resizes(manager) -> None:
+    """ConfigError naming the policy of a ``manager`` whose pool cannot resize (a share's
+    decisions would be sizes nothing can apply)."""
+    if not manager.resize_step_bytes:
+        raise ConfigError(f"a MemoryBudget share needs a pool that resizes at run time (policy "
+                          f"'vmem'), got policy {manager.name!r}")
 
 
 def wanted_bytes(scheduler, held_bytes: int, grow_step_bytes: int, preempted: bool) -> int:
@@ -44,14 +55,14 @@ def _lacked_bytes(scheduler, head, tokens: int, grow_step_bytes: int) -> int:
 def unused_bytes(scheduler) -> int:
     """Bytes of the cache no running sequence holds (free, unused and cached pages)."""
     mgr = scheduler.manager
-    return (mgr.stats().free_tokens + getattr(mgr, "reclaimable_tokens", 0)) * mgr.bytes_per_token
+    return (mgr.stats().free_tokens + mgr.reclaimable_tokens) * mgr.bytes_per_token
 
 
 def growth_bytes(scheduler) -> int:
     """What the running sequences may still grow by (to their requests' max lengths, in whole
     pages: a sequence holds its last page's tokens already)."""
     mgr = scheduler.manager
-    tpp = getattr(mgr, "tokens_per_page", 1)
+    tpp = mgr.tokens_per_page
     pages = sum(max(0, -(-q.request.max_total_len // tpp) - -(-mgr.num_tokens(q.seq_id) // tpp))
                 for q in scheduler.running)
     return pages * tpp * mgr.bytes_per_token

@@ -251,3 +251,18 @@ def test_a_share_yields_first_to_the_oldest_of_the_blocked_shares_older_than_it(
     _run_turn(sc, c)
     assert (a.age, a.ask_bytes, c.age, c.ask_bytes) == (1, 178 * BPT, 2, 78 * BPT)
     assert b.decide(sb) == (320 - 178) * BPT and b.preempts
+
+
+@pytest.mark.parametrize("policy", ["paged", "reserve-max"])
+def test_a_share_over_a_pool_that_cannot_resize_is_refused_by_name_before_any_change(policy):
+    """Only vmem pools resize: a decision for a paged or reservation scheduler was a size
+    nothing could apply (decide returned a grow target, reserved from the budget)."""
+    budget = MemoryBudget(512 * BPT, clock=lambda: 0.0)
+    share = budget.register("p", 32 * BPT, 256 * BPT, 128 * BPT)
+    sched = Scheduler(make_manager(policy, TINY, 128 * BPT, 128),
+                      SchedulerConfig(max_running=4, max_seq_len=128))
+    sched.add_request(Request(0, prompt_len=100, max_tokens=20))
+    before = (budget.stats(), share.idle_since, share.stamps)
+    with pytest.raises(ConfigError, match=f"resizes.*got policy '{policy}'"):
+        share.decide(sched)
+    assert (budget.stats(), share.idle_since, share.stamps) == before
