@@ -135,17 +135,21 @@ def gate(out: Path, expect: str) -> int:
 def versions() -> dict:
     """Versions of the packages the run depends on ("missing: ..." when not importable)."""
     import importlib
+    from importlib.metadata import PackageNotFoundError, version
     found = {"python": sys.version.split()[0]}
     for name in VERSIONED:
         try:
             module = importlib.import_module(name)
-            found[name] = str(getattr(module, "__version__", "?"))
         except Exception as error:  # noqa: BLE001 - any import failure is the answer
             found[name] = f"missing: {type(error).__name__}"
+            continue
+        try:       # a module without __version__ (pytest_timeout): its distribution's
+            found[name] = str(getattr(module, "__version__", None) or version(name.replace("_", "-")))
+        except PackageNotFoundError:
+            found[name] = "?"
     try:
-        from importlib.metadata import version
         found["cuda.bindings"] = version("cuda-bindings")
-    except Exception:  # noqa: BLE001
+    except PackageNotFoundError:
         pass
     return found
 

@@ -68,3 +68,15 @@ def test_a_line_cut_short_by_a_kill_is_ignored(tmp_path):
              '{"test": "t::b", "outc']
     (tmp_path / "gpu_tests.jsonl").write_text("\n".join(lines))
     assert read_results(tmp_path) == {"t::a": ("passed", "")}
+
+
+def test_versions_name_each_package_even_one_without_a_version_attribute():
+    """pytest_timeout has no __version__: the digest printed '?' for it; its distribution's
+    version is what was installed."""
+    from importlib.metadata import version
+
+    from vmemkv.benchmarks.gpu_check import VERSIONED, versions
+    found = versions()
+    assert set(VERSIONED) <= set(found)
+    assert found["pytest_timeout"] == version("pytest-timeout")
+    assert found["pytest"] == version("pytest") and found["flash_attn"].startswith("missing: ")
