@@ -102,7 +102,8 @@ def calibrated_kv_scales(model: torch.nn.Module, tokenizer, encoding: KVEncoding
     device = next(model.parameters()).device
     cache = _AmaxCache(model.config)
     with own_attention(model):
-        model(torch.tensor([ids], device=device), use_cache=True, cache=cache)
+        model(torch.tensor([ids], device=device), use_cache=True, cache=cache,
+              logits_to_keep=1)      # K/V are what it reads: one row of logits
     shapes = [cache.shapes[i] for i in sorted(cache.shapes)]
     if sorted(cache.amax) != list(range(num_layers)) \
             or any(len(s) != 4 or s[1] != num_kv_heads for s in shapes):
