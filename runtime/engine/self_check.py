@@ -94,7 +94,7 @@ def _prompt(model) -> List[int]:
 
 def _difference(model, ours, tokens, prompt, original_attn: str, dtype) -> Tuple[float, float]:
     """(max |ours - reference| over the sampled positions, rtol * max |reference|)."""
-    ref = _reference_logits(model, prompt + tokens[:-1], original_attn)[-len(ours):]
+    ref = _reference_logits(model, prompt + tokens[:-1], original_attn, len(ours))
     ours = torch.stack(ours).to(ref.device)
     scale = ref.abs().max().item() or 1.0
     return (ours - ref).abs().max().item(), RTOL.get(dtype, HALF_RTOL) * scale
@@ -144,10 +144,11 @@ def _run(model, kv, backend, prompt: List[int]):
             f"attention raised {type(error).__name__}: {str(error)[:200]}") from error
 
 
-def _reference_logits(model, ids: List[int], original_attn: str) -> torch.Tensor:
-    """Logits ``[len(ids), vocab]`` of one forward with the model's own attention (sdpa when
-    another engine has already switched it to ours)."""
+def _reference_logits(model, ids: List[int], original_attn: str, rows: int) -> torch.Tensor:
+    """Logits ``[rows, vocab]`` of the last ``rows`` tokens of ``ids`` in one forward with the
+    model's own attention (sdpa when another engine has already switched it to ours)."""
     device = next(model.parameters()).device
     with torch.inference_mode(), own_attention(model, original_attn):
-        out = model(input_ids=torch.tensor([ids], device=device), use_cache=False)
+        out = model(input_ids=torch.tensor([ids], device=device), use_cache=False,
+                    logits_to_keep=rows)
     return out.logits[0].float()
