@@ -120,8 +120,7 @@ class EngineThread:
 
     # ---- any thread ------------------------------------------------------------------------
     @property
-    def pending_requests(self) -> int:
-        """Requests accepted by ``submit`` that have not ended yet."""
+    def pending_requests(self) -> int:   # requests accepted by ``submit``, not ended yet
         return self.in_flight.total
 
     @property
@@ -272,7 +271,11 @@ class EngineThread:
             self._refresh_gauges()
 
     def _add(self, payload, future: Future) -> None:
+        """Add a queued request unless its future was cancelled (a cancelled handler's): no reader."""
         prompt_ids, params, sink, arrival_s, index, key = payload
+        if not future.set_running_or_notify_cancel():
+            self.in_flight.give_back(key)
+            return
         beams = isinstance(params, BeamSearchParams)
         add = self.engine.add_beam_request if beams else self.engine.add_request
         try:
@@ -288,15 +291,17 @@ class EngineThread:
 
     def _call(self, work, future: Future) -> None:
         """``work(engine)``; its answer reaches the caller after the gauges it changed (a
-        client with its /resize, /sleep or /wake_up answer that reads /metrics sees them)."""
+        client with its /resize, /sleep or /wake_up answer that reads /metrics sees them); a
+        cancelled future's work runs (a queued sleep's count settles), unanswered."""
+        answered = future.set_running_or_notify_cancel()
         try:
             result, error = work(self.engine), None
         except Exception as caught:   # noqa: BLE001 -- handed to the caller, who answers it
             result, error = None, caught
         self._refresh_gauges()
-        if error is None:
+        if answered and error is None:
             future.set_result(result)
-        else:
+        elif answered:
             future.set_exception(error)
 
     def _step(self) -> None:
