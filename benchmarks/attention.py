@@ -132,8 +132,12 @@ def run_configs(caches, names, phase, batch, ctx, qlen, q, args, device, limits)
     tol = 1e-4 if q.dtype == torch.float32 else 2e-2
     first = {}
     for out, tag in zip(outs, tags):
-        ref = first.setdefault(tag[3].kv_cache_dtype, out)
-        torch.testing.assert_close(ref.float(), out.float(), atol=tol, rtol=tol)
+        ref, ref_tag = first.setdefault(tag[3].kv_cache_dtype, (out, tag))
+        try:
+            torch.testing.assert_close(ref.float(), out.float(), atol=tol, rtol=tol)
+        except AssertionError as error:   # a wrong kernel or layout: name both, not only values
+            raise AssertionError(f"{phase} batch {batch} ctx {ctx}: {tag[0]} with {tag[1]} differs "
+                                 f"from {ref_tag[0]} with {ref_tag[1]}: {error}") from None
     samples = sample_times(calls, device, args.warmup, args.repeats,
                            cache_flusher(device, args.flush_mib))
     flops = 4 * batch * args.heads * args.head_dim * sum(ctx - qlen + p + 1 for p in range(qlen))

@@ -109,8 +109,11 @@ def test_a_backend_whose_output_differs_is_refused_before_anything_is_timed(monk
 
     monkeypatch.setattr(attention, "backend_of",
                         lambda spec: OffByOne(real(spec)) if spec == "reference" else real(spec))
-    with pytest.raises(AssertionError, match="not close"):
+    with pytest.raises(AssertionError, match="not close") as refused:
         _attention_run(monkeypatch, TINY[:-5] + ["--device", "cpu"])
+    # which output differs from which: the cache and backend of both
+    assert str(refused.value).startswith("decode batch 2 ctx 32: vmem with reference differs "
+                                         "from vmem with cpu-varlen: ")
 
 
 def _fake_prefix_measure(seconds, answers):
