@@ -34,8 +34,11 @@ _TARGET = re.compile(r"(ttft|tpot|itl|e2el)_(mean|median|p\d+(?:\.\d+)?)")
 
 def parse_slo(text: str) -> Dict[str, float]:
     """``"ttft_p90=2000,tpot_p99=200"`` -> ``{"ttft_p90": 2000.0, "tpot_p99": 200.0}`` (ms);
-    ConfigError naming the bad item, the metrics and the statistics allowed."""
+    ConfigError naming the bad item, the metrics and the statistics allowed, or a figure given
+    twice (``ttft_p90=2000,ttft_p90=500``, or ``ttft_p90`` and ``ttft_p90.0``: the later
+    target silently replaced the earlier, or both were searched under two names)."""
     out: Dict[str, float] = {}
+    given: Dict[str, str] = {}       # report figure -> the item that named it
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = item.partition("=")
         m = _TARGET.fullmatch(name.strip())
@@ -43,7 +46,13 @@ def parse_slo(text: str) -> Dict[str, float]:
             raise ConfigError(f"SLO target {item!r} must be METRIC_STAT=MS with METRIC one of "
                               f"{', '.join(METRICS)} and STAT mean, median or p0..p100 "
                               f"(e.g. ttft_p90=2000)")
-        out[name.strip()] = target_ms(value, f"SLO target {item!r}")
+        ms = target_ms(value, f"SLO target {item!r}")
+        figure = report_key(name.strip())
+        if figure in given:
+            raise ConfigError(f"SLO target {item!r} names {figure} again ({given[figure]!r} "
+                              f"did): give each target once")
+        given[figure] = item
+        out[name.strip()] = ms
     if not out:
         raise ConfigError(f"SLO {text!r} names no target; e.g. ttft_p90=2000,tpot_p99=200")
     return out

@@ -9,6 +9,7 @@ and cpu/cuda in the other subcommands, so simulate refuses them with the new nam
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from dataclasses import replace
 
@@ -221,23 +222,24 @@ def _deployment_flags(m) -> None:
                         "ids)")
 
 
-def _entries(args, seed: int):
-    """The workload: a trace, or generated; with --lora-adapters an adapter per request."""
+def _entries(args, seed: int, say_scaled: bool = True):
+    """The workload: a trace, or generated; with --lora-adapters an adapter per request.
+    ``say_scaled``: say on stderr how many trace requests were scaled down to --max-len."""
     if args.lora_adapters:                    # the adapters are drawn after the lengths
         check_adapters_fit(args.lora_adapters, "lower --lora-adapters")
-    entries = _lengths(args, seed)
+    entries = _lengths(args, seed, say_scaled)
     if args.lora_adapters:
         entries = assign_adapters(entries, LoraSpec(args.lora_adapters, args.lora_zipf, seed=seed),
                                   _config(args).model_spec)
     return entries
 
 
-def _lengths(args, seed: int):
+def _lengths(args, seed: int, say_scaled: bool = True):
     if args.trace:
         entries = load_trace(args.trace, rate_scale=args.rate_scale, max_requests=args.max_requests,
                              rate_name="--rate-scale")
         entries, scaled = fit_to_length(entries, args.max_len)
-        if scaled and not args.find_max_rate:     # once, not once per probe
+        if scaled and say_scaled:
             sys.stderr.write(f"vmemkv simulate: {scaled:,} of {len(entries):,} trace requests were "
                              f"longer than --max-len {args.max_len} tokens and were scaled down "
                              f"to it\n")
@@ -301,8 +303,10 @@ def run(args) -> int:
     for line in outside:
         sys.stderr.write(f"vmemkv simulate: warning: {line}\n")
     goodput = parse_goodput(args.goodput) if args.goodput else None
-    if args.find_max_rate:
-        return cli_capacity.run(args, config, lambda a: _entries(a, a.seed))
+    if args.find_max_rate:        # say how many trace requests were scaled down at the first
+        probes = itertools.count()    # probe only (a load scales arrivals); it was never said
+        return cli_capacity.run(args, config,
+                                lambda a: _entries(a, a.seed, say_scaled=next(probes) == 0))
     seeds = args.seeds or [args.seed]
     runs = []
     for seed in seeds:

@@ -14,44 +14,53 @@ import json
 import math
 import statistics
 from collections import Counter
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
-# label, whole-run key, steady-state key (or None), format of one value
+
+def _ms(value: float) -> str:
+    """Milliseconds for the table: whole from 10 ms, three significant digits below (whole
+    ms showed a small model's 0.09 ms TTFT as 0)."""
+    return f"{value:,.0f}" if abs(value) >= 10 else f"{value:.3g}"
+
+
+# label, whole-run key, steady-state key (or None), format of one value (value -> text)
 _ROWS = [
-    ("output tokens/s", "output_tokens_per_s", "steady_output_tokens_per_s", "{:,.1f}"),
-    ("mean batch (seqs/step)", "mean_batch", "steady_mean_batch", "{:,.1f}"),
-    ("kv utilisation (live/alloc)", "kv_utilization", "steady_kv_utilization", "{:.1%}"),
-    ("held utilisation", "held_utilization", "steady_held_utilization", "{:.1%}"),
-    ("kv cache usage", "kv_cache_usage_perc", "steady_kv_cache_usage_perc", "{:.1%}"),
+    ("output tokens/s", "output_tokens_per_s", "steady_output_tokens_per_s", "{:,.1f}".format),
+    ("mean batch (seqs/step)", "mean_batch", "steady_mean_batch", "{:,.1f}".format),
+    ("kv utilisation (live/alloc)", "kv_utilization", "steady_kv_utilization", "{:.1%}".format),
+    ("held utilisation", "held_utilization", "steady_held_utilization", "{:.1%}".format),
+    ("kv cache usage", "kv_cache_usage_perc", "steady_kv_cache_usage_perc", "{:.1%}".format),
     ("mean end waste (tok/seq)", "mean_end_waste_tokens", "steady_mean_end_waste_tokens",
-     "{:,.1f}"),
-    ("steps", "num_steps", "steady_steps", "{:,.0f}"),
-    ("simulated seconds", "simulated_seconds", "steady_seconds", "{:,.2f}"),
-    ("preemptions", "num_preemptions", None, "{:,.0f}"),
-    ("  of which swapped", "num_swap_preemptions", None, "{:,.0f}"),
-    ("  swap copy seconds", "swap_seconds", None, "{:,.3f}"),
-    ("recomputed tokens", "recomputed_tokens", None, "{:,.0f}"),
-    ("prefix cache hits", "prefix_cache_hits", None, "{:,.0f}"),
-    ("memory saved by sharing", "sharing_saved", None, "{:.1%}"),
-    ("requests failed (beams outgrew the cache)", "failed_requests", None, "{:,.0f}"),
-    ("output tokens", "output_tokens", None, "{:,.0f}"),
-    ("request throughput (req/s)", "request_throughput", None, "{:,.2f}"),
-    ("total token throughput (tok/s)", "total_token_throughput", None, "{:,.1f}"),
-    ("TTFT median / p99 (ms)", "median_ttft_ms", "p99_ttft_ms", "{:,.0f}"),
-    ("TPOT median / p99 (ms)", "median_tpot_ms", "p99_tpot_ms", "{:,.2f}"),
-    ("ITL median / p99 (ms)", "median_itl_ms", "p99_itl_ms", "{:,.2f}"),
-    ("E2EL median / p99 (ms)", "median_e2el_ms", "p99_e2el_ms", "{:,.0f}"),
-    ("request goodput (req/s)", "request_goodput", None, "{:,.2f}"),
-    ("wall seconds", "wall_seconds", None, "{:.3f}"),
+     "{:,.1f}".format),
+    ("steps", "num_steps", "steady_steps", "{:,.0f}".format),
+    ("simulated seconds", "simulated_seconds", "steady_seconds", "{:,.2f}".format),
+    ("preemptions", "num_preemptions", None, "{:,.0f}".format),
+    ("  of which swapped", "num_swap_preemptions", None, "{:,.0f}".format),
+    ("  swap copy seconds", "swap_seconds", None, "{:,.3f}".format),
+    ("recomputed tokens", "recomputed_tokens", None, "{:,.0f}".format),
+    ("prefix cache hits", "prefix_cache_hits", None, "{:,.0f}".format),
+    ("memory saved by sharing", "sharing_saved", None, "{:.1%}".format),
+    ("requests failed (beams outgrew the cache)", "failed_requests", None,
+     "{:,.0f}".format),
+    ("output tokens", "output_tokens", None, "{:,.0f}".format),
+    ("request throughput (req/s)", "request_throughput", None, "{:,.2f}".format),
+    ("total token throughput (tok/s)", "total_token_throughput", None, "{:,.1f}".format),
+    ("TTFT median / p99 (ms)", "median_ttft_ms", "p99_ttft_ms", _ms),
+    ("TPOT median / p99 (ms)", "median_tpot_ms", "p99_tpot_ms", "{:,.2f}".format),
+    ("ITL median / p99 (ms)", "median_itl_ms", "p99_itl_ms", "{:,.2f}".format),
+    ("E2EL median / p99 (ms)", "median_e2el_ms", "p99_e2el_ms", _ms),
+    ("request goodput (req/s)", "request_goodput", None, "{:,.2f}".format),
+    ("wall seconds", "wall_seconds", None, "{:.3f}".format),
 ]
 # the labels' column: "total token throughput (tok/s)" wide (longer ones push their row right)
 LABEL_WIDTH = 30
 _LORA_ROWS = [   # a run with LoRA adapters (--lora-adapters) only
     ("adapters resident mean / peak", "mean_adapters_resident", "peak_adapters_resident",
-     "{:,.1f}"),
-    ("adapter loads", "adapter_loads", None, "{:,.0f}"),
-    ("adapter evictions", "adapter_evictions", None, "{:,.0f}"),
-    ("adapter load / read seconds", "adapter_load_seconds", "adapter_read_seconds", "{:,.2f}"),
+     "{:,.1f}".format),
+    ("adapter loads", "adapter_loads", None, "{:,.0f}".format),
+    ("adapter evictions", "adapter_evictions", None, "{:,.0f}".format),
+    ("adapter load / read seconds", "adapter_load_seconds", "adapter_read_seconds",
+     "{:,.2f}".format),
 ]
 
 
@@ -102,15 +111,19 @@ def _number(value) -> bool:
 
 def aggregate(runs: Sequence[dict]) -> Dict[str, Dict[str, float]]:
     """``{"mean": {...}, "std": {...}}`` of every numeric figure (std: population standard
-    deviation over the runs; 0 for one run). A figure that is None in some runs (a steady-state
-    mean where a run had no steady step) is over the runs that have it, and ``"counts"`` says
-    over how many; one that no run has is left out."""
+    deviation over the runs; 0 for one run). A figure that is None or NaN in some runs (a
+    steady-state mean where a run had no steady step; the TPOT of a run whose requests all
+    have one output token) is over the runs that have it, and ``"counts"`` says over how many
+    (a NaN took the mean with it, and crashed the std); one that is NaN in every run is NaN,
+    one that no run has at all is left out."""
     keys = [k for k in runs[0]
             if all(_number(r.get(k)) or r.get(k) is None for r in runs)
             and any(_number(r.get(k)) for r in runs)]
-    values = {k: [r[k] for r in runs if _number(r.get(k))] for k in keys}
-    mean = {k: statistics.fmean(v) for k, v in values.items()}
-    std = {k: statistics.pstdev(v) if len(v) > 1 else 0.0 for k, v in values.items()}
+    values = {k: [r[k] for r in runs if _number(r.get(k)) and not math.isnan(r[k])]
+              for k in keys}
+    mean = {k: statistics.fmean(v) if v else math.nan for k, v in values.items()}
+    std = {k: statistics.pstdev(v) if len(v) > 1 else 0.0 if v else math.nan
+           for k, v in values.items()}
     counts = {k: len(v) for k, v in values.items() if len(v) < len(runs)}
     return {"mean": mean, "std": std, **({"counts": counts} if counts else {})}
 
@@ -131,11 +144,11 @@ def _finite(obj):
     return obj
 
 
-def _value(fmt: str, d: dict, key: str, std: dict) -> str:
+def _value(fmt: Callable[[float], str], d: dict, key: str, std: dict) -> str:
     if d.get(key) is None or (isinstance(d[key], float) and math.isnan(d[key])):
         return "-"
-    text = fmt.format(d[key])
-    return f"{text} ± {fmt.format(std[key]).lstrip('-')}" if key in std else text
+    text = fmt(d[key])
+    return f"{text} ± {fmt(std[key]).lstrip('-')}" if key in std else text
 
 
 def format_table(d: dict, std: Optional[Dict[str, float]] = None, seeds: Sequence[int] = (),
@@ -161,4 +174,8 @@ def format_table(d: dict, std: Optional[Dict[str, float]] = None, seeds: Sequenc
     if steady is not None:
         lines.append(f"  steady state over the {steady} of {len(seeds)} seeds whose runs had "
                      f"a queue")
+    for label, key, _, _ in _ROWS:       # TPOT, ITL: requests of one output token have none
+        if key in (counts or {}) and not key.startswith("steady_") and counts[key]:
+            lines.append(f"  {label.split(' (')[0]} over the {counts[key]} of {len(seeds)} "
+                         f"seeds whose runs have it")
     return "\n".join(lines) + "\n"

@@ -84,8 +84,9 @@ def expand(spec: dict, max_points: int = DEFAULT_MAX_POINTS) -> List[dict]:
             points.append((point, dict(zip(keys, values))))
     check_used(spec, used, where)
     built: set = set()
+    latest_arrival_s: dict = {}
     for point, label in points:
-        check_point(point, label, built)
+        check_point(point, label, built, latest_arrival_s)
     return [point for point, _ in points]
 
 

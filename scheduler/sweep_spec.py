@@ -10,9 +10,9 @@ simulation under several labels), and ``count_points`` bounds the grid before an
 expanded. A key in both tables is refused (the grid would silently win), and so is a grid list
 that repeats a value (``4`` and ``4.0`` GB are one simulation: float keys are keyed as floats,
 sizes in bytes; the point keeps the value as given). Each point (``sweep.expand``) is then
-checked as ``vmemkv simulate`` checks its flags: the SimConfig, the generated workload, the
-deployment (``sim_config.check_deployment``) and its memory manager, built once per distinct
-SimConfig.
+checked as ``vmemkv simulate`` checks its flags: the SimConfig, the generated workload or the
+trace (``check_trace``), the deployment (``sim_config.check_deployment``) and its memory
+manager, built once per distinct SimConfig.
 A point that replays a trace file is keyed by the file's resolved path and the sha256 of its
 bytes (``TRACE_ID``, read once per file per sweep), so ``--resume`` runs again the points of a
 trace that changed; a point whose policy is custom (``file.py:Class`` or ``module:Class``) likewise
@@ -46,8 +46,8 @@ from .sim_memory import check_host_need   # the pool alone: no request drawn yet
 from .sim_memory import pool_unit_bytes, simulation_bytes
 from .simulator import SimConfig
 from .sweep_policy import POLICY_ID, check_policy_unchanged, policy_id, sha256_of  # noqa: F401
-from .traces import BUNDLED
-from .workload import WORKLOAD_RNGS, WorkloadSpec
+from .traces import BUNDLED, load_trace
+from .workload import MAX_ARRIVAL_S, WORKLOAD_RNGS, WorkloadSpec
 
 PARAMS: Dict[str, object] = {
     "policy": "paged", "model": "llama-3-8b", "gpu": "h100", "cache_gb": 60.0,
@@ -233,17 +233,21 @@ def check_size(spec: dict, max_points: int) -> None:
                           f"{max_points:,}; split it or raise --max-points")
 
 
-def check_point(point: dict, label: dict, built: set) -> None:
-    """What ``vmemkv simulate`` checks before it runs: the SimConfig, the generated workload,
-    the deployment, the memory manager (built, as ``simulate`` builds it before its first
-    step, once per SimConfig in ``built``: its host memory checked first), the unit; ConfigError
-    naming the point by its ``label`` (its grid values). Records the point's ``POLICY_ID`` in
-    it first (``policy_id``): the file it is keyed by and checked against when it runs."""
+def check_point(point: dict, label: dict, built: set, latest_arrival_s: dict) -> None:
+    """What ``vmemkv simulate`` checks before it runs: the SimConfig, the generated workload
+    or the trace (``check_trace``, read once per file and max_requests into
+    ``latest_arrival_s``), the deployment, the memory manager (built, as ``simulate`` builds it
+    before its first step, once per SimConfig in ``built``: its host memory checked first), the
+    unit; ConfigError naming the point by its ``label`` (its grid values). Records the point's
+    ``POLICY_ID`` in it first (``policy_id``): the file it is keyed by and checked against when
+    it runs."""
     try:
         point.update(policy_id(point["policy"]))
         config = sim_config(point)
         if point["trace"] is None:
             workload_spec(point)
+        else:
+            check_trace(point, latest_arrival_s)
         check_deployment(model=point["model"], gpu=point["gpu"], cache_gb=point["cache_gb"],
                          preemption=point["preemption"], swap_gb=point["swap_gb"],
                          policy=point["policy"], block_size=point["block_size"],
@@ -260,6 +264,20 @@ def check_point(point: dict, label: dict, built: set) -> None:
     except ConfigError as error:
         where = ", ".join(f"{k} = {v!r}" for k, v in label.items()) or "[base]"
         raise ConfigError(f"point {where}: {error}") from None
+
+
+def check_trace(point: dict, latest_arrival_s: dict) -> None:
+    """The point's trace read as ``vmemkv simulate`` reads it before it runs (a bad line, lines
+    out of the order max_requests needs), once per (trace, max_requests) into
+    ``latest_arrival_s``, and its rate_scale, which must keep the latest arrival within
+    ``MAX_ARRIVAL_S``: each was refused only when the point ran, the other points run."""
+    key = (point["trace"], point["max_requests"])
+    if key not in latest_arrival_s:
+        entries = load_trace(point["trace"], max_requests=point["max_requests"])
+        latest_arrival_s[key] = entries[-1].arrival_s         # sorted by arrival
+    if latest_arrival_s[key] / point["rate_scale"] > MAX_ARRIVAL_S:   # the error, as it runs:
+        load_trace(point["trace"], rate_scale=point["rate_scale"],
+                   max_requests=point["max_requests"])
 
 
 def _build(config: SimConfig) -> None:
