@@ -99,6 +99,7 @@ class VMemCache(Cache):
         with torch.inference_mode(False):   # tensors a later plain forward may write in place
             self._build(config, layout, page_bytes, cache_bytes)
         self._contiguous = False    # update returns contiguous copies at batch >= 2 (a family)
+        self._model_config = None   # the HF config it was built from (``_bind_model``)
 
     def _build(self, config: CacheConfig, layout: str, page_bytes: int | None,
                cache_bytes: int | None) -> None:
@@ -111,6 +112,9 @@ class VMemCache(Cache):
                               layout=layout, page_bytes=geometry.page_bytes, cache_bytes=cache_bytes,
                               grow_pages=True)
         self.manager = self.kv.manager     # this cache plans; self.kv.cache (VMemKVCache) executes
+        # where its K/V live, as torch names the model's tensors there (config "cuda": cuda:<i>;
+        # "cpu:0": cpu): update's states are checked against it, not the config's spelling
+        self._device = self.kv.layer_tensors(0)[0].device
         self._txn = StepTransaction(self.manager, cache_executor(self.kv), tables=self.kv.tables)
         super().__init__(layers=[VMemLayer(self, i, config.window_of(i))
                                  for i in range(config.num_layers)])
@@ -137,9 +141,16 @@ class VMemCache(Cache):
         cache = cls(cache_config_from_model(config, max_batch, max_context, dtype, device,
                                             kv_cache_dtype),
                     layout=layout, page_bytes=page_bytes, cache_bytes=cache_bytes)
-        cache._contiguous = needs_contiguous_kv(config)
-        cache._guard.bind_model(config)    # its top writing layer; its attention checked
+        cache._bind_model(config)
         return cache
+
+    def _bind_model(self, config) -> None:
+        """Serve the model of HF ``config``: contiguous K/V for the families that need them,
+        and the guard bound to it (its top writing layer; its attention checked). A copy of
+        the cache is bound to the same config (``cache_copy.copy_cache``)."""
+        self._model_config = config
+        self._contiguous = needs_contiguous_kv(config)
+        self._guard.bind_model(config)
 
     # -- what HF asks --
     @property
@@ -167,7 +178,7 @@ class VMemCache(Cache):
     def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         self._check_open()
         self._check_layer(layer_idx)
-        check_update_states(self.config, key_states, value_states)
+        check_update_states(self.config, key_states, value_states, self._device)
         batch, _, new, _ = key_states.shape
         start = self._written[layer_idx]
         end = start + new
@@ -316,7 +327,7 @@ class VMemCache(Cache):
         self._check_open()
         batch = len(self._rows)
         check_beam_index(beam_idx, batch)
-        index = beam_idx.to(self.config.torch_device)
+        index = beam_idx.to(self._device)
         for layer, length in enumerate(self._written):
             # what a later forward may read: ``crop`` goes back as far as ``_slid_to``, and the
             # memory a query there reads is mapped (the give-back kept it)

@@ -31,9 +31,11 @@ def check_beam_index(beam_idx, batch: int) -> None:
                               f"[0, {batch}) for each of the {batch} rows held, got {beam_idx!r}")
 
 
-def check_update_states(config, k: torch.Tensor, v: torch.Tensor) -> None:
-    """``update``'s key/value states (B, kv_heads, q, head_dim): the shape, dtype and device of
-    the cache's ``config`` (a CacheConfig), and no autograd (``check_states_without_grad``)."""
+def check_update_states(config, k: torch.Tensor, v: torch.Tensor, device: torch.device) -> None:
+    """``update``'s key/value states (B, kv_heads, q, head_dim): the shape and dtype of the
+    cache's ``config`` (a CacheConfig), on ``device``, where the cache's tensors live (its
+    index filled in: a config's ``"cuda"`` is ``cuda:<current device>``, which torch compares
+    unequal to ``"cuda"``), and no autograd (``check_states_without_grad``)."""
     want = (config.num_kv_heads, config.head_dim)
     for name, t in (("key", k), ("value", v)):
         if t.dim() != 4:
@@ -46,10 +48,10 @@ def check_update_states(config, k: torch.Tensor, v: torch.Tensor) -> None:
                 f"built from the model config "
                 f"(num_kv_heads={want[0]}, head_dim={want[1]}): the config does not describe "
                 f"this model's attention; build the cache from the model's own config")
-        if t.dtype != config.dtype or t.device != config.torch_device:
+        if t.dtype != config.dtype or t.device != device:
             raise CacheStateError(f"{name} states are {t.dtype} on {t.device}; this cache holds "
-                                  f"{config.dtype} on {config.torch_device} (build it with the "
-                                  f"model's dtype and device)")
+                                  f"{config.dtype} on {device} (build it with the model's dtype "
+                                  f"and device)")
     if k.shape[0] != v.shape[0] or k.shape[2] != v.shape[2]:
         raise CacheStateError(f"key {tuple(k.shape)} and value {tuple(v.shape)} states differ")
     check_states_without_grad(k, v)

@@ -36,12 +36,15 @@ def copy_cache(cache, memo):
     read is copied (a windowed layer's keys from the window at ``crop``'s bound on), the 8-bit
     scales with it. A windowed cache's copy grows page by page, giving back what lies behind
     the window as the original did, so it maps the pages the original holds and fits the same
-    budget. Its budget is the original's again; close it as any other."""
+    budget. Its budget is the original's again; close it as any other. It serves the model the
+    original was built for as the original does (``VMemCache._bind_model``: a copy unbound let
+    a model on the engine's attention write it, and learnt its top layer as a plain cache)."""
     kv = cache.kv
     twin = memo[id(cache)] = type(cache)(cache.config, layout=kv.memory_layout,
                                          page_bytes=kv.page_bytes,
                                          cache_bytes=kv.pool.total_pages * kv.page_bytes)
-    twin._contiguous = cache._contiguous
+    if cache._model_config is not None:       # as from_model_config bound the original
+        twin._bind_model(cache._model_config)
     batch, held, slid_to = len(cache._rows), cache._held(), cache._slid_to
     if batch and cache.config.layer_windows and slid_to:
         prev = 0

@@ -6,10 +6,13 @@ both would get wrong tokens. ``ForwardGuard.writing(layer)`` around each update 
 (CacheStateError, nothing written) an update from a thread other than the one whose forward is
 open: from its first update until it writes the top layer (or the cache is ``reset()``); after
 such a clash every update, of either thread, is refused until ``reset()`` (the rows may mix both
-calls' tokens), so neither generate goes on with wrong tokens. Cheap: one non-blocking lock and
-a few compares per layer. A cache may still pass from thread to thread between forwards (a
-generate finished in one, continued in another); so two generate calls whose forwards happen to
-alternate whole, never overlapping, are not told apart from such a hand-over.
+calls' tokens), so neither generate goes on with wrong tokens. A ``reset()`` by another thread
+while a forward is open revokes that forward: the rest of its updates are refused (its cached
+K/V are gone; it once went on over the emptied rows), until its thread starts a forward over.
+Cheap: one non-blocking lock and a few compares per layer. A cache may still pass from thread
+to thread between forwards (a generate finished in one, continued in another); so two generate
+calls whose forwards happen to alternate whole, never overlapping, are not told apart from such
+a hand-over (nor a reset() between two forwards of a generate in another thread).
 
 The top layer (the last one a forward writes) is, for a cache built from a model's config
 (``bind_model``), the last layer below Gemma 3n's KV-shared ones (``num_kv_shared_layers``: they
@@ -40,6 +43,7 @@ class ForwardGuard:
         self._learn_top = True        # no model config: the top layer is learnt (see above)
         self._model_config = None     # the HF config whose _attn_implementation is checked
         self._mixed = None            # why every update is refused until reset(), after a clash
+        self._revoked = None          # (thread, layer): its forward, open at reset() by another
 
     def bind_model(self, config) -> None:
         """The cache serves the model of this HF ``config``: its top writing layer is known,
@@ -57,6 +61,7 @@ class ForwardGuard:
         try:
             if self._mixed is not None:
                 raise CacheStateError(self._mixed)
+            self._check_not_revoked(me, layer_idx)
             if self._owner is not None and self._owner != me:
                 raise self._refuse(layer_idx, f"is at layer {self._last_layer}")
             if self._owner is None and self._model_config is not None and \
@@ -76,8 +81,31 @@ class ForwardGuard:
             self._busy.release()
 
     def reset(self) -> None:
+        """Forget every forward. One open in another thread (at reset, it had written layers up
+        to ``_last_layer``) is revoked: its remaining updates are refused (the rows it wrote are
+        gone, so its queries would read only what it writes after), never its next forward."""
+        me = threading.get_ident()
+        if self._owner is not None and self._owner != me:
+            self._revoked = (self._owner, self._last_layer)
+        elif self._revoked is not None and self._revoked[0] == me:
+            self._revoked = None
         self._owner, self._last_layer, self._mixed = None, -1, None
         self._top_layer = self._top_of_cache
+
+    def _check_not_revoked(self, me: int, layer_idx: int) -> None:
+        """Refuse the rest of a forward that another thread's ``reset()`` revoked; a forward of
+        that thread starting over (at or below the layer it had reached) ends the revocation."""
+        if self._revoked is None or self._revoked[0] != me:
+            return
+        reached = self._revoked[1]
+        if layer_idx <= reached:
+            self._revoked = None
+            return
+        raise CacheStateError(
+            f"another thread called reset() on this cache while this thread's forward had "
+            f"written layers up to {reached}, so the K/V it cached are gone and layer "
+            f"{layer_idx} would attend over its own new tokens only (wrong tokens); nothing was "
+            f"written: start the generate again")
 
     def _refuse(self, layer_idx: int, where: str) -> CacheStateError:
         """The refusal of this update; every later one (either thread's) is refused too, until
