@@ -3,7 +3,9 @@ device), wake it, resize its cache. Each runs on the engine thread between two s
 (``EngineThread.call``); the handler awaits the result.
 
     POST /sleep        {"level": 1} or no body   -> {"is_sleeping": true, "released_bytes": N}
+                       (or vLLM's ?level=1)
     POST /wake_up      {} or no body             -> {"is_sleeping": false, "cache_bytes": N}
+                       (or vLLM's ?tags=kv_cache, with or without tags=weights)
     GET  /is_sleeping                            -> {"is_sleeping": bool}
     POST /resize       {"cache_bytes": N} or {"memory_utilization": F}, "preempt": bool
                                                  -> {"cache_bytes": N}
@@ -13,7 +15,11 @@ type, an unknown field, both or neither of ``cache_bytes`` and ``memory_utilizat
 engine cannot do (``CacheResizeError``: bytes running requests hold without ``preempt``, past
 ``max_cache_bytes``, a paged cache, the device's available memory) is a 409 naming the reason,
 with nothing changed: the request was well formed, the engine's state refuses it. Level 1 is
-all there is: only the KV cache's memory is given back; the weights stay.
+all there is: only the KV cache's memory is given back; the weights stay. vLLM's clients send
+``level`` and ``tags`` in the query string: they are checked as strictly as a body (a level
+other than 1, tags that leave the KV cache asleep, any other query parameter, on /resize any
+at all: a 400 naming it, nothing run), never ignored (``?level=2`` had put the engine to sleep
+at level 1, answering 200).
 """
 from __future__ import annotations
 
@@ -54,12 +60,44 @@ class ResizeRequest(BaseModel):
         return "cache_bytes" if self.cache_bytes is not None else "memory_utilization"
 
 
-def parse_sleep(body: bytes) -> SleepRequest:
+WAKE_TAGS = ("weights", "kv_cache")   # vLLM's wake_up tags; only the KV cache sleeps here
+
+
+def parse_sleep(body: bytes, query=None) -> SleepRequest:
+    """The body's SleepRequest, its level checked, and the query string's (``query``: a
+    request's ``query_params``; None: none)."""
     request = _parse(body, SleepRequest)
-    if request.level != 1:
+    levels = [request.level] + _query_values(query, "level", ("level",))
+    odd = next((level for level in levels if level not in (1, "1")), None)
+    if odd is not None:
         raise ApiError(400, f"level: only level 1 is supported (the KV cache's memory is given "
-                            f"back, the weights stay), got {request.level}", "level")
+                            f"back, the weights stay), got {odd!r}", "level")
     return request
+
+
+def parse_wake_up(body: bytes, query=None) -> WakeUpRequest:
+    """The body's WakeUpRequest; vLLM's ``tags`` in the query string must wake the KV cache,
+    all that sleeps here (``tags=weights`` alone would leave it asleep)."""
+    request = _parse(body, WakeUpRequest)
+    tags = _query_values(query, "tags", ("tags",))
+    if tags and ("kv_cache" not in tags or not set(tags) <= set(WAKE_TAGS)):
+        raise ApiError(400, f"tags: only the KV cache sleeps here (the weights stay), and a "
+                            f"wake-up wakes it: send no tags or tags=kv_cache (with or without "
+                            f"tags=weights), got {tags}", "tags")
+    return request
+
+
+def _query_values(query, name: str, allowed: tuple) -> list:
+    """The values of query parameter ``name``; ApiError 400 naming any parameter not in
+    ``allowed`` (a query string is checked as a body is: nothing is ignored)."""
+    if query is None:
+        return []
+    unknown = next((key for key in query.keys() if key not in allowed), None)
+    if unknown is not None:
+        takes = ", ".join(allowed) if allowed else "no query parameters (send a JSON body)"
+        raise ApiError(400, f"unknown query parameter {unknown[:40]!r}; this route takes "
+                            f"{takes}", unknown[:40])
+    return query.getlist(name) if name else []
 
 
 def parse_resize(body: bytes) -> ResizeRequest:
@@ -83,13 +121,13 @@ def add_admin_routes(app: FastAPI, server: EngineThread) -> None:
 
     @app.post("/sleep")
     async def sleep(request: Request) -> dict:
-        parse_sleep(await request.body())
+        parse_sleep(await request.body(), request.query_params)
         released = await _on_engine(server.sleep())
         return {"is_sleeping": True, "released_bytes": released}
 
     @app.post("/wake_up")
     async def wake_up(request: Request) -> dict:
-        _parse(await request.body(), WakeUpRequest)
+        parse_wake_up(await request.body(), request.query_params)
         cache_bytes = await _on_engine(server.wake_up())
         return {"is_sleeping": False, "cache_bytes": cache_bytes}
 
@@ -99,6 +137,7 @@ def add_admin_routes(app: FastAPI, server: EngineThread) -> None:
 
     @app.post("/resize")
     async def resize(request: Request) -> dict:
+        _query_values(request.query_params, "", ())
         req = parse_resize(await request.body())
 
         def work(engine) -> int:

@@ -187,9 +187,9 @@ class Guard:
                 scope[SALT_SCOPE_KEY] = key_salt(key)
         if scope["method"] in ("POST", "PUT", "PATCH"):
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
-            if kind != "application/json":
-                raise ApiError(415, f"Content-Type must be application/json, got "
-                                    f"{kind or 'none'!r}")
+            if kind != "application/json":   # no header is not the type "none" sent
+                raise ApiError(415, "Content-Type must be application/json, got " + (
+                    repr(kind) if kind else "no Content-Type header"))
         length = headers.get("content-length")
         if length is not None:
             if not length.isdigit():

@@ -104,12 +104,14 @@ def internal_error() -> ApiError:
     return ApiError(500, "internal server error; the server log has the details")
 
 
-def cannot_hold(param: str) -> ApiError:
-    """400: the engine failed this request alone because its cache can never hold it (a beam
-    group that, preempted, must come back with each beam's own copy and does not fit even an
-    empty cache): what the client can change, named; no internals (sequence ids) leak."""
+def cannot_hold(param: str, beams: bool = False) -> ApiError:
+    """400: the engine failed this request alone because its cache can never hold it (``beams``:
+    a beam group that, preempted, must come back with each beam's own copy and does not fit
+    even an empty cache): what the client can change, ``param``, named as the client sent it
+    (a beam search's width: ``n`` where ``beam_width`` was left out); no internals (sequence
+    ids) leak."""
     why = ("after a preemption its beams each need their own copy, and they do not fit even an "
-           "empty cache" if param == "beam_width" else "it does not fit even an empty cache")
+           "empty cache" if beams else "it does not fit even an empty cache")
     return ApiError(400, f"the server's KV cache cannot hold this request: {why}; a smaller "
                          f"{param} fits", param)
 

@@ -130,7 +130,8 @@ class Submission:
         self.n, self._ids_as_text = choices_per_prompt(params), not has_tokenizer
         self._max_param = max_param     # the engine's max_new_tokens, as the client named it
         self._width_param = width_param   # the field that set a beam search's width
-        self._too_large_param = "beam_width" if isinstance(params, BeamSearchParams) \
+        self._beams = isinstance(params, BeamSearchParams)
+        self._too_large_param = width_param if self._beams \
             else max_param          # what a request the cache can never hold should shrink
         self.choices = [Choice(i) for i in range(len(prompts) * self.n)]
         self.prompt_logprobs: List[Optional[list]] = [None] * len(prompts)   # when asked for
@@ -198,7 +199,7 @@ class Submission:
             return shutting_down()
         cause = item.cause if item.alone else None
         if cause is not None and cause.type == "RequestTooLargeError":
-            return cannot_hold(self._too_large_param)
+            return cannot_hold(self._too_large_param, beams=self._beams)
         if cause is not None and cause.type == RequestRejectedError.__name__:
             return rejected_running(cause.message, self._param_of(cause.field))
         return request_failed() if item.alone else internal_error()
