@@ -46,7 +46,9 @@ class ChatCompletionRequest(SamplingFields):
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     def api_name(self, field: str) -> str:
-        return {"max_new_tokens": self.max_param, "logprobs": "top_logprobs"}.get(field, field)
+        # the engine's logprobs is a count, top_logprobs here; with none sent, logprobs: true
+        top = "top_logprobs" if self.top_logprobs is not None else "logprobs"
+        return {"max_new_tokens": self.max_param, "logprobs": top}.get(field, field)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

@@ -56,9 +56,13 @@ def test_chat_choices_are_the_engines_beams_with_their_text():
         got = sorted(r.json()["choices"], key=lambda c: c["index"])
         assert [c["token_ids"] for c in got] == [c.token_ids for c in want.outputs]
         assert [c["message"]["content"] for c in got] == [c.text for c in want.outputs]
-        bad = local_http.post(server.url + "/v1/chat/completions", timeout=60,
-                              json={**body, "logprobs": True})
-        assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
+        # the field the client sent: logprobs alone (top_logprobs was named, never sent), or
+        # top_logprobs with it
+        for extra, param in (({"logprobs": True}, "logprobs"),
+                             ({"logprobs": True, "top_logprobs": 2}, "top_logprobs")):
+            bad = local_http.post(server.url + "/v1/chat/completions", timeout=60,
+                                  json={**body, **extra})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == param, extra
 
 
 def engine_prompts(engine, messages) -> list:
