@@ -7,10 +7,12 @@ A message is a dict with ``role`` (system, user or assistant) and ``content``: a
 list of OpenAI content parts ``{"type": "text", "text": ...}`` (their texts joined with "\n", as
 vLLM's and TensorRT-LLM's), and optionally ``name`` (handed to the template, which may render
 it); any other key (``tool_calls``, a part's ``cache_control``, ...) or part type
-(``image_url``, ...) is refused by name, never dropped. The
-template is the tokenizer's own (a GGUF file carries one, as ``tokenizer.chat_template``)
-unless ``chat_template`` overrides it; a model without one (the random-weight built-ins) is
-refused with ``ChatTemplateError``, as is a template that is empty or fails to render. Nothing is queued before every conversation has rendered.
+(``image_url``, ...) is refused by name, never dropped. The template is the tokenizer's own (a
+GGUF file carries one, as ``tokenizer.chat_template``; of a dict of named templates, its
+"default", as transformers picks) unless ``chat_template`` overrides it (a Jinja template, or
+the name of one of the tokenizer's); a model without one (the random-weight built-ins) is
+refused with ``ChatTemplateError``, as is a template that is empty or fails to render (a dict
+with no "default", the names it has). Nothing is queued before every conversation has rendered.
 """
 from __future__ import annotations
 
@@ -143,23 +145,27 @@ def chat_prompt_ids(tokenizer, messages, chat_template: Optional[str] = None,
     if chat_template is not None and not chat_template.strip():
         raise ChatTemplateError(f"conversation {index}: chat_template is empty; omit it to use "
                                 f"the model's", index)
-    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
-    if not template:
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(f"conversation {index}: the model's tokenizer has no chat "
                                 f"template; pass chat_template (a Jinja template) or send a "
                                 f"text prompt", index)
+    # None renders the tokenizer's own as transformers resolves it: a dict of named templates
+    # (tokenizer_config's list of {name, template}) by its "default" (passed on, the dict was
+    # a TypeError, "unhashable type", and such a model could not chat at all)
     if check_text is not None:    # rendered alone first: the text may be refused untokenized
-        check_text(_rendered(tokenizer, checked, template, add_generation_prompt, index, False))
-    ids = _rendered(tokenizer, checked, template, add_generation_prompt, index, True)
+        check_text(_rendered(tokenizer, checked, chat_template, add_generation_prompt, index,
+                             False))
+    ids = _rendered(tokenizer, checked, chat_template, add_generation_prompt, index, True)
     if not ids:
         raise ChatTemplateError(f"conversation {index}: the chat template rendered nothing", index)
     return list(ids)
 
 
-def _rendered(tokenizer, checked: List[dict], template: str, add_generation_prompt: bool,
-              index: int, tokenize: bool):
-    """The conversation rendered by ``template``: its token ids, or (``tokenize`` False) its
-    text; ChatTemplateError when the template fails on it."""
+def _rendered(tokenizer, checked: List[dict], template: Optional[str],
+              add_generation_prompt: bool, index: int, tokenize: bool):
+    """The conversation rendered by ``template`` (a Jinja template, the name of one of the
+    tokenizer's, or None: its own): its token ids, or (``tokenize`` False) its text;
+    ChatTemplateError when the template fails on it."""
     try:
         return tokenizer.apply_chat_template(checked, chat_template=template, tokenize=tokenize,
                                              return_dict=False,

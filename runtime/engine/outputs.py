@@ -35,7 +35,8 @@ class CompletionOutput:
     """One sample's generated tokens (the stop token, when one ended it, is included; so is
     the token that completed a stop string). ``finish_reason``: "stop", "length", or "abort" /
     "error" when its request was aborted / failed before the sample finished. ``text`` (with a
-    tokenizer): the tokens' text, cut at the first stop string (``runtime/engine/detokenize``).
+    tokenizer): the tokens' text, cut at the first stop string (``runtime/engine/detokenize``);
+    while the sample runs, what its TokenEvents showed so far ("" before its first token).
     ``logprobs``: one entry per token when SamplingParams.logprobs is set, else None."""
     index: int
     token_ids: List[int]
@@ -143,6 +144,7 @@ class EngineStats:
     ttft_s: List[float] = field(default_factory=list, repr=False)
     itl_s: List[float] = field(default_factory=list, repr=False)
     serving: Dict[str, float] = field(default_factory=dict, repr=False)  # serving_report (ms)
+                                  # of the outputs that finished (as ``requests`` counts them)
 
     @property
     def tokens_per_s(self) -> float:

@@ -75,14 +75,19 @@ class SampleRecord:
 
     def record(self, token: int, now: float, last: bool) -> Tuple[str, Optional[TokenLogprobs]]:
         """Append a sampled token (``last``: the scheduler finished the sample with it);
-        returns (the text delta, the token's logprobs or None)."""
+        returns (the text delta, the token's logprobs or None). With a tokenizer the
+        completion's ``text`` is kept at what its deltas showed so far, so a live request's
+        output (``Engine.output``) has its text too, not None."""
         completion = self.completion
         completion.token_ids.append(token)
         completion.token_times_s.append(now)
         logprobs = self.sampling.logprobs
         if completion.logprobs is not None:
             completion.logprobs.append(logprobs)
-        delta = self.text.add(token, last) if self.text is not None else ""
+        if self.text is None:
+            return "", logprobs
+        delta = self.text.add(token, last)
+        completion.text = self.text.text
         return delta, logprobs
 
     def save(self) -> tuple:
@@ -139,6 +144,8 @@ def new_samples(state: RequestState, stop_ids: Tuple[int, ...], seed: int, devic
         text = (IncrementalText(tokenizer, params.stop, params.include_stop_str_in_output,
                                 params.skip_special_tokens, params.min_tokens, out.request_id)
                 if tokenizer is not None else None)
+        if text is not None:
+            completion.text = text.text      # "" until its first token shows something
         samples[seq_id] = SampleRecord(state, i, sampling, text)
     return samples
 

@@ -58,11 +58,13 @@ class EngineStatistics:
     def stats(self, since: Optional[StatsMark] = None,
               outputs: Sequence[RequestOutput] = ()) -> EngineStats:
         """Statistics since ``since`` (a mark taken by generate/stream), or since creation;
-        ``serving`` is the serving report of ``outputs`` (wall seconds; empty without them).
-        Latency samples and K/V usage are the kept ones (``SampleLog``: the latest 1-2 million;
-        a long-lived engine's oldest are dropped), counters are exact. EngineConfigError naming
-        the argument for a ``since`` that is no mark (a dict was a KeyError) or ``outputs``
-        that are not RequestOutputs."""
+        ``serving`` is the serving report of those of ``outputs`` that finished (wall seconds;
+        empty without outputs): an aborted or failed request is not "completed" and its
+        latencies are not counted (as ``requests`` and ``prompt_tokens``; vLLM's benchmark
+        counts only successful requests). Latency samples and K/V usage are the kept ones
+        (``SampleLog``: the latest 1-2 million; a long-lived engine's oldest are dropped),
+        counters are exact. EngineConfigError naming the argument for a ``since`` that is no
+        mark (a dict was a KeyError) or ``outputs`` that are not RequestOutputs."""
         if since is not None and not isinstance(since, StatsMark):
             raise EngineConfigError(f"stats: since must be None or a StatsMark (taken by "
                                     f"generate/stream), got {type(since).__name__} "
@@ -93,7 +95,8 @@ class EngineStatistics:
             lora_adapter_evictions=lora.evictions - b["lora"].evictions,
             lora_adapter_pages=lora.pages,
             ttft_s=m.ttft_s.since(b["ttft"]), itl_s=m.itl_s.since(b["itl"]),
-            serving=serving_report(request_timings(outputs)) if outputs else {}, **phases)
+            serving=serving_report(request_timings([o for o in outputs if o.status == "finished"]))
+            if outputs else {}, **phases)
 
     def _pool_bytes(self) -> int:
         """The pool's bytes as its stats count them (a paged hybrid's: block-group tokens at a

@@ -247,17 +247,21 @@ class RequestSubmission:
         """``add(i)`` for i in range(count), all or nothing: what only the scheduler can tell
         (a beam group or an adapter that never fits beside its prompt) refuses a later prompt
         after earlier ones were queued, and those are withdrawn (as is everything on an
-        interrupt) before the error goes on. EngineConfigError, nothing added, unless ``add`` is
-        callable and ``count`` an int >= 0."""
+        interrupt) before the error goes on, the seeds they drew from the engine's generator
+        given back (the next unseeded request draws what it would have drawn without this
+        call). EngineConfigError, nothing added, unless ``add`` is callable and ``count`` an
+        int >= 0."""
         check_callback("add_all: add", add, required=True)
         check_count("add_all: count", count)
         ids: List[int] = []
+        seeds = self._rng.getstate()
         try:
             for i in range(count):
                 ids.append(add(i))
         except BaseException:
             for rid in ids:
                 self._withdraw(rid)
+            self._rng.setstate(seeds)
             raise
         return ids
 
