@@ -93,7 +93,14 @@ def replay_engine(engine, entries, vocab: int, steps: Optional[List[Dict]] = Non
         elif i < len(entries) and entries[i].arrival_s - now > SPIN_S:
             sleep(min(entries[i].arrival_s - now - SPIN_S, 0.05))
     clock.close(engine)
-    timings = request_timings([engine.output(rid, pop=True) for rid in rids])
+    outputs = [engine.output(rid, pop=True) for rid in rids]
+    unfinished = [out for out in outputs if out.status != "finished"]
+    if unfinished:   # a request without a token has no timing: the lags below would shift
+        first = unfinished[0]
+        raise RuntimeError(f"{len(unfinished)} of {len(outputs)} requests did not finish "
+                           f"(request {first.request_id}: {first.status}, {first.error}); the "
+                           f"engine's timings cannot be compared with the simulator's")
+    timings = request_timings(outputs)
     return [replace(t, arrival_s=t.arrival_s - lag) for t, lag in zip(timings, lags)], lags
 
 

@@ -27,15 +27,16 @@ class FakeEngine:
     """Every step takes STEP_S and samples one token for every unfinished request (the
     engine's clock: FakeClock's, from 0 at construction)."""
 
-    def __init__(self, clock: FakeClock) -> None:
+    def __init__(self, clock: FakeClock, failing=()) -> None:
         self.clock, self.t0 = clock, clock.now_s
-        self.outputs, self.left = {}, {}
+        self.outputs, self.left, self.failing = {}, {}, set(failing)   # failing: request ids
 
     def add_request(self, prompt, sampling) -> int:
         rid = len(self.outputs)
         self.outputs[rid] = RequestOutput(rid, tuple(prompt), [CompletionOutput(0, [])],
                                           arrival_s=self.clock.now_s - self.t0)
-        self.left[rid] = sampling.max_new_tokens
+        self.left[rid] = 0 if rid in self.failing else sampling.max_new_tokens
+        self.outputs[rid].status = "failed" if rid in self.failing else "unfinished"
         return rid
 
     def has_unfinished(self) -> bool:
@@ -47,6 +48,8 @@ class FakeEngine:
             if left:
                 self.outputs[rid].outputs[0].token_times_s.append(self.clock.now_s - self.t0)
                 self.left[rid] = left - 1
+                if left == 1:
+                    self.outputs[rid].status = "finished"
 
     def output(self, rid: int, pop: bool = False) -> RequestOutput:
         return self.outputs[rid]
@@ -85,3 +88,14 @@ def test_an_idle_loop_sleeps_only_up_to_a_millisecond_before_the_next_arrival():
                   sleep=lambda s: (slept.append(s), clock.sleep(s)))
     # idle from 10 ms (request 0 done) to the arrival at 30 ms: sleep to 29 ms, spin the rest
     assert sum(slept) == pytest.approx(0.030 - STEP_S - 0.001, abs=1e-5)
+
+
+def test_a_request_the_engine_failed_is_refused_not_paired_with_the_next_ones_lag():
+    # request 0 fails before its first token: its timing is missing, and the others' timings
+    # were paired with the lags (and arrivals) of the requests before them, unsaid
+    clock = FakeClock()
+    engine = FakeEngine(clock, failing={0})
+    entries = [TraceEntry(4, 2, 0.0), TraceEntry(4, 2, 0.004), TraceEntry(4, 2, 0.050)]
+    with pytest.raises(RuntimeError, match=r"1 of 3 requests did not finish \(request 0: failed"):
+        replay_engine(engine, entries, vocab=100, perf_counter=clock.perf_counter,
+                      sleep=clock.sleep)
