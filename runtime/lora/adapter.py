@@ -63,7 +63,7 @@ class LoraAdapter:
         naming the path and the field, tensor or module at fault, and ``LoraMemoryError`` before
         reading the weights when ``host_copies`` copies of them (one per process that will hold
         them) would exceed the host's available memory."""
-        path = os.fspath(path)
+        path = _directory_name(path)
         if not os.path.isdir(path):
             raise LoraConfigError(f"LoRA adapter {path!r}: not a directory")
         config = read_config(path)
@@ -74,12 +74,27 @@ class LoraAdapter:
         # an embedding or lm_head target is refused as such, not by its first odd tensor
         found = {module: _target(path, model, module, targets) for module in _modules(tensors)}
         pairs = _pairs(path, tensors)
+        _check_selected(path, config, pairs)
         shapes = {}
         for module, (a, b) in pairs.items():
             weight = found[module].weight                               # [out, in]
             _check_shapes(path, module, a, b, tuple(weight.shape), config.rank_of(module))
             shapes[module] = (tuple(a.shape), tuple(b.shape), weight.dtype)
-        return cls(path, config, pairs, FlatLayout.plan(shapes))
+        adapter = cls(path, config, pairs, FlatLayout.plan(shapes))
+        adapter._check_finite()
+        return adapter
+
+    def _check_finite(self) -> None:
+        """LoraWeightsError naming the first A or B that holds NaN or inf in its module's
+        dtype (in the file, or past the dtype's range: 1e5 in fp16): it would reach the logits
+        of every request on the adapter, failing each."""
+        for module, lora in self.views(self._image).modules.items():
+            for part, tensor in (("lora_A", lora.a), ("lora_B", lora.b)):
+                bad = tensor.numel() - int(torch.isfinite(tensor).sum())
+                if bad:
+                    raise LoraWeightsError(
+                        f"LoRA adapter {self.path!r}: {module}.{part} holds {bad} NaN or "
+                        f"infinite values (of {tensor.numel()}) in the model's {tensor.dtype}")
 
     @property
     def modules(self) -> Tuple[str, ...]:
@@ -145,6 +160,16 @@ class LoraAdapter:
         return self.views(buffer)
 
 
+def _directory_name(path) -> str:
+    """``path`` as a str, or LoraConfigError naming what it is (bytes or 3 were a TypeError)."""
+    name = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if not isinstance(name, str):
+        raise LoraConfigError(f"LoRA adapter path must be its directory as a str or "
+                              f"os.PathLike of a str, got {type(path).__name__} "
+                              f"{repr(path)[:60]}")
+    return name
+
+
 def _check_host_memory(path: str, model: nn.Module, host_copies: int) -> None:
     """LoraMemoryError when ``host_copies`` x (the file's tensors as read + their flat copy in
     the model's widest float dtype) exceeds the host's MemAvailable; the sizes come from the
@@ -196,7 +221,7 @@ def _modules(tensors: Mapping[str, torch.Tensor]) -> List[str]:
 
 def _pairs(path: str, tensors: Mapping[str, torch.Tensor]) -> Dict[str, Pair]:
     """``{module: (A, B)}`` from the file's keys; anything but LoRA A/B weights refused."""
-    parts: Dict[str, Dict[str, torch.Tensor]] = {}
+    parts: Dict[str, Dict[str, Tuple[str, torch.Tensor]]] = {}   # module -> part -> (key, .)
     for key in sorted(tensors):
         match = _KEY.match(key)
         if match is None:
@@ -206,7 +231,12 @@ def _pairs(path: str, tensors: Mapping[str, torch.Tensor]) -> Dict[str, Pair]:
         if not tensor.is_floating_point() or tensor.dim() != 2:
             raise LoraWeightsError(f"LoRA adapter {path!r}: {key!r} is {tensor.dtype} of shape "
                                    f"{tuple(tensor.shape)}, not a 2-D floating-point matrix")
-        parts.setdefault(match["module"], {})[match["part"]] = tensor
+        found = parts.setdefault(match["module"], {})
+        if match["part"] in found:   # with and without base_model.model.: which is meant?
+            raise LoraWeightsError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds "
+                                   f"{match['module']}.{match['part']} twice (under "
+                                   f"{found[match['part']][0]!r} and {key!r})")
+        found[match["part"]] = (key, tensor)
     if not parts:
         raise LoraWeightsError(f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds no LoRA weights")
     for module, found in parts.items():
@@ -214,7 +244,25 @@ def _pairs(path: str, tensors: Mapping[str, torch.Tensor]) -> Dict[str, Pair]:
             if part not in found:
                 raise LoraWeightsError(f"LoRA adapter {path!r}: module {module!r} has no "
                                        f"{part} weight")
-    return {module: (found["lora_A"], found["lora_B"]) for module, found in parts.items()}
+    return {module: (found["lora_A"][1], found["lora_B"][1]) for module, found in parts.items()}
+
+
+def _check_selected(path: str, config: AdapterConfig, modules) -> None:
+    """LoraConfigError unless the config selects every module the file holds weights for:
+    PEFT applies only those (it leaves a file's others unused, with a warning)."""
+    if config.target_modules is None:
+        raise LoraConfigError(f"LoRA adapter {path!r}: target_modules is not set; PEFT would "
+                              "adapt its default modules for the model type and leave the "
+                              "file's others unused: list the adapted modules in target_modules")
+    unselected = sorted(module for module in modules if not config.selects(module))
+    if unselected:
+        excluded = f", exclude_modules={config.exclude_modules!r}" if config.exclude_modules else ""
+        raise LoraConfigError(
+            f"LoRA adapter {path!r}: {WEIGHTS_FILE} holds weights of {len(unselected)} "
+            f"module(s) the config does not select ({', '.join(unselected[:4])}"
+            f"{', ...' if len(unselected) > 4 else ''}; "
+            f"target_modules={config.target_modules!r}{excluded}): PEFT leaves them unused; "
+            "remove them from the file or select them in target_modules")
 
 
 def _target(path: str, model: nn.Module, module: str, targets) -> nn.Linear:

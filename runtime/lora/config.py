@@ -5,6 +5,10 @@ Scale of a module of rank r (PEFT's rule): alpha / r, or alpha / sqrt(r) with ``
 ``rank_pattern`` / ``alpha_pattern`` give some modules their own r / alpha (the first pattern
 key, in file order, that matches the end of the module's name, as PEFT matches them).
 
+Which modules it adapts (PEFT's rule): ``target_modules`` (a regex the whole module name must
+match, a list of names or dotted suffixes, or ``all-linear``) less ``exclude_modules``; PEFT
+leaves a file's weights of any other module unused, so such a file is refused (``selects``).
+
 The weights are added to the model's own: an ``init_lora_weights`` after which PEFT trains on a
 changed copy of them (PiSSA, OLoRA, CorDA, LoRA-GA: W minus the initial B @ A; LoftQ: W
 quantized) is refused, pointing to PEFT's conversion to a plain LoRA of W.
@@ -16,11 +20,12 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict
+from typing import Dict, Tuple, Union
 
 from .errors import LoraConfigError
 
 CONFIG_FILE = "adapter_config.json"
+ALL_LINEAR = "all-linear"   # PEFT's shorthand target_modules: every linear layer but the head
 
 # field -> what it would need that we do not run; refused when set (not None/False/empty)
 _REFUSED_FIELDS = {
@@ -57,6 +62,20 @@ class AdapterConfig:
     use_rslora: bool = False
     rank_pattern: Dict[str, int] = field(default_factory=dict)
     alpha_pattern: Dict[str, float] = field(default_factory=dict)
+    # PEFT's module selection: a regex the whole name must match, or names each matching the
+    # name or a dotted suffix of it; None: not given (PEFT would pick its model-type default)
+    target_modules: Union[str, Tuple[str, ...], None] = None
+    exclude_modules: Union[str, Tuple[str, ...], None] = None
+
+    def selects(self, module: str) -> bool:
+        """Whether PEFT puts a LoRA on ``module`` (its ``check_target_module_exists``):
+        targeted and not excluded; ``all-linear`` targets every projection we adapt. A module
+        it does not select is one whose weights in the file PEFT leaves unused."""
+        if self.exclude_modules and _names_match(self.exclude_modules, module):
+            return False
+        if isinstance(self.target_modules, str) and self.target_modules.lower() == ALL_LINEAR:
+            return True
+        return self.target_modules is not None and _names_match(self.target_modules, module)
 
     def rank_of(self, module: str) -> int:
         return self.rank_pattern.get(_pattern_key(self.rank_pattern, module), self.r)
@@ -67,6 +86,12 @@ class AdapterConfig:
     def scale_of(self, module: str) -> float:
         r = self.rank_of(module)
         return self.alpha_of(module) / (math.sqrt(r) if self.use_rslora else r)
+
+
+def _names_match(names: Union[str, Tuple[str, ...]], module: str) -> bool:
+    if isinstance(names, str):
+        return re.fullmatch(names, module) is not None
+    return any(module == name or module.endswith(f".{name}") for name in names)
 
 
 def _pattern_key(patterns: Dict[str, object], module: str) -> str:
@@ -134,8 +159,23 @@ def _checked(path: str, raw: dict) -> AdapterConfig:
     use_rslora = raw.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise refuse("use_rslora", "true or false")
+    selection = {name: _module_names(raw.get(name), lambda why, n=name: refuse(n, why))
+                 for name in ("target_modules", "exclude_modules")}
     return AdapterConfig(r=r, lora_alpha=alpha, use_rslora=use_rslora,
-                         rank_pattern=dict(ranks), alpha_pattern=dict(alphas))
+                         rank_pattern=dict(ranks), alpha_pattern=dict(alphas), **selection)
+
+
+def _module_names(value, refuse) -> Union[str, Tuple[str, ...], None]:
+    """target_modules / exclude_modules as PEFT reads them: None, a regex, or a list of names."""
+    if value is None or (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        return None if value is None else tuple(value)
+    if not isinstance(value, str):
+        raise refuse("a regular expression or a list of module names")
+    try:
+        re.compile(value)
+    except re.error as error:
+        raise refuse(f"not a regular expression: {error.msg}") from None
+    return value
 
 
 def _init_refusal(init) -> str:

@@ -169,12 +169,29 @@ class _LoraHook:
             lora = weights.modules.get(self.name)
             if lora is None:
                 continue
+            _check_fits(self.name, weights.digest, lora, x_rows, out_rows)
             delta = ((x_rows[rows] @ lora.a.T) * lora.scale) @ lora.b.T   # [n, r] -> [n, out]
             if isinstance(rows, slice):
                 out_rows[rows] += delta
             else:
                 out_rows.index_add_(0, rows, delta)
         return output
+
+
+def _check_fits(name: str, digest: str, lora, x_rows: torch.Tensor,
+                out_rows: torch.Tensor) -> None:
+    """LoraBatchError unless A [r, in] and B [out, r] fit this module's rows: its input and
+    output widths, dtype and device (weights loaded for another model, or its other dtype,
+    were a raw RuntimeError from the matmul)."""
+    fits = (lora.a.shape[1] == x_rows.shape[1] and lora.b.shape[0] == out_rows.shape[1]
+            and lora.a.dtype == lora.b.dtype == x_rows.dtype
+            and lora.a.device == lora.b.device == x_rows.device)
+    if not fits:
+        raise LoraBatchError(
+            f"adapter {digest[:12]}'s {name}: A {tuple(lora.a.shape)} and B "
+            f"{tuple(lora.b.shape)} ({lora.a.dtype} on {lora.a.device}) do not fit the module's "
+            f"{x_rows.shape[1]} inputs and {out_rows.shape[1]} outputs ({x_rows.dtype} on "
+            f"{x_rows.device}): the weights were loaded for another model or dtype")
 
 
 def _checked_segment(segment) -> Segment:
