@@ -38,7 +38,7 @@ Whom a failed step is blamed on:
   failures only NonFiniteKVError, which the ranks agree on, gets here; any other is
   TensorParallelError, which closes the engine. Unattributable (nothing fails alone, or every
   request fails alone): the exception reaches the caller with every request intact, as any
-  exception does.
+  exception does (``failed_step_request_ids``: the requests the step ran, a server's to end).
 - planning found a request can never run: its head cannot be admitted even to an empty cache,
   or it cannot grow with the cache to itself (a beam group preempted out of shared memory
   that must come back into private memory, each beam its own copy; RequestTooLargeError), or
@@ -50,7 +50,7 @@ from __future__ import annotations
 import sys
 from contextlib import nullcontext
 from functools import partial
-from typing import Dict, Iterable, List, Optional, Set
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.runtime.transaction import Phase
@@ -112,6 +112,7 @@ class RequestLifecycle:
     """The Engine's failure contract and early ends (a mixin over Engine's fields: scheduler,
     cache, runner, config, _requests, _samples, _beams, _strikes; the step's ``_txn``, ``_draws``
     and ``_beam_rows``): recording or undoing a step, failing a request, abort, status, output."""
+    failed_step_request_ids: Tuple[int, ...] = ()   # what the last step that raised planned
 
     def _record_step(self, plan, sampled: Dict[int, int]) -> List[TokenEvent]:
         """The plan ran: its memory is kept (``executed``); then its tokens are recorded
@@ -183,6 +184,8 @@ class RequestLifecycle:
         roll it back) and forget its progress; executed: undo the recording too; recorded:
         finish the commit. True when the failure was blamed on requests that were then failed
         (the step returns); False: the caller re-raises."""
+        self.failed_step_request_ids = () if plan is None else tuple(sorted(   # a server ends
+            {self._request_id_of(s.seq_id) for s in plan.seqs} - {None}))     # only these
         phase = self._txn.phase
         if phase in (Phase.IDLE, Phase.RECORDED):   # before begin, or the step is recorded
             self._txn.rollback()                     # (RECORDED: completes the commit)

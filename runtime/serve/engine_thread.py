@@ -311,9 +311,9 @@ class EngineThread:
             try:
                 self.engine.step()
             except Exception as error:   # noqa: BLE001 -- the server stays up; the log keeps it
-                log.exception("an engine step failed; aborting the %d live requests",
-                              len(self._live))
-                for request_id in list(self._live):
+                ended = self.engine.failed_step_request_ids or list(self._live)   # (it ran)
+                log.exception("an engine step failed; aborting %d requests", len(ended))
+                for request_id in ended:
                     self._abort(request_id, "failed", f"{type(error).__name__}: {error}")
                 if self.engine.closed:   # a rank died and closed it: nothing left to serve
                     self._stopping = True

@@ -29,6 +29,7 @@ class FakeEngine:
         self.cache_bytes, self.is_sleeping, self.looks = 4096, False, 0
         self.closed = False      # Engine.closed: a tensor-parallel rank died and closed it
         self.resizable = True    # Engine.resizable: it can sleep
+        self.failed_step_request_ids = ()   # Engine's: none named, a raising step ends all
 
     def sleep(self) -> int:
         released, self.cache_bytes, self.is_sleeping = self.cache_bytes, 0, True
