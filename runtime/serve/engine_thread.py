@@ -179,8 +179,7 @@ class EngineThread:
 
     def call(self, work: Callable[[object], object]) -> Future:
         """Run ``work(engine)`` on the engine thread between two steps (nothing else touches the
-        engine meanwhile); the future gets what it returns or raises. ApiError 503 once the
-        thread has stopped."""
+        engine meanwhile); the future gets what it returns or raises; 503 once it stopped."""
         return self._enqueue(work)
 
     def sleep(self) -> Future:
@@ -311,7 +310,8 @@ class EngineThread:
             try:
                 self.engine.step()
             except Exception as error:   # noqa: BLE001 -- the server stays up; the log keeps it
-                ended = self.engine.failed_step_request_ids or list(self._live)   # (it ran)
+                ran = () if self.engine.closed else self.engine.failed_step_request_ids
+                ended = ran or list(self._live)     # the requests it ran; closed: every one
                 log.exception("an engine step failed; aborting %d requests", len(ended))
                 for request_id in ended:
                     self._abort(request_id, "failed", f"{type(error).__name__}: {error}")

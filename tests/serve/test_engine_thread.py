@@ -192,17 +192,21 @@ def test_a_step_that_closed_the_engine_ends_every_live_request_and_stops_the_thr
 
     def rank_died():
         engine.closed = True
+        engine.failed_step_request_ids = (0,)     # what the step ran: the others end too
         raise RuntimeError("rank 1: activation all_reduce failed")
 
     def closed_abort(request_id):
         raise RuntimeError("abort after close()")
 
     engine.step, engine.abort = rank_died, closed_abort
+    # once both requests are live (a step before is a no-op: the second is still queued)
+    engine.step = lambda: rank_died() if len(engine.live) == 2 else time.sleep(0.001)
     thread.start()
-    thread.submit([1], SamplingParams(max_new_tokens=3),
-                  lambda item: (items.append(item), isinstance(item, Ended) and ended.set()), 0.0)
+    for _ in range(2):
+        thread.submit([1], SamplingParams(max_new_tokens=3), lambda item: (
+            items.append(item), isinstance(item, Ended) and len(items) == 2 and ended.set()), 0.0)
     assert ended.wait(10)
-    assert items == [Ended("failed", "RuntimeError: rank 1: activation all_reduce failed")]
+    assert items == 2 * [Ended("failed", "RuntimeError: rank 1: activation all_reduce failed")]
     thread._thread.join(10)
     assert not thread.alive and thread.pending_requests == 0
     thread.stop()
