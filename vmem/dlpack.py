@@ -32,6 +32,9 @@ import ctypes
 import weakref
 from typing import Callable, Optional
 
+from .checks import as_int
+from .errors import VMemConfigError
+
 __all__ = ["DLPACK_CPU", "DLPACK_CUDA", "tensor_at"]
 
 DLPACK_CPU, DLPACK_CUDA = 1, 2          # DLDeviceType values: kDLCPU, kDLCUDA
@@ -83,6 +86,10 @@ def tensor_at(address: int, num_bytes: int, device_type: int, device_id: int = 0
     state may change underneath it (the tensor only holds an address).
     """
     import torch.utils.dlpack
+    address = as_int(address, "a tensor's address")    # None made a tensor at NULL
+    if address <= 0:
+        raise VMemConfigError(f"a tensor's address must be a mapped address (> 0), got "
+                              f"{address:#x}")
     if num_bytes <= 0:
         raise ValueError(f"tensor_at needs a positive byte count, got {num_bytes}")
     block = _libc.malloc(_BLOCK_BYTES)

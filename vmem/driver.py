@@ -123,7 +123,9 @@ class Driver(ABC):
         caller checks the copies first through ``commit`` (VirtualRange.close: all its pages
         as one commit, vmem/vrange.py). ``copy=False`` (a forked child, where
         copying every page would double the cache): copy-on-write, the pool page shows through
-        until the address is written (host: a private mapping of the memfd page)."""
+        until the address is written (host: a private mapping of the memfd page; a released
+        ``handle``, whose memfd is gone, is refused: the child copies a page held after its
+        pool closed)."""
         return False
 
     def close_inherited(self, handles: Sequence[Any]) -> None:

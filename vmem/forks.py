@@ -10,7 +10,8 @@ of a parent's range would write the parent's KV. ``os.register_at_fork`` runs, a
     in the parent   the locks are released; nothing else changes
     in the child    the locks are released; every range's mapped pages are remapped private
                     (host: a copy-on-write mapping of the memfd page, so even a raw tensor view
-                    in the child writes only the child's copy; CUDA: nothing, no driver call can
+                    in the child writes only the child's copy; a page held for a view whose pool
+                    was closed since, its file gone: a copy; CUDA: nothing, no driver call can
                     run in a child), every pool closes the child's copies of its page files,
                     and every driver, pool and range refuses what touches pages or mappings
                     (``ForkedError``); bookkeeping queries, ``release`` and ``close`` still work

@@ -19,7 +19,9 @@ Unmapping replaces the page with a fresh PROT_NONE reservation rather than calli
 address range stays ours (no other allocation can land in the hole) and touching it faults.
 The driver keeps what CUDA's keeps (its reservations, what is mapped where, each page's size,
 whether it is closed) and refuses what cuMemMap, cuMemUnmap and cuMemAddressFree refuse, before
-any system call (vmem/host_records.py); after ``close()`` it makes nothing new (ClosedError) but
+any system call (vmem/host_records.py); a reserve or map that could take the process within
+a margin of Linux's ``vm.max_map_count`` mappings is refused too (vmem/map_count.py: at the limit
+no page could be unmapped again); after ``close()`` it makes nothing new (ClosedError) but
 still unmaps, frees and releases what was made with it, so nothing leaks.
 """
 from __future__ import annotations
@@ -29,14 +31,13 @@ import ctypes.util
 import os
 import sys
 import threading
-from dataclasses import dataclass
 from typing import Sequence
 
-from . import checks, commits
+from . import checks, commits, map_count
 from .dlpack import DLPACK_CPU, tensor_at
 from .driver import Driver
 from .errors import ClosedError, DriverCallError, DriverUnavailableError, InsufficientMemoryError
-from .host_records import HostRecords
+from .host_records import HostPage, HostRecords, PageFiles, check_pages
 
 # Linux values, identical on x86_64 and aarch64.
 PROT_NONE, PROT_READ, PROT_WRITE = 0x0, 0x1, 0x2
@@ -112,14 +113,6 @@ def _load_libc() -> ctypes.CDLL:
     return libc
 
 
-@dataclass(frozen=True)
-class HostPage:
-    """A physical page: a page-sized byte range of a memfd."""
-    fd: int
-    offset_bytes: int
-    page_bytes: int
-
-
 class HostDriver(Driver):
     """Virtual memory of this process, backed by memfd pools. Tensors live on the CPU."""
 
@@ -134,6 +127,7 @@ class HostDriver(Driver):
         self._page_size = os.sysconf("SC_PAGE_SIZE")
         self.recent_commits = commits.HOST      # one host memory, whichever driver commits
         self._records = HostRecords()
+        self._files = PageFiles()               # memfds made and not released (host_records)
         self._lock = threading.RLock()          # the records and the calls that change them
         self._closed = False
 
@@ -180,6 +174,7 @@ class HostDriver(Driver):
         size_bytes = self.check_bytes(size_bytes, "reserve size_bytes")
         self._check_open()
         with self._lock:
+            map_count.GUARD.check("reserve", 1)
             address = self._mmap("reserve", None, size_bytes, PROT_NONE,
                                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE)
             self._records.reserved(address, size_bytes)
@@ -200,6 +195,8 @@ class HostDriver(Driver):
         num_pages, page_bytes = self._check_pages(num_pages, page_bytes)
         self._check_open()
         self._check_not_forked()
+        if not num_pages:            # no memfd: nothing could ever release it (CUDA: none)
+            return []
         try:
             fd = os.memfd_create("vmemkv-pages", os.MFD_CLOEXEC)
         except OSError as error:     # EMFILE (ulimit -n), ENFILE, ENOMEM
@@ -209,9 +206,12 @@ class HostDriver(Driver):
             os.ftruncate(fd, num_pages * page_bytes)
             # Commit the whole budget now (shmem blocks), as cuMemCreate would: mapping
             # latency then never includes page creation, and an over-budget pool fails here.
-            if num_pages and not discarded:
+            if not discarded:
                 os.posix_fallocate(fd, 0, num_pages * page_bytes)
-            return [HostPage(fd, i * page_bytes, page_bytes) for i in range(num_pages)]
+            with self._lock:
+                file_id = self._files.new_id()
+                self._files.created(file_id, fd)
+            return [HostPage(fd, i * page_bytes, page_bytes, file_id) for i in range(num_pages)]
         except BaseException as error:
             os.close(fd)
             if isinstance(error, OSError):
@@ -221,12 +221,16 @@ class HostDriver(Driver):
 
     def release_pages(self, handles: Sequence[HostPage],
                       discarded: Sequence[HostPage] = ()) -> None:
-        for fd in {page.fd for page in (*handles, *discarded)}:
+        with self._lock:
+            fds = self._files.released([*handles, *discarded])
+        for fd in fds:
             os.close(fd)
 
     def discard_pages(self, handles: Sequence[HostPage], page_bytes: int) -> None:
         page_bytes = self.check_bytes(page_bytes)
         self._check_not_forked()
+        with self._lock:
+            handles = self._files.check_live("discard_pages", handles)
         for page in handles:
             self._punch(page, page_bytes)
 
@@ -242,6 +246,8 @@ class HostDriver(Driver):
         page_bytes = self.check_bytes(page_bytes)
         self._check_open()
         self._check_not_forked()
+        with self._lock:
+            handles = self._files.check_live("recreate_pages", handles)
         done: list[HostPage] = []
         try:
             for page in handles:
@@ -258,11 +264,14 @@ class HostDriver(Driver):
         address = checks.as_int(address, "map address")
         page_bytes = self.check_bytes(page_bytes)
         self._check_open()
-        if page_bytes > handle.page_bytes:
-            raise DriverCallError(f"map({address:#x}, {page_bytes} bytes): the page holds "
-                                  f"{handle.page_bytes} bytes (CUDA's cuMemMap refuses it too)")
         with self._lock:
+            self._files.check_live("map", [handle])
+            if page_bytes > handle.page_bytes:
+                raise DriverCallError(f"map({address:#x}, {page_bytes} bytes): the page holds "
+                                      f"{handle.page_bytes} bytes (CUDA's cuMemMap refuses it "
+                                      f"too)")
             self._records.check_map(address, page_bytes)
+            map_count.GUARD.check("map", 2)     # itself, and the reservation split around it
             self._mmap("map", address, page_bytes, PROT_READ | PROT_WRITE,
                        MAP_SHARED | MAP_FIXED, handle.fd, handle.offset_bytes)
             self._records.mapped(address, page_bytes)
@@ -277,6 +286,7 @@ class HostDriver(Driver):
             self._records.unmapped(address, page_bytes)
 
     def unmap_if_mapped(self, address: int, page_bytes: int) -> bool:
+        address = checks.as_int(address, "unmap_if_mapped address")
         with self._lock:      # the records know: no unmap of an address never mapped
             if not self._records.is_mapped(address, page_bytes):
                 return False
@@ -284,8 +294,13 @@ class HostDriver(Driver):
             return True
 
     def detach(self, address: int, handle: HostPage, page_bytes: int, copy: bool = True) -> bool:
+        address = checks.as_int(address, "detach address")
         page_bytes = self.check_bytes(page_bytes)
         with self._lock:
+            if copy:                            # a copy needs only the address
+                check_pages("detach", [handle])
+            else:
+                self._files.check_live("detach", [handle])
             self._records.check_mapped("detach", address, page_bytes)
             self._detach(address, handle, page_bytes, copy)
             self._records.unmapped(address, page_bytes)    # no mapping of a page any more
@@ -310,7 +325,9 @@ class HostDriver(Driver):
                                   f"{os.strerror(errno)} (errno {errno})")
 
     def close_inherited(self, handles: Sequence[HostPage]) -> None:
-        for fd in {page.fd for page in handles}:
+        with self._lock:
+            fds = self._files.forget(handles)
+        for fd in fds:
             try:
                 os.close(fd)
             except OSError:

@@ -10,7 +10,13 @@ cuMemAddressFree check against what the CUDA driver keeps, and so does the host 
     free a reservation, another size   unmapped part of it            cuMemAddressFree refuses
 
 Each is a DriverCallError, as CudaDriver raises, before any system call. A mapping is
-unmapped whole (address and size as mapped).
+unmapped whole (address and size as mapped). And the page files (``PageFiles``):
+
+    a released page used again         its fd number named the next   cuMemMap, cuMemRelease
+    (map, discard, re-create, detach,  create_pages' memfd: a map     refuse a released
+    release twice)                     showed another pool's bytes,   handle
+                                       a discard punched its pages,
+                                       a release closed its file
 
 Overlap, in O(1) for a range's pages (every mapping of one size at a multiple of it from its
 reservation's base: a new one on that grid overlaps only one that starts where it starts), by a
@@ -19,9 +25,71 @@ scan of the reservation's mappings otherwise (mixed sizes: only direct driver ca
 from __future__ import annotations
 
 import bisect
-from typing import Dict, List, Optional
+import itertools
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Set
 
-from .errors import DriverCallError
+from .errors import DriverCallError, VMemConfigError
+
+
+@dataclass(frozen=True)
+class HostPage:
+    """A physical page: a page-sized byte range of a memfd; ``file_id`` names the
+    ``create_pages`` call that made the memfd (its fd number is reused once it is closed)."""
+    fd: int
+    offset_bytes: int
+    page_bytes: int
+    file_id: int = 0
+
+
+def check_pages(call: str, handles: Iterable) -> list:
+    """``handles`` as a list, VMemConfigError naming ``call`` unless each is a ``HostPage``
+    (another value failed deep inside as an AttributeError on ``.fd``)."""
+    handles = list(handles)
+    for handle in handles:
+        if not isinstance(handle, HostPage):
+            raise VMemConfigError(f"{call} takes page handles from HostDriver.create_pages "
+                                  f"(HostPage), got {type(handle).__name__} {repr(handle)[:60]}")
+    return handles
+
+
+class PageFiles:
+    """The memfds a host driver created and has not released: file id -> fd. Not thread-safe:
+    the driver locks."""
+
+    def __init__(self) -> None:
+        self._fds: Dict[int, int] = {}
+        self._ids = itertools.count(1)
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def created(self, file_id: int, fd: int) -> None:
+        self._fds[file_id] = fd
+
+    def check_live(self, call: str, handles: Iterable) -> list:
+        """``check_pages``, and DriverCallError naming ``call`` when one's memfd was released
+        (module docstring), before any system call; returns the handles as a list."""
+        handles = check_pages(call, handles)
+        for handle in handles:
+            if self._fds.get(handle.file_id) != handle.fd:
+                raise DriverCallError(f"{call}: the page at offset {handle.offset_bytes} of "
+                                      f"memfd {handle.fd} was released, or never made by this "
+                                      f"driver (CUDA's cuMemMap and cuMemRelease refuse a "
+                                      f"released handle too)")
+        return handles
+
+    def released(self, handles: Iterable) -> Set[int]:
+        """Forget the memfds of ``handles`` (checked live first, all or none); returns their
+        fds, for the caller to close."""
+        handles = self.check_live("release_pages", handles)
+        return {self._fds.pop(file_id) for file_id in {page.file_id for page in handles}}
+
+    def forget(self, handles: Sequence) -> Set[int]:
+        """The fds of ``handles``' memfds still recorded, forgotten unchecked (a forked child
+        closing its copies)."""
+        ids = {page.file_id for page in handles if isinstance(page, HostPage)}
+        return {self._fds.pop(file_id) for file_id in ids if file_id in self._fds}
 
 
 class _Reservation:

@@ -327,8 +327,9 @@ class VirtualRange:
         if self._forked:
             return
         self._forked = True
+        copy = self.pool.closed     # its page files are gone: only a copy cuts a held page off
         for page_index, page_id in {**self._mapped, **self._held}.items():
-            self._detach(page_index, page_id, copy=False)
+            self._detach(page_index, page_id, copy=copy)
 
     @property
     def closed(self) -> bool:
