@@ -20,6 +20,7 @@ from vmemkv.runtime.errors import CacheStateError  # noqa: E402
 from vmemkv.runtime.hf import VMemCache  # noqa: E402
 
 from .test_vmem_cache_guard_pins import in_another_thread, write  # noqa: E402
+from .window_families import gemma3n_kv_shared_config  # noqa: E402
 
 IDS = torch.tensor([[0, 0, 7, 8, 9], [1, 2, 3, 4, 5]])      # left-padded batch
 MASK = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
@@ -53,12 +54,7 @@ def test_a_copy_is_refused_before_it_is_written_when_the_model_is_on_the_engines
 
 
 def test_a_copy_of_a_gemma3n_cache_is_handed_to_another_thread_after_its_forward():
-    config = transformers.Gemma3nTextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_hidden_layers=4, sliding_window=8,
-        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
-        laurel_rank=4, activation_sparsity_pattern=[0.0] * 4, altup_num_inputs=2,
-        pad_token_id=0, layer_types=["sliding_attention", "full_attention"] * 2)
+    config = gemma3n_kv_shared_config()
     with VMemCache.from_model_config(config, max_batch=1, max_context=64) as cache:
         write(cache, 0, 5)
         write(cache, 1, 5)                          # layers 2 and 3 read these: forward done

@@ -14,6 +14,8 @@ from vmemkv.runtime.config import CacheConfig
 from vmemkv.runtime.errors import CacheStateError
 from vmemkv.runtime.hf import VMemCache
 
+from .window_families import gemma3n_kv_shared_config
+
 
 def write(cache: VMemCache, layer: int, tokens: int = 1) -> None:
     k = torch.ones(1, cache.config.num_kv_heads, tokens, cache.config.head_dim)
@@ -42,13 +44,7 @@ def plain_cache(num_layers: int) -> VMemCache:
 
 
 def test_a_model_whose_kv_shared_layers_never_write_hands_its_cache_over_after_its_forward():
-    from transformers import Gemma3nTextConfig
-    config = Gemma3nTextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_hidden_layers=4, sliding_window=8,
-        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
-        laurel_rank=4, activation_sparsity_pattern=[0.0] * 4, altup_num_inputs=2,
-        pad_token_id=0, layer_types=["sliding_attention", "full_attention"] * 2)
+    config = gemma3n_kv_shared_config()
     with VMemCache.from_model_config(config, max_batch=1, max_context=64) as cache:
         write(cache, 0, 5)
         write(cache, 1, 5)                          # layers 2 and 3 read these: forward done

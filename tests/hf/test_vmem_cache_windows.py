@@ -15,7 +15,7 @@ from vmemkv.runtime.hf.cache import ContextOverflowError
 from vmemkv.runtime.hf import VMemCache
 
 from .test_window_models import prompts
-from .window_families import WINDOW, build, hf_greedy
+from .window_families import WINDOW, build, gemma3n_kv_shared_config, hf_greedy
 
 KiB = 1024
 LAYERS = {"mistral": 2, "gemma2": 2, "gemma3": 6, "cohere2": 2}
@@ -124,13 +124,8 @@ def test_a_refused_update_gives_nothing_back():
 def test_a_model_whose_shared_layers_never_write_crops_and_runs_prompt_lookup():
     """Gemma 3n's KV-shared layers read another layer's K/V and never call update: crop's bound
     counts only the layers that write, so prompt-lookup decoding runs as on transformers' cache."""
-    from transformers import AutoModelForCausalLM, Gemma3nTextConfig
-    config = Gemma3nTextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_hidden_layers=4, sliding_window=WINDOW,
-        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
-        laurel_rank=4, activation_sparsity_pattern=[0.0] * 4, altup_num_inputs=2,
-        pad_token_id=0, eos_token_id=None, layer_types=["sliding_attention", "full_attention"] * 2)
+    from transformers import AutoModelForCausalLM
+    config = gemma3n_kv_shared_config(eos_token_id=None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()

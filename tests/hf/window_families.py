@@ -33,6 +33,18 @@ WINDOW_FAMILIES = {
 }
 
 
+def gemma3n_kv_shared_config(**fields):
+    """A tiny Gemma 3n: 4 layers, local and global alternating, the top 2 KV-shared (they read
+    layers 0 and 1's K/V and never call update)."""
+    from transformers import Gemma3nTextConfig
+    return Gemma3nTextConfig(**dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_hidden_layers=4, sliding_window=WINDOW,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256,
+        laurel_rank=4, activation_sparsity_pattern=[0.0] * 4, altup_num_inputs=2,
+        pad_token_id=0, layer_types=[SLIDE, FULL] * 2, **fields))
+
+
 @functools.lru_cache(maxsize=None)
 def build(label: str, window: int = WINDOW) -> torch.nn.Module:
     """The model (seed 0), built once per label and window; an Engine gives its attention back
