@@ -58,8 +58,7 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
         self.growable = False           # True: a MemoryBudget resizes it (use_budget)
         self.budget_share = None        # that budget's share: how far it can grow
         self._denied_room: Optional[Sequence] = None   # this step: a running chunk got no room
-        self.starved = False    # the last step ran nothing: admitted nothing to an idle pool,
-                                # or none running got room (the pool must grow)
+        self.starved = False    # the last step ran nothing (none admitted, none got room): grow
         self.max_fit_tokens = self.max_fit_bytes = 0
         self._init_reach()
         self._refresh_capacity()
@@ -136,8 +135,7 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
 
     # ---- queries -------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped or self._decoded
-                    or self._scheduled)
+        return bool(self.waiting or self.running or self.swapped or self._decoded or self._scheduled)
 
     def state_of(self, seq_id: int) -> SeqState:
         if seq_id in self.seqs:
@@ -149,8 +147,11 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
         """End a request's unended sequences (waiting, running, swapped) ``status`` (ABORTED or
         FAILED), releasing memory and swap space now (units others hit stay theirs: a hit only
         names computed units). Returns the seq ids ended (also in the next ``plan.finished``);
-        UnknownRequestError (nothing changed) if none is unended."""
-        return end_request(self, request_id, status)
+        UnknownRequestError (nothing changed) if none is unended. Mid-step, update skips them."""
+        ended = end_request(self, request_id, status)
+        self._decoded = [q for q in self._decoded if not q.state.is_ended]
+        self._scheduled = [e for e in self._scheduled if not e[0].state.is_ended]
+        return ended
 
     def gauges(self) -> Dict[str, float]:
         """vLLM-named live gauges and counters."""
@@ -245,8 +246,7 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
         if not self._grow(seq, new, plan, may_preempt):
             # a recomputed sequence growing past its prompt behind a window: a chunk that
             # holds no more than a decode would at its end (fit_tokens counts those)
-            short = self.window_step_end(seq) - seq.num_computed \
-                if self._window_costs is not None else new
+            short = self.window_step_end(seq) - seq.num_computed if self._window_costs is not None else new
             if short >= new or not self._grow(seq, short, plan, may_preempt):
                 self._denied_room = seq
                 return budget
