@@ -112,6 +112,14 @@ class StepRecording:
             raise SchedulerError(f"sequence {seq_id} is {seq.state.value}; only a running or "
                                  f"waiting sequence can finish (right after update)")
         self._finish([seq])
+        self._drop_ended_from_step()
+
+    def _drop_ended_from_step(self) -> None:
+        """Between ``schedule`` and ``update``: sequences ended since (finished, aborted,
+        failed) leave the step, so ``update`` records nothing for them (it raised KeyError on
+        their request's count, or UnknownSequenceError marking a freed one computed)."""
+        self._decoded = [seq for seq in self._decoded if not seq.state.is_ended]
+        self._scheduled = [entry for entry in self._scheduled if not entry[0].state.is_ended]
 
     def forget(self, seq_id: int) -> None:
         """Drop a finished sequence's record (its outputs were collected); a long-running

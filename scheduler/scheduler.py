@@ -149,8 +149,7 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
         names computed units). Returns the seq ids ended (also in the next ``plan.finished``);
         UnknownRequestError (nothing changed) if none is unended. Mid-step, update skips them."""
         ended = end_request(self, request_id, status)
-        self._decoded = [q for q in self._decoded if not q.state.is_ended]
-        self._scheduled = [e for e in self._scheduled if not e[0].state.is_ended]
+        self._drop_ended_from_step()
         return ended
 
     def gauges(self) -> Dict[str, float]:

@@ -64,3 +64,20 @@ def test_a_prefill_chunk_aborted_mid_step_records_nothing_and_the_other_finishes
     assert sched.metrics.num_aborted_requests == 1
     assert sched.metrics.num_finished_requests == 1
     sched.manager.check_idle()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_decode_finished_mid_step_records_no_token_and_the_other_finishes(policy):
+    # finish() (the engine's stop strings) between schedule and update at the last token:
+    # update raised KeyError from _finish, the request's count already gone
+    sched = _scheduler(policy)
+    sched.add_request(Request(0, 3, 2))
+    sched.add_request(Request(1, 3, 4))
+    plan = sched.schedule()
+    sched.update({s.seq_id: 5 for s in plan.seqs})
+    sched.schedule()
+    sched.finish(0)
+    sched.update({0: 6, 1: 6})
+    assert sched.state_of(0) is SeqState.FINISHED and sched.seqs[0].output == [5]
+    _run_out(sched)
+    assert sched.seqs[1].output == [5, 6, 7, 7] and sched.manager.stats().live_tokens == 0
