@@ -98,16 +98,24 @@ def _check_applies(args) -> None:
 
 
 def _check_limits(args) -> None:
-    """The engine's own limits on --max-context (CacheConfig's) and generate's --n (SamplingParams'),
-    checked against its classes before the model is built, the messages naming the flag."""
+    """The engine's own limits on --max-batch and --max-context (CacheConfig's and
+    EngineConfig's) and generate's --n (SamplingParams'), checked against its classes before
+    the model is built, the messages naming the flag (not a config field the user never typed)."""
     from vmemkv.runtime.config import CacheConfig
+    from vmemkv.runtime.engine import EngineConfig, EngineConfigError
     from vmemkv.runtime.engine.sampling import MAX_SAMPLES
     from vmemkv.runtime.errors import CacheConfigError
-    try:    # a one-head probe: only max_context is in question
-        CacheConfig(num_layers=1, num_kv_heads=1, head_dim=1, max_context=args.max_context)
-    except CacheConfigError as error:
-        raise GenerateUsageError(f"--max-context {args.max_context} tokens is more than a cache "
-                                 f"holds ({error})") from None
+    probes = (("--max-batch", args.max_batch, lambda: CacheConfig(  # a one-head probe
+                   num_layers=1, num_kv_heads=1, head_dim=1, max_batch=args.max_batch)),
+              ("--max-context", args.max_context, lambda: (CacheConfig(
+                   num_layers=1, num_kv_heads=1, head_dim=1, max_context=args.max_context),
+                  EngineConfig(max_context=args.max_context))))
+    for flag, value, probe in probes:    # --max-batch 100000, --max-context 1
+        try:
+            probe()
+        except (CacheConfigError, EngineConfigError) as error:
+            raise GenerateUsageError(f"{flag} {value} is outside what the engine takes "
+                                     f"({error})") from None
     if getattr(args, "n", 1) > MAX_SAMPLES:      # generate's flag (serve's requests say theirs)
         raise GenerateUsageError(f"--n {args.n} samples per prompt is more than the "
                                  f"{MAX_SAMPLES} a request may fork")
@@ -190,6 +198,17 @@ def check_page_bytes(args, model) -> None:
         check_fits_device(f"the KV cache of {what}, for --max-batch {args.max_batch} slots",
                           args.max_batch * rounded * rounded_config.bytes_per_token, param.device,
                           remedy="give a smaller --page-bytes, or --cache-bytes")
+
+
+def check_stop_token_ids(stop_token_ids, model) -> None:
+    """After the model loads: --stop-token-id past its vocabulary (the rule
+    ``check_request_params`` applies to every request) refused naming the flag; the engine
+    blamed "prompt line 1", whatever the prompts were."""
+    vocab_size = model.config.get_text_config().vocab_size
+    bad = [t for t in stop_token_ids if t >= vocab_size]
+    if bad:
+        raise GenerateUsageError(f"--stop-token-id {bad[0]} is outside the model's vocabulary "
+                                 f"[0, {vocab_size}): such a token is never sampled")
 
 
 def check_prompt_text_fits(text: str, tokenizer, max_context: int, max_new_tokens: int,

@@ -31,7 +31,7 @@ from vmemkv.scheduler.progress import Progress
 from .generate_checks import FLAG_DEFAULTS, check_page_bytes, check_tp_devices  # noqa: F401
 from .generate_checks import check_device as _check_device   # serve's, too
 from .generate_checks import check_flags as _check_flags
-from .generate_checks import check_prompt_text_fits, sampling_params
+from .generate_checks import check_prompt_text_fits, check_stop_token_ids, sampling_params
 from .generate_io import (GenerateUsageError, check_prompt_flags, format_output, name_prompt_line,
                           needs_labels, parse_prompt_lines, read_prompt_lines)
 
@@ -213,6 +213,7 @@ def run(args) -> int:
         raise GenerateUsageError(f"--stop {args.stop[0]!r}: stop strings need a tokenizer and "
                                  f"this model has none; use --stop-token-id ID")
     check_page_bytes(args, model)
+    check_stop_token_ids(args.stop_token_id, model)
     if lines is None:
         lines = read_prompt_lines(args.prompts)
     numbered = parse_prompt_lines(lines, args.prompts, tokenizer is not None, args.text, args.chat,

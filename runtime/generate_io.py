@@ -45,7 +45,11 @@ def read_numbered_prompts(path: str, has_tokenizer: bool, text_only: bool = Fals
 
 
 def check_prompt_flags(path: str, text_only: bool, chat: bool, system: Optional[str]) -> None:
-    """The refusals --prompts, --text, --chat and --system decide together, with no model."""
+    """The refusals --prompts, --text, --chat and --system decide together, with no model
+    (stdin closed, ``<&-``: Python's None, refused before the model loads, not after)."""
+    if path == "-" and sys.stdin is None:
+        raise GenerateUsageError("--prompts - reads stdin, which is closed: give --prompts FILE "
+                                 "or pipe the prompts in")
     if system is not None and not chat:
         raise GenerateUsageError("--system sets the system message of chat conversations: give "
                                  "--chat too")

@@ -46,20 +46,25 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print ``collect()``; a reader gone (``vmemkv info | head -1``) ends it quietly, status 0,
+    as generate's and sweep's output does (``write_stdout``), not as a BrokenPipeError."""
+    from vmemkv.scheduler.cliargs import write_stdout
     info = collect()
-    if args.json:
-        print(json.dumps(info, indent=2))
-        return 0
-    print(f"device          {info['device']}   (torch {info['torch']}, python {info['python']})")
-    print(f"default driver  {info['default_driver']}")
+    write_stdout(json.dumps(info, indent=2) + "\n" if args.json else _text(info))
+    return 0
+
+
+def _text(info: dict) -> str:
+    lines = [f"device          {info['device']}   (torch {info['torch']}, python {info['python']})",
+             f"default driver  {info['default_driver']}"]
     for name, entry in info["drivers"].items():
         if entry["available"]:
-            print(f"driver {name:<8} available  granularity {entry['granularity_bytes']} bytes  "
-                  f"tensors on {entry['device']}")
+            lines.append(f"driver {name:<8} available  granularity {entry['granularity_bytes']} "
+                         f"bytes  tensors on {entry['device']}")
         else:
-            print(f"driver {name:<8} unavailable: {entry['reason']}")
+            lines.append(f"driver {name:<8} unavailable: {entry['reason']}")
     for name, entry in info["attention_backends"].items():
         state = "importable" if entry["available"] else f"unavailable: {entry['reason']}"
-        print(f"attention {name:<12} {state}  devices={','.join(entry['devices'])} "
-              f"kinds={','.join(entry['kinds'])}")
-    return 0
+        lines.append(f"attention {name:<12} {state}  devices={','.join(entry['devices'])} "
+                     f"kinds={','.join(entry['kinds'])}")
+    return "".join(line + "\n" for line in lines)

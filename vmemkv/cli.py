@@ -1,8 +1,8 @@
 """vmemkv: virtual-memory KV caches for LLM inference, beside a PagedAttention layout.
 
 The ``vmemkv`` command line: one subcommand per job, each registered by the module that owns it.
-Errors a user can make (a bad flag value, a missing file) exit with status 2 and one line on
-stderr, never a traceback (a module of an optional extra that is not installed too: one line
+Errors a user can make (a bad flag value, a missing file, a closed stdout) exit with status 2
+and one line on stderr, never a traceback (a module of an optional extra that is not installed too: one line
 naming the extra, ``missing_extra``); Ctrl-C exits with status 130 and one line, after the subcommand has
 released its memory and written what finished; SIGTERM (``timeout``, systemd, Slurm,
 Kubernetes) takes the same way out and exits with status 143 (``SigtermAsInterrupt``). Heavy
@@ -165,13 +165,19 @@ def write_error_line(line: str) -> None:
     (``\\ud800``): error text quotes what a user or a template gave (a chat template's
     ``raise_exception`` text, a path or flag of non-UTF-8 bytes under a C locale), and a stderr
     whose errors are strict (a wrapper's, an embedding's) raised UnicodeEncodeError, a
-    traceback in place of the one line."""
+    traceback in place of the one line. A closed stderr (2>&-, Python's None) gets nothing."""
+    if sys.stderr is None:
+        return
     sys.stderr.write(line.encode("utf-8", "backslashreplace").decode("utf-8") + "\n")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if sys.stdout is None:   # started with stdout closed (>&-): print() drops every result unsaid
+        write_error_line(f"vmemkv {args.command}: error: stdout is closed, so the results would "
+                         f"be lost: redirect it (> FILE, or > /dev/null to drop them)")
+        return 2
     module = importlib.import_module(SUBCOMMANDS[args.command])
     return command_status(f"vmemkv {args.command}", lambda: module.run(args))
 
