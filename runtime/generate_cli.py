@@ -168,10 +168,11 @@ def _cache_flags(c) -> None:
                    help="with --tp N on a GPU: rank r's device, comma-separated, the model's "
                         "first (e.g. cuda:0,cuda:2) (default: the model's GPU, then the other "
                         "visible ones in order)")
-    c.add_argument("--tp-timeout-s", type=bounded(float, 0, 1e6, low_open=True, high_open=True),
+    # at least EngineConfig's MIN_TP_TIMEOUT_S (not imported: it loads torch)
+    c.add_argument("--tp-timeout-s", type=bounded(float, 0.001, 1e6, high_open=True),
                    default=None, metavar="SECONDS",
                    help="with --tp N: a step's collectives wait at most this for a rank, in "
-                        "(0, 1e6), before the engine closes with TensorParallelError (default: "
+                        "[0.001, 1e6), before the engine closes with TensorParallelError (default: "
                         "EngineConfig.tp_timeout_s, 60)")
 
 

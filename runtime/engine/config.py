@@ -20,6 +20,7 @@ from .logprobs import step_logits_bytes
 
 CACHES = ("vmem", "paged")
 PREEMPTION = ("recompute", "swap")
+MIN_TP_TIMEOUT_S = 0.001   # torch waits whole milliseconds; 0 ms is its "no timeout"
 
 
 @dataclass(frozen=True)
@@ -160,9 +161,10 @@ class EngineConfig:
     def _check_tensor_parallel(self) -> None:
         self._one_of("tp_launch", ("spawn", "env"))
         timeout = self.tp_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e6:
-            raise EngineConfigError(f"EngineConfig.tp_timeout_s must be seconds in (0, 1e6), got "
-                                    f"{timeout!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                or not MIN_TP_TIMEOUT_S <= timeout < 1e6:
+            raise EngineConfigError(f"EngineConfig.tp_timeout_s must be seconds in [0.001, 1e6) "
+                                    f"(torch counts whole milliseconds), got {timeout!r}")
         if self.tensor_parallel_size > 1 and self.background_mapper:
             raise EngineConfigError("EngineConfig.background_mapper is not supported with "
                                     f"tensor_parallel_size {self.tensor_parallel_size} (every rank "

@@ -10,6 +10,7 @@ import pytest
 from vmemkv.cli import build_parser
 from vmemkv.runtime import generate_checks, generate_cli
 from vmemkv.runtime.engine import EngineConfig
+from vmemkv.runtime.engine.errors import EngineConfigError
 
 
 def engine_config(argv, command):
@@ -27,7 +28,7 @@ def test_the_flag_reaches_the_engine_config(command):
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
-@pytest.mark.parametrize("value", ["0", "-1", "1e6", "inf", "nan", "soon"])
+@pytest.mark.parametrize("value", ["0", "-1", "1e6", "inf", "nan", "soon", "0.0005", "1e-300"])
 def test_a_value_out_of_the_configs_range_is_refused_naming_the_flag(command, value, capsys):
     with pytest.raises(SystemExit) as refused:
         build_parser().parse_args([command, "--tp", "2", "--tp-timeout-s", value])
@@ -43,3 +44,13 @@ def test_the_flag_without_tensor_parallel_ranks_is_refused_naming_it(command, tp
     args = build_parser().parse_args([command, *tp, "--tp-timeout-s", "5"])
     with pytest.raises(generate_checks.GenerateUsageError, match=r"--tp-timeout-s 5 .*--tp N"):
         generate_checks.check_flags(args)
+
+
+@pytest.mark.parametrize("timeout_s", [0.0005, 1e-300])
+def test_a_timeout_under_a_millisecond_is_refused_it_meant_no_timeout(timeout_s):
+    # torch's work.wait counts whole milliseconds, and 0 ms is its "no timeout" (kNoTimeout):
+    # --tp-timeout-s 1e-300 ran with ranks waited on forever
+    from vmemkv.runtime.engine.config import MIN_TP_TIMEOUT_S
+    with pytest.raises(EngineConfigError, match=r"tp_timeout_s must be seconds in \[0.001, 1e6\)"):
+        EngineConfig(tp_timeout_s=timeout_s)
+    assert EngineConfig(tp_timeout_s=MIN_TP_TIMEOUT_S).tp_timeout_s == 0.001
