@@ -72,4 +72,4 @@ def test_a_tp_timeout_of_zero_is_a_usage_error_naming_the_flag(capsys):
     with pytest.raises(SystemExit) as exit_:
         _generate_args("--tp", "2", "--tp-timeout-s", "0")
     assert exit_.value.code == 2
-    assert "--tp-timeout-s: must be in (0, 1000000.0), got 0" in capsys.readouterr().err
+    assert "--tp-timeout-s: must be in [0.001, 1000000.0), got 0" in capsys.readouterr().err

@@ -33,7 +33,7 @@ def _checked(argv, command="generate"):
     (["--swap-bytes", "1GiB"], "--swap-bytes 1073741824 is the host swap space of --preemption "
                                "swap; with --preemption recompute no sequence swaps"),
     (["--tp", "2", "--background-mapper"], "--background-mapper is not supported with --tp 2"),
-    (["--max-context", str(2**24 + 1)], f"--max-context {2**24 + 1} tokens is more than a cache"),
+    (["--max-context", str(2**24 + 1)], f"--max-context {2**24 + 1} is outside what the engine takes"),
 ])
 def test_a_flag_that_does_not_apply_is_refused_by_name(command, argv, flag):
     with pytest.raises(GenerateUsageError, match="^" + flag):
