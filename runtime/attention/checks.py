@@ -4,6 +4,7 @@ strides, the query against the cache and the per-request metadata (lens, kv_star
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,8 +35,11 @@ def check_int_tensor(t: torch.Tensor, name: str) -> None:
 
 
 def host_ints(t: torch.Tensor, name: str) -> list:
-    """An integer tensor's values as a Python list (``check_int_tensor`` first)."""
+    """A 1-d integer tensor's values as a Python list (``check_int_tensor`` first)."""
     check_int_tensor(t, name)
+    if t.dim() != 1:
+        raise AttentionShapeError(f"{name} must be 1-d, one entry per request; got shape "
+                                  f"{tuple(t.shape)}")
     return t.tolist()
 
 
@@ -53,14 +57,18 @@ def check_query(q: torch.Tensor, k: torch.Tensor, lens: BatchLens, batch_shape, 
     if q.dim() != 3:
         raise AttentionShapeError(f"q must be [tokens, heads, head_dim], got {tuple(q.shape)}")
     kv_heads, head_dim = k.shape[2], k.shape[3]
-    if q.shape[2] != head_dim or q.shape[1] % kv_heads:
+    if q.shape[2] != head_dim or q.shape[1] % kv_heads or not q.shape[1]:
         raise AttentionShapeError(
             f"q {tuple(q.shape)} does not fit cache {tuple(k.shape)}: head_dim must match and "
-            f"num_heads must be a multiple of kv_heads={kv_heads}")
+            f"num_heads must be a positive multiple of kv_heads={kv_heads}")
     n = len(lens.context_lens)
     if len(lens.query_lens) != n or tuple(batch_shape) != (n,):
         raise AttentionShapeError(f"context_lens ({n}), query_lens ({len(lens.query_lens)}) and "
                                   f"{what} {tuple(batch_shape)} must have one entry per request")
+    packed = (0, *accumulate(lens.query_lens))[:n]
+    if tuple(lens.q_starts) != packed:   # rows overlapped or were left unwritten (torch.empty)
+        raise AttentionShapeError(f"q_starts {list(lens.q_starts)} must be the packed rows of "
+                                  f"query_lens {list(lens.query_lens)}: {list(packed)}")
     if lens.total_query_tokens != q.shape[0]:
         raise AttentionShapeError(f"q {tuple(q.shape)} has {q.shape[0]} tokens but query_lens "
                                   f"{list(lens.query_lens)} sum to {lens.total_query_tokens}")

@@ -16,6 +16,7 @@ import torch
 from vmemkv.runtime.attention.views import BatchLens, LayerView
 from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.plan import DropSwapped, DropTable, SwapIn, SwapOut
+from vmemkv.vmem.checks import as_int, check_index
 
 from ..config import CacheConfig
 from ..errors import CacheStateError, PlanExecutionError
@@ -66,7 +67,8 @@ class KVCache(ABC):
     Guarantees: ``execute(ops)`` is all or nothing; ``apply_tables`` updates the cache's replica
     of where each sequence lives; ``write`` only stores into memory the plans mapped for the
     step's sequences (it checks, and raises CacheStateError rather than fault); ``layer_view``
-    hands attention exactly the live tokens.
+    hands attention exactly the live tokens. A plan (``execute`` with ops, ``apply_tables`` with
+    edits) ends the step: a stale write went to blocks or slots the plan gave to another sequence.
     """
 
     kind: CacheKind           # what memory the cache is made of (a str enum, equal to its name)
@@ -119,6 +121,7 @@ class KVCache(ABC):
             else:
                 replica[edit.seq_id] = self._placed(edit, replica.get(edit.seq_id), index)
         self._placements = replica
+        self._step = None   # the step's writes and views were for the placements before
 
     @abstractmethod
     def _placed(self, edit, old, index: int):
@@ -196,6 +199,21 @@ class KVCache(ABC):
         """Store this step's new keys and values ``[new_tokens, kv_heads, head_dim]`` of a layer,
         encoded as ``config.kv_cache_dtype`` (``encode``)."""
 
+    def _encode_write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
+        """``encode`` for ``write``, after CacheStateError unless ``k``, ``v`` are the step's
+        floating ``[new_tokens, kv_heads, head_dim]`` on its device (nothing fixed or stored)."""
+        want = (self._step.lens.total_query_tokens, self.config.num_kv_heads, self.config.head_dim)
+        device = self._step.positions.device
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want \
+                    or not x.dtype.is_floating_point or x.device != device:
+                got = (tuple(x.shape), x.dtype, str(x.device)) if isinstance(x, torch.Tensor) \
+                    else type(x).__name__
+                raise CacheStateError(
+                    f"write: {name} must be a floating tensor [new_tokens, kv_heads, head_dim] = "
+                    f"{list(want)} on {device} for this step; got {got}")
+        return self.encode(layer, k, v)
+
     def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """``k``, ``v`` ``[tokens, kv_heads, head_dim]`` as this cache stores them: cast to the
         storage dtype, or (8-bit) quantized with the layer's scales, which the layer's first
@@ -220,10 +238,15 @@ class KVCache(ABC):
         """Copies of a sequence's first ``num_tokens`` K and V of ``layer`` (for checks), as
         stored (the storage dtype; 8-bit: unscaled, see ``kv_scales``)."""
 
-    def _check_read(self, seq_id: int, num_tokens: int) -> None:
-        held = self._held_tokens(seq_id)
-        if num_tokens > held:
-            raise CacheStateError(f"sequence {seq_id} holds {held} tokens, asked to read {num_tokens}")
+    def _check_read(self, seq_id: int, layer: int, num_tokens: int) -> tuple[int, int]:
+        """``layer`` and ``num_tokens`` (in [0, tokens held]) as ints, else CacheStateError (a
+        count -n sliced ``[:-n]``, past the sequence into unmapped memory: SIGSEGV on the host)."""
+        layer = check_index(layer, self.config.num_layers, "layer", "the model's", CacheStateError)
+        held, tokens = self._held_tokens(seq_id), as_int(num_tokens, "num_tokens", CacheStateError)
+        if not 0 <= tokens <= held:
+            raise CacheStateError(f"sequence {seq_id} holds {held} tokens, asked to read "
+                                  f"{tokens} (an int in [0, {held}])")
+        return layer, tokens
 
     # -- swap space (host memory) --
     def swap_promised_by(self, owner: PromisesMemory) -> None:
@@ -344,10 +367,10 @@ class KVCache(ABC):
             raise CacheStateError(f"cache unusable: {self._broken}")
 
     def _check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.config.num_layers:
-            raise CacheStateError(f"layer {layer} outside 0..{self.config.num_layers - 1}")
+        check_index(layer, self.config.num_layers, "layer", "the model's", CacheStateError)
         if self._step is None:
-            raise CacheStateError("no step begun: call begin_step(...) first")
+            raise CacheStateError("no step begun since the last plan (execute, apply_tables): "
+                                  "call begin_step(...) first")
 
     # -- LoRA adapters (cache/adapters.py) --
     def resident_adapters(self) -> dict:

@@ -87,6 +87,7 @@ class PagedKVCache(AdapterReplica, KVCache):
             raise
         if not bound:
             return
+        self._step = None   # the plan may move the step's blocks: its writes need a new step
         journal.swapped_before = self._swapped_before
         try:
             for index, (op, buffer) in enumerate(bound):
@@ -265,7 +266,7 @@ class PagedKVCache(AdapterReplica, KVCache):
         self._check_layer(layer)
         flat = self._flat_pools()
         g, p = self._where[layer]
-        k, v = self.encode(layer, k, v)
+        k, v = self._encode_write(layer, k, v)
         _bits(flat[p, 0]).index_copy_(0, self._flat_writes[g], _bits(k.to(flat.dtype)))
         _bits(flat[p, 1]).index_copy_(0, self._flat_writes[g], _bits(v.to(flat.dtype)))
 
@@ -274,7 +275,7 @@ class PagedKVCache(AdapterReplica, KVCache):
         return self._views[layer]
 
     def read(self, seq_id: int, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check_read(seq_id, num_tokens)
+        layer, num_tokens = self._check_read(seq_id, layer, num_tokens)
         g, p = self._where[layer]
         table = self.placement(seq_id)[g]
         if num_tokens and table[0] is None:

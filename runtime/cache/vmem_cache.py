@@ -157,9 +157,8 @@ class VMemKVCache(VMemOps, AdapterReplica, KVCache):
 
     # -- executing plans --
     def execute(self, ops: Sequence) -> None:
-        """Apply the plan, all or nothing: if an op fails, what was applied is undone (in
-        reverse) and PlanExecutionError raised; with a background mapper the same happens on
-        the mapper thread and the error (MapperPlanError) surfaces at the next wait."""
+        """Apply the plan all or nothing (a failed op undoes the applied ones in reverse, then
+        PlanExecutionError; a background mapper's MapperPlanError surfaces at the next wait)."""
         self._check_open()
         for index, op in enumerate(ops):   # refuse a plan we cannot run before touching memory
             if not isinstance(op, _OPS):
@@ -172,6 +171,7 @@ class VMemKVCache(VMemOps, AdapterReplica, KVCache):
         bound = self._bind_swaps(ops)
         if not bound:
             return
+        self._step = None   # the plan may move the step's memory: its writes need a new step
         journal, plan = PlanJournal(self._swapped_before), None
         try:
             bound = self._bind_ops(bound, journal)
@@ -303,7 +303,7 @@ class VMemKVCache(VMemOps, AdapterReplica, KVCache):
         self._ready(layer)
         # k, v: (new_tokens, kv_heads, head_dim) -> k_cache[slot_t, pos_t] for every token t
         index = (self._token_slots, self._step.positions)
-        k, v = self.encode(layer, k, v)
+        k, v = self._encode_write(layer, k, v)
         self._k[layer].index_put_(index, k.to(self._k[layer].dtype))
         self._v[layer].index_put_(index, v.to(self._v[layer].dtype))
 
@@ -321,7 +321,7 @@ class VMemKVCache(VMemOps, AdapterReplica, KVCache):
     def read(self, seq_id: int, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         self._check_open()
         self.wait_for_mapper()
-        self._check_read(seq_id, num_tokens)
+        layer, num_tokens = self._check_read(seq_id, layer, num_tokens)
         slot = self.placement(seq_id)
         kind = next(k for k in self._kinds.values() if layer in k.layers)
         gap = self._unbacked(slot, kind, 0, num_tokens)
