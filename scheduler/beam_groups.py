@@ -74,10 +74,8 @@ class BeamGroups:
         seqs = [self._beam(i) for i in seq_ids]
         if not seqs:
             return
-        gone = {id(s) for s in seqs}
-        self._decoded = [s for s in self._decoded if id(s) not in gone]
-        self._scheduled = [e for e in self._scheduled if id(e[0]) not in gone]
         self._finish([s for s in seqs if not s.state.is_ended])
+        self._drop_ended_from_step()
 
     def _beam(self, seq_id: int) -> Sequence:
         seq = self.seqs.get(seq_id)
