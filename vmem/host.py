@@ -209,8 +209,7 @@ class HostDriver(Driver):
             if not discarded:
                 os.posix_fallocate(fd, 0, num_pages * page_bytes)
             with self._lock:
-                file_id = self._files.new_id()
-                self._files.created(file_id, fd)
+                file_id = self._files.created(fd)
             return [HostPage(fd, i * page_bytes, page_bytes, file_id) for i in range(num_pages)]
         except BaseException as error:
             os.close(fd)

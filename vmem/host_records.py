@@ -39,7 +39,7 @@ class HostPage:
     fd: int
     offset_bytes: int
     page_bytes: int
-    file_id: int = 0
+    file_id: int
 
 
 def check_pages(call: str, handles: Iterable) -> list:
@@ -61,11 +61,11 @@ class PageFiles:
         self._fds: Dict[int, int] = {}
         self._ids = itertools.count(1)
 
-    def new_id(self) -> int:
-        return next(self._ids)
-
-    def created(self, file_id: int, fd: int) -> None:
+    def created(self, fd: int) -> int:
+        """Record a new memfd; returns the file id its pages carry."""
+        file_id = next(self._ids)
         self._fds[file_id] = fd
+        return file_id
 
     def check_live(self, call: str, handles: Iterable) -> list:
         """``check_pages``, and DriverCallError naming ``call`` when one's memfd was released
