@@ -34,6 +34,11 @@ def check_int_tensor(t: torch.Tensor, name: str) -> None:
         raise AttentionShapeError(f"{name} must be an integer tensor, got {t.dtype}")
 
 
+def packed_starts(query_lens) -> tuple:
+    """Each request's first row in packed q: the exclusive running sum of ``query_lens``."""
+    return (0, *accumulate(query_lens))[:len(query_lens)]
+
+
 def host_ints(t: torch.Tensor, name: str) -> list:
     """A 1-d integer tensor's values as a Python list (``check_int_tensor`` first)."""
     check_int_tensor(t, name)
@@ -65,7 +70,7 @@ def check_query(q: torch.Tensor, k: torch.Tensor, lens: BatchLens, batch_shape, 
     if len(lens.query_lens) != n or tuple(batch_shape) != (n,):
         raise AttentionShapeError(f"context_lens ({n}), query_lens ({len(lens.query_lens)}) and "
                                   f"{what} {tuple(batch_shape)} must have one entry per request")
-    packed = (0, *accumulate(lens.query_lens))[:n]
+    packed = packed_starts(lens.query_lens)
     if tuple(lens.q_starts) != packed:   # rows overlapped or were left unwritten (torch.empty)
         raise AttentionShapeError(f"q_starts {list(lens.q_starts)} must be the packed rows of "
                                   f"query_lens {list(lens.query_lens)}: {list(packed)}")

@@ -35,7 +35,8 @@ import torch
 
 from vmemkv.scheduler.layout import CacheKind
 
-from .checks import check_cache_pair, check_int_tensor, check_query, check_scalars, host_ints
+from .checks import (check_cache_pair, check_int_tensor, check_query, check_scalars, host_ints,
+                     packed_starts)
 from .errors import AttentionShapeError
 
 SUPPORTED_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
@@ -58,8 +59,7 @@ class BatchLens(NamedTuple):
                      kv_starts=()) -> "BatchLens":
         ctx = tuple(int(x) for x in host_ints(context_lens, "context_lens"))
         ql = tuple(int(x) for x in host_ints(query_lens, "query_lens"))
-        starts = tuple(int(s) for s in _exclusive_cumsum(ql))
-        return cls(ctx, ql, starts, tuple(int(s) for s in kv_starts))
+        return cls(ctx, ql, packed_starts(ql), tuple(int(s) for s in kv_starts))
 
     @property
     def total_query_tokens(self) -> int:
@@ -89,14 +89,6 @@ def window_starts(lens: BatchLens, window: Optional[int]) -> tuple[int, ...]:
         return lens.key_starts
     return tuple(max(k, c - q - window + 1) for k, c, q in
                  zip(lens.key_starts, lens.context_lens, lens.query_lens))
-
-
-def _exclusive_cumsum(xs: tuple[int, ...]) -> list[int]:
-    out, acc = [], 0
-    for x in xs:
-        out.append(acc)
-        acc += x
-    return out
 
 
 class StepMeta:

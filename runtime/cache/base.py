@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from vmemkv.runtime.attention.checks import packed_starts
 from vmemkv.runtime.attention.views import BatchLens, LayerView
 from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.plan import DropSwapped, DropTable, SwapIn, SwapOut
@@ -50,11 +51,7 @@ class StepBatch:
             owners.extend([index] * new)
         context = tuple(c + n for _, c, n in seqs)
         query = tuple(n for _, _, n in seqs)
-        starts, acc = [], 0
-        for n in query:
-            starts.append(acc)
-            acc += n
-        return cls(seq_ids, BatchLens(context, query, tuple(starts)),
+        return cls(seq_ids, BatchLens(context, query, packed_starts(query)),
                    torch.tensor(positions, dtype=torch.int64, device=device),
                    torch.tensor(owners, dtype=torch.int64, device=device),
                    torch.tensor(context, dtype=torch.int32, device=device),
