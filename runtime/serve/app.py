@@ -91,7 +91,7 @@ def create_app(server: EngineThread, metrics: ServeMetrics, served: ServedModel,
     async def model(model_id: str) -> Response:
         found = next((m for m in model_objects() if m["id"] == model_id), None)
         if found is None:
-            return _error(served.not_served(model_id, 404))
+            return _error(served.not_served(model_id))
         return JSONResponse(found)
 
     @app.get("/metrics")

@@ -27,12 +27,13 @@ from .text_bounds import check_text_fits
 
 
 class ModelNotServedError(ApiError):
-    """``model`` names neither the served model nor a loaded adapter: 400 naming ``model``
-    (404 for ``GET /v1/models/{model}``). ``served_ids``: what the server serves now."""
+    """``model`` names neither the served model nor a loaded adapter: 404 naming ``model``, as
+    vLLM and OpenAI answer it (the OpenAI client's ``NotFoundError``; it was a 400, a
+    ``BadRequestError``). ``served_ids``: what the server serves now."""
 
-    def __init__(self, model: str, served_ids: List[str], status: int = 400) -> None:
-        super().__init__(status, f"model {model!r} is not served here; this server serves "
-                                 f"{served_ids}", "model")
+    def __init__(self, model: str, served_ids: List[str]) -> None:
+        super().__init__(404, f"model {model!r} is not served here; this server serves "
+                              f"{served_ids}", "model")
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class ServedModel:
     max_n: int                 # choices per request: the engine's max_batch
     loras: Callable[[], List[str]] = list   # the engine's adapter names, read at each request
     #   (the engine thread may unload one at any moment after: ``fit`` then raises
-    #   ModelNotServedError, the 400 ``check_model`` gives a name not loaded)
+    #   ModelNotServedError, the 404 ``check_model`` gives a name not loaded)
     trust_request_chat_template: bool = False   # ServeLimits'
     max_requests: int = 256    # engine requests in flight at most: the server's --max-queue
     eos_ids: Tuple[int, ...] = ()   # the engine's: stop ids unless ignore_eos
@@ -147,14 +148,14 @@ class ServedModel:
                 continue
         return limits
 
-    def not_served(self, model: str, status: int = 400) -> ModelNotServedError:
+    def not_served(self, model: str) -> ModelNotServedError:
         """The error for a ``model`` that names nothing served here (the served ids now)."""
-        return ModelNotServedError(model, [self.name] + self.loras(), status)
+        return ModelNotServedError(model, [self.name] + self.loras())
 
     def check_model(self, model: Optional[str]) -> Optional[str]:
-        """The LoRA adapter ``model`` names (None: the base model), or ModelNotServedError 400.
-        The adapter may be unloaded right after: the limits then raise the same 400 (``fit``),
-        or the engine refuses the request (400 naming ``model``: Submission.started)."""
+        """The LoRA adapter ``model`` names (None: the base model), or ModelNotServedError 404.
+        The adapter may be unloaded right after: the limits then raise the same 404 (``fit``),
+        or the engine refuses the request (404 naming ``model``: Submission.started)."""
         if model is None or model == self.name:
             return None
         if model in self.loras():

@@ -153,8 +153,9 @@ class Submission:
             self._refused = error
 
     async def started(self) -> None:
-        """Wait until the engine has queued every request; ApiError 400 if it refused one (503
-        if the queue was full part-way), once the others are aborted."""
+        """Wait until the engine has queued every request; ApiError 400 if it refused one (404
+        for an adapter unloaded since the request was checked; 503 if the queue was full
+        part-way), once the others are aborted."""
         if self._refused is not None:
             await self._aborted()
             raise self._refused
@@ -167,7 +168,7 @@ class Submission:
         except (RequestRejectedError, BeamSearchParamsError) as error:
             await self._aborted()
             if error.field == "lora":   # unloaded after the request was checked: its "model"
-                raise ApiError(400, str(error).replace("SamplingParams.lora", "model"),
+                raise ApiError(404, str(error).replace("SamplingParams.lora", "model"),
                                "model") from None
             param = self._param_of(error.field)     # (a beam field as the client named it)
             message = beam_message(error, param) if isinstance(error, BeamSearchParamsError) \

@@ -1,5 +1,6 @@
 """Every error the server answers is OpenAI's JSON shape with the right status: 400 naming the
-field for each bad request, 404/405 for a wrong path or method, 503 with Retry-After when the
+field for each bad request, 404 naming ``model`` for a model not served, 404/405 for a wrong
+path or method, 503 with Retry-After when the
 queue is full, 500 with no traceback when a step fails; the server stays up and nothing is held
 afterwards."""
 from __future__ import annotations
@@ -11,7 +12,7 @@ import httpx
 import pytest
 
 from . import local_http
-from .conftest import VMEM, assert_memory_at_baseline, serving, wait_until_idle
+from .conftest import NAME, VMEM, assert_memory_at_baseline, serving, wait_until_idle
 
 OK = {"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0}
 
@@ -71,7 +72,6 @@ BAD_REQUESTS = [
     ("best-of-above-n", {**OK, "best_of": 2}, "best_of", "not supported"),
     ("echo-not-bool", {**OK, "echo": "yes"}, "echo", "valid boolean"),
     ("stop-token-ids-strings", {**OK, "stop_token_ids": ["1"]}, "stop_token_ids", "valid integer"),
-    ("other-model", {**OK, "model": "gpt-4"}, "model", "not served here"),
     # int() refuses 4,300 digits: a 500 (ValueError) before keys were capped at 19 digits
     ("logit-bias-key-4301-digits", {**OK, "logit_bias": {"1" * 4301: 1.0}}, "logit_bias",
      "token ids"),
@@ -148,6 +148,23 @@ def test_huge_list_fields_are_400_without_stalling_other_clients(served, monkeyp
     assert got["r"].status_code == 400
     error = error_of(got["r"])
     assert error["param"] == param and words in error["message"], error["message"]
+    assert_memory_at_baseline(engine)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", OK),
+                                        ("/v1/chat/completions",
+                                         {"messages": [{"role": "user", "content": "hi"}]})])
+def test_a_model_not_served_is_a_404_naming_model_as_vllm_and_openai_answer(served, path, body):
+    # it was a 400 (the OpenAI client's BadRequestError); vLLM and OpenAI answer 404
+    # (NotFoundError), whose clients tell a wrong model name from a bad request by it
+    server, engine = served
+    response = local_http.post(server.url + path, json={**body, "model": "gpt-4"})
+    assert response.status_code == 404
+    error = error_of(response)
+    assert error["type"] == "not_found_error" and error["param"] == "model"
+    assert error["message"] == f"model 'gpt-4' is not served here; this server serves " \
+                               f"[{NAME!r}]"
+    assert server.engine_thread.pending_requests == 0
     assert_memory_at_baseline(engine)
 
 

@@ -83,7 +83,7 @@ def test_model_field_picks_the_adapter_and_models_lists_it(adapter_root):
         with_one = tokens_of(response)
         chat_refused = post(server, "/v1/completions", {**GREEDY, "prompt": PROMPT,
                                                         "model": "zzz"})
-        assert "'zzz' is not served" in refused(chat_refused, 400, "model")
+        assert "'zzz' is not served" in refused(chat_refused, 404, "model")
         beam = post(server, "/v1/completions", {"max_tokens": 4, "prompt": PROMPT,
                                                 "model": "one", "use_beam_search": True,
                                                 "n": 2, "temperature": 0})

@@ -1,6 +1,6 @@
 """An adapter the engine thread unloads between the HTTP side's read of the adapter names and
 its read of the adapter itself (for the limits): GET /v1/models leaves it out, GET
-/v1/models/{id} answers 404 and a request naming it 400 naming ``model``, as when it is not
+/v1/models/{id} answers 404 and a request naming it 404 naming ``model``, as when it is not
 loaded at all; never a 500. The unload is made to land exactly in that window: the names'
 read on the HTTP side runs the unload on the engine thread before it returns (no sleeps)."""
 from __future__ import annotations
@@ -82,11 +82,11 @@ def test_model_retrieve_of_an_adapter_unloaded_while_it_reads_is_404(served, ada
 
 @pytest.mark.parametrize("path, body", [("/v1/completions", COMPLETION),
                                         ("/v1/chat/completions", CHAT)])
-def test_request_naming_an_adapter_unloaded_after_its_check_is_400_model(
+def test_request_naming_an_adapter_unloaded_after_its_check_is_404_model(
         served, adapter_root, monkeypatch, path, body):
     with unloaded_in_the_window(served, adapter_root, monkeypatch) as server:
         response = post(server, path, {**body, "model": ADAPTER})
-    message = refused(response, 400, "model")
+    message = refused(response, 404, "model")
     assert message == f"model {ADAPTER!r} is not served here; this server serves [{NAME!r}]"
     after = post(served[0], path, body)           # the server goes on serving the base model
     assert after.status_code == 200, after.text
