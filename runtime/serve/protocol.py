@@ -23,7 +23,7 @@ that shape sampling are refused by name with it.
 from __future__ import annotations
 
 import json
-from typing import ClassVar, Dict, FrozenSet, List, Optional, Type, Union
+from typing import ClassVar, Dict, FrozenSet, List, Optional, Type, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -280,17 +280,73 @@ def parse_completion_request(body: bytes) -> CompletionRequest:
 
 
 def _field_error(error: ValidationError, model: Type[BaseModel]) -> ApiError:
+    """The first error as a 400 naming its field (``param``) and, in the message, where in
+    the field it is (``stream_options.include_usage``, ``prompt[1][0]``, ``logit_bias.5``).
+    Of a union field's errors, the one that reached deepest (the form the value was closest
+    to); a value matching no form's shape names the forms (it named the first form's rule:
+    ``prompt: Input should be a valid string`` for a list of token-id lists)."""
     first = error.errors()[0]
-    loc = [str(p) for p in first["loc"]]
-    param = loc[0] if loc else None
+    loc = list(first["loc"])
+    param = str(loc[0]) if loc else None
+    if param is not None:
+        union = _is_union(model, param)
+        mine = [e for e in error.errors() if e["loc"][:1] == first["loc"][:1]]
+        first = max(mine, key=lambda e: len(_client_loc(e["loc"], union)))  # first deepest
+        loc = _client_loc(first["loc"], union)
+        if union and len(loc) == 1 and first["type"] != "extra_forbidden":
+            forms = dict.fromkeys(str(e["loc"][1]) for e in mine if len(e["loc"]) > 1)
+            return ApiError(400, f"{param}: should be one of {', '.join(forms)}"
+                                 f"{_shown(first)}", param)
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
     if first["type"] == "extra_forbidden":
-        takes = (f"the fields this server takes: {', '.join(model.model_fields)}"
-                 if model.model_fields else "this route takes no fields (send {} or no body)")
-        return ApiError(400, f"unknown field {'.'.join(loc)!r}; {takes}", param)
-    given = json.dumps(first.get("input"), default=str)
-    shown = "" if isinstance(first.get("input"), dict) else \
-        f", got {given if len(given) <= 60 else given[:57] + '...'}"   # cut: marked, not a value
-    return ApiError(400, f"{param}: {first['msg']}{shown}", param)
+        owner = _model_at(model, loc)
+        if owner is None or not owner.model_fields:
+            takes = "this route takes no fields (send {} or no body)"
+        else:
+            whose = "this server takes" if owner is model else f"{where.rsplit('.', 1)[0]} takes"
+            takes = f"the fields {whose}: {', '.join(owner.model_fields)}"
+        return ApiError(400, f"unknown field {where!r}; {takes}", param)
+    return ApiError(400, f"{where}: {first['msg']}{_shown(first)}", param)
+
+
+def _shown(error: dict) -> str:
+    """``, got <the value>`` (cut at 60 characters, marked), nothing for an object."""
+    if isinstance(error.get("input"), dict):
+        return ""
+    given = json.dumps(error.get("input"), default=str)
+    return f", got {given if len(given) <= 60 else given[:57] + '...'}"   # cut: marked
+
+
+def _members(annotation) -> list:
+    """The forms a field's value may take, None left out: its type, or a union's members."""
+    if get_origin(annotation) is Union:
+        return [a for a in get_args(annotation) if a is not type(None)]
+    return [annotation]
+
+
+def _is_union(model: Type[BaseModel], name: str) -> bool:
+    field = model.model_fields.get(name)
+    return field is not None and len(_members(field.annotation)) > 1
+
+
+def _client_loc(loc: tuple, union: bool) -> list:
+    """``loc`` as the client wrote the request: a union field's member tag, which pydantic
+    puts after the field's name (``("prompt", "list[int]", 0)``), left out."""
+    return [loc[0]] + list(loc[2:]) if union and len(loc) > 1 else list(loc)
+
+
+def _model_at(model: Type[BaseModel], loc: list) -> Optional[Type[BaseModel]]:
+    """The pydantic model whose field ``loc``'s last part names (``model`` for a top-level
+    one; ``StreamOptions`` for ``stream_options.x``), or None."""
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        sub = None if field is None else next(
+            (m for m in _members(field.annotation)
+             if isinstance(m, type) and issubclass(m, BaseModel)), None)
+        if sub is None:
+            return None
+        model = sub
+    return model
 
 
 # ---- shared response parts -------------------------------------------------------------------

@@ -152,7 +152,7 @@ def test_load_use_replace_unload_and_every_mistake(adapter_root, tmp_path):
         refused(post(server, "/v1/unload_lora_adapter", {"lora_name": "x"}, key), 400,
                 "lora_name")
         refused(post(server, "/v1/completions", {**GREEDY, "prompt": PROMPT, "model": "x"}, key),
-                400, "model")
+                404, "model")
         assert engine.loras == []
 
 
