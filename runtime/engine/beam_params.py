@@ -12,6 +12,12 @@ from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 from .errors import BeamSearchParamsError
+from .sampling import is_int, plain_number
+
+# numpy's int64 / float32 ... read as Python numbers, as SamplingParams reads them (they were
+# refused: ``beam_width=np.int64(2)``)
+_NUMBER_FIELDS = ("beam_width", "max_new_tokens", "length_penalty", "num_return_beams",
+                  "temperature")
 
 
 @dataclass(frozen=True)
@@ -36,8 +42,11 @@ class BeamSearchParams:
                                            # markers) left out of each beam's text
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop_token_ids, list):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in _NUMBER_FIELDS:
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            object.__setattr__(self, "stop_token_ids", tuple(map(plain_number,
+                                                                 self.stop_token_ids)))
         for name, ok, allowed in _RULES:
             if not ok(self):
                 raise BeamSearchParamsError(f"BeamSearchParams.{name} must be {allowed}, got "
@@ -46,10 +55,6 @@ class BeamSearchParams:
     @property
     def returned_beams(self) -> int:
         return self.beam_width if self.num_return_beams is None else self.num_return_beams
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_finite_float(value) -> bool:
@@ -61,8 +66,8 @@ def _is_finite_float(value) -> bool:
 
 
 _RULES = (
-    ("beam_width", lambda p: _is_int(p.beam_width) and p.beam_width >= 1, "an int >= 1"),
-    ("max_new_tokens", lambda p: _is_int(p.max_new_tokens) and p.max_new_tokens >= 1,
+    ("beam_width", lambda p: is_int(p.beam_width) and p.beam_width >= 1, "an int >= 1"),
+    ("max_new_tokens", lambda p: is_int(p.max_new_tokens) and p.max_new_tokens >= 1,
      "an int >= 1"),
     ("length_penalty", lambda p: isinstance(p.length_penalty, (int, float))
      and not isinstance(p.length_penalty, bool) and _is_finite_float(p.length_penalty),
@@ -70,11 +75,11 @@ _RULES = (
     ("early_stopping", lambda p: isinstance(p.early_stopping, bool) or p.early_stopping == "never",
      'True, False or "never"'),
     ("num_return_beams", lambda p: p.num_return_beams is None or (
-        _is_int(p.num_return_beams) and 1 <= p.num_return_beams <= p.beam_width),
+        is_int(p.num_return_beams) and 1 <= p.num_return_beams <= p.beam_width),
      "None or an int in [1, beam_width]"),
     ("ignore_eos", lambda p: isinstance(p.ignore_eos, bool), "a bool"),
     ("stop_token_ids", lambda p: isinstance(p.stop_token_ids, tuple) and len(p.stop_token_ids)
-     <= 1024 and all(_is_int(t) and t >= 0 for t in p.stop_token_ids),
+     <= 1024 and all(is_int(t) and t >= 0 for t in p.stop_token_ids),
      "a sequence of at most 1024 int token ids >= 0"),
     ("temperature", lambda p: p.temperature == 0 and not isinstance(p.temperature, bool),
      "0: beam search here is deterministic (transformers' do_sample=False); sampled beam "

@@ -92,7 +92,7 @@ _NUMBER_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "s
                   "logprobs", "prompt_logprobs")
 
 
-def _plain_number(value):
+def plain_number(value):
     """A number (numpy's int64, float32, ...) as a Python int (numbers.Integral) or float
     (numbers.Real); anything else (bools, non-numbers) as given, for _RULES to refuse."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -104,24 +104,24 @@ def _normalise(p: SamplingParams) -> None:
     """Numbers to Python ints / floats, lists to tuples, a logit_bias mapping to sorted pairs
     (each checked by _RULES)."""
     for name in _NUMBER_FIELDS:
-        object.__setattr__(p, name, _plain_number(getattr(p, name)))
+        object.__setattr__(p, name, plain_number(getattr(p, name)))
     for name in ("stop_token_ids", "stop"):
         value = getattr(p, name)
         if isinstance(value, str) and name == "stop":
             value = (value,)
         if isinstance(value, (list, tuple)):
-            object.__setattr__(p, name, tuple(map(_plain_number, value)))
+            object.__setattr__(p, name, tuple(map(plain_number, value)))
     bias = p.logit_bias
     if isinstance(bias, Mapping):
-        bias = tuple(sorted(((_plain_number(t), b) for t, b in bias.items()),
+        bias = tuple(sorted(((plain_number(t), b) for t, b in bias.items()),
                             key=lambda kv: (str(type(kv[0])), kv[0])))
     if isinstance(bias, (list, tuple)):
-        object.__setattr__(p, "logit_bias", tuple(tuple(map(_plain_number, e))
+        object.__setattr__(p, "logit_bias", tuple(tuple(map(plain_number, e))
                                                   if isinstance(e, (list, tuple)) else e
                                                   for e in bias))
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -134,13 +134,13 @@ def _in(low: float, high: float):
 
 
 def _optional_count(value) -> bool:
-    return value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS)
+    return value is None or (is_int(value) and 0 <= value <= MAX_LOGPROBS)
 
 
 def _bias_ok(p: SamplingParams) -> bool:
     bias = p.logit_bias
     return (isinstance(bias, tuple) and len(bias) <= MAX_LOGIT_BIAS
-            and all(isinstance(e, tuple) and len(e) == 2 and _is_int(e[0]) and e[0] >= 0
+            and all(isinstance(e, tuple) and len(e) == 2 and is_int(e[0]) and e[0] >= 0
                     and _in(-LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE)(e[1]) for e in bias)
             and len({e[0] for e in bias}) == len(bias))
 
@@ -152,26 +152,26 @@ def _stops_ok(p: SamplingParams) -> bool:
 
 # (field, rule, what it must be): every field, checked in this order
 _RULES = (
-    ("max_new_tokens", lambda p: _is_int(p.max_new_tokens) and p.max_new_tokens >= 1, "an int >= 1"),
+    ("max_new_tokens", lambda p: is_int(p.max_new_tokens) and p.max_new_tokens >= 1, "an int >= 1"),
     ("temperature", lambda p: _in(0.0, FP32_MAX)(p.temperature),
      "a finite number >= 0, at most 3.4e38 (float32's largest)"),
-    ("top_k", lambda p: _is_int(p.top_k) and p.top_k >= 0, "an int >= 0"),
+    ("top_k", lambda p: is_int(p.top_k) and p.top_k >= 0, "an int >= 0"),
     ("top_p", lambda p: _is_finite(p.top_p) and 0.0 < p.top_p <= 1.0, "a number in (0, 1]"),
     ("min_p", lambda p: _in(0.0, 1.0)(p.min_p), "a number in [0, 1]"),
-    ("seed", lambda p: p.seed is None or (_is_int(p.seed) and -2**63 <= p.seed < 2**63),
+    ("seed", lambda p: p.seed is None or (is_int(p.seed) and -2**63 <= p.seed < 2**63),
      "an int or None, in [-2**63, 2**63 - 1] (an int64: wider seeds would alias narrower ones)"),
     ("stop_token_ids", lambda p: isinstance(p.stop_token_ids, tuple)
      and len(p.stop_token_ids) <= MAX_STOP_TOKEN_IDS
-     and all(_is_int(t) and t >= 0 for t in p.stop_token_ids),
+     and all(is_int(t) and t >= 0 for t in p.stop_token_ids),
      f"a sequence of at most {MAX_STOP_TOKEN_IDS} int token ids >= 0"),
     ("ignore_eos", lambda p: isinstance(p.ignore_eos, bool), "a bool"),
-    ("n", lambda p: _is_int(p.n) and 1 <= p.n <= MAX_SAMPLES, f"an int in [1, {MAX_SAMPLES}]"),
+    ("n", lambda p: is_int(p.n) and 1 <= p.n <= MAX_SAMPLES, f"an int in [1, {MAX_SAMPLES}]"),
     ("cache_salt", lambda p: p.cache_salt is None or isinstance(p.cache_salt, str), "a str or None"),
     ("stop", _stops_ok, f"at most {MAX_STOP_STRINGS} non-empty strings of at most "
                         f"{MAX_STOP_STRING_CHARS} characters"),
     ("include_stop_str_in_output", lambda p: isinstance(p.include_stop_str_in_output, bool), "a bool"),
     ("skip_special_tokens", lambda p: isinstance(p.skip_special_tokens, bool), "a bool"),
-    ("min_tokens", lambda p: _is_int(p.min_tokens) and 0 <= p.min_tokens <= p.max_new_tokens,
+    ("min_tokens", lambda p: is_int(p.min_tokens) and 0 <= p.min_tokens <= p.max_new_tokens,
      "an int in [0, max_new_tokens]"),
     ("repetition_penalty", lambda p: _in(FP32_TINY, FP32_MAX)(p.repetition_penalty),
      "a number in [1.2e-38, 3.4e38] (> 0 in float32's range; 1: none)"),
