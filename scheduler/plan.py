@@ -45,6 +45,18 @@ class SchedulerConfig:
         if self.max_seq_len is not None:    # None: the manager's
             check_int("SchedulerConfig.max_seq_len", self.max_seq_len, 1)
 
+    def sequence_limit_tokens(self, manager_max_seq_len: int) -> int:
+        """The tokens one sequence may hold: ``max_seq_len``, at most the manager's (None: the
+        manager's). ConfigError past the manager's: its sequences cannot hold it (the config
+        was taken, and every longer request refused saying the cache holds the manager's)."""
+        if self.max_seq_len is None:
+            return manager_max_seq_len
+        if self.max_seq_len > manager_max_seq_len:
+            raise ConfigError(f"SchedulerConfig.max_seq_len must be at most the manager's "
+                              f"max_seq_len ({manager_max_seq_len} tokens a sequence), got "
+                              f"{self.max_seq_len}")
+        return self.max_seq_len
+
 
 def _check_bool(field: str, value) -> None:
     """``value`` is True or False: a truthy str ("no") or 1 is not taken for one."""

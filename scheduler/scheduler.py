@@ -54,7 +54,7 @@ class Scheduler(PoolReach, StepTransactions, BeamGroups, StepRecording):
                  tables: Optional[TableTracker] = None):
         """``tables``: fills each plan's table edits for a real cache (None: the simulator)."""
         self.manager, self.config, self.tables = manager, config, tables
-        self.max_seq_len = config.max_seq_len or manager.max_seq_len
+        self.max_seq_len = config.sequence_limit_tokens(manager.max_seq_len)
         self.growable = False           # True: a MemoryBudget resizes it (use_budget)
         self.budget_share = None        # that budget's share: how far it can grow
         self._denied_room: Optional[Sequence] = None   # this step: a running chunk got no room
