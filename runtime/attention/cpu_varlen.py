@@ -123,7 +123,7 @@ class _Meta:
         self.qlen = torch.tensor(lens.query_lens, dtype=torch.int64)
         self.qstart = torch.tensor(lens.q_starts, dtype=torch.int64)
         self.kvstart = torch.tensor(view.kv_starts, dtype=torch.int64)
-        if view.kind == "vmem":
+        if isinstance(view, VMemLayerView):
             self.slots, self.tables, width, block_size = (
                 torch.tensor(view.host_slots, dtype=torch.int64), None, 0, 0)
         else:
