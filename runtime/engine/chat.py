@@ -24,12 +24,22 @@ from .prompts import is_unicode_text
 ROLES = ("system", "user", "assistant")
 
 
-class ChatTemplateError(RequestRejectedError):
+class ConversationError(RequestRejectedError):
+    """A conversation of a batch refused; its message starts ``conversation <index>: ``,
+    ``detail`` is the rest (what the server answers: a request holds one conversation)."""
+
+    def __init__(self, message: str, index: int = 0, field: str = "prompt") -> None:
+        super().__init__(message, index, field)
+        prefix = f"conversation {index}: "
+        self.detail = message[len(prefix):] if message.startswith(prefix) else message
+
+
+class ChatTemplateError(ConversationError):
     """Chat asked of an engine without a tokenizer or a chat template, or a template that does
     not render these messages (the message says which). Nothing was queued."""
 
 
-class ChatMessageError(RequestRejectedError):
+class ChatMessageError(ConversationError):
     """A message that is not a {"role", "content"} dict of a known role with text content
     (``field`` names the offending part, e.g. ``messages[1].role``). Nothing was queued."""
 

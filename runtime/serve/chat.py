@@ -75,10 +75,10 @@ def chat_token_ids(req: ChatCompletionRequest, served: ServedModel) -> tuple:
                               req.add_generation_prompt,
                               check_text=partial(served.check_text_fits, adapter=adapter,
                                                  field="messages"))
-    except ChatMessageError as error:
-        raise ApiError(400, str(error), error.field) from None
+    except ChatMessageError as error:   # one conversation a request: not "conversation 0: ..."
+        raise ApiError(400, error.detail, error.field) from None
     except ChatTemplateError as error:
-        raise ApiError(400, str(error), "messages" if req.chat_template is None
+        raise ApiError(400, error.detail, "messages" if req.chat_template is None
                        else "chat_template") from None
     bad = [t for t in ids if not 0 <= t < served.vocab_size]
     if bad:

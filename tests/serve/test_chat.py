@@ -144,6 +144,9 @@ def test_chat_mistakes_are_400_naming_the_field(tokenizer, body, param, words):
         assert response.status_code == 400, response.text
         error = response.json()["error"]
         assert error["param"] == param and words in error["message"], error
+        # a request holds one conversation: the engine's batch prefix ("conversation 0: ")
+        # named a conversation the client never numbered
+        assert not error["message"].startswith("conversation"), error
         assert server.engine_thread.pending_requests == 0
         assert_memory_at_baseline(engine)
 
