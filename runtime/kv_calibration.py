@@ -95,10 +95,15 @@ def calibrated_kv_scales(model: torch.nn.Module, tokenizer, encoding: KVEncoding
     calibration input (one forward pass on its own attention, with a fresh transformers
     cache whose updates are read as they come: the amax of all the input's tokens, sliding
     layers included). CacheConfigError naming the model when it does not write ``num_layers``
-    layers of ``num_kv_heads`` heads (K/V this engine would not store the same way), or
-    naming the layer whose K or V holds NaN or +-inf (no scale encodes them)."""
+    layers of ``num_kv_heads`` heads (K/V this engine would not store the same way), naming
+    the layer whose K or V holds NaN or +-inf (no scale encodes them), or when the input is
+    no tokens (a tokenizer that encodes it as none)."""
     vocab = model.config.get_text_config().vocab_size
     ids = calibration_ids(tokenizer, vocab, max_tokens)
+    if not ids:     # the forward raised a RuntimeError about an embedding's float indices
+        raise CacheConfigError(f"kv_scales='calibrate': no calibration tokens (the tokenizer "
+                               f"encodes the input as none, or max_tokens is {max_tokens!r}); "
+                               f"give kv_scales instead")
     device = next(model.parameters()).device
     cache = _AmaxCache(model.config)
     with own_attention(model):

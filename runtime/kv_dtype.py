@@ -117,7 +117,7 @@ class KVScales:
             if isinstance(x, torch.Tensor):
                 x = x.tolist()
             try:
-                return tuple(tuple(_fp32(float(s)) for s in row) for row in x)
+                return tuple(tuple(_fp32(s) for s in row) for row in x)
             except (TypeError, ValueError):
                 raise CacheConfigError(f"kv_scales.{name} must be [num_layers][num_kv_heads] "
                                        f"numbers, got {x!r}"[:200]) from None
@@ -152,13 +152,18 @@ def _usable(scale: float) -> bool:
     return math.isfinite(scale) and scale > 0
 
 
-def _fp32(s: float) -> float:
-    """``s`` rounded to fp32 (RNE); inf past fp32's range, so ``check`` refuses what the
-    cache's fp32 table could not hold."""
+def _fp32(s) -> float:
+    """The number ``s`` as a float rounded to fp32 (RNE); +-inf past fp32's range (an int or
+    Fraction past a float's too: float() raised OverflowError), so ``check`` refuses, naming
+    the element, what the cache's fp32 table could not hold."""
     try:
-        return struct.unpack("f", struct.pack("f", s))[0]
+        value = float(s)
     except OverflowError:
-        return math.copysign(math.inf, s)
+        return math.inf if s > 0 else -math.inf
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def first_write_scales(x: torch.Tensor, encoding: KVEncoding) -> torch.Tensor:
@@ -237,7 +242,8 @@ class ScaleTable:
 
     def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """``k``, ``v`` [..., kv_heads, head_dim] quantized with ``layer``'s scales, fixing
-        them from this write when it is the layer's first (the layer joins ``unsettled``).
+        them from this write when it is the layer's first (the layer joins ``unsettled``); a
+        write of no tokens fixes nothing (it raised IndexError, where a 16-bit cache takes it).
         NonFiniteKVError, nothing stored or fixed, when ``k`` or ``v`` holds NaN or +-inf
         (int8 stored NaN as 0 and both fp8s clamped inf to their max: made-up tokens; a first
         write's inf gave the head scale 1.0 for every later request). With
@@ -254,7 +260,7 @@ class ScaleTable:
                     raise NonFiniteKVError(message)
                 self.non_finite = self.non_finite or message
                 k, v = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (k, v))
-        if not self.fixed[layer]:
+        if not self.fixed[layer] and k.numel():   # a write of no tokens has no amax
             self.k[layer] = first_write_scales(k, self.encoding)
             self.v[layer] = first_write_scales(v, self.encoding)
             self.fixed[layer] = True
