@@ -91,7 +91,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         world = cfg.tensor_parallel_size
         self.cache_config = (full_config if world == 1 else cache_config_for(   # rank 0's share
             model, cfg, param, kv_heads_per_rank(model.config, world),
-            scales=rank_kv_scales(scales, model.config, 0, world)))
+            scales=rank_kv_scales(full_config.kv_scales, model.config, 0, world)))
         self.config = cfg = resolved_layout(cfg, self.cache_config)   # "auto": by the rank's pages
         if self.kv_scales_source:
             log.info("kv_cache_dtype %s: scales from %s", cfg.kv_cache_dtype,
