@@ -13,7 +13,7 @@ import torch
 
 from vmemkv.scheduler.presets import ModelSpec
 
-from .errors import CacheConfigError
+from .errors import CacheConfigError, NonFiniteKVError
 from .kv_dtype import KVEncoding, KVScales, kv_encoding
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -116,6 +116,28 @@ class CacheConfig:
     def kv_encoding(self) -> KVEncoding:
         """How K and V are stored (``runtime.kv_dtype``)."""
         return kv_encoding(self.kv_cache_dtype, self.dtype)
+
+    def check_storable(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """K/V an unscaled storage narrower than the model's dtype cannot hold: fp16
+        (``kv_cache_dtype="fp16"``) of a bf16 or fp32 model stored a value past 65504 as inf,
+        and attention returned NaN (transformers' generate then picked token 0, unsaid; the
+        engine failed the request on its logits, blaming the model). NonFiniteKVError naming
+        the largest value, before anything is written; one amax per write, in that
+        configuration only (8-bit encodings refuse non-finite K/V themselves)."""
+        encoding = self.kv_encoding
+        if encoding.scaled or not encoding.storage.is_floating_point:
+            return
+        largest = torch.finfo(encoding.storage).max
+        if largest >= torch.finfo(self.dtype).max:
+            return
+        for name, t in (("key", k), ("value", v)):
+            amax = float(t.abs().amax()) if t.numel() else 0.0
+            if amax > largest:      # (NaN compares False: the model's own, DynamicCache keeps it)
+                raise NonFiniteKVError(
+                    f"{name} states hold {amax:g}, past {largest:g}, the largest value a "
+                    f"kv_cache_dtype={self.kv_cache_dtype!r} cache stores (it would store inf: "
+                    f"NaN attention); nothing was written: store the model's {self.dtype} "
+                    f"(kv_cache_dtype='auto') or a scaled 8-bit encoding")
 
     @property
     def storage_dtype(self) -> torch.dtype:

@@ -216,6 +216,7 @@ class KVCache(ABC):
         storage dtype, or (8-bit) quantized with the layer's scales, which the layer's first
         write fixes when none were given (``runtime.kv_dtype``)."""
         if self.kv_scales is None:
+            self.config.check_storable(k, v)   # fp16 of a wider model: past 65504, inf
             return k, v      # the caller casts to the storage dtype
         return self.kv_scales.encode(layer, k, v)
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import CacheStateError, NonFiniteKVError
+from ..errors import CacheStateError
 from .cache_layer import window_offset
 
 
@@ -55,29 +55,7 @@ def check_update_states(config, k: torch.Tensor, v: torch.Tensor, device: torch.
     if k.shape[0] != v.shape[0] or k.shape[2] != v.shape[2]:
         raise CacheStateError(f"key {tuple(k.shape)} and value {tuple(v.shape)} states differ")
     check_states_without_grad(k, v)
-    check_storable(config, k, v)
-
-
-def check_storable(config, k: torch.Tensor, v: torch.Tensor) -> None:
-    """States an unscaled storage narrower than the model's dtype cannot hold: fp16
-    (``kv_cache_dtype="fp16"``) of a bf16 or fp32 model stored a value past 65504 as inf, and
-    attention returned NaN (transformers' generate then picked token 0, unsaid).
-    NonFiniteKVError naming the layer's largest value, before anything is written; one amax
-    per update, in that configuration only (8-bit encodings refuse non-finite K/V themselves)."""
-    encoding = config.kv_encoding
-    if encoding.scaled or not encoding.storage.is_floating_point:
-        return
-    largest = torch.finfo(encoding.storage).max
-    if largest >= torch.finfo(config.dtype).max:
-        return
-    for name, t in (("key", k), ("value", v)):
-        amax = float(t.abs().amax()) if t.numel() else 0.0
-        if amax > largest:      # (NaN compares False: the model's own, DynamicCache keeps it)
-            raise NonFiniteKVError(
-                f"{name} states hold {amax:g}, past {largest:g}, the largest value a "
-                f"kv_cache_dtype={config.kv_cache_dtype!r} cache stores (it would store inf: "
-                f"NaN attention); nothing was written: store the model's {config.dtype} "
-                f"(kv_cache_dtype='auto') or a scaled 8-bit encoding")
+    config.check_storable(k, v)
 
 
 def check_states_without_grad(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
