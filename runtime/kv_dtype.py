@@ -155,7 +155,10 @@ def _usable(scale: float) -> bool:
 def _fp32(s) -> float:
     """The number ``s`` as a float rounded to fp32 (RNE); +-inf past fp32's range (an int or
     Fraction past a float's too: float() raised OverflowError), so ``check`` refuses, naming
-    the element, what the cache's fp32 table could not hold."""
+    the element, what the cache's fp32 table could not hold. TypeError for a str, bytes or
+    bool: no number (float() read "0.5" and True as scales)."""
+    if isinstance(s, (str, bytes, bool)):
+        raise TypeError(f"{s!r} is not a number")
     try:
         value = float(s)
     except OverflowError:
