@@ -61,12 +61,7 @@ from typing import Callable, Deque, Dict, Iterator, Optional
 
 from .budget_needs import check_resizes, growth_bytes, unused_bytes, wanted_bytes
 from .errors import ConfigError
-
-
-def _bytes(name: str, value, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name} must be an int >= {low} (bytes), got {value!r}")
-    return value
+from .field_checks import check_int
 
 
 @dataclass
@@ -90,8 +85,7 @@ class BudgetShare:
     def __init__(self, budget: "MemoryBudget", name: str, min_bytes: int, max_bytes: int,
                  held_bytes: int) -> None:
         self.budget, self.name = budget, name
-        self.min_bytes, self.max_bytes = min_bytes, max_bytes
-        self.held_bytes = held_bytes
+        self.min_bytes, self.max_bytes, self.held_bytes = min_bytes, max_bytes, held_bytes
         self.reserved_bytes = 0            # granted by decide/grant, not settled yet
         self.pressure_by: Dict[str, int] = {}   # asking share's name -> bytes it waits for
         self.idle_since: Optional[float] = None
@@ -279,6 +273,11 @@ class BudgetShare:
             self.blocked, self.ask_bytes = False, 0
             self.budget._withdraw_pressure(self)
 
+    def built(self, cache_bytes: int) -> None:
+        """Its cache was built holding ``cache_bytes`` (whole pages): the rest, no give counted."""
+        with self.budget._locked():
+            self.held_bytes = self.stats.held_bytes = min(self.held_bytes, cache_bytes)
+
     def unregister(self) -> None:
         """Give everything back and leave the budget (an engine closed or collected); the
         pressure it posted on the others goes with it. Idempotent."""
@@ -302,14 +301,15 @@ class MemoryBudget:
 
     def __init__(self, total_bytes: int, idle_release_s: float = 2.0,
                  grow_fraction: float = 0.125, clock: Callable[[], float] = time.monotonic) -> None:
-        self.total_bytes = _bytes("MemoryBudget total_bytes", total_bytes, 1)
+        check_int("MemoryBudget total_bytes", total_bytes, 1)
         if isinstance(idle_release_s, bool) or not isinstance(idle_release_s, (int, float)) \
                 or not 0 <= idle_release_s < 1e9:
-            raise ConfigError(f"idle_release_s must be seconds >= 0, got {idle_release_s!r}")
+            raise ConfigError(f"idle_release_s must be seconds in [0, 1e9), got {idle_release_s!r}")
         if isinstance(grow_fraction, bool) or not isinstance(grow_fraction, (int, float)) \
                 or not 0 <= grow_fraction <= 1:
             raise ConfigError(f"grow_fraction must be in [0, 1], got {grow_fraction!r}")
-        self.idle_release_s, self.grow_fraction, self.clock = idle_release_s, grow_fraction, clock
+        self.total_bytes, self.idle_release_s = total_bytes, idle_release_s
+        self.grow_fraction, self.clock = grow_fraction, clock
         self._lock = threading.RLock()  # taken through _locked() only
         self._shares: Dict[str, BudgetShare] = {}
         self._leaving: Deque[BudgetShare] = deque()   # unregister_later's, for the next call
@@ -333,9 +333,10 @@ class MemoryBudget:
                  initial_bytes: Optional[int] = None) -> BudgetShare:
         """A new share holding ``initial_bytes`` (default ``min_bytes``); ConfigError when the
         name is taken, min > max, or the budget cannot hold it beside the others' minimums."""
-        _bytes("min_bytes", min_bytes)
-        _bytes("max_bytes", max_bytes, 1)
-        initial = min_bytes if initial_bytes is None else _bytes("initial_bytes", initial_bytes)
+        initial = min_bytes if initial_bytes is None else initial_bytes
+        for field, value, low in (("min_bytes", min_bytes, 0), ("max_bytes", max_bytes, 1),
+                                  ("initial_bytes", initial, 0)):
+            check_int(field, value, low)
         if not min_bytes <= initial <= max_bytes:
             raise ConfigError(f"share {name!r}: needs min_bytes <= initial_bytes <= max_bytes, "
                               f"got {min_bytes}, {initial}, {max_bytes}")
@@ -393,8 +394,7 @@ class MemoryBudget:
         """{"total_bytes", "held_bytes", "unclaimed_bytes" (what no share holds, reserves for a
         resize under way or keeps as its minimum), "shares": {name: ShareStats}}."""
         with self._locked():
-            held = sum(s.held_bytes for s in self._shares.values())
-            return {"total_bytes": self.total_bytes, "held_bytes": held,
+            return {"total_bytes": self.total_bytes, "held_bytes": self.held_bytes,
                     "unclaimed_bytes": self.total_bytes - sum(s._claim
                                                               for s in self._shares.values()),
                     "shares": {n: ShareStats(**vars(s.stats)) for n, s in self._shares.items()}}

@@ -269,6 +269,10 @@ class SharedSimulator:
         if total // n < config.page_bytes:
             raise ConfigError(f"total_bytes={total} leaves {n} models less than one page "
                               f"(page_bytes={config.page_bytes}) each")
+        if config.elastic and config.min_fraction * n > 1:    # was lowered to total / n each
+            raise ConfigError(f"min_fraction={config.min_fraction} reserves that much of "
+                              f"total_bytes for each of {n} models, {config.min_fraction * n:g} "
+                              f"of it in all; give at most 1/{n}")
         every = [e for entries in workloads.values() for e in entries]   # each lane's page
         check_simulation_fits(len(every), sum(e.output_len for e in every),   # tables: up to
                               "simulate fewer requests, or lower total_bytes or raise page_bytes",

@@ -101,6 +101,8 @@ class ElasticMemory:
 
     def _init_elastic(self, budget_share) -> None:
         self.memory_share = budget_share      # a MemoryBudget share, or None
+        if budget_share is not None:   # registered at cache_bytes; the pool holds whole pages
+            budget_share.built(self.kv.manager.cache_bytes)
         # an engine dropped without close() leaves the budget at the budget's next call after
         # it is collected (the finalizer holds the share, not the engine, and may run inside
         # another engine's budget call: it only queues); close() leaves at once
@@ -194,10 +196,13 @@ class ElasticMemory:
     def _resize_pool(self, cache_bytes: int, preempt: bool, partial: bool,
                      check_fit: bool) -> int:
         mgr = self.kv.manager
-        if cache_bytes > mgr.max_cache_bytes:
-            raise CacheResizeError(f"cache_bytes={cache_bytes} exceeds max_cache_bytes="
-                                   f"{mgr.max_cache_bytes} (EngineConfig.max_cache_bytes: the "
-                                   f"pool's page ids are reserved at construction)")
+        # whole pages, as the pool counts them (EngineConfig.max_cache_bytes itself was refused)
+        whole = cache_bytes - cache_bytes % mgr.resize_step_bytes
+        if whole > mgr.max_cache_bytes:
+            raise CacheResizeError(f"cache_bytes={cache_bytes} ({whole} in whole pages) exceeds "
+                                   f"max_cache_bytes={mgr.max_cache_bytes} (EngineConfig."
+                                   f"max_cache_bytes in whole pages: the pool's page ids are "
+                                   f"reserved at construction)")
         growth = cache_bytes - mgr.cache_bytes
         try:   # no other engine's check runs between this one's and the size it promises
             with memory.PROMISES_LOCK:
