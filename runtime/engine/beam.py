@@ -132,6 +132,7 @@ class BeamSearching:
         ``num_return_beams`` hypotheses, best first. Every prompt and its params are checked
         first (BeamSearchParamsError, RequestRejectedError: nothing runs). Statistics of the
         call: ``engine.last_stats``."""
+        self._check_awake()      # as generate: before anything is queued (it queued, then raised)
         check_prompt_batch(prompts)
         per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per) != len(prompts) or not all(isinstance(p, BeamSearchParams) for p in per):
