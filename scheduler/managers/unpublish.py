@@ -7,7 +7,8 @@ later request with that prefix would read them and fail too (a shared system pro
 tenant). So a failed sequence is unpublished before it is freed:
 
     resident   every unit it holds (its hits and its own) loses its registration (a vmem
-               group its blocks too), with every registration chained below it
+               group its blocks too), with every registration chained below it; then, as
+               for a swapped one, what its keys still reach (a vmem block hit's source group)
     swapped    the same for the units its published keys reach (cached, or held by others)
     then       it publishes nothing more (``free`` included): its ids and keys are forgotten
     forgotten  (preempted for recompute, then failed while waiting: the manager holds no
@@ -35,11 +36,10 @@ class Unpublishing:
         seq = self._swapped.get(seq_id)
         if seq is None:
             seq = self._changing(seq_id)
-            units = [u for u in self._unit_ids(seq) if u is not None]
+            self._drop_reached([u for u in self._unit_ids(seq) if u is not None])
         else:
             self._cell.record(seq)
-            units = self._reached(seq)
-        self._drop_reached(units)
+        self._drop_all_reached(seq)   # a vmem block hit's source: held by none of its pages
         seq.keys, seq.ids = [], None      # its content unknown: never published again
 
     def unpublish_tokens(self, token_ids: Sequence[int], namespace: Optional[str]) -> None:
@@ -50,7 +50,19 @@ class Unpublishing:
         gone = HeldSeq(len(ids), ids, namespace)
         gone.keys = list(self._prompt_keys(ids, namespace))
         gone.published = len(gone.keys)
-        self._drop_reached(self._reached(gone))
+        self._drop_all_reached(gone)
+
+    def _drop_all_reached(self, seq: HeldSeq) -> None:
+        """``_drop_reached`` what a prompt of ``seq``'s published keys reaches, until it
+        reaches nothing: a vmem match names the groups holding the MOST blocks of the page
+        after its whole-page hits, so a shorter copy of those blocks (a block hit's source,
+        or the copy it made) is found only once the longer one is gone."""
+        dropped: set = set()
+        units = self._reached(seq)
+        while units:
+            self._drop_reached(units)
+            dropped.update(units)
+            units = [u for u in self._reached(seq) if u not in dropped]
 
     def _drop_reached(self, units: list) -> None:
         """Each of ``units`` loses its registration (``_drop_findable``); a cached one nobody
