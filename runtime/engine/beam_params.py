@@ -84,6 +84,7 @@ _RULES = (
     ("temperature", lambda p: p.temperature == 0 and not isinstance(p.temperature, bool),
      "0: beam search here is deterministic (transformers' do_sample=False); sampled beam "
      "search is not supported"),
-    ("cache_salt", lambda p: p.cache_salt is None or isinstance(p.cache_salt, str), "a str or None"),
+    ("cache_salt", lambda p: p.cache_salt is None or isinstance(p.cache_salt, str)
+     and p.cache_salt != "", "None or a non-empty str (vLLM's rule; \"\" was a salt of its own)"),
     ("skip_special_tokens", lambda p: isinstance(p.skip_special_tokens, bool), "a bool"),
 )

@@ -166,7 +166,8 @@ _RULES = (
      f"a sequence of at most {MAX_STOP_TOKEN_IDS} int token ids >= 0"),
     ("ignore_eos", lambda p: isinstance(p.ignore_eos, bool), "a bool"),
     ("n", lambda p: is_int(p.n) and 1 <= p.n <= MAX_SAMPLES, f"an int in [1, {MAX_SAMPLES}]"),
-    ("cache_salt", lambda p: p.cache_salt is None or isinstance(p.cache_salt, str), "a str or None"),
+    ("cache_salt", lambda p: p.cache_salt is None or isinstance(p.cache_salt, str)
+     and p.cache_salt != "", "None or a non-empty str (vLLM's rule; \"\" was a salt of its own)"),
     ("stop", _stops_ok, f"at most {MAX_STOP_STRINGS} non-empty strings of at most "
                         f"{MAX_STOP_STRING_CHARS} characters"),
     ("include_stop_str_in_output", lambda p: isinstance(p.include_stop_str_in_output, bool), "a bool"),
