@@ -32,6 +32,10 @@ SUBCOMMANDS = {
     "serve": "vmemkv.runtime.serve.cli",
 }
 
+# commands that print no results (a server's answers go to its clients, its log to stderr):
+# a closed stdout (a daemon's >&-) is no reason to refuse them
+LOGS_ON_STDERR_ONLY = frozenset({"serve"})
+
 DESCRIPTION = """\
 Virtual-memory KV caches for LLM inference, beside a PagedAttention layout: run the engine,
 benchmark the two layouts head to head, or study a memory policy in the simulator.
@@ -174,6 +178,8 @@ def write_error_line(line: str) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if sys.stdout is None and args.command in LOGS_ON_STDERR_ONLY:
+        sys.stdout = open(os.devnull, "w")   # uvicorn's log setup reads it; nothing is written
     if sys.stdout is None:   # started with stdout closed (>&-): print() drops every result unsaid
         write_error_line(f"vmemkv {args.command}: error: stdout is closed, so the results would "
                          f"be lost: redirect it (> FILE, or > /dev/null to drop them)")
