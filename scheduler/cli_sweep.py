@@ -118,7 +118,9 @@ def _run_points(args, todo, rows: dict, journal: RowJournal, total: int) -> bool
 
     def done(row: dict) -> None:
         # the table's copy first: a Ctrl-C that lands while the journal line is being written
-        # (fsync) must not leave a row on disk that the table and the count leave out
+        # (fsync) must not leave a row on disk that the table and the count leave out; the
+        # copy is the row as the journal holds it, so a resumed sweep writes the same table
+        row = journal.journaled(row)
         rows[point_key(row)] = row
         journal.append(row)
         bar.update(1)

@@ -98,7 +98,9 @@ def _import(module_name: str, spec: str):
     except SyntaxError as error:
         raise ConfigError(f"custom policy {spec!r}: {module_name} has a syntax error at "
                           f"{error.filename}:{error.lineno}: {error.msg}") from None
-    except Exception as error:   # noqa: BLE001 -- the user's module raised while importing
+    except (Exception, SystemExit) as error:   # noqa: BLE001 -- the user's module raised
+        # SystemExit too: a script's argparse at module level read vmemkv's own argv, and its
+        # "usage: vmemkv [--lr LR] ... unrecognized arguments: simulate" was all that was said
         raise ConfigError(f"custom policy {spec!r}: importing {module_name} raised "
                           f"{type(error).__name__}: {error}") from None
 

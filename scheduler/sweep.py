@@ -21,10 +21,11 @@ workload_rng, arrival_rate, trace, rate_scale, max_requests. A key a point does 
 without swap preemption, the generated workload's keys for a trace, ...), is set to its default
 there (``normalise``), so the grid never runs the same simulation twice; a key no point uses
 (``check_used``), a key in both tables and a value a grid list repeats (4 and 4.0) are
-refused (``sweep_spec.py``). A trace file's row carries its resolved
-path and sha256 (``trace_path``, ``trace_sha256``), a custom policy's those of its file or its
-module's file (``policy_path``, ``policy_sha256``: ``sweep_policy.py``). ``run_point`` is a
-plain top-level function of a dict, so a process pool or a Ray cluster can run it.
+refused (``sweep_spec.py``), as is a policy or trace file named two ways (``check_spellings``).
+A trace file's row carries its resolved path and sha256 (``trace_path``, ``trace_sha256``), a
+custom policy's those of its file or its module's file (``policy_path``, ``policy_sha256``:
+``sweep_policy.py``). ``run_point`` is a plain top-level function of a dict, so a process pool
+or a Ray cluster can run it.
 
 A trace point's row counts, in ``scaled_requests``, the trace's requests longer than its
 max_len, scaled down to it as ``vmemkv simulate`` does (None for a generated workload).
@@ -48,8 +49,8 @@ from .sim_memory import set_concurrent_simulations
 from .simulator import simulate
 from .sweep_spec import (DEFAULT_MAX_POINTS, PARAMS, TRACE_ID, TRACE_ONLY,  # noqa: F401
                          check_point, check_size, check_spec, count_points, load_spec, normal,
-                         point_key, point_params, sim_config, trace_ids, unit_tokens,
-                         workload_spec)
+                         point_key, point_label, point_params, sim_config, trace_ids,
+                         unit_tokens, workload_spec)
 from .traces import fit_to_length, load_trace
 from .workload import generate
 
@@ -87,7 +88,36 @@ def expand(spec: dict, max_points: int = DEFAULT_MAX_POINTS) -> List[dict]:
     latest_arrival_s: dict = {}
     for point, label in points:
         check_point(point, label, built, latest_arrival_s)
+    check_spellings(points)
     return [point for point, _ in points]
+
+
+def check_spellings(points: List[Tuple[dict, dict]]) -> None:
+    """ConfigError when two (point, label) pairs are one simulation spelled two ways: a custom
+    policy's file or a trace file named by two paths (``p.py:C`` and ``./p.py:C``, ``p:C`` and
+    ``p.py:C``), keyed by what they resolve to (``simulation_key``). The grid would run it
+    twice under two labels, as a list that repeats ``4`` and ``4.0`` would (refused too)."""
+    first: Dict[str, dict] = {}
+    for point, label in points:
+        key = simulation_key(point)
+        if key in first:
+            files = [f"{what} file {point[what + '_path']}" for what in ("policy", "trace")
+                     if point[what + "_path"] is not None]
+            raise ConfigError(f"point {point_label(label)} is point {point_label(first[key])} "
+                              f"spelled another way ({' and '.join(files)}): one simulation "
+                              f"twice under two labels; list each once")
+        first[key] = label
+
+
+def simulation_key(point: dict) -> str:
+    """``point_key`` with a custom policy named by its file and class (``POLICY_ID`` and the
+    class name, not the spelling of its path or module) and a trace by its file alone."""
+    resolved = dict(point)
+    if point["policy_path"] is not None:
+        resolved["policy"] = point["policy"].rpartition(":")[2]
+    if point["trace_path"] is not None:
+        resolved["trace"] = None
+    return point_key(resolved)
 
 
 def unused_keys(point: dict) -> Dict[str, str]:
@@ -160,10 +190,11 @@ def run_point(point: dict) -> dict:
 
 def point_row(point: dict) -> dict:
     """``run_point``, or the point's parameters and ``error`` ("Type: message") when it
-    raises: one failing point never loses the others."""
+    raises: one failing point never loses the others, not even a custom policy that calls
+    ``sys.exit`` (it ended the whole sweep, with no table; an interrupt still ends it)."""
     try:
         return run_point(point)
-    except Exception as error:   # noqa: BLE001 -- reported in its row, the sweep goes on
+    except (Exception, SystemExit) as error:   # noqa: BLE001 -- in its row, the sweep goes on
         row = point_params(point)
         try:
             row["unit_tokens"] = unit_tokens(point)

@@ -8,7 +8,8 @@ which JSON readers other than Python's refuse). A resumed sweep keeps the journa
 of points that are in its grid (a row is matched to its point by every parameter and, for a trace
 file or a custom policy (``file.py:Class``, or ``module:Class``'s module file), its resolved path
 and the sha256 of its bytes: ``point_key``; a trace or policy that changed runs again), drops rows
-with an error (those points run again) and a last line a kill cut short, rewrites the journal with
+with an error (those points run again), a last line a kill cut short and a row no point can
+match (a value no spec gives, ``_key_of``), rewrites the journal with
 what it kept (atomically) and appends from there. A sweep without ``--resume`` starts a new
 journal.
 """
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from .cli_table import to_json
+from .errors import ConfigError
 from .result_files import atomic_open, refuse_folder, remove_leftovers
 from .sweep_spec import PARAMS, point_key
 
@@ -37,13 +39,20 @@ class RowJournal:
             remove_leftovers(out_dir, [JOURNAL_NAME])  # a killed rewrite's temporary file
         if resume:
             for row in _read_rows(self.path):
-                key = point_key(row) if all(k in row for k in PARAMS) else None
+                key = _key_of(row)
                 if key in wanted and not row.get("error"):
                     self.kept[key] = row
         with atomic_open(self.path, "w", encoding="utf-8") as f:
             for row in self.kept.values():
                 f.write(to_json(row) + "\n")
         self._file = open(self.path, "a", encoding="utf-8")
+
+    @staticmethod
+    def journaled(row: dict) -> dict:
+        """``row`` as its journal line reads back (a figure that is not finite is None): the
+        table's copy of a fresh row, so a sweep's table is the one ``--resume`` writes from
+        the journal (a NaN figure was ``nan`` in a fresh run's CSV, empty in a resumed one's)."""
+        return json.loads(to_json(row))
 
     def append(self, row: dict) -> None:
         """One finished row, on disk before this returns (an OSError: ``_failed``)."""
@@ -71,6 +80,18 @@ class RowJournal:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _key_of(row: dict) -> Optional[str]:
+    """The ``point_key`` of a journal row; None for one no point can match: a parameter
+    missing, or a value no spec gives (a ``page_bytes`` that is no size ended the resume
+    with a ConfigError that named no file: a line not whole is left out the same way)."""
+    if not all(k in row for k in PARAMS):
+        return None
+    try:
+        return point_key(row)
+    except ConfigError:
+        return None
 
 
 def _read_rows(path: str) -> List[dict]:

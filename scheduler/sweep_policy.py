@@ -122,7 +122,7 @@ def _execute(policy: str, spec, source: bytes) -> None:
     except BaseException as error:
         del sys.modules[spec.name]
         _RUNNING.pop(spec.name, None)
-        if not isinstance(error, Exception):     # an interrupt goes on as it is
+        if not isinstance(error, (Exception, SystemExit)):   # an interrupt goes on as it is
             raise
         load_policy_class(policy)                # names the failure as simulate does
         raise ConfigError(f"custom policy {policy!r}: running {spec.origin} raised "

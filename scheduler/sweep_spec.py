@@ -262,8 +262,12 @@ def check_point(point: dict, label: dict, built: set, latest_arrival_s: dict) ->
             built.add(config)
         unit_tokens(point)
     except ConfigError as error:
-        where = ", ".join(f"{k} = {v!r}" for k, v in label.items()) or "[base]"
-        raise ConfigError(f"point {where}: {error}") from None
+        raise ConfigError(f"point {point_label(label)}: {error}") from None
+
+
+def point_label(label: dict) -> str:
+    """A point named by its grid values (``cache_gb = 4, policy = 'vmem'``; ``[base]``)."""
+    return ", ".join(f"{k} = {v!r}" for k, v in label.items()) or "[base]"
 
 
 def check_trace(point: dict, latest_arrival_s: dict) -> None:
@@ -288,7 +292,7 @@ def _build(config: SimConfig) -> None:
         config.make_manager()
     except ConfigError:
         raise
-    except Exception:   # noqa: BLE001 -- the user's class: its point's row will carry it
+    except (Exception, SystemExit):   # noqa: BLE001 -- the user's class: its point's row says it
         if not is_custom(config.policy):
             raise
 
