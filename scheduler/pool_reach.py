@@ -14,6 +14,7 @@ from .adapters import adapter_fit_tokens
 from .beam_fit import beam_fit_tokens, longest_sequence, unit_costs
 from .errors import RequestTooLargeError
 from .lifecycle import resize_pool
+from .managers.base import check_stats
 from .request import Sequence
 
 
@@ -91,7 +92,9 @@ class PoolReach:
                    for w, _, _ in self._window_costs if w)
 
     def _refresh_capacity(self) -> None:
-        self.total_tokens = total = self.manager.stats().total_tokens
+        stats = self.manager.stats()
+        check_stats(self.manager, stats)   # a policy's None: named, not an AttributeError here
+        self.total_tokens = total = stats.total_tokens
         # the longest sequence the manager could ever hold (a reservation may need more than the
         # tokens it caches) and the pool's size, checked at submission; a pool a MemoryBudget
         # resizes (``growable``) keeps the most it has held, which it grows back to on demand

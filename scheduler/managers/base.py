@@ -52,15 +52,15 @@ def check_hit(manager: "MemoryManager", hit, num_tokens: int,
             f"an int from 0 to {limit}")
 
 
-def check_stats(manager: "MemoryManager", stats, usage) -> None:
-    """ManagerContractError naming the method and the broken invariant unless ``stats``, what
-    ``manager.stats()`` returned, is a MemoryStats that keeps its invariants and ``usage``,
-    its ``kv_cache_usage()``, a fraction in [0, 1] (O(1): the simulator reads them every step)."""
+def check_stats(manager: "MemoryManager", stats, usage=None) -> None:
+    """ManagerContractError naming the method and the broken invariant unless ``stats`` (from
+    ``manager.stats()``) is a MemoryStats keeping its invariants and ``usage`` (None: unread),
+    its ``kv_cache_usage()``, a fraction in [0, 1] (O(1): the simulator reads them each step)."""
     broken = stats.broken_invariant() if isinstance(stats, MemoryStats) else "a MemoryStats"
     if broken is not None:
         raise ManagerContractError(f"{_culprit(manager, 'stats()')} returned {stats!r}; "
                                    f"required: {broken}")
-    if type(usage) not in (float, int) or not 0.0 <= usage <= 1.0:
+    if usage is not None and (type(usage) not in (float, int) or not 0.0 <= usage <= 1.0):
         raise ManagerContractError(f"{_culprit(manager, 'kv_cache_usage()')} returned "
                                    f"{usage!r}; required: a fraction in [0, 1]")
 
