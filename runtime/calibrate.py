@@ -25,7 +25,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from vmemkv.scheduler.cost import AfterPrefill, prefill_pairs
 from vmemkv.scheduler.layout import CacheKind
-from vmemkv.scheduler.profile_cost import FITTED, PROFILE_FORMAT, PROFILE_VERSION
+from vmemkv.scheduler.profile_cost import PROFILE_FORMAT, PROFILE_VERSION, profile_summary
+from vmemkv.scheduler.profile_cost import UNITS  # noqa: F401 (re-exported: the summary's units)
 from vmemkv.scheduler.result_files import write_json
 
 PREFILL_LENGTHS = (32, 64, 96, 128, 192, 256, 320, 384, 448)   # single prompts timed beside
@@ -36,11 +37,7 @@ JOIN_BATCHES = (4, 12)   # batches the join_lengths prompts join when none are g
 PRECISION = 0.05    # requested half-width of each design point's median, relative
 MIN_REPEATS, MAX_REPEATS = 6, 12      # repeats of every shape (6: the fewest that bound a
                                       # median, profile_fit.median_rank); the cap
-RESAMPLES = 200     # bootstrap refits for the coefficients' intervals
-UNITS = {"base_s": ("ms", 1e3), "per_seq_s": ("us", 1e6), "per_new_token_s": ("us", 1e6),
-         "per_context_token_s": ("ns", 1e9), "per_prefill_pair_s": ("ns", 1e9),
-         "per_step_token_sq_s": ("ns", 1e9), "per_prefill_step_s": ("ms", 1e3),
-         "per_cold_step_s": ("ms", 1e3), "per_idle_wake_s": ("ms", 1e3)}
+RESAMPLES, MIN_RESAMPLES = 200, 10     # bootstrap refits for the coefficients' intervals
 
 
 def model_entry(model, name: str) -> dict:
@@ -121,6 +118,11 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
     would join), as are ``prefill_lengths`` at or above ``max_context`` and ``precision`` and
     ``resamples`` given where nothing would use them (``check_applies``; None: ``PRECISION``,
     ``RESAMPLES``)."""
+    check_counts(dict(decode_steps=decode_steps, threads=threads, repeats=repeats,
+                      max_repeats=max_repeats, resamples=resamples, max_batch=max_batch,
+                      max_context=max_context),
+                 dict(batches=batches, contexts=contexts, prefill_lengths=prefill_lengths,
+                      join_lengths=join_lengths, join_batches=join_batches))
     max_repeats = max(repeats, MAX_REPEATS) if max_repeats is None else max_repeats
     check_points(batches, contexts, decode_steps, max_batch, max_context)
     singles = single_prompts(prefill_lengths, max_context)
@@ -184,6 +186,24 @@ def check_points(batches, contexts, decode_steps: int, max_batch: int, max_conte
             f"calibration points need batch <= max_batch ({max_batch}) and context + "
             f"decode steps <= max_context ({max_context}); got batch {max(batches)}, "
             f"{max(contexts)} + {decode_steps} tokens")
+
+
+def check_counts(counts: Dict, lists: Dict) -> None:
+    """EngineConfigError naming an argument outside the CLI's bounds (``calibrate`` called from
+    Python timed, then failed: a batch of 0 with an IndexError, a join batch of 0 a KeyError, 0
+    resamples an IndexError; a join of 0 tokens timed none): each of ``counts`` an int >= 1
+    (``max_context`` 2, ``resamples`` ``MIN_RESAMPLES``), each of ``lists`` a list or tuple of
+    them, batches and contexts not empty; None: the default."""
+    from vmemkv.runtime.engine.errors import EngineConfigError
+    for name, value in {**counts, **lists}.items():
+        least = {"max_context": 2, "resamples": MIN_RESAMPLES}.get(name, 1)
+        values, grid = (value if name in lists else [value]), name in ("batches", "contexts")
+        if value is not None and (not isinstance(values, (list, tuple)) or (grid and not values)
+                                  or any(isinstance(v, bool) or not isinstance(v, int)
+                                         or v < least for v in values)):
+            what = "a list of ints" if name in lists else "an int"
+            raise EngineConfigError(f"calibrate {name} must be {what} >= {least}"
+                                    f"{', not empty' if grid else ''}, got {value!r}")
 
 
 def joined_batches(join_batches: Optional[Sequence[int]], join_lengths: Sequence[int]) -> tuple:
@@ -349,7 +369,7 @@ def register(subparsers) -> None:
                         f"that 90%% of them must reach: the repeats past --repeats run for it "
                         f"and the noise check holds them to it (default {PRECISION}; needs "
                         f"--max-repeats 2 or more)")
-    p.add_argument("--resamples", type=bounded(int, 10), default=None,
+    p.add_argument("--resamples", type=bounded(int, MIN_RESAMPLES), default=None,
                    help=f"bootstrap refits for the coefficients' 95%% intervals (default "
                         f"{RESAMPLES}; needs --max-repeats {MIN_REPEATS} or more)")
     p.add_argument("--max-batch", type=bounded(int, 1), default=16,
@@ -370,29 +390,9 @@ def run(args) -> int:
                         progress=lambda line: print(line, file=sys.stderr, flush=True),
                         join_batches=args.join_batches, join_lengths=args.join_lengths)
     write_json_whole(args.out, profile)
-    print(summary(profile, args.model))
+    print(profile_summary(profile, args.model))
     noise = profile["calibration"]["noise"]
     if noise["noisy"]:
         print(f"vmemkv calibrate: warning: {noise['message']}", file=sys.stderr)
     print(f"# wrote {args.out}")
     return 0
-
-
-def summary(profile: Dict, model_name: str) -> str:
-    """The coefficients with their intervals, the fit's error and the noise check, as text."""
-    cal, fit = profile["calibration"], profile["fit"]
-    load = cal["load_1min"]
-    lines = [f"vmemkv calibrate: {model_name} on {profile['device']}, {len(profile['points'])} "
-             f"steps, {min(cal['repeats'])}-{max(cal['repeats'])} repeats of "
-             f"{len(cal['repeats'])} shapes (1-minute load {load[0]:.2f} -> {load[1]:.2f})",
-             f"  {'coefficient':<22}{'value':>10}     95% interval"]
-    for name in FITTED:
-        unit, scale = UNITS[name]
-        interval = profile["coefficient_intervals"][name]
-        lines.append(f"  {name:<22}{profile['coefficients'][name] * scale:>10.4g} {unit:<3} "
-                     + (f"[{interval[0] * scale:.4g}, {interval[1] * scale:.4g}] {unit}"
-                        if interval else "n/a (fewer than 6 repeats)"))
-    lines.append(f"  fit error over {fit['design_points']} design points' medians: median "
-                 f"{fit['median_rel_error']:.1%}, max {fit['max_rel_error']:.1%}")
-    lines.append(f"  noise: {cal['noise']['message']}")
-    return "\n".join(lines)

@@ -49,12 +49,15 @@ repeats and noise check (``profile_fit``), each point's shape and repeat, and it
 are over the design points' medians (version 2: over every timed step); version 4 adds the
 model's ``layer_windows`` (versions 1-3: every layer full attention, unless given). A version
 this code does not know (``READABLE_VERSIONS``) is refused by name. A coefficient must be a
-finite number in [0, ``MAX_COEFFICIENT_S``): seconds per unit of its term.
+finite number in [0, ``MAX_COEFFICIENT_S``): seconds per unit of its term. An ``engine``
+setting no calibrate writes (``ENGINE_KEYS``: a misspelling) is refused by name, as is a
+``layer_windows`` that is not a list.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Dict
 
@@ -75,6 +78,12 @@ FITTED = COEFFICIENTS + OPTIONAL_COEFFICIENTS
 MAX_COEFFICIENT_S = 3600.0          # an hour per unit of a term: no step measured costs that
 ENGINE_CACHES = ("vmem", "paged")
 ENGINE_COUNTS = ("max_batch", "max_context", "max_tokens_per_step")
+ENGINE_KEYS = ("cache", "layout", "page_bytes") + ENGINE_COUNTS   # what calibrate writes
+# each coefficient's unit in profile_summary, and its value in that unit per second
+UNITS = {"base_s": ("ms", 1e3), "per_seq_s": ("us", 1e6), "per_new_token_s": ("us", 1e6),
+         "per_context_token_s": ("ns", 1e9), "per_prefill_pair_s": ("ns", 1e9),
+         "per_step_token_sq_s": ("ns", 1e9), "per_prefill_step_s": ("ms", 1e3),
+         "per_cold_step_s": ("ms", 1e3), "per_idle_wake_s": ("ms", 1e3)}
 ENGINE_COUNT_MAX = {"max_batch": 10**7, "max_context": 10**7, "max_tokens_per_step": 10**9,
                     "page_bytes": 2**40}     # vmemkv sweep's limits on the same settings
 
@@ -131,12 +140,17 @@ def step_features(batch: int, new_tokens: int, context_tokens: int, prefill_pair
 
 
 def load_profile(path: str) -> Dict:
-    """The profile at ``path``, checked; ConfigError naming the file and what is wrong."""
+    """The profile at ``path`` (a str or os.PathLike file name), checked; ConfigError naming
+    the file and what is wrong."""
+    if isinstance(path, bool) or not isinstance(path, (str, bytes, os.PathLike)):
+        raise ConfigError(f"device profile must be a file name (str or os.PathLike), got "
+                          f"{path!r}")     # open(3) read, then closed, the caller's descriptor
     try:
         with open(path, encoding="utf-8") as f:
             profile = json.load(f)
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"device profile {path}: {error}") from None
+    except (OSError, ValueError, RecursionError) as error:   # bad JSON, or nested too deep
+        why = "nested too deeply" if isinstance(error, RecursionError) else error
+        raise ConfigError(f"device profile {path}: {why}") from None
     if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
         raise ConfigError(f"device profile {path}: not a {PROFILE_FORMAT} file (write one with "
                           f"vmemkv calibrate)")
@@ -173,7 +187,10 @@ def profile_model(profile: Dict, path: str = "profile") -> ModelSpec:
         entry = dict(profile["model"])
         if profile.get("version", 1) >= WINDOWS_VERSION and "layer_windows" not in entry:
             raise KeyError("layer_windows")
-        if isinstance(entry.get("layer_windows"), list):
+        if "layer_windows" in entry:        # null passed as "no windows" and broke vmem
+            if not isinstance(entry["layer_windows"], list):
+                raise TypeError(f"layer_windows must be a list, per layer the window in tokens "
+                                f"or null, got {entry['layer_windows']!r}")
             entry["layer_windows"] = tuple(entry["layer_windows"])
         return ModelSpec(**entry)
     except (KeyError, TypeError, ValueError) as error:
@@ -183,10 +200,15 @@ def profile_model(profile: Dict, path: str = "profile") -> ModelSpec:
 def profile_engine(profile: Dict, path: str = "profile") -> Dict:
     """The settings of the engine the profile timed (``engine``; {} in a profile without one):
     ``cache`` (vmem or paged), ``layout``, ``page_bytes`` (vmem), ``max_batch``,
-    ``max_context``, ``max_tokens_per_step``; ConfigError naming the file and a bad one."""
+    ``max_context``, ``max_tokens_per_step``; ConfigError naming the file and a bad one, or
+    one no calibrate writes (a misspelling)."""
     engine = profile.get("engine", {})
     if not isinstance(engine, dict):
         raise ConfigError(f"device profile {path}: engine must be an object, got {engine!r}")
+    unknown = sorted(map(repr, set(engine) - set(ENGINE_KEYS)))
+    if unknown:                        # a misspelt setting was dropped: simulate's default ran
+        raise ConfigError(f"device profile {path}: engine has unknown {', '.join(unknown)}; its "
+                          f"settings are {', '.join(ENGINE_KEYS)}")
     out = {k: v for k, v in engine.items() if v is not None}
     choices = {"cache": ENGINE_CACHES, "layout": LAYOUT_CHOICES}
     for key, value in out.items():
@@ -213,3 +235,24 @@ def fitted_coefficients(coeffs: Dict) -> Dict:
     only a profile before version 4 lack them), nothing else."""
     return {**dict.fromkeys(OPTIONAL_COEFFICIENTS, 0.0),
             **{k: coeffs[k] for k in FITTED if k in coeffs}}
+
+
+def profile_summary(profile: Dict, model_name: str) -> str:
+    """What ``vmemkv calibrate`` prints of the profile it wrote: the coefficients in their
+    ``UNITS`` with their intervals, the fit's error and the noise check, as text."""
+    cal, fit = profile["calibration"], profile["fit"]
+    load = cal["load_1min"]
+    lines = [f"vmemkv calibrate: {model_name} on {profile['device']}, {len(profile['points'])} "
+             f"steps, {min(cal['repeats'])}-{max(cal['repeats'])} repeats of "
+             f"{len(cal['repeats'])} shapes (1-minute load {load[0]:.2f} -> {load[1]:.2f})",
+             f"  {'coefficient':<22}{'value':>10}     95% interval"]
+    for name in FITTED:
+        unit, scale = UNITS[name]
+        interval = profile["coefficient_intervals"][name]
+        lines.append(f"  {name:<22}{profile['coefficients'][name] * scale:>10.4g} {unit:<3} "
+                     + (f"[{interval[0] * scale:.4g}, {interval[1] * scale:.4g}] {unit}"
+                        if interval else "n/a (fewer than 6 repeats)"))
+    lines.append(f"  fit error over {fit['design_points']} design points' medians: median "
+                 f"{fit['median_rel_error']:.1%}, max {fit['max_rel_error']:.1%}")
+    lines.append(f"  noise: {cal['noise']['message']}")
+    return "\n".join(lines)

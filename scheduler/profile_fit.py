@@ -33,6 +33,8 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from .errors import ConfigError
+from .field_checks import check_int, check_number
 from .profile_cost import FITTED, step_features
 
 Z95 = 1.96             # normal quantile of a two-sided 95% interval
@@ -77,7 +79,13 @@ class DesignPoints:
 
 def design_points(points: Sequence[Dict]) -> DesignPoints:
     """Group timed steps (``calibrate``'s points; ``shape`` and ``repeat`` 0 where absent) by
-    composition, in order of first appearance."""
+    composition, in order of first appearance. ConfigError when there is no step, or naming
+    one whose ``seconds`` is not a finite number > 0 (no fit was a numpy error; a step of 0, a
+    negative or NaN seconds was dropped from the fit and made its errors negative or NaN)."""
+    if not points:
+        raise ConfigError("a device profile's fit needs timed steps: points is empty")
+    for i, p in enumerate(points):
+        check_number(f"points[{i}].seconds", p["seconds"], unit="seconds", inclusive=False)
     index: Dict[tuple, int] = {}
     runs: Dict[tuple, int] = {}
     design, run, shapes = [], [], []
@@ -209,7 +217,9 @@ def coefficient_intervals(dps: DesignPoints, coefficients: Dict[str, float], los
     """95% percentile intervals of each coefficient: ``resamples`` refits (``fit_medians``),
     each after drawing every shape's repeats (whole runs) with replacement. None for every
     coefficient when a shape has fewer than 6 repeats (``median_rank``: too few to resample;
-    one repeat gave zero-width intervals that missed their own estimate)."""
+    one repeat gave zero-width intervals that missed their own estimate). ConfigError when
+    ``resamples`` is not an int >= 1 (0 was an IndexError)."""
+    check_int("resamples", resamples, 1)
     shape_runs = [np.flatnonzero(dps.run_shape == s) for s in np.unique(dps.run_shape)]
     if not median_rank(min(map(len, shape_runs), default=0)):
         return dict.fromkeys(FITTED)
