@@ -25,18 +25,20 @@ class ModelSpec:
     kv_encoding: str = ""    # how K/V are stored when not in the model's dtype (prefix-cache key)
 
     def __post_init__(self) -> None:
+        # the counts first: a bad num_layers was reported as layer_windows not one per layer
+        for field in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"ModelSpec.{field} must be a positive int, got {value!r}")
+        weight = self.weight_bytes
+        if not isinstance(weight, int) or isinstance(weight, bool) or weight < 0:
+            raise ConfigError(f"ModelSpec.weight_bytes must be an int >= 0, got {weight!r}")
         windows = self.layer_windows
         if windows and (len(windows) != self.num_layers or any(
                 w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1)
                 for w in windows)):
             raise ConfigError(f"ModelSpec.layer_windows must be () or one None / int >= 1 per "
                               f"layer ({self.num_layers}), got {windows!r}")
-        for field in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"ModelSpec.{field} must be a positive int, got {value!r}")
-        if self.weight_bytes < 0:
-            raise ConfigError(f"ModelSpec.weight_bytes must be >= 0, got {self.weight_bytes!r}")
 
     @property
     def layer_bytes_per_token(self) -> int:
