@@ -58,20 +58,17 @@ class SimConfig:
     copy_bytes_per_s: Optional[float] = None   # device copy bandwidth for copy ops (None:
                                           # half the device's memory bandwidth: read + write)
     paged_slowdown: float = 1.0           # KV read-time multiplier for the paged policy
-    # "growing": the admission watermark applies only to policies whose sequences grow into free
-    # memory (paged, vmem); a reserve policy holds the final length from admission, so a
-    # watermark there only idles memory. "all": every policy keeps it free.
+    # "growing": the admission watermark only where sequences grow into free memory (paged, vmem;
+    # a reserve policy holds its final length from admission: it would idle memory); "all": all
     watermark_scope: str = "growing"
     profile: Optional[str] = None         # a device profile (vmemkv calibrate) in place of the
-                                          # roofline; its model replaces ``model``
+                                          # roofline; its model is simulated (``model``: left out)
     kv_cache_dtype: str = "auto"          # K/V storage: bytes per token (memory and the roofline's
                                           # KV read) follow it; auto: the model's dtype_bytes
     beam_width: int = 0                   # > 0: every request a beam search of this many beams
-    n: int = 1                            # samples per request (parallel sampling: forks share
-                                          # the prompt's memory); 1 with beam_width
+    n: int = 1                            # samples a request (forks share the prompt); 1: beams
     beam_skew: float = 1.0                # BeamModel: how strongly children pile on the best beams
-    beam_seed: int = 0                    # BeamModel: its draws are keyed by this, the request
-                                          # and the step (the CLI: the workload's --seed)
+    beam_seed: int = 0                    # BeamModel's draws keyed by it, request, step (--seed)
     adapter_budget_bytes: Optional[int] = None   # LoRA: None, adapters and KV share the pool
                                           # (unified); bytes: a static split, that many for
                                           # adapters, the rest of cache_bytes for KV
@@ -146,8 +143,13 @@ class SimConfig:
                               f"profile's step costs were measured in its model's dtype (vmemkv "
                               f"calibrate times no other); leave it auto, or simulate that cache "
                               f"on the roofline (no profile)")
+        profiled = profile_model(load_profile(self.profile)).name   # default, or the same:
+        if self.model not in ("llama-3-8b", profiled):   # the profile's model ran as this one
+            raise ConfigError(f"model {self.model!r} with a profile of {profiled!r}: the "
+                              f"profile's model is simulated; leave model out")
         for name, value, default in (("prefill_mfu", self.prefill_mfu, None),
-                                     ("paged_slowdown", self.paged_slowdown, 1.0)):
+                                     ("paged_slowdown", self.paged_slowdown, 1.0),
+                                     ("device", self.device, "h100")):
             if value != default:
                 raise ConfigError(f"{name} {value!r} with a profile: it tunes the roofline, "
                                   f"and the profile's measured step costs replace the roofline; "
