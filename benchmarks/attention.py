@@ -51,7 +51,7 @@ from vmemkv.benchmarks.alloc import refuse_missing_cuda
 from vmemkv.benchmarks.attention_caches import build_caches, bytes_needed, labels
 from vmemkv.benchmarks.attention_goals import (goals, over_yardstick, print_goals, run_warnings,
                                                speedups, target_check)
-from vmemkv.benchmarks.common import environment, exit_status, print_environment
+from vmemkv.benchmarks.common import environment, exit_status, flags_given, print_environment
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.result_files import write_json
 from vmemkv.runtime.attention import fastest_backend, get_backend
@@ -260,6 +260,13 @@ def parse_args(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.dtype = args.dtype or ["float16" if args.device.startswith("cuda") else "float32"]
+    if args.heads % args.kv_heads:      # found after the yardsticks, seconds in: the first call
+        p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads} "
+                f"(each K/V head serves a whole group of query heads)")
+    if "interleaved" not in args.vmem_layout and flags_given(p, args, ["layers"]):
+        p.error("--layers sets the interleaved cache's row stride and --vmem-layout "
+                f"{' '.join(args.vmem_layout)} times no interleaved cache: add interleaved "
+                "to --vmem-layout or drop --layers")
     return args
 
 

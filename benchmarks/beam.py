@@ -278,20 +278,53 @@ def simulate_memory_rows(requests: int, cache_gb: float, widths=(2, 4, 6), seed:
     return rows
 
 
+# the engine run's flags, which the simulator runs (--simulate, --simulate-memory) do not read
+ENGINE_FLAGS = {"model": "--model", "new_tokens": "--new-tokens", "prompts": "--prompts",
+                "page_bytes": "--page-bytes", "block_sizes": "--block-sizes"}
+
+
+def _ignored_flag(args) -> str | None:
+    """A flag the chosen run would not read, named, or None: each was dropped in silence
+    (``--simulate-memory 300 --page-bytes 4KiB`` simulated 2 MiB pages, ``--cache-gb 60``
+    without a simulation ran the engine as if not given, ``--simulate 9 --simulate-memory
+    9`` ran only the second)."""
+    if args.simulate and args.simulate_memory:
+        return "--simulate and --simulate-memory are two different runs: give one"
+    mode = "--simulate" if args.simulate else "--simulate-memory" if args.simulate_memory else None
+    if mode is None:
+        return None if args.cache_gb is None else ("--cache-gb sizes the simulator's cache: it "
+                                                   "applies with --simulate or --simulate-memory")
+    given = [flag for dest, flag in ENGINE_FLAGS.items() if vars(args)[dest] is not None]
+    if given:
+        return (f"{given[0]} sets the engine run and {mode} runs the simulator "
+                f"(llama-3-8b, 2 MiB pages, 16-token blocks), which would ignore it: drop it")
+    return None
+
+
+def _engine_defaults(args) -> None:
+    """The engine run's defaults, filled in once ``_ignored_flag`` has read what was given."""
+    args.model = args.model or "tiny-llama"
+    args.new_tokens = args.new_tokens or 64
+    args.prompts = args.prompts or PROMPTS
+    args.widths = args.widths or list(WIDTHS)
+    args.block_sizes = list(BLOCK_SIZES) if args.block_sizes is None else args.block_sizes
+
+
 def main(argv=None) -> None:
     parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="tiny-llama", help="tiny-llama, or a real model "
+    parser.add_argument("--model", default=None, help="tiny-llama, or a real model "
                         "(smollm2-135m-instruct: the fork/prune pattern of real text)")
-    parser.add_argument("--new-tokens", type=POSITIVE_INT, default=64, help="tokens per beam")
-    parser.add_argument("--prompts", type=POSITIVE_INT, default=PROMPTS, help="beam requests (8)")
-    parser.add_argument("--widths", type=POSITIVE_INT, nargs="+", default=list(WIDTHS),
-                        action=DistinctValues, help="beam widths (2 4 6)")
+    parser.add_argument("--new-tokens", type=POSITIVE_INT, default=None,
+                        help="tokens per beam (64)")
+    parser.add_argument("--prompts", type=POSITIVE_INT, default=None, help="beam requests (8)")
+    parser.add_argument("--widths", type=POSITIVE_INT, nargs="+", default=None,
+                        action=DistinctValues, help="beam widths (2 4 6; --simulate: 1 2 4 6)")
     parser.add_argument("--page-bytes", type=parse_bytes, nargs="+", default=None,
                         action=DistinctValues, metavar="SIZE",
                         help="vmem page sizes, each run per-layer and interleaved (e.g. 4KiB "
                              "16KiB 2MiB); default: 4 KiB per-layer, 16 KiB per-layer and "
                              "interleaved")
-    parser.add_argument("--block-sizes", type=POSITIVE_INT, nargs="*", default=list(BLOCK_SIZES),
+    parser.add_argument("--block-sizes", type=POSITIVE_INT, nargs="*", default=None,
                         action=DistinctValues,
                         help="paged block sizes (16 4); none: no paged rows")
     parser.add_argument("--out", default=None, type=result_file, help="JSON output path")
@@ -302,14 +335,20 @@ def main(argv=None) -> None:
                         help="instead: the simulator's memory saved by sharing (beams and n "
                              "samples of widths 2, 4, 6) on this many requests of the standard "
                              "workload")
-    parser.add_argument("--cache-gb", type=POSITIVE_FLOAT, default=20.0, help="with --simulate or "
-                        "--simulate-memory")
+    parser.add_argument("--cache-gb", type=POSITIVE_FLOAT, default=None, help="with --simulate or "
+                        "--simulate-memory (20)")
     args = parser.parse_args(argv)
+    problem = _ignored_flag(args)
+    if problem:
+        parser.error(problem)
+    if args.cache_gb is None:
+        args.cache_gb = 20.0
     if args.simulate_memory:
         env = environment(seed=0, warmup=0, repeats=1, requests=args.simulate_memory,
                           cache_gb=args.cache_gb, model="llama-3-8b", gpu="h100")
         print_environment(env)
-        rows = simulate_memory_rows(args.simulate_memory, args.cache_gb)
+        rows = simulate_memory_rows(args.simulate_memory, args.cache_gb,
+                                    **({} if args.widths is None else dict(widths=args.widths)))
         print(format_table(rows, ["mode", "cache", "saved", "copied_MiB_per_step", "out_tok_s",
                                   "preemptions"]))
         write_json(args.out, {"environment": env, "rows": rows})
@@ -318,11 +357,13 @@ def main(argv=None) -> None:
         env = environment(seed=0, warmup=0, repeats=1, requests=args.simulate,
                           cache_gb=args.cache_gb, model="llama-3-8b", gpu="h100")
         print_environment(env)
-        rows = simulate_rows(args.simulate, args.cache_gb)
+        rows = simulate_rows(args.simulate, args.cache_gb,
+                             **({} if args.widths is None else dict(widths=args.widths)))
         print(format_table(rows, ["beam_width", "policy", "req_per_s", "vs_reserve_max",
                                   "preemptions", "mean_batch"]))
         write_json(args.out, {"environment": env, "rows": rows})
         return
+    _engine_defaults(args)
     env = environment(seed=0, warmup=0, repeats=1, model=args.model, new_tokens=args.new_tokens,
                       prompts=args.prompts, page_bytes=args.page_bytes,
                       block_sizes=args.block_sizes, widths=args.widths)

@@ -29,7 +29,7 @@ from typing import Callable, Dict, List
 
 import numpy as np
 
-from vmemkv.benchmarks.common import exit_status
+from vmemkv.benchmarks.common import exit_status, flags_given
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.calibrate import write_json_whole
 from vmemkv.scheduler.profile_cost import FITTED, step_features
@@ -238,6 +238,10 @@ def main(argv=None) -> int:
                     help="compare saved calibrations instead of running: an earlier --json, "
                          "or device profiles (vmemkv calibrate --out)")
     args = ap.parse_args(argv)
+    ignored = flags_given(ap, args, ("calibrations", "max_repeats", "join_lengths"))
+    if args.saved and ignored:     # each was dropped in silence
+        ap.error(f"{ignored[0]} sets the calibrations this run would make, and --from "
+                 f"compares saved ones instead: drop it")
     calibrations, loads, joins = [], [], []
     for path in args.saved or []:
         with open(path, encoding="utf-8") as f:

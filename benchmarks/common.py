@@ -65,6 +65,13 @@ def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def flags_given(parser, args, dests) -> list:
+    """The flags among ``dests`` (argparse dests) given a value other than their default, as
+    ``--name``: what a run that would not read them refuses by name."""
+    return [f"--{dest.replace('_', '-')}" for dest in dests
+            if vars(args)[dest] != parser.get_default(dest)]
+
+
 def write_json(path: str | None, payload: dict) -> None:
     """``payload`` at ``path`` (none when ``path`` is empty), whole or not at all."""
     if not path:

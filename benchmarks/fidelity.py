@@ -37,7 +37,7 @@ from dataclasses import replace
 from typing import Dict, List, Optional
 
 from vmemkv.benchmarks.fidelity_stats import fit_lines, summarize, table_lines
-from vmemkv.benchmarks.common import exit_status
+from vmemkv.benchmarks.common import exit_status, flags_given
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.calibrate import write_json_whole
 from vmemkv.scheduler.report import serving_report
@@ -231,6 +231,11 @@ def parse_args(argv=None):
                     help="no run: --compare-fits again on an earlier --json (its profiles)")
     ap.add_argument("--json", metavar="FILE", type=result_file, help="also write the result here (whole)")
     args = ap.parse_args(argv)
+    ignored = flags_given(ap, args, [dest for dest in vars(args)    # --refit compares fits
+                                     if dest not in ("refit", "compare_fits")])
+    if args.refit and ignored:     # each was dropped in silence (--json wrote nothing)
+        ap.error(f"{ignored[0]} would be ignored: --refit runs nothing and writes nothing, it "
+                 f"re-simulates the earlier run with the flags that run recorded; drop it")
     for path in fit_paths(args.profile) if args.compare_fits and args.profile else []:
         problem = file_problem(path)     # before the replays: they were lost after them
         if problem:

@@ -51,7 +51,7 @@ import tempfile
 import time
 
 from vmemkv.benchmarks.common import environment, exit_status, format_table, print_environment, write_json
-from vmemkv.cli import OneLineArgumentParser
+from vmemkv.cli import OneLineArgumentParser, UsageError
 from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, thread_count, result_file
 
 MiB = 2**20
@@ -163,11 +163,13 @@ class LoraSystem:
                 for name in arm_loras(arm, n)]
 
     def warm_up(self, count: int) -> None:
-        """Every arm once on ``count`` requests of 4 tokens (mixed: the first four requests
-        reach every adapter, so each is loaded into the pool here)."""
+        """Every arm once on ``count`` requests of at most 4 tokens, never more than the timed
+        runs' (mixed: the first four requests reach every adapter, so each is loaded into the
+        pool here). A fixed 4 passed ``max_context`` at --new-tokens 1 to 3: a rejection."""
         for arm in ARMS:
             prompts = self.prompts[:count]
-            self.engine.generate(prompts, self._params(arm, len(prompts), 4))
+            self.engine.generate(prompts, self._params(arm, len(prompts),
+                                                       min(4, self.new_tokens)))
         self.warmup_loads = self.engine.kv.manager.adapter_stats().loads
 
     def once(self, arm: str) -> None:
@@ -288,28 +290,32 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None,
                         help=f"a built-in, packaged or local model (default {DEFAULT_MODEL} when "
                              f"installed, else {FALLBACK_MODEL})")
-    parser.add_argument("--requests", type=POSITIVE_INT, default=32, help="requests per run (default 32)")
-    parser.add_argument("--new-tokens", type=POSITIVE_INT, default=32,
+    parser.add_argument("--requests", type=POSITIVE_INT, default=None,
+                        help="requests per run (default 32)")
+    parser.add_argument("--new-tokens", type=POSITIVE_INT, default=None,
                         help="tokens per request (default 32)")
-    parser.add_argument("--max-batch", type=POSITIVE_INT, default=16, help="running requests (default 16)")
-    parser.add_argument("--repeats", type=POSITIVE_INT, default=3, help="timed rounds (default 3)")
+    parser.add_argument("--max-batch", type=POSITIVE_INT, default=None,
+                        help="running requests (default 16)")
+    parser.add_argument("--repeats", type=POSITIVE_INT, default=None,
+                        help="timed rounds (default 3)")
     parser.add_argument("--threads", type=thread_count, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--cache-mib", type=POSITIVE_FLOAT, default=None,
                         help="pool size per cache (default: max_batch full sequences + adapters)")
     parser.add_argument("--smoke", action="store_true",
-                        help="tiny-llama, 8 requests of 4 tokens, batch 4, one round (seconds)")
+                        help="tiny-llama, 8 requests of 4 tokens, batch 4, one round (seconds); "
+                             "a size given beside it is kept")
     parser.add_argument("--out", default=None, type=result_file, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    options = dict(model_name=args.model, requests=args.requests, new_tokens=args.new_tokens,
-                   max_batch=args.max_batch, repeats=args.repeats)
-    if args.smoke:
-        options.update(SMOKE, model_name=args.model or FALLBACK_MODEL)
+    # --smoke's sizes, each given beside it kept as --model is (--smoke overwrote them unsaid)
+    options = dict(SMOKE) if args.smoke else {}     # run()'s defaults otherwise
+    options.update({name: vars(args)[name] for name in SMOKE if vars(args)[name] is not None})
+    options["model_name"] = args.model or (FALLBACK_MODEL if args.smoke else None)
     from vmemkv.runtime.engine.errors import EngineConfigError, RequestRejectedError
     try:
         run(threads=args.threads, cache_mib=args.cache_mib, out=args.out, **options)
     except (EngineConfigError, RequestRejectedError) as error:   # e.g. --cache-mib too small
-        print(f"# error: {error}")
-        return 2
+        # one line on stderr as every script's (it was ``# error: ...`` on stdout)
+        raise UsageError(f"{type(error).__name__}: {error}") from None
     return 0
 
 

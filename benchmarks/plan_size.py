@@ -15,7 +15,7 @@ import pickle
 import random
 import statistics
 
-from vmemkv.cli import OneLineArgumentParser
+from vmemkv.cli import OneLineArgumentParser, UsageError
 from vmemkv.scheduler.managers import make_manager
 from vmemkv.scheduler.presets import get_model
 from vmemkv.scheduler.request import Request
@@ -27,6 +27,7 @@ from .common import exit_status, format_table, write_json
 
 CONFIGS = [("vmem", "per-layer"), ("vmem", "interleaved"), ("paged", "per-layer")]
 MAX_SEQ_LEN = 4096
+MODEL, CACHE_BYTES = "llama-3-8b", 60 * 10**9
 
 
 def plan_bytes(plan) -> int:
@@ -34,8 +35,7 @@ def plan_bytes(plan) -> int:
 
 
 def build(kind: str, layout: str, seqs: int) -> Scheduler:
-    model = get_model("llama-3-8b")
-    manager = make_manager(kind, model, 60 * 10**9, MAX_SEQ_LEN, layout=layout,
+    manager = make_manager(kind, get_model(MODEL), CACHE_BYTES, MAX_SEQ_LEN, layout=layout,
                            block_size_tokens=16, max_slots=seqs)
     config = SchedulerConfig(max_running=seqs, max_tokens_per_step=1 << 20)
     return Scheduler(manager, config, tables=tracker_for(kind))
@@ -48,11 +48,13 @@ def measure(kind: str, layout: str, seqs: int, decodes: int, seed: int) -> dict:
         prompt = rng.randint(64, 1024)
         sched.add_request(Request(rid, prompt, decodes + 1, prompt_token_ids=[1] * prompt))
     admit = sched.schedule()                     # every prompt, whole: full placements
+    _check_all_running(admit, seqs, kind, layout, "at admission")
     sched.update({s.seq_id: 1 for s in admit.seqs if s.sample})
     sizes, whole = [], []
-    for _ in range(decodes):
+    for step in range(decodes):
         plan = sched.schedule()
-        assert len(plan.seqs) == seqs and plan.num_new_tokens == seqs, "a pure decode step"
+        _check_all_running(plan, seqs, kind, layout, f"at decode step {step + 1}")
+        assert plan.num_new_tokens == seqs, "a pure decode step"
         sizes.append(plan_bytes(plan))
         whole.append(sizes[-1] + _whole_tables_bytes(kind, sched.manager, plan)
                      - len(pickle.dumps(plan.tables)))
@@ -62,6 +64,16 @@ def measure(kind: str, layout: str, seqs: int, decodes: int, seed: int) -> dict:
             "bytes_per_seq": round(statistics.median(sizes) / seqs, 1),
             "admission_bytes": plan_bytes(admit),
             "whole_tables_decode_bytes": int(statistics.median(whole))}
+
+
+def _check_all_running(plan, seqs: int, kind: str, layout: str, when: str) -> None:
+    """Every sequence runs in ``plan``, else a UsageError naming --seqs: more sequences than
+    the cache holds (about 450 with the default seed) were an AssertionError traceback."""
+    if len(plan.seqs) == seqs:
+        return
+    raise UsageError(f"--seqs {seqs}: the {CACHE_BYTES / 1e9:.0f} GB cache of {MODEL} "
+                     f"({kind} {layout}) runs only {len(plan.seqs)} of them at once "
+                     f"{when}: give fewer --seqs (or --decodes)")
 
 
 def _whole_tables_bytes(kind: str, mgr, plan) -> int:

@@ -25,7 +25,7 @@ import random
 
 from vmemkv.benchmarks.common import (environment, exit_status, format_table, median_seconds,
                                       print_environment, write_json)
-from vmemkv.cli import OneLineArgumentParser
+from vmemkv.cli import OneLineArgumentParser, UsageError
 from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, DistinctValues, result_file
 
 MODEL = "small-llama"
@@ -136,26 +136,45 @@ def trace_rows(requests: int, cache_gbs) -> list:
     return rows
 
 
+def _ignored_flag(args) -> str | None:
+    """A flag the chosen run would not read, named, or None: ``--trace`` runs the simulator
+    only (--quick, --device and --repeats were dropped in silence), and --cache-gb sizes
+    only its cache (without --trace it did nothing)."""
+    if args.trace:
+        given = [flag for flag, value in (("--quick", args.quick), ("--device", args.device),
+                                          ("--repeats", args.repeats)) if value]
+        return (f"{given[0]} sets the engine run and --trace runs the simulator, which would "
+                f"ignore it: drop it") if given else None
+    return None if args.cache_gb is None else ("--cache-gb sizes the simulator's cache: it "
+                                               "applies with --trace")
+
+
 def main(argv=None) -> int:
     p = OneLineArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a smaller workload (seconds)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--repeats", type=POSITIVE_INT, default=3)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cpu)")
+    p.add_argument("--repeats", type=POSITIVE_INT, default=None, help="(default: 3)")
     p.add_argument("--out", type=result_file, help="also write JSON here")
     p.add_argument("--trace", type=POSITIVE_INT, metavar="N", help="the simulator's table over N requests")
-    p.add_argument("--cache-gb", type=POSITIVE_FLOAT, nargs="+", default=[60.0, 8.0],
-                   action=DistinctValues)
+    p.add_argument("--cache-gb", type=POSITIVE_FLOAT, nargs="+", default=None,
+                   action=DistinctValues, help="with --trace (default: 60 8)")
     args = p.parse_args(argv)
+    problem = _ignored_flag(args)
+    if problem:
+        p.error(problem)
     if args.trace:
-        rows = trace_rows(args.trace, args.cache_gb)
+        rows = trace_rows(args.trace, args.cache_gb or [60.0, 8.0])
         print(format_table(rows, TRACE_COLUMNS))
         write_json(args.out, {"requests": args.trace, "rows": rows})
         return 0
     import torch
+    from vmemkv.runtime.models import checked_device
+    device, repeats = args.device or "cpu", args.repeats or 3
+    checked_device(device, "--device", UsageError)   # cuda on a CPU machine: AssertionError
     torch.set_num_threads(1)
-    env = environment(SEED, 1, args.repeats, args.device, model=MODEL, quick=args.quick)
+    env = environment(SEED, 1, repeats, device, model=MODEL, quick=args.quick)
     print_environment(env)
-    rows = run(args.quick, args.device, 1, args.repeats)
+    rows = run(args.quick, device, 1, repeats)
     print(format_table(rows, COLUMNS))
     write_json(args.out, {"environment": env, "rows": rows})
     return 0

@@ -14,12 +14,13 @@ import os
 import sys
 from typing import Optional
 
+from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, DistinctValues, bounded
 from vmemkv.scheduler.report import parse_goodput, serving_report
 from vmemkv.scheduler.result_files import folder_problem
 from vmemkv.scheduler.traces import trace_names
 
-from .common import format_table, write_json
+from .common import exit_status, format_table, write_json
 from .plots import _pyplot, _save
 
 TABLE_METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -164,3 +165,15 @@ def _finite(obj):
     if isinstance(obj, list):
         return [_finite(v) for v in obj]
     return None if isinstance(obj, float) and not math.isfinite(obj) else obj
+
+
+def main(argv=None) -> int:
+    """``python -m vmemkv.benchmarks.serve --url URL --rate 4``: ``vmemkv bench serve``'s flags
+    and run, as every benchmark script runs on its own (it did nothing and exited 0)."""
+    parser = OneLineArgumentParser(prog="python -m vmemkv.benchmarks")
+    register(parser.add_subparsers(dest="bench_command", parser_class=OneLineArgumentParser))
+    return run(parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(exit_status("serve", main))

@@ -27,7 +27,8 @@ import subprocess
 import sys
 import time
 
-from vmemkv.benchmarks.common import exit_status, format_table, write_json
+from vmemkv.benchmarks.common import (environment, exit_status, format_table, print_environment,
+                                      write_json)
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.managers import make_manager
 from vmemkv.scheduler.presets import get_model
@@ -126,6 +127,31 @@ COLUMNS = ["manager", "units", "cache", "cached_units", "begin_commit_us", "deco
 TIMES = COLUMNS[4:]
 
 
+def peak_tokens(repeats: int) -> int:
+    """The tokens each running sequence holds at its longest: the timed decode steps that
+    commit add ``repeats`` tokens (a rollback adds none), then the hot path appends
+    ``UNIT_TOKENS - 1`` more before it frees them."""
+    return RUNNING_TOKENS + repeats + UNIT_TOKENS - 1
+
+
+def _pools_problem(units: int, repeats: int):
+    """Why the running sequences cannot grow as the timing makes them (a pool too small for
+    them, or sequences past ``MAX_SEQ_LEN``), naming the flags, or None. Either ended the run
+    in ``OutOfCapacityError: sequence 31 needs 13 blocks`` / a RequestTooLargeError, which
+    named neither --pools nor --repeats."""
+    peak = peak_tokens(repeats)
+    if peak > MAX_SEQ_LEN:
+        return (f"--repeats {repeats}: each timed decode step that commits grows the "
+                f"{RUNNING} running sequences by a token, to {peak} tokens, past the "
+                f"{MAX_SEQ_LEN} one may hold: at most --repeats {MAX_SEQ_LEN - peak + repeats}")
+    need_units = RUNNING * -(-peak // UNIT_TOKENS)
+    if units < need_units:
+        return (f"--pools {units}: the {RUNNING} running sequences grow to {peak} tokens "
+                f"with --repeats {repeats}, {need_units} units of {UNIT_TOKENS} tokens: "
+                f"give --pools of at least {need_units} (or fewer --repeats)")
+    return None
+
+
 def interpreter(text: str) -> str:
     """``--before-python``'s argparse type: an executable file (a path, or a command on PATH);
     a missing one ran the timing, then ended in a FileNotFoundError traceback."""
@@ -166,6 +192,9 @@ def main(argv=None) -> None:
     ap.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=result_file, help="write the rows here")
     args = ap.parse_args(argv)
+    problem = _pools_problem(min(args.pools), args.repeats)
+    if problem:
+        ap.error(problem)
     need, available = max(args.pools) * UNIT_HOST_BYTES, available_bytes()
     if available is not None and need > available:
         ap.error(f"--pools {max(args.pools)}: a pool of that many units needs about "
@@ -174,13 +203,17 @@ def main(argv=None) -> None:
     if args.rows_only:
         print(json.dumps(run_all(args.pools, args.repeats)))
         return
+    from vmemkv.benchmarks.suite import versions
+    env = environment(seed=0, warmup=0, repeats=args.repeats, model=MODEL.name,
+                      pools=",".join(map(str, args.pools)), **versions())
+    print_environment(env)      # the machine the microseconds were timed on (none was said)
     if args.before_python:
         rows = compare(args.before_python, args.pools, args.repeats)
         columns = COLUMNS[:4] + [f"{c}_{x}" for c in TIMES for x in ("before", "after")]
     else:
         rows, columns = run_all(args.pools, args.repeats), COLUMNS
     print(format_table(rows, columns))
-    write_json(args.json, {"rows": rows})
+    write_json(args.json, {"environment": env, "rows": rows})
 
 
 if __name__ == "__main__":
