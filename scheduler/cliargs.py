@@ -166,12 +166,17 @@ class DistinctValues(argparse.Action):
     (``--batches 1 1``, which would time the same point twice and write duplicate rows) is
     refused while parsing, before anything runs: one line naming the flag and the value
     (``parser.error``, exit 2 with ``OneLineArgumentParser``). Values are compared after the
-    flag's type has parsed them (``--page-bytes 4KiB 4096`` is a repeat) and shown with ``str``."""
+    flag's type has parsed them (``--page-bytes 4KiB 4096`` is a repeat) and shown with ``str``.
+    The flag itself given twice (``--only alloc --only memory``, whose second list replaced the
+    first: only memory ran, unsaid) is refused too."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
+        flag = "/".join(self.option_strings)   # as argparse names it, not as abbreviated
+        if getattr(namespace, self.dest, self.default) is not self.default:   # set by a first use
+            parser.error(f"argument {flag}: given twice (the second list would replace the "
+                         f"first); give every value after one {flag}")
         for index, value in enumerate(values):
             if value in values[:index]:
-                flag = "/".join(self.option_strings)   # as argparse names it, not as abbreviated
                 parser.error(f"argument {flag}: {value} is given twice; give each value once")
         setattr(namespace, self.dest, values)
 

@@ -205,3 +205,21 @@ def test_every_list_flag_given_a_value_twice_is_one_line_naming_it_and_exit_2(mo
         assert info.value.code == 2 and err.count("\n") == 1, (command, flag, err)
         assert err.endswith(f": error: argument {named}: {parsed} is given twice; "
                             f"give each value once\n"), (command, flag, err)
+
+
+@pytest.mark.parametrize("module_name", BENCHMARKS + ["vmemkv"])
+def test_every_list_flag_given_twice_is_one_line_naming_it_and_exit_2(module_name, monkeypatch,
+                                                                     capsys):
+    """``--only alloc --only memory`` ran only memory: argparse's second list replaced the
+    first, unsaid. Refused while parsing, as a value given twice is."""
+    parser = __import__("vmemkv.cli", fromlist=["build_parser"]).build_parser() \
+        if module_name == "vmemkv" else _parser_of(module_name, monkeypatch)
+    for command, action in _list_flags(parser):
+        typed, _ = _one_valid_value(action)
+        flag, named = action.option_strings[0], "/".join(action.option_strings)
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args([*command, flag, typed, flag, typed])
+        err = capsys.readouterr().err
+        assert info.value.code == 2 and err.count("\n") == 1, (command, flag, err)
+        assert err.endswith(f": error: argument {named}: given twice (the second list would "
+                            f"replace the first); give every value after one {named}\n"), err
