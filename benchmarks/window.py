@@ -27,9 +27,10 @@ import torch
 
 from vmemkv.benchmarks.common import environment, exit_status, format_table, print_environment, write_json
 from vmemkv.cli import OneLineArgumentParser
-from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
+from vmemkv.scheduler.cliargs import bounded, result_file
 
 KiB = 2**10
+MAX_WINDOW_TOKENS = 8192
 LAYOUTS = (("vmem", "per-layer"), ("vmem", "interleaved"), ("paged", "per-layer"))
 MODELS = {"uniform (4 of 4 windowed)": (4, (True,) * 4),
           "hybrid (5 of 6 windowed)": (6, (True,) * 5 + (False,))}
@@ -100,7 +101,10 @@ def measure(window: int = 512, page_bytes: int = 64 * KiB, block_size: int = 16,
 
 def main(argv=None) -> None:
     parser = OneLineArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--window", type=POSITIVE_INT, default=512, help="sliding window in tokens")
+    # 16x the window at 16 KiB a token is the cache: 8192 -> 2 GiB (10**5 failed as a
+    # CacheTooLargeError naming max_context, a field the user never gave)
+    parser.add_argument("--window", type=bounded(int, 1, MAX_WINDOW_TOKENS), default=512,
+                        help=f"sliding window in tokens (1 to {MAX_WINDOW_TOKENS})")
     parser.add_argument("--out", default=None, type=result_file, help="JSON output path")
     parser.add_argument("--straddling", action="store_true",
                         help="add the hybrid on pages that hold no whole token (vmem per-layer)")
