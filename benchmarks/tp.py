@@ -19,16 +19,19 @@ import time
 from vmemkv.benchmarks.common import environment, exit_status, format_table, print_environment, write_json
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.generate_cli import tp_device_list
-from vmemkv.scheduler.cliargs import POSITIVE_INT, thread_count, result_file
+from vmemkv.scheduler.cliargs import bounded, thread_count, result_file
 
 MODEL, SEED = "small-llama", 0
 QUICK, FULL = (16, 8, 64, 8), (32, 16, 256, 32)   # requests, shortest, longest prompt, new tokens
 
 
-def _prompts(quick: bool):
+def _prompts(quick: bool, vocab_size: int):
+    """Random prompts of token ids in [1, min(1024, vocab_size)) (small-llama's whole vocabulary,
+    and a smaller model's: ids 1..1023 were refused by --model tiny-llama's 256), new tokens."""
     n, low, high, new = QUICK if quick else FULL
     rng = random.Random(SEED)
-    return [[rng.randrange(1, 1024) for _ in range(rng.randint(low, high))] for _ in range(n)], new
+    top = min(1024, vocab_size)
+    return [[rng.randrange(1, top) for _ in range(rng.randint(low, high))] for _ in range(n)], new
 
 
 class _Config:
@@ -114,8 +117,8 @@ def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int 
 
     from vmemkv.runtime.models import load_model
     repeats = 1 if quick else 3
-    prompts, new = _prompts(quick)
     model, _ = load_model(model_name, seed=SEED, dtype=torch.float32, device=device)
+    prompts, new = _prompts(quick, model.config.get_text_config().vocab_size)
     env = environment(SEED, 1, repeats, model=model_name, requests=len(prompts), new_tokens=new,
                       cores=cores, load_1min=os.getloadavg()[0])
     print_environment(env)
@@ -156,7 +159,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="16 short requests, 8 tokens, 1 repeat")
     parser.add_argument("--out", default=None, type=result_file, help="write the results as JSON here")
     parser.add_argument("--cores", type=thread_count, default=2, help="cores shared by all ranks")
-    parser.add_argument("--tp", type=POSITIVE_INT, default=2, help="ranks of the tensor-parallel row")
+    parser.add_argument("--tp", type=bounded(int, 2), default=2,
+                        help="ranks of the tensor-parallel row (at least 2, as vmemkv bench --tp)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU per rank)")
     parser.add_argument("--tp-devices", type=tp_device_list, default=None,
                         help="the TP row's devices, comma-separated (e.g. cuda:0,cuda:2)")

@@ -19,6 +19,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import threading
 import time
 from multiprocessing import forkserver
@@ -29,7 +30,10 @@ import torch.distributed as dist
 
 from vmemkv.runtime.engine.errors import TensorParallelConfigError, TensorParallelError
 
-IDLE = datetime.timedelta(days=7)   # the group's own timeout: a follower waiting for a plan
+# the group's own timeout once every rank started (lift_group_timeout): it bounds a follower's
+# wait for the next plan, so a century (gloo's nanosecond clock takes it; timedelta.max not).
+# It was 7 days: a follower of an engine idle that long exited, and the next request closed it.
+IDLE = datetime.timedelta(days=365 * 100)
 INLINE_BYTES = 64 * 1024            # a plan pickle up to this size crosses in one broadcast
 RANK_MODULE = "vmemkv.runtime.distributed.worker"   # a spawned rank's code (its imports)
 START_METHOD_ENV = "VMEMKV_TP_START_METHOD"         # how spawned ranks start (rank_context)
@@ -139,11 +143,42 @@ def _how_it_ended(elapsed_s: float, timeout_s: Optional[float]) -> str:
     return f"failed after {elapsed_s:.2f} s, before its {limit_s:g} s timeout (a rank died or failed)"
 
 
-def init_group(rank: int, world: int, *, init_method: Optional[str] = None,
-               store=None) -> None:
-    """Join the default gloo group (``env://`` when neither is given, as torchrun sets it up)."""
+# while init_group's group is open: (sys.excepthook before, the one init_process_group put
+_joined: Optional[tuple] = None   # instead, prefixing "[rank0]: ", which destroy never unwraps)
+
+
+def _timeout_setter() -> Optional[Callable]:
+    """torch's private setter of the group's timeout (torch 2.13's); None in a torch without."""
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+    except ImportError:
+        return None
+    return _set_pg_timeout
+
+
+def init_group(rank: int, world: int, *, start_timeout_s: float,
+               init_method: Optional[str] = None, store=None) -> None:
+    """Join the default gloo group (``env://`` when neither is given, as torchrun sets it up),
+    its timeout ``start_timeout_s`` until ``lift_group_timeout`` (IDLE, Engine() hung on a rank
+    stopped in the rendezvous; IDLE still in a torch with no setter to lift it by)."""
+    global _joined
     kw = {"store": store} if store is not None else {"init_method": init_method or "env://"}
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=IDLE, **kw)
+    before = sys.excepthook
+    timeout = datetime.timedelta(seconds=start_timeout_s) if _timeout_setter() else IDLE
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout, **kw)
+    _joined = (before, sys.excepthook)
+
+
+def lift_group_timeout() -> None:
+    """Once every rank started: the group's own timeout becomes IDLE. It bounds only a
+    follower's wait for the next plan; every other collective passes its own timeout."""
+    if _timeout_setter() is not None:
+        _timeout_setter()(IDLE)
+
+
+def joined_by_engine() -> bool:
+    """True while this process is in a group ``init_group`` opened (a TP engine's, a rank's)."""
+    return _joined is not None and dist.is_initialized()
 
 
 def open_activation_group(group: RankGroup, backend: str, device: torch.device) -> None:
@@ -163,8 +198,14 @@ def open_activation_group(group: RankGroup, backend: str, device: torch.device) 
 
 
 def leave_group() -> None:
+    """Leave the default group; put back the ``sys.excepthook`` ``init_group`` found, unless it
+    was replaced since (each TP engine left one more "[rank0]: " on every later traceback)."""
+    global _joined
     if dist.is_initialized():
         dist.destroy_process_group()
+    if _joined is not None and sys.excepthook is _joined[1]:
+        sys.excepthook = _joined[0]
+    _joined = None
 
 
 def watch_parent() -> None:

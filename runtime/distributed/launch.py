@@ -12,8 +12,10 @@ current before joining the group, and on CUDA the activation sums go over NCCL.
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
+import weakref
 from dataclasses import replace
 
 import torch
@@ -22,7 +24,8 @@ import torch.distributed as dist
 from vmemkv.runtime.engine.errors import (LogitsShapeError, TensorParallelConfigError,
                                             TensorParallelError)
 from vmemkv.runtime.errors import NonFiniteKVError
-from .group import RankGroup, SpawnedRanks, init_group, leave_group, open_activation_group
+from .group import (RankGroup, SpawnedRanks, init_group, joined_by_engine, leave_group,
+                    open_activation_group)
 from .worker import (MemoryQuery, TPPayload, UnfixScales, UnfixUnsettled, adapter_upload,
                      agree_started, build_rank, enter_device, memory_state, spawned_rank_main,
                      unfix_scales)
@@ -52,6 +55,40 @@ def check_env_launch(world: int) -> None:
             f"{os.environ['WORLD_SIZE']}")
 
 
+def check_no_group_open(launch: str) -> None:
+    """TensorParallelConfigError, before anything starts or changes, when this process is in a
+    torch.distributed group already: another tensor-parallel engine's (its ranks hold this
+    process's default group: one such engine at a time), or one a launcher or the caller opened.
+    Before, a second ``tp_launch="env"`` engine raised torch's ValueError and, closing, destroyed
+    the open engine's group; a second ``"spawn"`` engine blamed torchrun."""
+    if joined_by_engine():
+        gc.collect()   # an engine dropped unclosed (engines hold reference cycles) is freed
+                       # only by the collector, and then leaves the group (_abandoned)
+    if not dist.is_initialized():
+        return
+    if joined_by_engine():
+        raise TensorParallelConfigError(
+            "another tensor-parallel engine of this process is open and holds its "
+            "torch.distributed group: close() it first (one tensor-parallel engine per process "
+            "at a time)")
+    if launch == "spawn":
+        raise TensorParallelConfigError(
+            "this process already belongs to a torch.distributed group (torchrun?): use "
+            "tp_launch='env' and run vmemkv.runtime.distributed.follow(model) on ranks 1..N-1")
+    raise TensorParallelConfigError(
+        "this process already belongs to a torch.distributed group: tp_launch='env' opens its "
+        "own from the launcher's variables; call torch.distributed.destroy_process_group() first")
+
+
+def _abandoned(spawned) -> None:
+    """An engine collected without close() (weakref.finalize): its spawned ranks killed, each
+    freeing its cache, and the group left, so a later engine can start. Before, the ranks
+    held their caches until the process exited and every later engine was refused."""
+    if spawned is not None:
+        spawned.stop(grace_s=0.0)
+    leave_group()
+
+
 def _defining_module(model) -> tuple:
     """The module that defines ``model``'s class (or its loader), which each rank imports to
     unpickle it: the rank server imports it once (group.rank_context)."""
@@ -71,11 +108,9 @@ class TensorParallel:
                                             f"got {launch!r}")
         if launch == "env":
             check_env_launch(world)
-        if launch == "spawn" and dist.is_initialized():
-            raise TensorParallelConfigError(
-                "this process already belongs to a torch.distributed group (torchrun?): use "
-                "tp_launch='env' and run vmemkv.runtime.distributed.follow(model) on ranks 1..N-1")
+        check_no_group_open(launch)
         self.world, self.spawned, self.kv, self._open, self._failed = world, None, None, False, False
+        self._finalizer = None   # kills the ranks of an engine dropped unclosed (_abandoned)
         self.host_adapter = lambda digest: None   # the engine's: digest -> LoraAdapter
         self.device = None     # rank 0's device, made current once the ranks have joined
         # the caller's current CUDA device, made current again at close (rank 0's enter_device
@@ -91,6 +126,8 @@ class TensorParallel:
             self._failed = True     # nothing to wind down: close kills the ranks at once
             self.close()
             raise
+        self._finalizer = weakref.finalize(self, _abandoned, self.spawned)
+        self._finalizer.atexit = False   # at exit each rank ends with rank 0 (watch_parent)
 
     def _join(self, model, payload: TPPayload, launch: str) -> None:
         if launch == "spawn":
@@ -98,13 +135,25 @@ class TensorParallel:
                                         payload.start_timeout_s, preload=_defining_module(model))
             self.spawned.wait_for("joined", payload.start_timeout_s)
             self.device = enter_device(payload.placement, 0)
-            init_group(0, self.world, store=dist.PrefixStore("pg", self.spawned.store))
+            self._rendezvous(payload, store=dist.PrefixStore("pg", self.spawned.store))
         else:
-            init_group(0, self.world)   # check_env_launch found its variables
+            self._rendezvous(payload)   # check_env_launch found its variables
             self.group.broadcast(replace(payload, model=None))
             self.device = enter_device(payload.placement, 0)
         self._open = True
         open_activation_group(self.group, payload.placement.activation_backend, self.device)
+
+    def _rendezvous(self, payload: TPPayload, store=None) -> None:
+        """Join the group (``init_group``). TensorParallelError naming each spawned rank that
+        exited or is stopped when it fails (torch's error: gloo refused or timed out after
+        ``start_timeout_s``, the rendezvous store timed out); it was a bare RuntimeError, or
+        a hang of 7 days (the group's idle timeout) for a rank stopped there."""
+        try:
+            init_group(0, self.world, start_timeout_s=payload.start_timeout_s, store=store)
+        except Exception as error:   # noqa: BLE001 -- torch's: RuntimeError, DistStoreError
+            raise self._with_rank_errors(TensorParallelError(
+                f"rank 0: the group's rendezvous failed: {type(error).__name__}: "
+                f"{str(error)[:200]}"), FATE_SETTLE_S) from error
 
     def _build(self, model, payload: TPPayload, driver) -> None:
         try:
@@ -112,7 +161,11 @@ class TensorParallel:
         except BaseException:
             agree_started(self.group, False, payload.start_timeout_s)
             raise
-        if not agree_started(self.group, True, payload.start_timeout_s):
+        try:
+            started = agree_started(self.group, True, payload.start_timeout_s)
+        except TensorParallelError as error:   # a rank died or stopped: named, as in a step
+            raise self._with_rank_errors(error, FATE_SETTLE_S) from error.__cause__
+        if not started:
             raise self._start_failure()
 
     def _start_failure(self) -> BaseException:
@@ -237,6 +290,8 @@ class TensorParallel:
     def close(self) -> None:
         """Stop every rank (a final broadcast when they are reachable; kill otherwise), leave the
         group, free rank 0's cache. Idempotent; never raises for a dead rank."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
         if self._open and not self._failed:
             self._open = False
             try:

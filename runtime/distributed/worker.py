@@ -49,8 +49,8 @@ from vmemkv.runtime.kv import make_kv
 from vmemkv.runtime.lora.executor import AdapterExecutor
 from vmemkv.scheduler.layout import CacheKind
 from vmemkv.scheduler.plan import EvictAdapter, LoadAdapter
-from .group import (RankGroup, init_group, leave_group, open_activation_group,
-                    rank_0_takes_interrupts, take_std_streams, watch_parent)
+from .group import (RankGroup, init_group, leave_group, lift_group_timeout,
+                    open_activation_group, rank_0_takes_interrupts, take_std_streams, watch_parent)
 from .placement import RankPlacement
 from .sharding import rank_kv_scales, shard_model
 
@@ -318,8 +318,11 @@ def _follow(group: RankGroup, payload: TPPayload, model, device, on_error=None) 
 
 
 def agree_started(group: RankGroup, ok: bool, timeout_s: float) -> bool:
-    """True when every rank built its shard and cache (``ok``)."""
-    return group.min_over_ranks(1 if ok else 0, "start agreement", timeout_s) == 1
+    """True when every rank built its shard and cache (``ok``): then ``lift_group_timeout``."""
+    started = group.min_over_ranks(1 if ok else 0, "start agreement", timeout_s) == 1
+    if started:
+        lift_group_timeout()
+    return started
 
 
 def spawned_rank_main(rank: int, world: int, host: str, port: int, environ: dict,
@@ -351,7 +354,8 @@ def spawned_rank_main(rank: int, world: int, host: str, port: int, environ: dict
     try:
         device = enter_device(payload.placement, rank)
         store.set(f"joined{rank}", "1")
-        init_group(rank, world, store=dist.PrefixStore("pg", store))
+        init_group(rank, world, start_timeout_s=payload.start_timeout_s,
+                   store=dist.PrefixStore("pg", store))
         group = RankGroup(rank, world, payload.step_timeout_s)
         open_activation_group(group, payload.placement.activation_backend, device)
         _follow(group, payload, load_model(payload.model), device, on_error=report)
@@ -382,7 +386,7 @@ def follow(model_or_loader, *, step_timeout_s: float = 60.0, start_timeout_s: fl
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if rank == 0:
         raise TensorParallelError("follow() runs ranks 1..N-1; rank 0 builds the Engine")
-    init_group(rank, world)
+    init_group(rank, world, start_timeout_s=start_timeout_s)
     try:
         group = RankGroup(rank, world, step_timeout_s)
         payload: TPPayload = replace(group.broadcast(idle=True), step_timeout_s=step_timeout_s,
