@@ -70,6 +70,7 @@ class KVCache(ABC):
 
     kind: CacheKind           # what memory the cache is made of (a str enum, equal to its name)
     config: CacheConfig
+    refuses_unstorable = True   # check_storable on write (False on TP ranks: worker.py)
 
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
@@ -216,7 +217,8 @@ class KVCache(ABC):
         storage dtype, or (8-bit) quantized with the layer's scales, which the layer's first
         write fixes when none were given (``runtime.kv_dtype``)."""
         if self.kv_scales is None:
-            self.config.check_storable(k, v)   # fp16 of a wider model: past 65504, inf
+            if self.refuses_unstorable:   # fp16 of a wider model: past 65504 stored inf
+                self.config.check_storable(k, v)
             return k, v      # the caller casts to the storage dtype
         return self.kv_scales.encode(layer, k, v)
 

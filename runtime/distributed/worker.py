@@ -205,6 +205,7 @@ def build_rank(payload: TPPayload, group: RankGroup, model, device: torch.device
     kv = make_kv(config, payload.kind, driver=driver, **payload.kv_options)
     if kv.cache.kv_scales is not None:   # non-finite K/V: refused after the forward, together
         kv.cache.kv_scales.defer_non_finite = True
+    kv.cache.refuses_unstorable = False  # fp16 past its range: NaN logits, one rank not alone
     try:
         runner = ModelRunner(shard, kv.cache, get_backend(payload.attention))
         executor = RankExecutor(group, runner)
