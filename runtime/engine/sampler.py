@@ -141,7 +141,8 @@ def processed_scores(raw: torch.Tensor, sample: SampleState) -> torch.Tensor:
     scores = raw.clone()
     if p.logit_bias:
         ids = torch.tensor([t for t, _ in p.logit_bias], device=device)
-        scores.index_add_(0, ids, torch.tensor([b for _, b in p.logit_bias], device=device))
+        biases = torch.tensor([b for _, b in p.logit_bias], dtype=scores.dtype, device=device)
+        scores.index_add_(0, ids, biases)   # int biases ({eos: 100}) added as fp32 too
     if len(sample.output_ids) < p.min_tokens and sample.stop_ids:
         check_min_tokens(p, sample.stop_ids, scores.shape[0])
         stops = [t for t in sample.stop_ids if t < scores.shape[0]]
