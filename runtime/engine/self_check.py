@@ -1,7 +1,8 @@
 """The engine's construction-time self-check: a short prompt through our attention vs the model's.
 
-    ours       prefill 40 tokens, then 2 greedy decode steps, on a throwaway cache of the
-               engine's kind (vmem or paged) and backend, through ModelRunner
+    ours       prefill 40 tokens (fewer under a shorter max_context: _prompt), then 2 greedy
+               decode steps, on a throwaway cache of the engine's kind (vmem or paged) and
+               backend, through ModelRunner
     reference  one forward of prompt + the tokens we chose, with the model's own attention
                (its attn_implementation before the engine; sdpa if it is already ours)
     compare    logits at the 3 sampled positions: max |ours - ref| <= rtol * max |ref|
@@ -47,7 +48,7 @@ def self_check(model, cache_config, cfg, backend, original_attn: str) -> None:
     """Refuse ``model`` (UnsupportedModelError) unless our path reproduces its own logits on a
     short prompt. Leaves the model on ``original_attn``, pass or fail; builds and frees its own
     small cache (the engine's is not touched)."""
-    prompt = _prompt(model)
+    prompt = _prompt(model, cfg.max_context)
     # the wiring is checked in the model's own dtype: a kv_cache_dtype's rounding is measured
     # apart (benchmarks/kv_dtype_accuracy.py), its kernel against the reference in the tests
     cache_config = dataclasses.replace(cache_config, kv_cache_dtype="auto", kv_scales=None)
@@ -87,9 +88,15 @@ def sharded_difference(model, kv, execute, dtype, reference=None) -> Tuple[float
             model.set_attn_implementation(attn)
 
 
-def _prompt(model) -> List[int]:
+def _prompt(model, max_context: int = PROMPT_TOKENS + DECODE_TOKENS) -> List[int]:
+    """PROMPT_TOKENS tokens, fewer where the engine's ``max_context`` is shorter: the check's
+    positions (the prompt's and DECODE_TOKENS decodes') stay below ``max_context``, as every
+    request's do. Past it, a learned position table of ``max_context`` rows raised IndexError,
+    and a dynamic-NTK model whose threshold ``max_context`` respects was refused (its rotary
+    frequencies grew in the reference forward, and stayed grown in the model)."""
     vocab = model.config.get_text_config().vocab_size
-    return [(7 * i + 3) % vocab for i in range(PROMPT_TOKENS)]
+    length = max(1, min(PROMPT_TOKENS, max_context - DECODE_TOKENS))
+    return [(7 * i + 3) % vocab for i in range(length)]
 
 
 def _difference(model, ours, tokens, prompt, original_attn: str, dtype) -> Tuple[float, float]:
@@ -102,7 +109,7 @@ def _difference(model, ours, tokens, prompt, original_attn: str, dtype) -> Tuple
 
 def _our_logits(model, cache_config, cfg, backend, prompt: List[int]):
     """Greedy logits of the prompt's last token and DECODE_TOKENS decode steps, on our path."""
-    length = PROMPT_TOKENS + DECODE_TOKENS + 1
+    length = len(prompt) + DECODE_TOKENS + 1
     if CacheKind(cfg.cache) is CacheKind.PAGED:   # whole blocks, so the default budget holds the sequence
         length = -(-length // cfg.block_size) * cfg.block_size
     small = dataclasses.replace(cache_config, max_batch=1, max_context=page_rounded_context(cache_config, cfg, length))

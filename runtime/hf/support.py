@@ -7,7 +7,9 @@ Two paths, two sets of needs:
                must be causal softmax attention over its cached tokens, optionally with a
                sliding window (``layer_windows_of``: keys (p - window, p], transformers'
                semantics) and a logit soft-cap (Gemma 2); no sinks, no ALiBi bias, no chunked
-               attention, no bidirectional layers, no recurrent/linear-attention state.
+               attention, no bidirectional layers, no recurrent/linear-attention state, no
+               queries scaled by position (Llama 4's temperature tuning), no context past a
+               position table.
     VMemCache  the model's own attention reads K/V from our cache: every layer must keep
                K/V in the cache (no recurrent/linear-attention state, no latent attention);
                KV heads and one head size for K and V in every layer must be readable from
@@ -18,6 +20,8 @@ them but still computes something else is caught by the engine's self-check
 (runtime.engine.self_check). docs/models.md lists the families tried.
 """
 from __future__ import annotations
+
+import dataclasses
 
 from .attention import UnsupportedModelError
 
@@ -149,29 +153,44 @@ def check_model_supported(model, max_context: int) -> None:
             f"(_supports_attention_backend=False), so the Engine cannot run its attention; "
             f"docs/models.md lists the families that run (model.generate with a VMemCache runs some)")
     _check_bias_features(model, config)
+    _check_undeclared_window(model, config)
+    _check_position_scaled_queries(model)
     _check_position_table(model, max_context)
     _check_length_dependent_rope(model, config, max_context)
 
 
 POSITION_TABLES = ("wpe", "embed_positions", "position_embeddings")   # GPT-2, OPT, GPT-Neo ...
+POSITION_BUFFERS = ("embed_positions", "pos_encoding")   # GPT-J, CodeGen (rotary sin/cos), CTRL
+
+
+def _position_tables(model):
+    """(name, rows, kind) of each table the model indexes by position: learned ``nn.Embedding``s
+    (OPT's starts at row 2), and fixed sinusoidal buffers of ``n_positions`` rows (GPT-J's and
+    CodeGen's rotary sin/cos, CTRL's encoding)."""
+    import torch
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in POSITION_TABLES and isinstance(module, torch.nn.Embedding):
+            yield name, module.num_embeddings - getattr(module, "offset", 0), "learned"
+    for name, buffer in model.named_buffers():
+        if name.rsplit(".", 1)[-1] in POSITION_BUFFERS and buffer.dim() == 2:
+            yield name, buffer.shape[0], "sinusoidal"
 
 
 def _check_position_table(model, max_context: int) -> None:
-    """A learned position table has a row per position: a context past it was an IndexError in
-    the middle of a step. Rotary positions are computed at any length: past the config's
+    """A position table has a row per position: a context past it was an IndexError in the
+    middle of a step (a fixed sinusoidal one too: GPT-J's rotary sin/cos). Rotary positions
+    computed from the position are computed at any length: past the config's
     ``max_position_embeddings`` the model runs as transformers runs it, untrained there
     (a warning says so)."""
-    import torch
-    for module_name, module in model.named_modules():
-        if module_name.rsplit(".", 1)[-1] in POSITION_TABLES and \
-                isinstance(module, torch.nn.Embedding):
-            rows = module.num_embeddings - getattr(module, "offset", 0)   # OPT's table starts at 2
-            if max_context > rows:
-                raise UnsupportedModelError(
-                    f"max_context={max_context} exceeds the {rows} positions of "
-                    f"{type(model).__name__}'s learned position table ({module_name}); "
-                    f"use max_context <= {rows}")
-            return
+    tables = list(_position_tables(model))
+    for table_name, rows, kind in tables:
+        if max_context > rows:
+            raise UnsupportedModelError(
+                f"max_context={max_context} exceeds the {rows} positions of "
+                f"{type(model).__name__}'s {kind} position table ({table_name}); "
+                f"use max_context <= {rows}")
+    if tables:
+        return
     trained = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if isinstance(trained, int) and not isinstance(trained, bool) and 0 < trained < max_context:
         import warnings
@@ -227,6 +246,43 @@ def _check_length_dependent_rope(model, config, max_context: int) -> None:
                 f"{module_name} ({type(module).__name__}) ran on {cached} positions before and "
                 f"keeps the rotary frequencies it grew to (dynamic NTK); the Engine needs the "
                 f"original ones: load the model again")
+
+
+def _check_undeclared_window(model, config) -> None:
+    """A ``sliding_window`` the config's class does not declare (passed in beside its fields,
+    kept as a plain attribute) is one transformers' code for that model does not build a
+    windowed mask from: OLMoE's attention still hands it to the attention function (flash
+    attention windows, sdpa and eager attend to every token), so the engine windowed where
+    ``model.generate`` did not (a 70-token context with window 48 gave other tokens, past a
+    self-check of 42). transformers' configs are dataclasses; one that is not is not judged."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "layer_types", None) or not dataclasses.is_dataclass(config) \
+            or "sliding_window" in {field.name for field in dataclasses.fields(config)}:
+        return
+    raise UnsupportedModelError(
+        f"this {getattr(config, 'model_type', '?')} config carries sliding_window={window}, which "
+        f"{type(config).__name__} does not declare: transformers builds "
+        f"{type(model).__name__}'s mask without a window (with sdpa and eager it attends to "
+        f"every token), so the Engine cannot tell which one it computes; remove the field "
+        f"(del model.config.sliding_window) to run it on full attention")
+
+
+def _check_position_scaled_queries(model) -> None:
+    """Llama 4's temperature tuning scales the queries of its NoPE layers (``no_rope_layers``
+    0) by ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))``, p counted from the length of
+    the cache passed to the layer; the Engine passes none and packs several sequences and
+    chunks into one pass, so p would be a token's index in the pass (a decode step always 0):
+    from position floor_scale - 1 on, silently other logits. The layers read the switch from
+    the config when built, so the layers are what is checked."""
+    for module_name, module in model.named_modules():
+        if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+            raise UnsupportedModelError(
+                f"vmemkv attention does not implement attention temperature tuning "
+                f"({module_name} of {type(model).__name__}: attn_temperature_tuning=True scales "
+                f"the queries of its NoPE layers by their position from "
+                f"floor_scale={getattr(module, 'floor_scale', '?')} on, counted from a cache the "
+                f"Engine does not pass); the scale is 1 below that position, so for contexts "
+                f"under floor_scale load the model with attn_temperature_tuning=False in its config")
 
 
 def _check_bias_features(model, config) -> None:
