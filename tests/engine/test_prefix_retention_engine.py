@@ -66,5 +66,5 @@ def test_a_different_cache_salt_never_hits_what_the_first_turn_cached():
 def test_unknown_prefix_eviction_is_an_engine_config_error():
     with pytest.raises(EngineConfigError, match="prefix_eviction must be one of off, lru, hits"):
         Engine(model(), max_batch=2, max_context=64, prefix_eviction="mru")
-    with pytest.raises(EngineConfigError, match="cache_salt must be a str or None"):
+    with pytest.raises(EngineConfigError, match="cache_salt must be None or a non-empty str"):
         SamplingParams(cache_salt=3)
