@@ -104,7 +104,7 @@ def use_vmemkv_attention(model) -> None:
 
 
 # model -> [engines holding it on our attention, the implementation it had before the first,
-#           {id(engine): its finalizer}, the handle of the forward pre-hook]
+#           {id(engine): its finalizer}, the handle of the forward pre-hook, its .training]
 _HOLDERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # model -> the RLock that serializes its forwards with switches of its attention implementation
 _LOCKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -132,7 +132,7 @@ def model_lock(model) -> "threading.RLock":
 def hold_vmemkv_attention(model, engine) -> str:
     """Count ``engine`` as one more running ``model`` on our attention; returns the model's own
     implementation (the one it had before the first engine holding it), which the last
-    ``release_vmemkv_attention`` restores. Reading it and counting are one step under the
+    ``release_vmemkv_attention`` restores, with its train or eval mode. Reading it and counting are one step under the
     model's ``model_lock``: read apart, an engine built while another closed read "vmemkv" (the
     other's) as the model's own and left the model on it for good. An engine collected without
     releasing is released later (a finalizer that only queues): the model is not left on our
@@ -142,7 +142,8 @@ def hold_vmemkv_attention(model, engine) -> str:
         entry = _HOLDERS.get(model)
         if entry is None:
             hook = model.register_forward_pre_hook(_release_dropped_engines, with_kwargs=True)
-            entry = _HOLDERS[model] = [0, model.config._attn_implementation, {}, hook]
+            entry = _HOLDERS[model] = [0, model.config._attn_implementation, {}, hook,
+                                       model.training]   # the engine runs it in eval mode
         finalizer = weakref.finalize(engine, _RELEASE_LATER.append, (weakref.ref(model), id(engine)))
         finalizer.atexit = False       # at interpreter exit nobody runs the model again
         entry[0] += 1
@@ -170,6 +171,7 @@ def _release(model, engine_id: int, collected: bool) -> None:
             del _HOLDERS[model]
             entry[3].remove()
             model.set_attn_implementation(entry[1])
+            model.train(entry[4])      # a model in train mode was left in eval mode for good
 
 
 def _apply_later_releases() -> None:
