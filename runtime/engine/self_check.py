@@ -67,15 +67,17 @@ def self_check(model, cache_config, cfg, backend, original_attn: str) -> None:
             f"check and is unsafe)")
 
 
-def sharded_difference(model, kv, execute, dtype, reference=None) -> Tuple[float, float]:
+def sharded_difference(model, kv, execute, dtype, reference, max_context: int
+                       ) -> Tuple[float, float]:
     """(largest |sharded - unsharded| logit, the allowed difference) on the self-check's prompt:
     ``execute`` (``TensorParallel.execute``) runs every rank's shard on the caches of ``kv``
     (rank 0's), which hold nothing of it afterwards; the reference is ``model`` itself on
     rank 0, on its own attention (left as it was). ``reference`` (cache_config, engine config,
     backend): instead, ``model`` on our path on one process, on a throwaway cache of that
-    config: with a kv_cache_dtype that rounds K/V, the same rounding on both sides."""
+    config: with a kv_cache_dtype that rounds K/V, the same rounding on both sides. The prompt
+    stays within the engine's ``max_context``, as the one-process check's does."""
     with model_lock(model):
-        prompt, attn = _prompt(model), model.config._attn_implementation
+        prompt, attn = _prompt(model, max_context), model.config._attn_implementation
         try:
             ours, tokens = _greedy(execute, kv, prompt)
             if reference is None:

@@ -85,7 +85,7 @@ def start_tensor_parallel(model, cfg, cache_config, kv_options: dict, attention:
             from vmemkv.runtime.attention import get_backend   # K/V rounded: the same rounding
             reference = (full_config, cfg, get_backend(attention))   # on one process
         try:
-            check_shards(model, tp, cache_config.dtype, reference)
+            check_shards(model, tp, cache_config.dtype, reference, cfg.max_context)
             if full_config is not None and full_config.kv_encoding.scaled \
                     and full_config.kv_scales is None:
                 tp.unfix_scales()   # first-write scales: the first request's, not the check's
@@ -95,13 +95,13 @@ def start_tensor_parallel(model, cfg, cache_config, kv_options: dict, attention:
     return tp
 
 
-def check_shards(model, tp, dtype, reference=None) -> None:
+def check_shards(model, tp, dtype, reference, max_context: int) -> None:
     """Refuse to serve (TensorParallelMismatchError, naming the largest difference) unless every
     rank's sharded forward reproduces the unsharded model's logits on rank 0 for a few tokens,
     within the single-process self-check's tolerance (self_check.py). Leaves the caches empty.
     ``reference``: see ``sharded_difference``."""
     from .self_check import sharded_difference
-    err, allowed = sharded_difference(model, tp.kv, tp.execute, dtype, reference)
+    err, allowed = sharded_difference(model, tp.kv, tp.execute, dtype, reference, max_context)
     if not err <= allowed:
         raise TensorParallelMismatchError(
             f"the {tp.world} tensor-parallel ranks' sharded forward differs from the unsharded "
