@@ -16,7 +16,7 @@ from typing import Optional
 
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import NON_NEGATIVE_INT, DistinctValues, bounded
-from vmemkv.scheduler.report import parse_goodput, serving_report
+from vmemkv.scheduler.report import check_percentiles, parse_goodput, serving_report
 from vmemkv.scheduler.result_files import folder_problem
 from vmemkv.scheduler.traces import trace_names
 
@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from vmemkv.runtime.serve.server import require_serve_extra
     require_serve_extra()
     goodput = parse_goodput(args.goodput)
+    check_percentiles(args.percentiles, "--percentiles")   # before the load, not after it
     requests = (client.poisson_requests(args.rate, args.num_prompts, args.input_len,
                                         args.output_len, args.vocab_size, args.seed)
                 if args.trace is None else

@@ -7,10 +7,12 @@ Definitions (vLLM's ``benchmark_serving``; goodput as DistServe defines it):
 
 - ``request_throughput``: completed requests / duration (requests/s); ``output_throughput``:
   output tokens / duration (every sample's or beam's, ``RequestTiming.sequences`` and
-  ``other_output_tokens``; latencies are the first's: a request counts once); ``total_token_throughput``: (prompt + output tokens) / duration.
-- TTFT: first token time - arrival. E2EL: last token time - arrival. TPOT, per request with
-  more than one output token: (E2EL - TTFT) / (output tokens - 1). ITL: every gap between two
-  consecutive tokens of one request, pooled over requests.
+  ``other_output_tokens``; TTFT, TPOT and ITL are the timed (first) sequence's: a request counts
+  once); ``total_token_throughput``: (prompt + output tokens) / duration.
+- TTFT: first token time - arrival. E2EL: last token time - arrival, the request's last of any
+  sequence (``RequestTiming.last_token_s``). TPOT, per request with more than one output token,
+  of the timed sequence: (its last token - TTFT's) / (output tokens - 1). ITL: every gap between
+  two consecutive tokens of one request's timed sequence, pooled over requests.
 - For each of ttft, tpot, itl, e2el: ``mean_<m>_ms``, ``median_<m>_ms``, ``std_<m>_ms`` and
   ``p<q>_<m>_ms`` for each percentile asked (default 90 and 99); NaN when there are no samples.
 - ``request_goodput``: requests/s meeting every target given (ms), e.g. ``{"ttft": 2000,
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_PERCENTILES = (90.0, 99.0)
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")   # the latencies a goodput target may bound
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ class RequestTiming:
     #                                  times: the simulator's n samples or beams, timed by the first
     other_output_tokens: int = 0     # tokens of the request's other samples, timed apart (the
     #                                  engine's n > 1: each ends at its own length)
+    last_token_s: Optional[float] = None   # when the request's last token of any sequence came
+    #                                  (None: the timed sequence's last; E2EL and duration end here)
 
     @property
     def output_tokens(self) -> int:
@@ -59,8 +64,15 @@ class RequestTiming:
         return self.token_times_s[0] - self.arrival_s
 
     @property
+    def end_s(self) -> float:
+        """When the request's last token came: its last sequence's, not only the timed one's
+        (an n > 1 request whose first sample stopped early ends with its longest)."""
+        last = self.token_times_s[-1]
+        return last if self.last_token_s is None else max(last, self.last_token_s)
+
+    @property
     def e2el_s(self) -> float:
-        return self.token_times_s[-1] - self.arrival_s
+        return self.end_s - self.arrival_s
 
     @property
     def tpot_s(self) -> Optional[float]:
@@ -83,7 +95,7 @@ def parse_goodput(specs: Sequence[str]) -> Dict[str, float]:
         if "," in spec:
             raise ConfigError(f"--goodput target {spec!r}: give one METRIC:MS per target, "
                               f"separated by spaces (--goodput ttft:2000 tpot:200)")
-        if not sep or name not in ("ttft", "tpot", "e2el"):
+        if not sep or name not in GOODPUT_METRICS:
             raise ConfigError(f"--goodput target {spec!r} must be METRIC:MS with METRIC one of "
                               f"ttft, tpot, e2el")
         ms = target_ms(value, f"--goodput target {spec!r}")
@@ -109,13 +121,14 @@ def serving_report(timings: Sequence[RequestTiming], *, duration_s: Optional[flo
                    goodput_ms: Optional[Mapping[str, float]] = None,
                    percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> Dict[str, float]:
     """vLLM-named figures of ``timings`` (requests without an output token are not completed)."""
-    _check_percentiles(percentiles)
+    check_percentiles(percentiles)
+    check_goodput(goodput_ms or {})
     done = [t for t in timings if t.token_times_s]
     if duration_s is None:
-        duration_s = (max(t.token_times_s[-1] for t in done) - min(t.arrival_s for t in done)
+        duration_s = (max(t.end_s for t in done) - min(t.arrival_s for t in done)
                       if done else 0.0)
-    if not duration_s >= 0:
-        raise ConfigError(f"duration_s must be >= 0, got {duration_s!r}")
+    if not 0 <= duration_s < math.inf:
+        raise ConfigError(f"duration_s must be finite and >= 0 seconds, got {duration_s!r}")
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: math.nan)
     prompt = sum(t.prompt_tokens for t in done)
     output = sum(t.all_output_tokens for t in done)
@@ -160,7 +173,32 @@ def _summary_ms(name: str, values_s, percentiles: Sequence[float]) -> Dict[str, 
     return {key: float(value) for key, value in zip(keys, figures)}
 
 
-def _check_percentiles(percentiles: Sequence[float]) -> None:
+def check_percentiles(percentiles: Sequence[float], what: str = "percentiles") -> None:
+    """ConfigError naming ``what`` unless each percentile is a number in [0, 100] and no two
+    share a report key (``p<q>_<metric>_ms``, ``q`` written with 6 significant digits): 99.99999
+    beside 100 were both ``p100_*``, and one of the two figures was silently dropped."""
+    keys: Dict[str, float] = {}
     for q in percentiles:
         if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 100:
-            raise ConfigError(f"percentiles must be numbers in [0, 100], got {q!r}")
+            raise ConfigError(f"{what} must be numbers in [0, 100], got {q!r}")
+        other = keys.setdefault(f"p{q:g}", q)
+        if other != q:
+            raise ConfigError(f"{what}: {other!r} and {q!r} would both be reported as p{q:g}; "
+                              f"give percentiles that differ in their first 6 significant digits")
+
+
+def check_goodput(targets_ms: Mapping[str, float]) -> None:
+    """ConfigError unless every goodput target is one of ttft, tpot, e2el with finite
+    milliseconds > 0 (an unknown metric was a KeyError; NaN or a negative target silently
+    counted no request as good)."""
+    if not isinstance(targets_ms, Mapping):
+        raise ConfigError(f"goodput_ms must map metric names to milliseconds, e.g. "
+                          f"{{'ttft': 2000}} (parse_goodput reads the flag's strings), got "
+                          f"{type(targets_ms).__name__} {targets_ms!r:.60}")
+    for name, ms in targets_ms.items():
+        if name not in GOODPUT_METRICS:
+            raise ConfigError(f"goodput target {name!r}: the metric must be one of "
+                              f"{', '.join(GOODPUT_METRICS)}")
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms < math.inf:
+            raise ConfigError(f"goodput target {name}: milliseconds must be a finite number > 0, "
+                              f"got {ms!r}")

@@ -134,8 +134,9 @@ def _take_chunk(line: str, result: StreamResult) -> bool:
     if data == "[DONE]":
         return True
     chunk = json.loads(data)
-    if "error" in chunk:
-        result.error = str(chunk["error"].get("message"))
+    if "error" in chunk:   # OpenAI's {"error": {"message": ...}}, or TGI's {"error": "..."}
+        error = chunk["error"]
+        result.error = str(error.get("message") if isinstance(error, dict) else error)
         return True
     now = time.perf_counter()
     for choice in chunk.get("choices", []):
