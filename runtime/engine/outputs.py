@@ -93,14 +93,17 @@ def request_timings(outputs: Sequence[RequestOutput]) -> List[RequestTiming]:
     """One ``RequestTiming`` per request of ``outputs`` (for ``report.serving_report``, which
     counts requests and their prompts once): its arrival, the token times of its first sample
     with a token (the simulator times a request by its first sequence too), the prompt length,
-    and its other samples' tokens for the throughputs. Requests without a token are skipped (one
-    per sample, an n=3 request counted 3 requests and its prompt 3 times)."""
+    its other samples' tokens for the throughputs, and its last token of any sample (E2EL and
+    the duration end there: an n > 1 request whose first sample stopped early ended with it).
+    Requests without a token are skipped (one per sample, an n=3 request counted 3 requests and
+    its prompt 3 times)."""
     timings = []
     for out in outputs:
         timed = [c.token_times_s for c in out.outputs if c.token_times_s]
         if timed:
             timings.append(RequestTiming(out.arrival_s, tuple(timed[0]), len(out.prompt_token_ids),
-                                         other_output_tokens=sum(map(len, timed[1:]))))
+                                         other_output_tokens=sum(map(len, timed[1:])),
+                                         last_token_s=max(times[-1] for times in timed)))
     return timings
 
 
