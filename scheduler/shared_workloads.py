@@ -14,7 +14,7 @@ from typing import Dict, List, Mapping, Optional, Tuple
 from .errors import ConfigError
 from .sim_memory import check_workload_fits
 from .traces import fit_to_length, load_trace
-from .workload import MAX_ARRIVAL_S, TraceEntry, WorkloadSpec, generate
+from .workload import MAX_ARRIVAL_S, TraceEntry, WorkloadSpec, check_arrivals, generate
 
 MAX_PERIODS = 100_000          # burst + quiet cycles in duration_s (each a segment per model)
 MAX_ARRIVALS = 10_000_000      # expected arrivals of every model together
@@ -126,8 +126,12 @@ def shifted_traces(traces: Mapping[str, str], shift_s: float, *, max_requests: O
                    = None, rate_scale: float = 1.0, max_total_len: int = 4096
                    ) -> Dict[str, List[TraceEntry]]:
     """{model name: entries} replaying ``traces`` ({model name: bundled trace or path}), the
-    k-th shifted ``k * shift_s`` seconds later (finite, >= 0, the last arrival at most
-    ``MAX_ARRIVAL_S``); lengths fitted to ``max_total_len``."""
+    k-th shifted ``k * shift_s`` seconds later (finite, >= 0); lengths fitted to
+    ``max_total_len``. A lane whose last arrival, shifted, passes ``MAX_ARRIVAL_S`` is refused
+    naming it (it was returned, and only ``simulate_shared`` refused it)."""
+    if not isinstance(traces, Mapping):
+        raise ConfigError(f"shifted_traces: traces must map each model's name to its trace, "
+                          f"got {type(traces).__name__}")
     _seconds("shifted_traces", "shift_s", shift_s, positive=False)
     if shift_s * max(0, len(traces) - 1) > MAX_ARRIVAL_S:
         raise ConfigError(f"shifted_traces.shift_s={shift_s!r} shifts the last of {len(traces)} "
@@ -137,4 +141,6 @@ def shifted_traces(traces: Mapping[str, str], shift_s: float, *, max_requests: O
         entries, _ = fit_to_length(load_trace(trace, rate_scale=rate_scale,
                                               max_requests=max_requests), max_total_len)
         out[name] = [replace(e, arrival_s=e.arrival_s + k * shift_s) for e in entries]
+        check_arrivals(out[name], f"shifted_traces: lane {name!r} ({trace} shifted "
+                                  f"{k * shift_s:g} s)")
     return out

@@ -15,9 +15,11 @@ import gzip
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Tuple
 
+from .cliargs import file_problem
 from .errors import ConfigError
 from .result_files import atomic_open
 
@@ -45,9 +47,17 @@ class TraceEntry:
 
     def __post_init__(self) -> None:
         """The token counts are checked here (``True`` ran as 1 token, NaN was blamed on the
-        simulation's memory); arrivals by ``check_arrivals``, which names the entry's index."""
+        simulation's memory), and the hash ids, none or one per 512-token prompt block (kept
+        as a tuple; a wrong count made ``prompt_token_ids`` a prompt of another length, a list
+        was unhashable in the simulator's memo); arrivals by ``check_arrivals``, which names
+        the entry's index."""
         for name in ("prompt_len", "output_len"):
             check_token_count(f"TraceEntry.{name}", getattr(self, name))
+        ids = self.hash_ids
+        if not isinstance(ids, (list, tuple)) or (ids and not _hash_ids_fit(ids, self.prompt_len)):
+            raise ConfigError(_hash_ids_refusal("TraceEntry.hash_ids", "prompt_len",
+                                                self.prompt_len, ids))
+        object.__setattr__(self, "hash_ids", tuple(ids))
 
     @property
     def total_len(self) -> int:
@@ -55,9 +65,15 @@ class TraceEntry:
 
 
 def write_trace(path: str, entries: Iterable[TraceEntry]) -> None:
-    """Write ``entries`` as JSONL (one object per line), gzip-compressed when ``path`` ends in
-    ``.gz``, whole or not at all; ``load_trace(path)`` reads back the same entries. A name the
-    reader would read as another format (``check_trace_name``) is refused first."""
+    """Write ``entries`` as JSONL (one object per line), gzip-compressed when ``path`` (a str
+    or os.PathLike) ends in ``.gz``, whole or not at all; ``load_trace(path)`` reads back the
+    same entries. A name the reader would read as another format (``check_trace_name``) is
+    refused first, as is a path where no file can be written whole (``file_problem``: a folder,
+    ``""``, a device or a pipe, which the file written replaced, /dev/null too)."""
+    path = trace_file_name(path, "write_trace")
+    problem = file_problem(path)
+    if problem:
+        raise ConfigError(f"write_trace {problem}")
     check_trace_name(path)
     lines = []
     for e in entries:
@@ -70,6 +86,18 @@ def write_trace(path: str, entries: Iterable[TraceEntry]) -> None:
     data = "".join(lines).encode("utf-8")
     with atomic_open(path, "wb") as f:
         f.write(gzip.compress(data, mtime=0) if path.endswith(".gz") else data)
+
+
+def trace_file_name(path, name: str) -> str:
+    """``path``, a bundled trace's name or a file name (a str, or an os.PathLike naming one),
+    as a str; ConfigError naming ``name`` otherwise (an int was opened as the caller's file
+    descriptor, read and closed; a pathlib.Path raised AttributeError)."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        raise ConfigError(f"{name}: a trace is a bundled trace's name or a file name (str or "
+                          f"os.PathLike), got {type(path).__name__} {_short(path)}")
+    return path
 
 
 def check_trace_name(path: str, name: str = "write_trace") -> None:
@@ -118,7 +146,7 @@ def parse_trace_object(obj, where: str) -> TraceEntry:
                               f"{', '.join(TRACE_LINE_KEYS[:3])} and may hold "
                               f"{', '.join(TRACE_LINE_KEYS[3:])}")
     adapter = _parse_adapter(obj, where)
-    entry = parse_entry(obj, where, TRACE_LINE_KEYS[:3], block_tokens=MOONCAKE_BLOCK_TOKENS)
+    entry = parse_entry(obj, where, TRACE_LINE_KEYS[:3])
     return entry if adapter is None else replace(entry, adapter=adapter)
 
 
@@ -136,13 +164,12 @@ def _parse_adapter(obj, where: str) -> Optional["AdapterRef"]:
 
 
 def parse_entry(obj, where: str, keys: Tuple[str, str, str], units_per_second: float = 1.0,
-                time_unit: str = "", block_tokens: Optional[int] = None,
-                required: bool = False) -> TraceEntry:
+                time_unit: str = "", required: bool = False) -> TraceEntry:
     """A ``TraceEntry`` from a decoded JSON object whose prompt, output and arrival fields are
     named ``keys``, all three required (arrival times in ``1 / units_per_second`` s, at most
     ``MAX_ARRIVAL_S``) with ``hash_ids`` (``required``, or optional), exactly one per
-    ``block_tokens``-token prompt block when that is given. ``ConfigError`` naming ``where``,
-    the field and the value otherwise."""
+    ``MOONCAKE_BLOCK_TOKENS``-token prompt block. ``ConfigError`` naming ``where``, the field
+    and the value otherwise."""
     if not isinstance(obj, dict):
         raise ConfigError(f"{where}: expected an object, got {type(obj).__name__}")
     values = []
@@ -150,25 +177,33 @@ def parse_entry(obj, where: str, keys: Tuple[str, str, str], units_per_second: f
         v = obj.get(key)
         check_token_count(f"{where}: {key}", v)
         values.append(v)
-    hash_ids = _parse_hash_ids(obj, where, keys[0], values[0], block_tokens, required)
+    hash_ids = _parse_hash_ids(obj, where, keys[0], values[0], required)
     arrival_s = _parse_arrival_s(obj, where, keys[2], units_per_second, time_unit)
     return TraceEntry(values[0], values[1], arrival_s, hash_ids)
 
 
 def _parse_hash_ids(obj: dict, where: str, prompt_key: str, prompt_len: int,
-                    block_tokens: Optional[int], required: bool) -> Tuple[int, ...]:
+                    required: bool) -> Tuple[int, ...]:
     """A line's ``hash_ids`` (none where it has none and they are not ``required``), one per
-    ``block_tokens``-token block of its ``prompt_len``-token prompt when that is given."""
+    ``MOONCAKE_BLOCK_TOKENS``-token block of its ``prompt_len``-token prompt."""
     hash_ids = obj.get("hash_ids", [])
-    blocks = -(-prompt_len // block_tokens) if block_tokens and (hash_ids or required) else None
-    if (not isinstance(hash_ids, list) or (blocks is not None and len(hash_ids) != blocks)
-            or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids)):
-        if blocks is None:
-            raise ConfigError(f"{where}: hash_ids must be a list of ints >= 0, got {_short(hash_ids)}")
-        raise ConfigError(f"{where}: hash_ids must list {blocks} ints >= 0 (one per "
-                          f"{block_tokens}-token block of {prompt_key} {prompt_len}), got "
-                          f"{_short(hash_ids)}")
+    if not isinstance(hash_ids, list) or ((hash_ids or required)
+                                          and not _hash_ids_fit(hash_ids, prompt_len)):
+        raise ConfigError(_hash_ids_refusal(f"{where}: hash_ids", prompt_key, prompt_len,
+                                            hash_ids))
     return tuple(hash_ids)
+
+
+def _hash_ids_fit(hash_ids: Sequence, prompt_len: int) -> bool:
+    """``hash_ids`` are one int >= 0 per ``MOONCAKE_BLOCK_TOKENS``-token block of the prompt."""
+    return (len(hash_ids) == -(-prompt_len // MOONCAKE_BLOCK_TOKENS) and
+            all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in hash_ids))
+
+
+def _hash_ids_refusal(field: str, prompt_key: str, prompt_len: int, hash_ids) -> str:
+    return (f"{field} must list {-(-prompt_len // MOONCAKE_BLOCK_TOKENS)} ints >= 0 (one per "
+            f"{MOONCAKE_BLOCK_TOKENS}-token block of {prompt_key} {prompt_len}), got "
+            f"{_short(hash_ids)}")
 
 
 def _parse_arrival_s(obj: dict, where: str, key: str, units_per_second: float,

@@ -33,6 +33,7 @@ from importlib import resources
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from .errors import ConfigError
+from .trace_entry import trace_file_name
 from .trace_stream import text_lines
 from .workload import (MAX_ARRIVAL_S, MAX_TRACE_TOKENS, MOONCAKE_BLOCK_TOKENS,  # noqa: F401
                        TraceEntry, check_arrivals, parse_entry, parse_trace_object,
@@ -71,7 +72,7 @@ def trace_names() -> Tuple[str, ...]:
 def load_trace(name_or_path: str, *, rate_scale: float = 1.0,
                max_requests: Optional[int] = None,
                rate_name: str = "rate_scale") -> List[TraceEntry]:
-    """The trace named (bundled) or at a path, sorted by arrival.
+    """The trace named (bundled) or at a path (a str or os.PathLike), sorted by arrival.
 
     ``rate_scale`` X divides every arrival time by X (X = 2 replays twice as fast); ``max_requests``
     keeps the first N requests of the file, reading one line further and no more (a huge trace
@@ -90,6 +91,7 @@ def load_trace(name_or_path: str, *, rate_scale: float = 1.0,
     if max_requests is not None and (isinstance(max_requests, bool)
                                      or not isinstance(max_requests, int) or max_requests < 1):
         raise ConfigError(f"max_requests must be an int >= 1, got {max_requests!r}")
+    name_or_path = trace_file_name(name_or_path, "load_trace")
     if name_or_path in BUNDLED:
         entries = _read_bundled(BUNDLED[name_or_path], max_requests)
     else:
@@ -248,8 +250,7 @@ def _positive_int(text: str, name: str, where: str) -> int:
 
 def _mooncake_entry(obj: dict, where: str) -> TraceEntry:
     return parse_entry(obj, where, ("input_length", "output_length", "timestamp"),
-                       units_per_second=1000.0, time_unit="ms", block_tokens=MOONCAKE_BLOCK_TOKENS,
-                       required=True)
+                       units_per_second=1000.0, time_unit="ms", required=True)
 
 
 @dataclass(frozen=True)
@@ -321,26 +322,25 @@ def _json_line(line: str, at: str):
         raise ConfigError(f"{at}: JSON nested too deeply to be a trace line") from None
 
 
-def prompt_token_ids(entry: TraceEntry, vocab_size: int, *, seed: int = 0,
-                     block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Tuple[int, ...]:
-    """Made-up prompt tokens for ``entry``: block i of the prompt is a function of
-    ``(seed, hash_ids[i])`` only, so equal hash ids give equal tokens (a request's last,
-    partial block is the leading part of its id's block). Token ids are in ``[1, vocab_size)``.
-    An entry without hash ids (Azure, generated workloads) raises ``ConfigError``."""
+def prompt_token_ids(entry: TraceEntry, vocab_size: int, *, seed: int = 0) -> Tuple[int, ...]:
+    """Made-up prompt tokens for ``entry``, ``prompt_len`` of them: block i of
+    ``MOONCAKE_BLOCK_TOKENS`` tokens is a function of ``(seed, hash_ids[i])`` only, so equal
+    hash ids give equal tokens (a request's last, partial block is the leading part of its id's
+    block; ``TraceEntry`` holds one id per block). Token ids are in ``[1, vocab_size)``. An
+    entry without hash ids (Azure, generated workloads) raises ``ConfigError``."""
     if not isinstance(vocab_size, int) or vocab_size < 2:
         raise ConfigError(f"vocab_size must be an int >= 2, got {vocab_size!r}")
     if not entry.hash_ids:
         raise ConfigError("prompt_token_ids needs an entry with hash_ids (a Mooncake trace)")
     tokens: List[int] = []
-    for i, hash_id in enumerate(entry.hash_ids):
-        take = min(block_tokens, entry.prompt_len - i * block_tokens)
-        tokens.extend(_block_tokens(seed, hash_id, vocab_size, block_tokens)[:take])
-    return tuple(tokens)
+    for hash_id in entry.hash_ids:
+        tokens.extend(_block_tokens(seed, hash_id, vocab_size))
+    return tuple(tokens[:entry.prompt_len])
 
 
-def _block_tokens(seed: int, hash_id: int, vocab_size: int, block_tokens: int) -> List[int]:
+def _block_tokens(seed: int, hash_id: int, vocab_size: int) -> List[int]:
     rng = random.Random(f"vmemkv-trace-block:{seed}:{hash_id}")
-    return [rng.randrange(1, vocab_size) for _ in range(block_tokens)]
+    return [rng.randrange(1, vocab_size) for _ in range(MOONCAKE_BLOCK_TOKENS)]
 
 
 def fit_to_length(entries: List[TraceEntry], max_total_len: int) -> Tuple[List[TraceEntry], int]:

@@ -75,7 +75,8 @@ class WorkloadSpec:
                               f"got {self.rng!r}")
         for name in ("prompt_median", "prompt_p95", "output_mean", "output_p95"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 1 <= value <= MAX_TRACE_TOKENS):
+            if isinstance(value, bool) or not (isinstance(value, (int, float))
+                                               and 1 <= value <= MAX_TRACE_TOKENS):
                 raise ConfigError(f"WorkloadSpec.{name} must be a number of tokens in [1, "
                                   f"{MAX_TRACE_TOKENS:,}], got {value!r}")
         lognormal_from_median_p95(self.prompt_median, self.prompt_p95, "prompt")
@@ -133,12 +134,15 @@ def generate(spec: WorkloadSpec) -> List[TraceEntry]:
 
 
 def _generate_python(spec: WorkloadSpec, prompt_params, output_params) -> List[TraceEntry]:
-    """The draw before issue 13 (``rng="python"``): per request prompt, output, gap; clipped."""
+    """The draw before issue 13 (``rng="python"``): per request prompt, output, gap; clipped
+    (to ``MAX_TRACE_TOKENS`` too, as the numpy draw is: past it a TraceEntry refused it)."""
     rng = random.Random(spec.seed)
     entries, t = [], 0.0
+    longest = min(MAX_TRACE_TOKENS, spec.max_total_len - 1)
     for _ in range(spec.num_requests):
-        prompt = round(min(max(1.0, rng.lognormvariate(*prompt_params)), spec.max_total_len - 1))
-        output = round(min(max(1.0, rng.lognormvariate(*output_params)), spec.max_total_len - prompt))
+        prompt = round(min(max(1.0, rng.lognormvariate(*prompt_params)), longest))
+        output = round(min(max(1.0, rng.lognormvariate(*output_params)),
+                           MAX_TRACE_TOKENS, spec.max_total_len - prompt))
         if spec.arrival_rate > 0:
             t += rng.expovariate(spec.arrival_rate)
         entries.append(TraceEntry(prompt, output, t))
@@ -187,13 +191,15 @@ class LoraSpec:
                 or self.num_adapters < 1:
             raise ConfigError(f"LoraSpec.num_adapters must be an int >= 1, got "
                               f"{self.num_adapters!r}")
-        if not (isinstance(self.zipf_alpha, (int, float)) and 0 <= self.zipf_alpha < math.inf):
+        if isinstance(self.zipf_alpha, bool) or not (isinstance(self.zipf_alpha, (int, float))
+                                                     and 0 <= self.zipf_alpha < math.inf):
             raise ConfigError(f"LoraSpec.zipf_alpha must be a finite number >= 0, got "
                               f"{self.zipf_alpha!r}")
+        if not isinstance(self.ranks, (list, tuple)) or not self.ranks or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in self.ranks):
+            raise ConfigError(f"LoraSpec.ranks must be a list or tuple of ints >= 1, got "
+                              f"{self.ranks!r}")     # ranks=8 was a TypeError from tuple(8)
         object.__setattr__(self, "ranks", tuple(self.ranks))
-        if not self.ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1
-                                     for r in self.ranks):
-            raise ConfigError(f"LoraSpec.ranks must be ints >= 1, got {self.ranks!r}")
         check_seed("LoraSpec", self.seed)
 
 
