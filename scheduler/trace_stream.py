@@ -19,6 +19,7 @@ with 21 GB available.
 """
 from __future__ import annotations
 
+import codecs
 import gzip
 import io
 import itertools
@@ -64,15 +65,20 @@ def text_lines(raw: BinaryIO, where: str, gz: bool, one_line_each: bool) -> Iter
     (a line at a time, 44 M lines took 56 s; ``str.splitlines`` of the blocks numbers the lines
     as it numbers the whole text). A ConfigError names ``where`` for a file that is not a whole
     gzip, cannot be read or is not UTF-8; SimulationTooLargeError when what was read does not
-    fit (``TraceCharge``), before it is yielded."""
+    fit (``TraceCharge``), before it is yielded. A leading UTF-8 byte-order mark is dropped."""
     stream = gzip.GzipFile(fileobj=raw, mode="rb") if gz else raw
     charge, pieces = TraceCharge(where), []   # pieces: a line longer than what a chunk holds
-    chunk, at = b"", 0
+    chunk, at, first = b"", 0, True
     while True:
         if at == len(chunk):
             chunk, at = _read_chunk(stream, where, gz), 0
             if not chunk:
                 break
+            if first and chunk.startswith(codecs.BOM_UTF8):   # a spreadsheet's CSV begins
+                at = len(codecs.BOM_UTF8)                     # with one: not the header's text
+            first = False
+            if at == len(chunk):
+                continue
         blank = 0 if pieces else _NEWLINES.match(chunk, at).end() - at  # empty lines from at
         if blank:
             charge.take(blank, blank)
