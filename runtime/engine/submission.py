@@ -248,13 +248,13 @@ class RequestSubmission:
         (a beam group or an adapter that never fits beside its prompt) refuses a later prompt
         after earlier ones were queued, and those are withdrawn (as is everything on an
         interrupt) before the error goes on, the seeds they drew from the engine's generator
-        given back (the next unseeded request draws what it would have drawn without this
-        call). EngineConfigError, nothing added, unless ``add`` is callable and ``count`` an
+        and their request ids given back (the next request is numbered, and unseeded draws,
+        as without this call). EngineConfigError, nothing added, unless ``add`` is callable and ``count`` an
         int >= 0."""
         check_callback("add_all: add", add, required=True)
         check_count("add_all: count", count)
         ids: List[int] = []
-        seeds = self._rng.getstate()
+        seeds, next_request = self._rng.getstate(), self._next_request
         try:
             for i in range(count):
                 ids.append(add(i))
@@ -262,6 +262,7 @@ class RequestSubmission:
             for rid in ids:
                 self._withdraw(rid)
             self._rng.setstate(seeds)
+            self._next_request = next_request   # their ids too: the next request takes the first
             raise
         return ids
 
