@@ -246,6 +246,10 @@ def main(argv=None) -> int:
     for path in args.saved or []:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
+        if not isinstance(saved, dict) or "points" not in saved \
+                or "calibration" not in saved and "load_1min" not in saved:   # a KeyError
+            ap.error(f"--from {path}: neither a device profile (vmemkv calibrate --out) nor "
+                     f"this benchmark's --json")
         if "calibration" in saved:                                   # a device profile
             calibrations.append(saved["points"])
             loads.append(saved["calibration"]["load_1min"])

@@ -40,6 +40,7 @@ from vmemkv.benchmarks.fidelity_stats import fit_lines, summarize, table_lines
 from vmemkv.benchmarks.common import exit_status, flags_given
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.calibrate import write_json_whole
+from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.report import serving_report
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
@@ -287,6 +288,9 @@ def refit(path: str) -> int:
     from vmemkv.runtime.models import build_model
     with open(path, encoding="utf-8") as f:
         saved = json.load(f)
+    if not isinstance(saved, dict) or "argv" not in saved or "rounds" not in saved:
+        raise ConfigError(f"--refit {path}: not this benchmark's --json (no argv and "
+                          f"rounds)")
     args = parse_args(saved["argv"])
     with Engine(build_model(MODEL, seed=SEED), max_batch=MAX_BATCH,
                 max_context=args.max_context) as engine:
