@@ -125,9 +125,10 @@ def check_length(scheduler, prompt_tokens: int, max_tokens: int, who: str = "",
 def withdraw_request(scheduler, request_id: int) -> None:
     """Take back a request ``add_request`` queued that no step has seen (a batch refused part
     way: its earlier prompts), as if it had never been added: no counter moves, nothing is
-    reported ended."""
+    reported ended (an ended request of the same id, not yet forgotten, stays)."""
     s = scheduler
-    seqs = [q for q in s.seqs.values() if q.request.request_id == request_id]
+    seqs = [q for q in s.seqs.values()
+            if q.request.request_id == request_id and not q.state.is_ended]
     if not seqs or any(q.state is not SeqState.WAITING or q not in s.waiting for q in seqs):
         raise SchedulerError(f"request {request_id} cannot be withdrawn: only a request no "
                              f"step has scheduled can")

@@ -28,12 +28,13 @@ class StepRecording:
         now = float(self._step) if now is None else now
         finished: List[Sequence] = []
         stride, computed = self._publish_stride, self.manager.mark_computed
+        recorded = len(self._decoded)    # tokens appended (not those of sequences ended mid-step)
         for seq, new, sample in self._scheduled:     # prefill chunks (few)
             seq.num_computed += new
             if stride:
                 computed(seq.seq_id, seq.num_computed)   # publish on compute
             if sample:
-                self._on_sample(seq, sampled, now, finished)
+                recorded += 1 + self._on_sample(seq, sampled, now, finished)
         itl = self.metrics.itl_s.values               # trimmed once, after the loop
         for seq in self._decoded:                     # the hot path, inlined _on_sample
             seq.num_computed += 1
@@ -44,13 +45,13 @@ class StepRecording:
             out.append(tok)
             seq.length += 1
             if seq.pending_forks:                     # a beam continued by several children
-                self._fork_children(seq, sampled, tok, now)
+                recorded += self._fork_children(seq, sampled, tok, now)
             itl.append(now - seq.last_token_s)        # a decode always follows a sample
             seq.last_token_s = now
             if len(out) >= seq.max_tokens or (seq.stop_ids and tok in seq.stop_ids):
                 finished.append(seq)
         self.metrics.itl_s.trim()
-        self.metrics.generated_tokens += len(sampled)
+        self.metrics.generated_tokens += recorded
         self._scheduled, self._decoded = [], []
         if finished:
             self._finish(finished)
@@ -61,7 +62,8 @@ class StepRecording:
         return self._finished_ids
 
     def _on_sample(self, seq: Sequence, sampled: Dict[int, int], now: float,
-                   finished: List[Sequence]) -> None:
+                   finished: List[Sequence]) -> int:
+        """Append ``seq``'s sampled token; returns the children it forked."""
         tok = sampled[seq.seq_id]
         seq.output.append(tok)
         seq.length += 1
@@ -70,16 +72,17 @@ class StepRecording:
         else:
             self.metrics.itl_s.append(now - seq.last_token_s)
         seq.last_token_s = now
-        if seq.pending_forks:
-            self._fork_children(seq, sampled, tok, now)
+        forked = self._fork_children(seq, sampled, tok, now) if seq.pending_forks else 0
         if len(seq.output) >= seq.max_tokens or tok in seq.stop_ids:
             finished.append(seq)
+        return forked
 
     def _fork_children(self, parent: Sequence, sampled: Dict[int, int], parent_tok: int,
-                       now: float) -> None:
+                       now: float) -> int:
         """Children share the parent's memory (n > 1: the prompt's; a beam's branch: all of its
         tokens) and its output before this step's token; one that does not fit waits to
-        recompute, what it would have shared counted in ``recomputed_tokens``."""
+        recompute, what it would have shared counted in ``recomputed_tokens``. Returns how
+        many (each with its sampled token)."""
         for child_id in parent.pending_forks:
             tok = sampled.get(child_id, parent_tok)
             child = Sequence(child_id, parent.request, parent.output[:-1] + [tok])
@@ -97,12 +100,14 @@ class StepRecording:
                 self._finish([child])
             elif not fits:            # it computes again what it would have shared
                 self.metrics.recomputed_tokens += parent.num_computed
-        parent.pending_forks = ()
+        forked, parent.pending_forks = len(parent.pending_forks), ()
+        return forked
 
     def finish(self, seq_id: int) -> None:
         """End a sequence "finished" now, as a stop token would have (the engine's stop
         strings match on text, after ``update``): its memory is freed as a finished one's is.
-        No-op for one that has already ended."""
+        No-op for one that has already ended; SchedulerError (nothing changed) for one whose
+        children are still to fork (an n > 1 sample before its first token, a branched beam)."""
         seq = self.seqs.get(seq_id)
         if seq is None:
             raise UnknownSequenceError(f"unknown sequence id {seq_id}")
@@ -111,6 +116,11 @@ class StepRecording:
         if seq.state not in (SeqState.RUNNING, SeqState.WAITING):
             raise SchedulerError(f"sequence {seq_id} is {seq.state.value}; only a running or "
                                  f"waiting sequence can finish (right after update)")
+        if seq.pending_forks:     # ended now, they would never exist nor end: nor the request
+            raise SchedulerError(f"sequence {seq_id} has {len(seq.pending_forks)} pending "
+                                 f"forks (its request's other samples, forked from its next "
+                                 f"sampled token); it can finish only after they are forked "
+                                 f"(abort_request ends the whole request)")
         self._finish([seq])
         self._drop_ended_from_step()
 
