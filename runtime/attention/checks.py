@@ -48,14 +48,23 @@ def host_ints(t: torch.Tensor, name: str) -> list:
     return t.tolist()
 
 
+# fp32's normal range, where the kernels compute both: past it a scale or cap of 1e39 made every
+# output NaN, and a cap of 1e-46 was 0 (no cap) in cpu-varlen but a cap in reference and sdpa
+FP32_TINY, FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38
+
+
 def check_scalars(scale: float, softcap) -> None:
     """The attention scale and logit soft-cap: finite, scale non-zero, soft-cap > 0 (an infinite
-    one made every output NaN)."""
+    one made every output NaN), each of a magnitude fp32 holds (``FP32_TINY`` to ``FP32_MAX``)."""
     if not math.isfinite(scale) or scale == 0:
         raise AttentionShapeError(f"scale must be finite and non-zero, got {scale!r}")
     if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
         raise AttentionShapeError(f"a layer's logit softcap must be finite and > 0 or None, "
                                   f"got {softcap!r}")
+    for name, value in (("scale", abs(scale)), ("a layer's logit softcap", softcap)):
+        if value is not None and not FP32_TINY <= value <= FP32_MAX:
+            raise AttentionShapeError(f"{name} must have a magnitude fp32 holds, in "
+                                      f"[{FP32_TINY:.4g}, {FP32_MAX:.4g}], got {value!r}")
 
 
 def check_query(q: torch.Tensor, k: torch.Tensor, lens: BatchLens, batch_shape, what: str) -> None:
