@@ -44,6 +44,7 @@ class AttentionBackend(ABC):
                              # on CUDA that is launch time, kernels run asynchronously
     layer_features: ClassVar[frozenset[str]] = frozenset()   # of "window", "softcap"
     kv_dtypes: ClassVar[frozenset[torch.dtype]] = frozenset()   # K/V dtypes read besides q's
+    max_query_heads_per_kv_head: ClassVar[Optional[int]] = None   # None: any group size
 
     @classmethod
     def available(cls) -> Availability:

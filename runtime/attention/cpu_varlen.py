@@ -56,6 +56,7 @@ class CpuVarlenBackend(AttentionBackend):
     Results are the same as unsplit up to fp32 rounding.
     """
     name = "cpu-varlen"
+    max_query_heads_per_kv_head = MAX_ROWS   # a work item's rows
     devices = frozenset({"cpu"})
     kinds = frozenset({"vmem", "paged"})
     supports_kv_starts = True

@@ -69,11 +69,13 @@ _PREFERENCE = {
 
 
 def fastest_backend(kind: str, device: str, block_size: Optional[int] = None,
-                    dtype=None, kv_dtype=None) -> str:
+                    dtype=None, kv_dtype=None, group: Optional[int] = None) -> str:
     """Name of the fastest available backend for a ``kind`` cache ("vmem" or "paged") on ``device`` ("cpu" or "cuda")
     that takes ``dtype`` (a torch dtype; None: any). FlashAttention-2 has no fp32 kernel, so
     an fp32 model on CUDA gets ``sdpa``; ``kv_dtype``: the cache's storage dtype when it is
-    not ``dtype`` (kv_cache_dtype), which the backend must read (``AttentionBackend.kv_dtypes``)."""
+    not ``dtype`` (kv_cache_dtype), which the backend must read (``AttentionBackend.kv_dtypes``);
+    ``group``: query heads per KV head, which it must take (cpu-varlen: 64 at most; a 71/1 model
+    was refused by the engine's self-check, naming the kernel, where sdpa runs it)."""
     device = device.split(":")[0]
     if (kind, device) not in _PREFERENCE:
         raise UnsupportedError(f"no attention backend for cache kind {kind!r} on device {device!r}; "
@@ -84,6 +86,9 @@ def fastest_backend(kind: str, device: str, block_size: Optional[int] = None,
         if dtype is not None and dtype not in backend_class(name).dtypes:
             continue
         if kv_dtype not in (None, dtype) and kv_dtype not in backend_class(name).kv_dtypes:
+            continue
+        most = backend_class(name).max_query_heads_per_kv_head
+        if group is not None and most is not None and group > most:
             continue
         if availability(name):
             return name

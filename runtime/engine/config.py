@@ -323,3 +323,9 @@ def check_prefix_blocks(cfg: EngineConfig, cache_config) -> None:
             f"{tokens_per_page} tokens ({cfg.layout} layout): prefix hits are found in blocks of "
             f"block_size tokens of a page, and with this one only whole pages would be: give a "
             f"block_size that divides {tokens_per_page} (e.g. {dividing})")
+
+
+def query_group(model, cache_config) -> int:
+    """Query heads per KV head of ``model`` (its cache's KV heads): what an attention backend
+    must take (``fastest_backend``'s ``group``)."""
+    return model.config.get_text_config().num_attention_heads // cache_config.num_kv_heads
