@@ -101,7 +101,7 @@ class ElasticMemory:
 
     def _init_elastic(self, budget_share) -> None:
         self.memory_share = budget_share      # a MemoryBudget share, or None
-        if budget_share is not None:   # registered at cache_bytes; the pool holds whole pages
+        if budget_share is not None:   # registered at cache_bytes; the pool: whole page groups
             budget_share.built(self.kv.manager.cache_bytes)
         # an engine dropped without close() leaves the budget at the budget's next call after
         # it is collected (the finalizer holds the share, not the engine, and may run inside
@@ -155,8 +155,9 @@ class ElasticMemory:
         ``committed_bytes``, so the same call again changes nothing; per rank, as at
         construction: with spawned tensor-parallel ranks on the host, a fraction above
         1 / ``tensor_parallel_size`` is refused); returns the bytes it uses
-        after (rounded down to whole pages). Growing creates pages as they are mapped; shrinking
-        gives back free and cached pages, then, with ``preempt``, preempts running requests
+        after (rounded down to whole page groups, the pool's resize step). Growing creates pages
+        as they are mapped; shrinking gives back free and cached pages, then, with ``preempt``,
+        preempts running requests
         from the newest (swapped or recomputed as ``preemption`` says: none is dropped).
         CacheResizeError, nothing changed, when it cannot: bytes running requests hold
         (without ``preempt``), a waiting request that would no longer fit, past
@@ -196,12 +197,12 @@ class ElasticMemory:
     def _resize_pool(self, cache_bytes: int, preempt: bool, partial: bool,
                      check_fit: bool) -> int:
         mgr = self.kv.manager
-        # whole pages, as the pool counts them (EngineConfig.max_cache_bytes itself was refused)
+        # whole page groups (resize steps), as the pool counts them (max_cache_bytes was refused)
         whole = cache_bytes - cache_bytes % mgr.resize_step_bytes
         if whole > mgr.max_cache_bytes:
-            raise CacheResizeError(f"cache_bytes={cache_bytes} ({whole} in whole pages) exceeds "
-                                   f"max_cache_bytes={mgr.max_cache_bytes} (EngineConfig."
-                                   f"max_cache_bytes in whole pages: the pool's page ids are "
+            raise CacheResizeError(f"cache_bytes={cache_bytes} ({whole} in whole page groups) "
+                                   f"exceeds max_cache_bytes={mgr.max_cache_bytes} (EngineConfig."
+                                   f"max_cache_bytes in whole page groups: the pool's page ids are "
                                    f"reserved at construction)")
         growth = cache_bytes - mgr.cache_bytes
         try:   # no other engine's check runs between this one's and the size it promises

@@ -32,6 +32,6 @@ def test_resize_to_the_configured_max_between_two_pages_gives_the_whole_pages_be
                 max_context=256) as engine:
         assert engine.resize_cache(300_000) == 294_912 == engine.cache_bytes
         with pytest.raises(CacheResizeError, match=r"cache_bytes=311296 \(311296 in whole "
-                                                   r"pages\) exceeds max_cache_bytes=294912"):
+                                                   r"page groups\) exceeds max_cache_bytes=294912"):
             engine.resize_cache(294_912 + 16 * 1024)
         assert engine.cache_bytes == 294_912
