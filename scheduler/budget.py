@@ -267,16 +267,16 @@ class BudgetShare:
             return granted
 
     def withdraw(self) -> None:
-        """Stop asking (an engine going to sleep), its pressure withdrawn: no share yields nor
-        gives to it until it asks again."""
+        """Stop asking (an engine asleep), its pressure withdrawn: none yields to it till asked."""
         with self.budget._locked():
             self.blocked, self.ask_bytes = False, 0
             self.budget._withdraw_pressure(self)
 
     def built(self, cache_bytes: int) -> None:
-        """Its cache was built holding ``cache_bytes`` (whole pages): the rest, no give counted."""
-        with self.budget._locked():
+        """Its cache holds ``cache_bytes`` (whole page groups): no more held, nor as its minimum."""
+        with self.budget._locked():   # no give counted; a minimum above it claimed unheld bytes
             self.held_bytes = self.stats.held_bytes = min(self.held_bytes, cache_bytes)
+            self.min_bytes = self.stats.min_bytes = min(self.min_bytes, self.held_bytes)
 
     def unregister(self) -> None:
         """Give everything back and leave the budget (an engine closed or collected); the

@@ -35,3 +35,13 @@ def test_resize_to_the_configured_max_between_two_pages_gives_the_whole_pages_be
                                                    r"page groups\) exceeds max_cache_bytes=294912"):
             engine.resize_cache(294_912 + 16 * 1024)
         assert engine.cache_bytes == 294_912
+
+
+def test_a_share_whose_minimum_is_between_two_page_groups_claims_only_what_it_holds():
+    # min_cache_bytes defaults to cache_bytes: 100000 claimed 1696 bytes the pool never held
+    budget = MemoryBudget(total_bytes=1 << 20, idle_release_s=100.0)
+    with Engine(model(), memory_budget=budget, cache_bytes=100_000, page_bytes=4096,
+                max_context=256) as engine:
+        share = budget.stats()["shares"][engine.memory_share.name]
+        assert share.min_bytes == share.held_bytes == 98_304
+        assert budget.stats()["unclaimed_bytes"] == (1 << 20) - 98_304
