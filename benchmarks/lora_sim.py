@@ -4,8 +4,8 @@
     python -m vmemkv.benchmarks.lora_sim [--requests 2000] [--rate 40] [--adapters 10 100 1000]
                                          [--static-rank64 8 32] [--out FILE.json]
 
-Llama-3-8B on one H100 (the simulator's defaults: roofline cost, paged 16-token blocks, 1%
-watermark, recompute preemption), 20 GB for KV and adapters together. The workload: the
+Llama-3-8B on one H100 (``SimConfig``'s defaults: roofline cost, paged 16-token blocks, no
+admission watermark, recompute preemption), 20 GB for KV and adapters together. The workload: the
 standard workload's lengths (seed 0) with Poisson arrivals at RATE requests/s, every request
 naming one of N adapters drawn Zipf(1) (S-LoRA's power law), each adapter's rank drawn from
 {8, 16, 32, 64} (LoRA on q, k, v, o, fp16: 13.6 to 109 MB for Llama-3-8B). Adapter loads are
