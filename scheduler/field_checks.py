@@ -5,6 +5,8 @@ allowed range."""
 from __future__ import annotations
 
 import math
+import os
+from typing import Optional
 
 from .errors import ConfigError
 
@@ -39,3 +41,11 @@ def check_seed(owner: str, value) -> None:
     """A seed names one workload on every machine: an int >= 0 (None would draw fresh OS
     entropy, a different workload on every call)."""
     check_int(f"{owner}.seed", value, 0)
+
+
+def file_name(value) -> Optional[str]:
+    """``value`` as a file name: a str, or the one an os.PathLike names; None for anything else
+    (an int, which open() takes as a file descriptor: it read and closed the caller's)."""
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    return value if isinstance(value, str) else None

@@ -57,11 +57,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Dict
 
 from .errors import ConfigError
+from .field_checks import file_name
 from .geometry import LAYOUT_CHOICES
 from .presets import ModelSpec
 
@@ -142,11 +142,12 @@ def step_features(batch: int, new_tokens: int, context_tokens: int, prefill_pair
 def load_profile(path: str) -> Dict:
     """The profile at ``path`` (a str or os.PathLike file name), checked; ConfigError naming
     the file and what is wrong."""
-    if isinstance(path, bool) or not isinstance(path, (str, bytes, os.PathLike)):
+    name = file_name(path)
+    if name is None:                   # open(3) read, then closed, the caller's descriptor
         raise ConfigError(f"device profile must be a file name (str or os.PathLike), got "
-                          f"{path!r}")     # open(3) read, then closed, the caller's descriptor
+                          f"{path!r}")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(name, encoding="utf-8") as f:
             profile = json.load(f)
     except (OSError, ValueError, RecursionError) as error:   # bad JSON, or nested too deep
         why = "nested too deeply" if isinstance(error, RecursionError) else error

@@ -15,12 +15,12 @@ import gzip
 import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterable, Optional, Sequence, Tuple
 
 from .cliargs import file_problem
 from .errors import ConfigError
+from .field_checks import file_name
 from .result_files import atomic_open
 
 if TYPE_CHECKING:
@@ -92,12 +92,11 @@ def trace_file_name(path, name: str) -> str:
     """``path``, a bundled trace's name or a file name (a str, or an os.PathLike naming one),
     as a str; ConfigError naming ``name`` otherwise (an int was opened as the caller's file
     descriptor, read and closed; a pathlib.Path raised AttributeError)."""
-    if isinstance(path, os.PathLike):
-        path = os.fspath(path)
-    if not isinstance(path, str):
+    checked = file_name(path)
+    if checked is None:
         raise ConfigError(f"{name}: a trace is a bundled trace's name or a file name (str or "
                           f"os.PathLike), got {type(path).__name__} {_short(path)}")
-    return path
+    return checked
 
 
 def check_trace_name(path: str, name: str = "write_trace") -> None:
