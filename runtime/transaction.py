@@ -21,6 +21,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Callable, Optional, Tuple, TypeVar
 
+from vmemkv.runtime.interrupts import deferred_interrupts
 from vmemkv.scheduler.errors import TransactionStateError
 from vmemkv.scheduler.plan import StepPlan
 
@@ -70,15 +71,19 @@ class StepTransaction:
 
     def run(self, make_plan: Callable[[], StepPlan], *undo: Undo) -> Tuple[StepPlan, T]:
         """begin, ``make_plan()`` (planner calls, returning their plan), execute, commit: all
-        of it or none (any exception rolls back and propagates). Returns (plan, result)."""
-        self.begin(*undo)
-        try:
-            plan = make_plan()
-            result = self._execute(plan)
-        except BaseException:
-            self.rollback()
-            raise
-        self.commit()
+        of it or none (any exception rolls back and propagates). Returns (plan, result). A
+        Ctrl-C lands after the commit (``deferred_interrupts``): one between the executor's
+        return and the commit rolled the planners back over memory the executor had changed. A
+        caller with records to update after ``run`` holds Ctrl-C over both the same way."""
+        with deferred_interrupts():
+            self.begin(*undo)
+            try:
+                plan = make_plan()
+                result = self._execute(plan)
+            except BaseException:
+                self.rollback()
+                raise
+            self.commit()
         return plan, result
 
     def executed(self, *undo: Undo) -> None:

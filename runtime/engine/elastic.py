@@ -24,6 +24,7 @@ from typing import Optional
 
 from vmemkv.runtime import memory
 from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device, same_device
+from vmemkv.runtime.interrupts import deferred_interrupts
 from vmemkv.scheduler.errors import CacheResizeError
 from vmemkv.scheduler.layout import CacheKind
 
@@ -209,14 +210,15 @@ class ElasticMemory:
             with memory.PROMISES_LOCK:
                 if growth > 0:
                     self._check_growth_fits(growth, cache_bytes)
-                self._txn.run(lambda: self.scheduler.resize(cache_bytes, preempt, check_fit,
-                                                            partial))
+                with deferred_interrupts():   # a Ctrl-C lands after the counts agree
+                    self._txn.run(lambda: self.scheduler.resize(cache_bytes, preempt,
+                                                                check_fit, partial))
+                    self.resizes += 1
+                    # its preemptions (sleep, resize_cache(preempt=True), a yield): no step's
+                    self._preempted_last = self.scheduler.metrics.num_preemptions
         except TensorParallelError as error:   # a rank died or hung, as in step: requests
             self.abandon(error)                # fail (run rolled back: abandon's finds nothing)
             raise
-        self.resizes += 1
-        # its preemptions (sleep, resize_cache(preempt=True), a yield) are not a step's
-        self._preempted_last = self.scheduler.metrics.num_preemptions
         return mgr.cache_bytes
 
     def _check_growth_fits(self, growth: int, cache_bytes: int) -> None:
@@ -317,8 +319,9 @@ class ElasticMemory:
         before = self.cache_bytes
         if self.memory_share is not None:
             self.memory_share.withdraw()      # asleep, it asks nobody to yield to it
-        self._resize(0, preempt=True, check_fit=False)
-        self._asleep_bytes = before
+        with deferred_interrupts():   # a Ctrl-C lands once asleep is recorded
+            self._resize(0, preempt=True, check_fit=False)
+            self._asleep_bytes = before
         return before
 
     def wake(self) -> int:
@@ -331,8 +334,9 @@ class ElasticMemory:
         target = self._asleep_bytes
         if self.memory_share is not None:
             target = self.memory_share.grant(target)
-        self._resize(target, preempt=False, check_fit=False)
-        self._asleep_bytes = None
+        with deferred_interrupts():   # a Ctrl-C lands once awake is recorded
+            self._resize(target, preempt=False, check_fit=False)
+            self._asleep_bytes = None
         return self.cache_bytes
 
     @property

@@ -30,6 +30,7 @@ from vmemkv.runtime.attention import fastest_backend, get_backend
 from vmemkv.runtime.kv import make_kv
 from vmemkv.runtime.models import eos_token_ids
 from vmemkv.runtime.errors import PlanExecutionError
+from vmemkv.runtime.interrupts import deferred_interrupts
 from vmemkv.runtime.hf.attention import hold_vmemkv_attention, release_vmemkv_attention
 from vmemkv.runtime.hf.support import check_model_supported
 from vmemkv.runtime.transaction import StepTransaction
@@ -38,8 +39,8 @@ from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from .config import (EngineConfig, cache_config_for, check_engine_arguments, kv_scales_for,
                      query_group, resolved_layout)
-from .tensor_parallel import (check_tensor_parallel_engine, interrupts_between_steps,
-                              kv_heads_per_rank, rank_kv_scales, start_tensor_parallel)
+from .tensor_parallel import (check_tensor_parallel_engine, kv_heads_per_rank, rank_kv_scales,
+                              start_tensor_parallel)
 from .call_checks import check_callback, check_tokenizer
 from .errors import EngineClosedError, EngineConfigError, TensorParallelError
 from .lifecycle import RequestLifecycle
@@ -211,8 +212,8 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         with every request intact. ``on_token`` callbacks run after the step is recorded."""
         self._refuse_step_inside_step()
         self._drop_forgotten()     # streams closed by other threads meanwhile (submission.py)
-        with interrupts_between_steps(self.tp is not None):
-            return self._step()
+        with deferred_interrupts(self.tp is not None):   # a rank cut inside a collective
+            return self._step()                           # would hang every other rank
 
     def _step(self) -> List[TokenEvent]:
         if self._closed:

@@ -53,6 +53,7 @@ from functools import partial
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from vmemkv.runtime.errors import PlanExecutionError
+from vmemkv.runtime.interrupts import deferred_interrupts
 from vmemkv.runtime.transaction import Phase
 from vmemkv.scheduler.errors import RequestTooLargeError
 from vmemkv.scheduler.plan import StepPlan
@@ -69,8 +70,7 @@ from .sampler import restore_generators
 
 def culprit_seq_ids(ops: list, op_index: Optional[int]) -> Set[int]:
     """The seq id the failed op ``ops[op_index]`` was planned for: its ``owner``, set by the
-    manager that emitted it (empty for a reclaiming op, or when no op is named). Reads nothing
-    but the plan."""
+    manager that emitted it (empty for a reclaiming op, or no op named). Reads only the plan."""
     if op_index is None or not 0 <= op_index < len(ops):
         return set()
     owner = ops[op_index].owner
@@ -341,18 +341,18 @@ class RequestLifecycle:
     def _end_request(self, request_id: int, status: SeqState,
                      error: Optional[BaseException] = None) -> None:
         """End a live request ``status`` (ABORTED or FAILED) in one transaction: the scheduler
-        releases its sequences and what that frees (swap buffers included) leaves the manager
-        as a plan of no sequences run as a step's is (``_execute``: with tensor parallelism on
-        every rank). A rank that dies or hangs meanwhile closes the engine (``abandon``)."""
-        try:
-            plan, _ = self._txn.run(lambda: ending_plan(self.scheduler, self.kv, request_id,
-                                                        status))
+        releases its sequences, what that frees (swap buffers too) leaves the manager as a plan
+        run as a step's is (on every rank); a rank that dies or hangs closes the engine."""
+        try:   # a Ctrl-C lands after the records agree with the plan run
+            with deferred_interrupts():
+                plan, _ = self._txn.run(lambda: ending_plan(self.scheduler, self.kv,
+                                                            request_id, status))
+                for seq_id in plan.finished:
+                    self.scheduler.forget(seq_id)
+                self._mark_ended(request_id, status, error)
         except TensorParallelError as tp_error:
             self.abandon(tp_error)   # run() rolled back: abandon's rollback finds nothing
             raise
-        for seq_id in plan.finished:
-            self.scheduler.forget(seq_id)
-        self._mark_ended(request_id, status, error)
 
     def _mark_ended(self, request_id: int, status: SeqState, error: BaseException | None) -> None:
         """Request ``request_id``'s records end ``status``; its memory is the caller's to free."""

@@ -30,6 +30,7 @@ from typing import Collection, Dict, List, Optional, Tuple
 
 import torch
 
+from vmemkv.runtime.interrupts import deferred_interrupts
 from vmemkv.runtime.hf.attention import (STEP_KWARG, StepContext, model_lock,
                                          use_vmemkv_attention)
 
@@ -75,8 +76,9 @@ class ModelRunner:
         self.prompt_logits = {}
         start = time.perf_counter()
         try:
-            self.cache.execute(plan.ops)
-            self.ops_applied = True        # from here a failure keeps the memory (lifecycle)
+            with deferred_interrupts():    # a Ctrl-C between the two lands after both
+                self.cache.execute(plan.ops)
+                self.ops_applied = True    # from here a failure keeps the memory (lifecycle)
             self.cache.apply_tables(plan.tables)
         finally:
             start = self._add("plan", start)

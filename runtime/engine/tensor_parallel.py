@@ -3,10 +3,6 @@
 The distributed package is imported on first use: a single-process engine never loads it."""
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
-
 import torch
 
 from .errors import TensorParallelConfigError, TensorParallelMismatchError  # noqa: F401
@@ -107,31 +103,3 @@ def check_shards(model, tp, dtype, reference, max_context: int) -> None:
             f"the {tp.world} tensor-parallel ranks' sharded forward differs from the unsharded "
             f"{type(model).__name__} on rank 0 by {err:.3g} in a logit (allowed {allowed:.3g}); "
             f"refusing to serve wrong tokens (self_check=False skips this check and is unsafe)")
-
-
-@contextlib.contextmanager
-def interrupts_between_steps(enabled: bool):
-    """A Ctrl-C (SIGINT) during the block lands after it, as KeyboardInterrupt: a tensor-parallel
-    step cut inside a collective left the other ranks in it, so the next step's plan broadcast
-    met their pending all_reduce and the engine closed after ``tp_timeout_s``, every request
-    lost; finished, the step is recorded on every rank and ``run_until_done`` resumes. A second
-    Ctrl-C raises at once (a hung rank; the engine then closes at its next collective). Only on
-    the main thread with Python's own SIGINT handler in place (else the block runs as is)."""
-    if not enabled or threading.current_thread() is not threading.main_thread() \
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    caught = []
-
-    def defer(signum, frame):
-        if caught:                          # the second: at once
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
-        caught.append(signum)
-    signal.signal(signal.SIGINT, defer)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if caught:
-        raise KeyboardInterrupt

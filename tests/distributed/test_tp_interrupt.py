@@ -2,7 +2,7 @@
 forward, it left rank 1 in the layer's all_reduce: the next step's plan broadcast met it, and
 after ``tp_timeout_s`` the engine closed with every request lost, though docs/usage.md says
 ``run_until_done`` resumes after a Ctrl-C with exactly the tokens of an uninterrupted run. The
-interrupt now lands after the step, on the main thread (``interrupts_between_steps``)."""
+interrupt now lands after the step, on the main thread (``runtime/interrupts.py``)."""
 from __future__ import annotations
 
 import signal
