@@ -1,5 +1,5 @@
-"""The engine's elastic KV memory: ``resize_cache``, ``sleep``/``wake`` and a shared
-``MemoryBudget`` (scheduler/budget.py), each resize one step transaction like a request's
+"""The engine's elastic KV memory: ``resize_cache``, ``sleep``/``wake``, ``reset_prefix_cache``
+and a shared ``MemoryBudget`` (scheduler/budget.py), each one step transaction like a request's
 ending (the scheduler's plan of unmaps, preemptions and ReleasePages, run by ``_execute``,
 so every tensor-parallel rank applies it).
 
@@ -27,63 +27,12 @@ from vmemkv.runtime.memory import bytes_from_fraction, check_fits_device, same_d
 from vmemkv.runtime.interrupts import deferred_interrupts
 from vmemkv.scheduler.errors import CacheResizeError
 from vmemkv.scheduler.layout import CacheKind
+from vmemkv.scheduler.plan import StepPlan
 
+from .budget_share import budget_share_for
 from .config import cache_budget_bytes
 from .errors import EngineClosedError, EngineSleepingError, TensorParallelError
 from .tensor_parallel import check_ranks_fit
-
-
-def budget_share_for(budget, cfg, cache_bytes: int, name: str, register: bool = True,
-                     device=None):
-    """The engine's share of ``budget`` (None without one): ``cache_bytes`` held now,
-    ``min_cache_bytes`` (default: those) reserved, up to ``max_cache_bytes`` (default: the
-    budget's total). EngineConfigError when the budget cannot hold it, when
-    ``min_cache_bytes`` is above ``cache_bytes`` or the max, or given without a budget.
-    ``register=False``: only the checks (before anything is built); returns None. ``device``:
-    the cache's, whose total memory the budget's total may not exceed."""
-    from .errors import EngineConfigError
-    low = cache_bytes if cfg.min_cache_bytes is None else cfg.min_cache_bytes
-    if budget is None:
-        if cfg.min_cache_bytes is not None:
-            raise EngineConfigError(f"min_cache_bytes={cfg.min_cache_bytes} needs a "
-                                    f"memory_budget (the bytes it reserves are the budget's)")
-        return None
-    from vmemkv.scheduler.budget import MemoryBudget
-    from vmemkv.scheduler.errors import ConfigError
-    if not isinstance(budget, MemoryBudget):
-        raise EngineConfigError(f"memory_budget must be a MemoryBudget, got {type(budget).__name__}")
-    if cfg.cache != "vmem":
-        raise EngineConfigError(f"a MemoryBudget needs cache='vmem' (only its pool resizes), "
-                                f"got {cfg.cache!r}")
-    high = budget.total_bytes if cfg.max_cache_bytes is None else cfg.max_cache_bytes
-    for what, limit in ((f"cache_bytes ({cache_bytes})", cache_bytes),
-                        (f"the share's max ({high}: max_cache_bytes, else the budget's total)",
-                         high)):
-        if low > limit:
-            raise EngineConfigError(f"min_cache_bytes ({low}) is above {what}: the engine "
-                                    f"starts at cache_bytes and may hold no more than its max")
-    if device is not None:
-        _check_budget_fits_device(budget.total_bytes, device)
-    if not register:
-        return None
-    try:
-        return budget.register(name, low, high, cache_bytes)
-    except ConfigError as error:
-        raise EngineConfigError(f"memory_budget: {error}") from None
-
-
-def _check_budget_fits_device(total_bytes: int, device) -> None:
-    """EngineConfigError when the budget's ``total_bytes`` (one device's memory, and a share's
-    max by default) exceeds ``device``'s total memory: no engine may be promised memory the
-    device does not have. Checked before anything is built."""
-    from .errors import EngineConfigError
-    device_bytes = memory.device_memory_bytes(device)
-    if device_bytes is None or total_bytes <= device_bytes:
-        return
-    where = "host MemTotal" if device.type == "cpu" else f"{device} total memory"
-    raise EngineConfigError(f"memory_budget: its total_bytes ({total_bytes}) exceeds the "
-                            f"{where} ({device_bytes} bytes); give the MemoryBudget at "
-                            f"most the memory of the device its engines share")
 
 
 class ElasticMemory:
@@ -306,6 +255,27 @@ class ElasticMemory:
             return None
         room = max(0, avail - self.unfilled_swap_bytes) // self._pool_copies()
         return self.committed_bytes + room
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every prefix-cache entry no live request holds (vLLM's ``reset_prefix_cache``):
+        later prompts compute those tokens again (a benchmark's cold start); what live requests
+        hold stays theirs, and stays findable. One transaction, as a resize is (every
+        tensor-parallel rank applies it). Returns the cached tokens evicted (the
+        ``prefix_cache_cached_tokens`` gauge before; 0 without prefix sharing or asleep)."""
+        if self._closed:
+            raise EngineClosedError("reset_prefix_cache after close(): the cache is released")
+        mgr = self.kv.manager
+        evicted = mgr.cached_tokens
+
+        def evict() -> StepPlan:
+            mgr.reset_prefix_cache()
+            return StepPlan([], mgr.take_ops())
+        try:
+            self._txn.run(evict)
+        except TensorParallelError as error:   # a rank died or hung: as in a resize
+            self.abandon(error)
+            raise
+        return evicted
 
     def sleep(self) -> int:
         """Give every physical KV page back to the device: running requests are preempted

@@ -297,7 +297,7 @@ def tagged(ids: List[int]):
 # (``output`` guards itself when it pops)
 GUARDED = ("step", "generate", "chat", "run_until_done", "beam_search", "add_request",
            "add_beam_request", "add_all", "abort", "close", "abandon", "sleep", "wake",
-           "resize_cache", "rebalance_memory", "add_lora", "remove_lora")
+           "resize_cache", "rebalance_memory", "reset_prefix_cache", "add_lora", "remove_lora")
 
 
 def single_threaded(cls):

@@ -9,6 +9,9 @@ device), wake it, resize its cache. Each runs on the engine thread between two s
     GET  /is_sleeping                            -> {"is_sleeping": bool}
     POST /resize       {"cache_bytes": N} or {"memory_utilization": F}, "preempt": bool
                                                  -> {"cache_bytes": N}
+    POST /reset_prefix_cache  {} or no body      -> {"evicted_tokens": N}
+                       (every cached prefix no request in flight holds: a benchmark's cold
+                       start; an operator route, as a tenant could slow every other one)
 
 Bodies are parsed as strictly as the completions request (a 400 naming the field: a wrong
 type, an unknown field, both or neither of ``cache_bytes`` and ``memory_utilization``). What the
@@ -43,6 +46,10 @@ class SleepRequest(BaseModel):
 
 
 class WakeUpRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ResetPrefixCacheRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
@@ -146,6 +153,13 @@ def add_admin_routes(app: FastAPI, server: EngineThread) -> None:
             return engine.resize_cache(req.cache_bytes, memory_utilization=req.memory_utilization,
                                        preempt=req.preempt)
         return {"cache_bytes": await _on_engine(server.call(work), req.field)}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> dict:
+        _query_values(request.query_params, "", ())
+        _parse(await request.body(), ResetPrefixCacheRequest)
+        evicted = await _on_engine(server.call(lambda engine: engine.reset_prefix_cache()))
+        return {"evicted_tokens": evicted}
 
 
 async def _on_engine(future, param: Optional[str] = None):

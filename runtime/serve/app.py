@@ -9,7 +9,7 @@
                                 id not served
     GET  /health                200 while the engine thread runs, else 503
     GET  /metrics               Prometheus text, vLLM's names under "vmemkv:"
-    POST /sleep, /wake_up, /resize, GET /is_sleeping
+    POST /sleep, /wake_up, /resize, /reset_prefix_cache, GET /is_sleeping
                                 vLLM's elastic-memory routes, on the engine thread (admin.py)
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter
                                 adapters at run time, inside --lora-root (lora_routes.py)

@@ -7,8 +7,8 @@
                       (401 otherwise); ``/metrics`` needs ``--metrics-key`` when one is set (else
                       an API key; with ``--salt-per-key`` the admin key, never a tenant's: it
                       counts every tenant's tokens and prefix hits, so a tenant's key is 403);
-                      the operator routes (``ADMIN_PATHS``: sleep, wake, resize,
-                      load and unload adapters) need ``--admin-key`` when one is set, else an
+                      the operator routes (``ADMIN_PATHS``: sleep, wake, resize, reset
+                      the prefix cache, load and unload adapters) need ``--admin-key`` when one is set, else an
                       API key, but never a tenant's: with ``--salt-per-key`` (each key a tenant)
                       and no admin key they answer 403. Keys are visible ASCII (what an HTTP
                       header carries) compared in constant time (``hmac.compare_digest``, every
@@ -46,7 +46,8 @@ SALT_SCOPE_KEY = "vmemkv.key_salt"
 KEY_SCOPE_KEY = "vmemkv.api_key"     # the API key that opened the request (never sent anywhere)
 OPEN_PATHS = ("/health",)
 # routes that change the server for every client: an operator's, never a tenant's
-ADMIN_PATHS = ("/sleep", "/wake_up", "/resize", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+ADMIN_PATHS = ("/sleep", "/wake_up", "/resize", "/reset_prefix_cache", "/v1/load_lora_adapter",
+               "/v1/unload_lora_adapter")
 
 
 @dataclass(frozen=True)

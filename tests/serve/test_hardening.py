@@ -72,6 +72,7 @@ def test_operator_routes_take_the_admin_key_and_never_a_tenants(server):
     # any tenant's key could put the engine to sleep for all (503 for every other tenant),
     # resize the cache to 0 bytes, or replace another tenant's adapter under its name
     for path, body in (("/sleep", {}), ("/wake_up", {}), ("/resize", {"cache_bytes": 0}),
+                       ("/reset_prefix_cache", {}),
                        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "x"}),
                        ("/v1/unload_lora_adapter", {"lora_name": "x"})):
         refused = local_http.post(server.url + path, json=body, headers=auth(K1), timeout=30)
