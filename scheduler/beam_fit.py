@@ -22,7 +22,8 @@ Counted in the pool's own units, blocks or pages. A vmem unit (a page group) spa
 their bytes need (a token straddles two pages: ``PoolBacking.BYTES``, scheduler/geometry.py) a
 beam's partial copy holds ``member_pages_for(fill)`` pages of each. Beams that diverge hold more
 than this least (each its own copies of the units since they parted): those fail when the pool
-runs out, as any request that outgrows it does.
+runs out, as any request that outgrows it does. A reserve policy shares nothing: from the first
+decode step the group holds ``beam_width`` whole reservations (a fork copies its parent's).
 """
 from __future__ import annotations
 
@@ -47,6 +48,11 @@ def check_beam_group_fits(request, manager, *, max_running: int,
         raise RequestTooLargeError(
             f"request {request.request_id}: beam_width {width} exceeds the {max_running} "
             f"sequences a step runs (max_running)", None, "beam_width")
+    from .managers.reserve import ReserveManager   # (managers import this module's users)
+    if isinstance(manager, ReserveManager):          # a fork copies the whole reservation
+        if request.max_tokens >= 2:
+            _check_reserved_group_fits(request, manager, width)
+        return
     pools = _pools(manager, reach_bytes, wake_bytes)
     if request.max_tokens < 2 or pools is None:
         return
@@ -70,6 +76,18 @@ def check_beam_group_fits(request, manager, *, max_running: int,
             f"{'' if reach_bytes is None else ' (the most its MemoryBudget share can hold)'}"
             f"{f' at its current size; resized back up it holds {most}' if shrunk else ''}",
             None, "beam_width")
+
+
+def _check_reserved_group_fits(request, manager, width: int) -> None:
+    """A reserve policy holds a sequence's reservation from admission and a fork copies it:
+    from its first decode step the group holds ``width`` reservations, one per beam."""
+    each = manager.reservation_tokens(request.max_total_len)
+    if width * each > manager.total_tokens:
+        raise RequestTooLargeError(
+            f"request {request.request_id}: a beam search of {width} beams holds {width} "
+            f"reservations of {each} tokens ({manager.name}: a fork copies its parent's) from "
+            f"its first decode step, {width * each} tokens; more than the cache's "
+            f"{manager.total_tokens}", None, "beam_width")
 
 
 def beam_fit_tokens(prompt: int, width: int, runs_to_max_tokens: bool, manager, limit: int, *,

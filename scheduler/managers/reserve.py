@@ -45,6 +45,10 @@ class ReserveManager(ManagerCore):
         return min(self.max_seq_len, self.total_tokens)
 
     # -- reservation size --
+    def reservation_tokens(self, final_tokens: int) -> int:
+        """Tokens a sequence of ``final_tokens`` at most holds from admission (unchecked)."""
+        return final_tokens if self.oracle else self.max_seq_len
+
     def _reservation(self, num_tokens: int, final_tokens: Optional[int]) -> int:
         """Tokens to hold for a new sequence (raises on bad arguments, changes nothing)."""
         self._check_length(num_tokens)
