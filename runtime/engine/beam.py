@@ -221,7 +221,8 @@ class BeamSearching:
                 c.token_times_s = [now] * len(c.token_ids)   # every token arrives now
                 last = len(c.token_ids) - 1
                 events += [TokenEvent(rid, c.index, t, j == last, c.finish_reason if j == last
-                                      else None, c.text or "" if j == last else "", c.logprobs[j])
+                                      else None, c.text or "" if j == last else "", c.logprobs[j],
+                                      c.stop_reason if j == last else None)
                            for j, t in enumerate(c.token_ids)]
         return events
 
@@ -236,8 +237,10 @@ class BeamSearching:
             decode = partial(decode_tokens, self.tokenizer, h.token_ids,
                              params.skip_special_tokens, request_id)
             text = decode_at_end(decode) if ending else decode()
+        last = h.token_ids[-1] if h.token_ids else None   # vLLM's stop_reason: a stop_token_id
+        stop = last if h.finish_reason == "stop" and last in params.stop_token_ids else None
         return CompletionOutput(index, list(h.token_ids), h.finish_reason, text,
-                                logprobs=list(h.logprobs), beam_score=h.score)
+                                logprobs=list(h.logprobs), beam_score=h.score, stop_reason=stop)
 
     def _end_beams(self, request_id: int, reason: str) -> None:
         """A beam request ended early (aborted, failed, closed): its output holds what it has,

@@ -33,7 +33,7 @@ computed again. Where a request ends early, its text is what was shown (``decode
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional, Sequence, TypeVar
+from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
 
 from .errors import EngineError
 
@@ -103,12 +103,17 @@ class IncrementalText:
         self.request_id = request_id   # named by a TokenDecodeError
         self.token_ids: List[int] = []
         self.text = ""              # what has been shown (the deltas so far)
-        self.stopped = False        # a stop string ended the text
+        self.stopped_by: Optional[str] = None   # the stop string that ended the text
         self._decoded = ""          # complete characters decoded so far
         self._prefix = self._read = 0
         self._min_tokens_chars = 0  # len(_decoded) after the first min_tokens tokens: a stop
                                     # string must end beyond it
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string ended the text."""
+        return self.stopped_by is not None
 
     def add(self, token_id: int, last: bool = False) -> str:
         """Take the sample's next token (``last``: it ends the sample, flush everything).
@@ -132,11 +137,11 @@ class IncrementalText:
 
     def save(self) -> tuple:
         """What ``add`` and ``finish`` change, for ``restore`` (a step that was not recorded)."""
-        return (len(self.token_ids), self.text, self.stopped, self._decoded, self._prefix,
+        return (len(self.token_ids), self.text, self.stopped_by, self._decoded, self._prefix,
                 self._read, self._min_tokens_chars)
 
     def restore(self, saved: tuple) -> None:
-        (tokens, self.text, self.stopped, self._decoded, self._prefix, self._read,
+        (tokens, self.text, self.stopped_by, self._decoded, self._prefix, self._read,
          self._min_tokens_chars) = saved
         del self.token_ids[tokens:]
 
@@ -165,16 +170,16 @@ class IncrementalText:
         # incomplete (max_tokens cut it): no stop string matches what the model never wrote
         cut = self._stop_at(len(self._decoded.rstrip(REPLACEMENT)) if last else len(self._decoded))
         if cut is not None:
-            self.stopped, end = True, cut
+            end, self.stopped_by = cut
         else:
             end = len(self._decoded) if last else len(self._decoded) - self._hold
         delta = self._decoded[len(self.text):max(end, len(self.text))]
         self.text += delta
         return delta
 
-    def _stop_at(self, written_chars: int) -> Optional[int]:
-        """Where the text ends at the first stop string within its first ``written_chars``
-        (None: none yet, or the sample has at most ``min_tokens`` tokens). A stop string starts
+    def _stop_at(self, written_chars: int) -> Optional[Tuple[int, str]]:
+        """Where the text ends at the first stop string within its first ``written_chars``, and
+        that string (None: none yet, or the sample has at most ``min_tokens`` tokens). One starts
         at or after the shown text (one starting earlier would have been found before) and ends
         after ``_min_tokens_chars``."""
         if len(self.token_ids) <= self.min_tokens:
@@ -187,4 +192,4 @@ class IncrementalText:
         if not hits:
             return None
         at, stop = min(hits)
-        return at + len(stop) if self.include_stop else at
+        return (at + len(stop) if self.include_stop else at), stop

@@ -323,7 +323,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
                 if not req.remaining:
                     req.output.status = "finished"
             events.append(TokenEvent(req.output.request_id, sample.index, token, reason is not None,
-                                     reason, text, logprobs))
+                                     reason, text, logprobs, sample.completion.stop_reason))
         return events
 
     def run_until_done(self, on_step: Optional[Callable[[List[TokenEvent]], None]] = None) -> None:

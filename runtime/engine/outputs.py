@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from vmemkv.scheduler.metrics import latency_summary
 from vmemkv.scheduler.report import RequestTiming
@@ -22,6 +22,7 @@ class TokenEvent:
     text: str = ""                     # with a tokenizer: the text this token adds (complete
                                        # characters only; held back near a stop string)
     logprobs: Optional[TokenLogprobs] = None   # when SamplingParams.logprobs is set
+    stop_reason: Union[int, str, None] = None  # finished "stop": what stopped it (CompletionOutput)
 
 # The phases EngineStats splits step time into (each has a ``<phase>_s`` field).
 STEP_PHASES = ("schedule", "plan", "metadata", "model", "attention", "sample")
@@ -37,7 +38,9 @@ class CompletionOutput:
     "error" when its request was aborted / failed before the sample finished. ``text`` (with a
     tokenizer): the tokens' text, cut at the first stop string (``runtime/engine/detokenize``);
     while the sample runs, what its TokenEvents showed so far ("" before its first token).
-    ``logprobs``: one entry per token when SamplingParams.logprobs is set, else None."""
+    ``logprobs``: one entry per token when SamplingParams.logprobs is set, else None.
+    ``stop_reason`` (vLLM's): of a sample that ended "stop", the stop string that ended it, or
+    the token id of ``stop_token_ids`` that did; None for an EOS token and any other ending."""
     index: int
     token_ids: List[int]
     finish_reason: Optional[str] = None
@@ -47,6 +50,7 @@ class CompletionOutput:
     logprobs: Optional[List[TokenLogprobs]] = None
     beam_score: Optional[float] = None   # beam search: cumulative_logprob / tokens **
                                          # length_penalty, what the beams are ranked by
+    stop_reason: Union[int, str, None] = None
 
     @property
     def cumulative_logprob(self) -> Optional[float]:

@@ -73,6 +73,14 @@ class SampleRecord:
         """A stop string ended its text (the token that completed it is the last)."""
         return self.text is not None and self.text.stopped
 
+    def _stop_reason(self):
+        """vLLM's ``stop_reason`` of a sample that ended "stop": the stop string that ended its
+        text, else its last token when ``stop_token_ids`` holds it; None (an EOS token)."""
+        if self.stopped_by_text:
+            return self.text.stopped_by
+        last = self.completion.token_ids[-1]
+        return last if last in self.request.params.stop_token_ids else None
+
     def record(self, token: int, now: float, last: bool) -> Tuple[str, Optional[TokenLogprobs]]:
         """Append a sampled token (``last``: the scheduler finished the sample with it);
         returns (the text delta, the token's logprobs or None). With a tokenizer the
@@ -96,13 +104,13 @@ class SampleRecord:
         undone when the step is not recorded. Outputs only grow: their lengths are kept."""
         c, request = self.completion, self.request
         return (len(c.token_ids), len(c.token_times_s),
-                None if c.logprobs is None else len(c.logprobs), c.finish_reason, c.text,
-                None if self.text is None else self.text.save(),
+                None if c.logprobs is None else len(c.logprobs), c.finish_reason,
+                c.stop_reason, c.text, None if self.text is None else self.text.save(),
                 request.remaining, request.output.status)
 
     def restore(self, saved: tuple) -> None:
         c, request = self.completion, self.request
-        (tokens, times, logprobs, c.finish_reason, c.text, text,
+        (tokens, times, logprobs, c.finish_reason, c.stop_reason, c.text, text,
          request.remaining, request.output.status) = saved
         del c.token_ids[tokens:], c.token_times_s[times:]
         if logprobs is not None:
@@ -114,6 +122,8 @@ class SampleRecord:
         """The sample ended ``reason``: its text is flushed (the final decode)."""
         completion = self.completion
         completion.finish_reason = reason
+        if reason == "stop":
+            completion.stop_reason = self._stop_reason()
         if self.text is not None:
             self.text.finish()
             completion.text = self.text.text

@@ -86,7 +86,8 @@ class Interrupter:
 def results(outputs) -> list:
     """Everything a client gets back, per request and sample."""
     return [(o.status, o.prompt_logprobs,
-             [(c.token_ids, c.text, c.finish_reason, c.logprobs, len(c.token_times_s))
+             [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs,
+               len(c.token_times_s))
               for c in o.outputs]) for o in outputs]
 
 
