@@ -24,7 +24,9 @@ class StepRecording:
         """Record the step: every scheduled sequence has its new tokens cached; those that
         sampled get ``sampled[seq_id]`` appended. Finishes sequences on max_tokens or a stop
         token and forks n > 1 children. ``now`` (seconds) timestamps TTFT and inter-token
-        latency (default: the step count). Returns the seq ids finished by this update."""
+        latency (default: the step count). Returns the seq ids finished by this update.
+        SchedulerError, nothing recorded, when ``sampled`` lacks a sampling sequence's token."""
+        self._check_sampled(sampled)
         now = float(self._step) if now is None else now
         finished: List[Sequence] = []
         stride, computed = self._publish_stride, self.manager.mark_computed
@@ -60,6 +62,14 @@ class StepRecording:
         if not (self.running or self.swapped):   # idle: a leak shows in counters, O(1)
             self.manager.check_idle()
         return self._finished_ids
+
+    def _check_sampled(self, sampled: Dict[int, int]) -> None:
+        missing = [s.seq_id for s in self._decoded if s.seq_id not in sampled] + \
+            [s.seq_id for s, _, sample in self._scheduled if sample and s.seq_id not in sampled]
+        if missing:
+            raise SchedulerError(f"update: sampled has no token for sequence(s) {missing[:8]} "
+                                 f"({len(missing)} in all), which this step's plan sampled; "
+                                 f"nothing was recorded")
 
     def _on_sample(self, seq: Sequence, sampled: Dict[int, int], now: float,
                    finished: List[Sequence]) -> int:
