@@ -27,7 +27,7 @@ class Savepoint:
 
     __slots__ = ("waiting", "running", "swapped", "sequences", "seqs", "finished_ids",
                  "unfinished", "step", "admit_counter", "metrics", "latency_ends", "capacity",
-                 "starved")
+                 "starved", "private_orders")
 
     def __init__(self, scheduler) -> None:
         s, m = scheduler, scheduler.metrics
@@ -45,6 +45,7 @@ class Savepoint:
         self.capacity = (s.total_tokens, s.max_fit_tokens, s.max_fit_bytes,   # resize
                          s.watermark_tokens)
         self.starved = s.starved
+        self.private_orders = set(s._private_orders)   # beam groups swapped in (their own copies)
 
     def restore(self, scheduler) -> None:
         """Put ``scheduler`` back exactly as it was when this savepoint was taken."""
@@ -64,6 +65,7 @@ class Savepoint:
         m.itl_s.truncate(self.latency_ends[1])
         s.total_tokens, s.max_fit_tokens, s.max_fit_bytes, s.watermark_tokens = self.capacity
         s.starved = self.starved
+        s._private_orders = set(self.private_orders)
         s._decoded, s._scheduled = [], []
 
 
