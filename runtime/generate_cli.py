@@ -161,9 +161,11 @@ def _cache_flags(c) -> None:
                         f"none (default: {DEFAULT_EVICTION})")
     c.add_argument("--background-mapper", action="store_true", default=None,
                    help="vmem only: map pages on a thread, ahead of the step that needs them")
-    c.add_argument("--tp", dest="tensor_parallel_size", type=bounded(int, 1), default=1, metavar="N",
+    c.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size",
+                   type=bounded(int, 1), default=1, metavar="N",
                    help="tensor-parallel ranks (processes on this machine: gloo on the CPU, "
-                        "one GPU each over NCCL on CUDA); --cache-bytes is then per rank")
+                        "one GPU each over NCCL on CUDA); --cache-bytes is then per rank "
+                        "(--tensor-parallel-size: vLLM's name)")
     c.add_argument("--tp-devices", type=tp_device_list, default=None, metavar="DEVICES",
                    help="with --tp N on a GPU: rank r's device, comma-separated, the model's "
                         "first (e.g. cuda:0,cuda:2) (default: the model's GPU, then the other "
@@ -180,8 +182,6 @@ def tp_device_list(text: str) -> tuple:
     """``--tp-devices``' value: "cuda:0,cuda:2" -> ("cuda:0", "cuda:2"), a bare index an int
     ("0,2" -> (0, 2)), as ``tp_devices`` takes them; check_tp_devices applies the rules."""
     return tuple(int(e) if e.strip().isdigit() else e.strip() for e in text.split(","))
-
-
 
 
 def _kv_scales(args):

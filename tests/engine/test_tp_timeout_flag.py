@@ -54,3 +54,12 @@ def test_a_timeout_under_a_millisecond_is_refused_it_meant_no_timeout(timeout_s)
     with pytest.raises(EngineConfigError, match=r"tp_timeout_s must be seconds in \[0.001, 1e6\)"):
         EngineConfig(tp_timeout_s=timeout_s)
     assert EngineConfig(tp_timeout_s=MIN_TP_TIMEOUT_S).tp_timeout_s == 0.001
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_vllms_tensor_parallel_size_is_the_same_flag(command, capsys):
+    """A vLLM user's ``--tensor-parallel-size 2`` was an unrecognized argument."""
+    assert engine_config(["--tensor-parallel-size", "2"], command).tensor_parallel_size == 2
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--tensor-parallel-size", "0"])
+    assert "argument --tp/--tensor-parallel-size: " in capsys.readouterr().err
