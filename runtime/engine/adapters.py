@@ -73,19 +73,31 @@ class EngineAdapters:
         adapter = LoraAdapter.load(path, self._model, host_copies=self._host_copies)
         self._refuse_kv_targets(name, adapter)
         ref = AdapterRef(name, adapter.digest, self.executor.held(adapter).num_bytes)
-        pages = self._manager.adapter_pages(ref.num_bytes)
-        most = self._manager.max_adapter_pages()
-        if pages > most:
-            raise EngineConfigError(
-                f"add_lora: adapter {name!r} needs {ref.num_bytes} bytes ({pages} pool pages), "
-                f"more than this cache can ever give adapters ({most} pages); build the engine "
-                f"with a larger cache_bytes")
+        self._refuse_too_large(ref)
         old = self._by_name.get(name)
         self._by_name[name] = ref
         self._by_digest.setdefault(adapter.digest, adapter)
         if old is not None:
             self.collect()
         return ref
+
+    def _refuse_too_large(self, ref: AdapterRef) -> None:
+        """EngineConfigError naming the adapter when its pages pass what this cache can ever
+        give adapters, or leave no room for one token of KV beside it in the largest pool:
+        such an adapter loaded, and every request on it was refused (a 404 over HTTP)."""
+        manager, size = self._manager, f"{ref.num_bytes} bytes"
+        pages, most = manager.adapter_pages(ref.num_bytes), manager.max_adapter_pages()
+        if pages > most:
+            raise EngineConfigError(
+                f"add_lora: adapter {ref.name!r} needs {size} ({pages} pool pages), more than "
+                f"this cache can ever give adapters ({most} pages); build the engine with a "
+                f"larger cache_bytes")
+        if manager.max_sequence_tokens_with_adapter(ref, manager.max_cache_bytes) == 0:
+            raise EngineConfigError(
+                f"add_lora: adapter {ref.name!r} needs {size} ({pages} pool pages), which leave "
+                f"no room for one token of KV beside it in this cache at its largest "
+                f"({manager.max_cache_bytes} bytes): no request could run on it; build the "
+                f"engine with a larger cache_bytes")
 
     def _refuse_kv_targets(self, name: str, adapter) -> None:
         """LoraTargetError naming the adapter, its K/V modules and the kv_cache_dtype when the

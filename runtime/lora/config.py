@@ -116,7 +116,8 @@ def read_config(path: str) -> AdapterConfig:
     try:
         with open(file, encoding="utf-8") as f:
             raw = json.load(f)
-    except (OSError, ValueError) as error:
+    # RecursionError: JSON nested past Python's stack (it escaped raw: a 500 from the server)
+    except (OSError, ValueError, RecursionError) as error:
         raise LoraConfigError(f"LoRA adapter {path!r}: cannot read {CONFIG_FILE}: "
                               f"{error}") from error
     if not isinstance(raw, dict):
@@ -134,7 +135,7 @@ def _checked(path: str, raw: dict) -> AdapterConfig:
     if raw.get("bias", "none") != "none":
         raise refuse("bias", "bias terms are trained; only bias='none' is served")
     for name, why in _REFUSED_FIELDS.items():
-        if raw.get(name) not in (None, False, [], {}, ""):
+        if _is_set(name, raw.get(name)):
             raise refuse(name, why)
     why = _init_refusal(raw.get("init_lora_weights", True))
     if why:
@@ -163,6 +164,15 @@ def _checked(path: str, raw: dict) -> AdapterConfig:
                  for name in ("target_modules", "exclude_modules")}
     return AdapterConfig(r=r, lora_alpha=alpha, use_rslora=use_rslora,
                          rank_pattern=dict(ranks), alpha_pattern=dict(alphas), **selection)
+
+
+def _is_set(name: str, value) -> bool:
+    """Whether PEFT acts on field ``name`` holding ``value``: a truthy value, and for
+    ``layers_to_transform`` anything but None and [] (PEFT's rule: an int picks that layer
+    alone, so 0 and false pick layer 0; they were taken as unset, [0] refused)."""
+    if name == "layers_to_transform":
+        return value is not None and value != []
+    return value not in (None, False, [], {}, "")
 
 
 def _module_names(value, refuse) -> Union[str, Tuple[str, ...], None]:
@@ -201,4 +211,11 @@ def _is_rank(value) -> bool:
 
 
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float, not a bool; an int past a float's range is no finite number
+    (lora_alpha written out to 400 digits was an OverflowError from math.isfinite)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

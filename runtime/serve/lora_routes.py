@@ -9,9 +9,11 @@ Both are operator routes (auth.ADMIN_PATHS: the admin key when set) and run on t
 between steps. Loading reads files on the server's disk, so it is off unless the server was
 started with ``--lora-root DIR``: ``lora_path`` is then a path inside DIR (a relative one is taken from DIR;
 one that leaves DIR, through ``..`` or a link, is a 400). Without it both routes answer 403.
-A name already loaded is a 409 unless ``"replace": true``; what the adapter files get wrong
-(unsupported, too large for the pool) is a 400 naming ``lora_path``. Requests running with an
-adapter when it is unloaded or replaced finish with the weights they started with.
+A name already loaded is a 409 unless ``"replace": true`` (or vLLM's ``"load_inplace": true``;
+vLLM's optional ``lora_int_id`` on unload is accepted, the adapter found by its name); what the
+adapter files get wrong (unsupported, too large for the pool) is a 400 naming ``lora_path``.
+Requests running with an adapter when it is unloaded or replaced finish with the weights they
+started with.
 """
 from __future__ import annotations
 
@@ -35,11 +37,13 @@ class LoadLoraRequest(BaseModel):
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1, max_length=4096)
     replace: bool = False
+    load_inplace: bool = False    # vLLM's name for replace (a vLLM client's body was a 400)
 
 
 class UnloadLoraRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: Optional[int] = None   # vLLM's optional id; vLLM finds it by lora_name too
 
 
 def adapter_path(root: Optional[Path], lora_path: str) -> Path:
@@ -80,11 +84,13 @@ def add_lora_routes(app: FastAPI, server: EngineThread, lora_root: Optional[Path
             raise ApiError(400, f"lora_name {req.lora_name!r} is the served model's id; give "
                                 f"the adapter another name", "lora_name")
 
+        replace = req.replace or req.load_inplace
+
         def work(engine) -> None:
-            if req.lora_name in engine.loras and not req.replace:
+            if req.lora_name in engine.loras and not replace:
                 raise _Conflict(f"an adapter named {req.lora_name!r} is loaded; unload it "
                                 f"first or send \"replace\": true")
-            engine.add_lora(req.lora_name, path, replace=req.replace)
+            engine.add_lora(req.lora_name, path, replace=replace)
         await _on_engine(server.call(work), "lora_path")
         return {"lora_name": req.lora_name}
 

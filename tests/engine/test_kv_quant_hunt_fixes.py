@@ -81,8 +81,10 @@ def test_the_kv_scales_help_says_first_write_is_the_first_prefill_chunk(capsys):
 
 @pytest.fixture(scope="module")
 def int8_manager():
-    """An int8 cache's manager (EngineAdapters reserves adapter pages through it)."""
-    with Engine(build_model("tiny-llama", seed=0), kv_cache_dtype="int8", **OPTIONS) as engine:
+    """An int8 cache's manager (EngineAdapters reserves adapter pages through it), large enough
+    that the q/o/MLP adapter leaves KV room beside it (add_lora refuses one that leaves none)."""
+    with Engine(build_model("tiny-llama", seed=0), kv_cache_dtype="int8",
+                **{**OPTIONS, "cache_bytes": 64 * 1024}) as engine:
         yield engine.kv.manager
 
 
