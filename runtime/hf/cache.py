@@ -36,13 +36,15 @@ from ..config import CacheConfig, parse_dtype
 from ..errors import CacheConfigError, CacheStateError
 from ..kv import (KV, check_kv_arguments, in_model_dtype, make_kv, same_tokens_page_bytes,
                   vmem_geometry)
+from ..interrupts import deferred_interrupts
 from ..transaction import StepTransaction, cache_executor
 from .cache_copy import copy_cache, growth_room, needs_contiguous_kv
 from .cache_guard import ForwardGuard
 from .cache_layer import VMemLayer, window_offset
 from .errors import BatchTooLargeError, CacheCapacityError, ContextOverflowError  # noqa: F401
 from .cache_checks import (check_beam_index, check_crop_count, check_crop_keeps_window,
-                           check_update_states, crop_floor_tokens, given_back_tokens)
+                           check_layer_idx, check_update_states, crop_floor_tokens,
+                           given_back_tokens, sized_to_pages)
 from .support import (check_cache_layers, check_generate_feeds_new_tokens, kv_shape_of,
                       layer_windows_of, text_config)
 
@@ -108,7 +110,7 @@ class VMemCache(Cache):
                                 on_cuda=config.torch_device.type == "cuda")   # "auto" resolved
         geometry = vmem_geometry(config, layout, page_bytes or same_tokens_page_bytes(config, layout))
         capacity = geometry.round_up_tokens(config.max_context)  # whole pages; limit stays max_context
-        self.kv: KV = make_kv(dataclasses.replace(config, max_context=capacity), "vmem",
+        self.kv: KV = make_kv(sized_to_pages(config, capacity, geometry), "vmem",
                               layout=layout, page_bytes=geometry.page_bytes, cache_bytes=cache_bytes,
                               grow_pages=True)
         self.manager = self.kv.manager     # this cache plans; self.kv.cache (VMemKVCache) executes
@@ -177,7 +179,7 @@ class VMemCache(Cache):
 
     def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
         self._check_open()
-        self._check_layer(layer_idx)
+        check_layer_idx(layer_idx, self.config.num_layers)
         check_update_states(self.config, key_states, value_states, self._device)
         batch, _, new, _ = key_states.shape
         start = self._written[layer_idx]
@@ -222,12 +224,6 @@ class VMemCache(Cache):
             v = c.kv_encoding.dequantize(v, scales.v[layer])
         return k.to(c.dtype), v.to(c.dtype)
 
-    def _check_layer(self, layer_idx) -> None:
-        layers = self.config.num_layers
-        if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or not 0 <= layer_idx < layers:
-            raise CacheStateError(f"layer_idx must be an int in [0, {layers}) for this "
-                                  f"{layers}-layer cache, got {layer_idx!r}")
-
     # -- growth through the manager --
     def _held(self) -> int:
         """Tokens the manager holds for every row (rows share one length)."""
@@ -266,8 +262,9 @@ class VMemCache(Cache):
             return self._plan()
 
         rows, next_id = self._rows, self._next_id
-        self._txn.run(advance, lambda: self._put_rows(rows, next_id))
-        self._slid_to = bound
+        with deferred_interrupts():   # a Ctrl-C lands once the window's bound is recorded
+            self._txn.run(advance, lambda: self._put_rows(rows, next_id))
+            self._slid_to = bound
 
     def _crop_bound_from(self, start: int) -> int:
         """``crop``'s bound once a forward from ``start`` gave back the rows' memory wholly
@@ -335,6 +332,8 @@ class VMemCache(Cache):
             for cache in self.kv.layer_tensors(layer):
                 rows = cache[:batch, first:length]
                 rows.copy_(rows.index_select(0, index))
+            if self.config.storage_dtype != self.config.dtype:   # decoded copies, not views
+                self.layers[layer].reorder_copies(index)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens of every row (their pages stay held)."""
@@ -346,6 +345,8 @@ class VMemCache(Cache):
         if kept:
             check_crop_keeps_window(tokens_to_remove, min(kept), max(self._written),
                                     self._slid_to, self.manager.window_tokens)
+        for layer, before, after in zip(self.layers, self._written, written):
+            layer.forget_last(before - after)
         self._written = written
 
     def __deepcopy__(self, memo) -> "VMemCache":

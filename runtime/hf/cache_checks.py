@@ -1,13 +1,15 @@
 """Arguments of VMemCache's transformers hooks, refused before anything changes: a wrong one
 would corrupt every layer's rows or lengths silently (CacheStateError names what was expected);
-and how far back a windowed cache's rows may be cropped, from the memory really given back."""
+and how far back a windowed cache's rows may be cropped, from the memory really given back; a
+``page_bytes`` whose whole pages would round ``max_context`` past what a cache holds."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
-from ..errors import CacheStateError
+from ..errors import CacheConfigError, CacheStateError
 from .cache_layer import window_offset
 
 
@@ -18,6 +20,28 @@ def check_crop_count(tokens_to_remove) -> None:
             or tokens_to_remove > 0:
         raise CacheStateError(f"crop takes a negative count of tokens to remove (a plain int, "
                               f"0 or less), got {tokens_to_remove!r}")
+
+
+def sized_to_pages(config, capacity_tokens: int, geometry):
+    """``config`` (a CacheConfig) holding ``capacity_tokens``, its ``max_context`` rounded up
+    to whole pages of ``geometry``. CacheConfigError naming ``page_bytes`` where the rounding
+    passes the longest context a CacheConfig takes (it named a max_context nobody gave)."""
+    try:
+        return dataclasses.replace(config, max_context=capacity_tokens)
+    except CacheConfigError as error:
+        raise CacheConfigError(
+            f"VMemCache: page_bytes={geometry.page_bytes} makes pages of "
+            f"{geometry.tokens_per_page} tokens, so max_context={config.max_context} rounds up "
+            f"to {capacity_tokens} tokens of whole pages, past what a cache holds ({error}); "
+            f"give a smaller page_bytes (or None, the default page)") from error
+
+
+def check_layer_idx(layer_idx, num_layers: int) -> None:
+    """``update``'s layer: a plain int in ``[0, num_layers)``."""
+    if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) \
+            or not 0 <= layer_idx < num_layers:
+        raise CacheStateError(f"layer_idx must be an int in [0, {num_layers}) for this "
+                              f"{num_layers}-layer cache, got {layer_idx!r}")
 
 
 def check_beam_index(beam_idx, batch: int) -> None:

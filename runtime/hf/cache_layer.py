@@ -51,6 +51,21 @@ class VMemLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         return self.owner.update(key_states, value_states, self.index)
 
+    def forget_last(self, tokens: int) -> None:
+        """``crop``: ``keys``/``values`` lose their last ``tokens`` too, as a DynamicLayer's
+        do (they kept the cropped tokens: a shape past ``get_seq_length``)."""
+        if self.keys is not None and tokens:
+            keep = max(self.keys.shape[2] - tokens, 0)
+            self.keys, self.values = self.keys[:, :, :keep], self.values[:, :, :keep]
+
+    def reorder_copies(self, beam_idx) -> None:
+        """``reorder_cache`` with K/V stored in another dtype: ``keys``/``values`` are decoded
+        copies, not views of the reordered rows, so they take the rows too (they kept the
+        rows before the reorder)."""
+        if self.keys is not None:
+            index = beam_idx.to(self.keys.device)
+            self.keys, self.values = self.keys[index], self.values[index]
+
     def get_seq_length(self) -> int:
         self.owner._check_open()   # generate asks this first: a closed cache fails here, typed
         return self.owner._written[self.index]
