@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from vmemkv.runtime.engine.errors import RequestRejectedError
-from vmemkv.runtime.engine.prompts import is_unicode_text
+from vmemkv.runtime.engine.prompts import check_request_params, is_unicode_text
 from vmemkv.runtime.engine.sampler import check_min_tokens
 from vmemkv.runtime.engine.sampling import SamplingParams
 from vmemkv.scheduler.adapters import adapter_limit_tokens
@@ -167,12 +167,23 @@ class ServedModel:
         the field where the engine would take them and fail them in their first step."""
         params = self.with_adapter(params, model)
         if isinstance(params, SamplingParams):
+            self._check_vocab_ids(params)
             stops = params.stop_token_ids + (() if params.ignore_eos else self.eos_ids)
             try:
                 check_min_tokens(params, stops, self.vocab_size)
             except RequestRejectedError as error:
                 raise ApiError(400, str(error), error.field) from None
         return params
+
+    def _check_vocab_ids(self, params: SamplingParams) -> None:
+        """ApiError 400 naming ``logit_bias`` or ``stop_token_ids`` when it names an id past the
+        vocabulary (the engine's own check): a request-wide field, refused as such before
+        anything is queued (the engine refused it per prompt, "prompt 0: ...", an index a chat
+        or one-prompt client never sent)."""
+        try:
+            check_request_params(params, self.tokenizer, self.vocab_size, 0)
+        except RequestRejectedError as error:
+            raise ApiError(400, str(error).removeprefix("prompt 0: "), error.field) from None
 
     def with_adapter(self, params, model: Optional[str]):
         """``params`` running on the adapter ``model`` names; beam search runs none (400)."""
@@ -246,7 +257,10 @@ def prompt_token_ids(req: CompletionRequest, served: ServedModel) -> List[List[i
         if isinstance(prompt, str):
             with _which_prompt(i, len(req.prompts())):
                 served.check_text_fits(prompt, adapter, "prompt")
-    batch = [_ids(p, served) for p in req.prompts()]
+    batch = []
+    for i, prompt in enumerate(req.prompts()):
+        with _which_prompt(i, len(req.prompts())):
+            batch.append(_ids(prompt, served))
     beams = served.beam_shape(req)      # these two hold whatever the prompts
     served.check_max_batch("n", req.n)
     for i, ids in enumerate(batch):
@@ -259,12 +273,15 @@ def prompt_token_ids(req: CompletionRequest, served: ServedModel) -> List[List[i
 
 @contextlib.contextmanager
 def _which_prompt(i: int, count: int):
-    """An ApiError raised inside names prompt ``i`` when there are several, as the engine's do."""
+    """An ApiError raised inside names prompt ``i`` when there are several, as the engine's do
+    ("prompt has ..." becomes "prompt 1 has ...")."""
     try:
         yield
     except ApiError as error:
         if count > 1:
-            error.message = f"prompt {i}: {error.message}"
+            own = error.message.startswith("prompt ")
+            error.message = (f"prompt {i}{error.message[len('prompt'):]}" if own
+                             else f"prompt {i}: {error.message}")
         raise
 
 

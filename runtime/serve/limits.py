@@ -178,14 +178,17 @@ class ResponseSize:
         return self.bound.envelope_bytes + self.n * self.prompts * self.bound.choice_bytes
 
 
-def check_response_bytes(size: ResponseSize, max_response_bytes: int, chat: bool = False) -> None:
+def check_response_bytes(size: ResponseSize, max_response_bytes: int, chat: bool = False,
+                         max_param: Optional[str] = None) -> None:
     """ApiError 400 when ``size``'s response could pass ``max_response_bytes``: the message
     gives both numbers, ``param`` the field to lower (logprobs first, the strongest lever, then
-    n, then max_tokens, else the prompts), with the most of it that fits."""
+    n, then max_tokens, else the prompts), with the most of it that fits. ``max_param``: the
+    field that set max_tokens as the client sent it (chat's ``max_completion_tokens``); None:
+    max_tokens (a chat's message names both)."""
     need_bytes = size.estimate_bytes
     if need_bytes <= max_response_bytes:
         return
-    field, fits = _lever(size, max_response_bytes, chat)
+    field, fits = _lever(size, max_response_bytes, chat, max_param)
     echo = f" + {size.echo_tokens} echoed prompt tokens" if size.echo_tokens else ""
     asked = "" if size.logprobs is None else f" with logprobs {size.logprobs}"
     raise ApiError(400, f"{field}: the response could reach about {need_bytes:,} bytes (n "
@@ -195,7 +198,7 @@ def check_response_bytes(size: ResponseSize, max_response_bytes: int, chat: bool
                         f"(--max-response-bytes); {fits}", field)
 
 
-def _lever(size: ResponseSize, limit_bytes: int, chat: bool):
+def _lever(size: ResponseSize, limit_bytes: int, chat: bool, max_param: Optional[str]):
     """(the field to lower, what of it fits) for a response over ``limit_bytes``."""
     if size.logprobs is not None:
         for k in range(size.logprobs - 1, -1, -1):
@@ -212,6 +215,8 @@ def _lever(size: ResponseSize, limit_bytes: int, chat: bool):
     most_tokens = (limit_bytes - size.fixed_bytes - size.n * size.echo_tokens * per_token) \
         // (size.n * size.prompts * per_token)
     if most_tokens >= 1:
+        if max_param is not None:
+            return max_param, f"{max_param} {most_tokens} or less fits"
         name = "max_tokens (or max_completion_tokens)" if chat else "max_tokens"
         return "max_tokens", f"{name} {most_tokens} or less fits"
     return "prompt", "send fewer prompts at a time (or shorter ones, with echo)"

@@ -212,6 +212,9 @@ class CompletionRequest(SamplingFields):
         return list(p)
 
     def sampling_params(self) -> SamplingParams:
+        if self.best_of is not None and self.best_of < self.n:   # never valid (vLLM's rule)
+            raise ApiError(400, f"best_of must be at least n ({self.n}), got {self.best_of}",
+                           "best_of")
         if self.best_of is not None and self.best_of != self.n:
             raise ApiError(400, f"best_of {self.best_of} with n {self.n} is not supported: "
                                 f"ranking hidden samples is not implemented; omit best_of or "
@@ -270,9 +273,13 @@ def parse_request(body: bytes, model: Type[BaseModel]) -> BaseModel:
 def parse_completion_request(body: bytes) -> CompletionRequest:
     request = parse_request(body, CompletionRequest)
     prompts = request.prompts()
-    if not prompts or any(len(p) == 0 for p in prompts):
+    empty = next((i for i, p in enumerate(prompts) if len(p) == 0), None)
+    if not prompts or (empty is not None and len(prompts) == 1):
         raise ApiError(400, "prompt: should have at least 1 item (an empty prompt or prompt list)",
                        "prompt")
+    if empty is not None:          # which one, as every other refusal of one of several says
+        raise ApiError(400, f"prompt {empty} is empty (every prompt needs at least 1 token "
+                            f"or character)", "prompt")
     if len(prompts) > MAX_PROMPTS:
         raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts in one request, got "
                             f"{len(prompts)}", "prompt")
@@ -291,7 +298,7 @@ def _field_error(error: ValidationError, model: Type[BaseModel]) -> ApiError:
     if param is not None:
         union = _is_union(model, param)
         mine = [e for e in error.errors() if e["loc"][:1] == first["loc"][:1]]
-        first = max(mine, key=lambda e: len(_client_loc(e["loc"], union)))  # first deepest
+        first = max(_first_per_form(mine, union), key=lambda e: _reach(e["loc"], union))
         loc = _client_loc(first["loc"], union)
         if union and len(loc) == 1 and first["type"] != "extra_forbidden":
             forms = dict.fromkeys(str(e["loc"][1]) for e in mine if len(e["loc"]) > 1)
@@ -307,6 +314,24 @@ def _field_error(error: ValidationError, model: Type[BaseModel]) -> ApiError:
             takes = f"the fields {whose}: {', '.join(owner.model_fields)}"
         return ApiError(400, f"unknown field {where!r}; {takes}", param)
     return ApiError(400, f"{where}: {first['msg']}{_shown(first)}", param)
+
+
+def _first_per_form(errors: List[dict], union: bool) -> List[dict]:
+    """Each union form's first error (a form's later ones say less: ["a", [1], "b"] as a list of
+    ints failed at [0] and [2]); all of them for a field of one form."""
+    if not union:
+        return errors
+    firsts: Dict[object, dict] = {}      # form -> its first error, in the errors' order
+    for e in errors:
+        firsts.setdefault(e["loc"][1] if len(e["loc"]) > 1 else None, e)
+    return list(firsts.values())
+
+
+def _reach(loc: tuple, union: bool) -> tuple:
+    """How far into the value an error's form got: deepest first, then furthest along (["a",
+    [1, 2]] is a list of strings up to [1], not a list of ints failing at [0])."""
+    where = _client_loc(loc, union)
+    return len(where), [p for p in where if isinstance(p, int)]
 
 
 def _shown(error: dict) -> str:

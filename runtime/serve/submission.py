@@ -115,7 +115,7 @@ class Submission:
         if stream:
             bound = stream_bound(bound, chat, model_id)
         size = response_size(prompts, params, echo, bound)
-        check_response_bytes(size, max_response_bytes, chat=chat)
+        check_response_bytes(size, max_response_bytes, chat=chat, max_param=max_param)
         if key is not None:         # every prompt fits the key's share, or none is queued
             server.in_flight.check_key_room(key, len(prompts))
         budget = server.response_budget    # reserved before anything is queued
@@ -135,7 +135,7 @@ class Submission:
             else max_param          # what a request the cache can never hold should shrink
         self.choices = [Choice(i) for i in range(len(prompts) * self.n)]
         self.prompt_logprobs: List[Optional[list]] = [None] * len(prompts)   # when asked for
-        self._server, self._live = server, len(prompts)
+        self._server, self._live, self._prompts = server, len(prompts), len(prompts)
         self._ended = [False] * len(prompts)
         self._queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -164,15 +164,15 @@ class Submission:
                 await asyncio.wrap_future(future)
         except CacheShrunkRequestError as error:
             await self._aborted()
-            raise cache_shrunk(str(error)) from None
+            raise cache_shrunk(self._client_message(error)) from None
         except (RequestRejectedError, BeamSearchParamsError) as error:
             await self._aborted()
             if error.field == "lora":   # unloaded after the request was checked: its "model"
-                raise ApiError(404, str(error).replace("SamplingParams.lora", "model"),
-                               "model") from None
+                raise ApiError(404, self._client_message(error).replace(
+                    "SamplingParams.lora", "model"), "model") from None
             param = self._param_of(error.field)     # (a beam field as the client named it)
             message = beam_message(error, param) if isinstance(error, BeamSearchParamsError) \
-                else str(error)
+                else self._client_message(error)
             raise ApiError(400, message, param) from None
 
     async def events(self) -> AsyncIterator[Delta]:
@@ -228,6 +228,17 @@ class Submission:
     def _abort_when_queued(self, future) -> None:
         if not future.cancelled() and future.exception() is None:
             self._server.abort(future.result())
+
+    def _client_message(self, error: Exception) -> str:
+        """The engine's refusal as this request's client reads it: with one prompt (a chat, a
+        one-prompt completion) without the engine's lead "prompt 0 rejected: " or "prompt 0: "
+        (its batch index, which that client never sent); with several, as it is (the index is
+        the client's own)."""
+        message = str(error)
+        if self._prompts == 1 and isinstance(error, RequestRejectedError):
+            for lead in (f"prompt {error.index} rejected: ", f"prompt {error.index}: "):
+                message = message.removeprefix(lead)
+        return message
 
     def _param_of(self, field: Optional[str]) -> Optional[str]:
         """The request field an engine error's ``field`` is (``max_new_tokens``: the API's
