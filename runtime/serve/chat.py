@@ -106,7 +106,8 @@ class ChatFormat:
     def choice(self, choice: Choice) -> dict:
         return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
                 "logprobs": self._logprobs(choice.logprobs),
-                "finish_reason": choice.finish_reason, "token_ids": choice.token_ids}
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
+                "token_ids": choice.token_ids}
 
     def first_chunks(self) -> List[dict]:
         return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -115,4 +116,4 @@ class ChatFormat:
     def chunk(self, delta: Delta) -> dict:
         return {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
                 "logprobs": self._logprobs(delta.logprobs), "finish_reason": delta.finish_reason,
-                "token_ids": delta.token_ids}
+                "stop_reason": delta.stop_reason, "token_ids": delta.token_ids}

@@ -355,7 +355,8 @@ class CompletionFormat:
             logprobs = merge_completion_logprobs([self._prompt_part(choice.index), out]
                                                  if self.echo is not None else [out])
         return {"index": choice.index, "text": text, "logprobs": logprobs,
-                "finish_reason": choice.finish_reason, "token_ids": choice.token_ids}
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
+                "token_ids": choice.token_ids}
 
     def chunk(self, delta: Delta) -> dict:
         """With logprobs a chunk's ``token_ids`` are its logprobs' tokens: those it sends the
@@ -374,7 +375,8 @@ class CompletionFormat:
             out = completion_logprobs(self.strings, token_ids, entries, found)
             logprobs = merge_completion_logprobs(parts + [out])
         return {"index": delta.index, "text": echo + delta.text, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason, "token_ids": token_ids}
+                "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason,
+                "token_ids": token_ids}
 
     def first_chunks(self) -> List[dict]:
         return []

@@ -38,10 +38,11 @@ flight could hold the whole budget, and every other key got 503 until its client
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
-from dataclasses import dataclass, field
-from typing import AsyncIterator, Dict, List, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import AsyncIterator, Dict, List, Optional, Sequence, Union
 
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
 from vmemkv.runtime.engine.errors import (BeamSearchParamsError, CacheShrunkRequestError,
@@ -73,6 +74,7 @@ class Choice:
     token_ids: List[int] = field(default_factory=list)
     logprobs: List[TokenLogprobs] = field(default_factory=list)
     finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None   # vLLM's: the stop string or stop id that ended it
 
     @property
     def finished(self) -> bool:
@@ -87,6 +89,7 @@ class Delta:
     token_ids: List[int]
     logprobs: List[TokenLogprobs]
     finish_reason: Optional[str]
+    stop_reason: Union[int, str, None] = None
 
 
 class Submission:
@@ -215,8 +218,9 @@ class Submission:
         logprobs = [event.logprobs] if event.logprobs is not None else []
         if self._keep_logprobs:
             choice.logprobs.extend(logprobs)
-        choice.finish_reason = event.finish_reason
-        return Delta(choice.index, text, [event.token_id], logprobs, event.finish_reason)
+        choice.finish_reason, choice.stop_reason = event.finish_reason, event.stop_reason
+        return Delta(choice.index, text, [event.token_id], logprobs, event.finish_reason,
+                     event.stop_reason)
 
     def close(self) -> None:
         """Abort every request still live (a disconnect, a failed sibling, the server stopping)."""
@@ -279,6 +283,9 @@ def response_size(prompts: Sequence[Sequence[int]], params, echo: bool = False,
     if beams:
         return ResponseSize(len(prompts), params.returned_beams, params.max_new_tokens, None,
                             echo_tokens, bound)
+    if params.stop:   # a choice's stop_reason may be its longest stop string (ASCII-escaped: more)
+        stop_bytes = max(len(json.dumps(s)) for s in params.stop)
+        bound = replace(bound, choice_bytes=bound.choice_bytes + stop_bytes)
     return ResponseSize(len(prompts), params.n, params.max_new_tokens, params.logprobs,
                         echo_tokens, bound)
 
