@@ -233,6 +233,15 @@ class CudaDriver(Driver):
         return self._credits
 
     def unmap(self, address: int, page_bytes: int) -> None:
+        self._unmap(address, page_bytes, if_mapped=False)
+
+    def unmap_if_mapped(self, address: int, page_bytes: int) -> bool:
+        """``unmap``; False when cuMemUnmap refuses (nothing mapped there: it changes nothing).
+        Any other failure is raised: the default took a failed synchronise before cuMemUnmap
+        (a sticky CUDA error) for "nothing mapped", and an undone map stayed mapped."""
+        return self._unmap(address, page_bytes, if_mapped=True)
+
+    def _unmap(self, address: int, page_bytes: int, if_mapped: bool) -> bool:
         page_bytes = self.check_bytes(page_bytes)
         credit = self._unmap_credit()
         left = getattr(credit, "left", 0)
@@ -243,7 +252,12 @@ class CudaDriver(Driver):
         with self._with_context():
             if not synced:
                 self._check("cuCtxSynchronize", self._cu.cuCtxSynchronize())
-            self._check("cuMemUnmap", self._cu.cuMemUnmap(address, page_bytes))
+            result = self._cu.cuMemUnmap(address, page_bytes)
+            status = result[0] if isinstance(result, tuple) else result
+            if if_mapped and status != self._cu.CUresult.CUDA_SUCCESS:
+                return False
+            self._check("cuMemUnmap", result)
+        return True
 
     def tensor(self, address: int, num_bytes: int, on_release=None):
         import torch

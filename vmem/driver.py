@@ -94,8 +94,8 @@ class Driver(ABC):
     def unmap_if_mapped(self, address: int, page_bytes: int) -> bool:
         """Unmap ``page_bytes`` at ``address`` when they are mapped: whether they were. Undoes a
         map an interrupt stopped before or after its driver call. Default: try, a refusal
-        meaning nothing was there (CUDA's cuMemUnmap refuses and changes nothing); the host
-        driver asks its records instead."""
+        meaning nothing was there; the host driver asks its records instead, the CUDA driver
+        takes only cuMemUnmap's refusal so (it changes nothing), never a failed synchronise."""
         try:
             self.unmap(address, page_bytes)
         except VMemError:

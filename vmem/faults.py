@@ -46,6 +46,10 @@ class FaultInjectingDriver(Driver):
         self._armed: dict = {}                  # kind -> (call number that fails, persistent, oom)
         self._mapped: set = set()               # addresses mapped through this wrapper
         self._lock = threading.Lock()
+        # the wrapped driver's ledger (a HostDriver's is the process's one host memory): a
+        # private one let a pool through the wrapper and one on the bare driver both pass
+        # against the same memory (vmem/commits.py)
+        self.recent_commits = inner.recent_commits
 
     # -- arming --
     def fail_at(self, kind: str, call: int, *, persistent: bool = False,
@@ -145,6 +149,17 @@ class FaultInjectingDriver(Driver):
         self.inner.unmap(address, page_bytes)
         with self._lock:
             self._mapped.discard(address)
+
+    def unmap_if_mapped(self, address: int, page_bytes: int) -> bool:
+        """False, no call counted, when nothing is mapped at ``address`` through this wrapper;
+        else an ``unmap`` (counted, failing when armed). The default took any refusal for
+        "nothing mapped": an injected fault left the mapping in place and returned False
+        (an undone map stayed mapped), and an address never mapped used up an armed fault."""
+        with self._lock:
+            if address not in self._mapped:
+                return False
+        self.unmap(address, page_bytes)
+        return True
 
     def tensor(self, address: int, num_bytes: int, on_release=None):
         return self.inner.tensor(address, num_bytes, on_release=on_release)

@@ -20,9 +20,10 @@ address range stays ours (no other allocation can land in the hole) and touching
 The driver keeps what CUDA's keeps (its reservations, what is mapped where, each page's size,
 whether it is closed) and refuses what cuMemMap, cuMemUnmap and cuMemAddressFree refuse, before
 any system call (vmem/host_records.py); a reserve or map that could take the process within
-a margin of Linux's ``vm.max_map_count`` mappings is refused too (vmem/map_count.py: at the limit
-no page could be unmapped again); after ``close()`` it makes nothing new (ClosedError) but
-still unmaps, frees and releases what was made with it, so nothing leaks.
+a margin of Linux's ``vm.max_map_count`` mappings is refused too, and so is a detach
+(vmem/map_count.py: at the limit no page could be unmapped again); after ``close()`` it makes
+nothing new (ClosedError) but still unmaps, frees and releases what was made with it, so
+nothing leaks.
 """
 from __future__ import annotations
 
@@ -301,6 +302,10 @@ class HostDriver(Driver):
             else:
                 self._files.check_live("detach", [handle])
             self._records.check_mapped("detach", address, page_bytes)
+            if not self._forked:    # a child's never: refused, it would share the parent's page
+                # a copy is a mapping of its own (copies never merge): close() under a view
+                # of n merged pages made n of them; refused, the page is held (vmem/vrange.py)
+                map_count.GUARD.check("detach", 2)
             self._detach(address, handle, page_bytes, copy)
             self._records.unmapped(address, page_bytes)    # no mapping of a page any more
             return True

@@ -5,16 +5,19 @@ the process, and so is each piece of a reservation between two of them. At the l
 mmap fails with ENOMEM, and so did everything at once: a map ("Cannot allocate memory" with
 gigabytes free), then every unmap too (the host driver unmaps by mapping PROT_NONE over the
 page), so no range could be closed, and malloc of large blocks (Python's, torch's): the process
-was wedged. So the host drivers (all of them: the limit is the process's) refuse a reserve or
-a map that could leave fewer than ``headroom(limit)`` mappings (an eighth of the limit, at least
-``MIN_HEADROOM``) to it, before any system call (DriverCallError naming the limit), keeping
-room for unmaps, detaches at close() and the rest of the process.
+was wedged. So the host drivers (all of them: the limit is the process's) refuse a reserve,
+a map or a detach (``close()`` under a view: each copy is a mapping of its own, so n
+merged pages became n mappings, past any headroom for a large range; a refused one is held,
+vmem/vrange.py) that could leave fewer than ``headroom(limit)`` mappings (an eighth of the
+limit, at least ``MIN_HEADROOM``) to it, before any system call (DriverCallError naming the
+limit), keeping room for unmaps, a forked child's detaches (never refused: refused, the child
+would share its parent's page) and the rest of the process.
 
 Counting costs a read of /proc/self/maps, so it is done rarely: after a count, each call takes
-from a budget (what the count left above the headroom; a map makes at most 2 new mappings,
-a reserve 1), and only a call the budget cannot cover counts again. Unmaps give nothing back
-(one may split a merged run), so the budget errs towards counting again; what the rest of the
-process maps between two counts comes out of the headroom.
+from a budget (what the count left above the headroom; a map or a detach makes at most 2 new
+mappings, a reserve 1), and only a call the budget cannot cover counts again. Unmaps give
+nothing back (one may split a merged run), so the budget errs towards counting again; what the
+rest of the process maps between two counts comes out of the headroom.
 """
 from __future__ import annotations
 

@@ -21,13 +21,14 @@ zeros of a discard. Each mapped page is either
               page_bytes) are checked first, all together, as one commit (``Driver.commit``:
               refused when the memory is not available, recorded in ``RecentCommits`` when it
               is), so close() never commits memory the device does not have
-    held      when the copies do not fit, a copy fails, or the driver cannot detach (CUDA):
-              the view keeps showing the pool page, costing no new memory, and the page is
-              frozen for it until its last view dies: mapping it anywhere or discarding it is
-              refused (PageStateError naming the view), ``pool.release`` parks it (flagged
-              free, off the free list: no next owner; ``pool.held_pages`` counts it), a pool
-              closed meanwhile destroys it (its memory goes with the view's mapping); when the
-              last view dies it is unmapped and, if released, listed free
+    held      when the copies do not fit, a copy fails (two in a row: the rest too, untried), or
+              the driver cannot detach (CUDA): the view keeps showing the pool page, costing no
+              new memory, and the page is frozen for it until its last view dies: mapping it
+              anywhere or discarding it is refused (PageStateError naming the view),
+              ``pool.release`` parks it (flagged free, off the free list: no next owner;
+              ``pool.held_pages`` counts it), a pool closed meanwhile destroys it (its memory
+              goes with the view's mapping); when the last view dies it is unmapped and, if
+              released, listed free
 
 Holding, not refusing ``close()`` with InsufficientMemoryError: a close that raised would leave
 its caller (a cache's ``close()``, ``__exit__``) half done with nothing to do but drop its
@@ -284,10 +285,16 @@ class VirtualRange:
             self._free_retired()
 
     def _copy_pages(self, pages: List[tuple]) -> int:
-        """Detach each of ``pages`` (index, pool page) with a copy; returns how many were."""
+        """Detach each of ``pages`` (index, pool page) with a copy; returns how many were.
+        Two failures in a row hold the rest untried: out of mappings, each next one was refused
+        after a count of them all (minutes for a large range), and CUDA can detach none."""
+        failures = 0
         for page_index, page_id in pages:
             if self._detach(page_index, page_id, copy=True):
                 del self._mapped[page_index]  # its own memory now: nothing of the pool's
+                failures = 0
+            elif (failures := failures + 1) == 2:
+                break
         return len(pages) - len(self._mapped)
 
     def _detach(self, page_index: int, page_id: int, copy: bool) -> bool:

@@ -382,10 +382,10 @@ class VMemKVCache(VMemOps, AdapterReplica, KVCache):
         self._release()
 
     def _release(self) -> None:
-        """Release whatever exists, in dependency order: mapper, range, pool, own driver."""
+        """Release whatever exists, in dependency order: mapper, views, range, pool, driver."""
         if self._mapper is not None:
             self._mapper.close()
-        self._k = self._v = []
+        self._k, self._v, self._step, self._views = [], [], None, []
         for rng in getattr(self, "_adapter_ranges", {}).values():
             rng.close()
         self._adapter_ranges = {}
