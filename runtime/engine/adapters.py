@@ -27,7 +27,7 @@ from vmemkv.scheduler.adapters import AdapterRef
 from vmemkv.scheduler.presets import KV_CACHE_DTYPE_BYTES
 from vmemkv.vmem.checks import check_flag
 
-from .errors import EngineConfigError, RequestRejectedError
+from .errors import EngineConfigError, UnknownAdapterError
 
 
 class EngineAdapters:
@@ -136,14 +136,15 @@ class EngineAdapters:
         self._orphans = bool(set(self._by_digest) - named)
 
     def ref(self, name: Optional[str], index: int = 0) -> Optional[AdapterRef]:
-        """The request's AdapterRef; RequestRejectedError naming ``lora`` when unknown."""
+        """The request's AdapterRef; UnknownAdapterError (a RequestRejectedError naming
+        ``lora``) when unknown."""
         if name is None:
             return None
         ref = self._by_name.get(name)
         if ref is None:
-            raise RequestRejectedError(f"prompt {index} rejected: SamplingParams.lora names no "
-                                       f"loaded adapter: {name!r} (loaded: {self.names or 'none'})",
-                                       index, "lora")
+            raise UnknownAdapterError(f"prompt {index} rejected: SamplingParams.lora names no "
+                                      f"loaded adapter: {name!r} (loaded: {self.names or 'none'})",
+                                      index, "lora")
         return ref
 
     # ---- executor side: the model runner calls these each step ----------------------------

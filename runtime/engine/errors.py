@@ -20,6 +20,12 @@ class RequestRejectedError(EngineError, ValueError):
         self.index, self.field = index, field
 
 
+class UnknownAdapterError(RequestRejectedError):
+    """A request's ``SamplingParams.lora`` names no loaded adapter (field "lora"; the server's
+    404: the request's ``model`` is not served, perhaps unloaded since it was checked). An
+    adapter that is loaded but leaves the request too little room is a RequestRejectedError."""
+
+
 class CacheShrunkRequestError(RequestRejectedError):
     """A request that fits the KV cache at ``max_cache_bytes`` but not at the size
     ``resize_cache`` left it: refused (nothing queued) until the cache is resized up (the

@@ -46,7 +46,7 @@ from typing import AsyncIterator, Dict, List, Optional, Sequence, Union
 
 from vmemkv.runtime.engine.beam_params import BeamSearchParams
 from vmemkv.runtime.engine.errors import (BeamSearchParamsError, CacheShrunkRequestError,
-                                         RequestRejectedError)
+                                         RequestRejectedError, UnknownAdapterError)
 from vmemkv.runtime.engine.logprobs import TokenLogprobs
 from vmemkv.runtime.engine.sampling import SamplingParams
 
@@ -170,7 +170,7 @@ class Submission:
             raise cache_shrunk(self._client_message(error)) from None
         except (RequestRejectedError, BeamSearchParamsError) as error:
             await self._aborted()
-            if error.field == "lora":   # unloaded after the request was checked: its "model"
+            if isinstance(error, UnknownAdapterError):   # unloaded since it was checked
                 raise ApiError(404, self._client_message(error).replace(
                     "SamplingParams.lora", "model"), "model") from None
             param = self._param_of(error.field)     # (a beam field as the client named it)
@@ -248,8 +248,8 @@ class Submission:
         """The request field an engine error's ``field`` is (``max_new_tokens``: the API's
         max_tokens or max_completion_tokens; ``beam_width``: n where it defaulted to n; the
         others share their names)."""
-        return {"max_new_tokens": self._max_param, "beam_width": self._width_param}.get(
-            field, field)
+        return {"max_new_tokens": self._max_param, "beam_width": self._width_param,
+                "lora": "model"}.get(field, field)       # the adapter: the request's model
 
     async def _aborted(self) -> None:
         """``close()``, then wait for the Ended of every request it aborted (one the engine

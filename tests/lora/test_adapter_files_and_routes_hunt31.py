@@ -120,3 +120,16 @@ def test_vllms_load_inplace_and_lora_int_id_fields_are_taken_as_vllm_takes_them(
             gone = post("/v1/unload_lora_adapter", {"lora_name": "a", "lora_int_id": 1})
             assert gone.status_code == 200, gone.text
             assert engine.loras == []
+
+
+def test_a_request_naming_no_loaded_adapter_is_an_unknown_adapter_error():
+    """Its own type (the server's 404 reads it), not any rejection whose field is ``lora``: a
+    loaded adapter that leaves a request too little room is a plain RequestRejectedError (a
+    400 naming ``model``), which the server had answered 404 "not served"."""
+    from vmemkv.runtime.engine import (Engine, RequestRejectedError, SamplingParams,
+                                       UnknownAdapterError)
+    with Engine(build_model("tiny-llama", seed=0), cache="vmem", max_batch=2,
+                max_context=64) as engine:
+        with pytest.raises(UnknownAdapterError, match="names no loaded adapter: 'gone'") as error:
+            engine.generate([[1, 2]], SamplingParams(max_new_tokens=2, lora="gone"))
+    assert isinstance(error.value, RequestRejectedError) and error.value.field == "lora"
