@@ -13,7 +13,8 @@
                       and no admin key they answer 403. Keys are visible ASCII (what an HTTP
                       header carries) compared in constant time (``hmac.compare_digest``, every
                       key every time).
-    2. Content-Type   a POST must say ``application/json`` (415 otherwise): a browser's simple
+    2. Content-Type   a POST must say ``application/json``, uncompressed (415 otherwise, naming
+                      the Content-Type or Content-Encoding): a browser's simple
                       ``text/plain`` request from a foreign page (cross-site request forgery,
                       DNS rebinding) never reaches the engine.
     3. body limits    a Content-Length over the limit is 413 before a byte is read; the rest is
@@ -191,6 +192,10 @@ class Guard:
             if kind != "application/json":   # no header is not the type "none" sent
                 raise ApiError(415, "Content-Type must be application/json, got " + (
                     repr(kind) if kind else "no Content-Type header"))
+            coding = headers.get("content-encoding", "identity").strip().lower()
+            if coding != "identity":         # a gzip body read as JSON: a baffling 400
+                raise ApiError(415, f"Content-Encoding {coding[:40]!r} is not supported: send "
+                                    f"the JSON body uncompressed")
         length = headers.get("content-length")
         if length is not None:
             if not length.isdigit():
