@@ -14,7 +14,7 @@ import sys
 from dataclasses import replace
 
 from . import cli_capacity
-from .cli_checks import Given, check_flags, check_lora, profile_defaults
+from .cli_checks import Given, GivenOnce, check_flags, check_lora, profile_defaults
 from .cli_table import aggregate, format_table, parse_seeds, to_json
 from .cliargs import (NON_NEGATIVE_INT, POSITIVE_INT, DistinctValues, bounded, hold_point,
                       parse_bytes, write_stdout)
@@ -125,7 +125,7 @@ def _workload_flags(w) -> None:
                    help="number of requests")
     w.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, action=Given,
                    help="workload random seed")
-    w.add_argument("--seeds", type=parse_seeds, metavar="0-4", default=None,
+    w.add_argument("--seeds", type=parse_seeds, metavar="0-4", default=None, action=GivenOnce,
                    help="run once per seed (FIRST-LAST or a comma list) and report mean ± std "
                         "(default: one run with --seed)")
     w.add_argument("--workload-rng", choices=WORKLOAD_RNGS, default="numpy",
@@ -168,7 +168,7 @@ def _workload_flags(w) -> None:
     w.add_argument("--lora-adapters", type=bounded(int, 0), default=0, metavar="N",
                    help="every request runs with one of N LoRA adapters (ranks 8-64, fp16, on "
                         "q/k/v/o), loaded into device memory on demand (0: no adapters; also "
-                        "applies to --trace)")
+                        "applies to a --trace whose requests name none)")
     w.add_argument("--lora-zipf", type=bounded(float, 0), default=1.0, metavar="ALPHA",
                    action=Given,
                    help="adapter popularity: the i-th most popular is picked with weight "
@@ -191,8 +191,9 @@ def _deployment_flags(m) -> None:
                    help="KV cache size, GB (10^9 bytes); with the weights, at most the GPU's memory")
     m.add_argument("--lora-budget-gb", type=bounded(float, 0, MAX_GB, low_open=True),
                    default=None,
-                   help="with --lora-adapters: a static split, this many GB of --cache-gb for "
-                        "adapters and the rest for KV (default: one pool both share)")
+                   help="with --lora-adapters (or a --trace naming adapters): a static split, "
+                        "this many GB of --cache-gb for adapters and the rest for KV (default: "
+                        "one pool both share)")
     m.add_argument("--policy", type=policy_name, default="paged", action=Given,
                    help=f"KV memory policy: {', '.join(POLICIES)}, or module:Class / "
                         f"file.py:Class for your own manager (docs/simulation.md; default: "
@@ -228,6 +229,12 @@ def _entries(args, seed: int, say_scaled: bool = True):
     if args.lora_adapters:                    # the adapters are drawn after the lengths
         check_adapters_fit(args.lora_adapters, "lower --lora-adapters")
     entries = _lengths(args, seed, say_scaled)
+    named = next((e for e in entries if e.adapter is not None), None) if args.lora_adapters else None
+    if named is not None:        # the draw replaced the trace's own adapters, silently
+        raise ConfigError(f"--lora-adapters {args.lora_adapters} draws an adapter for every "
+                          f"request, and --trace {args.trace} names its own (a request at "
+                          f"{named.arrival_s:g} s runs {named.adapter.name!r}): they would be "
+                          f"replaced; leave --lora-adapters out to replay the trace's adapters")
     if args.lora_adapters:
         entries = assign_adapters(entries, LoraSpec(args.lora_adapters, args.lora_zipf, seed=seed),
                                   _config(args).model_spec)

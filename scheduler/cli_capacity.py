@@ -11,7 +11,7 @@ import argparse
 from typing import Callable
 
 from .capacity import CapacityResult, Probe, find_max_load, parse_slo, report_key
-from .cli_checks import Given
+from .cli_checks import Given, GivenOnce
 from .cli_table import to_json
 from .cliargs import bounded, write_stdout
 from .progress import Progress
@@ -24,7 +24,7 @@ def add_flags(group) -> None:
                        help="search the highest load meeting --slo (trace: --rate-scale; "
                             "generated: --arrival-rate)")
     group.add_argument("--slo", type=_slo, default=None, metavar="TARGETS",
-                       action=Given,
+                       action=GivenOnce,
                        help="latency targets in ms, e.g. ttft_p90=2000,tpot_p99=200 (default: none; "
                             "--find-max-rate needs it)")
     group.add_argument("--search-tolerance", type=bounded(float, 0, 1, low_open=True, high_open=True),

@@ -16,6 +16,7 @@ reads the trace only where the answer decides something: a prefix or copy flag g
 from __future__ import annotations
 
 import argparse
+import os
 
 from .cliargs import file_problem
 from .errors import ConfigError
@@ -42,6 +43,20 @@ class Given(argparse.Action):
         namespace.given = getattr(namespace, "given", frozenset()) | {self.dest}
 
 
+class GivenOnce(Given):
+    """``Given`` for a flag whose value is a list (``--slo ttft_p90=2000,tpot_p99=200``,
+    ``--seeds 0-4``): the flag given twice is refused while parsing, naming it (argparse kept
+    the second list and dropped the first silently: ``--slo ttft_p90=500 --slo tpot_p99=200``
+    searched with no TTFT target), as ``DistinctValues`` refuses ``--goodput`` given twice."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if self.dest in getattr(namespace, "given", ()):
+            name = "/".join(self.option_strings)
+            parser.error(f"argument {name}: given twice (the second list would replace the "
+                         f"first); give every value in one {name}")
+        super().__call__(parser, namespace, values, option_string)
+
+
 # where the prefix and copy flags apply (``_applies_where``; ``check_trace_sharing`` for a trace
 # that names no prompt blocks)
 PREFIX_SHARED = ("to a --trace whose requests name their prompt blocks (hash ids: the prefixes "
@@ -63,7 +78,8 @@ def _applies_where(args) -> tuple:
     return (
         (("swap_gb",), args.preemption == "swap", "with --preemption swap (its host swap space)",
          f"--preemption {args.preemption}"),
-        (("h2d_gbps",), args.lora_adapters > 0 or args.preemption == "swap",
+        # a --trace may name adapters: check_trace_adapters reads it where it names none
+        (("h2d_gbps",), args.lora_adapters > 0 or args.preemption == "swap" or bool(args.trace),
          "to --lora-adapters' loads and --preemption swap's copies",
          f"--lora-adapters 0 and --preemption {args.preemption}"),
         (("lora_zipf",), args.lora_adapters > 0, "with --lora-adapters N > 0",
@@ -142,6 +158,24 @@ def trace_shares_prefixes(args) -> bool:
     return any(e.hash_ids for e in load_trace(args.trace, max_requests=args.max_requests))
 
 
+def trace_names_adapters(args) -> bool:
+    """Whether a request of ``--trace`` (its first ``--max-requests``) names a LoRA adapter, so
+    that a run without ``--lora-adapters`` has adapters to split ``--lora-budget-gb`` for."""
+    return any(e.adapter for e in load_trace(args.trace, max_requests=args.max_requests))
+
+
+def check_trace_adapters(args) -> None:
+    """--h2d-gbps given with a --trace, no --lora-adapters and recompute preemption: it prices
+    the loads of the adapters the trace's requests name (it was refused as doing nothing,
+    though they were loaded at the default 25 GB/s), and is refused where they name none."""
+    if ("h2d_gbps" in vars(args).get("given", ()) and args.trace and not args.lora_adapters
+            and args.preemption != "swap" and not trace_names_adapters(args)):
+        _refuse_unused(args, "h2d_gbps", "to LoRA adapters' loads (--lora-adapters, or a "
+                       "--trace whose requests name adapters) and --preemption swap's copies",
+                       f"--trace {args.trace} (no request names an adapter), --lora-adapters "
+                       f"0 and --preemption {args.preemption}")
+
+
 def check_trace_sharing(args) -> None:
     """--prefix-eviction, --prefix-block-tokens, and --copy-gbps without --n or --beam-width
     forks, given (``args.given``) with a --trace none of whose requests has hash ids (Azure's):
@@ -180,6 +214,7 @@ def check_flags(args) -> None:
     check_lora(args)
     check_applies(args)
     check_trace_sharing(args)
+    check_trace_adapters(args)
     check_deployment(model=args.model_preset, gpu=args.gpu, cache_gb=args.cache_gb,
                      preemption=args.preemption, swap_gb=args.swap_gb, policy=args.policy,
                      block_size=args.block_size, max_len=args.max_len, profile=args.profile,
@@ -190,6 +225,21 @@ def check_flags(args) -> None:
     if args.write_trace is not None:
         check_writable(args.write_trace, "--write-trace")
         check_trace_name(args.write_trace, "--write-trace")   # what --trace would misread
+        check_not_the_trace(args)
+
+
+def check_not_the_trace(args) -> None:
+    """--write-trace naming the file --trace reads (by any path, a link or a hard link too):
+    ConfigError naming both. The workload written is the trace as it ran (its first
+    --max-requests, scaled to --max-len, arrivals at --rate-scale): it replaced the file,
+    silently, and the rest of the trace was lost."""
+    trace, path = args.trace, args.write_trace
+    if not trace or not os.path.isfile(trace) or not os.path.exists(path):
+        return
+    if os.path.samefile(trace, path):
+        raise ConfigError(f"--write-trace {path} is the file --trace {trace} reads: the "
+                          f"workload written (the trace as it runs: --max-requests, --max-len, "
+                          f"--rate-scale) would replace it; give another file name")
 
 
 # a flag's dest -> the profile engine's setting it defaults to, and whether a value above the
@@ -261,9 +311,9 @@ def check_lora(args) -> None:
     """--lora-budget-gb needs adapters and must leave KV memory in --cache-gb."""
     if args.lora_budget_gb is None:
         return
-    if not args.lora_adapters:
+    if not args.lora_adapters and not (args.trace and trace_names_adapters(args)):
         raise ConfigError("--lora-budget-gb splits the cache between adapters and KV: give "
-                          "--lora-adapters N > 0")
+                          "--lora-adapters N > 0 (or a --trace whose requests name adapters)")
     if args.lora_budget_gb >= args.cache_gb:
         raise ConfigError(f"--lora-budget-gb {args.lora_budget_gb:g} leaves no KV memory in "
                           f"--cache-gb {args.cache_gb:g}: give less than it")

@@ -46,6 +46,7 @@ from .sim_memory import check_host_need   # the pool alone: no request drawn yet
 from .sim_memory import pool_unit_bytes, simulation_bytes
 from .simulator import SimConfig
 from .sweep_policy import POLICY_ID, check_policy_unchanged, policy_id, sha256_of  # noqa: F401
+from .trace_entry import object_once   # a JSON key given twice: refused, not the later kept
 from .traces import BUNDLED, load_trace
 from .workload import MAX_ARRIVAL_S, WORKLOAD_RNGS, WorkloadSpec
 
@@ -130,7 +131,8 @@ def load_spec(path: str) -> dict:
     naming the file and the bad key or value."""
     try:
         with open(path, "rb") as f:
-            raw = tomllib.load(f) if path.endswith(".toml") else json.load(f)
+            raw = (tomllib.load(f) if path.endswith(".toml")
+                   else json.load(f, object_pairs_hook=object_once))
     except (OSError, ValueError, RecursionError) as error:   # bad TOML/JSON, nested too deep
         why = "nested too deeply" if isinstance(error, RecursionError) else error
         raise ConfigError(f"sweep spec {path}: {why}") from None

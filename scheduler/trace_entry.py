@@ -133,6 +133,20 @@ def check_arrivals(entries: Sequence[TraceEntry], what: str = "the workload") ->
                           f"a step's milliseconds")
 
 
+def object_once(pairs: list) -> dict:
+    """A JSON object's ``pairs`` as a dict (``json.loads``'s ``object_pairs_hook``), ConfigError
+    naming a key the object gives twice: ``json`` kept the later value silently (a trace line's
+    ``"prompt_len": 10, "prompt_len": 20`` ran 20 tokens, a JSON sweep spec's second
+    ``policy`` list replaced the first)."""
+    obj: dict = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ConfigError(f"key {_short(key)} is given twice in one object (JSON kept the "
+                              f"later value silently); give it once")
+        obj[key] = value
+    return obj
+
+
 def parse_trace_object(obj, where: str) -> TraceEntry:
     """One decoded line of the project's JSONL format; ``ConfigError`` naming ``where`` if bad,
     or if it holds a key not in ``TRACE_LINE_KEYS`` (naming the key). A line naming an

@@ -33,7 +33,7 @@ from importlib import resources
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from .errors import ConfigError
-from .trace_entry import trace_file_name
+from .trace_entry import object_once, trace_file_name
 from .trace_stream import text_lines
 from .workload import (MAX_ARRIVAL_S, MAX_TRACE_TOKENS, MOONCAKE_BLOCK_TOKENS,  # noqa: F401
                        TraceEntry, check_arrivals, parse_entry, parse_trace_object,
@@ -270,9 +270,10 @@ PROJECT_JSONL = JsonlFormat("project (prompt_len, output_len, arrival_s in s)",
 def _jsonl_rows(lines: Iterator[str], where: str) -> Iterator[Row]:
     """Entries of JSONL text, each line read in the format of the file's first line (the
     project's where that line has neither format's marker); a later line holding the other
-    format's marker is refused, naming it and the first line."""
+    format's marker is refused, naming it and the first line; so is a line naming an adapter
+    an earlier line named with another size (``_one_size``)."""
     file_format: Optional[JsonlFormat] = None
-    first_at = ""
+    first_at, sizes = "", {}
     for lineno, line in _numbered_lines(lines):
         at = f"{where} line {lineno}"
         obj = _json_line(line, at)
@@ -283,7 +284,21 @@ def _jsonl_rows(lines: Iterator[str], where: str) -> Iterator[Row]:
             raise ConfigError(f"{at}: a line of the {line_format.name} format in a trace "
                               f"whose first line ({first_at}) is of the {file_format.name} "
                               f"format; a file holds one format")
-        yield at, file_format.parse(obj, at)
+        entry = file_format.parse(obj, at)
+        if entry.adapter is not None:
+            _one_size(entry.adapter, at, sizes)
+        yield at, entry
+
+
+def _one_size(adapter, at: str, sizes: Dict[str, Tuple[int, str]]) -> None:
+    """ConfigError naming both lines when ``adapter``'s name came earlier (``sizes``: name ->
+    bytes and line) with other ``adapter_bytes``: a name is one adapter (its digest is the
+    name's), and the run failed part way with an AdapterStateError naming neither line."""
+    size, first_at = sizes.setdefault(adapter.name, (adapter.num_bytes, at))
+    if size != adapter.num_bytes:
+        raise ConfigError(f"{at}: adapter {adapter.name!r} with adapter_bytes "
+                          f"{adapter.num_bytes}, and {first_at} names it with {size}: an "
+                          f"adapter has one size")
 
 
 def _format_of(obj) -> Optional[JsonlFormat]:
@@ -313,9 +328,11 @@ def _numbered_lines(lines: Iterator[str]) -> Iterator[Tuple[int, str]]:
 def _json_line(line: str, at: str):
     """The decoded JSON of one trace line; ConfigError naming ``at`` if it is not JSON."""
     try:
-        return json.loads(line)
+        return json.loads(line, object_pairs_hook=object_once)
     except json.JSONDecodeError as error:
         raise ConfigError(f"{at}: not JSON ({error.msg})") from None
+    except ConfigError as error:       # a key given twice
+        raise ConfigError(f"{at}: {error}") from None
     except ValueError as error:        # an int of more digits than Python converts
         raise ConfigError(f"{at}: not a trace line ({error})") from None
     except RecursionError:
