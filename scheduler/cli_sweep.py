@@ -168,5 +168,7 @@ def _line(row: dict) -> str:
     head = _head(row)
     if row.get("error"):
         return head + f"FAILED: {row['error']}"
+    held = row["held_utilization"]       # None: no step ended holding anything
     return (head + f"{row['output_tokens_per_s']:>9,.0f} tok/s  p90 TTFT {row['p90_ttft_ms']:>9,.0f} ms  "
-            f"held util {row['held_utilization']:>6.1%}  preempt {row['num_preemptions']:>5}")
+            f"held util {'-' if held is None else format(held, '.1%'):>6}  "
+            f"preempt {row['num_preemptions']:>5}")

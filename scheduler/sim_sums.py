@@ -16,18 +16,23 @@ from .workload import TraceEntry
 class StepSums:
     """Sums over steps of the per-step figures SimResult reports as means."""
 
-    __slots__ = ("steps", "batch", "util", "held", "usage", "waste", "seconds", "tokens")
+    __slots__ = ("steps", "batch", "util", "held", "usage", "waste", "seconds", "tokens",
+                 "util_steps", "held_steps")
 
     def __init__(self) -> None:
-        self.steps = self.batch = self.tokens = 0
+        self.steps = self.batch = self.tokens = self.util_steps = self.held_steps = 0
         self.util = self.held = self.usage = self.waste = self.seconds = 0.0
 
     def add(self, batch: int, figures: tuple, seconds: float, tokens: int) -> None:
         util, held, usage, waste = figures
         self.steps += 1
         self.batch += batch
-        self.util += util
-        self.held += held
+        if util is not None:          # a step that allocated nothing has no utilisation
+            self.util += util
+            self.util_steps += 1
+        if held is not None:          # nor one that ended holding nothing a held one
+            self.held += held
+            self.held_steps += 1
         self.usage += usage
         self.waste += waste
         self.seconds += seconds
@@ -41,14 +46,18 @@ class StepSums:
                                   "kv_cache_usage_perc", "mean_end_waste_tokens",
                                   "output_tokens_per_s"))
         div = self.steps
-        return {"mean_batch": self.batch / div, "kv_utilization": self.util / div,
-                "held_utilization": self.held / div, "kv_cache_usage_perc": self.usage / div,
+        return {"mean_batch": self.batch / div,
+                "kv_utilization": self.util / self.util_steps if self.util_steps else None,
+                "held_utilization": self.held / self.held_steps if self.held_steps else None,
+                "kv_cache_usage_perc": self.usage / div,
                 "mean_end_waste_tokens": self.waste / div,
                 "output_tokens_per_s": self.tokens / self.seconds if self.seconds else None}
 
 
 def step_figures(manager: MemoryManager, running: int) -> tuple:
-    """(utilisation, held utilisation, usage, end waste per running sequence) of one step;
+    """(utilisation, held utilisation, usage, end waste per running sequence) of one step,
+    the first two None where nothing is allocated / held (a step whose sequences all finished:
+    a vacuous 1.0 there made a trace of one-token outputs read 100% held utilisation);
     usage is vLLM's kv_cache_usage_perc (``manager.kv_cache_usage()``: cached, evictable
     memory counts as free, as the engine's metrics count it). ManagerContractError naming
     the policy when its ``stats()`` or usage is impossible (``check_stats``: a user's policy's
@@ -59,8 +68,8 @@ def step_figures(manager: MemoryManager, running: int) -> tuple:
     # waste in whole tokens (every layer's bytes): a paged hybrid's stats count block-group
     # tokens, one per group, which read as tokens were the groups' count times too many
     waste = stats.end_waste_tokens * stats.bytes_per_token / manager.bytes_per_token
-    return (stats.live_tokens / stats.allocated_tokens if stats.allocated_tokens else 1.0,
-            stats.live_tokens / held if held else 1.0,
+    return (stats.live_tokens / stats.allocated_tokens if stats.allocated_tokens else None,
+            stats.live_tokens / held if held else None,
             usage,
             waste / running if running else 0.0)
 

@@ -72,9 +72,9 @@ class SimResult:
     wall_seconds: float
     output_tokens_per_s: float     # output tokens / simulated seconds (idle time included)
     mean_batch: float              # sequences computed per step, mean over steps
-    kv_utilization: float          # live / allocated, mean over steps
-    held_utilization: float        # live / (live + end waste), mean over steps: memory held by
-                                   # running sequences only (excludes deferred/cached pages)
+    kv_utilization: Optional[float]    # live / allocated, mean over steps allocating any
+    held_utilization: Optional[float]  # live / (live + end waste), mean over steps holding any:
+                                       # running sequences only (excludes deferred/cached pages)
     kv_cache_usage_perc: float     # vLLM's: held over the cache, cached counted free; step mean
     mean_end_waste_tokens: float   # end-of-sequence waste per running sequence, mean over steps
     num_preemptions: int
