@@ -28,8 +28,11 @@ import torch
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """One position: ``token_id``'s logprob (natural log) and rank (1: the likeliest) in the
-    model's distribution there, and the ``top`` k (token id, logprob) pairs, likeliest first."""
+    """One position: ``token_id``'s logprob (natural log) and rank in the model's distribution
+    there, and the ``top`` k (token id, logprob) pairs, likeliest first (every token, when the
+    vocabulary has fewer than k). The rank is 1 + the number of tokens strictly likelier, so
+    tied tokens share the best rank and a greedy token (no penalty or bias) is always rank 1
+    (vLLM v0's count; vLLM v1 counts the tokens at least as likely: the worst of the tie)."""
     token_id: int
     logprob: float
     rank: int
@@ -74,8 +77,8 @@ def _slice_logprobs(logits: torch.Tensor, token_ids: List[int], k: int) -> List[
     ids = torch.tensor(token_ids, dtype=torch.long, device=logits.device).unsqueeze(1)
     chosen = logprobs.gather(1, ids)                                            # (rows, 1)
     ranks = (logprobs > chosen).sum(dim=1, dtype=torch.int32) + 1
-    if k:
-        top_values, top_ids = logprobs.topk(k, dim=-1)
+    if k:   # a vocabulary smaller than k (a 16-token DNA model, logprobs=20): all of it
+        top_values, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
         tops = [tuple(zip(i, v)) for i, v in zip(top_ids.tolist(), top_values.tolist())]
     else:
         tops = [()] * len(ids)

@@ -90,6 +90,8 @@ class SamplingParams:
 _NUMBER_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "n",
                   "min_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty",
                   "logprobs", "prompt_logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty")
 
 
 def plain_number(value):
@@ -105,6 +107,10 @@ def _normalise(p: SamplingParams) -> None:
     (each checked by _RULES)."""
     for name in _NUMBER_FIELDS:
         object.__setattr__(p, name, plain_number(getattr(p, name)))
+    for name in _FLOAT_FIELDS:   # an int as a float: temperature=10**30 passed the range check
+        value = getattr(p, name)  # and torch's division overflowed; one past a float's range
+        if is_int(value) and abs(value) <= FP32_MAX:   # stays an int, for _RULES to refuse
+            object.__setattr__(p, name, float(value))
     for name in ("stop_token_ids", "stop"):
         value = getattr(p, name)
         if isinstance(value, str) and name == "stop":
@@ -112,9 +118,9 @@ def _normalise(p: SamplingParams) -> None:
         if isinstance(value, (list, tuple)):
             object.__setattr__(p, name, tuple(map(plain_number, value)))
     bias = p.logit_bias
-    if isinstance(bias, Mapping):
+    if isinstance(bias, Mapping):   # int ids in order, then any other key (refused by _RULES)
         bias = tuple(sorted(((plain_number(t), b) for t, b in bias.items()),
-                            key=lambda kv: (str(type(kv[0])), kv[0])))
+                            key=lambda kv: (0, kv[0]) if is_int(kv[0]) else (1, 0)))
     if isinstance(bias, (list, tuple)):
         object.__setattr__(p, "logit_bias", tuple(tuple(map(plain_number, e))
                                                   if isinstance(e, (list, tuple)) else e
@@ -126,7 +132,8 @@ def is_int(value) -> bool:
 
 
 def _is_finite(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """An int (any: math.isfinite raised OverflowError on 10**400) or a finite float."""
+    return is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _in(low: float, high: float):
