@@ -10,23 +10,14 @@
 
     dequantize: stored.float() * s  (fp32), s the scale of the element's (layer, KV head)
 
-Scales (``KVScales``): fp32, one per (layer, KV head) for K and one for V, stored beside the
-cache. Given by the user, or computed at the first write of each layer (``first_write_scales``:
-per KV head, amax of |x| over that write's tokens and head_dim, divided by the encoding's max,
-as vLLM's ``calculate_kv_scales`` does per tensor; one engine step's write, so a chunked
-prefill's first chunk, not the whole prompt: later, larger K/V saturate) and fixed from then on,
-so every token of a layer, forks and prefix hits included, shares one encoding. K or V holding
-NaN or +-inf is refused (NonFiniteKVError) before anything is fixed or stored (on a
-tensor-parallel rank: stored as 0 and refused after the forward, on every rank together). Scales
-fixed by an engine step that is rolled back are unfixed with it
-(``ScaleTable.unfix_unsettled``): only kept writes fix them. The engine takes, in this order,
-the user's ``kv_scales``, the checkpoint's (``checkpoint_kv_scales``: ``k_scale`` / ``v_scale``
-or one ``kv_scale`` on each attention module, as compressed-tensors / vLLM fp8 checkpoints carry
-them, stored = x / scale like ours), those of a fixed input at start-up (``kv_scales=
-"calibrate"``, kv_calibration.py), or the first write's (``Engine.kv_scales_source`` names
-which).
-Lives beside ``config.py`` (not in ``cache/``) because ``CacheConfig`` validates with it and
-``cache/`` imports the config.
+Scales (``KVScales``, ``ScaleTable``): fp32, one per (layer, KV head) for K and one for V,
+beside the cache: given (the user's, the checkpoint's ``checkpoint_kv_scales``, or calibrated:
+kv_calibration.py; the engine's order: ``kv_scales_for``, engine/config.py), or fixed at each
+layer's first write (``first_write_scales``: per KV head, amax |x| over the write / the
+encoding's max, as vLLM's ``calculate_kv_scales`` per tensor; later, larger K/V saturate), so
+every token of a layer, forks and prefix hits included, shares one encoding. K or V holding NaN
+or +-inf is refused (NonFiniteKVError) before anything is fixed or stored.
+Not in ``cache/``: ``CacheConfig``, which ``cache/`` imports, validates with it.
 """
 from __future__ import annotations
 
@@ -87,7 +78,6 @@ _FIXED = {
 }
 assert KV_CACHE_DTYPES == ("auto",) + tuple(_FIXED) and all(
     KV_CACHE_DTYPE_BYTES[n] == e.element_bytes for n, e in _FIXED.items())   # one table of names
-SCALED_STORAGE = frozenset(e.storage for e in _FIXED.values() if e.scaled)
 
 
 def kv_encoding(name: str, model_dtype: torch.dtype) -> KVEncoding:
@@ -105,23 +95,24 @@ def kv_encoding(name: str, model_dtype: torch.dtype) -> KVEncoding:
 @dataclass(frozen=True)
 class KVScales:
     """Given scales (the user's or a checkpoint's): ``k`` and ``v`` each ``num_layers`` rows of
-    ``num_kv_heads`` floats, rounded to the fp32 the cache holds (``of``), so equal encodings
-    have one digest whatever precision they were given in."""
+    ``num_kv_heads`` floats rounded to the fp32 the cache holds, however built (``KVScales(k, v)``
+    kept str, True, 1e-50: 0 in fp32), so equal encodings have one digest."""
     k: tuple
     v: tuple
 
-    @classmethod
-    def of(cls, k, v) -> "KVScales":
-        """From nested sequences or tensors [layers, kv_heads] (values checked by ``check``)."""
-        def rows(x, name):
-            if isinstance(x, torch.Tensor):
-                x = x.tolist()
+    def __post_init__(self) -> None:
+        for name in ("k", "v"):
+            x = getattr(self, name)
+            x = x.tolist() if isinstance(x, torch.Tensor) else x
             try:
-                return tuple(tuple(_fp32(s) for s in row) for row in x)
+                object.__setattr__(self, name, tuple(tuple(_fp32(s) for s in row) for row in x))
             except (TypeError, ValueError):
                 raise CacheConfigError(f"kv_scales.{name} must be [num_layers][num_kv_heads] "
                                        f"numbers, got {x!r}"[:200]) from None
-        return cls(rows(k, "k"), rows(v, "v"))
+
+    @classmethod
+    def of(cls, k, v) -> "KVScales":
+        return cls(k, v)   # nested sequences or tensors [layers, kv_heads], checked by ``check``
 
     def check(self, num_layers: int, num_kv_heads: int) -> None:
         """CacheConfigError naming the field unless both are [num_layers][num_kv_heads] finite
@@ -154,9 +145,7 @@ def _usable(scale: float) -> bool:
 
 def _fp32(s) -> float:
     """The number ``s`` as a float rounded to fp32 (RNE); +-inf past fp32's range (an int or
-    Fraction past a float's too: float() raised OverflowError), so ``check`` refuses, naming
-    the element, what the cache's fp32 table could not hold. TypeError for a str, bytes or
-    bool: no number (float() read "0.5" and True as scales)."""
+    Fraction past a float's too), refused by ``check``. TypeError for a str, bytes or bool."""
     if isinstance(s, (str, bytes, bool)):
         raise TypeError(f"{s!r} is not a number")
     try:
@@ -171,10 +160,13 @@ def _fp32(s) -> float:
 
 def first_write_scales(x: torch.Tensor, encoding: KVEncoding) -> torch.Tensor:
     """Per KV head of ``x`` [..., tokens, kv_heads, head_dim]: amax(|x|) / max_value (fp32
-    [kv_heads]); a head whose amax is 0 gets 1.0 (a scale must be finite > 0).
-    NonFiniteKVError when ``x`` holds NaN or +-inf (no scale would encode it)."""
-    amax = x.detach().reshape(-1, *x.shape[-2:]).abs().float().amax(dim=(0, 2))
-    return scales_of_amax(amax, encoding)
+    [kv_heads]); a head whose amax is 0 gets 1.0 (a given scale must be finite > 0; a
+    ScaleTable's first write leaves it open instead). NonFiniteKVError for NaN or +-inf."""
+    return scales_of_amax(_head_amax(x), encoding)
+
+
+def _head_amax(x: torch.Tensor) -> torch.Tensor:   # fp32 [kv_heads]
+    return x.detach().reshape(-1, *x.shape[-2:]).abs().float().amax(dim=(0, 2))
 
 
 def scales_of_amax(amax: torch.Tensor, encoding: KVEncoding) -> torch.Tensor:
@@ -183,76 +175,74 @@ def scales_of_amax(amax: torch.Tensor, encoding: KVEncoding) -> torch.Tensor:
     if not bool(torch.isfinite(amax).all()):
         raise NonFiniteKVError(f"K or V holds NaN or +-inf (per KV head amax {amax.tolist()}), "
                                f"which no {encoding.name} scale encodes")
-    scale = amax.float() / encoding.max_value
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
+    return _nonzero(amax.float() / encoding.max_value)
 
 
 class ScaleTable:
     """The scales of one cache: fp32 ``k``, ``v`` [num_layers, kv_heads] on its device, and which
     layers' are fixed (given up front, or at their first write). Views hand attention rows of
-    these tensors, which are filled in place, so a view built before the first write reads the
-    fixed values. ``unsettled``: the layers first writes fixed since ``settle``, which
-    ``unfix_unsettled`` unfixes (an engine step settles them when it commits and unfixes them
-    when it is rolled back, so a failed request's writes fix nobody's scales)."""
+    these tensors, filled in place, so a view built before the first write reads the fixed
+    values. ``unsettled``: the layers first writes fixed since ``settle``, which
+    ``unfix_unsettled`` unfixes (a step rolled back: a failed request fixes nobody's scales).
+    A head a first write leaves all 0 gets scale 0, "open" (its 1.0 rounded later int8 K/V
+    below 0.5 to 0): it has stored only 0s, which decode to 0 under any scale, so the first
+    write that reaches it fixes it (journaled in ``unsettled_heads`` until ``settle``)."""
 
     def __init__(self, encoding: KVEncoding, num_layers: int, num_kv_heads: int,
                  device: torch.device, given: Optional[KVScales] = None) -> None:
         self.encoding = encoding
-        shape = (num_layers, num_kv_heads)
-        if given is None:
-            self.k = torch.ones(shape, dtype=torch.float32, device=device)
-            self.v = torch.ones(shape, dtype=torch.float32, device=device)
-        else:
-            self.k = torch.tensor(given.k, dtype=torch.float32, device=device)
-            self.v = torch.tensor(given.v, dtype=torch.float32, device=device)
+        ones = [[1.0] * num_kv_heads] * num_layers     # unfixed
+        k, v = (ones, ones) if given is None else (given.k, given.v)
+        self.k = torch.tensor(k, dtype=torch.float32, device=device)
+        self.v = torch.tensor(v, dtype=torch.float32, device=device)
         self.given = given is not None
         self.fixed = [self.given] * num_layers
         self.unsettled: list = []   # layer indices, in the order their first writes fixed them
+        self.unsettled_heads: list = []   # (layer, K heads, V heads) open ones later writes fixed
+        # the layers that may hold an open head (each with one is in it; checked at its next write)
+        self.maybe_open = set() if self.given else set(range(num_layers))
         # a tensor-parallel rank's cache (worker.build_rank): encode records non-finite K/V in
-        # ``non_finite`` and stores zeros instead of raising inside a forward whose collectives
-        # the other ranks are in; the ranks agree on it after the forward (RankExecutor.forward)
+        # ``non_finite`` and stores zeros; the ranks agree after the forward (RankExecutor.forward)
         self.defer_non_finite = False
         self.non_finite: Optional[str] = None   # the first such write's message, until taken
 
     def unfix(self, layer: Optional[int] = None) -> None:
-        """Scales fixed at a first write become unfixed again (the next write of each layer, or
-        of ``layer`` alone, fixes them); given ones stay. For a cache whose first writes were a
-        check's, not a request's (the tensor-parallel self-check,
-        runtime/engine/tensor_parallel.py), or did not land (runtime/hf/cache.py)."""
+        """Unfix the scales first writes fixed (of every layer, or ``layer``); given ones stay.
+        For first writes that were a check's (tensor_parallel.py) or did not land (hf/cache.py)."""
         if self.given:
             return
         layers = range(len(self.fixed)) if layer is None else (layer,)
         for index in layers:
-            self.k[index] = 1.0
-            self.v[index] = 1.0
+            self.k[index] = self.v[index] = 1.0
             self.fixed[index] = False
-            if index in self.unsettled:
-                self.unsettled.remove(index)
+            self.unsettled = [i for i in self.unsettled if i != index]
+            self.unsettled_heads = [e for e in self.unsettled_heads if e[0] != index]
 
     def settle(self) -> None:
-        """The writes that fixed scales since the last ``settle`` are kept (an engine step
-        committed them): ``unfix_unsettled`` leaves those layers fixed."""
+        """The writes that fixed scales since the last ``settle`` are kept (a step committed)."""
         self.unsettled.clear()
+        self.unsettled_heads.clear()
 
     def unfix_unsettled(self) -> list:
-        """Unfix the layers first writes fixed since ``settle`` (their writes are not kept: an
-        engine step rolled back, or one request's forward run alone to find a culprit), so the
-        next kept write fixes them; returns those layers."""
+        """Unfix the layers first writes fixed since ``settle``, reopen the heads later writes
+        fixed (not kept: a step rolled back, a request's lone run); returns those layers."""
         layers = list(self.unsettled)
         for layer in layers:
             self.unfix(layer)
+        for layer, k_heads, v_heads in self.unsettled_heads:
+            self.k[layer][k_heads], self.v[layer][v_heads] = 0.0, 0.0   # open again
+            self.maybe_open.add(layer)
+        layers += [layer for layer, _, _ in self.unsettled_heads if layer not in layers]
+        self.unsettled_heads.clear()
         return layers
 
     def encode(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple:
         """``k``, ``v`` [..., kv_heads, head_dim] quantized with ``layer``'s scales, fixing
-        them from this write when it is the layer's first (the layer joins ``unsettled``); a
-        write of no tokens fixes nothing (it raised IndexError, where a 16-bit cache takes it).
-        NonFiniteKVError, nothing stored or fixed, when ``k`` or ``v`` holds NaN or +-inf
-        (int8 stored NaN as 0 and both fp8s clamped inf to their max: made-up tokens; a first
-        write's inf gave the head scale 1.0 for every later request). With
-        ``defer_non_finite`` (tensor parallelism) nothing is raised: the first message is kept
-        in ``non_finite``, the non-finite elements are stored as 0, and the step is refused
-        after its forward, on every rank together."""
+        them from this write when it is the layer's first (the layer joins ``unsettled``), and
+        its open heads this write reaches; a write of no tokens fixes nothing.
+        NonFiniteKVError, nothing stored or fixed, when ``k`` or ``v`` holds NaN or +-inf. With
+        ``defer_non_finite`` (tensor parallelism) the first message is kept in ``non_finite``
+        and those elements are stored as 0 (the step is refused after its forward)."""
         for name, x in (("K", k), ("V", v)):
             if not bool(torch.isfinite(x).all()):
                 what = "NaN" if bool(torch.isnan(x).any()) else "+-inf"
@@ -263,13 +253,34 @@ class ScaleTable:
                     raise NonFiniteKVError(message)
                 self.non_finite = self.non_finite or message
                 k, v = (torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (k, v))
-        if not self.fixed[layer] and k.numel():   # a write of no tokens has no amax
-            self.k[layer] = first_write_scales(k, self.encoding)
-            self.v[layer] = first_write_scales(v, self.encoding)
+        if k.numel() and not self.fixed[layer]:   # a write of no tokens has no amax
+            for table, x in ((self.k, k), (self.v, v)):   # 0: the head stays open
+                table[layer] = _head_amax(x) / self.encoding.max_value
             self.fixed[layer] = True
             self.unsettled.append(layer)
-        return (self.encoding.quantize(k, self.k[layer]),
-                self.encoding.quantize(v, self.v[layer]))
+            self.maybe_open.add(layer)
+        elif k.numel() and layer in self.maybe_open:
+            self._fix_open_heads(layer, k, v)
+        return (self.encoding.quantize(k, _nonzero(self.k[layer])),
+                self.encoding.quantize(v, _nonzero(self.v[layer])))
+
+    def _fix_open_heads(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Fix ``layer``'s open heads (scale 0) this write reaches; the others stay open."""
+        fixed = []
+        for table, x in ((self.k, k), (self.v, v)):
+            scale = _head_amax(x) / self.encoding.max_value
+            heads = (table[layer] == 0) & (scale > 0)
+            table[layer] = torch.where(heads, scale, table[layer])
+            fixed.append(heads)
+        if bool((fixed[0] | fixed[1]).any()):
+            self.unsettled_heads.append((layer, *fixed))
+        if bool(self.k[layer].all()) and bool(self.v[layer].all()):   # no scale 0 left
+            self.maybe_open.discard(layer)
+
+
+def _nonzero(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` with 1.0 for 0 (an open head's, to encode its all-0 K/V with: 0 / 0 is NaN)."""
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
 CHECKPOINT_SCALE_NAMES = ("k_scale", "v_scale", "kv_scale")   # on an attention module
@@ -280,16 +291,14 @@ def checkpoint_kv_scales(model: torch.nn.Module, encoding: KVEncoding, num_layer
                          num_kv_heads: int) -> Optional[KVScales]:
     """The scales ``model``'s checkpoint carries, for ``encoding``, or None if none are carried.
 
-    Read from the modules with an int ``layer_idx`` (HF attention modules) that hold tensor
-    ``k_scale`` and ``v_scale``, or one ``kv_scale`` for both (older fp8 checkpoints). Each is
-    a scalar (any shape of one element; broadcast to the layer's KV heads) or ``num_kv_heads``
-    values (``[H]``, ``[H, 1, 1]``). They keep their clip point: scale x the checkpoint's format
-    max (``checkpoint_format_max``) = new scale x ``encoding.max_value``, so fp8 scales serve
-    int8 without saturating at 127. CacheConfigError naming the module and attribute for a
-    ``k_zero_point`` / ``v_zero_point`` / ``kv_zero_point`` (asymmetric) on any module, any
-    other shape, a value not finite and > 0, another set of names, a module without
-    ``layer_idx``, two modules of one layer, or layers that carry none while others do (never
-    mixed with first-write scales)."""
+    Read from the modules with an int ``layer_idx`` that hold tensor ``k_scale`` and ``v_scale``,
+    or one ``kv_scale`` (older fp8 checkpoints): a scalar (any shape of one element; broadcast to
+    the layer's KV heads) or ``num_kv_heads`` values (``[H]``, ``[H, 1, 1]``). They keep their
+    clip point: scale x the checkpoint's format max (``checkpoint_format_max``) = new scale x
+    ``encoding.max_value``, so fp8 scales serve int8 unsaturated. CacheConfigError naming the
+    module and attribute for a ``k_zero_point`` / ``v_zero_point`` / ``kv_zero_point`` on any
+    module, any other shape, a value not finite and > 0, another set of names, a module without
+    ``layer_idx``, two modules of one layer, or layers that carry none while others do."""
     rows = {}   # layer -> (module name, k row, v row)
     for name, module in model.named_modules():
         held = {a: t for a in CHECKPOINT_SCALE_NAMES
@@ -319,9 +328,8 @@ def checkpoint_kv_scales(model: torch.nn.Module, encoding: KVEncoding, num_layer
 def checkpoint_format_max(model: torch.nn.Module) -> float:
     """The largest stored value of the format the checkpoint's KV scales were made for: its
     compressed-tensors ``quantization_config.kv_cache_scheme`` (``type`` float: e4m3's 448,
-    int: 127), else 448 (fp8 e4m3, vLLM's convention for checkpoint KV scales). CacheConfigError
-    naming the field for a scheme other than 8 bits, ``symmetric`` false (zero points) or
-    ``dynamic`` true / "local" (scales computed per token at run time, not the fixed ones)."""
+    int: 127), else 448 (fp8 e4m3, vLLM's convention). CacheConfigError naming the field for
+    a scheme other than 8 bits, ``symmetric`` false or ``dynamic`` true / "local"."""
     qc = _as_dict(getattr(model.config, "quantization_config", None))
     scheme = _as_dict(qc.get("kv_cache_scheme")
                       or _as_dict(qc.get("quantization_config")).get("kv_cache_scheme"))
@@ -346,9 +354,8 @@ def checkpoint_format_max(model: torch.nn.Module) -> float:
 
 
 def _refuse_zero_points(name: str, module: torch.nn.Module) -> None:
-    """CacheConfigError naming ``name``.attribute when the module holds a KV zero point (an
-    asymmetric ``kv_cache_scheme``: stored = x / scale + zero point, which this cache neither
-    stores nor reads; vLLM refuses it too)."""
+    """CacheConfigError naming ``name``.attribute when the module holds a KV zero point
+    (asymmetric: stored = x / scale + zero point, which this cache does not store)."""
     points = [a for a in CHECKPOINT_ZERO_POINT_NAMES
               if isinstance(getattr(module, a, None), torch.Tensor)]
     if points:
