@@ -29,5 +29,6 @@ def test_a_cache_too_small_is_one_line_on_stderr_exit_2(capsys):
         ["--smoke", "--requests", "2", "--new-tokens", "1", "--cache-mib", "0.3"]))
     captured = capsys.readouterr()
     assert status == 2 and "# error" not in captured.out
-    assert captured.err.startswith("lora_engine: error: RequestRejectedError: prompt ")
-    assert captured.err.count("\n") == 1 and "can never fit" in captured.err
+    # refused when the adapter is added (it leaves no KV room), before any request is queued
+    assert captured.err.startswith("lora_engine: error: EngineConfigError: add_lora: adapter ")
+    assert captured.err.count("\n") == 1 and "no request could run on it" in captured.err
