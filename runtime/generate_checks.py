@@ -64,6 +64,11 @@ def check_flags(args) -> None:
     if args.kv_scales is not None and KV_CACHE_DTYPE_BYTES[args.kv_cache_dtype] != 1:
         raise GenerateUsageError(f"--kv-scales applies to an 8-bit --kv-cache-dtype (fp8_e4m3, "
                                  f"fp8_e5m2, int8), not {args.kv_cache_dtype}")
+    if KV_CACHE_DTYPE_BYTES[args.kv_cache_dtype] == 1 and args.device.partition(":")[0] == "cuda":
+        # CacheConfig's own rule, refused by it only once the model had loaded onto the GPU
+        raise GenerateUsageError(f"--kv-cache-dtype {args.kv_cache_dtype} runs on the CPU only (no "
+                                 f"CUDA attention reads 8-bit K/V) and --device is {args.device}: "
+                                 f"give --device cpu, or --kv-cache-dtype auto, bf16 or fp16")
     if args.preemption == "swap" and not args.swap_bytes:
         raise GenerateUsageError("--preemption swap moves preempted sequences to host swap "
                                  "space: give --swap-bytes SIZE (> 0)")
@@ -170,17 +175,13 @@ def check_page_bytes(args, model) -> None:
     user never gave). Configurations the engine refuses for other reasons are left to it."""
     if args.cache != "vmem" or args.page_bytes is None:
         return
-    from vmemkv.runtime.engine import EngineConfig, EngineConfigError
-    from vmemkv.runtime.engine.config import cache_config_for, page_rounded_context, resolved_layout
-    from vmemkv.runtime.engine.tensor_parallel import kv_heads_per_rank
+    from vmemkv.runtime.engine import EngineConfigError
+    from vmemkv.runtime.engine.config import page_rounded_context, resolved_layout
     from vmemkv.runtime.errors import CacheConfigError
     from vmemkv.runtime.memory import check_fits_device
-    param, world = next(model.parameters()), args.tensor_parallel_size
-    try:   # one rank's cache (the whole one without --tp), on the default page: no rounding yet
-        cfg = EngineConfig(cache="vmem", layout=args.layout, max_batch=args.max_batch,
-                           max_context=args.max_context, kv_cache_dtype=args.kv_cache_dtype)
-        probe = cache_config_for(model, cfg, param, kv_heads_per_rank(model.config, world)
-                                 if world > 1 else None)
+    param = next(model.parameters())
+    try:   # on the default page: no rounding yet
+        cfg, probe = _rank_cache(args, model)
         cfg = resolved_layout(dataclasses.replace(cfg, page_bytes=args.page_bytes), probe)
         rounded = page_rounded_context(probe, cfg, args.max_context)
     except (CacheConfigError, EngineConfigError, ValueError):
@@ -198,6 +199,102 @@ def check_page_bytes(args, model) -> None:
         check_fits_device(f"the KV cache of {what}, for --max-batch {args.max_batch} slots",
                           args.max_batch * rounded * rounded_config.bytes_per_token, param.device,
                           remedy="give a smaller --page-bytes, or --cache-bytes")
+
+
+def _rank_cache(args, model):
+    """(EngineConfig, CacheConfig) of one rank's cache (the whole one without --tp) for the
+    flags, on the default page; the library's errors pass through."""
+    from vmemkv.runtime.engine import EngineConfig
+    from vmemkv.runtime.engine.config import cache_config_for
+    from vmemkv.runtime.engine.tensor_parallel import kv_heads_per_rank
+    world = args.tensor_parallel_size
+    cfg = EngineConfig(cache=args.cache, layout=args.layout, max_batch=args.max_batch,
+                       max_context=args.max_context, kv_cache_dtype=args.kv_cache_dtype)
+    return cfg, cache_config_for(model, cfg, next(model.parameters()),
+                                 kv_heads_per_rank(model.config, world) if world > 1 else None)
+
+
+def check_swap_bytes(args, model) -> None:
+    """After the model loads, before the engine is built: with --preemption swap, a
+    --swap-bytes below one token's K/V of every layer (one rank's with --tp; swap space is
+    counted in such tokens) holds no token, so no sequence could ever swap out: refused naming
+    the flag (the engine took it, and every preemption fell back to recomputing)."""
+    if args.preemption != "swap":
+        return
+    from vmemkv.runtime.engine import EngineConfigError
+    from vmemkv.runtime.errors import CacheConfigError
+    try:
+        bytes_per_token = _rank_cache(args, model)[1].bytes_per_token
+    except (CacheConfigError, EngineConfigError, ValueError):   # the engine's to refuse
+        return
+    world = args.tensor_parallel_size
+    where = f" on a rank (--tp {world}: each has --swap-bytes)" if world > 1 else " here"
+    if args.swap_bytes < bytes_per_token:
+        raise GenerateUsageError(f"--swap-bytes {args.swap_bytes} holds no token: one token's "
+                                 f"K/V of every layer is {bytes_per_token} bytes{where}, so no "
+                                 f"sequence could swap out: give at least a sequence's worth "
+                                 f"(--max-context {args.max_context} tokens: "
+                                 f"{args.max_context * bytes_per_token} bytes)")
+
+
+def check_max_cache_bytes(args, model) -> None:
+    """After the model loads (its device in use): a --max-cache-bytes above the device's total
+    memory is a size the cache can never grow to, while a page id of every page of it is
+    reserved now (a 1TiB ceiling on a 24 GiB host built millions of them, for minutes and
+    gigabytes): CacheTooLargeError naming the flag. Only the total is checked: the memory
+    itself is mapped when the cache grows, and checked then."""
+    if args.max_cache_bytes is None:
+        return
+    from vmemkv.runtime.memory import check_fits_device
+    check_fits_device(f"--max-cache-bytes {args.max_cache_bytes}", args.max_cache_bytes,
+                      next(model.parameters()).device, committed=False,
+                      remedy="give a --max-cache-bytes the device can hold")
+
+
+# the engine's words for what the flags set (its errors name its fields) -> the flags' words:
+# (old, new, applies) where applies(args) says the user's flags set what the old words name
+FIELD_WORDS = (
+    ("; cache_bytes=None)", "; no --cache-bytes: --max-batch slots of --max-context tokens)",
+     lambda args: args.cache_bytes is None),
+    ("lower cache_bytes (or use memory_utilization)", "lower --max-batch or --max-context, or "
+     "give --cache-bytes or --memory-utilization",
+     lambda args: args.cache_bytes is None and args.memory_utilization is None),
+    ("lower cache_bytes (or use memory_utilization)", "lower --cache-bytes (or use "
+     "--memory-utilization)", lambda args: args.cache_bytes is not None),
+    ("(cache_bytes=", "(--cache-bytes ", lambda args: args.cache_bytes is not None),
+    ("bytes: memory_utilization=", "bytes: --memory-utilization ",
+     lambda args: args.memory_utilization is not None),
+    ("lower cache_bytes (or memory_utilization) or max_tokens_per_step", "lower "
+     "--memory-utilization", lambda args: args.memory_utilization is not None),
+    ("lower cache_bytes (or memory_utilization) or max_tokens_per_step", "lower --cache-bytes",
+     lambda args: args.cache_bytes is not None),
+    ("(swap_bytes=", "(--swap-bytes ", lambda args: True),
+    ("lower swap_bytes", "lower --swap-bytes", lambda args: True))
+
+
+def engine_error_named_by_flags(error: Exception, args) -> Exception:
+    """An error of the engine's build (a ValueError) naming the flags that set what it blames:
+    a budget too small for one page group or block (``cache_bytes=N``) or below a byte
+    (``memory_utilization=F``) that --memory-utilization set, GenerateUsageError naming it
+    (the user never gave a cache_bytes); a budget or swap space too large for the device, its
+    fields as the flags (``FIELD_WORDS``), the error's own type kept. Any other: as it is."""
+    message, fraction = str(error), args.memory_utilization
+    if fraction is not None and message.startswith("cache_bytes="):
+        budget, _, rest = message[len("cache_bytes="):].partition(" ")
+        return GenerateUsageError(f"--memory-utilization {fraction:g} gives the KV cache {budget} "
+                                  f"bytes of the device's available memory, which {rest}: give "
+                                  f"a larger fraction, or --cache-bytes")
+    if fraction is not None and message.startswith("memory_utilization="):
+        rest = message[len("memory_utilization="):].partition(" ")[2]
+        return GenerateUsageError(f"--memory-utilization {fraction:g} {rest}"
+                                  .replace("or cache_bytes", "or --cache-bytes"))
+    named = message
+    for old, new, applies in FIELD_WORDS:
+        if applies(args):
+            named = named.replace(old, new)
+    if named != message and error.args:
+        error.args = (named,) + error.args[1:]
+    return error
 
 
 def check_stop_token_ids(stop_token_ids, model) -> None:

@@ -31,7 +31,8 @@ from vmemkv.scheduler.progress import Progress
 from .generate_checks import FLAG_DEFAULTS, check_page_bytes, check_tp_devices  # noqa: F401
 from .generate_checks import check_device as _check_device   # serve's, too
 from .generate_checks import check_flags as _check_flags
-from .generate_checks import check_prompt_text_fits, check_stop_token_ids, sampling_params
+from .generate_checks import (check_max_cache_bytes, check_prompt_text_fits, check_stop_token_ids,
+                              check_swap_bytes, engine_error_named_by_flags, sampling_params)
 from .generate_io import (GenerateUsageError, check_prompt_flags, format_output, name_prompt_line,
                           needs_labels, parse_prompt_lines, read_prompt_lines)
 
@@ -214,6 +215,8 @@ def run(args) -> int:
         raise GenerateUsageError(f"--stop {args.stop[0]!r}: stop strings need a tokenizer and "
                                  f"this model has none; use --stop-token-id ID")
     check_page_bytes(args, model)
+    check_swap_bytes(args, model)
+    check_max_cache_bytes(args, model)
     check_stop_token_ids(args.stop_token_id, model)
     if lines is None:
         lines = read_prompt_lines(args.prompts)
@@ -224,7 +227,7 @@ def run(args) -> int:
     try:
         return _run(args, model, tokenizer, prompts, messages, params)
     except RequestRejectedError as error:   # "prompt 3": the 4th non-blank line; name the line
-        raise name_prompt_line(error, line_numbers) from None
+        raise name_prompt_line(error, line_numbers, args.max_context) from None
 
 
 def _run(args, model, tokenizer, prompts, messages, params) -> int:
@@ -271,6 +274,18 @@ def _engine(engine_class, model, tokenizer, args):
     no flag sets it, and --max-batch above it was refused naming max_tokens_per_step)."""
     from vmemkv.runtime.engine import EngineConfig
     tokens_per_step = max(EngineConfig.max_tokens_per_step, args.max_batch)
+    try:
+        return _built_engine(engine_class, model, tokenizer, args, tokens_per_step)
+    except ValueError as error:     # a budget or swap space: named by the flags that set it
+        named = engine_error_named_by_flags(error, args)
+        if named is error:
+            raise
+        raise named from None
+
+
+def _built_engine(engine_class, model, tokenizer, args, tokens_per_step: int):
+    """``engine_class`` built with every cache and scheduling flag."""
+    from vmemkv.runtime.engine import EngineConfig
     return engine_class(model, tokenizer, cache=args.cache, layout=args.layout,
                         page_bytes=args.page_bytes, block_size=args.block_size,
                         max_batch=args.max_batch, max_context=args.max_context,

@@ -13,15 +13,18 @@ applies to plain-text files only (JSON says itself what a line is), so ``--chat`
 
 Out: one line per sample, or, when samples are labelled (``--n`` > 1, ``--chat``, or any text
 spanning lines), ``[prompt P sample S]`` then the text with every further line indented by four
-spaces; ``--json``: one JSON object per request.
+spaces; ``--json``: one JSON object per request. A line ends at "\n", "\r\n" or a lone "\r"
+(a token of their own in byte-level vocabularies; Python's text files end lines there too).
 """
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import List, Optional, Tuple, Union
 
 INDENT = "    "
+LINE_BREAK = re.compile(r"\r\n|\r|\n")
 Prompt = Union[List[int], str, List[dict]]
 
 
@@ -181,26 +184,33 @@ def format_output(out, as_json: bool, labelled: bool = False, messages=None) -> 
     lines = []
     for o in out.outputs:
         text = o.text if o.text is not None else " ".join(map(str, o.token_ids))
-        lines.append(f"[prompt {out.request_id} sample {o.index}] " + text.replace("\n", "\n" + INDENT)
-                     if labelled else text)
+        lines.append(f"[prompt {out.request_id} sample {o.index}] "
+                     + LINE_BREAK.sub(lambda brk: brk.group() + INDENT, text) if labelled else text)
     return "".join(line + "\n" for line in lines)
 
 
 def needs_labels(outputs, n: int, chat: bool) -> bool:
-    return n > 1 or chat or any(o.text and "\n" in o.text for out in outputs for o in out.outputs)
+    return n > 1 or chat or any(o.text and LINE_BREAK.search(o.text) for out in outputs
+                                for o in out.outputs)
 
 
-def name_prompt_line(error: Exception, line_numbers: List[int]) -> Exception:
+def name_prompt_line(error: Exception, line_numbers: List[int],
+                     max_context: Optional[int] = None) -> Exception:
     """``error`` (RequestRejectedError: "prompt I ..." or "conversation I ...", I the prompt's
     place in the batch) naming the line its prompt was read from instead, as the file's own
-    errors do ("prompt line N ..."): blank lines are skipped, so I is no line a user can find."""
+    errors do ("prompt line N ..."): blank lines are skipped, so I is no line a user can find.
+    With ``max_context``, the scheduler's "(max_seq_len M)" is named by the flag that set it,
+    "(--max-context M)", as the refusal before tokenizing names it."""
     index = getattr(error, "index", None)
     message = str(error)
     if index is None or not 0 <= index < len(line_numbers) or not error.args:
         return error
+    if max_context is not None:
+        message = message.replace(f"(max_seq_len {max_context})", f"(--max-context {max_context})")
     for start in (f"prompt {index}", f"conversation {index}"):
         if message.startswith(start) and message[len(start):len(start) + 1] in (" ", ":"):
-            error.args = (f"prompt line {line_numbers[index]}" + message[len(start):],
-                          ) + error.args[1:]
+            message = f"prompt line {line_numbers[index]}" + message[len(start):]
             break
+    if message != str(error):
+        error.args = (message,) + error.args[1:]
     return error

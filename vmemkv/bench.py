@@ -16,7 +16,7 @@ import sys
 from vmemkv.cli import UsageError, missing_extra
 from vmemkv.runtime.generate_cli import check_tp_devices, tp_device_list
 from vmemkv.scheduler.cliargs import DistinctValues, bounded, thread_count
-from vmemkv.scheduler.presets import KV_CACHE_DTYPES
+from vmemkv.scheduler.presets import KV_CACHE_DTYPE_BYTES, KV_CACHE_DTYPES
 
 SECTIONS = ("alloc", "attention", "memory", "engine")
 ENGINE_SECTIONS = ("engine", "tp")     # run vmemkv.runtime.engine (transformers: the hf extra)
@@ -153,6 +153,20 @@ def _check_applies(args: argparse.Namespace) -> None:
                          f"to --only or drop it")
 
 
+def _check_kv_cache_dtype_device(args: argparse.Namespace) -> None:
+    """An 8-bit --kv-cache-dtype on the GPU the suite runs on (--device cuda, or a visible GPU
+    by default): no CUDA attention reads 8-bit K/V, so the engine section could only fail, after
+    the sections before it had run for minutes (exit 1); UsageError naming both (exit 2)."""
+    if KV_CACHE_DTYPE_BYTES[args.kv_cache_dtype] != 1 or args.device == "cpu":
+        return
+    import torch
+    if args.device == "cuda" or torch.cuda.is_available():
+        given = "--device cuda" if args.device == "cuda" else "a visible GPU (the default device)"
+        raise UsageError(f"--kv-cache-dtype {args.kv_cache_dtype} runs on the CPU only (no CUDA "
+                         f"attention reads 8-bit K/V) and the suite runs on {given}: give "
+                         f"--device cpu, or auto, bf16 or fp16")
+
+
 def run(args: argparse.Namespace) -> int:
     _check_applies(args)
     if getattr(args, "bench_command", None) == "serve":
@@ -167,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
         import torch
         if not torch.cuda.is_available():
             raise UsageError("--device cuda but torch sees no CUDA GPU")
+    _check_kv_cache_dtype_device(args)
     if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)

@@ -176,8 +176,12 @@ def write_error_line(line: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    sigterm = SigtermAsInterrupt()
+    try:   # loading every subcommand's module takes a while: Ctrl-C then is one line too
+        with sigterm.installed():
+            args = build_parser().parse_args(argv)
+    except KeyboardInterrupt as interrupt:
+        return interrupted_exit("vmemkv", interrupt, terminated=sigterm.received)
     if sys.stdout is None and args.command in LOGS_ON_STDERR_ONLY:
         sys.stdout = open(os.devnull, "w")   # uvicorn's log setup reads it; nothing is written
     if sys.stdout is None:   # started with stdout closed (>&-): print() drops every result unsaid

@@ -132,10 +132,11 @@ def _part_text(part, where: str, index: int) -> str:
 
 
 def with_system(messages: Sequence[dict], system: Optional[str]) -> List[dict]:
-    """``messages`` with a system message first when ``system`` is given and none is there."""
+    """``messages`` with a system message first when ``system`` is given and the conversation
+    has none (anywhere: one after the first turn is its own, and a second would be added)."""
     messages = list(messages)
-    if system is not None and not (messages and isinstance(messages[0], dict)
-                                   and messages[0].get("role") == "system"):
+    if system is not None and not any(isinstance(m, dict) and m.get("role") == "system"
+                                      for m in messages):
         messages.insert(0, {"role": "system", "content": system})
     return messages
 

@@ -190,6 +190,9 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     model, tokenizer = load_model(args.model, seed=args.seed, dtype=dtype, device=args.device)
+    for check in (generate_cli.check_page_bytes, generate_cli.check_swap_bytes,
+                  generate_cli.check_max_cache_bytes):   # the cache flags, as generate's
+        check(args, model)
     name = args.served_model_name or served_model_name(args.model)
     taken = [lora_name for lora_name, _ in args.lora if lora_name == name]
     if taken:        # its requests would get the base model
