@@ -133,6 +133,7 @@ class BeamSearching:
         first (BeamSearchParamsError, RequestRejectedError: nothing runs). Statistics of the
         call: ``engine.last_stats``."""
         self._check_awake()      # as generate: before anything is queued (it queued, then raised)
+        self._refuse_step_inside_step()   # it steps: from an on_token callback, refused first
         check_prompt_batch(prompts)
         per = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(per) != len(prompts) or not all(isinstance(p, BeamSearchParams) for p in per):
@@ -145,8 +146,9 @@ class BeamSearching:
         mark = self._mark()
         ids = self.add_all(lambda i: self.add_beam_request(prompts[i], per[i], index=i),
                            len(prompts))
+        kept = self._outputs_of(ids)
         self.run_until_done()
-        outputs = [self.output(rid, pop=True) for rid in ids]
+        outputs = self._collect(ids, kept)      # one an on_token callback popped is kept
         self.last_stats = self.stats(since=mark, outputs=outputs)
         return outputs
 

@@ -165,14 +165,16 @@ def deliver(events, requests: Dict[int, RequestState]) -> None:
     call ``abort``). One that raises an Exception stops no other: every event is delivered, then
     the first error is raised (its token is in the output already). An interrupt
     (KeyboardInterrupt, SystemExit) in a callback goes on at once: the later callbacks of the
-    step are not called, their tokens are in the outputs too."""
+    step are not called, their tokens are in the outputs too. The callbacks are read before
+    any runs: one that pops an ended request's output (``Engine.output(rid, pop=True)``) stops
+    none of the step's events reaching theirs (an n > 1 request's other samples' last events)."""
     first_error = None
-    for event in events:
-        req = requests.get(event.request_id)
-        if req is not None and req.on_token is not None:
-            try:
-                req.on_token(event)
-            except Exception as error:   # noqa: BLE001 -- raised after the others ran
-                first_error = first_error or error
+    calls = [(requests[event.request_id].on_token, event) for event in events
+             if event.request_id in requests and requests[event.request_id].on_token is not None]
+    for on_token, event in calls:
+        try:
+            on_token(event)
+        except Exception as error:   # noqa: BLE001 -- raised after the others ran
+            first_error = first_error or error
     if first_error is not None:
         raise first_error

@@ -15,7 +15,7 @@ import functools
 import re
 from collections import deque
 from contextlib import contextmanager
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 from vmemkv.runtime.errors import PlanExecutionError
 from vmemkv.scheduler.errors import CacheShrunkError, RequestTooLargeError
@@ -26,7 +26,7 @@ from .call_checks import check_callback, check_count
 from .chat import chat_prompts
 from .errors import (CacheShrunkRequestError, EngineBusyError, EngineClosedError,
                      EngineConfigError, RequestRejectedError)
-from .outputs import CompletionOutput, RequestOutput, TokenEvent
+from .outputs import CompletionOutput, EngineStats, RequestOutput, TokenEvent
 from .prompts import check_prompt_batch, check_request_params, encode_prompt
 from .request_state import OnToken, new_request, new_samples
 from .sampler import check_min_tokens
@@ -40,6 +40,10 @@ class RequestSubmission:
     ``tokenizer``, ``vocab_size``, ``eos_ids``, ``device``, ``_requests``, ``_samples``,
     ``_prompt_logprobs``, ``_rng``, ``_next_request``, ``_closed``,
     ``_guard``, ``_sinks``, ``_forgotten``, ``run_until_done``, ``output``, ``stats``)."""
+    # the latest batch call's statistics and a finished stream's outputs; before any, none
+    # (reading them was an AttributeError)
+    last_stats: Optional[EngineStats] = None
+    last_outputs: Tuple[RequestOutput, ...] = ()
 
     def add_request(self, prompt: Prompt, sampling: Optional[SamplingParams] = None,
                     on_token: Optional[OnToken] = None, index: int = 0) -> int:
@@ -114,10 +118,11 @@ class RequestSubmission:
         self._check_awake()
         mark = self._mark()
         ids = self._submit_all(prompts, sampling, on_token)
+        kept = self._outputs_of(ids)
         with self._driving(ids, "generate"):
             while self._live(ids):
                 self._step_with_retries()
-        outputs = [self.output(rid, pop=True) for rid in ids]
+        outputs = self._collect(ids, kept)
         self.last_stats = self.stats(since=mark, outputs=outputs)
         return outputs
 
@@ -142,6 +147,7 @@ class RequestSubmission:
             self._check_awake()
             mark = self._mark()
             ids = self._submit_all(prompts, sampling, None)
+            kept = self._outputs_of(ids)
             self._sinks.update(dict.fromkeys(ids, pending))
         try:
             with self._driving(ids, "stream"):
@@ -153,7 +159,7 @@ class RequestSubmission:
                             break
                         self._step_with_retries()
             with self._guarded("stream"):
-                self.last_outputs = [self.output(rid, pop=True) for rid in ids]
+                self.last_outputs = self._collect(ids, kept)
                 self.last_stats = self.stats(since=mark, outputs=self.last_outputs)
         except GeneratorExit:   # closed early: its requests are nobody's, aborted and forgotten
             self._forget(ids)
@@ -161,6 +167,19 @@ class RequestSubmission:
         finally:
             for rid in ids:
                 self._sinks.pop(rid, None)
+
+    def _outputs_of(self, ids: Sequence[int]) -> List[RequestOutput]:
+        """The output objects of requests just submitted (an ended request's is handed out as
+        it is), for ``_collect``."""
+        return [self._requests[rid].output for rid in ids]
+
+    def _collect(self, ids: Sequence[int], kept: List[RequestOutput]) -> List[RequestOutput]:
+        """A batch call's outputs, each popped; one the caller popped already (``output(rid,
+        pop=True)`` from an ``on_token`` callback or a stream's loop, once it ended) is the
+        output it had: the call neither raises UnknownRequestError after its work is done
+        nor drops the outputs it popped before that one."""
+        return [self.output(rid, pop=True) if rid in self._requests else out
+                for rid, out in zip(ids, kept)]
 
     def _forget(self, ids: Sequence[int]) -> None:
         """A closed stream's requests, aborted (where live) and dropped: now when this thread
@@ -238,6 +257,9 @@ class RequestSubmission:
             self._guard.release()
 
     def _submit_all(self, prompts, sampling, on_token) -> List[int]:
+        # a batch call steps: inside a step (an on_token callback) it is EngineBusyError before
+        # anything is queued (its requests were left running for nobody, their seeds drawn)
+        self._refuse_step_inside_step()
         self.check_admissible(prompts, sampling)   # the batch first, then each prompt
         params = per_prompt(prompts, sampling)
         return self.add_all(lambda i: self.add_request(prompts[i], params[i], on_token, index=i),
