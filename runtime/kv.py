@@ -300,7 +300,9 @@ def check_matches(manager, cache: KVCache) -> None:
     """Assert (AssertionError on a bug) that both are consistent and that the cache's memory and
     replica equal the manager's tables: mapped pages per slot (vmem), the placement of every
     placed sequence the manager still holds, the resident LoRA adapters (their pool pages or
-    blocks and sizes) and the swap space."""
+    blocks and sizes) and the swap space. It holds once the manager's ops have run: a step that
+    forks a sample or finishes a sequence may leave ops the next plan carries (an engine: check
+    after a step that planned nothing new, or after ``run_until_done``)."""
     manager.check_integrity()
     cache.check_integrity()
     layout = manager.layout()
