@@ -72,7 +72,11 @@ class AttentionBackend(ABC):
                                    f"(a per-sequence first key); got {list(view.lens.kv_starts)}")
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
         check_scalars(scale, None)
-        if view.kind is CacheKind.VMEM:
+        if scale < 0:   # exact: (-q).k equals -(q.k) bit for bit; causal SDPA (CPU) took its
+            q, scale = -q, -scale   # running max over unscaled scores, so rows came out NaN
+        if not q.shape[0]:   # an empty batch: no rows (flash's packed metadata took max([]))
+            out = torch.empty_like(q)
+        elif view.kind is CacheKind.VMEM:
             out = self._forward_vmem(q, view, scale)
         else:
             out = self._forward_paged(q, view, scale)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 from functools import lru_cache
+from numbers import Integral
 from typing import NamedTuple, Optional
 
 import torch
@@ -65,12 +66,13 @@ class CpuVarlenBackend(AttentionBackend):
 
     def __init__(self, sdpa_above_tokens: Optional[int] = SDPA_ABOVE_TOKENS,
                  work_units: Optional[int] = None, split_min_keys: int = SPLIT_MIN_KEYS) -> None:
-        if sdpa_above_tokens is not None and sdpa_above_tokens < 1:
-            raise UnsupportedError(f"sdpa_above_tokens must be >= 1 or None; got {sdpa_above_tokens}")
-        if work_units is not None and work_units < 1:
-            raise UnsupportedError(f"work_units must be >= 1 or None; got {work_units}")
-        if split_min_keys < 1:
-            raise UnsupportedError(f"split_min_keys must be >= 1; got {split_min_keys}")
+        for option, value in (("sdpa_above_tokens", sdpa_above_tokens),
+                              ("work_units", work_units), ("split_min_keys", split_min_keys)):
+            if (value is not None or option == "split_min_keys") and (
+                    isinstance(value, bool) or not isinstance(value, Integral) or value < 1):
+                none = "" if option == "split_min_keys" else " or None"   # "3": a bare TypeError
+                raise UnsupportedError(f"{option} must be >= 1{none}; got {value!r} "
+                                       f"({type(value).__name__}, an int is needed)")
         self.sdpa_above_tokens = sdpa_above_tokens
         self.work_units, self.split_min_keys = work_units, split_min_keys
 

@@ -111,16 +111,17 @@ def _causal_bias(t: int, s: int):
 
 
 def softcapped_attention(q, k, v, scale: float, softcap: float, visible: torch.Tensor) -> torch.Tensor:
-    """softmax(cap * tanh(q k^T * scale / cap) masked by ``visible`` [T, S]) v, in the input
-    dtype as transformers' eager Gemma 2 computes it (softmax in fp32). q [T,H,D]; k, v [S,Hkv,D]."""
+    """softmax(cap * tanh(q k^T * scale / cap) masked by ``visible`` [T, S]) v: scores, cap and
+    softmax in fp32 (in fp16, ``scores / cap`` underflowed to 0 for a cap of 1e30: uniform
+    weights), ``p @ v`` in the input dtype. q [T,H,D]; k, v [S,Hkv,D]."""
     t, h, _ = q.shape
     hkv = k.shape[1]
     kx = k.repeat_interleave(h // hkv, dim=1)                          # (S, H, D)
     vx = v.repeat_interleave(h // hkv, dim=1)
-    scores = torch.einsum("thd,shd->hts", q, kx) * scale               # (H, T, S)
+    scores = torch.einsum("thd,shd->hts", q.float(), kx.float()) * scale   # (H, T, S) fp32
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~visible, float("-inf"))
-    weights = scores.float().softmax(-1).to(q.dtype)
+    weights = scores.softmax(-1).to(q.dtype)
     return torch.einsum("hts,shd->thd", weights, vx)
 
 

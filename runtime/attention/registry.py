@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Optional
 
 from vmemkv.scheduler.layout import CacheKind
@@ -45,6 +46,10 @@ def get_backend(name: str, **options) -> AttentionBackend:
     avail = cls.available()
     if not avail:
         raise BackendUnavailableError(name, avail.reason)
+    takes = inspect.signature(cls).parameters
+    if set(options) - set(takes):   # was a bare TypeError from the constructor
+        raise UnsupportedError(f"attention backend {name!r} takes options {sorted(takes) or 'none'}; "
+                               f"got {sorted(set(options) - set(takes))}")
     return cls(**options)
 
 
@@ -69,27 +74,41 @@ _PREFERENCE = {
 
 
 def fastest_backend(kind: str, device: str, block_size: Optional[int] = None,
-                    dtype=None, kv_dtype=None, group: Optional[int] = None) -> str:
+                    dtype=None, kv_dtype=None, group: Optional[int] = None,
+                    features: frozenset = frozenset()) -> str:
     """Name of the fastest available backend for a ``kind`` cache ("vmem" or "paged") on ``device`` ("cpu" or "cuda")
     that takes ``dtype`` (a torch dtype; None: any). FlashAttention-2 has no fp32 kernel, so
     an fp32 model on CUDA gets ``sdpa``; ``kv_dtype``: the cache's storage dtype when it is
     not ``dtype`` (kv_cache_dtype), which the backend must read (``AttentionBackend.kv_dtypes``);
     ``group``: query heads per KV head, which it must take (cpu-varlen: 64 at most; a 71/1 model
-    was refused by the engine's self-check, naming the kernel, where sdpa runs it)."""
+    was refused by the engine's self-check, naming the kernel, where sdpa runs it);
+    ``features``: the model's layer features ("window", "softcap") it must implement
+    (flash-attn has neither: a sliding-window model got it and every windowed layer refused)."""
     device = device.split(":")[0]
     if (kind, device) not in _PREFERENCE:
         raise UnsupportedError(f"no attention backend for cache kind {kind!r} on device {device!r}; "
                                f"kinds: vmem, paged; devices: cpu, cuda")
+    skipped = []   # (name, why) of each candidate passed over
     for name in _PREFERENCE[(kind, device)]:
+        cls = backend_class(name)
         if name == "flash-attn" and kind == CacheKind.PAGED and block_size is not None and block_size % 256:
-            continue
-        if dtype is not None and dtype not in backend_class(name).dtypes:
-            continue
-        if kv_dtype not in (None, dtype) and kv_dtype not in backend_class(name).kv_dtypes:
-            continue
-        most = backend_class(name).max_query_heads_per_kv_head
-        if group is not None and most is not None and group > most:
-            continue
-        if availability(name):
+            skipped.append((name, f"paged block_size={block_size} is not a multiple of 256"))
+        elif dtype is not None and dtype not in cls.dtypes:
+            skipped.append((name, f"takes no dtype={dtype}"))
+        elif kv_dtype not in (None, dtype) and kv_dtype not in cls.kv_dtypes:
+            skipped.append((name, f"reads no kv_dtype={kv_dtype}"))
+        elif set(features) - cls.layer_features:
+            skipped.append((name, f"implements no {sorted(set(features) - cls.layer_features)}"))
+        elif group is not None and cls.max_query_heads_per_kv_head is not None \
+                and group > cls.max_query_heads_per_kv_head:
+            skipped.append((name, f"takes at most {cls.max_query_heads_per_kv_head} query heads "
+                                  f"per KV head, group={group}"))
+        elif not availability(name):
+            skipped.append((name, availability(name).reason))
+        else:
             return name
-    raise BackendUnavailableError(_PREFERENCE[(kind, device)][-1], availability("sdpa").reason)
+    why = "; ".join(f"{name}: {reason}" for name, reason in skipped)
+    if all(not availability(name) for name, _ in skipped):
+        raise BackendUnavailableError(skipped[-1][0], why)
+    raise UnsupportedError(f"no attention backend for cache kind {kind!r} on {device!r} computes "
+                           f"this configuration ({why})")

@@ -325,7 +325,14 @@ def check_prefix_blocks(cfg: EngineConfig, cache_config) -> None:
             f"block_size that divides {tokens_per_page} (e.g. {dividing})")
 
 
-def query_group(model, cache_config) -> int:
-    """Query heads per KV head of ``model`` (its cache's KV heads): what an attention backend
-    must take (``fastest_backend``'s ``group``)."""
-    return model.config.get_text_config().num_attention_heads // cache_config.num_kv_heads
+def attention_needs(model, cache_config) -> dict:
+    """What an attention backend must take for ``model`` (``fastest_backend``'s keywords): its
+    query heads per KV head (``group``, of its cache's KV heads) and its layers' ``features``:
+    a sliding window, transformers' ``attn_logit_softcapping`` (flash-attn has neither: it was
+    picked for Mistral and Gemma 2, and every windowed or capped layer was refused)."""
+    text = model.config.get_text_config()
+    features = {"window"} if any(w is not None for w in cache_config.layer_windows) else set()
+    if getattr(text, "attn_logit_softcapping", None):   # a transformers config field
+        features.add("softcap")
+    return {"group": text.num_attention_heads // cache_config.num_kv_heads,
+            "features": frozenset(features)}

@@ -37,8 +37,8 @@ from vmemkv.runtime.transaction import StepTransaction
 from vmemkv.scheduler.metrics import SampleLog
 from vmemkv.scheduler.scheduler import Scheduler, SchedulerConfig
 
-from .config import (EngineConfig, cache_config_for, check_engine_arguments, kv_scales_for,
-                     query_group, resolved_layout)
+from .config import (EngineConfig, attention_needs, cache_config_for, check_engine_arguments,
+                     kv_scales_for, resolved_layout)
 from .tensor_parallel import (check_tensor_parallel_engine, kv_heads_per_rank, rank_kv_scales,
                               start_tensor_parallel)
 from .call_checks import check_callback, check_tokenizer
@@ -100,7 +100,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         kv_dtype = self.cache_config.storage_dtype   # kv_cache_dtype
         self.attention = cfg.attention if cfg.attention is not None else fastest_backend(
             cfg.cache, self.device.type, cfg.block_size, dtype=self.cache_config.dtype,   # "":
-            kv_dtype=kv_dtype, group=query_group(model, full_config))   # a name, not the default
+            kv_dtype=kv_dtype, **attention_needs(model, full_config))   # a name, not the default
         backend = get_backend(self.attention)
         # refuse, before any memory is built, a backend that cannot run this model's attention
         backend.check_runs(cfg.cache, self.device.type, self.cache_config.dtype, what="the model",
