@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import time
 
-from vmemkv.benchmarks.common import (environment, exit_status, format_table, median_seconds,
-                                      print_environment, write_json)
+from vmemkv.benchmarks.common import (busy_warnings, environment, exit_status, format_table,
+                                      median_seconds, print_environment, write_json)
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cost import count_map_ops
 from vmemkv.scheduler.cliargs import POSITIVE_INT, result_file
@@ -350,7 +350,7 @@ def run(quick: bool = False, out: str | None = None, pages: int | None = None,
     print("# wait_saved_pct: the wait saved against the inline run's (1 - wait / inline wait)")
     payload = {"benchmark": "alloc", "environment": env, "results": rows,
                "lifecycle": pages_rows, "published_a100": PUBLISHED_A100, "lock": lock,
-               "mapper": mapper}
+               "mapper": mapper, "warnings": busy_warnings(env["load_1min"])}
     write_json(out, payload)
     return payload
 

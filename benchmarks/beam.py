@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import torch
 
-from vmemkv.benchmarks.common import environment, exit_status, format_table, print_environment, write_json
+from vmemkv.benchmarks.common import (check_sim_cache_gb, environment, exit_status, format_table,
+                                      print_environment, write_json)
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import (NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT,
                                       DistinctValues, parse_bytes, result_file)
@@ -343,6 +344,8 @@ def main(argv=None) -> None:
         parser.error(problem)
     if args.cache_gb is None:
         args.cache_gb = 20.0
+    else:       # given, so a simulation runs (_ignored_flag refused it otherwise)
+        check_sim_cache_gb(parser, args.cache_gb)
     if args.simulate_memory:
         env = environment(seed=0, warmup=0, repeats=1, requests=args.simulate_memory,
                           cache_gb=args.cache_gb, model="llama-3-8b", gpu="h100")

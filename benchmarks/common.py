@@ -1,4 +1,5 @@
-"""Shared benchmark plumbing: the environment header, median timing, aligned tables, JSON.
+"""Shared benchmark plumbing: the environment header, median timing, the busy-machine warning,
+the simulated cache's --cache-gb check, aligned tables, JSON.
 Each script ends as ``vmemkv``'s commands do: its ``__main__`` line is
 ``exit_status(PROG, main)`` (vmemkv/cli.py ``command_status``): Ctrl-C one line and status 130,
 SIGTERM one line and 143, a user's error (an ``--out`` that cannot be written: the OSError
@@ -51,6 +52,42 @@ def median_seconds(fn: Callable[[], None], warmup: int, repeats: int,
         sync()
         samples.append(time.perf_counter() - start)
     return statistics.median(samples)
+
+
+def busy_warnings(load_1min_start: float, cores: int | None = None,
+                  echo: bool = True) -> list[str]:
+    """The busy-machine warning (summary.busy_warning) for a run whose 1-minute load was
+    ``load_1min_start`` when it began, judged on the higher of that and the load now: printed as
+    ``# WARNING: ...`` when ``echo``, and returned for the JSON, so that a ratio of wall times
+    measured on a shared CPU says so beside its figures, as ``vmemkv bench``'s summary does."""
+    from vmemkv.benchmarks.summary import busy_warning
+    warning = busy_warning(max(load_1min_start, os.getloadavg()[0]), cores)
+    if warning is None:
+        return []
+    if echo:
+        print(f"# WARNING: {warning}", flush=True)
+    return [warning]
+
+
+def check_sim_cache_gb(parser, cache_gb: float) -> None:
+    """What ``vmemkv simulate`` refuses, before anything runs (``parser.error`` naming
+    --cache-gb, exit 2): a cache no H100 holds beside the simulated model's weights, or one that
+    cannot hold one sequence of the workload's longest (the simulator's ConfigError named
+    ``cache_bytes``, after a table's header had printed; 1000 GB ran, an H100 with no limit)."""
+    from vmemkv.scheduler.errors import ConfigError
+    from vmemkv.scheduler.presets import get_model
+    from vmemkv.scheduler.sim_config import SimConfig, check_deployment
+    c = SimConfig()
+    try:
+        check_deployment(model=c.model, gpu=c.device, cache_gb=cache_gb, preemption="recompute",
+                         swap_gb=0.0, policy="vmem", block_size=c.block_size,
+                         max_len=c.max_seq_len, name=lambda key: "--" + key.replace("_", "-"))
+    except ConfigError as error:
+        parser.error(str(error))
+    least = get_model(c.model).bytes_per_token * c.max_seq_len / 1e9
+    if cache_gb < least:
+        parser.error(f"--cache-gb {cache_gb:g} cannot hold one {c.max_seq_len}-token sequence of "
+                     f"{c.model} ({least:.2f} GB)")
 
 
 def format_table(rows: Sequence[dict], columns: Sequence[str]) -> str:

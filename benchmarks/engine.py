@@ -34,7 +34,8 @@ import random
 import statistics
 import time
 
-from vmemkv.benchmarks.common import environment, exit_status, format_table, print_environment, write_json
+from vmemkv.benchmarks.common import (busy_warnings, environment, exit_status, format_table,
+                                      print_environment, write_json)
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.presets import KV_CACHE_DTYPES
 from vmemkv.scheduler.cliargs import thread_count, result_file
@@ -317,6 +318,7 @@ def run(quick: bool = False, out: str | None = None, threads: int = 1, device: s
     if not quick:
         payload["long_prompts"] = long_prompts(device, repeats=2)
         payload["real_model"] = _real_model(device)
+    payload["warnings"] = busy_warnings(env["load_1min"])
     write_json(out, payload)
     return payload
 

@@ -50,7 +50,8 @@ import statistics
 import tempfile
 import time
 
-from vmemkv.benchmarks.common import environment, exit_status, format_table, print_environment, write_json
+from vmemkv.benchmarks.common import (busy_warnings, environment, exit_status, format_table,
+                                      print_environment, write_json)
 from vmemkv.cli import OneLineArgumentParser, UsageError
 from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, thread_count, result_file
 
@@ -225,7 +226,7 @@ def run(model_name: str | None = None, requests: int = 32, new_tokens: int = 32,
     note = None
     if model_name is None:
         model_name, note = default_model()
-    start = time.perf_counter()
+    start, load_1min = time.perf_counter(), round(os.getloadavg()[0], 2)
     model, tokenizer = load_model(model_name, seed=SEED, dtype=torch.float32)
     prompts = make_prompts(tokenizer, requests)
     max_context = max(map(len, prompts)) + new_tokens
@@ -268,7 +269,8 @@ def run(model_name: str | None = None, requests: int = 32, new_tokens: int = 32,
                       model_MiB=round(sum(p.numel() * p.element_size()
                                           for p in model.parameters()) / MiB, 1),
                       adapters=f"{','.join(ADAPTERS)} on {','.join(t[:-5] for t in TARGETS)}",
-                      adapter_MiB=",".join(f"{b / MiB:.1f}" for b in sizes.values()))
+                      adapter_MiB=",".join(f"{b / MiB:.1f}" for b in sizes.values()),
+                      load_1min=load_1min)
     if note:
         env["note"] = note
     payload = {"environment": env, "model": model_name, "targets": TARGETS,
@@ -281,6 +283,7 @@ def run(model_name: str | None = None, requests: int = 32, new_tokens: int = 32,
         print(format_table(rows, TABLE))
         print("# " + "  ".join(f"{k}={v:.3f}" for k, v in summary.items())
               + f"  wall={payload['wall_s']:.0f}s")
+    payload["warnings"] = busy_warnings(load_1min, echo=not quiet)
     write_json(out, payload)
     return payload
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from vmemkv.benchmarks.common import environment, exit_status, format_table, print_environment, write_json
+from vmemkv.benchmarks.common import (check_sim_cache_gb, environment, exit_status, format_table,
+                                      print_environment, write_json)
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, result_file
 
@@ -106,28 +107,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cache-gb", type=POSITIVE_FLOAT, default=20.0, help="simulated KV cache, GB")
     parser.add_argument("--out", default=None, type=result_file, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    _check_cache(parser, args.cache_gb)
+    check_sim_cache_gb(parser, args.cache_gb)
     run(args.quick, args.out, cache_gb=args.cache_gb)
     return 0
-
-
-def _check_cache(parser, cache_gb: float) -> None:
-    """What ``vmemkv simulate`` refuses, before anything runs: a cache no H100 holds beside
-    the model's weights, or one that cannot hold one sequence of the workload's longest."""
-    from vmemkv.scheduler.errors import ConfigError
-    from vmemkv.scheduler.presets import get_model
-    from vmemkv.scheduler.sim_config import SimConfig, check_deployment
-    c = SimConfig()
-    try:
-        check_deployment(model=c.model, gpu=c.device, cache_gb=cache_gb, preemption="recompute",
-                         swap_gb=0.0, policy="vmem", block_size=c.block_size,
-                         max_len=c.max_seq_len, name=lambda key: "--" + key.replace("_", "-"))
-    except ConfigError as error:
-        parser.error(str(error))
-    least = get_model(c.model).bytes_per_token * c.max_seq_len / 1e9
-    if cache_gb < least:
-        parser.error(f"--cache-gb {cache_gb:g} cannot hold one {c.max_seq_len}-token sequence of "
-                     f"{c.model} ({least:.2f} GB)")
 
 
 if __name__ == "__main__":

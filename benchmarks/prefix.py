@@ -21,10 +21,11 @@ wall time with retention off over this row's, for the same cache.
 """
 from __future__ import annotations
 
+import os
 import random
 
-from vmemkv.benchmarks.common import (environment, exit_status, format_table, median_seconds,
-                                      print_environment, write_json)
+from vmemkv.benchmarks.common import (busy_warnings, check_sim_cache_gb, environment, exit_status,
+                                      format_table, median_seconds, print_environment, write_json)
 from vmemkv.cli import OneLineArgumentParser, UsageError
 from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, DistinctValues, result_file
 
@@ -162,6 +163,8 @@ def main(argv=None) -> int:
     problem = _ignored_flag(args)
     if problem:
         p.error(problem)
+    for gb in args.cache_gb or ():
+        check_sim_cache_gb(p, gb)
     if args.trace:
         rows = trace_rows(args.trace, args.cache_gb or [60.0, 8.0])
         print(format_table(rows, TRACE_COLUMNS))
@@ -172,11 +175,13 @@ def main(argv=None) -> int:
     device, repeats = args.device or "cpu", args.repeats or 3
     checked_device(device, "--device", UsageError)   # cuda on a CPU machine: AssertionError
     torch.set_num_threads(1)
-    env = environment(SEED, 1, repeats, device, model=MODEL, quick=args.quick)
+    env = environment(SEED, 1, repeats, device, model=MODEL, quick=args.quick,
+                      load_1min=round(os.getloadavg()[0], 2))
     print_environment(env)
     rows = run(args.quick, device, 1, repeats)
     print(format_table(rows, COLUMNS))
-    write_json(args.out, {"environment": env, "rows": rows})
+    write_json(args.out, {"environment": env, "rows": rows,
+                          "warnings": busy_warnings(env["load_1min"])})
     return 0
 
 

@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from vmemkv.benchmarks.common import exit_status
+from vmemkv.benchmarks.common import check_sim_cache_gb, exit_status
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
@@ -56,6 +56,8 @@ def main(argv=None) -> None:
                     action=DistinctValues)
     ap.add_argument("--json", metavar="FILE", type=result_file, help="also write the JSON here")
     args = ap.parse_args(argv)
+    for gb in args.cache_gb:
+        check_sim_cache_gb(ap, gb)
     entries = generate(WorkloadSpec())
     print(f"standard workload, 2,000 requests; python {platform.python_version()} on "
           f"{platform.machine()}, {os.cpu_count()} CPUs; median of {args.repeats}")

@@ -3,8 +3,10 @@
 
 The figures of a smoke run mean nothing: heads of 16 dims, contexts of 64 tokens, yardsticks
 over 4 MiB, 40 simulated requests, 8 engine requests of 2 new tokens on our two layouts and
-transformers'. The dry run of benchmarks/gpu_check.sh and the tests of the suite use it; a real
-measurement never does.
+transformers', and ``--prefix-eviction``'s chats cut to 2 of 2 turns (its quick 4 chats of 3
+turns, each pass a new small-llama engine, took most of a 2-minute smoke run); bench.json's
+environment says ``smoke: true``. The dry run of benchmarks/gpu_check.sh and the tests of the
+suite use it; a real measurement never does.
 """
 from __future__ import annotations
 
@@ -19,12 +21,15 @@ MEMORY_REQUESTS, MEMORY_PAGED_BLOCKS = 40, (16, 128)
 MEMORY_VMEM_PAGES = {"per-layer": (64 * 2**10,), "interleaved": (2 * 2**20,)}
 ENGINE_WORKLOAD = (8, 4, 16, 2)     # requests, shortest and longest prompt, new tokens
 ENGINE_SYSTEMS = ("vmem per-layer", "paged bs16")   # (and transformers'): the two the summary compares
+PREFIX_WORKLOAD = (2, 2, 32, 8, 4)  # chats, turns, system prompt, user message, answer (tokens):
+                                    # the system prompt still fills 2 blocks of 16 to share
 
 
 def apply(set_attribute: Callable = setattr) -> None:
     """Shrink every section's ``--quick`` configuration to the toy sizes above, by calling
     ``set_attribute(module, name, value)`` (``setattr``, or a test's ``monkeypatch.setattr``)."""
-    from vmemkv.benchmarks import alloc, attention, engine, memory
+    from vmemkv.benchmarks import alloc, attention, engine, memory, prefix, suite
+    set_attribute(suite, "SMOKE", True)   # bench.json says so (it said quick: true, no more)
     set_attribute(attention, "QUICK", dict(ATTENTION))
     set_attribute(attention, "QUICK_YARDSTICK", dict(YARDSTICK))
     set_attribute(alloc, "_mapper_shape", lambda quick, device: dict(MAPPER))
@@ -32,6 +37,7 @@ def apply(set_attribute: Callable = setattr) -> None:
     set_attribute(memory, "PAGED_BLOCKS", MEMORY_PAGED_BLOCKS)
     set_attribute(memory, "VMEM_PAGES", dict(MEMORY_VMEM_PAGES))
     set_attribute(engine, "QUICK_WORKLOAD", ENGINE_WORKLOAD)
+    set_attribute(prefix, "QUICK", PREFIX_WORKLOAD)
     full = engine.configurations
     set_attribute(engine, "configurations", lambda quick, device="cpu": [
         (name, options) for name, options in full(quick, device) if name in ENGINE_SYSTEMS])

@@ -42,6 +42,7 @@ OUTPUTS = ("bench.json", "bench.log", "prefix.json", "attention_latency.png",
            "memory_utilisation.png", "mapper_overlap.png")
 
 SECTIONS = ("alloc", "attention", "memory", "engine")
+SMOKE = False   # smoke.apply sets it: bench.json's environment then says the sizes were toy ones
 
 
 def versions(device_type: str = "cpu") -> dict:
@@ -193,7 +194,7 @@ def run_suite(quick: bool = False, out_dir: str = "bench_out", device: Optional[
         bar = Progress(sum(_units(s, quick, device) for s in sections), enabled=progress)
         start = time.perf_counter()
         env = environment(seed=0, warmup=None, repeats=None, device=device, **versions(device),
-                          quick=quick)
+                          quick=quick, smoke=SMOKE)
         env["warmup"] = env["repeats"] = "per section (see each section's environment)"
         payload = {"benchmark": "vmemkv bench", "environment": env, "sections": list(sections),
                    "interrupted": False}

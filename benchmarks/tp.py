@@ -16,7 +16,8 @@ import random
 import statistics
 import time
 
-from vmemkv.benchmarks.common import environment, exit_status, format_table, print_environment, write_json
+from vmemkv.benchmarks.common import (busy_warnings, environment, exit_status, format_table,
+                                      print_environment, write_json)
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.generate_cli import tp_device_list
 from vmemkv.scheduler.cliargs import bounded, thread_count, result_file
@@ -149,7 +150,8 @@ def run(quick: bool = False, out: str | None = None, cores: int = 2, world: int 
               f"starts the rank server), {starts['tp_start_again_s']:.2f} s after, close "
               f"{starts['tp_close_s']:.2f} s; with spawn {starts['tp_start_spawn_s']:.2f} s and "
               f"{starts['tp_close_spawn_s']:.2f} s ({starts['tp_start_spawn_over_again']:.1f}x)")
-    payload = {"environment": env, "rows": rows, "summary": summary}
+    payload = {"environment": env, "rows": rows, "summary": summary,
+               "warnings": busy_warnings(env["load_1min"])}
     write_json(out, payload)
     return payload
 
