@@ -9,7 +9,9 @@ Two paths, two sets of needs:
                semantics) and a logit soft-cap (Gemma 2); no sinks, no ALiBi bias, no chunked
                attention, no bidirectional layers, no recurrent/linear-attention state, no
                queries scaled by position (Llama 4's temperature tuning), no context past a
-               position table.
+               position table, no window applied only by the mask (Qwen2-MoE, PhiMoE, Doge:
+               ours reads the ``sliding_window`` argument), no mask computed from the values
+               (Doge's dynamic mask attention).
     VMemCache  the model's own attention reads K/V from our cache: every layer must keep
                K/V in the cache (no recurrent/linear-attention state, no latent attention);
                KV heads and one head size for K and V in every layer must be readable from
@@ -48,7 +50,20 @@ def kv_heads_of(config) -> int:
         return 1 if getattr(text, "multi_query", False) else (text.num_kv_heads or heads)
     if getattr(text, "model_type", None) == "gpt_bigcode":
         return 1 if getattr(text, "multi_query", True) else heads
+    if not _declares(text, "num_key_value_heads"):   # passed in beside its fields: unread
+        return heads
     return getattr(text, "num_key_value_heads", None) or heads
+
+
+def _declares(config, name: str) -> bool:
+    """Whether ``config``'s class declares ``name`` (a field or an ``attribute_map`` alias):
+    one passed in beside its fields is kept as a plain attribute that the model's code does
+    not read (ModernBERT-decoder given ``num_key_value_heads=2`` still caches every head).
+    transformers' configs are dataclasses; one that is not is taken at its word."""
+    if not dataclasses.is_dataclass(config):
+        return True
+    return name in {field.name for field in dataclasses.fields(config)} \
+        or name in getattr(type(config), "attribute_map", {})
 
 
 def kv_shape_of(config) -> dict:
@@ -153,7 +168,9 @@ def check_model_supported(model, max_context: int) -> None:
             f"(_supports_attention_backend=False), so the Engine cannot run its attention; "
             f"docs/models.md lists the families that run (model.generate with a VMemCache runs some)")
     _check_bias_features(model, config)
+    _check_dynamic_mask(model, max_context)
     _check_undeclared_window(model, config)
+    _check_mask_only_window(model, config)
     _check_position_scaled_queries(model)
     _check_position_table(model, max_context)
     _check_length_dependent_rope(model, config, max_context)
@@ -265,6 +282,61 @@ def _check_undeclared_window(model, config) -> None:
         f"{type(model).__name__}'s mask without a window (with sdpa and eager it attends to "
         f"every token), so the Engine cannot tell which one it computes; remove the field "
         f"(del model.config.sliding_window) to run it on full attention")
+
+
+def _forward_source(module):
+    """The source of ``module``'s forward (decorators unwrapped), or None where Python has none."""
+    import inspect
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return None
+
+
+def _check_mask_only_window(model, config) -> None:
+    """A layer the config windows (``layer_windows_of``) whose attention module does not pass
+    ``sliding_window`` to the attention function (Qwen2-MoE, PhiMoE, Doge) is windowed only by
+    the mask the model builds: sdpa and eager attend within the window, flash attention and our
+    function (which reads the argument, not the mask) to every token; the engine refused it
+    from inside its self-check. Modules whose source Python cannot show are not judged."""
+    windows = layer_windows_of(config)
+    for module_name, module in model.named_modules():
+        layer = getattr(module, "layer_idx", None)
+        if not isinstance(layer, int) or not 0 <= layer < len(windows) or windows[layer] is None:
+            continue
+        source = _forward_source(module)
+        if source is None or "attention_interface(" not in source or "sliding_window" in source:
+            continue
+        raise UnsupportedModelError(
+            f"this {getattr(config, 'model_type', '?')} config windows layer {layer} "
+            f"(sliding_window={windows[layer]}), but {module_name} ({type(module).__name__}) does "
+            f"not pass the window to the attention function: only the mask "
+            f"{type(model).__name__} builds windows it (sdpa and eager; flash attention attends "
+            f"to every token), and vmemkv attention reads no mask, so the Engine cannot run it "
+            f"exactly; model.generate with a VMemCache runs it on the model's own attention")
+
+
+def _check_dynamic_mask(model, max_context: int) -> None:
+    """Doge's dynamic mask attention adds to each key's scores a bias computed from its value,
+    ``exp(A * softplus(dt_proj(v)))`` per KV head, and past ``keep_window_size`` keys keeps
+    only the top ones: our function drops both (a Doge with a trained ``A`` gave other tokens;
+    it was refused by the self-check, with ``self_check=False`` it answered wrong). With ``A``
+    all zero (as initialised) the bias is one constant per row and drops out of the softmax."""
+    import torch
+    for module_name, module in model.named_modules():
+        if not callable(getattr(module, "prepare_dynamic_mask", None)):
+            continue
+        a = getattr(module, "A", None)
+        keep = getattr(module, "keep_window_size", None)
+        biased = isinstance(a, torch.Tensor) and bool(a.detach().ne(0).any())
+        if biased or isinstance(keep, int) and max_context > keep:
+            what = ("a per-key bias from its values (A is not all zero)" if biased else
+                    f"a choice of the top keep_window_size={keep} keys past that many "
+                    f"(max_context={max_context}; use max_context <= {keep})")
+            raise UnsupportedModelError(
+                f"vmemkv attention does not implement dynamic mask attention ({module_name} of "
+                f"{type(model).__name__}, {getattr(model.config, 'model_type', '?')}): its mask "
+                f"adds {what}")
 
 
 def _check_position_scaled_queries(model) -> None:
