@@ -229,9 +229,12 @@ def test_an_interrupt_at_each_of_a_runs_last_engine_lines_leaves_the_engine_step
     batch = prompts(1, 5, 9, seed=3)
     with Engine(model(), byte_tokenizer(), cache="vmem", **ENGINE) as engine:
         counter = Interrupter("line", files)
-        counter.arm(10**9)
-        engine.generate(batch, LEAN)
+        ids = [engine.add_request(p, s) for p, s in zip(batch, LEAN)]
+        counter.arm(10**9)          # the lines of run_until_done, as sweep counts them
+        engine.run_until_done()
         counter.disarm()
+        for rid in ids:
+            engine.output(rid, pop=True)
         lines = 10**9 - counter.left
         assert sweep(engine, batch, LEAN, "line", first=lines - 40, traced=files) >= 40
 

@@ -90,4 +90,4 @@ def test_generate_cli_refuses_a_swap_space_far_above_the_host(tmp_path, capsys):
                  "--swap-bytes", "100000000000000"])
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
-    assert_words(err, ["CacheTooLargeError", "swap_bytes=100000000000000", "MemTotal"])
+    assert_words(err, ["CacheTooLargeError", "--swap-bytes 100000000000000", "MemTotal"])
