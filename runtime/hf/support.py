@@ -24,6 +24,7 @@ them but still computes something else is caught by the engine's self-check
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from .attention import UnsupportedModelError
 
@@ -284,11 +285,13 @@ def _check_undeclared_window(model, config) -> None:
         f"(del model.config.sliding_window) to run it on full attention")
 
 
-def _forward_source(module):
-    """The source of ``module``'s forward (decorators unwrapped), or None where Python has none."""
+@functools.lru_cache(maxsize=None)
+def _forward_source(module_class):
+    """The source of a module class's forward (decorators unwrapped), or None where Python has
+    none; once per class (a model's layers share it)."""
     import inspect
     try:
-        return inspect.getsource(type(module).forward)
+        return inspect.getsource(module_class.forward)
     except (OSError, TypeError):
         return None
 
@@ -304,7 +307,7 @@ def _check_mask_only_window(model, config) -> None:
         layer = getattr(module, "layer_idx", None)
         if not isinstance(layer, int) or not 0 <= layer < len(windows) or windows[layer] is None:
             continue
-        source = _forward_source(module)
+        source = _forward_source(type(module))
         if source is None or "attention_interface(" not in source or "sliding_window" in source:
             continue
         raise UnsupportedModelError(
