@@ -15,7 +15,9 @@ seed (each step of the mix is a bijection of 64 bits). Greedy rows skip the gene
 
 Numerics: the scores are shifted by their maximum before the division by the temperature (at
 least ``SAMPLING_EPS``), so they are <= 0 and never overflow; top_p keeps the likeliest token
-whatever its value rounds to in fp32; processed scores are clamped below fp32's largest value.
+whatever its value rounds to in fp32; processed scores are clamped below fp32's largest value
+(one score a repetition_penalty < 1 lifts past it keeps its lead; two or more would tie there:
+refused, ``check_no_tied_overflow``).
 A row whose processed scores are all -inf (a huge repetition_penalty times a negative score
 overflows fp32) is refused (``check_some_finite``), never clamped: clamping the bottom would
 tie every token (argmax: token 0, not the exact ordering) and would lift min_tokens' mask.
@@ -151,6 +153,8 @@ def processed_scores(raw: torch.Tensor, sample: SampleState) -> torch.Tensor:
         seen = torch.tensor(sorted(set(sample.prompt_ids).union(sample.output_ids)), device=device)
         vals = scores[seen]
         scores[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.repetition_penalty < 1.0:
+            check_no_tied_overflow(scores, p)
     if (p.frequency_penalty or p.presence_penalty) and sample.output_ids:
         ids, counts = torch.unique(torch.tensor(sample.output_ids, device=device), return_counts=True)
         scores.index_add_(0, ids, -(p.frequency_penalty * counts.float() + p.presence_penalty))
@@ -174,6 +178,18 @@ def check_some_finite(scores: torch.Tensor, params: SamplingParams, masked: bool
     raise RequestRejectedError(
         f"every token's score is -inf after logit_bias, the min_tokens mask and the penalties "
         f"({why}): no token can be chosen exactly; change {field}", 0, field)
+
+
+def check_no_tied_overflow(scores: torch.Tensor, params: SamplingParams) -> None:
+    """RequestRejectedError when ``repetition_penalty`` (< 1) divides two or more positive
+    scores past float32's range: clamped, they would tie at its largest value (greedy: the
+    lower id; a draw: equal odds), where their exact order differs. One past it keeps its lead."""
+    overflowed = int(torch.isposinf(scores).sum())
+    if overflowed > 1:
+        raise RequestRejectedError(
+            f"repetition_penalty {params.repetition_penalty:g} divides {overflowed} positive "
+            f"scores past float32's range: they would tie, and their order cannot be kept "
+            f"exactly; use a larger repetition_penalty", 0, "repetition_penalty")
 
 
 def _draw(scores: torch.Tensor, sample: SampleState) -> int:

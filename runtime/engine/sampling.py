@@ -41,7 +41,7 @@ class SamplingParams:
     numpy scalars: they are stored as Python ints and floats."""
     max_new_tokens: int = 16          # output tokens at most, per sample
     temperature: float = 0.0          # < 1e-5: greedy (argmax); else softmax(logits / temperature)
-    top_k: int = 0                    # keep the k most likely tokens; 0: all
+    top_k: int = 0                    # keep the k most likely tokens; 0 (or vLLM's -1): all
     top_p: float = 1.0                # keep the smallest set with probability >= top_p; 1: all
     min_p: float = 0.0                # drop tokens below min_p x the likeliest's probability
     seed: Optional[int] = None        # per-request seed; None: drawn from the engine's seed
@@ -111,6 +111,11 @@ def _normalise(p: SamplingParams) -> None:
         value = getattr(p, name)  # and torch's division overflowed; one past a float's range
         if is_int(value) and abs(value) <= FP32_MAX:   # stays an int, for _RULES to refuse
             object.__setattr__(p, name, float(value))
+    if p.top_k == -1 and is_int(p.top_k):   # vLLM's "all tokens", stored as 0
+        object.__setattr__(p, "top_k", 0)
+    for name in ("stop_token_ids", "stop", "logit_bias"):   # vLLM's Optional: None is none
+        if getattr(p, name) is None:
+            object.__setattr__(p, name, ())
     for name in ("stop_token_ids", "stop"):
         value = getattr(p, name)
         if isinstance(value, str) and name == "stop":
@@ -162,7 +167,7 @@ _RULES = (
     ("max_new_tokens", lambda p: is_int(p.max_new_tokens) and p.max_new_tokens >= 1, "an int >= 1"),
     ("temperature", lambda p: _in(0.0, FP32_MAX)(p.temperature),
      "a finite number >= 0, at most 3.4e38 (float32's largest)"),
-    ("top_k", lambda p: is_int(p.top_k) and p.top_k >= 0, "an int >= 0"),
+    ("top_k", lambda p: is_int(p.top_k) and p.top_k >= 0, "an int >= 0 (0 or -1: all tokens)"),
     ("top_p", lambda p: _is_finite(p.top_p) and 0.0 < p.top_p <= 1.0, "a number in (0, 1]"),
     ("min_p", lambda p: _in(0.0, 1.0)(p.min_p), "a number in [0, 1]"),
     ("seed", lambda p: p.seed is None or (is_int(p.seed) and -2**63 <= p.seed < 2**63),

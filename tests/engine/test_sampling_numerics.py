@@ -79,7 +79,7 @@ def test_non_finite_values_are_refused_naming_the_field(name, value):
     ("temperature", -1e-300), ("top_p", 0.0), ("top_p", 1.0000001), ("min_p", -0.1), ("min_p", 1.5),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", 5e-324),
     ("frequency_penalty", 2.5), ("presence_penalty", -2.01), ("max_new_tokens", 0),
-    ("top_k", -1), ("n", 0), ("min_tokens", -1), ("min_tokens", 17), ("logprobs", 21),
+    ("top_k", -2), ("n", 0), ("min_tokens", -1), ("min_tokens", 17), ("logprobs", 21),
     ("logprobs", -1), ("prompt_logprobs", 100), ("seed", 1.5), ("ignore_eos", 1),
     ("stop", ("",)), ("stop", ("x" * 1025,)), ("stop", tuple("abcdefghijklmnopq")),
     ("stop_token_ids", tuple(range(1025))), ("stop_token_ids", (-1,)),

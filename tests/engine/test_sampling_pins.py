@@ -1,12 +1,14 @@
 """Pins of the sampler's promises that no other test held exactly (a mutation audit): the
 SplitMix64 seed stream, which logits row each sample's finiteness check reads, the clamp of an
-overflowing repetition penalty, the logprobs bounds, a seed of 0, distinct samples."""
+overflowing repetition penalty (and the refusal of a tie there), the logprobs bounds, a seed of
+0, distinct samples, vLLM's optional forms."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from vmemkv.runtime.engine import Engine, EngineConfigError, SamplingParams
+from vmemkv.runtime.engine.errors import RequestRejectedError
 from vmemkv.runtime.engine.sampler import SampleState, Sampler, processed_scores, splitmix64
 from vmemkv.runtime.engine.sampling import (FP32_MAX, FP32_TINY, MAX_LOGPROBS, SAMPLING_EPS,
                                             per_prompt)
@@ -34,16 +36,28 @@ def test_each_sample_checks_only_the_logits_row_it_reads():
         Sampler().sample(logits, [drawn])
 
 
-def test_a_repetition_penalty_overflowing_upwards_is_clamped_to_fp32_max():
+def test_one_score_a_repetition_penalty_lifts_past_fp32_is_clamped_and_keeps_its_lead():
     """A positive score divided by a tiny penalty passes fp32's range: clamped, never +inf
-    (inf - inf in the draw was NaN); the penalised tokens keep their lead."""
+    (inf - inf in the draw was NaN); alone past it, the penalised token keeps its lead."""
     params = SamplingParams(temperature=1.0, repetition_penalty=FP32_TINY)
-    raw = torch.tensor([10.0, 20.0, -1.0, 0.5])   # 10 / 1.2e-38 > 3.4e38
-    state = SampleState(0, params, torch.Generator().manual_seed(0), prompt_ids=(0, 1))
+    raw = torch.tensor([0.0, 20.0, -1.0, 0.5])   # 20 / 1.2e-38 > 3.4e38; 0.5 / 1.2e-38 is not
+    state = SampleState(0, params, torch.Generator().manual_seed(0), prompt_ids=(1, 3))
     scores = processed_scores(raw, state)
     assert bool(torch.isfinite(scores).all())
-    assert scores[:2].tolist() == [FP32_MAX, FP32_MAX]
-    assert Sampler().sample(raw.unsqueeze(0), [state])[0] in (0, 1)
+    assert scores[1].item() == FP32_MAX and scores[3].item() < FP32_MAX
+    assert Sampler().sample(raw.unsqueeze(0), [state])[0] == 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_two_scores_a_repetition_penalty_lifts_past_fp32_are_refused_not_tied(temperature):
+    """10 / 1.2e-38 and 20 / 1.2e-38 both clamped to fp32's largest value tied: greedy took
+    token 0 where token 1 leads (a draw gave them equal odds). Refused, naming the field."""
+    params = SamplingParams(temperature=temperature, repetition_penalty=FP32_TINY)
+    state = SampleState(0, params, torch.Generator().manual_seed(0), prompt_ids=(0, 1))
+    with pytest.raises(RequestRejectedError) as caught:
+        Sampler().sample(torch.tensor([[10.0, 20.0, -1.0, 0.5]]), [state])
+    assert caught.value.field == "repetition_penalty"
+    assert "divides 2 positive scores past float32's range" in str(caught.value)
 
 
 @pytest.mark.parametrize("name", ["logprobs", "prompt_logprobs"])
@@ -72,3 +86,18 @@ def test_one_sampling_params_per_prompt_or_the_counts_are_named():
 def test_temperatures_below_sampling_eps_are_greedy_and_from_it_sampled():
     assert SamplingParams(temperature=SAMPLING_EPS * 0.99).greedy
     assert not SamplingParams(temperature=SAMPLING_EPS).greedy
+
+
+@pytest.mark.parametrize("given, stored", [
+    (dict(top_k=-1), dict(top_k=0)),
+    (dict(stop=None), dict(stop=())),
+    (dict(stop_token_ids=None), dict(stop_token_ids=())),
+    (dict(logit_bias=None), dict(logit_bias=())),
+], ids=["top_k-minus-one", "stop-none", "stop_token_ids-none", "logit_bias-none"])
+def test_vllm_optional_forms_are_taken(given, stored):
+    """vLLM's SamplingParams takes top_k=-1 ("all tokens") and None for these lists; ours
+    refused them (a caller porting vLLM code got an EngineConfigError). Stored as our forms."""
+    params = SamplingParams(**given)
+    assert params == SamplingParams(**stored) == SamplingParams()
+    with pytest.raises(EngineConfigError, match=r"SamplingParams.top_k must be .*got -2"):
+        SamplingParams(top_k=-2)

@@ -73,7 +73,7 @@ SAMPLING_CASES = [
     ("max-new-tokens-type", dict(max_new_tokens=2.0), ["SamplingParams.max_new_tokens", "an int", "2.0"]),
     ("temperature", dict(temperature=-0.5), ["SamplingParams.temperature", ">= 0", "-0.5"]),
     ("temperature-nan", dict(temperature=float("nan")), ["SamplingParams.temperature", ">= 0", "nan"]),
-    ("top-k", dict(top_k=-1), ["SamplingParams.top_k", "an int >= 0", "-1"]),
+    ("top-k", dict(top_k=-2), ["SamplingParams.top_k", "an int >= 0", "-2"]),
     ("top-k-type", dict(top_k=1.5), ["SamplingParams.top_k", "an int >= 0", "1.5"]),
     ("top-p-zero", dict(top_p=0.0), ["SamplingParams.top_p", "(0, 1]", "0.0"]),
     ("top-p-above-one", dict(top_p=1.5), ["SamplingParams.top_p", "(0, 1]", "1.5"]),
