@@ -153,7 +153,7 @@ class Engine(RequestSubmission, RequestLifecycle, EngineStatistics, BeamSearchin
         cfg = self.config
         # executes plans only; with TP, rank 0's shard (self.tp runs the plan on every rank)
         self.runner = (self.tp.executor.runner if self.tp is not None
-                       else ModelRunner(model, self.kv.cache, backend))
+                       else ModelRunner(model, self.kv.cache, backend, cfg.max_context))
         self.scheduler = Scheduler(self.kv.manager, SchedulerConfig(
             max_running=cfg.max_batch, max_tokens_per_step=cfg.max_tokens_per_step,
             watermark=cfg.watermark, preemption=cfg.preemption, max_seq_len=cfg.max_context,

@@ -44,7 +44,8 @@ class ModelRunner:
     """Executes plans: memory ops and table edits on the cache, then the model on the plan's
     new tokens. Reads nothing but the plan (no manager, no scheduler)."""
 
-    def __init__(self, model: torch.nn.Module, cache, backend) -> None:
+    def __init__(self, model: torch.nn.Module, cache, backend,
+                 max_context_tokens: Optional[int] = None) -> None:
         use_vmemkv_attention(model)
         self.model = model.eval()
         self._lock = model_lock(model)      # held for each forward (see the module's doc)
@@ -53,7 +54,7 @@ class ModelRunner:
         self.backend = backend
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.get_text_config().vocab_size   # each logits row's width
-        self._ctx = StepContext(cache, backend)
+        self._ctx = StepContext(cache, backend, max_context_tokens)   # the engine's limit
         self.ops_applied = False   # the last execute() got past its memory ops (engine rollback)
         self.phase_s: Dict[str, float] = dict.fromkeys(PHASES, 0.0)
         # prompt logprobs: the seq ids whose every new row's logits the engine wants (a

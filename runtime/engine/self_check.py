@@ -118,7 +118,7 @@ def _our_logits(model, cache_config, cfg, backend, prompt: List[int]):
     kv = make_kv(small, cfg.cache, layout=cfg.layout, page_bytes=cfg.page_bytes,
                  block_size=cfg.block_size)   # a bad option raises here, unwrapped
     try:
-        return _run(model, kv, backend, prompt)
+        return _run(model, kv, backend, prompt, cfg.max_context)
     finally:
         kv.close()
 
@@ -144,9 +144,10 @@ def _greedy(execute, kv, prompt: List[int]):
     return logits, tokens
 
 
-def _run(model, kv, backend, prompt: List[int]):
+def _run(model, kv, backend, prompt: List[int], max_context_tokens: int):
     try:
-        return _greedy(ModelRunner(model, kv.cache, backend).execute, kv, prompt)
+        runner = ModelRunner(model, kv.cache, backend, max_context_tokens)
+        return _greedy(runner.execute, kv, prompt)
     except (RuntimeKVError, RuntimeError, TypeError, ValueError) as error:
         raise UnsupportedModelError(
             f"{type(model).__name__} failed the engine's self-check: running it on vmemkv "

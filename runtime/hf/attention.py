@@ -43,9 +43,12 @@ class UnsupportedModelError(RuntimeKVError, ValueError):
 @dataclass(frozen=True)
 class StepContext:
     """What the attention function needs for one step: the cache (``begin_step`` already called)
-    and the attention backend that reads it."""
+    and the attention backend that reads it; ``max_context_tokens``: the longest sequence the
+    caller runs (the engine's ``max_context``: a window at least that long cuts nothing), None:
+    the cache's ``max_context``."""
     cache: Any      # runtime.cache.KVCache
     backend: Any    # runtime.attention.AttentionBackend
+    max_context_tokens: Optional[int] = None
 
 
 def vmemkv_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -79,7 +82,11 @@ def _check_supported(module, query: torch.Tensor, ctx: StepContext, kwargs: dict
                                     f"vmemkv attention does not implement them")
     window = kwargs.get("sliding_window")
     built = ctx.cache.config.window_of(module.layer_idx)
-    if window != built:      # the cache reads (and frees) by its own per-layer windows
+    longest = ctx.max_context_tokens or ctx.cache.config.max_context
+    # a window no shorter than any sequence cuts nothing: a layer only the mask windows
+    # (support._check_mask_only_window) passes none, and attends as its cache reads
+    cuts_nothing = window is None and built is not None and built >= longest
+    if window != built and not cuts_nothing:   # the cache reads (and frees) by its own windows
         raise UnsupportedModelError(
             f"layer {module.layer_idx} attends with a sliding window of {window} tokens but its "
             f"cache was built for {built} (CacheConfig.layer_windows, from the model config by "

@@ -171,7 +171,7 @@ def check_model_supported(model, max_context: int) -> None:
     _check_bias_features(model, config)
     _check_dynamic_mask(model, max_context)
     _check_undeclared_window(model, config)
-    _check_mask_only_window(model, config)
+    _check_mask_only_window(model, config, max_context)
     _check_position_scaled_queries(model)
     _check_position_table(model, max_context)
     _check_length_dependent_rope(model, config, max_context)
@@ -296,16 +296,19 @@ def _forward_source(module_class):
         return None
 
 
-def _check_mask_only_window(model, config) -> None:
+def _check_mask_only_window(model, config, max_context: int) -> None:
     """A layer the config windows (``layer_windows_of``) whose attention module does not pass
     ``sliding_window`` to the attention function (Qwen2-MoE, PhiMoE, Doge) is windowed only by
     the mask the model builds: sdpa and eager attend within the window, flash attention and our
     function (which reads the argument, not the mask) to every token; the engine refused it
-    from inside its self-check. Modules whose source Python cannot show are not judged."""
+    from inside its self-check. A window of ``max_context`` tokens or more cuts nothing (keys
+    (p - window, p] hold every position): it runs. Modules whose source Python cannot show
+    are not judged."""
     windows = layer_windows_of(config)
     for module_name, module in model.named_modules():
         layer = getattr(module, "layer_idx", None)
-        if not isinstance(layer, int) or not 0 <= layer < len(windows) or windows[layer] is None:
+        if not isinstance(layer, int) or not 0 <= layer < len(windows) \
+                or windows[layer] is None or windows[layer] >= max_context:
             continue
         source = _forward_source(type(module))
         if source is None or "attention_interface(" not in source or "sliding_window" in source:
@@ -316,7 +319,9 @@ def _check_mask_only_window(model, config) -> None:
             f"not pass the window to the attention function: only the mask "
             f"{type(model).__name__} builds windows it (sdpa and eager; flash attention attends "
             f"to every token), and vmemkv attention reads no mask, so the Engine cannot run it "
-            f"exactly; model.generate with a VMemCache runs it on the model's own attention")
+            f"exactly below max_context={max_context} (a window of at least max_context cuts "
+            f"nothing and runs); model.generate with a VMemCache runs it on the model's own "
+            f"attention")
 
 
 def _check_dynamic_mask(model, max_context: int) -> None:

@@ -122,3 +122,19 @@ def test_an_undeclared_num_key_value_heads_is_not_read_as_the_caches_kv_heads():
     with VMemCache.from_model_config(model.config, max_batch=1, max_context=64) as cache:
         assert cache.config.num_kv_heads == 4
         assert reference(model, cache=cache) == expected
+
+
+@pytest.mark.parametrize("model_type, cache", [("qwen2_moe", "vmem"), ("qwen2_moe", "paged"),
+                                               ("phimoe", "vmem"), ("doge", "paged")])
+def test_a_mask_only_window_of_at_least_max_context_runs_exact_and_one_shorter_is_refused(
+        model_type, cache):
+    """A window of max_context tokens or more cuts nothing (keys (p - w, p] hold every
+    position): a Phi-3.5-MoE config's sliding_window=131072 was refused at any max_context.
+    It runs and equals model.generate; a window one token shorter is still refused by name."""
+    model = build(model_type, **dict(MASK_ONLY[model_type], sliding_window=64))
+    expected = reference(model)
+    with Engine(model, max_batch=2, max_context=64, cache=cache) as engine:
+        got = engine.generate([PROMPT], SamplingParams(max_new_tokens=NEW))[0]
+    assert got.outputs[0].token_ids == expected
+    with pytest.raises(UnsupportedModelError, match=r"sliding_window=64\).*below max_context=65"):
+        Engine(model, max_batch=2, max_context=65, cache=cache)
