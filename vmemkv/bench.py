@@ -77,12 +77,16 @@ def _prefix(args: argparse.Namespace, device_name: str) -> None:
     import os
     import torch
     from vmemkv.benchmarks import prefix
-    from vmemkv.benchmarks.common import format_table, write_json
+    from vmemkv.benchmarks.common import busy_warnings, environment, format_table, write_json
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    env = environment(prefix.SEED, 1, 1, device, model=prefix.MODEL, quick=True,
+                      load_1min=round(os.getloadavg()[0], 2))   # as prefix.py's own run
     rows = prefix.run(quick=True, device=device, warmup=1, repeats=1,
                       policies=[args.prefix_eviction])
     print(format_table(rows, prefix.COLUMNS))
-    write_json(os.path.join(args.suite_out, "prefix.json"), {"device": device_name, "rows": rows})
+    write_json(os.path.join(args.suite_out, "prefix.json"),
+               {"device": device_name, "environment": env, "rows": rows,
+                "warnings": busy_warnings(env["load_1min"])})
 
 
 def _check_engine_importable(args: argparse.Namespace, sections) -> None:

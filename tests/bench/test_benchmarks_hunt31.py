@@ -152,3 +152,20 @@ def test_a_smoke_runs_bench_json_says_smoke_not_only_quick(monkeypatch, tmp_path
     written = json.loads((tmp_path / "bench.json").read_text())
     assert payload["environment"]["smoke"] is True and written["environment"]["smoke"] is True
     assert written["environment"]["quick"] is True
+
+
+@pytest.mark.parametrize("loads, warned", [(BUSY, 1), (IDLE, 0)])
+def test_bench_prefix_eviction_json_carries_environment_and_busy_warning(monkeypatch, tmp_path,
+                                                                         loads, warned):
+    """``vmemkv bench --prefix-eviction``'s prefix.json held only the device and the rows: a
+    ratio of wall times with no environment nor busy-machine warning (prefix.py's own has both)."""
+    from vmemkv import bench
+    _load(monkeypatch, loads)
+    monkeypatch.setattr(prefix, "run", _fake_prefix_rows)
+    args = SimpleNamespace(device="cpu", prefix_eviction="lru", suite_out=str(tmp_path))
+    bench._prefix(args, "cpu (test)")
+    payload = json.loads((tmp_path / "prefix.json").read_text())
+    assert payload["device"] == "cpu (test)" and payload["rows"] == _fake_prefix_rows(1, 2, 3, 4)
+    assert payload["environment"]["load_1min"] == loads[0]
+    assert payload["environment"]["model"] == prefix.MODEL
+    assert len(payload["warnings"]) == warned
