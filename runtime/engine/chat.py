@@ -3,7 +3,10 @@
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
       -> tokenizer.apply_chat_template(messages, add_generation_prompt=True) -> token ids
 
-A message is a dict with ``role`` (system, user or assistant) and ``content``: a string, or a
+A message is a dict with ``role`` (system, developer, user or assistant; ``developer``, OpenAI's
+newer name for system, reaches the template as "system": every template renders that one, and
+one that does not know "developer" would render a role the model never saw or drop it; a
+``tool`` or ``function`` message is refused: tool calls are not supported) and ``content``: a string, or a
 list of OpenAI content parts ``{"type": "text", "text": ...}`` (their texts joined with "\n", as
 vLLM's and TensorRT-LLM's), and optionally ``name`` (handed to the template, which may render
 it); any other key (``tool_calls``, a part's ``cache_control``, ...) or part type
@@ -21,7 +24,8 @@ from typing import Callable, List, Optional, Sequence
 from .errors import RequestRejectedError
 from .prompts import is_unicode_text
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "developer", "user", "assistant")
+TOOL_ROLES = ("tool", "function")
 
 
 class ConversationError(RequestRejectedError):
@@ -61,15 +65,20 @@ def _message(message, i: int, index: int) -> dict:
         raise ChatMessageError(f"conversation {index}: {where} must be a dict with 'role' and "
                                f"'content', got {str(message)[:60]!r}", index, where)
     role = message.get("role")
-    if role not in ROLES:
+    if role in TOOL_ROLES:
+        raise ChatMessageError(f"conversation {index}: {where}.role {role!r} is not supported: "
+                               f"tool calls are not supported (a message's role is "
+                               f"{', '.join(ROLES)})", index, f"{where}.role")
+    if not isinstance(role, str) or role not in ROLES:
+        shown = repr(role[:60]) if isinstance(role, str) else repr(role)[:60]
         raise ChatMessageError(f"conversation {index}: {where}.role must be one of "
-                               f"{', '.join(ROLES)}, got {role!r}", index, f"{where}.role")
+                               f"{', '.join(ROLES)}, got {shown}", index, f"{where}.role")
     other = sorted(set(message) - {"role", "content", "name"}, key=str)
     if other:      # tool calls, tool call ids, ...: not rendered, so refused, never dropped
         key = _shown_key(other[0])
         raise ChatMessageError(f"conversation {index}: {where}.{key} is not supported (a "
                                f"message takes role, content and name)", index, f"{where}.{key}")
-    checked = {"role": role, "content": _text(message.get("content"), f"{where}.content", index)}
+    checked = {"role": "system" if role == "developer" else role, "content": _text(message.get("content"), f"{where}.content", index)}
     if "name" in message:
         if not isinstance(message["name"], str):
             raise ChatMessageError(f"conversation {index}: {where}.name must be a string, got "

@@ -73,6 +73,10 @@ class AuthConfig:
                                        f"nothing else, so no client could send it)")
         if self.salt_per_key and not self.api_keys:
             raise ServeConfigError("--salt-per-key needs API keys (--api-key or VMEMKV_API_KEY)")
+        for name, key in (("--admin-key", self.admin_key), ("--metrics-key", self.metrics_key)):
+            if self.salt_per_key and key is not None and key in self.api_keys:   # a tenant's
+                raise ServeConfigError(f"{name} is also an API key: with --salt-per-key each API "
+                                       f"key is a tenant's, and {name} opens what no tenant may")
 
     @classmethod
     def of(cls, api_keys: Sequence[str] = (), metrics_key: Optional[str] = None,

@@ -25,12 +25,14 @@ from vmemkv.runtime.engine.sampling import SamplingParams
 from .completions import ServedModel
 from .errors import ApiError
 from .logprobs_format import TokenStrings, chat_logprobs
+from .openai_noops import NoOpFields
 from .protocol import SamplingFields, parse_request
 from .submission import Choice, Delta
 
 
-class ChatCompletionRequest(SamplingFields):
-    """``POST /v1/chat/completions``."""
+class ChatCompletionRequest(NoOpFields, SamplingFields):
+    """``POST /v1/chat/completions`` (``response_format``, ``tools``, ``tool_choice``: taken at
+    their no-op values only, openai_noops.py)."""
     NULLABLE: ClassVar[FrozenSet[str]] = SamplingFields.NULLABLE | {
         "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"}
     messages: List[dict] = Field(min_length=1)   # [{"role", "content"}], checked by the engine's chat

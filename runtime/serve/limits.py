@@ -33,6 +33,7 @@ import contextlib
 import json
 import logging
 import resource
+import sys
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -229,8 +230,11 @@ def loads_json(body: bytes):
         obj = json.loads(body)
     except RecursionError:
         raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels") from None
-    except (UnicodeDecodeError, ValueError) as error:
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+    except ValueError:   # Python's int limit: its message told the client to raise it
+        raise ApiError(400, f"the request body holds an integer of more than "
+                            f"{sys.get_int_max_str_digits()} digits (no field takes one)") from None
     if _depth_over(obj, MAX_JSON_DEPTH):
         raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     return obj

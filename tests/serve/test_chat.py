@@ -134,7 +134,8 @@ def test_a_list_of_prompts_with_echo_and_logprobs_equals_engine_generate():
     ("chat", {"messages": CHATS[0], "top_logprobs": 2}, "top_logprobs", "logprobs: true"),
     ("chat", {"messages": CHATS[0], "logprobs": True, "top_logprobs": 50}, "top_logprobs", "[0, 20]"),
     ("chat", {"messages": CHATS[0], "max_completion_tokens": 60}, "max_completion_tokens", "context"),
-    ("chat", {"messages": CHATS[0], "tools": []}, "tools", "unknown field"),
+    ("chat", {"messages": CHATS[0], "tools": [{"type": "function"}]}, "tools",
+     "tool calls are not supported"),
 ])
 def test_chat_mistakes_are_400_naming_the_field(tokenizer, body, param, words):
     tok = {None: None, "plain": byte_tokenizer(), "chat": byte_tokenizer(chat_template=True)}[tokenizer]
