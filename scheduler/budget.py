@@ -59,9 +59,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, Iterator, Optional
 
+from .budget_checks import check_budget, check_share
 from .budget_needs import check_resizes, growth_bytes, unused_bytes, wanted_bytes
 from .errors import ConfigError
-from .field_checks import check_int
 
 
 @dataclass
@@ -301,13 +301,7 @@ class MemoryBudget:
 
     def __init__(self, total_bytes: int, idle_release_s: float = 2.0,
                  grow_fraction: float = 0.125, clock: Callable[[], float] = time.monotonic) -> None:
-        check_int("MemoryBudget total_bytes", total_bytes, 1)
-        if isinstance(idle_release_s, bool) or not isinstance(idle_release_s, (int, float)) \
-                or not 0 <= idle_release_s < 1e9:
-            raise ConfigError(f"idle_release_s must be seconds in [0, 1e9), got {idle_release_s!r}")
-        if isinstance(grow_fraction, bool) or not isinstance(grow_fraction, (int, float)) \
-                or not 0 <= grow_fraction <= 1:
-            raise ConfigError(f"grow_fraction must be in [0, 1], got {grow_fraction!r}")
+        check_budget(total_bytes, idle_release_s, grow_fraction, clock)   # by name
         self.total_bytes, self.idle_release_s = total_bytes, idle_release_s
         self.grow_fraction, self.clock = grow_fraction, clock
         self._lock = threading.RLock()  # taken through _locked() only
@@ -332,14 +326,10 @@ class MemoryBudget:
     def register(self, name: str, min_bytes: int, max_bytes: int,
                  initial_bytes: Optional[int] = None) -> BudgetShare:
         """A new share holding ``initial_bytes`` (default ``min_bytes``); ConfigError when the
-        name is taken, min > max, or the budget cannot hold it beside the others' minimums."""
+        name is taken or not a non-empty str, min > max, or the budget cannot hold it beside
+        the others' minimums (budget_checks.py names the field)."""
         initial = min_bytes if initial_bytes is None else initial_bytes
-        for field, value, low in (("min_bytes", min_bytes, 0), ("max_bytes", max_bytes, 1),
-                                  ("initial_bytes", initial, 0)):
-            check_int(field, value, low)
-        if not min_bytes <= initial <= max_bytes:
-            raise ConfigError(f"share {name!r}: needs min_bytes <= initial_bytes <= max_bytes, "
-                              f"got {min_bytes}, {initial}, {max_bytes}")
+        check_share(name, min_bytes, max_bytes, initial)
         with self._locked():
             if name in self._shares:
                 raise ConfigError(f"a share named {name!r} is already registered")

@@ -133,10 +133,11 @@ class PoolReach:
 
     @property
     def most_bytes(self) -> int:
-        """The most the pool may ever grow to: its max, and on a budget its share's max (its
-        reach with no other share's minimum beside it)."""
-        limit = self.manager.max_cache_bytes
-        return limit if self.budget_share is None else min(limit, self.budget_share.max_bytes)
+        """The most the pool may ever grow to: its max, and on a budget its share's max and the
+        budget's total (its reach with no other share's minimum beside it; a max_cache_bytes
+        past the total said a request the budget can never hold would fit at the max)."""
+        limit, share = self.manager.max_cache_bytes, self.budget_share
+        return limit if share is None else min(limit, share.max_bytes, share.budget.total_bytes)
 
     def reach_note(self, most_tokens: int) -> str:
         """How far a pool a MemoryBudget resizes can grow now, in words: its reach (the budget

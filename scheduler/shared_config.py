@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from .errors import ConfigError, SchedulerError
+from .field_checks import check_int
 from .presets import get_device, get_model
 from .report import RequestTiming
 from .scheduler import SchedulerConfig
@@ -75,7 +76,8 @@ class SharedConfig:
             value = getattr(self, name)
             if not _real(value) or not 0 <= value <= most:
                 raise ConfigError(f"{name} must be seconds in [0, {most:g}], got {value!r}")
-        total, page = self.total_bytes, self.page_bytes if _real(self.page_bytes) else 1
+        check_int("page_bytes", self.page_bytes, 1)   # 0 was a ZeroDivisionError in the run
+        total, page = self.total_bytes, self.page_bytes
         if total is not None and (isinstance(total, bool) or not isinstance(total, int)
                                   or total < page):
             raise ConfigError(f"total_bytes must be None or an int of bytes >= page_bytes "

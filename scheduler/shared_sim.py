@@ -48,6 +48,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from .budget import BudgetShare, MemoryBudget
 from .errors import CacheResizeError, ConfigError, RequestTooLargeError, SchedulerError
+from .geometry import PageGeometry
 from .managers import make_manager
 from .managers.base import ReleasePages
 from .report import RequestTiming, serving_report
@@ -234,6 +235,12 @@ class Lane:
         return text
 
 
+def _group_bytes(sim) -> int:
+    """The least a lane's pool holds: a page of every member (``VmemShape``'s check)."""
+    geometry = PageGeometry.of(sim.model_spec, sim.page_bytes, sim.resolved_layout)
+    return sim.page_bytes * geometry.num_members
+
+
 def _deadline(idle_since: float, idle_release_s: float) -> float:
     """The first float time t with t - idle_since >= idle_release_s (decide's own test: a
     plain sum can round below it, and the tick would then find nothing to do, forever)."""
@@ -257,6 +264,8 @@ class SharedSimulator:
         if not workloads:
             raise ConfigError("simulate_shared needs at least one workload")
         for name, entries in workloads.items():
+            if not isinstance(name, str) or not name:   # turns and ties go by name (compared)
+                raise ConfigError(f"workload names must be non-empty str, got {name!r}")
             late = next((e.arrival_s for e in entries
                          if not 0 <= e.arrival_s <= MAX_ARRIVAL_S), None)
             if late is not None:
@@ -266,9 +275,11 @@ class SharedSimulator:
         models = config.model_names(len(workloads))
         total = config.total_bytes or kv_bytes_after_weights(config.device, models)
         self.total_bytes, n = total, len(workloads)
-        if total // n < config.page_bytes:
-            raise ConfigError(f"total_bytes={total} leaves {n} models less than one page "
-                              f"(page_bytes={config.page_bytes}) each")
+        group = max(_group_bytes(config.sim_config(m, config.page_bytes)) for m in models)
+        if total // n < group:    # was refused naming cache_bytes (a lane's, not a field)
+            raise ConfigError(f"total_bytes={total} leaves {n} models less than one page group "
+                              f"each ({group} bytes: a page of page_bytes={config.page_bytes} "
+                              f"for each member of the pool)")
         if config.elastic and config.min_fraction * n > 1:    # was lowered to total / n each
             raise ConfigError(f"min_fraction={config.min_fraction} reserves that much of "
                               f"total_bytes for each of {n} models, {config.min_fraction * n:g} "

@@ -28,11 +28,13 @@ def budget_share_for(budget, cfg, cache_bytes: int, name: str, register: bool = 
         raise EngineConfigError(f"a MemoryBudget needs cache='vmem' (only its pool resizes), "
                                 f"got {cfg.cache!r}")
     high = budget.total_bytes if cfg.max_cache_bytes is None else cfg.max_cache_bytes
+    named = f"min_cache_bytes ({low})" if cfg.min_cache_bytes is not None else \
+        f"cache_bytes ({cache_bytes}, the default min_cache_bytes)"   # it named a min not given
     for what, limit in ((f"cache_bytes ({cache_bytes})", cache_bytes),
                         (f"the share's max ({high}: max_cache_bytes, else the budget's total)",
                          high)):
         if low > limit:
-            raise EngineConfigError(f"min_cache_bytes ({low}) is above {what}: the engine "
+            raise EngineConfigError(f"{named} is above {what}: the engine "
                                     f"starts at cache_bytes and may hold no more than its max")
     if device is not None:
         _check_budget_fits_device(budget.total_bytes, device)

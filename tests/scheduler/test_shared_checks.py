@@ -38,7 +38,8 @@ def test_a_shared_config_field_out_of_range_is_refused_by_name(fields, message):
 
 def test_a_budget_below_a_page_per_model_and_arrivals_out_of_range_are_refused():
     with pytest.raises(ConfigError, match=r"total_bytes=4194304 leaves 3 models less than one "
-                                          r"page \(page_bytes=2097152\) each"):
+                                          r"page group each \(4194304 bytes: a page of "
+                                          r"page_bytes=2097152 for each member of the pool\)"):
         SharedSimulator({n: [] for n in "abc"}, SharedConfig(total_bytes=4 * 2**20))
     for arrival in (NAN, -5.0, INF):
         with pytest.raises(ConfigError, match=rf"workload 'b': an arrival at {arrival!r} s"):
