@@ -110,6 +110,9 @@ class TensorParallel:
             check_env_launch(world)
         check_no_group_open(launch)
         self.world, self.spawned, self.kv, self._open, self._failed = world, None, None, False, False
+        # a forward ran on every rank since the engine last kept or dropped the 8-bit
+        # first-write scales (settle_scales): a follower's may have fixed what rank 0's did not
+        self._forward_unsettled = False
         self._finalizer = None   # kills the ranks of an engine dropped unclosed (_abandoned)
         self.host_adapter = lambda digest: None   # the engine's: digest -> LoraAdapter
         self.device = None     # rank 0's device, made current once the ranks have joined
@@ -217,6 +220,7 @@ class TensorParallel:
             if upload is not None:
                 self.group.broadcast(upload)
             self.group.broadcast(plan)
+            self._forward_unsettled = self._forward_unsettled or bool(plan.seqs)
             return self.executor.forward(plan)
         except (NonFiniteKVError, LogitsShapeError):   # every rank raised it, in step
             raise
@@ -266,12 +270,23 @@ class TensorParallel:
         except TensorParallelError as error:
             raise self._failed_with(error) from error.__cause__
 
-    def unfix_unsettled(self) -> None:
-        """Every rank's first-write 8-bit scales fixed since they were last settled unfixed
-        (worker.UnfixUnsettled; one broadcast, sent only when rank 0's journal names a layer:
-        every rank's writes fix the same layers). TensorParallelError as ``execute``."""
+    def settle_scales(self, keep: bool) -> None:
+        """The engine kept (``keep``: a step committed) or dropped the 8-bit first-write scales
+        fixed since it last did: rank 0's table settled (a follower's settles at its next
+        forward), or unfixed on every rank (worker.UnfixUnsettled; one broadcast, when a forward
+        ran since, whatever rank 0's journal holds: an open head, all 0 at its layer's first
+        write, is fixed by the first write that reaches it on its own rank only, so a follower
+        may have fixed one where rank 0 fixed nothing; none when no forward ran since, as a
+        follower's journal then holds the kept step's). TensorParallelError as ``execute``."""
         scales = self.executor.runner.cache.kv_scales
-        if scales is None or not scales.unfix_unsettled() or self._failed:
+        ran, self._forward_unsettled = self._forward_unsettled, False
+        if scales is None:
+            return
+        if keep:
+            scales.settle()
+            return
+        scales.unfix_unsettled()
+        if self._failed or scales.given or not ran:
             return   # (failed: the ranks are closing, none would answer)
         try:
             self.group.broadcast(UnfixUnsettled())

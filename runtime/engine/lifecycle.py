@@ -128,19 +128,19 @@ class RequestLifecycle:
         """8-bit scales fixed by first writes since the last committed step: kept with the
         step's commit (``keep``), else unfixed (the next kept write fixes them). With tensor
         parallelism each rank's cache holds its own table: rank 0 settles its own (the others
-        at the next forward) or has every rank unfix theirs (one broadcast, only when rank 0's
-        journal names a layer: ``TensorParallel.unfix_unsettled``)."""
+        at the next forward) or has every rank unfix theirs (one broadcast, when a forward ran
+        since the last keep or drop: ``TensorParallel.settle_scales``)."""
         scales = self.kv.cache.kv_scales
         if scales is None:
             return
-        if keep:
-            scales.settle()
-        elif self.tp is not None:
+        if self.tp is not None:   # kept or unfixed on rank 0, the followers told (launch.py)
             try:
-                self.tp.unfix_unsettled()
+                self.tp.settle_scales(keep)
             except TensorParallelError as error:
                 self.abandon(error)   # a rank died or hung: every rank's memory and process go
                 raise
+        elif keep:
+            scales.settle()
         else:
             scales.unfix_unsettled()
 

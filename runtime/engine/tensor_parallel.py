@@ -48,7 +48,9 @@ def check_ranks_fit(cfg, cache_bytes: int, device) -> None:
     is available; their swap spaces (``swap_bytes`` each, host memory on any device) too. On
     CUDA no GPU is read here (rank 0's own device was checked with its budget): each rank
     checks its cache against ITS device's free memory in its own process
-    (worker.check_rank_memory), as reading another GPU from rank 0 opens a CUDA context there."""
+    (worker.check_rank_memory), as reading another GPU from rank 0 opens a CUDA context there.
+    The message's remedy names the field the size came from (``memory_utilization`` is per
+    rank: it named ``cache_bytes``, which the caller had not given)."""
     if cfg.tensor_parallel_size == 1 or cfg.tp_launch != "spawn":
         return
     from vmemkv.runtime.memory import check_fits_device, check_swap_fits
@@ -56,8 +58,11 @@ def check_ranks_fit(cfg, cache_bytes: int, device) -> None:
                     cache_bytes, copies=cfg.tensor_parallel_size)   # every rank's, in host memory
     if placement_of(cfg, device).device_type == "cuda":
         return
-    check_fits_device(f"{cfg.tensor_parallel_size} tensor-parallel ranks' KV caches "
-                      f"({cache_bytes} bytes each)", cfg.tensor_parallel_size * cache_bytes, device)
+    world, fraction = cfg.tensor_parallel_size, cfg.memory_utilization
+    remedy = ("lower cache_bytes (or use memory_utilization)" if fraction is None else
+              f"memory_utilization={fraction} is per rank: give at most 1/{world}")
+    check_fits_device(f"{world} tensor-parallel ranks' KV caches ({cache_bytes} bytes each)",
+                      world * cache_bytes, device, remedy=remedy)
 
 
 def start_tensor_parallel(model, cfg, cache_config, kv_options: dict, attention: str,
