@@ -35,10 +35,11 @@ _TARGET = re.compile(r"(ttft|tpot|itl|e2el)_(mean|median|p\d+(?:\.\d+)?)")
 def parse_slo(text: str) -> Dict[str, float]:
     """``"ttft_p90=2000,tpot_p99=200"`` -> ``{"ttft_p90": 2000.0, "tpot_p99": 200.0}`` (ms);
     ConfigError naming the bad item, the metrics and the statistics allowed, or a figure given
-    twice (``ttft_p90=2000,ttft_p90=500``, or ``ttft_p90`` and ``ttft_p90.0``: the later
-    target silently replaced the earlier, or both were searched under two names)."""
+    twice (``ttft_p90=2000,ttft_p90=500``, or ``ttft_p90`` and ``ttft_p90.0``, ``ttft_p50``
+    and ``ttft_median``: the later target silently replaced the earlier, or both were
+    searched under two names)."""
     out: Dict[str, float] = {}
-    given: Dict[str, str] = {}       # report figure -> the item that named it
+    given: Dict[str, Tuple[str, str]] = {}   # figure (a median as p50) -> the item, its figure
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = item.partition("=")
         m = _TARGET.fullmatch(name.strip())
@@ -48,10 +49,13 @@ def parse_slo(text: str) -> Dict[str, float]:
                               f"(e.g. ttft_p90=2000)")
         ms = target_ms(value, f"SLO target {item!r}")
         figure = report_key(name.strip())
-        if figure in given:
-            raise ConfigError(f"SLO target {item!r} names {figure} again ({given[figure]!r} "
-                              f"did): give each target once")
-        given[figure] = item
+        same = figure.replace("median_", "p50_", 1)    # numpy's median is its 50th percentile
+        if same in given:
+            earlier, named = given[same]
+            raise ConfigError(f"SLO target {item!r} names {figure} again ({earlier!r} did"
+                              f"{': a median is p50' if named != figure else ''}): give each "
+                              f"target once")
+        given[same] = item, figure
         out[name.strip()] = ms
     if not out:
         raise ConfigError(f"SLO {text!r} names no target; e.g. ttft_p90=2000,tpot_p99=200")

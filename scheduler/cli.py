@@ -14,10 +14,11 @@ import sys
 from dataclasses import replace
 
 from . import cli_capacity
-from .cli_checks import Given, GivenOnce, check_flags, check_lora, profile_defaults
+from .cli_checks import (Given, GivenOnce, check_flags, check_lora, profile_defaults,
+                         trace_requests)
 from .cli_table import aggregate, format_table, parse_seeds, to_json
 from .cliargs import (NON_NEGATIVE_INT, POSITIVE_INT, DistinctValues, bounded, hold_point,
-                      parse_bytes, write_stdout)
+                      non_empty_name, parse_bytes, write_stdout)
 from .errors import ConfigError
 from .managers.eviction import DEFAULT_EVICTION, EVICTION_POLICIES
 from .presets import DEVICES, KV_CACHE_DTYPES, MODELS
@@ -29,7 +30,7 @@ from .geometry import LAYOUT_CHOICES
 from .sim_config import DEFAULT_H2D_BYTES_PER_S, WATERMARK_SCOPES, SimConfig
 from .sim_memory import check_adapters_fit, check_simulation_fits
 from .simulator import POLICIES, simulate
-from .traces import fit_to_length, load_trace, trace_names
+from .traces import fit_to_length, scale_arrivals, trace_names
 from .workload import (MAX_TRACE_TOKENS, WORKLOAD_RNGS, LoraSpec, WorkloadSpec, assign_adapters,
                        check_arrivals, generate, write_trace)
 
@@ -152,7 +153,7 @@ def _workload_flags(w) -> None:
                    help="how strongly a step's new beams descend from the best ones (0: evenly)")
     w.add_argument("--arrival-rate", type=bounded(float, 0), default=0.0,
                    action=Given, help="Poisson arrivals, requests/s (0: all at time 0)")
-    w.add_argument("--trace", metavar="NAME|FILE",
+    w.add_argument("--trace", metavar="NAME|FILE", type=non_empty_name,
                    help=f"a bundled trace ({', '.join(trace_names())}) or a trace file "
                         f"(.csv Azure, .jsonl Mooncake or prompt_len/output_len/arrival_s, .gz) "
                         f"replayed with its arrival times (default: generate a workload)")
@@ -243,8 +244,8 @@ def _entries(args, seed: int, say_scaled: bool = True):
 
 def _lengths(args, seed: int, say_scaled: bool = True):
     if args.trace:
-        entries = load_trace(args.trace, rate_scale=args.rate_scale, max_requests=args.max_requests,
-                             rate_name="--rate-scale")
+        entries = scale_arrivals(trace_requests(args), args.rate_scale, args.trace,
+                                 "--rate-scale")
         entries, scaled = fit_to_length(entries, args.max_len)
         if scaled and say_scaled:
             sys.stderr.write(f"vmemkv simulate: {scaled:,} of {len(entries):,} trace requests were "
@@ -310,6 +311,7 @@ def run(args) -> int:
     for line in outside:
         sys.stderr.write(f"vmemkv simulate: warning: {line}\n")
     goodput = parse_goodput(args.goodput) if args.goodput else None
+    vars(args).setdefault("trace_read", {})   # trace_requests: shared by the probes' copies
     if args.find_max_rate:        # say how many trace requests were scaled down at the first
         probes = itertools.count()    # probe only (a load scales arrivals); it was never said
         return cli_capacity.run(args, config,

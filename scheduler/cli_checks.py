@@ -151,17 +151,28 @@ def _refuse_unused(args, dest: str, where: str, chosen: str) -> None:
                       f"do nothing: drop it")
 
 
+def trace_requests(args) -> list:
+    """``--trace``'s first ``--max-requests`` requests, arrivals as the file gives them (not
+    yet at ``--rate-scale``), read once and kept in ``args.trace_read`` (a copy of ``args``
+    shares the dict): a pipe, FIFO or /dev/stdin is read once (the checks' read left the run
+    "no requests"), a file once, not once per check, seed and capacity probe."""
+    read, key = vars(args).setdefault("trace_read", {}), (args.trace, args.max_requests)
+    if key not in read:
+        read[key] = load_trace(args.trace, max_requests=args.max_requests)
+    return read[key]
+
+
 def trace_shares_prefixes(args) -> bool:
     """Whether a request of ``--trace`` (its first ``--max-requests``) names its prompt blocks
     (hash ids): only then does the run share prefixes (simulator._sharing_config). Reads the
     trace: the callers ask only when a flag depends on it."""
-    return any(e.hash_ids for e in load_trace(args.trace, max_requests=args.max_requests))
+    return any(e.hash_ids for e in trace_requests(args))
 
 
 def trace_names_adapters(args) -> bool:
     """Whether a request of ``--trace`` (its first ``--max-requests``) names a LoRA adapter, so
     that a run without ``--lora-adapters`` has adapters to split ``--lora-budget-gb`` for."""
-    return any(e.adapter for e in load_trace(args.trace, max_requests=args.max_requests))
+    return any(e.adapter for e in trace_requests(args))
 
 
 def check_trace_adapters(args) -> None:

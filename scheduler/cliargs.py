@@ -74,6 +74,14 @@ def result_file(text: str) -> str:
     return text
 
 
+def non_empty_name(text: str) -> str:
+    """An argparse type for a name that may not be empty (``--trace ""`` read as no trace: the
+    generated workload ran, and its config echoed ``"trace": ""``)."""
+    if not text:
+        raise argparse.ArgumentTypeError("needs a name, got ''")
+    return text
+
+
 def file_problem(path: str) -> Optional[str]:
     """Why no result file can be written at ``path`` (whole, by a temporary file beside it),
     or None: it must be a file name, not a folder or a device, in a folder we may create files

@@ -47,6 +47,7 @@ from .cli_checks import unused_flags
 from .errors import ConfigError
 from .sim_memory import set_concurrent_simulations
 from .simulator import simulate
+from .sweep_policy import sha256_of
 from .sweep_spec import (DEFAULT_MAX_POINTS, PARAMS, TRACE_ID, TRACE_ONLY,  # noqa: F401
                          check_point, check_size, check_spec, count_points, load_spec, normal,
                          point_key, point_label, point_params, sim_config, trace_ids,
@@ -171,8 +172,26 @@ def entries_of(point: dict) -> Tuple[list, Optional[int]]:
     if point["trace"]:
         entries = load_trace(point["trace"], rate_scale=point["rate_scale"],
                              max_requests=point["max_requests"])
+        check_trace_unchanged(point)
         return fit_to_length(entries, point["max_len"])
     return generate(workload_spec(point)), None
+
+
+def check_trace_unchanged(point: dict) -> None:
+    """ConfigError when the point's trace file (keyed by its sha256 when the sweep began:
+    ``trace_ids``) has changed since: its row would name bytes it did not run (a line added
+    while the sweep ran was simulated under the old file's sha256, and ``--resume`` kept that
+    row for the old file). ``--resume`` runs it again with the file as it is then."""
+    path, keyed = point["trace_path"], point["trace_sha256"]
+    if path is None or path.startswith("bundled:"):
+        return
+    with open(point["trace"], "rb") as f:       # as load_trace opened it (a link's target now)
+        now = sha256_of(f)
+    if now != keyed:
+        raise ConfigError(f"trace {point['trace']!r}: {path} changed since the sweep read it "
+                          f"(sha256 {keyed[:12]}..., now {now[:12]}...): this point would run "
+                          f"requests its row does not name; run it again (--resume runs the "
+                          f"points whose trace changed)")
 
 
 def run_point(point: dict) -> dict:

@@ -334,6 +334,11 @@ def trace_ids(spec: dict) -> Dict[str, dict]:
                 "data", "traces", BUNDLED[trace].file)
         else:
             path = file = os.path.realpath(trace)
+            if os.path.exists(trace) and not (os.path.isfile(trace) or os.path.isdir(trace)):
+                raise ConfigError(f"{where}: trace {trace!r} ({path}) is not a regular file (a "
+                                  f"pipe or a device, read once): a sweep reads its trace for "
+                                  f"each point and keys their rows by its sha256; write it to "
+                                  f"a file")    # the points read what the hash left: none
         try:
             with open(file, "rb") if isinstance(file, str) else file.open("rb") as f:
                 digest = sha256_of(f)

@@ -152,15 +152,22 @@ def parse_trace_object(obj, where: str) -> TraceEntry:
     or if it holds a key not in ``TRACE_LINE_KEYS`` (naming the key). A line naming an
     ``adapter`` (and its ``adapter_bytes``) gives a synthetic ``AdapterRef``
     (``synthetic_adapter``: its digest is the SHA-256 of the name)."""
-    if isinstance(obj, dict):
-        unknown = [key for key in obj if key not in TRACE_LINE_KEYS]
-        if unknown:
-            raise ConfigError(f"{where}: unknown key {_short(unknown[0])}; a trace line holds "
-                              f"{', '.join(TRACE_LINE_KEYS[:3])} and may hold "
-                              f"{', '.join(TRACE_LINE_KEYS[3:])}")
+    refuse_unknown_keys(obj, where, TRACE_LINE_KEYS, "a trace line")
     adapter = _parse_adapter(obj, where)
     entry = parse_entry(obj, where, TRACE_LINE_KEYS[:3])
     return entry if adapter is None else replace(entry, adapter=adapter)
+
+
+def refuse_unknown_keys(obj, where: str, keys: Tuple[str, ...], whose: str,
+                        required: int = 3) -> None:
+    """ConfigError naming ``where`` and the first key of the decoded line ``obj`` not in
+    ``keys`` (the first ``required`` required, the rest optional; ``whose``: the line's
+    format, for the message): a key a format does not read was dropped silently."""
+    unknown = [key for key in obj if key not in keys] if isinstance(obj, dict) else ()
+    if unknown:
+        optional = f" and may hold {', '.join(keys[required:])}" if keys[required:] else ""
+        raise ConfigError(f"{where}: unknown key {_short(unknown[0])}; {whose} holds "
+                          f"{', '.join(keys[:required])}{optional}")
 
 
 def _parse_adapter(obj, where: str) -> Optional["AdapterRef"]:

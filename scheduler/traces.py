@@ -33,8 +33,8 @@ from importlib import resources
 from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from .errors import ConfigError
-from .trace_entry import object_once, trace_file_name
-from .trace_stream import text_lines
+from .trace_entry import object_once, refuse_unknown_keys, trace_file_name
+from .trace_stream import numbered_lines, text_lines
 from .workload import (MAX_ARRIVAL_S, MAX_TRACE_TOKENS, MOONCAKE_BLOCK_TOKENS,  # noqa: F401
                        TraceEntry, check_arrivals, parse_entry, parse_trace_object,
                        scale_to_length, shown_int)
@@ -85,9 +85,7 @@ def load_trace(name_or_path: str, *, rate_scale: float = 1.0,
     ``MAX_ARRIVAL_S`` is refused); a bad file raises ``ConfigError`` naming the file and line,
     and one whose text read so far does not fit in available memory ``SimulationTooLargeError``
     (``trace_stream``), before it is parsed."""
-    if isinstance(rate_scale, bool) or not (isinstance(rate_scale, (int, float))
-                                            and 0 < rate_scale < math.inf):
-        raise ConfigError(f"rate_scale must be a finite number > 0, got {rate_scale!r}")
+    check_rate_scale(rate_scale)
     if max_requests is not None and (isinstance(max_requests, bool)
                                      or not isinstance(max_requests, int) or max_requests < 1):
         raise ConfigError(f"max_requests must be an int >= 1, got {max_requests!r}")
@@ -96,6 +94,19 @@ def load_trace(name_or_path: str, *, rate_scale: float = 1.0,
         entries = _read_bundled(BUNDLED[name_or_path], max_requests)
     else:
         entries = _read_path(name_or_path, max_requests)
+    return scale_arrivals(entries, rate_scale, name_or_path, rate_name)
+
+
+def check_rate_scale(rate_scale: float) -> None:
+    if isinstance(rate_scale, bool) or not (isinstance(rate_scale, (int, float)) and
+                                            0 < rate_scale < math.inf):
+        raise ConfigError(f"rate_scale must be a finite number > 0, got {rate_scale!r}")
+
+
+def scale_arrivals(entries: List[TraceEntry], rate_scale: float, name_or_path: str,
+                   rate_name: str = "rate_scale") -> List[TraceEntry]:
+    """``entries`` of ``name_or_path`` replayed ``rate_scale`` times as fast, as load_trace."""
+    check_rate_scale(rate_scale)
     if rate_scale != 1.0:
         entries = [replace(e, arrival_s=e.arrival_s / rate_scale) for e in entries]
         check_arrivals(entries, f"trace {name_or_path} at {rate_name} {rate_scale:g}")
@@ -124,8 +135,7 @@ def _read_path(path: str, max_requests: Optional[int]) -> List[TraceEntry]:
                       max_requests)
 
 
-# A request read from a trace: where it is ("FILE line N") and the entry.
-Row = Tuple[str, TraceEntry]
+Row = Tuple[str, TraceEntry]       # a request read: where it is ("FILE line N"), the entry
 
 
 def _parse(lines: Iterator[str], file_name: str, where: str,
@@ -239,6 +249,8 @@ def _positive_int(text: str, name: str, where: str) -> int:
     """A token count of an Azure row: an int in [1, MAX_TRACE_TOKENS], as JSONL lengths are."""
     want = f"{where}: {name} must be an int in [1, {MAX_TRACE_TOKENS:,}], got"
     try:
+        if not (text.isascii() and text.strip().lstrip("+-").isdigit()):
+            raise ValueError(text)      # int() read "1_0", and Arabic-Indic digits, as 10
         value = int(text)
     except ValueError:       # not an int, or more digits than Python converts
         shown = text if len(text) <= 40 else f"{text[:20]}... ({len(text):,} characters)"
@@ -249,6 +261,9 @@ def _positive_int(text: str, name: str, where: str) -> int:
 
 
 def _mooncake_entry(obj: dict, where: str) -> TraceEntry:
+    """Its four keys, all required, and no other (an ``adapter`` was dropped silently)."""
+    refuse_unknown_keys(obj, where, ("input_length", "output_length", "timestamp", "hash_ids"),
+                        "a Mooncake trace line", required=4)
     return parse_entry(obj, where, ("input_length", "output_length", "timestamp"),
                        units_per_second=1000.0, time_unit="ms", required=True)
 
@@ -274,7 +289,7 @@ def _jsonl_rows(lines: Iterator[str], where: str) -> Iterator[Row]:
     an earlier line named with another size (``_one_size``)."""
     file_format: Optional[JsonlFormat] = None
     first_at, sizes = "", {}
-    for lineno, line in _numbered_lines(lines):
+    for lineno, line in numbered_lines(lines):
         at = f"{where} line {lineno}"
         obj = _json_line(line, at)
         line_format = _format_of(obj)
@@ -308,21 +323,6 @@ def _format_of(obj) -> Optional[JsonlFormat]:
             if trace_format.marker in obj:
                 return trace_format
     return None
-
-
-def _numbered_lines(lines: Iterator[str]) -> Iterator[Tuple[int, str]]:
-    """The non-empty lines of JSONL text (blocks of whole lines; a run of empty lines may come
-    as one string of newlines) and their numbers, as ``str.splitlines`` numbers the whole text
-    (a form feed or a lone carriage return ends a line too)."""
-    lineno = 0
-    for piece in lines:
-        if piece[:1] == "\n" and not piece.strip("\n"):      # a run of empty lines
-            lineno += len(piece)
-            continue
-        for line in piece.splitlines():
-            lineno += 1
-            if line.strip():
-                yield lineno, line
 
 
 def _json_line(line: str, at: str):

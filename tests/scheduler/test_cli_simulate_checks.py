@@ -23,7 +23,7 @@ def nothing_drawn(monkeypatch):
     def drawn(*args, **kwargs):
         raise AssertionError("the workload was drawn before the mistake was refused")
     monkeypatch.setattr(cli, "generate", drawn)
-    monkeypatch.setattr(cli, "load_trace", drawn)
+    monkeypatch.setattr(cli, "trace_requests", drawn)    # the run's read, not the checks'
 
 
 def refused(argv, capsys) -> str:
