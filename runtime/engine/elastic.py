@@ -324,6 +324,8 @@ class ElasticMemory:
                                    f"pool is one tensor")
 
     def _check_awake(self) -> None:
+        if self._closed:   # closed asleep: "call wake() first", and wake() refused the close
+            raise EngineClosedError("the engine is closed; its cache is released")
         if self.is_sleeping:
             raise EngineSleepingError("the engine is asleep (sleep()): call wake() first")
 
