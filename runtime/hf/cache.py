@@ -43,8 +43,8 @@ from .cache_guard import ForwardGuard
 from .cache_layer import VMemLayer, window_offset
 from .errors import BatchTooLargeError, CacheCapacityError, ContextOverflowError  # noqa: F401
 from .cache_checks import (check_beam_index, check_crop_count, check_crop_keeps_window,
-                           check_layer_idx, check_update_states, crop_floor_tokens,
-                           given_back_tokens, sized_to_pages)
+                           check_forward_start, check_layer_idx, check_update_states,
+                           crop_floor_tokens, given_back_tokens, sized_to_pages)
 from .support import (check_cache_layers, check_generate_feeds_new_tokens, kv_shape_of,
                       layer_windows_of, text_config)
 
@@ -123,9 +123,8 @@ class VMemCache(Cache):
         self.config = config
         self._rows: list[int] = []                  # seq id of batch row b (its slot is b)
         self._written = [0] * config.num_layers     # tokens per row written in each layer
-        self._next_id = 0
+        self._next_id, self._closed = 0, False
         self._slid_to = 0     # crop's bound: a query here reads no key whose memory was given back
-        self._closed = False
         self._guard = ForwardGuard(config.num_layers)   # one thread's forward at a time
 
     @classmethod
@@ -175,15 +174,16 @@ class VMemCache(Cache):
         (``layers[i].keys`` too, as a StaticCache's are its buffers): kept past ``reset()``, they
         show the next batch's K/V (clone them). CacheStateError while another forward writes."""
         with self._guard.writing(layer_idx):
-            return self._update(key_states, value_states, layer_idx)
+            return self._update(key_states, value_states, layer_idx, kwargs)
 
-    def _update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+    def _update(self, key_states, value_states, layer_idx: int, call_kwargs: dict):
         self._check_open()
         check_layer_idx(layer_idx, self.config.num_layers)
         check_update_states(self.config, key_states, value_states, self._device)
         batch, _, new, _ = key_states.shape
-        start = self._written[layer_idx]
-        end = start + new
+        if layer_idx == 0 and batch == len(self._rows):   # a new batch: refused as such below
+            check_forward_start(self._written, self._guard.top_layer, call_kwargs, new)
+        start, end = self._written[layer_idx], self._written[layer_idx] + new
         slide = self._crop_bound_from(start) > self._slid_to     # memory to give back
         scales = self.kv.cache.kv_scales
         fixed = scales is not None and scales.fixed[layer_idx]

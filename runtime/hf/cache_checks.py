@@ -124,3 +124,59 @@ def check_crop_keeps_window(tokens_to_remove: int, kept_tokens: int, cached_toke
             f"memory of tokens [0, {bound_tokens - window_tokens + 1}) was given back and a "
             f"query at {kept_tokens} would read it (window {window_tokens}); crop at most "
             f"{cached_tokens - bound_tokens} tokens")
+
+
+def check_forward_start(written: list, top_layer: int, call_kwargs: dict, new_tokens: int) -> None:
+    """A forward's first update (layer 0, the batch held), before it writes: refused
+    (CacheStateError) where the cache cannot continue it exactly (``check_layers_even``,
+    ``check_not_refed``); ``call_kwargs`` are ``update``'s kwargs."""
+    check_layers_even(written, top_layer)
+    check_not_refed(call_kwargs, written[0], new_tokens)
+
+
+def check_layers_even(written: list, top_layer: int) -> None:
+    """Every layer a forward writes (``0..top_layer``; Gemma 3n's KV-shared ones above never do)
+    holds as many tokens: a forward that raised part-way (an error or Ctrl-C in a layer) wrote
+    only the layers below it, and the next forward, positioned by layer 0's length, would write
+    the others behind their last token and attend over mismatched K/V (wrong tokens)."""
+    lengths = written[:top_layer + 1]
+    if min(lengths) != max(lengths):
+        raise CacheStateError(
+            f"a forward on this cache raised part-way: its layers hold {lengths} tokens (the one "
+            f"that raised wrote only the lower layers), so the next forward would attend over "
+            f"K/V of different lengths (wrong tokens); nothing was written: call reset() and "
+            f"generate again")
+
+
+def positions_of(call_kwargs: dict) -> Optional[torch.Tensor]:
+    """The ``position_ids`` (B or 1, q) transformers' attention hands ``Cache.update``
+    (``kwargs=kwargs`` in 5.x), or None where a family hands none (or 3-D ones, mRoPE)."""
+    inner = call_kwargs.get("kwargs")
+    positions = (inner if isinstance(inner, dict) else call_kwargs).get("position_ids")
+    if isinstance(positions, torch.Tensor) and positions.dim() == 2:
+        return positions
+    return None
+
+
+def check_not_refed(call_kwargs: dict, cached_tokens: int, new_tokens: int) -> None:
+    """A forward of more ``new_tokens`` than the ``cached_tokens`` whose last token sits at a
+    position below ``new_tokens``: it sits among the cached tokens, so it re-feeds them
+    (``generate(..., use_cache=False)`` with a cache passed hands its second step the whole
+    sequence and one token more), and appending it would cache each token again (wrong
+    tokens; transformers' DynamicCache too). A forward that continues has its last token at
+    ``cached + new - 1`` less the left padding, past ``new - 1`` while a row holds a token that
+    is not padding (a chunked prefill's chunks over padding only are no longer than the cache
+    holds, so they are not read)."""
+    positions = positions_of(call_kwargs)
+    if not 0 < cached_tokens < new_tokens or positions is None \
+            or positions.shape[-1] != new_tokens:
+        return
+    last = int(positions[:, -1].max())          # one small sync, multi-token forwards only
+    if last < new_tokens:
+        raise CacheStateError(
+            f"this forward hands the cache {new_tokens} tokens whose positions end at {last}, "
+            f"so they sit among the {cached_tokens} tokens it holds: it re-feeds them "
+            f"(generate(..., use_cache=False), or generation_config.use_cache=False, with a "
+            f"cache passed; or input_ids that the cache already holds, without reset()), which "
+            f"a cache would append behind what it holds (wrong tokens); nothing was written: "
+            f"generate with use_cache=True (the default), or pass no cache, or reset() it")

@@ -21,7 +21,9 @@ a forward by the same thread starts over below it, then the layer it stopped at,
 ``reset()``. (Learnt only so: a retry after a forward interrupted part-way looks the same, and
 once left the guard blind to a second thread's forward above that layer: wrong logits.) A forward
 that raised part-way keeps the cache for its thread (its rows hold a partial step) until that
-thread's next forward or ``reset()``. A model switched to the ``"vmemkv"`` attention (an Engine
+thread's next forward or ``reset()``; that next forward is refused at its first update, its
+layers up to ``top_layer`` holding different lengths (``cache_checks.check_layers_even``), so
+only ``reset()`` goes on. A model switched to the ``"vmemkv"`` attention (an Engine
 holds it) is refused before its first layer writes: that attention reads the engine's cache, not
 this one.
 """
@@ -52,6 +54,12 @@ class ForwardGuard:
         shared = getattr(text, "num_kv_shared_layers", 0) or 0
         self._top_layer = self._top_of_cache = self._top_of_cache - shared
         self._learn_top, self._model_config = False, config
+
+    @property
+    def top_layer(self) -> int:
+        """The last layer a forward writes (see the module docstring): layers ``0..top_layer``
+        of a forward that ran whole hold as many tokens."""
+        return self._top_layer
 
     @contextlib.contextmanager
     def writing(self, layer_idx: int):
