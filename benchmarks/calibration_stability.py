@@ -32,7 +32,9 @@ import numpy as np
 from vmemkv.benchmarks.common import exit_status, flags_given
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.runtime.calibrate import write_json_whole
+from vmemkv.scheduler.errors import ConfigError
 from vmemkv.scheduler.profile_cost import FITTED, step_features
+from vmemkv.scheduler.profile_design import check_steps
 from vmemkv.scheduler.profile_fit import design_points, fit_coefficients, fit_profile, \
     fit_steps, point_features
 from vmemkv.scheduler.cliargs import POSITIVE_FLOAT, POSITIVE_INT, DistinctValues, result_file
@@ -250,6 +252,12 @@ def main(argv=None) -> int:
                 or "calibration" not in saved and "load_1min" not in saved:   # a KeyError
             ap.error(f"--from {path}: neither a device profile (vmemkv calibrate --out) nor "
                      f"this benchmark's --json")
+        ones = [saved["points"]] if "calibration" in saved else saved["points"]
+        try:                        # a bad step was a TypeError or KeyError traceback
+            for points in ones if isinstance(ones, list) else [ones]:
+                check_steps(points)
+        except ConfigError as error:
+            ap.error(f"--from {path}: {error}")
         if "calibration" in saved:                                   # a device profile
             calibrations.append(saved["points"])
             loads.append(saved["calibration"]["load_1min"])

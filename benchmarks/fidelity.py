@@ -38,9 +38,10 @@ from typing import Dict, List, Optional
 
 from vmemkv.benchmarks.fidelity_stats import fit_lines, summarize, table_lines
 from vmemkv.benchmarks.common import exit_status, flags_given
-from vmemkv.cli import OneLineArgumentParser
+from vmemkv.cli import INTERRUPTED_EXIT, TERMINATED_EXIT, OneLineArgumentParser
 from vmemkv.runtime.calibrate import write_json_whole
 from vmemkv.scheduler.errors import ConfigError
+from vmemkv.scheduler.profile_cost import load_profile, profile_model
 from vmemkv.scheduler.report import serving_report
 from vmemkv.scheduler.scheduler import SchedulerConfig
 from vmemkv.scheduler.simulator import SimConfig, simulate
@@ -107,10 +108,14 @@ def replay_engine(engine, entries, vocab: int, steps: Optional[List[Dict]] = Non
 
 class _StepClock:
     """Steps the engine; with a ``steps`` list, records each plan (fidelity_trace.tap_plans)
-    and the step's end and seconds, on the engine clock (from the first request's arrival)."""
+    and the step's end and seconds, on the engine clock (from the first request's arrival), and
+    whether it came ``after_idle`` (the first step, or one after the engine had nothing to run:
+    the simulator's rule, which charges it ``per_idle_wake_s``; the trace's step errors left
+    it out and read an idle step's wake as the profile's error)."""
 
     def __init__(self, engine, steps: Optional[List[Dict]], perf_counter):
         self.steps, self.offset_s, self.perf_counter = steps, None, perf_counter
+        self.idle = True
         if steps is not None:
             from vmemkv.benchmarks.fidelity_trace import tap_plans
             tap_plans(engine.scheduler, steps, self.now)
@@ -128,8 +133,9 @@ class _StepClock:
         engine.step()
         if self.steps is None:
             return
-        end = self.now()
-        self.steps[-1].update(end_s=end, seconds=end - self.steps[-1]["start_s"])
+        end, after_idle, self.idle = self.now(), self.idle, not engine.has_unfinished()
+        self.steps[-1].update(end_s=end, seconds=end - self.steps[-1]["start_s"],
+                              after_idle=after_idle)
 
     def close(self, engine) -> None:
         if self.steps is not None:
@@ -241,16 +247,65 @@ def parse_args(argv=None):
         problem = file_problem(path)     # before the replays: they were lost after them
         if problem:
             ap.error(f"--compare-fits writes each fit's profile beside --profile: {problem}")
+    if args.profile and args.calibrate_args:     # it was ignored
+        ap.error(f"--calibrate-args {args.calibrate_args} sets the calibrations this run would "
+                 f"make, and --profile {args.profile} is used instead: drop one")
+    problem = profile_problem(args.profile) if args.profile else check_calibrate_args(args)
+    if problem:      # before anything is replayed: each failed after the first, minutes in
+        ap.error(problem)
     return args
 
 
+def profile_problem(path: str) -> Optional[str]:
+    """Why the device profile at ``path`` cannot stand for the replay's engine, or None: it
+    does not load, or it timed another model than ``MODEL`` (whose shape then sized the
+    simulator's memory, silently). fidelity_trace checks its ``--profile`` the same way."""
+    try:
+        model = profile_model(load_profile(path), path).name
+    except ConfigError as error:
+        return f"--profile: {error}"
+    if model != MODEL:
+        return (f"--profile {path} timed {model}, and this benchmark replays {MODEL}: give a "
+                f"profile of {MODEL} (vmemkv calibrate --model {MODEL})")
+    return None
+
+
+def calibrate_argv(args, path: str) -> List[str]:
+    """The ``vmemkv calibrate`` command line of a round: the replay's model and engine, the
+    profile written to ``path``, then ``--calibrate-args``."""
+    return ["calibrate", "--model", MODEL, "--threads", str(args.threads), "--out", path,
+            "--max-batch", str(MAX_BATCH), "--max-context", str(args.max_context),
+            *args.calibrate_args.split()]
+
+
+def check_calibrate_args(args) -> Optional[str]:
+    """``--calibrate-args`` parsed as calibrate would (a bad flag ended the run after its first
+    replay: calibrate's exit status was ignored); what is wrong with one that sets what the
+    benchmark sets (``--model``, ``--out``, ``--max-batch``, ``--max-context``, ``--threads``:
+    the profile was of another engine than the one replayed, or not where the run read it)."""
+    from vmemkv.cli import build_parser
+    path = os.path.join(tempfile.gettempdir(), "vmemkv-fidelity-check.json")
+    parsed = vars(build_parser().parse_args(calibrate_argv(args, path)))
+    own = dict(model=MODEL, threads=args.threads, out=path, max_batch=MAX_BATCH,
+               max_context=args.max_context)
+    dest = next((d for d, value in own.items() if parsed[d] != value), None)
+    return dest and (f"--calibrate-args {args.calibrate_args}: --{dest.replace('_', '-')} is "
+                     f"set by this benchmark (the engine it replays, the profile it reads); "
+                     f"drop it" + (", and give --max-context or --threads here"
+                                   if dest in ("max_context", "threads") else ""))
+
+
 def calibrated(args, folder: str, index: int) -> str:
-    """A fresh device profile for round ``index`` (``vmemkv calibrate``), its path."""
+    """A fresh device profile for round ``index`` (``vmemkv calibrate``), its path;
+    ConfigError when calibrate fails (the replay ran on, then failed on the missing file)."""
     from vmemkv.cli import main as vmemkv
     path = os.path.join(folder, f"profile-{index}.json")
-    vmemkv(["calibrate", "--model", MODEL, "--threads", str(args.threads), "--out", path,
-            "--max-batch", str(MAX_BATCH), "--max-context", str(args.max_context),
-            *args.calibrate_args.split()])
+    status = vmemkv(calibrate_argv(args, path))
+    if status in (INTERRUPTED_EXIT, TERMINATED_EXIT):    # Ctrl-C or SIGTERM: this run's too
+        raise KeyboardInterrupt(f"round {index + 1} not calibrated")
+    if status:
+        raise ConfigError(f"vmemkv calibrate {' '.join(calibrate_argv(args, path)[1:])} "
+                          f"failed (exit {status}; its error is above): fix --calibrate-args")
     return path
 
 

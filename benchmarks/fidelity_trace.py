@@ -22,7 +22,8 @@ import sys
 import time
 from typing import Dict, List
 
-from vmemkv.benchmarks.fidelity import MAX_BATCH, MODEL, SEED, replay_engine, sim_config, workload
+from vmemkv.benchmarks.fidelity import (MAX_BATCH, MODEL, SEED, profile_problem, replay_engine,
+                                        sim_config, workload)
 from vmemkv.benchmarks.common import exit_status
 from vmemkv.cli import OneLineArgumentParser
 from vmemkv.scheduler.cost import AfterPrefill, prefill_pairs
@@ -130,7 +131,8 @@ def step_errors(steps: List[Dict], cost) -> Dict[str, float]:
         if s["num_seqs"]:
             kind = step_kind(s, cold)
             predicted = cost.step_seconds(s["context_tokens"], s["new_tokens"], 0,
-                                          s["num_seqs"], s["prefill_pairs"], cold)
+                                          s["num_seqs"], s["prefill_pairs"], cold,
+                                          s["after_idle"])
             errs[kind].append((predicted - s["seconds"]) / s["seconds"])
     out = {}
     for kind, e in errs.items():
@@ -150,6 +152,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=thread_count, default=1)
     ap.add_argument("--out", type=result_file, help="write every request and step here (JSON)")
     args = ap.parse_args(argv)
+    problem = profile_problem(args.profile)     # it failed after the replay, minutes in
+    if problem:
+        ap.error(problem)
     entries = workload(args)
     eng_reqs, eng_steps, lags, config = run_engine(args, entries)
     manager = config.make_manager()

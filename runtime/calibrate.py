@@ -25,8 +25,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from vmemkv.scheduler.cost import AfterPrefill, prefill_pairs
 from vmemkv.scheduler.layout import CacheKind
-from vmemkv.scheduler.profile_cost import PROFILE_FORMAT, PROFILE_VERSION, profile_summary
+from vmemkv.scheduler.profile_cost import (PROFILE_FORMAT, PROFILE_VERSION, profile_summary,
+                                           recorded_options)
 from vmemkv.scheduler.profile_cost import UNITS  # noqa: F401 (re-exported: the summary's units)
+from vmemkv.scheduler.profile_design import undetermined_message
 from vmemkv.scheduler.result_files import write_json
 
 PREFILL_LENGTHS = (32, 64, 96, 128, 192, 256, 320, 384, 448)   # single prompts timed beside
@@ -134,6 +136,7 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
         check_joins(join_batches, join_lengths, min(contexts), decode_steps, max_batch,
                     max_context)
     check_repeats(repeats, max_repeats, precision)
+    options = recorded_options(engine_options)      # the profile could not say they were used
     import torch
     from vmemkv.runtime.engine import Engine, EngineConfig, SamplingParams
     from vmemkv.runtime.models import build_model
@@ -141,7 +144,6 @@ def calibrate(model_name: str = "small-llama", batches: Sequence[int] = (1, 4, 1
     torch.set_num_threads(threads)
     model = build_model(model_name, seed=seed)
     load_before = os.getloadavg()[0]
-    options = dict(engine_options or {})
     # a step holds every batch row (--max-batch above the default 2048 was always refused,
     # naming max_tokens_per_step, which no flag sets; generate_cli does the same)
     options.setdefault("max_tokens_per_step", max(EngineConfig.max_tokens_per_step, max_batch))
@@ -291,7 +293,8 @@ def timed_rounds(engine, shapes, repeats: int, max_repeats: int, precision: floa
     (``profile_fit.shape_precisions``) until none is left or each is at ``max_repeats``.
     Random prompts (seeded)."""
     import random
-    from vmemkv.scheduler.profile_fit import design_points, median_half_widths, shape_precisions
+    from vmemkv.scheduler.profile_fit import (design_points, median_half_widths, percent,
+                                               shape_precisions)
     rng, vocab, points = random.Random(seed), engine.vocab_size, []
     pending, done, rounds = list(range(len(shapes))), [0] * len(shapes), 0
     while pending:
@@ -311,15 +314,14 @@ def timed_rounds(engine, shapes, repeats: int, max_repeats: int, precision: floa
         within = shape_precisions(dps, median_half_widths(dps.samples()))
         pending = [s for s in range(len(shapes)) if within[s] > precision and done[s] < max_repeats]
         progress(f"calibrate: round {rounds}: {sum(w <= precision for w in within.values())} "
-                 f"of {len(shapes)} shapes within +-{precision:.1%}"
+                 f"of {len(shapes)} shapes within +-{percent(precision)}"
                  + (f", {len(pending)} again" if pending else ""))
     return points
 
 
 def write_json_whole(path: str, obj) -> None:
-    """Write ``obj`` as JSON to ``path`` whole or not at all: the project's one helper
-    (scheduler/result_files.py: a temporary file beside it, then ``os.replace``), under the
-    name calibrate's users import."""
+    """Write ``obj`` as JSON to ``path`` whole or not at all (scheduler/result_files.py's
+    ``write_json``, under the name calibrate's users import)."""
     write_json(path, obj)
 
 
@@ -391,8 +393,8 @@ def run(args) -> int:
                         join_batches=args.join_batches, join_lengths=args.join_lengths)
     write_json_whole(args.out, profile)
     print(profile_summary(profile, args.model))
-    noise = profile["calibration"]["noise"]
-    if noise["noisy"]:
-        print(f"vmemkv calibrate: warning: {noise['message']}", file=sys.stderr)
+    noise, unsure = profile["calibration"]["noise"], profile["fit"]["undetermined"]
+    for line in [noise["message"]] * noise["noisy"] + [undetermined_message(unsure)] * bool(unsure):
+        print(f"vmemkv calibrate: warning: {line}", file=sys.stderr)
     print(f"# wrote {args.out}")
     return 0

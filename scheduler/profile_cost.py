@@ -32,11 +32,13 @@ point's repeats (``profile_fit``), and writes a device profile, JSON:
                       "per_step_token_sq_s": ..., "per_prefill_step_s": ...,
                       "per_cold_step_s": ..., "per_idle_wake_s": ...},
      "coefficient_intervals": {"base_s": [lo, hi], ...},   # version 3: 95% intervals (null:
-                                                           # too few repeats to resample)
+                                   # too few repeats to resample, or one of fit's undetermined)
      "calibration": {"precision": 0.05, "repeats": ..., "noise": {...}, ...},   # version 3
      "points": [{"batch": 4, "context_tokens": 1030, "new_tokens": 4, "prefill_pairs": 0,
                  "cold_step": 1, "after_idle": 0, "shape": 3, "repeat": 0, "seconds": ...}, ...],
-     "fit": {"median_rel_error": ..., "max_rel_error": ...}}
+     "fit": {"median_rel_error": ..., "max_rel_error": ...,
+             "undetermined": [...]}}   # the coefficients no design point tells apart
+                                       # (profile_design; absent before this field: unknown)
 
 ``vmemkv simulate --profile FILE`` (``SimConfig.profile``) uses it in place of the roofline;
 the profile's model is the model the simulation's managers size memory for, and its ``engine``
@@ -51,12 +53,17 @@ model's ``layer_windows`` (versions 1-3: every layer full attention, unless give
 this code does not know (``READABLE_VERSIONS``) is refused by name. A coefficient must be a
 finite number in [0, ``MAX_COEFFICIENT_S``): seconds per unit of its term. An ``engine``
 setting no calibrate writes (``ENGINE_KEYS``: a misspelling) is refused by name, as is a
-``layer_windows`` that is not a list.
+``layer_windows`` that is not a list, an engine no engine runs (``max_context`` below 2,
+``max_tokens_per_step`` below ``max_batch``), a model entry that is not an object or whose name
+is not a string, a version that is not an int (4.0), and a path that is not a regular file (a
+FIFO was waited on for ever; simulate reads a profile twice, which a pipe cannot give).
 """
 from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass
 from typing import Dict
 
@@ -147,8 +154,7 @@ def load_profile(path: str) -> Dict:
         raise ConfigError(f"device profile must be a file name (str or os.PathLike), got "
                           f"{path!r}")
     try:
-        with open(name, encoding="utf-8") as f:
-            profile = json.load(f)
+        profile = json.loads(read_regular(name))
     except (OSError, ValueError, RecursionError) as error:   # bad JSON, or nested too deep
         why = "nested too deeply" if isinstance(error, RecursionError) else error
         raise ConfigError(f"device profile {path}: {why}") from None
@@ -156,7 +162,7 @@ def load_profile(path: str) -> Dict:
         raise ConfigError(f"device profile {path}: not a {PROFILE_FORMAT} file (write one with "
                           f"vmemkv calibrate)")
     version = profile.get("version", 1)
-    if isinstance(version, bool) or version not in READABLE_VERSIONS:
+    if type(version) is not int or version not in READABLE_VERSIONS:     # 4.0 passed as 4
         raise ConfigError(f"device profile {path}: version {version!r} is not one this vmemkv "
                           f"reads ({', '.join(map(str, READABLE_VERSIONS))}): rerun vmemkv "
                           f"calibrate, or use the vmemkv that wrote it")
@@ -185,7 +191,11 @@ def load_profile(path: str) -> Dict:
 def profile_model(profile: Dict, path: str = "profile") -> ModelSpec:
     """The ModelSpec the profile was measured on (``layer_windows`` from a JSON list)."""
     try:
+        if not isinstance(profile["model"], dict):   # a list was "cannot convert dictionary
+            raise TypeError(f"model must be an object, got {profile['model']!r}")  # update..."
         entry = dict(profile["model"])
+        if not isinstance(entry.get("name"), str) or not entry.get("name"):
+            raise TypeError(f"model name must be a non-empty string, got {entry.get('name')!r}")
         if profile.get("version", 1) >= WINDOWS_VERSION and "layer_windows" not in entry:
             raise KeyError("layer_windows")
         if "layer_windows" in entry:        # null passed as "no windows" and broke vmem
@@ -222,7 +232,48 @@ def profile_engine(profile: Dict, path: str = "profile") -> Dict:
         if key in ENGINE_COUNT_MAX and value > ENGINE_COUNT_MAX[key]:   # 10**12 hung building
             raise ConfigError(f"device profile {path}: engine {key} {value} is above "
                               f"{ENGINE_COUNT_MAX[key]:,}, more than any engine runs")
+    if out.get("max_context", 2) < 2:         # the engine's and calibrate's floor (1 failed
+        raise ConfigError(f"device profile {path}: engine max_context {out['max_context']} is "
+                          f"below 2, the least any engine runs")        # naming WorkloadSpec)
+    if out.get("max_tokens_per_step", math.inf) < out.get("max_batch", 0):   # no engine runs it
+        raise ConfigError(f"device profile {path}: engine max_tokens_per_step "
+                          f"{out['max_tokens_per_step']} is below its max_batch "
+                          f"{out['max_batch']}: a step holds every running sequence")
     return out
+
+
+def recorded_options(engine_options) -> Dict:
+    """``calibrate``'s ``engine_options`` (None: none) as a dict, when the profile's ``engine``
+    records each (``ENGINE_KEYS`` less calibrate's own arguments); ConfigError naming the others:
+    a kv_cache_dtype "int8" or a block_size 4 was timed, left out of the profile, and simulate
+    charged it as the default (a max_batch was a TypeError after loading the model)."""
+    options, recorded = dict(engine_options or {}), ("cache", "layout", "page_bytes",
+                                                     "max_tokens_per_step")
+    other = sorted(set(options) - set(recorded))
+    if other:
+        raise ConfigError(f"calibrate engine_options {', '.join(other)}: the options a device "
+                          f"profile records are {', '.join(recorded)} (max_batch and "
+                          f"max_context are calibrate's own arguments); a simulation of a "
+                          f"profile timed with another runs its default: leave it out")
+    return options
+
+
+def read_regular(name: str) -> str:
+    """The text of the regular file ``name`` (UTF-8). A folder, FIFO or device is refused
+    (OSError), not read: opening a FIFO no one writes hung, and simulate reads a profile
+    twice (its defaults, then the run), which a pipe cannot give."""
+    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError("is a folder: give a file name" if stat.S_ISDIR(mode) else
+                          "is not a regular file (a pipe or a device): give a file name")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    with open(fd, encoding="utf-8") as f:
+        return f.read()
 
 
 def profile_cost(profile: Dict, map_latency_s: float = 0.0, pages_per_map_op: int = 1) -> ProfileCost:
@@ -252,7 +303,9 @@ def profile_summary(profile: Dict, model_name: str) -> str:
         interval = profile["coefficient_intervals"][name]
         lines.append(f"  {name:<22}{profile['coefficients'][name] * scale:>10.4g} {unit:<3} "
                      + (f"[{interval[0] * scale:.4g}, {interval[1] * scale:.4g}] {unit}"
-                        if interval else "n/a (fewer than 6 repeats)"))
+                        if interval else "n/a (fewer than 6 repeats)" if min(cal["repeats"]) < 6
+                        or name not in fit.get("undetermined", ())   # absent: written before
+                        else "n/a (the timed steps do not determine it)"))
     lines.append(f"  fit error over {fit['design_points']} design points' medians: median "
                  f"{fit['median_rel_error']:.1%}, max {fit['max_rel_error']:.1%}")
     lines.append(f"  noise: {cal['noise']['message']}")

@@ -29,13 +29,15 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from decimal import Decimal
+from fractions import Fraction
 from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .errors import ConfigError
-from .field_checks import check_int, check_number
+from .field_checks import check_int
 from .profile_cost import FITTED, step_features
+from .profile_design import check_steps, undetermined
 
 Z95 = 1.96             # normal quantile of a two-sided 95% interval
 MEDIAN_SE = 1.2533     # a median's standard error / (sigma / sqrt(n)) for normal noise
@@ -81,11 +83,9 @@ def design_points(points: Sequence[Dict]) -> DesignPoints:
     """Group timed steps (``calibrate``'s points; ``shape`` and ``repeat`` 0 where absent) by
     composition, in order of first appearance. ConfigError when there is no step, or naming
     one whose ``seconds`` is not a finite number > 0 (no fit was a numpy error; a step of 0, a
-    negative or NaN seconds was dropped from the fit and made its errors negative or NaN)."""
-    if not points:
-        raise ConfigError("a device profile's fit needs timed steps: points is empty")
-    for i, p in enumerate(points):
-        check_number(f"points[{i}].seconds", p["seconds"], unit="seconds", inclusive=False)
+    negative or NaN seconds was dropped from the fit and made its errors negative or NaN) or
+    another field is bad (``profile_design.check_steps``)."""
+    check_steps(points)
     index: Dict[tuple, int] = {}
     runs: Dict[tuple, int] = {}
     design, run, shapes = [], [], []
@@ -119,7 +119,9 @@ def nnls(gram: np.ndarray, atb: np.ndarray, passive: Optional[np.ndarray] = None
     Hanson's active set method on the normal equations: a few 9 x 9 solves, whatever the
     number of steps). ``passive``: a guess of the coefficients > 0 (kept when it solves the
     problem: a refit's fast path)."""
-    n = len(atb)
+    n, norm = len(atb), np.sqrt(np.where(np.diag(gram) > 0, np.diag(gram), 1.0))  # columns
+    gram, atb = gram / np.outer(norm, norm), atb / norm  # to unit norm: the stopping test left
+    #                                                      a term worth 1e-4 of its steps at 0
     tol = 1e-10 * max(1.0, abs(atb).max())
 
     def solve(on: np.ndarray) -> np.ndarray:
@@ -131,7 +133,7 @@ def nnls(gram: np.ndarray, atb: np.ndarray, passive: Optional[np.ndarray] = None
         x = solve(passive)
         grad = atb - gram @ x
         if (x[passive] > 0).all() and (grad[~passive] <= tol).all():
-            return x
+            return x / norm
     x, passive, grad = np.zeros(n), np.zeros(n, bool), atb.copy()
     for _ in range(3 * n):
         if passive.all() or grad[~passive].max() <= tol:
@@ -147,7 +149,7 @@ def nnls(gram: np.ndarray, atb: np.ndarray, passive: Optional[np.ndarray] = None
             passive &= x > 0
             x[~passive] = 0.0
         grad = atb - gram @ x
-    return x
+    return x / norm
 
 
 def robust_fit(rows: np.ndarray, seconds: np.ndarray, loss: str = "huber",
@@ -165,11 +167,12 @@ def robust_fit(rows: np.ndarray, seconds: np.ndarray, loss: str = "huber",
     predicted_scale = typical is None
     typical = seconds if typical is None else typical
     keep = np.isfinite(seconds) & (seconds > 0) & np.isfinite(typical) & (typical > 0)
-    rows, seconds, typical = rows[keep], seconds[keep], typical[keep]
-    scale = np.maximum(abs(rows).max(axis=0), 1e-300)            # columns to unit size
-    x = rows / scale
+    unit = float(np.median(seconds[keep])) if keep.any() else 1.0   # seconds to near 1: steps
+    rows, seconds, typical = rows[keep], seconds[keep] / unit, typical[keep] / unit  # of 1e-300
+    scale = np.maximum(abs(rows).max(axis=0), 1e-300)   # s were a LinAlgError, of 1e300 s all 0
+    x = rows / scale                                    # columns to unit size
     a, b = x / typical[:, None], seconds / typical               # relative residual: a c - b
-    coef = nnls(a.T @ a, a.T @ b) if start is None else start * scale
+    coef = nnls(a.T @ a, a.T @ b) if start is None else start * scale / unit
     for _ in range(iterations):
         if predicted_scale:                                      # floored: a 0 prediction
             denominator = np.maximum(x @ coef, 0.1 * typical)
@@ -187,7 +190,7 @@ def robust_fit(rows: np.ndarray, seconds: np.ndarray, loss: str = "huber",
         coef = new
         if done:
             break
-    return coef / scale
+    return coef / scale * unit
 
 
 def fit_medians(dps: DesignPoints, loss: str = "huber",
@@ -283,7 +286,20 @@ def repeats_for(spread: float, precision: float) -> int:
     """About how many repeats bring a median's 95% interval to +-``precision`` (relative) at a
     relative standard deviation ``spread``: normal noise, half-width 1.96 x 1.2533 x spread /
     sqrt(n), at least 6 (``median_rank``)."""
-    return max(6, math.ceil((Z95 * MEDIAN_SE * spread / precision) ** 2))
+    try:
+        return max(6, math.ceil((Z95 * MEDIAN_SE * spread / precision) ** 2))
+    except OverflowError:       # --precision 1e-200: past a float (a traceback after timing)
+        return max(6, math.ceil((Fraction(Z95 * MEDIAN_SE * spread) / Fraction(precision)) ** 2))
+
+
+def percent(x: float) -> str:
+    """``x`` in percent: to 0.1%, in 3 digits below 0.1% (--precision 1e-200 read +-0.0%)."""
+    return f"{x:.1%}" if x >= 1e-3 else f"{x * 100:.3g}%"
+
+
+def count_text(n: int) -> str:
+    """``n`` as text, in 3 digits past 10**9 (a tiny precision needs 10**600 repeats)."""
+    return str(n) if n <= 10**9 else f"{Decimal(n):.3g}"
 
 
 def shape_precisions(dps: DesignPoints, half_widths: np.ndarray) -> Dict[int, float]:
@@ -328,8 +344,8 @@ class NoiseCheck:
         head = (f"the step time's relative spread is {self.spread:.1%} (median over the "
                 f"{self.measured} of {self.design_points} design points measured more than "
                 f"once, {self.spread_p90:.1%} at the 90th "
-                f"percentile); +-{self.precision:.1%} on 90% of the design points' medians "
-                f"needs about {self.needed_repeats} repeats")
+                f"percentile); +-{percent(self.precision)} on 90% of the design points' medians "
+                f"needs about {count_text(self.needed_repeats)} repeats")
         if not self.noisy:
             return f"{head}: reached, 90% within +-{self.achieved:.1%}"
         if math.isinf(self.achieved):
@@ -337,7 +353,7 @@ class NoiseCheck:
                     f"distribution-free 95% interval needs 6): --max-repeats 6 or more")
         return (f"{head}; running with the cap of {self.max_repeats} gives +-{self.achieved:.1%} "
                 f"({self.outside} of {self.design_points} design points outside "
-                f"+-{self.precision:.1%}): the host is too noisy for the requested precision")
+                f"+-{percent(self.precision)}): the host is too noisy for the requested precision")
 
     def as_dict(self) -> Dict:
         fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -361,17 +377,18 @@ def noise_check(dps: DesignPoints, half_widths: np.ndarray, precision: float,
 def fit_profile(points: Sequence[Dict], precision: float, max_repeats: int,
                 resamples: int = 200, seed: int = 0) -> Dict:
     """A profile's fitted parts from its timed ``points``: ``coefficients``, their
-    ``coefficient_intervals``, the ``fit``'s relative error over the design points' medians,
-    and the ``noise`` check (``NoiseCheck.as_dict``) against ``precision``."""
+    ``coefficient_intervals`` (None for those ``profile_design.undetermined``), the ``fit``'s
+    relative error over the design points' medians and what they leave ``undetermined``, and
+    the ``noise`` check (``NoiseCheck.as_dict``) against ``precision``."""
     dps = design_points(points)
-    coefficients = fit_coefficients(dps)
-    medians = dps.medians()
+    coefficients, medians = fit_coefficients(dps), dps.medians()
     errors = abs(dps.rows @ np.array([coefficients[k] for k in FITTED]) - medians) / medians
     widths = median_half_widths(dps.samples())
+    unsure = undetermined(dps.rows)         # the fit's split and their [x, x] intervals arbitrary
+    intervals = coefficient_intervals(dps, coefficients, resamples=resamples, seed=seed)
     return {"coefficients": coefficients,
-            "coefficient_intervals": coefficient_intervals(dps, coefficients,
-                                                           resamples=resamples, seed=seed),
-            "fit": {"median_rel_error": float(np.median(errors)),
+            "coefficient_intervals": {k: None if k in unsure else v for k, v in intervals.items()},
+            "fit": {"median_rel_error": float(np.median(errors)), "undetermined": unsure,
                     "max_rel_error": float(errors.max()), "design_points": len(dps.rows),
                     "method": "Huber loss on the relative residuals of the design points' "
                               "medians of repeats, coefficients >= 0; intervals: 95% "

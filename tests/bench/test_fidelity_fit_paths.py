@@ -47,4 +47,9 @@ def test_compare_fits_paths_are_checked_before_anything_runs(tmp_path, capsys):
     assert exit_.value.code == 2
     assert (f"--compare-fits writes each fit's profile beside --profile: "
             f"{tmp_path / 'cal.fit0.json'} is a folder: give a file name") in capsys.readouterr().err
+    (tmp_path / "cal.json").write_text(json.dumps({    # --profile itself is checked (hunt 32)
+        "format": "vmemkv-device-profile", "version": 1,
+        "model": dict(name=fidelity.MODEL, num_layers=4, num_kv_heads=2, head_dim=32,
+                      dtype_bytes=4, weight_bytes=6291456),
+        "coefficients": dict(base_s=1e-3, per_seq_s=0, per_new_token_s=0, per_context_token_s=0)}))
     assert fidelity.parse_args(["--profile", str(tmp_path / "cal.json")]).profile   # no fits: no check

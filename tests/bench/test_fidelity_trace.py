@@ -11,7 +11,7 @@ from vmemkv.scheduler.profile_cost import ProfileCost
 def step(start_s, end_s, seqs, pairs=0, context=0):
     return {"start_s": start_s, "end_s": end_s, "seconds": end_s - start_s, "seqs": seqs,
             "num_seqs": len(seqs), "new_tokens": sum(n for _, n, _ in seqs),
-            "context_tokens": context, "prefill_pairs": pairs}
+            "context_tokens": context, "prefill_pairs": pairs, "after_idle": False}
 
 
 def test_each_request_is_split_into_its_wait_and_its_first_step():
