@@ -64,13 +64,13 @@ FP8_AT_ARITHMETIC = 1.05  # e4m3 from memory within this of its in-cache time
 def build(directory: Path, dtype: str) -> Path:
     """decode_profile for one K/V dtype at D = 128, as the native build makes the kernel's
     per-shape libraries (its flags but -shared; ``VK_ONLY_DT``, ``VK_ONLY_D``), or SystemExit."""
-    cc = native._compiler()
+    cc = native.compiler_command()
     if cc is None:
         raise SystemExit("decode_kernel: no C compiler (cc/gcc, or $CC)")
     out = directory / f"decode_profile_{dtype}"
     flags = [f for f in native.FLAGS if f not in ("-shared", "-fPIC")]
     defines = [f"-DVK_ONLY_DT={DT_CODES[dtype]}", f"-DVK_ONLY_D={HEAD_DIM}"]
-    run = subprocess.run([cc, *flags, *defines, f"-I{ATTENTION}", str(SOURCE), "-o", str(out),
+    run = subprocess.run([*cc, *flags, *defines, f"-I{ATTENTION}", str(SOURCE), "-o", str(out),
                           "-lm"], capture_output=True, text=True)
     if run.returncode:
         raise SystemExit(f"decode_kernel: building {SOURCE.name} failed:\n{run.stderr}")

@@ -21,7 +21,7 @@ else:
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-needs_cc = pytest.mark.skipif(native._compiler() is None, reason="no C compiler")
+needs_cc = pytest.mark.skipif(native.compiler_command() is None, reason="no C compiler")
 
 
 @pytest.fixture

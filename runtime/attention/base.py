@@ -13,9 +13,9 @@ import torch
 
 from vmemkv.scheduler.layout import CacheKind
 
-from .checks import check_scalars
-from .errors import UnsupportedError
-from .views import SUPPORTED_DTYPES, LayerView, PagedLayerView, VMemLayerView
+from .checks import MAX_CONTEXT_TOKENS, check_scalars
+from .errors import AttentionShapeError, UnsupportedError
+from .views import ALL_KV_DTYPES, SUPPORTED_DTYPES, LayerView, PagedLayerView, VMemLayerView
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,14 @@ class AttentionBackend(ABC):
         replaces ``view.softcap`` when given. Adds its host time to ``forward_s``.
         """
         start = time.perf_counter()
+        for name, value in (("scale", scale), ("softcap", softcap)):
+            if isinstance(value, (bool, str, bytes)):   # True was scale 1.0, "0.5" was 0.5
+                raise AttentionShapeError(f"{name} must be a number or None, got {value!r}")
         if softcap is not None:
             view = replace(view, softcap=float(softcap))
+        if type(view.window) is int and view.window >= MAX_CONTEXT_TOKENS:   # checked in validate
+            view = replace(view, window=None)   # wider than any context: every key is in it
+            # (2**64 + 1 reached cpu-varlen's int64 as 1, and the reference's arange overflowed)
         self._check_supported(q, view)
         view.validate(q)
         if view.lens.has_kv_starts and not self.supports_kv_starts:
@@ -98,6 +104,11 @@ class AttentionBackend(ABC):
                                    f"{sorted(str(d) for d in self.dtypes)}; {what} is {dtype}")
 
     def _check_kv_dtype(self, dtype, kv_dtype, what: str) -> None:
+        if kv_dtype is not None and kv_dtype != dtype and kv_dtype not in ALL_KV_DTYPES:
+            # float64, uint8, fp8 "fnuz": no backend reads them (this named cpu-varlen as one)
+            raise UnsupportedError(
+                f"attention backend {self.name!r} cannot read a cache of {kv_dtype}: no backend "
+                f"reads one; K/V dtypes: {', '.join(sorted(str(d) for d in ALL_KV_DTYPES))}")
         if kv_dtype is not None and kv_dtype != dtype and kv_dtype not in self.kv_dtypes:
             raise UnsupportedError(
                 f"attention backend {self.name!r} reads K/V only in {what}'s dtype ({dtype}), "

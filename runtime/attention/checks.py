@@ -67,6 +67,12 @@ def check_scalars(scale: float, softcap) -> None:
                                       f"[{FP32_TINY:.4g}, {FP32_MAX:.4g}], got {value!r}")
 
 
+# the most tokens a request's context may hold: the kernels keep key positions in 32-bit ints
+# (cpu_varlen.c's per-row key ranges, FA2's sequence lengths); a sliding window at least this
+# wide is no window (base.AttentionBackend.forward)
+MAX_CONTEXT_TOKENS = 2**31 - 1
+
+
 def check_query(q: torch.Tensor, k: torch.Tensor, lens: BatchLens, batch_shape, what: str) -> None:
     if q.dim() != 3:
         raise AttentionShapeError(f"q must be [tokens, heads, head_dim], got {tuple(q.shape)}")
@@ -89,6 +95,9 @@ def check_query(q: torch.Tensor, k: torch.Tensor, lens: BatchLens, batch_shape, 
     if any(not 0 < ql <= c for ql, c in zip(lens.query_lens, lens.context_lens)):
         raise AttentionShapeError(f"need 0 < query_len <= context_len per request; got query_lens "
                                   f"{list(lens.query_lens)}, context_lens {list(lens.context_lens)}")
+    if max(lens.context_lens, default=0) > MAX_CONTEXT_TOKENS:
+        raise AttentionShapeError(f"context_lens {list(lens.context_lens)} exceed the "
+                                  f"{MAX_CONTEXT_TOKENS} tokens a request may hold")
     check_kv_starts(lens)
     if q.device != k.device:   # the dtypes: AttentionBackend.kv_dtypes (checked before)
         raise AttentionShapeError(f"q ({q.dtype}, {q.device}) and cache ({k.dtype}, {k.device}) "

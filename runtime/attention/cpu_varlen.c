@@ -80,6 +80,7 @@ typedef struct {
     float *qT;                /* [D][MAX_ROWS]: qb transposed (unit_gemm) */
     int32_t *lo, *hi;         /* [MAX_ROWS]: row r sees keys [lo, hi) */
     int nan_bytes;            /* the unit's walk read an e4m3 NaN byte as finite (DT_E4M3_FINITE) */
+    int q_overflow;           /* a finite query times its scale was not finite (vk_attention: -3) */
 } ws_t;
 
 /* The item a unit belongs to, unpacked, and the keys [c_lo, c_hi) the unit walks. */
@@ -136,7 +137,13 @@ static void unit_start(const args_t *a, const int64_t *item, unit_t *u, ws_t *w)
         if (r >= u->rows) continue;
         const float *src = a->q + row_offset(a, item, r);
         const float qs = a->scale * (a->kscale ? a->kscale[row_kv_head(a, item, r)] * kv_unit(a) : 1.0f);
-        for (int64_t x = 0; x < D; x++) w->qb[r * D + x] = src[x] * qs;
+        int over = 0;   /* scale folded into q overflowed where (q . k) * scale may not */
+        for (int64_t x = 0; x < D; x++) {
+            const float y = src[x] * qs;
+            over |= !(__builtin_fabsf(y) <= FLT_MAX) & (__builtin_fabsf(src[x]) <= FLT_MAX);
+            w->qb[r * D + x] = y;
+        }
+        w->q_overflow |= over;
         memset(w->acc + r * D, 0, (size_t)D * sizeof(float));
         const int64_t pos = first + r / (u->nh * u->G), lo = a->window ? pos - a->window + 1 : 0;
         w->lo[r] = (int32_t)(lo > a->kvstart[i] ? lo : a->kvstart[i]);
@@ -237,14 +244,16 @@ static float *scratch_alloc(int64_t D, ws_t *w) {
 }
 
 /* Units in parallel, then (after the barrier) split items merged in parallel; one scratch
- * buffer per thread. Returns 0, or -1 when a thread's scratch could not be allocated. */
+ * buffer per thread. Returns 0, -1 when a thread's scratch could not be allocated, or -3 when
+ * a finite query row times its scale overflowed fp32 (the outputs are then not promised). */
 static int run_units(const args_t *a, const int64_t *items, int64_t n_items, const int64_t *unit,
                      int64_t units, const int64_t *part_off, float *part, int nthreads) {
-    int failed = 0;
+    int failed = 0, overflow = 0;
     #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         ws_t w;
         float *buf = scratch_alloc(a->D, &w);
+        w.q_overflow = 0;
         if (!buf) {
             #pragma omp atomic write
             failed = 1;
@@ -259,9 +268,13 @@ static int run_units(const args_t *a, const int64_t *items, int64_t n_items, con
                 if (items[w2 * ITEM_COLS + 5] > 1 && !failed)
                     merge_splits(a, items + w2 * ITEM_COLS, part + part_off[w2]);
         }
+        if (w.q_overflow) {
+            #pragma omp atomic write
+            overflow = 1;
+        }
         free(buf);
     }
-    return failed ? -1 : 0;
+    return failed ? -1 : overflow ? -3 : 0;
 }
 
 /* q, out: fp32 [T, H, D] contiguous; scores are (q . k) * scale, soft-capped to
@@ -270,7 +283,8 @@ static int run_units(const args_t *a, const int64_t *items, int64_t n_items, con
  * np * nh * G <= 64, splits >= 1 (the item's key range is walked as that many units, merged
  * at the end). dtype: of K and V (DT_*); kscale, vscale: fp32 [Hkv] for 8-bit K/V, else NULL.
  * Returns 0, or -1 when scratch memory could not be allocated (nothing is then promised of out),
- * or -2 from a library built for one (head size, dtype) called with another. */
+ * -2 from a library built for one (head size, dtype) called with another, or -3 when a finite
+ * query times scale (and K's scale) overflowed fp32 (nothing promised: the caller recomputes). */
 int vk_attention(const float *q, float *out, const void *k, const void *v, int dtype,
                  const float *kscale, const float *vscale, const int64_t *k_strides, const int64_t *v_strides,
                  const int64_t *slots, const int64_t *tables, int64_t width, int64_t block_size,

@@ -36,7 +36,7 @@ from . import native
 from .base import AttentionBackend, Availability
 from .views import ALL_KV_DTYPES, PagedLayerView, VMemLayerView
 from .errors import AttentionError, UnsupportedError
-from .kv import attend_one, paged_kv, vmem_kv
+from .kv import attend_one, paged_kv, per_request, vmem_kv
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float8_e4m3fn: 3,
                torch.float8_e5m2: 4, torch.int8: 5}   # cpu_varlen_math.h's DT_*
@@ -97,8 +97,8 @@ class CpuVarlenBackend(AttentionBackend):
         meta = view.memo(key, lambda: _Meta(view, kv_heads, heads // kv_heads,
                                             self.sdpa_above_tokens, split))
         out = torch.empty(q.shape, dtype=torch.float32)
-        if meta.items.shape[0]:
-            _call(q.float().contiguous(), out, k, v, meta, scale, view)
+        if meta.items.shape[0] and not _call(q.float().contiguous(), out, k, v, meta, scale, view):
+            return per_request(q, view, scale)   # q x scale overflowed fp32 in the kernel: SDPA
         if not meta.sdpa_requests:
             return out if q.dtype == torch.float32 else out.to(q.dtype)
         out = out.to(q.dtype)
@@ -217,10 +217,12 @@ def _strides(stride: tuple) -> tuple:
 
 
 def _call(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-          meta: _Meta, scale: float, view) -> None:
+          meta: _Meta, scale: float, view) -> bool:
     """One kernel call; q and out fp32 contiguous [T, H, D] (out written in place); the layer's
     window, soft-cap (0: none) and 8-bit K/V's scales (fp32 [Hkv], checked by the view) from
-    ``view``."""
+    ``view``. False when a finite query times the scale (and K's) overflowed fp32 (the kernel
+    folds the scale into q: scale 3e38 with a soft-cap gave NaN rows where (q . k) * scale is
+    finite); ``out`` is then garbage and the caller recomputes the call."""
     _, _, kv_heads, head_dim = k.shape
     dtype_code = DTYPE_CODES[k.dtype]
     rc = native.kernel(head_dim, dtype_code)(
@@ -231,5 +233,8 @@ def _call(q: torch.Tensor, out: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if rc == -2:
         raise AttentionError(f"cpu-varlen: the kernel built for another shape was called for "
                              f"head_dim={head_dim}, {k.dtype} (a dispatch bug)")
+    if rc == -3:
+        return False
     if rc:
         raise MemoryError("cpu-varlen: the kernel could not allocate its scratch memory")
+    return True

@@ -20,6 +20,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -52,14 +53,22 @@ def _cpu_key() -> str:
     return platform.machine() + "|" + "|".join(lines)
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def compiler_command() -> tuple | None:
+    """The C compiler's command line: ``$CC`` split as a shell splits it (``ccache gcc``,
+    ``gcc -m64``, as make takes it: run whole, it was one missing file and cpu-varlen
+    unavailable), else cc or gcc on the PATH; None without any. ValueError for a ``$CC`` a
+    shell cannot split (unbalanced quotes)."""
+    command = tuple(shlex.split(os.environ.get("CC", "")))
+    found = command or shutil.which("cc") or shutil.which("gcc")
+    return (found,) if isinstance(found, str) else found
 
 
-def _build(cc: str, source_path: Path, headers: tuple, defines: tuple = ()) -> Path:
+def _build(cc, source_path: Path, headers: tuple, defines: tuple = ()) -> Path:
+    """``source_path`` built with ``cc`` (one program, or a command line as a tuple)."""
+    cc = (cc,) if isinstance(cc, str) else tuple(cc)
     source = source_path.read_bytes() + b"".join(h.read_bytes() for h in headers)
     flags = FLAGS + defines
-    key = hashlib.sha256(source + " ".join((cc,) + flags).encode() + _cpu_key().encode())
+    key = hashlib.sha256(source + " ".join(cc + flags).encode() + _cpu_key().encode())
     target = cache_root() / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         _touch(target)
@@ -71,10 +80,10 @@ def _build(cc: str, source_path: Path, headers: tuple, defines: tuple = ()) -> P
         raise KernelBuildError(unusable_cache("the kernel cache", target.parent, error)) from error
     with build_dir as tmp:   # build, then rename: atomic
         out = Path(tmp) / target.name
-        run = subprocess.run([cc, *flags, str(source_path), "-o", str(out), "-lm"],
+        run = subprocess.run([*cc, *flags, str(source_path), "-o", str(out), "-lm"],
                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if run.returncode:
-            raise KernelBuildError(f"{cc} failed to build {source_path.name} (exit "
+            raise KernelBuildError(f"{shlex.join(cc)} failed to build {source_path.name} (exit "
                                    f"{run.returncode}): {run.stderr.strip()[-400:]}")
         os.replace(out, target)
     prune_builds(target.parent, source_path.stem, keep=target)
@@ -108,7 +117,10 @@ def prune_builds(folder: Path, stem: str, keep: Path, max_age_s: float = STALE_B
 @lru_cache(maxsize=None)
 def _library(source: Path, headers: tuple = (), defines: tuple = ()):
     """(CDLL, "") or (None, why not): built and loaded once per process."""
-    cc = _compiler()
+    try:
+        cc = compiler_command()
+    except ValueError as error:   # unbalanced quotes: availability raised it
+        return None, f"$CC {os.environ.get('CC')!r} is not a command line ({error})"
     if cc is None:
         return None, f"no C compiler (cc/gcc, or $CC) to build {source.name}"
     try:

@@ -17,11 +17,11 @@ ATTENTION = REPO / "runtime" / "attention"
 
 
 def build(tmp_path: Path, source: Path = SOURCE, *flags: str) -> Path:
-    cc = native._compiler()
+    cc = native.compiler_command()
     if cc is None:
         pytest.skip("no C compiler (cc/gcc, or $CC)")
     out = tmp_path / source.stem
-    subprocess.run([cc, "-O2", "-march=native", "-ffp-contract=fast", *flags, f"-I{ATTENTION}",
+    subprocess.run([*cc, "-O2", "-march=native", "-ffp-contract=fast", *flags, f"-I{ATTENTION}",
                     str(source), "-o", str(out), "-lm"], check=True, capture_output=True, text=True)
     return out
 

@@ -11,7 +11,7 @@ from vmemkv.runtime.attention import native
 
 
 def test_a_small_run_times_each_dtype_and_derives_the_ratios_from_its_rows(tmp_path, capsys):
-    if native._compiler() is None:
+    if native.compiler_command() is None:
         pytest.skip("no C compiler (cc/gcc, or $CC)")
     out = tmp_path / "kernel.json"
     assert decode_kernel.main(["--configs", "2x64", "--dtypes", "f32", "e4m3",

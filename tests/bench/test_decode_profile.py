@@ -20,7 +20,7 @@ LINE = re.compile(r"^(\w+)( paged)? threads=1 b3 ctx100 copies=2: min [\d.]+ ns/
 def build(tmp_path_factory):
     """dtype -> decode_profile built for it alone at D = 128 (as decode_kernel.py builds it)."""
     from vmemkv.benchmarks.decode_kernel import build as build_for
-    if native._compiler() is None:
+    if native.compiler_command() is None:
         pytest.skip("no C compiler (cc/gcc, or $CC)")
     built: dict = {}
     directory = tmp_path_factory.mktemp("decode_profile")

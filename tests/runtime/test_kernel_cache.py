@@ -29,16 +29,16 @@ def test_prune_removes_only_this_sources_builds_unused_for_30_days(tmp_path):
         p.name for p in (recent, kept, other))
 
 
-@pytest.mark.skipif(native._compiler() is None, reason="no C compiler")
+@pytest.mark.skipif(native.compiler_command() is None, reason="no C compiler")
 def test_loading_a_build_keeps_it_and_a_new_source_prunes_the_stale_one(tmp_path, monkeypatch):
     monkeypatch.setenv("VMEMKV_CACHE_DIR", str(tmp_path / "cache"))
     source = tmp_path / "tiny.c"
     source.write_text("int one(void) { return 1; }\n")
-    first = native._build(native._compiler(), source, ())
+    first = native._build(native.compiler_command(), source, ())
     age(first, 40)
-    assert native._build(native._compiler(), source, ()) == first      # a hit: touched
+    assert native._build(native.compiler_command(), source, ()) == first      # a hit: touched
     assert time.time() - first.stat().st_mtime < DAY_S
     age(first, 40)                                                      # then unused 40 days
     source.write_text("int one(void) { return 2; }\n")                  # a new version
-    second = native._build(native._compiler(), source, ())
+    second = native._build(native.compiler_command(), source, ())
     assert second != first and second.exists() and not first.exists()
