@@ -340,8 +340,9 @@ def check_together(args) -> None:
             raise ConfigError(f"{' and '.join(ignored)} do not apply to --find-max-rate (it "
                               f"runs one seed at loads it picks and reports the highest meeting "
                               f"--slo): run them without --find-max-rate, at the load it finds")
-    if args.trace and args.seeds:
-        raise ConfigError("--seeds draws generated workloads; a --trace replays one fixed workload")
+    if args.trace and args.seeds and not args.lora_adapters:   # with it, each seed draws the
+        raise ConfigError("--seeds draws generated workloads (or, with --lora-adapters, each "
+                          "request's adapter); a --trace replays one fixed workload")
     if args.seeds and len(args.seeds) > 1 and args.write_trace is not None:
         raise ConfigError(f"--write-trace writes one workload and --seeds draws "
                           f"{len(args.seeds)} (only the first seed's was written): give one "

@@ -180,3 +180,24 @@ def test_a_sweep_point_whose_trace_changed_since_it_was_keyed_fails_naming_it(tm
         f"{keyed[:12]}..., now {hashlib.sha256(trace.read_bytes()).hexdigest()[:12]}...): this "
         f"point would run requests its row does not name; run it again (--resume runs the "
         f"points whose trace changed)")
+
+
+def test_seeds_with_a_trace_draw_its_adapters_per_seed(capsys):
+    """--seed is taken with --trace --lora-adapters (it draws each request's adapter), but
+    --seeds was refused there as if it drew nothing ("--seeds draws generated workloads"). Each
+    seed now draws its own adapters over the one trace; without --lora-adapters it is refused."""
+    run = ["simulate", "--trace", "azure-conv", "--max-requests", "40", "--cache-gb", "4",
+           "--lora-adapters", "4", "--no-progress", "--json"]
+    assert main(run + ["--seeds", "0-1"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    singles = []
+    for seed in (0, 1):
+        assert main(run + ["--seed", str(seed)]) == 0
+        singles.append(json.loads(capsys.readouterr().out))
+    assert both["seeds"] == [0, 1]
+    drop = ("wall_seconds",)          # the host's time, not the simulation's
+    runs = [{k: v for k, v in r.items() if k not in drop} for r in both["runs"]]
+    assert runs == [{k: v for k, v in r.items() if k not in drop} for r in singles]
+    assert runs[0] != runs[1]         # each seed drew its own adapters
+    assert main(run[:7] + ["--no-progress", "--seeds", "0-1"]) == 2
+    assert "--seeds draws generated workloads (or, with --lora-adapters" in capsys.readouterr().err
