@@ -270,7 +270,9 @@ class BeamGroups:
         hits = []
         for m in members:
             ids = m.token_ids() if share else None
-            sibling = {} if share else self._sibling_share(m)
+            # a running sibling's units even with prefix sharing: one swapped back in holds
+            # its history unpublished, where the prefix cache finds none of it
+            sibling = self._sibling_share(m)
             if not self._fits(m, ids, reserve, sibling):   # (its adapter, pinned per member)
                 self._release_placed(members[:len(hits)])
                 return None
@@ -373,15 +375,17 @@ class BeamGroups:
         return {} if best[0] is None else {"share_from": best}
 
     def _unblock_groups(self, plan) -> None:
-        """Nothing was scheduled, yet sequences run: they are beam members waiting for a
-        sibling that cannot be admitted. Preempt them (by recompute) so the group is admitted
-        whole, or the empty cache's refusal names it, next step. Not a group admitted whole
-        this step whose every member decodes next (a recompute its prefix hits covered up to
-        the last token): preempting it would admit it the same way again, for ever."""
+        """Nothing was scheduled, yet sequences run: beam members waiting for a sibling that
+        cannot be admitted, and any others (swapped in or part-way through a prefill) that got
+        no room, which those members hold. Preempt from the tail while such a group runs (a
+        group by recompute, a sequence as ``_preempt`` decides), so the group is admitted whole,
+        or the empty cache's refusal names it, next step, and the others grow (they were failed
+        "no room to grow" in a cache that held them alone). Not a group admitted whole this
+        step whose every member decodes next (a recompute its prefix hits covered up to the
+        last token): preempting it would admit it the same way again, for ever."""
         if plan.seqs or not self.running:
             return
-        if not all(s.beam_width for s in self.running) or all(self._ready_groups().values()):
-            return
-        while self.running:      # (a swap would bring back the part that fits: no progress)
-            self._preempt_unit(self._tail_unit(), plan, recompute=True)
+        while self.running and not all(self._ready_groups().values()):
+            unit = self._tail_unit()   # (a group swapped would bring back the part that fits)
+            self._preempt_unit(unit, plan, recompute=bool(unit[0].beam_width))
 
