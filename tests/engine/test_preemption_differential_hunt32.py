@@ -17,6 +17,8 @@ pytest.importorskip("transformers")
 from vmemkv.runtime.engine import BeamSearchParams, Engine, SamplingParams  # noqa: E402
 from vmemkv.runtime.models import build_model  # noqa: E402
 
+from .byte_tokenizer import byte_tokenizer  # noqa: E402
+
 KiB = 1024
 TIGHT = {   # tiny-llama: 128 B per token, layer and K (or V)
     "vmem-recompute": dict(cache="vmem", layout="per-layer", page_bytes=4 * KiB,
@@ -33,22 +35,6 @@ TIGHT = {   # tiny-llama: 128 B per token, layer and K (or V)
 @functools.lru_cache(maxsize=None)
 def _model():
     return build_model("tiny-llama", seed=0)
-
-
-@functools.lru_cache(maxsize=None)
-def _tokenizer():
-    """ids == bytes (tests/engine/byte_tokenizer.py's, without its chat template)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    printable = (list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256)))
-    chars, extra = {}, 0
-    for b in range(256):
-        chars[b] = chr(b) if b in printable else chr(256 + extra)
-        extra += b not in printable
-    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
 def _workload():
@@ -74,7 +60,7 @@ def _workload():
 
 
 def _run(**config):
-    with Engine(_model(), _tokenizer(), max_batch=4, max_context=64, check_integrity=True,
+    with Engine(_model(), byte_tokenizer(), max_batch=4, max_context=64, check_integrity=True,
                 **config) as engine:
         ids = [engine.add_beam_request(p, params) if kind == "beam" else
                engine.add_request(p, params) for kind, p, params in _workload()]

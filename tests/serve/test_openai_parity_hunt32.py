@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 
 import pytest
@@ -13,40 +12,20 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast  # noqa: E402
-
 from vmemkv.runtime.engine import Engine  # noqa: E402
 from vmemkv.runtime.models import build_model  # noqa: E402
 from vmemkv.runtime.serve import Server  # noqa: E402
 
+from ..engine.byte_tokenizer import byte_tokenizer  # noqa: E402
+
 VMEM = dict(cache="vmem", page_bytes=4096, max_batch=8, max_context=64)
 NAME = "tiny-llama"
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
 HI = [{"role": "user", "content": "hi"}]
-
-
-@functools.lru_cache(maxsize=None)
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Token id == UTF-8 byte (GPT-2's byte alphabet, no merges) with a small chat template."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
-    chars, extra = {}, 0
-    for b in range(256):
-        chars[b] = chr(b) if b in printable else chr(256 + extra)
-        extra += b not in printable
-    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
-    fast.chat_template = TEMPLATE
-    return fast
 
 
 @contextlib.contextmanager
 def serving(**server_options):
-    with Engine(build_model(NAME, seed=0), byte_tokenizer(), **VMEM) as engine:
+    with Engine(build_model(NAME, seed=0), byte_tokenizer(chat_template=True), **VMEM) as engine:
         with Server(engine, NAME, host="127.0.0.1", port=0, **server_options).start() as server:
             yield server
 
