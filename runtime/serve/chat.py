@@ -17,7 +17,7 @@ from __future__ import annotations
 from functools import partial
 from typing import ClassVar, FrozenSet, List, Optional
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from vmemkv.runtime.engine.chat import ChatMessageError, ChatTemplateError, chat_prompt_ids
 from vmemkv.runtime.engine.sampling import SamplingParams
@@ -25,14 +25,13 @@ from vmemkv.runtime.engine.sampling import SamplingParams
 from .completions import ServedModel
 from .errors import ApiError
 from .logprobs_format import TokenStrings, chat_logprobs
-from .openai_noops import NoOpFields
+from .openai_noops import check_no_ops
 from .protocol import SamplingFields, parse_request
 from .submission import Choice, Delta
 
 
-class ChatCompletionRequest(NoOpFields, SamplingFields):
-    """``POST /v1/chat/completions`` (``response_format``, ``tools``, ``tool_choice``: taken at
-    their no-op values only, openai_noops.py)."""
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
     NULLABLE: ClassVar[FrozenSet[str]] = SamplingFields.NULLABLE | {
         "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"}
     messages: List[dict] = Field(min_length=1)   # [{"role", "content"}], checked by the engine's chat
@@ -42,6 +41,15 @@ class ChatCompletionRequest(NoOpFields, SamplingFields):
     top_logprobs: Optional[int] = None      # 0..20 likeliest per token, with logprobs: true
     chat_template: Optional[str] = None     # a Jinja template in place of the model's
     add_generation_prompt: bool = True      # open the assistant's turn after the messages
+    # OpenAI's, taken at their no-op values only (openai_noops.py)
+    response_format: Optional[dict] = None  # {"type": "text"}: plain text, the default
+    tools: Optional[list] = None            # [] only: no tools
+    tool_choice: object = None              # "none" only
+
+    @model_validator(mode="after")
+    def _only_no_ops(self):
+        check_no_ops(self.response_format, self.tools, self.tool_choice)
+        return self
 
     @property
     def max_param(self) -> str:

@@ -12,32 +12,20 @@ from __future__ import annotations
 
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, model_validator
-
 from vmemkv.runtime.engine.prompts import is_unicode_text
 
 from .errors import ApiError
 
 
-class NoOpFields(BaseModel):
-    """The chat request's OpenAI fields that are taken only when they change nothing."""
-    model_config = ConfigDict(extra="forbid", strict=True)
-    response_format: Optional[dict] = None   # {"type": "text"}: plain text, the default
-    tools: Optional[list] = None             # [] only: no tools
-    tool_choice: object = None               # "none" only (any other value: 400 naming it)
-
-    @model_validator(mode="after")
-    def _only_no_ops(self):
-        check_response_format(self.response_format)
-        if self.tools:
-            raise ApiError(400, f"tools: tool calls are not supported (this server runs no "
-                                f"tools), got {len(self.tools)} tool(s); send [] or omit tools",
-                           "tools")
-        if self.tool_choice is not None and self.tool_choice != "none":
-            shown = repr(self.tool_choice)[:60]
-            raise ApiError(400, f"tool_choice {shown} is not supported: tool calls are not "
-                                f"supported; send \"none\" or omit tool_choice", "tool_choice")
-        return self
+def check_no_ops(response_format: Optional[dict], tools: Optional[list], tool_choice) -> None:
+    """ApiError 400 naming the field unless each is its no-op value (or null)."""
+    check_response_format(response_format)
+    if tools:
+        raise ApiError(400, f"tools: tool calls are not supported (this server runs no tools), "
+                            f"got {len(tools)} tool(s); send [] or omit tools", "tools")
+    if tool_choice is not None and tool_choice != "none":
+        raise ApiError(400, f"tool_choice {repr(tool_choice)[:60]} is not supported: tool calls "
+                            f"are not supported; send \"none\" or omit tool_choice", "tool_choice")
 
 
 def check_response_format(value: Optional[dict]) -> None:
