@@ -48,25 +48,28 @@ def open_heads_model():
     return model
 
 
+def _step_failing_once(engine: Engine, owner, method: str, message: str) -> None:
+    """One ``engine.step()`` whose ``owner.method`` raises RuntimeError(message) once (then
+    restored); the step must raise it."""
+    original = getattr(owner, method)
+
+    def fails_once(*args, **kwargs):
+        setattr(owner, method, original)
+        raise RuntimeError(message)
+
+    setattr(owner, method, fails_once)
+    with pytest.raises(RuntimeError) as raised:
+        engine.step()
+    assert str(raised.value) == message
+
+
 def _after_a_rolled_back_step(engine: Engine) -> list:
     """A zero prompt (kept: heads open), then a step whose sampler raises after the forward
     wrote ``HUGE``'s K/V (rolled back; its request aborted), then a plain request's tokens."""
     zero = engine.generate([[0] * 8], SamplingParams(max_new_tokens=1))[0]
     assert zero.status == "finished"
     huge = engine.add_request([5, HUGE, 7, HUGE, 9], SamplingParams(max_new_tokens=4))
-    sample = engine.sampler.sample
-
-    def fails_once(*args, **kwargs):
-        engine.sampler.sample = sample
-        raise RuntimeError("the sampler failed")
-
-    engine.sampler.sample = fails_once
-    try:
-        engine.step()
-    except RuntimeError as error:
-        assert str(error) == "the sampler failed"
-    else:
-        raise AssertionError("the step did not raise")
+    _step_failing_once(engine, engine.sampler, "sample", "the sampler failed")
     assert engine.abort(huge).status == "aborted"
     return engine.generate([[11, 12, 13, 14, 15, 16]], GREEDY)[0].outputs[0].token_ids
 
@@ -95,19 +98,7 @@ def _after_a_failure_before_the_forward(engine: Engine) -> list:
     step whose scheduler raises (no forward ran), then the rest of the request."""
     rid = engine.add_request([11, 12, 13, 14, 15, 16], GREEDY)
     engine.step()
-    schedule = engine.scheduler.schedule
-
-    def fails_once():
-        engine.scheduler.schedule = schedule
-        raise RuntimeError("the scheduler failed")
-
-    engine.scheduler.schedule = fails_once
-    try:
-        engine.step()
-    except RuntimeError as error:
-        assert str(error) == "the scheduler failed"
-    else:
-        raise AssertionError("the step did not raise")
+    _step_failing_once(engine, engine.scheduler, "schedule", "the scheduler failed")
     engine.run_until_done()
     return engine.output(rid).outputs[0].token_ids
 
